@@ -1,0 +1,3 @@
+"""sdplan: plan and run Stable Diffusion fine-tuning from measurements."""
+
+__version__ = "0.1.0"

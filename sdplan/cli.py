@@ -1,0 +1,53 @@
+"""The `sdplan` console script: thin typed Typer commands, registered here.
+
+Each command lives in ``sdplan/commands/<name>.py`` and imports its heavy modules (torch, diffusers) inside
+the function, so `sdplan --help`, `doctor` and `recommend` start fast. Library errors (``SdplanError``) are
+turned into one line and an exit code by ``sdplan.commands._common.cli_errors``.
+"""
+
+from __future__ import annotations
+
+import typer
+
+from sdplan import __version__
+from sdplan.commands import doctor, recommend, train
+
+app = typer.Typer(
+    name="sdplan",
+    help="Plan and run Stable Diffusion fine-tuning from measurements: what fits on this machine, "
+    "with which settings, how fast.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+    rich_markup_mode="rich",
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"sdplan {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(
+        False, "--version", callback=_version, is_eager=True, help="Print the version."
+    ),
+) -> None:
+    pass
+
+
+app.command("doctor")(doctor.doctor)
+app.command("recommend")(recommend.recommend)
+app.command("train", context_settings={"allow_extra_args": True, "ignore_unknown_options": False})(
+    train.train
+)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Typer command functions; each module imports only light modules at the top."""

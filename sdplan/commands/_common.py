@@ -1,0 +1,35 @@
+"""What every command shares: the consoles and the one place errors become exit codes."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+from sdplan.errors import SdplanError
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+console = Console(highlight=False)
+err_console = Console(stderr=True, highlight=False)
+
+
+def cli_errors(fn: F) -> F:
+    """Turn a library error into one clear line on stderr and its exit code; never a traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except SdplanError as e:
+            err_console.print(f"[bold red]error:[/] {escape(str(e))}", soft_wrap=True)
+            raise typer.Exit(e.exit_code) from None
+        except KeyboardInterrupt:
+            err_console.print("[yellow]interrupted[/]")
+            raise typer.Exit(130) from None
+
+    return wrapper  # type: ignore[return-value]

@@ -1,0 +1,435 @@
+"""The trainer config, `sdplan.yaml`: one schema shared by `recommend --out`, `train` and the trainer.
+
+YAML holds the values, `key=value` overrides on the command line win, and validation reports every error
+at once with its key path (``training.batch_size: must be >= 1``). Pure Python: no torch here.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import MISSING, asdict, dataclass, field, fields, is_dataclass
+from pathlib import Path
+from typing import Any, get_args, get_origin, get_type_hints
+
+import yaml
+
+from sdplan.errors import ConfigError
+
+METHODS = ("lora", "dreambooth", "finetune", "textual-inversion")
+FAMILIES = ("sd15", "sd21", "sdxl")
+PRECISIONS = ("fp32", "fp16", "bf16")
+OPTIMIZERS = ("adamw", "adamw8bit", "adafactor")
+SCHEDULERS = (
+    "constant",
+    "constant_with_warmup",
+    "linear",
+    "cosine",
+    "cosine_with_restarts",
+    "polynomial",
+)
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass
+class ModelConfig:
+    path: str = "stable-diffusion-v1-5/stable-diffusion-v1-5"  # diffusers folder, hub id, .safetensors/.ckpt
+    family: str | None = None  # sd15 | sd21 | sdxl; None: detected from the model
+    revision: str | None = None
+    variant: str | None = None
+
+
+@dataclass
+class MetadataConfig:
+    """Options for datasets described by one .json per image (tags, score, relative path)."""
+
+    skip_tags: list[str] = field(default_factory=list)
+    remove_tags: list[str] = field(default_factory=list)
+    replace: dict[str, str] = field(default_factory=dict)  # substring replacements in tags, e.g. {":": "="}
+    shuffle_tags: float = 0.0  # probability of shuffling the tag order of a caption
+    min_score: float | None = None
+    score_bonus: dict[str, float] = field(default_factory=dict)  # tag -> added to score
+    score_buckets: list[float] = field(default_factory=list)  # thresholds -> "score_N" tags
+
+
+@dataclass
+class DataConfig:
+    path: str = "./dataset"
+    resolution: int = 512
+    center_crop: bool = True
+    random_flip: float = 0.0
+    caption_extension: str = ".txt"
+    default_caption: str | None = None  # missing caption: this, else the instance prompt, else ""
+    repeats: int = 1  # flat folders; kohya `N_name` folders carry their own
+    metadata: MetadataConfig | None = None
+    num_workers: int = 0
+
+
+@dataclass
+class LoraConfig:
+    rank: int = 16
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: list[str] = field(default_factory=lambda: ["to_k", "to_q", "to_v", "to_out.0"])
+    text_encoder_target_modules: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "out_proj"]
+    )
+
+
+@dataclass
+class DreamBoothConfig:
+    instance_prompt: str = "a photo of sks person"
+    class_prompt: str | None = None
+    class_data: str | None = None  # folder of class images; generated with the base model when short
+    num_class_images: int = 100
+    prior_loss_weight: float = 1.0
+    with_prior_preservation: bool = False
+
+
+@dataclass
+class TextualInversionConfig:
+    token: str = "<sks>"
+    init_token: str = "person"
+    num_vectors: int = 1
+
+
+@dataclass
+class TrainingConfig:
+    batch_size: int = 1
+    grad_accum: int = 1
+    precision: str = "fp16"
+    learning_rate: float = 1e-4
+    text_encoder_learning_rate: float | None = None
+    lr_scheduler: str = "constant"
+    lr_warmup_steps: int = 0
+    epochs: int = 1
+    max_steps: int | None = None  # when set, overrides epochs
+    seed: int = 42
+    train_text_encoder: bool = False
+    max_grad_norm: float = 1.0
+    noise_offset: float = 0.0
+    device: str = "auto"
+
+
+@dataclass
+class MemoryConfig:
+    gradient_checkpointing: bool = False
+    optimizer: str = "adamw"
+    cache_latents: bool = False
+    set_grads_to_none: bool = True
+
+
+@dataclass
+class DeepSpeedConfig:
+    zero_stage: int = 2
+    offload_optimizer: bool = True
+
+
+@dataclass
+class DistributedConfig:
+    num_processes: int = 1
+    deepspeed: DeepSpeedConfig | None = None
+
+
+@dataclass
+class OutputConfig:
+    dir: str = "./output"
+    name: str = "sdplan"
+    save_kohya: bool = True  # LoRA: also the kohya (A1111/ComfyUI) format
+    save_single_file: bool = True  # DreamBooth / fine-tune: also one .safetensors
+
+
+@dataclass
+class CheckpointConfig:
+    every_steps: int = 500  # rolling checkpoint, overwritten
+    keep_every_steps: int = 0  # 0: keep none
+    resume: str | None = None  # "latest" or a checkpoint folder
+
+
+@dataclass
+class SamplingConfig:
+    prompts: list[str] = field(default_factory=list)
+    every_steps: int = 0  # 0: only a final grid
+    num_inference_steps: int = 20
+    guidance_scale: float = 7.5
+    seed: int = 0
+
+
+@dataclass
+class LoggingConfig:
+    tensorboard: bool = False
+
+
+@dataclass
+class TrainConfig:
+    method: str = "lora"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    dreambooth: DreamBoothConfig = field(default_factory=DreamBoothConfig)
+    textual_inversion: TextualInversionConfig = field(default_factory=TextualInversionConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+    checkpoints: CheckpointConfig = field(default_factory=CheckpointConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    plan: dict[str, Any] | None = None  # the plan `sdplan recommend` made; recorded in outputs' metadata
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# Constraints beyond the type: key path -> (check, message).
+_RULES: dict[str, tuple[Any, str]] = {
+    "method": (lambda v: v in METHODS, f"must be one of {', '.join(METHODS)}"),
+    "model.path": (lambda v: bool(v.strip()), "must not be empty"),
+    "model.family": (lambda v: v is None or v in FAMILIES, f"must be one of {', '.join(FAMILIES)} or null"),
+    "data.resolution": (lambda v: v >= 64 and v % 8 == 0, "must be >= 64 and a multiple of 8"),
+    "data.random_flip": (lambda v: 0 <= v <= 1, "must be between 0 and 1"),
+    "data.repeats": (lambda v: v >= 1, "must be >= 1"),
+    "data.num_workers": (lambda v: v >= 0, "must be >= 0"),
+    "data.metadata.shuffle_tags": (lambda v: 0 <= v <= 1, "must be between 0 and 1"),
+    "lora.rank": (lambda v: v >= 1, "must be >= 1"),
+    "lora.alpha": (lambda v: v > 0, "must be > 0"),
+    "lora.dropout": (lambda v: 0 <= v < 1, "must be in [0, 1)"),
+    "dreambooth.num_class_images": (lambda v: v >= 0, "must be >= 0"),
+    "dreambooth.prior_loss_weight": (lambda v: v >= 0, "must be >= 0"),
+    "textual_inversion.num_vectors": (lambda v: v >= 1, "must be >= 1"),
+    "textual_inversion.token": (lambda v: bool(v.strip()), "must not be empty"),
+    "training.batch_size": (lambda v: v >= 1, "must be >= 1"),
+    "training.grad_accum": (lambda v: v >= 1, "must be >= 1"),
+    "training.precision": (lambda v: v in PRECISIONS, f"must be one of {', '.join(PRECISIONS)}"),
+    "training.learning_rate": (lambda v: v > 0, "must be > 0"),
+    "training.text_encoder_learning_rate": (lambda v: v is None or v > 0, "must be > 0"),
+    "training.lr_scheduler": (lambda v: v in SCHEDULERS, f"must be one of {', '.join(SCHEDULERS)}"),
+    "training.lr_warmup_steps": (lambda v: v >= 0, "must be >= 0"),
+    "training.epochs": (lambda v: v >= 1, "must be >= 1"),
+    "training.max_steps": (lambda v: v is None or v >= 1, "must be >= 1 or null"),
+    "training.max_grad_norm": (lambda v: v >= 0, "must be >= 0"),
+    "training.noise_offset": (lambda v: v >= 0, "must be >= 0"),
+    "training.device": (lambda v: v in DEVICES, f"must be one of {', '.join(DEVICES)}"),
+    "memory.optimizer": (lambda v: v in OPTIMIZERS, f"must be one of {', '.join(OPTIMIZERS)}"),
+    "distributed.num_processes": (lambda v: v >= 1, "must be >= 1"),
+    "distributed.deepspeed.zero_stage": (lambda v: v in (1, 2), "must be 1 or 2 (ZeRO-3 is not supported)"),
+    "checkpoints.every_steps": (lambda v: v >= 0, "must be >= 0"),
+    "checkpoints.keep_every_steps": (lambda v: v >= 0, "must be >= 0"),
+    "sampling.every_steps": (lambda v: v >= 0, "must be >= 0"),
+    "sampling.num_inference_steps": (lambda v: v >= 1, "must be >= 1"),
+}
+
+
+def default_config() -> dict[str, Any]:
+    """Every key with its default, as plain data."""
+    return TrainConfig().to_dict()
+
+
+def validate(data: Any, source: str = "config") -> TrainConfig:
+    """Build a TrainConfig from plain data; raise ConfigError listing every problem with its key path."""
+    errors: list[str] = []
+    if not isinstance(data, dict):
+        raise ConfigError(
+            source, ["top level: must be a mapping of sections (model:, data:, training:, ...)"]
+        )
+    cfg = _build(TrainConfig, data, "", errors)
+    if cfg is not None:
+        _cross_checks(cfg, errors)
+    if errors:
+        raise ConfigError(source, errors)
+    return cfg
+
+
+def _cross_checks(cfg: TrainConfig, errors: list[str]) -> None:
+    ds = cfg.distributed.deepspeed
+    if ds is not None and cfg.memory.optimizer == "adamw8bit":
+        errors.append("memory.optimizer: adamw8bit (bitsandbytes) does not combine with DeepSpeed; use adamw")
+    if (
+        cfg.method == "dreambooth"
+        and cfg.dreambooth.with_prior_preservation
+        and not cfg.dreambooth.class_prompt
+    ):
+        errors.append("dreambooth.class_prompt: required when with_prior_preservation is true")
+    if cfg.method == "textual-inversion" and cfg.textual_inversion.token == cfg.textual_inversion.init_token:
+        errors.append("textual_inversion.token: must differ from init_token")
+
+
+def _type_ok(value: Any, tp: Any) -> bool:
+    if tp is Any:
+        return True
+    origin = get_origin(tp)
+    if origin is None:
+        if tp is float:
+            return isinstance(value, (int, float)) and not isinstance(value, bool)
+        if tp is int:
+            return isinstance(value, int) and not isinstance(value, bool)
+        if tp is type(None):
+            return value is None
+        return isinstance(value, tp)
+    args = get_args(tp)
+    if origin is list:
+        return isinstance(value, list) and all(_type_ok(v, args[0]) for v in value)
+    if origin is dict:
+        return isinstance(value, dict) and all(
+            _type_ok(k, args[0]) and _type_ok(v, args[1]) for k, v in value.items()
+        )
+    # Union (X | None)
+    return any(_type_ok(value, a) for a in args)
+
+
+def _type_name(tp: Any) -> str:
+    origin = get_origin(tp)
+    if origin is None:
+        return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(
+            tp, getattr(tp, "__name__", str(tp))
+        )
+    args = [a for a in get_args(tp) if a is not type(None)]
+    if origin is list:
+        return f"a list of {_type_name(args[0]).removeprefix('a ').removeprefix('an ')}s"
+    if origin is dict:
+        return "a mapping"
+    return " or ".join(_type_name(a) for a in args) + " or null"
+
+
+def _build(kind: type, data: Any, prefix: str, errors: list[str]):
+    if not isinstance(data, dict):
+        errors.append(f"{prefix.rstrip('.')}: must be a mapping")
+        return None
+    hints = get_type_hints(kind)
+    names = {f.name: f for f in fields(kind)}
+    for key in data:
+        if key not in names:
+            close = [n for n in names if n.startswith(str(key)[:3])]
+            hint = f" (did you mean {close[0]}?)" if close else f" (known: {', '.join(names)})"
+            errors.append(f"{prefix}{key}: unknown key{hint}")
+    kwargs: dict[str, Any] = {}
+    for name in names:
+        path = f"{prefix}{name}"
+        tp = hints[name]
+        sub = _dataclass_in(tp)
+        if name not in data:
+            continue  # default applies
+        value = _coerce_float(data[name], tp)
+        if sub is not None and value is not None:
+            built = _build(sub, value, path + ".", errors)
+            if built is not None:
+                kwargs[name] = built
+            continue
+        if sub is not None and value is None:
+            if type(None) in get_args(tp):
+                kwargs[name] = None
+            else:
+                errors.append(f"{path}: must be a mapping")
+            continue
+        if not _type_ok(value, tp):
+            errors.append(f"{path}: must be {_type_name(tp)}, got {value!r}")
+            continue
+        if tp is float or float in get_args(tp):
+            value = float(value) if isinstance(value, int) and not isinstance(value, bool) else value
+        rule = _RULES.get(path)
+        if rule is not None and not rule[0](value):
+            errors.append(f"{path}: {rule[1]}, got {value!r}")
+            continue
+        kwargs[name] = value
+    try:
+        return kind(**kwargs)
+    except TypeError as e:  # a required field without default; not expected in this schema
+        errors.append(f"{prefix.rstrip('.') or 'config'}: {e}")
+        return None
+
+
+def _coerce_float(value: Any, tp: Any) -> Any:
+    """YAML 1.1 reads `1e-4` (no dot) as a string; accept it where a number is expected."""
+    if isinstance(value, str) and (tp is float or float in get_args(tp)):
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    return value
+
+
+def _dataclass_in(tp: Any) -> type | None:
+    if is_dataclass(tp):
+        return tp
+    for a in get_args(tp):
+        if is_dataclass(a):
+            return a
+    return None
+
+
+# -- overrides and files --------------------------------------------------------------------------------
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply `key.path=value` overrides (values parsed as YAML: 1e-4, true, null, [a, b]); returns a copy."""
+    out = copy.deepcopy(data)
+    errors: list[str] = []
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            errors.append(f"{item!r}: an override is key=value, e.g. training.batch_size=2")
+            continue
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else None
+        except yaml.YAMLError:
+            value = raw
+        node = out
+        parts = key.split(".")
+        for part in parts[:-1]:
+            if node.get(part) is None:
+                node[part] = {}
+            if not isinstance(node[part], dict):
+                errors.append(f"{key}: {part} is not a section")
+                break
+            node = node[part]
+        else:
+            node[parts[-1]] = value
+    if errors:
+        raise ConfigError("overrides", errors)
+    return out
+
+
+def merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    """Deep-merge ``top`` over ``base`` (mappings merge, everything else replaces)."""
+    out = copy.deepcopy(base)
+    for k, v in top.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = merge(out[k], v)
+        else:
+            out[k] = copy.deepcopy(v)
+    return out
+
+
+def load(path: str | Path, overrides: list[str] | None = None) -> TrainConfig:
+    """Read sdplan.yaml, apply overrides, validate (every error at once)."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(str(p), ["file not found (write one with `sdplan recommend --out DIR`)"])
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ConfigError(str(p), [f"not valid YAML ({first})"]) from None
+    if isinstance(data, dict) and overrides:
+        data = apply_overrides(data, overrides)
+    return validate(data, source=str(p))
+
+
+def to_yaml(data: dict[str, Any] | TrainConfig, header: str | None = None) -> str:
+    if isinstance(data, TrainConfig):
+        data = data.to_dict()
+    body = yaml.safe_dump(data, sort_keys=False, default_flow_style=False, allow_unicode=True)
+    if header:
+        body = "".join(f"# {line}\n" if line else "#\n" for line in header.splitlines()) + body
+    return body
+
+
+def field_defaults(kind: type) -> dict[str, Any]:
+    """Defaults of one section (for docs and tests)."""
+    out = {}
+    for f in fields(kind):
+        if f.default is not MISSING:
+            out[f.name] = f.default
+        elif f.default_factory is not MISSING:
+            out[f.name] = f.default_factory()
+    return out

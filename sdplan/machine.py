@@ -1,0 +1,224 @@
+"""The machine snapshot: what `sdplan doctor` reads once and everything else plans from.
+
+Immutable, versioned, JSON-round-trippable. Unknown values are ``None`` (JSON null), never a fake 0.
+Units are in the field names. This module imports nothing heavy: the planner and `recommend` use it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import MISSING, asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from sdplan.errors import ConfigError, UsageError
+
+SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Host:
+    os: str | None = None
+    kernel: str | None = None
+    cpu_model: str | None = None
+    cpu_cores: int | None = None
+    ram_total_bytes: int | None = None
+    ram_available_bytes: int | None = None
+    disk_free_bytes: int | None = None
+    shm_bytes: int | None = None
+
+
+@dataclass(frozen=True)
+class GPU:
+    index: int
+    vendor: str  # "nvidia" | "amd"
+    name: str | None = None
+    uuid: str | None = None
+    memory_total_bytes: int | None = None
+    memory_free_bytes: int | None = None
+    compute_capability: str | None = None  # "8.9" (NVIDIA)
+    gfx_arch: str | None = None  # "gfx1030" (AMD)
+    bf16: bool | None = None  # hardware truth, not torch.cuda.is_bf16_supported()
+    fp16: bool | None = None
+    pcie_gen: int | None = None
+    pcie_width: int | None = None
+    power_limit_watts: float | None = None
+    driver_version: str | None = None
+
+
+@dataclass(frozen=True)
+class Link:
+    a: int
+    b: int
+    type: str  # "nvlink" | "xgmi" | "pcie"
+    p2p: bool | None = None
+
+
+@dataclass(frozen=True)
+class Software:
+    python: str | None = None
+    torch: str | None = None
+    torch_build: str | None = None  # "cuda" | "rocm" | "cpu" | None
+    cuda_runtime: str | None = None
+    hip_runtime: str | None = None
+    cuda_driver: str | None = None  # highest CUDA version the driver supports, e.g. "12.4"
+    rocm: str | None = None
+    packages: dict[str, str | None] = field(default_factory=dict)
+
+
+ENV_KEYS = (
+    "CUDA_VISIBLE_DEVICES",
+    "HIP_VISIBLE_DEVICES",
+    "HSA_OVERRIDE_GFX_VERSION",
+    "PYTORCH_CUDA_ALLOC_CONF",
+)
+
+
+@dataclass(frozen=True)
+class Finding:
+    severity: str  # "error" | "warning" | "info"
+    code: str
+    message: str
+    fix: str
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    host: Host
+    gpus: tuple[GPU, ...] = ()
+    links: tuple[Link, ...] = ()
+    software: Software = field(default_factory=Software)
+    env: dict[str, str | None] = field(default_factory=dict)
+    findings: tuple[Finding, ...] = ()
+    schema_version: int = SCHEMA_VERSION
+
+    # -- derived views -------------------------------------------------------------------------------
+    @property
+    def usable_gpus(self) -> tuple[GPU, ...]:
+        """GPUs a trainer can use: known vendor and known memory."""
+        return tuple(g for g in self.gpus if g.memory_total_bytes)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The exact object `sdplan doctor --json` prints."""
+        return {
+            "schema_version": self.schema_version,
+            "host": asdict(self.host),
+            "gpus": [asdict(g) for g in self.gpus],
+            "links": [asdict(link) for link in self.links],
+            "software": asdict(self.software),
+            "env": {k: self.env.get(k) for k in ENV_KEYS},
+            "findings": [asdict(f) for f in self.findings],
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    @classmethod
+    def from_dict(cls, data: Any, *, source: str = "snapshot") -> Snapshot:
+        """Validate and build; every problem found is reported at once as a ConfigError."""
+        errors: list[str] = []
+        if not isinstance(data, dict):
+            raise ConfigError(
+                source, ["top level: must be a JSON object (the output of `sdplan doctor --json`)"]
+            )
+        version = data.get("schema_version")
+        if version != SCHEMA_VERSION:
+            errors.append(f"schema_version: expected {SCHEMA_VERSION}, got {version!r}")
+        known = {"schema_version", "host", "gpus", "links", "software", "env", "findings"}
+        errors += [f"{k}: unknown key" for k in data if k not in known]
+
+        host = _build(Host, data.get("host", {}), "host", errors)
+        gpus = tuple(
+            g
+            for i, item in enumerate(_as_list(data.get("gpus", []), "gpus", errors))
+            if (g := _build(GPU, item, f"gpus[{i}]", errors)) is not None
+        )
+        links = tuple(
+            lk
+            for i, item in enumerate(_as_list(data.get("links", []), "links", errors))
+            if (lk := _build(Link, item, f"links[{i}]", errors)) is not None
+        )
+        software = _build(Software, data.get("software", {}), "software", errors)
+        findings = tuple(
+            f
+            for i, item in enumerate(_as_list(data.get("findings", []), "findings", errors))
+            if (f := _build(Finding, item, f"findings[{i}]", errors)) is not None
+        )
+        env = data.get("env", {}) or {}
+        if not isinstance(env, dict):
+            errors.append("env: must be an object")
+            env = {}
+        for g in gpus:
+            if g.vendor not in ("nvidia", "amd"):
+                errors.append(f"gpus[{g.index}].vendor: must be 'nvidia' or 'amd', got {g.vendor!r}")
+        if errors:
+            raise ConfigError(source, errors)
+        return cls(
+            host=host,
+            gpus=gpus,
+            links=links,
+            software=software,
+            env={k: env.get(k) for k in ENV_KEYS},
+            findings=findings,
+        )
+
+    @classmethod
+    def load(cls, path: str | Path) -> Snapshot:
+        p = Path(path)
+        if not p.is_file():
+            raise UsageError(
+                f"machine snapshot {p} does not exist", fix="write one with `sdplan doctor --save FILE`"
+            )
+        try:
+            data = json.loads(p.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ConfigError(str(p), [f"not valid JSON ({e})"]) from None
+        return cls.from_dict(data, source=str(p))
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json() + "\n")
+
+
+_TYPES: dict[str, tuple[type, ...]] = {
+    "int | None": (int, type(None)),
+    "str | None": (str, type(None)),
+    "bool | None": (bool, type(None)),
+    "float | None": (int, float, type(None)),
+    "int": (int,),
+    "str": (str,),
+}
+
+
+def _as_list(value: Any, where: str, errors: list[str]) -> list:
+    if not isinstance(value, list):
+        errors.append(f"{where}: must be a list")
+        return []
+    return value
+
+
+def _build(kind: type, data: Any, where: str, errors: list[str]):
+    if not isinstance(data, dict):
+        errors.append(f"{where}: must be an object")
+        return kind() if kind in (Host, Software) else None
+    names = {f.name: f for f in fields(kind)}
+    ok = True
+    for key in data:
+        if key not in names:
+            errors.append(f"{where}.{key}: unknown key")
+            ok = False
+    kwargs = {}
+    for name, f in names.items():
+        if name not in data:
+            if f.default is MISSING and f.default_factory is MISSING:
+                errors.append(f"{where}.{name}: missing")
+                ok = False
+            continue
+        value = data[name]
+        allowed = _TYPES.get(str(f.type))
+        if allowed and (not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed)):
+            errors.append(f"{where}.{name}: expected {f.type}, got {type(value).__name__}")
+            ok = False
+        kwargs[name] = value
+    if not ok:
+        return kind() if kind in (Host, Software) else None
+    return kind(**kwargs)

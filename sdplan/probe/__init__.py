@@ -1,0 +1,1 @@
+"""Machine probes: one query wrapper per backend (NVML, amdsmi, host, software)."""

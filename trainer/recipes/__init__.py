@@ -1,0 +1,1 @@
+"""One self-contained training recipe per method."""
