@@ -1,0 +1,222 @@
+"""Tiny Stable Diffusion models built in code: the CPU demo and the tests train these in seconds.
+
+Same classes and wiring as the real SD 1.x / SDXL pipelines (UNet2DConditionModel, CLIP text encoder(s),
+AutoencoderKL with an 8x VAE, a CLIPTokenizer), just narrow and shallow, so every code path the trainer
+takes on a real model runs here. No download: the tokenizer's vocabulary is generated.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+# Resolution the tiny models are meant for: 64 px images -> 8x8 latents (VAE scale 8, as in SD).
+TINY_RESOLUTION = 64
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2/CLIP byte-level alphabet: every byte maps to a printable unicode character."""
+    bs = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+def write_tokenizer_files(folder: str | Path, words: tuple[str, ...] = ()) -> Path:
+    """Write vocab.json + merges.txt for a small CLIP BPE tokenizer: all byte characters, plus merges
+    that make each of ``words`` one token. Returns the folder."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    chars = list(_bytes_to_unicode().values())
+    vocab: dict[str, int] = {}
+    for c in chars:
+        vocab.setdefault(c, len(vocab))
+    for c in chars:
+        vocab.setdefault(c + "</w>", len(vocab))
+    merges: list[str] = []
+    for word in words:
+        # Merge left to right: "c a t</w>" -> "ca t</w>" -> "cat</w>".
+        pieces = list(word[:-1]) + [word[-1] + "</w>"]
+        while len(pieces) > 1:
+            a, b = pieces[0], pieces[1]
+            merge = f"{a} {b}"
+            if merge not in merges:
+                merges.append(merge)
+            vocab.setdefault(a + b, len(vocab))
+            pieces = [a + b] + pieces[2:]
+    vocab["<|startoftext|>"] = len(vocab)
+    vocab["<|endoftext|>"] = len(vocab)
+    (folder / "vocab.json").write_text(json.dumps(vocab))
+    (folder / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + ("\n" if merges else ""))
+    return folder
+
+
+DEMO_WORDS = (
+    "a",
+    "photo",
+    "of",
+    "sks",
+    "person",
+    "dog",
+    "cat",
+    "red",
+    "blue",
+    "green",
+    "square",
+    "circle",
+    "on",
+)
+
+
+def tiny_tokenizer(folder: str | Path, max_length: int = 77):
+    from transformers import CLIPTokenizer
+
+    write_tokenizer_files(folder, DEMO_WORDS)
+    # from_pretrained reads vocab.json + merges.txt in transformers 4.x and 5.x alike.
+    return CLIPTokenizer.from_pretrained(str(folder), model_max_length=max_length, pad_token="<|endoftext|>")
+
+
+def _text_config(vocab_size: int, hidden: int = 32, projection_dim: int = 32):
+    from transformers import CLIPTextConfig
+
+    return CLIPTextConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=37,
+        num_attention_heads=4,
+        num_hidden_layers=2,
+        max_position_embeddings=77,
+        projection_dim=projection_dim,
+        hidden_act="quick_gelu",
+        bos_token_id=vocab_size - 2,
+        eos_token_id=vocab_size - 1,
+        pad_token_id=vocab_size - 1,
+    )
+
+
+def tiny_vae():
+    from diffusers import AutoencoderKL
+
+    # Four blocks: a scale factor of 8, as in the real SD VAE.
+    return AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4,
+        block_out_channels=(8, 8, 16, 16),
+        layers_per_block=1,
+        latent_channels=4,
+        norm_num_groups=8,
+        sample_size=TINY_RESOLUTION,
+    )
+
+
+def tiny_sd15_components(tokenizer_dir: str | Path, seed: int = 0) -> dict:
+    """Components of a tiny SD 1.x-shaped pipeline (random weights, seeded)."""
+    import torch
+    from diffusers import DDPMScheduler, UNet2DConditionModel
+    from transformers import CLIPTextModel
+
+    torch.manual_seed(seed)
+    tokenizer = tiny_tokenizer(tokenizer_dir)
+    unet = UNet2DConditionModel(
+        sample_size=TINY_RESOLUTION // 8,
+        in_channels=4,
+        out_channels=4,
+        layers_per_block=1,
+        block_out_channels=(32, 64),
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        cross_attention_dim=32,
+        attention_head_dim=8,
+        norm_num_groups=32,
+    )
+    text_encoder = CLIPTextModel(_text_config(len(tokenizer)))
+    return {
+        "unet": unet,
+        "vae": tiny_vae(),
+        "text_encoder": text_encoder,
+        "tokenizer": tokenizer,
+        "scheduler": _scheduler(DDPMScheduler),
+    }
+
+
+def tiny_sdxl_components(tokenizer_dir: str | Path, seed: int = 0) -> dict:
+    """Components of a tiny SDXL-shaped pipeline: two text encoders, pooled embeddings, time ids."""
+    import torch
+    from diffusers import EulerDiscreteScheduler, UNet2DConditionModel
+    from transformers import CLIPTextModel, CLIPTextModelWithProjection
+
+    torch.manual_seed(seed)
+    tokenizer = tiny_tokenizer(Path(tokenizer_dir) / "tokenizer")
+    tokenizer_2 = tiny_tokenizer(Path(tokenizer_dir) / "tokenizer_2")
+    text_encoder = CLIPTextModel(_text_config(len(tokenizer), hidden=32))
+    text_encoder_2 = CLIPTextModelWithProjection(_text_config(len(tokenizer_2), hidden=32, projection_dim=32))
+    addition_time_embed_dim = 8
+    unet = UNet2DConditionModel(
+        sample_size=TINY_RESOLUTION // 8,
+        in_channels=4,
+        out_channels=4,
+        layers_per_block=1,
+        block_out_channels=(32, 64),
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+        up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+        transformer_layers_per_block=(1, 2),
+        cross_attention_dim=64,  # the two encoders' hidden states, concatenated
+        attention_head_dim=(2, 4),
+        use_linear_projection=True,
+        addition_embed_type="text_time",
+        addition_time_embed_dim=addition_time_embed_dim,
+        projection_class_embeddings_input_dim=6 * addition_time_embed_dim + 32,  # time ids + pooled text
+        norm_num_groups=32,
+    )
+    return {
+        "unet": unet,
+        "vae": tiny_vae(),
+        "text_encoder": text_encoder,
+        "text_encoder_2": text_encoder_2,
+        "tokenizer": tokenizer,
+        "tokenizer_2": tokenizer_2,
+        "scheduler": _scheduler(EulerDiscreteScheduler),
+    }
+
+
+def _scheduler(cls):
+    return cls(
+        num_train_timesteps=1000,
+        beta_start=0.00085,
+        beta_end=0.012,
+        beta_schedule="scaled_linear",
+    )
+
+
+def save_tiny_model(folder: str | Path, family: str = "sd15", seed: int = 0) -> Path:
+    """Build a tiny pipeline and save it as a diffusers folder (loads with from_pretrained)."""
+    import tempfile
+
+    from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
+
+    folder = Path(folder)
+    with tempfile.TemporaryDirectory() as tmp:
+        if family == "sdxl":
+            pipe = StableDiffusionXLPipeline(**tiny_sdxl_components(tmp, seed=seed))
+        elif family == "sd15":
+            pipe = StableDiffusionPipeline(
+                **tiny_sd15_components(tmp, seed=seed),
+                safety_checker=None,
+                feature_extractor=None,
+                requires_safety_checker=False,
+            )
+        else:
+            raise ValueError(f"tiny models exist for sd15 and sdxl, not {family!r}")
+        pipe.save_pretrained(folder, safe_serialization=True)
+    return folder
