@@ -88,7 +88,7 @@ class Snapshot:
     gpus: tuple[GPU, ...] = ()
     links: tuple[Link, ...] = ()
     software: Software = field(default_factory=Software)
-    env: dict[str, str | None] = field(default_factory=dict)
+    env: dict[str, str | None] = field(default_factory=lambda: dict.fromkeys(ENV_KEYS))
     findings: tuple[Finding, ...] = ()
     schema_version: int = SCHEMA_VERSION
 

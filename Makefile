@@ -1,0 +1,34 @@
+# Two commands do all set-up on a fresh machine:
+#   make demo   builds .venv, installs sdplan, trains a tiny Stable Diffusion LoRA on the CPU
+#   make test   builds .venv, installs sdplan with test tools, runs lint and the whole test suite
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# The CPU build of torch is pinned first, so installing diffusers & co. does not pull CUDA wheels.
+TORCH ?= torch==2.13.0
+
+.PHONY: demo test lint install clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+
+$(VENV)/.installed: $(BIN)/python pyproject.toml
+	$(BIN)/pip install -q $(TORCH)
+	$(BIN)/pip install -q -e ".[test,tensorboard]"
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: install
+	$(BIN)/sdplan train --demo --out sdplan-demo --force
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+test: lint
+	$(BIN)/python -m pytest -q
+
+clean:
+	rm -rf $(VENV) sdplan-demo .pytest_cache .ruff_cache

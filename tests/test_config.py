@@ -1,0 +1,94 @@
+"""sdplan.yaml: defaults validate, every error is reported at once with its key path, overrides win."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from sdplan import config
+from sdplan.errors import ConfigError
+
+
+def test_defaults_validate_and_round_trip_through_yaml(tmp_path):
+    cfg = config.validate(config.default_config())
+    path = tmp_path / "sdplan.yaml"
+    path.write_text(config.to_yaml(cfg, header="run it with:\n  sdplan train --config sdplan.yaml"))
+    text = path.read_text()
+    assert text.startswith("# run it with:\n#   sdplan train --config sdplan.yaml\n")
+    assert config.load(path) == cfg
+
+
+def test_every_error_is_reported_at_once_with_its_key_path():
+    bad = {
+        "method": "dreembooth",
+        "training": {"batch_size": 0, "precision": "fp8", "learnin_rate": 1.0},
+        "memory": {"gradient_checkpointing": "yes"},
+        "data": {"metadata": {"shuffle_tags": 2}},
+        "distributed": {"deepspeed": {"zero_stage": 3}},
+        "colour": 1,
+    }
+    with pytest.raises(ConfigError) as info:
+        config.validate(bad, source="sdplan.yaml")
+    errors = info.value.errors
+    assert "training.batch_size: must be >= 1, got 0" in errors
+    assert any(e.startswith("method: must be one of lora, dreambooth") for e in errors)
+    assert any(e.startswith("training.precision: must be one of fp32, fp16, bf16") for e in errors)
+    assert any(e.startswith("training.learnin_rate: unknown key") for e in errors)
+    assert any(e.startswith("memory.gradient_checkpointing: must be true or false") for e in errors)
+    assert any(e.startswith("data.metadata.shuffle_tags: must be between 0 and 1") for e in errors)
+    assert any(e.startswith("distributed.deepspeed.zero_stage: must be 1 or 2") for e in errors)
+    assert any(e.startswith("colour: unknown key") for e in errors)
+    assert len(errors) == 8
+    assert str(info.value).startswith("sdplan.yaml: ")
+
+
+def test_cross_field_rules():
+    data = config.default_config()
+    data["memory"]["optimizer"] = "adamw8bit"
+    data["distributed"]["deepspeed"] = {"zero_stage": 2, "offload_optimizer": True}
+    data["method"] = "dreambooth"
+    data["dreambooth"]["with_prior_preservation"] = True
+    with pytest.raises(ConfigError) as info:
+        config.validate(data)
+    assert any("does not combine with DeepSpeed" in e for e in info.value.errors)
+    assert any(e.startswith("dreambooth.class_prompt: required") for e in info.value.errors)
+
+
+def test_overrides_win_and_parse_yaml_values(tmp_path):
+    path = tmp_path / "sdplan.yaml"
+    path.write_text(yaml.safe_dump({"method": "lora", "training": {"batch_size": 2, "learning_rate": 1e-4}}))
+    cfg = config.load(
+        path,
+        [
+            "training.batch_size=4",
+            "training.learning_rate=1e-5",
+            "memory.gradient_checkpointing=true",
+            "data.metadata.min_score=3",
+        ],
+    )
+    assert cfg.training.batch_size == 4
+    assert cfg.training.learning_rate == pytest.approx(1e-5)
+    assert cfg.memory.gradient_checkpointing is True
+    assert cfg.data.metadata is not None and cfg.data.metadata.min_score == 3.0
+
+
+def test_exponent_without_dot_is_a_number():
+    # YAML 1.1 reads 1e-4 as a string; a learning rate written that way must still work.
+    data = yaml.safe_load("training:\n  learning_rate: 1e-4\n")
+    assert data["training"]["learning_rate"] == "1e-4"
+    assert config.validate(data).training.learning_rate == pytest.approx(1e-4)
+
+
+@pytest.mark.parametrize("override", ["training.batch_size", "=3", "training.batch_size.x=1"])
+def test_malformed_override_is_a_clear_error(override):
+    with pytest.raises(ConfigError):
+        config.validate(config.apply_overrides(config.default_config(), [override]))
+
+
+def test_missing_and_malformed_files(tmp_path):
+    with pytest.raises(ConfigError, match="file not found"):
+        config.load(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("training: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        config.load(bad)

@@ -1,0 +1,78 @@
+"""The machine snapshot: JSON round trip, unknown stays null, malformed files give every error at once."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from sdplan.errors import ConfigError, UsageError
+from sdplan.machine import GPU, Host, Link, Snapshot
+
+
+def _snapshot() -> Snapshot:
+    return Snapshot(
+        host=Host(os="Linux", cpu_cores=16, ram_total_bytes=64 * 2**30),
+        gpus=(
+            GPU(
+                index=0,
+                vendor="nvidia",
+                name="NVIDIA GeForce RTX 4090",
+                memory_total_bytes=24 * 2**30,
+                bf16=True,
+            ),
+            GPU(
+                index=1,
+                vendor="nvidia",
+                name="NVIDIA GeForce RTX 4090",
+                memory_total_bytes=24 * 2**30,
+                bf16=True,
+            ),
+        ),
+        links=(Link(a=0, b=1, type="pcie", p2p=False),),
+    )
+
+
+def test_round_trip(tmp_path):
+    snap = _snapshot()
+    path = tmp_path / "machine.json"
+    snap.save(path)
+    assert Snapshot.load(path) == snap
+    data = json.loads(path.read_text())
+    assert data["schema_version"] == 1
+    # Unknown values are null, never a fake 0.
+    assert data["host"]["disk_free_bytes"] is None
+    assert data["gpus"][0]["pcie_gen"] is None
+    assert set(data["env"]) == {
+        "CUDA_VISIBLE_DEVICES",
+        "HIP_VISIBLE_DEVICES",
+        "HSA_OVERRIDE_GFX_VERSION",
+        "PYTORCH_CUDA_ALLOC_CONF",
+    }
+
+
+def test_malformed_snapshot_reports_every_error():
+    data = _snapshot().to_dict()
+    data["schema_version"] = 7
+    data["gpus"][0]["memory_total_bytes"] = "24GB"
+    data["gpus"][1]["vendor"] = "intel"
+    data["host"]["ram"] = 1
+    with pytest.raises(ConfigError) as info:
+        Snapshot.from_dict(data, source="m.json")
+    errors = info.value.errors
+    assert "schema_version: expected 1, got 7" in errors
+    assert any(e.startswith("gpus[0].memory_total_bytes: expected") for e in errors)
+    assert any(e.startswith("gpus[1].vendor: must be 'nvidia' or 'amd'") for e in errors)
+    assert "host.ram: unknown key" in errors
+
+
+def test_load_errors(tmp_path):
+    with pytest.raises(UsageError, match="does not exist"):
+        Snapshot.load(tmp_path / "missing.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        Snapshot.load(bad)
+    bad.write_text("[]")
+    with pytest.raises(ConfigError, match="must be a JSON object"):
+        Snapshot.load(bad)
