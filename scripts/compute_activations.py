@@ -1,0 +1,353 @@
+#!/usr/bin/env python
+"""Compute the activation memory of SD training from the real graph, without a GPU: profiles/activations.yaml.
+
+For each model family (sd15, sd21, sdxl) the full-size UNet is built on the meta device (accelerate's
+``init_empty_weights``) from the diffusers config shipped in ``profiles/models/<family>.yaml``. One train-mode
+forward runs under ``torch.autograd.graph.saved_tensors_hooks``; the bytes of every tensor autograd saves for
+backward are summed, each storage once, skipping parameters (they are counted as weights by the planner).
+
+Variants per family:
+
+- attention backend: ``efficient`` (flash / memory-efficient SDPA, what CUDA and ROCm CDNA/RDNA3 run: the real
+  ``aten._scaled_dot_product_flash_attention`` op is called on meta, so autograd saves exactly q, k, v, out and
+  the log-sum-exp) or ``math`` (``torch.nn.attention.SDPBackend.MATH``: the full attention matrix is saved);
+- gradient checkpointing off / on. With it on, diffusers' ``_gradient_checkpointing_func`` is replaced by one that
+  does what non-reentrant checkpointing keeps: the segment's inputs are held until backward, the tensors saved
+  inside the segment are not (they are recomputed; the largest segment gives ``recompute_peak``);
+- compute dtype bf16 (fp16 has the same sizes) and fp32.
+
+Each variant is measured at several resolutions and two batch sizes and fitted as
+``bytes(batch, L) = batch * (linear * L + quadratic * L**2 + per_sample) + fixed`` with ``L`` the latent pixels
+(H/8 x W/8). ``quadratic`` is zero for the efficient backend. The trained text encoders (77 tokens) are measured
+the same way (bytes per sample, no resolution term).
+
+Run: ``python scripts/compute_activations.py [--models-dir profiles/models] [--out profiles/activations.yaml]``.
+Needs torch, diffusers, transformers and accelerate; downloads nothing. sdplan itself only reads the YAML.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as _dt
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+FAMILY_RESOLUTIONS = {
+    "sd15": (256, 384, 512, 640, 768),
+    "sd21": (384, 512, 640, 768),
+    "sdxl": (512, 768, 1024),
+}
+DTYPES = ("bf16", "fp32")
+BACKENDS = ("efficient", "math")
+
+
+def _torch_dtype(name: str):
+    import torch
+
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
+
+
+class SavedCounter:
+    """Sums the bytes of tensors autograd saves, each storage once, skipping the given parameter storages."""
+
+    def __init__(self, skip_keys: set[int]):
+        self.skip = skip_keys
+        self.seen: dict[int, int] = {}
+        self.keep: list[Any] = []  # keeps the saved tensors alive, so storage identities are never reused
+        self.largest = 0
+
+    @staticmethod
+    def key(t) -> int:
+        # Meta tensors have no data pointer; the StorageImpl address identifies the storage (views share it).
+        return t.untyped_storage()._cdata
+
+    @staticmethod
+    def nbytes(t) -> int:
+        try:
+            return int(t.untyped_storage().nbytes())
+        except (RuntimeError, NotImplementedError):  # pragma: no cover - fallback for exotic tensors
+            base = t._base if t._base is not None else t
+            return base.numel() * base.element_size()
+
+    def add(self, t) -> None:
+        k = self.key(t)
+        if k in self.skip or k in self.seen:
+            return
+        n = self.nbytes(t)
+        self.seen[k] = n
+        self.largest = max(self.largest, n)
+        self.keep.append(t)
+
+    def pack(self, t):
+        self.add(t)
+        return t
+
+    @staticmethod
+    def unpack(t):
+        return t
+
+    @property
+    def total(self) -> int:
+        return sum(self.seen.values())
+
+    def hooks(self):
+        import torch
+
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+
+@contextlib.contextmanager
+def attention_backend(backend: str, dtype_name: str):
+    """``efficient``: route F.scaled_dot_product_attention through the real flash / mem-efficient aten op."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if backend == "math":
+        with sdpa_kernel(SDPBackend.MATH):
+            yield
+        return
+    original = F.scaled_dot_product_attention
+
+    def efficient(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kw):
+        if dtype_name == "fp32" or attn_mask is not None:
+            # flash has no fp32 kernel; memory-efficient attention does (and takes a mask). Same saved set.
+            return torch.ops.aten._scaled_dot_product_efficient_attention(
+                query, key, value, attn_mask, True, dropout_p, is_causal, scale=scale
+            )[0]
+        return torch.ops.aten._scaled_dot_product_flash_attention(
+            query, key, value, dropout_p, is_causal, False, scale=scale
+        )[0]
+
+    F.scaled_dot_product_attention = efficient
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = original
+
+
+def build_unet(unet_config: dict, dtype_name: str):
+    from accelerate import init_empty_weights
+    from diffusers import UNet2DConditionModel
+    from diffusers.utils import logging as dlogging
+
+    dlogging.set_verbosity_error()
+    with init_empty_weights():
+        unet = UNet2DConditionModel.from_config(dict(unet_config))
+    unet.to(_torch_dtype(dtype_name))
+    unet.train()
+    return unet
+
+
+def measure_unet(unet, model: dict, *, batch: int, resolution: int, dtype_name: str, backend: str, gc: bool):
+    """One train-mode forward on meta; returns (held_bytes, recompute_peak_bytes)."""
+    import torch
+
+    dtype = _torch_dtype(dtype_name)
+    cfg = model["unet"]
+    scale = int(model.get("vae_scale_factor", 8))
+    side = resolution // scale
+    params = {p.untyped_storage()._cdata for p in unet.parameters()}
+    held = SavedCounter(params)
+    peak = {"recompute": 0}
+
+    def checkpoint(module, *args):
+        # Non-reentrant checkpointing keeps the segment's inputs for the recomputation and nothing inside it.
+        for a in args:
+            if isinstance(a, torch.Tensor) and a.requires_grad:
+                held.add(a)
+        inner = SavedCounter(params)
+        with inner.hooks():
+            out = module(*args)
+        peak["recompute"] = max(peak["recompute"], inner.total)
+        return out
+
+    if gc:
+        unet.enable_gradient_checkpointing(gradient_checkpointing_func=checkpoint)
+    else:
+        unet.disable_gradient_checkpointing()
+
+    meta = {"device": "meta", "dtype": dtype}
+    sample = torch.empty(batch, int(cfg.get("in_channels", 4)), side, side, **meta)
+    encoder = torch.empty(
+        batch, int(model.get("tokenizer_max_length", 77)), int(cfg["cross_attention_dim"]), **meta
+    )
+    timesteps = torch.zeros(batch, device="meta", dtype=torch.long)
+    kwargs: dict[str, Any] = {}
+    if cfg.get("addition_embed_type") == "text_time":
+        pooled = int(cfg["projection_class_embeddings_input_dim"]) - 6 * int(cfg["addition_time_embed_dim"])
+        kwargs["added_cond_kwargs"] = {
+            "text_embeds": torch.empty(batch, pooled, **meta),
+            "time_ids": torch.empty(batch, 6, **meta),
+        }
+    with attention_backend(backend, dtype_name), held.hooks():
+        unet(sample, timesteps, encoder, return_dict=False, **kwargs)
+    return held.total, peak["recompute"]
+
+
+def measure_text_encoder(entry: dict, *, batch: int, dtype_name: str, tokens: int) -> int:
+    import torch
+    import transformers
+    from accelerate import init_empty_weights
+
+    cls = getattr(transformers, entry["class"])
+    config = transformers.CLIPTextConfig(**entry["config"])
+    with init_empty_weights():
+        model = cls(config)
+    model.to(_torch_dtype(dtype_name)).train()
+    params = {p.untyped_storage()._cdata for p in model.parameters()}
+    held = SavedCounter(params)
+    ids = torch.zeros(batch, tokens, dtype=torch.long, device="meta")
+    with attention_backend("efficient", dtype_name), held.hooks():
+        model(input_ids=ids)
+    return held.total
+
+
+def _solve(rows: list[list[float]], ys: list[float]) -> list[float]:
+    """Least squares via normal equations (tiny systems); exact for consistent data."""
+    import numpy as np
+
+    a = np.array(rows, dtype=float)
+    y = np.array(ys, dtype=float)
+    sol, *_ = np.linalg.lstsq(a, y, rcond=None)
+    return [float(v) for v in sol]
+
+
+def fit(points: list[tuple[int, int, int]], quadratic: bool) -> tuple[dict[str, float], float]:
+    """points: (batch, latent_pixels, bytes) -> coefficients and the largest relative residual."""
+    rows, ys = [], []
+    for b, lat, y in points:
+        row = [b * lat, b, 1.0]
+        if quadratic:
+            row.insert(1, b * lat * lat)
+        rows.append(row)
+        ys.append(float(y))
+    sol = _solve(rows, ys)
+    if quadratic:
+        lin, quad, per, fixed = sol
+    else:
+        (lin, per, fixed), quad = sol, 0.0
+    worst = 0.0
+    for b, lat, y in points:
+        pred = b * (lin * lat + quad * lat * lat + per) + fixed
+        worst = max(worst, abs(pred - y) / max(y, 1))
+    coef = {
+        "linear": round(lin, 4),
+        "quadratic": round(quad, 8),
+        "per_sample": round(per),
+        "fixed": round(fixed),
+    }
+    return coef, worst
+
+
+def compute_family(model: dict, resolutions: tuple[int, ...], log) -> dict:
+    scale = int(model.get("vae_scale_factor", 8))
+    native = int(model["native_resolution"])
+    out: dict[str, Any] = {"unet": {}, "text_encoders": [], "measured": []}
+    for dtype_name in DTYPES:
+        unet = build_unet(model["unet"], dtype_name)
+        for backend in BACKENDS:
+            for gc in (False, True):
+                held_pts, peak_pts = [], []
+                shapes = [(1, r) for r in resolutions] + [(2, native)]
+                for batch, res in shapes:
+                    t0 = time.perf_counter()
+                    held, peak = measure_unet(
+                        unet,
+                        model,
+                        batch=batch,
+                        resolution=res,
+                        dtype_name=dtype_name,
+                        backend=backend,
+                        gc=gc,
+                    )
+                    lat = (res // scale) ** 2
+                    held_pts.append((batch, lat, held))
+                    peak_pts.append((batch, lat, peak))
+                    out["measured"].append(
+                        {
+                            "dtype": dtype_name,
+                            "attention": backend,
+                            "gradient_checkpointing": gc,
+                            "batch": batch,
+                            "resolution": res,
+                            "held_bytes": held,
+                            "recompute_peak_bytes": peak,
+                        }
+                    )
+                    log(
+                        f"  {model['family']} {dtype_name} {backend:9s} gc={gc!s:5s} b={batch} {res:5d}: "
+                        f"held {held / 2**30:7.3f} GiB, recompute peak {peak / 2**30:6.3f} GiB "
+                        f"({time.perf_counter() - t0:.2f}s)"
+                    )
+                held_coef, held_err = fit(held_pts, quadratic=backend == "math")
+                key = f"{dtype_name}/{backend}/{'gc' if gc else 'no_gc'}"
+                entry = {"held": held_coef, "fit_max_error": round(held_err, 4)}
+                if gc:
+                    entry["recompute_peak"], _ = fit(peak_pts, quadratic=backend == "math")
+                out["unet"][key] = entry
+        del unet
+    tokens = int(model.get("tokenizer_max_length", 77))
+    for entry in model.get("text_encoders", []):
+        per = {}
+        for dtype_name in DTYPES:
+            one = measure_text_encoder(entry, batch=1, dtype_name=dtype_name, tokens=tokens)
+            two = measure_text_encoder(entry, batch=2, dtype_name=dtype_name, tokens=tokens)
+            per[dtype_name] = {"per_sample": two - one, "fixed": 2 * one - two}
+        out["text_encoders"].append({"class": entry["class"], "held": per})
+        log(
+            f"  {model['family']} text encoder {entry['class']}: {per['bf16']['per_sample'] / 2**20:.1f} MiB/sample bf16"
+        )
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    root = Path(__file__).resolve().parent.parent
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models-dir", type=Path, default=root / "profiles" / "models")
+    ap.add_argument("--out", type=Path, default=root / "profiles" / "activations.yaml")
+    ap.add_argument("--families", default=",".join(FAMILY_RESOLUTIONS))
+    ap.add_argument("--keep-measured", action="store_true", help="also write every raw measurement")
+    args = ap.parse_args(argv)
+
+    import diffusers
+    import torch
+
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    families: dict[str, Any] = {}
+    for fam in args.families.split(","):
+        path = args.models_dir / f"{fam}.yaml"
+        model = yaml.safe_load(path.read_text())
+        log(f"{fam}: {path}")
+        result = compute_family(model, FAMILY_RESOLUTIONS[fam], log)
+        if not args.keep_measured:
+            result.pop("measured")
+        families[fam] = result
+    doc = {
+        "schema_version": 1,
+        "source": (
+            f"computed: scripts/compute_activations.py, diffusers {diffusers.__version__}, "
+            f"torch {torch.__version__.split('+')[0]}, {_dt.date.today().isoformat()}"
+        ),
+        "units": "bytes; L = latent pixels (H/8 x W/8); "
+        "bytes(batch, L) = batch * (linear*L + quadratic*L^2 + per_sample) + fixed",
+        "families": families,
+    }
+    header = (
+        "# Activation memory of SD training, computed on the meta device from the real autograd graph.\n"
+        "# Written by scripts/compute_activations.py; do not edit by hand, re-run the script.\n"
+    )
+    args.out.write_text(header + yaml.safe_dump(doc, sort_keys=False, width=110))
+    log(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
