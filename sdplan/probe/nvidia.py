@@ -1,0 +1,228 @@
+"""NVIDIA backend: NVML through nvidia-ml-py (module ``pynvml``).
+
+One query wrapper (:func:`_query`) runs every NVML call: a call that fails (NotSupported, NoPermission, an
+old driver without the function, ...) gives ``None`` for that one field, never a crash and never a fake 0.
+No driver at all (``NVMLError_LibraryNotFound``) means no NVIDIA GPUs; a note is added only when the kernel
+shows an NVIDIA display controller, so a machine without one stays quiet.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sdplan.machine import GPU, Finding, Link
+from sdplan.probe.host import PCI_VENDOR_NVIDIA, pci_display_vendors
+
+# nvmlDeviceGetP2PStatus indexes, passed as literals: in nvidia-ml-py 13.615.71 the module constant
+# NVML_P2P_CAPS_INDEX_READ is the tuple (0,) (a stray trailing comma), which ctypes rejects.
+P2P_INDEX_READ = 0
+P2P_INDEX_NVLINK = 2
+P2P_STATUS_OK = 0
+NVLINK_MAX_LINKS_FALLBACK = 18  # NVML_NVLINK_MAX_LINKS is 18 in old bindings, 36 in new ones
+
+
+@dataclass(frozen=True)
+class NvidiaReading:
+    gpus: tuple[GPU, ...] = ()
+    links: tuple[Link, ...] = ()
+    driver_version: str | None = None
+    cuda_driver: str | None = None  # highest CUDA version the driver supports, "12.4"
+    notes: tuple[Finding, ...] = ()
+
+
+def probe(index_start: int = 0, *, sys_root: str = "/sys", proc_root: str = "/proc") -> NvidiaReading:
+    """Read every NVIDIA GPU NVML sees. GPU indexes start at ``index_start`` (NVML order = PCI bus order)."""
+    try:
+        import pynvml
+    except ImportError:
+        return NvidiaReading(notes=_evidence_note(sys_root, proc_root, _note_no_bindings))
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError_LibraryNotFound:
+        return NvidiaReading(notes=_evidence_note(sys_root, proc_root, _note_no_driver))
+    except pynvml.NVMLError as e:
+        return NvidiaReading(notes=(_note_init_failed(e),))
+    except Exception as e:  # a broken binding must not stop the report
+        return NvidiaReading(notes=(_note_init_failed(e),))
+    try:
+        return _read(pynvml, index_start)
+    finally:
+        _query(pynvml, pynvml.nvmlShutdown)
+
+
+def _read(nvml: Any, index_start: int) -> NvidiaReading:
+    driver = _query(nvml, nvml.nvmlSystemGetDriverVersion)
+    cuda_driver = cuda_version_string(_query(nvml, nvml.nvmlSystemGetCudaDriverVersion_v2))
+    count = _query(nvml, nvml.nvmlDeviceGetCount)
+    if not count:
+        return NvidiaReading(driver_version=driver, cuda_driver=cuda_driver)
+    gpus: list[GPU] = []
+    handles: list[Any] = []
+    notes: list[Finding] = []
+    for i in range(count):
+        handle = _query(nvml, nvml.nvmlDeviceGetHandleByIndex, i)
+        if handle is None:
+            gpus.append(GPU(index=index_start + i, vendor="nvidia", driver_version=driver))
+            notes.append(
+                Finding(
+                    "warning",
+                    "gpu_unreadable",
+                    f"NVIDIA GPU {i} is present but NVML cannot open it",
+                    "run `nvidia-smi -q -i "
+                    + str(i)
+                    + "` to see why (GPU lost, permissions, reset required)",
+                )
+            )
+        else:
+            gpus.append(_read_gpu(nvml, handle, index_start + i, driver))
+        handles.append(handle)
+    return NvidiaReading(
+        gpus=tuple(gpus),
+        links=tuple(_read_links(nvml, handles, index_start)),
+        driver_version=driver,
+        cuda_driver=cuda_driver,
+        notes=tuple(notes),
+    )
+
+
+def _read_gpu(nvml: Any, h: Any, index: int, driver: str | None) -> GPU:
+    memory = _query(nvml, nvml.nvmlDeviceGetMemoryInfo, h)
+    cc = _query(nvml, nvml.nvmlDeviceGetCudaComputeCapability, h)
+    cc_tuple = (int(cc[0]), int(cc[1])) if cc is not None else None
+    # The link's capability, not its idle state: GPUs drop to PCIe gen 1 when idle.
+    gen = _first(nvml, h, nvml.nvmlDeviceGetMaxPcieLinkGeneration, nvml.nvmlDeviceGetCurrPcieLinkGeneration)
+    width = _first(nvml, h, nvml.nvmlDeviceGetMaxPcieLinkWidth, nvml.nvmlDeviceGetCurrPcieLinkWidth)
+    power_mw = _first(nvml, h, nvml.nvmlDeviceGetPowerManagementLimit, nvml.nvmlDeviceGetEnforcedPowerLimit)
+    return GPU(
+        index=index,
+        vendor="nvidia",
+        name=_query(nvml, nvml.nvmlDeviceGetName, h),
+        uuid=_query(nvml, nvml.nvmlDeviceGetUUID, h),
+        memory_total_bytes=int(memory.total) if memory is not None else None,
+        memory_free_bytes=int(memory.free) if memory is not None else None,
+        compute_capability=f"{cc_tuple[0]}.{cc_tuple[1]}" if cc_tuple else None,
+        gfx_arch=None,
+        bf16=bf16_supported(cc_tuple),
+        fp16=fp16_supported(cc_tuple),
+        pcie_gen=int(gen) if gen else None,
+        pcie_width=int(width) if width else None,
+        power_limit_watts=round(power_mw / 1000, 1) if power_mw else None,
+        driver_version=driver,
+    )
+
+
+def _read_links(nvml: Any, handles: list[Any], index_start: int) -> list[Link]:
+    active = [_nvlink_active(nvml, h) if h is not None else False for h in handles]
+    links: list[Link] = []
+    for a in range(len(handles)):
+        for b in range(a + 1, len(handles)):
+            ha, hb = handles[a], handles[b]
+            if ha is None or hb is None:
+                continue
+            nvlink = False
+            if active[a] and active[b]:
+                # Both GPUs have NVLink up; P2P over NVLink tells whether it joins these two (bridge or NVSwitch).
+                nvlink = _query(nvml, nvml.nvmlDeviceGetP2PStatus, ha, hb, P2P_INDEX_NVLINK) == P2P_STATUS_OK
+            status = _query(nvml, nvml.nvmlDeviceGetP2PStatus, ha, hb, P2P_INDEX_READ)
+            links.append(
+                Link(
+                    a=index_start + a,
+                    b=index_start + b,
+                    type="nvlink" if nvlink else "pcie",
+                    p2p=None if status is None else status == P2P_STATUS_OK,
+                )
+            )
+    return links
+
+
+def _nvlink_active(nvml: Any, h: Any) -> bool:
+    enabled = getattr(nvml, "NVML_FEATURE_ENABLED", 1)
+    max_links = getattr(nvml, "NVML_NVLINK_MAX_LINKS", NVLINK_MAX_LINKS_FALLBACK)
+    for link in range(max_links):
+        try:
+            if nvml.nvmlDeviceGetNvLinkState(h, link) == enabled:
+                return True
+        except nvml.NVMLError_NotSupported:
+            return False  # this GPU has no NVLink at all
+        except Exception:
+            continue  # this link index does not exist on this GPU (InvalidArgument) or cannot be read
+    return False
+
+
+# -- the one query wrapper and small pure helpers -------------------------------------------------------
+
+
+def _query(nvml: Any, fn: Any, *args: Any) -> Any:
+    """Run one NVML call; any failure means "not available" (None)."""
+    try:
+        return fn(*args)
+    except nvml.NVMLError:
+        return None
+    except Exception:  # ctypes.ArgumentError, UnicodeDecodeError, a binding without the function
+        return None
+
+
+def _first(nvml: Any, h: Any, *fns: Any) -> Any:
+    for fn in fns:
+        value = _query(nvml, fn, h)
+        if value:
+            return value
+    return None
+
+
+def cuda_version_string(value: int | None) -> str | None:
+    """NVML's CUDA version integer (12040) as "12.4"."""
+    if not isinstance(value, int) or value <= 0:
+        return None
+    return f"{value // 1000}.{(value % 1000) // 10}"
+
+
+def bf16_supported(cc: tuple[int, int] | None) -> bool | None:
+    """Hardware bf16: compute capability >= 8.0 (Ampere+). Not torch.cuda.is_bf16_supported(), which says
+    yes on T4/V100 by counting emulation (field notes section 3)."""
+    return None if cc is None else cc >= (8, 0)
+
+
+def fp16_supported(cc: tuple[int, int] | None) -> bool | None:
+    """Native half arithmetic: compute capability >= 5.3."""
+    return None if cc is None else cc >= (5, 3)
+
+
+# -- notes (facts the snapshot has no field for) ---------------------------------------------------------
+
+
+def _evidence_note(sys_root: str, proc_root: str, make: Any) -> tuple[Finding, ...]:
+    """Say something only when the kernel shows an NVIDIA GPU (PCI display controller or a loaded module)."""
+    seen = (
+        PCI_VENDOR_NVIDIA in pci_display_vendors(sys_root) or (Path(proc_root) / "driver" / "nvidia").exists()
+    )
+    return (make(),) if seen else ()
+
+
+def _note_no_bindings() -> Finding:
+    return Finding(
+        "warning",
+        "nvml_bindings_missing",
+        "an NVIDIA GPU is present but the NVML bindings (nvidia-ml-py) are not installed",
+        "pip install nvidia-ml-py",
+    )
+
+
+def _note_no_driver() -> Finding:
+    return Finding(
+        "error",
+        "nvidia_driver_missing",
+        "an NVIDIA GPU is present but libnvidia-ml.so.1 was not found: the NVIDIA driver is not installed",
+        "install the NVIDIA driver (then `nvidia-smi` must list the GPU)",
+    )
+
+
+def _note_init_failed(e: BaseException) -> Finding:
+    return Finding(
+        "error",
+        "nvml_init_failed",
+        f"the NVIDIA driver library is present but NVML failed to start: {e}",
+        "run `nvidia-smi`; a driver/library version mismatch or an unloaded driver module needs a reboot",
+    )

@@ -1,0 +1,421 @@
+"""Read the machine once into a :class:`~sdplan.machine.Snapshot`, and judge it.
+
+:func:`probe` does all the I/O (host, NVML, amdsmi, software) and returns an immutable snapshot with its
+findings. :func:`findings` is a pure function of a snapshot (no I/O), so saved snapshots and test fixtures
+are judged by exactly the rules a live run uses. Every threshold and hardware fact cites its source
+(/work/shared/reference/field-notes.md, "field notes" below).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import replace
+
+from sdplan.machine import GPU, Finding, Snapshot
+
+# -- thresholds ----------------------------------------------------------------------------------------
+# Field notes section 1 ("How many GPUs do you need"): 16 GB RAM minimum, 32 GB comfortable for training,
+# >= 10 GB free on an SSD. RAM is compared in decimal GB: a "16 GB" machine reports ~16.6e9 bytes MemTotal.
+RAM_MIN_BYTES = 16 * 10**9
+RAM_COMFORT_BYTES = 32 * 10**9
+DISK_MIN_BYTES = 10 * 10**9
+# DeepSpeed's ds_report warns below 512 MB of /dev/shm (field notes section 4); DataLoader workers need it.
+SHM_MIN_BYTES = 512 * 2**20
+# amdgpu recovers from hangs by GPU reset (BACO) from kernel 5.19 (field notes section 1, lunar-diffusion).
+AMD_MIN_KERNEL = (5, 19)
+
+# gfx arches the ROCm PyTorch wheels ship kernels for, by the torch release that added them; any other arch
+# fails with "invalid device function" (field notes section 3). Sources: pytorch/pytorch#132570 (base set),
+# #141667 (gfx1101), #147761 (gfx1102), #148562 (gfx1200/1201), .ci/docker/*/build.sh PYTORCH_ROCM_ARCH
+# of the ROCm 6.4 / 7.0 builds (gfx950/1150/1151; dated conservatively to 2.9).
+ROCM_WHEEL_ARCHES: tuple[tuple[tuple[int, int], frozenset[str]], ...] = (
+    ((0, 0), frozenset({"gfx900", "gfx906", "gfx908", "gfx90a", "gfx942", "gfx1030", "gfx1100"})),
+    ((2, 6), frozenset({"gfx1101"})),
+    ((2, 7), frozenset({"gfx1102", "gfx1200", "gfx1201"})),
+    ((2, 9), frozenset({"gfx950", "gfx1150", "gfx1151"})),
+)
+
+# HSA_OVERRIDE_GFX_VERSION per unofficial arch: (value, caveat). Field notes section 3; gfx1103 hangs:
+# pytorch/pytorch#179653. No wheel has gfx101x kernels, so RDNA1 needs a source build as well.
+HSA_OVERRIDES: dict[str, tuple[str, str]] = {
+    **{f"gfx103{d}": ("10.3.0", "unofficial, runs as gfx1030") for d in "123456"},
+    "gfx1101": ("11.0.0", "runs as gfx1100; results are mixed"),
+    "gfx1102": ("11.0.0", "runs as gfx1100; results are mixed"),
+    "gfx1103": ("11.0.0", "runs as gfx1100; page faults and hangs are reported"),
+    "gfx1010": ("10.1.0", "only with a torch built for gfx1010 (PYTORCH_ROCM_ARCH=gfx1010)"),
+    "gfx1011": ("10.1.0", "only with a torch built for gfx1010 (PYTORCH_ROCM_ARCH=gfx1010)"),
+    "gfx1012": ("10.1.0", "only with a torch built for gfx1010 (PYTORCH_ROCM_ARCH=gfx1010)"),
+}
+
+# CUDA versions PyTorch publishes wheels for (download.pytorch.org/whl/cuXYZ), to name a matching index.
+TORCH_CUDA_WHEELS = ("11.8", "12.1", "12.4", "12.6", "12.8", "12.9", "13.0")
+
+# Every code :func:`findings` can produce. Other codes in a snapshot are probe-time notes (a backend that
+# could not load, a container memory limit): facts the rules cannot recompute from the snapshot.
+RULE_CODES = frozenset(
+    {
+        "no_gpu",
+        "torch_missing",
+        "torch_cpu_build",
+        "torch_build_mismatch",
+        "cuda_driver_too_old",
+        "rocm_arch_unsupported",
+        "rocm_arch_override",
+        "amd_kernel_old",
+        "bf16_unavailable",
+        "ram_insufficient",
+        "ram_low",
+        "disk_low",
+        "shm_small",
+        "mixed_gpus",
+        "multi_gpu_slow_link",
+        "multi_gpu_pcie_p2p",
+        "links_unknown",
+    }
+)
+
+SEVERITY_ORDER = {"error": 0, "warning": 1, "info": 2}
+
+
+def probe(path: str | os.PathLike[str] = ".") -> Snapshot:
+    """Read this machine once: host, NVIDIA (NVML), AMD (amdsmi), software, env; then add the findings."""
+    from sdplan.probe import amd, host, nvidia, software
+
+    host_info = host.probe_host(path)
+    nv = nvidia.probe(index_start=0)
+    am = amd.probe(index_start=len(nv.gpus))
+    snap = Snapshot(
+        host=host_info,
+        gpus=nv.gpus + am.gpus,
+        links=nv.links + am.links,
+        software=software.probe_software(cuda_driver=nv.cuda_driver, rocm=am.rocm),
+        env=software.probe_env(),
+    )
+    notes = nv.notes + am.notes + host.probe_notes(host_info)
+    return replace(snap, findings=notes + findings(snap))
+
+
+def refresh(snapshot: Snapshot) -> Snapshot:
+    """Re-judge a saved snapshot with today's rules, keeping the probe-time notes it was saved with."""
+    notes = tuple(f for f in snapshot.findings if f.code not in RULE_CODES)
+    return replace(snapshot, findings=notes + findings(snapshot))
+
+
+def findings(snapshot: Snapshot) -> tuple[Finding, ...]:
+    """All rule findings for a snapshot. Pure: no I/O, same answer for a live machine and a saved one."""
+    out: list[Finding] = []
+    for rule in (_gpu_rules, _torch_rules, _amd_rules, _precision_rules, _host_rules, _multi_gpu_rules):
+        out.extend(rule(snapshot))
+    return tuple(out)
+
+
+def sorted_findings(items: tuple[Finding, ...]) -> list[Finding]:
+    return sorted(items, key=lambda f: SEVERITY_ORDER.get(f.severity, 3))
+
+
+# -- rules -----------------------------------------------------------------------------------------------
+
+
+def _gpu_rules(s: Snapshot) -> list[Finding]:
+    if s.usable_gpus:
+        return []
+    if s.gpus:
+        message = f"{len(s.gpus)} GPU(s) found but their memory could not be read: no usable GPU"
+    else:
+        message = "no usable GPU found (NVIDIA through NVML, AMD through amdsmi)"
+    return [
+        Finding(
+            "error",
+            "no_gpu",
+            message,
+            "install the GPU driver (NVIDIA: `nvidia-smi` must work; AMD: ROCm + `pip install amdsmi`), "
+            "or plan for another machine from its `sdplan doctor --save FILE`",
+        )
+    ]
+
+
+def _torch_rules(s: Snapshot) -> list[Finding]:
+    sw = s.software
+    vendors = {g.vendor for g in s.usable_gpus}
+    out: list[Finding] = []
+    if sw.torch is None:
+        out.append(
+            Finding(
+                "warning",
+                "torch_missing",
+                "torch is not installed: sdplan can plan here but not train",
+                f"pip install torch{_torch_index(s)}",
+            )
+        )
+        return out
+    if sw.torch_build == "cpu" and vendors:
+        out.append(
+            Finding(
+                "error",
+                "torch_cpu_build",
+                f"torch {sw.torch} is a CPU-only build on a machine with "
+                f"{' and '.join(v.upper() for v in sorted(vendors))} GPUs",
+                f"pip install --force-reinstall torch{_torch_index(s) or ' (a CUDA or ROCm build)'}",
+            )
+        )
+    if (sw.torch_build, vendors) in (("cuda", {"amd"}), ("rocm", {"nvidia"})):
+        have, want = ("CUDA", "ROCm") if sw.torch_build == "cuda" else ("ROCm", "CUDA")
+        out.append(
+            Finding(
+                "error",
+                "torch_build_mismatch",
+                f"torch {sw.torch} is a {have} build but this machine's GPUs need {want}",
+                f"pip install --force-reinstall torch{_torch_index(s)}",
+            )
+        )
+    if sw.torch_build == "cuda" and "nvidia" in vendors:
+        runtime, driver = _version_tuple(sw.cuda_runtime), _version_tuple(sw.cuda_driver)
+        if runtime and driver and runtime > driver:
+            major = runtime[0] > driver[0]
+            out.append(
+                Finding(
+                    "error" if major else "warning",
+                    "cuda_driver_too_old",
+                    f"torch is built for CUDA {sw.cuda_runtime} but the driver supports CUDA {sw.cuda_driver} at most"
+                    + (
+                        ": CUDA will not start"
+                        if major
+                        else " (runs under CUDA minor-version compatibility; kernels needing PTX JIT can fail)"
+                    ),
+                    f"update the NVIDIA driver, or pip install --force-reinstall torch{_torch_index(s)}",
+                )
+            )
+    return out
+
+
+def _amd_rules(s: Snapshot) -> list[Finding]:
+    amd_gpus = [g for g in s.gpus if g.vendor == "amd"]
+    if not amd_gpus:
+        return []
+    out: list[Finding] = []
+    official = rocm_wheel_arches(s.software.torch)
+    override = s.env.get("HSA_OVERRIDE_GFX_VERSION")
+    for arch in sorted({g.gfx_arch for g in amd_gpus if g.gfx_arch and g.gfx_arch not in official}):
+        names = _names([g for g in amd_gpus if g.gfx_arch == arch])
+        advice = HSA_OVERRIDES.get(arch)
+        if override:
+            out.append(
+                Finding(
+                    "info",
+                    "rocm_arch_override",
+                    f"{names} ({arch}) is outside the ROCm torch wheels' arches; "
+                    f"HSA_OVERRIDE_GFX_VERSION={override} is set",
+                    f"if kernels crash, check the override: {advice[0]} is the usual value for {arch}"
+                    if advice
+                    else "if kernels crash, build torch with PYTORCH_ROCM_ARCH=" + arch,
+                )
+            )
+            continue
+        fix = (
+            f"export HSA_OVERRIDE_GFX_VERSION={advice[0]} ({advice[1]})"
+            if advice
+            else f"no known override: build torch from source with PYTORCH_ROCM_ARCH={arch}"
+        )
+        out.append(
+            Finding(
+                "error",
+                "rocm_arch_unsupported",
+                f"{names} ({arch}) is outside the arches ROCm torch wheels ship kernels for: "
+                "torch fails with 'invalid device function'",
+                fix,
+            )
+        )
+    kernel = _version_tuple(s.host.kernel)
+    if kernel and kernel[:2] < AMD_MIN_KERNEL:
+        out.append(
+            Finding(
+                "warning",
+                "amd_kernel_old",
+                f"kernel {s.host.kernel} is older than 5.19: amdgpu cannot reset a hung GPU (BACO), "
+                "a hang needs a reboot",
+                "upgrade to a kernel >= 5.19 (e.g. the distribution's HWE kernel)",
+            )
+        )
+    return out
+
+
+def _precision_rules(s: Snapshot) -> list[Finding]:
+    no_bf16 = [g for g in s.usable_gpus if g.bf16 is False]
+    if not no_bf16:
+        return []
+    return [
+        Finding(
+            "warning",
+            "bf16_unavailable",
+            f"{_names(no_bf16)} has no hardware bf16 "
+            "(NVIDIA needs compute capability >= 8.0; AMD needs RDNA3+ or CDNA)",
+            "train with fp16 mixed precision (accelerate: mixed_precision fp16)",
+        )
+    ]
+
+
+def _host_rules(s: Snapshot) -> list[Finding]:
+    h = s.host
+    out: list[Finding] = []
+    if h.ram_total_bytes is not None and h.ram_total_bytes < RAM_MIN_BYTES:
+        out.append(
+            Finding(
+                "error",
+                "ram_insufficient",
+                f"{_gb(h.ram_total_bytes)} RAM: training needs at least 16 GB",
+                "train on a machine with >= 16 GB RAM (32 GB is comfortable)",
+            )
+        )
+    elif h.ram_total_bytes is not None and h.ram_total_bytes < RAM_COMFORT_BYTES:
+        out.append(
+            Finding(
+                "warning",
+                "ram_low",
+                f"{_gb(h.ram_total_bytes)} RAM: enough to train, tight for model loading and optimizer offload",
+                "close other programs while training; 32 GB RAM is comfortable; avoid DeepSpeed CPU offload",
+            )
+        )
+    if h.disk_free_bytes is not None and h.disk_free_bytes < DISK_MIN_BYTES:
+        out.append(
+            Finding(
+                "warning",
+                "disk_low",
+                f"{_gb(h.disk_free_bytes)} free on the output disk: models and checkpoints need >= 10 GB",
+                "free space, or point the output (and HF_HOME) at a disk with >= 10 GB free",
+            )
+        )
+    if h.shm_bytes is not None and h.shm_bytes < SHM_MIN_BYTES:
+        out.append(
+            Finding(
+                "warning",
+                "shm_small",
+                f"/dev/shm is {h.shm_bytes / 2**20:.0f} MiB: DataLoader workers and NCCL need more",
+                "in Docker, run with --shm-size=8g (or --ipc=host)",
+            )
+        )
+    return out
+
+
+def _multi_gpu_rules(s: Snapshot) -> list[Finding]:
+    gpus = s.usable_gpus
+    if len(gpus) < 2:
+        return []
+    out: list[Finding] = []
+    names = {g.name for g in gpus}
+    if len(names) > 1 or len({g.memory_total_bytes for g in gpus}) > 1:
+        out.append(
+            Finding(
+                "warning",
+                "mixed_gpus",
+                f"mixed GPUs ({_names(gpus)}): data-parallel training runs at the pace of the slowest "
+                "and fits only what the smallest holds",
+                _restrict_fix(gpus),
+            )
+        )
+    indexes = {g.index for g in gpus}
+    pairs = {(min(lk.a, lk.b), max(lk.a, lk.b)): lk for lk in s.links if lk.a in indexes and lk.b in indexes}
+    wanted = [(a.index, b.index) for i, a in enumerate(gpus) for b in gpus[i + 1 :]]
+    missing = [p for p in wanted if p not in pairs]
+    slow = [pairs[p] for p in wanted if p in pairs and pairs[p].type == "pcie" and pairs[p].p2p is not True]
+    p2p_only = [pairs[p] for p in wanted if p in pairs and pairs[p].type == "pcie" and pairs[p].p2p is True]
+    if slow:
+        shown = ", ".join(
+            f"{lk.a}-{lk.b} (P2P {'off' if lk.p2p is False else 'unknown'})" for lk in slow[:6]
+        ) + (" ..." if len(slow) > 6 else "")
+        out.append(
+            Finding(
+                "warning",
+                "multi_gpu_slow_link",
+                f"GPU pairs without NVLink/XGMI or P2P: {shown}; gradients cross PCIe every step, "
+                "so multi-GPU DreamBooth and fine-tuning are slower than one GPU",
+                "use several GPUs for LoRA only; run DreamBooth/fine-tune on one GPU "
+                "(or separate runs per GPU)",
+            )
+        )
+    elif p2p_only:
+        out.append(
+            Finding(
+                "info",
+                "multi_gpu_pcie_p2p",
+                "GPUs talk over PCIe P2P without NVLink/XGMI: LoRA scales, full-model methods gain little",
+                "prefer LoRA for multi-GPU runs; measure before splitting DreamBooth/fine-tune over GPUs",
+            )
+        )
+    if missing:
+        out.append(
+            Finding(
+                "info",
+                "links_unknown",
+                f"the interconnect of {len(missing)} GPU pair(s) could not be read",
+                "run `nvidia-smi topo -m` (NVIDIA) or `amd-smi topology` (AMD) to see it",
+            )
+        )
+    return out
+
+
+# -- helpers (pure) --------------------------------------------------------------------------------------
+
+
+def rocm_wheel_arches(torch_version: str | None) -> frozenset[str]:
+    """Arches the ROCm wheels of this torch version ship kernels for (the newest set if torch is unknown)."""
+    version = _version_tuple(torch_version)
+    arches: set[str] = set()
+    for since, added in ROCM_WHEEL_ARCHES:
+        if version is None or version[:2] >= since:
+            arches |= added
+    return frozenset(arches)
+
+
+def _version_tuple(text: str | None) -> tuple[int, ...] | None:
+    if not text:
+        return None
+    match = re.match(r"\s*(\d+)\.(\d+)(?:\.(\d+))?", text)
+    if not match:
+        return None
+    return tuple(int(x) for x in match.groups() if x is not None)
+
+
+def _torch_index(s: Snapshot) -> str:
+    """' --index-url ...' for the torch build this machine needs, or '' when it cannot be told."""
+    vendors = {g.vendor for g in s.usable_gpus}
+    if vendors == {"nvidia"}:
+        driver = _version_tuple(s.software.cuda_driver)
+        fitting = [c for c in TORCH_CUDA_WHEELS if driver and _version_tuple(c) <= driver]
+        if fitting:
+            return f" --index-url https://download.pytorch.org/whl/cu{fitting[-1].replace('.', '')}"
+        return ""
+    if vendors == {"amd"}:
+        rocm = _version_tuple(s.software.rocm)
+        if rocm:
+            return f" --index-url https://download.pytorch.org/whl/rocm{rocm[0]}.{rocm[1]}"
+        return ""
+    if not vendors:
+        return " --index-url https://download.pytorch.org/whl/cpu"
+    return ""
+
+
+def _restrict_fix(gpus: tuple[GPU, ...]) -> str:
+    """Name the largest group of identical GPUs and the variable that restricts training to it."""
+    groups: dict[tuple, list[GPU]] = {}
+    for g in gpus:
+        groups.setdefault((g.vendor, g.name, g.memory_total_bytes), []).append(g)
+    best = max(groups.values(), key=lambda group: (len(group), group[0].memory_total_bytes or 0))
+    vendor = best[0].vendor
+    same_vendor = [g.index for g in gpus if g.vendor == vendor]
+    local = ",".join(str(same_vendor.index(g.index)) for g in best)
+    if vendor == "nvidia":
+        return f"train on identical GPUs: CUDA_DEVICE_ORDER=PCI_BUS_ID CUDA_VISIBLE_DEVICES={local}"
+    return f"train on identical GPUs: HIP_VISIBLE_DEVICES={local}"
+
+
+def _names(gpus: list[GPU] | tuple[GPU, ...]) -> str:
+    counts: dict[str, int] = {}
+    for g in gpus:
+        name = g.name or f"GPU {g.index}"
+        counts[name] = counts.get(name, 0) + 1
+    return ", ".join(f"{n}x {name}" if n > 1 else name for name, n in counts.items())
+
+
+def _gb(n: int) -> str:
+    return f"{n / 10**9:.1f} GB"

@@ -1,0 +1,126 @@
+"""Software probe: Python, torch's build, package versions and the environment variables that matter.
+
+Nothing here imports torch (or any package it reports): versions come from ``importlib.metadata``, and
+torch's build (CUDA / ROCm / CPU) from the text of ``torch/version.py``, which the torch build writes with
+literal values. Importing ``torch.version`` would run ``torch/__init__.py`` (seconds, gigabytes of shared
+libraries), which `sdplan doctor` must not do.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.metadata
+import importlib.util
+import os
+import platform
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from sdplan.machine import ENV_KEYS, Software
+
+# Distribution names (as pip knows them) reported in Software.packages, in display order.
+PACKAGES = (
+    "diffusers",
+    "accelerate",
+    "transformers",
+    "peft",
+    "safetensors",
+    "deepspeed",
+    "bitsandbytes",
+    "xformers",
+    "amdsmi",
+    "nvidia-ml-py",
+)
+
+
+@dataclass(frozen=True)
+class TorchBuild:
+    """What torch/version.py says, read as text. ``build`` is "cuda", "rocm", "cpu", or None (no torch)."""
+
+    version: str | None = None
+    build: str | None = None
+    cuda: str | None = None
+    hip: str | None = None
+
+
+def probe_software(*, cuda_driver: str | None = None, rocm: str | None = None) -> Software:
+    """Read the software stack once. ``cuda_driver`` and ``rocm`` come from the GPU backends."""
+    torch = torch_build()
+    return Software(
+        python=platform.python_version(),
+        torch=torch.version,
+        torch_build=torch.build,
+        cuda_runtime=torch.cuda,
+        hip_runtime=torch.hip,
+        cuda_driver=cuda_driver,
+        rocm=rocm,
+        packages=package_versions(),
+    )
+
+
+def probe_env(environ: Mapping[str, str] | None = None) -> dict[str, str | None]:
+    env = os.environ if environ is None else environ
+    return {k: env.get(k) for k in ENV_KEYS}
+
+
+def package_versions(names: tuple[str, ...] = PACKAGES) -> dict[str, str | None]:
+    return {name: dist_version(name) for name in names}
+
+
+def dist_version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    except Exception:  # a broken dist-info (no METADATA) must not stop the report
+        return None
+
+
+def torch_build() -> TorchBuild:
+    """torch's version and build flavour without importing torch."""
+    try:
+        spec = importlib.util.find_spec("torch")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or not spec.submodule_search_locations:
+        return TorchBuild()
+    version_file = None
+    for location in spec.submodule_search_locations:
+        candidate = Path(location) / "version.py"
+        if candidate.is_file():
+            version_file = candidate
+            break
+    values = parse_version_py(version_file.read_text()) if version_file else {}
+    version = values.get("__version__") or dist_version("torch")
+    cuda, hip = values.get("cuda"), values.get("hip")
+    if version_file is None or values.get("xpu"):
+        build = None  # no version.py, or an Intel XPU build: neither of the kinds sdplan knows
+    elif hip or values.get("rocm"):
+        build = "rocm"
+    elif cuda:
+        build = "cuda"
+    else:
+        build = "cpu"
+    return TorchBuild(version=version, build=build, cuda=cuda, hip=hip)
+
+
+def parse_version_py(text: str) -> dict[str, str | None]:
+    """Top-level literal string/None assignments of a torch/version.py (``cuda: Optional[str] = '12.4'``)."""
+    try:
+        tree = ast.parse(text)
+    except SyntaxError:
+        return {}
+    out: dict[str, str | None] = {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1:
+            target, value = node.targets[0], node.value
+        elif isinstance(node, ast.AnnAssign) and node.value is not None:
+            target, value = node.target, node.value
+        else:
+            continue
+        if not isinstance(target, ast.Name) or not isinstance(value, ast.Constant):
+            continue
+        if value.value is None or isinstance(value.value, str):
+            out[target.id] = value.value
+    return out
