@@ -1,0 +1,353 @@
+"""The dataset scan: layouts, captions, metadata filters, skipped files, clear errors, no torch."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from PIL import Image
+from sdplan.trainer.dataset_scan import require_images, scan
+
+from sdplan.config import MetadataConfig
+from sdplan.errors import DatasetError
+
+
+def img(path: Path, size=(32, 24), color=(200, 30, 30)) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fmt = {".jpg": "JPEG", ".jpeg": "JPEG", ".png": "PNG", ".webp": "WEBP", ".bmp": "BMP"}[
+        path.suffix.lower()
+    ]
+    Image.new("RGB", size, color).save(path, format=fmt)
+    return path
+
+
+def write(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def truncated_png(path: Path) -> Path:
+    noise = Image.frombytes("RGB", (64, 64), os.urandom(64 * 64 * 3))
+    noise.save(path)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    return path
+
+
+def names(result) -> dict[str, str | None]:
+    return {it.path.name: it.caption for it in result.items}
+
+
+def skipped(result) -> dict[str, str]:
+    return {Path(p).name: why for p, why in result.skipped}
+
+
+# -- flat -------------------------------------------------------------------------------------------------
+
+
+def test_flat_images_captions_and_defaults(tmp_path):
+    img(tmp_path / "a.png")
+    write(tmp_path / "a.txt", "\n  a red square  \nsecond line ignored\n")
+    img(tmp_path / "b.JPG")
+    img(tmp_path / "c.webp")
+    write(tmp_path / "c.txt", "   \n")  # empty caption file counts as missing
+    img(tmp_path / "sub" / "d.bmp")
+    write(tmp_path / "sub" / "d.txt", "nested")
+
+    result = scan(tmp_path, repeats=3)
+    assert result.format == "flat"
+    assert names(result) == {"a.png": "a red square", "b.JPG": None, "c.webp": None, "d.bmp": "nested"}
+    assert result.num_images == 4
+    assert result.images_x_repeats == 12
+    assert result.skipped == []
+    assert all(it.repeats == 3 for it in result.items)
+
+    with_default = scan(tmp_path, default_caption="a photo")
+    assert names(with_default)["b.JPG"] == "a photo"
+    assert names(with_default)["a.png"] == "a red square"
+
+
+def test_caption_extension_with_or_without_dot(tmp_path):
+    img(tmp_path / "a.png")
+    write(tmp_path / "a.caption", "from caption file")
+    write(tmp_path / "a.txt", "from txt")
+    for ext in (".caption", "caption"):
+        result = scan(tmp_path, caption_extension=ext)
+        assert names(result) == {"a.png": "from caption file"}
+        assert skipped(result) == {"a.txt": skipped(result)["a.txt"]}  # .txt now is just another file
+        assert "not a supported image type (.txt)" in skipped(result)["a.txt"]
+
+
+def test_hidden_files_are_ignored_silently(tmp_path):
+    img(tmp_path / "a.png")
+    write(tmp_path / ".DS_Store", "junk")
+    img(tmp_path / ".thumbs" / "x.png")
+    result = scan(tmp_path)
+    assert names(result) == {"a.png": None}
+    assert result.skipped == []
+
+
+# -- kohya ------------------------------------------------------------------------------------------------
+
+
+def test_kohya_folders_repeats_and_folder_name_captions(tmp_path):
+    img(tmp_path / "10_sks dog" / "1.png")
+    write(tmp_path / "10_sks dog" / "1.txt", "sks dog on grass")
+    img(tmp_path / "10_sks dog" / "2.jpg")
+    img(tmp_path / "3_style_x" / "3.png")
+    img(tmp_path / "loose.png")
+    img(tmp_path / "misc" / "4.png")
+    img(tmp_path / "misc" / "5.png")
+
+    result = scan(tmp_path, default_caption="unused in kohya", repeats=7)
+    assert result.format == "kohya"
+    by_name = {it.path.name: (it.caption, it.repeats) for it in result.items}
+    assert by_name == {
+        "1.png": ("sks dog on grass", 10),
+        "2.jpg": ("sks dog", 10),  # no caption file: the folder's name part
+        "3.png": ("style_x", 3),  # only the first underscore splits
+    }
+    assert result.images_x_repeats == 23
+    why = skipped(result)
+    assert set(why) == {"loose.png", "misc"}
+    assert "N_name" in why["loose.png"]
+    assert "2 files ignored" in why["misc"]
+
+
+# -- metadata ---------------------------------------------------------------------------------------------
+
+
+def _record(json_path: Path, /, **fields) -> Path:
+    return write(json_path, json.dumps(fields))
+
+
+def test_metadata_layout_path_fields_and_tag_forms(tmp_path):
+    img(tmp_path / "images" / "a.png")
+    img(tmp_path / "images" / "b.png")
+    img(tmp_path / "deep" / "c.png")
+    img(tmp_path / "deep" / "d.webp")
+    img(tmp_path / "e.png")
+    _record(tmp_path / "meta" / "a.json", path="images/a.png", tags=["cat", "outdoors"], score=5)
+    _record(tmp_path / "meta" / "b.json", image="images/b.png", tags="dog, indoors ,, ", score="3")
+    _record(tmp_path / "deep" / "c.json", file_name="c.png", tags=[])  # relative to the json folder
+    _record(tmp_path / "deep" / "d.json", tags=["beside"])  # no path: the same-name image beside it
+    # e.png has no record
+
+    result = scan(tmp_path, repeats=2)
+    assert result.format == "metadata"
+    items = {it.path.name: it for it in result.items}
+    assert set(items) == {"a.png", "b.png", "c.png", "d.webp"}
+    assert items["a.png"].caption == "cat, outdoors"
+    assert items["a.png"].tags == ["cat", "outdoors"]
+    assert items["a.png"].score == 5.0
+    assert items["b.png"].tags == ["dog", "indoors"]
+    assert items["b.png"].score == 3.0
+    assert items["c.png"].caption is None and items["c.png"].score is None
+    assert items["d.webp"].caption == "beside"
+    assert all(it.repeats == 2 for it in result.items)
+    assert items["a.png"].path == tmp_path / "images" / "a.png"
+    assert skipped(result) == {"e.png": "no .json record describes this image"}
+
+
+def test_metadata_filters(tmp_path):
+    def rec(name, tags, score=None):
+        img(tmp_path / f"{name}.png")
+        fields = {"path": f"{name}.png", "tags": tags}
+        if score is not None:
+            fields["score"] = score
+        _record(tmp_path / f"{name}.json", **fields)
+
+    rec("keep", ["rating:safe", "cat", "watermark"], 6)
+    rec("skipped_tag", ["cat", "nsfw"], 9)
+    rec("skipped_replaced_form", ["rating=explicit"], 9)  # matches skip_tags entry after replacement
+    rec("low", ["cat"], 2)
+    rec("bonus", ["cat", "masterpiece"], 2)  # 2 + 5 bonus = 7 >= min_score
+    rec("noscore", ["masterpiece"])  # missing score counts as 0; + 5 = 5 >= 4
+    rec("top", ["cat"], 9.5)
+
+    meta = MetadataConfig(
+        skip_tags=["nsfw", "rating:explicit"],
+        remove_tags=["watermark", "rating=safe"],
+        replace={":": "="},
+        min_score=4,
+        score_bonus={"masterpiece": 5},
+        score_buckets=[9, 5, 7],  # unsorted on purpose
+    )
+    result = scan(tmp_path, metadata=meta)
+    items = {it.path.stem: it for it in result.items}
+    assert set(items) == {"keep", "bonus", "noscore", "top"}
+    assert items["keep"].tags == ["cat", "score_5"]  # rating=safe removed (replaced form), watermark removed
+    assert items["bonus"].score == 7 and items["bonus"].tags == ["cat", "masterpiece", "score_7"]
+    assert items["noscore"].score == 5 and items["noscore"].tags == ["masterpiece", "score_5"]
+    assert items["top"].tags == ["cat", "score_9"]
+    assert items["keep"].caption == "cat, score_5"
+    why = skipped(result)
+    assert why["skipped_tag.png"] == "has skip tag 'nsfw'"
+    assert why["skipped_replaced_form.png"] == "has skip tag 'rating=explicit'"
+    assert why["low.png"] == "score 2 < min_score 4"
+    assert len(result.skipped) == 3
+
+
+def test_metadata_replace_keeps_tags_without_filters(tmp_path):
+    img(tmp_path / "a.png")
+    _record(tmp_path / "a.json", path="a.png", tags=["artist:foo", "a:b:c"])
+    result = scan(tmp_path, metadata=MetadataConfig(replace={":": "="}))
+    assert result.items[0].tags == ["artist=foo", "a=b=c"]
+    assert result.items[0].caption == "artist=foo, a=b=c"
+
+
+def test_metadata_bad_records_each_listed_once(tmp_path):
+    img(tmp_path / "ok.png")
+    _record(tmp_path / "ok.json", path="ok.png", tags=["x"])
+    write(tmp_path / "broken.json", "{not json")
+    _record(tmp_path / "missing.json", path="nowhere/gone.png", tags=["x"])
+    _record(tmp_path / "dup.json", image="ok.png", tags=["y"])
+    _record(tmp_path / "badtags.json", path="ok2.png", tags=5)
+    img(tmp_path / "ok2.png")
+    write(tmp_path / "list.json", "[1, 2]")
+    result = scan(tmp_path)
+    assert [it.path.name for it in result.items] == ["ok.png"]
+    assert result.items[0].tags == ["y"]
+    why = skipped(result)
+    assert why["broken.json"].startswith("not valid JSON")
+    assert "'nowhere/gone.png' (path) was not found" in why["missing.json"]
+    # dup.json comes first in path order, so ok.json is the second record of ok.png
+    assert why["ok.json"] == "describes the same image as dup.json"
+    assert "dup.json" not in why
+    assert "tags must be a list" in why["badtags.json"]
+    assert why["list.json"].startswith("not a metadata record")
+    paths = [p for p, _ in result.skipped]
+    assert len(paths) == len(set(paths))
+
+
+def test_json_that_is_no_record_leaves_flat_layout(tmp_path):
+    img(tmp_path / "a.png")
+    write(tmp_path / "settings.json", json.dumps({"lr": 1}))
+    result = scan(tmp_path)
+    assert result.format == "flat"
+    assert names(result) == {"a.png": None}
+    assert "settings.json" in skipped(result)
+
+
+# -- broken files -----------------------------------------------------------------------------------------
+
+
+def _broken_folder(root: Path) -> None:
+    img(root / "good.png", size=(40, 20))
+    write(root / "good.txt", "fine")
+    (root / "corrupt.png").write_bytes(os.urandom(300))
+    (root / "empty.png").write_bytes(b"")
+    truncated_png(root / "truncated.png")
+    write(root / "orphan.txt", "caption of nothing")
+    write(root / "notes.pdf", "%PDF-1.4")
+    img(root / "anim.png").rename(root / "anim.gif")
+
+
+def test_verify_skips_each_broken_file_once_with_reason(tmp_path):
+    _broken_folder(tmp_path)
+    result = scan(tmp_path, verify=True)
+    assert [it.path.name for it in result.items] == ["good.png"]
+    assert result.items[0].size == (40, 20)
+    why = skipped(result)
+    assert set(why) == {"corrupt.png", "empty.png", "truncated.png", "orphan.txt", "notes.pdf", "anim.gif"}
+    assert len(result.skipped) == 6
+    assert why["corrupt.png"].startswith("not an image PIL can read")
+    assert why["empty.png"] == "empty file (0 bytes)"
+    assert why["truncated.png"].startswith(("truncated", "corrupt"))
+    assert why["orphan.txt"] == "caption file without an image of the same name"
+    assert why["notes.pdf"].startswith("not a supported image type (.pdf)")
+    assert why["anim.gif"].startswith("not a supported image type (.gif)")
+
+
+def test_without_verify_only_empty_files_are_caught(tmp_path):
+    _broken_folder(tmp_path)
+    result = scan(tmp_path)
+    assert sorted(it.path.name for it in result.items) == ["corrupt.png", "good.png", "truncated.png"]
+    assert skipped(result)["empty.png"] == "empty file (0 bytes)"
+    assert all(it.size is None for it in result.items)
+
+
+def test_image_with_wrong_extension_content(tmp_path):
+    img(tmp_path / "really_a_jpeg.png").write_bytes((img(tmp_path / "x.jpg")).read_bytes())
+    (tmp_path / "x.jpg").unlink()
+    result = scan(tmp_path, verify=True)
+    assert [it.path.name for it in result.items] == ["really_a_jpeg.png"]  # PIL reads by content: fine
+
+
+# -- errors -----------------------------------------------------------------------------------------------
+
+
+def test_missing_folder_is_a_dataset_error(tmp_path):
+    with pytest.raises(DatasetError, match="does not exist"):
+        scan(tmp_path / "nope")
+    f = img(tmp_path / "a.png")
+    with pytest.raises(DatasetError, match="not a folder"):
+        scan(f)
+
+
+def test_empty_folder_is_a_clear_error(tmp_path):
+    result = scan(tmp_path)
+    assert result.items == [] and result.skipped == []
+    with pytest.raises(DatasetError) as e:
+        require_images(result)
+    msg = str(e.value)
+    assert f"no readable images in {tmp_path}" in msg
+    assert "\n" not in msg
+    assert "png" in e.value.fix
+
+
+def test_folder_of_broken_files_names_them(tmp_path):
+    (tmp_path / "a.png").write_bytes(b"garbage!" * 10)
+    truncated_png(tmp_path / "b.png")
+    (tmp_path / "c.png").write_bytes(b"")
+    (tmp_path / "d.png").write_bytes(b"more garbage" * 3)
+    result = scan(tmp_path, verify=True)
+    with pytest.raises(DatasetError) as e:
+        require_images(result)
+    msg = str(e.value)
+    assert "(4 skipped: a.png: not an image PIL can read" in msg
+    assert "b.png: " in msg and "c.png: empty file (0 bytes)" in msg
+    assert "and 1 more" in msg
+    assert "\n" not in msg
+
+
+def test_require_images_returns_the_scan(tmp_path):
+    img(tmp_path / "a.png")
+    result = scan(tmp_path)
+    assert require_images(result) is result
+    assert "flat: 1 image" in result.summary()
+    assert result.to_dict()["num_images"] == 1
+
+
+# -- speed and imports ------------------------------------------------------------------------------------
+
+
+def test_scan_of_many_files_imports_no_torch(tmp_path):
+    tiny = tmp_path / "many"
+    tiny.mkdir()
+    data = tmp_path / "seed.png"
+    Image.new("RGB", (2, 2), (1, 2, 3)).save(data)
+    raw = data.read_bytes()
+    for i in range(1000):
+        (tiny / f"{i:04d}.png").write_bytes(raw)
+        if i % 2:
+            (tiny / f"{i:04d}.txt").write_text(f"caption {i}")
+    code = (
+        "import sys\n"
+        "from sdplan.trainer.dataset_scan import scan\n"
+        "import sdplan.trainer.buckets\n"
+        f"r = scan({str(tiny)!r})\n"
+        "assert r.num_images == 1000, r.num_images\n"
+        "assert sum(1 for it in r.items if it.caption) == 500\n"
+        "assert 'torch' not in sys.modules, 'torch imported'\n"
+        "assert 'PIL' not in sys.modules, 'PIL imported without verify'\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"

@@ -1,0 +1,517 @@
+"""Find the training images and their captions; list what cannot be used, once, with the reason.
+
+Pure Python (PIL only inside ``verify``, imported there): ``sdplan recommend --dataset`` calls this to count
+images fast, and ``sdplan train`` calls it to fail before any model loads.
+
+Three layouts, detected in this order:
+
+``metadata``
+    One ``.json`` per image anywhere under the root, e.g. ``{"path": "img/0001.png", "tags": ["a", "b"],
+    "score": 7}``. The image is named by ``image``, ``path`` or ``file_name``, relative to the root first,
+    then to the json's own folder; without such a field, the image with the json's name beside it
+    (``0001.json`` -> ``0001.png``). ``tags`` is a list or a comma-separated string; ``score`` a number
+    (missing counts as 0). Chosen when at least one ``.json`` under the root is such a record.
+    With :class:`~sdplan.config.MetadataConfig`, in this order:
+
+    1. ``skip_tags``: an image having any of them is skipped (listed with the tag);
+    2. ``score_bonus``: for each tag the image has, its bonus is added to the score;
+    3. ``min_score``: an image whose score (after bonuses) is below it is skipped;
+    4. ``remove_tags``: dropped from the caption;
+    5. ``replace``: substring replacements in every tag (``{":": "="}``: ``rating:safe`` -> ``rating=safe``);
+    6. ``score_buckets``: thresholds; the highest one the score reaches adds a ``score_N`` tag at the end
+       (thresholds ``[5, 7, 9]``, score 8 -> ``score_7``; below all of them: no tag).
+
+    A tag matches a ``skip_tags`` / ``remove_tags`` / ``score_bonus`` entry when they are equal as written or
+    after ``replace`` (``rating:safe`` and ``rating=safe`` both match either way). The caption is the tags joined with ``", "``; ``Item.tags`` keeps the list so
+    the dataset can shuffle it at load time (``shuffle_tags``: that happens per sample, not here). A record
+    without tags uses its ``caption`` field if it has one. Images under the root that no json describes are
+    listed as skipped.
+
+``kohya``
+    Subfolders named ``N_name`` (``10_sks dog``: 10 repeats). Images anywhere inside such a folder, caption
+    in the same-name caption file beside them. An image without a caption file gets the folder's name part
+    (``sks dog``) as its caption, as kohya's sd-scripts use it as the class/instance token; ``default_caption``
+    does not apply there. Images directly in the root and folders not named ``N_name`` are listed as skipped.
+
+``flat``
+    Images anywhere under the root (subfolders included) with a same-name caption file beside them
+    (``a.png`` + ``a.txt``). Without one: ``default_caption``, else ``None`` (the recipe then uses the
+    instance prompt). Every image repeats ``repeats`` times.
+
+Caption files: the first non-empty line, stripped (as kohya reads them); an empty file counts as missing.
+Images: png, jpg, jpeg, webp, bmp in any letter case. Files and folders whose names start with ``.`` are
+ignored without a word; every other file that is neither a usable image nor a caption for one is listed in
+``Scan.skipped`` with its reason, once. Zero-byte images are always skipped (a cheap ``stat``); with
+``verify=True`` each image is also opened and decoded with PIL, so corrupt, truncated or mislabelled files are
+skipped too, and ``Item.size`` records each image's ``(width, height)`` (aspect-ratio buckets use it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from sdplan.errors import DatasetError
+
+if TYPE_CHECKING:
+    from sdplan.config import MetadataConfig
+
+IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
+FORMATS = ("flat", "kohya", "metadata")
+KOHYA_DIR = re.compile(r"^(\d+)_(.+)$")
+PATH_FIELDS = ("image", "path", "file_name")
+_EXT_LIST = "png, jpg, jpeg, webp or bmp"
+
+
+@dataclass
+class Item:
+    """One training image. ``caption`` None: no caption found (the recipe decides what to use)."""
+
+    path: Path
+    caption: str | None = None
+    tags: list[str] | None = None  # metadata layout: the caption's tags, for shuffling at load time
+    repeats: int = 1
+    score: float | None = None  # metadata layout: score after bonuses
+    size: tuple[int, int] | None = None  # (width, height); known after verify (or a header read)
+
+
+@dataclass
+class Scan:
+    root: Path
+    format: str  # flat | kohya | metadata
+    items: list[Item] = field(default_factory=list)
+    skipped: list[tuple[Path, str]] = field(default_factory=list)  # (path, reason), each path once
+
+    @property
+    def num_images(self) -> int:
+        return len(self.items)
+
+    @property
+    def images_x_repeats(self) -> int:
+        """Samples in one epoch: each image counted ``repeats`` times."""
+        return sum(it.repeats for it in self.items)
+
+    @property
+    def num_captioned(self) -> int:
+        return sum(1 for it in self.items if it.caption is not None)
+
+    def skipped_text(self, limit: int = 3) -> str:
+        """``a.png: truncated; b.png: empty file; and 4 more`` (names relative to the root)."""
+        parts = [f"{_rel(p, self.root)}: {why}" for p, why in self.skipped[:limit]]
+        more = len(self.skipped) - limit
+        return "; ".join(parts) + (f"; and {more} more" if more > 0 else "")
+
+    def summary(self) -> str:
+        """One line for the CLI: ``kohya: 13 images x repeats = 520 samples, 12 captioned, 2 skipped``."""
+        text = (
+            f"{self.format}: {self.num_images} image{'s' if self.num_images != 1 else ''}"
+            f" x repeats = {self.images_x_repeats} samples per epoch, {self.num_captioned} captioned"
+        )
+        if self.skipped:
+            text += f", {len(self.skipped)} skipped ({self.skipped_text()})"
+        return text
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "root": str(self.root),
+            "format": self.format,
+            "num_images": self.num_images,
+            "images_x_repeats": self.images_x_repeats,
+            "num_captioned": self.num_captioned,
+            "skipped": [{"path": str(p), "reason": why} for p, why in self.skipped],
+        }
+
+
+def scan(
+    root: str | os.PathLike[str],
+    *,
+    caption_extension: str = ".txt",
+    default_caption: str | None = None,
+    repeats: int = 1,
+    metadata: MetadataConfig | None = None,
+    verify: bool = False,
+) -> Scan:
+    """Find the images under ``root`` and their captions (see the module doc for the layouts).
+
+    Raises :class:`DatasetError` only when ``root`` is missing or not a folder; an empty or unreadable
+    dataset is a :class:`Scan` with no items (``require_images`` turns that into an error).
+    """
+    root = Path(root).expanduser()
+    if not root.exists():
+        raise DatasetError(
+            f"dataset folder {root} does not exist",
+            fix="set data.path to the folder that holds the training images",
+        )
+    if not root.is_dir():
+        raise DatasetError(
+            f"dataset path {root} is not a folder",
+            fix="set data.path to the folder that holds the images, not to one file",
+        )
+    if repeats < 1:
+        raise DatasetError(f"repeats must be >= 1, got {repeats}", fix="set data.repeats to 1 or more")
+    cap_ext = caption_extension if caption_extension.startswith(".") else "." + caption_extension
+    cap_ext = cap_ext.lower()
+
+    files = _walk(root)
+    records = _metadata_records(files)
+    if records:
+        result = _scan_metadata(root, files, records, repeats, metadata, cap_ext)
+    elif any(KOHYA_DIR.match(d.name) for d in root.iterdir() if d.is_dir() and not d.name.startswith(".")):
+        result = _scan_kohya(root, files, cap_ext)
+    else:
+        result = Scan(root, "flat")
+        _pair_captions(root, files, result, cap_ext, repeats, lambda _p: default_caption)
+
+    _drop_empty_files(result)
+    if verify:
+        _verify(result)
+    result.items.sort(key=lambda it: str(it.path))
+    seen: set[Path] = set()
+    result.skipped = [s for s in result.skipped if not (s[0] in seen or seen.add(s[0]))]
+    result.skipped.sort(key=lambda s: str(s[0]))
+    return result
+
+
+def require_images(result: Scan) -> Scan:
+    """Raise :class:`DatasetError` when the scan found no usable image; return the scan otherwise."""
+    if result.items:
+        return result
+    if result.skipped:
+        detail = f" ({len(result.skipped)} skipped: {result.skipped_text()})"
+        fix = "replace or remove the broken files"
+        if result.format == "metadata":
+            fix += ", or loosen data.metadata (skip_tags, min_score)"
+        elif result.format == "kohya":
+            fix += "; images belong in N_name folders (10_name/a.png)"
+    else:
+        detail = " (the folder has no image files)"
+        fix = f"put {_EXT_LIST} images there, each with an optional same-name .txt caption"
+    raise DatasetError(f"no readable images in {result.root}{detail}", fix=fix)
+
+
+def is_image(path: str | os.PathLike[str]) -> bool:
+    return Path(path).suffix.lower() in IMAGE_EXTENSIONS
+
+
+def image_size(path: str | os.PathLike[str]) -> tuple[int, int]:
+    """(width, height) from the file's header (PIL opens lazily: no decode), after EXIF rotation."""
+    from PIL import Image
+
+    with Image.open(path) as im:
+        w, h = im.size
+        if _exif_rotated(im):
+            w, h = h, w
+        return w, h
+
+
+# -- walking ------------------------------------------------------------------------------------------
+
+
+def _walk(root: Path) -> list[Path]:
+    """Every file under root, sorted; names starting with '.' (files and folders) left out."""
+    out: list[Path] = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        base = Path(dirpath)
+        out.extend(base / f for f in sorted(filenames) if not f.startswith("."))
+    return out
+
+
+def _rel(path: Path, root: Path) -> str:
+    try:
+        return str(path.relative_to(root))
+    except ValueError:
+        return str(path)
+
+
+def _not_image_reason(path: Path) -> str:
+    ext = path.suffix.lower() or "no extension"
+    return f"not a supported image type ({ext}); use {_EXT_LIST}"
+
+
+def _read_caption(path: Path) -> str | None:
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return None
+    for line in text.splitlines():
+        line = line.strip()
+        if line:
+            return line
+    return None
+
+
+def _pair_captions(root, files, result, cap_ext, repeats, fallback) -> None:
+    """Images with same-name caption files beside them; leftovers listed as skipped."""
+    images = [f for f in files if is_image(f)]
+    stems = {(f.parent, f.stem) for f in images}
+    for f in files:
+        if is_image(f):
+            continue
+        if f.suffix.lower() == cap_ext:
+            if (f.parent, f.stem) not in stems:
+                result.skipped.append((f, "caption file without an image of the same name"))
+            continue
+        result.skipped.append((f, _not_image_reason(f)))
+    for img in images:
+        cap_file = img.with_suffix(cap_ext)
+        caption = _read_caption(cap_file) if cap_file.is_file() else None
+        if caption is None:
+            caption = fallback(img)
+        result.items.append(Item(img, caption, None, repeats))
+
+
+# -- kohya --------------------------------------------------------------------------------------------
+
+
+def _scan_kohya(root: Path, files: list[Path], cap_ext: str) -> Scan:
+    result = Scan(root, "kohya")
+    groups: dict[Path, list[Path]] = {}
+    for f in files:
+        top = f.relative_to(root).parts[0]
+        if f.parent == root:
+            result.skipped.append((f, "outside an N_name folder (kohya layout: 10_name/image.png)"))
+        else:
+            groups.setdefault(root / top, []).append(f)
+    for folder, members in groups.items():
+        m = KOHYA_DIR.match(folder.name)
+        if m is None:
+            result.skipped.append(
+                (folder, f"folder not named N_name ({len(members)} files ignored; e.g. 10_{folder.name})")
+            )
+            continue
+        n, name = int(m.group(1)), m.group(2).strip()
+        if n < 1:
+            result.skipped.append((folder, f"repeats {n} in the folder name ({len(members)} files ignored)"))
+            continue
+        _pair_captions(root, members, result, cap_ext, n, lambda _p, name=name: name or None)
+    return result
+
+
+# -- metadata -----------------------------------------------------------------------------------------
+
+
+def _metadata_records(files: Iterable[Path]) -> dict[Path, dict[str, Any] | str]:
+    """Each .json file -> its parsed record, or a reason string when it is not one. Empty when no json
+    file is a record (then the layout is not metadata)."""
+    out: dict[Path, dict[str, Any] | str] = {}
+    found = False
+    for f in files:
+        if f.suffix.lower() != ".json":
+            continue
+        try:
+            data = json.loads(f.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError) as e:
+            out[f] = f"not valid JSON ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
+            continue
+        if not isinstance(data, dict):
+            out[f] = "not a metadata record (expected an object with image/path, tags, score)"
+            continue
+        if any(isinstance(data.get(k), str) for k in PATH_FIELDS) or "tags" in data:
+            found = True
+        out[f] = data
+    return out if found else {}
+
+
+def _as_tags(value: Any) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        parts = value.split(",")
+    elif isinstance(value, (list, tuple)):
+        parts = [str(v) for v in value if v is not None]
+    else:
+        raise ValueError(f"tags must be a list or a comma-separated string, got {type(value).__name__}")
+    return [t.strip() for t in parts if t.strip()]
+
+
+def _replace(tag: str, replace: dict[str, str]) -> str:
+    for old, new in replace.items():
+        if old:
+            tag = tag.replace(old, new)
+    return tag
+
+
+def _fmt_num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else f"{x:g}"
+
+
+def _record_image(root: Path, json_path: Path, data: dict[str, Any]) -> Path | str:
+    """The image a record names, or why it cannot be used."""
+    for key in PATH_FIELDS:
+        rel = data.get(key)
+        if isinstance(rel, str) and rel.strip():
+            rel = rel.strip()
+            for base in (root, json_path.parent):
+                cand = (base / rel).resolve() if not os.path.isabs(rel) else Path(rel)
+                if cand.is_file():
+                    return cand
+            return f"its image {rel!r} ({key}) was not found under {root} or beside the json"
+    for ext in IMAGE_EXTENSIONS:
+        for cand in (json_path.with_suffix(ext), json_path.with_suffix(ext.upper())):
+            if cand.is_file():
+                return cand
+    return "names no image (fields image, path or file_name) and has no same-name image beside it"
+
+
+def _scan_metadata(root, files, records, repeats, meta: MetadataConfig | None, cap_ext) -> Scan:
+    result = Scan(root, "metadata")
+    replace = dict(meta.replace) if meta else {}
+    # Config entries match a tag in their written form or after the replacements.
+    skip = {f for t in (meta.skip_tags if meta else []) for f in (t, _replace(t, replace))}
+    remove = {f for t in (meta.remove_tags if meta else []) for f in (t, _replace(t, replace))}
+    bonus: dict[str, float] = {}
+    for t, v in (meta.score_bonus if meta else {}).items():
+        bonus.setdefault(t, v)
+        bonus.setdefault(_replace(t, replace), v)
+    min_score = meta.min_score if meta else None
+    thresholds = sorted(meta.score_buckets) if meta else []
+    root_resolved = root.resolve()
+
+    described: dict[Path, Path] = {}  # resolved image -> json that described it
+    for json_path, data in records.items():
+        if isinstance(data, str):
+            result.skipped.append((json_path, data))
+            continue
+        image = _record_image(root, json_path, data)
+        if isinstance(image, str):
+            result.skipped.append((json_path, image))
+            continue
+        image = image.resolve()
+        if image in described:
+            result.skipped.append((json_path, f"describes the same image as {_rel(described[image], root)}"))
+            continue
+        described[image] = json_path
+        # Keep the path as the user sees it (under root) where it is there.
+        shown = root / image.relative_to(root_resolved) if image.is_relative_to(root_resolved) else image
+        if not is_image(image):
+            result.skipped.append((shown, _not_image_reason(image)))
+            continue
+        try:
+            raw = _as_tags(data.get("tags"))
+        except ValueError as e:
+            result.skipped.append((json_path, str(e)))
+            continue
+        forms = [(t, _replace(t, replace)) for t in raw]
+
+        def has(names: set[str] | dict[str, float], t: str, r: str) -> bool:
+            return t in names or r in names
+
+        hit = next((t for t, r in forms if has(skip, t, r)), None)
+        if hit is not None:
+            result.skipped.append((shown, f"has skip tag {hit!r}"))
+            continue
+        score_value = data.get("score")
+        try:
+            base = float(score_value) if score_value is not None else None
+        except (TypeError, ValueError):
+            result.skipped.append((json_path, f"score {score_value!r} is not a number"))
+            continue
+        added = sum(bonus.get(t, bonus.get(r, 0.0)) for t, r in forms if has(bonus, t, r))
+        has_score = base is not None or any(has(bonus, t, r) for t, r in forms)
+        score = (base or 0.0) + added
+        if min_score is not None and score < min_score:
+            result.skipped.append((shown, f"score {_fmt_num(score)} < min_score {_fmt_num(min_score)}"))
+            continue
+        tags = [r for t, r in forms if not has(remove, t, r)]
+        tags = [t for t in tags if t]
+        if thresholds and has_score:
+            reached = [th for th in thresholds if score >= th]
+            if reached:
+                tags.append(f"score_{_fmt_num(reached[-1])}")
+        caption: str | None
+        if tags:
+            caption = ", ".join(tags)
+        elif isinstance(data.get("caption"), str) and data["caption"].strip():
+            caption = data["caption"].strip()
+        else:
+            caption = None
+        result.items.append(Item(shown, caption, tags or None, repeats, score if has_score else None))
+
+    for f in files:
+        if f.suffix.lower() == ".json" or f.resolve() in described:
+            continue
+        if is_image(f):
+            result.skipped.append((f, "no .json record describes this image"))
+        elif f.suffix.lower() == cap_ext:
+            continue  # caption files are not used in the metadata layout; not an error either
+        else:
+            result.skipped.append((f, _not_image_reason(f)))
+    return result
+
+
+# -- checks -------------------------------------------------------------------------------------------
+
+
+def _drop_empty_files(result: Scan) -> None:
+    keep = []
+    for it in result.items:
+        try:
+            size = it.path.stat().st_size
+        except OSError as e:
+            result.skipped.append((it.path, f"cannot be read ({e.strerror or e})"))
+            continue
+        if size == 0:
+            result.skipped.append((it.path, "empty file (0 bytes)"))
+        else:
+            keep.append(it)
+    result.items = keep
+
+
+def _exif_rotated(im: Any) -> bool:
+    try:
+        return im.getexif().get(0x0112, 1) in (5, 6, 7, 8)  # orientations that swap width and height
+    except Exception:
+        return False
+
+
+def check_image(path: str | os.PathLike[str]) -> tuple[int, int] | str:
+    """Open and fully decode one image: its (width, height) after EXIF rotation, or why it is unusable."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(path) as im:
+            im.verify()  # structure and checksums (PNG CRCs); leaves the image unusable
+        with Image.open(path) as im:
+            im.load()  # a real decode catches truncated data that verify() lets through
+            w, h = im.size
+            if _exif_rotated(im):
+                w, h = h, w
+    except UnidentifiedImageError:
+        return "not an image PIL can read (corrupt, or another format with an image extension)"
+    except Image.DecompressionBombError as e:
+        return f"too large to open safely ({e})"
+    except OSError as e:
+        msg = str(e) or type(e).__name__
+        if "truncated" in msg.lower():
+            return f"truncated ({msg})"
+        return f"corrupt ({msg})"
+    except Exception as e:  # PIL raises SyntaxError, ValueError, struct.error ... on bad data
+        return f"corrupt ({type(e).__name__}: {e})"
+    if w < 1 or h < 1:
+        return f"has no pixels ({w}x{h})"
+    return w, h
+
+
+def _verify(result: Scan) -> None:
+    paths = [it.path for it in result.items]
+    workers = min(8, os.cpu_count() or 1, max(1, len(paths) // 16))
+    if workers > 1:
+        with ThreadPoolExecutor(workers) as pool:
+            checks = list(pool.map(check_image, paths))
+    else:
+        checks = [check_image(p) for p in paths]
+    keep = []
+    for it, check in zip(result.items, checks):
+        if isinstance(check, str):
+            result.skipped.append((it.path, check))
+        else:
+            it.size = check
+            keep.append(it)
+    result.items = keep
