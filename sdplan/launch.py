@@ -1,0 +1,300 @@
+"""How `sdplan train` starts the trainer: a pure builder (config -> command, environment, launcher configs)
+and a thin subprocess wrapper.
+
+The builder decides between four launches, as accelerate's own `commands/launch.py` does from its args:
+
+- one process (one GPU, or the CPU): ``python -m sdplan.trainer --config sdplan.yaml``;
+- several GPUs, or several machines: ``accelerate launch --config_file accelerate.yaml -m sdplan.trainer ...``
+  with a ``MULTI_GPU`` (DDP) accelerate config; on several machines the config carries num_machines,
+  machine_rank and the main process address, and each node runs the same command with its own
+  ``--machine_rank``;
+- DeepSpeed ZeRO-2 with CPU optimizer offload: ``accelerate launch`` with ``distributed_type: DEEPSPEED`` and
+  the written ``deepspeed.json`` (train_batch_size = micro batch x grad accumulation x world size);
+- CPU-only with ``--num-processes N``: ``torchrun --nproc_per_node N -m sdplan.trainer ...``: N real processes
+  with gloo (``accelerate launch --cpu`` alone would run one process).
+
+Nothing here touches the file system or the environment; ``run_launch`` is the only side effect.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shlex
+import signal
+import subprocess
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sdplan.config import TrainConfig
+from sdplan.errors import UsageError
+
+TRAINER_MODULE = "sdplan.trainer"
+ACCELERATE_FILE = "accelerate.yaml"
+DEEPSPEED_FILE = "deepspeed.json"
+
+_MIXED_PRECISION = {"fp32": "no", "fp16": "fp16", "bf16": "bf16"}
+
+
+@dataclass(frozen=True)
+class Launch:
+    """What to run, with what extra environment, and the launcher files to write beside sdplan.yaml."""
+
+    cmd: list[str]
+    env: dict[str, str]
+    accelerate_config: dict[str, Any] | None = None  # written to {out}/accelerate.yaml
+    deepspeed_config: dict[str, Any] | None = None  # written to {out}/deepspeed.json
+    per_node_commands: list[str] = field(default_factory=list)  # several machines: one line per node
+    kind: str = "single"  # single | cpu-multi | multi-gpu | deepspeed
+    world_size: int = 1
+
+    def shell(self) -> str:
+        """The command as one line a user can paste (environment first)."""
+        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(self.env.items()))
+        return (env + " " if env else "") + shlex.join(self.cmd)
+
+
+def world_size(cfg: TrainConfig, cpu_processes: int | None = None) -> int:
+    return cpu_processes if cpu_processes else cfg.distributed.num_processes
+
+
+def accelerate_config(
+    cfg: TrainConfig,
+    *,
+    deepspeed_file: str | None = None,
+    num_machines: int = 1,
+    machine_rank: int = 0,
+    main_process_ip: str | None = None,
+    main_process_port: int = 29500,
+) -> dict[str, Any]:
+    """The accelerate config YAML (as a dict) for ``accelerate launch --config_file``.
+
+    ``num_processes`` is the total over all machines, as accelerate expects; the trainer's
+    ``distributed.num_processes`` is that same world size.
+    """
+    world = cfg.distributed.num_processes
+    ds = cfg.distributed.deepspeed
+    if ds is not None:
+        distributed_type = "DEEPSPEED"
+    elif world > 1:
+        distributed_type = "MULTI_GPU"
+    else:
+        distributed_type = "NO"
+    out: dict[str, Any] = {
+        "compute_environment": "LOCAL_MACHINE",
+        "distributed_type": distributed_type,
+        "mixed_precision": _MIXED_PRECISION[cfg.training.precision],
+        "num_processes": world,
+        "num_machines": num_machines,
+        "machine_rank": machine_rank,
+        "gpu_ids": "all",
+        "use_cpu": False,
+        "main_training_function": "main",
+        "downcast_bf16": "no",
+        "debug": False,
+    }
+    if num_machines > 1:
+        out["main_process_ip"] = main_process_ip
+        out["main_process_port"] = main_process_port
+        out["rdzv_backend"] = "static"
+        out["same_network"] = False
+    if ds is not None:
+        # With a DeepSpeed config file accelerate takes zero stage, offload, accumulation, clipping and
+        # mixed precision from that file; repeating them here is an error in accelerate 1.x.
+        del out["mixed_precision"]
+        out["deepspeed_config"] = {
+            "deepspeed_config_file": deepspeed_file or DEEPSPEED_FILE,
+            "zero3_init_flag": False,
+        }
+    return out
+
+
+def deepspeed_config(cfg: TrainConfig) -> dict[str, Any] | None:
+    """The DeepSpeed JSON for ZeRO-1/2, optimizer state offloaded to CPU when planned; None without DeepSpeed.
+
+    DeepSpeed checks train_batch_size == micro batch x gradient accumulation x world size.
+    """
+    ds = cfg.distributed.deepspeed
+    if ds is None:
+        return None
+    t = cfg.training
+    world = cfg.distributed.num_processes
+    zero: dict[str, Any] = {
+        "stage": ds.zero_stage,
+        "overlap_comm": True,
+        "contiguous_gradients": True,
+        "reduce_bucket_size": 5e8,
+        "allgather_bucket_size": 5e8,
+    }
+    if ds.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    return {
+        "train_batch_size": t.batch_size * t.grad_accum * world,
+        "train_micro_batch_size_per_gpu": t.batch_size,
+        "gradient_accumulation_steps": t.grad_accum,
+        "gradient_clipping": t.max_grad_norm,
+        "zero_optimization": zero,
+        "fp16": {"enabled": t.precision == "fp16", "initial_scale_power": 16},
+        "bf16": {"enabled": t.precision == "bf16"},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 1_000_000,
+        "wall_clock_breakdown": False,
+    }
+
+
+def build_launch(
+    cfg: TrainConfig,
+    config_path: str | Path,
+    out_dir: str | Path,
+    *,
+    num_machines: int = 1,
+    machine_rank: int = 0,
+    main_process_ip: str | None = None,
+    main_process_port: int = 29500,
+    cpu_processes: int | None = None,
+    resume: str | None = None,
+    python: str | None = None,
+    cpu_cores: int | None = None,
+) -> Launch:
+    """Pure: the launch for ``cfg`` (already validated, the one written at ``config_path``).
+
+    ``cpu_processes``: run that many CPU processes with gloo through torchrun (``--num-processes``).
+    ``resume``: passed to the trainer as ``--resume`` ("latest" or a checkpoint folder).
+    ``python``: the interpreter (default: this one), ``cpu_cores``: splits threads between CPU processes.
+    """
+    py = python or sys.executable
+    out = Path(out_dir)
+    config_path = str(config_path)
+    trainer_args = ["-m", TRAINER_MODULE, "--config", config_path]
+    if resume:
+        trainer_args += ["--resume", str(resume)]
+    env = {"PYTHONUNBUFFERED": "1"}
+    on_cpu = cfg.training.device == "cpu"
+    ds = cfg.distributed.deepspeed
+
+    if num_machines < 1:
+        raise UsageError(f"--num-machines must be >= 1, got {num_machines}")
+    if num_machines > 1:
+        if cpu_processes:
+            raise UsageError("--num-processes (CPU processes) does not combine with --num-machines")
+        if not main_process_ip:
+            raise UsageError("several machines need the address of machine 0", fix="add --main-process-ip IP")
+        if not 0 <= machine_rank < num_machines:
+            raise UsageError(f"--machine-rank must be in 0..{num_machines - 1}, got {machine_rank}")
+        if not 1 <= main_process_port <= 65535:
+            raise UsageError(f"--main-process-port must be in 1..65535, got {main_process_port}")
+
+    if cpu_processes is not None:
+        if cpu_processes < 1:
+            raise UsageError(f"--num-processes must be >= 1, got {cpu_processes}")
+        if cfg.distributed.num_processes != cpu_processes:
+            raise UsageError(
+                f"distributed.num_processes is {cfg.distributed.num_processes} but --num-processes is "
+                f"{cpu_processes}; they must agree"
+            )
+        if not on_cpu:
+            raise UsageError("--num-processes runs CPU processes", fix="add --device cpu")
+
+    if on_cpu and ds is not None:
+        # DeepSpeed's CPU accelerator: one process, launched by accelerate's DeepSpeed launcher.
+        env["DS_ACCELERATOR"] = "cpu"
+
+    # CPU, several processes: torchrun with gloo (accelerate sees MULTI_CPU).
+    if on_cpu and ds is None and cfg.distributed.num_processes > 1:
+        n = cfg.distributed.num_processes
+        env["ACCELERATE_USE_CPU"] = "true"
+        env["OMP_NUM_THREADS"] = str(max(1, (cpu_cores or n) // n))
+        cmd = [py, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(n), *trainer_args]
+        return Launch(cmd=cmd, env=env, kind="cpu-multi", world_size=n)
+
+    world = cfg.distributed.num_processes
+    if ds is None and world == 1 and num_machines == 1:
+        if on_cpu:
+            env["ACCELERATE_USE_CPU"] = "true"
+        acc = accelerate_config(cfg) if not on_cpu else None
+        return Launch(cmd=[py, *trainer_args], env=env, accelerate_config=acc, kind="single", world_size=1)
+
+    if world % num_machines:
+        raise UsageError(
+            f"{world} processes do not split evenly over {num_machines} machines",
+            fix="give every machine the same number of GPUs",
+        )
+    acc_path = str(out / ACCELERATE_FILE)
+    ds_path = str(out / DEEPSPEED_FILE)
+    acc = accelerate_config(
+        cfg,
+        deepspeed_file=ds_path if ds is not None else None,
+        num_machines=num_machines,
+        machine_rank=machine_rank,
+        main_process_ip=main_process_ip,
+        main_process_port=main_process_port,
+    )
+    launcher = ["--config_file", acc_path]
+    cmd = [py, "-m", "accelerate.commands.launch", *launcher, *trainer_args]
+    per_node: list[str] = []
+    if num_machines > 1:
+        # The same files on every node (same paths); only the rank differs.
+        cmd = [py, "-m", "accelerate.commands.launch", *launcher, "--machine_rank", str(machine_rank)]
+        cmd += trainer_args
+        for rank in range(num_machines):
+            per_node.append(
+                shlex.join(["accelerate", "launch", *launcher, "--machine_rank", str(rank), *trainer_args])
+            )
+    return Launch(
+        cmd=cmd,
+        env=env,
+        accelerate_config=acc,
+        deepspeed_config=deepspeed_config(cfg),
+        per_node_commands=per_node,
+        kind="deepspeed" if ds is not None else "multi-gpu",
+        world_size=world,
+    )
+
+
+# -- the one side effect ---------------------------------------------------------------------------------
+
+
+def run_launch(launch: Launch, *, environ: Mapping[str, str] | None = None) -> int:
+    """Run the launch; the child's output streams through. Returns the trainer's exit code.
+
+    The child gets its own process group. Ctrl-C (SIGINT) or SIGTERM here is forwarded to that whole group
+    (torchrun/accelerate and every trainer process), and we wait: the trainer writes its interrupt
+    checkpoint and exits 130. A second Ctrl-C sends SIGTERM, a third SIGKILL.
+    """
+    env = dict(os.environ if environ is None else environ)
+    env.update(launch.env)
+    proc = subprocess.Popen(launch.cmd, env=env, start_new_session=True)
+    signals_sent = 0
+    escalation = (signal.SIGINT, signal.SIGTERM, signal.SIGKILL)
+
+    def forward(signum: int | None = None, frame: Any = None) -> None:
+        nonlocal signals_sent
+        sig = escalation[min(signals_sent, len(escalation) - 1)]
+        signals_sent += 1
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, sig)
+
+    old_term = None
+    try:
+        old_term = signal.signal(signal.SIGTERM, forward)
+    except ValueError:  # not the main thread
+        old_term = None
+    try:
+        while True:
+            try:
+                code = proc.wait()
+                break
+            except KeyboardInterrupt:
+                forward()
+    finally:
+        if old_term is not None:
+            signal.signal(signal.SIGTERM, old_term)
+    if signals_sent and code != 0:
+        # torchrun and accelerate turn a child's exit into their own (1 or -SIGINT): report an interrupt.
+        return 130
+    if code < 0:
+        return 128 - code
+    return code

@@ -1,0 +1,272 @@
+"""The launch builder: config -> exact command, environment and launcher configs, for every kind of launch."""
+
+from __future__ import annotations
+
+import shlex
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from sdplan.config import validate
+from sdplan.errors import UsageError
+from sdplan.launch import Launch, build_launch, run_launch
+
+PY = "/venv/bin/python"
+CFG = "/runs/a/sdplan.yaml"
+OUT = "/runs/a"
+TRAINER = ["-m", "sdplan.trainer", "--config", CFG]
+
+
+def cfg(**sections):
+    data = {"training": {"batch_size": 2, "grad_accum": 3, "precision": "bf16"}}
+    for key, value in sections.items():
+        data.setdefault(key, {}).update(value)
+    return validate(data)
+
+
+def test_one_gpu_is_one_plain_process():
+    launch = build_launch(cfg(), CFG, OUT, python=PY)
+    assert launch.cmd == [PY, *TRAINER]
+    assert launch.kind == "single"
+    assert launch.env == {"PYTHONUNBUFFERED": "1"}
+    assert launch.deepspeed_config is None
+    assert launch.per_node_commands == []
+    # accelerate.yaml is still written, for the record and for `accelerate launch` by hand.
+    acc = launch.accelerate_config
+    assert acc["distributed_type"] == "NO"
+    assert acc["num_processes"] == 1
+    assert acc["mixed_precision"] == "bf16"
+
+
+def test_resume_is_passed_to_the_trainer():
+    launch = build_launch(cfg(), CFG, OUT, python=PY, resume="latest")
+    assert launch.cmd == [PY, *TRAINER, "--resume", "latest"]
+
+
+def test_fp32_is_mixed_precision_no():
+    launch = build_launch(cfg(training={"precision": "fp32"}), CFG, OUT, python=PY)
+    assert launch.accelerate_config["mixed_precision"] == "no"
+
+
+def test_two_gpus_use_accelerate_launch_with_ddp_config():
+    launch = build_launch(cfg(distributed={"num_processes": 2}), CFG, OUT, python=PY)
+    assert launch.cmd == [
+        PY,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        "/runs/a/accelerate.yaml",
+        *TRAINER,
+    ]
+    assert launch.kind == "multi-gpu"
+    assert launch.world_size == 2
+    acc = launch.accelerate_config
+    assert acc["distributed_type"] == "MULTI_GPU"
+    assert acc["num_processes"] == 2
+    assert acc["num_machines"] == 1
+    assert acc["machine_rank"] == 0
+    assert acc["mixed_precision"] == "bf16"
+    assert acc["use_cpu"] is False
+    assert "main_process_ip" not in acc
+    assert "deepspeed_config" not in acc
+    assert launch.deepspeed_config is None
+
+
+def test_deepspeed_offload_writes_json_with_batch_arithmetic():
+    c = cfg(distributed={"num_processes": 4, "deepspeed": {"zero_stage": 2, "offload_optimizer": True}})
+    launch = build_launch(c, CFG, OUT, python=PY)
+    assert launch.kind == "deepspeed"
+    assert launch.cmd[:5] == [
+        PY,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        "/runs/a/accelerate.yaml",
+    ]
+    acc = launch.accelerate_config
+    assert acc["distributed_type"] == "DEEPSPEED"
+    assert acc["num_processes"] == 4
+    assert acc["deepspeed_config"] == {
+        "deepspeed_config_file": "/runs/a/deepspeed.json",
+        "zero3_init_flag": False,
+    }
+    # accelerate refuses mixed_precision beside a deepspeed_config_file: the JSON carries it.
+    assert "mixed_precision" not in acc
+    ds = launch.deepspeed_config
+    assert ds["train_micro_batch_size_per_gpu"] == 2
+    assert ds["gradient_accumulation_steps"] == 3
+    assert ds["train_batch_size"] == 2 * 3 * 4
+    assert ds["zero_optimization"]["stage"] == 2
+    assert ds["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    assert "offload_param" not in ds["zero_optimization"]  # parameter offload exists only with ZeRO-3
+    assert ds["bf16"] == {"enabled": True}
+    assert ds["fp16"]["enabled"] is False
+    assert ds["gradient_clipping"] == 1.0
+
+
+def test_deepspeed_on_one_gpu_still_goes_through_accelerate():
+    c = cfg(distributed={"num_processes": 1, "deepspeed": {"zero_stage": 2}}, training={"precision": "fp16"})
+    launch = build_launch(c, CFG, OUT, python=PY)
+    assert launch.cmd[2] == "accelerate.commands.launch"
+    assert launch.deepspeed_config["train_batch_size"] == 2 * 3 * 1
+    assert launch.deepspeed_config["fp16"]["enabled"] is True
+    assert "DS_ACCELERATOR" not in launch.env
+
+
+def test_deepspeed_on_cpu_selects_the_cpu_accelerator():
+    c = cfg(
+        distributed={"deepspeed": {"zero_stage": 2}},
+        training={"device": "cpu", "precision": "fp32"},
+    )
+    launch = build_launch(c, CFG, OUT, python=PY)
+    assert launch.env["DS_ACCELERATOR"] == "cpu"
+    assert launch.kind == "deepspeed"
+
+
+def test_two_machines_per_node_config_and_commands():
+    c = cfg(distributed={"num_processes": 8})
+    launch = build_launch(
+        c,
+        CFG,
+        OUT,
+        python=PY,
+        num_machines=2,
+        machine_rank=1,
+        main_process_ip="10.0.0.1",
+        main_process_port=29555,
+    )
+    acc = launch.accelerate_config
+    assert acc["distributed_type"] == "MULTI_GPU"
+    assert acc["num_processes"] == 8  # the total over both machines
+    assert acc["num_machines"] == 2
+    assert acc["machine_rank"] == 1
+    assert acc["main_process_ip"] == "10.0.0.1"
+    assert acc["main_process_port"] == 29555
+    assert acc["rdzv_backend"] == "static"
+    assert launch.cmd == [
+        PY,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        "/runs/a/accelerate.yaml",
+        "--machine_rank",
+        "1",
+        *TRAINER,
+    ]
+    assert launch.per_node_commands == [
+        "accelerate launch --config_file /runs/a/accelerate.yaml --machine_rank 0 "
+        "-m sdplan.trainer --config /runs/a/sdplan.yaml",
+        "accelerate launch --config_file /runs/a/accelerate.yaml --machine_rank 1 "
+        "-m sdplan.trainer --config /runs/a/sdplan.yaml",
+    ]
+
+
+def test_two_machines_with_deepspeed():
+    c = cfg(distributed={"num_processes": 4, "deepspeed": {"zero_stage": 2}})
+    launch = build_launch(c, CFG, OUT, python=PY, num_machines=2, main_process_ip="host0")
+    assert launch.accelerate_config["distributed_type"] == "DEEPSPEED"
+    assert launch.accelerate_config["num_machines"] == 2
+    assert launch.deepspeed_config["train_batch_size"] == 2 * 3 * 4
+    assert len(launch.per_node_commands) == 2
+
+
+def test_cpu_processes_use_torchrun_with_gloo():
+    c = cfg(distributed={"num_processes": 2}, training={"device": "cpu"})
+    launch = build_launch(c, CFG, OUT, python=PY, cpu_processes=2, cpu_cores=2)
+    assert launch.cmd == [
+        PY,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        *TRAINER,
+    ]
+    assert launch.kind == "cpu-multi"
+    assert launch.env["ACCELERATE_USE_CPU"] == "true"
+    assert launch.env["OMP_NUM_THREADS"] == "1"
+    assert launch.accelerate_config is None
+
+
+def test_one_cpu_process_is_plain():
+    c = cfg(training={"device": "cpu"})
+    launch = build_launch(c, CFG, OUT, python=PY, cpu_processes=1)
+    assert launch.cmd == [PY, *TRAINER]
+    assert launch.env["ACCELERATE_USE_CPU"] == "true"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "c", "needle"),
+    [
+        ({"num_machines": 2}, {"distributed": {"num_processes": 4}}, "--main-process-ip"),
+        (
+            {"num_machines": 2, "main_process_ip": "h", "machine_rank": 2},
+            {"distributed": {"num_processes": 4}},
+            "machine-rank",
+        ),
+        ({"num_machines": 2, "main_process_ip": "h"}, {"distributed": {"num_processes": 3}}, "split evenly"),
+        ({"cpu_processes": 2}, {"distributed": {"num_processes": 2}}, "--device cpu"),
+        ({"cpu_processes": 2}, {"training": {"device": "cpu"}}, "must agree"),
+        ({"num_machines": 0}, {}, "--num-machines"),
+    ],
+)
+def test_impossible_launches_are_usage_errors(kwargs, c, needle):
+    with pytest.raises(UsageError, match=needle.replace("-", r"\-")):
+        build_launch(cfg(**c), CFG, OUT, python=PY, **kwargs)
+
+
+def test_shell_line_quotes():
+    launch = build_launch(cfg(), "/my runs/sdplan.yaml", "/my runs", python=PY)
+    assert shlex.split(launch.shell()) == [
+        "PYTHONUNBUFFERED=1",
+        PY,
+        "-m",
+        "sdplan.trainer",
+        "--config",
+        "/my runs/sdplan.yaml",
+    ]
+
+
+# -- run_launch: a real child process ---------------------------------------------------------------------
+
+
+def test_run_launch_streams_and_returns_the_child_exit_code(capfd):
+    code = "import os, sys; print('child says', os.environ['SDPLAN_T']); sys.exit(75)"
+    launch = Launch(cmd=[sys.executable, "-c", code], env={"SDPLAN_T": "hi"})
+    assert run_launch(launch) == 75
+    assert "child says hi" in capfd.readouterr().out
+
+
+def test_run_launch_forwards_sigint_to_the_child_group(tmp_path):
+    """The parent gets SIGINT (Ctrl-C): the child (in its own group) gets it too, cleans up, and its
+    exit code comes back."""
+    marker = tmp_path / "child-cleaned-up"
+    child = textwrap.dedent(
+        f"""
+        import signal, sys, time, pathlib
+        def stop(*a):
+            pathlib.Path({str(marker)!r}).write_text("checkpoint")
+            sys.exit(130)
+        signal.signal(signal.SIGINT, stop)
+        print("ready", flush=True)
+        time.sleep(60)
+        """
+    )
+    parent = textwrap.dedent(
+        f"""
+        import sys
+        from sdplan.launch import Launch, run_launch
+        sys.exit(run_launch(Launch(cmd=[sys.executable, "-c", {child!r}], env={{}})))
+        """
+    )
+    proc = subprocess.Popen([sys.executable, "-c", parent], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    start = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=30) == 130
+    assert time.monotonic() - start < 30
+    assert marker.read_text() == "checkpoint"
