@@ -1,0 +1,163 @@
+"""Aspect-ratio buckets: shapes, assignment, batch sampling (seeded, per epoch, distributed)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from sdplan.trainer.buckets import (
+    BucketBatchSampler,
+    assign_buckets,
+    bucket_table,
+    format_bucket_table,
+    make_buckets,
+    min_step,
+    nearest_bucket,
+)
+
+
+def test_buckets_at_512_respect_budget_and_step():
+    buckets = make_buckets(512)
+    assert (512, 512) in buckets
+    for w, h in buckets:
+        assert w % 64 == 0 and h % 64 == 0
+        assert w * h <= 512 * 512
+        assert 256 <= w <= 1024 and 256 <= h <= 1024
+        assert (h, w) in buckets  # every shape also turned
+    # the tallest height that fits each width (as kohya makes them)
+    assert (704, 320) in buckets and (768, 320) in buckets and (640, 384) in buckets
+    assert (704, 384) not in buckets  # over budget
+    ratios = [w / h for w, h in buckets]
+    assert ratios == sorted(ratios)
+    assert len(buckets) == len(set(buckets))
+
+
+def test_step_rules():
+    assert min_step("sdxl") == 32 and min_step("sd15") == 64 and min_step(None) == 64
+    sdxl = make_buckets(1024, step=32)
+    assert (1024, 1024) in sdxl and all(w % 32 == 0 and h % 32 == 0 for w, h in sdxl)
+    assert any(w % 64 for w, _ in sdxl)  # finer shapes than the 64 step gives
+    assert all(w * h <= 1024 * 1024 for w, h in sdxl)
+    for bad in (16, 48, 0):
+        with pytest.raises(ValueError, match="multiple of 32"):
+            make_buckets(512, step=bad)
+    # a resolution off the step: the square bucket rounds down, the budget holds
+    assert (448, 448) in make_buckets(480)
+
+
+@pytest.mark.parametrize(
+    "size, expected",
+    [
+        ((500, 500), (512, 512)),
+        ((1000, 500), (704, 320)),  # 2:1 -> 2.2 is nearer than 1.67 or 2.4
+        ((500, 1000), (320, 704)),
+        ((600, 400), (640, 384)),  # 1.5 -> 1.67 (log distance .105) beats 1.29 (.154)
+        ((400, 600), (384, 640)),
+        ((4000, 100), (1024, 256)),  # beyond the widest: the widest
+        ((513, 512), (512, 512)),
+    ],
+)
+def test_nearest_bucket(size, expected):
+    buckets = make_buckets(512)
+    assert buckets[nearest_bucket(size, buckets)] == expected
+
+
+def test_nearest_bucket_rejects_empty_size():
+    with pytest.raises(ValueError):
+        nearest_bucket((0, 10), make_buckets(512))
+
+
+def test_bucket_table_counts_images_and_samples():
+    buckets = make_buckets(512)
+    sizes = [(500, 500), (1000, 500), (1000, 500), (500, 1000)]
+    assign = assign_buckets(sizes, buckets)
+    rows = bucket_table(buckets, assign, repeats=[1, 10, 10, 2])
+    assert [(r["width"], r["height"], r["images"], r["samples"]) for r in rows] == [
+        (320, 704, 1, 2),
+        (512, 512, 1, 1),
+        (704, 320, 2, 20),
+    ]
+    assert rows[2]["aspect"] == round(704 / 320, 3)
+    text = format_bucket_table(rows)
+    assert "704x320" in text and len(text.splitlines()) == 4
+
+
+def _ids():
+    # 3 buckets: 7, 5 and 2 indices, interleaved
+    return [0, 1, 0, 2, 1, 0, 0, 1, 0, 2, 1, 0, 1, 0]
+
+
+def test_batches_come_from_one_bucket_and_cover_the_epoch():
+    ids = _ids()
+    s = BucketBatchSampler(ids, 3, seed=1)
+    batches = list(s)
+    assert len(batches) == len(s) == 3 + 2 + 1  # ceil(7/3) + ceil(5/3) + ceil(2/3)
+    for b in batches:
+        assert len({ids[i] for i in b}) == 1
+    flat = sorted(i for b in batches for i in b)
+    assert flat == list(range(len(ids)))
+
+
+def test_drop_last_keeps_only_full_batches():
+    ids = _ids()
+    s = BucketBatchSampler(ids, 3, seed=1, drop_last=True)
+    batches = list(s)
+    assert len(batches) == len(s) == 2 + 1 + 0
+    assert all(len(b) == 3 for b in batches)
+
+
+def test_order_is_seeded_and_changes_per_epoch():
+    ids = _ids()
+    a = BucketBatchSampler(ids, 2, seed=7)
+    b = BucketBatchSampler(ids, 2, seed=7)
+    assert list(a) == list(b)
+    first = list(a)
+    a.set_epoch(1)
+    assert list(a) != first
+    b.set_epoch(1)
+    assert list(a) == list(b)
+    c = BucketBatchSampler(ids, 2, seed=8)
+    assert list(c) != first
+    plain = BucketBatchSampler(ids, 2, shuffle=False)
+    assert list(plain)[0] == [0, 2]  # bucket 0 in index order
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_distributed_ranks_split_the_one_process_epoch(drop_last):
+    ids = [0] * 12 + [1] * 8  # 6 + 4 = 10 batches of 2: splits evenly over 2 ranks
+    one = BucketBatchSampler(ids, 2, seed=3, drop_last=drop_last)
+    ranks = [BucketBatchSampler(ids, 2, seed=3, drop_last=drop_last, num_replicas=2, rank=r) for r in (0, 1)]
+    parts = [list(r) for r in ranks]
+    assert len(parts[0]) == len(parts[1]) == len(ranks[0]) == 5
+    assert sorted(map(tuple, parts[0] + parts[1])) == sorted(map(tuple, one))
+    assert not set(map(tuple, parts[0])) & set(map(tuple, parts[1]))
+
+
+def test_distributed_uneven_batches_pad_or_drop():
+    ids = [0] * 10  # 5 batches of 2 over 2 ranks
+    pad = [list(BucketBatchSampler(ids, 2, seed=0, num_replicas=2, rank=r)) for r in (0, 1)]
+    assert len(pad[0]) == len(pad[1]) == 3  # one batch repeated so both ranks step 3 times
+    assert {i for p in pad for b in p for i in b} == set(range(10))
+    drop = [list(BucketBatchSampler(ids, 2, seed=0, drop_last=True, num_replicas=2, rank=r)) for r in (0, 1)]
+    assert len(drop[0]) == len(drop[1]) == 2
+    with pytest.raises(ValueError):
+        BucketBatchSampler(ids, 2, num_replicas=2, rank=2)
+
+
+def test_skip_batches_resumes_mid_epoch_once():
+    ids = _ids()
+    s = BucketBatchSampler(ids, 2, seed=5)
+    s.set_epoch(2)
+    full = list(s)
+    s.set_epoch(2, skip_batches=3)
+    assert list(s) == full[3:]
+    assert list(s) == full  # the skip applies to one iteration only
+    assert len(s) == len(full) == math.ceil(7 / 2) + math.ceil(5 / 2) + 1
+
+
+def test_works_as_a_dataloader_batch_sampler():
+    torch = pytest.importorskip("torch")
+    data = list(range(14))
+    loader = torch.utils.data.DataLoader(data, batch_sampler=BucketBatchSampler(_ids(), 3, seed=0))
+    got = sorted(int(x) for batch in loader for x in batch)
+    assert got == data

@@ -1,0 +1,219 @@
+"""Aspect-ratio buckets: train on whole images of any shape instead of square center crops.
+
+The buckets are every ``(width, height)`` with sides a multiple of ``step`` whose area stays within the
+pixel budget of the training resolution (``resolution**2``), for widths from ``min_size`` to ``max_size``
+(the tallest height that fits each width, and the same shapes turned), as kohya's sd-scripts make them.
+Each image goes to the bucket whose aspect ratio is nearest to its own (compared as ``log(w/h)``, so
+2:1 and 1:2 are equally far from 1:1; ties go to the larger bucket); the dataset then scales it to cover
+the bucket and crops the rest. A batch is drawn from one bucket only, so its tensors stack.
+
+``step`` is 64 by default: SD 1.x/2.x UNets downsample the 8x latent three times, so sides must be
+multiples of 64 pixels. SDXL downsamples twice, so 32 is allowed there (``min_step("sdxl")``).
+
+Pure Python (no torch): :class:`BucketBatchSampler` is a plain iterable of index lists, which is what
+``torch.utils.data.DataLoader(batch_sampler=...)`` takes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import random
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+
+def min_step(family: str | None) -> int:
+    """Smallest bucket side step the model family allows: 32 for SDXL, 64 for SD 1.x / 2.x."""
+    return 32 if family == "sdxl" else 64
+
+
+def make_buckets(
+    resolution: int,
+    *,
+    step: int = 64,
+    min_size: int | None = None,
+    max_size: int | None = None,
+) -> list[tuple[int, int]]:
+    """Bucket shapes ``(width, height)`` with ``width * height <= resolution**2``, sorted by aspect ratio.
+
+    ``min_size``/``max_size`` bound each side (defaults: ``resolution // 2`` and ``resolution * 2``, rounded
+    to the step). The square bucket (``resolution`` rounded down to the step) is always there.
+    """
+    if step < 32 or step % 32:
+        raise ValueError(f"bucket step must be a multiple of 32 (64 for SD 1.x/2.x), got {step}")
+    if resolution < step:
+        raise ValueError(f"resolution {resolution} is smaller than the bucket step {step}")
+    max_area = resolution * resolution
+    lo = max(step, _round_down(min_size if min_size is not None else resolution // 2, step))
+    hi = _round_down(max_size if max_size is not None else resolution * 2, step)
+    if hi < lo:
+        raise ValueError(f"bucket max_size {max_size} is below min_size {min_size}")
+    side = _round_down(resolution, step)
+    shapes = {(side, side)}
+    for w in range(lo, hi + 1, step):
+        h = min(hi, _round_down(max_area // w, step))
+        if h < lo:
+            continue
+        shapes.add((w, h))
+        shapes.add((h, w))
+    return sorted(shapes, key=lambda s: (s[0] / s[1], s[0] * s[1]))
+
+
+def _round_down(x: int, step: int) -> int:
+    return (int(x) // step) * step
+
+
+def nearest_bucket(size: tuple[int, int], buckets: Sequence[tuple[int, int]]) -> int:
+    """Index of the bucket whose aspect ratio is nearest to ``size`` = (width, height)."""
+    w, h = size
+    if w < 1 or h < 1:
+        raise ValueError(f"image size must be positive, got {w}x{h}")
+    ar = math.log(w / h)
+    return min(
+        range(len(buckets)),
+        key=lambda i: (abs(math.log(buckets[i][0] / buckets[i][1]) - ar), -buckets[i][0] * buckets[i][1]),
+    )
+
+
+def assign_buckets(sizes: Sequence[tuple[int, int]], buckets: Sequence[tuple[int, int]]) -> list[int]:
+    """Bucket index for each (width, height)."""
+    cache: dict[tuple[int, int], int] = {}
+    out = []
+    for s in sizes:
+        s = (int(s[0]), int(s[1]))
+        if s not in cache:
+            cache[s] = nearest_bucket(s, buckets)
+        out.append(cache[s])
+    return out
+
+
+def bucket_table(
+    buckets: Sequence[tuple[int, int]],
+    assignment: Sequence[int],
+    repeats: Sequence[int] | None = None,
+) -> list[dict[str, Any]]:
+    """Rows for printing at start, only the buckets that hold images:
+    ``{"bucket": i, "width", "height", "aspect": "3:2"-like float, "images", "samples"}``
+    (``samples`` = images x repeats; ``repeats`` per image, default 1)."""
+    rows: dict[int, dict[str, Any]] = {}
+    for n, b in enumerate(assignment):
+        w, h = buckets[b]
+        row = rows.setdefault(
+            b, {"bucket": b, "width": w, "height": h, "aspect": round(w / h, 3), "images": 0, "samples": 0}
+        )
+        row["images"] += 1
+        row["samples"] += repeats[n] if repeats is not None else 1
+    return [rows[b] for b in sorted(rows, key=lambda b: buckets[b][0] / buckets[b][1])]
+
+
+def format_bucket_table(rows: Sequence[dict[str, Any]]) -> str:
+    """The table as plain text, one bucket per line."""
+    lines = [f"{'bucket':>9}  {'aspect':>6}  {'images':>6}  {'samples':>7}"]
+    for r in rows:
+        lines.append(
+            f"{r['width']:>4}x{r['height']:<4}  {r['aspect']:>6.3f}  {r['images']:>6}  {r['samples']:>7}"
+        )
+    return "\n".join(lines)
+
+
+def _rng(*parts: Any) -> random.Random:
+    digest = hashlib.sha256(":".join(str(p) for p in parts).encode()).digest()
+    return random.Random(int.from_bytes(digest[:8], "little"))
+
+
+class BucketBatchSampler:
+    """Batches of dataset indices, each batch from one bucket; seeded and reshuffled per epoch.
+
+    ``bucket_ids[i]`` is the bucket of dataset index ``i`` (all zeros: plain seeded batching). Per epoch the
+    indices of each bucket are shuffled, cut into batches of ``batch_size`` (the last one shorter unless
+    ``drop_last``), and the batches of all buckets shuffled together; the order depends only on
+    ``(seed, epoch)``.
+
+    Distributed (``num_replicas`` > 1): every rank computes the same batch list and takes every
+    ``num_replicas``-th batch from ``rank``; all ranks get the same number of batches (with ``drop_last``
+    the leftover batches are dropped, otherwise the first batches are repeated to fill the last round), so
+    an epoch holds the same images as a one-process run. When this sampler shards, do not let
+    ``accelerator.prepare`` shard the DataLoader again; or keep ``num_replicas=1`` and let accelerate do it.
+
+    ``set_epoch(epoch, skip_batches=n)``: the next iteration starts at this rank's batch ``n`` of that epoch
+    (resume mid-epoch); ``len()`` always counts the full epoch.
+    """
+
+    def __init__(
+        self,
+        bucket_ids: Sequence[int],
+        batch_size: int,
+        *,
+        seed: int = 0,
+        shuffle: bool = True,
+        drop_last: bool = False,
+        num_replicas: int = 1,
+        rank: int = 0,
+    ):
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if num_replicas < 1 or not 0 <= rank < num_replicas:
+            raise ValueError(f"rank {rank} is not in [0, num_replicas={num_replicas})")
+        self.bucket_ids = list(bucket_ids)
+        self.batch_size = batch_size
+        self.seed = seed
+        self.shuffle = shuffle
+        self.drop_last = drop_last
+        self.num_replicas = num_replicas
+        self.rank = rank
+        self.epoch = 0
+        self._skip = 0
+        self._by_bucket: dict[int, list[int]] = {}
+        for i, b in enumerate(self.bucket_ids):
+            self._by_bucket.setdefault(int(b), []).append(i)
+
+    @classmethod
+    def for_dataset(cls, dataset: Any, batch_size: int, **kwargs: Any) -> BucketBatchSampler:
+        """From a dataset with ``bucket_ids()`` (CaptionedImages); others get one bucket."""
+        ids = dataset.bucket_ids() if hasattr(dataset, "bucket_ids") else [0] * len(dataset)
+        return cls(ids, batch_size, **kwargs)
+
+    def set_epoch(self, epoch: int, skip_batches: int = 0) -> None:
+        self.epoch = int(epoch)
+        self._skip = max(0, int(skip_batches))
+
+    def _total_batches(self) -> int:
+        if self.drop_last:
+            return sum(len(ix) // self.batch_size for ix in self._by_bucket.values())
+        return sum(math.ceil(len(ix) / self.batch_size) for ix in self._by_bucket.values())
+
+    def __len__(self) -> int:
+        total = self._total_batches()
+        if self.drop_last:
+            return total // self.num_replicas
+        return math.ceil(total / self.num_replicas)
+
+    def epoch_batches(self, epoch: int | None = None) -> list[list[int]]:
+        """All ranks' batches of one epoch, in order (before sharding)."""
+        epoch = self.epoch if epoch is None else epoch
+        batches: list[list[int]] = []
+        for b in sorted(self._by_bucket):
+            ix = list(self._by_bucket[b])
+            if self.shuffle:
+                _rng(self.seed, epoch, "bucket", b).shuffle(ix)
+            for s in range(0, len(ix), self.batch_size):
+                chunk = ix[s : s + self.batch_size]
+                if len(chunk) == self.batch_size or not self.drop_last:
+                    batches.append(chunk)
+        if self.shuffle:
+            _rng(self.seed, epoch, "batches").shuffle(batches)
+        return batches
+
+    def __iter__(self) -> Iterator[list[int]]:
+        batches = self.epoch_batches()
+        per_rank = len(self)
+        need = per_rank * self.num_replicas
+        if need < len(batches):
+            batches = batches[:need]
+        elif batches:
+            while len(batches) < need:
+                batches = batches + batches[: need - len(batches)]
+        mine = batches[self.rank :: self.num_replicas]
+        skip, self._skip = self._skip, 0
+        yield from mine[skip:]
