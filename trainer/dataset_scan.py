@@ -25,7 +25,7 @@ Three layouts, detected in this order:
     after ``replace`` (``rating:safe`` and ``rating=safe`` both match either way). The caption is the tags joined with ``", "``; ``Item.tags`` keeps the list so
     the dataset can shuffle it at load time (``shuffle_tags``: that happens per sample, not here). A record
     without tags uses its ``caption`` field if it has one. Images under the root that no json describes are
-    listed as skipped.
+    listed as skipped. Every image repeats ``repeats`` times.
 
 ``kohya``
     Subfolders named ``N_name`` (``10_sks dog``: 10 repeats). Images anywhere inside such a folder, caption
