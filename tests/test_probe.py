@@ -1,0 +1,636 @@
+"""The machine probe: backends against fake NVML/amdsmi modules, host/software readers, findings rules."""
+
+from __future__ import annotations
+
+import builtins
+import os
+import pathlib
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from fakes import fake_amdsmi, fake_pynvml
+
+from sdplan.machine import GPU, Finding, Link, Snapshot
+from sdplan.probe import amd, host, nvidia, snapshot, software
+from sdplan.probe.snapshot import findings, refresh
+
+MACHINES = Path(__file__).parent / "fixtures" / "machines"
+FIXTURES = sorted(p.stem for p in MACHINES.glob("*.json"))
+
+
+def load(name: str) -> Snapshot:
+    return Snapshot.load(MACHINES / f"{name}.json")
+
+
+def raw(name: str) -> dict:
+    import json
+
+    return json.loads((MACHINES / f"{name}.json").read_text())
+
+
+@pytest.fixture
+def no_devices(tmp_path) -> dict[str, str]:
+    """Empty /sys, /proc and /dev roots: no evidence of any GPU."""
+    roots = {"sys": tmp_path / "sys", "proc": tmp_path / "proc", "dev": tmp_path / "dev"}
+    for p in roots.values():
+        p.mkdir()
+    return {k: str(v) for k, v in roots.items()}
+
+
+def fake_pci(sys_root: Path, vendor: str, cls: str = "0x030000") -> None:
+    dev = sys_root / "bus" / "pci" / "devices" / "0000:01:00.0"
+    dev.mkdir(parents=True)
+    (dev / "vendor").write_text(vendor + "\n")
+    (dev / "class").write_text(cls + "\n")
+
+
+# -- fixtures are what the issue asks for ------------------------------------------------------------
+
+
+def test_fixture_set_is_complete():
+    assert set(FIXTURES) >= {
+        "2x_rtx4090_pcie",
+        "8x_h100_sxm",
+        "w6800",
+        "rx6700xt",
+        "rtx3060_12gb",
+        "t4",
+        "cpu_only",
+    }
+
+
+@pytest.mark.parametrize("name", FIXTURES)
+def test_fixture_is_a_valid_snapshot_with_consistent_facts(name):
+    s = load(name)
+    assert s.to_dict() == raw(name)  # round-trips exactly: the fixture is `sdplan doctor --json` output
+    for g in s.gpus:
+        assert g.memory_free_bytes <= g.memory_total_bytes
+        if g.vendor == "nvidia":
+            assert g.bf16 == nvidia.bf16_supported(tuple(int(x) for x in g.compute_capability.split(".")))
+        else:
+            assert g.bf16 == amd.amd_bf16(g.gfx_arch)
+    n = len(s.gpus)
+    assert len(s.links) in (0, n * (n - 1) // 2)
+
+
+# -- NVIDIA backend against the fake pynvml ----------------------------------------------------------
+
+
+NVIDIA_FIXTURES = [n for n in FIXTURES if any(g["vendor"] == "nvidia" for g in raw(n)["gpus"])]
+AMD_FIXTURES = [n for n in FIXTURES if any(g["vendor"] == "amd" for g in raw(n)["gpus"])]
+
+
+@pytest.mark.parametrize("name", NVIDIA_FIXTURES)
+def test_nvidia_backend_reads_fixture_exactly(name, monkeypatch, no_devices):
+    state = fake_pynvml.install(monkeypatch, MACHINES / f"{name}.json")
+    reading = nvidia.probe(sys_root=no_devices["sys"], proc_root=no_devices["proc"])
+    s = load(name)
+    assert reading.gpus == s.gpus
+    assert reading.links == s.links
+    assert reading.cuda_driver == s.software.cuda_driver
+    assert reading.notes == ()
+    assert state.init_count == 0, "nvmlShutdown must balance nvmlInit"
+
+
+def test_nvidia_p2p_uses_literal_index_not_the_tuple_constant(monkeypatch, no_devices):
+    fake_pynvml.install(monkeypatch, MACHINES / "2x_rtx4090_pcie.json")
+    import pynvml
+
+    assert pynvml.NVML_P2P_CAPS_INDEX_READ == (0,)  # the trap is present in the fake as in 13.615.71
+    reading = nvidia.probe(sys_root=no_devices["sys"], proc_root=no_devices["proc"])
+    assert reading.links == (Link(0, 1, "pcie", False),)  # False, not None: the call succeeded
+
+
+def test_nvidia_pcie_generation_is_the_link_capability_not_the_idle_state(monkeypatch, no_devices):
+    fake_pynvml.install(monkeypatch, MACHINES / "t4.json")  # current gen reads 1 in the fake, max reads 3
+    (gpu,) = nvidia.probe(sys_root=no_devices["sys"], proc_root=no_devices["proc"]).gpus
+    assert gpu.pcie_gen == 3
+
+
+def test_nvidia_missing_fields_become_none_not_zero(monkeypatch, no_devices):
+    data = raw("t4")
+    data["gpus"][0].update(pcie_gen=None, pcie_width=None, power_limit_watts=None, uuid=None)
+    data["software"]["cuda_driver"] = None
+    fake_pynvml.install(monkeypatch, data)
+    reading = nvidia.probe(sys_root=no_devices["sys"], proc_root=no_devices["proc"])
+    (gpu,) = reading.gpus
+    assert (gpu.pcie_gen, gpu.pcie_width, gpu.power_limit_watts, gpu.uuid) == (None, None, None, None)
+    assert reading.cuda_driver is None
+    assert gpu.name == "Tesla T4" and gpu.memory_total_bytes == 16_106_127_360 and gpu.bf16 is False
+
+
+def test_no_nvidia_driver_is_quiet_without_evidence(monkeypatch, no_devices):
+    state = fake_pynvml.install(monkeypatch, MACHINES / "cpu_only.json")
+    reading = nvidia.probe(sys_root=no_devices["sys"], proc_root=no_devices["proc"])
+    assert reading == nvidia.NvidiaReading()
+    assert state.calls == ["nvmlInit"]
+
+
+def test_no_nvidia_driver_with_an_nvidia_gpu_on_the_bus_says_so(monkeypatch, no_devices):
+    fake_pynvml.install(monkeypatch, MACHINES / "cpu_only.json")
+    fake_pci(Path(no_devices["sys"]), "0x10de")
+    reading = nvidia.probe(sys_root=no_devices["sys"], proc_root=no_devices["proc"])
+    assert reading.gpus == ()
+    assert [n.code for n in reading.notes] == ["nvidia_driver_missing"]
+
+
+def test_nvml_bindings_not_installed(monkeypatch, no_devices):
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # import pynvml -> ImportError
+    assert nvidia.probe(sys_root=no_devices["sys"], proc_root=no_devices["proc"]).gpus == ()
+    fake_pci(Path(no_devices["sys"]), "0x10de")
+    notes = nvidia.probe(sys_root=no_devices["sys"], proc_root=no_devices["proc"]).notes
+    assert [n.code for n in notes] == ["nvml_bindings_missing"]
+
+
+def test_nvml_init_failure_other_than_no_library(monkeypatch, no_devices):
+    module, state = fake_pynvml.make_module(MACHINES / "t4.json")
+
+    def init():
+        raise module.NVMLError(module.NVML_ERROR_DRIVER_NOT_LOADED)
+
+    module.nvmlInit = init
+    monkeypatch.setitem(sys.modules, "pynvml", module)
+    reading = nvidia.probe(sys_root=no_devices["sys"], proc_root=no_devices["proc"])
+    assert reading.gpus == ()
+    assert [n.code for n in reading.notes] == ["nvml_init_failed"]
+    assert "Driver Not Loaded" in reading.notes[0].message
+
+
+def test_nvidia_unreadable_gpu_keeps_its_place(monkeypatch, no_devices):
+    module, state = fake_pynvml.make_module(MACHINES / "2x_rtx4090_pcie.json")
+    real = module.nvmlDeviceGetHandleByIndex
+
+    def handle(index):
+        if index == 1:
+            raise module.NVMLError(module.NVML_ERROR_GPU_IS_LOST)
+        return real(index)
+
+    module.nvmlDeviceGetHandleByIndex = handle
+    monkeypatch.setitem(sys.modules, "pynvml", module)
+    reading = nvidia.probe(sys_root=no_devices["sys"], proc_root=no_devices["proc"])
+    assert [g.index for g in reading.gpus] == [0, 1]
+    assert reading.gpus[0].name == "NVIDIA GeForce RTX 4090"
+    assert reading.gpus[1].memory_total_bytes is None and reading.gpus[1].name is None
+    assert [n.code for n in reading.notes] == ["gpu_unreadable"]
+    assert reading.links == ()
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"), [(12040, "12.4"), (12020, "12.2"), (11080, "11.8"), (13000, "13.0"), (0, None)]
+)
+def test_cuda_version_string(value, expected):
+    assert nvidia.cuda_version_string(value) == expected
+
+
+def test_nvidia_bf16_is_capability_8_or_newer():
+    assert nvidia.bf16_supported((7, 5)) is False  # T4: torch says True by emulation
+    assert nvidia.bf16_supported((7, 0)) is False  # V100
+    assert nvidia.bf16_supported((8, 0)) is True
+    assert nvidia.bf16_supported((8, 6)) is True
+    assert nvidia.bf16_supported(None) is None
+
+
+# -- AMD backend against the fake amdsmi -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("gfx_form", ["decimal", "name"])
+@pytest.mark.parametrize("name", AMD_FIXTURES)
+def test_amd_backend_reads_fixture_exactly(name, gfx_form, monkeypatch, no_devices):
+    state = fake_amdsmi.install(monkeypatch, MACHINES / f"{name}.json", gfx_form=gfx_form)
+    reading = amd.probe(sys_root=no_devices["sys"], dev_root=no_devices["dev"], rocm_root=no_devices["proc"])
+    s = load(name)
+    assert reading.gpus == s.gpus
+    assert reading.links == s.links
+    assert reading.rocm == s.software.rocm
+    assert reading.notes == ()
+    assert state.initialized is False, "amdsmi_shut_down must follow amdsmi_init"
+
+
+def test_amd_cdna_decimal_arch_and_xgmi_links(monkeypatch, no_devices):
+    """An MI210 pair: amdsmi reports gfx90a as "gfx9010"; XGMI links; bf16 yes."""
+    data = raw("w6800")
+    mi210 = dict(
+        data["gpus"][0], name="AMD Instinct MI210", gfx_arch="gfx90a", bf16=True, power_limit_watts=300.0
+    )
+    data["gpus"] = [dict(mi210, index=0), dict(mi210, index=1, uuid="0bff740f-0000-1000-80d1-9e3c1a2b4c5d")]
+    data["links"] = [{"a": 0, "b": 1, "type": "xgmi", "p2p": True}]
+    state = fake_amdsmi.install(monkeypatch, data, gfx_form="decimal")
+    reading = amd.probe(sys_root=no_devices["sys"], dev_root=no_devices["dev"], rocm_root=no_devices["proc"])
+    assert "amdsmi_get_gpu_asic_info" in state.calls
+    assert [g.gfx_arch for g in reading.gpus] == ["gfx90a", "gfx90a"]
+    assert all(g.bf16 for g in reading.gpus)
+    assert reading.links == (Link(0, 1, "xgmi", True),)
+
+
+def test_amd_missing_power_and_pcie_become_none(monkeypatch, no_devices):
+    data = raw("rx6700xt")
+    data["gpus"][0].update(power_limit_watts=None, pcie_gen=None, pcie_width=None, driver_version=None)
+    fake_amdsmi.install(monkeypatch, data)
+    (gpu,) = amd.probe(
+        sys_root=no_devices["sys"], dev_root=no_devices["dev"], rocm_root=no_devices["proc"]
+    ).gpus
+    assert (gpu.power_limit_watts, gpu.pcie_gen, gpu.pcie_width, gpu.driver_version) == (
+        None,
+        None,
+        None,
+        None,
+    )
+    assert gpu.gfx_arch == "gfx1031" and gpu.memory_total_bytes == 12_868_124_672
+
+
+def test_amdsmi_not_installed_is_quiet_without_an_amd_gpu(monkeypatch, no_devices):
+    monkeypatch.setitem(sys.modules, "amdsmi", None)
+    reading = amd.probe(sys_root=no_devices["sys"], dev_root=no_devices["dev"], rocm_root=no_devices["proc"])
+    assert reading == amd.AmdReading()
+
+
+def test_amdsmi_not_installed_with_an_amd_gpu_gives_an_info_note(monkeypatch, no_devices, tmp_path):
+    monkeypatch.setitem(sys.modules, "amdsmi", None)
+    (Path(no_devices["dev"]) / "kfd").write_text("")
+    rocm = tmp_path / "rocm" / ".info"
+    rocm.mkdir(parents=True)
+    (rocm / "version").write_text("6.2.4-120\n")
+    reading = amd.probe(
+        sys_root=no_devices["sys"], dev_root=no_devices["dev"], rocm_root=str(tmp_path / "rocm")
+    )
+    assert reading.gpus == ()
+    assert [(n.severity, n.code) for n in reading.notes] == [("info", "amdsmi_missing")]
+    assert reading.rocm == "6.2.4"
+
+
+def test_amdsmi_without_its_library_prints_nothing(monkeypatch, no_devices, tmp_path, capsys):
+    """amdsmi's wrapper prints to stdout and raises KeyError when libamd_smi.so is missing."""
+    pkg = tmp_path / "site" / "amdsmi"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text(
+        "print('Unable to find amdsmi library try installing amd-smi-lib from your package manager')\n"
+        "raise KeyError('libamd_smi.so')\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.delitem(sys.modules, "amdsmi", raising=False)
+    fake_pci(Path(no_devices["sys"]), "0x1002")
+    reading = amd.probe(sys_root=no_devices["sys"], dev_root=no_devices["dev"], rocm_root=no_devices["proc"])
+    assert capsys.readouterr().out == ""
+    assert [n.code for n in reading.notes] == ["amdsmi_missing"]
+    assert "KeyError" in reading.notes[0].message
+
+
+def test_amdsmi_init_failure_with_an_amd_gpu(monkeypatch, no_devices):
+    fake_amdsmi.install(monkeypatch, MACHINES / "cpu_only.json")  # no AMD GPUs: init says driver not loaded
+    assert (
+        amd.probe(sys_root=no_devices["sys"], dev_root=no_devices["dev"], rocm_root=no_devices["proc"]).notes
+        == ()
+    )
+    (Path(no_devices["dev"]) / "kfd").write_text("")
+    notes = amd.probe(
+        sys_root=no_devices["sys"], dev_root=no_devices["dev"], rocm_root=no_devices["proc"]
+    ).notes
+    assert [n.code for n in notes] == ["amdsmi_init_failed"]
+    assert "\n" not in notes[0].message
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ("gfx90a", "gfx90a"),
+        ("gfx1030", "gfx1030"),
+        ("gfx942:sramecc+:xnack-", "gfx942"),
+        ("90a", "gfx90a"),
+        (1030, "gfx1030"),
+        ("1031", "gfx1031"),
+        ("gfx9010", "gfx90a"),  # amdsmi's decimal rendering of KFD 90010
+        ("gfx9008", "gfx908"),
+        ("gfx9006", "gfx906"),
+        ("gfx11000", "gfx1100"),
+        ("gfx11001", "gfx1101"),
+        ("gfx12001", "gfx1201"),
+        ("gfx1151", "gfx1151"),
+        (90010, "gfx90a"),  # KFD gfx_target_version
+        (90402, "gfx942"),
+        (100300, "gfx1030"),
+        (110001, "gfx1101"),
+        ("gfx18446744073709551615", None),  # UINT64_MAX: not supported
+        ("N/A", None),
+        (None, None),
+        ("", None),
+    ],
+)
+def test_parse_gfx_arch(value, expected):
+    assert amd.parse_gfx_arch(value) == expected
+
+
+@pytest.mark.parametrize(
+    ("arch", "bf16"),
+    [
+        ("gfx1010", False),  # RDNA1
+        ("gfx1030", False),  # RDNA2
+        ("gfx1031", False),
+        ("gfx1100", True),  # RDNA3
+        ("gfx1151", True),  # RDNA3.5
+        ("gfx1201", True),  # RDNA4
+        ("gfx908", True),  # CDNA1
+        ("gfx90a", True),  # CDNA2
+        ("gfx942", True),  # CDNA3
+        ("gfx950", True),
+        ("gfx906", False),  # Vega 20
+        ("gfx803", False),
+        (None, None),
+    ],
+)
+def test_amd_bf16_by_arch(arch, bf16):
+    assert amd.amd_bf16(arch) is bf16
+
+
+def test_rocm_version_string_forms():
+    assert amd.rocm_version_string((True, "6.3.1")) == "6.3.1"
+    assert amd.rocm_version_string((False, "librocm-core.so not found")) is None
+    assert amd.rocm_version_string("6.4.0-47") == "6.4.0"
+    assert amd.rocm_version_string(None) is None
+
+
+# -- a whole machine through both fakes ------------------------------------------------------------------
+
+
+def test_probe_mixed_vendor_machine_numbers_gpus_across_backends(monkeypatch, tmp_path):
+    data = raw("2x_rtx4090_pcie")
+    w6800 = dict(raw("w6800")["gpus"][0], index=2)
+    data["gpus"].append(w6800)
+    data["software"]["rocm"] = "6.2.4"
+    fake_pynvml.install(monkeypatch, data)
+    fake_amdsmi.install(monkeypatch, data)
+    s = snapshot.probe(tmp_path)
+    assert [(g.index, g.vendor) for g in s.gpus] == [(0, "nvidia"), (1, "nvidia"), (2, "amd")]
+    assert s.gpus[2].name == "AMD Radeon PRO W6800"
+    assert s.software.cuda_driver == "12.4" and s.software.rocm == "6.2.4"
+    codes = {f.code for f in s.findings}
+    assert {"mixed_gpus", "multi_gpu_slow_link", "bf16_unavailable"} <= codes
+    mixed = next(f for f in s.findings if f.code == "mixed_gpus")
+    assert "CUDA_VISIBLE_DEVICES=0,1" in mixed.fix
+
+
+@pytest.mark.parametrize("name", FIXTURES)
+def test_probe_through_fakes_gives_the_fixture_findings(name, monkeypatch, tmp_path):
+    """probe() on a fixture's GPUs finds what findings() finds on the fixture for the GPU-side rules."""
+    fake_pynvml.install(monkeypatch, MACHINES / f"{name}.json")
+    fake_amdsmi.install(monkeypatch, MACHINES / f"{name}.json")
+    live = snapshot.probe(tmp_path)
+    expected = load(name)
+    assert live.gpus == expected.gpus and live.links == expected.links
+    gpu_side = {"no_gpu", "mixed_gpus", "multi_gpu_slow_link", "bf16_unavailable", "rocm_arch_unsupported"}
+    want = {f.code for f in findings(replace(expected, env=live.env, software=live.software))} & gpu_side
+    assert {f.code for f in live.findings} & gpu_side == want
+
+
+# -- host and software readers ---------------------------------------------------------------------------
+
+
+def test_meminfo_is_read_in_bytes(tmp_path):
+    (tmp_path / "meminfo").write_text(
+        "MemTotal:       24684084 kB\nMemFree:        23293276 kB\nMemAvailable:   24079616 kB\nHugePages_Total:       0\n"
+    )
+    info = host.read_meminfo_bytes(tmp_path / "meminfo")
+    assert info["MemTotal"] == 24684084 * 1024
+    assert info["MemAvailable"] == 24079616 * 1024
+    assert info["HugePages_Total"] == 0
+    assert host.read_meminfo_bytes(tmp_path / "missing") == {}
+
+
+def test_host_probe_with_missing_sources_gives_none(tmp_path):
+    h = host.probe_host(tmp_path, proc=str(tmp_path / "noproc"), shm=str(tmp_path / "noshm"))
+    assert h.ram_total_bytes is None and h.ram_available_bytes is None and h.shm_bytes is None
+    assert h.disk_free_bytes is not None and h.disk_free_bytes > 0
+
+
+def test_disk_free_of_a_path_not_created_yet(tmp_path):
+    st = os.statvfs(tmp_path)
+    free = host.disk_free_bytes(tmp_path / "out" / "run1")
+    assert abs(free - st.f_bavail * st.f_frsize) < 256 * 2**20
+
+
+def test_cpu_model_x86_and_arm(tmp_path):
+    (tmp_path / "x86").write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC 7B13\n")
+    (tmp_path / "arm").write_text(
+        "processor\t: 0\nBogoMIPS\t: 50.00\nModel\t: Raspberry Pi 5 Model B Rev 1.0\n"
+    )
+    assert host.cpu_model(tmp_path / "x86") == "AMD EPYC 7B13"
+    assert host.cpu_model(tmp_path / "arm") == "Raspberry Pi 5 Model B Rev 1.0"
+
+
+def test_pci_display_vendors_only_counts_display_controllers(tmp_path):
+    fake_pci(tmp_path, "0x1002")
+    other = tmp_path / "bus" / "pci" / "devices" / "0000:00:14.0"
+    other.mkdir()
+    (other / "vendor").write_text("0x10de\n")
+    (other / "class").write_text("0x0c0330\n")  # a USB controller
+    assert host.pci_display_vendors(str(tmp_path)) == {"0x1002"}
+    assert host.pci_display_vendors(str(tmp_path / "none")) == set()
+
+
+def test_cgroup_memory_limit(tmp_path):
+    (tmp_path / "cgroup").write_text("0::/docker/abc\n")
+    box = tmp_path / "fs" / "docker" / "abc"
+    box.mkdir(parents=True)
+    (box / "memory.max").write_text("8589934592\n")
+    assert host.cgroup_memory_limit_bytes(str(tmp_path / "fs"), str(tmp_path / "cgroup")) == 8 * 2**30
+    (box / "memory.max").write_text("max\n")
+    assert host.cgroup_memory_limit_bytes(str(tmp_path / "fs"), str(tmp_path / "cgroup")) is None
+
+
+def test_cgroup_limit_note(monkeypatch):
+    h = load("2x_rtx4090_pcie").host
+    monkeypatch.setattr(host, "cgroup_memory_limit_bytes", lambda *a, **k: 16 * 2**30)
+    assert [n.code for n in host.probe_notes(h)] == ["ram_cgroup_limit"]
+    monkeypatch.setattr(host, "cgroup_memory_limit_bytes", lambda *a, **k: None)
+    assert host.probe_notes(h) == ()
+
+
+def test_torch_version_file_is_parsed_not_imported():
+    text_cuda = (
+        "from typing import Optional\n__version__ = '2.5.1+cu124'\ndebug = False\n"
+        "cuda: Optional[str] = '12.4'\nhip: Optional[str] = None\n"
+    )
+    text_rocm = "__version__ = '2.5.1+rocm6.2'\ncuda = None\nhip = '6.2.41133-dd7f95766'\n"
+    assert software.parse_version_py(text_cuda) == {"__version__": "2.5.1+cu124", "cuda": "12.4", "hip": None}
+    assert software.parse_version_py(text_rocm)["hip"] == "6.2.41133-dd7f95766"
+    assert software.parse_version_py("def broken(:") == {}
+
+
+def test_software_probe_on_this_machine_does_not_import_torch():
+    import subprocess
+
+    code = (
+        "import sys\nfrom sdplan.probe.software import probe_software\ns = probe_software()\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+        "import importlib.metadata as m\n"
+        "assert s.torch == m.version('torch'), (s.torch, m.version('torch'))\n"
+        "print(s.torch_build)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    import torch  # now compare with what torch itself says
+
+    want = "rocm" if torch.version.hip else "cuda" if torch.version.cuda else "cpu"
+    assert out.stdout.strip() == want
+
+
+def test_missing_package_versions_are_none():
+    assert software.dist_version("no-such-package-sdplan-test") is None
+    assert software.package_versions(("typer",))["typer"]
+
+
+def test_env_reads_only_the_known_keys():
+    env = software.probe_env({"HSA_OVERRIDE_GFX_VERSION": "10.3.0", "HOME": "/root"})
+    assert env["HSA_OVERRIDE_GFX_VERSION"] == "10.3.0" and "HOME" not in env
+    assert env["CUDA_VISIBLE_DEVICES"] is None
+
+
+# -- findings rules on the fixture machines --------------------------------------------------------------
+
+EXPECTED = {
+    "2x_rtx4090_pcie": {("warning", "multi_gpu_slow_link")},
+    "8x_h100_sxm": set(),
+    "w6800": {("warning", "bf16_unavailable")},
+    "rx6700xt": {
+        ("error", "rocm_arch_unsupported"),
+        ("warning", "amd_kernel_old"),
+        ("warning", "bf16_unavailable"),
+    },
+    "rtx3060_12gb": {("error", "torch_cpu_build"), ("warning", "ram_low"), ("warning", "disk_low")},
+    "t4": {("warning", "cuda_driver_too_old"), ("warning", "bf16_unavailable"), ("warning", "ram_low")},
+    "cpu_only": {
+        ("error", "no_gpu"),
+        ("warning", "torch_missing"),
+        ("error", "ram_insufficient"),
+        ("warning", "shm_small"),
+    },
+}
+
+
+def test_every_fixture_has_expectations():
+    assert set(EXPECTED) == set(FIXTURES)
+
+
+@pytest.mark.parametrize("name", FIXTURES)
+def test_fixture_findings(name):
+    got = findings(load(name))
+    assert {(f.severity, f.code) for f in got} == EXPECTED[name]
+    for f in got:
+        assert f.message and f.fix and "\n" not in f.message + f.fix
+        assert f.code in snapshot.RULE_CODES
+
+
+def test_findings_name_the_fix_per_machine():
+    fx = {f.code: f for f in findings(load("rx6700xt"))}
+    assert "HSA_OVERRIDE_GFX_VERSION=10.3.0" in fx["rocm_arch_unsupported"].fix
+    fx = {f.code: f for f in findings(load("rtx3060_12gb"))}
+    assert "whl/cu124" in fx["torch_cpu_build"].fix  # the newest CUDA wheel the 12.4 driver runs
+    fx = {f.code: f for f in findings(load("t4"))}
+    assert "whl/cu121" in fx["cuda_driver_too_old"].fix  # driver supports 12.2 -> cu121
+
+
+def test_findings_is_pure(monkeypatch):
+    def no_io(*args, **kwargs):
+        raise AssertionError("findings() did I/O")
+
+    snaps = [load(n) for n in FIXTURES]
+    monkeypatch.setattr(builtins, "open", no_io)
+    monkeypatch.setattr(os, "statvfs", no_io)
+    monkeypatch.setattr(os, "stat", no_io)
+    monkeypatch.setattr(pathlib.Path, "read_text", no_io)
+    for s in snaps:
+        assert findings(s) == findings(s)
+
+
+def test_cuda_major_mismatch_is_an_error():
+    s = load("t4")
+    s = replace(s, software=replace(s.software, cuda_runtime="13.0", torch="2.9.0+cu130"))
+    (f,) = [f for f in findings(s) if f.code == "cuda_driver_too_old"]
+    assert f.severity == "error"
+
+
+def test_cuda_runtime_within_driver_is_fine():
+    s = load("t4")
+    s = replace(s, software=replace(s.software, cuda_runtime="12.1"))
+    assert "cuda_driver_too_old" not in {f.code for f in findings(s)}
+
+
+def test_mixed_gpu_models():
+    a, b = load("2x_rtx4090_pcie"), load("rtx3060_12gb")
+    gpus = (*a.gpus, replace(b.gpus[0], index=2))
+    links = (*a.links, Link(0, 2, "pcie", False), Link(1, 2, "pcie", False))
+    s = replace(a, gpus=gpus, links=links)
+    (f,) = [f for f in findings(s) if f.code == "mixed_gpus"]
+    assert "2x NVIDIA GeForce RTX 4090, NVIDIA GeForce RTX 3060" in f.message
+    assert "CUDA_DEVICE_ORDER=PCI_BUS_ID CUDA_VISIBLE_DEVICES=0,1" in f.fix
+
+
+def test_torch_build_mismatch():
+    s = load("w6800")
+    s = replace(s, software=replace(s.software, torch="2.5.1+cu124", torch_build="cuda", cuda_runtime="12.4"))
+    assert ("error", "torch_build_mismatch") in {(f.severity, f.code) for f in findings(s)}
+
+
+def test_rocm_arch_with_override_set_is_info():
+    s = load("rx6700xt")
+    s = replace(s, env={**s.env, "HSA_OVERRIDE_GFX_VERSION": "10.3.0"})
+    codes = {(f.severity, f.code) for f in findings(s)}
+    assert ("info", "rocm_arch_override") in codes and "rocm_arch_unsupported" not in {c for _, c in codes}
+
+
+@pytest.mark.parametrize(
+    ("arch", "torch", "unsupported", "advice"),
+    [
+        ("gfx1103", "2.7.1+rocm6.3", True, "11.0.0"),
+        ("gfx1101", "2.5.1+rocm6.2", True, "11.0.0"),  # gfx1101 kernels came with torch 2.6
+        ("gfx1101", "2.7.1+rocm6.3", False, None),
+        ("gfx1102", "2.7.1+rocm6.3", False, None),
+        ("gfx1201", "2.7.1+rocm6.3", False, None),
+        ("gfx1100", "2.3.1+rocm6.0", False, None),
+        ("gfx1012", "2.7.1+rocm6.3", True, "10.1.0"),
+        ("gfx803", "2.7.1+rocm6.3", True, "PYTORCH_ROCM_ARCH=gfx803"),
+    ],
+)
+def test_rocm_arch_set_follows_the_torch_version(arch, torch, unsupported, advice):
+    s = load("w6800")
+    s = replace(s, gpus=(replace(s.gpus[0], gfx_arch=arch),), software=replace(s.software, torch=torch))
+    got = [f for f in findings(s) if f.code == "rocm_arch_unsupported"]
+    assert bool(got) is unsupported
+    if advice:
+        assert advice in got[0].fix
+
+
+def test_amd_kernel_rule_only_applies_to_amd():
+    s = load("8x_h100_sxm")  # kernel 5.15 with NVIDIA: fine
+    assert "amd_kernel_old" not in {f.code for f in findings(s)}
+    s = load("w6800")
+    s = replace(s, host=replace(s.host, kernel="5.18.19-051819-generic"))
+    assert "amd_kernel_old" in {f.code for f in findings(s)}
+
+
+def test_multi_gpu_links_unknown_and_pcie_p2p():
+    s = load("2x_rtx4090_pcie")
+    assert {f.code for f in findings(replace(s, links=()))} >= {"links_unknown"}
+    p2p = replace(s, links=(Link(0, 1, "pcie", True),))
+    codes = {(f.severity, f.code) for f in findings(p2p)}
+    assert ("info", "multi_gpu_pcie_p2p") in codes and "multi_gpu_slow_link" not in {c for _, c in codes}
+    unknown = replace(s, links=(Link(0, 1, "pcie", None),))
+    (slow,) = [f for f in findings(unknown) if f.code == "multi_gpu_slow_link"]
+    assert "P2P unknown" in slow.message
+
+
+def test_gpu_with_unknown_memory_is_not_usable():
+    s = load("t4")
+    s = replace(s, gpus=(GPU(index=0, vendor="nvidia", name="Tesla T4"),))
+    (f,) = [f for f in findings(s) if f.code == "no_gpu"]
+    assert "memory could not be read" in f.message
+
+
+def test_refresh_keeps_probe_notes_and_recomputes_rules():
+    s = load("rx6700xt")
+    note = Finding("info", "amdsmi_missing", "m", "f")
+    stale = Finding("error", "ram_insufficient", "old rule output", "f")
+    fresh = refresh(replace(s, findings=(note, stale)))
+    assert fresh.findings[0] == note
+    assert stale not in fresh.findings
+    assert {f.code for f in fresh.findings[1:]} == {c for _, c in EXPECTED["rx6700xt"]}
