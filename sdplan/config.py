@@ -49,6 +49,7 @@ class MetadataConfig:
     min_score: float | None = None
     score_bonus: dict[str, float] = field(default_factory=dict)  # tag -> added to score
     score_buckets: list[float] = field(default_factory=list)  # thresholds -> "score_N" tags
+    keep_tags: int = 0  # the first N tags stay in place when tags are shuffled
 
 
 @dataclass
@@ -62,6 +63,10 @@ class DataConfig:
     repeats: int = 1  # flat folders; kohya `N_name` folders carry their own
     metadata: MetadataConfig | None = None
     num_workers: int = 0
+    buckets: bool = False  # aspect-ratio buckets by pixel budget at `resolution`
+    bucket_step: int = 64  # bucket sides are multiples of this (32 allowed for sdxl)
+    bucket_min_size: int | None = None
+    bucket_max_size: int | None = None
 
 
 @dataclass
@@ -115,7 +120,16 @@ class MemoryConfig:
     gradient_checkpointing: bool = False
     optimizer: str = "adamw"
     cache_latents: bool = False
+    cache_text_encoder_outputs: bool = False  # only while the text encoders are frozen
     set_grads_to_none: bool = True
+
+
+@dataclass
+class EmaConfig:
+    enabled: bool = False
+    decay: float = 0.9999
+    update_every: int = 1  # optimizer steps between EMA updates
+    device: str = "cpu"  # "cpu": kept in system RAM (saves VRAM); "gpu": beside the weights
 
 
 @dataclass
@@ -169,6 +183,7 @@ class TrainConfig:
     textual_inversion: TextualInversionConfig = field(default_factory=TextualInversionConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
+    ema: EmaConfig = field(default_factory=EmaConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
     checkpoints: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -189,6 +204,13 @@ _RULES: dict[str, tuple[Any, str]] = {
     "data.random_flip": (lambda v: 0 <= v <= 1, "must be between 0 and 1"),
     "data.repeats": (lambda v: v >= 1, "must be >= 1"),
     "data.num_workers": (lambda v: v >= 0, "must be >= 0"),
+    "data.bucket_step": (lambda v: v in (32, 64, 128), "must be 32, 64 or 128"),
+    "data.bucket_min_size": (lambda v: v is None or v >= 64, "must be >= 64 or null"),
+    "data.bucket_max_size": (lambda v: v is None or v >= 64, "must be >= 64 or null"),
+    "data.metadata.keep_tags": (lambda v: v >= 0, "must be >= 0"),
+    "ema.decay": (lambda v: 0 < v < 1, "must be between 0 and 1"),
+    "ema.update_every": (lambda v: v >= 1, "must be >= 1"),
+    "ema.device": (lambda v: v in ("cpu", "gpu"), "must be cpu or gpu"),
     "data.metadata.shuffle_tags": (lambda v: 0 <= v <= 1, "must be between 0 and 1"),
     "lora.rank": (lambda v: v >= 1, "must be >= 1"),
     "lora.alpha": (lambda v: v > 0, "must be > 0"),
@@ -249,6 +271,14 @@ def _cross_checks(cfg: TrainConfig, errors: list[str]) -> None:
         and not cfg.dreambooth.class_prompt
     ):
         errors.append("dreambooth.class_prompt: required when with_prior_preservation is true")
+    if cfg.memory.cache_text_encoder_outputs and cfg.training.train_text_encoder:
+        errors.append(
+            "memory.cache_text_encoder_outputs: cannot cache outputs of a text encoder being trained"
+        )
+    if cfg.memory.cache_text_encoder_outputs and cfg.method == "textual-inversion":
+        errors.append(
+            "memory.cache_text_encoder_outputs: textual inversion trains the text embeddings; turn it off"
+        )
     if cfg.method == "textual-inversion" and cfg.textual_inversion.token == cfg.textual_inversion.init_token:
         errors.append("textual_inversion.token: must differ from init_token")
 
