@@ -1,0 +1,59 @@
+"""`sdplan doctor`: read this machine (or a saved snapshot) and report it, with findings and a verdict."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from sdplan.commands._common import cli_errors, console, err_console
+
+
+@cli_errors
+def doctor(
+    json_: Annotated[
+        bool,
+        typer.Option(
+            "--json", help="Print the snapshot as JSON (the schema of --save files) and nothing else."
+        ),
+    ] = False,
+    save: Annotated[
+        Path | None,
+        typer.Option(
+            "--save", metavar="FILE", help="Also write the snapshot to FILE, to plan on another machine."
+        ),
+    ] = None,
+    force: Annotated[bool, typer.Option("--force", help="Let --save overwrite an existing FILE.")] = False,
+    machine: Annotated[
+        Path | None,
+        typer.Option(
+            "--machine",
+            metavar="FILE",
+            help="Report a snapshot saved with --save instead of reading this machine.",
+        ),
+    ] = None,
+) -> None:
+    """Check this machine for Stable Diffusion training: GPUs, links, software stack, findings, verdict."""
+    from sdplan.doctor import render, threshold_verdicts
+    from sdplan.errors import OutputExistsError, UsageError
+    from sdplan.machine import Snapshot
+    from sdplan.probe.snapshot import probe, refresh
+
+    verdicts = threshold_verdicts  # the planner replaces this one line
+
+    snapshot = refresh(Snapshot.load(machine)) if machine is not None else probe(".")
+
+    if save is not None:
+        if save.exists() and not force:
+            raise OutputExistsError(f"{save} already exists", fix="pass --force to overwrite it")
+        try:
+            snapshot.save(save)
+        except OSError as e:
+            raise UsageError(f"cannot write {save}: {e.strerror or e}") from None
+        err_console.print(f"saved machine snapshot to {save}")
+
+    if json_:
+        typer.echo(snapshot.to_json())
+        return
+    render(snapshot, console, verdicts)
