@@ -4,7 +4,7 @@ Data and rendering are apart: the ``*_rows`` functions turn a snapshot into plai
 front ends use them), :func:`render` only lays them out. The verdict is pluggable: any function
 ``(snapshot) -> list[Verdict]`` (a Verdict is the tuple ``(method, family, status, note)``). Until the
 planner exists :func:`threshold_verdicts` answers from VRAM thresholds; switching to the planner is the one
-line ``VERDICTS = ...`` in ``sdplan/commands/doctor.py``.
+line ``verdicts = threshold_verdicts`` in ``sdplan/commands/doctor.py``.
 """
 
 from __future__ import annotations
