@@ -1,0 +1,74 @@
+"""``python -m sdplan.trainer --config sdplan.yaml [key=value ...] [--resume latest|DIR]``
+
+Also under ``accelerate launch -m sdplan.trainer ...`` and ``torchrun --nproc_per_node N -m sdplan.trainer ...``.
+
+Exit codes: 0 done; 130 interrupted by SIGINT/SIGTERM (a checkpoint was written: continue with
+``--resume latest``); 75 CUDA out of memory (``{output.dir}/oom.json`` holds step, batch_size, grad_accum,
+gradient_checkpointing and the message, so the launcher can retry with a smaller micro-batch); 1 or 2 for other
+errors the user can fix (one line on stderr, no traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) or 0)
+
+
+def _err(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr, flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m sdplan.trainer", description="Train as sdplan.yaml says."
+    )
+    parser.add_argument("--config", required=True, help="sdplan.yaml (written by `sdplan recommend --out`)")
+    parser.add_argument("--resume", default=None, help="'latest' or a checkpoint folder")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. training.batch_size=2")
+    args = parser.parse_intermixed_args(argv)
+
+    from sdplan import config
+    from sdplan.errors import SdplanError
+
+    try:
+        cfg = config.load(args.config, args.overrides)
+    except SdplanError as e:
+        _err(str(e))
+        return e.exit_code
+
+    import torch
+
+    from . import common, run
+
+    try:
+        summary = run.train(cfg, resume=args.resume)
+    except common.OutOfMemoryStop as e:
+        _err(str(e))
+        return e.exit_code
+    except SdplanError as e:
+        if _rank() == 0:
+            _err(str(e))
+        return e.exit_code
+    except torch.OutOfMemoryError as e:  # outside the loop, e.g. moving the model to the GPU
+        report = common.write_oom_report(cfg.output.dir, step=0, cfg=cfg, message=str(e))
+        _err(f"out of GPU memory before training started; details in {report}")
+        return common.EXIT_OOM
+    except KeyboardInterrupt:
+        _err("aborted")
+        return common.EXIT_INTERRUPTED
+    if summary:
+        print(
+            f"done: {summary['steps']} steps, {summary['images_seen']} images, final loss "
+            f"{summary['final_loss']}, {summary['wall_seconds']:.1f} s; outputs in {cfg.output.dir}",
+            flush=True,
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,332 @@
+"""Training checkpoints: rolling, kept, and on interrupt/failure; each written atomically; exact resume.
+
+Layout under ``{output.dir}/checkpoints/``:
+
+- ``rolling-step-000300``: every ``checkpoints.every_steps``; a new one replaces the previous (the old one is
+  deleted only after the new one is complete).
+- ``step-000500``: every ``checkpoints.keep_every_steps``; never deleted.
+- ``interrupt-step-000123``: on SIGINT/SIGTERM or an exception; ``before-nan-step-000041`` when the loss
+  turned NaN/inf (the weights from before that step).
+
+Each is written by ``accelerator.save_state`` into ``checkpoints/.tmp-<name>`` and then renamed: a kill while
+writing leaves a ``.tmp-`` folder that is ignored (and cleaned up next time) and the previous checkpoint intact.
+``train_state.json`` is written last inside the temp folder, so a folder without it is never used.
+
+Contents: the trainable weights only (``trainable.safetensors``: LoRA, the TI embedding rows or the full UNet /
+text encoder, via the save/load hooks below; DeepSpeed keeps its own model files), the optimizer, the LR
+scheduler and any registered object (EMA), accelerate's RNG states, and ``train_state.json`` (global step, epoch,
+batches consumed in that epoch, images seen, loss history). Together with the epoch-seeded batch order and the
+per-step noise seeds (``common.seed_step``) this makes a resumed run's losses equal an uninterrupted run's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sdplan.errors import SdplanError, UsageError
+
+CHECKPOINTS = "checkpoints"
+STATE_FILE = "train_state.json"
+WEIGHTS_FILE = "trainable.safetensors"
+_NAME = re.compile(r"^(rolling-step|step|interrupt-step|before-nan-step)-(\d+)$")
+_REPLACEABLE = ("rolling-step", "interrupt-step")  # a newer rolling checkpoint removes these
+
+
+class CheckpointError(SdplanError):
+    exit_code = 2
+
+
+@dataclass
+class TrainState:
+    """Where the run is. ``batches_in_epoch``: micro-batches each process has consumed in ``epoch`` (at an
+    optimizer-step boundary); ``samples_in_epoch`` the images behind them on this process."""
+
+    global_step: int = 0
+    epoch: int = 0
+    batches_in_epoch: int = 0
+    samples_in_epoch: int = 0
+    images_seen: int = 0
+    losses: list[float] = field(default_factory=list)
+    # The settings the position depends on; a resume with other values maps the position by images.
+    batch_size: int = 1
+    grad_accum: int = 1
+    num_processes: int = 1
+    method: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> TrainState:
+        known = {k: data[k] for k in cls.__dataclass_fields__ if k in data}
+        return cls(**known)
+
+
+def checkpoint_root(out_dir: str | Path) -> Path:
+    return Path(out_dir) / CHECKPOINTS
+
+
+def read_state(path: str | Path) -> TrainState:
+    try:
+        return TrainState.from_json(json.loads((Path(path) / STATE_FILE).read_text()))
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: not a complete sdplan checkpoint ({type(e).__name__}: {e})") from e
+
+
+def list_checkpoints(out_dir: str | Path) -> list[tuple[int, str, Path]]:
+    """Complete checkpoints as (step, kind, path), oldest first."""
+    root = checkpoint_root(out_dir)
+    found = []
+    if root.is_dir():
+        for p in root.iterdir():
+            m = _NAME.match(p.name)
+            if m and p.is_dir() and (p / STATE_FILE).is_file():
+                found.append((int(m.group(2)), m.group(1), p))
+    return sorted(found, key=lambda t: (t[0], t[2].stat().st_mtime))
+
+
+def latest_checkpoint(out_dir: str | Path) -> Path | None:
+    """The newest complete checkpoint (highest step) under ``out_dir/checkpoints``, or None."""
+    found = list_checkpoints(out_dir)
+    return found[-1][2] if found else None
+
+
+def resolve_resume(resume: str | Path | None, out_dir: str | Path) -> Path | None:
+    """``latest`` -> the newest checkpoint (error when there is none); a folder -> that checkpoint."""
+    if resume is None or resume == "":
+        return None
+    if str(resume) == "latest":
+        path = latest_checkpoint(out_dir)
+        if path is None:
+            raise UsageError(
+                f"--resume latest: no checkpoint in {checkpoint_root(out_dir)}",
+                fix="start without --resume, or point --resume at a checkpoint folder",
+            )
+        return path
+    path = Path(resume)
+    if not (path / STATE_FILE).is_file():
+        raise UsageError(f"--resume {resume}: not a checkpoint folder (no {STATE_FILE})")
+    return path
+
+
+# -- trainable weights ----------------------------------------------------------------------------------
+
+
+def unwrap(model):
+    from accelerate.utils import extract_model_from_parallel
+
+    return extract_model_from_parallel(model)
+
+
+def trainable_state_dict(models: dict[str, Any]) -> dict[str, Any]:
+    """Parameters that require grad, as ``{"<model name>.<param name>": tensor}`` (CPU copies)."""
+    out = {}
+    for name, model in models.items():
+        for pname, p in unwrap(model).named_parameters():
+            if p.requires_grad:
+                out[f"{name}.{pname}"] = p.detach().to("cpu").contiguous().clone()
+    return out
+
+
+def load_trainable_state_dict(models: dict[str, Any], state: dict[str, Any]) -> None:
+    """Copy ``state`` (from ``trainable_state_dict``) into the models; every trainable parameter must be there
+    and nothing else."""
+    import torch
+
+    expected = set()
+    with torch.no_grad():
+        for name, model in models.items():
+            for pname, p in unwrap(model).named_parameters():
+                if not p.requires_grad:
+                    continue
+                key = f"{name}.{pname}"
+                expected.add(key)
+                if key not in state:
+                    raise CheckpointError(
+                        f"checkpoint lacks trainable weight {key}; was it made by another method?"
+                    )
+                p.copy_(state[key].to(p.device, p.dtype))
+    extra = set(state) - expected
+    if extra:
+        raise CheckpointError(
+            f"checkpoint has {len(extra)} weights this run does not train (e.g. {sorted(extra)[0]}); "
+            "was it made with other settings (method, train_text_encoder, lora targets)?"
+        )
+
+
+# -- the checkpointer ----------------------------------------------------------------------------------
+
+
+class Checkpointer:
+    """Writes and reads checkpoints for one run through ``accelerator.save_state``/``load_state``.
+
+    ``get_weights()`` returns the trainable tensors (a flat dict); ``set_weights(dict)`` puts them back. They
+    replace accelerate's full model files through its save/load pre-hooks (except under DeepSpeed, whose engine
+    saves its own sharded model and optimizer). ``state`` is the live TrainState.
+    """
+
+    def __init__(
+        self,
+        accelerator,
+        out_dir: str | Path,
+        state: TrainState,
+        *,
+        get_weights: Callable[[], dict[str, Any]],
+        set_weights: Callable[[dict[str, Any]], None],
+        every_steps: int = 0,
+        keep_every_steps: int = 0,
+    ):
+        from accelerate.utils import DistributedType
+
+        self.accelerator = accelerator
+        self.root = checkpoint_root(out_dir)
+        self.state = state
+        self.get_weights = get_weights
+        self.set_weights = set_weights
+        self.every_steps = every_steps
+        self.keep_every_steps = keep_every_steps
+        self.last_saved: Path | None = None
+        self.last_saved_step = -1
+        self._deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
+        accelerator.register_save_state_pre_hook(self._save_hook)
+        accelerator.register_load_state_pre_hook(self._load_hook)
+
+    # accelerate hooks: our trainable weights instead of whole-model files.
+    def _save_hook(self, models, weights, output_dir) -> None:
+        from safetensors.torch import save_file
+
+        if self._deepspeed:
+            return
+        weights.clear()
+        if self.accelerator.is_main_process:
+            save_file(self.get_weights(), os.path.join(output_dir, WEIGHTS_FILE))
+
+    def _load_hook(self, models, input_dir) -> None:
+        from safetensors.torch import load_file
+
+        if self._deepspeed:
+            return
+        models.clear()
+        path = os.path.join(input_dir, WEIGHTS_FILE)
+        if not os.path.isfile(path):
+            raise CheckpointError(f"{input_dir}: no {WEIGHTS_FILE}")
+        self.set_weights(load_file(path))
+
+    # -- saving ----------------------------------------------------------------------------------------
+
+    def due(self, step: int) -> str | None:
+        """The kind of checkpoint step ``step`` calls for: "keep", "rolling" or None."""
+        if self.keep_every_steps and step % self.keep_every_steps == 0:
+            return "keep"
+        if self.every_steps and step % self.every_steps == 0:
+            return "rolling"
+        return None
+
+    def save(self, kind: str) -> Path:
+        """Write a checkpoint of the current state (call at an optimizer-step boundary, on every process)."""
+        acc = self.accelerator
+        step = self.state.global_step
+        prefix = {
+            "rolling": "rolling-step",
+            "keep": "step",
+            "interrupt": "interrupt-step",
+            "nan": "before-nan-step",
+        }[kind]
+        name = f"{prefix}-{step:06d}"
+        final = self.root / name
+        tmp = self.root / f".tmp-{name}"  # same name on every process: they write into one folder
+        if acc.is_main_process:
+            self.root.mkdir(parents=True, exist_ok=True)
+            for stale in self.root.glob(".tmp-*"):
+                shutil.rmtree(stale, ignore_errors=True)
+            tmp.mkdir()
+        acc.wait_for_everyone()
+        acc.save_state(str(tmp))
+        acc.wait_for_everyone()
+        if acc.is_main_process:
+            state_file = tmp / STATE_FILE
+            with open(state_file, "w") as f:
+                json.dump(self.state.to_json(), f, indent=1)
+                f.flush()
+                os.fsync(f.fileno())
+            if final.exists():  # the same step written again (e.g. interrupt right after a rolling save)
+                old = self.root / f".tmp-old-{name}"
+                os.replace(final, old)
+                os.replace(tmp, final)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.replace(tmp, final)
+            _fsync_dir(self.root)
+            if kind in ("rolling", "interrupt"):
+                for s, k, p in list_checkpoints(self.root.parent):
+                    if k in _REPLACEABLE and p != final and s <= step:
+                        shutil.rmtree(p, ignore_errors=True)
+        acc.wait_for_everyone()
+        self.last_saved = final
+        self.last_saved_step = step
+        return final
+
+    def maybe_save(self) -> Path | None:
+        kind = self.due(self.state.global_step)
+        return self.save(kind) if kind else None
+
+    # -- loading ---------------------------------------------------------------------------------------
+
+    def load(self, path: str | Path) -> TrainState:
+        """Restore weights, optimizer, scheduler, registered objects and RNG from ``path``; update and return
+        the live TrainState."""
+        path = Path(path)
+        saved = read_state(path)
+        if saved.method and self.state.method and saved.method != self.state.method:
+            raise CheckpointError(
+                f"{path} is a {saved.method} checkpoint; this run trains {self.state.method}"
+            )
+        self.accelerator.load_state(str(path))
+        live = self.state
+        moved = (saved.batch_size, saved.num_processes) != (live.batch_size, live.num_processes)
+        for key, value in saved.to_json().items():
+            if key not in ("batch_size", "grad_accum", "num_processes", "method"):
+                setattr(live, key, value)
+        if moved and saved.samples_in_epoch:
+            # Another micro-batch or process count (e.g. after an out-of-memory retry): keep the images done.
+            per_batch = live.batch_size * live.num_processes
+            live.batches_in_epoch = (saved.samples_in_epoch * saved.num_processes) // per_batch
+            live.samples_in_epoch = live.batches_in_epoch * live.batch_size
+        self.last_saved = path
+        self.last_saved_step = live.global_step
+        return live
+
+
+def apply_learning_rates(optimizer, lr_scheduler, lrs: list[float]) -> None:
+    """After a resume, use this run's configured learning rates (a resume may lower them, e.g. after a NaN)
+    at the schedule position the checkpoint reached."""
+    base = getattr(lr_scheduler, "base_lrs", None)
+    if base is None or len(base) != len(lrs) or list(base) == list(lrs):
+        return
+    lr_scheduler.base_lrs = list(lrs)
+    for group, lr in zip(optimizer.param_groups, lrs):
+        group["initial_lr"] = lr
+    factors = [f(lr_scheduler.last_epoch) for f in lr_scheduler.lr_lambdas]
+    for group, lr, factor in zip(optimizer.param_groups, lrs, factors):
+        group["lr"] = lr * factor
+    lr_scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(str(path), os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

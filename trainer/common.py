@@ -1,0 +1,613 @@
+"""What every recipe shares: the Accelerator, optimizer and schedule, step arithmetic, prompt encoding, the
+noise/loss maths, the progress bar, stop signals, failure reports and run_summary.json.
+
+Recipes stay readable by calling these small functions in their own loop; nothing here owns the loop.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sdplan.errors import SdplanError
+
+# Exit codes the launcher (`sdplan train`) acts on.
+EXIT_INTERRUPTED = 130
+EXIT_OOM = 75
+
+
+class TrainingInterrupted(SdplanError):
+    """SIGINT/SIGTERM: the current step finished and a checkpoint was written."""
+
+    exit_code = EXIT_INTERRUPTED
+
+    def __init__(self, step: int, checkpoint: Path | None):
+        self.step = step
+        self.checkpoint = checkpoint
+        where = f"checkpoint {checkpoint}" if checkpoint else "no checkpoint (no step had finished)"
+        super().__init__(
+            f"interrupted at step {step}; {where}",
+            fix="continue with --resume latest" if checkpoint else None,
+        )
+
+
+class OutOfMemoryStop(SdplanError):
+    """CUDA ran out of memory; ``{out}/oom.json`` says where, so the launcher can retry smaller."""
+
+    exit_code = EXIT_OOM
+
+    def __init__(self, step: int, report: Path, message: str):
+        self.step = step
+        self.report = report
+        super().__init__(
+            f"out of GPU memory at step {step} ({message.splitlines()[0] if message else 'OOM'}); "
+            f"details in {report}",
+            fix="lower training.batch_size (raise training.grad_accum to keep the effective batch), "
+            "or turn on memory.gradient_checkpointing",
+        )
+
+
+class NonFiniteLoss(SdplanError):
+    """The loss became NaN or inf; training stopped before the update that would have spread it."""
+
+    exit_code = 1
+
+
+# -- environment --------------------------------------------------------------------------------------
+
+
+def use_cpu(cfg) -> bool:
+    import torch
+
+    return cfg.training.device == "cpu" or not torch.cuda.is_available()
+
+
+def mixed_precision_for(cfg, cpu: bool) -> str:
+    """accelerate's mixed_precision value. fp16 autocast is a GPU feature: on CPU it trains in fp32."""
+    p = cfg.training.precision
+    if p == "fp32":
+        return "no"
+    if p == "fp16" and cpu:
+        return "no"
+    return p
+
+
+def make_accelerator(cfg, out_dir: Path):
+    """An Accelerator for this config: precision, grad accumulation, CPU when asked or without CUDA.
+
+    ``rng_types=[]``: the data order comes from our epoch-seeded samplers and the noise from per-step seeds,
+    so accelerate need not synchronise generators (that would make resume depend on its internals).
+    The LR scheduler is stepped by the recipe once per optimizer step (not prepared), so its total and
+    warmup steps are the multi-process ones that ``plan_steps`` computes.
+    """
+    from accelerate import Accelerator
+    from accelerate.utils import ProjectConfiguration
+
+    cpu = use_cpu(cfg)
+    kwargs: dict[str, Any] = {}
+    ds = cfg.distributed.deepspeed
+    if ds is not None and os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true":
+        try:
+            import deepspeed  # noqa: F401
+            from accelerate.utils import DeepSpeedPlugin
+        except ImportError as e:
+            raise SdplanError(
+                "distributed.deepspeed is set but DeepSpeed is not installed",
+                fix="pip install 'sdplan[deepspeed]' or remove distributed.deepspeed",
+            ) from e
+        kwargs["deepspeed_plugin"] = DeepSpeedPlugin(
+            zero_stage=ds.zero_stage,
+            offload_optimizer_device="cpu" if ds.offload_optimizer else "none",
+            gradient_accumulation_steps=cfg.training.grad_accum,
+            gradient_clipping=cfg.training.max_grad_norm or None,
+        )
+    return Accelerator(
+        mixed_precision=mixed_precision_for(cfg, cpu),
+        gradient_accumulation_steps=cfg.training.grad_accum,
+        cpu=cpu,
+        rng_types=[],
+        step_scheduler_with_optimizer=False,
+        project_config=ProjectConfiguration(
+            project_dir=str(out_dir), logging_dir=str(Path(out_dir) / "logs")
+        ),
+        **kwargs,
+    )
+
+
+def weight_dtype(accelerator):
+    """dtype for frozen weights: half precision under fp16/bf16 mixed precision, else fp32."""
+    import torch
+
+    return {"fp16": torch.float16, "bf16": torch.bfloat16}.get(accelerator.mixed_precision, torch.float32)
+
+
+def vae_dtype(accelerator):
+    """The SD/SDXL VAE overflows to NaN in fp16: keep it in fp32 then (bf16 is safe)."""
+    import torch
+
+    return torch.bfloat16 if accelerator.mixed_precision == "bf16" else torch.float32
+
+
+def use_sdpa(*models) -> None:
+    """PyTorch scaled-dot-product attention (flash / memory-efficient kernels on GPU)."""
+    from diffusers.models.attention_processor import AttnProcessor2_0
+
+    for m in models:
+        if hasattr(m, "set_attn_processor"):
+            m.set_attn_processor(AttnProcessor2_0())
+
+
+def enable_gradient_checkpointing(*models) -> None:
+    for m in models:
+        m.gradient_checkpointing_enable()
+        if hasattr(m, "config") and hasattr(m.config, "use_cache"):
+            m.config.use_cache = False
+
+
+def seed_step(seed: int, process_index: int, step: int):
+    """Seed everything random in one optimizer step from (seed, process, step) and return the generator
+    for noise, timesteps and VAE sampling. A resumed run redraws exactly what the uninterrupted one drew,
+    and each process draws its own noise."""
+    import torch
+
+    value = (seed * 1_000_003 + process_index * 7919 + step) % (2**63 - 1)
+    torch.manual_seed(value)  # dropout and anything else on the global generator
+    return torch.Generator("cpu").manual_seed(value)
+
+
+# -- step arithmetic ----------------------------------------------------------------------------------
+
+
+def steps_per_epoch(num_items: int, batch_size: int, grad_accum: int, num_processes: int) -> int:
+    """Optimizer steps per epoch when each epoch is split ``num_processes`` ways (the planner's formula)."""
+    return max(1, math.ceil(num_items / (batch_size * grad_accum * num_processes)))
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    num_processes: int
+    batches_per_epoch: int  # micro-batches each process draws per epoch
+    steps_per_epoch: int  # optimizer steps per epoch (each process)
+    max_steps: int  # optimizer steps of the whole run (each process)
+    epochs: int
+    warmup_steps: int
+
+
+def plan_steps(
+    *,
+    batches_per_epoch: int,
+    grad_accum: int,
+    epochs: int,
+    max_steps: int | None,
+    warmup_steps: int,
+    num_processes: int,
+) -> StepPlan:
+    """Optimizer steps for this run. ``batches_per_epoch`` is per process (the sharded dataloader's length).
+
+    ``training.max_steps`` and ``training.lr_warmup_steps`` are one-process counts, like the planner's: with N
+    processes each step trains N micro-batches, so both are divided by N (rounded up) and the images trained
+    stay those of the one-process run.
+    """
+    spe = max(1, math.ceil(batches_per_epoch / grad_accum))
+    if max_steps:
+        total = max(1, math.ceil(max_steps / num_processes))
+        epochs = math.ceil(total / spe)
+    else:
+        total = epochs * spe
+    warm = min(total, math.ceil(warmup_steps / num_processes))
+    return StepPlan(num_processes, batches_per_epoch, spe, total, epochs, warm)
+
+
+# -- optimizer and schedule ---------------------------------------------------------------------------
+
+
+def make_optimizer(param_groups: list[dict[str, Any]], cfg):
+    """AdamW, 8-bit AdamW (bitsandbytes) or Adafactor over ``param_groups`` (each with its own ``lr``)."""
+    import torch
+
+    name = cfg.memory.optimizer
+    lr = cfg.training.learning_rate
+    if name == "adamw":
+        return torch.optim.AdamW(param_groups, lr=lr, betas=(0.9, 0.999), weight_decay=1e-2, eps=1e-8)
+    if name == "adamw8bit":
+        try:
+            import bitsandbytes as bnb
+        except ImportError as e:
+            raise SdplanError(
+                "memory.optimizer: adamw8bit needs bitsandbytes, which is not installed",
+                fix="pip install 'sdplan[bnb]', or set memory.optimizer=adamw",
+            ) from e
+        return bnb.optim.AdamW8bit(param_groups, lr=lr, betas=(0.9, 0.999), weight_decay=1e-2, eps=1e-8)
+    if name == "adafactor":
+        from transformers.optimization import Adafactor
+
+        return Adafactor(param_groups, lr=lr, scale_parameter=False, relative_step=False, warmup_init=False)
+    raise SdplanError(f"memory.optimizer: unknown optimizer {name!r}")
+
+
+def make_lr_scheduler(optimizer, cfg, plan: StepPlan):
+    from diffusers.optimization import get_scheduler
+
+    return get_scheduler(
+        cfg.training.lr_scheduler,
+        optimizer=optimizer,
+        num_warmup_steps=plan.warmup_steps,
+        num_training_steps=plan.max_steps,
+    )
+
+
+# -- prompts ------------------------------------------------------------------------------------------
+
+
+def tokenize(tokenizers: list, captions: list[str]) -> list:
+    return [
+        tok(
+            captions,
+            padding="max_length",
+            max_length=tok.model_max_length,
+            truncation=True,
+            return_tensors="pt",
+        ).input_ids
+        for tok in tokenizers
+    ]
+
+
+def encode_prompts(text_encoders: list, input_ids: list, family: str, device):
+    """(prompt_embeds, pooled). SD 1.x/2.x: last hidden state, no pooled. SDXL: both encoders' penultimate
+    hidden states concatenated, pooled (projected) output of the second."""
+    import torch
+
+    if family != "sdxl":
+        return text_encoders[0](input_ids[0].to(device))[0], None
+    embeds, pooled = [], None
+    for te, ids in zip(text_encoders, input_ids):
+        out = te(ids.to(device), output_hidden_states=True)
+        pooled = out[0]
+        embeds.append(out.hidden_states[-2])
+    return torch.cat(embeds, dim=-1), pooled
+
+
+def add_time_ids(batch: dict, device, dtype):
+    """SDXL micro-conditioning per sample: original (h, w), crop (top, left), target (h, w)."""
+    import torch
+
+    target = tuple(batch["pixel_values"].shape[-2:])
+    rows = []
+    for orig, crop in zip(batch["original_size"], batch["crop_top_left"]):
+        rows.append([int(orig[0]), int(orig[1]), int(crop[0]), int(crop[1]), int(target[0]), int(target[1])])
+    return torch.tensor(rows, device=device, dtype=dtype)
+
+
+def unet_conditioning(components, batch: dict, text_encoders: list, device, dtype):
+    """encoder_hidden_states and added_cond_kwargs for one batch."""
+    ids = tokenize(components.tokenizers, list(batch["caption"]))
+    embeds, pooled = encode_prompts(text_encoders, ids, components.family, device)
+    embeds = embeds.to(device, dtype)
+    if components.family != "sdxl":
+        return embeds, None
+    added = {"text_embeds": pooled.to(device, dtype), "time_ids": add_time_ids(batch, device, dtype)}
+    return embeds, added
+
+
+# -- noise, target and loss ---------------------------------------------------------------------------
+
+
+def encode_latents(vae, pixel_values, generator):
+    """Pixels in [-1, 1] -> scaled latents (sampled from the VAE posterior with ``generator``)."""
+    import torch
+
+    with torch.no_grad():
+        dist = vae.encode(pixel_values.to(vae.device, vae.dtype)).latent_dist
+        latents = dist.sample(generator=generator)
+    shift = getattr(vae.config, "shift_factor", None) or 0.0
+    return (latents - shift) * vae.config.scaling_factor
+
+
+def noisy_latents(noise_scheduler, latents, generator, noise_offset: float = 0.0):
+    """(noisy_latents, noise, timesteps): noise and timesteps drawn on CPU from ``generator``."""
+    import torch
+
+    b = latents.shape[0]
+    noise = torch.randn(latents.shape, generator=generator, dtype=torch.float32)
+    if noise_offset:
+        noise = noise + noise_offset * torch.randn((b, latents.shape[1], 1, 1), generator=generator)
+    timesteps = torch.randint(0, noise_scheduler.config.num_train_timesteps, (b,), generator=generator)
+    noise = noise.to(latents.device, latents.dtype)
+    timesteps = timesteps.to(latents.device)
+    return noise_scheduler.add_noise(latents, noise, timesteps), noise, timesteps
+
+
+def diffusion_target(noise_scheduler, latents, noise, timesteps):
+    kind = noise_scheduler.config.prediction_type
+    if kind == "epsilon":
+        return noise
+    if kind == "v_prediction":
+        return noise_scheduler.get_velocity(latents, noise, timesteps)
+    raise SdplanError(f"unsupported prediction_type {kind!r} in the model's scheduler config")
+
+
+def mse(pred, target, reduction: str = "mean"):
+    import torch.nn.functional as F
+
+    return F.mse_loss(pred.float(), target.float(), reduction=reduction)
+
+
+# -- test hooks -----------------------------------------------------------------------------------------
+
+
+def inject_failures(step: int, batch_size: int, loss):
+    """TEST HOOKS, read from the environment (no effect unless set):
+
+    - ``SDPLAN_INJECT_OOM_AT_STEP=N``: raise ``torch.OutOfMemoryError`` in optimizer step N (1-based) when
+      ``training.batch_size > 1``, so the launcher's retry with a smaller micro-batch can be tested on CPU.
+    - ``SDPLAN_INJECT_NAN_AT_STEP=N``: make the loss NaN in optimizer step N.
+    """
+    import torch
+
+    oom = os.environ.get("SDPLAN_INJECT_OOM_AT_STEP")
+    if oom and int(oom) == step and batch_size > 1:
+        raise torch.OutOfMemoryError(f"CUDA out of memory (injected by SDPLAN_INJECT_OOM_AT_STEP={oom})")
+    nan = os.environ.get("SDPLAN_INJECT_NAN_AT_STEP")
+    if nan and int(nan) == step:
+        return loss * float("nan")
+    return loss
+
+
+# -- per-step statistics across processes -------------------------------------------------------------
+
+
+def reduce_step_stats(accelerator, loss_sum, micro_batches: int, images: int, stop: bool):
+    """One all-reduce per optimizer step: mean loss over processes, images trained by all, any stop request
+    and any non-finite loss (so every process takes the same decision)."""
+    import torch
+
+    loss_sum = loss_sum.detach().float().reshape(())
+    finite = bool(torch.isfinite(loss_sum))
+    t = torch.tensor(
+        [loss_sum.item() if finite else 0.0, micro_batches, images, float(stop), float(not finite)],
+        dtype=torch.float64,
+        device=accelerator.device,
+    )
+    if accelerator.num_processes > 1:
+        t = accelerator.reduce(t, reduction="sum")
+    loss_sum_all, micro_all, images_all, stop_all, bad_all = t.tolist()
+    mean_loss = loss_sum_all / max(micro_all, 1) if bad_all == 0 else float("nan")
+    return mean_loss, int(images_all), stop_all > 0, bad_all > 0
+
+
+def nonfinite_error(step: int, cfg, checkpoint: Path | None) -> NonFiniteLoss:
+    p = cfg.training.precision
+    if p == "fp16":
+        cause = "fp16 overflow (activations or the loss exceed the fp16 range)"
+        fix = "train with training.precision=bf16 (Ampere or newer) or fp32, or lower training.learning_rate"
+    else:
+        cause = "diverging weights (learning rate too high) or a bad batch"
+        fix = f"lower training.learning_rate (now {cfg.training.learning_rate:g}) or add warmup"
+    where = f"; weights from before it in {checkpoint}" if checkpoint else ""
+    return NonFiniteLoss(f"loss became NaN/inf at step {step}: likely {cause}{where}", fix=fix)
+
+
+# -- memory -------------------------------------------------------------------------------------------
+
+
+def peak_memory_bytes(accelerator=None) -> int:
+    """Peak GPU memory allocated by torch on CUDA; else this process's peak resident set size."""
+    import torch
+
+    if torch.cuda.is_available() and (accelerator is None or accelerator.device.type == "cuda"):
+        return int(torch.cuda.max_memory_allocated())
+    import resource
+
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)
+
+
+def write_oom_report(out_dir: Path, *, step: int, cfg, message: str) -> Path:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    report = {
+        "step": step,
+        "batch_size": cfg.training.batch_size,
+        "grad_accum": cfg.training.grad_accum,
+        "gradient_checkpointing": cfg.memory.gradient_checkpointing,
+        "message": message.strip().splitlines()[0] if message.strip() else "CUDA out of memory",
+    }
+    return write_json_atomic(Path(out_dir) / "oom.json", report)
+
+
+def write_json_atomic(path: Path, data: Any) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def write_run_summary(
+    out_dir: Path,
+    *,
+    method: str,
+    steps: int,
+    epochs: float,
+    images_seen: int,
+    num_processes: int,
+    final_loss: float | None,
+    wall_seconds: float,
+    peak_memory_bytes: int,
+    outputs: list[Path | str],
+) -> dict[str, Any]:
+    summary = {
+        "method": method,
+        "steps": steps,
+        "epochs": epochs,
+        "images_seen": images_seen,
+        "num_processes": num_processes,
+        "final_loss": None if final_loss is None or not math.isfinite(final_loss) else final_loss,
+        "wall_seconds": round(wall_seconds, 3),
+        "peak_memory_bytes": peak_memory_bytes,
+        "outputs": [str(p) for p in outputs],
+    }
+    write_json_atomic(Path(out_dir) / "run_summary.json", summary)
+    return summary
+
+
+def write_loss_history(out_dir: Path, losses: list[float]) -> Path:
+    """``loss_history.json``: the mean loss of every optimizer step (1-based), what loss.png draws."""
+    return write_json_atomic(
+        Path(out_dir) / "loss_history.json", {"steps": list(range(1, len(losses) + 1)), "losses": losses}
+    )
+
+
+def gather_max(accelerator, value: int) -> int:
+    import torch
+
+    if accelerator.num_processes == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=accelerator.device)
+    return int(accelerator.reduce(t, reduction="max").item())
+
+
+def output_metadata(cfg, *, steps: int, epochs: float, prediction_type: str, **extra: Any) -> dict[str, Any]:
+    """What every output records (export turns it into string metadata): the config, the plan it came from,
+    steps, epochs and the prediction type (kohya's ss_* keys read these)."""
+    return {
+        "config": cfg,
+        "plan": cfg.plan,
+        "steps": steps,
+        "epoch": epochs,
+        "prediction_type": prediction_type,
+        **extra,
+    }
+
+
+# -- stop signals -------------------------------------------------------------------------------------
+
+
+class StopSignals:
+    """SIGINT / SIGTERM ask the loop to stop after the current step (it then writes a checkpoint).
+
+    A second SIGINT raises KeyboardInterrupt at once. Handlers are installed only in the main thread and the
+    previous ones come back on exit.
+    """
+
+    def __init__(self, say=print):
+        self.requested: str | None = None
+        self._previous: dict[int, Any] = {}
+        self._say = say
+
+    def _handle(self, signum, frame):
+        name = signal.Signals(signum).name
+        if self.requested is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.requested = name
+        self._say(f"{name}: stopping after this step and writing a checkpoint (Ctrl-C again to abort)")
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            for s in (signal.SIGINT, signal.SIGTERM):
+                self._previous[s] = signal.signal(s, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, h in self._previous.items():
+            signal.signal(s, h)
+        self._previous.clear()
+
+
+# -- progress -----------------------------------------------------------------------------------------
+
+
+def _fmt_eta(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "-:--:--"
+    s = int(seconds)
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
+
+
+class Progress:
+    """Step, loss, it/s, ETA (and GPU memory on CUDA) on the main process. A rich bar on a terminal; plain
+    lines (about 20 per run, and the last step) when stdout is not a TTY; nothing on other processes."""
+
+    def __init__(self, accelerator, total: int, initial: int = 0, description: str = "train"):
+        import torch
+
+        self.enabled = accelerator.is_main_process
+        self.total = total
+        self.initial = initial
+        self.cuda = accelerator.device.type == "cuda" and torch.cuda.is_available()
+        self.tty = sys.stdout.isatty() and os.environ.get("SDPLAN_PLAIN_PROGRESS") is None
+        self.every = max(1, total // 20)
+        self.start = time.perf_counter()
+        self._bar = None
+        if self.enabled and self.tty:
+            from rich.progress import BarColumn, TextColumn
+            from rich.progress import Progress as RichProgress
+
+            self._bar = RichProgress(
+                TextColumn("[bold]{task.description}"),
+                BarColumn(),
+                TextColumn("step {task.completed}/{task.total}"),
+                TextColumn("loss {task.fields[loss]}"),
+                TextColumn("{task.fields[rate]} it/s"),
+                TextColumn("ETA {task.fields[eta]}"),
+                TextColumn("{task.fields[mem]}"),
+                transient=False,
+            )
+            self._task = self._bar.add_task(
+                description, total=total, completed=initial, loss="-", rate="-", eta="-", mem=""
+            )
+            self._bar.start()
+
+    def _mem(self) -> str:
+        if not self.cuda:
+            return ""
+        import torch
+
+        return f"GPU {torch.cuda.memory_allocated() / 2**30:.1f}/{torch.cuda.max_memory_allocated() / 2**30:.1f} GiB"
+
+    def update(self, step: int, loss: float) -> None:
+        if not self.enabled:
+            return
+        elapsed = time.perf_counter() - self.start
+        done = step - self.initial
+        rate = done / elapsed if elapsed > 0 else 0.0
+        eta = (self.total - step) / rate if rate > 0 else float("inf")
+        fields = {"loss": f"{loss:.4f}", "rate": f"{rate:.2f}", "eta": _fmt_eta(eta), "mem": self._mem()}
+        if self._bar is not None:
+            self._bar.update(self._task, completed=step, **fields)
+        elif step % self.every == 0 or step == self.total or step == self.initial + 1:
+            mem = f" {fields['mem']}" if fields["mem"] else ""
+            print(
+                f"step {step}/{self.total} loss {fields['loss']} {fields['rate']} it/s ETA {fields['eta']}{mem}",
+                flush=True,
+            )
+
+    def print(self, message: str) -> None:
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.console.print(message)
+        else:
+            print(message, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None
+
+
+def say(accelerator, message: str) -> None:
+    """Print on the main process only."""
+    if accelerator is None or accelerator.is_main_process:
+        print(message, flush=True)

@@ -1,0 +1,236 @@
+"""Load the base model a recipe trains: a diffusers folder, a Hugging Face hub id, or one checkpoint file.
+
+``resolve_source`` is cheap (no torch) and runs first, so a mistyped path is one clear error before anything
+heavy loads. ``load_components`` returns the pieces every recipe needs as a small struct; ``detect_family``
+reads the family (sd15 / sd21 / sdxl) from the UNet config.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sdplan.errors import SdplanError, UsageError
+
+SINGLE_FILE_SUFFIXES = (".safetensors", ".ckpt", ".pt", ".pth", ".bin")
+# owner/name as the hub spells it (no leading dot or slash, exactly one slash).
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+class ModelLoadError(SdplanError):
+    """The model source exists (or looks like a hub id) but could not be loaded."""
+
+    exit_code = 2
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    kind: str  # "folder" | "file" | "hub"
+    location: str
+
+
+@dataclass
+class Components:
+    """What a recipe trains and conditions on. Lists hold one entry for SD 1.x/2.x, two for SDXL."""
+
+    family: str
+    unet: Any
+    vae: Any
+    text_encoders: list[Any]
+    tokenizers: list[Any]
+    noise_scheduler: Any  # DDPMScheduler with the model's schedule: adds noise in training
+    scheduler_config: dict[str, Any] = field(default_factory=dict)  # the model's own (inference) scheduler
+    source: str = ""
+
+    @property
+    def prediction_type(self) -> str:
+        return self.noise_scheduler.config.prediction_type
+
+    def inference_scheduler(self):
+        import diffusers
+
+        name = self.scheduler_config.get("_class_name", "DDIMScheduler")
+        cls = getattr(diffusers, name, None) or diffusers.DDIMScheduler
+        return cls.from_config(self.scheduler_config or dict(self.noise_scheduler.config))
+
+    def pipeline(self, *, unet=None, text_encoders=None):
+        """A diffusers pipeline over these components (for sampling, class images and export)."""
+        from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
+
+        unet = unet if unet is not None else self.unet
+        tes = text_encoders if text_encoders is not None else self.text_encoders
+        if self.family == "sdxl":
+            return StableDiffusionXLPipeline(
+                vae=self.vae,
+                text_encoder=tes[0],
+                text_encoder_2=tes[1],
+                tokenizer=self.tokenizers[0],
+                tokenizer_2=self.tokenizers[1],
+                unet=unet,
+                scheduler=self.inference_scheduler(),
+            )
+        return StableDiffusionPipeline(
+            vae=self.vae,
+            text_encoder=tes[0],
+            tokenizer=self.tokenizers[0],
+            unet=unet,
+            scheduler=self.inference_scheduler(),
+            safety_checker=None,
+            feature_extractor=None,
+            requires_safety_checker=False,
+        )
+
+
+def looks_like_hub_id(text: str) -> bool:
+    return bool(_HUB_ID.match(text)) and not text.startswith((".", "~")) and ".." not in text
+
+
+def resolve_source(path: str) -> ModelSource:
+    """Say what ``path`` is, without loading anything. A missing local path is a UsageError."""
+    p = Path(path).expanduser()
+    if p.is_dir():
+        if not (p / "model_index.json").is_file():
+            parts = ", ".join(sorted(x.name for x in p.iterdir())[:6]) or "empty"
+            raise UsageError(
+                f"model.path {path}: a folder but not a diffusers model (no model_index.json; holds: {parts})",
+                fix="point it at a diffusers folder, a .safetensors/.ckpt file or a hub id",
+            )
+        return ModelSource("folder", str(p))
+    if p.is_file():
+        if p.suffix.lower() not in SINGLE_FILE_SUFFIXES:
+            raise UsageError(
+                f"model.path {path}: not a model file (expected {', '.join(SINGLE_FILE_SUFFIXES)})"
+            )
+        return ModelSource("file", str(p))
+    if looks_like_hub_id(path) and p.suffix.lower() not in SINGLE_FILE_SUFFIXES:
+        return ModelSource("hub", path)
+    raise UsageError(
+        f"model.path {path}: no such file or folder",
+        fix="give a diffusers folder, a .safetensors/.ckpt file, or a hub id such as "
+        "stable-diffusion-v1-5/stable-diffusion-v1-5",
+    )
+
+
+def detect_family(unet_config: Any, num_text_encoders: int = 1) -> str:
+    """sdxl when the UNet takes text_time added conditioning; sd21 for 1024-wide cross attention; else sd15.
+
+    Tiny test models have narrow cross attention (not 768/1024): they count as SD 1.x unless they have two
+    text encoders or text_time conditioning.
+    """
+    get = unet_config.get if isinstance(unet_config, dict) else lambda k, d=None: getattr(unet_config, k, d)
+    if get("addition_embed_type") == "text_time" or num_text_encoders >= 2:
+        return "sdxl"
+    cross = get("cross_attention_dim")
+    if isinstance(cross, (list, tuple)):
+        cross = cross[0]
+    if cross == 1024:
+        return "sd21"
+    return "sd15"
+
+
+def _check_family(found: str, wanted: str | None, where: str) -> str:
+    if wanted is None or wanted == found:
+        return found
+    # sd15 vs sd21 is a naming matter for tiny/odd models; only SDXL vs not is structural.
+    if (wanted == "sdxl") != (found == "sdxl"):
+        raise ModelLoadError(
+            f"model.family is {wanted} but {where} is an {found} model", fix="fix model.family"
+        )
+    return wanted
+
+
+def load_components(
+    path: str,
+    *,
+    family: str | None = None,
+    revision: str | None = None,
+    variant: str | None = None,
+    source: ModelSource | None = None,
+    config_dir: str | None = None,
+) -> Components:
+    """Load UNet, VAE, text encoder(s), tokenizer(s) and the training noise scheduler from ``path``.
+
+    ``config_dir``: for a single file, a local diffusers folder with the matching component configs (nothing
+    is downloaded then); without it diffusers fetches the default configs of the detected family."""
+    source = source or resolve_source(path)
+    if source.kind == "file":
+        return _load_single_file(source.location, family, config_dir)
+    return _load_pretrained(source.location, family, revision, variant, hub=source.kind == "hub")
+
+
+def _load_pretrained(
+    location: str, family: str | None, revision: str | None, variant: str | None, *, hub: bool
+) -> Components:
+    from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
+    from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
+
+    kw: dict[str, Any] = {"revision": revision} if revision else {}
+    wkw = dict(kw, variant=variant) if variant else dict(kw)
+    try:
+        if hub:
+            from huggingface_hub import hf_hub_download
+
+            index = json.loads(Path(hf_hub_download(location, "model_index.json", **kw)).read_text())
+        else:
+            index = json.loads((Path(location) / "model_index.json").read_text())
+        two = "text_encoder_2" in index and index.get("text_encoder_2", [None])[0] is not None
+        unet = UNet2DConditionModel.from_pretrained(location, subfolder="unet", **wkw)
+        found = _check_family(detect_family(unet.config, 2 if two else 1), family, location)
+        vae = AutoencoderKL.from_pretrained(location, subfolder="vae", **wkw)
+        tokenizers = [CLIPTokenizer.from_pretrained(location, subfolder="tokenizer", **kw)]
+        text_encoders = [CLIPTextModel.from_pretrained(location, subfolder="text_encoder", **wkw)]
+        if found == "sdxl":
+            tokenizers.append(CLIPTokenizer.from_pretrained(location, subfolder="tokenizer_2", **kw))
+            text_encoders.append(
+                CLIPTextModelWithProjection.from_pretrained(location, subfolder="text_encoder_2", **wkw)
+            )
+        noise_scheduler = DDPMScheduler.from_pretrained(location, subfolder="scheduler", **kw)
+        scheduler_config = dict(DDPMScheduler.load_config(location, subfolder="scheduler", **kw))
+    except SdplanError:
+        raise
+    except Exception as e:  # hub errors, missing subfolders, corrupt weights
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ModelLoadError(f"could not load model {location}: {first}") from e
+    return Components(
+        family=found,
+        unet=unet,
+        vae=vae,
+        text_encoders=text_encoders,
+        tokenizers=tokenizers,
+        noise_scheduler=noise_scheduler,
+        scheduler_config=scheduler_config,
+        source=location,
+    )
+
+
+def _load_single_file(location: str, family: str | None, config_dir: str | None) -> Components:
+    from diffusers import DDPMScheduler
+
+    from . import export
+
+    try:  # the family is read from the file's keys when not given
+        pipe = export.load_single_file_model(location, family, config_dir)
+    except SdplanError:
+        raise
+    except Exception as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ModelLoadError(f"could not load model file {location}: {first}") from e
+    parts = pipe.components if hasattr(pipe, "components") else dict(pipe)
+    two = parts.get("text_encoder_2") is not None
+    found = _check_family(detect_family(parts["unet"].config, 2 if two else 1), family, location)
+    text_encoders = [parts["text_encoder"]] + ([parts["text_encoder_2"]] if two else [])
+    tokenizers = [parts["tokenizer"]] + ([parts["tokenizer_2"]] if two else [])
+    scheduler_config = dict(parts["scheduler"].config)
+    return Components(
+        family=found,
+        unet=parts["unet"],
+        vae=parts["vae"],
+        text_encoders=text_encoders,
+        tokenizers=tokenizers,
+        noise_scheduler=DDPMScheduler.from_config(scheduler_config),
+        scheduler_config=scheduler_config,
+        source=location,
+    )

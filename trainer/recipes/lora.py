@@ -1,0 +1,356 @@
+"""LoRA: low-rank adapters on the UNet's attention projections (optionally the text encoder(s)), with peft.
+
+The base model stays frozen (in half precision under mixed precision); only the adapters train, in fp32.
+Outputs: the LoRA in diffusers/peft format (``pipe.load_lora_weights``) and in kohya format (A1111, ComfyUI),
+a sample grid, ``loss.png`` and ``run_summary.json``.
+
+Read top to bottom: data (fails before any model loads), model, adapters, optimizer and schedule, the loop
+(gradient accumulation, checkpoints, stop on Ctrl-C / SIGTERM / NaN), outputs.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from sdplan.config import TrainConfig
+from sdplan.errors import SdplanError
+
+from .. import checkpoint as ckpt_lib
+from .. import common, data, models
+from ..buckets import BucketBatchSampler
+
+
+class _Batches:
+    """The epoch-seeded batch sampler without a ``batch_size`` attribute, so accelerate shards its batches
+    as lists of any length (bucket batches may be short in the middle of an epoch)."""
+
+    def __init__(self, sampler: BucketBatchSampler):
+        self.sampler = sampler
+
+    def set_epoch(self, epoch: int) -> None:
+        self.sampler.set_epoch(epoch)
+
+    def __iter__(self):
+        return iter(self.sampler)
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+
+def train(cfg: TrainConfig, *, resume: str | None = None) -> dict:
+    t0 = time.perf_counter()
+    out_dir = Path(cfg.output.dir)
+    tcfg = cfg.training
+
+    # 1. Everything that can be wrong with the inputs, before anything heavy loads.
+    source = models.resolve_source(cfg.model.path)
+    dataset, scan = data.build_dataset(cfg)
+    resume_from = ckpt_lib.resolve_resume(resume or cfg.checkpoints.resume, out_dir)
+    accelerator = common.make_accelerator(cfg, out_dir)
+    device = accelerator.device
+    common.say(accelerator, f"data {scan.summary()}")
+
+    # 2. The base model, frozen.
+    comps = models.load_components(
+        cfg.model.path,
+        family=cfg.model.family,
+        revision=cfg.model.revision,
+        variant=cfg.model.variant,
+        source=source,
+        config_dir=getattr(cfg.model, "config_dir", None),
+    )
+    unet, vae, text_encoders = comps.unet, comps.vae, comps.text_encoders
+    for m in (unet, vae, *text_encoders):
+        m.requires_grad_(False)
+    wdtype = common.weight_dtype(accelerator)
+    unet.to(device, dtype=wdtype)
+    vae.to(device, dtype=common.vae_dtype(accelerator))
+    for te in text_encoders:
+        te.to(device, dtype=wdtype)
+    common.use_sdpa(unet, vae)
+
+    # 3. Adapters (seeded: every process starts from the same weights).
+    from peft import LoraConfig
+
+    torch.manual_seed(tcfg.seed)
+    lcfg = cfg.lora
+    unet.add_adapter(
+        LoraConfig(
+            r=lcfg.rank,
+            lora_alpha=lcfg.alpha,
+            lora_dropout=lcfg.dropout,
+            init_lora_weights="gaussian",
+            target_modules=lcfg.target_modules,
+        )
+    )
+    trained = {"unet": unet}
+    if tcfg.train_text_encoder:
+        for i, te in enumerate(text_encoders):
+            te.add_adapter(
+                LoraConfig(
+                    r=lcfg.rank,
+                    lora_alpha=lcfg.alpha,
+                    lora_dropout=lcfg.dropout,
+                    init_lora_weights="gaussian",
+                    target_modules=lcfg.text_encoder_target_modules,
+                )
+            )
+            trained[f"text_encoder_{i}"] = te
+    if cfg.memory.gradient_checkpointing:
+        common.enable_gradient_checkpointing(*trained.values())
+    for m in trained.values():  # adapters train in fp32 whatever the base weights are
+        for p in m.parameters():
+            if p.requires_grad:
+                p.data = p.data.float()
+
+    # 4. Optimizer, data loader, step arithmetic, LR schedule.
+    groups = [{"params": [p for p in unet.parameters() if p.requires_grad], "lr": tcfg.learning_rate}]
+    if tcfg.train_text_encoder:
+        te_params = [p for te in text_encoders for p in te.parameters() if p.requires_grad]
+        groups.append({"params": te_params, "lr": tcfg.text_encoder_learning_rate or tcfg.learning_rate})
+    optimizer = common.make_optimizer(groups, cfg)
+    batches = _Batches(BucketBatchSampler.for_dataset(dataset, tcfg.batch_size, seed=tcfg.seed))
+    loader = torch.utils.data.DataLoader(
+        dataset,
+        batch_sampler=batches,
+        collate_fn=data.collate,
+        num_workers=cfg.data.num_workers,
+        pin_memory=device.type == "cuda",
+    )
+    names = list(trained)
+    prepared = accelerator.prepare(*trained.values(), optimizer, loader)
+    trained = dict(zip(names, prepared[: len(names)]))
+    optimizer, loader = prepared[len(names) :]
+    unet = trained["unet"]
+    if tcfg.train_text_encoder:
+        text_encoders = [trained[f"text_encoder_{i}"] for i in range(len(text_encoders))]
+    plan = common.plan_steps(
+        batches_per_epoch=len(loader),
+        grad_accum=tcfg.grad_accum,
+        epochs=tcfg.epochs,
+        max_steps=tcfg.max_steps,
+        warmup_steps=tcfg.lr_warmup_steps,
+        num_processes=accelerator.num_processes,
+    )
+    lr_scheduler = common.make_lr_scheduler(optimizer, cfg, plan)
+    accelerator.register_for_checkpointing(lr_scheduler)
+    params = [p for g in groups for p in g["params"]]
+
+    # 5. Checkpoints and resume.
+    state = ckpt_lib.TrainState(
+        batch_size=tcfg.batch_size,
+        grad_accum=tcfg.grad_accum,
+        num_processes=accelerator.num_processes,
+        method=cfg.method,
+    )
+    ckpt = ckpt_lib.Checkpointer(
+        accelerator,
+        out_dir,
+        state,
+        get_weights=lambda: ckpt_lib.trainable_state_dict(trained),
+        set_weights=lambda sd: ckpt_lib.load_trainable_state_dict(trained, sd),
+        every_steps=cfg.checkpoints.every_steps,
+        keep_every_steps=cfg.checkpoints.keep_every_steps,
+    )
+    if resume_from is not None:
+        ckpt.load(resume_from)
+        ckpt_lib.apply_learning_rates(optimizer, lr_scheduler, [g["lr"] for g in groups])
+        common.say(accelerator, f"resumed from {resume_from} at step {state.global_step}")
+    common.say(
+        accelerator,
+        f"lora {comps.family}: {len(dataset)} samples/epoch, batch {tcfg.batch_size} x accum {tcfg.grad_accum} "
+        f"x {plan.num_processes} process(es) -> {plan.steps_per_epoch} steps/epoch, {plan.max_steps} steps "
+        f"({plan.epochs} epochs), warmup {plan.warmup_steps}",
+    )
+
+    def loss_for(batch, generator):
+        pixels = batch["pixel_values"].to(device)
+        latents = common.encode_latents(vae, pixels, generator).to(wdtype)
+        noisy, noise, timesteps = common.noisy_latents(
+            comps.noise_scheduler, latents, generator, tcfg.noise_offset
+        )
+        embeds, added = common.unet_conditioning(comps, batch, text_encoders, device, wdtype)
+        pred = unet(noisy, timesteps, embeds, added_cond_kwargs=added, return_dict=False)[0]
+        return common.mse(pred, common.diffusion_target(comps.noise_scheduler, latents, noise, timesteps))
+
+    # 6. The loop.
+    for m in trained.values():
+        m.train()
+    progress = common.Progress(accelerator, plan.max_steps, initial=state.global_step, description="lora")
+    try:
+        with common.StopSignals(progress.print) as stop:
+            while state.global_step < plan.max_steps:
+                if state.batches_in_epoch >= len(loader):  # the checkpoint was taken at an epoch's end
+                    state.epoch, state.batches_in_epoch, state.samples_in_epoch = state.epoch + 1, 0, 0
+                dataset.set_epoch(state.epoch)
+                batches.set_epoch(state.epoch)
+                loader.set_epoch(state.epoch)
+                epoch_loader = accelerator.skip_first_batches(loader, state.batches_in_epoch)
+                micro, images, loss_sum, generator = 0, 0, torch.zeros((), device=device), None
+                for batch in epoch_loader:
+                    step = state.global_step + 1
+                    if generator is None:
+                        generator = common.seed_step(tcfg.seed, accelerator.process_index, step)
+                    with accelerator.accumulate(*trained.values()):
+                        loss = common.inject_failures(step, tcfg.batch_size, loss_for(batch, generator))
+                        accelerator.backward(loss)
+                        micro, images = micro + 1, images + len(batch["caption"])
+                        loss_sum = loss_sum + loss.detach()
+                        if accelerator.sync_gradients:
+                            mean_loss, step_images, stop_now, bad = common.reduce_step_stats(
+                                accelerator, loss_sum, micro, images, stop.requested is not None
+                            )
+                            if bad:
+                                raise _stop_on_nan(ckpt, params, step, cfg)
+                            if tcfg.max_grad_norm > 0:
+                                accelerator.clip_grad_norm_(params, tcfg.max_grad_norm)
+                        optimizer.step()
+                        optimizer.zero_grad(set_to_none=cfg.memory.set_grads_to_none)
+                    if not accelerator.sync_gradients:
+                        continue
+                    lr_scheduler.step()
+                    state.global_step = step
+                    state.batches_in_epoch += micro
+                    state.samples_in_epoch += images
+                    state.images_seen += step_images
+                    state.losses.append(mean_loss)
+                    micro, images, loss_sum, generator = 0, 0, torch.zeros((), device=device), None
+                    progress.update(step, mean_loss)
+                    if cfg.sampling.every_steps and step % cfg.sampling.every_steps == 0:
+                        _samples(
+                            accelerator,
+                            comps,
+                            trained,
+                            text_encoders,
+                            cfg,
+                            out_dir / "samples" / f"step-{step:06d}.png",
+                        )
+                    ckpt.maybe_save()
+                    if stop_now:
+                        path = ckpt.last_saved if ckpt.last_saved_step == step else ckpt.save("interrupt")
+                        raise common.TrainingInterrupted(step, path)
+                    if step >= plan.max_steps:
+                        break
+                else:
+                    state.epoch, state.batches_in_epoch, state.samples_in_epoch = state.epoch + 1, 0, 0
+    except torch.OutOfMemoryError as e:
+        report = common.write_oom_report(out_dir, step=state.global_step + 1, cfg=cfg, message=str(e))
+        raise common.OutOfMemoryStop(state.global_step + 1, report, str(e)) from None
+    except (SdplanError, KeyboardInterrupt):
+        raise
+    except Exception:
+        _checkpoint_on_error(accelerator, ckpt, state)
+        raise
+    finally:
+        progress.close()
+
+    # 7. Outputs.
+    peak = common.gather_max(accelerator, common.peak_memory_bytes(accelerator))
+    accelerator.wait_for_everyone()
+    outputs: list[Path] = []
+    if accelerator.is_main_process:
+        from .. import export, plots
+
+        epochs_done = round(state.global_step / plan.steps_per_epoch, 3)
+        meta = common.output_metadata(
+            cfg, steps=state.global_step, epochs=epochs_done, prediction_type=comps.prediction_type
+        )
+        unet_u = ckpt_lib.unwrap(unet)
+        tes_u = [ckpt_lib.unwrap(te) for te in text_encoders] if tcfg.train_text_encoder else []
+        outputs += export.save_lora(
+            out_dir,
+            unet=unet_u,
+            text_encoders=tes_u,
+            family=comps.family,
+            rank=lcfg.rank,
+            alpha=lcfg.alpha,
+            metadata=meta,
+            name=cfg.output.name,
+            kohya=cfg.output.save_kohya,
+        )
+        grid = _samples(
+            accelerator,
+            comps,
+            trained,
+            text_encoders,
+            cfg,
+            out_dir / "samples" / "final.png",
+            fallback=dataset.caption_for(dataset.items[0], 0),
+            wait=False,
+        )
+        outputs += [grid] if grid else []
+        outputs.append(
+            plots.loss_curve(list(range(1, len(state.losses) + 1)), state.losses, out_dir / "loss.png")
+        )
+        outputs.append(common.write_loss_history(out_dir, state.losses))
+    accelerator.wait_for_everyone()
+    summary = (
+        common.write_run_summary(
+            out_dir,
+            method=cfg.method,
+            steps=state.global_step,
+            epochs=round(state.global_step / plan.steps_per_epoch, 3),
+            images_seen=state.images_seen,
+            num_processes=accelerator.num_processes,
+            final_loss=state.losses[-1] if state.losses else None,
+            wall_seconds=time.perf_counter() - t0,
+            peak_memory_bytes=peak,
+            outputs=outputs,
+        )
+        if accelerator.is_main_process
+        else {}
+    )
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+    return summary
+
+
+def _samples(
+    accelerator, comps, trained, text_encoders, cfg, out_path: Path, *, fallback: str = "", wait: bool = True
+) -> Path | None:
+    """A PNG grid from the configured prompts (fixed seed), on the main process; the others wait."""
+    prompts = list(cfg.sampling.prompts) or ([fallback] if fallback else [])
+    grid = None
+    if prompts and accelerator.is_main_process:
+        from .. import sampling
+
+        unet = ckpt_lib.unwrap(trained["unet"])
+        pipe = comps.pipeline(unet=unet, text_encoders=[ckpt_lib.unwrap(te) for te in text_encoders])
+        with torch.no_grad(), accelerator.autocast():
+            grid = sampling.sample_grid(
+                pipe,
+                prompts,
+                seed=cfg.sampling.seed,
+                steps=cfg.sampling.num_inference_steps,
+                guidance_scale=cfg.sampling.guidance_scale,
+                resolution=cfg.data.resolution,
+                out_path=out_path,
+            )
+    if wait:
+        accelerator.wait_for_everyone()
+    return grid
+
+
+def _stop_on_nan(ckpt, params, step: int, cfg) -> common.NonFiniteLoss:
+    """Checkpoint the weights from before this step (when they are still finite) and build the error."""
+    path = None
+    if all(bool(torch.isfinite(p).all()) for p in params):
+        path = ckpt.save("nan")
+    elif ckpt.last_saved is not None:
+        path = ckpt.last_saved
+    return common.nonfinite_error(step, cfg, path)
+
+
+def _checkpoint_on_error(accelerator, ckpt, state) -> None:
+    """Best effort on an unexpected exception: checkpoint the last finished step (one process only: with
+    several, the others may be inside a collective and a save would hang)."""
+    if accelerator.num_processes != 1 or state.global_step == 0 or ckpt.last_saved_step == state.global_step:
+        return
+    try:
+        path = ckpt.save("interrupt")
+        print(f"checkpoint written after the error: {path}", flush=True)
+    except Exception as e:  # the original error matters more
+        print(f"could not write a checkpoint after the error: {e}", flush=True)
