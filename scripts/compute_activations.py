@@ -14,6 +14,9 @@ Variants per family:
 - gradient checkpointing off / on. With it on, diffusers' ``_gradient_checkpointing_func`` is replaced by one that
   does what non-reentrant checkpointing keeps: the segment's inputs are held until backward, the tensors saved
   inside the segment are not (they are recomputed; the largest segment gives ``recompute_peak``);
+- trained part: the whole UNet (``unet``: DreamBooth, fine-tune) or only the attention projections (``attn``:
+  LoRA adapters on to_q/k/v/out; textual inversion and text-encoder training need the gradient through the
+  same layers), since frozen layers save less (a frozen Linear keeps no input for a weight gradient);
 - compute dtype bf16 (fp16 has the same sizes) and fp32.
 
 Each variant is measured at several resolutions and two batch sizes and fitted as
@@ -30,6 +33,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as _dt
+import itertools
 import sys
 import time
 from pathlib import Path
@@ -44,6 +48,9 @@ FAMILY_RESOLUTIONS = {
 }
 DTYPES = ("bf16", "fp32")
 BACKENDS = ("efficient", "math")
+# What requires grad: the whole UNet (DreamBooth, fine-tune), or only the attention projections (LoRA adapts
+# to_q/k/v/out; textual inversion and text-encoder training need the gradient through the same layers).
+TRAINED = ("unet", "attn")
 
 
 def _torch_dtype(name: str):
@@ -144,9 +151,43 @@ def build_unet(unet_config: dict, dtype_name: str):
     return unet
 
 
-def measure_unet(unet, model: dict, *, batch: int, resolution: int, dtype_name: str, backend: str, gc: bool):
+def set_trained(unet, trained: str) -> None:
+    for name, p in unet.named_parameters():
+        p.requires_grad_(trained == "unet" or (".attn" in name and ".to_" in name))
+
+
+def adafactor_state_bytes(model) -> int:
+    """Adafactor (factored second moment, no first moment: kohya/transformers defaults) state in fp32 bytes.
+
+    Tensors with >= 2 dims keep a row and a column statistic over their last two dims; others a full copy.
+    """
+    import math
+
+    total = 0
+    for p in model.parameters():
+        shape = tuple(p.shape)
+        if len(shape) >= 2:
+            total += math.prod(shape[:-1]) + math.prod(shape[:-2]) * shape[-1]
+        else:
+            total += p.numel()
+    return 4 * total
+
+
+def measure_unet(
+    unet,
+    model: dict,
+    *,
+    batch: int,
+    resolution: int,
+    dtype_name: str,
+    backend: str,
+    gc: bool,
+    trained: str = "unet",
+):
     """One train-mode forward on meta; returns (held_bytes, recompute_peak_bytes)."""
     import torch
+
+    set_trained(unet, trained)
 
     dtype = _torch_dtype(dtype_name)
     cfg = model["unet"]
@@ -208,6 +249,72 @@ def measure_text_encoder(entry: dict, *, batch: int, dtype_name: str, tokens: in
     return held.total
 
 
+def text_encoder_adafactor_bytes(entry: dict) -> int:
+    import transformers
+    from accelerate import init_empty_weights
+
+    with init_empty_weights():
+        model = getattr(transformers, entry["class"])(transformers.CLIPTextConfig(**entry["config"]))
+    return adafactor_state_bytes(model)
+
+
+def measure_flops(model: dict, unet, resolutions: tuple[int, ...]) -> dict:
+    """Forward FLOPs (torch.utils.flop_counter on meta): UNet and VAE encoder per sample vs latent pixels,
+    text encoders per prompt. The planner scales step time from these."""
+    import torch
+    import transformers
+    from accelerate import init_empty_weights
+    from diffusers import AutoencoderKL
+    from torch.utils.flop_counter import FlopCounterMode
+
+    scale = int(model.get("vae_scale_factor", 8))
+    cfg = model["unet"]
+    meta = {"device": "meta", "dtype": torch.bfloat16}
+
+    def count(fn) -> int:
+        fc = FlopCounterMode(display=False)
+        with fc, torch.no_grad(), attention_backend("efficient", "bf16"):
+            fn()
+        return int(fc.get_total_flops())
+
+    with init_empty_weights():
+        vae = AutoencoderKL.from_config(dict(model["vae"]))
+    vae.to(torch.bfloat16)
+    unet_pts, vae_pts = [], []
+    for res in resolutions:
+        side = res // scale
+        kwargs: dict[str, Any] = {}
+        if cfg.get("addition_embed_type") == "text_time":
+            pooled = int(cfg["projection_class_embeddings_input_dim"]) - 6 * int(
+                cfg["addition_time_embed_dim"]
+            )
+            kwargs["added_cond_kwargs"] = {
+                "text_embeds": torch.empty(1, pooled, **meta),
+                "time_ids": torch.empty(1, 6, **meta),
+            }
+        args = (
+            torch.empty(1, int(cfg.get("in_channels", 4)), side, side, **meta),
+            torch.zeros(1, device="meta", dtype=torch.long),
+            torch.empty(
+                1, int(model.get("tokenizer_max_length", 77)), int(cfg["cross_attention_dim"]), **meta
+            ),
+        )
+        unet_pts.append((1, side * side, count(lambda a=args, k=kwargs: unet(*a, **k))))
+        image = torch.empty(1, 3, res, res, **meta)
+        vae_pts.append((1, side * side, count(lambda x=image: vae.encode(x))))
+    te = 0
+    tokens = int(model.get("tokenizer_max_length", 77))
+    for entry in model.get("text_encoders", []):
+        with init_empty_weights():
+            enc = getattr(transformers, entry["class"])(transformers.CLIPTextConfig(**entry["config"]))
+        enc.to(torch.bfloat16)
+        ids = torch.zeros(1, tokens, dtype=torch.long, device="meta")
+        te += count(lambda m=enc, i=ids: m(input_ids=i))
+    unet_coef, _ = fit(unet_pts, quadratic=True, with_fixed=False)
+    vae_coef, _ = fit(vae_pts, quadratic=True, with_fixed=False)
+    return {"unet_forward": unet_coef, "vae_encode": vae_coef, "text_encoders_forward": te}
+
+
 def _solve(rows: list[list[float]], ys: list[float]) -> list[float]:
     """Least squares via normal equations (tiny systems); exact for consistent data."""
     import numpy as np
@@ -218,16 +325,20 @@ def _solve(rows: list[list[float]], ys: list[float]) -> list[float]:
     return [float(v) for v in sol]
 
 
-def fit(points: list[tuple[int, int, int]], quadratic: bool) -> tuple[dict[str, float], float]:
+def fit(
+    points: list[tuple[int, int, int]], quadratic: bool, with_fixed: bool = True
+) -> tuple[dict[str, float], float]:
     """points: (batch, latent_pixels, bytes) -> coefficients and the largest relative residual."""
     rows, ys = [], []
     for b, lat, y in points:
-        row = [b * lat, b, 1.0]
+        row = [b * lat, b, 1.0] if with_fixed else [b * lat, b]
         if quadratic:
             row.insert(1, b * lat * lat)
         rows.append(row)
         ys.append(float(y))
     sol = _solve(rows, ys)
+    if not with_fixed:
+        sol.append(0.0)
     if quadratic:
         lin, quad, per, fixed = sol
     else:
@@ -251,46 +362,52 @@ def compute_family(model: dict, resolutions: tuple[int, ...], log) -> dict:
     out: dict[str, Any] = {"unet": {}, "text_encoders": [], "measured": []}
     for dtype_name in DTYPES:
         unet = build_unet(model["unet"], dtype_name)
-        for backend in BACKENDS:
-            for gc in (False, True):
-                held_pts, peak_pts = [], []
-                shapes = [(1, r) for r in resolutions] + [(2, native)]
-                for batch, res in shapes:
-                    t0 = time.perf_counter()
-                    held, peak = measure_unet(
-                        unet,
-                        model,
-                        batch=batch,
-                        resolution=res,
-                        dtype_name=dtype_name,
-                        backend=backend,
-                        gc=gc,
-                    )
-                    lat = (res // scale) ** 2
-                    held_pts.append((batch, lat, held))
-                    peak_pts.append((batch, lat, peak))
-                    out["measured"].append(
-                        {
-                            "dtype": dtype_name,
-                            "attention": backend,
-                            "gradient_checkpointing": gc,
-                            "batch": batch,
-                            "resolution": res,
-                            "held_bytes": held,
-                            "recompute_peak_bytes": peak,
-                        }
-                    )
-                    log(
-                        f"  {model['family']} {dtype_name} {backend:9s} gc={gc!s:5s} b={batch} {res:5d}: "
-                        f"held {held / 2**30:7.3f} GiB, recompute peak {peak / 2**30:6.3f} GiB "
-                        f"({time.perf_counter() - t0:.2f}s)"
-                    )
-                held_coef, held_err = fit(held_pts, quadratic=backend == "math")
-                key = f"{dtype_name}/{backend}/{'gc' if gc else 'no_gc'}"
-                entry = {"held": held_coef, "fit_max_error": round(held_err, 4)}
-                if gc:
-                    entry["recompute_peak"], _ = fit(peak_pts, quadratic=backend == "math")
-                out["unet"][key] = entry
+        for backend, gc, trained in itertools.product(BACKENDS, (False, True), TRAINED):
+            held_pts, peak_pts = [], []
+            shapes = [(1, r) for r in resolutions] + [(2, native)]
+            for batch, res in shapes:
+                t0 = time.perf_counter()
+                held, peak = measure_unet(
+                    unet,
+                    model,
+                    batch=batch,
+                    resolution=res,
+                    dtype_name=dtype_name,
+                    backend=backend,
+                    gc=gc,
+                    trained=trained,
+                )
+                lat = (res // scale) ** 2
+                held_pts.append((batch, lat, held))
+                peak_pts.append((batch, lat, peak))
+                out["measured"].append(
+                    {
+                        "dtype": dtype_name,
+                        "attention": backend,
+                        "gradient_checkpointing": gc,
+                        "trained": trained,
+                        "batch": batch,
+                        "resolution": res,
+                        "held_bytes": held,
+                        "recompute_peak_bytes": peak,
+                    }
+                )
+                log(
+                    f"  {model['family']} {dtype_name} {backend:9s} {trained:4s} gc={gc!s:5s} b={batch} {res:5d}: "
+                    f"held {held / 2**30:7.3f} GiB, recompute peak {peak / 2**30:6.3f} GiB "
+                    f"({time.perf_counter() - t0:.2f}s)"
+                )
+            held_coef, held_err = fit(held_pts, quadratic=backend == "math")
+            key = f"{dtype_name}/{backend}/{'gc' if gc else 'no_gc'}/{trained}"
+            entry = {"held": held_coef, "fit_max_error": round(held_err, 4)}
+            if gc:
+                entry["recompute_peak"], _ = fit(peak_pts, quadratic=backend == "math")
+            out["unet"][key] = entry
+        if dtype_name == "fp32":
+            out["adafactor_state_bytes"] = {"unet": adafactor_state_bytes(unet), "text_encoders": []}
+        else:
+            out["flops"] = measure_flops(model, unet, resolutions)
+            log(f"  {model['family']} flops: {out['flops']}")
         del unet
     tokens = int(model.get("tokenizer_max_length", 77))
     for entry in model.get("text_encoders", []):
@@ -300,6 +417,7 @@ def compute_family(model: dict, resolutions: tuple[int, ...], log) -> dict:
             two = measure_text_encoder(entry, batch=2, dtype_name=dtype_name, tokens=tokens)
             per[dtype_name] = {"per_sample": two - one, "fixed": 2 * one - two}
         out["text_encoders"].append({"class": entry["class"], "held": per})
+        out["adafactor_state_bytes"]["text_encoders"].append(text_encoder_adafactor_bytes(entry))
         log(
             f"  {model['family']} text encoder {entry['class']}: {per['bf16']['per_sample'] / 2**20:.1f} MiB/sample bf16"
         )

@@ -1,0 +1,979 @@
+"""The planner: hardware + profiles + request -> the fastest training plan that fits (pure; no I/O, no torch).
+
+Memory model (bytes per GPU), each term from the model family's real parameter counts and the activation
+coefficients computed on the meta device (profiles/activations.yaml):
+
+- trainable weights: fp32 master copies (4 B) under mixed precision, 2 B with fully-half weights;
+  gradients the same; AdamW state 8 B (2 x fp32), bitsandbytes 8-bit AdamW 2 B (75% less), Adafactor the
+  factored second moment computed from the real tensor shapes (no first moment: kohya/transformers defaults);
+- frozen weights: 2 B under fp16/bf16, 4 B in fp32 (the UNet for LoRA / textual inversion, text encoder(s)
+  unless their outputs are cached, the VAE unless latents are cached);
+- EMA: a fp32 copy of the UNet on the GPU (or in host RAM);
+- autocast's half copies of fp32 trainable weights, held from forward to backward;
+- activations: the UNet's saved tensors for batch x latent pixels (+ the recomputed segment with gradient
+  checkpointing), the trained text encoder's, times a calibrated factor for the backward transient;
+- the AdamW (foreach) step transient, CUDA context and allocator overhead (calibrated);
+- DeepSpeed ZeRO-2/1 with optimizer offload: half weights + reduction buckets on the GPU, and
+  P x max(4G, 16) x 1.5 bytes in host RAM (DeepSpeed's own estimator).
+
+Time model: the UNet / VAE / text-encoder FLOPs (counted on meta, activations.yaml) over the GPU's dense
+half-precision TFLOPS times an efficiency fitted on the published speed points; gradient checkpointing
++25%; offload x3.5; multi-GPU: the gradient all-reduce over the interconnect once per optimizer step, with a
+link efficiency fitted on Puget's 2x RTX 4090 observations. A measured point for the same GPU and settings
+(local profile store) or a published one is used directly.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+from sdplan.profiles import GiB, GPUSpec, MethodPoint, ModelSpec, Profiles
+
+METHODS = ("lora", "dreambooth", "finetune", "textual-inversion")
+FULL_METHODS = ("dreambooth", "finetune")
+
+# -- calibration constants (fitted with benchmarks/planner_accuracy.py against profiles/methods) ----------
+ACTIVATION_FACTOR = 1.5  # saved tensors -> peak incl. gradient buffers of the backward pass
+CUDA_CONTEXT_BYTES = int(0.6 * GiB)  # CUDA context + cuBLAS/cuDNN workspaces, outside torch's allocator
+ALLOCATOR_OVERHEAD = 0.06  # caching-allocator fragmentation, fraction of the allocated peak
+DEEPSPEED_BUCKET_ELEMENTS = 500_000_000  # reduce/allgather bucket defaults (5e8 elements, fp16)
+HEADROOM = 0.92  # a recommended plan's predicted peak stays at or below this share of VRAM
+RAM_PER_PROCESS = 3 * GiB  # python + torch + CUDA host allocations + data loading, per process
+GC_TIME_FACTOR = 1.25  # gradient checkpointing: ~20-30% slower (field notes 2; invoke-training PR 22)
+OFFLOAD_TIME_FACTOR = 3.5  # DeepSpeed optimizer offload: 3-4x slower (lunar-diffusion notes)
+STEP_OVERHEAD_S = 0.03  # python, data loading and kernel launch per micro-step
+STARTUP_S = 60.0  # loading the model, building the optimizer, first compilation
+MIN_MULTI_GPU_GAIN = 0.05  # use more GPUs only when the whole run gets at least this much shorter
+PCIE_GBS = {1: 4.0, 2: 8.0, 3: 16.0, 4: 32.0, 5: 64.0, 6: 128.0}  # x16, one direction
+BATCHES = (1, 2, 4, 8, 16)
+OPTIMIZER_STEP_BYTES = {"adamw": 28, "adamw8bit": 16, "adafactor": 16}  # memory traffic per trainable param
+
+RDNA_MATH_ATTENTION = ("gfx101", "gfx103")  # RDNA1/2: no flash / memory-efficient SDPA kernels in ROCm torch
+
+
+# -- inputs ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class HWGPU:
+    name: str
+    memory_bytes: int
+    vendor: str
+    bf16: bool
+    fp16: bool
+    arch: str | None = None
+    spec: GPUSpec | None = None  # the catalog entry, when the name matches one
+
+
+@dataclass(frozen=True)
+class Hardware:
+    source: str  # "probe" | "catalog" | "file"
+    gpus: tuple[HWGPU, ...]
+    ram_total_bytes: int | None = None
+    link: str = "pcie"  # "nvlink" | "xgmi" | "pcie"
+    link_gbs: float = PCIE_GBS[4]
+    label: str = ""
+
+    @property
+    def count(self) -> int:
+        return len(self.gpus)
+
+
+@dataclass(frozen=True)
+class Request:
+    method: str
+    model: str = "sd15"
+    resolution: int | None = None  # None: the family's native resolution
+    images: int = 20
+    repeats: int = 1
+    epochs: int = 10
+    max_gpus: int | None = None  # --gpus: use at most this many
+    lora_rank: int = 16
+    prior_preservation: bool = False
+    class_images: int = 0
+
+
+@dataclass(frozen=True)
+class Setup:
+    """One concrete configuration whose memory and time the model predicts."""
+
+    method: str
+    model: str
+    resolution: int
+    batch: int = 1
+    grad_accum: int = 1
+    precision: str = "bf16"
+    gradient_checkpointing: bool = False
+    optimizer: str = "adamw"
+    cache_latents: bool = False
+    cache_text_encoder_outputs: bool = False
+    train_text_encoder: bool = False
+    attention: str = "efficient"  # "efficient" | "math"
+    deepspeed: dict | None = None  # {"zero_stage", "offload_optimizer"}
+    ema: str | None = None  # None | "gpu" | "cpu"
+    lora_rank: int = 16
+    prior_preservation: bool = False
+    fused_backward: bool = False
+    full_half_weights: bool = False
+    num_gpus: int = 1
+
+    @property
+    def offload(self) -> bool:
+        return bool(self.deepspeed and self.deepspeed.get("offload_optimizer"))
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Predicted peak bytes per GPU, with its parts, and host RAM."""
+
+    trainable_params: int
+    weights: float
+    frozen: float
+    gradients: float
+    optimizer: float
+    ema: float
+    autocast_copies: float
+    activations: float
+    step_transient: float
+    overhead: float
+    peak: float
+    ram: float
+
+    def parts(self) -> dict[str, int]:
+        return {k: int(v) for k, v in asdict(self).items() if k not in ("peak", "ram", "trainable_params")}
+
+
+# -- memory ----------------------------------------------------------------------------------------------
+
+
+def _half(precision: str) -> bool:
+    return precision in ("fp16", "bf16")
+
+
+def trainable_params(model: ModelSpec, s: Setup) -> int:
+    if s.method == "lora":
+        return model.lora_params(s.lora_rank, text_encoder=s.train_text_encoder)
+    if s.method == "textual-inversion":
+        # diffusers' textual inversion trains the whole input-embedding matrix (only new rows change)
+        return sum(
+            int(te["config"].get("vocab_size", 49408)) * int(te["config"]["hidden_size"])
+            for te in model.text_encoders
+        )
+    return model.params_unet + (model.text_encoder_params if s.train_text_encoder else 0)
+
+
+def memory(profiles: Profiles, s: Setup) -> Memory:
+    model = profiles.model(s.model)
+    act = profiles.activations
+    half = _half(s.precision)
+    wb = 2 if half else 4  # frozen weights
+    tb = 2 if (half and s.full_half_weights) else 4  # trainable weights and their gradients
+    full = s.method in FULL_METHODS
+    t = trainable_params(model, s)
+    batch = s.batch * (2 if s.prior_preservation else 1)
+    latent = (s.resolution // model.vae_scale_factor) ** 2
+
+    # frozen weights resident on the GPU
+    frozen = 0.0
+    if not full:
+        frozen += model.params_unet * wb
+    te_total = model.text_encoder_params
+    if s.method == "textual-inversion":
+        frozen += (te_total - t) * 4  # the text encoder stays fp32 around its trained embeddings
+    elif (
+        s.method == "lora"
+        and s.train_text_encoder
+        or not (s.train_text_encoder and full)
+        and not s.cache_text_encoder_outputs
+    ):
+        frozen += te_total * wb
+    if not s.cache_latents:
+        frozen += model.params_vae * wb
+
+    if s.train_text_encoder and full:
+        pass  # counted as trainable
+    weights = t * tb
+    grads = 0.0 if s.fused_backward else t * tb
+    if s.optimizer == "adamw":
+        opt = t * 2 * tb
+    elif s.optimizer == "adamw8bit":
+        opt = t * 2.0
+    else:  # adafactor: factored second moment of the real tensor shapes
+        full_bytes = act.adafactor_bytes(s.model, text_encoders=s.train_text_encoder and full)
+        full_params = model.params_unet + (te_total if (s.train_text_encoder and full) else 0)
+        opt = t * (full_bytes / full_params) * (tb / 4)
+    ema = model.params_unet * 4.0 if s.ema == "gpu" else 0.0
+    autocast = t * 2.0 if (half and tb == 4 and full) else 0.0
+
+    trained_part = "unet" if full else "attn"
+    held, recompute = act.unet(
+        s.model,
+        dtype=s.precision,
+        attention=s.attention,
+        gc=s.gradient_checkpointing,
+        batch=batch,
+        latent_pixels=latent,
+        trained=trained_part,
+    )
+    activations = ACTIVATION_FACTOR * (held + recompute)
+    if s.train_text_encoder or s.method == "textual-inversion":
+        te_dtype = "fp32" if s.method == "textual-inversion" else s.precision
+        activations += ACTIVATION_FACTOR * act.text_encoders(s.model, dtype=te_dtype, batch=batch)
+
+    ram = RAM_PER_PROCESS + 4.0 * (model.params_unet + te_total + model.params_vae)  # fp32 load
+    step = t * 4.0 if (s.optimizer == "adamw" and not s.fused_backward) else 0.0  # foreach temporaries
+    if s.offload:
+        g = s.num_gpus
+        cpu = t * max(4 * g, 16) * 1.5 / g  # DeepSpeed estimator, per process share
+        ram = max(ram, RAM_PER_PROCESS + cpu)
+        weights, opt, step = t * 2.0, 0.0, 0.0
+        grads = 2 * DEEPSPEED_BUCKET_ELEMENTS * 2.0  # reduce + allgather buckets (fp16)
+        autocast = 0.0
+    if s.ema == "cpu":
+        ram += model.params_unet * 4.0
+
+    base = weights + frozen + grads + opt + ema
+    allocated = base + max(activations + autocast, step)
+    overhead = CUDA_CONTEXT_BYTES + ALLOCATOR_OVERHEAD * allocated
+    return Memory(
+        trainable_params=t,
+        weights=weights,
+        frozen=frozen,
+        gradients=grads,
+        optimizer=opt,
+        ema=ema,
+        autocast_copies=autocast,
+        activations=activations,
+        step_transient=step,
+        overhead=overhead,
+        peak=allocated + overhead,
+        ram=ram * s.num_gpus,
+    )
+
+
+# -- time ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Calibration:
+    efficiency: float  # achieved / catalog dense half-precision TFLOPS
+    link_efficiency: float  # achieved all-reduce bandwidth / nominal link bandwidth
+    efficiency_points: tuple[tuple[str, float], ...] = ()
+    link_points: tuple[tuple[str, float], ...] = ()
+
+
+def step_flops(profiles: Profiles, s: Setup) -> float:
+    """FLOPs of one micro-step of one process (forward + backward + recomputation is handled as time)."""
+    act = profiles.activations
+    model = profiles.model(s.model)
+    batch = s.batch * (2 if s.prior_preservation else 1)
+    latent = (s.resolution // model.vae_scale_factor) ** 2
+    f_unet = act.unet_forward_flops(s.model, latent) * batch
+    unet = f_unet * (3.0 if s.method in FULL_METHODS else 2.0)  # frozen UNet: input gradients only
+    if s.gradient_checkpointing:
+        unet *= GC_TIME_FACTOR
+    other = 0.0
+    if not s.cache_latents:
+        other += act.vae_encode_flops(s.model, latent) * s.batch
+    if not s.cache_text_encoder_outputs:
+        te = act.text_encoder_flops(s.model) * batch
+        other += te * (3.0 if (s.train_text_encoder or s.method == "textual-inversion") else 1.0)
+    return unet + other
+
+
+def gpu_tflops(gpu: HWGPU | GPUSpec | None, precision: str) -> float | None:
+    spec = gpu if isinstance(gpu, GPUSpec) else (gpu.spec if gpu is not None else None)
+    return spec.tflops(precision) if spec is not None else None
+
+
+def step_seconds(
+    profiles: Profiles, s: Setup, gpu: HWGPU | GPUSpec, cal: Calibration, *, link_gbs: float | None = None
+) -> float | None:
+    """Seconds per micro-step of one process, all overheads included; None when the GPU's speed is unknown."""
+    tflops = gpu_tflops(gpu, s.precision)
+    if not tflops:
+        return None
+    spec = gpu if isinstance(gpu, GPUSpec) else gpu.spec
+    model = profiles.model(s.model)
+    compute = step_flops(profiles, s) / (tflops * 1e12 * cal.efficiency)
+    t = trainable_params(model, s)
+    opt = t * OPTIMIZER_STEP_BYTES.get(s.optimizer, 28) / (spec.memory_bandwidth_gbs * 1e9) / s.grad_accum
+    seconds = compute + opt + STEP_OVERHEAD_S
+    if s.offload:
+        seconds *= OFFLOAD_TIME_FACTOR
+    if s.num_gpus > 1 and link_gbs:
+        seconds += allreduce_seconds(profiles, s, link_gbs, cal) / s.grad_accum
+    return seconds
+
+
+def gradient_bytes(profiles: Profiles, s: Setup) -> float:
+    model = profiles.model(s.model)
+    tb = 2 if (_half(s.precision) and s.full_half_weights) or s.offload else 4
+    return trainable_params(model, s) * tb
+
+
+def allreduce_seconds(profiles: Profiles, s: Setup, link_gbs: float, cal: Calibration) -> float:
+    n = s.num_gpus
+    if n <= 1:
+        return 0.0
+    moved = gradient_bytes(profiles, s) * 2 * (n - 1) / n  # ring all-reduce
+    return moved / (link_gbs * 1e9 * cal.link_efficiency)
+
+
+def setup_from_point(p: MethodPoint, attention: str | None = None) -> Setup:
+    o = p.options
+    return Setup(
+        method=p.method,
+        model=p.model,
+        resolution=p.resolution,
+        batch=p.batch,
+        grad_accum=p.grad_accum,
+        precision=p.precision,
+        gradient_checkpointing=o.gradient_checkpointing,
+        optimizer=o.optimizer,
+        cache_latents=o.cache_latents,
+        cache_text_encoder_outputs=o.cache_text_encoder_outputs,
+        train_text_encoder=o.train_text_encoder,
+        attention=attention or ("math" if o.attention == "math" else "efficient"),
+        deepspeed=o.deepspeed,
+        ema=o.ema,
+        lora_rank=o.lora_rank or 16,
+        prior_preservation=o.prior_preservation,
+        fused_backward=o.fused_backward,
+        full_half_weights=o.full_half_weights,
+        num_gpus=p.num_gpus,
+    )
+
+
+def calibrate(profiles: Profiles) -> Calibration:
+    """Fit the compute efficiency on published/measured speeds and the link efficiency on multi-GPU runs."""
+    eff: list[tuple[str, float]] = []
+    base = Calibration(efficiency=1.0, link_efficiency=1.0)
+    for p in profiles.points:
+        it_s = p.outcome.get("it_s")
+        spec = profiles.gpu_or_none(p.gpu)
+        if not it_s or spec is None or p.num_gpus != 1:
+            continue
+        s = setup_from_point(p)
+        ideal = step_flops(profiles, s) / (spec.tflops(s.precision) * 1e12)
+        measured = 1.0 / it_s - STEP_OVERHEAD_S
+        if measured > 0:
+            eff.append((p.id, ideal / measured))
+    efficiency = _geomean([e for _, e in eff]) if eff else 0.1
+    cal = replace(base, efficiency=efficiency, efficiency_points=tuple(eff))
+    links: list[tuple[str, float]] = []
+    for m in profiles.multi_gpu:
+        spec = profiles.gpu_or_none(m.gpu)
+        ratio = m.outcome.get("iteration_time_ratio")
+        if spec is None or not ratio or ratio <= 1:
+            continue
+        s = Setup(
+            method=m.method,
+            model=m.model,
+            resolution=m.resolution,
+            precision=m.precision,
+            gradient_checkpointing=m.options.gradient_checkpointing,
+            optimizer=m.options.optimizer,
+            cache_latents=m.options.cache_latents,
+            train_text_encoder=m.options.train_text_encoder,
+            lora_rank=m.options.lora_rank or 16,
+            full_half_weights=m.options.full_half_weights,
+            num_gpus=1,
+        )
+        t1 = step_seconds(profiles, s, spec, cal)
+        nominal = _link_gbs_for(spec, m.interconnect)
+        multi = replace(s, num_gpus=m.num_gpus)
+        needed = (ratio - 1.0) * t1  # extra seconds per iteration
+        moved = gradient_bytes(profiles, multi) * 2 * (m.num_gpus - 1) / m.num_gpus
+        links.append((m.id, moved / (needed * nominal * 1e9)))
+    link_eff = _geomean([v for _, v in links]) if links else 0.05
+    return replace(cal, link_efficiency=link_eff, link_points=tuple(links))
+
+
+def _geomean(values: list[float]) -> float:
+    return math.exp(sum(math.log(v) for v in values) / len(values))
+
+
+def _link_gbs_for(spec: GPUSpec | None, link: str) -> float:
+    if link in ("nvlink", "xgmi") and spec is not None and spec.interconnect:
+        return float(spec.interconnect["bandwidth_gbs"])
+    gen = spec.pcie_gen if spec is not None and spec.pcie_gen else 4
+    return PCIE_GBS.get(gen, 32.0)
+
+
+# -- hardware --------------------------------------------------------------------------------------------
+
+
+def attention_backend(gpu: HWGPU) -> str:
+    arch = (gpu.arch or (gpu.spec.arch if gpu.spec else "") or "").lower()
+    if gpu.vendor == "amd" and (arch.startswith(RDNA_MATH_ATTENTION) or not arch):
+        return "math"
+    return "efficient"
+
+
+def hardware_from_catalog(spec: GPUSpec, count: int = 1) -> Hardware:
+    gpus = tuple(
+        HWGPU(
+            name=spec.name,
+            memory_bytes=spec.memory_bytes,
+            vendor=spec.vendor,
+            bf16=spec.bf16,
+            fp16=spec.fp16,
+            arch=spec.arch,
+            spec=spec,
+        )
+        for _ in range(count)
+    )
+    link = spec.interconnect["type"] if (spec.interconnect and count > 1) else "pcie"
+    label = f"{count}x {spec.name}" if count > 1 else spec.name
+    return Hardware(source="catalog", gpus=gpus, link=link, link_gbs=_link_gbs_for(spec, link), label=label)
+
+
+def hardware_from_snapshot(snapshot: Any, profiles: Profiles, source: str = "probe") -> Hardware:
+    """Build from a machine Snapshot (sdplan.machine): usable GPUs, their bf16 truth, links, RAM."""
+    gpus = []
+    for g in snapshot.usable_gpus:
+        spec = profiles.gpu_or_none(g.name, g.memory_total_bytes)
+        bf16 = g.bf16 if g.bf16 is not None else (spec.bf16 if spec else False)
+        fp16 = g.fp16 if g.fp16 is not None else True
+        gpus.append(
+            HWGPU(
+                name=g.name or (spec.name if spec else f"GPU {g.index}"),
+                memory_bytes=int(g.memory_total_bytes),
+                vendor=g.vendor,
+                bf16=bool(bf16),
+                fp16=bool(fp16),
+                arch=g.gfx_arch or g.compute_capability or (spec.arch if spec else None),
+                spec=spec,
+            )
+        )
+    link, gbs = "pcie", PCIE_GBS[4]
+    if len(gpus) > 1:
+        types = {lk.type for lk in snapshot.links}
+        spec0 = gpus[0].spec
+        if "nvlink" in types or "xgmi" in types:
+            link = "nvlink" if "nvlink" in types else "xgmi"
+            gbs = float(spec0.interconnect["bandwidth_gbs"]) if spec0 and spec0.interconnect else 100.0
+        else:
+            gens = [g.pcie_gen for g in snapshot.usable_gpus if g.pcie_gen]
+            gen = min(gens) if gens else (spec0.pcie_gen if spec0 and spec0.pcie_gen else 4)
+            gbs = PCIE_GBS.get(gen, 32.0)
+    names = [g.name for g in gpus]
+    label = (
+        f"{len(names)}x {names[0]}"
+        if len(set(names)) == 1 and len(names) > 1
+        else ", ".join(names) or "no GPU"
+    )
+    return Hardware(
+        source=source,
+        gpus=tuple(gpus),
+        ram_total_bytes=snapshot.host.ram_total_bytes,
+        link=link,
+        link_gbs=gbs,
+        label=label,
+    )
+
+
+# -- the plan --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Steps:
+    images_per_epoch: int
+    epochs: int
+    steps_per_epoch: int
+    total_steps: int
+    images_seen: int
+    one_gpu_total_steps: int
+    lr_warmup_steps: int
+
+
+@dataclass(frozen=True)
+class Candidate:
+    setup: Setup
+    memory: Memory
+    seconds: float | None
+    step_seconds: float | None
+    steps: Steps
+    basis: str
+    fits: bool
+
+
+@dataclass(frozen=True)
+class Result:
+    feasible: bool
+    request: Request
+    hardware: Hardware
+    plan: Setup | None
+    steps: Steps
+    memory: Memory | None
+    seconds: float | None
+    step_seconds: float | None
+    speedup_vs_one_gpu: float | None
+    basis: str | None
+    needs: dict | None
+    reasons: tuple[str, ...]
+    vram_bytes: int | None = None
+    alternatives: tuple[Candidate, ...] = field(default=())
+
+
+def step_arithmetic(req: Request, batch: int, grad_accum: int, num_gpus: int) -> Steps:
+    per_epoch = req.images * req.repeats
+    spe = math.ceil(per_epoch / (batch * grad_accum * num_gpus))
+    one = math.ceil(per_epoch / (batch * grad_accum)) * req.epochs
+    total = spe * req.epochs
+    return Steps(
+        images_per_epoch=per_epoch,
+        epochs=req.epochs,
+        steps_per_epoch=spe,
+        total_steps=total,
+        images_seen=per_epoch * req.epochs,
+        one_gpu_total_steps=one,
+        lr_warmup_steps=0,
+    )
+
+
+def _precision_for(gpus: tuple[HWGPU, ...]) -> str:
+    if gpus and all(g.bf16 for g in gpus):
+        return "bf16"
+    if gpus and all(g.fp16 for g in gpus):
+        return "fp16"
+    return "fp32"
+
+
+def _matching_point(profiles: Profiles, s: Setup, gpu: HWGPU) -> MethodPoint | None:
+    """A measured (local) or published point for this GPU and these settings, with a speed."""
+    best = None
+    for p in profiles.points:
+        if not p.outcome.get("it_s") or p.num_gpus != 1 or p.method != s.method or p.model != s.model:
+            continue
+        spec = profiles.gpu_or_none(p.gpu)
+        if spec is None or gpu.spec is None or spec.name != gpu.spec.name:
+            continue
+        o = p.options
+        same = (
+            p.resolution == s.resolution
+            and p.batch == s.batch
+            and p.precision == s.precision
+            and o.gradient_checkpointing == s.gradient_checkpointing
+            and o.cache_latents == s.cache_latents
+            and o.train_text_encoder == s.train_text_encoder
+            and bool(o.deepspeed) == bool(s.deepspeed)
+        )
+        if same and (best is None or p.origin == "local"):
+            best = p
+    return best
+
+
+def _candidates(req: Request, profiles: Profiles, hw: Hardware, cal: Calibration, resolution: int):
+    gpu = hw.gpus[0]
+    precision = _precision_for(hw.gpus)
+    attention = attention_backend(gpu)
+    nvidia = gpu.vendor == "nvidia"
+    max_n = min(hw.count, req.max_gpus or hw.count)
+    full = req.method in FULL_METHODS
+    optimizers = ["adamw"] if req.method == "textual-inversion" else ["adamw", "adamw8bit", "adafactor"]
+    if not nvidia:
+        optimizers = [o for o in optimizers if o != "adamw8bit"]  # bitsandbytes: CUDA only
+    out: list[Candidate] = []
+    per_epoch = req.images * req.repeats
+    for n in range(1, max_n + 1):
+        for batch in BATCHES:
+            if batch > 1 and batch * n > per_epoch:
+                continue
+            for gc in (False, True):
+                for cache in (True, False):
+                    for opt in optimizers:
+                        for offload in (False, True) if full else (False,):
+                            if offload and opt != "adamw":
+                                continue  # 8-bit / Adafactor do not combine with DeepSpeed here
+                            s = Setup(
+                                method=req.method,
+                                model=req.model,
+                                resolution=resolution,
+                                batch=batch,
+                                precision=precision,
+                                gradient_checkpointing=gc,
+                                optimizer=opt,
+                                cache_latents=cache,
+                                attention=attention,
+                                deepspeed={"zero_stage": 2, "offload_optimizer": True} if offload else None,
+                                lora_rank=req.lora_rank,
+                                prior_preservation=req.prior_preservation,
+                                num_gpus=n,
+                            )
+                            out.append(_evaluate(req, profiles, hw, cal, s))
+    return out
+
+
+def _evaluate(req: Request, profiles: Profiles, hw: Hardware, cal: Calibration, s: Setup) -> Candidate:
+    gpu = hw.gpus[0]
+    mem = memory(profiles, s)
+    vram = min(g.memory_bytes for g in hw.gpus[: s.num_gpus])
+    fits = mem.peak <= HEADROOM * vram
+    if s.offload and hw.ram_total_bytes:
+        fits = fits and mem.ram <= 0.9 * hw.ram_total_bytes
+    steps = step_arithmetic(req, s.batch, s.grad_accum, s.num_gpus)
+    point = _matching_point(profiles, s, gpu) if s.num_gpus == 1 else None
+    if point is not None:
+        step_s = 1.0 / point.outcome["it_s"]
+        basis = "measured" if point.origin == "local" else "published"
+    else:
+        step_s = step_seconds(profiles, s, gpu, cal, link_gbs=hw.link_gbs)
+        basis = "calibrated"
+    if step_s is None:
+        seconds = None
+    else:
+        micro = steps.total_steps * s.grad_accum
+        seconds = STARTUP_S + micro * step_s
+        if s.cache_latents:  # one VAE pass over the images, split over the processes
+            model = profiles.model(s.model)
+            latent = (s.resolution // model.vae_scale_factor) ** 2
+            tflops = gpu_tflops(gpu, s.precision) or 1.0
+            flops = (
+                profiles.activations.vae_encode_flops(s.model, latent) * steps.images_per_epoch / s.num_gpus
+            )
+            seconds += flops / (tflops * 1e12 * cal.efficiency)
+    return Candidate(
+        setup=s, memory=mem, seconds=seconds, step_seconds=step_s, steps=steps, basis=basis, fits=fits
+    )
+
+
+_OPT_RANK = {"adamw": 0, "adamw8bit": 1, "adafactor": 2}
+
+
+def _key(c: Candidate) -> tuple:
+    s = c.setup
+    return (
+        c.seconds if c.seconds is not None else math.inf,
+        s.offload,
+        s.num_gpus,
+        s.gradient_checkpointing,
+        _OPT_RANK[s.optimizer],
+        s.batch,
+    )
+
+
+def min_vram_needed(
+    req: Request, profiles: Profiles, precision: str = "fp16", attention: str = "efficient"
+) -> int:
+    """The smallest VRAM (bytes) on which some configuration of this request fits with headroom."""
+    model = profiles.model(req.model)
+    resolution = req.resolution or model.native_resolution
+    full = req.method in FULL_METHODS
+    best = math.inf
+    for gc in (False, True):
+        for opt in ("adamw", "adamw8bit", "adafactor"):
+            for offload in (False, True) if full else (False,):
+                if offload and opt != "adamw":
+                    continue
+                s = Setup(
+                    method=req.method,
+                    model=req.model,
+                    resolution=resolution,
+                    precision=precision,
+                    gradient_checkpointing=gc,
+                    optimizer=opt,
+                    cache_latents=True,
+                    attention=attention,
+                    deepspeed={"zero_stage": 2, "offload_optimizer": True} if offload else None,
+                    lora_rank=req.lora_rank,
+                    prior_preservation=req.prior_preservation,
+                )
+                best = min(best, memory(profiles, s).peak / HEADROOM)
+    return int(math.ceil(best))
+
+
+def suggest_hardware(profiles: Profiles, need_bytes: int, limit: int = 6) -> list[str]:
+    """Catalog GPUs with at least ``need_bytes`` of VRAM: the smallest that fit first, then by speed."""
+    fit = [g for g in profiles.gpus if g.memory_bytes >= need_bytes]
+    fit.sort(key=lambda g: (g.memory_gib, -g.fp16_tflops))
+    return [g.name for g in fit[:limit]]
+
+
+def _gib(x: float) -> str:
+    return f"{x / GiB:.1f} GiB"
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 5400:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def plan(hardware: Hardware | Any, profiles: Profiles, request: Request) -> Result:
+    """Choose the fastest whole run that fits. ``hardware``: a Hardware, or a machine Snapshot (probe)."""
+    if not isinstance(hardware, Hardware):
+        hardware = hardware_from_snapshot(hardware, profiles)
+    req = request
+    if req.method not in METHODS:
+        raise ValueError(f"unknown method {req.method!r}")
+    model = profiles.model(req.model)
+    resolution = req.resolution or model.native_resolution
+    req = replace(req, resolution=resolution)
+    cal = calibrate(profiles)
+    reasons: list[str] = []
+    one_steps = step_arithmetic(req, 1, 1, 1)
+
+    if not hardware.gpus:
+        need = min_vram_needed(req, profiles)
+        suggestions = suggest_hardware(profiles, need)
+        reasons.append(
+            f"no usable GPU on this machine ({hardware.label or 'none found'}): training {req.method} on {req.model} "
+            f"needs at least {_gib(need)} of GPU memory"
+        )
+        return Result(
+            feasible=False,
+            request=req,
+            hardware=hardware,
+            plan=None,
+            steps=one_steps,
+            memory=None,
+            seconds=None,
+            step_seconds=None,
+            speedup_vs_one_gpu=None,
+            basis=None,
+            needs={"min_vram_bytes": need, "suggested_hardware": suggestions},
+            reasons=tuple(reasons),
+        )
+
+    cands = _candidates(req, profiles, hardware, cal, resolution)
+    fitting = [c for c in cands if c.fits]
+    no_offload = [c for c in fitting if not c.setup.offload]
+    pool = no_offload or fitting
+    if not pool:
+        precision = _precision_for(hardware.gpus)
+        need = min_vram_needed(
+            req, profiles, precision=precision, attention=attention_backend(hardware.gpus[0])
+        )
+        smallest = min(cands, key=lambda c: c.memory.peak)
+        reasons.append(
+            f"nothing fits: the leanest configuration ({_describe(smallest.setup)}) needs {_gib(smallest.memory.peak)} "
+            f"per GPU, more than {int(HEADROOM * 100)}% of {_gib(hardware.gpus[0].memory_bytes)}"
+        )
+        return Result(
+            feasible=False,
+            request=req,
+            hardware=hardware,
+            plan=None,
+            steps=one_steps,
+            memory=smallest.memory,
+            seconds=None,
+            step_seconds=None,
+            speedup_vs_one_gpu=None,
+            basis=None,
+            needs={"min_vram_bytes": need, "suggested_hardware": suggest_hardware(profiles, need)},
+            reasons=tuple(reasons),
+            vram_bytes=hardware.gpus[0].memory_bytes,
+        )
+
+    pool.sort(key=_key)
+    best_by_n: dict[int, Candidate] = {}
+    for c in pool:
+        best_by_n.setdefault(c.setup.num_gpus, c)
+    best = best_by_n.get(1) or pool[0]
+    for n, c in sorted(best_by_n.items()):
+        if (
+            n > 1
+            and c.seconds is not None
+            and best.seconds is not None
+            and c.seconds < best.seconds * (1 - MIN_MULTI_GPU_GAIN)
+        ):
+            best = c
+    one = best_by_n.get(1)
+    speedup = one.seconds / best.seconds if (one and one.seconds and best.seconds) else None
+    reasons += _reasons(req, hardware, best, one, best_by_n, fitting, no_offload, cal, profiles)
+    alternatives = tuple(sorted(best_by_n.values(), key=lambda c: c.setup.num_gpus))
+    return Result(
+        feasible=True,
+        request=req,
+        hardware=hardware,
+        plan=best.setup,
+        steps=best.steps,
+        memory=best.memory,
+        seconds=best.seconds,
+        step_seconds=best.step_seconds,
+        speedup_vs_one_gpu=speedup,
+        basis=best.basis,
+        needs=None,
+        reasons=tuple(reasons),
+        vram_bytes=min(g.memory_bytes for g in hardware.gpus[: best.setup.num_gpus]),
+        alternatives=alternatives,
+    )
+
+
+def _describe(s: Setup) -> str:
+    bits = [s.precision, f"batch {s.batch}"]
+    bits.append("gradient checkpointing" if s.gradient_checkpointing else "no checkpointing")
+    bits.append(s.optimizer)
+    if s.cache_latents:
+        bits.append("cached latents")
+    if s.offload:
+        bits.append("DeepSpeed ZeRO-2 CPU offload")
+    return ", ".join(bits)
+
+
+def _reasons(req, hw, best, one, best_by_n, fitting, no_offload, cal, profiles) -> list[str]:
+    s, m = best.setup, best.memory
+    gpu = hw.gpus[0]
+    vram = min(g.memory_bytes for g in hw.gpus[: s.num_gpus])
+    r = []
+    if s.precision == "bf16":
+        r.append(
+            f"precision bf16: {gpu.name} supports bf16 in hardware (mixed precision, fp32 master weights)"
+        )
+    elif s.precision == "fp16":
+        r.append(
+            f"precision fp16: {gpu.name} has no bf16 in hardware (T4/V100/RDNA2 class), so fp16 mixed precision "
+            "with loss scaling"
+        )
+    else:
+        r.append(f"precision fp32: {gpu.name} reports no fp16/bf16 support")
+    r.append(
+        f"attention: {'flash / memory-efficient SDPA' if s.attention == 'efficient' else 'math SDPA (no memory-efficient kernel for this GPU): activations grow with the square of the latent pixels'}"
+    )
+    same_no_gc = [
+        c
+        for c in fitting
+        if c.setup.num_gpus == s.num_gpus and not c.setup.gradient_checkpointing and not c.setup.offload
+    ]
+    if s.gradient_checkpointing:
+        r.append(
+            "gradient checkpointing on: "
+            + (
+                "it allows a larger batch that makes the whole run faster despite ~25% more time per sample"
+                if same_no_gc
+                else "nothing fits without it (it costs ~25% time)"
+            )
+        )
+    else:
+        r.append("gradient checkpointing off: the plan fits without it, and it would cost ~25% time")
+    opt_reason = {
+        "adamw": "AdamW (8 bytes of state per trained parameter) fits",
+        "adamw8bit": "8-bit AdamW (bitsandbytes, ~2 bytes of state per parameter) is needed to fit; CUDA only",
+        "adafactor": "Adafactor (factored second moment, a fraction of AdamW's state) is needed to fit",
+    }[s.optimizer]
+    r.append(f"optimizer {s.optimizer}: {opt_reason}")
+    r.append(
+        "latents cached: the VAE runs once per image instead of every step (faster, less VRAM; no random crop/flip)"
+        if s.cache_latents
+        else "latents not cached"
+    )
+    if s.offload:
+        r.append(
+            "DeepSpeed ZeRO-2 with optimizer offload to CPU: nothing without offload fits; it runs ~3-4x slower and "
+            f"needs ~{_gib(m.ram)} of host RAM"
+        )
+    elif req.method in FULL_METHODS:
+        r.append("no DeepSpeed offload: a configuration without it fits (offload is 3-4x slower)")
+    r.append(f"batch size {s.batch}, gradient accumulation {s.grad_accum}: the fastest whole run that fits")
+    r.append(
+        f"predicted peak {_gib(m.peak)} per GPU of {_gib(vram)} ({100 * m.peak / vram:.0f}%, limit {int(HEADROOM * 100)}%): "
+        + ", ".join(f"{k.replace('_', ' ')} {_gib(v)}" for k, v in m.parts().items() if v > 0)
+    )
+    st = best.steps
+    if s.num_gpus > 1:
+        r.append(
+            f"{s.num_gpus} GPUs: steps normalised so the run trains what was asked: {st.images_per_epoch} images per "
+            f"epoch / (batch {s.batch} x accumulation {s.grad_accum} x {s.num_gpus} GPUs) = {st.steps_per_epoch} "
+            f"steps per epoch, {st.total_steps} in all (one GPU: {st.one_gpu_total_steps}); images seen "
+            f"{st.images_seen} either way; warmup and LR schedule count these steps"
+        )
+    else:
+        r.append(
+            f"steps: {st.images_per_epoch} images per epoch / (batch {s.batch} x accumulation {s.grad_accum}) = "
+            f"{st.steps_per_epoch} per epoch x {st.epochs} epochs = {st.total_steps}; images seen {st.images_seen}"
+        )
+    if hw.count > 1:
+        for n, c in sorted(best_by_n.items()):
+            if n == s.num_gpus or c.seconds is None or one is None or one.seconds is None:
+                continue
+            verdict = "slower" if c.seconds >= one.seconds else "not enough faster"
+            r.append(
+                f"{n} GPU{'s' if n > 1 else ''} would take {_duration(c.seconds)} ({verdict}"
+                + (
+                    f": the {_gib(gradient_bytes(profiles, c.setup))} gradient all-reduce per step over "
+                    f"{hw.link} costs more than it saves)"
+                    if n > 1
+                    else ")"
+                )
+            )
+        if s.num_gpus > 1 and one is not None and one.seconds and best.seconds:
+            r.append(
+                f"{s.num_gpus} GPUs: each step is {best.step_seconds / one.step_seconds:.2f}x one GPU's, but the "
+                f"run is {one.seconds / best.seconds:.2f}x faster once steps are normalised"
+            )
+    if best.basis == "calibrated":
+        r.append(
+            f"time: FLOPs of the {req.model} UNet at {s.resolution}px over {gpu.name}'s dense throughput at "
+            f"{cal.efficiency * 100:.0f}% efficiency (fitted on published speeds)"
+        )
+    else:
+        r.append(f"time: from a {best.basis} speed for {gpu.name} with these settings")
+    if req.prior_preservation and req.class_images:
+        r.append(f"prior preservation: {req.class_images} class images are trained alongside (batch doubled)")
+    return r
+
+
+def result_dict(res: Result) -> dict[str, Any]:
+    """The exact object `sdplan recommend --json` prints (issue 3)."""
+    req = res.request
+    s = res.plan
+    plan_d = None
+    if s is not None:
+        plan_d = {
+            "num_gpus": s.num_gpus,
+            "batch_size": s.batch,
+            "grad_accum": s.grad_accum,
+            "precision": s.precision,
+            "gradient_checkpointing": s.gradient_checkpointing,
+            "optimizer": s.optimizer,
+            "cache_latents": s.cache_latents,
+            "train_text_encoder": s.train_text_encoder,
+            "deepspeed": dict(s.deepspeed) if s.deepspeed else None,
+            "resolution": s.resolution,
+        }
+    st = res.steps
+    estimate = None
+    if res.feasible and res.memory is not None:
+        estimate = {
+            "peak_vram_bytes": int(res.memory.peak),
+            "ram_bytes": int(res.memory.ram),
+            "seconds": None if res.seconds is None else round(res.seconds, 1),
+            "speedup_vs_one_gpu": None
+            if res.speedup_vs_one_gpu is None
+            else round(res.speedup_vs_one_gpu, 3),
+            "basis": res.basis,
+        }
+    return {
+        "schema_version": 1,
+        "feasible": res.feasible,
+        "request": {
+            "method": req.method,
+            "model": req.model,
+            "resolution": req.resolution,
+            "images": req.images,
+            "repeats": req.repeats,
+            "epochs": req.epochs,
+        },
+        "hardware": {
+            "source": res.hardware.source,
+            "gpus": [{"name": g.name, "memory_total_bytes": g.memory_bytes} for g in res.hardware.gpus],
+            "ram_total_bytes": res.hardware.ram_total_bytes,
+        },
+        "plan": plan_d,
+        "steps": {
+            "images_per_epoch": st.images_per_epoch,
+            "epochs": st.epochs,
+            "steps_per_epoch": st.steps_per_epoch,
+            "total_steps": st.total_steps,
+            "images_seen": st.images_seen,
+        },
+        "estimate": estimate,
+        "needs": res.needs,
+        "reasons": list(res.reasons),
+    }

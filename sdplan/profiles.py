@@ -1,0 +1,851 @@
+"""Strict loader for the shipped profiles (GPU catalog, model families, method points, activations).
+
+The YAML files ship inside the package (``profiles/`` in the source tree, ``sdplan/profiles/`` in a wheel);
+a local profile store (``$SDPLAN_PROFILE_DIR``, else ``$XDG_DATA_HOME/sdplan/profiles``) adds measured points
+and GPUs when present. Every file is checked against its schema: unknown keys are rejected and every error in
+a file is reported at once (:class:`~sdplan.errors.ConfigError`). No torch here; loading is cached.
+
+GPU names are matched leniently (``rtx4090``, ``NVIDIA GeForce RTX 3060``, ``H100 SXM``); an unknown name is a
+:class:`~sdplan.errors.UsageError` listing the closest catalog names.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import os
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from sdplan.errors import ConfigError, UsageError
+
+SCHEMA_VERSION = 1
+METHODS = ("lora", "dreambooth", "finetune", "textual-inversion")
+FAMILIES = ("sd15", "sd21", "sdxl")
+PRECISIONS = ("fp32", "fp16", "bf16")
+OPTIMIZERS = ("adamw", "adamw8bit", "adafactor")
+ATTENTION = ("efficient", "math")
+TRAINED = ("unet", "attn")  # activations.yaml: whole UNet trained, or only the attention projections
+GiB = 2**30
+
+try:  # libyaml when available: several times faster
+    _Loader: Any = yaml.CSafeLoader
+except AttributeError:  # pragma: no cover
+    _Loader = yaml.SafeLoader
+
+
+# -- locations -------------------------------------------------------------------------------------------
+
+
+def shipped_dir() -> Path:
+    """The profiles that ship with sdplan: ``sdplan/profiles/`` in a wheel, ``profiles/`` in the source tree."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "profiles", here.parent / "profiles"):
+        if (candidate / "models").is_dir() or (candidate / "gpus.yaml").is_file():
+            return candidate
+    return here.parent / "profiles"
+
+
+def local_dir() -> Path:
+    """The user's local profile store (measurements made on this machine); may not exist."""
+    env = os.environ.get("SDPLAN_PROFILE_DIR")
+    if env:
+        return Path(env).expanduser()
+    xdg = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(xdg).expanduser() / "sdplan" / "profiles"
+
+
+# -- schema checking -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class F:
+    """One key of a schema: accepted types, whether required, and an optional check returning an error."""
+
+    types: tuple[type, ...]
+    required: bool = True
+    check: Callable[[Any], str | None] | None = None
+    sub: dict[str, F] | None = None  # for mappings (or list items when ``item`` is set)
+    item: F | None = None  # for lists
+
+
+def _num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _positive(v: Any) -> str | None:
+    return None if v is None or (_num(v) and v > 0) else "must be > 0"
+
+
+def _nonneg(v: Any) -> str | None:
+    return None if v is None or (_num(v) and v >= 0) else "must be >= 0"
+
+
+def _one_of(*choices: Any) -> Callable[[Any], str | None]:
+    def check(v: Any) -> str | None:
+        return None if v in choices else f"must be one of {', '.join(map(str, choices))}, got {v!r}"
+
+    return check
+
+
+def _type_names(types: tuple[type, ...]) -> str:
+    names = {int: "an integer", float: "a number", str: "a string", bool: "true/false", list: "a list"}
+    names |= {dict: "a mapping", type(None): "null"}
+    return " or ".join(names.get(t, t.__name__) for t in types)
+
+
+def _check(data: Any, schema: dict[str, F], where: str, errors: list[str]) -> None:
+    if not isinstance(data, dict):
+        errors.append(f"{where or 'top level'}: must be a mapping")
+        return
+    prefix = f"{where}." if where else ""
+    for key in data:
+        if key not in schema:
+            close = difflib.get_close_matches(str(key), list(schema), n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            errors.append(f"{prefix}{key}: unknown key{hint}")
+    for key, spec in schema.items():
+        if key not in data:
+            if spec.required:
+                errors.append(f"{prefix}{key}: missing")
+            continue
+        _check_value(data[key], spec, f"{prefix}{key}", errors)
+
+
+def _check_value(value: Any, spec: F, where: str, errors: list[str]) -> None:
+    types = spec.types
+    ok = isinstance(value, types) and not (isinstance(value, bool) and bool not in types)
+    if not ok and float in types and _num(value):
+        ok = True
+    if not ok:
+        errors.append(f"{where}: must be {_type_names(types)}, got {value!r}")
+        return
+    if value is None:
+        return
+    if spec.check is not None and (msg := spec.check(value)):
+        errors.append(f"{where}: {msg}")
+    if spec.sub is not None and isinstance(value, dict):
+        _check(value, spec.sub, where, errors)
+    if spec.item is not None and isinstance(value, list):
+        for i, v in enumerate(value):
+            _check_value(v, spec.item, f"{where}[{i}]", errors)
+
+
+NUM = (int, float)
+OPT_NUM = (int, float, type(None))
+STR = (str,)
+
+GPU_SCHEMA = {
+    "name": F(STR),
+    "aliases": F((list,), item=F(STR)),
+    "vendor": F(STR, check=_one_of("nvidia", "amd")),
+    "memory_gib": F(NUM, check=_positive),
+    "arch": F(STR),
+    "family": F(STR),
+    "bf16": F((bool,)),
+    "fp16": F((bool,)),
+    "fp16_tflops": F(NUM, check=_positive),
+    "bf16_tflops": F(OPT_NUM, check=_positive),
+    "memory_bandwidth_gbs": F(NUM, check=_positive),
+    "pcie_gen": F((int, type(None)), check=_positive),
+    "interconnect": F(
+        (dict, type(None)),
+        sub={"type": F(STR, check=_one_of("nvlink", "xgmi")), "bandwidth_gbs": F(NUM, check=_positive)},
+    ),
+    "source": F(STR),
+}
+GPUS_FILE_SCHEMA = {
+    "schema_version": F((int,), check=_one_of(SCHEMA_VERSION)),
+    "gpus": F((list,), item=F((dict,), sub=GPU_SCHEMA)),
+}
+MODEL_SCHEMA = {
+    "schema_version": F((int,), check=_one_of(SCHEMA_VERSION)),
+    "family": F(STR, check=_one_of(*FAMILIES)),
+    "name": F(STR),
+    "native_resolution": F((int,), check=_positive),
+    "latent_channels": F((int,), check=_positive),
+    "vae_scale_factor": F((int,), check=_positive),
+    "hub_ids": F((list,), item=F(STR)),
+    "kohya_base_model_version": F(STR),
+    "unet": F((dict,)),
+    "text_encoders": F(
+        (list,),
+        item=F(
+            (dict,),
+            sub={
+                "class": F(STR, check=_one_of("CLIPTextModel", "CLIPTextModelWithProjection")),
+                "config": F((dict,)),
+            },
+        ),
+    ),
+    "vae": F((dict,)),
+    "tokenizer_max_length": F((int,), check=_positive),
+    "params": F(
+        (dict,),
+        sub={
+            "unet": F((int,), check=_positive),
+            "text_encoders": F((list,), item=F((int,), check=_positive)),
+            "vae": F((int,), check=_positive),
+        },
+    ),
+    "source": F(STR),
+}
+OPTIONS_SCHEMA = {
+    "gradient_checkpointing": F((bool,)),
+    "optimizer": F(STR, check=_one_of(*OPTIMIZERS)),
+    "cache_latents": F((bool,)),
+    "cache_text_encoder_outputs": F((bool,), required=False),
+    "train_text_encoder": F((bool,)),
+    "attention": F(STR, check=_one_of("xformers", "sdpa", "flash", "math")),
+    "deepspeed": F(
+        (dict, type(None)),
+        sub={"zero_stage": F((int,), check=_one_of(1, 2, 3)), "offload_optimizer": F((bool,))},
+    ),
+    "ema": F((str, type(None)), check=_one_of("gpu", "cpu")),
+    "lora_rank": F((int, type(None)), required=False, check=_positive),
+    "prior_preservation": F((bool,), required=False),
+    "fused_backward": F((bool,), required=False),
+    "full_half_weights": F((bool,), required=False),
+    "set_grads_to_none": F((bool,), required=False),
+}
+OUTCOME_SCHEMA = {
+    "fits": F((bool, type(None))),
+    "max_vram_gib": F(OPT_NUM, required=False, check=_positive),
+    "exceeds_vram_gib": F(OPT_NUM, required=False, check=_positive),
+    "peak_vram_gib": F(OPT_NUM, required=False, check=_positive),
+    "ram_gib": F(OPT_NUM, required=False, check=_positive),
+    "it_s": F(OPT_NUM, required=False, check=_positive),
+}
+POINT_SCHEMA = {
+    "id": F(STR),
+    "model": F(STR, check=_one_of(*FAMILIES)),
+    "model_name": F(STR, required=False),
+    "resolution": F((int,), check=_positive),
+    "batch": F((int,), check=_positive),
+    "grad_accum": F((int,), check=_positive),
+    "precision": F(STR, check=_one_of(*PRECISIONS)),
+    "options": F((dict,), sub=OPTIONS_SCHEMA),
+    "gpu": F((str, type(None))),
+    "gpu_memory_gib": F(OPT_NUM, required=False, check=_positive),
+    "num_gpus": F((int,), check=_positive),
+    "outcome": F((dict,), sub=OUTCOME_SCHEMA),
+    "source": F(STR),
+    "note": F(STR, required=False),
+}
+MULTI_GPU_SCHEMA = {
+    "id": F(STR),
+    "model": F(STR, check=_one_of(*FAMILIES)),
+    "resolution": F((int,), check=_positive),
+    "precision": F(STR, check=_one_of(*PRECISIONS)),
+    "options": F((dict,), sub=OPTIONS_SCHEMA),
+    "gpu": F(STR),
+    "num_gpus": F((int,), check=lambda v: None if v >= 2 else "must be >= 2"),
+    "interconnect": F(STR, check=_one_of("pcie", "nvlink", "xgmi")),
+    "outcome": F(
+        (dict,),
+        sub={
+            "iteration_time_ratio": F(OPT_NUM, check=_positive),
+            "run_time_ratio": F(OPT_NUM, check=_positive),
+        },
+    ),
+    "source": F(STR),
+    "note": F(STR, required=False),
+}
+METHOD_FILE_SCHEMA = {
+    "schema_version": F((int,), check=_one_of(SCHEMA_VERSION)),
+    "method": F(STR, check=_one_of(*METHODS)),
+    "points": F((list,), item=F((dict,), sub=POINT_SCHEMA)),
+    "multi_gpu": F((list,), required=False, item=F((dict,), sub=MULTI_GPU_SCHEMA)),
+}
+_COEF = F(
+    (dict,),
+    sub={"linear": F(NUM), "quadratic": F(NUM), "per_sample": F(NUM), "fixed": F(NUM)},
+)
+ACTIVATIONS_SCHEMA = {
+    "schema_version": F((int,), check=_one_of(SCHEMA_VERSION)),
+    "source": F(STR),
+    "units": F(STR),
+    "families": F((dict,)),
+}
+_UNET_ENTRY = {
+    "held": _COEF,
+    "fit_max_error": F(NUM),
+    "recompute_peak": F((dict,), required=False, sub=_COEF.sub),
+}
+_TE_ENTRY = {
+    "class": F(STR),
+    "held": F((dict,)),
+}
+
+
+# -- typed views -----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GPUSpec:
+    name: str
+    aliases: tuple[str, ...]
+    vendor: str
+    memory_gib: float
+    arch: str
+    family: str
+    bf16: bool
+    fp16: bool
+    fp16_tflops: float
+    bf16_tflops: float | None
+    memory_bandwidth_gbs: float
+    pcie_gen: int | None
+    interconnect: dict | None
+    source: str
+
+    @property
+    def memory_bytes(self) -> int:
+        return int(round(self.memory_gib * GiB))
+
+    def tflops(self, precision: str) -> float:
+        """Dense tensor throughput for a precision; fp32 training runs at roughly a quarter of fp16 rate."""
+        if precision == "bf16" and self.bf16_tflops:
+            return float(self.bf16_tflops)
+        if precision == "fp32":
+            return float(self.fp16_tflops) / 4.0
+        return float(self.fp16_tflops)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    family: str
+    name: str
+    native_resolution: int
+    latent_channels: int
+    vae_scale_factor: int
+    hub_ids: tuple[str, ...]
+    kohya_base_model_version: str
+    unet: dict
+    text_encoders: tuple[dict, ...]
+    vae: dict
+    tokenizer_max_length: int
+    params_unet: int
+    params_text_encoders: tuple[int, ...]
+    params_vae: int
+    source: str
+
+    def lora_params(self, rank: int, *, text_encoder: bool = False) -> int:
+        """Parameters of a LoRA on the attention projections (to_q/k/v/out.0) of every UNet transformer block.
+
+        Each adapted Linear(in, out) adds rank * (in + out). Self-attention projects C -> C; cross-attention
+        maps the text width (``cross_attention_dim``) to C for k and v. Counted from the UNet config.
+        """
+        cfg = self.unet
+        channels = list(cfg["block_out_channels"])
+        ctx = int(cfg["cross_attention_dim"])
+        layers = cfg.get("transformer_layers_per_block", 1)
+        per_block = layers if isinstance(layers, list) else [layers] * len(channels)
+        lpb = int(cfg.get("layers_per_block", 2))
+        total_blocks = 0
+
+        def attn(c: int) -> int:
+            # attn1: q,k,v,out all c->c ; attn2: q c->c, k/v ctx->c, out c->c
+            return rank * (4 * 2 * c) + rank * (4 * c + 2 * (ctx + c))
+
+        for i, kind in enumerate(cfg["down_block_types"]):
+            if "CrossAttn" in kind:
+                total_blocks += lpb * per_block[i] * attn(channels[i])
+        mid = cfg.get("mid_block_type", "UNetMidBlock2DCrossAttn")
+        if mid is None or "CrossAttn" in str(mid):
+            total_blocks += per_block[-1] * attn(channels[-1])
+        rev = list(reversed(channels))
+        rev_layers = list(reversed(per_block))
+        for i, kind in enumerate(cfg["up_block_types"]):
+            if "CrossAttn" in kind:
+                total_blocks += (lpb + 1) * rev_layers[i] * attn(rev[i])
+        if text_encoder:
+            for te in self.text_encoders:
+                h = int(te["config"]["hidden_size"])
+                total_blocks += int(te["config"]["num_hidden_layers"]) * rank * 4 * 2 * h
+        return total_blocks
+
+    @property
+    def text_encoder_params(self) -> int:
+        return sum(self.params_text_encoders)
+
+
+@dataclass(frozen=True)
+class Options:
+    gradient_checkpointing: bool
+    optimizer: str
+    cache_latents: bool
+    train_text_encoder: bool
+    attention: str
+    deepspeed: dict | None
+    ema: str | None
+    cache_text_encoder_outputs: bool = False
+    lora_rank: int | None = None
+    prior_preservation: bool = False
+    fused_backward: bool = False
+    full_half_weights: bool = False
+    set_grads_to_none: bool = False
+
+
+@dataclass(frozen=True)
+class MethodPoint:
+    """One published or measured configuration and what was observed."""
+
+    id: str
+    method: str
+    model: str
+    resolution: int
+    batch: int
+    grad_accum: int
+    precision: str
+    options: Options
+    gpu: str | None
+    num_gpus: int
+    outcome: dict
+    source: str
+    gpu_memory_gib: float | None = None
+    model_name: str | None = None
+    note: str | None = None
+    origin: str = "shipped"  # "shipped" | "local"
+
+
+@dataclass(frozen=True)
+class MultiGPUObservation:
+    id: str
+    method: str
+    model: str
+    resolution: int
+    precision: str
+    options: Options
+    gpu: str
+    num_gpus: int
+    interconnect: str
+    outcome: dict
+    source: str
+    note: str | None = None
+
+
+@dataclass(frozen=True)
+class Activations:
+    """Activation bytes per family, computed by scripts/compute_activations.py."""
+
+    source: str
+    families: dict
+
+    @staticmethod
+    def _eval(coef: dict, batch: int, latent: int) -> float:
+        per = coef["linear"] * latent + coef["quadratic"] * latent * latent + coef["per_sample"]
+        return batch * per + coef["fixed"]
+
+    def unet(
+        self,
+        family: str,
+        *,
+        dtype: str,
+        attention: str,
+        gc: bool,
+        batch: int,
+        latent_pixels: int,
+        trained: str = "unet",
+    ) -> tuple[float, float]:
+        """(held bytes, recompute peak bytes) of the UNet's training forward; dtype 'fp32' or a half type."""
+        dt = "fp32" if dtype == "fp32" else "bf16"
+        entry = self.families[family]["unet"][f"{dt}/{attention}/{'gc' if gc else 'no_gc'}/{trained}"]
+        held = self._eval(entry["held"], batch, latent_pixels)
+        peak = self._eval(entry["recompute_peak"], batch, latent_pixels) if gc else 0.0
+        return max(held, 0.0), max(peak, 0.0)
+
+    def adafactor_bytes(self, family: str, *, text_encoders: bool = False) -> int:
+        a = self.families[family]["adafactor_state_bytes"]
+        return int(a["unet"]) + (sum(a["text_encoders"]) if text_encoders else 0)
+
+    def unet_forward_flops(self, family: str, latent_pixels: int) -> float:
+        return self._eval(self.families[family]["flops"]["unet_forward"], 1, latent_pixels)
+
+    def vae_encode_flops(self, family: str, latent_pixels: int) -> float:
+        return self._eval(self.families[family]["flops"]["vae_encode"], 1, latent_pixels)
+
+    def text_encoder_flops(self, family: str) -> float:
+        return float(self.families[family]["flops"]["text_encoders_forward"])
+
+    def text_encoders(self, family: str, *, dtype: str, batch: int) -> float:
+        dt = "fp32" if dtype == "fp32" else "bf16"
+        total = 0.0
+        for te in self.families[family]["text_encoders"]:
+            c = te["held"][dt]
+            total += batch * c["per_sample"] + c["fixed"]
+        return total
+
+
+@dataclass(frozen=True)
+class Profiles:
+    gpus: tuple[GPUSpec, ...]
+    models: dict[str, ModelSpec]
+    points: tuple[MethodPoint, ...]
+    multi_gpu: tuple[MultiGPUObservation, ...]
+    activations: Activations
+    sources: tuple[str, ...] = field(default=())
+
+    def model(self, family: str) -> ModelSpec:
+        if family not in self.models:
+            raise UsageError(f"unknown model {family!r}", fix=f"use one of {', '.join(sorted(self.models))}")
+        return self.models[family]
+
+    def find_gpu(self, name: str, memory_bytes: int | None = None) -> GPUSpec:
+        """Lenient catalog lookup: case, spaces, vendor words and punctuation do not matter."""
+        return find_gpu(self.gpus, name, memory_bytes)
+
+    def gpu_or_none(self, name: str | None, memory_bytes: int | None = None) -> GPUSpec | None:
+        if not name:
+            return None
+        try:
+            return find_gpu(self.gpus, name, memory_bytes)
+        except UsageError:
+            return None
+
+
+# -- GPU name matching -----------------------------------------------------------------------------------
+
+_NOISE = (
+    "nvidia",
+    "geforce",
+    "tesla",
+    "amd",
+    "radeon",
+    "graphics",
+    "instinct",
+    "generation",
+    "founders",
+    "edition",
+)
+
+
+def normalise_gpu_name(name: str) -> str:
+    s = name.lower()
+    s = re.sub(r"\(.*?\)", " ", s)
+    for word in _NOISE:
+        s = re.sub(rf"\b{word}\b", " ", s)
+    s = s.replace("sxm5", "sxm").replace("sxm4", "sxm").replace("sxm2", "sxm")
+    s = re.sub(r"(\d+)\s*gb\b", r"\1gb", s)
+    s = re.sub(r"hbm\d?e?", " ", s)
+    s = re.sub(r"[^a-z0-9]+", "", s)
+    return s
+
+
+def find_gpu(gpus: tuple[GPUSpec, ...], name: str, memory_bytes: int | None = None) -> GPUSpec:
+    """The catalog GPU for a user- or driver-given name. ``memory_bytes`` (a probed card's VRAM) settles
+    names that several entries share (NVML reports "NVIDIA GeForce RTX 3080" for the 10 GB and 12 GB cards)."""
+    query = normalise_gpu_name(name)
+    if not query:
+        raise UsageError("empty GPU name", fix="name a GPU, e.g. 'RTX 4090' or '2x H100 SXM'")
+    index: dict[str, list[GPUSpec]] = {}
+    for g in gpus:
+        for key in {normalise_gpu_name(n) for n in (g.name, *g.aliases)}:
+            index.setdefault(key, []).append(g)
+    exact = _by_memory(_unique(index.get(query, [])), memory_bytes)
+    if len(exact) == 1:
+        return exact[0]
+    # a name without its memory ("RTX 3060" for "RTX 3060 12GB"), or with extra words ("H100 80GB SXM")
+    partial = exact or _unique([g for key, gs in index.items() for g in gs if key.startswith(query)])
+    partial = _by_memory(partial, memory_bytes)
+    if len(partial) == 1:
+        return partial[0]
+    if len(partial) > 1:
+        names = ", ".join(sorted(g.name for g in partial))
+        raise UsageError(f"GPU name {name!r} is ambiguous", fix=f"one of: {names}")
+    stripped = re.sub(r"\d+gb", "", query)
+    if stripped != query:
+        cand = _unique([g for key, gs in index.items() for g in gs if re.sub(r"\d+gb", "", key) == stripped])
+        mem = re.search(r"(\d+)gb", query)
+        if mem:
+            cand = [g for g in cand if abs(g.memory_gib - int(mem.group(1))) <= 1] or cand
+        if len(cand) == 1:
+            return cand[0]
+    close = difflib.get_close_matches(query, list(index), n=4, cutoff=0.5)
+    names = _unique([index[c][0] for c in close])
+    hint = (
+        f"closest: {', '.join(g.name for g in names)}" if names else "see profiles/gpus.yaml for the catalog"
+    )
+    raise UsageError(f"unknown GPU {name!r}", fix=hint)
+
+
+def _by_memory(gpus: list[GPUSpec], memory_bytes: int | None) -> list[GPUSpec]:
+    if memory_bytes is None or len(gpus) < 2:
+        return gpus
+    best = min(abs(g.memory_bytes - memory_bytes) for g in gpus)
+    return [g for g in gpus if abs(g.memory_bytes - memory_bytes) == best]
+
+
+def _unique(gpus: list[GPUSpec]) -> list[GPUSpec]:
+    seen: dict[str, GPUSpec] = {}
+    for g in gpus:
+        seen.setdefault(g.name, g)
+    return list(seen.values())
+
+
+# -- loading ---------------------------------------------------------------------------------------------
+
+
+def read_yaml(path: Path) -> Any:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise ConfigError(str(path), [f"cannot read ({e.strerror or e})"]) from None
+    try:
+        return yaml.load(text, Loader=_Loader)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"line {mark.line + 1}: " if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e)
+        raise ConfigError(str(path), [f"{where}not valid YAML ({problem})"]) from None
+
+
+def _validated(path: Path, schema: dict[str, F]) -> dict:
+    data = read_yaml(path)
+    errors: list[str] = []
+    _check(data, schema, "", errors)
+    if errors:
+        raise ConfigError(str(path), errors)
+    return data
+
+
+def load_gpus(path: Path) -> tuple[GPUSpec, ...]:
+    data = _validated(path, GPUS_FILE_SCHEMA)
+    out, errors = [], []
+    names: set[str] = set()
+    for i, g in enumerate(data["gpus"]):
+        if g["name"] in names:
+            errors.append(f"gpus[{i}].name: duplicate {g['name']!r}")
+        names.add(g["name"])
+        if g["bf16"] and g["bf16_tflops"] is None:
+            errors.append(f"gpus[{i}].bf16_tflops: required when bf16 is true")
+        out.append(
+            GPUSpec(
+                name=g["name"],
+                aliases=tuple(g["aliases"]),
+                vendor=g["vendor"],
+                memory_gib=float(g["memory_gib"]),
+                arch=str(g["arch"]),
+                family=g["family"],
+                bf16=g["bf16"],
+                fp16=g["fp16"],
+                fp16_tflops=float(g["fp16_tflops"]),
+                bf16_tflops=None if g["bf16_tflops"] is None else float(g["bf16_tflops"]),
+                memory_bandwidth_gbs=float(g["memory_bandwidth_gbs"]),
+                pcie_gen=g["pcie_gen"],
+                interconnect=g["interconnect"],
+                source=g["source"],
+            )
+        )
+    if errors:
+        raise ConfigError(str(path), errors)
+    return tuple(out)
+
+
+def load_model(path: Path) -> ModelSpec:
+    d = _validated(path, MODEL_SCHEMA)
+    errors = []
+    if len(d["params"]["text_encoders"]) != len(d["text_encoders"]):
+        errors.append("params.text_encoders: one count per text encoder")
+    for key in ("block_out_channels", "down_block_types", "up_block_types", "cross_attention_dim"):
+        if key not in d["unet"]:
+            errors.append(f"unet.{key}: missing")
+    if path.stem != d["family"]:
+        errors.append(f"family: {d['family']!r} does not match the file name {path.name}")
+    if errors:
+        raise ConfigError(str(path), errors)
+    return ModelSpec(
+        family=d["family"],
+        name=d["name"],
+        native_resolution=d["native_resolution"],
+        latent_channels=d["latent_channels"],
+        vae_scale_factor=d["vae_scale_factor"],
+        hub_ids=tuple(d["hub_ids"]),
+        kohya_base_model_version=d["kohya_base_model_version"],
+        unet=d["unet"],
+        text_encoders=tuple(d["text_encoders"]),
+        vae=d["vae"],
+        tokenizer_max_length=d["tokenizer_max_length"],
+        params_unet=d["params"]["unet"],
+        params_text_encoders=tuple(d["params"]["text_encoders"]),
+        params_vae=d["params"]["vae"],
+        source=d["source"],
+    )
+
+
+def _options(o: dict) -> Options:
+    return Options(**o)
+
+
+def load_methods(path: Path, origin: str = "shipped") -> tuple[list[MethodPoint], list[MultiGPUObservation]]:
+    d = _validated(path, METHOD_FILE_SCHEMA)
+    method = d["method"]
+    points = []
+    errors = []
+    ids: set[str] = set()
+    for i, p in enumerate(d["points"]):
+        if p["id"] in ids:
+            errors.append(f"points[{i}].id: duplicate {p['id']!r}")
+        ids.add(p["id"])
+        out = p["outcome"]
+        if not any(out.get(k) is not None for k in ("fits", "peak_vram_gib", "it_s", "ram_gib")):
+            errors.append(f"points[{i}].outcome: records nothing (fits, peak_vram_gib, it_s or ram_gib)")
+        if p["gpu"] is None and p.get("gpu_memory_gib") is None and out.get("it_s") is not None:
+            errors.append(f"points[{i}]: a speed (it_s) needs the gpu it was measured on")
+        points.append(
+            MethodPoint(
+                id=p["id"],
+                method=method,
+                model=p["model"],
+                resolution=p["resolution"],
+                batch=p["batch"],
+                grad_accum=p["grad_accum"],
+                precision=p["precision"],
+                options=_options(p["options"]),
+                gpu=p["gpu"],
+                num_gpus=p["num_gpus"],
+                outcome=dict(out),
+                source=p["source"],
+                gpu_memory_gib=p.get("gpu_memory_gib"),
+                model_name=p.get("model_name"),
+                note=p.get("note"),
+                origin=origin,
+            )
+        )
+    multi = [
+        MultiGPUObservation(
+            id=m["id"],
+            method=method,
+            model=m["model"],
+            resolution=m["resolution"],
+            precision=m["precision"],
+            options=_options(m["options"]),
+            gpu=m["gpu"],
+            num_gpus=m["num_gpus"],
+            interconnect=m["interconnect"],
+            outcome=dict(m["outcome"]),
+            source=m["source"],
+            note=m.get("note"),
+        )
+        for m in d.get("multi_gpu", []) or []
+    ]
+    if errors:
+        raise ConfigError(str(path), errors)
+    return points, multi
+
+
+def load_activations(path: Path) -> Activations:
+    d = _validated(path, ACTIVATIONS_SCHEMA)
+    errors: list[str] = []
+    family_schema = {
+        "unet": F((dict,)),
+        "text_encoders": F((list,)),
+        "adafactor_state_bytes": F(
+            (dict,), sub={"unet": F((int,)), "text_encoders": F((list,), item=F((int,)))}
+        ),
+        "flops": F(
+            (dict,),
+            sub={"unet_forward": _COEF, "vae_encode": _COEF, "text_encoders_forward": F((int,))},
+        ),
+        "measured": F((list,), required=False),
+    }
+    expected = {
+        f"{dt}/{a}/{g}/{t}"
+        for dt in ("bf16", "fp32")
+        for a in ATTENTION
+        for g in ("gc", "no_gc")
+        for t in TRAINED
+    }
+    for fam, entry in d["families"].items():
+        where = f"families.{fam}"
+        _check(entry, family_schema, where, errors)
+        if not isinstance(entry, dict) or not isinstance(entry.get("unet"), dict):
+            continue
+        for key, unet in entry["unet"].items():
+            if key not in expected:
+                errors.append(
+                    f"{where}.unet.{key}: expected <bf16|fp32>/<efficient|math>/<gc|no_gc>/<unet|attn>"
+                )
+                continue
+            _check(unet, _UNET_ENTRY, f"{where}.unet.{key}", errors)
+            if "/gc/" in key and isinstance(unet, dict) and "recompute_peak" not in unet:
+                errors.append(f"{where}.unet.{key}.recompute_peak: missing")
+        for i, te in enumerate(entry.get("text_encoders") or []):
+            _check(te, _TE_ENTRY, f"{where}.text_encoders[{i}]", errors)
+        missing = expected - set(entry["unet"])
+        if missing:
+            errors.append(f"{where}.unet: missing {', '.join(sorted(missing))}")
+    if errors:
+        raise ConfigError(str(path), errors)
+    return Activations(source=d["source"], families=d["families"])
+
+
+@functools.lru_cache(maxsize=8)
+def _load_cached(shipped: str, local: str) -> Profiles:
+    root = Path(shipped)
+    sources: list[str] = []
+    gpus_path = root / "gpus.yaml"
+    if not gpus_path.is_file():
+        raise ConfigError(str(gpus_path), ["missing: the GPU catalog ships with sdplan (reinstall it)"])
+    gpus = list(load_gpus(gpus_path))
+    sources.append(str(gpus_path))
+    models = {}
+    for p in sorted((root / "models").glob("*.yaml")):
+        m = load_model(p)
+        models[m.family] = m
+        sources.append(str(p))
+    points: list[MethodPoint] = []
+    multi: list[MultiGPUObservation] = []
+    for p in sorted((root / "methods").glob("*.yaml")):
+        pts, mg = load_methods(p)
+        points += pts
+        multi += mg
+        sources.append(str(p))
+    act_path = root / "activations.yaml"
+    activations = load_activations(act_path)
+    sources.append(str(act_path))
+
+    lroot = Path(local)
+    if lroot.is_dir():
+        lg = lroot / "gpus.yaml"
+        if lg.is_file():
+            extra = load_gpus(lg)
+            names = {g.name for g in extra}
+            gpus = [g for g in gpus if g.name not in names] + list(extra)
+            sources.append(str(lg))
+        for p in sorted((lroot / "methods").glob("*.yaml")):
+            pts, mg = load_methods(p, origin="local")
+            points += pts
+            multi += mg
+            sources.append(str(p))
+    missing = [f for f in FAMILIES if f not in models]
+    if missing:
+        raise ConfigError(str(root / "models"), [f"{f}.yaml: missing" for f in missing])
+    for fam in FAMILIES:
+        if fam not in activations.families:
+            raise ConfigError(
+                str(act_path), [f"families.{fam}: missing (run scripts/compute_activations.py)"]
+            )
+    return Profiles(
+        gpus=tuple(gpus),
+        models=models,
+        points=tuple(points),
+        multi_gpu=tuple(multi),
+        activations=activations,
+        sources=tuple(sources),
+    )
+
+
+def load_profiles(shipped: str | Path | None = None, local: str | Path | None = None) -> Profiles:
+    """All profiles: the shipped ones plus the local store (cached per pair of folders)."""
+    s = Path(shipped) if shipped is not None else shipped_dir()
+    loc = Path(local) if local is not None else local_dir()
+    return _load_cached(str(s.resolve()), str(loc.expanduser()))
+
+
+def clear_cache() -> None:
+    _load_cached.cache_clear()
