@@ -1,0 +1,148 @@
+"""`sdplan train`: probe, plan, confirm, write sdplan.yaml and launch the bundled trainer; `--demo` for a tiny
+model on the CPU. Thin: the work is in ``sdplan.train`` and ``sdplan.demo`` (imported inside the function so
+`sdplan --help` stays fast)."""
+
+from __future__ import annotations
+
+import sys
+from enum import Enum
+from typing import Annotated
+
+import typer
+
+from sdplan.commands._common import cli_errors, console
+
+
+class Method(str, Enum):
+    lora = "lora"
+    dreambooth = "dreambooth"
+    finetune = "finetune"
+    textual_inversion = "textual-inversion"
+
+
+class Device(str, Enum):
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+@cli_errors
+def train(
+    ctx: typer.Context,
+    method: Annotated[
+        Method | None, typer.Option(help="What to train (default lora).", show_default=False)
+    ] = None,
+    model: Annotated[
+        str | None,
+        typer.Option(
+            metavar="PATH_OR_ID",
+            help="Base model: a diffusers folder, a .safetensors/.ckpt file or a hub id "
+            "(with --demo: sd15 or sdxl, the tiny model's family).",
+        ),
+    ] = None,
+    dataset: Annotated[
+        str | None,
+        typer.Option(
+            metavar="DIR", help="Training images: flat with .txt captions, kohya N_name, or metadata."
+        ),
+    ] = None,
+    out: Annotated[
+        str | None,
+        typer.Option(
+            metavar="DIR",
+            help="Run folder (default ./output; ./sdplan-demo with --demo). A folder holding files is refused "
+            "unless it is an sdplan run and --resume or --force is given.",
+        ),
+    ] = None,
+    resolution: Annotated[int | None, typer.Option(min=64, help="Training resolution in pixels.")] = None,
+    epochs: Annotated[
+        int | None, typer.Option(min=1, help="Passes over the dataset (with its repeats).")
+    ] = None,
+    gpus: Annotated[
+        int | None,
+        typer.Option(min=1, help="Use this many GPUs on this machine (default: the planner decides)."),
+    ] = None,
+    config: Annotated[
+        str | None,
+        typer.Option(
+            metavar="FILE", help="Train exactly this sdplan.yaml (after validation) instead of planning."
+        ),
+    ] = None,
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Start without asking for confirmation.")] = False,
+    force: Annotated[bool, typer.Option(help="Start an existing sdplan run in --out over.")] = False,
+    resume: Annotated[
+        bool,
+        typer.Option(help="Continue the run in --out from its newest checkpoint (config read from there)."),
+    ] = False,
+    demo: Annotated[
+        bool,
+        typer.Option(
+            help="Train a LoRA on a tiny model built in code and a generated dataset, on the CPU (<1 min)."
+        ),
+    ] = False,
+    device: Annotated[
+        Device | None,
+        typer.Option(help="cpu: train on the CPU even without a GPU (slow).", show_default=False),
+    ] = None,
+    num_processes: Annotated[
+        int | None, typer.Option(min=1, help="CPU only: run N real processes with gloo (torchrun).")
+    ] = None,
+    max_steps: Annotated[
+        int | None, typer.Option(min=1, help="Stop after N optimizer steps (one-process count).")
+    ] = None,
+    num_machines: Annotated[int, typer.Option(min=1, help="Machines in a multi-node run.")] = 1,
+    machine_rank: Annotated[int, typer.Option(min=0, help="This machine's rank (0 = the main process).")] = 0,
+    main_process_ip: Annotated[
+        str | None, typer.Option(metavar="IP", help="Address of machine 0 (several machines).")
+    ] = None,
+    main_process_port: Annotated[int, typer.Option(help="Port on machine 0 (several machines).")] = 29500,
+    dry_run: Annotated[
+        bool, typer.Option(help="Validate, plan and print the launch command; write and run nothing.")
+    ] = False,
+) -> None:
+    """Probe, plan (as `sdplan recommend`), confirm, write sdplan.yaml and launch the trainer.
+
+    Extra arguments are key=value overrides of sdplan.yaml (training.learning_rate=5e-5); they win.
+    """
+    from sdplan.train import UI, TrainRequest
+
+    interactive = sys.stdin.isatty() and sys.stdout.isatty()
+    ui = UI(
+        echo=lambda line: console.print(line, soft_wrap=True),
+        confirm=(lambda q: typer.confirm(q, default=True)) if interactive else None,
+    )
+    req = TrainRequest(
+        method=method.value if method else None,
+        model=model,
+        dataset=dataset,
+        out=out,
+        resolution=resolution,
+        epochs=epochs,
+        gpus=gpus,
+        config=config,
+        overrides=list(ctx.args),
+        yes=yes,
+        force=force,
+        resume=resume,
+        device=device.value if device else None,
+        num_processes=num_processes,
+        max_steps=max_steps,
+        num_machines=num_machines,
+        machine_rank=machine_rank,
+        main_process_ip=main_process_ip,
+        main_process_port=main_process_port,
+        dry_run=dry_run,
+        demo=demo,
+    )
+    if demo:
+        from sdplan.demo import run_demo
+
+        summary = run_demo(req, ui)
+    else:
+        from sdplan.train import run
+
+        summary = run(req, ui)
+    if summary:
+        from sdplan.train import render_summary
+
+        for line in render_summary(summary):
+            console.print(line, soft_wrap=True)

@@ -1,0 +1,832 @@
+"""`sdplan train`: validate -> probe -> plan -> confirm -> write sdplan.yaml (+ launcher files) -> launch, and
+recover from out-of-memory by retrying smaller.
+
+Each step is a small function that can be tested alone; :func:`run` strings them together. Nothing here
+imports torch or diffusers: bad input is one clear :class:`~sdplan.errors.SdplanError` before any model
+loads, and the trainer runs in its own process (``python -m sdplan.trainer`` or a launcher).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+import shlex
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from sdplan import config as C
+from sdplan.errors import NoGPUError, OutputExistsError, SdplanError, UsageError
+from sdplan.launch import ACCELERATE_FILE, DEEPSPEED_FILE, Launch, build_launch, run_launch
+
+CONFIG_FILE = "sdplan.yaml"
+OOM_FILE = "oom.json"
+SUMMARY_FILE = "run_summary.json"
+# Files `sdplan recommend --out` / `sdplan train` write before any training: a folder holding only these is a
+# planned run, not yet trained.
+PLAN_FILES = (CONFIG_FILE, ACCELERATE_FILE, DEEPSPEED_FILE)
+EXIT_OOM = 75
+EXIT_INTERRUPTED = 130
+MAX_OOM_RETRIES = 4
+
+
+class TrainFailed(SdplanError):
+    """The trainer exited non-zero; the exit code is the trainer's."""
+
+    def __init__(self, message: str, code: int, *, fix: str | None = None):
+        super().__init__(message, fix=fix)
+        self.exit_code = code
+
+
+class OutOfMemoryError(SdplanError):
+    """Out of GPU memory and no memory saver left to turn on (or retries spent)."""
+
+    exit_code = EXIT_OOM
+
+
+class Cancelled(SdplanError):
+    exit_code = 1
+
+
+# -- the request ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class TrainRequest:
+    """What the user asked for on the command line (None: not given)."""
+
+    method: str | None = None
+    model: str | None = None
+    dataset: str | None = None
+    out: str | None = None
+    resolution: int | None = None
+    epochs: int | None = None
+    gpus: int | None = None
+    config: str | None = None
+    overrides: list[str] = field(default_factory=list)
+    yes: bool = False
+    force: bool = False
+    resume: bool = False
+    device: str | None = None  # "cpu" | "cuda" | None (auto)
+    num_processes: int | None = None  # CPU processes (gloo)
+    max_steps: int | None = None
+    num_machines: int = 1
+    machine_rank: int = 0
+    main_process_ip: str | None = None
+    main_process_port: int = 29500
+    dry_run: bool = False
+    demo: bool = False
+    config_data: dict[str, Any] | None = None  # a config given as data (the demo), instead of a file
+    max_oom_retries: int = MAX_OOM_RETRIES
+
+
+@dataclass
+class UI:
+    """How `train` talks: ``echo`` prints a line (rich markup allowed), ``confirm`` asks on a terminal
+    (None: not a terminal, never ask)."""
+
+    echo: Callable[[str], None] = print
+    confirm: Callable[[str], bool] | None = None
+
+
+# -- the --out rule ---------------------------------------------------------------------------------------
+
+
+def check_out_dir(
+    out: Path, *, resume: bool = False, force: bool = False, config_path: Path | None = None
+) -> str:
+    """Refuse an output folder that holds files, unless it is an sdplan run and --resume or --force is given.
+
+    Returns "new" (missing or empty), "planned" (only the files `sdplan recommend --out` writes, and
+    ``config_path`` is its sdplan.yaml: training it is what the user asked), or "run" (an sdplan run that
+    --resume continues or --force starts over).
+    """
+    if out.exists() and not out.is_dir():
+        raise OutputExistsError(f"--out {out} is a file, not a folder", fix="choose a folder for the run")
+    entries = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    if resume:
+        if not (out / CONFIG_FILE).is_file():
+            raise UsageError(
+                f"--resume: {out} is not an sdplan run (no {CONFIG_FILE})",
+                fix="point --out at the folder of the run to continue",
+            )
+        return "run"
+    if not entries:
+        return "new"
+    is_run = (out / CONFIG_FILE).is_file()
+    if (
+        is_run
+        and config_path is not None
+        and set(entries) <= set(PLAN_FILES)
+        and _same_file(config_path, out / CONFIG_FILE)
+    ):
+        return "planned"
+    if not is_run:
+        shown = ", ".join(entries[:4]) + (", ..." if len(entries) > 4 else "")
+        raise OutputExistsError(
+            f"--out {out} already holds files ({shown}) and is not an sdplan run",
+            fix="choose a new or empty folder; sdplan never writes over your files",
+        )
+    if not force:
+        raise OutputExistsError(
+            f"--out {out} holds an sdplan run",
+            fix="continue it with --resume, start it over with --force, or choose a new folder",
+        )
+    return "run"
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return a.resolve() == b.resolve()
+    except OSError:
+        return False
+
+
+def clear_run_outputs(out: Path) -> None:
+    """--force on an existing run: remove what the last run left that a new one would trip over (its
+    checkpoints, which a retry would resume from, and its OOM report and summary). Other files are
+    overwritten by the new run."""
+    shutil.rmtree(out / "checkpoints", ignore_errors=True)
+    for name in (OOM_FILE, SUMMARY_FILE):
+        (out / name).unlink(missing_ok=True)
+
+
+# -- the config ---------------------------------------------------------------------------------------------
+
+
+def flag_overrides(req: TrainRequest, out: Path | None) -> list[str]:
+    """Command-line flags as key=value overrides (they win over a config file, as key=value does)."""
+    o: list[str] = []
+    if req.method:
+        o.append(f"method={req.method}")
+    if req.model:
+        o.append(f"model.path={_abs_if_local(req.model)}")
+    if req.dataset:
+        o.append(f"data.path={Path(req.dataset).expanduser().resolve()}")
+    if req.resolution is not None:
+        o.append(f"data.resolution={req.resolution}")
+    if req.epochs is not None:
+        o.append(f"training.epochs={req.epochs}")
+    if req.max_steps is not None:
+        o.append(f"training.max_steps={req.max_steps}")
+    if req.device:
+        o.append(f"training.device={req.device}")
+    if req.num_processes is not None:
+        o.append(f"distributed.num_processes={req.num_processes}")
+    if out is not None:
+        o.append(f"output.dir={out}")
+    return o
+
+
+def _abs_if_local(path: str) -> str:
+    p = Path(path).expanduser()
+    return str(p.resolve()) if p.exists() else path
+
+
+def _quote_override(item: str) -> str:
+    """Make the value of a generated override a YAML string when it would parse as something else."""
+    key, _, value = item.partition("=")
+    if key in ("model.path", "data.path", "output.dir") and value:
+        return f"{key}={json.dumps(value)}"
+    return item
+
+
+def config_data(base: dict[str, Any], req: TrainRequest, out: Path | None, *, source: str) -> dict[str, Any]:
+    """Base data + flags + the user's key=value overrides, as plain data (not yet validated)."""
+    data = C.apply_overrides(base, [_quote_override(o) for o in flag_overrides(req, out)])
+    if req.overrides:
+        data = C.apply_overrides(data, req.overrides)
+    return data
+
+
+def read_yaml_config(path: Path) -> dict[str, Any]:
+    """A config file as data; ConfigError when missing or not YAML (validation comes after overrides)."""
+    if not path.is_file():
+        raise C.ConfigError(str(path), ["file not found (write one with `sdplan recommend --out DIR`)"])
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise C.ConfigError(str(path), [f"not valid YAML ({first})"]) from None
+    if not isinstance(data, dict):
+        raise C.ConfigError(
+            str(path), ["top level: must be a mapping of sections (model:, data:, training:, ...)"]
+        )
+    return data
+
+
+# -- inputs ---------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """What the inputs are, found without loading a model."""
+
+    images: int
+    images_x_repeats: int
+    skipped: int
+    model_kind: str  # folder | file | hub
+    family: str | None
+    scan_summary: str
+
+
+def check_inputs(cfg: C.TrainConfig) -> Inputs:
+    """The dataset has readable images and the model exists: one clear error otherwise. No torch."""
+    from sdplan.trainer.dataset_scan import require_images, scan
+    from sdplan.trainer.models import resolve_source
+
+    result = require_images(
+        scan(
+            cfg.data.path,
+            caption_extension=cfg.data.caption_extension,
+            default_caption=cfg.data.default_caption,
+            repeats=cfg.data.repeats,
+            metadata=cfg.data.metadata,
+            verify=True,
+        )
+    )
+    source = resolve_source(cfg.model.path)
+    family = cfg.model.family or _family_of(source.kind, source.location)
+    return Inputs(
+        images=result.num_images,
+        images_x_repeats=result.images_x_repeats,
+        skipped=len(result.skipped),
+        model_kind=source.kind,
+        family=family,
+        scan_summary=result.summary(),
+    )
+
+
+def _family_of(kind: str, location: str) -> str | None:
+    """The model family from config files or a safetensors header, without loading weights."""
+    from sdplan.trainer.models import detect_family, family_from_single_file
+
+    try:
+        if kind == "folder":
+            root = Path(location)
+            index = json.loads((root / "model_index.json").read_text())
+            unet = json.loads((root / "unet" / "config.json").read_text())
+            return detect_family(unet, 2 if "text_encoder_2" in index else 1)
+        if kind == "file":
+            return family_from_single_file(location)
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+# -- device ----------------------------------------------------------------------------------------------------
+
+
+def require_gpu(snapshot: Any) -> None:
+    """No usable GPU (or a CPU build of torch): stop before loading anything, and say how to go on."""
+    if not snapshot.usable_gpus:
+        raise NoGPUError(
+            "no usable GPU on this machine (run `sdplan doctor` to see why)",
+            fix="train on the CPU with --device cpu (slow), or try `sdplan train --demo`",
+        )
+    build = snapshot.software.torch_build
+    if build == "cpu":
+        raise NoGPUError(
+            f"torch {snapshot.software.torch or ''} is a CPU build: it cannot use the GPU(s) here".replace(
+                "  ", " "
+            ),
+            fix="install the CUDA or ROCm build of torch (`sdplan doctor` prints the command), or add --device cpu",
+        )
+
+
+# -- step arithmetic -----------------------------------------------------------------------------------------
+
+
+def step_arithmetic(cfg: C.TrainConfig, images_x_repeats: int, world: int) -> dict[str, int]:
+    """The trainer's arithmetic (``sdplan.trainer.common``): with N processes each epoch is split N ways, so the
+    images trained equal the one-process run's."""
+    t = cfg.training
+    per_step = t.batch_size * t.grad_accum * world
+    spe = max(1, math.ceil(images_x_repeats / per_step))
+    if t.max_steps:
+        total = max(1, math.ceil(t.max_steps / world))
+        epochs = math.ceil(total / spe)
+    else:
+        total = t.epochs * spe
+        epochs = t.epochs
+    return {
+        "images_per_epoch": images_x_repeats,
+        "epochs": epochs,
+        "steps_per_epoch": spe,
+        "total_steps": total,
+        "images_per_step": per_step,
+        "images_seen": total * per_step if t.max_steps else epochs * images_x_repeats,
+    }
+
+
+def describe(cfg: C.TrainConfig, steps: dict[str, int], world: int, inputs: Inputs) -> list[str]:
+    """The plan as lines for the user: what is trained, how, and the step arithmetic."""
+    t, m, ds = cfg.training, cfg.memory, cfg.distributed.deepspeed
+    savers = [
+        name
+        for on, name in (
+            (m.gradient_checkpointing, "gradient checkpointing"),
+            (m.optimizer == "adamw8bit", "8-bit AdamW"),
+            (m.cache_latents, "cached latents"),
+            (ds is not None and ds.offload_optimizer, "DeepSpeed ZeRO-2 optimizer offload"),
+        )
+        if on
+    ]
+    device = "CPU" if t.device == "cpu" else f"{world} GPU" + ("s" if world > 1 else "")
+    if t.device == "cpu" and world > 1:
+        device = f"CPU, {world} processes (gloo)"
+    lines = [
+        f"[bold]{cfg.method}[/] on {inputs.family or 'the model'} [dim]{cfg.model.path}[/]",
+        f"data: {inputs.scan_summary}",
+        f"device: {device}; precision {t.precision}; resolution {cfg.data.resolution}",
+        f"batch: {t.batch_size} per process x {t.grad_accum} accumulation x {world} process"
+        + ("es" if world > 1 else "")
+        + f" = {steps['images_per_step']} images per optimizer step",
+        f"memory savers: {', '.join(savers) if savers else 'none needed'}; optimizer {m.optimizer}",
+    ]
+    if t.max_steps:
+        lines.append(
+            f"steps: training.max_steps {t.max_steps} / {world} process(es) = {steps['total_steps']} optimizer "
+            f"steps = {steps['images_seen']} images"
+        )
+    else:
+        lines.append(
+            f"steps: {steps['images_per_epoch']} images (with repeats) / {steps['images_per_step']} per step = "
+            f"{steps['steps_per_epoch']} steps per epoch x {steps['epochs']} epoch(s) = {steps['total_steps']} "
+            f"optimizer steps; images seen {steps['epochs'] * steps['images_per_epoch']}"
+            + (f" (the same as on one process: each epoch is split {world} ways)" if world > 1 else "")
+        )
+    return lines
+
+
+# -- out-of-memory recovery ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Change:
+    data: dict[str, Any]  # the new config, as data
+    message: str  # what changed, for the user
+
+
+def _smaller_batch(b: int) -> int:
+    """The largest divisor of b that is at most half of it (b=4 -> 2, b=6 -> 3, b=3 -> 1)."""
+    for d in range(b // 2, 0, -1):
+        if b % d == 0:
+            return d
+    return 1
+
+
+def after_oom(data: dict[str, Any], *, cuda: bool, have_bnb: bool, have_deepspeed: bool) -> Change | None:
+    """The next config after an out-of-memory error, with the same effective batch; None when nothing is left.
+
+    First the micro-batch is halved and gradient accumulation doubled (same images per optimizer step). At a
+    micro-batch of 1, the next memory saver in the planner's order: EMA weights to system RAM, gradient
+    checkpointing (~20-30% slower), 8-bit AdamW (CUDA with bitsandbytes, not with DeepSpeed), cached latents,
+    cached text-encoder outputs (frozen encoders only), and last DeepSpeed ZeRO-2 with the optimizer state
+    offloaded to CPU (3-4x slower: the last resort).
+    """
+    new = json.loads(json.dumps(data))  # deep copy of plain data
+    t = new.setdefault("training", {})
+    m = new.setdefault("memory", {})
+    dist = new.setdefault("distributed", {})
+    b = int(t.get("batch_size", 1))
+    ga = int(t.get("grad_accum", 1))
+    if b > 1:
+        nb = _smaller_batch(b)
+        t["batch_size"] = nb
+        t["grad_accum"] = ga * (b // nb)
+        return Change(
+            new,
+            f"micro-batch {b} -> {nb}, gradient accumulation {ga} -> {t['grad_accum']} "
+            f"(still {b * ga} images per optimizer step per process)",
+        )
+    ema = new.get("ema") or {}
+    if ema.get("enabled") and ema.get("device", "cpu") == "gpu":
+        ema["device"] = "cpu"
+        return Change(new, "moved the EMA weights to system RAM (ema.device=cpu)")
+    if not m.get("gradient_checkpointing", False):
+        m["gradient_checkpointing"] = True
+        return Change(new, "turned on gradient checkpointing (less activation memory, ~20-30% slower)")
+    deepspeed_on = dist.get("deepspeed") is not None
+    if cuda and have_bnb and not deepspeed_on and m.get("optimizer", "adamw") == "adamw":
+        m["optimizer"] = "adamw8bit"
+        return Change(new, "switched to 8-bit AdamW (optimizer state ~75% smaller)")
+    if not m.get("cache_latents", False):
+        m["cache_latents"] = True
+        return Change(new, "turned on latent caching (the VAE encodes once and leaves the GPU)")
+    frozen_te = not t.get("train_text_encoder", False) and new.get("method") != "textual-inversion"
+    if frozen_te and not m.get("cache_text_encoder_outputs", False):
+        m["cache_text_encoder_outputs"] = True
+        return Change(new, "turned on text-encoder output caching (the frozen text encoders leave the GPU)")
+    if have_deepspeed and not deepspeed_on:
+        dist["deepspeed"] = {"zero_stage": 2, "offload_optimizer": True}
+        if m.get("optimizer") == "adamw8bit":
+            m["optimizer"] = "adamw"  # bitsandbytes does not combine with DeepSpeed
+        return Change(
+            new, "turned on DeepSpeed ZeRO-2 with the optimizer state offloaded to CPU (3-4x slower)"
+        )
+    return None
+
+
+def oom_point(
+    cfg: C.TrainConfig,
+    oom: dict[str, Any],
+    *,
+    family: str,
+    gpu_name: str | None,
+    gpu_memory_bytes: int | None,
+    when: _dt.datetime,
+    fits: bool = False,
+    peak_bytes: int | None = None,
+) -> dict[str, Any]:
+    """A method point for the local profile store (profiles/methods schema): what ran out of memory on this
+    GPU (or, with fits=True, what then fit), with its provenance."""
+    t, m, ds = cfg.training, cfg.memory, cfg.distributed.deepspeed
+    batch = int(oom.get("batch_size", t.batch_size)) if not fits else t.batch_size
+    accum = int(oom.get("grad_accum", t.grad_accum)) if not fits else t.grad_accum
+    gc = (
+        bool(oom.get("gradient_checkpointing", m.gradient_checkpointing))
+        if not fits
+        else m.gradient_checkpointing
+    )
+    stamp = when.strftime("%Y-%m-%dT%H:%M:%S")
+    gpu_label = gpu_name or "cpu"
+    outcome: dict[str, Any] = {"fits": fits}
+    if fits and peak_bytes:
+        outcome["peak_vram_gib"] = round(peak_bytes / 2**30, 3)
+    if fits:
+        source = f"sdplan train on this machine ({gpu_label}), {stamp}: ran to the end after an out-of-memory retry"
+    else:
+        source = (
+            f"sdplan train on this machine ({gpu_label}), {stamp}: out of memory at step {oom.get('step')} "
+            f"({str(oom.get('message', 'CUDA out of memory'))[:160]})"
+        )
+    point: dict[str, Any] = {
+        "id": f"observed-{'fit' if fits else 'oom'}-{_slug(gpu_label)}-{stamp}-b{batch}",
+        "model": family,
+        "resolution": cfg.data.resolution,
+        "batch": batch,
+        "grad_accum": accum,
+        "precision": t.precision,
+        "options": {
+            "gradient_checkpointing": gc,
+            "optimizer": m.optimizer,
+            "cache_latents": m.cache_latents,
+            "train_text_encoder": t.train_text_encoder,
+            "attention": "sdpa",
+            "deepspeed": None
+            if ds is None
+            else {"zero_stage": ds.zero_stage, "offload_optimizer": ds.offload_optimizer},
+            "ema": cfg.ema.device if cfg.ema.enabled else None,
+            "cache_text_encoder_outputs": m.cache_text_encoder_outputs,
+        },
+        "gpu": gpu_name,
+        "num_gpus": max(1, cfg.distributed.num_processes),
+        "outcome": outcome,
+        "source": source,
+    }
+    if cfg.method == "lora":
+        point["options"]["lora_rank"] = cfg.lora.rank
+    if gpu_memory_bytes:
+        point["gpu_memory_gib"] = round(gpu_memory_bytes / 2**30, 2)
+    return point
+
+
+def _slug(text: str) -> str:
+    return "".join(c if c.isalnum() else "-" for c in text.lower()).strip("-")
+
+
+def record_point(point: dict[str, Any], method: str, store: Path) -> Path:
+    """Append a point to ``{store}/methods/observed-{method}.yaml`` (the local profile store that the planner
+    reads beside the shipped profiles); the file is validated by the profiles loader after writing."""
+    from sdplan.profiles import clear_cache, load_methods
+
+    path = store / "methods" / f"observed-{method}.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data: dict[str, Any] = {"schema_version": 1, "method": method, "points": []}
+    if path.is_file():
+        loaded = yaml.safe_load(path.read_text()) or {}
+        if isinstance(loaded, dict) and loaded.get("method") == method:
+            data = loaded
+            data.setdefault("points", [])
+    ids = {p.get("id") for p in data["points"]}
+    while point["id"] in ids:
+        point = {**point, "id": point["id"] + "-x"}
+    data["points"].append(point)
+    tmp = path.with_suffix(".yaml.tmp")
+    tmp.write_text(
+        "# Observed by `sdplan train` on this machine (out-of-memory errors and what fit after them).\n"
+        + yaml.safe_dump(data, sort_keys=False)
+    )
+    tmp.replace(path)
+    load_methods(path, origin="local")  # raises ConfigError if what we wrote does not validate
+    clear_cache()
+    return path
+
+
+# -- writing the run folder ------------------------------------------------------------------------------------
+
+
+def command_line(req: TrainRequest, out: Path) -> str:
+    """The header of the written sdplan.yaml: how to run this config again."""
+    return f"sdplan train --config {shlex.quote(str(out / CONFIG_FILE))} --out {shlex.quote(str(out))}"
+
+
+def write_run_files(out: Path, cfg: C.TrainConfig, launch: Launch, header: str) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    written = [out / CONFIG_FILE]
+    (out / CONFIG_FILE).write_text(C.to_yaml(cfg, header=header))
+    if launch.accelerate_config is not None:
+        (out / ACCELERATE_FILE).write_text(yaml.safe_dump(launch.accelerate_config, sort_keys=False))
+        written.append(out / ACCELERATE_FILE)
+    if launch.deepspeed_config is not None:
+        (out / DEEPSPEED_FILE).write_text(json.dumps(launch.deepspeed_config, indent=2) + "\n")
+        written.append(out / DEEPSPEED_FILE)
+    return written
+
+
+def read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+# -- the whole command ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class Prepared:
+    cfg: C.TrainConfig
+    out: Path
+    inputs: Inputs
+    world: int
+    steps: dict[str, int]
+    snapshot: Any = None
+    plan: dict[str, Any] | None = None
+    resume: str | None = None
+    state: str = "new"
+
+
+def prepare(req: TrainRequest, ui: UI) -> Prepared:
+    """Everything before the launch: config, --out rule, inputs, device, plan. No model loads here."""
+    # 1. Where the run lives and which config it starts from.
+    config_path = Path(req.config).expanduser() if req.config else None
+    if req.resume:
+        if req.out is None and config_path is None:
+            raise UsageError("--resume needs the run folder", fix="add --out DIR")
+        if req.method or req.model or req.dataset:
+            raise UsageError(
+                "--resume continues the run as configured in its sdplan.yaml",
+                fix="drop --method/--model/--dataset; change settings with key=value overrides",
+            )
+    out_given = Path(req.out).expanduser().resolve() if req.out else None
+
+    if req.resume:
+        base_path = (out_given / CONFIG_FILE) if out_given else config_path
+        base = read_yaml_config(base_path)
+        out = out_given or Path(str(base.get("output", {}).get("dir", "./output"))).expanduser().resolve()
+        source = str(base_path)
+    elif req.config_data is not None:
+        base, source = req.config_data, "demo config"
+        out = out_given or Path(base["output"]["dir"]).resolve()
+    elif config_path is not None:
+        base = read_yaml_config(config_path)
+        source = str(config_path)
+        out = out_given or Path(str((base.get("output") or {}).get("dir", "./output"))).expanduser().resolve()
+    else:
+        if not req.model or not req.dataset:
+            missing = " and ".join(
+                f for f, v in (("--model", req.model), ("--dataset", req.dataset)) if not v
+            )
+            raise UsageError(
+                f"{missing} missing",
+                fix="sdplan train --method lora --model PATH_OR_ID --dataset DIR, or --config sdplan.yaml, "
+                "or try --demo",
+            )
+        base = C.default_config()
+        base["method"] = req.method or "lora"
+        source = "command line"
+        out = out_given or Path("./output").resolve()
+
+    # 2. The config validates (unknown keys, wrong types) before anything else is looked at.
+    data = config_data(base, req, out, source=source)
+    cfg = C.validate(data, source=source)
+
+    # 3. The --out rule (the demo checked it before building its model and dataset there).
+    state = (
+        "new" if req.demo else check_out_dir(out, resume=req.resume, force=req.force, config_path=config_path)
+    )
+
+    # 4. --resume needs a checkpoint.
+    resume = None
+    if req.resume:
+        from sdplan.trainer.checkpoint import checkpoint_root, latest_checkpoint
+
+        if latest_checkpoint(out) is None:
+            raise UsageError(
+                f"--resume: no checkpoint in {checkpoint_root(out)}",
+                fix="start the run again without --resume (add --force to reuse the folder)",
+            )
+        resume = "latest"
+
+    # 5. The inputs exist and hold something.
+    inputs = check_inputs(cfg)
+
+    # 6. The device.
+    snapshot = None
+    if cfg.training.device != "cpu":
+        from sdplan.probe.snapshot import probe
+
+        snapshot = probe(str(out.parent if not out.exists() else out))
+        require_gpu(snapshot)
+
+    world = cfg.distributed.num_processes
+    steps = step_arithmetic(cfg, inputs.images_x_repeats, world)
+    return Prepared(
+        cfg=cfg,
+        out=out,
+        inputs=inputs,
+        world=world,
+        steps=steps,
+        snapshot=snapshot,
+        resume=resume,
+        state=state,
+    )
+
+
+def launch_for(p: Prepared, req: TrainRequest, resume: str | None) -> Launch:
+    return build_launch(
+        p.cfg,
+        p.out / CONFIG_FILE,
+        p.out,
+        num_machines=req.num_machines,
+        machine_rank=req.machine_rank,
+        main_process_ip=req.main_process_ip,
+        main_process_port=req.main_process_port,
+        cpu_processes=p.world if p.cfg.training.device == "cpu" and p.world > 1 else None,
+        resume=resume,
+        cpu_cores=_cpu_cores(),
+    )
+
+
+def _cpu_cores() -> int:
+    import os
+
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
+def _have(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+def execute(p: Prepared, req: TrainRequest, ui: UI, launch: Launch) -> dict[str, Any]:
+    """Launch, and on out-of-memory retry with the next smaller config (bounded). Returns run_summary.json."""
+    out = p.out
+    cfg = p.cfg
+    resume = p.resume
+    header = command_line(req, out)
+    retries = 0
+    fixes: list[str] = []
+    while True:
+        (out / OOM_FILE).unlink(missing_ok=True)
+        (out / SUMMARY_FILE).unlink(missing_ok=True)
+        code = run_launch(launch)
+        oom = read_json(out / OOM_FILE)
+        if code == 0:
+            break
+        if code == EXIT_INTERRUPTED:
+            raise TrainFailed(
+                "training interrupted; the trainer saved a checkpoint",
+                EXIT_INTERRUPTED,
+                fix=f"continue with `sdplan train --resume --out {shlex.quote(str(out))}`",
+            )
+        if oom is None:
+            raise TrainFailed(f"the trainer failed (exit code {code}); its error is above", code)
+        # Out of memory: record what did not fit, then retry smaller.
+        _record(cfg, oom, p, ui, fits=False)
+        if req.num_machines > 1:
+            raise OutOfMemoryError(
+                f"out of GPU memory at step {oom.get('step')} on this node",
+                fix="lower training.batch_size on every node, or turn on memory.gradient_checkpointing",
+            )
+        retries += 1
+        change = after_oom(
+            cfg.to_dict(),
+            cuda=cfg.training.device != "cpu",
+            have_bnb=_have("bitsandbytes"),
+            have_deepspeed=_have("deepspeed"),
+        )
+        if change is None or retries > req.max_oom_retries:
+            raise OutOfMemoryError(
+                f"out of GPU memory at step {oom.get('step')} with every memory saver on"
+                + (f" (after {retries - 1} retries)" if retries > 1 else ""),
+                fix="lower data.resolution or lora.rank, or use a GPU with more memory "
+                "(`sdplan recommend --compare` lists what fits)",
+            )
+        cfg = C.validate(change.data, source="out-of-memory retry")
+        fixes.append(change.message)
+        resume = "latest" if _latest(out) else None
+        where = "from the last checkpoint" if resume else "from the start (no checkpoint yet)"
+        ui.echo(f"[yellow]out of memory at step {oom.get('step')}[/]: {change.message}; restarting {where}")
+        launch = build_launch(
+            cfg,
+            out / CONFIG_FILE,
+            out,
+            cpu_processes=p.world if cfg.training.device == "cpu" and p.world > 1 else None,
+            resume=resume,
+            cpu_cores=_cpu_cores(),
+        )
+        write_run_files(out, cfg, launch, header + f"\nrewritten after out of memory: {change.message}")
+    summary = read_json(out / SUMMARY_FILE) or {}
+    if fixes:
+        _record(cfg, {}, p, ui, fits=True, peak=summary.get("peak_memory_bytes"))
+        summary = {**summary, "oom_retries": fixes}
+    return summary
+
+
+def _latest(out: Path) -> bool:
+    from sdplan.trainer.checkpoint import latest_checkpoint
+
+    return latest_checkpoint(out) is not None
+
+
+def _record(
+    cfg: C.TrainConfig, oom: dict[str, Any], p: Prepared, ui: UI, *, fits: bool, peak: int | None = None
+):
+    from sdplan.profiles import local_dir
+
+    family = cfg.model.family or p.inputs.family
+    if family not in C.FAMILIES:
+        return None
+    gpu = p.snapshot.usable_gpus[0] if p.snapshot is not None and p.snapshot.usable_gpus else None
+    point = oom_point(
+        cfg,
+        oom,
+        family=family,
+        gpu_name=gpu.name if gpu else None,
+        gpu_memory_bytes=gpu.memory_total_bytes if gpu else None,
+        when=_dt.datetime.now(),
+        fits=fits,
+        peak_bytes=peak if gpu else None,
+    )
+    path = record_point(point, cfg.method, local_dir())
+    ui.echo(
+        f"recorded in the local profile store: {path} ({'fits' if fits else 'out of memory'}, batch {point['batch']})"
+    )
+    return path
+
+
+def run(req: TrainRequest, ui: UI | None = None) -> dict[str, Any]:
+    """`sdplan train` from request to finished run. Returns run_summary.json (plus what was retried)."""
+    ui = ui or UI()
+    p = prepare(req, ui)
+    launch = launch_for(p, req, p.resume)
+    for line in describe(p.cfg, p.steps, p.world, p.inputs):
+        ui.echo(line)
+    ui.echo(f"output: {p.out}")
+    if launch.per_node_commands:
+        ui.echo(f"[bold]{req.num_machines} machines[/]: the same files at the same paths on each node, then:")
+        for rank, line in enumerate(launch.per_node_commands):
+            ui.echo(f"  node {rank}: {line}")
+    if req.dry_run:
+        ui.echo(f"dry run: would run `{launch.shell()}`")
+        return {}
+    if ui.confirm is not None and not req.yes and not ui.confirm("Start training?"):
+        raise Cancelled("not started", fix="run again and answer y, or add --yes")
+    if p.state == "run" and not req.resume:
+        clear_run_outputs(p.out)
+    header = command_line(req, p.out)
+    for path in write_run_files(p.out, p.cfg, launch, header):
+        ui.echo(f"wrote {path}")
+    ui.echo(f"[dim]$ {launch.shell()}[/]")
+    return execute(p, req, ui, launch)
+
+
+def render_summary(summary: dict[str, Any]) -> list[str]:
+    """run_summary.json as a few lines for the user."""
+    lines = []
+    loss = summary.get("final_loss")
+    wall = summary.get("wall_seconds")
+    lines.append(
+        f"[bold green]done[/]: {summary.get('steps')} steps, {summary.get('images_seen')} images seen on "
+        f"{summary.get('num_processes', 1)} process(es)"
+        + (f", final loss {loss:.4f}" if isinstance(loss, (int, float)) else "")
+        + (f", {wall:.1f} s" if isinstance(wall, (int, float)) else "")
+    )
+    for fix in summary.get("oom_retries", []):
+        lines.append(f"after out of memory: {fix}")
+    for path in summary.get("outputs", []):
+        lines.append(f"  {path}")
+    return lines

@@ -1,0 +1,203 @@
+"""The pure steps of `sdplan train`: the --out rule, out-of-memory arithmetic, profile observations, demo data."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import pytest
+import yaml
+
+from sdplan.config import default_config, validate
+from sdplan.errors import OutputExistsError, UsageError
+from sdplan.train import after_oom, check_out_dir, oom_point, record_point, step_arithmetic
+
+# -- the --out rule -------------------------------------------------------------------------------------------
+
+
+def test_missing_or_empty_out_is_new(tmp_path):
+    assert check_out_dir(tmp_path / "nope") == "new"
+    (tmp_path / "empty").mkdir()
+    assert check_out_dir(tmp_path / "empty") == "new"
+
+
+def test_folder_with_user_files_is_refused_even_with_force(tmp_path):
+    (tmp_path / "holiday.jpg").write_bytes(b"x")
+    for force in (False, True):
+        with pytest.raises(OutputExistsError, match="not an sdplan run"):
+            check_out_dir(tmp_path, force=force)
+    assert (tmp_path / "holiday.jpg").read_bytes() == b"x"
+
+
+def test_sdplan_run_needs_force_or_resume(tmp_path):
+    (tmp_path / "sdplan.yaml").write_text("method: lora\n")
+    (tmp_path / "checkpoints").mkdir()
+    with pytest.raises(OutputExistsError, match="--resume.*--force"):
+        check_out_dir(tmp_path)
+    assert check_out_dir(tmp_path, force=True) == "run"
+    assert check_out_dir(tmp_path, resume=True) == "run"
+
+
+def test_resume_needs_an_sdplan_run(tmp_path):
+    with pytest.raises(UsageError, match="not an sdplan run"):
+        check_out_dir(tmp_path, resume=True)
+
+
+def test_a_planned_folder_trains_its_own_config(tmp_path):
+    """`sdplan recommend --out DIR` then `sdplan train --config DIR/sdplan.yaml --out DIR` is not refused."""
+    (tmp_path / "sdplan.yaml").write_text("method: lora\n")
+    (tmp_path / "accelerate.yaml").write_text("distributed_type: 'NO'\n")
+    assert check_out_dir(tmp_path, config_path=tmp_path / "sdplan.yaml") == "planned"
+    # ... but not once it holds training outputs, and not for another config.
+    other = tmp_path.parent / "other.yaml"
+    other.write_text("method: lora\n")
+    with pytest.raises(OutputExistsError):
+        check_out_dir(tmp_path, config_path=other)
+    (tmp_path / "run_summary.json").write_text("{}")
+    with pytest.raises(OutputExistsError):
+        check_out_dir(tmp_path, config_path=tmp_path / "sdplan.yaml")
+
+
+def test_out_that_is_a_file_is_refused(tmp_path):
+    f = tmp_path / "f"
+    f.write_text("x")
+    with pytest.raises(OutputExistsError, match="is a file"):
+        check_out_dir(f)
+
+
+# -- out-of-memory recovery ----------------------------------------------------------------------------------
+
+
+def data(**sections):
+    d = default_config()
+    for k, v in sections.items():
+        d[k].update(v)
+    return d
+
+
+@pytest.mark.parametrize(
+    ("b", "ga", "nb", "nga"), [(8, 1, 4, 2), (4, 3, 2, 6), (6, 1, 3, 2), (3, 2, 1, 6), (2, 1, 1, 2)]
+)
+def test_oom_halves_the_micro_batch_keeping_the_effective_batch(b, ga, nb, nga):
+    change = after_oom(
+        data(training={"batch_size": b, "grad_accum": ga}), cuda=True, have_bnb=True, have_deepspeed=True
+    )
+    t = change.data["training"]
+    assert (t["batch_size"], t["grad_accum"]) == (nb, nga)
+    assert t["batch_size"] * t["grad_accum"] == b * ga
+    assert f"micro-batch {b} -> {nb}" in change.message
+    validate(change.data)
+
+
+def test_at_batch_one_the_memory_savers_come_in_order():
+    d = data(training={"batch_size": 1, "grad_accum": 4}, ema={"enabled": True, "device": "gpu"})
+    seen = []
+    while (change := after_oom(d, cuda=True, have_bnb=True, have_deepspeed=True)) is not None:
+        validate(change.data)  # every step is a valid config
+        seen.append(change.message.split(" (")[0])
+        d = change.data
+        assert d["training"]["batch_size"] == 1 and d["training"]["grad_accum"] == 4
+    assert seen == [
+        "moved the EMA weights to system RAM",
+        "turned on gradient checkpointing",
+        "switched to 8-bit AdamW",
+        "turned on latent caching",
+        "turned on text-encoder output caching",
+        "turned on DeepSpeed ZeRO-2 with the optimizer state offloaded to CPU",
+    ]
+    # 8-bit Adam does not combine with DeepSpeed: the last step puts AdamW back.
+    assert d["memory"]["optimizer"] == "adamw"
+    assert d["distributed"]["deepspeed"] == {"zero_stage": 2, "offload_optimizer": True}
+
+
+def test_no_8bit_adam_on_cpu_or_without_bitsandbytes_and_no_deepspeed_without_it():
+    d = data(training={"batch_size": 1}, memory={"gradient_checkpointing": True})
+    for kwargs in ({"cuda": False, "have_bnb": True}, {"cuda": True, "have_bnb": False}):
+        change = after_oom(d, have_deepspeed=False, **kwargs)
+        assert change.data["memory"]["optimizer"] == "adamw"
+        assert change.data["memory"]["cache_latents"] is True
+    d["memory"].update(cache_latents=True, cache_text_encoder_outputs=True)
+    assert after_oom(d, cuda=True, have_bnb=False, have_deepspeed=False) is None
+
+
+def test_text_encoder_outputs_are_not_cached_while_the_encoder_trains():
+    d = data(
+        training={"batch_size": 1, "train_text_encoder": True},
+        memory={"gradient_checkpointing": True, "cache_latents": True},
+    )
+    change = after_oom(d, cuda=False, have_bnb=False, have_deepspeed=True)
+    assert change.data["memory"]["cache_text_encoder_outputs"] is False
+    assert change.data["distributed"]["deepspeed"] is not None
+
+
+# -- the observation in the local profile store ------------------------------------------------------------
+
+
+def test_oom_observation_is_a_valid_local_profile_point(tmp_path):
+    from sdplan.profiles import load_methods
+
+    cfg = validate(
+        data(training={"batch_size": 4, "grad_accum": 1, "precision": "bf16"}, data={"resolution": 512})
+    )
+    oom = {
+        "step": 3,
+        "batch_size": 4,
+        "grad_accum": 1,
+        "gradient_checkpointing": False,
+        "message": "CUDA out of memory.",
+    }
+    when = dt.datetime(2026, 1, 2, 3, 4, 5)
+    point = oom_point(
+        cfg, oom, family="sd15", gpu_name="NVIDIA GeForce RTX 3060", gpu_memory_bytes=12 * 2**30, when=when
+    )
+    path = record_point(point, "lora", tmp_path)
+    assert path == tmp_path / "methods" / "observed-lora.yaml"
+    # A second observation appends (and keeps ids unique).
+    record_point(dict(point), "lora", tmp_path)
+    points, _ = load_methods(path, origin="local")
+    assert len(points) == 2 and len({p.id for p in points}) == 2
+    p = points[0]
+    assert (p.model, p.resolution, p.batch, p.grad_accum, p.precision) == ("sd15", 512, 4, 1, "bf16")
+    assert p.gpu == "NVIDIA GeForce RTX 3060"
+    assert p.outcome == {"fits": False}
+    assert p.options.gradient_checkpointing is False and p.options.lora_rank == 16
+    assert "2026-01-02T03:04:05" in p.source and "out of memory at step 3" in p.source
+    raw = yaml.safe_load(path.read_text())
+    assert raw["points"][0]["gpu_memory_gib"] == 12.0
+
+
+# -- step arithmetic -----------------------------------------------------------------------------------------
+
+
+def test_step_arithmetic_splits_epochs_over_processes():
+    cfg = validate(data(training={"batch_size": 2, "grad_accum": 2, "epochs": 3}))
+    one = step_arithmetic(cfg, 40, 1)
+    two = step_arithmetic(cfg, 40, 2)
+    assert one["steps_per_epoch"] == 10 and one["total_steps"] == 30
+    assert two["steps_per_epoch"] == 5 and two["total_steps"] == 15
+    assert one["images_seen"] == two["images_seen"] == 120
+
+
+def test_step_arithmetic_with_max_steps():
+    cfg = validate(data(training={"batch_size": 2, "max_steps": 10}))
+    s = step_arithmetic(cfg, 8, 2)
+    assert s["total_steps"] == 5 and s["images_seen"] == 20
+
+
+# -- demo data ---------------------------------------------------------------------------------------------------
+
+
+def test_demo_dataset_is_a_captioned_flat_dataset(tmp_path):
+    from sdplan.trainer.dataset_scan import scan
+
+    from sdplan.demo import make_dataset
+
+    make_dataset(tmp_path / "ds", n=8)
+    result = scan(tmp_path / "ds", verify=True)
+    assert result.format == "flat"
+    assert result.num_images == 8 and result.num_captioned == 8 and not result.skipped
+    captions = sorted({it.caption for it in result.items})
+    assert "a photo of sks red square" in captions and "a photo of sks blue circle" in captions
+    # Every caption word is one token of the tiny tokenizer.
+    from sdplan.trainer.tiny import DEMO_WORDS
+
+    assert {w for c in captions for w in c.split()} <= set(DEMO_WORDS)
