@@ -25,6 +25,7 @@ link efficiency fitted on Puget's 2x RTX 4090 observations. A measured point for
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
@@ -234,6 +235,8 @@ def memory(profiles: Profiles, s: Setup) -> Memory:
     if s.ema == "cpu":
         ram += model.params_unet * 4.0
 
+    if s.num_gpus > 1 and not s.offload:
+        grads *= 2  # DDP's reducer buckets hold a second copy of the gradients
     base = weights + frozen + grads + opt + ema
     allocated = base + max(activations + autocast, step)
     overhead = CUDA_CONTEXT_BYTES + ALLOCATOR_OVERHEAD * allocated
@@ -258,10 +261,19 @@ def memory(profiles: Profiles, s: Setup) -> Memory:
 
 @dataclass(frozen=True)
 class Calibration:
-    efficiency: float  # achieved / catalog dense half-precision TFLOPS
+    efficiency: float  # achieved / catalog dense half-precision TFLOPS (geometric mean over all points)
     link_efficiency: float  # achieved all-reduce bandwidth / nominal link bandwidth
     efficiency_points: tuple[tuple[str, float], ...] = ()
     link_points: tuple[tuple[str, float], ...] = ()
+    by_family: tuple[tuple[str, float], ...] = ()  # GPU architecture family -> efficiency, where measured
+
+    def efficiency_for(self, spec: GPUSpec | None) -> float:
+        """The efficiency fitted on this GPU's architecture family when a speed was published for it.
+
+        The published speeds disagree by ~2x between architectures (Turing GeForce vs Volta), so one number
+        for all would miss both; other families use the geometric mean."""
+        fam = dict(self.by_family)
+        return fam.get(spec.family, self.efficiency) if spec is not None else self.efficiency
 
 
 def step_flops(profiles: Profiles, s: Setup) -> float:
@@ -297,7 +309,7 @@ def step_seconds(
         return None
     spec = gpu if isinstance(gpu, GPUSpec) else gpu.spec
     model = profiles.model(s.model)
-    compute = step_flops(profiles, s) / (tflops * 1e12 * cal.efficiency)
+    compute = step_flops(profiles, s) / (tflops * 1e12 * cal.efficiency_for(spec))
     t = trainable_params(model, s)
     opt = t * OPTIMIZER_STEP_BYTES.get(s.optimizer, 28) / (spec.memory_bandwidth_gbs * 1e9) / s.grad_accum
     seconds = compute + opt + STEP_OVERHEAD_S
@@ -360,9 +372,17 @@ def calibrate(profiles: Profiles) -> Calibration:
         ideal = step_flops(profiles, s) / (spec.tflops(s.precision) * 1e12)
         measured = 1.0 / it_s - STEP_OVERHEAD_S
         if measured > 0:
-            eff.append((p.id, ideal / measured))
-    efficiency = _geomean([e for _, e in eff]) if eff else 0.1
-    cal = replace(base, efficiency=efficiency, efficiency_points=tuple(eff))
+            eff.append((p.id, ideal / measured, spec.family))
+    efficiency = _geomean([e for _, e, _ in eff]) if eff else 0.1
+    families: dict[str, list[float]] = {}
+    for _, e, fam in eff:
+        families.setdefault(fam, []).append(e)
+    cal = replace(
+        base,
+        efficiency=efficiency,
+        efficiency_points=tuple((i, e) for i, e, _ in eff),
+        by_family=tuple((f, _geomean(v)) for f, v in sorted(families.items())),
+    )
     links: list[tuple[str, float]] = []
     for m in profiles.multi_gpu:
         spec = profiles.gpu_or_none(m.gpu)
@@ -578,18 +598,20 @@ def _candidates(req: Request, profiles: Profiles, hw: Hardware, cal: Calibration
     if not nvidia:
         optimizers = [o for o in optimizers if o != "adamw8bit"]  # bitsandbytes: CUDA only
     out: list[Candidate] = []
-    per_epoch = req.images * req.repeats
+    # full bf16 weights (kohya --full_bf16) are a fallback for full-UNet methods, tried before offload
+    halves = (False, True) if (full and precision == "bf16") else (False,)
     for n in range(1, max_n + 1):
         for batch in BATCHES:
-            if batch > 1 and batch * n > per_epoch:
-                continue
+            if batch > 1 and batch * n > req.images:
+                continue  # a global batch larger than the images would repeat an image within a step
             for gc in (False, True):
                 for cache in (True, False):
                     for opt in optimizers:
-                        for offload in (False, True) if full else (False,):
-                            if offload and opt != "adamw":
+                        for offload, half_w in itertools.product((False, True) if full else (False,), halves):
+                            if offload and (opt != "adamw" or half_w):
                                 continue  # 8-bit / Adafactor do not combine with DeepSpeed here
                             s = Setup(
+                                full_half_weights=half_w,
                                 method=req.method,
                                 model=req.model,
                                 resolution=resolution,
@@ -635,7 +657,7 @@ def _evaluate(req: Request, profiles: Profiles, hw: Hardware, cal: Calibration, 
             flops = (
                 profiles.activations.vae_encode_flops(s.model, latent) * steps.images_per_epoch / s.num_gpus
             )
-            seconds += flops / (tflops * 1e12 * cal.efficiency)
+            seconds += flops / (tflops * 1e12 * cal.efficiency_for(gpu.spec))
     return Candidate(
         setup=s, memory=mem, seconds=seconds, step_seconds=step_s, steps=steps, basis=basis, fits=fits
     )
@@ -744,7 +766,8 @@ def plan(hardware: Hardware | Any, profiles: Profiles, request: Request) -> Resu
     cands = _candidates(req, profiles, hardware, cal, resolution)
     fitting = [c for c in cands if c.fits]
     no_offload = [c for c in fitting if not c.setup.offload]
-    pool = no_offload or fitting
+    mixed = [c for c in no_offload if not c.setup.full_half_weights]
+    pool = mixed or no_offload or fitting
     if not pool:
         precision = _precision_for(hardware.gpus)
         need = min_vram_needed(
@@ -863,6 +886,11 @@ def _reasons(req, hw, best, one, best_by_n, fitting, no_offload, cal, profiles) 
         if s.cache_latents
         else "latents not cached"
     )
+    if s.full_half_weights:
+        r.append(
+            "full bf16 weights and gradients (no fp32 master copy, kohya --full_bf16): nothing with fp32 master "
+            "weights fits; tried before DeepSpeed offload, which is 3-4x slower"
+        )
     if s.offload:
         r.append(
             "DeepSpeed ZeRO-2 with optimizer offload to CPU: nothing without offload fits; it runs ~3-4x slower and "
@@ -910,7 +938,7 @@ def _reasons(req, hw, best, one, best_by_n, fitting, no_offload, cal, profiles) 
     if best.basis == "calibrated":
         r.append(
             f"time: FLOPs of the {req.model} UNet at {s.resolution}px over {gpu.name}'s dense throughput at "
-            f"{cal.efficiency * 100:.0f}% efficiency (fitted on published speeds)"
+            f"{cal.efficiency_for(gpu.spec) * 100:.0f}% efficiency (fitted on published speeds)"
         )
     else:
         r.append(f"time: from a {best.basis} speed for {gpu.name} with these settings")
