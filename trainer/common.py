@@ -206,6 +206,57 @@ def plan_steps(
     return StepPlan(num_processes, batches_per_epoch, spe, total, epochs, warm)
 
 
+def describe_plan(method: str, family: str, samples: int, cfg, plan: StepPlan) -> str:
+    t = cfg.training
+    return (
+        f"{method} {family}: {samples} samples/epoch, batch {t.batch_size} x accum {t.grad_accum} x "
+        f"{plan.num_processes} process(es) -> {plan.steps_per_epoch} steps/epoch, {plan.max_steps} steps "
+        f"({plan.epochs} epoch{'s' if plan.epochs != 1 else ''}), warmup {plan.warmup_steps}"
+    )
+
+
+# -- data loading -------------------------------------------------------------------------------------
+
+
+class EpochBatches:
+    """The epoch-seeded BucketBatchSampler, shown to accelerate without a ``batch_size`` attribute so that
+    its sharding treats batches as lists of any length (bucket batches can be short mid-epoch; with a
+    batch_size, accelerate would drop a round whose last batch is short)."""
+
+    def __init__(self, sampler):
+        self.sampler = sampler
+
+    def set_epoch(self, epoch: int) -> None:
+        self.sampler.set_epoch(epoch)
+
+    def __iter__(self):
+        return iter(self.sampler)
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+
+def make_loader(dataset, cfg, device):
+    """(DataLoader, EpochBatches): batches of ``training.batch_size`` from one bucket each, in an order that
+    depends only on (seed, epoch). Pass the loader to ``accelerator.prepare`` to shard it over processes."""
+    import torch
+
+    from .buckets import BucketBatchSampler
+    from .data import collate
+
+    batches = EpochBatches(
+        BucketBatchSampler.for_dataset(dataset, cfg.training.batch_size, seed=cfg.training.seed)
+    )
+    loader = torch.utils.data.DataLoader(
+        dataset,
+        batch_sampler=batches,
+        collate_fn=collate,
+        num_workers=cfg.data.num_workers,
+        pin_memory=device.type == "cuda",
+    )
+    return loader, batches
+
+
 # -- optimizer and schedule ---------------------------------------------------------------------------
 
 
@@ -395,6 +446,66 @@ def nonfinite_error(step: int, cfg, checkpoint: Path | None) -> NonFiniteLoss:
     return NonFiniteLoss(f"loss became NaN/inf at step {step}: likely {cause}{where}", fix=fix)
 
 
+def stop_on_nan(ckpt, params, step: int, cfg) -> NonFiniteLoss:
+    """At a NaN/inf loss, before the optimizer step: checkpoint the weights from before this step (when they
+    are still finite; else point at the last checkpoint) and return the error to raise."""
+    import torch
+
+    path = None
+    if all(bool(torch.isfinite(p).all()) for p in params):
+        path = ckpt.save("nan")
+    elif ckpt.last_saved is not None:
+        path = ckpt.last_saved
+    return nonfinite_error(step, cfg, path)
+
+
+def checkpoint_on_error(accelerator, ckpt, state) -> None:
+    """Best effort on an unexpected exception: checkpoint the last finished step. One process only: with
+    several, the others may be inside a collective and a save would hang."""
+    if accelerator.num_processes != 1 or state.global_step == 0 or ckpt.last_saved_step == state.global_step:
+        return
+    try:
+        path = ckpt.save("interrupt")
+        print(f"checkpoint written after the error: {path}", flush=True)
+    except Exception as e:  # the original error matters more
+        print(f"could not write a checkpoint after the error: {e}", flush=True)
+
+
+# -- samples ------------------------------------------------------------------------------------------
+
+
+def samples(
+    accelerator, comps, unet, text_encoders, cfg, *, step: int | None = None, fallback: str = ""
+) -> Path | None:
+    """A PNG grid from ``sampling.prompts`` (else ``fallback``) with a fixed seed, made on the main process:
+    ``samples/step-000100.png`` during training (the other processes wait), ``samples/final.png`` at the end
+    (call it on the main process only then)."""
+    import torch
+
+    from .checkpoint import unwrap
+
+    prompts = list(cfg.sampling.prompts) or ([fallback] if fallback else [])
+    name = f"step-{step:06d}.png" if step is not None else "final.png"
+    grid = None
+    if prompts and accelerator.is_main_process:
+        from . import sampling
+
+        pipe = comps.pipeline(unet=unwrap(unet), text_encoders=[unwrap(te) for te in text_encoders])
+        with torch.no_grad(), accelerator.autocast():
+            grid = sampling.sample_grid(
+                pipe,
+                prompts,
+                seed=cfg.sampling.seed,
+                steps=cfg.sampling.num_inference_steps,
+                guidance_scale=cfg.sampling.guidance_scale,
+                resolution=cfg.data.resolution,
+                out_path=Path(cfg.output.dir) / "samples" / name,
+            )
+    if step is not None:
+        accelerator.wait_for_everyone()
+    return grid
+
+
 # -- memory -------------------------------------------------------------------------------------------
 
 
@@ -548,6 +659,7 @@ class Progress:
         self.cuda = accelerator.device.type == "cuda" and torch.cuda.is_available()
         self.tty = sys.stdout.isatty() and os.environ.get("SDPLAN_PLAIN_PROGRESS") is None
         self.every = max(1, total // 20)
+        self.description = description
         self.start = time.perf_counter()
         self._bar = None
         if self.enabled and self.tty:
@@ -576,20 +688,27 @@ class Progress:
 
         return f"GPU {torch.cuda.memory_allocated() / 2**30:.1f}/{torch.cuda.max_memory_allocated() / 2**30:.1f} GiB"
 
-    def update(self, step: int, loss: float) -> None:
+    def update(self, step: int, loss: float | None = None) -> None:
         if not self.enabled:
             return
         elapsed = time.perf_counter() - self.start
         done = step - self.initial
         rate = done / elapsed if elapsed > 0 else 0.0
         eta = (self.total - step) / rate if rate > 0 else float("inf")
-        fields = {"loss": f"{loss:.4f}", "rate": f"{rate:.2f}", "eta": _fmt_eta(eta), "mem": self._mem()}
+        fields = {
+            "loss": "-" if loss is None else f"{loss:.4f}",
+            "rate": f"{rate:.2f}",
+            "eta": _fmt_eta(eta),
+            "mem": self._mem(),
+        }
         if self._bar is not None:
             self._bar.update(self._task, completed=step, **fields)
         elif step % self.every == 0 or step == self.total or step == self.initial + 1:
             mem = f" {fields['mem']}" if fields["mem"] else ""
+            loss_text = f" loss {fields['loss']}" if loss is not None else ""
             print(
-                f"step {step}/{self.total} loss {fields['loss']} {fields['rate']} it/s ETA {fields['eta']}{mem}",
+                f"{self.description}: step {step}/{self.total}{loss_text} {fields['rate']} it/s "
+                f"ETA {fields['eta']}{mem}",
                 flush=True,
             )
 

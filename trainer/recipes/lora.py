@@ -20,24 +20,6 @@ from sdplan.errors import SdplanError
 
 from .. import checkpoint as ckpt_lib
 from .. import common, data, models
-from ..buckets import BucketBatchSampler
-
-
-class _Batches:
-    """The epoch-seeded batch sampler without a ``batch_size`` attribute, so accelerate shards its batches
-    as lists of any length (bucket batches may be short in the middle of an epoch)."""
-
-    def __init__(self, sampler: BucketBatchSampler):
-        self.sampler = sampler
-
-    def set_epoch(self, epoch: int) -> None:
-        self.sampler.set_epoch(epoch)
-
-    def __iter__(self):
-        return iter(self.sampler)
-
-    def __len__(self) -> int:
-        return len(self.sampler)
 
 
 def train(cfg: TrainConfig, *, resume: str | None = None) -> dict:
@@ -112,14 +94,7 @@ def train(cfg: TrainConfig, *, resume: str | None = None) -> dict:
         te_params = [p for te in text_encoders for p in te.parameters() if p.requires_grad]
         groups.append({"params": te_params, "lr": tcfg.text_encoder_learning_rate or tcfg.learning_rate})
     optimizer = common.make_optimizer(groups, cfg)
-    batches = _Batches(BucketBatchSampler.for_dataset(dataset, tcfg.batch_size, seed=tcfg.seed))
-    loader = torch.utils.data.DataLoader(
-        dataset,
-        batch_sampler=batches,
-        collate_fn=data.collate,
-        num_workers=cfg.data.num_workers,
-        pin_memory=device.type == "cuda",
-    )
+    loader, batches = common.make_loader(dataset, cfg, device)
     names = list(trained)
     prepared = accelerator.prepare(*trained.values(), optimizer, loader)
     trained = dict(zip(names, prepared[: len(names)]))
@@ -159,12 +134,7 @@ def train(cfg: TrainConfig, *, resume: str | None = None) -> dict:
         ckpt.load(resume_from)
         ckpt_lib.apply_learning_rates(optimizer, lr_scheduler, [g["lr"] for g in groups])
         common.say(accelerator, f"resumed from {resume_from} at step {state.global_step}")
-    common.say(
-        accelerator,
-        f"lora {comps.family}: {len(dataset)} samples/epoch, batch {tcfg.batch_size} x accum {tcfg.grad_accum} "
-        f"x {plan.num_processes} process(es) -> {plan.steps_per_epoch} steps/epoch, {plan.max_steps} steps "
-        f"({plan.epochs} epochs), warmup {plan.warmup_steps}",
-    )
+    common.say(accelerator, common.describe_plan("lora", comps.family, len(dataset), cfg, plan))
 
     def loss_for(batch, generator):
         pixels = batch["pixel_values"].to(device)
@@ -204,7 +174,7 @@ def train(cfg: TrainConfig, *, resume: str | None = None) -> dict:
                                 accelerator, loss_sum, micro, images, stop.requested is not None
                             )
                             if bad:
-                                raise _stop_on_nan(ckpt, params, step, cfg)
+                                raise common.stop_on_nan(ckpt, params, step, cfg)
                             if tcfg.max_grad_norm > 0:
                                 accelerator.clip_grad_norm_(params, tcfg.max_grad_norm)
                         optimizer.step()
@@ -220,14 +190,7 @@ def train(cfg: TrainConfig, *, resume: str | None = None) -> dict:
                     micro, images, loss_sum, generator = 0, 0, torch.zeros((), device=device), None
                     progress.update(step, mean_loss)
                     if cfg.sampling.every_steps and step % cfg.sampling.every_steps == 0:
-                        _samples(
-                            accelerator,
-                            comps,
-                            trained,
-                            text_encoders,
-                            cfg,
-                            out_dir / "samples" / f"step-{step:06d}.png",
-                        )
+                        common.samples(accelerator, comps, unet, text_encoders, cfg, step=step)
                     ckpt.maybe_save()
                     if stop_now:
                         path = ckpt.last_saved if ckpt.last_saved_step == step else ckpt.save("interrupt")
@@ -242,7 +205,7 @@ def train(cfg: TrainConfig, *, resume: str | None = None) -> dict:
     except (SdplanError, KeyboardInterrupt):
         raise
     except Exception:
-        _checkpoint_on_error(accelerator, ckpt, state)
+        common.checkpoint_on_error(accelerator, ckpt, state)
         raise
     finally:
         progress.close()
@@ -271,15 +234,8 @@ def train(cfg: TrainConfig, *, resume: str | None = None) -> dict:
             name=cfg.output.name,
             kohya=cfg.output.save_kohya,
         )
-        grid = _samples(
-            accelerator,
-            comps,
-            trained,
-            text_encoders,
-            cfg,
-            out_dir / "samples" / "final.png",
-            fallback=dataset.caption_for(dataset.items[0], 0),
-            wait=False,
+        grid = common.samples(
+            accelerator, comps, unet, text_encoders, cfg, fallback=dataset.caption_for(dataset.items[0], 0)
         )
         outputs += [grid] if grid else []
         outputs.append(
@@ -306,51 +262,3 @@ def train(cfg: TrainConfig, *, resume: str | None = None) -> dict:
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return summary
-
-
-def _samples(
-    accelerator, comps, trained, text_encoders, cfg, out_path: Path, *, fallback: str = "", wait: bool = True
-) -> Path | None:
-    """A PNG grid from the configured prompts (fixed seed), on the main process; the others wait."""
-    prompts = list(cfg.sampling.prompts) or ([fallback] if fallback else [])
-    grid = None
-    if prompts and accelerator.is_main_process:
-        from .. import sampling
-
-        unet = ckpt_lib.unwrap(trained["unet"])
-        pipe = comps.pipeline(unet=unet, text_encoders=[ckpt_lib.unwrap(te) for te in text_encoders])
-        with torch.no_grad(), accelerator.autocast():
-            grid = sampling.sample_grid(
-                pipe,
-                prompts,
-                seed=cfg.sampling.seed,
-                steps=cfg.sampling.num_inference_steps,
-                guidance_scale=cfg.sampling.guidance_scale,
-                resolution=cfg.data.resolution,
-                out_path=out_path,
-            )
-    if wait:
-        accelerator.wait_for_everyone()
-    return grid
-
-
-def _stop_on_nan(ckpt, params, step: int, cfg) -> common.NonFiniteLoss:
-    """Checkpoint the weights from before this step (when they are still finite) and build the error."""
-    path = None
-    if all(bool(torch.isfinite(p).all()) for p in params):
-        path = ckpt.save("nan")
-    elif ckpt.last_saved is not None:
-        path = ckpt.last_saved
-    return common.nonfinite_error(step, cfg, path)
-
-
-def _checkpoint_on_error(accelerator, ckpt, state) -> None:
-    """Best effort on an unexpected exception: checkpoint the last finished step (one process only: with
-    several, the others may be inside a collective and a save would hang)."""
-    if accelerator.num_processes != 1 or state.global_step == 0 or ckpt.last_saved_step == state.global_step:
-        return
-    try:
-        path = ckpt.save("interrupt")
-        print(f"checkpoint written after the error: {path}", flush=True)
-    except Exception as e:  # the original error matters more
-        print(f"could not write a checkpoint after the error: {e}", flush=True)
