@@ -1,0 +1,148 @@
+"""Sample grids (tiny SD 1.x / SDXL pipelines on CPU), loss-curve PNGs and the TensorBoard logger."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+
+import pytest
+import torch
+from PIL import Image
+from sdplan.trainer import plots, sampling
+
+
+def _pipe(folder):
+    from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
+
+    cls = StableDiffusionXLPipeline if (folder / "text_encoder_2").exists() else StableDiffusionPipeline
+    return cls.from_pretrained(folder)
+
+
+def _pixels(path):
+    with Image.open(path) as im:
+        return torch.from_numpy(__import__("numpy").asarray(im.convert("RGB"))).clone()
+
+
+def test_sample_grid_sd15_size_seed_and_state(tiny_sd15, tmp_path, capsys):
+    pipe = _pipe(tiny_sd15)
+    pipe.unet.train()
+    prompts = ["a photo of sks dog", "a red square", "a blue circle"]
+    torch.manual_seed(123)
+    rng = torch.get_rng_state()
+    capsys.readouterr()  # from_pretrained's own loading bars
+    kw = dict(seed=5, steps=2, guidance_scale=3.0, resolution=64, negative_prompt="blurry")
+    path = sampling.sample_grid(pipe, prompts, out_path=tmp_path / "samples" / "step_000010.png", **kw)
+
+    with Image.open(path) as im:
+        assert im.format == "PNG" and im.size == (2 * 64, 2 * 64)  # 3 prompts: 2 columns x 2 rows
+        info = json.loads(im.text["sdplan_samples"])
+    assert info["prompts"] == prompts and info["seed"] == 5 and info["resolution"] == [64, 64]
+    assert torch.equal(torch.get_rng_state(), rng)  # the training RNG stream is untouched
+    assert pipe.unet.training and not pipe.vae.training  # modes restored
+    assert "%|" not in capsys.readouterr().err  # no progress bars
+
+    pixels = _pixels(path)
+    assert pixels[64:, 64:].sum() == 0  # the 4th cell is empty
+    assert not torch.equal(pixels[:64, :64], pixels[:64, 64:128])  # prompts differ
+    again = sampling.sample_grid(pipe, prompts, out_path=tmp_path / "again.png", **kw)
+    assert torch.equal(_pixels(again), pixels)  # fixed seed: same grid
+    other = sampling.sample_grid(pipe, prompts, out_path=tmp_path / "other.png", **{**kw, "seed": 6})
+    assert not torch.equal(_pixels(other), pixels)
+    assert not list(tmp_path.glob("**/.*.tmp"))
+
+
+def test_sample_grid_sdxl_with_labels_keeps_size(tiny_sdxl, tmp_path):
+    pipe = _pipe(tiny_sdxl)
+    prompts = ["a photo of sks dog", "a green circle on a red square with a long caption"]
+    plain = sampling.sample_grid(
+        pipe,
+        prompts,
+        seed=0,
+        steps=2,
+        guidance_scale=5.0,
+        resolution=(64, 32),
+        out_path=tmp_path / "a.png",
+        cols=2,
+    )
+    labelled = sampling.sample_grid(
+        pipe, prompts, seed=0, steps=2, guidance_scale=5.0, resolution=(64, 32), out_path=tmp_path / "b.png",
+        cols=2, labels=True,
+    )  # fmt: skip
+    for path in (plain, labelled):
+        with Image.open(path) as im:
+            im.verify()
+        with Image.open(path) as im:
+            assert im.size == (2 * 64, 32)  # width x height per cell, one row
+    a, b = _pixels(plain), _pixels(labelled)
+    assert torch.equal(a[:20], b[:20]) and not torch.equal(a, b)  # the label band only
+
+
+def test_make_grid_places_each_image():
+    colours = [(255, 0, 0), (0, 255, 0), (0, 0, 255), (255, 255, 0), (0, 255, 255)]
+    grid = sampling.make_grid([Image.new("RGB", (10, 8), c) for c in colours], cols=3)
+    assert grid.size == (30, 16)
+    for i, colour in enumerate(colours):
+        assert grid.getpixel(((i % 3) * 10 + 5, (i // 3) * 8 + 4)) == colour
+    assert grid.getpixel((25, 12)) == (0, 0, 0)
+    with pytest.raises(ValueError, match="cells"):
+        sampling.make_grid([Image.new("RGB", (10, 8)), Image.new("RGB", (8, 8))])
+
+
+def test_ema_is_debiased_and_skips_nan():
+    assert plots.ema([2.0, 2.0, 2.0], 0.9) == pytest.approx([2.0, 2.0, 2.0])
+    smoothed = plots.ema([math.nan, 1.0, math.inf, 3.0], 0.5)
+    assert math.isnan(smoothed[0])
+    assert smoothed[1] == pytest.approx(1.0) and smoothed[2] == pytest.approx(1.0)
+    assert smoothed[3] == pytest.approx((0.5 * 0.5 * 1.0 + 0.5 * 3.0) / 0.75)
+    with pytest.raises(ValueError):
+        plots.ema([1.0], 1.0)
+
+
+def test_loss_curve_png(tmp_path):
+    steps = list(range(1, 51))
+    losses = [1.0 / s + 0.05 * math.sin(s) for s in steps]
+    losses[10] = math.nan  # a NaN step still plots
+    lr = [1e-4 * min(1.0, s / 10) for s in steps]
+    path = plots.loss_curve(steps, losses, tmp_path / "plots" / "loss.png", lr=lr, title="lora")
+    with Image.open(path) as im:
+        im.verify()
+    with Image.open(path) as im:
+        assert im.format == "PNG" and im.size == (800, 450)
+        assert len(set(im.convert("RGB").getdata())) > 10  # something was drawn
+    assert plots.loss_curve([1], [0.5], tmp_path / "one.png").exists()
+    with pytest.raises(ValueError, match="steps"):
+        plots.loss_curve([1, 2], [0.5], tmp_path / "bad.png")
+
+
+def test_tensorboard_logger_writes_scalars_and_images(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    grid = tmp_path / "grid.png"
+    Image.new("RGB", (16, 8), (10, 20, 30)).save(grid)
+    with plots.TensorBoardLogger(tmp_path / "tb") as tb:
+        assert tb.enabled
+        for step in (1, 2):
+            tb.log(step, loss=0.5 / step, lr=1e-4, it_per_s=3.0, memory_bytes=2**30, grad_norm=0.1)
+        tb.image("samples", grid, 2)
+    events = EventAccumulator(str(tmp_path / "tb")).Reload()
+    assert {"train/loss", "train/lr", "perf/it_per_s", "perf/memory_gib", "train/grad_norm"} <= set(
+        events.Tags()["scalars"]
+    )
+    assert [e.value for e in events.Scalars("train/loss")] == pytest.approx([0.5, 0.25])
+    assert events.Scalars("perf/memory_gib")[0].value == pytest.approx(1.0)
+    image = events.Images("samples")[0]
+    assert (image.width, image.height, image.step) == (16, 8, 2)
+
+
+def test_tensorboard_logger_without_tensorboard_is_a_warned_noop(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import fails as if not installed
+    with pytest.warns(RuntimeWarning, match="tensorboard is not installed"):
+        tb = plots.TensorBoardLogger(tmp_path / "tb")
+    assert not tb.enabled
+    tb.log(1, loss=0.1, lr=1e-4)
+    tb.image("samples", Image.new("RGB", (4, 4)), 1)
+    tb.close()
+    assert not (tmp_path / "tb").exists()
+    assert not plots.TensorBoardLogger(tmp_path / "off", enabled=False).enabled

@@ -1,0 +1,156 @@
+"""Training curves and logs: a loss-curve PNG (matplotlib, Agg, no pyplot state) and a thin TensorBoard
+logger that turns into a no-op, with one warning, when tensorboard is not installed."""
+
+from __future__ import annotations
+
+import math
+import os
+import uuid
+import warnings
+from pathlib import Path
+from typing import Any
+
+
+def ema(values: list[float], smoothing: float = 0.9) -> list[float]:
+    """Exponential moving average with TensorBoard's debiasing (the first points are not pulled to 0).
+    NaN/inf values are skipped (the average carries over); before the first finite value the result is NaN."""
+    if not 0 <= smoothing < 1:
+        raise ValueError(f"smoothing must be in [0, 1), got {smoothing}")
+    out, last, weight = [], 0.0, 0.0
+    for v in values:
+        v = float(v)
+        if math.isfinite(v):
+            last = smoothing * last + (1 - smoothing) * v
+            weight = smoothing * weight + (1 - smoothing)
+        out.append(last / weight if weight > 0 else math.nan)
+    return out
+
+
+def loss_curve(
+    steps: list[int],
+    losses: list[float],
+    out_path: str | Path,
+    lr: list[float] | None = None,
+    *,
+    smoothing: float = 0.9,
+    title: str | None = None,
+) -> Path:
+    """PNG of the raw loss (thin), its smoothed EMA (thick) and, when given, the learning rate on a second
+    axis. Written atomically."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    steps, losses = list(steps), [float(x) for x in losses]
+    if len(steps) != len(losses):
+        raise ValueError(f"{len(steps)} steps for {len(losses)} losses")
+    if lr is not None and len(lr) != len(steps):
+        raise ValueError(f"{len(lr)} learning rates for {len(steps)} steps")
+    fig = Figure(figsize=(8, 4.5), dpi=100)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    ax.plot(steps, losses, color="tab:blue", alpha=0.35, linewidth=1, label="loss")
+    ax.plot(steps, ema(losses, smoothing), color="tab:blue", linewidth=2, label=f"loss (EMA {smoothing})")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.grid(True, alpha=0.3)
+    handles, names = ax.get_legend_handles_labels()
+    if lr is not None:
+        ax2 = ax.twinx()
+        ax2.plot(steps, [float(x) for x in lr], color="tab:orange", linewidth=1, label="learning rate")
+        ax2.set_ylabel("learning rate")
+        ax2.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
+        h2, n2 = ax2.get_legend_handles_labels()
+        handles, names = handles + h2, names + n2
+    ax.legend(handles, names, loc="upper right")
+    if title:
+        ax.set_title(title)
+    fig.tight_layout()
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_path.with_name(f".{out_path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        fig.savefig(tmp, format="png")
+        os.replace(tmp, out_path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return out_path
+
+
+class TensorBoardLogger:
+    """``torch.utils.tensorboard.SummaryWriter`` for the few things a run logs: loss, learning rate, it/s,
+    memory and sample images. Without tensorboard installed (``pip install 'sdplan[tensorboard]'``) every
+    method does nothing and one RuntimeWarning says why; ``enabled`` tells which."""
+
+    def __init__(self, log_dir: str | Path, enabled: bool = True):
+        self.log_dir = Path(log_dir)
+        self._writer = None
+        if not enabled:
+            return
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as e:
+            warnings.warn(
+                f"TensorBoard logging is off: tensorboard is not installed ({e}); "
+                "install it with: pip install 'sdplan[tensorboard]'",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return
+        self._writer = SummaryWriter(log_dir=str(self.log_dir))
+
+    @property
+    def enabled(self) -> bool:
+        return self._writer is not None
+
+    def scalar(self, tag: str, value: float, step: int) -> None:
+        if self._writer is not None and value is not None:
+            self._writer.add_scalar(tag, float(value), step)
+
+    def log(
+        self,
+        step: int,
+        *,
+        loss: float | None = None,
+        lr: float | None = None,
+        it_per_s: float | None = None,
+        memory_bytes: int | None = None,
+        **scalars: float,
+    ) -> None:
+        """One training step's numbers: ``train/loss``, ``train/lr``, ``perf/it_per_s``, ``perf/memory_gib``
+        and any ``name=value`` as ``train/name``."""
+        self.scalar("train/loss", loss, step)
+        self.scalar("train/lr", lr, step)
+        self.scalar("perf/it_per_s", it_per_s, step)
+        if memory_bytes is not None:
+            self.scalar("perf/memory_gib", memory_bytes / 2**30, step)
+        for name, value in scalars.items():
+            self.scalar(name if "/" in name else f"train/{name}", value, step)
+
+    def image(self, tag: str, image: Any, step: int) -> None:
+        """A PIL image, an HWC uint8 array or the path of an image file (e.g. a sample grid PNG)."""
+        if self._writer is None:
+            return
+        import numpy as np
+        from PIL import Image
+
+        if isinstance(image, (str, Path)):
+            with Image.open(image) as im:
+                image = im.convert("RGB")
+        if isinstance(image, Image.Image):
+            image = np.asarray(image.convert("RGB"))
+        self._writer.add_image(tag, image, step, dataformats="HWC")
+
+    def flush(self) -> None:
+        if self._writer is not None:
+            self._writer.flush()
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+    def __enter__(self) -> TensorBoardLogger:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

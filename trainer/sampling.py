@@ -1,0 +1,173 @@
+"""Sample images during and after training: one image per prompt from a fixed seed, saved as a PNG grid.
+
+Every prompt starts from the same CPU-seeded noise, so grids from different steps (and machines) compare
+like for like. Sampling leaves the training state alone: the global RNG streams are restored afterwards (a
+resumed run stays identical to an uninterrupted one) and modules go back to train mode if they were in it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import uuid
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+_COMPONENTS = ("unet", "vae", "text_encoder", "text_encoder_2")
+
+
+@contextmanager
+def _sampling_state(pipeline):
+    """eval() for the pipeline's modules and a forked torch RNG; both restored on exit."""
+    import torch
+
+    modules = [getattr(pipeline, name, None) for name in _COMPONENTS]
+    modules = [m for m in modules if isinstance(m, torch.nn.Module)]
+    was_training = [m.training for m in modules]
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=devices):
+        for m in modules:
+            m.eval()
+        try:
+            yield
+        finally:
+            for m, training in zip(modules, was_training):
+                m.train(training)
+
+
+def _size(resolution: int | tuple[int, int]) -> tuple[int, int]:
+    """(width, height) from an int or a (width, height) pair."""
+    if isinstance(resolution, int):
+        return resolution, resolution
+    width, height = resolution
+    return int(width), int(height)
+
+
+def generate_images(
+    pipeline,
+    prompts: list[str],
+    *,
+    seed: int,
+    steps: int,
+    guidance_scale: float,
+    resolution: int | tuple[int, int],
+    negative_prompt: str | list[str] | None = None,
+) -> list[Any]:
+    """One PIL image per prompt, each from ``torch.Generator("cpu").manual_seed(seed)``; prompts run one at
+    a time (a full-size model at 1024 px does not batch many on a small GPU)."""
+    import torch
+
+    if not prompts:
+        raise ValueError("no prompts to sample")
+    width, height = _size(resolution)
+    if isinstance(negative_prompt, list) and len(negative_prompt) != len(prompts):
+        raise ValueError(f"{len(negative_prompt)} negative prompts for {len(prompts)} prompts")
+    pipeline.set_progress_bar_config(disable=True)
+    images = []
+    with _sampling_state(pipeline):
+        for i, prompt in enumerate(prompts):
+            negative = negative_prompt[i] if isinstance(negative_prompt, list) else negative_prompt
+            result = pipeline(
+                prompt=prompt,
+                negative_prompt=negative,
+                num_inference_steps=steps,
+                guidance_scale=guidance_scale,
+                height=height,
+                width=width,
+                generator=torch.Generator("cpu").manual_seed(seed),
+                output_type="pil",
+            )
+            image = result.images[0]
+            if image.size != (width, height):
+                raise RuntimeError(f"the pipeline made a {image.size} image for {width}x{height}")
+            images.append(image)
+    return images
+
+
+def make_grid(images: list, cols: int | None = None, labels: list[str] | None = None):
+    """Images pasted into a ``cols`` x ``rows`` grid (cells the size of the first image; ``cols`` defaults to
+    ceil(sqrt(n))). ``labels`` are drawn over the bottom of each cell, so the grid size never changes."""
+    from PIL import Image, ImageDraw
+
+    if not images:
+        raise ValueError("no images for a grid")
+    cols = cols or math.ceil(math.sqrt(len(images)))
+    rows = math.ceil(len(images) / cols)
+    w, h = images[0].size
+    grid = Image.new("RGB", (cols * w, rows * h), (0, 0, 0))
+    for i, image in enumerate(images):
+        if image.size != (w, h):
+            raise ValueError(f"image {i} is {image.size}, the grid's cells are {(w, h)}")
+        grid.paste(image.convert("RGB"), ((i % cols) * w, (i // cols) * h))
+    if labels:
+        draw = ImageDraw.Draw(grid, "RGBA")
+        for i, text in enumerate(labels[: len(images)]):
+            x, y = (i % cols) * w, (i // cols) * h
+            band = max(12, h // 10)
+            draw.rectangle([x, y + h - band, x + w - 1, y + h - 1], fill=(0, 0, 0, 160))
+            draw.text((x + 2, y + h - band + 1), _fit(draw, text, w - 4), fill=(255, 255, 255, 255))
+    return grid
+
+
+def _fit(draw, text: str, width: int) -> str:
+    if draw.textlength(text) <= width:
+        return text
+    while text and draw.textlength(text + "...") > width:
+        text = text[:-1]
+    return text + "..."
+
+
+def sample_grid(
+    pipeline,
+    prompts: list[str],
+    *,
+    seed: int,
+    steps: int,
+    guidance_scale: float,
+    resolution: int | tuple[int, int],
+    out_path: str | Path,
+    negative_prompt: str | list[str] | None = None,
+    cols: int | None = None,
+    labels: bool = False,
+) -> Path:
+    """Generate one image per prompt and save them as one PNG grid of ``cols * width`` x ``rows * height``
+    pixels (``cols`` defaults to ceil(sqrt(len(prompts)))); the prompts and settings go into the PNG's text
+    chunks. Works for StableDiffusionPipeline and StableDiffusionXLPipeline. Written atomically."""
+    from PIL.PngImagePlugin import PngInfo
+
+    images = generate_images(
+        pipeline,
+        prompts,
+        seed=seed,
+        steps=steps,
+        guidance_scale=guidance_scale,
+        resolution=resolution,
+        negative_prompt=negative_prompt,
+    )
+    grid = make_grid(images, cols=cols, labels=list(prompts) if labels else None)
+    info = PngInfo()
+    info.add_text(
+        "sdplan_samples",
+        json.dumps(
+            {
+                "prompts": list(prompts),
+                "negative_prompt": negative_prompt,
+                "seed": seed,
+                "steps": steps,
+                "guidance_scale": guidance_scale,
+                "resolution": list(_size(resolution)),
+                "pipeline": type(pipeline).__name__,
+            }
+        ),
+    )
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_path.with_name(f".{out_path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        grid.save(tmp, format="PNG", pnginfo=info)
+        os.replace(tmp, out_path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return out_path
