@@ -668,8 +668,10 @@ _OPT_RANK = {"adamw": 0, "adamw8bit": 1, "adafactor": 2}
 
 def _key(c: Candidate) -> tuple:
     s = c.setup
+    # a 2% handicap per step away from plain AdamW: bitsandbytes / Adafactor only where they pay
+    penalty = 1 + 0.02 * _OPT_RANK[s.optimizer]
     return (
-        c.seconds if c.seconds is not None else math.inf,
+        c.seconds * penalty if c.seconds is not None else math.inf,
         s.offload,
         s.num_gpus,
         s.gradient_checkpointing,
@@ -875,10 +877,12 @@ def _reasons(req, hw, best, one, best_by_n, fitting, no_offload, cal, profiles) 
         )
     else:
         r.append("gradient checkpointing off: the plan fits without it, and it would cost ~25% time")
+    adamw_fits = any(c.setup == replace(s, optimizer="adamw") for c in fitting)
+    why = "its smaller state update makes the run faster" if adamw_fits else "AdamW does not fit"
     opt_reason = {
-        "adamw": "AdamW (8 bytes of state per trained parameter) fits",
-        "adamw8bit": "8-bit AdamW (bitsandbytes, ~2 bytes of state per parameter) is needed to fit; CUDA only",
-        "adafactor": "Adafactor (factored second moment, a fraction of AdamW's state) is needed to fit",
+        "adamw": "AdamW (8 bytes of fp32 state per trained parameter) fits",
+        "adamw8bit": f"8-bit AdamW (bitsandbytes, ~2 bytes of state per parameter; CUDA only): {why}",
+        "adafactor": f"Adafactor (factored second moment, a fraction of AdamW's state): {why}",
     }[s.optimizer]
     r.append(f"optimizer {s.optimizer}: {opt_reason}")
     r.append(
@@ -930,10 +934,12 @@ def _reasons(req, hw, best, one, best_by_n, fitting, no_offload, cal, profiles) 
                     else ")"
                 )
             )
-        if s.num_gpus > 1 and one is not None and one.seconds and best.seconds:
+        t1 = step_seconds(profiles, replace(s, num_gpus=1), gpu, cal)
+        if s.num_gpus > 1 and one is not None and one.seconds and best.seconds and t1 and best.step_seconds:
             r.append(
-                f"{s.num_gpus} GPUs: each step is {best.step_seconds / one.step_seconds:.2f}x one GPU's, but the "
-                f"run is {one.seconds / best.seconds:.2f}x faster once steps are normalised"
+                f"{s.num_gpus} GPUs: each step takes {best.step_seconds / t1:.2f}x as long as on one GPU with the "
+                f"same settings (gradient all-reduce over {hw.link}), but the run is {one.seconds / best.seconds:.2f}x "
+                "faster once steps are normalised"
             )
     if best.basis == "calibrated":
         r.append(

@@ -1,0 +1,110 @@
+"""`sdplan recommend`: the fastest training plan that fits this machine (or catalog GPUs), and why."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from sdplan.commands._common import cli_errors, console, err_console
+
+
+@cli_errors
+def recommend(
+    method: Annotated[
+        str, typer.Option("--method", help="What to train: lora, dreambooth, finetune or textual-inversion.")
+    ],
+    model: Annotated[str, typer.Option("--model", help="Model family: sd15, sd21 or sdxl.")] = "sd15",
+    resolution: Annotated[
+        int | None,
+        typer.Option("--resolution", help="Training resolution in pixels (default: the family's native)."),
+    ] = None,
+    dataset: Annotated[
+        Path | None,
+        typer.Option(
+            "--dataset",
+            metavar="DIR",
+            help="Count images and repeats from DIR (kohya `N_name` folders or flat image+caption files).",
+        ),
+    ] = None,
+    images: Annotated[
+        int | None, typer.Option("--images", help="Number of training images (instead of --dataset).")
+    ] = None,
+    repeats: Annotated[int | None, typer.Option("--repeats", help="Repeats of each image per epoch.")] = None,
+    epochs: Annotated[int | None, typer.Option("--epochs", help="Epochs to train (default 10).")] = None,
+    hardware: Annotated[
+        str | None,
+        typer.Option(
+            "--hardware", help="Plan for catalog GPUs, e.g. '2x RTX 4090' (default: probe this machine)."
+        ),
+    ] = None,
+    machine: Annotated[
+        Path | None,
+        typer.Option(
+            "--machine", metavar="FILE", help="Plan for a snapshot saved with `sdplan doctor --save`."
+        ),
+    ] = None,
+    gpus: Annotated[int | None, typer.Option("--gpus", help="Use at most N of the GPUs.")] = None,
+    compare: Annotated[
+        str | None,
+        typer.Option(
+            "--compare",
+            help="Comma-separated hardware options to compare, e.g. 'RTX 3060 12GB,RTX 4090,2x RTX 4090,H100 SXM'.",
+        ),
+    ] = None,
+    out: Annotated[
+        Path | None,
+        typer.Option(
+            "--out", metavar="DIR", help="Write sdplan.yaml, accelerate.yaml (and deepspeed.json) to DIR."
+        ),
+    ] = None,
+    force: Annotated[bool, typer.Option("--force", help="Let --out overwrite existing files.")] = False,
+    json_: Annotated[bool, typer.Option("--json", help="Print the plan as JSON and nothing else.")] = False,
+) -> None:
+    """Recommend the fastest Stable Diffusion training plan that fits, with a reason for each choice."""
+    import json
+
+    from sdplan.profiles import load_profiles
+    from sdplan.recommend import Inputs, render, render_compare, write_outputs
+    from sdplan.recommend import compare as run_compare
+    from sdplan.recommend import recommend as run
+
+    profiles = load_profiles()
+    inp = Inputs(
+        method=method,
+        model=model,
+        resolution=resolution,
+        dataset=str(dataset) if dataset is not None else None,
+        images=images,
+        repeats=repeats,
+        epochs=epochs,
+        hardware=hardware,
+        machine=str(machine) if machine is not None else None,
+        gpus=gpus,
+    )
+    if compare is not None:
+        options = [c.strip() for c in compare.split(",") if c.strip()]
+        if not options:
+            from sdplan.errors import UsageError
+
+            raise UsageError(
+                "--compare needs at least one hardware option", fix="e.g. --compare 'RTX 4090,2x RTX 4090'"
+            )
+        rows = run_compare(inp, profiles, options)
+        if json_:
+            typer.echo(json.dumps([d for _, d, _ in rows], indent=2))
+        else:
+            render_compare(rows, console)
+        return
+    d, res = run(inp, profiles)
+    if out is not None and res.plan is not None:
+        written = write_outputs(out, res, profiles, dataset=inp.dataset, force=force)
+        err_console.print("wrote " + ", ".join(str(p) for p in written))
+        err_console.print(f"run it with: sdplan train --config {Path(out) / 'sdplan.yaml'}")
+    elif out is not None:
+        err_console.print("nothing written: no configuration fits this hardware")
+    if json_:
+        typer.echo(json.dumps(d, indent=2))
+        return
+    render(d, res, console)

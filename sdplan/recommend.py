@@ -1,0 +1,403 @@
+"""`sdplan recommend`: inputs (dataset, hardware) -> the planner -> JSON dict, rich rendering, output files.
+
+Compute (:func:`recommend`, returning the issue-3 JSON dict and the planner's Result) and render
+(:func:`render`, :func:`render_compare`) are separate. Pure Python: no torch, no PIL.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import re
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from sdplan import planner
+from sdplan.errors import DatasetError, OutputExistsError, UsageError
+from sdplan.profiles import GiB, Profiles
+
+IMAGE_EXTS = {".png", ".jpg", ".jpeg", ".webp", ".bmp"}
+KOHYA_DIR = re.compile(r"^(\d+)_(.+)$")
+DEFAULT_IMAGES = 20
+DEFAULT_EPOCHS = 10
+
+
+# -- dataset ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DatasetCount:
+    images: int
+    repeats: int
+    images_per_epoch: int
+    layout: str  # "kohya" | "flat"
+    folders: tuple[tuple[str, int, int], ...] = ()  # (folder, repeats, images)
+    captions: int = 0
+
+
+def _images_in(folder: Path) -> list[Path]:
+    return [p for p in folder.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_EXTS]
+
+
+def count_dataset(path: str | Path) -> DatasetCount:
+    """Count training images: kohya-style ``N_name`` folders (N repeats each) or a flat image+caption folder."""
+    root = Path(path)
+    if not root.exists():
+        raise DatasetError(f"dataset folder {root} does not exist")
+    if not root.is_dir():
+        raise DatasetError(f"dataset {root} is not a folder")
+    folders = []
+    for sub in sorted(p for p in root.iterdir() if p.is_dir()):
+        m = KOHYA_DIR.match(sub.name)
+        if m:
+            imgs = _images_in(sub)
+            if imgs:
+                folders.append((sub.name, int(m.group(1)), len(imgs)))
+    if folders:
+        if any(r < 1 for _, r, _ in folders):
+            bad = next(n for n, r, _ in folders if r < 1)
+            raise DatasetError(f"dataset folder {root / bad}: the repeat count before '_' must be >= 1")
+        images = sum(n for _, _, n in folders)
+        per_epoch = sum(r * n for _, r, n in folders)
+        reps = {r for _, r, _ in folders}
+        repeats = reps.pop() if len(reps) == 1 else 1
+        if repeats == 1 and len({r for _, r, _ in folders}) > 1:
+            images = per_epoch  # mixed repeats: count image-repeats as images, repeats 1
+        return DatasetCount(
+            images=images, repeats=repeats, images_per_epoch=per_epoch, layout="kohya", folders=tuple(folders)
+        )
+    imgs = _images_in(root)
+    if not imgs:
+        raise DatasetError(
+            f"dataset folder {root} holds no images (.png/.jpg/.jpeg/.webp/.bmp)",
+            fix="put images (and .txt captions) in it, or kohya-style N_name subfolders",
+        )
+    captions = sum(1 for p in imgs if p.with_suffix(".txt").is_file())
+    return DatasetCount(
+        images=len(imgs), repeats=1, images_per_epoch=len(imgs), layout="flat", captions=captions
+    )
+
+
+# -- hardware --------------------------------------------------------------------------------------------
+
+_COUNT = re.compile(r"^\s*(\d+)\s*[x×*]\s*(.+?)\s*$", re.IGNORECASE)
+_COUNT_AFTER = re.compile(r"^\s*(.+?)\s*[x×*]\s*(\d+)\s*$", re.IGNORECASE)
+
+
+def parse_hardware(text: str, profiles: Profiles) -> planner.Hardware:
+    """'2x RTX 4090', 'RTX 4090', 'H100 SXM x8' -> catalog hardware; unknown names raise UsageError."""
+    if not text or not text.strip():
+        raise UsageError("empty --hardware", fix="e.g. --hardware '2x RTX 4090'")
+    count, name = 1, text.strip()
+    if m := _COUNT.match(name):
+        count, name = int(m.group(1)), m.group(2)
+    elif m := _COUNT_AFTER.match(name):
+        count, name = int(m.group(2)), m.group(1)
+    if count < 1 or count > 64:
+        raise UsageError(f"GPU count in {text!r} must be between 1 and 64")
+    spec = profiles.find_gpu(name)
+    return planner.hardware_from_catalog(spec, count)
+
+
+def hardware_from_machine(path: str | Path, profiles: Profiles) -> planner.Hardware:
+    from sdplan.machine import Snapshot
+
+    snap = Snapshot.load(path)
+    return planner.hardware_from_snapshot(snap, profiles, source="file")
+
+
+def hardware_from_probe(profiles: Profiles) -> planner.Hardware:
+    from sdplan.probe.snapshot import probe
+
+    return planner.hardware_from_snapshot(probe("."), profiles, source="probe")
+
+
+# -- compute ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Inputs:
+    method: str
+    model: str = "sd15"
+    resolution: int | None = None
+    dataset: str | None = None
+    images: int | None = None
+    repeats: int | None = None
+    epochs: int | None = None
+    hardware: str | None = None
+    machine: str | None = None
+    gpus: int | None = None
+
+
+def _check_choice(kind: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        close = difflib.get_close_matches(value, choices, n=1)
+        hint = f"did you mean {close[0]}? " if close else ""
+        raise UsageError(f"unknown {kind} {value!r}", fix=f"{hint}one of: {', '.join(choices)}")
+
+
+def build_request(inp: Inputs, profiles: Profiles) -> tuple[planner.Request, list[str]]:
+    """Validate the command-line inputs; returns the planner request and notes for the reasons."""
+    _check_choice("method", inp.method, planner.METHODS)
+    _check_choice("model", inp.model, tuple(sorted(profiles.models)))
+    for name, v in (
+        ("--images", inp.images),
+        ("--repeats", inp.repeats),
+        ("--epochs", inp.epochs),
+        ("--gpus", inp.gpus),
+    ):
+        if v is not None and v < 1:
+            raise UsageError(f"{name} must be >= 1, got {v}")
+    if inp.resolution is not None and (inp.resolution < 64 or inp.resolution % 8):
+        raise UsageError(f"--resolution must be >= 64 and a multiple of 8, got {inp.resolution}")
+    if inp.dataset and inp.images is not None:
+        raise UsageError("give --dataset or --images, not both")
+    if inp.hardware and inp.machine:
+        raise UsageError("give --hardware or --machine, not both")
+    notes = []
+    if inp.dataset:
+        ds = count_dataset(inp.dataset)
+        images, repeats = ds.images, ds.repeats
+        if ds.layout == "kohya":
+            desc = ", ".join(f"{n} ({n_img} images x {r})" for n, r, n_img in ds.folders)
+            notes.append(
+                f"dataset {inp.dataset}: kohya folders {desc} = {ds.images_per_epoch} images per epoch"
+            )
+            if inp.repeats is not None:
+                notes.append("--repeats ignored: kohya folder names carry the repeats")
+        else:
+            repeats = inp.repeats or 1
+            notes.append(f"dataset {inp.dataset}: {ds.images} images ({ds.captions} with .txt captions)")
+    else:
+        images = inp.images or DEFAULT_IMAGES
+        repeats = inp.repeats or 1
+        if inp.images is None:
+            notes.append(f"no --dataset or --images: planned for {DEFAULT_IMAGES} images")
+    epochs = inp.epochs or DEFAULT_EPOCHS
+    req = planner.Request(
+        method=inp.method,
+        model=inp.model,
+        resolution=inp.resolution,
+        images=images,
+        repeats=repeats,
+        epochs=epochs,
+        max_gpus=inp.gpus,
+    )
+    return req, notes
+
+
+def resolve_hardware(inp: Inputs, profiles: Profiles) -> planner.Hardware:
+    if inp.hardware:
+        return parse_hardware(inp.hardware, profiles)
+    if inp.machine:
+        return hardware_from_machine(inp.machine, profiles)
+    return hardware_from_probe(profiles)
+
+
+def recommend(inp: Inputs, profiles: Profiles, hardware: planner.Hardware | None = None):
+    """-> (the `--json` dict, the planner Result)."""
+    req, notes = build_request(inp, profiles)
+    hw = hardware if hardware is not None else resolve_hardware(inp, profiles)
+    if inp.gpus is not None and hw.count and inp.gpus > hw.count:
+        raise UsageError(f"--gpus {inp.gpus}: this hardware has {hw.count} GPU(s)")
+    res = planner.plan(hw, profiles, req)
+    res = replace(res, reasons=tuple(notes) + res.reasons)
+    return planner.result_dict(res), res
+
+
+def compare(inp: Inputs, profiles: Profiles, options: list[str]) -> list[tuple[str, dict, planner.Result]]:
+    rows = []
+    for text in options:
+        hw = parse_hardware(text, profiles)
+        d, res = recommend(replace(inp, hardware=text, machine=None, gpus=None), profiles, hardware=hw)
+        rows.append((text, d, res))
+    return rows
+
+
+# -- output files ----------------------------------------------------------------------------------------
+
+
+def trainer_config(res: planner.Result, profiles: Profiles, dataset: str | None) -> dict[str, Any]:
+    from sdplan import config as cfgmod
+
+    s = res.plan
+    assert s is not None
+    model = profiles.model(s.model)
+    data = cfgmod.default_config()
+    data["method"] = s.method
+    data["model"]["path"] = model.hub_ids[0] if model.hub_ids else data["model"]["path"]
+    data["model"]["family"] = s.model
+    data["data"]["path"] = dataset or data["data"]["path"]
+    data["data"]["resolution"] = s.resolution
+    data["data"]["repeats"] = res.request.repeats
+    t = data["training"]
+    t.update(
+        batch_size=s.batch,
+        grad_accum=s.grad_accum,
+        precision=s.precision,
+        epochs=res.steps.epochs,
+        max_steps=res.steps.total_steps,
+        lr_warmup_steps=res.steps.lr_warmup_steps,
+        train_text_encoder=s.train_text_encoder,
+    )
+    data["memory"].update(
+        gradient_checkpointing=s.gradient_checkpointing, optimizer=s.optimizer, cache_latents=s.cache_latents
+    )
+    data["distributed"]["num_processes"] = s.num_gpus
+    data["distributed"]["deepspeed"] = dict(s.deepspeed) if s.deepspeed else None
+    if s.method == "lora" and "lora" in data:
+        data["lora"]["rank"] = s.lora_rank
+    d = planner.result_dict(res)
+    data["plan"] = {
+        "plan": d["plan"],
+        "steps": d["steps"],
+        "estimate": d["estimate"],
+        "hardware": d["hardware"],
+    }
+    cfgmod.validate(data, "sdplan.yaml (from the plan)")
+    return data
+
+
+def write_outputs(
+    out: str | Path, res: planner.Result, profiles: Profiles, *, dataset: str | None, force: bool
+) -> list[Path]:
+    """Write sdplan.yaml, accelerate.yaml and (with offload) deepspeed.json; never overwrite without force."""
+    import yaml
+
+    from sdplan import config as cfgmod
+    from sdplan.launchcfg import accelerate_config, deepspeed_config
+
+    if res.plan is None:
+        raise UsageError(
+            "nothing to write: no configuration fits this hardware", fix="see the suggested hardware"
+        )
+    s = res.plan
+    outdir = Path(out)
+    files: dict[str, str] = {}
+    cfg = trainer_config(res, profiles, dataset)
+    header = (
+        f"sdplan.yaml written by `sdplan recommend` for {res.hardware.label or 'this machine'}\n"
+        f"run it with: sdplan train --config {outdir / 'sdplan.yaml'}"
+    )
+    files["sdplan.yaml"] = cfgmod.to_yaml(cfg, header)
+    acc = accelerate_config(
+        num_processes=s.num_gpus, precision=s.precision, deepspeed=s.deepspeed, grad_accum=s.grad_accum
+    )
+    files["accelerate.yaml"] = yaml.safe_dump(acc, sort_keys=False)
+    if s.offload:
+        ds = deepspeed_config(
+            micro_batch=s.batch,
+            grad_accum=s.grad_accum,
+            world_size=s.num_gpus,
+            precision=s.precision,
+            zero_stage=int(s.deepspeed.get("zero_stage", 2)),
+            offload_optimizer=True,
+        )
+        files["deepspeed.json"] = json.dumps(ds, indent=2) + "\n"
+    if outdir.exists() and not outdir.is_dir():
+        raise OutputExistsError(f"{outdir} exists and is not a folder")
+    existing = [n for n in files if (outdir / n).exists()]
+    if existing and not force:
+        raise OutputExistsError(
+            f"{outdir} already holds {', '.join(existing)}", fix="pass --force to overwrite"
+        )
+    outdir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, text in files.items():
+        path = outdir / name
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text(text)
+        tmp.replace(path)
+        written.append(path)
+    return written
+
+
+# -- render ----------------------------------------------------------------------------------------------
+
+
+def _gib(b: float | None) -> str:
+    return "-" if b is None else f"{b / GiB:.1f} GiB"
+
+
+def _dur(s: float | None) -> str:
+    if s is None:
+        return "unknown"
+    if s < 90:
+        return f"{s:.0f} s"
+    if s < 5400:
+        return f"{s / 60:.0f} min"
+    return f"{s / 3600:.1f} h"
+
+
+def _settings(plan: dict | None) -> str:
+    if not plan:
+        return "-"
+    bits = [
+        f"{plan['num_gpus']} GPU" + ("s" if plan["num_gpus"] > 1 else ""),
+        plan["precision"],
+        f"batch {plan['batch_size']}" + (f" x GA {plan['grad_accum']}" if plan["grad_accum"] > 1 else ""),
+        plan["optimizer"],
+    ]
+    if plan["gradient_checkpointing"]:
+        bits.append("GC")
+    if plan["cache_latents"]:
+        bits.append("cached latents")
+    if plan["deepspeed"]:
+        bits.append("ZeRO-2 offload")
+    return ", ".join(bits)
+
+
+def render(d: dict, res: planner.Result, console) -> None:
+    from rich.table import Table
+
+    req = d["request"]
+    hw = res.hardware
+    title = f"{req['method']} {req['model']} at {req['resolution']}px on {hw.label or 'no GPU'} ({d['hardware']['source']})"
+    console.print(f"[bold]{title}[/]")
+    if d["feasible"]:
+        est, st = d["estimate"], d["steps"]
+        t = Table(show_header=False, box=None, pad_edge=False)
+        t.add_row("plan", _settings(d["plan"]))
+        t.add_row("peak VRAM", f"{_gib(est['peak_vram_bytes'])} per GPU (of {_gib(res.vram_bytes)})")
+        t.add_row("host RAM", _gib(est["ram_bytes"]))
+        t.add_row("time", f"{_dur(est['seconds'])} ({est['basis']})")
+        if est["speedup_vs_one_gpu"] and d["plan"]["num_gpus"] > 1:
+            t.add_row("vs one GPU", f"{est['speedup_vs_one_gpu']:.2f}x faster")
+        t.add_row(
+            "steps",
+            f"{st['images_per_epoch']} images/epoch x {st['epochs']} epochs = {st['images_seen']} images seen; "
+            f"{st['steps_per_epoch']} steps/epoch, {st['total_steps']} optimizer steps per process",
+        )
+        console.print(t)
+    else:
+        needs = d["needs"] or {}
+        console.print(
+            f"[bold red]does not fit[/]: needs at least {_gib(needs.get('min_vram_bytes'))} of GPU memory"
+        )
+        if needs.get("suggested_hardware"):
+            console.print("would fit: " + ", ".join(needs["suggested_hardware"]))
+    console.print("[bold]why[/]")
+    for r in d["reasons"]:
+        console.print(f"  - {r}", soft_wrap=True)
+
+
+def render_compare(rows: list[tuple[str, dict, planner.Result]], console) -> None:
+    from rich.table import Table
+
+    t = Table(title="hardware options")
+    for col in ("hardware", "fits", "settings", "peak VRAM", "time", "vs 1 GPU"):
+        t.add_column(col)
+    for text, d, _ in rows:
+        est = d["estimate"] or {}
+        t.add_row(
+            text,
+            "yes" if d["feasible"] else "no",
+            _settings(d["plan"])
+            if d["feasible"]
+            else f"needs {_gib((d['needs'] or {}).get('min_vram_bytes'))}",
+            _gib(est.get("peak_vram_bytes")),
+            _dur(est.get("seconds")) if d["feasible"] else "-",
+            f"{est['speedup_vs_one_gpu']:.2f}x" if est.get("speedup_vs_one_gpu") else "-",
+        )
+    console.print(t)
