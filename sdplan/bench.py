@@ -1,0 +1,1128 @@
+"""`sdplan bench`: measure training memory and speed on this machine, and teach the planner.
+
+For each (method, model, resolution) asked, :func:`run_bench` builds the full-size networks from the configs in
+``profiles/models/`` with random weights (nothing is downloaded), sets them up as the trainer's recipes do
+(peft LoRA adapters, trainable UNet, or trainable token embeddings), and runs short warmed-up training loops
+through the trainer's own pieces (``sdplan.trainer.common``: Accelerator and mixed precision, optimizer, prompt
+encoding, VAE latents, noise, timesteps, loss, gradient checkpointing). Each loop is one *probe point* at one
+micro-batch size; the largest batch that fits is searched by doubling from 1, then bisecting between the last
+batch that fitted and the first that did not. An out-of-memory error at a probe point is a measurement (it
+bounds the search), not a crash.
+
+Every probe point is written to the local profile store (``sdplan.profiles.local_dir()``, or ``store_dir``)
+as soon as it is measured, in the planner's method-point schema (``<store>/methods/<method>.yaml``), so Ctrl-C
+keeps everything measured so far. Provenance (GPU, driver, torch, CUDA/ROCm, date, what was measured) goes
+into each point's ``source`` and ``note``.
+
+What is recorded:
+
+- on a GPU: peak VRAM as ``torch.cuda.max_memory_allocated`` (``outcome.peak_vram_gib``: what the planner
+  predicts) and ``max_memory_reserved`` (in the note), and micro-batch iterations per second (``it_s``);
+- with ``demo=True`` (``sdplan bench --demo``): the same code on the tiny SD 1.x-shaped model from
+  ``sdplan.trainer.tiny`` on the CPU, for trying it and for the tests. There is no VRAM there: memory is the
+  process's peak resident-set growth over the bench's starting point, recorded as ``outcome.ram_gib`` and
+  labelled as such, never as VRAM.
+
+Test hook: ``SDPLAN_BENCH_OOM_ABOVE_BATCH=N`` makes every probe point with a batch larger than N raise
+``torch.OutOfMemoryError`` inside the training step (after the forward pass, as a real OOM would), so the
+batch search's handling of OOM can be tested without a GPU. Points it produces say so in their source.
+
+torch, diffusers and the trainer are imported inside the functions that need them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import gc
+import os
+import re
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from sdplan import __version__
+from sdplan.errors import ConfigError, NoGPUError, UsageError
+
+OOM_HOOK_ENV = "SDPLAN_BENCH_OOM_ABOVE_BATCH"
+GiB = 2**30
+METHODS = ("lora", "dreambooth", "finetune", "textual-inversion")
+FAMILIES = ("sd15", "sd21", "sdxl")
+DEFAULT_FAMILIES = ("sd15", "sdxl")  # what `sdplan bench` measures when no --model is given
+DEMO_RESOLUTION = 64  # sdplan.trainer.tiny.TINY_RESOLUTION
+DEFAULT_LORA_RANK = 16  # sdplan.config.LoraConfig.rank
+MEASURED_PREFIX = "measured: sdplan bench"
+
+
+# -- what to measure ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    """One configuration to measure; the batch size is what the bench searches."""
+
+    method: str
+    model: str  # family: sd15 | sd21 | sdxl
+    resolution: int
+    precision: str = "fp16"  # fp32 | fp16 | bf16
+    gradient_checkpointing: bool = True
+    optimizer: str = "adamw"
+    cache_latents: bool = True
+    train_text_encoder: bool = False
+    lora_rank: int | None = None  # LoRA only
+    settings_from: str = "default"  # "planner" | "default" | "demo": where the settings came from
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise UsageError(f"unknown method {self.method!r}", fix=f"use one of {', '.join(METHODS)}")
+        if self.model not in FAMILIES:
+            raise UsageError(f"unknown model {self.model!r}", fix=f"use one of {', '.join(FAMILIES)}")
+        if self.resolution < 64 or self.resolution % 8:
+            raise UsageError(f"resolution {self.resolution}: must be >= 64 and a multiple of 8")
+        if self.precision not in ("fp32", "fp16", "bf16"):
+            raise UsageError(f"precision {self.precision!r}: must be fp32, fp16 or bf16")
+        if self.optimizer not in ("adamw", "adamw8bit", "adafactor"):
+            raise UsageError(f"optimizer {self.optimizer!r}: must be adamw, adamw8bit or adafactor")
+        if self.method == "lora" and self.lora_rank is None:
+            object.__setattr__(self, "lora_rank", DEFAULT_LORA_RANK)
+        if self.method != "lora":
+            object.__setattr__(self, "lora_rank", None)
+
+    @property
+    def label(self) -> str:
+        opts = [self.precision, "gc" if self.gradient_checkpointing else "no-gc", self.optimizer]
+        if self.cache_latents:
+            opts.append("cached latents")
+        if self.train_text_encoder:
+            opts.append("+TE")
+        if self.lora_rank:
+            opts.append(f"rank {self.lora_rank}")
+        return f"{self.method} {self.model} {self.resolution}px ({', '.join(opts)})"
+
+
+@dataclass(frozen=True)
+class Machine:
+    """Where the bench runs, for provenance and for the points' ``gpu`` field."""
+
+    kind: str  # "cuda" | "cpu"
+    name: str  # the GPU name as the driver reports it, or "CPU" for the demo
+    memory_total_bytes: int | None
+    driver: str | None = None
+    torch: str | None = None
+    cuda: str | None = None
+    hip: str | None = None
+    cpu_model: str | None = None
+
+    @property
+    def provenance(self) -> str:
+        parts = [self.name if self.kind == "cuda" else f"CPU {self.cpu_model or '(unknown model)'}"]
+        if self.driver:
+            parts.append(f"driver {self.driver}")
+        parts.append(f"torch {self.torch}")
+        if self.cuda:
+            parts.append(f"CUDA {self.cuda}")
+        if self.hip:
+            parts.append(f"HIP {self.hip}")
+        return ", ".join(parts)
+
+
+@dataclass(frozen=True)
+class BenchPoint:
+    """One probe point: a request at one micro-batch size, and what happened."""
+
+    request: BenchRequest
+    batch: int
+    fits: bool
+    it_s: float | None = None  # micro-batch iterations per second (timed steps only)
+    peak_allocated_bytes: int | None = None  # torch.cuda.max_memory_allocated
+    peak_reserved_bytes: int | None = None  # torch.cuda.max_memory_reserved
+    peak_rss_delta_bytes: int | None = None  # CPU runs: peak resident set over the bench's start
+    steps: int = 0  # timed steps
+    warmup_steps: int = 0
+    simulated_oom: bool = False
+    error: str | None = None  # first line of the OOM message
+    point_id: str = ""
+    store_file: Path | None = None
+    demo: bool = False
+    date: str = ""
+
+    @property
+    def memory_bytes(self) -> int | None:
+        return (
+            self.peak_allocated_bytes if self.peak_allocated_bytes is not None else self.peak_rss_delta_bytes
+        )
+
+    @property
+    def memory_label(self) -> str:
+        if self.peak_allocated_bytes is not None:
+            return "peak VRAM (max_memory_allocated)"
+        return "peak RSS delta (CPU)"
+
+
+@dataclass
+class BenchResult:
+    """All probe points of one request and the largest batch that fitted (0: not even batch 1)."""
+
+    request: BenchRequest
+    points: list[BenchPoint] = field(default_factory=list)
+    max_batch: int = 0
+    bounded_by: str = (
+        ""  # "oom" (a larger batch ran out of memory) | "cap" (the search's limit) | "interrupted"
+    )
+    batch_cap: int = 0
+
+    @property
+    def best(self) -> BenchPoint | None:
+        fitting = [p for p in self.points if p.fits and p.batch == self.max_batch]
+        return fitting[-1] if fitting else None
+
+
+@dataclass(frozen=True)
+class Effort:
+    """How long each probe point runs and how far the search goes."""
+
+    warmup_steps: int
+    timed_steps: int
+    max_batch: int
+
+
+FULL = Effort(warmup_steps=2, timed_steps=6, max_batch=64)
+QUICK = Effort(warmup_steps=1, timed_steps=3, max_batch=16)
+DEMO = Effort(warmup_steps=1, timed_steps=2, max_batch=4)
+
+
+def oom_hook_batch() -> int | None:
+    """TEST HOOK: ``SDPLAN_BENCH_OOM_ABOVE_BATCH=N``: batches larger than N raise torch.OutOfMemoryError."""
+    raw = os.environ.get(OOM_HOOK_ENV)
+    if raw is None or not raw.strip():
+        return None
+    try:
+        n = int(raw)
+    except ValueError:
+        raise UsageError(f"{OOM_HOOK_ENV}={raw!r}: must be an integer batch size") from None
+    if n < 0:
+        raise UsageError(f"{OOM_HOOK_ENV}={raw!r}: must be >= 0")
+    return n
+
+
+# -- the batch search -----------------------------------------------------------------------------------
+
+
+def search_largest_batch(fits: Callable[[int], bool], *, max_batch: int) -> tuple[int, str]:
+    """Largest batch in [1, max_batch] for which ``fits(batch)`` is true: doubling from 1 until a batch does
+    not fit (or the cap), then bisecting between the last batch that fitted and the first that did not.
+
+    Assumes memory grows with the batch (a batch that does not fit bounds every larger one). Returns
+    ``(largest, bounded_by)``: largest is 0 when batch 1 does not fit; bounded_by is "oom" when a larger
+    batch was seen not to fit, "cap" when the search stopped at ``max_batch``.
+    """
+    if max_batch < 1:
+        raise ValueError("max_batch must be >= 1")
+    lo, hi = 0, None
+    b = 1
+    while True:
+        if fits(b):
+            lo = b
+            if b >= max_batch:
+                return lo, "cap"
+            b = min(b * 2, max_batch)
+        else:
+            hi = b
+            break
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo, "oom"
+
+
+# -- the store: method files in the planner's schema -----------------------------------------------------
+
+
+def store_root(store_dir: str | Path | None = None) -> Path:
+    from sdplan import profiles
+
+    return Path(store_dir).expanduser() if store_dir is not None else profiles.local_dir()
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
+
+
+def point_id(machine: Machine, req: BenchRequest, batch: int, *, demo: bool) -> str:
+    parts = [
+        "bench",
+        _slug(machine.name),
+        req.method,
+        req.model + ("-tiny" if demo else ""),
+        str(req.resolution),
+    ]
+    parts += [req.precision, "gc" if req.gradient_checkpointing else "nogc", req.optimizer]
+    if req.cache_latents:
+        parts.append("cl")
+    if req.train_text_encoder:
+        parts.append("te")
+    if req.lora_rank:
+        parts.append(f"r{req.lora_rank}")
+    parts.append(f"b{batch}")
+    return "-".join(parts)
+
+
+def point_record(point: BenchPoint, machine: Machine) -> dict[str, Any]:
+    """The point as the planner's method-point schema has it (``profiles/methods/*.yaml``)."""
+    req = point.request
+    options: dict[str, Any] = {
+        "gradient_checkpointing": req.gradient_checkpointing,
+        "optimizer": req.optimizer,
+        "cache_latents": req.cache_latents,
+        "train_text_encoder": req.train_text_encoder,
+        "attention": "sdpa",
+        "deepspeed": None,
+        "ema": None,
+    }
+    if req.method == "lora":
+        options["lora_rank"] = req.lora_rank
+    if req.method == "dreambooth":
+        options["prior_preservation"] = False
+    options["set_grads_to_none"] = True
+
+    outcome: dict[str, Any] = {"fits": point.fits}
+    if point.fits:
+        if point.peak_allocated_bytes is not None:
+            outcome["peak_vram_gib"] = round(point.peak_allocated_bytes / GiB, 3)
+        elif point.peak_rss_delta_bytes and round(point.peak_rss_delta_bytes / GiB, 4) > 0:
+            outcome["ram_gib"] = round(point.peak_rss_delta_bytes / GiB, 4)
+        if point.it_s:
+            outcome["it_s"] = round(point.it_s, 3)
+
+    what = (
+        "random-weight full-size networks from profiles/models"
+        if not point.demo
+        else ("the tiny SD 1.x-shaped demo model (sdplan.trainer.tiny), NOT a full-size sd15")
+    )
+    source = (
+        f"{MEASURED_PREFIX}{' --demo' if point.demo else ''} {__version__} on {machine.provenance}, "
+        f"{point.date}; {what}"
+    )
+    if point.simulated_oom:
+        source += f"; out of memory SIMULATED by the test hook {OOM_HOOK_ENV}"
+    settings = f"settings from {req.settings_from}; {point.warmup_steps} warm-up + {point.steps} timed steps"
+    if not point.fits:
+        note = f"out of memory at batch {point.batch}: {point.error or 'OutOfMemoryError'}; {settings}"
+    elif point.peak_allocated_bytes is not None:
+        note = (
+            f"peak_vram_gib = torch.cuda.max_memory_allocated; max_memory_reserved "
+            f"{point.peak_reserved_bytes / GiB:.3f} GiB; {settings}"
+        )
+    else:
+        note = f"CPU run: ram_gib is the peak resident-set growth of the process (not VRAM); {settings}"
+    record: dict[str, Any] = {
+        "id": point.point_id,
+        "model": req.model,
+        "model_name": f"sdplan bench: {'tiny demo model' if point.demo else 'random weights'} ({req.model})",
+        "resolution": req.resolution,
+        "batch": point.batch,
+        "grad_accum": 1,
+        "precision": req.precision,
+        "options": options,
+        "gpu": machine.name,
+    }
+    if machine.memory_total_bytes:
+        record["gpu_memory_gib"] = round(machine.memory_total_bytes / GiB, 2)
+    record |= {"num_gpus": 1, "outcome": outcome, "source": source, "note": note}
+    return record
+
+
+_HEADER = """\
+# Measured on this machine by `sdplan bench` (sdplan.bench): one point per probe (method, model,
+# resolution, settings, micro-batch). The planner prefers these over calibrated and published figures.
+# Re-measuring replaces a point with the same id. Share them with `sdplan profiles export FILE`.
+"""
+
+
+def _read_method_file(path: Path, method: str) -> dict[str, Any]:
+    from sdplan import profiles
+
+    if not path.is_file():
+        return {"schema_version": profiles.SCHEMA_VERSION, "method": method, "points": []}
+    profiles.load_methods(path, origin="local")  # refuses to extend a file the planner would reject
+    data = profiles.read_yaml(path)
+    if data.get("method") != method:
+        raise ConfigError(str(path), [f"method: expected {method!r}, got {data.get('method')!r}"])
+    return data
+
+
+def write_points(store_dir: str | Path | None, method: str, records: Iterable[dict[str, Any]]) -> Path:
+    """Add (or replace, by id) points in ``<store>/methods/<method>.yaml``; atomic; returns the file."""
+    path = store_root(store_dir) / "methods" / f"{method}.yaml"
+    data = _read_method_file(path, method)
+    points = list(data.get("points") or [])
+    index = {p.get("id"): i for i, p in enumerate(points)}
+    for rec in records:
+        if rec["id"] in index:
+            points[index[rec["id"]]] = rec
+        else:
+            index[rec["id"]] = len(points)
+            points.append(rec)
+    data["points"] = points
+    text = _HEADER + yaml.safe_dump(data, sort_keys=False, default_flow_style=False, width=120)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+    from sdplan import profiles
+
+    profiles.clear_cache()  # the planner must see the new point in this process too
+    return path
+
+
+# -- memory meters --------------------------------------------------------------------------------------
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/status", encoding="ascii") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise OSError("VmRSS not in /proc/self/status")
+
+
+class _PeakRSS:
+    """Peak resident set size of this process during a block. Linux resets the high-water mark when "5" is
+    written to /proc/self/clear_refs (then VmHWM is the peak since); where that is refused, a thread samples
+    VmRSS every 2 ms."""
+
+    def __init__(self) -> None:
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._hwm = False
+
+    def __enter__(self) -> _PeakRSS:
+        try:
+            with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
+                f.write("5")
+            self._hwm = True
+        except OSError:
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread.start()
+        self.peak = _rss_bytes()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.002):
+            self.peak = max(self.peak, _rss_bytes())
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._hwm:
+            with open("/proc/self/status", encoding="ascii") as f:
+                for line in f:
+                    if line.startswith("VmHWM:"):
+                        self.peak = max(self.peak, int(line.split()[1]) * 1024)
+        else:
+            self._stop.set()
+            if self._thread is not None:
+                self._thread.join()
+        self.peak = max(self.peak, _rss_bytes())
+
+
+# -- the machine and the settings -----------------------------------------------------------------------
+
+
+def describe_machine(device: str) -> Machine:
+    """Name, memory, driver and software of the device the bench runs on."""
+    import platform
+
+    import torch
+
+    cpu_model = None
+    try:
+        from sdplan.probe.host import cpu_model as _cpu_model
+
+        cpu_model = _cpu_model()
+    except Exception:  # provenance only: never fail a bench on it
+        cpu_model = platform.processor() or None
+    if device == "cpu":
+        return Machine(
+            kind="cpu", name="CPU", memory_total_bytes=None, torch=torch.__version__, cpu_model=cpu_model
+        )
+    index = torch.cuda.current_device()
+    props = torch.cuda.get_device_properties(index)
+    driver = None
+    try:
+        from sdplan.probe import nvidia
+
+        reading = nvidia.probe()
+        driver = next((g.driver_version for g in reading.gpus if g.driver_version), None)
+    except Exception:
+        driver = None
+    return Machine(
+        kind="cuda",
+        name=torch.cuda.get_device_name(index),
+        memory_total_bytes=int(props.total_memory),
+        driver=driver,
+        torch=torch.__version__,
+        cuda=torch.version.cuda,
+        hip=getattr(torch.version, "hip", None),
+        cpu_model=cpu_model,
+    )
+
+
+def resolve_device(device: str, *, demo: bool) -> str:
+    """ "cuda" or "cpu". A real bench needs a GPU; the demo runs on the CPU."""
+    if demo:
+        return "cpu"
+    import torch
+
+    if device == "cpu":
+        raise UsageError(
+            "sdplan bench measures GPU memory and speed; it does not run full-size models on the CPU",
+            fix="run `sdplan bench --demo` to try it on the CPU with the tiny model",
+        )
+    if not torch.cuda.is_available():
+        raise NoGPUError(
+            "no usable GPU: torch sees no CUDA/ROCm device, so there is nothing to measure",
+            fix="run `sdplan doctor` to see why, or `sdplan bench --demo` to try the bench on the CPU",
+        )
+    return "cuda"
+
+
+def demo_request(method: str = "lora") -> BenchRequest:
+    """The demo's settings: fp32 (fp16 autocast is a GPU feature), no memory savers needed."""
+    return BenchRequest(
+        method=method,
+        model="sd15",
+        resolution=DEMO_RESOLUTION,
+        precision="fp32",
+        gradient_checkpointing=False,
+        optimizer="adamw",
+        cache_latents=False,
+        settings_from="demo",
+    )
+
+
+def _bnb_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("bitsandbytes") is not None
+
+
+def _same_gpu(profiles_: Any, a: str | None, b: str | None) -> bool:
+    """Two GPU names are the same GPU: the same catalog entry, or (outside the catalog) the same name."""
+    from sdplan.profiles import normalise_gpu_name
+
+    if not a or not b:
+        return False
+    sa, sb = profiles_.gpu_or_none(a), profiles_.gpu_or_none(b)
+    if sa is not None and sb is not None:
+        return sa.name == sb.name
+    return normalise_gpu_name(a) == normalise_gpu_name(b)
+
+
+def measured_here(profiles_: Any, gpu_name: str, method: str, model: str, resolution: int) -> list[Any]:
+    """Points measured on this GPU (by `sdplan bench`, here or shipped) for a method, model and resolution."""
+    return [
+        p
+        for p in profiles_.points
+        if p.method == method
+        and p.model == model
+        and p.resolution == resolution
+        and p.num_gpus == 1
+        and (p.origin == "local" or p.source.startswith(MEASURED_PREFIX))
+        and (p.outcome.get("peak_vram_gib") is not None or p.outcome.get("fits") is False)
+        and _same_gpu(profiles_, p.gpu, gpu_name)
+    ]
+
+
+def planner_settings(snapshot: Any, profiles_: Any, method: str, model: str, resolution: int) -> BenchRequest:
+    """The settings `sdplan recommend` would choose for one GPU of this machine; the bench searches the batch.
+
+    Where the planner would offload to DeepSpeed, or finds nothing that fits, the bench measures the leanest
+    setting without offload (gradient checkpointing, Adafactor, cached latents): whether that fits is exactly
+    what the planner is unsure of. 8-bit AdamW needs bitsandbytes; without it Adafactor is measured instead.
+    """
+    from sdplan import planner
+
+    res = planner.plan(
+        snapshot, profiles_, planner.Request(method=method, model=model, resolution=resolution, max_gpus=1)
+    )
+    hw = planner.hardware_from_snapshot(snapshot, profiles_)
+    precision = planner._precision_for(hw.gpus[:1]) if hw.gpus else "fp16"
+    lean = BenchRequest(
+        method=method,
+        model=model,
+        resolution=resolution,
+        precision=precision,
+        gradient_checkpointing=True,
+        optimizer="adafactor" if method != "textual-inversion" else "adamw",
+        cache_latents=True,
+        settings_from="leanest without offload (the planner finds nothing that fits without it)",
+    )
+    s = res.plan
+    if s is None or s.deepspeed:
+        return lean
+    optimizer, origin = s.optimizer, f"the planner ({res.basis} basis)"
+    if optimizer == "adamw8bit" and not _bnb_available():
+        optimizer, origin = "adafactor", origin + "; adafactor for adamw8bit: bitsandbytes is not installed"
+    return BenchRequest(
+        method=method,
+        model=model,
+        resolution=resolution,
+        precision=s.precision,
+        gradient_checkpointing=s.gradient_checkpointing,
+        optimizer=optimizer,
+        cache_latents=s.cache_latents,
+        train_text_encoder=s.train_text_encoder,
+        lora_rank=s.lora_rank if method == "lora" else None,
+        settings_from=origin,
+    )
+
+
+@dataclass(frozen=True)
+class Selection:
+    requests: list[BenchRequest]
+    skipped: list[str]  # "lora sd15 512px: measured on this GPU already (3 points)"
+    gpu: str | None
+
+
+def select_requests(
+    methods: list[str] | None = None,
+    models: list[str] | None = None,
+    resolution: int | None = None,
+    *,
+    demo: bool = False,
+    store_dir: str | Path | None = None,
+    snapshot: Any = None,
+    gpu_name: str | None = None,
+) -> Selection:
+    """What to measure. Named methods/models are measured as asked. With neither named, every method on the
+    default families (sd15, sdxl) at their native resolution that has no measured point for this GPU yet,
+    i.e. what the planner is least sure of here. Settings are the planner's choice for this GPU (the
+    demo: fp32 on the CPU, tiny model)."""
+    for m in methods or []:
+        if m not in METHODS:
+            raise UsageError(f"unknown method {m!r}", fix=f"use one of {', '.join(METHODS)}")
+    for f in models or []:
+        if f not in FAMILIES:
+            raise UsageError(f"unknown model {f!r}", fix=f"use one of {', '.join(FAMILIES)}")
+    if resolution is not None and (resolution < 64 or resolution % 8):
+        raise UsageError(f"--resolution {resolution}: must be >= 64 and a multiple of 8")
+    if demo:
+        if any(f != "sd15" for f in models or []):
+            raise UsageError("the demo's tiny model is SD 1.x-shaped", fix="use --model sd15 with --demo")
+        if resolution is not None and resolution % 16:
+            raise UsageError(f"--resolution {resolution}: the demo's tiny UNet needs a multiple of 16")
+        reqs = [
+            replace(demo_request(m), resolution=resolution or DEMO_RESOLUTION) for m in methods or ["lora"]
+        ]
+        return Selection(requests=reqs, skipped=[], gpu=None)
+
+    from sdplan import profiles
+
+    profiles_ = profiles.load_profiles(local=store_root(store_dir))
+    if snapshot is None:
+        from sdplan.probe.snapshot import probe
+
+        snapshot = probe(".")
+    gpu_name = gpu_name or next((g.name for g in snapshot.usable_gpus if g.name), None)
+    if snapshot.usable_gpus and gpu_name:  # plan for the GPU the bench runs on, alone
+        gpu = next((g for g in snapshot.usable_gpus if g.name == gpu_name), snapshot.usable_gpus[0])
+        snapshot = replace(snapshot, gpus=(gpu,), links=())
+    explicit = bool(methods or models)
+    requests, skipped = [], []
+    for family in models or list(DEFAULT_FAMILIES):
+        res = resolution or profiles_.model(family).native_resolution
+        for method in methods or list(METHODS):
+            if not explicit and gpu_name:
+                have = measured_here(profiles_, gpu_name, method, family, res)
+                if have:
+                    skipped.append(
+                        f"{method} {family} {res}px: {len(have)} point(s) measured on {gpu_name} already"
+                    )
+                    continue
+            if snapshot.usable_gpus:
+                requests.append(planner_settings(snapshot, profiles_, method, family, res))
+            else:
+                requests.append(
+                    BenchRequest(method=method, model=family, resolution=res, settings_from="default")
+                )
+    return Selection(requests=requests, skipped=skipped, gpu=gpu_name)
+
+
+# -- the training harness: the recipes' setup and step, on random full-size (or tiny) networks ------------
+
+
+def _synthetic_config(req: BenchRequest, device: str):
+    from sdplan.config import TrainConfig
+
+    cfg = TrainConfig()
+    cfg.method = req.method
+    cfg.model.family = req.model
+    cfg.data.resolution = req.resolution
+    cfg.training.precision = req.precision
+    cfg.training.train_text_encoder = req.train_text_encoder
+    cfg.training.device = device
+    cfg.memory.gradient_checkpointing = req.gradient_checkpointing
+    cfg.memory.optimizer = req.optimizer
+    cfg.memory.cache_latents = req.cache_latents
+    cfg.memory.set_grads_to_none = True
+    if req.lora_rank:
+        cfg.lora.rank = req.lora_rank
+        cfg.lora.alpha = float(req.lora_rank)
+    return cfg
+
+
+def _noise_scheduler(family: str):
+    from diffusers import DDPMScheduler
+
+    return DDPMScheduler(
+        num_train_timesteps=1000,
+        beta_start=0.00085,
+        beta_end=0.012,
+        beta_schedule="scaled_linear",
+        prediction_type="v_prediction" if family == "sd21" else "epsilon",
+    )
+
+
+def build_components(family: str, *, demo: bool, workdir: Path, device: str):
+    """``sdplan.trainer.models.Components`` with random weights: the full-size networks built from the
+    configs in profiles/models (directly on ``device``), or the tiny demo model. The tokenizer is the tiny
+    generated CLIP BPE one (its ids are valid for any CLIP vocabulary; nothing is downloaded)."""
+    import torch
+
+    from sdplan.trainer import tiny
+    from sdplan.trainer.models import Components
+
+    if demo:
+        if family != "sd15":
+            raise UsageError("the demo's tiny model is SD 1.x-shaped", fix="use --model sd15 with --demo")
+        parts = tiny.tiny_sd15_components(workdir / "tokenizer")
+        return Components(
+            family="sd15",
+            unet=parts["unet"],
+            vae=parts["vae"],
+            text_encoders=[parts["text_encoder"]],
+            tokenizers=[parts["tokenizer"]],
+            noise_scheduler=parts["scheduler"],
+            source="sdplan.trainer.tiny",
+        )
+    from diffusers import AutoencoderKL, UNet2DConditionModel
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+
+    from sdplan import profiles
+
+    spec = profiles.load_model(profiles.shipped_dir() / "models" / f"{family}.yaml")
+    classes = {"CLIPTextModel": CLIPTextModel, "CLIPTextModelWithProjection": CLIPTextModelWithProjection}
+    torch.manual_seed(0)
+    with torch.device(device):
+        unet = UNet2DConditionModel.from_config(dict(spec.unet))
+        vae = AutoencoderKL.from_config(dict(spec.vae))
+        encoders = [classes[te["class"]](CLIPTextConfig(**te["config"])) for te in spec.text_encoders]
+    max_len = spec.tokenizer_max_length
+    tokenizers = [
+        tiny.tiny_tokenizer(workdir / f"tokenizer_{i}", max_length=max_len) for i in range(len(encoders))
+    ]
+    return Components(
+        family=family,
+        unet=unet,
+        vae=vae,
+        text_encoders=encoders,
+        tokenizers=tokenizers,
+        noise_scheduler=_noise_scheduler(family),
+        source=f"profiles/models/{family}.yaml (random weights)",
+    )
+
+
+class _Harness:
+    """One request's model, trainable parameters, optimizer and Accelerator, set up as the recipe for its
+    method does; :meth:`step` is one optimizer step of that recipe's loop on a synthetic batch."""
+
+    CAPTION = "a photo of sks person"
+
+    def __init__(self, req: BenchRequest, *, device: str, demo: bool, workdir: Path):
+        import torch
+
+        from sdplan.trainer import common
+
+        self.req = req
+        self.cfg = _synthetic_config(req, device)
+        _reset_accelerate_state()
+        self.accelerator = accelerator = common.make_accelerator(self.cfg, workdir)
+        self.device = accelerator.device
+        comps = build_components(req.model, demo=demo, workdir=workdir, device=str(self.device))
+        self.comps = comps
+        unet, vae, text_encoders = comps.unet, comps.vae, list(comps.text_encoders)
+        for m in (unet, vae, *text_encoders):
+            m.requires_grad_(False)
+        self.wdtype = wdtype = common.weight_dtype(accelerator)
+        trained: dict[str, Any] = {}
+        groups: list[dict[str, Any]] = []
+        lr = self.cfg.training.learning_rate
+        te_lr = self.cfg.training.text_encoder_learning_rate or lr
+
+        if req.method == "lora":  # trainer/recipes/lora.py, step 3
+            from peft import LoraConfig
+
+            unet.to(self.device, dtype=wdtype)
+            for te in text_encoders:
+                te.to(self.device, dtype=wdtype)
+            torch.manual_seed(self.cfg.training.seed)
+            lcfg = self.cfg.lora
+            unet.add_adapter(
+                LoraConfig(
+                    r=lcfg.rank,
+                    lora_alpha=lcfg.alpha,
+                    lora_dropout=lcfg.dropout,
+                    init_lora_weights="gaussian",
+                    target_modules=lcfg.target_modules,
+                )
+            )
+            trained["unet"] = unet
+            if req.train_text_encoder:
+                for i, te in enumerate(text_encoders):
+                    te.add_adapter(
+                        LoraConfig(
+                            r=lcfg.rank,
+                            lora_alpha=lcfg.alpha,
+                            lora_dropout=lcfg.dropout,
+                            init_lora_weights="gaussian",
+                            target_modules=lcfg.text_encoder_target_modules,
+                        )
+                    )
+                    trained[f"text_encoder_{i}"] = te
+            for m in trained.values():  # adapters train in fp32 whatever the base weights are
+                for p in m.parameters():
+                    if p.requires_grad:
+                        p.data = p.data.float()
+            groups.append({"params": [p for p in unet.parameters() if p.requires_grad], "lr": lr})
+            if req.train_text_encoder:
+                te_params = [p for te in text_encoders for p in te.parameters() if p.requires_grad]
+                groups.append({"params": te_params, "lr": te_lr})
+        elif req.method in ("dreambooth", "finetune"):  # the whole UNet trains, fp32 master weights
+            unet.to(self.device, dtype=torch.float32)
+            unet.requires_grad_(True)
+            trained["unet"] = unet
+            groups.append({"params": list(unet.parameters()), "lr": lr})
+            for i, te in enumerate(text_encoders):
+                if req.train_text_encoder:
+                    te.to(self.device, dtype=torch.float32)
+                    te.requires_grad_(True)
+                    trained[f"text_encoder_{i}"] = te
+                    groups.append({"params": list(te.parameters()), "lr": te_lr})
+                else:
+                    te.to(self.device, dtype=wdtype)
+        elif req.method == "textual-inversion":  # only the token embeddings train; the UNet stays frozen
+            unet.to(self.device, dtype=wdtype)
+            for i, te in enumerate(text_encoders):
+                te.to(self.device, dtype=torch.float32)
+                emb = te.get_input_embeddings()
+                emb.weight.requires_grad_(True)
+                trained[f"text_encoder_{i}"] = te
+                groups.append({"params": [emb.weight], "lr": lr})
+        else:  # pragma: no cover - BenchRequest validates the method
+            raise UsageError(f"unknown method {req.method!r}")
+
+        if req.cache_latents:
+            self.vae = None  # latents come from the cache: the VAE is not on the GPU while training
+            comps.vae = vae = None
+        else:
+            vae.to(self.device, dtype=common.vae_dtype(accelerator))
+            self.vae = vae
+        common.use_sdpa(unet, *([vae] if self.vae is not None else []))
+        if req.gradient_checkpointing:
+            gc_models = list(trained.values())
+            if req.method == "textual-inversion":
+                gc_models.append(unet)  # backward runs through the frozen UNet to the embeddings
+            _enable_gradient_checkpointing(*gc_models)
+        self.optimizer = common.make_optimizer(groups, self.cfg)
+        names = list(trained)
+        prepared = accelerator.prepare(*trained.values(), self.optimizer)
+        self.trained = dict(zip(names, prepared[: len(names)]))
+        self.optimizer = prepared[len(names)]
+        self.unet = self.trained.get("unet", unet)
+        self.text_encoders = [self.trained.get(f"text_encoder_{i}", te) for i, te in enumerate(text_encoders)]
+        self.params = [p for g in groups for p in g["params"]]
+        self.unet.train()  # as the recipes do (a frozen UNet trains too: its checkpointing needs train mode)
+        for te in self.text_encoders:
+            te.train(any(te is m for m in self.trained.values()))
+        self.step_index = 0
+
+    def _batch(self, batch_size: int, generator) -> dict[str, Any]:
+        import torch
+
+        res = self.req.resolution
+        batch: dict[str, Any] = {
+            "caption": [self.CAPTION] * batch_size,
+            "original_size": [(res, res)] * batch_size,
+            "crop_top_left": [(0, 0)] * batch_size,
+        }
+        if self.vae is None:
+            # cached latents: what the latent cache hands the recipe (scaled VAE latents)
+            f = 8
+            batch["latents"] = torch.randn((batch_size, 4, res // f, res // f), generator=generator)
+            batch["pixel_values"] = torch.empty((batch_size, 3, res, res), device="meta")  # shape only
+        else:
+            batch["pixel_values"] = torch.rand((batch_size, 3, res, res), generator=generator) * 2 - 1
+        return batch
+
+    def step(self, batch_size: int, oom_above: int | None) -> float:
+        """One optimizer step at ``batch_size`` (the recipe's loop body); returns the loss."""
+        import torch
+
+        from sdplan.trainer import common
+
+        accelerator = self.accelerator
+        self.step_index += 1
+        generator = common.seed_step(self.cfg.training.seed, accelerator.process_index, self.step_index)
+        batch = self._batch(batch_size, generator)
+        with accelerator.accumulate(*self.trained.values()):
+            if self.vae is None:
+                latents = batch["latents"].to(self.device, self.wdtype)
+            else:
+                latents = common.encode_latents(self.vae, batch["pixel_values"].to(self.device), generator)
+                latents = latents.to(self.wdtype)
+            noisy, noise, timesteps = common.noisy_latents(
+                self.comps.noise_scheduler, latents, generator, self.cfg.training.noise_offset
+            )
+            embeds, added = common.unet_conditioning(
+                self.comps, batch, self.text_encoders, self.device, self.wdtype
+            )
+            pred = self.unet(noisy, timesteps, embeds, added_cond_kwargs=added, return_dict=False)[0]
+            loss = common.mse(
+                pred, common.diffusion_target(self.comps.noise_scheduler, latents, noise, timesteps)
+            )
+            if oom_above is not None and batch_size > oom_above:
+                raise torch.OutOfMemoryError(
+                    f"CUDA out of memory (simulated by {OOM_HOOK_ENV}={oom_above} at batch {batch_size})"
+                )
+            accelerator.backward(loss)
+            if accelerator.sync_gradients and self.cfg.training.max_grad_norm > 0:
+                accelerator.clip_grad_norm_(self.params, self.cfg.training.max_grad_norm)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        return float(loss.detach().item())
+
+    def after_oom(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        _free_memory()
+
+    def close(self) -> None:
+        for name in ("trained", "unet", "text_encoders", "optimizer", "params", "comps", "vae"):
+            if hasattr(self, name):
+                delattr(self, name)
+        with contextlib.suppress(Exception):
+            self.accelerator.free_memory()
+        _free_memory()
+
+
+def _enable_gradient_checkpointing(*models: Any) -> None:
+    """The trainer's helper for transformers models; diffusers models name the switch differently
+    (``enable_gradient_checkpointing``), and sdplan.trainer.common's helper calls only the transformers one."""
+    from sdplan.trainer import common
+
+    for m in models:
+        if hasattr(m, "gradient_checkpointing_enable"):
+            common.enable_gradient_checkpointing(m)
+        else:
+            m.enable_gradient_checkpointing()
+
+
+def _reset_accelerate_state() -> None:
+    """accelerate keeps process-wide state (mixed precision among it): each request sets its own."""
+    try:
+        from accelerate.state import AcceleratorState, GradientState
+
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+    except Exception:  # pragma: no cover - older accelerate: the next Accelerator re-initialises
+        pass
+
+
+def _free_memory() -> None:
+    """Release what the last model held: Python objects, torch's CUDA cache, and (glibc) freed heap pages,
+    so that a CPU run's resident-set baseline is not the previous model's high-water mark."""
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+# -- one probe point ------------------------------------------------------------------------------------
+
+
+def _probe(h: _Harness, batch: int, effort: Effort, *, cuda: bool, rss_base: int) -> dict[str, Any]:
+    """Warm up, then time ``effort.timed_steps`` steps at ``batch``; peak memory over all of them."""
+    import torch
+
+    oom_above = oom_hook_batch()
+    out: dict[str, Any] = {"batch": batch, "warmup_steps": effort.warmup_steps, "steps": effort.timed_steps}
+    error: str | None = None
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    meter = _PeakRSS() if not cuda else None
+    try:
+        if meter is not None:
+            meter.__enter__()
+        try:
+            for _ in range(effort.warmup_steps):
+                h.step(batch, oom_above)
+            if cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(effort.timed_steps):
+                h.step(batch, oom_above)
+            if cuda:
+                torch.cuda.synchronize()
+            elapsed = time.perf_counter() - t0
+        finally:
+            if meter is not None:
+                meter.__exit__(None, None, None)
+    except torch.OutOfMemoryError as e:
+        error = (str(e).strip().splitlines() or ["out of memory"])[0][:300]
+    if error is not None:  # outside the except block: its traceback no longer pins the activations
+        h.after_oom()
+        out |= {
+            "fits": False,
+            "error": error,
+            "simulated_oom": oom_above is not None and batch > oom_above,
+        }
+        return out
+    out["fits"] = True
+    out["it_s"] = effort.timed_steps / elapsed if elapsed > 0 else None
+    if cuda:
+        out["peak_allocated_bytes"] = int(torch.cuda.max_memory_allocated())
+        out["peak_reserved_bytes"] = int(torch.cuda.max_memory_reserved())
+    else:
+        out["peak_rss_delta_bytes"] = max(0, meter.peak - rss_base)
+    return out
+
+
+# -- the bench ------------------------------------------------------------------------------------------
+
+
+def run_bench(
+    requests: Iterable[BenchRequest],
+    *,
+    quick: bool = False,
+    store_dir: str | Path | None = None,
+    device: str = "auto",
+    on_result: Callable[[BenchPoint], None] | None = None,
+    demo: bool = False,
+    on_status: Callable[[BenchRequest, str], None] | None = None,
+    effort: Effort | None = None,
+) -> list[BenchResult]:
+    """Measure each request: search the largest micro-batch that fits, timing every probe point.
+
+    Every point is written to the store (``store_dir``, default the local profile store) as soon as it is
+    measured, then passed to ``on_result``. ``on_status(request, text)`` says what is being done (building
+    the model, probing batch N). ``demo`` runs the tiny model on the CPU. ``KeyboardInterrupt`` propagates
+    after the current model is released; everything measured before it is already in the store.
+    """
+    requests = list(requests)
+    dev = resolve_device(device, demo=demo)
+    if effort is None:
+        effort = DEMO if demo else (QUICK if quick else FULL)
+    oom_hook_batch()  # a malformed hook value is an error before anything heavy starts
+    machine = describe_machine(dev)
+    root = store_root(store_dir)
+    results: list[BenchResult] = []
+
+    def status(req: BenchRequest, text: str) -> None:
+        if on_status is not None:
+            on_status(req, text)
+
+    for req in requests:
+        if demo and req.model != "sd15":
+            raise UsageError("the demo's tiny model is SD 1.x-shaped", fix="use --model sd15 with --demo")
+        result = BenchResult(request=req, batch_cap=effort.max_batch)
+        results.append(result)
+        status(req, "building the model")
+        try:
+            _measure(
+                result,
+                dev=dev,
+                demo=demo,
+                effort=effort,
+                machine=machine,
+                root=root,
+                status=status,
+                on_result=on_result,
+            )
+        except KeyboardInterrupt:
+            result.bounded_by = "interrupted"
+            result.max_batch = max((p.batch for p in result.points if p.fits), default=0)
+            raise
+    return results
+
+
+def _measure(
+    result: BenchResult,
+    *,
+    dev: str,
+    demo: bool,
+    effort: Effort,
+    machine: Machine,
+    root: Path,
+    status: Callable[[BenchRequest, str], None],
+    on_result: Callable[[BenchPoint], None] | None,
+) -> None:
+    """Build one request's model, search its batch, write each point as it is measured."""
+    req = result.request
+    _free_memory()
+    rss_base = _rss_bytes()
+    first = True
+    with tempfile.TemporaryDirectory(prefix="sdplan-bench-") as tmp, _quiet_diffusers():
+        harness = _Harness(req, device=dev, demo=demo, workdir=Path(tmp))
+        try:
+
+            def fits(batch: int) -> bool:
+                nonlocal first
+                status(req, f"batch {batch}")
+                # the first point also warms up what runs once (kernels, allocator, optimizer state)
+                e = replace(effort, warmup_steps=effort.warmup_steps + 1) if first else effort
+                first = False
+                raw = _probe(harness, batch, e, cuda=dev == "cuda", rss_base=rss_base)
+                date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+                point = BenchPoint(request=req, demo=demo, date=date, **raw)
+                point = replace(point, point_id=point_id(machine, req, batch, demo=demo))
+                path = write_points(root, req.method, [point_record(point, machine)])
+                point = replace(point, store_file=path)
+                result.points.append(point)
+                if on_result is not None:
+                    on_result(point)
+                return point.fits
+
+            result.max_batch, result.bounded_by = search_largest_batch(fits, max_batch=effort.max_batch)
+        finally:
+            harness.close()
+    _free_memory()
+
+
+@contextlib.contextmanager
+def _quiet_diffusers():
+    """diffusers warns on every ``.to(dtype)`` of a freshly built model; the bench builds several."""
+    try:
+        from diffusers.utils import logging as dlog
+    except ImportError:  # pragma: no cover
+        yield
+        return
+    before = dlog.get_verbosity()
+    dlog.set_verbosity_error()
+    try:
+        yield
+    finally:
+        dlog.set_verbosity(before)
