@@ -508,3 +508,31 @@ def test_embedding_sdxl_clip_l_and_clip_g(tiny_sdxl, tmp_path):
     assert not torch.allclose(before, _prompt_embeds(pipe, prompt))
     with pytest.raises(export.ExportError, match="clip_l and clip_g"):
         export.save_embedding(tmp_path, token=token, embeds={"clip_l": embeds["clip_l"]}, metadata=None)
+
+
+def test_metadata_from_a_train_config():
+    from sdplan import config
+
+    cfg = config.validate(
+        config.apply_overrides(
+            config.default_config(),
+            ["model.path=/m/sd21-v.safetensors", "data.resolution=768", "lora.rank=8", "lora.alpha=4",
+             "training.precision=bf16", "memory.optimizer=adamw8bit"],
+        )
+    )  # fmt: skip
+    cfg.plan = {"batch_size": 2, "fits": True}
+    meta = {"config": cfg, "plan": cfg.plan, "steps": 100, "epoch": 2.0, "prediction_type": "v_prediction"}
+    md = export.output_metadata(meta, "sd21")
+    assert json.loads(md["sdplan_config"]) == cfg.to_dict()
+    assert json.loads(md["sdplan_plan"]) == {"batch_size": 2, "fits": True}
+    assert md["sdplan_steps"] == "100" and md["sdplan_prediction_type"] == "v_prediction"
+    assert all(isinstance(v, str) for v in md.values())
+    ss = export._kohya_metadata(meta, "sd21", 8, 4.0, "out")
+    assert ss["ss_base_model_version"] == "sd_v2_v" and ss["ss_v2"] == "True"
+    assert ss["ss_resolution"] == "(768, 768)" and ss["ss_network_alpha"] == "4.0"
+    assert ss["ss_mixed_precision"] == "bf16" and ss["ss_optimizer"] == "adamw8bit"
+    assert ss["ss_sd_model_name"] == "sd21-v.safetensors"
+    assert ss["ss_steps"] == "100" and ss["ss_epoch"] == "2"
+    assert export._modelspec("sd21", meta, "out", lora=True)["modelspec.architecture"] == (
+        "stable-diffusion-v2-768-v/lora"
+    )

@@ -146,8 +146,9 @@ def _kohya_metadata(
         )
     if md.get("steps") is not None:
         ss["ss_steps"] = md["steps"]
-    if md.get("epoch") is not None:
-        ss["ss_epoch"] = md["epoch"]
+    if md.get("epoch") is not None:  # kohya counts whole epochs; a partial one stays a fraction
+        epoch = float(md["epoch"])
+        ss["ss_epoch"] = int(epoch) if epoch.is_integer() else round(epoch, 3)
     return {k: str(v) for k, v in ss.items() if v is not None and v != ""}
 
 
