@@ -524,6 +524,7 @@ _NOISE = (
 )
 
 
+@functools.lru_cache(maxsize=4096)
 def normalise_gpu_name(name: str) -> str:
     s = name.lower()
     s = re.sub(r"\(.*?\)", " ", s)
@@ -542,10 +543,7 @@ def find_gpu(gpus: tuple[GPUSpec, ...], name: str, memory_bytes: int | None = No
     query = normalise_gpu_name(name)
     if not query:
         raise UsageError("empty GPU name", fix="name a GPU, e.g. 'RTX 4090' or '2x H100 SXM'")
-    index: dict[str, list[GPUSpec]] = {}
-    for g in gpus:
-        for key in {normalise_gpu_name(n) for n in (g.name, *g.aliases)}:
-            index.setdefault(key, []).append(g)
+    index = _index(gpus)
     exact = _by_memory(_unique(index.get(query, [])), memory_bytes)
     if len(exact) == 1:
         return exact[0]
@@ -571,6 +569,22 @@ def find_gpu(gpus: tuple[GPUSpec, ...], name: str, memory_bytes: int | None = No
         f"closest: {', '.join(g.name for g in names)}" if names else "see profiles/gpus.yaml for the catalog"
     )
     raise UsageError(f"unknown GPU {name!r}", fix=hint)
+
+
+_INDEX: dict[int, tuple[tuple[GPUSpec, ...], dict[str, list[GPUSpec]]]] = {}
+
+
+def _index(gpus: tuple[GPUSpec, ...]) -> dict[str, list[GPUSpec]]:
+    """Normalised name/alias -> catalog entries (cached per catalog)."""
+    hit = _INDEX.get(id(gpus))
+    if hit is not None and hit[0] is gpus:
+        return hit[1]
+    index: dict[str, list[GPUSpec]] = {}
+    for g in gpus:
+        for key in {normalise_gpu_name(n) for n in (g.name, *g.aliases)}:
+            index.setdefault(key, []).append(g)
+    _INDEX[id(gpus)] = (gpus, index)
+    return index
 
 
 def _by_memory(gpus: list[GPUSpec], memory_bytes: int | None) -> list[GPUSpec]:
