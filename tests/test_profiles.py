@@ -1,0 +1,132 @@
+"""The profile loader: every shipped file loads, schemas are strict, GPU names match leniently."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sdplan.errors import ConfigError, UsageError
+from sdplan.profiles import clear_cache, load_gpus, load_methods, load_profiles, shipped_dir
+
+
+@pytest.fixture
+def profiles():
+    clear_cache()
+    return load_profiles()
+
+
+def test_every_shipped_file_loads(profiles):
+    assert len(profiles.gpus) >= 40
+    assert set(profiles.models) == {"sd15", "sd21", "sdxl"}
+    assert {p.method for p in profiles.points} == {"lora", "dreambooth", "finetune", "textual-inversion"}
+    assert len(profiles.multi_gpu) == 3
+    assert profiles.activations.source.startswith("computed: scripts/compute_activations.py")
+    for p in profiles.points:
+        assert p.source.strip(), p.id
+        if p.gpu is not None:
+            profiles.find_gpu(p.gpu)  # every point names a catalog GPU
+    for m in profiles.multi_gpu:
+        profiles.find_gpu(m.gpu)
+
+
+def test_unknown_keys_and_every_error_reported_at_once(tmp_path):
+    bad = tmp_path / "gpus.yaml"
+    bad.write_text(
+        "schema_version: 1\n"
+        "gpus:\n"
+        "  - {name: X1, aliases: [], vendor: intel, memory_gib: -1, arch: '1', family: f, bf16: true, fp16: true,\n"
+        "     fp16_tflops: 1, bf16_tflops: 1, memory_bandwidth_gbs: 1, pcie_gen: 4, interconnect: null,\n"
+        "     source: s, colour: red}\n"
+    )
+    with pytest.raises(ConfigError) as e:
+        load_gpus(bad)
+    text = " | ".join(e.value.errors)
+    assert "gpus[0].colour: unknown key" in text
+    assert "gpus[0].vendor" in text and "gpus[0].memory_gib: must be > 0" in text
+    assert len(e.value.errors) == 3
+
+
+def test_method_file_missing_and_bad_values(tmp_path):
+    bad = tmp_path / "lora.yaml"
+    bad.write_text(
+        "schema_version: 1\nmethod: lora\npoints:\n"
+        "  - {id: a, model: sd99, resolution: 512, batch: 0, grad_accum: 1, precision: fp8, gpu: null, num_gpus: 1,\n"
+        "     options: {gradient_checkpointing: true, optimizer: adamw, cache_latents: false, train_text_encoder: false,\n"
+        "               attention: sdpa, deepspeed: null, ema: null}, outcome: {fits: true}}\n"
+    )
+    with pytest.raises(ConfigError) as e:
+        load_methods(bad)
+    errs = e.value.errors
+    assert any("points[0].model" in x for x in errs)
+    assert any("points[0].batch: must be > 0" in x for x in errs)
+    assert any("points[0].precision" in x for x in errs)
+    assert any("points[0].source: missing" in x for x in errs)
+
+
+def test_broken_yaml_names_the_line(tmp_path):
+    bad = tmp_path / "gpus.yaml"
+    bad.write_text("schema_version: 1\ngpus: [\n  - oops: {\n")
+    with pytest.raises(ConfigError) as e:
+        load_gpus(bad)
+    assert "line" in str(e.value) and "not valid YAML" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("query", "name"),
+    [
+        ("rtx4090", "RTX 4090"),
+        ("RTX 4090", "RTX 4090"),
+        ("NVIDIA GeForce RTX 4090", "RTX 4090"),
+        ("H100 SXM", "H100 SXM"),
+        ("NVIDIA GeForce RTX 3060", "RTX 3060 12GB"),
+        ("rtx 3060 12gb", "RTX 3060 12GB"),
+        ("Tesla T4", "T4"),
+    ],
+)
+def test_lenient_gpu_names(profiles, query, name):
+    assert profiles.find_gpu(query).name == name
+
+
+def test_shared_driver_name_settled_by_memory(profiles):
+    ten = profiles.find_gpu("NVIDIA GeForce RTX 3080", memory_bytes=10 * 2**30)
+    twelve = profiles.find_gpu("NVIDIA GeForce RTX 3080", memory_bytes=12 * 2**30)
+    assert (ten.name, twelve.name) == ("RTX 3080 10GB", "RTX 3080 12GB")
+
+
+def test_unknown_gpu_lists_the_closest(profiles):
+    with pytest.raises(UsageError) as e:
+        profiles.find_gpu("RTX 4099")
+    assert "unknown GPU 'RTX 4099'" in str(e.value) and "RTX 4090" in str(e.value)
+
+
+def test_lora_params_from_the_unet_config(profiles):
+    # diffusers' SD1.5 attention LoRA at rank 4 has 797,184 parameters (to_q/k/v/out.0 of 16 transformer blocks)
+    assert profiles.model("sd15").lora_params(4) == 797_184
+    assert profiles.model("sdxl").lora_params(8) == 2 * profiles.model("sdxl").lora_params(4)
+
+
+def test_local_store_adds_measured_points(tmp_path, monkeypatch):
+    store = tmp_path / "store"
+    (store / "methods").mkdir(parents=True)
+    src = (shipped_dir() / "methods" / "lora.yaml").read_text()
+    (store / "methods" / "lora.yaml").write_text(src.replace("id: diffusers-lora-2080ti", "id: mine"))
+    monkeypatch.setenv("SDPLAN_PROFILE_DIR", str(store))
+    clear_cache()
+    prof = load_profiles()
+    mine = [p for p in prof.points if p.id == "mine"]
+    assert mine and mine[0].origin == "local"
+
+
+def test_loading_imports_no_torch():
+    code = "import sys; from sdplan.profiles import load_profiles; load_profiles(); print('torch' in sys.modules)"
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=Path(__file__).parents[1],
+    )
+    assert out.stdout.strip() == "False"
