@@ -25,18 +25,17 @@ import signal
 import subprocess
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sdplan import launchcfg
 from sdplan.config import TrainConfig
 from sdplan.errors import UsageError
 
 TRAINER_MODULE = "sdplan.trainer"
 ACCELERATE_FILE = "accelerate.yaml"
 DEEPSPEED_FILE = "deepspeed.json"
-
-_MIXED_PRECISION = {"fp32": "no", "fp16": "fp16", "bf16": "bf16"}
 
 
 @dataclass(frozen=True)
@@ -70,41 +69,31 @@ def accelerate_config(
     main_process_ip: str | None = None,
     main_process_port: int = 29500,
 ) -> dict[str, Any]:
-    """The accelerate config YAML (as a dict) for ``accelerate launch --config_file``.
+    """The accelerate config YAML (as a dict) for ``accelerate launch --config_file``: the planner's one
+    (``sdplan.launchcfg``), for this node of ``num_machines``.
 
     ``num_processes`` is the total over all machines, as accelerate expects; the trainer's
-    ``distributed.num_processes`` is that same world size.
+    ``distributed.num_processes`` is that same world size. With DeepSpeed the ZeRO settings, accumulation,
+    clipping and precision live in ``deepspeed_file`` (deepspeed.json): accelerate 1.x refuses a
+    ``deepspeed_config_file`` beside inline ZeRO keys or ``mixed_precision``, so those are left out here.
     """
-    world = cfg.distributed.num_processes
     ds = cfg.distributed.deepspeed
-    if ds is not None:
-        distributed_type = "DEEPSPEED"
-    elif world > 1:
-        distributed_type = "MULTI_GPU"
-    else:
-        distributed_type = "NO"
-    out: dict[str, Any] = {
-        "compute_environment": "LOCAL_MACHINE",
-        "distributed_type": distributed_type,
-        "mixed_precision": _MIXED_PRECISION[cfg.training.precision],
-        "num_processes": world,
-        "num_machines": num_machines,
-        "machine_rank": machine_rank,
-        "gpu_ids": "all",
-        "use_cpu": False,
-        "main_training_function": "main",
-        "downcast_bf16": "no",
-        "debug": False,
-    }
+    out = launchcfg.accelerate_config(
+        num_processes=cfg.distributed.num_processes,
+        precision=cfg.training.precision,
+        deepspeed=asdict(ds) if ds is not None else None,
+        grad_accum=cfg.training.grad_accum,
+        gradient_clipping=cfg.training.max_grad_norm,
+        main_process_port=main_process_port,
+    )
+    out["num_machines"] = num_machines
+    out["machine_rank"] = machine_rank
     if num_machines > 1:
         out["main_process_ip"] = main_process_ip
         out["main_process_port"] = main_process_port
         out["rdzv_backend"] = "static"
-        out["same_network"] = False
     if ds is not None:
-        # With a DeepSpeed config file accelerate takes zero stage, offload, accumulation, clipping and
-        # mixed precision from that file; repeating them here is an error in accelerate 1.x.
-        del out["mixed_precision"]
+        out.pop("mixed_precision", None)
         out["deepspeed_config"] = {
             "deepspeed_config_file": deepspeed_file or DEEPSPEED_FILE,
             "zero3_init_flag": False,
@@ -113,36 +102,22 @@ def accelerate_config(
 
 
 def deepspeed_config(cfg: TrainConfig) -> dict[str, Any] | None:
-    """The DeepSpeed JSON for ZeRO-1/2, optimizer state offloaded to CPU when planned; None without DeepSpeed.
-
-    DeepSpeed checks train_batch_size == micro batch x gradient accumulation x world size.
+    """The DeepSpeed JSON (``sdplan.launchcfg``) for ZeRO-1/2, optimizer state offloaded to CPU when planned;
+    None without DeepSpeed. DeepSpeed checks train_batch_size == micro batch x grad accumulation x world size.
     """
     ds = cfg.distributed.deepspeed
     if ds is None:
         return None
     t = cfg.training
-    world = cfg.distributed.num_processes
-    zero: dict[str, Any] = {
-        "stage": ds.zero_stage,
-        "overlap_comm": True,
-        "contiguous_gradients": True,
-        "reduce_bucket_size": 5e8,
-        "allgather_bucket_size": 5e8,
-    }
-    if ds.offload_optimizer:
-        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
-    return {
-        "train_batch_size": t.batch_size * t.grad_accum * world,
-        "train_micro_batch_size_per_gpu": t.batch_size,
-        "gradient_accumulation_steps": t.grad_accum,
-        "gradient_clipping": t.max_grad_norm,
-        "zero_optimization": zero,
-        "fp16": {"enabled": t.precision == "fp16", "initial_scale_power": 16},
-        "bf16": {"enabled": t.precision == "bf16"},
-        "zero_allow_untested_optimizer": True,
-        "steps_per_print": 1_000_000,
-        "wall_clock_breakdown": False,
-    }
+    return launchcfg.deepspeed_config(
+        micro_batch=t.batch_size,
+        grad_accum=t.grad_accum,
+        world_size=cfg.distributed.num_processes,
+        precision=t.precision,
+        zero_stage=ds.zero_stage,
+        offload_optimizer=ds.offload_optimizer,
+        gradient_clipping=t.max_grad_norm,
+    )
 
 
 def build_launch(

@@ -82,6 +82,7 @@ class TrainRequest:
     dry_run: bool = False
     demo: bool = False
     config_data: dict[str, Any] | None = None  # a config given as data (the demo), instead of a file
+    snapshot: Any = None  # a machine Snapshot to plan for instead of probing this machine
     max_oom_retries: int = MAX_OOM_RETRIES
 
 
@@ -178,6 +179,8 @@ def flag_overrides(req: TrainRequest, out: Path | None) -> list[str]:
         o.append(f"training.device={req.device}")
     if req.num_processes is not None:
         o.append(f"distributed.num_processes={req.num_processes}")
+    elif req.gpus is not None and (req.config or req.resume):
+        o.append(f"distributed.num_processes={req.gpus * req.num_machines}")
     if out is not None:
         o.append(f"output.dir={out}")
     return o
@@ -196,12 +199,20 @@ def _quote_override(item: str) -> str:
     return item
 
 
-def config_data(base: dict[str, Any], req: TrainRequest, out: Path | None, *, source: str) -> dict[str, Any]:
-    """Base data + flags + the user's key=value overrides, as plain data (not yet validated)."""
-    data = C.apply_overrides(base, [_quote_override(o) for o in flag_overrides(req, out)])
+def config_data(
+    base: dict[str, Any], req: TrainRequest, out: Path | None, *, plan: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """Base data, then the plan's settings, then flags, then the user's key=value overrides (last wins), as
+    plain data (not yet validated)."""
+    data = C.merge(base, plan) if plan else base
+    data = C.apply_overrides(data, [_quote_override(o) for o in flag_overrides(req, out)])
     if req.overrides:
         data = C.apply_overrides(data, req.overrides)
     return data
+
+
+def _user_sets(req: TrainRequest, key: str) -> bool:
+    return any(o.partition("=")[0].strip() == key for o in req.overrides)
 
 
 def read_yaml_config(path: Path) -> dict[str, Any]:
@@ -263,20 +274,19 @@ def check_inputs(cfg: C.TrainConfig) -> Inputs:
 
 
 def _family_of(kind: str, location: str) -> str | None:
-    """The model family from config files or a safetensors header, without loading weights."""
-    from sdplan.trainer.models import detect_family, family_from_single_file
+    """The model family from a diffusers folder's config files, without loading weights; None when unknown
+    (single files and hub ids: the trainer detects it when it loads the model)."""
+    from sdplan.trainer.models import detect_family
 
+    if kind != "folder":
+        return None
     try:
-        if kind == "folder":
-            root = Path(location)
-            index = json.loads((root / "model_index.json").read_text())
-            unet = json.loads((root / "unet" / "config.json").read_text())
-            return detect_family(unet, 2 if "text_encoder_2" in index else 1)
-        if kind == "file":
-            return family_from_single_file(location)
+        root = Path(location)
+        index = json.loads((root / "model_index.json").read_text())
+        unet = json.loads((root / "unet" / "config.json").read_text())
     except (OSError, ValueError):
         return None
-    return None
+    return detect_family(unet, 2 if "text_encoder_2" in index else 1)
 
 
 # -- device ----------------------------------------------------------------------------------------------------
@@ -341,7 +351,7 @@ def describe(cfg: C.TrainConfig, steps: dict[str, int], world: int, inputs: Inpu
     if t.device == "cpu" and world > 1:
         device = f"CPU, {world} processes (gloo)"
     lines = [
-        f"[bold]{cfg.method}[/] on {inputs.family or 'the model'} [dim]{cfg.model.path}[/]",
+        f"[bold]{cfg.method}[/] on {cfg.model.family or inputs.family or 'the model'} [dim]{cfg.model.path}[/]",
         f"data: {inputs.scan_summary}",
         f"device: {device}; precision {t.precision}; resolution {cfg.data.resolution}",
         f"batch: {t.batch_size} per process x {t.grad_accum} accumulation x {world} process"
@@ -616,8 +626,7 @@ def prepare(req: TrainRequest, ui: UI) -> Prepared:
         out = out_given or Path("./output").resolve()
 
     # 2. The config validates (unknown keys, wrong types) before anything else is looked at.
-    data = config_data(base, req, out, source=source)
-    cfg = C.validate(data, source=source)
+    cfg = C.validate(config_data(base, req, out), source=source)
 
     # 3. The --out rule (the demo checked it before building its model and dataset there).
     state = (
@@ -644,10 +653,41 @@ def prepare(req: TrainRequest, ui: UI) -> Prepared:
     if cfg.training.device != "cpu":
         from sdplan.probe.snapshot import probe
 
-        snapshot = probe(str(out.parent if not out.exists() else out))
+        snapshot = req.snapshot or probe(str(out.parent if not out.exists() else out))
         require_gpu(snapshot)
+        have = len(snapshot.usable_gpus)
+        if req.gpus is not None and req.gpus > have:
+            raise UsageError(f"--gpus {req.gpus}: this machine has {have} usable GPU(s)")
+
+    # 7. The plan (as `sdplan recommend`), unless a config was given to train as it is.
+    plan_result = None
+    planning = not (req.resume or req.config or req.config_data is not None) and snapshot is not None
+    if planning:
+        plan_result = plan_request(cfg, inputs, snapshot, req)
+        settings = plan_settings(plan_result, num_machines=req.num_machines)
+        if settings["memory"]["optimizer"] == "adamw8bit" and not _have("bitsandbytes"):
+            settings["memory"]["optimizer"] = "adamw"
+            ui.echo(
+                "[yellow]note[/]: the plan uses 8-bit AdamW but bitsandbytes is not installed: AdamW instead "
+                "(pip install 'sdplan[bnb]' for the planned optimizer; out of memory is retried smaller)"
+            )
+        cfg = C.validate(config_data(base, req, out, plan=settings), source=source)
+    elif snapshot is not None and req.num_machines > 1 and req.gpus is None and not req.resume:
+        # A config written for one machine: its num_processes are this machine's GPUs.
+        per_node = cfg.distributed.num_processes
+        cfg = C.validate(
+            C.apply_overrides(cfg.to_dict(), [f"distributed.num_processes={per_node * req.num_machines}"]),
+            source=source,
+        )
 
     world = cfg.distributed.num_processes
+    per_node = world // max(1, req.num_machines)
+    if snapshot is not None and per_node > len(snapshot.usable_gpus):
+        raise UsageError(
+            f"distributed.num_processes {world} needs {per_node} GPUs per machine; "
+            f"this machine has {len(snapshot.usable_gpus)}",
+            fix="lower distributed.num_processes (or --gpus)",
+        )
     steps = step_arithmetic(cfg, inputs.images_x_repeats, world)
     return Prepared(
         cfg=cfg,
@@ -656,9 +696,106 @@ def prepare(req: TrainRequest, ui: UI) -> Prepared:
         world=world,
         steps=steps,
         snapshot=snapshot,
+        plan=plan_result,
         resume=resume,
         state=state,
     )
+
+
+class NotFeasible(SdplanError):
+    """The planner found no configuration that fits this machine."""
+
+    exit_code = 1
+
+
+def guess_family(model: str) -> str:
+    """A hub id's family from its name, when its config cannot be read offline (sdxl / sd21 / sd15)."""
+    name = model.lower()
+    if "xl" in name:
+        return "sdxl"
+    if any(k in name for k in ("2-1", "2.1", "sd21", "2-base", "v2")):
+        return "sd21"
+    return "sd15"
+
+
+def plan_request(cfg: C.TrainConfig, inputs: Inputs, snapshot: Any, req: TrainRequest) -> dict[str, Any]:
+    """The planner's result (the `sdplan recommend --json` object) for this request on this machine."""
+    from sdplan.planner import Request, plan, result_dict
+    from sdplan.profiles import load_profiles
+
+    family = cfg.model.family or inputs.family or guess_family(cfg.model.path)
+    if inputs.images_x_repeats % inputs.images == 0:
+        images, repeats = inputs.images, inputs.images_x_repeats // inputs.images
+    else:  # kohya folders with different repeats: the planner needs only the product
+        images, repeats = inputs.images_x_repeats, 1
+    resolution = req.resolution or (cfg.data.resolution if _user_sets(req, "data.resolution") else None)
+    prior = cfg.method == "dreambooth" and cfg.dreambooth.with_prior_preservation
+    request = Request(
+        method=cfg.method,
+        model=family,
+        resolution=resolution,
+        images=images,
+        repeats=repeats,
+        epochs=cfg.training.epochs,
+        max_gpus=req.gpus,
+        lora_rank=cfg.lora.rank,
+        prior_preservation=prior,
+        class_images=cfg.dreambooth.num_class_images if prior else 0,
+    )
+    result = result_dict(plan(snapshot, load_profiles(), request))
+    if not result["feasible"]:
+        needs = result.get("needs") or {}
+        fits = ", ".join((needs.get("suggested_hardware") or [])[:4])
+        raise NotFeasible(
+            result["reasons"][0] if result["reasons"] else "nothing fits on this machine",
+            fix=f"GPUs that would fit: {fits}" if fits else "see `sdplan recommend --compare`",
+        )
+    return result
+
+
+def plan_settings(result: dict[str, Any], *, num_machines: int = 1) -> dict[str, Any]:
+    """The plan as sdplan.yaml sections (flags and key=value overrides are applied on top)."""
+    p = result["plan"]
+    return {
+        "model": {"family": result["request"]["model"]},
+        "data": {"resolution": p["resolution"]},
+        "training": {
+            "batch_size": p["batch_size"],
+            "grad_accum": p["grad_accum"],
+            "precision": p["precision"],
+            "train_text_encoder": p["train_text_encoder"],
+        },
+        "memory": {
+            "gradient_checkpointing": p["gradient_checkpointing"],
+            "optimizer": p["optimizer"],
+            "cache_latents": p["cache_latents"],
+        },
+        "distributed": {"num_processes": p["num_gpus"] * num_machines, "deepspeed": p["deepspeed"]},
+        "plan": result,
+    }
+
+
+def describe_plan(result: dict[str, Any]) -> list[str]:
+    """The planner's reasons and estimate, as lines."""
+    lines = [f"  - {r}" for r in result.get("reasons", [])]
+    est = result.get("estimate") or {}
+    if est:
+        secs = est.get("seconds")
+        lines.append(
+            f"predicted: peak {est['peak_vram_bytes'] / 2**30:.1f} GiB per GPU, host RAM "
+            f"{est['ram_bytes'] / 2**30:.1f} GiB"
+            + (f", about {_duration(secs)}" if secs else "")
+            + f" ({est.get('basis')})"
+        )
+    return lines
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 5400:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
 
 
 def launch_for(p: Prepared, req: TrainRequest, resume: str | None) -> Launch:
@@ -793,6 +930,11 @@ def run(req: TrainRequest, ui: UI | None = None) -> dict[str, Any]:
     ui = ui or UI()
     p = prepare(req, ui)
     launch = launch_for(p, req, p.resume)
+    if p.plan is not None:
+        gpus = p.plan["hardware"]["gpus"]
+        ui.echo(f"[bold]plan[/] for this machine ({len(gpus)}x {gpus[0]['name']}):")
+        for line in describe_plan(p.plan):
+            ui.echo(line)
     for line in describe(p.cfg, p.steps, p.world, p.inputs):
         ui.echo(line)
     ui.echo(f"output: {p.out}")
