@@ -1,0 +1,173 @@
+"""The planner reproduces the published figures and makes the right choices on the fixture machines."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from pathlib import Path
+
+import pytest
+
+from sdplan import planner as P
+from sdplan.machine import Snapshot
+from sdplan.profiles import clear_cache, load_profiles
+
+ROOT = Path(__file__).resolve().parents[1]
+MACHINES = ROOT / "tests" / "fixtures" / "machines"
+FIXTURES = ("2x_rtx4090_pcie", "8x_h100_sxm", "w6800", "rx6700xt", "rtx3060_12gb", "t4", "cpu_only")
+
+_spec = importlib.util.spec_from_file_location(
+    "planner_accuracy", ROOT / "benchmarks" / "planner_accuracy.py"
+)
+accuracy = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(accuracy)
+
+
+@pytest.fixture(scope="module")
+def prof():
+    clear_cache()
+    return load_profiles()
+
+
+def _snap(name: str) -> Snapshot:
+    return Snapshot.load(MACHINES / f"{name}.json")
+
+
+def test_every_published_number_within_15_percent(prof):
+    numeric, _ = accuracy.rows(prof)
+    assert len(numeric) >= 8
+    bad = [
+        f"{r['id']} {r['quantity']}: {r['predicted']} vs {r['published']}"
+        for r in numeric
+        if abs(r["error_pct"]) > 15
+    ]
+    assert not bad, bad
+
+
+def test_every_fits_in_x_gb_statement_predicted_to_fit(prof):
+    _, checks = accuracy.rows(prof)
+    fits = [c for c in checks if c["claim"].startswith("fits")]
+    assert len(fits) >= 12
+    assert all(c["ok"] for c in fits), [c for c in fits if not c["ok"]]
+
+
+def test_memory_terms_follow_the_arithmetic(prof):
+    sd15 = prof.model("sd15")
+    base = P.Setup(method="finetune", model="sd15", resolution=512, precision="bf16", cache_latents=True)
+    m = P.memory(prof, base)
+    assert m.trainable_params == sd15.params_unet
+    assert m.weights == 4 * sd15.params_unet and m.gradients == 4 * sd15.params_unet
+    assert m.optimizer == 8 * sd15.params_unet  # AdamW: two fp32 moments
+    assert (
+        P.memory(prof, P.Setup(**{**base.__dict__, "optimizer": "adamw8bit"})).optimizer
+        == 2 * sd15.params_unet
+    )
+    ada = P.memory(prof, P.Setup(**{**base.__dict__, "optimizer": "adafactor"})).optimizer
+    assert 0 < ada < 4 * sd15.params_unet  # factored second moment: a fraction of AdamW's 8 B
+    gc = P.memory(prof, P.Setup(**{**base.__dict__, "gradient_checkpointing": True}))
+    assert gc.activations < m.activations / 3
+    b4 = P.memory(prof, P.Setup(**{**base.__dict__, "batch": 4}))
+    assert b4.activations == pytest.approx(4 * m.activations, rel=0.02)
+    math_attn = P.memory(prof, P.Setup(**{**base.__dict__, "attention": "math", "resolution": 768}))
+    eff_attn = P.memory(prof, P.Setup(**{**base.__dict__, "resolution": 768}))
+    assert math_attn.activations > 2 * eff_attn.activations
+    offload = P.memory(
+        prof, P.Setup(**{**base.__dict__, "deepspeed": {"zero_stage": 2, "offload_optimizer": True}})
+    )
+    assert offload.optimizer == 0 and offload.ram >= sd15.params_unet * 16 * 1.5
+
+
+@pytest.mark.parametrize("name", FIXTURES)
+@pytest.mark.parametrize("method", P.METHODS)
+@pytest.mark.parametrize("model", ["sd15", "sdxl"])
+def test_fixture_machines(prof, name, method, model):
+    snap = _snap(name)
+    req = P.Request(method=method, model=model, images=13, repeats=40, epochs=2)
+    res = P.plan(snap, prof, req)
+    d = P.result_dict(res)
+    if not snap.usable_gpus:
+        assert d["feasible"] is False and d["plan"] is None
+        assert d["needs"]["min_vram_bytes"] > 0 and d["needs"]["suggested_hardware"]
+        return
+    if not d["feasible"]:
+        assert d["needs"]["suggested_hardware"]
+        for gpu in d["needs"]["suggested_hardware"]:
+            assert prof.find_gpu(gpu).memory_bytes >= d["needs"]["min_vram_bytes"]
+        return
+    plan, est, steps = d["plan"], d["estimate"], d["steps"]
+    vram = min(g.memory_total_bytes for g in snap.usable_gpus)
+    assert est["peak_vram_bytes"] <= 0.92 * vram
+    # hardware truth for precision: no bf16 on T4 / RDNA2
+    expected = "bf16" if all(g.bf16 for g in snap.usable_gpus) else "fp16"
+    assert plan["precision"] == expected
+    if snap.usable_gpus[0].vendor == "amd":
+        assert plan["optimizer"] != "adamw8bit"
+    if plan["deepspeed"]:
+        assert plan["optimizer"] == "adamw"
+        # offload only when nothing without it fits
+        cands = P._candidates(res.request, prof, res.hardware, P.calibrate(prof), res.request.resolution)
+        assert not any(c.fits and not c.setup.offload for c in cands)
+    # step arithmetic: images seen equal the one-GPU plan whatever the GPU count
+    assert steps["images_seen"] == 13 * 40 * 2
+    n, b, ga = plan["num_gpus"], plan["batch_size"], plan["grad_accum"]
+    assert steps["steps_per_epoch"] == math.ceil(13 * 40 / (b * ga * n))
+    assert steps["total_steps"] == steps["steps_per_epoch"] * 2
+    if n > 1:
+        assert est["speedup_vs_one_gpu"] > 1.05
+        assert any("normalised" in r for r in d["reasons"])
+    assert len(d["reasons"]) >= 6
+
+
+def test_lora_on_2x4090_uses_both_gpus_dreambooth_one(prof):
+    snap = _snap("2x_rtx4090_pcie")
+    lora = P.plan(
+        snap, prof, P.Request(method="lora", model="sdxl", resolution=1024, images=13, repeats=40, epochs=1)
+    )
+    db = P.plan(snap, prof, P.Request(method="dreambooth", model="sd15", images=13, repeats=40, epochs=1))
+    assert lora.plan.num_gpus == 2 and lora.speedup_vs_one_gpu > 1.05
+    assert db.plan.num_gpus == 1
+
+
+def test_nvlink_scales_full_unet_methods(prof):
+    # the same DreamBooth request that stays on one PCIe RTX 4090 spreads over NVLink H100s
+    snap = _snap("8x_h100_sxm")
+    res = P.plan(snap, prof, P.Request(method="dreambooth", model="sdxl", images=64, repeats=10, epochs=2))
+    assert res.plan.num_gpus > 1 and res.hardware.link == "nvlink"
+
+
+def test_t4_gets_fp16_and_cpu_only_gets_suggestions(prof):
+    t4 = P.plan(_snap("t4"), prof, P.Request(method="lora"))
+    assert t4.plan.precision == "fp16"
+    cpu = P.result_dict(P.plan(_snap("cpu_only"), prof, P.Request(method="dreambooth")))
+    assert cpu["feasible"] is False and cpu["estimate"] is None
+    assert cpu["needs"]["suggested_hardware"]
+
+
+def test_infeasible_catalog_gpu_says_what_would_fit(prof):
+    hw = P.hardware_from_catalog(prof.find_gpu("RTX 2060"))
+    res = P.plan(hw, prof, P.Request(method="finetune", model="sdxl"))
+    assert not res.feasible
+    need = res.needs["min_vram_bytes"]
+    assert need > hw.gpus[0].memory_bytes / 0.92
+    assert res.needs["suggested_hardware"]
+    assert all(prof.find_gpu(n).memory_bytes >= need for n in res.needs["suggested_hardware"])
+
+
+def test_a_local_measurement_is_used_as_measured(prof, tmp_path, monkeypatch):
+    store = tmp_path / "store" / "methods"
+    store.mkdir(parents=True)
+    (store / "lora.yaml").write_text(
+        "schema_version: 1\nmethod: lora\npoints:\n"
+        "  - {id: my-4090, model: sd15, resolution: 512, batch: 1, grad_accum: 1, precision: bf16, gpu: RTX 4090,\n"
+        "     num_gpus: 1, options: {gradient_checkpointing: false, optimizer: adamw, cache_latents: true,\n"
+        "     train_text_encoder: false, attention: sdpa, deepspeed: null, ema: null}, outcome: {fits: true, it_s: 11.0},\n"
+        "     source: 'measured: sdplan bench'}\n"
+    )
+    monkeypatch.setenv("SDPLAN_PROFILE_DIR", str(tmp_path / "store"))
+    clear_cache()
+    local = load_profiles()
+    hw = P.hardware_from_catalog(local.find_gpu("RTX 4090"))
+    s = P.Setup(method="lora", model="sd15", resolution=512, precision="bf16", cache_latents=True)
+    cand = P._evaluate(P.Request(method="lora"), local, hw, P.calibrate(local), s)
+    assert cand.basis == "measured" and cand.step_seconds == pytest.approx(1 / 11.0)
+    clear_cache()
