@@ -82,7 +82,7 @@ def count_dataset(path: str | Path) -> DatasetCount:
 # -- hardware --------------------------------------------------------------------------------------------
 
 _COUNT = re.compile(r"^\s*(\d+)\s*[x×*]\s*(.+?)\s*$", re.IGNORECASE)
-_COUNT_AFTER = re.compile(r"^\s*(.+?)\s*[x×*]\s*(\d+)\s*$", re.IGNORECASE)
+_COUNT_AFTER = re.compile(r"^\s*(.+?)\s+[x×*]\s*(\d+)\s*$", re.IGNORECASE)  # "H100 SXM x8", not "RTX 4090"
 
 
 def parse_hardware(text: str, profiles: Profiles) -> planner.Hardware:

@@ -1,0 +1,234 @@
+"""`sdplan recommend` end to end: JSON shape, human output, dataset counting, output files, bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from sdplan.cli import app
+from sdplan.launchcfg import accelerate_config, deepspeed_config
+from sdplan.machine import Snapshot
+from sdplan.recommend import count_dataset
+
+ROOT = Path(__file__).resolve().parents[1]
+MACHINES = ROOT / "tests" / "fixtures" / "machines"
+runner = CliRunner()
+
+
+def run(*args: str):
+    return runner.invoke(app, ["recommend", *args])
+
+
+def _one_line_error(result, code: int | None = None):
+    assert result.exit_code != 0
+    if code is not None:
+        assert result.exit_code == code
+    assert "Traceback" not in (result.output + (result.stderr or ""))
+    lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:"), result.stderr
+    return lines[0]
+
+
+def test_json_shape_is_exactly_the_issue(tmp_path):
+    r = run(
+        "--method",
+        "lora",
+        "--hardware",
+        "2x RTX 4090",
+        "--images",
+        "13",
+        "--repeats",
+        "40",
+        "--epochs",
+        "2",
+        "--json",
+    )
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    assert list(d) == [
+        "schema_version",
+        "feasible",
+        "request",
+        "hardware",
+        "plan",
+        "steps",
+        "estimate",
+        "needs",
+        "reasons",
+    ]
+    assert set(d["request"]) == {"method", "model", "resolution", "images", "repeats", "epochs"}
+    assert (
+        set(d["hardware"]) == {"source", "gpus", "ram_total_bytes"} and d["hardware"]["source"] == "catalog"
+    )
+    assert set(d["plan"]) == {
+        "num_gpus",
+        "batch_size",
+        "grad_accum",
+        "precision",
+        "gradient_checkpointing",
+        "optimizer",
+        "cache_latents",
+        "train_text_encoder",
+        "deepspeed",
+        "resolution",
+    }
+    assert set(d["steps"]) == {"images_per_epoch", "epochs", "steps_per_epoch", "total_steps", "images_seen"}
+    assert set(d["estimate"]) == {"peak_vram_bytes", "ram_bytes", "seconds", "speedup_vs_one_gpu", "basis"}
+    assert d["estimate"]["basis"] in ("measured", "calibrated", "published")
+    assert d["needs"] is None and d["plan"]["num_gpus"] == 2 and d["steps"]["images_seen"] == 1040
+
+
+def test_method_alone_on_a_machine_without_gpu(monkeypatch):
+    import sdplan.probe.snapshot as snapmod
+
+    monkeypatch.setattr(snapmod, "probe", lambda path=".": Snapshot.load(MACHINES / "cpu_only.json"))
+    r = run("--method", "dreambooth", "--json")
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    assert d["feasible"] is False and d["hardware"]["source"] == "probe"
+    assert d["request"]["model"] == "sd15" and d["request"]["resolution"] == 512
+    assert d["needs"]["min_vram_bytes"] > 0 and d["needs"]["suggested_hardware"]
+    human = run("--method", "dreambooth")
+    assert human.exit_code == 0 and "does not fit" in human.stdout and "would fit" in human.stdout
+
+
+def test_human_output_has_plan_reasons_and_step_arithmetic():
+    r = run(
+        "--method",
+        "lora",
+        "--machine",
+        str(MACHINES / "2x_rtx4090_pcie.json"),
+        "--images",
+        "13",
+        "--repeats",
+        "40",
+    )
+    assert r.exit_code == 0, r.output
+    for text in ("peak VRAM", "host RAM", "time", "images seen", "why", "normalised", "precision bf16"):
+        assert text in r.stdout
+
+
+def test_compare_table():
+    r = run("--method", "dreambooth", "--compare", "RTX 3060 12GB,RTX 4090,2x RTX 4090,H100 SXM")
+    assert r.exit_code == 0, r.output
+    for name in ("RTX 3060 12GB", "2x RTX 4090", "H100 SXM"):
+        assert name in r.stdout
+
+
+def test_dataset_counting(tmp_path):
+    kohya = tmp_path / "kohya"
+    for folder, n in (("10_sks dog", 3), ("10_dog", 2)):
+        (kohya / folder).mkdir(parents=True)
+        for i in range(n):
+            (kohya / folder / f"{i}.png").write_bytes(b"x")
+    c = count_dataset(kohya)
+    assert (c.images, c.repeats, c.images_per_epoch, c.layout) == (5, 10, 50, "kohya")
+    flat = tmp_path / "flat"
+    flat.mkdir()
+    for i in range(4):
+        (flat / f"{i}.jpg").write_bytes(b"x")
+        (flat / f"{i}.txt").write_text("a photo")
+    (flat / "notes.md").write_text("not an image")
+    f = count_dataset(flat)
+    assert (f.images, f.captions, f.layout) == (4, 4, "flat")
+    r = run("--method", "lora", "--hardware", "RTX 4090", "--dataset", str(kohya), "--json")
+    d = json.loads(r.stdout)
+    assert (
+        d["request"]["images"] == 5 and d["request"]["repeats"] == 10 and d["steps"]["images_per_epoch"] == 50
+    )
+
+
+def test_out_writes_files_and_never_overwrites(tmp_path):
+    out = tmp_path / "plan"
+    args = ("--method", "dreambooth", "--machine", str(MACHINES / "rx6700xt.json"), "--out", str(out))
+    r = run(*args)
+    assert r.exit_code == 0, r.output
+    text = (out / "sdplan.yaml").read_text()
+    assert text.startswith("#") and f"sdplan train --config {out / 'sdplan.yaml'}" in text
+    from sdplan import config
+
+    cfg = config.validate(yaml.safe_load(text), "sdplan.yaml")
+    acc = yaml.safe_load((out / "accelerate.yaml").read_text())
+    assert acc["num_processes"] == cfg.distributed.num_processes
+    if cfg.distributed.deepspeed is not None:  # offload chosen on the 12 GB RDNA2 card
+        ds = json.loads((out / "deepspeed.json").read_text())
+        assert acc["distributed_type"] == "DEEPSPEED"
+        assert (
+            ds["train_batch_size"]
+            == cfg.training.batch_size * cfg.training.grad_accum * cfg.distributed.num_processes
+        )
+    again = run(*args)
+    assert again.exit_code == 3 and "--force" in again.stderr
+    assert run(*args, "--force").exit_code == 0
+
+
+def test_launch_configs():
+    assert accelerate_config(num_processes=1, precision="bf16")["distributed_type"] == "NO"
+    multi = accelerate_config(num_processes=2, precision="fp16")
+    assert multi["distributed_type"] == "MULTI_GPU" and multi["mixed_precision"] == "fp16"
+    ds = accelerate_config(
+        num_processes=1,
+        precision="fp16",
+        deepspeed={"zero_stage": 2, "offload_optimizer": True},
+        grad_accum=4,
+    )
+    assert (
+        ds["deepspeed_config"]["offload_optimizer_device"] == "cpu"
+        and ds["deepspeed_config"]["gradient_accumulation_steps"] == 4
+    )
+    cfg = deepspeed_config(micro_batch=2, grad_accum=3, world_size=4, precision="bf16")
+    assert cfg["train_batch_size"] == 24 and cfg["bf16"]["enabled"] and not cfg["fp16"]["enabled"]
+    with pytest.raises(ValueError):
+        deepspeed_config(micro_batch=0, grad_accum=1, world_size=1, precision="fp16")
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (("--method", "dremboth", "--hardware", "RTX 4090"), "unknown method"),
+        (("--method", "lora", "--model", "sd3", "--hardware", "RTX 4090"), "unknown model"),
+        (("--method", "lora", "--hardware", "RTX 4099"), "unknown GPU"),
+        (("--method", "lora", "--hardware", "RTX 4090", "--images", "0"), "--images must be >= 1"),
+        (("--method", "lora", "--hardware", "RTX 4090", "--epochs", "-2"), "--epochs must be >= 1"),
+        (("--method", "lora", "--hardware", "RTX 4090", "--resolution", "500"), "multiple of 8"),
+        (("--method", "lora", "--hardware", "0x RTX 4090"), "between 1 and 64"),
+    ],
+)
+def test_bad_input_is_one_clear_line(args, needle):
+    line = _one_line_error(run(*args))
+    assert needle in line
+
+
+def test_bad_dataset_and_snapshot(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert "holds no images" in _one_line_error(
+        run("--method", "lora", "--hardware", "T4", "--dataset", str(empty))
+    )
+    missing = tmp_path / "nope"
+    assert "does not exist" in _one_line_error(
+        run("--method", "lora", "--hardware", "T4", "--dataset", str(missing))
+    )
+    bad = tmp_path / "snap.json"
+    bad.write_text('{"schema_version": 1, "host": {}, "gpus": [{"index": 0}]}')
+    assert "gpus[0].vendor: missing" in _one_line_error(run("--method", "lora", "--machine", str(bad)))
+    bad.write_text("{not json")
+    assert "not valid JSON" in _one_line_error(run("--method", "lora", "--machine", str(bad)))
+
+
+def test_recommend_never_imports_torch():
+    code = (
+        "import sys\nfrom sdplan.cli import app\n"
+        "try:\n    app(['recommend', '--method', 'dreambooth', '--hardware', '2x RTX 4090', '--json'], standalone_mode=False)\n"
+        "except SystemExit:\n    pass\n"
+        "print('TORCH', 'torch' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert json.loads(out.stdout[: out.stdout.rindex("TORCH")])["feasible"] is True
+    assert out.stdout.strip().endswith("TORCH False")
