@@ -95,6 +95,13 @@ def _check_kohya_file(path: Path, prefixes: tuple[str, ...]) -> dict:
     return tensors
 
 
+def _plain_mode() -> int:
+    """The mode open() gives a new file (0666 minus the umask): what a UI running as another user can read."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
 def _with_rank_as_alpha(src: Path, dst: Path) -> Path:
     tensors, md = _kohya(src)
     tensors = {k: (torch.tensor(float(RANK)) if k.endswith(".alpha") else v) for k, v in tensors.items()}
@@ -114,6 +121,10 @@ def test_lora_sd15_loads_back_in_both_formats(tiny_sd15, tmp_path):
         rank=RANK, alpha=ALPHA, metadata=META, name="mylora",
     )  # fmt: skip
     assert [p.name for p in paths] == ["pytorch_lora_weights.safetensors", "mylora.kohya.safetensors"]
+    assert all(p.stat().st_mode & 0o777 == _plain_mode() for p in paths)  # not safetensors' 0600
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(
+        p.name for p in paths
+    )  # no temp left
 
     with safe_open(str(paths[0]), framework="pt") as f:
         md, keys = f.metadata(), list(f.keys())
@@ -352,6 +363,7 @@ def test_save_full_sd15_single_file_round_trip(tiny_sd15, tmp_path):
     record = json.loads((model_dir / "sdplan.json").read_text())
     assert record["sdplan_config"]["method"] == "finetune" and record["sdplan_plan"] == CONFIG["plan"]
     _assert_same_weights(pipe, _pipe(model_dir))
+    assert all(p.stat().st_mode & 0o777 == _plain_mode() for p in [single, *model_dir.rglob("*.safetensors")])
 
     with safe_open(str(single), framework="pt") as f:
         keys, md = set(f.keys()), f.metadata()

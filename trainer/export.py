@@ -173,6 +173,16 @@ def _tmp_name(path: Path) -> Path:
     return path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
 
 
+def _umask_permissions(*paths: Path) -> None:
+    """safetensors (0.8) creates its files 0600; outputs are meant to be read by a UI that may run as another
+    user, so give files the mode a plain ``open()`` would (0666 minus the umask)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    for path in paths:
+        for file in [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]:
+            os.chmod(file, 0o666 & ~mask)
+
+
 def _save_safetensors(tensors: dict, path: Path, metadata: dict[str, str]) -> Path:
     """safetensors written atomically (temp file then rename): a kill mid-write leaves the old file."""
     from safetensors.torch import save_file
@@ -181,6 +191,7 @@ def _save_safetensors(tensors: dict, path: Path, metadata: dict[str, str]) -> Pa
     tmp = _tmp_name(path)
     try:
         save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
+        _umask_permissions(tmp)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
@@ -609,6 +620,7 @@ def save_full(
         pipeline.save_pretrained(str(tmp), safe_serialization=True)
         record = {k: (json.loads(v) if k in ("sdplan_config", "sdplan_plan") else v) for k, v in md.items()}
         (tmp / METADATA_JSON).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+        _umask_permissions(tmp)
         _replace_dir(tmp, folder)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
