@@ -139,9 +139,7 @@ def run_demo(req: Any, ui: Any) -> dict[str, Any]:
         for sub in ("base_model", "dataset"):
             shutil.rmtree(out / sub, ignore_errors=True)
     start = time.perf_counter()
-    from sdplan.trainer.tiny import save_tiny_model
-
-    save_tiny_model(out / "base_model", family)
+    _build_tiny_model(out / "base_model", family)
     make_dataset(out / "dataset")
     ui.echo(
         f"built a tiny {family} model in {out / 'base_model'} and {DEMO_IMAGES} captioned images in "
@@ -162,3 +160,24 @@ def run_demo(req: Any, ui: Any) -> dict[str, Any]:
         ),
         ui,
     )
+
+
+def _build_tiny_model(folder: Path, family: str) -> None:
+    """The tiny model, without the library chatter a newcomer would take for errors (the tiny scheduler's
+    config notes, save progress bars)."""
+    import warnings
+
+    from diffusers.utils import logging as dlog
+
+    from sdplan.trainer.tiny import save_tiny_model
+
+    level = dlog.get_verbosity()
+    dlog.set_verbosity_error()
+    dlog.disable_progress_bar()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            save_tiny_model(folder, family)
+    finally:
+        dlog.set_verbosity(level)
+        dlog.enable_progress_bar()

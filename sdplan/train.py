@@ -599,6 +599,8 @@ def prepare(req: TrainRequest, ui: UI) -> Prepared:
     out_given = Path(req.out).expanduser().resolve() if req.out else None
 
     if req.resume:
+        if out_given is not None:
+            check_out_dir(out_given, resume=True)  # an sdplan run, before its config is read
         base_path = (out_given / CONFIG_FILE) if out_given else config_path
         base = read_yaml_config(base_path)
         out = out_given or Path(str(base.get("output", {}).get("dir", "./output"))).expanduser().resolve()

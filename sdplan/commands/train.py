@@ -68,15 +68,20 @@ def train(
         ),
     ] = None,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Start without asking for confirmation.")] = False,
-    force: Annotated[bool, typer.Option(help="Start an existing sdplan run in --out over.")] = False,
+    force: Annotated[
+        bool, typer.Option("--force", help="Start an existing sdplan run in --out over.")
+    ] = False,
     resume: Annotated[
         bool,
-        typer.Option(help="Continue the run in --out from its newest checkpoint (config read from there)."),
+        typer.Option(
+            "--resume", help="Continue the run in --out from its newest checkpoint (config read from there)."
+        ),
     ] = False,
     demo: Annotated[
         bool,
         typer.Option(
-            help="Train a LoRA on a tiny model built in code and a generated dataset, on the CPU (<1 min)."
+            "--demo",
+            help="Train a LoRA on a tiny model built in code and a generated dataset, on the CPU (<1 min).",
         ),
     ] = False,
     device: Annotated[
@@ -96,7 +101,8 @@ def train(
     ] = None,
     main_process_port: Annotated[int, typer.Option(help="Port on machine 0 (several machines).")] = 29500,
     dry_run: Annotated[
-        bool, typer.Option(help="Validate, plan and print the launch command; write and run nothing.")
+        bool,
+        typer.Option("--dry-run", help="Validate, plan and print the launch command; write and run nothing."),
     ] = False,
 ) -> None:
     """Probe, plan (as `sdplan recommend`), confirm, write sdplan.yaml and launch the trainer.

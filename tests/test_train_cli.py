@@ -1,0 +1,291 @@
+"""`sdplan train` at the CLI edge: bad input is one clear line and a non-zero exit, before any model loads."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import make_images
+from typer.testing import CliRunner
+
+from sdplan.cli import app
+
+runner = CliRunner()
+
+
+def invoke(*args: str, cwd: Path | None = None):
+    old = os.getcwd()
+    try:
+        if cwd is not None:
+            os.chdir(cwd)
+        return runner.invoke(app, ["train", *args])
+    finally:
+        os.chdir(old)
+
+
+def one_line_error(result, code: int, *needles: str) -> str:
+    """Exit code, exactly one `error:` line on stderr, no traceback; returns the line."""
+    assert result.exit_code == code, (result.exit_code, result.stdout, result.stderr)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: ")
+    assert "Traceback" not in result.stdout + result.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.fixture
+def fake_model(tmp_path) -> Path:
+    """A folder that passes the cheap model check (model_index.json + unet config), with no weights: any
+    attempt to load it would fail, so a test passing with it proves nothing was loaded."""
+    root = tmp_path / "model"
+    (root / "unet").mkdir(parents=True)
+    (root / "model_index.json").write_text('{"_class_name": "StableDiffusionPipeline"}')
+    (root / "unet" / "config.json").write_text('{"cross_attention_dim": 768}')
+    return root
+
+
+def write_config(path: Path, **sections) -> Path:
+    data: dict = {"method": "lora"}
+    for key, value in sections.items():
+        data[key] = value
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+# -- bad input: one line each --------------------------------------------------------------------------------
+
+
+def test_config_with_unknown_key_fails_first(tmp_path):
+    """The config is checked before the dataset (which is missing too) and before anything else."""
+    cfg = write_config(
+        tmp_path / "c.yaml", training={"batch_sise": 2}, data={"path": str(tmp_path / "missing")}
+    )
+    line = one_line_error(
+        invoke("--config", str(cfg), "--out", str(tmp_path / "o")), 2, "training.batch_sise"
+    )
+    assert "unknown key" in line and "did you mean batch_size" in line
+    assert not (tmp_path / "o").exists()
+
+
+def test_config_with_wrong_type(tmp_path):
+    cfg = write_config(tmp_path / "c.yaml", training={"batch_size": "two"})
+    one_line_error(invoke("--config", str(cfg)), 2, "training.batch_size: must be an integer")
+
+
+def test_missing_config_file(tmp_path):
+    one_line_error(invoke("--config", str(tmp_path / "nope.yaml")), 2, "file not found")
+
+
+def test_bad_override(tmp_path, fake_model):
+    ds = make_images(tmp_path / "ds")
+    one_line_error(
+        invoke("--model", str(fake_model), "--dataset", str(ds), "training.learning_rat=1e-4"),
+        2,
+        "training.learning_rat: unknown key",
+    )
+
+
+def test_missing_dataset(tmp_path, fake_model):
+    one_line_error(
+        invoke("--model", str(fake_model), "--dataset", str(tmp_path / "nope"), "--out", str(tmp_path / "o")),
+        2,
+        "does not exist",
+    )
+
+
+def test_empty_dataset(tmp_path, fake_model):
+    (tmp_path / "ds").mkdir()
+    one_line_error(
+        invoke("--model", str(fake_model), "--dataset", str(tmp_path / "ds")), 2, "no readable images"
+    )
+
+
+def test_only_unreadable_images(tmp_path, fake_model):
+    ds = tmp_path / "ds"
+    ds.mkdir()
+    (ds / "a.png").write_bytes(b"not a png at all")
+    (ds / "b.jpg").write_bytes(b"\xff\xd8\xff garbage")
+    line = one_line_error(invoke("--model", str(fake_model), "--dataset", str(ds)), 2, "no readable images")
+    assert "2 skipped" in line
+
+
+def test_missing_model_path(tmp_path):
+    ds = make_images(tmp_path / "ds")
+    one_line_error(
+        invoke("--model", str(tmp_path / "models" / "sd15"), "--dataset", str(ds)),
+        2,
+        "no such file or folder",
+    )
+
+
+def test_model_and_dataset_are_required_without_config(tmp_path):
+    one_line_error(invoke("--method", "lora"), 2, "--model and --dataset missing")
+
+
+def test_resume_without_checkpoint(tmp_path, fake_model):
+    ds = make_images(tmp_path / "ds")
+    run = tmp_path / "run"
+    run.mkdir()
+    write_config(run / "sdplan.yaml", model={"path": str(fake_model)}, data={"path": str(ds)})
+    one_line_error(invoke("--resume", "--out", str(run)), 2, "no checkpoint")
+
+
+def test_resume_needs_a_run_folder(tmp_path):
+    one_line_error(invoke("--resume"), 2, "--out")
+    (tmp_path / "r").mkdir()
+    one_line_error(invoke("--resume", "--out", str(tmp_path / "r")), 2, "not an sdplan run")
+
+
+# -- the --out rule ----------------------------------------------------------------------------------------------
+
+
+def test_out_with_user_files_is_refused(tmp_path, fake_model):
+    ds = make_images(tmp_path / "ds")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    for extra in ([], ["--force"]):
+        one_line_error(
+            invoke(
+                "--model", str(fake_model), "--dataset", str(ds), "--out", str(out), "--device", "cpu", *extra
+            ),
+            3,
+            "not an sdplan run",
+        )
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+
+
+def test_out_with_a_run_needs_force_or_resume(tmp_path, fake_model):
+    ds = make_images(tmp_path / "ds")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "sdplan.yaml").write_text("method: lora\n")
+    (out / "run_summary.json").write_text("{}")
+    one_line_error(
+        invoke("--model", str(fake_model), "--dataset", str(ds), "--out", str(out), "--device", "cpu"),
+        3,
+        "--resume",
+    )
+
+
+# -- no GPU ------------------------------------------------------------------------------------------------------
+
+
+def _has_gpu() -> bool:
+    from sdplan.probe.snapshot import probe
+
+    return bool(probe(".").usable_gpus)
+
+
+@pytest.mark.skipif(_has_gpu(), reason="this machine has a GPU")
+def test_no_gpu_refusal_before_loading_anything(tmp_path, fake_model):
+    ds = make_images(tmp_path / "ds")
+    line = one_line_error(
+        invoke("--model", str(fake_model), "--dataset", str(ds), "--out", str(tmp_path / "o")),
+        4,
+        "no usable GPU",
+    )
+    assert "--device cpu" in line
+    assert not (tmp_path / "o").exists()
+
+
+def test_dry_run_on_cpu_writes_nothing(tmp_path, fake_model):
+    ds = make_images(tmp_path / "ds", n=6)
+    out = tmp_path / "o"
+    r = invoke(
+        "--model", str(fake_model), "--dataset", str(ds), "--out", str(out), "--device", "cpu", "--dry-run",
+        "--epochs", "2", "training.batch_size=2", "--num-processes", "2",
+    )  # fmt: skip
+    assert r.exit_code == 0, r.stderr
+    assert "torch.distributed.run --standalone --nproc_per_node 2 -m sdplan.trainer" in r.stdout
+    # 6 images / (2 per process x 2 processes) = 2 steps per epoch (rounded up), 2 epochs.
+    assert "2 steps per epoch x 2 epoch(s) = 4 optimizer steps; images seen 12" in r.stdout
+    assert not out.exists()
+
+
+def test_two_machines_print_each_node_command(tmp_path, fake_model):
+    """A config for one machine with 2 GPUs, run on 2 machines: 4 processes, and the exact command for each
+    node. Planned against a saved snapshot of a 2x RTX 4090 machine (this one has no GPU)."""
+    from sdplan.machine import Snapshot
+    from sdplan.train import UI, TrainRequest, run
+
+    ds = make_images(tmp_path / "ds")
+    cfg = write_config(
+        tmp_path / "c.yaml",
+        model={"path": str(fake_model)},
+        data={"path": str(ds)},
+        distributed={"num_processes": 2},
+        training={"batch_size": 2, "precision": "bf16"},
+    )
+    lines: list[str] = []
+    snap = Snapshot.load(Path(__file__).parent / "fixtures" / "machines" / "2x_rtx4090_pcie.json")
+    req = TrainRequest(
+        config=str(cfg),
+        out=str(tmp_path / "o"),
+        num_machines=2,
+        machine_rank=0,
+        main_process_ip="10.0.0.1",
+        dry_run=True,
+        snapshot=snap,
+    )
+    run(req, UI(echo=lines.append))
+    text = "\n".join(lines)
+    acc_file = tmp_path / "o" / "accelerate.yaml"
+    for rank in (0, 1):
+        assert (
+            f"node {rank}: accelerate launch --config_file {acc_file} --machine_rank {rank} "
+            f"-m sdplan.trainer --config {tmp_path / 'o' / 'sdplan.yaml'}"
+        ) in text
+    # 2 GPUs on each of 2 machines: 4 processes split every epoch.
+    assert "x 4 processes = 8 images per optimizer step" in text
+
+
+# -- nothing heavy is imported on the way to an input error ---------------------------------------------------
+
+
+@pytest.mark.parametrize("case", ["bad_key", "missing_dataset", "unreadable", "missing_model", "no_gpu"])
+def test_input_errors_load_no_model_code(tmp_path, case):
+    """In a fresh interpreter: the error comes with torch, diffusers and transformers never imported."""
+    ds = make_images(tmp_path / "ds", n=2)
+    model = tmp_path / "model"
+    (model / "unet").mkdir(parents=True)
+    (model / "model_index.json").write_text("{}")
+    (model / "unet" / "config.json").write_text("{}")
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "x.png").write_bytes(b"junk")
+    args = {
+        "bad_key": ["--model", str(model), "--dataset", str(ds), "memory.gradient_checkpoint=true"],
+        "missing_dataset": ["--model", str(model), "--dataset", str(tmp_path / "none")],
+        "unreadable": ["--model", str(model), "--dataset", str(bad)],
+        "missing_model": ["--model", str(tmp_path / "none"), "--dataset", str(ds)],
+        "no_gpu": ["--model", str(model), "--dataset", str(ds), "--out", str(tmp_path / "o")],
+    }[case]
+    if case == "no_gpu" and _has_gpu():
+        pytest.skip("this machine has a GPU")
+    code = textwrap.dedent(
+        """
+        import sys
+        from sdplan.cli import app
+        try:
+            app(sys.argv[1:], prog_name="sdplan")
+        except SystemExit as e:
+            code = e.code
+        heavy = [m for m in ("torch", "diffusers", "transformers", "accelerate") if m in sys.modules]
+        print("HEAVY=" + ",".join(heavy))
+        sys.exit(code)
+        """
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, "train", *args], capture_output=True, text=True, timeout=60, cwd=tmp_path
+    )
+    assert proc.returncode in (2, 4), proc.stderr
+    assert proc.stderr.count("error:") == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "HEAVY=\n" in proc.stdout or proc.stdout.strip().endswith("HEAVY="), proc.stdout
