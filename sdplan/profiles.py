@@ -1,6 +1,6 @@
 """Strict loader for the shipped profiles (GPU catalog, model families, method points, activations).
 
-The YAML files ship inside the package (``profiles/`` in the source tree, ``sdplan/profiles/`` in a wheel);
+The YAML files ship inside the package (``profiles/`` in the source tree, ``sdplan/profile_data/`` in a wheel);
 a local profile store (``$SDPLAN_PROFILE_DIR``, else ``$XDG_DATA_HOME/sdplan/profiles``) adds measured points
 and GPUs when present. Every file is checked against its schema: unknown keys are rejected and every error in
 a file is reported at once (:class:`~sdplan.errors.ConfigError`). No torch here; loading is cached.
@@ -43,9 +43,9 @@ except AttributeError:  # pragma: no cover
 
 
 def shipped_dir() -> Path:
-    """The profiles that ship with sdplan: ``sdplan/profiles/`` in a wheel, ``profiles/`` in the source tree."""
+    """The profiles that ship with sdplan: ``sdplan/profile_data/`` in a wheel, ``profiles/`` in the source tree."""
     here = Path(__file__).resolve().parent
-    for candidate in (here / "profiles", here.parent / "profiles"):
+    for candidate in (here / "profile_data", here.parent / "profiles"):
         if (candidate / "models").is_dir() or (candidate / "gpus.yaml").is_file():
             return candidate
     return here.parent / "profiles"
