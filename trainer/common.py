@@ -136,6 +136,15 @@ def vae_dtype(accelerator):
     return torch.bfloat16 if accelerator.mixed_precision == "bf16" else torch.float32
 
 
+def place(model, device, dtype) -> None:
+    """Move ``model`` to ``device`` and cast it to ``dtype`` only when it is in another one (diffusers warns
+    on every dtype cast, even a no-op)."""
+    model.to(device)
+    current = next((p.dtype for p in model.parameters() if p.is_floating_point()), dtype)
+    if current != dtype:
+        model.to(dtype=dtype)
+
+
 def use_sdpa(*models) -> None:
     """PyTorch scaled-dot-product attention (flash / memory-efficient kernels on GPU)."""
     from diffusers.models.attention_processor import AttnProcessor2_0
@@ -146,9 +155,17 @@ def use_sdpa(*models) -> None:
 
 
 def enable_gradient_checkpointing(*models) -> None:
+    """Recompute activations in the backward pass: diffusers models and transformers text encoders (the
+    non-reentrant variant, so adapters inside frozen layers still get gradients)."""
     for m in models:
-        m.gradient_checkpointing_enable()
-        if hasattr(m, "config") and hasattr(m.config, "use_cache"):
+        m = getattr(m, "module", m)  # DDP-wrapped
+        if hasattr(m, "enable_gradient_checkpointing"):  # diffusers
+            m.enable_gradient_checkpointing()
+        elif hasattr(m, "activation_checkpointing_enable"):  # transformers >= 5.x
+            m.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:  # older transformers
+            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if hasattr(getattr(m, "config", None), "use_cache"):
             m.config.use_cache = False
 
 

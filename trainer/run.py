@@ -9,6 +9,8 @@ SdplanError subclasses for everything the user can fix: DatasetError / UsageErro
 from __future__ import annotations
 
 import importlib
+import os
+from pathlib import Path
 
 from sdplan.config import TrainConfig
 from sdplan.errors import ConfigError
@@ -30,4 +32,7 @@ def recipe(method: str):
 def train(cfg: TrainConfig, *, resume: str | None = None) -> dict:
     """Train ``cfg.method`` as configured; ``resume``: "latest" or a checkpoint folder (overrides
     ``checkpoints.resume``)."""
-    return recipe(cfg.method).train(cfg, resume=resume)
+    module = recipe(cfg.method)
+    if os.environ.get("RANK", "0") == "0":  # an OOM report describes the latest run only
+        Path(cfg.output.dir, "oom.json").unlink(missing_ok=True)
+    return module.train(cfg, resume=resume)

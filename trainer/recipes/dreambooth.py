@@ -53,13 +53,13 @@ def train(cfg: TrainConfig, *, resume: str | None = None) -> dict:
     unet, vae, text_encoders = comps.unet, comps.vae, comps.text_encoders
     wdtype = common.weight_dtype(accelerator)
     vae.requires_grad_(False)
-    vae.to(device, dtype=common.vae_dtype(accelerator))
+    common.place(vae, device, common.vae_dtype(accelerator))
     unet.requires_grad_(True)
-    unet.to(device, dtype=torch.float32)
+    common.place(unet, device, torch.float32)
     trained = {"unet": unet}
     for i, te in enumerate(text_encoders):
         te.requires_grad_(tcfg.train_text_encoder)
-        te.to(device, dtype=torch.float32 if tcfg.train_text_encoder else wdtype)
+        common.place(te, device, torch.float32 if tcfg.train_text_encoder else wdtype)
         if tcfg.train_text_encoder:
             trained[f"text_encoder_{i}"] = te
     common.use_sdpa(unet, vae)

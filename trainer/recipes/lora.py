@@ -48,10 +48,10 @@ def train(cfg: TrainConfig, *, resume: str | None = None) -> dict:
     for m in (unet, vae, *text_encoders):
         m.requires_grad_(False)
     wdtype = common.weight_dtype(accelerator)
-    unet.to(device, dtype=wdtype)
-    vae.to(device, dtype=common.vae_dtype(accelerator))
+    common.place(unet, device, wdtype)
+    common.place(vae, device, common.vae_dtype(accelerator))
     for te in text_encoders:
-        te.to(device, dtype=wdtype)
+        common.place(te, device, wdtype)
     common.use_sdpa(unet, vae)
 
     # 3. Adapters (seeded: every process starts from the same weights).

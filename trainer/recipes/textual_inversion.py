@@ -49,15 +49,15 @@ def train(cfg: TrainConfig, *, resume: str | None = None) -> dict:
     wdtype = common.weight_dtype(accelerator)
     for m in (unet, vae, *text_encoders):
         m.requires_grad_(False)
-    unet.to(device, dtype=wdtype)
-    vae.to(device, dtype=common.vae_dtype(accelerator))
+    common.place(unet, device, wdtype)
+    common.place(vae, device, common.vae_dtype(accelerator))
     placeholders = [ti.token] + [f"{ti.token}_{i}" for i in range(1, ti.num_vectors)]
     token_ids = [
         _add_tokens(tok, te, placeholders, ti.init_token) for tok, te in zip(comps.tokenizers, text_encoders)
     ]
     trained = {}
     for i, te in enumerate(text_encoders):
-        te.to(device, dtype=torch.float32)  # the embedding trains in fp32
+        common.place(te, device, torch.float32)  # the embedding trains in fp32
         te.get_input_embeddings().weight.requires_grad_(True)
         trained[f"text_encoder_{i}"] = te
     common.use_sdpa(unet, vae)

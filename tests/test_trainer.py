@@ -1,0 +1,515 @@
+"""The bundled trainer on tiny models built in code (CPU, seconds each): every method trains and its outputs
+load back into a diffusers pipeline; exact resume; SIGINT; broken and empty datasets; OOM and NaN stops;
+a 2-process gloo run."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from conftest import make_images
+from PIL import Image
+from sdplan.trainer import checkpoint, common, models, run
+from sdplan.trainer.__main__ import main as trainer_main
+
+from sdplan import config
+from sdplan.errors import DatasetError, UsageError
+
+REPO = Path(__file__).resolve().parents[1]
+PY = sys.executable
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """The tiny models train ~5x faster on one thread than on two contended ones."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def make_cfg(model: Path, data: Path, out: Path, *overrides: str) -> config.TrainConfig:
+    base = {
+        "method": "lora",
+        "model": {"path": str(model)},
+        "data": {"path": str(data), "resolution": 64},
+        "training": {
+            "batch_size": 2,
+            "precision": "fp32",
+            "learning_rate": 1e-3,
+            "max_steps": 2,
+            "device": "cpu",
+        },
+        "lora": {"rank": 4, "alpha": 8},
+        "output": {"dir": str(out)},
+        "checkpoints": {"every_steps": 0},
+        "sampling": {"num_inference_steps": 2, "guidance_scale": 1.0},
+    }
+    return config.validate(config.apply_overrides(base, list(overrides)))
+
+
+def write_cfg(cfg: config.TrainConfig, path: Path) -> Path:
+    path.write_text(yaml.safe_dump(cfg.to_dict()))
+    return path
+
+
+def losses(out: Path) -> list[float]:
+    return json.loads((out / "loss_history.json").read_text())["losses"]
+
+
+def pipe_image(pipe, prompt: str = "a photo of sks red square") -> np.ndarray:
+    g = torch.Generator("cpu").manual_seed(0)
+    out = pipe(
+        prompt, num_inference_steps=2, guidance_scale=1.0, height=64, width=64, generator=g, output_type="np"
+    )
+    return out.images[0]
+
+
+def sd_pipeline(folder: Path):
+    from diffusers import StableDiffusionPipeline
+
+    pipe = StableDiffusionPipeline.from_pretrained(
+        str(folder), safety_checker=None, requires_safety_checker=False
+    )
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory) -> Path:
+    return make_images(tmp_path_factory.mktemp("data") / "flat", n=4)
+
+
+# -- pure pieces ------------------------------------------------------------------------------------------
+
+
+def test_multi_process_step_arithmetic():
+    # 8 samples, batch 2, accum 1: 4 steps on one process, 2 on two, 1 on four (each epoch split N ways).
+    assert [common.steps_per_epoch(8, 2, 1, n) for n in (1, 2, 4)] == [4, 2, 1]
+    assert common.steps_per_epoch(9, 2, 2, 2) == 2  # ceil(9 / 8)
+    one = common.plan_steps(
+        batches_per_epoch=4, grad_accum=1, epochs=3, max_steps=None, warmup_steps=4, num_processes=1
+    )
+    two = common.plan_steps(
+        batches_per_epoch=2, grad_accum=1, epochs=3, max_steps=None, warmup_steps=4, num_processes=2
+    )
+    assert (one.max_steps, one.warmup_steps) == (12, 4)
+    assert (two.max_steps, two.warmup_steps) == (6, 2)  # the schedule follows the split epoch
+    capped = common.plan_steps(
+        batches_per_epoch=2, grad_accum=1, epochs=1, max_steps=10, warmup_steps=0, num_processes=2
+    )
+    assert (capped.max_steps, capped.epochs) == (5, 3)  # max_steps is a one-process count
+
+
+def test_family_detection_and_sources(tmp_path, tiny_sd15):
+    assert models.detect_family({"cross_attention_dim": 768}) == "sd15"
+    assert models.detect_family({"cross_attention_dim": 1024}) == "sd21"
+    assert models.detect_family({"cross_attention_dim": 2048, "addition_embed_type": "text_time"}) == "sdxl"
+    assert models.resolve_source(str(tiny_sd15)).kind == "folder"
+    assert models.resolve_source("stabilityai/stable-diffusion-xl-base-1.0").kind == "hub"
+    for bad in ("./no/such/model", str(tmp_path / "missing.safetensors"), "no-slash-and-missing"):
+        with pytest.raises(UsageError, match="no such file or folder"):
+            models.resolve_source(bad)
+    with pytest.raises(UsageError, match="not a diffusers model"):
+        models.resolve_source(str(tmp_path))
+
+
+def test_load_components(tiny_sd15, tiny_sdxl):
+    c = models.load_components(str(tiny_sd15))
+    assert (c.family, len(c.text_encoders), len(c.tokenizers)) == ("sd15", 1, 1)
+    assert type(c.noise_scheduler).__name__ == "DDPMScheduler"
+    x = models.load_components(str(tiny_sdxl))
+    assert (x.family, len(x.text_encoders)) == ("sdxl", 2)
+    with pytest.raises(models.ModelLoadError, match="sdxl"):
+        models.load_components(str(tiny_sd15), family="sdxl")
+
+
+def test_latest_checkpoint_ignores_incomplete(tmp_path):
+    root = checkpoint.checkpoint_root(tmp_path)
+    for name in ("rolling-step-000004", "step-000002", ".tmp-rolling-step-000006", "step-000008"):
+        (root / name).mkdir(parents=True)
+    for name in ("rolling-step-000004", "step-000002"):
+        (root / name / checkpoint.STATE_FILE).write_text("{}")
+    # step-000008 has no train_state.json (never completed); .tmp- folders are writes in progress.
+    assert checkpoint.latest_checkpoint(tmp_path) == root / "rolling-step-000004"
+    assert checkpoint.resolve_resume("latest", tmp_path) == root / "rolling-step-000004"
+    with pytest.raises(UsageError, match="no checkpoint"):
+        checkpoint.resolve_resume("latest", tmp_path / "other")
+
+
+# -- methods ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.train
+def test_lora_trains_outputs_load_and_change_the_pipeline(tiny_sd15, dataset, tmp_path):
+    out = tmp_path / "out"
+    cfg = make_cfg(tiny_sd15, dataset, out, "training.train_text_encoder=true", "training.learning_rate=5e-2")
+    summary = run.train(cfg)
+    assert summary == json.loads((out / "run_summary.json").read_text())
+    assert set(summary) == {
+        "method",
+        "steps",
+        "epochs",
+        "images_seen",
+        "num_processes",
+        "final_loss",
+        "wall_seconds",
+        "peak_memory_bytes",
+        "outputs",
+    }
+    assert (summary["method"], summary["steps"], summary["images_seen"], summary["num_processes"]) == (
+        "lora",
+        2,
+        4,
+        1,
+    )
+    assert summary["peak_memory_bytes"] > 0 and summary["final_loss"] > 0
+    assert all(Path(p).exists() for p in summary["outputs"])
+    assert Image.open(out / "loss.png").format == "PNG"
+    assert Image.open(out / "samples" / "final.png").size == (64, 64)
+
+    from safetensors import safe_open
+
+    with safe_open(str(out / "sdplan.kohya.safetensors"), framework="pt") as f:
+        keys, meta = list(f.keys()), f.metadata()
+    assert any(k.startswith("lora_unet_") and k.endswith(".lora_down.weight") for k in keys)
+    assert any(k.startswith("lora_te_") for k in keys)
+    assert (meta["ss_network_dim"], float(meta["ss_network_alpha"])) == ("4", 8.0)
+    assert json.loads(meta["sdplan_config"])["method"] == "lora"
+
+    pipe = sd_pipeline(tiny_sd15)
+    before = pipe_image(pipe)
+    pipe.load_lora_weights(str(out))
+    assert np.abs(pipe_image(pipe) - before).max() > 1e-3
+
+
+@pytest.mark.train
+def test_loss_on_a_repeated_batch_goes_down(tiny_sd15, tmp_path):
+    data = make_images(tmp_path / "one", n=1)
+    out = tmp_path / "out"
+    cfg = make_cfg(
+        tiny_sd15,
+        data,
+        out,
+        "data.repeats=8",
+        "training.batch_size=1",
+        "training.max_steps=24",
+        "training.learning_rate=1e-2",
+    )
+    run.train(cfg)
+    history = losses(out)
+    assert sum(history[-6:]) < sum(history[:6])
+
+    def fixed_loss(pipe) -> float:
+        """Noise-prediction error on the training image at fixed timesteps and noise."""
+        g = torch.Generator().manual_seed(123)
+        px = np.asarray(Image.open(data / "img000.png").convert("RGB"), dtype=np.float32) / 127.5 - 1
+        with torch.no_grad():
+            lat = pipe.vae.encode(torch.from_numpy(px).permute(2, 0, 1)[None]).latent_dist.mean
+            lat = lat * pipe.vae.config.scaling_factor
+            ids = pipe.tokenizer(
+                ["a photo of sks red square"],
+                padding="max_length",
+                max_length=pipe.tokenizer.model_max_length,
+                return_tensors="pt",
+            ).input_ids
+            emb = pipe.text_encoder(ids)[0]
+            total = 0.0
+            for t in (50, 200, 400, 600, 800, 950):
+                noise, tt = torch.randn(lat.shape, generator=g), torch.tensor([t])
+                pred = pipe.unet(pipe.scheduler.add_noise(lat, noise, tt), tt, emb).sample
+                total += torch.nn.functional.mse_loss(pred, noise).item()
+        return total / 6
+
+    pipe = sd_pipeline(tiny_sd15)
+    before = fixed_loss(pipe)
+    pipe.load_lora_weights(str(out))
+    assert fixed_loss(pipe) < 0.95 * before
+
+
+@pytest.mark.train
+def test_dreambooth_with_prior_preservation(tiny_sd15, dataset, tmp_path):
+    out = tmp_path / "out"
+    cfg = make_cfg(
+        tiny_sd15,
+        dataset,
+        out,
+        "method=dreambooth",
+        "dreambooth.with_prior_preservation=true",
+        "dreambooth.class_prompt=a photo of a square",
+        "dreambooth.num_class_images=3",
+        "training.learning_rate=1e-3",
+    )
+    summary = run.train(cfg)
+    assert len(list((out / "class_images").glob("*.png"))) == 3  # generated by the base model
+    assert summary["images_seen"] == 4  # instance images; the class images ride along
+    assert (out / "model" / "model_index.json").is_file() and (out / "sdplan.safetensors").is_file()
+    trained = sd_pipeline(out / "model")
+    assert np.abs(pipe_image(trained) - pipe_image(sd_pipeline(tiny_sd15))).max() > 1e-3
+    # A second run finds the class images there and generates none.
+    mtimes = {p: p.stat().st_mtime for p in (out / "class_images").glob("*.png")}
+    run.train(
+        make_cfg(
+            tiny_sd15,
+            dataset,
+            tmp_path / "again",
+            "method=dreambooth",
+            "dreambooth.with_prior_preservation=true",
+            "dreambooth.class_prompt=a photo of a square",
+            "dreambooth.num_class_images=3",
+            f"dreambooth.class_data={out / 'class_images'}",
+            "training.max_steps=1",
+        )
+    )
+    assert {p: p.stat().st_mtime for p in (out / "class_images").glob("*.png")} == mtimes
+
+
+@pytest.mark.train
+def test_finetune_with_ema_in_ram(tiny_sd15, dataset, tmp_path):
+    out = tmp_path / "out"
+    cfg = make_cfg(
+        tiny_sd15, dataset, out, "method=finetune", "training.max_steps=4", "checkpoints.every_steps=2"
+    )
+    # The schema has no `ema:` section yet; the recipe reads these with defaults (off) until it does.
+    cfg.ema = SimpleNamespace(enabled=True, decay=0.5, device="cpu", update_every=2)
+    run.train(cfg)
+    from diffusers import UNet2DConditionModel
+
+    raw = UNet2DConditionModel.from_pretrained(str(out / "model"), subfolder="unet")
+    ema = UNet2DConditionModel.from_pretrained(str(out / "ema" / "model"), subfolder="unet")
+    base = UNet2DConditionModel.from_pretrained(str(tiny_sd15), subfolder="unet")
+    w = "conv_in.weight"
+    raw_w, ema_w, base_w = (m.state_dict()[w] for m in (raw, ema, base))
+    assert not torch.equal(raw_w, base_w) and not torch.equal(ema_w, raw_w) and not torch.equal(ema_w, base_w)
+    assert (out / "ema" / "sdplan-ema.safetensors").is_file()
+    assert "custom_checkpoint_1.pkl" in os.listdir(checkpoint.latest_checkpoint(out))  # the EMA, checkpointed
+
+
+@pytest.mark.train
+def test_textual_inversion_learns_only_the_new_token(tiny_sd15, dataset, tmp_path):
+    out = tmp_path / "out"
+    cfg = make_cfg(
+        tiny_sd15,
+        dataset,
+        out,
+        "method=textual-inversion",
+        "textual_inversion.token=<obj>",
+        "textual_inversion.init_token=square",
+        "training.learning_rate=5e-2",
+    )
+    run.train(cfg)
+    from sdplan.trainer import export
+
+    pipe = sd_pipeline(tiny_sd15)
+    init = pipe_image(pipe, "a photo of square")
+    export.load_embedding(pipe, out, "<obj>")
+    te = pipe.text_encoder.get_input_embeddings().weight
+    tok = pipe.tokenizer
+    learned = te[tok.convert_tokens_to_ids("<obj>")]
+    assert not torch.allclose(learned, te[tok.encode("square", add_special_tokens=False)[0]])
+    assert np.abs(pipe_image(pipe, "a photo of <obj>") - init).max() > 1e-3
+
+
+@pytest.mark.train
+@pytest.mark.parametrize("method", ["lora", "dreambooth", "finetune", "textual-inversion"])
+def test_sdxl_every_method(method, tiny_sdxl, dataset, tmp_path):
+    out = tmp_path / "out"
+    cfg = make_cfg(
+        tiny_sdxl,
+        dataset,
+        out,
+        f"method={method}",
+        "training.max_steps=1",
+        "training.train_text_encoder=true",
+        "dreambooth.class_prompt=a square",
+        "dreambooth.with_prior_preservation=true",
+        "dreambooth.num_class_images=1",
+    )
+    summary = run.train(cfg)
+    assert summary["steps"] == 1 and np.isfinite(summary["final_loss"])
+    if method == "lora":
+        from safetensors import safe_open
+
+        with safe_open(str(out / "sdplan.kohya.safetensors"), framework="pt") as f:
+            keys, meta = list(f.keys()), f.metadata()
+        assert any(k.startswith("lora_te1_") for k in keys) and any(k.startswith("lora_te2_") for k in keys)
+        assert meta["ss_base_model_version"] == "sdxl_base_v1-0"
+    if method == "textual-inversion":
+        from safetensors.torch import load_file
+
+        assert set(load_file(str(out / "learned_embeds.safetensors"))) == {"clip_l", "clip_g"}
+
+
+# -- resume, interrupts, failures -----------------------------------------------------------------------------
+
+
+@pytest.mark.train
+def test_resume_equals_uninterrupted_exactly(tiny_sd15, dataset, tmp_path):
+    """6 steps straight vs. 3 steps + resume 3, mid-epoch, with accumulation, warmup+cosine, LoRA dropout,
+    random flips and crops: identical losses and identical weights."""
+    opts = (
+        "training.batch_size=1",
+        "training.grad_accum=2",
+        "training.max_steps=6",
+        "training.lr_scheduler=cosine",
+        "training.lr_warmup_steps=2",
+        "lora.dropout=0.1",
+        "data.random_flip=0.5",
+        "data.center_crop=false",
+        "training.noise_offset=0.05",
+    )
+    straight = tmp_path / "straight"
+    run.train(make_cfg(tiny_sd15, dataset, straight, *opts, "checkpoints.keep_every_steps=3"))
+    kept = checkpoint.checkpoint_root(straight) / "step-000003"
+    assert checkpoint.read_state(kept).batches_in_epoch == 2  # mid-epoch: 4 batches per epoch
+    resumed = tmp_path / "resumed"
+    run.train(make_cfg(tiny_sd15, dataset, resumed, *opts), resume=str(kept))
+    assert losses(resumed) == losses(straight)
+    from safetensors.torch import load_file
+
+    a = load_file(str(straight / "pytorch_lora_weights.safetensors"))
+    b = load_file(str(resumed / "pytorch_lora_weights.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.train
+def test_sigint_leaves_a_resumable_checkpoint(tiny_sd15, dataset, tmp_path):
+    out = tmp_path / "out"
+    cfg = make_cfg(tiny_sd15, dataset, out, "training.max_steps=400", "checkpoints.every_steps=2")
+    path = write_cfg(cfg, tmp_path / "sdplan.yaml")
+    env = dict(os.environ, OMP_NUM_THREADS="1", SDPLAN_PLAIN_PROGRESS="1")
+    proc = subprocess.Popen(
+        [PY, "-m", "sdplan.trainer", "--config", str(path)],
+        env=env,
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.time() + 90
+    while checkpoint.latest_checkpoint(out) is None and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stderr[-2000:]
+    assert "interrupted at step" in stderr and "--resume latest" in stderr
+    latest = checkpoint.latest_checkpoint(out)
+    state = checkpoint.read_state(latest)
+    assert 2 <= state.global_step < 400 and len(state.losses) == state.global_step
+    assert not list(checkpoint.checkpoint_root(out).glob(".tmp-*"))
+    # Resume to two steps past the interrupt: equal to an uninterrupted run of that length.
+    n = state.global_step + 2
+    summary = run.train(make_cfg(tiny_sd15, dataset, out, f"training.max_steps={n}"), resume="latest")
+    assert summary["steps"] == n
+    straight = tmp_path / "straight"
+    run.train(make_cfg(tiny_sd15, dataset, straight, f"training.max_steps={n}"))
+    assert losses(out) == losses(straight)
+
+
+@pytest.mark.train
+def test_corrupt_images_are_skipped(tiny_sd15, tmp_path, capsys):
+    data = make_images(tmp_path / "data", n=2)
+    (data / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n" + os.urandom(200))
+    (data / "empty.jpg").write_bytes(b"")
+    summary = run.train(make_cfg(tiny_sd15, data, tmp_path / "out", "training.max_steps=1"))
+    assert summary["images_seen"] == 2
+    printed = capsys.readouterr().out
+    assert "2 skipped" in printed and "broken.png" in printed
+
+
+def test_empty_dataset_is_a_clear_error_before_the_model_loads(tmp_path, capsys):
+    # A "model" folder that would fail to load: the dataset error must come first.
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "model_index.json").write_text("{}")
+    (tmp_path / "empty").mkdir()
+    cfg = make_cfg(model, tmp_path / "empty", tmp_path / "out")
+    with pytest.raises(DatasetError, match="no readable images"):
+        run.train(cfg)
+    assert trainer_main(["--config", str(write_cfg(cfg, tmp_path / "c.yaml"))]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: no readable images") and "Traceback" not in err
+    assert trainer_main(["--config", str(tmp_path / "c.yaml"), "model.path=./nope"]) == 2
+    assert "no such file or folder" in capsys.readouterr().err
+
+
+@pytest.mark.train
+def test_injected_oom_writes_a_report_and_exits_75(tiny_sd15, dataset, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    path = write_cfg(make_cfg(tiny_sd15, dataset, out, "training.max_steps=3"), tmp_path / "c.yaml")
+    monkeypatch.setenv("SDPLAN_INJECT_OOM_AT_STEP", "2")
+    assert trainer_main(["--config", str(path), "memory.gradient_checkpointing=true"]) == 75
+    report = json.loads((out / "oom.json").read_text())
+    assert report["step"] == 2 and report["batch_size"] == 2 and report["grad_accum"] == 1
+    assert report["gradient_checkpointing"] is True and "out of memory" in report["message"]
+    # The launcher's retry: half the micro-batch, twice the accumulation -> no OOM (the hook needs batch > 1).
+    assert trainer_main(["--config", str(path), "training.batch_size=1", "training.grad_accum=2"]) == 0
+    assert not (out / "oom.json").exists()
+
+
+@pytest.mark.train
+def test_nan_loss_stops_with_a_checkpoint_from_before(tiny_sd15, dataset, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    monkeypatch.setenv("SDPLAN_INJECT_NAN_AT_STEP", "3")
+    with pytest.raises(common.NonFiniteLoss, match="step 3") as err:
+        run.train(make_cfg(tiny_sd15, dataset, out, "training.max_steps=5"))
+    assert "learning_rate" in str(err.value)
+    saved = checkpoint.checkpoint_root(out) / "before-nan-step-000002"
+    assert str(saved) in str(err.value) and checkpoint.read_state(saved).global_step == 2
+    monkeypatch.delenv("SDPLAN_INJECT_NAN_AT_STEP")
+    summary = run.train(make_cfg(tiny_sd15, dataset, out, "training.max_steps=5"), resume=str(saved))
+    assert summary["steps"] == 5 and np.isfinite(summary["final_loss"])
+
+
+@pytest.mark.slow
+@pytest.mark.train
+def test_two_processes_see_the_same_images_as_one(tiny_sd15, dataset, tmp_path):
+    cfg = make_cfg(tiny_sd15, dataset, tmp_path / "two", "training.max_steps=null", "training.epochs=2")
+    path = write_cfg(cfg, tmp_path / "c.yaml")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [
+            PY,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            "-m",
+            "sdplan.trainer",
+            "--config",
+            str(path),
+        ],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    two = json.loads((tmp_path / "two" / "run_summary.json").read_text())
+    one = run.train(
+        make_cfg(tiny_sd15, dataset, tmp_path / "one", "training.max_steps=null", "training.epochs=2")
+    )
+    assert (two["num_processes"], one["num_processes"]) == (2, 1)
+    assert two["images_seen"] == one["images_seen"] == 8
+    assert (two["steps"], one["steps"]) == (2, 4)  # each epoch split two ways
+
+
+@pytest.mark.train
+def test_gradient_checkpointing_gives_the_same_losses(tiny_sd15, dataset, tmp_path):
+    opts = ("training.max_steps=3", "training.train_text_encoder=true", "training.learning_rate=1e-2")
+    run.train(make_cfg(tiny_sd15, dataset, tmp_path / "plain", *opts))
+    run.train(make_cfg(tiny_sd15, dataset, tmp_path / "gc", *opts, "memory.gradient_checkpointing=true"))
+    assert losses(tmp_path / "gc") == pytest.approx(losses(tmp_path / "plain"), rel=1e-5)
+    assert losses(tmp_path / "gc")[2] != losses(tmp_path / "gc")[0]
