@@ -89,6 +89,41 @@ def threshold_verdicts(snapshot: Snapshot) -> list[Verdict]:
     return out
 
 
+def planner_verdicts(snapshot: Snapshot) -> list[Verdict]:
+    """Verdict from the planner: the fastest one-GPU plan at the family's native resolution.
+
+    ok: fits without DeepSpeed offload; tight: only with offload (3-4x slower); no: does not fit.
+    """
+    from sdplan.planner import Request, hardware_from_snapshot, plan
+    from sdplan.profiles import load_profiles
+
+    profiles = load_profiles()
+    if not snapshot.usable_gpus:
+        return [Verdict(m, f, "no", "no usable GPU") for m in METHODS for f in FAMILIES]
+    hardware = hardware_from_snapshot(snapshot, profiles)
+    out: list[Verdict] = []
+    for method in METHODS:
+        for family in FAMILIES:
+            result = plan(hardware, profiles, Request(method=method, model=family, max_gpus=1, epochs=1))
+            s = result.plan
+            if not result.feasible or s is None or result.memory is None:
+                need = (result.needs or {}).get("min_vram_bytes")
+                out.append(
+                    Verdict(method, family, "no", f"needs {need / 2**30:.0f} GiB" if need else "does not fit")
+                )
+                continue
+            savers = [s.precision, f"batch {s.batch}"]
+            if s.gradient_checkpointing:
+                savers.append("GC")
+            if s.optimizer != "adamw":
+                savers.append(s.optimizer)
+            if s.offload:
+                savers.append("offload")
+            note = f"{', '.join(savers)}; {result.memory.peak / 2**30:.1f} GiB"
+            out.append(Verdict(method, family, "tight" if s.offload else "ok", note))
+    return out
+
+
 # -- data: snapshot -> rows of strings -------------------------------------------------------------------
 
 NA = "n/a"
@@ -227,7 +262,7 @@ def render(snapshot: Snapshot, console: Console, verdicts: VerdictFn = threshold
         console.print("[bold]Findings[/]: none [green]ok[/]")
 
     grid = verdict_grid(list(verdicts(snapshot)))
-    table = Table(title="Verdict (one GPU, 1 image per step)", title_justify="left")
+    table = Table(title="Verdict (planner: fastest one-GPU plan at native resolution)", title_justify="left")
     table.add_column("method")
     for family in FAMILIES:
         table.add_column(family, overflow="fold")

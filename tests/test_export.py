@@ -383,25 +383,10 @@ def test_save_full_sd15_single_file_round_trip(tiny_sd15, tmp_path):
         assert f.get_tensor("model.diffusion_model.out.2.weight").dtype == torch.float16
 
 
-def _tiny_sdxl_distinct_widths(tmp_path: Path):
-    """Tiny SDXL whose two text encoders differ in width (32 and 48), as the real ones do (768 and 1280):
-    diffusers' single-file reader tells CLIP-L from the OpenCLIP encoder by that width."""
-    from diffusers import StableDiffusionXLPipeline, UNet2DConditionModel
-    from sdplan.trainer.tiny import _text_config, tiny_sdxl_components
-    from transformers import CLIPTextModelWithProjection
-
-    parts = tiny_sdxl_components(tmp_path / "tokenizers")
-    parts["text_encoder_2"] = CLIPTextModelWithProjection(
-        _text_config(len(parts["tokenizer_2"]), hidden=48, projection_dim=32)
-    )
-    parts["unet"] = UNet2DConditionModel.from_config({**parts["unet"].config, "cross_attention_dim": 32 + 48})
-    pipe = StableDiffusionXLPipeline(**parts)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
-
-
-def test_save_full_sdxl_single_file_round_trip(tmp_path):
-    pipe = _tiny_sdxl_distinct_widths(tmp_path)
+def test_save_full_sdxl_single_file_round_trip(tiny_sdxl, tmp_path):
+    # The tiny SDXL's encoders differ in width (32, 48) as the real ones do (768, 1280): diffusers'
+    # single-file reader tells CLIP-L from the OpenCLIP encoder by that width.
+    pipe = _pipe(tiny_sdxl)
     model_dir, single = export.save_full(tmp_path / "out", pipeline=pipe, family="sdxl", metadata=META)
     with safe_open(str(single), framework="pt") as f:
         keys = set(f.keys())
@@ -507,7 +492,9 @@ def test_embedding_sdxl_clip_l_and_clip_g(tiny_sdxl, tmp_path):
     pipe = _pipe(tiny_sdxl)
     token, prompt = "<sks-thing>", "a photo of <sks-thing>"
     before = _prompt_embeds(pipe, prompt)
-    embeds = {"clip_l": torch.randn(1, 32), "clip_g": torch.randn(1, 32)}
+    width_l = pipe.text_encoder.get_input_embeddings().weight.shape[1]
+    width_g = pipe.text_encoder_2.get_input_embeddings().weight.shape[1]
+    embeds = {"clip_l": torch.randn(1, width_l), "clip_g": torch.randn(1, width_g)}
     path = export.save_embedding(tmp_path, token=token, embeds=embeds, metadata=META, name="thing")
     assert set(load_file(str(path))) == {"clip_l", "clip_g"}
     export.load_embedding(pipe, path, token)

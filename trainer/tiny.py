@@ -160,7 +160,9 @@ def tiny_sdxl_components(tokenizer_dir: str | Path, seed: int = 0) -> dict:
     tokenizer = tiny_tokenizer(Path(tokenizer_dir) / "tokenizer")
     tokenizer_2 = tiny_tokenizer(Path(tokenizer_dir) / "tokenizer_2")
     text_encoder = CLIPTextModel(_text_config(len(tokenizer), hidden=32))
-    text_encoder_2 = CLIPTextModelWithProjection(_text_config(len(tokenizer_2), hidden=32, projection_dim=32))
+    # The second encoder is wider than the first, as in SDXL (768 vs 1280): diffusers' single-file loader
+    # tells the two apart by width.
+    text_encoder_2 = CLIPTextModelWithProjection(_text_config(len(tokenizer_2), hidden=48, projection_dim=32))
     addition_time_embed_dim = 8
     unet = UNet2DConditionModel(
         sample_size=TINY_RESOLUTION // 8,
@@ -171,7 +173,7 @@ def tiny_sdxl_components(tokenizer_dir: str | Path, seed: int = 0) -> dict:
         down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
         up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
         transformer_layers_per_block=(1, 2),
-        cross_attention_dim=64,  # the two encoders' hidden states, concatenated
+        cross_attention_dim=80,  # the two encoders' hidden states, concatenated (32 + 48)
         attention_head_dim=(2, 4),
         use_linear_projection=True,
         addition_embed_type="text_time",

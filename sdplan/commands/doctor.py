@@ -35,12 +35,12 @@ def doctor(
     ] = None,
 ) -> None:
     """Check this machine for Stable Diffusion training: GPUs, links, software stack, findings, verdict."""
-    from sdplan.doctor import render, threshold_verdicts
+    from sdplan.doctor import planner_verdicts, render
     from sdplan.errors import OutputExistsError, UsageError
     from sdplan.machine import Snapshot
     from sdplan.probe.snapshot import probe, refresh
 
-    verdicts = threshold_verdicts  # the planner replaces this one line
+    verdicts = planner_verdicts
 
     snapshot = refresh(Snapshot.load(machine)) if machine is not None else probe(".")
 
