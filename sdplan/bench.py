@@ -95,7 +95,7 @@ class BenchRequest:
             object.__setattr__(self, "lora_rank", None)
 
     @property
-    def label(self) -> str:
+    def settings(self) -> str:
         opts = [self.precision, "gc" if self.gradient_checkpointing else "no-gc", self.optimizer]
         if self.cache_latents:
             opts.append("cached latents")
@@ -103,7 +103,11 @@ class BenchRequest:
             opts.append("+TE")
         if self.lora_rank:
             opts.append(f"rank {self.lora_rank}")
-        return f"{self.method} {self.model} {self.resolution}px ({', '.join(opts)})"
+        return ", ".join(opts)
+
+    @property
+    def label(self) -> str:
+        return f"{self.method} {self.model} {self.resolution}px ({self.settings})"
 
 
 @dataclass(frozen=True)
@@ -1039,6 +1043,10 @@ def run_bench(
     oom_hook_batch()  # a malformed hook value is an error before anything heavy starts
     machine = describe_machine(dev)
     root = store_root(store_dir)
+    for method in sorted(
+        {r.method for r in requests}
+    ):  # a store file we could not extend: fail before measuring
+        _read_method_file(root / "methods" / f"{method}.yaml", method)
     results: list[BenchResult] = []
 
     def status(req: BenchRequest, text: str) -> None:
@@ -1126,3 +1134,114 @@ def _quiet_diffusers():
         yield
     finally:
         dlog.set_verbosity(before)
+
+
+# -- sharing: `sdplan profiles export` --------------------------------------------------------------------
+
+EXPORT_KIND = "sdplan-measurements"
+
+
+def _is_shareable(point: dict[str, Any]) -> bool:
+    """Real measurements only: not the CPU demo, not an OOM simulated by the test hook."""
+    source = str(point.get("source", ""))
+    return not source.startswith(f"{MEASURED_PREFIX} --demo") and OOM_HOOK_ENV not in source
+
+
+def export_measurements(
+    dest: str | Path, *, store_dir: str | Path | None = None, force: bool = False
+) -> tuple[Path, int, int]:
+    """Write the local store's measurements as one YAML file to share (and for the project to ship).
+
+    The file holds, under ``methods:``, one complete method file per method (``schema_version``, ``method``,
+    ``points``: the schema of ``profiles/methods/<method>.yaml``), so shipping it is copying those points.
+    Demo points and simulated OOMs are left out. Refuses to overwrite ``dest`` unless ``force``.
+    Returns (path, points written, points left out).
+    """
+    from sdplan import profiles
+    from sdplan.errors import OutputExistsError
+
+    dest = Path(dest).expanduser()
+    if dest.exists() and not force:
+        raise OutputExistsError(f"{dest} already exists", fix="pass --force to overwrite it")
+    if dest.is_dir():
+        raise UsageError(f"{dest} is a folder", fix="name a file, e.g. my-gpu.yaml")
+    root = store_root(store_dir)
+    files = sorted((root / "methods").glob("*.yaml"))
+    methods: dict[str, dict[str, Any]] = {}
+    left_out = 0
+    for path in files:
+        profiles.load_methods(path, origin="local")  # strict: never export a file the planner rejects
+        data = profiles.read_yaml(path)
+        keep = [p for p in data.get("points") or [] if _is_shareable(p)]
+        left_out += len(data.get("points") or []) - len(keep)
+        section: dict[str, Any] = {"schema_version": data["schema_version"], "method": data["method"]}
+        section["points"] = keep
+        if data.get("multi_gpu"):
+            section["multi_gpu"] = data["multi_gpu"]
+        if keep or section.get("multi_gpu"):
+            methods[data["method"]] = section
+    count = sum(len(s["points"]) for s in methods.values())
+    if not methods:
+        extra = f" ({left_out} demo or simulated point(s) are never exported)" if left_out else ""
+        raise UsageError(
+            f"no local measurements to export in {root}{extra}", fix="measure with `sdplan bench`"
+        )
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    doc = {
+        "schema_version": 1,
+        "kind": EXPORT_KIND,
+        "exported": now,
+        "sdplan_version": __version__,
+        "methods": methods,
+    }
+    header = (
+        "# Training measurements exported by `sdplan profiles export` (sdplan bench points; provenance in each\n"
+        "# point's source and note). Each entry under methods: is a complete profiles/methods/<method>.yaml body:\n"
+        "# to ship them, append its points to that file; to use them on another machine, save it as\n"
+        "# <profile store>/methods/<method>.yaml.\n"
+    )
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
+    tmp.write_text(header + yaml.safe_dump(doc, sort_keys=False, width=120), encoding="utf-8")
+    os.replace(tmp, dest)
+    load_export(dest)  # what was written validates as it will be read
+    return dest, count, left_out
+
+
+def load_export(path: str | Path) -> dict[str, list[Any]]:
+    """Read and validate an export file: {method: [MethodPoint, ...]}, each section checked by the planner's
+    strict method-file loader."""
+    from sdplan import profiles
+
+    path = Path(path)
+    data = profiles.read_yaml(path)
+    errors = []
+    if not isinstance(data, dict):
+        raise ConfigError(str(path), ["top level: must be a mapping"])
+    if data.get("kind") != EXPORT_KIND:
+        errors.append(f"kind: expected {EXPORT_KIND!r}, got {data.get('kind')!r}")
+    if data.get("schema_version") != 1:
+        errors.append(f"schema_version: expected 1, got {data.get('schema_version')!r}")
+    unknown = set(data) - {"schema_version", "kind", "exported", "sdplan_version", "methods"}
+    errors += [f"{k}: unknown key" for k in sorted(unknown)]
+    methods = data.get("methods")
+    if not isinstance(methods, dict) or not methods:
+        errors.append("methods: must be a non-empty mapping of method -> method file")
+        methods = {}
+    if errors:
+        raise ConfigError(str(path), errors)
+    out: dict[str, list[Any]] = {}
+    with tempfile.TemporaryDirectory(prefix="sdplan-export-") as tmp:
+        for method, section in methods.items():
+            if not isinstance(section, dict) or section.get("method") != method:
+                raise ConfigError(
+                    str(path), [f"methods.{method}: must be a method file whose method is {method!r}"]
+                )
+            one = Path(tmp) / f"{method}.yaml"
+            one.write_text(yaml.safe_dump(section, sort_keys=False), encoding="utf-8")
+            try:
+                points, _ = profiles.load_methods(one, origin="local")
+            except ConfigError as e:
+                raise ConfigError(f"{path} methods.{method}", e.errors) from None
+            out[method] = points
+    return out

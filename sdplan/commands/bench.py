@@ -1,0 +1,237 @@
+"""`sdplan bench`: measure training memory and speed on this GPU and teach the planner (sdplan.bench)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from sdplan.commands._common import cli_errors, console, err_console
+
+
+@cli_errors
+def bench(
+    method: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--method",
+            "-m",
+            metavar="M",
+            help="lora, dreambooth, finetune or textual-inversion (repeat for several). "
+            "Default: every method the planner has no measurement for on this GPU.",
+        ),
+    ] = None,
+    model: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--model", metavar="F", help="sd15, sd21 or sdxl (repeat for several). Default: sd15 and sdxl."
+        ),
+    ] = None,
+    resolution: Annotated[
+        int | None,
+        typer.Option(
+            "--resolution", metavar="N", help="Image side in pixels. Default: the model's native one."
+        ),
+    ] = None,
+    quick: Annotated[
+        bool, typer.Option("--quick", help="Fewer timed steps and batches up to 16 (default: up to 64).")
+    ] = False,
+    demo: Annotated[
+        bool,
+        typer.Option(
+            "--demo",
+            help="Run the same code on the tiny SD 1.x-shaped model on the CPU (seconds; to try it). "
+            "Its points are labelled as demo measurements and never match a real GPU.",
+        ),
+    ] = False,
+    store: Annotated[
+        Path | None,
+        typer.Option(
+            "--store",
+            metavar="DIR",
+            help="Profile store to write to. Default: $SDPLAN_PROFILE_DIR, else $XDG_DATA_HOME/sdplan/profiles.",
+        ),
+    ] = None,
+) -> None:
+    """Measure peak memory and it/s of real training steps on this GPU, search the largest batch that fits,
+    and save the results where the planner reads them (`sdplan recommend` then says basis: measured).
+
+    Full-size networks with random weights (nothing is downloaded) run a short warmed-up loop through the
+    bundled trainer's code with the settings the planner would choose. An out-of-memory error at a probe
+    point bounds the batch search; it is recorded, not fatal. Each point is saved as soon as it is measured:
+    Ctrl-C keeps them.
+    """
+    from sdplan import bench as lib
+
+    lib.resolve_device("auto", demo=demo)  # no GPU: say so before probing and planning
+    selection = lib.select_requests(method, model, resolution, demo=demo, store_dir=store)
+    root = lib.store_root(store)
+    for line in selection.skipped:
+        console.print(f"[dim]skip {line}[/]")
+    if not selection.requests:
+        console.print(
+            f"Nothing to measure: every default case has a measured point for {selection.gpu} already. "
+            "Name --method/--model/--resolution to measure again."
+        )
+        return
+    where = "the CPU, tiny demo model" if demo else (selection.gpu or "this GPU")
+    console.print(
+        f"Measuring {len(selection.requests)} configuration(s) on {where}; results go to {root}/methods/"
+    )
+
+    points: list[Any] = []
+    effort = lib.DEMO if demo else (lib.QUICK if quick else lib.FULL)
+    progress, task = _progress(len(selection.requests))
+    current: dict[str, Any] = {"req": None, "done": 0}
+
+    def on_status(req: Any, text: str) -> None:
+        if req is not current["req"]:
+            if current["req"] is not None:
+                current["done"] += 1
+            progress.console.print(f"[bold]{req.label}[/] [dim](settings from {req.settings_from})[/]")
+        current["req"] = req
+        progress.update(task, completed=current["done"], description=f"{req.label}: {text}")
+
+    def on_result(point: Any) -> None:
+        points.append(point)
+        progress.console.print(f"  {_point_line(point)}")
+
+    interrupted = False
+    progress.start()
+    try:
+        lib.run_bench(
+            selection.requests,
+            quick=quick,
+            store_dir=root,
+            device="auto",
+            on_result=on_result,
+            on_status=on_status,
+            demo=demo,
+            effort=effort,
+        )
+        progress.update(task, completed=len(selection.requests), description="done")
+    except KeyboardInterrupt:
+        interrupted = True
+    finally:
+        progress.stop()
+
+    console.print(results_table(selection.requests, points, cap=effort.max_batch, interrupted=interrupted))
+    files = sorted({str(p.store_file) for p in points if p.store_file})
+    if points:
+        console.print(f"{len(points)} point(s) saved to {', '.join(files)}")
+    if demo:
+        console.print(
+            "[dim]demo: a tiny model on the CPU; memory is the process's resident-set growth, not VRAM. "
+            "On a GPU, `sdplan bench` measures the full-size models.[/]"
+        )
+    elif points and not interrupted:
+        console.print(
+            "The planner uses these now: `sdplan recommend` reports estimate.basis measured for them."
+        )
+    if interrupted:
+        err_console.print(
+            f"[yellow]interrupted: the {len(points)} point(s) measured before Ctrl-C are kept[/]"
+        )
+        raise KeyboardInterrupt
+
+
+def _progress(total: int):
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        SpinnerColumn,
+        TextColumn,
+        TimeElapsedColumn,
+    )
+
+    progress = Progress(
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+    )
+    task = progress.add_task("starting", total=total)
+    return progress, task
+
+
+def _gib(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2**30:.2f} GiB"
+
+
+def _point_line(p: Any) -> str:
+    if not p.fits:
+        hook = " (simulated)" if p.simulated_oom else ""
+        return f"batch {p.batch}: out of memory{hook}"
+    mem = _gib(p.memory_bytes)
+    reserved = f", reserved {_gib(p.peak_reserved_bytes)}" if p.peak_reserved_bytes is not None else ""
+    rate = f"{p.it_s:.2f} it/s" if p.it_s else "- it/s"
+    return f"batch {p.batch}: fits, {p.memory_label} {mem}{reserved}, {rate}"
+
+
+def summarise(requests: list[Any], points: list[Any], *, cap: int, interrupted: bool) -> list[dict[str, Any]]:
+    """One row per request measured (or started): the largest batch that fitted, its memory and speed, and
+    what ended the search."""
+    rows = []
+    for req in requests:
+        mine = [p for p in points if p.request == req]
+        if not mine:
+            continue
+        fit = [p for p in mine if p.fits]
+        oom = sorted(p.batch for p in mine if not p.fits)
+        best = max(fit, key=lambda p: p.batch) if fit else None
+        largest = best.batch if best else 0
+        if oom and oom[0] == largest + 1:
+            limit = f"OOM at {oom[0]}"
+        elif largest >= cap:
+            limit = f"search cap {cap}"
+        elif interrupted:
+            limit = "interrupted" + (f" (OOM at {oom[0]})" if oom else "")
+        else:
+            limit = f"OOM at {oom[0]}" if oom else "-"
+        if oom and any(p.simulated_oom for p in mine if not p.fits):
+            limit += " (simulated)"
+        rows.append(
+            {
+                "request": req,
+                "largest": largest,
+                "memory": best.memory_bytes if best else None,
+                "memory_label": best.memory_label if best else "",
+                "it_s": best.it_s if best else None,
+                "images_s": best.it_s * best.batch if best and best.it_s else None,
+                "limit": limit,
+                "points": len(mine),
+            }
+        )
+    return rows
+
+
+def results_table(requests: list[Any], points: list[Any], *, cap: int, interrupted: bool):
+    from rich.table import Table
+
+    rows = summarise(requests, points, cap=cap, interrupted=interrupted)
+    cpu = any(p.peak_allocated_bytes is None for p in points)
+    table = Table(title="sdplan bench", title_justify="left")
+    table.add_column("case")
+    table.add_column("settings", overflow="fold")
+    table.add_column("max batch", justify="right")
+    table.add_column("RSS Δ (CPU)" if cpu else "peak VRAM", justify="right")
+    table.add_column("it/s", justify="right")
+    table.add_column("img/s", justify="right")
+    table.add_column("ended by")
+    for r in rows:
+        req = r["request"]
+        table.add_row(
+            f"{req.method} {req.model}{' tiny' if cpu else ''} {req.resolution}px",
+            req.settings,
+            str(r["largest"]) if r["largest"] else "none fits",
+            _gib(r["memory"]),
+            f"{r['it_s']:.2f}" if r["it_s"] else "-",
+            f"{r['images_s']:.2f}" if r["images_s"] else "-",
+            r["limit"],
+        )
+    return table

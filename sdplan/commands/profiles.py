@@ -1,0 +1,243 @@
+"""`sdplan profiles`: what the planner knows (shipped profiles and this machine's measurements), with sources;
+`sdplan profiles export FILE` shares the local measurements."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from sdplan.commands._common import cli_errors, console
+
+profiles_app = typer.Typer(
+    help="What the planner knows, with sources: shipped profiles and this machine's measurements.",
+    no_args_is_help=False,
+    add_completion=False,
+    rich_markup_mode="rich",
+)
+
+_STORE = typer.Option(
+    "--store",
+    metavar="DIR",
+    help="Local profile store. Default: $SDPLAN_PROFILE_DIR, else $XDG_DATA_HOME/sdplan/profiles.",
+)
+
+
+@profiles_app.callback(invoke_without_command=True)
+@cli_errors
+def profiles(
+    ctx: typer.Context,
+    gpus: Annotated[bool, typer.Option("--gpus", help="Also list the GPU catalog.")] = False,
+    full: Annotated[bool, typer.Option("--full", help="Show sources in full (not shortened).")] = False,
+    store: Annotated[Path | None, _STORE] = None,
+) -> None:
+    """List the profile files, every method point (published or measured here) and where each comes from."""
+    if ctx.invoked_subcommand is not None:
+        return
+    from sdplan import profiles as lib
+
+    shipped = lib.shipped_dir()
+    local = Path(store).expanduser() if store is not None else lib.local_dir()
+    known = lib.load_profiles(shipped, local)
+    console.print(sources_table(known, shipped, local))
+    console.print(points_table(known, full=full))
+    if gpus:
+        console.print(gpus_table(known, full=full))
+    n_local = sum(1 for p in known.points if p.origin == "local")
+    where = f"{local}" + ("" if local.is_dir() else " (does not exist yet)")
+    console.print(
+        f"{len(known.gpus)} GPUs, {len(known.models)} model families, {len(known.points)} method points "
+        f"({n_local} measured here). Local store: {where}."
+    )
+    if not n_local:
+        console.print("[dim]Measure this GPU with `sdplan bench`; the planner then prefers those numbers.[/]")
+    if not gpus:
+        console.print("[dim]`sdplan profiles --gpus` lists the GPU catalog.[/]")
+
+
+@profiles_app.command("export")
+@cli_errors
+def export(
+    file: Annotated[Path, typer.Argument(metavar="FILE", help="YAML file to write.")],
+    force: Annotated[bool, typer.Option("--force", help="Overwrite FILE if it exists.")] = False,
+    store: Annotated[Path | None, _STORE] = None,
+) -> None:
+    """Write this machine's measurements (from `sdplan bench`) as one YAML file to share, or to contribute to
+    sdplan's shipped profiles. Demo points and simulated out-of-memory points are left out."""
+    from sdplan.bench import export_measurements
+
+    path, count, left_out = export_measurements(file, store_dir=store, force=force)
+    skipped = f" ({left_out} demo/simulated point(s) left out)" if left_out else ""
+    console.print(f"wrote {count} measured point(s) to {path}{skipped}")
+
+
+# -- tables ---------------------------------------------------------------------------------------------
+
+
+def _rel(path: Path, *roots: Path) -> str:
+    for root in roots:
+        try:
+            return str(path.resolve().relative_to(root.resolve()))
+        except ValueError:
+            continue
+    return str(path)
+
+
+def _origin(path: Path, local: Path) -> str:
+    try:
+        path.resolve().relative_to(local.expanduser().resolve())
+        return "local"
+    except ValueError:
+        return "shipped"
+
+
+def sources_table(known: Any, shipped: Path, local: Path):
+    from rich.table import Table
+
+    table = Table(title="Profile files", title_justify="left")
+    table.add_column("origin")
+    table.add_column("file")
+    table.add_column("holds", overflow="fold")
+    for src in known.sources:
+        path = Path(src)
+        origin = _origin(path, local)
+        rel = _rel(path, local.expanduser(), shipped) if origin == "local" else _rel(path, shipped)
+        table.add_row(origin, rel, _holds(known, path, origin))
+    return table
+
+
+def _holds(known: Any, path: Path, origin: str) -> str:
+    name = path.name
+    if name == "gpus.yaml":
+        vendors: dict[str, int] = {}
+        for g in known.gpus:
+            vendors[g.vendor] = vendors.get(g.vendor, 0) + 1
+        split = ", ".join(f"{v} {n}" for v, n in sorted(vendors.items()))
+        return f"GPU catalog: {len(known.gpus)} GPUs ({split})"
+    if path.parent.name == "models":
+        m = known.models.get(path.stem)
+        if m is not None:
+            total = m.params_unet + m.text_encoder_params + m.params_vae
+            return f"{m.name}: {m.native_resolution} px, {total / 1e9:.2f}B parameters (UNet {m.params_unet / 1e6:.0f}M)"
+    if path.parent.name == "methods":
+        pts = [p for p in known.points if p.method == path.stem and p.origin == origin]
+        multi = [m for m in known.multi_gpu if m.method == path.stem] if origin == "shipped" else []
+        gpus = sorted({p.gpu for p in pts if p.gpu})
+        text = f"{path.stem}: {len(pts)} point(s)"
+        if multi:
+            text += f", {len(multi)} multi-GPU observation(s)"
+        if origin == "local" and gpus:
+            text += f" measured on {', '.join(gpus)}"
+        return text
+    if name == "activations.yaml":
+        return f"activation and FLOP coefficients per family ({known.activations.source})"
+    return ""
+
+
+def _kind(p: Any) -> str:
+    from sdplan.bench import MEASURED_PREFIX, OOM_HOOK_ENV
+
+    if p.source.startswith(f"{MEASURED_PREFIX} --demo"):
+        return "demo (CPU, tiny model)"
+    if OOM_HOOK_ENV in p.source:
+        return "simulated OOM (test hook)"
+    if p.origin == "local":
+        return "measured here"
+    if p.outcome.get("it_s") or p.outcome.get("peak_vram_gib"):
+        return "published measurement"
+    return "published fit"
+
+
+def _outcome(p: Any) -> str:
+    o = p.outcome
+    bits = []
+    if o.get("fits") is True:
+        bits.append(f"fits in {o['max_vram_gib']:g} GiB" if o.get("max_vram_gib") else "fits")
+    elif o.get("fits") is False:
+        bits.append("out of memory")
+    if o.get("peak_vram_gib"):
+        bits.append(f"peak {o['peak_vram_gib']:.2f} GiB")
+    if o.get("ram_gib"):
+        bits.append(f"RAM {o['ram_gib']:g} GiB")
+    if o.get("it_s"):
+        bits.append(f"{o['it_s']:g} it/s")
+    return ", ".join(bits)
+
+
+def _settings(p: Any) -> str:
+    o = p.options
+    bits = [p.precision, "gc" if o.gradient_checkpointing else "no-gc", o.optimizer]
+    if o.cache_latents:
+        bits.append("cached latents")
+    if o.train_text_encoder:
+        bits.append("+TE")
+    if o.lora_rank:
+        bits.append(f"rank {o.lora_rank}")
+    if o.deepspeed:
+        bits.append("ZeRO-2 offload" if o.deepspeed.get("offload_optimizer") else "ZeRO-2")
+    if o.ema:
+        bits.append(f"EMA {o.ema}")
+    return ", ".join(bits)
+
+
+def points_table(known: Any, *, full: bool = False):
+    from rich.table import Table
+
+    table = Table(title="Method points", title_justify="left")
+    table.add_column("kind")
+    table.add_column("case")
+    table.add_column("settings", overflow="fold")
+    table.add_column("GPU")
+    table.add_column("outcome", overflow="fold")
+    table.add_column(
+        "source", overflow="fold" if full else "ellipsis", no_wrap=not full, max_width=None if full else 40
+    )
+    order = ["measured here", "published measurement", "published fit"]
+    for p in sorted(
+        known.points,
+        key=lambda p: (
+            order.index(_kind(p)) if _kind(p) in order else 3,
+            p.method,
+            p.model,
+            p.resolution,
+            p.batch,
+        ),
+    ):
+        gpu = p.gpu or (f"any {p.gpu_memory_gib:g} GiB" if p.gpu_memory_gib else "-")
+        if p.num_gpus > 1:
+            gpu = f"{p.num_gpus}x {gpu}"
+        table.add_row(
+            _kind(p),
+            f"{p.method} {p.model} {p.resolution}px b{p.batch}"
+            + (f"x{p.grad_accum}" if p.grad_accum > 1 else ""),
+            _settings(p),
+            gpu,
+            _outcome(p),
+            p.source,
+        )
+    return table
+
+
+def gpus_table(known: Any, *, full: bool = False):
+    from rich.table import Table
+
+    table = Table(title="GPU catalog", title_justify="left")
+    for col, just in (("GPU", "left"), ("vendor", "left"), ("VRAM", "right"), ("arch", "left")):
+        table.add_column(col, justify=just)
+    table.add_column("bf16")
+    table.add_column("fp16 TFLOPS", justify="right")
+    table.add_column(
+        "source", overflow="fold" if full else "ellipsis", no_wrap=not full, max_width=None if full else 40
+    )
+    for g in known.gpus:
+        table.add_row(
+            g.name,
+            g.vendor,
+            f"{g.memory_gib:g} GiB",
+            g.arch,
+            "yes" if g.bf16 else "no",
+            f"{g.fp16_tflops:g}",
+            g.source,
+        )
+    return table

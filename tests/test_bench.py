@@ -1,0 +1,387 @@
+"""`sdplan bench` and `sdplan profiles`: the batch search, the demo bench on the CPU (tiny model, the real
+trainer step), what it writes to the local profile store, how the planner reads it, listing and export.
+
+The CPU runs use ``bench.DEMO``-sized efforts (a few tiny-model steps per probe point: seconds).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import typer
+import yaml
+from typer.testing import CliRunner
+
+from sdplan import bench, profiles
+from sdplan.commands import bench as bench_cmd
+from sdplan.commands import profiles as profiles_cmd
+from sdplan.errors import ConfigError, UsageError
+from sdplan.machine import Snapshot
+
+MACHINES = Path(__file__).parent / "fixtures" / "machines"
+TINY = bench.Effort(warmup_steps=0, timed_steps=1, max_batch=4)
+
+
+def cli() -> typer.Typer:
+    """The two commands as sdplan.cli registers them."""
+    app = typer.Typer()
+    app.command("bench")(bench_cmd.bench)
+    app.add_typer(profiles_cmd.profiles_app, name="profiles")
+    return app
+
+
+def store(monkeypatch, tmp_path) -> Path:
+    root = tmp_path / "store"
+    monkeypatch.setenv("SDPLAN_PROFILE_DIR", str(root))
+    profiles.clear_cache()
+    return root
+
+
+# -- the batch search (pure) ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("limit", [0, 1, 2, 3, 5, 7, 8, 11, 16, 40])
+def test_search_finds_the_largest_fitting_batch(limit):
+    probed: list[int] = []
+
+    def fits(b: int) -> bool:
+        probed.append(b)
+        return b <= limit
+
+    largest, bounded_by = bench.search_largest_batch(fits, max_batch=16)
+    assert largest == min(limit, 16)
+    assert bounded_by == ("cap" if limit >= 16 else "oom")
+    # doubling first (1, 2, 4, ... up to the first failure), then bisection: never a batch twice
+    doubling = [b for b in (1, 2, 4, 8, 16) if b <= max(1, min(limit + 1, 16))]
+    assert probed[: len(doubling)] == doubling[: len(probed)]
+    assert len(probed) == len(set(probed))
+    assert len(probed) <= 9
+    if limit < 16:
+        assert limit + 1 in probed  # the search saw the first batch that does not fit
+
+
+def test_search_with_a_cap_that_is_not_a_power_of_two():
+    probed: list[int] = []
+    largest, bounded_by = bench.search_largest_batch(lambda b: probed.append(b) or True, max_batch=12)
+    assert (largest, bounded_by) == (12, "cap")
+    assert probed == [1, 2, 4, 8, 12]
+
+
+# -- the demo bench: tiny model, real trainer step, profile store ----------------------------------------
+
+
+def test_demo_bench_writes_points_the_planner_loader_accepts(tmp_path, monkeypatch):
+    root = store(monkeypatch, tmp_path)
+    seen = []
+    results = bench.run_bench(
+        [bench.demo_request("lora")], demo=True, store_dir=root, on_result=seen.append, effort=TINY
+    )
+    (res,) = results
+    assert res.max_batch == 4 and res.bounded_by == "cap"
+    assert [p.batch for p in seen] == [1, 2, 4]
+    assert all(p.fits and p.it_s > 0 and p.peak_allocated_bytes is None for p in seen)
+    assert all(p.peak_rss_delta_bytes is not None for p in seen)
+
+    path = root / "methods" / "lora.yaml"
+    assert seen[-1].store_file == path
+    loaded = profiles.load_profiles(local=root)  # the planner's strict loader, shipped + local
+    mine = [p for p in loaded.points if p.origin == "local"]
+    assert sorted(p.batch for p in mine) == [1, 2, 4]
+    for p in mine:
+        assert p.method == "lora" and p.model == "sd15" and p.resolution == bench.DEMO_RESOLUTION
+        assert p.gpu == "CPU" and p.precision == "fp32" and p.options.lora_rank == bench.DEFAULT_LORA_RANK
+        assert p.outcome["fits"] is True and p.outcome["it_s"] > 0
+        assert "peak_vram_gib" not in p.outcome  # a CPU run never claims VRAM
+        assert p.source.startswith("measured: sdplan bench --demo")
+        assert "torch " in p.source and "NOT a full-size sd15" in p.source
+        assert "resident-set" in p.note
+    # every shipped point is still there
+    assert len(loaded.points) == len(profiles.load_profiles(local=tmp_path / "empty").points) + 3
+
+
+@pytest.mark.parametrize("method", ["dreambooth", "finetune", "textual-inversion"])
+def test_demo_bench_runs_every_method(tmp_path, monkeypatch, method):
+    root = store(monkeypatch, tmp_path)
+    req = bench.BenchRequest(
+        method=method,
+        model="sd15",
+        resolution=64,
+        precision="fp32",
+        gradient_checkpointing=True,
+        cache_latents=True,
+        train_text_encoder=method == "finetune",
+        settings_from="test",
+    )
+    (res,) = bench.run_bench([req], demo=True, store_dir=root, effort=bench.Effort(0, 1, 1))
+    assert res.max_batch == 1 and res.points[0].fits
+    (point,) = profiles.load_methods(root / "methods" / f"{method}.yaml", origin="local")[0]
+    assert point.options.gradient_checkpointing and point.options.cache_latents
+    assert point.options.train_text_encoder is (method == "finetune")
+
+
+def test_simulated_oom_ends_the_search_at_the_last_fitting_batch(tmp_path, monkeypatch):
+    root = store(monkeypatch, tmp_path)
+    monkeypatch.setenv(bench.OOM_HOOK_ENV, "2")
+    (res,) = bench.run_bench(
+        [bench.demo_request("lora")], demo=True, store_dir=root, effort=bench.Effort(0, 1, 8)
+    )
+    assert (res.max_batch, res.bounded_by) == (2, "oom")
+    assert [(p.batch, p.fits) for p in res.points] == [(1, True), (2, True), (4, False), (3, False)]
+    assert all(p.simulated_oom for p in res.points if not p.fits)
+    assert "out of memory" in res.points[2].error.lower()
+    # the OOM points are measurements too: written, labelled as simulated
+    written = {p.batch: p for p in profiles.load_methods(root / "methods" / "lora.yaml", origin="local")[0]}
+    assert sorted(written) == [1, 2, 3, 4]
+    assert written[4].outcome == {"fits": False}
+    assert bench.OOM_HOOK_ENV in written[4].source and "SIMULATED" in written[4].source
+    assert bench.OOM_HOOK_ENV not in written[2].source
+
+
+def test_oom_at_batch_one_means_nothing_fits(tmp_path, monkeypatch):
+    root = store(monkeypatch, tmp_path)
+    monkeypatch.setenv(bench.OOM_HOOK_ENV, "0")
+    (res,) = bench.run_bench([bench.demo_request("lora")], demo=True, store_dir=root, effort=TINY)
+    assert (res.max_batch, res.bounded_by) == (0, "oom")
+    assert [(p.batch, p.fits) for p in res.points] == [(1, False)]
+
+
+def test_bad_oom_hook_value_is_a_usage_error(monkeypatch, tmp_path):
+    monkeypatch.setenv(bench.OOM_HOOK_ENV, "lots")
+    with pytest.raises(UsageError, match=bench.OOM_HOOK_ENV):
+        bench.run_bench([bench.demo_request()], demo=True, store_dir=tmp_path, effort=TINY)
+
+
+def test_ctrl_c_keeps_what_was_measured(tmp_path, monkeypatch):
+    root = store(monkeypatch, tmp_path)
+
+    def stop_after_two(point):
+        if point.batch == 2:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        bench.run_bench(
+            [bench.demo_request("lora"), bench.demo_request("dreambooth")],
+            demo=True,
+            store_dir=root,
+            on_result=stop_after_two,
+            effort=TINY,
+        )
+    kept, _ = profiles.load_methods(root / "methods" / "lora.yaml", origin="local")
+    assert sorted(p.batch for p in kept) == [1, 2]
+    assert not (root / "methods" / "dreambooth.yaml").exists()
+
+
+def test_remeasuring_replaces_points_with_the_same_id(tmp_path, monkeypatch):
+    root = store(monkeypatch, tmp_path)
+    effort = bench.Effort(0, 1, 2)
+    bench.run_bench([bench.demo_request()], demo=True, store_dir=root, effort=effort)
+    bench.run_bench([bench.demo_request()], demo=True, store_dir=root, effort=effort)
+    points, _ = profiles.load_methods(root / "methods" / "lora.yaml", origin="local")
+    assert sorted(p.batch for p in points) == [1, 2]
+
+
+def test_a_broken_store_file_is_never_overwritten(tmp_path, monkeypatch):
+    root = store(monkeypatch, tmp_path)
+    broken = root / "methods" / "lora.yaml"
+    broken.parent.mkdir(parents=True)
+    broken.write_text("schema_version: 1\nmethod: lora\npoints: [{id: x, bogus: 1}]\n")
+    with pytest.raises(ConfigError, match="bogus"):
+        bench.run_bench([bench.demo_request()], demo=True, store_dir=root, effort=TINY)
+    assert "bogus" in broken.read_text()
+
+
+# -- bench points teach the planner ------------------------------------------------------------------------
+
+
+def _gpu_bench_points(req: bench.BenchRequest, gpu: str, memory_bytes: int, batches=(1, 2, 4, 8, 16)):
+    """Records exactly as a GPU bench writes them (point_record), with stand-in numbers: this machine has no
+    GPU to measure. The field names, ids and provenance are the bench's own."""
+    machine = bench.Machine(
+        kind="cuda",
+        name=gpu,
+        memory_total_bytes=memory_bytes,
+        driver="550.90.07",
+        torch="2.13.0",
+        cuda="12.6",
+    )
+    records = []
+    for b in batches:
+        point = bench.BenchPoint(
+            request=req,
+            batch=b,
+            fits=True,
+            it_s=2.0 / b,
+            peak_allocated_bytes=(3 + b) * 2**30,
+            peak_reserved_bytes=(4 + b) * 2**30,
+            steps=6,
+            warmup_steps=2,
+            date="2026-01-01T00:00:00Z",
+        )
+        point = replace(point, point_id=bench.point_id(machine, req, b, demo=False))
+        records.append(bench.point_record(point, machine))
+    return records
+
+
+def test_bench_points_make_the_planner_report_basis_measured(tmp_path, monkeypatch):
+    from sdplan import planner
+
+    root = store(monkeypatch, tmp_path)
+    snap = Snapshot.load(MACHINES / "rtx3060_12gb.json")
+    request = planner.Request(method="lora", model="sd15")
+    before = planner.plan(snap, profiles.load_profiles(local=root), request)
+    assert before.feasible and before.basis != "measured"
+
+    sel = bench.select_requests(["lora"], ["sd15"], store_dir=root, snapshot=snap)
+    (req,) = sel.requests
+    assert req.settings_from.startswith("the planner")
+    assert (req.precision, req.resolution) == (before.plan.precision, 512)
+    assert req.gradient_checkpointing == before.plan.gradient_checkpointing
+    assert req.cache_latents == before.plan.cache_latents
+
+    gpu = snap.gpus[0]
+    bench.write_points(root, "lora", _gpu_bench_points(req, gpu.name, gpu.memory_total_bytes))
+    after = planner.plan(snap, profiles.load_profiles(local=root), request)
+    assert after.feasible and after.basis == "measured"
+    assert planner.result_dict(after)["estimate"]["basis"] == "measured"
+
+
+def test_default_selection_skips_what_is_measured_on_this_gpu(tmp_path, monkeypatch):
+    root = store(monkeypatch, tmp_path)
+    snap = Snapshot.load(MACHINES / "rtx3060_12gb.json")
+    first = bench.select_requests(store_dir=root, snapshot=snap)
+    cases = {(r.method, r.model, r.resolution) for r in first.requests}
+    assert cases == {(m, f, 512 if f == "sd15" else 1024) for m in bench.METHODS for f in ("sd15", "sdxl")}
+    assert not first.skipped
+
+    lora = next(r for r in first.requests if (r.method, r.model) == ("lora", "sd15"))
+    gpu = snap.gpus[0]
+    bench.write_points(root, "lora", _gpu_bench_points(lora, gpu.name, gpu.memory_total_bytes, batches=(1,)))
+    second = bench.select_requests(store_dir=root, snapshot=snap)
+    assert ("lora", "sd15") not in {(r.method, r.model) for r in second.requests}
+    assert len(second.requests) == len(first.requests) - 1
+    assert second.skipped and "lora sd15 512px" in second.skipped[0]
+    # named explicitly, it is measured again
+    again = bench.select_requests(["lora"], ["sd15"], store_dir=root, snapshot=snap)
+    assert [(r.method, r.model) for r in again.requests] == [("lora", "sd15")]
+    # another GPU's measurement does not count for this one
+    other = Snapshot.load(MACHINES / "t4.json")
+    assert ("lora", "sd15") in {
+        (r.method, r.model) for r in bench.select_requests(store_dir=root, snapshot=other).requests
+    }
+
+
+def test_selection_rejects_bad_names():
+    with pytest.raises(UsageError, match="unknown method"):
+        bench.select_requests(["lorra"], demo=True)
+    with pytest.raises(UsageError, match="unknown model"):
+        bench.select_requests(None, ["sd3"], demo=True)
+    with pytest.raises(UsageError, match="tiny model"):
+        bench.select_requests(None, ["sdxl"], demo=True)
+
+
+# -- the commands ------------------------------------------------------------------------------------------
+
+
+def test_bench_demo_command_prints_a_table_and_saves(tmp_path, monkeypatch):
+    root = store(monkeypatch, tmp_path)
+    monkeypatch.setenv(bench.OOM_HOOK_ENV, "2")
+    result = CliRunner().invoke(cli(), ["bench", "--demo", "--store", str(root)], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    out = result.output
+    assert "lora sd15 tiny 64px" in out and "OOM at 3 (simulated)" in out
+    assert "batch 4: out of memory (simulated)" in out
+    assert "4 point(s) saved to" in out and "not VRAM" in out
+    assert (root / "methods" / "lora.yaml").is_file()
+
+
+def test_bench_without_a_gpu_says_so(tmp_path, monkeypatch):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    store(monkeypatch, tmp_path)
+    result = CliRunner().invoke(cli(), ["bench", "--quick"])
+    assert result.exit_code == 4
+    assert "no usable GPU" in result.output and "--demo" in result.output
+
+
+def test_profiles_lists_shipped_and_local(tmp_path, monkeypatch):
+    root = store(monkeypatch, tmp_path)
+    snap = Snapshot.load(MACHINES / "rtx3060_12gb.json")
+    req = bench.select_requests(["lora"], ["sd15"], store_dir=root, snapshot=snap).requests[0]
+    bench.write_points(
+        root, "lora", _gpu_bench_points(req, snap.gpus[0].name, snap.gpus[0].memory_total_bytes)
+    )
+    bench.run_bench([bench.demo_request()], demo=True, store_dir=root, effort=bench.Effort(0, 1, 1))
+
+    result = CliRunner().invoke(cli(), ["profiles", "--full"], env={"COLUMNS": "250"})
+    assert result.exit_code == 0, result.output
+    out = result.output
+    assert "gpus.yaml" in out and "models/sdxl.yaml" in out and "activations.yaml" in out
+    assert "shipped" in out and "local" in out
+    assert "measured here" in out and "demo (CPU, tiny model)" in out and "published" in out
+    assert "NVIDIA GeForce RTX 3060" in out and "measured: sdplan bench" in out
+    assert "diffusers" in out  # a shipped point's source
+    n_local = 6
+    assert f"({n_local} measured here)" in out
+
+    gpus = CliRunner().invoke(cli(), ["profiles", "--gpus"], env={"COLUMNS": "250"})
+    assert gpus.exit_code == 0 and "GPU catalog" in gpus.output and "H100 SXM" in gpus.output
+
+
+def test_profiles_export_writes_a_shareable_file_and_refuses_overwrite(tmp_path, monkeypatch):
+    root = store(monkeypatch, tmp_path)
+    snap = Snapshot.load(MACHINES / "rtx3060_12gb.json")
+    req = bench.select_requests(["lora"], ["sd15"], store_dir=root, snapshot=snap).requests[0]
+    gpu = snap.gpus[0]
+    bench.write_points(root, "lora", _gpu_bench_points(req, gpu.name, gpu.memory_total_bytes, batches=(1, 2)))
+    bench.run_bench([bench.demo_request()], demo=True, store_dir=root, effort=bench.Effort(0, 1, 1))
+
+    dest = tmp_path / "share" / "rtx3060.yaml"
+    runner = CliRunner()
+    result = runner.invoke(cli(), ["profiles", "export", str(dest)])
+    assert result.exit_code == 0, result.output
+    assert (
+        "wrote 2 measured point(s)" in result.output and "1 demo/simulated point(s) left out" in result.output
+    )
+    doc = yaml.safe_load(dest.read_text())
+    assert doc["kind"] == bench.EXPORT_KIND and set(doc["methods"]) == {"lora"}
+    exported = bench.load_export(dest)
+    assert [p.batch for p in exported["lora"]] == [1, 2]
+    assert all(p.gpu == gpu.name and p.source.startswith("measured: sdplan bench") for p in exported["lora"])
+
+    # each section is a complete method file: saved as one, the planner's loader reads it
+    ship = tmp_path / "ship" / "methods" / "lora.yaml"
+    ship.parent.mkdir(parents=True)
+    ship.write_text(yaml.safe_dump(doc["methods"]["lora"]))
+    assert len(profiles.load_methods(ship)[0]) == 2
+
+    before = dest.read_text()
+    again = runner.invoke(cli(), ["profiles", "export", str(dest)])
+    assert again.exit_code == 3 and "already exists" in again.output and "--force" in again.output
+    assert dest.read_text() == before
+    forced = runner.invoke(cli(), ["profiles", "export", str(dest), "--force"])
+    assert forced.exit_code == 0, forced.output
+
+
+def test_profiles_export_with_nothing_measured(tmp_path, monkeypatch):
+    root = store(monkeypatch, tmp_path)
+    result = CliRunner().invoke(cli(), ["profiles", "export", str(tmp_path / "x.yaml")])
+    assert result.exit_code == 2 and "no local measurements" in result.output
+    bench.run_bench([bench.demo_request()], demo=True, store_dir=root, effort=bench.Effort(0, 1, 1))
+    result = CliRunner().invoke(cli(), ["profiles", "export", str(tmp_path / "x.yaml")])
+    assert result.exit_code == 2 and "demo or simulated" in result.output
+    assert not (tmp_path / "x.yaml").exists()
+
+
+def test_commands_import_no_torch():
+    code = (
+        "import sys, sdplan.commands.bench, sdplan.commands.profiles; "
+        "print('torch' in sys.modules, 'diffusers' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "False"]
