@@ -305,3 +305,32 @@ def test_registered_in_the_real_cli():
     result = CliRunner().invoke(app, ["doctor", "--machine", str(MACHINES / "t4.json"), "--json"])
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["gpus"][0]["name"] == "Tesla T4"
+
+
+@pytest.mark.parametrize(
+    ("machine", "method", "family", "status"),
+    [
+        ("2x_rtx4090_pcie", "lora", "sdxl", "ok"),
+        ("2x_rtx4090_pcie", "finetune", "sd15", "ok"),
+        ("t4", "dreambooth", "sdxl", "no"),  # 15 GiB cannot hold SDXL's full UNet training state
+        (
+            "rx6700xt",
+            "dreambooth",
+            "sd15",
+            "tight",
+        ),  # 12 GiB AMD: only with DeepSpeed offload (no 8-bit Adam)
+        ("cpu_only", "lora", "sd15", "no"),
+    ],
+)
+def test_planner_verdicts_on_fixture_machines(machine, method, family, status):
+    from sdplan.doctor import planner_verdicts
+
+    snapshot = Snapshot.load(MACHINES / f"{machine}.json")
+    grid = {(m, f): (s, note) for m, f, s, note in planner_verdicts(snapshot)}
+    assert len(grid) == 12
+    got, note = grid[(method, family)]
+    assert got == status, note
+    if status == "tight":
+        assert "offload" in note
+    if status == "ok":
+        assert "GiB" in note
