@@ -691,6 +691,21 @@ def prepare(req: TrainRequest, ui: UI) -> Prepared:
             fix="lower distributed.num_processes (or --gpus)",
         )
     steps = step_arithmetic(cfg, inputs.images_x_repeats, world)
+    if req.demo and cfg.plan is None:
+        # The demo's plan: the tiny model on the CPU; its memory and time are trivially small, its step
+        # arithmetic is the real one (recorded in the outputs' metadata like a planned run's).
+        cfg.plan = {
+            "source": "demo",
+            "plan": {
+                "device": "cpu",
+                "num_processes": world,
+                "batch_size": cfg.training.batch_size,
+                "grad_accum": cfg.training.grad_accum,
+                "precision": cfg.training.precision,
+                "resolution": cfg.data.resolution,
+            },
+            "steps": steps,
+        }
     return Prepared(
         cfg=cfg,
         out=out,

@@ -1,0 +1,228 @@
+"""`sdplan train --demo` end to end on the CPU, and the runs built on it: several processes, out-of-memory
+recovery, Ctrl-C and --resume, DeepSpeed ZeRO-2 offload. Real processes, the console script's code path."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytestmark = pytest.mark.train
+
+DEMO_LIMIT_S = 90  # the target is < 60 s on an idle 2-core CPU; CI machines are shared
+
+
+def sdplan(*args: str, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.run(
+        [sys.executable, "-m", "sdplan.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=full_env,
+    )
+
+
+def summary(out: Path) -> dict:
+    return json.loads((out / "run_summary.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    out = tmp_path_factory.mktemp("demo") / "sdplan-demo"
+    start = time.perf_counter()
+    proc = sdplan("train", "--demo", "--out", str(out))
+    wall = time.perf_counter() - start
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out, proc, wall
+
+
+def test_demo_writes_every_output(demo):
+    out, proc, wall = demo
+    assert wall < DEMO_LIMIT_S, f"demo took {wall:.1f} s"
+    assert (out / "base_model" / "model_index.json").is_file()
+    assert len(list((out / "dataset").glob("*.png"))) == 8
+    assert len(list((out / "dataset").glob("*.txt"))) == 8
+    cfg = yaml.safe_load((out / "sdplan.yaml").read_text())
+    assert cfg["training"]["device"] == "cpu" and cfg["method"] == "lora"
+    assert cfg["plan"]["steps"]["total_steps"] == 16
+    s = summary(out)
+    assert s["method"] == "lora"
+    assert s["steps"] == 16 and s["images_seen"] == 32 and s["num_processes"] == 1
+    assert isinstance(s["final_loss"], float) and s["final_loss"] == s["final_loss"]  # finite, not NaN
+    for path in s["outputs"]:
+        assert Path(path).is_file(), path
+    # The plan is shown, with the real step arithmetic, and the summary at the end.
+    assert (
+        "16 images (with repeats) / 2 per step = 8 steps per epoch x 2 epoch(s) = 16 optimizer steps"
+        in proc.stdout
+    )
+    assert "done: 16 steps, 32 images seen" in proc.stdout
+
+
+def test_demo_lora_files_and_sample_grid(demo):
+    from PIL import Image
+    from safetensors import safe_open
+
+    out, _, _ = demo
+    kohya = [p for p in out.glob("*.safetensors") if "kohya" in p.name]
+    assert len(kohya) == 1
+    with safe_open(str(kohya[0]), "pt") as f:
+        keys = list(f.keys())
+        meta = f.metadata()
+    assert keys and all(k.startswith("lora_unet_") for k in keys)
+    assert any(k.endswith(".lora_down.weight") for k in keys) and any(k.endswith(".alpha") for k in keys)
+    assert meta["ss_network_dim"] == "4"
+    with safe_open(str(out / "pytorch_lora_weights.safetensors"), "pt") as f:
+        names = list(f.keys())  # noqa: SIM118 (a safetensors handle, not a dict)
+    assert any(k.startswith("unet.") for k in names)
+    grid = Image.open(out / "samples" / "final.png")
+    assert grid.format == "PNG" and grid.size == (128, 128)  # 4 prompts at 64 px, 2 x 2
+    assert Image.open(out / "loss.png").format == "PNG"
+
+
+def test_demo_refuses_to_overwrite_without_force(demo, tmp_path):
+    out, _, _ = demo
+    proc = sdplan("train", "--demo", "--out", str(out), "--dry-run")
+    assert proc.returncode == 3 and "--force" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_two_processes_see_the_same_images(demo, tmp_path):
+    out1, _, _ = demo
+    out2 = tmp_path / "two"
+    proc = sdplan("train", "--demo", "--out", str(out2), "--num-processes", "2")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "torch.distributed.run --standalone --nproc_per_node 2" in proc.stdout
+    one, two = summary(out1), summary(out2)
+    assert two["num_processes"] == 2
+    assert two["images_seen"] == one["images_seen"] == 32
+    assert two["steps"] == one["steps"] // 2
+
+
+def test_out_of_memory_is_retried_smaller_and_recorded(tmp_path):
+    store = tmp_path / "store"
+    out = tmp_path / "oom"
+    proc = sdplan(
+        "train", "--demo", "--out", str(out),
+        env={"SDPLAN_INJECT_OOM_AT_STEP": "10", "SDPLAN_PROFILE_DIR": str(store)},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "micro-batch 2 -> 1, gradient accumulation 1 -> 2" in proc.stdout
+    assert "restarting from the last checkpoint" in proc.stdout  # the rolling checkpoint of step 8
+    cfg = yaml.safe_load((out / "sdplan.yaml").read_text())
+    assert (cfg["training"]["batch_size"], cfg["training"]["grad_accum"]) == (1, 2)
+    s = summary(out)
+    assert s["steps"] == 16 and s["images_seen"] == 32  # the same run, smaller micro-batches
+    assert not (out / "oom.json").exists()
+    points = yaml.safe_load((store / "methods" / "observed-lora.yaml").read_text())["points"]
+    assert [(p["batch"], p["grad_accum"], p["outcome"]["fits"]) for p in points] == [
+        (2, 1, False),
+        (1, 2, True),
+    ]
+    assert "out of memory at step 10" in points[0]["source"]
+
+
+@pytest.mark.slow
+def test_ctrl_c_leaves_a_checkpoint_and_resume_finishes_the_same_run(demo, tmp_path):
+    out = tmp_path / "int"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sdplan.cli", "train", "--demo", "--out", str(out)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if "step 5/16" in line:
+            proc.send_signal(signal.SIGINT)  # as Ctrl-C would, to sdplan only: it forwards to the trainer
+            break
+    rest, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, "".join(seen) + rest
+    assert "sdplan train --resume --out" in rest
+    ckpts = [p.name for p in (out / "checkpoints").iterdir()]
+    assert any(name.startswith("interrupt-step-") for name in ckpts), ckpts
+
+    resumed = sdplan("train", "--resume", "--out", str(out))
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    one = summary(demo[0])
+    s = summary(out)
+    assert (s["steps"], s["images_seen"]) == (16, 32)
+    assert s["final_loss"] == pytest.approx(one["final_loss"], rel=1e-6)  # the same run as never interrupted
+
+
+@pytest.mark.slow
+def test_deepspeed_zero2_offload_on_cpu(tmp_path):
+    pytest.importorskip("deepspeed")
+    from sdplan.trainer.tiny import save_tiny_model
+
+    from sdplan.demo import demo_config, make_dataset
+
+    root = tmp_path / "ds"
+    save_tiny_model(root / "base_model", "sd15")
+    make_dataset(root / "dataset")
+    data = demo_config(root, max_steps=4)
+    data["distributed"]["deepspeed"] = {"zero_stage": 2, "offload_optimizer": True}
+    data["sampling"]["prompts"] = data["sampling"]["prompts"][:1]
+    (tmp_path / "ds.yaml").write_text(yaml.safe_dump(data))
+    out = root / "run"
+    proc = sdplan(
+        "train", "--config", str(tmp_path / "ds.yaml"), "--out", str(out), "--device", "cpu", timeout=600
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "DS_ACCELERATOR=cpu" in proc.stdout and "accelerate.commands.launch" in proc.stdout
+    acc = yaml.safe_load((out / "accelerate.yaml").read_text())
+    assert acc["distributed_type"] == "DEEPSPEED"
+    assert acc["deepspeed_config"]["deepspeed_config_file"] == str(out / "deepspeed.json")
+    ds = json.loads((out / "deepspeed.json").read_text())
+    assert ds["train_batch_size"] == 2 * 1 * 1
+    assert ds["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    assert summary(out)["steps"] == 4
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(
+    strict=True,
+    reason="trainer/common.py make_accelerator passes cpu=True on the CPU, which makes accelerate drop the "
+    "DeepSpeed plugin (MULTI_CPU); it must not when DS_ACCELERATOR=cpu and DeepSpeed is configured",
+)
+def test_deepspeed_launch_gives_the_trainer_a_deepspeed_accelerator(tmp_path):
+    """The written accelerate.yaml + deepspeed.json, launched exactly as `sdplan train` launches, give the
+    trainer's own Accelerator the DeepSpeed plugin with ZeRO-2 and CPU optimizer offload."""
+    pytest.importorskip("deepspeed")
+    from sdplan.config import validate
+    from sdplan.launch import build_launch
+    from sdplan.train import write_run_files
+
+    cfg = validate(
+        {
+            "training": {"device": "cpu", "precision": "fp32", "batch_size": 2, "grad_accum": 2},
+            "distributed": {"deepspeed": {"zero_stage": 2, "offload_optimizer": True}},
+            "output": {"dir": str(tmp_path)},
+        }
+    )
+    launch = build_launch(cfg, tmp_path / "sdplan.yaml", tmp_path)
+    write_run_files(tmp_path, cfg, launch, "test")
+    probe = tmp_path / "probe_accelerator.py"
+    probe.write_text(
+        "import sys\n"
+        "from sdplan import config\n"
+        "from sdplan.trainer import common\n"
+        "cfg = config.load(sys.argv[sys.argv.index('--config') + 1])\n"
+        "acc = common.make_accelerator(cfg, cfg.output.dir)\n"
+        "ds = acc.state.deepspeed_plugin\n"
+        "print('TYPE', acc.distributed_type.value, ds and ds.zero_stage,\n"
+        "      ds and ds.deepspeed_config['zero_optimization']['offload_optimizer']['device'])\n"
+    )
+    i = launch.cmd.index("-m", 3)  # the trainer module after the launcher's own args
+    cmd = [*launch.cmd[:i], str(probe), *launch.cmd[i + 2 :]]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, **launch.env})
+    assert "TYPE DEEPSPEED 2 cpu" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]
