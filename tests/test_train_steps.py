@@ -201,3 +201,67 @@ def test_demo_dataset_is_a_captioned_flat_dataset(tmp_path):
     from sdplan.trainer.tiny import DEMO_WORDS
 
     assert {w for c in captions for w in c.split()} <= set(DEMO_WORDS)
+
+
+# -- planning, confirming ----------------------------------------------------------------------------------
+
+
+def _fake_model(root):
+    (root / "unet").mkdir(parents=True)
+    (root / "model_index.json").write_text('{"_class_name": "StableDiffusionPipeline"}')
+    (root / "unet" / "config.json").write_text('{"cross_attention_dim": 768}')
+    return root
+
+
+def test_plan_mode_uses_the_planner_and_overrides_win(tmp_path):
+    from pathlib import Path
+
+    from conftest import make_images
+
+    from sdplan.machine import Snapshot
+    from sdplan.train import UI, TrainRequest, prepare
+
+    snap = Snapshot.load(Path(__file__).parent / "fixtures" / "machines" / "t4.json")
+    model = _fake_model(tmp_path / "m")
+    ds = make_images(tmp_path / "ds", n=4)
+    base = dict(model=str(model), dataset=str(ds), out=str(tmp_path / "o"), epochs=3, snapshot=snap)
+    planned = prepare(TrainRequest(**base), UI(echo=lambda s: None))
+    assert planned.plan is not None and planned.plan["feasible"]
+    p = planned.plan["plan"]
+    t = planned.cfg.training
+    assert (t.batch_size, t.grad_accum, t.precision) == (p["batch_size"], p["grad_accum"], p["precision"])
+    assert t.precision == "fp16"  # a T4 has no bf16
+    assert planned.cfg.plan["schema_version"] == 1  # the plan travels in sdplan.yaml
+    assert planned.steps["images_per_epoch"] == 4 and planned.steps["epochs"] == 3
+    overridden = prepare(
+        TrainRequest(**base, overrides=["training.batch_size=3", "training.precision=fp32"]),
+        UI(echo=lambda s: None),
+    )
+    assert (overridden.cfg.training.batch_size, overridden.cfg.training.precision) == (3, "fp32")
+
+
+def test_no_confirmation_means_nothing_is_written(tmp_path):
+    from conftest import make_images
+
+    from sdplan.train import UI, Cancelled, TrainFailed, TrainRequest, run
+
+    model = _fake_model(tmp_path / "m")
+    ds = make_images(tmp_path / "ds", n=2)
+    asked = []
+
+    def confirm(question):
+        asked.append(question)
+        return False
+
+    req = TrainRequest(model=str(model), dataset=str(ds), out=str(tmp_path / "o"), device="cpu")
+    with pytest.raises(Cancelled):
+        run(req, UI(echo=lambda s: None, confirm=confirm))
+    assert asked == ["Start training?"]
+    assert not (tmp_path / "o").exists()
+    # --yes never asks: the run goes on to the trainer, which fails on this weightless model with its own
+    # exit code (one line from the trainer, then ours).
+    req.yes = True
+    with pytest.raises(TrainFailed) as err:
+        run(req, UI(echo=lambda s: None, confirm=lambda q: pytest.fail("asked despite --yes")))
+    assert err.value.exit_code not in (0, 75, 130)
+    assert (tmp_path / "o" / "sdplan.yaml").is_file()
