@@ -354,10 +354,13 @@ def add_time_ids(batch: dict, device, dtype):
     return torch.tensor(rows, device=device, dtype=dtype)
 
 
-def unet_conditioning(components, batch: dict, text_encoders: list, device, dtype):
-    """encoder_hidden_states and added_cond_kwargs for one batch."""
-    ids = tokenize(components.tokenizers, list(batch["caption"]))
-    embeds, pooled = encode_prompts(text_encoders, ids, components.family, device)
+def unet_conditioning(components, batch: dict, text_encoders: list, device, dtype, text_cache=None):
+    """encoder_hidden_states and added_cond_kwargs for one batch (from the text cache when there is one)."""
+    if text_cache is not None:
+        embeds, pooled = text_cache.lookup(list(batch["caption"]), device, dtype)
+    else:
+        ids = tokenize(components.tokenizers, list(batch["caption"]))
+        embeds, pooled = encode_prompts(text_encoders, ids, components.family, device)
     embeds = embeds.to(device, dtype)
     if components.family != "sdxl":
         return embeds, None
@@ -368,15 +371,162 @@ def unet_conditioning(components, batch: dict, text_encoders: list, device, dtyp
 # -- noise, target and loss ---------------------------------------------------------------------------
 
 
-def encode_latents(vae, pixel_values, generator):
-    """Pixels in [-1, 1] -> scaled latents (sampled from the VAE posterior with ``generator``)."""
+def encode_latents(vae, pixel_values, generator, cache=None):
+    """Pixels in [-1, 1] -> scaled latents, sampled from the VAE posterior with ``generator``.
+
+    With a ``LatentCache`` the posterior (mean and log-variance, ``latent_dist.parameters``) comes from the
+    cache and only the sampling happens here, so a cached run draws the same latents as an uncached one.
+    """
     import torch
+    from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
 
     with torch.no_grad():
-        dist = vae.encode(pixel_values.to(vae.device, vae.dtype)).latent_dist
-        latents = dist.sample(generator=generator)
+        if cache is not None:
+            params = cache.get_or_encode_batch(pixel_values, lambda px: posterior(vae, px))
+        else:
+            params = posterior(vae, pixel_values)
+        latents = DiagonalGaussianDistribution(params).sample(generator=generator)
     shift = getattr(vae.config, "shift_factor", None) or 0.0
     return (latents - shift) * vae.config.scaling_factor
+
+
+def vae_scale(vae) -> int:
+    """Pixels per latent side: the VAE halves the size in every block but the last (8 for SD)."""
+    return 2 ** (len(vae.config.block_out_channels) - 1)
+
+
+def posterior(vae, pixel_values):
+    """The VAE posterior's parameters [B, 2C, h, w] (what the latent cache stores)."""
+    return vae.encode(pixel_values.to(vae.device, vae.dtype)).latent_dist.parameters
+
+
+class _BatchCache:
+    """A LatentCache bound to one collated batch: ``get_or_encode_batch(pixels, fn)`` in ``encode_latents``."""
+
+    def __init__(self, cache, batch: dict):
+        self.cache, self.batch = cache, batch
+
+    def get_or_encode_batch(self, pixel_values, encode_fn):
+        out = self.cache.get_or_encode_batch(self.batch, encode_fn)
+        return out.to(pixel_values.device)
+
+
+def batch_latents(vae, batch: dict, generator, device, cache=None):
+    """Latents of a collated batch, through the latent cache when there is one."""
+    pixels = batch["pixel_values"].to(device)
+    return encode_latents(vae, pixels, generator, _BatchCache(cache, batch) if cache is not None else None)
+
+
+def make_latent_cache(cfg, vae, out_dir: Path):
+    """A LatentCache when ``memory.cache_latents`` is on: in memory, or on disk under ``{out}/cache/latents``
+    with ``memory.cache_latents_to_disk`` (keyed by file content, size, crop, flip and the VAE)."""
+    if not cfg.memory.cache_latents:
+        return None
+    from .data import LatentCache, vae_identity
+
+    disk = bool(getattr(cfg.memory, "cache_latents_to_disk", False))
+    return LatentCache(
+        Path(out_dir) / "cache" / "latents" if disk else None, identity=vae_identity(vae, "posterior")
+    )
+
+
+def precompute_latents(accelerator, cache, vae, datasets: list, epochs: int) -> None:
+    """Encode every sample of every epoch (random crops/flips differ per epoch) before training, so the VAE
+    can leave the GPU. On disk the main process encodes and the others then read."""
+    if cache is None:
+        return
+    import torch
+
+    def encode(px):
+        with torch.no_grad():
+            return posterior(vae, px).float()
+
+    def fill() -> int:
+        return sum(cache.precompute(ds, encode, epochs=range(epochs)) for ds in datasets)
+
+    if cache.dir is None:  # in memory: each process fills its own
+        encoded = fill()
+    else:  # on disk: the main process encodes, the others then find the files
+        encoded = fill() if accelerator.is_main_process else 0
+        accelerator.wait_for_everyone()
+        if not accelerator.is_main_process:
+            fill()
+    say(accelerator, f"latent cache: {encoded} encoded, {len(cache)} cached")
+
+
+class TextCache:
+    """Text-encoder outputs per caption (CPU), for runs whose text encoders are frozen: computed once before
+    training for every caption the epochs will use, so the encoders can leave the GPU."""
+
+    def __init__(self):
+        self.embeds: dict[str, Any] = {}
+
+    def precompute(self, comps, text_encoders, captions, device, batch_size: int = 16) -> int:
+        import torch
+
+        todo = sorted(set(captions) - set(self.embeds))
+        with torch.no_grad():
+            for i in range(0, len(todo), batch_size):
+                chunk = todo[i : i + batch_size]
+                embeds, pooled = encode_prompts(
+                    text_encoders, tokenize(comps.tokenizers, chunk), comps.family, device
+                )
+                for j, caption in enumerate(chunk):
+                    self.embeds[caption] = (
+                        embeds[j].to("cpu"),
+                        pooled[j].to("cpu") if pooled is not None else None,
+                    )
+        return len(todo)
+
+    def lookup(self, captions: list[str], device, dtype):
+        import torch
+
+        missing = [c for c in captions if c not in self.embeds]
+        if missing:
+            raise KeyError(f"caption not in the text cache: {missing[0]!r}")
+        embeds = torch.stack([self.embeds[c][0] for c in captions]).to(device, dtype)
+        first = self.embeds[captions[0]][1]
+        pooled = (
+            None if first is None else torch.stack([self.embeds[c][1] for c in captions]).to(device, dtype)
+        )
+        return embeds, pooled
+
+
+def epoch_captions(dataset, epochs: int) -> set[str]:
+    """Every caption ``dataset`` yields over ``epochs`` epochs (tag shuffling varies them per epoch)."""
+    captions: set[str] = set()
+    keep = dataset.epoch
+    try:
+        for epoch in range(epochs if getattr(dataset, "shuffle_tags", 0) else 1):
+            dataset.set_epoch(epoch)
+            for index in range(len(dataset)):
+                item = dataset.items[dataset._index[index]]
+                captions.add(dataset.caption_for(item, index))
+    finally:
+        dataset.set_epoch(keep)
+    return captions
+
+
+def make_text_cache(accelerator, cfg, comps, text_encoders, captions, device) -> TextCache | None:
+    """Cache text-encoder outputs when ``memory.cache_text_encoder_outputs`` is on (the config refuses it for
+    runs that train a text encoder; callers pass only frozen ones)."""
+    if not cfg.memory.cache_text_encoder_outputs:
+        return None
+    cache = TextCache()
+    n = cache.precompute(comps, text_encoders, captions, device)
+    say(accelerator, f"text cache: {n} captions encoded")
+    return cache
+
+
+def offload(*models) -> None:
+    """Move models off the GPU (to system RAM) once their outputs are cached."""
+    import torch
+
+    for m in models:
+        if m is not None:
+            m.to("cpu")
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def noisy_latents(noise_scheduler, latents, generator, noise_offset: float = 0.0):
@@ -492,11 +642,11 @@ def checkpoint_on_error(accelerator, ckpt, state) -> None:
 
 
 def samples(
-    accelerator, comps, unet, text_encoders, cfg, *, step: int | None = None, fallback: str = ""
+    accelerator, comps, unet, text_encoders, cfg, *, step: int | None = None, fallback: str = "", tb=None
 ) -> Path | None:
     """A PNG grid from ``sampling.prompts`` (else ``fallback``) with a fixed seed, made on the main process:
     ``samples/step-000100.png`` during training (the other processes wait), ``samples/final.png`` at the end
-    (call it on the main process only then)."""
+    (call it on the main process only then). Components moved off the GPU (cached outputs) come back for it."""
     import torch
 
     from .checkpoint import unwrap
@@ -507,20 +657,60 @@ def samples(
     if prompts and accelerator.is_main_process:
         from . import sampling
 
-        pipe = comps.pipeline(unet=unwrap(unet), text_encoders=[unwrap(te) for te in text_encoders])
-        with torch.no_grad(), accelerator.autocast():
-            grid = sampling.sample_grid(
-                pipe,
-                prompts,
-                seed=cfg.sampling.seed,
-                steps=cfg.sampling.num_inference_steps,
-                guidance_scale=cfg.sampling.guidance_scale,
-                resolution=cfg.data.resolution,
-                out_path=Path(cfg.output.dir) / "samples" / name,
-            )
+        tes = [unwrap(te) for te in text_encoders]
+        pipe = comps.pipeline(unet=unwrap(unet), text_encoders=tes)
+        away = [m for m in (comps.vae, *tes) if m.device != accelerator.device]
+        for m in away:
+            m.to(accelerator.device)
+        try:
+            with torch.no_grad(), accelerator.autocast():
+                grid = sampling.sample_grid(
+                    pipe,
+                    prompts,
+                    seed=cfg.sampling.seed,
+                    steps=cfg.sampling.num_inference_steps,
+                    guidance_scale=cfg.sampling.guidance_scale,
+                    resolution=cfg.data.resolution,
+                    out_path=Path(cfg.output.dir) / "samples" / name,
+                )
+        finally:
+            offload(*away)
+        if tb is not None:
+            tb.image("samples", grid, step if step is not None else 0)
     if step is not None:
         accelerator.wait_for_everyone()
     return grid
+
+
+def tensorboard(accelerator, cfg):
+    """TensorBoard logs under ``{out}/logs`` when ``logging.tensorboard`` (main process only)."""
+    from .plots import TensorBoardLogger
+
+    return TensorBoardLogger(
+        Path(cfg.output.dir) / "logs", enabled=cfg.logging.tensorboard and accelerator.is_main_process
+    )
+
+
+def log_step(tb, progress, step: int, loss: float, lr_scheduler) -> None:
+    """One step's loss, learning rate, it/s and memory to TensorBoard."""
+    if tb is None or not tb.enabled:
+        return
+    tb.log(
+        step,
+        loss=loss,
+        lr=lr_scheduler.get_last_lr()[0],
+        it_per_s=progress.rate(step),
+        memory_bytes=peak_memory_bytes(),
+    )
+
+
+def describe_data(accelerator, dataset, scan, label: str = "data") -> None:
+    """The scan summary (with skipped files and why) and, with buckets, the bucket table."""
+    say(accelerator, f"{label} {scan.summary()}")
+    if getattr(dataset, "buckets", None):
+        from .buckets import format_bucket_table
+
+        say(accelerator, "aspect-ratio buckets:\n" + format_bucket_table(dataset.bucket_table()))
 
 
 # -- memory -------------------------------------------------------------------------------------------
@@ -705,12 +895,15 @@ class Progress:
 
         return f"GPU {torch.cuda.memory_allocated() / 2**30:.1f}/{torch.cuda.max_memory_allocated() / 2**30:.1f} GiB"
 
+    def rate(self, step: int) -> float:
+        """Steps per second since this run (or resume) started."""
+        elapsed = time.perf_counter() - self.start
+        return (step - self.initial) / elapsed if elapsed > 0 else 0.0
+
     def update(self, step: int, loss: float | None = None) -> None:
         if not self.enabled:
             return
-        elapsed = time.perf_counter() - self.start
-        done = step - self.initial
-        rate = done / elapsed if elapsed > 0 else 0.0
+        rate = self.rate(step)
         eta = (self.total - step) / rate if rate > 0 else float("inf")
         fields = {
             "loss": "-" if loss is None else f"{loss:.4f}",

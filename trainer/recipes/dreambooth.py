@@ -39,7 +39,7 @@ def train(cfg: TrainConfig, *, resume: str | None = None) -> dict:
     resume_from = ckpt_lib.resolve_resume(resume or cfg.checkpoints.resume, out_dir)
     accelerator = common.make_accelerator(cfg, out_dir)
     device = accelerator.device
-    common.say(accelerator, f"data {scan.summary()}")
+    common.describe_data(accelerator, dataset, scan)
 
     # 2. The model: UNet (and optionally the text encoders) trained in fp32, the rest frozen.
     comps = models.load_components(
@@ -99,6 +99,21 @@ def train(cfg: TrainConfig, *, resume: str | None = None) -> dict:
     accelerator.register_for_checkpointing(lr_scheduler)
     params = [p for g in groups for p in g["params"]]
 
+    # Cached VAE (and frozen text-encoder) outputs: computed once, then those models leave the GPU.
+    latent_cache = common.make_latent_cache(cfg, vae, out_dir)
+    common.precompute_latents(
+        accelerator,
+        latent_cache,
+        vae,
+        [dataset, class_ds] if class_ds is not None else [dataset],
+        plan.epochs,
+    )
+    text_cache = None
+    if not tcfg.train_text_encoder:
+        captions = common.epoch_captions(dataset, plan.epochs) | ({db.class_prompt} if class_ds else set())
+        text_cache = common.make_text_cache(accelerator, cfg, comps, text_encoders, captions, device)
+    common.offload(vae if latent_cache else None, *(text_encoders if text_cache else []))
+
     # 5. Checkpoints and resume.
     state = ckpt_lib.TrainState(
         batch_size=tcfg.batch_size,
@@ -131,15 +146,20 @@ def train(cfg: TrainConfig, *, resume: str | None = None) -> dict:
         return data.collate([class_ds[(start * size + j) % len(class_ds)] for j in range(size)])
 
     def loss_for(batch, generator, prior):
+        """Instance (and class) samples in one UNet call; the class half weighs prior_loss_weight."""
         n = batch["pixel_values"].shape[0]
+        latents = common.batch_latents(vae, batch, generator, device, latent_cache)
         if prior is not None:
+            latents = torch.cat(
+                [latents, _prior_latents(vae, prior, latents, generator, device, latent_cache)]
+            )
             batch = _concat(batch, prior)
-        pixels = batch["pixel_values"].to(device)
-        latents = common.encode_latents(vae, pixels, generator)
         noisy, noise, timesteps = common.noisy_latents(
             comps.noise_scheduler, latents, generator, tcfg.noise_offset
         )
-        embeds, added = common.unet_conditioning(comps, batch, text_encoders, device, torch.float32)
+        embeds, added = common.unet_conditioning(
+            comps, batch, text_encoders, device, torch.float32, text_cache
+        )
         pred = unet(noisy, timesteps, embeds, added_cond_kwargs=added, return_dict=False)[0]
         target = common.diffusion_target(comps.noise_scheduler, latents, noise, timesteps)
         loss = common.mse(pred[:n], target[:n])
@@ -150,6 +170,7 @@ def train(cfg: TrainConfig, *, resume: str | None = None) -> dict:
     # 6. The loop.
     for m in trained.values():
         m.train()
+    tb = common.tensorboard(accelerator, cfg)
     progress = common.Progress(
         accelerator, plan.max_steps, initial=state.global_step, description="dreambooth"
     )
@@ -196,8 +217,9 @@ def train(cfg: TrainConfig, *, resume: str | None = None) -> dict:
                     state.losses.append(mean_loss)
                     micro, images, loss_sum, generator = 0, 0, torch.zeros((), device=device), None
                     progress.update(step, mean_loss)
+                    common.log_step(tb, progress, step, mean_loss, lr_scheduler)
                     if cfg.sampling.every_steps and step % cfg.sampling.every_steps == 0:
-                        common.samples(accelerator, comps, unet, text_encoders, cfg, step=step)
+                        common.samples(accelerator, comps, unet, text_encoders, cfg, step=step, tb=tb)
                     ckpt.maybe_save()
                     if stop_now:
                         path = ckpt.last_saved if ckpt.last_saved_step == step else ckpt.save("interrupt")
@@ -216,6 +238,7 @@ def train(cfg: TrainConfig, *, resume: str | None = None) -> dict:
         raise
     finally:
         progress.close()
+        tb.close()
 
     # 7. Outputs: the whole pipeline with the trained UNet (and text encoders).
     peak = common.gather_max(accelerator, common.peak_memory_bytes(accelerator))
@@ -267,15 +290,22 @@ def train(cfg: TrainConfig, *, resume: str | None = None) -> dict:
     return summary
 
 
+def _prior_latents(vae, prior: dict, instance_latents, generator, device, cache):
+    """Latents of the class images. With aspect-ratio buckets a class image can have another shape than the
+    instance batch: it is then resized to it in pixels and encoded without the cache (only in that case)."""
+    scale = common.vae_scale(vae)
+    size = tuple(d * scale for d in instance_latents.shape[-2:])  # in pixels
+    if tuple(prior["pixel_values"].shape[-2:]) != size:
+        pixels = torch.nn.functional.interpolate(
+            prior["pixel_values"], size=size, mode="bilinear", antialias=True
+        )
+        return common.encode_latents(vae, pixels.to(device), generator)
+    return common.batch_latents(vae, prior, generator, device, cache)
+
+
 def _concat(batch: dict, prior: dict) -> dict:
-    """Instance and class samples in one batch (one UNet call). With aspect-ratio buckets a class image can
-    have another size than the instance batch: it is resized to it (only in that case)."""
-    pixels = prior["pixel_values"]
-    size = batch["pixel_values"].shape[-2:]
-    if pixels.shape[-2:] != size:
-        pixels = torch.nn.functional.interpolate(pixels, size=tuple(size), mode="bilinear", antialias=True)
+    """Captions and SDXL size conditioning of instance then class samples (for one UNet call)."""
     out = dict(batch)
-    out["pixel_values"] = torch.cat([batch["pixel_values"], pixels.to(batch["pixel_values"].device)])
     out["caption"] = list(batch["caption"]) + list(prior["caption"])
     for key in ("original_size", "crop_top_left"):
         out[key] = torch.cat([batch[key].cpu(), prior[key].cpu()])

@@ -4,8 +4,7 @@ Optional EMA of the UNet weights (diffusers' EMAModel), kept on the training dev
 every N optimizer steps, saved beside the weights (``ema/``). Outputs: a diffusers folder and a single-file
 ``.safetensors``, a sample grid, ``loss.png``, ``run_summary.json``.
 
-EMA settings come from an ``ema`` config section (``enabled``, ``decay``, ``device``: ``cpu`` | ``gpu``,
-``update_every``); until the schema has it they are read with defaults (off).
+EMA settings: the ``ema`` config section (``enabled``, ``decay``, ``device``: ``cpu`` | ``gpu``, ``update_every``).
 """
 
 from __future__ import annotations
@@ -34,7 +33,7 @@ def train(cfg: TrainConfig, *, resume: str | None = None) -> dict:
     resume_from = ckpt_lib.resolve_resume(resume or cfg.checkpoints.resume, out_dir)
     accelerator = common.make_accelerator(cfg, out_dir)
     device = accelerator.device
-    common.say(accelerator, f"data {scan.summary()}")
+    common.describe_data(accelerator, dataset, scan)
 
     # 2. The model: UNet (and optionally the text encoders) trained in fp32, the rest frozen.
     comps = models.load_components(
@@ -92,6 +91,15 @@ def train(cfg: TrainConfig, *, resume: str | None = None) -> dict:
         accelerator.register_for_checkpointing(ema.model)
     params = [p for g in groups for p in g["params"]]
 
+    # Cached VAE (and frozen text-encoder) outputs: computed once, then those models leave the GPU.
+    latent_cache = common.make_latent_cache(cfg, vae, out_dir)
+    common.precompute_latents(accelerator, latent_cache, vae, [dataset], plan.epochs)
+    text_cache = None
+    if not tcfg.train_text_encoder:
+        captions = common.epoch_captions(dataset, plan.epochs)
+        text_cache = common.make_text_cache(accelerator, cfg, comps, text_encoders, captions, device)
+    common.offload(vae if latent_cache else None, *(text_encoders if text_cache else []))
+
     # 5. Checkpoints and resume.
     state = ckpt_lib.TrainState(
         batch_size=tcfg.batch_size,
@@ -117,18 +125,20 @@ def train(cfg: TrainConfig, *, resume: str | None = None) -> dict:
     common.say(accelerator, common.describe_plan("finetune", comps.family, len(dataset), cfg, plan))
 
     def loss_for(batch, generator):
-        pixels = batch["pixel_values"].to(device)
-        latents = common.encode_latents(vae, pixels, generator)
+        latents = common.batch_latents(vae, batch, generator, device, latent_cache)
         noisy, noise, timesteps = common.noisy_latents(
             comps.noise_scheduler, latents, generator, tcfg.noise_offset
         )
-        embeds, added = common.unet_conditioning(comps, batch, text_encoders, device, torch.float32)
+        embeds, added = common.unet_conditioning(
+            comps, batch, text_encoders, device, torch.float32, text_cache
+        )
         pred = unet(noisy, timesteps, embeds, added_cond_kwargs=added, return_dict=False)[0]
         return common.mse(pred, common.diffusion_target(comps.noise_scheduler, latents, noise, timesteps))
 
     # 6. The loop.
     for m in trained.values():
         m.train()
+    tb = common.tensorboard(accelerator, cfg)
     progress = common.Progress(accelerator, plan.max_steps, initial=state.global_step, description="finetune")
     try:
         with common.StopSignals(progress.print) as stop:
@@ -172,8 +182,9 @@ def train(cfg: TrainConfig, *, resume: str | None = None) -> dict:
                     state.losses.append(mean_loss)
                     micro, images, loss_sum, generator = 0, 0, torch.zeros((), device=device), None
                     progress.update(step, mean_loss)
+                    common.log_step(tb, progress, step, mean_loss, lr_scheduler)
                     if cfg.sampling.every_steps and step % cfg.sampling.every_steps == 0:
-                        common.samples(accelerator, comps, unet, text_encoders, cfg, step=step)
+                        common.samples(accelerator, comps, unet, text_encoders, cfg, step=step, tb=tb)
                     ckpt.maybe_save()
                     if stop_now:
                         path = ckpt.last_saved if ckpt.last_saved_step == step else ckpt.save("interrupt")
@@ -192,6 +203,7 @@ def train(cfg: TrainConfig, *, resume: str | None = None) -> dict:
         raise
     finally:
         progress.close()
+        tb.close()
 
     # 7. Outputs: the whole pipeline with the trained UNet (and text encoders); the EMA UNet beside it.
     peak = common.gather_max(accelerator, common.peak_memory_bytes(accelerator))
@@ -282,10 +294,7 @@ class _Ema:
 
 
 def _make_ema(cfg, unet, device) -> _Ema | None:
-    settings = getattr(cfg, "ema", None)
-    if settings is None or not getattr(settings, "enabled", False):
+    e = cfg.ema
+    if not e.enabled:
         return None
-    where = getattr(settings, "device", "cpu") or "cpu"
-    ema_device = torch.device("cpu") if where == "cpu" else device
-    every = max(1, int(getattr(settings, "update_every", 1) or 1))
-    return _Ema(unet, float(getattr(settings, "decay", 0.9999)), ema_device, every)
+    return _Ema(unet, e.decay, torch.device("cpu") if e.device == "cpu" else device, e.update_every)

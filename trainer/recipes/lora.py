@@ -33,7 +33,7 @@ def train(cfg: TrainConfig, *, resume: str | None = None) -> dict:
     resume_from = ckpt_lib.resolve_resume(resume or cfg.checkpoints.resume, out_dir)
     accelerator = common.make_accelerator(cfg, out_dir)
     device = accelerator.device
-    common.say(accelerator, f"data {scan.summary()}")
+    common.describe_data(accelerator, dataset, scan)
 
     # 2. The base model, frozen.
     comps = models.load_components(
@@ -114,6 +114,15 @@ def train(cfg: TrainConfig, *, resume: str | None = None) -> dict:
     accelerator.register_for_checkpointing(lr_scheduler)
     params = [p for g in groups for p in g["params"]]
 
+    # Cached VAE (and frozen text-encoder) outputs: computed once, then those models leave the GPU.
+    latent_cache = common.make_latent_cache(cfg, vae, out_dir)
+    common.precompute_latents(accelerator, latent_cache, vae, [dataset], plan.epochs)
+    text_cache = None
+    if not tcfg.train_text_encoder:
+        captions = common.epoch_captions(dataset, plan.epochs)
+        text_cache = common.make_text_cache(accelerator, cfg, comps, text_encoders, captions, device)
+    common.offload(vae if latent_cache else None, *(text_encoders if text_cache else []))
+
     # 5. Checkpoints and resume.
     state = ckpt_lib.TrainState(
         batch_size=tcfg.batch_size,
@@ -137,18 +146,18 @@ def train(cfg: TrainConfig, *, resume: str | None = None) -> dict:
     common.say(accelerator, common.describe_plan("lora", comps.family, len(dataset), cfg, plan))
 
     def loss_for(batch, generator):
-        pixels = batch["pixel_values"].to(device)
-        latents = common.encode_latents(vae, pixels, generator).to(wdtype)
+        latents = common.batch_latents(vae, batch, generator, device, latent_cache).to(wdtype)
         noisy, noise, timesteps = common.noisy_latents(
             comps.noise_scheduler, latents, generator, tcfg.noise_offset
         )
-        embeds, added = common.unet_conditioning(comps, batch, text_encoders, device, wdtype)
+        embeds, added = common.unet_conditioning(comps, batch, text_encoders, device, wdtype, text_cache)
         pred = unet(noisy, timesteps, embeds, added_cond_kwargs=added, return_dict=False)[0]
         return common.mse(pred, common.diffusion_target(comps.noise_scheduler, latents, noise, timesteps))
 
     # 6. The loop.
     for m in trained.values():
         m.train()
+    tb = common.tensorboard(accelerator, cfg)
     progress = common.Progress(accelerator, plan.max_steps, initial=state.global_step, description="lora")
     try:
         with common.StopSignals(progress.print) as stop:
@@ -189,8 +198,9 @@ def train(cfg: TrainConfig, *, resume: str | None = None) -> dict:
                     state.losses.append(mean_loss)
                     micro, images, loss_sum, generator = 0, 0, torch.zeros((), device=device), None
                     progress.update(step, mean_loss)
+                    common.log_step(tb, progress, step, mean_loss, lr_scheduler)
                     if cfg.sampling.every_steps and step % cfg.sampling.every_steps == 0:
-                        common.samples(accelerator, comps, unet, text_encoders, cfg, step=step)
+                        common.samples(accelerator, comps, unet, text_encoders, cfg, step=step, tb=tb)
                     ckpt.maybe_save()
                     if stop_now:
                         path = ckpt.last_saved if ckpt.last_saved_step == step else ckpt.save("interrupt")
@@ -209,6 +219,7 @@ def train(cfg: TrainConfig, *, resume: str | None = None) -> dict:
         raise
     finally:
         progress.close()
+        tb.close()
 
     # 7. Outputs.
     peak = common.gather_max(accelerator, common.peak_memory_bytes(accelerator))
