@@ -168,16 +168,19 @@ def _build_tiny_model(folder: Path, family: str) -> None:
     import warnings
 
     from diffusers.utils import logging as dlog
+    from transformers.utils import logging as tlog
 
     from sdplan.trainer.tiny import save_tiny_model
 
-    level = dlog.get_verbosity()
-    dlog.set_verbosity_error()
-    dlog.disable_progress_bar()
+    levels = dlog.get_verbosity(), tlog.get_verbosity()
+    for log in (dlog, tlog):
+        log.set_verbosity_error()
+        log.disable_progress_bar()
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
             save_tiny_model(folder, family)
     finally:
-        dlog.set_verbosity(level)
-        dlog.enable_progress_bar()
+        for log, level in zip((dlog, tlog), levels):
+            log.set_verbosity(level)
+            log.enable_progress_bar()
