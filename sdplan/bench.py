@@ -696,10 +696,35 @@ def _noise_scheduler(family: str):
     )
 
 
-def build_components(family: str, *, demo: bool, workdir: Path, device: str):
+@contextlib.contextmanager
+def _default_dtype(dtype):
+    import torch
+
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
+
+
+def build_components(
+    family: str,
+    *,
+    demo: bool,
+    workdir: Path,
+    device: str,
+    dtypes: dict[str, Any] | None = None,
+    with_vae: bool = True,
+):
     """``sdplan.trainer.models.Components`` with random weights: the full-size networks built from the
-    configs in profiles/models (directly on ``device``), or the tiny demo model. The tokenizer is the tiny
-    generated CLIP BPE one (its ids are valid for any CLIP vocabulary; nothing is downloaded)."""
+    configs in profiles/models, or the tiny demo model. The tokenizer is the tiny generated CLIP BPE one (its
+    ids are valid for any CLIP vocabulary; nothing is downloaded).
+
+    Full-size networks are created directly on ``device`` in their training dtype (``dtypes``: "unet",
+    "text_encoder", "vae"; default fp32), so that building never needs more memory than training holds
+    (an SDXL UNet is 10 GB in fp32, 5 GB in half precision). ``with_vae=False`` (cached latents) builds no VAE.
+    """
     import torch
 
     from sdplan.trainer import tiny
@@ -712,7 +737,7 @@ def build_components(family: str, *, demo: bool, workdir: Path, device: str):
         return Components(
             family="sd15",
             unet=parts["unet"],
-            vae=parts["vae"],
+            vae=parts["vae"] if with_vae else None,
             text_encoders=[parts["text_encoder"]],
             tokenizers=[parts["tokenizer"]],
             noise_scheduler=parts["scheduler"],
@@ -723,13 +748,19 @@ def build_components(family: str, *, demo: bool, workdir: Path, device: str):
 
     from sdplan import profiles
 
+    dtypes = dtypes or {}
     spec = profiles.load_model(profiles.shipped_dir() / "models" / f"{family}.yaml")
     classes = {"CLIPTextModel": CLIPTextModel, "CLIPTextModelWithProjection": CLIPTextModelWithProjection}
     torch.manual_seed(0)
     with torch.device(device):
-        unet = UNet2DConditionModel.from_config(dict(spec.unet))
-        vae = AutoencoderKL.from_config(dict(spec.vae))
-        encoders = [classes[te["class"]](CLIPTextConfig(**te["config"])) for te in spec.text_encoders]
+        with _default_dtype(dtypes.get("unet", torch.float32)):
+            unet = UNet2DConditionModel.from_config(dict(spec.unet))
+        with _default_dtype(dtypes.get("text_encoder", torch.float32)):
+            encoders = [classes[te["class"]](CLIPTextConfig(**te["config"])) for te in spec.text_encoders]
+        vae = None
+        if with_vae:
+            with _default_dtype(dtypes.get("vae", torch.float32)):
+                vae = AutoencoderKL.from_config(dict(spec.vae))
     max_len = spec.tokenizer_max_length
     tokenizers = [
         tiny.tiny_tokenizer(workdir / f"tokenizer_{i}", max_length=max_len) for i in range(len(encoders))
@@ -761,12 +792,28 @@ class _Harness:
         _reset_accelerate_state()
         self.accelerator = accelerator = common.make_accelerator(self.cfg, workdir)
         self.device = accelerator.device
-        comps = build_components(req.model, demo=demo, workdir=workdir, device=str(self.device))
+        self.wdtype = wdtype = common.weight_dtype(accelerator)
+        full = req.method in ("dreambooth", "finetune")
+        dtypes = {
+            "unet": torch.float32 if full else wdtype,
+            "text_encoder": torch.float32
+            if req.method == "textual-inversion" or (full and req.train_text_encoder)
+            else wdtype,
+            "vae": common.vae_dtype(accelerator),
+        }
+        comps = build_components(
+            req.model,
+            demo=demo,
+            workdir=workdir,
+            device=str(self.device),
+            dtypes=dtypes,
+            with_vae=not req.cache_latents,
+        )
         self.comps = comps
         unet, vae, text_encoders = comps.unet, comps.vae, list(comps.text_encoders)
         for m in (unet, vae, *text_encoders):
-            m.requires_grad_(False)
-        self.wdtype = wdtype = common.weight_dtype(accelerator)
+            if m is not None:
+                m.requires_grad_(False)
         trained: dict[str, Any] = {}
         groups: list[dict[str, Any]] = []
         lr = self.cfg.training.learning_rate
@@ -775,9 +822,9 @@ class _Harness:
         if req.method == "lora":  # trainer/recipes/lora.py, step 3
             from peft import LoraConfig
 
-            unet.to(self.device, dtype=wdtype)
+            common.place(unet, self.device, wdtype)
             for te in text_encoders:
-                te.to(self.device, dtype=wdtype)
+                common.place(te, self.device, wdtype)
             torch.manual_seed(self.cfg.training.seed)
             lcfg = self.cfg.lora
             unet.add_adapter(
@@ -811,22 +858,22 @@ class _Harness:
                 te_params = [p for te in text_encoders for p in te.parameters() if p.requires_grad]
                 groups.append({"params": te_params, "lr": te_lr})
         elif req.method in ("dreambooth", "finetune"):  # the whole UNet trains, fp32 master weights
-            unet.to(self.device, dtype=torch.float32)
+            common.place(unet, self.device, torch.float32)
             unet.requires_grad_(True)
             trained["unet"] = unet
             groups.append({"params": list(unet.parameters()), "lr": lr})
             for i, te in enumerate(text_encoders):
                 if req.train_text_encoder:
-                    te.to(self.device, dtype=torch.float32)
+                    common.place(te, self.device, torch.float32)
                     te.requires_grad_(True)
                     trained[f"text_encoder_{i}"] = te
                     groups.append({"params": list(te.parameters()), "lr": te_lr})
                 else:
-                    te.to(self.device, dtype=wdtype)
+                    common.place(te, self.device, wdtype)
         elif req.method == "textual-inversion":  # only the token embeddings train; the UNet stays frozen
-            unet.to(self.device, dtype=wdtype)
+            common.place(unet, self.device, wdtype)
             for i, te in enumerate(text_encoders):
-                te.to(self.device, dtype=torch.float32)
+                common.place(te, self.device, torch.float32)
                 emb = te.get_input_embeddings()
                 emb.weight.requires_grad_(True)
                 trained[f"text_encoder_{i}"] = te
@@ -834,18 +881,15 @@ class _Harness:
         else:  # pragma: no cover - BenchRequest validates the method
             raise UsageError(f"unknown method {req.method!r}")
 
-        if req.cache_latents:
-            self.vae = None  # latents come from the cache: the VAE is not on the GPU while training
-            comps.vae = vae = None
-        else:
-            vae.to(self.device, dtype=common.vae_dtype(accelerator))
-            self.vae = vae
+        if vae is not None:  # with cached latents there is none: the cache hands the recipe latents
+            common.place(vae, self.device, common.vae_dtype(accelerator))
+        self.vae = vae
         common.use_sdpa(unet, *([vae] if self.vae is not None else []))
         if req.gradient_checkpointing:
             gc_models = list(trained.values())
             if req.method == "textual-inversion":
                 gc_models.append(unet)  # backward runs through the frozen UNet to the embeddings
-            _enable_gradient_checkpointing(*gc_models)
+            common.enable_gradient_checkpointing(*gc_models)
         self.optimizer = common.make_optimizer(groups, self.cfg)
         names = list(trained)
         prepared = accelerator.prepare(*trained.values(), self.optimizer)
@@ -925,18 +969,6 @@ class _Harness:
         with contextlib.suppress(Exception):
             self.accelerator.free_memory()
         _free_memory()
-
-
-def _enable_gradient_checkpointing(*models: Any) -> None:
-    """The trainer's helper for transformers models; diffusers models name the switch differently
-    (``enable_gradient_checkpointing``), and sdplan.trainer.common's helper calls only the transformers one."""
-    from sdplan.trainer import common
-
-    for m in models:
-        if hasattr(m, "gradient_checkpointing_enable"):
-            common.enable_gradient_checkpointing(m)
-        else:
-            m.enable_gradient_checkpointing()
 
 
 def _reset_accelerate_state() -> None:
@@ -1089,12 +1121,35 @@ def _measure(
     on_result: Callable[[BenchPoint], None] | None,
 ) -> None:
     """Build one request's model, search its batch, write each point as it is measured."""
+    import torch
+
     req = result.request
     _free_memory()
     rss_base = _rss_bytes()
     first = True
+
+    def record(raw: dict[str, Any]) -> BenchPoint:
+        date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        point = BenchPoint(request=req, demo=demo, date=date, **raw)
+        point = replace(point, point_id=point_id(machine, req, point.batch, demo=demo))
+        path = write_points(root, req.method, [point_record(point, machine)])
+        point = replace(point, store_file=path)
+        result.points.append(point)
+        if on_result is not None:
+            on_result(point)
+        return point
+
     with tempfile.TemporaryDirectory(prefix="sdplan-bench-") as tmp, _quiet_diffusers():
-        harness = _Harness(req, device=dev, demo=demo, workdir=Path(tmp))
+        error = None
+        try:
+            harness = _Harness(req, device=dev, demo=demo, workdir=Path(tmp))
+        except torch.OutOfMemoryError as e:
+            error = (str(e).strip().splitlines() or ["out of memory"])[0][:300]
+        if error is not None:  # the weights alone do not fit: batch 1 cannot
+            _free_memory()
+            record({"batch": 1, "fits": False, "error": f"out of memory placing the weights: {error}"})
+            result.max_batch, result.bounded_by = 0, "oom"
+            return
         try:
 
             def fits(batch: int) -> bool:
@@ -1103,16 +1158,7 @@ def _measure(
                 # the first point also warms up what runs once (kernels, allocator, optimizer state)
                 e = replace(effort, warmup_steps=effort.warmup_steps + 1) if first else effort
                 first = False
-                raw = _probe(harness, batch, e, cuda=dev == "cuda", rss_base=rss_base)
-                date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-                point = BenchPoint(request=req, demo=demo, date=date, **raw)
-                point = replace(point, point_id=point_id(machine, req, batch, demo=demo))
-                path = write_points(root, req.method, [point_record(point, machine)])
-                point = replace(point, store_file=path)
-                result.points.append(point)
-                if on_result is not None:
-                    on_result(point)
-                return point.fits
+                return record(_probe(harness, batch, e, cuda=dev == "cuda", rss_base=rss_base)).fits
 
             result.max_batch, result.bounded_by = search_largest_batch(fits, max_batch=effort.max_batch)
         finally:

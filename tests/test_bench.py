@@ -149,6 +149,23 @@ def test_oom_at_batch_one_means_nothing_fits(tmp_path, monkeypatch):
     assert [(p.batch, p.fits) for p in res.points] == [(1, False)]
 
 
+def test_weights_that_do_not_fit_are_recorded_not_raised(tmp_path, monkeypatch):
+    import torch
+
+    root = store(monkeypatch, tmp_path)
+
+    def no_room(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(bench, "_Harness", no_room)
+    (res,) = bench.run_bench([bench.demo_request()], demo=True, store_dir=root, effort=TINY)
+    assert (res.max_batch, res.bounded_by) == (0, "oom")
+    (point,) = res.points
+    assert point.batch == 1 and not point.fits and "placing the weights" in point.error
+    (written,) = profiles.load_methods(root / "methods" / "lora.yaml", origin="local")[0]
+    assert written.outcome == {"fits": False} and "placing the weights" in written.note
+
+
 def test_bad_oom_hook_value_is_a_usage_error(monkeypatch, tmp_path):
     monkeypatch.setenv(bench.OOM_HOOK_ENV, "lots")
     with pytest.raises(UsageError, match=bench.OOM_HOOK_ENV):
