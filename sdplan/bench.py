@@ -251,10 +251,14 @@ def search_largest_batch(fits: Callable[[int], bool], *, max_batch: int) -> tupl
 # -- the store: method files in the planner's schema -----------------------------------------------------
 
 
-def store_root(store_dir: str | Path | None = None) -> Path:
+def store_root(store_dir: str | Path | None = None, *, demo: bool = False) -> Path:
+    """Where points go: ``store_dir``, else the local profile store the planner reads; the demo's default is
+    its ``demo/`` subfolder, which the planner does not read (tiny-model CPU points teach it nothing)."""
     from sdplan import profiles
 
-    return Path(store_dir).expanduser() if store_dir is not None else profiles.local_dir()
+    if store_dir is not None:
+        return Path(store_dir).expanduser()
+    return profiles.local_dir() / "demo" if demo else profiles.local_dir()
 
 
 def _slug(text: str) -> str:
@@ -1074,7 +1078,7 @@ def run_bench(
         effort = DEMO if demo else (QUICK if quick else FULL)
     oom_hook_batch()  # a malformed hook value is an error before anything heavy starts
     machine = describe_machine(dev)
-    root = store_root(store_dir)
+    root = store_root(store_dir, demo=demo)
     for method in sorted(
         {r.method for r in requests}
     ):  # a store file we could not extend: fail before measuring

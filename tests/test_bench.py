@@ -315,6 +315,15 @@ def test_bench_demo_command_prints_a_table_and_saves(tmp_path, monkeypatch):
     assert (root / "methods" / "lora.yaml").is_file()
 
 
+def test_demo_points_stay_out_of_the_planners_store_by_default(tmp_path, monkeypatch):
+    root = store(monkeypatch, tmp_path)
+    result = CliRunner().invoke(cli(), ["bench", "--demo"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert (root / "demo" / "methods" / "lora.yaml").is_file()
+    assert not (root / "methods").exists()
+    assert not [p for p in profiles.load_profiles(local=root).points if p.origin == "local"]
+
+
 def test_bench_without_a_gpu_says_so(tmp_path, monkeypatch):
     import torch
 

@@ -42,7 +42,8 @@ def bench(
         typer.Option(
             "--demo",
             help="Run the same code on the tiny SD 1.x-shaped model on the CPU (seconds; to try it). "
-            "Its points are labelled as demo measurements and never match a real GPU.",
+            "Its points are labelled as demo measurements and go to the store's demo/ folder, which the "
+            "planner does not read (unless --store says otherwise).",
         ),
     ] = False,
     store: Annotated[
@@ -66,7 +67,7 @@ def bench(
 
     lib.resolve_device("auto", demo=demo)  # no GPU: say so before probing and planning
     selection = lib.select_requests(method, model, resolution, demo=demo, store_dir=store)
-    root = lib.store_root(store)
+    root = lib.store_root(store, demo=demo)
     for line in selection.skipped:
         console.print(f"[dim]skip {line}[/]")
     if not selection.requests:
