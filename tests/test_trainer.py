@@ -565,3 +565,71 @@ def test_aspect_ratio_buckets(tiny_sd15, tmp_path, capsys):
     assert summary["images_seen"] == 4
     table = capsys.readouterr().out
     assert "aspect-ratio buckets" in table and " 192x64 " in table and "  64x192" in table
+
+
+@pytest.mark.slow
+@pytest.mark.train
+def test_deepspeed_zero2_cpu_offload_run_and_resume(tiny_sd15, dataset, tmp_path):
+    """`accelerate launch` with a DeepSpeed ZeRO-2 config, optimizer state offloaded, on DeepSpeed's CPU
+    accelerator: trains as the plain run does, checkpoints through the DeepSpeed engine and resumes."""
+    pytest.importorskip("deepspeed")
+    out = tmp_path / "out"
+    cfg = make_cfg(
+        tiny_sd15,
+        dataset,
+        out,
+        "training.max_steps=4",
+        "checkpoints.keep_every_steps=2",
+        "distributed.deepspeed.zero_stage=2",
+        "distributed.deepspeed.offload_optimizer=true",
+    )
+    path = write_cfg(cfg, tmp_path / "sdplan.yaml")
+    ds = {
+        "train_batch_size": 2,
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0,
+        "zero_allow_untested_optimizer": True,
+        "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+    }
+    (tmp_path / "deepspeed.json").write_text(json.dumps(ds))
+    acc = {
+        "compute_environment": "LOCAL_MACHINE",
+        "distributed_type": "DEEPSPEED",
+        "num_machines": 1,
+        "num_processes": 1,
+        "machine_rank": 0,
+        "use_cpu": False,
+        "deepspeed_config": {
+            "deepspeed_config_file": str(tmp_path / "deepspeed.json"),
+            "zero3_init_flag": False,
+        },
+    }
+    (tmp_path / "accelerate.yaml").write_text(yaml.safe_dump(acc))
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    cmd = [
+        PY,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(tmp_path / "accelerate.yaml"),
+        "-m",
+        "sdplan.trainer",
+        "--config",
+        str(path),
+    ]
+    proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    straight = losses(out)
+    plain = tmp_path / "plain"
+    run.train(make_cfg(tiny_sd15, dataset, plain, "training.max_steps=4"))
+    assert straight == pytest.approx(losses(plain), rel=1e-5)
+    kept = checkpoint.checkpoint_root(out) / "step-000002"
+    assert (kept / "pytorch_model").is_dir()  # the DeepSpeed engine's model and optimizer shards
+    (out / "loss_history.json").unlink()
+    proc = subprocess.run(
+        cmd + ["--resume", str(kept)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resumed from" in proc.stdout
+    assert losses(out) == pytest.approx(straight, rel=1e-5)

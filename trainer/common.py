@@ -94,7 +94,8 @@ def make_accelerator(cfg, out_dir: Path):
     cpu = use_cpu(cfg)
     kwargs: dict[str, Any] = {}
     ds = cfg.distributed.deepspeed
-    if ds is not None and os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true":
+    launched_with_ds = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    if ds is not None and not launched_with_ds:
         try:
             import deepspeed  # noqa: F401
             from accelerate.utils import DeepSpeedPlugin
@@ -109,6 +110,10 @@ def make_accelerator(cfg, out_dir: Path):
             gradient_accumulation_steps=cfg.training.grad_accum,
             gradient_clipping=cfg.training.max_grad_norm or None,
         )
+    if ds is not None or launched_with_ds:
+        # accelerate ignores DeepSpeed when cpu=True; on a CPU-only machine DeepSpeed runs on its CPU
+        # accelerator (DS_ACCELERATOR=cpu), which the launcher sets.
+        cpu = False
     return Accelerator(
         mixed_precision=mixed_precision_for(cfg, cpu),
         gradient_accumulation_steps=cfg.training.grad_accum,
