@@ -75,6 +75,7 @@ class BenchRequest:
     optimizer: str = "adamw"
     cache_latents: bool = True
     train_text_encoder: bool = False
+    cache_text_encoder_outputs: bool = False  # frozen text encoders only: they leave the GPU
     lora_rank: int | None = None  # LoRA only
     settings_from: str = "default"  # "planner" | "default" | "demo": where the settings came from
 
@@ -89,6 +90,10 @@ class BenchRequest:
             raise UsageError(f"precision {self.precision!r}: must be fp32, fp16 or bf16")
         if self.optimizer not in ("adamw", "adamw8bit", "adafactor"):
             raise UsageError(f"optimizer {self.optimizer!r}: must be adamw, adamw8bit or adafactor")
+        if self.cache_text_encoder_outputs and (
+            self.train_text_encoder or self.method == "textual-inversion"
+        ):
+            raise UsageError("text-encoder outputs can be cached only while the text encoders are frozen")
         if self.method == "lora" and self.lora_rank is None:
             object.__setattr__(self, "lora_rank", DEFAULT_LORA_RANK)
         if self.method != "lora":
@@ -99,6 +104,8 @@ class BenchRequest:
         opts = [self.precision, "gc" if self.gradient_checkpointing else "no-gc", self.optimizer]
         if self.cache_latents:
             opts.append("cached latents")
+        if self.cache_text_encoder_outputs:
+            opts.append("cached TE outputs")
         if self.train_text_encoder:
             opts.append("+TE")
         if self.lora_rank:
@@ -276,6 +283,8 @@ def point_id(machine: Machine, req: BenchRequest, batch: int, *, demo: bool) -> 
     parts += [req.precision, "gc" if req.gradient_checkpointing else "nogc", req.optimizer]
     if req.cache_latents:
         parts.append("cl")
+    if req.cache_text_encoder_outputs:
+        parts.append("cte")
     if req.train_text_encoder:
         parts.append("te")
     if req.lora_rank:
@@ -291,6 +300,7 @@ def point_record(point: BenchPoint, machine: Machine) -> dict[str, Any]:
         "gradient_checkpointing": req.gradient_checkpointing,
         "optimizer": req.optimizer,
         "cache_latents": req.cache_latents,
+        "cache_text_encoder_outputs": req.cache_text_encoder_outputs,
         "train_text_encoder": req.train_text_encoder,
         "attention": "sdpa",
         "deepspeed": None,
@@ -555,7 +565,8 @@ def planner_settings(snapshot: Any, profiles_: Any, method: str, model: str, res
 
     Where the planner would offload to DeepSpeed, or finds nothing that fits, the bench measures the leanest
     setting without offload (gradient checkpointing, Adafactor, cached latents): whether that fits is exactly
-    what the planner is unsure of. 8-bit AdamW needs bitsandbytes; without it Adafactor is measured instead.
+    what the planner is unsure of. So does a plan with full half-precision weights (kohya --full_bf16), which
+    the bundled trainer does not run. 8-bit AdamW needs bitsandbytes; without it Adafactor is measured instead.
     """
     from sdplan import planner
 
@@ -564,6 +575,10 @@ def planner_settings(snapshot: Any, profiles_: Any, method: str, model: str, res
     )
     hw = planner.hardware_from_snapshot(snapshot, profiles_)
     precision = planner._precision_for(hw.gpus[:1]) if hw.gpus else "fp16"
+    s = res.plan
+    why = "the planner finds nothing that fits without it"
+    if s is not None and s.full_half_weights and not s.deepspeed:
+        why = "the planner's plan needs full half-precision weights, which the bundled trainer does not run"
     lean = BenchRequest(
         method=method,
         model=model,
@@ -572,10 +587,10 @@ def planner_settings(snapshot: Any, profiles_: Any, method: str, model: str, res
         gradient_checkpointing=True,
         optimizer="adafactor" if method != "textual-inversion" else "adamw",
         cache_latents=True,
-        settings_from="leanest without offload (the planner finds nothing that fits without it)",
+        cache_text_encoder_outputs=method != "textual-inversion",
+        settings_from=f"leanest without offload ({why})",
     )
-    s = res.plan
-    if s is None or s.deepspeed:
+    if s is None or s.deepspeed or s.full_half_weights:
         return lean
     optimizer, origin = s.optimizer, f"the planner ({res.basis} basis)"
     if optimizer == "adamw8bit" and not _bnb_available():
@@ -589,6 +604,7 @@ def planner_settings(snapshot: Any, profiles_: Any, method: str, model: str, res
         optimizer=optimizer,
         cache_latents=s.cache_latents,
         train_text_encoder=s.train_text_encoder,
+        cache_text_encoder_outputs=s.cache_text_encoder_outputs,
         lora_rank=s.lora_rank if method == "lora" else None,
         settings_from=origin,
     )
@@ -681,6 +697,7 @@ def _synthetic_config(req: BenchRequest, device: str):
     cfg.memory.gradient_checkpointing = req.gradient_checkpointing
     cfg.memory.optimizer = req.optimizer
     cfg.memory.cache_latents = req.cache_latents
+    cfg.memory.cache_text_encoder_outputs = req.cache_text_encoder_outputs
     cfg.memory.set_grads_to_none = True
     if req.lora_rank:
         cfg.lora.rank = req.lora_rank
@@ -885,6 +902,11 @@ class _Harness:
         else:  # pragma: no cover - BenchRequest validates the method
             raise UsageError(f"unknown method {req.method!r}")
 
+        self.text_cache = None
+        if req.cache_text_encoder_outputs:  # as the recipes do: encode once, then the encoders leave the GPU
+            self.text_cache = common.TextCache()
+            self.text_cache.precompute(comps, text_encoders, [self.CAPTION], self.device)
+            common.offload(*text_encoders)
         if vae is not None:  # with cached latents there is none: the cache hands the recipe latents
             common.place(vae, self.device, common.vae_dtype(accelerator))
         self.vae = vae
@@ -945,7 +967,7 @@ class _Harness:
                 self.comps.noise_scheduler, latents, generator, self.cfg.training.noise_offset
             )
             embeds, added = common.unet_conditioning(
-                self.comps, batch, self.text_encoders, self.device, self.wdtype
+                self.comps, batch, self.text_encoders, self.device, self.wdtype, text_cache=self.text_cache
             )
             pred = self.unet(noisy, timesteps, embeds, added_cond_kwargs=added, return_dict=False)[0]
             loss = common.mse(
@@ -967,7 +989,7 @@ class _Harness:
         _free_memory()
 
     def close(self) -> None:
-        for name in ("trained", "unet", "text_encoders", "optimizer", "params", "comps", "vae"):
+        for name in ("trained", "unet", "text_encoders", "optimizer", "params", "comps", "vae", "text_cache"):
             if hasattr(self, name):
                 delattr(self, name)
         with contextlib.suppress(Exception):

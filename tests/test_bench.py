@@ -114,6 +114,7 @@ def test_demo_bench_runs_every_method(tmp_path, monkeypatch, method):
         gradient_checkpointing=True,
         cache_latents=True,
         train_text_encoder=method == "finetune",
+        cache_text_encoder_outputs=method == "dreambooth",
         settings_from="test",
     )
     (res,) = bench.run_bench([req], demo=True, store_dir=root, effort=bench.Effort(0, 1, 1))
@@ -121,6 +122,22 @@ def test_demo_bench_runs_every_method(tmp_path, monkeypatch, method):
     (point,) = profiles.load_methods(root / "methods" / f"{method}.yaml", origin="local")[0]
     assert point.options.gradient_checkpointing and point.options.cache_latents
     assert point.options.train_text_encoder is (method == "finetune")
+    assert point.options.cache_text_encoder_outputs is (method == "dreambooth")
+
+
+def test_cached_text_encoder_outputs_need_frozen_encoders():
+    with pytest.raises(UsageError, match="frozen"):
+        bench.BenchRequest(
+            method="textual-inversion", model="sd15", resolution=512, cache_text_encoder_outputs=True
+        )
+    with pytest.raises(UsageError, match="frozen"):
+        bench.BenchRequest(
+            method="lora",
+            model="sd15",
+            resolution=512,
+            train_text_encoder=True,
+            cache_text_encoder_outputs=True,
+        )
 
 
 def test_simulated_oom_ends_the_search_at_the_last_fitting_batch(tmp_path, monkeypatch):

@@ -170,6 +170,12 @@ def _settings(p: Any) -> str:
     bits = [p.precision, "gc" if o.gradient_checkpointing else "no-gc", o.optimizer]
     if o.cache_latents:
         bits.append("cached latents")
+    if o.cache_text_encoder_outputs:
+        bits.append("cached TE outputs")
+    if o.full_half_weights:
+        bits.append(f"full {p.precision} weights")
+    if o.fused_backward:
+        bits.append("fused backward")
     if o.train_text_encoder:
         bits.append("+TE")
     if o.lora_rank:
