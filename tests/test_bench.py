@@ -428,3 +428,14 @@ def test_commands_import_no_torch():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "False"]
+
+
+def test_profiles_reports_a_broken_local_file_in_one_line(tmp_path, monkeypatch):
+    root = store(monkeypatch, tmp_path)
+    bad = root / "methods" / "lora.yaml"
+    bad.parent.mkdir(parents=True)
+    bad.write_text("schema_version: 1\nmethod: lora\npoints: [{id: x, bogus: 1}]\n")
+    result = CliRunner().invoke(cli(), ["profiles"])
+    assert result.exit_code == 2
+    assert "lora.yaml" in result.output and "bogus: unknown key" in result.output
+    assert "Traceback" not in result.output
