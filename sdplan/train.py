@@ -347,13 +347,16 @@ def describe(cfg: C.TrainConfig, steps: dict[str, int], world: int, inputs: Inpu
         )
         if on
     ]
+    precision = t.precision
+    if t.device == "cpu" and precision == "fp16":
+        precision = "fp32 (fp16 autocast is a GPU feature)"
     device = "CPU" if t.device == "cpu" else f"{world} GPU" + ("s" if world > 1 else "")
     if t.device == "cpu" and world > 1:
         device = f"CPU, {world} processes (gloo)"
     lines = [
         f"[bold]{cfg.method}[/] on {cfg.model.family or inputs.family or 'the model'} [dim]{cfg.model.path}[/]",
         f"data: {inputs.scan_summary}",
-        f"device: {device}; precision {t.precision}; resolution {cfg.data.resolution}",
+        f"device: {device}; precision {precision}; resolution {cfg.data.resolution}",
         f"batch: {t.batch_size} per process x {t.grad_accum} accumulation x {world} process"
         + ("es" if world > 1 else "")
         + f" = {steps['images_per_step']} images per optimizer step",
