@@ -73,18 +73,16 @@ def accelerate_config(
     (``sdplan.launchcfg``), for this node of ``num_machines``.
 
     ``num_processes`` is the total over all machines, as accelerate expects; the trainer's
-    ``distributed.num_processes`` is that same world size. With DeepSpeed the ZeRO settings, accumulation,
-    clipping and precision live in ``deepspeed_file`` (deepspeed.json): accelerate 1.x refuses a
-    ``deepspeed_config_file`` beside inline ZeRO keys or ``mixed_precision``, so those are left out here.
+    ``distributed.num_processes`` is that same world size. With DeepSpeed the settings live in
+    ``deepspeed_file`` (deepspeed.json), see ``launchcfg.accelerate_config``.
     """
     ds = cfg.distributed.deepspeed
     out = launchcfg.accelerate_config(
         num_processes=cfg.distributed.num_processes,
         precision=cfg.training.precision,
         deepspeed=asdict(ds) if ds is not None else None,
-        grad_accum=cfg.training.grad_accum,
-        gradient_clipping=cfg.training.max_grad_norm,
         main_process_port=main_process_port,
+        deepspeed_file=deepspeed_file or DEEPSPEED_FILE,
     )
     out["num_machines"] = num_machines
     out["machine_rank"] = machine_rank
@@ -92,12 +90,6 @@ def accelerate_config(
         out["main_process_ip"] = main_process_ip
         out["main_process_port"] = main_process_port
         out["rdzv_backend"] = "static"
-    if ds is not None:
-        out.pop("mixed_precision", None)
-        out["deepspeed_config"] = {
-            "deepspeed_config_file": deepspeed_file or DEEPSPEED_FILE,
-            "zero3_init_flag": False,
-        }
     return out
 
 

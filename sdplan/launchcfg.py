@@ -18,11 +18,16 @@ def accelerate_config(
     num_processes: int,
     precision: str,
     deepspeed: dict | None = None,
-    grad_accum: int = 1,
-    gradient_clipping: float = 1.0,
     main_process_port: int = 29500,
+    deepspeed_file: str = "deepspeed.json",
 ) -> dict[str, Any]:
-    """The `accelerate launch --config_file` YAML as a dict, for one machine."""
+    """The `accelerate launch --config_file` YAML as a dict, for one machine.
+
+    With DeepSpeed, the ZeRO settings, accumulation, clipping and precision live in ``deepspeed_file`` (the
+    JSON from :func:`deepspeed_config`; give an absolute path, accelerate resolves it from its working
+    folder): accelerate 1.x refuses a ``deepspeed_config_file`` beside inline ZeRO keys or
+    ``mixed_precision``, so those are left out here.
+    """
     if num_processes < 1:
         raise ValueError("num_processes must be >= 1")
     if precision not in MIXED:
@@ -49,14 +54,8 @@ def accelerate_config(
         "same_network": True,
     }
     if deepspeed:
-        cfg["deepspeed_config"] = {
-            "zero_stage": int(deepspeed.get("zero_stage", 2)),
-            "offload_optimizer_device": "cpu" if deepspeed.get("offload_optimizer") else "none",
-            "offload_param_device": "none",  # parameter offload needs ZeRO-3
-            "gradient_accumulation_steps": grad_accum,
-            "gradient_clipping": gradient_clipping,
-            "zero3_init_flag": False,
-        }
+        del cfg["mixed_precision"]
+        cfg["deepspeed_config"] = {"deepspeed_config_file": deepspeed_file, "zero3_init_flag": False}
     return cfg
 
 

@@ -266,13 +266,12 @@ def write_outputs(
     import yaml
 
     from sdplan import config as cfgmod
-    from sdplan.launchcfg import accelerate_config, deepspeed_config
+    from sdplan.launch import DEEPSPEED_FILE, accelerate_config, deepspeed_config
 
     if res.plan is None:
         raise UsageError(
             "nothing to write: no configuration fits this hardware", fix="see the suggested hardware"
         )
-    s = res.plan
     outdir = Path(out)
     files: dict[str, str] = {}
     cfg = trainer_config(res, profiles, dataset)
@@ -281,20 +280,13 @@ def write_outputs(
         f"run it with: sdplan train --config {outdir / 'sdplan.yaml'}"
     )
     files["sdplan.yaml"] = cfgmod.to_yaml(cfg, header)
-    acc = accelerate_config(
-        num_processes=s.num_gpus, precision=s.precision, deepspeed=s.deepspeed, grad_accum=s.grad_accum
-    )
+    # The same builders `sdplan train` uses, from the validated trainer config.
+    train_cfg = cfgmod.validate(cfg, source="the planned sdplan.yaml")
+    acc = accelerate_config(train_cfg, deepspeed_file=str((outdir / DEEPSPEED_FILE).resolve()))
     files["accelerate.yaml"] = yaml.safe_dump(acc, sort_keys=False)
-    if s.offload:
-        ds = deepspeed_config(
-            micro_batch=s.batch,
-            grad_accum=s.grad_accum,
-            world_size=s.num_gpus,
-            precision=s.precision,
-            zero_stage=int(s.deepspeed.get("zero_stage", 2)),
-            offload_optimizer=True,
-        )
-        files["deepspeed.json"] = json.dumps(ds, indent=2) + "\n"
+    ds = deepspeed_config(train_cfg)
+    if ds is not None:
+        files[DEEPSPEED_FILE] = json.dumps(ds, indent=2) + "\n"
     if outdir.exists() and not outdir.is_dir():
         raise OutputExistsError(f"{outdir} exists and is not a folder")
     existing = [n for n in files if (outdir / n).exists()]
