@@ -587,6 +587,37 @@ def _matching_point(profiles: Profiles, s: Setup, gpu: HWGPU) -> MethodPoint | N
     return best
 
 
+def _observed_oom(profiles: Profiles, s: Setup, gpu: HWGPU) -> MethodPoint | None:
+    """An out-of-memory observed on this GPU (local store) at this batch or smaller, same settings otherwise:
+    what ran out of memory once will again, whatever the model predicts."""
+    if gpu.spec is None:
+        return None
+    for p in profiles.points:
+        if (
+            p.origin != "local"
+            or p.outcome.get("fits") is not False
+            or p.method != s.method
+            or p.model != s.model
+        ):
+            continue
+        spec = profiles.gpu_or_none(p.gpu)
+        if spec is None or spec.name != gpu.spec.name:
+            continue
+        o = p.options
+        if (
+            p.resolution == s.resolution
+            and p.batch <= s.batch
+            and p.precision == s.precision
+            and o.gradient_checkpointing == s.gradient_checkpointing
+            and o.optimizer == s.optimizer
+            and o.cache_latents == s.cache_latents
+            and o.train_text_encoder == s.train_text_encoder
+            and bool(o.deepspeed) == bool(s.deepspeed)
+        ):
+            return p
+    return None
+
+
 def _candidates(req: Request, profiles: Profiles, hw: Hardware, cal: Calibration, resolution: int):
     gpu = hw.gpus[0]
     precision = _precision_for(hw.gpus)
@@ -637,6 +668,8 @@ def _evaluate(req: Request, profiles: Profiles, hw: Hardware, cal: Calibration, 
     fits = mem.peak <= HEADROOM * vram
     if s.offload and hw.ram_total_bytes:
         fits = fits and mem.ram <= 0.9 * hw.ram_total_bytes
+    if fits and _observed_oom(profiles, s, gpu) is not None:
+        fits = False
     steps = step_arithmetic(req, s.batch, s.grad_accum, s.num_gpus)
     point = _matching_point(profiles, s, gpu) if s.num_gpus == 1 else None
     if point is not None:

@@ -171,3 +171,59 @@ def test_a_local_measurement_is_used_as_measured(prof, tmp_path, monkeypatch):
     cand = P._evaluate(P.Request(method="lora"), local, hw, P.calibrate(local), s)
     assert cand.basis == "measured" and cand.step_seconds == pytest.approx(1 / 11.0)
     clear_cache()
+
+
+def test_an_observed_out_of_memory_changes_the_next_plan(tmp_path):
+    """What ran out of memory on this GPU (recorded by `sdplan train`) is never planned again."""
+    import datetime
+
+    from sdplan import config as C
+    from sdplan.planner import Request, hardware_from_catalog, plan
+    from sdplan.profiles import load_profiles
+    from sdplan.train import oom_point, record_point
+
+    shipped = load_profiles(local=tmp_path / "empty")
+    hw = hardware_from_catalog(shipped.find_gpu("RTX 3060 12GB"), 1)
+    req = Request(method="lora", model="sd15", images=20, epochs=1)
+    first = plan(hw, shipped, req).plan
+    assert first is not None
+
+    data = C.default_config()
+    data["training"].update(batch_size=first.batch, grad_accum=first.grad_accum, precision=first.precision)
+    data["memory"].update(
+        gradient_checkpointing=first.gradient_checkpointing,
+        optimizer=first.optimizer,
+        cache_latents=first.cache_latents,
+    )
+    cfg = C.validate(data)
+    point = oom_point(
+        cfg,
+        {
+            "step": 1,
+            "batch_size": first.batch,
+            "grad_accum": first.grad_accum,
+            "message": "CUDA out of memory",
+        },
+        family="sd15",
+        gpu_name="NVIDIA GeForce RTX 3060",
+        gpu_memory_bytes=12 * 2**30,
+        when=datetime.datetime(2026, 11, 21),
+    )
+    record_point(point, "lora", tmp_path / "store")
+
+    learned = load_profiles(local=tmp_path / "store")
+    second = plan(hw, learned, req).plan
+    assert second is not None
+    same = (first.batch, first.gradient_checkpointing, first.optimizer, first.cache_latents, first.precision)
+    assert (
+        second.batch,
+        second.gradient_checkpointing,
+        second.optimizer,
+        second.cache_latents,
+        second.precision,
+    ) != same
+    # A larger batch with otherwise the same settings is ruled out too.
+    assert not (
+        second.batch >= first.batch
+        and (second.gradient_checkpointing, second.optimizer, second.cache_latents) == same[1:4]
+    )
