@@ -55,6 +55,7 @@ GiB = 2**30
 METHODS = ("lora", "dreambooth", "finetune", "textual-inversion")
 FAMILIES = ("sd15", "sd21", "sdxl")
 DEFAULT_FAMILIES = ("sd15", "sdxl")  # what `sdplan bench` measures when no --model is given
+MAX_SKIPPED_STEPS = 24  # fp16 warm-up steps the gradient scaler may skip before the optimizer state exists
 DEMO_RESOLUTION = 64  # sdplan.trainer.tiny.TINY_RESOLUTION
 DEFAULT_LORA_RANK = 16  # sdplan.config.LoraConfig.rank
 MEASURED_PREFIX = "measured: sdplan bench"
@@ -475,12 +476,13 @@ def describe_machine(device: str) -> Machine:
     index = torch.cuda.current_device()
     props = torch.cuda.get_device_properties(index)
     driver = None
-    try:
-        from sdplan.probe import nvidia
+    hip = getattr(torch.version, "hip", None)
+    try:  # the driver version from NVML (amdsmi on ROCm), as `sdplan doctor` reads it
+        from sdplan.probe import amd, nvidia
 
-        reading = nvidia.probe()
+        reading = amd.probe() if hip else nvidia.probe()
         driver = next((g.driver_version for g in reading.gpus if g.driver_version), None)
-    except Exception:
+    except Exception:  # provenance only
         driver = None
     return Machine(
         kind="cuda",
@@ -489,7 +491,7 @@ def describe_machine(device: str) -> Machine:
         driver=driver,
         torch=torch.__version__,
         cuda=torch.version.cuda,
-        hip=getattr(torch.version, "hip", None),
+        hip=hip,
         cpu_model=cpu_model,
     )
 
@@ -984,6 +986,12 @@ class _Harness:
             self.optimizer.zero_grad(set_to_none=True)
         return float(loss.detach().item())
 
+    def optimizer_has_state(self) -> bool:
+        """True once an optimizer step has really run (its state, e.g. Adam's moments, is allocated). Under
+        fp16 the gradient scaler skips the first steps while it lowers its scale: no state yet."""
+        inner = getattr(self.optimizer, "optimizer", self.optimizer)
+        return bool(getattr(inner, "state", None))
+
     def after_oom(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
         _free_memory()
@@ -1041,6 +1049,10 @@ def _probe(h: _Harness, batch: int, effort: Effort, *, cuda: bool, rss_base: int
             meter.__enter__()
         try:
             for _ in range(effort.warmup_steps):
+                h.step(batch, oom_above)
+            for _ in range(MAX_SKIPPED_STEPS):  # fp16: the measured window must hold the optimizer state
+                if h.optimizer_has_state():
+                    break
                 h.step(batch, oom_above)
             if cuda:
                 torch.cuda.synchronize()

@@ -125,6 +125,28 @@ def test_demo_bench_runs_every_method(tmp_path, monkeypatch, method):
     assert point.options.cache_text_encoder_outputs is (method == "dreambooth")
 
 
+def test_the_harness_is_the_recipe_step(tmp_path):
+    """One step trains only what the method trains, and allocates the optimizer state the peak must hold."""
+    import torch
+
+    req = bench.BenchRequest(
+        method="lora", model="sd15", resolution=64, precision="fp32", cache_latents=False
+    )
+    h = bench._Harness(req, device="cpu", demo=True, workdir=tmp_path)
+    try:
+        lora = {n for n, p in h.unet.named_parameters() if p.requires_grad}
+        assert lora and all("lora" in n for n in lora)
+        assert not any(p.requires_grad for te in h.text_encoders for p in te.parameters())
+        before = {n: p.detach().clone() for n, p in h.unet.named_parameters() if n in lora}
+        assert not h.optimizer_has_state()
+        loss = h.step(2, None)
+        assert h.optimizer_has_state() and loss > 0
+        changed = [n for n, p in h.unet.named_parameters() if n in lora and not torch.equal(p, before[n])]
+        assert changed
+    finally:
+        h.close()
+
+
 def test_cached_text_encoder_outputs_need_frozen_encoders():
     with pytest.raises(UsageError, match="frozen"):
         bench.BenchRequest(
