@@ -654,10 +654,16 @@ def select_requests(
     from sdplan import profiles
 
     profiles_ = profiles.load_profiles(local=store_root(store_dir))
-    if snapshot is None:
+    if (
+        snapshot is None
+    ):  # this machine: plan for the GPU torch will run on (CUDA_VISIBLE_DEVICES may reorder)
+        import torch
+
         from sdplan.probe.snapshot import probe
 
         snapshot = probe(".")
+        if gpu_name is None and torch.cuda.is_available():
+            gpu_name = torch.cuda.get_device_name(torch.cuda.current_device())
     gpu_name = gpu_name or next((g.name for g in snapshot.usable_gpus if g.name), None)
     if snapshot.usable_gpus and gpu_name:  # plan for the GPU the bench runs on, alone
         gpu = next((g for g in snapshot.usable_gpus if g.name == gpu_name), snapshot.usable_gpus[0])
