@@ -9,8 +9,11 @@ micro-batch size; the largest batch that fits is searched by doubling from 1, th
 batch that fitted and the first that did not. An out-of-memory error at a probe point is a measurement (it
 bounds the search), not a crash.
 
-Every probe point is written to the local profile store (``sdplan.profiles.local_dir()``, or ``store_dir``)
-as soon as it is measured, in the planner's method-point schema (``<store>/methods/<method>.yaml``), so Ctrl-C
+:func:`select_requests` says what to measure: what was asked, or by default every method on sd15 and sdxl that
+has no measured point for this GPU yet, each with the settings the planner would choose for this GPU.
+
+Every probe point is written to the local profile store (``sdplan.profiles.local_dir()``, or ``store_dir``;
+the demo's default is the store's ``demo/`` folder, which the planner does not read) as soon as it is measured, in the planner's method-point schema (``<store>/methods/<method>.yaml``), so Ctrl-C
 keeps everything measured so far. Provenance (GPU, driver, torch, CUDA/ROCm, date, what was measured) goes
 into each point's ``source`` and ``note``.
 
