@@ -131,9 +131,7 @@ def bench(
             "The planner uses these now: `sdplan recommend` reports estimate.basis measured for them."
         )
     if interrupted:
-        err_console.print(
-            f"[yellow]interrupted: the {len(points)} point(s) measured before Ctrl-C are kept[/]"
-        )
+        err_console.print(f"[yellow]the {len(points)} point(s) measured before Ctrl-C are kept[/]")
         raise KeyboardInterrupt
 
 
