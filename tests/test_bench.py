@@ -461,3 +461,38 @@ def test_profiles_reports_a_broken_local_file_in_one_line(tmp_path, monkeypatch)
     assert result.exit_code == 2
     assert "lora.yaml" in result.output and "bogus: unknown key" in result.output
     assert "Traceback" not in result.output
+
+
+def test_a_bench_oom_point_rules_that_configuration_out(tmp_path, monkeypatch):
+    from sdplan import planner
+
+    root = store(monkeypatch, tmp_path)
+    snap = Snapshot.load(MACHINES / "rtx3060_12gb.json")
+    request = planner.Request(method="lora", model="sd15")
+    chosen = planner.plan(snap, profiles.load_profiles(local=root), request).plan
+    req = bench.BenchRequest(
+        method="lora",
+        model="sd15",
+        resolution=chosen.resolution,
+        precision=chosen.precision,
+        gradient_checkpointing=chosen.gradient_checkpointing,
+        optimizer=chosen.optimizer,
+        cache_latents=chosen.cache_latents,
+        lora_rank=chosen.lora_rank,
+        settings_from="the planner",
+    )
+    gpu = snap.gpus[0]
+    machine = bench.Machine(
+        kind="cuda", name=gpu.name, memory_total_bytes=gpu.memory_total_bytes, torch="2.13.0"
+    )
+    oom = bench.BenchPoint(request=req, batch=1, fits=False, error="CUDA out of memory", date="2026-01-01")
+    oom = replace(oom, point_id=bench.point_id(machine, req, 1, demo=False))
+    bench.write_points(root, "lora", [bench.point_record(oom, machine)])
+    after = planner.plan(snap, profiles.load_profiles(local=root), request).plan
+    same = (after.precision, after.gradient_checkpointing, after.optimizer, after.cache_latents) == (
+        chosen.precision,
+        chosen.gradient_checkpointing,
+        chosen.optimizer,
+        chosen.cache_latents,
+    )
+    assert not same  # out of memory at batch 1 with those settings: the planner picks other settings
