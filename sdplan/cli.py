@@ -10,7 +10,7 @@ from __future__ import annotations
 import typer
 
 from sdplan import __version__
-from sdplan.commands import doctor, recommend, train
+from sdplan.commands import bench, doctor, profiles, recommend, train
 
 app = typer.Typer(
     name="sdplan",
@@ -43,6 +43,8 @@ app.command("recommend")(recommend.recommend)
 app.command("train", context_settings={"allow_extra_args": True, "ignore_unknown_options": False})(
     train.train
 )
+app.command("bench")(bench.bench)
+app.add_typer(profiles.profiles_app, name="profiles")
 
 
 def main() -> None:
