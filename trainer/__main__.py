@@ -50,6 +50,10 @@ def main(argv: list[str] | None = None) -> int:
     except common.OutOfMemoryStop as e:
         _err(str(e))
         return e.exit_code
+    except common.TrainingInterrupted as e:
+        if _rank() == 0:
+            print(str(e), file=sys.stderr, flush=True)
+        return e.exit_code
     except SdplanError as e:
         if _rank() == 0:
             _err(str(e))

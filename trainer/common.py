@@ -6,6 +6,7 @@ Recipes stay readable by calling these small functions in their own loop; nothin
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -820,21 +821,29 @@ def output_metadata(cfg, *, steps: int, epochs: float, prediction_type: str, **e
 class StopSignals:
     """SIGINT / SIGTERM ask the loop to stop after the current step (it then writes a checkpoint).
 
-    A second SIGINT raises KeyboardInterrupt at once. Handlers are installed only in the main thread and the
-    previous ones come back on exit.
+    A second SIGINT raises KeyboardInterrupt at once, unless it comes within a second of the first (a
+    launcher such as torchrun forwards the Ctrl-C its process group already delivered). Handlers are installed
+    only in the main thread and the previous ones come back on exit.
     """
 
-    def __init__(self, say=print):
+    def __init__(self):
         self.requested: str | None = None
+        self._first = 0.0
         self._previous: dict[int, Any] = {}
-        self._say = say
 
     def _handle(self, signum, frame):
         name = signal.Signals(signum).name
-        if self.requested is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        self.requested = name
-        self._say(f"{name}: stopping after this step and writing a checkpoint (Ctrl-C again to abort)")
+        now = time.monotonic()
+        if self.requested is not None:
+            if signum == signal.SIGINT and now - self._first > 1.0:
+                raise KeyboardInterrupt
+            return
+        self.requested, self._first = name, now
+        if os.environ.get("RANK", "0") == "0":
+            # os.write: no buffered-IO reentrancy when the signal lands inside a print.
+            note = f"\n{name}: stopping after this step and writing a checkpoint (Ctrl-C again to abort)\n"
+            with contextlib.suppress(OSError):
+                os.write(sys.stderr.fileno(), note.encode())
 
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():

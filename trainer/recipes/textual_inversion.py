@@ -140,7 +140,7 @@ def train(cfg: TrainConfig, *, resume: str | None = None) -> dict:
         accelerator, plan.max_steps, initial=state.global_step, description="textual-inversion"
     )
     try:
-        with common.StopSignals(progress.print) as stop:
+        with common.StopSignals() as stop:
             while state.global_step < plan.max_steps:
                 if state.batches_in_epoch >= len(loader):  # the checkpoint was taken at an epoch's end
                     state.epoch, state.batches_in_epoch, state.samples_in_epoch = state.epoch + 1, 0, 0
