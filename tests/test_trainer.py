@@ -650,3 +650,40 @@ def test_trains_from_a_single_file_model(tiny_sd15, dataset, tmp_path):
     cfg = make_cfg(single, dataset, tmp_path / "out", "training.max_steps=1")
     cfg.model.config_dir = str(tiny_sd15)  # not in the schema yet: read with a default (None: hub configs)
     assert run.train(cfg)["steps"] == 1
+
+
+@pytest.mark.slow
+@pytest.mark.train
+def test_two_processes_train_sdxl_text_encoders(tiny_sdxl, dataset, tmp_path):
+    """SDXL conditions on text encoder 1's penultimate layer: its last layer gets no gradient, which DDP
+    must be told (find_unused_parameters) or the second step fails."""
+    cfg = make_cfg(
+        tiny_sdxl,
+        dataset,
+        tmp_path / "out",
+        "training.max_steps=4",
+        "training.batch_size=1",
+        "training.train_text_encoder=true",
+    )
+    path = write_cfg(cfg, tmp_path / "c.yaml")
+    proc = subprocess.run(
+        [
+            PY,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            "-m",
+            "sdplan.trainer",
+            "--config",
+            str(path),
+        ],
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads((tmp_path / "out" / "run_summary.json").read_text())["steps"] == 2

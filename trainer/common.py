@@ -111,6 +111,12 @@ def make_accelerator(cfg, out_dir: Path):
             gradient_accumulation_steps=cfg.training.grad_accum,
             gradient_clipping=cfg.training.max_grad_norm or None,
         )
+    if cfg.training.train_text_encoder:
+        # SDXL conditions on the first encoder's penultimate layer: its last layer (and any adapter there)
+        # gets no gradient, which DDP must be told about.
+        from accelerate.utils import DistributedDataParallelKwargs
+
+        kwargs["kwargs_handlers"] = [DistributedDataParallelKwargs(find_unused_parameters=True)]
     if ds is not None or launched_with_ds:
         # accelerate ignores DeepSpeed when cpu=True; on a CPU-only machine DeepSpeed runs on its CPU
         # accelerator (DS_ACCELERATOR=cpu), which the launcher sets.
@@ -647,13 +653,32 @@ def checkpoint_on_error(accelerator, ckpt, state) -> None:
 # -- samples ------------------------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def sampling_precision(accelerator, vae):
+    """Sampling runs under the training autocast (the pipeline mixes fp16/bf16 and fp32 components) but the
+    VAE decodes outside it, in its own dtype: the SD/SDXL VAE overflows to NaN in fp16 (kept fp32 then)."""
+    import torch
+
+    original = vae.decode
+
+    def decode(z, *args, **kwargs):
+        with torch.autocast(accelerator.device.type, enabled=False):
+            return original(z.to(vae.dtype), *args, **kwargs)
+
+    vae.decode = decode
+    try:
+        with torch.no_grad(), accelerator.autocast():
+            yield
+    finally:
+        del vae.decode
+
+
 def samples(
     accelerator, comps, unet, text_encoders, cfg, *, step: int | None = None, fallback: str = "", tb=None
 ) -> Path | None:
     """A PNG grid from ``sampling.prompts`` (else ``fallback``) with a fixed seed, made on the main process:
     ``samples/step-000100.png`` during training (the other processes wait), ``samples/final.png`` at the end
     (call it on the main process only then). Components moved off the GPU (cached outputs) come back for it."""
-    import torch
 
     from .checkpoint import unwrap
 
@@ -669,7 +694,7 @@ def samples(
         for m in away:
             m.to(accelerator.device)
         try:
-            with torch.no_grad(), accelerator.autocast():
+            with sampling_precision(accelerator, comps.vae):
                 grid = sampling.sample_grid(
                     pipe,
                     prompts,

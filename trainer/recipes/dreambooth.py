@@ -331,7 +331,7 @@ def _generate_class_images(accelerator, comps, cfg, class_dir: Path) -> None:
         n = 0
         try:
             for i in range(missing):
-                with torch.no_grad(), accelerator.autocast():
+                with common.sampling_precision(accelerator, comps.vae):
                     image = sampling.generate_images(
                         pipe,
                         [db.class_prompt],
