@@ -66,8 +66,16 @@ class NonFiniteLoss(SdplanError):
 
 
 def use_cpu(cfg) -> bool:
+    """CPU when ``training.device`` is cpu, or auto without CUDA; cuda without CUDA is an error."""
     import torch
 
+    if cfg.training.device == "cuda" and not torch.cuda.is_available():
+        from sdplan.errors import NoGPUError
+
+        raise NoGPUError(
+            "training.device is cuda but torch sees no CUDA GPU",
+            fix="check the driver (sdplan doctor), or set training.device=cpu",
+        )
     return cfg.training.device == "cpu" or not torch.cuda.is_available()
 
 
@@ -117,6 +125,8 @@ def make_accelerator(cfg, out_dir: Path):
         from accelerate.utils import DistributedDataParallelKwargs
 
         kwargs["kwargs_handlers"] = [DistributedDataParallelKwargs(find_unused_parameters=True)]
+    if cpu and cfg.training.precision == "fp16" and os.environ.get("RANK", "0") == "0":
+        print("training.precision fp16 needs a GPU; training in fp32 on the CPU", flush=True)
     if ds is not None or launched_with_ds:
         # accelerate ignores DeepSpeed when cpu=True; on a CPU-only machine DeepSpeed runs on its CPU
         # accelerator (DS_ACCELERATOR=cpu), which the launcher sets.

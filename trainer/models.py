@@ -193,7 +193,8 @@ def _load_pretrained(
         raise
     except Exception as e:  # hub errors, missing subfolders, corrupt weights
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise ModelLoadError(f"could not load model {location}: {first}") from e
+        where = " (no such local path, so tried it as a Hugging Face hub id)" if hub else ""
+        raise ModelLoadError(f"could not load model {location}{where}: {first}") from e
     return Components(
         family=found,
         unet=unet,
