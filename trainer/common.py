@@ -144,6 +144,18 @@ def make_accelerator(cfg, out_dir: Path):
     )
 
 
+def check_deepspeed(accelerator, trained: dict) -> None:
+    """accelerate's DeepSpeed integration trains one model: say so before prepare() fails obscurely."""
+    from accelerate.utils import DistributedType
+
+    if accelerator.distributed_type == DistributedType.DEEPSPEED and len(trained) > 1:
+        raise SdplanError(
+            f"DeepSpeed trains one model, this run trains {len(trained)} ({', '.join(trained)})",
+            fix="set training.train_text_encoder=false (textual inversion on SDXL: without DeepSpeed), "
+            "or remove distributed.deepspeed",
+        )
+
+
 def weight_dtype(accelerator):
     """dtype for frozen weights: half precision under fp16/bf16 mixed precision, else fp32."""
     import torch

@@ -70,6 +70,7 @@ def train(cfg: TrainConfig, *, resume: str | None = None) -> dict:
         groups.append({"params": te_params, "lr": tcfg.text_encoder_learning_rate or tcfg.learning_rate})
     optimizer = common.make_optimizer(groups, cfg)
     loader, batches = common.make_loader(dataset, cfg, device)
+    common.check_deepspeed(accelerator, trained)
     names = list(trained)
     prepared = accelerator.prepare(*trained.values(), optimizer, loader)
     trained = dict(zip(names, prepared[: len(names)]))
