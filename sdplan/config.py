@@ -36,6 +36,7 @@ class ModelConfig:
     family: str | None = None  # sd15 | sd21 | sdxl; None: detected from the model
     revision: str | None = None
     variant: str | None = None
+    config_dir: str | None = None  # single-file model: a local diffusers folder with its component configs
 
 
 @dataclass
@@ -120,6 +121,7 @@ class MemoryConfig:
     gradient_checkpointing: bool = False
     optimizer: str = "adamw"
     cache_latents: bool = False
+    cache_latents_to_disk: bool = False  # under {output.dir}/cache/latents, keyed by image content
     cache_text_encoder_outputs: bool = False  # only while the text encoders are frozen
     set_grads_to_none: bool = True
 
@@ -263,6 +265,13 @@ def validate(data: Any, source: str = "config") -> TrainConfig:
 
 def _cross_checks(cfg: TrainConfig, errors: list[str]) -> None:
     ds = cfg.distributed.deepspeed
+    if ds is not None and cfg.training.train_text_encoder:
+        errors.append(
+            "distributed.deepspeed: DeepSpeed trains one model; set training.train_text_encoder to false "
+            "or remove distributed.deepspeed"
+        )
+    if ds is not None and cfg.method == "textual-inversion" and cfg.model.family == "sdxl":
+        errors.append("distributed.deepspeed: textual inversion on SDXL trains two text encoders; remove it")
     if ds is not None and cfg.memory.optimizer == "adamw8bit":
         errors.append("memory.optimizer: adamw8bit (bitsandbytes) does not combine with DeepSpeed; use adamw")
     if (

@@ -51,6 +51,11 @@ def test_cross_field_rules():
     with pytest.raises(ConfigError) as info:
         config.validate(data)
     assert any("does not combine with DeepSpeed" in e for e in info.value.errors)
+    data["method"] = "lora"
+    data["memory"]["optimizer"] = "adamw"
+    data["training"]["train_text_encoder"] = True
+    with pytest.raises(ConfigError, match="DeepSpeed trains one model"):
+        config.validate(data)
     assert any(e.startswith("dreambooth.class_prompt: required") for e in info.value.errors)
 
 

@@ -189,11 +189,6 @@ def test_deepspeed_zero2_offload_on_cpu(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="trainer/common.py make_accelerator passes cpu=True on the CPU, which makes accelerate drop the "
-    "DeepSpeed plugin (MULTI_CPU); it must not when DS_ACCELERATOR=cpu and DeepSpeed is configured",
-)
 def test_deepspeed_launch_gives_the_trainer_a_deepspeed_accelerator(tmp_path):
     """The written accelerate.yaml + deepspeed.json, launched exactly as `sdplan train` launches, give the
     trainer's own Accelerator the DeepSpeed plugin with ZeRO-2 and CPU optimizer offload."""

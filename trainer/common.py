@@ -119,12 +119,16 @@ def make_accelerator(cfg, out_dir: Path):
             gradient_accumulation_steps=cfg.training.grad_accum,
             gradient_clipping=cfg.training.max_grad_norm or None,
         )
-    if cfg.training.train_text_encoder:
-        # SDXL conditions on the first encoder's penultimate layer: its last layer (and any adapter there)
-        # gets no gradient, which DDP must be told about.
-        from accelerate.utils import DistributedDataParallelKwargs
+    from accelerate.utils import DistributedDataParallelKwargs
 
-        kwargs["kwargs_handlers"] = [DistributedDataParallelKwargs(find_unused_parameters=True)]
+    # Gradients as views into DDP's all-reduce buckets: no second copy of the gradients (the planner counts
+    # none; kohya's --ddp_gradient_as_bucket_view). SDXL conditions on the first encoder's penultimate
+    # layer: its last layer (and any adapter there) gets no gradient, which DDP must be told about.
+    kwargs["kwargs_handlers"] = [
+        DistributedDataParallelKwargs(
+            gradient_as_bucket_view=True, find_unused_parameters=cfg.training.train_text_encoder
+        )
+    ]
     if cpu and cfg.training.precision == "fp16" and os.environ.get("RANK", "0") == "0":
         print("training.precision fp16 needs a GPU; training in fp32 on the CPU", flush=True)
     if ds is not None or launched_with_ds:
@@ -458,7 +462,7 @@ def make_latent_cache(cfg, vae, out_dir: Path):
         return None
     from .data import LatentCache, vae_identity
 
-    disk = bool(getattr(cfg.memory, "cache_latents_to_disk", False))
+    disk = cfg.memory.cache_latents_to_disk
     return LatentCache(
         Path(out_dir) / "cache" / "latents" if disk else None, identity=vae_identity(vae, "posterior")
     )

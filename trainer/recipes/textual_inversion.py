@@ -43,7 +43,7 @@ def train(cfg: TrainConfig, *, resume: str | None = None) -> dict:
         revision=cfg.model.revision,
         variant=cfg.model.variant,
         source=source,
-        config_dir=getattr(cfg.model, "config_dir", None),
+        config_dir=cfg.model.config_dir,
     )
     unet, vae, text_encoders = comps.unet, comps.vae, comps.text_encoders
     wdtype = common.weight_dtype(accelerator)
