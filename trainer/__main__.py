@@ -23,6 +23,20 @@ def _err(message: str) -> None:
     print(f"error: {message}", file=sys.stderr, flush=True)
 
 
+def _quiet_libraries() -> None:
+    """The trainer prints its own progress: keep the libraries' loading bars and advice out of the log
+    (errors still show)."""
+    import warnings
+
+    from diffusers.utils import logging as diffusers_logging
+    from transformers.utils import logging as transformers_logging
+
+    for lib in (diffusers_logging, transformers_logging):
+        lib.set_verbosity_error()
+        lib.disable_progress_bar()
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"diffusers\.")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m sdplan.trainer", description="Train as sdplan.yaml says."
@@ -41,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         _err(str(e))
         return e.exit_code
 
+    _quiet_libraries()
     import torch
 
     from . import common, run
