@@ -3,6 +3,7 @@ recovery, Ctrl-C and --resume, DeepSpeed ZeRO-2 offload. Real processes, the con
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -221,3 +222,36 @@ def test_deepspeed_launch_gives_the_trainer_a_deepspeed_accelerator(tmp_path):
     cmd = [*launch.cmd[:i], str(probe), *launch.cmd[i + 2 :]]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, **launch.env})
     assert "TYPE DEEPSPEED 2 cpu" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_sdxl_demo_with_text_encoders_writes_te1_te2_kohya_names_and_logs(tmp_path):
+    """`--demo --model sdxl`: the same outputs as the SD 1.x demo, from a two-encoder model; with the text
+    encoders training, the kohya file names both (lora_te1_ / lora_te2_); TensorBoard logs land in logs/."""
+    from safetensors import safe_open
+
+    out = tmp_path / "sdxl-demo"
+    proc = sdplan(
+        "train",
+        "--demo",
+        "--model",
+        "sdxl",
+        "--out",
+        str(out),
+        "training.train_text_encoder=true",
+        "logging.tensorboard=true",
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    s = summary(out)
+    assert s["method"] == "lora" and s["steps"] > 0 and s["images_seen"] > 0
+    (kohya,) = out.glob("*.kohya.safetensors")
+    with safe_open(str(kohya), framework="pt") as f:
+        keys = set(f.keys())
+        meta = f.metadata()
+    assert any(k.startswith("lora_unet_") for k in keys)
+    assert any(k.startswith("lora_te1_") for k in keys) and any(k.startswith("lora_te2_") for k in keys)
+    assert meta["ss_base_model_version"] == "sdxl_base_v1-0"
+    assert (out / "pytorch_lora_weights.safetensors").is_file()
+    assert (out / "loss.png").is_file() and list((out / "samples").glob("*.png"))
+    if importlib.util.find_spec("tensorboard") is not None:
+        assert list((out / "logs").rglob("events.out.tfevents.*"))
