@@ -111,6 +111,7 @@ class TrainingConfig:
     max_steps: int | None = None  # when set, overrides epochs
     seed: int = 42
     train_text_encoder: bool = False
+    full_half_weights: bool = False  # trained weights in bf16 too, no fp32 master copy (kohya --full_bf16)
     max_grad_norm: float = 1.0
     noise_offset: float = 0.0
     device: str = "auto"
@@ -265,6 +266,8 @@ def validate(data: Any, source: str = "config") -> TrainConfig:
 
 def _cross_checks(cfg: TrainConfig, errors: list[str]) -> None:
     ds = cfg.distributed.deepspeed
+    if cfg.training.full_half_weights and cfg.training.precision != "bf16":
+        errors.append("training.full_half_weights: needs training.precision bf16 (fp16 weights underflow)")
     if ds is not None and cfg.training.train_text_encoder:
         errors.append(
             "distributed.deepspeed: DeepSpeed trains one model; set training.train_text_encoder to false "

@@ -240,6 +240,7 @@ def trainer_config(res: planner.Result, profiles: Profiles, dataset: str | None)
         max_steps=res.steps.total_steps,
         lr_warmup_steps=res.steps.lr_warmup_steps,
         train_text_encoder=s.train_text_encoder,
+        full_half_weights=s.full_half_weights,
     )
     data["memory"].update(
         gradient_checkpointing=s.gradient_checkpointing, optimizer=s.optimizer, cache_latents=s.cache_latents

@@ -236,3 +236,16 @@ def test_recommend_never_imports_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert json.loads(out.stdout[: out.stdout.rindex("TORCH")])["feasible"] is True
     assert out.stdout.strip().endswith("TORCH False")
+
+
+def test_full_bf16_choice_reaches_the_trainer_config(tmp_path):
+    """SDXL fine-tune on a 24 GB card fits only with bf16 master weights (kohya --full_bf16): the written
+    sdplan.yaml must say so, or the trainer would keep fp32 weights and run out of memory."""
+    out = tmp_path / "plan"
+    r = run("--method", "finetune", "--model", "sdxl", "--hardware", "RTX 4090", "--out", str(out))
+    assert r.exit_code == 0, r.output
+    assert "full bf16 weights" in r.stdout
+    from sdplan import config
+
+    cfg = config.load(out / "sdplan.yaml")
+    assert cfg.training.full_half_weights is True and cfg.training.precision == "bf16"

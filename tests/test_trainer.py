@@ -5,6 +5,7 @@ a 2-process gloo run."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -299,6 +300,26 @@ def test_finetune_with_ema_in_ram(tiny_sd15, dataset, tmp_path):
     assert not torch.equal(raw_w, base_w) and not torch.equal(ema_w, raw_w) and not torch.equal(ema_w, base_w)
     assert (out / "ema" / "sdplan-ema.safetensors").is_file()
     assert "custom_checkpoint_1.pkl" in os.listdir(checkpoint.latest_checkpoint(out))  # the EMA, checkpointed
+
+
+@pytest.mark.train
+def test_finetune_with_full_bf16_weights(tiny_sd15, dataset, tmp_path):
+    """training.full_half_weights (the planner's fallback before offload): the UNet trains in bf16."""
+    out = tmp_path / "out"
+    cfg = make_cfg(
+        tiny_sd15,
+        dataset,
+        out,
+        "method=finetune",
+        "training.precision=bf16",
+        "training.full_half_weights=true",
+    )
+    summary = run.train(cfg)
+    assert summary["steps"] == 2 and all(math.isfinite(x) for x in losses(out))
+    from safetensors import safe_open
+
+    with safe_open(str(out / "model" / "unet" / "diffusion_pytorch_model.safetensors"), framework="pt") as f:
+        assert f.get_tensor("conv_in.weight").dtype == torch.bfloat16
 
 
 @pytest.mark.train

@@ -167,6 +167,16 @@ def weight_dtype(accelerator):
     return {"fp16": torch.float16, "bf16": torch.bfloat16}.get(accelerator.mixed_precision, torch.float32)
 
 
+def trained_dtype(cfg, accelerator):
+    """dtype of the weights a full-weight recipe trains: fp32 master weights under mixed precision, or bf16
+    with ``training.full_half_weights`` (kohya --full_bf16: half the weight and gradient memory)."""
+    import torch
+
+    if cfg.training.full_half_weights and accelerator.mixed_precision == "bf16":
+        return torch.bfloat16
+    return torch.float32
+
+
 def vae_dtype(accelerator):
     """The SD/SDXL VAE overflows to NaN in fp16: keep it in fp32 then (bf16 is safe)."""
     import torch

@@ -55,7 +55,7 @@ def train(cfg: TrainConfig, *, resume: str | None = None) -> dict:
     vae.requires_grad_(False)
     common.place(vae, device, common.vae_dtype(accelerator))
     unet.requires_grad_(True)
-    common.place(unet, device, torch.float32)
+    common.place(unet, device, common.trained_dtype(cfg, accelerator))
     trained = {"unet": unet}
     for i, te in enumerate(text_encoders):
         te.requires_grad_(tcfg.train_text_encoder)
