@@ -914,7 +914,8 @@ def _reasons(req, hw, best, one, best_by_n, fitting, no_offload, cal, profiles) 
     why = "its smaller state update makes the run faster" if adamw_fits else "AdamW does not fit"
     opt_reason = {
         "adamw": "AdamW (8 bytes of fp32 state per trained parameter) fits",
-        "adamw8bit": f"8-bit AdamW (bitsandbytes, ~2 bytes of state per parameter; CUDA only): {why}",
+        "adamw8bit": f"8-bit AdamW (bitsandbytes, ~2 bytes of state per parameter; CUDA only): {why}; "
+        "needs `pip install 'sdplan[bnb]'`",
         "adafactor": f"Adafactor (factored second moment, a fraction of AdamW's state): {why}",
     }[s.optimizer]
     r.append(f"optimizer {s.optimizer}: {opt_reason}")
@@ -930,8 +931,8 @@ def _reasons(req, hw, best, one, best_by_n, fitting, no_offload, cal, profiles) 
         )
     if s.offload:
         r.append(
-            "DeepSpeed ZeRO-2 with optimizer offload to CPU: nothing without offload fits; it runs ~3-4x slower and "
-            f"needs ~{_gib(m.ram)} of host RAM"
+            "DeepSpeed ZeRO-2 with optimizer offload to CPU: nothing without offload fits; it runs ~3-4x slower, "
+            f"needs ~{_gib(m.ram)} of host RAM and `pip install 'sdplan[deepspeed]'`"
         )
     elif req.method in FULL_METHODS:
         r.append("no DeepSpeed offload: a configuration without it fits (offload is 3-4x slower)")
