@@ -852,39 +852,13 @@ class _Harness:
         te_lr = self.cfg.training.text_encoder_learning_rate or lr
 
         if req.method == "lora":  # trainer/recipes/lora.py, step 3
-            from peft import LoraConfig
-
             common.place(unet, self.device, wdtype)
             for te in text_encoders:
                 common.place(te, self.device, wdtype)
             torch.manual_seed(self.cfg.training.seed)
-            lcfg = self.cfg.lora
-            unet.add_adapter(
-                LoraConfig(
-                    r=lcfg.rank,
-                    lora_alpha=lcfg.alpha,
-                    lora_dropout=lcfg.dropout,
-                    init_lora_weights="gaussian",
-                    target_modules=lcfg.target_modules,
-                )
+            trained.update(
+                common.add_lora_adapters(unet, text_encoders, self.cfg.lora, req.train_text_encoder)
             )
-            trained["unet"] = unet
-            if req.train_text_encoder:
-                for i, te in enumerate(text_encoders):
-                    te.add_adapter(
-                        LoraConfig(
-                            r=lcfg.rank,
-                            lora_alpha=lcfg.alpha,
-                            lora_dropout=lcfg.dropout,
-                            init_lora_weights="gaussian",
-                            target_modules=lcfg.text_encoder_target_modules,
-                        )
-                    )
-                    trained[f"text_encoder_{i}"] = te
-            for m in trained.values():  # adapters train in fp32 whatever the base weights are
-                for p in m.parameters():
-                    if p.requires_grad:
-                        p.data = p.data.float()
             groups.append({"params": [p for p in unet.parameters() if p.requires_grad], "lr": lr})
             if req.train_text_encoder:
                 te_params = [p for te in text_encoders for p in te.parameters() if p.requires_grad]

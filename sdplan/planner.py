@@ -754,7 +754,7 @@ def _gib(x: float) -> str:
     return f"{x / GiB:.1f} GiB"
 
 
-def _duration(seconds: float) -> str:
+def format_duration(seconds: float) -> str:
     if seconds < 90:
         return f"{seconds:.0f} s"
     if seconds < 5400:
@@ -960,7 +960,7 @@ def _reasons(req, hw, best, one, best_by_n, fitting, no_offload, cal, profiles) 
                 continue
             verdict = "slower" if c.seconds >= one.seconds else "not enough faster"
             r.append(
-                f"{n} GPU{'s' if n > 1 else ''} would take {_duration(c.seconds)} ({verdict}"
+                f"{n} GPU{'s' if n > 1 else ''} would take {format_duration(c.seconds)} ({verdict}"
                 + (
                     f": the {_gib(gradient_bytes(profiles, c.setup))} gradient all-reduce per step over "
                     f"{hw.link} costs more than it saves)"

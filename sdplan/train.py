@@ -23,6 +23,7 @@ import yaml
 from sdplan import config as C
 from sdplan.errors import NoGPUError, OutputExistsError, SdplanError, UsageError
 from sdplan.launch import ACCELERATE_FILE, DEEPSPEED_FILE, Launch, build_launch, run_launch
+from sdplan.planner import format_duration
 
 CONFIG_FILE = "sdplan.yaml"
 OOM_FILE = "oom.json"
@@ -804,18 +805,10 @@ def describe_plan(result: dict[str, Any]) -> list[str]:
         lines.append(
             f"predicted: peak {est['peak_vram_bytes'] / 2**30:.1f} GiB per GPU, host RAM "
             f"{est['ram_bytes'] / 2**30:.1f} GiB"
-            + (f", about {_duration(secs)}" if secs else "")
+            + (f", about {format_duration(secs)}" if secs else "")
             + f" ({est.get('basis')})"
         )
     return lines
-
-
-def _duration(seconds: float) -> str:
-    if seconds < 90:
-        return f"{seconds:.0f} s"
-    if seconds < 5400:
-        return f"{seconds / 60:.0f} min"
-    return f"{seconds / 3600:.1f} h"
 
 
 def launch_for(p: Prepared, req: TrainRequest, resume: str | None) -> Launch:

@@ -38,6 +38,17 @@ def _one_thread():
     torch.set_num_threads(before)
 
 
+@pytest.fixture(autouse=True)
+def _fresh_accelerator_state():
+    """accelerate keeps one AcceleratorState per process (a real run is one process per run); tests that
+    train in-process with another precision need it cleared."""
+    yield
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
 def make_cfg(model: Path, data: Path, out: Path, *overrides: str) -> config.TrainConfig:
     base = {
         "method": "lora",

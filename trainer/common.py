@@ -167,6 +167,33 @@ def weight_dtype(accelerator):
     return {"fp16": torch.float16, "bf16": torch.bfloat16}.get(accelerator.mixed_precision, torch.float32)
 
 
+def add_lora_adapters(unet, text_encoders, lcfg, train_text_encoder: bool) -> dict:
+    """peft LoRA adapters on the UNet and, when asked, on each text encoder. The adapters train in fp32
+    whatever the base weights are. Returns ``{name: model}`` of what trains (``unet``, ``text_encoder_i``)."""
+    from peft import LoraConfig
+
+    def adapter(targets):
+        return LoraConfig(
+            r=lcfg.rank,
+            lora_alpha=lcfg.alpha,
+            lora_dropout=lcfg.dropout,
+            init_lora_weights="gaussian",
+            target_modules=targets,
+        )
+
+    unet.add_adapter(adapter(lcfg.target_modules))
+    trained = {"unet": unet}
+    if train_text_encoder:
+        for i, te in enumerate(text_encoders):
+            te.add_adapter(adapter(lcfg.text_encoder_target_modules))
+            trained[f"text_encoder_{i}"] = te
+    for m in trained.values():
+        for p in m.parameters():
+            if p.requires_grad:
+                p.data = p.data.float()
+    return trained
+
+
 def trained_dtype(cfg, accelerator):
     """dtype of the weights a full-weight recipe trains: fp32 master weights under mixed precision, or bf16
     with ``training.full_half_weights`` (kohya --full_bf16: half the weight and gradient memory)."""

@@ -55,38 +55,11 @@ def train(cfg: TrainConfig, *, resume: str | None = None) -> dict:
     common.use_sdpa(unet, vae)
 
     # 3. Adapters (seeded: every process starts from the same weights).
-    from peft import LoraConfig
 
     torch.manual_seed(tcfg.seed)
-    lcfg = cfg.lora
-    unet.add_adapter(
-        LoraConfig(
-            r=lcfg.rank,
-            lora_alpha=lcfg.alpha,
-            lora_dropout=lcfg.dropout,
-            init_lora_weights="gaussian",
-            target_modules=lcfg.target_modules,
-        )
-    )
-    trained = {"unet": unet}
-    if tcfg.train_text_encoder:
-        for i, te in enumerate(text_encoders):
-            te.add_adapter(
-                LoraConfig(
-                    r=lcfg.rank,
-                    lora_alpha=lcfg.alpha,
-                    lora_dropout=lcfg.dropout,
-                    init_lora_weights="gaussian",
-                    target_modules=lcfg.text_encoder_target_modules,
-                )
-            )
-            trained[f"text_encoder_{i}"] = te
+    trained = common.add_lora_adapters(unet, text_encoders, cfg.lora, tcfg.train_text_encoder)
     if cfg.memory.gradient_checkpointing:
         common.enable_gradient_checkpointing(*trained.values())
-    for m in trained.values():  # adapters train in fp32 whatever the base weights are
-        for p in m.parameters():
-            if p.requires_grad:
-                p.data = p.data.float()
 
     # 4. Optimizer, data loader, step arithmetic, LR schedule.
     groups = [{"params": [p for p in unet.parameters() if p.requires_grad], "lr": tcfg.learning_rate}]
@@ -240,8 +213,8 @@ def train(cfg: TrainConfig, *, resume: str | None = None) -> dict:
             unet=unet_u,
             text_encoders=tes_u,
             family=comps.family,
-            rank=lcfg.rank,
-            alpha=lcfg.alpha,
+            rank=cfg.lora.rank,
+            alpha=cfg.lora.alpha,
             metadata=meta,
             name=cfg.output.name,
             kohya=cfg.output.save_kohya,
