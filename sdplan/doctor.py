@@ -98,8 +98,7 @@ def planner_verdicts(snapshot: Snapshot) -> list[Verdict]:
     from sdplan.profiles import load_profiles
 
     profiles = load_profiles()
-    if not snapshot.usable_gpus:
-        return [Verdict(m, f, "no", "no usable GPU") for m in METHODS for f in FAMILIES]
+    no_gpu = not snapshot.usable_gpus
     hardware = hardware_from_snapshot(snapshot, profiles)
     out: list[Verdict] = []
     for method in METHODS:
@@ -108,9 +107,8 @@ def planner_verdicts(snapshot: Snapshot) -> list[Verdict]:
             s = result.plan
             if not result.feasible or s is None or result.memory is None:
                 need = (result.needs or {}).get("min_vram_bytes")
-                out.append(
-                    Verdict(method, family, "no", f"needs {need / 2**30:.0f} GiB" if need else "does not fit")
-                )
+                what = f"needs a {need / 2**30:.0f} GiB GPU" if need else "does not fit"
+                out.append(Verdict(method, family, "no", f"no usable GPU; {what}" if no_gpu else what))
                 continue
             savers = [s.precision, f"batch {s.batch}"]
             if s.gradient_checkpointing:
