@@ -211,9 +211,9 @@ def test_deepspeed_launch_gives_the_trainer_a_deepspeed_accelerator(tmp_path):
     probe.write_text(
         "import sys\n"
         "from sdplan import config\n"
-        "from sdplan.trainer import common\n"
+        "from sdplan.trainer import runtime\n"
         "cfg = config.load(sys.argv[sys.argv.index('--config') + 1])\n"
-        "acc = common.make_accelerator(cfg, cfg.output.dir)\n"
+        "acc = runtime.make_accelerator(cfg, cfg.output.dir)\n"
         "ds = acc.state.deepspeed_plugin\n"
         "print('TYPE', acc.distributed_type.value, ds and ds.zero_stage,\n"
         "      ds and ds.deepspeed_config['zero_optimization']['offload_optimizer']['device'])\n"

@@ -19,7 +19,7 @@ import torch
 import yaml
 from conftest import make_images
 from PIL import Image
-from sdplan.trainer import checkpoint, common, models, run
+from sdplan.trainer import checkpoint, models, run, runtime, stops
 from sdplan.trainer.__main__ import main as trainer_main
 
 from sdplan import config
@@ -106,17 +106,17 @@ def dataset(tmp_path_factory) -> Path:
 
 def test_multi_process_step_arithmetic():
     # 8 samples, batch 2, accum 1: 4 steps on one process, 2 on two, 1 on four (each epoch split N ways).
-    assert [common.steps_per_epoch(8, 2, 1, n) for n in (1, 2, 4)] == [4, 2, 1]
-    assert common.steps_per_epoch(9, 2, 2, 2) == 2  # ceil(9 / 8)
-    one = common.plan_steps(
+    assert [runtime.steps_per_epoch(8, 2, 1, n) for n in (1, 2, 4)] == [4, 2, 1]
+    assert runtime.steps_per_epoch(9, 2, 2, 2) == 2  # ceil(9 / 8)
+    one = runtime.plan_steps(
         batches_per_epoch=4, grad_accum=1, epochs=3, max_steps=None, warmup_steps=4, num_processes=1
     )
-    two = common.plan_steps(
+    two = runtime.plan_steps(
         batches_per_epoch=2, grad_accum=1, epochs=3, max_steps=None, warmup_steps=4, num_processes=2
     )
     assert (one.max_steps, one.warmup_steps) == (12, 4)
     assert (two.max_steps, two.warmup_steps) == (6, 2)  # the schedule follows the split epoch
-    capped = common.plan_steps(
+    capped = runtime.plan_steps(
         batches_per_epoch=2, grad_accum=1, epochs=1, max_steps=10, warmup_steps=0, num_processes=2
     )
     assert (capped.max_steps, capped.epochs) == (5, 3)  # max_steps is a one-process count
@@ -499,7 +499,7 @@ def test_injected_oom_writes_a_report_and_exits_75(tiny_sd15, dataset, tmp_path,
 def test_nan_loss_stops_with_a_checkpoint_from_before(tiny_sd15, dataset, tmp_path, monkeypatch):
     out = tmp_path / "out"
     monkeypatch.setenv("SDPLAN_INJECT_NAN_AT_STEP", "3")
-    with pytest.raises(common.NonFiniteLoss, match="step 3") as err:
+    with pytest.raises(stops.NonFiniteLoss, match="step 3") as err:
         run.train(make_cfg(tiny_sd15, dataset, out, "training.max_steps=5"))
     assert "learning_rate" in str(err.value)
     saved = checkpoint.checkpoint_root(out) / "before-nan-step-000002"

@@ -58,14 +58,14 @@ def main(argv: list[str] | None = None) -> int:
     _quiet_libraries()
     import torch
 
-    from . import common, run
+    from . import run, stops
 
     try:
         summary = run.train(cfg, resume=args.resume)
-    except common.OutOfMemoryStop as e:
+    except stops.OutOfMemoryStop as e:
         _err(str(e))
         return e.exit_code
-    except common.TrainingInterrupted as e:
+    except stops.TrainingInterrupted as e:
         if _rank() == 0:
             print(str(e), file=sys.stderr, flush=True)
         return e.exit_code
@@ -74,12 +74,12 @@ def main(argv: list[str] | None = None) -> int:
             _err(str(e))
         return e.exit_code
     except torch.OutOfMemoryError as e:  # outside the loop, e.g. moving the model to the GPU
-        report = common.write_oom_report(cfg.output.dir, step=0, cfg=cfg, message=str(e))
+        report = stops.write_oom_report(cfg.output.dir, step=0, cfg=cfg, message=str(e))
         _err(f"out of GPU memory before training started; details in {report}")
-        return common.EXIT_OOM
+        return stops.EXIT_OOM
     except KeyboardInterrupt:
         _err("aborted")
-        return common.EXIT_INTERRUPTED
+        return stops.EXIT_INTERRUPTED
     if summary:
         print(
             f"done: {summary['steps']} steps, {summary['images_seen']} images, final loss "

@@ -16,7 +16,7 @@ Contents: the trainable weights only (``trainable.safetensors``: LoRA, the TI em
 text encoder, via the save/load hooks below; DeepSpeed keeps its own model files), the optimizer, the LR
 scheduler and any registered object (EMA), accelerate's RNG states, and ``train_state.json`` (global step, epoch,
 batches consumed in that epoch, images seen, loss history). Together with the epoch-seeded batch order and the
-per-step noise seeds (``common.seed_step``) this makes a resumed run's losses equal an uninterrupted run's.
+per-step noise seeds (``runtime.seed_step``) this makes a resumed run's losses equal an uninterrupted run's.
 """
 
 from __future__ import annotations

@@ -1,301 +1,57 @@
 """Full fine-tune: train every UNet weight (optionally the text encoder(s)) on captioned images.
 
-Optional EMA of the UNet weights (diffusers' EMAModel), kept on the training device or in system RAM and updated
-every N optimizer steps, saved beside the weights (``ema/``). Outputs: a diffusers folder and a single-file
-``.safetensors``, a sample grid, ``loss.png``, ``run_summary.json``.
-
-EMA settings: the ``ema`` config section (``enabled``, ``decay``, ``device``: ``cpu`` | ``gpu``, ``update_every``).
+The UNet trains in fp32 master weights under mixed precision, or in bf16 with ``training.full_half_weights``.
+Optional EMA of the UNet weights (the ``ema`` config section: ``enabled``, ``decay``, ``device`` cpu | gpu,
+``update_every``; kept by the loop), saved beside the weights (``ema/``). Outputs: a diffusers folder and a
+single-file ``.safetensors``, beside what every run writes (``trainer/loop.py``).
 """
 
 from __future__ import annotations
 
 import copy
-import time
 from pathlib import Path
+from typing import Any
 
-import torch
-
-from sdplan.config import TrainConfig
-from sdplan.errors import SdplanError
-
-from .. import checkpoint as ckpt_lib
-from .. import common, data, models
+from .. import export
+from ..checkpoint import unwrap
+from ..loop import Ema, Recipe
 
 
-def train(cfg: TrainConfig, *, resume: str | None = None) -> dict:
-    t0 = time.perf_counter()
-    out_dir = Path(cfg.output.dir)
-    tcfg = cfg.training
+class Finetune(Recipe):
+    method = "finetune"
+    trains_unet = True
+    ema_supported = True
 
-    # 1. Inputs first: a bad model path or an empty dataset fails before anything loads.
-    source = models.resolve_source(cfg.model.path)
-    dataset, scan = data.build_dataset(cfg)
-    resume_from = ckpt_lib.resolve_resume(resume or cfg.checkpoints.resume, out_dir)
-    accelerator = common.make_accelerator(cfg, out_dir)
-    device = accelerator.device
-    common.describe_data(accelerator, dataset, scan)
+    def setup(self) -> None:
+        import torch
 
-    # 2. The model: UNet (and optionally the text encoders) trained in fp32, the rest frozen.
-    comps = models.load_components(
-        cfg.model.path,
-        family=cfg.model.family,
-        revision=cfg.model.revision,
-        variant=cfg.model.variant,
-        source=source,
-        config_dir=cfg.model.config_dir,
-    )
-    unet, vae, text_encoders = comps.unet, comps.vae, comps.text_encoders
-    wdtype = common.weight_dtype(accelerator)
-    vae.requires_grad_(False)
-    common.place(vae, device, common.vae_dtype(accelerator))
-    unet.requires_grad_(True)
-    common.place(unet, device, common.trained_dtype(cfg, accelerator))
-    trained = {"unet": unet}
-    for i, te in enumerate(text_encoders):
-        te.requires_grad_(tcfg.train_text_encoder)
-        common.place(te, device, torch.float32 if tcfg.train_text_encoder else wdtype)
-        if tcfg.train_text_encoder:
-            trained[f"text_encoder_{i}"] = te
-    common.use_sdpa(unet, vae)
+        self.place_models()
+        self.unet.requires_grad_(True)
+        self.trained = {"unet": self.unet}
+        if self.cfg.training.train_text_encoder:
+            self.trained |= self.train_text_encoders()
+        self.latent_dtype, self.cond_dtype = None, torch.float32  # under autocast, as the trained weights
 
-    # 3. EMA of the UNet weights, on the training device or in system RAM.
-    ema = _make_ema(cfg, unet, device)
-    if cfg.memory.gradient_checkpointing:
-        common.enable_gradient_checkpointing(*trained.values())
+    def param_groups(self) -> list[dict[str, Any]]:
+        tes = [p for te in self.text_encoders for p in te.parameters()]
+        return self.lr_groups(self.unet.parameters(), tes if self.cfg.training.train_text_encoder else None)
 
-    # 4. Optimizer, data loader, step arithmetic, LR schedule.
-    groups = [{"params": list(unet.parameters()), "lr": tcfg.learning_rate}]
-    if tcfg.train_text_encoder:
-        te_params = [p for te in text_encoders for p in te.parameters()]
-        groups.append({"params": te_params, "lr": tcfg.text_encoder_learning_rate or tcfg.learning_rate})
-    optimizer = common.make_optimizer(groups, cfg)
-    loader, batches = common.make_loader(dataset, cfg, device)
-    common.check_deepspeed(accelerator, trained)
-    names = list(trained)
-    prepared = accelerator.prepare(*trained.values(), optimizer, loader)
-    trained = dict(zip(names, prepared[: len(names)]))
-    optimizer, loader = prepared[len(names) :]
-    unet = trained["unet"]
-    if tcfg.train_text_encoder:
-        text_encoders = [trained[f"text_encoder_{i}"] for i in range(len(text_encoders))]
-    plan = common.plan_steps(
-        batches_per_epoch=len(loader),
-        grad_accum=tcfg.grad_accum,
-        epochs=tcfg.epochs,
-        max_steps=tcfg.max_steps,
-        warmup_steps=tcfg.lr_warmup_steps,
-        num_processes=accelerator.num_processes,
-    )
-    lr_scheduler = common.make_lr_scheduler(optimizer, cfg, plan)
-    accelerator.register_for_checkpointing(lr_scheduler)
-    if ema is not None:
-        accelerator.register_for_checkpointing(ema.model)
-    params = [p for g in groups for p in g["params"]]
-
-    # Cached VAE (and frozen text-encoder) outputs: computed once, then those models leave the GPU.
-    latent_cache = common.make_latent_cache(cfg, vae, out_dir)
-    common.precompute_latents(accelerator, latent_cache, vae, [dataset], plan.epochs)
-    text_cache = None
-    if not tcfg.train_text_encoder:
-        captions = common.epoch_captions(dataset, plan.epochs)
-        text_cache = common.make_text_cache(accelerator, cfg, comps, text_encoders, captions, device)
-    common.offload(vae if latent_cache else None, *(text_encoders if text_cache else []))
-
-    # 5. Checkpoints and resume.
-    state = ckpt_lib.TrainState(
-        batch_size=tcfg.batch_size,
-        grad_accum=tcfg.grad_accum,
-        num_processes=accelerator.num_processes,
-        method=cfg.method,
-    )
-    ckpt = ckpt_lib.Checkpointer(
-        accelerator,
-        out_dir,
-        state,
-        get_weights=lambda: ckpt_lib.trainable_state_dict(trained),
-        set_weights=lambda sd: ckpt_lib.load_trainable_state_dict(trained, sd),
-        every_steps=cfg.checkpoints.every_steps,
-        keep_every_steps=cfg.checkpoints.keep_every_steps,
-    )
-    if resume_from is not None:
-        ckpt.load(resume_from)
-        if ema is not None:
-            ema.model.to(ema.device)  # loaded on the CPU
-        ckpt_lib.apply_learning_rates(optimizer, lr_scheduler, [g["lr"] for g in groups])
-        common.say(accelerator, f"resumed from {resume_from} at step {state.global_step}")
-    common.say(accelerator, common.describe_plan("finetune", comps.family, len(dataset), cfg, plan))
-
-    def loss_for(batch, generator):
-        latents = common.batch_latents(vae, batch, generator, device, latent_cache)
-        noisy, noise, timesteps = common.noisy_latents(
-            comps.noise_scheduler, latents, generator, tcfg.noise_offset
-        )
-        embeds, added = common.unet_conditioning(
-            comps, batch, text_encoders, device, torch.float32, text_cache
-        )
-        pred = unet(noisy, timesteps, embeds, added_cond_kwargs=added, return_dict=False)[0]
-        return common.mse(pred, common.diffusion_target(comps.noise_scheduler, latents, noise, timesteps))
-
-    # 6. The loop.
-    for m in trained.values():
-        m.train()
-    tb = common.tensorboard(accelerator, cfg)
-    progress = common.Progress(accelerator, plan.max_steps, initial=state.global_step, description="finetune")
-    try:
-        with common.StopSignals() as stop:
-            while state.global_step < plan.max_steps:
-                if state.batches_in_epoch >= len(loader):  # the checkpoint was taken at an epoch's end
-                    state.epoch, state.batches_in_epoch, state.samples_in_epoch = state.epoch + 1, 0, 0
-                dataset.set_epoch(state.epoch)
-                batches.set_epoch(state.epoch)
-                loader.set_epoch(state.epoch)
-                epoch_loader = accelerator.skip_first_batches(loader, state.batches_in_epoch)
-                micro, images, loss_sum, generator = 0, 0, torch.zeros((), device=device), None
-                for batch in epoch_loader:
-                    step = state.global_step + 1
-                    if generator is None:
-                        generator = common.seed_step(tcfg.seed, accelerator.process_index, step)
-                    n = len(batch["caption"])
-                    with accelerator.accumulate(*trained.values()):
-                        loss = common.inject_failures(step, tcfg.batch_size, loss_for(batch, generator))
-                        accelerator.backward(loss)
-                        micro, images = micro + 1, images + n
-                        loss_sum = loss_sum + loss.detach()
-                        if accelerator.sync_gradients:
-                            mean_loss, step_images, stop_now, bad = common.reduce_step_stats(
-                                accelerator, loss_sum, micro, images, stop.requested is not None
-                            )
-                            if bad:
-                                raise common.stop_on_nan(ckpt, params, step, cfg)
-                            if tcfg.max_grad_norm > 0:
-                                accelerator.clip_grad_norm_(params, tcfg.max_grad_norm)
-                        optimizer.step()
-                        optimizer.zero_grad(set_to_none=cfg.memory.set_grads_to_none)
-                    if not accelerator.sync_gradients:
-                        continue
-                    lr_scheduler.step()
-                    if ema is not None and step % ema.every == 0:
-                        ema.step(trained["unet"].parameters())
-                    state.global_step = step
-                    state.batches_in_epoch += micro
-                    state.samples_in_epoch += images
-                    state.images_seen += step_images
-                    state.losses.append(mean_loss)
-                    micro, images, loss_sum, generator = 0, 0, torch.zeros((), device=device), None
-                    progress.update(step, mean_loss)
-                    common.log_step(tb, progress, step, mean_loss, lr_scheduler)
-                    if cfg.sampling.every_steps and step % cfg.sampling.every_steps == 0:
-                        common.samples(accelerator, comps, unet, text_encoders, cfg, step=step, tb=tb)
-                    ckpt.maybe_save()
-                    if stop_now:
-                        path = ckpt.last_saved if ckpt.last_saved_step == step else ckpt.save("interrupt")
-                        raise common.TrainingInterrupted(step, path)
-                    if step >= plan.max_steps:
-                        break
-                else:
-                    state.epoch, state.batches_in_epoch, state.samples_in_epoch = state.epoch + 1, 0, 0
-    except torch.OutOfMemoryError as e:
-        report = common.write_oom_report(out_dir, step=state.global_step + 1, cfg=cfg, message=str(e))
-        raise common.OutOfMemoryStop(state.global_step + 1, report, str(e)) from None
-    except (SdplanError, KeyboardInterrupt):
-        raise
-    except Exception:
-        common.checkpoint_on_error(accelerator, ckpt, state)
-        raise
-    finally:
-        progress.close()
-        tb.close()
-
-    # 7. Outputs: the whole pipeline with the trained UNet (and text encoders); the EMA UNet beside it.
-    peak = common.gather_max(accelerator, common.peak_memory_bytes(accelerator))
-    accelerator.wait_for_everyone()
-    outputs: list[Path] = []
-    epochs_done = round(state.global_step / plan.steps_per_epoch, 3)
-    if accelerator.is_main_process:
-        from .. import export, plots
-
-        meta = common.output_metadata(
-            cfg, steps=state.global_step, epochs=epochs_done, prediction_type=comps.prediction_type
-        )
-        pipe = comps.pipeline(
-            unet=ckpt_lib.unwrap(unet), text_encoders=[ckpt_lib.unwrap(te) for te in text_encoders]
-        )
-        outputs += export.save_full(
+    def save_pipeline(self, out_dir: Path, unet, metadata: dict[str, Any], name: str) -> list[Path]:
+        pipe = self.comps.pipeline(unet=unet, text_encoders=[unwrap(te) for te in self.text_encoders])
+        return export.save_full(
             out_dir,
             pipeline=pipe,
-            family=comps.family,
-            metadata=meta,
-            single_file=cfg.output.save_single_file,
-            name=cfg.output.name,
+            family=self.comps.family,
+            metadata=metadata,
+            single_file=self.cfg.output.save_single_file,
+            name=name,
         )
+
+    def export(self, out_dir: Path, metadata: dict[str, Any], ema: Ema | None) -> list[Path]:
+        written = self.save_pipeline(out_dir, unwrap(self.unet), metadata, self.cfg.output.name)
         if ema is not None:
-            ema_unet = copy.deepcopy(ckpt_lib.unwrap(unet))
-            ema.model.copy_to(ema_unet.parameters())
-            ema_pipe = comps.pipeline(
-                unet=ema_unet, text_encoders=[ckpt_lib.unwrap(te) for te in text_encoders]
-            )
-            outputs += export.save_full(
-                out_dir / "ema",
-                pipeline=ema_pipe,
-                family=comps.family,
-                metadata={**meta, "ema_decay": ema.decay, "ema_update_every": ema.every},
-                single_file=cfg.output.save_single_file,
-                name=f"{cfg.output.name}-ema",
-            )
-            del ema_unet, ema_pipe
-        fallback = dataset.caption_for(dataset.items[0], 0)
-        grid = common.samples(accelerator, comps, unet, text_encoders, cfg, fallback=fallback)
-        outputs += [grid] if grid else []
-        outputs.append(
-            plots.loss_curve(list(range(1, len(state.losses) + 1)), state.losses, out_dir / "loss.png")
-        )
-        outputs.append(common.write_loss_history(out_dir, state.losses))
-    accelerator.wait_for_everyone()
-    summary = (
-        common.write_run_summary(
-            out_dir,
-            method=cfg.method,
-            steps=state.global_step,
-            epochs=epochs_done,
-            images_seen=state.images_seen,
-            num_processes=accelerator.num_processes,
-            final_loss=state.losses[-1] if state.losses else None,
-            wall_seconds=time.perf_counter() - t0,
-            peak_memory_bytes=peak,
-            outputs=outputs,
-        )
-        if accelerator.is_main_process
-        else {}
-    )
-    accelerator.wait_for_everyone()
-    accelerator.end_training()
-    return summary
-
-
-class _Ema:
-    """diffusers' EMAModel over the UNet's parameters, on ``device`` ("cpu": system RAM, no VRAM), updated
-    every ``every`` optimizer steps with decay ``decay ** every`` (the same averaging horizon in steps)."""
-
-    def __init__(self, unet, decay: float, device, every: int):
-        from diffusers.training_utils import EMAModel
-
-        self.decay, self.every, self.device = decay, every, torch.device(device)
-        self.model = EMAModel(
-            [p.detach().to(self.device) for p in unet.parameters()],
-            decay=decay**every,
-            model_cls=type(unet),
-            model_config=unet.config,
-        )
-
-    def step(self, parameters) -> None:
-        # EMAModel averages a parameter only when it requires grad: the copies say so.
-        with torch.no_grad():
-            params = [p.detach().to(self.device).requires_grad_(True) for p in parameters]
-        self.model.step(params)
-
-
-def _make_ema(cfg, unet, device) -> _Ema | None:
-    e = cfg.ema
-    if not e.enabled:
-        return None
-    return _Ema(unet, e.decay, torch.device("cpu") if e.device == "cpu" else device, e.update_every)
+            ema_unet = copy.deepcopy(unwrap(self.unet))
+            ema.copy_to(ema_unet)
+            meta = {**metadata, "ema_decay": ema.decay, "ema_update_every": ema.every}
+            written += self.save_pipeline(out_dir / "ema", ema_unet, meta, f"{self.cfg.output.name}-ema")
+        return written

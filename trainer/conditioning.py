@@ -1,0 +1,126 @@
+"""Text conditioning: tokenizing captions, encoding them with the text encoder(s) (SD 1.x/2.x and
+SDXL), SDXL's size micro-conditioning, and the cache of frozen text-encoder outputs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .progress import say
+
+
+def tokenize(tokenizers: list, captions: list[str]) -> list:
+    return [
+        tok(
+            captions,
+            padding="max_length",
+            max_length=tok.model_max_length,
+            truncation=True,
+            return_tensors="pt",
+        ).input_ids
+        for tok in tokenizers
+    ]
+
+
+def encode_prompts(text_encoders: list, input_ids: list, family: str, device):
+    """(prompt_embeds, pooled). SD 1.x/2.x: last hidden state, no pooled. SDXL: both encoders' penultimate
+    hidden states concatenated, pooled (projected) output of the second."""
+    import torch
+
+    if family != "sdxl":
+        return text_encoders[0](input_ids[0].to(device))[0], None
+    embeds, pooled = [], None
+    for te, ids in zip(text_encoders, input_ids):
+        out = te(ids.to(device), output_hidden_states=True)
+        pooled = out[0]
+        embeds.append(out.hidden_states[-2])
+    return torch.cat(embeds, dim=-1), pooled
+
+
+def add_time_ids(batch: dict, device, dtype):
+    """SDXL micro-conditioning per sample: original (h, w), crop (top, left), target (h, w)."""
+    import torch
+
+    target = tuple(batch["pixel_values"].shape[-2:])
+    rows = []
+    for orig, crop in zip(batch["original_size"], batch["crop_top_left"]):
+        rows.append([int(orig[0]), int(orig[1]), int(crop[0]), int(crop[1]), int(target[0]), int(target[1])])
+    return torch.tensor(rows, device=device, dtype=dtype)
+
+
+def unet_conditioning(components, batch: dict, text_encoders: list, device, dtype, text_cache=None):
+    """encoder_hidden_states and added_cond_kwargs for one batch (from the text cache when there is one)."""
+    if text_cache is not None:
+        embeds, pooled = text_cache.lookup(list(batch["caption"]), device, dtype)
+    else:
+        ids = tokenize(components.tokenizers, list(batch["caption"]))
+        embeds, pooled = encode_prompts(text_encoders, ids, components.family, device)
+    embeds = embeds.to(device, dtype)
+    if components.family != "sdxl":
+        return embeds, None
+    added = {"text_embeds": pooled.to(device, dtype), "time_ids": add_time_ids(batch, device, dtype)}
+    return embeds, added
+
+
+class TextCache:
+    """Text-encoder outputs per caption (CPU), for runs whose text encoders are frozen: computed once before
+    training for every caption the epochs will use, so the encoders can leave the GPU."""
+
+    def __init__(self):
+        self.embeds: dict[str, Any] = {}
+
+    def precompute(self, comps, text_encoders, captions, device, batch_size: int = 16) -> int:
+        import torch
+
+        todo = sorted(set(captions) - set(self.embeds))
+        with torch.no_grad():
+            for i in range(0, len(todo), batch_size):
+                chunk = todo[i : i + batch_size]
+                embeds, pooled = encode_prompts(
+                    text_encoders, tokenize(comps.tokenizers, chunk), comps.family, device
+                )
+                for j, caption in enumerate(chunk):
+                    self.embeds[caption] = (
+                        embeds[j].to("cpu"),
+                        pooled[j].to("cpu") if pooled is not None else None,
+                    )
+        return len(todo)
+
+    def lookup(self, captions: list[str], device, dtype):
+        import torch
+
+        missing = [c for c in captions if c not in self.embeds]
+        if missing:
+            raise KeyError(f"caption not in the text cache: {missing[0]!r}")
+        embeds = torch.stack([self.embeds[c][0] for c in captions]).to(device, dtype)
+        first = self.embeds[captions[0]][1]
+        pooled = (
+            None if first is None else torch.stack([self.embeds[c][1] for c in captions]).to(device, dtype)
+        )
+        return embeds, pooled
+
+
+def epoch_captions(dataset, epochs: int) -> set[str]:
+    """Every caption ``dataset`` yields over ``epochs`` epochs (tag shuffling varies them per epoch)."""
+    captions: set[str] = set()
+    keep = dataset.epoch
+    try:
+        for epoch in range(epochs if getattr(dataset, "shuffle_tags", 0) else 1):
+            dataset.set_epoch(epoch)
+            for index in range(len(dataset)):
+                item = dataset.items[dataset._index[index]]
+                captions.add(dataset.caption_for(item, index))
+    finally:
+        dataset.set_epoch(keep)
+    return captions
+
+
+def make_text_cache(accelerator, cfg, comps, text_encoders, captions, device) -> TextCache | None:
+    """Cache text-encoder outputs when ``memory.cache_text_encoder_outputs`` is on (the config refuses it for
+    runs that train a text encoder; callers pass only frozen ones)."""
+    if not cfg.memory.cache_text_encoder_outputs:
+        return None
+    cache = TextCache()
+    n = cache.precompute(comps, text_encoders, captions, device)
+    say(accelerator, f"text cache: {n} captions encoded")
+    return cache

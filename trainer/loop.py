@@ -1,0 +1,492 @@
+"""The one training loop. Every method runs through :func:`train`; what differs is a :class:`Recipe`.
+
+The loop owns the contract every method shares: inputs checked before anything heavy loads, the Accelerator
+(device, precision, DeepSpeed/DDP), gradient checkpointing, optimizer, data loader, step arithmetic and LR
+schedule, the latent and text-encoder caches, gradient accumulation, per-step seeds, the NaN/inf stop, the
+SIGINT/SIGTERM checkpoint, the out-of-memory report, rolling/kept checkpoints and exact resume, EMA, samples,
+the progress bar, TensorBoard, loss history and plot, and ``run_summary.json``.
+
+A recipe says what its method is: the models it builds and how they are placed, the trainable parameter
+groups, the loss of a batch, what a checkpoint holds, and what it exports. The denoiser call and the objective
+are pieces of the recipe base (:meth:`Recipe.predict`, ``objective.DiffusionObjective``), so a family with
+another network or objective (a transformer with flow matching) swaps those, not the loop.
+
+``sdplan bench`` builds the same recipes (:meth:`Recipe.dtypes`, :meth:`Recipe.setup`, :meth:`prepare`) and
+steps them with :func:`optimizer_step`, so a bench number is the trainer's number.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from sdplan.config import TrainConfig
+from sdplan.errors import SdplanError
+
+from . import checkpoint as ckpt_lib
+from . import conditioning, data, faults, latents, models, objective, outputs, progress, runtime, stops
+
+
+class Recipe:
+    """One training method. The loop calls, in order: :meth:`dtypes` (class-level), :meth:`setup`,
+    :meth:`checkpointed_models`, :meth:`param_groups`, :meth:`text_captions` / :meth:`latent_datasets` (the
+    caches), :meth:`loss` per micro-batch, :meth:`after_optimizer_step`, and :meth:`export` at the end."""
+
+    method = ""
+    trains_unet = False  # full UNet weights (fp32 masters, or bf16 with training.full_half_weights)
+    ema_supported = False
+
+    def __init__(self, cfg: TrainConfig, accelerator, comps, dataset=None):
+        self.cfg, self.accelerator, self.comps, self.dataset = cfg, accelerator, comps, dataset
+        self.device = accelerator.device
+        self.wdtype = runtime.weight_dtype(accelerator)
+        self.unet, self.vae, self.text_encoders = comps.unet, comps.vae, list(comps.text_encoders)
+        self.trained: dict[str, Any] = {}  # name -> model whose parameters train (what DDP wraps)
+        self.objective = objective.DiffusionObjective(comps.noise_scheduler, cfg.training.noise_offset)
+        self.latents = latents.Latents(self.vae, self.device)  # the loop adds the cache
+        self.text_cache = None
+        self.latent_dtype = self.wdtype  # latents and conditioning in the frozen UNet's dtype
+        self.cond_dtype = self.wdtype
+
+    # -- what a method defines -------------------------------------------------------------------------
+
+    @classmethod
+    def resolve_config(cls, cfg: TrainConfig) -> TrainConfig:
+        """Defaults that depend on the run (DreamBooth's class-image folder); checked before models load."""
+        return cfg
+
+    @classmethod
+    def dtypes(cls, cfg: TrainConfig, accelerator) -> dict[str, Any]:
+        """The dtype each model lives in while training: ``unet``, ``text_encoder``, ``vae``."""
+        import torch
+
+        wdtype = runtime.weight_dtype(accelerator)
+        te_trains = cls.trains_unet and cfg.training.train_text_encoder
+        return {
+            "unet": runtime.trained_dtype(cfg, accelerator) if cls.trains_unet else wdtype,
+            "text_encoder": torch.float32 if te_trains else wdtype,
+            "vae": runtime.vae_dtype(accelerator),
+        }
+
+    def setup(self) -> None:
+        """Freeze, place and make trainable what the method trains; fill ``self.trained``."""
+        raise NotImplementedError
+
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The optimizer's parameter groups, each with its ``lr``."""
+        raise NotImplementedError
+
+    def checkpointed_models(self) -> list:
+        """The models whose activations are recomputed with memory.gradient_checkpointing."""
+        return list(self.trained.values())
+
+    def loss(self, batch: dict, generator, micro: int):
+        """The loss of one micro-batch (``micro``: its index in the epoch on this process)."""
+        pred, target = self.predict(batch, generator)
+        return self.objective.loss(pred, target)
+
+    def after_optimizer_step(self) -> None:
+        """Called after each optimizer step (before the LR scheduler's)."""
+
+    def text_captions(self, epochs: int) -> set[str] | None:
+        """Every caption the run conditions on, for the text-encoder cache; None when a text encoder trains."""
+        if self.cfg.training.train_text_encoder:
+            return None
+        return conditioning.epoch_captions(self.dataset, epochs)
+
+    def latent_datasets(self) -> list:
+        return [self.dataset]
+
+    def checkpoint_weights(self) -> dict[str, Any]:
+        return ckpt_lib.trainable_state_dict(self.trained)
+
+    def load_checkpoint_weights(self, state: dict[str, Any]) -> None:
+        ckpt_lib.load_trainable_state_dict(self.trained, state)
+
+    def sample_prompt(self) -> str:
+        """The prompt of the final sample grid when ``sampling.prompts`` is empty."""
+        return self.dataset.caption_for(self.dataset.items[0], 0)
+
+    def export(self, out_dir: Path, metadata: dict[str, Any], ema: Ema | None) -> list[Path]:
+        raise NotImplementedError
+
+    # -- shared pieces ---------------------------------------------------------------------------------
+
+    def ema_model(self):
+        """The model EMA averages (``ema.enabled``), or None when this method keeps no EMA."""
+        return self.unet if self.ema_supported and self.cfg.ema.enabled else None
+
+    def predict(self, batch: dict, generator, *, latents=None):
+        """(prediction, target) of the denoiser on one batch: latents, noised by the objective, conditioned on
+        the captions. The model adapter of SD 1.x/2.x/SDXL (a UNet, epsilon or v-prediction)."""
+        if latents is None:
+            latents = self.latents(batch, generator)
+        if self.latent_dtype is not None:
+            latents = latents.to(self.latent_dtype)
+        noisy, timesteps, target = self.objective.corrupt(latents, generator)
+        embeds, added = conditioning.unet_conditioning(
+            self.comps, batch, self.text_encoders, self.device, self.cond_dtype, self.text_cache
+        )
+        pred = self.unet(noisy, timesteps, embeds, added_cond_kwargs=added, return_dict=False)[0]
+        return pred, target
+
+    def place_models(self) -> None:
+        """Freeze every model and put it on the device in its training dtype (:meth:`dtypes`); ``setup`` then
+        makes trainable what the method trains."""
+        dtypes = self.dtypes(self.cfg, self.accelerator)
+        for m in (self.unet, self.vae, *self.text_encoders):
+            if m is not None:
+                m.requires_grad_(False)
+        runtime.place(self.unet, self.device, dtypes["unet"])
+        if self.vae is not None:
+            runtime.place(self.vae, self.device, dtypes["vae"])
+        for te in self.text_encoders:
+            runtime.place(te, self.device, dtypes["text_encoder"])
+
+    def train_text_encoders(self) -> dict[str, Any]:
+        """Make every text encoder trainable in fp32 (full-weight methods with training.train_text_encoder)."""
+        import torch
+
+        out = {}
+        for i, te in enumerate(self.text_encoders):
+            te.requires_grad_(True)
+            runtime.place(te, self.device, torch.float32)
+            out[f"text_encoder_{i}"] = te
+        return out
+
+    def lr_groups(self, unet_params, te_params) -> list[dict[str, Any]]:
+        """The UNet's (or main) parameters at training.learning_rate, the text encoders' at theirs."""
+        t = self.cfg.training
+        groups = [{"params": list(unet_params), "lr": t.learning_rate}] if unet_params is not None else []
+        if te_params:
+            groups.append({"params": list(te_params), "lr": t.text_encoder_learning_rate or t.learning_rate})
+        return groups
+
+
+def prepare(recipe: Recipe, optimizer, *extra):
+    """``accelerator.prepare`` the trained models, the optimizer and ``extra`` (the data loader); the recipe's
+    models are rebound to what was prepared (DDP wrappers). Returns (optimizer, *extra)."""
+    names = list(recipe.trained)
+    runtime.check_deepspeed(recipe.accelerator, recipe.trained)
+    prepared = recipe.accelerator.prepare(*recipe.trained.values(), optimizer, *extra)
+    recipe.trained = dict(zip(names, prepared[: len(names)]))
+    recipe.unet = recipe.trained.get("unet", recipe.unet)
+    recipe.text_encoders = [
+        recipe.trained.get(f"text_encoder_{i}", te) for i, te in enumerate(recipe.text_encoders)
+    ]
+    for m in recipe.trained.values():
+        m.train()
+    return prepared[len(names) :]
+
+
+def build(recipe: Recipe) -> tuple[list[dict[str, Any]], Any]:
+    """The recipe's models set up for training: placed, trainable, checkpointed; returns (groups, optimizer)."""
+    recipe.setup()
+    runtime.use_sdpa(recipe.unet, *([recipe.vae] if recipe.vae is not None else []))
+    if recipe.cfg.memory.gradient_checkpointing:
+        runtime.enable_gradient_checkpointing(*recipe.checkpointed_models())
+    groups = recipe.param_groups()
+    return groups, runtime.make_optimizer(groups, recipe.cfg)
+
+
+def optimizer_step(
+    recipe: Recipe, optimizer, batch: dict, generator, *, micro: int, on_forward=None, on_boundary=None
+):
+    """One micro-batch under gradient accumulation: loss, backward and, at an accumulation boundary, gradient
+    clipping and the optimizer step. ``on_forward(loss, batch) -> loss`` runs between the forward and the
+    backward pass; ``on_boundary()`` before the optimizer step (the loop's NaN and stop decisions)."""
+    accelerator, cfg = recipe.accelerator, recipe.cfg
+    with accelerator.accumulate(*recipe.trained.values()):
+        loss = recipe.loss(batch, generator, micro)
+        if on_forward is not None:
+            loss = on_forward(loss, batch)
+        accelerator.backward(loss)
+        if accelerator.sync_gradients:
+            if on_boundary is not None:
+                on_boundary()
+            if cfg.training.max_grad_norm > 0:
+                accelerator.clip_grad_norm_(_params(optimizer), cfg.training.max_grad_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=cfg.memory.set_grads_to_none)
+        if accelerator.sync_gradients:
+            recipe.after_optimizer_step()
+    return loss
+
+
+def _params(optimizer) -> list:
+    inner = getattr(optimizer, "optimizer", optimizer)
+    return [p for g in inner.param_groups for p in g["params"]]
+
+
+class Ema:
+    """diffusers' EMAModel over a model's parameters, on ``device`` ("cpu": system RAM, no VRAM), updated
+    every ``every`` optimizer steps with decay ``decay ** every`` (the same averaging horizon in steps)."""
+
+    def __init__(self, model, decay: float, device, every: int):
+        import torch
+        from diffusers.training_utils import EMAModel
+
+        self.decay, self.every, self.device = decay, every, torch.device(device)
+        self.model = EMAModel(
+            [p.detach().to(self.device) for p in model.parameters()],
+            decay=decay**every,
+            model_cls=type(model),
+            model_config=model.config,
+        )
+
+    @classmethod
+    def for_config(cls, cfg, model, device) -> Ema | None:
+        import torch
+
+        e = cfg.ema
+        if model is None or not e.enabled:
+            return None
+        return cls(model, e.decay, torch.device("cpu") if e.device == "cpu" else device, e.update_every)
+
+    def step(self, parameters) -> None:
+        import torch
+
+        # EMAModel averages a parameter only when it requires grad: the copies say so.
+        with torch.no_grad():
+            params = [p.detach().to(self.device).requires_grad_(True) for p in parameters]
+        self.model.step(params)
+
+    def copy_to(self, model) -> None:
+        self.model.copy_to(model.parameters())
+
+
+def reduce_step_stats(accelerator, loss_sum, micro_batches: int, images: int, stop: bool):
+    """One all-reduce per optimizer step: mean loss over processes, images trained by all, any stop request
+    and any non-finite loss (so every process takes the same decision)."""
+    import torch
+
+    loss_sum = loss_sum.detach().float().reshape(())
+    finite = bool(torch.isfinite(loss_sum))
+    t = torch.tensor(
+        [loss_sum.item() if finite else 0.0, micro_batches, images, float(stop), float(not finite)],
+        dtype=torch.float64,
+        device=accelerator.device,
+    )
+    if accelerator.num_processes > 1:
+        t = accelerator.reduce(t, reduction="sum")
+    loss_sum_all, micro_all, images_all, stop_all, bad_all = t.tolist()
+    mean_loss = loss_sum_all / max(micro_all, 1) if bad_all == 0 else float("nan")
+    return mean_loss, int(images_all), stop_all > 0, bad_all > 0
+
+
+class _Step:
+    """The optimizer step in progress on this process: its seed, micro-batches, images and summed loss; at
+    the accumulation boundary, the statistics of all processes and the NaN/inf stop."""
+
+    def __init__(self, number: int, accelerator, cfg, injected, stop, ckpt, params):
+        import torch
+
+        self.number, self.accelerator, self.cfg = number, accelerator, cfg
+        self.injected, self.stop, self.ckpt, self.params = injected, stop, ckpt, params
+        self.generator = runtime.seed_step(cfg.training.seed, accelerator.process_index, number)
+        self.micro, self.images, self.loss_sum = 0, 0, torch.zeros((), device=accelerator.device)
+        self.mean_loss, self.images_all, self.stop_now = float("nan"), 0, False
+
+    def forward(self, loss, batch: dict):
+        loss = self.injected.after_forward(self.number, self.cfg.training.batch_size, loss)
+        self.micro, self.images = self.micro + 1, self.images + len(batch["caption"])
+        self.loss_sum = self.loss_sum + loss.detach()
+        return loss
+
+    def boundary(self) -> None:
+        self.mean_loss, self.images_all, self.stop_now, bad = reduce_step_stats(
+            self.accelerator, self.loss_sum, self.micro, self.images, self.stop.requested is not None
+        )
+        if bad:
+            raise stops.stop_on_nan(self.ckpt, self.params, self.number, self.cfg)
+
+
+def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = None) -> dict:
+    """Train ``cfg`` with ``recipe_cls``; returns the run summary (empty on processes other than the main)."""
+    import torch
+
+    t0 = time.perf_counter()
+    injected = faults.Faults.from_env()
+    out_dir = Path(cfg.output.dir)
+    tcfg = cfg.training
+
+    # 1. Everything that can be wrong with the inputs, before anything heavy loads.
+    source = models.resolve_source(cfg.model.path)
+    dataset, scan = data.build_dataset(cfg)
+    cfg = recipe_cls.resolve_config(cfg)
+    resume_from = ckpt_lib.resolve_resume(resume or cfg.checkpoints.resume, out_dir)
+    accelerator = runtime.make_accelerator(cfg, out_dir)
+    device = accelerator.device
+    progress.describe_data(accelerator, dataset, scan)
+
+    # 2. The model, the trainable parameters, the optimizer, the data.
+    comps = models.load_components(
+        cfg.model.path,
+        family=cfg.model.family,
+        revision=cfg.model.revision,
+        variant=cfg.model.variant,
+        source=source,
+        config_dir=cfg.model.config_dir,
+    )
+    recipe = recipe_cls(cfg, accelerator, comps, dataset)
+    groups, optimizer = build(recipe)
+    ema = Ema.for_config(cfg, recipe.ema_model(), device)
+    loader, batches = runtime.make_loader(dataset, cfg, device)
+    optimizer, loader = prepare(recipe, optimizer, loader)
+    plan = runtime.plan_steps(
+        batches_per_epoch=len(loader),
+        grad_accum=tcfg.grad_accum,
+        epochs=tcfg.epochs,
+        max_steps=tcfg.max_steps,
+        warmup_steps=tcfg.lr_warmup_steps,
+        num_processes=accelerator.num_processes,
+    )
+    recipe.plan = plan
+    lr_scheduler = runtime.make_lr_scheduler(optimizer, cfg, plan)
+    accelerator.register_for_checkpointing(lr_scheduler)
+    if ema is not None:
+        accelerator.register_for_checkpointing(ema.model)
+    params = [p for g in groups for p in g["params"]]
+
+    # 3. Cached VAE (and frozen text-encoder) outputs: computed once, then those models leave the GPU.
+    latent_cache = latents.make_latent_cache(cfg, recipe.vae, out_dir)
+    latents.precompute_latents(accelerator, latent_cache, recipe.vae, recipe.latent_datasets(), plan.epochs)
+    recipe.latents = latents.Latents(recipe.vae, device, latent_cache)
+    captions = recipe.text_captions(plan.epochs)
+    if captions is not None:
+        recipe.text_cache = conditioning.make_text_cache(
+            accelerator, cfg, comps, recipe.text_encoders, captions, device
+        )
+    latents.offload(
+        recipe.vae if latent_cache else None, *(recipe.text_encoders if recipe.text_cache else [])
+    )
+
+    # 4. Checkpoints and resume.
+    state = ckpt_lib.TrainState(
+        batch_size=tcfg.batch_size,
+        grad_accum=tcfg.grad_accum,
+        num_processes=accelerator.num_processes,
+        method=cfg.method,
+    )
+    ckpt = ckpt_lib.Checkpointer(
+        accelerator,
+        out_dir,
+        state,
+        get_weights=recipe.checkpoint_weights,
+        set_weights=recipe.load_checkpoint_weights,
+        every_steps=cfg.checkpoints.every_steps,
+        keep_every_steps=cfg.checkpoints.keep_every_steps,
+    )
+    if resume_from is not None:
+        ckpt.load(resume_from)
+        if ema is not None:
+            ema.model.to(ema.device)  # loaded on the CPU
+        ckpt_lib.apply_learning_rates(optimizer, lr_scheduler, [g["lr"] for g in groups])
+        progress.say(accelerator, f"resumed from {resume_from} at step {state.global_step}")
+    progress.say(accelerator, runtime.describe_plan(cfg.method, comps.family, len(dataset), cfg, plan))
+
+    # 5. The loop.
+    tb = progress.tensorboard(accelerator, cfg)
+    bar = progress.Progress(accelerator, plan.max_steps, initial=state.global_step, description=cfg.method)
+
+    def sample(step=None, fallback=""):
+        return outputs.samples(
+            accelerator, comps, recipe.unet, recipe.text_encoders, cfg, step=step, fallback=fallback, tb=tb
+        )
+
+    try:
+        with stops.StopSignals() as stop:
+            while state.global_step < plan.max_steps:
+                if state.batches_in_epoch >= len(loader):  # the checkpoint was taken at an epoch's end
+                    state.epoch, state.batches_in_epoch, state.samples_in_epoch = state.epoch + 1, 0, 0
+                dataset.set_epoch(state.epoch)
+                batches.set_epoch(state.epoch)
+                loader.set_epoch(state.epoch)
+                epoch_loader = accelerator.skip_first_batches(loader, state.batches_in_epoch)
+                current = None
+                for batch in epoch_loader:
+                    if current is None:
+                        current = _Step(state.global_step + 1, accelerator, cfg, injected, stop, ckpt, params)
+                    optimizer_step(
+                        recipe,
+                        optimizer,
+                        batch,
+                        current.generator,
+                        micro=state.batches_in_epoch + current.micro,
+                        on_forward=current.forward,
+                        on_boundary=current.boundary,
+                    )
+                    if not accelerator.sync_gradients:
+                        continue
+                    step, mean_loss = current.number, current.mean_loss
+                    lr_scheduler.step()
+                    if ema is not None and step % ema.every == 0:
+                        ema.step(recipe.trained["unet"].parameters())
+                    state.global_step = step
+                    state.batches_in_epoch += current.micro
+                    state.samples_in_epoch += current.images
+                    state.images_seen += current.images_all
+                    state.losses.append(mean_loss)
+                    stop_now, current = current.stop_now, None
+                    bar.update(step, mean_loss)
+                    progress.log_step(tb, bar, step, mean_loss, lr_scheduler)
+                    if cfg.sampling.every_steps and step % cfg.sampling.every_steps == 0:
+                        sample(step)
+                    ckpt.maybe_save()
+                    if stop_now:
+                        path = ckpt.last_saved if ckpt.last_saved_step == step else ckpt.save("interrupt")
+                        raise stops.TrainingInterrupted(step, path)
+                    if step >= plan.max_steps:
+                        break
+                else:
+                    state.epoch, state.batches_in_epoch, state.samples_in_epoch = state.epoch + 1, 0, 0
+    except torch.OutOfMemoryError as e:
+        report = stops.write_oom_report(out_dir, step=state.global_step + 1, cfg=cfg, message=str(e))
+        raise stops.OutOfMemoryStop(state.global_step + 1, report, str(e)) from None
+    except (SdplanError, KeyboardInterrupt):
+        raise
+    except Exception:
+        stops.checkpoint_on_error(accelerator, ckpt, state)
+        raise
+    finally:
+        bar.close()
+        tb.close()
+
+    # 6. Outputs.
+    peak = runtime.gather_max(accelerator, runtime.peak_memory_bytes(accelerator))
+    accelerator.wait_for_everyone()
+    written: list[Path] = []
+    epochs_done = round(state.global_step / plan.steps_per_epoch, 3)
+    if accelerator.is_main_process:
+        from . import plots
+
+        meta = outputs.run_metadata(
+            cfg, steps=state.global_step, epochs=epochs_done, prediction_type=comps.prediction_type
+        )
+        written += recipe.export(out_dir, meta, ema)
+        grid = sample(fallback=recipe.sample_prompt())
+        written += [grid] if grid else []
+        steps = list(range(1, len(state.losses) + 1))
+        written.append(plots.loss_curve(steps, state.losses, out_dir / "loss.png"))
+        written.append(outputs.write_loss_history(out_dir, state.losses))
+    accelerator.wait_for_everyone()
+    summary = (
+        outputs.write_run_summary(
+            out_dir,
+            method=cfg.method,
+            steps=state.global_step,
+            epochs=epochs_done,
+            images_seen=state.images_seen,
+            num_processes=accelerator.num_processes,
+            final_loss=state.losses[-1] if state.losses else None,
+            wall_seconds=time.perf_counter() - t0,
+            peak_memory_bytes=peak,
+            outputs=written,
+        )
+        if accelerator.is_main_process
+        else {}
+    )
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+    return summary

@@ -1,0 +1,349 @@
+"""The training runtime: the Accelerator (device, mixed precision, DeepSpeed, DDP), the dtypes each model
+lives in, attention and gradient checkpointing, per-step seeds, the data loader, the optimizer and LR schedule,
+and the step arithmetic.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sdplan.errors import SdplanError
+
+
+def use_cpu(cfg) -> bool:
+    """CPU when ``training.device`` is cpu, or auto without CUDA; cuda without CUDA is an error."""
+    import torch
+
+    if cfg.training.device == "cuda" and not torch.cuda.is_available():
+        from sdplan.errors import NoGPUError
+
+        raise NoGPUError(
+            "training.device is cuda but torch sees no CUDA GPU",
+            fix="check the driver (sdplan doctor), or set training.device=cpu",
+        )
+    return cfg.training.device == "cpu" or not torch.cuda.is_available()
+
+
+def mixed_precision_for(cfg, cpu: bool) -> str:
+    """accelerate's mixed_precision value. fp16 autocast is a GPU feature: on CPU it trains in fp32."""
+    p = cfg.training.precision
+    if p == "fp32":
+        return "no"
+    if p == "fp16" and cpu:
+        return "no"
+    return p
+
+
+def make_accelerator(cfg, out_dir: Path):
+    """An Accelerator for this config: precision, grad accumulation, CPU when asked or without CUDA.
+
+    ``rng_types=[]``: the data order comes from our epoch-seeded samplers and the noise from per-step seeds,
+    so accelerate need not synchronise generators (that would make resume depend on its internals).
+    The LR scheduler is stepped by the recipe once per optimizer step (not prepared), so its total and
+    warmup steps are the multi-process ones that ``plan_steps`` computes.
+    """
+    from accelerate import Accelerator
+    from accelerate.utils import ProjectConfiguration
+
+    cpu = use_cpu(cfg)
+    kwargs: dict[str, Any] = {}
+    ds = cfg.distributed.deepspeed
+    launched_with_ds = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    if ds is not None and not launched_with_ds:
+        try:
+            import deepspeed  # noqa: F401
+            from accelerate.utils import DeepSpeedPlugin
+        except ImportError as e:
+            raise SdplanError(
+                "distributed.deepspeed is set but DeepSpeed is not installed",
+                fix="pip install 'sdplan[deepspeed]' or remove distributed.deepspeed",
+            ) from e
+        kwargs["deepspeed_plugin"] = DeepSpeedPlugin(
+            zero_stage=ds.zero_stage,
+            offload_optimizer_device="cpu" if ds.offload_optimizer else "none",
+            gradient_accumulation_steps=cfg.training.grad_accum,
+            gradient_clipping=cfg.training.max_grad_norm or None,
+        )
+    from accelerate.utils import DistributedDataParallelKwargs
+
+    # Gradients as views into DDP's all-reduce buckets: no second copy of the gradients (the planner counts
+    # none; kohya's --ddp_gradient_as_bucket_view). SDXL conditions on the first encoder's penultimate
+    # layer: its last layer (and any adapter there) gets no gradient, which DDP must be told about.
+    kwargs["kwargs_handlers"] = [
+        DistributedDataParallelKwargs(
+            gradient_as_bucket_view=True, find_unused_parameters=cfg.training.train_text_encoder
+        )
+    ]
+    if cpu and cfg.training.precision == "fp16" and os.environ.get("RANK", "0") == "0":
+        print("training.precision fp16 needs a GPU; training in fp32 on the CPU", flush=True)
+    if ds is not None or launched_with_ds:
+        # accelerate ignores DeepSpeed when cpu=True; on a CPU-only machine DeepSpeed runs on its CPU
+        # accelerator (DS_ACCELERATOR=cpu), which the launcher sets.
+        cpu = False
+    return Accelerator(
+        mixed_precision=mixed_precision_for(cfg, cpu),
+        gradient_accumulation_steps=cfg.training.grad_accum,
+        cpu=cpu,
+        rng_types=[],
+        step_scheduler_with_optimizer=False,
+        project_config=ProjectConfiguration(
+            project_dir=str(out_dir), logging_dir=str(Path(out_dir) / "logs")
+        ),
+        **kwargs,
+    )
+
+
+def check_deepspeed(accelerator, trained: dict) -> None:
+    """accelerate's DeepSpeed integration trains one model: say so before prepare() fails obscurely."""
+    from accelerate.utils import DistributedType
+
+    if accelerator.distributed_type == DistributedType.DEEPSPEED and len(trained) > 1:
+        raise SdplanError(
+            f"DeepSpeed trains one model, this run trains {len(trained)} ({', '.join(trained)})",
+            fix="set training.train_text_encoder=false (textual inversion on SDXL: without DeepSpeed), "
+            "or remove distributed.deepspeed",
+        )
+
+
+def weight_dtype(accelerator):
+    """dtype for frozen weights: half precision under fp16/bf16 mixed precision, else fp32."""
+    import torch
+
+    return {"fp16": torch.float16, "bf16": torch.bfloat16}.get(accelerator.mixed_precision, torch.float32)
+
+
+def trained_dtype(cfg, accelerator):
+    """dtype of the weights a full-weight recipe trains: fp32 master weights under mixed precision, or bf16
+    with ``training.full_half_weights`` (kohya --full_bf16: half the weight and gradient memory)."""
+    import torch
+
+    if cfg.training.full_half_weights and accelerator.mixed_precision == "bf16":
+        return torch.bfloat16
+    return torch.float32
+
+
+def vae_dtype(accelerator):
+    """The SD/SDXL VAE overflows to NaN in fp16: keep it in fp32 then (bf16 is safe)."""
+    import torch
+
+    return torch.bfloat16 if accelerator.mixed_precision == "bf16" else torch.float32
+
+
+def place(model, device, dtype) -> None:
+    """Move ``model`` to ``device`` and cast it to ``dtype`` only when it is in another one (diffusers warns
+    on every dtype cast, even a no-op)."""
+    model.to(device)
+    current = next((p.dtype for p in model.parameters() if p.is_floating_point()), dtype)
+    if current != dtype:
+        model.to(dtype=dtype)
+
+
+def use_sdpa(*models) -> None:
+    """PyTorch scaled-dot-product attention (flash / memory-efficient kernels on GPU)."""
+    from diffusers.models.attention_processor import AttnProcessor2_0
+
+    for m in models:
+        if hasattr(m, "set_attn_processor"):
+            m.set_attn_processor(AttnProcessor2_0())
+
+
+def enable_gradient_checkpointing(*models) -> None:
+    """Recompute activations in the backward pass: diffusers models and transformers text encoders (the
+    non-reentrant variant, so adapters inside frozen layers still get gradients)."""
+    for m in models:
+        m = getattr(m, "module", m)  # DDP-wrapped
+        if hasattr(m, "enable_gradient_checkpointing"):  # diffusers
+            m.enable_gradient_checkpointing()
+        elif hasattr(m, "activation_checkpointing_enable"):  # transformers >= 5.x
+            m.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:  # older transformers
+            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if hasattr(getattr(m, "config", None), "use_cache"):
+            m.config.use_cache = False
+
+
+def add_lora_adapters(unet, text_encoders, lcfg, train_text_encoder: bool) -> dict:
+    """peft LoRA adapters on the UNet and, when asked, on each text encoder. The adapters train in fp32
+    whatever the base weights are. Returns ``{name: model}`` of what trains (``unet``, ``text_encoder_i``)."""
+    from peft import LoraConfig
+
+    def adapter(targets):
+        return LoraConfig(
+            r=lcfg.rank,
+            lora_alpha=lcfg.alpha,
+            lora_dropout=lcfg.dropout,
+            init_lora_weights="gaussian",
+            target_modules=targets,
+        )
+
+    unet.add_adapter(adapter(lcfg.target_modules))
+    trained = {"unet": unet}
+    if train_text_encoder:
+        for i, te in enumerate(text_encoders):
+            te.add_adapter(adapter(lcfg.text_encoder_target_modules))
+            trained[f"text_encoder_{i}"] = te
+    for m in trained.values():
+        for p in m.parameters():
+            if p.requires_grad:
+                p.data = p.data.float()
+    return trained
+
+
+def seed_step(seed: int, process_index: int, step: int):
+    """Seed everything random in one optimizer step from (seed, process, step) and return the generator
+    for noise, timesteps and VAE sampling. A resumed run redraws exactly what the uninterrupted one drew,
+    and each process draws its own noise."""
+    import torch
+
+    value = (seed * 1_000_003 + process_index * 7919 + step) % (2**63 - 1)
+    torch.manual_seed(value)  # dropout and anything else on the global generator
+    return torch.Generator("cpu").manual_seed(value)
+
+
+def steps_per_epoch(num_items: int, batch_size: int, grad_accum: int, num_processes: int) -> int:
+    """Optimizer steps per epoch when each epoch is split ``num_processes`` ways (the planner's formula)."""
+    return max(1, math.ceil(num_items / (batch_size * grad_accum * num_processes)))
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    num_processes: int
+    batches_per_epoch: int  # micro-batches each process draws per epoch
+    steps_per_epoch: int  # optimizer steps per epoch (each process)
+    max_steps: int  # optimizer steps of the whole run (each process)
+    epochs: int
+    warmup_steps: int
+
+
+def plan_steps(
+    *,
+    batches_per_epoch: int,
+    grad_accum: int,
+    epochs: int,
+    max_steps: int | None,
+    warmup_steps: int,
+    num_processes: int,
+) -> StepPlan:
+    """Optimizer steps for this run. ``batches_per_epoch`` is per process (the sharded dataloader's length).
+
+    ``training.max_steps`` and ``training.lr_warmup_steps`` are one-process counts, like the planner's: with N
+    processes each step trains N micro-batches, so both are divided by N (rounded up) and the images trained
+    stay those of the one-process run.
+    """
+    spe = max(1, math.ceil(batches_per_epoch / grad_accum))
+    if max_steps:
+        total = max(1, math.ceil(max_steps / num_processes))
+        epochs = math.ceil(total / spe)
+    else:
+        total = epochs * spe
+    warm = min(total, math.ceil(warmup_steps / num_processes))
+    return StepPlan(num_processes, batches_per_epoch, spe, total, epochs, warm)
+
+
+def describe_plan(method: str, family: str, samples: int, cfg, plan: StepPlan) -> str:
+    t = cfg.training
+    return (
+        f"{method} {family}: {samples} samples/epoch, batch {t.batch_size} x accum {t.grad_accum} x "
+        f"{plan.num_processes} process(es) -> {plan.steps_per_epoch} steps/epoch, {plan.max_steps} steps "
+        f"({plan.epochs} epoch{'s' if plan.epochs != 1 else ''}), warmup {plan.warmup_steps}"
+    )
+
+
+class EpochBatches:
+    """The epoch-seeded BucketBatchSampler, shown to accelerate without a ``batch_size`` attribute so that
+    its sharding treats batches as lists of any length (bucket batches can be short mid-epoch; with a
+    batch_size, accelerate would drop a round whose last batch is short)."""
+
+    def __init__(self, sampler):
+        self.sampler = sampler
+
+    def set_epoch(self, epoch: int) -> None:
+        self.sampler.set_epoch(epoch)
+
+    def __iter__(self):
+        return iter(self.sampler)
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+
+def make_loader(dataset, cfg, device):
+    """(DataLoader, EpochBatches): batches of ``training.batch_size`` from one bucket each, in an order that
+    depends only on (seed, epoch). Pass the loader to ``accelerator.prepare`` to shard it over processes."""
+    import torch
+
+    from .buckets import BucketBatchSampler
+    from .data import collate
+
+    batches = EpochBatches(
+        BucketBatchSampler.for_dataset(dataset, cfg.training.batch_size, seed=cfg.training.seed)
+    )
+    loader = torch.utils.data.DataLoader(
+        dataset,
+        batch_sampler=batches,
+        collate_fn=collate,
+        num_workers=cfg.data.num_workers,
+        pin_memory=device.type == "cuda",
+    )
+    return loader, batches
+
+
+def make_optimizer(param_groups: list[dict[str, Any]], cfg):
+    """AdamW, 8-bit AdamW (bitsandbytes) or Adafactor over ``param_groups`` (each with its own ``lr``)."""
+    import torch
+
+    name = cfg.memory.optimizer
+    lr = cfg.training.learning_rate
+    if name == "adamw":
+        return torch.optim.AdamW(param_groups, lr=lr, betas=(0.9, 0.999), weight_decay=1e-2, eps=1e-8)
+    if name == "adamw8bit":
+        try:
+            import bitsandbytes as bnb
+        except ImportError as e:
+            raise SdplanError(
+                "memory.optimizer: adamw8bit needs bitsandbytes, which is not installed",
+                fix="pip install 'sdplan[bnb]', or set memory.optimizer=adamw",
+            ) from e
+        return bnb.optim.AdamW8bit(param_groups, lr=lr, betas=(0.9, 0.999), weight_decay=1e-2, eps=1e-8)
+    if name == "adafactor":
+        from transformers.optimization import Adafactor
+
+        return Adafactor(param_groups, lr=lr, scale_parameter=False, relative_step=False, warmup_init=False)
+    raise SdplanError(f"memory.optimizer: unknown optimizer {name!r}")
+
+
+def make_lr_scheduler(optimizer, cfg, plan: StepPlan):
+    from diffusers.optimization import get_scheduler
+
+    return get_scheduler(
+        cfg.training.lr_scheduler,
+        optimizer=optimizer,
+        num_warmup_steps=plan.warmup_steps,
+        num_training_steps=plan.max_steps,
+    )
+
+
+def peak_memory_bytes(accelerator=None) -> int:
+    """Peak GPU memory allocated by torch on CUDA; else this process's peak resident set size."""
+    import torch
+
+    if torch.cuda.is_available() and (accelerator is None or accelerator.device.type == "cuda"):
+        return int(torch.cuda.max_memory_allocated())
+    import resource
+
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)
+
+
+def gather_max(accelerator, value: int) -> int:
+    import torch
+
+    if accelerator.num_processes == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=accelerator.device)
+    return int(accelerator.reduce(t, reduction="max").item())

@@ -1,0 +1,152 @@
+"""Why a training run stops early, and what it leaves behind: the exit codes the launcher acts on,
+the errors for an interrupt (SIGINT/SIGTERM), an out-of-memory and a NaN/inf loss, the signal handler, the
+oom.json report and the best-effort checkpoint after an unexpected error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from sdplan.errors import SdplanError
+
+from .outputs import write_json_atomic
+
+EXIT_INTERRUPTED = 130
+
+
+EXIT_OOM = 75
+
+
+class TrainingInterrupted(SdplanError):
+    """SIGINT/SIGTERM: the current step finished and a checkpoint was written."""
+
+    exit_code = EXIT_INTERRUPTED
+
+    def __init__(self, step: int, checkpoint: Path | None):
+        self.step = step
+        self.checkpoint = checkpoint
+        where = f"checkpoint {checkpoint}" if checkpoint else "no checkpoint (no step had finished)"
+        super().__init__(
+            f"interrupted at step {step}; {where}",
+            fix="continue with --resume latest" if checkpoint else None,
+        )
+
+
+class OutOfMemoryStop(SdplanError):
+    """CUDA ran out of memory; ``{out}/oom.json`` says where, so the launcher can retry smaller."""
+
+    exit_code = EXIT_OOM
+
+    def __init__(self, step: int, report: Path, message: str):
+        self.step = step
+        self.report = report
+        super().__init__(
+            f"out of GPU memory at step {step} ({message.splitlines()[0] if message else 'OOM'}); "
+            f"details in {report}",
+            fix="lower training.batch_size (raise training.grad_accum to keep the effective batch), "
+            "or turn on memory.gradient_checkpointing",
+        )
+
+
+class NonFiniteLoss(SdplanError):
+    """The loss became NaN or inf; training stopped before the update that would have spread it."""
+
+    exit_code = 1
+
+
+def nonfinite_error(step: int, cfg, checkpoint: Path | None) -> NonFiniteLoss:
+    p = cfg.training.precision
+    if p == "fp16":
+        cause = "fp16 overflow (activations or the loss exceed the fp16 range)"
+        fix = "train with training.precision=bf16 (Ampere or newer) or fp32, or lower training.learning_rate"
+    else:
+        cause = "diverging weights (learning rate too high) or a bad batch"
+        fix = f"lower training.learning_rate (now {cfg.training.learning_rate:g}) or add warmup"
+    where = f"; weights from before it in {checkpoint}" if checkpoint else ""
+    return NonFiniteLoss(f"loss became NaN/inf at step {step}: likely {cause}{where}", fix=fix)
+
+
+def stop_on_nan(ckpt, params, step: int, cfg) -> NonFiniteLoss:
+    """At a NaN/inf loss, before the optimizer step: checkpoint the weights from before this step (when they
+    are still finite; else point at the last checkpoint) and return the error to raise."""
+    import torch
+
+    path = None
+    if all(bool(torch.isfinite(p).all()) for p in params):
+        path = ckpt.save("nan")
+    elif ckpt.last_saved is not None:
+        path = ckpt.last_saved
+    return nonfinite_error(step, cfg, path)
+
+
+def checkpoint_on_error(accelerator, ckpt, state) -> None:
+    """Best effort on an unexpected exception: checkpoint the last finished step. One process only: with
+    several, the others may be inside a collective and a save would hang."""
+    if accelerator.num_processes != 1 or state.global_step == 0 or ckpt.last_saved_step == state.global_step:
+        return
+    try:
+        path = ckpt.save("interrupt")
+        print(f"checkpoint written after the error: {path}", flush=True)
+    except Exception as e:  # the original error matters more
+        print(f"could not write a checkpoint after the error: {e}", flush=True)
+
+
+def write_oom_report(out_dir: Path, *, step: int, cfg, message: str) -> Path:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    report = {
+        "step": step,
+        "batch_size": cfg.training.batch_size,
+        "grad_accum": cfg.training.grad_accum,
+        "gradient_checkpointing": cfg.memory.gradient_checkpointing,
+        "message": message.strip().splitlines()[0] if message.strip() else "CUDA out of memory",
+    }
+    return write_json_atomic(Path(out_dir) / "oom.json", report)
+
+
+class StopSignals:
+    """SIGINT / SIGTERM ask the loop to stop after the current step (it then writes a checkpoint).
+
+    A second SIGINT raises KeyboardInterrupt at once, unless it comes within a second of the first (a
+    launcher such as torchrun forwards the Ctrl-C its process group already delivered). Handlers are installed
+    only in the main thread and the previous ones come back on exit.
+    """
+
+    def __init__(self):
+        self.requested: str | None = None
+        self._first = 0.0
+        self._previous: dict[int, Any] = {}
+
+    def _handle(self, signum, frame):
+        name = signal.Signals(signum).name
+        now = time.monotonic()
+        if self.requested is not None:
+            if signum == signal.SIGINT and now - self._first > 1.0:
+                raise KeyboardInterrupt
+            return
+        self.requested, self._first = name, now
+        if os.environ.get("RANK", "0") == "0":
+            # os.write: no buffered-IO reentrancy when the signal lands inside a print.
+            note = f"\n{name}: stopping after this step and writing a checkpoint (Ctrl-C again to abort)\n"
+            with contextlib.suppress(OSError):
+                os.write(sys.stderr.fileno(), note.encode())
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            for s in (signal.SIGINT, signal.SIGTERM):
+                self._previous[s] = signal.signal(s, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, h in self._previous.items():
+            signal.signal(s, h)
+        self._previous.clear()
