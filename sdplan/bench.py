@@ -2,9 +2,9 @@
 
 For each (method, model, resolution) asked, :func:`run_bench` builds the full-size networks from the configs in
 ``profiles/models/`` with random weights (nothing is downloaded), sets them up as the trainer's recipes do
-(peft LoRA adapters, trainable UNet, or trainable token embeddings), and runs short warmed-up training loops
-through the trainer's own pieces (``sdplan.trainer.common``: Accelerator and mixed precision, optimizer, prompt
-encoding, VAE latents, noise, timesteps, loss, gradient checkpointing). Each loop is one *probe point* at one
+through the trainer's own recipe objects (``sdplan.trainer.recipes``: what trains, in which dtype, the loss),
+and runs short warmed-up loops of the trainer's own optimizer step (``sdplan.trainer.loop``: Accelerator and
+mixed precision, gradient checkpointing, optimizer, gradient accumulation and clipping). Each loop is one *probe point* at one
 micro-batch size; the largest batch that fits is searched by doubling from 1, then bisecting between the last
 batch that fitted and the first that did not. An out-of-memory error at a probe point is a measurement (it
 bounds the search), not a crash.
@@ -26,9 +26,10 @@ What is recorded:
   process's peak resident-set growth over the bench's starting point, recorded as ``outcome.ram_gib`` and
   labelled as such, never as VRAM.
 
-Test hook: ``SDPLAN_BENCH_OOM_ABOVE_BATCH=N`` makes every probe point with a batch larger than N raise
-``torch.OutOfMemoryError`` inside the training step (after the forward pass, as a real OOM would), so the
-batch search's handling of OOM can be tested without a GPU. Points it produces say so in their source.
+Test hook (``sdplan.trainer.faults``, read once per bench): ``SDPLAN_BENCH_OOM_ABOVE_BATCH=N`` makes every
+probe point with a batch larger than N raise ``torch.OutOfMemoryError`` inside the training step (after the
+forward pass, as a real OOM would), so the batch search's handling of OOM can be tested without a GPU. Points
+it produces say so in their source.
 
 torch, diffusers and the trainer are imported inside the functions that need them.
 """
@@ -52,8 +53,9 @@ import yaml
 
 from sdplan import __version__
 from sdplan.errors import ConfigError, NoGPUError, UsageError
+from sdplan.trainer import faults
 
-OOM_HOOK_ENV = "SDPLAN_BENCH_OOM_ABOVE_BATCH"
+OOM_HOOK_ENV = faults.BENCH_OOM_ABOVE_BATCH_ENV  # the test hook (sdplan.trainer.faults)
 GiB = 2**30
 METHODS = ("lora", "dreambooth", "finetune", "textual-inversion")
 FAMILIES = ("sd15", "sd21", "sdxl")
@@ -210,20 +212,6 @@ class Effort:
 FULL = Effort(warmup_steps=2, timed_steps=6, max_batch=64)
 QUICK = Effort(warmup_steps=1, timed_steps=3, max_batch=16)
 DEMO = Effort(warmup_steps=1, timed_steps=2, max_batch=4)
-
-
-def oom_hook_batch() -> int | None:
-    """TEST HOOK: ``SDPLAN_BENCH_OOM_ABOVE_BATCH=N``: batches larger than N raise torch.OutOfMemoryError."""
-    raw = os.environ.get(OOM_HOOK_ENV)
-    if raw is None or not raw.strip():
-        return None
-    try:
-        n = int(raw)
-    except ValueError:
-        raise UsageError(f"{OOM_HOOK_ENV}={raw!r}: must be an integer batch size") from None
-    if n < 0:
-        raise UsageError(f"{OOM_HOOK_ENV}={raw!r}: must be >= 0")
-    return n
 
 
 # -- the batch search -----------------------------------------------------------------------------------
@@ -570,8 +558,8 @@ def planner_settings(snapshot: Any, profiles_: Any, method: str, model: str, res
 
     Where the planner would offload to DeepSpeed, or finds nothing that fits, the bench measures the leanest
     setting without offload (gradient checkpointing, Adafactor, cached latents): whether that fits is exactly
-    what the planner is unsure of. So does a plan with full half-precision weights (kohya --full_bf16), which
-    the bundled trainer does not run. 8-bit AdamW needs bitsandbytes; without it Adafactor is measured instead.
+    what the planner is unsure of. So does a plan with full half-precision weights (kohya --full_bf16): the
+    trainer (and so the harness) runs them, but a bench point has no field to record them yet. 8-bit AdamW needs bitsandbytes; without it Adafactor is measured instead.
     """
     from sdplan import planner
 
@@ -583,7 +571,7 @@ def planner_settings(snapshot: Any, profiles_: Any, method: str, model: str, res
     s = res.plan
     why = "the planner finds nothing that fits without it"
     if s is not None and s.full_half_weights and not s.deepspeed:
-        why = "the planner's plan needs full half-precision weights, which the bundled trainer does not run"
+        why = "the planner's plan needs full half-precision weights, which a bench point cannot record yet"
     lean = BenchRequest(
         method=method,
         model=model,
@@ -809,110 +797,48 @@ def build_components(
 
 
 class _Harness:
-    """One request's model, trainable parameters, optimizer and Accelerator, set up as the recipe for its
-    method does; :meth:`step` is one optimizer step of that recipe's loop on a synthetic batch."""
+    """One request's recipe (``sdplan.trainer.recipes``), built and prepared by the trainer's own loop pieces
+    on random full-size (or tiny) networks; :meth:`step` is one optimizer step of the loop
+    (``loop.optimizer_step``) on a synthetic batch."""
 
     CAPTION = "a photo of sks person"
 
-    def __init__(self, req: BenchRequest, *, device: str, demo: bool, workdir: Path):
-        import torch
-
-        from sdplan.trainer import common
+    def __init__(self, req: BenchRequest, *, device: str, demo: bool, workdir: Path, injected=None):
+        from sdplan.trainer import conditioning, faults, latents, loop, run, runtime
 
         self.req = req
-        self.cfg = _synthetic_config(req, device)
+        self.faults = injected or faults.NONE
+        self.cfg = cfg = _synthetic_config(req, device)
         _reset_accelerate_state()
-        self.accelerator = accelerator = common.make_accelerator(self.cfg, workdir)
+        self.accelerator = accelerator = runtime.make_accelerator(cfg, workdir)
         self.device = accelerator.device
-        self.wdtype = wdtype = common.weight_dtype(accelerator)
-        full = req.method in ("dreambooth", "finetune")
-        dtypes = {
-            "unet": torch.float32 if full else wdtype,
-            "text_encoder": torch.float32
-            if req.method == "textual-inversion" or (full and req.train_text_encoder)
-            else wdtype,
-            "vae": common.vae_dtype(accelerator),
-        }
+        recipe_cls = run.recipe(req.method)
         comps = build_components(
             req.model,
             demo=demo,
             workdir=workdir,
             device=str(self.device),
-            dtypes=dtypes,
+            dtypes=recipe_cls.dtypes(cfg, accelerator),  # built in the dtypes the recipe trains them in
             with_vae=not req.cache_latents,
         )
-        self.comps = comps
-        unet, vae, text_encoders = comps.unet, comps.vae, list(comps.text_encoders)
-        for m in (unet, vae, *text_encoders):
-            if m is not None:
-                m.requires_grad_(False)
-        trained: dict[str, Any] = {}
-        groups: list[dict[str, Any]] = []
-        lr = self.cfg.training.learning_rate
-        te_lr = self.cfg.training.text_encoder_learning_rate or lr
-
-        if req.method == "lora":  # trainer/recipes/lora.py, step 3
-            common.place(unet, self.device, wdtype)
-            for te in text_encoders:
-                common.place(te, self.device, wdtype)
-            torch.manual_seed(self.cfg.training.seed)
-            trained.update(
-                common.add_lora_adapters(unet, text_encoders, self.cfg.lora, req.train_text_encoder)
-            )
-            groups.append({"params": [p for p in unet.parameters() if p.requires_grad], "lr": lr})
-            if req.train_text_encoder:
-                te_params = [p for te in text_encoders for p in te.parameters() if p.requires_grad]
-                groups.append({"params": te_params, "lr": te_lr})
-        elif req.method in ("dreambooth", "finetune"):  # the whole UNet trains, fp32 master weights
-            common.place(unet, self.device, torch.float32)
-            unet.requires_grad_(True)
-            trained["unet"] = unet
-            groups.append({"params": list(unet.parameters()), "lr": lr})
-            for i, te in enumerate(text_encoders):
-                if req.train_text_encoder:
-                    common.place(te, self.device, torch.float32)
-                    te.requires_grad_(True)
-                    trained[f"text_encoder_{i}"] = te
-                    groups.append({"params": list(te.parameters()), "lr": te_lr})
-                else:
-                    common.place(te, self.device, wdtype)
-        elif req.method == "textual-inversion":  # only the token embeddings train; the UNet stays frozen
-            common.place(unet, self.device, wdtype)
-            for i, te in enumerate(text_encoders):
-                common.place(te, self.device, torch.float32)
-                emb = te.get_input_embeddings()
-                emb.weight.requires_grad_(True)
-                trained[f"text_encoder_{i}"] = te
-                groups.append({"params": [emb.weight], "lr": lr})
-        else:  # pragma: no cover - BenchRequest validates the method
-            raise UsageError(f"unknown method {req.method!r}")
-
-        self.text_cache = None
-        if req.cache_text_encoder_outputs:  # as the recipes do: encode once, then the encoders leave the GPU
-            self.text_cache = common.TextCache()
-            self.text_cache.precompute(comps, text_encoders, [self.CAPTION], self.device)
-            common.offload(*text_encoders)
-        if vae is not None:  # with cached latents there is none: the cache hands the recipe latents
-            common.place(vae, self.device, common.vae_dtype(accelerator))
-        self.vae = vae
-        common.use_sdpa(unet, *([vae] if self.vae is not None else []))
-        if req.gradient_checkpointing:
-            gc_models = list(trained.values())
-            if req.method == "textual-inversion":
-                gc_models.append(unet)  # backward runs through the frozen UNet to the embeddings
-            common.enable_gradient_checkpointing(*gc_models)
-        self.optimizer = common.make_optimizer(groups, self.cfg)
-        names = list(trained)
-        prepared = accelerator.prepare(*trained.values(), self.optimizer)
-        self.trained = dict(zip(names, prepared[: len(names)]))
-        self.optimizer = prepared[len(names)]
-        self.unet = self.trained.get("unet", unet)
-        self.text_encoders = [self.trained.get(f"text_encoder_{i}", te) for i, te in enumerate(text_encoders)]
-        self.params = [p for g in groups for p in g["params"]]
-        self.unet.train()  # as the recipes do (a frozen UNet trains too: its checkpointing needs train mode)
-        for te in self.text_encoders:
-            te.train(any(te is m for m in self.trained.values()))
+        self.recipe = recipe = recipe_cls(cfg, accelerator, comps)
+        groups, optimizer = loop.build(recipe)
+        if req.cache_text_encoder_outputs:  # as the loop does: encode once, then the encoders leave the GPU
+            recipe.text_cache = conditioning.TextCache()
+            recipe.text_cache.precompute(comps, recipe.text_encoders, [self.CAPTION], self.device)
+            latents.offload(*recipe.text_encoders)
+        if recipe.vae is None:  # cached latents: what the latent cache hands the recipe
+            recipe.latents = lambda batch, generator: batch["latents"].to(self.device)
+        (self.optimizer,) = loop.prepare(recipe, optimizer)
         self.step_index = 0
+
+    @property
+    def unet(self):
+        return self.recipe.unet
+
+    @property
+    def text_encoders(self) -> list:
+        return self.recipe.text_encoders
 
     def _batch(self, batch_size: int, generator) -> dict[str, Any]:
         import torch
@@ -920,11 +846,10 @@ class _Harness:
         res = self.req.resolution
         batch: dict[str, Any] = {
             "caption": [self.CAPTION] * batch_size,
-            "original_size": [(res, res)] * batch_size,
-            "crop_top_left": [(0, 0)] * batch_size,
+            "original_size": torch.tensor([(res, res)] * batch_size),
+            "crop_top_left": torch.tensor([(0, 0)] * batch_size),
         }
-        if self.vae is None:
-            # cached latents: what the latent cache hands the recipe (scaled VAE latents)
+        if self.recipe.vae is None:
             f = 8
             batch["latents"] = torch.randn((batch_size, 4, res // f, res // f), generator=generator)
             batch["pixel_values"] = torch.empty((batch_size, 3, res, res), device="meta")  # shape only
@@ -932,41 +857,27 @@ class _Harness:
             batch["pixel_values"] = torch.rand((batch_size, 3, res, res), generator=generator) * 2 - 1
         return batch
 
-    def step(self, batch_size: int, oom_above: int | None) -> float:
-        """One optimizer step at ``batch_size`` (the recipe's loop body); returns the loss."""
-        import torch
+    def step(self, batch_size: int) -> float:
+        """One optimizer step of the training loop at ``batch_size``; returns the loss."""
+        from sdplan.trainer import loop, runtime
 
-        from sdplan.trainer import common
-
-        accelerator = self.accelerator
         self.step_index += 1
-        generator = common.seed_step(self.cfg.training.seed, accelerator.process_index, self.step_index)
-        batch = self._batch(batch_size, generator)
-        with accelerator.accumulate(*self.trained.values()):
-            if self.vae is None:
-                latents = batch["latents"].to(self.device, self.wdtype)
-            else:
-                latents = common.encode_latents(self.vae, batch["pixel_values"].to(self.device), generator)
-                latents = latents.to(self.wdtype)
-            noisy, noise, timesteps = common.noisy_latents(
-                self.comps.noise_scheduler, latents, generator, self.cfg.training.noise_offset
-            )
-            embeds, added = common.unet_conditioning(
-                self.comps, batch, self.text_encoders, self.device, self.wdtype, text_cache=self.text_cache
-            )
-            pred = self.unet(noisy, timesteps, embeds, added_cond_kwargs=added, return_dict=False)[0]
-            loss = common.mse(
-                pred, common.diffusion_target(self.comps.noise_scheduler, latents, noise, timesteps)
-            )
-            if oom_above is not None and batch_size > oom_above:
+        generator = runtime.seed_step(self.cfg.training.seed, self.accelerator.process_index, self.step_index)
+
+        def on_forward(loss, batch):
+            if self.faults.bench_oom(batch_size):
+                import torch
+
                 raise torch.OutOfMemoryError(
-                    f"CUDA out of memory (simulated by {OOM_HOOK_ENV}={oom_above} at batch {batch_size})"
+                    f"CUDA out of memory (simulated by {OOM_HOOK_ENV}={self.faults.bench_oom_above_batch} "
+                    f"at batch {batch_size})"
                 )
-            accelerator.backward(loss)
-            if accelerator.sync_gradients and self.cfg.training.max_grad_norm > 0:
-                accelerator.clip_grad_norm_(self.params, self.cfg.training.max_grad_norm)
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+            return loss
+
+        batch = self._batch(batch_size, generator)
+        loss = loop.optimizer_step(
+            self.recipe, self.optimizer, batch, generator, micro=0, on_forward=on_forward
+        )
         return float(loss.detach().item())
 
     def optimizer_has_state(self) -> bool:
@@ -980,7 +891,7 @@ class _Harness:
         _free_memory()
 
     def close(self) -> None:
-        for name in ("trained", "unet", "text_encoders", "optimizer", "params", "comps", "vae", "text_cache"):
+        for name in ("recipe", "optimizer"):
             if hasattr(self, name):
                 delattr(self, name)
         with contextlib.suppress(Exception):
@@ -1020,7 +931,6 @@ def _probe(h: _Harness, batch: int, effort: Effort, *, cuda: bool, rss_base: int
     """Warm up, then time ``effort.timed_steps`` steps at ``batch``; peak memory over all of them."""
     import torch
 
-    oom_above = oom_hook_batch()
     out: dict[str, Any] = {"batch": batch, "warmup_steps": effort.warmup_steps, "steps": effort.timed_steps}
     error: str | None = None
     if cuda:
@@ -1032,16 +942,16 @@ def _probe(h: _Harness, batch: int, effort: Effort, *, cuda: bool, rss_base: int
             meter.__enter__()
         try:
             for _ in range(effort.warmup_steps):
-                h.step(batch, oom_above)
+                h.step(batch)
             for _ in range(MAX_SKIPPED_STEPS):  # fp16: the measured window must hold the optimizer state
                 if h.optimizer_has_state():
                     break
-                h.step(batch, oom_above)
+                h.step(batch)
             if cuda:
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
             for _ in range(effort.timed_steps):
-                h.step(batch, oom_above)
+                h.step(batch)
             if cuda:
                 torch.cuda.synchronize()
             elapsed = time.perf_counter() - t0
@@ -1055,7 +965,7 @@ def _probe(h: _Harness, batch: int, effort: Effort, *, cuda: bool, rss_base: int
         out |= {
             "fits": False,
             "error": error,
-            "simulated_oom": oom_above is not None and batch > oom_above,
+            "simulated_oom": h.faults.bench_oom(batch),
         }
         return out
     out["fits"] = True
@@ -1093,7 +1003,9 @@ def run_bench(
     dev = resolve_device(device, demo=demo)
     if effort is None:
         effort = DEMO if demo else (QUICK if quick else FULL)
-    oom_hook_batch()  # a malformed hook value is an error before anything heavy starts
+    injected = (
+        faults.Faults.from_env()
+    )  # test hooks, read once: a malformed value fails before anything heavy
     machine = describe_machine(dev)
     root = store_root(store_dir, demo=demo)
     for method in sorted(
@@ -1122,6 +1034,7 @@ def run_bench(
                 root=root,
                 status=status,
                 on_result=on_result,
+                injected=injected,
             )
         except KeyboardInterrupt:
             result.bounded_by = "interrupted"
@@ -1140,6 +1053,7 @@ def _measure(
     root: Path,
     status: Callable[[BenchRequest, str], None],
     on_result: Callable[[BenchPoint], None] | None,
+    injected: faults.Faults = faults.NONE,
 ) -> None:
     """Build one request's model, search its batch, write each point as it is measured."""
     import torch
@@ -1163,7 +1077,7 @@ def _measure(
     with tempfile.TemporaryDirectory(prefix="sdplan-bench-") as tmp, _quiet_diffusers():
         error = None
         try:
-            harness = _Harness(req, device=dev, demo=demo, workdir=Path(tmp))
+            harness = _Harness(req, device=dev, demo=demo, workdir=Path(tmp), injected=injected)
         except torch.OutOfMemoryError as e:
             error = (str(e).strip().splitlines() or ["out of memory"])[0][:300]
         if error is not None:  # the weights alone do not fit: batch 1 cannot
@@ -1201,6 +1115,56 @@ def _quiet_diffusers():
         yield
     finally:
         dlog.set_verbosity(before)
+
+
+# -- how each search ended ----------------------------------------------------------------------------
+
+
+def search_ending(points: list[BenchPoint], *, cap: int, interrupted: bool) -> tuple[BenchPoint | None, str]:
+    """How one request's batch search ended, from its points: (the largest batch that fitted, or None; what
+    ended the search: "OOM at N", "search cap N", "interrupted", with "(simulated)" for the test hook's OOM)."""
+    fit = [p for p in points if p.fits]
+    oom = sorted(p.batch for p in points if not p.fits)
+    best = max(fit, key=lambda p: p.batch) if fit else None
+    largest = best.batch if best else 0
+    if oom and oom[0] == largest + 1:
+        limit = f"OOM at {oom[0]}"
+    elif largest >= cap:
+        limit = f"search cap {cap}"
+    elif interrupted:
+        limit = "interrupted" + (f" (OOM at {oom[0]})" if oom else "")
+    else:
+        limit = f"OOM at {oom[0]}" if oom else "-"
+    if oom and any(p.simulated_oom for p in points if not p.fits):
+        limit += " (simulated)"
+    return best, limit
+
+
+def summarise(
+    requests: list[BenchRequest], points: list[BenchPoint], *, cap: int, interrupted: bool
+) -> list[dict[str, Any]]:
+    """One row per request measured (or started): the largest batch that fitted, its memory and speed, and
+    what ended the search."""
+    rows = []
+    for req in requests:
+        mine = [p for p in points if p.request == req]
+        if not mine:
+            continue
+        best, limit = search_ending(mine, cap=cap, interrupted=interrupted)
+        largest = best.batch if best else 0
+        rows.append(
+            {
+                "request": req,
+                "largest": largest,
+                "memory": best.memory_bytes if best else None,
+                "memory_label": best.memory_label if best else "",
+                "it_s": best.it_s if best else None,
+                "images_s": best.it_s * best.batch if best and best.it_s else None,
+                "limit": limit,
+                "points": len(mine),
+            }
+        )
+    return rows
 
 
 # -- sharing: `sdplan profiles export` --------------------------------------------------------------------

@@ -139,7 +139,7 @@ def test_the_harness_is_the_recipe_step(tmp_path):
         assert not any(p.requires_grad for te in h.text_encoders for p in te.parameters())
         before = {n: p.detach().clone() for n, p in h.unet.named_parameters() if n in lora}
         assert not h.optimizer_has_state()
-        loss = h.step(2, None)
+        loss = h.step(2)
         assert h.optimizer_has_state() and loss > 0
         changed = [n for n, p in h.unet.named_parameters() if n in lora and not torch.equal(p, before[n])]
         assert changed

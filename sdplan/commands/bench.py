@@ -172,47 +172,12 @@ def _point_line(p: Any) -> str:
     return f"batch {p.batch}: fits, {p.memory_label} {mem}{reserved}, {rate}"
 
 
-def summarise(requests: list[Any], points: list[Any], *, cap: int, interrupted: bool) -> list[dict[str, Any]]:
-    """One row per request measured (or started): the largest batch that fitted, its memory and speed, and
-    what ended the search."""
-    rows = []
-    for req in requests:
-        mine = [p for p in points if p.request == req]
-        if not mine:
-            continue
-        fit = [p for p in mine if p.fits]
-        oom = sorted(p.batch for p in mine if not p.fits)
-        best = max(fit, key=lambda p: p.batch) if fit else None
-        largest = best.batch if best else 0
-        if oom and oom[0] == largest + 1:
-            limit = f"OOM at {oom[0]}"
-        elif largest >= cap:
-            limit = f"search cap {cap}"
-        elif interrupted:
-            limit = "interrupted" + (f" (OOM at {oom[0]})" if oom else "")
-        else:
-            limit = f"OOM at {oom[0]}" if oom else "-"
-        if oom and any(p.simulated_oom for p in mine if not p.fits):
-            limit += " (simulated)"
-        rows.append(
-            {
-                "request": req,
-                "largest": largest,
-                "memory": best.memory_bytes if best else None,
-                "memory_label": best.memory_label if best else "",
-                "it_s": best.it_s if best else None,
-                "images_s": best.it_s * best.batch if best and best.it_s else None,
-                "limit": limit,
-                "points": len(mine),
-            }
-        )
-    return rows
-
-
 def results_table(requests: list[Any], points: list[Any], *, cap: int, interrupted: bool):
     from rich.table import Table
 
-    rows = summarise(requests, points, cap=cap, interrupted=interrupted)
+    from sdplan import bench as lib
+
+    rows = lib.summarise(requests, points, cap=cap, interrupted=interrupted)
     cpu = any(p.peak_allocated_bytes is None for p in points)
     table = Table(title="sdplan bench", title_justify="left")
     table.add_column("case")
