@@ -14,7 +14,7 @@ import torch
 import yaml
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from sdplan.trainer import export
+from sdplan.trainer import export, single_file
 
 ROOT = Path(__file__).resolve().parents[1]
 RANK, ALPHA = 4, 2.0  # alpha != rank: a file that wrote rank as alpha would scale the LoRA wrongly
@@ -372,7 +372,9 @@ def test_save_full_sd15_single_file_round_trip(tiny_sd15, tmp_path):
     assert json.loads(md["sdplan_config"])["method"] == "finetune"
     assert md["modelspec.architecture"] == "stable-diffusion-v1"
 
-    loaded = export.load_single_file_model(single, None, config_dir=model_dir)  # family read from the keys
+    loaded = single_file.load_single_file_model(
+        single, None, config_dir=model_dir
+    )  # family read from the keys
     assert type(loaded).__name__ == "StableDiffusionPipeline"
     _assert_same_weights(pipe, loaded)
     # half precision on request
@@ -392,8 +394,8 @@ def test_save_full_sdxl_single_file_round_trip(tiny_sdxl, tmp_path):
         keys = set(f.keys())
     assert "conditioner.embedders.0.transformer.text_model.encoder.layers.0.self_attn.q_proj.weight" in keys
     assert "conditioner.embedders.1.model.transformer.resblocks.1.attn.in_proj_weight" in keys
-    assert export.detect_single_file_family(single) == "sdxl"
-    loaded = export.load_single_file_model(single, "sdxl", config_dir=model_dir)
+    assert single_file.detect_single_file_family(single) == "sdxl"
+    loaded = single_file.load_single_file_model(single, "sdxl", config_dir=model_dir)
     assert type(loaded).__name__ == "StableDiffusionXLPipeline"
     _assert_same_weights(pipe, loaded)
     torch.testing.assert_close(_run(loaded), _run(pipe), atol=1e-6, rtol=0)
@@ -410,8 +412,8 @@ def test_save_full_sd2_text_encoder_in_openclip_layout(tiny_sd15, tmp_path):
     attn = pipe.text_encoder.state_dict()
     q, k, v = (attn[f"encoder.layers.0.self_attn.{x}_proj.weight"] for x in "qkv")
     torch.testing.assert_close(fused, torch.cat([q, k, v]))
-    assert export.detect_single_file_family(single) == "sd21"
-    _assert_same_weights(pipe, export.load_single_file_model(single, "sd21", config_dir=model_dir))
+    assert single_file.detect_single_file_family(single) == "sd21"
+    _assert_same_weights(pipe, single_file.load_single_file_model(single, "sd21", config_dir=model_dir))
 
 
 def test_ckpt_loads_with_weights_only(tiny_sd15, tmp_path):
@@ -419,8 +421,8 @@ def test_ckpt_loads_with_weights_only(tiny_sd15, tmp_path):
     model_dir, single = export.save_full(tmp_path, pipeline=pipe, family="sd15", metadata=None)
     ckpt = tmp_path / "model.ckpt"
     torch.save({"state_dict": load_file(str(single)), "global_step": 10}, ckpt)
-    assert export.detect_single_file_family(ckpt) == "sd15"
-    _assert_same_weights(pipe, export.load_single_file_model(ckpt, "sd15", config_dir=model_dir))
+    assert single_file.detect_single_file_family(ckpt) == "sd15"
+    _assert_same_weights(pipe, single_file.load_single_file_model(ckpt, "sd15", config_dir=model_dir))
 
 
 class _Payload:
@@ -437,8 +439,8 @@ def test_ckpt_with_code_is_refused_before_it_runs(tmp_path):
     marker = tmp_path / "pwned"
     ckpt = tmp_path / "evil.ckpt"
     torch.save({"state_dict": {"model.diffusion_model.x": torch.zeros(1)}, "extra": _Payload(marker)}, ckpt)
-    with pytest.raises(export.UnsafeCheckpointError, match="refusing to unpickle"):
-        export.load_single_file_model(ckpt, "sd15")
+    with pytest.raises(single_file.UnsafeCheckpointError, match="refusing to unpickle"):
+        single_file.load_single_file_model(ckpt, "sd15")
     assert not marker.exists()
     torch.load(ckpt, weights_only=False)  # the payload is real: a plain unpickle runs it
     assert marker.exists()
@@ -448,14 +450,14 @@ def test_single_file_errors(tmp_path):
     from sdplan.errors import UsageError
 
     with pytest.raises(UsageError, match="does not exist"):
-        export.load_single_file_model(tmp_path / "nope.safetensors", "sd15")
+        single_file.load_single_file_model(tmp_path / "nope.safetensors", "sd15")
     odd = tmp_path / "odd.safetensors"
     save_file({"some.weight": torch.zeros(2)}, str(odd))
     with pytest.raises(UsageError, match="model.family"):
-        export.load_single_file_model(odd, None)
+        single_file.load_single_file_model(odd, None)
     (tmp_path / "model.onnx").write_bytes(b"x")
     with pytest.raises(UsageError, match="safetensors or .ckpt"):
-        export.load_single_file_model(tmp_path / "model.onnx", "sd15")
+        single_file.load_single_file_model(tmp_path / "model.onnx", "sd15")
 
 
 def _prompt_embeds(pipe, prompt: str):

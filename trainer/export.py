@@ -6,8 +6,8 @@
 - DreamBooth / full fine-tune: a diffusers folder (``save_pretrained``) and one ``{name}.safetensors`` in the
   original (ldm/sgm) single-file checkpoint layout.
 - Textual inversion: ``learned_embeds.safetensors`` (``pipe.load_textual_inversion``; SDXL: ``clip_l``/``clip_g``).
-- ``load_single_file_model``: a single-file ``.safetensors``/``.ckpt`` into a diffusers pipeline, never
-  unpickling code.
+
+Reading single-file checkpoints (the other direction) is ``single_file.py``.
 
 The heavy lifting is diffusers/peft: ``get_peft_model_state_dict``, ``convert_state_dict_to_diffusers``,
 ``convert_state_dict_to_kohya``, ``save_lora_weights``, ``from_single_file``. Two things diffusers has no
@@ -49,12 +49,6 @@ BASE_MODEL_VERSION = {"sd15": "sd_v1", "sd21": "sd_v2", "sdxl": "sdxl_base_v1-0"
 
 class ExportError(SdplanError):
     """A model that cannot be written in the asked format."""
-
-
-class UnsafeCheckpointError(SdplanError):
-    """A .ckpt whose pickle holds more than tensors and plain containers."""
-
-    exit_code = 2
 
 
 # -- metadata -------------------------------------------------------------------------------------------
@@ -694,98 +688,3 @@ def load_embedding(pipeline, path: str | Path, token: str) -> None:
         )
     else:
         pipeline.load_textual_inversion(str(path), token=token)
-
-
-# -- single-file models in ------------------------------------------------------------------------------
-
-_SAFE_SUFFIXES = (".safetensors",)
-_PICKLE_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin")
-
-
-def read_checkpoint_safely(path: str | Path) -> dict:
-    """A pickled checkpoint read with ``torch.load(weights_only=True)``: tensors and plain containers only;
-    anything else (code, arbitrary classes) is refused before it runs."""
-    import pickle
-    import zipfile
-
-    import torch
-
-    try:
-        # Zip-format checkpoints (torch >= 1.6) are memory-mapped: reading the keys costs no RAM.
-        state = torch.load(
-            str(path), map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(str(path))
-        )
-    except pickle.UnpicklingError as e:
-        first = (str(e).strip().splitlines() or ["unpickling refused"])[0]
-        raise UnsafeCheckpointError(
-            f"{path}: refusing to unpickle it: it holds more than tensors ({first})",
-            fix="convert it to .safetensors with a tool you trust, or use the model's .safetensors release",
-        ) from e
-    while isinstance(state, dict) and "state_dict" in state:
-        state = state["state_dict"]
-    if not isinstance(state, dict):
-        raise UsageError(f"{path}: not a checkpoint (a {type(state).__name__}, not a state dict)")
-    return state
-
-
-def detect_single_file_family(path: str | Path) -> str | None:
-    """sd15 / sd21 / sdxl from a single file's key names (a .safetensors header only; a .ckpt read safely)."""
-    path = Path(path)
-    if path.suffix.lower() in _SAFE_SUFFIXES:
-        from safetensors import safe_open
-
-        with safe_open(str(path), framework="pt") as f:
-            keys = list(f.keys())
-    else:
-        keys = list(read_checkpoint_safely(path))
-    if any(k.startswith("conditioner.embedders.1.") for k in keys):
-        return "sdxl"
-    if any(k.startswith("cond_stage_model.model.") for k in keys):
-        return "sd21"
-    if any(k.startswith("cond_stage_model.transformer.") for k in keys):
-        return "sd15"
-    return None
-
-
-def load_single_file_model(
-    path: str | Path, family: str | None = None, config_dir: str | Path | None = None, *, torch_dtype=None
-):
-    """A single-file checkpoint as a diffusers pipeline (StableDiffusionPipeline or StableDiffusionXLPipeline)
-    via diffusers ``from_single_file``.
-
-    ``.safetensors`` holds no code. A ``.ckpt``/``.pt`` is first read with ``torch.load(weights_only=True)``
-    (``read_checkpoint_safely``): a pickle with anything but tensors raises UnsafeCheckpointError and nothing in
-    it runs. diffusers' own reader (``models/model_loading_utils.load_state_dict``) also passes
-    ``weights_only=True`` to ``torch.load`` (diffusers 0.42), so the second read is safe as well.
-
-    ``config_dir``: a local diffusers folder whose component configs (and tokenizers) describe the checkpoint;
-    with it nothing is downloaded (``config=..., local_files_only=True``). Without it diffusers fetches the
-    default configs for the detected model type from the Hub (configs only, no weights).
-    """
-    from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
-
-    path = Path(path)
-    if not path.is_file():
-        raise UsageError(f"model file {path} does not exist")
-    suffix = path.suffix.lower()
-    if suffix not in _SAFE_SUFFIXES + _PICKLE_SUFFIXES:
-        raise UsageError(f"{path}: a single-file model is .safetensors or .ckpt, not {suffix or 'no suffix'}")
-    if suffix in _PICKLE_SUFFIXES:
-        read_checkpoint_safely(path)  # refuses code before diffusers reads the file
-    family = family or detect_single_file_family(path)
-    if family is None:
-        raise UsageError(f"{path}: cannot tell SD 1.x, 2.x or SDXL from its keys", fix="set model.family")
-    _check_family(family)
-    kwargs: dict[str, Any] = {}
-    if config_dir is not None:
-        kwargs.update(config=str(config_dir), local_files_only=True)
-    if torch_dtype is not None:
-        kwargs["torch_dtype"] = torch_dtype
-    if family == "sdxl":
-        pipe = StableDiffusionXLPipeline.from_single_file(str(path), **kwargs)
-    else:
-        pipe = StableDiffusionPipeline.from_single_file(
-            str(path), safety_checker=None, feature_extractor=None, requires_safety_checker=False, **kwargs
-        )
-    pipe.set_progress_bar_config(disable=True)
-    return pipe

@@ -210,10 +210,10 @@ def _load_pretrained(
 def _load_single_file(location: str, family: str | None, config_dir: str | None) -> Components:
     from diffusers import DDPMScheduler
 
-    from . import export
+    from .single_file import load_single_file_model
 
     try:  # the family is read from the file's keys when not given
-        pipe = export.load_single_file_model(location, family, config_dir)
+        pipe = load_single_file_model(location, family, config_dir)
     except SdplanError:
         raise
     except Exception as e:
