@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from limits import scaled
 from PIL import Image
 from sdplan.trainer.dataset_scan import require_images, scan
 
@@ -348,6 +349,6 @@ def test_scan_of_many_files_imports_no_torch(tmp_path):
         "assert 'PIL' not in sys.modules, 'PIL imported without verify'\n"
         "print('ok')\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=scaled(120))
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import make_images
+from limits import scaled
 from typer.testing import CliRunner
 
 from sdplan.cli import app
@@ -284,7 +285,11 @@ def test_input_errors_load_no_model_code(tmp_path, case):
         """
     )
     proc = subprocess.run(
-        [sys.executable, "-c", code, "train", *args], capture_output=True, text=True, timeout=60, cwd=tmp_path
+        [sys.executable, "-c", code, "train", *args],
+        capture_output=True,
+        text=True,
+        timeout=scaled(60),
+        cwd=tmp_path,
     )
     assert proc.returncode in (2, 4), proc.stderr
     assert proc.stderr.count("error:") == 1 and "Traceback" not in proc.stderr, proc.stderr

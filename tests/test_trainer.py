@@ -18,6 +18,7 @@ import pytest
 import torch
 import yaml
 from conftest import make_images
+from limits import scaled
 from PIL import Image
 from sdplan.trainer import checkpoint, models, run, runtime, stops
 from sdplan.trainer.__main__ import main as trainer_main
@@ -438,7 +439,7 @@ def test_sigint_leaves_a_resumable_checkpoint(tiny_sd15, dataset, tmp_path):
     while checkpoint.latest_checkpoint(out) is None and proc.poll() is None and time.time() < deadline:
         time.sleep(0.2)
     proc.send_signal(signal.SIGINT)
-    stdout, stderr = proc.communicate(timeout=60)
+    stdout, stderr = proc.communicate(timeout=scaled(60))
     assert proc.returncode == 130, stderr[-2000:]
     assert "interrupted at step" in stderr and "--resume latest" in stderr
     latest = checkpoint.latest_checkpoint(out)
@@ -532,7 +533,7 @@ def test_two_processes_see_the_same_images_as_one(tiny_sd15, dataset, tmp_path):
         cwd=tmp_path,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=scaled(300),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     two = json.loads((tmp_path / "two" / "run_summary.json").read_text())
@@ -650,7 +651,7 @@ def test_deepspeed_zero2_cpu_offload_run_and_resume(tiny_sd15, dataset, tmp_path
         "--config",
         str(path),
     ]
-    proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=scaled(300))
     assert proc.returncode == 0, proc.stderr[-3000:]
     straight = losses(out)
     plain = tmp_path / "plain"
@@ -660,7 +661,12 @@ def test_deepspeed_zero2_cpu_offload_run_and_resume(tiny_sd15, dataset, tmp_path
     assert (kept / "pytorch_model").is_dir()  # the DeepSpeed engine's model and optimizer shards
     (out / "loss_history.json").unlink()
     proc = subprocess.run(
-        cmd + ["--resume", str(kept)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300
+        cmd + ["--resume", str(kept)],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=scaled(300),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed from" in proc.stdout
@@ -715,7 +721,7 @@ def test_two_processes_train_sdxl_text_encoders(tiny_sdxl, dataset, tmp_path):
         cwd=tmp_path,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=scaled(300),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads((tmp_path / "out" / "run_summary.json").read_text())["steps"] == 2
