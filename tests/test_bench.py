@@ -132,7 +132,7 @@ def test_the_harness_is_the_recipe_step(tmp_path):
     req = bench.BenchRequest(
         method="lora", model="sd15", resolution=64, precision="fp32", cache_latents=False
     )
-    h = bench._Harness(req, device="cpu", demo=True, workdir=tmp_path)
+    h = bench.Harness(req, device="cpu", demo=True, workdir=tmp_path)
     try:
         lora = {n for n, p in h.unet.named_parameters() if p.requires_grad}
         assert lora and all("lora" in n for n in lora)
@@ -196,7 +196,7 @@ def test_weights_that_do_not_fit_are_recorded_not_raised(tmp_path, monkeypatch):
     def no_room(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
-    monkeypatch.setattr(bench, "_Harness", no_room)
+    monkeypatch.setattr(bench, "Harness", no_room)
     (res,) = bench.run_bench([bench.demo_request()], demo=True, store_dir=root, effort=TINY)
     assert (res.max_batch, res.bounded_by) == (0, "oom")
     (point,) = res.points

@@ -1,0 +1,371 @@
+"""The bench's training harness: one request's recipe, built from random full-size (or tiny demo) networks
+and stepped by the trainer's own loop pieces (``sdplan.trainer.loop``), and one timed probe point of it.
+
+:mod:`sdplan.bench` decides what to measure, searches the batch and stores the points; this module measures.
+torch, diffusers and the trainer are imported inside the functions that need them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import threading
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from sdplan.errors import UsageError
+from sdplan.trainer.faults import BENCH_OOM_ABOVE_BATCH_ENV
+
+if TYPE_CHECKING:
+    from sdplan.bench import BenchRequest, Effort
+
+MAX_SKIPPED_STEPS = 24  # fp16 warm-up steps the gradient scaler may skip before the optimizer state exists
+
+
+# -- memory meters --------------------------------------------------------------------------------------
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/status", encoding="ascii") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise OSError("VmRSS not in /proc/self/status")
+
+
+class PeakRSS:
+    """Peak resident set size of this process during a block. Linux resets the high-water mark when "5" is
+    written to /proc/self/clear_refs (then VmHWM is the peak since); where that is refused, a thread samples
+    VmRSS every 2 ms."""
+
+    def __init__(self) -> None:
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._hwm = False
+
+    def __enter__(self) -> PeakRSS:
+        try:
+            with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
+                f.write("5")
+            self._hwm = True
+        except OSError:
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread.start()
+        self.peak = rss_bytes()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.002):
+            self.peak = max(self.peak, rss_bytes())
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._hwm:
+            with open("/proc/self/status", encoding="ascii") as f:
+                for line in f:
+                    if line.startswith("VmHWM:"):
+                        self.peak = max(self.peak, int(line.split()[1]) * 1024)
+        else:
+            self._stop.set()
+            if self._thread is not None:
+                self._thread.join()
+        self.peak = max(self.peak, rss_bytes())
+
+
+# -- the training harness: the recipes' setup and step, on random full-size (or tiny) networks ------------
+
+
+def _synthetic_config(req: BenchRequest, device: str):
+    from sdplan.config import TrainConfig
+
+    cfg = TrainConfig()
+    cfg.method = req.method
+    cfg.model.family = req.model
+    cfg.data.resolution = req.resolution
+    cfg.training.precision = req.precision
+    cfg.training.train_text_encoder = req.train_text_encoder
+    cfg.training.device = device
+    cfg.memory.gradient_checkpointing = req.gradient_checkpointing
+    cfg.memory.optimizer = req.optimizer
+    cfg.memory.cache_latents = req.cache_latents
+    cfg.memory.cache_text_encoder_outputs = req.cache_text_encoder_outputs
+    cfg.memory.set_grads_to_none = True
+    if req.lora_rank:
+        cfg.lora.rank = req.lora_rank
+        cfg.lora.alpha = float(req.lora_rank)
+    return cfg
+
+
+def _noise_scheduler(family: str):
+    from diffusers import DDPMScheduler
+
+    return DDPMScheduler(
+        num_train_timesteps=1000,
+        beta_start=0.00085,
+        beta_end=0.012,
+        beta_schedule="scaled_linear",
+        prediction_type="v_prediction" if family == "sd21" else "epsilon",
+    )
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype):
+    import torch
+
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
+
+
+def build_components(
+    family: str,
+    *,
+    demo: bool,
+    workdir: Path,
+    device: str,
+    dtypes: dict[str, Any] | None = None,
+    with_vae: bool = True,
+):
+    """``sdplan.trainer.models.Components`` with random weights: the full-size networks built from the
+    configs in profiles/models, or the tiny demo model. The tokenizer is the tiny generated CLIP BPE one (its
+    ids are valid for any CLIP vocabulary; nothing is downloaded).
+
+    Full-size networks are created directly on ``device`` in their training dtype (``dtypes``: "unet",
+    "text_encoder", "vae"; default fp32), so that building never needs more memory than training holds
+    (an SDXL UNet is 10 GB in fp32, 5 GB in half precision). ``with_vae=False`` (cached latents) builds no VAE.
+    """
+    import torch
+
+    from sdplan.trainer import tiny
+    from sdplan.trainer.models import Components
+
+    if demo:
+        if family != "sd15":
+            raise UsageError("the demo's tiny model is SD 1.x-shaped", fix="use --model sd15 with --demo")
+        parts = tiny.tiny_sd15_components(workdir / "tokenizer")
+        return Components(
+            family="sd15",
+            unet=parts["unet"],
+            vae=parts["vae"] if with_vae else None,
+            text_encoders=[parts["text_encoder"]],
+            tokenizers=[parts["tokenizer"]],
+            noise_scheduler=parts["scheduler"],
+            source="sdplan.trainer.tiny",
+        )
+    from diffusers import AutoencoderKL, UNet2DConditionModel
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+
+    from sdplan import profiles
+
+    dtypes = dtypes or {}
+    spec = profiles.load_model(profiles.shipped_dir() / "models" / f"{family}.yaml")
+    classes = {"CLIPTextModel": CLIPTextModel, "CLIPTextModelWithProjection": CLIPTextModelWithProjection}
+    torch.manual_seed(0)
+    with torch.device(device):
+        with _default_dtype(dtypes.get("unet", torch.float32)):
+            unet = UNet2DConditionModel.from_config(dict(spec.unet))
+        with _default_dtype(dtypes.get("text_encoder", torch.float32)):
+            encoders = [classes[te["class"]](CLIPTextConfig(**te["config"])) for te in spec.text_encoders]
+        vae = None
+        if with_vae:
+            with _default_dtype(dtypes.get("vae", torch.float32)):
+                vae = AutoencoderKL.from_config(dict(spec.vae))
+    max_len = spec.tokenizer_max_length
+    tokenizers = [
+        tiny.tiny_tokenizer(workdir / f"tokenizer_{i}", max_length=max_len) for i in range(len(encoders))
+    ]
+    return Components(
+        family=family,
+        unet=unet,
+        vae=vae,
+        text_encoders=encoders,
+        tokenizers=tokenizers,
+        noise_scheduler=_noise_scheduler(family),
+        source=f"profiles/models/{family}.yaml (random weights)",
+    )
+
+
+class Harness:
+    """One request's recipe (``sdplan.trainer.recipes``), built and prepared by the trainer's own loop pieces
+    on random full-size (or tiny) networks; :meth:`step` is one optimizer step of the loop
+    (``loop.optimizer_step``) on a synthetic batch."""
+
+    CAPTION = "a photo of sks person"
+
+    def __init__(self, req: BenchRequest, *, device: str, demo: bool, workdir: Path, injected=None):
+        from sdplan.trainer import conditioning, faults, latents, loop, run, runtime
+
+        self.req = req
+        self.faults = injected or faults.NONE
+        self.cfg = cfg = _synthetic_config(req, device)
+        _reset_accelerate_state()
+        self.accelerator = accelerator = runtime.make_accelerator(cfg, workdir)
+        self.device = accelerator.device
+        recipe_cls = run.recipe(req.method)
+        comps = build_components(
+            req.model,
+            demo=demo,
+            workdir=workdir,
+            device=str(self.device),
+            dtypes=recipe_cls.dtypes(cfg, accelerator),  # built in the dtypes the recipe trains them in
+            with_vae=not req.cache_latents,
+        )
+        self.recipe = recipe = recipe_cls(cfg, accelerator, comps)
+        groups, optimizer = loop.build(recipe)
+        if req.cache_text_encoder_outputs:  # as the loop does: encode once, then the encoders leave the GPU
+            recipe.text_cache = conditioning.TextCache()
+            recipe.text_cache.precompute(comps, recipe.text_encoders, [self.CAPTION], self.device)
+            latents.offload(*recipe.text_encoders)
+        if recipe.vae is None:  # cached latents: what the latent cache hands the recipe
+            recipe.latents = lambda batch, generator: batch["latents"].to(self.device)
+        (self.optimizer,) = loop.prepare(recipe, optimizer)
+        self.step_index = 0
+
+    @property
+    def unet(self):
+        return self.recipe.unet
+
+    @property
+    def text_encoders(self) -> list:
+        return self.recipe.text_encoders
+
+    def _batch(self, batch_size: int, generator) -> dict[str, Any]:
+        import torch
+
+        res = self.req.resolution
+        batch: dict[str, Any] = {
+            "caption": [self.CAPTION] * batch_size,
+            "original_size": torch.tensor([(res, res)] * batch_size),
+            "crop_top_left": torch.tensor([(0, 0)] * batch_size),
+        }
+        if self.recipe.vae is None:
+            f = 8
+            batch["latents"] = torch.randn((batch_size, 4, res // f, res // f), generator=generator)
+            batch["pixel_values"] = torch.empty((batch_size, 3, res, res), device="meta")  # shape only
+        else:
+            batch["pixel_values"] = torch.rand((batch_size, 3, res, res), generator=generator) * 2 - 1
+        return batch
+
+    def step(self, batch_size: int) -> float:
+        """One optimizer step of the training loop at ``batch_size``; returns the loss."""
+        from sdplan.trainer import loop, runtime
+
+        self.step_index += 1
+        generator = runtime.seed_step(self.cfg.training.seed, self.accelerator.process_index, self.step_index)
+
+        def on_forward(loss, batch):
+            if self.faults.bench_oom(batch_size):
+                import torch
+
+                raise torch.OutOfMemoryError(
+                    f"CUDA out of memory (simulated by {BENCH_OOM_ABOVE_BATCH_ENV}={self.faults.bench_oom_above_batch} "
+                    f"at batch {batch_size})"
+                )
+            return loss
+
+        batch = self._batch(batch_size, generator)
+        loss = loop.optimizer_step(
+            self.recipe, self.optimizer, batch, generator, micro=0, on_forward=on_forward
+        )
+        return float(loss.detach().item())
+
+    def optimizer_has_state(self) -> bool:
+        """True once an optimizer step has really run (its state, e.g. Adam's moments, is allocated). Under
+        fp16 the gradient scaler skips the first steps while it lowers its scale: no state yet."""
+        inner = getattr(self.optimizer, "optimizer", self.optimizer)
+        return bool(getattr(inner, "state", None))
+
+    def after_oom(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        free_memory()
+
+    def close(self) -> None:
+        for name in ("recipe", "optimizer"):
+            if hasattr(self, name):
+                delattr(self, name)
+        with contextlib.suppress(Exception):
+            self.accelerator.free_memory()
+        free_memory()
+
+
+def _reset_accelerate_state() -> None:
+    """accelerate keeps process-wide state (mixed precision among it): each request sets its own."""
+    try:
+        from accelerate.state import AcceleratorState, GradientState
+
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+    except Exception:  # pragma: no cover - older accelerate: the next Accelerator re-initialises
+        pass
+
+
+def free_memory() -> None:
+    """Release what the last model held: Python objects, torch's CUDA cache, and (glibc) freed heap pages,
+    so that a CPU run's resident-set baseline is not the previous model's high-water mark."""
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+# -- one probe point ------------------------------------------------------------------------------------
+
+
+def probe_point(h: Harness, batch: int, effort: Effort, *, cuda: bool, rss_base: int) -> dict[str, Any]:
+    """Warm up, then time ``effort.timed_steps`` steps at ``batch``; peak memory over all of them."""
+    import torch
+
+    out: dict[str, Any] = {"batch": batch, "warmup_steps": effort.warmup_steps, "steps": effort.timed_steps}
+    error: str | None = None
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    meter = PeakRSS() if not cuda else None
+    try:
+        if meter is not None:
+            meter.__enter__()
+        try:
+            for _ in range(effort.warmup_steps):
+                h.step(batch)
+            for _ in range(MAX_SKIPPED_STEPS):  # fp16: the measured window must hold the optimizer state
+                if h.optimizer_has_state():
+                    break
+                h.step(batch)
+            if cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(effort.timed_steps):
+                h.step(batch)
+            if cuda:
+                torch.cuda.synchronize()
+            elapsed = time.perf_counter() - t0
+        finally:
+            if meter is not None:
+                meter.__exit__(None, None, None)
+    except torch.OutOfMemoryError as e:
+        error = (str(e).strip().splitlines() or ["out of memory"])[0][:300]
+    if error is not None:  # outside the except block: its traceback no longer pins the activations
+        h.after_oom()
+        out |= {
+            "fits": False,
+            "error": error,
+            "simulated_oom": h.faults.bench_oom(batch),
+        }
+        return out
+    out["fits"] = True
+    out["it_s"] = effort.timed_steps / elapsed if elapsed > 0 else None
+    if cuda:
+        out["peak_allocated_bytes"] = int(torch.cuda.max_memory_allocated())
+        out["peak_reserved_bytes"] = int(torch.cuda.max_memory_reserved())
+    else:
+        out["peak_rss_delta_bytes"] = max(0, meter.peak - rss_base)
+    return out
