@@ -48,6 +48,7 @@ class Recipe:
         self.text_cache = None
         self.latent_dtype = self.wdtype  # latents and conditioning in the frozen UNet's dtype
         self.cond_dtype = self.wdtype
+        self.plan = None  # the loop's StepPlan, once the data loader is prepared
 
     # -- what a method defines -------------------------------------------------------------------------
 
@@ -155,10 +156,10 @@ class Recipe:
             out[f"text_encoder_{i}"] = te
         return out
 
-    def lr_groups(self, unet_params, te_params) -> list[dict[str, Any]]:
-        """The UNet's (or main) parameters at training.learning_rate, the text encoders' at theirs."""
+    def lr_groups(self, main_params, te_params) -> list[dict[str, Any]]:
+        """The main parameters at training.learning_rate; the text encoders' (if any) at their own rate."""
         t = self.cfg.training
-        groups = [{"params": list(unet_params), "lr": t.learning_rate}] if unet_params is not None else []
+        groups = [{"params": list(main_params), "lr": t.learning_rate}]
         if te_params:
             groups.append({"params": list(te_params), "lr": t.text_encoder_learning_rate or t.learning_rate})
         return groups
