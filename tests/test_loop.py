@@ -1,0 +1,69 @@
+"""The one training loop's seams: the recipes' dtypes (what the bench builds too) and the test-fault hook."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+from sdplan.trainer import faults, run
+
+from sdplan.config import TrainConfig
+from sdplan.errors import UsageError
+
+
+def _cfg(method: str, *, full_half_weights: bool = False, train_text_encoder: bool = False) -> TrainConfig:
+    cfg = TrainConfig()
+    cfg.method = method
+    cfg.training.precision = "bf16"
+    cfg.training.full_half_weights = full_half_weights
+    cfg.training.train_text_encoder = train_text_encoder
+    return cfg
+
+
+@pytest.mark.parametrize(
+    ("method", "half", "train_te", "unet", "te"),
+    [
+        ("lora", False, True, "bfloat16", "bfloat16"),  # frozen base in half precision; adapters fp32
+        ("finetune", False, False, "float32", "bfloat16"),  # fp32 master weights
+        ("finetune", True, True, "bfloat16", "float32"),  # kohya --full_bf16
+        ("dreambooth", True, False, "bfloat16", "bfloat16"),
+        ("textual-inversion", False, False, "bfloat16", "float32"),  # the embedding trains in fp32
+    ],
+)
+def test_each_recipe_says_the_dtype_of_each_model(method, half, train_te, unet, te):
+    bf16 = SimpleNamespace(mixed_precision="bf16")
+    dtypes = run.recipe(method).dtypes(
+        _cfg(method, full_half_weights=half, train_text_encoder=train_te), bf16
+    )
+    assert (str(dtypes["unet"]), str(dtypes["text_encoder"]), str(dtypes["vae"])) == (
+        f"torch.{unet}",
+        f"torch.{te}",
+        "torch.bfloat16",
+    )
+
+
+def test_every_method_has_a_recipe():
+    assert sorted(run.recipes()) == ["dreambooth", "finetune", "lora", "textual-inversion"]
+    with pytest.raises(Exception, match="method: must be one of"):
+        run.recipe("hypernetwork")
+
+
+def test_faults_are_read_once_from_the_environment():
+    f = faults.Faults.from_env({faults.NAN_AT_STEP_ENV: "3", faults.BENCH_OOM_ABOVE_BATCH_ENV: "2"})
+    assert (f.oom_at_step, f.nan_at_step, f.bench_oom_above_batch) == (None, 3, 2)
+    assert f.bench_oom(3) and not f.bench_oom(2)
+    assert faults.Faults.from_env({}) == faults.NONE
+    with pytest.raises(UsageError, match=faults.OOM_AT_STEP_ENV):
+        faults.Faults.from_env({faults.OOM_AT_STEP_ENV: "soon"})
+
+
+def test_injected_faults_change_only_their_step():
+    import torch
+
+    f = faults.Faults(oom_at_step=2, nan_at_step=3)
+    loss = torch.tensor(1.0)
+    assert f.after_forward(1, 2, loss) is loss
+    assert torch.isnan(f.after_forward(3, 2, loss))
+    assert f.after_forward(2, 1, loss) is loss  # the OOM is injected only above batch 1
+    with pytest.raises(torch.OutOfMemoryError):
+        f.after_forward(2, 2, loss)
