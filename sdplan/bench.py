@@ -52,11 +52,10 @@ import yaml
 
 from sdplan import __version__
 from sdplan.errors import ConfigError, NoGPUError, UsageError
+from sdplan.registry import FAMILIES, METHODS
 
 OOM_HOOK_ENV = "SDPLAN_BENCH_OOM_ABOVE_BATCH"
 GiB = 2**30
-METHODS = ("lora", "dreambooth", "finetune", "textual-inversion")
-FAMILIES = ("sd15", "sd21", "sdxl")
 DEFAULT_FAMILIES = ("sd15", "sdxl")  # what `sdplan bench` measures when no --model is given
 MAX_SKIPPED_STEPS = 24  # fp16 warm-up steps the gradient scaler may skip before the optimizer state exists
 DEMO_RESOLUTION = 64  # sdplan.trainer.tiny.TINY_RESOLUTION

@@ -14,11 +14,8 @@ from typing import Any, get_args, get_origin, get_type_hints
 import yaml
 
 from sdplan.errors import ConfigError
+from sdplan.registry import FAMILIES, METHODS, OPTIMIZERS, PRECISIONS
 
-METHODS = ("lora", "dreambooth", "finetune", "textual-inversion")
-FAMILIES = ("sd15", "sd21", "sdxl")
-PRECISIONS = ("fp32", "fp16", "bf16")
-OPTIMIZERS = ("adamw", "adamw8bit", "adafactor")
 SCHEDULERS = (
     "constant",
     "constant_with_warmup",

@@ -18,9 +18,8 @@ from rich.table import Table
 
 from sdplan.machine import GPU, Snapshot
 from sdplan.probe.snapshot import sorted_findings
+from sdplan.registry import FAMILIES, METHODS
 
-METHODS = ("lora", "dreambooth", "finetune", "textual-inversion")
-FAMILIES = ("sd15", "sd21", "sdxl")
 STATUSES = ("ok", "tight", "no", "unknown")
 
 

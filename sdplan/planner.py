@@ -30,10 +30,9 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from sdplan import registry
 from sdplan.profiles import GiB, GPUSpec, MethodPoint, ModelSpec, Profiles
-
-METHODS = ("lora", "dreambooth", "finetune", "textual-inversion")
-FULL_METHODS = ("dreambooth", "finetune")
+from sdplan.registry import FULL_METHODS, METHODS
 
 # -- calibration constants (fitted with benchmarks/planner_accuracy.py against profiles/methods) ----------
 ACTIVATION_FACTOR = 1.5  # saved tensors -> peak incl. gradient buffers of the backward pass
@@ -625,7 +624,7 @@ def _candidates(req: Request, profiles: Profiles, hw: Hardware, cal: Calibration
     nvidia = gpu.vendor == "nvidia"
     max_n = min(hw.count, req.max_gpus or hw.count)
     full = req.method in FULL_METHODS
-    optimizers = ["adamw"] if req.method == "textual-inversion" else ["adamw", "adamw8bit", "adafactor"]
+    optimizers = list(registry.method(req.method).optimizers)
     if not nvidia:
         optimizers = [o for o in optimizers if o != "adamw8bit"]  # bitsandbytes: CUDA only
     out: list[Candidate] = []

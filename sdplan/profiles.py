@@ -23,12 +23,9 @@ from typing import Any
 import yaml
 
 from sdplan.errors import ConfigError, UsageError
+from sdplan.registry import FAMILIES, METHODS, OPTIMIZERS, PRECISIONS
 
 SCHEMA_VERSION = 1
-METHODS = ("lora", "dreambooth", "finetune", "textual-inversion")
-FAMILIES = ("sd15", "sd21", "sdxl")
-PRECISIONS = ("fp32", "fp16", "bf16")
-OPTIMIZERS = ("adamw", "adamw8bit", "adafactor")
 ATTENTION = ("efficient", "math")
 TRAINED = ("unet", "attn")  # activations.yaml: whole UNet trained, or only the attention projections
 GiB = 2**30

@@ -16,6 +16,7 @@ from typing import Any
 from sdplan import planner
 from sdplan.errors import DatasetError, OutputExistsError, UsageError
 from sdplan.profiles import GiB, Profiles
+from sdplan.registry import METHODS
 
 IMAGE_EXTS = {".png", ".jpg", ".jpeg", ".webp", ".bmp"}
 KOHYA_DIR = re.compile(r"^(\d+)_(.+)$")
@@ -139,7 +140,7 @@ def _check_choice(kind: str, value: str, choices: tuple[str, ...]) -> None:
 
 def build_request(inp: Inputs, profiles: Profiles) -> tuple[planner.Request, list[str]]:
     """Validate the command-line inputs; returns the planner request and notes for the reasons."""
-    _check_choice("method", inp.method, planner.METHODS)
+    _check_choice("method", inp.method, METHODS)
     _check_choice("model", inp.model, tuple(sorted(profiles.models)))
     for name, v in (
         ("--images", inp.images),

@@ -24,6 +24,7 @@ from sdplan import config as C
 from sdplan.errors import NoGPUError, OutputExistsError, SdplanError, UsageError
 from sdplan.launch import ACCELERATE_FILE, DEEPSPEED_FILE, Launch, build_launch, run_launch
 from sdplan.planner import format_duration
+from sdplan.registry import FAMILIES, guess_family
 
 CONFIG_FILE = "sdplan.yaml"
 OOM_FILE = "oom.json"
@@ -729,16 +730,6 @@ class NotFeasible(SdplanError):
     exit_code = 1
 
 
-def guess_family(model: str) -> str:
-    """A hub id's family from its name, when its config cannot be read offline (sdxl / sd21 / sd15)."""
-    name = model.lower()
-    if "xl" in name:
-        return "sdxl"
-    if any(k in name for k in ("2-1", "2.1", "sd21", "2-base", "v2")):
-        return "sd21"
-    return "sd15"
-
-
 def plan_request(cfg: C.TrainConfig, inputs: Inputs, snapshot: Any, req: TrainRequest) -> dict[str, Any]:
     """The planner's result (the `sdplan recommend --json` object) for this request on this machine."""
     from sdplan.planner import Request, plan, result_dict
@@ -918,7 +909,7 @@ def _record(
     from sdplan.profiles import local_dir
 
     family = cfg.model.family or p.inputs.family
-    if family not in C.FAMILIES:
+    if family not in FAMILIES:
         return None
     gpu = p.snapshot.usable_gpus[0] if p.snapshot is not None and p.snapshot.usable_gpus else None
     point = oom_point(
