@@ -33,6 +33,7 @@ from typing import Any
 from sdplan import registry
 from sdplan.profiles import GiB, GPUSpec, MethodPoint, ModelSpec, Profiles
 from sdplan.registry import FULL_METHODS, METHODS
+from sdplan.steps import Steps, plan_steps
 
 # -- calibration constants (fitted with benchmarks/planner_accuracy.py against profiles/methods) ----------
 ACTIVATION_FACTOR = 1.5  # saved tensors -> peak incl. gradient buffers of the backward pass
@@ -499,17 +500,6 @@ def hardware_from_snapshot(snapshot: Any, profiles: Profiles, source: str = "pro
 
 
 @dataclass(frozen=True)
-class Steps:
-    images_per_epoch: int
-    epochs: int
-    steps_per_epoch: int
-    total_steps: int
-    images_seen: int
-    one_gpu_total_steps: int
-    lr_warmup_steps: int
-
-
-@dataclass(frozen=True)
 class Candidate:
     setup: Setup
     memory: Memory
@@ -538,19 +528,13 @@ class Result:
     alternatives: tuple[Candidate, ...] = field(default=())
 
 
-def step_arithmetic(req: Request, batch: int, grad_accum: int, num_gpus: int) -> Steps:
-    per_epoch = req.images * req.repeats
-    spe = math.ceil(per_epoch / (batch * grad_accum * num_gpus))
-    one = math.ceil(per_epoch / (batch * grad_accum)) * req.epochs
-    total = spe * req.epochs
-    return Steps(
-        images_per_epoch=per_epoch,
+def _steps(req: Request, batch: int, grad_accum: int, num_gpus: int) -> Steps:
+    return plan_steps(
+        images_per_epoch=req.images * req.repeats,
+        batch_size=batch,
+        grad_accum=grad_accum,
+        num_processes=num_gpus,
         epochs=req.epochs,
-        steps_per_epoch=spe,
-        total_steps=total,
-        images_seen=per_epoch * req.epochs,
-        one_gpu_total_steps=one,
-        lr_warmup_steps=0,
     )
 
 
@@ -669,7 +653,7 @@ def _evaluate(req: Request, profiles: Profiles, hw: Hardware, cal: Calibration, 
         fits = fits and mem.ram <= 0.9 * hw.ram_total_bytes
     if fits and _observed_oom(profiles, s, gpu) is not None:
         fits = False
-    steps = step_arithmetic(req, s.batch, s.grad_accum, s.num_gpus)
+    steps = _steps(req, s.batch, s.grad_accum, s.num_gpus)
     point = _matching_point(profiles, s, gpu) if s.num_gpus == 1 else None
     if point is not None:
         step_s = 1.0 / point.outcome["it_s"]
@@ -773,7 +757,7 @@ def plan(hardware: Hardware | Any, profiles: Profiles, request: Request) -> Resu
     req = replace(req, resolution=resolution)
     cal = calibrate(profiles)
     reasons: list[str] = []
-    one_steps = step_arithmetic(req, 1, 1, 1)
+    one_steps = _steps(req, 1, 1, 1)
 
     if not hardware.gpus:
         need = min_vram_needed(req, profiles)

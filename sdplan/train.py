@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
-import math
 import shlex
 import shutil
 from collections.abc import Callable
@@ -25,6 +24,7 @@ from sdplan.errors import NoGPUError, OutputExistsError, SdplanError, UsageError
 from sdplan.launch import ACCELERATE_FILE, DEEPSPEED_FILE, Launch, build_launch, run_launch
 from sdplan.planner import format_duration
 from sdplan.registry import FAMILIES, guess_family
+from sdplan.steps import plan_steps
 
 CONFIG_FILE = "sdplan.yaml"
 OOM_FILE = "oom.json"
@@ -314,26 +314,17 @@ def require_gpu(snapshot: Any) -> None:
 # -- step arithmetic -----------------------------------------------------------------------------------------
 
 
-def step_arithmetic(cfg: C.TrainConfig, images_x_repeats: int, world: int) -> dict[str, int]:
-    """The trainer's arithmetic (``sdplan.trainer.common``): with N processes each epoch is split N ways, so the
-    images trained equal the one-process run's."""
+def config_steps(cfg: C.TrainConfig, images_x_repeats: int, world: int) -> dict[str, int]:
+    """The run's step counts (:func:`sdplan.steps.plan_steps`, as the trainer counts them) for the user."""
     t = cfg.training
-    per_step = t.batch_size * t.grad_accum * world
-    spe = max(1, math.ceil(images_x_repeats / per_step))
-    if t.max_steps:
-        total = max(1, math.ceil(t.max_steps / world))
-        epochs = math.ceil(total / spe)
-    else:
-        total = t.epochs * spe
-        epochs = t.epochs
-    return {
-        "images_per_epoch": images_x_repeats,
-        "epochs": epochs,
-        "steps_per_epoch": spe,
-        "total_steps": total,
-        "images_per_step": per_step,
-        "images_seen": total * per_step if t.max_steps else epochs * images_x_repeats,
-    }
+    return plan_steps(
+        images_per_epoch=images_x_repeats,
+        batch_size=t.batch_size,
+        grad_accum=t.grad_accum,
+        num_processes=world,
+        epochs=t.epochs,
+        max_steps=t.max_steps,
+    ).summary()
 
 
 def describe(cfg: C.TrainConfig, steps: dict[str, int], world: int, inputs: Inputs) -> list[str]:
@@ -695,7 +686,7 @@ def prepare(req: TrainRequest, ui: UI) -> Prepared:
             f"this machine has {len(snapshot.usable_gpus)}",
             fix="lower distributed.num_processes (or --gpus)",
         )
-    steps = step_arithmetic(cfg, inputs.images_x_repeats, world)
+    steps = config_steps(cfg, inputs.images_x_repeats, world)
     if req.demo and cfg.plan is None:
         # The demo's plan: the tiny model on the CPU; its memory and time are trivially small, its step
         # arithmetic is the real one (recorded in the outputs' metadata like a planned run's).

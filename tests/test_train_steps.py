@@ -9,7 +9,7 @@ import yaml
 
 from sdplan.config import default_config, validate
 from sdplan.errors import OutputExistsError, UsageError
-from sdplan.train import after_oom, check_out_dir, oom_point, record_point, step_arithmetic
+from sdplan.train import after_oom, check_out_dir, config_steps, oom_point, record_point
 
 # -- the --out rule -------------------------------------------------------------------------------------------
 
@@ -170,8 +170,8 @@ def test_oom_observation_is_a_valid_local_profile_point(tmp_path):
 
 def test_step_arithmetic_splits_epochs_over_processes():
     cfg = validate(data(training={"batch_size": 2, "grad_accum": 2, "epochs": 3}))
-    one = step_arithmetic(cfg, 40, 1)
-    two = step_arithmetic(cfg, 40, 2)
+    one = config_steps(cfg, 40, 1)
+    two = config_steps(cfg, 40, 2)
     assert one["steps_per_epoch"] == 10 and one["total_steps"] == 30
     assert two["steps_per_epoch"] == 5 and two["total_steps"] == 15
     assert one["images_seen"] == two["images_seen"] == 120
@@ -179,7 +179,7 @@ def test_step_arithmetic_splits_epochs_over_processes():
 
 def test_step_arithmetic_with_max_steps():
     cfg = validate(data(training={"batch_size": 2, "max_steps": 10}))
-    s = step_arithmetic(cfg, 8, 2)
+    s = config_steps(cfg, 8, 2)
     assert s["total_steps"] == 5 and s["images_seen"] == 20
 
 
