@@ -225,31 +225,13 @@ def trainer_config(res: planner.Result, profiles: Profiles, dataset: str | None)
     s = res.plan
     assert s is not None
     model = profiles.model(s.model)
-    data = cfgmod.default_config()
-    data["method"] = s.method
+    data = cfgmod.merge(cfgmod.default_config(), s.to_config())  # the planner's settings (as `sdplan train`)
     data["model"]["path"] = model.hub_ids[0] if model.hub_ids else data["model"]["path"]
-    data["model"]["family"] = s.model
     data["data"]["path"] = dataset or data["data"]["path"]
-    data["data"]["resolution"] = s.resolution
     data["data"]["repeats"] = res.request.repeats
-    t = data["training"]
-    t.update(
-        batch_size=s.batch,
-        grad_accum=s.grad_accum,
-        precision=s.precision,
-        epochs=res.steps.epochs,
-        max_steps=res.steps.total_steps,
-        lr_warmup_steps=res.steps.lr_warmup_steps,
-        train_text_encoder=s.train_text_encoder,
-        full_half_weights=s.full_half_weights,
+    data["training"].update(
+        epochs=res.steps.epochs, max_steps=res.steps.total_steps, lr_warmup_steps=res.steps.lr_warmup_steps
     )
-    data["memory"].update(
-        gradient_checkpointing=s.gradient_checkpointing, optimizer=s.optimizer, cache_latents=s.cache_latents
-    )
-    data["distributed"]["num_processes"] = s.num_gpus
-    data["distributed"]["deepspeed"] = dict(s.deepspeed) if s.deepspeed else None
-    if s.method == "lora" and "lora" in data:
-        data["lora"]["rank"] = s.lora_rank
     d = planner.result_dict(res)
     data["plan"] = {
         "plan": d["plan"],

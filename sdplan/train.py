@@ -13,7 +13,7 @@ import json
 import shlex
 import shutil
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,7 @@ from sdplan.errors import NoGPUError, OutputExistsError, SdplanError, UsageError
 from sdplan.launch import ACCELERATE_FILE, DEEPSPEED_FILE, Launch, build_launch, run_launch
 from sdplan.planner import format_duration
 from sdplan.registry import FAMILIES, guess_family
+from sdplan.settings import Settings
 from sdplan.steps import plan_steps
 
 CONFIG_FILE = "sdplan.yaml"
@@ -452,7 +453,9 @@ def oom_point(
 ) -> dict[str, Any]:
     """A method point for the local profile store (profiles/methods schema): what ran out of memory on this
     GPU (or, with fits=True, what then fit), with its provenance."""
-    t, m, ds = cfg.training, cfg.memory, cfg.distributed.deepspeed
+    from sdplan.profiles import point_record
+
+    t, m = cfg.training, cfg.memory
     batch = int(oom.get("batch_size", t.batch_size)) if not fits else t.batch_size
     accum = int(oom.get("grad_accum", t.grad_accum)) if not fits else t.grad_accum
     gc = (
@@ -472,35 +475,17 @@ def oom_point(
             f"sdplan train on this machine ({gpu_label}), {stamp}: out of memory at step {oom.get('step')} "
             f"({str(oom.get('message', 'CUDA out of memory'))[:160]})"
         )
-    point: dict[str, Any] = {
-        "id": f"observed-{'fit' if fits else 'oom'}-{_slug(gpu_label)}-{stamp}-b{batch}",
-        "model": family,
-        "resolution": cfg.data.resolution,
-        "batch": batch,
-        "grad_accum": accum,
-        "precision": t.precision,
-        "options": {
-            "gradient_checkpointing": gc,
-            "optimizer": m.optimizer,
-            "cache_latents": m.cache_latents,
-            "train_text_encoder": t.train_text_encoder,
-            "attention": "sdpa",
-            "deepspeed": None
-            if ds is None
-            else {"zero_stage": ds.zero_stage, "offload_optimizer": ds.offload_optimizer},
-            "ema": cfg.ema.device if cfg.ema.enabled else None,
-            "cache_text_encoder_outputs": m.cache_text_encoder_outputs,
-        },
-        "gpu": gpu_name,
-        "num_gpus": max(1, cfg.distributed.num_processes),
-        "outcome": outcome,
-        "source": source,
-    }
-    if cfg.method == "lora":
-        point["options"]["lora_rank"] = cfg.lora.rank
-    if gpu_memory_bytes:
-        point["gpu_memory_gib"] = round(gpu_memory_bytes / 2**30, 2)
-    return point
+    settings = Settings.from_config(
+        cfg, model=family, batch=batch, grad_accum=accum, gradient_checkpointing=gc
+    )
+    return point_record(
+        settings,
+        id=f"observed-{'fit' if fits else 'oom'}-{_slug(gpu_label)}-{stamp}-b{batch}",
+        gpu=gpu_name,
+        gpu_memory_bytes=gpu_memory_bytes,
+        outcome=outcome,
+        source=source,
+    )
 
 
 def _slug(text: str) -> str:
@@ -509,30 +494,11 @@ def _slug(text: str) -> str:
 
 def record_point(point: dict[str, Any], method: str, store: Path) -> Path:
     """Append a point to ``{store}/methods/observed-{method}.yaml`` (the local profile store that the planner
-    reads beside the shipped profiles); the file is validated by the profiles loader after writing."""
-    from sdplan.profiles import clear_cache, load_methods
+    reads beside the shipped profiles; :func:`sdplan.profiles.write_points`)."""
+    from sdplan.profiles import write_points
 
-    path = store / "methods" / f"observed-{method}.yaml"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    data: dict[str, Any] = {"schema_version": 1, "method": method, "points": []}
-    if path.is_file():
-        loaded = yaml.safe_load(path.read_text()) or {}
-        if isinstance(loaded, dict) and loaded.get("method") == method:
-            data = loaded
-            data.setdefault("points", [])
-    ids = {p.get("id") for p in data["points"]}
-    while point["id"] in ids:
-        point = {**point, "id": point["id"] + "-x"}
-    data["points"].append(point)
-    tmp = path.with_suffix(".yaml.tmp")
-    tmp.write_text(
-        "# Observed by `sdplan train` on this machine (out-of-memory errors and what fit after them).\n"
-        + yaml.safe_dump(data, sort_keys=False)
-    )
-    tmp.replace(path)
-    load_methods(path, origin="local")  # raises ConfigError if what we wrote does not validate
-    clear_cache()
-    return path
+    header = "# Observed by `sdplan train` on this machine (out-of-memory errors and what fit after them).\n"
+    return write_points(store, method, [point], header=header, file_name=f"observed-{method}", replace=False)
 
 
 # -- writing the run folder ------------------------------------------------------------------------------------
@@ -661,14 +627,18 @@ def prepare(req: TrainRequest, ui: UI) -> Prepared:
     plan_result = None
     planning = not (req.resume or req.config or req.config_data is not None) and snapshot is not None
     if planning:
-        plan_result = plan_request(cfg, inputs, snapshot, req)
-        settings = plan_settings(plan_result, num_machines=req.num_machines)
-        if settings["memory"]["optimizer"] == "adamw8bit" and not _have("bitsandbytes"):
-            settings["memory"]["optimizer"] = "adamw"
+        from sdplan.planner import result_dict
+
+        result = plan_request(cfg, inputs, snapshot, req)
+        chosen = result.plan
+        plan_result = result_dict(result)
+        if chosen.optimizer == "adamw8bit" and not _have("bitsandbytes"):
+            chosen = replace(chosen, optimizer="adamw")
             ui.echo(
                 "[yellow]note[/]: the plan uses 8-bit AdamW but bitsandbytes is not installed: AdamW instead "
                 "(pip install 'sdplan[bnb]' for the planned optimizer; out of memory is retried smaller)"
             )
+        settings = plan_settings(chosen, plan_result, num_machines=req.num_machines)
         cfg = C.validate(config_data(base, req, out, plan=settings), source=source)
     elif snapshot is not None and req.num_machines > 1 and req.gpus is None and not req.resume:
         # A config written for one machine: its num_processes are this machine's GPUs.
@@ -721,9 +691,9 @@ class NotFeasible(SdplanError):
     exit_code = 1
 
 
-def plan_request(cfg: C.TrainConfig, inputs: Inputs, snapshot: Any, req: TrainRequest) -> dict[str, Any]:
-    """The planner's result (the `sdplan recommend --json` object) for this request on this machine."""
-    from sdplan.planner import Request, plan, result_dict
+def plan_request(cfg: C.TrainConfig, inputs: Inputs, snapshot: Any, req: TrainRequest):
+    """The planner's (feasible) Result for this request on this machine."""
+    from sdplan.planner import Request, plan
     from sdplan.profiles import load_profiles
 
     family = cfg.model.family or inputs.family or guess_family(cfg.model.path)
@@ -745,37 +715,20 @@ def plan_request(cfg: C.TrainConfig, inputs: Inputs, snapshot: Any, req: TrainRe
         prior_preservation=prior,
         class_images=cfg.dreambooth.num_class_images if prior else 0,
     )
-    result = result_dict(plan(snapshot, load_profiles(), request))
-    if not result["feasible"]:
-        needs = result.get("needs") or {}
-        fits = ", ".join((needs.get("suggested_hardware") or [])[:4])
+    result = plan(snapshot, load_profiles(), request)
+    if not result.feasible or result.plan is None:
+        fits = ", ".join(((result.needs or {}).get("suggested_hardware") or [])[:4])
         raise NotFeasible(
-            result["reasons"][0] if result["reasons"] else "nothing fits on this machine",
+            result.reasons[0] if result.reasons else "nothing fits on this machine",
             fix=f"GPUs that would fit: {fits}" if fits else "see `sdplan recommend --compare`",
         )
     return result
 
 
-def plan_settings(result: dict[str, Any], *, num_machines: int = 1) -> dict[str, Any]:
-    """The plan as sdplan.yaml sections (flags and key=value overrides are applied on top)."""
-    p = result["plan"]
-    return {
-        "model": {"family": result["request"]["model"]},
-        "data": {"resolution": p["resolution"]},
-        "training": {
-            "batch_size": p["batch_size"],
-            "grad_accum": p["grad_accum"],
-            "precision": p["precision"],
-            "train_text_encoder": p["train_text_encoder"],
-        },
-        "memory": {
-            "gradient_checkpointing": p["gradient_checkpointing"],
-            "optimizer": p["optimizer"],
-            "cache_latents": p["cache_latents"],
-        },
-        "distributed": {"num_processes": p["num_gpus"] * num_machines, "deepspeed": p["deepspeed"]},
-        "plan": result,
-    }
+def plan_settings(chosen: Settings, result: dict[str, Any], *, num_machines: int = 1) -> dict[str, Any]:
+    """The planner's settings as sdplan.yaml sections (:meth:`Settings.to_config`, as `recommend --out` writes
+    them), with the plan recorded; flags and key=value overrides are applied on top."""
+    return {**chosen.to_config(num_machines=num_machines), "plan": result}
 
 
 def describe_plan(result: dict[str, Any]) -> list[str]:
