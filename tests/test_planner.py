@@ -178,9 +178,9 @@ def test_an_observed_out_of_memory_changes_the_next_plan(tmp_path):
     import datetime
 
     from sdplan import config as C
+    from sdplan.launcher import oom_point, record_point
     from sdplan.planner import Request, hardware_from_catalog, plan
     from sdplan.profiles import load_profiles
-    from sdplan.train import oom_point, record_point
 
     shipped = load_profiles(local=tmp_path / "empty")
     hw = hardware_from_catalog(shipped.find_gpu("RTX 3060 12GB"), 1)

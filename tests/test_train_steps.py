@@ -9,7 +9,7 @@ import yaml
 
 from sdplan.config import default_config, validate
 from sdplan.errors import OutputExistsError, UsageError
-from sdplan.train import after_oom, check_out_dir, config_steps, oom_point, record_point
+from sdplan.launcher import after_oom, check_out_dir, config_steps, oom_point, record_point
 
 # -- the --out rule -------------------------------------------------------------------------------------------
 
@@ -218,8 +218,8 @@ def test_plan_mode_uses_the_planner_and_overrides_win(tmp_path):
 
     from conftest import make_images
 
+    from sdplan.launcher import UI, TrainRequest, prepare
     from sdplan.machine import Snapshot
-    from sdplan.train import UI, TrainRequest, prepare
 
     snap = Snapshot.load(Path(__file__).parent / "fixtures" / "machines" / "t4.json")
     model = _fake_model(tmp_path / "m")
@@ -243,7 +243,7 @@ def test_plan_mode_uses_the_planner_and_overrides_win(tmp_path):
 def test_no_confirmation_means_nothing_is_written(tmp_path):
     from conftest import make_images
 
-    from sdplan.train import UI, Cancelled, TrainFailed, TrainRequest, run
+    from sdplan.launcher import UI, Cancelled, TrainFailed, TrainRequest, run
 
     model = _fake_model(tmp_path / "m")
     ds = make_images(tmp_path / "ds", n=2)
