@@ -20,11 +20,11 @@ from typing import Any
 import yaml
 
 from sdplan import config as C
-from sdplan.errors import NoGPUError, OutputExistsError, SdplanError, UsageError
+from sdplan.errors import EXIT_INTERRUPTED, EXIT_OOM, NoGPUError, OutputExistsError, SdplanError, UsageError
 from sdplan.launch import ACCELERATE_FILE, DEEPSPEED_FILE, Launch, build_launch, run_launch
 from sdplan.planner import format_duration
 from sdplan.registry import FAMILIES, guess_family
-from sdplan.settings import Settings
+from sdplan.settings import OFFLOAD, Settings
 from sdplan.steps import plan_steps
 
 CONFIG_FILE = "sdplan.yaml"
@@ -33,8 +33,6 @@ SUMMARY_FILE = "run_summary.json"
 # Files `sdplan recommend --out` / `sdplan train` write before any training: a folder holding only these is a
 # planned run, not yet trained.
 PLAN_FILES = (CONFIG_FILE, ACCELERATE_FILE, DEEPSPEED_FILE)
-EXIT_OOM = 75
-EXIT_INTERRUPTED = 130
 MAX_OOM_RETRIES = 4
 
 
@@ -431,7 +429,7 @@ def after_oom(data: dict[str, Any], *, cuda: bool, have_bnb: bool, have_deepspee
         m["cache_text_encoder_outputs"] = True
         return Change(new, "turned on text-encoder output caching (the frozen text encoders leave the GPU)")
     if have_deepspeed and not deepspeed_on:
-        dist["deepspeed"] = {"zero_stage": 2, "offload_optimizer": True}
+        dist["deepspeed"] = dict(OFFLOAD)
         if m.get("optimizer") == "adamw8bit":
             m["optimizer"] = "adamw"  # bitsandbytes does not combine with DeepSpeed
         return Change(

@@ -33,14 +33,13 @@ from typing import Any
 from sdplan import registry
 from sdplan.profiles import GiB, GPUSpec, MethodPoint, ModelSpec, Profiles
 from sdplan.registry import FULL_METHODS, METHODS
-from sdplan.settings import Settings
+from sdplan.settings import DEEPSPEED_BUCKET_ELEMENTS, OFFLOAD, Settings
 from sdplan.steps import Steps, plan_steps
 
 # -- calibration constants (fitted with benchmarks/planner_accuracy.py against profiles/methods) ----------
 ACTIVATION_FACTOR = 1.5  # saved tensors -> peak incl. gradient buffers of the backward pass
 CUDA_CONTEXT_BYTES = int(0.6 * GiB)  # CUDA context + cuBLAS/cuDNN workspaces, outside torch's allocator
 ALLOCATOR_OVERHEAD = 0.06  # caching-allocator fragmentation, fraction of the allocated peak
-DEEPSPEED_BUCKET_ELEMENTS = 500_000_000  # reduce/allgather bucket defaults (5e8 elements, fp16)
 HEADROOM = 0.92  # a recommended plan's predicted peak stays at or below this share of VRAM
 RAM_PER_PROCESS = 3 * GiB  # python + torch + CUDA host allocations + data loading, per process
 GC_TIME_FACTOR = 1.25  # gradient checkpointing: ~20-30% slower (field notes 2; invoke-training PR 22)
@@ -577,7 +576,7 @@ def _candidates(req: Request, profiles: Profiles, hw: Hardware, cal: Calibration
                                 optimizer=opt,
                                 cache_latents=cache,
                                 attention=attention,
-                                deepspeed={"zero_stage": 2, "offload_optimizer": True} if offload else None,
+                                deepspeed=dict(OFFLOAD) if offload else None,
                                 lora_rank=req.lora_rank,
                                 prior_preservation=req.prior_preservation,
                                 num_gpus=n,
@@ -660,7 +659,7 @@ def min_vram_needed(
                     optimizer=opt,
                     cache_latents=True,
                     attention=attention,
-                    deepspeed={"zero_stage": 2, "offload_optimizer": True} if offload else None,
+                    deepspeed=dict(OFFLOAD) if offload else None,
                     lora_rank=req.lora_rank,
                     prior_preservation=req.prior_preservation,
                 )

@@ -15,6 +15,7 @@ from sdplan.registry import FULL_METHODS
 
 DEFAULT_LORA_RANK = 16  # sdplan.config.LoraConfig.rank
 OFFLOAD = {"zero_stage": 2, "offload_optimizer": True}  # the DeepSpeed setting the planner considers
+DEEPSPEED_BUCKET_ELEMENTS = 500_000_000  # reduce / allgather buckets (5e8 elements), written and counted
 
 
 @dataclass(frozen=True)
