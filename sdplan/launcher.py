@@ -236,7 +236,7 @@ def read_yaml_config(path: Path) -> dict[str, Any]:
 
 
 @dataclass(frozen=True)
-class Inputs:
+class InputSummary:
     """What the inputs are, found without loading a model."""
 
     images: int
@@ -247,7 +247,7 @@ class Inputs:
     scan_summary: str
 
 
-def check_inputs(cfg: C.TrainConfig) -> Inputs:
+def check_inputs(cfg: C.TrainConfig) -> InputSummary:
     """The dataset has readable images and the model exists: one clear error otherwise. No torch."""
     from sdplan.trainer.dataset_scan import require_images, scan
     from sdplan.trainer.models import resolve_source
@@ -264,7 +264,7 @@ def check_inputs(cfg: C.TrainConfig) -> Inputs:
     )
     source = resolve_source(cfg.model.path)
     family = cfg.model.family or _family_of(source.kind, source.location)
-    return Inputs(
+    return InputSummary(
         images=result.num_images,
         images_x_repeats=result.images_x_repeats,
         skipped=len(result.skipped),
@@ -326,7 +326,7 @@ def config_steps(cfg: C.TrainConfig, images_x_repeats: int, world: int) -> dict[
     ).summary()
 
 
-def describe(cfg: C.TrainConfig, steps: dict[str, int], world: int, inputs: Inputs) -> list[str]:
+def describe(cfg: C.TrainConfig, steps: dict[str, int], world: int, inputs: InputSummary) -> list[str]:
     """The plan as lines for the user: what is trained, how, and the step arithmetic."""
     t, m, ds = cfg.training, cfg.memory, cfg.distributed.deepspeed
     savers = [
@@ -535,7 +535,7 @@ def read_json(path: Path) -> dict[str, Any] | None:
 class Prepared:
     cfg: C.TrainConfig
     out: Path
-    inputs: Inputs
+    inputs: InputSummary
     world: int
     steps: dict[str, int]
     snapshot: Any = None
@@ -689,7 +689,7 @@ class NotFeasible(SdplanError):
     exit_code = 1
 
 
-def plan_request(cfg: C.TrainConfig, inputs: Inputs, snapshot: Any, req: TrainRequest):
+def plan_request(cfg: C.TrainConfig, inputs: InputSummary, snapshot: Any, req: TrainRequest):
     """The planner's (feasible) Result for this request on this machine."""
     from sdplan.planner import Request, plan
     from sdplan.profiles import load_profiles
