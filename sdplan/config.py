@@ -7,7 +7,7 @@ at once with its key path (``training.batch_size: must be >= 1``). Pure Python: 
 from __future__ import annotations
 
 import copy
-from dataclasses import MISSING, asdict, dataclass, field, fields, is_dataclass
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, get_args, get_origin, get_type_hints
 
@@ -461,14 +461,3 @@ def to_yaml(data: dict[str, Any] | TrainConfig, header: str | None = None) -> st
     if header:
         body = "".join(f"# {line}\n" if line else "#\n" for line in header.splitlines()) + body
     return body
-
-
-def field_defaults(kind: type) -> dict[str, Any]:
-    """Defaults of one section (for docs and tests)."""
-    out = {}
-    for f in fields(kind):
-        if f.default is not MISSING:
-            out[f.name] = f.default
-        elif f.default_factory is not MISSING:
-            out[f.name] = f.default_factory()
-    return out

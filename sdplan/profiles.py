@@ -80,10 +80,6 @@ def _positive(v: Any) -> str | None:
     return None if v is None or (_num(v) and v > 0) else "must be > 0"
 
 
-def _nonneg(v: Any) -> str | None:
-    return None if v is None or (_num(v) and v >= 0) else "must be >= 0"
-
-
 def _one_of(*choices: Any) -> Callable[[Any], str | None]:
     def check(v: Any) -> str | None:
         return None if v in choices else f"must be one of {', '.join(map(str, choices))}, got {v!r}"
