@@ -53,14 +53,13 @@ import yaml
 from sdplan import __version__
 from sdplan.errors import ConfigError, NoGPUError, UsageError
 from sdplan.registry import FAMILIES, METHODS
-from sdplan.settings import Settings
+from sdplan.settings import DEFAULT_LORA_RANK, Settings
 
 OOM_HOOK_ENV = "SDPLAN_BENCH_OOM_ABOVE_BATCH"
 GiB = 2**30
 DEFAULT_FAMILIES = ("sd15", "sdxl")  # what `sdplan bench` measures when no --model is given
 MAX_SKIPPED_STEPS = 24  # fp16 warm-up steps the gradient scaler may skip before the optimizer state exists
 DEMO_RESOLUTION = 64  # sdplan.trainer.tiny.TINY_RESOLUTION
-DEFAULT_LORA_RANK = 16  # sdplan.config.LoraConfig.rank
 MEASURED_PREFIX = "measured: sdplan bench"
 
 

@@ -11,9 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
+from sdplan import config as C
 from sdplan.registry import FULL_METHODS
 
-DEFAULT_LORA_RANK = 16  # sdplan.config.LoraConfig.rank
+DEFAULT_LORA_RANK = C.LoraConfig().rank
 OFFLOAD = {"zero_stage": 2, "offload_optimizer": True}  # the DeepSpeed setting the planner considers
 DEEPSPEED_BUCKET_ELEMENTS = 500_000_000  # reduce / allgather buckets (5e8 elements), written and counted
 
@@ -88,9 +89,8 @@ class Settings:
 
     @classmethod
     def from_config(cls, cfg: Any, **changes: Any) -> Settings:
-        """From an sdplan.yaml (a validated ``TrainConfig`` or its plain data; absent keys: the defaults)."""
-        from sdplan import config as C
-
+        """From an sdplan.yaml (a validated ``TrainConfig`` or its plain data; absent keys: the defaults).
+        ``changes`` replace fields (the model family, when the config leaves it to detection)."""
         data = C.merge(C.default_config(), cfg if isinstance(cfg, dict) else cfg.to_dict())
         kwargs: dict[str, Any] = {name: _get(data, key) for name, key in CONFIG_KEYS.items()}
         ema = data.get("ema") or {}
@@ -159,6 +159,7 @@ CONFIG_KEYS = {
     "lora_targets": "lora.target_modules",
     "prior_preservation": "dreambooth.with_prior_preservation",
 }
+FIELD_FOR_KEY = {key: name for name, key in CONFIG_KEYS.items()}  # sdplan.yaml key -> Settings field
 # Settings fields a profile point keeps under ``options`` (besides attention and lora_rank).
 PROFILE_OPTIONS = (
     "gradient_checkpointing",
