@@ -4,6 +4,11 @@ recover from out-of-memory by retrying smaller.
 Each step is a small function that can be tested alone; :func:`run` strings them together. Nothing here
 imports torch or diffusers: bad input is one clear :class:`~sdplan.errors.SdplanError` before any model
 loads, and the trainer runs in its own process (``python -m sdplan.trainer`` or a launcher).
+
+Why one module of ~900 lines: it is the one command's sequence (request, --out rule, config, inputs, device,
+plan, out-of-memory recovery, run folder), read top to bottom; the parts it shares live elsewhere (the
+settings translation in :mod:`sdplan.settings`, step counts in :mod:`sdplan.steps`, the launch in
+:mod:`sdplan.launch`, the profile store in :mod:`sdplan.profiles`).
 """
 
 from __future__ import annotations
