@@ -28,7 +28,7 @@ from sdplan import config as C
 from sdplan.errors import EXIT_INTERRUPTED, EXIT_OOM, NoGPUError, OutputExistsError, SdplanError, UsageError
 from sdplan.launch import ACCELERATE_FILE, DEEPSPEED_FILE, Launch, build_launch, run_launch
 from sdplan.planner import format_duration
-from sdplan.registry import FAMILIES, guess_family
+from sdplan.registry import FAMILIES, FULL_METHODS, guess_family
 from sdplan.settings import OFFLOAD, Settings
 from sdplan.steps import plan_steps
 
@@ -397,8 +397,9 @@ def after_oom(data: dict[str, Any], *, cuda: bool, have_bnb: bool, have_deepspee
     First the micro-batch is halved and gradient accumulation doubled (same images per optimizer step). At a
     micro-batch of 1, the next memory saver in the planner's order: EMA weights to system RAM, gradient
     checkpointing (~20-30% slower), 8-bit AdamW (CUDA with bitsandbytes, not with DeepSpeed), cached latents,
-    cached text-encoder outputs (frozen encoders only), and last DeepSpeed ZeRO-2 with the optimizer state
-    offloaded to CPU (3-4x slower: the last resort).
+    cached text-encoder outputs (frozen encoders only), full bf16 weights (a full-UNet method in bf16 on a GPU:
+    the planner's fallback before offload, kohya --full_bf16), and last DeepSpeed ZeRO-2 with the optimizer
+    state offloaded to CPU (3-4x slower: the last resort).
     """
     new = json.loads(json.dumps(data))  # deep copy of plain data
     t = new.setdefault("training", {})
@@ -433,6 +434,12 @@ def after_oom(data: dict[str, Any], *, cuda: bool, have_bnb: bool, have_deepspee
     if frozen_te and not m.get("cache_text_encoder_outputs", False):
         m["cache_text_encoder_outputs"] = True
         return Change(new, "turned on text-encoder output caching (the frozen text encoders leave the GPU)")
+    full_bf16 = new.get("method") in FULL_METHODS and t.get("precision") == "bf16"
+    if cuda and full_bf16 and not deepspeed_on and not t.get("full_half_weights", False):
+        t["full_half_weights"] = True
+        return Change(
+            new, "switched to full bf16 weights and gradients (no fp32 master copy; kohya --full_bf16)"
+        )
     if have_deepspeed and not deepspeed_on:
         dist["deepspeed"] = dict(OFFLOAD)
         if m.get("optimizer") == "adamw8bit":
