@@ -55,15 +55,14 @@ import yaml
 from sdplan import __version__
 from sdplan.bench_harness import Harness, free_memory, probe_point, rss_bytes
 from sdplan.errors import ConfigError, NoGPUError, UsageError
+from sdplan.registry import FAMILIES, METHODS
+from sdplan.settings import DEFAULT_LORA_RANK, Settings
 from sdplan.trainer import faults
 
 OOM_HOOK_ENV = faults.BENCH_OOM_ABOVE_BATCH_ENV  # the test hook (sdplan.trainer.faults)
 GiB = 2**30
-METHODS = ("lora", "dreambooth", "finetune", "textual-inversion")
-FAMILIES = ("sd15", "sd21", "sdxl")
 DEFAULT_FAMILIES = ("sd15", "sdxl")  # what `sdplan bench` measures when no --model is given
 DEMO_RESOLUTION = 64  # sdplan.trainer.tiny.TINY_RESOLUTION
-DEFAULT_LORA_RANK = 16  # sdplan.config.LoraConfig.rank
 MEASURED_PREFIX = "measured: sdplan bench"
 
 
@@ -286,25 +285,46 @@ def point_id(machine: Machine, req: BenchRequest, batch: int, *, demo: bool) -> 
     return "-".join(parts)
 
 
+def request_settings(req: BenchRequest, batch: int) -> Settings:
+    """The settings a bench request measures at one micro-batch (one process, no accumulation)."""
+    return Settings(
+        method=req.method,
+        model=req.model,
+        resolution=req.resolution,
+        batch=batch,
+        precision=req.precision,
+        gradient_checkpointing=req.gradient_checkpointing,
+        optimizer=req.optimizer,
+        cache_latents=req.cache_latents,
+        cache_text_encoder_outputs=req.cache_text_encoder_outputs,
+        train_text_encoder=req.train_text_encoder,
+        lora_rank=req.lora_rank,
+        set_grads_to_none=True,
+    )
+
+
+def bench_request(s: Settings, settings_from: str) -> BenchRequest:
+    """What the bench measures for these settings (it searches the batch itself)."""
+    return BenchRequest(
+        method=s.method,
+        model=s.model,
+        resolution=s.resolution,
+        precision=s.precision,
+        gradient_checkpointing=s.gradient_checkpointing,
+        optimizer=s.optimizer,
+        cache_latents=s.cache_latents,
+        train_text_encoder=s.train_text_encoder,
+        cache_text_encoder_outputs=s.cache_text_encoder_outputs,
+        lora_rank=s.lora_rank,
+        settings_from=settings_from,
+    )
+
+
 def point_record(point: BenchPoint, machine: Machine) -> dict[str, Any]:
     """The point as the planner's method-point schema has it (``profiles/methods/*.yaml``)."""
-    req = point.request
-    options: dict[str, Any] = {
-        "gradient_checkpointing": req.gradient_checkpointing,
-        "optimizer": req.optimizer,
-        "cache_latents": req.cache_latents,
-        "cache_text_encoder_outputs": req.cache_text_encoder_outputs,
-        "train_text_encoder": req.train_text_encoder,
-        "attention": "sdpa",
-        "deepspeed": None,
-        "ema": None,
-    }
-    if req.method == "lora":
-        options["lora_rank"] = req.lora_rank
-    if req.method == "dreambooth":
-        options["prior_preservation"] = False
-    options["set_grads_to_none"] = True
+    from sdplan import profiles
 
+    req = point.request
     outcome: dict[str, Any] = {"fits": point.fits}
     if point.fits:
         if point.peak_allocated_bytes is not None:
@@ -335,21 +355,16 @@ def point_record(point: BenchPoint, machine: Machine) -> dict[str, Any]:
         )
     else:
         note = f"CPU run: ram_gib is the peak resident-set growth of the process (not VRAM); {settings}"
-    record: dict[str, Any] = {
-        "id": point.point_id,
-        "model": req.model,
-        "model_name": f"sdplan bench: {'tiny demo model' if point.demo else 'random weights'} ({req.model})",
-        "resolution": req.resolution,
-        "batch": point.batch,
-        "grad_accum": 1,
-        "precision": req.precision,
-        "options": options,
-        "gpu": machine.name,
-    }
-    if machine.memory_total_bytes:
-        record["gpu_memory_gib"] = round(machine.memory_total_bytes / GiB, 2)
-    record |= {"num_gpus": 1, "outcome": outcome, "source": source, "note": note}
-    return record
+    return profiles.point_record(
+        request_settings(req, point.batch),
+        id=point.point_id,
+        gpu=machine.name,
+        gpu_memory_bytes=machine.memory_total_bytes,
+        outcome=outcome,
+        source=source,
+        model_name=f"sdplan bench: {'tiny demo model' if point.demo else 'random weights'} ({req.model})",
+        note=note,
+    )
 
 
 _HEADER = """\
@@ -372,27 +387,10 @@ def _read_method_file(path: Path, method: str) -> dict[str, Any]:
 
 
 def write_points(store_dir: str | Path | None, method: str, records: Iterable[dict[str, Any]]) -> Path:
-    """Add (or replace, by id) points in ``<store>/methods/<method>.yaml``; atomic; returns the file."""
-    path = store_root(store_dir) / "methods" / f"{method}.yaml"
-    data = _read_method_file(path, method)
-    points = list(data.get("points") or [])
-    index = {p.get("id"): i for i, p in enumerate(points)}
-    for rec in records:
-        if rec["id"] in index:
-            points[index[rec["id"]]] = rec
-        else:
-            index[rec["id"]] = len(points)
-            points.append(rec)
-    data["points"] = points
-    text = _HEADER + yaml.safe_dump(data, sort_keys=False, default_flow_style=False, width=120)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+    """Add (or replace, by id) points in ``<store>/methods/<method>.yaml`` (:func:`profiles.write_points`)."""
     from sdplan import profiles
 
-    profiles.clear_cache()  # the planner must see the new point in this process too
-    return path
+    return profiles.write_points(store_root(store_dir), method, list(records), header=_HEADER)
 
 
 # -- the machine and the settings -----------------------------------------------------------------------
@@ -518,7 +516,7 @@ def planner_settings(snapshot: Any, profiles_: Any, method: str, model: str, res
         snapshot, profiles_, planner.Request(method=method, model=model, resolution=resolution, max_gpus=1)
     )
     hw = planner.hardware_from_snapshot(snapshot, profiles_)
-    precision = planner._precision_for(hw.gpus[:1]) if hw.gpus else "fp16"
+    precision = planner.precision_for(hw.gpus[:1]) if hw.gpus else "fp16"
     s = res.plan
     why = "the planner finds nothing that fits without it"
     if s is not None and s.full_half_weights and not s.deepspeed:
@@ -536,22 +534,13 @@ def planner_settings(snapshot: Any, profiles_: Any, method: str, model: str, res
     )
     if s is None or s.deepspeed or s.full_half_weights:
         return lean
-    optimizer, origin = s.optimizer, f"the planner ({res.basis} basis)"
-    if optimizer == "adamw8bit" and not _bnb_available():
-        optimizer, origin = "adafactor", origin + "; adafactor for adamw8bit: bitsandbytes is not installed"
-    return BenchRequest(
-        method=method,
-        model=model,
-        resolution=resolution,
-        precision=s.precision,
-        gradient_checkpointing=s.gradient_checkpointing,
-        optimizer=optimizer,
-        cache_latents=s.cache_latents,
-        train_text_encoder=s.train_text_encoder,
-        cache_text_encoder_outputs=s.cache_text_encoder_outputs,
-        lora_rank=s.lora_rank if method == "lora" else None,
-        settings_from=origin,
-    )
+    origin = f"the planner ({res.basis} basis)"
+    if s.optimizer == "adamw8bit" and not _bnb_available():
+        s, origin = (
+            replace(s, optimizer="adafactor"),
+            origin + "; adafactor for adamw8bit: bitsandbytes is not installed",
+        )
+    return bench_request(s, origin)
 
 
 @dataclass(frozen=True)

@@ -7,18 +7,15 @@ at once with its key path (``training.batch_size: must be >= 1``). Pure Python: 
 from __future__ import annotations
 
 import copy
-from dataclasses import MISSING, asdict, dataclass, field, fields, is_dataclass
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, get_args, get_origin, get_type_hints
 
 import yaml
 
 from sdplan.errors import ConfigError
+from sdplan.registry import FAMILIES, METHODS, OPTIMIZERS, PRECISIONS
 
-METHODS = ("lora", "dreambooth", "finetune", "textual-inversion")
-FAMILIES = ("sd15", "sd21", "sdxl")
-PRECISIONS = ("fp32", "fp16", "bf16")
-OPTIMIZERS = ("adamw", "adamw8bit", "adafactor")
 SCHEDULERS = (
     "constant",
     "constant_with_warmup",
@@ -464,14 +461,3 @@ def to_yaml(data: dict[str, Any] | TrainConfig, header: str | None = None) -> st
     if header:
         body = "".join(f"# {line}\n" if line else "#\n" for line in header.splitlines()) + body
     return body
-
-
-def field_defaults(kind: type) -> dict[str, Any]:
-    """Defaults of one section (for docs and tests)."""
-    out = {}
-    for f in fields(kind):
-        if f.default is not MISSING:
-            out[f.name] = f.default
-        elif f.default_factory is not MISSING:
-            out[f.name] = f.default_factory()
-    return out

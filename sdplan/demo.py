@@ -118,7 +118,7 @@ def run_demo(req: Any, ui: Any) -> dict[str, Any]:
     import time
 
     from sdplan.errors import UsageError
-    from sdplan.train import TrainRequest, check_out_dir, clear_run_outputs, run
+    from sdplan.launcher import TrainRequest, check_out_dir, clear_run_outputs, run
 
     family = req.model or "sd15"
     if family not in ("sd15", "sdxl"):

@@ -2,9 +2,8 @@
 
 Data and rendering are apart: the ``*_rows`` functions turn a snapshot into plain strings (tests and other
 front ends use them), :func:`render` only lays them out. The verdict is pluggable: any function
-``(snapshot) -> list[Verdict]`` (a Verdict is the tuple ``(method, family, status, note)``). Until the
-planner exists :func:`threshold_verdicts` answers from VRAM thresholds; switching to the planner is the one
-line ``verdicts = threshold_verdicts`` in ``sdplan/commands/doctor.py``.
+``(snapshot) -> list[Verdict]`` (a Verdict is the tuple ``(method, family, status, note)``);
+:func:`planner_verdicts` asks the planner.
 """
 
 from __future__ import annotations
@@ -18,10 +17,7 @@ from rich.table import Table
 
 from sdplan.machine import GPU, Snapshot
 from sdplan.probe.snapshot import sorted_findings
-
-METHODS = ("lora", "dreambooth", "finetune", "textual-inversion")
-FAMILIES = ("sd15", "sd21", "sdxl")
-STATUSES = ("ok", "tight", "no", "unknown")
+from sdplan.registry import FAMILIES, METHODS
 
 
 class Verdict(NamedTuple):
@@ -32,61 +28,6 @@ class Verdict(NamedTuple):
 
 
 VerdictFn = Callable[[Snapshot], Sequence[tuple[str, str, str, str]]]
-
-# (fits with memory savers, comfortable) in nominal GB of one GPU's memory, for 1 image per step at the
-# family's native resolution (512 / 768 / 1024). Sources: field notes section 1 "Published memory figures".
-VRAM_THRESHOLDS_GB: dict[tuple[str, str], tuple[float, float]] = {
-    # diffusers LoRA docs: SD1.5 LoRA fp16 fits an 11 GB RTX 2080 Ti; 6 GB with gradient checkpointing.
-    ("lora", "sd15"): (6, 8),
-    ("lora", "sd21"): (8, 12),  # derived: 768 px has 2.25x the latent pixels of 512 px
-    ("lora", "sdxl"): (12, 16),  # diffusers README_sdxl: DreamBooth LoRA SDXL < 16 GB (GC, 8-bit Adam)
-    # diffusers dreambooth README: 12 GB with GC + 8-bit Adam + xformers; 16 GB with GC + 8-bit Adam.
-    ("dreambooth", "sd15"): (12, 16),
-    ("dreambooth", "sd21"): (16, 24),  # derived from sd15 at 768 px; kohya: SD2.x full fp16 < 12 GB
-    ("dreambooth", "sdxl"): (24, 40),  # kohya train_SDXL: UNet-only fits 24 GB (Adafactor, cached TE/latents)
-    # lunar-diffusion: 16 GB only with DeepSpeed offload; diffusers text_to_image: fits 24 GB (GC, EMA).
-    ("finetune", "sd15"): (16, 24),
-    ("finetune", "sd21"): (16, 24),
-    ("finetune", "sdxl"): (24, 48),  # kohya train_SDXL + PR 1259: 24 GB with Adafactor/fused backward
-    # textual inversion trains one embedding; the frozen UNet still runs forward and backward.
-    ("textual-inversion", "sd15"): (6, 8),
-    ("textual-inversion", "sd21"): (8, 12),
-    ("textual-inversion", "sdxl"): (12, 16),
-}
-# What "tight" takes: the memory savers the sources above used at the lower figure.
-TIGHT_SAVERS = {
-    "lora": "gradient checkpointing",
-    "textual-inversion": "gradient checkpointing",
-    "dreambooth": "gradient checkpointing, 8-bit Adam, cached latents",
-    "finetune": "gradient checkpointing, 8-bit Adam, cached latents",
-}
-# Cards are sold by nominal GB; the driver reports a little less (Tesla T4 "16 GB": 15.0 GiB).
-NOMINAL_SLACK = 0.93
-
-
-def nominal_gb(memory_bytes: int) -> float:
-    return memory_bytes / 2**30 / NOMINAL_SLACK
-
-
-def threshold_verdicts(snapshot: Snapshot) -> list[Verdict]:
-    """Verdict from the memory of the best single GPU (data parallelism does not add memory per model)."""
-    best = max(snapshot.usable_gpus, key=lambda g: g.memory_total_bytes or 0, default=None)
-    out: list[Verdict] = []
-    for method in METHODS:
-        for family in FAMILIES:
-            low, comfortable = VRAM_THRESHOLDS_GB[(method, family)]
-            if best is None or not best.memory_total_bytes:
-                out.append(Verdict(method, family, "no", "no usable GPU"))
-                continue
-            have = nominal_gb(best.memory_total_bytes)
-            shown = f"{best.memory_total_bytes / 2**30:.0f} GiB"
-            if have >= comfortable:
-                out.append(Verdict(method, family, "ok", f"fits {shown}"))
-            elif have >= low:
-                out.append(Verdict(method, family, "tight", f"{shown}: with {TIGHT_SAVERS[method]}"))
-            else:
-                out.append(Verdict(method, family, "no", f"needs a >= {low:g} GB GPU, best has {shown}"))
-    return out
 
 
 def planner_verdicts(snapshot: Snapshot) -> list[Verdict]:
@@ -219,7 +160,7 @@ _SEVERITY_STYLE = {"error": "bold red", "warning": "yellow", "info": "cyan"}
 _STATUS_STYLE = {"ok": "green", "tight": "yellow", "no": "red", "unknown": "dim"}
 
 
-def render(snapshot: Snapshot, console: Console, verdicts: VerdictFn = threshold_verdicts) -> None:
+def render(snapshot: Snapshot, console: Console, verdicts: VerdictFn = planner_verdicts) -> None:
     """Print the report: host, GPUs, links, stack, findings, then the verdict grid."""
     console.print(_kv_table("Host", host_rows(snapshot)))
 

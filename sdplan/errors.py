@@ -6,6 +6,10 @@ fix it. Only the CLI edge (``sdplan.cli``) turns it into one printed line and an
 
 from __future__ import annotations
 
+# Exit codes shared by the trainer and `sdplan train` (which retries smaller after EXIT_OOM).
+EXIT_OOM = 75  # out of GPU memory; {output.dir}/oom.json says where
+EXIT_INTERRUPTED = 130  # SIGINT/SIGTERM; a checkpoint was written
+
 
 class SdplanError(Exception):
     """Base class: a problem the user can fix. ``str(err)`` is the one line shown to the user."""

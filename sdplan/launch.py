@@ -25,17 +25,18 @@ import signal
 import subprocess
 import sys
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sdplan import launchcfg
 from sdplan.config import TrainConfig
-from sdplan.errors import UsageError
+from sdplan.errors import EXIT_INTERRUPTED, UsageError
+from sdplan.settings import DEEPSPEED_BUCKET_ELEMENTS
 
 TRAINER_MODULE = "sdplan.trainer"
 ACCELERATE_FILE = "accelerate.yaml"
 DEEPSPEED_FILE = "deepspeed.json"
+MIXED = {"fp32": "no", "fp16": "fp16", "bf16": "bf16"}  # training.precision -> accelerate's mixed_precision
 
 
 @dataclass(frozen=True)
@@ -69,47 +70,79 @@ def accelerate_config(
     main_process_ip: str | None = None,
     main_process_port: int = 29500,
 ) -> dict[str, Any]:
-    """The accelerate config YAML (as a dict) for ``accelerate launch --config_file``: the planner's one
-    (``sdplan.launchcfg``), for this node of ``num_machines``.
+    """The accelerate config YAML (as a dict) for ``accelerate launch --config_file``, for this node of
+    ``num_machines`` (field notes section 5: ``distributed_type`` is NO / MULTI_GPU / DEEPSPEED).
 
     ``num_processes`` is the total over all machines, as accelerate expects; the trainer's
-    ``distributed.num_processes`` is that same world size. With DeepSpeed the settings live in
-    ``deepspeed_file`` (deepspeed.json), see ``launchcfg.accelerate_config``.
+    ``distributed.num_processes`` is that same world size. With DeepSpeed, the ZeRO settings, accumulation,
+    clipping and precision live in ``deepspeed_file`` (the JSON from :func:`deepspeed_config`; give an absolute
+    path, accelerate resolves it from its working folder): accelerate 1.x refuses a ``deepspeed_config_file``
+    beside inline ZeRO keys or ``mixed_precision``, so those are left out here.
     """
-    ds = cfg.distributed.deepspeed
-    out = launchcfg.accelerate_config(
-        num_processes=cfg.distributed.num_processes,
-        precision=cfg.training.precision,
-        deepspeed=asdict(ds) if ds is not None else None,
-        main_process_port=main_process_port,
-        deepspeed_file=deepspeed_file or DEEPSPEED_FILE,
-    )
-    out["num_machines"] = num_machines
-    out["machine_rank"] = machine_rank
-    if num_machines > 1:
-        out["main_process_ip"] = main_process_ip
-        out["main_process_port"] = main_process_port
-        out["rdzv_backend"] = "static"
+    num_processes = cfg.distributed.num_processes
+    precision = cfg.training.precision
+    if num_processes < 1:
+        raise ValueError("num_processes must be >= 1")
+    if precision not in MIXED:
+        raise ValueError(f"precision must be one of {', '.join(MIXED)}")
+    deepspeed = cfg.distributed.deepspeed is not None
+    out: dict[str, Any] = {
+        "compute_environment": "LOCAL_MACHINE",
+        "distributed_type": "DEEPSPEED" if deepspeed else ("MULTI_GPU" if num_processes > 1 else "NO"),
+        "mixed_precision": MIXED[precision],
+        "num_processes": num_processes,
+        "num_machines": num_machines,
+        "machine_rank": machine_rank,
+        "main_process_ip": main_process_ip if num_machines > 1 else None,
+        "main_process_port": main_process_port,
+        "gpu_ids": "all",
+        "use_cpu": False,
+        "downcast_bf16": "no",
+        "rdzv_backend": "static",
+        "same_network": True,
+    }
+    if deepspeed:
+        del out["mixed_precision"]
+        out["deepspeed_config"] = {
+            "deepspeed_config_file": deepspeed_file or DEEPSPEED_FILE,
+            "zero3_init_flag": False,
+        }
     return out
 
 
 def deepspeed_config(cfg: TrainConfig) -> dict[str, Any] | None:
-    """The DeepSpeed JSON (``sdplan.launchcfg``) for ZeRO-1/2, optimizer state offloaded to CPU when planned;
-    None without DeepSpeed. DeepSpeed checks train_batch_size == micro batch x grad accumulation x world size.
-    """
+    """The DeepSpeed JSON for ZeRO-1/2, optimizer state offloaded to CPU when planned; None without DeepSpeed.
+    DeepSpeed checks train_batch_size == micro batch x grad accumulation x world size."""
     ds = cfg.distributed.deepspeed
     if ds is None:
         return None
     t = cfg.training
-    return launchcfg.deepspeed_config(
-        micro_batch=t.batch_size,
-        grad_accum=t.grad_accum,
-        world_size=cfg.distributed.num_processes,
-        precision=t.precision,
-        zero_stage=ds.zero_stage,
-        offload_optimizer=ds.offload_optimizer,
-        gradient_clipping=t.max_grad_norm,
-    )
+    world = cfg.distributed.num_processes
+    for name, v in (("micro_batch", t.batch_size), ("grad_accum", t.grad_accum), ("world_size", world)):
+        if v < 1:
+            raise ValueError(f"{name} must be >= 1")
+    if ds.zero_stage not in (1, 2):
+        raise ValueError("zero_stage must be 1 or 2 (optimizer offload; parameter offload needs ZeRO-3)")
+    zero: dict[str, Any] = {
+        "stage": ds.zero_stage,
+        "overlap_comm": True,
+        "contiguous_gradients": True,
+        "reduce_bucket_size": DEEPSPEED_BUCKET_ELEMENTS,
+        "allgather_bucket_size": DEEPSPEED_BUCKET_ELEMENTS,
+    }
+    if ds.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    return {
+        "train_batch_size": t.batch_size * t.grad_accum * world,
+        "train_micro_batch_size_per_gpu": t.batch_size,
+        "gradient_accumulation_steps": t.grad_accum,
+        "gradient_clipping": t.max_grad_norm,
+        "zero_optimization": zero,
+        "fp16": {"enabled": t.precision == "fp16", "loss_scale": 0, "initial_scale_power": 16},
+        "bf16": {"enabled": t.precision == "bf16"},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 100,
+    }
 
 
 def build_launch(
@@ -261,7 +294,7 @@ def run_launch(launch: Launch, *, environ: Mapping[str, str] | None = None) -> i
             signal.signal(signal.SIGTERM, old_term)
     if signals_sent and code != 0:
         # torchrun and accelerate turn a child's exit into their own (1 or -SIGINT): report an interrupt.
-        return 130
+        return EXIT_INTERRUPTED
     if code < 0:
         return 128 - code
     return code

@@ -21,6 +21,10 @@ half-precision TFLOPS times an efficiency fitted on the published speed points; 
 +25%; offload x3.5; multi-GPU: the gradient all-reduce over the interconnect once per optimizer step, with a
 link efficiency fitted on Puget's 2x RTX 4090 observations. A measured point for the same GPU and settings
 (local profile store) or a published one is used directly.
+
+Why one module of ~950 lines: the memory model, the time model, the calibration and the search share their
+constants and are checked together (benchmarks/planner_accuracy.py); the configuration searched over is
+:class:`sdplan.settings.Settings`, step counts are :func:`sdplan.steps.plan_steps`.
 """
 
 from __future__ import annotations
@@ -30,16 +34,16 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from sdplan import registry
 from sdplan.profiles import GiB, GPUSpec, MethodPoint, ModelSpec, Profiles
-
-METHODS = ("lora", "dreambooth", "finetune", "textual-inversion")
-FULL_METHODS = ("dreambooth", "finetune")
+from sdplan.registry import FULL_METHODS, METHODS
+from sdplan.settings import DEEPSPEED_BUCKET_ELEMENTS, OFFLOAD, Settings
+from sdplan.steps import Steps, plan_steps
 
 # -- calibration constants (fitted with benchmarks/planner_accuracy.py against profiles/methods) ----------
 ACTIVATION_FACTOR = 1.5  # saved tensors -> peak incl. gradient buffers of the backward pass
 CUDA_CONTEXT_BYTES = int(0.6 * GiB)  # CUDA context + cuBLAS/cuDNN workspaces, outside torch's allocator
 ALLOCATOR_OVERHEAD = 0.06  # caching-allocator fragmentation, fraction of the allocated peak
-DEEPSPEED_BUCKET_ELEMENTS = 500_000_000  # reduce/allgather bucket defaults (5e8 elements, fp16)
 HEADROOM = 0.92  # a recommended plan's predicted peak stays at or below this share of VRAM
 RAM_PER_PROCESS = 3 * GiB  # python + torch + CUDA host allocations + data loading, per process
 GC_TIME_FACTOR = 1.25  # gradient checkpointing: ~20-30% slower (field notes 2; invoke-training PR 22)
@@ -96,33 +100,7 @@ class Request:
     class_images: int = 0
 
 
-@dataclass(frozen=True)
-class Setup:
-    """One concrete configuration whose memory and time the model predicts."""
-
-    method: str
-    model: str
-    resolution: int
-    batch: int = 1
-    grad_accum: int = 1
-    precision: str = "bf16"
-    gradient_checkpointing: bool = False
-    optimizer: str = "adamw"
-    cache_latents: bool = False
-    cache_text_encoder_outputs: bool = False
-    train_text_encoder: bool = False
-    attention: str = "efficient"  # "efficient" | "math"
-    deepspeed: dict | None = None  # {"zero_stage", "offload_optimizer"}
-    ema: str | None = None  # None | "gpu" | "cpu"
-    lora_rank: int = 16
-    prior_preservation: bool = False
-    fused_backward: bool = False
-    full_half_weights: bool = False
-    num_gpus: int = 1
-
-    @property
-    def offload(self) -> bool:
-        return bool(self.deepspeed and self.deepspeed.get("offload_optimizer"))
+Setup = Settings  # the configuration the model predicts (older name, still used by benchmarks/)
 
 
 @dataclass(frozen=True)
@@ -153,7 +131,7 @@ def _half(precision: str) -> bool:
     return precision in ("fp16", "bf16")
 
 
-def trainable_params(model: ModelSpec, s: Setup) -> int:
+def trainable_params(model: ModelSpec, s: Settings) -> int:
     if s.method == "lora":
         return model.lora_params(s.lora_rank, text_encoder=s.train_text_encoder)
     if s.method == "textual-inversion":
@@ -165,7 +143,7 @@ def trainable_params(model: ModelSpec, s: Setup) -> int:
     return model.params_unet + (model.text_encoder_params if s.train_text_encoder else 0)
 
 
-def memory(profiles: Profiles, s: Setup) -> Memory:
+def memory(profiles: Profiles, s: Settings) -> Memory:
     model = profiles.model(s.model)
     act = profiles.activations
     half = _half(s.precision)
@@ -276,7 +254,7 @@ class Calibration:
         return fam.get(spec.family, self.efficiency) if spec is not None else self.efficiency
 
 
-def step_flops(profiles: Profiles, s: Setup) -> float:
+def step_flops(profiles: Profiles, s: Settings) -> float:
     """FLOPs of one micro-step of one process (forward + backward + recomputation is handled as time)."""
     act = profiles.activations
     model = profiles.model(s.model)
@@ -301,7 +279,7 @@ def gpu_tflops(gpu: HWGPU | GPUSpec | None, precision: str) -> float | None:
 
 
 def step_seconds(
-    profiles: Profiles, s: Setup, gpu: HWGPU | GPUSpec, cal: Calibration, *, link_gbs: float | None = None
+    profiles: Profiles, s: Settings, gpu: HWGPU | GPUSpec, cal: Calibration, *, link_gbs: float | None = None
 ) -> float | None:
     """Seconds per micro-step of one process, all overheads included; None when the GPU's speed is unknown."""
     tflops = gpu_tflops(gpu, s.precision)
@@ -320,13 +298,13 @@ def step_seconds(
     return seconds
 
 
-def gradient_bytes(profiles: Profiles, s: Setup) -> float:
+def gradient_bytes(profiles: Profiles, s: Settings) -> float:
     model = profiles.model(s.model)
     tb = 2 if (_half(s.precision) and s.full_half_weights) or s.offload else 4
     return trainable_params(model, s) * tb
 
 
-def allreduce_seconds(profiles: Profiles, s: Setup, link_gbs: float, cal: Calibration) -> float:
+def allreduce_seconds(profiles: Profiles, s: Settings, link_gbs: float, cal: Calibration) -> float:
     n = s.num_gpus
     if n <= 1:
         return 0.0
@@ -334,29 +312,8 @@ def allreduce_seconds(profiles: Profiles, s: Setup, link_gbs: float, cal: Calibr
     return moved / (link_gbs * 1e9 * cal.link_efficiency)
 
 
-def setup_from_point(p: MethodPoint, attention: str | None = None) -> Setup:
-    o = p.options
-    return Setup(
-        method=p.method,
-        model=p.model,
-        resolution=p.resolution,
-        batch=p.batch,
-        grad_accum=p.grad_accum,
-        precision=p.precision,
-        gradient_checkpointing=o.gradient_checkpointing,
-        optimizer=o.optimizer,
-        cache_latents=o.cache_latents,
-        cache_text_encoder_outputs=o.cache_text_encoder_outputs,
-        train_text_encoder=o.train_text_encoder,
-        attention=attention or ("math" if o.attention == "math" else "efficient"),
-        deepspeed=o.deepspeed,
-        ema=o.ema,
-        lora_rank=o.lora_rank or 16,
-        prior_preservation=o.prior_preservation,
-        fused_backward=o.fused_backward,
-        full_half_weights=o.full_half_weights,
-        num_gpus=p.num_gpus,
-    )
+def setup_from_point(p: MethodPoint, attention: str | None = None) -> Settings:
+    return replace(p.settings, attention=attention) if attention else p.settings
 
 
 def calibrate(profiles: Profiles) -> Calibration:
@@ -389,19 +346,7 @@ def calibrate(profiles: Profiles) -> Calibration:
         ratio = m.outcome.get("iteration_time_ratio")
         if spec is None or not ratio or ratio <= 1:
             continue
-        s = Setup(
-            method=m.method,
-            model=m.model,
-            resolution=m.resolution,
-            precision=m.precision,
-            gradient_checkpointing=m.options.gradient_checkpointing,
-            optimizer=m.options.optimizer,
-            cache_latents=m.options.cache_latents,
-            train_text_encoder=m.options.train_text_encoder,
-            lora_rank=m.options.lora_rank or 16,
-            full_half_weights=m.options.full_half_weights,
-            num_gpus=1,
-        )
+        s = replace(m.settings, num_gpus=1)
         t1 = step_seconds(profiles, s, spec, cal)
         nominal = _link_gbs_for(spec, m.interconnect)
         multi = replace(s, num_gpus=m.num_gpus)
@@ -500,19 +445,8 @@ def hardware_from_snapshot(snapshot: Any, profiles: Profiles, source: str = "pro
 
 
 @dataclass(frozen=True)
-class Steps:
-    images_per_epoch: int
-    epochs: int
-    steps_per_epoch: int
-    total_steps: int
-    images_seen: int
-    one_gpu_total_steps: int
-    lr_warmup_steps: int
-
-
-@dataclass(frozen=True)
 class Candidate:
-    setup: Setup
+    setup: Settings
     memory: Memory
     seconds: float | None
     step_seconds: float | None
@@ -526,7 +460,7 @@ class Result:
     feasible: bool
     request: Request
     hardware: Hardware
-    plan: Setup | None
+    plan: Settings | None
     steps: Steps
     memory: Memory | None
     seconds: float | None
@@ -539,23 +473,17 @@ class Result:
     alternatives: tuple[Candidate, ...] = field(default=())
 
 
-def step_arithmetic(req: Request, batch: int, grad_accum: int, num_gpus: int) -> Steps:
-    per_epoch = req.images * req.repeats
-    spe = math.ceil(per_epoch / (batch * grad_accum * num_gpus))
-    one = math.ceil(per_epoch / (batch * grad_accum)) * req.epochs
-    total = spe * req.epochs
-    return Steps(
-        images_per_epoch=per_epoch,
+def _steps(req: Request, batch: int, grad_accum: int, num_gpus: int) -> Steps:
+    return plan_steps(
+        images_per_epoch=req.images * req.repeats,
+        batch_size=batch,
+        grad_accum=grad_accum,
+        num_processes=num_gpus,
         epochs=req.epochs,
-        steps_per_epoch=spe,
-        total_steps=total,
-        images_seen=per_epoch * req.epochs,
-        one_gpu_total_steps=one,
-        lr_warmup_steps=0,
     )
 
 
-def _precision_for(gpus: tuple[HWGPU, ...]) -> str:
+def precision_for(gpus: tuple[HWGPU, ...]) -> str:
     if gpus and all(g.bf16 for g in gpus):
         return "bf16"
     if gpus and all(g.fp16 for g in gpus):
@@ -563,7 +491,7 @@ def _precision_for(gpus: tuple[HWGPU, ...]) -> str:
     return "fp32"
 
 
-def _matching_point(profiles: Profiles, s: Setup, gpu: HWGPU) -> MethodPoint | None:
+def _matching_point(profiles: Profiles, s: Settings, gpu: HWGPU) -> MethodPoint | None:
     """A measured (local) or published point for this GPU and these settings, with a speed."""
     best = None
     for p in profiles.points:
@@ -587,7 +515,7 @@ def _matching_point(profiles: Profiles, s: Setup, gpu: HWGPU) -> MethodPoint | N
     return best
 
 
-def _observed_oom(profiles: Profiles, s: Setup, gpu: HWGPU) -> MethodPoint | None:
+def _observed_oom(profiles: Profiles, s: Settings, gpu: HWGPU) -> MethodPoint | None:
     """An out-of-memory observed on this GPU (local store) at this batch or smaller, same settings otherwise:
     what ran out of memory once will again, whatever the model predicts."""
     if gpu.spec is None:
@@ -620,12 +548,12 @@ def _observed_oom(profiles: Profiles, s: Setup, gpu: HWGPU) -> MethodPoint | Non
 
 def _candidates(req: Request, profiles: Profiles, hw: Hardware, cal: Calibration, resolution: int):
     gpu = hw.gpus[0]
-    precision = _precision_for(hw.gpus)
+    precision = precision_for(hw.gpus)
     attention = attention_backend(gpu)
     nvidia = gpu.vendor == "nvidia"
     max_n = min(hw.count, req.max_gpus or hw.count)
     full = req.method in FULL_METHODS
-    optimizers = ["adamw"] if req.method == "textual-inversion" else ["adamw", "adamw8bit", "adafactor"]
+    optimizers = list(registry.method(req.method).optimizers)
     if not nvidia:
         optimizers = [o for o in optimizers if o != "adamw8bit"]  # bitsandbytes: CUDA only
     out: list[Candidate] = []
@@ -641,7 +569,7 @@ def _candidates(req: Request, profiles: Profiles, hw: Hardware, cal: Calibration
                         for offload, half_w in itertools.product((False, True) if full else (False,), halves):
                             if offload and (opt != "adamw" or half_w):
                                 continue  # 8-bit / Adafactor do not combine with DeepSpeed here
-                            s = Setup(
+                            s = Settings(
                                 full_half_weights=half_w,
                                 method=req.method,
                                 model=req.model,
@@ -652,7 +580,7 @@ def _candidates(req: Request, profiles: Profiles, hw: Hardware, cal: Calibration
                                 optimizer=opt,
                                 cache_latents=cache,
                                 attention=attention,
-                                deepspeed={"zero_stage": 2, "offload_optimizer": True} if offload else None,
+                                deepspeed=dict(OFFLOAD) if offload else None,
                                 lora_rank=req.lora_rank,
                                 prior_preservation=req.prior_preservation,
                                 num_gpus=n,
@@ -661,7 +589,7 @@ def _candidates(req: Request, profiles: Profiles, hw: Hardware, cal: Calibration
     return out
 
 
-def _evaluate(req: Request, profiles: Profiles, hw: Hardware, cal: Calibration, s: Setup) -> Candidate:
+def _evaluate(req: Request, profiles: Profiles, hw: Hardware, cal: Calibration, s: Settings) -> Candidate:
     gpu = hw.gpus[0]
     mem = memory(profiles, s)
     vram = min(g.memory_bytes for g in hw.gpus[: s.num_gpus])
@@ -670,7 +598,7 @@ def _evaluate(req: Request, profiles: Profiles, hw: Hardware, cal: Calibration, 
         fits = fits and mem.ram <= 0.9 * hw.ram_total_bytes
     if fits and _observed_oom(profiles, s, gpu) is not None:
         fits = False
-    steps = step_arithmetic(req, s.batch, s.grad_accum, s.num_gpus)
+    steps = _steps(req, s.batch, s.grad_accum, s.num_gpus)
     point = _matching_point(profiles, s, gpu) if s.num_gpus == 1 else None
     if point is not None:
         step_s = 1.0 / point.outcome["it_s"]
@@ -726,7 +654,7 @@ def min_vram_needed(
             for offload in (False, True) if full else (False,):
                 if offload and opt != "adamw":
                     continue
-                s = Setup(
+                s = Settings(
                     method=req.method,
                     model=req.model,
                     resolution=resolution,
@@ -735,7 +663,7 @@ def min_vram_needed(
                     optimizer=opt,
                     cache_latents=True,
                     attention=attention,
-                    deepspeed={"zero_stage": 2, "offload_optimizer": True} if offload else None,
+                    deepspeed=dict(OFFLOAD) if offload else None,
                     lora_rank=req.lora_rank,
                     prior_preservation=req.prior_preservation,
                 )
@@ -774,7 +702,7 @@ def plan(hardware: Hardware | Any, profiles: Profiles, request: Request) -> Resu
     req = replace(req, resolution=resolution)
     cal = calibrate(profiles)
     reasons: list[str] = []
-    one_steps = step_arithmetic(req, 1, 1, 1)
+    one_steps = _steps(req, 1, 1, 1)
 
     if not hardware.gpus:
         need = min_vram_needed(req, profiles)
@@ -804,7 +732,7 @@ def plan(hardware: Hardware | Any, profiles: Profiles, request: Request) -> Resu
     mixed = [c for c in no_offload if not c.setup.full_half_weights]
     pool = mixed or no_offload or fitting
     if not pool:
-        precision = _precision_for(hardware.gpus)
+        precision = precision_for(hardware.gpus)
         need = min_vram_needed(
             req, profiles, precision=precision, attention=attention_backend(hardware.gpus[0])
         )
@@ -864,7 +792,7 @@ def plan(hardware: Hardware | Any, profiles: Profiles, request: Request) -> Resu
     )
 
 
-def _describe(s: Setup) -> str:
+def _describe(s: Settings) -> str:
     bits = [s.precision, f"batch {s.batch}"]
     bits.append("gradient checkpointing" if s.gradient_checkpointing else "no checkpointing")
     bits.append(s.optimizer)

@@ -23,12 +23,10 @@ from typing import Any
 import yaml
 
 from sdplan.errors import ConfigError, UsageError
+from sdplan.registry import FAMILIES, METHODS, OPTIMIZERS, PRECISIONS
+from sdplan.settings import Settings
 
 SCHEMA_VERSION = 1
-METHODS = ("lora", "dreambooth", "finetune", "textual-inversion")
-FAMILIES = ("sd15", "sd21", "sdxl")
-PRECISIONS = ("fp32", "fp16", "bf16")
-OPTIMIZERS = ("adamw", "adamw8bit", "adafactor")
 ATTENTION = ("efficient", "math")
 TRAINED = ("unet", "attn")  # activations.yaml: whole UNet trained, or only the attention projections
 GiB = 2**30
@@ -80,10 +78,6 @@ def _num(v: Any) -> bool:
 
 def _positive(v: Any) -> str | None:
     return None if v is None or (_num(v) and v > 0) else "must be > 0"
-
-
-def _nonneg(v: Any) -> str | None:
-    return None if v is None or (_num(v) and v >= 0) else "must be >= 0"
 
 
 def _one_of(*choices: Any) -> Callable[[Any], str | None]:
@@ -374,37 +368,28 @@ class ModelSpec:
         return sum(self.params_text_encoders)
 
 
-@dataclass(frozen=True)
-class Options:
-    gradient_checkpointing: bool
-    optimizer: str
-    cache_latents: bool
-    train_text_encoder: bool
-    attention: str
-    deepspeed: dict | None
-    ema: str | None
-    cache_text_encoder_outputs: bool = False
-    lora_rank: int | None = None
-    prior_preservation: bool = False
-    fused_backward: bool = False
-    full_half_weights: bool = False
-    set_grads_to_none: bool = False
+class _SettingsView:
+    """A point's settings read as attributes: ``p.batch``, ``p.options.optimizer`` (both from ``p.settings``)."""
+
+    settings: Settings
+
+    method = property(lambda self: self.settings.method)
+    model = property(lambda self: self.settings.model)
+    resolution = property(lambda self: self.settings.resolution)
+    batch = property(lambda self: self.settings.batch)
+    grad_accum = property(lambda self: self.settings.grad_accum)
+    precision = property(lambda self: self.settings.precision)
+    num_gpus = property(lambda self: self.settings.num_gpus)
+    options = property(lambda self: self.settings)
 
 
 @dataclass(frozen=True)
-class MethodPoint:
+class MethodPoint(_SettingsView):
     """One published or measured configuration and what was observed."""
 
     id: str
-    method: str
-    model: str
-    resolution: int
-    batch: int
-    grad_accum: int
-    precision: str
-    options: Options
+    settings: Settings
     gpu: str | None
-    num_gpus: int
     outcome: dict
     source: str
     gpu_memory_gib: float | None = None
@@ -414,15 +399,10 @@ class MethodPoint:
 
 
 @dataclass(frozen=True)
-class MultiGPUObservation:
+class MultiGPUObservation(_SettingsView):
     id: str
-    method: str
-    model: str
-    resolution: int
-    precision: str
-    options: Options
+    settings: Settings  # num_gpus: the GPUs of the observation
     gpu: str
-    num_gpus: int
     interconnect: str
     outcome: dict
     source: str
@@ -691,10 +671,6 @@ def load_model(path: Path) -> ModelSpec:
     )
 
 
-def _options(o: dict) -> Options:
-    return Options(**o)
-
-
 def load_methods(path: Path, origin: str = "shipped") -> tuple[list[MethodPoint], list[MultiGPUObservation]]:
     d = _validated(path, METHOD_FILE_SCHEMA)
     method = d["method"]
@@ -713,15 +689,8 @@ def load_methods(path: Path, origin: str = "shipped") -> tuple[list[MethodPoint]
         points.append(
             MethodPoint(
                 id=p["id"],
-                method=method,
-                model=p["model"],
-                resolution=p["resolution"],
-                batch=p["batch"],
-                grad_accum=p["grad_accum"],
-                precision=p["precision"],
-                options=_options(p["options"]),
+                settings=Settings.from_profile(method, p),
                 gpu=p["gpu"],
-                num_gpus=p["num_gpus"],
                 outcome=dict(out),
                 source=p["source"],
                 gpu_memory_gib=p.get("gpu_memory_gib"),
@@ -733,13 +702,8 @@ def load_methods(path: Path, origin: str = "shipped") -> tuple[list[MethodPoint]
     multi = [
         MultiGPUObservation(
             id=m["id"],
-            method=method,
-            model=m["model"],
-            resolution=m["resolution"],
-            precision=m["precision"],
-            options=_options(m["options"]),
+            settings=Settings.from_profile(method, m),
             gpu=m["gpu"],
-            num_gpus=m["num_gpus"],
             interconnect=m["interconnect"],
             outcome=dict(m["outcome"]),
             source=m["source"],
@@ -796,6 +760,83 @@ def load_activations(path: Path) -> Activations:
     if errors:
         raise ConfigError(str(path), errors)
     return Activations(source=d["source"], families=d["families"])
+
+
+# -- the local store: the one writer of measured and observed points --------------------------------------
+
+
+def point_record(
+    settings: Settings,
+    *,
+    id: str,
+    gpu: str | None,
+    outcome: dict[str, Any],
+    source: str,
+    gpu_memory_bytes: int | None = None,
+    model_name: str | None = None,
+    note: str | None = None,
+) -> dict[str, Any]:
+    """One point as ``profiles/methods/<method>.yaml`` holds it (POINT_SCHEMA), for :func:`write_points`."""
+    fields_ = settings.profile_fields()
+    record: dict[str, Any] = {"id": id, "model": fields_.pop("model")}
+    if model_name:
+        record["model_name"] = model_name
+    num_gpus = fields_.pop("num_gpus")
+    record |= fields_
+    record["gpu"] = gpu
+    if gpu_memory_bytes:
+        record["gpu_memory_gib"] = round(gpu_memory_bytes / GiB, 2)
+    record |= {"num_gpus": num_gpus, "outcome": outcome, "source": source}
+    if note:
+        record["note"] = note
+    return record
+
+
+def write_points(
+    store: Path,
+    method: str,
+    records: list[dict[str, Any]],
+    *,
+    header: str,
+    file_name: str | None = None,
+    replace: bool = True,
+) -> Path:
+    """Add points to ``{store}/methods/{file_name or method}.yaml``, atomically; returns the file.
+
+    ``replace``: a point whose id is already there replaces it (a re-measurement); otherwise the new one
+    gets a fresh id (another observation). A file the loader rejects is refused, never written over, and
+    what is written is validated before it replaces the file. Clears the load cache so the planner sees it.
+    """
+    path = store / "methods" / f"{file_name or method}.yaml"
+    data: dict[str, Any] = {"schema_version": SCHEMA_VERSION, "method": method, "points": []}
+    if path.is_file():
+        load_methods(path, origin="local")  # raises ConfigError for a file the planner would reject
+        data = read_yaml(path)
+        if data.get("method") != method:
+            raise ConfigError(str(path), [f"method: expected {method!r}, got {data.get('method')!r}"])
+    points = list(data.get("points") or [])
+    index = {p.get("id"): i for i, p in enumerate(points)}
+    for rec in records:
+        if rec["id"] in index and replace:
+            points[index[rec["id"]]] = rec
+            continue
+        while rec["id"] in index:
+            rec = {**rec, "id": rec["id"] + "-x"}
+        index[rec["id"]] = len(points)
+        points.append(rec)
+    data["points"] = points
+    text = header + yaml.safe_dump(data, sort_keys=False, default_flow_style=False, width=120)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    try:
+        load_methods(tmp, origin="local")
+    except ConfigError:
+        tmp.unlink(missing_ok=True)
+        raise
+    os.replace(tmp, path)
+    clear_cache()
+    return path
 
 
 @functools.lru_cache(maxsize=8)

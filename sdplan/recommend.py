@@ -16,9 +16,8 @@ from typing import Any
 from sdplan import planner
 from sdplan.errors import DatasetError, OutputExistsError, UsageError
 from sdplan.profiles import GiB, Profiles
+from sdplan.registry import METHODS
 
-IMAGE_EXTS = {".png", ".jpg", ".jpeg", ".webp", ".bmp"}
-KOHYA_DIR = re.compile(r"^(\d+)_(.+)$")
 DEFAULT_IMAGES = 20
 DEFAULT_EPOCHS = 10
 
@@ -31,51 +30,43 @@ class DatasetCount:
     images: int
     repeats: int
     images_per_epoch: int
-    layout: str  # "kohya" | "flat"
+    layout: str  # "kohya" | "flat" | "metadata"
     folders: tuple[tuple[str, int, int], ...] = ()  # (folder, repeats, images)
     captions: int = 0
 
 
-def _images_in(folder: Path) -> list[Path]:
-    return [p for p in folder.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_EXTS]
-
-
 def count_dataset(path: str | Path) -> DatasetCount:
-    """Count training images: kohya-style ``N_name`` folders (N repeats each) or a flat image+caption folder."""
+    """Count training images as the trainer finds them (:func:`sdplan.trainer.dataset_scan.scan`, torch-free):
+    kohya-style ``N_name`` folders (N repeats each), a flat image+caption folder, or per-image metadata."""
+    from sdplan.trainer.dataset_scan import require_images, scan
+
     root = Path(path)
-    if not root.exists():
-        raise DatasetError(f"dataset folder {root} does not exist")
-    if not root.is_dir():
-        raise DatasetError(f"dataset {root} is not a folder")
-    folders = []
-    for sub in sorted(p for p in root.iterdir() if p.is_dir()):
-        m = KOHYA_DIR.match(sub.name)
-        if m:
-            imgs = _images_in(sub)
-            if imgs:
-                folders.append((sub.name, int(m.group(1)), len(imgs)))
-    if folders:
-        if any(r < 1 for _, r, _ in folders):
-            bad = next(n for n, r, _ in folders if r < 1)
-            raise DatasetError(f"dataset folder {root / bad}: the repeat count before '_' must be >= 1")
-        images = sum(n for _, _, n in folders)
-        per_epoch = sum(r * n for _, r, n in folders)
-        reps = {r for _, r, _ in folders}
-        repeats = reps.pop() if len(reps) == 1 else 1
-        if repeats == 1 and len({r for _, r, _ in folders}) > 1:
-            images = per_epoch  # mixed repeats: count image-repeats as images, repeats 1
-        return DatasetCount(
-            images=images, repeats=repeats, images_per_epoch=per_epoch, layout="kohya", folders=tuple(folders)
-        )
-    imgs = _images_in(root)
-    if not imgs:
+    result = scan(root)
+    if not result.items and not result.skipped:
         raise DatasetError(
             f"dataset folder {root} holds no images (.png/.jpg/.jpeg/.webp/.bmp)",
             fix="put images (and .txt captions) in it, or kohya-style N_name subfolders",
         )
-    captions = sum(1 for p in imgs if p.with_suffix(".txt").is_file())
+    require_images(result)
+    per_epoch = result.images_x_repeats
+    if result.format != "kohya":
+        return DatasetCount(
+            images=result.num_images,
+            repeats=1,
+            images_per_epoch=per_epoch,
+            layout=result.format,
+            captions=result.num_captioned,
+        )
+    groups: dict[str, list[int]] = {}
+    for item in result.items:
+        folder = item.path.relative_to(result.root).parts[0]
+        groups.setdefault(folder, []).append(item.repeats)
+    folders = tuple((name, reps[0], len(reps)) for name, reps in sorted(groups.items()))
+    kinds = {r for _, r, _ in folders}
+    repeats = kinds.pop() if len(kinds) == 1 else 1
+    images = result.num_images if len({r for _, r, _ in folders}) == 1 else per_epoch  # mixed: image-repeats
     return DatasetCount(
-        images=len(imgs), repeats=1, images_per_epoch=len(imgs), layout="flat", captions=captions
+        images=images, repeats=repeats, images_per_epoch=per_epoch, layout="kohya", folders=folders
     )
 
 
@@ -117,7 +108,7 @@ def hardware_from_probe(profiles: Profiles) -> planner.Hardware:
 
 
 @dataclass(frozen=True)
-class Inputs:
+class RecommendInputs:
     method: str
     model: str = "sd15"
     resolution: int | None = None
@@ -137,9 +128,9 @@ def _check_choice(kind: str, value: str, choices: tuple[str, ...]) -> None:
         raise UsageError(f"unknown {kind} {value!r}", fix=f"{hint}one of: {', '.join(choices)}")
 
 
-def build_request(inp: Inputs, profiles: Profiles) -> tuple[planner.Request, list[str]]:
+def build_request(inp: RecommendInputs, profiles: Profiles) -> tuple[planner.Request, list[str]]:
     """Validate the command-line inputs; returns the planner request and notes for the reasons."""
-    _check_choice("method", inp.method, planner.METHODS)
+    _check_choice("method", inp.method, METHODS)
     _check_choice("model", inp.model, tuple(sorted(profiles.models)))
     for name, v in (
         ("--images", inp.images),
@@ -187,7 +178,7 @@ def build_request(inp: Inputs, profiles: Profiles) -> tuple[planner.Request, lis
     return req, notes
 
 
-def resolve_hardware(inp: Inputs, profiles: Profiles) -> planner.Hardware:
+def resolve_hardware(inp: RecommendInputs, profiles: Profiles) -> planner.Hardware:
     if inp.hardware:
         return parse_hardware(inp.hardware, profiles)
     if inp.machine:
@@ -195,7 +186,7 @@ def resolve_hardware(inp: Inputs, profiles: Profiles) -> planner.Hardware:
     return hardware_from_probe(profiles)
 
 
-def recommend(inp: Inputs, profiles: Profiles, hardware: planner.Hardware | None = None):
+def recommend(inp: RecommendInputs, profiles: Profiles, hardware: planner.Hardware | None = None):
     """-> (the `--json` dict, the planner Result)."""
     req, notes = build_request(inp, profiles)
     hw = hardware if hardware is not None else resolve_hardware(inp, profiles)
@@ -206,7 +197,9 @@ def recommend(inp: Inputs, profiles: Profiles, hardware: planner.Hardware | None
     return planner.result_dict(res), res
 
 
-def compare(inp: Inputs, profiles: Profiles, options: list[str]) -> list[tuple[str, dict, planner.Result]]:
+def compare(
+    inp: RecommendInputs, profiles: Profiles, options: list[str]
+) -> list[tuple[str, dict, planner.Result]]:
     rows = []
     for text in options:
         hw = parse_hardware(text, profiles)
@@ -224,31 +217,13 @@ def trainer_config(res: planner.Result, profiles: Profiles, dataset: str | None)
     s = res.plan
     assert s is not None
     model = profiles.model(s.model)
-    data = cfgmod.default_config()
-    data["method"] = s.method
+    data = cfgmod.merge(cfgmod.default_config(), s.to_config())  # the planner's settings (as `sdplan train`)
     data["model"]["path"] = model.hub_ids[0] if model.hub_ids else data["model"]["path"]
-    data["model"]["family"] = s.model
     data["data"]["path"] = dataset or data["data"]["path"]
-    data["data"]["resolution"] = s.resolution
     data["data"]["repeats"] = res.request.repeats
-    t = data["training"]
-    t.update(
-        batch_size=s.batch,
-        grad_accum=s.grad_accum,
-        precision=s.precision,
-        epochs=res.steps.epochs,
-        max_steps=res.steps.total_steps,
-        lr_warmup_steps=res.steps.lr_warmup_steps,
-        train_text_encoder=s.train_text_encoder,
-        full_half_weights=s.full_half_weights,
+    data["training"].update(
+        epochs=res.steps.epochs, max_steps=res.steps.total_steps, lr_warmup_steps=res.steps.lr_warmup_steps
     )
-    data["memory"].update(
-        gradient_checkpointing=s.gradient_checkpointing, optimizer=s.optimizer, cache_latents=s.cache_latents
-    )
-    data["distributed"]["num_processes"] = s.num_gpus
-    data["distributed"]["deepspeed"] = dict(s.deepspeed) if s.deepspeed else None
-    if s.method == "lora" and "lora" in data:
-        data["lora"]["rank"] = s.lora_rank
     d = planner.result_dict(res)
     data["plan"] = {
         "plan": d["plan"],
@@ -314,13 +289,7 @@ def _gib(b: float | None) -> str:
 
 
 def _dur(s: float | None) -> str:
-    if s is None:
-        return "unknown"
-    if s < 90:
-        return f"{s:.0f} s"
-    if s < 5400:
-        return f"{s / 60:.0f} min"
-    return f"{s / 3600:.1f} h"
+    return "unknown" if s is None else planner.format_duration(s)
 
 
 def _settings(plan: dict | None) -> str:

@@ -197,7 +197,7 @@ def test_deepspeed_launch_gives_the_trainer_a_deepspeed_accelerator(tmp_path):
     pytest.importorskip("deepspeed")
     from sdplan.config import validate
     from sdplan.launch import build_launch
-    from sdplan.train import write_run_files
+    from sdplan.launcher import write_run_files
 
     cfg = validate(
         {

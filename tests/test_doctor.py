@@ -22,8 +22,8 @@ from sdplan.doctor import (
     Verdict,
     finding_rows,
     gpu_rows,
+    planner_verdicts,
     render,
-    threshold_verdicts,
 )
 from sdplan.machine import Snapshot
 from sdplan.probe import software
@@ -230,36 +230,10 @@ def test_saved_live_snapshot_loads_back(run, tmp_path):
 # -- verdicts and report data ------------------------------------------------------------------------------
 
 
-def verdicts_of(name: str) -> dict[tuple[str, str], str]:
-    return {
-        (v.method, v.family): v.status for v in threshold_verdicts(Snapshot.load(MACHINES / f"{name}.json"))
-    }
-
-
-def test_threshold_verdict_covers_every_method_and_family():
-    got = threshold_verdicts(Snapshot.load(MACHINES / "t4.json"))
+def test_planner_verdict_covers_every_method_and_family():
+    got = planner_verdicts(Snapshot.load(MACHINES / "t4.json"))
     assert [(v.method, v.family) for v in got] == [(m, f) for m in METHODS for f in FAMILIES]
     assert all(isinstance(v, tuple) and len(v) == 4 for v in got)
-
-
-def test_threshold_verdicts_per_machine():
-    h100 = verdicts_of("8x_h100_sxm")
-    assert set(h100.values()) == {"ok"}
-    assert set(verdicts_of("cpu_only").values()) == {"no"}
-    rtx3060 = verdicts_of("rtx3060_12gb")  # 12 GB
-    assert rtx3060[("lora", "sd15")] == "ok"
-    assert rtx3060[("lora", "sdxl")] == "tight"
-    assert rtx3060[("dreambooth", "sd15")] == "tight"
-    assert rtx3060[("finetune", "sd15")] == "no"
-    assert rtx3060[("dreambooth", "sdxl")] == "no"
-    t4 = verdicts_of("t4")  # "16 GB" card that reports 15.0 GiB still counts as 16 GB
-    assert t4[("dreambooth", "sd15")] == "ok"
-    assert t4[("finetune", "sd15")] == "tight"
-    rtx4090 = verdicts_of("2x_rtx4090_pcie")  # 24 GB each; two GPUs do not add memory per model
-    assert rtx4090[("finetune", "sd15")] == "ok"
-    assert rtx4090[("finetune", "sdxl")] == "tight"
-    assert rtx4090[("dreambooth", "sdxl")] == "tight"
-    assert verdicts_of("w6800")[("dreambooth", "sdxl")] == "tight"  # 32 GB
 
 
 def test_render_takes_any_verdict_function():

@@ -272,3 +272,31 @@ def test_run_launch_forwards_sigint_to_the_child_group(tmp_path):
     assert proc.wait(timeout=limit) == 130
     assert limit is None or time.monotonic() - start < limit
     assert marker.read_text() == "checkpoint"
+
+
+def test_launch_configs():
+    """The accelerate and DeepSpeed configs for a plan."""
+    from sdplan.config import DeepSpeedConfig, TrainConfig
+    from sdplan.launch import accelerate_config, deepspeed_config
+
+    def cfg(num_processes: int, precision: str, *, ds: bool = False, batch: int = 1, accum: int = 1):
+        c = TrainConfig()
+        c.distributed.num_processes = num_processes
+        c.distributed.deepspeed = DeepSpeedConfig() if ds else None
+        c.training.precision, c.training.batch_size, c.training.grad_accum = precision, batch, accum
+        return c
+
+    assert accelerate_config(cfg(1, "bf16"))["distributed_type"] == "NO"
+    multi = accelerate_config(cfg(2, "fp16"))
+    assert multi["distributed_type"] == "MULTI_GPU" and multi["mixed_precision"] == "fp16"
+    ds = accelerate_config(cfg(1, "fp16", ds=True), deepspeed_file="/runs/a/deepspeed.json")
+    # accelerate refuses a deepspeed_config_file beside inline ZeRO keys or mixed_precision.
+    assert ds["distributed_type"] == "DEEPSPEED" and "mixed_precision" not in ds
+    assert ds["deepspeed_config"] == {
+        "deepspeed_config_file": "/runs/a/deepspeed.json",
+        "zero3_init_flag": False,
+    }
+    js = deepspeed_config(cfg(4, "bf16", ds=True, batch=2, accum=3))
+    assert js["train_batch_size"] == 24 and js["bf16"]["enabled"] and not js["fp16"]["enabled"]
+    with pytest.raises(ValueError):
+        deepspeed_config(cfg(1, "fp16", ds=True, batch=0))

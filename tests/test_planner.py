@@ -11,6 +11,7 @@ import pytest
 from sdplan import planner as P
 from sdplan.machine import Snapshot
 from sdplan.profiles import clear_cache, load_profiles
+from sdplan.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[1]
 MACHINES = ROOT / "tests" / "fixtures" / "machines"
@@ -53,26 +54,26 @@ def test_every_fits_in_x_gb_statement_predicted_to_fit(prof):
 
 def test_memory_terms_follow_the_arithmetic(prof):
     sd15 = prof.model("sd15")
-    base = P.Setup(method="finetune", model="sd15", resolution=512, precision="bf16", cache_latents=True)
+    base = Settings(method="finetune", model="sd15", resolution=512, precision="bf16", cache_latents=True)
     m = P.memory(prof, base)
     assert m.trainable_params == sd15.params_unet
     assert m.weights == 4 * sd15.params_unet and m.gradients == 4 * sd15.params_unet
     assert m.optimizer == 8 * sd15.params_unet  # AdamW: two fp32 moments
     assert (
-        P.memory(prof, P.Setup(**{**base.__dict__, "optimizer": "adamw8bit"})).optimizer
+        P.memory(prof, Settings(**{**base.__dict__, "optimizer": "adamw8bit"})).optimizer
         == 2 * sd15.params_unet
     )
-    ada = P.memory(prof, P.Setup(**{**base.__dict__, "optimizer": "adafactor"})).optimizer
+    ada = P.memory(prof, Settings(**{**base.__dict__, "optimizer": "adafactor"})).optimizer
     assert 0 < ada < 4 * sd15.params_unet  # factored second moment: a fraction of AdamW's 8 B
-    gc = P.memory(prof, P.Setup(**{**base.__dict__, "gradient_checkpointing": True}))
+    gc = P.memory(prof, Settings(**{**base.__dict__, "gradient_checkpointing": True}))
     assert gc.activations < m.activations / 3
-    b4 = P.memory(prof, P.Setup(**{**base.__dict__, "batch": 4}))
+    b4 = P.memory(prof, Settings(**{**base.__dict__, "batch": 4}))
     assert b4.activations == pytest.approx(4 * m.activations, rel=0.02)
-    math_attn = P.memory(prof, P.Setup(**{**base.__dict__, "attention": "math", "resolution": 768}))
-    eff_attn = P.memory(prof, P.Setup(**{**base.__dict__, "resolution": 768}))
+    math_attn = P.memory(prof, Settings(**{**base.__dict__, "attention": "math", "resolution": 768}))
+    eff_attn = P.memory(prof, Settings(**{**base.__dict__, "resolution": 768}))
     assert math_attn.activations > 2 * eff_attn.activations
     offload = P.memory(
-        prof, P.Setup(**{**base.__dict__, "deepspeed": {"zero_stage": 2, "offload_optimizer": True}})
+        prof, Settings(**{**base.__dict__, "deepspeed": {"zero_stage": 2, "offload_optimizer": True}})
     )
     assert offload.optimizer == 0 and offload.ram >= sd15.params_unet * 16 * 1.5
 
@@ -167,7 +168,7 @@ def test_a_local_measurement_is_used_as_measured(prof, tmp_path, monkeypatch):
     clear_cache()
     local = load_profiles()
     hw = P.hardware_from_catalog(local.find_gpu("RTX 4090"))
-    s = P.Setup(method="lora", model="sd15", resolution=512, precision="bf16", cache_latents=True)
+    s = Settings(method="lora", model="sd15", resolution=512, precision="bf16", cache_latents=True)
     cand = P._evaluate(P.Request(method="lora"), local, hw, P.calibrate(local), s)
     assert cand.basis == "measured" and cand.step_seconds == pytest.approx(1 / 11.0)
     clear_cache()
@@ -178,9 +179,9 @@ def test_an_observed_out_of_memory_changes_the_next_plan(tmp_path):
     import datetime
 
     from sdplan import config as C
+    from sdplan.launcher import oom_point, record_point
     from sdplan.planner import Request, hardware_from_catalog, plan
     from sdplan.profiles import load_profiles
-    from sdplan.train import oom_point, record_point
 
     shipped = load_profiles(local=tmp_path / "empty")
     hw = hardware_from_catalog(shipped.find_gpu("RTX 3060 12GB"), 1)

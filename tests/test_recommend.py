@@ -12,7 +12,6 @@ import yaml
 from typer.testing import CliRunner
 
 from sdplan.cli import app
-from sdplan.launchcfg import accelerate_config, deepspeed_config
 from sdplan.machine import Snapshot
 from sdplan.recommend import count_dataset
 
@@ -168,28 +167,6 @@ def test_out_writes_files_and_never_overwrites(tmp_path):
     again = run(*args)
     assert again.exit_code == 3 and "--force" in again.stderr
     assert run(*args, "--force").exit_code == 0
-
-
-def test_launch_configs():
-    assert accelerate_config(num_processes=1, precision="bf16")["distributed_type"] == "NO"
-    multi = accelerate_config(num_processes=2, precision="fp16")
-    assert multi["distributed_type"] == "MULTI_GPU" and multi["mixed_precision"] == "fp16"
-    ds = accelerate_config(
-        num_processes=1,
-        precision="fp16",
-        deepspeed={"zero_stage": 2, "offload_optimizer": True},
-        deepspeed_file="/runs/a/deepspeed.json",
-    )
-    # accelerate refuses a deepspeed_config_file beside inline ZeRO keys or mixed_precision.
-    assert ds["distributed_type"] == "DEEPSPEED" and "mixed_precision" not in ds
-    assert ds["deepspeed_config"] == {
-        "deepspeed_config_file": "/runs/a/deepspeed.json",
-        "zero3_init_flag": False,
-    }
-    cfg = deepspeed_config(micro_batch=2, grad_accum=3, world_size=4, precision="bf16")
-    assert cfg["train_batch_size"] == 24 and cfg["bf16"]["enabled"] and not cfg["fp16"]["enabled"]
-    with pytest.raises(ValueError):
-        deepspeed_config(micro_batch=0, grad_accum=1, world_size=1, precision="fp16")
 
 
 @pytest.mark.parametrize(

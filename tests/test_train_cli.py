@@ -214,8 +214,8 @@ def test_dry_run_on_cpu_writes_nothing(tmp_path, fake_model):
 def test_two_machines_print_each_node_command(tmp_path, fake_model):
     """A config for one machine with 2 GPUs, run on 2 machines: 4 processes, and the exact command for each
     node. Planned against a saved snapshot of a 2x RTX 4090 machine (this one has no GPU)."""
+    from sdplan.launcher import UI, TrainRequest, run
     from sdplan.machine import Snapshot
-    from sdplan.train import UI, TrainRequest, run
 
     ds = make_images(tmp_path / "ds")
     cfg = write_config(

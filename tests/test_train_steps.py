@@ -9,7 +9,7 @@ import yaml
 
 from sdplan.config import default_config, validate
 from sdplan.errors import OutputExistsError, UsageError
-from sdplan.train import after_oom, check_out_dir, oom_point, record_point, step_arithmetic
+from sdplan.launcher import after_oom, check_out_dir, config_steps, oom_point, record_point
 
 # -- the --out rule -------------------------------------------------------------------------------------------
 
@@ -109,6 +109,28 @@ def test_at_batch_one_the_memory_savers_come_in_order():
     assert d["distributed"]["deepspeed"] == {"zero_stage": 2, "offload_optimizer": True}
 
 
+def test_a_full_unet_method_in_bf16_tries_full_bf16_weights_before_offload():
+    """The planner's order: full bf16 weights (no fp32 master copy) before DeepSpeed offload, 3-4x slower."""
+    d = data(training={"batch_size": 1, "precision": "bf16"}, memory={"gradient_checkpointing": True})
+    d["method"] = "finetune"
+    seen = []
+    while (change := after_oom(d, cuda=True, have_bnb=False, have_deepspeed=True)) is not None:
+        validate(change.data)
+        seen.append(change.message.split(" (")[0])
+        d = change.data
+    assert seen[-2:] == [
+        "switched to full bf16 weights and gradients",
+        "turned on DeepSpeed ZeRO-2 with the optimizer state offloaded to CPU",
+    ]
+    # fp16 weights would underflow; LoRA trains no UNet weights: neither gets this step.
+    for method, precision in (("finetune", "fp16"), ("lora", "bf16")):
+        d = data(training={"batch_size": 1, "precision": precision}, memory={"gradient_checkpointing": True})
+        d["method"] = method
+        while (change := after_oom(d, cuda=True, have_bnb=False, have_deepspeed=True)) is not None:
+            assert "full bf16" not in change.message
+            d = change.data
+
+
 def test_no_8bit_adam_on_cpu_or_without_bitsandbytes_and_no_deepspeed_without_it():
     d = data(training={"batch_size": 1}, memory={"gradient_checkpointing": True})
     for kwargs in ({"cuda": False, "have_bnb": True}, {"cuda": True, "have_bnb": False}):
@@ -170,8 +192,8 @@ def test_oom_observation_is_a_valid_local_profile_point(tmp_path):
 
 def test_step_arithmetic_splits_epochs_over_processes():
     cfg = validate(data(training={"batch_size": 2, "grad_accum": 2, "epochs": 3}))
-    one = step_arithmetic(cfg, 40, 1)
-    two = step_arithmetic(cfg, 40, 2)
+    one = config_steps(cfg, 40, 1)
+    two = config_steps(cfg, 40, 2)
     assert one["steps_per_epoch"] == 10 and one["total_steps"] == 30
     assert two["steps_per_epoch"] == 5 and two["total_steps"] == 15
     assert one["images_seen"] == two["images_seen"] == 120
@@ -179,7 +201,7 @@ def test_step_arithmetic_splits_epochs_over_processes():
 
 def test_step_arithmetic_with_max_steps():
     cfg = validate(data(training={"batch_size": 2, "max_steps": 10}))
-    s = step_arithmetic(cfg, 8, 2)
+    s = config_steps(cfg, 8, 2)
     assert s["total_steps"] == 5 and s["images_seen"] == 20
 
 
@@ -218,8 +240,8 @@ def test_plan_mode_uses_the_planner_and_overrides_win(tmp_path):
 
     from conftest import make_images
 
+    from sdplan.launcher import UI, TrainRequest, prepare
     from sdplan.machine import Snapshot
-    from sdplan.train import UI, TrainRequest, prepare
 
     snap = Snapshot.load(Path(__file__).parent / "fixtures" / "machines" / "t4.json")
     model = _fake_model(tmp_path / "m")
@@ -243,7 +265,7 @@ def test_plan_mode_uses_the_planner_and_overrides_win(tmp_path):
 def test_no_confirmation_means_nothing_is_written(tmp_path):
     from conftest import make_images
 
-    from sdplan.train import UI, Cancelled, TrainFailed, TrainRequest, run
+    from sdplan.launcher import UI, Cancelled, TrainFailed, TrainRequest, run
 
     model = _fake_model(tmp_path / "m")
     ds = make_images(tmp_path / "ds", n=2)

@@ -107,20 +107,20 @@ def dataset(tmp_path_factory) -> Path:
 
 def test_multi_process_step_arithmetic():
     # 8 samples, batch 2, accum 1: 4 steps on one process, 2 on two, 1 on four (each epoch split N ways).
-    assert [runtime.steps_per_epoch(8, 2, 1, n) for n in (1, 2, 4)] == [4, 2, 1]
-    assert runtime.steps_per_epoch(9, 2, 2, 2) == 2  # ceil(9 / 8)
-    one = runtime.plan_steps(
-        batches_per_epoch=4, grad_accum=1, epochs=3, max_steps=None, warmup_steps=4, num_processes=1
-    )
-    two = runtime.plan_steps(
-        batches_per_epoch=2, grad_accum=1, epochs=3, max_steps=None, warmup_steps=4, num_processes=2
-    )
-    assert (one.max_steps, one.warmup_steps) == (12, 4)
-    assert (two.max_steps, two.warmup_steps) == (6, 2)  # the schedule follows the split epoch
-    capped = runtime.plan_steps(
-        batches_per_epoch=2, grad_accum=1, epochs=1, max_steps=10, warmup_steps=0, num_processes=2
-    )
-    assert (capped.max_steps, capped.epochs) == (5, 3)  # max_steps is a one-process count
+    def plan(n, **kw):
+        args = dict(images_per_epoch=8, batch_size=2, grad_accum=1, epochs=3, max_steps=None, warmup_steps=4)
+        args.update(kw)
+        return runtime.plan_steps(
+            batches_per_epoch=-(-args["images_per_epoch"] // (2 * n)), num_processes=n, **args
+        )
+
+    assert [plan(n).steps_per_epoch for n in (1, 2, 4)] == [4, 2, 1]
+    assert plan(2, images_per_epoch=9, grad_accum=2).steps_per_epoch == 2  # ceil(ceil(9 / 4) / 2)
+    one, two = plan(1), plan(2)
+    assert (one.total_steps, one.lr_warmup_steps) == (12, 4)
+    assert (two.total_steps, two.lr_warmup_steps) == (6, 2)  # the schedule follows the split epoch
+    capped = plan(2, epochs=1, max_steps=10, warmup_steps=0)
+    assert (capped.total_steps, capped.epochs) == (5, 3)  # max_steps is a one-process count
 
 
 def test_family_detection_and_sources(tmp_path, tiny_sd15):

@@ -48,7 +48,7 @@ class Recipe:
         self.text_cache = None
         self.latent_dtype = self.wdtype  # latents and conditioning in the frozen UNet's dtype
         self.cond_dtype = self.wdtype
-        self.plan = None  # the loop's StepPlan, once the data loader is prepared
+        self.plan = None  # the loop's sdplan.steps.Steps, once the data loader is prepared
 
     # -- what a method defines -------------------------------------------------------------------------
 
@@ -336,7 +336,9 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
     loader, batches = runtime.make_loader(dataset, cfg, device)
     optimizer, loader = prepare(recipe, optimizer, loader)
     plan = runtime.plan_steps(
+        images_per_epoch=len(dataset),
         batches_per_epoch=len(loader),
+        batch_size=tcfg.batch_size,
         grad_accum=tcfg.grad_accum,
         epochs=tcfg.epochs,
         max_steps=tcfg.max_steps,
@@ -389,7 +391,7 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
 
     # 5. The loop.
     tb = progress.tensorboard(accelerator, cfg)
-    bar = progress.Progress(accelerator, plan.max_steps, initial=state.global_step, description=cfg.method)
+    bar = progress.Progress(accelerator, plan.total_steps, initial=state.global_step, description=cfg.method)
 
     def sample(step=None, fallback=""):
         return outputs.samples(
@@ -398,7 +400,7 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
 
     try:
         with stops.StopSignals() as stop:
-            while state.global_step < plan.max_steps:
+            while state.global_step < plan.total_steps:
                 if state.batches_in_epoch >= len(loader):  # the checkpoint was taken at an epoch's end
                     state.epoch, state.batches_in_epoch, state.samples_in_epoch = state.epoch + 1, 0, 0
                 dataset.set_epoch(state.epoch)
@@ -438,7 +440,7 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
                     if stop_now:
                         path = ckpt.last_saved if ckpt.last_saved_step == step else ckpt.save("interrupt")
                         raise stops.TrainingInterrupted(step, path)
-                    if step >= plan.max_steps:
+                    if step >= plan.total_steps:
                         break
                 else:
                     state.epoch, state.batches_in_epoch, state.samples_in_epoch = state.epoch + 1, 0, 0

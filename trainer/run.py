@@ -16,13 +16,19 @@ from sdplan.errors import ConfigError
 
 
 def recipes() -> dict[str, type]:
-    """method -> its Recipe class (what ``sdplan bench`` builds too)."""
-    from .recipes.dreambooth import DreamBooth
-    from .recipes.finetune import Finetune
-    from .recipes.lora import LoRA
-    from .recipes.textual_inversion import TextualInversion
+    """method -> its Recipe class (what ``sdplan bench`` builds too), from the one method registry: each
+    method's module ``sdplan.trainer.recipes.<recipe>`` defines the class whose ``method`` is its name."""
+    import importlib
 
-    return {r.method: r for r in (LoRA, DreamBooth, Finetune, TextualInversion)}
+    from sdplan.registry import METHOD_LIST
+
+    found = {}
+    for m in METHOD_LIST:
+        module = importlib.import_module(f"{__package__}.recipes.{m.recipe}")
+        found[m.name] = next(
+            v for v in vars(module).values() if isinstance(v, type) and getattr(v, "method", None) == m.name
+        )
+    return found
 
 
 def recipe(method: str) -> type:

@@ -5,14 +5,14 @@ and the step arithmetic.
 
 from __future__ import annotations
 
-import math
 import os
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from sdplan import steps
 from sdplan.errors import SdplanError
+from sdplan.steps import Steps
 
 
 def use_cpu(cfg) -> bool:
@@ -205,52 +205,37 @@ def seed_step(seed: int, process_index: int, step: int):
     return torch.Generator("cpu").manual_seed(value)
 
 
-def steps_per_epoch(num_items: int, batch_size: int, grad_accum: int, num_processes: int) -> int:
-    """Optimizer steps per epoch when each epoch is split ``num_processes`` ways (the planner's formula)."""
-    return max(1, math.ceil(num_items / (batch_size * grad_accum * num_processes)))
-
-
-@dataclass(frozen=True)
-class StepPlan:
-    num_processes: int
-    batches_per_epoch: int  # micro-batches each process draws per epoch
-    steps_per_epoch: int  # optimizer steps per epoch (each process)
-    max_steps: int  # optimizer steps of the whole run (each process)
-    epochs: int
-    warmup_steps: int
-
-
 def plan_steps(
     *,
+    images_per_epoch: int,
     batches_per_epoch: int,
+    batch_size: int,
     grad_accum: int,
     epochs: int,
     max_steps: int | None,
     warmup_steps: int,
     num_processes: int,
-) -> StepPlan:
-    """Optimizer steps for this run. ``batches_per_epoch`` is per process (the sharded dataloader's length).
-
-    ``training.max_steps`` and ``training.lr_warmup_steps`` are one-process counts, like the planner's: with N
-    processes each step trains N micro-batches, so both are divided by N (rounded up) and the images trained
-    stay those of the one-process run.
-    """
-    spe = max(1, math.ceil(batches_per_epoch / grad_accum))
-    if max_steps:
-        total = max(1, math.ceil(max_steps / num_processes))
-        epochs = math.ceil(total / spe)
-    else:
-        total = epochs * spe
-    warm = min(total, math.ceil(warmup_steps / num_processes))
-    return StepPlan(num_processes, batches_per_epoch, spe, total, epochs, warm)
+) -> Steps:
+    """Optimizer steps for this run: :func:`sdplan.steps.plan_steps` (the planner's and the launcher's
+    arithmetic) with each process's real dataloader length (``batches_per_epoch``, the sharded loader's)."""
+    return steps.plan_steps(
+        images_per_epoch=images_per_epoch,
+        batch_size=batch_size,
+        grad_accum=grad_accum,
+        num_processes=num_processes,
+        epochs=epochs,
+        max_steps=max_steps,
+        warmup_steps=warmup_steps,
+        batches_per_epoch=batches_per_epoch,
+    )
 
 
-def describe_plan(method: str, family: str, samples: int, cfg, plan: StepPlan) -> str:
+def describe_plan(method: str, family: str, samples: int, cfg, plan: Steps) -> str:
     t = cfg.training
     return (
         f"{method} {family}: {samples} samples/epoch, batch {t.batch_size} x accum {t.grad_accum} x "
-        f"{plan.num_processes} process(es) -> {plan.steps_per_epoch} steps/epoch, {plan.max_steps} steps "
-        f"({plan.epochs} epoch{'s' if plan.epochs != 1 else ''}), warmup {plan.warmup_steps}"
+        f"{plan.num_processes} process(es) -> {plan.steps_per_epoch} steps/epoch, {plan.total_steps} steps "
+        f"({plan.epochs} epoch{'s' if plan.epochs != 1 else ''}), warmup {plan.lr_warmup_steps}"
     )
 
 
@@ -317,14 +302,14 @@ def make_optimizer(param_groups: list[dict[str, Any]], cfg):
     raise SdplanError(f"memory.optimizer: unknown optimizer {name!r}")
 
 
-def make_lr_scheduler(optimizer, cfg, plan: StepPlan):
+def make_lr_scheduler(optimizer, cfg, plan: Steps):
     from diffusers.optimization import get_scheduler
 
     return get_scheduler(
         cfg.training.lr_scheduler,
         optimizer=optimizer,
-        num_warmup_steps=plan.warmup_steps,
-        num_training_steps=plan.max_steps,
+        num_warmup_steps=plan.lr_warmup_steps,
+        num_training_steps=plan.total_steps,
     )
 
 

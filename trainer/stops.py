@@ -14,14 +14,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from sdplan.errors import SdplanError
+from sdplan.errors import EXIT_INTERRUPTED, EXIT_OOM, SdplanError
 
 from .outputs import write_json_atomic
-
-EXIT_INTERRUPTED = 130
-
-
-EXIT_OOM = 75
 
 
 class TrainingInterrupted(SdplanError):

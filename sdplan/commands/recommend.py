@@ -66,12 +66,12 @@ def recommend(
     import json
 
     from sdplan.profiles import load_profiles
-    from sdplan.recommend import Inputs, render, render_compare, write_outputs
+    from sdplan.recommend import RecommendInputs, render, render_compare, write_outputs
     from sdplan.recommend import compare as run_compare
     from sdplan.recommend import recommend as run
 
     profiles = load_profiles()
-    inp = Inputs(
+    inp = RecommendInputs(
         method=method,
         model=model,
         resolution=resolution,

@@ -1,5 +1,5 @@
 """`sdplan train`: probe, plan, confirm, write sdplan.yaml and launch the bundled trainer; `--demo` for a tiny
-model on the CPU. Thin: the work is in ``sdplan.train`` and ``sdplan.demo`` (imported inside the function so
+model on the CPU. Thin: the work is in ``sdplan.launcher`` and ``sdplan.demo`` (imported inside the function so
 `sdplan --help` stays fast)."""
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ def train(
 
     Extra arguments are key=value overrides of sdplan.yaml (training.learning_rate=5e-5); they win.
     """
-    from sdplan.train import UI, TrainRequest
+    from sdplan.launcher import UI, TrainRequest
 
     interactive = sys.stdin.isatty() and sys.stdout.isatty()
     ui = UI(
@@ -144,11 +144,11 @@ def train(
 
         summary = run_demo(req, ui)
     else:
-        from sdplan.train import run
+        from sdplan.launcher import run
 
         summary = run(req, ui)
     if summary:
-        from sdplan.train import render_summary
+        from sdplan.launcher import render_summary
 
         for line in render_summary(summary):
             console.print(line, soft_wrap=True)

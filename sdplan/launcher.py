@@ -4,26 +4,33 @@ recover from out-of-memory by retrying smaller.
 Each step is a small function that can be tested alone; :func:`run` strings them together. Nothing here
 imports torch or diffusers: bad input is one clear :class:`~sdplan.errors.SdplanError` before any model
 loads, and the trainer runs in its own process (``python -m sdplan.trainer`` or a launcher).
+
+Why one module of ~900 lines: it is the one command's sequence (request, --out rule, config, inputs, device,
+plan, out-of-memory recovery, run folder), read top to bottom; the parts it shares live elsewhere (the
+settings translation in :mod:`sdplan.settings`, step counts in :mod:`sdplan.steps`, the launch in
+:mod:`sdplan.launch`, the profile store in :mod:`sdplan.profiles`).
 """
 
 from __future__ import annotations
 
 import datetime as _dt
 import json
-import math
 import shlex
 import shutil
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from sdplan import config as C
-from sdplan.errors import NoGPUError, OutputExistsError, SdplanError, UsageError
+from sdplan.errors import EXIT_INTERRUPTED, EXIT_OOM, NoGPUError, OutputExistsError, SdplanError, UsageError
 from sdplan.launch import ACCELERATE_FILE, DEEPSPEED_FILE, Launch, build_launch, run_launch
 from sdplan.planner import format_duration
+from sdplan.registry import FAMILIES, FULL_METHODS, guess_family
+from sdplan.settings import OFFLOAD, Settings
+from sdplan.steps import plan_steps
 
 CONFIG_FILE = "sdplan.yaml"
 OOM_FILE = "oom.json"
@@ -31,8 +38,6 @@ SUMMARY_FILE = "run_summary.json"
 # Files `sdplan recommend --out` / `sdplan train` write before any training: a folder holding only these is a
 # planned run, not yet trained.
 PLAN_FILES = (CONFIG_FILE, ACCELERATE_FILE, DEEPSPEED_FILE)
-EXIT_OOM = 75
-EXIT_INTERRUPTED = 130
 MAX_OOM_RETRIES = 4
 
 
@@ -236,7 +241,7 @@ def read_yaml_config(path: Path) -> dict[str, Any]:
 
 
 @dataclass(frozen=True)
-class Inputs:
+class InputSummary:
     """What the inputs are, found without loading a model."""
 
     images: int
@@ -247,7 +252,7 @@ class Inputs:
     scan_summary: str
 
 
-def check_inputs(cfg: C.TrainConfig) -> Inputs:
+def check_inputs(cfg: C.TrainConfig) -> InputSummary:
     """The dataset has readable images and the model exists: one clear error otherwise. No torch."""
     from sdplan.trainer.dataset_scan import require_images, scan
     from sdplan.trainer.models import resolve_source
@@ -264,7 +269,7 @@ def check_inputs(cfg: C.TrainConfig) -> Inputs:
     )
     source = resolve_source(cfg.model.path)
     family = cfg.model.family or _family_of(source.kind, source.location)
-    return Inputs(
+    return InputSummary(
         images=result.num_images,
         images_x_repeats=result.images_x_repeats,
         skipped=len(result.skipped),
@@ -313,29 +318,20 @@ def require_gpu(snapshot: Any) -> None:
 # -- step arithmetic -----------------------------------------------------------------------------------------
 
 
-def step_arithmetic(cfg: C.TrainConfig, images_x_repeats: int, world: int) -> dict[str, int]:
-    """The trainer's arithmetic (``sdplan.trainer.common``): with N processes each epoch is split N ways, so the
-    images trained equal the one-process run's."""
+def config_steps(cfg: C.TrainConfig, images_x_repeats: int, world: int) -> dict[str, int]:
+    """The run's step counts (:func:`sdplan.steps.plan_steps`, as the trainer counts them) for the user."""
     t = cfg.training
-    per_step = t.batch_size * t.grad_accum * world
-    spe = max(1, math.ceil(images_x_repeats / per_step))
-    if t.max_steps:
-        total = max(1, math.ceil(t.max_steps / world))
-        epochs = math.ceil(total / spe)
-    else:
-        total = t.epochs * spe
-        epochs = t.epochs
-    return {
-        "images_per_epoch": images_x_repeats,
-        "epochs": epochs,
-        "steps_per_epoch": spe,
-        "total_steps": total,
-        "images_per_step": per_step,
-        "images_seen": total * per_step if t.max_steps else epochs * images_x_repeats,
-    }
+    return plan_steps(
+        images_per_epoch=images_x_repeats,
+        batch_size=t.batch_size,
+        grad_accum=t.grad_accum,
+        num_processes=world,
+        epochs=t.epochs,
+        max_steps=t.max_steps,
+    ).summary()
 
 
-def describe(cfg: C.TrainConfig, steps: dict[str, int], world: int, inputs: Inputs) -> list[str]:
+def describe(cfg: C.TrainConfig, steps: dict[str, int], world: int, inputs: InputSummary) -> list[str]:
     """The plan as lines for the user: what is trained, how, and the step arithmetic."""
     t, m, ds = cfg.training, cfg.memory, cfg.distributed.deepspeed
     savers = [
@@ -401,8 +397,9 @@ def after_oom(data: dict[str, Any], *, cuda: bool, have_bnb: bool, have_deepspee
     First the micro-batch is halved and gradient accumulation doubled (same images per optimizer step). At a
     micro-batch of 1, the next memory saver in the planner's order: EMA weights to system RAM, gradient
     checkpointing (~20-30% slower), 8-bit AdamW (CUDA with bitsandbytes, not with DeepSpeed), cached latents,
-    cached text-encoder outputs (frozen encoders only), and last DeepSpeed ZeRO-2 with the optimizer state
-    offloaded to CPU (3-4x slower: the last resort).
+    cached text-encoder outputs (frozen encoders only), full bf16 weights (a full-UNet method in bf16 on a GPU:
+    the planner's fallback before offload, kohya --full_bf16), and last DeepSpeed ZeRO-2 with the optimizer
+    state offloaded to CPU (3-4x slower: the last resort).
     """
     new = json.loads(json.dumps(data))  # deep copy of plain data
     t = new.setdefault("training", {})
@@ -437,8 +434,14 @@ def after_oom(data: dict[str, Any], *, cuda: bool, have_bnb: bool, have_deepspee
     if frozen_te and not m.get("cache_text_encoder_outputs", False):
         m["cache_text_encoder_outputs"] = True
         return Change(new, "turned on text-encoder output caching (the frozen text encoders leave the GPU)")
+    full_bf16 = new.get("method") in FULL_METHODS and t.get("precision") == "bf16"
+    if cuda and full_bf16 and not deepspeed_on and not t.get("full_half_weights", False):
+        t["full_half_weights"] = True
+        return Change(
+            new, "switched to full bf16 weights and gradients (no fp32 master copy; kohya --full_bf16)"
+        )
     if have_deepspeed and not deepspeed_on:
-        dist["deepspeed"] = {"zero_stage": 2, "offload_optimizer": True}
+        dist["deepspeed"] = dict(OFFLOAD)
         if m.get("optimizer") == "adamw8bit":
             m["optimizer"] = "adamw"  # bitsandbytes does not combine with DeepSpeed
         return Change(
@@ -460,7 +463,9 @@ def oom_point(
 ) -> dict[str, Any]:
     """A method point for the local profile store (profiles/methods schema): what ran out of memory on this
     GPU (or, with fits=True, what then fit), with its provenance."""
-    t, m, ds = cfg.training, cfg.memory, cfg.distributed.deepspeed
+    from sdplan.profiles import point_record
+
+    t, m = cfg.training, cfg.memory
     batch = int(oom.get("batch_size", t.batch_size)) if not fits else t.batch_size
     accum = int(oom.get("grad_accum", t.grad_accum)) if not fits else t.grad_accum
     gc = (
@@ -480,35 +485,17 @@ def oom_point(
             f"sdplan train on this machine ({gpu_label}), {stamp}: out of memory at step {oom.get('step')} "
             f"({str(oom.get('message', 'CUDA out of memory'))[:160]})"
         )
-    point: dict[str, Any] = {
-        "id": f"observed-{'fit' if fits else 'oom'}-{_slug(gpu_label)}-{stamp}-b{batch}",
-        "model": family,
-        "resolution": cfg.data.resolution,
-        "batch": batch,
-        "grad_accum": accum,
-        "precision": t.precision,
-        "options": {
-            "gradient_checkpointing": gc,
-            "optimizer": m.optimizer,
-            "cache_latents": m.cache_latents,
-            "train_text_encoder": t.train_text_encoder,
-            "attention": "sdpa",
-            "deepspeed": None
-            if ds is None
-            else {"zero_stage": ds.zero_stage, "offload_optimizer": ds.offload_optimizer},
-            "ema": cfg.ema.device if cfg.ema.enabled else None,
-            "cache_text_encoder_outputs": m.cache_text_encoder_outputs,
-        },
-        "gpu": gpu_name,
-        "num_gpus": max(1, cfg.distributed.num_processes),
-        "outcome": outcome,
-        "source": source,
-    }
-    if cfg.method == "lora":
-        point["options"]["lora_rank"] = cfg.lora.rank
-    if gpu_memory_bytes:
-        point["gpu_memory_gib"] = round(gpu_memory_bytes / 2**30, 2)
-    return point
+    settings = Settings.from_config(
+        cfg, model=family, batch=batch, grad_accum=accum, gradient_checkpointing=gc
+    )
+    return point_record(
+        settings,
+        id=f"observed-{'fit' if fits else 'oom'}-{_slug(gpu_label)}-{stamp}-b{batch}",
+        gpu=gpu_name,
+        gpu_memory_bytes=gpu_memory_bytes,
+        outcome=outcome,
+        source=source,
+    )
 
 
 def _slug(text: str) -> str:
@@ -517,30 +504,11 @@ def _slug(text: str) -> str:
 
 def record_point(point: dict[str, Any], method: str, store: Path) -> Path:
     """Append a point to ``{store}/methods/observed-{method}.yaml`` (the local profile store that the planner
-    reads beside the shipped profiles); the file is validated by the profiles loader after writing."""
-    from sdplan.profiles import clear_cache, load_methods
+    reads beside the shipped profiles; :func:`sdplan.profiles.write_points`)."""
+    from sdplan.profiles import write_points
 
-    path = store / "methods" / f"observed-{method}.yaml"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    data: dict[str, Any] = {"schema_version": 1, "method": method, "points": []}
-    if path.is_file():
-        loaded = yaml.safe_load(path.read_text()) or {}
-        if isinstance(loaded, dict) and loaded.get("method") == method:
-            data = loaded
-            data.setdefault("points", [])
-    ids = {p.get("id") for p in data["points"]}
-    while point["id"] in ids:
-        point = {**point, "id": point["id"] + "-x"}
-    data["points"].append(point)
-    tmp = path.with_suffix(".yaml.tmp")
-    tmp.write_text(
-        "# Observed by `sdplan train` on this machine (out-of-memory errors and what fit after them).\n"
-        + yaml.safe_dump(data, sort_keys=False)
-    )
-    tmp.replace(path)
-    load_methods(path, origin="local")  # raises ConfigError if what we wrote does not validate
-    clear_cache()
-    return path
+    header = "# Observed by `sdplan train` on this machine (out-of-memory errors and what fit after them).\n"
+    return write_points(store, method, [point], header=header, file_name=f"observed-{method}", replace=False)
 
 
 # -- writing the run folder ------------------------------------------------------------------------------------
@@ -579,7 +547,7 @@ def read_json(path: Path) -> dict[str, Any] | None:
 class Prepared:
     cfg: C.TrainConfig
     out: Path
-    inputs: Inputs
+    inputs: InputSummary
     world: int
     steps: dict[str, int]
     snapshot: Any = None
@@ -669,14 +637,18 @@ def prepare(req: TrainRequest, ui: UI) -> Prepared:
     plan_result = None
     planning = not (req.resume or req.config or req.config_data is not None) and snapshot is not None
     if planning:
-        plan_result = plan_request(cfg, inputs, snapshot, req)
-        settings = plan_settings(plan_result, num_machines=req.num_machines)
-        if settings["memory"]["optimizer"] == "adamw8bit" and not _have("bitsandbytes"):
-            settings["memory"]["optimizer"] = "adamw"
+        from sdplan.planner import result_dict
+
+        result = plan_request(cfg, inputs, snapshot, req)
+        chosen = result.plan
+        plan_result = result_dict(result)
+        if chosen.optimizer == "adamw8bit" and not _have("bitsandbytes"):
+            chosen = replace(chosen, optimizer="adamw")
             ui.echo(
                 "[yellow]note[/]: the plan uses 8-bit AdamW but bitsandbytes is not installed: AdamW instead "
                 "(pip install 'sdplan[bnb]' for the planned optimizer; out of memory is retried smaller)"
             )
+        settings = plan_settings(chosen, plan_result, num_machines=req.num_machines)
         cfg = C.validate(config_data(base, req, out, plan=settings), source=source)
     elif snapshot is not None and req.num_machines > 1 and req.gpus is None and not req.resume:
         # A config written for one machine: its num_processes are this machine's GPUs.
@@ -694,7 +666,7 @@ def prepare(req: TrainRequest, ui: UI) -> Prepared:
             f"this machine has {len(snapshot.usable_gpus)}",
             fix="lower distributed.num_processes (or --gpus)",
         )
-    steps = step_arithmetic(cfg, inputs.images_x_repeats, world)
+    steps = config_steps(cfg, inputs.images_x_repeats, world)
     if req.demo and cfg.plan is None:
         # The demo's plan: the tiny model on the CPU; its memory and time are trivially small, its step
         # arithmetic is the real one (recorded in the outputs' metadata like a planned run's).
@@ -729,19 +701,9 @@ class NotFeasible(SdplanError):
     exit_code = 1
 
 
-def guess_family(model: str) -> str:
-    """A hub id's family from its name, when its config cannot be read offline (sdxl / sd21 / sd15)."""
-    name = model.lower()
-    if "xl" in name:
-        return "sdxl"
-    if any(k in name for k in ("2-1", "2.1", "sd21", "2-base", "v2")):
-        return "sd21"
-    return "sd15"
-
-
-def plan_request(cfg: C.TrainConfig, inputs: Inputs, snapshot: Any, req: TrainRequest) -> dict[str, Any]:
-    """The planner's result (the `sdplan recommend --json` object) for this request on this machine."""
-    from sdplan.planner import Request, plan, result_dict
+def plan_request(cfg: C.TrainConfig, inputs: InputSummary, snapshot: Any, req: TrainRequest):
+    """The planner's (feasible) Result for this request on this machine."""
+    from sdplan.planner import Request, plan
     from sdplan.profiles import load_profiles
 
     family = cfg.model.family or inputs.family or guess_family(cfg.model.path)
@@ -763,37 +725,20 @@ def plan_request(cfg: C.TrainConfig, inputs: Inputs, snapshot: Any, req: TrainRe
         prior_preservation=prior,
         class_images=cfg.dreambooth.num_class_images if prior else 0,
     )
-    result = result_dict(plan(snapshot, load_profiles(), request))
-    if not result["feasible"]:
-        needs = result.get("needs") or {}
-        fits = ", ".join((needs.get("suggested_hardware") or [])[:4])
+    result = plan(snapshot, load_profiles(), request)
+    if not result.feasible or result.plan is None:
+        fits = ", ".join(((result.needs or {}).get("suggested_hardware") or [])[:4])
         raise NotFeasible(
-            result["reasons"][0] if result["reasons"] else "nothing fits on this machine",
+            result.reasons[0] if result.reasons else "nothing fits on this machine",
             fix=f"GPUs that would fit: {fits}" if fits else "see `sdplan recommend --compare`",
         )
     return result
 
 
-def plan_settings(result: dict[str, Any], *, num_machines: int = 1) -> dict[str, Any]:
-    """The plan as sdplan.yaml sections (flags and key=value overrides are applied on top)."""
-    p = result["plan"]
-    return {
-        "model": {"family": result["request"]["model"]},
-        "data": {"resolution": p["resolution"]},
-        "training": {
-            "batch_size": p["batch_size"],
-            "grad_accum": p["grad_accum"],
-            "precision": p["precision"],
-            "train_text_encoder": p["train_text_encoder"],
-        },
-        "memory": {
-            "gradient_checkpointing": p["gradient_checkpointing"],
-            "optimizer": p["optimizer"],
-            "cache_latents": p["cache_latents"],
-        },
-        "distributed": {"num_processes": p["num_gpus"] * num_machines, "deepspeed": p["deepspeed"]},
-        "plan": result,
-    }
+def plan_settings(chosen: Settings, result: dict[str, Any], *, num_machines: int = 1) -> dict[str, Any]:
+    """The planner's settings as sdplan.yaml sections (:meth:`Settings.to_config`, as `recommend --out` writes
+    them), with the plan recorded; flags and key=value overrides are applied on top."""
+    return {**chosen.to_config(num_machines=num_machines), "plan": result}
 
 
 def describe_plan(result: dict[str, Any]) -> list[str]:
@@ -918,7 +863,7 @@ def _record(
     from sdplan.profiles import local_dir
 
     family = cfg.model.family or p.inputs.family
-    if family not in C.FAMILIES:
+    if family not in FAMILIES:
         return None
     gpu = p.snapshot.usable_gpus[0] if p.snapshot is not None and p.snapshot.usable_gpus else None
     point = oom_point(

@@ -1,0 +1,198 @@
+"""`Settings`: the one description of a training configuration's knobs.
+
+The planner searches over Settings (and predicts their memory and time), a profile point records one
+(``profiles/methods/*.yaml``: top-level batch/precision/... plus ``options``), ``sdplan.yaml`` holds one
+(:meth:`Settings.to_config` / :meth:`Settings.from_config`, through the single key map :data:`CONFIG_KEYS`), and
+`sdplan bench` measures one. Every translation between those forms lives here. Pure data: no torch, no I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from sdplan import config as C
+from sdplan.registry import FULL_METHODS
+
+DEFAULT_LORA_RANK = C.LoraConfig().rank
+OFFLOAD = {"zero_stage": 2, "offload_optimizer": True}  # the DeepSpeed setting the planner considers
+DEEPSPEED_BUCKET_ELEMENTS = 500_000_000  # reduce / allgather buckets (5e8 elements), written and counted
+
+
+@dataclass(frozen=True)
+class Settings:
+    """One concrete training configuration: what the planner chooses, a profile point records, sdplan.yaml holds."""
+
+    method: str
+    model: str  # the family (sdplan.registry.FAMILIES)
+    resolution: int
+    batch: int = 1  # micro-batch per process
+    grad_accum: int = 1
+    precision: str = "bf16"
+    gradient_checkpointing: bool = False
+    optimizer: str = "adamw"
+    cache_latents: bool = False
+    cache_text_encoder_outputs: bool = False
+    train_text_encoder: bool = False
+    attention: str = "efficient"  # "efficient" (flash / memory-efficient SDPA) | "math"
+    deepspeed: dict | None = None  # {"zero_stage", "offload_optimizer"}
+    ema: str | None = None  # None | "gpu" | "cpu"
+    lora_rank: int | None = None  # LoRA only (None elsewhere; LoRA's default 16)
+    lora_alpha: float | None = None  # LoRA only; None: the config's default
+    lora_targets: tuple[str, ...] | None = None  # LoRA only; None: the config's default
+    prior_preservation: bool = False
+    fused_backward: bool = False
+    full_half_weights: bool = False  # trained weights and gradients in bf16 too (kohya --full_bf16)
+    set_grads_to_none: bool = True
+    num_gpus: int = 1
+
+    def __post_init__(self) -> None:
+        lora = self.method == "lora"
+        if lora and self.lora_rank is None:
+            object.__setattr__(self, "lora_rank", DEFAULT_LORA_RANK)
+        if not lora:
+            for name in ("lora_rank", "lora_alpha", "lora_targets"):
+                object.__setattr__(self, name, None)
+        if self.lora_targets is not None:
+            object.__setattr__(self, "lora_targets", tuple(self.lora_targets))
+
+    @property
+    def offload(self) -> bool:
+        return bool(self.deepspeed and self.deepspeed.get("offload_optimizer"))
+
+    @property
+    def full_weights(self) -> bool:
+        return self.method in FULL_METHODS
+
+    # -- sdplan.yaml ------------------------------------------------------------------------------------
+
+    def to_config(self, *, num_machines: int = 1) -> dict[str, Any]:
+        """These settings as sdplan.yaml sections, to merge over a config (flags and overrides go on top).
+
+        ``num_machines``: the config's ``distributed.num_processes`` counts every machine's processes."""
+        out: dict[str, Any] = {}
+        for name, key in CONFIG_KEYS.items():
+            value = getattr(self, name)
+            if name in ("lora_rank", "lora_alpha", "lora_targets") and value is None:
+                continue
+            if name == "num_gpus":
+                value *= num_machines
+            elif name == "deepspeed":
+                value = dict(value) if value else None
+            elif name == "lora_targets":
+                value = list(value)
+            _put(out, key, value)
+        _put(out, "ema.enabled", self.ema is not None)
+        if self.ema is not None:
+            _put(out, "ema.device", self.ema)
+        return out
+
+    @classmethod
+    def from_config(cls, cfg: Any, **changes: Any) -> Settings:
+        """From an sdplan.yaml (a validated ``TrainConfig`` or its plain data; absent keys: the defaults).
+        ``changes`` replace fields (the model family, when the config leaves it to detection)."""
+        data = C.merge(C.default_config(), cfg if isinstance(cfg, dict) else cfg.to_dict())
+        kwargs: dict[str, Any] = {name: _get(data, key) for name, key in CONFIG_KEYS.items()}
+        ema = data.get("ema") or {}
+        kwargs["ema"] = ema.get("device", "cpu") if ema.get("enabled") else None
+        kwargs["deepspeed"] = dict(kwargs["deepspeed"]) if kwargs["deepspeed"] else None
+        return cls(**{**kwargs, **changes})
+
+    # -- profile points (profiles/methods/*.yaml) ----------------------------------------------------------
+
+    def profile_fields(self) -> dict[str, Any]:
+        """A profile point's settings: its top-level keys and ``options`` (profiles.POINT_SCHEMA)."""
+        options: dict[str, Any] = {name: getattr(self, name) for name in PROFILE_OPTIONS}
+        options["attention"] = "math" if self.attention == "math" else "sdpa"
+        options["deepspeed"] = dict(self.deepspeed) if self.deepspeed else None
+        if self.lora_rank is not None:
+            options["lora_rank"] = self.lora_rank
+        return {
+            "model": self.model,
+            "resolution": self.resolution,
+            "batch": self.batch,
+            "grad_accum": self.grad_accum,
+            "precision": self.precision,
+            "options": options,
+            "num_gpus": self.num_gpus,
+        }
+
+    @classmethod
+    def from_profile(cls, method: str, entry: dict[str, Any]) -> Settings:
+        """From a validated profile point (or multi-GPU observation) of ``method``."""
+        o = entry["options"]
+        return cls(
+            method=method,
+            model=entry["model"],
+            resolution=entry["resolution"],
+            batch=entry.get("batch", 1),
+            grad_accum=entry.get("grad_accum", 1),
+            precision=entry["precision"],
+            attention="math" if o["attention"] == "math" else "efficient",
+            deepspeed=dict(o["deepspeed"]) if o["deepspeed"] else None,
+            num_gpus=entry.get("num_gpus", 1),
+            **{name: o[name] for name in PROFILE_OPTIONS if name in o and name != "deepspeed"},
+            **({"lora_rank": o["lora_rank"]} if o.get("lora_rank") else {}),
+        )
+
+
+# Settings field -> sdplan.yaml key path (the one map both directions read). Issue 10's `key=value` pins
+# name these keys too.
+CONFIG_KEYS = {
+    "method": "method",
+    "model": "model.family",
+    "resolution": "data.resolution",
+    "batch": "training.batch_size",
+    "grad_accum": "training.grad_accum",
+    "precision": "training.precision",
+    "train_text_encoder": "training.train_text_encoder",
+    "full_half_weights": "training.full_half_weights",
+    "gradient_checkpointing": "memory.gradient_checkpointing",
+    "optimizer": "memory.optimizer",
+    "cache_latents": "memory.cache_latents",
+    "cache_text_encoder_outputs": "memory.cache_text_encoder_outputs",
+    "set_grads_to_none": "memory.set_grads_to_none",
+    "num_gpus": "distributed.num_processes",
+    "deepspeed": "distributed.deepspeed",
+    "lora_rank": "lora.rank",
+    "lora_alpha": "lora.alpha",
+    "lora_targets": "lora.target_modules",
+    "prior_preservation": "dreambooth.with_prior_preservation",
+}
+FIELD_FOR_KEY = {key: name for name, key in CONFIG_KEYS.items()}  # sdplan.yaml key -> Settings field
+# Settings fields a profile point keeps under ``options`` (besides attention and lora_rank).
+PROFILE_OPTIONS = (
+    "gradient_checkpointing",
+    "optimizer",
+    "cache_latents",
+    "cache_text_encoder_outputs",
+    "train_text_encoder",
+    "deepspeed",
+    "ema",
+    "prior_preservation",
+    "fused_backward",
+    "full_half_weights",
+    "set_grads_to_none",
+)
+assert {f.name for f in fields(Settings)} == {*CONFIG_KEYS, *PROFILE_OPTIONS, "attention", "ema"} | {
+    "method",
+    "model",
+    "resolution",
+    "batch",
+    "grad_accum",
+    "precision",
+    "num_gpus",
+}
+
+
+def _put(data: dict[str, Any], key: str, value: Any) -> None:
+    *parents, last = key.split(".")
+    for part in parents:
+        data = data.setdefault(part, {})
+    data[last] = value
+
+
+def _get(data: dict[str, Any], key: str) -> Any:
+    for part in key.split("."):
+        data = data.get(part) if isinstance(data, dict) else None
+    return data

@@ -1,0 +1,43 @@
+"""sdplan.steps.plan_steps: the one step arithmetic of the planner, the launcher and the trainer."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+from sdplan.steps import plan_steps
+
+
+def test_each_epoch_is_split_over_the_processes():
+    # 8 samples, batch 2, accum 1: 4 steps on one process, 2 on two, 1 on four.
+    spe = [plan_steps(images_per_epoch=8, batch_size=2, num_processes=n).steps_per_epoch for n in (1, 2, 4)]
+    assert spe == [4, 2, 1]
+    assert plan_steps(images_per_epoch=9, batch_size=2, grad_accum=2, num_processes=2).steps_per_epoch == 2
+
+
+def test_warmup_and_max_steps_are_one_process_counts():
+    one = plan_steps(images_per_epoch=8, batch_size=2, epochs=3, warmup_steps=4, num_processes=1)
+    two = plan_steps(images_per_epoch=8, batch_size=2, epochs=3, warmup_steps=4, num_processes=2)
+    assert (one.total_steps, one.lr_warmup_steps) == (12, 4)
+    assert (two.total_steps, two.lr_warmup_steps) == (6, 2)
+    assert one.images_seen == two.images_seen == 24
+    capped = plan_steps(images_per_epoch=8, batch_size=2, epochs=1, max_steps=10, num_processes=2)
+    assert (capped.total_steps, capped.epochs, capped.images_seen) == (5, 3, 20)
+
+
+def test_the_dataloader_length_when_known_gives_the_same_steps():
+    """ceil(ceil(n / (b x N)) / ga) == ceil(n / (b x ga x N)): the trainer's sharded dataloader length and the
+    planner's image count give the same steps."""
+    for n, b, ga, procs in itertools.product((1, 7, 40, 123), (1, 2, 3), (1, 2, 4), (1, 2, 3)):
+        s = plan_steps(images_per_epoch=n, batch_size=b, grad_accum=ga, num_processes=procs, epochs=2)
+        loader = plan_steps(
+            images_per_epoch=n,
+            batch_size=b,
+            grad_accum=ga,
+            num_processes=procs,
+            epochs=2,
+            batches_per_epoch=math.ceil(n / (b * procs)),
+        )
+        assert s == loader
+        assert s.steps_per_epoch == max(1, math.ceil(n / (b * ga * procs)))
+        assert s.one_gpu_total_steps == math.ceil(n / (b * ga)) * 2
