@@ -240,3 +240,48 @@ def test_cli_unknown_gpu_is_one_line():
     assert r.exit_code != 0 and "Traceback" not in r.output
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: unknown GPU 'A4'")
+
+
+@pytest.mark.parametrize(
+    ("typed", "memory_gib"),
+    [
+        ("A10G", 24),
+        ("P100 PCIe 12GB", 12),
+        ("P100 16GB", 16),
+        ("P40", 24),
+        ("GTX 1060 6GB", 6),
+        ("GTX 1070", 8),
+        ("GTX 1070 Ti", 8),
+        ("GTX 1080", 8),
+        ("GTX 1080 Ti", 11),
+        ("GTX 1650", 4),
+        ("GTX 1660", 6),
+        ("GTX 1660 Super", 6),
+        ("GTX 1660 Ti", 6),
+        ("RTX 3050", 8),
+        ("RTX 3070 Ti", 8),
+        ("RTX 4070 Super", 12),
+        ("RTX 4070 Ti Super", 16),
+        ("RTX 4080 Super", 16),
+        ("RTX 3060 Laptop", 6),
+        ("RTX 3070 Laptop", 8),
+        ("RTX 3080 Laptop 16GB", 16),
+        ("RTX 4060 Laptop", 8),
+        ("RTX 4070 Laptop", 8),
+        ("RTX 4080 Laptop", 12),
+        ("RTX 4090 Laptop", 16),
+        ("A800", 80),
+        ("H800", 80),
+        ("B200", 180),
+        ("L4", 24),
+        ("RTX 2000 Ada", 16),
+        ("RTX 4000 Ada", 20),
+        ("RTX 5000 Ada", 32),
+        ("RTX 5070 Ti", 16),
+        ("MI250", 64),
+        ("RX 7900 XTX", 24),
+    ],
+)
+def test_the_cards_issue_10_found_missing_are_planned(prof, typed, memory_gib):
+    hw = parse_hardware(typed, prof)
+    assert hw.gpus[0].memory_bytes == memory_gib * GiB and hw.gpus[0].spec is not None
