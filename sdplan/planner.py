@@ -80,6 +80,8 @@ class Hardware:
     link: str = "pcie"  # "nvlink" | "xgmi" | "pcie"
     link_gbs: float = PCIE_GBS[4]
     label: str = ""
+    # what was assumed about the GPUs (a form factor, an uncatalogued GPU); the plan's reasons start with them
+    notes: tuple[str, ...] = ()
 
     @property
     def count(self) -> int:
@@ -399,8 +401,15 @@ def hardware_from_catalog(spec: GPUSpec, count: int = 1) -> Hardware:
 def hardware_from_snapshot(snapshot: Any, profiles: Profiles, source: str = "probe") -> Hardware:
     """Build from a machine Snapshot (sdplan.machine): usable GPUs, their bf16 truth, links, RAM."""
     gpus = []
+    notes: list[str] = []
     for g in snapshot.usable_gpus:
         spec = profiles.gpu_or_none(g.name, g.memory_total_bytes)
+        if spec is None:  # never another GPU's entry: its own memory, and no speed to scale from
+            notes.append(
+                f"GPU {g.index} ({g.name or 'unnamed'}, {g.memory_total_bytes / GiB:.1f} GiB) is not in the GPU "
+                "catalog: planned with its probed memory; its speed is unknown (add it to the catalog, or measure "
+                "it with `sdplan bench`)"
+            )
         bf16 = g.bf16 if g.bf16 is not None else (spec.bf16 if spec else False)
         fp16 = g.fp16 if g.fp16 is not None else True
         gpus.append(
@@ -438,6 +447,7 @@ def hardware_from_snapshot(snapshot: Any, profiles: Profiles, source: str = "pro
         link=link,
         link_gbs=gbs,
         label=label,
+        notes=tuple(notes),
     )
 
 
@@ -701,7 +711,7 @@ def plan(hardware: Hardware | Any, profiles: Profiles, request: Request) -> Resu
     resolution = req.resolution or model.native_resolution
     req = replace(req, resolution=resolution)
     cal = calibrate(profiles)
-    reasons: list[str] = []
+    reasons: list[str] = list(hardware.notes)
     one_steps = _steps(req, 1, 1, 1)
 
     if not hardware.gpus:
@@ -903,7 +913,9 @@ def _reasons(req, hw, best, one, best_by_n, fitting, no_offload, cal, profiles) 
                 f"same settings (gradient all-reduce over {hw.link}), but the run is {one.seconds / best.seconds:.2f}x "
                 "faster once steps are normalised"
             )
-    if best.basis == "calibrated":
+    if best.seconds is None:
+        r.append(f"time: unknown: no catalog throughput or measured speed for {gpu.name}")
+    elif best.basis == "calibrated":
         r.append(
             f"time: FLOPs of the {req.model} UNet at {s.resolution}px over {gpu.name}'s dense throughput at "
             f"{cal.efficiency_for(gpu.spec) * 100:.0f}% efficiency (fitted on published speeds)"

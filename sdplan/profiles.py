@@ -5,8 +5,9 @@ a local profile store (``$SDPLAN_PROFILE_DIR``, else ``$XDG_DATA_HOME/sdplan/pro
 and GPUs when present. Every file is checked against its schema: unknown keys are rejected and every error in
 a file is reported at once (:class:`~sdplan.errors.ConfigError`). No torch here; loading is cached.
 
-GPU names are matched leniently (``rtx4090``, ``NVIDIA GeForce RTX 3060``, ``H100 SXM``); an unknown name is a
-:class:`~sdplan.errors.UsageError` listing the closest catalog names.
+GPU names are matched exactly after normalisation (``rtx4090``, ``NVIDIA GeForce RTX 3060``, ``H100 SXM``) or
+through a catalog alias, never by similarity: an unknown name is a :class:`~sdplan.errors.UsageError` that only
+suggests the closest catalog names.
 """
 
 from __future__ import annotations
@@ -476,8 +477,12 @@ class Profiles:
         return self.models[family]
 
     def find_gpu(self, name: str, memory_bytes: int | None = None) -> GPUSpec:
-        """Lenient catalog lookup: case, spaces, vendor words and punctuation do not matter."""
+        """Exact catalog lookup (case, spaces, vendor words and punctuation do not matter; see match_gpu)."""
         return find_gpu(self.gpus, name, memory_bytes)
+
+    def match_gpu(self, name: str, memory_bytes: int | None = None, count: int = 1) -> GPUMatch:
+        """find_gpu, plus the assumption made when a short name was planned as one of its form factors."""
+        return match_gpu(self.gpus, name, memory_bytes, count)
 
     def gpu_or_none(self, name: str | None, memory_bytes: int | None = None) -> GPUSpec | None:
         if not name:
@@ -489,6 +494,18 @@ class Profiles:
 
 
 # -- GPU name matching -----------------------------------------------------------------------------------
+#
+# Exact, never fuzzy: a name matches a catalog entry when its normalised form equals the normalised name or one
+# of the aliases in profiles/gpus.yaml. Near misses are only suggestions in the error. Three rules settle a name
+# that several entries share (NVML reports "NVIDIA GeForce RTX 3080" for the 10 GB and 12 GB cards; users type
+# "V100 16GB" or "A100 80GB" without the form factor):
+# 1. a probed card's memory (``memory_bytes``) picks the entry within MEMORY_TOLERANCE of it, nearest first; a
+#    probed card whose memory matches no entry of its name is a variant the catalog lacks: not matched;
+# 2. a memory size in the name ("V100 16GB", "A100 PCIe 80GB") keeps the entries of exactly that size;
+# 3. what is left must be form-factor variants (PCIe / SXM) of one GPU that plan alike: same memory and
+#    precisions, throughput and bandwidth within FORM_FACTOR_TOLERANCE, and (for several GPUs) the same
+#    GPU-to-GPU link. Then the slowest is planned and the match says so (``GPUMatch.assumption``); otherwise
+#    the name is ambiguous and the error lists the entries.
 
 _NOISE = (
     "nvidia",
@@ -501,7 +518,22 @@ _NOISE = (
     "generation",
     "founders",
     "edition",
+    "gpu",
 )
+
+MEMORY_TOLERANCE = (
+    0.10  # probed memory vs the marketing size: ECC and driver reserve take up to ~7% (T4: 15 GiB)
+)
+# throughput / bandwidth gap below which two form factors are planned alike: under the planner's own speed
+# uncertainty (issue 10 targets a 20% median speed error)
+FORM_FACTOR_TOLERANCE = 0.15
+_MEMORY = re.compile(r"mem(\d+)gb")
+
+
+@dataclass(frozen=True)
+class GPUMatch:
+    spec: GPUSpec
+    assumption: str | None = None  # set when a short name was planned as one of its form-factor variants
 
 
 @functools.lru_cache(maxsize=4096)
@@ -511,67 +543,134 @@ def normalise_gpu_name(name: str) -> str:
     for word in _NOISE:
         s = re.sub(rf"\b{word}\b", " ", s)
     s = s.replace("sxm5", "sxm").replace("sxm4", "sxm").replace("sxm2", "sxm")
-    s = re.sub(r"(\d+)\s*gb\b", r"\1gb", s)
-    s = re.sub(r"hbm\d?e?", " ", s)
+    s = re.sub(r"(\d+)\s*gb\b", r" mem\1gb ", s)  # "80GB" kept apart from "H100": "h100mem80gb"
     s = re.sub(r"[^a-z0-9]+", "", s)
     return s
 
 
-def find_gpu(gpus: tuple[GPUSpec, ...], name: str, memory_bytes: int | None = None) -> GPUSpec:
-    """The catalog GPU for a user- or driver-given name. ``memory_bytes`` (a probed card's VRAM) settles
-    names that several entries share (NVML reports "NVIDIA GeForce RTX 3080" for the 10 GB and 12 GB cards)."""
+def find_gpu(
+    gpus: tuple[GPUSpec, ...], name: str, memory_bytes: int | None = None, count: int = 1
+) -> GPUSpec:
+    """The catalog GPU for a user- or driver-given name (see match_gpu)."""
+    return match_gpu(gpus, name, memory_bytes, count).spec
+
+
+def match_gpu(
+    gpus: tuple[GPUSpec, ...], name: str, memory_bytes: int | None = None, count: int = 1
+) -> GPUMatch:
+    """The catalog entry a name denotes, exactly (normalised name or alias); ``memory_bytes`` (a probed card's
+    VRAM) settles names several entries share; ``count`` GPUs (link matters when > 1). Raises UsageError for an
+    unknown or ambiguous name, with suggestions; never returns a near miss."""
     query = normalise_gpu_name(name)
     if not query:
-        raise UsageError("empty GPU name", fix="name a GPU, e.g. 'RTX 4090' or '2x H100 SXM'")
-    index = _index(gpus)
-    exact = _by_memory(_unique(index.get(query, [])), memory_bytes)
-    if len(exact) == 1:
-        return exact[0]
-    # a name without its memory ("RTX 3060" for "RTX 3060 12GB"), or with extra words ("H100 80GB SXM")
-    partial = exact or _unique([g for key, gs in index.items() for g in gs if key.startswith(query)])
-    partial = _by_memory(partial, memory_bytes)
-    if len(partial) == 1:
-        return partial[0]
-    if len(partial) > 1:
-        names = ", ".join(sorted(g.name for g in partial))
-        raise UsageError(f"GPU name {name!r} is ambiguous", fix=f"one of: {names}")
-    stripped = re.sub(r"\d+gb", "", query)
-    if stripped != query:
-        cand = _unique([g for key, gs in index.items() for g in gs if re.sub(r"\d+gb", "", key) == stripped])
-        mem = re.search(r"(\d+)gb", query)
-        if mem:
-            cand = [g for g in cand if abs(g.memory_gib - int(mem.group(1))) <= 1] or cand
-        if len(cand) == 1:
-            return cand[0]
-    close = difflib.get_close_matches(query, list(index), n=4, cutoff=0.5)
-    names = _unique([index[c][0] for c in close])
-    hint = (
-        f"closest: {', '.join(g.name for g in names)}" if names else "see profiles/gpus.yaml for the catalog"
+        raise UsageError(f"empty GPU name {name!r}", fix="name a GPU, e.g. 'RTX 4090' or '2x H100 SXM'")
+    index, stripped = _index(gpus)
+    found = _unique(index.get(query, []))
+    if not found and _MEMORY.search(query):
+        size = int(_MEMORY.search(query).group(1))
+        same = _unique(stripped.get(_MEMORY.sub("", query), []))
+        found = [g for g in same if abs(g.memory_gib - size) < 1]
+    if not found:
+        raise UsageError(f"unknown GPU {name!r}", fix=_unknown_fix(query, index))
+    if memory_bytes is not None:
+        near = _by_memory(found, memory_bytes)
+        if not near:
+            sizes = ", ".join(f"{g.name} {g.memory_gib:g} GiB" for g in found)
+            raise UsageError(
+                f"GPU {name!r} with {memory_bytes / GiB:.1f} GiB is not in the catalog (it has {sizes})",
+                fix=_ADD_GPU,
+            )
+        found = near
+    if len(found) == 1:
+        return GPUMatch(found[0])
+    return _form_factor(name, found, count)
+
+
+_ADD_GPU = (
+    "add it to gpus.yaml in the local profile store ($SDPLAN_PROFILE_DIR) or to profiles/gpus.yaml, "
+    "or use --machine with a `sdplan doctor --json` snapshot"
+)
+
+
+def _unknown_fix(query: str, index: dict[str, list[GPUSpec]]) -> str:
+    keys = [k for k in index if query in k or k in query] + difflib.get_close_matches(
+        query, list(index), n=6, cutoff=0.6
     )
-    raise UsageError(f"unknown GPU {name!r}", fix=hint)
+    keys.sort(key=lambda k: -difflib.SequenceMatcher(None, query, k).ratio())
+    names = list(dict.fromkeys(g.name for k in keys for g in index[k]))[:4]
+    hint = f"did you mean: {', '.join(names)}? " if names else ""
+    return f"{hint}{_ADD_GPU}"
 
 
-_INDEX: dict[int, tuple[tuple[GPUSpec, ...], dict[str, list[GPUSpec]]]] = {}
+def _form_factor(name: str, found: list[GPUSpec], count: int) -> GPUMatch:
+    """Several entries of one name: form-factor variants that plan alike -> the slowest, with the assumption."""
+    options = ", ".join(sorted(g.name for g in found))
+    ambiguous = UsageError(f"GPU name {name!r} matches several catalog GPUs", fix=f"name one: {options}")
+    first = found[0]
+    alike = all(
+        g.memory_gib == first.memory_gib
+        and g.vendor == first.vendor
+        and g.arch == first.arch
+        and (g.bf16, g.fp16) == (first.bf16, first.fp16)
+        for g in found
+    )
+    if not alike:
+        raise ambiguous
+    for key in (lambda g: g.fp16_tflops, lambda g: g.bf16_tflops or 0.0, lambda g: g.memory_bandwidth_gbs):
+        values = [key(g) for g in found]
+        if max(values) and 1 - min(values) / max(values) > FORM_FACTOR_TOLERANCE:
+            raise ambiguous
+    if count > 1 and len({_link(g) for g in found}) > 1:
+        links = ", ".join(f"{g.name}: {_link(g)}" for g in sorted(found, key=lambda g: g.name))
+        raise UsageError(
+            f"GPU name {name!r} matches GPUs with different GPU-to-GPU links ({links}), "
+            f"which decides a {count}-GPU plan",
+            fix=f"name one: {options}",
+        )
+    spec = min(found, key=lambda g: (g.fp16_tflops, g.memory_bandwidth_gbs, g.name))
+    others = ", ".join(sorted(g.name for g in found if g is not spec))
+    return GPUMatch(
+        spec,
+        assumption=(
+            f"GPU {name!r} is {spec.name} or {others}: planned as {spec.name}, the slower (they differ by "
+            f"under {FORM_FACTOR_TOLERANCE:.0%} in throughput and bandwidth); name the exact one to plan for it"
+        ),
+    )
 
 
-def _index(gpus: tuple[GPUSpec, ...]) -> dict[str, list[GPUSpec]]:
-    """Normalised name/alias -> catalog entries (cached per catalog)."""
+def _link(g: GPUSpec) -> str:
+    if not g.interconnect:
+        return "PCIe"
+    return f"{g.interconnect['type']} {g.interconnect['bandwidth_gbs']:g} GB/s"
+
+
+_INDEX: dict[int, tuple[tuple[GPUSpec, ...], dict[str, list[GPUSpec]], dict[str, list[GPUSpec]]]] = {}
+
+
+def _index(gpus: tuple[GPUSpec, ...]) -> tuple[dict[str, list[GPUSpec]], dict[str, list[GPUSpec]]]:
+    """Normalised name/alias -> entries, and the same keys without their memory size (cached per catalog)."""
     hit = _INDEX.get(id(gpus))
     if hit is not None and hit[0] is gpus:
-        return hit[1]
+        return hit[1], hit[2]
     index: dict[str, list[GPUSpec]] = {}
+    stripped: dict[str, list[GPUSpec]] = {}
     for g in gpus:
-        for key in {normalise_gpu_name(n) for n in (g.name, *g.aliases)}:
+        keys = {normalise_gpu_name(n) for n in (g.name, *g.aliases)}
+        for key in keys:
             index.setdefault(key, []).append(g)
-    _INDEX[id(gpus)] = (gpus, index)
-    return index
+        for key in {_MEMORY.sub("", k) for k in keys}:
+            stripped.setdefault(key, []).append(g)
+    _INDEX[id(gpus)] = (gpus, index, stripped)
+    return index, stripped
 
 
-def _by_memory(gpus: list[GPUSpec], memory_bytes: int | None) -> list[GPUSpec]:
-    if memory_bytes is None or len(gpus) < 2:
-        return gpus
-    best = min(abs(g.memory_bytes - memory_bytes) for g in gpus)
-    return [g for g in gpus if abs(g.memory_bytes - memory_bytes) == best]
+def _by_memory(gpus: list[GPUSpec], memory_bytes: int) -> list[GPUSpec]:
+    """The entries whose memory is within MEMORY_TOLERANCE of a probed card's, the nearest ones."""
+    near = [g for g in gpus if abs(g.memory_bytes - memory_bytes) <= MEMORY_TOLERANCE * g.memory_bytes]
+    if not near:
+        return []
+    best = min(abs(g.memory_bytes - memory_bytes) for g in near)
+    return [g for g in near if abs(g.memory_bytes - memory_bytes) == best]
 
 
 def _unique(gpus: list[GPUSpec]) -> list[GPUSpec]:

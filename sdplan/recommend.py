@@ -87,8 +87,9 @@ def parse_hardware(text: str, profiles: Profiles) -> planner.Hardware:
         count, name = int(m.group(2)), m.group(1)
     if count < 1 or count > 64:
         raise UsageError(f"GPU count in {text!r} must be between 1 and 64")
-    spec = profiles.find_gpu(name)
-    return planner.hardware_from_catalog(spec, count)
+    match = profiles.match_gpu(name, count=count)
+    hw = planner.hardware_from_catalog(match.spec, count)
+    return replace(hw, notes=(match.assumption,)) if match.assumption else hw
 
 
 def hardware_from_machine(path: str | Path, profiles: Profiles) -> planner.Hardware:
