@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from sdplan import planner as P
-from sdplan.profiles import F, GiB, Profiles, _check, load_profiles, read_yaml
+from sdplan.profiles import METHODS, F, GiB, Profiles, _check, load_profiles, read_yaml
 
 VALIDATION_DIR = Path(__file__).resolve().parent / "validation"
 NO_LOCAL_STORE = Path(__file__).resolve().parent / "validation" / "no-local-store"  # never created
@@ -171,7 +171,7 @@ MEASURED_SCHEMA = {
 VALIDATION_POINT_SCHEMA = {
     "id": F((str,)),
     "family": F((str,), check=_one_of(*VALIDATION_FAMILIES)),
-    "method": F((str,), check=_one_of(*P.METHODS)),
+    "method": F((str,), check=_one_of(*METHODS)),
     "tool": F((str,)),
     "gpu": F((str, type(None))),
     "gpu_reported": F((str, type(None))),
