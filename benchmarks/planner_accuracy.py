@@ -605,7 +605,10 @@ def out_of_sample(prof: Profiles, points: list[Point]) -> dict:
             "peak_vram": _stats(_by(numeric, "peak VRAM")),
             "speed": _stats(_by(numeric, "it/s")),
             "fit_verdict": _agreement(verdicts),
-            "not_expressible": {"count": len(not_expressible), "by_reason": dict(sorted(reasons.items()))},
+            "not_expressible": {
+                "count": len(not_expressible),
+                "reasons": dict(sorted(reasons.items())),  # a point can have several
+            },
             "speed_without_catalog_gpu": no_speed,
         },
     }
@@ -713,9 +716,9 @@ def render(result: dict) -> str:
         f"host RAM |error|           {_fmt(ins['host_ram'])}",
         f"multi-GPU ratios |error|   {_fmt(ins['multi_gpu_ratio'])}",
         f"leave-one-source-out: speed {_fmt(ls['speed'])}; multi-GPU ratios {_fmt(ls['multi_gpu_ratio'])}",
-        f"validation set: {oos['points']} points from {oos['sources']} sources; not expressible "
-        f"{oos['not_expressible']['count']} {oos['not_expressible']['by_reason']}; "
-        f"speeds on GPUs outside the catalog: {oos['speed_without_catalog_gpu']}",
+        f"validation set: {oos['points']} points from {oos['sources']} sources; "
+        f"{oos['not_expressible']['count']} not expressible (reasons: {oos['not_expressible']['reasons']}); "
+        f"{oos['speed_without_catalog_gpu']} speeds on GPUs not named or not in the catalog",
     ]
     if "recommend_wall_time" in result:
         w = result["recommend_wall_time"]
