@@ -1,101 +1,624 @@
 #!/usr/bin/env python
-"""Predicted vs published/measured for every profile point, and the wall time of `sdplan recommend`.
+"""How right the planner is: in-sample (the profile points it is calibrated on) and out-of-sample (the
+independent validation set in benchmarks/validation/), reported separately.
 
-Prints one row per figure (memory peak, host RAM, it/s, multi-GPU ratios) with its error, the median and
-maximum absolute error, every "fits in X GB" check, and the recommend wall time (which must stay well under
-1 s with no torch import). Run: ``python benchmarks/planner_accuracy.py [--json]``.
+- in-sample: every published/measured point in profiles/methods (peak VRAM, host RAM, it/s, "fits in X GB"
+  claims, multi-GPU ratios), as the planner sees them;
+- leave-one-source-out: the calibration refitted (``planner.calibrate``) without each source's points, then
+  that source's speed figures predicted with it (the memory constants are module constants, not refitted);
+- out-of-sample: every point in benchmarks/validation/*.yaml evaluated at its stated configuration (not the
+  planner's choice): peak VRAM, it/s and the fit verdict (predicted peak within the card's memory vs the
+  reported fit / out-of-memory). Points the planner cannot express are counted with the reason.
+
+Run: ``python benchmarks/planner_accuracy.py [--json] [--no-timing]``. Only the shipped profiles are used
+(a local profile store would change the calibration). Every call into ``sdplan.planner`` is in
+:func:`predict` below, so it can be re-pointed when the planner's settings type changes.
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations`: tests load this file by path, and dataclasses with string
+# annotations need the module registered in sys.modules.
+import argparse
 import json
+import re
 import statistics
 import subprocess
 import sys
 import time
-from dataclasses import replace
+from collections import Counter
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
 
 from sdplan import planner as P
-from sdplan.profiles import GiB, load_profiles
+from sdplan.profiles import METHODS, F, GiB, Profiles, _check, load_profiles, read_yaml
+
+VALIDATION_DIR = Path(__file__).resolve().parent / "validation"
+NO_LOCAL_STORE = Path(__file__).resolve().parent / "validation" / "no-local-store"  # never created
+
+# -- the adapter: the only place that calls sdplan.planner --------------------------------------------------
+
+PLANNED_OPTIMIZERS = ("adamw", "adamw8bit", "adafactor")
+PLANNER_ATTENTION = {"xformers": "efficient", "sdpa": "efficient", "flash": "efficient", "none": "math"}
 
 
-def rows(profiles=None) -> tuple[list[dict], list[dict]]:
-    """(numeric comparisons, fits checks) for every point and multi-GPU observation."""
-    prof = profiles or load_profiles()
-    cal = P.calibrate(prof)
-    numeric, checks = [], []
+@dataclass(frozen=True)
+class Prediction:
+    peak_vram_bytes: float | None = None
+    host_ram_bytes: float | None = None
+    it_per_s: float | None = None
+    not_expressible: tuple[str, ...] = ()  # why the planner cannot express these settings (nothing predicted)
+    no_speed: str | None = None  # why no speed was predicted (GPU not named / not in the catalog)
+
+
+_CALIBRATIONS: dict[int, tuple[Profiles, Any]] = {}
+
+
+def predict(profiles: Profiles, point: "Point", *, interconnect: str = "pcie") -> Prediction:
+    """Peak VRAM per GPU, host RAM and micro-batch it/s the planner predicts for ``point``'s own settings."""
+    reasons = []
+    if point.family not in profiles.models:
+        reasons.append(f"family {point.family}: not planned")
+    if point.method not in P.METHODS:
+        reasons.append(f"method {point.method}: not planned")
+    if point.optimizer not in PLANNED_OPTIMIZERS:
+        reasons.append(f"optimizer {point.optimizer}: not modelled (only {', '.join(PLANNED_OPTIMIZERS)})")
+    if point.method == "lora" and point.lora_targets != "attn":
+        reasons.append(f"LoRA on {point.lora_targets}: only attention projections are modelled")
+    if point.method == "lora" and point.lora_rank is None:
+        reasons.append("LoRA rank not stated")
+    if point.attention not in PLANNER_ATTENTION:
+        reasons.append(f"attention {point.attention}: unknown backend")
+    reasons += list(point.unmodelled)
+    if reasons:
+        return Prediction(not_expressible=tuple(reasons))
+    setup = P.Setup(
+        method=point.method,
+        model=point.family,
+        resolution=point.resolution,
+        batch=point.batch,
+        grad_accum=point.grad_accum,
+        precision=point.precision,
+        gradient_checkpointing=point.gradient_checkpointing,
+        optimizer=point.optimizer,
+        cache_latents=point.cache_latents,
+        cache_text_encoder_outputs=point.cache_text_encoder_outputs,
+        train_text_encoder=point.train_text_encoder,
+        attention=PLANNER_ATTENTION[point.attention],
+        deepspeed=point.deepspeed,
+        ema=point.ema,
+        lora_rank=point.lora_rank or 16,
+        prior_preservation=point.prior_preservation,
+        fused_backward=point.fused_backward,
+        full_half_weights=point.full_half_weights,
+        num_gpus=point.num_gpus,
+    )
+    mem = P.memory(profiles, setup)
+    spec = next((g for g in profiles.gpus if g.name == point.gpu), None) if point.gpu else None
+    if spec is None:
+        why = f"GPU {point.gpu_reported!r} not in the catalog" if point.gpu_reported else "GPU not named"
+        return Prediction(peak_vram_bytes=mem.peak, host_ram_bytes=mem.ram, no_speed=why)
+    cached = _CALIBRATIONS.get(id(profiles))
+    if cached is None or cached[0] is not profiles:
+        cached = _CALIBRATIONS[id(profiles)] = (profiles, P.calibrate(profiles))
+    link = P._link_gbs_for(spec, interconnect) if point.num_gpus > 1 else None
+    step = P.step_seconds(profiles, setup, spec, cached[1], link_gbs=link)
+    return Prediction(peak_vram_bytes=mem.peak, host_ram_bytes=mem.ram, it_per_s=1.0 / step if step else None)
+
+
+# -- one description of a training configuration and what was observed --------------------------------------
+
+
+@dataclass(frozen=True)
+class Point:
+    id: str
+    family: str
+    method: str
+    resolution: int
+    batch: int
+    grad_accum: int
+    precision: str
+    gradient_checkpointing: bool
+    optimizer: str
+    cache_latents: bool
+    train_text_encoder: bool
+    attention: str
+    source: str  # the document (a URL for validation points, the reference text for profile points)
+    gpu: str | None = None  # exact catalog name
+    gpu_reported: str | None = None
+    gpu_memory_gib: float | None = None
+    num_gpus: int = 1
+    full_half_weights: bool = False
+    cache_text_encoder_outputs: bool = False
+    lora_rank: int | None = None
+    lora_targets: str | None = None
+    prior_preservation: bool = False
+    ema: str | None = None
+    deepspeed: dict | None = None
+    fused_backward: bool = False
+    unmodelled: tuple[str, ...] = ()
+    peak_vram_gib: float | None = None
+    ram_gib: float | None = None
+    it_s: float | None = None
+    fit_claims: tuple[tuple[float, bool], ...] = ()  # (card memory GiB, fits)
+    quote: str = ""
+    assumed: tuple[str, ...] = ()
+
+
+# -- the validation set: schema and loader -------------------------------------------------------------------
+
+VALIDATION_FAMILIES = ("sd15", "sd21", "sdxl", "sd35", "flux")
+LORA_TARGETS = ("attn", "attn+ff", "attn+ff+conv")
+ATTENTION_NAMES = ("xformers", "sdpa", "flash", "none")
+
+
+def _one_of(*choices: Any):
+    return lambda v: None if v in choices else f"must be one of {', '.join(map(str, choices))}, got {v!r}"
+
+
+def _positive(v: Any) -> str | None:
+    return None if v > 0 else "must be > 0"
+
+
+B = (bool,)
+OPT_NUM = (int, float, type(None))
+MEASURED_SCHEMA = {
+    "peak_vram_gib": F(OPT_NUM, check=_positive),
+    "peak_vram_reported": F((str, type(None))),
+    "it_s": F(OPT_NUM, check=_positive),
+    "speed_reported": F((str, type(None))),
+    "fits": F((bool, type(None))),
+}
+VALIDATION_POINT_SCHEMA = {
+    "id": F((str,)),
+    "family": F((str,), check=_one_of(*VALIDATION_FAMILIES)),
+    "method": F((str,), check=_one_of(*METHODS)),
+    "tool": F((str,)),
+    "gpu": F((str, type(None))),
+    "gpu_reported": F((str, type(None))),
+    "gpu_in_catalog": F(B),
+    "gpu_memory_gib": F(OPT_NUM, check=_positive),
+    "num_gpus": F((int,), check=_positive),
+    "resolution": F((int,), check=_positive),
+    "batch": F((int,), check=_positive),
+    "grad_accum": F((int,), check=_positive),
+    "precision": F((str,), check=_one_of("fp32", "fp16", "bf16")),
+    "full_half_weights": F(B),
+    "gradient_checkpointing": F(B),
+    "optimizer": F((str,)),
+    "cache_latents": F(B),
+    "cache_text_encoder_outputs": F(B),
+    "train_text_encoder": F(B),
+    "lora_rank": F((int, type(None)), check=_positive),
+    "lora_targets": F((str, type(None)), check=_one_of(*LORA_TARGETS)),
+    "attention": F((str,), check=_one_of(*ATTENTION_NAMES)),
+    "prior_preservation": F(B),
+    "ema": F((str, type(None)), check=_one_of("gpu", "cpu")),
+    "deepspeed": F(
+        (dict, type(None)),
+        required=False,
+        sub={"zero_stage": F((int,), check=_one_of(1, 2, 3)), "offload_optimizer": F(B)},
+    ),
+    "unmodelled": F((list,), required=False, item=F((str,))),
+    "measured": F((dict,), sub=MEASURED_SCHEMA),
+    "source": F((dict,), sub={"url": F((str,)), "quote": F((str,))}),
+    "assumed": F((list,), item=F((str,))),
+    "note": F((str,), required=False),
+}
+VALIDATION_FILE_SCHEMA = {
+    "schema_version": F((int,), check=_one_of(1)),
+    "points": F((list,), item=F((dict,), sub=VALIDATION_POINT_SCHEMA)),
+}
+
+
+class ValidationError(Exception):
+    """A validation file that does not match the schema (README.md in benchmarks/validation/)."""
+
+
+def load_validation(folder: Path = VALIDATION_DIR, profiles: Profiles | None = None) -> list[Point]:
+    """Every point of every ``*.yaml`` in ``folder``, checked against the schema and the GPU catalog."""
+    prof = profiles or shipped_profiles()
+    catalog = {g.name: g for g in prof.gpus}
+    errors: list[str] = []
+    points: list[Point] = []
+    seen: set[str] = set()
+    files = sorted(folder.glob("*.yaml"))
+    if not files:
+        raise ValidationError(f"{folder}: no validation files (*.yaml)")
+    for path in files:
+        data = read_yaml(path)
+        file_errors: list[str] = []
+        _check(data, VALIDATION_FILE_SCHEMA, "", file_errors)
+        if file_errors:
+            errors += [f"{path.name}: {e}" for e in file_errors]
+            continue
+        for i, d in enumerate(data["points"]):
+            where = f"{path.name}: points[{i}] ({d['id']})"
+            errors += [f"{where}: {e}" for e in _point_errors(d, catalog)]
+            if d["id"] in seen:
+                errors.append(f"{where}: duplicate id")
+            seen.add(d["id"])
+            points.append(_point_from_yaml(d))
+    if errors:
+        raise ValidationError("\n".join(errors))
+    return points
+
+
+def _point_errors(d: dict, catalog: dict) -> list[str]:
+    errors = []
+    m = d["measured"]
+    if all(m.get(k) is None for k in ("peak_vram_gib", "it_s", "fits")):
+        errors.append("measured: records nothing (peak_vram_gib, it_s or fits)")
+    if not d["source"]["url"].startswith(("https://", "http://")):
+        errors.append("source.url: must be a URL")
+    if not d["source"]["quote"].strip() or len(d["source"]["quote"]) > 300:
+        errors.append("source.quote: must be a short exact quote (1-300 characters)")
+    if d["gpu_in_catalog"]:
+        spec = catalog.get(d["gpu"])
+        if spec is None:
+            errors.append(f"gpu: {d['gpu']!r} is not a catalog name (profiles/gpus.yaml)")
+        elif d["gpu_memory_gib"] != spec.memory_gib:
+            errors.append(
+                f"gpu_memory_gib: {d['gpu_memory_gib']} differs from the catalog's {spec.memory_gib}"
+            )
+    elif d["gpu"] is not None:
+        errors.append("gpu: must be null when gpu_in_catalog is false (keep the name in gpu_reported)")
+    if (d["method"] == "lora") != (d["lora_targets"] is not None):
+        errors.append("lora_targets: set for LoRA points only")
+    unknown = [
+        a for a in d["assumed"] if a not in VALIDATION_POINT_SCHEMA or a in ("id", "source", "measured")
+    ]
+    if unknown:
+        errors.append(f"assumed: not setting names: {', '.join(unknown)}")
+    return errors
+
+
+def _point_from_yaml(d: dict) -> Point:
+    m = d["measured"]
+    claims = (
+        ((float(d["gpu_memory_gib"]), m["fits"]),) if d["gpu_memory_gib"] and m["fits"] is not None else ()
+    )
+    return Point(
+        id=d["id"],
+        family=d["family"],
+        method=d["method"],
+        resolution=d["resolution"],
+        batch=d["batch"],
+        grad_accum=d["grad_accum"],
+        precision=d["precision"],
+        gradient_checkpointing=d["gradient_checkpointing"],
+        optimizer=d["optimizer"],
+        cache_latents=d["cache_latents"],
+        train_text_encoder=d["train_text_encoder"],
+        attention=d["attention"],
+        source=d["source"]["url"],
+        gpu=d["gpu"],
+        gpu_reported=d["gpu_reported"],
+        gpu_memory_gib=d["gpu_memory_gib"],
+        num_gpus=d["num_gpus"],
+        full_half_weights=d["full_half_weights"],
+        cache_text_encoder_outputs=d["cache_text_encoder_outputs"],
+        lora_rank=d["lora_rank"],
+        lora_targets=d["lora_targets"],
+        prior_preservation=d["prior_preservation"],
+        ema=d["ema"],
+        deepspeed=d.get("deepspeed"),
+        unmodelled=tuple(d.get("unmodelled") or ()),
+        peak_vram_gib=m["peak_vram_gib"],
+        it_s=m["it_s"],
+        fit_claims=claims,
+        quote=d["source"]["quote"],
+        assumed=tuple(d["assumed"]),
+    )
+
+
+# -- the calibration points as Points -------------------------------------------------------------------------
+
+
+def shipped_profiles() -> Profiles:
+    """The shipped profiles only: a local profile store would change the calibration being measured."""
+    return load_profiles(local=NO_LOCAL_STORE)
+
+
+def source_key(source: str) -> str:
+    """The document a profile point's source text names: its text up to the first ',', ':' or '('."""
+    return re.split(r"[,:(]", source, maxsplit=1)[0].strip()
+
+
+def profile_points(prof: Profiles) -> list[Point]:
+    out = []
     for p in prof.points:
-        s = P.setup_from_point(p)
-        m = P.memory(prof, s)
-        o = p.outcome
-        if o.get("peak_vram_gib"):
-            numeric.append(_row(p.id, "peak VRAM GiB", m.peak / GiB, o["peak_vram_gib"], p.source))
-        if o.get("ram_gib"):
-            numeric.append(_row(p.id, "host RAM GiB", m.ram / GiB, o["ram_gib"], p.source))
-        if o.get("it_s"):
-            spec = prof.gpu_or_none(p.gpu)
-            st = P.step_seconds(prof, s, spec, cal)
-            numeric.append(_row(p.id, f"it/s on {spec.name}", 1.0 / st, o["it_s"], p.source))
-        if o.get("max_vram_gib"):
-            checks.append(
-                {
-                    "id": p.id,
-                    "claim": f"fits in {o['max_vram_gib']} GB",
-                    "predicted_gib": round(m.peak / GiB, 2),
-                    "ok": m.peak / GiB <= o["max_vram_gib"],
-                }
+        o, spec = p.options, prof.gpu_or_none(p.gpu)
+        claims = []
+        if p.outcome.get("max_vram_gib"):
+            claims.append((float(p.outcome["max_vram_gib"]), True))
+        if p.outcome.get("exceeds_vram_gib"):
+            claims.append((float(p.outcome["exceeds_vram_gib"]), False))
+        out.append(
+            Point(
+                id=p.id,
+                family=p.model,
+                method=p.method,
+                resolution=p.resolution,
+                batch=p.batch,
+                grad_accum=p.grad_accum,
+                precision=p.precision,
+                gradient_checkpointing=o.gradient_checkpointing,
+                optimizer=o.optimizer,
+                cache_latents=o.cache_latents,
+                train_text_encoder=o.train_text_encoder,
+                attention="none" if o.attention == "math" else o.attention,
+                source=p.source,
+                gpu=spec.name if spec else None,
+                gpu_reported=p.gpu,
+                gpu_memory_gib=spec.memory_gib if spec else p.gpu_memory_gib,
+                num_gpus=p.num_gpus,
+                full_half_weights=o.full_half_weights,
+                cache_text_encoder_outputs=o.cache_text_encoder_outputs,
+                lora_rank=(o.lora_rank or 16) if p.method == "lora" else None,
+                lora_targets="attn" if p.method == "lora" else None,
+                prior_preservation=o.prior_preservation,
+                ema=o.ema,
+                deepspeed=o.deepspeed,
+                fused_backward=o.fused_backward,
+                peak_vram_gib=p.outcome.get("peak_vram_gib"),
+                ram_gib=p.outcome.get("ram_gib"),
+                it_s=p.outcome.get("it_s"),
+                fit_claims=tuple(claims),
             )
-        if o.get("exceeds_vram_gib"):
-            checks.append(
-                {
-                    "id": p.id,
-                    "claim": f"does not fit in {o['exceeds_vram_gib']} GB",
-                    "predicted_gib": round(m.peak / GiB, 2),
-                    "ok": m.peak / GiB > o["exceeds_vram_gib"],
-                }
-            )
-    for mg in prof.multi_gpu:
-        spec = prof.gpu_or_none(mg.gpu)
-        s1 = P.Setup(
-            method=mg.method,
-            model=mg.model,
-            resolution=mg.resolution,
-            precision=mg.precision,
-            gradient_checkpointing=mg.options.gradient_checkpointing,
-            optimizer=mg.options.optimizer,
-            cache_latents=mg.options.cache_latents,
-            lora_rank=mg.options.lora_rank or 16,
-            full_half_weights=mg.options.full_half_weights,
         )
-        link = P._link_gbs_for(spec, mg.interconnect)
-        t1 = P.step_seconds(prof, s1, spec, cal)
-        tn = P.step_seconds(prof, replace(s1, num_gpus=mg.num_gpus), spec, cal, link_gbs=link)
-        if mg.outcome.get("iteration_time_ratio"):
-            numeric.append(
-                _row(mg.id, "iteration time ratio", tn / t1, mg.outcome["iteration_time_ratio"], mg.source)
-            )
-        if mg.outcome.get("run_time_ratio"):
-            numeric.append(
-                _row(
-                    mg.id,
-                    "run time ratio (normalised)",
-                    tn / t1 / mg.num_gpus,
-                    mg.outcome["run_time_ratio"],
-                    mg.source,
-                )
-            )
-    return numeric, checks
+    return out
 
 
-def _row(pid: str, what: str, predicted: float, published: float, source: str) -> dict:
+@dataclass(frozen=True)
+class MultiGPU:
+    id: str
+    point: Point  # one-GPU configuration
+    num_gpus: int
+    interconnect: str
+    iteration_time_ratio: float | None
+    run_time_ratio: float | None
+    source: str
+
+
+def multi_gpu_observations(prof: Profiles) -> list[MultiGPU]:
+    out = []
+    for m in prof.multi_gpu:
+        o, spec = m.options, prof.gpu_or_none(m.gpu)
+        one = Point(
+            id=m.id,
+            family=m.model,
+            method=m.method,
+            resolution=m.resolution,
+            batch=1,
+            grad_accum=1,
+            precision=m.precision,
+            gradient_checkpointing=o.gradient_checkpointing,
+            optimizer=o.optimizer,
+            cache_latents=o.cache_latents,
+            train_text_encoder=o.train_text_encoder,
+            attention="none" if o.attention == "math" else o.attention,
+            source=m.source,
+            gpu=spec.name if spec else None,
+            gpu_reported=m.gpu,
+            full_half_weights=o.full_half_weights,
+            lora_rank=(o.lora_rank or 16) if m.method == "lora" else None,
+            lora_targets="attn" if m.method == "lora" else None,
+        )
+        out.append(
+            MultiGPU(
+                id=m.id,
+                point=one,
+                num_gpus=m.num_gpus,
+                interconnect=m.interconnect,
+                iteration_time_ratio=m.outcome.get("iteration_time_ratio"),
+                run_time_ratio=m.outcome.get("run_time_ratio"),
+                source=m.source,
+            )
+        )
+    return out
+
+
+# -- comparisons -----------------------------------------------------------------------------------------------
+
+
+def _row(pid: str, quantity: str, predicted: float, published: float, source: str) -> dict:
     return {
         "id": pid,
-        "quantity": what,
+        "quantity": quantity,
         "predicted": round(predicted, 3),
         "published": published,
         "error_pct": round(100.0 * (predicted - published) / published, 1),
         "source": source,
     }
+
+
+def point_rows(prof: Profiles, pt: Point) -> tuple[list[dict], list[dict], Prediction]:
+    """(numeric rows, fit-verdict rows, prediction) for one point at its own settings."""
+    pred = predict(prof, pt)
+    numeric, verdicts = [], []
+    if pred.not_expressible:
+        return numeric, verdicts, pred
+    peak_gib = pred.peak_vram_bytes / GiB
+    if pt.peak_vram_gib:
+        numeric.append(_row(pt.id, "peak VRAM GiB", peak_gib, pt.peak_vram_gib, pt.source))
+    if pt.ram_gib:
+        numeric.append(_row(pt.id, "host RAM GiB", pred.host_ram_bytes / GiB, pt.ram_gib, pt.source))
+    if pt.it_s and pred.it_per_s:
+        numeric.append(_row(pt.id, f"it/s on {pt.gpu}", pred.it_per_s, pt.it_s, pt.source))
+    for memory_gib, fits in pt.fit_claims:
+        predicted_fits = peak_gib <= memory_gib
+        verdicts.append(
+            {
+                "id": pt.id,
+                "claim": f"{'fits' if fits else 'does not fit'} in {memory_gib:g} GB",
+                "predicted_gib": round(peak_gib, 2),
+                "predicted_fits": predicted_fits,
+                "reported_fits": fits,
+                "agree": predicted_fits == fits,
+                "source": pt.source,
+            }
+        )
+    return numeric, verdicts, pred
+
+
+def multi_gpu_rows(prof: Profiles, mg: MultiGPU) -> list[dict]:
+    one = predict(prof, mg.point)
+    many = predict(prof, replace(mg.point, num_gpus=mg.num_gpus), interconnect=mg.interconnect)
+    if not one.it_per_s or not many.it_per_s:
+        return []
+    ratio = one.it_per_s / many.it_per_s  # iteration time with N GPUs / with one
+    rows = []
+    if mg.iteration_time_ratio:
+        rows.append(_row(mg.id, "multi-GPU iteration time ratio", ratio, mg.iteration_time_ratio, mg.source))
+    if mg.run_time_ratio:
+        rows.append(
+            _row(mg.id, "multi-GPU run time ratio", ratio / mg.num_gpus, mg.run_time_ratio, mg.source)
+        )
+    return rows
+
+
+def _stats(rows: list[dict]) -> dict:
+    errors = [abs(r["error_pct"]) for r in rows]
+    return {
+        "n": len(errors),
+        "median_abs_error_pct": round(statistics.median(errors), 1) if errors else None,
+        "max_abs_error_pct": round(max(errors), 1) if errors else None,
+    }
+
+
+def _agreement(verdicts: list[dict]) -> dict:
+    agree = sum(v["agree"] for v in verdicts)
+    return {
+        "agree": agree,
+        "total": len(verdicts),
+        "agreement_pct": round(100.0 * agree / len(verdicts), 1) if verdicts else None,
+    }
+
+
+def _by(rows: list[dict], prefix: str) -> list[dict]:
+    return [r for r in rows if r["quantity"].startswith(prefix)]
+
+
+def in_sample(prof: Profiles) -> dict:
+    numeric, verdicts = [], []
+    for pt in profile_points(prof):
+        n, v, _ = point_rows(prof, pt)
+        numeric += n
+        verdicts += v
+    for mg in multi_gpu_observations(prof):
+        numeric += multi_gpu_rows(prof, mg)
+    return {
+        "figures": numeric,
+        "fit_verdicts": verdicts,
+        "summary": {
+            "peak_vram": _stats(_by(numeric, "peak VRAM")),
+            "host_ram": _stats(_by(numeric, "host RAM")),
+            "speed": _stats(_by(numeric, "it/s")),
+            "multi_gpu_ratio": _stats(_by(numeric, "multi-GPU")),
+            "fit_verdict": _agreement(verdicts),
+        },
+    }
+
+
+def rows(profiles: Profiles | None = None) -> tuple[list[dict], list[dict]]:
+    """In-sample (numeric comparisons, "fits in X GB" checks) for every profile point and multi-GPU run."""
+    result = in_sample(profiles or shipped_profiles())
+    checks = [
+        {"id": v["id"], "claim": v["claim"], "predicted_gib": v["predicted_gib"], "ok": v["agree"]}
+        for v in result["fit_verdicts"]
+    ]
+    return result["figures"], checks
+
+
+def leave_one_source_out(prof: Profiles) -> dict:
+    """Each calibration source's figures predicted by a calibration fitted without that source."""
+    points, observations = profile_points(prof), multi_gpu_observations(prof)
+    keys = sorted({source_key(p.source) for p in points} | {source_key(m.source) for m in observations})
+    rows: list[dict] = []
+    for key in keys:
+        without = replace(
+            prof,
+            points=tuple(p for p in prof.points if source_key(p.source) != key),
+            multi_gpu=tuple(m for m in prof.multi_gpu if source_key(m.source) != key),
+        )
+        for pt in points:
+            if source_key(pt.source) == key:
+                rows += [
+                    dict(r, left_out=key)
+                    for r in point_rows(without, pt)[0]
+                    if r["quantity"].startswith("it/s")
+                ]
+        for mg in observations:
+            if source_key(mg.source) == key:
+                rows += [dict(r, left_out=key) for r in multi_gpu_rows(without, mg)]
+    return {
+        "sources": keys,
+        "figures": rows,
+        "summary": {"speed": _stats(_by(rows, "it/s")), "multi_gpu_ratio": _stats(_by(rows, "multi-GPU"))},
+        "note": (
+            "calibrate() fits only the speed efficiencies and the link efficiency; the memory constants are "
+            "module constants of sdplan.planner, so peak VRAM is unchanged by leaving a source out"
+        ),
+    }
+
+
+def out_of_sample(prof: Profiles, points: list[Point]) -> dict:
+    numeric, verdicts, per_point = [], [], []
+    not_expressible: list[dict] = []
+    no_speed = 0
+    for pt in points:
+        n, v, pred = point_rows(prof, pt)
+        numeric += n
+        verdicts += v
+        if pred.not_expressible:
+            not_expressible.append({"id": pt.id, "reasons": list(pred.not_expressible), "source": pt.source})
+        elif pt.it_s and pred.no_speed:
+            no_speed += 1
+        per_point.append(
+            {
+                "id": pt.id,
+                "family": pt.family,
+                "method": pt.method,
+                "gpu": pt.gpu or pt.gpu_reported,
+                "predicted_peak_vram_gib": round(pred.peak_vram_bytes / GiB, 2)
+                if pred.peak_vram_bytes
+                else None,
+                "measured_peak_vram_gib": pt.peak_vram_gib,
+                "predicted_it_s": round(pred.it_per_s, 3) if pred.it_per_s else None,
+                "measured_it_s": pt.it_s,
+                "reported_fits": pt.fit_claims[0][1] if pt.fit_claims else None,
+                "not_expressible": list(pred.not_expressible),
+                "no_speed": pred.no_speed if pt.it_s else None,
+                "assumed": list(pt.assumed),
+                "source": pt.source,
+            }
+        )
+    reasons = Counter(_reason_kind(r) for ne in not_expressible for r in ne["reasons"])
+    return {
+        "points": per_point,
+        "figures": numeric,
+        "fit_verdicts": verdicts,
+        "not_expressible": not_expressible,
+        "summary": {
+            "points": len(points),
+            "sources": len({pt.source for pt in points}),
+            "peak_vram": _stats(_by(numeric, "peak VRAM")),
+            "speed": _stats(_by(numeric, "it/s")),
+            "fit_verdict": _agreement(verdicts),
+            "not_expressible": {
+                "count": len(not_expressible),
+                "reasons": dict(sorted(reasons.items())),  # a point can have several
+            },
+            "speed_without_catalog_gpu": no_speed,
+        },
+    }
+
+
+def _reason_kind(reason: str) -> str:
+    for kind in ("family", "method", "optimizer", "LoRA on", "LoRA rank", "attention"):
+        if reason.startswith(kind):
+            return kind.replace(" on", " targets")
+    return "unmodelled feature"
 
 
 def recommend_wall_time(runs: int = 3) -> dict:
@@ -129,36 +652,95 @@ def recommend_wall_time(runs: int = 3) -> dict:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    numeric, checks = rows()
-    errors = [abs(r["error_pct"]) for r in numeric]
-    wall = recommend_wall_time()
-    summary = {
-        "median_abs_error_pct": round(statistics.median(errors), 1) if errors else None,
-        "max_abs_error_pct": round(max(errors), 1) if errors else None,
-        "fits_checks_passed": f"{sum(c['ok'] for c in checks)}/{len(checks)}",
-        "recommend_wall_time": wall,
+def report(timing: bool = True, folder: Path = VALIDATION_DIR) -> dict:
+    prof = shipped_profiles()
+    result = {
+        "in_sample": in_sample(prof),
+        "leave_one_source_out": leave_one_source_out(prof),
+        "out_of_sample": out_of_sample(prof, load_validation(folder, prof)),
     }
-    if "--json" in argv:
-        print(json.dumps({"figures": numeric, "checks": checks, "summary": summary}, indent=2))
-        return 0
-    print(f"{'point':38s} {'quantity':30s} {'predicted':>10s} {'published':>10s} {'error':>8s}")
-    for r in numeric:
-        print(
-            f"{r['id']:38s} {r['quantity']:30s} {r['predicted']:10.3f} {r['published']:10.3f} {r['error_pct']:+7.1f}%"
+    if timing:
+        result["recommend_wall_time"] = recommend_wall_time()
+    return result
+
+
+# -- rendering -----------------------------------------------------------------------------------------------
+
+
+def _fmt(s: dict) -> str:
+    if not s["n"]:
+        return "n=0"
+    return f"median {s['median_abs_error_pct']}%, max {s['max_abs_error_pct']}% (n={s['n']})"
+
+
+def _fmt_agree(a: dict) -> str:
+    return f"{a['agree']}/{a['total']} ({a['agreement_pct']}%)" if a["total"] else "0/0"
+
+
+def render(result: dict) -> str:
+    lines = []
+    for title, part in (
+        ("IN-SAMPLE (profile points)", "in_sample"),
+        ("OUT-OF-SAMPLE (validation set)", "out_of_sample"),
+    ):
+        lines += [
+            f"== {title}",
+            f"{'point':44s} {'quantity':32s} {'predicted':>10s} {'measured':>10s} {'error':>8s}",
+        ]
+        for r in result[part]["figures"]:
+            lines.append(
+                f"{r['id']:44s} {r['quantity']:32s} {r['predicted']:10.3f} {r['published']:10.3f} {r['error_pct']:+7.1f}%"
+            )
+        for v in result[part]["fit_verdicts"]:
+            mark = "ok " if v["agree"] else "NO "
+            lines.append(f"{mark} {v['id']:44s} {v['claim']:26s} predicted {v['predicted_gib']:.2f} GiB")
+        lines.append("")
+    loso = result["leave_one_source_out"]
+    lines.append("== LEAVE-ONE-SOURCE-OUT (calibration refitted without the source)")
+    for r in loso["figures"]:
+        lines.append(
+            f"{r['id']:44s} {r['quantity']:32s} {r['predicted']:10.3f} {r['published']:10.3f} {r['error_pct']:+7.1f}%"
         )
-    print()
-    for c in checks:
-        print(
-            f"{'ok ' if c['ok'] else 'NO '} {c['id']:38s} {c['claim']:28s} predicted {c['predicted_gib']:.2f} GiB"
+    lines += [f"({loso['note']})", ""]
+    ne = result["out_of_sample"]["not_expressible"]
+    lines.append(f"== NOT EXPRESSIBLE by the planner ({len(ne)} validation points)")
+    for n in ne:
+        lines.append(f"{n['id']:44s} {'; '.join(n['reasons'])}")
+    lines.append("")
+    ins, oos, ls = result["in_sample"]["summary"], result["out_of_sample"]["summary"], loso["summary"]
+    lines += [
+        "== SUMMARY                  in-sample                          out-of-sample",
+        f"peak VRAM |error|          {_fmt(ins['peak_vram']):34s} {_fmt(oos['peak_vram'])}",
+        f"speed (it/s) |error|       {_fmt(ins['speed']):34s} {_fmt(oos['speed'])}",
+        f"fit verdict agreement      {_fmt_agree(ins['fit_verdict']):34s} {_fmt_agree(oos['fit_verdict'])}",
+        f"host RAM |error|           {_fmt(ins['host_ram'])}",
+        f"multi-GPU ratios |error|   {_fmt(ins['multi_gpu_ratio'])}",
+        f"leave-one-source-out: speed {_fmt(ls['speed'])}; multi-GPU ratios {_fmt(ls['multi_gpu_ratio'])}",
+        f"validation set: {oos['points']} points from {oos['sources']} sources; "
+        f"{oos['not_expressible']['count']} not expressible (reasons: {oos['not_expressible']['reasons']}); "
+        f"{oos['speed_without_catalog_gpu']} speeds on GPUs not named or not in the catalog",
+    ]
+    if "recommend_wall_time" in result:
+        w = result["recommend_wall_time"]
+        lines.append(
+            f"sdplan recommend wall time: median {w['median_s']} s over {len(w['runs'])} runs; "
+            f"torch imported: {w['torch_imported']}"
         )
-    print()
-    print(f"median |error| {summary['median_abs_error_pct']}%, max |error| {summary['max_abs_error_pct']}%")
-    print(f"fits checks: {summary['fits_checks_passed']}")
-    print(
-        f"sdplan recommend wall time: median {wall['median_s']} s over {len(wall['runs'])} runs; torch imported: {wall['torch_imported']}"
-    )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="print the whole report as JSON")
+    parser.add_argument("--no-timing", action="store_true", help="skip timing `sdplan recommend`")
+    parser.add_argument("--validation-dir", type=Path, default=VALIDATION_DIR, help=argparse.SUPPRESS)
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        result = report(timing=not args.no_timing, folder=args.validation_dir)
+    except ValidationError as e:
+        print(f"benchmarks/validation: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(result, indent=2) if args.json else render(result))
     return 0
 
 
