@@ -31,6 +31,7 @@ from typing import Any
 
 from sdplan import planner as P
 from sdplan.profiles import METHODS, F, GiB, Profiles, _check, load_profiles, read_yaml
+from sdplan.settings import Settings
 
 VALIDATION_DIR = Path(__file__).resolve().parent / "validation"
 NO_LOCAL_STORE = Path(__file__).resolve().parent / "validation" / "no-local-store"  # never created
@@ -38,7 +39,13 @@ NO_LOCAL_STORE = Path(__file__).resolve().parent / "validation" / "no-local-stor
 # -- the adapter: the only place that calls sdplan.planner --------------------------------------------------
 
 PLANNED_OPTIMIZERS = ("adamw", "adamw8bit", "adafactor")
-PLANNER_ATTENTION = {"xformers": "efficient", "sdpa": "efficient", "flash": "efficient", "none": "math"}
+PLANNER_ATTENTION = {
+    "xformers": "efficient",
+    "sdpa": "efficient",
+    "flash": "efficient",
+    "efficient": "efficient",
+    "none": "math",
+}
 
 
 @dataclass(frozen=True)
@@ -71,7 +78,7 @@ def predict(profiles: Profiles, point: "Point", *, interconnect: str = "pcie") -
     reasons += list(point.unmodelled)
     if reasons:
         return Prediction(not_expressible=tuple(reasons))
-    setup = P.Setup(
+    setup = Settings(
         method=point.method,
         model=point.family,
         resolution=point.resolution,

@@ -102,9 +102,6 @@ class Request:
     class_images: int = 0
 
 
-Setup = Settings  # the configuration the model predicts (older name, still used by benchmarks/)
-
-
 @dataclass(frozen=True)
 class Memory:
     """Predicted peak bytes per GPU, with its parts, and host RAM."""
