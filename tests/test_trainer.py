@@ -384,8 +384,10 @@ def test_sdxl_every_method(method, tiny_sdxl, dataset, tmp_path):
         assert meta["ss_base_model_version"] == "sdxl_base_v1-0"
     if method == "textual-inversion":
         from safetensors.torch import load_file
+        from sdplan.trainer import export
 
-        assert set(load_file(str(out / "learned_embeds.safetensors"))) == {"clip_l", "clip_g"}
+        embedding = out / f"{export.output_name(cfg.output.name, out)}.safetensors"  # named after the run
+        assert set(load_file(str(embedding))) == {"clip_l", "clip_g"}
 
 
 # -- resume, interrupts, failures -----------------------------------------------------------------------------
