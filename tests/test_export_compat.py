@@ -304,7 +304,7 @@ def _dataset(root: Path):
     ]
 
 
-def test_dataset_info_counts_as_kohya_does(tmp_path):
+def test_dataset_info_counts_as_kohya_does(tmp_path, monkeypatch):
     info = export.dataset_info(_dataset(tmp_path), tmp_path, bucket_rows=[
         {"bucket": 4, "width": 512, "height": 512, "aspect": 1.0, "images": 2, "samples": 20},
         {"bucket": 7, "width": 576, "height": 448, "aspect": 1.286, "images": 1, "samples": 3},
@@ -321,6 +321,10 @@ def test_dataset_info_counts_as_kohya_does(tmp_path):
     assert info["bucket_info"]["buckets"]["1"] == {"resolution": [576, 448], "count": 3}
     flat = export.dataset_info(_dataset(tmp_path)[:1], tmp_path / "10_sks dog")  # a flat folder
     assert list(flat["dataset_dirs"]) == ["10_sks dog"]
+    (tmp_path / "10_sks dog").mkdir()
+    monkeypatch.chdir(tmp_path / "10_sks dog")
+    here = export.dataset_info([type(_dataset(tmp_path)[0])(Path("a.png"), "x", None, 1)], ".")
+    assert list(here["dataset_dirs"]) == ["10_sks dog"]  # "." is named after the folder it is
 
 
 def test_kohya_metadata_keys_have_kohya_formats(tiny_sd15, tmp_path):
@@ -437,3 +441,34 @@ def test_single_file_and_embedding_carry_model_spec_with_hash(tiny_sd15, tmp_pat
         data = path.read_bytes()
         body = data[8 + int.from_bytes(data[:8], "little") :]
         assert md["modelspec.hash_sha256"] == "0x" + hashlib.sha256(body).hexdigest()
+
+
+def test_diffusers_lora_loads_alike_without_its_adapter_metadata(tiny_sd15, tmp_path):
+    """diffusers before 0.34 ignores lora_adapter_metadata and takes lora_alpha = r for the diffusers format
+    (peft_utils.get_peft_kwargs): with alpha != rank the file must still give the trained model there."""
+    from peft import LoraConfig
+    from safetensors.torch import save_file
+
+    pipe = _pipe(tiny_sd15)
+    pipe.unet.add_adapter(LoraConfig(r=4, lora_alpha=2, target_modules=["to_q", "to_k", "to_v", "to_out.0"]))
+    with torch.no_grad():
+        for name, param in pipe.unet.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.5)
+    x, t, h = torch.randn(1, 4, 8, 8), torch.tensor([10]), torch.randn(1, 77, 32)
+    with torch.no_grad():
+        trained = pipe.unet(x, t, encoder_hidden_states=h).sample
+    paths = export.save_lora(
+        tmp_path / "out", unet=pipe.unet, text_encoders=[], family="sd15", rank=4, alpha=2, metadata=None
+    )
+    with safe_open(str(paths[0]), framework="pt") as f:
+        md = f.metadata()
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    old = {k: v for k, v in md.items() if k != "lora_adapter_metadata"}  # what diffusers 0.32 sees
+    save_file(tensors, str(tmp_path / "old.safetensors"), metadata=old)
+    for file in (paths[0], tmp_path / "old.safetensors"):
+        loaded = _pipe(tiny_sd15)
+        loaded.load_lora_weights(str(file))
+        with torch.no_grad():
+            got = loaded.unet(x, t, encoder_hidden_states=h).sample
+        torch.testing.assert_close(got, trained, atol=1e-5, rtol=0)

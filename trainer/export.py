@@ -126,6 +126,7 @@ def dataset_info(
     ``bucket_info`` (``{"buckets": {i: {"resolution": [w, h], "count": samples}}}``).
     """
     root = Path(root)
+    root_name = Path(os.path.abspath(root)).name  # "." is the folder it names
     dirs: dict[str, dict[str, int]] = {}
     tags: dict[str, dict[str, int]] = {}
     total = 0
@@ -134,8 +135,8 @@ def dataset_info(
         try:
             parts = path.relative_to(root).parts
         except ValueError:
-            parts = ()
-        name = parts[0] if len(parts) > 1 and _KOHYA_DIR.match(parts[0]) else root.name
+            parts = () if path.is_absolute() else path.parts
+        name = parts[0] if len(parts) > 1 and _KOHYA_DIR.match(parts[0]) else root_name
         repeats = max(1, int(getattr(item, "repeats", 1) or 1))
         entry = dirs.setdefault(name, {"n_repeats": repeats, "img_count": 0})
         entry["img_count"] += 1
@@ -275,7 +276,10 @@ def _kohya_metadata(
                 "ss_unet_lr": lr,
                 "ss_lr_scheduler": training.get("lr_scheduler"),
                 "ss_lr_warmup_steps": training.get("lr_warmup_steps"),
-                "ss_max_train_steps": training.get("max_steps"),
+                # a one-process count in the config; kohya's is the run's optimizer steps (run_info's plan)
+                "ss_max_train_steps": training.get("max_steps")
+                if (get("distributed", "num_processes") or 1) == 1
+                else None,
                 "ss_gradient_accumulation_steps": training.get("grad_accum"),
                 "ss_mixed_precision": {"fp32": "no"}.get(precision, precision),
                 "ss_full_fp16": bool(training.get("full_half_weights")) and precision == "fp16",
@@ -578,14 +582,19 @@ def save_lora(
         if config.rank_pattern or config.alpha_pattern or config.use_dora:
             raise ExportError(f"the {part} adapter uses rank/alpha patterns or DoRA; kohya LoRA has neither")
 
-    # 1. diffusers format, written by diffusers (with the LoraConfig as lora_adapter_metadata).
+    # 1. diffusers format, written by diffusers (with the LoraConfig as lora_adapter_metadata). diffusers before
+    # 0.34 reads no lora_adapter_metadata and takes lora_alpha = r for this format (peft_utils.get_peft_kwargs),
+    # so alpha/r is folded into lora_B and the metadata says lora_alpha = r: every version applies the same.
     pipeline_cls = StableDiffusionXLPipeline if family == "sdxl" else StableDiffusionPipeline
+    scale = float(alpha) / rank
     kwargs = {}
     for part, (state_dict, config) in parts.items():
-        kwargs[f"{part}_lora_layers"] = convert_state_dict_to_diffusers(state_dict)
-        kwargs[f"{part}_lora_adapter_metadata"] = config.to_dict()
+        folded = {k: (v * scale if ".lora_B." in k else v) for k, v in state_dict.items()}
+        kwargs[f"{part}_lora_layers"] = convert_state_dict_to_diffusers(folded)
+        kwargs[f"{part}_lora_adapter_metadata"] = {**config.to_dict(), "lora_alpha": config.r}
     md = output_metadata(metadata, family)
     md.update({"sdplan_lora_rank": str(rank), "sdplan_lora_alpha": str(float(alpha))})
+    md["sdplan_lora_alpha_folded"] = "alpha/rank is folded into lora_B; load with lora_alpha = rank"
     out_dir.mkdir(parents=True, exist_ok=True)
     tmp = _tmp_name(out_dir / "lora")
     try:
