@@ -147,7 +147,7 @@ class DistributedConfig:
 @dataclass
 class OutputConfig:
     dir: str = "./output"
-    name: str = "sdplan"
+    name: str | None = None  # file names of the outputs; None: the run folder's name
     save_kohya: bool = True  # LoRA: also the kohya (A1111/ComfyUI) format
     save_single_file: bool = True  # DreamBooth / fine-tune: also one .safetensors
 

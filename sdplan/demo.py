@@ -99,7 +99,7 @@ def demo_config(
         },
         "memory": {"gradient_checkpointing": False, "optimizer": "adamw", "cache_latents": False},
         "distributed": {"num_processes": num_processes},
-        "output": {"dir": str(out), "name": "sdplan-demo", "save_kohya": True},
+        "output": {"dir": str(out), "save_kohya": True},
         "checkpoints": {"every_steps": 8},
         "sampling": {
             "prompts": list(SAMPLE_PROMPTS),

@@ -472,7 +472,7 @@ def test_embedding_sd15_loads_with_load_textual_inversion(tiny_sd15, tmp_path):
     before = _prompt_embeds(pipe, prompt)
     embeds = torch.randn(2, pipe.text_encoder.config.hidden_size)
     path = export.save_embedding(tmp_path, token=token, embeds=embeds, metadata=META, name="thing")
-    assert path == tmp_path / "learned_embeds.safetensors"
+    assert path == tmp_path / "thing.safetensors"  # named after the run, not learned_embeds
     with safe_open(str(path), framework="pt") as f:
         assert list(f.keys()) == [token]
         md = f.metadata()
@@ -485,8 +485,8 @@ def test_embedding_sd15_loads_with_load_textual_inversion(tiny_sd15, tmp_path):
     after = _prompt_embeds(pipe, prompt)
     assert before.shape == after.shape and not torch.allclose(before, after)
 
-    fresh = _pipe(tiny_sd15)  # the folder works too (diffusers' default weight name)
-    fresh.load_textual_inversion(str(tmp_path))
+    fresh = _pipe(tiny_sd15)  # the folder works too, with the file's name
+    fresh.load_textual_inversion(str(tmp_path), weight_name=path.name)
     torch.testing.assert_close(_prompt_embeds(fresh, prompt), after)
 
 
@@ -531,7 +531,8 @@ def test_metadata_from_a_train_config():
     ss = export._kohya_metadata(meta, "sd21", 8, 4.0, "out")
     assert ss["ss_base_model_version"] == "sd_v2_v" and ss["ss_v2"] == "True"
     assert ss["ss_resolution"] == "(768, 768)" and ss["ss_network_alpha"] == "4.0"
-    assert ss["ss_mixed_precision"] == "bf16" and ss["ss_optimizer"] == "adamw8bit"
+    assert ss["ss_mixed_precision"] == "bf16"
+    assert ss["ss_optimizer"] == "bitsandbytes.optim.adamw.AdamW8bit"  # kohya: the class, module.name
     assert ss["ss_sd_model_name"] == "sd21-v.safetensors"
     assert ss["ss_steps"] == "100" and ss["ss_epoch"] == "2"
     assert export._modelspec("sd21", meta, "out", lora=True)["modelspec.architecture"] == (

@@ -5,7 +5,10 @@
   metadata) for AUTOMATIC1111, ComfyUI and kohya sd-scripts.
 - DreamBooth / full fine-tune: a diffusers folder (``save_pretrained``) and one ``{name}.safetensors`` in the
   original (ldm/sgm) single-file checkpoint layout.
-- Textual inversion: ``learned_embeds.safetensors`` (``pipe.load_textual_inversion``; SDXL: ``clip_l``/``clip_g``).
+- Textual inversion: ``{name}.safetensors`` (A1111 and ComfyUI call an embedding by its file name;
+  ``pipe.load_textual_inversion(path, token=...)``; SDXL: ``clip_l``/``clip_g``).
+- ``name`` defaults to the run folder's name (``output_name``), so two runs do not write same-named files.
+- Diffusers folders load on transformers 4.x as well as 5.x (``folder_for_transformers4``).
 
 Reading single-file checkpoints (the other direction) is ``single_file.py``.
 
@@ -28,7 +31,9 @@ SDXL are the ones that need no guessing in either UI. Text encoders: ``lora_te_`
 
 from __future__ import annotations
 
+import functools
 import json
+import math
 import os
 import re
 import shutil
@@ -37,10 +42,9 @@ from pathlib import Path
 from typing import Any
 
 from sdplan.errors import SdplanError, UsageError
+from sdplan.registry import FAMILIES
 
-FAMILIES = ("sd15", "sd21", "sdxl")
 DIFFUSERS_LORA_NAME = "pytorch_lora_weights.safetensors"  # diffusers' LORA_WEIGHT_NAME_SAFE
-EMBEDDING_NAME = "learned_embeds.safetensors"  # diffusers' TEXT_INVERSION_NAME_SAFE
 METADATA_JSON = "sdplan.json"  # beside a diffusers folder's model_index.json
 
 # kohya sd-scripts ss_base_model_version (library/model_util.py, library/sdxl_model_util.py)
@@ -90,13 +94,153 @@ def output_metadata(metadata: dict[str, Any] | None, family: str) -> dict[str, s
     return out
 
 
+# kohya sd-scripts train_util.get_optimizer names an optimizer by its class: f"{cls.__module__}.{cls.__name__}".
+_KOHYA_OPTIMIZER = {
+    "adamw": "torch.optim.adamw.AdamW",
+    "adamw8bit": "bitsandbytes.optim.adamw.AdamW8bit",
+}
+_KOHYA_DIR = re.compile(r"^\d+_")  # kohya's `N_name` image folders
+
+
+def _caption_tags(caption: str) -> list[str]:
+    """kohya BaseDataset.set_tag_frequency: a caption's comma-separated pieces, stripped, lower-cased."""
+    return [t.strip().lower() for t in caption.split(",") if t.strip()]
+
+
+def dataset_info(
+    items, root: str | Path, *, fallback_caption: str = "", bucket_rows: list[dict] | None = None
+) -> dict[str, Any]:
+    """What kohya records about a dataset, from the scanned images (``trainer.dataset_scan.Item``: ``path``,
+    ``caption``, ``tags``, ``repeats``).
+
+    Returns ``{"dataset_dirs": {dir: {"n_repeats", "img_count"}}, "tag_frequency": {dir: {tag: n}},
+    "num_train_images": images x repeats, "bucket_info": ...}``. A dir is kohya's subset name: the ``N_name``
+    folder of a kohya layout, else the dataset folder's name. Tags are counted once per image (not per repeat),
+    as kohya does. ``bucket_rows`` (``CaptionedImages.bucket_table`` with buckets on) become kohya's
+    ``bucket_info`` (``{"buckets": {i: {"resolution": [w, h], "count": samples}}}``).
+    """
+    root = Path(root)
+    root_name = Path(os.path.abspath(root)).name  # "." is the folder it names
+    dirs: dict[str, dict[str, int]] = {}
+    tags: dict[str, dict[str, int]] = {}
+    total = 0
+    for item in items:
+        path = Path(item.path)
+        try:
+            parts = path.relative_to(root).parts
+        except ValueError:
+            parts = () if path.is_absolute() else path.parts
+        name = parts[0] if len(parts) > 1 and _KOHYA_DIR.match(parts[0]) else root_name
+        repeats = max(1, int(getattr(item, "repeats", 1) or 1))
+        entry = dirs.setdefault(name, {"n_repeats": repeats, "img_count": 0})
+        entry["img_count"] += 1
+        total += repeats
+        item_tags = getattr(item, "tags", None)
+        caption = ", ".join(item_tags) if item_tags else (getattr(item, "caption", None) or fallback_caption)
+        freq = tags.setdefault(name, {})
+        for tag in _caption_tags(caption):
+            freq[tag] = freq.get(tag, 0) + 1
+    info: dict[str, Any] = {"dataset_dirs": dirs, "tag_frequency": tags, "num_train_images": total}
+    if bucket_rows:
+        info["bucket_info"] = {
+            "buckets": {
+                str(n): {"resolution": [r["width"], r["height"]], "count": r["samples"]}
+                for n, r in enumerate(bucket_rows)
+            }
+        }
+    return info
+
+
+def run_info(
+    *,
+    step_plan=None,
+    dataset: dict[str, Any] | None = None,
+    reg_dataset: dict[str, Any] | None = None,
+    started_at: float | None = None,
+    session_id: int | None = None,
+) -> dict[str, Any]:
+    """The facts of a run that only the training loop knows, for the kohya ``ss_*`` keys: pass it as the save
+    functions' ``run=``. ``step_plan``: the loop's ``sdplan.steps.Steps`` (or a dict with max_steps as the total); ``dataset``/``reg_dataset``:
+    ``dataset_info`` of the training / class images; ``started_at``: ``time.time()`` when training began;
+    ``session_id``: one random integer per run (kohya: ``random.randint(0, 2**32)``)."""
+    plan = _plain(step_plan)
+    if plan is not None and not isinstance(plan, dict):
+        plan = {
+            "num_processes": plan.num_processes,
+            "batches_per_epoch": plan.batches_per_epoch,
+            "max_steps": plan.total_steps,
+            "epochs": plan.epochs,
+        }
+    out: dict[str, Any] = {"step_plan": plan, "dataset": dataset, "reg_dataset": reg_dataset}
+    out.update({"started_at": started_at, "session_id": session_id})
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def output_name(name: str | None, out_dir: str | Path) -> str:
+    """The stem outputs are named after: ``name``, else the run folder's name (so two runs do not share one
+    LoRA / embedding name). Characters other than letters, digits, ``.``, ``_`` and ``-`` become ``_``: A1111 and
+    ComfyUI use an embedding's file name as its prompt word."""
+    raw = (name or "").strip() or Path(os.path.abspath(out_dir)).name
+    clean = re.sub(r"[^\w.\-]", "_", raw, flags=re.ASCII).strip("._")
+    return clean or "sdplan"
+
+
+def _epoch_int(epoch: Any) -> int:
+    """kohya's ss_epoch is a whole number: the epochs begun (num_train_epochs = ceil(steps / steps per epoch))."""
+    value = float(epoch)
+    return max(0, math.ceil(round(value, 6)))
+
+
+def _model_hashes(path: str) -> dict[str, str]:
+    """kohya train_util.model_hash / calculate_sha256 of the base model file (A1111's old and new hash);
+    nothing for a folder, a hub id or an unreadable file."""
+    file = Path(path)
+    if not file.is_file():
+        return {}
+    try:
+        stat = file.stat()
+        return dict(_file_hashes(str(file), stat.st_size, stat.st_mtime_ns))
+    except OSError:
+        return {}
+
+
+@functools.lru_cache(maxsize=8)
+def _file_hashes(path: str, size: int, mtime_ns: int) -> tuple[tuple[str, str], ...]:
+    import hashlib
+
+    with open(path, "rb") as f:
+        f.seek(0x100000)
+        legacy = hashlib.sha256(f.read(0x10000)).hexdigest()[:8]
+        f.seek(0)
+        full = hashlib.sha256()
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            full.update(chunk)
+    return (("ss_sd_model_hash", legacy), ("ss_new_sd_model_hash", full.hexdigest()))
+
+
 def _kohya_metadata(
-    metadata: dict[str, Any] | None, family: str, rank: int, alpha: float, name: str
+    metadata: dict[str, Any] | None,
+    family: str,
+    rank: int,
+    alpha: float,
+    name: str,
+    *,
+    run: dict[str, Any] | None = None,
 ) -> dict[str, str]:
-    """kohya sd-scripts ``ss_*`` keys (train_network.py writes every value with str()), from the config."""
+    """kohya sd-scripts ``ss_*`` keys as train_network.py writes them (every value through ``str()``: numbers
+    as ``"4"``/``"0.0001"``, booleans as ``"True"``, tuples as ``"(512, 512)"``, dicts as JSON). Only keys this
+    run can fill truthfully: from the config, ``metadata`` (steps, epoch, prediction type) and ``run``
+    (``run_info``: step plan, dataset, start time). kohya options sdplan has no equivalent of (caption dropout,
+    min-SNR, huber loss, ...) are left out rather than written as defaults."""
+    import time
+
     md = dict(metadata or {})
+    run = run or {}
     config = _plain(md.get("config")) or {}
-    get = lambda section, key, default=None: (config.get(section) or {}).get(key, default)  # noqa: E731
+
+    def get(section: str, key: str, default: Any = None) -> Any:
+        return (config.get(section) or {}).get(key, default)
+
     version = BASE_MODEL_VERSION[family]
     if family == "sd21" and md.get("prediction_type") == "v_prediction":
         version = "sd_v2_v"
@@ -111,52 +255,144 @@ def _kohya_metadata(
         "ss_resolution": (resolution, resolution) if isinstance(resolution, int) else resolution,
         "ss_training_comment": md.get("comment") or f"trained with sdplan ({method})",
         "ss_output_name": name,
+        "ss_training_finished_at": time.time(),  # kohya: set when the file is saved
     }
+    if run.get("started_at") is not None:
+        ss["ss_training_started_at"] = run["started_at"]
+    if run.get("session_id") is not None:
+        ss["ss_session_id"] = int(run["session_id"])
     if config:
-        training, memory = config.get("training") or {}, config.get("memory") or {}
+        training, memory, data = (
+            config.get("training") or {},
+            config.get("memory") or {},
+            config.get("data") or {},
+        )
+        precision = training.get("precision")
+        lr = training.get("learning_rate")
         ss.update(
             {
-                "ss_sd_model_name": Path(str(get("model", "path", ""))).name,
-                "ss_learning_rate": training.get("learning_rate"),
-                "ss_unet_lr": training.get("learning_rate"),
-                "ss_text_encoder_lr": training.get("text_encoder_learning_rate")
-                or training.get("learning_rate"),
+                "ss_learning_rate": lr,
+                "ss_unet_lr": lr,
                 "ss_lr_scheduler": training.get("lr_scheduler"),
                 "ss_lr_warmup_steps": training.get("lr_warmup_steps"),
-                "ss_max_train_steps": training.get("max_steps"),
-                "ss_num_epochs": training.get("epochs"),
+                # a one-process count in the config; kohya's is the run's optimizer steps (run_info's plan)
+                "ss_max_train_steps": training.get("max_steps")
+                if (get("distributed", "num_processes") or 1) == 1
+                else None,
                 "ss_gradient_accumulation_steps": training.get("grad_accum"),
-                "ss_mixed_precision": {"fp32": "no"}.get(
-                    training.get("precision"), training.get("precision")
-                ),
+                "ss_mixed_precision": {"fp32": "no"}.get(precision, precision),
+                "ss_full_fp16": bool(training.get("full_half_weights")) and precision == "fp16",
                 "ss_seed": training.get("seed"),
                 "ss_max_grad_norm": training.get("max_grad_norm"),
                 "ss_noise_offset": training.get("noise_offset"),
                 "ss_network_dropout": get("lora", "dropout"),
-                "ss_optimizer": memory.get("optimizer"),
+                "ss_optimizer": _KOHYA_OPTIMIZER.get(memory.get("optimizer"), memory.get("optimizer")),
                 "ss_gradient_checkpointing": memory.get("gradient_checkpointing"),
                 "ss_cache_latents": memory.get("cache_latents"),
+                "ss_batch_size_per_device": training.get("batch_size"),
+                "ss_loss_type": "l2",  # the recipes train on common.mse (kohya loss_type l2)
+                "ss_color_aug": False,
+                "ss_flip_aug": bool(data.get("random_flip")),
+                "ss_random_crop": data.get("center_crop") is False,
+                "ss_enable_bucket": bool(data.get("buckets")),
             }
         )
+        if training.get("train_text_encoder"):
+            ss["ss_text_encoder_lr"] = training.get("text_encoder_learning_rate") or lr
+        if not training.get("max_steps"):
+            ss["ss_num_epochs"] = training.get("epochs")
+        if data.get("buckets"):
+            ss["ss_min_bucket_reso"] = data.get("bucket_min_size")
+            ss["ss_max_bucket_reso"] = data.get("bucket_max_size")
+        meta_cfg = data.get("metadata") or {}
+        if meta_cfg:
+            ss["ss_shuffle_caption"] = bool(meta_cfg.get("shuffle_tags"))
+            ss["ss_keep_tokens"] = meta_cfg.get("keep_tags")
+        if method == "dreambooth" and get("dreambooth", "with_prior_preservation"):
+            ss["ss_prior_loss_weight"] = get("dreambooth", "prior_loss_weight")
+        model_path = str(get("model", "path", "") or "")
+        if model_path:
+            # kohya: the file/folder name of a local model, else the name as given (a hub id)
+            hub_id = not Path(model_path).exists() and re.fullmatch(r"[\w.-]+/[\w.-]+", model_path)
+            ss["ss_sd_model_name"] = model_path if hub_id else Path(model_path).name
+            ss.update(_model_hashes(model_path))
+        plan = run.get("step_plan") or {}
+        processes = plan.get("num_processes") or get("distributed", "num_processes") or 1
+        if training.get("batch_size") and training.get("grad_accum"):
+            ss["ss_total_batch_size"] = training["batch_size"] * processes * training["grad_accum"]
+    plan = run.get("step_plan") or {}
+    if plan:
+        ss["ss_num_batches_per_epoch"] = plan.get("batches_per_epoch")
+        ss["ss_num_epochs"] = plan.get("epochs")
+        ss["ss_max_train_steps"] = plan.get("max_steps")
+    dataset = run.get("dataset")
+    if dataset:
+        ss["ss_num_train_images"] = dataset.get("num_train_images")
+        ss["ss_num_validation_images"] = 0  # sdplan holds no images out for validation
+        ss["ss_dataset_dirs"] = json.dumps(dataset.get("dataset_dirs") or {})
+        ss["ss_tag_frequency"] = json.dumps(dataset.get("tag_frequency") or {})
+        if dataset.get("bucket_info") is not None:
+            ss["ss_bucket_info"] = json.dumps(dataset["bucket_info"])
+        reg = run.get("reg_dataset") or {}
+        ss["ss_num_reg_images"] = reg.get("num_train_images", 0)
+        ss["ss_reg_dataset_dirs"] = json.dumps(reg.get("dataset_dirs") or {})
     if md.get("steps") is not None:
-        ss["ss_steps"] = md["steps"]
-    if md.get("epoch") is not None:  # kohya counts whole epochs; a partial one stays a fraction
-        epoch = float(md["epoch"])
-        ss["ss_epoch"] = int(epoch) if epoch.is_integer() else round(epoch, 3)
+        ss["ss_steps"] = int(md["steps"])
+    if md.get("epoch") is not None:
+        ss["ss_epoch"] = _epoch_int(md["epoch"])
     return {k: str(v) for k, v in ss.items() if v is not None and v != ""}
 
 
-def _modelspec(family: str, metadata: dict[str, Any] | None, name: str, *, lora: bool) -> dict[str, str]:
-    """Stability's model spec 1.0 keys (kohya sd-scripts library/sai_model_spec.py writes them too)."""
+_HASH_PLACEHOLDER = "0x" + "0" * 64  # same length as the real value: patched into the header after writing
+
+
+def _modelspec(
+    family: str,
+    metadata: dict[str, Any] | None,
+    name: str,
+    *,
+    lora: bool,
+    textual_inversion: bool = False,
+) -> dict[str, str]:
+    """Stability's model spec keys as kohya sd-scripts library/sai_model_spec.py writes them (spec 1.0.1:
+    architecture with ``/lora`` or ``/textual-inversion``, implementation, title, resolution ``WxH``, ISO date,
+    prediction type), plus ``hash_sha256`` (the spec's hash of all tensor bytes, ``0x``-prefixed; kohya leaves
+    it out), filled in by ``_save_safetensors``."""
+    import datetime
+
+    from sdplan import __version__
+
+    md = metadata or {}
+    v_pred = md.get("prediction_type") == "v_prediction"
     if family == "sd21":
-        v = (metadata or {}).get("prediction_type") == "v_prediction"
-        arch = "stable-diffusion-v2-768-v" if v else "stable-diffusion-v2-512"
+        arch = "stable-diffusion-v2-768-v" if v_pred else "stable-diffusion-v2-512"
     else:
         arch = {"sd15": "stable-diffusion-v1", "sdxl": "stable-diffusion-xl-v1-base"}[family]
+    if lora:
+        arch += "/lora"
+    elif textual_inversion:
+        arch += "/textual-inversion"
+    # kohya determine_implementation: the original (sgm/ldm) key layout for SDXL LoRA, embeddings and single
+    # files; diffusers module names for SD 1.x/2.x LoRA.
+    sgm = (lora and family == "sdxl") or textual_inversion or not lora
+    config = _plain(md.get("config")) or {}
+    resolution = md.get("resolution") or (config.get("data") or {}).get("resolution")
+    if isinstance(resolution, int):
+        resolution = (resolution, resolution)
+    if not resolution:
+        resolution = (1024, 1024) if family == "sdxl" else (768, 768) if v_pred else (512, 512)
     return {
-        "modelspec.sai_model_spec": "1.0.0",
-        "modelspec.architecture": arch + ("/lora" if lora else ""),
+        "modelspec.sai_model_spec": "1.0.1",
+        "modelspec.architecture": arch,
+        "modelspec.implementation": "https://github.com/Stability-AI/generative-models"
+        if sgm
+        else "diffusers",
+        "modelspec.implementation_version": f"sdplan/{__version__}",
         "modelspec.title": name,
+        "modelspec.resolution": f"{resolution[0]}x{resolution[1]}",
+        "modelspec.date": datetime.datetime.now().replace(microsecond=0).isoformat(),
+        "modelspec.prediction_type": "v" if v_pred else "epsilon",
+        "modelspec.hash_sha256": _HASH_PLACEHOLDER,
     }
 
 
@@ -177,19 +413,68 @@ def _umask_permissions(*paths: Path) -> None:
             os.chmod(file, 0o666 & ~mask)
 
 
+def _tensor_data_sha256(path: Path) -> str:
+    """sha256 of a safetensors file's tensor bytes (everything after the header): kohya's
+    ``addnet_hash_safetensors`` and, ``0x``-prefixed, the model spec's ``hash_sha256``."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        header = int.from_bytes(f.read(8), "little")
+        f.seek(8 + header)
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _patch_header(path: Path, old: str, new: str) -> None:
+    """Replace one metadata value in a written safetensors header by one of the same length, in place."""
+    assert len(old) == len(new)
+    with open(path, "r+b") as f:
+        size = int.from_bytes(f.read(8), "little")
+        header = f.read(size)
+        at = header.find(old.encode())
+        if at < 0 or header.find(old.encode(), at + 1) >= 0:
+            raise ExportError(f"{path}: cannot place the hash in the header")
+        f.seek(8 + at)
+        f.write(new.encode())
+
+
 def _save_safetensors(tensors: dict, path: Path, metadata: dict[str, str]) -> Path:
-    """safetensors written atomically (temp file then rename): a kill mid-write leaves the old file."""
+    """safetensors written atomically (temp file then rename): a kill mid-write leaves the old file. A
+    ``modelspec.hash_sha256`` placeholder gets the hash of the tensor bytes written."""
     from safetensors.torch import save_file
 
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = _tmp_name(path)
     try:
         save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
+        if metadata.get("modelspec.hash_sha256") == _HASH_PLACEHOLDER:
+            _patch_header(tmp, _HASH_PLACEHOLDER, "0x" + _tensor_data_sha256(tmp))
         _umask_permissions(tmp)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
     return path
+
+
+def _kohya_hashes(tensors: dict, metadata: dict[str, str]) -> dict[str, str]:
+    """kohya networks/lora.py save_weights: ``sshs_model_hash`` / ``sshs_legacy_hash`` (sd-webui-additional-
+    networks' hashes) of the file serialised with only the ``ss_*`` metadata (train_util.
+    precalculate_safetensors_hashes, addnet_hash_safetensors, addnet_hash_legacy)."""
+    import hashlib
+
+    from safetensors.torch import save
+
+    blob = save(
+        {k: v.detach().cpu().contiguous() for k, v in tensors.items()},
+        {k: v for k, v in metadata.items() if k.startswith("ss_")},
+    )
+    header = int.from_bytes(blob[:8], "little")
+    return {
+        "sshs_model_hash": hashlib.sha256(blob[8 + header :]).hexdigest(),
+        "sshs_legacy_hash": hashlib.sha256(blob[0x100000:0x110000]).hexdigest()[:8],
+    }
 
 
 def _replace_dir(tmp: Path, final: Path) -> None:
@@ -248,13 +533,16 @@ def save_lora(
     rank: int,
     alpha: float,
     metadata: dict[str, Any] | None,
-    name: str = "sdplan",
+    name: str | None = None,
     kohya: bool = True,
+    run: dict[str, Any] | None = None,
 ) -> list[Path]:
     """Write the LoRA that ``unet`` (and any of ``text_encoders``) carry as peft adapters.
 
     ``text_encoders``: ``[text_encoder]`` (SD 1.x/2.x) or ``[text_encoder, text_encoder_2]`` (SDXL); entries
     that are None or carry no adapter are skipped. ``rank``/``alpha`` must be those of the adapters (checked).
+    ``name``: the kohya file's stem and title (None/empty: the run folder's name, see ``output_name``);
+    ``run``: ``run_info`` (dataset, step plan, start time) for kohya's ``ss_*`` keys.
     Returns ``[out_dir/pytorch_lora_weights.safetensors, out_dir/{name}.kohya.safetensors]`` (the second only
     when ``kohya``).
     """
@@ -267,6 +555,7 @@ def save_lora(
 
     _check_family(family)
     out_dir = Path(out_dir)
+    name = output_name(name, out_dir)
     te_names = ["text_encoder", "text_encoder_2"] if family == "sdxl" else ["text_encoder"]
     if len(text_encoders) > len(te_names):
         raise ExportError(f"{family} has {len(te_names)} text encoder(s), got {len(text_encoders)}")
@@ -292,14 +581,19 @@ def save_lora(
         if config.rank_pattern or config.alpha_pattern or config.use_dora:
             raise ExportError(f"the {part} adapter uses rank/alpha patterns or DoRA; kohya LoRA has neither")
 
-    # 1. diffusers format, written by diffusers (with the LoraConfig as lora_adapter_metadata).
+    # 1. diffusers format, written by diffusers (with the LoraConfig as lora_adapter_metadata). diffusers before
+    # 0.34 reads no lora_adapter_metadata and takes lora_alpha = r for this format (peft_utils.get_peft_kwargs),
+    # so alpha/r is folded into lora_B and the metadata says lora_alpha = r: every version applies the same.
     pipeline_cls = StableDiffusionXLPipeline if family == "sdxl" else StableDiffusionPipeline
+    scale = float(alpha) / rank
     kwargs = {}
     for part, (state_dict, config) in parts.items():
-        kwargs[f"{part}_lora_layers"] = convert_state_dict_to_diffusers(state_dict)
-        kwargs[f"{part}_lora_adapter_metadata"] = config.to_dict()
+        folded = {k: (v * scale if ".lora_B." in k else v) for k, v in state_dict.items()}
+        kwargs[f"{part}_lora_layers"] = convert_state_dict_to_diffusers(folded)
+        kwargs[f"{part}_lora_adapter_metadata"] = {**config.to_dict(), "lora_alpha": config.r}
     md = output_metadata(metadata, family)
     md.update({"sdplan_lora_rank": str(rank), "sdplan_lora_alpha": str(float(alpha))})
+    md["sdplan_lora_alpha_folded"] = "alpha/rank is folded into lora_B; load with lora_alpha = rank"
     out_dir.mkdir(parents=True, exist_ok=True)
     tmp = _tmp_name(out_dir / "lora")
     try:
@@ -331,11 +625,9 @@ def save_lora(
         if key.endswith(".alpha"):
             value = torch.tensor(float(alpha))
         out[key] = value
-    kohya_md = {
-        **_kohya_metadata(metadata, family, rank, alpha, name),
-        **_modelspec(family, metadata, name, lora=True),
-        **output_metadata(metadata, family),
-    }
+    kohya_md = _kohya_metadata(metadata, family, rank, alpha, name, run=run)
+    kohya_md.update(_kohya_hashes(out, kohya_md))
+    kohya_md.update({**_modelspec(family, metadata, name, lora=True), **output_metadata(metadata, family)})
     written.append(_save_safetensors(out, out_dir / f"{name}.kohya.safetensors", kohya_md))
     return written
 
@@ -589,6 +881,90 @@ def pipeline_to_original(pipeline, family: str) -> dict:
     return out
 
 
+# transformers components of a diffusers folder that transformers 4.x reads differently from 5.x.
+_CLIP_TEXT_MODELS = ("CLIPTextModel", "CLIPTextModelWithProjection")
+_CLIP_TOKENIZERS = ("CLIPTokenizer", "CLIPTokenizerFast")
+
+
+def _text_encoder_for_transformers4(folder: Path) -> None:
+    """transformers >= 5.6 saves CLIPTextModel flattened (``embeddings.*``, ``encoder.*``); 4.x's CLIPTextModel
+    nests them under ``text_model`` and its loader only fixes a ``base_model_prefix`` (``clip``) mismatch, so
+    it would start from random weights with a warning. Write the ``text_model.`` names, which 5.x also loads
+    (its CLIP key mapping). ``torch_dtype`` mirrors ``dtype`` for 4.x before 4.56."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    renamed: dict[str, str] = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            keys, md = list(f.keys()), f.metadata()
+        new = _text_model_keys(dict.fromkeys(keys))
+        if list(new) == keys:
+            continue
+        renamed.update(zip(keys, new))
+        tensors = _text_model_keys(load_file(str(file)))
+        save_file(tensors, str(file), metadata=md or {"format": "pt"})
+    index = folder / "model.safetensors.index.json"
+    if renamed and index.is_file():
+        data = json.loads(index.read_text())
+        data["weight_map"] = {renamed.get(k, k): v for k, v in data.get("weight_map", {}).items()}
+        index.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    config_file = folder / "config.json"
+    if config_file.is_file():
+        config = json.loads(config_file.read_text())
+        if "dtype" in config and "torch_dtype" not in config:
+            config["torch_dtype"] = config["dtype"]
+            config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def _tokenizer_for_transformers4(folder: Path) -> None:
+    """transformers 5.x saves a CLIP tokenizer as ``tokenizer.json`` only; 4.x's CLIPTokenizer (the class
+    diffusers' model_index names) reads ``vocab.json`` + ``merges.txt`` (its VOCAB_FILES_NAMES; merges after a
+    ``#version`` line) and its added tokens from ``tokenizer_config.json``'s ``added_tokens_decoder``. Write
+    both from the BPE model in tokenizer.json, so the two versions tokenize alike."""
+    spec_file = folder / "tokenizer.json"
+    if not spec_file.is_file():
+        return
+    spec = json.loads(spec_file.read_text(encoding="utf-8"))
+    model = spec.get("model") or {}
+    if model.get("type") != "BPE":
+        raise ExportError(f"{folder}: a {model.get('type')} tokenizer, not CLIP's BPE")
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+    (folder / "vocab.json").write_text(
+        json.dumps(model["vocab"], ensure_ascii=False, indent=2, sort_keys=False) + "\n", encoding="utf-8"
+    )
+    (folder / "merges.txt").write_text(
+        "#version: 0.2\n" + "".join(m + "\n" for m in merges), encoding="utf-8"
+    )
+    config_file = folder / "tokenizer_config.json"
+    config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
+    fields = ("content", "lstrip", "normalized", "rstrip", "single_word", "special")
+    decoder = dict(config.get("added_tokens_decoder") or {})
+    for token in spec.get("added_tokens", []):
+        decoder.setdefault(str(token["id"]), {k: token[k] for k in fields if k in token})
+    config["added_tokens_decoder"] = decoder
+    config.setdefault("tokenizer_class", "CLIPTokenizer")
+    config.setdefault("errors", "replace")
+    config_file.write_text(
+        json.dumps(config, indent=2, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8"
+    )
+
+
+def folder_for_transformers4(folder: str | Path) -> None:
+    """Make a diffusers folder saved with transformers 5 load the same on transformers 4.x / diffusers 0.3x
+    (kohya sd-scripts' and many UIs' pins): CLIP text encoders with ``text_model.`` names, CLIP tokenizers with
+    vocab.json + merges.txt. A folder saved by 4.x is left as it is."""
+    folder = Path(folder)
+    index = json.loads((folder / "model_index.json").read_text())
+    for component, entry in index.items():
+        if not (isinstance(entry, list) and len(entry) == 2 and entry[0] == "transformers"):
+            continue
+        if entry[1] in _CLIP_TEXT_MODELS:
+            _text_encoder_for_transformers4(folder / component)
+        elif entry[1] in _CLIP_TOKENIZERS:
+            _tokenizer_for_transformers4(folder / component)
+
+
 def save_full(
     out_dir: str | Path,
     *,
@@ -596,14 +972,16 @@ def save_full(
     family: str,
     metadata: dict[str, Any] | None,
     single_file: bool = True,
-    name: str = "sdplan",
+    name: str | None = None,
     dtype=None,
 ) -> list[Path]:
-    """A diffusers folder ``out_dir/model`` (``save_pretrained``, plus ``sdplan.json`` with the config and
-    plan) and, when ``single_file``, ``out_dir/{name}.safetensors`` in the original layout. ``dtype`` (e.g.
-    torch.float16) casts the single file's floating tensors; None keeps the pipeline's."""
+    """A diffusers folder ``out_dir/model`` (``save_pretrained``, made loadable by transformers 4.x too, plus
+    ``sdplan.json`` with the config and plan) and, when ``single_file``, ``out_dir/{name}.safetensors`` in the
+    original layout (``name`` None/empty: the run folder's name). ``dtype`` (e.g. torch.float16) casts the
+    single file's floating tensors; None keeps the pipeline's."""
     _check_family(family)
     out_dir = Path(out_dir)
+    name = output_name(name, out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     md = output_metadata(metadata, family)
     tensors = pipeline_to_original(pipeline, family) if single_file else None  # checks before writing
@@ -612,6 +990,7 @@ def save_full(
     tmp = _tmp_name(folder)
     try:
         pipeline.save_pretrained(str(tmp), safe_serialization=True)
+        folder_for_transformers4(tmp)
         record = {k: (json.loads(v) if k in ("sdplan_config", "sdplan_plan") else v) for k, v in md.items()}
         (tmp / METADATA_JSON).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
         _umask_permissions(tmp)
@@ -636,14 +1015,17 @@ def save_embedding(
     token: str,
     embeds,
     metadata: dict[str, Any] | None,
-    name: str = "sdplan",
+    name: str | None = None,
     family: str | None = None,
 ) -> Path:
-    """``out_dir/learned_embeds.safetensors``.
+    """``out_dir/{name}.safetensors`` (``name`` None/empty: the run folder's name, see ``output_name``).
 
-    SD 1.x/2.x: ``embeds`` is a ``[n, dim]`` tensor, saved as ``{token: embeds}`` (diffusers format: one key,
-    the token; A1111 and ComfyUI read a one-tensor file too). SDXL: ``embeds`` is ``{"clip_l": [n, 768],
-    "clip_g": [n, 1280]}`` (the A1111/ComfyUI SDXL layout), loaded per encoder (see ``load_embedding``).
+    A1111 (``modules/textual_inversion/textual_inversion.py``) and ComfyUI (``comfy/sd1_clip.py`` load_embed)
+    call an embedding by its file name, so the name is the prompt word there; diffusers loads the file with
+    ``pipe.load_textual_inversion(path, token=token)`` (or ``weight_name=`` for the folder). SD 1.x/2.x:
+    ``embeds`` is a ``[n, dim]`` tensor, saved as ``{token: embeds}`` (diffusers' format; A1111 and ComfyUI take
+    a file's one tensor). SDXL: ``embeds`` is ``{"clip_l": [n, 768], "clip_g": [n, 1280]}`` (the keys A1111 and
+    ComfyUI's SDXL loaders read), loaded per encoder (see ``load_embedding``).
     """
     import torch
 
@@ -659,7 +1041,9 @@ def save_embedding(
         family = family or "sd15"
     else:
         raise ExportError(f"embeds must be a tensor or a clip_l/clip_g dict, not {type(embeds).__name__}")
+    name = output_name(name, out_dir)
     md = output_metadata(metadata, family)
+    md.update(_modelspec(family, metadata, name, lora=False, textual_inversion=True))
     md.update(
         {
             "sdplan_token": token,
@@ -667,7 +1051,22 @@ def save_embedding(
             "sdplan_num_vectors": str(next(iter(tensors.values())).shape[0]),
         }
     )
-    return _save_safetensors(tensors, Path(out_dir) / EMBEDDING_NAME, md)
+    return _save_safetensors(tensors, Path(out_dir) / f"{name}.safetensors", md)
+
+
+def _embedding_file(folder: Path) -> Path:
+    """The one ``save_embedding`` file in a folder (the one whose metadata has ``sdplan_num_vectors``)."""
+    from safetensors import safe_open
+
+    found = []
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            if "sdplan_num_vectors" in (f.metadata() or {}):
+                found.append(file)
+    if len(found) != 1:
+        what = "no" if not found else f"{len(found)}"
+        raise UsageError(f"{folder}: {what} sdplan embedding files", fix="pass the embedding file itself")
+    return found[0]
 
 
 def load_embedding(pipeline, path: str | Path, token: str) -> None:
@@ -677,7 +1076,7 @@ def load_embedding(pipeline, path: str | Path, token: str) -> None:
 
     path = Path(path)
     if path.is_dir():
-        path = path / EMBEDDING_NAME
+        path = _embedding_file(path)
     state = load_file(str(path))
     if "clip_l" in state and "clip_g" in state:
         pipeline.load_textual_inversion(

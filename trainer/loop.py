@@ -17,6 +17,7 @@ steps them with :func:`optimizer_step`, so a bench number is the trainer's numbe
 
 from __future__ import annotations
 
+import random
 import time
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,8 @@ class Recipe:
         self.latent_dtype = self.wdtype  # latents and conditioning in the frozen UNet's dtype
         self.cond_dtype = self.wdtype
         self.plan = None  # the loop's sdplan.steps.Steps, once the data loader is prepared
+        self.started_at = time.time()  # wall-clock start and a random run id (kohya's ss_training_started_at,
+        self.session_id = random.randint(0, 2**32)  # ss_session_id)
 
     # -- what a method defines -------------------------------------------------------------------------
 

@@ -53,5 +53,7 @@ class Finetune(Recipe):
             ema_unet = copy.deepcopy(unwrap(self.unet))
             ema.copy_to(ema_unet)
             meta = {**metadata, "ema_decay": ema.decay, "ema_update_every": ema.every}
-            written += self.save_pipeline(out_dir / "ema", ema_unet, meta, f"{self.cfg.output.name}-ema")
+            written += self.save_pipeline(
+                out_dir / "ema", ema_unet, meta, export.output_name(self.cfg.output.name, out_dir) + "-ema"
+            )
         return written

@@ -44,4 +44,14 @@ class LoRA(Recipe):
             metadata=metadata,
             name=self.cfg.output.name,
             kohya=self.cfg.output.save_kohya,
+            run=export.run_info(
+                step_plan=self.plan,
+                dataset=export.dataset_info(
+                    self.dataset.items,
+                    self.cfg.data.path,
+                    bucket_rows=self.dataset.bucket_table() if self.cfg.data.buckets else None,
+                ),
+                started_at=self.started_at,
+                session_id=self.session_id,
+            ),
         )

@@ -4,7 +4,7 @@ The token is added to the tokenizer(s), its embedding row(s) start from ``init_t
 ``init_token`` is several tokens), and after every optimizer step all other rows are put back (as the diffusers
 example does), so the model is unchanged except for the new word. Captions without the token get it in front
 (no caption: ``a photo of <token>``). SDXL: both text encoders learn an embedding. Output:
-``learned_embeds.safetensors`` (``pipe.load_textual_inversion``), beside what every run writes (``trainer/loop.py``).
+``{name}.safetensors`` (``pipe.load_textual_inversion``; named after the run), beside what every run writes (``trainer/loop.py``).
 """
 
 from __future__ import annotations
