@@ -24,6 +24,15 @@ Each variant is measured at several resolutions and two batch sizes and fitted a
 (H/8 x W/8). ``quadratic`` is zero for the efficient backend. The trained text encoders (77 tokens) are measured
 the same way (bytes per sample, no resolution term).
 
+Transformer families (SD3.5 Medium / Large, FLUX.1 [dev] / [schnell]; ``compute_transformer_family``): the
+full-size transformer is built the same way and fed what the pipelines feed it (SD3: 16-channel latents patched
+2x2 inside, 77 CLIP + T5 tokens of 4096 features, pooled 2048; FLUX: latents packed 2x2 into (H/16)(W/16) tokens of
+64 channels, T5 tokens, pooled CLIP-L 768, position ids, guidance for [dev]), bf16 with flash attention, gradient
+checkpointing off / on (diffusers checkpoints each block), the whole transformer or only its LoRA targets trained,
+at 512 / 768 / 1024 px and batch 2 at 1024. FLOPs per sample: torch.utils.flop_counter over a meta forward and a
+whole training step (forward + backward), fitted over resolutions; with checkpointing the step adds one forward
+(checked against diffusers' own checkpointing at 1024 px). Held bytes of each text encoder at its max length too.
+
 Run: ``python scripts/compute_activations.py [--models-dir profiles/models] [--out profiles/activations.yaml]``.
 Needs torch, diffusers, transformers and accelerate; downloads nothing. sdplan itself only reads the YAML.
 """
@@ -109,7 +118,7 @@ class SavedCounter:
 
 
 @contextlib.contextmanager
-def attention_backend(backend: str, dtype_name: str):
+def attention_backend(backend: str, dtype_name: str, calls: dict | None = None):
     """``efficient``: route F.scaled_dot_product_attention through the real flash / mem-efficient aten op."""
     import torch
     import torch.nn.functional as F
@@ -122,6 +131,8 @@ def attention_backend(backend: str, dtype_name: str):
     original = F.scaled_dot_product_attention
 
     def efficient(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kw):
+        if calls is not None:
+            calls["n"] = calls.get("n", 0) + 1
         if dtype_name == "fp32" or attn_mask is not None:
             # flash has no fp32 kernel; memory-efficient attention does (and takes a mask). Same saved set.
             return torch.ops.aten._scaled_dot_product_efficient_attention(
@@ -424,12 +435,326 @@ def compute_family(model: dict, resolutions: tuple[int, ...], log) -> dict:
     return out
 
 
+# -- transformer families (SD3.5, FLUX.1) ------------------------------------------------------------------
+
+TRANSFORMER_RESOLUTIONS = (512, 768, 1024)
+TRANSFORMER_FLOP_RESOLUTIONS = (512, 768, 1024)
+# What requires grad: the whole transformer (full fine-tune, DreamBooth) or only the family's LoRA target modules
+# (diffusers' DreamBooth LoRA defaults, listed in the profile). A LoRA adapter on a frozen Linear keeps the
+# Linear's input for its A matrix's gradient, exactly what the Linear itself keeps when its weight requires grad;
+# the rank-r intermediate (r x tokens) is left out.
+TRANSFORMER_TRAINED = ("full", "lora")
+TRANSFORMER_FAMILIES = ("sd35-medium", "sd35-large", "flux-dev", "flux-schnell")
+
+
+def _scripts_import(name: str):
+    import importlib
+
+    here = str(Path(__file__).resolve().parent)
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    return importlib.import_module(name)
+
+
+def build_transformer(model: dict):
+    """The family's transformer on the meta device, bf16, train mode."""
+    import torch
+    from accelerate import init_empty_weights
+    from diffusers.utils import logging as dlogging
+
+    dlogging.set_verbosity_error()
+    count_params = _scripts_import("count_params")
+    with init_empty_weights(include_buffers=True):  # SD3's positional table too: nothing allocated
+        net = count_params.build_transformer(model["transformer"])
+    net.to(torch.bfloat16)
+    net.train()
+    return net
+
+
+def _matches(name: str, targets: tuple[str, ...]) -> bool:
+    """peft's rule for a target_modules entry: the module's full name equals it or ends with '.' + it."""
+    return any(name == t or name.endswith("." + t) for t in targets)
+
+
+def set_trained_transformer(net, trained: str, targets: tuple[str, ...]) -> int:
+    """Mark what requires grad; returns the number of LoRA-targeted Linear modules (0 for 'full')."""
+    import torch
+
+    if trained == "full":
+        net.requires_grad_(True)
+        return 0
+    net.requires_grad_(False)
+    hit = 0
+    for name, module in net.named_modules():
+        if isinstance(module, torch.nn.Linear) and _matches(name, targets):
+            module.weight.requires_grad_(True)
+            hit += 1
+    if not hit:
+        raise ValueError(f"no Linear module matches the LoRA targets {targets}")
+    return hit
+
+
+def transformer_inputs(model: dict, *, batch: int, resolution: int) -> dict:
+    """The keyword arguments the family's pipeline passes to its transformer, as meta tensors.
+
+    SD3: latents (B, 16, H/8, W/8) patched 2x2 inside; text = CLIP (77) + T5 tokens of 4096 features; pooled 2048.
+    FLUX: latents packed 2x2 outside -> (B, H/16 * W/16, 64) tokens; text = T5 tokens; pooled CLIP-L 768; position
+    ids per image / text token; guidance (dev only)."""
+    import torch
+
+    cfg = model["transformer"]["config"]
+    meta = {"device": "meta", "dtype": torch.bfloat16}
+    side = resolution // int(model["vae_scale_factor"])
+    tokens = int(model["transformer_text_tokens"])
+    text = torch.empty(batch, tokens, int(cfg["joint_attention_dim"]), **meta)
+    pooled = torch.empty(batch, int(cfg["pooled_projection_dim"]), **meta)
+    timestep = torch.empty(batch, **meta)
+    if model["transformer"]["class"] == "SD3Transformer2DModel":
+        latents = torch.empty(batch, int(cfg["in_channels"]), side, side, **meta)
+        return {
+            "hidden_states": latents,
+            "encoder_hidden_states": text,
+            "pooled_projections": pooled,
+            "timestep": timestep,
+            "return_dict": False,
+        }
+    image_tokens = (side // 2) * (side // 2)
+    kwargs = {
+        "hidden_states": torch.empty(batch, image_tokens, int(cfg["in_channels"]), **meta),
+        "encoder_hidden_states": text,
+        "pooled_projections": pooled,
+        "timestep": timestep,
+        "img_ids": torch.empty(image_tokens, 3, **meta),
+        "txt_ids": torch.empty(tokens, 3, **meta),
+        "return_dict": False,
+    }
+    if cfg.get("guidance_embeds"):
+        kwargs["guidance"] = torch.empty(batch, **meta)
+    return kwargs
+
+
+def measure_transformer(net, model: dict, *, batch: int, resolution: int, gc: bool, trained: str):
+    """One bf16 train-mode forward on meta with flash attention; returns (held_bytes, recompute_peak_bytes).
+
+    With gradient checkpointing (diffusers checkpoints each transformer block) every tensor argument of a block
+    is held (non-reentrant checkpointing keeps them for the recomputation), nothing inside it."""
+    import torch
+
+    set_trained_transformer(net, trained, tuple(model["lora_target_modules"]))
+    params = {p.untyped_storage()._cdata for p in net.parameters()}
+    params |= {b.untyped_storage()._cdata for b in net.buffers()}
+    held = SavedCounter(params)
+    peak = {"recompute": 0}
+
+    def checkpoint(module, *args, **kwargs):
+        for a in (*args, *kwargs.values()):
+            for t in a if isinstance(a, (tuple, list)) else (a,):
+                if isinstance(t, torch.Tensor):
+                    held.add(t)
+        inner = SavedCounter(params)
+        with inner.hooks():
+            out = module(*args, **kwargs)
+        peak["recompute"] = max(peak["recompute"], inner.total)
+        return out
+
+    if gc:
+        net.enable_gradient_checkpointing(gradient_checkpointing_func=checkpoint)
+    else:
+        net.disable_gradient_checkpointing()
+    calls = {"n": 0}
+    with attention_backend("efficient", "bf16", calls), held.hooks():
+        net(**transformer_inputs(model, batch=batch, resolution=resolution))
+    if not calls["n"]:
+        raise RuntimeError(
+            "the transformer never called scaled_dot_product_attention: the backend patch missed"
+        )
+    return held.total, peak["recompute"]
+
+
+def measure_transformer_flops(net, model: dict, resolutions: tuple[int, ...]) -> dict:
+    """FLOPs per sample counted by torch.utils.flop_counter on meta (flash attention's own formulas included):
+    the forward, and a whole training step (forward + backward) for each trained set, fitted over resolutions.
+
+    With gradient checkpointing a step also recomputes every block's forward: ``*_gc`` = step + forward. That
+    identity is checked, not assumed: one step per trained set is counted at the native resolution with
+    diffusers' own checkpointing (torch.utils.checkpoint, so the recomputation runs and is counted) and its
+    relative difference from the identity goes into ``fit_max_error``."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    targets = tuple(model["lora_target_modules"])
+    scale = int(model["vae_scale_factor"])
+
+    def count(fn) -> int:
+        fc = FlopCounterMode(display=False)
+        with fc, attention_backend("efficient", "bf16"):
+            fn()
+        return int(fc.get_total_flops())
+
+    def forward(res: int) -> None:
+        with torch.no_grad():
+            net(**transformer_inputs(model, batch=1, resolution=res))
+
+    def step(res: int) -> None:
+        out = net(**transformer_inputs(model, batch=1, resolution=res))[0]
+        out.float().square().mean().backward()
+        for p in net.parameters():
+            p.grad = None
+
+    net.disable_gradient_checkpointing()
+    points: dict[str, list] = {"forward": [], **{t: [] for t in TRANSFORMER_TRAINED}}
+    for res in resolutions:
+        lat = (res // scale) ** 2
+        points["forward"].append((1, lat, count(lambda r=res: forward(r))))
+        for trained in TRANSFORMER_TRAINED:
+            set_trained_transformer(net, trained, targets)
+            points[trained].append((1, lat, count(lambda r=res: step(r))))
+    coefs = {k: fit(v, quadratic=True, with_fixed=False) for k, v in points.items()}
+    worst = max(err for _, err in coefs.values())
+    fwd = coefs["forward"][0]
+    steps = {t: coefs[t][0] for t in TRANSFORMER_TRAINED}
+    native = int(model["native_resolution"])
+    lat = (native // scale) ** 2
+    net.enable_gradient_checkpointing()
+    for trained in TRANSFORMER_TRAINED:
+        derived = {k: steps[trained][k] + fwd[k] for k in ("linear", "quadratic", "per_sample", "fixed")}
+        set_trained_transformer(net, trained, targets)
+        measured = count(lambda: step(native))
+        predicted = derived["linear"] * lat + derived["quadratic"] * lat * lat + derived["per_sample"]
+        worst = max(worst, abs(predicted - measured) / measured)
+        steps[f"{trained}_gc"] = derived
+    net.disable_gradient_checkpointing()
+    return {"transformer_forward": fwd, "transformer_train_step": steps, "fit_max_error": round(worst, 6)}
+
+
+def measure_any_text_encoder(entry: dict, *, batch: int, tokens: int) -> int:
+    """Held bytes of a bf16 train-mode forward of any profile text encoder (CLIP, OpenCLIP, T5) on meta."""
+    import torch
+    from accelerate import init_empty_weights
+
+    count_params = _scripts_import("count_params")
+    with init_empty_weights():
+        model = count_params.build_text_encoder(entry)
+    model.tie_weights()
+    model.to(torch.bfloat16).train()
+    params = {p.untyped_storage()._cdata for p in model.parameters()}
+    held = SavedCounter(params)
+    ids = torch.zeros(batch, tokens, dtype=torch.long, device="meta")
+    with attention_backend("efficient", "bf16"), held.hooks():
+        model(input_ids=ids)
+    return held.total
+
+
+def text_encoder_forward_flops(entry: dict, tokens: int) -> int:
+    import torch
+    from accelerate import init_empty_weights
+    from torch.utils.flop_counter import FlopCounterMode
+
+    count_params = _scripts_import("count_params")
+    with init_empty_weights():
+        model = count_params.build_text_encoder(entry)
+    model.tie_weights()
+    model.to(torch.bfloat16)
+    fc = FlopCounterMode(display=False)
+    with fc, torch.no_grad(), attention_backend("efficient", "bf16"):
+        model(input_ids=torch.zeros(1, tokens, dtype=torch.long, device="meta"))
+    return int(fc.get_total_flops())
+
+
+def compute_transformer_family(model: dict, log) -> dict:
+    """activations.yaml entry of a transformer family (bf16, flash-style attention)."""
+    import torch
+    from accelerate import init_empty_weights
+    from diffusers import AutoencoderKL
+    from torch.utils.flop_counter import FlopCounterMode
+
+    scale = int(model["vae_scale_factor"])
+    native = int(model["native_resolution"])
+    out: dict[str, Any] = {"text_tokens": int(model["transformer_text_tokens"]), "transformer": {}}
+    measured: list[dict] = []
+    net = build_transformer(model)
+    for gc, trained in itertools.product((False, True), TRANSFORMER_TRAINED):
+        held_pts, peak_pts = [], []
+        for batch, res in [(1, r) for r in TRANSFORMER_RESOLUTIONS] + [(2, native)]:
+            t0 = time.perf_counter()
+            held, peak = measure_transformer(net, model, batch=batch, resolution=res, gc=gc, trained=trained)
+            lat = (res // scale) ** 2
+            held_pts.append((batch, lat, held))
+            peak_pts.append((batch, lat, peak))
+            measured.append(
+                {
+                    "gradient_checkpointing": gc,
+                    "trained": trained,
+                    "batch": batch,
+                    "resolution": res,
+                    "held_bytes": held,
+                    "recompute_peak_bytes": peak,
+                }
+            )
+            log(
+                f"  {model['family']} {trained:4s} gc={gc!s:5s} b={batch} {res:5d}: held {held / 2**30:7.3f} GiB, "
+                f"recompute peak {peak / 2**30:6.3f} GiB ({time.perf_counter() - t0:.2f}s)"
+            )
+        coef, err = fit(held_pts, quadratic=False)
+        entry: dict[str, Any] = {"held": coef, "fit_max_error": round(err, 6)}
+        if gc:
+            entry["recompute_peak"], _ = fit(peak_pts, quadratic=False)
+        out["transformer"][f"bf16/efficient/{'gc' if gc else 'no_gc'}/{trained}"] = entry
+    t0 = time.perf_counter()
+    flops = measure_transformer_flops(net, model, TRANSFORMER_FLOP_RESOLUTIONS)
+    log(f"  {model['family']} flops ({time.perf_counter() - t0:.1f}s): {flops}")
+    adafactor_transformer = adafactor_state_bytes(net)
+    del net
+    with init_empty_weights():
+        vae = AutoencoderKL.from_config(dict(model["vae"]))
+    vae.to(torch.bfloat16)
+    vae_pts = []
+    for res in TRANSFORMER_FLOP_RESOLUTIONS:
+        fc = FlopCounterMode(display=False)
+        with fc, torch.no_grad(), attention_backend("efficient", "bf16"):
+            vae.encode(torch.empty(1, 3, res, res, device="meta", dtype=torch.bfloat16))
+        vae_pts.append((1, (res // scale) ** 2, int(fc.get_total_flops())))
+    out["text_encoders"] = []
+    te_flops = 0
+    te_adafactor = []
+    for entry in model["text_encoders"]:
+        tokens = int(entry["max_length"])
+        one = measure_any_text_encoder(entry, batch=1, tokens=tokens)
+        two = measure_any_text_encoder(entry, batch=2, tokens=tokens)
+        out["text_encoders"].append(
+            {"class": entry["class"], "held": {"bf16": {"per_sample": two - one, "fixed": 2 * one - two}}}
+        )
+        te_flops += text_encoder_forward_flops(entry, tokens)
+        count_params = _scripts_import("count_params")
+        with init_empty_weights():
+            te = count_params.build_text_encoder(entry)
+        te.tie_weights()
+        te_adafactor.append(adafactor_state_bytes(te))
+        log(
+            f"  {model['family']} text encoder {entry['class']} ({tokens} tokens): {(two - one) / 2**20:.1f} MiB/sample"
+        )
+    out["adafactor_state_bytes"] = {"transformer": adafactor_transformer, "text_encoders": te_adafactor}
+    out["flops"] = {
+        "transformer_forward": flops["transformer_forward"],
+        "transformer_train_step": flops["transformer_train_step"],
+        "vae_encode": fit(vae_pts, quadratic=True, with_fixed=False)[0],
+        "text_encoders_forward": te_flops,
+    }
+    out["flops_fit_max_error"] = flops["fit_max_error"]
+    out["measured"] = measured
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     root = Path(__file__).resolve().parent.parent
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models-dir", type=Path, default=root / "profiles" / "models")
     ap.add_argument("--out", type=Path, default=root / "profiles" / "activations.yaml")
-    ap.add_argument("--families", default=",".join(FAMILY_RESOLUTIONS))
+    ap.add_argument(
+        "--families",
+        default=",".join([*FAMILY_RESOLUTIONS, *TRANSFORMER_FAMILIES]),
+        help="comma-separated; the other families already in --out are kept as they are",
+    )
     ap.add_argument("--keep-measured", action="store_true", help="also write every raw measurement")
     args = ap.parse_args(argv)
 
@@ -440,11 +765,16 @@ def main(argv: list[str] | None = None) -> int:
         print(msg, file=sys.stderr, flush=True)
 
     families: dict[str, Any] = {}
+    if args.out.is_file():
+        families = dict((yaml.safe_load(args.out.read_text()) or {}).get("families") or {})
     for fam in args.families.split(","):
         path = args.models_dir / f"{fam}.yaml"
         model = yaml.safe_load(path.read_text())
         log(f"{fam}: {path}")
-        result = compute_family(model, FAMILY_RESOLUTIONS[fam], log)
+        if fam in TRANSFORMER_FAMILIES:
+            result = compute_transformer_family(model, log)
+        else:
+            result = compute_family(model, FAMILY_RESOLUTIONS[fam], log)
         if not args.keep_measured:
             result.pop("measured")
         families[fam] = result
@@ -455,7 +785,8 @@ def main(argv: list[str] | None = None) -> int:
             f"torch {torch.__version__.split('+')[0]}, {_dt.date.today().isoformat()}"
         ),
         "units": "bytes; L = latent pixels (H/8 x W/8); "
-        "bytes(batch, L) = batch * (linear*L + quadratic*L^2 + per_sample) + fixed",
+        "bytes(batch, L) = batch * (linear*L + quadratic*L^2 + per_sample) + fixed; "
+        "flops: FLOPs per sample, same form with batch 1",
         "families": families,
     }
     header = (

@@ -28,8 +28,15 @@ from sdplan.registry import FAMILIES, METHODS, OPTIMIZERS, PRECISIONS
 from sdplan.settings import Settings
 
 SCHEMA_VERSION = 1
+# Families with profile data (configs, parameter counts, activations) that the planner does not plan yet (issue 14):
+# loaded and validated, kept apart in Profiles.unplanned_models.
+TRANSFORMER_FAMILIES = ("sd35-medium", "sd35-large", "flux-dev", "flux-schnell")
+TRANSFORMER_CLASSES = ("SD3Transformer2DModel", "FluxTransformer2DModel")
+TEXT_ENCODER_CLASSES = ("CLIPTextModel", "CLIPTextModelWithProjection", "T5EncoderModel")
 ATTENTION = ("efficient", "math")
 TRAINED = ("unet", "attn")  # activations.yaml: whole UNet trained, or only the attention projections
+# activations.yaml, transformer families: whole transformer trained, or only the family's LoRA target modules
+TRANSFORMER_TRAINED = ("full", "lora")
 GiB = 2**30
 
 try:  # libyaml when available: several times faster
@@ -79,6 +86,10 @@ def _num(v: Any) -> bool:
 
 def _positive(v: Any) -> str | None:
     return None if v is None or (_num(v) and v > 0) else "must be > 0"
+
+
+def _nonneg(v: Any) -> str | None:
+    return None if v is None or (_num(v) and v >= 0) else "must be >= 0"
 
 
 def _one_of(*choices: Any) -> Callable[[Any], str | None]:
@@ -160,34 +171,48 @@ GPUS_FILE_SCHEMA = {
 }
 MODEL_SCHEMA = {
     "schema_version": F((int,), check=_one_of(SCHEMA_VERSION)),
-    "family": F(STR, check=_one_of(*FAMILIES)),
+    "family": F(STR, check=_one_of(*FAMILIES, *TRANSFORMER_FAMILIES)),
     "name": F(STR),
+    "architecture": F(STR, required=False, check=_one_of("unet", "mmdit", "flux")),
     "native_resolution": F((int,), check=_positive),
     "latent_channels": F((int,), check=_positive),
     "vae_scale_factor": F((int,), check=_positive),
     "hub_ids": F((list,), item=F(STR)),
     "kohya_base_model_version": F(STR),
-    "unet": F((dict,)),
+    "unet": F((dict,), required=False),  # UNet families
+    "transformer": F(  # transformer families (SD3.5, FLUX.1)
+        (dict,),
+        required=False,
+        sub={"class": F(STR, check=_one_of(*TRANSFORMER_CLASSES)), "config": F((dict,))},
+    ),
     "text_encoders": F(
         (list,),
         item=F(
             (dict,),
             sub={
-                "class": F(STR, check=_one_of("CLIPTextModel", "CLIPTextModelWithProjection")),
+                "class": F(STR, check=_one_of(*TEXT_ENCODER_CLASSES)),
+                "max_length": F((int,), required=False, check=_positive),
                 "config": F((dict,)),
             },
         ),
     ),
     "vae": F((dict,)),
+    "scheduler": F((dict,), required=False, sub={"class": F(STR), "config": F((dict,))}),
     "tokenizer_max_length": F((int,), check=_positive),
+    "transformer_text_tokens": F((int,), required=False, check=_positive),
+    "lora_target_modules": F((list,), required=False, item=F(STR)),
     "params": F(
         (dict,),
         sub={
-            "unet": F((int,), check=_positive),
+            "unet": F((int,), required=False, check=_positive),
+            "transformer": F((int,), required=False, check=_positive),
             "text_encoders": F((list,), item=F((int,), check=_positive)),
             "vae": F((int,), check=_positive),
         },
     ),
+    # persistent buffers of the transformer (SD3's positional table): in the checkpoint and in memory, not trained
+    "buffers": F((dict,), required=False, sub={"transformer": F((int,), check=_nonneg)}),
+    "sources": F((dict,), required=False),
     "source": F(STR),
 }
 OPTIONS_SCHEMA = {
@@ -328,6 +353,22 @@ class ModelSpec:
     params_text_encoders: tuple[int, ...]
     params_vae: int
     source: str
+    # transformer families (SD3.5, FLUX.1); defaults keep the UNet families as they were
+    architecture: str = "unet"
+    transformer_class: str | None = None
+    transformer: dict | None = None
+    params_transformer: int | None = None
+    buffers_transformer: int = 0  # persistent buffer elements (SD3 pos_embed table), held like frozen weights
+    scheduler: dict | None = None
+    text_encoder_max_lengths: tuple[int, ...] = ()
+    transformer_text_tokens: int | None = None
+    lora_target_modules: tuple[str, ...] = ()
+    sources: dict | None = None
+
+    @property
+    def denoiser_params(self) -> int:
+        """Parameters of the denoising network: the transformer where there is one, else the UNet."""
+        return self.params_transformer if self.params_transformer is not None else self.params_unet
 
     def lora_params(self, rank: int, *, text_encoder: bool = False) -> int:
         """Parameters of a LoRA on the attention projections (to_q/k/v/out.0) of every UNet transformer block.
@@ -422,6 +463,15 @@ class Activations:
         per = coef["linear"] * latent + coef["quadratic"] * latent * latent + coef["per_sample"]
         return batch * per + coef["fixed"]
 
+    def transformer(
+        self, family: str, *, gc: bool, batch: int, latent_pixels: int, trained: str = "full"
+    ) -> tuple[float, float]:
+        """(held bytes, recompute peak bytes) of a transformer family's bf16 training forward, flash attention."""
+        entry = self.families[family]["transformer"][f"bf16/efficient/{'gc' if gc else 'no_gc'}/{trained}"]
+        held = self._eval(entry["held"], batch, latent_pixels)
+        peak = self._eval(entry["recompute_peak"], batch, latent_pixels) if gc else 0.0
+        return max(held, 0.0), max(peak, 0.0)
+
     def unet(
         self,
         family: str,
@@ -470,6 +520,8 @@ class Profiles:
     multi_gpu: tuple[MultiGPUObservation, ...]
     activations: Activations
     sources: tuple[str, ...] = field(default=())
+    # families with profile data but no planner support yet (TRANSFORMER_FAMILIES); not offered to recommend
+    unplanned_models: dict[str, ModelSpec] = field(default_factory=dict)
 
     def model(self, family: str) -> ModelSpec:
         if family not in self.models:
@@ -744,13 +796,34 @@ def load_model(path: Path) -> ModelSpec:
     errors = []
     if len(d["params"]["text_encoders"]) != len(d["text_encoders"]):
         errors.append("params.text_encoders: one count per text encoder")
-    for key in ("block_out_channels", "down_block_types", "up_block_types", "cross_attention_dim"):
-        if key not in d["unet"]:
-            errors.append(f"unet.{key}: missing")
+    denoiser = "transformer" if d["family"] in TRANSFORMER_FAMILIES else "unet"
+    other = "unet" if denoiser == "transformer" else "transformer"
+    for key in (denoiser,):
+        if key not in d:
+            errors.append(f"{key}: missing")
+        if key not in d["params"]:
+            errors.append(f"params.{key}: missing")
+    for key in (other,):
+        if key in d:
+            errors.append(f"{key}: not used by the {d['family']} family (it has a {denoiser})")
+        if key in d["params"]:
+            errors.append(f"params.{key}: not used by the {d['family']} family")
+    if denoiser == "unet":
+        for key in ("block_out_channels", "down_block_types", "up_block_types", "cross_attention_dim"):
+            if key not in d.get("unet", {}):
+                errors.append(f"unet.{key}: missing")
+    else:
+        for key in ("scheduler", "transformer_text_tokens", "lora_target_modules", "buffers", "sources"):
+            if key not in d:
+                errors.append(f"{key}: missing")
+        for i, te in enumerate(d["text_encoders"]):
+            if "max_length" not in te:
+                errors.append(f"text_encoders[{i}].max_length: missing")
     if path.stem != d["family"]:
         errors.append(f"family: {d['family']!r} does not match the file name {path.name}")
     if errors:
         raise ConfigError(str(path), errors)
+    transformer = d.get("transformer")
     return ModelSpec(
         family=d["family"],
         name=d["name"],
@@ -759,14 +832,24 @@ def load_model(path: Path) -> ModelSpec:
         vae_scale_factor=d["vae_scale_factor"],
         hub_ids=tuple(d["hub_ids"]),
         kohya_base_model_version=d["kohya_base_model_version"],
-        unet=d["unet"],
+        unet=d.get("unet", {}),
         text_encoders=tuple(d["text_encoders"]),
         vae=d["vae"],
         tokenizer_max_length=d["tokenizer_max_length"],
-        params_unet=d["params"]["unet"],
+        params_unet=d["params"].get("unet", 0),
         params_text_encoders=tuple(d["params"]["text_encoders"]),
         params_vae=d["params"]["vae"],
         source=d["source"],
+        architecture=d.get("architecture", "unet"),
+        transformer_class=transformer["class"] if transformer else None,
+        transformer=transformer["config"] if transformer else None,
+        params_transformer=d["params"].get("transformer"),
+        buffers_transformer=(d.get("buffers") or {}).get("transformer", 0),
+        scheduler=d.get("scheduler"),
+        text_encoder_max_lengths=tuple(te["max_length"] for te in d["text_encoders"] if "max_length" in te),
+        transformer_text_tokens=d.get("transformer_text_tokens"),
+        lora_target_modules=tuple(d.get("lora_target_modules", ())),
+        sources=d.get("sources"),
     )
 
 
@@ -839,6 +922,9 @@ def load_activations(path: Path) -> Activations:
     }
     for fam, entry in d["families"].items():
         where = f"families.{fam}"
+        if fam in TRANSFORMER_FAMILIES:
+            _check_transformer_activations(entry, where, errors)
+            continue
         _check(entry, family_schema, where, errors)
         if not isinstance(entry, dict) or not isinstance(entry.get("unet"), dict):
             continue
@@ -938,6 +1024,50 @@ def write_points(
     return path
 
 
+_TRANSFORMER_ACTIVATIONS_SCHEMA = {
+    "transformer": F((dict,)),
+    "text_tokens": F((int,), check=_positive),
+    "text_encoders": F((list,)),
+    "adafactor_state_bytes": F(
+        (dict,), sub={"transformer": F((int,)), "text_encoders": F((list,), item=F((int,)))}
+    ),
+    "flops": F(
+        (dict,),
+        sub={
+            "transformer_forward": _COEF,
+            "transformer_train_step": F(
+                (dict,), sub={k: _COEF for k in ("full", "lora", "full_gc", "lora_gc")}
+            ),
+            "vae_encode": _COEF,
+            "text_encoders_forward": F((int,)),
+        },
+    ),
+    "flops_fit_max_error": F(NUM, required=False),
+    "measured": F((list,), required=False),
+}
+
+
+def _check_transformer_activations(entry: Any, where: str, errors: list[str]) -> None:
+    """A transformer family's activations: bf16, flash-style attention, with / without gradient checkpointing,
+    the whole transformer or only its LoRA targets trained."""
+    _check(entry, _TRANSFORMER_ACTIVATIONS_SCHEMA, where, errors)
+    if not isinstance(entry, dict) or not isinstance(entry.get("transformer"), dict):
+        return
+    expected = {f"bf16/efficient/{g}/{t}" for g in ("gc", "no_gc") for t in TRANSFORMER_TRAINED}
+    for key, value in entry["transformer"].items():
+        if key not in expected:
+            errors.append(f"{where}.transformer.{key}: expected bf16/efficient/<gc|no_gc>/<full|lora>")
+            continue
+        _check(value, _UNET_ENTRY, f"{where}.transformer.{key}", errors)
+        if "/gc/" in key and isinstance(value, dict) and "recompute_peak" not in value:
+            errors.append(f"{where}.transformer.{key}.recompute_peak: missing")
+    for i, te in enumerate(entry.get("text_encoders") or []):
+        _check(te, _TE_ENTRY, f"{where}.text_encoders[{i}]", errors)
+    missing = expected - set(entry["transformer"])
+    if missing:
+        errors.append(f"{where}.transformer: missing {', '.join(sorted(missing))}")
+
+
 @functools.lru_cache(maxsize=8)
 def _load_cached(shipped: str, local: str) -> Profiles:
     root = Path(shipped)
@@ -979,13 +1109,15 @@ def _load_cached(shipped: str, local: str) -> Profiles:
     missing = [f for f in FAMILIES if f not in models]
     if missing:
         raise ConfigError(str(root / "models"), [f"{f}.yaml: missing" for f in missing])
-    for fam in FAMILIES:
+    for fam in [*FAMILIES, *(f for f in TRANSFORMER_FAMILIES if f in models)]:
         if fam not in activations.families:
             raise ConfigError(
                 str(act_path), [f"families.{fam}: missing (run scripts/compute_activations.py)"]
             )
+    unplanned = {f: models.pop(f) for f in TRANSFORMER_FAMILIES if f in models}
     return Profiles(
         gpus=tuple(gpus),
+        unplanned_models=unplanned,
         models=models,
         points=tuple(points),
         multi_gpu=tuple(multi),

@@ -46,7 +46,7 @@ def make_app() -> typer.Typer:
 
 @pytest.fixture
 def run(monkeypatch):
-    monkeypatch.setattr(cli_console, "width", 200)
+    monkeypatch.setattr(cli_console, "_width", 200)  # the private field: undo restores "not set", not 80
     runner = CliRunner()
     app = make_app()
 
