@@ -1188,6 +1188,8 @@ def _multi_gpu_reasons(hw, best, one, best_by_n, profiles, cal) -> list[str]:
                 if not c.safe
                 else "a less preferred setting"
             )
+        elif 1 - c.seconds / ref > multi_gpu_gain_needed(c, profiles):
+            why = f"{ref / c.seconds:.2f}x faster than one GPU, but {s.num_gpus} GPU(s) are faster still"
         else:
             why = (
                 f"predicted {ref / c.seconds:.2f}x faster: within the time uncertainty (more GPUs must save "
