@@ -765,8 +765,8 @@ def _key(c: Candidate) -> tuple:
         s.cache_text_encoder_outputs,
         -(s.lora_rank or 0),
     )
-    if c.seconds is None:
-        return (math.inf, s.offload, s.num_gpus, -s.batch * s.grad_accum, *savers)
+    if c.seconds is None:  # no checkpointing (it surely costs time), then the largest batch
+        return (math.inf, s.offload, s.num_gpus, s.gradient_checkpointing, -s.batch * s.grad_accum, *savers)
     return (c.seconds * penalty, s.offload, s.num_gpus, s.batch, *savers)
 
 
@@ -1053,14 +1053,14 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
     if pinned("gradient_checkpointing"):
         r.append(f"gradient checkpointing {'on' if s.gradient_checkpointing else 'off'}: pinned")
     elif s.gradient_checkpointing:
-        r.append(
-            "gradient checkpointing on: "
-            + (
-                "it allows a larger batch that makes the whole run faster despite ~25% more time per sample"
-                if same_no_gc
-                else "nothing fits without it (it costs ~25% time)"
-            )
-        )
+        no_gc_safe = [c for c in same_no_gc if c.safe]
+        if best.seconds is not None and (no_gc_safe or (same_no_gc and not best.safe)):
+            why = "it allows a larger batch that makes the whole run faster despite ~25% more time per sample"
+        elif same_no_gc:
+            why = "without it nothing fits within the likely peak's upper end (it costs ~25% time)"
+        else:
+            why = "nothing fits without it (it costs ~25% time)"
+        r.append("gradient checkpointing on: " + why)
     else:
         r.append("gradient checkpointing off: the plan fits without it, and it would cost ~25% time")
     adamw_fits = any(c.setup == replace(s, optimizer="adamw") for c in fitting)
@@ -1110,7 +1110,9 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
     if best.seconds is None:
         r.append(
             f"batch size {s.batch}, gradient accumulation {s.grad_accum}: the largest batch that fits within the "
-            "likely peak's upper end (no speed is known for this GPU to compare configurations by)"
+            "likely peak's upper end"
+            + (" without gradient checkpointing" if not s.gradient_checkpointing else "")
+            + " (no speed is known for this GPU to compare configurations by)"
         )
     else:
         r.append(
@@ -1135,7 +1137,7 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
         if risky:
             c = min(risky, key=_key)
             r.append(
-                f"avoided a faster configuration ({_describe(c.setup)}): predicted "
+                f"avoided {'a faster' if c.seconds is not None else 'a larger'} configuration ({_describe(c.setup)}): predicted "
                 f"{format_range(c.memory.peak, c.peak_range)}, its upper end over the card's {_gib(vram)}"
             )
     st = best.steps
