@@ -31,13 +31,14 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from sdplan import registry
 from sdplan.profiles import GiB, GPUSpec, MethodPoint, ModelSpec, Profiles
 from sdplan.registry import FULL_METHODS, METHODS
-from sdplan.settings import DEEPSPEED_BUCKET_ELEMENTS, OFFLOAD, Settings
+from sdplan.settings import CONFIG_KEYS, DEEPSPEED_BUCKET_ELEMENTS, OFFLOAD, Settings
 from sdplan.steps import Steps, plan_steps
 
 # -- calibration constants (fitted with benchmarks/planner_accuracy.py against profiles/methods) ----------
@@ -100,6 +101,14 @@ class Request:
     lora_rank: int = 16
     prior_preservation: bool = False
     class_images: int = 0
+    # settings the user fixed (Settings field -> value, from `key=value` sdplan.yaml pins): planned around
+    pins: tuple[tuple[str, Any], ...] = ()
+
+    def pinned(self, name: str) -> bool:
+        return any(k == name for k, _ in self.pins)
+
+    def pin(self, name: str, default: Any = None) -> Any:
+        return next((v for k, v in self.pins if k == name), default)
 
 
 @dataclass(frozen=True)
@@ -459,7 +468,12 @@ class Candidate:
     step_seconds: float | None
     steps: Steps
     basis: str
-    fits: bool
+    fits: bool  # the predicted peak is within HEADROOM of the card
+    peak_range: tuple[float, float] = (0.0, 0.0)  # likely peak bytes (profiles/uncertainty.yaml)
+    seconds_range: tuple[float, float] | None = None
+    safe: bool = False  # fits, and the upper end of peak_range is within the card's memory
+    observed_multi_gpu: str | None = None  # the multi-GPU observation its step time comes from
+    lowered_rank: bool = False  # a LoRA rank below the requested one (changes the result)
 
 
 @dataclass(frozen=True)
@@ -478,6 +492,10 @@ class Result:
     reasons: tuple[str, ...]
     vram_bytes: int | None = None
     alternatives: tuple[Candidate, ...] = field(default=())
+    peak_range: tuple[float, float] | None = None
+    seconds_range: tuple[float, float] | None = None
+    within_upper_bound: bool | None = None  # the likely-peak upper bound fits the card (None: no plan)
+    pin_conflicts: tuple[str, ...] = ()  # pins this hardware cannot run at all (bf16 without bf16, ...)
 
 
 def _steps(req: Request, batch: int, grad_accum: int, num_gpus: int) -> Steps:
@@ -553,47 +571,137 @@ def _observed_oom(profiles: Profiles, s: Settings, gpu: HWGPU) -> MethodPoint | 
     return None
 
 
+# -- the one setting generator ----------------------------------------------------------------------------
+
+# Lower LoRA ranks tried (after the requested one) when the user did not pin lora.rank: kohya-ss/sd-scripts
+# docs/train_SDXL-en.md, "The LoRA training can be done with 8GB GPU memory ... Use lower dim (4 to 8 for 8GB
+# GPU)". A lower rank changes the result (less capacity), so it is used only when the requested rank fits nowhere.
+LOWER_LORA_RANKS = (8, 4)
+# Cached text-encoder outputs fix each caption's embedding (no caption shuffle or dropout): a small handicap so
+# they are chosen where they make a plan fit or a run clearly faster, not by default.
+TE_CACHE_HANDICAP = 0.03
+
+
+def settings_space(
+    req: Request, *, precision: str, attention: str, nvidia: bool = True, max_gpus: int = 1
+) -> Iterator[Settings]:
+    """Every configuration the planner considers for ``req``: the search, the "needs at least" figure and the
+    reasons all enumerate this one generator. A pinned field (``req.pins``) takes only its pinned value.
+
+    Knobs that keep the result (latent / text-encoder-output caching, gradient checkpointing, optimizer
+    memory savers, DeepSpeed offload, full bf16 weights) and, for LoRA, lower ranks (which do not; the search
+    prefers the requested rank)."""
+    pins = dict(req.pins)
+    full = req.method in FULL_METHODS
+    lora = req.method == "lora"
+    resolution = req.resolution
+    if resolution is None:
+        raise ValueError("settings_space needs the request's resolution")
+    precision = pins.get("precision", precision)
+
+    def axis(name: str, values) -> tuple:
+        return (pins[name],) if name in pins else tuple(values)
+
+    optimizers = [o for o in registry.method(req.method).optimizers if nvidia or o != "adamw8bit"]
+    train_te = pins.get("train_text_encoder", False)
+    te_frozen = not train_te and req.method != "textual-inversion"
+    ranks = (
+        axis("lora_rank", (req.lora_rank, *(r for r in LOWER_LORA_RANKS if r < req.lora_rank)))
+        if lora
+        else (None,)
+    )
+    halves = (False, True) if (full and precision == "bf16") else (False,)
+    speeds = (None, dict(OFFLOAD)) if full else (None,)
+    fixed = {
+        name: pins[name]
+        for name in ("lora_alpha", "lora_targets", "set_grads_to_none", "ema")
+        if name in pins and (lora or not name.startswith("lora"))
+    }
+    for n in axis("num_gpus", range(1, max_gpus + 1)):
+        for batch in axis("batch", BATCHES):
+            if "batch" not in pins and batch > 1 and batch * n > req.images:
+                continue  # a global batch larger than the images would repeat an image within a step
+            for accum, gc, cache, te_cache, opt, ds, half_w, rank in itertools.product(
+                axis("grad_accum", (1,)),
+                axis("gradient_checkpointing", (False, True)),
+                axis("cache_latents", (True, False)),
+                axis("cache_text_encoder_outputs", (False, True) if te_frozen else (False,)),
+                axis("optimizer", optimizers),
+                axis("deepspeed", speeds),
+                axis("full_half_weights", halves),
+                ranks,
+            ):
+                if ds and (
+                    (opt != "adamw" and "optimizer" not in pins)
+                    or (half_w and "full_half_weights" not in pins)
+                ):
+                    continue  # 8-bit / Adafactor / full bf16 are not combined with DeepSpeed unless pinned
+                yield Settings(
+                    method=req.method,
+                    model=req.model,
+                    resolution=resolution,
+                    batch=batch,
+                    grad_accum=accum,
+                    precision=precision,
+                    gradient_checkpointing=gc,
+                    optimizer=opt,
+                    cache_latents=cache,
+                    cache_text_encoder_outputs=te_cache,
+                    train_text_encoder=train_te,
+                    attention=attention,
+                    deepspeed=dict(ds) if ds else None,
+                    full_half_weights=half_w,
+                    lora_rank=rank if lora else None,
+                    prior_preservation=pins.get("prior_preservation", req.prior_preservation),
+                    num_gpus=n,
+                    **fixed,
+                )
+
+
 def _candidates(req: Request, profiles: Profiles, hw: Hardware, cal: Calibration, resolution: int):
     gpu = hw.gpus[0]
-    precision = precision_for(hw.gpus)
-    attention = attention_backend(gpu)
-    nvidia = gpu.vendor == "nvidia"
-    max_n = min(hw.count, req.max_gpus or hw.count)
-    full = req.method in FULL_METHODS
-    optimizers = list(registry.method(req.method).optimizers)
-    if not nvidia:
-        optimizers = [o for o in optimizers if o != "adamw8bit"]  # bitsandbytes: CUDA only
-    out: list[Candidate] = []
-    # full bf16 weights (kohya --full_bf16) are a fallback for full-UNet methods, tried before offload
-    halves = (False, True) if (full and precision == "bf16") else (False,)
-    for n in range(1, max_n + 1):
-        for batch in BATCHES:
-            if batch > 1 and batch * n > req.images:
-                continue  # a global batch larger than the images would repeat an image within a step
-            for gc in (False, True):
-                for cache in (True, False):
-                    for opt in optimizers:
-                        for offload, half_w in itertools.product((False, True) if full else (False,), halves):
-                            if offload and (opt != "adamw" or half_w):
-                                continue  # 8-bit / Adafactor do not combine with DeepSpeed here
-                            s = Settings(
-                                full_half_weights=half_w,
-                                method=req.method,
-                                model=req.model,
-                                resolution=resolution,
-                                batch=batch,
-                                precision=precision,
-                                gradient_checkpointing=gc,
-                                optimizer=opt,
-                                cache_latents=cache,
-                                attention=attention,
-                                deepspeed=dict(OFFLOAD) if offload else None,
-                                lora_rank=req.lora_rank,
-                                prior_preservation=req.prior_preservation,
-                                num_gpus=n,
-                            )
-                            out.append(_evaluate(req, profiles, hw, cal, s))
-    return out
+    req = replace(req, resolution=resolution)
+    space = settings_space(
+        req,
+        precision=precision_for(hw.gpus),
+        attention=attention_backend(gpu),
+        nvidia=gpu.vendor == "nvidia",
+        max_gpus=min(hw.count, req.max_gpus or hw.count),
+    )
+    return [_evaluate(req, profiles, hw, cal, s) for s in space]
+
+
+def _observed_multi_gpu(profiles: Profiles, s: Settings, hw: Hardware):
+    """A multi-GPU observation near these settings (same GPU, method, family, GPU count and link): measured
+    evidence wins over the all-reduce model."""
+    gpu = hw.gpus[0]
+    if gpu.spec is None or s.num_gpus < 2:
+        return None
+    link = "nvlink" if hw.link in ("nvlink", "xgmi") else "pcie"
+    for m in profiles.multi_gpu:
+        spec = profiles.gpu_or_none(m.gpu)
+        if (
+            spec is not None
+            and spec.name == gpu.spec.name
+            and m.method == s.method
+            and m.model == s.model
+            and m.num_gpus == s.num_gpus
+            and m.interconnect == link
+            and m.outcome.get("iteration_time_ratio")
+        ):
+            return m
+    return None
+
+
+def _one_gpu_step(
+    profiles: Profiles, hw: Hardware, cal: Calibration, s: Settings
+) -> tuple[float | None, str]:
+    gpu = hw.gpus[0]
+    point = _matching_point(profiles, s, gpu) if s.num_gpus == 1 else None
+    if point is not None:
+        return 1.0 / point.outcome["it_s"], ("measured" if point.origin == "local" else "published")
+    step_s = step_seconds(profiles, s, gpu, cal, link_gbs=hw.link_gbs)
+    return step_s, ("calibrated" if step_s is not None else "unknown speed")
 
 
 def _evaluate(req: Request, profiles: Profiles, hw: Hardware, cal: Calibration, s: Settings) -> Candidate:
@@ -605,14 +713,15 @@ def _evaluate(req: Request, profiles: Profiles, hw: Hardware, cal: Calibration, 
         fits = fits and mem.ram <= 0.9 * hw.ram_total_bytes
     if fits and _observed_oom(profiles, s, gpu) is not None:
         fits = False
+    unc = profiles.uncertainty
+    peak_range = (mem.peak * unc.peak_vram[0], mem.peak * unc.peak_vram[1])
     steps = _steps(req, s.batch, s.grad_accum, s.num_gpus)
-    point = _matching_point(profiles, s, gpu) if s.num_gpus == 1 else None
-    if point is not None:
-        step_s = 1.0 / point.outcome["it_s"]
-        basis = "measured" if point.origin == "local" else "published"
+    observed = _observed_multi_gpu(profiles, s, hw)
+    if observed is not None:
+        one_s, basis = _one_gpu_step(profiles, hw, cal, replace(s, num_gpus=1))
+        step_s = one_s * observed.outcome["iteration_time_ratio"] if one_s is not None else None
     else:
-        step_s = step_seconds(profiles, s, gpu, cal, link_gbs=hw.link_gbs)
-        basis = "calibrated"
+        step_s, basis = _one_gpu_step(profiles, hw, cal, s)
     if step_s is None:
         seconds = None
     else:
@@ -627,7 +736,18 @@ def _evaluate(req: Request, profiles: Profiles, hw: Hardware, cal: Calibration, 
             )
             seconds += flops / (tflops * 1e12 * cal.efficiency_for(gpu.spec))
     return Candidate(
-        setup=s, memory=mem, seconds=seconds, step_seconds=step_s, steps=steps, basis=basis, fits=fits
+        setup=s,
+        memory=mem,
+        seconds=seconds,
+        step_seconds=step_s,
+        steps=steps,
+        basis=basis,
+        fits=fits,
+        peak_range=peak_range,
+        seconds_range=None if seconds is None else (seconds * unc.seconds[0], seconds * unc.seconds[1]),
+        safe=fits and peak_range[1] <= vram,
+        observed_multi_gpu=observed.id if observed is not None else None,
+        lowered_rank=s.method == "lora" and not req.pinned("lora_rank") and s.lora_rank < req.lora_rank,
     )
 
 
@@ -635,47 +755,40 @@ _OPT_RANK = {"adamw": 0, "adamw8bit": 1, "adafactor": 2}
 
 
 def _key(c: Candidate) -> tuple:
+    """Fastest whole run first; with no speed known (an uncatalogued GPU), the largest batch."""
     s = c.setup
     # a 2% handicap per step away from plain AdamW: bitsandbytes / Adafactor only where they pay
-    penalty = 1 + 0.02 * _OPT_RANK[s.optimizer]
-    return (
-        c.seconds * penalty if c.seconds is not None else math.inf,
-        s.offload,
-        s.num_gpus,
+    penalty = 1 + 0.02 * _OPT_RANK[s.optimizer] + (TE_CACHE_HANDICAP if s.cache_text_encoder_outputs else 0)
+    savers = (
         s.gradient_checkpointing,
         _OPT_RANK[s.optimizer],
-        s.batch,
+        s.cache_text_encoder_outputs,
+        -(s.lora_rank or 0),
     )
+    if c.seconds is None:  # no checkpointing (it surely costs time), then the largest batch
+        return (math.inf, s.offload, s.num_gpus, s.gradient_checkpointing, -s.batch * s.grad_accum, *savers)
+    return (c.seconds * penalty, s.offload, s.num_gpus, s.batch, *savers)
+
+
+def _tier(c: Candidate) -> tuple:
+    """Preference before speed: within the likely peak's upper end, the requested LoRA rank, no offload
+    (3-4x slower), fp32 master weights."""
+    return (not c.safe, c.lowered_rank, c.setup.offload, c.setup.full_half_weights)
 
 
 def min_vram_needed(
-    req: Request, profiles: Profiles, precision: str = "fp16", attention: str = "efficient"
+    req: Request,
+    profiles: Profiles,
+    precision: str = "fp16",
+    attention: str = "efficient",
+    nvidia: bool = True,
 ) -> int:
-    """The smallest VRAM (bytes) on which some configuration of this request fits with headroom."""
-    model = profiles.model(req.model)
-    resolution = req.resolution or model.native_resolution
-    full = req.method in FULL_METHODS
-    best = math.inf
-    for gc in (False, True):
-        for opt in ("adamw", "adamw8bit", "adafactor"):
-            for offload in (False, True) if full else (False,):
-                if offload and opt != "adamw":
-                    continue
-                s = Settings(
-                    method=req.method,
-                    model=req.model,
-                    resolution=resolution,
-                    precision=precision,
-                    gradient_checkpointing=gc,
-                    optimizer=opt,
-                    cache_latents=True,
-                    attention=attention,
-                    deepspeed=dict(OFFLOAD) if offload else None,
-                    lora_rank=req.lora_rank,
-                    prior_preservation=req.prior_preservation,
-                )
-                best = min(best, memory(profiles, s).peak / HEADROOM)
-    return int(math.ceil(best))
+    """The smallest VRAM (bytes) on which some configuration of this request (:func:`settings_space`, one GPU
+    unless pinned) fits with headroom."""
+    if req.resolution is None:
+        req = replace(req, resolution=profiles.model(req.model).native_resolution)
+    space = settings_space(req, precision=precision, attention=attention, nvidia=nvidia, max_gpus=1)
+    return int(math.ceil(min(memory(profiles, s).peak for s in space) / HEADROOM))
 
 
 def suggest_hardware(profiles: Profiles, need_bytes: int, limit: int = 6) -> list[str]:
@@ -689,12 +802,118 @@ def _gib(x: float) -> str:
     return f"{x / GiB:.1f} GiB"
 
 
+def format_range(value: float, rng: tuple[float, float], unit: str = "GiB") -> str:
+    """'15.9 GiB (likely 14.2-18.1)' for bytes; durations with :func:`format_duration`."""
+    if unit == "GiB":
+        return f"{value / GiB:.1f} GiB (likely {rng[0] / GiB:.1f}-{rng[1] / GiB:.1f})"
+    return f"{format_duration(value)} (likely {format_duration(rng[0])} to {format_duration(rng[1])})"
+
+
 def format_duration(seconds: float) -> str:
     if seconds < 90:
         return f"{seconds:.0f} s"
     if seconds < 5400:
         return f"{seconds / 60:.0f} min"
     return f"{seconds / 3600:.1f} h"
+
+
+def pin_text(name: str, value: Any) -> str:
+    """A Settings field and value as the sdplan.yaml `key=value` a user types."""
+    if name == "ema":
+        return "ema.enabled=false" if value is None else f"ema.device={value}"
+    if isinstance(value, bool):
+        v = str(value).lower()
+    elif value is None:
+        v = "null"
+    elif isinstance(value, dict):
+        v = (
+            "{"
+            + ", ".join(f"{k}: {str(x).lower() if isinstance(x, bool) else x}" for k, x in value.items())
+            + "}"
+        )
+    elif isinstance(value, (list, tuple)):
+        v = "[" + ", ".join(str(x) for x in value) + "]"
+    else:
+        v = str(value)
+    return f"{CONFIG_KEYS.get(name, name)}={v}"
+
+
+def pin_conflicts(req: Request, hw: Hardware) -> list[str]:
+    """Pins this hardware cannot run at all, whatever the memory: each a sentence with the fix."""
+    out = []
+    if not hw.gpus:
+        return out
+    gpu = hw.gpus[0]
+    precision = req.pin("precision")
+    if precision == "bf16" and not all(g.bf16 for g in hw.gpus):
+        out.append(
+            f"training.precision=bf16: {gpu.name} has no bf16 in hardware (use training.precision=fp16)"
+        )
+    if precision == "fp16" and not all(g.fp16 for g in hw.gpus):
+        out.append(
+            f"training.precision=fp16: {gpu.name} reports no fp16 support (use training.precision=fp32)"
+        )
+    n = req.pin("num_gpus")
+    limit = min(hw.count, req.max_gpus or hw.count)
+    if n is not None and n > limit:
+        out.append(
+            f"distributed.num_processes={n}: this hardware has {limit} usable GPU(s) (use at most {limit})"
+        )
+    if req.pin("optimizer") == "adamw8bit" and gpu.vendor != "nvidia":
+        out.append(
+            "memory.optimizer=adamw8bit: bitsandbytes runs on NVIDIA GPUs only (use adamw or adafactor)"
+        )
+    return out
+
+
+def _infeasible(req, hw, reasons, steps, *, memory=None, need=None, profiles=None, conflicts=()):
+    needs = None
+    if need is not None:
+        needs = {"min_vram_bytes": need, "suggested_hardware": suggest_hardware(profiles, need)}
+    return Result(
+        feasible=False,
+        request=req,
+        hardware=hw,
+        plan=None,
+        steps=steps,
+        memory=memory,
+        seconds=None,
+        step_seconds=None,
+        speedup_vs_one_gpu=None,
+        basis=None,
+        needs=needs,
+        reasons=tuple(reasons),
+        vram_bytes=hw.gpus[0].memory_bytes if hw.gpus else None,
+        pin_conflicts=tuple(conflicts),
+    )
+
+
+def _choose(fitting: list[Candidate], profiles: Profiles) -> tuple[Candidate, dict[int, Candidate]]:
+    """The preferred tier (:func:`_tier`), fastest first; more GPUs only from the same tier and when the gain
+    clears the time uncertainty (or a multi-GPU observation near the configuration measured it).
+    Returns the choice and each GPU count's own best (for the reasons)."""
+    best_by_n: dict[int, Candidate] = {}
+    for c in sorted(fitting, key=lambda c: (_tier(c), _key(c))):
+        best_by_n.setdefault(c.setup.num_gpus, c)
+    top = min(_tier(c) for c in best_by_n.values())
+    eligible = {n: c for n, c in best_by_n.items() if _tier(c) == top}
+    one = eligible.get(1)
+    best = one or min(eligible.values(), key=_key)
+    for n, c in sorted(eligible.items()):
+        if n == best.setup.num_gpus or c.seconds is None or best.seconds is None:
+            continue
+        ref = one.seconds if one is not None and one.seconds else best.seconds
+        if 1 - c.seconds / ref > multi_gpu_gain_needed(c, profiles) and c.seconds < best.seconds:
+            best = c
+    return best, best_by_n
+
+
+def multi_gpu_gain_needed(c: Candidate, profiles: Profiles) -> float:
+    """The share of the one-GPU run time more GPUs must save: MIN_MULTI_GPU_GAIN when measured on these GPUs,
+    else enough that the run is still faster if the multi-GPU time is at the upper end of its range."""
+    if c.observed_multi_gpu:
+        return MIN_MULTI_GPU_GAIN
+    return max(MIN_MULTI_GPU_GAIN, 1 - 1 / profiles.uncertainty.seconds[1])
 
 
 def plan(hardware: Hardware | Any, profiles: Profiles, request: Request) -> Result:
@@ -709,77 +928,46 @@ def plan(hardware: Hardware | Any, profiles: Profiles, request: Request) -> Resu
     req = replace(req, resolution=resolution)
     cal = calibrate(profiles)
     reasons: list[str] = list(hardware.notes)
+    if req.pins:
+        reasons.append("pinned: " + ", ".join(pin_text(k, v) for k, v in req.pins) + " (planned around them)")
     one_steps = _steps(req, 1, 1, 1)
 
     if not hardware.gpus:
         need = min_vram_needed(req, profiles)
-        suggestions = suggest_hardware(profiles, need)
         reasons.append(
             f"no usable GPU on this machine ({hardware.label or 'none found'}): training {req.method} on {req.model} "
             f"needs at least {_gib(need)} of GPU memory"
         )
-        return Result(
-            feasible=False,
-            request=req,
-            hardware=hardware,
-            plan=None,
-            steps=one_steps,
-            memory=None,
-            seconds=None,
-            step_seconds=None,
-            speedup_vs_one_gpu=None,
-            basis=None,
-            needs={"min_vram_bytes": need, "suggested_hardware": suggestions},
-            reasons=tuple(reasons),
-        )
+        return _infeasible(req, hardware, reasons, one_steps, need=need, profiles=profiles)
+
+    conflicts = pin_conflicts(req, hardware)
+    if conflicts:
+        return _infeasible(req, hardware, reasons + conflicts, one_steps, conflicts=conflicts)
 
     cands = _candidates(req, profiles, hardware, cal, resolution)
     fitting = [c for c in cands if c.fits]
-    no_offload = [c for c in fitting if not c.setup.offload]
-    mixed = [c for c in no_offload if not c.setup.full_half_weights]
-    pool = mixed or no_offload or fitting
-    if not pool:
-        precision = precision_for(hardware.gpus)
-        need = min_vram_needed(
-            req, profiles, precision=precision, attention=attention_backend(hardware.gpus[0])
-        )
-        smallest = min(cands, key=lambda c: c.memory.peak)
+    gpu = hardware.gpus[0]
+    if not fitting:
+        leanest = min(cands, key=lambda c: c.memory.peak)
+        need = int(math.ceil(leanest.memory.peak / HEADROOM))
+        vram = min(g.memory_bytes for g in hardware.gpus[: leanest.setup.num_gpus])
+        what = ", ".join(pin_text(k, v) for k, v in req.pins) if req.pins else "the leanest configuration"
         reasons.append(
-            f"nothing fits: the leanest configuration ({_describe(smallest.setup)}) needs {_gib(smallest.memory.peak)} "
-            f"per GPU, more than {int(HEADROOM * 100)}% of {_gib(hardware.gpus[0].memory_bytes)}"
+            f"nothing fits: {what} ({_describe(leanest.setup)}) needs "
+            f"{format_range(leanest.memory.peak, leanest.peak_range)} per GPU on {gpu.name} {_gib(vram)}, more than "
+            f"its {int(HEADROOM * 100)}% limit ({_gib(HEADROOM * vram)}): at least {_gib(need)} of GPU memory"
         )
-        return Result(
-            feasible=False,
-            request=req,
-            hardware=hardware,
-            plan=None,
-            steps=one_steps,
-            memory=smallest.memory,
-            seconds=None,
-            step_seconds=None,
-            speedup_vs_one_gpu=None,
-            basis=None,
-            needs={"min_vram_bytes": need, "suggested_hardware": suggest_hardware(profiles, need)},
-            reasons=tuple(reasons),
-            vram_bytes=hardware.gpus[0].memory_bytes,
+        relax = _relaxations(req, profiles, hardware, cal, resolution)
+        if relax:
+            reasons.append("fits when changed: " + "; or ".join(relax))
+        return _infeasible(
+            req, hardware, reasons, one_steps, memory=leanest.memory, need=need, profiles=profiles
         )
 
-    pool.sort(key=_key)
-    best_by_n: dict[int, Candidate] = {}
-    for c in pool:
-        best_by_n.setdefault(c.setup.num_gpus, c)
-    best = best_by_n.get(1) or pool[0]
-    for n, c in sorted(best_by_n.items()):
-        if (
-            n > 1
-            and c.seconds is not None
-            and best.seconds is not None
-            and c.seconds < best.seconds * (1 - MIN_MULTI_GPU_GAIN)
-        ):
-            best = c
+    best, best_by_n = _choose(fitting, profiles)
     one = best_by_n.get(1)
     speedup = one.seconds / best.seconds if (one and one.seconds and best.seconds) else None
-    reasons += _reasons(req, hardware, best, one, best_by_n, fitting, no_offload, cal, profiles)
+    reasons += _reasons(req, hardware, best, one, best_by_n, fitting, cal, profiles)
     alternatives = tuple(sorted(best_by_n.values(), key=lambda c: c.setup.num_gpus))
     return Result(
         feasible=True,
@@ -796,26 +984,54 @@ def plan(hardware: Hardware | Any, profiles: Profiles, request: Request) -> Resu
         reasons=tuple(reasons),
         vram_bytes=min(g.memory_bytes for g in hardware.gpus[: best.setup.num_gpus]),
         alternatives=alternatives,
+        peak_range=best.peak_range,
+        seconds_range=best.seconds_range,
+        within_upper_bound=best.safe,
     )
 
 
+def _relaxations(
+    req: Request, profiles: Profiles, hw: Hardware, cal: Calibration, resolution: int
+) -> list[str]:
+    """For each pin, the value that fits when only that pin is freed (the rest stay pinned)."""
+    out = []
+    for name, _ in req.pins:
+        rest = replace(req, pins=tuple(p for p in req.pins if p[0] != name))
+        fitting = [c for c in _candidates(rest, profiles, hw, cal, resolution) if c.fits]
+        if fitting:
+            best, _ = _choose(fitting, profiles)
+            out.append(f"{pin_text(name, getattr(best.setup, name))} fits ({_describe(best.setup)})")
+    return out
+
+
 def _describe(s: Settings) -> str:
-    bits = [s.precision, f"batch {s.batch}"]
+    bits = [s.precision, f"batch {s.batch}" + (f" x accumulation {s.grad_accum}" if s.grad_accum > 1 else "")]
     bits.append("gradient checkpointing" if s.gradient_checkpointing else "no checkpointing")
     bits.append(s.optimizer)
     if s.cache_latents:
         bits.append("cached latents")
+    if s.cache_text_encoder_outputs:
+        bits.append("cached text-encoder outputs")
+    if s.lora_rank is not None:
+        bits.append(f"rank {s.lora_rank}")
+    if s.full_half_weights:
+        bits.append("full bf16 weights")
     if s.offload:
         bits.append("DeepSpeed ZeRO-2 CPU offload")
+    if s.num_gpus > 1:
+        bits.append(f"{s.num_gpus} GPUs")
     return ", ".join(bits)
 
 
-def _reasons(req, hw, best, one, best_by_n, fitting, no_offload, cal, profiles) -> list[str]:
+def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]:
     s, m = best.setup, best.memory
     gpu = hw.gpus[0]
     vram = min(g.memory_bytes for g in hw.gpus[: s.num_gpus])
+    pinned = req.pinned
     r = []
-    if s.precision == "bf16":
+    if pinned("precision"):
+        r.append(f"precision {s.precision}: pinned")
+    elif s.precision == "bf16":
         r.append(
             f"precision bf16: {gpu.name} supports bf16 in hardware (mixed precision, fp32 master weights)"
         )
@@ -834,15 +1050,17 @@ def _reasons(req, hw, best, one, best_by_n, fitting, no_offload, cal, profiles) 
         for c in fitting
         if c.setup.num_gpus == s.num_gpus and not c.setup.gradient_checkpointing and not c.setup.offload
     ]
-    if s.gradient_checkpointing:
-        r.append(
-            "gradient checkpointing on: "
-            + (
-                "it allows a larger batch that makes the whole run faster despite ~25% more time per sample"
-                if same_no_gc
-                else "nothing fits without it (it costs ~25% time)"
-            )
-        )
+    if pinned("gradient_checkpointing"):
+        r.append(f"gradient checkpointing {'on' if s.gradient_checkpointing else 'off'}: pinned")
+    elif s.gradient_checkpointing:
+        no_gc_safe = [c for c in same_no_gc if c.safe]
+        if best.seconds is not None and (no_gc_safe or (same_no_gc and not best.safe)):
+            why = "it allows a larger batch that makes the whole run faster despite ~25% more time per sample"
+        elif same_no_gc:
+            why = "without it nothing fits within the likely peak's upper end (it costs ~25% time)"
+        else:
+            why = "nothing fits without it (it costs ~25% time)"
+        r.append("gradient checkpointing on: " + why)
     else:
         r.append("gradient checkpointing off: the plan fits without it, and it would cost ~25% time")
     adamw_fits = any(c.setup == replace(s, optimizer="adamw") for c in fitting)
@@ -853,29 +1071,75 @@ def _reasons(req, hw, best, one, best_by_n, fitting, no_offload, cal, profiles) 
         "needs `pip install 'sdplan[bnb]'`",
         "adafactor": f"Adafactor (factored second moment, a fraction of AdamW's state): {why}",
     }[s.optimizer]
-    r.append(f"optimizer {s.optimizer}: {opt_reason}")
+    r.append(f"optimizer {s.optimizer}: " + ("pinned" if pinned("optimizer") else opt_reason))
     r.append(
         "latents cached: the VAE runs once per image instead of every step (faster, less VRAM; no random crop/flip)"
         if s.cache_latents
         else "latents not cached"
     )
+    if s.cache_text_encoder_outputs:
+        te = profiles.model(s.model).text_encoder_params * (2 if s.precision in ("fp16", "bf16") else 4)
+        r.append(
+            "text-encoder outputs cached (kohya --cache_text_encoder_outputs): the text encoders run once per "
+            f"caption and leave the GPU (~{_gib(te)}); the result is the same, but captions stay fixed (no "
+            "caption shuffle or dropout)" + (": pinned" if pinned("cache_text_encoder_outputs") else "")
+        )
+    if best.lowered_rank:
+        r.append(
+            f"LoRA rank {s.lora_rank} instead of the requested {req.lora_rank}: nothing fits at rank "
+            f"{req.lora_rank}; a lower rank changes the result (less capacity; kohya's SDXL notes use 4-8 on "
+            "8 GB cards). Pin lora.rank to keep it"
+        )
     if s.full_half_weights:
         r.append(
-            "full bf16 weights and gradients (no fp32 master copy, kohya --full_bf16): nothing with fp32 master "
-            "weights fits; tried before DeepSpeed offload, which is 3-4x slower"
+            "full bf16 weights and gradients (no fp32 master copy, kohya --full_bf16): "
+            + (
+                "pinned"
+                if pinned("full_half_weights")
+                else "nothing with fp32 master weights fits; tried before DeepSpeed offload, which is 3-4x slower"
+            )
         )
     if s.offload:
         r.append(
-            "DeepSpeed ZeRO-2 with optimizer offload to CPU: nothing without offload fits; it runs ~3-4x slower, "
-            f"needs ~{_gib(m.ram)} of host RAM and `pip install 'sdplan[deepspeed]'`"
+            "DeepSpeed ZeRO-2 with optimizer offload to CPU: "
+            + ("pinned" if pinned("deepspeed") else "nothing without offload fits")
+            + f"; it runs ~3-4x slower, needs ~{_gib(m.ram)} of host RAM and `pip install 'sdplan[deepspeed]'`"
         )
-    elif req.method in FULL_METHODS:
+    elif req.method in FULL_METHODS and not pinned("deepspeed"):
         r.append("no DeepSpeed offload: a configuration without it fits (offload is 3-4x slower)")
-    r.append(f"batch size {s.batch}, gradient accumulation {s.grad_accum}: the fastest whole run that fits")
+    if best.seconds is None:
+        r.append(
+            f"batch size {s.batch}, gradient accumulation {s.grad_accum}: the largest batch that fits within the "
+            "likely peak's upper end"
+            + (" without gradient checkpointing" if not s.gradient_checkpointing else "")
+            + " (no speed is known for this GPU to compare configurations by)"
+        )
+    else:
+        r.append(
+            f"batch size {s.batch}, gradient accumulation {s.grad_accum}: the fastest whole run that fits"
+        )
+    unc = profiles.uncertainty
     r.append(
-        f"predicted peak {_gib(m.peak)} per GPU of {_gib(vram)} ({100 * m.peak / vram:.0f}%, limit {int(HEADROOM * 100)}%): "
+        f"predicted peak {format_range(m.peak, best.peak_range)} per GPU of {_gib(vram)} "
+        f"({100 * m.peak / vram:.0f}%, limit {int(HEADROOM * 100)}%): "
         + ", ".join(f"{k.replace('_', ' ')} {_gib(v)}" for k, v in m.parts().items() if v > 0)
+        + f"; the range is measured / predicted x{unc.peak_vram[0]:g}-{unc.peak_vram[1]:g} on the validation "
+        f"set (n={unc.n_peak_vram})"
     )
+    if not best.safe:
+        r.append(
+            f"warning: the likely peak's upper end ({_gib(best.peak_range[1])}) is over the card's {_gib(vram)}: "
+            "this plan may run out of memory; no configuration fits within the upper end (`sdplan train` retries "
+            "smaller on out-of-memory)"
+        )
+    else:
+        risky = [c for c in fitting if not c.safe and c.setup.num_gpus == s.num_gpus and _key(c) < _key(best)]
+        if risky:
+            c = min(risky, key=_key)
+            r.append(
+                f"avoided {'a faster' if c.seconds is not None else 'a larger'} configuration ({_describe(c.setup)}): predicted "
+                f"{format_range(c.memory.peak, c.peak_range)}, its upper end over the card's {_gib(vram)}"
+            )
     st = best.steps
     if s.num_gpus > 1:
         r.append(
@@ -890,32 +1154,14 @@ def _reasons(req, hw, best, one, best_by_n, fitting, no_offload, cal, profiles) 
             f"{st.steps_per_epoch} per epoch x {st.epochs} epochs = {st.total_steps}; images seen {st.images_seen}"
         )
     if hw.count > 1:
-        for n, c in sorted(best_by_n.items()):
-            if n == s.num_gpus or c.seconds is None or one is None or one.seconds is None:
-                continue
-            verdict = "slower" if c.seconds >= one.seconds else "not enough faster"
-            r.append(
-                f"{n} GPU{'s' if n > 1 else ''} would take {format_duration(c.seconds)} ({verdict}"
-                + (
-                    f": the {_gib(gradient_bytes(profiles, c.setup))} gradient all-reduce per step over "
-                    f"{hw.link} costs more than it saves)"
-                    if n > 1
-                    else ")"
-                )
-            )
-        t1 = step_seconds(profiles, replace(s, num_gpus=1), gpu, cal)
-        if s.num_gpus > 1 and one is not None and one.seconds and best.seconds and t1 and best.step_seconds:
-            r.append(
-                f"{s.num_gpus} GPUs: each step takes {best.step_seconds / t1:.2f}x as long as on one GPU with the "
-                f"same settings (gradient all-reduce over {hw.link}), but the run is {one.seconds / best.seconds:.2f}x "
-                "faster once steps are normalised"
-            )
+        r += _multi_gpu_reasons(hw, best, one, best_by_n, profiles, cal)
     if best.seconds is None:
         r.append(f"time: unknown: no catalog throughput or measured speed for {gpu.name}")
     elif best.basis == "calibrated":
         r.append(
             f"time: FLOPs of the {req.model} UNet at {s.resolution}px over {gpu.name}'s dense throughput at "
-            f"{cal.efficiency_for(gpu.spec) * 100:.0f}% efficiency (fitted on published speeds)"
+            f"{cal.efficiency_for(gpu.spec) * 100:.0f}% efficiency (fitted on published speeds); likely "
+            f"x{unc.seconds[0]:g}-{unc.seconds[1]:g} of that (validation set, n={unc.n_seconds})"
         )
     else:
         r.append(f"time: from a {best.basis} speed for {gpu.name} with these settings")
@@ -924,8 +1170,72 @@ def _reasons(req, hw, best, one, best_by_n, fitting, no_offload, cal, profiles) 
     return r
 
 
+def _multi_gpu_reasons(hw, best, one, best_by_n, profiles, cal) -> list[str]:
+    s = best.setup
+    r = []
+    obs = {m.id: m for m in profiles.multi_gpu}
+    for n, c in sorted(best_by_n.items()):
+        if n == s.num_gpus or c.seconds is None or best.seconds is None:
+            continue
+        if n == 1:
+            r.append(f"1 GPU would take {format_duration(c.seconds)}")
+            continue
+        m = obs.get(c.observed_multi_gpu) if c.observed_multi_gpu else None
+        ref = one.seconds if one is not None and one.seconds else best.seconds
+        if c.seconds >= ref:
+            why = "slower"
+        elif _tier(c) > _tier(best):
+            why = f"{ref / c.seconds:.2f}x faster, but only with " + (
+                "its likely peak's upper end over the card's memory"
+                if not c.safe
+                else "a less preferred setting"
+            )
+        elif 1 - c.seconds / ref > multi_gpu_gain_needed(c, profiles):
+            why = f"{ref / c.seconds:.2f}x faster than one GPU, but {s.num_gpus} GPU(s) are faster still"
+        else:
+            why = (
+                f"predicted {ref / c.seconds:.2f}x faster: within the time uncertainty (more GPUs must save "
+                f"{multi_gpu_gain_needed(c, profiles) * 100:.0f}% of the run unless measured)"
+            )
+        if m is not None:
+            why += (
+                f"; measured on {m.num_gpus}x {m.gpu} over {m.interconnect} ({m.id}): each step took "
+                f"{m.outcome['iteration_time_ratio']:g}x as long as on one GPU"
+            )
+        else:
+            why += (
+                f"; the {_gib(gradient_bytes(profiles, c.setup))} gradient all-reduce per step over {hw.link}"
+            )
+        r.append(f"{n} GPUs would take {format_duration(c.seconds)} ({why})")
+    if s.num_gpus > 1 and one is not None and one.seconds and best.seconds and best.step_seconds:
+        if best.observed_multi_gpu:
+            ratio = obs[best.observed_multi_gpu].outcome["iteration_time_ratio"]
+            src = f"measured: {best.observed_multi_gpu}"
+        else:
+            t1 = step_seconds(profiles, replace(s, num_gpus=1), hw.gpus[0], cal)
+            ratio = best.step_seconds / t1 if t1 else float("nan")
+            src = f"gradient all-reduce over {hw.link}"
+        r.append(
+            f"{s.num_gpus} GPUs: each step takes {ratio:.2f}x as long as on one GPU with the same settings ({src}), "
+            f"but the run is {one.seconds / best.seconds:.2f}x faster once steps are normalised"
+        )
+    return r
+
+
+def _settings_dict(s: Settings) -> dict[str, Any]:
+    d = asdict(s)
+    d["lora_targets"] = list(s.lora_targets) if s.lora_targets is not None else None
+    return d
+
+
+def _rng(r: tuple[float, float] | None, digits: int | None = None) -> list | None:
+    if r is None:
+        return None
+    return [int(r[0]), int(r[1])] if digits is None else [round(r[0], digits), round(r[1], digits)]
+
+
 def result_dict(res: Result) -> dict[str, Any]:
-    """The exact object `sdplan recommend --json` prints (issue 3)."""
+    """The exact object `sdplan recommend --json` prints (issue 3; ranges, it/s and settings: issue 10)."""
     req = res.request
     s = res.plan
     plan_d = None
@@ -938,7 +1248,10 @@ def result_dict(res: Result) -> dict[str, Any]:
             "gradient_checkpointing": s.gradient_checkpointing,
             "optimizer": s.optimizer,
             "cache_latents": s.cache_latents,
+            "cache_text_encoder_outputs": s.cache_text_encoder_outputs,
             "train_text_encoder": s.train_text_encoder,
+            "full_half_weights": s.full_half_weights,
+            "lora_rank": s.lora_rank,
             "deepspeed": dict(s.deepspeed) if s.deepspeed else None,
             "resolution": s.resolution,
         }
@@ -947,8 +1260,12 @@ def result_dict(res: Result) -> dict[str, Any]:
     if res.feasible and res.memory is not None:
         estimate = {
             "peak_vram_bytes": int(res.memory.peak),
+            "peak_vram_bytes_range": _rng(res.peak_range),
+            "within_upper_bound": res.within_upper_bound,
             "ram_bytes": int(res.memory.ram),
             "seconds": None if res.seconds is None else round(res.seconds, 1),
+            "seconds_range": _rng(res.seconds_range, 1),
+            "it_per_s": None if not res.step_seconds else round(1.0 / res.step_seconds, 4),
             "speedup_vs_one_gpu": None
             if res.speedup_vs_one_gpu is None
             else round(res.speedup_vs_one_gpu, 3),
@@ -964,6 +1281,7 @@ def result_dict(res: Result) -> dict[str, Any]:
             "images": req.images,
             "repeats": req.repeats,
             "epochs": req.epochs,
+            "pins": {pin_text(k, v).partition("=")[0]: _jsonable(v) for k, v in req.pins},
         },
         "hardware": {
             "source": res.hardware.source,
@@ -971,6 +1289,7 @@ def result_dict(res: Result) -> dict[str, Any]:
             "ram_total_bytes": res.hardware.ram_total_bytes,
         },
         "plan": plan_d,
+        "settings": _settings_dict(s) if s is not None else None,
         "steps": {
             "images_per_epoch": st.images_per_epoch,
             "epochs": st.epochs,
@@ -982,3 +1301,7 @@ def result_dict(res: Result) -> dict[str, Any]:
         "needs": res.needs,
         "reasons": list(res.reasons),
     }
+
+
+def _jsonable(v: Any) -> Any:
+    return list(v) if isinstance(v, tuple) else v

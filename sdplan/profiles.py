@@ -513,6 +513,54 @@ class Activations:
 
 
 @dataclass(frozen=True)
+class Uncertainty:
+    """How far measurements fall from the planner's predictions out of sample (profiles/uncertainty.yaml,
+    written by scripts/uncertainty.py from benchmarks/planner_accuracy.py's validation-set residuals).
+
+    ``peak_vram`` and ``seconds``: (low, high) factors of measured / predicted; a prediction ``x`` is likely
+    between ``low * x`` and ``high * x``."""
+
+    peak_vram: tuple[float, float] = (1.0, 1.0)
+    seconds: tuple[float, float] = (1.0, 1.0)
+    source: str = "none"
+    n_peak_vram: int = 0
+    n_seconds: int = 0
+
+
+_FACTORS = {
+    "low": F(NUM, check=_positive),
+    "high": F(NUM, check=_positive),
+    "n": F((int,)),
+    "median": F(NUM, required=False),
+}
+UNCERTAINTY_SCHEMA = {
+    "schema_version": F((int,), check=_one_of(SCHEMA_VERSION)),
+    "source": F(STR),
+    "method": F(STR),
+    "peak_vram": F((dict,), sub=_FACTORS),
+    "seconds": F((dict,), sub=_FACTORS),
+}
+
+
+def load_uncertainty(path: Path) -> Uncertainty:
+    d = _validated(path, UNCERTAINTY_SCHEMA)
+    errors = [
+        f"{key}: low {d[key]['low']} must be <= 1 <= high {d[key]['high']}"
+        for key in ("peak_vram", "seconds")
+        if not d[key]["low"] <= 1.0 <= d[key]["high"]
+    ]
+    if errors:
+        raise ConfigError(str(path), errors)
+    return Uncertainty(
+        peak_vram=(float(d["peak_vram"]["low"]), float(d["peak_vram"]["high"])),
+        seconds=(float(d["seconds"]["low"]), float(d["seconds"]["high"])),
+        source=d["source"],
+        n_peak_vram=d["peak_vram"]["n"],
+        n_seconds=d["seconds"]["n"],
+    )
+
+
+@dataclass(frozen=True)
 class Profiles:
     gpus: tuple[GPUSpec, ...]
     models: dict[str, ModelSpec]
@@ -522,6 +570,7 @@ class Profiles:
     sources: tuple[str, ...] = field(default=())
     # families with profile data but no planner support yet (TRANSFORMER_FAMILIES); not offered to recommend
     unplanned_models: dict[str, ModelSpec] = field(default_factory=dict)
+    uncertainty: Uncertainty = field(default_factory=Uncertainty)
 
     def model(self, family: str) -> ModelSpec:
         if family not in self.models:
@@ -1092,6 +1141,11 @@ def _load_cached(shipped: str, local: str) -> Profiles:
     act_path = root / "activations.yaml"
     activations = load_activations(act_path)
     sources.append(str(act_path))
+    unc_path = root / "uncertainty.yaml"
+    if not unc_path.is_file():
+        raise ConfigError(str(unc_path), ["missing: run scripts/uncertainty.py (it ships with sdplan)"])
+    uncertainty = load_uncertainty(unc_path)
+    sources.append(str(unc_path))
 
     lroot = Path(local)
     if lroot.is_dir():
@@ -1123,6 +1177,7 @@ def _load_cached(shipped: str, local: str) -> Profiles:
         multi_gpu=tuple(multi),
         activations=activations,
         sources=tuple(sources),
+        uncertainty=uncertainty,
     )
 
 

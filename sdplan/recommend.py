@@ -120,6 +120,50 @@ class RecommendInputs:
     hardware: str | None = None
     machine: str | None = None
     gpus: int | None = None
+    settings: tuple[str, ...] = ()  # `key=value` sdplan.yaml settings, as `sdplan train` takes them: pinned
+
+
+# sdplan.yaml keys given on the command line instead (a pin would only repeat or contradict them)
+_FLAG_KEYS = {"method": "--method", "model.family": "--model"}
+
+
+def parse_pins(items: tuple[str, ...] | list[str], method: str, model: str) -> tuple[tuple, int | None]:
+    """`key=value` sdplan.yaml settings -> (planner pins as (Settings field, value) pairs, a pinned
+    data.resolution). Parsed and validated as `sdplan train` does (:func:`sdplan.config.apply_overrides`,
+    :func:`sdplan.config.validate`: unknown keys, types, ranges, combinations); keys that do not change the
+    plan (training.learning_rate, ...) are only carried to the written config."""
+    from sdplan import config as C
+    from sdplan.settings import FIELD_FOR_KEY, Settings
+
+    if not items:
+        return (), None
+    base = C.default_config()
+    base["method"] = method
+    base["model"]["family"] = model
+    data = C.apply_overrides(base, list(items))
+    cfg = C.validate(data, source="key=value settings")
+    given = {item.partition("=")[0].strip() for item in items}
+    for key, flag in _FLAG_KEYS.items():
+        if key in given and (cfg.method if key == "method" else cfg.model.family) != (
+            method if key == "method" else model
+        ):
+            raise UsageError(f"{key}: give it with {flag}, not as a key=value setting")
+    settings = Settings.from_config(cfg, model=model)
+    pins: dict[str, object] = {}
+    resolution = cfg.data.resolution if "data.resolution" in given else None
+    for key in sorted(given):
+        field = FIELD_FOR_KEY.get(key)
+        if key.startswith("distributed.deepspeed"):
+            field = "deepspeed"
+        elif key.startswith("ema."):
+            field = "ema"
+        if field is None or field in ("method", "model", "resolution"):
+            continue
+        value = getattr(settings, field)
+        if field.startswith("lora_") and method != "lora":
+            continue  # no LoRA in this method: carried to the config only
+        pins[field] = value
+    return tuple(pins.items()), resolution
 
 
 def _check_choice(kind: str, value: str, choices: tuple[str, ...]) -> None:
@@ -167,14 +211,26 @@ def build_request(inp: RecommendInputs, profiles: Profiles) -> tuple[planner.Req
         if inp.images is None:
             notes.append(f"no --dataset or --images: planned for {DEFAULT_IMAGES} images")
     epochs = inp.epochs or DEFAULT_EPOCHS
+    pins, pinned_resolution = parse_pins(inp.settings, inp.method, inp.model)
+    resolution = inp.resolution
+    if pinned_resolution is not None:
+        if resolution is not None and resolution != pinned_resolution:
+            raise UsageError(
+                f"--resolution {resolution} and data.resolution={pinned_resolution} disagree", fix="give one"
+            )
+        resolution = pinned_resolution
+    fields = dict(pins)
     req = planner.Request(
         method=inp.method,
         model=inp.model,
-        resolution=inp.resolution,
+        resolution=resolution,
         images=images,
         repeats=repeats,
         epochs=epochs,
         max_gpus=inp.gpus,
+        lora_rank=fields.get("lora_rank") or planner.Request.lora_rank,
+        prior_preservation=bool(fields.get("prior_preservation", False)),
+        pins=pins,
     )
     return req, notes
 
@@ -187,15 +243,25 @@ def resolve_hardware(inp: RecommendInputs, profiles: Profiles) -> planner.Hardwa
     return hardware_from_probe(profiles)
 
 
-def recommend(inp: RecommendInputs, profiles: Profiles, hardware: planner.Hardware | None = None):
-    """-> (the `--json` dict, the planner Result)."""
+def recommend(
+    inp: RecommendInputs, profiles: Profiles, hardware: planner.Hardware | None = None, *, strict: bool = True
+):
+    """-> (the `--json` dict, the planner Result). ``strict``: a pin this hardware cannot run at all (bf16 on
+    a GPU without it, more processes than GPUs) is a UsageError; --compare shows it as a row that does not fit.
+    With a plan, the dict's ``config`` is the sdplan.yaml `--out` writes (pins included as given)."""
     req, notes = build_request(inp, profiles)
     hw = hardware if hardware is not None else resolve_hardware(inp, profiles)
     if inp.gpus is not None and hw.count and inp.gpus > hw.count:
         raise UsageError(f"--gpus {inp.gpus}: this hardware has {hw.count} GPU(s)")
     res = planner.plan(hw, profiles, req)
+    if strict and res.pin_conflicts:
+        raise UsageError(res.pin_conflicts[0])
     res = replace(res, reasons=tuple(notes) + res.reasons)
-    return planner.result_dict(res), res
+    d = planner.result_dict(res)
+    d["config"] = (
+        trainer_config(res, profiles, inp.dataset, overrides=inp.settings) if res.plan is not None else None
+    )
+    return d, res
 
 
 def compare(
@@ -204,7 +270,9 @@ def compare(
     rows = []
     for text in options:
         hw = parse_hardware(text, profiles)
-        d, res = recommend(replace(inp, hardware=text, machine=None, gpus=None), profiles, hardware=hw)
+        d, res = recommend(
+            replace(inp, hardware=text, machine=None, gpus=None), profiles, hardware=hw, strict=False
+        )
         rows.append((text, d, res))
     return rows
 
@@ -212,7 +280,11 @@ def compare(
 # -- output files ----------------------------------------------------------------------------------------
 
 
-def trainer_config(res: planner.Result, profiles: Profiles, dataset: str | None) -> dict[str, Any]:
+def trainer_config(
+    res: planner.Result, profiles: Profiles, dataset: str | None, overrides: tuple[str, ...] | list[str] = ()
+) -> dict[str, Any]:
+    """The sdplan.yaml for this plan: defaults, the planner's settings, then the user's key=value settings
+    exactly as given (as `sdplan train` applies them)."""
     from sdplan import config as cfgmod
 
     s = res.plan
@@ -232,12 +304,20 @@ def trainer_config(res: planner.Result, profiles: Profiles, dataset: str | None)
         "estimate": d["estimate"],
         "hardware": d["hardware"],
     }
+    if overrides:
+        data = cfgmod.apply_overrides(data, list(overrides))
     cfgmod.validate(data, "sdplan.yaml (from the plan)")
     return data
 
 
 def write_outputs(
-    out: str | Path, res: planner.Result, profiles: Profiles, *, dataset: str | None, force: bool
+    out: str | Path,
+    res: planner.Result,
+    profiles: Profiles,
+    *,
+    dataset: str | None,
+    force: bool,
+    overrides: tuple[str, ...] | list[str] = (),
 ) -> list[Path]:
     """Write sdplan.yaml, accelerate.yaml and (with offload) deepspeed.json; never overwrite without force."""
     import yaml
@@ -251,7 +331,7 @@ def write_outputs(
         )
     outdir = Path(out)
     files: dict[str, str] = {}
-    cfg = trainer_config(res, profiles, dataset)
+    cfg = trainer_config(res, profiles, dataset, overrides=overrides)
     header = (
         f"sdplan.yaml written by `sdplan recommend` for {res.hardware.label or 'this machine'}\n"
         f"run it with: sdplan train --config {outdir / 'sdplan.yaml'}"
@@ -293,6 +373,24 @@ def _dur(s: float | None) -> str:
     return "unknown" if s is None else planner.format_duration(s)
 
 
+def _range(value: float | None, rng: list | None, *, seconds: bool = False) -> str:
+    """'15.9 GiB (likely 14.2-18.1)', '13 min (likely 9 min to 23 min)'."""
+    if value is None:
+        return "-" if not seconds else "unknown"
+    if not rng:
+        return _dur(value) if seconds else _gib(value)
+    return planner.format_range(value, (rng[0], rng[1]), unit="s" if seconds else "GiB")
+
+
+def _compact(value: float | None, rng: list | None, *, seconds: bool = False) -> str:
+    """'9.8 GiB (8.1-13.6)', '5 min (4 min-10 min)': the compare table's short form."""
+    if value is None:
+        return "-"
+    if seconds:
+        return _dur(value) + (f" ({_dur(rng[0])}-{_dur(rng[1])})" if rng else "")
+    return _gib(value) + (f" ({rng[0] / GiB:.1f}-{rng[1] / GiB:.1f})" if rng else "")
+
+
 def _settings(plan: dict | None) -> str:
     if not plan:
         return "-"
@@ -306,6 +404,12 @@ def _settings(plan: dict | None) -> str:
         bits.append("GC")
     if plan["cache_latents"]:
         bits.append("cached latents")
+    if plan.get("cache_text_encoder_outputs"):
+        bits.append("cached TE outputs")
+    if plan.get("lora_rank"):
+        bits.append(f"rank {plan['lora_rank']}")
+    if plan.get("full_half_weights"):
+        bits.append("full bf16")
     if plan["deepspeed"]:
         bits.append("ZeRO-2 offload")
     return ", ".join(bits)
@@ -322,9 +426,17 @@ def render(d: dict, res: planner.Result, console) -> None:
         est, st = d["estimate"], d["steps"]
         t = Table(show_header=False, box=None, pad_edge=False)
         t.add_row("plan", _settings(d["plan"]))
-        t.add_row("peak VRAM", f"{_gib(est['peak_vram_bytes'])} per GPU (of {_gib(res.vram_bytes)})")
+        peak = f"{_range(est['peak_vram_bytes'], est['peak_vram_bytes_range'])} per GPU (of {_gib(res.vram_bytes)})"
+        if est["within_upper_bound"] is False:
+            peak += " [yellow]may not fit: the upper end is over the card[/]"
+        t.add_row("peak VRAM", peak)
         t.add_row("host RAM", _gib(est["ram_bytes"]))
-        t.add_row("time", f"{_dur(est['seconds'])} ({est['basis']})")
+        t.add_row("time", f"{_range(est['seconds'], est['seconds_range'], seconds=True)} ({est['basis']})")
+        if est["it_per_s"]:
+            t.add_row(
+                "speed",
+                f"{est['it_per_s']:.2f} it/s per process (one micro-batch of {d['plan']['batch_size']})",
+            )
         if est["speedup_vs_one_gpu"] and d["plan"]["num_gpus"] > 1:
             t.add_row("vs one GPU", f"{est['speedup_vs_one_gpu']:.2f}x faster")
         t.add_row(
@@ -349,18 +461,23 @@ def render_compare(rows: list[tuple[str, dict, planner.Result]], console) -> Non
     from rich.table import Table
 
     t = Table(title="hardware options")
-    for col in ("hardware", "fits", "settings", "peak VRAM", "time", "vs 1 GPU"):
+    t.add_column("hardware", no_wrap=True)
+    for col in ("fits", "settings", "peak VRAM (likely)", "time (likely)", "vs 1 GPU"):
         t.add_column(col)
-    for text, d, _ in rows:
+    for text, d, res in rows:
         est = d["estimate"] or {}
+        if res.pin_conflicts:
+            t.add_row(text, "no", res.pin_conflicts[0], "-", "-", "-")
+            continue
         t.add_row(
             text,
             "yes" if d["feasible"] else "no",
             _settings(d["plan"])
             if d["feasible"]
             else f"needs {_gib((d['needs'] or {}).get('min_vram_bytes'))}",
-            _gib(est.get("peak_vram_bytes")),
-            _dur(est.get("seconds")) if d["feasible"] else "-",
+            _compact(est.get("peak_vram_bytes"), est.get("peak_vram_bytes_range"))
+            + ("" if est.get("within_upper_bound") is not False else " may not fit"),
+            _compact(est.get("seconds"), est.get("seconds_range"), seconds=True) if d["feasible"] else "-",
             f"{est['speedup_vs_one_gpu']:.2f}x" if est.get("speedup_vs_one_gpu") else "-",
         )
     console.print(t)

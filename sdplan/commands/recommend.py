@@ -61,6 +61,15 @@ def recommend(
     ] = None,
     force: Annotated[bool, typer.Option("--force", help="Let --out overwrite existing files.")] = False,
     json_: Annotated[bool, typer.Option("--json", help="Print the plan as JSON and nothing else.")] = False,
+    settings: Annotated[
+        list[str] | None,
+        typer.Argument(
+            metavar="[KEY=VALUE]...",
+            help="Pin sdplan.yaml settings as `sdplan train` takes them (training.batch_size=4 lora.rank=64 "
+            "memory.gradient_checkpointing=false); everything else is planned around them.",
+            show_default=False,
+        ),
+    ] = None,
 ) -> None:
     """Recommend the fastest Stable Diffusion training plan that fits, with a reason for each choice."""
     import json
@@ -82,6 +91,7 @@ def recommend(
         hardware=hardware,
         machine=str(machine) if machine is not None else None,
         gpus=gpus,
+        settings=tuple(settings or ()),
     )
     if compare is not None:
         options = [c.strip() for c in compare.split(",") if c.strip()]
@@ -99,7 +109,7 @@ def recommend(
         return
     d, res = run(inp, profiles)
     if out is not None and res.plan is not None:
-        written = write_outputs(out, res, profiles, dataset=inp.dataset, force=force)
+        written = write_outputs(out, res, profiles, dataset=inp.dataset, force=force, overrides=inp.settings)
         err_console.print("wrote " + ", ".join(str(p) for p in written))
         err_console.print(f"run it with: sdplan train --config {Path(out) / 'sdplan.yaml'}")
     elif out is not None:

@@ -1,0 +1,146 @@
+#!/usr/bin/env python
+"""Write profiles/uncertainty.yaml: how far measurements fall from the planner's predictions out of sample.
+
+Runs benchmarks/planner_accuracy.py's out-of-sample evaluation (the validation set in benchmarks/validation/,
+never used to fit anything), takes measured / predicted for every peak VRAM and every step time (1 / it/s),
+and writes the 10th and 90th percentiles (linear interpolation between order statistics), widened to at
+least +-5% (a range narrower than that would claim more than any of these reports measure). The planner
+shows every prediction ``x`` as "x (likely low*x - high*x)" and decides fits on the upper end.
+
+Run after the planner's model or the validation set changes: ``python scripts/uncertainty.py`` (``--check``
+only prints). Reads benchmarks/; `sdplan recommend` reads only the YAML this writes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+OUT = ROOT / "profiles" / "uncertainty.yaml"
+LOW_Q, HIGH_Q = 0.10, 0.90
+FLOOR = 0.05  # the range is at least [1 - FLOOR, 1 + FLOOR]
+
+
+def _accuracy():
+    spec = importlib.util.spec_from_file_location(
+        "planner_accuracy", ROOT / "benchmarks" / "planner_accuracy.py"
+    )
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def quantile(values: list[float], q: float) -> float:
+    """The q-quantile with linear interpolation between order statistics (numpy's default)."""
+    v = sorted(values)
+    if len(v) == 1:
+        return v[0]
+    pos = q * (len(v) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(v) - 1)
+    return v[lo] + (v[hi] - v[lo]) * (pos - lo)
+
+
+def factors(ratios: list[float]) -> dict:
+    """measured / predicted ratios -> {low, high, n, median}."""
+    if not ratios:
+        return {"low": 1.0 - FLOOR, "high": 1.0 + FLOOR, "n": 0}
+    return {
+        "low": round(min(quantile(ratios, LOW_Q), 1.0 - FLOOR), 3),
+        "high": round(max(quantile(ratios, HIGH_Q), 1.0 + FLOOR), 3),
+        "n": len(ratios),
+        "median": round(statistics.median(ratios), 3),
+    }
+
+
+def residuals(figures: list[dict]) -> tuple[list[float], list[float]]:
+    """(peak VRAM measured/predicted, step seconds measured/predicted) from planner_accuracy's figure rows."""
+    vram = [r["published"] / r["predicted"] for r in figures if r["quantity"] == "peak VRAM GiB"]
+    # seconds = 1 / it/s, so measured / predicted seconds = predicted it/s / measured it/s
+    secs = [r["predicted"] / r["published"] for r in figures if r["quantity"].startswith("it/s")]
+    return vram, secs
+
+
+_NEUTRAL = {
+    "schema_version": 1,
+    "method": "none",
+    "peak_vram": {"low": 1.0, "high": 1.0, "n": 0},
+    "seconds": {"low": 1.0, "high": 1.0, "n": 0},
+}
+
+
+def _commit() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        dirty = subprocess.run(
+            ["git", "-C", str(ROOT), "status", "--porcelain"], capture_output=True, text=True
+        )
+        return out.stdout.strip() + ("+uncommitted" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def compute() -> dict:
+    if not OUT.is_file():  # the profile loader needs one; the first run starts from "no uncertainty"
+        OUT.write_text(
+            yaml.safe_dump({**_NEUTRAL, "source": "bootstrap: replaced by scripts/uncertainty.py"})
+        )
+    acc = _accuracy()
+    prof = acc.shipped_profiles()
+    oos = acc.out_of_sample(prof, acc.load_validation(acc.VALIDATION_DIR, prof))
+    vram, secs = residuals(oos["figures"])
+    date = datetime.date.today().isoformat()
+    return {
+        "schema_version": 1,
+        "source": (
+            f"computed: scripts/uncertainty.py from the out-of-sample residuals of benchmarks/planner_accuracy.py "
+            f"(benchmarks/validation/, {oos['summary']['points']} points, {oos['summary']['sources']} sources), "
+            f"commit {_commit()}, {date}"
+        ),
+        "method": (
+            f"measured / predicted; low and high are the {int(LOW_Q * 100)}th and {int(HIGH_Q * 100)}th "
+            f"percentiles, at least +-{int(FLOOR * 100)}%"
+        ),
+        "peak_vram": factors(vram),
+        "seconds": factors(secs),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true", help="print, write nothing")
+    ap.add_argument("--out", type=Path, default=OUT, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    data = compute()
+    text = (
+        "# How far measurements fall from the planner's predictions, out of sample.\n"
+        "# Written by scripts/uncertainty.py; do not edit by hand, re-run the script.\n"
+        + yaml.safe_dump(data, sort_keys=False, width=110)
+    )
+    if args.check:
+        print(text, end="")
+        return 0
+    args.out.write_text(text)
+    pv, sc = data["peak_vram"], data["seconds"]
+    print(
+        f"wrote {args.out}: peak VRAM x{pv['low']}-{pv['high']} (n={pv['n']}), "
+        f"time x{sc['low']}-{sc['high']} (n={sc['n']})"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

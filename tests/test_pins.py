@@ -1,0 +1,228 @@
+"""Issue 10: one setting generator, `key=value` pins in `sdplan recommend`, unknown-speed GPUs, measured
+multi-GPU evidence over the all-reduce model."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from sdplan import planner as P
+from sdplan.cli import app
+from sdplan.profiles import clear_cache, load_profiles
+
+ROOT = Path(__file__).resolve().parents[1]
+MACHINES = ROOT / "tests" / "fixtures" / "machines"
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def prof():
+    clear_cache()
+    return load_profiles()
+
+
+def run(*args: str):
+    return runner.invoke(app, ["recommend", *args])
+
+
+def _catalog(prof, name: str, count: int = 1) -> P.Hardware:
+    return P.hardware_from_catalog(prof.find_gpu(name), count)
+
+
+# -- one generator ----------------------------------------------------------------------------------------
+
+
+def test_needs_at_least_is_the_leanest_configuration_of_the_search(prof):
+    hw = _catalog(prof, "RTX 2060")
+    req = P.Request(method="finetune", model="sdxl")
+    res = P.plan(hw, prof, req)
+    assert not res.feasible
+    space = list(
+        P.settings_space(replace(req, resolution=1024), precision="fp16", attention="efficient", max_gpus=1)
+    )
+    leanest = min(P.memory(prof, s).peak for s in space)
+    assert any(s.full_half_weights for s in space) is False  # fp16 card: no full bf16 weights to try
+    assert res.needs["min_vram_bytes"] == math.ceil(leanest / P.HEADROOM)
+    assert res.memory.peak == pytest.approx(leanest)
+    assert P.min_vram_needed(req, prof, precision="fp16") == res.needs["min_vram_bytes"]
+    # on a bf16 card the same figure includes full bf16 weights, as the search does
+    bf16 = P.min_vram_needed(req, prof, precision="bf16")
+    bf16_space = P.settings_space(replace(req, resolution=1024), precision="bf16", attention="efficient")
+    assert bf16 == math.ceil(min(P.memory(prof, s).peak for s in bf16_space) / P.HEADROOM)
+
+
+def test_sdxl_lora_fits_an_8gb_card_with_cached_text_encoder_outputs(prof):
+    # kohya-ss/sd-scripts docs/train_SDXL-en.md: SDXL LoRA "can be done with 8GB GPU memory" with cached
+    # text-encoder outputs and latents, gradient checkpointing and a low dim
+    res = P.plan(_catalog(prof, "RTX 3070"), prof, P.Request(method="lora", model="sdxl"))
+    assert res.feasible and res.plan.cache_text_encoder_outputs and res.plan.cache_latents
+    assert any("text-encoder outputs cached" in r for r in res.reasons)
+    # where it is not needed, captions stay live (no caching by default)
+    big = P.plan(_catalog(prof, "H100 SXM"), prof, P.Request(method="lora", model="sd15"))
+    assert not big.plan.cache_text_encoder_outputs
+
+
+def test_a_lower_rank_only_when_the_requested_one_fits_nowhere_and_the_reason_says_so(prof):
+    req = P.Request(method="lora", model="sdxl", resolution=1024)
+    hw = _catalog(prof, "RTX 3070")
+    lean = {
+        rank: min(
+            P.memory(prof, s).peak
+            for s in P.settings_space(
+                replace(req, pins=(("lora_rank", rank),)), precision="bf16", attention="efficient"
+            )
+        )
+        for rank in (16, 4)
+    }
+    assert lean[4] < lean[16]
+    vram = int((lean[4] + lean[16]) / 2 / P.HEADROOM)
+    gpu = replace(hw.gpus[0], memory_bytes=vram)
+    tight = replace(hw, gpus=(gpu,))
+    res = P.plan(tight, prof, req)
+    assert res.feasible and res.plan.lora_rank < 16
+    assert any("instead of the requested 16" in r and "changes the result" in r for r in res.reasons)
+    pinned = P.plan(tight, prof, replace(req, pins=(("lora_rank", 16),)))
+    assert not pinned.feasible
+    # with room to spare the requested rank is kept
+    assert P.plan(hw, prof, P.Request(method="lora", model="sd15")).plan.lora_rank == 16
+
+
+# -- pins -------------------------------------------------------------------------------------------------
+
+
+def test_pins_are_planned_around_and_reach_json_and_config(tmp_path):
+    r = run(
+        "--method", "lora", "--hardware", "RTX 4090", "--json",
+        "training.batch_size=2", "lora.rank=64", "memory.optimizer=adafactor", "training.learning_rate=5e-5",
+    )  # fmt: skip
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    assert (
+        d["plan"]["batch_size"] == 2
+        and d["plan"]["lora_rank"] == 64
+        and d["plan"]["optimizer"] == "adafactor"
+    )
+    assert d["request"]["pins"] == {
+        "training.batch_size": 2,
+        "lora.rank": 64,
+        "memory.optimizer": "adafactor",
+    }
+    cfg = d["config"]
+    assert cfg["training"]["batch_size"] == 2 and cfg["lora"]["rank"] == 64
+    assert str(cfg["training"]["learning_rate"]) == "5e-5"  # carried exactly as given, as `sdplan train` does
+    assert d["settings"]["batch"] == 2 and d["settings"]["full_half_weights"] is False
+    out = tmp_path / "plan"
+    w = run(
+        "--method",
+        "lora",
+        "--hardware",
+        "RTX 4090",
+        "--out",
+        str(out),
+        "training.batch_size=2",
+        "lora.rank=64",
+    )
+    assert w.exit_code == 0, w.output
+    written = yaml.safe_load((out / "sdplan.yaml").read_text())
+    assert written["training"]["batch_size"] == 2 and written["lora"]["rank"] == 64
+
+
+def test_a_pin_that_cannot_fit_says_by_how_much_and_what_to_change(prof):
+    req = P.Request(
+        method="lora",
+        model="sdxl",
+        pins=(("batch", 16), ("gradient_checkpointing", False)),
+    )
+    res = P.plan(_catalog(prof, "RTX 4090"), prof, req)
+    assert not res.feasible
+    text = " ".join(res.reasons)
+    assert "training.batch_size=16" in text and "likely" in text and "RTX 4090 24.0 GiB" in text
+    assert "fits when changed" in text and "memory.gradient_checkpointing=true fits" in text
+    assert "training.batch_size=" in text.split("fits when changed")[1]
+    assert res.needs["min_vram_bytes"] > 24 * 2**30
+
+
+@pytest.mark.parametrize(
+    "pin, needle",
+    [
+        ("training.batch_sise=4", "unknown key"),
+        ("training.batch_size=four", "must be an integer"),
+        ("training.batch_size=0", "must be >= 1"),
+        ("memory.optimizer=sgd", "must be one of"),
+        ("training.precision=bf16", "no bf16"),
+        ("distributed.num_processes=2", "1 usable GPU"),
+        ("method=dreambooth", "--method"),
+        ("batch", "key=value"),
+        ("memory.cache_text_encoder_outputs=true", "cannot cache"),
+    ],
+)
+def test_bad_pins_are_one_clear_line(pin, needle):
+    extra = ["training.train_text_encoder=true"] if "cache_text" in pin else []
+    r = run("--method", "lora", "--hardware", "T4", pin, *extra)
+    assert r.exit_code != 0 and "Traceback" not in r.output
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], r.stderr
+
+
+def test_compare_works_with_pins():
+    r = run(
+        "--method",
+        "lora",
+        "--compare",
+        "T4,RTX 4090",
+        "--json",
+        "training.precision=bf16",
+        "training.batch_size=4",
+    )
+    assert r.exit_code == 0, r.output
+    t4, rtx = json.loads(r.stdout)
+    assert t4["feasible"] is False and any("no bf16" in x for x in t4["reasons"])
+    assert rtx["feasible"] and rtx["plan"]["batch_size"] == 4 and rtx["plan"]["precision"] == "bf16"
+    human = run("--method", "lora", "--compare", "T4,RTX 4090", "training.precision=bf16")
+    assert human.exit_code == 0 and "no bf16" in human.stdout
+
+
+# -- unknown speed, multi-GPU evidence ------------------------------------------------------------------------
+
+
+def test_unknown_speed_gpu_picks_the_largest_safe_batch_and_says_unknown(prof):
+    hw = _catalog(prof, "RTX 4090")
+    gpu = replace(hw.gpus[0], name="NVIDIA Hypothetical X9000", spec=None)
+    res = P.plan(replace(hw, gpus=(gpu,), label=gpu.name), prof, P.Request(method="lora", images=40))
+    assert res.feasible and res.seconds is None and res.basis == "unknown speed"
+    d = P.result_dict(res)
+    assert d["estimate"]["basis"] == "unknown speed" and d["estimate"]["seconds_range"] is None
+    cands = P._candidates(res.request, prof, res.hardware, P.calibrate(prof), 512)
+    safe_no_gc = [c.setup.batch for c in cands if c.safe and not c.setup.gradient_checkpointing]
+    assert res.plan.batch == max(safe_no_gc) > 1 and not res.plan.gradient_checkpointing
+    assert not any("calibrated" in r for r in res.reasons)
+
+
+@pytest.mark.parametrize("method", ["dreambooth", "finetune"])
+def test_sdxl_full_methods_on_2x4090_pcie_stay_on_one_gpu_as_measured(prof, method):
+    # Puget Systems measured DreamBooth and fine-tune at about a third of one GPU's speed on 2x RTX 4090 PCIe
+    res = P.plan(_catalog(prof, "RTX 4090", 2), prof, P.Request(method=method, model="sdxl", images=40))
+    assert res.plan.num_gpus == 1
+    assert any(f"puget-2x4090-{method}" in r for r in res.reasons)
+    two = next(c for c in res.alternatives if c.setup.num_gpus == 2)
+    assert two.observed_multi_gpu == f"puget-2x4090-{method}"
+
+
+def test_modelled_multi_gpu_gain_must_clear_the_time_uncertainty(prof):
+    need = 1 - 1 / prof.uncertainty.seconds[1]
+    res = P.plan(
+        _catalog(prof, "RTX 4090", 2), prof, P.Request(method="lora", model="sd15", images=13, repeats=40)
+    )
+    two = next(c for c in res.alternatives if c.setup.num_gpus == 2)
+    one = next(c for c in res.alternatives if c.setup.num_gpus == 1)
+    gain = 1 - two.seconds / one.seconds
+    assert two.observed_multi_gpu is None
+    assert (res.plan.num_gpus == 2) == (gain > max(need, P.MIN_MULTI_GPU_GAIN))
+    if res.plan.num_gpus == 1 and gain > 0:
+        assert any("within the time uncertainty" in r for r in res.reasons)

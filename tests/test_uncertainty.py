@@ -1,0 +1,100 @@
+"""Issue 10: every predicted peak and time carries a range from the out-of-sample residuals
+(profiles/uncertainty.yaml, written by scripts/uncertainty.py), and fit decisions use its upper end."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from sdplan import planner as P
+from sdplan.errors import ConfigError
+from sdplan.profiles import clear_cache, load_profiles, load_uncertainty, shipped_dir
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("uncertainty_script", ROOT / "scripts" / "uncertainty.py")
+script = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(script)
+
+
+@pytest.fixture(scope="module")
+def prof():
+    clear_cache()
+    return load_profiles()
+
+
+def test_shipped_file_loads_with_its_source(prof):
+    u = prof.uncertainty
+    assert u.peak_vram[0] < 1 < u.peak_vram[1] and u.seconds[0] < 1 < u.seconds[1]
+    assert u.n_peak_vram >= 5 and u.n_seconds >= 3
+    assert (
+        "scripts/uncertainty.py" in u.source and "benchmarks/validation" in u.source and "commit" in u.source
+    )
+    assert str(shipped_dir() / "uncertainty.yaml") in [str(Path(s)) for s in prof.sources]
+
+
+def test_shipped_file_is_what_the_script_computes_now():
+    """Stale ranges fail here: re-run `python scripts/uncertainty.py` after the model or validation set changes."""
+    shipped = load_uncertainty(shipped_dir() / "uncertainty.yaml")
+    now = script.compute()
+    assert shipped.peak_vram == (now["peak_vram"]["low"], now["peak_vram"]["high"])
+    assert shipped.seconds == (now["seconds"]["low"], now["seconds"]["high"])
+    assert (shipped.n_peak_vram, shipped.n_seconds) == (now["peak_vram"]["n"], now["seconds"]["n"])
+
+
+def test_quantiles_and_floor():
+    assert script.quantile([1, 2, 3, 4, 5], 0.1) == pytest.approx(1.4)
+    assert script.quantile([1, 2, 3, 4, 5], 0.9) == pytest.approx(4.6)
+    assert script.quantile([7.0], 0.9) == 7.0
+    tight = script.factors([0.99, 1.0, 1.01])
+    assert tight["low"] == 1 - script.FLOOR and tight["high"] == 1 + script.FLOOR
+    vram, secs = script.residuals(
+        [
+            {"quantity": "peak VRAM GiB", "predicted": 10.0, "published": 12.0},
+            {"quantity": "it/s on T4", "predicted": 2.0, "published": 1.0},
+        ]
+    )
+    assert vram == [1.2] and secs == [2.0]  # measured / predicted seconds = predicted it/s / measured it/s
+
+
+def test_a_bad_file_is_refused(tmp_path):
+    p = tmp_path / "uncertainty.yaml"
+    p.write_text(
+        "schema_version: 1\nsource: x\nmethod: y\npeak_vram: {low: 1.2, high: 1.5, n: 3}\n"
+        "seconds: {low: 0.8, high: 1.2, n: 3}\n"
+    )
+    with pytest.raises(ConfigError, match="low 1.2 must be <= 1"):
+        load_uncertainty(p)
+    p.write_text("schema_version: 1\nsource: x\nmethod: y\npeak_vram: {low: 0.9, high: 1.1, n: 3}\n")
+    with pytest.raises(ConfigError, match="seconds"):
+        load_uncertainty(p)
+
+
+def test_every_estimate_carries_its_range(prof):
+    hw = P.hardware_from_catalog(prof.find_gpu("RTX 4090"))
+    res = P.plan(hw, prof, P.Request(method="lora", model="sdxl"))
+    d = P.result_dict(res)["estimate"]
+    lo, hi = prof.uncertainty.peak_vram
+    assert d["peak_vram_bytes_range"] == [int(res.memory.peak * lo), int(res.memory.peak * hi)]
+    tlo, thi = prof.uncertainty.seconds
+    assert d["seconds_range"] == [round(res.seconds * tlo, 1), round(res.seconds * thi, 1)]
+    assert d["it_per_s"] == pytest.approx(1 / res.step_seconds, rel=1e-3)
+    assert any("(likely " in r for r in res.reasons)
+
+
+def test_fit_decisions_use_the_upper_end(prof):
+    hw = P.hardware_from_catalog(prof.find_gpu("RTX 4090"))
+    res = P.plan(hw, prof, P.Request(method="dreambooth", model="sdxl"))
+    cands = P._candidates(res.request, prof, hw, P.calibrate(prof), 1024)
+    assert res.within_upper_bound and res.peak_range[1] <= hw.gpus[0].memory_bytes
+    # a faster configuration fits at its predicted peak but not at its upper end: avoided, and said so
+    faster = [c for c in cands if c.fits and not c.safe and c.seconds < res.seconds]
+    assert faster and any(r.startswith("avoided a faster configuration") for r in res.reasons)
+    # where nothing fits within the upper end, the plan is flagged
+    small = P.plan(
+        P.hardware_from_catalog(prof.find_gpu("RTX 3070")), prof, P.Request(method="lora", model="sdxl")
+    )
+    assert small.feasible and small.within_upper_bound is False
+    assert P.result_dict(small)["estimate"]["within_upper_bound"] is False
+    assert any(r.startswith("warning: the likely peak's upper end") for r in small.reasons)
