@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -69,8 +70,15 @@ def test_too_little_disk_for_the_outputs_fails_before_any_step(tiny_sd15, images
     _no_temp_left(out)
 
 
+@pytest.mark.parametrize(
+    ("code", "said"),
+    [
+        (errno.EIO, "^writing the outputs failed after training"),
+        (errno.ENOSPC, r"^disk full: \d+ bytes needed at "),
+    ],
+)
 def test_a_failed_final_export_leaves_a_checkpoint_and_resume_only_exports(
-    tiny_sd15, images, tmp_path, monkeypatch
+    code, said, tiny_sd15, images, tmp_path, monkeypatch
 ):
     out = tmp_path / "out"
     cfg = make_cfg(tiny_sd15, images, out, "training.max_steps=3")  # checkpoints.every_steps=0: none planned
@@ -79,12 +87,13 @@ def test_a_failed_final_export_leaves_a_checkpoint_and_resume_only_exports(
     def fails_after_training(*args, **kwargs):
         calls.append(1)
         if len(calls) > 1:  # the check at the start passes; the final export fails
-            raise OSError(errno.EIO, "Input/output error")
+            raise OSError(code, os.strerror(code))
         return real(*args, **kwargs)
 
     monkeypatch.setattr(export, "save_lora", fails_after_training)
-    with pytest.raises(SdplanError, match="writing the outputs failed") as err:
+    with pytest.raises(SdplanError, match=said) as err:
         run.train(cfg)
+    assert "trained state is in checkpoint" in str(err.value)
     saved = checkpoint.latest_checkpoint(out)
     assert saved is not None and str(saved) in str(err.value) and "--resume" in str(err.value)
     assert checkpoint.read_state(saved).global_step == 3

@@ -456,14 +456,8 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
             meta = outputs.run_metadata(
                 cfg, steps=step, epochs=reached, prediction_type=comps.prediction_type
             )
-            try:
-                with recipe.output_name(label):
-                    files += recipe.export(folder, meta, ema)
-            except Exception as e:
-                err = outputs.write_error(e, folder, needed_bytes=export_bytes)
-                if err is None:
-                    raise
-                raise err from None
+            with outputs.write_errors(folder, needed_bytes=export_bytes), recipe.output_name(label):
+                files += recipe.export(folder, meta, ema)
         grid = sample(step, out_path=folder / "samples.png") if cfg.sampling.prompts else None
         files += [grid] if grid else []
         accelerator.wait_for_everyone()
@@ -549,14 +543,15 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
             if final_ckpt is None and accelerator.num_processes == 1:
                 final_ckpt = _checkpoint_final(ckpt, state, accelerator)
             raise outputs.export_error(e, out_dir, needed_bytes=export_bytes, checkpoint=final_ckpt) from None
-        grid = sample(fallback=recipe.sample_prompt(), at_step=state.global_step)
-        written += [grid] if grid else []
-        steps = list(range(1, len(state.losses) + 1))
-        written.append(plots.loss_curve(steps, state.losses, out_dir / "loss.png"))
-        written.append(outputs.write_loss_history(out_dir, state.losses))
+        with outputs.write_errors(out_dir):  # the weights are out; a full disk now is still one line
+            grid = sample(fallback=recipe.sample_prompt(), at_step=state.global_step)
+            written += [grid] if grid else []
+            steps = list(range(1, len(state.losses) + 1))
+            written.append(plots.loss_curve(steps, state.losses, out_dir / "loss.png"))
+            written.append(outputs.write_loss_history(out_dir, state.losses))
     accelerator.wait_for_everyone()
     summary = (
-        outputs.write_run_summary(
+        _write_summary(
             out_dir,
             method=cfg.method,
             steps=state.global_step,
@@ -587,3 +582,8 @@ def _checkpoint_final(ckpt, state, accelerator) -> Path | None:
     except Exception as e:  # the outputs may still fit; the export says what is lost if not
         progress.say(accelerator, f"could not checkpoint the final step: {e}")
         return None
+
+
+def _write_summary(out_dir: Path, **fields) -> dict:
+    with outputs.write_errors(out_dir):
+        return outputs.write_run_summary(out_dir, **fields)

@@ -90,6 +90,20 @@ def write_error(exc: BaseException, path: str | Path, *, needed_bytes: int, deta
     return None
 
 
+@contextlib.contextmanager
+def write_errors(path: str | Path, *, needed_bytes: int = 0, detail: str = ""):
+    """A failed write inside the block (a full disk) becomes the one-line error of :func:`write_error`."""
+    try:
+        yield
+    except SdplanError:
+        raise
+    except Exception as e:
+        err = write_error(e, path, needed_bytes=needed_bytes, detail=detail)
+        if err is None:
+            raise
+        raise err from None
+
+
 def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
 
@@ -113,7 +127,12 @@ def check_export(export: Callable[[Path], Any], out_dir: str | Path, *, saves: i
     except Exception as e:
         partial = tree_bytes(tmp)
         shutil.rmtree(tmp, ignore_errors=True)
-        err = write_error(e, out_dir, needed_bytes=partial, detail=" (checking the export before training)")
+        err = write_error(
+            e,
+            out_dir,
+            needed_bytes=partial,
+            detail="; the trial export before training stopped there: more is needed",
+        )
         if err is not None:
             raise err from None
         hint = (
