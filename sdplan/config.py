@@ -150,6 +150,10 @@ class OutputConfig:
     name: str | None = None  # file names of the outputs; None: the run folder's name
     save_kohya: bool = True  # LoRA: also the kohya (A1111/ComfyUI) format
     save_single_file: bool = True  # DreamBooth / fine-tune: also one .safetensors
+    # Intermediate outputs (0: off): the method's outputs, in every format, every N epochs / optimizer steps,
+    # into intermediate/{name}-{epoch:06d}/ or intermediate/{name}-step{step:08d}/, each with a sample grid.
+    save_every_n_epochs: int = 0
+    save_every_n_steps: int = 0
 
 
 @dataclass
@@ -234,6 +238,8 @@ _RULES: dict[str, tuple[Any, str]] = {
     "memory.optimizer": (lambda v: v in OPTIMIZERS, f"must be one of {', '.join(OPTIMIZERS)}"),
     "distributed.num_processes": (lambda v: v >= 1, "must be >= 1"),
     "distributed.deepspeed.zero_stage": (lambda v: v in (1, 2), "must be 1 or 2 (ZeRO-3 is not supported)"),
+    "output.save_every_n_epochs": (lambda v: v >= 0, "must be >= 0 (0: off)"),
+    "output.save_every_n_steps": (lambda v: v >= 0, "must be >= 0 (0: off)"),
     "checkpoints.every_steps": (lambda v: v >= 0, "must be >= 0"),
     "checkpoints.keep_every_steps": (lambda v: v >= 0, "must be >= 0"),
     "sampling.every_steps": (lambda v: v >= 0, "must be >= 0"),

@@ -23,6 +23,12 @@ COLORS = {
     "green": (44, 160, 44),
 }
 SHAPES = ("square", "circle")
+# What the demo shows, said after it ran: its samples are noise and its loss barely moves, by design.
+DEMO_NOTE = (
+    "note: the demo's model is tiny and random, so it shows that the pipeline works end to end (dataset, plan, "
+    "training, checkpoints, the LoRA in both formats, the sample grid), not that it learns: the sample grid "
+    "is noise and the loss stays about flat. Train a real model (--model PATH --dataset DIR) to see learning."
+)
 SAMPLE_PROMPTS = [
     "a photo of sks red square",
     "a photo of sks blue circle",
@@ -113,7 +119,8 @@ def demo_config(
 
 def run_demo(req: Any, ui: Any) -> dict[str, Any]:
     """`sdplan train --demo`: tiny model + generated dataset in ``--out`` (default ./sdplan-demo), then the
-    same plan/write/launch path as a real run, on the CPU. Returns run_summary.json."""
+    same plan/write/launch path as a real run, on the CPU, and :data:`DEMO_NOTE` on what it shows. Returns
+    run_summary.json."""
     import shutil
     import time
 
@@ -146,7 +153,7 @@ def run_demo(req: Any, ui: Any) -> dict[str, Any]:
         f"{out / 'dataset'} ({time.perf_counter() - start:.1f} s)"
     )
     data = demo_config(out, family=family, num_processes=req.num_processes or 1, max_steps=req.max_steps)
-    return run(
+    summary = run(
         TrainRequest(
             config_data=data,
             out=str(out),
@@ -160,6 +167,9 @@ def run_demo(req: Any, ui: Any) -> dict[str, Any]:
         ),
         ui,
     )
+    if not req.dry_run:
+        ui.echo(DEMO_NOTE)
+    return summary
 
 
 def _build_tiny_model(folder: Path, family: str) -> None:

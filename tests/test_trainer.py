@@ -178,6 +178,7 @@ def test_lora_trains_outputs_load_and_change_the_pipeline(tiny_sd15, dataset, tm
         "wall_seconds",
         "peak_memory_bytes",
         "outputs",
+        "intermediate_outputs",
     }
     assert (summary["method"], summary["steps"], summary["images_seen"], summary["num_processes"]) == (
         "lora",

@@ -10,7 +10,11 @@ Layout under ``{output.dir}/checkpoints/``:
 
 Each is written by ``accelerator.save_state`` into ``checkpoints/.tmp-<name>`` and then renamed: a kill while
 writing leaves a ``.tmp-`` folder that is ignored (and cleaned up next time) and the previous checkpoint intact.
-``train_state.json`` is written last inside the temp folder, so a folder without it is never used.
+``train_state.json`` is written last inside the temp folder, so a folder without it is never used; it lists
+every file with its size (``files``), so a checkpoint whose files were cut short later (a copy that stopped, a
+disk that lost the last writes) is found by :func:`verify_checkpoint`, and ``--resume latest`` then falls back
+to the newest complete one and says so. A write that fails (a full disk) removes the temp folder, keeps the
+previous checkpoint and is one line: "disk full: N bytes needed at PATH".
 
 Contents: the trainable weights only (``trainable.safetensors``: LoRA, the TI embedding rows or the full UNet /
 text encoder, via the save/load hooks below; DeepSpeed keeps its own model files), the optimizer, the LR
@@ -59,6 +63,8 @@ class TrainState:
     grad_accum: int = 1
     num_processes: int = 1
     method: str = ""
+    # Outputs saved during training so far (output.save_every_n_*): [{"epoch", "step", "files"}].
+    intermediate_outputs: list[dict[str, Any]] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -98,21 +104,68 @@ def latest_checkpoint(out_dir: str | Path) -> Path | None:
     return found[-1][2] if found else None
 
 
-def resolve_resume(resume: str | Path | None, out_dir: str | Path) -> Path | None:
-    """``latest`` -> the newest checkpoint (error when there is none); a folder -> that checkpoint."""
+def verify_checkpoint(path: str | Path) -> str | None:
+    """Why checkpoint ``path`` cannot be resumed from (missing or unreadable state, a listed file missing or
+    of another size, a weights file whose header does not match its length), or None when it is complete."""
+    path = Path(path)
+    try:
+        data = json.loads((path / STATE_FILE).read_text())
+    except (OSError, ValueError) as e:
+        return f"{path}: {STATE_FILE} unreadable ({type(e).__name__})"
+    for name, size in (data.get("files") or {}).items():
+        f = path / name
+        if not f.is_file():
+            return f"{path}: {name} is missing"
+        if f.stat().st_size != size:
+            return f"{path}: {name} has {f.stat().st_size} of its {size} bytes"
+    weights = path / WEIGHTS_FILE
+    if weights.is_file():
+        from safetensors import safe_open
+
+        try:
+            with safe_open(str(weights), framework="pt"):
+                pass
+        except Exception as e:  # safetensors checks the header against the file's length
+            return f"{path}: {WEIGHTS_FILE} is damaged ({type(e).__name__})"
+    return None
+
+
+def resolve_resume(resume: str | Path | None, out_dir: str | Path, say=print) -> Path | None:
+    """``latest`` -> the newest complete checkpoint (error when there is none; an incomplete newer one is
+    skipped with a note through ``say``); a folder -> that checkpoint (error when it is incomplete)."""
     if resume is None or resume == "":
         return None
     if str(resume) == "latest":
-        path = latest_checkpoint(out_dir)
-        if path is None:
+        found = list_checkpoints(out_dir)
+        if not found:
             raise UsageError(
                 f"--resume latest: no checkpoint in {checkpoint_root(out_dir)}",
                 fix="start without --resume, or point --resume at a checkpoint folder",
             )
-        return path
+        skipped = []
+        for _, _, path in reversed(found):
+            problem = verify_checkpoint(path)
+            if problem is None:
+                if skipped:
+                    say(f"skipped incomplete checkpoint(s) ({'; '.join(skipped)}); resuming from {path}")
+                return path
+            skipped.append(problem)
+        raise CheckpointError(
+            f"--resume latest: every checkpoint in {checkpoint_root(out_dir)} is incomplete ({'; '.join(skipped)})",
+            fix="start without --resume",
+        )
     path = Path(resume)
     if not (path / STATE_FILE).is_file():
         raise UsageError(f"--resume {resume}: not a checkpoint folder (no {STATE_FILE})")
+    problem = verify_checkpoint(path)
+    if problem is not None:
+        complete = [p for _, _, p in reversed(list_checkpoints(out_dir)) if verify_checkpoint(p) is None]
+        raise CheckpointError(
+            f"--resume {resume}: incomplete checkpoint ({problem})",
+            fix=f"resume from {complete[0]}, the newest complete one"
+            if complete
+            else "start without --resume",
+        )
     return path
 
 
@@ -242,20 +295,11 @@ class Checkpointer:
         name = f"{prefix}-{step:06d}"
         final = self.root / name
         tmp = self.root / f".tmp-{name}"  # same name on every process: they write into one folder
+        try:
+            self._write(tmp)
+        except Exception as e:
+            raise self._write_failed(e, tmp) from None
         if acc.is_main_process:
-            self.root.mkdir(parents=True, exist_ok=True)
-            for stale in self.root.glob(".tmp-*"):
-                shutil.rmtree(stale, ignore_errors=True)
-            tmp.mkdir()
-        acc.wait_for_everyone()
-        acc.save_state(str(tmp))
-        acc.wait_for_everyone()
-        if acc.is_main_process:
-            state_file = tmp / STATE_FILE
-            with open(state_file, "w") as f:
-                json.dump(self.state.to_json(), f, indent=1)
-                f.flush()
-                os.fsync(f.fileno())
             if final.exists():  # the same step written again (e.g. interrupt right after a rolling save)
                 old = self.root / f".tmp-old-{name}"
                 os.replace(final, old)
@@ -272,6 +316,40 @@ class Checkpointer:
         self.last_saved = final
         self.last_saved_step = step
         return final
+
+    def _write(self, tmp: Path) -> None:
+        """Everything into ``tmp``; ``train_state.json`` (with every file's size) last, flushed to disk."""
+        acc = self.accelerator
+        if acc.is_main_process:
+            self.root.mkdir(parents=True, exist_ok=True)
+            for stale in self.root.glob(".tmp-*"):
+                shutil.rmtree(stale, ignore_errors=True)
+            tmp.mkdir()
+        acc.wait_for_everyone()
+        acc.save_state(str(tmp))
+        acc.wait_for_everyone()
+        if acc.is_main_process:
+            files = {
+                p.relative_to(tmp).as_posix(): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()
+            }
+            with open(tmp / STATE_FILE, "w") as f:
+                json.dump({**self.state.to_json(), "files": files}, f, indent=1)
+                f.flush()
+                os.fsync(f.fileno())
+
+    def _write_failed(self, exc: Exception, tmp: Path) -> Exception:
+        """A checkpoint that could not be written: its temp folder goes (the space comes back), the previous
+        checkpoint stays; a full disk or a failed write becomes one line saying what is needed where."""
+        from .outputs import tree_bytes, write_error
+
+        partial = tree_bytes(tmp)
+        if self.accelerator.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
+        previous = latest_checkpoint(self.root.parent)
+        needed = max(partial, tree_bytes(previous))
+        kept = f"; the previous checkpoint {previous} is kept" if previous else "; no earlier checkpoint"
+        err = write_error(exc, self.root, needed_bytes=needed, detail=kept)
+        return err if err is not None else exc
 
     def maybe_save(self) -> Path | None:
         kind = self.due(self.state.global_step)

@@ -6,6 +6,13 @@ schedule, the latent and text-encoder caches, gradient accumulation, per-step se
 SIGINT/SIGTERM checkpoint, the out-of-memory report, rolling/kept checkpoints and exact resume, EMA, samples,
 the progress bar, TensorBoard, loss history and plot, and ``run_summary.json``.
 
+Nothing trained is lost to the export: before the first step the recipe's real export runs once into a
+temporary folder (then deleted), so a broken export, an unwritable folder or a disk too small for the outputs
+fails in the first seconds; at the end the final step is checkpointed before the export (with checkpoints
+off: when the export fails), and a failed export says which checkpoint holds the trained state (``--resume``
+it: the run goes straight to the export). ``output.save_every_n_epochs`` / ``save_every_n_steps`` write the
+method's outputs during training, named kohya's way, each with a sample grid, listed in ``run_summary.json``.
+
 A recipe says what its method is: the models it builds and how they are placed, the trainable parameter
 groups, the loss of a batch, what a checkpoint holds, and what it exports. The denoiser call and the objective
 are pieces of the recipe base (:meth:`Recipe.predict`, ``objective.DiffusionObjective``), so a family with
@@ -17,8 +24,10 @@ steps them with :func:`optimizer_step`, so a bench number is the trainer's numbe
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +35,19 @@ from sdplan.config import TrainConfig
 from sdplan.errors import SdplanError
 
 from . import checkpoint as ckpt_lib
-from . import conditioning, data, faults, latents, models, objective, outputs, progress, runtime, stops
+from . import (
+    conditioning,
+    data,
+    export,
+    faults,
+    latents,
+    models,
+    objective,
+    outputs,
+    progress,
+    runtime,
+    stops,
+)
 
 
 class Recipe:
@@ -113,7 +134,18 @@ class Recipe:
         return self.dataset.caption_for(self.dataset.items[0], 0)
 
     def export(self, out_dir: Path, metadata: dict[str, Any], ema: Ema | None) -> list[Path]:
+        """Write the method's outputs into ``out_dir``, named after ``cfg.output.name``."""
         raise NotImplementedError
+
+    @contextmanager
+    def output_name(self, name: str):
+        """:meth:`export` names its files ``name`` inside the block (intermediate outputs)."""
+        cfg = self.cfg
+        self.cfg = dataclasses.replace(cfg, output=dataclasses.replace(cfg.output, name=name))
+        try:
+            yield
+        finally:
+            self.cfg = cfg
 
     # -- shared pieces ---------------------------------------------------------------------------------
 
@@ -319,9 +351,12 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
     source = models.resolve_source(cfg.model.path)
     dataset, scan = data.build_dataset(cfg)
     cfg = recipe_cls.resolve_config(cfg)
-    resume_from = ckpt_lib.resolve_resume(resume or cfg.checkpoints.resume, out_dir)
+    notes: list[str] = []
+    resume_from = ckpt_lib.resolve_resume(resume or cfg.checkpoints.resume, out_dir, say=notes.append)
     accelerator = runtime.make_accelerator(cfg, out_dir)
     device = accelerator.device
+    for note in notes:
+        progress.say(accelerator, note)
     progress.describe_data(accelerator, dataset, scan)
 
     # 2. The model, the trainable parameters, the optimizer, the data.
@@ -354,6 +389,23 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
     if ema is not None:
         accelerator.register_for_checkpointing(ema.model)
     params = [p for g in groups for p in g["params"]]
+
+    # The export, once, before anything is trained: what fails there fails now, not after the training.
+    start_step = ckpt_lib.read_state(resume_from).global_step if resume_from is not None else 0
+    saves_at = outputs.intermediate_steps(
+        total_steps=plan.total_steps,
+        steps_per_epoch=plan.steps_per_epoch,
+        every_epochs=cfg.output.save_every_n_epochs,
+        every_steps=cfg.output.save_every_n_steps,
+        after=start_step,
+    )
+    export_bytes = 0
+    if accelerator.is_main_process:
+        meta0 = outputs.run_metadata(cfg, steps=0, epochs=0, prediction_type=comps.prediction_type)
+        export_bytes = outputs.check_export(
+            lambda folder: recipe.export(folder, meta0, ema), out_dir, saves=1 + len(saves_at)
+        )
+    accelerator.wait_for_everyone()
 
     # 3. Cached VAE (and frozen text-encoder) outputs: computed once, then those models leave the GPU.
     latent_cache = latents.make_latent_cache(cfg, recipe.vae, out_dir)
@@ -396,10 +448,38 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
     tb = progress.tensorboard(accelerator, cfg)
     bar = progress.Progress(accelerator, plan.total_steps, initial=state.global_step, description=cfg.method)
 
-    def sample(step=None, fallback=""):
+    def sample(step=None, fallback="", **kw):
         return outputs.samples(
-            accelerator, comps, recipe.unet, recipe.text_encoders, cfg, step=step, fallback=fallback, tb=tb
+            accelerator,
+            comps,
+            recipe.unet,
+            recipe.text_encoders,
+            cfg,
+            step=step,
+            fallback=fallback,
+            tb=tb,
+            **kw,
         )
+
+    def save_intermediate(step: int, epoch: int | None) -> None:
+        """The outputs at ``step`` (every process calls; the main one writes) into intermediate/<name>/."""
+        label = outputs.intermediate_name(
+            export.output_name(cfg.output.name, out_dir), epoch=epoch, step=step
+        )
+        folder = out_dir / outputs.INTERMEDIATE / label
+        files: list[Path] = []
+        reached = epoch if epoch is not None else round(step / plan.steps_per_epoch, 3)
+        if accelerator.is_main_process:
+            meta = outputs.run_metadata(
+                cfg, steps=step, epochs=reached, prediction_type=comps.prediction_type
+            )
+            with outputs.write_errors(folder, needed_bytes=export_bytes), recipe.output_name(label):
+                files += recipe.export(folder, meta, ema)
+        grid = sample(step, out_path=folder / "samples.png") if cfg.sampling.prompts else None
+        files += [grid] if grid else []
+        accelerator.wait_for_everyone()
+        state.intermediate_outputs.append({"epoch": reached, "step": step, "files": [str(f) for f in files]})
+        progress.say(accelerator, f"saved the outputs of step {step} in {folder}")
 
     try:
         with stops.StopSignals() as stop:
@@ -439,6 +519,8 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
                     progress.log_step(tb, bar, step, mean_loss, lr_scheduler)
                     if cfg.sampling.every_steps and step % cfg.sampling.every_steps == 0:
                         sample(step)
+                    if step in saves_at:
+                        save_intermediate(step, saves_at[step])
                     ckpt.maybe_save()
                     if stop_now:
                         path = ckpt.last_saved if ckpt.last_saved_step == step else ckpt.save("interrupt")
@@ -459,9 +541,11 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
         bar.close()
         tb.close()
 
-    # 6. Outputs.
+    # 6. Outputs, after a checkpoint of the final step (with checkpoints off: when the export fails).
     peak = runtime.gather_max(accelerator, runtime.peak_memory_bytes(accelerator))
     accelerator.wait_for_everyone()
+    checkpoints_on = bool(cfg.checkpoints.every_steps or cfg.checkpoints.keep_every_steps)
+    final_ckpt = _checkpoint_final(ckpt, state, accelerator) if checkpoints_on else None
     written: list[Path] = []
     epochs_done = round(state.global_step / plan.steps_per_epoch, 3)
     if accelerator.is_main_process:
@@ -470,15 +554,21 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
         meta = outputs.run_metadata(
             cfg, steps=state.global_step, epochs=epochs_done, prediction_type=comps.prediction_type
         )
-        written += recipe.export(out_dir, meta, ema)
-        grid = sample(fallback=recipe.sample_prompt())
-        written += [grid] if grid else []
-        steps = list(range(1, len(state.losses) + 1))
-        written.append(plots.loss_curve(steps, state.losses, out_dir / "loss.png"))
-        written.append(outputs.write_loss_history(out_dir, state.losses))
+        try:
+            written += recipe.export(out_dir, meta, ema)
+        except Exception as e:
+            if final_ckpt is None and accelerator.num_processes == 1:
+                final_ckpt = _checkpoint_final(ckpt, state, accelerator)
+            raise outputs.export_error(e, out_dir, needed_bytes=export_bytes, checkpoint=final_ckpt) from None
+        with outputs.write_errors(out_dir):  # the weights are out; a full disk now is still one line
+            grid = sample(fallback=recipe.sample_prompt(), at_step=state.global_step)
+            written += [grid] if grid else []
+            steps = list(range(1, len(state.losses) + 1))
+            written.append(plots.loss_curve(steps, state.losses, out_dir / "loss.png"))
+            written.append(outputs.write_loss_history(out_dir, state.losses))
     accelerator.wait_for_everyone()
     summary = (
-        outputs.write_run_summary(
+        _write_summary(
             out_dir,
             method=cfg.method,
             steps=state.global_step,
@@ -489,6 +579,7 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
             wall_seconds=time.perf_counter() - t0,
             peak_memory_bytes=peak,
             outputs=written,
+            intermediate_outputs=state.intermediate_outputs,
         )
         if accelerator.is_main_process
         else {}
@@ -496,3 +587,20 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return summary
+
+
+def _checkpoint_final(ckpt, state, accelerator) -> Path | None:
+    """A checkpoint of the final step (the one there already, or a new rolling one); None when it cannot be
+    written (said on the main process: the export is still tried)."""
+    if ckpt.last_saved is not None and ckpt.last_saved_step == state.global_step:
+        return ckpt.last_saved
+    try:
+        return ckpt.save("rolling")
+    except Exception as e:  # the outputs may still fit; the export says what is lost if not
+        progress.say(accelerator, f"could not checkpoint the final step: {e}")
+        return None
+
+
+def _write_summary(out_dir: Path, **fields) -> dict:
+    with outputs.write_errors(out_dir):
+        return outputs.write_run_summary(out_dir, **fields)

@@ -1,17 +1,192 @@
 """What a run leaves besides the trained weights: sample grids, run_summary.json, loss_history.json,
-peak memory, and the metadata every exported file records.
+peak memory, and the metadata every exported file records; the export check before training, intermediate
+outputs, and the one-line errors for a write that fails (a full disk).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import math
 import os
+import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from sdplan.errors import SdplanError
+
 from .latents import offload
+
+INTERMEDIATE = "intermediate"  # {output.dir}/intermediate/{name}-{epoch:06d}/ (output.save_every_n_*)
+EXPORT_CHECK = ".export-check"  # the trial export before training, deleted at once
+
+
+# -- writes that fail ------------------------------------------------------------------------------------
+
+
+class DiskFull(SdplanError):
+    """Not enough free space for what the run must write."""
+
+    def __init__(self, needed_bytes: int, path: str | Path, free_bytes: int, detail: str = "", fix=None):
+        self.needed_bytes, self.path, self.free_bytes = needed_bytes, Path(path), free_bytes
+        super().__init__(
+            f"disk full: {needed_bytes} bytes needed at {path} ({free_bytes} bytes free){detail}",
+            fix=fix or "free space on that disk, or set output.dir to a disk with room",
+        )
+
+
+class WriteFailed(SdplanError):
+    """A file the run writes could not be written (not for lack of space)."""
+
+
+class ExportFailed(SdplanError):
+    """The trained weights could not be exported (before training: the check; after: the outputs)."""
+
+
+_FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
+_FULL_TEXT = ("no space left on device", "disk quota exceeded", "os error 28", "os error 122", "storagefull")
+_WRITE_TEXT = ("unexpected pos", "file write failed")  # torch.save's zip writer on a failed write
+
+
+def tree_bytes(path: str | Path | None) -> int:
+    """Bytes in a file, or in every file under a folder (0 when there is nothing)."""
+    if path is None:
+        return 0
+    path = Path(path)
+    if path.is_file():
+        return path.stat().st_size
+    total = 0
+    for p in path.rglob("*") if path.is_dir() else []:
+        with contextlib.suppress(OSError):
+            total += p.stat().st_size if p.is_file() else 0
+    return total
+
+
+def free_bytes(path: str | Path) -> int:
+    """Free bytes for an unprivileged user on the disk holding ``path`` (or its nearest existing parent)."""
+    path = Path(path).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
+def write_error(exc: BaseException, path: str | Path, *, needed_bytes: int, detail: str = "", fix=None):
+    """The one-line error for a failed write at ``path``: DiskFull when the disk is full (ENOSPC/EDQUOT, or
+    a write failure with less than ``needed_bytes`` free), WriteFailed for another failed write, None when
+    ``exc`` is no write failure."""
+    text = str(exc).lower()
+    free = free_bytes(path)
+    if (isinstance(exc, OSError) and exc.errno in _FULL_ERRNOS) or any(t in text for t in _FULL_TEXT):
+        return DiskFull(needed_bytes, path, free, detail, fix)
+    if isinstance(exc, OSError) or (isinstance(exc, RuntimeError) and any(t in text for t in _WRITE_TEXT)):
+        if free < needed_bytes:
+            return DiskFull(needed_bytes, path, free, detail, fix)
+        first = (str(exc).strip().splitlines() or [""])[0]
+        return WriteFailed(
+            f"writing {path} failed ({type(exc).__name__}: {first}; {free} bytes free){detail}", fix=fix
+        )
+    return None
+
+
+@contextlib.contextmanager
+def write_errors(path: str | Path, *, needed_bytes: int = 0, detail: str = ""):
+    """A failed write inside the block (a full disk) becomes the one-line error of :func:`write_error`."""
+    try:
+        yield
+    except SdplanError:
+        raise
+    except Exception as e:
+        err = write_error(e, path, needed_bytes=needed_bytes, detail=detail)
+        if err is None:
+            raise
+        raise err from None
+
+
+def _first_line(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
+
+
+# -- the export, checked before training -----------------------------------------------------------------
+
+
+def check_export(export: Callable[[Path], Any], out_dir: str | Path, *, saves: int = 1) -> int:
+    """Run ``export(folder)`` (the method's real export of the untrained weights) into a temporary folder
+    in ``out_dir``, measure it and delete it; then check the disk holds ``saves`` exports of that size. A
+    broken export (an import that fails, an unwritable folder, a name that does not resolve, a model the
+    format cannot hold) so fails in the first seconds instead of after the training. Returns the bytes of
+    one export."""
+    out_dir = Path(out_dir)
+    tmp = out_dir / f"{EXPORT_CHECK}-{os.getpid()}"
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        export(tmp)
+        size = tree_bytes(tmp)
+    except Exception as e:
+        partial = tree_bytes(tmp)
+        shutil.rmtree(tmp, ignore_errors=True)
+        err = write_error(
+            e,
+            out_dir,
+            needed_bytes=partial,
+            detail="; the trial export before training stopped there: more is needed",
+        )
+        if err is not None:
+            raise err from None
+        hint = (
+            "another `sdplan` shadows the installed one (e.g. a folder named sdplan in the working directory): "
+            "start from another folder"
+            if isinstance(e, ImportError)
+            else "fix the cause above and start again"
+        )
+        raise ExportFailed(
+            f"the export failed before training started ({_first_line(e)}); nothing was trained", fix=hint
+        ) from None
+    shutil.rmtree(tmp, ignore_errors=True)
+    need, free = size * saves, free_bytes(out_dir)
+    if free < need:
+        raise DiskFull(need, out_dir, free, f": {saves} export(s) of {size} bytes each")
+    return size
+
+
+def export_error(
+    exc: BaseException, out_dir: Path, *, needed_bytes: int, checkpoint: Path | None
+) -> SdplanError:
+    """The error for a final export that failed: where the trained state is and how to export it again."""
+    if checkpoint is not None:
+        kept = f"; the trained state is in checkpoint {checkpoint}"
+        fix = (
+            f"fix the cause, then resume the run (sdplan train --out {out_dir} --resume): it starts from "
+            f"{checkpoint} and only writes the outputs"
+        )
+    else:
+        kept, fix = "; no checkpoint of the trained state could be written", None
+    err = write_error(exc, out_dir, needed_bytes=needed_bytes, detail=kept, fix=fix)
+    if isinstance(err, DiskFull):
+        return err
+    return ExportFailed(f"writing the outputs failed after training ({_first_line(exc)}){kept}", fix=fix)
+
+
+def intermediate_name(name: str, *, epoch: int | None, step: int) -> str:
+    """kohya's names for outputs saved during training: ``{name}-{epoch:06d}`` every N epochs,
+    ``{name}-step{step:08d}`` every N steps."""
+    return f"{name}-{epoch:06d}" if epoch is not None else f"{name}-step{step:08d}"
+
+
+def intermediate_steps(
+    *, total_steps: int, steps_per_epoch: int, every_epochs: int, every_steps: int, after: int = 0
+) -> dict[int, int | None]:
+    """The optimizer steps after ``after`` (and before the last, which the final outputs cover) where
+    outputs are saved: step -> the epoch it ends (an every-N-epochs save) or None (every N steps)."""
+    due: dict[int, int | None] = {}
+    if every_steps:
+        due.update({s: None for s in range(every_steps, total_steps, every_steps)})
+    if every_epochs:
+        for epoch in range(every_epochs, total_steps // max(steps_per_epoch, 1) + 1, every_epochs):
+            due[epoch * steps_per_epoch] = epoch
+    return {s: e for s, e in sorted(due.items()) if after < s < total_steps}
 
 
 @contextlib.contextmanager
@@ -35,16 +210,28 @@ def sampling_precision(accelerator, vae):
 
 
 def samples(
-    accelerator, comps, unet, text_encoders, cfg, *, step: int | None = None, fallback: str = "", tb=None
+    accelerator,
+    comps,
+    unet,
+    text_encoders,
+    cfg,
+    *,
+    step: int | None = None,
+    fallback: str = "",
+    tb=None,
+    at_step: int | None = None,
+    out_path: Path | None = None,
 ) -> Path | None:
     """A PNG grid from ``sampling.prompts`` (else ``fallback``) with a fixed seed, made on the main process:
     ``samples/step-000100.png`` during training (the other processes wait), ``samples/final.png`` at the end
-    (call it on the main process only then). Components moved off the GPU (cached outputs) come back for it."""
+    (call it on the main process only then), or ``out_path``. Each image is labelled with the step (``step``,
+    else ``at_step``) and its prompt. Components moved off the GPU (cached outputs) come back for it."""
 
     from .checkpoint import unwrap
 
     prompts = list(cfg.sampling.prompts) or ([fallback] if fallback else [])
     name = f"step-{step:06d}.png" if step is not None else "final.png"
+    shown_step = step if step is not None else at_step
     grid = None
     if prompts and accelerator.is_main_process:
         from . import sampling
@@ -63,12 +250,13 @@ def samples(
                     steps=cfg.sampling.num_inference_steps,
                     guidance_scale=cfg.sampling.guidance_scale,
                     resolution=cfg.data.resolution,
-                    out_path=Path(cfg.output.dir) / "samples" / name,
+                    out_path=out_path or Path(cfg.output.dir) / "samples" / name,
+                    labels=[f"step {shown_step}\n{p}" if shown_step is not None else p for p in prompts],
                 )
         finally:
             offload(*away)
         if tb is not None:
-            tb.image("samples", grid, step if step is not None else 0)
+            tb.image("samples", grid, shown_step or 0)
     if step is not None:
         accelerator.wait_for_everyone()
     return grid
@@ -95,7 +283,10 @@ def write_run_summary(
     wall_seconds: float,
     peak_memory_bytes: int,
     outputs: list[Path | str],
+    intermediate_outputs: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
+    """``run_summary.json``. ``intermediate_outputs``: the outputs saved during training (output.save_every_n_*),
+    each ``{"epoch", "step", "files"}`` (``epoch``: the epoch it ends, or the fraction reached)."""
     summary = {
         "method": method,
         "steps": steps,
@@ -106,6 +297,7 @@ def write_run_summary(
         "wall_seconds": round(wall_seconds, 3),
         "peak_memory_bytes": peak_memory_bytes,
         "outputs": [str(p) for p in outputs],
+        "intermediate_outputs": list(intermediate_outputs or []),
     }
     write_json_atomic(Path(out_dir) / "run_summary.json", summary)
     return summary

@@ -88,7 +88,8 @@ def generate_images(
 
 def make_grid(images: list, cols: int | None = None, labels: list[str] | None = None):
     """Images pasted into a ``cols`` x ``rows`` grid (cells the size of the first image; ``cols`` defaults to
-    ceil(sqrt(n))). ``labels`` are drawn over the bottom of each cell, so the grid size never changes."""
+    ceil(sqrt(n))). ``labels`` are drawn over the bottom of each cell (PIL's own font, scaled to the cell; a
+    newline starts a line, long lines wrap, at most :data:`LABEL_LINES`), so the grid size never changes."""
     from PIL import Image, ImageDraw
 
     if not images:
@@ -103,18 +104,59 @@ def make_grid(images: list, cols: int | None = None, labels: list[str] | None = 
         grid.paste(image.convert("RGB"), ((i % cols) * w, (i // cols) * h))
     if labels:
         draw = ImageDraw.Draw(grid, "RGBA")
+        font = _font(max(10, h // 24))
+        _, top, _, bottom = font.getbbox("Ag")
+        line_h = bottom - top + 2
+        most = max(1, min(LABEL_LINES, (h // 2) // line_h))  # the band covers at most half the cell
         for i, text in enumerate(labels[: len(images)]):
             x, y = (i % cols) * w, (i // cols) * h
-            band = max(12, h // 10)
+            lines = _wrap(draw, font, text, w - 4, most)
+            band = len(lines) * line_h
             draw.rectangle([x, y + h - band, x + w - 1, y + h - 1], fill=(0, 0, 0, 160))
-            draw.text((x + 2, y + h - band + 1), _fit(draw, text, w - 4), fill=(255, 255, 255, 255))
+            for j, line in enumerate(lines):
+                draw.text(
+                    (x + 2, y + h - band + j * line_h + 1 - top), line, font=font, fill=(255, 255, 255, 255)
+                )
     return grid
 
 
-def _fit(draw, text: str, width: int) -> str:
-    if draw.textlength(text) <= width:
+LABEL_LINES = 2
+
+
+def _font(size: int):
+    """PIL's bundled default font (no file, no download) at ``size`` px where this Pillow can scale it."""
+    from PIL import ImageFont
+
+    try:
+        return ImageFont.load_default(size=size)
+    except (TypeError, ImportError, OSError):  # Pillow < 10.1 or without FreeType: the fixed bitmap font
+        return ImageFont.load_default()
+
+
+def _wrap(draw, font, text: str, width: int, most: int = 2) -> list[str]:
+    """``text`` in lines of at most ``width`` pixels: newlines break, then words; at most ``most`` lines, the
+    last cut with "..." when the text goes on."""
+    lines: list[str] = []
+    for para in text.split("\n"):
+        line = ""
+        for word in para.split(" "):
+            candidate = f"{line} {word}" if line else word
+            if line and draw.textlength(candidate, font=font) > width:
+                lines.append(line)
+                line = word
+            else:
+                line = candidate
+        lines.append(line)
+    if len(lines) > most:
+        lines = lines[:most]
+        lines[-1] += "..."
+    return [_fit(draw, font, line, width) for line in lines]
+
+
+def _fit(draw, font, text: str, width: int) -> str:
+    if draw.textlength(text, font=font) <= width:
         return text
-    while text and draw.textlength(text + "...") > width:
+    while text and draw.textlength(text + "...", font=font) > width:
         text = text[:-1]
     return text + "..."
 
@@ -130,11 +172,12 @@ def sample_grid(
     out_path: str | Path,
     negative_prompt: str | list[str] | None = None,
     cols: int | None = None,
-    labels: bool = False,
+    labels: bool | list[str] = False,
 ) -> Path:
     """Generate one image per prompt and save them as one PNG grid of ``cols * width`` x ``rows * height``
     pixels (``cols`` defaults to ceil(sqrt(len(prompts)))); the prompts and settings go into the PNG's text
-    chunks. Works for StableDiffusionPipeline and StableDiffusionXLPipeline. Written atomically."""
+    chunks. ``labels``: True draws each prompt on its image, a list draws those texts (one per prompt).
+    Works for StableDiffusionPipeline and StableDiffusionXLPipeline. Written atomically."""
     from PIL.PngImagePlugin import PngInfo
 
     images = generate_images(
@@ -146,7 +189,10 @@ def sample_grid(
         resolution=resolution,
         negative_prompt=negative_prompt,
     )
-    grid = make_grid(images, cols=cols, labels=list(prompts) if labels else None)
+    if isinstance(labels, list) and len(labels) != len(prompts):
+        raise ValueError(f"{len(labels)} labels for {len(prompts)} prompts")
+    drawn = list(labels) if isinstance(labels, list) else (list(prompts) if labels else None)
+    grid = make_grid(images, cols=cols, labels=drawn)
     info = PngInfo()
     info.add_text(
         "sdplan_samples",
@@ -159,6 +205,7 @@ def sample_grid(
                 "guidance_scale": guidance_scale,
                 "resolution": list(_size(resolution)),
                 "pipeline": type(pipeline).__name__,
+                "labels": drawn,
             }
         ),
     )

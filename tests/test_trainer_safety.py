@@ -1,0 +1,289 @@
+"""Nothing lost, nothing misleading (issue 13, the trainer's side): a broken export fails before training and a
+failed final export leaves a checkpoint of the trained state; a full disk is one line and keeps the previous
+checkpoint; a half-written checkpoint is skipped on resume; intermediate outputs every N epochs / steps that
+load; sample grids labelled with the step and the prompt. Tiny models on the CPU."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import make_images
+from PIL import Image
+from sdplan.trainer import checkpoint, export, outputs, run, sampling
+from sdplan.trainer.__main__ import main as trainer_main
+from test_trainer import (  # noqa: F401 (the fixtures apply to this module too)
+    _fresh_accelerator_state,
+    _one_thread,
+    losses,
+    make_cfg,
+    write_cfg,
+)
+
+from sdplan.errors import SdplanError
+
+pytestmark = pytest.mark.train
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory) -> Path:
+    return make_images(tmp_path_factory.mktemp("data") / "flat", n=4)
+
+
+def _no_temp_left(out: Path) -> None:
+    assert not list(out.glob(".export-check*")), list(out.iterdir())
+    assert not list(checkpoint.checkpoint_root(out).glob(".tmp-*"))
+
+
+# -- item 1: the export is exercised before training; a failed final export keeps the trained state -------------
+
+
+def test_a_broken_export_fails_before_any_step(tiny_sd15, images, tmp_path, monkeypatch):
+    """The cwd-`sdplan`-folder case: the export's ``from sdplan import __version__`` fails. It must fail at the
+    start, not after hours of training."""
+    out = tmp_path / "out"
+
+    def broken(*args, **kwargs):
+        raise ImportError("cannot import name '__version__' from 'sdplan' (unknown location)")
+
+    monkeypatch.setattr(export, "output_metadata", broken)
+    with pytest.raises(SdplanError, match="before training") as err:
+        run.train(make_cfg(tiny_sd15, images, out, "training.max_steps=3"))
+    assert "__version__" in str(err.value)
+    assert not (out / "loss_history.json").exists() and checkpoint.latest_checkpoint(out) is None
+    _no_temp_left(out)
+
+
+def test_too_little_disk_for_the_outputs_fails_before_any_step(tiny_sd15, images, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    real = shutil.disk_usage
+    monkeypatch.setattr(outputs.shutil, "disk_usage", lambda p: real(p)._replace(free=1000))
+    with pytest.raises(outputs.DiskFull, match=r"^disk full: \d+ bytes needed at ") as err:
+        run.train(make_cfg(tiny_sd15, images, out, "training.max_steps=3"))
+    assert str(out) in str(err.value) and "1000 bytes free" in str(err.value)
+    assert not (out / "loss_history.json").exists()
+    _no_temp_left(out)
+
+
+@pytest.mark.parametrize(
+    ("code", "said"),
+    [
+        (errno.EIO, "^writing the outputs failed after training"),
+        (errno.ENOSPC, r"^disk full: \d+ bytes needed at "),
+    ],
+)
+def test_a_failed_final_export_leaves_a_checkpoint_and_resume_only_exports(
+    code, said, tiny_sd15, images, tmp_path, monkeypatch
+):
+    out = tmp_path / "out"
+    cfg = make_cfg(tiny_sd15, images, out, "training.max_steps=3")  # checkpoints.every_steps=0: none planned
+    real, calls = export.save_lora, []
+
+    def fails_after_training(*args, **kwargs):
+        calls.append(1)
+        if len(calls) > 1:  # the check at the start passes; the final export fails
+            raise OSError(code, os.strerror(code))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(export, "save_lora", fails_after_training)
+    with pytest.raises(SdplanError, match=said) as err:
+        run.train(cfg)
+    assert "trained state is in checkpoint" in str(err.value)
+    saved = checkpoint.latest_checkpoint(out)
+    assert saved is not None and str(saved) in str(err.value) and "--resume" in str(err.value)
+    assert checkpoint.read_state(saved).global_step == 3
+    trained = checkpoint.read_state(saved).losses
+    monkeypatch.setattr(export, "save_lora", real)
+    summary = run.train(cfg, resume="latest")
+    assert summary["steps"] == 3 and losses(out) == trained  # nothing trained again
+    assert (out / "pytorch_lora_weights.safetensors").is_file() and (
+        out / f"{out.name}.kohya.safetensors"
+    ).is_file()
+    _no_temp_left(out)
+
+
+def test_the_final_step_is_checkpointed_before_the_export(tiny_sd15, images, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    real, seen = export.save_lora, []
+
+    def record(*args, **kwargs):
+        seen.append(checkpoint.latest_checkpoint(out))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(export, "save_lora", record)
+    run.train(make_cfg(tiny_sd15, images, out, "training.max_steps=3", "checkpoints.every_steps=2"))
+    assert seen[0] is None  # the check at the start
+    assert seen[-1] is not None and checkpoint.read_state(seen[-1]).global_step == 3
+
+
+# -- item 6: disk full, half-written checkpoints --------------------------------------------------------------
+
+
+def test_disk_full_while_checkpointing_is_one_line_and_keeps_the_previous(
+    tiny_sd15, images, tmp_path, monkeypatch, capsys
+):
+    import safetensors.torch
+
+    out = tmp_path / "out"
+    path = write_cfg(
+        make_cfg(tiny_sd15, images, out, "training.max_steps=6", "checkpoints.every_steps=2"),
+        tmp_path / "c.yaml",
+    )
+    real, calls = safetensors.torch.save_file, []
+
+    def full_disk(tensors, filename, *args, **kwargs):
+        if checkpoint.CHECKPOINTS in Path(filename).parts:
+            calls.append(filename)
+            if len(calls) == 2:
+                Path(filename).write_bytes(b"\0" * 100)  # part of the file made it
+                raise OSError(errno.ENOSPC, "No space left on device")
+        return real(tensors, filename, *args, **kwargs)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+    capsys.readouterr()
+    assert trainer_main(["--config", str(path)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: disk full: ") and "Traceback" not in err and len(err.splitlines()) == 1
+    assert f"bytes needed at {checkpoint.checkpoint_root(out)}" in err
+    kept = checkpoint.latest_checkpoint(out)
+    assert kept is not None and kept.name == "rolling-step-000002" and str(kept) in err
+    assert checkpoint.verify_checkpoint(kept) is None
+    _no_temp_left(out)
+
+
+def test_a_torch_write_failure_on_a_full_disk_is_named_disk_full(tmp_path, monkeypatch):
+    """torch.save's zip writer reports a full disk as ``unexpected pos``; with too little free space it is a
+    full disk, otherwise a write failure naming the path (never the bare RuntimeError)."""
+    e = RuntimeError("[enforce fail at inline_container.cc:626] . unexpected pos 4800 vs 4736")
+    real = shutil.disk_usage
+    monkeypatch.setattr(outputs.shutil, "disk_usage", lambda p: real(p)._replace(free=10))
+    full = outputs.write_error(e, tmp_path, needed_bytes=5000)
+    assert isinstance(full, outputs.DiskFull) and str(full).startswith(
+        f"disk full: 5000 bytes needed at {tmp_path}"
+    )
+    monkeypatch.setattr(outputs.shutil, "disk_usage", real)
+    other = outputs.write_error(e, tmp_path, needed_bytes=5000)
+    assert isinstance(other, SdplanError) and not isinstance(other, outputs.DiskFull)
+    assert str(tmp_path) in str(other) and "unexpected pos" in str(other)
+    assert outputs.write_error(ValueError("not a write"), tmp_path, needed_bytes=1) is None
+
+
+def test_resume_skips_a_half_written_checkpoint_and_says_so(tiny_sd15, images, tmp_path, capsys):
+    out = tmp_path / "out"
+    run.train(make_cfg(tiny_sd15, images, out, "training.max_steps=4", "checkpoints.keep_every_steps=2"))
+    root = checkpoint.checkpoint_root(out)
+    first = losses(out)
+    half = root / "step-000004" / checkpoint.WEIGHTS_FILE
+    half.write_bytes(half.read_bytes()[: half.stat().st_size // 2])
+    assert "step-000004" in (checkpoint.verify_checkpoint(root / "step-000004") or "")
+    assert checkpoint.verify_checkpoint(root / "step-000002") is None
+    capsys.readouterr()
+    summary = run.train(make_cfg(tiny_sd15, images, out, "training.max_steps=5"), resume="latest")
+    said = capsys.readouterr().out
+    assert "step-000004" in said and "incomplete" in said and str(root / "step-000002") in said
+    assert summary["steps"] == 5 and losses(out)[:2] == first[:2]
+    # Named explicitly, the damaged one is an error that points at the complete one.
+    with pytest.raises(SdplanError, match="incomplete") as err:
+        checkpoint.resolve_resume(str(root / "step-000004"), out)
+    assert "step-000005" in str(err.value) or "step-000002" in str(err.value)
+
+
+# -- item 10: intermediate outputs ---------------------------------------------------------------------------
+
+
+def test_lora_every_epoch_loads_and_is_listed(tiny_sd15, images, tmp_path):
+    from diffusers import StableDiffusionPipeline
+    from safetensors.torch import load_file
+
+    out = tmp_path / "out"
+    cfg = make_cfg(
+        tiny_sd15,
+        images,
+        out,
+        "training.max_steps=null",
+        "training.epochs=3",  # 4 images, batch 2: 2 steps per epoch
+        "output.save_every_n_epochs=1",
+        "output.name=shapes",
+        "sampling.prompts=[a photo of sks red square]",
+        "training.learning_rate=5e-2",
+    )
+    summary = run.train(cfg)
+    listed = summary["intermediate_outputs"]
+    assert [(x["epoch"], x["step"]) for x in listed] == [(1, 2), (2, 4)]  # epoch 3 is the final output
+    for x in listed:
+        folder = out / "intermediate" / f"shapes-{x['epoch']:06d}"
+        files = {Path(f) for f in x["files"]}
+        assert all(f.parent == folder and f.is_file() for f in files)
+        kohya = files - {folder / "pytorch_lora_weights.safetensors", folder / "samples.png"}
+        assert len(files) == 3 and len(kohya) == 1  # diffusers, kohya (named by epoch), grid
+        assert kohya.pop().name.startswith(f"shapes-{x['epoch']:06d}")
+        with Image.open(folder / "samples.png") as im:
+            assert im.size == (64, 64)
+            assert json.loads(im.text["sdplan_samples"])["labels"] == [
+                f"step {x['step']}\na photo of sks red square"
+            ]
+    epoch1 = load_file(str(out / "intermediate" / "shapes-000001" / "pytorch_lora_weights.safetensors"))
+    final = load_file(str(out / "pytorch_lora_weights.safetensors"))
+    assert epoch1.keys() == final.keys() and any(not torch.equal(epoch1[k], final[k]) for k in final)
+    pipe = StableDiffusionPipeline.from_pretrained(str(tiny_sd15), safety_checker=None)
+    pipe.load_lora_weights(str(out / "intermediate" / "shapes-000001"))  # a diffusers user loads it as is
+    assert json.loads((out / "run_summary.json").read_text())["intermediate_outputs"] == listed
+    with Image.open(out / "samples" / "final.png") as im:
+        assert json.loads(im.text["sdplan_samples"])["labels"] == ["step 6\na photo of sks red square"]
+
+
+@pytest.mark.parametrize("method", ["textual-inversion", "finetune"])
+def test_other_methods_every_n_steps(method, tiny_sd15, images, tmp_path):
+    out = tmp_path / "out"
+    cfg = make_cfg(
+        tiny_sd15,
+        images,
+        out,
+        f"method={method}",
+        "textual_inversion.token=<obj>",
+        "textual_inversion.init_token=square",
+        "training.max_steps=3",
+        "output.save_every_n_steps=2",
+        "output.name=obj",
+    )
+    summary = run.train(cfg)
+    (only,) = summary["intermediate_outputs"]
+    folder = out / "intermediate" / "obj-step00000002"
+    assert only["step"] == 2 and only["epoch"] == 1.0
+    files = [Path(f) for f in only["files"]]  # no sampling prompts: no grid
+    assert all(f.parent == folder and f.exists() for f in files)
+    if method == "finetune":
+        from diffusers import UNet2DConditionModel
+
+        assert sorted(f.name for f in files) == ["model", "obj-step00000002.safetensors"]
+        UNet2DConditionModel.from_pretrained(str(folder / "model"), subfolder="unet")
+    else:
+        from diffusers import StableDiffusionPipeline
+
+        (embedding,) = files
+        pipe = StableDiffusionPipeline.from_pretrained(str(tiny_sd15), safety_checker=None)
+        export.load_embedding(pipe, embedding, "<obj>")
+
+
+def test_no_intermediate_outputs_unless_asked(tiny_sd15, images, tmp_path):
+    out = tmp_path / "out"
+    summary = run.train(make_cfg(tiny_sd15, images, out, "training.max_steps=2"))
+    assert summary["intermediate_outputs"] == [] and not (out / "intermediate").exists()
+
+
+# -- item 11: labelled grids ---------------------------------------------------------------------------------
+
+
+def test_grid_labels_have_their_own_lines_and_keep_the_size():
+    cells = [Image.new("RGB", (64, 64), (90, 90, 90)) for _ in range(2)]
+    plain = sampling.make_grid(cells, cols=2)
+    labelled = sampling.make_grid(cells, cols=2, labels=["step 16\na photo of sks red square", "step 16\nb"])
+    assert labelled.size == plain.size == (128, 64)
+    a, b = (torch.from_numpy(__import__("numpy").asarray(g)) for g in (plain, labelled))
+    assert torch.equal(a[:30], b[:30]) and not torch.equal(a[-10:], b[-10:])  # text in the bottom band only
+    assert not torch.equal(b[-22:-12], a[-22:-12])  # two lines: the band is taller than one line's
