@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from sdplan import config as cfgmod
 from sdplan import planner
 from sdplan.errors import DatasetError, OutputExistsError, UsageError
 from sdplan.profiles import GiB, Profiles
@@ -20,7 +21,7 @@ from sdplan.profiles import GiB, Profiles
 IMAGE_EXTS = {".png", ".jpg", ".jpeg", ".webp", ".bmp"}
 KOHYA_DIR = re.compile(r"^(\d+)_(.+)$")
 DEFAULT_IMAGES = 20
-DEFAULT_EPOCHS = 10
+DEFAULT_EPOCHS = cfgmod.DEFAULT_EPOCHS
 
 
 # -- dataset ---------------------------------------------------------------------------------------------
@@ -149,8 +150,8 @@ def build_request(inp: Inputs, profiles: Profiles) -> tuple[planner.Request, lis
     ):
         if v is not None and v < 1:
             raise UsageError(f"{name} must be >= 1, got {v}")
-    if inp.resolution is not None and (inp.resolution < 64 or inp.resolution % 8):
-        raise UsageError(f"--resolution must be >= 64 and a multiple of 8, got {inp.resolution}")
+    if inp.resolution is not None and not cfgmod.resolution_ok(inp.resolution):
+        raise UsageError(f"--resolution {cfgmod.RESOLUTION_RULE}, got {inp.resolution}")
     if inp.dataset and inp.images is not None:
         raise UsageError("give --dataset or --images, not both")
     if inp.hardware and inp.machine:
@@ -295,14 +296,22 @@ def write_outputs(
         raise OutputExistsError(
             f"{outdir} already holds {', '.join(existing)}", fix="pass --force to overwrite"
         )
-    outdir.mkdir(parents=True, exist_ok=True)
+    from sdplan import runfolder
+
     written = []
-    for name, text in files.items():
-        path = outdir / name
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text(text)
-        tmp.replace(path)
-        written.append(path)
+    try:
+        outdir.mkdir(parents=True, exist_ok=True)
+        for name, text in files.items():
+            path = outdir / name
+            tmp = path.with_suffix(path.suffix + ".tmp")
+            tmp.write_text(text)
+            tmp.replace(path)
+            written.append(path)
+    except OSError as e:
+        raise runfolder.cannot_write(outdir, e) from None
+    finally:
+        if written:  # the run folder's manifest: `train --force` may later replace only these
+            runfolder.record(outdir, [p.name for p in written])
     return written
 
 
@@ -342,19 +351,20 @@ def _settings(plan: dict | None) -> str:
 
 
 def render(d: dict, res: planner.Result, console) -> None:
+    from rich.markup import escape
     from rich.table import Table
 
     req = d["request"]
     hw = res.hardware
     title = f"{req['method']} {req['model']} at {req['resolution']}px on {hw.label or 'no GPU'} ({d['hardware']['source']})"
-    console.print(f"[bold]{title}[/]")
+    console.print(f"[bold]{escape(title)}[/]")
     if d["feasible"]:
         est, st = d["estimate"], d["steps"]
         t = Table(show_header=False, box=None, pad_edge=False)
         t.add_row("plan", _settings(d["plan"]))
         t.add_row("peak VRAM", f"{_gib(est['peak_vram_bytes'])} per GPU (of {_gib(res.vram_bytes)})")
         t.add_row("host RAM", _gib(est["ram_bytes"]))
-        t.add_row("time", f"{_dur(est['seconds'])} ({est['basis']})")
+        t.add_row("time", escape(f"{_dur(est['seconds'])} ({est['basis']})"))
         if est["speedup_vs_one_gpu"] and d["plan"]["num_gpus"] > 1:
             t.add_row("vs one GPU", f"{est['speedup_vs_one_gpu']:.2f}x faster")
         t.add_row(
@@ -369,13 +379,14 @@ def render(d: dict, res: planner.Result, console) -> None:
             f"[bold red]does not fit[/]: needs at least {_gib(needs.get('min_vram_bytes'))} of GPU memory"
         )
         if needs.get("suggested_hardware"):
-            console.print("would fit: " + ", ".join(needs["suggested_hardware"]))
+            console.print("would fit: " + ", ".join(needs["suggested_hardware"]), markup=False)
     console.print("[bold]why[/]")
     for r in d["reasons"]:
-        console.print(f"  - {r}", soft_wrap=True)
+        console.print(f"  - {r}", soft_wrap=True, markup=False)
 
 
 def render_compare(rows: list[tuple[str, dict, planner.Result]], console) -> None:
+    from rich.markup import escape
     from rich.table import Table
 
     t = Table(title="hardware options")
@@ -384,7 +395,7 @@ def render_compare(rows: list[tuple[str, dict, planner.Result]], console) -> Non
     for text, d, _ in rows:
         est = d["estimate"] or {}
         t.add_row(
-            text,
+            escape(text),
             "yes" if d["feasible"] else "no",
             _settings(d["plan"])
             if d["feasible"]
