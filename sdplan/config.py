@@ -25,6 +25,14 @@ SCHEDULERS = (
     "polynomial",
 )
 DEVICES = ("auto", "cpu", "cuda")
+DEFAULT_EPOCHS = 10  # `train` and `recommend` alike
+MIN_RESOLUTION, MAX_RESOLUTION = 64, 4096
+RESOLUTION_RULE = f"must be between {MIN_RESOLUTION} and {MAX_RESOLUTION} pixels and a multiple of 8"
+
+
+def resolution_ok(pixels: int) -> bool:
+    """The VAE downsamples 8x: a side must be a multiple of 8; past 4096 px no SD model trains sensibly."""
+    return MIN_RESOLUTION <= pixels <= MAX_RESOLUTION and pixels % 8 == 0
 
 
 @dataclass
@@ -104,7 +112,7 @@ class TrainingConfig:
     text_encoder_learning_rate: float | None = None
     lr_scheduler: str = "constant"
     lr_warmup_steps: int = 0
-    epochs: int = 1
+    epochs: int = DEFAULT_EPOCHS
     max_steps: int | None = None  # when set, overrides epochs
     seed: int = 42
     train_text_encoder: bool = False
@@ -204,7 +212,7 @@ _RULES: dict[str, tuple[Any, str]] = {
     "method": (lambda v: v in METHODS, f"must be one of {', '.join(METHODS)}"),
     "model.path": (lambda v: bool(v.strip()), "must not be empty"),
     "model.family": (lambda v: v is None or v in FAMILIES, f"must be one of {', '.join(FAMILIES)} or null"),
-    "data.resolution": (lambda v: v >= 64 and v % 8 == 0, "must be >= 64 and a multiple of 8"),
+    "data.resolution": (resolution_ok, RESOLUTION_RULE),
     "data.random_flip": (lambda v: 0 <= v <= 1, "must be between 0 and 1"),
     "data.repeats": (lambda v: v >= 1, "must be >= 1"),
     "data.num_workers": (lambda v: v >= 0, "must be >= 0"),
@@ -453,11 +461,20 @@ def load(path: str | Path, overrides: list[str] | None = None) -> TrainConfig:
     try:
         data = yaml.safe_load(p.read_text()) or {}
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
-        first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise ConfigError(str(p), [f"not valid YAML ({first})"]) from None
+        raise ConfigError(str(p), [yaml_problem(e)]) from None
     if isinstance(data, dict) and overrides:
         data = apply_overrides(data, overrides)
     return validate(data, source=str(p))
+
+
+def yaml_problem(e: Exception) -> str:
+    """A YAML (or read) error as one phrase with the line and column where the parser stopped."""
+    mark = getattr(e, "problem_mark", None)
+    if isinstance(e, yaml.YAMLError) and mark is not None:
+        what = getattr(e, "problem", None) or (str(e).splitlines() or [type(e).__name__])[0]
+        return f"not valid YAML at line {mark.line + 1}, column {mark.column + 1}: {what}"
+    first = str(e).splitlines()[0] if str(e) else type(e).__name__
+    return f"not valid YAML ({first})"
 
 
 def to_yaml(data: dict[str, Any] | TrainConfig, header: str | None = None) -> str:

@@ -121,11 +121,11 @@ def run_demo(req: Any, ui: Any) -> dict[str, Any]:
     """`sdplan train --demo`: tiny model + generated dataset in ``--out`` (default ./sdplan-demo), then the
     same plan/write/launch path as a real run, on the CPU, and :data:`DEMO_NOTE` on what it shows. Returns
     run_summary.json."""
-    import shutil
     import time
 
+    from sdplan import runfolder
     from sdplan.errors import UsageError
-    from sdplan.launcher import TrainRequest, check_out_dir, clear_run_outputs, run
+    from sdplan.launcher import InputSummary, TrainRequest, check_out_dir, clear_run_outputs, run
 
     family = req.model or "sd15"
     if family not in ("sd15", "sdxl"):
@@ -140,35 +140,53 @@ def run_demo(req: Any, ui: Any) -> dict[str, Any]:
     out = Path(req.out or DEFAULT_OUT).expanduser().resolve()
     if req.resume:
         return run(TrainRequest(resume=True, out=str(out), yes=True, overrides=list(req.overrides)), ui)
+    runfolder.check_free(out)
     state = check_out_dir(out, force=req.force)
-    if state == "run":
-        clear_run_outputs(out)
-        for sub in ("base_model", "dataset"):
-            shutil.rmtree(out / sub, ignore_errors=True)
-    start = time.perf_counter()
-    _build_tiny_model(out / "base_model", family)
-    make_dataset(out / "dataset")
-    ui.echo(
-        f"built a tiny {family} model in {out / 'base_model'} and {DEMO_IMAGES} captioned images in "
-        f"{out / 'dataset'} ({time.perf_counter() - start:.1f} s)"
-    )
     data = demo_config(out, family=family, num_processes=req.num_processes or 1, max_steps=req.max_steps)
-    summary = run(
-        TrainRequest(
-            config_data=data,
-            out=str(out),
-            overrides=list(req.overrides),
-            yes=True,
-            device="cpu",
-            num_processes=req.num_processes,
-            max_steps=req.max_steps,
-            dry_run=req.dry_run,
-            demo=True,
-        ),
-        ui,
+    train_req = TrainRequest(
+        config_data=data,
+        out=str(out),
+        overrides=list(req.overrides),
+        yes=True,
+        device="cpu",
+        num_processes=req.num_processes,
+        max_steps=req.max_steps,
+        dry_run=req.dry_run,
+        demo=True,
     )
-    if not req.dry_run:
-        ui.echo(DEMO_NOTE)
+    if req.dry_run:  # touches nothing: the plan for the model and dataset the demo would build
+        ui.echo(
+            f"dry run: would build a tiny {family} model in {out / 'base_model'} and {DEMO_IMAGES} captioned "
+            f"images in {out / 'dataset'}"
+        )
+        train_req.inputs = InputSummary(
+            images=DEMO_IMAGES,
+            images_x_repeats=DEMO_IMAGES * DEMO_REPEATS,
+            skipped=0,
+            model_kind="folder",
+            family=family,
+            scan_summary=f"{DEMO_IMAGES} generated images x {DEMO_REPEATS} repeats (not built in a dry run)",
+        )
+        return run(train_req, ui)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise runfolder.cannot_write(out, e) from None
+    with runfolder.RunLock(out, command="sdplan train --demo"):
+        if state == "run":  # only what the manifest says sdplan wrote
+            clear_run_outputs(out)
+            runfolder.remove_owned(out, ("base_model", "dataset"))
+        start = time.perf_counter()
+        new = [n for n in ("base_model", "dataset") if not (out / n).exists()]
+        runfolder.record(out, new)
+        _build_tiny_model(out / "base_model", family)
+        make_dataset(out / "dataset")
+        ui.echo(
+            f"built a tiny {family} model in {out / 'base_model'} and {DEMO_IMAGES} captioned images in "
+            f"{out / 'dataset'} ({time.perf_counter() - start:.1f} s)"
+        )
+        summary = run(train_req, ui)
+    ui.echo(DEMO_NOTE)
     return summary
 
 

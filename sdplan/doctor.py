@@ -181,7 +181,7 @@ def render(snapshot: Snapshot, console: Console, verdicts: VerdictFn = planner_v
         for column in ("GPU", "GPU", "type", "P2P"):
             table.add_column(column)
         for row in links:
-            table.add_row(*row)
+            table.add_row(*(escape(cell) for cell in row))
         console.print(table)
 
     console.print(_kv_table("Stack", stack_rows(snapshot)))

@@ -24,7 +24,7 @@ import shlex
 import signal
 import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,6 +37,8 @@ TRAINER_MODULE = "sdplan.trainer"
 ACCELERATE_FILE = "accelerate.yaml"
 DEEPSPEED_FILE = "deepspeed.json"
 MIXED = {"fp32": "no", "fp16": "fp16", "bf16": "bf16"}  # training.precision -> accelerate's mixed_precision
+# Defaults the launch sets for CPU runs that a user's own environment setting overrides.
+SOFT_ENV = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY")
 
 
 @dataclass(frozen=True)
@@ -171,9 +173,16 @@ def build_launch(
     trainer_args = ["-m", TRAINER_MODULE, "--config", config_path]
     if resume:
         trainer_args += ["--resume", str(resume)]
-    env = {"PYTHONUNBUFFERED": "1"}
+    # PYTHONSAFEPATH (Python >= 3.11, inherited by torchrun/accelerate workers): the trainer never imports
+    # from the working folder, where a folder named `sdplan` would shadow this package.
+    env = {"PYTHONUNBUFFERED": "1", "PYTHONSAFEPATH": "1"}
     on_cpu = cfg.training.device == "cpu"
     ds = cfg.distributed.deepspeed
+    if on_cpu:
+        from sdplan.cputhreads import thread_env
+
+        procs = cpu_processes or cfg.distributed.num_processes
+        env.update(thread_env(procs, cpu_cores if cpu_cores else procs))
 
     if num_machines < 1:
         raise UsageError(f"--num-machines must be >= 1, got {num_machines}")
@@ -206,7 +215,6 @@ def build_launch(
     if on_cpu and ds is None and cfg.distributed.num_processes > 1:
         n = cfg.distributed.num_processes
         env["ACCELERATE_USE_CPU"] = "true"
-        env["OMP_NUM_THREADS"] = str(max(1, (cpu_cores or n) // n))
         cmd = [py, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(n), *trainer_args]
         return Launch(cmd=cmd, env=env, kind="cpu-multi", world_size=n)
 
@@ -257,16 +265,51 @@ def build_launch(
 # -- the one side effect ---------------------------------------------------------------------------------
 
 
-def run_launch(launch: Launch, *, environ: Mapping[str, str] | None = None) -> int:
+def _die_with_parent(parent_pid: int) -> Callable[[], None] | None:
+    """Linux: a ``preexec_fn`` that asks the kernel to send the child SIGTERM when this process dies
+    (``prctl(PR_SET_PDEATHSIG)``), so a ``kill -9`` of sdplan or a closed terminal cannot leave the trainer
+    running unseen; the trainer treats SIGTERM as an interrupt (checkpoint, exit 130). Elsewhere None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    except OSError:  # pragma: no cover - no libc
+        return None
+    pr_set_pdeathsig = 1
+
+    def preexec() -> None:
+        libc.prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0)
+        if os.getppid() != parent_pid:  # sdplan died before prctl took effect
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return preexec
+
+
+def run_launch(
+    launch: Launch,
+    *,
+    environ: Mapping[str, str] | None = None,
+    on_start: Callable[[int], None] | None = None,
+) -> int:
     """Run the launch; the child's output streams through. Returns the trainer's exit code.
 
     The child gets its own process group. Ctrl-C (SIGINT) or SIGTERM here is forwarded to that whole group
     (torchrun/accelerate and every trainer process), and we wait: the trainer writes its interrupt
-    checkpoint and exits 130. A second Ctrl-C sends SIGTERM, a third SIGKILL.
+    checkpoint and exits 130. A second Ctrl-C sends SIGTERM, a third SIGKILL. If sdplan itself dies (kill -9,
+    a closed terminal), the kernel sends the child SIGTERM (Linux, see ``_die_with_parent``); torchrun and
+    accelerate pass it on to their workers. ``on_start(pid)`` is called once the child runs (the run lock
+    records it). Thread settings in ``SOFT_ENV`` that the user set in the environment are kept.
     """
     env = dict(os.environ if environ is None else environ)
-    env.update(launch.env)
-    proc = subprocess.Popen(launch.cmd, env=env, start_new_session=True)
+    env.update({k: v for k, v in launch.env.items() if not (k in SOFT_ENV and k in env)})
+    proc = subprocess.Popen(
+        launch.cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent(os.getpid())
+    )
+    if on_start is not None:
+        on_start(proc.pid)
     signals_sent = 0
     escalation = (signal.SIGINT, signal.SIGTERM, signal.SIGKILL)
 

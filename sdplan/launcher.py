@@ -16,7 +16,7 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import shlex
-import shutil
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -38,6 +38,11 @@ SUMMARY_FILE = "run_summary.json"
 # Files `sdplan recommend --out` / `sdplan train` write before any training: a folder holding only these is a
 # planned run, not yet trained.
 PLAN_FILES = (CONFIG_FILE, ACCELERATE_FILE, DEEPSPEED_FILE)
+# What the trainer writes at the top of its output folder, whatever the output name: recorded in the run
+# folder's manifest at launch (when they do not exist yet), so a run killed mid-way can still be --force'd.
+TRAINER_ENTRIES = (
+    "checkpoints", "samples", "logs", "cache", "class_images", "ema", "intermediate", "loss.png", SUMMARY_FILE, OOM_FILE
+)  # fmt: skip
 MAX_OOM_RETRIES = 4
 
 
@@ -89,13 +94,14 @@ class TrainRequest:
     demo: bool = False
     config_data: dict[str, Any] | None = None  # a config given as data (the demo), instead of a file
     snapshot: Any = None  # a machine Snapshot to plan for instead of probing this machine
+    inputs: Any = None  # InputSummary known without scanning (the demo's dry run: its files are not built)
     max_oom_retries: int = MAX_OOM_RETRIES
 
 
 @dataclass
 class UI:
-    """How `train` talks: ``echo`` prints a line (rich markup allowed), ``confirm`` asks on a terminal
-    (None: not a terminal, never ask)."""
+    """How `train` talks: ``echo`` prints a line of plain text (paths and commands are shown as they are,
+    never read as markup), ``confirm`` asks on a terminal (None: not a terminal, never ask)."""
 
     echo: Callable[[str], None] = print
     confirm: Callable[[str], bool] | None = None
@@ -113,9 +119,11 @@ def check_out_dir(
     ``config_path`` is its sdplan.yaml: training it is what the user asked), or "run" (an sdplan run that
     --resume continues or --force starts over).
     """
+    from sdplan import runfolder
+
     if out.exists() and not out.is_dir():
         raise OutputExistsError(f"--out {out} is a file, not a folder", fix="choose a folder for the run")
-    entries = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    entries = runfolder.entries(out)
     if resume:
         if not (out / CONFIG_FILE).is_file():
             raise UsageError(
@@ -144,6 +152,14 @@ def check_out_dir(
             f"--out {out} holds an sdplan run",
             fix="continue it with --resume, start it over with --force, or choose a new folder",
         )
+    foreign = runfolder.foreign(out)
+    if foreign:
+        # --force replaces only what sdplan provably wrote (its manifest), never a folder picked by its name.
+        shown = ", ".join(foreign[:4]) + (", ..." if len(foreign) > 4 else "")
+        raise OutputExistsError(
+            f"--out {out} holds files sdplan did not write ({shown}); --force replaces only sdplan's own files",
+            fix="move those files out of the folder, or choose a new folder",
+        )
     return "run"
 
 
@@ -156,11 +172,11 @@ def _same_file(a: Path, b: Path) -> bool:
 
 def clear_run_outputs(out: Path) -> None:
     """--force on an existing run: remove what the last run left that a new one would trip over (its
-    checkpoints, which a retry would resume from, and its OOM report and summary). Other files are
-    overwritten by the new run."""
-    shutil.rmtree(out / "checkpoints", ignore_errors=True)
-    for name in (OOM_FILE, SUMMARY_FILE):
-        (out / name).unlink(missing_ok=True)
+    checkpoints, which a retry would resume from, and its OOM report and summary), and only where the run
+    folder's manifest proves sdplan wrote them. Other files are overwritten by the new run."""
+    from sdplan import runfolder
+
+    runfolder.remove_owned(out, ("checkpoints", OOM_FILE, SUMMARY_FILE))
 
 
 # -- the config ---------------------------------------------------------------------------------------------
@@ -228,8 +244,7 @@ def read_yaml_config(path: Path) -> dict[str, Any]:
     try:
         data = yaml.safe_load(path.read_text()) or {}
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
-        first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise C.ConfigError(str(path), [f"not valid YAML ({first})"]) from None
+        raise C.ConfigError(str(path), [C.yaml_problem(e)]) from None
     if not isinstance(data, dict):
         raise C.ConfigError(
             str(path), ["top level: must be a mapping of sections (model:, data:, training:, ...)"]
@@ -268,6 +283,8 @@ def check_inputs(cfg: C.TrainConfig) -> InputSummary:
         )
     )
     source = resolve_source(cfg.model.path)
+    if source.kind == "file":
+        check_model_file(Path(source.location))
     family = cfg.model.family or _family_of(source.kind, source.location)
     return InputSummary(
         images=result.num_images,
@@ -277,6 +294,51 @@ def check_inputs(cfg: C.TrainConfig) -> InputSummary:
         family=family,
         scan_summary=result.summary(),
     )
+
+
+def check_model_file(path: Path) -> None:
+    """A single-file model is a Stable Diffusion checkpoint, read from its first bytes (no torch): a
+    .safetensors header that parses and holds UNet weights (``model.diffusion_model.*``), or a torch
+    checkpoint (zip archive, or a legacy pickle). Anything else is one clear error before the launch."""
+    import zipfile
+
+    fix = "give a Stable Diffusion checkpoint (.safetensors or .ckpt), a diffusers folder or a hub id"
+    try:
+        with path.open("rb") as f:
+            head = f.read(8)
+            size = path.stat().st_size
+            if path.suffix.lower() == ".safetensors":
+                n = int.from_bytes(head, "little") if len(head) == 8 else -1
+                if not 2 <= n <= min(size - 8, 256 * 2**20):
+                    raise UsageError(f"model.path {path}: not a safetensors file (no valid header)", fix=fix)
+                try:
+                    header = json.loads(f.read(n))
+                except ValueError:
+                    raise UsageError(
+                        f"model.path {path}: not a safetensors file (header is not JSON)", fix=fix
+                    ) from None
+                if not isinstance(header, dict):
+                    raise UsageError(f"model.path {path}: not a safetensors file", fix=fix)
+                if not any(k.startswith("model.diffusion_model.") for k in header):
+                    lora = any("lora" in k for k in header)
+                    raise UsageError(
+                        f"model.path {path}: holds no Stable Diffusion UNet weights (model.diffusion_model.*)"
+                        + (
+                            "; it looks like a LoRA, which is applied to a base model, not trained from"
+                            if lora
+                            else ""
+                        ),
+                        fix=fix,
+                    )
+                return
+    except OSError as e:
+        raise UsageError(f"model.path {path}: cannot read it ({e.strerror or e})") from None
+    # .ckpt/.pt/.pth/.bin: torch.save writes a zip archive (a pickle inside); old files are a bare pickle
+    # (protocol 2+ starts with 0x80). Whether it holds only tensors is checked safely when it loads.
+    if not (zipfile.is_zipfile(path) or (len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5)):
+        raise UsageError(
+            f"model.path {path}: not a PyTorch checkpoint (neither a zip archive nor a pickle)", fix=fix
+        )
 
 
 def _family_of(kind: str, location: str) -> str | None:
@@ -351,7 +413,7 @@ def describe(cfg: C.TrainConfig, steps: dict[str, int], world: int, inputs: Inpu
     if t.device == "cpu" and world > 1:
         device = f"CPU, {world} processes (gloo)"
     lines = [
-        f"[bold]{cfg.method}[/] on {cfg.model.family or inputs.family or 'the model'} [dim]{cfg.model.path}[/]",
+        f"{cfg.method} on {cfg.model.family or inputs.family or 'the model'} ({cfg.model.path})",
         f"data: {inputs.scan_summary}",
         f"device: {device}; precision {precision}; resolution {cfg.data.resolution}",
         f"batch: {t.batch_size} per process x {t.grad_accum} accumulation x {world} process"
@@ -520,16 +582,30 @@ def command_line(req: TrainRequest, out: Path) -> str:
 
 
 def write_run_files(out: Path, cfg: C.TrainConfig, launch: Launch, header: str) -> list[Path]:
-    out.mkdir(parents=True, exist_ok=True)
-    written = [out / CONFIG_FILE]
-    (out / CONFIG_FILE).write_text(C.to_yaml(cfg, header=header))
+    from sdplan import runfolder
+
+    files = {CONFIG_FILE: C.to_yaml(cfg, header=header)}
     if launch.accelerate_config is not None:
-        (out / ACCELERATE_FILE).write_text(yaml.safe_dump(launch.accelerate_config, sort_keys=False))
-        written.append(out / ACCELERATE_FILE)
+        files[ACCELERATE_FILE] = yaml.safe_dump(launch.accelerate_config, sort_keys=False)
     if launch.deepspeed_config is not None:
-        (out / DEEPSPEED_FILE).write_text(json.dumps(launch.deepspeed_config, indent=2) + "\n")
-        written.append(out / DEEPSPEED_FILE)
-    return written
+        files[DEEPSPEED_FILE] = json.dumps(launch.deepspeed_config, indent=2) + "\n"
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        new = [name for name in files if not (out / name).exists()]
+        for name, text in files.items():
+            (out / name).write_text(text)
+        runfolder.record(out, new)
+    except OSError as e:
+        raise runfolder.cannot_write(out, e) from None
+    return [out / name for name in files]
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    try:
+        path.resolve().relative_to(folder.resolve())
+    except (OSError, ValueError):
+        return False
+    return folder.is_dir()
 
 
 def read_json(path: Path) -> dict[str, Any] | None:
@@ -572,6 +648,9 @@ def prepare(req: TrainRequest, ui: UI) -> Prepared:
 
     if req.resume:
         if out_given is not None:
+            from sdplan.runfolder import check_free
+
+            check_free(out_given)  # a live run in it: say who, not what its half-written files look like
             check_out_dir(out_given, resume=True)  # an sdplan run, before its config is read
         base_path = (out_given / CONFIG_FILE) if out_given else config_path
         base = read_yaml_config(base_path)
@@ -603,6 +682,10 @@ def prepare(req: TrainRequest, ui: UI) -> Prepared:
     cfg = C.validate(config_data(base, req, out), source=source)
 
     # 3. The --out rule (the demo checked it before building its model and dataset there).
+    from sdplan.runfolder import check_free
+
+    if not req.demo:
+        check_free(out)
     state = (
         "new" if req.demo else check_out_dir(out, resume=req.resume, force=req.force, config_path=config_path)
     )
@@ -619,8 +702,23 @@ def prepare(req: TrainRequest, ui: UI) -> Prepared:
             )
         resume = "latest"
 
-    # 5. The inputs exist and hold something.
-    inputs = check_inputs(cfg)
+    # 5. The inputs exist and hold something, and the run folder is not among them.
+    if not req.demo and _inside(out, Path(cfg.data.path).expanduser()):
+        raise UsageError(
+            f"--out {out} is inside the dataset folder {cfg.data.path}: the next run would train on this "
+            "run's outputs",
+            fix="choose an output folder outside the dataset",
+        )
+    if cfg.training.device == "cpu" and req.gpus is not None:
+        raise UsageError(
+            "--gpus counts GPUs; this run is on the CPU", fix="drop --gpus, or use --num-processes N"
+        )
+    if sys.version_info < (3, 11) and any((Path.cwd() / n).exists() for n in ("sdplan", "sdplan.py")):
+        raise UsageError(
+            f"the current folder {Path.cwd()} holds `sdplan`, which Python 3.10 would import instead of sdplan",
+            fix="run sdplan from another folder (Python >= 3.11 ignores the current folder)",
+        )
+    inputs = req.inputs if req.inputs is not None else check_inputs(cfg)
 
     # 6. The device.
     snapshot = None
@@ -645,7 +743,7 @@ def prepare(req: TrainRequest, ui: UI) -> Prepared:
         if chosen.optimizer == "adamw8bit" and not _have("bitsandbytes"):
             chosen = replace(chosen, optimizer="adamw")
             ui.echo(
-                "[yellow]note[/]: the plan uses 8-bit AdamW but bitsandbytes is not installed: AdamW instead "
+                "note: the plan uses 8-bit AdamW but bitsandbytes is not installed: AdamW instead "
                 "(pip install 'sdplan[bnb]' for the planned optimizer; out of memory is retried smaller)"
             )
         settings = plan_settings(chosen, plan_result, num_machines=req.num_machines)
@@ -772,12 +870,10 @@ def launch_for(p: Prepared, req: TrainRequest, resume: str | None) -> Launch:
 
 
 def _cpu_cores() -> int:
-    import os
+    """Physical cores this process may use (CPU runs split them between processes)."""
+    from sdplan.cputhreads import physical_cores
 
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not Linux
-        return os.cpu_count() or 1
+    return physical_cores()
 
 
 def _have(module: str) -> bool:
@@ -786,9 +882,14 @@ def _have(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
-def execute(p: Prepared, req: TrainRequest, ui: UI, launch: Launch) -> dict[str, Any]:
-    """Launch, and on out-of-memory retry with the next smaller config (bounded). Returns run_summary.json."""
+def execute(p: Prepared, req: TrainRequest, ui: UI, launch: Launch, lock: Any = None) -> dict[str, Any]:
+    """Launch, and on out-of-memory retry with the next smaller config (bounded). Returns run_summary.json.
+    Every top-level entry the trainer creates goes into the run folder's manifest."""
+    from sdplan import runfolder
+
     out = p.out
+    before = set(runfolder.entries(out))
+    runfolder.record(out, [n for n in TRAINER_ENTRIES if n not in before])
     cfg = p.cfg
     resume = p.resume
     header = command_line(req, out)
@@ -797,7 +898,8 @@ def execute(p: Prepared, req: TrainRequest, ui: UI, launch: Launch) -> dict[str,
     while True:
         (out / OOM_FILE).unlink(missing_ok=True)
         (out / SUMMARY_FILE).unlink(missing_ok=True)
-        code = run_launch(launch)
+        code = run_launch(launch, on_start=lock.set_trainer if lock is not None else None)
+        runfolder.record(out, set(runfolder.entries(out)) - before)
         oom = read_json(out / OOM_FILE)
         if code == 0:
             break
@@ -834,7 +936,7 @@ def execute(p: Prepared, req: TrainRequest, ui: UI, launch: Launch) -> dict[str,
         fixes.append(change.message)
         resume = "latest" if _latest(out) else None
         where = "from the last checkpoint" if resume else "from the start (no checkpoint yet)"
-        ui.echo(f"[yellow]out of memory at step {oom.get('step')}[/]: {change.message}; restarting {where}")
+        ui.echo(f"out of memory at step {oom.get('step')}: {change.message}; restarting {where}")
         launch = build_launch(
             cfg,
             out / CONFIG_FILE,
@@ -890,14 +992,14 @@ def run(req: TrainRequest, ui: UI | None = None) -> dict[str, Any]:
     launch = launch_for(p, req, p.resume)
     if p.plan is not None:
         gpus = p.plan["hardware"]["gpus"]
-        ui.echo(f"[bold]plan[/] for this machine ({len(gpus)}x {gpus[0]['name']}):")
+        ui.echo(f"plan for this machine ({len(gpus)}x {gpus[0]['name']}):")
         for line in describe_plan(p.plan):
             ui.echo(line)
     for line in describe(p.cfg, p.steps, p.world, p.inputs):
         ui.echo(line)
     ui.echo(f"output: {p.out}")
     if launch.per_node_commands:
-        ui.echo(f"[bold]{req.num_machines} machines[/]: the same files at the same paths on each node, then:")
+        ui.echo(f"{req.num_machines} machines: the same files at the same paths on each node, then:")
         for rank, line in enumerate(launch.per_node_commands):
             ui.echo(f"  node {rank}: {line}")
     if req.dry_run:
@@ -905,13 +1007,29 @@ def run(req: TrainRequest, ui: UI | None = None) -> dict[str, Any]:
         return {}
     if ui.confirm is not None and not req.yes and not ui.confirm("Start training?"):
         raise Cancelled("not started", fix="run again and answer y, or add --yes")
-    if p.state == "run" and not req.resume:
-        clear_run_outputs(p.out)
+    from sdplan import runfolder
+
     header = command_line(req, p.out)
-    for path in write_run_files(p.out, p.cfg, launch, header):
-        ui.echo(f"wrote {path}")
-    ui.echo(f"[dim]$ {launch.shell()}[/]")
-    return execute(p, req, ui, launch)
+    try:
+        p.out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise runfolder.cannot_write(p.out, e) from None
+    lock = runfolder.RunLock(p.out, command=header).acquire()
+    try:
+        if lock.taken_over is not None:
+            ui.echo(f"note: took over the lock of a run that is gone ({runfolder.describe(lock.taken_over)})")
+        if p.state == "new" and not req.demo and runfolder.entries(p.out):
+            raise OutputExistsError(
+                f"--out {p.out} was filled by another run while this one started", fix="choose a new folder"
+            )
+        if p.state == "run" and not req.resume:
+            clear_run_outputs(p.out)
+        for path in write_run_files(p.out, p.cfg, launch, header):
+            ui.echo(f"wrote {path}")
+        ui.echo(f"$ {launch.shell()}")
+        return execute(p, req, ui, launch, lock)
+    finally:
+        lock.release()
 
 
 def render_summary(summary: dict[str, Any]) -> list[str]:
@@ -920,7 +1038,7 @@ def render_summary(summary: dict[str, Any]) -> list[str]:
     loss = summary.get("final_loss")
     wall = summary.get("wall_seconds")
     lines.append(
-        f"[bold green]done[/]: {summary.get('steps')} steps, {summary.get('images_seen')} images seen on "
+        f"done: {summary.get('steps')} steps, {summary.get('images_seen')} images seen on "
         f"{summary.get('num_processes', 1)} process(es)"
         + (f", final loss {loss:.4f}" if isinstance(loss, (int, float)) else "")
         + (f", {wall:.1f} s" if isinstance(wall, (int, float)) else "")

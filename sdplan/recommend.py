@@ -13,13 +13,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from sdplan import config as cfgmod
 from sdplan import planner
 from sdplan.errors import DatasetError, OutputExistsError, UsageError
 from sdplan.profiles import GiB, Profiles
 from sdplan.registry import METHODS
 
 DEFAULT_IMAGES = 20
-DEFAULT_EPOCHS = 10
+DEFAULT_EPOCHS = cfgmod.DEFAULT_EPOCHS
 
 
 # -- dataset ---------------------------------------------------------------------------------------------
@@ -185,8 +186,8 @@ def build_request(inp: RecommendInputs, profiles: Profiles) -> tuple[planner.Req
     ):
         if v is not None and v < 1:
             raise UsageError(f"{name} must be >= 1, got {v}")
-    if inp.resolution is not None and (inp.resolution < 64 or inp.resolution % 8):
-        raise UsageError(f"--resolution must be >= 64 and a multiple of 8, got {inp.resolution}")
+    if inp.resolution is not None and not cfgmod.resolution_ok(inp.resolution):
+        raise UsageError(f"--resolution {cfgmod.RESOLUTION_RULE}, got {inp.resolution}")
     if inp.dataset and inp.images is not None:
         raise UsageError("give --dataset or --images, not both")
     if inp.hardware and inp.machine:
@@ -351,14 +352,22 @@ def write_outputs(
         raise OutputExistsError(
             f"{outdir} already holds {', '.join(existing)}", fix="pass --force to overwrite"
         )
-    outdir.mkdir(parents=True, exist_ok=True)
+    from sdplan import runfolder
+
     written = []
-    for name, text in files.items():
-        path = outdir / name
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text(text)
-        tmp.replace(path)
-        written.append(path)
+    try:
+        outdir.mkdir(parents=True, exist_ok=True)
+        for name, text in files.items():
+            path = outdir / name
+            tmp = path.with_suffix(path.suffix + ".tmp")
+            tmp.write_text(text)
+            tmp.replace(path)
+            written.append(path)
+    except OSError as e:
+        raise runfolder.cannot_write(outdir, e) from None
+    finally:
+        if written:  # the run folder's manifest: `train --force` may later replace only these
+            runfolder.record(outdir, [p.name for p in written])
     return written
 
 
@@ -416,12 +425,13 @@ def _settings(plan: dict | None) -> str:
 
 
 def render(d: dict, res: planner.Result, console) -> None:
+    from rich.markup import escape
     from rich.table import Table
 
     req = d["request"]
     hw = res.hardware
     title = f"{req['method']} {req['model']} at {req['resolution']}px on {hw.label or 'no GPU'} ({d['hardware']['source']})"
-    console.print(f"[bold]{title}[/]")
+    console.print(f"[bold]{escape(title)}[/]")
     if d["feasible"]:
         est, st = d["estimate"], d["steps"]
         t = Table(show_header=False, box=None, pad_edge=False)
@@ -451,13 +461,14 @@ def render(d: dict, res: planner.Result, console) -> None:
             f"[bold red]does not fit[/]: needs at least {_gib(needs.get('min_vram_bytes'))} of GPU memory"
         )
         if needs.get("suggested_hardware"):
-            console.print("would fit: " + ", ".join(needs["suggested_hardware"]))
+            console.print("would fit: " + ", ".join(needs["suggested_hardware"]), markup=False)
     console.print("[bold]why[/]")
     for r in d["reasons"]:
-        console.print(f"  - {r}", soft_wrap=True)
+        console.print(f"  - {r}", soft_wrap=True, markup=False)
 
 
 def render_compare(rows: list[tuple[str, dict, planner.Result]], console) -> None:
+    from rich.markup import escape
     from rich.table import Table
 
     t = Table(title="hardware options")
@@ -470,7 +481,7 @@ def render_compare(rows: list[tuple[str, dict, planner.Result]], console) -> Non
             t.add_row(text, "no", res.pin_conflicts[0], "-", "-", "-")
             continue
         t.add_row(
-            text,
+            escape(text),
             "yes" if d["feasible"] else "no",
             _settings(d["plan"])
             if d["feasible"]

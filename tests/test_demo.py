@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -152,8 +153,11 @@ def test_ctrl_c_leaves_a_checkpoint_and_resume_finishes_the_same_run(demo, tmp_p
     rest, _ = proc.communicate(timeout=scaled(120))
     assert proc.returncode == 130, "".join(seen) + rest
     assert "sdplan train --resume --out" in rest
-    ckpts = [p.name for p in (out / "checkpoints").iterdir()]
-    assert any(name.startswith("interrupt-step-") for name in ckpts), ckpts
+    # The interrupt checkpoint: interrupt-step-N, or the rolling checkpoint when the stop lands on its step.
+    said = re.search(r"interrupted at step (\d+); checkpoint (\S+)", rest)
+    assert said, rest
+    assert Path(said.group(2)).parent == out / "checkpoints" and Path(said.group(2)).is_dir()
+    assert Path(said.group(2)).name.startswith(("interrupt-step-", "rolling-step-"))
 
     resumed = sdplan("train", "--resume", "--out", str(out))
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]

@@ -33,6 +33,11 @@ def test_sdplan_run_needs_force_or_resume(tmp_path):
     (tmp_path / "checkpoints").mkdir()
     with pytest.raises(OutputExistsError, match="--resume.*--force"):
         check_out_dir(tmp_path)
+    with pytest.raises(OutputExistsError, match="did not write"):  # no manifest: nothing is provably sdplan's
+        check_out_dir(tmp_path, force=True)
+    from sdplan import runfolder
+
+    runfolder.record(tmp_path, ["sdplan.yaml", "checkpoints"])
     assert check_out_dir(tmp_path, force=True) == "run"
     assert check_out_dir(tmp_path, resume=True) == "run"
 

@@ -37,6 +37,15 @@ def _quiet_libraries() -> None:
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"diffusers\.")
 
 
+def _cpu_threads(cfg, torch) -> None:
+    """CPU training started without OMP_NUM_THREADS (not by `sdplan train`): physical cores / processes."""
+    if cfg.training.device != "cpu" or os.environ.get("OMP_NUM_THREADS"):
+        return
+    from sdplan.cputhreads import threads_per_process
+
+    torch.set_num_threads(threads_per_process(int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m sdplan.trainer", description="Train as sdplan.yaml says."
@@ -45,6 +54,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--resume", default=None, help="'latest' or a checkpoint folder")
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. training.batch_size=2")
     args = parser.parse_intermixed_args(argv)
+
+    import sdplan
+
+    if not hasattr(
+        sdplan, "__version__"
+    ):  # a folder named sdplan shadows the package: fail now, not at export
+        where = ", ".join(getattr(sdplan, "__path__", [])) or "?"
+        _err(f"`sdplan` resolves to {where}, not the installed package; run from another folder")
+        return 2
 
     from sdplan import config
     from sdplan.errors import SdplanError
@@ -57,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
 
     _quiet_libraries()
     import torch
+
+    _cpu_threads(cfg, torch)
 
     from . import run, stops
 

@@ -139,7 +139,8 @@ def scan(
 ) -> Scan:
     """Find the images under ``root`` and their captions (see the module doc for the layouts).
 
-    Raises :class:`DatasetError` only when ``root`` is missing or not a folder; an empty or unreadable
+    Raises :class:`DatasetError` when ``root`` is missing or not a folder, or a ``.json`` in it is not valid
+    JSON (file, line and column); an empty or unreadable
     dataset is a :class:`Scan` with no items (``require_images`` turns that into an error).
     """
     root = Path(root).expanduser()
@@ -307,9 +308,18 @@ def _metadata_records(files: Iterable[Path]) -> dict[Path, dict[str, Any] | str]
             continue
         try:
             data = json.loads(f.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as e:
+            # A broken metadata file is an error, not a file skipped as "not an image": its image would
+            # train with no caption, or the whole dataset would silently fall back to another layout.
+            raise DatasetError(
+                f"{f}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})",
+                fix="fix the file, or move it out of the dataset folder",
+            ) from None
         except (OSError, UnicodeDecodeError, ValueError) as e:
-            out[f] = f"not valid JSON ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
-            continue
+            raise DatasetError(
+                f"{f}: cannot read it as JSON ({str(e).splitlines()[0] if str(e) else type(e).__name__})",
+                fix="fix the file, or move it out of the dataset folder",
+            ) from None
         if not isinstance(data, dict):
             out[f] = "not a metadata record (expected an object with image/path, tags, score)"
             continue

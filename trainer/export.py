@@ -290,7 +290,7 @@ def _kohya_metadata(
                 "ss_gradient_checkpointing": memory.get("gradient_checkpointing"),
                 "ss_cache_latents": memory.get("cache_latents"),
                 "ss_batch_size_per_device": training.get("batch_size"),
-                "ss_loss_type": "l2",  # the recipes train on common.mse (kohya loss_type l2)
+                "ss_loss_type": "l2",  # the recipes train on objective.mse (kohya loss_type l2)
                 "ss_color_aug": False,
                 "ss_flip_aug": bool(data.get("random_flip")),
                 "ss_random_crop": data.get("center_crop") is False,

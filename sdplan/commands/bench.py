@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from rich.markup import escape
 
 from sdplan.commands._common import cli_errors, console, err_console
 
@@ -69,16 +70,18 @@ def bench(
     selection = lib.select_requests(method, model, resolution, demo=demo, store_dir=store)
     root = lib.store_root(store, demo=demo)
     for line in selection.skipped:
-        console.print(f"[dim]skip {line}[/]")
+        console.print(f"skip {line}", style="dim", markup=False)
     if not selection.requests:
         console.print(
             f"Nothing to measure: every default case has a measured point for {selection.gpu} already. "
-            "Name --method/--model/--resolution to measure again."
+            "Name --method/--model/--resolution to measure again.",
+            markup=False,
         )
         return
     where = "the CPU, tiny demo model" if demo else (selection.gpu or "this GPU")
     console.print(
-        f"Measuring {len(selection.requests)} configuration(s) on {where}; results go to {root}/methods/"
+        f"Measuring {len(selection.requests)} configuration(s) on {where}; results go to {root}/methods/",
+        markup=False,
     )
 
     points: list[Any] = []
@@ -90,13 +93,15 @@ def bench(
         if req is not current["req"]:
             if current["req"] is not None:
                 current["done"] += 1
-            progress.console.print(f"[bold]{req.label}[/] [dim](settings from {req.settings_from})[/]")
+            progress.console.print(
+                f"[bold]{escape(req.label)}[/] [dim](settings from {escape(str(req.settings_from))})[/]"
+            )
         current["req"] = req
         progress.update(task, completed=current["done"], description=f"{req.label}: {text}")
 
     def on_result(point: Any) -> None:
         points.append(point)
-        progress.console.print(f"  {_point_line(point)}")
+        progress.console.print(f"  {_point_line(point)}", markup=False)
 
     interrupted = False
     progress.start()
@@ -120,7 +125,7 @@ def bench(
     console.print(results_table(selection.requests, points, cap=effort.max_batch, interrupted=interrupted))
     files = sorted({str(p.store_file) for p in points if p.store_file})
     if points:
-        console.print(f"{len(points)} point(s) saved to {', '.join(files)}")
+        console.print(f"{len(points)} point(s) saved to {', '.join(files)}", markup=False)
     if demo:
         console.print(
             "[dim]demo: a tiny model on the CPU; memory is the process's resident-set growth, not VRAM. "

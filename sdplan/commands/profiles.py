@@ -48,7 +48,8 @@ def profiles(
     where = f"{local}" + ("" if local.is_dir() else " (does not exist yet)")
     console.print(
         f"{len(known.gpus)} GPUs, {len(known.models)} model families, {len(known.points)} method points "
-        f"({n_local} measured here). Local store: {where}."
+        f"({n_local} measured here). Local store: {where}.",
+        markup=False,
     )
     if not n_local:
         console.print("[dim]Measure this GPU with `sdplan bench`; the planner then prefers those numbers.[/]")
@@ -69,7 +70,7 @@ def export(
 
     path, count, left_out = export_measurements(file, store_dir=store, force=force)
     skipped = f" ({left_out} demo/simulated point(s) left out)" if left_out else ""
-    console.print(f"wrote {count} measured point(s) to {path}{skipped}")
+    console.print(f"wrote {count} measured point(s) to {path}{skipped}", markup=False)
 
 
 # -- tables ---------------------------------------------------------------------------------------------

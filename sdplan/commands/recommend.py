@@ -9,6 +9,8 @@ import typer
 
 from sdplan.commands._common import cli_errors, console, err_console
 
+EXIT_NOTHING_FITS = 1
+
 
 @cli_errors
 def recommend(
@@ -73,6 +75,7 @@ def recommend(
 ) -> None:
     """Recommend the fastest Stable Diffusion training plan that fits, with a reason for each choice."""
     import json
+    import shlex
 
     from sdplan.profiles import load_profiles
     from sdplan.recommend import RecommendInputs, render, render_compare, write_outputs
@@ -110,11 +113,19 @@ def recommend(
     d, res = run(inp, profiles)
     if out is not None and res.plan is not None:
         written = write_outputs(out, res, profiles, dataset=inp.dataset, force=force, overrides=inp.settings)
-        err_console.print("wrote " + ", ".join(str(p) for p in written))
-        err_console.print(f"run it with: sdplan train --config {Path(out) / 'sdplan.yaml'}")
+        err_console.print("wrote " + ", ".join(str(p) for p in written), markup=False, soft_wrap=True)
+        err_console.print(
+            f"run it with: sdplan train --config {shlex.quote(str(Path(out) / 'sdplan.yaml'))}",
+            markup=False,
+            soft_wrap=True,
+        )
     elif out is not None:
         err_console.print("nothing written: no configuration fits this hardware")
     if json_:
         typer.echo(json.dumps(d, indent=2))
-        return
-    render(d, res, console)
+    else:
+        render(d, res, console)
+    if not d["feasible"]:
+        raise typer.Exit(
+            EXIT_NOTHING_FITS
+        )  # the plan (and what would fit) is printed; scripts see the failure

@@ -1,0 +1,243 @@
+"""The run folder's two guards: a manifest of what sdplan wrote there, and a lock while a run uses it.
+
+Manifest (``.sdplan-manifest.json``): the top-level entries of the folder that sdplan (``recommend --out``,
+``train`` and the trainer it launched) created. ``--force`` may delete only names listed here; anything else in
+the folder is the user's and is never deleted or written over. An entry is recorded only when sdplan creates it
+(it did not exist before), so a name in the manifest is proof that sdplan wrote it.
+
+Lock (``.sdplan.lock``): JSON with the pid, host and start time of the sdplan process using the folder (and the
+trainer's pid once it runs). A second run into the same folder says who holds it and stops; a lock whose
+processes are gone (a crash, a reboot) is taken over with a message.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import json
+import os
+import socket
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from sdplan.errors import SdplanError
+
+MANIFEST_FILE = ".sdplan-manifest.json"
+LOCK_FILE = ".sdplan.lock"
+# sdplan's bookkeeping: never user files, never listed as the folder's contents.
+BOOKKEEPING = (MANIFEST_FILE, LOCK_FILE)
+
+
+class FolderInUse(SdplanError):
+    """Another sdplan run (alive) holds the run folder's lock."""
+
+    exit_code = 3
+
+
+class CannotWrite(SdplanError):
+    """The output folder cannot be written (read-only, no permission, disk full)."""
+
+    exit_code = 2
+
+
+def cannot_write(path: Path, e: OSError) -> CannotWrite:
+    """One line for an OSError while writing under ``path``."""
+    import errno
+
+    why = e.strerror or type(e).__name__
+    if e.errno == errno.ENOSPC:
+        return CannotWrite(
+            f"disk full: cannot write to {path}", fix="free some space or choose another --out"
+        )
+    return CannotWrite(f"cannot write to {path}: {why}", fix="choose a folder you can write to (--out DIR)")
+
+
+# -- the manifest ------------------------------------------------------------------------------------------
+
+
+def owned(out: Path) -> set[str]:
+    """Top-level names in ``out`` that sdplan recorded as its own (empty without a readable manifest)."""
+    try:
+        data = json.loads((out / MANIFEST_FILE).read_text())
+    except (OSError, ValueError):
+        return set()
+    entries = data.get("entries") if isinstance(data, dict) else None
+    return {e for e in entries if isinstance(e, str) and "/" not in e} if isinstance(entries, list) else set()
+
+
+def record(out: Path, names: Iterable[str]) -> None:
+    """Add ``names`` (top-level entries sdplan just created in ``out``) to the manifest; atomic rewrite."""
+    names = {n for n in names if n and "/" not in n and n not in BOOKKEEPING}
+    current = owned(out)
+    if names <= current:
+        return
+    data = {
+        "written_by": "sdplan",
+        "about": "files and folders sdplan created here; `--force` deletes only these",
+        "entries": sorted(current | names),
+    }
+    tmp = out / (MANIFEST_FILE + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    tmp.replace(out / MANIFEST_FILE)
+
+
+def entries(out: Path) -> list[str]:
+    """The folder's top-level names, without sdplan's bookkeeping files."""
+    if not out.is_dir():
+        return []
+    return sorted(p.name for p in out.iterdir() if p.name not in BOOKKEEPING and not p.name.endswith(".tmp"))
+
+
+def foreign(out: Path) -> list[str]:
+    """Top-level names in ``out`` that sdplan cannot prove it wrote."""
+    mine = owned(out)
+    return [n for n in entries(out) if n not in mine]
+
+
+def remove_owned(out: Path, names: Iterable[str]) -> list[str]:
+    """Delete those of ``names`` that the manifest lists (files or folders); returns what was removed.
+    A name not in the manifest is left alone, whatever it is called."""
+    import shutil
+
+    mine = owned(out)
+    removed = []
+    for name in names:
+        path = out / name
+        if name not in mine or not (path.exists() or path.is_symlink()):
+            continue
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+        removed.append(name)
+    return removed
+
+
+# -- the lock ----------------------------------------------------------------------------------------------
+
+
+def _start_ticks(pid: int) -> str | None:
+    """The process's start time in clock ticks since boot (Linux), to tell a reused pid from the holder."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[-1].split()[19]
+
+
+def _alive(pid: Any, ticks: Any = None) -> bool:
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    now = _start_ticks(pid)
+    return ticks is None or now is None or now == ticks
+
+
+def read_lock(out: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads((out / LOCK_FILE).read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def holder(out: Path) -> dict[str, Any] | None:
+    """The lock's content while a live process on this host holds it (or a host we cannot check); None when
+    the folder is free or its lock is stale."""
+    data = read_lock(out)
+    if data is None:
+        return None
+    if data.get("host") not in (None, socket.gethostname()):
+        return data  # another machine (a shared disk): we cannot tell, so it holds
+    procs = [(data.get("pid"), data.get("pid_start")), (data.get("trainer_pid"), data.get("trainer_start"))]
+    return data if any(_alive(pid, ticks) for pid, ticks in procs) else None
+
+
+def describe(data: dict[str, Any]) -> str:
+    who = f"sdplan pid {data.get('pid', '?')} on {data.get('host', '?')}"
+    if data.get("trainer_pid"):
+        who += f" (trainer pid {data['trainer_pid']})"
+    return who + (f", started {data['started']}" if data.get("started") else "")
+
+
+def check_free(out: Path) -> None:
+    """Raise FolderInUse when a live run holds ``out``; writes nothing."""
+    data = holder(out)
+    if data is not None:
+        raise FolderInUse(
+            f"{out} is in use by {describe(data)}",
+            fix="wait for that run to finish or stop it, or choose another --out",
+        )
+
+
+class RunLock:
+    """Held while sdplan trains in ``out``: ``acquire()`` creates the lock file atomically (O_EXCL)."""
+
+    def __init__(self, out: Path, command: str = ""):
+        self.out = out
+        self.path = out / LOCK_FILE
+        self.command = command
+        self.data: dict[str, Any] = {}
+        self.taken_over: dict[str, Any] | None = None
+        self.nested = False  # this process already held it (the demo, then the run it starts)
+
+    def acquire(self) -> RunLock:
+        current = read_lock(self.out)
+        if current and current.get("pid") == os.getpid() and current.get("host") == socket.gethostname():
+            self.nested, self.data = True, current
+            return self
+        self.data = {
+            "pid": os.getpid(),
+            "pid_start": _start_ticks(os.getpid()),
+            "host": socket.gethostname(),
+            "started": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+            "command": self.command,
+        }
+        for _ in range(3):
+            try:
+                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileExistsError:
+                data = holder(self.out)
+                if data is not None:
+                    check_free(self.out)
+                self.taken_over = read_lock(self.out) or {}
+                with contextlib.suppress(FileNotFoundError):
+                    self.path.unlink()
+                continue
+            except OSError as e:
+                raise cannot_write(self.out, e) from None
+            with os.fdopen(fd, "w") as f:
+                f.write(json.dumps(self.data, indent=2) + "\n")
+            return self
+        check_free(self.out)  # lost every race: someone else holds it now
+        raise FolderInUse(f"{self.out} is in use by another sdplan run", fix="choose another --out")
+
+    def set_trainer(self, pid: int) -> None:
+        """Record the trainer's pid: a lock is stale only once sdplan and the trainer are both gone."""
+        self.data.update(trainer_pid=pid, trainer_start=_start_ticks(pid))
+        tmp = self.path.with_name(LOCK_FILE + ".tmp")
+        with contextlib.suppress(OSError):
+            tmp.write_text(json.dumps(self.data, indent=2) + "\n")
+            tmp.replace(self.path)
+
+    def release(self) -> None:
+        if self.nested:
+            return
+        current = read_lock(self.out)
+        if current and current.get("pid") == os.getpid():
+            with contextlib.suppress(OSError):
+                self.path.unlink()
+
+    def __enter__(self) -> RunLock:
+        return self.acquire()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()

@@ -1,0 +1,165 @@
+"""Bad inputs the launcher must catch before any training (issue 13, items 6 and 7): each is one clear line,
+a non-zero exit, no traceback, nothing written."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from conftest import make_images
+from typer.testing import CliRunner
+
+from sdplan.cli import app
+
+ROOT = Path(__file__).resolve().parents[1]
+MACHINES = ROOT / "tests" / "fixtures" / "machines"
+runner = CliRunner()
+
+
+def cli(*args: str):
+    return runner.invoke(app, list(args))
+
+
+def one_line_error(result, code: int, *needles: str) -> str:
+    assert result.exit_code == code, (result.exit_code, result.stdout, result.stderr)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert "Traceback" not in result.stdout + result.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.fixture
+def fake_model(tmp_path) -> Path:
+    root = tmp_path / "model"
+    (root / "unet").mkdir(parents=True)
+    (root / "model_index.json").write_text("{}")
+    (root / "unet" / "config.json").write_text("{}")
+    return root
+
+
+@pytest.fixture
+def unwritable(tmp_path) -> Path:
+    """A folder path nobody can create: under a read-only folder (as root, where modes do not bind: /sys)."""
+    if os.geteuid() != 0:
+        ro = tmp_path / "ro"
+        ro.mkdir()
+        ro.chmod(0o555)
+        yield ro / "out"
+        ro.chmod(0o755)
+        return
+    path = Path("/sys/sdplan-test-out")
+    try:
+        path.mkdir()
+    except OSError:
+        yield path
+        return
+    path.rmdir()
+    pytest.skip("no read-only location on this machine")
+
+
+def train(*args: str):
+    return cli("train", *args)
+
+
+# -- item 6 --------------------------------------------------------------------------------------------------
+
+
+def test_read_only_out_for_train(tmp_path, fake_model, unwritable):
+    ds = make_images(tmp_path / "ds", n=2)
+    r = train("--model", str(fake_model), "--dataset", str(ds), "--out", str(unwritable), "--device", "cpu",
+              "--yes")  # fmt: skip
+    one_line_error(r, 2, "cannot write to", str(unwritable))
+
+
+def test_read_only_out_for_recommend(unwritable):
+    r = cli("recommend", "--method", "lora", "--hardware", "RTX 4090", "--out", str(unwritable))
+    one_line_error(r, 2, "cannot write to", str(unwritable))
+
+
+@pytest.mark.parametrize(
+    "name, data, needle",
+    [
+        ("model.bin", os.urandom(4096), "not a PyTorch checkpoint"),
+        ("model.ckpt", b"hello, not a checkpoint", "not a PyTorch checkpoint"),
+        ("model.safetensors", os.urandom(4096), "not a safetensors file"),
+        ("lora.safetensors", None, "no Stable Diffusion UNet weights"),
+    ],
+)
+def test_bad_model_file_is_refused_before_launch(tmp_path, name, data, needle):
+    path = tmp_path / name
+    if data is None:  # a real safetensors file, but a LoRA's keys
+        header = json.dumps({"lora_unet_down_blocks_0.lora_down.weight": {
+            "dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}).encode()  # fmt: skip
+        data = len(header).to_bytes(8, "little") + header + b"\0\0\0\0"
+    path.write_bytes(data)
+    ds = make_images(tmp_path / "ds", n=2)
+    out = tmp_path / "o"
+    one_line_error(train("--model", str(path), "--dataset", str(ds), "--out", str(out), "--device", "cpu"), 2,
+                   needle, name)  # fmt: skip
+    assert not out.exists()
+
+
+# -- item 7 --------------------------------------------------------------------------------------------------
+
+
+def test_malformed_metadata_json_names_file_and_position(tmp_path, fake_model):
+    ds = make_images(tmp_path / "ds", n=2, caption=None)
+    (ds / "img000.json").write_text('{"path": "img000.png",\n "tags": ["a", "b"\n}')
+    r = train(
+        "--model", str(fake_model), "--dataset", str(ds), "--out", str(tmp_path / "o"), "--device", "cpu"
+    )
+    line = one_line_error(r, 2, "img000.json", "not valid JSON", "line 3, column 1")
+    assert "supported image type" not in line
+
+
+def test_out_inside_the_dataset_is_refused(tmp_path, fake_model):
+    ds = make_images(tmp_path / "ds", n=2)
+    before = sorted(p.name for p in ds.iterdir())
+    r = train("--model", str(fake_model), "--dataset", str(ds), "--out", str(ds / "run"), "--device", "cpu")
+    one_line_error(r, 2, "inside the dataset")
+    assert sorted(p.name for p in ds.iterdir()) == before
+
+
+@pytest.mark.parametrize("value", ["100000", "4104", "100"])
+def test_resolution_out_of_range_is_a_config_error(tmp_path, fake_model, value):
+    ds = make_images(tmp_path / "ds", n=2)
+    r = train("--model", str(fake_model), "--dataset", str(ds), "--out", str(tmp_path / "o"), "--device", "cpu",
+              "--resolution", value)  # fmt: skip
+    one_line_error(r, 2, "data.resolution", "4096")
+    one_line_error(cli("recommend", "--method", "lora", "--hardware", "RTX 4090", "--resolution", value), 2,
+                   "--resolution", "4096")  # fmt: skip
+
+
+def test_yaml_error_gives_line_and_column(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("method: lora\ntraining:\n  batch_size: [1, 2\n  epochs: 3\n")
+    one_line_error(train("--config", str(cfg)), 2, str(cfg), "line ", "column ")
+
+
+def test_recommend_exits_non_zero_when_nothing_fits_and_still_prints_json():
+    r = cli("recommend", "--method", "dreambooth", "--machine", str(MACHINES / "cpu_only.json"), "--json")
+    d = json.loads(r.stdout)
+    assert d["feasible"] is False
+    assert r.exit_code == 1
+
+
+def test_cpu_with_gpus_is_an_error(tmp_path, fake_model):
+    ds = make_images(tmp_path / "ds", n=2)
+    r = train("--model", str(fake_model), "--dataset", str(ds), "--out", str(tmp_path / "o"), "--device", "cpu",
+              "--gpus", "2", "--dry-run")  # fmt: skip
+    one_line_error(r, 2, "--gpus")
+
+
+def test_train_and_recommend_share_default_epochs(tmp_path, fake_model):
+    from sdplan import config, recommend
+
+    assert config.TrainConfig().training.epochs == recommend.DEFAULT_EPOCHS == config.DEFAULT_EPOCHS == 10
+    ds = make_images(tmp_path / "ds", n=2)
+    r = train("--model", str(fake_model), "--dataset", str(ds), "--out", str(tmp_path / "o"), "--device", "cpu",
+              "--dry-run")  # fmt: skip
+    assert r.exit_code == 0, r.output
+    assert "x 10 epoch(s)" in r.stdout

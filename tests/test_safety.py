@@ -1,0 +1,285 @@
+"""Nothing lost, nothing misleading (issue 13, launcher side): --force deletes only what sdplan wrote, paths and
+install hints print as they are, a dry run touches nothing, the trainer imports the installed sdplan whatever
+the working folder holds, one run per folder at a time, and the trainer dies with sdplan."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from conftest import make_images
+from typer.testing import CliRunner
+
+from sdplan import runfolder
+from sdplan.cli import app
+
+ROOT = Path(__file__).resolve().parents[1]
+MACHINES = ROOT / "tests" / "fixtures" / "machines"
+runner = CliRunner()
+
+
+def cli(*args: str):
+    return runner.invoke(app, list(args))
+
+
+def digest(folder: Path) -> dict[str, str]:
+    """Every file under ``folder`` with the sha256 of its bytes."""
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
+
+
+def one_line_error(result, code: int, *needles: str) -> str:
+    assert result.exit_code == code, (result.exit_code, result.stdout, result.stderr)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert "Traceback" not in result.stdout + result.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    return lines[0]
+
+
+# -- item 2: --force deletes only what the manifest proves sdplan wrote ----------------------------------------
+
+
+def test_force_never_deletes_a_users_checkpoints_folder(tmp_path):
+    proj = tmp_path / "proj"
+    (proj / "checkpoints").mkdir(parents=True)
+    (proj / "checkpoints" / "my_model.safetensors").write_bytes(b"the user's model")
+    user = digest(proj)
+    r = cli("recommend", "--method", "lora", "--machine", str(MACHINES / "rx6700xt.json"), "--out", str(proj))
+    assert r.exit_code == 0, r.output
+    assert runfolder.owned(proj) == {"sdplan.yaml", "accelerate.yaml"}
+    r = cli("train", "--config", str(proj / "sdplan.yaml"), "--out", str(proj), "--force", "--device", "cpu")
+    one_line_error(r, 3, "checkpoints", "did not write")
+    after = digest(proj)
+    assert {k: after[k] for k in user} == user
+
+
+def test_force_removes_only_manifest_entries(tmp_path):
+    from sdplan.launcher import clear_run_outputs
+
+    out = tmp_path / "run"
+    (out / "checkpoints" / "step-8").mkdir(parents=True)
+    (out / "checkpoints" / "step-8" / "w.bin").write_bytes(b"x")
+    (out / "run_summary.json").write_text("{}")
+    (out / "oom.json").write_text("{}")
+    runfolder.record(out, ["checkpoints", "run_summary.json"])  # oom.json: not provably sdplan's
+    clear_run_outputs(out)
+    assert sorted(runfolder.entries(out)) == ["oom.json"]
+
+
+def test_a_run_records_what_it_and_the_trainer_write(tmp_path):
+    """The real launch path with a stand-in trainer command: every top-level entry it creates is recorded."""
+    from sdplan import config as C
+    from sdplan.launch import Launch
+    from sdplan.launcher import TRAINER_ENTRIES, UI, InputSummary, Prepared, TrainRequest, execute
+
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "sdplan.yaml").write_text("method: lora\n")
+    runfolder.record(out, ["sdplan.yaml"])
+    writer = f"import pathlib; p = pathlib.Path({str(out)!r}); (p / 'mylora.safetensors').write_bytes(b'w')"
+    launch = Launch(cmd=[sys.executable, "-c", writer], env={})
+    cfg = C.validate({"training": {"device": "cpu"}, "output": {"dir": str(out)}})
+    inputs = InputSummary(1, 1, 0, "folder", "sd15", "")
+    p = Prepared(cfg=cfg, out=out, inputs=inputs, world=1, steps={})
+    execute(p, TrainRequest(), UI(echo=lambda s: None), launch)
+    assert {"sdplan.yaml", "mylora.safetensors", *TRAINER_ENTRIES} <= runfolder.owned(out)
+
+
+# -- item 3: rich markup never eats text ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["out [v2]", "x[/b]", "[bold]y"])
+def test_bracketed_out_paths_print_as_they_are(tmp_path, name):
+    out = tmp_path / "runs" / name
+    r = cli("recommend", "--method", "lora", "--machine", str(MACHINES / "rx6700xt.json"), "--out", str(out))
+    assert r.exit_code == 0, r.output
+    assert "Traceback" not in r.output
+    assert str(out / "sdplan.yaml") in r.stderr  # "wrote ..."
+    assert (out / "sdplan.yaml").is_file()
+
+
+def test_install_hints_keep_their_brackets():
+    r = cli("recommend", "--method", "dreambooth", "--machine", str(MACHINES / "rx6700xt.json"))
+    assert r.exit_code == 0, r.output
+    assert "pip install 'sdplan[deepspeed]'" in r.stdout
+
+
+def test_train_echo_is_plain_text(tmp_path):
+    """The train UI prints paths and commands verbatim: a dry run into a bracketed folder shows it whole."""
+    model = tmp_path / "model"
+    (model / "unet").mkdir(parents=True)
+    (model / "model_index.json").write_text("{}")
+    (model / "unet" / "config.json").write_text("{}")
+    ds = make_images(tmp_path / "ds", n=2)
+    out = tmp_path / "runs" / "x[/b] [v2]"
+    r = cli(
+        "train",
+        "--model",
+        str(model),
+        "--dataset",
+        str(ds),
+        "--out",
+        str(out),
+        "--device",
+        "cpu",
+        "--dry-run",
+    )
+    assert r.exit_code == 0, r.output
+    assert f"output: {out}" in r.stdout
+    assert not out.exists()
+
+
+def test_error_funnel_escapes_paths(tmp_path):
+    r = cli("train", "--config", str(tmp_path / "a[/b]" / "sdplan.yaml"))
+    one_line_error(r, 2, "a[/b]")
+
+
+# -- item 5: --demo --dry-run touches nothing --------------------------------------------------------------------
+
+
+def test_demo_dry_run_touches_nothing(tmp_path):
+    out = tmp_path / "demo"
+    out.mkdir()
+    (out / "sdplan.yaml").write_text("method: lora\n")
+    (out / "checkpoints").mkdir()
+    (out / "checkpoints" / "c.bin").write_bytes(b"ckpt")
+    (out / "run_summary.json").write_text("{}")
+    runfolder.record(out, ["sdplan.yaml", "checkpoints", "run_summary.json"])
+    before = digest(out)
+    r = cli("train", "--demo", "--out", str(out), "--force", "--dry-run")
+    assert r.exit_code == 0, r.output
+    assert "dry run: would run" in r.stdout and "would build a tiny sd15 model" in r.stdout
+    assert digest(out) == before
+    r = cli("train", "--demo", "--out", str(tmp_path / "new"), "--dry-run")
+    assert r.exit_code == 0, r.output
+    assert not (tmp_path / "new").exists()
+
+
+# -- item 1: a folder named sdplan in the working folder ---------------------------------------------------------
+
+
+def test_trainer_ignores_a_sdplan_folder_in_the_working_folder(tmp_path, monkeypatch):
+    """The launch runs the real trainer entry in a folder that holds a decoy `sdplan` package: the trainer
+    must import the installed sdplan (here it then reports the config's bad key: exit 2, one line)."""
+    from sdplan import config as C
+    from sdplan.launch import build_launch, run_launch
+
+    decoy = tmp_path / "work" / "sdplan"
+    decoy.mkdir(parents=True)
+    (decoy / "__init__.py").write_text("raise ImportError('the decoy sdplan was imported')\n")
+    (decoy / "trainer").mkdir()
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("method: lora\ntraining: {batch_sise: 2}\n")
+    cfg = C.validate({"training": {"device": "cpu"}})
+    launch = build_launch(cfg, bad, tmp_path / "o", cpu_cores=1)
+    monkeypatch.chdir(tmp_path / "work")
+    out = tmp_path / "log"
+    with out.open("w") as f:
+        proc = subprocess.run(
+            launch.cmd, env={**os.environ, **launch.env}, stdout=f, stderr=subprocess.STDOUT
+        )
+    log = out.read_text()
+    assert proc.returncode == 2, log
+    assert "batch_sise" in log and "decoy" not in log and "Traceback" not in log
+    assert run_launch(launch) == 2  # the same through the launcher
+
+
+# -- item 4: one run per folder, and the trainer dies with sdplan ------------------------------------------------
+
+
+def test_second_run_into_a_locked_folder_says_who_holds_it(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        (out / runfolder.LOCK_FILE).write_text(
+            json.dumps({"pid": holder.pid, "host": os.uname().nodename, "started": "2026-01-01T00:00:00"})
+        )
+        with pytest.raises(runfolder.FolderInUse, match=f"pid {holder.pid}"):
+            runfolder.RunLock(out).acquire()
+        (out / "sdplan.yaml").write_text("method: lora\n")
+        one_line_error(cli("train", "--resume", "--out", str(out)), 3, "in use", str(holder.pid))
+    finally:
+        holder.kill()
+        holder.wait()
+    # The holder is gone: the stale lock is taken over, and says whose it was.
+    lock = runfolder.RunLock(out).acquire()
+    assert lock.taken_over and lock.taken_over["pid"] == holder.pid
+    assert json.loads((out / runfolder.LOCK_FILE).read_text())["pid"] == os.getpid()
+    lock.release()
+    assert not (out / runfolder.LOCK_FILE).exists()
+
+
+def test_two_runs_into_one_folder_cannot_both_start(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    first = runfolder.RunLock(out).acquire()
+    code = textwrap.dedent(
+        f"""
+        from pathlib import Path
+        from sdplan.runfolder import RunLock, FolderInUse
+        try:
+            RunLock(Path({str(out)!r})).acquire()
+        except FolderInUse as e:
+            print(e); raise SystemExit(3)
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 3 and f"sdplan pid {os.getpid()}" in proc.stdout, proc.stdout + proc.stderr
+    first.release()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux")
+def test_trainer_gets_sigterm_when_sdplan_is_killed(tmp_path):
+    """kill -9 of the process running run_launch: its child gets SIGTERM from the kernel."""
+    marker = tmp_path / "child.pid"
+    got = tmp_path / "got-sigterm"
+    child = textwrap.dedent(
+        f"""
+        import os, pathlib, signal, sys, time
+        def bye(*a):
+            pathlib.Path({str(got)!r}).write_text("yes"); sys.exit(130)
+        signal.signal(signal.SIGTERM, bye)
+        pathlib.Path({str(marker)!r}).write_text(str(os.getpid()))
+        time.sleep(300)
+        """
+    )
+    parent = textwrap.dedent(
+        f"""
+        import sys
+        from sdplan.launch import Launch, run_launch
+        run_launch(Launch(cmd=[sys.executable, "-c", {child!r}], env={{}}))
+        """
+    )
+    proc = subprocess.Popen([sys.executable, "-c", parent])
+    try:
+        for _ in range(600):
+            if marker.exists() and marker.read_text():
+                break
+            time.sleep(0.1)
+        child_pid = int(marker.read_text())
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        for _ in range(600):
+            if got.exists():
+                break
+            time.sleep(0.1)
+        assert got.read_text() == "yes"
+    finally:
+        proc.kill()
+        with contextlib.suppress(ProcessLookupError, UnboundLocalError):
+            os.kill(child_pid, signal.SIGKILL)
