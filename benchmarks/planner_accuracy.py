@@ -48,6 +48,14 @@ PLANNER_ATTENTION = {
 }
 
 
+# the validation schema's LoRA target names -> the peft target modules the planner reads (sdplan.planner)
+PLANNER_LORA_TARGETS = {
+    "attn": P.LORA_TARGETS_ATTN,
+    "attn+ff": P.LORA_TARGETS_KOHYA,
+    "attn+ff+conv": P.LORA_TARGETS_LOCON,
+}
+
+
 @dataclass(frozen=True)
 class Prediction:
     peak_vram_bytes: float | None = None
@@ -69,8 +77,6 @@ def predict(profiles: Profiles, point: "Point", *, interconnect: str = "pcie") -
         reasons.append(f"method {point.method}: not planned")
     if point.optimizer not in PLANNED_OPTIMIZERS:
         reasons.append(f"optimizer {point.optimizer}: not modelled (only {', '.join(PLANNED_OPTIMIZERS)})")
-    if point.method == "lora" and point.lora_targets != "attn":
-        reasons.append(f"LoRA on {point.lora_targets}: only attention projections are modelled")
     if point.method == "lora" and point.lora_rank is None:
         reasons.append("LoRA rank not stated")
     if point.attention not in PLANNER_ATTENTION:
@@ -94,6 +100,7 @@ def predict(profiles: Profiles, point: "Point", *, interconnect: str = "pcie") -
         deepspeed=point.deepspeed,
         ema=point.ema,
         lora_rank=point.lora_rank or 16,
+        lora_targets=PLANNER_LORA_TARGETS.get(point.lora_targets) if point.method == "lora" else None,
         prior_preservation=point.prior_preservation,
         fused_backward=point.fused_backward,
         full_half_weights=point.full_half_weights,

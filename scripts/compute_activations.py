@@ -152,6 +152,9 @@ def build_unet(unet_config: dict, dtype_name: str):
 
 
 def set_trained(unet, trained: str) -> None:
+    if trained in LORA_TARGET_SETS:
+        set_lora_trained(unet, trained)
+        return
     for name, p in unet.named_parameters():
         p.requires_grad_(trained == "unet" or (".attn" in name and ".to_" in name))
 
@@ -424,6 +427,127 @@ def compute_family(model: dict, resolutions: tuple[int, ...], log) -> dict:
     return out
 
 
+# -- LoRA target sets beyond the attention projections (kohya's defaults, LoCon) ---------------------------
+#
+# kohya-ss/sd-scripts networks/lora.py adapts every Linear and Conv2d inside a Transformer2DModel
+# (UNET_TARGET_REPLACE_MODULE: proj_in, attn1/attn2 to_q/k/v/out.0, ff.net.0.proj, ff.net.2, proj_out) and,
+# with conv_dim, those inside ResnetBlock2D / Downsample2D / Upsample2D (UNET_TARGET_REPLACE_MODULE_CONV2D_3X3:
+# conv1, conv2, time_emb_proj, conv_shortcut, the resampler convs); text encoders: CLIPAttention + CLIPMLP.
+# diffusers' LoRA scripts adapt to_q/k/v/out.0 only (the ``attn`` set above) and q/k/v/out_proj of the text
+# encoder. A LoRA on Linear(i, o) adds rank * (i + o) parameters; on Conv2d(i, o, k) rank * (i * k * k + o)
+# (down: the layer's kernel, up: 1x1), in peft and in kohya alike.
+LORA_TARGET_SETS = {
+    "attn_ff": (".attentions.",),
+    "attn_ff_conv": (".attentions.", ".resnets.", ".downsamplers.", ".upsamplers."),
+}
+TEXT_ENCODER_LORA_SETS = {
+    "attn": ("q_proj", "k_proj", "v_proj", "out_proj"),
+    "attn_mlp": ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"),
+}
+
+
+def lora_modules(unet, target_set: str):
+    """(name, module) of every layer a LoRA of ``target_set`` adapts ('attn', 'attn_ff', 'attn_ff_conv')."""
+    import torch
+
+    out = []
+    for name, module in unet.named_modules():
+        if not isinstance(module, (torch.nn.Linear, torch.nn.Conv2d)):
+            continue
+        if target_set == "attn":  # diffusers' default target_modules: to_q, to_k, to_v, to_out.0
+            hit = ".attn" in name and name.endswith((".to_q", ".to_k", ".to_v", ".to_out.0"))
+        else:
+            hit = any(part in f".{name}." for part in LORA_TARGET_SETS[target_set])
+        if hit:
+            out.append((name, module))
+    return out
+
+
+def set_lora_trained(unet, target_set: str) -> None:
+    """Only the adapted layers' weights need a gradient path that saves their inputs (a LoRA's down
+    projection saves the same input the frozen layer would for a weight gradient)."""
+    for p in unet.parameters():
+        p.requires_grad_(False)
+    for _, module in lora_modules(unet, target_set):
+        module.weight.requires_grad_(True)
+
+
+def lora_layer_params_per_rank(module) -> int:
+    import torch
+
+    if isinstance(module, torch.nn.Conv2d):
+        kh, kw = module.kernel_size
+        return module.in_channels * kh * kw + module.out_channels
+    return module.in_features + module.out_features
+
+
+def lora_params_per_rank(model: dict) -> dict:
+    """LoRA parameters per unit of rank, per UNet target set and per text encoder (counted on meta)."""
+    import transformers
+    from accelerate import init_empty_weights
+
+    unet = build_unet(model["unet"], "bf16")
+    out: dict[str, Any] = {"unet": {}, "text_encoders": {k: [] for k in TEXT_ENCODER_LORA_SETS}}
+    for target_set in ("attn", *LORA_TARGET_SETS):
+        out["unet"][target_set] = sum(
+            lora_layer_params_per_rank(m) for _, m in lora_modules(unet, target_set)
+        )
+    for entry in model.get("text_encoders", []):
+        with init_empty_weights():
+            enc = getattr(transformers, entry["class"])(transformers.CLIPTextConfig(**entry["config"]))
+        for key, names in TEXT_ENCODER_LORA_SETS.items():
+            total = sum(
+                lora_layer_params_per_rank(m)
+                for name, m in enc.named_modules()
+                if name.rsplit(".", 1)[-1] in names and hasattr(m, "in_features")
+            )
+            out["text_encoders"][key].append(total)
+    return out
+
+
+def compute_lora_targets(model: dict, resolutions: tuple[int, ...], log) -> dict:
+    """The UNet activation entries of the LoRA target sets beyond attention, and the per-rank parameter
+    counts: merged into a family's entry of activations.yaml."""
+    scale = int(model.get("vae_scale_factor", 8))
+    native = int(model["native_resolution"])
+    unet_entries: dict[str, Any] = {}
+    for dtype_name in DTYPES:
+        unet = build_unet(model["unet"], dtype_name)
+        for backend, gc, trained in itertools.product(BACKENDS, (False, True), LORA_TARGET_SETS):
+            held_pts, peak_pts = [], []
+            for batch, res in [(1, r) for r in resolutions] + [(2, native)]:
+                held, peak = measure_unet(
+                    unet,
+                    model,
+                    batch=batch,
+                    resolution=res,
+                    dtype_name=dtype_name,
+                    backend=backend,
+                    gc=gc,
+                    trained=trained,
+                )
+                lat = (res // scale) ** 2
+                held_pts.append((batch, lat, held))
+                peak_pts.append((batch, lat, peak))
+            held_coef, held_err = fit(held_pts, quadratic=backend == "math")
+            entry = {"held": held_coef, "fit_max_error": round(held_err, 4)}
+            if gc:
+                entry["recompute_peak"], _ = fit(peak_pts, quadratic=backend == "math")
+            key = f"{dtype_name}/{backend}/{'gc' if gc else 'no_gc'}/{trained}"
+            unet_entries[key] = entry
+            log(f"  {model['family']} {key}: held {held_coef}")
+        del unet
+    counts = lora_params_per_rank(model)
+    log(f"  {model['family']} LoRA params per rank: {counts}")
+    return {"unet": unet_entries, "lora_params_per_rank": counts}
+
+
+def merge_lora_targets(family_entry: dict, extra: dict) -> dict:
+    family_entry["unet"].update(extra["unet"])
+    family_entry["lora_params_per_rank"] = extra["lora_params_per_rank"]
+    return family_entry
+
+
 def main(argv: list[str] | None = None) -> int:
     root = Path(__file__).resolve().parent.parent
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -431,7 +555,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=root / "profiles" / "activations.yaml")
     ap.add_argument("--families", default=",".join(FAMILY_RESOLUTIONS))
     ap.add_argument("--keep-measured", action="store_true", help="also write every raw measurement")
+    ap.add_argument(
+        "--only-lora-targets",
+        action="store_true",
+        help="add the LoRA target-set entries (attn_ff, attn_ff_conv) and per-rank counts to the existing --out",
+    )
     args = ap.parse_args(argv)
+    if args.only_lora_targets:
+        return update_lora_targets(args)
 
     import diffusers
     import torch
@@ -445,6 +576,7 @@ def main(argv: list[str] | None = None) -> int:
         model = yaml.safe_load(path.read_text())
         log(f"{fam}: {path}")
         result = compute_family(model, FAMILY_RESOLUTIONS[fam], log)
+        merge_lora_targets(result, compute_lora_targets(model, FAMILY_RESOLUTIONS[fam], log))
         if not args.keep_measured:
             result.pop("measured")
         families[fam] = result
@@ -464,6 +596,21 @@ def main(argv: list[str] | None = None) -> int:
     )
     args.out.write_text(header + yaml.safe_dump(doc, sort_keys=False, width=110))
     log(f"wrote {args.out}")
+    return 0
+
+
+def update_lora_targets(args) -> int:
+    """Merge the LoRA target-set entries into an existing activations file (its other entries kept)."""
+    text = args.out.read_text()
+    header = "".join(line + "\n" for line in text.splitlines() if line.startswith("#"))
+    doc = yaml.safe_load(text)
+    for fam in args.families.split(","):
+        model = yaml.safe_load((args.models_dir / f"{fam}.yaml").read_text())
+        print(f"{fam}: LoRA target sets", file=sys.stderr, flush=True)
+        extra = compute_lora_targets(model, FAMILY_RESOLUTIONS[fam], lambda m: print(m, file=sys.stderr))
+        merge_lora_targets(doc["families"][fam], extra)
+    doc["source"] += "; LoRA target sets added by --only-lora-targets"
+    args.out.write_text(header + yaml.safe_dump(doc, sort_keys=False, width=110))
     return 0
 
 

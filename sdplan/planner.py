@@ -130,8 +130,48 @@ def _half(precision: str) -> bool:
     return precision in ("fp16", "bf16")
 
 
-def trainable_params(model: ModelSpec, s: Settings) -> int:
+# LoRA target modules (peft names, as in sdplan.yaml's lora.target_modules) -> the target set whose parameter
+# counts and activations profiles/activations.yaml holds. diffusers' scripts adapt the attention projections;
+# kohya-ss/sd-scripts networks/lora.py adapts every Linear / 1x1 Conv2d in a Transformer2DModel
+# (UNET_TARGET_REPLACE_MODULE) and, with conv_dim (LoCon), the ResnetBlock2D / Down- / Upsample2D convs
+# (UNET_TARGET_REPLACE_MODULE_CONV2D_3X3); its text-encoder LoRA adapts CLIPAttention and CLIPMLP.
+LORA_TARGETS_ATTN = ("to_q", "to_k", "to_v", "to_out.0")
+LORA_TARGETS_KOHYA = (*LORA_TARGETS_ATTN, "proj_in", "proj_out", "ff.net.0.proj", "ff.net.2")
+LORA_TARGETS_LOCON = (*LORA_TARGETS_KOHYA, "conv1", "conv2", "conv_shortcut", "time_emb_proj", "conv")
+_FF_TARGETS = frozenset(LORA_TARGETS_KOHYA) - frozenset(LORA_TARGETS_ATTN)
+_CONV_TARGETS = frozenset(LORA_TARGETS_LOCON) - frozenset(LORA_TARGETS_KOHYA)
+
+
+def lora_target_set(s: Settings) -> str:
+    """'attn' (attention projections), 'attn_ff' (+ feed-forward and proj_in/out) or 'attn_ff_conv' (+ the
+    ResNet and resampler convs) for a LoRA's target modules; None (the config default) is 'attn'."""
+    targets = set(s.lora_targets or ())
+    if targets & _CONV_TARGETS:
+        return "attn_ff_conv"
+    if targets & _FF_TARGETS:
+        return "attn_ff"
+    return "attn"
+
+
+def lora_params(profiles: Profiles, s: Settings) -> int:
+    """LoRA parameters: rank x the per-rank count of the adapted layers (counted on meta from the real layer
+    shapes by scripts/compute_activations.py); the text encoders' attention (diffusers) or attention + MLP
+    (kohya, whose UNet set includes the feed-forward layers) when they are trained."""
+    model = profiles.model(s.model)
+    counts = profiles.activations.lora_params_per_rank(s.model)
+    if counts is None:  # a family computed without the counts: the attention projections from its config
+        return model.lora_params(s.lora_rank, text_encoder=s.train_text_encoder)
+    target = lora_target_set(s)
+    per_rank = counts["unet"][target]
+    if s.train_text_encoder:
+        per_rank += sum(counts["text_encoders"]["attn" if target == "attn" else "attn_mlp"])
+    return int(s.lora_rank) * per_rank
+
+
+def trainable_params(model: ModelSpec, s: Settings, profiles: Profiles | None = None) -> int:
     if s.method == "lora":
+        if profiles is not None:
+            return lora_params(profiles, s)
         return model.lora_params(s.lora_rank, text_encoder=s.train_text_encoder)
     if s.method == "textual-inversion":
         # diffusers' textual inversion trains the whole input-embedding matrix (only new rows change)
@@ -149,7 +189,7 @@ def memory(profiles: Profiles, s: Settings) -> Memory:
     wb = 2 if half else 4  # frozen weights
     tb = 2 if (half and s.full_half_weights) else 4  # trainable weights and their gradients
     full = s.method in FULL_METHODS
-    t = trainable_params(model, s)
+    t = trainable_params(model, s, profiles)
     batch = s.batch * (2 if s.prior_preservation else 1)
     latent = (s.resolution // model.vae_scale_factor) ** 2
 
@@ -186,6 +226,14 @@ def memory(profiles: Profiles, s: Settings) -> Memory:
     autocast = t * 2.0 if (half and tb == 4 and full) else 0.0
 
     trained_part = "unet" if full else "attn"
+    if s.method == "lora" and act.has_unet_entry(
+        s.model,
+        dtype=s.precision,
+        attention=s.attention,
+        gc=s.gradient_checkpointing,
+        trained=lora_target_set(s),
+    ):
+        trained_part = lora_target_set(s)  # the adapted layers' inputs are saved for their LoRA's gradient
     held, recompute = act.unet(
         s.model,
         dtype=s.precision,
@@ -287,7 +335,7 @@ def step_seconds(
     spec = gpu if isinstance(gpu, GPUSpec) else gpu.spec
     model = profiles.model(s.model)
     compute = step_flops(profiles, s) / (tflops * 1e12 * cal.efficiency_for(spec))
-    t = trainable_params(model, s)
+    t = trainable_params(model, s, profiles)
     opt = t * OPTIMIZER_STEP_BYTES.get(s.optimizer, 28) / (spec.memory_bandwidth_gbs * 1e9) / s.grad_accum
     seconds = compute + opt + STEP_OVERHEAD_S
     if s.offload:
@@ -300,7 +348,7 @@ def step_seconds(
 def gradient_bytes(profiles: Profiles, s: Settings) -> float:
     model = profiles.model(s.model)
     tb = 2 if (_half(s.precision) and s.full_half_weights) or s.offload else 4
-    return trainable_params(model, s) * tb
+    return trainable_params(model, s, profiles) * tb
 
 
 def allreduce_seconds(profiles: Profiles, s: Settings, link_gbs: float, cal: Calibration) -> float:

@@ -29,7 +29,10 @@ from sdplan.settings import Settings
 
 SCHEMA_VERSION = 1
 ATTENTION = ("efficient", "math")
-TRAINED = ("unet", "attn")  # activations.yaml: whole UNet trained, or only the attention projections
+# activations.yaml: whole UNet trained, or only the attention projections (required); the LoRA target sets
+# beyond attention (kohya's Transformer2DModel linears, + LoCon's ResNet convs) where computed
+TRAINED = ("unet", "attn")
+LORA_TRAINED = ("attn_ff", "attn_ff_conv")
 GiB = 2**30
 
 try:  # libyaml when available: several times faster
@@ -440,6 +443,15 @@ class Activations:
         peak = self._eval(entry["recompute_peak"], batch, latent_pixels) if gc else 0.0
         return max(held, 0.0), max(peak, 0.0)
 
+    def lora_params_per_rank(self, family: str) -> dict | None:
+        """LoRA parameters per unit of rank per target set ({"unet": {...}, "text_encoders": {...}}), counted
+        on meta by scripts/compute_activations.py; None for a family computed without them."""
+        return self.families[family].get("lora_params_per_rank")
+
+    def has_unet_entry(self, family: str, *, dtype: str, attention: str, gc: bool, trained: str) -> bool:
+        dt = "fp32" if dtype == "fp32" else "bf16"
+        return f"{dt}/{attention}/{'gc' if gc else 'no_gc'}/{trained}" in self.families[family]["unet"]
+
     def adafactor_bytes(self, family: str, *, text_encoders: bool = False) -> int:
         a = self.families[family]["adafactor_state_bytes"]
         return int(a["unet"]) + (sum(a["text_encoders"]) if text_encoders else 0)
@@ -829,6 +841,21 @@ def load_activations(path: Path) -> Activations:
             sub={"unet_forward": _COEF, "vae_encode": _COEF, "text_encoders_forward": F((int,))},
         ),
         "measured": F((list,), required=False),
+        "lora_params_per_rank": F(
+            (dict,),
+            required=False,
+            sub={
+                "unet": F((dict,), sub={t: F((int,)) for t in ("attn", *LORA_TRAINED)}),
+                "text_encoders": F((dict,), sub={"attn": F((list,)), "attn_mlp": F((list,))}),
+            },
+        ),
+    }
+    optional = {
+        f"{dt}/{a}/{g}/{t}"
+        for dt in ("bf16", "fp32")
+        for a in ATTENTION
+        for g in ("gc", "no_gc")
+        for t in LORA_TRAINED
     }
     expected = {
         f"{dt}/{a}/{g}/{t}"
@@ -843,9 +870,10 @@ def load_activations(path: Path) -> Activations:
         if not isinstance(entry, dict) or not isinstance(entry.get("unet"), dict):
             continue
         for key, unet in entry["unet"].items():
-            if key not in expected:
+            if key not in expected and key not in optional:
                 errors.append(
-                    f"{where}.unet.{key}: expected <bf16|fp32>/<efficient|math>/<gc|no_gc>/<unet|attn>"
+                    f"{where}.unet.{key}: expected <bf16|fp32>/<efficient|math>/<gc|no_gc>/"
+                    "<unet|attn|attn_ff|attn_ff_conv>"
                 )
                 continue
             _check(unet, _UNET_ENTRY, f"{where}.unet.{key}", errors)

@@ -1,0 +1,90 @@
+"""The planner's memory and time mechanisms (issue 10, item 3): each fix checked against first principles."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from sdplan import planner as P
+from sdplan.profiles import GiB, clear_cache, load_profiles  # noqa: F401
+from sdplan.settings import Settings
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def prof():
+    clear_cache()
+    return load_profiles()
+
+
+def _lora(**kw) -> Settings:
+    base = dict(method="lora", model="sd15", resolution=512, precision="bf16", lora_rank=32)
+    return Settings(**{**base, **kw})
+
+
+# -- LoRA targets ------------------------------------------------------------------------------------------
+
+
+def test_lora_target_sets_from_module_names():
+    assert P.lora_target_set(_lora()) == "attn"
+    assert P.lora_target_set(_lora(lora_targets=P.LORA_TARGETS_ATTN)) == "attn"
+    assert P.lora_target_set(_lora(lora_targets=P.LORA_TARGETS_KOHYA)) == "attn_ff"
+    assert P.lora_target_set(_lora(lora_targets=P.LORA_TARGETS_LOCON)) == "attn_ff_conv"
+
+
+def test_kohya_lora_dim128_is_the_known_151_mb_file(prof):
+    # kohya's SD1.x LoRA at network_dim 128 (UNet Transformer2DModel linears + CLIPAttention/CLIPMLP) is the
+    # widely seen ~151 MB fp16 file: 75,497,472 parameters, from the layer shapes alone
+    s = _lora(lora_rank=128, lora_targets=P.LORA_TARGETS_KOHYA, train_text_encoder=True)
+    assert P.lora_params(prof, s) == 75_497_472
+    # the attention-only count is what the config-based formula gives
+    attn = _lora(lora_rank=16)
+    assert P.lora_params(prof, attn) == prof.model("sd15").lora_params(16)
+
+
+def test_more_lora_targets_cost_more_memory(prof):
+    peaks = [
+        P.memory(prof, _lora(lora_targets=t, model="sdxl", resolution=1024)).peak
+        for t in (P.LORA_TARGETS_ATTN, P.LORA_TARGETS_KOHYA, P.LORA_TARGETS_LOCON)
+    ]
+    assert peaks[0] < peaks[1] < peaks[2]
+    trained = [
+        P.memory(prof, _lora(lora_targets=t, model="sdxl", resolution=1024)).trainable_params
+        for t in (P.LORA_TARGETS_ATTN, P.LORA_TARGETS_KOHYA, P.LORA_TARGETS_LOCON)
+    ]
+    assert trained == [32 * n for n in (1_451_520, 2_659_840, 3_074_240)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("targets", ["LORA_TARGETS_ATTN", "LORA_TARGETS_KOHYA", "LORA_TARGETS_LOCON"])
+def test_lora_params_equal_peft_on_meta(prof, targets):
+    """The per-rank counts in activations.yaml equal peft's own LoRA on the real UNet (meta device)."""
+    pytest.importorskip("peft")
+    pytest.importorskip("diffusers")
+    from accelerate import init_empty_weights
+    from diffusers import UNet2DConditionModel
+    from peft import LoraConfig
+
+    cfg = yaml.safe_load((ROOT / "profiles" / "models" / "sd15.yaml").read_text())["unet"]
+    with init_empty_weights():
+        unet = UNet2DConditionModel.from_config(dict(cfg))
+    unet.add_adapter(LoraConfig(r=4, target_modules=list(getattr(P, targets))))
+    counted = sum(p.numel() for n, p in unet.named_parameters() if "lora_" in n)
+    assert P.lora_params(prof, _lora(lora_rank=4, lora_targets=getattr(P, targets))) == counted
+
+
+@pytest.mark.slow
+def test_compute_activations_counts_match_the_profile(prof):
+    """The script's per-rank counts are what profiles/activations.yaml holds (re-run it when this fails)."""
+    pytest.importorskip("diffusers")
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import compute_activations as ca
+    finally:
+        sys.path.pop(0)
+    model = yaml.safe_load((ROOT / "profiles" / "models" / "sd15.yaml").read_text())
+    assert ca.lora_params_per_rank(model) == prof.activations.lora_params_per_rank("sd15")
