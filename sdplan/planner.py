@@ -244,6 +244,7 @@ def memory(profiles: Profiles, s: Settings) -> Memory:
         trained=trained_part,
     )
     activations = ACTIVATION_FACTOR * (held + recompute)
+    recompute_tail = ACTIVATION_FACTOR * recompute  # the backward's last (high-resolution) segment
     if s.train_text_encoder or s.method == "textual-inversion":
         te_dtype = "fp32" if s.method == "textual-inversion" else s.precision
         activations += ACTIVATION_FACTOR * act.text_encoders(s.model, dtype=te_dtype, batch=batch)
@@ -260,10 +261,19 @@ def memory(profiles: Profiles, s: Settings) -> Memory:
     if s.ema == "cpu":
         ram += model.params_unet * 4.0
 
-    if s.num_gpus > 1 and not s.offload:
-        grads *= 2  # DDP's reducer buckets hold a second copy of the gradients
-    base = weights + frozen + grads + opt + ema
-    allocated = base + max(activations + autocast, step)
+    buckets = grads if (s.num_gpus > 1 and not s.offload) else 0.0  # DDP's reducer buckets: a second copy
+    grads += buckets
+    if s.set_grads_to_none and not s.offload:
+        # zero_grad(set_to_none=True) frees the gradients after every step, so they do not coexist with the
+        # forward's peak: autocast's cache of half weight copies (held until autocast exits at the end of the
+        # forward, or by the saved tensors until each layer's backward) and the saved activations. Gradients
+        # grow during the backward while those are freed (with checkpointing the first, high-resolution
+        # segment is recomputed last, beside nearly all gradients); the step then adds its temporaries.
+        base = weights + frozen + buckets + opt + ema
+        allocated = base + max(activations + autocast, grads - buckets + max(step, recompute_tail))
+    else:
+        base = weights + frozen + grads + opt + ema
+        allocated = base + max(activations + autocast, step)
     overhead = CUDA_CONTEXT_BYTES + ALLOCATOR_OVERHEAD * allocated
     return Memory(
         trainable_params=t,
