@@ -38,7 +38,7 @@ NO_LOCAL_STORE = Path(__file__).resolve().parent / "validation" / "no-local-stor
 
 # -- the adapter: the only place that calls sdplan.planner --------------------------------------------------
 
-PLANNED_OPTIMIZERS = ("adamw", "adamw8bit", "adafactor")
+PLANNED_OPTIMIZERS = P.registry.MODELLED_OPTIMIZERS
 PLANNER_ATTENTION = {
     "xformers": "efficient",
     "sdpa": "efficient",

@@ -53,7 +53,31 @@ STARTUP_S = 60.0  # loading the model, building the optimizer, first compilation
 MIN_MULTI_GPU_GAIN = 0.05  # use more GPUs only when the whole run gets at least this much shorter
 PCIE_GBS = {1: 4.0, 2: 8.0, 3: 16.0, 4: 32.0, 5: 64.0, 6: 128.0}  # x16, one direction
 BATCHES = (1, 2, 4, 8, 16)
-OPTIMIZER_STEP_BYTES = {"adamw": 28, "adamw8bit": 16, "adafactor": 16}  # memory traffic per trainable param
+# Optimizer state per trainable parameter, in copies of the parameter (its dtype) or fixed bytes, from each
+# implementation's state initialisation: AdamW exp_avg + exp_avg_sq; Prodigy (konstmish/prodigy) s, p0,
+# exp_avg, exp_avg_sq; D-Adaptation Adam (facebookresearch/dadaptation DAdaptAdam) s, exp_avg, exp_avg_sq;
+# Lion (lucidrains/lion-pytorch) exp_avg; bitsandbytes 8-bit AdamW 2 x 1 byte and Lion8bit 1 byte (blockwise
+# quantised state; the per-block scales are negligible). Adafactor: the factored moment of the real shapes.
+OPTIMIZER_STATE = {  # name -> (copies of the parameter, fixed bytes per parameter)
+    "adamw": (2, 0.0),
+    "adamw8bit": (0, 2.0),
+    "prodigy": (4, 0.0),
+    "dadaptation": (3, 0.0),
+    "lion": (1, 0.0),
+    "lion8bit": (0, 1.0),
+}
+# memory traffic of the optimizer step per trainable param (fp32): read param, grad and every state tensor,
+# write param and the states; Prodigy and D-Adaptation make one more pass for their global d estimate
+OPTIMIZER_STEP_BYTES = {
+    "adamw": 28,
+    "adamw8bit": 16,
+    "adafactor": 16,
+    "prodigy": 52,
+    "dadaptation": 44,
+    "lion": 20,
+    "lion8bit": 14,
+}
+FOREACH_OPTIMIZERS = ("adamw",)  # torch's foreach implementation: one step-sized temporary per parameter
 
 RDNA_MATH_ATTENTION = ("gfx101", "gfx103")  # RDNA1/2: no flash / memory-efficient SDPA kernels in ROCm torch
 
@@ -214,10 +238,9 @@ def memory(profiles: Profiles, s: Settings) -> Memory:
         pass  # counted as trainable
     weights = t * tb
     grads = 0.0 if s.fused_backward else t * tb
-    if s.optimizer == "adamw":
-        opt = t * 2 * tb
-    elif s.optimizer == "adamw8bit":
-        opt = t * 2.0
+    if s.optimizer in OPTIMIZER_STATE:
+        copies, fixed = OPTIMIZER_STATE[s.optimizer]
+        opt = t * (copies * tb + fixed)
     else:  # adafactor: factored second moment of the real tensor shapes
         full_bytes = act.adafactor_bytes(s.model, text_encoders=s.train_text_encoder and full)
         full_params = model.params_unet + (te_total if (s.train_text_encoder and full) else 0)
@@ -250,7 +273,7 @@ def memory(profiles: Profiles, s: Settings) -> Memory:
         activations += ACTIVATION_FACTOR * act.text_encoders(s.model, dtype=te_dtype, batch=batch)
 
     ram = RAM_PER_PROCESS + 4.0 * (model.params_unet + te_total + model.params_vae)  # fp32 load
-    step = t * 4.0 if (s.optimizer == "adamw" and not s.fused_backward) else 0.0  # foreach temporaries
+    step = t * 4.0 if (s.optimizer in FOREACH_OPTIMIZERS and not s.fused_backward) else 0.0
     if s.offload:
         g = s.num_gpus
         cpu = t * max(4 * g, 16) * 1.5 / g  # DeepSpeed estimator, per process share

@@ -122,3 +122,32 @@ def test_freed_gradients_do_not_coexist_with_autocast_copies(prof):
 def test_peak_grows_with_batch_under_checkpointing(prof):
     """The last recomputed segment sits beside the full gradients: larger batches still cost memory."""
     assert P.memory(prof, _db_te(batch=4)).peak > P.memory(prof, _db_te(batch=1)).peak
+
+
+# -- optimizers users pick ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "bytes_per_param"),
+    [("adamw", 8), ("adamw8bit", 2), ("prodigy", 16), ("dadaptation", 12), ("lion", 4), ("lion8bit", 1)],
+)
+def test_optimizer_state_bytes_from_their_state_tensors(prof, name, bytes_per_param):
+    """fp32 trainable weights: Prodigy keeps s, p0, exp_avg, exp_avg_sq; DAdaptAdam s, exp_avg, exp_avg_sq;
+    Lion exp_avg; the 8-bit variants one byte per state tensor."""
+    s = Settings(method="finetune", model="sd15", resolution=512, precision="bf16", optimizer=name)
+    m = P.memory(prof, s)
+    assert m.optimizer == pytest.approx(bytes_per_param * m.trainable_params)
+
+
+def test_half_weights_halve_the_optimizer_copies(prof):
+    base = dict(method="finetune", model="sdxl", resolution=1024, precision="bf16", optimizer="prodigy")
+    fp32 = P.memory(prof, Settings(**base)).optimizer
+    half = P.memory(prof, Settings(**base, full_half_weights=True)).optimizer
+    assert half == pytest.approx(fp32 / 2)
+
+
+def test_modelled_optimizers_have_a_step_cost_and_are_not_searched():
+    from sdplan import registry
+
+    assert set(registry.MODELLED_OPTIMIZERS) <= set(P.OPTIMIZER_STEP_BYTES)
+    assert {"prodigy", "lion", "dadaptation"}.isdisjoint(registry.OPTIMIZERS)

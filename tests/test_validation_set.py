@@ -212,8 +212,10 @@ def test_planner_accuracy_json_reports_out_of_sample_figures(points):
 
 def test_settings_the_planner_cannot_express_are_reported_not_dropped(prof, points):
     by_id = {p.id: p for p in points}
-    prodigy = accuracy.predict(prof, by_id["sdscripts1152-7900xtx-db-prodigy-oom"])
-    assert prodigy.peak_vram_bytes is None and any("prodigy" in r for r in prodigy.not_expressible)
+    unknown = accuracy.predict(prof, by_id["kohyass3296-5090-lora-b4-spill"])
+    assert unknown.peak_vram_bytes is None and any("optimizer unknown" in r for r in unknown.not_expressible)
+    prodigy = accuracy.predict(prof, by_id["sdscripts1152-7900xtx-db-prodigy-oom"])  # now modelled
+    assert not prodigy.not_expressible and prodigy.peak_vram_bytes > 0
     kohya = accuracy.predict(
         prof, by_id["sdscripts827-3090ti-lora-dim32"]
     )  # kohya's attn+ff targets: modelled
