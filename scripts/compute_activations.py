@@ -560,9 +560,16 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="add the LoRA target-set entries (attn_ff, attn_ff_conv) and per-rank counts to the existing --out",
     )
+    ap.add_argument(
+        "--only-traffic",
+        action="store_true",
+        help="add the bandwidth-bound bytes of the UNet forward (traffic) to the existing --out",
+    )
     args = ap.parse_args(argv)
     if args.only_lora_targets:
         return update_lora_targets(args)
+    if args.only_traffic:
+        return update_traffic(args)
 
     import diffusers
     import torch
@@ -577,6 +584,7 @@ def main(argv: list[str] | None = None) -> int:
         log(f"{fam}: {path}")
         result = compute_family(model, FAMILY_RESOLUTIONS[fam], log)
         merge_lora_targets(result, compute_lora_targets(model, FAMILY_RESOLUTIONS[fam], log))
+        result["traffic"] = measure_traffic(model, FAMILY_RESOLUTIONS[fam], log)
         if not args.keep_measured:
             result.pop("measured")
         families[fam] = result
@@ -596,6 +604,122 @@ def main(argv: list[str] | None = None) -> int:
     )
     args.out.write_text(header + yaml.safe_dump(doc, sort_keys=False, width=110))
     log(f"wrote {args.out}")
+    return 0
+
+
+# -- memory traffic of the bandwidth-bound ops (the roofline's byte term) -------------------------------------
+#
+# At the batch sizes of SD training many kernels (normalisations, activations, residual adds, casts, the
+# attention's reshapes) move more bytes than they compute: their time is bytes / memory bandwidth, not FLOPs /
+# TFLOPS. Counted on meta with a TorchDispatchMode: every op except the compute-bound ones (matmuls,
+# convolutions, fused attention: their FLOPs are measure_flops') adds the bytes of its tensor inputs and
+# outputs; views move nothing.
+COMPUTE_BOUND_OPS = (
+    "mm",
+    "addmm",
+    "bmm",
+    "baddbmm",
+    "convolution",
+    "_scaled_dot_product",
+    "linear",
+    "matmul",
+)
+VIEW_OPS = (
+    "view",
+    "_unsafe_view",
+    "reshape",
+    "transpose",
+    "permute",
+    "expand",
+    "slice",
+    "select",
+    "t",
+    "detach",
+    "unsqueeze",
+    "squeeze",
+    "split",
+    "chunk",
+    "alias",
+    "as_strided",
+    "unbind",
+    "lift_fresh",
+    "empty",
+    "zeros",
+)
+
+
+def count_traffic(fn) -> int:
+    """Bytes read + written by the bandwidth-bound ops ``fn`` dispatches (meta tensors)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    class Traffic(TorchDispatchMode):
+        total = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            name = func.__name__.split(".")[0].lstrip("_") if hasattr(func, "__name__") else str(func)
+            base = func._schema.name.split("::")[-1] if hasattr(func, "_schema") else name
+            if not base.startswith(COMPUTE_BOUND_OPS) and base not in VIEW_OPS:
+                flat, _ = tree_flatten((args, kwargs or {}, out))
+                Traffic.total += sum(
+                    t.numel() * t.element_size() for t in flat if isinstance(t, torch.Tensor)
+                )
+            return out
+
+    with Traffic(), torch.no_grad():
+        fn()
+    return Traffic.total
+
+
+def measure_traffic(model: dict, resolutions: tuple[int, ...], log) -> dict:
+    """UNet forward bytes of the bandwidth-bound ops per sample vs latent pixels (bf16, efficient attention)."""
+    import torch
+
+    unet = build_unet(model["unet"], "bf16")
+    unet.eval()
+    scale = int(model.get("vae_scale_factor", 8))
+    cfg = model["unet"]
+    meta = {"device": "meta", "dtype": torch.bfloat16}
+    pts = []
+    for res in resolutions:
+        side = res // scale
+        kwargs: dict[str, Any] = {}
+        if cfg.get("addition_embed_type") == "text_time":
+            pooled = int(cfg["projection_class_embeddings_input_dim"]) - 6 * int(
+                cfg["addition_time_embed_dim"]
+            )
+            kwargs["added_cond_kwargs"] = {
+                "text_embeds": torch.empty(1, pooled, **meta),
+                "time_ids": torch.empty(1, 6, **meta),
+            }
+        args = (
+            torch.empty(1, int(cfg.get("in_channels", 4)), side, side, **meta),
+            torch.zeros(1, device="meta", dtype=torch.long),
+            torch.empty(
+                1, int(model.get("tokenizer_max_length", 77)), int(cfg["cross_attention_dim"]), **meta
+            ),
+        )
+        with attention_backend("efficient", "bf16"):
+            pts.append((1, side * side, count_traffic(lambda a=args, k=kwargs: unet(*a, **k))))
+    coef, err = fit(pts, quadratic=False, with_fixed=False)
+    log(f"  {model['family']} UNet forward bandwidth-bound bytes: {coef} (fit error {err:.4f})")
+    return {"unet_forward_bytes": coef}
+
+
+def update_traffic(args) -> int:
+    """Add each family's ``traffic`` entry to an existing activations file (its other entries kept)."""
+    text = args.out.read_text()
+    header = "".join(line + "\n" for line in text.splitlines() if line.startswith("#"))
+    doc = yaml.safe_load(text)
+    for fam in args.families.split(","):
+        model = yaml.safe_load((args.models_dir / f"{fam}.yaml").read_text())
+        log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+        doc["families"][fam]["traffic"] = measure_traffic(model, FAMILY_RESOLUTIONS[fam], log)
+    if "traffic added" not in doc["source"]:
+        doc["source"] += "; traffic added by --only-traffic"
+    args.out.write_text(header + yaml.safe_dump(doc, sort_keys=False, width=110))
     return 0
 
 

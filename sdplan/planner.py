@@ -49,6 +49,12 @@ RAM_PER_PROCESS = 3 * GiB  # python + torch + CUDA host allocations + data loadi
 GC_TIME_FACTOR = 1.25  # gradient checkpointing: ~20-30% slower (field notes 2; invoke-training PR 22)
 OFFLOAD_TIME_FACTOR = 3.5  # DeepSpeed optimizer offload: 3-4x slower (lunar-diffusion notes)
 STEP_OVERHEAD_S = 0.03  # python, data loading and kernel launch per micro-step
+# Roofline byte term: the bandwidth-bound ops (norms, activations, residual adds, casts; counted on meta by
+# scripts/compute_activations.py --only-traffic) move their bytes at this share of the spec-sheet memory
+# bandwidth; the backward moves about twice the forward's bytes (read the saved input and the incoming gradient,
+# write the outgoing one), checkpointing adds one more forward.
+BANDWIDTH_EFFICIENCY = 0.7
+BACKWARD_TRAFFIC = 2.0
 STARTUP_S = 60.0  # loading the model, building the optimizer, first compilation
 MIN_MULTI_GPU_GAIN = 0.05  # use more GPUs only when the whole run gets at least this much shorter
 PCIE_GBS = {1: 4.0, 2: 8.0, 3: 16.0, 4: 32.0, 5: 64.0, 6: 128.0}  # x16, one direction
@@ -353,9 +359,27 @@ def step_flops(profiles: Profiles, s: Settings) -> float:
     return unet + other
 
 
+def step_traffic_bytes(profiles: Profiles, s: Settings) -> float:
+    """Bytes the bandwidth-bound ops of the UNet move in one micro-step (0 when not computed for the family)."""
+    model = profiles.model(s.model)
+    batch = s.batch * (2 if s.prior_preservation else 1)
+    latent = (s.resolution // model.vae_scale_factor) ** 2
+    forward = profiles.activations.unet_forward_traffic_bytes(s.model, latent)
+    if forward is None:
+        return 0.0
+    passes = 1.0 + BACKWARD_TRAFFIC + (1.0 if s.gradient_checkpointing else 0.0)
+    return forward * batch * passes
+
+
+def step_traffic_seconds(profiles: Profiles, s: Settings, spec: GPUSpec | None) -> float:
+    if spec is None or not spec.memory_bandwidth_gbs:
+        return 0.0
+    return step_traffic_bytes(profiles, s) / (spec.memory_bandwidth_gbs * 1e9 * BANDWIDTH_EFFICIENCY)
+
+
 def gpu_tflops(gpu: HWGPU | GPUSpec | None, precision: str) -> float | None:
     spec = gpu if isinstance(gpu, GPUSpec) else (gpu.spec if gpu is not None else None)
-    return spec.tflops(precision) if spec is not None else None
+    return spec.matmul_tflops(precision) if spec is not None else None
 
 
 def step_seconds(
@@ -368,6 +392,7 @@ def step_seconds(
     spec = gpu if isinstance(gpu, GPUSpec) else gpu.spec
     model = profiles.model(s.model)
     compute = step_flops(profiles, s) / (tflops * 1e12 * cal.efficiency_for(spec))
+    compute += step_traffic_seconds(profiles, s, spec)
     t = trainable_params(model, s, profiles)
     opt = t * OPTIMIZER_STEP_BYTES.get(s.optimizer, 28) / (spec.memory_bandwidth_gbs * 1e9) / s.grad_accum
     seconds = compute + opt + STEP_OVERHEAD_S
@@ -406,8 +431,8 @@ def calibrate(profiles: Profiles) -> Calibration:
         if not it_s or spec is None or p.num_gpus != 1:
             continue
         s = setup_from_point(p)
-        ideal = step_flops(profiles, s) / (spec.tflops(s.precision) * 1e12)
-        measured = 1.0 / it_s - STEP_OVERHEAD_S
+        ideal = step_flops(profiles, s) / (spec.matmul_tflops(s.precision) * 1e12)
+        measured = 1.0 / it_s - STEP_OVERHEAD_S - step_traffic_seconds(profiles, s, spec)
         if measured > 0:
             eff.append((p.id, ideal / measured, spec.family))
     efficiency = _geomean([e for _, e, _ in eff]) if eff else 0.1

@@ -150,6 +150,12 @@ GPU_SCHEMA = {
     "fp16_tflops": F(NUM, check=_positive),
     "bf16_tflops": F(OPT_NUM, check=_positive),
     "memory_bandwidth_gbs": F(NUM, check=_positive),
+    # a measured torch.matmul peak (large square GEMMs, TFLOPS), where one was published; its source in `source`
+    "measured_matmul_tflops": F(
+        (dict,),
+        required=False,
+        sub={"fp16": F(NUM, check=_positive), "bf16": F(OPT_NUM, required=False, check=_positive)},
+    ),
     "pcie_gen": F((int, type(None)), check=_positive),
     "interconnect": F(
         (dict, type(None)),
@@ -300,6 +306,7 @@ class GPUSpec:
     pcie_gen: int | None
     interconnect: dict | None
     source: str
+    measured_matmul_tflops: dict | None = None
 
     @property
     def memory_bytes(self) -> int:
@@ -312,6 +319,18 @@ class GPUSpec:
         if precision == "fp32":
             return float(self.fp16_tflops) / 4.0
         return float(self.fp16_tflops)
+
+    def matmul_tflops(self, precision: str) -> float:
+        """What a large GEMM sustains: the measured torch.matmul peak where one was published (a T4 at 70 W
+        sustains ~42 of its 65 TFLOPS; GeForce cards exceed their FP32-accumulate rating), else the rating."""
+        m = self.measured_matmul_tflops
+        if m and precision in ("fp16", "bf16") and m.get(precision):
+            return float(m[precision])
+        if m and precision == "bf16" and self.bf16 and m.get("fp16"):
+            return float(m["fp16"])
+        if m and precision == "fp32" and m.get("fp16"):
+            return float(m["fp16"]) / 4.0
+        return self.tflops(precision)
 
 
 @dataclass(frozen=True)
@@ -458,6 +477,11 @@ class Activations:
 
     def unet_forward_flops(self, family: str, latent_pixels: int) -> float:
         return self._eval(self.families[family]["flops"]["unet_forward"], 1, latent_pixels)
+
+    def unet_forward_traffic_bytes(self, family: str, latent_pixels: int) -> float | None:
+        """Bytes the bandwidth-bound ops of one UNet forward move per sample (None: not computed)."""
+        traffic = self.families[family].get("traffic")
+        return self._eval(traffic["unet_forward_bytes"], 1, latent_pixels) if traffic else None
 
     def vae_encode_flops(self, family: str, latent_pixels: int) -> float:
         return self._eval(self.families[family]["flops"]["vae_encode"], 1, latent_pixels)
@@ -744,6 +768,7 @@ def load_gpus(path: Path) -> tuple[GPUSpec, ...]:
                 pcie_gen=g["pcie_gen"],
                 interconnect=g["interconnect"],
                 source=g["source"],
+                measured_matmul_tflops=g.get("measured_matmul_tflops"),
             )
         )
     if errors:
@@ -841,6 +866,7 @@ def load_activations(path: Path) -> Activations:
             sub={"unet_forward": _COEF, "vae_encode": _COEF, "text_encoders_forward": F((int,))},
         ),
         "measured": F((list,), required=False),
+        "traffic": F((dict,), required=False, sub={"unet_forward_bytes": _COEF}),
         "lora_params_per_rank": F(
             (dict,),
             required=False,

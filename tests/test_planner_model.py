@@ -151,3 +151,38 @@ def test_modelled_optimizers_have_a_step_cost_and_are_not_searched():
 
     assert set(registry.MODELLED_OPTIMIZERS) <= set(P.OPTIMIZER_STEP_BYTES)
     assert {"prodigy", "lion", "dadaptation"}.isdisjoint(registry.OPTIMIZERS)
+
+
+# -- speed: measured GEMM rates and the bandwidth-bound bytes ---------------------------------------------
+
+
+def test_measured_matmul_rate_replaces_the_rating(prof):
+    t4 = prof.find_gpu("T4")  # 65 TFLOPS on the datasheet; 42 measured at 70 W
+    assert t4.tflops("fp16") == 65.0 and t4.matmul_tflops("fp16") == pytest.approx(42.3)
+    assert P.gpu_tflops(t4, "fp16") == pytest.approx(42.3)
+    unmeasured = prof.find_gpu("RTX 3090 Ti")
+    assert unmeasured.measured_matmul_tflops is None
+    assert unmeasured.matmul_tflops("bf16") == unmeasured.tflops("bf16")
+
+
+def test_bandwidth_bound_bytes_cost_time_on_a_slower_memory(prof):
+    from dataclasses import replace
+
+    s = _lora(model="sdxl", resolution=1024, lora_targets=P.LORA_TARGETS_KOHYA)
+    fast = prof.find_gpu("RTX 4090")
+    slow = replace(fast, memory_bandwidth_gbs=fast.memory_bandwidth_gbs / 4)
+    cal = P.calibrate(prof)
+    assert P.step_seconds(prof, s, slow, cal) > P.step_seconds(prof, s, fast, cal)
+    moved = P.step_traffic_bytes(prof, s)
+    extra = moved / (slow.memory_bandwidth_gbs * 1e9 * P.BANDWIDTH_EFFICIENCY) - moved / (
+        fast.memory_bandwidth_gbs * 1e9 * P.BANDWIDTH_EFFICIENCY
+    )
+    # the bytes' time (plus the optimizer step's own traffic) is what the slower memory adds
+    added = P.step_seconds(prof, s, slow, cal) - P.step_seconds(prof, s, fast, cal)
+    assert extra > 0 and extra <= added < 1.1 * extra
+
+
+def test_checkpointing_moves_one_more_forward_of_bytes(prof):
+    plain = P.step_traffic_bytes(prof, _lora())
+    gc = P.step_traffic_bytes(prof, _lora(gradient_checkpointing=True))
+    assert gc / plain == pytest.approx((2 + P.BACKWARD_TRAFFIC) / (1 + P.BACKWARD_TRAFFIC))
