@@ -3,24 +3,32 @@
 Memory model (bytes per GPU), each term from the model family's real parameter counts and the activation
 coefficients computed on the meta device (profiles/activations.yaml):
 
-- trainable weights: fp32 master copies (4 B) under mixed precision, 2 B with fully-half weights;
-  gradients the same; AdamW state 8 B (2 x fp32), bitsandbytes 8-bit AdamW 2 B (75% less), Adafactor the
-  factored second moment computed from the real tensor shapes (no first moment: kohya/transformers defaults);
+- trainable weights: fp32 master copies (4 B) under mixed precision, 2 B with fully-half weights; gradients the
+  same; optimizer state from each implementation's state tensors (OPTIMIZER_STATE: AdamW 2 copies, Prodigy 4,
+  D-Adaptation 3, Lion 1, bitsandbytes 8-bit 1 byte per state), Adafactor the factored second moment computed
+  from the real tensor shapes (no first moment: kohya/transformers defaults);
+- LoRA: rank x the per-rank parameter count of its target set (attention projections; kohya's
+  Transformer2DModel linears; + LoCon's ResNet convs; text-encoder attention or attention + MLP), counted on
+  meta from the layer shapes, and that set's saved activations;
 - frozen weights: 2 B under fp16/bf16, 4 B in fp32 (the UNet for LoRA / textual inversion, text encoder(s)
   unless their outputs are cached, the VAE unless latents are cached);
 - EMA: a fp32 copy of the UNet on the GPU (or in host RAM);
 - autocast's half copies of fp32 trainable weights, held from forward to backward;
 - activations: the UNet's saved tensors for batch x latent pixels (+ the recomputed segment with gradient
   checkpointing), the trained text encoder's, times a calibrated factor for the backward transient;
+- with zero_grad(set_to_none=True) the gradients exist only from the backward on: the peak holds
+  max(activations + half copies, gradients + step temporaries or the last recomputed segment), not both;
 - the AdamW (foreach) step transient, CUDA context and allocator overhead (calibrated);
 - DeepSpeed ZeRO-2/1 with optimizer offload: half weights + reduction buckets on the GPU, and
   P x max(4G, 16) x 1.5 bytes in host RAM (DeepSpeed's own estimator).
 
-Time model: the UNet / VAE / text-encoder FLOPs (counted on meta, activations.yaml) over the GPU's dense
-half-precision TFLOPS times an efficiency fitted on the published speed points; gradient checkpointing
-+25%; offload x3.5; multi-GPU: the gradient all-reduce over the interconnect once per optimizer step, with a
-link efficiency fitted on Puget's 2x RTX 4090 observations. A measured point for the same GPU and settings
-(local profile store) or a published one is used directly.
+Time model (roofline-style sum): the UNet / VAE / text-encoder FLOPs (counted on meta, activations.yaml) over
+the GPU's measured torch.matmul rate where one was published (else its dense half-precision rating) times an
+efficiency fitted on the published speed points, plus the bytes the bandwidth-bound ops move (counted on meta)
+over the memory bandwidth, plus the optimizer step's traffic; gradient checkpointing +25%; offload x3.5;
+multi-GPU: the gradient all-reduce over the interconnect once per optimizer step, with a link efficiency
+fitted on Puget's 2x RTX 4090 observations. A measured point for the same GPU and settings (local profile
+store) or a published one is used directly.
 
 Why one module of ~950 lines: the memory model, the time model, the calibration and the search share their
 constants and are checked together (benchmarks/planner_accuracy.py); the configuration searched over is
