@@ -565,7 +565,14 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="add the bandwidth-bound bytes of the UNet forward (traffic) to the existing --out",
     )
+    ap.add_argument(
+        "--only-sampling",
+        action="store_true",
+        help="add the sampling peaks (UNet inference, VAE decode) to the existing --out",
+    )
     args = ap.parse_args(argv)
+    if args.only_sampling:
+        return update_sampling(args)
     if args.only_lora_targets:
         return update_lora_targets(args)
     if args.only_traffic:
@@ -585,6 +592,7 @@ def main(argv: list[str] | None = None) -> int:
         result = compute_family(model, FAMILY_RESOLUTIONS[fam], log)
         merge_lora_targets(result, compute_lora_targets(model, FAMILY_RESOLUTIONS[fam], log))
         result["traffic"] = measure_traffic(model, FAMILY_RESOLUTIONS[fam], log)
+        result["sampling"] = measure_sampling(model, FAMILY_RESOLUTIONS[fam], log)
         if not args.keep_measured:
             result.pop("measured")
         families[fam] = result
@@ -719,6 +727,119 @@ def update_traffic(args) -> int:
         doc["families"][fam]["traffic"] = measure_traffic(model, FAMILY_RESOLUTIONS[fam], log)
     if "traffic added" not in doc["source"]:
         doc["source"] += "; traffic added by --only-traffic"
+    args.out.write_text(header + yaml.safe_dump(doc, sort_keys=False, width=110))
+    return 0
+
+
+# -- peaks outside the training step: sampling (UNet inference, VAE decode) ---------------------------------
+#
+# sdplan's trainer samples a grid at the end of training (and every sampling.every_steps) with the training
+# state resident. Its transient is the largest of the UNet's no-grad forward (classifier-free guidance: batch 2)
+# and the VAE decode at full resolution. Measured as the peak of live tensor bytes on meta: a TorchDispatchMode
+# adds every new output storage and a finalizer on each tensor returns the bytes when the last one dies.
+
+
+def peak_live_bytes(fn) -> int:
+    """The peak bytes of tensors ``fn`` creates and holds at once (no grad, meta tensors; its inputs excluded)."""
+    import weakref
+
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    live = {"now": 0, "peak": 0}
+    storages: dict[int, list[int]] = {}  # storage key -> [live tensor objects, bytes]
+
+    def release(key: int) -> None:
+        entry = storages.get(key)
+        if entry is None:
+            return
+        entry[0] -= 1
+        if entry[0] == 0:
+            live["now"] -= entry[1]
+            del storages[key]
+
+    class Live(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in tree_flatten(out)[0]:
+                if not isinstance(t, torch.Tensor):
+                    continue
+                key = t.untyped_storage()._cdata
+                if key not in storages:
+                    storages[key] = [0, int(t.untyped_storage().nbytes())]
+                    live["now"] += storages[key][1]
+                    live["peak"] = max(live["peak"], live["now"])
+                storages[key][0] += 1
+                weakref.finalize(t, release, key)
+            return out
+
+    with Live(), torch.no_grad():
+        result = fn()
+    del result
+    return live["peak"]
+
+
+def measure_sampling(model: dict, resolutions: tuple[int, ...], log) -> dict:
+    """Per-sample peaks of the UNet's inference forward (bf16, batch 2 for guidance) and the VAE decode
+    (bf16 and fp32: the SD VAE decodes in fp32 under fp16), fitted against latent pixels."""
+    import torch
+    from accelerate import init_empty_weights
+    from diffusers import AutoencoderKL
+
+    scale = int(model.get("vae_scale_factor", 8))
+    cfg = model["unet"]
+    unet = build_unet(cfg, "bf16")
+    unet.eval()
+    with init_empty_weights():
+        vae = AutoencoderKL.from_config(dict(model["vae"]))
+    vae.eval()
+    unet_pts: list[tuple[int, int, int]] = []
+    vae_pts: dict[str, list[tuple[int, int, int]]] = {"bf16": [], "fp32": []}
+    for res in resolutions:
+        side = res // scale
+        meta = {"device": "meta", "dtype": torch.bfloat16}
+        kwargs: dict[str, Any] = {}
+        if cfg.get("addition_embed_type") == "text_time":
+            pooled = int(cfg["projection_class_embeddings_input_dim"]) - 6 * int(
+                cfg["addition_time_embed_dim"]
+            )
+            kwargs["added_cond_kwargs"] = {
+                "text_embeds": torch.empty(2, pooled, **meta),
+                "time_ids": torch.empty(2, 6, **meta),
+            }
+        args = (
+            torch.empty(2, int(cfg.get("in_channels", 4)), side, side, **meta),
+            torch.zeros(2, device="meta", dtype=torch.long),
+            torch.empty(
+                2, int(model.get("tokenizer_max_length", 77)), int(cfg["cross_attention_dim"]), **meta
+            ),
+        )
+        with attention_backend("efficient", "bf16"):
+            unet_pts.append((1, side * side, peak_live_bytes(lambda a=args, k=kwargs: unet(*a, **k))))
+        for dtype_name in ("bf16", "fp32"):
+            vae.to(_torch_dtype(dtype_name))
+            z = torch.empty(1, int(model.get("latent_channels", 4)), side, side, device="meta")
+            z = z.to(_torch_dtype(dtype_name))
+            with attention_backend("efficient", dtype_name):
+                vae_pts[dtype_name].append((1, side * side, peak_live_bytes(lambda x=z: vae.decode(x))))
+    out = {"unet_inference_peak": fit(unet_pts, quadratic=False, with_fixed=False)[0]}
+    out["vae_decode_peak"] = {k: fit(v, quadratic=False, with_fixed=False)[0] for k, v in vae_pts.items()}
+    log(f"  {model['family']} sampling peaks: {out}")
+    return out
+
+
+def update_sampling(args) -> int:
+    """Add each family's ``sampling`` entry to an existing activations file (its other entries kept)."""
+    text = args.out.read_text()
+    header = "".join(line + "\n" for line in text.splitlines() if line.startswith("#"))
+    doc = yaml.safe_load(text)
+    for fam in args.families.split(","):
+        model = yaml.safe_load((args.models_dir / f"{fam}.yaml").read_text())
+        log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+        doc["families"][fam]["sampling"] = measure_sampling(model, FAMILY_RESOLUTIONS[fam], log)
+    if "sampling added" not in doc["source"]:
+        doc["source"] += "; sampling added by --only-sampling"
     args.out.write_text(header + yaml.safe_dump(doc, sort_keys=False, width=110))
     return 0
 

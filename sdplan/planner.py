@@ -156,9 +156,13 @@ class Memory:
     overhead: float
     peak: float
     ram: float
+    # sdplan's trainer samples a grid at the end (and every sampling.every_steps) with the training state
+    # resident: that peak, beside the step's (0 when the family has no sampling coefficients)
+    sampling_peak: float = 0.0
 
     def parts(self) -> dict[str, int]:
-        return {k: int(v) for k, v in asdict(self).items() if k not in ("peak", "ram", "trainable_params")}
+        skip = ("peak", "ram", "trainable_params", "sampling_peak")
+        return {k: int(v) for k, v in asdict(self).items() if k not in skip}
 
 
 # -- memory ----------------------------------------------------------------------------------------------
@@ -312,6 +316,10 @@ def memory(profiles: Profiles, s: Settings) -> Memory:
         base = weights + frozen + grads + opt + ema
         allocated = base + max(activations + autocast, step)
     overhead = CUDA_CONTEXT_BYTES + ALLOCATOR_OVERHEAD * allocated
+    kept_grads = 0.0 if (s.set_grads_to_none and not s.offload) else grads - buckets
+    sampling = sampling_peak_bytes(
+        profiles, s, resident=weights + buckets + kept_grads + opt + ema, trained=t, trained_bytes=tb
+    )
     return Memory(
         trainable_params=t,
         weights=weights,
@@ -325,6 +333,45 @@ def memory(profiles: Profiles, s: Settings) -> Memory:
         overhead=overhead,
         peak=allocated + overhead,
         ram=ram * s.num_gpus,
+        sampling_peak=sampling,
+    )
+
+
+def sampling_peak_bytes(
+    profiles: Profiles, s: Settings, *, resident: float, trained: int, trained_bytes: int
+) -> float:
+    """Peak bytes while sdplan's trainer samples (trainer/outputs.py): the resident training state, every
+    component back on the GPU (the VAE and text encoders return even when their outputs were cached; the VAE
+    in fp32 unless bf16), autocast's half copies of the fp32 trained weights (the pipeline runs inside one
+    autocast region, whose cache holds them until it ends), and the larger of the UNet's guided inference
+    forward and the VAE decode at the training resolution (both measured on meta). 0 when the family's
+    profile has no sampling coefficients."""
+    sampling = profiles.activations.families[s.model].get("sampling")
+    if not sampling:
+        return 0.0
+    model = profiles.model(s.model)
+    half = _half(s.precision)
+    wb = 2 if half else 4
+    full = s.method in FULL_METHODS
+    comps = 0.0 if full else model.params_unet * wb
+    if s.method == "textual-inversion":
+        comps += (model.text_encoder_params - trained) * 4
+    elif not (full and s.train_text_encoder):
+        comps += model.text_encoder_params * wb
+    vae_dtype = "bf16" if s.precision == "bf16" else "fp32"
+    comps += model.params_vae * (2 if vae_dtype == "bf16" else 4)
+    autocast = trained * 2.0 if (half and trained_bytes == 4 and not s.offload) else 0.0
+    latent = (s.resolution // model.vae_scale_factor) ** 2
+    unet = _coef_bytes(sampling["unet_inference_peak"], latent)
+    vae = _coef_bytes(sampling["vae_decode_peak"][vae_dtype], latent)
+    allocated = resident + comps + autocast + max(unet, vae)
+    return allocated + CUDA_CONTEXT_BYTES + ALLOCATOR_OVERHEAD * allocated
+
+
+def _coef_bytes(coef: dict, latent_pixels: int) -> float:
+    """One sample's bytes from a per-sample coefficient set of activations.yaml."""
+    return max(
+        0.0, coef["linear"] * latent_pixels + coef["quadratic"] * latent_pixels**2 + coef["per_sample"]
     )
 
 

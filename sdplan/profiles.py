@@ -867,6 +867,14 @@ def load_activations(path: Path) -> Activations:
         ),
         "measured": F((list,), required=False),
         "traffic": F((dict,), required=False, sub={"unet_forward_bytes": _COEF}),
+        "sampling": F(
+            (dict,),
+            required=False,
+            sub={
+                "unet_inference_peak": _COEF,
+                "vae_decode_peak": F((dict,), sub={"bf16": _COEF, "fp32": _COEF}),
+            },
+        ),
         "lora_params_per_rank": F(
             (dict,),
             required=False,

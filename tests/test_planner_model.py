@@ -186,3 +186,48 @@ def test_checkpointing_moves_one_more_forward_of_bytes(prof):
     plain = P.step_traffic_bytes(prof, _lora())
     gc = P.step_traffic_bytes(prof, _lora(gradient_checkpointing=True))
     assert gc / plain == pytest.approx((2 + P.BACKWARD_TRAFFIC) / (1 + P.BACKWARD_TRAFFIC))
+
+
+# -- peaks outside the step: sampling with the training state resident --------------------------------------
+
+
+def test_sampling_brings_cached_components_back_and_decodes_at_full_size(prof):
+    """SDXL LoRA with cached latents and text-encoder outputs: the step leaves the VAE and the text encoders
+    off the GPU, the final sample grid brings them back and decodes 1024 px (fp32 VAE under fp16)."""
+    s = _lora(
+        model="sdxl",
+        resolution=1024,
+        precision="fp16",
+        gradient_checkpointing=True,
+        cache_latents=True,
+        cache_text_encoder_outputs=True,
+    )
+    m = P.memory(prof, s)
+    model = prof.model("sdxl")
+    assert m.sampling_peak > m.peak
+    assert m.sampling_peak - m.peak > model.text_encoder_params * 2 + model.params_vae * 4
+    assert "sampling_peak" not in m.parts()
+    smaller = P.memory(prof, _lora(model="sdxl", resolution=512, precision="fp16", cache_latents=True))
+    assert smaller.sampling_peak < m.sampling_peak
+
+
+@pytest.mark.slow
+def test_peak_live_bytes_counts_what_is_alive_at_once():
+    pytest.importorskip("torch")
+    import torch
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import compute_activations as ca
+    finally:
+        sys.path.pop(0)
+    x = torch.empty(1024 * 1024, device="meta")  # 4 MiB, created outside: not counted
+
+    def chain():
+        y = x * 2  # 4 MiB
+        z = y * 2  # 4 MiB, y still alive
+        del y
+        w = z * 2  # 4 MiB, y freed: still 8 MiB live
+        return w.sum()
+
+    assert ca.peak_live_bytes(chain) == 2 * 4 * 2**20 + 4
