@@ -682,7 +682,9 @@ def count_traffic(fn) -> int:
 
 
 def measure_traffic(model: dict, resolutions: tuple[int, ...], log) -> dict:
-    """UNet forward bytes of the bandwidth-bound ops per sample vs latent pixels (bf16, efficient attention)."""
+    """UNet forward bytes of the bandwidth-bound ops per sample vs latent pixels (bf16), with the efficient
+    attention kernels and with the math path (which writes and reads the whole attention matrix: its softmax,
+    scaling and copies are bandwidth-bound, a quadratic term)."""
     import torch
 
     unet = build_unet(model["unet"], "bf16")
@@ -690,7 +692,7 @@ def measure_traffic(model: dict, resolutions: tuple[int, ...], log) -> dict:
     scale = int(model.get("vae_scale_factor", 8))
     cfg = model["unet"]
     meta = {"device": "meta", "dtype": torch.bfloat16}
-    pts = []
+    pts: dict[str, list[tuple[int, int, int]]] = {"efficient": [], "math": []}
     for res in resolutions:
         side = res // scale
         kwargs: dict[str, Any] = {}
@@ -709,11 +711,14 @@ def measure_traffic(model: dict, resolutions: tuple[int, ...], log) -> dict:
                 1, int(model.get("tokenizer_max_length", 77)), int(cfg["cross_attention_dim"]), **meta
             ),
         )
-        with attention_backend("efficient", "bf16"):
-            pts.append((1, side * side, count_traffic(lambda a=args, k=kwargs: unet(*a, **k))))
-    coef, err = fit(pts, quadratic=False, with_fixed=False)
+        for backend in pts:
+            with attention_backend(backend, "bf16"):
+                pts[backend].append((1, side * side, count_traffic(lambda a=args, k=kwargs: unet(*a, **k))))
+    coef, err = fit(pts["efficient"], quadratic=False, with_fixed=False)
+    math_coef, math_err = fit(pts["math"], quadratic=True, with_fixed=False)
     log(f"  {model['family']} UNet forward bandwidth-bound bytes: {coef} (fit error {err:.4f})")
-    return {"unet_forward_bytes": coef}
+    log(f"  {model['family']} ... with math attention: {math_coef} (fit error {math_err:.4f})")
+    return {"unet_forward_bytes": coef, "unet_forward_bytes_math": math_coef}
 
 
 def update_traffic(args) -> int:

@@ -419,7 +419,7 @@ def step_traffic_bytes(profiles: Profiles, s: Settings) -> float:
     model = profiles.model(s.model)
     batch = s.batch * (2 if s.prior_preservation else 1)
     latent = (s.resolution // model.vae_scale_factor) ** 2
-    forward = profiles.activations.unet_forward_traffic_bytes(s.model, latent)
+    forward = profiles.activations.unet_forward_traffic_bytes(s.model, latent, s.attention)
     if forward is None:
         return 0.0
     passes = 1.0 + BACKWARD_TRAFFIC + (1.0 if s.gradient_checkpointing else 0.0)

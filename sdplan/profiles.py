@@ -478,10 +478,16 @@ class Activations:
     def unet_forward_flops(self, family: str, latent_pixels: int) -> float:
         return self._eval(self.families[family]["flops"]["unet_forward"], 1, latent_pixels)
 
-    def unet_forward_traffic_bytes(self, family: str, latent_pixels: int) -> float | None:
-        """Bytes the bandwidth-bound ops of one UNet forward move per sample (None: not computed)."""
+    def unet_forward_traffic_bytes(
+        self, family: str, latent_pixels: int, attention: str = "efficient"
+    ) -> float | None:
+        """Bytes the bandwidth-bound ops of one UNet forward move per sample (None: not computed); the math
+        attention path also moves its attention matrices."""
         traffic = self.families[family].get("traffic")
-        return self._eval(traffic["unet_forward_bytes"], 1, latent_pixels) if traffic else None
+        if not traffic:
+            return None
+        coef = traffic.get("unet_forward_bytes_math") if attention == "math" else None
+        return self._eval(coef or traffic["unet_forward_bytes"], 1, latent_pixels)
 
     def vae_encode_flops(self, family: str, latent_pixels: int) -> float:
         return self._eval(self.families[family]["flops"]["vae_encode"], 1, latent_pixels)
@@ -866,7 +872,14 @@ def load_activations(path: Path) -> Activations:
             sub={"unet_forward": _COEF, "vae_encode": _COEF, "text_encoders_forward": F((int,))},
         ),
         "measured": F((list,), required=False),
-        "traffic": F((dict,), required=False, sub={"unet_forward_bytes": _COEF}),
+        "traffic": F(
+            (dict,),
+            required=False,
+            sub={
+                "unet_forward_bytes": _COEF,
+                "unet_forward_bytes_math": F((dict,), required=False, sub=_COEF.sub),
+            },
+        ),
         "sampling": F(
             (dict,),
             required=False,

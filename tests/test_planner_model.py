@@ -231,3 +231,15 @@ def test_peak_live_bytes_counts_what_is_alive_at_once():
         return w.sum()
 
     assert ca.peak_live_bytes(chain) == 2 * 4 * 2**20 + 4
+
+
+def test_math_attention_moves_its_attention_matrices(prof):
+    """The math path writes and reads the whole attention matrix (softmax, scaling): bandwidth-bound bytes
+    that grow with the square of the latent pixels, so it is slower than the fused kernels on the same GPU."""
+    eff = P.step_traffic_bytes(prof, _lora(attention="efficient"))
+    math = P.step_traffic_bytes(prof, _lora(attention="math"))
+    assert math > 2 * eff
+    big = P.step_traffic_bytes(prof, _lora(attention="math", resolution=1024))
+    assert big / math > 4  # more than linear in the latent pixels
+    gpu, cal = prof.find_gpu("RTX 3090"), P.calibrate(prof)
+    assert P.step_seconds(prof, _lora(attention="math"), gpu, cal) > P.step_seconds(prof, _lora(), gpu, cal)
