@@ -38,13 +38,21 @@ NO_LOCAL_STORE = Path(__file__).resolve().parent / "validation" / "no-local-stor
 
 # -- the adapter: the only place that calls sdplan.planner --------------------------------------------------
 
-PLANNED_OPTIMIZERS = ("adamw", "adamw8bit", "adafactor")
+PLANNED_OPTIMIZERS = P.registry.MODELLED_OPTIMIZERS
 PLANNER_ATTENTION = {
     "xformers": "efficient",
     "sdpa": "efficient",
     "flash": "efficient",
     "efficient": "efficient",
     "none": "math",
+}
+
+
+# the validation schema's LoRA target names -> the peft target modules the planner reads (sdplan.planner)
+PLANNER_LORA_TARGETS = {
+    "attn": P.LORA_TARGETS_ATTN,
+    "attn+ff": P.LORA_TARGETS_KOHYA,
+    "attn+ff+conv": P.LORA_TARGETS_LOCON,
 }
 
 
@@ -69,8 +77,6 @@ def predict(profiles: Profiles, point: "Point", *, interconnect: str = "pcie") -
         reasons.append(f"method {point.method}: not planned")
     if point.optimizer not in PLANNED_OPTIMIZERS:
         reasons.append(f"optimizer {point.optimizer}: not modelled (only {', '.join(PLANNED_OPTIMIZERS)})")
-    if point.method == "lora" and point.lora_targets != "attn":
-        reasons.append(f"LoRA on {point.lora_targets}: only attention projections are modelled")
     if point.method == "lora" and point.lora_rank is None:
         reasons.append("LoRA rank not stated")
     if point.attention not in PLANNER_ATTENTION:
@@ -94,9 +100,13 @@ def predict(profiles: Profiles, point: "Point", *, interconnect: str = "pcie") -
         deepspeed=point.deepspeed,
         ema=point.ema,
         lora_rank=point.lora_rank or 16,
-        prior_preservation=point.prior_preservation,
+        lora_targets=PLANNER_LORA_TARGETS.get(point.lora_targets) if point.method == "lora" else None,
+        # kohya's regularization images are drawn into the same micro-batch (train_batch_size counts them; the
+        # steps double instead); diffusers' prior preservation concatenates a class batch to each batch
+        prior_preservation=point.prior_preservation and "kohya" not in point.tool.lower(),
         fused_backward=point.fused_backward,
         full_half_weights=point.full_half_weights,
+        set_grads_to_none=point.set_grads_to_none,
         num_gpus=point.num_gpus,
     )
     mem = P.memory(profiles, setup)
@@ -142,6 +152,8 @@ class Point:
     ema: str | None = None
     deepspeed: dict | None = None
     fused_backward: bool = False
+    tool: str = ""  # the training tool, as the validation point names it
+    set_grads_to_none: bool = True  # torch >= 2.0's zero_grad default; torch 1.x kept zeroed gradients
     unmodelled: tuple[str, ...] = ()
     peak_vram_gib: float | None = None
     ram_gib: float | None = None
@@ -205,6 +217,7 @@ VALIDATION_POINT_SCHEMA = {
         required=False,
         sub={"zero_stage": F((int,), check=_one_of(1, 2, 3)), "offload_optimizer": F(B)},
     ),
+    "set_grads_to_none": F(B, required=False),
     "unmodelled": F((list,), required=False, item=F((str,))),
     "measured": F((dict,), sub=MEASURED_SCHEMA),
     "source": F((dict,), sub={"url": F((str,)), "quote": F((str,))}),
@@ -309,6 +322,8 @@ def _point_from_yaml(d: dict) -> Point:
         prior_preservation=d["prior_preservation"],
         ema=d["ema"],
         deepspeed=d.get("deepspeed"),
+        set_grads_to_none=d.get("set_grads_to_none", True),
+        tool=d["tool"],
         unmodelled=tuple(d.get("unmodelled") or ()),
         peak_vram_gib=m["peak_vram_gib"],
         it_s=m["it_s"],
@@ -367,6 +382,7 @@ def profile_points(prof: Profiles) -> list[Point]:
                 ema=o.ema,
                 deepspeed=o.deepspeed,
                 fused_backward=o.fused_backward,
+                set_grads_to_none=o.set_grads_to_none,
                 peak_vram_gib=p.outcome.get("peak_vram_gib"),
                 ram_gib=p.outcome.get("ram_gib"),
                 it_s=p.outcome.get("it_s"),

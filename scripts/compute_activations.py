@@ -163,6 +163,9 @@ def build_unet(unet_config: dict, dtype_name: str):
 
 
 def set_trained(unet, trained: str) -> None:
+    if trained in LORA_TARGET_SETS:
+        set_lora_trained(unet, trained)
+        return
     for name, p in unet.named_parameters():
         p.requires_grad_(trained == "unet" or (".attn" in name and ".to_" in name))
 
@@ -745,6 +748,127 @@ def compute_transformer_family(model: dict, log) -> dict:
     return out
 
 
+# -- LoRA target sets beyond the attention projections (kohya's defaults, LoCon) ---------------------------
+#
+# kohya-ss/sd-scripts networks/lora.py adapts every Linear and Conv2d inside a Transformer2DModel
+# (UNET_TARGET_REPLACE_MODULE: proj_in, attn1/attn2 to_q/k/v/out.0, ff.net.0.proj, ff.net.2, proj_out) and,
+# with conv_dim, those inside ResnetBlock2D / Downsample2D / Upsample2D (UNET_TARGET_REPLACE_MODULE_CONV2D_3X3:
+# conv1, conv2, time_emb_proj, conv_shortcut, the resampler convs); text encoders: CLIPAttention + CLIPMLP.
+# diffusers' LoRA scripts adapt to_q/k/v/out.0 only (the ``attn`` set above) and q/k/v/out_proj of the text
+# encoder. A LoRA on Linear(i, o) adds rank * (i + o) parameters; on Conv2d(i, o, k) rank * (i * k * k + o)
+# (down: the layer's kernel, up: 1x1), in peft and in kohya alike.
+LORA_TARGET_SETS = {
+    "attn_ff": (".attentions.",),
+    "attn_ff_conv": (".attentions.", ".resnets.", ".downsamplers.", ".upsamplers."),
+}
+TEXT_ENCODER_LORA_SETS = {
+    "attn": ("q_proj", "k_proj", "v_proj", "out_proj"),
+    "attn_mlp": ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"),
+}
+
+
+def lora_modules(unet, target_set: str):
+    """(name, module) of every layer a LoRA of ``target_set`` adapts ('attn', 'attn_ff', 'attn_ff_conv')."""
+    import torch
+
+    out = []
+    for name, module in unet.named_modules():
+        if not isinstance(module, (torch.nn.Linear, torch.nn.Conv2d)):
+            continue
+        if target_set == "attn":  # diffusers' default target_modules: to_q, to_k, to_v, to_out.0
+            hit = ".attn" in name and name.endswith((".to_q", ".to_k", ".to_v", ".to_out.0"))
+        else:
+            hit = any(part in f".{name}." for part in LORA_TARGET_SETS[target_set])
+        if hit:
+            out.append((name, module))
+    return out
+
+
+def set_lora_trained(unet, target_set: str) -> None:
+    """Only the adapted layers' weights need a gradient path that saves their inputs (a LoRA's down
+    projection saves the same input the frozen layer would for a weight gradient)."""
+    for p in unet.parameters():
+        p.requires_grad_(False)
+    for _, module in lora_modules(unet, target_set):
+        module.weight.requires_grad_(True)
+
+
+def lora_layer_params_per_rank(module) -> int:
+    import torch
+
+    if isinstance(module, torch.nn.Conv2d):
+        kh, kw = module.kernel_size
+        return module.in_channels * kh * kw + module.out_channels
+    return module.in_features + module.out_features
+
+
+def lora_params_per_rank(model: dict) -> dict:
+    """LoRA parameters per unit of rank, per UNet target set and per text encoder (counted on meta)."""
+    import transformers
+    from accelerate import init_empty_weights
+
+    unet = build_unet(model["unet"], "bf16")
+    out: dict[str, Any] = {"unet": {}, "text_encoders": {k: [] for k in TEXT_ENCODER_LORA_SETS}}
+    for target_set in ("attn", *LORA_TARGET_SETS):
+        out["unet"][target_set] = sum(
+            lora_layer_params_per_rank(m) for _, m in lora_modules(unet, target_set)
+        )
+    for entry in model.get("text_encoders", []):
+        with init_empty_weights():
+            enc = getattr(transformers, entry["class"])(transformers.CLIPTextConfig(**entry["config"]))
+        for key, names in TEXT_ENCODER_LORA_SETS.items():
+            total = sum(
+                lora_layer_params_per_rank(m)
+                for name, m in enc.named_modules()
+                if name.rsplit(".", 1)[-1] in names and hasattr(m, "in_features")
+            )
+            out["text_encoders"][key].append(total)
+    return out
+
+
+def compute_lora_targets(model: dict, resolutions: tuple[int, ...], log) -> dict:
+    """The UNet activation entries of the LoRA target sets beyond attention, and the per-rank parameter
+    counts: merged into a family's entry of activations.yaml."""
+    scale = int(model.get("vae_scale_factor", 8))
+    native = int(model["native_resolution"])
+    unet_entries: dict[str, Any] = {}
+    for dtype_name in DTYPES:
+        unet = build_unet(model["unet"], dtype_name)
+        for backend, gc, trained in itertools.product(BACKENDS, (False, True), LORA_TARGET_SETS):
+            held_pts, peak_pts = [], []
+            for batch, res in [(1, r) for r in resolutions] + [(2, native)]:
+                held, peak = measure_unet(
+                    unet,
+                    model,
+                    batch=batch,
+                    resolution=res,
+                    dtype_name=dtype_name,
+                    backend=backend,
+                    gc=gc,
+                    trained=trained,
+                )
+                lat = (res // scale) ** 2
+                held_pts.append((batch, lat, held))
+                peak_pts.append((batch, lat, peak))
+            held_coef, held_err = fit(held_pts, quadratic=backend == "math")
+            entry = {"held": held_coef, "fit_max_error": round(held_err, 4)}
+            if gc:
+                entry["recompute_peak"], _ = fit(peak_pts, quadratic=backend == "math")
+            key = f"{dtype_name}/{backend}/{'gc' if gc else 'no_gc'}/{trained}"
+            unet_entries[key] = entry
+            log(f"  {model['family']} {key}: held {held_coef}")
+        del unet
+    counts = lora_params_per_rank(model)
+    log(f"  {model['family']} LoRA params per rank: {counts}")
+    return {"unet": unet_entries, "lora_params_per_rank": counts}
+
+
+def merge_lora_targets(family_entry: dict, extra: dict) -> dict:
+    family_entry["unet"].update(extra["unet"])
+    family_entry["lora_params_per_rank"] = extra["lora_params_per_rank"]
+    return family_entry
+
+
 def main(argv: list[str] | None = None) -> int:
     root = Path(__file__).resolve().parent.parent
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -756,7 +880,28 @@ def main(argv: list[str] | None = None) -> int:
         help="comma-separated; the other families already in --out are kept as they are",
     )
     ap.add_argument("--keep-measured", action="store_true", help="also write every raw measurement")
+    ap.add_argument(
+        "--only-lora-targets",
+        action="store_true",
+        help="add the LoRA target-set entries (attn_ff, attn_ff_conv) and per-rank counts to the existing --out",
+    )
+    ap.add_argument(
+        "--only-traffic",
+        action="store_true",
+        help="add the bandwidth-bound bytes of the UNet forward (traffic) to the existing --out",
+    )
+    ap.add_argument(
+        "--only-sampling",
+        action="store_true",
+        help="add the sampling peaks (UNet inference, VAE decode) to the existing --out",
+    )
     args = ap.parse_args(argv)
+    if args.only_sampling:
+        return update_sampling(args)
+    if args.only_lora_targets:
+        return update_lora_targets(args)
+    if args.only_traffic:
+        return update_traffic(args)
 
     import diffusers
     import torch
@@ -775,6 +920,9 @@ def main(argv: list[str] | None = None) -> int:
             result = compute_transformer_family(model, log)
         else:
             result = compute_family(model, FAMILY_RESOLUTIONS[fam], log)
+            merge_lora_targets(result, compute_lora_targets(model, FAMILY_RESOLUTIONS[fam], log))
+            result["traffic"] = measure_traffic(model, FAMILY_RESOLUTIONS[fam], log)
+            result["sampling"] = measure_sampling(model, FAMILY_RESOLUTIONS[fam], log)
         if not args.keep_measured:
             result.pop("measured")
         families[fam] = result
@@ -795,6 +943,255 @@ def main(argv: list[str] | None = None) -> int:
     )
     args.out.write_text(header + yaml.safe_dump(doc, sort_keys=False, width=110))
     log(f"wrote {args.out}")
+    return 0
+
+
+# -- memory traffic of the bandwidth-bound ops (the roofline's byte term) -------------------------------------
+#
+# At the batch sizes of SD training many kernels (normalisations, activations, residual adds, casts, the
+# attention's reshapes) move more bytes than they compute: their time is bytes / memory bandwidth, not FLOPs /
+# TFLOPS. Counted on meta with a TorchDispatchMode: every op except the compute-bound ones (matmuls,
+# convolutions, fused attention: their FLOPs are measure_flops') adds the bytes of its tensor inputs and
+# outputs; views move nothing.
+COMPUTE_BOUND_OPS = (
+    "mm",
+    "addmm",
+    "bmm",
+    "baddbmm",
+    "convolution",
+    "_scaled_dot_product",
+    "linear",
+    "matmul",
+)
+VIEW_OPS = (
+    "view",
+    "_unsafe_view",
+    "reshape",
+    "transpose",
+    "permute",
+    "expand",
+    "slice",
+    "select",
+    "t",
+    "detach",
+    "unsqueeze",
+    "squeeze",
+    "split",
+    "chunk",
+    "alias",
+    "as_strided",
+    "unbind",
+    "lift_fresh",
+    "empty",
+    "zeros",
+)
+
+
+def count_traffic(fn) -> int:
+    """Bytes read + written by the bandwidth-bound ops ``fn`` dispatches (meta tensors)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    class Traffic(TorchDispatchMode):
+        total = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            name = func.__name__.split(".")[0].lstrip("_") if hasattr(func, "__name__") else str(func)
+            base = func._schema.name.split("::")[-1] if hasattr(func, "_schema") else name
+            if not base.startswith(COMPUTE_BOUND_OPS) and base not in VIEW_OPS:
+                flat, _ = tree_flatten((args, kwargs or {}, out))
+                Traffic.total += sum(
+                    t.numel() * t.element_size() for t in flat if isinstance(t, torch.Tensor)
+                )
+            return out
+
+    with Traffic(), torch.no_grad():
+        fn()
+    return Traffic.total
+
+
+def measure_traffic(model: dict, resolutions: tuple[int, ...], log) -> dict:
+    """UNet forward bytes of the bandwidth-bound ops per sample vs latent pixels (bf16), with the efficient
+    attention kernels and with the math path (which writes and reads the whole attention matrix: its softmax,
+    scaling and copies are bandwidth-bound, a quadratic term)."""
+    import torch
+
+    unet = build_unet(model["unet"], "bf16")
+    unet.eval()
+    scale = int(model.get("vae_scale_factor", 8))
+    cfg = model["unet"]
+    meta = {"device": "meta", "dtype": torch.bfloat16}
+    pts: dict[str, list[tuple[int, int, int]]] = {"efficient": [], "math": []}
+    for res in resolutions:
+        side = res // scale
+        kwargs: dict[str, Any] = {}
+        if cfg.get("addition_embed_type") == "text_time":
+            pooled = int(cfg["projection_class_embeddings_input_dim"]) - 6 * int(
+                cfg["addition_time_embed_dim"]
+            )
+            kwargs["added_cond_kwargs"] = {
+                "text_embeds": torch.empty(1, pooled, **meta),
+                "time_ids": torch.empty(1, 6, **meta),
+            }
+        args = (
+            torch.empty(1, int(cfg.get("in_channels", 4)), side, side, **meta),
+            torch.zeros(1, device="meta", dtype=torch.long),
+            torch.empty(
+                1, int(model.get("tokenizer_max_length", 77)), int(cfg["cross_attention_dim"]), **meta
+            ),
+        )
+        for backend in pts:
+            with attention_backend(backend, "bf16"):
+                pts[backend].append((1, side * side, count_traffic(lambda a=args, k=kwargs: unet(*a, **k))))
+    coef, err = fit(pts["efficient"], quadratic=False, with_fixed=False)
+    math_coef, math_err = fit(pts["math"], quadratic=True, with_fixed=False)
+    log(f"  {model['family']} UNet forward bandwidth-bound bytes: {coef} (fit error {err:.4f})")
+    log(f"  {model['family']} ... with math attention: {math_coef} (fit error {math_err:.4f})")
+    return {"unet_forward_bytes": coef, "unet_forward_bytes_math": math_coef}
+
+
+def update_traffic(args) -> int:
+    """Add each family's ``traffic`` entry to an existing activations file (its other entries kept)."""
+    text = args.out.read_text()
+    header = "".join(line + "\n" for line in text.splitlines() if line.startswith("#"))
+    doc = yaml.safe_load(text)
+    for fam in args.families.split(","):
+        model = yaml.safe_load((args.models_dir / f"{fam}.yaml").read_text())
+        log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+        doc["families"][fam]["traffic"] = measure_traffic(model, FAMILY_RESOLUTIONS[fam], log)
+    if "traffic added" not in doc["source"]:
+        doc["source"] += "; traffic added by --only-traffic"
+    args.out.write_text(header + yaml.safe_dump(doc, sort_keys=False, width=110))
+    return 0
+
+
+# -- peaks outside the training step: sampling (UNet inference, VAE decode) ---------------------------------
+#
+# sdplan's trainer samples a grid at the end of training (and every sampling.every_steps) with the training
+# state resident. Its transient is the largest of the UNet's no-grad forward (classifier-free guidance: batch 2)
+# and the VAE decode at full resolution. Measured as the peak of live tensor bytes on meta: a TorchDispatchMode
+# adds every new output storage and a finalizer on each tensor returns the bytes when the last one dies.
+
+
+def peak_live_bytes(fn) -> int:
+    """The peak bytes of tensors ``fn`` creates and holds at once (no grad, meta tensors; its inputs excluded)."""
+    import weakref
+
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    live = {"now": 0, "peak": 0}
+    storages: dict[int, list[int]] = {}  # storage key -> [live tensor objects, bytes]
+
+    def release(key: int) -> None:
+        entry = storages.get(key)
+        if entry is None:
+            return
+        entry[0] -= 1
+        if entry[0] == 0:
+            live["now"] -= entry[1]
+            del storages[key]
+
+    class Live(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in tree_flatten(out)[0]:
+                if not isinstance(t, torch.Tensor):
+                    continue
+                key = t.untyped_storage()._cdata
+                if key not in storages:
+                    storages[key] = [0, int(t.untyped_storage().nbytes())]
+                    live["now"] += storages[key][1]
+                    live["peak"] = max(live["peak"], live["now"])
+                storages[key][0] += 1
+                weakref.finalize(t, release, key)
+            return out
+
+    with Live(), torch.no_grad():
+        result = fn()
+    del result
+    return live["peak"]
+
+
+def measure_sampling(model: dict, resolutions: tuple[int, ...], log) -> dict:
+    """Per-sample peaks of the UNet's inference forward (bf16, batch 2 for guidance) and the VAE decode
+    (bf16 and fp32: the SD VAE decodes in fp32 under fp16), fitted against latent pixels."""
+    import torch
+    from accelerate import init_empty_weights
+    from diffusers import AutoencoderKL
+
+    scale = int(model.get("vae_scale_factor", 8))
+    cfg = model["unet"]
+    unet = build_unet(cfg, "bf16")
+    unet.eval()
+    with init_empty_weights():
+        vae = AutoencoderKL.from_config(dict(model["vae"]))
+    vae.eval()
+    unet_pts: list[tuple[int, int, int]] = []
+    vae_pts: dict[str, list[tuple[int, int, int]]] = {"bf16": [], "fp32": []}
+    for res in resolutions:
+        side = res // scale
+        meta = {"device": "meta", "dtype": torch.bfloat16}
+        kwargs: dict[str, Any] = {}
+        if cfg.get("addition_embed_type") == "text_time":
+            pooled = int(cfg["projection_class_embeddings_input_dim"]) - 6 * int(
+                cfg["addition_time_embed_dim"]
+            )
+            kwargs["added_cond_kwargs"] = {
+                "text_embeds": torch.empty(2, pooled, **meta),
+                "time_ids": torch.empty(2, 6, **meta),
+            }
+        args = (
+            torch.empty(2, int(cfg.get("in_channels", 4)), side, side, **meta),
+            torch.zeros(2, device="meta", dtype=torch.long),
+            torch.empty(
+                2, int(model.get("tokenizer_max_length", 77)), int(cfg["cross_attention_dim"]), **meta
+            ),
+        )
+        with attention_backend("efficient", "bf16"):
+            unet_pts.append((1, side * side, peak_live_bytes(lambda a=args, k=kwargs: unet(*a, **k))))
+        for dtype_name in ("bf16", "fp32"):
+            vae.to(_torch_dtype(dtype_name))
+            z = torch.empty(1, int(model.get("latent_channels", 4)), side, side, device="meta")
+            z = z.to(_torch_dtype(dtype_name))
+            with attention_backend("efficient", dtype_name):
+                vae_pts[dtype_name].append((1, side * side, peak_live_bytes(lambda x=z: vae.decode(x))))
+    out = {"unet_inference_peak": fit(unet_pts, quadratic=False, with_fixed=False)[0]}
+    out["vae_decode_peak"] = {k: fit(v, quadratic=False, with_fixed=False)[0] for k, v in vae_pts.items()}
+    log(f"  {model['family']} sampling peaks: {out}")
+    return out
+
+
+def update_sampling(args) -> int:
+    """Add each family's ``sampling`` entry to an existing activations file (its other entries kept)."""
+    text = args.out.read_text()
+    header = "".join(line + "\n" for line in text.splitlines() if line.startswith("#"))
+    doc = yaml.safe_load(text)
+    for fam in args.families.split(","):
+        model = yaml.safe_load((args.models_dir / f"{fam}.yaml").read_text())
+        log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+        doc["families"][fam]["sampling"] = measure_sampling(model, FAMILY_RESOLUTIONS[fam], log)
+    if "sampling added" not in doc["source"]:
+        doc["source"] += "; sampling added by --only-sampling"
+    args.out.write_text(header + yaml.safe_dump(doc, sort_keys=False, width=110))
+    return 0
+
+
+def update_lora_targets(args) -> int:
+    """Merge the LoRA target-set entries into an existing activations file (its other entries kept)."""
+    text = args.out.read_text()
+    header = "".join(line + "\n" for line in text.splitlines() if line.startswith("#"))
+    doc = yaml.safe_load(text)
+    for fam in args.families.split(","):
+        model = yaml.safe_load((args.models_dir / f"{fam}.yaml").read_text())
+        print(f"{fam}: LoRA target sets", file=sys.stderr, flush=True)
+        extra = compute_lora_targets(model, FAMILY_RESOLUTIONS[fam], lambda m: print(m, file=sys.stderr))
+        merge_lora_targets(doc["families"][fam], extra)
+    doc["source"] += "; LoRA target sets added by --only-lora-targets"
+    args.out.write_text(header + yaml.safe_dump(doc, sort_keys=False, width=110))
     return 0
 
 

@@ -3,24 +3,32 @@
 Memory model (bytes per GPU), each term from the model family's real parameter counts and the activation
 coefficients computed on the meta device (profiles/activations.yaml):
 
-- trainable weights: fp32 master copies (4 B) under mixed precision, 2 B with fully-half weights;
-  gradients the same; AdamW state 8 B (2 x fp32), bitsandbytes 8-bit AdamW 2 B (75% less), Adafactor the
-  factored second moment computed from the real tensor shapes (no first moment: kohya/transformers defaults);
+- trainable weights: fp32 master copies (4 B) under mixed precision, 2 B with fully-half weights; gradients the
+  same; optimizer state from each implementation's state tensors (OPTIMIZER_STATE: AdamW 2 copies, Prodigy 4,
+  D-Adaptation 3, Lion 1, bitsandbytes 8-bit 1 byte per state), Adafactor the factored second moment computed
+  from the real tensor shapes (no first moment: kohya/transformers defaults);
+- LoRA: rank x the per-rank parameter count of its target set (attention projections; kohya's
+  Transformer2DModel linears; + LoCon's ResNet convs; text-encoder attention or attention + MLP), counted on
+  meta from the layer shapes, and that set's saved activations;
 - frozen weights: 2 B under fp16/bf16, 4 B in fp32 (the UNet for LoRA / textual inversion, text encoder(s)
   unless their outputs are cached, the VAE unless latents are cached);
 - EMA: a fp32 copy of the UNet on the GPU (or in host RAM);
 - autocast's half copies of fp32 trainable weights, held from forward to backward;
 - activations: the UNet's saved tensors for batch x latent pixels (+ the recomputed segment with gradient
   checkpointing), the trained text encoder's, times a calibrated factor for the backward transient;
+- with zero_grad(set_to_none=True) the gradients exist only from the backward on: the peak holds
+  max(activations + half copies, gradients + step temporaries or the last recomputed segment), not both;
 - the AdamW (foreach) step transient, CUDA context and allocator overhead (calibrated);
 - DeepSpeed ZeRO-2/1 with optimizer offload: half weights + reduction buckets on the GPU, and
   P x max(4G, 16) x 1.5 bytes in host RAM (DeepSpeed's own estimator).
 
-Time model: the UNet / VAE / text-encoder FLOPs (counted on meta, activations.yaml) over the GPU's dense
-half-precision TFLOPS times an efficiency fitted on the published speed points; gradient checkpointing
-+25%; offload x3.5; multi-GPU: the gradient all-reduce over the interconnect once per optimizer step, with a
-link efficiency fitted on Puget's 2x RTX 4090 observations. A measured point for the same GPU and settings
-(local profile store) or a published one is used directly.
+Time model (roofline-style sum): the UNet / VAE / text-encoder FLOPs (counted on meta, activations.yaml) over
+the GPU's measured torch.matmul rate where one was published (else its dense half-precision rating) times an
+efficiency fitted on the published speed points, plus the bytes the bandwidth-bound ops move (counted on meta)
+over the memory bandwidth, plus the optimizer step's traffic; gradient checkpointing +25%; offload x3.5;
+multi-GPU: the gradient all-reduce over the interconnect once per optimizer step, with a link efficiency
+fitted on Puget's 2x RTX 4090 observations. A measured point for the same GPU and settings (local profile
+store) or a published one is used directly.
 
 Why one module of ~950 lines: the memory model, the time model, the calibration and the search share their
 constants and are checked together (benchmarks/planner_accuracy.py); the configuration searched over is
@@ -50,11 +58,41 @@ RAM_PER_PROCESS = 3 * GiB  # python + torch + CUDA host allocations + data loadi
 GC_TIME_FACTOR = 1.25  # gradient checkpointing: ~20-30% slower (field notes 2; invoke-training PR 22)
 OFFLOAD_TIME_FACTOR = 3.5  # DeepSpeed optimizer offload: 3-4x slower (lunar-diffusion notes)
 STEP_OVERHEAD_S = 0.03  # python, data loading and kernel launch per micro-step
+# Roofline byte term: the bandwidth-bound ops (norms, activations, residual adds, casts; counted on meta by
+# scripts/compute_activations.py --only-traffic) move their bytes at this share of the spec-sheet memory
+# bandwidth; the backward moves about twice the forward's bytes (read the saved input and the incoming gradient,
+# write the outgoing one), checkpointing adds one more forward.
+BANDWIDTH_EFFICIENCY = 0.7
+BACKWARD_TRAFFIC = 2.0
 STARTUP_S = 60.0  # loading the model, building the optimizer, first compilation
 MIN_MULTI_GPU_GAIN = 0.05  # use more GPUs only when the whole run gets at least this much shorter
 PCIE_GBS = {1: 4.0, 2: 8.0, 3: 16.0, 4: 32.0, 5: 64.0, 6: 128.0}  # x16, one direction
 BATCHES = (1, 2, 4, 8, 16)
-OPTIMIZER_STEP_BYTES = {"adamw": 28, "adamw8bit": 16, "adafactor": 16}  # memory traffic per trainable param
+# Optimizer state per trainable parameter, in copies of the parameter (its dtype) or fixed bytes, from each
+# implementation's state initialisation: AdamW exp_avg + exp_avg_sq; Prodigy (konstmish/prodigy) s, p0,
+# exp_avg, exp_avg_sq; D-Adaptation Adam (facebookresearch/dadaptation DAdaptAdam) s, exp_avg, exp_avg_sq;
+# Lion (lucidrains/lion-pytorch) exp_avg; bitsandbytes 8-bit AdamW 2 x 1 byte and Lion8bit 1 byte (blockwise
+# quantised state; the per-block scales are negligible). Adafactor: the factored moment of the real shapes.
+OPTIMIZER_STATE = {  # name -> (copies of the parameter, fixed bytes per parameter)
+    "adamw": (2, 0.0),
+    "adamw8bit": (0, 2.0),
+    "prodigy": (4, 0.0),
+    "dadaptation": (3, 0.0),
+    "lion": (1, 0.0),
+    "lion8bit": (0, 1.0),
+}
+# memory traffic of the optimizer step per trainable param (fp32): read param, grad and every state tensor,
+# write param and the states; Prodigy and D-Adaptation make one more pass for their global d estimate
+OPTIMIZER_STEP_BYTES = {
+    "adamw": 28,
+    "adamw8bit": 16,
+    "adafactor": 16,
+    "prodigy": 52,
+    "dadaptation": 44,
+    "lion": 20,
+    "lion8bit": 14,
+}
+FOREACH_OPTIMIZERS = ("adamw",)  # torch's foreach implementation: one step-sized temporary per parameter
 
 RDNA_MATH_ATTENTION = ("gfx101", "gfx103")  # RDNA1/2: no flash / memory-efficient SDPA kernels in ROCm torch
 
@@ -127,9 +165,13 @@ class Memory:
     overhead: float
     peak: float
     ram: float
+    # sdplan's trainer samples a grid at the end (and every sampling.every_steps) with the training state
+    # resident: that peak, beside the step's (0 when the family has no sampling coefficients)
+    sampling_peak: float = 0.0
 
     def parts(self) -> dict[str, int]:
-        return {k: int(v) for k, v in asdict(self).items() if k not in ("peak", "ram", "trainable_params")}
+        skip = ("peak", "ram", "trainable_params", "sampling_peak")
+        return {k: int(v) for k, v in asdict(self).items() if k not in skip}
 
 
 # -- memory ----------------------------------------------------------------------------------------------
@@ -139,8 +181,48 @@ def _half(precision: str) -> bool:
     return precision in ("fp16", "bf16")
 
 
-def trainable_params(model: ModelSpec, s: Settings) -> int:
+# LoRA target modules (peft names, as in sdplan.yaml's lora.target_modules) -> the target set whose parameter
+# counts and activations profiles/activations.yaml holds. diffusers' scripts adapt the attention projections;
+# kohya-ss/sd-scripts networks/lora.py adapts every Linear / 1x1 Conv2d in a Transformer2DModel
+# (UNET_TARGET_REPLACE_MODULE) and, with conv_dim (LoCon), the ResnetBlock2D / Down- / Upsample2D convs
+# (UNET_TARGET_REPLACE_MODULE_CONV2D_3X3); its text-encoder LoRA adapts CLIPAttention and CLIPMLP.
+LORA_TARGETS_ATTN = ("to_q", "to_k", "to_v", "to_out.0")
+LORA_TARGETS_KOHYA = (*LORA_TARGETS_ATTN, "proj_in", "proj_out", "ff.net.0.proj", "ff.net.2")
+LORA_TARGETS_LOCON = (*LORA_TARGETS_KOHYA, "conv1", "conv2", "conv_shortcut", "time_emb_proj", "conv")
+_FF_TARGETS = frozenset(LORA_TARGETS_KOHYA) - frozenset(LORA_TARGETS_ATTN)
+_CONV_TARGETS = frozenset(LORA_TARGETS_LOCON) - frozenset(LORA_TARGETS_KOHYA)
+
+
+def lora_target_set(s: Settings) -> str:
+    """'attn' (attention projections), 'attn_ff' (+ feed-forward and proj_in/out) or 'attn_ff_conv' (+ the
+    ResNet and resampler convs) for a LoRA's target modules; None (the config default) is 'attn'."""
+    targets = set(s.lora_targets or ())
+    if targets & _CONV_TARGETS:
+        return "attn_ff_conv"
+    if targets & _FF_TARGETS:
+        return "attn_ff"
+    return "attn"
+
+
+def lora_params(profiles: Profiles, s: Settings) -> int:
+    """LoRA parameters: rank x the per-rank count of the adapted layers (counted on meta from the real layer
+    shapes by scripts/compute_activations.py); the text encoders' attention (diffusers) or attention + MLP
+    (kohya, whose UNet set includes the feed-forward layers) when they are trained."""
+    model = profiles.model(s.model)
+    counts = profiles.activations.lora_params_per_rank(s.model)
+    if counts is None:  # a family computed without the counts: the attention projections from its config
+        return model.lora_params(s.lora_rank, text_encoder=s.train_text_encoder)
+    target = lora_target_set(s)
+    per_rank = counts["unet"][target]
+    if s.train_text_encoder:
+        per_rank += sum(counts["text_encoders"]["attn" if target == "attn" else "attn_mlp"])
+    return int(s.lora_rank) * per_rank
+
+
+def trainable_params(model: ModelSpec, s: Settings, profiles: Profiles | None = None) -> int:
     if s.method == "lora":
+        if profiles is not None:
+            return lora_params(profiles, s)
         return model.lora_params(s.lora_rank, text_encoder=s.train_text_encoder)
     if s.method == "textual-inversion":
         # diffusers' textual inversion trains the whole input-embedding matrix (only new rows change)
@@ -158,7 +240,7 @@ def memory(profiles: Profiles, s: Settings) -> Memory:
     wb = 2 if half else 4  # frozen weights
     tb = 2 if (half and s.full_half_weights) else 4  # trainable weights and their gradients
     full = s.method in FULL_METHODS
-    t = trainable_params(model, s)
+    t = trainable_params(model, s, profiles)
     batch = s.batch * (2 if s.prior_preservation else 1)
     latent = (s.resolution // model.vae_scale_factor) ** 2
 
@@ -183,10 +265,9 @@ def memory(profiles: Profiles, s: Settings) -> Memory:
         pass  # counted as trainable
     weights = t * tb
     grads = 0.0 if s.fused_backward else t * tb
-    if s.optimizer == "adamw":
-        opt = t * 2 * tb
-    elif s.optimizer == "adamw8bit":
-        opt = t * 2.0
+    if s.optimizer in OPTIMIZER_STATE:
+        copies, fixed = OPTIMIZER_STATE[s.optimizer]
+        opt = t * (copies * tb + fixed)
     else:  # adafactor: factored second moment of the real tensor shapes
         full_bytes = act.adafactor_bytes(s.model, text_encoders=s.train_text_encoder and full)
         full_params = model.params_unet + (te_total if (s.train_text_encoder and full) else 0)
@@ -195,6 +276,14 @@ def memory(profiles: Profiles, s: Settings) -> Memory:
     autocast = t * 2.0 if (half and tb == 4 and full) else 0.0
 
     trained_part = "unet" if full else "attn"
+    if s.method == "lora" and act.has_unet_entry(
+        s.model,
+        dtype=s.precision,
+        attention=s.attention,
+        gc=s.gradient_checkpointing,
+        trained=lora_target_set(s),
+    ):
+        trained_part = lora_target_set(s)  # the adapted layers' inputs are saved for their LoRA's gradient
     held, recompute = act.unet(
         s.model,
         dtype=s.precision,
@@ -205,12 +294,13 @@ def memory(profiles: Profiles, s: Settings) -> Memory:
         trained=trained_part,
     )
     activations = ACTIVATION_FACTOR * (held + recompute)
+    recompute_tail = ACTIVATION_FACTOR * recompute  # the backward's last (high-resolution) segment
     if s.train_text_encoder or s.method == "textual-inversion":
         te_dtype = "fp32" if s.method == "textual-inversion" else s.precision
         activations += ACTIVATION_FACTOR * act.text_encoders(s.model, dtype=te_dtype, batch=batch)
 
     ram = RAM_PER_PROCESS + 4.0 * (model.params_unet + te_total + model.params_vae)  # fp32 load
-    step = t * 4.0 if (s.optimizer == "adamw" and not s.fused_backward) else 0.0  # foreach temporaries
+    step = t * 4.0 if (s.optimizer in FOREACH_OPTIMIZERS and not s.fused_backward) else 0.0
     if s.offload:
         g = s.num_gpus
         cpu = t * max(4 * g, 16) * 1.5 / g  # DeepSpeed estimator, per process share
@@ -221,11 +311,24 @@ def memory(profiles: Profiles, s: Settings) -> Memory:
     if s.ema == "cpu":
         ram += model.params_unet * 4.0
 
-    if s.num_gpus > 1 and not s.offload:
-        grads *= 2  # DDP's reducer buckets hold a second copy of the gradients
-    base = weights + frozen + grads + opt + ema
-    allocated = base + max(activations + autocast, step)
+    buckets = grads if (s.num_gpus > 1 and not s.offload) else 0.0  # DDP's reducer buckets: a second copy
+    grads += buckets
+    if s.set_grads_to_none and not s.offload:
+        # zero_grad(set_to_none=True) frees the gradients after every step, so they do not coexist with the
+        # forward's peak: autocast's cache of half weight copies (held until autocast exits at the end of the
+        # forward, or by the saved tensors until each layer's backward) and the saved activations. Gradients
+        # grow during the backward while those are freed (with checkpointing the first, high-resolution
+        # segment is recomputed last, beside nearly all gradients); the step then adds its temporaries.
+        base = weights + frozen + buckets + opt + ema
+        allocated = base + max(activations + autocast, grads - buckets + max(step, recompute_tail))
+    else:
+        base = weights + frozen + grads + opt + ema
+        allocated = base + max(activations + autocast, step)
     overhead = CUDA_CONTEXT_BYTES + ALLOCATOR_OVERHEAD * allocated
+    kept_grads = 0.0 if (s.set_grads_to_none and not s.offload) else grads - buckets
+    sampling = sampling_peak_bytes(
+        profiles, s, resident=weights + buckets + kept_grads + opt + ema, trained=t, trained_bytes=tb
+    )
     return Memory(
         trainable_params=t,
         weights=weights,
@@ -239,6 +342,45 @@ def memory(profiles: Profiles, s: Settings) -> Memory:
         overhead=overhead,
         peak=allocated + overhead,
         ram=ram * s.num_gpus,
+        sampling_peak=sampling,
+    )
+
+
+def sampling_peak_bytes(
+    profiles: Profiles, s: Settings, *, resident: float, trained: int, trained_bytes: int
+) -> float:
+    """Peak bytes while sdplan's trainer samples (trainer/outputs.py): the resident training state, every
+    component back on the GPU (the VAE and text encoders return even when their outputs were cached; the VAE
+    in fp32 unless bf16), autocast's half copies of the fp32 trained weights (the pipeline runs inside one
+    autocast region, whose cache holds them until it ends), and the larger of the UNet's guided inference
+    forward and the VAE decode at the training resolution (both measured on meta). 0 when the family's
+    profile has no sampling coefficients."""
+    sampling = profiles.activations.families[s.model].get("sampling")
+    if not sampling:
+        return 0.0
+    model = profiles.model(s.model)
+    half = _half(s.precision)
+    wb = 2 if half else 4
+    full = s.method in FULL_METHODS
+    comps = 0.0 if full else model.params_unet * wb
+    if s.method == "textual-inversion":
+        comps += (model.text_encoder_params - trained) * 4
+    elif not (full and s.train_text_encoder):
+        comps += model.text_encoder_params * wb
+    vae_dtype = "bf16" if s.precision == "bf16" else "fp32"
+    comps += model.params_vae * (2 if vae_dtype == "bf16" else 4)
+    autocast = trained * 2.0 if (half and trained_bytes == 4 and not s.offload) else 0.0
+    latent = (s.resolution // model.vae_scale_factor) ** 2
+    unet = _coef_bytes(sampling["unet_inference_peak"], latent)
+    vae = _coef_bytes(sampling["vae_decode_peak"][vae_dtype], latent)
+    allocated = resident + comps + autocast + max(unet, vae)
+    return allocated + CUDA_CONTEXT_BYTES + ALLOCATOR_OVERHEAD * allocated
+
+
+def _coef_bytes(coef: dict, latent_pixels: int) -> float:
+    """One sample's bytes from a per-sample coefficient set of activations.yaml."""
+    return max(
+        0.0, coef["linear"] * latent_pixels + coef["quadratic"] * latent_pixels**2 + coef["per_sample"]
     )
 
 
@@ -281,9 +423,27 @@ def step_flops(profiles: Profiles, s: Settings) -> float:
     return unet + other
 
 
+def step_traffic_bytes(profiles: Profiles, s: Settings) -> float:
+    """Bytes the bandwidth-bound ops of the UNet move in one micro-step (0 when not computed for the family)."""
+    model = profiles.model(s.model)
+    batch = s.batch * (2 if s.prior_preservation else 1)
+    latent = (s.resolution // model.vae_scale_factor) ** 2
+    forward = profiles.activations.unet_forward_traffic_bytes(s.model, latent, s.attention)
+    if forward is None:
+        return 0.0
+    passes = 1.0 + BACKWARD_TRAFFIC + (1.0 if s.gradient_checkpointing else 0.0)
+    return forward * batch * passes
+
+
+def step_traffic_seconds(profiles: Profiles, s: Settings, spec: GPUSpec | None) -> float:
+    if spec is None or not spec.memory_bandwidth_gbs:
+        return 0.0
+    return step_traffic_bytes(profiles, s) / (spec.memory_bandwidth_gbs * 1e9 * BANDWIDTH_EFFICIENCY)
+
+
 def gpu_tflops(gpu: HWGPU | GPUSpec | None, precision: str) -> float | None:
     spec = gpu if isinstance(gpu, GPUSpec) else (gpu.spec if gpu is not None else None)
-    return spec.tflops(precision) if spec is not None else None
+    return spec.matmul_tflops(precision) if spec is not None else None
 
 
 def step_seconds(
@@ -296,7 +456,8 @@ def step_seconds(
     spec = gpu if isinstance(gpu, GPUSpec) else gpu.spec
     model = profiles.model(s.model)
     compute = step_flops(profiles, s) / (tflops * 1e12 * cal.efficiency_for(spec))
-    t = trainable_params(model, s)
+    compute += step_traffic_seconds(profiles, s, spec)
+    t = trainable_params(model, s, profiles)
     opt = t * OPTIMIZER_STEP_BYTES.get(s.optimizer, 28) / (spec.memory_bandwidth_gbs * 1e9) / s.grad_accum
     seconds = compute + opt + STEP_OVERHEAD_S
     if s.offload:
@@ -309,7 +470,7 @@ def step_seconds(
 def gradient_bytes(profiles: Profiles, s: Settings) -> float:
     model = profiles.model(s.model)
     tb = 2 if (_half(s.precision) and s.full_half_weights) or s.offload else 4
-    return trainable_params(model, s) * tb
+    return trainable_params(model, s, profiles) * tb
 
 
 def allreduce_seconds(profiles: Profiles, s: Settings, link_gbs: float, cal: Calibration) -> float:
@@ -334,8 +495,8 @@ def calibrate(profiles: Profiles) -> Calibration:
         if not it_s or spec is None or p.num_gpus != 1:
             continue
         s = setup_from_point(p)
-        ideal = step_flops(profiles, s) / (spec.tflops(s.precision) * 1e12)
-        measured = 1.0 / it_s - STEP_OVERHEAD_S
+        ideal = step_flops(profiles, s) / (spec.matmul_tflops(s.precision) * 1e12)
+        measured = 1.0 / it_s - STEP_OVERHEAD_S - step_traffic_seconds(profiles, s, spec)
         if measured > 0:
             eff.append((p.id, ideal / measured, spec.family))
     efficiency = _geomean([e for _, e, _ in eff]) if eff else 0.1
@@ -770,6 +931,13 @@ def _key(c: Candidate) -> tuple:
     return (c.seconds * penalty, s.offload, s.num_gpus, s.batch, *savers)
 
 
+def _which(c: Candidate, best: Candidate) -> str:
+    """How an avoided candidate compares with the plan, in words the numbers bear out."""
+    if c.seconds is None or best.seconds is None:
+        return "a larger"
+    return "a faster" if c.seconds < best.seconds else "an otherwise preferred"
+
+
 def _tier(c: Candidate) -> tuple:
     """Preference before speed: within the likely peak's upper end, the requested LoRA rank, no offload
     (3-4x slower), fp32 master weights."""
@@ -1137,7 +1305,7 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
         if risky:
             c = min(risky, key=_key)
             r.append(
-                f"avoided {'a faster' if c.seconds is not None else 'a larger'} configuration ({_describe(c.setup)}): predicted "
+                f"avoided {_which(c, best)} configuration ({_describe(c.setup)}): predicted "
                 f"{format_range(c.memory.peak, c.peak_range)}, its upper end over the card's {_gib(vram)}"
             )
     st = best.steps

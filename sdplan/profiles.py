@@ -34,7 +34,10 @@ TRANSFORMER_FAMILIES = ("sd35-medium", "sd35-large", "flux-dev", "flux-schnell")
 TRANSFORMER_CLASSES = ("SD3Transformer2DModel", "FluxTransformer2DModel")
 TEXT_ENCODER_CLASSES = ("CLIPTextModel", "CLIPTextModelWithProjection", "T5EncoderModel")
 ATTENTION = ("efficient", "math")
-TRAINED = ("unet", "attn")  # activations.yaml: whole UNet trained, or only the attention projections
+# activations.yaml: whole UNet trained, or only the attention projections (required); the LoRA target sets
+# beyond attention (kohya's Transformer2DModel linears, + LoCon's ResNet convs) where computed
+TRAINED = ("unet", "attn")
+LORA_TRAINED = ("attn_ff", "attn_ff_conv")
 # activations.yaml, transformer families: whole transformer trained, or only the family's LoRA target modules
 TRANSFORMER_TRAINED = ("full", "lora")
 GiB = 2**30
@@ -158,6 +161,12 @@ GPU_SCHEMA = {
     "fp16_tflops": F(NUM, check=_positive),
     "bf16_tflops": F(OPT_NUM, check=_positive),
     "memory_bandwidth_gbs": F(NUM, check=_positive),
+    # a measured torch.matmul peak (large square GEMMs, TFLOPS), where one was published; its source in `source`
+    "measured_matmul_tflops": F(
+        (dict,),
+        required=False,
+        sub={"fp16": F(NUM, check=_positive), "bf16": F(OPT_NUM, required=False, check=_positive)},
+    ),
     "pcie_gen": F((int, type(None)), check=_positive),
     "interconnect": F(
         (dict, type(None)),
@@ -322,6 +331,7 @@ class GPUSpec:
     pcie_gen: int | None
     interconnect: dict | None
     source: str
+    measured_matmul_tflops: dict | None = None
 
     @property
     def memory_bytes(self) -> int:
@@ -334,6 +344,18 @@ class GPUSpec:
         if precision == "fp32":
             return float(self.fp16_tflops) / 4.0
         return float(self.fp16_tflops)
+
+    def matmul_tflops(self, precision: str) -> float:
+        """What a large GEMM sustains: the measured torch.matmul peak where one was published (a T4 at 70 W
+        sustains ~42 of its 65 TFLOPS; GeForce cards exceed their FP32-accumulate rating), else the rating."""
+        m = self.measured_matmul_tflops
+        if m and precision in ("fp16", "bf16") and m.get(precision):
+            return float(m[precision])
+        if m and precision == "bf16" and self.bf16 and m.get("fp16"):
+            return float(m["fp16"])
+        if m and precision == "fp32" and m.get("fp16"):
+            return float(m["fp16"]) / 4.0
+        return self.tflops(precision)
 
 
 @dataclass(frozen=True)
@@ -490,12 +512,32 @@ class Activations:
         peak = self._eval(entry["recompute_peak"], batch, latent_pixels) if gc else 0.0
         return max(held, 0.0), max(peak, 0.0)
 
+    def lora_params_per_rank(self, family: str) -> dict | None:
+        """LoRA parameters per unit of rank per target set ({"unet": {...}, "text_encoders": {...}}), counted
+        on meta by scripts/compute_activations.py; None for a family computed without them."""
+        return self.families[family].get("lora_params_per_rank")
+
+    def has_unet_entry(self, family: str, *, dtype: str, attention: str, gc: bool, trained: str) -> bool:
+        dt = "fp32" if dtype == "fp32" else "bf16"
+        return f"{dt}/{attention}/{'gc' if gc else 'no_gc'}/{trained}" in self.families[family]["unet"]
+
     def adafactor_bytes(self, family: str, *, text_encoders: bool = False) -> int:
         a = self.families[family]["adafactor_state_bytes"]
         return int(a["unet"]) + (sum(a["text_encoders"]) if text_encoders else 0)
 
     def unet_forward_flops(self, family: str, latent_pixels: int) -> float:
         return self._eval(self.families[family]["flops"]["unet_forward"], 1, latent_pixels)
+
+    def unet_forward_traffic_bytes(
+        self, family: str, latent_pixels: int, attention: str = "efficient"
+    ) -> float | None:
+        """Bytes the bandwidth-bound ops of one UNet forward move per sample (None: not computed); the math
+        attention path also moves its attention matrices."""
+        traffic = self.families[family].get("traffic")
+        if not traffic:
+            return None
+        coef = traffic.get("unet_forward_bytes_math") if attention == "math" else None
+        return self._eval(coef or traffic["unet_forward_bytes"], 1, latent_pixels)
 
     def vae_encode_flops(self, family: str, latent_pixels: int) -> float:
         return self._eval(self.families[family]["flops"]["vae_encode"], 1, latent_pixels)
@@ -833,6 +875,7 @@ def load_gpus(path: Path) -> tuple[GPUSpec, ...]:
                 pcie_gen=g["pcie_gen"],
                 interconnect=g["interconnect"],
                 source=g["source"],
+                measured_matmul_tflops=g.get("measured_matmul_tflops"),
             )
         )
     if errors:
@@ -961,6 +1004,37 @@ def load_activations(path: Path) -> Activations:
             sub={"unet_forward": _COEF, "vae_encode": _COEF, "text_encoders_forward": F((int,))},
         ),
         "measured": F((list,), required=False),
+        "traffic": F(
+            (dict,),
+            required=False,
+            sub={
+                "unet_forward_bytes": _COEF,
+                "unet_forward_bytes_math": F((dict,), required=False, sub=_COEF.sub),
+            },
+        ),
+        "sampling": F(
+            (dict,),
+            required=False,
+            sub={
+                "unet_inference_peak": _COEF,
+                "vae_decode_peak": F((dict,), sub={"bf16": _COEF, "fp32": _COEF}),
+            },
+        ),
+        "lora_params_per_rank": F(
+            (dict,),
+            required=False,
+            sub={
+                "unet": F((dict,), sub={t: F((int,)) for t in ("attn", *LORA_TRAINED)}),
+                "text_encoders": F((dict,), sub={"attn": F((list,)), "attn_mlp": F((list,))}),
+            },
+        ),
+    }
+    optional = {
+        f"{dt}/{a}/{g}/{t}"
+        for dt in ("bf16", "fp32")
+        for a in ATTENTION
+        for g in ("gc", "no_gc")
+        for t in LORA_TRAINED
     }
     expected = {
         f"{dt}/{a}/{g}/{t}"
@@ -978,9 +1052,10 @@ def load_activations(path: Path) -> Activations:
         if not isinstance(entry, dict) or not isinstance(entry.get("unet"), dict):
             continue
         for key, unet in entry["unet"].items():
-            if key not in expected:
+            if key not in expected and key not in optional:
                 errors.append(
-                    f"{where}.unet.{key}: expected <bf16|fp32>/<efficient|math>/<gc|no_gc>/<unet|attn>"
+                    f"{where}.unet.{key}: expected <bf16|fp32>/<efficient|math>/<gc|no_gc>/"
+                    "<unet|attn|attn_ff|attn_ff_conv>"
                 )
                 continue
             _check(unet, _UNET_ENTRY, f"{where}.unet.{key}", errors)

@@ -43,7 +43,10 @@ class Family:
     aliases: tuple[str, ...] = ()
 
 
-OPTIMIZERS = ("adamw", "adamw8bit", "adafactor")
+OPTIMIZERS = ("adamw", "adamw8bit", "adafactor")  # what the trainer runs and the planner searches over
+# what the planner's memory and time model can predict (users' picks in kohya / OneTrainer / SimpleTuner);
+# never chosen by the search, since they change the training dynamics: sdplan.planner.OPTIMIZER_STATE
+MODELLED_OPTIMIZERS = (*OPTIMIZERS, "prodigy", "dadaptation", "lion", "lion8bit")
 PRECISIONS = ("fp32", "fp16", "bf16")
 
 METHOD_LIST = (

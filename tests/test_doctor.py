@@ -290,9 +290,9 @@ def test_registered_in_the_real_cli():
         (
             "rx6700xt",
             "dreambooth",
-            "sd15",
+            "sd21",
             "tight",
-        ),  # 12 GiB AMD: only with DeepSpeed offload (no 8-bit Adam)
+        ),  # 12 GiB AMD, SD 2.x at 768: only with DeepSpeed offload (no 8-bit Adam)
         ("cpu_only", "lora", "sd15", "no"),
     ],
 )

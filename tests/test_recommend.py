@@ -174,7 +174,16 @@ def test_dataset_counting(tmp_path):
 
 def test_out_writes_files_and_never_overwrites(tmp_path):
     out = tmp_path / "plan"
-    args = ("--method", "dreambooth", "--machine", str(MACHINES / "rx6700xt.json"), "--out", str(out))
+    args = (
+        "--method",
+        "dreambooth",
+        "--model",
+        "sd21",
+        "--machine",
+        str(MACHINES / "rx6700xt.json"),
+        "--out",
+        str(out),
+    )
     r = run(*args)
     assert r.exit_code == 0, r.output
     text = (out / "sdplan.yaml").read_text()
@@ -184,7 +193,7 @@ def test_out_writes_files_and_never_overwrites(tmp_path):
     cfg = config.validate(yaml.safe_load(text), "sdplan.yaml")
     acc = yaml.safe_load((out / "accelerate.yaml").read_text())
     assert acc["num_processes"] == cfg.distributed.num_processes
-    # DreamBooth fits the 12 GB RDNA2 card only with optimizer offload (no 8-bit Adam on ROCm).
+    # SD 2.x DreamBooth at 768 fits the 12 GB RDNA2 card only with optimizer offload (no 8-bit Adam on ROCm).
     assert cfg.distributed.deepspeed is not None and cfg.distributed.deepspeed.offload_optimizer
     ds = json.loads((out / "deepspeed.json").read_text())
     assert acc["distributed_type"] == "DEEPSPEED"

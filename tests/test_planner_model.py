@@ -1,0 +1,245 @@
+"""The planner's memory and time mechanisms (issue 10, item 3): each fix checked against first principles."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from sdplan import planner as P
+from sdplan.profiles import GiB, clear_cache, load_profiles  # noqa: F401
+from sdplan.settings import Settings
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def prof():
+    clear_cache()
+    return load_profiles()
+
+
+def _lora(**kw) -> Settings:
+    base = dict(method="lora", model="sd15", resolution=512, precision="bf16", lora_rank=32)
+    return Settings(**{**base, **kw})
+
+
+# -- LoRA targets ------------------------------------------------------------------------------------------
+
+
+def test_lora_target_sets_from_module_names():
+    assert P.lora_target_set(_lora()) == "attn"
+    assert P.lora_target_set(_lora(lora_targets=P.LORA_TARGETS_ATTN)) == "attn"
+    assert P.lora_target_set(_lora(lora_targets=P.LORA_TARGETS_KOHYA)) == "attn_ff"
+    assert P.lora_target_set(_lora(lora_targets=P.LORA_TARGETS_LOCON)) == "attn_ff_conv"
+
+
+def test_kohya_lora_dim128_is_the_known_151_mb_file(prof):
+    # kohya's SD1.x LoRA at network_dim 128 (UNet Transformer2DModel linears + CLIPAttention/CLIPMLP) is the
+    # widely seen ~151 MB fp16 file: 75,497,472 parameters, from the layer shapes alone
+    s = _lora(lora_rank=128, lora_targets=P.LORA_TARGETS_KOHYA, train_text_encoder=True)
+    assert P.lora_params(prof, s) == 75_497_472
+    # the attention-only count is what the config-based formula gives
+    attn = _lora(lora_rank=16)
+    assert P.lora_params(prof, attn) == prof.model("sd15").lora_params(16)
+
+
+def test_more_lora_targets_cost_more_memory(prof):
+    peaks = [
+        P.memory(prof, _lora(lora_targets=t, model="sdxl", resolution=1024)).peak
+        for t in (P.LORA_TARGETS_ATTN, P.LORA_TARGETS_KOHYA, P.LORA_TARGETS_LOCON)
+    ]
+    assert peaks[0] < peaks[1] < peaks[2]
+    trained = [
+        P.memory(prof, _lora(lora_targets=t, model="sdxl", resolution=1024)).trainable_params
+        for t in (P.LORA_TARGETS_ATTN, P.LORA_TARGETS_KOHYA, P.LORA_TARGETS_LOCON)
+    ]
+    assert trained == [32 * n for n in (1_451_520, 2_659_840, 3_074_240)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("targets", ["LORA_TARGETS_ATTN", "LORA_TARGETS_KOHYA", "LORA_TARGETS_LOCON"])
+def test_lora_params_equal_peft_on_meta(prof, targets):
+    """The per-rank counts in activations.yaml equal peft's own LoRA on the real UNet (meta device)."""
+    pytest.importorskip("peft")
+    pytest.importorskip("diffusers")
+    from accelerate import init_empty_weights
+    from diffusers import UNet2DConditionModel
+    from peft import LoraConfig
+
+    cfg = yaml.safe_load((ROOT / "profiles" / "models" / "sd15.yaml").read_text())["unet"]
+    with init_empty_weights():
+        unet = UNet2DConditionModel.from_config(dict(cfg))
+    unet.add_adapter(LoraConfig(r=4, target_modules=list(getattr(P, targets))))
+    counted = sum(p.numel() for n, p in unet.named_parameters() if "lora_" in n)
+    assert P.lora_params(prof, _lora(lora_rank=4, lora_targets=getattr(P, targets))) == counted
+
+
+@pytest.mark.slow
+def test_compute_activations_counts_match_the_profile(prof):
+    """The script's per-rank counts are what profiles/activations.yaml holds (re-run it when this fails)."""
+    pytest.importorskip("diffusers")
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import compute_activations as ca
+    finally:
+        sys.path.pop(0)
+    model = yaml.safe_load((ROOT / "profiles" / "models" / "sd15.yaml").read_text())
+    assert ca.lora_params_per_rank(model) == prof.activations.lora_params_per_rank("sd15")
+
+
+# -- gradients freed between steps vs autocast's half copies ------------------------------------------------
+
+
+def _db_te(**kw) -> Settings:
+    base = dict(
+        method="dreambooth",
+        model="sd15",
+        resolution=512,
+        precision="fp16",
+        gradient_checkpointing=True,
+        optimizer="adamw8bit",
+        train_text_encoder=True,
+    )
+    return Settings(**{**base, **kw})
+
+
+def test_freed_gradients_do_not_coexist_with_autocast_copies(prof):
+    """zero_grad(set_to_none=True): the fp32 gradients (4 B/param) exist only from the backward on, the half
+    copies autocast caches (2 B/param) only until the forward ends: the peak holds the larger, not both."""
+    kept = P.memory(prof, _db_te(set_grads_to_none=False))
+    freed = P.memory(prof, _db_te(set_grads_to_none=True))
+    t = freed.trainable_params
+    assert kept.peak - freed.peak >= 0.9 * min(2 * t, 4 * t) * (1 + P.ALLOCATOR_OVERHEAD) - 1
+    # diffusers PR 2039: SD1.5 DreamBooth + text encoder, GC, 8-bit Adam, fp16 runs on a 12 GB RTX 3060
+    assert freed.peak < 12 * GiB
+    # the freed gradients still bound the peak from below: weights + optimizer + gradients
+    assert freed.peak > freed.weights + freed.optimizer + freed.gradients
+
+
+def test_peak_grows_with_batch_under_checkpointing(prof):
+    """The last recomputed segment sits beside the full gradients: larger batches still cost memory."""
+    assert P.memory(prof, _db_te(batch=4)).peak > P.memory(prof, _db_te(batch=1)).peak
+
+
+# -- optimizers users pick ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "bytes_per_param"),
+    [("adamw", 8), ("adamw8bit", 2), ("prodigy", 16), ("dadaptation", 12), ("lion", 4), ("lion8bit", 1)],
+)
+def test_optimizer_state_bytes_from_their_state_tensors(prof, name, bytes_per_param):
+    """fp32 trainable weights: Prodigy keeps s, p0, exp_avg, exp_avg_sq; DAdaptAdam s, exp_avg, exp_avg_sq;
+    Lion exp_avg; the 8-bit variants one byte per state tensor."""
+    s = Settings(method="finetune", model="sd15", resolution=512, precision="bf16", optimizer=name)
+    m = P.memory(prof, s)
+    assert m.optimizer == pytest.approx(bytes_per_param * m.trainable_params)
+
+
+def test_half_weights_halve_the_optimizer_copies(prof):
+    base = dict(method="finetune", model="sdxl", resolution=1024, precision="bf16", optimizer="prodigy")
+    fp32 = P.memory(prof, Settings(**base)).optimizer
+    half = P.memory(prof, Settings(**base, full_half_weights=True)).optimizer
+    assert half == pytest.approx(fp32 / 2)
+
+
+def test_modelled_optimizers_have_a_step_cost_and_are_not_searched():
+    from sdplan import registry
+
+    assert set(registry.MODELLED_OPTIMIZERS) <= set(P.OPTIMIZER_STEP_BYTES)
+    assert {"prodigy", "lion", "dadaptation"}.isdisjoint(registry.OPTIMIZERS)
+
+
+# -- speed: measured GEMM rates and the bandwidth-bound bytes ---------------------------------------------
+
+
+def test_measured_matmul_rate_replaces_the_rating(prof):
+    t4 = prof.find_gpu("T4")  # 65 TFLOPS on the datasheet; 42 measured at 70 W
+    assert t4.tflops("fp16") == 65.0 and t4.matmul_tflops("fp16") == pytest.approx(42.3)
+    assert P.gpu_tflops(t4, "fp16") == pytest.approx(42.3)
+    unmeasured = prof.find_gpu("RTX 3090 Ti")
+    assert unmeasured.measured_matmul_tflops is None
+    assert unmeasured.matmul_tflops("bf16") == unmeasured.tflops("bf16")
+
+
+def test_bandwidth_bound_bytes_cost_time_on_a_slower_memory(prof):
+    from dataclasses import replace
+
+    s = _lora(model="sdxl", resolution=1024, lora_targets=P.LORA_TARGETS_KOHYA)
+    fast = prof.find_gpu("RTX 4090")
+    slow = replace(fast, memory_bandwidth_gbs=fast.memory_bandwidth_gbs / 4)
+    cal = P.calibrate(prof)
+    assert P.step_seconds(prof, s, slow, cal) > P.step_seconds(prof, s, fast, cal)
+    moved = P.step_traffic_bytes(prof, s)
+    extra = moved / (slow.memory_bandwidth_gbs * 1e9 * P.BANDWIDTH_EFFICIENCY) - moved / (
+        fast.memory_bandwidth_gbs * 1e9 * P.BANDWIDTH_EFFICIENCY
+    )
+    # the bytes' time (plus the optimizer step's own traffic) is what the slower memory adds
+    added = P.step_seconds(prof, s, slow, cal) - P.step_seconds(prof, s, fast, cal)
+    assert extra > 0 and extra <= added < 1.1 * extra
+
+
+def test_checkpointing_moves_one_more_forward_of_bytes(prof):
+    plain = P.step_traffic_bytes(prof, _lora())
+    gc = P.step_traffic_bytes(prof, _lora(gradient_checkpointing=True))
+    assert gc / plain == pytest.approx((2 + P.BACKWARD_TRAFFIC) / (1 + P.BACKWARD_TRAFFIC))
+
+
+# -- peaks outside the step: sampling with the training state resident --------------------------------------
+
+
+def test_sampling_brings_cached_components_back_and_decodes_at_full_size(prof):
+    """SDXL LoRA with cached latents and text-encoder outputs: the step leaves the VAE and the text encoders
+    off the GPU, the final sample grid brings them back and decodes 1024 px (fp32 VAE under fp16)."""
+    s = _lora(
+        model="sdxl",
+        resolution=1024,
+        precision="fp16",
+        gradient_checkpointing=True,
+        cache_latents=True,
+        cache_text_encoder_outputs=True,
+    )
+    m = P.memory(prof, s)
+    model = prof.model("sdxl")
+    assert m.sampling_peak > m.peak
+    assert m.sampling_peak - m.peak > model.text_encoder_params * 2 + model.params_vae * 4
+    assert "sampling_peak" not in m.parts()
+    smaller = P.memory(prof, _lora(model="sdxl", resolution=512, precision="fp16", cache_latents=True))
+    assert smaller.sampling_peak < m.sampling_peak
+
+
+@pytest.mark.slow
+def test_peak_live_bytes_counts_what_is_alive_at_once():
+    pytest.importorskip("torch")
+    import torch
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import compute_activations as ca
+    finally:
+        sys.path.pop(0)
+    x = torch.empty(1024 * 1024, device="meta")  # 4 MiB, created outside: not counted
+
+    def chain():
+        y = x * 2  # 4 MiB
+        z = y * 2  # 4 MiB, y still alive
+        del y
+        w = z * 2  # 4 MiB, y freed: still 8 MiB live
+        return w.sum()
+
+    assert ca.peak_live_bytes(chain) == 2 * 4 * 2**20 + 4
+
+
+def test_math_attention_moves_its_attention_matrices(prof):
+    """The math path writes and reads the whole attention matrix (softmax, scaling): bandwidth-bound bytes
+    that grow with the square of the latent pixels, so it is slower than the fused kernels on the same GPU."""
+    eff = P.step_traffic_bytes(prof, _lora(attention="efficient"))
+    math = P.step_traffic_bytes(prof, _lora(attention="math"))
+    assert math > 2 * eff
+    big = P.step_traffic_bytes(prof, _lora(attention="math", resolution=1024))
+    assert big / math > 4  # more than linear in the latent pixels
+    gpu, cal = prof.find_gpu("RTX 3090"), P.calibrate(prof)
+    assert P.step_seconds(prof, _lora(attention="math"), gpu, cal) > P.step_seconds(prof, _lora(), gpu, cal)
