@@ -44,6 +44,7 @@ class Components:
     noise_scheduler: Any  # DDPMScheduler with the model's schedule: adds noise in training
     scheduler_config: dict[str, Any] = field(default_factory=dict)  # the model's own (inference) scheduler
     source: str = ""
+    adapter: Any = None  # SD3.5/FLUX: flow.FlowAdapter (their objective and denoiser call); None for UNets
 
     @property
     def prediction_type(self) -> str:
@@ -176,6 +177,10 @@ def _load_pretrained(
             index = json.loads(Path(hf_hub_download(location, "model_index.json", **kw)).read_text())
         else:
             index = json.loads((Path(location) / "model_index.json").read_text())
+        from .flow_models import PIPELINES, load_flow_components
+
+        if index.get("_class_name") in PIPELINES:  # SD3.5 / FLUX.1: a transformer, not a UNet
+            return load_flow_components(location, index, family, kw, wkw)
         two = "text_encoder_2" in index and index.get("text_encoder_2", [None])[0] is not None
         unet = UNet2DConditionModel.from_pretrained(location, subfolder="unet", **wkw)
         found = _check_family(detect_family(unet.config, 2 if two else 1), family, location)
