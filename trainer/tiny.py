@@ -285,7 +285,7 @@ def tiny_sd35_components(tokenizer_dir: str | Path, seed: int = 0, *, large: boo
         joint_attention_dim=96,
         caption_projection_dim=32,
         pooled_projection_dim=80,  # the two CLIPs' pooled (projected) outputs, concatenated
-        pos_embed_max_size=16,
+        pos_embed_max_size=64,  # up to 1024 px (64 latent patches a side)
         dual_attention_layers=() if large else (0,),
         qk_norm="rms_norm",
     )
