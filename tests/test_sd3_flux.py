@@ -233,60 +233,122 @@ def test_lora_trains_and_loads_back_into_the_pipeline(tiny_flow, dataset, tmp_pa
     assert (tmp_path / "out" / "samples" / "final.png").is_file()
 
 
-def test_flux_kohya_names_map_to_the_bfl_model_and_keep_every_delta(tiny_flow, dataset, tmp_path):
+def _kohya_and_diffusers(tiny_flow, dataset, tmp_path, family, targets):
+    """Train ``targets`` a few steps; (kohya tensors, diffusers tensors, kohya module names, transformer config,
+    expected ComfyUI names)."""
+    import json
+
     from safetensors.torch import load_file
     from sdplan.trainer import run
-    from sdplan.trainer.flow_kohya import bfl_module_names, kohya_name
+    from sdplan.trainer.flow_kohya import kohya_name, original_module_names
 
-    cfg = _cfg(
-        tiny_flow["flux-dev"],
-        "flux-dev",
-        dataset,
-        tmp_path / "out",
-        "lora.target_modules=[attn.to_q,attn.to_k,attn.to_v,attn.to_out.0,attn.add_q_proj,attn.add_k_proj,"
-        "attn.add_v_proj,attn.to_add_out,ff.net.0.proj,ff.net.2,ff_context.net.0.proj,ff_context.net.2,"
-        "proj_mlp,norm1.linear]",
-    )
+    out = tmp_path / "out"
+    cfg = _cfg(tiny_flow[family], family, dataset, out, f"lora.target_modules=[{','.join(targets)}]")
     run.train(cfg)
-    kohya = load_file(str(tmp_path / "out" / "t.kohya.safetensors"))
-    diff = load_file(str(tmp_path / "out" / "pytorch_lora_weights.safetensors"))
-    tconfig = dict(
-        __import__("json").loads((tiny_flow["flux-dev"] / "transformer" / "config.json").read_text())
-    )
-    names = {kohya_name(m): m for m in bfl_module_names(tconfig)}  # ComfyUI: lora_unet_ + BFL path, _ for .
+    kohya = load_file(str(out / "t.kohya.safetensors"))
+    diff = load_file(str(out / "pytorch_lora_weights.safetensors"))
+    tconfig = json.loads((tiny_flow[family] / "transformer" / "config.json").read_text())
+    # ComfyUI maps lora_unet_ + the original model's weight path with dots as underscores
+    names = {kohya_name(m) for m in original_module_names(registry.family(family).arch, tconfig)}
     modules = {k.rsplit(".", 2)[0] if k.endswith(".weight") else k.rsplit(".", 1)[0] for k in kohya}
-    assert modules <= set(names), sorted(modules - set(names))
+    return kohya, diff, modules, tconfig, names
+
+
+def _delta_kohya(kohya, m):
+    down, up, alpha = kohya[f"{m}.lora_down.weight"], kohya[f"{m}.lora_up.weight"], kohya[f"{m}.alpha"]
+    return up @ down * float(alpha) / down.shape[0]
+
+
+def _delta_diffusers(diff, path):
+    a, b = diff[f"transformer.{path}.lora_A.weight"], diff[f"transformer.{path}.lora_B.weight"]
+    return b @ a * 8 / 4  # alpha 8, rank 4
+
+
+FLUX_TARGETS = [
+    "attn.to_q",
+    "attn.to_k",
+    "attn.to_v",
+    "attn.to_out.0",
+    "attn.add_q_proj",
+    "attn.add_k_proj",
+    "attn.add_v_proj",
+    "attn.to_add_out",
+    "ff.net.0.proj",
+    "ff.net.2",
+    "ff_context.net.0.proj",
+    "ff_context.net.2",
+    "proj_mlp",
+    "norm1.linear",
+]
+
+
+def test_flux_kohya_names_map_to_the_bfl_model_and_keep_every_delta(tiny_flow, dataset, tmp_path):
+    kohya, diff, modules, tconfig, names = _kohya_and_diffusers(
+        tiny_flow, dataset, tmp_path, "flux-dev", FLUX_TARGETS
+    )
+    assert modules <= names, sorted(modules - names)
     assert "lora_unet_double_blocks_0_img_attn_qkv" in modules
     assert "lora_unet_single_blocks_0_linear1" in modules
-
-    def delta_kohya(m):
-        down, up, alpha = kohya[f"{m}.lora_down.weight"], kohya[f"{m}.lora_up.weight"], kohya[f"{m}.alpha"]
-        return up @ down * float(alpha) / down.shape[0]
-
-    def delta_diffusers(path):
-        a, b = diff.get(f"transformer.{path}.lora_A.weight"), diff.get(f"transformer.{path}.lora_B.weight")
-        return None if a is None else b @ a * 8 / 4  # alpha 8, rank 4
-
     inner = tconfig["num_attention_heads"] * tconfig["attention_head_dim"]
-    qkv = torch.cat([delta_diffusers(f"transformer_blocks.0.attn.to_{p}") for p in "qkv"])
-    assert torch.allclose(delta_kohya("lora_unet_double_blocks_0_img_attn_qkv"), qkv, atol=1e-6)
-    parts = [delta_diffusers(f"single_transformer_blocks.0.attn.to_{p}") for p in "qkv"]
-    parts.append(delta_diffusers("single_transformer_blocks.0.proj_mlp"))
+    qkv = torch.cat([_delta_diffusers(diff, f"transformer_blocks.0.attn.to_{p}") for p in "qkv"])
+    assert torch.allclose(_delta_kohya(kohya, "lora_unet_double_blocks_0_img_attn_qkv"), qkv, atol=1e-6)
+    parts = [_delta_diffusers(diff, f"single_transformer_blocks.0.attn.to_{p}") for p in "qkv"]
+    parts.append(_delta_diffusers(diff, "single_transformer_blocks.0.proj_mlp"))
     assert parts[-1].shape[0] == 4 * inner
-    assert torch.allclose(delta_kohya("lora_unet_single_blocks_0_linear1"), torch.cat(parts), atol=1e-6)
     assert torch.allclose(
-        delta_kohya("lora_unet_double_blocks_0_txt_mlp_2"),
-        delta_diffusers("transformer_blocks.0.ff_context.net.2"),
-        atol=1e-6,
+        _delta_kohya(kohya, "lora_unet_single_blocks_0_linear1"), torch.cat(parts), atol=1e-6
     )
-    assert torch.allclose(
-        delta_kohya("lora_unet_double_blocks_0_img_mod_lin"),
-        delta_diffusers("transformer_blocks.0.norm1.linear"),
-        atol=1e-6,
-    )
+    for k, d in (
+        ("double_blocks_0_txt_mlp_2", "transformer_blocks.0.ff_context.net.2"),
+        ("double_blocks_0_img_mod_lin", "transformer_blocks.0.norm1.linear"),
+    ):
+        assert torch.allclose(_delta_kohya(kohya, f"lora_unet_{k}"), _delta_diffusers(diff, d), atol=1e-6)
     n_diff = len({k.rsplit(".lora_", 1)[0] for k in diff})
-    fused_extra = 2 * 2 + 3  # qkv x2 fold 3 -> 1 (double block), linear1 folds 4 -> 1 (single block)
-    assert len(modules) == n_diff - fused_extra
+    folded = 2 * 2 + 3  # two qkv fold 3 -> 1 (double block), linear1 folds 4 -> 1 (single block)
+    assert len(modules) == n_diff - folded
+
+
+def test_sd35_kohya_names_map_to_the_mmdit_and_keep_every_delta(tiny_flow, dataset, tmp_path):
+    targets = [
+        "attn.to_q",
+        "attn.to_k",
+        "attn.to_v",
+        "attn.to_out.0",
+        "attn.add_q_proj",
+        "attn.add_k_proj",
+        "attn.add_v_proj",
+        "attn.to_add_out",
+        "attn2.to_q",
+        "attn2.to_k",
+        "attn2.to_v",
+        "attn2.to_out.0",
+        "ff.net.0.proj",
+        "ff.net.2",
+        "ff_context.net.0.proj",
+        "ff_context.net.2",
+        "norm1.linear",
+        "norm1_context.linear",
+    ]
+    kohya, diff, modules, _, names = _kohya_and_diffusers(
+        tiny_flow, dataset, tmp_path, "sd35-medium", targets
+    )
+    assert modules == names  # every module of the tiny MMDiT-X (dual attention in block 0) and nothing else
+    for fused, prefix in (
+        ("joint_blocks_0_x_block_attn_qkv", "attn.to_"),
+        ("joint_blocks_1_context_block_attn_qkv", "attn.add_"),
+        ("joint_blocks_0_x_block_attn2_qkv", "attn2.to_"),
+    ):
+        block = fused.split("_")[2]
+        suffix = "_proj" if prefix == "attn.add_" else ""
+        want = torch.cat(
+            [_delta_diffusers(diff, f"transformer_blocks.{block}.{prefix}{p}{suffix}") for p in "qkv"]
+        )
+        assert torch.allclose(_delta_kohya(kohya, f"lora_unet_{fused}"), want, atol=1e-6)
+    assert torch.allclose(
+        _delta_kohya(kohya, "lora_unet_joint_blocks_0_context_block_mlp_fc1"),
+        _delta_diffusers(diff, "transformer_blocks.0.ff_context.net.0.proj"),
+        atol=1e-6,
+    )
 
 
 def test_flow_families_train_lora_only_so_far(tiny_flow, dataset, tmp_path):

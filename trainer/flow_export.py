@@ -1,7 +1,6 @@
 """SD3.5 / FLUX.1 LoRA outputs: diffusers format (``pipe.load_lora_weights`` of StableDiffusion3Pipeline /
-FluxPipeline), written by the pipeline class's own ``save_lora_weights``, with the run's metadata.
-
-Kohya / ComfyUI names for FLUX are :mod:`flow_kohya`. The helpers (metadata, atomic safetensors, peft state
+FluxPipeline), written by the pipeline class's own ``save_lora_weights``, with the run's metadata, and the
+kohya sd-scripts / ComfyUI names (:mod:`flow_kohya`). The helpers (metadata, atomic safetensors, peft state
 dicts) are ``export``'s.
 """
 
@@ -40,8 +39,8 @@ def save_flow_lora(
     name: str = "sdplan",
     kohya: bool = True,
 ) -> list[Path]:
-    """Write the LoRA ``transformer`` carries as a peft adapter: ``pytorch_lora_weights.safetensors`` and, for
-    FLUX with ``kohya``, ``{name}.kohya.safetensors`` (kohya sd-scripts / ComfyUI names)."""
+    """Write the LoRA ``transformer`` carries as a peft adapter: ``pytorch_lora_weights.safetensors`` and, with
+    ``kohya``, ``{name}.kohya.safetensors`` (kohya sd-scripts / ComfyUI names)."""
     from safetensors import safe_open
     from safetensors.torch import load_file
 
@@ -75,30 +74,54 @@ def save_flow_lora(
         ]
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    if kohya and registry.family(family).arch == "flux":
-        from .flow_kohya import save_flux_kohya
+    if kohya:
+        from .flow_kohya import save_kohya
 
+        arch = registry.family(family).arch
         written.append(
-            save_flux_kohya(
+            save_kohya(
                 out_dir / f"{name}.kohya.safetensors",
+                arch,
                 state_dict,
                 transformer_config=dict(transformer.config),
                 alpha=alpha,
-                metadata={**md, **_kohya_flux_metadata(rank, alpha, name, family)},
+                metadata={**md, **_kohya_metadata(arch, dict(transformer.config), rank, alpha, name, family)},
             )
         )
     return written
 
 
-def _kohya_flux_metadata(rank: int, alpha: float, name: str, family: str) -> dict[str, str]:
-    """kohya sd-scripts' keys for a FLUX LoRA (flux_train_network.py: networks.lora_flux, ``flux1``)."""
+def _kohya_metadata(
+    arch: str, config: dict[str, Any], rank: int, alpha: float, name: str, family: str
+) -> dict[str, str]:
+    """kohya sd-scripts' keys for the LoRA. FLUX (flux_train_network.py): networks.lora_flux, base model
+    ``flux1`` (library/flux_utils.MODEL_VERSION_FLUX_V1). SD3 (sd3_train_network.py): networks.lora_sd3, base
+    model the MMDiT's model_type (library/sd3_utils: ``5-medium`` with MMDiT-X attn2, ``5-large`` with
+    qk-norm and none, ``3-medium`` without either)."""
+    if arch == "flux":
+        module, version = "networks.lora_flux", "flux1"
+    else:
+        module = "networks.lora_sd3"
+        if config.get("dual_attention_layers"):
+            version = "5-medium"
+        else:
+            version = "5-large" if config.get("qk_norm") else "3-medium"
     return {
-        "ss_network_module": "networks.lora_flux",
+        "ss_network_module": module,
         "ss_network_dim": str(rank),
         "ss_network_alpha": str(float(alpha)),
-        "ss_base_model_version": "flux1",
+        "ss_base_model_version": version,
         "ss_output_name": name,
         "modelspec.sai_model_spec": "1.0.0",
-        "modelspec.architecture": f"{family.replace('-', '-1-')}/lora",
+        "modelspec.architecture": f"{_MODELSPEC[family]}/lora",
         "modelspec.title": name,
     }
+
+
+# Stability's model spec architecture ids (kohya sd-scripts library/sai_model_spec.py).
+_MODELSPEC = {
+    "flux-dev": "flux-1-dev",
+    "flux-schnell": "flux-1-schnell",
+    "sd35-medium": "stable-diffusion-v3-medium",
+    "sd35-large": "stable-diffusion-v3.5-large",
+}

@@ -1,4 +1,10 @@
-"""FLUX.1 LoRA in kohya sd-scripts names (``networks.lora_flux``), which ComfyUI loads too.
+"""SD3.5 and FLUX.1 LoRA in kohya sd-scripts names (``networks.lora_sd3`` / ``networks.lora_flux``), which
+ComfyUI loads too.
+
+SD3.5: kohya's ``LORA_PREFIX_SD3 = "lora_unet"`` plus the module path of Stability's MMDiT
+(``joint_blocks.{i}.{x_block|context_block}.{attn.qkv|attn.proj|mlp.fc1|mlp.fc2|adaLN_modulation.1}``, MMDiT-X
+``x_block.attn2.qkv/proj``), dots as underscores (kohya-ss/sd-scripts networks/lora_sd3.py; the diffusers <->
+MMDiT table is diffusers' ``convert_sd3_transformer_checkpoint_to_diffusers``).
 
 kohya names a FLUX LoRA after Black Forest Labs' module paths with ``lora_unet_`` in front and dots as
 underscores: ``lora_unet_double_blocks_{i}_{img|txt}_{attn_qkv|attn_proj|mlp_0|mlp_2|mod_lin}`` and
@@ -8,8 +14,9 @@ underscores: ``lora_unet_double_blocks_{i}_{img|txt}_{attn_qkv|attn_proj|mlp_0|m
 as underscores, so the same names load there. (Sources: kohya-ss/sd-scripts networks/lora_flux.py and
 networks/convert_flux_lora.py's key table; comfyanonymous/ComfyUI comfy/lora.py.)
 
-BFL fuses what diffusers keeps apart: a double block's q, k, v in one ``qkv`` linear (image: ``attn.to_q/k/v``;
-text: ``attn.add_q/k/v_proj``), a single block's q, k, v and MLP input in ``linear1``. A fused LoRA is exact:
+Both originals fuse what diffusers keeps apart: SD3 each block's x / context / attn2 ``qkv``; BFL a double
+block's q, k, v in one ``qkv`` linear (image: ``attn.to_q/k/v``; text: ``attn.add_q/k/v_proj``) and a single
+block's q, k, v and MLP input in ``linear1``. A fused LoRA is exact:
 ``lora_down`` stacks the parts' down matrices (rank parts x r) and ``lora_up`` is block-diagonal (each part's
 up matrix in its own rows and rank columns; rows of parts without an adapter stay zero), and alpha is
 multiplied by the number of stacked parts so alpha / rank is unchanged.
@@ -40,34 +47,75 @@ _DOUBLE_FUSED = {
 }
 _SINGLE_SINGLE = {"proj_out": "linear2", "norm.linear": "modulation.lin"}
 _SINGLE_FUSED = {"linear1": ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp")}
+# SD3 MMDiT joint block: diffusers -> Stability's module paths.
+_JOINT_SINGLE = {
+    "attn.to_out.0": "x_block.attn.proj",
+    "attn.to_add_out": "context_block.attn.proj",
+    "ff.net.0.proj": "x_block.mlp.fc1",
+    "ff.net.2": "x_block.mlp.fc2",
+    "ff_context.net.0.proj": "context_block.mlp.fc1",
+    "ff_context.net.2": "context_block.mlp.fc2",
+    "norm1.linear": "x_block.adaLN_modulation.1",
+    "norm1_context.linear": "context_block.adaLN_modulation.1",
+    "attn2.to_out.0": "x_block.attn2.proj",
+}
+_JOINT_FUSED = {
+    "x_block.attn.qkv": ("attn.to_q", "attn.to_k", "attn.to_v"),
+    "context_block.attn.qkv": ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"),
+    "x_block.attn2.qkv": ("attn2.to_q", "attn2.to_k", "attn2.to_v"),
+}
 
 
-def bfl_module_names(transformer_config: dict[str, Any]) -> set[str]:
-    """Every linear module path of the BFL FLUX model a LoRA can target, for a diffusers transformer config."""
+def _blocks(arch: str, config: dict[str, Any]) -> list[tuple[str, str, int, dict, dict]]:
+    """(diffusers block list, original block list, count, one-to-one table, fused table) per block kind."""
+    if arch == "flux":
+        return [
+            ("transformer_blocks", "double_blocks", config["num_layers"], _DOUBLE_SINGLE, _DOUBLE_FUSED),
+            (
+                "single_transformer_blocks",
+                "single_blocks",
+                config["num_single_layers"],
+                _SINGLE_SINGLE,
+                _SINGLE_FUSED,
+            ),
+        ]
+    return [("transformer_blocks", "joint_blocks", config["num_layers"], _JOINT_SINGLE, _JOINT_FUSED)]
+
+
+def original_module_names(arch: str, config: dict[str, Any]) -> set[str]:
+    """Every linear module path of the original (BFL FLUX / Stability MMDiT) model a LoRA can target, for a
+    diffusers transformer config: what ComfyUI's ``lora_unet_`` keys map to."""
     names = set()
-    for i in range(transformer_config["num_layers"]):
-        for m in [*_DOUBLE_SINGLE.values(), *_DOUBLE_FUSED]:
-            names.add(f"double_blocks.{i}.{m}")
-    for i in range(transformer_config["num_single_layers"]):
-        for m in [*_SINGLE_SINGLE.values(), *_SINGLE_FUSED]:
-            names.add(f"single_blocks.{i}.{m}")
+    for _, original, count, one, fused in _blocks(arch, config):
+        for i in range(count):
+            for m in [*one.values(), *fused]:
+                if arch == "mmdit":
+                    if "attn2" in m and i not in (config.get("dual_attention_layers") or ()):
+                        continue
+                    last = i == count - 1  # SD3's last block: context_pre_only (no context attn proj or mlp)
+                    if last and m.startswith("context_block") and m not in _CONTEXT_PRE_ONLY:
+                        continue
+                names.add(f"{original}.{i}.{m}")
     return names
 
 
-def kohya_name(bfl_module: str) -> str:
-    return "lora_unet_" + bfl_module.replace(".", "_")
+_CONTEXT_PRE_ONLY = ("context_block.attn.qkv", "context_block.adaLN_modulation.1")
+
+
+def kohya_name(module: str) -> str:
+    return "lora_unet_" + module.replace(".", "_")
 
 
 def _part_rows(transformer_config: dict[str, Any], module: str) -> int:
-    """Output rows of one diffusers part of a fused BFL linear."""
+    """Output rows of one diffusers part of a fused linear (q, k, v: the attention width)."""
     inner = transformer_config["num_attention_heads"] * transformer_config["attention_head_dim"]
     return 4 * inner if module == "proj_mlp" else inner  # FluxSingleTransformerBlock mlp_ratio 4
 
 
-def flux_kohya_state_dict(
-    peft_state_dict: dict[str, Any], transformer_config: dict[str, Any], alpha: float
+def kohya_state_dict(
+    arch: str, peft_state_dict: dict[str, Any], transformer_config: dict[str, Any], alpha: float
 ) -> dict[str, Any]:
-    """kohya tensors for a peft state dict of a FluxTransformer2DModel (``...lora_A.weight``/``lora_B``
+    """kohya tensors for a peft state dict of a Flux / SD3 transformer (``...lora_A.weight``/``lora_B``
     keys, no adapter name). Every LoRA module must have a kohya name (ExportError otherwise)."""
     import torch
 
@@ -113,30 +161,30 @@ def flux_kohya_state_dict(
         out[kohya_name(bfl) + ".lora_up.weight"] = up
         out[kohya_name(bfl) + ".alpha"] = torch.tensor(float(alpha) * len(present))
 
-    for i in range(transformer_config["num_layers"]):
-        prefix = f"transformer_blocks.{i}"
-        for d, b in _DOUBLE_SINGLE.items():
-            single(f"{prefix}.{d}", f"double_blocks.{i}.{b}")
-        for b, parts in _DOUBLE_FUSED.items():
-            fused(prefix, parts, f"double_blocks.{i}.{b}")
-    for i in range(transformer_config["num_single_layers"]):
-        prefix = f"single_transformer_blocks.{i}"
-        for d, b in _SINGLE_SINGLE.items():
-            single(f"{prefix}.{d}", f"single_blocks.{i}.{b}")
-        for b, parts in _SINGLE_FUSED.items():
-            fused(prefix, parts, f"single_blocks.{i}.{b}")
+    for block, original, count, one, fused_table in _blocks(arch, transformer_config):
+        for i in range(count):
+            prefix = f"{block}.{i}"
+            for d, b in one.items():
+                single(f"{prefix}.{d}", f"{original}.{i}.{b}")
+            for b, parts in fused_table.items():
+                fused(prefix, parts, f"{original}.{i}.{b}")
     unmapped = sorted(set(lora) - used)
     if unmapped:
         raise ExportError(
             f"LoRA on {unmapped[0]} (and {len(unmapped) - 1} more) has no kohya FLUX name",
-            fix="train the default FLUX targets, or set output.save_kohya: false",
+            fix="train the family's default targets, or set output.save_kohya: false",
         )
     return out
 
 
-def save_flux_kohya(
-    path: Path, peft_state_dict: dict[str, Any], *, transformer_config: dict[str, Any], alpha: float, metadata
+def save_kohya(
+    path: Path,
+    arch: str,
+    peft_state_dict: dict[str, Any],
+    *,
+    transformer_config: dict[str, Any],
+    alpha: float,
+    metadata: dict[str, str],
 ) -> Path:
-    return _save_safetensors(
-        flux_kohya_state_dict(peft_state_dict, transformer_config, alpha), path, metadata
-    )
+    tensors = kohya_state_dict(arch, peft_state_dict, transformer_config, alpha)
+    return _save_safetensors(tensors, path, metadata)
