@@ -369,6 +369,10 @@ def test_family_of_another_network_kind_is_refused(tiny_flow):
     with pytest.raises(models.ModelLoadError, match="model.family is sd35-medium"):
         models.load_components(str(tiny_flow["flux-dev"]), family="sd35-medium")
     assert models.load_components(str(tiny_flow["sd35-large"])).family == "sd35-large"
+    single = tiny_flow["flux-dev"].parent / "flux.safetensors"
+    single.write_bytes(b"")
+    with pytest.raises(UsageError, match="single-file flux-dev checkpoints are not supported yet"):
+        models.load_components(str(single), family="flux-dev")
 
 
 @pytest.mark.slow

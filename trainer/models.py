@@ -215,7 +215,16 @@ def _load_pretrained(
 def _load_single_file(location: str, family: str | None, config_dir: str | None) -> Components:
     from diffusers import DDPMScheduler
 
+    from sdplan.registry import FLOW_FAMILIES
+
     from .single_file import load_single_file_model
+
+    if family in FLOW_FAMILIES:
+        raise UsageError(
+            f"model.path {location}: single-file {family} checkpoints are not supported yet",
+            fix="give the diffusers folder or hub id (e.g. black-forest-labs/FLUX.1-dev, "
+            "stabilityai/stable-diffusion-3.5-medium)",
+        )
 
     try:  # the family is read from the file's keys when not given
         pipe = load_single_file_model(location, family, config_dir)
