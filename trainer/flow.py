@@ -289,7 +289,7 @@ class FlowAdapter:
             )
             out = model(
                 hidden_states=pack_latents(noisy),
-                timestep=(timesteps / 1000).to(dtype),
+                timestep=timesteps / 1000,  # float32, as the diffusers example passes it
                 guidance=guidance,
                 pooled_projections=pooled.to(dtype),
                 encoder_hidden_states=embeds.to(dtype),
@@ -301,7 +301,7 @@ class FlowAdapter:
         else:
             pred = model(
                 hidden_states=noisy,
-                timestep=timesteps.to(dtype),
+                timestep=timesteps,
                 encoder_hidden_states=embeds.to(dtype),
                 pooled_projections=pooled.to(dtype),
                 return_dict=False,
