@@ -357,6 +357,11 @@ def test_flow_families_train_lora_only_so_far(tiny_flow, dataset, tmp_path):
     cfg = _cfg(tiny_flow["flux-schnell"], "flux-schnell", dataset, tmp_path / "o", "method=finetune")
     with pytest.raises(UsageError, match="LoRA only"):
         run.train(cfg)
+    cfg = _cfg(
+        tiny_flow["flux-schnell"], "flux-schnell", dataset, tmp_path / "o", "training.noise_offset=0.1"
+    )
+    with pytest.raises(UsageError, match="noise_offset"):
+        run.train(cfg)
 
 
 def test_family_of_another_network_kind_is_refused(tiny_flow):

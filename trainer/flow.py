@@ -241,6 +241,12 @@ class FlowAdapter:
                 f"{cfg.method} for {self.family.name}: the SD3.5/FLUX trainer does LoRA only so far",
                 fix="use method: lora",
             )
+        if cfg.training.noise_offset:
+            raise UsageError(
+                f"training.noise_offset for {self.family.name}: an offset of the DDPM noise, not part of the "
+                "rectified-flow objective",
+                fix="set training.noise_offset: 0",
+            )
         if cfg.training.train_text_encoder:
             raise UsageError(
                 f"training.train_text_encoder for {self.family.name}: not supported (the transformer trains; "
