@@ -200,7 +200,7 @@ def test_text_conditioning_matches_the_pipeline_encode_prompt(tiny_flow, family)
 
 @pytest.mark.parametrize(
     "family",
-    ["sd35-medium", "flux-dev", pytest.param("sd35-large", marks=pytest.mark.slow), "flux-schnell"],
+    ["sd35-medium", "sd35-large", "flux-dev", "flux-schnell"],
 )
 def test_lora_trains_and_loads_back_into_the_pipeline(tiny_flow, dataset, tmp_path, family):
     from diffusers import DiffusionPipeline
