@@ -50,6 +50,8 @@ from typing import Any
 
 import yaml
 
+from sdplan import registry
+
 FAMILY_RESOLUTIONS = {
     "sd15": (256, 384, 512, 640, 768),
     "sd21": (384, 512, 640, 768),
@@ -447,7 +449,7 @@ TRANSFORMER_FLOP_RESOLUTIONS = (512, 768, 1024)
 # Linear's input for its A matrix's gradient, exactly what the Linear itself keeps when its weight requires grad;
 # the rank-r intermediate (r x tokens) is left out.
 TRANSFORMER_TRAINED = ("full", "lora")
-TRANSFORMER_FAMILIES = ("sd35-medium", "sd35-large", "flux-dev", "flux-schnell")
+TRANSFORMER_FAMILIES = registry.FLOW_FAMILIES
 
 
 def _scripts_import(name: str):

@@ -22,8 +22,10 @@ from typing import Any
 
 import yaml
 
+from sdplan import registry
+
 MODELS_DIR = Path(__file__).resolve().parents[1] / "profiles" / "models"
-FAMILIES = ("sd15", "sd21", "sdxl", "sd35-medium", "sd35-large", "flux-dev", "flux-schnell")
+FAMILIES = registry.FAMILIES  # every family with a profile in profiles/models
 
 # Published figures (../shared/reference/field-notes.md, section 2). A family's computed counts
 # must equal these; counts with no published figure are only recorded.

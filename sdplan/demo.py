@@ -16,6 +16,7 @@ DEMO_IMAGES = 8
 DEMO_REPEATS = 2  # 8 images x 2 repeats x 2 epochs / batch 2 = 16 optimizer steps on one process
 DEMO_EPOCHS = 2
 DEMO_BATCH = 2
+FLOW_DEMO_FAMILIES = ("sd35-medium", "sd35-large", "flux-dev", "flux-schnell")  # tiny SD3.5 / FLUX.1 too
 
 COLORS = {
     "red": (214, 39, 40),
@@ -126,10 +127,12 @@ def run_demo(req: Any, ui: Any) -> dict[str, Any]:
     from sdplan import runfolder
     from sdplan.errors import UsageError
     from sdplan.launcher import InputSummary, TrainRequest, check_out_dir, clear_run_outputs, run
+    from sdplan.registry import family as lookup_family
 
-    family = req.model or "sd15"
-    if family not in ("sd15", "sdxl"):
-        raise UsageError(f"--demo --model {family}: the tiny demo models are sd15 and sdxl")
+    demo_families = ("sd15", "sdxl", *FLOW_DEMO_FAMILIES)
+    family = lookup_family(req.model or "sd15").name  # aliases: flux -> flux-dev, sd35 -> sd35-medium
+    if family not in demo_families:
+        raise UsageError(f"--demo --model {family}: the tiny demo models are {', '.join(demo_families)}")
     if req.config or req.dataset or req.method not in (None, "lora") or req.gpus or req.num_machines > 1:
         raise UsageError(
             "--demo builds its own model, dataset and config on the CPU",

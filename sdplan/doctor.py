@@ -17,7 +17,7 @@ from rich.table import Table
 
 from sdplan.machine import GPU, Snapshot
 from sdplan.probe.snapshot import sorted_findings
-from sdplan.registry import FAMILIES, METHODS
+from sdplan.registry import METHODS, PLANNED_FAMILIES
 
 
 class Verdict(NamedTuple):
@@ -43,7 +43,7 @@ def planner_verdicts(snapshot: Snapshot) -> list[Verdict]:
     hardware = hardware_from_snapshot(snapshot, profiles)
     out: list[Verdict] = []
     for method in METHODS:
-        for family in FAMILIES:
+        for family in PLANNED_FAMILIES:  # a family not yet planned has no verdict
             result = plan(hardware, profiles, Request(method=method, model=family, max_gpus=1, epochs=1))
             s = result.plan
             if not result.feasible or s is None or result.memory is None:
@@ -203,11 +203,11 @@ def render(snapshot: Snapshot, console: Console, verdicts: VerdictFn = planner_v
     grid = verdict_grid(list(verdicts(snapshot)))
     table = Table(title="Verdict (planner: fastest one-GPU plan at native resolution)", title_justify="left")
     table.add_column("method")
-    for family in FAMILIES:
+    for family in PLANNED_FAMILIES:
         table.add_column(family, overflow="fold")
     for method in METHODS:
         cells = []
-        for family in FAMILIES:
+        for family in PLANNED_FAMILIES:
             status, note = grid.get(method, {}).get(family, ("unknown", ""))
             style = _STATUS_STYLE.get(status, "")
             cells.append(f"[{style}]{escape(status)}[/]" + (f"\n[dim]{escape(note)}[/]" if note else ""))

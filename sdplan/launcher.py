@@ -348,6 +348,10 @@ def _family_of(kind: str, location: str) -> str | None:
 
     if kind != "folder":
         return None
+    from sdplan.trainer.flow_models import flow_family_of_folder
+
+    if (flow := flow_family_of_folder(location)) is not None:  # SD3.5 / FLUX.1: a transformer, no unet/
+        return flow
     try:
         root = Path(location)
         index = json.loads((root / "model_index.json").read_text())

@@ -24,13 +24,21 @@ from typing import Any
 import yaml
 
 from sdplan.errors import ConfigError, UsageError
-from sdplan.registry import FAMILIES, METHODS, OPTIMIZERS, PRECISIONS
+from sdplan.registry import (
+    FAMILIES,
+    FLOW_FAMILIES,
+    METHODS,
+    OPTIMIZERS,
+    PLANNED_FAMILIES,
+    PRECISIONS,
+    not_planned,
+)
 from sdplan.settings import Settings
 
 SCHEMA_VERSION = 1
-# Families with profile data (configs, parameter counts, activations) that the planner does not plan yet (issue 14):
-# loaded and validated, kept apart in Profiles.unplanned_models.
-TRANSFORMER_FAMILIES = ("sd35-medium", "sd35-large", "flux-dev", "flux-schnell")
+# Flow-matching transformer families (registry.FLOW_FAMILIES) have profile data (configs, parameter counts,
+# activations) that the planner does not plan yet (issue 14): loaded and validated, kept apart in
+# Profiles.unplanned_models.
 TRANSFORMER_CLASSES = ("SD3Transformer2DModel", "FluxTransformer2DModel")
 TEXT_ENCODER_CLASSES = ("CLIPTextModel", "CLIPTextModelWithProjection", "T5EncoderModel")
 ATTENTION = ("efficient", "math")
@@ -180,7 +188,7 @@ GPUS_FILE_SCHEMA = {
 }
 MODEL_SCHEMA = {
     "schema_version": F((int,), check=_one_of(SCHEMA_VERSION)),
-    "family": F(STR, check=_one_of(*FAMILIES, *TRANSFORMER_FAMILIES)),
+    "family": F(STR, check=_one_of(*FAMILIES)),
     "name": F(STR),
     "architecture": F(STR, required=False, check=_one_of("unet", "mmdit", "flux")),
     "native_resolution": F((int,), check=_positive),
@@ -610,11 +618,13 @@ class Profiles:
     multi_gpu: tuple[MultiGPUObservation, ...]
     activations: Activations
     sources: tuple[str, ...] = field(default=())
-    # families with profile data but no planner support yet (TRANSFORMER_FAMILIES); not offered to recommend
+    # families with profile data but no planner support yet (FLOW_FAMILIES); not offered to recommend
     unplanned_models: dict[str, ModelSpec] = field(default_factory=dict)
     uncertainty: Uncertainty = field(default_factory=Uncertainty)
 
     def model(self, family: str) -> ModelSpec:
+        if family not in self.models and family in FAMILIES:
+            raise not_planned(family)
         if family not in self.models:
             raise UsageError(f"unknown model {family!r}", fix=f"use one of {', '.join(sorted(self.models))}")
         return self.models[family]
@@ -888,7 +898,7 @@ def load_model(path: Path) -> ModelSpec:
     errors = []
     if len(d["params"]["text_encoders"]) != len(d["text_encoders"]):
         errors.append("params.text_encoders: one count per text encoder")
-    denoiser = "transformer" if d["family"] in TRANSFORMER_FAMILIES else "unet"
+    denoiser = "transformer" if d["family"] in FLOW_FAMILIES else "unet"
     other = "unet" if denoiser == "transformer" else "transformer"
     for key in (denoiser,):
         if key not in d:
@@ -1045,7 +1055,7 @@ def load_activations(path: Path) -> Activations:
     }
     for fam, entry in d["families"].items():
         where = f"families.{fam}"
-        if fam in TRANSFORMER_FAMILIES:
+        if fam in FLOW_FAMILIES:
             _check_transformer_activations(entry, where, errors)
             continue
         _check(entry, family_schema, where, errors)
@@ -1235,15 +1245,15 @@ def _load_cached(shipped: str, local: str) -> Profiles:
             points += pts
             multi += mg
             sources.append(str(p))
-    missing = [f for f in FAMILIES if f not in models]
+    missing = [f for f in PLANNED_FAMILIES if f not in models]  # a family not yet planned needs no profile
     if missing:
         raise ConfigError(str(root / "models"), [f"{f}.yaml: missing" for f in missing])
-    for fam in [*FAMILIES, *(f for f in TRANSFORMER_FAMILIES if f in models)]:
+    for fam in [*PLANNED_FAMILIES, *(f for f in FLOW_FAMILIES if f in models)]:
         if fam not in activations.families:
             raise ConfigError(
                 str(act_path), [f"families.{fam}: missing (run scripts/compute_activations.py)"]
             )
-    unplanned = {f: models.pop(f) for f in TRANSFORMER_FAMILIES if f in models}
+    unplanned = {f: models.pop(f) for f in FLOW_FAMILIES if f in models}
     return Profiles(
         gpus=tuple(gpus),
         unplanned_models=unplanned,

@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from sdplan import config as cfgmod
-from sdplan import planner
+from sdplan import planner, registry
 from sdplan.errors import DatasetError, OutputExistsError, UsageError
 from sdplan.profiles import GiB, Profiles
-from sdplan.registry import METHODS
+from sdplan.registry import FAMILIES, METHODS
 
 DEFAULT_IMAGES = 20
 DEFAULT_EPOCHS = cfgmod.DEFAULT_EPOCHS
@@ -177,6 +177,10 @@ def _check_choice(kind: str, value: str, choices: tuple[str, ...]) -> None:
 def build_request(inp: RecommendInputs, profiles: Profiles) -> tuple[planner.Request, list[str]]:
     """Validate the command-line inputs; returns the planner request and notes for the reasons."""
     _check_choice("method", inp.method, METHODS)
+    if inp.model not in profiles.models and inp.model not in FAMILIES:  # an alias (flux) or a typo
+        inp = replace(inp, model=registry.family(inp.model).name)
+    if inp.model in FAMILIES and inp.model not in profiles.models:
+        raise registry.not_planned(inp.model)
     _check_choice("model", inp.model, tuple(sorted(profiles.models)))
     for name, v in (
         ("--images", inp.images),

@@ -38,9 +38,22 @@ class Method:
 class Family:
     name: str  # as in sdplan.yaml's `model.family`, the CLI's --model and profiles/models/<name>.yaml
     label: str
-    text_encoders: int  # CLIP text encoders (SDXL: two)
+    text_encoders: (
+        int  # text encoders the pipeline conditions on (SDXL: two CLIPs; SD3.5: CLIP-L, CLIP-G, T5)
+    )
     name_hints: tuple[str, ...] = ()  # substrings of a hub id that name this family (checked in order)
     aliases: tuple[str, ...] = ()
+    # The denoiser and its objective: "unet" (SD 1.x/2.x/SDXL: UNet2DConditionModel, DDPM epsilon/v objective),
+    # "mmdit" (SD3.5: SD3Transformer2DModel) or "flux" (FLUX.1: FluxTransformer2DModel), both rectified flow.
+    arch: str = "unet"
+    encoders: tuple[str, ...] = ("clip-l",)  # text encoders in the pipeline's order: clip-l | clip-g | t5
+    t5_max_length: int = 0  # T5 tokens the transformer sees (the pipelines' max_sequence_length)
+    planned: bool = True  # the planner has profiles for it (`sdplan recommend` / `train` plan it)
+
+    @property
+    def flow(self) -> bool:
+        """A rectified-flow transformer family (SD3.5, FLUX.1), trained by ``sdplan.trainer.flow``."""
+        return self.arch != "unet"
 
 
 OPTIMIZERS = ("adamw", "adamw8bit", "adafactor")  # what the trainer runs and the planner searches over
@@ -70,11 +83,62 @@ FAMILY_LIST = (
         name_hints=("2-1", "2.1", "sd21", "2-base", "v2"),
         aliases=("sd2", "sd2.1"),
     ),
-    Family("sdxl", "Stable Diffusion XL", text_encoders=2, name_hints=("xl",)),
+    Family("sdxl", "Stable Diffusion XL", text_encoders=2, name_hints=("xl",), encoders=("clip-l", "clip-g")),
+    # SD3.5 Medium and Large: one pipeline and code path (StableDiffusion3Pipeline), two networks (2.5B MMDiT-X
+    # with qk-norm and dual attention vs 8B MMDiT), so two families for the planner. T5 256 tokens: the
+    # pipeline's max_sequence_length default. FLUX.1 [dev] (guidance-distilled: a guidance embedder) and
+    # [schnell] (none): the same network otherwise; T5 512 / 256 tokens (FluxPipeline default; BFL's and
+    # kohya's 256 for schnell). Planner profiles land with the `families` work (issue 14): planned=False until.
+    Family(
+        "sd35-medium",
+        "Stable Diffusion 3.5 Medium",
+        text_encoders=3,
+        name_hints=("3.5-medium", "3-5-medium", "sd35-medium", "sd3.5m"),
+        aliases=("sd35", "sd3.5", "sd3.5-medium"),
+        arch="mmdit",
+        encoders=("clip-l", "clip-g", "t5"),
+        t5_max_length=256,
+        planned=False,
+    ),
+    Family(
+        "sd35-large",
+        "Stable Diffusion 3.5 Large",
+        text_encoders=3,
+        name_hints=("3.5-large", "3-5-large", "sd35-large"),
+        aliases=("sd3.5-large",),
+        arch="mmdit",
+        encoders=("clip-l", "clip-g", "t5"),
+        t5_max_length=256,
+        planned=False,
+    ),
+    Family(
+        "flux-dev",
+        "FLUX.1 [dev]",
+        text_encoders=2,
+        name_hints=("flux.1-dev", "flux1-dev", "flux-dev"),
+        aliases=("flux", "flux1-dev", "flux.1-dev"),
+        arch="flux",
+        encoders=("clip-l", "t5"),
+        t5_max_length=512,
+        planned=False,
+    ),
+    Family(
+        "flux-schnell",
+        "FLUX.1 [schnell]",
+        text_encoders=2,
+        name_hints=("flux.1-schnell", "flux1-schnell", "flux-schnell", "schnell"),
+        aliases=("flux1-schnell", "flux.1-schnell"),
+        arch="flux",
+        encoders=("clip-l", "t5"),
+        t5_max_length=256,
+        planned=False,
+    ),
 )
 
 METHODS = tuple(m.name for m in METHOD_LIST)
 FAMILIES = tuple(f.name for f in FAMILY_LIST)
+PLANNED_FAMILIES = tuple(f.name for f in FAMILY_LIST if f.planned)  # those the planner has profiles for
+FLOW_FAMILIES = tuple(f.name for f in FAMILY_LIST if f.flow)
 FULL_METHODS = tuple(m.name for m in METHOD_LIST if m.full_weights)
 RECIPES = {m.name: m.recipe for m in METHOD_LIST}
 DEFAULT_FAMILY = "sd15"  # a hub id whose name names no family
@@ -90,6 +154,16 @@ def family(name: str) -> Family:
     return _lookup("model", name, FAMILY_LIST)
 
 
+def not_planned(name: str) -> UsageError:
+    """The one-line error for a known family the planner has no profiles for yet."""
+    fam = family(name)
+    return UsageError(
+        f"{fam.name} ({fam.label}): not yet planned for this family (no planner profile yet)",
+        fix=f"plan one of {', '.join(PLANNED_FAMILIES)}, or train {fam.name} from a config file "
+        "(sdplan train --config) with the batch size and memory settings set by hand",
+    )
+
+
 def _lookup(kind: str, name: str, entries):
     for e in entries:
         if name == e.name or name in e.aliases:
@@ -103,7 +177,8 @@ def _lookup(kind: str, name: str, entries):
 def guess_family(model: str) -> str:
     """A hub id's family from its name, when its config cannot be read offline."""
     name = model.lower()
-    for fam in sorted(FAMILY_LIST, key=lambda f: f.name != "sdxl"):  # "xl" before sd21's looser hints
+    # the transformer families' specific hints first, then "xl" before sd21's looser hints
+    for fam in sorted(FAMILY_LIST, key=lambda f: (not f.flow, f.name != "sdxl")):
         if any(h in name for h in fam.name_hints):
             return fam.name
     return DEFAULT_FAMILY

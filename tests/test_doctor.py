@@ -17,8 +17,8 @@ from typer.testing import CliRunner
 from sdplan.commands._common import console as cli_console
 from sdplan.commands.doctor import doctor
 from sdplan.doctor import (
-    FAMILIES,
     METHODS,
+    PLANNED_FAMILIES,
     Verdict,
     finding_rows,
     gpu_rows,
@@ -232,7 +232,7 @@ def test_saved_live_snapshot_loads_back(run, tmp_path):
 
 def test_planner_verdict_covers_every_method_and_family():
     got = planner_verdicts(Snapshot.load(MACHINES / "t4.json"))
-    assert [(v.method, v.family) for v in got] == [(m, f) for m in METHODS for f in FAMILIES]
+    assert [(v.method, v.family) for v in got] == [(m, f) for m in METHODS for f in PLANNED_FAMILIES]
     assert all(isinstance(v, tuple) and len(v) == 4 for v in got)
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from sdplan import profiles
+from sdplan import registry
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ROOT / "profiles" / "models"
@@ -20,7 +20,7 @@ _spec = importlib.util.spec_from_file_location("count_params", ROOT / "scripts" 
 count_params = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(count_params)
 
-FAMILIES = ("sd15", "sd21", "sdxl")
+FAMILIES = registry.PLANNED_FAMILIES
 
 # ../shared/reference/field-notes.md, section 2
 SD1_UNET = 859_520_964
@@ -60,7 +60,7 @@ def counts(specs):
 def test_every_family_file_is_shipped():
     # the transformer families (SD3.5, FLUX.1) are tested in test_family_profiles.py
     shipped = sorted(p.stem for p in MODELS.glob("*.yaml"))
-    assert shipped == sorted(FAMILIES + profiles.TRANSFORMER_FAMILIES)
+    assert shipped == sorted(FAMILIES + registry.FLOW_FAMILIES)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -20,7 +20,7 @@ from sdplan import config as C
 from sdplan.cli import app
 from sdplan.launcher import NotFeasible
 from sdplan.machine import Snapshot
-from sdplan.registry import FAMILIES, METHODS
+from sdplan.registry import METHODS, PLANNED_FAMILIES
 from sdplan.settings import Settings
 
 MACHINES = Path(__file__).parent / "fixtures" / "machines"
@@ -101,7 +101,9 @@ def planned(data: dict) -> Settings:
     return Settings.from_config(data)
 
 
-CASES = [(m, method, family) for m in (*NAMES, "rtx4090") for method in METHODS for family in FAMILIES]
+CASES = [
+    (m, method, family) for m in (*NAMES, "rtx4090") for method in METHODS for family in PLANNED_FAMILIES
+]
 
 
 @pytest.mark.parametrize(("machine", "method", "family"), CASES)

@@ -27,6 +27,12 @@ def encode_prompts(text_encoders: list, input_ids: list, family: str, device):
     hidden states concatenated, pooled (projected) output of the second."""
     import torch
 
+    from sdplan.registry import FLOW_FAMILIES
+
+    if family in FLOW_FAMILIES:  # SD3.5 / FLUX.1: CLIP(s) and T5
+        from .flow import encode_prompts as encode_flow
+
+        return encode_flow(text_encoders, input_ids, family, device)
     if family != "sdxl":
         return text_encoders[0](input_ids[0].to(device))[0], None
     embeds, pooled = [], None

@@ -66,6 +66,10 @@ class Recipe:
         self.unet, self.vae, self.text_encoders = comps.unet, comps.vae, list(comps.text_encoders)
         self.trained: dict[str, Any] = {}  # name -> model whose parameters train (what DDP wraps)
         self.objective = objective.DiffusionObjective(comps.noise_scheduler, cfg.training.noise_offset)
+        self.adapter = comps.adapter  # SD3.5/FLUX: their objective and denoiser call (trainer/flow.py)
+        if self.adapter is not None:
+            self.adapter.check(cfg)
+            self.objective = self.adapter.objective(comps.noise_scheduler)
         self.latents = latents.Latents(self.vae, self.device)  # the loop adds the cache
         self.text_cache = None
         self.latent_dtype = self.wdtype  # latents and conditioning in the frozen UNet's dtype
@@ -155,7 +159,10 @@ class Recipe:
 
     def predict(self, batch: dict, generator, *, latents=None):
         """(prediction, target) of the denoiser on one batch: latents, noised by the objective, conditioned on
-        the captions. The model adapter of SD 1.x/2.x/SDXL (a UNet, epsilon or v-prediction)."""
+        the captions. The model adapter of SD 1.x/2.x/SDXL (a UNet, epsilon or v-prediction); the transformer
+        families' is ``self.adapter`` (``flow.FlowAdapter``: rectified flow, weighted targets)."""
+        if self.adapter is not None:
+            return self.adapter.predict(self, batch, generator, latents=latents)
         if latents is None:
             latents = self.latents(batch, generator)
         if self.latent_dtype is not None:

@@ -44,6 +44,7 @@ class Components:
     noise_scheduler: Any  # DDPMScheduler with the model's schedule: adds noise in training
     scheduler_config: dict[str, Any] = field(default_factory=dict)  # the model's own (inference) scheduler
     source: str = ""
+    adapter: Any = None  # SD3.5/FLUX: flow.FlowAdapter (their objective and denoiser call); None for UNets
 
     @property
     def prediction_type(self) -> str:
@@ -176,6 +177,10 @@ def _load_pretrained(
             index = json.loads(Path(hf_hub_download(location, "model_index.json", **kw)).read_text())
         else:
             index = json.loads((Path(location) / "model_index.json").read_text())
+        from .flow_models import PIPELINES, load_flow_components
+
+        if index.get("_class_name") in PIPELINES:  # SD3.5 / FLUX.1: a transformer, not a UNet
+            return load_flow_components(location, index, family, kw, wkw)
         two = "text_encoder_2" in index and index.get("text_encoder_2", [None])[0] is not None
         unet = UNet2DConditionModel.from_pretrained(location, subfolder="unet", **wkw)
         found = _check_family(detect_family(unet.config, 2 if two else 1), family, location)
@@ -210,7 +215,16 @@ def _load_pretrained(
 def _load_single_file(location: str, family: str | None, config_dir: str | None) -> Components:
     from diffusers import DDPMScheduler
 
+    from sdplan.registry import FLOW_FAMILIES
+
     from .single_file import load_single_file_model
+
+    if family in FLOW_FAMILIES:
+        raise UsageError(
+            f"model.path {location}: single-file {family} checkpoints are not supported yet",
+            fix="give the diffusers folder or hub id (e.g. black-forest-labs/FLUX.1-dev, "
+            "stabilityai/stable-diffusion-3.5-medium)",
+        )
 
     try:  # the family is read from the file's keys when not given
         pipe = load_single_file_model(location, family, config_dir)

@@ -144,11 +144,13 @@ def place(model, device, dtype) -> None:
 
 
 def use_sdpa(*models) -> None:
-    """PyTorch scaled-dot-product attention (flash / memory-efficient kernels on GPU)."""
+    """PyTorch scaled-dot-product attention (flash / memory-efficient kernels on GPU). The SD3/FLUX
+    transformers' joint-attention processors already use it (and AttnProcessor2_0 would break them)."""
+    from diffusers import AutoencoderKL, UNet2DConditionModel
     from diffusers.models.attention_processor import AttnProcessor2_0
 
     for m in models:
-        if hasattr(m, "set_attn_processor"):
+        if isinstance(m, (UNet2DConditionModel, AutoencoderKL)):
             m.set_attn_processor(AttnProcessor2_0())
 
 

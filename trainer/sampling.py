@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-_COMPONENTS = ("unet", "vae", "text_encoder", "text_encoder_2")
+_COMPONENTS = ("unet", "transformer", "vae", "text_encoder", "text_encoder_2", "text_encoder_3")
 
 
 @contextmanager

@@ -201,15 +201,175 @@ def _scheduler(cls):
     )
 
 
+# -- SD3.5 and FLUX.1: rectified-flow transformers, a 16-channel VAE, CLIP-L (+ CLIP-G) and T5 ------------------
+
+
+def tiny_t5_tokenizer(max_length: int = 256):
+    """A T5 tokenizer built offline: a Unigram vocabulary of the demo words (SentencePiece's ``▁`` word marker)
+    plus single letters, so any caption tokenizes; ``</s>`` closes every sequence as in T5."""
+    from transformers import T5TokenizerFast
+
+    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0)]
+    pieces += [("\u2581" + w, -1.0) for w in DEMO_WORDS]
+    pieces += [(c, -5.0) for c in "abcdefghijklmnopqrstuvwxyz0123456789\u2581"]
+    return T5TokenizerFast(vocab=pieces, extra_ids=0, model_max_length=max_length)
+
+
+def tiny_t5(vocab_size: int, d_model: int):
+    from transformers import T5Config, T5EncoderModel
+
+    return T5EncoderModel(
+        T5Config(
+            vocab_size=vocab_size,
+            d_model=d_model,
+            d_kv=8,
+            d_ff=37,
+            num_layers=2,
+            num_heads=4,
+            relative_attention_num_buckets=8,
+            feed_forward_proj="gated-gelu",  # T5 v1.1, as T5-XXL
+            is_encoder_decoder=False,
+            decoder_start_token_id=0,
+            pad_token_id=0,
+            eos_token_id=1,
+        )
+    )
+
+
+def tiny_vae16(scaling_factor: float, shift_factor: float):
+    """A 16-channel AutoencoderKL as SD3/FLUX's (no quant convs, a shift and a scale), scale factor 8."""
+    from diffusers import AutoencoderKL
+
+    return AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4,
+        block_out_channels=(8, 8, 16, 16),
+        layers_per_block=1,
+        latent_channels=16,
+        norm_num_groups=8,
+        sample_size=TINY_RESOLUTION,
+        scaling_factor=scaling_factor,
+        shift_factor=shift_factor,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+    )
+
+
+def tiny_sd35_components(tokenizer_dir: str | Path, seed: int = 0, *, large: bool = False) -> dict:
+    """Components of a tiny StableDiffusion3Pipeline: CLIP-L and CLIP-G (with projection; pooled outputs
+    concatenated), T5, an MMDiT with qk RMS-norm (Medium: MMDiT-X dual attention in the first block; Large:
+    none), a 16-channel VAE and the flow-matching scheduler with shift 3 (the SD3.5 configs' values)."""
+    import torch
+    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
+    from transformers import CLIPTextModelWithProjection
+
+    torch.manual_seed(seed)
+    tokenizer = tiny_tokenizer(Path(tokenizer_dir) / "tokenizer")
+    tokenizer_2 = tiny_tokenizer(Path(tokenizer_dir) / "tokenizer_2")
+    tokenizer_3 = tiny_t5_tokenizer()
+    # CLIP-L 32 + CLIP-G 48 wide (real: 768 + 1280): hidden states concatenated (80) and zero-padded to the T5
+    # width (96; real 4096), then joined with the T5 tokens along the sequence.
+    text_encoder = CLIPTextModelWithProjection(_text_config(len(tokenizer), hidden=32, projection_dim=32))
+    text_encoder_2 = CLIPTextModelWithProjection(_text_config(len(tokenizer_2), hidden=48, projection_dim=48))
+    text_encoder_3 = tiny_t5(len(tokenizer_3), d_model=96)
+    transformer = SD3Transformer2DModel(
+        sample_size=TINY_RESOLUTION // 8,
+        patch_size=2,
+        in_channels=16,
+        out_channels=16,
+        num_layers=2,
+        attention_head_dim=8,
+        num_attention_heads=4,
+        joint_attention_dim=96,
+        caption_projection_dim=32,
+        pooled_projection_dim=80,  # the two CLIPs' pooled (projected) outputs, concatenated
+        pos_embed_max_size=64,  # up to 1024 px (64 latent patches a side)
+        dual_attention_layers=() if large else (0,),
+        qk_norm="rms_norm",
+    )
+    return {
+        "transformer": transformer,
+        "vae": tiny_vae16(scaling_factor=1.5305, shift_factor=0.0609),
+        "text_encoder": text_encoder,
+        "text_encoder_2": text_encoder_2,
+        "text_encoder_3": text_encoder_3,
+        "tokenizer": tokenizer,
+        "tokenizer_2": tokenizer_2,
+        "tokenizer_3": tokenizer_3,
+        "scheduler": FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0),
+    }
+
+
+def tiny_flux_components(tokenizer_dir: str | Path, seed: int = 0, *, guidance: bool = True) -> dict:
+    """Components of a tiny FluxPipeline: CLIP-L (its pooled output only), T5 (the token sequence), a Flux
+    transformer with one double- and one single-stream block on 2x2-packed latents (64 channels), a guidance
+    embedder for [dev] (``guidance``; [schnell] has none), a 16-channel VAE and the [dev]/[schnell] scheduler."""
+    import torch
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
+    from transformers import CLIPTextModel
+
+    torch.manual_seed(seed)
+    tokenizer = tiny_tokenizer(Path(tokenizer_dir) / "tokenizer")
+    tokenizer_2 = tiny_t5_tokenizer(max_length=512 if guidance else 256)
+    text_encoder = CLIPTextModel(_text_config(len(tokenizer), hidden=32))
+    text_encoder_2 = tiny_t5(len(tokenizer_2), d_model=48)
+    transformer = FluxTransformer2DModel(
+        patch_size=1,
+        in_channels=64,  # 16 latent channels x 2 x 2
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=8,
+        num_attention_heads=2,
+        joint_attention_dim=48,  # T5 width
+        pooled_projection_dim=32,  # CLIP-L width (its pooled output)
+        guidance_embeds=guidance,
+        axes_dims_rope=(2, 2, 4),  # sums to the head dim, as (16, 56, 56) does to 128
+    )
+    shift = {"shift": 3.0, "use_dynamic_shifting": True} if guidance else {"shift": 1.0}
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        num_train_timesteps=1000,
+        base_shift=0.5,
+        max_shift=1.15,
+        base_image_seq_len=256,
+        max_image_seq_len=4096,
+        **shift,
+    )
+    return {
+        "transformer": transformer,
+        "vae": tiny_vae16(scaling_factor=0.3611, shift_factor=0.1159),
+        "text_encoder": text_encoder,
+        "text_encoder_2": text_encoder_2,
+        "tokenizer": tokenizer,
+        "tokenizer_2": tokenizer_2,
+        "scheduler": scheduler,
+    }
+
+
+TINY_FAMILIES = ("sd15", "sdxl", "sd35-medium", "sd35-large", "flux-dev", "flux-schnell")
+
+
 def save_tiny_model(folder: str | Path, family: str = "sd15", seed: int = 0) -> Path:
     """Build a tiny pipeline and save it as a diffusers folder (loads with from_pretrained)."""
     import tempfile
 
-    from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
+    from diffusers import (
+        FluxPipeline,
+        StableDiffusion3Pipeline,
+        StableDiffusionPipeline,
+        StableDiffusionXLPipeline,
+    )
 
     folder = Path(folder)
     with tempfile.TemporaryDirectory() as tmp:
-        if family == "sdxl":
+        if family in ("sd35-medium", "sd35-large"):
+            pipe = StableDiffusion3Pipeline(
+                **tiny_sd35_components(tmp, seed=seed, large=family == "sd35-large")
+            )
+        elif family in ("flux-dev", "flux-schnell"):
+            pipe = FluxPipeline(**tiny_flux_components(tmp, seed=seed, guidance=family == "flux-dev"))
+        elif family == "sdxl":
             pipe = StableDiffusionXLPipeline(**tiny_sdxl_components(tmp, seed=seed))
         elif family == "sd15":
             pipe = StableDiffusionPipeline(
@@ -219,6 +379,6 @@ def save_tiny_model(folder: str | Path, family: str = "sd15", seed: int = 0) -> 
                 requires_safety_checker=False,
             )
         else:
-            raise ValueError(f"tiny models exist for sd15 and sdxl, not {family!r}")
+            raise ValueError(f"tiny models exist for {', '.join(TINY_FAMILIES)}, not {family!r}")
         pipe.save_pretrained(folder, safe_serialization=True)
     return folder

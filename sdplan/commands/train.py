@@ -36,7 +36,7 @@ def train(
         typer.Option(
             metavar="PATH_OR_ID",
             help="Base model: a diffusers folder, a .safetensors/.ckpt file or a hub id "
-            "(with --demo: sd15 or sdxl, the tiny model's family).",
+            "(with --demo: the tiny model's family: sd15, sdxl, sd35, flux, ...).",
         ),
     ] = None,
     dataset: Annotated[

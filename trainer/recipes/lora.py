@@ -7,6 +7,7 @@ beside what every run writes (``trainer/loop.py``).
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +24,11 @@ class LoRA(Recipe):
 
         self.place_models()
         torch.manual_seed(self.cfg.training.seed)  # every process starts from the same adapters
+        lcfg = self.cfg.lora
+        if self.adapter is not None:  # SD3.5/FLUX: the family's targets unless the config names its own
+            lcfg = dataclasses.replace(lcfg, target_modules=self.adapter.lora_targets(lcfg.target_modules))
         self.trained = runtime.add_lora_adapters(
-            self.unet, self.text_encoders, self.cfg.lora, self.cfg.training.train_text_encoder
+            self.unet, self.text_encoders, lcfg, self.cfg.training.train_text_encoder
         )
 
     def param_groups(self) -> list[dict[str, Any]]:
@@ -33,6 +37,19 @@ class LoRA(Recipe):
         return self.lr_groups(unet, tes if self.cfg.training.train_text_encoder else None)
 
     def export(self, out_dir: Path, metadata: dict[str, Any], ema: Ema | None) -> list[Path]:
+        if self.adapter is not None:
+            from .. import flow_export
+
+            return flow_export.save_flow_lora(
+                out_dir,
+                transformer=unwrap(self.unet),
+                family=self.comps.family,
+                rank=self.cfg.lora.rank,
+                alpha=self.cfg.lora.alpha,
+                metadata=metadata,
+                name=self.cfg.output.name,
+                kohya=self.cfg.output.save_kohya,
+            )
         train_te = self.cfg.training.train_text_encoder
         return export.save_lora(
             out_dir,
