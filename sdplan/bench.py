@@ -31,9 +31,11 @@ probe point with a batch larger than N raise ``torch.OutOfMemoryError`` inside t
 forward pass, as a real OOM would), so the batch search's handling of OOM can be tested without a GPU. Points
 it produces say so in their source.
 
-The training harness and the probe point are :mod:`sdplan.bench_harness`. This module is over 600 lines
-because it still holds the store writer and point builder (``point_record``, ``write_points``) and the
-export/import of measurements, which move to ``sdplan.profiles`` with the one Settings type (issue 11).
+The training harness and the probe point are :mod:`sdplan.bench_harness`; the one store writer is
+:func:`sdplan.profiles.write_points`. Why one module of ~900 lines: it is the one command's sequence (what to
+measure, the machine's provenance, the batch search, how a search ended, the bench point -> profile point
+record, export/import of measurements for sharing), each a small function tested alone; splitting it would
+scatter that sequence without removing any code.
 
 torch, diffusers and the trainer are imported inside the functions that need them.
 """

@@ -10,7 +10,13 @@
 - ``name`` defaults to the run folder's name (``output_name``), so two runs do not write same-named files.
 - Diffusers folders load on transformers 4.x as well as 5.x (``folder_for_transformers4``).
 
-Reading single-file checkpoints (the other direction) is ``single_file.py``.
+Reading single-file checkpoints (the other direction) is ``single_file.py``; the SD3.5 / FLUX.1 LoRA exports
+are ``flow_export.py`` / ``flow_kohya.py``.
+
+Why one module of ~1,100 lines: most of it is the name tables of the formats users load (diffusers <-> the
+original ldm/sgm layout for UNet and VAE, HF CLIP <-> OpenCLIP, kohya's ``ss_*`` metadata and ModelSpec keys)
+and the functions that write each format; they are checked together against the clients' source
+(tests/test_export.py, tests/test_export_compat.py) and change together when a client changes.
 
 The heavy lifting is diffusers/peft: ``get_peft_model_state_dict``, ``convert_state_dict_to_diffusers``,
 ``convert_state_dict_to_kohya``, ``save_lora_weights``, ``from_single_file``. Two things diffusers has no
