@@ -1301,7 +1301,14 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
             "smaller on out-of-memory)"
         )
     else:
-        risky = [c for c in fitting if not c.safe and c.setup.num_gpus == s.num_gpus and _key(c) < _key(best)]
+        risky = [
+            c
+            for c in fitting
+            if not c.safe
+            and c.setup.num_gpus == s.num_gpus
+            and c.lowered_rank <= best.lowered_rank  # a lower rank than asked is no alternative to mention
+            and _key(c) < _key(best)
+        ]
         if risky:
             c = min(risky, key=_key)
             r.append(
