@@ -970,6 +970,34 @@ def _gib(x: float) -> str:
     return f"{x / GiB:.1f} GiB"
 
 
+def final_grid_fits(m: Memory, vram_bytes: int) -> bool:
+    """Whether the trainer's sample grid (after the weights are written; mid-run with sampling.every_steps)
+    fits beside the training state. Fit decisions use the step's peak: the final grid is made after the export
+    and its out-of-memory is caught, so it never costs the run (trainer/loop.py)."""
+    return m.sampling_peak <= HEADROOM * vram_bytes
+
+
+def breakdown_text(m: Memory) -> str:
+    """The step's parts in GiB, and, when they do not add up to its peak, why: freed gradients never coexist
+    with the forward's activations, the step transient only follows the backward, and the overhead is part of
+    the sum; each peak is the largest of the phases, not the sum of everything."""
+    parts = {k: v for k, v in m.parts().items() if v > 0}
+    text = ", ".join(f"{k.replace('_', ' ')} {_gib(v)}" for k, v in parts.items())
+    total = sum(parts.values())
+    if abs(total - m.peak) > 0.05 * GiB:
+        text += (
+            f" (these add up to {_gib(total)}, not the step's {_gib(m.peak)}: "
+            + (
+                "the activations, the gradients (freed after every step with set_to_none) and the step's "
+                "temporaries are not all alive at once; the peak is the largest phase"
+                if total > m.peak
+                else "the parts are each phase's own, and the peak is the largest phase"
+            )
+            + ")"
+        )
+    return text
+
+
 def format_range(value: float, rng: tuple[float, float], unit: str = "GiB") -> str:
     """'15.9 GiB (likely 14.2-18.1)' for bytes; durations with :func:`format_duration`."""
     if unit == "GiB":
@@ -1290,10 +1318,17 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
     r.append(
         f"predicted peak {format_range(m.peak, best.peak_range)} per GPU of {_gib(vram)} "
         f"({100 * m.peak / vram:.0f}%, limit {int(HEADROOM * 100)}%): "
-        + ", ".join(f"{k.replace('_', ' ')} {_gib(v)}" for k, v in m.parts().items() if v > 0)
+        + breakdown_text(m)
         + f"; the range is measured / predicted x{unc.peak_vram[0]:g}-{unc.peak_vram[1]:g} on the validation "
         f"set (n={unc.n_peak_vram})"
     )
+    if not final_grid_fits(m, vram):
+        r.append(
+            f"the final sample grid needs {_gib(m.sampling_peak)} (the VAE and text encoders back on the GPU beside "
+            f"the training state), more than {int(HEADROOM * 100)}% of {_gib(vram)}: `sdplan train` writes the "
+            "trained weights first and skips the grid if it runs out of memory; sampling.every_steps or "
+            "intermediate grids (sampling.prompts with output.save_every_n_*) would stop the run"
+        )
     if not best.safe:
         r.append(
             f"warning: the likely peak's upper end ({_gib(best.peak_range[1])}) is over the card's {_gib(vram)}: "
@@ -1428,6 +1463,8 @@ def result_dict(res: Result) -> dict[str, Any]:
     if res.feasible and res.memory is not None:
         estimate = {
             "peak_vram_bytes": int(res.memory.peak),
+            "sampling_peak_vram_bytes": int(res.memory.sampling_peak) or None,
+            "final_sample_grid_fits": final_grid_fits(res.memory, res.vram_bytes) if res.vram_bytes else None,
             "peak_vram_bytes_range": _rng(res.peak_range),
             "within_upper_bound": res.within_upper_bound,
             "ram_bytes": int(res.memory.ram),

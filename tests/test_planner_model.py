@@ -243,3 +243,36 @@ def test_math_attention_moves_its_attention_matrices(prof):
     assert big / math > 4  # more than linear in the latent pixels
     gpu, cal = prof.find_gpu("RTX 3090"), P.calibrate(prof)
     assert P.step_seconds(prof, _lora(attention="math"), gpu, cal) > P.step_seconds(prof, _lora(), gpu, cal)
+
+
+def test_sdxl_lora_on_8gb_says_the_final_grid_does_not_fit(prof):
+    """SDXL LoRA on an 8 GB card trains (cached text-encoder outputs, kohya's docs) but the final sample grid
+    brings the VAE and text encoders back: the plan still fits (the trainer writes the weights before the grid
+    and skips it on out-of-memory) and says the grid does not, in the reasons and in --json."""
+    hw = P.hardware_from_catalog(prof.find_gpu("RTX 3070"))
+    res = P.plan(hw, prof, P.Request(method="lora", model="sdxl", resolution=1024))
+    assert res.feasible and res.memory is not None
+    m = res.memory
+    assert m.sampling_peak > P.HEADROOM * 8 * GiB >= m.peak
+    assert not P.final_grid_fits(m, res.vram_bytes)
+    assert any("final sample grid needs" in r and "skips the grid" in r for r in res.reasons)
+    est = P.result_dict(res)["estimate"]
+    assert est["final_sample_grid_fits"] is False and est["sampling_peak_vram_bytes"] == int(m.sampling_peak)
+    # a 24 GB card holds both: no such reason
+    big = P.plan(
+        P.hardware_from_catalog(prof.find_gpu("RTX 4090")), prof, P.Request(method="lora", model="sdxl")
+    )
+    assert P.final_grid_fits(big.memory, big.vram_bytes)
+    assert not any("final sample grid" in r for r in big.reasons)
+
+
+def test_breakdown_says_when_the_parts_do_not_add_up(prof):
+    """With freed gradients (set_to_none) the gradients and the activations are never alive at once: the parts
+    add up to more than the peak, and the line says so; without, the parts are the peak."""
+    freed = P.memory(prof, _lora(model="sdxl", resolution=1024, set_grads_to_none=True, lora_rank=128))
+    text = P.breakdown_text(freed)
+    assert sum(freed.parts().values()) > freed.peak + 0.05 * GiB
+    assert "not the step's" in text and "freed" in text
+    kept = P.memory(prof, _lora(set_grads_to_none=False, optimizer="adamw8bit"))
+    assert abs(sum(kept.parts().values()) - kept.peak) < 0.05 * GiB
+    assert "not the step's" not in P.breakdown_text(kept)

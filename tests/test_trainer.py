@@ -760,3 +760,22 @@ def test_place_never_holds_the_load_dtype_on_the_device():
         runtime.place(model, torch.device("meta"), torch.bfloat16)
     assert set(seen.on_device) == {torch.bfloat16}
     assert next(model.parameters()).device.type == "meta"
+
+
+def test_final_sample_grid_out_of_memory_keeps_the_run(tiny_sd15, dataset, tmp_path, monkeypatch, capsys):
+    """The final grid brings the VAE and text encoders back beside the training state (SDXL LoRA on 8 GB with
+    cached outputs: ~9.4 GiB where the step needs ~6.8): it runs after the weights are written, so running out
+    of memory there skips the grid with one line and the run still succeeds with its outputs."""
+    from sdplan.trainer import sampling
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.50 GiB")
+
+    monkeypatch.setattr(sampling, "sample_grid", out_of_memory)
+    out = tmp_path / "out"
+    summary = run.train(make_cfg(tiny_sd15, dataset, out))
+    assert summary["steps"] == 2
+    assert not (out / "samples" / "final.png").exists()
+    assert (out / f"{out.name}.kohya.safetensors").exists()
+    assert all(Path(p).exists() for p in summary["outputs"])
+    assert "skipped the final sample grid: it ran out of GPU memory" in capsys.readouterr().out
