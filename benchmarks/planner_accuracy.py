@@ -68,23 +68,9 @@ class Prediction:
 _CALIBRATIONS: dict[int, tuple[Profiles, Any]] = {}
 
 
-def predict(profiles: Profiles, point: "Point", *, interconnect: str = "pcie") -> Prediction:
-    """Peak VRAM per GPU, host RAM and micro-batch it/s the planner predicts for ``point``'s own settings."""
-    reasons = []
-    if point.family not in profiles.models:
-        reasons.append(f"family {point.family}: not planned")
-    if point.method not in P.METHODS:
-        reasons.append(f"method {point.method}: not planned")
-    if point.optimizer not in PLANNED_OPTIMIZERS:
-        reasons.append(f"optimizer {point.optimizer}: not modelled (only {', '.join(PLANNED_OPTIMIZERS)})")
-    if point.method == "lora" and point.lora_rank is None:
-        reasons.append("LoRA rank not stated")
-    if point.attention not in PLANNER_ATTENTION:
-        reasons.append(f"attention {point.attention}: unknown backend")
-    reasons += list(point.unmodelled)
-    if reasons:
-        return Prediction(not_expressible=tuple(reasons))
-    setup = Settings(
+def settings_for(point: "Point") -> Settings:
+    """The planner's settings for a point's own configuration."""
+    return Settings(
         method=point.method,
         model=point.family,
         resolution=point.resolution,
@@ -109,6 +95,25 @@ def predict(profiles: Profiles, point: "Point", *, interconnect: str = "pcie") -
         set_grads_to_none=point.set_grads_to_none,
         num_gpus=point.num_gpus,
     )
+
+
+def predict(profiles: Profiles, point: "Point", *, interconnect: str = "pcie") -> Prediction:
+    """Peak VRAM per GPU, host RAM and micro-batch it/s the planner predicts for ``point``'s own settings."""
+    reasons = []
+    if point.family not in profiles.models:
+        reasons.append(f"family {point.family}: not planned")
+    if point.method not in P.METHODS:
+        reasons.append(f"method {point.method}: not planned")
+    if point.optimizer not in PLANNED_OPTIMIZERS:
+        reasons.append(f"optimizer {point.optimizer}: not modelled (only {', '.join(PLANNED_OPTIMIZERS)})")
+    if point.method == "lora" and point.lora_rank is None:
+        reasons.append("LoRA rank not stated")
+    if point.attention not in PLANNER_ATTENTION:
+        reasons.append(f"attention {point.attention}: unknown backend")
+    reasons += list(point.unmodelled)
+    if reasons:
+        return Prediction(not_expressible=tuple(reasons))
+    setup = settings_for(point)
     mem = P.memory(profiles, setup)
     spec = next((g for g in profiles.gpus if g.name == point.gpu), None) if point.gpu else None
     if spec is None:

@@ -57,11 +57,20 @@ HEADROOM = 0.92  # a recommended plan's predicted peak stays at or below this sh
 RAM_PER_PROCESS = 3 * GiB  # python + torch + CUDA host allocations + data loading, per process
 GC_TIME_FACTOR = 1.25  # gradient checkpointing: ~20-30% slower (field notes 2; invoke-training PR 22)
 OFFLOAD_TIME_FACTOR = 3.5  # DeepSpeed optimizer offload: 3-4x slower (lunar-diffusion notes)
-STEP_OVERHEAD_S = 0.03  # python, data loading and kernel launch per micro-step
-# Roofline byte term: the bandwidth-bound ops (norms, activations, residual adds, casts; counted on meta by
-# scripts/compute_activations.py --only-traffic) move their bytes at this share of the spec-sheet memory
-# bandwidth; the backward moves about twice the forward's bytes (read the saved input and the incoming gradient,
-# write the outgoing one), checkpointing adds one more forward.
+# python, data loading and kernel launches per micro-step, whatever the batch: the prior; calibrate() fits it
+# with the bandwidth efficiency where the published speeds span several batch sizes
+STEP_OVERHEAD_S = 0.03
+STEP_OVERHEAD_GRID = tuple(i * 0.01 for i in range(0, 61))  # seconds searched by calibrate()
+# Roofline: a micro-step takes the larger of its matmul time at the measured GEMM rate (a ceiling no kernel
+# beats) and its bandwidth time: the bytes of the bandwidth-bound ops (norms, activations, residual adds, casts;
+# counted on meta by scripts/compute_activations.py --only-traffic) over the spec-sheet memory bandwidth at the
+# efficiency calibrate() fits on the published speeds of profiles/methods. Published SD training speeds follow
+# memory bandwidth, not tensor throughput: an RTX 4090 (165 dense TFLOPS, 1008 GB/s) trains SDXL about as fast
+# as an RTX 3090 Ti (80 TFLOPS, the same 1008 GB/s), and a T4 (70 W, 320 GB/s) never reaches its rating. The
+# counted bytes are a floor (layout transposes around cuDNN convs, autocast casts, attention re-reads and kernel
+# launches are not counted), so the fitted efficiency is small and carries them. The backward moves about twice
+# the forward's bytes (read the saved input and the incoming gradient, write the outgoing one), checkpointing
+# adds one more forward. BANDWIDTH_EFFICIENCY is the prior where calibrate() has no point.
 BANDWIDTH_EFFICIENCY = 0.7
 BACKWARD_TRAFFIC = 2.0
 STARTUP_S = 60.0  # loading the model, building the optimizer, first compilation
@@ -394,18 +403,33 @@ class Calibration:
     efficiency_points: tuple[tuple[str, float], ...] = ()
     link_points: tuple[tuple[str, float], ...] = ()
     by_family: tuple[tuple[str, float], ...] = ()  # GPU architecture family -> efficiency, where measured
+    # the roofline's bandwidth term: counted bytes / (spec bandwidth x seconds), per point and fitted
+    bandwidth_efficiency: float = BANDWIDTH_EFFICIENCY
+    bandwidth_points: tuple[tuple[str, float], ...] = ()
+    step_overhead_s: float = STEP_OVERHEAD_S
+
+    def bandwidth_efficiency_for(self, spec: GPUSpec | None) -> float:
+        """One bandwidth efficiency for every GPU: the architectures differ through their measured GEMM ceiling
+        and their memory bandwidth. Fitted per architecture family, each family rests on one or two published
+        speeds and leave-one-source-out gets worse (40% median against 27%): not done."""
+        return self.bandwidth_efficiency
 
     def efficiency_for(self, spec: GPUSpec | None) -> float:
-        """The efficiency fitted on this GPU's architecture family when a speed was published for it.
-
-        The published speeds disagree by ~2x between architectures (Turing GeForce vs Volta), so one number
-        for all would miss both; other families use the geometric mean."""
+        """The FLOP efficiency (families without byte counts, the encoders that run every step): one
+        geometric mean, by_family only where a caller fills it (calibrate() no longer does: with one or two
+        speeds per architecture it reproduced each and missed by 53% leaving a source out)."""
         fam = dict(self.by_family)
         return fam.get(spec.family, self.efficiency) if spec is not None else self.efficiency
 
 
 def step_flops(profiles: Profiles, s: Settings) -> float:
     """FLOPs of one micro-step of one process (forward + backward + recomputation is handled as time)."""
+    return sum(step_flops_parts(profiles, s))
+
+
+def step_flops_parts(profiles: Profiles, s: Settings) -> tuple[float, float]:
+    """(UNet, VAE + text encoders) FLOPs of one micro-step: the roofline covers the UNet, whose bytes are
+    counted; the encoders that run every step (latents or text-encoder outputs not cached) add their FLOPs."""
     act = profiles.activations
     model = profiles.model(s.model)
     batch = s.batch * (2 if s.prior_preservation else 1)
@@ -420,7 +444,7 @@ def step_flops(profiles: Profiles, s: Settings) -> float:
     if not s.cache_text_encoder_outputs:
         te = act.text_encoder_flops(s.model) * batch
         other += te * (3.0 if (s.train_text_encoder or s.method == "textual-inversion") else 1.0)
-    return unet + other
+    return unet, other
 
 
 def step_traffic_bytes(profiles: Profiles, s: Settings) -> float:
@@ -432,13 +456,38 @@ def step_traffic_bytes(profiles: Profiles, s: Settings) -> float:
     if forward is None:
         return 0.0
     passes = 1.0 + BACKWARD_TRAFFIC + (1.0 if s.gradient_checkpointing else 0.0)
-    return forward * batch * passes
+    element = (
+        2.0 if s.precision == "fp32" else 1.0
+    )  # counted in half precision; fp32 moves 4 bytes an element
+    return forward * batch * passes * element
 
 
-def step_traffic_seconds(profiles: Profiles, s: Settings, spec: GPUSpec | None) -> float:
+def step_traffic_seconds(
+    profiles: Profiles, s: Settings, spec: GPUSpec | None, cal: Calibration | None = None
+) -> float:
+    """The roofline's bandwidth time of one micro-step (0 when the bytes or the bandwidth are unknown)."""
     if spec is None or not spec.memory_bandwidth_gbs:
         return 0.0
-    return step_traffic_bytes(profiles, s) / (spec.memory_bandwidth_gbs * 1e9 * BANDWIDTH_EFFICIENCY)
+    eff = cal.bandwidth_efficiency_for(spec) if cal is not None else BANDWIDTH_EFFICIENCY
+    return step_traffic_bytes(profiles, s) / (spec.memory_bandwidth_gbs * 1e9 * eff)
+
+
+def step_compute_seconds(profiles: Profiles, s: Settings, spec: GPUSpec, cal: Calibration) -> float:
+    """The UNet's part of a micro-step: roofline max(matmul time at the measured GEMM rate, bandwidth time);
+    where the family has no byte count, FLOPs at the efficiency fitted on published speeds."""
+    unet, other = step_flops_parts(profiles, s)
+    rate = spec.matmul_tflops(s.precision) * 1e12
+    traffic = step_traffic_seconds(profiles, s, spec, cal)
+    if traffic > 0:
+        return max(unet / rate, traffic) + other / (rate * cal.efficiency_for(spec))
+    return (unet + other) / (rate * cal.efficiency_for(spec))
+
+
+def optimizer_step_seconds(profiles: Profiles, s: Settings, spec: GPUSpec) -> float:
+    """The optimizer step's own memory traffic, spread over the accumulated micro-steps."""
+    t = trainable_params(profiles.model(s.model), s, profiles)
+    opt_bytes = OPTIMIZER_STEP_BYTES.get(s.optimizer, 28)
+    return t * opt_bytes / (spec.memory_bandwidth_gbs * 1e9) / s.grad_accum
 
 
 def gpu_tflops(gpu: HWGPU | GPUSpec | None, precision: str) -> float | None:
@@ -454,17 +503,34 @@ def step_seconds(
     if not tflops:
         return None
     spec = gpu if isinstance(gpu, GPUSpec) else gpu.spec
-    model = profiles.model(s.model)
-    compute = step_flops(profiles, s) / (tflops * 1e12 * cal.efficiency_for(spec))
-    compute += step_traffic_seconds(profiles, s, spec)
-    t = trainable_params(model, s, profiles)
-    opt = t * OPTIMIZER_STEP_BYTES.get(s.optimizer, 28) / (spec.memory_bandwidth_gbs * 1e9) / s.grad_accum
-    seconds = compute + opt + STEP_OVERHEAD_S
+    compute = step_compute_seconds(profiles, s, spec, cal)
+    seconds = compute + optimizer_step_seconds(profiles, s, spec) + cal.step_overhead_s
     if s.offload:
         seconds *= OFFLOAD_TIME_FACTOR
     if s.num_gpus > 1 and link_gbs:
         seconds += allreduce_seconds(profiles, s, link_gbs, cal) / s.grad_accum
     return seconds
+
+
+def time_basis_text(profiles: Profiles, s: Settings, gpu: HWGPU, cal: Calibration) -> str:
+    """Which roofline term sets the step time on this GPU, in words."""
+    spec = gpu.spec
+    if spec is None:
+        return "no speed known"
+    flop_s = step_flops(profiles, s) / (spec.matmul_tflops(s.precision) * 1e12)
+    byte_s = step_traffic_seconds(profiles, s, spec, cal)
+    if byte_s <= 0:
+        return (
+            f"FLOPs of the {s.model} UNet at {s.resolution}px over {gpu.name}'s measured matmul rate at "
+            f"{cal.efficiency_for(spec) * 100:.0f}% efficiency (fitted on published speeds)"
+        )
+    bound = "memory bandwidth" if byte_s >= flop_s else "matmul throughput"
+    return (
+        f"bound by {bound} on {gpu.name} ({spec.memory_bandwidth_gbs:g} GB/s, "
+        f"{spec.matmul_tflops(s.precision):g} TFLOPS): {byte_s:.2f} s of memory traffic vs {flop_s:.2f} s of "
+        f"matmul per micro-step, plus {cal.step_overhead_s:.2f} s per-step overhead (fitted on "
+        f"{len(cal.bandwidth_points)} published speeds)"
+    )
 
 
 def gradient_bytes(profiles: Profiles, s: Settings) -> float:
@@ -487,27 +553,47 @@ def setup_from_point(p: MethodPoint, attention: str | None = None) -> Settings:
 
 def calibrate(profiles: Profiles) -> Calibration:
     """Fit the compute efficiency on published/measured speeds and the link efficiency on multi-GPU runs."""
-    eff: list[tuple[str, float]] = []
-    base = Calibration(efficiency=1.0, link_efficiency=1.0)
+    speeds = []
     for p in profiles.points:
         it_s = p.outcome.get("it_s")
         spec = profiles.gpu_or_none(p.gpu)
-        if not it_s or spec is None or p.num_gpus != 1:
+        if it_s and spec is not None and p.num_gpus == 1:
+            s = setup_from_point(p)
+            speeds.append((p, spec, s, 1.0 / it_s - optimizer_step_seconds(profiles, s, spec)))
+    # the FLOP efficiency (families without byte counts, and the encoders that run every step), then the
+    # per-step overhead and the UNet's bandwidth efficiency on what the encoders leave of each step
+    flop_eff = [
+        step_flops(profiles, s) / (spec.matmul_tflops(s.precision) * 1e12) / (seconds - STEP_OVERHEAD_S)
+        for _, spec, s, seconds in speeds
+        if seconds > STEP_OVERHEAD_S
+    ]
+    flop_efficiency = _geomean(flop_eff) if flop_eff else 0.1
+
+    def encoders(spec: GPUSpec, s: Settings) -> float:
+        return step_flops_parts(profiles, s)[1] / (spec.matmul_tflops(s.precision) * 1e12 * flop_efficiency)
+
+    unet_speeds = [(p, spec, s, seconds - encoders(spec, s)) for p, spec, s, seconds in speeds]
+    overhead = _fit_step_overhead(profiles, unet_speeds)
+    eff: list[tuple[str, float, str]] = []
+    bw: list[tuple[str, float, str]] = []
+    base = Calibration(efficiency=1.0, link_efficiency=1.0, step_overhead_s=overhead)
+    for p, spec, s, seconds in speeds:
+        measured = seconds - overhead
+        if measured <= 0:
             continue
-        s = setup_from_point(p)
         ideal = step_flops(profiles, s) / (spec.matmul_tflops(s.precision) * 1e12)
-        measured = 1.0 / it_s - STEP_OVERHEAD_S - step_traffic_seconds(profiles, s, spec)
-        if measured > 0:
-            eff.append((p.id, ideal / measured, spec.family))
-    efficiency = _geomean([e for _, e, _ in eff]) if eff else 0.1
-    families: dict[str, list[float]] = {}
-    for _, e, fam in eff:
-        families.setdefault(fam, []).append(e)
+        eff.append((p.id, ideal / measured, spec.family))
+        moved = step_traffic_bytes(profiles, s)
+        unet_measured = measured - encoders(spec, s)
+        if moved > 0 and spec.memory_bandwidth_gbs and unet_measured > 0:
+            bw.append((p.id, moved / (spec.memory_bandwidth_gbs * 1e9 * unet_measured), spec.family))
+
     cal = replace(
         base,
-        efficiency=efficiency,
+        efficiency=_geomean([e for _, e, _ in eff]) if eff else 0.1,
         efficiency_points=tuple((i, e) for i, e, _ in eff),
-        by_family=tuple((f, _geomean(v)) for f, v in sorted(families.items())),
+        bandwidth_efficiency=_geomean([e for _, e, _ in bw]) if bw else BANDWIDTH_EFFICIENCY,
+        bandwidth_points=tuple((i, e) for i, e, _ in bw),
     )
     links: list[tuple[str, float]] = []
     for m in profiles.multi_gpu:
@@ -524,6 +610,27 @@ def calibrate(profiles: Profiles) -> Calibration:
         links.append((m.id, moved / (needed * nominal * 1e9)))
     link_eff = _geomean([v for _, v in links]) if links else 0.05
     return replace(cal, link_efficiency=link_eff, link_points=tuple(links))
+
+
+def _fit_step_overhead(profiles: Profiles, speeds: list) -> float:
+    """The per-micro-step overhead that, with the bandwidth efficiency at its geometric mean, fits the published
+    speeds best (least squares on log time). Identifiable only where the speeds span several batch sizes (the
+    overhead does not grow with the batch, the bytes do); the prior STEP_OVERHEAD_S otherwise."""
+    rows = [
+        (step_traffic_bytes(profiles, s) / (spec.memory_bandwidth_gbs * 1e9), seconds, s.batch)
+        for _, spec, s, seconds in speeds
+        if spec.memory_bandwidth_gbs and step_traffic_bytes(profiles, s) > 0
+    ]
+    if len({b for _, _, b in rows}) < 2:
+        return STEP_OVERHEAD_S
+    best = (math.inf, STEP_OVERHEAD_S)
+    for overhead in STEP_OVERHEAD_GRID:
+        if any(seconds <= overhead for _, seconds, _ in rows):
+            break
+        eff = _geomean([ideal / (seconds - overhead) for ideal, seconds, _ in rows])
+        err = sum(math.log((ideal / eff + overhead) / seconds) ** 2 for ideal, seconds, _ in rows)
+        best = min(best, (err, overhead))
+    return best[1]
 
 
 def _geomean(values: list[float]) -> float:
@@ -970,6 +1077,34 @@ def _gib(x: float) -> str:
     return f"{x / GiB:.1f} GiB"
 
 
+def final_grid_fits(m: Memory, vram_bytes: int) -> bool:
+    """Whether the trainer's sample grid (after the weights are written; mid-run with sampling.every_steps)
+    fits beside the training state. Fit decisions use the step's peak: the final grid is made after the export
+    and its out-of-memory is caught, so it never costs the run (trainer/loop.py)."""
+    return m.sampling_peak <= HEADROOM * vram_bytes
+
+
+def breakdown_text(m: Memory) -> str:
+    """The step's parts in GiB, and, when they do not add up to its peak, why: freed gradients never coexist
+    with the forward's activations, the step transient only follows the backward, and the overhead is part of
+    the sum; each peak is the largest of the phases, not the sum of everything."""
+    parts = {k: v for k, v in m.parts().items() if v > 0}
+    text = ", ".join(f"{k.replace('_', ' ')} {_gib(v)}" for k, v in parts.items())
+    total = sum(parts.values())
+    if abs(total - m.peak) > 0.05 * GiB:
+        text += (
+            f" (these add up to {_gib(total)}, not the step's {_gib(m.peak)}: "
+            + (
+                "the activations, the gradients (freed after every step with set_to_none) and the step's "
+                "temporaries are not all alive at once; the peak is the largest phase"
+                if total > m.peak
+                else "the parts are each phase's own, and the peak is the largest phase"
+            )
+            + ")"
+        )
+    return text
+
+
 def format_range(value: float, rng: tuple[float, float], unit: str = "GiB") -> str:
     """'15.9 GiB (likely 14.2-18.1)' for bytes; durations with :func:`format_duration`."""
     if unit == "GiB":
@@ -1290,10 +1425,17 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
     r.append(
         f"predicted peak {format_range(m.peak, best.peak_range)} per GPU of {_gib(vram)} "
         f"({100 * m.peak / vram:.0f}%, limit {int(HEADROOM * 100)}%): "
-        + ", ".join(f"{k.replace('_', ' ')} {_gib(v)}" for k, v in m.parts().items() if v > 0)
+        + breakdown_text(m)
         + f"; the range is measured / predicted x{unc.peak_vram[0]:g}-{unc.peak_vram[1]:g} on the validation "
         f"set (n={unc.n_peak_vram})"
     )
+    if not final_grid_fits(m, vram):
+        r.append(
+            f"the final sample grid needs {_gib(m.sampling_peak)} (the VAE and text encoders back on the GPU beside "
+            f"the training state), more than {int(HEADROOM * 100)}% of {_gib(vram)}: `sdplan train` writes the "
+            "trained weights first and skips the grid if it runs out of memory; sampling.every_steps or "
+            "intermediate grids (sampling.prompts with output.save_every_n_*) would stop the run"
+        )
     if not best.safe:
         r.append(
             f"warning: the likely peak's upper end ({_gib(best.peak_range[1])}) is over the card's {_gib(vram)}: "
@@ -1334,8 +1476,7 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
         r.append(f"time: unknown: no catalog throughput or measured speed for {gpu.name}")
     elif best.basis == "calibrated":
         r.append(
-            f"time: FLOPs of the {req.model} UNet at {s.resolution}px over {gpu.name}'s dense throughput at "
-            f"{cal.efficiency_for(gpu.spec) * 100:.0f}% efficiency (fitted on published speeds); likely "
+            f"time: {time_basis_text(profiles, s, gpu, cal)}; likely "
             f"x{unc.seconds[0]:g}-{unc.seconds[1]:g} of that (validation set, n={unc.n_seconds})"
         )
     else:
@@ -1435,6 +1576,8 @@ def result_dict(res: Result) -> dict[str, Any]:
     if res.feasible and res.memory is not None:
         estimate = {
             "peak_vram_bytes": int(res.memory.peak),
+            "sampling_peak_vram_bytes": int(res.memory.sampling_peak) or None,
+            "final_sample_grid_fits": final_grid_fits(res.memory, res.vram_bytes) if res.vram_bytes else None,
             "peak_vram_bytes_range": _rng(res.peak_range),
             "within_upper_bound": res.within_upper_bound,
             "ram_bytes": int(res.memory.ram),

@@ -86,6 +86,8 @@ def test_json_shape_is_exactly_the_issue(tmp_path):
     assert set(d["estimate"]) == {
         "peak_vram_bytes",
         "peak_vram_bytes_range",
+        "sampling_peak_vram_bytes",
+        "final_sample_grid_fits",
         "within_upper_bound",
         "ram_bytes",
         "seconds",

@@ -728,3 +728,54 @@ def test_two_processes_train_sdxl_text_encoders(tiny_sdxl, dataset, tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads((tmp_path / "out" / "run_summary.json").read_text())["steps"] == 2
+
+
+def test_place_never_holds_the_load_dtype_on_the_device():
+    """place() casts on the way: no tensor ever lands on the target device in the fp32 it was loaded in (an SDXL
+    UNet moved first and cast after needs twice its bf16 size), and the model ends there in the target dtype.
+    The meta device stands for the GPU; every tensor op is seen below autograd."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Landed(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.on_device: list[torch.dtype] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor) and t.device.type == "meta":
+                    self.on_device.append(t.dtype)
+            return out
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 4))
+    with Landed() as seen:
+        runtime.place(model, torch.device("meta"), torch.bfloat16)
+    assert seen.on_device and set(seen.on_device) == {torch.bfloat16}
+    assert {(p.device.type, p.dtype) for p in model.parameters()} == {("meta", torch.bfloat16)}
+
+    # already in the target dtype: moved only (no dtype argument, no cast)
+    model = torch.nn.Linear(4, 4).to(torch.bfloat16)
+    with Landed() as seen:
+        runtime.place(model, torch.device("meta"), torch.bfloat16)
+    assert set(seen.on_device) == {torch.bfloat16}
+    assert next(model.parameters()).device.type == "meta"
+
+
+def test_final_sample_grid_out_of_memory_keeps_the_run(tiny_sd15, dataset, tmp_path, monkeypatch, capsys):
+    """The final grid brings the VAE and text encoders back beside the training state (SDXL LoRA on 8 GB with
+    cached outputs: ~9.4 GiB where the step needs ~6.8): it runs after the weights are written, so running out
+    of memory there skips the grid with one line and the run still succeeds with its outputs."""
+    from sdplan.trainer import sampling
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.50 GiB")
+
+    monkeypatch.setattr(sampling, "sample_grid", out_of_memory)
+    out = tmp_path / "out"
+    summary = run.train(make_cfg(tiny_sd15, dataset, out))
+    assert summary["steps"] == 2
+    assert not (out / "samples" / "final.png").exists()
+    assert (out / f"{out.name}.kohya.safetensors").exists()
+    assert all(Path(p).exists() for p in summary["outputs"])
+    assert "skipped the final sample grid: it ran out of GPU memory" in capsys.readouterr().out

@@ -568,7 +568,17 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
                 final_ckpt = _checkpoint_final(ckpt, state, accelerator)
             raise outputs.export_error(e, out_dir, needed_bytes=export_bytes, checkpoint=final_ckpt) from None
         with outputs.write_errors(out_dir):  # the weights are out; a full disk now is still one line
-            grid = sample(fallback=recipe.sample_prompt(), at_step=state.global_step)
+            try:
+                grid = sample(fallback=recipe.sample_prompt(), at_step=state.global_step)
+            except torch.OutOfMemoryError:  # a preview: the weights are written, the run is not lost for it
+                grid = None
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+                progress.say(
+                    accelerator,
+                    "skipped the final sample grid: it ran out of GPU memory (the VAE and text encoders come "
+                    f"back beside the training state); the trained weights are in {out_dir}",
+                )
             written += [grid] if grid else []
             steps = list(range(1, len(state.losses) + 1))
             written.append(plots.loss_curve(steps, state.losses, out_dir / "loss.png"))

@@ -135,12 +135,15 @@ def vae_dtype(accelerator):
 
 
 def place(model, device, dtype) -> None:
-    """Move ``model`` to ``device`` and cast it to ``dtype`` only when it is in another one (diffusers warns
-    on every dtype cast, even a no-op)."""
-    model.to(device)
+    """Move ``model`` to ``device`` in ``dtype``, cast on the way: one ``to(device=, dtype=)`` converts tensor
+    by tensor, so the device never holds the whole model in its load dtype (moving an fp32 SDXL UNet first and
+    casting after needs 9.6 GiB for a 4.8 GiB bf16 UNet). The dtype is passed only when it differs (diffusers
+    warns on every dtype cast, even a no-op)."""
     current = next((p.dtype for p in model.parameters() if p.is_floating_point()), dtype)
     if current != dtype:
-        model.to(dtype=dtype)
+        model.to(device=device, dtype=dtype)
+    else:
+        model.to(device)
 
 
 def use_sdpa(*models) -> None:
