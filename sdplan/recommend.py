@@ -421,6 +421,8 @@ def _settings(plan: dict | None) -> str:
         bits.append("cached TE outputs")
     if plan.get("lora_rank"):
         bits.append(f"rank {plan['lora_rank']}")
+    if plan.get("base_precision", "bf16") != "bf16":
+        bits.append(f"{plan['base_precision']} base")
     if plan.get("full_half_weights"):
         bits.append("full bf16")
     if plan["deepspeed"]:

@@ -45,6 +45,7 @@ class Settings:
     full_half_weights: bool = False  # trained weights and gradients in bf16 too (kohya --full_bf16)
     set_grads_to_none: bool = True
     num_gpus: int = 1
+    base_precision: str = "bf16"  # frozen transformer base storage (SD3.5 / FLUX.1): bf16 | fp8 | nf4
 
     def __post_init__(self) -> None:
         lora = self.method == "lora"
@@ -141,6 +142,7 @@ class Settings:
 CONFIG_KEYS = {
     "method": "method",
     "model": "model.family",
+    "base_precision": "model.base_precision",
     "resolution": "data.resolution",
     "batch": "training.batch_size",
     "grad_accum": "training.grad_accum",
@@ -173,6 +175,7 @@ PROFILE_OPTIONS = (
     "fused_backward",
     "full_half_weights",
     "set_grads_to_none",
+    "base_precision",
 )
 assert {f.name for f in fields(Settings)} == {*CONFIG_KEYS, *PROFILE_OPTIONS, "attention", "ema"} | {
     "method",
