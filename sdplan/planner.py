@@ -398,6 +398,10 @@ class Calibration:
     efficiency_points: tuple[tuple[str, float], ...] = ()
     link_points: tuple[tuple[str, float], ...] = ()
     by_family: tuple[tuple[str, float], ...] = ()  # GPU architecture family -> efficiency, where measured
+    # the transformer families (SD3.5 / FLUX.1): one efficiency fitted on their own published speeds (big
+    # transformers keep the GPU far busier than the UNets at batch 1); None: none published (the UNets' then)
+    flow_efficiency: float | None = None
+    flow_points: tuple[tuple[str, float], ...] = ()
 
     def efficiency_for(self, spec: GPUSpec | None) -> float:
         """The efficiency fitted on this GPU's architecture family when a speed was published for it.
@@ -463,7 +467,8 @@ def step_seconds(
         return None
     spec = gpu if isinstance(gpu, GPUSpec) else gpu.spec
     model = profiles.model(s.model)
-    compute = step_flops(profiles, s) / (tflops * 1e12 * cal.efficiency_for(spec))
+    eff = cal.flow_efficiency if (flow_family(s.model) and cal.flow_efficiency) else cal.efficiency_for(spec)
+    compute = step_flops(profiles, s) / (tflops * 1e12 * eff)
     compute += step_traffic_seconds(profiles, s, spec)
     t = trainable_params(model, s, profiles)
     opt = t * OPTIMIZER_STEP_BYTES.get(s.optimizer, 28) / (spec.memory_bandwidth_gbs * 1e9) / s.grad_accum
@@ -517,6 +522,9 @@ def calibrate(profiles: Profiles) -> Calibration:
         efficiency_points=tuple((i, e) for i, e, _ in eff),
         by_family=tuple((f, _geomean(v)) for f, v in sorted(families.items())),
     )
+    flow = _flow_efficiency_points(profiles)
+    if flow:
+        cal = replace(cal, flow_efficiency=_geomean([e for _, e in flow]), flow_points=tuple(flow))
     links: list[tuple[str, float]] = []
     for m in profiles.multi_gpu:
         spec = profiles.gpu_or_none(m.gpu)
@@ -1690,6 +1698,21 @@ def step_flops_flow(profiles: Profiles, s: Settings) -> float:
     return transformer + other
 
 
+def _flow_efficiency_points(profiles: Profiles) -> list[tuple[str, float]]:
+    """(point id, achieved / rated throughput) of every published one-GPU speed of a transformer family."""
+    out = []
+    for p in profiles.points:
+        it_s = p.outcome.get("it_s")
+        spec = profiles.gpu_or_none(p.gpu)
+        if not it_s or spec is None or p.num_gpus != 1 or not flow_family(p.model):
+            continue
+        ideal = step_flops_flow(profiles, p.settings) / (spec.matmul_tflops(p.settings.precision) * 1e12)
+        measured = 1.0 / it_s - STEP_OVERHEAD_S
+        if measured > 0:
+            out.append((p.id, ideal / measured))
+    return out
+
+
 def base_precision_allowed(base_precision: str, gpu: HWGPU) -> str | None:
     """Why this GPU cannot hold a base at ``base_precision`` (None: it can).
 
@@ -1744,8 +1767,18 @@ def _flow_reasons(req: Request, best: Candidate, fitting: list[Candidate], profi
         f"LoRA rank {s.lora_rank} on {len(_lora_linears(model, s))} Linear kinds of the transformer "
         f"({best.memory.trainable_params / 1e6:.1f}M parameters, counted from the config's shapes)"
     )
-    r.append(
-        f"time: transformer FLOPs counted on meta over the GPU's throughput with the UNet families' fitted "
-        f"efficiency: UNCALIBRATED for {s.model} (no published {s.model} speed in the calibration points)"
-    )
+    cal = calibrate(profiles)
+    if cal.flow_efficiency:
+        pts = ", ".join(i for i, _ in cal.flow_points)
+        r.append(
+            f"time: transformer FLOPs counted on meta over the GPU's throughput at "
+            f"{cal.flow_efficiency * 100:.0f}% efficiency, fitted on {len(cal.flow_points)} published SD3.5 / "
+            f"FLUX.1 speeds ({pts}); weakly calibrated (few points, settings partly assumed), and the quantized "
+            "base's dequantisation factor is UNCALIBRATED"
+        )
+    else:
+        r.append(
+            "time: transformer FLOPs counted on meta over the GPU's throughput with the UNet families' fitted "
+            f"efficiency: UNCALIBRATED for {s.model}"
+        )
     return r
