@@ -133,6 +133,9 @@ class MemoryConfig:
     cache_latents_to_disk: bool = False  # under {output.dir}/cache/latents, keyed by image content
     cache_text_encoder_outputs: bool = False  # only while the text encoders are frozen
     set_grads_to_none: bool = True
+    # transformer blocks kept in host RAM and swapped in per block (kohya --blocks_to_swap; SD3.5 / FLUX.1). The
+    # planner may choose it; the bundled trainer does not swap blocks yet (sdplan train refuses a value > 0)
+    blocks_to_swap: int = 0
 
 
 @dataclass
@@ -250,6 +253,7 @@ _RULES: dict[str, tuple[Any, str]] = {
         lambda v: v in BASE_PRECISIONS,
         f"must be one of {', '.join(BASE_PRECISIONS)}",
     ),
+    "memory.blocks_to_swap": (lambda v: v >= 0, "must be >= 0 (0: off)"),
     "memory.optimizer": (lambda v: v in OPTIMIZERS, f"must be one of {', '.join(OPTIMIZERS)}"),
     "distributed.num_processes": (lambda v: v >= 1, "must be >= 1"),
     "distributed.deepspeed.zero_stage": (lambda v: v in (1, 2), "must be 1 or 2 (ZeRO-3 is not supported)"),

@@ -762,6 +762,12 @@ def prepare(req: TrainRequest, ui: UI) -> Prepared:
 
     if cfg.model.base_precision != "bf16":
         raise UsageError(quantized_base_refusal(cfg.model.base_precision))
+    if cfg.memory.blocks_to_swap:
+        raise UsageError(
+            f"memory.blocks_to_swap {cfg.memory.blocks_to_swap} is planned but the bundled trainer cannot swap "
+            "transformer blocks yet; use kohya sd-scripts with these settings (--blocks_to_swap), or pin "
+            "memory.blocks_to_swap=0"
+        )
 
     world = cfg.distributed.num_processes
     per_node = world // max(1, req.num_machines)

@@ -473,6 +473,8 @@ def step_seconds(
     t = trainable_params(model, s, profiles)
     opt = t * OPTIMIZER_STEP_BYTES.get(s.optimizer, 28) / (spec.memory_bandwidth_gbs * 1e9) / s.grad_accum
     seconds = compute + opt + STEP_OVERHEAD_S
+    if flow_family(s.model):
+        seconds += swap_seconds(profiles, s, spec)
     if s.offload:
         seconds *= OFFLOAD_TIME_FACTOR
     if s.num_gpus > 1 and link_gbs:
@@ -794,6 +796,14 @@ def settings_space(
     bases = (
         axis("base_precision", ("bf16", "fp8", "nf4") if nvidia else ("bf16", "fp8")) if flow else ("bf16",)
     )
+    swaps = (
+        axis(
+            "blocks_to_swap",
+            (0, *(n for n in SWAP_STEPS if n < MAX_BLOCKS_TO_SWAP[req.model]), MAX_BLOCKS_TO_SWAP[req.model]),
+        )
+        if (flow and lora)
+        else axis("blocks_to_swap", (0,))
+    )
     speeds = (None, dict(OFFLOAD)) if full else (None,)
     fixed = {
         name: pins[name]
@@ -804,7 +814,7 @@ def settings_space(
         for batch in axis("batch", BATCHES):
             if "batch" not in pins and batch > 1 and batch * n > req.images:
                 continue  # a global batch larger than the images would repeat an image within a step
-            for accum, gc, cache, te_cache, opt, ds, half_w, rank, base in itertools.product(
+            for accum, gc, cache, te_cache, opt, ds, half_w, rank, base, swap in itertools.product(
                 axis("grad_accum", (1,)),
                 axis("gradient_checkpointing", (False, True)),
                 axis("cache_latents", (True, False)),
@@ -814,7 +824,10 @@ def settings_space(
                 axis("full_half_weights", halves),
                 ranks,
                 bases,
+                swaps,
             ):
+                if swap and "blocks_to_swap" not in pins and not (gc and cache and te_cache):
+                    continue  # block swap only after the cheaper savers (as kohya's docs order them)
                 if ds and (
                     (opt != "adamw" and "optimizer" not in pins)
                     or (half_w and "full_half_weights" not in pins)
@@ -839,6 +852,7 @@ def settings_space(
                     prior_preservation=pins.get("prior_preservation", req.prior_preservation),
                     num_gpus=n,
                     base_precision=base,
+                    blocks_to_swap=swap,
                     **fixed,
                 )
 
@@ -1227,6 +1241,8 @@ def _describe(s: Settings) -> str:
         bits.append(f"rank {s.lora_rank}")
     if s.base_precision != "bf16":
         bits.append(f"{s.base_precision} base")
+    if s.blocks_to_swap:
+        bits.append(f"{s.blocks_to_swap} blocks swapped")
     if s.full_half_weights:
         bits.append("full bf16 weights")
     if s.offload:
@@ -1468,6 +1484,7 @@ def result_dict(res: Result) -> dict[str, Any]:
             "deepspeed": dict(s.deepspeed) if s.deepspeed else None,
             "resolution": s.resolution,
             "base_precision": s.base_precision,
+            "blocks_to_swap": s.blocks_to_swap,
         }
     st = res.steps
     estimate = None
@@ -1635,7 +1652,8 @@ def memory_flow(profiles: Profiles, s: Settings) -> Memory:
     batch = s.batch
     latent = (s.resolution // model.vae_scale_factor) ** 2
 
-    frozen = base_weight_bytes(model, s.base_precision)
+    swapped = swapped_block_bytes(model, s)
+    frozen = base_weight_bytes(model, s.base_precision) - swapped  # swapped blocks live in host RAM
     if not s.cache_text_encoder_outputs:
         frozen += model.text_encoder_params * 2.0  # bf16, resident
     if not s.cache_latents:
@@ -1663,6 +1681,7 @@ def memory_flow(profiles: Profiles, s: Settings) -> Memory:
     # host RAM: the components load in bf16 (quantizing on the GPU would first put the bf16 base there:
     # SimpleTuner#1149; the trainer / kohya quantize on the CPU)
     ram = RAM_PER_PROCESS + 2.0 * (model.denoiser_params + model.text_encoder_params + model.params_vae)
+    ram += swapped  # the swapped blocks' pinned host copies
     return Memory(
         trainable_params=t,
         weights=weights,
@@ -1713,6 +1732,60 @@ def _flow_efficiency_points(profiles: Profiles) -> list[tuple[str, float]]:
     return out
 
 
+# kohya --blocks_to_swap (kohya-ss/sd-scripts library/flux_models.py enable_block_swap): N swaps N // 2
+# double-stream and (N - N // 2) x 2 single-stream FLUX blocks, at most 17 / 36 of them (N <= 35); SD3
+# (library/sd3_models.py) swaps N joint blocks, at most num_layers - 2. The swapped blocks stay in host RAM and
+# each is copied in before its forward and again before its backward (the resident block it replaces goes back):
+# 2 x its bytes each way per micro-step over PCIe. UNCALIBRATED: the copies are counted in full (kohya overlaps
+# them with compute).
+SWAP_STEPS = (
+    8,
+    16,
+    22,
+    28,
+)  # kohya's README rungs (12 GB: 16, 10 GB: 22, 8 GB: 28), then each family's maximum
+# max_blocks_to_swap() of each family's config (tests/test_plan_flow.py checks them)
+MAX_BLOCKS_TO_SWAP = {"flux-dev": 35, "flux-schnell": 35, "sd35-large": 36, "sd35-medium": 22}
+PCIE_EFFICIENCY = 0.8  # host-to-device copies of pinned memory: ~80% of the x16 link
+
+
+def max_blocks_to_swap(model: ModelSpec) -> int:
+    cfg = model.transformer or {}
+    if model.architecture == "flux":  # N // 2 <= double - 2 and (N - N // 2) x 2 <= single - 2
+        n = 0
+        while (n + 1) // 2 <= int(cfg["num_layers"]) - 2 and (n + 1 - (n + 1) // 2) * 2 <= int(
+            cfg["num_single_layers"]
+        ) - 2:
+            n += 1
+        return n
+    return int(cfg["num_layers"]) - 2
+
+
+def swapped_block_bytes(model: ModelSpec, s: Settings) -> float:
+    """Bytes of the transformer's Linear weights that block swap keeps in host RAM."""
+    n = s.blocks_to_swap
+    if not n:
+        return 0.0
+    linears = transformer_linears(model)
+    if model.architecture == "flux":
+        double = sum(i * o for name, i, o, _ in linears if not name.startswith("single."))
+        single = sum(i * o for name, i, o, _ in linears if name.startswith("single."))
+        elements = (n // 2) * double + (n - n // 2) * 2 * single
+    else:
+        layers = int((model.transformer or {})["num_layers"])
+        elements = n * sum(c * i * o for _, i, o, c in linears) / layers
+    return elements * BASE_PRECISION_BYTES[s.base_precision]
+
+
+def swap_seconds(profiles: Profiles, s: Settings, spec: GPUSpec | None) -> float:
+    """Seconds per micro-step copying swapped blocks in over PCIe (0 without block swap)."""
+    if not s.blocks_to_swap or spec is None:
+        return 0.0
+    moved = 2.0 * swapped_block_bytes(profiles.model(s.model), s)
+    link = PCIE_GBS.get(spec.pcie_gen or 4, 32.0)
+    return moved / (link * 1e9 * PCIE_EFFICIENCY)
+
+
 def base_precision_allowed(base_precision: str, gpu: HWGPU) -> str | None:
     """Why this GPU cannot hold a base at ``base_precision`` (None: it can).
 
@@ -1759,6 +1832,14 @@ def _flow_reasons(req: Request, best: Candidate, fitting: list[Candidate], profi
         r.append(
             f"the bundled trainer cannot load a {s.base_precision} base yet: `sdplan train` stops before launch; "
             "train with these settings in kohya sd-scripts / SimpleTuner, or pin model.base_precision=bf16"
+        )
+    if s.blocks_to_swap:
+        r.append(
+            f"block swap (kohya --blocks_to_swap {s.blocks_to_swap}): "
+            + ("pinned" if req.pinned("blocks_to_swap") else "nothing faster fits with fewer blocks swapped")
+            + f"; {_gib(swapped_block_bytes(model, s))} of the base stays in host RAM and is copied in twice per "
+            "step (UNCALIBRATED time: the copies are counted in full); the bundled trainer does not swap blocks: "
+            "`sdplan train` stops before launch"
         )
     te = _gib(model.text_encoder_params * 2.0)
     if not s.cache_text_encoder_outputs:

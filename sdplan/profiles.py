@@ -252,7 +252,7 @@ OPTIONS_SCHEMA = {
     "set_grads_to_none": F((bool,), required=False),
     # the frozen transformer base's storage (SD3.5 / FLUX.1 LoRA); absent: bf16
     "base_precision": F(STR, required=False, check=_one_of(*BASE_PRECISIONS)),
-    # kohya --blocks_to_swap: transformer blocks kept in host RAM (recorded, not modelled yet)
+    # kohya --blocks_to_swap: transformer blocks kept in host RAM and swapped in per block (absent: 0)
     "blocks_to_swap": F((int,), required=False, check=_nonneg),
 }
 OUTCOME_SCHEMA = {

@@ -46,6 +46,9 @@ class Settings:
     set_grads_to_none: bool = True
     num_gpus: int = 1
     base_precision: str = "bf16"  # frozen transformer base storage (SD3.5 / FLUX.1): bf16 | fp8 | nf4
+    blocks_to_swap: int = (
+        0  # transformer blocks held in host RAM, swapped in per block (kohya; SD3.5 / FLUX.1)
+    )
 
     def __post_init__(self) -> None:
         lora = self.method == "lora"
@@ -154,6 +157,7 @@ CONFIG_KEYS = {
     "cache_latents": "memory.cache_latents",
     "cache_text_encoder_outputs": "memory.cache_text_encoder_outputs",
     "set_grads_to_none": "memory.set_grads_to_none",
+    "blocks_to_swap": "memory.blocks_to_swap",
     "num_gpus": "distributed.num_processes",
     "deepspeed": "distributed.deepspeed",
     "lora_rank": "lora.rank",
@@ -176,6 +180,7 @@ PROFILE_OPTIONS = (
     "full_half_weights",
     "set_grads_to_none",
     "base_precision",
+    "blocks_to_swap",
 )
 assert {f.name for f in fields(Settings)} == {*CONFIG_KEYS, *PROFILE_OPTIONS, "attention", "ema"} | {
     "method",
