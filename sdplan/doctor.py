@@ -66,6 +66,8 @@ def planner_verdicts(snapshot: Snapshot) -> list[Verdict]:
                 savers.append(f"{s.base_precision} base")
             if s.cache_text_encoder_outputs:
                 savers.append("cached TE")
+            if s.blocks_to_swap:
+                savers.append(f"swap {s.blocks_to_swap} blocks")
             note = f"{', '.join(savers)}; {result.memory.peak / 2**30:.1f} GiB"
             out.append(Verdict(method, family, "tight" if s.offload else "ok", note))
     return out

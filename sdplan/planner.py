@@ -901,7 +901,10 @@ def _one_gpu_step(
         return 1.0 / point.outcome["it_s"], ("measured" if point.origin == "local" else "published")
     step_s = step_seconds(profiles, s, gpu, cal, link_gbs=hw.link_gbs)
     if step_s is not None and flow_family(s.model):
-        return step_s, "uncalibrated"  # the UNet families' efficiency; no speed fitted for these families
+        return (
+            step_s,
+            "uncalibrated",
+        )  # an efficiency fitted on two published speeds; quantized-base and swap costs unfitted
     return step_s, ("calibrated" if step_s is not None else "unknown speed")
 
 
