@@ -56,6 +56,14 @@ PLANNER_LORA_TARGETS = {
 }
 
 
+# the validation schema's family names -> the planner's. "flux": FLUX.1 [dev] (what every validation source
+# trains; [schnell] has the same network without the guidance embedder). "sd35" does not say Medium or Large.
+PLANNER_FAMILY = {"sd15": "sd15", "sd21": "sd21", "sdxl": "sdxl", "flux": "flux-dev"}
+# a validation point's `unmodelled` notes the planner now models (issue 14): -> the Settings field and value
+MODELLED_NOTES = {"fp8 base weights (fp8_base)": ("base_precision", "fp8")}
+KOHYA_DEFAULT_LORA_RANK = 4  # kohya-ss/sd-scripts networks/lora*.py create_network: network_dim None -> 4
+
+
 @dataclass(frozen=True)
 class Prediction:
     peak_vram_bytes: float | None = None
@@ -68,11 +76,25 @@ class Prediction:
 _CALIBRATIONS: dict[int, tuple[Profiles, Any]] = {}
 
 
+def _family_and_rank(point: "Point") -> tuple[str, bool, int | None]:
+    family = PLANNER_FAMILY.get(point.family, point.family)
+    flow = family in P.registry.FLOW_FAMILIES
+    rank = point.lora_rank
+    if flow and rank is None and "kohya" in point.tool.lower():
+        rank = KOHYA_DEFAULT_LORA_RANK  # the tool's default (the point does not state one)
+    return family, flow, rank
+
+
 def settings_for(point: "Point") -> Settings:
     """The planner's settings for a point's own configuration."""
+    family, flow, rank = _family_and_rank(point)
+    changes = dict(MODELLED_NOTES[n] for n in point.unmodelled if n in MODELLED_NOTES)
+    targets = PLANNER_LORA_TARGETS.get(point.lora_targets) if point.method == "lora" else None
+    if flow and point.lora_targets != "attn":
+        targets = None  # the family's default set (attention + feed-forward of every block)
     return Settings(
         method=point.method,
-        model=point.family,
+        model=family,
         resolution=point.resolution,
         batch=point.batch,
         grad_accum=point.grad_accum,
@@ -85,8 +107,8 @@ def settings_for(point: "Point") -> Settings:
         attention=PLANNER_ATTENTION[point.attention],
         deepspeed=point.deepspeed,
         ema=point.ema,
-        lora_rank=point.lora_rank or 16,
-        lora_targets=PLANNER_LORA_TARGETS.get(point.lora_targets) if point.method == "lora" else None,
+        lora_rank=rank or 16,
+        lora_targets=targets,
         # kohya's regularization images are drawn into the same micro-batch (train_batch_size counts them; the
         # steps double instead); diffusers' prior preservation concatenates a class batch to each batch
         prior_preservation=point.prior_preservation and "kohya" not in point.tool.lower(),
@@ -94,23 +116,29 @@ def settings_for(point: "Point") -> Settings:
         full_half_weights=point.full_half_weights,
         set_grads_to_none=point.set_grads_to_none,
         num_gpus=point.num_gpus,
+        base_precision=changes.get("base_precision", point.base_precision),
     )
 
 
 def predict(profiles: Profiles, point: "Point", *, interconnect: str = "pcie") -> Prediction:
     """Peak VRAM per GPU, host RAM and micro-batch it/s the planner predicts for ``point``'s own settings."""
     reasons = []
-    if point.family not in profiles.models:
+    family, flow, rank = _family_and_rank(point)
+    if point.family == "sd35":
+        reasons.append("family sd35: Medium or Large not stated")
+    elif family not in profiles.models:
         reasons.append(f"family {point.family}: not planned")
     if point.method not in P.METHODS:
         reasons.append(f"method {point.method}: not planned")
     if point.optimizer not in PLANNED_OPTIMIZERS:
         reasons.append(f"optimizer {point.optimizer}: not modelled (only {', '.join(PLANNED_OPTIMIZERS)})")
-    if point.method == "lora" and point.lora_rank is None:
+    if point.method == "lora" and rank is None:
         reasons.append("LoRA rank not stated")
+    if flow and point.method != "lora":
+        reasons.append(f"method {point.method}: not planned for {family}")
     if point.attention not in PLANNER_ATTENTION:
         reasons.append(f"attention {point.attention}: unknown backend")
-    reasons += list(point.unmodelled)
+    reasons += [n for n in point.unmodelled if n not in MODELLED_NOTES]
     if reasons:
         return Prediction(not_expressible=tuple(reasons))
     setup = settings_for(point)
@@ -159,6 +187,7 @@ class Point:
     fused_backward: bool = False
     tool: str = ""  # the training tool, as the validation point names it
     set_grads_to_none: bool = True  # torch >= 2.0's zero_grad default; torch 1.x kept zeroed gradients
+    base_precision: str = "bf16"  # the frozen transformer base's storage (SD3.5 / FLUX.1)
     unmodelled: tuple[str, ...] = ()
     peak_vram_gib: float | None = None
     ram_gib: float | None = None
@@ -388,6 +417,7 @@ def profile_points(prof: Profiles) -> list[Point]:
                 deepspeed=o.deepspeed,
                 fused_backward=o.fused_backward,
                 set_grads_to_none=o.set_grads_to_none,
+                base_precision=o.base_precision,
                 peak_vram_gib=p.outcome.get("peak_vram_gib"),
                 ram_gib=p.outcome.get("ram_gib"),
                 it_s=p.outcome.get("it_s"),

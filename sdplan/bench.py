@@ -57,7 +57,7 @@ import yaml
 from sdplan import __version__
 from sdplan.bench_harness import Harness, free_memory, probe_point, rss_bytes
 from sdplan.errors import ConfigError, NoGPUError, UsageError
-from sdplan.registry import FAMILIES, METHODS, PLANNED_FAMILIES
+from sdplan.registry import FAMILIES, FLOW_FAMILIES, METHODS, PLANNED_FAMILIES
 from sdplan.settings import DEFAULT_LORA_RANK, Settings
 from sdplan.trainer import faults
 
@@ -572,10 +572,13 @@ def select_requests(
     for f in models or []:
         if f not in FAMILIES:
             raise UsageError(f"unknown model {f!r}", fix=f"use one of {', '.join(FAMILIES)}")
-        if f not in PLANNED_FAMILIES:  # no profile to build the network from or to teach yet
+        if (
+            f not in PLANNED_FAMILIES or f in FLOW_FAMILIES
+        ):  # SD3.5 / FLUX.1: planned (issue 14), not benched yet
+            benched = [x for x in PLANNED_FAMILIES if x not in FLOW_FAMILIES]
             raise UsageError(
-                f"sdplan bench --model {f}: not yet planned for this family",
-                fix=f"bench one of {', '.join(PLANNED_FAMILIES)}",
+                f"sdplan bench --model {f}: not yet benched for this family",
+                fix=f"bench one of {', '.join(benched)}",
             )
     if resolution is not None and (resolution < 64 or resolution % 8):
         raise UsageError(f"--resolution {resolution}: must be >= 64 and a multiple of 8")

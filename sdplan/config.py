@@ -14,7 +14,7 @@ from typing import Any, get_args, get_origin, get_type_hints
 import yaml
 
 from sdplan.errors import ConfigError
-from sdplan.registry import FAMILIES, METHODS, OPTIMIZERS, PRECISIONS
+from sdplan.registry import BASE_PRECISIONS, FAMILIES, METHODS, OPTIMIZERS, PRECISIONS
 
 SCHEDULERS = (
     "constant",
@@ -42,6 +42,9 @@ class ModelConfig:
     revision: str | None = None
     variant: str | None = None
     config_dir: str | None = None  # single-file model: a local diffusers folder with its component configs
+    # storage of the frozen transformer's Linear weights (SD3.5 / FLUX.1 LoRA): bf16 | fp8 | nf4. The planner
+    # may choose fp8 / nf4; the bundled trainer loads bf16 bases only (sdplan train refuses the others)
+    base_precision: str = "bf16"
 
 
 @dataclass
@@ -130,6 +133,9 @@ class MemoryConfig:
     cache_latents_to_disk: bool = False  # under {output.dir}/cache/latents, keyed by image content
     cache_text_encoder_outputs: bool = False  # only while the text encoders are frozen
     set_grads_to_none: bool = True
+    # transformer blocks kept in host RAM and swapped in per block (kohya --blocks_to_swap; SD3.5 / FLUX.1). The
+    # planner may choose it; the bundled trainer does not swap blocks yet (sdplan train refuses a value > 0)
+    blocks_to_swap: int = 0
 
 
 @dataclass
@@ -243,6 +249,11 @@ _RULES: dict[str, tuple[Any, str]] = {
     "training.max_grad_norm": (lambda v: v >= 0, "must be >= 0"),
     "training.noise_offset": (lambda v: v >= 0, "must be >= 0"),
     "training.device": (lambda v: v in DEVICES, f"must be one of {', '.join(DEVICES)}"),
+    "model.base_precision": (
+        lambda v: v in BASE_PRECISIONS,
+        f"must be one of {', '.join(BASE_PRECISIONS)}",
+    ),
+    "memory.blocks_to_swap": (lambda v: v >= 0, "must be >= 0 (0: off)"),
     "memory.optimizer": (lambda v: v in OPTIMIZERS, f"must be one of {', '.join(OPTIMIZERS)}"),
     "distributed.num_processes": (lambda v: v >= 1, "must be >= 1"),
     "distributed.deepspeed.zero_stage": (lambda v: v in (1, 2), "must be 1 or 2 (ZeRO-3 is not supported)"),

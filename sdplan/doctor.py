@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from sdplan import registry
 from sdplan.machine import GPU, Snapshot
 from sdplan.probe.snapshot import sorted_findings
 from sdplan.registry import METHODS, PLANNED_FAMILIES
@@ -23,7 +24,7 @@ from sdplan.registry import METHODS, PLANNED_FAMILIES
 class Verdict(NamedTuple):
     method: str
     family: str
-    status: str  # "ok" | "tight" | "no" | "unknown"
+    status: str  # "ok" | "tight" | "no" | "unknown" | "n/a" (the planner does not plan this method here)
     note: str
 
 
@@ -44,6 +45,9 @@ def planner_verdicts(snapshot: Snapshot) -> list[Verdict]:
     out: list[Verdict] = []
     for method in METHODS:
         for family in PLANNED_FAMILIES:  # a family not yet planned has no verdict
+            if not registry.family(family).plans(method):
+                out.append(Verdict(method, family, "n/a", "not supported for this family"))
+                continue
             result = plan(hardware, profiles, Request(method=method, model=family, max_gpus=1, epochs=1))
             s = result.plan
             if not result.feasible or s is None or result.memory is None:
@@ -58,6 +62,12 @@ def planner_verdicts(snapshot: Snapshot) -> list[Verdict]:
                 savers.append(s.optimizer)
             if s.offload:
                 savers.append("offload")
+            if s.base_precision != "bf16":
+                savers.append(f"{s.base_precision} base")
+            if s.cache_text_encoder_outputs:
+                savers.append("cached TE")
+            if s.blocks_to_swap:
+                savers.append(f"swap {s.blocks_to_swap} blocks")
             note = f"{', '.join(savers)}; {result.memory.peak / 2**30:.1f} GiB"
             out.append(Verdict(method, family, "tight" if s.offload else "ok", note))
     return out
@@ -157,7 +167,7 @@ def verdict_grid(verdicts: Sequence[tuple[str, str, str, str]]) -> dict[str, dic
 # -- render ----------------------------------------------------------------------------------------------
 
 _SEVERITY_STYLE = {"error": "bold red", "warning": "yellow", "info": "cyan"}
-_STATUS_STYLE = {"ok": "green", "tight": "yellow", "no": "red", "unknown": "dim"}
+_STATUS_STYLE = {"ok": "green", "tight": "yellow", "no": "red", "unknown": "dim", "n/a": "dim"}
 
 
 def render(snapshot: Snapshot, console: Console, verdicts: VerdictFn = planner_verdicts) -> None:

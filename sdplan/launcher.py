@@ -760,6 +760,15 @@ def prepare(req: TrainRequest, ui: UI) -> Prepared:
             source=source,
         )
 
+    if cfg.model.base_precision != "bf16":
+        raise UsageError(quantized_base_refusal(cfg.model.base_precision))
+    if cfg.memory.blocks_to_swap:
+        raise UsageError(
+            f"memory.blocks_to_swap {cfg.memory.blocks_to_swap} is planned but the bundled trainer cannot swap "
+            "transformer blocks yet; use kohya sd-scripts with these settings (--blocks_to_swap), or pin "
+            "memory.blocks_to_swap=0"
+        )
+
     world = cfg.distributed.num_processes
     per_node = world // max(1, req.num_machines)
     if snapshot is not None and per_node > len(snapshot.usable_gpus):
@@ -797,6 +806,14 @@ def prepare(req: TrainRequest, ui: UI) -> Prepared:
     )
 
 
+def quantized_base_refusal(base_precision: str) -> str:
+    """The one line `sdplan train` stops with when the plan or the config has a quantized frozen base."""
+    return (
+        f"base_precision {base_precision} is planned but the bundled trainer cannot load quantized bases yet; "
+        "use kohya sd-scripts / SimpleTuner with these settings, or pin model.base_precision=bf16"
+    )
+
+
 class NotFeasible(SdplanError):
     """The planner found no configuration that fits this machine."""
 
@@ -826,6 +843,10 @@ def plan_request(cfg: C.TrainConfig, inputs: InputSummary, snapshot: Any, req: T
         lora_rank=cfg.lora.rank,
         prior_preservation=prior,
         class_images=cfg.dreambooth.num_class_images if prior else 0,
+        # model.base_precision=... on the command line: planned around (it changes the memory a lot)
+        pins=(("base_precision", cfg.model.base_precision),)
+        if _user_sets(req, "model.base_precision")
+        else (),
     )
     result = plan(snapshot, load_profiles(), request)
     if not result.feasible or result.plan is None:

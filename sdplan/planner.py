@@ -229,6 +229,8 @@ def lora_params(profiles: Profiles, s: Settings) -> int:
 
 
 def trainable_params(model: ModelSpec, s: Settings, profiles: Profiles | None = None) -> int:
+    if flow_family(s.model):
+        return flow_lora_params(model, s)
     if s.method == "lora":
         if profiles is not None:
             return lora_params(profiles, s)
@@ -243,6 +245,8 @@ def trainable_params(model: ModelSpec, s: Settings, profiles: Profiles | None = 
 
 
 def memory(profiles: Profiles, s: Settings) -> Memory:
+    if flow_family(s.model):
+        return memory_flow(profiles, s)
     model = profiles.model(s.model)
     act = profiles.activations
     half = _half(s.precision)
@@ -414,6 +418,11 @@ class Calibration:
         speeds and leave-one-source-out gets worse (40% median against 27%): not done."""
         return self.bandwidth_efficiency
 
+    # the transformer families (SD3.5 / FLUX.1): one efficiency fitted on their own published speeds (big
+    # transformers keep the GPU far busier than the UNets at batch 1); None: none published (the UNets' then)
+    flow_efficiency: float | None = None
+    flow_points: tuple[tuple[str, float], ...] = ()
+
     def efficiency_for(self, spec: GPUSpec | None) -> float:
         """The FLOP efficiency (families without byte counts, the encoders that run every step): one
         geometric mean, by_family only where a caller fills it (calibrate() no longer does: with one or two
@@ -424,12 +433,15 @@ class Calibration:
 
 def step_flops(profiles: Profiles, s: Settings) -> float:
     """FLOPs of one micro-step of one process (forward + backward + recomputation is handled as time)."""
+    if flow_family(s.model):
+        return step_flops_flow(profiles, s)
     return sum(step_flops_parts(profiles, s))
 
 
 def step_flops_parts(profiles: Profiles, s: Settings) -> tuple[float, float]:
-    """(UNet, VAE + text encoders) FLOPs of one micro-step: the roofline covers the UNet, whose bytes are
-    counted; the encoders that run every step (latents or text-encoder outputs not cached) add their FLOPs."""
+    """(UNet, VAE + text encoders) FLOPs of one micro-step of a UNet family: the roofline covers the UNet, whose
+    bytes are counted; the encoders that run every step (latents or text-encoder outputs not cached) add their
+    FLOPs."""
     act = profiles.activations
     model = profiles.model(s.model)
     batch = s.batch * (2 if s.prior_preservation else 1)
@@ -449,6 +461,8 @@ def step_flops_parts(profiles: Profiles, s: Settings) -> tuple[float, float]:
 
 def step_traffic_bytes(profiles: Profiles, s: Settings) -> float:
     """Bytes the bandwidth-bound ops of the UNet move in one micro-step (0 when not computed for the family)."""
+    if flow_family(s.model):
+        return 0.0  # not computed for the transformer families
     model = profiles.model(s.model)
     batch = s.batch * (2 if s.prior_preservation else 1)
     latent = (s.resolution // model.vae_scale_factor) ** 2
@@ -503,8 +517,16 @@ def step_seconds(
     if not tflops:
         return None
     spec = gpu if isinstance(gpu, GPUSpec) else gpu.spec
-    compute = step_compute_seconds(profiles, s, spec, cal)
-    seconds = compute + optimizer_step_seconds(profiles, s, spec) + cal.step_overhead_s
+    if flow_family(s.model):  # FLOPs at the efficiency fitted on the families' own speeds (no byte counts)
+        eff = cal.flow_efficiency or cal.efficiency_for(spec)
+        compute = step_flops_flow(profiles, s) / (tflops * 1e12 * eff) + step_traffic_seconds(
+            profiles, s, spec, cal
+        )
+        seconds = compute + optimizer_step_seconds(profiles, s, spec) + STEP_OVERHEAD_S
+        seconds += swap_seconds(profiles, s, spec)
+    else:
+        compute = step_compute_seconds(profiles, s, spec, cal)
+        seconds = compute + optimizer_step_seconds(profiles, s, spec) + cal.step_overhead_s
     if s.offload:
         seconds *= OFFLOAD_TIME_FACTOR
     if s.num_gpus > 1 and link_gbs:
@@ -557,7 +579,8 @@ def calibrate(profiles: Profiles) -> Calibration:
     for p in profiles.points:
         it_s = p.outcome.get("it_s")
         spec = profiles.gpu_or_none(p.gpu)
-        if it_s and spec is not None and p.num_gpus == 1:
+        # the transformer families' speeds have their own efficiency (_flow_efficiency_points)
+        if it_s and spec is not None and p.num_gpus == 1 and not flow_family(p.model):
             s = setup_from_point(p)
             speeds.append((p, spec, s, 1.0 / it_s - optimizer_step_seconds(profiles, s, spec)))
     # the FLOP efficiency (families without byte counts, and the encoders that run every step), then the
@@ -595,6 +618,9 @@ def calibrate(profiles: Profiles) -> Calibration:
         bandwidth_efficiency=_geomean([e for _, e, _ in bw]) if bw else BANDWIDTH_EFFICIENCY,
         bandwidth_points=tuple((i, e) for i, e, _ in bw),
     )
+    flow = _flow_efficiency_points(profiles)
+    if flow:
+        cal = replace(cal, flow_efficiency=_geomean([e for _, e in flow]), flow_points=tuple(flow))
     links: list[tuple[str, float]] = []
     for m in profiles.multi_gpu:
         spec = profiles.gpu_or_none(m.gpu)
@@ -802,6 +828,7 @@ def _matching_point(profiles: Profiles, s: Settings, gpu: HWGPU) -> MethodPoint 
             and o.cache_latents == s.cache_latents
             and o.train_text_encoder == s.train_text_encoder
             and bool(o.deepspeed) == bool(s.deepspeed)
+            and o.base_precision == s.base_precision
         )
         if same and (best is None or p.origin == "local"):
             best = p
@@ -879,6 +906,19 @@ def settings_space(
         else (None,)
     )
     halves = (False, True) if (full and precision == "bf16") else (False,)
+    flow = flow_family(req.model)
+    # transformer families: the frozen base's storage (nf4: bitsandbytes, NVIDIA only) is a dimension
+    bases = (
+        axis("base_precision", ("bf16", "fp8", "nf4") if nvidia else ("bf16", "fp8")) if flow else ("bf16",)
+    )
+    swaps = (
+        axis(
+            "blocks_to_swap",
+            (0, *(n for n in SWAP_STEPS if n < MAX_BLOCKS_TO_SWAP[req.model]), MAX_BLOCKS_TO_SWAP[req.model]),
+        )
+        if (flow and lora)
+        else axis("blocks_to_swap", (0,))
+    )
     speeds = (None, dict(OFFLOAD)) if full else (None,)
     fixed = {
         name: pins[name]
@@ -889,7 +929,7 @@ def settings_space(
         for batch in axis("batch", BATCHES):
             if "batch" not in pins and batch > 1 and batch * n > req.images:
                 continue  # a global batch larger than the images would repeat an image within a step
-            for accum, gc, cache, te_cache, opt, ds, half_w, rank in itertools.product(
+            for accum, gc, cache, te_cache, opt, ds, half_w, rank, base, swap in itertools.product(
                 axis("grad_accum", (1,)),
                 axis("gradient_checkpointing", (False, True)),
                 axis("cache_latents", (True, False)),
@@ -898,7 +938,11 @@ def settings_space(
                 axis("deepspeed", speeds),
                 axis("full_half_weights", halves),
                 ranks,
+                bases,
+                swaps,
             ):
+                if swap and "blocks_to_swap" not in pins and not (gc and cache and te_cache):
+                    continue  # block swap only after the cheaper savers (as kohya's docs order them)
                 if ds and (
                     (opt != "adamw" and "optimizer" not in pins)
                     or (half_w and "full_half_weights" not in pins)
@@ -922,6 +966,8 @@ def settings_space(
                     lora_rank=rank if lora else None,
                     prior_preservation=pins.get("prior_preservation", req.prior_preservation),
                     num_gpus=n,
+                    base_precision=base,
+                    blocks_to_swap=swap,
                     **fixed,
                 )
 
@@ -969,6 +1015,11 @@ def _one_gpu_step(
     if point is not None:
         return 1.0 / point.outcome["it_s"], ("measured" if point.origin == "local" else "published")
     step_s = step_seconds(profiles, s, gpu, cal, link_gbs=hw.link_gbs)
+    if step_s is not None and flow_family(s.model):
+        return (
+            step_s,
+            "uncalibrated",
+        )  # an efficiency fitted on two published speeds; quantized-base and swap costs unfitted
     return step_s, ("calibrated" if step_s is not None else "unknown speed")
 
 
@@ -1026,7 +1077,12 @@ def _key(c: Candidate) -> tuple:
     """Fastest whole run first; with no speed known (an uncatalogued GPU), the largest batch."""
     s = c.setup
     # a 2% handicap per step away from plain AdamW: bitsandbytes / Adafactor only where they pay
-    penalty = 1 + 0.02 * _OPT_RANK[s.optimizer] + (TE_CACHE_HANDICAP if s.cache_text_encoder_outputs else 0)
+    penalty = (
+        1
+        + 0.02 * _OPT_RANK[s.optimizer]
+        + (TE_CACHE_HANDICAP if s.cache_text_encoder_outputs else 0)
+        + BASE_QUANT_HANDICAP[s.base_precision]
+    )
     savers = (
         s.gradient_checkpointing,
         _OPT_RANK[s.optimizer],
@@ -1162,6 +1218,14 @@ def pin_conflicts(req: Request, hw: Hardware) -> list[str]:
         out.append(
             f"distributed.num_processes={n}: this hardware has {limit} usable GPU(s) (use at most {limit})"
         )
+    base = req.pin("base_precision")
+    if base is not None and base != "bf16" and not flow_family(req.model):
+        out.append(
+            f"model.base_precision={base}: a quantized frozen base is planned for the transformer families "
+            f"({', '.join(registry.FLOW_FAMILIES)}) only (use model.base_precision=bf16)"
+        )
+    elif base is not None and (why := base_precision_allowed(base, gpu)):
+        out.append(f"model.base_precision={base}: {why} (use model.base_precision=fp8 or bf16)")
     if req.pin("optimizer") == "adamw8bit" and gpu.vendor != "nvidia":
         out.append(
             "memory.optimizer=adamw8bit: bitsandbytes runs on NVIDIA GPUs only (use adamw or adafactor)"
@@ -1227,6 +1291,8 @@ def plan(hardware: Hardware | Any, profiles: Profiles, request: Request) -> Resu
     if req.method not in METHODS:
         raise ValueError(f"unknown method {req.method!r}")
     model = profiles.model(req.model)
+    if not registry.family(req.model).plans(req.method):
+        raise registry.not_supported(req.method, req.model)
     resolution = req.resolution or model.native_resolution
     req = replace(req, resolution=resolution)
     cal = calibrate(profiles)
@@ -1271,6 +1337,8 @@ def plan(hardware: Hardware | Any, profiles: Profiles, request: Request) -> Resu
     one = best_by_n.get(1)
     speedup = one.seconds / best.seconds if (one and one.seconds and best.seconds) else None
     reasons += _reasons(req, hardware, best, one, best_by_n, fitting, cal, profiles)
+    if flow_family(req.model):
+        reasons += _flow_reasons(req, best, fitting, profiles)
     alternatives = tuple(sorted(best_by_n.values(), key=lambda c: c.setup.num_gpus))
     return Result(
         feasible=True,
@@ -1317,6 +1385,10 @@ def _describe(s: Settings) -> str:
         bits.append("cached text-encoder outputs")
     if s.lora_rank is not None:
         bits.append(f"rank {s.lora_rank}")
+    if s.base_precision != "bf16":
+        bits.append(f"{s.base_precision} base")
+    if s.blocks_to_swap:
+        bits.append(f"{s.blocks_to_swap} blocks swapped")
     if s.full_half_weights:
         bits.append("full bf16 weights")
     if s.offload:
@@ -1479,7 +1551,7 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
             f"time: {time_basis_text(profiles, s, gpu, cal)}; likely "
             f"x{unc.seconds[0]:g}-{unc.seconds[1]:g} of that (validation set, n={unc.n_seconds})"
         )
-    else:
+    elif best.basis != "uncalibrated":  # uncalibrated (transformer families): _flow_reasons says how
         r.append(f"time: from a {best.basis} speed for {gpu.name} with these settings")
     if req.prior_preservation and req.class_images:
         r.append(f"prior preservation: {req.class_images} class images are trained alongside (batch doubled)")
@@ -1570,6 +1642,8 @@ def result_dict(res: Result) -> dict[str, Any]:
             "lora_rank": s.lora_rank,
             "deepspeed": dict(s.deepspeed) if s.deepspeed else None,
             "resolution": s.resolution,
+            "base_precision": s.base_precision,
+            "blocks_to_swap": s.blocks_to_swap,
         }
     st = res.steps
     estimate = None
@@ -1623,3 +1697,330 @@ def result_dict(res: Result) -> dict[str, Any]:
 
 def _jsonable(v: Any) -> Any:
     return list(v) if isinstance(v, tuple) else v
+
+
+# -- the transformer families (SD3.5, FLUX.1): LoRA over a frozen, possibly quantized base ----------------
+#
+# Issue 14. The frozen transformer's Linear weights are stored at the plan's base precision (the rest of the
+# base: biases, norms, embeddings, in bf16); LoRA matrices train in fp32 with bf16 autocast; the text encoders
+# (CLIP-L, CLIP-G, T5-XXL) stay resident in bf16 unless their outputs are cached (then they leave the GPU:
+# kohya --cache_text_encoder_outputs, diffusers' --cache_latents/embedding precompute); activations are the
+# transformer's saved tensors with only the LoRA targets trained (profiles/activations.yaml, computed on meta),
+# with block-level gradient checkpointing (every transformer block a segment) or without.
+
+# Bytes per stored element of a quantized frozen Linear weight.
+# - fp8: torch.float8_e4m3fn, 1 byte; kohya --fp8_base and diffusers' layerwise upcasting store the weight and
+#   upcast it per layer for a bf16 matmul (one per-tensor scale where there is one: negligible).
+# - nf4: bitsandbytes Linear4bit, 4 bits per weight plus one fp32 absmax per block of 64 (the blocksize default
+#   of bitsandbytes.functional.quantize_4bit): 0.5 + 4/64 = 0.5625 bytes. QLoRA (Dettmers et al. 2023, section 3,
+#   "Double Quantization"): "with a blocksize of 64 ... 32/64 = 0.5 bits per parameter on average" for the
+#   constants; double quantization (not bitsandbytes' default) brings them to 0.127 bits.
+BASE_PRECISION_BYTES = {"bf16": 2.0, "fp8": 1.0, "nf4": 0.5 + 4.0 / 64.0}
+# Time per transformer FLOP relative to a bf16 base. UNCALIBRATED (no published same-GPU pair of bf16 and
+# quantized-base step times for these families): the base's weights are dequantised to bf16 before every matmul
+# (fp8: a cast; nf4: bitsandbytes' dequantize kernel), forward and backward; the ranges are wide on purpose.
+BASE_PRECISION_TIME = {"bf16": (1.0, (1.0, 1.0)), "fp8": (1.1, (1.0, 1.3)), "nf4": (1.3, (1.1, 1.8))}
+# A quantized base changes the result a little (its forward is the quantized network's): a small handicap so
+# it is chosen where it makes a plan fit or clearly faster, not by default.
+BASE_QUANT_HANDICAP = {"bf16": 0.0, "fp8": 0.02, "nf4": 0.05}
+# bf16 elements of the transformer other than its blocks' Linear weights (biases, norms, embedders, final
+# layer) are not quantized; the planner counts those from the config (transformer_linears).
+FP8_COMPUTE_MIN_SM = (8, 9)  # fp8 tensor-core matmul (torch._scaled_mm / torchao float8): Ada (8.9), Hopper
+
+
+def flow_family(family: str) -> bool:
+    return family in registry.FLOW_FAMILIES
+
+
+def transformer_linears(model: ModelSpec) -> list[tuple[str, int, int, int]]:
+    """The Linear layers of the transformer's blocks from its config: (module suffix, in, out, count), as named
+    by diffusers' FluxTransformer2DModel / SD3Transformer2DModel (what peft's target_modules match)."""
+    cfg = model.transformer or {}
+    d = int(cfg["num_attention_heads"]) * int(cfg["attention_head_dim"])
+    out: list[tuple[str, int, int, int]] = []
+    if model.architecture == "flux":
+        n, ns = int(cfg["num_layers"]), int(cfg["num_single_layers"])
+        for name in (
+            "attn.to_q",
+            "attn.to_k",
+            "attn.to_v",
+            "attn.to_out.0",
+            "attn.add_q_proj",
+            "attn.add_k_proj",
+            "attn.add_v_proj",
+            "attn.to_add_out",
+        ):
+            out.append((name, d, d, n))
+        for ff in ("ff", "ff_context"):  # FeedForward(dim, mult 4, gelu-approximate)
+            out += [(f"{ff}.net.0.proj", d, 4 * d, n), (f"{ff}.net.2", 4 * d, d, n)]
+        out += [("norm1.linear", d, 6 * d, n), ("norm1_context.linear", d, 6 * d, n)]
+        # single-stream blocks: fused attention + MLP (no to_out: proj_out takes both)
+        out += [(f"single.attn.to_{x}", d, d, ns) for x in ("q", "k", "v")]
+        out += [
+            ("single.proj_mlp", d, 4 * d, ns),
+            ("single.proj_out", 5 * d, d, ns),
+            ("single.norm.linear", d, 3 * d, ns),
+        ]
+        return out
+    n = int(cfg["num_layers"])
+    dual = len(cfg.get("dual_attention_layers") or ())
+    # the last JointTransformerBlock is context_pre_only: no to_add_out, no ff_context
+    for name in ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0"):
+        out.append((name, d, d, n))
+    for name in ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"):
+        out.append((name, d, d, n))
+    out.append(("attn.to_add_out", d, d, n - 1))
+    out += [("ff.net.0.proj", d, 4 * d, n), ("ff.net.2", 4 * d, d, n)]
+    out += [("ff_context.net.0.proj", d, 4 * d, n - 1), ("ff_context.net.2", 4 * d, d, n - 1)]
+    out += [("norm1.linear", d, 6 * d, n - dual), ("norm1.linear", d, 9 * d, dual)]
+    out += [("norm1_context.linear", d, 6 * d, n - 1), ("norm1_context.linear", d, 2 * d, 1)]
+    out += [(f"attn2.to_{x}", d, d, dual) for x in ("q", "k", "v")] + [("attn2.to_out.0", d, d, dual)]
+    return out
+
+
+def _lora_linears(model: ModelSpec, s: Settings) -> list[tuple[str, int, int, int]]:
+    targets = tuple(s.lora_targets or model.lora_target_modules)
+    # peft matches a target by the module name's suffix; single-stream blocks' attn.to_q/k/v match attn.to_*
+    return [
+        (name, i, o, c)
+        for name, i, o, c in transformer_linears(model)
+        if any(name == t or name.endswith("." + t) for t in targets)
+    ]
+
+
+def flow_lora_params(model: ModelSpec, s: Settings) -> int:
+    """LoRA parameters on a transformer: rank x (in + out) per adapted Linear, from the config's shapes."""
+    return int(s.lora_rank) * sum(c * (i + o) for _, i, o, c in _lora_linears(model, s))
+
+
+def flow_quantizable_params(model: ModelSpec) -> int:
+    """The transformer's block Linear weights (what a quantized base stores at fp8 / nf4)."""
+    return min(sum(c * i * o for _, i, o, c in transformer_linears(model)), model.denoiser_params)
+
+
+def base_weight_bytes(model: ModelSpec, base_precision: str) -> float:
+    """The frozen transformer on the GPU: block Linear weights at the base precision, the rest in bf16."""
+    q = flow_quantizable_params(model)
+    rest = model.denoiser_params - q + model.buffers_transformer
+    return q * BASE_PRECISION_BYTES[base_precision] + rest * 2.0
+
+
+def memory_flow(profiles: Profiles, s: Settings) -> Memory:
+    """Peak bytes of a LoRA on SD3.5 / FLUX.1 (see the section comment)."""
+    model = profiles.model(s.model)
+    act = profiles.activations
+    t = flow_lora_params(model, s)
+    batch = s.batch
+    latent = (s.resolution // model.vae_scale_factor) ** 2
+
+    swapped = swapped_block_bytes(model, s)
+    frozen = base_weight_bytes(model, s.base_precision) - swapped  # swapped blocks live in host RAM
+    if not s.cache_text_encoder_outputs:
+        frozen += model.text_encoder_params * 2.0  # bf16, resident
+    if not s.cache_latents:
+        frozen += model.params_vae * 2.0
+    weights = t * 4.0  # fp32 LoRA matrices
+    grads = 0.0 if s.fused_backward else t * 4.0
+    if s.optimizer in OPTIMIZER_STATE:
+        copies, fixed = OPTIMIZER_STATE[s.optimizer]
+        opt = t * (copies * 4.0 + fixed)
+    else:  # adafactor: factored second moment of each LoRA matrix (A: rank x in, B: out x rank)
+        r = int(s.lora_rank)
+        opt = 4.0 * sum(c * (2 * r + i + o) for _, i, o, c in _lora_linears(model, s))
+    held, recompute = act.transformer(
+        s.model, gc=s.gradient_checkpointing, batch=batch, latent_pixels=latent, trained="lora"
+    )
+    activations = ACTIVATION_FACTOR * (held + recompute)
+    recompute_tail = ACTIVATION_FACTOR * recompute
+    step = t * 4.0 if s.optimizer in FOREACH_OPTIMIZERS else 0.0
+    base = weights + frozen + opt
+    if s.set_grads_to_none:
+        allocated = base + max(activations, grads + max(step, recompute_tail))
+    else:
+        allocated = base + grads + max(activations, step)
+    overhead = CUDA_CONTEXT_BYTES + ALLOCATOR_OVERHEAD * allocated
+    # host RAM: the components load in bf16 (quantizing on the GPU would first put the bf16 base there:
+    # SimpleTuner#1149; the trainer / kohya quantize on the CPU)
+    ram = RAM_PER_PROCESS + 2.0 * (model.denoiser_params + model.text_encoder_params + model.params_vae)
+    ram += swapped  # the swapped blocks' pinned host copies
+    return Memory(
+        trainable_params=t,
+        weights=weights,
+        frozen=frozen,
+        gradients=grads,
+        optimizer=opt,
+        ema=0.0,
+        autocast_copies=0.0,
+        activations=activations,
+        step_transient=step,
+        overhead=overhead,
+        peak=allocated + overhead,
+        ram=ram * s.num_gpus,
+    )
+
+
+def step_flops_flow(profiles: Profiles, s: Settings) -> float:
+    """FLOPs of one LoRA micro-step on a transformer family, counted on meta (activations.yaml: the training
+    step's forward + input-gradient backward, + the recomputed forward with checkpointing), the dequantisation
+    cost of a quantized base as a factor, and the VAE / text encoders when not cached."""
+    model = profiles.model(s.model)
+    fam = profiles.activations.families[s.model]
+    latent = (s.resolution // model.vae_scale_factor) ** 2
+    key = "lora_gc" if s.gradient_checkpointing else "lora"
+    coef = fam["flops"]["transformer_train_step"][key]
+    transformer = profiles.activations._eval(coef, s.batch, latent)
+    transformer *= BASE_PRECISION_TIME[s.base_precision][0]
+    other = 0.0
+    if not s.cache_latents:
+        other += profiles.activations.vae_encode_flops(s.model, latent) * s.batch
+    if not s.cache_text_encoder_outputs:
+        other += profiles.activations.text_encoder_flops(s.model) * s.batch
+    return transformer + other
+
+
+def _flow_efficiency_points(profiles: Profiles) -> list[tuple[str, float]]:
+    """(point id, achieved / rated throughput) of every published one-GPU speed of a transformer family."""
+    out = []
+    for p in profiles.points:
+        it_s = p.outcome.get("it_s")
+        spec = profiles.gpu_or_none(p.gpu)
+        if not it_s or spec is None or p.num_gpus != 1 or not flow_family(p.model):
+            continue
+        ideal = step_flops_flow(profiles, p.settings) / (spec.matmul_tflops(p.settings.precision) * 1e12)
+        measured = 1.0 / it_s - STEP_OVERHEAD_S
+        if measured > 0:
+            out.append((p.id, ideal / measured))
+    return out
+
+
+# kohya --blocks_to_swap (kohya-ss/sd-scripts library/flux_models.py enable_block_swap): N swaps N // 2
+# double-stream and (N - N // 2) x 2 single-stream FLUX blocks, at most 17 / 36 of them (N <= 35); SD3
+# (library/sd3_models.py) swaps N joint blocks, at most num_layers - 2. The swapped blocks stay in host RAM and
+# each is copied in before its forward and again before its backward (the resident block it replaces goes back):
+# 2 x its bytes each way per micro-step over PCIe. UNCALIBRATED: the copies are counted in full (kohya overlaps
+# them with compute).
+SWAP_STEPS = (
+    8,
+    16,
+    22,
+    28,
+)  # kohya's README rungs (12 GB: 16, 10 GB: 22, 8 GB: 28), then each family's maximum
+# max_blocks_to_swap() of each family's config (tests/test_plan_flow.py checks them)
+MAX_BLOCKS_TO_SWAP = {"flux-dev": 35, "flux-schnell": 35, "sd35-large": 36, "sd35-medium": 22}
+PCIE_EFFICIENCY = 0.8  # host-to-device copies of pinned memory: ~80% of the x16 link
+
+
+def max_blocks_to_swap(model: ModelSpec) -> int:
+    cfg = model.transformer or {}
+    if model.architecture == "flux":  # N // 2 <= double - 2 and (N - N // 2) x 2 <= single - 2
+        n = 0
+        while (n + 1) // 2 <= int(cfg["num_layers"]) - 2 and (n + 1 - (n + 1) // 2) * 2 <= int(
+            cfg["num_single_layers"]
+        ) - 2:
+            n += 1
+        return n
+    return int(cfg["num_layers"]) - 2
+
+
+def swapped_block_bytes(model: ModelSpec, s: Settings) -> float:
+    """Bytes of the transformer's Linear weights that block swap keeps in host RAM."""
+    n = s.blocks_to_swap
+    if not n:
+        return 0.0
+    linears = transformer_linears(model)
+    if model.architecture == "flux":
+        double = sum(i * o for name, i, o, _ in linears if not name.startswith("single."))
+        single = sum(i * o for name, i, o, _ in linears if name.startswith("single."))
+        elements = (n // 2) * double + (n - n // 2) * 2 * single
+    else:
+        layers = int((model.transformer or {})["num_layers"])
+        elements = n * sum(c * i * o for _, i, o, c in linears) / layers
+    return elements * BASE_PRECISION_BYTES[s.base_precision]
+
+
+def swap_seconds(profiles: Profiles, s: Settings, spec: GPUSpec | None) -> float:
+    """Seconds per micro-step copying swapped blocks in over PCIe (0 without block swap)."""
+    if not s.blocks_to_swap or spec is None:
+        return 0.0
+    moved = 2.0 * swapped_block_bytes(profiles.model(s.model), s)
+    link = PCIE_GBS.get(spec.pcie_gen or 4, 32.0)
+    return moved / (link * 1e9 * PCIE_EFFICIENCY)
+
+
+def base_precision_allowed(base_precision: str, gpu: HWGPU) -> str | None:
+    """Why this GPU cannot hold a base at ``base_precision`` (None: it can).
+
+    fp8 storage needs only torch's float8 dtypes (torch >= 2.1, any device; the matmul runs in bf16 after an
+    upcast); fp8 *compute* would need SM 8.9+ (not planned). nf4 needs bitsandbytes' 4-bit kernels: CUDA
+    (bitsandbytes installation docs; its ROCm / other backends are previews), so NVIDIA only here."""
+    if base_precision == "nf4" and gpu.vendor != "nvidia":
+        return "nf4 (bitsandbytes 4-bit) runs on NVIDIA CUDA GPUs only"
+    return None
+
+
+def _flow_reasons(req: Request, best: Candidate, fitting: list[Candidate], profiles: Profiles) -> list[str]:
+    s = best.setup
+    model = profiles.model(s.model)
+    r = []
+    bf16_gib = _gib(base_weight_bytes(model, "bf16"))
+    here = _gib(base_weight_bytes(model, s.base_precision))
+    factor, (lo, hi) = BASE_PRECISION_TIME[s.base_precision]
+    if req.pinned("base_precision"):
+        why = "pinned"
+    elif s.base_precision == "bf16":
+        why = f"the {bf16_gib} bf16 base fits, so it is not quantized"
+    else:
+        leaner = [c for c in fitting if c.setup.base_precision == "bf16" and c.setup.num_gpus == s.num_gpus]
+        why = (
+            f"the bf16 base ({bf16_gib}) does not fit beside the rest"
+            if not leaner
+            else "it allows a faster configuration than the bf16 base"
+        )
+    r.append(
+        f"base precision {s.base_precision}: the frozen {model.name} transformer takes {here} on the GPU; {why}"
+        + (
+            f"; dequantising costs ~x{factor:g} transformer time (UNCALIBRATED, likely x{lo:g}-{hi:g})"
+            if s.base_precision != "bf16"
+            else ""
+        )
+    )
+    if s.base_precision == "fp8":
+        r.append(
+            "fp8 base = fp8 storage (torch float8_e4m3fn, kohya --fp8_base), matmuls in bf16: any GPU with "
+            "torch >= 2.1; fp8 compute (SM 8.9+) is not assumed"
+        )
+    if s.base_precision != "bf16":
+        r.append(
+            f"the bundled trainer cannot load a {s.base_precision} base yet: `sdplan train` stops before launch; "
+            "train with these settings in kohya sd-scripts / SimpleTuner, or pin model.base_precision=bf16"
+        )
+    if s.blocks_to_swap:
+        r.append(
+            f"block swap (kohya --blocks_to_swap {s.blocks_to_swap}): "
+            + ("pinned" if req.pinned("blocks_to_swap") else "nothing faster fits with fewer blocks swapped")
+            + f"; {_gib(swapped_block_bytes(model, s))} of the base stays in host RAM and is copied in twice per "
+            "step (UNCALIBRATED time: the copies are counted in full); the bundled trainer does not swap blocks: "
+            "`sdplan train` stops before launch"
+        )
+    te = _gib(model.text_encoder_params * 2.0)
+    if not s.cache_text_encoder_outputs:
+        r.append(f"text encoders resident on the GPU in bf16 ({te}, T5-XXL included): they fit")
+    r.append(
+        f"LoRA rank {s.lora_rank} on {len(_lora_linears(model, s))} Linear kinds of the transformer "
+        f"({best.memory.trainable_params / 1e6:.1f}M parameters, counted from the config's shapes)"
+    )
+    cal = calibrate(profiles)
+    if cal.flow_efficiency:
+        pts = ", ".join(i for i, _ in cal.flow_points)
+        r.append(
+            f"time: transformer FLOPs counted on meta over the GPU's throughput at "
+            f"{cal.flow_efficiency * 100:.0f}% efficiency, fitted on {len(cal.flow_points)} published SD3.5 / "
+            f"FLUX.1 speeds ({pts}); weakly calibrated (few points, settings partly assumed), and the quantized "
+            "base's dequantisation factor is UNCALIBRATED"
+        )
+    else:
+        r.append(
+            "time: transformer FLOPs counted on meta over the GPU's throughput with the UNet families' fitted "
+            f"efficiency: UNCALIBRATED for {s.model}"
+        )
+    return r

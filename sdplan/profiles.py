@@ -30,6 +30,7 @@ import yaml
 
 from sdplan.errors import ConfigError, UsageError
 from sdplan.registry import (
+    BASE_PRECISIONS,
     FAMILIES,
     FLOW_FAMILIES,
     METHODS,
@@ -254,6 +255,10 @@ OPTIONS_SCHEMA = {
     "fused_backward": F((bool,), required=False),
     "full_half_weights": F((bool,), required=False),
     "set_grads_to_none": F((bool,), required=False),
+    # the frozen transformer base's storage (SD3.5 / FLUX.1 LoRA); absent: bf16
+    "base_precision": F(STR, required=False, check=_one_of(*BASE_PRECISIONS)),
+    # kohya --blocks_to_swap: transformer blocks kept in host RAM and swapped in per block (absent: 0)
+    "blocks_to_swap": F((int,), required=False, check=_nonneg),
 }
 OUTCOME_SCHEMA = {
     "fits": F((bool, type(None))),
@@ -1258,7 +1263,7 @@ def _load_cached(shipped: str, local: str) -> Profiles:
             raise ConfigError(
                 str(act_path), [f"families.{fam}: missing (run scripts/compute_activations.py)"]
             )
-    unplanned = {f: models.pop(f) for f in FLOW_FAMILIES if f in models}
+    unplanned = {f: models.pop(f) for f in FLOW_FAMILIES if f in models and f not in PLANNED_FAMILIES}
     return Profiles(
         gpus=tuple(gpus),
         unplanned_models=unplanned,

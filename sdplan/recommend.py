@@ -421,6 +421,10 @@ def _settings(plan: dict | None) -> str:
         bits.append("cached TE outputs")
     if plan.get("lora_rank"):
         bits.append(f"rank {plan['lora_rank']}")
+    if plan.get("base_precision", "bf16") != "bf16":
+        bits.append(f"{plan['base_precision']} base")
+    if plan.get("blocks_to_swap"):
+        bits.append(f"swap {plan['blocks_to_swap']} blocks")
     if plan.get("full_half_weights"):
         bits.append("full bf16")
     if plan["deepspeed"]:

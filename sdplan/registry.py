@@ -49,11 +49,18 @@ class Family:
     encoders: tuple[str, ...] = ("clip-l",)  # text encoders in the pipeline's order: clip-l | clip-g | t5
     t5_max_length: int = 0  # T5 tokens the transformer sees (the pipelines' max_sequence_length)
     planned: bool = True  # the planner has profiles for it (`sdplan recommend` / `train` plan it)
+    # the methods the planner plans for it (None: every method); the transformer families: LoRA only (issue 14:
+    # the bundled trainer has LoRA recipes for them, and no anchor supports textual inversion there)
+    methods: tuple[str, ...] | None = None
 
     @property
     def flow(self) -> bool:
         """A rectified-flow transformer family (SD3.5, FLUX.1), trained by ``sdplan.trainer.flow``."""
         return self.arch != "unet"
+
+    def plans(self, method: str) -> bool:
+        """The planner plans ``method`` for this family."""
+        return self.methods is None or method in self.methods
 
 
 OPTIMIZERS = ("adamw", "adamw8bit", "adafactor")  # what the trainer runs and the planner searches over
@@ -61,6 +68,9 @@ OPTIMIZERS = ("adamw", "adamw8bit", "adafactor")  # what the trainer runs and th
 # never chosen by the search, since they change the training dynamics: sdplan.planner.OPTIMIZER_STATE
 MODELLED_OPTIMIZERS = (*OPTIMIZERS, "prodigy", "dadaptation", "lion", "lion8bit")
 PRECISIONS = ("fp32", "fp16", "bf16")
+# storage of a frozen transformer base's Linear weights (LoRA on SD3.5 / FLUX.1): bf16, float8 (e4m3, per-tensor
+# scale) or bitsandbytes 4-bit NormalFloat; bytes and hardware rules in sdplan.planner.BASE_PRECISION_BYTES
+BASE_PRECISIONS = ("bf16", "fp8", "nf4")
 
 METHOD_LIST = (
     Method("lora", "LoRA", trains="adapter", recipe="lora"),
@@ -88,7 +98,7 @@ FAMILY_LIST = (
     # with qk-norm and dual attention vs 8B MMDiT), so two families for the planner. T5 256 tokens: the
     # pipeline's max_sequence_length default. FLUX.1 [dev] (guidance-distilled: a guidance embedder) and
     # [schnell] (none): the same network otherwise; T5 512 / 256 tokens (FluxPipeline default; BFL's and
-    # kohya's 256 for schnell). Planner profiles land with the `families` work (issue 14): planned=False until.
+    # kohya's 256 for schnell). Planned for LoRA (sdplan.planner.memory_flow; issue 14).
     Family(
         "sd35-medium",
         "Stable Diffusion 3.5 Medium",
@@ -98,7 +108,7 @@ FAMILY_LIST = (
         arch="mmdit",
         encoders=("clip-l", "clip-g", "t5"),
         t5_max_length=256,
-        planned=False,
+        methods=("lora",),
     ),
     Family(
         "sd35-large",
@@ -109,7 +119,7 @@ FAMILY_LIST = (
         arch="mmdit",
         encoders=("clip-l", "clip-g", "t5"),
         t5_max_length=256,
-        planned=False,
+        methods=("lora",),
     ),
     Family(
         "flux-dev",
@@ -120,7 +130,7 @@ FAMILY_LIST = (
         arch="flux",
         encoders=("clip-l", "t5"),
         t5_max_length=512,
-        planned=False,
+        methods=("lora",),
     ),
     Family(
         "flux-schnell",
@@ -131,7 +141,7 @@ FAMILY_LIST = (
         arch="flux",
         encoders=("clip-l", "t5"),
         t5_max_length=256,
-        planned=False,
+        methods=("lora",),
     ),
 )
 
@@ -161,6 +171,16 @@ def not_planned(name: str) -> UsageError:
         f"{fam.name} ({fam.label}): not yet planned for this family (no planner profile yet)",
         fix=f"plan one of {', '.join(PLANNED_FAMILIES)}, or train {fam.name} from a config file "
         "(sdplan train --config) with the batch size and memory settings set by hand",
+    )
+
+
+def not_supported(method_name: str, family_name: str) -> UsageError:
+    """The one-line error for a method the planner does not plan for a family."""
+    fam = family(family_name)
+    meth = method(method_name)
+    return UsageError(
+        f"{meth.name} on {fam.name} ({fam.label}): not supported for this family",
+        fix=f"use --method {' or '.join(fam.methods or METHODS)} for {fam.name}",
     )
 
 

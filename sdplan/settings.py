@@ -45,6 +45,10 @@ class Settings:
     full_half_weights: bool = False  # trained weights and gradients in bf16 too (kohya --full_bf16)
     set_grads_to_none: bool = True
     num_gpus: int = 1
+    base_precision: str = "bf16"  # frozen transformer base storage (SD3.5 / FLUX.1): bf16 | fp8 | nf4
+    blocks_to_swap: int = (
+        0  # transformer blocks held in host RAM, swapped in per block (kohya; SD3.5 / FLUX.1)
+    )
 
     def __post_init__(self) -> None:
         lora = self.method == "lora"
@@ -141,6 +145,7 @@ class Settings:
 CONFIG_KEYS = {
     "method": "method",
     "model": "model.family",
+    "base_precision": "model.base_precision",
     "resolution": "data.resolution",
     "batch": "training.batch_size",
     "grad_accum": "training.grad_accum",
@@ -152,6 +157,7 @@ CONFIG_KEYS = {
     "cache_latents": "memory.cache_latents",
     "cache_text_encoder_outputs": "memory.cache_text_encoder_outputs",
     "set_grads_to_none": "memory.set_grads_to_none",
+    "blocks_to_swap": "memory.blocks_to_swap",
     "num_gpus": "distributed.num_processes",
     "deepspeed": "distributed.deepspeed",
     "lora_rank": "lora.rank",
@@ -173,6 +179,8 @@ PROFILE_OPTIONS = (
     "fused_backward",
     "full_half_weights",
     "set_grads_to_none",
+    "base_precision",
+    "blocks_to_swap",
 )
 assert {f.name for f in fields(Settings)} == {*CONFIG_KEYS, *PROFILE_OPTIONS, "attention", "ema"} | {
     "method",

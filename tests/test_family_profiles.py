@@ -59,21 +59,20 @@ def shipped(tmp_path_factory):
 
 
 def test_new_files_load_through_the_profile_loader(shipped):
-    assert set(shipped.unplanned_models) == set(NEW)
-    assert not set(NEW) & set(shipped.models)  # not offered to the planner yet
-    assert set(shipped.models) == set(registry.PLANNED_FAMILIES)
+    assert not shipped.unplanned_models  # planned since issue 14 (sdplan.planner.memory_flow)
+    assert set(NEW) <= set(shipped.models) == set(registry.PLANNED_FAMILIES)
     for family in NEW:
         m = profiles.load_model(MODELS / f"{family}.yaml")
-        assert m == shipped.unplanned_models[family]
+        assert m == shipped.models[family]
         assert m.unet == {} and m.params_unet == 0
         assert m.denoiser_params == m.params_transformer > 0
         assert m.latent_channels == 16 and m.vae_scale_factor == 8 and m.native_resolution == 1024
         assert len(m.text_encoder_max_lengths) == len(m.text_encoders) == len(m.params_text_encoders)
         assert m.scheduler["class"] == "FlowMatchEulerDiscreteScheduler"
-    assert shipped.unplanned_models["sd35-large"].architecture == "mmdit"
-    assert shipped.unplanned_models["sd35-large"].buffers_transformer == 192 * 192 * 2432
-    assert shipped.unplanned_models["flux-dev"].buffers_transformer == 0
-    assert shipped.unplanned_models["flux-dev"].transformer_class == "FluxTransformer2DModel"
+    assert shipped.models["sd35-large"].architecture == "mmdit"
+    assert shipped.models["sd35-large"].buffers_transformer == 192 * 192 * 2432
+    assert shipped.models["flux-dev"].buffers_transformer == 0
+    assert shipped.models["flux-dev"].transformer_class == "FluxTransformer2DModel"
 
 
 def test_unet_families_are_unchanged_by_the_new_fields(shipped):
@@ -179,7 +178,7 @@ def test_activations_cover_every_new_family(shipped, family):
     act = shipped.activations
     assert act.source.startswith("computed: scripts/compute_activations.py")
     entry = act.families[family]
-    assert entry["text_tokens"] == shipped.unplanned_models[family].transformer_text_tokens
+    assert entry["text_tokens"] == shipped.models[family].transformer_text_tokens
     for trained in profiles.TRANSFORMER_TRAINED:
         held_at = {}
         for res in (512, 1024):
@@ -203,7 +202,7 @@ def test_activations_cover_every_new_family(shipped, family):
     assert _flops_at(step["lora"], 128 * 128) < _flops_at(step["full"], 128 * 128)
     assert _flops_at(step["full_gc"], 128 * 128) > _flops_at(step["full"], 128 * 128)
     assert entry["flops_fit_max_error"] < 1e-3
-    assert len(entry["text_encoders"]) == len(shipped.unplanned_models[family].text_encoders)
+    assert len(entry["text_encoders"]) == len(shipped.models[family].text_encoders)
 
 
 def test_loader_rejects_a_transformer_family_without_its_parts(tmp_path):

@@ -20,7 +20,7 @@ _spec = importlib.util.spec_from_file_location("count_params", ROOT / "scripts" 
 count_params = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(count_params)
 
-FAMILIES = registry.PLANNED_FAMILIES
+FAMILIES = tuple(f for f in registry.PLANNED_FAMILIES if f not in registry.FLOW_FAMILIES)  # UNet files
 
 # ../shared/reference/field-notes.md, section 2
 SD1_UNET = 859_520_964

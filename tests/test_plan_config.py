@@ -17,9 +17,12 @@ from conftest import make_images
 from typer.testing import CliRunner
 
 from sdplan import config as C
+from sdplan import registry
 from sdplan.cli import app
+from sdplan.errors import UsageError
 from sdplan.launcher import NotFeasible
 from sdplan.machine import Snapshot
+from sdplan.profiles import load_profiles
 from sdplan.registry import METHODS, PLANNED_FAMILIES
 from sdplan.settings import Settings
 
@@ -32,6 +35,13 @@ NAMES = ("rtx3060_12gb", "2x_rtx4090_pcie", "t4", "8x_h100_sxm")
 
 def fake_model(root: Path, family: str) -> Path:
     """A diffusers folder with the family's config files and no weights (loading it would fail)."""
+    if family in registry.FLOW_FAMILIES:  # SD3.5 / FLUX.1: the pipeline class and the transformer's config
+        spec = load_profiles().model(family)
+        (root / "transformer").mkdir(parents=True)
+        pipe = "FluxPipeline" if spec.architecture == "flux" else "StableDiffusion3Pipeline"
+        (root / "model_index.json").write_text(json.dumps({"_class_name": pipe}))
+        (root / "transformer" / "config.json").write_text(json.dumps(spec.transformer))
+        return root
     (root / "unet").mkdir(parents=True)
     index = {"_class_name": "StableDiffusionXLPipeline" if family == "sdxl" else "StableDiffusionPipeline"}
     unet = {"cross_attention_dim": {"sd15": 768, "sd21": 1024, "sdxl": 2048}[family]}
@@ -101,8 +111,14 @@ def planned(data: dict) -> Settings:
     return Settings.from_config(data)
 
 
+# the methods the planner plans for each family (SD3.5 / FLUX.1: LoRA; the others are refused by both commands
+# with "not supported for this family": tests/test_plan_flow.py)
 CASES = [
-    (m, method, family) for m in (*NAMES, "rtx4090") for method in METHODS for family in PLANNED_FAMILIES
+    (m, method, family)
+    for m in (*NAMES, "rtx4090")
+    for method in METHODS
+    for family in PLANNED_FAMILIES
+    if registry.family(family).plans(method)
 ]
 
 
@@ -114,8 +130,13 @@ def test_train_writes_the_settings_recommend_writes(tmp_path, machines, dataset,
             train_plan_config(tmp_path, machines[machine], method, family, dataset)
         assert not (tmp_path / "run").exists()
         return
-    trained = train_plan_config(tmp_path, machines[machine], method, family, dataset)
     want = planned(recommended)
+    if want.base_precision != "bf16" or want.blocks_to_swap:  # not in the bundled trainer yet: train stops
+        with pytest.raises(UsageError, match="cannot (load quantized bases|swap transformer blocks) yet"):
+            train_plan_config(tmp_path, machines[machine], method, family, dataset)
+        assert not (tmp_path / "run").exists()
+        return
+    trained = train_plan_config(tmp_path, machines[machine], method, family, dataset)
     if want.optimizer == "adamw8bit" and not HAVE_BNB:
         want = dataclasses.replace(
             want, optimizer="adamw"

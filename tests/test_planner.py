@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from sdplan import planner as P
+from sdplan import registry
 from sdplan.machine import Snapshot
 from sdplan.profiles import clear_cache, load_profiles
 from sdplan.settings import Settings
@@ -41,10 +42,14 @@ def test_every_published_number_within_15_percent(prof):
     numeric, _ = accuracy.rows(prof)
     assert len(numeric) >= 8
     speed = [r for r in numeric if r["quantity"].startswith("it/s")]
+    flow = {p.id for p in prof.points if p.model in registry.FLOW_FAMILIES}
+    # UNet speeds: one roofline over five published speeds (40%); SD3.5 / FLUX.1 speeds: one efficiency over two
+    # user-level points whose settings are partly assumed and whose quantized-base factors are uncalibrated
+    # (the plan's reasons say so): 25%; memory: 15%
     bad = [
         f"{r['id']} {r['quantity']}: {r['predicted']} vs {r['published']}"
         for r in numeric
-        if abs(r["error_pct"]) > (40 if r in speed else 15)
+        if abs(r["error_pct"]) > ((25 if r["id"] in flow else 40) if r in speed else 15)
     ]
     assert not bad, bad
     assert len(speed) >= 5

@@ -10,6 +10,7 @@ import pytest
 
 from sdplan.errors import ConfigError, UsageError
 from sdplan.profiles import clear_cache, load_gpus, load_methods, load_profiles, shipped_dir
+from sdplan.registry import PLANNED_FAMILIES
 
 
 @pytest.fixture
@@ -20,7 +21,7 @@ def profiles():
 
 def test_every_shipped_file_loads(profiles):
     assert len(profiles.gpus) >= 40
-    assert set(profiles.models) == {"sd15", "sd21", "sdxl"}
+    assert set(profiles.models) == set(PLANNED_FAMILIES)
     assert {p.method for p in profiles.points} == {"lora", "dreambooth", "finetune", "textual-inversion"}
     assert len(profiles.multi_gpu) == 3
     assert profiles.activations.source.startswith("computed: scripts/compute_activations.py")

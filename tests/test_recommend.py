@@ -81,6 +81,8 @@ def test_json_shape_is_exactly_the_issue(tmp_path):
         "lora_rank",
         "deepspeed",
         "resolution",
+        "base_precision",  # the frozen base's storage (issue 14; bf16 for the UNet families)
+        "blocks_to_swap",  # kohya block swap (issue 14; 0 for the UNet families)
     }
     assert set(d["steps"]) == {"images_per_epoch", "epochs", "steps_per_epoch", "total_steps", "images_seen"}
     assert set(d["estimate"]) == {

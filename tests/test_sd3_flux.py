@@ -89,7 +89,7 @@ def test_registry_names_the_transformer_families_and_their_encoders():
     assert registry.family("flux").name == "flux-dev"
     assert registry.family("sd35").name == "sd35-medium"
     assert set(FLOW) == set(registry.FLOW_FAMILIES)
-    assert not set(FLOW) & set(registry.PLANNED_FAMILIES)
+    assert set(FLOW) <= set(registry.PLANNED_FAMILIES)  # planned for LoRA (issue 14)
     assert registry.family("sd35-large").encoders == ("clip-l", "clip-g", "t5")
     assert registry.family("flux-schnell").arch == "flux" and registry.family("sd35-medium").arch == "mmdit"
     assert registry.guess_family("black-forest-labs/FLUX.1-schnell") == "flux-schnell"
@@ -97,17 +97,17 @@ def test_registry_names_the_transformer_families_and_their_encoders():
     assert registry.guess_family("stabilityai/stable-diffusion-xl-base-1.0") == "sdxl"
 
 
-def test_the_planner_says_not_yet_planned_in_one_line():
+def test_the_planner_says_not_supported_in_one_line():
+    from sdplan.planner import Request, hardware_from_catalog, plan
     from sdplan.profiles import load_profiles
-    from sdplan.recommend import RecommendInputs, build_request
 
-    profiles = load_profiles()  # no profile for the new families: still loads
-    for name in ("flux", "sd35-large"):
-        with pytest.raises(UsageError, match="not yet planned for this family") as e:
-            build_request(RecommendInputs(method="lora", model=name), profiles)
-        assert "\n" not in str(e.value)
-    with pytest.raises(UsageError, match="not yet planned"):
-        profiles.model("flux-schnell")
+    profiles = load_profiles()
+    hw = hardware_from_catalog(profiles.find_gpu("RTX 4090"))
+    for name in ("flux-dev", "sd35-large"):
+        for method in ("textual-inversion", "finetune"):
+            with pytest.raises(UsageError, match="not supported for this family") as e:
+                plan(hw, profiles, Request(method=method, model=name))
+            assert "\n" not in str(e.value)
 
 
 def test_recommend_cli_exits_cleanly_for_flux():
@@ -116,10 +116,10 @@ def test_recommend_cli_exits_cleanly_for_flux():
     from sdplan.cli import app
 
     res = CliRunner().invoke(
-        app, ["recommend", "--method", "lora", "--model", "flux", "--hardware", "RTX 4090"]
+        app, ["recommend", "--method", "textual-inversion", "--model", "flux", "--hardware", "RTX 4090"]
     )
     assert res.exit_code != 0
-    assert "not yet planned for this family" in res.output and "Traceback" not in res.output
+    assert "not supported for this family" in res.output and "Traceback" not in res.output
 
 
 # -- the objective and the FLUX latent layout -------------------------------------------------------------

@@ -220,8 +220,10 @@ def test_settings_the_planner_cannot_express_are_reported_not_dropped(prof, poin
         prof, by_id["sdscripts827-3090ti-lora-dim32"]
     )  # kohya's attn+ff targets: modelled
     assert not kohya.not_expressible and kohya.peak_vram_bytes > 0
-    flux = accuracy.predict(prof, by_id["xflux12-a100-flux-lora-zero2"])
-    assert any("family flux" in r for r in flux.not_expressible)
+    flux = accuracy.predict(prof, by_id["xflux12-a100-flux-lora-zero2"])  # planned since issue 14
+    assert not flux.not_expressible and flux.peak_vram_bytes > 0
+    fp8 = accuracy.predict(prof, by_id["easyscripts344-5060ti-flux-lora-fp8"])  # its fp8 base: now modelled
+    assert not fp8.not_expressible and fp8.peak_vram_bytes > 0
     unnamed = accuracy.predict(prof, by_id["diffusers696-db-gc"])
     assert unnamed.peak_vram_bytes > 0 and unnamed.it_per_s is None and unnamed.no_speed
 
