@@ -586,14 +586,34 @@ def command_line(req: TrainRequest, out: Path) -> str:
     return f"sdplan train --config {shlex.quote(str(out / CONFIG_FILE))} --out {shlex.quote(str(out))}"
 
 
-def write_run_files(out: Path, cfg: C.TrainConfig, launch: Launch, header: str) -> list[Path]:
-    from sdplan import runfolder
-
+def run_files(cfg: C.TrainConfig, launch: Launch, header: str) -> dict[str, str]:
+    """The files a run writes at the top of its folder before the launch: name -> text."""
     files = {CONFIG_FILE: C.to_yaml(cfg, header=header)}
     if launch.accelerate_config is not None:
         files[ACCELERATE_FILE] = yaml.safe_dump(launch.accelerate_config, sort_keys=False)
     if launch.deepspeed_config is not None:
         files[DEEPSPEED_FILE] = json.dumps(launch.deepspeed_config, indent=2) + "\n"
+    return files
+
+
+def check_run_files(out: Path, files: dict[str, str]) -> None:
+    """Never write over a user's sdplan.yaml / accelerate.yaml / deepspeed.json: one sdplan wrote (the
+    manifest lists it) is rewritten, one already holding these bytes is left as it is, any other refused."""
+    from sdplan import runfolder
+
+    runfolder.check_not_ours(
+        out,
+        files,
+        fix=f"train it into another folder: --config stays where it is, --out NEW (this run writes {CONFIG_FILE} "
+        "there with the settings it trains)",
+    )
+
+
+def write_run_files(out: Path, cfg: C.TrainConfig, launch: Launch, header: str) -> list[Path]:
+    from sdplan import runfolder
+
+    files = run_files(cfg, launch, header)
+    check_run_files(out, files)
     try:
         out.mkdir(parents=True, exist_ok=True)
         new = [name for name in files if not (out / name).exists()]
@@ -1056,6 +1076,7 @@ def run(req: TrainRequest, ui: UI | None = None) -> dict[str, Any]:
         ui.echo(f"{req.num_machines} machines: the same files at the same paths on each node, then:")
         for rank, line in enumerate(launch.per_node_commands):
             ui.echo(f"  node {rank}: {line}")
+    check_run_files(p.out, run_files(p.cfg, launch, command_line(req, p.out)))  # a dry run refuses it too
     if req.dry_run:
         ui.echo(f"dry run: would run `{launch.shell()}`")
         return {}
