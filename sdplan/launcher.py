@@ -234,10 +234,6 @@ def config_data(
     return data
 
 
-def _user_sets(req: TrainRequest, key: str) -> bool:
-    return any(o.partition("=")[0].strip() == key for o in req.overrides)
-
-
 def read_yaml_config(path: Path) -> dict[str, Any]:
     """A config file as data; ConfigError when missing or not YAML (validation comes after overrides)."""
     if not path.is_file():

@@ -296,3 +296,31 @@ def test_no_plan_trains_the_settings_as_given(tmp_path, machines, dataset, monke
     assert "not planned (--no-plan)" in r.stdout
     assert "batch: 64 per process x 1 accumulation" in r.stdout
     assert not out.exists()
+
+
+def test_pins_that_contradict_a_flag_or_miss_a_package_are_one_line(tmp_path, machines):
+    from sdplan.errors import UsageError
+
+    with pytest.raises(UsageError, match="--resolution 768 and data.resolution=512 disagree"):
+        train_request_plan(tmp_path, machines["rtx4090"], ("data.resolution=512",), resolution=768)
+    if HAVE_BNB:
+        p = train_request_plan(tmp_path, machines["rtx4090"], ("memory.optimizer=adamw8bit",))
+        assert p.cfg.memory.optimizer == "adamw8bit"
+    else:  # a pinned 8-bit AdamW is never swapped for AdamW behind the user's back
+        with pytest.raises(UsageError, match="adamw8bit: bitsandbytes is not installed"):
+            train_request_plan(tmp_path, machines["rtx4090"], ("memory.optimizer=adamw8bit",))
+
+
+def train_request_plan(tmp: Path, machine: Path, pins: tuple[str, ...], **flags):
+    from sdplan.launcher import UI, TrainRequest, prepare
+
+    req = TrainRequest(
+        method="lora",
+        model=str(fake_model(tmp / "model", "sd15")) if not (tmp / "model").exists() else str(tmp / "model"),
+        dataset=str(tmp / "ds") if (tmp / "ds").exists() else str(make_images(tmp / "ds", n=4)),
+        out=str(tmp / "run"),
+        snapshot=Snapshot.load(machine),
+        overrides=list(pins),
+        **flags,
+    )
+    return prepare(req, UI(echo=lambda line: None))
