@@ -32,6 +32,7 @@ from typing import Any
 from sdplan.config import TrainConfig
 from sdplan.errors import EXIT_INTERRUPTED, UsageError
 from sdplan.settings import DEEPSPEED_BUCKET_ELEMENTS
+from sdplan.terminal import HANGUP, detach_from_terminal, hangup_wanted, terminal_fds
 
 TRAINER_MODULE = "sdplan.trainer"
 ACCELERATE_FILE = "accelerate.yaml"
@@ -296,8 +297,9 @@ def run_launch(
 ) -> int:
     """Run the launch; the child's output streams through. Returns the trainer's exit code.
 
-    The child gets its own process group. Ctrl-C (SIGINT) or SIGTERM here is forwarded to that whole group
-    (torchrun/accelerate and every trainer process), and we wait: the trainer writes its interrupt
+    The child gets its own process group. Ctrl-C (SIGINT), SIGTERM or SIGHUP (the terminal closed; not under
+    ``nohup``) here is forwarded to that whole group (torchrun/accelerate and every trainer process; a hangup
+    as SIGHUP, after pointing our own terminal output at /dev/null), and we wait: the trainer writes its interrupt
     checkpoint and exits 130. A second Ctrl-C sends SIGTERM, a third SIGKILL. If sdplan itself dies (kill -9,
     a closed terminal), the kernel sends the child SIGTERM (Linux, see ``_die_with_parent``); torchrun and
     accelerate pass it on to their workers. ``on_start(pid)`` is called once the child runs (the run lock
@@ -312,19 +314,28 @@ def run_launch(
         on_start(proc.pid)
     signals_sent = 0
     escalation = (signal.SIGINT, signal.SIGTERM, signal.SIGKILL)
+    ttys = terminal_fds()
 
     def forward(signum: int | None = None, frame: Any = None) -> None:
         nonlocal signals_sent
         sig = escalation[min(signals_sent, len(escalation) - 1)]
+        if signum is not None and signum == HANGUP:
+            # The terminal closed: our output goes nowhere from now on, and the trainer is told why it stops
+            # (SIGHUP: it stops like SIGTERM, checkpoint and exit 130, with its own output detached too).
+            detach_from_terminal(ttys)
+            if signals_sent == 0:
+                sig = signal.Signals(HANGUP)
         signals_sent += 1
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, sig)
 
-    old_term = None
-    try:
-        old_term = signal.signal(signal.SIGTERM, forward)
-    except ValueError:  # not the main thread
-        old_term = None
+    handled = [signal.SIGTERM] + ([signal.Signals(HANGUP)] if hangup_wanted() else [])
+    previous: dict[int, Any] = {}
+    for s in handled:
+        try:
+            previous[s] = signal.signal(s, forward)
+        except ValueError:  # not the main thread
+            break
     try:
         while True:
             try:
@@ -333,8 +344,8 @@ def run_launch(
             except KeyboardInterrupt:
                 forward()
     finally:
-        if old_term is not None:
-            signal.signal(signal.SIGTERM, old_term)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
     if signals_sent and code != 0:
         # torchrun and accelerate turn a child's exit into their own (1 or -SIGINT): report an interrupt.
         return EXIT_INTERRUPTED

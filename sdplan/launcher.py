@@ -92,6 +92,7 @@ class TrainRequest:
     main_process_port: int = 29500
     dry_run: bool = False
     demo: bool = False
+    no_plan: bool = False  # --no-plan: train the defaults and key=value settings as given, no fit check
     config_data: dict[str, Any] | None = None  # a config given as data (the demo), instead of a file
     snapshot: Any = None  # a machine Snapshot to plan for instead of probing this machine
     inputs: Any = None  # InputSummary known without scanning (the demo's dry run: its files are not built)
@@ -231,10 +232,6 @@ def config_data(
     if req.overrides:
         data = C.apply_overrides(data, req.overrides)
     return data
-
-
-def _user_sets(req: TrainRequest, key: str) -> bool:
-    return any(o.partition("=")[0].strip() == key for o in req.overrides)
 
 
 def read_yaml_config(path: Path) -> dict[str, Any]:
@@ -585,14 +582,34 @@ def command_line(req: TrainRequest, out: Path) -> str:
     return f"sdplan train --config {shlex.quote(str(out / CONFIG_FILE))} --out {shlex.quote(str(out))}"
 
 
-def write_run_files(out: Path, cfg: C.TrainConfig, launch: Launch, header: str) -> list[Path]:
-    from sdplan import runfolder
-
+def run_files(cfg: C.TrainConfig, launch: Launch, header: str) -> dict[str, str]:
+    """The files a run writes at the top of its folder before the launch: name -> text."""
     files = {CONFIG_FILE: C.to_yaml(cfg, header=header)}
     if launch.accelerate_config is not None:
         files[ACCELERATE_FILE] = yaml.safe_dump(launch.accelerate_config, sort_keys=False)
     if launch.deepspeed_config is not None:
         files[DEEPSPEED_FILE] = json.dumps(launch.deepspeed_config, indent=2) + "\n"
+    return files
+
+
+def check_run_files(out: Path, files: dict[str, str]) -> None:
+    """Never write over a user's sdplan.yaml / accelerate.yaml / deepspeed.json: one sdplan wrote (the
+    manifest lists it) is rewritten, one already holding these bytes is left as it is, any other refused."""
+    from sdplan import runfolder
+
+    runfolder.check_not_ours(
+        out,
+        files,
+        fix=f"train it into another folder: --config stays where it is, --out NEW (this run writes {CONFIG_FILE} "
+        "there with the settings it trains)",
+    )
+
+
+def write_run_files(out: Path, cfg: C.TrainConfig, launch: Launch, header: str) -> list[Path]:
+    from sdplan import runfolder
+
+    files = run_files(cfg, launch, header)
+    check_run_files(out, files)
     try:
         out.mkdir(parents=True, exist_ok=True)
         new = [name for name in files if not (out / name).exists()]
@@ -737,7 +754,9 @@ def prepare(req: TrainRequest, ui: UI) -> Prepared:
 
     # 7. The plan (as `sdplan recommend`), unless a config was given to train as it is.
     plan_result = None
-    planning = not (req.resume or req.config or req.config_data is not None) and snapshot is not None
+    planning = (
+        not (req.resume or req.config or req.config_data is not None or req.no_plan) and snapshot is not None
+    )
     if planning:
         from sdplan.planner import result_dict
 
@@ -820,18 +839,31 @@ class NotFeasible(SdplanError):
     exit_code = 1
 
 
+NO_PLAN_FIX = "or add --no-plan to train your settings as given, unchecked"
+
+
 def plan_request(cfg: C.TrainConfig, inputs: InputSummary, snapshot: Any, req: TrainRequest):
-    """The planner's (feasible) Result for this request on this machine."""
+    """The planner's (feasible) Result for this request on this machine, planned around the user's
+    ``key=value`` settings as `sdplan recommend` plans around its pins (:func:`sdplan.recommend.parse_pins`):
+    a pinned setting is never replaced by one the planner chose for other settings. A pin this machine cannot
+    run, or nothing fitting, is one clear error here, before anything is written or launched."""
     from sdplan.planner import Request, plan
     from sdplan.profiles import load_profiles
+    from sdplan.recommend import parse_pins
 
     family = cfg.model.family or inputs.family or guess_family(cfg.model.path)
+    pins, pinned_resolution = parse_pins(req.overrides, cfg.method, family)
     if inputs.images_x_repeats % inputs.images == 0:
         images, repeats = inputs.images, inputs.images_x_repeats // inputs.images
     else:  # kohya folders with different repeats: the planner needs only the product
         images, repeats = inputs.images_x_repeats, 1
-    resolution = req.resolution or (cfg.data.resolution if _user_sets(req, "data.resolution") else None)
+    if req.resolution is not None and pinned_resolution is not None and req.resolution != pinned_resolution:
+        raise UsageError(
+            f"--resolution {req.resolution} and data.resolution={pinned_resolution} disagree", fix="give one"
+        )
+    resolution = req.resolution or pinned_resolution
     prior = cfg.method == "dreambooth" and cfg.dreambooth.with_prior_preservation
+    fields = dict(pins)
     request = Request(
         method=cfg.method,
         model=family,
@@ -840,22 +872,48 @@ def plan_request(cfg: C.TrainConfig, inputs: InputSummary, snapshot: Any, req: T
         repeats=repeats,
         epochs=cfg.training.epochs,
         max_gpus=req.gpus,
-        lora_rank=cfg.lora.rank,
+        lora_rank=fields.get("lora_rank") or cfg.lora.rank,
         prior_preservation=prior,
         class_images=cfg.dreambooth.num_class_images if prior else 0,
-        # model.base_precision=... on the command line: planned around (it changes the memory a lot)
-        pins=(("base_precision", cfg.model.base_precision),)
-        if _user_sets(req, "model.base_precision")
-        else (),
+        pins=pins,
     )
     result = plan(snapshot, load_profiles(), request)
+    if result.pin_conflicts:
+        raise UsageError(result.pin_conflicts[0], fix=NO_PLAN_FIX)
     if not result.feasible or result.plan is None:
-        fits = ", ".join(((result.needs or {}).get("suggested_hardware") or [])[:4])
-        raise NotFeasible(
-            result.reasons[0] if result.reasons else "nothing fits on this machine",
-            fix=f"GPUs that would fit: {fits}" if fits else "see `sdplan recommend --compare`",
+        what, fix = infeasible_message(result)
+        raise NotFeasible(what, fix=fix)
+    if chosen_needs_bnb(result.plan, pins):
+        raise UsageError(
+            "memory.optimizer=adamw8bit: bitsandbytes is not installed",
+            fix="pip install 'sdplan[bnb]', or pin memory.optimizer=adamw",
         )
     return result
+
+
+def infeasible_message(result: Any) -> tuple[str, str]:
+    """(what does not fit and by how much, what to change) from an infeasible planner Result."""
+    reasons = list(result.reasons)
+    what = next((r for r in reasons if r.startswith(("nothing fits", "no usable GPU"))), None)
+    what = what or (reasons[-1] if reasons else "nothing fits on this machine")
+    relax = next((r for r in reasons if r.startswith("fits when changed: ")), None)
+    fits = ", ".join(((result.needs or {}).get("suggested_hardware") or [])[:4])
+    if relax:
+        fix = relax.replace("fits when changed: ", "change a pin: ", 1)
+    elif fits:
+        fix = f"GPUs that would fit: {fits}"
+    else:
+        fix = "see `sdplan recommend --compare`"
+    return what, f"{fix}; {NO_PLAN_FIX}" if result.request.pins else fix
+
+
+def chosen_needs_bnb(chosen: Settings, pins: tuple) -> bool:
+    """A pinned 8-bit AdamW without bitsandbytes installed (an unpinned one falls back to AdamW)."""
+    return (
+        chosen.optimizer == "adamw8bit"
+        and dict(pins).get("optimizer") == "adamw8bit"
+        and not _have("bitsandbytes")
+    )
 
 
 def plan_settings(chosen: Settings, result: dict[str, Any], *, num_machines: int = 1) -> dict[str, Any]:
@@ -1020,6 +1078,10 @@ def run(req: TrainRequest, ui: UI | None = None) -> dict[str, Any]:
         ui.echo(f"plan for this machine ({len(gpus)}x {gpus[0]['name']}):")
         for line in describe_plan(p.plan):
             ui.echo(line)
+    elif req.no_plan and not (req.config or req.resume or req.demo):
+        ui.echo(
+            "not planned (--no-plan): the defaults with your key=value settings; whether they fit is not checked"
+        )
     for line in describe(p.cfg, p.steps, p.world, p.inputs):
         ui.echo(line)
     ui.echo(f"output: {p.out}")
@@ -1027,6 +1089,7 @@ def run(req: TrainRequest, ui: UI | None = None) -> dict[str, Any]:
         ui.echo(f"{req.num_machines} machines: the same files at the same paths on each node, then:")
         for rank, line in enumerate(launch.per_node_commands):
             ui.echo(f"  node {rank}: {line}")
+    check_run_files(p.out, run_files(p.cfg, launch, command_line(req, p.out)))  # a dry run refuses it too
     if req.dry_run:
         ui.echo(f"dry run: would run `{launch.shell()}`")
         return {}

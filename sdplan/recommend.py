@@ -358,6 +358,11 @@ def write_outputs(
         )
     from sdplan import runfolder
 
+    # --force replaces what sdplan wrote (the folder's manifest), never a user's own sdplan.yaml
+    runfolder.check_not_ours(
+        outdir, files, fix="--force replaces only sdplan's own files: choose another --out"
+    )
+
     written = []
     try:
         outdir.mkdir(parents=True, exist_ok=True)

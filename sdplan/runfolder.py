@@ -21,7 +21,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from sdplan.errors import SdplanError
+from sdplan.errors import OutputExistsError, SdplanError
 
 MANIFEST_FILE = ".sdplan-manifest.json"
 LOCK_FILE = ".sdplan.lock"
@@ -112,6 +112,35 @@ def remove_owned(out: Path, names: Iterable[str]) -> list[str]:
             path.unlink()
         removed.append(name)
     return removed
+
+
+def not_ours(out: Path, files: dict[str, str]) -> list[str]:
+    """Names in ``files`` (name -> the text sdplan is about to write in ``out``) that exist there, are not in
+    the manifest, and hold other bytes: writing them would overwrite a user's file."""
+    mine = owned(out)
+    theirs = []
+    for name, text in files.items():
+        path = out / name
+        if name in mine or not (path.exists() or path.is_symlink()):
+            continue
+        try:
+            same = path.is_file() and path.read_bytes() == text.encode()
+        except OSError:
+            same = False
+        if not same:
+            theirs.append(name)
+    return theirs
+
+
+def check_not_ours(out: Path, files: dict[str, str], *, fix: str) -> None:
+    """OutputExistsError when writing ``files`` in ``out`` would overwrite a file sdplan did not write."""
+    theirs = not_ours(out, files)
+    if theirs:
+        raise OutputExistsError(
+            f"{out} holds {', '.join(theirs)} not written by sdplan (no manifest entry); sdplan never writes "
+            "over your files",
+            fix=fix,
+        )
 
 
 # -- the lock ----------------------------------------------------------------------------------------------

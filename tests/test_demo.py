@@ -168,6 +168,44 @@ def test_ctrl_c_leaves_a_checkpoint_and_resume_finishes_the_same_run(demo, tmp_p
 
 
 @pytest.mark.slow
+def test_closing_the_terminal_leaves_a_checkpoint_and_resume_finishes_the_same_run(demo, tmp_path):
+    """Issue 13 item 4: the demo runs on a pseudo-terminal; at step 5 the terminal is closed (hung up) and
+    sdplan gets SIGHUP. The trainer stops like on SIGTERM: a checkpoint, exit 130, nothing written to the dead
+    terminal can fail it; --resume then finishes the same run. (It used to train on unseen, or die.)"""
+    import pty
+
+    out = tmp_path / "hup"
+    primary, secondary = pty.openpty()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sdplan.cli", "train", "--demo", "--out", str(out)],
+        stdin=subprocess.DEVNULL,
+        stdout=secondary,
+        stderr=secondary,
+        env={**os.environ, "SDPLAN_PLAIN_PROGRESS": "1"},
+    )
+    os.close(secondary)
+    seen = b""
+    try:
+        while b"step 5/16" not in seen:
+            chunk = os.read(primary, 4096)
+            assert chunk, seen.decode(errors="replace")[-3000:]
+            seen += chunk
+    finally:
+        os.close(primary)  # the terminal window closes
+    proc.send_signal(signal.SIGHUP)
+    assert proc.wait(timeout=scaled(120)) == 130
+    checkpoints = [p.name for p in (out / "checkpoints").iterdir() if p.is_dir()]
+    assert any(n.startswith(("interrupt-step-", "rolling-step-")) for n in checkpoints), checkpoints
+    assert not (out / "run_summary.json").exists()  # stopped, not run to the end unseen
+
+    resumed = sdplan("train", "--resume", "--out", str(out))
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    s = summary(out)
+    assert (s["steps"], s["images_seen"]) == (16, 32)
+    assert s["final_loss"] == pytest.approx(summary(demo[0])["final_loss"], rel=1e-6)
+
+
+@pytest.mark.slow
 def test_deepspeed_zero2_offload_on_cpu(tmp_path):
     pytest.importorskip("deepspeed")
     from sdplan.trainer.tiny import save_tiny_model

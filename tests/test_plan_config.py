@@ -75,10 +75,12 @@ def dataset(tmp_path_factory) -> Path:
     return make_images(tmp_path_factory.mktemp("data") / "ds", n=IMAGES)
 
 
-def recommend_config(tmp: Path, machine: Path, method: str, family: str, dataset: Path) -> dict | None:
+def recommend_config(
+    tmp: Path, machine: Path, method: str, family: str, dataset: Path, pins: tuple[str, ...] = ()
+) -> dict | None:
     out = tmp / "recommended"
     args = ["recommend", "--method", method, "--model", family, "--machine", str(machine)]
-    args += ["--dataset", str(dataset), "--epochs", str(EPOCHS), "--out", str(out)]
+    args += ["--dataset", str(dataset), "--epochs", str(EPOCHS), "--out", str(out), *pins]
     r = CliRunner().invoke(app, args)
     if "[bold red]does not fit" in r.output or "does not fit:" in r.output:
         assert not out.exists(), r.output
@@ -87,7 +89,9 @@ def recommend_config(tmp: Path, machine: Path, method: str, family: str, dataset
     return yaml.safe_load((out / "sdplan.yaml").read_text())
 
 
-def train_plan_config(tmp: Path, machine: Path, method: str, family: str, dataset: Path) -> dict:
+def train_plan_config(
+    tmp: Path, machine: Path, method: str, family: str, dataset: Path, pins: tuple[str, ...] = ()
+) -> dict:
     """`sdplan train --method M --model DIR --dataset DIR --epochs N --out DIR` planned on ``machine``, and the
     sdplan.yaml it writes before launching (run() writes exactly these files, then launches)."""
     from sdplan.launcher import UI, TrainRequest, command_line, launch_for, prepare, write_run_files
@@ -100,6 +104,7 @@ def train_plan_config(tmp: Path, machine: Path, method: str, family: str, datase
         epochs=EPOCHS,
         snapshot=Snapshot.load(machine),
         yes=True,
+        overrides=list(pins),
     )
     p = prepare(req, UI(echo=lambda line: None))
     assert p.plan is not None, "plan mode: the planner chose the settings"
@@ -181,3 +186,162 @@ def test_settings_round_trip_through_sdplan_yaml_and_profile_points():
     assert Settings.from_config(C.merge(C.default_config(), lora.to_config())) == dataclasses.replace(
         lora, lora_targets=tuple(C.LoraConfig().target_modules)
     )
+
+
+# -- key=value settings: `sdplan train` plans around them as `sdplan recommend` plans around pins ------------
+
+# The keys that differ by design: where the files are (recommend writes the hub id and ./output, train the
+# paths given), how the steps are counted (recommend writes its count as max_steps, train counts from epochs
+# and the scanned dataset) and the plan record (train keeps the planner's whole result, reasons included).
+PLACE_KEYS = (
+    ("model", "path"),
+    ("data", "path"),
+    ("data", "repeats"),
+    ("output", "dir"),
+    ("training", "max_steps"),
+    ("plan",),
+)
+PIN_CASES = [
+    ("rtx3060_12gb", "lora", "sd15", ("training.batch_size=8",)),
+    ("rtx3060_12gb", "lora", "sdxl", ("lora.rank=64", "memory.gradient_checkpointing=false")),
+    ("rtx3060_12gb", "finetune", "sd15", ("memory.optimizer=adafactor", "training.learning_rate=5e-5")),
+    ("t4", "lora", "sd15", ("training.precision=fp32", "training.batch_size=4")),
+    ("t4", "dreambooth", "sd15", ("memory.cache_latents=false",)),
+    ("rtx4090", "finetune", "sdxl", ("memory.gradient_checkpointing=true", "training.batch_size=2")),
+    ("2x_rtx4090_pcie", "lora", "sdxl", ("distributed.num_processes=2", "training.batch_size=2")),
+    ("8x_h100_sxm", "dreambooth", "sdxl", ("training.train_text_encoder=true",)),
+    ("rtx3060_12gb", "lora", "sd15", ("training.batch_size=64", "memory.gradient_checkpointing=false")),
+]
+
+
+def _without_places(data: dict) -> dict:
+    data = C.validate(data).to_dict()
+    for path in PLACE_KEYS:
+        parent = data
+        for part in path[:-1]:
+            parent = parent[part]
+        parent.pop(path[-1], None)
+    return data
+
+
+def _get(data: dict, key: str):
+    for part in key.split("."):
+        data = data[part]
+    return data
+
+
+@pytest.mark.parametrize(("machine", "method", "family", "pins"), PIN_CASES)
+def test_train_with_key_value_settings_writes_what_recommend_writes_with_the_same_pins(
+    tmp_path, machines, dataset, machine, method, family, pins
+):
+    """`sdplan train ... training.batch_size=8` is planned around batch 8 (it used to be planned for the
+    planner's own batch, then batch 8 applied on top of settings chosen for another batch): every setting in
+    its sdplan.yaml is the one `sdplan recommend ... training.batch_size=8 --out` writes."""
+    recommended = recommend_config(tmp_path, machines[machine], method, family, dataset, pins)
+    if recommended is None:  # the pins cannot fit: train says so before writing anything
+        with pytest.raises(NotFeasible, match="nothing fits") as err:
+            train_plan_config(tmp_path, machines[machine], method, family, dataset, pins)
+        assert "--no-plan" in str(err.value)
+        assert not (tmp_path / "run").exists()
+        return
+    trained = train_plan_config(tmp_path, machines[machine], method, family, dataset, pins)
+    want = planned(recommended)
+    if want.optimizer == "adamw8bit" and not HAVE_BNB:
+        want = dataclasses.replace(want, optimizer="adamw")
+        recommended["memory"]["optimizer"] = "adamw"
+    assert planned(trained) == want
+    assert _without_places(trained) == _without_places(recommended)
+    for pin in pins:
+        key, _, _ = pin.partition("=")
+        assert _get(C.validate(trained).to_dict(), key) == _get(C.validate(recommended).to_dict(), key)
+    for part in ("plan", "steps", "estimate"):
+        assert trained["plan"][part] == recommended["plan"][part], part
+    assert trained["plan"]["request"]["pins"] == {
+        p.partition("=")[0]: yaml.safe_load(p.partition("=")[2])
+        for p in pins
+        if p.partition("=")[0] != "training.learning_rate"
+    }
+
+
+def test_a_pin_that_cannot_fit_is_one_line_before_anything_launches_even_with_yes(
+    tmp_path, machines, dataset, monkeypatch
+):
+    import sdplan.launcher as L
+    import sdplan.probe.snapshot as probe_module
+
+    snap = Snapshot.load(machines["rtx3060_12gb"])
+    monkeypatch.setattr(probe_module, "probe", lambda *a, **k: snap)
+    monkeypatch.setattr(L, "run_launch", lambda *a, **k: pytest.fail("launched"))
+    model = fake_model(tmp_path / "model", "sd15")
+    args = ["train", "--model", str(model), "--dataset", str(dataset), "--out", str(tmp_path / "o"), "--yes"]
+    r = CliRunner().invoke(app, [*args, "training.batch_size=64", "memory.gradient_checkpointing=false"])
+    assert r.exit_code == NotFeasible.exit_code, r.output
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: nothing fits: "), r.stderr
+    # by how much, and what to change
+    assert "at least" in lines[0] and "GiB of GPU memory" in lines[0]
+    assert "training.batch_size=" in lines[0].split("change a pin:")[1] and "--no-plan" in lines[0]
+    assert "Traceback" not in r.output and not (tmp_path / "o").exists()
+    # a pin this card cannot run at all (bf16 on a T4): one line too
+    monkeypatch.setattr(probe_module, "probe", lambda *a, **k: Snapshot.load(machines["t4"]))
+    r = CliRunner().invoke(app, [*args, "training.precision=bf16"])
+    assert r.exit_code == 2, r.output
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "training.precision=bf16" in lines[0] and "no bf16" in lines[0], r.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def test_no_plan_trains_the_settings_as_given(tmp_path, machines, dataset, monkeypatch):
+    """--no-plan is the way to force settings the planner refuses: the defaults plus the key=value
+    settings, unchecked (and said so)."""
+    import sdplan.probe.snapshot as probe_module
+
+    monkeypatch.setattr(probe_module, "probe", lambda *a, **k: Snapshot.load(machines["rtx3060_12gb"]))
+    model = fake_model(tmp_path / "model", "sd15")
+    out = tmp_path / "o"
+    args = [
+        "train",
+        "--model",
+        str(model),
+        "--dataset",
+        str(dataset),
+        "--out",
+        str(out),
+        "--yes",
+        "--no-plan",
+    ]
+    r = CliRunner().invoke(
+        app, [*args, "--dry-run", "training.batch_size=64", "memory.gradient_checkpointing=false"]
+    )
+    assert r.exit_code == 0, r.output
+    assert "not planned (--no-plan)" in r.stdout
+    assert "batch: 64 per process x 1 accumulation" in r.stdout
+    assert not out.exists()
+
+
+def test_pins_that_contradict_a_flag_or_miss_a_package_are_one_line(tmp_path, machines):
+    from sdplan.errors import UsageError
+
+    with pytest.raises(UsageError, match="--resolution 768 and data.resolution=512 disagree"):
+        train_request_plan(tmp_path, machines["rtx4090"], ("data.resolution=512",), resolution=768)
+    if HAVE_BNB:
+        p = train_request_plan(tmp_path, machines["rtx4090"], ("memory.optimizer=adamw8bit",))
+        assert p.cfg.memory.optimizer == "adamw8bit"
+    else:  # a pinned 8-bit AdamW is never swapped for AdamW behind the user's back
+        with pytest.raises(UsageError, match="adamw8bit: bitsandbytes is not installed"):
+            train_request_plan(tmp_path, machines["rtx4090"], ("memory.optimizer=adamw8bit",))
+
+
+def train_request_plan(tmp: Path, machine: Path, pins: tuple[str, ...], **flags):
+    from sdplan.launcher import UI, TrainRequest, prepare
+
+    req = TrainRequest(
+        method="lora",
+        model=str(fake_model(tmp / "model", "sd15")) if not (tmp / "model").exists() else str(tmp / "model"),
+        dataset=str(tmp / "ds") if (tmp / "ds").exists() else str(make_images(tmp / "ds", n=4)),
+        out=str(tmp / "run"),
+        snapshot=Snapshot.load(machine),
+        overrides=list(pins),
+        **flags,
+    )
+    return prepare(req, UI(echo=lambda line: None))

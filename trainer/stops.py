@@ -1,5 +1,5 @@
 """Why a training run stops early, and what it leaves behind: the exit codes the launcher acts on,
-the errors for an interrupt (SIGINT/SIGTERM), an out-of-memory and a NaN/inf loss, the signal handler, the
+the errors for an interrupt (SIGINT/SIGTERM/SIGHUP), an out-of-memory and a NaN/inf loss, the signal handler, the
 oom.json report and the best-effort checkpoint after an unexpected error.
 """
 
@@ -15,12 +15,13 @@ from pathlib import Path
 from typing import Any
 
 from sdplan.errors import EXIT_INTERRUPTED, EXIT_OOM, SdplanError
+from sdplan.terminal import HANGUP, detach_from_terminal, hangup_wanted, terminal_fds
 
 from .outputs import write_json_atomic
 
 
 class TrainingInterrupted(SdplanError):
-    """SIGINT/SIGTERM: the current step finished and a checkpoint was written."""
+    """SIGINT/SIGTERM/SIGHUP: the current step finished and a checkpoint was written."""
 
     exit_code = EXIT_INTERRUPTED
 
@@ -109,7 +110,11 @@ def write_oom_report(out_dir: Path, *, step: int, cfg, message: str) -> Path:
 
 
 class StopSignals:
-    """SIGINT / SIGTERM ask the loop to stop after the current step (it then writes a checkpoint).
+    """SIGINT / SIGTERM / SIGHUP ask the loop to stop after the current step (it then writes a checkpoint).
+
+    SIGHUP is a closed terminal: stdout/stderr that were that terminal are pointed at /dev/null first, so the
+    progress lines and the checkpoint after it cannot fail on the hung-up terminal. Under ``nohup`` (SIGHUP
+    ignored) it stays ignored.
 
     A second SIGINT raises KeyboardInterrupt at once, unless it comes within a second of the first (a
     launcher such as torchrun forwards the Ctrl-C its process group already delivered). Handlers are installed
@@ -120,10 +125,13 @@ class StopSignals:
         self.requested: str | None = None
         self._first = 0.0
         self._previous: dict[int, Any] = {}
+        self._terminal: tuple[int, ...] = ()
 
     def _handle(self, signum, frame):
         name = signal.Signals(signum).name
         now = time.monotonic()
+        if signum == HANGUP:
+            detach_from_terminal(self._terminal)
         if self.requested is not None:
             if signum == signal.SIGINT and now - self._first > 1.0:
                 raise KeyboardInterrupt
@@ -137,7 +145,9 @@ class StopSignals:
 
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():
-            for s in (signal.SIGINT, signal.SIGTERM):
+            self._terminal = terminal_fds()
+            handled = [signal.SIGINT, signal.SIGTERM] + ([HANGUP] if hangup_wanted() else [])
+            for s in handled:
                 self._previous[s] = signal.signal(s, self._handle)
         return self
 

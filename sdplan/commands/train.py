@@ -100,6 +100,14 @@ def train(
         str | None, typer.Option(metavar="IP", help="Address of machine 0 (several machines).")
     ] = None,
     main_process_port: Annotated[int, typer.Option(help="Port on machine 0 (several machines).")] = 29500,
+    no_plan: Annotated[
+        bool,
+        typer.Option(
+            "--no-plan",
+            help="Do not plan: train the defaults with your key=value settings exactly as given, with no check "
+            "that they fit (by default the planner plans around them and refuses settings that cannot fit).",
+        ),
+    ] = False,
     dry_run: Annotated[
         bool,
         typer.Option("--dry-run", help="Validate, plan and print the launch command; write and run nothing."),
@@ -107,7 +115,8 @@ def train(
 ) -> None:
     """Probe, plan (as `sdplan recommend`), confirm, write sdplan.yaml and launch the trainer.
 
-    Extra arguments are key=value overrides of sdplan.yaml (training.learning_rate=5e-5); they win.
+    Extra arguments are key=value settings of sdplan.yaml (training.batch_size=8 training.learning_rate=5e-5):
+    they win, and the planner plans everything else around them (as `sdplan recommend` does with pins).
     """
     from sdplan.launcher import UI, TrainRequest
 
@@ -138,6 +147,7 @@ def train(
         main_process_port=main_process_port,
         dry_run=dry_run,
         demo=demo,
+        no_plan=no_plan,
     )
     if demo:
         from sdplan.demo import run_demo

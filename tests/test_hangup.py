@@ -1,0 +1,166 @@
+"""Issue 13 item 4: closing the terminal (SIGHUP) stops a run like SIGTERM: sdplan forwards it to the
+trainer's process group, the trainer stops after the step and checkpoints, and neither dies writing to the
+hung-up terminal. Under nohup (SIGHUP ignored) the run goes on. Real processes on the CPU."""
+
+from __future__ import annotations
+
+import os
+import pty
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from limits import scaled
+
+pytestmark = pytest.mark.skipif(not hasattr(signal, "SIGHUP"), reason="no SIGHUP on this platform")
+
+# A stand-in trainer: the real StopSignals, a "step" loop until a stop is asked, then a burst of progress
+# lines (the checkpoint's messages) and the interrupt exit code. It records what it got in ``marker``.
+TRAINER = """
+import os, sys, time, pathlib
+from sdplan.trainer.stops import StopSignals
+marker = pathlib.Path({marker!r})
+with StopSignals() as stop:
+    print("ready", flush=True)
+    while stop.requested is None:
+        time.sleep(0.02)
+    lines = 0
+    for i in range(200):
+        print("progress line", i, flush=True)
+        lines += 1
+marker.write_text(f"{{stop.requested}} {{lines}}")
+sys.exit(130)
+"""
+
+
+def _launcher(child: str) -> str:
+    return textwrap.dedent(
+        f"""
+        import sys
+        from sdplan.launch import Launch, run_launch
+        code = run_launch(Launch(cmd=[sys.executable, "-c", {child!r}], env={{}}))
+        print("sdplan: the trainer exited", code, flush=True)  # onto a hung-up terminal: must not fail
+        sys.exit(code)
+        """
+    )
+
+
+def _read_until(fd: int, needle: bytes) -> bytes:
+    seen = b""
+    while needle not in seen:
+        chunk = os.read(fd, 1024)
+        assert chunk, seen
+        seen += chunk
+    return seen
+
+
+def test_closing_the_terminal_stops_the_trainer_like_sigterm(tmp_path):
+    """sdplan and the trainer write to a pseudo-terminal; it is closed (hung up) and sdplan gets SIGHUP, as
+    when the user closes the terminal window. The trainer gets SIGHUP, stops, writes its messages (to
+    /dev/null now) and exits 130; sdplan reports 130 too. Before, SIGHUP killed sdplan outright."""
+    marker = tmp_path / "trainer-stopped"
+    primary, secondary = pty.openpty()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _launcher(textwrap.dedent(TRAINER.format(marker=str(marker))))],
+        stdin=subprocess.DEVNULL,
+        stdout=secondary,
+        stderr=secondary,
+    )
+    os.close(secondary)
+    try:
+        _read_until(primary, b"ready")
+    finally:
+        os.close(primary)  # the terminal is gone: writes to it fail with EIO from now on
+    proc.send_signal(signal.SIGHUP)
+    assert proc.wait(timeout=scaled(60)) == 130
+    assert marker.read_text() == "SIGHUP 200"  # stopped by the hangup, and every line after it written
+
+
+def test_run_launch_forwards_sighup_to_the_trainer_group(tmp_path):
+    """Without a terminal (a pipe): SIGHUP to sdplan reaches the trainer as SIGHUP, which stops it."""
+    marker = tmp_path / "trainer-stopped"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _launcher(textwrap.dedent(TRAINER.format(marker=str(marker))))],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout.readline().strip() == "ready"
+    proc.send_signal(signal.SIGHUP)
+    rest, _ = proc.communicate(timeout=scaled(60))
+    assert proc.returncode == 130, rest
+    assert marker.read_text() == "SIGHUP 200"
+    assert "sdplan: the trainer exited 130" in rest
+
+
+def test_under_nohup_a_hangup_stops_nothing(tmp_path):
+    """SIGHUP ignored (nohup): sdplan does not take it over, the trainer inherits it ignored; the run goes on
+    until it is stopped on purpose (here SIGTERM, which arrives as the interrupt the trainer expects)."""
+    marker = tmp_path / "trainer-stopped"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _launcher(textwrap.dedent(TRAINER.format(marker=str(marker))))],
+        stdout=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN),
+    )
+    assert proc.stdout.readline().strip() == "ready"
+    proc.send_signal(signal.SIGHUP)
+    proc.send_signal(signal.SIGTERM)  # handled after the hangup (pending signals run in number order)
+    rest, _ = proc.communicate(timeout=scaled(60))
+    assert proc.returncode == 130, rest
+    assert marker.read_text() == "SIGINT 200"  # SIGTERM to sdplan arrives as the first, gentle, signal
+
+
+def test_stop_signals_treat_sighup_as_a_stop_and_restore_the_handler():
+    from sdplan.trainer.stops import StopSignals
+
+    before = signal.getsignal(signal.SIGHUP)
+    with StopSignals() as stop:
+        os.kill(os.getpid(), signal.SIGHUP)
+        assert stop.requested == "SIGHUP"
+        os.kill(os.getpid(), signal.SIGTERM)  # a second signal changes nothing
+        assert stop.requested == "SIGHUP"
+    assert signal.getsignal(signal.SIGHUP) is before
+
+
+def test_stop_signals_leave_an_ignored_sighup_ignored():
+    from sdplan.trainer.stops import StopSignals
+
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        with StopSignals() as stop:
+            assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+            os.kill(os.getpid(), signal.SIGHUP)
+            assert stop.requested is None
+    finally:
+        signal.signal(signal.SIGHUP, previous)
+
+
+def test_detach_from_terminal_points_the_fds_at_dev_null(tmp_path):
+    """After a hangup the terminal's descriptors write into /dev/null (the real terminal is untouched)."""
+    code = textwrap.dedent(
+        """
+        import os
+        from sdplan.terminal import detach_from_terminal, terminal_fds
+        fds = terminal_fds()
+        assert fds == (1, 2), fds
+        detach_from_terminal(fds)
+        os.write(1, b"after\\n")
+        assert os.path.samestat(os.fstat(1), os.stat(os.devnull))
+        assert os.path.samestat(os.fstat(2), os.stat(os.devnull))
+        open(os.environ["MARKER"], "w").write("ok")
+        """
+    )
+    marker = tmp_path / "ok"
+    primary, secondary = pty.openpty()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code],
+        stdout=secondary,
+        stderr=secondary,
+        env={**os.environ, "MARKER": str(marker)},
+    )
+    os.close(secondary)
+    assert proc.wait(timeout=scaled(60)) == 0
+    os.close(primary)
+    assert marker.read_text() == "ok"

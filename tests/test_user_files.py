@@ -1,0 +1,188 @@
+"""Issue 13, "done when": nothing of the user's is ever deleted or overwritten by any command.
+
+Every command that writes runs against a folder seeded with a user's files, named as sdplan names its own
+(a hand-written sdplan.yaml and accelerate.yaml, checkpoints/, samples/, loss.png, a dataset/ of images) and
+with no manifest (``.sdplan-manifest.json``): as --out, --save, --store and export targets, with and without
+--force. Afterwards every seeded file is compared byte for byte, and each command must have done what it says
+(refused with its exit code, or written only new files).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import MACHINES, make_images
+from typer.testing import CliRunner
+
+from sdplan import runfolder
+from sdplan.cli import app
+
+runner = CliRunner()
+SNAPSHOT = MACHINES / "rtx3060_12gb.json"
+
+
+def user_config(tiny_model: Path, dataset: Path) -> str:
+    """A hand-written sdplan.yaml: valid, in the user's own layout and comments (not sdplan's rendering)."""
+    return (
+        "# my settings - do not lose\n"
+        "method: lora\n"
+        f"model: {{path: {tiny_model}}}\n"
+        f"data: {{path: {dataset}, resolution: 64}}\n"
+        "training: {max_steps: 2, precision: fp32}\n"
+    )
+
+
+def seed(root: Path, tiny_model: Path) -> Path:
+    """The user's folder: sdplan's own names, the user's bytes, no manifest."""
+    user = root / "user"
+    make_images(user / "dataset", n=3)
+    (user / "sdplan.yaml").write_text(user_config(tiny_model, user / "dataset"))
+    (user / "accelerate.yaml").write_text("# my accelerate settings\ndistributed_type: NO\n")
+    (user / "checkpoints").mkdir()
+    (user / "checkpoints" / "x.safetensors").write_bytes(
+        b"\x08\x00\x00\x00\x00\x00\x00\x00{}      " + bytes(64)
+    )
+    (user / "samples").mkdir()
+    (user / "samples" / "grid.png").write_bytes(b"\x89PNG my sample grid")
+    (user / "loss.png").write_bytes(b"\x89PNG my loss curve")
+    (user / "run_summary.json").write_text('{"mine": true}\n')
+    (user / "machine.json").write_text('{"my": "snapshot"}\n')
+    (user / "export.yaml").write_text("my: export\n")
+    # A folder holding only the user's own sdplan.yaml: training it in place must not rewrite it.
+    (user / "proj").mkdir()
+    (user / "proj" / "sdplan.yaml").write_text(user_config(tiny_model, user / "dataset"))
+    return user
+
+
+def digest(folder: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
+
+
+def record_a_measurement() -> None:
+    """A real (not demo) point in the local profile store, so that `profiles export` has something to write."""
+    from sdplan import config as C
+    from sdplan.launcher import oom_point, record_point
+    from sdplan.profiles import local_dir
+
+    point = oom_point(
+        C.validate(C.default_config()),
+        {"step": 1},
+        family="sd15",
+        gpu_name="NVIDIA GeForce RTX 3060",
+        gpu_memory_bytes=12 * 2**30,
+        when=_dt.datetime(2026, 1, 1),
+    )
+    record_point(point, "lora", local_dir())
+
+
+# (id, arguments with {user}/{model} placeholders, exit code, paths under {user} it must create; None: none)
+CASES = [
+    ("doctor-save-over-a-user-file", "doctor --machine {snap} --save {user}/machine.json", 3, None),
+    ("doctor-save-new-file", "doctor --machine {snap} --save {user}/new-machine.json", 0, ["new-machine.json"]),
+    ("recommend-out", "recommend --method lora --machine {snap} --out {user}", 3, None),
+    ("recommend-out-force", "recommend --method lora --machine {snap} --out {user} --force", 3, None),
+    ("recommend-out-force-own-config", "recommend --method lora --machine {snap} --out {user}/proj --force", 3, None),
+    ("recommend-out-new", "recommend --method lora --machine {snap} --out {user}/plan", 0, ["plan/sdplan.yaml"]),
+    ("train-dry-run", "train --model {model} --dataset {user}/dataset --out {user} --device cpu --dry-run", 3, None),
+    ("train-dry-run-force", "train --model {model} --dataset {user}/dataset --out {user} --device cpu --dry-run --force", 3, None),
+    ("train-dry-run-new", "train --model {model} --dataset {user}/dataset --out {user}/run --device cpu --dry-run", 0, None),
+    ("train-out-in-dataset", "train --model {model} --dataset {user}/dataset --out {user}/dataset/run --device cpu --dry-run", 2, None),
+    ("train-demo-dry-run", "train --demo --dry-run --out {user}", 3, None),
+    ("train-demo-dry-run-force", "train --demo --dry-run --out {user} --force", 3, None),
+    ("train-demo-dry-run-new", "train --demo --dry-run --out {user}/demo", 0, None),
+    ("train-demo-into-user-folder", "train --demo --out {user}", 3, None),
+    ("train-demo-force", "train --demo --out {user} --force", 3, None),
+    ("train-resume-foreign", "train --resume --out {user}", 2, None),
+    ("train-config-force", "train --config {user}/sdplan.yaml --out {user} --force --device cpu --yes", 3, None),
+    ("train-own-config-in-place", "train --config {user}/proj/sdplan.yaml --out {user}/proj --device cpu --yes", 3, None),
+    ("train-own-config-in-place-force", "train --config {user}/proj/sdplan.yaml --out {user}/proj --force --device cpu --yes", 3, None),
+    ("train-own-config-in-place-dry-run", "train --config {user}/proj/sdplan.yaml --out {user}/proj --device cpu --dry-run", 3, None),
+    ("bench-demo-store", "bench --demo --store {user}", 0, ["methods/lora.yaml"]),
+    ("profiles-export-over-a-user-file", "profiles export {user}/export.yaml", 3, None),
+    ("profiles-export-new", "profiles export {user}/shared/measured.yaml", 0, ["shared/measured.yaml"]),
+]  # fmt: skip
+SLOW_CASES = [
+    ("train-demo-new", "train --demo --out {user}/demo-run", 0, ["demo-run/run_summary.json"]),
+    (
+        "train-on-the-users-dataset",
+        "train --model {model} --dataset {user}/dataset --out {user}/run --device cpu --yes "
+        "training.max_steps=2 data.resolution=64 training.precision=fp32 sampling.num_inference_steps=2",
+        0,
+        ["run/run_summary.json"],
+    ),
+]
+
+
+def _check(tmp_path, tiny_sd15, args: str, code: int, creates: list[str] | None) -> None:
+    user = seed(tmp_path, tiny_sd15)
+    record_a_measurement()
+    before = digest(user)
+    argv = args.format(user=user, model=tiny_sd15, snap=SNAPSHOT).split()
+    r = runner.invoke(app, argv)
+    assert r.exit_code == code, (r.exit_code, r.stdout[-2000:], r.stderr[-2000:])
+    assert "Traceback" not in r.stdout + r.stderr
+    if code != 0:
+        assert r.stderr.strip().startswith("error: "), r.stderr
+    after = digest(user)
+    changed = [name for name, h in before.items() if after.get(name) != h]
+    assert not changed, f"{args}: changed or deleted the user's {changed}"
+    new = sorted(set(after) - set(before))
+    if creates is None:
+        assert not new, f"{args}: wrote {new}"
+    else:
+        for path in creates:
+            assert path in new, (path, new)
+        top = {Path(n).parts[0] for n in new}
+        assert top <= {Path(c).parts[0] for c in creates}, f"{args}: wrote {new} beside {creates}"
+    assert not (user / runfolder.MANIFEST_FILE).exists()  # the user's folder never became sdplan's
+
+
+@pytest.mark.parametrize(("args", "code", "creates"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_no_command_touches_the_users_files(tmp_path, tiny_sd15, args, code, creates):
+    _check(tmp_path, tiny_sd15, args, code, creates)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("args", "code", "creates"), [c[1:] for c in SLOW_CASES], ids=[c[0] for c in SLOW_CASES]
+)
+def test_no_training_run_touches_the_users_files(tmp_path, tiny_sd15, args, code, creates):
+    _check(tmp_path, tiny_sd15, args, code, creates)
+
+
+def test_train_rewrites_its_own_planned_config_but_never_a_hand_written_one(tmp_path, tiny_sd15):
+    """The gap this file found: `train --config proj/sdplan.yaml --out proj` rewrote the user's hand-written
+    sdplan.yaml (comments and layout lost). A config `sdplan recommend --out` wrote (in the manifest), or one
+    whose bytes are what train would write, is still trained in place."""
+    from sdplan.launcher import UI, TrainRequest, run
+
+    user = seed(tmp_path, tiny_sd15)
+    # 1. the user's file: refused before anything is written
+    req = TrainRequest(
+        config=str(user / "proj" / "sdplan.yaml"), out=str(user / "proj"), device="cpu", dry_run=True
+    )
+    from sdplan.errors import OutputExistsError
+
+    with pytest.raises(OutputExistsError, match="sdplan.yaml.*not written by sdplan"):
+        run(req, UI(echo=lambda s: None))
+    # 2. sdplan's own (the manifest lists it): the dry run goes through to the launch command
+    proj = tmp_path / "planned"
+    proj.mkdir()
+    (proj / "sdplan.yaml").write_text((user / "proj" / "sdplan.yaml").read_text())
+    runfolder.record(proj, ["sdplan.yaml"])
+    lines: list[str] = []
+    run(
+        TrainRequest(config=str(proj / "sdplan.yaml"), out=str(proj), device="cpu", dry_run=True),
+        UI(echo=lines.append),
+    )
+    assert any(line.startswith("dry run: would run") for line in lines)
+    data = yaml.safe_load((proj / "sdplan.yaml").read_text())
+    assert data["training"]["max_steps"] == 2
