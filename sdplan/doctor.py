@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from sdplan.errors import SdplanError
 from sdplan.machine import GPU, Snapshot
 from sdplan.probe.snapshot import sorted_findings
 from sdplan.registry import METHODS, PLANNED_FAMILIES
@@ -44,7 +45,13 @@ def planner_verdicts(snapshot: Snapshot) -> list[Verdict]:
     out: list[Verdict] = []
     for method in METHODS:
         for family in PLANNED_FAMILIES:  # a family not yet planned has no verdict
-            result = plan(hardware, profiles, Request(method=method, model=family, max_gpus=1, epochs=1))
+            try:
+                result = plan(hardware, profiles, Request(method=method, model=family, max_gpus=1, epochs=1))
+            except SdplanError as e:  # a method the family does not support (e.g. textual inversion on FLUX)
+                out.append(
+                    Verdict(method, family, NA, str(e).splitlines()[0] if str(e) else type(e).__name__)
+                )
+                continue
             s = result.plan
             if not result.feasible or s is None or result.memory is None:
                 need = (result.needs or {}).get("min_vram_bytes")

@@ -324,3 +324,20 @@ def test_single_file_sd35_transformer_is_a_base_model(tiny_flow, dataset, tmp_pa
         )
     )
     assert summary["steps"] == 2 and (second / "pytorch_lora_weights.safetensors").is_file()
+
+
+# -- doctor -----------------------------------------------------------------------------------------------
+
+
+def test_doctor_verdicts_do_not_crash_when_the_flow_families_are_planned(monkeypatch):
+    """Once the planner plans SD3.5/FLUX (``registry`` planned flags), doctor asks it for every method: a
+    method the planner refuses for a family is an n/a cell, not a traceback."""
+    from sdplan import doctor
+    from sdplan.machine import Snapshot
+
+    monkeypatch.setattr(doctor, "PLANNED_FAMILIES", ("sd15", "flux-dev", "sd35-medium"))
+    snap = Snapshot.load(Path(__file__).parent / "fixtures" / "machines" / "rtx3060_12gb.json")
+    verdicts = doctor.planner_verdicts(snap)
+    grid = doctor.verdict_grid(verdicts)
+    assert all(set(grid[m]) == {"sd15", "flux-dev", "sd35-medium"} for m in registry.METHODS)
+    assert grid["lora"]["sd15"][0] in ("ok", "tight", "no")
