@@ -147,11 +147,15 @@ def test_flux_original_names_cover_every_weight_and_fuse_qkv(tiny_flow):
 
 
 @pytest.mark.slow
-def test_flux_single_file_round_trips_through_diffusers_at_the_real_width(tmp_path):
+def test_flux_single_file_round_trips_through_diffusers_at_the_real_width(tiny_flow, tmp_path):
     """diffusers' FLUX single-file converter assumes the real width (3072, MLP ratio 4): one double and one
-    single block at that width (about 0.5B parameters, bf16) round-trip bit for bit."""
+    single block at that width (about 0.5B parameters, bf16) round-trip bit for bit, through
+    ``from_single_file`` and as a training base (``model.config_dir``: a FLUX folder with that config)."""
+    import shutil
+
     from diffusers import FluxTransformer2DModel
     from safetensors.torch import save_file
+    from sdplan.trainer import models
     from sdplan.trainer.flow_single_file import transformer_to_original
 
     torch.manual_seed(0)
@@ -161,11 +165,13 @@ def test_flux_single_file_round_trips_through_diffusers_at_the_real_width(tmp_pa
         num_single_layers=1,
         attention_head_dim=128,
         num_attention_heads=24,
-        joint_attention_dim=64,
+        joint_attention_dim=48,  # the tiny T5 width
         pooled_projection_dim=32,
         guidance_embeds=True,
     ).to(torch.bfloat16)
-    cfg_dir = tmp_path / "cfg"
+    cfg_dir = tmp_path / "cfg"  # the tiny FLUX.1 [dev] folder with this transformer's config, no weights
+    shutil.copytree(tiny_flow["flux-dev"], cfg_dir)
+    shutil.rmtree(cfg_dir / "transformer")
     t.save_config(str(cfg_dir / "transformer"))
     path = tmp_path / "flux.safetensors"
     save_file(
@@ -180,6 +186,10 @@ def test_flux_single_file_round_trips_through_diffusers_at_the_real_width(tmp_pa
         torch_dtype=torch.bfloat16,
     )
     assert _same_weights(t, back)
+    del back
+    comps = models.load_components(str(path), config_dir=str(cfg_dir))
+    assert comps.family == "flux-dev"
+    assert _same_weights(t, comps.unet.to(torch.bfloat16))
 
 
 # -- full fine-tune and DreamBooth ------------------------------------------------------------------------
@@ -299,7 +309,13 @@ def test_single_file_sd35_transformer_is_a_base_model(tiny_flow, dataset, tmp_pa
     first = tmp_path / "first"
     run.train(_cfg(tiny_flow["sd35-medium"], "sd35-medium", dataset, first))
     single = first / "t.safetensors"
-    comps = models.load_components(str(single), config_dir=str(tiny_flow["sd35-medium"]))
+    import shutil
+
+    configs = tmp_path / "configs"  # the folder's transformer weights are not needed (nor read)
+    shutil.copytree(tiny_flow["sd35-medium"], configs)
+    for f in (configs / "transformer").glob("*.safetensors"):
+        f.unlink()
+    comps = models.load_components(str(single), config_dir=str(configs))
     assert comps.family == "sd35-medium" and comps.adapter is not None
     from diffusers import SD3Transformer2DModel
 

@@ -13,7 +13,9 @@ encoders and VAE stay in the diffusers folder written beside it.
 
 In: :func:`load_flow_single_file` builds the components of a flow family around a transformer read from one
 file (``model.path=*.safetensors``) with the other components and every config from ``model.config_dir`` (a
-diffusers folder of the same family; nothing is downloaded).
+diffusers folder of the same family; nothing is downloaded; its own transformer weights are not read).
+Note: diffusers 0.42's FLUX converter assumes the released width (3072, MLP ratio 4), so a FLUX single file
+loads only at that width (every FLUX.1 checkpoint); SD3/SD3.5 files of any width load.
 """
 
 from __future__ import annotations
@@ -223,19 +225,19 @@ def load_flow_single_file(location: str, family: str | None, config_dir: str | N
             f"model.config_dir {config_dir}: a {index.get('_class_name')} folder, not SD3.5 or FLUX.1",
             fix="point it at a StableDiffusion3Pipeline or FluxPipeline folder",
         )
-    comps = load_flow_components(str(root), index, family, {}, {})
     from diffusers import FluxTransformer2DModel, SD3Transformer2DModel
 
     cls = FluxTransformer2DModel if PIPELINES[index["_class_name"]] == "flux" else SD3Transformer2DModel
-    try:
-        comps.unet = cls.from_single_file(
+    try:  # the folder's transformer config only: its weights (if any) are never read
+        transformer = cls.from_single_file(
             location, config=str(root), subfolder="transformer", local_files_only=True
         )
     except Exception as e:  # a file of another network or width
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise ModelLoadError(
-            f"could not load {location} as the {comps.family} transformer of {config_dir}: {first}",
+            f"could not load {location} as the transformer of {config_dir}: {first}",
             fix="give a transformer checkpoint of the same model as model.config_dir",
         ) from e
+    comps = load_flow_components(str(root), index, family, {}, {}, transformer=transformer)
     comps.source = location
     return comps
