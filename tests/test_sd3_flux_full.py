@@ -209,16 +209,25 @@ def _check_full_outputs(out: Path, family: str, base: Path) -> None:
     with safe_open(str(single), framework="pt") as f:
         keys = list(f.keys())
         md = f.metadata()
-    assert all(k.startswith("model.diffusion_model.") for k in keys)
     assert md["sdplan_family"] == family
-    if registry.family(family).arch == "flux":
+    if registry.family(family).arch == "flux":  # the transformer only, as BFL's flux1-dev.safetensors
+        assert all(k.startswith("model.diffusion_model.") for k in keys)
         assert "model.diffusion_model.double_blocks.0.img_attn.qkv.weight" in keys
         assert md["modelspec.implementation"] == "https://github.com/black-forest-labs/flux"
-    else:
-        back = _transformer_class(family).from_single_file(
-            str(single), config=str(out / "model"), subfolder="transformer", local_files_only=True
-        )
-        assert _same_weights(tuned.transformer, back)
+        return
+    # SD3.5: the whole pipeline in Stability's layout, read back by diffusers' own single-file loader
+    prefixes = ("model.diffusion_model.", "first_stage_model.", "text_encoders.")
+    assert all(k.startswith(prefixes) for k in keys)
+    assert {k.split(".")[1] for k in keys if k.startswith("text_encoders.")} == {"clip_l", "clip_g", "t5xxl"}
+    back = _pipeline_class(family).from_single_file(
+        str(single), config=str(out / "model"), local_files_only=True, torch_dtype=torch.float32
+    )
+    for part in ("transformer", "vae", "text_encoder", "text_encoder_2", "text_encoder_3"):
+        a, b = getattr(tuned, part).state_dict(), getattr(back, part).state_dict()
+        if part == "text_encoder":  # diffusers sets CLIP-L's projection to the identity for these files
+            a.pop("text_projection.weight")
+            b.pop("text_projection.weight")
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), part
 
 
 @pytest.mark.parametrize("family", FLOW)

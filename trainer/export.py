@@ -993,7 +993,11 @@ def save_full(
     out_dir.mkdir(parents=True, exist_ok=True)
     md = output_metadata(metadata, family)
     tensors = None
-    if single_file and family in FLOW_FAMILIES:  # the transformer only (flow_single_file's module doc)
+    if single_file and family in FLOW_FAMILIES and registry.family(family).arch == "mmdit":
+        from .flow_single_file import sd3_pipeline_to_original
+
+        tensors = sd3_pipeline_to_original(pipeline)  # MMDiT, VAE, CLIP-L/G and T5 (Stability's layout)
+    elif single_file and family in FLOW_FAMILIES:  # FLUX: the transformer only, as BFL's release
         from .flow_single_file import transformer_to_original
 
         tensors = {

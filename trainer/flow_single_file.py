@@ -5,15 +5,18 @@ and ``convert_flux_transformer_checkpoint_to_diffusers`` (``loaders/single_file_
 diffusers transformer's weights under the names of Stability's MMDiT (``joint_blocks.N.x_block.attn.qkv``, ...)
 and Black Forest Labs' Flux (``double_blocks.N.img_attn.qkv``, ``single_blocks.N.linear1``, ...): q/k/v fused
 again, FLUX's single-block q/k/v/mlp projections fused into ``linear1``, and the shift/scale halves of the
-final adaptive norms (and SD3's last context block) put back in the original order. The file holds the
-transformer only, as ``flux1-dev.safetensors`` does and as ComfyUI's diffusion-model loader and
-``SD3Transformer2DModel.from_single_file`` / ``FluxTransformer2DModel.from_single_file`` read (``save_full`` writes
-it under ``model.diffusion_model.``, the prefix of ComfyUI checkpoints and Stability's SD3.5 files); the text
-encoders and VAE stay in the diffusers folder written beside it.
+final adaptive norms (and SD3's last context block) put back in the original order. ``export.save_full``
+writes it under ``model.diffusion_model.`` (the prefix of ComfyUI checkpoints and Stability's files): for
+FLUX.1 the transformer only, as ``flux1-dev.safetensors`` is released (``FluxTransformer2DModel.from_single_file``
+and ComfyUI's diffusion-model loader read it; the text encoders and VAE stay in the diffusers folder beside
+it); for SD3.5 the whole pipeline (:func:`sd3_pipeline_to_original`, ``StableDiffusion3Pipeline.from_single_file``
+and ComfyUI's checkpoint loader read it).
 
 In: :func:`load_flow_single_file` builds the components of a flow family around a transformer read from one
 file (``model.path=*.safetensors``) with the other components and every config from ``model.config_dir`` (a
-diffusers folder of the same family; nothing is downloaded; its own transformer weights are not read).
+diffusers folder of the same family; nothing is downloaded; its own transformer weights are not read). From
+an all-in-one SD3.5 file only the MMDiT is read; the text encoders and VAE are the folder's (diffusers would
+replace CLIP-L's projection by the identity on reading them from the file).
 Note: diffusers 0.42's FLUX converter assumes the released width (3072, MLP ratio 4), so a FLUX single file
 loads only at that width (every FLUX.1 checkpoint); SD3/SD3.5 files of any width load.
 """
@@ -241,3 +244,38 @@ def load_flow_single_file(location: str, family: str | None, config_dir: str | N
     comps = load_flow_components(str(root), index, family, {}, {}, transformer=transformer)
     comps.source = location
     return comps
+
+
+# -- the whole SD3.5 pipeline in one file -----------------------------------------------------------------
+
+
+def sd3_pipeline_to_original(pipeline) -> dict:
+    """A StableDiffusion3Pipeline as one checkpoint in Stability's all-in-one layout (what
+    ``StableDiffusion3Pipeline.from_single_file`` and ComfyUI's checkpoint loader read): the MMDiT under
+    ``model.diffusion_model.``, the VAE in the ldm names under ``first_stage_model.``, and CLIP-L, CLIP-G and
+    T5 in their transformers names under ``text_encoders.{clip_l,clip_g,t5xxl}.transformer.`` (diffusers
+    0.42 ``single_file_utils``: ``is_clip_sd3_model``, ``is_open_clip_sd3_model``, ``is_t5_in_single_file``;
+    as Stability's ``sd3_medium_incl_clips_t5xxlfp16.safetensors``). diffusers' loader sets CLIP-L's
+    ``text_projection`` to the identity when it reads such a file; the file carries the trained one."""
+    from .export import _text_model_keys, _unwrap, vae_to_original
+
+    transformer, vae = _unwrap(pipeline.transformer), _unwrap(pipeline.vae)
+    out = {
+        f"model.diffusion_model.{k}": v
+        for k, v in transformer_to_original(transformer, "sd35-medium").items()
+    }
+    out.update(
+        {f"first_stage_model.{k}": v for k, v in vae_to_original(vae.state_dict(), vae.config).items()}
+    )
+    for name, attr in (("clip_l", "text_encoder"), ("clip_g", "text_encoder_2")):
+        te = {
+            k: v
+            for k, v in _unwrap(getattr(pipeline, attr)).state_dict().items()
+            if not k.endswith("position_ids")
+        }
+        out.update({f"text_encoders.{name}.transformer.{k}": v for k, v in _text_model_keys(te).items()})
+    t5 = dict(_unwrap(pipeline.text_encoder_3).state_dict())
+    if "encoder.embed_tokens.weight" in t5:  # tied to shared.weight: its own copy on disk, since diffusers
+        t5["encoder.embed_tokens.weight"] = t5["encoder.embed_tokens.weight"].clone()  # loads it untied
+    out.update({f"text_encoders.t5xxl.transformer.{k}": v for k, v in t5.items()})
+    return out
