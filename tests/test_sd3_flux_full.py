@@ -366,3 +366,17 @@ def test_doctor_verdicts_do_not_crash_when_the_flow_families_are_planned(monkeyp
     grid = doctor.verdict_grid(verdicts)
     assert all(set(grid[m]) == {"sd15", "flux-dev", "sd35-medium"} for m in registry.METHODS)
     assert grid["lora"]["sd15"][0] in ("ok", "tight", "no")
+
+
+def test_tiny_flux_single_file_base_is_refused_in_one_line(tiny_flow, tmp_path):
+    """diffusers reads FLUX single files only at the released width: a narrower one is a clear error."""
+    from diffusers import FluxTransformer2DModel
+    from safetensors.torch import save_file
+    from sdplan.trainer import models
+    from sdplan.trainer.flow_single_file import transformer_to_original
+
+    t = FluxTransformer2DModel.from_pretrained(tiny_flow["flux-dev"], subfolder="transformer")
+    path = tmp_path / "flux.safetensors"
+    save_file(transformer_to_original(t, "flux-dev"), str(path))
+    with pytest.raises(UsageError, match="only at the released width"):
+        models.load_components(str(path), config_dir=str(tiny_flow["flux-dev"]))

@@ -185,6 +185,9 @@ def transformer_to_original(transformer, family: str) -> dict:
 # -- a single-file transformer as the base model ----------------------------------------------------------
 
 
+FLUX_WIDTH = 3072  # diffusers 0.42 convert_flux_transformer_checkpoint_to_diffusers: inner_dim = 3072
+
+
 def is_flow_transformer_file(path: str | Path) -> bool:
     """Whether a .safetensors holds an MMDiT or Flux transformer (its header's key names; diffusers' own
     markers: ``joint_blocks.`` / ``double_blocks.``, with or without ``model.diffusion_model.``)."""
@@ -230,7 +233,17 @@ def load_flow_single_file(location: str, family: str | None, config_dir: str | N
         )
     from diffusers import FluxTransformer2DModel, SD3Transformer2DModel
 
-    cls = FluxTransformer2DModel if PIPELINES[index["_class_name"]] == "flux" else SD3Transformer2DModel
+    flux = PIPELINES[index["_class_name"]] == "flux"
+    cls = FluxTransformer2DModel if flux else SD3Transformer2DModel
+    if flux:
+        cfg = cls.load_config(str(root), subfolder="transformer")
+        width = int(cfg.get("num_attention_heads", 24)) * int(cfg.get("attention_head_dim", 128))
+        if width != FLUX_WIDTH:
+            raise UsageError(
+                f"model.path {location}: diffusers reads FLUX single files only at the released width "
+                f"({FLUX_WIDTH}); {config_dir} describes a {width}-wide transformer",
+                fix="give the diffusers folder as model.path instead of a single file",
+            )
     try:  # the folder's transformer config only: its weights (if any) are never read
         transformer = cls.from_single_file(
             location, config=str(root), subfolder="transformer", local_files_only=True
