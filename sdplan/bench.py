@@ -21,10 +21,16 @@ What is recorded:
 
 - on a GPU: peak VRAM as ``torch.cuda.max_memory_allocated`` (``outcome.peak_vram_gib``: what the planner
   predicts) and ``max_memory_reserved`` (in the note), and micro-batch iterations per second (``it_s``);
-- with ``demo=True`` (``sdplan bench --demo``): the same code on the tiny SD 1.x-shaped model from
-  ``sdplan.trainer.tiny`` on the CPU, for trying it and for the tests. There is no VRAM there: memory is the
-  process's peak resident-set growth over the bench's starting point, recorded as ``outcome.ram_gib`` and
-  labelled as such, never as VRAM.
+- with ``demo=True`` (``sdplan bench --demo``): the same code on a tiny model from ``sdplan.trainer.tiny``
+  (SD 1.x-shaped, or SD3.5/FLUX.1-shaped with ``--model``) on the CPU, for trying it and for the tests.
+  There is no VRAM there: memory is the process's peak resident-set growth over the bench's starting point,
+  recorded as ``outcome.ram_gib`` and labelled as such, never as VRAM.
+
+SD3.5 and FLUX.1 (``--model sd35-medium`` ... ``flux-dev``): the transformer, CLIP/T5 encoders and VAE are
+built from ``profiles/models/<family>.yaml`` and stepped through the same recipes and the flow-matching
+objective (``sdplan.trainer.flow``). While the planner does not plan a family, a named one is measured in
+the leanest configuration people run (:func:`flow_request`: bf16 base, gradient checkpointing, cached
+latents and text-encoder outputs).
 
 Test hook (``sdplan.trainer.faults``, read once per bench): ``SDPLAN_BENCH_OOM_ABOVE_BATCH=N`` makes every
 probe point with a batch larger than N raise ``torch.OutOfMemoryError`` inside the training step (after the
@@ -55,7 +61,14 @@ from typing import Any
 import yaml
 
 from sdplan import __version__
-from sdplan.bench_harness import Harness, free_memory, probe_point, rss_bytes
+from sdplan.bench_harness import (
+    DEMO_MODELS_ERROR,
+    DEMO_MODELS_FIX,
+    Harness,
+    free_memory,
+    probe_point,
+    rss_bytes,
+)
 from sdplan.errors import ConfigError, NoGPUError, UsageError
 from sdplan.registry import FAMILIES, FLOW_FAMILIES, METHODS, PLANNED_FAMILIES
 from sdplan.settings import DEFAULT_LORA_RANK, Settings
@@ -76,7 +89,7 @@ class BenchRequest:
     """One configuration to measure; the batch size is what the bench searches."""
 
     method: str
-    model: str  # family: sd15 | sd21 | sdxl
+    model: str  # family: sd15 | sd21 | sdxl | sd35-medium | sd35-large | flux-dev | flux-schnell
     resolution: int
     precision: str = "fp16"  # fp32 | fp16 | bf16
     gradient_checkpointing: bool = True
@@ -339,7 +352,7 @@ def point_record(point: BenchPoint, machine: Machine) -> dict[str, Any]:
     what = (
         "random-weight full-size networks from profiles/models"
         if not point.demo
-        else ("the tiny SD 1.x-shaped demo model (sdplan.trainer.tiny), NOT a full-size sd15")
+        else (f"the tiny {req.model}-shaped demo model (sdplan.trainer.tiny), NOT a full-size {req.model}")
     )
     source = (
         f"{MEASURED_PREFIX}{' --demo' if point.demo else ''} {__version__} on {machine.provenance}, "
@@ -545,6 +558,50 @@ def planner_settings(snapshot: Any, profiles_: Any, method: str, model: str, res
     return bench_request(s, origin)
 
 
+DEMO_FAMILIES = ("sd15", *FLOW_FAMILIES)  # the tiny models of sdplan.trainer.tiny the demo measures
+FLOW_METHODS = (
+    "lora",
+    "finetune",
+    "dreambooth",
+)  # what the trainer does for SD3.5/FLUX (trainer.flow.METHODS)
+
+
+def _family_name(name: str) -> str:
+    from sdplan import registry
+
+    try:
+        return registry.family(name).name
+    except UsageError:
+        return name  # select_requests says what is wrong with it
+
+
+def _check_flow_methods(family: str, methods: list[str]) -> None:
+    for m in methods:
+        if m not in FLOW_METHODS:
+            raise UsageError(
+                f"sdplan bench --model {family} --method {m}: the trainer does {', '.join(FLOW_METHODS)} "
+                f"for {family}",
+                fix="bench --method lora (or finetune, dreambooth)",
+            )
+
+
+def flow_request(method: str, family: str, resolution: int) -> BenchRequest:
+    """An SD3.5/FLUX request while the planner does not plan the family: the leanest configuration people
+    run (bf16 frozen base, gradient checkpointing, cached latents and text-encoder outputs; LoRA at the
+    default rank), so the first point measured is the one most likely to fit."""
+    return BenchRequest(
+        method=method,
+        model=family,
+        resolution=resolution,
+        precision="bf16",
+        gradient_checkpointing=True,
+        optimizer="adamw",
+        cache_latents=True,
+        cache_text_encoder_outputs=True,
+        settings_from="default",
+    )
+
+
 @dataclass(frozen=True)
 class Selection:
     requests: list[BenchRequest]
@@ -569,26 +626,30 @@ def select_requests(
     for m in methods or []:
         if m not in METHODS:
             raise UsageError(f"unknown method {m!r}", fix=f"use one of {', '.join(METHODS)}")
-    for f in models or []:
+    models = [_family_name(f) for f in models or []]  # aliases (flux, sd35) to the family's name
+    for f in models:
         if f not in FAMILIES:
             raise UsageError(f"unknown model {f!r}", fix=f"use one of {', '.join(FAMILIES)}")
-        if (
-            f not in PLANNED_FAMILIES or f in FLOW_FAMILIES
-        ):  # SD3.5 / FLUX.1: planned (issue 14), not benched yet
-            benched = [x for x in PLANNED_FAMILIES if x not in FLOW_FAMILIES]
+        if f not in PLANNED_FAMILIES and f not in FLOW_FAMILIES:  # no profile to build the network from
+            benched = list(dict.fromkeys([*PLANNED_FAMILIES, *FLOW_FAMILIES]))
             raise UsageError(
                 f"sdplan bench --model {f}: not yet benched for this family",
                 fix=f"bench one of {', '.join(benched)}",
             )
     if resolution is not None and (resolution < 64 or resolution % 8):
         raise UsageError(f"--resolution {resolution}: must be >= 64 and a multiple of 8")
+    for f in models or []:
+        if f in FLOW_FAMILIES:
+            _check_flow_methods(f, methods or ["lora"])
     if demo:
-        if any(f != "sd15" for f in models or []):
-            raise UsageError("the demo's tiny model is SD 1.x-shaped", fix="use --model sd15 with --demo")
+        if any(f not in DEMO_FAMILIES for f in models or []):
+            raise UsageError(DEMO_MODELS_ERROR, fix=DEMO_MODELS_FIX)
         if resolution is not None and resolution % 16:
-            raise UsageError(f"--resolution {resolution}: the demo's tiny UNet needs a multiple of 16")
+            raise UsageError(f"--resolution {resolution}: the demo's tiny models need a multiple of 16")
         reqs = [
-            replace(demo_request(m), resolution=resolution or DEMO_RESOLUTION) for m in methods or ["lora"]
+            replace(demo_request(m), model=f, resolution=resolution or DEMO_RESOLUTION)
+            for f in models or ["sd15"]
+            for m in methods or ["lora"]
         ]
         return Selection(requests=reqs, skipped=[], gpu=None)
 
@@ -612,7 +673,13 @@ def select_requests(
     explicit = bool(methods or models)
     requests, skipped = [], []
     for family in models or list(DEFAULT_FAMILIES):
-        res = resolution or profiles_.model(family).native_resolution
+        spec = profiles_.unplanned_models.get(family) or profiles_.model(family)  # profile, planned or not
+        res = resolution or spec.native_resolution
+        if family in FLOW_FAMILIES:  # the leanest LoRA setting: the bench cannot run quantized bases or block
+            requests += [
+                flow_request(m, family, res) for m in methods or ["lora"]
+            ]  # swap the planner may pick
+            continue
         for method in methods or list(METHODS):
             if not explicit and gpu_name:
                 have = measured_here(profiles_, gpu_name, method, family, res)
@@ -671,8 +738,8 @@ def run_bench(
             on_status(req, text)
 
     for req in requests:
-        if demo and req.model != "sd15":
-            raise UsageError("the demo's tiny model is SD 1.x-shaped", fix="use --model sd15 with --demo")
+        if demo and req.model not in DEMO_FAMILIES:
+            raise UsageError(DEMO_MODELS_ERROR, fix=DEMO_MODELS_FIX)
         result = BenchResult(request=req, batch_cap=effort.max_batch)
         results.append(result)
         status(req, "building the model")

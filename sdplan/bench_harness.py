@@ -140,12 +140,17 @@ def build_components(
     """
     import torch
 
+    from sdplan.registry import FLOW_FAMILIES
     from sdplan.trainer import tiny
     from sdplan.trainer.models import Components
 
+    if family in FLOW_FAMILIES:
+        return _flow_components(
+            family, demo=demo, workdir=workdir, device=device, dtypes=dtypes, with_vae=with_vae
+        )
     if demo:
         if family != "sd15":
-            raise UsageError("the demo's tiny model is SD 1.x-shaped", fix="use --model sd15 with --demo")
+            raise UsageError(DEMO_MODELS_ERROR, fix=DEMO_MODELS_FIX)
         parts = tiny.tiny_sd15_components(workdir / "tokenizer")
         return Components(
             family="sd15",
@@ -186,6 +191,94 @@ def build_components(
         tokenizers=tokenizers,
         noise_scheduler=_noise_scheduler(family),
         source=f"profiles/models/{family}.yaml (random weights)",
+    )
+
+
+DEMO_MODELS_ERROR = "the demo's tiny models are SD 1.x-, SD3.5- and FLUX.1-shaped"
+DEMO_MODELS_FIX = "use --model sd15, sd35-medium, sd35-large, flux-dev or flux-schnell with --demo"
+
+
+def _flow_components(family: str, *, demo: bool, workdir: Path, device: str, dtypes, with_vae: bool):
+    """SD3.5 / FLUX.1 components (``flow_models.FlowComponents``, the transformer in the denoiser slot):
+    the tiny models of ``sdplan.trainer.tiny`` for the demo, else the transformer, CLIP/T5 encoders and
+    16-channel VAE built from profiles/models/<family>.yaml with random weights on ``device``."""
+    import torch
+
+    from sdplan import registry
+    from sdplan.trainer import tiny
+    from sdplan.trainer.flow import FlowAdapter
+    from sdplan.trainer.flow_models import FlowComponents
+
+    arch = registry.family(family).arch
+    if demo:
+        if arch == "flux":
+            parts = tiny.tiny_flux_components(workdir / "tokenizer", guidance=family == "flux-dev")
+            tes, toks = ["text_encoder", "text_encoder_2"], ["tokenizer", "tokenizer_2"]
+        else:
+            parts = tiny.tiny_sd35_components(workdir / "tokenizer", large=family == "sd35-large")
+            tes = ["text_encoder", "text_encoder_2", "text_encoder_3"]
+            toks = ["tokenizer", "tokenizer_2", "tokenizer_3"]
+        scheduler = parts["scheduler"]
+        return FlowComponents(
+            family=family,
+            unet=parts["transformer"],
+            vae=parts["vae"] if with_vae else None,
+            text_encoders=[parts[t] for t in tes],
+            tokenizers=[parts[t] for t in toks],
+            noise_scheduler=scheduler,
+            scheduler_config=dict(scheduler.config),
+            source="sdplan.trainer.tiny",
+            adapter=FlowAdapter(family),
+        )
+    import diffusers
+    from transformers import (
+        CLIPTextConfig,
+        CLIPTextModel,
+        CLIPTextModelWithProjection,
+        T5Config,
+        T5EncoderModel,
+    )
+
+    from sdplan import profiles
+
+    dtypes = dtypes or {}
+    spec = profiles.load_model(profiles.shipped_dir() / "models" / f"{family}.yaml")
+    classes = {
+        "CLIPTextModel": (CLIPTextModel, CLIPTextConfig),
+        "CLIPTextModelWithProjection": (CLIPTextModelWithProjection, CLIPTextConfig),
+        "T5EncoderModel": (T5EncoderModel, T5Config),
+    }
+    torch.manual_seed(0)
+    with torch.device(device):
+        with _default_dtype(dtypes.get("unet", torch.float32)):
+            transformer = getattr(diffusers, spec.transformer_class).from_config(dict(spec.transformer))
+        encoders = []
+        with _default_dtype(dtypes.get("text_encoder", torch.float32)):
+            for te in spec.text_encoders:
+                model_cls, config_cls = classes[te["class"]]
+                encoders.append(model_cls(config_cls(**te["config"])))
+        vae = None
+        if with_vae:
+            with _default_dtype(dtypes.get("vae", torch.float32)):
+                vae = diffusers.AutoencoderKL.from_config(dict(spec.vae))
+    tokenizers = []  # generated tokenizers: their ids are valid for the real vocabularies; nothing downloaded
+    for i, te in enumerate(spec.text_encoders):
+        if te["class"] == "T5EncoderModel":
+            # the family's T5 length, as the trainer cuts it (flow_models.load_flow_components)
+            tokenizers.append(tiny.tiny_t5_tokenizer(max_length=registry.family(family).t5_max_length))
+        else:
+            tokenizers.append(tiny.tiny_tokenizer(workdir / f"tokenizer_{i}", max_length=te["max_length"]))
+    scheduler = getattr(diffusers, spec.scheduler["class"]).from_config(dict(spec.scheduler["config"]))
+    return FlowComponents(
+        family=family,
+        unet=transformer,
+        vae=vae,
+        text_encoders=encoders,
+        tokenizers=tokenizers,
+        noise_scheduler=scheduler,
+        scheduler_config=dict(scheduler.config),
+        source=f"profiles/models/{family}.yaml (random weights)",
+        adapter=FlowAdapter(family),
     )
 
 
@@ -243,8 +336,10 @@ class Harness:
             "crop_top_left": torch.tensor([(0, 0)] * batch_size),
         }
         if self.recipe.vae is None:
-            f = 8
-            batch["latents"] = torch.randn((batch_size, 4, res // f, res // f), generator=generator)
+            from sdplan import registry
+
+            f, channels = 8, 16 if registry.family(self.req.model).flow else 4  # SD3.5/FLUX: 16-channel VAE
+            batch["latents"] = torch.randn((batch_size, channels, res // f, res // f), generator=generator)
             batch["pixel_values"] = torch.empty((batch_size, 3, res, res), device="meta")  # shape only
         else:
             batch["pixel_values"] = torch.rand((batch_size, 3, res, res), generator=generator) * 2 - 1

@@ -16,6 +16,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from sdplan import registry
+from sdplan.errors import SdplanError
 from sdplan.machine import GPU, Snapshot
 from sdplan.probe.snapshot import sorted_findings
 from sdplan.registry import METHODS, PLANNED_FAMILIES
@@ -46,9 +47,15 @@ def planner_verdicts(snapshot: Snapshot) -> list[Verdict]:
     for method in METHODS:
         for family in PLANNED_FAMILIES:  # a family not yet planned has no verdict
             if not registry.family(family).plans(method):
-                out.append(Verdict(method, family, "n/a", "not supported for this family"))
+                out.append(Verdict(method, family, NA, "not supported for this family"))
                 continue
-            result = plan(hardware, profiles, Request(method=method, model=family, max_gpus=1, epochs=1))
+            try:
+                result = plan(hardware, profiles, Request(method=method, model=family, max_gpus=1, epochs=1))
+            except SdplanError as e:  # a request the planner refuses: a cell, not a traceback
+                out.append(
+                    Verdict(method, family, NA, str(e).splitlines()[0] if str(e) else type(e).__name__)
+                )
+                continue
             s = result.plan
             if not result.feasible or s is None or result.memory is None:
                 need = (result.needs or {}).get("min_vram_bytes")

@@ -316,7 +316,9 @@ def check_model_file(path: Path) -> None:
                     ) from None
                 if not isinstance(header, dict):
                     raise UsageError(f"model.path {path}: not a safetensors file", fix=fix)
-                if not any(k.startswith("model.diffusion_model.") for k in header):
+                # SD3.5 / FLUX.1 transformer-only files (BFL's flux1-dev.safetensors) have no prefix.
+                flow = ("joint_blocks.", "double_blocks.")
+                if not any(k.startswith(("model.diffusion_model.", *flow)) for k in header):
                     lora = any("lora" in k for k in header)
                     raise UsageError(
                         f"model.path {path}: holds no Stable Diffusion UNet weights (model.diffusion_model.*)"

@@ -351,11 +351,19 @@ def test_sd35_kohya_names_map_to_the_mmdit_and_keep_every_delta(tiny_flow, datas
     )
 
 
-def test_flow_families_train_lora_only_so_far(tiny_flow, dataset, tmp_path):
+def test_flow_families_refuse_textual_inversion_and_noise_offset(tiny_flow, dataset, tmp_path):
     from sdplan.trainer import run
 
-    cfg = _cfg(tiny_flow["flux-schnell"], "flux-schnell", dataset, tmp_path / "o", "method=finetune")
-    with pytest.raises(UsageError, match="LoRA only"):
+    cfg = _cfg(
+        tiny_flow["flux-schnell"],
+        "flux-schnell",
+        dataset,
+        tmp_path / "o",
+        "method=textual-inversion",
+        "textual_inversion.token=<sks>",
+        "textual_inversion.init_token=square",
+    )
+    with pytest.raises(UsageError, match="does lora, finetune, dreambooth"):
         run.train(cfg)
     cfg = _cfg(
         tiny_flow["flux-schnell"], "flux-schnell", dataset, tmp_path / "o", "training.noise_offset=0.1"
@@ -376,7 +384,7 @@ def test_family_of_another_network_kind_is_refused(tiny_flow):
     assert models.load_components(str(tiny_flow["sd35-large"])).family == "sd35-large"
     single = tiny_flow["flux-dev"].parent / "flux.safetensors"
     single.write_bytes(b"")
-    with pytest.raises(UsageError, match="single-file flux-dev checkpoints are not supported yet"):
+    with pytest.raises(UsageError, match="single-file flux-dev transformer needs model.config_dir"):
         models.load_components(str(single), family="flux-dev")
 
 

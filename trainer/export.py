@@ -47,8 +47,9 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from sdplan import registry
 from sdplan.errors import SdplanError, UsageError
-from sdplan.registry import FAMILIES
+from sdplan.registry import FAMILIES, FLOW_FAMILIES
 
 DIFFUSERS_LORA_NAME = "pytorch_lora_weights.safetensors"  # diffusers' LORA_WEIGHT_NAME_SAFE
 METADATA_JSON = "sdplan.json"  # beside a diffusers folder's model_index.json
@@ -370,7 +371,11 @@ def _modelspec(
 
     md = metadata or {}
     v_pred = md.get("prediction_type") == "v_prediction"
-    if family == "sd21":
+    if family in FLOW_FAMILIES:
+        from .flow_export import _MODELSPEC
+
+        arch = _MODELSPEC[family]
+    elif family == "sd21":
         arch = "stable-diffusion-v2-768-v" if v_pred else "stable-diffusion-v2-512"
     else:
         arch = {"sd15": "stable-diffusion-v1", "sdxl": "stable-diffusion-xl-v1-base"}[family]
@@ -386,18 +391,21 @@ def _modelspec(
     if isinstance(resolution, int):
         resolution = (resolution, resolution)
     if not resolution:
-        resolution = (1024, 1024) if family == "sdxl" else (768, 768) if v_pred else (512, 512)
+        resolution = (
+            (1024, 1024) if family in ("sdxl", *FLOW_FAMILIES) else (768, 768) if v_pred else (512, 512)
+        )
+    impl = "https://github.com/Stability-AI/generative-models" if sgm else "diffusers"
+    if family in FLOW_FAMILIES and registry.family(family).arch == "flux":
+        impl = "https://github.com/black-forest-labs/flux"  # kohya sai_model_spec IMPL_FLUX
     return {
         "modelspec.sai_model_spec": "1.0.1",
         "modelspec.architecture": arch,
-        "modelspec.implementation": "https://github.com/Stability-AI/generative-models"
-        if sgm
-        else "diffusers",
+        "modelspec.implementation": impl,
         "modelspec.implementation_version": f"sdplan/{__version__}",
         "modelspec.title": name,
         "modelspec.resolution": f"{resolution[0]}x{resolution[1]}",
         "modelspec.date": datetime.datetime.now().replace(microsecond=0).isoformat(),
-        "modelspec.prediction_type": "v" if v_pred else "epsilon",
+        **({} if family in FLOW_FAMILIES else {"modelspec.prediction_type": "v" if v_pred else "epsilon"}),
         "modelspec.hash_sha256": _HASH_PLACEHOLDER,
     }
 
@@ -990,7 +998,20 @@ def save_full(
     name = output_name(name, out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     md = output_metadata(metadata, family)
-    tensors = pipeline_to_original(pipeline, family) if single_file else None  # checks before writing
+    tensors = None
+    if single_file and family in FLOW_FAMILIES and registry.family(family).arch == "mmdit":
+        from .flow_single_file import sd3_pipeline_to_original
+
+        tensors = sd3_pipeline_to_original(pipeline)  # MMDiT, VAE, CLIP-L/G and T5 (Stability's layout)
+    elif single_file and family in FLOW_FAMILIES:  # FLUX: the transformer only, as BFL's release
+        from .flow_single_file import transformer_to_original
+
+        tensors = {
+            f"model.diffusion_model.{k}": v
+            for k, v in transformer_to_original(_unwrap(pipeline.transformer), family).items()
+        }
+    elif single_file:
+        tensors = pipeline_to_original(pipeline, family)  # checks before writing
 
     folder = out_dir / "model"
     tmp = _tmp_name(folder)

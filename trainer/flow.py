@@ -34,6 +34,8 @@ from sdplan.errors import UsageError
 from .objective import mse
 
 WEIGHTINGS = ("none", "logit_normal", "mode", "sigma_sqrt", "cosmap")
+# What the one loop trains for these families (textual inversion: not for a T5-conditioned model here).
+METHODS = ("lora", "finetune", "dreambooth")
 
 
 @dataclass(frozen=True)
@@ -236,10 +238,10 @@ class FlowAdapter:
 
     def check(self, cfg) -> None:
         """What this trainer does not do for these families yet: one clear error before the models load."""
-        if cfg.method not in ("lora",):
+        if cfg.method not in METHODS:
             raise UsageError(
-                f"{cfg.method} for {self.family.name}: the SD3.5/FLUX trainer does LoRA only so far",
-                fix="use method: lora",
+                f"{cfg.method} for {self.family.name}: the SD3.5/FLUX trainer does {', '.join(METHODS)}",
+                fix="use method: lora, finetune or dreambooth",
             )
         if cfg.training.noise_offset:
             raise UsageError(

@@ -106,9 +106,11 @@ def load_flow_components(
     family: str | None,
     kw: dict[str, Any],
     wkw: dict[str, Any],
+    transformer: Any = None,
 ) -> FlowComponents:
     """The components of an SD3.5/FLUX folder or hub id (``index``: its model_index.json; ``kw``/``wkw``: the
-    revision / revision+variant keywords of from_pretrained)."""
+    revision / revision+variant keywords of from_pretrained). ``transformer``: one already loaded (a
+    single-file base, ``flow_single_file``); the folder's own is then not read."""
     from diffusers import (
         AutoencoderKL,
         FlowMatchEulerDiscreteScheduler,
@@ -125,7 +127,8 @@ def load_flow_components(
 
     arch = PIPELINES[index["_class_name"]]
     transformer_cls = FluxTransformer2DModel if arch == "flux" else SD3Transformer2DModel
-    transformer = transformer_cls.from_pretrained(location, subfolder="transformer", **wkw)
+    if transformer is None:
+        transformer = transformer_cls.from_pretrained(location, subfolder="transformer", **wkw)
     found = detect_flow_family(index, dict(transformer.config))
     fam = registry.family(_check(found, family, location))
     vae = AutoencoderKL.from_pretrained(location, subfolder="vae", **wkw)

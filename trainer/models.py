@@ -217,14 +217,11 @@ def _load_single_file(location: str, family: str | None, config_dir: str | None)
 
     from sdplan.registry import FLOW_FAMILIES
 
+    from .flow_single_file import is_flow_transformer_file, load_flow_single_file
     from .single_file import load_single_file_model
 
-    if family in FLOW_FAMILIES:
-        raise UsageError(
-            f"model.path {location}: single-file {family} checkpoints are not supported yet",
-            fix="give the diffusers folder or hub id (e.g. black-forest-labs/FLUX.1-dev, "
-            "stabilityai/stable-diffusion-3.5-medium)",
-        )
+    if family in FLOW_FAMILIES or (family is None and is_flow_transformer_file(location)):
+        return load_flow_single_file(location, family, config_dir)  # SD3.5 / FLUX.1 transformer
 
     try:  # the family is read from the file's keys when not given
         pipe = load_single_file_model(location, family, config_dir)

@@ -26,7 +26,10 @@ def bench(
     model: Annotated[
         list[str] | None,
         typer.Option(
-            "--model", metavar="F", help="sd15, sd21 or sdxl (repeat for several). Default: sd15 and sdxl."
+            "--model",
+            metavar="F",
+            help="sd15, sd21, sdxl, sd35-medium, sd35-large, flux-dev or flux-schnell (repeat for several). "
+            "Default: sd15 and sdxl.",
         ),
     ] = None,
     resolution: Annotated[
@@ -42,7 +45,7 @@ def bench(
         bool,
         typer.Option(
             "--demo",
-            help="Run the same code on the tiny SD 1.x-shaped model on the CPU (seconds; to try it). "
+            help="Run the same code on a tiny model (SD 1.x-, SD3.5- or FLUX.1-shaped) on the CPU (seconds; to try it). "
             "Its points are labelled as demo measurements and go to the store's demo/ folder, which the "
             "planner does not read (unless --store says otherwise).",
         ),

@@ -1,5 +1,10 @@
 """Full fine-tune: train every UNet weight (optionally the text encoder(s)) on captioned images.
 
+SD3.5 and FLUX.1 train their whole transformer the same way (it sits in the denoiser slot; the family
+adapter, ``trainer/flow.py``, supplies the flow-matching objective; their text encoders stay frozen). Their
+outputs: the diffusers folder (StableDiffusion3Pipeline / FluxPipeline) and a single file holding the
+transformer in the original layout (``trainer/flow_single_file.py``).
+
 The UNet trains in fp32 master weights under mixed precision, or in bf16 with ``training.full_half_weights``.
 Optional EMA of the UNet weights (the ``ema`` config section: ``enabled``, ``decay``, ``device`` cpu | gpu,
 ``update_every``; kept by the loop), saved beside the weights (``ema/``). Outputs: a diffusers folder and a

@@ -1,0 +1,382 @@
+"""SD3.5 and FLUX.1 full fine-tune and DreamBooth through the one loop on tiny models built in code; the
+diffusers folder and the original-layout single file they export; a single-file transformer as the base."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from sdplan import config, registry
+from sdplan.errors import UsageError
+
+FLOW = ("sd35-medium", "sd35-large", "flux-dev", "flux-schnell")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_accelerator_state():
+    yield
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+@pytest.fixture(scope="module")
+def tiny_flow(tmp_path_factory):
+    from sdplan.trainer.tiny import save_tiny_model
+
+    root = tmp_path_factory.mktemp("tiny-flow-full")
+    return {f: save_tiny_model(root / f, f) for f in FLOW}
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory) -> Path:
+    from sdplan.demo import make_dataset
+
+    return make_dataset(tmp_path_factory.mktemp("data") / "ds", n=4)
+
+
+def _cfg(model, family: str, data: Path, out: Path, *overrides: str, method: str = "finetune"):
+    base = {
+        "method": method,
+        "model": {"path": str(model), "family": family},
+        "data": {"path": str(data), "resolution": 64},
+        "training": {
+            "batch_size": 2,
+            "precision": "fp32",
+            "learning_rate": 1e-3,
+            "max_steps": 2,
+            "device": "cpu",
+        },
+        "output": {"dir": str(out), "name": "t"},
+        "checkpoints": {"every_steps": 0},
+        "sampling": {"num_inference_steps": 2, "guidance_scale": 1.0},
+    }
+    return config.validate(config.apply_overrides(base, list(overrides)))
+
+
+def _pipeline_class(family: str):
+    from diffusers import FluxPipeline, StableDiffusion3Pipeline
+
+    return FluxPipeline if registry.family(family).arch == "flux" else StableDiffusion3Pipeline
+
+
+def _transformer_class(family: str):
+    from diffusers import FluxTransformer2DModel, SD3Transformer2DModel
+
+    return FluxTransformer2DModel if registry.family(family).arch == "flux" else SD3Transformer2DModel
+
+
+def _generate(pipe) -> np.ndarray:
+    pipe.set_progress_bar_config(disable=True)
+    out = pipe(
+        "a photo of sks red square",
+        num_inference_steps=2,
+        height=64,
+        width=64,
+        generator=torch.Generator().manual_seed(0),
+        output_type="np",
+    )
+    return out.images
+
+
+def _same_weights(a, b) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+# -- the original layout ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", ["sd35-medium", "sd35-large"])
+def test_sd3_single_file_round_trips_through_diffusers_from_single_file(tiny_flow, tmp_path, family):
+    """Our inverse, then diffusers' own SD3 single-file loader: the same weights, bit for bit (MMDiT-X's
+    attn2 and the last block's context-only modulation included)."""
+    from safetensors.torch import save_file
+    from sdplan.trainer.flow_single_file import transformer_to_original
+
+    cls = _transformer_class(family)
+    t = cls.from_pretrained(tiny_flow[family], subfolder="transformer")
+    original = transformer_to_original(t, family)
+    assert "joint_blocks.1.context_block.adaLN_modulation.1.weight" in original
+    assert ("joint_blocks.0.x_block.attn2.qkv.weight" in original) == (family == "sd35-medium")
+    path = tmp_path / "t.safetensors"
+    save_file(original, str(path))
+    back = cls.from_single_file(
+        str(path), config=str(tiny_flow[family]), subfolder="transformer", local_files_only=True
+    )
+    assert _same_weights(t, back)
+
+
+def test_flux_original_names_cover_every_weight_and_fuse_qkv(tiny_flow):
+    """Every FLUX weight lands under a BFL name once; the fused tensors are q/k/v(/mlp) stacked in order."""
+    from diffusers import FluxTransformer2DModel
+    from sdplan.trainer.flow_single_file import transformer_to_original
+
+    t = FluxTransformer2DModel.from_pretrained(tiny_flow["flux-dev"], subfolder="transformer")
+    sd = t.state_dict()
+    original = transformer_to_original(t, "flux-dev")
+    assert sum(v.numel() for v in original.values()) == sum(v.numel() for v in sd.values())
+    assert "guidance_in.in_layer.weight" in original and "double_blocks.0.img_attn.qkv.weight" in original
+    s = "single_transformer_blocks.0."
+    fused = torch.cat([sd[f"{s}attn.to_q.weight"], sd[f"{s}attn.to_k.weight"], sd[f"{s}attn.to_v.weight"]])
+    assert torch.equal(
+        original["single_blocks.0.linear1.weight"], torch.cat([fused, sd[f"{s}proj_mlp.weight"]])
+    )
+    shift_scale = original["final_layer.adaLN_modulation.1.weight"]
+    scale, shift = sd["norm_out.linear.weight"].chunk(2)
+    assert torch.equal(shift_scale, torch.cat([shift, scale]))
+    schnell = transformer_to_original(
+        FluxTransformer2DModel.from_pretrained(tiny_flow["flux-schnell"], subfolder="transformer"),
+        "flux-schnell",
+    )
+    assert not any(k.startswith("guidance_in.") for k in schnell)
+
+
+@pytest.mark.slow
+def test_flux_single_file_round_trips_through_diffusers_at_the_real_width(tiny_flow, tmp_path):
+    """diffusers' FLUX single-file converter assumes the real width (3072, MLP ratio 4): one double and one
+    single block at that width (about 0.5B parameters, bf16) round-trip bit for bit, through
+    ``from_single_file`` and as a training base (``model.config_dir``: a FLUX folder with that config)."""
+    import shutil
+
+    from diffusers import FluxTransformer2DModel
+    from safetensors.torch import save_file
+    from sdplan.trainer import models
+    from sdplan.trainer.flow_single_file import transformer_to_original
+
+    torch.manual_seed(0)
+    t = FluxTransformer2DModel(
+        in_channels=64,
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=128,
+        num_attention_heads=24,
+        joint_attention_dim=48,  # the tiny T5 width
+        pooled_projection_dim=32,
+        guidance_embeds=True,
+    ).to(torch.bfloat16)
+    cfg_dir = tmp_path / "cfg"  # the tiny FLUX.1 [dev] folder with this transformer's config, no weights
+    shutil.copytree(tiny_flow["flux-dev"], cfg_dir)
+    shutil.rmtree(cfg_dir / "transformer")
+    t.save_config(str(cfg_dir / "transformer"))
+    path = tmp_path / "flux.safetensors"
+    save_file(
+        {f"model.diffusion_model.{k}": v for k, v in transformer_to_original(t, "flux-dev").items()},
+        str(path),
+    )
+    back = FluxTransformer2DModel.from_single_file(
+        str(path),
+        config=str(cfg_dir),
+        subfolder="transformer",
+        local_files_only=True,
+        torch_dtype=torch.bfloat16,
+    )
+    assert _same_weights(t, back)
+    del back
+    comps = models.load_components(str(path), config_dir=str(cfg_dir))
+    assert comps.family == "flux-dev"
+    assert _same_weights(t, comps.unet.to(torch.bfloat16))
+
+
+# -- full fine-tune and DreamBooth ------------------------------------------------------------------------
+
+
+def _check_full_outputs(out: Path, family: str, base: Path) -> None:
+    """The diffusers folder loads with the family's pipeline and generates something else than the base; the
+    single file holds the same transformer (read back with diffusers' loader where it can: SD3 at any width)."""
+    from safetensors import safe_open
+
+    cls = _pipeline_class(family)
+    tuned = cls.from_pretrained(str(out / "model"), torch_dtype=torch.float32)  # bf16 with full_half_weights
+    original = cls.from_pretrained(str(base))
+    assert not _same_weights(tuned.transformer, original.transformer)
+    assert float(np.abs(_generate(tuned) - _generate(original)).max()) > 1e-4
+    single = out / "t.safetensors"
+    with safe_open(str(single), framework="pt") as f:
+        keys = list(f.keys())
+        md = f.metadata()
+    assert md["sdplan_family"] == family
+    if registry.family(family).arch == "flux":  # the transformer only, as BFL's flux1-dev.safetensors
+        assert all(k.startswith("model.diffusion_model.") for k in keys)
+        assert "model.diffusion_model.double_blocks.0.img_attn.qkv.weight" in keys
+        assert md["modelspec.implementation"] == "https://github.com/black-forest-labs/flux"
+        return
+    # SD3.5: the whole pipeline in Stability's layout, read back by diffusers' own single-file loader
+    prefixes = ("model.diffusion_model.", "first_stage_model.", "text_encoders.")
+    assert all(k.startswith(prefixes) for k in keys)
+    assert {k.split(".")[1] for k in keys if k.startswith("text_encoders.")} == {"clip_l", "clip_g", "t5xxl"}
+    back = _pipeline_class(family).from_single_file(
+        str(single), config=str(out / "model"), local_files_only=True, torch_dtype=torch.float32
+    )
+    for part in ("transformer", "vae", "text_encoder", "text_encoder_2", "text_encoder_3"):
+        a, b = getattr(tuned, part).state_dict(), getattr(back, part).state_dict()
+        if part == "text_encoder":  # diffusers sets CLIP-L's projection to the identity for these files
+            a.pop("text_projection.weight")
+            b.pop("text_projection.weight")
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), part
+
+
+@pytest.mark.parametrize("family", FLOW)
+def test_finetune_trains_the_whole_transformer_and_exports_folder_and_single_file(
+    tiny_flow, dataset, tmp_path, family
+):
+    from sdplan.trainer import run
+
+    extra = ["memory.cache_text_encoder_outputs=true"]
+    if family == "flux-schnell":  # bf16 weights (kohya --full_bf16) and the memory savers
+        extra += [
+            "training.precision=bf16",
+            "training.full_half_weights=true",
+            "memory.gradient_checkpointing=true",
+            "memory.cache_latents=true",
+        ]
+    summary = run.train(_cfg(tiny_flow[family], family, dataset, tmp_path / "out", *extra))
+    assert summary["steps"] == 2 and math.isfinite(summary["final_loss"])
+    _check_full_outputs(tmp_path / "out", family, tiny_flow[family])
+    record = json.loads((tmp_path / "out" / "model" / "sdplan.json").read_text())
+    assert record["sdplan_family"] == family
+
+
+def test_finetune_with_ema_writes_the_averaged_transformer(tiny_flow, dataset, tmp_path):
+    from sdplan.trainer import run
+
+    cfg = _cfg(tiny_flow["sd35-large"], "sd35-large", dataset, tmp_path / "out", "ema.enabled=true")
+    run.train(cfg)
+    from diffusers import StableDiffusion3Pipeline
+
+    tuned = StableDiffusion3Pipeline.from_pretrained(str(tmp_path / "out" / "model"))
+    ema = StableDiffusion3Pipeline.from_pretrained(str(tmp_path / "out" / "ema" / "model"))
+    assert not _same_weights(tuned.transformer, ema.transformer)
+
+
+@pytest.mark.parametrize("family", ["sd35-medium", "flux-dev"])
+def test_dreambooth_with_prior_preservation_generates_class_images_and_trains(
+    tiny_flow, dataset, tmp_path, family
+):
+    from sdplan.trainer import run
+
+    cfg = _cfg(
+        tiny_flow[family],
+        family,
+        dataset,
+        tmp_path / "out",
+        "dreambooth.instance_prompt=a photo of sks square",
+        "dreambooth.with_prior_preservation=true",
+        "dreambooth.class_prompt=a photo of a square",
+        "dreambooth.num_class_images=2",
+        "dreambooth.prior_loss_weight=1.0",
+        "memory.cache_text_encoder_outputs=true",
+        method="dreambooth",
+    )
+    summary = run.train(cfg)
+    assert summary["steps"] == 2 and math.isfinite(summary["final_loss"])
+    assert len(list((tmp_path / "out" / "class_images").glob("class-*.png"))) == 2
+    _check_full_outputs(tmp_path / "out", family, tiny_flow[family])
+
+
+def test_text_encoder_training_and_textual_inversion_are_refused_in_one_line(tiny_flow, dataset, tmp_path):
+    from sdplan.trainer import run
+
+    cfg = _cfg(tiny_flow["flux-dev"], "flux-dev", dataset, tmp_path / "o", "training.train_text_encoder=true")
+    with pytest.raises(UsageError, match="train_text_encoder"):
+        run.train(cfg)
+    cfg = _cfg(
+        tiny_flow["flux-dev"],
+        "flux-dev",
+        dataset,
+        tmp_path / "o",
+        "textual_inversion.token=<sks>",
+        "textual_inversion.init_token=square",
+        method="textual-inversion",
+    )
+    with pytest.raises(UsageError, match="textual-inversion for flux-dev"):
+        run.train(cfg)
+
+
+# -- a single-file base -----------------------------------------------------------------------------------
+
+
+def test_single_file_sd35_transformer_is_a_base_model(tiny_flow, dataset, tmp_path):
+    """A fine-tune's single file trains on as the base (``model.config_dir``: the folder of the same family);
+    its transformer loads back with identical weights; without config_dir: one clear error."""
+    from sdplan.trainer import models, run
+
+    first = tmp_path / "first"
+    run.train(_cfg(tiny_flow["sd35-medium"], "sd35-medium", dataset, first))
+    single = first / "t.safetensors"
+    import shutil
+
+    configs = tmp_path / "configs"  # the folder's transformer weights are not needed (nor read)
+    shutil.copytree(tiny_flow["sd35-medium"], configs)
+    for f in (configs / "transformer").glob("*.safetensors"):
+        f.unlink()
+    comps = models.load_components(str(single), config_dir=str(configs))
+    assert comps.family == "sd35-medium" and comps.adapter is not None
+    from diffusers import SD3Transformer2DModel
+
+    assert _same_weights(
+        comps.unet, SD3Transformer2DModel.from_pretrained(first / "model", subfolder="transformer")
+    )
+    with pytest.raises(UsageError, match="needs model.config_dir"):
+        models.load_components(str(single))
+    from sdplan.launcher import check_model_file
+
+    check_model_file(single)  # the pre-launch check knows the transformer-only layout
+    second = tmp_path / "second"
+    summary = run.train(
+        _cfg(
+            single,
+            "sd35-medium",
+            dataset,
+            second,
+            f"model.config_dir={tiny_flow['sd35-medium']}",
+            "lora.rank=4",
+            method="lora",
+        )
+    )
+    assert summary["steps"] == 2 and (second / "pytorch_lora_weights.safetensors").is_file()
+
+
+# -- doctor -----------------------------------------------------------------------------------------------
+
+
+def test_doctor_verdicts_do_not_crash_when_the_flow_families_are_planned(monkeypatch):
+    """Once the planner plans SD3.5/FLUX (``registry`` planned flags), doctor asks it for every method: a
+    method the planner refuses for a family is an n/a cell, not a traceback."""
+    from sdplan import doctor
+    from sdplan.machine import Snapshot
+
+    monkeypatch.setattr(doctor, "PLANNED_FAMILIES", ("sd15", "flux-dev", "sd35-medium"))
+    snap = Snapshot.load(Path(__file__).parent / "fixtures" / "machines" / "rtx3060_12gb.json")
+    verdicts = doctor.planner_verdicts(snap)
+    grid = doctor.verdict_grid(verdicts)
+    assert all(set(grid[m]) == {"sd15", "flux-dev", "sd35-medium"} for m in registry.METHODS)
+    assert grid["lora"]["sd15"][0] in ("ok", "tight", "no")
+
+
+def test_tiny_flux_single_file_base_is_refused_in_one_line(tiny_flow, tmp_path):
+    """diffusers reads FLUX single files only at the released width: a narrower one is a clear error."""
+    from diffusers import FluxTransformer2DModel
+    from safetensors.torch import save_file
+    from sdplan.trainer import models
+    from sdplan.trainer.flow_single_file import transformer_to_original
+
+    t = FluxTransformer2DModel.from_pretrained(tiny_flow["flux-dev"], subfolder="transformer")
+    path = tmp_path / "flux.safetensors"
+    save_file(transformer_to_original(t, "flux-dev"), str(path))
+    with pytest.raises(UsageError, match="only at the released width"):
+        models.load_components(str(path), config_dir=str(tiny_flow["flux-dev"]))
