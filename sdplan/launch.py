@@ -303,10 +303,11 @@ def run_launch(
     checkpoint and exits 130. A second Ctrl-C sends SIGTERM, a third SIGKILL. If sdplan itself dies (kill -9,
     a closed terminal), the kernel sends the child SIGTERM (Linux, see ``_die_with_parent``); torchrun and
     accelerate pass it on to their workers. ``on_start(pid)`` is called once the child runs (the run lock
-    records it). Thread settings in ``SOFT_ENV`` that the user set in the environment are kept.
+    records it). Thread settings in ``SOFT_ENV`` that the user set in the environment are kept (an empty
+    value counts as not set: accelerate and torch read it as a number).
     """
     env = dict(os.environ if environ is None else environ)
-    env.update({k: v for k, v in launch.env.items() if not (k in SOFT_ENV and k in env)})
+    env.update({k: v for k, v in launch.env.items() if not (k in SOFT_ENV and env.get(k, "").strip())})
     proc = subprocess.Popen(
         launch.cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent(os.getpid())
     )

@@ -243,6 +243,17 @@ def test_run_launch_streams_and_returns_the_child_exit_code(capfd):
     assert "child says hi" in capfd.readouterr().out
 
 
+def test_run_launch_keeps_the_users_thread_settings_but_not_empty_ones(capfd):
+    """A user's OMP_NUM_THREADS wins over the launch's; an empty one (``OMP_NUM_THREADS=``) is not a setting:
+    accelerate reads it as a number and a 2-process CPU run died on int('')."""
+    code = "import os; print('threads', repr(os.environ['OMP_NUM_THREADS']))"
+    launch = Launch(cmd=[sys.executable, "-c", code], env={"OMP_NUM_THREADS": "1"})
+    assert run_launch(launch, environ={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "3"}) == 0
+    assert "threads '3'" in capfd.readouterr().out
+    assert run_launch(launch, environ={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": ""}) == 0
+    assert "threads '1'" in capfd.readouterr().out
+
+
 def test_run_launch_forwards_sigint_to_the_child_group(tmp_path):
     """The parent gets SIGINT (Ctrl-C): the child (in its own group) gets it too, cleans up, and its
     exit code comes back."""
