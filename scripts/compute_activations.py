@@ -899,11 +899,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = ap.parse_args(argv)
     if args.only_sampling:
-        return update_sampling(args)
+        return update_families(args, "sampling", _add_entry("sampling", measure_sampling))
     if args.only_lora_targets:
-        return update_lora_targets(args)
+        return update_families(
+            args,
+            "LoRA target sets",
+            lambda entry, model, fam, log: merge_lora_targets(
+                entry, compute_lora_targets(model, FAMILY_RESOLUTIONS[fam], log)
+            ),
+        )
     if args.only_traffic:
-        return update_traffic(args)
+        return update_families(args, "traffic", _add_entry("traffic", measure_traffic))
 
     import diffusers
     import torch
@@ -1054,21 +1060,6 @@ def measure_traffic(model: dict, resolutions: tuple[int, ...], log) -> dict:
     return {"unet_forward_bytes": coef, "unet_forward_bytes_math": math_coef}
 
 
-def update_traffic(args) -> int:
-    """Add each family's ``traffic`` entry to an existing activations file (its other entries kept)."""
-    text = args.out.read_text()
-    header = "".join(line + "\n" for line in text.splitlines() if line.startswith("#"))
-    doc = yaml.safe_load(text)
-    for fam in args.families.split(","):
-        model = yaml.safe_load((args.models_dir / f"{fam}.yaml").read_text())
-        log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
-        doc["families"][fam]["traffic"] = measure_traffic(model, FAMILY_RESOLUTIONS[fam], log)
-    if "traffic added" not in doc["source"]:
-        doc["source"] += "; traffic added by --only-traffic"
-    args.out.write_text(header + yaml.safe_dump(doc, sort_keys=False, width=110))
-    return 0
-
-
 # -- peaks outside the training step: sampling (UNet inference, VAE decode) ---------------------------------
 #
 # sdplan's trainer samples a grid at the end of training (and every sampling.every_steps) with the training
@@ -1167,32 +1158,28 @@ def measure_sampling(model: dict, resolutions: tuple[int, ...], log) -> dict:
     return out
 
 
-def update_sampling(args) -> int:
-    """Add each family's ``sampling`` entry to an existing activations file (its other entries kept)."""
+def _add_entry(key: str, measure):
+    """An updater that sets a family's ``key`` entry to ``measure(model, resolutions, log)``."""
+
+    def update(entry: dict, model: dict, fam: str, log) -> None:
+        entry[key] = measure(model, FAMILY_RESOLUTIONS[fam], log)
+
+    return update
+
+
+def update_families(args, what: str, update) -> int:
+    """Re-measure one part of each family's entry in an existing activations file (its other entries kept):
+    ``update(entry, model, family, log)`` changes the entry in place; the file's source says what was added."""
     text = args.out.read_text()
     header = "".join(line + "\n" for line in text.splitlines() if line.startswith("#"))
     doc = yaml.safe_load(text)
     for fam in args.families.split(","):
         model = yaml.safe_load((args.models_dir / f"{fam}.yaml").read_text())
-        log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
-        doc["families"][fam]["sampling"] = measure_sampling(model, FAMILY_RESOLUTIONS[fam], log)
-    if "sampling added" not in doc["source"]:
-        doc["source"] += "; sampling added by --only-sampling"
-    args.out.write_text(header + yaml.safe_dump(doc, sort_keys=False, width=110))
-    return 0
-
-
-def update_lora_targets(args) -> int:
-    """Merge the LoRA target-set entries into an existing activations file (its other entries kept)."""
-    text = args.out.read_text()
-    header = "".join(line + "\n" for line in text.splitlines() if line.startswith("#"))
-    doc = yaml.safe_load(text)
-    for fam in args.families.split(","):
-        model = yaml.safe_load((args.models_dir / f"{fam}.yaml").read_text())
-        print(f"{fam}: LoRA target sets", file=sys.stderr, flush=True)
-        extra = compute_lora_targets(model, FAMILY_RESOLUTIONS[fam], lambda m: print(m, file=sys.stderr))
-        merge_lora_targets(doc["families"][fam], extra)
-    doc["source"] += "; LoRA target sets added by --only-lora-targets"
+        print(f"{fam}: {what}", file=sys.stderr, flush=True)
+        update(doc["families"][fam], model, fam, lambda m: print(m, file=sys.stderr, flush=True))
+    flag = "--only-" + what.lower().replace(" ", "-").replace("-sets", "s")
+    if f"{what} added" not in doc["source"]:
+        doc["source"] += f"; {what} added by {flag}"
     args.out.write_text(header + yaml.safe_dump(doc, sort_keys=False, width=110))
     return 0
 
