@@ -189,6 +189,30 @@ def adafactor_state_bytes(model) -> int:
     return 4 * total
 
 
+def unet_meta_inputs(model: dict, *, batch: int, side: int, dtype) -> tuple[tuple, dict]:
+    """(args, kwargs) of a UNet forward as the pipeline calls it, as meta tensors: latents (batch, C, side, side),
+    timesteps, the text encoders' hidden states, and SDXL's pooled embeddings + time ids."""
+    import torch
+
+    cfg = model["unet"]
+    meta = {"device": "meta", "dtype": dtype}
+    kwargs: dict[str, Any] = {}
+    if cfg.get("addition_embed_type") == "text_time":
+        pooled = int(cfg["projection_class_embeddings_input_dim"]) - 6 * int(cfg["addition_time_embed_dim"])
+        kwargs["added_cond_kwargs"] = {
+            "text_embeds": torch.empty(batch, pooled, **meta),
+            "time_ids": torch.empty(batch, 6, **meta),
+        }
+    args = (
+        torch.empty(batch, int(cfg.get("in_channels", 4)), side, side, **meta),
+        torch.zeros(batch, device="meta", dtype=torch.long),
+        torch.empty(
+            batch, int(model.get("tokenizer_max_length", 77)), int(cfg["cross_attention_dim"]), **meta
+        ),
+    )
+    return args, kwargs
+
+
 def measure_unet(
     unet,
     model: dict,
@@ -206,7 +230,6 @@ def measure_unet(
     set_trained(unet, trained)
 
     dtype = _torch_dtype(dtype_name)
-    cfg = model["unet"]
     scale = int(model.get("vae_scale_factor", 8))
     side = resolution // scale
     params = {p.untyped_storage()._cdata for p in unet.parameters()}
@@ -229,21 +252,9 @@ def measure_unet(
     else:
         unet.disable_gradient_checkpointing()
 
-    meta = {"device": "meta", "dtype": dtype}
-    sample = torch.empty(batch, int(cfg.get("in_channels", 4)), side, side, **meta)
-    encoder = torch.empty(
-        batch, int(model.get("tokenizer_max_length", 77)), int(cfg["cross_attention_dim"]), **meta
-    )
-    timesteps = torch.zeros(batch, device="meta", dtype=torch.long)
-    kwargs: dict[str, Any] = {}
-    if cfg.get("addition_embed_type") == "text_time":
-        pooled = int(cfg["projection_class_embeddings_input_dim"]) - 6 * int(cfg["addition_time_embed_dim"])
-        kwargs["added_cond_kwargs"] = {
-            "text_embeds": torch.empty(batch, pooled, **meta),
-            "time_ids": torch.empty(batch, 6, **meta),
-        }
+    args, kwargs = unet_meta_inputs(model, batch=batch, side=side, dtype=dtype)
     with attention_backend(backend, dtype_name), held.hooks():
-        unet(sample, timesteps, encoder, return_dict=False, **kwargs)
+        unet(*args, return_dict=False, **kwargs)
     return held.total, peak["recompute"]
 
 
@@ -284,7 +295,6 @@ def measure_flops(model: dict, unet, resolutions: tuple[int, ...]) -> dict:
     from torch.utils.flop_counter import FlopCounterMode
 
     scale = int(model.get("vae_scale_factor", 8))
-    cfg = model["unet"]
     meta = {"device": "meta", "dtype": torch.bfloat16}
 
     def count(fn) -> int:
@@ -299,22 +309,7 @@ def measure_flops(model: dict, unet, resolutions: tuple[int, ...]) -> dict:
     unet_pts, vae_pts = [], []
     for res in resolutions:
         side = res // scale
-        kwargs: dict[str, Any] = {}
-        if cfg.get("addition_embed_type") == "text_time":
-            pooled = int(cfg["projection_class_embeddings_input_dim"]) - 6 * int(
-                cfg["addition_time_embed_dim"]
-            )
-            kwargs["added_cond_kwargs"] = {
-                "text_embeds": torch.empty(1, pooled, **meta),
-                "time_ids": torch.empty(1, 6, **meta),
-            }
-        args = (
-            torch.empty(1, int(cfg.get("in_channels", 4)), side, side, **meta),
-            torch.zeros(1, device="meta", dtype=torch.long),
-            torch.empty(
-                1, int(model.get("tokenizer_max_length", 77)), int(cfg["cross_attention_dim"]), **meta
-            ),
-        )
+        args, kwargs = unet_meta_inputs(model, batch=1, side=side, dtype=meta["dtype"])
         unet_pts.append((1, side * side, count(lambda a=args, k=kwargs: unet(*a, **k))))
         image = torch.empty(1, 3, res, res, **meta)
         vae_pts.append((1, side * side, count(lambda x=image: vae.encode(x))))
@@ -1029,27 +1024,11 @@ def measure_traffic(model: dict, resolutions: tuple[int, ...], log) -> dict:
     unet = build_unet(model["unet"], "bf16")
     unet.eval()
     scale = int(model.get("vae_scale_factor", 8))
-    cfg = model["unet"]
     meta = {"device": "meta", "dtype": torch.bfloat16}
     pts: dict[str, list[tuple[int, int, int]]] = {"efficient": [], "math": []}
     for res in resolutions:
         side = res // scale
-        kwargs: dict[str, Any] = {}
-        if cfg.get("addition_embed_type") == "text_time":
-            pooled = int(cfg["projection_class_embeddings_input_dim"]) - 6 * int(
-                cfg["addition_time_embed_dim"]
-            )
-            kwargs["added_cond_kwargs"] = {
-                "text_embeds": torch.empty(1, pooled, **meta),
-                "time_ids": torch.empty(1, 6, **meta),
-            }
-        args = (
-            torch.empty(1, int(cfg.get("in_channels", 4)), side, side, **meta),
-            torch.zeros(1, device="meta", dtype=torch.long),
-            torch.empty(
-                1, int(model.get("tokenizer_max_length", 77)), int(cfg["cross_attention_dim"]), **meta
-            ),
-        )
+        args, kwargs = unet_meta_inputs(model, batch=1, side=side, dtype=meta["dtype"])
         for backend in pts:
             with attention_backend(backend, "bf16"):
                 pts[backend].append((1, side * side, count_traffic(lambda a=args, k=kwargs: unet(*a, **k))))
@@ -1128,22 +1107,7 @@ def measure_sampling(model: dict, resolutions: tuple[int, ...], log) -> dict:
     for res in resolutions:
         side = res // scale
         meta = {"device": "meta", "dtype": torch.bfloat16}
-        kwargs: dict[str, Any] = {}
-        if cfg.get("addition_embed_type") == "text_time":
-            pooled = int(cfg["projection_class_embeddings_input_dim"]) - 6 * int(
-                cfg["addition_time_embed_dim"]
-            )
-            kwargs["added_cond_kwargs"] = {
-                "text_embeds": torch.empty(2, pooled, **meta),
-                "time_ids": torch.empty(2, 6, **meta),
-            }
-        args = (
-            torch.empty(2, int(cfg.get("in_channels", 4)), side, side, **meta),
-            torch.zeros(2, device="meta", dtype=torch.long),
-            torch.empty(
-                2, int(model.get("tokenizer_max_length", 77)), int(cfg["cross_attention_dim"]), **meta
-            ),
-        )
+        args, kwargs = unet_meta_inputs(model, batch=2, side=side, dtype=meta["dtype"])
         with attention_backend("efficient", "bf16"):
             unet_pts.append((1, side * side, peak_live_bytes(lambda a=args, k=kwargs: unet(*a, **k))))
         for dtype_name in ("bf16", "fp32"):
