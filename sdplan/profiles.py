@@ -1071,21 +1071,15 @@ def load_activations(path: Path) -> Activations:
         _check(entry, family_schema, where, errors)
         if not isinstance(entry, dict) or not isinstance(entry.get("unet"), dict):
             continue
-        for key, unet in entry["unet"].items():
-            if key not in expected and key not in optional:
-                errors.append(
-                    f"{where}.unet.{key}: expected <bf16|fp32>/<efficient|math>/<gc|no_gc>/"
-                    "<unet|attn|attn_ff|attn_ff_conv>"
-                )
-                continue
-            _check(unet, _UNET_ENTRY, f"{where}.unet.{key}", errors)
-            if "/gc/" in key and isinstance(unet, dict) and "recompute_peak" not in unet:
-                errors.append(f"{where}.unet.{key}.recompute_peak: missing")
-        for i, te in enumerate(entry.get("text_encoders") or []):
-            _check(te, _TE_ENTRY, f"{where}.text_encoders[{i}]", errors)
-        missing = expected - set(entry["unet"])
-        if missing:
-            errors.append(f"{where}.unet: missing {', '.join(sorted(missing))}")
+        _check_denoiser_entries(
+            entry,
+            "unet",
+            expected,
+            optional,
+            "<bf16|fp32>/<efficient|math>/<gc|no_gc>/<unet|attn|attn_ff|attn_ff_conv>",
+            where,
+            errors,
+        )
     if errors:
         raise ConfigError(str(path), errors)
     return Activations(source=d["source"], families=d["families"])
@@ -1198,18 +1192,29 @@ def _check_transformer_activations(entry: Any, where: str, errors: list[str]) ->
     if not isinstance(entry, dict) or not isinstance(entry.get("transformer"), dict):
         return
     expected = {f"bf16/efficient/{g}/{t}" for g in ("gc", "no_gc") for t in TRANSFORMER_TRAINED}
-    for key, value in entry["transformer"].items():
-        if key not in expected:
-            errors.append(f"{where}.transformer.{key}: expected bf16/efficient/<gc|no_gc>/<full|lora>")
+    _check_denoiser_entries(
+        entry, "transformer", expected, set(), "bf16/efficient/<gc|no_gc>/<full|lora>", where, errors
+    )
+
+
+def _check_denoiser_entries(
+    entry: dict, part: str, expected: set[str], optional: set[str], form: str, where: str, errors: list[str]
+) -> None:
+    """A family's per-configuration activation entries under ``entry[part]`` (the UNet's or the transformer's):
+    known keys only, each a coefficient entry (with its recompute peak under gradient checkpointing), none of
+    ``expected`` missing; and the text encoders' entries."""
+    for key, value in entry[part].items():
+        if key not in expected and key not in optional:
+            errors.append(f"{where}.{part}.{key}: expected {form}")
             continue
-        _check(value, _UNET_ENTRY, f"{where}.transformer.{key}", errors)
+        _check(value, _UNET_ENTRY, f"{where}.{part}.{key}", errors)
         if "/gc/" in key and isinstance(value, dict) and "recompute_peak" not in value:
-            errors.append(f"{where}.transformer.{key}.recompute_peak: missing")
+            errors.append(f"{where}.{part}.{key}.recompute_peak: missing")
     for i, te in enumerate(entry.get("text_encoders") or []):
         _check(te, _TE_ENTRY, f"{where}.text_encoders[{i}]", errors)
-    missing = expected - set(entry["transformer"])
+    missing = expected - set(entry[part])
     if missing:
-        errors.append(f"{where}.transformer: missing {', '.join(sorted(missing))}")
+        errors.append(f"{where}.{part}: missing {', '.join(sorted(missing))}")
 
 
 @functools.lru_cache(maxsize=8)
