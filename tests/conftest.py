@@ -16,6 +16,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
+# `make test` runs the suite on 2 pytest-xdist workers. Each worker, and every trainer a test starts, gets one CPU
+# thread unless the caller chose: two workers whose children each take every core oversubscribe a 2-core machine
+# (a 28 s DeepSpeed run took 238 s beside the other worker).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 # A suite started in the background by a non-interactive shell inherits SIGINT ignored, and so would every process
 # the tests start: the Ctrl-C tests would see nothing stop. A handler here makes children start with the default.
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:

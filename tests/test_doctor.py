@@ -14,7 +14,6 @@ from fakes import fake_pynvml
 from rich.console import Console
 from typer.testing import CliRunner
 
-from sdplan.commands._common import console as cli_console
 from sdplan.commands.doctor import doctor
 from sdplan.doctor import (
     METHODS,
@@ -46,7 +45,7 @@ def make_app() -> typer.Typer:
 
 @pytest.fixture
 def run(monkeypatch):
-    monkeypatch.setattr(cli_console, "_width", 200)  # the private field: undo restores "not set", not 80
+    monkeypatch.setenv("COLUMNS", "200")  # the CLI builds its console per use, so the width is read now
     runner = CliRunner()
     app = make_app()
 

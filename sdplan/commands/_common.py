@@ -14,8 +14,16 @@ from sdplan.errors import SdplanError
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-console = Console(highlight=False)
-err_console = Console(stderr=True, highlight=False)
+
+def console() -> Console:
+    """The stdout console, built per use: rich reads COLUMNS, NO_COLOR and the terminal when a Console is made,
+    so a module-level one would keep whatever the first import saw (a test's width leaked into the next)."""
+    return Console(highlight=False)
+
+
+def err_console() -> Console:
+    """The stderr console, built per use (see console)."""
+    return Console(stderr=True, highlight=False)
 
 
 def cli_errors(fn: F) -> F:
@@ -26,10 +34,10 @@ def cli_errors(fn: F) -> F:
         try:
             return fn(*args, **kwargs)
         except SdplanError as e:
-            err_console.print(f"[bold red]error:[/] {escape(str(e))}", soft_wrap=True)
+            err_console().print(f"[bold red]error:[/] {escape(str(e))}", soft_wrap=True)
             raise typer.Exit(e.exit_code) from None
         except KeyboardInterrupt:
-            err_console.print("[yellow]interrupted[/]")
+            err_console().print("[yellow]interrupted[/]")
             raise typer.Exit(130) from None
 
     return wrapper  # type: ignore[return-value]

@@ -73,16 +73,16 @@ def bench(
     selection = lib.select_requests(method, model, resolution, demo=demo, store_dir=store)
     root = lib.store_root(store, demo=demo)
     for line in selection.skipped:
-        console.print(f"skip {line}", style="dim", markup=False)
+        console().print(f"skip {line}", style="dim", markup=False)
     if not selection.requests:
-        console.print(
+        console().print(
             f"Nothing to measure: every default case has a measured point for {selection.gpu} already. "
             "Name --method/--model/--resolution to measure again.",
             markup=False,
         )
         return
     where = "the CPU, tiny demo model" if demo else (selection.gpu or "this GPU")
-    console.print(
+    console().print(
         f"Measuring {len(selection.requests)} configuration(s) on {where}; results go to {root}/methods/",
         markup=False,
     )
@@ -125,21 +125,21 @@ def bench(
     finally:
         progress.stop()
 
-    console.print(results_table(selection.requests, points, cap=effort.max_batch, interrupted=interrupted))
+    console().print(results_table(selection.requests, points, cap=effort.max_batch, interrupted=interrupted))
     files = sorted({str(p.store_file) for p in points if p.store_file})
     if points:
-        console.print(f"{len(points)} point(s) saved to {', '.join(files)}", markup=False)
+        console().print(f"{len(points)} point(s) saved to {', '.join(files)}", markup=False)
     if demo:
-        console.print(
+        console().print(
             "[dim]demo: a tiny model on the CPU; memory is the process's resident-set growth, not VRAM. "
             "On a GPU, `sdplan bench` measures the full-size models.[/]"
         )
     elif points and not interrupted:
-        console.print(
+        console().print(
             "The planner uses these now: `sdplan recommend` reports estimate.basis measured for them."
         )
     if interrupted:
-        err_console.print(f"[yellow]the {len(points)} point(s) measured before Ctrl-C are kept[/]")
+        err_console().print(f"[yellow]the {len(points)} point(s) measured before Ctrl-C are kept[/]")
         raise KeyboardInterrupt
 
 
@@ -159,7 +159,7 @@ def _progress(total: int):
         BarColumn(),
         MofNCompleteColumn(),
         TimeElapsedColumn(),
-        console=console,
+        console=console(),
         transient=True,
     )
     task = progress.add_task("starting", total=total)

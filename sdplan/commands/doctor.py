@@ -51,9 +51,9 @@ def doctor(
             snapshot.save(save)
         except OSError as e:
             raise UsageError(f"cannot write {save}: {e.strerror or e}") from None
-        err_console.print(f"saved machine snapshot to {save}", markup=False, soft_wrap=True)
+        err_console().print(f"saved machine snapshot to {save}", markup=False, soft_wrap=True)
 
     if json_:
         typer.echo(snapshot.to_json())
         return
-    render(snapshot, console, verdicts)
+    render(snapshot, console(), verdicts)

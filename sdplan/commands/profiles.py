@@ -40,21 +40,23 @@ def profiles(
     shipped = lib.shipped_dir()
     local = Path(store).expanduser() if store is not None else lib.local_dir()
     known = lib.load_profiles(shipped, local)
-    console.print(sources_table(known, shipped, local))
-    console.print(points_table(known, full=full))
+    console().print(sources_table(known, shipped, local))
+    console().print(points_table(known, full=full))
     if gpus:
-        console.print(gpus_table(known, full=full))
+        console().print(gpus_table(known, full=full))
     n_local = sum(1 for p in known.points if p.origin == "local")
     where = f"{local}" + ("" if local.is_dir() else " (does not exist yet)")
-    console.print(
+    console().print(
         f"{len(known.gpus)} GPUs, {len(known.models)} model families, {len(known.points)} method points "
         f"({n_local} measured here). Local store: {where}.",
         markup=False,
     )
     if not n_local:
-        console.print("[dim]Measure this GPU with `sdplan bench`; the planner then prefers those numbers.[/]")
+        console().print(
+            "[dim]Measure this GPU with `sdplan bench`; the planner then prefers those numbers.[/]"
+        )
     if not gpus:
-        console.print("[dim]`sdplan profiles --gpus` lists the GPU catalog.[/]")
+        console().print("[dim]`sdplan profiles --gpus` lists the GPU catalog.[/]")
 
 
 @profiles_app.command("export")
@@ -70,7 +72,7 @@ def export(
 
     path, count, left_out = export_measurements(file, store_dir=store, force=force)
     skipped = f" ({left_out} demo/simulated point(s) left out)" if left_out else ""
-    console.print(f"wrote {count} measured point(s) to {path}{skipped}", markup=False)
+    console().print(f"wrote {count} measured point(s) to {path}{skipped}", markup=False)
 
 
 # -- tables ---------------------------------------------------------------------------------------------

@@ -108,23 +108,23 @@ def recommend(
         if json_:
             typer.echo(json.dumps([d for _, d, _ in rows], indent=2))
         else:
-            render_compare(rows, console)
+            render_compare(rows, console())
         return
     d, res = run(inp, profiles)
     if out is not None and res.plan is not None:
         written = write_outputs(out, res, profiles, dataset=inp.dataset, force=force, overrides=inp.settings)
-        err_console.print("wrote " + ", ".join(str(p) for p in written), markup=False, soft_wrap=True)
-        err_console.print(
+        err_console().print("wrote " + ", ".join(str(p) for p in written), markup=False, soft_wrap=True)
+        err_console().print(
             f"run it with: sdplan train --config {shlex.quote(str(Path(out) / 'sdplan.yaml'))}",
             markup=False,
             soft_wrap=True,
         )
     elif out is not None:
-        err_console.print("nothing written: no configuration fits this hardware")
+        err_console().print("nothing written: no configuration fits this hardware")
     if json_:
         typer.echo(json.dumps(d, indent=2))
     else:
-        render(d, res, console)
+        render(d, res, console())
     if not d["feasible"]:
         raise typer.Exit(
             EXIT_NOTHING_FITS

@@ -122,7 +122,7 @@ def train(
 
     interactive = sys.stdin.isatty() and sys.stdout.isatty()
     ui = UI(
-        echo=lambda line: console.print(line, soft_wrap=True, markup=False),
+        echo=lambda line: console().print(line, soft_wrap=True, markup=False),
         confirm=(lambda q: typer.confirm(q, default=True)) if interactive else None,
     )
     req = TrainRequest(
@@ -161,4 +161,4 @@ def train(
         from sdplan.launcher import render_summary
 
         for line in render_summary(summary):
-            console.print(line, soft_wrap=True, markup=False)
+            console().print(line, soft_wrap=True, markup=False)
