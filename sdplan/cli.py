@@ -48,6 +48,9 @@ app.add_typer(profiles.profiles_app, name="profiles")
 
 
 def main() -> None:
+    from sdplan.terminal import guard_terminal_output
+
+    guard_terminal_output()  # a closed terminal must not turn the next line printed into a traceback
     app()
 
 

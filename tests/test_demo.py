@@ -10,16 +10,13 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import yaml
-from limits import load_factor, scaled
+from limits import scaled
 
 pytestmark = pytest.mark.train
-
-DEMO_LIMIT_S = 90  # the target is < 60 s on an idle 2-core CPU; CI machines are shared
 
 
 def sdplan(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -40,16 +37,13 @@ def summary(out: Path) -> dict:
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
     out = tmp_path_factory.mktemp("demo") / "sdplan-demo"
-    start = time.perf_counter()
-    proc = sdplan("train", "--demo", "--out", str(out))
-    wall = time.perf_counter() - start
+    proc = sdplan("train", "--demo", "--out", str(out))  # its time: benchmarks/demo_time.py
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return out, proc, wall
+    return out, proc
 
 
 def test_demo_writes_every_output(demo):
-    out, proc, wall = demo
-    assert wall < DEMO_LIMIT_S * load_factor(), f"demo took {wall:.1f} s"
+    out, proc = demo
     assert (out / "base_model" / "model_index.json").is_file()
     assert len(list((out / "dataset").glob("*.png"))) == 8
     assert len(list((out / "dataset").glob("*.txt"))) == 8
@@ -76,7 +70,7 @@ def test_demo_lora_files_and_sample_grid(demo):
     from PIL import Image
     from safetensors import safe_open
 
-    out, _, _ = demo
+    out, _ = demo
     kohya = [p for p in out.glob("*.safetensors") if "kohya" in p.name]
     assert len(kohya) == 1
     with safe_open(str(kohya[0]), "pt") as f:
@@ -94,14 +88,14 @@ def test_demo_lora_files_and_sample_grid(demo):
 
 
 def test_demo_refuses_to_overwrite_without_force(demo, tmp_path):
-    out, _, _ = demo
+    out, _ = demo
     proc = sdplan("train", "--demo", "--out", str(out), "--dry-run")
     assert proc.returncode == 3 and "--force" in proc.stderr and "Traceback" not in proc.stderr
 
 
 @pytest.mark.slow
 def test_two_processes_see_the_same_images(demo, tmp_path):
-    out1, _, _ = demo
+    out1, _ = demo
     out2 = tmp_path / "two"
     proc = sdplan("train", "--demo", "--out", str(out2), "--num-processes", "2")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -168,15 +162,12 @@ def test_ctrl_c_leaves_a_checkpoint_and_resume_finishes_the_same_run(demo, tmp_p
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=False,
-    reason="flaky end to end (1 of 2 full runs, 2026-11-23: exit 130 but no checkpoints/ folder); the SIGHUP "
-    "behaviour itself is covered by tests/test_hangup.py; open in issue 13's note",
-)
 def test_closing_the_terminal_leaves_a_checkpoint_and_resume_finishes_the_same_run(demo, tmp_path):
     """Issue 13 item 4: the demo runs on a pseudo-terminal; at step 5 the terminal is closed (hung up) and
     sdplan gets SIGHUP. The trainer stops like on SIGTERM: a checkpoint, exit 130, nothing written to the dead
-    terminal can fail it; --resume then finishes the same run. (It used to train on unseen, or die.)"""
+    terminal can fail it; --resume then finishes the same run. (It used to train on unseen, or die; and in 1 of 2
+    runs the trainer's next progress line hit the closed terminal before the SIGHUP came and it died with no
+    checkpoint: an EIO is now the hangup, see test_hangup.py.)"""
     import pty
 
     out = tmp_path / "hup"

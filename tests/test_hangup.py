@@ -78,6 +78,62 @@ def test_closing_the_terminal_stops_the_trainer_like_sigterm(tmp_path):
     assert marker.read_text() == "SIGHUP 200"  # stopped by the hangup, and every line after it written
 
 
+# A trainer that keeps printing progress each "step" (as the real one does) with its output guarded.
+CHATTY_TRAINER = """
+import sys, time, pathlib
+from sdplan.terminal import guard_terminal_output
+from sdplan.trainer.stops import StopSignals
+guard_terminal_output()
+marker = pathlib.Path({marker!r})
+with StopSignals() as stop:
+    print("ready", flush=True)
+    while stop.requested is None:
+        print("step", flush=True)
+        time.sleep(0.02)
+marker.write_text(f"{{stop.requested}}")
+print("checkpoint written", flush=True)
+sys.exit(130)
+"""
+
+
+def test_a_write_to_the_closed_terminal_is_the_hangup_even_before_any_sighup(tmp_path):
+    """The terminal closes and no SIGHUP comes (or comes late): the trainer's next progress line gets EIO.
+    That EIO is the hangup: the trainer stops like on SIGHUP (checkpoint, exit 130) instead of dying on a
+    traceback with nothing saved, and sdplan's own lines after it go to /dev/null. (The end-to-end demo on a
+    pseudo-terminal lost its checkpoint this way in 1 of 2 runs.)"""
+    marker = tmp_path / "trainer-stopped"
+    launcher = "from sdplan.terminal import guard_terminal_output\nguard_terminal_output()\n" + _launcher(
+        textwrap.dedent(CHATTY_TRAINER.format(marker=str(marker)))
+    )
+    primary, secondary = pty.openpty()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", launcher], stdin=subprocess.DEVNULL, stdout=secondary, stderr=secondary
+    )
+    os.close(secondary)
+    try:
+        _read_until(primary, b"ready")
+    finally:
+        os.close(primary)  # hung up; no signal is sent
+    assert proc.wait(timeout=scaled(60)) == 130
+    assert marker.read_text() == "SIGHUP"
+
+
+def test_hangup_safe_stream_passes_other_errors_through():
+    import errno
+    import io
+
+    from sdplan.terminal import HangupSafeStream
+
+    class Full(io.StringIO):
+        def write(self, text):
+            raise OSError(errno.ENOSPC, "no space")
+
+    stream = HangupSafeStream(Full(), fds=())
+    with pytest.raises(OSError, match="no space"):
+        stream.write("x")
+    assert stream.getvalue() == ""  # the rest is the wrapped stream's
+
+
 def test_run_launch_forwards_sighup_to_the_trainer_group(tmp_path):
     """Without a terminal (a pipe): SIGHUP to sdplan reaches the trainer as SIGHUP, which stops it."""
     marker = tmp_path / "trainer-stopped"

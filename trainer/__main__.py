@@ -56,6 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_intermixed_args(argv)
 
     import sdplan
+    from sdplan.terminal import guard_terminal_output
+
+    guard_terminal_output()  # EIO from a closed terminal is a hangup (stop with a checkpoint), not a crash
 
     if not hasattr(
         sdplan, "__version__"
