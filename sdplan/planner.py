@@ -1805,6 +1805,28 @@ def base_weight_bytes(model: ModelSpec, base_precision: str) -> float:
     return q * BASE_PRECISION_BYTES[base_precision] + rest * 2.0
 
 
+def text_encoder_embedding_params(te: dict) -> int:
+    """The token (and, for CLIP, position) embedding parameters of one text encoder, from its config."""
+    cfg = te["config"]
+    width = int(cfg.get("hidden_size") or cfg.get("d_model"))
+    return (int(cfg["vocab_size"]) + int(cfg.get("max_position_embeddings", 0))) * width
+
+
+def frozen_text_encoder_bytes(model: ModelSpec, base_precision: str) -> float:
+    """The frozen text encoders resident on the GPU of a transformer family (outputs not cached).
+
+    fp8 base: kohya-ss/sd-scripts train_network.py sets ``te_weight_dtype = torch.float8_e4m3fn`` under
+    ``--fp8_base`` (not ``--fp8_base_unet``) and casts every text encoder on the GPU to it; its
+    ``prepare_text_encoder_fp8`` (flux_train_network.py) puts CLIP-L's embeddings and T5's Embedding / T5LayerNorm
+    modules back to the bf16 weight dtype (the norms' few weights are not counted). The planner's fp8 base is
+    kohya's (the bundled trainer refuses quantized bases: sdplan/launcher.py), so 1 byte per weight + 1 more per
+    embedding weight. bf16 and nf4 (diffusers QLoRA quantizes the transformer only): 2 bytes."""
+    if base_precision != "fp8":
+        return model.text_encoder_params * 2.0
+    embeddings = sum(text_encoder_embedding_params(te) for te in model.text_encoders)
+    return model.text_encoder_params * 1.0 + embeddings * 1.0
+
+
 def memory_flow(profiles: Profiles, s: Settings) -> Memory:
     """Peak bytes of a LoRA on SD3.5 / FLUX.1 (see the section comment)."""
     model = profiles.model(s.model)
@@ -1816,7 +1838,7 @@ def memory_flow(profiles: Profiles, s: Settings) -> Memory:
     swapped = swapped_block_bytes(model, s)
     frozen = base_weight_bytes(model, s.base_precision) - swapped  # swapped blocks live in host RAM
     if not s.cache_text_encoder_outputs:
-        frozen += model.text_encoder_params * 2.0  # bf16, resident
+        frozen += frozen_text_encoder_bytes(model, s.base_precision)  # resident, used every step
     if not s.cache_latents:
         frozen += model.params_vae * 2.0
     weights = t * 4.0  # fp32 LoRA matrices

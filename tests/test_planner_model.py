@@ -353,3 +353,36 @@ def test_calibration_uses_profile_speeds_only(prof):
         i for i, p in speeds.items() if p.model in P.registry.FLOW_FAMILIES
     }
     assert len(ids) >= 5
+
+
+# -- issue 10 (planner v2): defects found on the worst out-of-sample errors --------------------------------
+
+
+def _flux(**kw) -> Settings:
+    base = dict(
+        method="lora",
+        model="flux-dev",
+        resolution=1024,
+        precision="bf16",
+        lora_rank=4,
+        gradient_checkpointing=True,
+    )
+    return Settings(**{**base, **kw})
+
+
+@pytest.mark.parametrize(
+    ("base", "te_bytes"),
+    [
+        # (request's frozen base, bytes of the resident text encoders: CLIP-L 123,060,480 + T5-XXL 4,762,310,656)
+        ("bf16", 2 * (123_060_480 + 4_762_310_656)),
+        ("nf4", 2 * (123_060_480 + 4_762_310_656)),
+        # kohya --fp8_base: every weight 1 byte, embeddings back in bf16: CLIP (49408 + 77) x 768, T5 32128 x 4096
+        ("fp8", (123_060_480 + 4_762_310_656) + (49_408 + 77) * 768 + 32_128 * 4096),
+    ],
+)
+def test_fp8_base_stores_the_uncached_text_encoders_in_fp8(prof, base, te_bytes):
+    model = prof.model("flux-dev")
+    assert P.frozen_text_encoder_bytes(model, base) == te_bytes
+    cached = P.memory(prof, _flux(base_precision=base, cache_text_encoder_outputs=True))
+    resident = P.memory(prof, _flux(base_precision=base, cache_text_encoder_outputs=False))
+    assert resident.frozen - cached.frozen == pytest.approx(te_bytes)
