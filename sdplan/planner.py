@@ -286,7 +286,11 @@ def memory(profiles: Profiles, s: Settings) -> Memory:
         full_params = model.params_unet + (te_total if (s.train_text_encoder and full) else 0)
         opt = t * (full_bytes / full_params) * (tb / 4)
     ema = model.params_unet * 4.0 if s.ema == "gpu" else 0.0
-    autocast = t * 2.0 if (half and tb == 4 and full) else 0.0
+    # autocast caches the half copy of every fp32 leaf tensor that requires grad for the rest of the autocast
+    # region (pytorch aten/src/ATen/autocast_mode.cpp cached_cast: can_try_cache = lower-precision target,
+    # float32, requires_grad, is_leaf): the trained weights of a full fine-tune and a LoRA's fp32 matrices alike.
+    # Textual inversion's embedding lookup is not an autocast op (no copy).
+    autocast = t * 2.0 if (half and tb == 4 and (full or s.method == "lora")) else 0.0
 
     trained_part = "unet" if full else "attn"
     if s.method == "lora" and act.has_unet_entry(
@@ -1855,11 +1859,13 @@ def memory_flow(profiles: Profiles, s: Settings) -> Memory:
     activations = ACTIVATION_FACTOR * (held + recompute)
     recompute_tail = ACTIVATION_FACTOR * recompute
     step = t * 4.0 if s.optimizer in FOREACH_OPTIMIZERS else 0.0
+    # autocast's cached bf16 copies of the fp32 LoRA matrices (see memory()), held until the forward ends
+    autocast = t * 2.0 if _half(s.precision) else 0.0
     base = weights + frozen + opt
     if s.set_grads_to_none:
-        allocated = base + max(activations, grads + max(step, recompute_tail))
+        allocated = base + max(activations + autocast, grads + max(step, recompute_tail))
     else:
-        allocated = base + grads + max(activations, step)
+        allocated = base + grads + max(activations + autocast, step)
     overhead = CUDA_CONTEXT_BYTES + ALLOCATOR_OVERHEAD * allocated
     # host RAM: the components load in bf16 (quantizing on the GPU would first put the bf16 base there:
     # SimpleTuner#1149; the trainer / kohya quantize on the CPU)
@@ -1872,7 +1878,7 @@ def memory_flow(profiles: Profiles, s: Settings) -> Memory:
         gradients=grads,
         optimizer=opt,
         ema=0.0,
-        autocast_copies=0.0,
+        autocast_copies=autocast,
         activations=activations,
         step_transient=step,
         overhead=overhead,

@@ -386,3 +386,25 @@ def test_fp8_base_stores_the_uncached_text_encoders_in_fp8(prof, base, te_bytes)
     cached = P.memory(prof, _flux(base_precision=base, cache_text_encoder_outputs=True))
     resident = P.memory(prof, _flux(base_precision=base, cache_text_encoder_outputs=False))
     assert resident.frozen - cached.frozen == pytest.approx(te_bytes)
+
+
+@pytest.mark.parametrize(
+    ("settings", "copies"),
+    [
+        # (request, bytes autocast caches: the bf16 copy of each fp32 trained weight)
+        (dict(method="lora", lora_rank=32), 2),
+        (dict(method="dreambooth"), 2),
+        (dict(method="lora", lora_rank=32, full_half_weights=True), 0),  # already half: no cast
+        (dict(method="lora", lora_rank=32, precision="fp32"), 0),  # no autocast
+        (dict(method="textual-inversion"), 0),  # an embedding lookup is not an autocast op
+    ],
+)
+def test_autocast_caches_half_copies_of_fp32_trained_weights(prof, settings, copies):
+    s = Settings(**{**dict(model="sd15", resolution=512, precision="bf16"), **settings})
+    m = P.memory(prof, s)
+    assert m.autocast_copies == pytest.approx(copies * m.trainable_params)
+
+
+def test_flux_lora_autocast_copies(prof):
+    m = P.memory(prof, _flux())
+    assert m.autocast_copies == pytest.approx(2.0 * m.trainable_params)
