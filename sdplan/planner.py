@@ -228,6 +228,67 @@ def lora_params(profiles: Profiles, s: Settings) -> int:
     return int(s.lora_rank) * per_rank
 
 
+def lora_rank_tokens(model: ModelSpec, target_set: str) -> tuple[float, int]:
+    """(tokens per latent pixel, tokens per sample) summed over the adapted layers of a UNet LoRA target set.
+
+    Each adapted layer's up projection saves its input, the down projection's rank-r output (r x tokens), for
+    its weight gradient (kohya networks/lora.py and peft both compute ``up(down(x)) * scale``; a scalar multiply
+    saves nothing). The meta-device activation entries adapt the layers' weights, not a rank-r pair, so they
+    leave this intermediate out (scripts/compute_activations.py). Counted from the UNet config: a transformer
+    block at level i (latent side halved i times) has attn1 q/k/v/out and attn2 q/out at its image tokens and
+    attn2 k/v at the text tokens; kohya's set adds ff.net.0.proj / ff.net.2 per block and proj_in / proj_out per
+    Transformer2DModel; LoCon adds each ResnetBlock2D's conv1 / conv2 and the resamplers' convs (output
+    positions). conv_shortcut and time_emb_proj (a few layers, one token) are left out."""
+    cfg = model.unet or {}
+    channels = list(cfg.get("block_out_channels", ()))
+    n = len(channels)
+    layers = cfg.get("transformer_layers_per_block", 1)
+    per_block = list(layers) if isinstance(layers, list) else [layers] * n
+    lpb = int(cfg.get("layers_per_block", 2))
+    text = int(model.tokenizer_max_length)  # the encoders' states are concatenated along features (SDXL)
+    ff = target_set in ("attn_ff", "attn_ff_conv")
+    conv = target_set == "attn_ff_conv"
+    per_pixel, per_sample = 0.0, 0
+
+    def attention(level: int, transformers: int, blocks: int) -> None:
+        nonlocal per_pixel, per_sample
+        tokens = 1.0 / 4**level
+        per_pixel += transformers * blocks * (6 + (2 if ff else 0)) * tokens
+        per_pixel += transformers * (2 if ff else 0) * tokens
+        per_sample += transformers * blocks * 2 * text
+
+    for i, kind in enumerate(cfg.get("down_block_types", ())):
+        if "CrossAttn" in kind:
+            attention(i, lpb, per_block[i])
+        if conv:
+            per_pixel += lpb * 2 / 4**i + (1 / 4 ** (i + 1) if i < n - 1 else 0.0)
+    mid = cfg.get("mid_block_type", "UNetMidBlock2DCrossAttn")
+    if mid is None or "CrossAttn" in str(mid):
+        attention(n - 1, 1, per_block[-1])
+    if conv:
+        per_pixel += 2 * 2 / 4 ** (n - 1)
+    for j, kind in enumerate(cfg.get("up_block_types", ())):
+        level = n - 1 - j
+        if "CrossAttn" in kind:
+            attention(level, lpb + 1, list(reversed(per_block))[j])
+        if conv:
+            per_pixel += (lpb + 1) * 2 / 4**level + (1 / 4 ** (level - 1) if level > 0 else 0.0)
+    return per_pixel, per_sample
+
+
+def lora_rank_activation_bytes(profiles: Profiles, s: Settings) -> float:
+    """Bytes of the LoRA's saved rank-r intermediates (:func:`lora_rank_tokens`) at the request's batch; 0 with
+    gradient checkpointing (inside a checkpointed segment nothing is held; one segment's share is recomputed)."""
+    if s.method != "lora" or s.gradient_checkpointing or flow_family(s.model):
+        return 0.0
+    model = profiles.model(s.model)
+    latent = (s.resolution // model.vae_scale_factor) ** 2
+    per_pixel, per_sample = lora_rank_tokens(model, lora_target_set(s))
+    batch = s.batch * (2 if s.prior_preservation else 1)
+    element = 2.0 if _half(s.precision) else 4.0  # autocast runs the down projection in half precision
+    return batch * (per_pixel * latent + per_sample) * int(s.lora_rank) * element
+
+
 def trainable_params(model: ModelSpec, s: Settings, profiles: Profiles | None = None) -> int:
     if flow_family(s.model):
         return flow_lora_params(model, s)
@@ -310,7 +371,7 @@ def memory(profiles: Profiles, s: Settings) -> Memory:
         latent_pixels=latent,
         trained=trained_part,
     )
-    activations = ACTIVATION_FACTOR * (held + recompute)
+    activations = ACTIVATION_FACTOR * (held + recompute + lora_rank_activation_bytes(profiles, s))
     recompute_tail = ACTIVATION_FACTOR * recompute  # the backward's last (high-resolution) segment
     if s.train_text_encoder or s.method == "textual-inversion":
         te_dtype = "fp32" if s.method == "textual-inversion" else s.precision
