@@ -228,6 +228,67 @@ def lora_params(profiles: Profiles, s: Settings) -> int:
     return int(s.lora_rank) * per_rank
 
 
+def lora_rank_tokens(model: ModelSpec, target_set: str) -> tuple[float, int]:
+    """(tokens per latent pixel, tokens per sample) summed over the adapted layers of a UNet LoRA target set.
+
+    Each adapted layer's up projection saves its input, the down projection's rank-r output (r x tokens), for
+    its weight gradient (kohya networks/lora.py and peft both compute ``up(down(x)) * scale``; a scalar multiply
+    saves nothing). The meta-device activation entries adapt the layers' weights, not a rank-r pair, so they
+    leave this intermediate out (scripts/compute_activations.py). Counted from the UNet config: a transformer
+    block at level i (latent side halved i times) has attn1 q/k/v/out and attn2 q/out at its image tokens and
+    attn2 k/v at the text tokens; kohya's set adds ff.net.0.proj / ff.net.2 per block and proj_in / proj_out per
+    Transformer2DModel; LoCon adds each ResnetBlock2D's conv1 / conv2 and the resamplers' convs (output
+    positions). conv_shortcut and time_emb_proj (a few layers, one token) are left out."""
+    cfg = model.unet or {}
+    channels = list(cfg.get("block_out_channels", ()))
+    n = len(channels)
+    layers = cfg.get("transformer_layers_per_block", 1)
+    per_block = list(layers) if isinstance(layers, list) else [layers] * n
+    lpb = int(cfg.get("layers_per_block", 2))
+    text = int(model.tokenizer_max_length)  # the encoders' states are concatenated along features (SDXL)
+    ff = target_set in ("attn_ff", "attn_ff_conv")
+    conv = target_set == "attn_ff_conv"
+    per_pixel, per_sample = 0.0, 0
+
+    def attention(level: int, transformers: int, blocks: int) -> None:
+        nonlocal per_pixel, per_sample
+        tokens = 1.0 / 4**level
+        per_pixel += transformers * blocks * (6 + (2 if ff else 0)) * tokens
+        per_pixel += transformers * (2 if ff else 0) * tokens
+        per_sample += transformers * blocks * 2 * text
+
+    for i, kind in enumerate(cfg.get("down_block_types", ())):
+        if "CrossAttn" in kind:
+            attention(i, lpb, per_block[i])
+        if conv:
+            per_pixel += lpb * 2 / 4**i + (1 / 4 ** (i + 1) if i < n - 1 else 0.0)
+    mid = cfg.get("mid_block_type", "UNetMidBlock2DCrossAttn")
+    if mid is None or "CrossAttn" in str(mid):
+        attention(n - 1, 1, per_block[-1])
+    if conv:
+        per_pixel += 2 * 2 / 4 ** (n - 1)
+    for j, kind in enumerate(cfg.get("up_block_types", ())):
+        level = n - 1 - j
+        if "CrossAttn" in kind:
+            attention(level, lpb + 1, list(reversed(per_block))[j])
+        if conv:
+            per_pixel += (lpb + 1) * 2 / 4**level + (1 / 4 ** (level - 1) if level > 0 else 0.0)
+    return per_pixel, per_sample
+
+
+def lora_rank_activation_bytes(profiles: Profiles, s: Settings) -> float:
+    """Bytes of the LoRA's saved rank-r intermediates (:func:`lora_rank_tokens`) at the request's batch; 0 with
+    gradient checkpointing (inside a checkpointed segment nothing is held; one segment's share is recomputed)."""
+    if s.method != "lora" or s.gradient_checkpointing or flow_family(s.model):
+        return 0.0
+    model = profiles.model(s.model)
+    latent = (s.resolution // model.vae_scale_factor) ** 2
+    per_pixel, per_sample = lora_rank_tokens(model, lora_target_set(s))
+    batch = s.batch * (2 if s.prior_preservation else 1)
+    element = 2.0 if _half(s.precision) else 4.0  # autocast runs the down projection in half precision
+    return batch * (per_pixel * latent + per_sample) * int(s.lora_rank) * element
+
+
 def trainable_params(model: ModelSpec, s: Settings, profiles: Profiles | None = None) -> int:
     if flow_family(s.model):
         return flow_lora_params(model, s)
@@ -286,7 +347,11 @@ def memory(profiles: Profiles, s: Settings) -> Memory:
         full_params = model.params_unet + (te_total if (s.train_text_encoder and full) else 0)
         opt = t * (full_bytes / full_params) * (tb / 4)
     ema = model.params_unet * 4.0 if s.ema == "gpu" else 0.0
-    autocast = t * 2.0 if (half and tb == 4 and full) else 0.0
+    # autocast caches the half copy of every fp32 leaf tensor that requires grad for the rest of the autocast
+    # region (pytorch aten/src/ATen/autocast_mode.cpp cached_cast: can_try_cache = lower-precision target,
+    # float32, requires_grad, is_leaf): the trained weights of a full fine-tune and a LoRA's fp32 matrices alike.
+    # Textual inversion's embedding lookup is not an autocast op (no copy).
+    autocast = t * 2.0 if (half and tb == 4 and (full or s.method == "lora")) else 0.0
 
     trained_part = "unet" if full else "attn"
     if s.method == "lora" and act.has_unet_entry(
@@ -306,7 +371,7 @@ def memory(profiles: Profiles, s: Settings) -> Memory:
         latent_pixels=latent,
         trained=trained_part,
     )
-    activations = ACTIVATION_FACTOR * (held + recompute)
+    activations = ACTIVATION_FACTOR * (held + recompute + lora_rank_activation_bytes(profiles, s))
     recompute_tail = ACTIVATION_FACTOR * recompute  # the backward's last (high-resolution) segment
     if s.train_text_encoder or s.method == "textual-inversion":
         te_dtype = "fp32" if s.method == "textual-inversion" else s.precision
@@ -1805,6 +1870,28 @@ def base_weight_bytes(model: ModelSpec, base_precision: str) -> float:
     return q * BASE_PRECISION_BYTES[base_precision] + rest * 2.0
 
 
+def text_encoder_embedding_params(te: dict) -> int:
+    """The token (and, for CLIP, position) embedding parameters of one text encoder, from its config."""
+    cfg = te["config"]
+    width = int(cfg.get("hidden_size") or cfg.get("d_model"))
+    return (int(cfg["vocab_size"]) + int(cfg.get("max_position_embeddings", 0))) * width
+
+
+def frozen_text_encoder_bytes(model: ModelSpec, base_precision: str) -> float:
+    """The frozen text encoders resident on the GPU of a transformer family (outputs not cached).
+
+    fp8 base: kohya-ss/sd-scripts train_network.py sets ``te_weight_dtype = torch.float8_e4m3fn`` under
+    ``--fp8_base`` (not ``--fp8_base_unet``) and casts every text encoder on the GPU to it; its
+    ``prepare_text_encoder_fp8`` (flux_train_network.py) puts CLIP-L's embeddings and T5's Embedding / T5LayerNorm
+    modules back to the bf16 weight dtype (the norms' few weights are not counted). The planner's fp8 base is
+    kohya's (the bundled trainer refuses quantized bases: sdplan/launcher.py), so 1 byte per weight + 1 more per
+    embedding weight. bf16 and nf4 (diffusers QLoRA quantizes the transformer only): 2 bytes."""
+    if base_precision != "fp8":
+        return model.text_encoder_params * 2.0
+    embeddings = sum(text_encoder_embedding_params(te) for te in model.text_encoders)
+    return model.text_encoder_params * 1.0 + embeddings * 1.0
+
+
 def memory_flow(profiles: Profiles, s: Settings) -> Memory:
     """Peak bytes of a LoRA on SD3.5 / FLUX.1 (see the section comment)."""
     model = profiles.model(s.model)
@@ -1816,7 +1903,7 @@ def memory_flow(profiles: Profiles, s: Settings) -> Memory:
     swapped = swapped_block_bytes(model, s)
     frozen = base_weight_bytes(model, s.base_precision) - swapped  # swapped blocks live in host RAM
     if not s.cache_text_encoder_outputs:
-        frozen += model.text_encoder_params * 2.0  # bf16, resident
+        frozen += frozen_text_encoder_bytes(model, s.base_precision)  # resident, used every step
     if not s.cache_latents:
         frozen += model.params_vae * 2.0
     weights = t * 4.0  # fp32 LoRA matrices
@@ -1833,11 +1920,13 @@ def memory_flow(profiles: Profiles, s: Settings) -> Memory:
     activations = ACTIVATION_FACTOR * (held + recompute)
     recompute_tail = ACTIVATION_FACTOR * recompute
     step = t * 4.0 if s.optimizer in FOREACH_OPTIMIZERS else 0.0
+    # autocast's cached bf16 copies of the fp32 LoRA matrices (see memory()), held until the forward ends
+    autocast = t * 2.0 if _half(s.precision) else 0.0
     base = weights + frozen + opt
     if s.set_grads_to_none:
-        allocated = base + max(activations, grads + max(step, recompute_tail))
+        allocated = base + max(activations + autocast, grads + max(step, recompute_tail))
     else:
-        allocated = base + grads + max(activations, step)
+        allocated = base + grads + max(activations + autocast, step)
     overhead = CUDA_CONTEXT_BYTES + ALLOCATOR_OVERHEAD * allocated
     # host RAM: the components load in bf16 (quantizing on the GPU would first put the bf16 base there:
     # SimpleTuner#1149; the trainer / kohya quantize on the CPU)
@@ -1850,7 +1939,7 @@ def memory_flow(profiles: Profiles, s: Settings) -> Memory:
         gradients=grads,
         optimizer=opt,
         ema=0.0,
-        autocast_copies=0.0,
+        autocast_copies=autocast,
         activations=activations,
         step_transient=step,
         overhead=overhead,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -353,3 +354,97 @@ def test_calibration_uses_profile_speeds_only(prof):
         i for i, p in speeds.items() if p.model in P.registry.FLOW_FAMILIES
     }
     assert len(ids) >= 5
+
+
+# -- issue 10 (planner v2): defects found on the worst out-of-sample errors --------------------------------
+
+
+def _flux(**kw) -> Settings:
+    base = dict(
+        method="lora",
+        model="flux-dev",
+        resolution=1024,
+        precision="bf16",
+        lora_rank=4,
+        gradient_checkpointing=True,
+    )
+    return Settings(**{**base, **kw})
+
+
+@pytest.mark.parametrize(
+    ("base", "te_bytes"),
+    [
+        # (request's frozen base, bytes of the resident text encoders: CLIP-L 123,060,480 + T5-XXL 4,762,310,656)
+        ("bf16", 2 * (123_060_480 + 4_762_310_656)),
+        ("nf4", 2 * (123_060_480 + 4_762_310_656)),
+        # kohya --fp8_base: every weight 1 byte, embeddings back in bf16: CLIP (49408 + 77) x 768, T5 32128 x 4096
+        ("fp8", (123_060_480 + 4_762_310_656) + (49_408 + 77) * 768 + 32_128 * 4096),
+    ],
+)
+def test_fp8_base_stores_the_uncached_text_encoders_in_fp8(prof, base, te_bytes):
+    model = prof.model("flux-dev")
+    assert P.frozen_text_encoder_bytes(model, base) == te_bytes
+    cached = P.memory(prof, _flux(base_precision=base, cache_text_encoder_outputs=True))
+    resident = P.memory(prof, _flux(base_precision=base, cache_text_encoder_outputs=False))
+    assert resident.frozen - cached.frozen == pytest.approx(te_bytes)
+
+
+@pytest.mark.parametrize(
+    ("settings", "copies"),
+    [
+        # (request, bytes autocast caches: the bf16 copy of each fp32 trained weight)
+        (dict(method="lora", lora_rank=32), 2),
+        (dict(method="dreambooth"), 2),
+        (dict(method="lora", lora_rank=32, full_half_weights=True), 0),  # already half: no cast
+        (dict(method="lora", lora_rank=32, precision="fp32"), 0),  # no autocast
+        (dict(method="textual-inversion"), 0),  # an embedding lookup is not an autocast op
+    ],
+)
+def test_autocast_caches_half_copies_of_fp32_trained_weights(prof, settings, copies):
+    s = Settings(**{**dict(model="sd15", resolution=512, precision="bf16"), **settings})
+    m = P.memory(prof, s)
+    assert m.autocast_copies == pytest.approx(copies * m.trainable_params)
+
+
+def test_flux_lora_autocast_copies(prof):
+    m = P.memory(prof, _flux())
+    assert m.autocast_copies == pytest.approx(2.0 * m.trainable_params)
+
+
+@pytest.mark.parametrize(
+    ("family", "target_set", "token_layers"),
+    [
+        # adapted-layer output tokens of one sample at the family's native resolution (conv_shortcut and
+        # time_emb_proj aside), equal to forward hooks on scripts/compute_activations.py lora_modules() of the
+        # diffusers UNet built on the meta device (diffusers 0.42)
+        ("sd15", "attn", 164_128),
+        ("sd15", "attn_ff", 271_904),
+        ("sd15", "attn_ff_conv", 333_280),
+        ("sdxl", "attn", 625_180),
+        ("sdxl", "attn_ff", 883_228),
+        ("sdxl", "attn_ff_conv", 1_127_964),
+    ],
+)
+def test_lora_rank_intermediate_tokens_match_the_layers(prof, family, target_set, token_layers):
+    model = prof.model(family)
+    per_pixel, per_sample = P.lora_rank_tokens(model, target_set)
+    assert per_pixel * (model.native_resolution // model.vae_scale_factor) ** 2 + per_sample == token_layers
+
+
+@pytest.mark.parametrize(
+    ("settings", "expected_bytes"),
+    [
+        # (request, bytes of the saved rank-r intermediates: batch x token-layers x rank x element size)
+        (dict(lora_rank=256), 883_228 * 256 * 2),
+        (dict(lora_rank=256, batch=2), 2 * 883_228 * 256 * 2),
+        (dict(lora_rank=32, precision="fp32"), 883_228 * 32 * 4),
+        (dict(lora_rank=256, gradient_checkpointing=True), 0),  # nothing held inside a checkpointed segment
+    ],
+)
+def test_lora_rank_intermediates_are_saved_activations(prof, settings, expected_bytes):
+    base = dict(model="sdxl", resolution=1024, precision="bf16", lora_targets=P.LORA_TARGETS_KOHYA)
+    s = _lora(**{**base, **settings})
+    assert P.lora_rank_activation_bytes(prof, s) == pytest.approx(expected_bytes)
+    low = P.memory(prof, replace(s, lora_rank=1))
+    grown = P.memory(prof, s).activations - low.activations
+    assert grown == pytest.approx(P.ACTIVATION_FACTOR * (expected_bytes - expected_bytes / s.lora_rank))
