@@ -42,8 +42,8 @@ class ModelConfig:
     revision: str | None = None
     variant: str | None = None
     config_dir: str | None = None  # single-file model: a local diffusers folder with its component configs
-    # storage of the frozen transformer's Linear weights (SD3.5 / FLUX.1 LoRA): bf16 | fp8 | nf4. The planner
-    # may choose fp8 / nf4; the bundled trainer loads bf16 bases only (sdplan train refuses the others)
+    # storage of the frozen transformer's block Linear weights (SD3.5 / FLUX.1 LoRA): bf16 | fp8 | nf4. The
+    # planner may choose fp8 / nf4; the trainer stores them as trainer/quantize.py says (where the machine can)
     base_precision: str = "bf16"
 
 

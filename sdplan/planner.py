@@ -1991,8 +1991,13 @@ def _flow_reasons(req: Request, best: Candidate, fitting: list[Candidate], profi
         )
     if s.base_precision != "bf16":
         r.append(
-            f"the bundled trainer cannot load a {s.base_precision} base yet: `sdplan train` stops before launch; "
-            "train with these settings in kohya sd-scripts / SimpleTuner, or pin model.base_precision=bf16"
+            f"`sdplan train` stores the {s.base_precision} base with "
+            + (
+                "bitsandbytes NF4 (NVIDIA GPU)"
+                if s.base_precision == "nf4"
+                else "torch float8 (diffusers casting)"
+            )
+            + "; where this machine lacks what that needs it stops before launch and says what is missing"
         )
     if s.blocks_to_swap:
         r.append(

@@ -45,6 +45,7 @@ from . import (
     objective,
     outputs,
     progress,
+    quantize,
     runtime,
     stops,
 )
@@ -70,6 +71,8 @@ class Recipe:
         if self.adapter is not None:
             self.adapter.check(cfg)
             self.objective = self.adapter.objective(comps.noise_scheduler)
+        quantize.check_run(cfg, comps.family, self.device)  # model.base_precision fp8 / nf4: can this run?
+        self.base_summary: dict[str, Any] | None = None  # what quantize_base stored (a quantized base)
         self.latents = latents.Latents(self.vae, self.device)  # the loop adds the cache
         self.text_cache = None
         self.latent_dtype = self.wdtype  # latents and conditioning in the frozen UNet's dtype
@@ -176,12 +179,18 @@ class Recipe:
 
     def place_models(self) -> None:
         """Freeze every model and put it on the device in its training dtype (:meth:`dtypes`); ``setup`` then
-        makes trainable what the method trains."""
+        makes trainable what the method trains. With ``model.base_precision`` fp8 / nf4 (SD3.5/FLUX LoRA) the
+        transformer's block Linear weights go to the device quantized, layer by layer (``quantize``)."""
         dtypes = self.dtypes(self.cfg, self.accelerator)
         for m in (self.unet, self.vae, *self.text_encoders):
             if m is not None:
                 m.requires_grad_(False)
-        runtime.place(self.unet, self.device, dtypes["unet"])
+        base = self.cfg.model.base_precision
+        if base != "bf16":
+            self.base_summary = quantize.quantize_base(self.unet, base, self.device, dtypes["unet"])
+            progress.say(self.accelerator, quantize.describe(base, self.base_summary))
+        else:
+            runtime.place(self.unet, self.device, dtypes["unet"])
         if self.vae is not None:
             runtime.place(self.vae, self.device, dtypes["vae"])
         for te in self.text_encoders:
