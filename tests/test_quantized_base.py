@@ -389,3 +389,43 @@ def test_lora_trains_over_a_quantized_base_and_exports_what_a_bf16_base_exports(
     pipe.load_lora_weights(str(out))
     assert float(np.abs(_generate(pipe) - before).max()) > 1e-3
     assert (out / "samples" / "final.png").is_file()  # sampled through the quantized transformer
+
+
+@pytest.mark.slow
+@pytest.mark.train
+def test_two_processes_train_over_an_fp8_base(tiny_models, dataset, tmp_path):
+    """DDP leaves the quantized weights out of its start-up broadcast (gloo cannot send float8 at all)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from limits import scaled
+
+    from sdplan import config
+
+    data = {
+        "method": "lora",
+        "model": {"path": str(tiny_models["flux-dev"]), "family": "flux-dev", "base_precision": "fp8"},
+        "data": {"path": str(dataset), "resolution": 64},
+        "training": {"batch_size": 1, "precision": "fp32", "max_steps": 2, "device": "cpu"},
+        "lora": {"rank": 4, "alpha": 8},
+        "memory": {"cache_text_encoder_outputs": True},
+        "output": {"dir": str(tmp_path / "out"), "name": "t"},
+        "checkpoints": {"every_steps": 0},
+    }
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(config.validate(data).to_dict()))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    proc = subprocess.run(
+        [*cmd, "-m", "sdplan.trainer", "--config", str(path)],
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=scaled(300),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "out" / "run_summary.json").read_text())
+    assert summary["num_processes"] == 2 and math.isfinite(summary["final_loss"])
+    assert (tmp_path / "out" / "t.kohya.safetensors").is_file()

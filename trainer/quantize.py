@@ -238,6 +238,23 @@ def quantize_base(model, base_precision: str, device, compute_dtype) -> dict[str
     return {"quantized": len(names), "weight_bytes": stored}
 
 
+def keep_out_of_ddp(model) -> list[str]:
+    """Leave the quantized base weights out of DistributedDataParallel's start-up broadcast: every process
+    loaded and quantized the same file the same way, they never get gradients, and gloo (the CPU backend)
+    cannot broadcast float8 at all ("Invalid scalar type"). Call after the adapters are on (peft renames the
+    wrapped layers' weights ``base_layer.weight``). Returns the names left out."""
+    import torch
+
+    names = [
+        name
+        for name, p in model.named_parameters()
+        if not p.requires_grad and (p.dtype == torch.float8_e4m3fn or type(p).__name__ == "Params4bit")
+    ]
+    if names:
+        torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, names)
+    return names
+
+
 def _quant_state_bytes(state) -> int:
     """Bytes of a bitsandbytes QuantState's tensors (absmax per block, the NF4 code)."""
     import torch
