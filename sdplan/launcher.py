@@ -784,12 +784,8 @@ def prepare(req: TrainRequest, ui: UI) -> Prepared:
     family = cfg.model.family or inputs.family or guess_family(cfg.model.path)
     if refusal := quantized_base_refusal(cfg, family, snapshot):
         raise UsageError(refusal)
-    if cfg.memory.blocks_to_swap:
-        raise UsageError(
-            f"memory.blocks_to_swap {cfg.memory.blocks_to_swap} is planned but the bundled trainer cannot swap "
-            "transformer blocks yet; use kohya sd-scripts with these settings (--blocks_to_swap), or pin "
-            "memory.blocks_to_swap=0"
-        )
+    if refusal := block_swap_refusal(cfg, family):
+        raise UsageError(refusal)
 
     world = cfg.distributed.num_processes
     per_node = world // max(1, req.num_machines)
@@ -855,6 +851,21 @@ def quantized_base_refusal(cfg: C.TrainConfig, family: str | None, snapshot: Any
         gpus=gpus,
         bitsandbytes=packages.get("bitsandbytes"),
         diffusers=packages.get("diffusers"),
+    )
+
+
+def block_swap_refusal(cfg: C.TrainConfig, family: str | None) -> str | None:
+    """The one line `sdplan train` stops with before launch when the bundled trainer cannot swap the config's
+    ``memory.blocks_to_swap`` blocks (``trainer/blockswap.py``); None when it can."""
+    from sdplan.trainer.blockswap import support_problem
+
+    return support_problem(
+        cfg.memory.blocks_to_swap,
+        family=family,
+        method=cfg.method,
+        gradient_checkpointing=cfg.memory.gradient_checkpointing,
+        processes=cfg.distributed.num_processes,
+        deepspeed=cfg.distributed.deepspeed is not None,
     )
 
 

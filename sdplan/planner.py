@@ -2004,8 +2004,8 @@ def _flow_reasons(req: Request, best: Candidate, fitting: list[Candidate], profi
             f"block swap (kohya --blocks_to_swap {s.blocks_to_swap}): "
             + ("pinned" if req.pinned("blocks_to_swap") else "nothing faster fits with fewer blocks swapped")
             + f"; {_gib(swapped_block_bytes(model, s))} of the base stays in host RAM and is copied in twice per "
-            "step (UNCALIBRATED time: the copies are counted in full); the bundled trainer does not swap blocks: "
-            "`sdplan train` stops before launch"
+            "step (UNCALIBRATED time: the copies are counted in full); the bundled trainer swaps them one block "
+            "at a time (one process, with gradient checkpointing)"
         )
     te = _gib(model.text_encoder_params * 2.0)
     if not s.cache_text_encoder_outputs:

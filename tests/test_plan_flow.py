@@ -67,7 +67,7 @@ def test_card_size_decides_base_precision_caching_and_checkpointing(
     if base != "bf16":
         assert "stops before launch and says what is missing" in text and "UNCALIBRATED" in text
     if s.blocks_to_swap:
-        assert "--blocks_to_swap" in text and "does not swap blocks" in text
+        assert "--blocks_to_swap" in text and "the bundled trainer swaps them" in text
 
 
 def test_without_block_swap_small_cards_need_a_quantized_base(prof):

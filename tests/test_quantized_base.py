@@ -276,6 +276,7 @@ def _train(model: Path, family: str, data: Path, out: Path, base: str, *extra: s
             super().setup()
             seen["transformer"] = self.unet
             seen["summary"] = self.base_summary
+            seen["recipe"] = self
 
     base_cfg = {
         "method": "lora",
@@ -429,3 +430,137 @@ def test_two_processes_train_over_an_fp8_base(tiny_models, dataset, tmp_path):
     summary = json.loads((tmp_path / "out" / "run_summary.json").read_text())
     assert summary["num_processes"] == 2 and math.isfinite(summary["final_loss"])
     assert (tmp_path / "out" / "t.kohya.safetensors").is_file()
+
+
+# -- block swap (memory.blocks_to_swap) ------------------------------------------------------------------------
+
+
+def test_block_swap_support_problem_and_the_gate_before_launch(tmp_path):
+    from sdplan.trainer.blockswap import support_problem as swap_problem
+
+    ok = {
+        "family": "flux-dev",
+        "method": "lora",
+        "gradient_checkpointing": True,
+        "processes": 1,
+        "deepspeed": False,
+    }
+    assert swap_problem(0, **{**ok, "family": "sd15", "gradient_checkpointing": False}) is None
+    assert swap_problem(16, **ok) is None
+    for change, want in (
+        ({"family": "sd15"}, "SD3.5 / FLUX.1 transformers only"),
+        ({"method": "finetune"}, "for LoRA only"),
+        ({"gradient_checkpointing": False}, "needs memory.gradient_checkpointing=true"),
+        ({"processes": 2}, "in one process"),
+    ):
+        msg = swap_problem(16, **{**ok, **change})
+        assert want in msg and "pin memory.blocks_to_swap=0" in msg and "\n" not in msg
+    # sdplan train, a config as given: refused before anything is written without checkpointing, else allowed
+    snap = _snapshot("t4")
+    from sdplan.launcher import UI, TrainRequest, prepare
+
+    make_images(tmp_path / "ds")
+    for gc in (False, True):
+        cfg = tmp_path / "c.yaml"
+        data = {
+            "method": "lora",
+            "model": {"path": "black-forest-labs/FLUX.1-dev", "family": "flux-dev"},
+            "data": {"path": str(tmp_path / "ds"), "resolution": 512},
+            "memory": {"blocks_to_swap": 16, "gradient_checkpointing": gc},
+        }
+        cfg.write_text(yaml.safe_dump(data))
+        req = TrainRequest(config=str(cfg), out=str(tmp_path / "o"), dry_run=True, snapshot=snap)
+        if gc:
+            assert prepare(req, UI(echo=lambda line: None)).cfg.memory.blocks_to_swap == 16
+        else:
+            with pytest.raises(UsageError, match="needs memory.gradient_checkpointing=true"):
+                prepare(req, UI(echo=lambda line: None))
+            assert not (tmp_path / "o").exists()
+
+
+def _flux_in_code():
+    """A FLUX transformer with 2 double- and 2 single-stream blocks (the tiny model has one of each)."""
+    from diffusers import FluxTransformer2DModel
+
+    torch.manual_seed(0)
+    return FluxTransformer2DModel(
+        patch_size=1,
+        in_channels=64,
+        num_layers=2,
+        num_single_layers=2,
+        attention_head_dim=8,
+        num_attention_heads=2,
+        joint_attention_dim=48,
+        pooled_projection_dim=32,
+        guidance_embeds=True,
+        axes_dims_rope=(2, 2, 4),
+    )
+
+
+def test_block_swap_picks_kohyas_blocks_and_changes_nothing_on_the_cpu():
+    import copy
+
+    from peft import LoraConfig
+    from sdplan.trainer.blockswap import BlockSwap, swap_names
+
+    model = _flux_in_code()
+    assert swap_names(model, "flux-dev", 1) == ["single_transformer_blocks.0", "single_transformer_blocks.1"]
+    assert swap_names(model, "flux-dev", 2) == [
+        "transformer_blocks.1",
+        "single_transformer_blocks.0",
+        "single_transformer_blocks.1",
+    ]
+    with pytest.raises(
+        UsageError, match="swaps 4 of single_transformer_blocks but this flux-dev transformer has 2"
+    ):
+        swap_names(model, "flux-dev", 3)
+    model.requires_grad_(False)
+    model.add_adapter(
+        LoraConfig(r=4, lora_alpha=4, init_lora_weights="gaussian", target_modules=["to_q", "to_v"])
+    )
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.1)  # non-zero, so the swapped blocks' adapters matter
+    model.enable_gradient_checkpointing()
+    model.train()
+    plain = copy.deepcopy(model)
+    swap = BlockSwap(model, swap_names(model, "flux-dev", 2), "cpu")
+    x = _inputs(model, "flux-dev")
+
+    def step(m):
+        m.zero_grad(set_to_none=True)
+        out = m(**x, return_dict=False)[0]
+        out.square().mean().backward()
+        return out.detach(), {n: p.grad.clone() for n, p in m.named_parameters() if p.requires_grad}
+
+    (want, want_grads), (got, got_grads) = step(plain), step(model)
+    assert torch.equal(got, want) and want_grads.keys() == got_grads.keys()
+    assert all(torch.equal(got_grads[n], want_grads[n]) for n in want_grads)
+    assert any(n.startswith("single_transformer_blocks.1.") for n in got_grads)  # a swapped block's adapter
+    assert swap.moves_in == 2 * 3  # each swapped block: its forward, then its recomputation for the backward
+    frozen = [
+        p
+        for n, p in model.named_parameters()
+        if n.startswith("transformer_blocks.1.") and not p.requires_grad
+    ]
+    assert frozen and all(p.device.type == "cpu" for p in frozen)
+
+
+@pytest.mark.train
+@pytest.mark.parametrize("base", ["bf16", "nf4"])
+def test_block_swap_trains_the_same_losses_through_the_loop(tiny_models, dataset, tmp_path, base):
+    import json
+
+    _needs(base)
+    gc = "memory.gradient_checkpointing=true"
+    runs = {}
+    for n in (0, 1):
+        out = tmp_path / f"swap{n}"
+        summary, seen = _train(
+            tiny_models["sd35-medium"], "sd35-medium", dataset, out, base, gc, f"memory.blocks_to_swap={n}"
+        )
+        runs[n] = json.loads((out / "loss_history.json").read_text())["losses"], seen
+    assert runs[1][0] == runs[0][0] and all(math.isfinite(v) for v in runs[1][0])
+    swap = runs[1][1]["recipe"].block_swap
+    assert swap.names == ["transformer_blocks.1"] and runs[0][1]["recipe"].block_swap is None
+    assert swap.moves_in == 3 * 2 + 2  # 3 steps (forward + recomputation), then the 2-step final sample

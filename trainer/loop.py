@@ -32,10 +32,10 @@ from pathlib import Path
 from typing import Any
 
 from sdplan.config import TrainConfig
-from sdplan.errors import SdplanError
+from sdplan.errors import SdplanError, UsageError
 
-from . import checkpoint as ckpt_lib
 from . import (
+    blockswap,
     conditioning,
     data,
     export,
@@ -49,6 +49,7 @@ from . import (
     runtime,
     stops,
 )
+from . import checkpoint as ckpt_lib
 
 
 class Recipe:
@@ -73,6 +74,18 @@ class Recipe:
             self.objective = self.adapter.objective(comps.noise_scheduler)
         quantize.check_run(cfg, comps.family, self.device)  # model.base_precision fp8 / nf4: can this run?
         self.base_summary: dict[str, Any] | None = None  # what quantize_base stored (a quantized base)
+        swap_problem = blockswap.support_problem(
+            cfg.memory.blocks_to_swap,
+            family=comps.family,
+            method=cfg.method,
+            gradient_checkpointing=cfg.memory.gradient_checkpointing,
+            processes=accelerator.num_processes,
+            deepspeed=cfg.distributed.deepspeed is not None,
+        )
+        if swap_problem:
+            raise UsageError(swap_problem)
+        self.swapped_blocks: list[str] = []  # memory.blocks_to_swap: the blocks kept in host RAM
+        self.block_swap = None  # their hooks (blockswap.BlockSwap), set by the LoRA recipe
         self.latents = latents.Latents(self.vae, self.device)  # the loop adds the cache
         self.text_cache = None
         self.latent_dtype = self.wdtype  # latents and conditioning in the frozen UNet's dtype
@@ -186,11 +199,23 @@ class Recipe:
             if m is not None:
                 m.requires_grad_(False)
         base = self.cfg.model.base_precision
+        swapped = blockswap.swap_names(self.unet, self.comps.family, self.cfg.memory.blocks_to_swap)
+        with blockswap.set_aside(self.unet, swapped) as host_blocks:  # block swap: they stay in host RAM
+            if base != "bf16":
+                self.base_summary = quantize.quantize_base(self.unet, base, self.device, dtypes["unet"])
+            else:
+                runtime.place(self.unet, self.device, dtypes["unet"])
+        for block in host_blocks:
+            if base != "bf16":
+                more = quantize.quantize_base(
+                    block, base, "cpu", dtypes["unet"], names=quantize.block_linears(block, ("",))
+                )
+                self.base_summary = {k: v + more[k] for k, v in self.base_summary.items()}
+            else:
+                runtime.place(block, "cpu", dtypes["unet"])
+        self.swapped_blocks = swapped
         if base != "bf16":
-            self.base_summary = quantize.quantize_base(self.unet, base, self.device, dtypes["unet"])
             progress.say(self.accelerator, quantize.describe(base, self.base_summary))
-        else:
-            runtime.place(self.unet, self.device, dtypes["unet"])
         if self.vae is not None:
             runtime.place(self.vae, self.device, dtypes["vae"])
         for te in self.text_encoders:
@@ -221,7 +246,10 @@ def prepare(recipe: Recipe, optimizer, *extra):
     models are rebound to what was prepared (DDP wrappers). Returns (optimizer, *extra)."""
     names = list(recipe.trained)
     runtime.check_deepspeed(recipe.accelerator, recipe.trained)
-    prepared = recipe.accelerator.prepare(*recipe.trained.values(), optimizer, *extra)
+    kw = {}
+    if recipe.block_swap is not None:  # placed already; moving it whole would bring the swapped blocks in
+        kw["device_placement"] = [name != "unet" for name in names] + [True] * (1 + len(extra))
+    prepared = recipe.accelerator.prepare(*recipe.trained.values(), optimizer, *extra, **kw)
     recipe.trained = dict(zip(names, prepared[: len(names)]))
     recipe.unet = recipe.trained.get("unet", recipe.unet)
     recipe.text_encoders = [

@@ -158,14 +158,13 @@ def check_run(cfg, family: str, device) -> None:
 # -- quantizing a loaded transformer ------------------------------------------------------------------------
 
 
-def block_linears(model) -> list[str]:
-    """Names of the ``nn.Linear`` modules inside the transformer's blocks (what a quantized base stores)."""
+def block_linears(model, prefixes: tuple[str, ...] = BLOCK_PREFIXES) -> list[str]:
+    """Names of the ``nn.Linear`` modules inside the transformer's blocks (what a quantized base stores);
+    ``prefixes=("",)``: every Linear of ``model`` (one block)."""
     import torch
 
     return [
-        name
-        for name, m in model.named_modules()
-        if type(m) is torch.nn.Linear and name.startswith(BLOCK_PREFIXES)
+        name for name, m in model.named_modules() if type(m) is torch.nn.Linear and name.startswith(prefixes)
     ]
 
 
@@ -196,11 +195,12 @@ def _nf4_linear(linear, compute_dtype, device):
     return q.to(device)
 
 
-def quantize_base(model, base_precision: str, device, compute_dtype) -> dict[str, Any]:
-    """Freeze ``model`` (a transformer on the CPU), store its block Linear weights at ``base_precision`` on
-    ``device`` one layer at a time (the device never holds the bf16 base), and move the rest there in
-    ``compute_dtype``. Returns {"quantized": n layers, "weight_bytes": bytes of those layers' stored weights}.
-    LoRA goes on top afterwards (``runtime.add_lora_adapters``)."""
+def quantize_base(model, base_precision: str, device, compute_dtype, *, names=None) -> dict[str, Any]:
+    """Freeze ``model`` (a transformer on the CPU), store its block Linear weights (``names``: those Linear
+    layers instead; a block set aside for block swap passes all of its own) at ``base_precision`` on ``device``
+    one layer at a time (the device never holds the bf16 base), and move the rest there in ``compute_dtype``.
+    Returns {"quantized": n layers, "weight_bytes": bytes of those layers' stored weights}. LoRA goes on top
+    afterwards (``runtime.add_lora_adapters``)."""
     import torch
 
     if base_precision not in QUANTIZED:
@@ -209,7 +209,7 @@ def quantize_base(model, base_precision: str, device, compute_dtype) -> dict[str
     current = next((p.dtype for p in model.parameters() if p.is_floating_point()), compute_dtype)
     if current != compute_dtype:
         model.to(dtype=compute_dtype)  # on the CPU: what stays unquantized, in the compute dtype
-    names = block_linears(model)
+    names = block_linears(model) if names is None else list(names)
     if base_precision == "fp8":
         from diffusers.hooks import apply_layerwise_casting
 

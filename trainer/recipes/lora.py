@@ -34,6 +34,10 @@ class LoRA(Recipe):
             from ..quantize import keep_out_of_ddp
 
             keep_out_of_ddp(self.unet)
+        if self.swapped_blocks:  # memory.blocks_to_swap: their frozen weights come in per forward pass
+            from ..blockswap import BlockSwap
+
+            self.block_swap = BlockSwap(self.unet, self.swapped_blocks, self.device)
 
     def param_groups(self) -> list[dict[str, Any]]:
         unet = [p for p in self.unet.parameters() if p.requires_grad]
