@@ -134,7 +134,7 @@ class MemoryConfig:
     cache_text_encoder_outputs: bool = False  # only while the text encoders are frozen
     set_grads_to_none: bool = True
     # transformer blocks kept in host RAM and swapped in per block (kohya --blocks_to_swap; SD3.5 / FLUX.1). The
-    # planner may choose it; the bundled trainer does not swap blocks yet (sdplan train refuses a value > 0)
+    # planner may choose it; the trainer swaps them for LoRA with gradient checkpointing in one process
     blocks_to_swap: int = 0
 
 
