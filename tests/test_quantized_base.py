@@ -564,3 +564,43 @@ def test_block_swap_trains_the_same_losses_through_the_loop(tiny_models, dataset
     swap = runs[1][1]["recipe"].block_swap
     assert swap.names == ["transformer_blocks.1"] and runs[0][1]["recipe"].block_swap is None
     assert swap.moves_in == 3 * 2 + 2  # 3 steps (forward + recomputation), then the 2-step final sample
+
+
+@pytest.mark.train
+def test_resume_over_an_nf4_base_equals_uninterrupted(tiny_models, dataset, tmp_path):
+    """A checkpoint holds the adapters only; the resumed run quantizes the same base the same way."""
+    import json
+
+    from safetensors.torch import load_file
+    from sdplan.trainer import checkpoint, run
+
+    from sdplan import config
+
+    _needs("nf4")
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+
+    def cfg(out, *extra):
+        data = {
+            "method": "lora",
+            "model": {"path": str(tiny_models["flux-dev"]), "family": "flux-dev", "base_precision": "nf4"},
+            "data": {"path": str(dataset), "resolution": 64},
+            "training": {"batch_size": 2, "precision": "fp32", "max_steps": 4, "device": "cpu"},
+            "lora": {"rank": 4, "alpha": 8},
+            "memory": {"cache_text_encoder_outputs": True},
+            "output": {"dir": str(out), "name": "t"},
+            "checkpoints": {"every_steps": 0},
+        }
+        return config.validate(config.apply_overrides(data, list(extra)))
+
+    run.train(cfg(straight, "checkpoints.keep_every_steps=2"))
+    run.train(cfg(resumed), resume=str(checkpoint.checkpoint_root(straight) / "step-000002"))
+    kept = load_file(str(next(checkpoint.checkpoint_root(straight).glob("step-000002/*.safetensors"))))
+    assert kept and all(".lora_" in k for k in kept)  # no quantized base weights in the checkpoint
+
+    def losses(out):
+        return json.loads((out / "loss_history.json").read_text())["losses"]
+
+    assert len(losses(straight)) == 4 and losses(resumed) == losses(straight)
+    a = load_file(str(straight / "pytorch_lora_weights.safetensors"))
+    b = load_file(str(resumed / "pytorch_lora_weights.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
