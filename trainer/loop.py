@@ -192,34 +192,39 @@ class Recipe:
 
     def place_models(self) -> None:
         """Freeze every model and put it on the device in its training dtype (:meth:`dtypes`); ``setup`` then
-        makes trainable what the method trains. With ``model.base_precision`` fp8 / nf4 (SD3.5/FLUX LoRA) the
-        transformer's block Linear weights go to the device quantized, layer by layer (``quantize``)."""
+        makes trainable what the method trains."""
         dtypes = self.dtypes(self.cfg, self.accelerator)
         for m in (self.unet, self.vae, *self.text_encoders):
             if m is not None:
                 m.requires_grad_(False)
-        base = self.cfg.model.base_precision
-        swapped = blockswap.swap_names(self.unet, self.comps.family, self.cfg.memory.blocks_to_swap)
-        with blockswap.set_aside(self.unet, swapped) as host_blocks:  # block swap: they stay in host RAM
-            if base != "bf16":
-                self.base_summary = quantize.quantize_base(self.unet, base, self.device, dtypes["unet"])
-            else:
-                runtime.place(self.unet, self.device, dtypes["unet"])
-        for block in host_blocks:
-            if base != "bf16":
-                more = quantize.quantize_base(
-                    block, base, "cpu", dtypes["unet"], names=quantize.block_linears(block, ("",))
-                )
-                self.base_summary = {k: v + more[k] for k, v in self.base_summary.items()}
-            else:
-                runtime.place(block, "cpu", dtypes["unet"])
-        self.swapped_blocks = swapped
-        if base != "bf16":
-            progress.say(self.accelerator, quantize.describe(base, self.base_summary))
+        self.place_denoiser(dtypes["unet"])
         if self.vae is not None:
             runtime.place(self.vae, self.device, dtypes["vae"])
         for te in self.text_encoders:
             runtime.place(te, self.device, dtypes["text_encoder"])
+
+    def place_denoiser(self, dtype) -> None:
+        """The UNet / transformer on the device in ``dtype``. SD3.5/FLUX LoRA: with ``model.base_precision`` fp8
+        / nf4 its block Linear weights are stored quantized, layer by layer (``quantize``); the blocks of
+        ``memory.blocks_to_swap`` stay in host RAM (``blockswap``; the LoRA recipe adds their hooks)."""
+        base = self.cfg.model.base_precision
+        swapped = blockswap.swap_names(self.unet, self.comps.family, self.cfg.memory.blocks_to_swap)
+        with blockswap.set_aside(self.unet, swapped) as host_blocks:
+            if base != "bf16":
+                self.base_summary = quantize.quantize_base(self.unet, base, self.device, dtype)
+            else:
+                runtime.place(self.unet, self.device, dtype)
+        for block in host_blocks:
+            if base != "bf16":
+                more = quantize.quantize_base(
+                    block, base, "cpu", dtype, names=quantize.block_linears(block, ("",))
+                )
+                self.base_summary = {k: v + more[k] for k, v in self.base_summary.items()}
+            else:
+                runtime.place(block, "cpu", dtype)
+        self.swapped_blocks = swapped
+        if base != "bf16":
+            progress.say(self.accelerator, quantize.describe(base, self.base_summary))
 
     def train_text_encoders(self) -> dict[str, Any]:
         """Make every text encoder trainable in fp32 (full-weight methods with training.train_text_encoder)."""
