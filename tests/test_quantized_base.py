@@ -33,6 +33,11 @@ def _one_thread():
 @pytest.fixture(autouse=True)
 def _fresh_accelerator_state():
     yield
+    _reset_accelerator()
+
+
+def _reset_accelerator():
+    """accelerate keeps one state per process: runs with another precision in one test need it cleared."""
     from accelerate.state import AcceleratorState, GradientState
 
     AcceleratorState._reset_state(reset_partial_state=True)
@@ -297,6 +302,7 @@ def _train(model: Path, family: str, data: Path, out: Path, base: str, *extra: s
     cfg = config.validate(
         config.apply_overrides(base_cfg, ["memory.cache_text_encoder_outputs=true", *extra])
     )
+    _reset_accelerator()
     summary = loop.train(cfg, Watched)
     return summary, seen
 
