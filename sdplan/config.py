@@ -42,8 +42,8 @@ class ModelConfig:
     revision: str | None = None
     variant: str | None = None
     config_dir: str | None = None  # single-file model: a local diffusers folder with its component configs
-    # storage of the frozen transformer's Linear weights (SD3.5 / FLUX.1 LoRA): bf16 | fp8 | nf4. The planner
-    # may choose fp8 / nf4; the bundled trainer loads bf16 bases only (sdplan train refuses the others)
+    # storage of the frozen transformer's block Linear weights (SD3.5 / FLUX.1 LoRA): bf16 | fp8 | nf4. The
+    # planner may choose fp8 / nf4; the trainer stores them as trainer/quantize.py says (where the machine can)
     base_precision: str = "bf16"
 
 
@@ -134,7 +134,7 @@ class MemoryConfig:
     cache_text_encoder_outputs: bool = False  # only while the text encoders are frozen
     set_grads_to_none: bool = True
     # transformer blocks kept in host RAM and swapped in per block (kohya --blocks_to_swap; SD3.5 / FLUX.1). The
-    # planner may choose it; the bundled trainer does not swap blocks yet (sdplan train refuses a value > 0)
+    # planner may choose it; the trainer swaps them for LoRA with gradient checkpointing in one process
     blocks_to_swap: int = 0
 
 

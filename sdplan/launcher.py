@@ -781,14 +781,11 @@ def prepare(req: TrainRequest, ui: UI) -> Prepared:
             source=source,
         )
 
-    if cfg.model.base_precision != "bf16":
-        raise UsageError(quantized_base_refusal(cfg.model.base_precision))
-    if cfg.memory.blocks_to_swap:
-        raise UsageError(
-            f"memory.blocks_to_swap {cfg.memory.blocks_to_swap} is planned but the bundled trainer cannot swap "
-            "transformer blocks yet; use kohya sd-scripts with these settings (--blocks_to_swap), or pin "
-            "memory.blocks_to_swap=0"
-        )
+    family = cfg.model.family or inputs.family or guess_family(cfg.model.path)
+    if refusal := quantized_base_refusal(cfg, family, snapshot):
+        raise UsageError(refusal)
+    if refusal := block_swap_refusal(cfg, family):
+        raise UsageError(refusal)
 
     world = cfg.distributed.num_processes
     per_node = world // max(1, req.num_machines)
@@ -827,11 +824,48 @@ def prepare(req: TrainRequest, ui: UI) -> Prepared:
     )
 
 
-def quantized_base_refusal(base_precision: str) -> str:
-    """The one line `sdplan train` stops with when the plan or the config has a quantized frozen base."""
-    return (
-        f"base_precision {base_precision} is planned but the bundled trainer cannot load quantized bases yet; "
-        "use kohya sd-scripts / SimpleTuner with these settings, or pin model.base_precision=bf16"
+def quantized_base_refusal(cfg: C.TrainConfig, family: str | None, snapshot: Any) -> str | None:
+    """The one line `sdplan train` stops with before launch when this machine cannot train over the config's
+    quantized frozen base (``model.base_precision`` fp8 / nf4; what each needs: ``trainer/quantize.py``), from
+    the probed snapshot's GPUs and packages (``--device cpu``: this Python's packages); None when it can."""
+    from sdplan.trainer.quantize import support_problem
+
+    if cfg.model.base_precision == "bf16":
+        return None
+    if snapshot is None:  # --device cpu
+        from sdplan.probe.software import dist_version
+
+        device, gpus = "cpu", ()
+        packages = {name: dist_version(name) for name in ("bitsandbytes", "diffusers")}
+    else:
+        used = snapshot.usable_gpus[: max(1, cfg.distributed.num_processes)]
+        gpus = tuple((g.vendor, g.compute_capability) for g in used)
+        device = "rocm" if snapshot.software.torch_build == "rocm" else "cuda"
+        packages = snapshot.software.packages
+    return support_problem(
+        cfg.model.base_precision,
+        family=family,
+        method=cfg.method,
+        deepspeed=cfg.distributed.deepspeed is not None,
+        device=device,
+        gpus=gpus,
+        bitsandbytes=packages.get("bitsandbytes"),
+        diffusers=packages.get("diffusers"),
+    )
+
+
+def block_swap_refusal(cfg: C.TrainConfig, family: str | None) -> str | None:
+    """The one line `sdplan train` stops with before launch when the bundled trainer cannot swap the config's
+    ``memory.blocks_to_swap`` blocks (``trainer/blockswap.py``); None when it can."""
+    from sdplan.trainer.blockswap import support_problem
+
+    return support_problem(
+        cfg.memory.blocks_to_swap,
+        family=family,
+        method=cfg.method,
+        gradient_checkpointing=cfg.memory.gradient_checkpointing,
+        processes=cfg.distributed.num_processes,
+        deepspeed=cfg.distributed.deepspeed is not None,
     )
 
 

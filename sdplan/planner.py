@@ -2080,16 +2080,21 @@ def _flow_reasons(req: Request, best: Candidate, fitting: list[Candidate], profi
         )
     if s.base_precision != "bf16":
         r.append(
-            f"the bundled trainer cannot load a {s.base_precision} base yet: `sdplan train` stops before launch; "
-            "train with these settings in kohya sd-scripts / SimpleTuner, or pin model.base_precision=bf16"
+            f"`sdplan train` stores the {s.base_precision} base with "
+            + (
+                "bitsandbytes NF4 (NVIDIA GPU)"
+                if s.base_precision == "nf4"
+                else "torch float8 (diffusers casting)"
+            )
+            + "; where this machine lacks what that needs it stops before launch and says what is missing"
         )
     if s.blocks_to_swap:
         r.append(
             f"block swap (kohya --blocks_to_swap {s.blocks_to_swap}): "
             + ("pinned" if req.pinned("blocks_to_swap") else "nothing faster fits with fewer blocks swapped")
             + f"; {_gib(swapped_block_bytes(model, s))} of the base stays in host RAM and is copied in twice per "
-            "step (UNCALIBRATED time: the copies are counted in full); the bundled trainer does not swap blocks: "
-            "`sdplan train` stops before launch"
+            "step (UNCALIBRATED time: the copies are counted in full); the bundled trainer swaps them one block "
+            "at a time (one process, with gradient checkpointing)"
         )
     te = _gib(model.text_encoder_params * 2.0)
     if not s.cache_text_encoder_outputs:

@@ -32,10 +32,10 @@ from pathlib import Path
 from typing import Any
 
 from sdplan.config import TrainConfig
-from sdplan.errors import SdplanError
+from sdplan.errors import SdplanError, UsageError
 
-from . import checkpoint as ckpt_lib
 from . import (
+    blockswap,
     conditioning,
     data,
     export,
@@ -45,9 +45,11 @@ from . import (
     objective,
     outputs,
     progress,
+    quantize,
     runtime,
     stops,
 )
+from . import checkpoint as ckpt_lib
 
 
 class Recipe:
@@ -70,6 +72,20 @@ class Recipe:
         if self.adapter is not None:
             self.adapter.check(cfg)
             self.objective = self.adapter.objective(comps.noise_scheduler)
+        quantize.check_run(cfg, comps.family, self.device)  # model.base_precision fp8 / nf4: can this run?
+        self.base_summary: dict[str, Any] | None = None  # what quantize_base stored (a quantized base)
+        swap_problem = blockswap.support_problem(
+            cfg.memory.blocks_to_swap,
+            family=comps.family,
+            method=cfg.method,
+            gradient_checkpointing=cfg.memory.gradient_checkpointing,
+            processes=accelerator.num_processes,
+            deepspeed=cfg.distributed.deepspeed is not None,
+        )
+        if swap_problem:
+            raise UsageError(swap_problem)
+        self.swapped_blocks: list[str] = []  # memory.blocks_to_swap: the blocks kept in host RAM
+        self.block_swap = None  # their hooks (blockswap.BlockSwap), set by the LoRA recipe
         self.latents = latents.Latents(self.vae, self.device)  # the loop adds the cache
         self.text_cache = None
         self.latent_dtype = self.wdtype  # latents and conditioning in the frozen UNet's dtype
@@ -181,11 +197,34 @@ class Recipe:
         for m in (self.unet, self.vae, *self.text_encoders):
             if m is not None:
                 m.requires_grad_(False)
-        runtime.place(self.unet, self.device, dtypes["unet"])
+        self.place_denoiser(dtypes["unet"])
         if self.vae is not None:
             runtime.place(self.vae, self.device, dtypes["vae"])
         for te in self.text_encoders:
             runtime.place(te, self.device, dtypes["text_encoder"])
+
+    def place_denoiser(self, dtype) -> None:
+        """The UNet / transformer on the device in ``dtype``. SD3.5/FLUX LoRA: with ``model.base_precision`` fp8
+        / nf4 its block Linear weights are stored quantized, layer by layer (``quantize``); the blocks of
+        ``memory.blocks_to_swap`` stay in host RAM (``blockswap``; the LoRA recipe adds their hooks)."""
+        base = self.cfg.model.base_precision
+        swapped = blockswap.swap_names(self.unet, self.comps.family, self.cfg.memory.blocks_to_swap)
+        with blockswap.set_aside(self.unet, swapped) as host_blocks:
+            if base != "bf16":
+                self.base_summary = quantize.quantize_base(self.unet, base, self.device, dtype)
+            else:
+                runtime.place(self.unet, self.device, dtype)
+        for block in host_blocks:
+            if base != "bf16":
+                more = quantize.quantize_base(
+                    block, base, "cpu", dtype, names=quantize.block_linears(block, ("",))
+                )
+                self.base_summary = {k: v + more[k] for k, v in self.base_summary.items()}
+            else:
+                runtime.place(block, "cpu", dtype)
+        self.swapped_blocks = swapped
+        if base != "bf16":
+            progress.say(self.accelerator, quantize.describe(base, self.base_summary))
 
     def train_text_encoders(self) -> dict[str, Any]:
         """Make every text encoder trainable in fp32 (full-weight methods with training.train_text_encoder)."""
@@ -212,7 +251,10 @@ def prepare(recipe: Recipe, optimizer, *extra):
     models are rebound to what was prepared (DDP wrappers). Returns (optimizer, *extra)."""
     names = list(recipe.trained)
     runtime.check_deepspeed(recipe.accelerator, recipe.trained)
-    prepared = recipe.accelerator.prepare(*recipe.trained.values(), optimizer, *extra)
+    kw = {}
+    if recipe.block_swap is not None:  # placed already; moving it whole would bring the swapped blocks in
+        kw["device_placement"] = [name != "unet" for name in names] + [True] * (1 + len(extra))
+    prepared = recipe.accelerator.prepare(*recipe.trained.values(), optimizer, *extra, **kw)
     recipe.trained = dict(zip(names, prepared[: len(names)]))
     recipe.unet = recipe.trained.get("unet", recipe.unet)
     recipe.text_encoders = [

@@ -30,6 +30,14 @@ class LoRA(Recipe):
         self.trained = runtime.add_lora_adapters(
             self.unet, self.text_encoders, lcfg, self.cfg.training.train_text_encoder
         )
+        if self.base_summary is not None:  # a quantized frozen base (model.base_precision fp8 / nf4)
+            from ..quantize import keep_out_of_ddp
+
+            keep_out_of_ddp(self.unet)
+        if self.swapped_blocks:  # memory.blocks_to_swap: their frozen weights come in per forward pass
+            from ..blockswap import BlockSwap
+
+            self.block_swap = BlockSwap(self.unet, self.swapped_blocks, self.device)
 
     def param_groups(self) -> list[dict[str, Any]]:
         unet = [p for p in self.unet.parameters() if p.requires_grad]

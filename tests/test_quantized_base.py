@@ -1,0 +1,612 @@
+"""A quantized frozen base for SD3.5 / FLUX.1 LoRA (issue 14): model.base_precision fp8 (torch float8 storage
+through diffusers' layerwise casting) and nf4 (bitsandbytes Linear4bit, whose wheel has CPU 4-bit kernels), on
+tiny transformers built in code; what each precision needs, and `sdplan train` refusing before launch where the
+machine lacks it."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from conftest import make_images
+from sdplan.trainer.quantize import support_problem
+
+from sdplan.errors import UsageError
+
+MACHINES = Path(__file__).parent / "fixtures" / "machines"
+FAMILIES = ("flux-dev", "sd35-medium")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_accelerator_state():
+    yield
+    _reset_accelerator()
+
+
+def _reset_accelerator():
+    """accelerate keeps one state per process: runs with another precision in one test need it cleared."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+def _needs(base: str) -> None:
+    if base == "nf4":
+        pytest.importorskip(
+            "bitsandbytes", reason="the nf4 base needs bitsandbytes (pip install 'sdplan[bnb]')"
+        )
+
+
+# -- what each precision needs (pure) ----------------------------------------------------------------------
+
+
+def _problem(base, **kw):
+    args = {
+        "family": "flux-dev",
+        "method": "lora",
+        "deepspeed": False,
+        "device": "cuda",
+        "gpus": (("nvidia", "8.6"),),
+        "bitsandbytes": "0.50.2",
+        "diffusers": "0.42.1",
+    }
+    return support_problem(base, **{**args, **kw})
+
+
+def test_support_problem_says_what_each_precision_needs_in_one_line():
+    assert _problem("bf16", family="sd15", method="finetune", device="rocm", bitsandbytes=None) is None
+    assert _problem("nf4") is None
+    assert _problem("nf4", device="cpu", gpus=()) is None  # bitsandbytes' CPU 4-bit kernels
+    assert _problem("fp8", device="rocm", gpus=(("amd", None),), bitsandbytes=None) is None
+    assert _problem("fp8", device="cpu", gpus=()) is None
+    refused = {
+        "sd15": _problem("nf4", family="sd15"),
+        "method": _problem("fp8", method="dreambooth"),
+        "deepspeed": _problem("nf4", deepspeed=True),
+        "rocm": _problem("nf4", device="rocm", gpus=(("amd", None),)),
+        "maxwell": _problem("nf4", gpus=(("nvidia", "8.6"), ("nvidia", "5.2"))),
+        "no bnb": _problem("nf4", bitsandbytes=None),
+        "old bnb": _problem("nf4", bitsandbytes="0.45.5"),
+        "old diffusers": _problem("fp8", diffusers="0.32.2"),
+    }
+    for why, msg in refused.items():
+        assert msg and "\n" not in msg, why
+        assert msg.startswith(("model.base_precision nf4", "model.base_precision fp8")), msg
+        assert "pin model.base_precision=" in msg, msg  # the fix is in the line
+    assert "SD3.5 / FLUX.1 transformers only, not sd15" in refused["sd15"]
+    assert "only LoRA trains over a quantized frozen base" in refused["method"]
+    assert "NVIDIA CUDA GPU (or the CPU)" in refused["rocm"] and "fp8 or bf16" in refused["rocm"]
+    assert "compute capability 6.0+" in refused["maxwell"] and "5.2" in refused["maxwell"]
+    assert "bitsandbytes >= 0.46 (not installed): pip install -U 'sdplan[bnb]'" in refused["no bnb"]
+    assert "(found 0.45.5)" in refused["old bnb"]
+    assert "diffusers >= 0.33" in refused["old diffusers"] and "found 0.32.2" in refused["old diffusers"]
+
+
+# -- sdplan train: the gate before launch, on the probed machine ---------------------------------------------
+
+
+def _snapshot(name: str, **packages):
+    from sdplan.machine import Snapshot
+
+    snap = Snapshot.load(MACHINES / f"{name}.json")
+    software = dataclasses.replace(
+        snap.software,
+        torch_build="rocm" if snap.gpus[0].vendor == "amd" else "cuda",
+        packages={**snap.software.packages, **packages},
+    )
+    return dataclasses.replace(snap, software=software)
+
+
+def _prepare(tmp_path, snapshot, base: str, family: str = "flux-dev", method: str = "lora"):
+    from sdplan.launcher import UI, TrainRequest, prepare
+
+    ds = tmp_path / "ds"
+    if not ds.exists():
+        make_images(ds)
+    path = {"flux-dev": "black-forest-labs/FLUX.1-dev", "sd15": "stable-diffusion-v1-5/stable-diffusion-v1-5"}
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(
+        yaml.safe_dump(
+            {
+                "method": method,
+                "model": {"path": path[family], "family": family, "base_precision": base},
+                "data": {"path": str(ds), "resolution": 512},
+            }
+        )
+    )
+    req = TrainRequest(config=str(cfg), out=str(tmp_path / "o"), dry_run=True, snapshot=snapshot)
+    return prepare(req, UI(echo=lambda line: None))
+
+
+@pytest.mark.parametrize(
+    ("machine", "packages", "base", "want"),
+    [
+        ("t4", {"bitsandbytes": "0.50.2", "diffusers": "0.42.1"}, "nf4", None),
+        ("rx6700xt", {"diffusers": "0.42.1"}, "fp8", None),
+        ("t4", {"bitsandbytes": None}, "nf4", "needs bitsandbytes >= 0.46 (not installed)"),
+        ("rx6700xt", {"bitsandbytes": "0.50.2"}, "nf4", "needs bitsandbytes' 4-bit kernels on an NVIDIA"),
+        ("t4", {"diffusers": "0.31.0"}, "fp8", "needs diffusers >= 0.33"),
+    ],
+)
+def test_train_gates_the_quantized_base_on_the_probed_machine(tmp_path, machine, packages, base, want):
+    snap = _snapshot(machine, **packages)
+    if want is None:
+        p = _prepare(tmp_path, snap, base)
+        assert p.cfg.model.base_precision == base  # allowed: trained as configured
+        return
+    with pytest.raises(UsageError) as e:
+        _prepare(tmp_path, snap, base)
+    assert want in str(e.value) and "\n" not in str(e.value)
+    assert not (tmp_path / "o").exists()
+
+
+def test_train_cli_refuses_a_quantized_unet_base_before_anything_is_written(tmp_path):
+    from typer.testing import CliRunner
+
+    from sdplan.cli import app
+
+    ds = make_images(tmp_path / "ds")
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(
+        yaml.safe_dump(
+            {
+                "method": "lora",
+                "model": {"path": "stable-diffusion-v1-5/stable-diffusion-v1-5", "base_precision": "nf4"},
+                "data": {"path": str(ds), "resolution": 512},
+            }
+        )
+    )
+    out = tmp_path / "o"
+    r = CliRunner().invoke(
+        app, ["train", "--config", str(cfg), "--out", str(out), "--device", "cpu", "--yes"]
+    )
+    assert r.exit_code == 2, r.output
+    assert "SD3.5 / FLUX.1 transformers only, not sd15" in r.output
+    assert "model.base_precision=bf16" in r.output and "Traceback" not in r.output
+    assert not out.exists()
+
+
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory):
+    from sdplan.trainer.tiny import save_tiny_model
+
+    root = tmp_path_factory.mktemp("tiny-quant")
+    return {f: save_tiny_model(root / f, f) for f in FAMILIES}
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory) -> Path:
+    return make_images(tmp_path_factory.mktemp("data") / "ds", n=4)
+
+
+# -- quantize_base on tiny transformers built in code --------------------------------------------------------
+
+
+def _tiny_transformer(folder: Path, family: str):
+    from diffusers import FluxTransformer2DModel, SD3Transformer2DModel
+
+    cls = FluxTransformer2DModel if family == "flux-dev" else SD3Transformer2DModel
+    return cls.from_pretrained(str(folder), subfolder="transformer").eval()
+
+
+def _inputs(model, family: str):
+    g = torch.Generator().manual_seed(0)
+    c = model.config
+    if family == "flux-dev":
+        return {
+            "hidden_states": torch.randn(1, 16, c.in_channels, generator=g),
+            "encoder_hidden_states": torch.randn(1, 8, c.joint_attention_dim, generator=g),
+            "pooled_projections": torch.randn(1, c.pooled_projection_dim, generator=g),
+            "timestep": torch.tensor([0.5]),
+            "guidance": torch.tensor([1.0]),
+            "img_ids": torch.zeros(16, 3),
+            "txt_ids": torch.zeros(8, 3),
+        }
+    return {
+        "hidden_states": torch.randn(1, c.in_channels, 8, 8, generator=g),
+        "encoder_hidden_states": torch.randn(1, 8, c.joint_attention_dim, generator=g),
+        "pooled_projections": torch.randn(1, c.pooled_projection_dim, generator=g),
+        "timestep": torch.tensor([500.0]),
+    }
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("base", ["fp8", "nf4"])
+def test_quantize_base_stores_every_block_linear_and_keeps_the_output_close(tiny_models, family, base):
+    _needs(base)
+    from sdplan.trainer.quantize import block_linears, quantize_base
+
+    model = _tiny_transformer(tiny_models[family], family)
+    names = block_linears(model)
+    shapes = {n: tuple(model.get_submodule(n).weight.shape) for n in names}
+    assert names and any(n.startswith("transformer_blocks.0.attn.") for n in names)
+    if family == "flux-dev":
+        assert any(n.startswith("single_transformer_blocks.0.") for n in names)
+    x = _inputs(model, family)
+    with torch.no_grad():
+        want = model(**x, return_dict=False)[0]
+    summary = quantize_base(model, base, torch.device("cpu"), torch.float32)
+    elements = sum(o * i for o, i in shapes.values())
+    assert summary["quantized"] == len(names)
+    for n in names:
+        w = model.get_submodule(n).weight
+        o, i = shapes[n]
+        if base == "nf4":
+            import bitsandbytes as bnb
+
+            assert isinstance(model.get_submodule(n), bnb.nn.Linear4bit) and isinstance(w, bnb.nn.Params4bit)
+            assert w.dtype == torch.uint8 and w.numel() == o * i // 2  # two 4-bit codes per byte
+            assert w.quant_state.quant_type == "nf4" and w.quant_state.absmax.numel() == math.ceil(o * i / 64)
+        else:
+            assert w.dtype == torch.float8_e4m3fn and w.numel() == o * i
+    rest = [p for name, p in model.named_parameters() if not any(name.startswith(n + ".") for n in names)]
+    assert rest and all(p.dtype == torch.float32 for p in rest)  # embedders, final layer: not quantized
+    assert not any(p.requires_grad for p in model.parameters())
+    per_weight = summary["weight_bytes"] / elements  # fp8: 1 byte; nf4: 0.5 + one fp32 absmax per 64 + code
+    assert (per_weight == 1.0) if base == "fp8" else (0.5625 <= per_weight < 0.5625 + 0.2)
+    with torch.no_grad():
+        got = model(**x, return_dict=False)[0]
+    rel = float((got - want).norm() / want.norm())
+    assert torch.isfinite(got).all() and 0 < rel < (0.05 if base == "fp8" else 0.2), rel
+
+
+# -- LoRA over a quantized base through the one loop ---------------------------------------------------------
+
+
+def _train(model: Path, family: str, data: Path, out: Path, base: str, *extra: str):
+    """LoRA on ``model`` over a ``base`` base; returns (summary, the transformer trained)."""
+    from sdplan.trainer import loop
+    from sdplan.trainer.recipes.lora import LoRA
+
+    from sdplan import config
+
+    seen = {}
+
+    class Watched(LoRA):  # the real recipe; keeps a handle on the transformer it trained
+        def setup(self):
+            super().setup()
+            seen["transformer"] = self.unet
+            seen["summary"] = self.base_summary
+            seen["recipe"] = self
+
+    base_cfg = {
+        "method": "lora",
+        "model": {"path": str(model), "family": family, "base_precision": base},
+        "data": {"path": str(data), "resolution": 64},
+        "training": {
+            "batch_size": 2,
+            "precision": "fp32",
+            "learning_rate": 1e-2,
+            "max_steps": 3,
+            "device": "cpu",
+        },
+        "lora": {"rank": 4, "alpha": 8},
+        "output": {"dir": str(out), "name": "t"},
+        "checkpoints": {"every_steps": 0},
+        "sampling": {"num_inference_steps": 2, "guidance_scale": 1.0},
+    }
+    cfg = config.validate(
+        config.apply_overrides(base_cfg, ["memory.cache_text_encoder_outputs=true", *extra])
+    )
+    _reset_accelerator()
+    summary = loop.train(cfg, Watched)
+    return summary, seen
+
+
+_REFERENCE: dict[str, dict] = {}
+
+
+def _shapes(path: Path) -> dict[str, tuple]:
+    from safetensors.torch import load_file
+
+    return {k: tuple(v.shape) for k, v in load_file(str(path)).items()}
+
+
+def _reference(tiny_models, dataset, tmp_path_factory, family):
+    """The LoRA files of a bf16 (here: unquantized fp32) base, trained once per family."""
+    if family not in _REFERENCE:
+        out = tmp_path_factory.mktemp(f"ref-{family}")
+        _train(tiny_models[family], family, dataset, out, "bf16")
+        _REFERENCE[family] = {
+            "diffusers": _shapes(out / "pytorch_lora_weights.safetensors"),
+            "kohya": _shapes(out / "t.kohya.safetensors"),
+            "untrained": _untrained(out / "pytorch_lora_weights.safetensors"),
+        }
+    return _REFERENCE[family]
+
+
+def _untrained(path: Path) -> set[str]:
+    """lora_B matrices still at their zero init (SD3.5's last block: its context queries reach no output)."""
+    from safetensors.torch import load_file
+
+    return {k for k, v in load_file(str(path)).items() if "lora_B" in k and float(v.abs().max()) == 0}
+
+
+def _generate(pipe) -> np.ndarray:
+    pipe.set_progress_bar_config(disable=True)
+    return pipe(
+        "a photo of sks red square",
+        num_inference_steps=2,
+        height=64,
+        width=64,
+        generator=torch.Generator().manual_seed(0),
+        output_type="np",
+    ).images
+
+
+@pytest.mark.train
+@pytest.mark.parametrize(
+    ("family", "base", "extra"),
+    [
+        ("flux-dev", "nf4", ("memory.gradient_checkpointing=true",)),
+        ("flux-dev", "fp8", ()),
+        ("sd35-medium", "nf4", ()),
+        ("sd35-medium", "fp8", ("training.precision=bf16", "memory.gradient_checkpointing=true")),
+    ],
+)
+def test_lora_trains_over_a_quantized_base_and_exports_what_a_bf16_base_exports(
+    tiny_models, dataset, tmp_path, tmp_path_factory, family, base, extra
+):
+    _needs(base)
+    from diffusers import DiffusionPipeline
+
+    out = tmp_path / "out"
+    summary, seen = _train(tiny_models[family], family, dataset, out, base, *extra)
+    assert summary["steps"] == 3 and math.isfinite(summary["final_loss"])
+    transformer = seen["transformer"]
+    assert seen["summary"]["quantized"] > 0
+    # peft's adapters sit on quantized base layers: the 4-bit LoRA layer on Linear4bit, fp8 weights under the
+    # layerwise casting hook; only the adapters train
+    lora_layers = [m for m in transformer.modules() if hasattr(m, "lora_A") and hasattr(m, "base_layer")]
+    assert lora_layers
+    for m in lora_layers:
+        w = m.base_layer.weight
+        if base == "nf4":
+            from peft.tuners.lora.bnb import Linear4bit as LoraLinear4bit
+
+            assert isinstance(m, LoraLinear4bit) and w.dtype == torch.uint8
+        else:
+            assert w.dtype == torch.float8_e4m3fn
+        assert not w.requires_grad and m.lora_A["default"].weight.dtype == torch.float32
+    trained = {n for n, p in transformer.named_parameters() if p.requires_grad}
+    assert trained and all(".lora_" in n for n in trained)
+    # the same files, keys and shapes as over an unquantized base (diffusers/peft and kohya/ComfyUI names)
+    ref = _reference(tiny_models, dataset, tmp_path_factory, family)
+    diff, kohya = out / "pytorch_lora_weights.safetensors", out / "t.kohya.safetensors"
+    assert _shapes(diff) == ref["diffusers"] and _shapes(kohya) == ref["kohya"]
+    # lora_B starts at zero: every one the unquantized base trains has trained
+    assert _untrained(diff) == ref["untrained"] and len(ref["untrained"]) <= 1
+    # loads back into the (unquantized) pipeline and changes what it makes
+    pipe = DiffusionPipeline.from_pretrained(str(tiny_models[family]))
+    before = _generate(pipe)
+    pipe.load_lora_weights(str(out))
+    assert float(np.abs(_generate(pipe) - before).max()) > 1e-3
+    assert (out / "samples" / "final.png").is_file()  # sampled through the quantized transformer
+
+
+@pytest.mark.slow
+@pytest.mark.train
+def test_two_processes_train_over_an_fp8_base(tiny_models, dataset, tmp_path):
+    """DDP leaves the quantized weights out of its start-up broadcast (gloo cannot send float8 at all)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from limits import scaled
+
+    from sdplan import config
+
+    data = {
+        "method": "lora",
+        "model": {"path": str(tiny_models["flux-dev"]), "family": "flux-dev", "base_precision": "fp8"},
+        "data": {"path": str(dataset), "resolution": 64},
+        "training": {"batch_size": 1, "precision": "fp32", "max_steps": 2, "device": "cpu"},
+        "lora": {"rank": 4, "alpha": 8},
+        "memory": {"cache_text_encoder_outputs": True},
+        "output": {"dir": str(tmp_path / "out"), "name": "t"},
+        "checkpoints": {"every_steps": 0},
+    }
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(config.validate(data).to_dict()))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    proc = subprocess.run(
+        [*cmd, "-m", "sdplan.trainer", "--config", str(path)],
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=scaled(300),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "out" / "run_summary.json").read_text())
+    assert summary["num_processes"] == 2 and math.isfinite(summary["final_loss"])
+    assert (tmp_path / "out" / "t.kohya.safetensors").is_file()
+
+
+# -- block swap (memory.blocks_to_swap) ------------------------------------------------------------------------
+
+
+def test_block_swap_support_problem_and_the_gate_before_launch(tmp_path):
+    from sdplan.trainer.blockswap import support_problem as swap_problem
+
+    ok = {
+        "family": "flux-dev",
+        "method": "lora",
+        "gradient_checkpointing": True,
+        "processes": 1,
+        "deepspeed": False,
+    }
+    assert swap_problem(0, **{**ok, "family": "sd15", "gradient_checkpointing": False}) is None
+    assert swap_problem(16, **ok) is None
+    for change, want in (
+        ({"family": "sd15"}, "SD3.5 / FLUX.1 transformers only"),
+        ({"method": "finetune"}, "for LoRA only"),
+        ({"gradient_checkpointing": False}, "needs memory.gradient_checkpointing=true"),
+        ({"processes": 2}, "in one process"),
+    ):
+        msg = swap_problem(16, **{**ok, **change})
+        assert want in msg and "pin memory.blocks_to_swap=0" in msg and "\n" not in msg
+    # sdplan train, a config as given: refused before anything is written without checkpointing, else allowed
+    snap = _snapshot("t4")
+    from sdplan.launcher import UI, TrainRequest, prepare
+
+    make_images(tmp_path / "ds")
+    for gc in (False, True):
+        cfg = tmp_path / "c.yaml"
+        data = {
+            "method": "lora",
+            "model": {"path": "black-forest-labs/FLUX.1-dev", "family": "flux-dev"},
+            "data": {"path": str(tmp_path / "ds"), "resolution": 512},
+            "memory": {"blocks_to_swap": 16, "gradient_checkpointing": gc},
+        }
+        cfg.write_text(yaml.safe_dump(data))
+        req = TrainRequest(config=str(cfg), out=str(tmp_path / "o"), dry_run=True, snapshot=snap)
+        if gc:
+            assert prepare(req, UI(echo=lambda line: None)).cfg.memory.blocks_to_swap == 16
+        else:
+            with pytest.raises(UsageError, match="needs memory.gradient_checkpointing=true"):
+                prepare(req, UI(echo=lambda line: None))
+            assert not (tmp_path / "o").exists()
+
+
+def _flux_in_code():
+    """A FLUX transformer with 2 double- and 2 single-stream blocks (the tiny model has one of each)."""
+    from diffusers import FluxTransformer2DModel
+
+    torch.manual_seed(0)
+    return FluxTransformer2DModel(
+        patch_size=1,
+        in_channels=64,
+        num_layers=2,
+        num_single_layers=2,
+        attention_head_dim=8,
+        num_attention_heads=2,
+        joint_attention_dim=48,
+        pooled_projection_dim=32,
+        guidance_embeds=True,
+        axes_dims_rope=(2, 2, 4),
+    )
+
+
+def test_block_swap_picks_kohyas_blocks_and_changes_nothing_on_the_cpu():
+    import copy
+
+    from peft import LoraConfig
+    from sdplan.trainer.blockswap import BlockSwap, swap_names
+
+    model = _flux_in_code()
+    assert swap_names(model, "flux-dev", 1) == ["single_transformer_blocks.0", "single_transformer_blocks.1"]
+    assert swap_names(model, "flux-dev", 2) == [
+        "transformer_blocks.1",
+        "single_transformer_blocks.0",
+        "single_transformer_blocks.1",
+    ]
+    with pytest.raises(
+        UsageError, match="swaps 4 of single_transformer_blocks but this flux-dev transformer has 2"
+    ):
+        swap_names(model, "flux-dev", 3)
+    model.requires_grad_(False)
+    model.add_adapter(
+        LoraConfig(r=4, lora_alpha=4, init_lora_weights="gaussian", target_modules=["to_q", "to_v"])
+    )
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.1)  # non-zero, so the swapped blocks' adapters matter
+    model.enable_gradient_checkpointing()
+    model.train()
+    plain = copy.deepcopy(model)
+    swap = BlockSwap(model, swap_names(model, "flux-dev", 2), "cpu")
+    x = _inputs(model, "flux-dev")
+
+    def step(m):
+        m.zero_grad(set_to_none=True)
+        out = m(**x, return_dict=False)[0]
+        out.square().mean().backward()
+        return out.detach(), {n: p.grad.clone() for n, p in m.named_parameters() if p.requires_grad}
+
+    (want, want_grads), (got, got_grads) = step(plain), step(model)
+    assert torch.equal(got, want) and want_grads.keys() == got_grads.keys()
+    assert all(torch.equal(got_grads[n], want_grads[n]) for n in want_grads)
+    assert any(n.startswith("single_transformer_blocks.1.") for n in got_grads)  # a swapped block's adapter
+    assert swap.moves_in == 2 * 3  # each swapped block: its forward, then its recomputation for the backward
+    frozen = [
+        p
+        for n, p in model.named_parameters()
+        if n.startswith("transformer_blocks.1.") and not p.requires_grad
+    ]
+    assert frozen and all(p.device.type == "cpu" for p in frozen)
+
+
+@pytest.mark.train
+@pytest.mark.parametrize("base", ["bf16", "nf4"])
+def test_block_swap_trains_the_same_losses_through_the_loop(tiny_models, dataset, tmp_path, base):
+    import json
+
+    _needs(base)
+    gc = "memory.gradient_checkpointing=true"
+    runs = {}
+    for n in (0, 1):
+        out = tmp_path / f"swap{n}"
+        summary, seen = _train(
+            tiny_models["sd35-medium"], "sd35-medium", dataset, out, base, gc, f"memory.blocks_to_swap={n}"
+        )
+        runs[n] = json.loads((out / "loss_history.json").read_text())["losses"], seen
+    assert runs[1][0] == runs[0][0] and all(math.isfinite(v) for v in runs[1][0])
+    swap = runs[1][1]["recipe"].block_swap
+    assert swap.names == ["transformer_blocks.1"] and runs[0][1]["recipe"].block_swap is None
+    assert swap.moves_in == 3 * 2 + 2  # 3 steps (forward + recomputation), then the 2-step final sample
+
+
+@pytest.mark.train
+def test_resume_over_an_nf4_base_equals_uninterrupted(tiny_models, dataset, tmp_path):
+    """A checkpoint holds the adapters only; the resumed run quantizes the same base the same way."""
+    import json
+
+    from safetensors.torch import load_file
+    from sdplan.trainer import checkpoint, run
+
+    from sdplan import config
+
+    _needs("nf4")
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+
+    def cfg(out, *extra):
+        data = {
+            "method": "lora",
+            "model": {"path": str(tiny_models["flux-dev"]), "family": "flux-dev", "base_precision": "nf4"},
+            "data": {"path": str(dataset), "resolution": 64},
+            "training": {"batch_size": 2, "precision": "fp32", "max_steps": 4, "device": "cpu"},
+            "lora": {"rank": 4, "alpha": 8},
+            "memory": {"cache_text_encoder_outputs": True},
+            "output": {"dir": str(out), "name": "t"},
+            "checkpoints": {"every_steps": 0},
+        }
+        return config.validate(config.apply_overrides(data, list(extra)))
+
+    run.train(cfg(straight, "checkpoints.keep_every_steps=2"))
+    run.train(cfg(resumed), resume=str(checkpoint.checkpoint_root(straight) / "step-000002"))
+    kept = load_file(str(next(checkpoint.checkpoint_root(straight).glob("step-000002/*.safetensors"))))
+    assert kept and all(".lora_" in k for k in kept)  # no quantized base weights in the checkpoint
+
+    def losses(out):
+        return json.loads((out / "loss_history.json").read_text())["losses"]
+
+    assert len(losses(straight)) == 4 and losses(resumed) == losses(straight)
+    a = load_file(str(straight / "pytorch_lora_weights.safetensors"))
+    b = load_file(str(resumed / "pytorch_lora_weights.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -1,0 +1,276 @@
+"""A quantized frozen base for SD3.5 / FLUX.1 LoRA (issue 14): the transformer's block Linear weights stored at
+``model.base_precision`` (fp8 or nf4) under LoRA adapters that train in fp32.
+
+What is quantized is what the planner counts (``sdplan.planner.transformer_linears``): every ``nn.Linear`` inside
+``transformer_blocks`` / ``single_transformer_blocks`` (attention, feed-forward, modulation and the single
+blocks' fused projections). Embedders, the final norm and projection, biases elsewhere stay in the compute dtype.
+The text encoders stay as they are (the planner caches their outputs or keeps them in bf16).
+
+Which library, and why (checked against the packages' source and PyPI wheels, torch 2.13 CPU build):
+
+- nf4: bitsandbytes ``Linear4bit`` (NF4, blocks of 64 with one fp32 absmax each, no double quantization: the
+  0.5625 bytes per weight the planner assumes). It is QLoRA's own format; peft puts its 4-bit LoRA layer
+  (``peft.tuners.lora.bnb.Linear4bit``) on it when the model says ``is_loaded_in_4bit``, as diffusers'
+  ``BitsAndBytesConfig`` loading does; it is already sdplan's optional extra ``[bnb]`` (8-bit AdamW). Its PyPI
+  wheel carries CUDA kernels (compute capability 6.0+) and, since 0.46.0, CPU kernels for 4-bit
+  quantize/dequantize/gemv, so the same code trains on the CPU (the tests) as on an NVIDIA GPU.
+- fp8: torch's ``float8_e4m3fn`` storage, upcast layer by layer to the compute dtype for the matmul (kohya's
+  ``--fp8_base`` scheme), through diffusers' layerwise-casting hooks (``diffusers.hooks.apply_layerwise_casting``,
+  diffusers >= 0.33; diffusers keeps peft's LoRA layers out of the casting). bitsandbytes has no fp8 storage;
+  this needs no library beyond diffusers, and runs wherever torch casts float8 (any CUDA/ROCm GPU, the CPU).
+- not torchao: peft's torchao LoRA layer (``peft/tuners/lora/torchao.py``) accepts int8 weights only (a
+  TypeError for anything else), torchao's int4 kernels need CUDA, and its compiled parts are built for one torch
+  release at a time (the 0.18 wheel against a torch older than the 2.13 here).
+
+:func:`support_problem` is the one owner of what a machine needs for each precision; the launcher calls it on
+the probed machine snapshot before launch (no torch import there), the trainer on its own device.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+QUANTIZED = ("fp8", "nf4")
+BLOCK_PREFIXES = ("transformer_blocks.", "single_transformer_blocks.")
+NF4_BLOCKSIZE = 64  # bitsandbytes' default; the planner's bytes (0.5 + 4/64 per weight) assume it
+BITSANDBYTES_MIN = (0, 46)  # the first release whose PyPI wheel has CPU 4-bit kernels (backends/cpu/ops.py)
+DIFFUSERS_MIN = (0, 33)  # the first release with diffusers.hooks.apply_layerwise_casting
+NF4_MIN_CC = (6, 0)  # bitsandbytes installation guide: NF4/FP4 quantization needs compute capability 6.0+
+KEEP = "pin model.base_precision=bf16"
+
+
+def version_tuple(version: str | None) -> tuple[int, ...] | None:
+    """(major, minor, ...) of a version string ("0.50.2", "0.47.0.dev0"); None when absent or unreadable."""
+    if not version:
+        return None
+    parts = []
+    for piece in version.split("+")[0].split("."):
+        digits = "".join(c for c in piece if c.isdigit()) if piece[:1].isdigit() else ""
+        if not digits:
+            break
+        parts.append(int(digits))
+    return tuple(parts) or None
+
+
+def _dotted(v: tuple[int, ...]) -> str:
+    return ".".join(str(x) for x in v)
+
+
+def support_problem(
+    base_precision: str,
+    *,
+    family: str | None,
+    method: str,
+    deepspeed: bool,
+    device: str,
+    gpus: tuple[tuple[str, str | None], ...] = (),
+    bitsandbytes: str | None = None,
+    diffusers: str | None = None,
+) -> str | None:
+    """Why this run cannot train over a ``base_precision`` base: one line saying what is needed and the fix;
+    None when it can (bf16 always can). ``device``: "cpu", "cuda" or "rocm" (the torch build the run uses);
+    ``gpus``: (vendor, compute capability "8.9" or None) of the GPUs it trains on; ``bitsandbytes`` /
+    ``diffusers``: installed versions (None: not installed). Pure: no torch, no I/O."""
+    from sdplan import registry
+
+    if base_precision == "bf16":
+        return None
+    what = f"model.base_precision {base_precision}"
+    if base_precision not in QUANTIZED:
+        return f"{what}: not a base precision (bf16, fp8 or nf4)"
+    if family is not None and family not in registry.FLOW_FAMILIES:
+        return f"{what}: a quantized frozen base is for the SD3.5 / FLUX.1 transformers only, not {family}; {KEEP}"
+    if method != "lora":
+        return (
+            f"{what} with method {method}: only LoRA trains over a quantized frozen base (the other methods train "
+            f"the base's own weights); {KEEP}"
+        )
+    if deepspeed:
+        return f"{what} with DeepSpeed: not supported (DeepSpeed shards the base's weights); {KEEP} or drop deepspeed"
+    if base_precision == "fp8":
+        have = version_tuple(diffusers)
+        if have is None or have < DIFFUSERS_MIN:
+            return (
+                f"{what} needs diffusers >= {_dotted(DIFFUSERS_MIN)} (layerwise fp8 casting; found "
+                f"{diffusers or 'none'}): pip install -U diffusers, or {KEEP}"
+            )
+        return None
+    # nf4: bitsandbytes' 4-bit kernels on an NVIDIA GPU or the CPU
+    if device == "rocm" or any(vendor != "nvidia" for vendor, _ in gpus):
+        return (
+            f"{what} needs bitsandbytes' 4-bit kernels on an NVIDIA CUDA GPU (or the CPU); this run trains on "
+            f"AMD ROCm: pin model.base_precision=fp8 or bf16"
+        )
+    old = [cc for _, cc in gpus if (version_tuple(cc) or NF4_MIN_CC) < NF4_MIN_CC]
+    if old:
+        return (
+            f"{what} needs an NVIDIA GPU of compute capability {_dotted(NF4_MIN_CC)}+ for bitsandbytes' 4-bit "
+            f"kernels (this one: {old[0]}): pin model.base_precision=fp8 or bf16"
+        )
+    have = version_tuple(bitsandbytes)
+    if have is None or have < BITSANDBYTES_MIN:
+        found = f"found {bitsandbytes}" if bitsandbytes else "not installed"
+        return (
+            f"{what} needs bitsandbytes >= {_dotted(BITSANDBYTES_MIN)} ({found}): pip install -U 'sdplan[bnb]', "
+            "or pin model.base_precision=fp8 or bf16"
+        )
+    return None
+
+
+def check_run(cfg, family: str, device) -> None:
+    """:func:`support_problem` for this process (its torch device and installed packages): a UsageError."""
+    base = cfg.model.base_precision
+    if base == "bf16":
+        return
+    import importlib.metadata
+
+    import torch
+
+    from sdplan.errors import UsageError
+
+    def installed(name: str) -> str | None:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+    gpus: tuple[tuple[str, str | None], ...] = ()
+    kind = device.type
+    if kind == "cuda":
+        kind = "rocm" if torch.version.hip else "cuda"
+        if kind == "cuda":
+            major, minor = torch.cuda.get_device_capability(device)
+            gpus = (("nvidia", f"{major}.{minor}"),)
+    problem = support_problem(
+        base,
+        family=family,
+        method=cfg.method,
+        deepspeed=cfg.distributed.deepspeed is not None,
+        device=kind,
+        gpus=gpus,
+        bitsandbytes=installed("bitsandbytes"),
+        diffusers=installed("diffusers"),
+    )
+    if problem:
+        raise UsageError(problem)
+
+
+# -- quantizing a loaded transformer ------------------------------------------------------------------------
+
+
+def block_linears(model, prefixes: tuple[str, ...] = BLOCK_PREFIXES) -> list[str]:
+    """Names of the ``nn.Linear`` modules inside the transformer's blocks (what a quantized base stores);
+    ``prefixes=("",)``: every Linear of ``model`` (one block)."""
+    import torch
+
+    return [
+        name for name, m in model.named_modules() if type(m) is torch.nn.Linear and name.startswith(prefixes)
+    ]
+
+
+def _nf4_linear(linear, compute_dtype, device):
+    """A bitsandbytes Linear4bit holding ``linear``'s weight as NF4 (quantized as it moves to ``device``)."""
+    import bitsandbytes as bnb
+
+    q = bnb.nn.Linear4bit(
+        linear.in_features,
+        linear.out_features,
+        bias=linear.bias is not None,
+        compute_dtype=compute_dtype,
+        compress_statistics=False,
+        quant_type="nf4",
+        device="meta",
+    )
+    q.weight = bnb.nn.Params4bit(
+        linear.weight.data,
+        requires_grad=False,
+        blocksize=NF4_BLOCKSIZE,
+        compress_statistics=False,
+        quant_type="nf4",
+        module=q,
+    )
+    if linear.bias is not None:
+        q.bias = linear.bias
+    q.requires_grad_(False)
+    return q.to(device)
+
+
+def quantize_base(model, base_precision: str, device, compute_dtype, *, names=None) -> dict[str, Any]:
+    """Freeze ``model`` (a transformer on the CPU), store its block Linear weights (``names``: those Linear
+    layers instead; a block set aside for block swap passes all of its own) at ``base_precision`` on ``device``
+    one layer at a time (the device never holds the bf16 base), and move the rest there in ``compute_dtype``.
+    Returns {"quantized": n layers, "weight_bytes": bytes of those layers' stored weights}. LoRA goes on top
+    afterwards (``runtime.add_lora_adapters``)."""
+    import torch
+
+    if base_precision not in QUANTIZED:
+        raise ValueError(f"base precision {base_precision!r}: one of {QUANTIZED}")
+    model.requires_grad_(False)
+    current = next((p.dtype for p in model.parameters() if p.is_floating_point()), compute_dtype)
+    if current != compute_dtype:
+        model.to(dtype=compute_dtype)  # on the CPU: what stays unquantized, in the compute dtype
+    names = block_linears(model) if names is None else list(names)
+    if base_precision == "fp8":
+        from diffusers.hooks import apply_layerwise_casting
+
+    stored = 0
+    for name in names:
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        linear = getattr(parent, attr)
+        if base_precision == "nf4":
+            q = _nf4_linear(linear, compute_dtype, device)
+            setattr(parent, attr, q)
+            stored += q.weight.numel() * q.weight.element_size() + _quant_state_bytes(q.weight.quant_state)
+        else:
+            linear.to(device=device, dtype=torch.float8_e4m3fn)
+            # weight and bias stored in fp8, both upcast to the compute dtype around the layer's forward
+            apply_layerwise_casting(
+                linear,
+                storage_dtype=torch.float8_e4m3fn,
+                compute_dtype=compute_dtype,
+                skip_modules_pattern=None,
+            )
+            stored += linear.weight.numel() * linear.weight.element_size()
+    if base_precision == "nf4":
+        model.is_loaded_in_4bit = True  # peft then wraps Linear4bit in its 4-bit LoRA layer
+    model.to(device)  # no dtype: the stored fp8 / 4-bit weights stay as they are
+    return {"quantized": len(names), "weight_bytes": stored}
+
+
+def keep_out_of_ddp(model) -> list[str]:
+    """Leave the quantized base weights out of DistributedDataParallel's start-up broadcast: every process
+    loaded and quantized the same file the same way, they never get gradients, and gloo (the CPU backend)
+    cannot broadcast float8 at all ("Invalid scalar type"). Call after the adapters are on (peft renames the
+    wrapped layers' weights ``base_layer.weight``). Returns the names left out."""
+    import torch
+
+    names = [
+        name
+        for name, p in model.named_parameters()
+        if not p.requires_grad and (p.dtype == torch.float8_e4m3fn or type(p).__name__ == "Params4bit")
+    ]
+    if names:
+        torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, names)
+    return names
+
+
+def _quant_state_bytes(state) -> int:
+    """Bytes of a bitsandbytes QuantState's tensors (absmax per block, the NF4 code)."""
+    import torch
+
+    total = 0
+    for value in vars(state).values():
+        if isinstance(value, torch.Tensor):
+            total += value.numel() * value.element_size()
+    return total
+
+
+def describe(base_precision: str, summary: dict[str, Any]) -> str:
+    """One line for the run's log."""
+    n = summary["weight_bytes"]
+    size = f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
+    return (
+        f"frozen base: {summary['quantized']} transformer-block Linear layers stored at {base_precision} "
+        f"({size} of weights)"
+    )
