@@ -1884,7 +1884,7 @@ def frozen_text_encoder_bytes(model: ModelSpec, base_precision: str) -> float:
     ``--fp8_base`` (not ``--fp8_base_unet``) and casts every text encoder on the GPU to it; its
     ``prepare_text_encoder_fp8`` (flux_train_network.py) puts CLIP-L's embeddings and T5's Embedding / T5LayerNorm
     modules back to the bf16 weight dtype (the norms' few weights are not counted). The planner's fp8 base is
-    kohya's (the bundled trainer refuses quantized bases: sdplan/launcher.py), so 1 byte per weight + 1 more per
+    kohya's, and the bundled trainer's (trainer/quantize.py store_text_encoders_fp8), so 1 byte per weight + 1 more per
     embedding weight. bf16 and nf4 (diffusers QLoRA quantizes the transformer only): 2 bytes."""
     if base_precision != "fp8":
         return model.text_encoder_params * 2.0

@@ -267,6 +267,40 @@ def test_quantize_base_stores_every_block_linear_and_keeps_the_output_close(tiny
 # -- LoRA over a quantized base through the one loop ---------------------------------------------------------
 
 
+def test_an_fp8_base_stores_the_text_encoders_linears_in_fp8_and_keeps_embeddings_and_norms(tiny_models):
+    """kohya's --fp8_base (and the planner's frozen_text_encoder_bytes): the resident text encoders' Linear
+    weights in fp8, their embeddings and norms in the compute dtype; the outputs stay close to bf16's."""
+    from sdplan.trainer.quantize import store_text_encoders_fp8
+    from transformers import CLIPTextModel, T5EncoderModel
+
+    folder = tiny_models["flux-dev"]
+    encoders = [
+        CLIPTextModel.from_pretrained(str(folder / "text_encoder"), torch_dtype=torch.bfloat16).eval(),
+        T5EncoderModel.from_pretrained(str(folder / "text_encoder_2"), torch_dtype=torch.bfloat16).eval(),
+    ]
+    vocab = min(te.config.vocab_size for te in encoders)
+    ids = torch.randint(0, vocab, (1, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        before = [te(ids)[0].float() for te in encoders]
+    stored = store_text_encoders_fp8(encoders, torch.bfloat16)
+    for te in encoders:
+        for name, module in te.named_modules():
+            weight = getattr(module, "weight", None)
+            if isinstance(module, torch.nn.Linear):
+                assert weight.dtype == torch.float8_e4m3fn, name
+            elif weight is not None:  # embeddings, layer norms
+                assert weight.dtype == torch.bfloat16, name
+    linear_weights = sum(
+        m.weight.numel() for te in encoders for m in te.modules() if isinstance(m, torch.nn.Linear)
+    )
+    assert 0 < linear_weights <= stored  # 1 byte per Linear weight (and bias)
+    with torch.no_grad():
+        after = [te(ids)[0].float() for te in encoders]
+    for b, a in zip(before, after):
+        assert torch.isfinite(a).all()
+        assert float((a - b).norm() / b.norm()) < 0.2  # fp8 storage of random tiny weights: close, not equal
+
+
 def _train(model: Path, family: str, data: Path, out: Path, base: str, *extra: str):
     """LoRA on ``model`` over a ``base`` base; returns (summary, the transformer trained)."""
     from sdplan.trainer import loop

@@ -202,6 +202,8 @@ class Recipe:
             runtime.place(self.vae, self.device, dtypes["vae"])
         for te in self.text_encoders:
             runtime.place(te, self.device, dtypes["text_encoder"])
+        if self.cfg.model.base_precision == "fp8" and self.text_encoders:
+            quantize.store_text_encoders_fp8(self.text_encoders, dtypes["text_encoder"])
 
     def place_denoiser(self, dtype) -> None:
         """The UNet / transformer on the device in ``dtype``. SD3.5/FLUX LoRA: with ``model.base_precision`` fp8

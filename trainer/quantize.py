@@ -4,7 +4,10 @@
 What is quantized is what the planner counts (``sdplan.planner.transformer_linears``): every ``nn.Linear`` inside
 ``transformer_blocks`` / ``single_transformer_blocks`` (attention, feed-forward, modulation and the single
 blocks' fused projections). Embedders, the final norm and projection, biases elsewhere stay in the compute dtype.
-The text encoders stay as they are (the planner caches their outputs or keeps them in bf16).
+With fp8, the text encoders' Linear weights are stored in fp8 too (kohya's ``--fp8_base`` casts every resident
+text encoder to fp8 and puts the embeddings back: ``store_text_encoders_fp8``; what the planner counts in
+``sdplan.planner.frozen_text_encoder_bytes``); with nf4 they stay in the compute dtype (diffusers' QLoRA
+quantizes the transformer only).
 
 Which library, and why (checked against the packages' source and PyPI wheels, torch 2.13 CPU build):
 
@@ -236,6 +239,32 @@ def quantize_base(model, base_precision: str, device, compute_dtype, *, names=No
         model.is_loaded_in_4bit = True  # peft then wraps Linear4bit in its 4-bit LoRA layer
     model.to(device)  # no dtype: the stored fp8 / 4-bit weights stay as they are
     return {"quantized": len(names), "weight_bytes": stored}
+
+
+def store_text_encoders_fp8(text_encoders, compute_dtype) -> int:
+    """Store the frozen text encoders' Linear weights in fp8, upcast to ``compute_dtype`` around each layer's
+    forward (diffusers' layerwise-casting hook, as for the transformer); embeddings and norms keep the compute
+    dtype (kohya ``flux_train_network.py`` ``prepare_text_encoder_fp8`` puts them back). T5's feed-forward
+    casts its input to its output layer's weight dtype before calling it, so each T5 feed-forward block is cast
+    as one (its three Linears come up together; kohya replaces that forward instead). Returns bytes stored."""
+    import torch
+    from diffusers.hooks import apply_layerwise_casting_hook
+
+    fp8 = torch.float8_e4m3fn
+    stored = 0
+    for te in text_encoders:
+        te.requires_grad_(False)
+        whole: list[str] = []
+        for name, module in te.named_modules():
+            if any(name.startswith(w + ".") for w in whole):
+                continue  # inside a block cast as one
+            if type(module).__name__.startswith("T5Dense"):
+                whole.append(name)
+            elif not isinstance(module, torch.nn.Linear):
+                continue
+            apply_layerwise_casting_hook(module, fp8, compute_dtype, non_blocking=False)
+        stored += sum(p.numel() for p in te.parameters() if p.dtype == fp8)
+    return stored
 
 
 def keep_out_of_ddp(model) -> list[str]:
