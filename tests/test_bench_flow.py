@@ -12,6 +12,8 @@ from typer.testing import CliRunner
 from sdplan import bench, profiles, registry
 from sdplan.errors import UsageError
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 MACHINES = Path(__file__).parent / "fixtures" / "machines"
 
 
@@ -34,16 +36,6 @@ def store(monkeypatch, tmp_path) -> Path:
 
 
 TINY = bench.Effort(warmup_steps=0, timed_steps=1, max_batch=2)
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("family", ["sd35-medium", "flux-dev"])
