@@ -41,6 +41,17 @@ def _isolated_profile_store(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("SDPLAN_PROFILE_DIR", str(tmp_path_factory.mktemp("profile-store")))
 
 
+def fresh_profile_store(monkeypatch, tmp_path: Path) -> Path:
+    """Point the local profile store at an empty ``tmp_path/store`` and drop the loaded-profile cache; returns
+    the store's folder."""
+    from sdplan import profiles
+
+    root = tmp_path / "store"
+    monkeypatch.setenv("SDPLAN_PROFILE_DIR", str(root))
+    profiles.clear_cache()
+    return root
+
+
 @pytest.fixture(scope="session")
 def tiny_sd15(tmp_path_factory) -> Path:
     """A tiny SD 1.x-shaped diffusers folder (random weights, built in code)."""
