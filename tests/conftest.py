@@ -52,6 +52,29 @@ def fresh_profile_store(monkeypatch, tmp_path: Path) -> Path:
     return root
 
 
+def one_line_error(result, code: int, *needles: str) -> str:
+    """A CLI result that failed the house way: exit ``code``, exactly one ``error:`` line on stderr holding
+    each of ``needles``, no traceback; returns the line."""
+    assert result.exit_code == code, (result.exit_code, result.stdout, result.stderr)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert "Traceback" not in result.stdout + result.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    return lines[0]
+
+
+def digest(folder: Path) -> dict[str, str]:
+    """Every file under ``folder`` with the sha256 of its bytes."""
+    import hashlib
+
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
+
+
 @pytest.fixture(scope="session")
 def tiny_sd15(tmp_path_factory) -> Path:
     """A tiny SD 1.x-shaped diffusers folder (random weights, built in code)."""
