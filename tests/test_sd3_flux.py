@@ -207,7 +207,8 @@ def _delta_diffusers(diff, path):
     return b @ a * 8 / 4  # alpha 8, rank 4
 
 
-FLUX_TARGETS = [
+# The joint blocks' attention projections, image side and text side: FLUX's double blocks and SD3.5's alike.
+JOINT_ATTN_TARGETS = [
     "attn.to_q",
     "attn.to_k",
     "attn.to_v",
@@ -216,6 +217,10 @@ FLUX_TARGETS = [
     "attn.add_k_proj",
     "attn.add_v_proj",
     "attn.to_add_out",
+]
+
+FLUX_TARGETS = [
+    *JOINT_ATTN_TARGETS,
     "ff.net.0.proj",
     "ff.net.2",
     "ff_context.net.0.proj",
@@ -253,14 +258,7 @@ def test_flux_kohya_names_map_to_the_bfl_model_and_keep_every_delta(tiny_flow, d
 
 def test_sd35_kohya_names_map_to_the_mmdit_and_keep_every_delta(tiny_flow, demo_dataset, tmp_path):
     targets = [
-        "attn.to_q",
-        "attn.to_k",
-        "attn.to_v",
-        "attn.to_out.0",
-        "attn.add_q_proj",
-        "attn.add_k_proj",
-        "attn.add_v_proj",
-        "attn.to_add_out",
+        *JOINT_ATTN_TARGETS,
         "attn2.to_q",
         "attn2.to_k",
         "attn2.to_v",
