@@ -5,8 +5,14 @@ from __future__ import annotations
 import os
 import signal
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from sdplan.config import TrainConfig
 
 FIXTURES = Path(__file__).parent / "fixtures"
 MACHINES = FIXTURES / "machines"
@@ -33,6 +39,40 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
 def _isolated_profile_store(tmp_path_factory, monkeypatch):
     """Local measurements go to a per-test folder, never the developer's real profile store."""
     monkeypatch.setenv("SDPLAN_PROFILE_DIR", str(tmp_path_factory.mktemp("profile-store")))
+
+
+def fresh_profile_store(monkeypatch, tmp_path: Path) -> Path:
+    """Point the local profile store at an empty ``tmp_path/store`` and drop the loaded-profile cache; returns
+    the store's folder."""
+    from sdplan import profiles
+
+    root = tmp_path / "store"
+    monkeypatch.setenv("SDPLAN_PROFILE_DIR", str(root))
+    profiles.clear_cache()
+    return root
+
+
+def one_line_error(result, code: int, *needles: str) -> str:
+    """A CLI result that failed the house way: exit ``code``, exactly one ``error:`` line on stderr holding
+    each of ``needles``, no traceback; returns the line."""
+    assert result.exit_code == code, (result.exit_code, result.stdout, result.stderr)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert "Traceback" not in result.stdout + result.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    return lines[0]
+
+
+def digest(folder: Path) -> dict[str, str]:
+    """Every file under ``folder`` with the sha256 of its bytes."""
+    import hashlib
+
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
 
 
 @pytest.fixture(scope="session")
@@ -72,3 +112,106 @@ def make_images(
 @pytest.fixture
 def image_folder(tmp_path) -> Path:
     return make_images(tmp_path / "dataset")
+
+
+# -- modules that train tiny models in this process -----------------------------------------------------------
+
+# The SD3.5 and FLUX.1 families, spelled out here (test_sd3_flux checks the registry lists the same ones).
+FLOW = ("sd35-medium", "sd35-large", "flux-dev", "flux-schnell")
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """The tiny models train ~5x faster on one thread than on two contended ones."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
+def fresh_accelerator_state():
+    """accelerate keeps one AcceleratorState per process (a real run is one process per run); tests that
+    train in-process with another precision need it cleared."""
+    yield
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+# `pytestmark = trains_in_process` in a module that trains in-process: one torch thread for the module, a fresh
+# accelerate state after each test.
+trains_in_process = pytest.mark.usefixtures("one_torch_thread", "fresh_accelerator_state")
+
+
+def tiny_train_config(
+    model: Path,
+    data: Path,
+    out: Path,
+    *overrides: str,
+    method: str = "lora",
+    family: str | None = None,
+    name: str | None = None,
+    learning_rate: float = 1e-3,
+    max_steps: int = 2,
+    lora: bool = True,
+) -> TrainConfig:
+    """A validated config for a tiny model on the CPU: 64 px, batch 2, fp32, no checkpoints, 2-step sampling; a
+    rank-4 LoRA section unless ``lora`` is False; ``family``/``name`` set only where given; ``overrides`` as on
+    the command line."""
+    from sdplan import config
+
+    base = {
+        "method": method,
+        "model": {"path": str(model)} if family is None else {"path": str(model), "family": family},
+        "data": {"path": str(data), "resolution": 64},
+        "training": {
+            "batch_size": 2,
+            "precision": "fp32",
+            "learning_rate": learning_rate,
+            "max_steps": max_steps,
+            "device": "cpu",
+        },
+    }
+    if lora:
+        base["lora"] = {"rank": 4, "alpha": 8}
+    base["output"] = {"dir": str(out)} if name is None else {"dir": str(out), "name": name}
+    base["checkpoints"] = {"every_steps": 0}
+    base["sampling"] = {"num_inference_steps": 2, "guidance_scale": 1.0}
+    return config.validate(config.apply_overrides(base, list(overrides)))
+
+
+def generate_64px(pipe) -> np.ndarray:
+    """The pipeline's images for the demo prompt: 2 steps, 64 px, seed 0, as numpy."""
+    import torch
+
+    pipe.set_progress_bar_config(disable=True)
+    out = pipe(
+        "a photo of sks red square",
+        num_inference_steps=2,
+        height=64,
+        width=64,
+        generator=torch.Generator().manual_seed(0),
+        output_type="np",
+    )
+    return out.images
+
+
+@pytest.fixture(scope="module")
+def tiny_flow(tmp_path_factory) -> dict[str, Path]:
+    """family -> a tiny diffusers folder of that family (built once per module)."""
+    from sdplan.trainer.tiny import save_tiny_model
+
+    root = tmp_path_factory.mktemp("tiny-flow")
+    return {f: save_tiny_model(root / f, f) for f in FLOW}
+
+
+@pytest.fixture(scope="module")
+def demo_dataset(tmp_path_factory) -> Path:
+    """The demo's captioned dataset, 4 images (built once per module)."""
+    from sdplan.demo import make_dataset
+
+    return make_dataset(tmp_path_factory.mktemp("data") / "ds", n=4)

@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 import pytest
-from conftest import make_images
+from conftest import make_images, one_line_error
 from typer.testing import CliRunner
 
 from sdplan.cli import app
@@ -20,16 +20,6 @@ runner = CliRunner()
 
 def cli(*args: str):
     return runner.invoke(app, list(args))
-
-
-def one_line_error(result, code: int, *needles: str) -> str:
-    assert result.exit_code == code, (result.exit_code, result.stdout, result.stderr)
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
-    assert "Traceback" not in result.stdout + result.stderr
-    for needle in needles:
-        assert needle in lines[0], lines[0]
-    return lines[0]
 
 
 @pytest.fixture

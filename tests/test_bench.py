@@ -9,11 +9,11 @@ from __future__ import annotations
 import subprocess
 import sys
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import typer
 import yaml
+from conftest import MACHINES, fresh_profile_store
 from typer.testing import CliRunner
 
 from sdplan import bench, profiles
@@ -22,7 +22,6 @@ from sdplan.commands import profiles as profiles_cmd
 from sdplan.errors import ConfigError, UsageError
 from sdplan.machine import Snapshot
 
-MACHINES = Path(__file__).parent / "fixtures" / "machines"
 TINY = bench.Effort(warmup_steps=0, timed_steps=1, max_batch=4)
 
 
@@ -32,13 +31,6 @@ def cli() -> typer.Typer:
     app.command("bench")(bench_cmd.bench)
     app.add_typer(profiles_cmd.profiles_app, name="profiles")
     return app
-
-
-def store(monkeypatch, tmp_path) -> Path:
-    root = tmp_path / "store"
-    monkeypatch.setenv("SDPLAN_PROFILE_DIR", str(root))
-    profiles.clear_cache()
-    return root
 
 
 # -- the batch search (pure) ------------------------------------------------------------------------------
@@ -75,7 +67,7 @@ def test_search_with_a_cap_that_is_not_a_power_of_two():
 
 
 def test_demo_bench_writes_points_the_planner_loader_accepts(tmp_path, monkeypatch):
-    root = store(monkeypatch, tmp_path)
+    root = fresh_profile_store(monkeypatch, tmp_path)
     seen = []
     results = bench.run_bench(
         [bench.demo_request("lora")], demo=True, store_dir=root, on_result=seen.append, effort=TINY
@@ -105,7 +97,7 @@ def test_demo_bench_writes_points_the_planner_loader_accepts(tmp_path, monkeypat
 
 @pytest.mark.parametrize("method", ["dreambooth", "finetune", "textual-inversion"])
 def test_demo_bench_runs_every_method(tmp_path, monkeypatch, method):
-    root = store(monkeypatch, tmp_path)
+    root = fresh_profile_store(monkeypatch, tmp_path)
     req = bench.BenchRequest(
         method=method,
         model="sd15",
@@ -163,7 +155,7 @@ def test_cached_text_encoder_outputs_need_frozen_encoders():
 
 
 def test_simulated_oom_ends_the_search_at_the_last_fitting_batch(tmp_path, monkeypatch):
-    root = store(monkeypatch, tmp_path)
+    root = fresh_profile_store(monkeypatch, tmp_path)
     monkeypatch.setenv(bench.OOM_HOOK_ENV, "2")
     (res,) = bench.run_bench(
         [bench.demo_request("lora")], demo=True, store_dir=root, effort=bench.Effort(0, 1, 8)
@@ -181,7 +173,7 @@ def test_simulated_oom_ends_the_search_at_the_last_fitting_batch(tmp_path, monke
 
 
 def test_oom_at_batch_one_means_nothing_fits(tmp_path, monkeypatch):
-    root = store(monkeypatch, tmp_path)
+    root = fresh_profile_store(monkeypatch, tmp_path)
     monkeypatch.setenv(bench.OOM_HOOK_ENV, "0")
     (res,) = bench.run_bench([bench.demo_request("lora")], demo=True, store_dir=root, effort=TINY)
     assert (res.max_batch, res.bounded_by) == (0, "oom")
@@ -191,7 +183,7 @@ def test_oom_at_batch_one_means_nothing_fits(tmp_path, monkeypatch):
 def test_weights_that_do_not_fit_are_recorded_not_raised(tmp_path, monkeypatch):
     import torch
 
-    root = store(monkeypatch, tmp_path)
+    root = fresh_profile_store(monkeypatch, tmp_path)
 
     def no_room(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
@@ -212,7 +204,7 @@ def test_bad_oom_hook_value_is_a_usage_error(monkeypatch, tmp_path):
 
 
 def test_ctrl_c_keeps_what_was_measured(tmp_path, monkeypatch):
-    root = store(monkeypatch, tmp_path)
+    root = fresh_profile_store(monkeypatch, tmp_path)
 
     def stop_after_two(point):
         if point.batch == 2:
@@ -232,7 +224,7 @@ def test_ctrl_c_keeps_what_was_measured(tmp_path, monkeypatch):
 
 
 def test_remeasuring_replaces_points_with_the_same_id(tmp_path, monkeypatch):
-    root = store(monkeypatch, tmp_path)
+    root = fresh_profile_store(monkeypatch, tmp_path)
     effort = bench.Effort(0, 1, 2)
     bench.run_bench([bench.demo_request()], demo=True, store_dir=root, effort=effort)
     bench.run_bench([bench.demo_request()], demo=True, store_dir=root, effort=effort)
@@ -241,7 +233,7 @@ def test_remeasuring_replaces_points_with_the_same_id(tmp_path, monkeypatch):
 
 
 def test_a_broken_store_file_is_never_overwritten(tmp_path, monkeypatch):
-    root = store(monkeypatch, tmp_path)
+    root = fresh_profile_store(monkeypatch, tmp_path)
     broken = root / "methods" / "lora.yaml"
     broken.parent.mkdir(parents=True)
     broken.write_text("schema_version: 1\nmethod: lora\npoints: [{id: x, bogus: 1}]\n")
@@ -285,7 +277,7 @@ def _gpu_bench_points(req: bench.BenchRequest, gpu: str, memory_bytes: int, batc
 def test_bench_points_make_the_planner_report_basis_measured(tmp_path, monkeypatch):
     from sdplan import planner
 
-    root = store(monkeypatch, tmp_path)
+    root = fresh_profile_store(monkeypatch, tmp_path)
     snap = Snapshot.load(MACHINES / "rtx3060_12gb.json")
     request = planner.Request(method="lora", model="sd15")
     before = planner.plan(snap, profiles.load_profiles(local=root), request)
@@ -306,7 +298,7 @@ def test_bench_points_make_the_planner_report_basis_measured(tmp_path, monkeypat
 
 
 def test_default_selection_skips_what_is_measured_on_this_gpu(tmp_path, monkeypatch):
-    root = store(monkeypatch, tmp_path)
+    root = fresh_profile_store(monkeypatch, tmp_path)
     snap = Snapshot.load(MACHINES / "rtx3060_12gb.json")
     first = bench.select_requests(store_dir=root, snapshot=snap)
     cases = {(r.method, r.model, r.resolution) for r in first.requests}
@@ -343,7 +335,7 @@ def test_selection_rejects_bad_names():
 
 
 def test_bench_demo_command_prints_a_table_and_saves(tmp_path, monkeypatch):
-    root = store(monkeypatch, tmp_path)
+    root = fresh_profile_store(monkeypatch, tmp_path)
     monkeypatch.setenv(bench.OOM_HOOK_ENV, "2")
     result = CliRunner().invoke(cli(), ["bench", "--demo", "--store", str(root)], env={"COLUMNS": "200"})
     assert result.exit_code == 0, result.output
@@ -355,7 +347,7 @@ def test_bench_demo_command_prints_a_table_and_saves(tmp_path, monkeypatch):
 
 
 def test_demo_points_stay_out_of_the_planners_store_by_default(tmp_path, monkeypatch):
-    root = store(monkeypatch, tmp_path)
+    root = fresh_profile_store(monkeypatch, tmp_path)
     result = CliRunner().invoke(cli(), ["bench", "--demo"], env={"COLUMNS": "200"})
     assert result.exit_code == 0, result.output
     assert (root / "demo" / "methods" / "lora.yaml").is_file()
@@ -368,14 +360,14 @@ def test_bench_without_a_gpu_says_so(tmp_path, monkeypatch):
 
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
-    store(monkeypatch, tmp_path)
+    fresh_profile_store(monkeypatch, tmp_path)
     result = CliRunner().invoke(cli(), ["bench", "--quick"])
     assert result.exit_code == 4
     assert "no usable GPU" in result.output and "--demo" in result.output
 
 
 def test_profiles_lists_shipped_and_local(tmp_path, monkeypatch):
-    root = store(monkeypatch, tmp_path)
+    root = fresh_profile_store(monkeypatch, tmp_path)
     snap = Snapshot.load(MACHINES / "rtx3060_12gb.json")
     req = bench.select_requests(["lora"], ["sd15"], store_dir=root, snapshot=snap).requests[0]
     bench.write_points(
@@ -399,7 +391,7 @@ def test_profiles_lists_shipped_and_local(tmp_path, monkeypatch):
 
 
 def test_profiles_export_writes_a_shareable_file_and_refuses_overwrite(tmp_path, monkeypatch):
-    root = store(monkeypatch, tmp_path)
+    root = fresh_profile_store(monkeypatch, tmp_path)
     snap = Snapshot.load(MACHINES / "rtx3060_12gb.json")
     req = bench.select_requests(["lora"], ["sd15"], store_dir=root, snapshot=snap).requests[0]
     gpu = snap.gpus[0]
@@ -434,7 +426,7 @@ def test_profiles_export_writes_a_shareable_file_and_refuses_overwrite(tmp_path,
 
 
 def test_profiles_export_with_nothing_measured(tmp_path, monkeypatch):
-    root = store(monkeypatch, tmp_path)
+    root = fresh_profile_store(monkeypatch, tmp_path)
     result = CliRunner().invoke(cli(), ["profiles", "export", str(tmp_path / "x.yaml")])
     assert result.exit_code == 2 and "no local measurements" in result.output
     bench.run_bench([bench.demo_request()], demo=True, store_dir=root, effort=bench.Effort(0, 1, 1))
@@ -453,7 +445,7 @@ def test_commands_import_no_torch():
 
 
 def test_profiles_reports_a_broken_local_file_in_one_line(tmp_path, monkeypatch):
-    root = store(monkeypatch, tmp_path)
+    root = fresh_profile_store(monkeypatch, tmp_path)
     bad = root / "methods" / "lora.yaml"
     bad.parent.mkdir(parents=True)
     bad.write_text("schema_version: 1\nmethod: lora\npoints: [{id: x, bogus: 1}]\n")
@@ -466,7 +458,7 @@ def test_profiles_reports_a_broken_local_file_in_one_line(tmp_path, monkeypatch)
 def test_a_bench_oom_point_rules_that_configuration_out(tmp_path, monkeypatch):
     from sdplan import planner
 
-    root = store(monkeypatch, tmp_path)
+    root = fresh_profile_store(monkeypatch, tmp_path)
     snap = Snapshot.load(MACHINES / "rtx3060_12gb.json")
     request = planner.Request(method="lora", model="sd15")
     chosen = planner.plan(snap, profiles.load_profiles(local=root), request).plan

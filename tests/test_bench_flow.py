@@ -4,15 +4,14 @@ leanest LoRA configuration; the full-size networks are built from profiles/model
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
+from conftest import MACHINES, fresh_profile_store
 from typer.testing import CliRunner
 
 from sdplan import bench, profiles, registry
 from sdplan.errors import UsageError
 
-MACHINES = Path(__file__).parent / "fixtures" / "machines"
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def cli():
@@ -26,29 +25,12 @@ def cli():
     return app
 
 
-def store(monkeypatch, tmp_path) -> Path:
-    root = tmp_path / "store"
-    monkeypatch.setenv("SDPLAN_PROFILE_DIR", str(root))
-    profiles.clear_cache()
-    return root
-
-
 TINY = bench.Effort(warmup_steps=0, timed_steps=1, max_batch=2)
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("family", ["sd35-medium", "flux-dev"])
 def test_demo_bench_measures_the_tiny_flow_model_through_the_recipe(tmp_path, monkeypatch, family):
-    root = store(monkeypatch, tmp_path)
+    root = fresh_profile_store(monkeypatch, tmp_path)
     sel = bench.select_requests(["lora"], [family], demo=True)
     (req,) = sel.requests
     assert req.model == family and req.resolution == bench.DEMO_RESOLUTION
@@ -95,7 +77,7 @@ def test_demo_harness_steps_the_flow_objective_and_trains_only_the_adapter(tmp_p
 
 @pytest.mark.parametrize("method", ["finetune", "dreambooth"])
 def test_demo_bench_runs_the_full_weight_methods_on_sd35(tmp_path, monkeypatch, method):
-    root = store(monkeypatch, tmp_path)
+    root = fresh_profile_store(monkeypatch, tmp_path)
     sel = bench.select_requests([method], ["sd35-large"], demo=True)
     (res,) = bench.run_bench(sel.requests, demo=True, store_dir=root, effort=bench.Effort(0, 1, 1))
     assert res.max_batch == 1 and res.points[0].fits
@@ -139,7 +121,7 @@ def test_full_size_flow_components_come_from_the_profiles_on_the_meta_device(tmp
 
 
 def test_bench_demo_command_takes_a_flow_model(tmp_path, monkeypatch):
-    root = store(monkeypatch, tmp_path)
+    root = fresh_profile_store(monkeypatch, tmp_path)
     result = CliRunner().invoke(
         cli(),
         ["bench", "--demo", "--model", "flux-schnell", "--quick", "--store", str(root)],

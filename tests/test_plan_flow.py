@@ -28,6 +28,19 @@ def prof():
     return load_profiles()
 
 
+def _flux_fp8_lora() -> Settings:
+    """FLUX.1 [dev] LoRA at 1024 px on an fp8 base: checkpointing, latents and text-encoder outputs cached."""
+    return Settings(
+        method="lora",
+        model="flux-dev",
+        resolution=1024,
+        gradient_checkpointing=True,
+        cache_latents=True,
+        cache_text_encoder_outputs=True,
+        base_precision="fp8",
+    )
+
+
 def _plan(prof, gpu: str, family: str, resolution: int | None = None, **kw):
     hw = P.hardware_from_catalog(prof.find_gpu(gpu))
     return P.plan(hw, prof, P.Request(method="lora", model=family, resolution=resolution, **kw))
@@ -82,15 +95,7 @@ def test_without_block_swap_small_cards_need_a_quantized_base(prof):
 def test_block_swap_moves_the_swapped_blocks_to_host_ram(prof):
     for family, most in P.MAX_BLOCKS_TO_SWAP.items():
         assert P.max_blocks_to_swap(prof.model(family)) == most
-    base = Settings(
-        method="lora",
-        model="flux-dev",
-        resolution=1024,
-        gradient_checkpointing=True,
-        cache_latents=True,
-        cache_text_encoder_outputs=True,
-        base_precision="fp8",
-    )
+    base = _flux_fp8_lora()
     swapped = Settings(**{**base.__dict__, "blocks_to_swap": 16})
     moved = P.swapped_block_bytes(prof.model("flux-dev"), swapped)
     d = 3072
@@ -132,15 +137,7 @@ def test_quantized_base_bytes_follow_the_storage_formats(prof):
 
 
 def test_memory_parts_move_with_each_knob(prof):
-    base = Settings(
-        method="lora",
-        model="flux-dev",
-        resolution=1024,
-        gradient_checkpointing=True,
-        cache_latents=True,
-        cache_text_encoder_outputs=True,
-        base_precision="fp8",
-    )
+    base = _flux_fp8_lora()
     m = P.memory(prof, base)
     te = P.memory(prof, Settings(**{**base.__dict__, "cache_text_encoder_outputs": False}))
     # kohya's --fp8_base also stores the resident text encoders in fp8 (embeddings in bf16)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -94,17 +95,17 @@ def test_compute_activations_counts_match_the_profile(prof):
 # -- gradients freed between steps vs autocast's half copies ------------------------------------------------
 
 
-def _db_te(**kw) -> Settings:
-    base = dict(
-        method="dreambooth",
-        model="sd15",
-        resolution=512,
-        precision="fp16",
-        gradient_checkpointing=True,
-        optimizer="adamw8bit",
-        train_text_encoder=True,
-    )
-    return Settings(**{**base, **kw})
+# DreamBooth of SD 1.5 with its text encoder; a keyword changes a field.
+_db_te = partial(
+    Settings,
+    method="dreambooth",
+    model="sd15",
+    resolution=512,
+    precision="fp16",
+    gradient_checkpointing=True,
+    optimizer="adamw8bit",
+    train_text_encoder=True,
+)
 
 
 def test_freed_gradients_do_not_coexist_with_autocast_copies(prof):
@@ -359,16 +360,16 @@ def test_calibration_uses_profile_speeds_only(prof):
 # -- issue 10 (planner v2): defects found on the worst out-of-sample errors --------------------------------
 
 
-def _flux(**kw) -> Settings:
-    base = dict(
-        method="lora",
-        model="flux-dev",
-        resolution=1024,
-        precision="bf16",
-        lora_rank=4,
-        gradient_checkpointing=True,
-    )
-    return Settings(**{**base, **kw})
+# A rank-4 FLUX.1 [dev] LoRA at 1024 px, bf16, checkpointing; a keyword changes a field.
+_flux = partial(
+    Settings,
+    method="lora",
+    model="flux-dev",
+    resolution=1024,
+    precision="bf16",
+    lora_rank=4,
+    gradient_checkpointing=True,
+)
 
 
 @pytest.mark.parametrize(

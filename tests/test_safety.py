@@ -5,7 +5,6 @@ the working folder holds, one run per folder at a time, and the trainer dies wit
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import signal
@@ -16,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import make_images
+from conftest import digest, make_images, one_line_error
 from typer.testing import CliRunner
 
 from sdplan import runfolder
@@ -29,25 +28,6 @@ runner = CliRunner()
 
 def cli(*args: str):
     return runner.invoke(app, list(args))
-
-
-def digest(folder: Path) -> dict[str, str]:
-    """Every file under ``folder`` with the sha256 of its bytes."""
-    return {
-        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in sorted(folder.rglob("*"))
-        if p.is_file()
-    }
-
-
-def one_line_error(result, code: int, *needles: str) -> str:
-    assert result.exit_code == code, (result.exit_code, result.stdout, result.stderr)
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
-    assert "Traceback" not in result.stdout + result.stderr
-    for needle in needles:
-        assert needle in lines[0], lines[0]
-    return lines[0]
 
 
 # -- item 2: --force deletes only what the manifest proves sdplan wrote ----------------------------------------

@@ -9,78 +9,20 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import FLOW, generate_64px, tiny_train_config, trains_in_process
 from limits import scaled
 
 from sdplan import config, registry
 from sdplan.errors import UsageError
 
-FLOW = ("sd35-medium", "sd35-large", "flux-dev", "flux-schnell")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(autouse=True)
-def _fresh_accelerator_state():
-    yield
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
-
-
-@pytest.fixture(scope="module")
-def tiny_flow(tmp_path_factory):
-    """family -> a tiny diffusers folder of that family (built once per module)."""
-    from sdplan.trainer.tiny import save_tiny_model
-
-    root = tmp_path_factory.mktemp("tiny-flow")
-    return {f: save_tiny_model(root / f, f) for f in FLOW}
-
-
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory) -> Path:
-    from sdplan.demo import make_dataset
-
-    return make_dataset(tmp_path_factory.mktemp("data") / "ds", n=4)
+pytestmark = trains_in_process
 
 
 def _cfg(model: Path, family: str, data: Path, out: Path, *overrides: str) -> config.TrainConfig:
-    base = {
-        "method": "lora",
-        "model": {"path": str(model), "family": family},
-        "data": {"path": str(data), "resolution": 64},
-        "training": {
-            "batch_size": 2,
-            "precision": "fp32",
-            "learning_rate": 1e-2,
-            "max_steps": 3,
-            "device": "cpu",
-        },
-        "lora": {"rank": 4, "alpha": 8},
-        "output": {"dir": str(out), "name": "t"},
-        "checkpoints": {"every_steps": 0},
-        "sampling": {"num_inference_steps": 2, "guidance_scale": 1.0},
-    }
-    return config.validate(config.apply_overrides(base, list(overrides)))
-
-
-def _generate(pipe) -> np.ndarray:
-    pipe.set_progress_bar_config(disable=True)
-    out = pipe(
-        "a photo of sks red square",
-        num_inference_steps=2,
-        height=64,
-        width=64,
-        generator=torch.Generator().manual_seed(0),
-        output_type="np",
+    """A rank-4 LoRA of ``family``, lr 1e-2, 3 steps, outputs named "t"."""
+    return tiny_train_config(
+        model, data, out, *overrides, family=family, name="t", learning_rate=1e-2, max_steps=3
     )
-    return out.images
 
 
 # -- registry and planner ---------------------------------------------------------------------------------
@@ -203,7 +145,7 @@ def test_text_conditioning_matches_the_pipeline_encode_prompt(tiny_flow, family)
     "family",
     ["sd35-medium", "sd35-large", "flux-dev", "flux-schnell"],
 )
-def test_lora_trains_and_loads_back_into_the_pipeline(tiny_flow, dataset, tmp_path, family):
+def test_lora_trains_and_loads_back_into_the_pipeline(tiny_flow, demo_dataset, tmp_path, family):
     from diffusers import DiffusionPipeline
     from safetensors import safe_open
     from sdplan.trainer import run
@@ -215,7 +157,7 @@ def test_lora_trains_and_loads_back_into_the_pipeline(tiny_flow, dataset, tmp_pa
             "memory.gradient_checkpointing=true",
             "memory.cache_latents=true",
         ]
-    cfg = _cfg(tiny_flow[family], family, dataset, tmp_path / "out", *extra)
+    cfg = _cfg(tiny_flow[family], family, demo_dataset, tmp_path / "out", *extra)
     summary = run.train(cfg)
     assert summary["steps"] == 3 and math.isfinite(summary["final_loss"])
     lora = tmp_path / "out" / "pytorch_lora_weights.safetensors"
@@ -228,13 +170,13 @@ def test_lora_trains_and_loads_back_into_the_pipeline(tiny_flow, dataset, tmp_pa
         want |= {"ff.net.2", "ff_context.net.0.proj"}
     assert all(any(f".{w}.lora_A" in k for k in keys) for w in want)
     pipe = DiffusionPipeline.from_pretrained(str(tiny_flow[family]))
-    base = _generate(pipe)
+    base = generate_64px(pipe)
     pipe.load_lora_weights(str(tmp_path / "out"))
-    assert float(np.abs(_generate(pipe) - base).max()) > 1e-3
+    assert float(np.abs(generate_64px(pipe) - base).max()) > 1e-3
     assert (tmp_path / "out" / "samples" / "final.png").is_file()
 
 
-def _kohya_and_diffusers(tiny_flow, dataset, tmp_path, family, targets):
+def _kohya_and_diffusers(tiny_flow, demo_dataset, tmp_path, family, targets):
     """Train ``targets`` a few steps; (kohya tensors, diffusers tensors, kohya module names, transformer config,
     expected ComfyUI names)."""
     import json
@@ -244,7 +186,7 @@ def _kohya_and_diffusers(tiny_flow, dataset, tmp_path, family, targets):
     from sdplan.trainer.flow_kohya import kohya_name, original_module_names
 
     out = tmp_path / "out"
-    cfg = _cfg(tiny_flow[family], family, dataset, out, f"lora.target_modules=[{','.join(targets)}]")
+    cfg = _cfg(tiny_flow[family], family, demo_dataset, out, f"lora.target_modules=[{','.join(targets)}]")
     run.train(cfg)
     kohya = load_file(str(out / "t.kohya.safetensors"))
     diff = load_file(str(out / "pytorch_lora_weights.safetensors"))
@@ -265,7 +207,8 @@ def _delta_diffusers(diff, path):
     return b @ a * 8 / 4  # alpha 8, rank 4
 
 
-FLUX_TARGETS = [
+# The joint blocks' attention projections, image side and text side: FLUX's double blocks and SD3.5's alike.
+JOINT_ATTN_TARGETS = [
     "attn.to_q",
     "attn.to_k",
     "attn.to_v",
@@ -274,6 +217,10 @@ FLUX_TARGETS = [
     "attn.add_k_proj",
     "attn.add_v_proj",
     "attn.to_add_out",
+]
+
+FLUX_TARGETS = [
+    *JOINT_ATTN_TARGETS,
     "ff.net.0.proj",
     "ff.net.2",
     "ff_context.net.0.proj",
@@ -283,9 +230,9 @@ FLUX_TARGETS = [
 ]
 
 
-def test_flux_kohya_names_map_to_the_bfl_model_and_keep_every_delta(tiny_flow, dataset, tmp_path):
+def test_flux_kohya_names_map_to_the_bfl_model_and_keep_every_delta(tiny_flow, demo_dataset, tmp_path):
     kohya, diff, modules, tconfig, names = _kohya_and_diffusers(
-        tiny_flow, dataset, tmp_path, "flux-dev", FLUX_TARGETS
+        tiny_flow, demo_dataset, tmp_path, "flux-dev", FLUX_TARGETS
     )
     assert modules <= names, sorted(modules - names)
     assert "lora_unet_double_blocks_0_img_attn_qkv" in modules
@@ -309,16 +256,9 @@ def test_flux_kohya_names_map_to_the_bfl_model_and_keep_every_delta(tiny_flow, d
     assert len(modules) == n_diff - folded
 
 
-def test_sd35_kohya_names_map_to_the_mmdit_and_keep_every_delta(tiny_flow, dataset, tmp_path):
+def test_sd35_kohya_names_map_to_the_mmdit_and_keep_every_delta(tiny_flow, demo_dataset, tmp_path):
     targets = [
-        "attn.to_q",
-        "attn.to_k",
-        "attn.to_v",
-        "attn.to_out.0",
-        "attn.add_q_proj",
-        "attn.add_k_proj",
-        "attn.add_v_proj",
-        "attn.to_add_out",
+        *JOINT_ATTN_TARGETS,
         "attn2.to_q",
         "attn2.to_k",
         "attn2.to_v",
@@ -331,7 +271,7 @@ def test_sd35_kohya_names_map_to_the_mmdit_and_keep_every_delta(tiny_flow, datas
         "norm1_context.linear",
     ]
     kohya, diff, modules, _, names = _kohya_and_diffusers(
-        tiny_flow, dataset, tmp_path, "sd35-medium", targets
+        tiny_flow, demo_dataset, tmp_path, "sd35-medium", targets
     )
     assert modules == names  # every module of the tiny MMDiT-X (dual attention in block 0) and nothing else
     for fused, prefix in (
@@ -352,13 +292,13 @@ def test_sd35_kohya_names_map_to_the_mmdit_and_keep_every_delta(tiny_flow, datas
     )
 
 
-def test_flow_families_refuse_textual_inversion_and_noise_offset(tiny_flow, dataset, tmp_path):
+def test_flow_families_refuse_textual_inversion_and_noise_offset(tiny_flow, demo_dataset, tmp_path):
     from sdplan.trainer import run
 
     cfg = _cfg(
         tiny_flow["flux-schnell"],
         "flux-schnell",
-        dataset,
+        demo_dataset,
         tmp_path / "o",
         "method=textual-inversion",
         "textual_inversion.token=<sks>",
@@ -367,7 +307,7 @@ def test_flow_families_refuse_textual_inversion_and_noise_offset(tiny_flow, data
     with pytest.raises(UsageError, match="does lora, finetune, dreambooth"):
         run.train(cfg)
     cfg = _cfg(
-        tiny_flow["flux-schnell"], "flux-schnell", dataset, tmp_path / "o", "training.noise_offset=0.1"
+        tiny_flow["flux-schnell"], "flux-schnell", demo_dataset, tmp_path / "o", "training.noise_offset=0.1"
     )
     with pytest.raises(UsageError, match="noise_offset"):
         run.train(cfg)
@@ -420,7 +360,7 @@ def test_demo_cli_trains_the_tiny_transformer_families(tmp_path, model):
     assert (out / "sdplan.yaml").read_text().count(registry.family(model).name) >= 1
 
 
-def test_flux_resume_equals_uninterrupted_exactly(tiny_flow, dataset, tmp_path):
+def test_flux_resume_equals_uninterrupted_exactly(tiny_flow, demo_dataset, tmp_path):
     """The flow objective draws everything from the step's generator: 4 steps straight vs. 2 + resume 2 give
     identical losses and identical adapters (mid-epoch, with accumulation and LoRA dropout)."""
     import json
@@ -431,10 +371,12 @@ def test_flux_resume_equals_uninterrupted_exactly(tiny_flow, dataset, tmp_path):
     opts = ("training.batch_size=1", "training.grad_accum=2", "training.max_steps=4", "lora.dropout=0.1")
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     run.train(
-        _cfg(tiny_flow["flux-dev"], "flux-dev", dataset, straight, *opts, "checkpoints.keep_every_steps=2")
+        _cfg(
+            tiny_flow["flux-dev"], "flux-dev", demo_dataset, straight, *opts, "checkpoints.keep_every_steps=2"
+        )
     )
     kept = checkpoint.checkpoint_root(straight) / "step-000002"
-    run.train(_cfg(tiny_flow["flux-dev"], "flux-dev", dataset, resumed, *opts), resume=str(kept))
+    run.train(_cfg(tiny_flow["flux-dev"], "flux-dev", demo_dataset, resumed, *opts), resume=str(kept))
 
     def losses(out):
         return json.loads((out / "loss_history.json").read_text())["losses"]

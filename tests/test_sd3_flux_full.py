@@ -10,62 +10,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import FLOW, generate_64px, tiny_train_config, trains_in_process
 
-from sdplan import config, registry
+from sdplan import registry
 from sdplan.errors import UsageError
 
-FLOW = ("sd35-medium", "sd35-large", "flux-dev", "flux-schnell")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(autouse=True)
-def _fresh_accelerator_state():
-    yield
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
-
-
-@pytest.fixture(scope="module")
-def tiny_flow(tmp_path_factory):
-    from sdplan.trainer.tiny import save_tiny_model
-
-    root = tmp_path_factory.mktemp("tiny-flow-full")
-    return {f: save_tiny_model(root / f, f) for f in FLOW}
-
-
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory) -> Path:
-    from sdplan.demo import make_dataset
-
-    return make_dataset(tmp_path_factory.mktemp("data") / "ds", n=4)
+pytestmark = trains_in_process
 
 
 def _cfg(model, family: str, data: Path, out: Path, *overrides: str, method: str = "finetune"):
-    base = {
-        "method": method,
-        "model": {"path": str(model), "family": family},
-        "data": {"path": str(data), "resolution": 64},
-        "training": {
-            "batch_size": 2,
-            "precision": "fp32",
-            "learning_rate": 1e-3,
-            "max_steps": 2,
-            "device": "cpu",
-        },
-        "output": {"dir": str(out), "name": "t"},
-        "checkpoints": {"every_steps": 0},
-        "sampling": {"num_inference_steps": 2, "guidance_scale": 1.0},
-    }
-    return config.validate(config.apply_overrides(base, list(overrides)))
+    """``method`` on ``family`` (no lora section: the config's LoRA defaults), lr 1e-3, 2 steps, outputs "t"."""
+    return tiny_train_config(model, data, out, *overrides, method=method, family=family, name="t", lora=False)
 
 
 def _pipeline_class(family: str):
@@ -78,19 +33,6 @@ def _transformer_class(family: str):
     from diffusers import FluxTransformer2DModel, SD3Transformer2DModel
 
     return FluxTransformer2DModel if registry.family(family).arch == "flux" else SD3Transformer2DModel
-
-
-def _generate(pipe) -> np.ndarray:
-    pipe.set_progress_bar_config(disable=True)
-    out = pipe(
-        "a photo of sks red square",
-        num_inference_steps=2,
-        height=64,
-        width=64,
-        generator=torch.Generator().manual_seed(0),
-        output_type="np",
-    )
-    return out.images
 
 
 def _same_weights(a, b) -> bool:
@@ -204,7 +146,7 @@ def _check_full_outputs(out: Path, family: str, base: Path) -> None:
     tuned = cls.from_pretrained(str(out / "model"), torch_dtype=torch.float32)  # bf16 with full_half_weights
     original = cls.from_pretrained(str(base))
     assert not _same_weights(tuned.transformer, original.transformer)
-    assert float(np.abs(_generate(tuned) - _generate(original)).max()) > 1e-4
+    assert float(np.abs(generate_64px(tuned) - generate_64px(original)).max()) > 1e-4
     single = out / "t.safetensors"
     with safe_open(str(single), framework="pt") as f:
         keys = list(f.keys())
@@ -232,7 +174,7 @@ def _check_full_outputs(out: Path, family: str, base: Path) -> None:
 
 @pytest.mark.parametrize("family", FLOW)
 def test_finetune_trains_the_whole_transformer_and_exports_folder_and_single_file(
-    tiny_flow, dataset, tmp_path, family
+    tiny_flow, demo_dataset, tmp_path, family
 ):
     from sdplan.trainer import run
 
@@ -244,17 +186,17 @@ def test_finetune_trains_the_whole_transformer_and_exports_folder_and_single_fil
             "memory.gradient_checkpointing=true",
             "memory.cache_latents=true",
         ]
-    summary = run.train(_cfg(tiny_flow[family], family, dataset, tmp_path / "out", *extra))
+    summary = run.train(_cfg(tiny_flow[family], family, demo_dataset, tmp_path / "out", *extra))
     assert summary["steps"] == 2 and math.isfinite(summary["final_loss"])
     _check_full_outputs(tmp_path / "out", family, tiny_flow[family])
     record = json.loads((tmp_path / "out" / "model" / "sdplan.json").read_text())
     assert record["sdplan_family"] == family
 
 
-def test_finetune_with_ema_writes_the_averaged_transformer(tiny_flow, dataset, tmp_path):
+def test_finetune_with_ema_writes_the_averaged_transformer(tiny_flow, demo_dataset, tmp_path):
     from sdplan.trainer import run
 
-    cfg = _cfg(tiny_flow["sd35-large"], "sd35-large", dataset, tmp_path / "out", "ema.enabled=true")
+    cfg = _cfg(tiny_flow["sd35-large"], "sd35-large", demo_dataset, tmp_path / "out", "ema.enabled=true")
     run.train(cfg)
     from diffusers import StableDiffusion3Pipeline
 
@@ -265,14 +207,14 @@ def test_finetune_with_ema_writes_the_averaged_transformer(tiny_flow, dataset, t
 
 @pytest.mark.parametrize("family", ["sd35-medium", "flux-dev"])
 def test_dreambooth_with_prior_preservation_generates_class_images_and_trains(
-    tiny_flow, dataset, tmp_path, family
+    tiny_flow, demo_dataset, tmp_path, family
 ):
     from sdplan.trainer import run
 
     cfg = _cfg(
         tiny_flow[family],
         family,
-        dataset,
+        demo_dataset,
         tmp_path / "out",
         "dreambooth.instance_prompt=a photo of sks square",
         "dreambooth.with_prior_preservation=true",
@@ -288,16 +230,20 @@ def test_dreambooth_with_prior_preservation_generates_class_images_and_trains(
     _check_full_outputs(tmp_path / "out", family, tiny_flow[family])
 
 
-def test_text_encoder_training_and_textual_inversion_are_refused_in_one_line(tiny_flow, dataset, tmp_path):
+def test_text_encoder_training_and_textual_inversion_are_refused_in_one_line(
+    tiny_flow, demo_dataset, tmp_path
+):
     from sdplan.trainer import run
 
-    cfg = _cfg(tiny_flow["flux-dev"], "flux-dev", dataset, tmp_path / "o", "training.train_text_encoder=true")
+    cfg = _cfg(
+        tiny_flow["flux-dev"], "flux-dev", demo_dataset, tmp_path / "o", "training.train_text_encoder=true"
+    )
     with pytest.raises(UsageError, match="train_text_encoder"):
         run.train(cfg)
     cfg = _cfg(
         tiny_flow["flux-dev"],
         "flux-dev",
-        dataset,
+        demo_dataset,
         tmp_path / "o",
         "textual_inversion.token=<sks>",
         "textual_inversion.init_token=square",
@@ -310,13 +256,13 @@ def test_text_encoder_training_and_textual_inversion_are_refused_in_one_line(tin
 # -- a single-file base -----------------------------------------------------------------------------------
 
 
-def test_single_file_sd35_transformer_is_a_base_model(tiny_flow, dataset, tmp_path):
+def test_single_file_sd35_transformer_is_a_base_model(tiny_flow, demo_dataset, tmp_path):
     """A fine-tune's single file trains on as the base (``model.config_dir``: the folder of the same family);
     its transformer loads back with identical weights; without config_dir: one clear error."""
     from sdplan.trainer import models, run
 
     first = tmp_path / "first"
-    run.train(_cfg(tiny_flow["sd35-medium"], "sd35-medium", dataset, first))
+    run.train(_cfg(tiny_flow["sd35-medium"], "sd35-medium", demo_dataset, first))
     single = first / "t.safetensors"
     import shutil
 
@@ -341,7 +287,7 @@ def test_single_file_sd35_transformer_is_a_base_model(tiny_flow, dataset, tmp_pa
         _cfg(
             single,
             "sd35-medium",
-            dataset,
+            demo_dataset,
             second,
             f"model.config_dir={tiny_flow['sd35-medium']}",
             "lora.rank=4",

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import make_images
+from conftest import make_images, one_line_error
 from limits import scaled
 from typer.testing import CliRunner
 
@@ -27,18 +27,6 @@ def invoke(*args: str, cwd: Path | None = None):
         return runner.invoke(app, ["train", *args])
     finally:
         os.chdir(old)
-
-
-def one_line_error(result, code: int, *needles: str) -> str:
-    """Exit code, exactly one `error:` line on stderr, no traceback; returns the line."""
-    assert result.exit_code == code, (result.exit_code, result.stdout, result.stderr)
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1, result.stderr
-    assert lines[0].startswith("error: ")
-    assert "Traceback" not in result.stdout + result.stderr
-    for needle in needles:
-        assert needle in lines[0], lines[0]
-    return lines[0]
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from conftest import make_images
+from conftest import make_images, tiny_train_config, trains_in_process
 from limits import scaled
 from PIL import Image
 from sdplan.trainer import checkpoint, models, run, runtime, stops
@@ -30,44 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 PY = sys.executable
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """The tiny models train ~5x faster on one thread than on two contended ones."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(autouse=True)
-def _fresh_accelerator_state():
-    """accelerate keeps one AcceleratorState per process (a real run is one process per run); tests that
-    train in-process with another precision need it cleared."""
-    yield
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
-
-
-def make_cfg(model: Path, data: Path, out: Path, *overrides: str) -> config.TrainConfig:
-    base = {
-        "method": "lora",
-        "model": {"path": str(model)},
-        "data": {"path": str(data), "resolution": 64},
-        "training": {
-            "batch_size": 2,
-            "precision": "fp32",
-            "learning_rate": 1e-3,
-            "max_steps": 2,
-            "device": "cpu",
-        },
-        "lora": {"rank": 4, "alpha": 8},
-        "output": {"dir": str(out)},
-        "checkpoints": {"every_steps": 0},
-        "sampling": {"num_inference_steps": 2, "guidance_scale": 1.0},
-    }
-    return config.validate(config.apply_overrides(base, list(overrides)))
+pytestmark = trains_in_process
 
 
 def write_cfg(cfg: config.TrainConfig, path: Path) -> Path:
@@ -165,7 +128,9 @@ def test_latest_checkpoint_ignores_incomplete(tmp_path):
 @pytest.mark.train
 def test_lora_trains_outputs_load_and_change_the_pipeline(tiny_sd15, dataset, tmp_path):
     out = tmp_path / "out"
-    cfg = make_cfg(tiny_sd15, dataset, out, "training.train_text_encoder=true", "training.learning_rate=5e-2")
+    cfg = tiny_train_config(
+        tiny_sd15, dataset, out, "training.train_text_encoder=true", "training.learning_rate=5e-2"
+    )
     summary = run.train(cfg)
     assert summary == json.loads((out / "run_summary.json").read_text())
     assert set(summary) == {
@@ -210,7 +175,7 @@ def test_lora_trains_outputs_load_and_change_the_pipeline(tiny_sd15, dataset, tm
 def test_loss_on_a_repeated_batch_goes_down(tiny_sd15, tmp_path):
     data = make_images(tmp_path / "one", n=1)
     out = tmp_path / "out"
-    cfg = make_cfg(
+    cfg = tiny_train_config(
         tiny_sd15,
         data,
         out,
@@ -253,7 +218,7 @@ def test_loss_on_a_repeated_batch_goes_down(tiny_sd15, tmp_path):
 @pytest.mark.train
 def test_dreambooth_with_prior_preservation(tiny_sd15, dataset, tmp_path):
     out = tmp_path / "out"
-    cfg = make_cfg(
+    cfg = tiny_train_config(
         tiny_sd15,
         dataset,
         out,
@@ -272,7 +237,7 @@ def test_dreambooth_with_prior_preservation(tiny_sd15, dataset, tmp_path):
     # A second run finds the class images there and generates none.
     mtimes = {p: p.stat().st_mtime for p in (out / "class_images").glob("*.png")}
     run.train(
-        make_cfg(
+        tiny_train_config(
             tiny_sd15,
             dataset,
             tmp_path / "again",
@@ -290,7 +255,7 @@ def test_dreambooth_with_prior_preservation(tiny_sd15, dataset, tmp_path):
 @pytest.mark.train
 def test_finetune_with_ema_in_ram(tiny_sd15, dataset, tmp_path):
     out = tmp_path / "out"
-    cfg = make_cfg(
+    cfg = tiny_train_config(
         tiny_sd15,
         dataset,
         out,
@@ -319,7 +284,7 @@ def test_finetune_with_ema_in_ram(tiny_sd15, dataset, tmp_path):
 def test_finetune_with_full_bf16_weights(tiny_sd15, dataset, tmp_path):
     """training.full_half_weights (the planner's fallback before offload): the UNet trains in bf16."""
     out = tmp_path / "out"
-    cfg = make_cfg(
+    cfg = tiny_train_config(
         tiny_sd15,
         dataset,
         out,
@@ -338,7 +303,7 @@ def test_finetune_with_full_bf16_weights(tiny_sd15, dataset, tmp_path):
 @pytest.mark.train
 def test_textual_inversion_learns_only_the_new_token(tiny_sd15, dataset, tmp_path):
     out = tmp_path / "out"
-    cfg = make_cfg(
+    cfg = tiny_train_config(
         tiny_sd15,
         dataset,
         out,
@@ -364,7 +329,7 @@ def test_textual_inversion_learns_only_the_new_token(tiny_sd15, dataset, tmp_pat
 @pytest.mark.parametrize("method", ["lora", "dreambooth", "finetune", "textual-inversion"])
 def test_sdxl_every_method(method, tiny_sdxl, dataset, tmp_path):
     out = tmp_path / "out"
-    cfg = make_cfg(
+    cfg = tiny_train_config(
         tiny_sdxl,
         dataset,
         out,
@@ -411,11 +376,11 @@ def test_resume_equals_uninterrupted_exactly(tiny_sd15, dataset, tmp_path):
         "training.noise_offset=0.05",
     )
     straight = tmp_path / "straight"
-    run.train(make_cfg(tiny_sd15, dataset, straight, *opts, "checkpoints.keep_every_steps=3"))
+    run.train(tiny_train_config(tiny_sd15, dataset, straight, *opts, "checkpoints.keep_every_steps=3"))
     kept = checkpoint.checkpoint_root(straight) / "step-000003"
     assert checkpoint.read_state(kept).batches_in_epoch == 2  # mid-epoch: 4 batches per epoch
     resumed = tmp_path / "resumed"
-    run.train(make_cfg(tiny_sd15, dataset, resumed, *opts), resume=str(kept))
+    run.train(tiny_train_config(tiny_sd15, dataset, resumed, *opts), resume=str(kept))
     assert losses(resumed) == losses(straight)
     from safetensors.torch import load_file
 
@@ -427,7 +392,7 @@ def test_resume_equals_uninterrupted_exactly(tiny_sd15, dataset, tmp_path):
 @pytest.mark.train
 def test_sigint_leaves_a_resumable_checkpoint(tiny_sd15, dataset, tmp_path):
     out = tmp_path / "out"
-    cfg = make_cfg(tiny_sd15, dataset, out, "training.max_steps=400", "checkpoints.every_steps=2")
+    cfg = tiny_train_config(tiny_sd15, dataset, out, "training.max_steps=400", "checkpoints.every_steps=2")
     path = write_cfg(cfg, tmp_path / "sdplan.yaml")
     env = dict(os.environ, OMP_NUM_THREADS="1", SDPLAN_PLAIN_PROGRESS="1")
     proc = subprocess.Popen(
@@ -451,10 +416,12 @@ def test_sigint_leaves_a_resumable_checkpoint(tiny_sd15, dataset, tmp_path):
     assert not list(checkpoint.checkpoint_root(out).glob(".tmp-*"))
     # Resume to two steps past the interrupt: equal to an uninterrupted run of that length.
     n = state.global_step + 2
-    summary = run.train(make_cfg(tiny_sd15, dataset, out, f"training.max_steps={n}"), resume="latest")
+    summary = run.train(
+        tiny_train_config(tiny_sd15, dataset, out, f"training.max_steps={n}"), resume="latest"
+    )
     assert summary["steps"] == n
     straight = tmp_path / "straight"
-    run.train(make_cfg(tiny_sd15, dataset, straight, f"training.max_steps={n}"))
+    run.train(tiny_train_config(tiny_sd15, dataset, straight, f"training.max_steps={n}"))
     assert losses(out) == losses(straight)
 
 
@@ -463,7 +430,7 @@ def test_corrupt_images_are_skipped(tiny_sd15, tmp_path, capsys):
     data = make_images(tmp_path / "data", n=2)
     (data / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n" + os.urandom(200))
     (data / "empty.jpg").write_bytes(b"")
-    summary = run.train(make_cfg(tiny_sd15, data, tmp_path / "out", "training.max_steps=1"))
+    summary = run.train(tiny_train_config(tiny_sd15, data, tmp_path / "out", "training.max_steps=1"))
     assert summary["images_seen"] == 2
     printed = capsys.readouterr().out
     assert "2 skipped" in printed and "broken.png" in printed
@@ -475,7 +442,7 @@ def test_empty_dataset_is_a_clear_error_before_the_model_loads(tmp_path, capsys)
     model.mkdir()
     (model / "model_index.json").write_text("{}")
     (tmp_path / "empty").mkdir()
-    cfg = make_cfg(model, tmp_path / "empty", tmp_path / "out")
+    cfg = tiny_train_config(model, tmp_path / "empty", tmp_path / "out")
     with pytest.raises(DatasetError, match="no readable images"):
         run.train(cfg)
     assert trainer_main(["--config", str(write_cfg(cfg, tmp_path / "c.yaml"))]) == 2
@@ -488,7 +455,7 @@ def test_empty_dataset_is_a_clear_error_before_the_model_loads(tmp_path, capsys)
 @pytest.mark.train
 def test_injected_oom_writes_a_report_and_exits_75(tiny_sd15, dataset, tmp_path, monkeypatch):
     out = tmp_path / "out"
-    path = write_cfg(make_cfg(tiny_sd15, dataset, out, "training.max_steps=3"), tmp_path / "c.yaml")
+    path = write_cfg(tiny_train_config(tiny_sd15, dataset, out, "training.max_steps=3"), tmp_path / "c.yaml")
     monkeypatch.setenv("SDPLAN_INJECT_OOM_AT_STEP", "2")
     assert trainer_main(["--config", str(path), "memory.gradient_checkpointing=true"]) == 75
     report = json.loads((out / "oom.json").read_text())
@@ -504,19 +471,21 @@ def test_nan_loss_stops_with_a_checkpoint_from_before(tiny_sd15, dataset, tmp_pa
     out = tmp_path / "out"
     monkeypatch.setenv("SDPLAN_INJECT_NAN_AT_STEP", "3")
     with pytest.raises(stops.NonFiniteLoss, match="step 3") as err:
-        run.train(make_cfg(tiny_sd15, dataset, out, "training.max_steps=5"))
+        run.train(tiny_train_config(tiny_sd15, dataset, out, "training.max_steps=5"))
     assert "learning_rate" in str(err.value)
     saved = checkpoint.checkpoint_root(out) / "before-nan-step-000002"
     assert str(saved) in str(err.value) and checkpoint.read_state(saved).global_step == 2
     monkeypatch.delenv("SDPLAN_INJECT_NAN_AT_STEP")
-    summary = run.train(make_cfg(tiny_sd15, dataset, out, "training.max_steps=5"), resume=str(saved))
+    summary = run.train(tiny_train_config(tiny_sd15, dataset, out, "training.max_steps=5"), resume=str(saved))
     assert summary["steps"] == 5 and np.isfinite(summary["final_loss"])
 
 
 @pytest.mark.slow
 @pytest.mark.train
 def test_two_processes_see_the_same_images_as_one(tiny_sd15, dataset, tmp_path):
-    cfg = make_cfg(tiny_sd15, dataset, tmp_path / "two", "training.max_steps=null", "training.epochs=2")
+    cfg = tiny_train_config(
+        tiny_sd15, dataset, tmp_path / "two", "training.max_steps=null", "training.epochs=2"
+    )
     path = write_cfg(cfg, tmp_path / "c.yaml")
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(
@@ -541,7 +510,9 @@ def test_two_processes_see_the_same_images_as_one(tiny_sd15, dataset, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     two = json.loads((tmp_path / "two" / "run_summary.json").read_text())
     one = run.train(
-        make_cfg(tiny_sd15, dataset, tmp_path / "one", "training.max_steps=null", "training.epochs=2")
+        tiny_train_config(
+            tiny_sd15, dataset, tmp_path / "one", "training.max_steps=null", "training.epochs=2"
+        )
     )
     assert (two["num_processes"], one["num_processes"]) == (2, 1)
     assert two["images_seen"] == one["images_seen"] == 8
@@ -551,8 +522,10 @@ def test_two_processes_see_the_same_images_as_one(tiny_sd15, dataset, tmp_path):
 @pytest.mark.train
 def test_gradient_checkpointing_gives_the_same_losses(tiny_sd15, dataset, tmp_path):
     opts = ("training.max_steps=3", "training.train_text_encoder=true", "training.learning_rate=1e-2")
-    run.train(make_cfg(tiny_sd15, dataset, tmp_path / "plain", *opts))
-    run.train(make_cfg(tiny_sd15, dataset, tmp_path / "gc", *opts, "memory.gradient_checkpointing=true"))
+    run.train(tiny_train_config(tiny_sd15, dataset, tmp_path / "plain", *opts))
+    run.train(
+        tiny_train_config(tiny_sd15, dataset, tmp_path / "gc", *opts, "memory.gradient_checkpointing=true")
+    )
     assert losses(tmp_path / "gc") == pytest.approx(losses(tmp_path / "plain"), rel=1e-5)
     assert losses(tmp_path / "gc")[2] != losses(tmp_path / "gc")[0]
 
@@ -566,8 +539,8 @@ def test_cached_latents_and_text_give_the_uncached_losses(tiny_sd15, dataset, tm
         "sampling.every_steps=2",
         "sampling.prompts=[a red square, a blue circle]",
     )
-    run.train(make_cfg(tiny_sd15, dataset, tmp_path / "plain", *opts))
-    cached = make_cfg(
+    run.train(tiny_train_config(tiny_sd15, dataset, tmp_path / "plain", *opts))
+    cached = tiny_train_config(
         tiny_sd15,
         dataset,
         tmp_path / "cached",
@@ -594,7 +567,7 @@ def test_aspect_ratio_buckets(tiny_sd15, tmp_path, capsys):
     data.mkdir()
     for i, size in enumerate([(256, 96), (240, 100), (96, 256), (100, 240)]):
         Image.new("RGB", size, (60 * i, 120, 200)).save(data / f"img{i}.png")
-    cfg = make_cfg(
+    cfg = tiny_train_config(
         tiny_sd15, data, tmp_path / "out", "data.resolution=128", "training.max_steps=2", "data.buckets=true"
     )
     summary = run.train(cfg)
@@ -610,7 +583,7 @@ def test_deepspeed_zero2_cpu_offload_run_and_resume(tiny_sd15, dataset, tmp_path
     accelerator: trains as the plain run does, checkpoints through the DeepSpeed engine and resumes."""
     pytest.importorskip("deepspeed")
     out = tmp_path / "out"
-    cfg = make_cfg(
+    cfg = tiny_train_config(
         tiny_sd15,
         dataset,
         out,
@@ -658,7 +631,7 @@ def test_deepspeed_zero2_cpu_offload_run_and_resume(tiny_sd15, dataset, tmp_path
     assert proc.returncode == 0, proc.stderr[-3000:]
     straight = losses(out)
     plain = tmp_path / "plain"
-    run.train(make_cfg(tiny_sd15, dataset, plain, "training.max_steps=4"))
+    run.train(tiny_train_config(tiny_sd15, dataset, plain, "training.max_steps=4"))
     assert straight == pytest.approx(losses(plain), rel=1e-5)
     kept = checkpoint.checkpoint_root(out) / "step-000002"
     assert (kept / "pytorch_model").is_dir()  # the DeepSpeed engine's model and optimizer shards
@@ -688,7 +661,7 @@ def test_trains_from_a_single_file_model(tiny_sd15, dataset, tmp_path):
     assert all(
         torch.equal(a, b) for a, b in zip(comps.unet.state_dict().values(), pipe.unet.state_dict().values())
     )
-    cfg = make_cfg(single, dataset, tmp_path / "out", "training.max_steps=1")
+    cfg = tiny_train_config(single, dataset, tmp_path / "out", "training.max_steps=1")
     cfg.model.config_dir = str(tiny_sd15)  # not in the schema yet: read with a default (None: hub configs)
     assert run.train(cfg)["steps"] == 1
 
@@ -698,7 +671,7 @@ def test_trains_from_a_single_file_model(tiny_sd15, dataset, tmp_path):
 def test_two_processes_train_sdxl_text_encoders(tiny_sdxl, dataset, tmp_path):
     """SDXL conditions on text encoder 1's penultimate layer: its last layer gets no gradient, which DDP
     must be told (find_unused_parameters) or the second step fails."""
-    cfg = make_cfg(
+    cfg = tiny_train_config(
         tiny_sdxl,
         dataset,
         tmp_path / "out",
@@ -773,7 +746,7 @@ def test_final_sample_grid_out_of_memory_keeps_the_run(tiny_sd15, dataset, tmp_p
 
     monkeypatch.setattr(sampling, "sample_grid", out_of_memory)
     out = tmp_path / "out"
-    summary = run.train(make_cfg(tiny_sd15, dataset, out))
+    summary = run.train(tiny_train_config(tiny_sd15, dataset, out))
     assert summary["steps"] == 2
     assert not (out / "samples" / "final.png").exists()
     assert (out / f"{out.name}.kohya.safetensors").exists()

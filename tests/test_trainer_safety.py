@@ -13,21 +13,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_images
+from conftest import make_images, tiny_train_config, trains_in_process
 from PIL import Image
 from sdplan.trainer import checkpoint, export, outputs, run, sampling
 from sdplan.trainer.__main__ import main as trainer_main
-from test_trainer import (  # noqa: F401 (the fixtures apply to this module too)
-    _fresh_accelerator_state,
-    _one_thread,
-    losses,
-    make_cfg,
-    write_cfg,
-)
+from test_trainer import losses, write_cfg
 
 from sdplan.errors import SdplanError
 
-pytestmark = pytest.mark.train
+pytestmark = [pytest.mark.train, trains_in_process]
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +47,7 @@ def test_a_broken_export_fails_before_any_step(tiny_sd15, images, tmp_path, monk
 
     monkeypatch.setattr(export, "output_metadata", broken)
     with pytest.raises(SdplanError, match="before training") as err:
-        run.train(make_cfg(tiny_sd15, images, out, "training.max_steps=3"))
+        run.train(tiny_train_config(tiny_sd15, images, out, "training.max_steps=3"))
     assert "__version__" in str(err.value)
     assert not (out / "loss_history.json").exists() and checkpoint.latest_checkpoint(out) is None
     _no_temp_left(out)
@@ -64,7 +58,7 @@ def test_too_little_disk_for_the_outputs_fails_before_any_step(tiny_sd15, images
     real = shutil.disk_usage
     monkeypatch.setattr(outputs.shutil, "disk_usage", lambda p: real(p)._replace(free=1000))
     with pytest.raises(outputs.DiskFull, match=r"^disk full: \d+ bytes needed at ") as err:
-        run.train(make_cfg(tiny_sd15, images, out, "training.max_steps=3"))
+        run.train(tiny_train_config(tiny_sd15, images, out, "training.max_steps=3"))
     assert str(out) in str(err.value) and "1000 bytes free" in str(err.value)
     assert not (out / "loss_history.json").exists()
     _no_temp_left(out)
@@ -81,7 +75,9 @@ def test_a_failed_final_export_leaves_a_checkpoint_and_resume_only_exports(
     code, said, tiny_sd15, images, tmp_path, monkeypatch
 ):
     out = tmp_path / "out"
-    cfg = make_cfg(tiny_sd15, images, out, "training.max_steps=3")  # checkpoints.every_steps=0: none planned
+    cfg = tiny_train_config(
+        tiny_sd15, images, out, "training.max_steps=3"
+    )  # checkpoints.every_steps=0: none planned
     real, calls = export.save_lora, []
 
     def fails_after_training(*args, **kwargs):
@@ -116,7 +112,7 @@ def test_the_final_step_is_checkpointed_before_the_export(tiny_sd15, images, tmp
         return real(*args, **kwargs)
 
     monkeypatch.setattr(export, "save_lora", record)
-    run.train(make_cfg(tiny_sd15, images, out, "training.max_steps=3", "checkpoints.every_steps=2"))
+    run.train(tiny_train_config(tiny_sd15, images, out, "training.max_steps=3", "checkpoints.every_steps=2"))
     assert seen[0] is None  # the check at the start
     assert seen[-1] is not None and checkpoint.read_state(seen[-1]).global_step == 3
 
@@ -131,7 +127,7 @@ def test_disk_full_while_checkpointing_is_one_line_and_keeps_the_previous(
 
     out = tmp_path / "out"
     path = write_cfg(
-        make_cfg(tiny_sd15, images, out, "training.max_steps=6", "checkpoints.every_steps=2"),
+        tiny_train_config(tiny_sd15, images, out, "training.max_steps=6", "checkpoints.every_steps=2"),
         tmp_path / "c.yaml",
     )
     real, calls = safetensors.torch.save_file, []
@@ -175,7 +171,9 @@ def test_a_torch_write_failure_on_a_full_disk_is_named_disk_full(tmp_path, monke
 
 def test_resume_skips_a_half_written_checkpoint_and_says_so(tiny_sd15, images, tmp_path, capsys):
     out = tmp_path / "out"
-    run.train(make_cfg(tiny_sd15, images, out, "training.max_steps=4", "checkpoints.keep_every_steps=2"))
+    run.train(
+        tiny_train_config(tiny_sd15, images, out, "training.max_steps=4", "checkpoints.keep_every_steps=2")
+    )
     root = checkpoint.checkpoint_root(out)
     first = losses(out)
     half = root / "step-000004" / checkpoint.WEIGHTS_FILE
@@ -183,7 +181,7 @@ def test_resume_skips_a_half_written_checkpoint_and_says_so(tiny_sd15, images, t
     assert "step-000004" in (checkpoint.verify_checkpoint(root / "step-000004") or "")
     assert checkpoint.verify_checkpoint(root / "step-000002") is None
     capsys.readouterr()
-    summary = run.train(make_cfg(tiny_sd15, images, out, "training.max_steps=5"), resume="latest")
+    summary = run.train(tiny_train_config(tiny_sd15, images, out, "training.max_steps=5"), resume="latest")
     said = capsys.readouterr().out
     assert "step-000004" in said and "incomplete" in said and str(root / "step-000002") in said
     assert summary["steps"] == 5 and losses(out)[:2] == first[:2]
@@ -201,7 +199,7 @@ def test_lora_every_epoch_loads_and_is_listed(tiny_sd15, images, tmp_path):
     from safetensors.torch import load_file
 
     out = tmp_path / "out"
-    cfg = make_cfg(
+    cfg = tiny_train_config(
         tiny_sd15,
         images,
         out,
@@ -240,7 +238,7 @@ def test_lora_every_epoch_loads_and_is_listed(tiny_sd15, images, tmp_path):
 @pytest.mark.parametrize("method", ["textual-inversion", "finetune"])
 def test_other_methods_every_n_steps(method, tiny_sd15, images, tmp_path):
     out = tmp_path / "out"
-    cfg = make_cfg(
+    cfg = tiny_train_config(
         tiny_sd15,
         images,
         out,
@@ -272,7 +270,7 @@ def test_other_methods_every_n_steps(method, tiny_sd15, images, tmp_path):
 
 def test_no_intermediate_outputs_unless_asked(tiny_sd15, images, tmp_path):
     out = tmp_path / "out"
-    summary = run.train(make_cfg(tiny_sd15, images, out, "training.max_steps=2"))
+    summary = run.train(tiny_train_config(tiny_sd15, images, out, "training.max_steps=2"))
     assert summary["intermediate_outputs"] == [] and not (out / "intermediate").exists()
 
 

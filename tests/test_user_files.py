@@ -10,12 +10,11 @@ with no manifest (``.sdplan-manifest.json``): as --out, --save, --store and expo
 from __future__ import annotations
 
 import datetime as _dt
-import hashlib
 from pathlib import Path
 
 import pytest
 import yaml
-from conftest import MACHINES, make_images
+from conftest import MACHINES, digest, make_images
 from typer.testing import CliRunner
 
 from sdplan import runfolder
@@ -56,14 +55,6 @@ def seed(root: Path, tiny_model: Path) -> Path:
     (user / "proj").mkdir()
     (user / "proj" / "sdplan.yaml").write_text(user_config(tiny_model, user / "dataset"))
     return user
-
-
-def digest(folder: Path) -> dict[str, str]:
-    return {
-        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in sorted(folder.rglob("*"))
-        if p.is_file()
-    }
 
 
 def record_a_measurement() -> None:

@@ -103,10 +103,23 @@ def _text_config(vocab_size: int, hidden: int = 32, projection_dim: int = 32):
     )
 
 
-def tiny_vae():
+def tiny_clip(tokenizer, hidden: int = 32, projection_dim: int | None = None):
+    """A tiny CLIP text encoder for ``tokenizer``: ``CLIPTextModel``, or ``CLIPTextModelWithProjection`` (the
+    pooled output projected to ``projection_dim``) where a projection is asked for."""
+    from transformers import CLIPTextModel, CLIPTextModelWithProjection
+
+    if projection_dim is None:
+        return CLIPTextModel(_text_config(len(tokenizer), hidden=hidden))
+    return CLIPTextModelWithProjection(
+        _text_config(len(tokenizer), hidden=hidden, projection_dim=projection_dim)
+    )
+
+
+def tiny_vae(latent_channels: int = 4, **flow_options):
+    """A tiny AutoencoderKL; four blocks: a scale factor of 8, as in the real SD VAE. ``flow_options`` are the
+    SD3/FLUX VAE's extra settings (see ``tiny_vae16``)."""
     from diffusers import AutoencoderKL
 
-    # Four blocks: a scale factor of 8, as in the real SD VAE.
     return AutoencoderKL(
         in_channels=3,
         out_channels=3,
@@ -114,33 +127,43 @@ def tiny_vae():
         up_block_types=("UpDecoderBlock2D",) * 4,
         block_out_channels=(8, 8, 16, 16),
         layers_per_block=1,
-        latent_channels=4,
+        latent_channels=latent_channels,
         norm_num_groups=8,
         sample_size=TINY_RESOLUTION,
+        **flow_options,
+    )
+
+
+def tiny_unet(**wiring):
+    """A tiny SD UNet2DConditionModel for 8x8 latents (4 channels, two levels 32 and 64 wide); ``wiring`` is
+    what the families differ in: block types, cross-attention width, heads, added conditioning."""
+    from diffusers import UNet2DConditionModel
+
+    return UNet2DConditionModel(
+        sample_size=TINY_RESOLUTION // 8,
+        in_channels=4,
+        out_channels=4,
+        layers_per_block=1,
+        block_out_channels=(32, 64),
+        norm_num_groups=32,
+        **wiring,
     )
 
 
 def tiny_sd15_components(tokenizer_dir: str | Path, seed: int = 0) -> dict:
     """Components of a tiny SD 1.x-shaped pipeline (random weights, seeded)."""
     import torch
-    from diffusers import DDPMScheduler, UNet2DConditionModel
-    from transformers import CLIPTextModel
+    from diffusers import DDPMScheduler
 
     torch.manual_seed(seed)
     tokenizer = tiny_tokenizer(tokenizer_dir)
-    unet = UNet2DConditionModel(
-        sample_size=TINY_RESOLUTION // 8,
-        in_channels=4,
-        out_channels=4,
-        layers_per_block=1,
-        block_out_channels=(32, 64),
+    unet = tiny_unet(
         down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
         up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
         cross_attention_dim=32,
         attention_head_dim=8,
-        norm_num_groups=32,
     )
-    text_encoder = CLIPTextModel(_text_config(len(tokenizer)))
+    text_encoder = tiny_clip(tokenizer)
     return {
         "unet": unet,
         "vae": tiny_vae(),
@@ -153,23 +176,17 @@ def tiny_sd15_components(tokenizer_dir: str | Path, seed: int = 0) -> dict:
 def tiny_sdxl_components(tokenizer_dir: str | Path, seed: int = 0) -> dict:
     """Components of a tiny SDXL-shaped pipeline: two text encoders, pooled embeddings, time ids."""
     import torch
-    from diffusers import EulerDiscreteScheduler, UNet2DConditionModel
-    from transformers import CLIPTextModel, CLIPTextModelWithProjection
+    from diffusers import EulerDiscreteScheduler
 
     torch.manual_seed(seed)
     tokenizer = tiny_tokenizer(Path(tokenizer_dir) / "tokenizer")
     tokenizer_2 = tiny_tokenizer(Path(tokenizer_dir) / "tokenizer_2")
-    text_encoder = CLIPTextModel(_text_config(len(tokenizer), hidden=32))
+    text_encoder = tiny_clip(tokenizer, hidden=32)
     # The second encoder is wider than the first, as in SDXL (768 vs 1280): diffusers' single-file loader
     # tells the two apart by width.
-    text_encoder_2 = CLIPTextModelWithProjection(_text_config(len(tokenizer_2), hidden=48, projection_dim=32))
+    text_encoder_2 = tiny_clip(tokenizer_2, hidden=48, projection_dim=32)
     addition_time_embed_dim = 8
-    unet = UNet2DConditionModel(
-        sample_size=TINY_RESOLUTION // 8,
-        in_channels=4,
-        out_channels=4,
-        layers_per_block=1,
-        block_out_channels=(32, 64),
+    unet = tiny_unet(
         down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
         up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
         transformer_layers_per_block=(1, 2),
@@ -179,7 +196,6 @@ def tiny_sdxl_components(tokenizer_dir: str | Path, seed: int = 0) -> dict:
         addition_embed_type="text_time",
         addition_time_embed_dim=addition_time_embed_dim,
         projection_class_embeddings_input_dim=6 * addition_time_embed_dim + 32,  # time ids + pooled text
-        norm_num_groups=32,
     )
     return {
         "unet": unet,
@@ -238,18 +254,8 @@ def tiny_t5(vocab_size: int, d_model: int):
 
 def tiny_vae16(scaling_factor: float, shift_factor: float):
     """A 16-channel AutoencoderKL as SD3/FLUX's (no quant convs, a shift and a scale), scale factor 8."""
-    from diffusers import AutoencoderKL
-
-    return AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        down_block_types=("DownEncoderBlock2D",) * 4,
-        up_block_types=("UpDecoderBlock2D",) * 4,
-        block_out_channels=(8, 8, 16, 16),
-        layers_per_block=1,
-        latent_channels=16,
-        norm_num_groups=8,
-        sample_size=TINY_RESOLUTION,
+    return tiny_vae(
+        16,
         scaling_factor=scaling_factor,
         shift_factor=shift_factor,
         use_quant_conv=False,
@@ -263,7 +269,6 @@ def tiny_sd35_components(tokenizer_dir: str | Path, seed: int = 0, *, large: boo
     none), a 16-channel VAE and the flow-matching scheduler with shift 3 (the SD3.5 configs' values)."""
     import torch
     from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
-    from transformers import CLIPTextModelWithProjection
 
     torch.manual_seed(seed)
     tokenizer = tiny_tokenizer(Path(tokenizer_dir) / "tokenizer")
@@ -271,8 +276,8 @@ def tiny_sd35_components(tokenizer_dir: str | Path, seed: int = 0, *, large: boo
     tokenizer_3 = tiny_t5_tokenizer()
     # CLIP-L 32 + CLIP-G 48 wide (real: 768 + 1280): hidden states concatenated (80) and zero-padded to the T5
     # width (96; real 4096), then joined with the T5 tokens along the sequence.
-    text_encoder = CLIPTextModelWithProjection(_text_config(len(tokenizer), hidden=32, projection_dim=32))
-    text_encoder_2 = CLIPTextModelWithProjection(_text_config(len(tokenizer_2), hidden=48, projection_dim=48))
+    text_encoder = tiny_clip(tokenizer, hidden=32, projection_dim=32)
+    text_encoder_2 = tiny_clip(tokenizer_2, hidden=48, projection_dim=48)
     text_encoder_3 = tiny_t5(len(tokenizer_3), d_model=96)
     transformer = SD3Transformer2DModel(
         sample_size=TINY_RESOLUTION // 8,
@@ -308,12 +313,11 @@ def tiny_flux_components(tokenizer_dir: str | Path, seed: int = 0, *, guidance: 
     embedder for [dev] (``guidance``; [schnell] has none), a 16-channel VAE and the [dev]/[schnell] scheduler."""
     import torch
     from diffusers import FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
-    from transformers import CLIPTextModel
 
     torch.manual_seed(seed)
     tokenizer = tiny_tokenizer(Path(tokenizer_dir) / "tokenizer")
     tokenizer_2 = tiny_t5_tokenizer(max_length=512 if guidance else 256)
-    text_encoder = CLIPTextModel(_text_config(len(tokenizer), hidden=32))
+    text_encoder = tiny_clip(tokenizer, hidden=32)
     text_encoder_2 = tiny_t5(len(tokenizer_2), d_model=48)
     transformer = FluxTransformer2DModel(
         patch_size=1,
