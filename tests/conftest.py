@@ -131,15 +131,20 @@ def one_torch_thread():
     torch.set_num_threads(before)
 
 
-@pytest.fixture
-def fresh_accelerator_state():
+def reset_accelerator() -> None:
     """accelerate keeps one AcceleratorState per process (a real run is one process per run); tests that
     train in-process with another precision need it cleared."""
-    yield
     from accelerate.state import AcceleratorState, GradientState
 
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
+
+
+@pytest.fixture
+def fresh_accelerator_state():
+    """A cleared accelerate state after the test (:func:`reset_accelerator`)."""
+    yield
+    reset_accelerator()
 
 
 # `pytestmark = trains_in_process` in a module that trains in-process: one torch thread for the module, a fresh

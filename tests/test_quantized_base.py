@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from conftest import make_images
+from conftest import make_images, reset_accelerator, trains_in_process
 from sdplan.trainer.quantize import support_problem
 
 from sdplan.errors import UsageError
@@ -22,26 +22,7 @@ MACHINES = Path(__file__).parent / "fixtures" / "machines"
 FAMILIES = ("flux-dev", "sd35-medium")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(autouse=True)
-def _fresh_accelerator_state():
-    yield
-    _reset_accelerator()
-
-
-def _reset_accelerator():
-    """accelerate keeps one state per process: runs with another precision in one test need it cleared."""
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
+pytestmark = trains_in_process
 
 
 def _needs(base: str) -> None:
@@ -336,7 +317,7 @@ def _train(model: Path, family: str, data: Path, out: Path, base: str, *extra: s
     cfg = config.validate(
         config.apply_overrides(base_cfg, ["memory.cache_text_encoder_outputs=true", *extra])
     )
-    _reset_accelerator()
+    reset_accelerator()
     summary = loop.train(cfg, Watched)
     return summary, seen
 
