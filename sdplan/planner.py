@@ -398,7 +398,9 @@ def memory(profiles: Profiles, s: Settings) -> Memory:
 
     buckets = grads if (s.num_gpus > 1 and not s.offload) else 0.0  # DDP's reducer buckets: a second copy
     grads += buckets
-    if s.set_grads_to_none and not s.offload:
+    # with gradient accumulation the gradients live from the first micro-step's backward to the optimizer step,
+    # through the next micro-steps' forwards, whatever zero_grad does after the step
+    if s.set_grads_to_none and s.grad_accum == 1 and not s.offload:
         # zero_grad(set_to_none=True) frees the gradients after every step, so they do not coexist with the
         # forward's peak: autocast's cache of half weight copies (held until autocast exits at the end of the
         # forward, or by the saved tensors until each layer's backward) and the saved activations. Gradients
