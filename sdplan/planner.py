@@ -627,8 +627,8 @@ def time_basis_text(profiles: Profiles, s: Settings, gpu: HWGPU, cal: Calibratio
     return (
         f"bound by {bound} on {gpu.name} ({spec.memory_bandwidth_gbs:g} GB/s, "
         f"{spec.matmul_tflops(s.precision):g} TFLOPS): {byte_s:.2f} s of memory traffic vs {flop_s:.2f} s of "
-        f"matmul per micro-step, plus {cal.step_overhead_s:.2f} s per-step overhead (fitted on "
-        f"{len(cal.bandwidth_points)} published speeds)"
+        f"matmul per micro-step (the traffic includes the per-step fixed work of {cal.fixed_samples:g} samples), "
+        f"plus {cal.step_overhead_s:.2f} s per-step overhead (fitted on {len(cal.bandwidth_points)} published speeds)"
     )
 
 
