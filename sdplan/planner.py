@@ -61,6 +61,13 @@ OFFLOAD_TIME_FACTOR = 3.5  # DeepSpeed optimizer offload: 3-4x slower (lunar-dif
 # with the bandwidth efficiency where the published speeds span several batch sizes
 STEP_OVERHEAD_S = 0.03
 STEP_OVERHEAD_GRID = tuple(i * 0.01 for i in range(0, 61))  # seconds searched by calibrate()
+# The UNet's per-step fixed work, in samples' worth of its bandwidth-bound traffic: a micro-step launches one set
+# of kernels per layer whatever the batch (launch latency, kernel tails, small batch-1 kernels that leave most of
+# the GPU idle, the LoRA wrappers' Python), so its time grows with the layers the model has, not only with the
+# samples. A per-step constant cannot carry it (an SD1.5 LoRA step takes 0.3 s, an SDXL one 1.35 s at batch 1);
+# a share of one sample's traffic grows with the model and the resolution as the layer count and sizes do.
+# calibrate() fits it where the published speeds span several batch sizes; 0 (the old form) otherwise.
+FIXED_SAMPLES_GRID = tuple(i * 0.25 for i in range(0, 33))
 # Roofline: a micro-step takes the larger of its matmul time at the measured GEMM rate (a ceiling no kernel
 # beats) and its bandwidth time: the bytes of the bandwidth-bound ops (norms, activations, residual adds, casts;
 # counted on meta by scripts/compute_activations.py --only-traffic) over the spec-sheet memory bandwidth at the
@@ -391,7 +398,9 @@ def memory(profiles: Profiles, s: Settings) -> Memory:
 
     buckets = grads if (s.num_gpus > 1 and not s.offload) else 0.0  # DDP's reducer buckets: a second copy
     grads += buckets
-    if s.set_grads_to_none and not s.offload:
+    # with gradient accumulation the gradients live from the first micro-step's backward to the optimizer step,
+    # through the next micro-steps' forwards, whatever zero_grad does after the step
+    if s.set_grads_to_none and s.grad_accum == 1 and not s.offload:
         # zero_grad(set_to_none=True) frees the gradients after every step, so they do not coexist with the
         # forward's peak: autocast's cache of half weight copies (held until autocast exits at the end of the
         # forward, or by the saved tensors until each layer's backward) and the saved activations. Gradients
@@ -476,6 +485,7 @@ class Calibration:
     bandwidth_efficiency: float = BANDWIDTH_EFFICIENCY
     bandwidth_points: tuple[tuple[str, float], ...] = ()
     step_overhead_s: float = STEP_OVERHEAD_S
+    fixed_samples: float = 0.0  # the UNet's per-step fixed work, in samples of traffic (FIXED_SAMPLES_GRID)
 
     def bandwidth_efficiency_for(self, spec: GPUSpec | None) -> float:
         """One bandwidth efficiency for every GPU: the architectures differ through their measured GEMM ceiling
@@ -524,8 +534,9 @@ def step_flops_parts(profiles: Profiles, s: Settings) -> tuple[float, float]:
     return unet, other
 
 
-def step_traffic_bytes(profiles: Profiles, s: Settings) -> float:
-    """Bytes the bandwidth-bound ops of the UNet move in one micro-step (0 when not computed for the family)."""
+def step_traffic_bytes(profiles: Profiles, s: Settings, fixed_samples: float = 0.0) -> float:
+    """Bytes the bandwidth-bound ops of the UNet move in one micro-step (0 when not computed for the family);
+    fixed_samples adds the per-step fixed work as that many more samples' bytes (Calibration.fixed_samples)."""
     if flow_family(s.model):
         return 0.0  # not computed for the transformer families
     model = profiles.model(s.model)
@@ -538,7 +549,7 @@ def step_traffic_bytes(profiles: Profiles, s: Settings) -> float:
     element = (
         2.0 if s.precision == "fp32" else 1.0
     )  # counted in half precision; fp32 moves 4 bytes an element
-    return forward * batch * passes * element
+    return forward * (batch + fixed_samples) * passes * element
 
 
 def step_traffic_seconds(
@@ -548,7 +559,8 @@ def step_traffic_seconds(
     if spec is None or not spec.memory_bandwidth_gbs:
         return 0.0
     eff = cal.bandwidth_efficiency_for(spec) if cal is not None else BANDWIDTH_EFFICIENCY
-    return step_traffic_bytes(profiles, s) / (spec.memory_bandwidth_gbs * 1e9 * eff)
+    fixed = cal.fixed_samples if cal is not None else 0.0
+    return step_traffic_bytes(profiles, s, fixed) / (spec.memory_bandwidth_gbs * 1e9 * eff)
 
 
 def step_compute_seconds(profiles: Profiles, s: Settings, spec: GPUSpec, cal: Calibration) -> float:
@@ -615,8 +627,8 @@ def time_basis_text(profiles: Profiles, s: Settings, gpu: HWGPU, cal: Calibratio
     return (
         f"bound by {bound} on {gpu.name} ({spec.memory_bandwidth_gbs:g} GB/s, "
         f"{spec.matmul_tflops(s.precision):g} TFLOPS): {byte_s:.2f} s of memory traffic vs {flop_s:.2f} s of "
-        f"matmul per micro-step, plus {cal.step_overhead_s:.2f} s per-step overhead (fitted on "
-        f"{len(cal.bandwidth_points)} published speeds)"
+        f"matmul per micro-step (the traffic includes the per-step fixed work of {cal.fixed_samples:g} samples), "
+        f"plus {cal.step_overhead_s:.2f} s per-step overhead (fitted on {len(cal.bandwidth_points)} published speeds)"
     )
 
 
@@ -661,17 +673,17 @@ def calibrate(profiles: Profiles) -> Calibration:
         return step_flops_parts(profiles, s)[1] / (spec.matmul_tflops(s.precision) * 1e12 * flop_efficiency)
 
     unet_speeds = [(p, spec, s, seconds - encoders(spec, s)) for p, spec, s, seconds in speeds]
-    overhead = _fit_step_overhead(profiles, unet_speeds)
+    overhead, fixed = _fit_step_fixed_cost(profiles, unet_speeds)
     eff: list[tuple[str, float, str]] = []
     bw: list[tuple[str, float, str]] = []
-    base = Calibration(efficiency=1.0, link_efficiency=1.0, step_overhead_s=overhead)
+    base = Calibration(efficiency=1.0, link_efficiency=1.0, step_overhead_s=overhead, fixed_samples=fixed)
     for p, spec, s, seconds in speeds:
         measured = seconds - overhead
         if measured <= 0:
             continue
         ideal = step_flops(profiles, s) / (spec.matmul_tflops(s.precision) * 1e12)
         eff.append((p.id, ideal / measured, spec.family))
-        moved = step_traffic_bytes(profiles, s)
+        moved = step_traffic_bytes(profiles, s, fixed)
         unet_measured = measured - encoders(spec, s)
         if moved > 0 and spec.memory_bandwidth_gbs and unet_measured > 0:
             bw.append((p.id, moved / (spec.memory_bandwidth_gbs * 1e9 * unet_measured), spec.family))
@@ -704,24 +716,41 @@ def calibrate(profiles: Profiles) -> Calibration:
 
 
 def _fit_step_overhead(profiles: Profiles, speeds: list) -> float:
-    """The per-micro-step overhead that, with the bandwidth efficiency at its geometric mean, fits the published
-    speeds best (least squares on log time). Identifiable only where the speeds span several batch sizes (the
-    overhead does not grow with the batch, the bytes do); the prior STEP_OVERHEAD_S otherwise."""
+    """The per-micro-step overhead alone (no fixed work in samples): see _fit_step_fixed_cost."""
+    return _fit_step_fixed_cost(profiles, speeds, fixed_grid=(0.0,))[0]
+
+
+def _fit_step_fixed_cost(
+    profiles: Profiles, speeds: list, fixed_grid: tuple[float, ...] = FIXED_SAMPLES_GRID
+) -> tuple[float, float]:
+    """(per-micro-step overhead in seconds, fixed work in samples) that, with the bandwidth efficiency at its
+    geometric mean, fit the published speeds best (least squares on log time). Identifiable only where the
+    speeds span several batch sizes (neither grows with the batch, the bytes do); the priors
+    (STEP_OVERHEAD_S, 0) otherwise. Ties go to the smaller values (the grids are searched upwards)."""
     rows = [
-        (step_traffic_bytes(profiles, s) / (spec.memory_bandwidth_gbs * 1e9), seconds, s.batch)
+        (
+            step_traffic_bytes(profiles, s) / (spec.memory_bandwidth_gbs * 1e9),
+            step_traffic_bytes(profiles, s, 1.0) / (spec.memory_bandwidth_gbs * 1e9)
+            - step_traffic_bytes(profiles, s) / (spec.memory_bandwidth_gbs * 1e9),
+            seconds,
+            s.batch,
+        )
         for _, spec, s, seconds in speeds
         if spec.memory_bandwidth_gbs and step_traffic_bytes(profiles, s) > 0
     ]
-    if len({b for _, _, b in rows}) < 2:
-        return STEP_OVERHEAD_S
-    best = (math.inf, STEP_OVERHEAD_S)
+    if len({b for *_, b in rows}) < 2:
+        return STEP_OVERHEAD_S, 0.0
+    best = (math.inf, STEP_OVERHEAD_S, 0.0)
     for overhead in STEP_OVERHEAD_GRID:
-        if any(seconds <= overhead for _, seconds, _ in rows):
+        if any(seconds <= overhead for _, _, seconds, _ in rows):
             break
-        eff = _geomean([ideal / (seconds - overhead) for ideal, seconds, _ in rows])
-        err = sum(math.log((ideal / eff + overhead) / seconds) ** 2 for ideal, seconds, _ in rows)
-        best = min(best, (err, overhead))
-    return best[1]
+        for fixed in fixed_grid:
+            ideal = [(t + fixed * one, seconds) for t, one, seconds, _ in rows]
+            eff = _geomean([i / (seconds - overhead) for i, seconds in ideal])
+            err = sum(math.log((i / eff + overhead) / seconds) ** 2 for i, seconds in ideal)
+            if err < best[0] - 1e-12:
+                best = (err, overhead, fixed)
+    return best[1], best[2]
 
 
 def _geomean(values: list[float]) -> float:

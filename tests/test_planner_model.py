@@ -174,7 +174,7 @@ def test_bandwidth_bound_bytes_cost_time_on_a_slower_memory(prof):
     fast = prof.find_gpu("RTX 4090")
     slow = replace(fast, memory_bandwidth_gbs=fast.memory_bandwidth_gbs / 4)
     cal = P.calibrate(prof)
-    moved = P.step_traffic_bytes(prof, s)
+    moved = P.step_traffic_bytes(prof, s, cal.fixed_samples)  # the samples' bytes and the per-step fixed work
     eff = cal.bandwidth_efficiency
     extra = moved / (slow.memory_bandwidth_gbs * 1e9 * eff) - moved / (fast.memory_bandwidth_gbs * 1e9 * eff)
     # bandwidth-bound on both: the bytes' time (plus the optimizer step's own traffic) is what the slower
@@ -343,6 +343,25 @@ def test_step_overhead_is_recovered_from_speeds_across_batch_sizes(prof):
         rows.append((SimpleNamespace(id=f"b{batch}"), gpu, s, seconds))
     assert P._fit_step_overhead(prof, rows) == pytest.approx(0.2, abs=0.011)
     assert P._fit_step_overhead(prof, rows[:1]) == P.STEP_OVERHEAD_S
+
+
+def test_fixed_work_in_samples_is_recovered_from_speeds_across_batch_sizes(prof):
+    """Speeds made with a known per-step fixed work (in samples of traffic) give it back with no overhead; one
+    batch size keeps the priors; the fitted work makes a bigger batch cheaper per sample."""
+    from types import SimpleNamespace
+
+    gpu = prof.find_gpu("RTX 4090")
+    rows = []
+    for batch in (1, 2, 4, 8):
+        s = _lora(model="sdxl", resolution=1024, batch=batch, cache_latents=True)
+        seconds = P.step_traffic_bytes(prof, s, 1.5) / (gpu.memory_bandwidth_gbs * 1e9 * 0.05)
+        rows.append((SimpleNamespace(id=f"b{batch}"), gpu, s, seconds))
+    assert P._fit_step_fixed_cost(prof, rows) == pytest.approx((0.0, 1.5))
+    assert P._fit_step_fixed_cost(prof, rows[:1]) == (P.STEP_OVERHEAD_S, 0.0)
+    cal = replace(P.calibrate(prof), fixed_samples=1.5)
+    one = P.step_traffic_seconds(prof, rows[0][2], gpu, cal)
+    eight = P.step_traffic_seconds(prof, rows[3][2], gpu, cal)
+    assert eight / 8 < one * 0.5  # (8 + 1.5) / 8 against (1 + 1.5) per sample
 
 
 def test_calibration_uses_profile_speeds_only(prof):
