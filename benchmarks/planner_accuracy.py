@@ -10,6 +10,10 @@ independent validation set in benchmarks/validation/), reported separately.
   planner's choice): peak VRAM, it/s and the fit verdict (predicted peak within the card's memory vs the
   reported fit / out-of-memory). Points the planner cannot express are counted with the reason.
 
+Why one script of ~800 lines: most of it is the translation of each published report's stated settings into a
+planner request (with the source's own words for every assumption), which must sit beside the comparison it
+feeds; in-sample, leave-one-source-out and out-of-sample share it.
+
 Run: ``python benchmarks/planner_accuracy.py [--json] [--no-timing]``. Only the shipped profiles are used
 (a local profile store would change the calibration). Every call into ``sdplan.planner`` is in
 :func:`predict` below, so it can be re-pointed when the planner's settings type changes.

@@ -33,6 +33,10 @@ at 512 / 768 / 1024 px and batch 2 at 1024. FLOPs per sample: torch.utils.flop_c
 whole training step (forward + backward), fitted over resolutions; with checkpointing the step adds one forward
 (checked against diffusers' own checkpointing at 1024 px). Held bytes of each text encoder at its max length too.
 
+Why one script of ~1,150 lines: every number it writes (activations, FLOPs, traffic, sampling peaks, LoRA target
+sets, for the UNet and the transformer families) comes from the same meta-device builds and saved-tensor hooks,
+and the shipped file must be reproducible by one command (a test checks it).
+
 Run: ``python scripts/compute_activations.py [--models-dir profiles/models] [--out profiles/activations.yaml]``.
 Needs torch, diffusers, transformers and accelerate; downloads nothing. sdplan itself only reads the YAML.
 """

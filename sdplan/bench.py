@@ -38,7 +38,7 @@ forward pass, as a real OOM would), so the batch search's handling of OOM can be
 it produces say so in their source.
 
 The training harness and the probe point are :mod:`sdplan.bench_harness`; the one store writer is
-:func:`sdplan.profiles.write_points`. Why one module of ~900 lines: it is the one command's sequence (what to
+:func:`sdplan.profiles.write_points`. Why one module of ~1,000 lines: it is the one command's sequence (what to
 measure, the machine's provenance, the batch search, how a search ended, the bench point -> profile point
 record, export/import of measurements for sharing), each a small function tested alone; splitting it would
 scatter that sequence without removing any code.

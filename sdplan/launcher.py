@@ -5,7 +5,7 @@ Each step is a small function that can be tested alone; :func:`run` strings them
 imports torch or diffusers: bad input is one clear :class:`~sdplan.errors.SdplanError` before any model
 loads, and the trainer runs in its own process (``python -m sdplan.trainer`` or a launcher).
 
-Why one module of ~900 lines: it is the one command's sequence (request, --out rule, config, inputs, device,
+Why one module of ~1,200 lines: it is the one command's sequence (request, --out rule, config, inputs, device,
 plan, out-of-memory recovery, run folder), read top to bottom; the parts it shares live elsewhere (the
 settings translation in :mod:`sdplan.settings`, step counts in :mod:`sdplan.steps`, the launch in
 :mod:`sdplan.launch`, the profile store in :mod:`sdplan.profiles`).

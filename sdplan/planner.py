@@ -30,7 +30,7 @@ multi-GPU: the gradient all-reduce over the interconnect once per optimizer step
 fitted on Puget's 2x RTX 4090 observations. A measured point for the same GPU and settings (local profile
 store) or a published one is used directly.
 
-Why one module of ~1,500 lines: the memory model, the time model, the calibration and the search share their
+Why one module of ~2,100 lines: the memory model, the time model, the calibration and the search share their
 constants and are checked together (benchmarks/planner_accuracy.py); the configuration searched over is
 :class:`sdplan.settings.Settings`, step counts are :func:`sdplan.steps.plan_steps`.
 """

@@ -18,6 +18,10 @@ groups, the loss of a batch, what a checkpoint holds, and what it exports. The d
 are pieces of the recipe base (:meth:`Recipe.predict`, ``objective.DiffusionObjective``), so a family with
 another network or objective (a transformer with flow matching) swaps those, not the loop.
 
+Why one module of ~650 lines: it is the one training loop every recipe shares (the contract the recipes fill in,
+set-up, the step, the stops, checkpoints, outputs), read top to bottom; the pieces it calls live in their own
+modules (runtime, checkpoint, stops, outputs, quantize, blockswap).
+
 ``sdplan bench`` builds the same recipes (:meth:`Recipe.dtypes`, :meth:`Recipe.setup`, :meth:`prepare`) and
 steps them with :func:`optimizer_step`, so a bench number is the trainer's number.
 """
