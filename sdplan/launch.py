@@ -22,6 +22,7 @@ import contextlib
 import os
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Callable, Mapping
@@ -33,6 +34,8 @@ from sdplan.config import TrainConfig
 from sdplan.errors import EXIT_INTERRUPTED, UsageError
 from sdplan.settings import DEEPSPEED_BUCKET_ELEMENTS
 from sdplan.terminal import HANGUP, detach_from_terminal, hangup_wanted, terminal_fds
+
+DEFAULT_PORT = 29500  # accelerate's and torchrun's rendezvous port
 
 TRAINER_MODULE = "sdplan.trainer"
 ACCELERATE_FILE = "accelerate.yaml"
@@ -71,7 +74,7 @@ def accelerate_config(
     num_machines: int = 1,
     machine_rank: int = 0,
     main_process_ip: str | None = None,
-    main_process_port: int = 29500,
+    main_process_port: int = DEFAULT_PORT,
 ) -> dict[str, Any]:
     """The accelerate config YAML (as a dict) for ``accelerate launch --config_file``, for this node of
     ``num_machines`` (field notes section 5: ``distributed_type`` is NO / MULTI_GPU / DEEPSPEED).
@@ -156,7 +159,7 @@ def build_launch(
     num_machines: int = 1,
     machine_rank: int = 0,
     main_process_ip: str | None = None,
-    main_process_port: int = 29500,
+    main_process_port: int = DEFAULT_PORT,
     cpu_processes: int | None = None,
     resume: str | None = None,
     python: str | None = None,
@@ -264,6 +267,15 @@ def build_launch(
 
 
 # -- the one side effect ---------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    """A TCP port free on this machine now (the OS picks it): a one-machine run's rendezvous port, so two runs
+    started at once on one machine do not both take accelerate's default 29500 (the second failed with
+    EADDRINUSE: accelerate's own in-use check races with a launch starting beside it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
 
 
 def _die_with_parent(parent_pid: int) -> Callable[[], None] | None:

@@ -26,7 +26,15 @@ import yaml
 
 from sdplan import config as C
 from sdplan.errors import EXIT_INTERRUPTED, EXIT_OOM, NoGPUError, OutputExistsError, SdplanError, UsageError
-from sdplan.launch import ACCELERATE_FILE, DEEPSPEED_FILE, Launch, build_launch, run_launch
+from sdplan.launch import (
+    ACCELERATE_FILE,
+    DEEPSPEED_FILE,
+    DEFAULT_PORT,
+    Launch,
+    build_launch,
+    free_port,
+    run_launch,
+)
 from sdplan.planner import format_duration
 from sdplan.registry import FAMILIES, FULL_METHODS, guess_family
 from sdplan.settings import OFFLOAD, Settings
@@ -89,7 +97,7 @@ class TrainRequest:
     num_machines: int = 1
     machine_rank: int = 0
     main_process_ip: str | None = None
-    main_process_port: int = 29500
+    main_process_port: int | None = None  # None: 29500 across machines, a free port on one machine
     dry_run: bool = False
     demo: bool = False
     no_plan: bool = False  # --no-plan: train the defaults and key=value settings as given, no fit check
@@ -981,11 +989,19 @@ def launch_for(p: Prepared, req: TrainRequest, resume: str | None) -> Launch:
         num_machines=req.num_machines,
         machine_rank=req.machine_rank,
         main_process_ip=req.main_process_ip,
-        main_process_port=req.main_process_port,
+        main_process_port=rendezvous_port(req),
         cpu_processes=p.world if p.cfg.training.device == "cpu" and p.world > 1 else None,
         resume=resume,
         cpu_cores=_cpu_cores(),
     )
+
+
+def rendezvous_port(req: TrainRequest) -> int:
+    """The user's port; else accelerate's 29500 where several machines must agree on it, and a free port on one
+    machine (another run may be starting beside this one)."""
+    if req.main_process_port is not None:
+        return req.main_process_port
+    return DEFAULT_PORT if req.num_machines > 1 else free_port()
 
 
 def _cpu_cores() -> int:

@@ -236,7 +236,7 @@ def test_deepspeed_launch_gives_the_trainer_a_deepspeed_accelerator(tmp_path):
     trainer's own Accelerator the DeepSpeed plugin with ZeRO-2 and CPU optimizer offload."""
     pytest.importorskip("deepspeed")
     from sdplan.config import validate
-    from sdplan.launch import build_launch
+    from sdplan.launch import build_launch, free_port
     from sdplan.launcher import write_run_files
 
     cfg = validate(
@@ -246,7 +246,7 @@ def test_deepspeed_launch_gives_the_trainer_a_deepspeed_accelerator(tmp_path):
             "output": {"dir": str(tmp_path)},
         }
     )
-    launch = build_launch(cfg, tmp_path / "sdplan.yaml", tmp_path)
+    launch = build_launch(cfg, tmp_path / "sdplan.yaml", tmp_path, main_process_port=free_port())
     write_run_files(tmp_path, cfg, launch, "test")
     probe = tmp_path / "probe_accelerator.py"
     probe.write_text(

@@ -312,3 +312,21 @@ def test_launch_configs():
     assert js["train_batch_size"] == 24 and js["bf16"]["enabled"] and not js["fp16"]["enabled"]
     with pytest.raises(ValueError):
         deepspeed_config(cfg(1, "fp16", ds=True, batch=0))
+
+
+def test_a_one_machine_run_takes_a_free_port_unless_the_user_gave_one():
+    """Two runs started at once on one machine both took 29500 and the second died with EADDRINUSE (seen with
+    two test workers). One machine: a free port; several: 29500 (every node must agree); the user's wins."""
+    import socket
+
+    from sdplan.launcher import TrainRequest, rendezvous_port
+
+    with socket.socket() as busy:
+        busy.bind(("", 0))
+        busy.listen()
+        taken = busy.getsockname()[1]
+        ports = {rendezvous_port(TrainRequest()) for _ in range(3)}
+        assert taken not in ports and all(1024 <= p <= 65535 for p in ports)
+    assert rendezvous_port(TrainRequest(num_machines=2)) == 29500
+    assert rendezvous_port(TrainRequest(main_process_port=29555)) == 29555
+    assert rendezvous_port(TrainRequest(num_machines=2, main_process_port=29555)) == 29555

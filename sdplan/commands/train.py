@@ -99,7 +99,10 @@ def train(
     main_process_ip: Annotated[
         str | None, typer.Option(metavar="IP", help="Address of machine 0 (several machines).")
     ] = None,
-    main_process_port: Annotated[int, typer.Option(help="Port on machine 0 (several machines).")] = 29500,
+    main_process_port: Annotated[
+        int | None,
+        typer.Option(help="Port on machine 0 (several machines; default 29500). One machine: a free port."),
+    ] = None,
     no_plan: Annotated[
         bool,
         typer.Option(
