@@ -582,6 +582,8 @@ def test_deepspeed_zero2_cpu_offload_run_and_resume(tiny_sd15, dataset, tmp_path
     """`accelerate launch` with a DeepSpeed ZeRO-2 config, optimizer state offloaded, on DeepSpeed's CPU
     accelerator: trains as the plain run does, checkpoints through the DeepSpeed engine and resumes."""
     pytest.importorskip("deepspeed")
+    from sdplan.launch import free_port
+
     out = tmp_path / "out"
     cfg = tiny_train_config(
         tiny_sd15,
@@ -608,6 +610,7 @@ def test_deepspeed_zero2_cpu_offload_run_and_resume(tiny_sd15, dataset, tmp_path
         "num_machines": 1,
         "num_processes": 1,
         "machine_rank": 0,
+        "main_process_port": free_port(),  # not 29500: another test worker may be launching beside this one
         "use_cpu": False,
         "deepspeed_config": {
             "deepspeed_config_file": str(tmp_path / "deepspeed.json"),
