@@ -296,6 +296,36 @@ def lora_rank_activation_bytes(profiles: Profiles, s: Settings) -> float:
     return batch * (per_pixel * latent + per_sample) * int(s.lora_rank) * element
 
 
+# The plain (math) attention path saves the softmax output P = softmax(Q K^T * scale) for the backward, one
+# (batch x heads, tokens, tokens) matrix per layer. Backpropagating through it allocates two more matrices of the
+# same shape and dtype before P is released: dP = dO @ V^T (the matmul's backward) and dS = P * (dP - sum(dP * P))
+# (softmax's backward, which needs P and dP alive), each then scaled into dQ / dK. So while one attention layer
+# is differentiated, three such matrices are alive: P and its two gradients (torch autograd formulas for bmm and
+# _softmax_backward_data; torch >= 2.5's math SDPA upcasts half inputs and keeps P in fp32, so the gradients are
+# fp32 too, the same bytes as the saved P that scripts/compute_activations.py counts).
+ATTENTION_MATRIX_COPIES_IN_BACKWARD = 3
+
+
+def recomputed_attention_matrix_bytes(
+    profiles: Profiles, s: Settings, trained_part: str, *, batch: int, latent_pixels: int
+) -> float:
+    """Bytes of the attention matrix saved inside the largest recomputed segment (the ``quadratic`` term of the
+    activation profile's ``recompute_peak``) with gradient checkpointing and the math attention path; 0 otherwise.
+
+    With checkpointing, a segment's saved tensors are small (one transformer block's), and the two gradients of
+    its attention matrix (:data:`ATTENTION_MATRIX_COPIES_IN_BACKWARD`) are a large share of the segment's
+    backward peak, which ACTIVATION_FACTOR's flat 0.5 x of the saved bytes does not reach: with the math path
+    at 512 px in fp32 the SD1.5 matrix alone is 0.5 GiB a sample. Without checkpointing every layer's matrix is
+    saved at once and the factor's share of all of them already exceeds one layer's two gradients."""
+    if not s.gradient_checkpointing or s.attention != "math":
+        return 0.0
+    dt = "fp32" if s.precision == "fp32" else "bf16"
+    entry = profiles.activations.families[s.model]["unet"].get(f"{dt}/math/gc/{trained_part}")
+    if not entry or "recompute_peak" not in entry:
+        return 0.0
+    return batch * float(entry["recompute_peak"]["quadratic"]) * latent_pixels**2
+
+
 def trainable_params(model: ModelSpec, s: Settings, profiles: Profiles | None = None) -> int:
     if flow_family(s.model):
         return flow_lora_params(model, s)
@@ -378,8 +408,12 @@ def memory(profiles: Profiles, s: Settings) -> Memory:
         latent_pixels=latent,
         trained=trained_part,
     )
-    activations = ACTIVATION_FACTOR * (held + recompute + lora_rank_activation_bytes(profiles, s))
-    recompute_tail = ACTIVATION_FACTOR * recompute  # the backward's last (high-resolution) segment
+    # the recomputed segment's attention matrix is counted exactly (itself and its two gradients), the factor
+    # covers the rest (see recomputed_attention_matrix_bytes)
+    matrix = recomputed_attention_matrix_bytes(profiles, s, trained_part, batch=batch, latent_pixels=latent)
+    exact = ATTENTION_MATRIX_COPIES_IN_BACKWARD * matrix - ACTIVATION_FACTOR * matrix
+    activations = ACTIVATION_FACTOR * (held + recompute + lora_rank_activation_bytes(profiles, s)) + exact
+    recompute_tail = ACTIVATION_FACTOR * recompute + exact  # the backward's last (high-resolution) segment
     if s.train_text_encoder or s.method == "textual-inversion":
         te_dtype = "fp32" if s.method == "textual-inversion" else s.precision
         activations += ACTIVATION_FACTOR * act.text_encoders(s.model, dtype=te_dtype, batch=batch)

@@ -468,3 +468,69 @@ def test_lora_rank_intermediates_are_saved_activations(prof, settings, expected_
     low = P.memory(prof, replace(s, lora_rank=1))
     grown = P.memory(prof, s).activations - low.activations
     assert grown == pytest.approx(P.ACTIVATION_FACTOR * (expected_bytes - expected_bytes / s.lora_rank))
+
+
+# -- the math attention path's matrix gradients inside a recomputed segment ---------------------------------
+
+
+# (settings, bytes of one saved attention matrix in the largest recomputed segment): heads x tokens^2 x 4 B (the
+# matrix is fp32: fp32 compute, or torch's math SDPA upcasting half inputs) x samples, 64 x 64 latent tokens
+_matrix_cases = [
+    # SD1.5 (8 heads at 64x64), fp32 DreamBooth, prior preservation doubles the samples
+    (
+        dict(method="dreambooth", precision="fp32", optimizer="adamw8bit", prior_preservation=True),
+        2 * 8 * 4096**2 * 4,
+    ),
+    # SD1.5 LoRA in bf16, one sample
+    (dict(method="lora", precision="bf16", lora_rank=16), 8 * 4096**2 * 4),
+    # SD2.x: 5 heads at 64x64
+    (dict(method="dreambooth", model="sd21", precision="fp16"), 5 * 4096**2 * 4),
+]
+
+
+@pytest.mark.parametrize("kw, matrix_bytes", _matrix_cases)
+def test_recomputed_math_attention_holds_the_matrix_and_its_two_gradients(prof, kw, matrix_bytes):
+    base = dict(model="sd15", resolution=512, gradient_checkpointing=True, attention="math")
+    s = Settings(**{**base, **kw})
+    trained = "unet" if s.method == "dreambooth" else "attn"
+    batch = s.batch * (2 if s.prior_preservation else 1)
+    got = P.recomputed_attention_matrix_bytes(prof, s, trained, batch=batch, latent_pixels=4096)
+    assert got == pytest.approx(matrix_bytes)
+    # the peak counts the matrix three times (itself, dP, dS) where the flat factor gave it 1.5 times
+    m = P.memory(prof, s)
+    assert P.ATTENTION_MATRIX_COPIES_IN_BACKWARD == 3
+    held, recompute = prof.activations.unet(
+        s.model,
+        dtype=s.precision,
+        attention="math",
+        gc=True,
+        batch=batch,
+        latent_pixels=4096,
+        trained=trained,
+    )
+    lora = P.lora_rank_activation_bytes(prof, s)
+    expected = P.ACTIVATION_FACTOR * (held + recompute - matrix_bytes + lora) + 3 * matrix_bytes
+    assert m.activations == pytest.approx(expected)
+
+
+def test_attention_matrix_gradients_only_with_checkpointing_and_the_math_path(prof):
+    s = Settings(
+        method="dreambooth", model="sd15", resolution=512, precision="fp32", gradient_checkpointing=True
+    )
+    for other in (
+        replace(s, attention="efficient"),
+        replace(s, attention="math", gradient_checkpointing=False),
+    ):
+        assert P.recomputed_attention_matrix_bytes(prof, other, "unet", batch=1, latent_pixels=4096) == 0.0
+    # with the math path the recomputed segment's peak grows by 1.5 matrices over the flat factor
+    math = P.memory(prof, replace(s, attention="math"))
+    assert (
+        math.activations
+        > P.ACTIVATION_FACTOR
+        * sum(
+            prof.activations.unet(
+                "sd15", dtype="fp32", attention="math", gc=True, batch=1, latent_pixels=4096
+            )
+        )
+        + 1.4 * 8 * 4096**2 * 4
+    )
