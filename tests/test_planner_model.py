@@ -534,3 +534,39 @@ def test_attention_matrix_gradients_only_with_checkpointing_and_the_math_path(pr
         )
         + 1.4 * 8 * 4096**2 * 4
     )
+
+
+# -- textual inversion: the original embedding rows and the frozen encoder's half copies ------------------------
+
+# (family, bytes autocast's per-Linear half casts of the frozen fp32 text encoders hold for the backward):
+# every weight but the token + position embeddings (CLIP-L 123,060,480 params, (49408 + 77) x 768 embeddings;
+# OpenCLIP-H 340,387,840, (49408 + 77) x 1024; SDXL both CLIP-L and OpenCLIP-bigG 694,659,840, (49408 + 77) x 1280)
+_ti_cases = [
+    ("sd15", 2 * (123_060_480 - 49_485 * 768)),
+    ("sd21", 2 * (340_387_840 - 49_485 * 1024)),
+    ("sdxl", 2 * (123_060_480 - 49_485 * 768) + 2 * (694_659_840 - 49_485 * 1280)),
+]
+
+
+@pytest.mark.parametrize("family, half_copies", _ti_cases)
+def test_textual_inversion_holds_original_rows_and_half_copies_of_the_frozen_encoder(
+    prof, family, half_copies
+):
+    model = prof.model(family)
+    assert P.ti_frozen_half_copies_bytes(model) == half_copies
+    s = Settings(method="textual-inversion", model=family, resolution=512, precision="fp16")
+    m = P.memory(prof, s)
+    t = m.trainable_params
+    # the fp32 text encoders around the trained embeddings, plus the fp32 copy of the embedding matrix
+    unet_vae = (model.params_unet + model.params_vae) * 2
+    assert m.frozen == pytest.approx(unet_vae + (model.text_encoder_params - t) * 4 + t * 4)
+    # saved for the backward beside the activations, once whatever the batch (not autocast's cached copies)
+    assert m.autocast_copies == 0
+    two = P.memory(prof, replace(s, batch=2))
+    per_sample = two.activations - m.activations
+    assert m.activations - per_sample == pytest.approx(half_copies, rel=0.05)
+    # fp32 (no autocast): no half copies, the original rows are still kept
+    m32 = P.memory(prof, replace(s, precision="fp32"))
+    assert m32.frozen == pytest.approx(
+        (model.params_unet + model.params_vae) * 4 + model.text_encoder_params * 4
+    )
