@@ -296,6 +296,60 @@ def lora_rank_activation_bytes(profiles: Profiles, s: Settings) -> float:
     return batch * (per_pixel * latent + per_sample) * int(s.lora_rank) * element
 
 
+# The plain (math) attention path saves the softmax output P = softmax(Q K^T * scale) for the backward, one
+# (batch x heads, tokens, tokens) matrix per layer. Backpropagating through it allocates two more matrices of the
+# same shape and dtype before P is released: dP = dO @ V^T (the matmul's backward) and dS = P * (dP - sum(dP * P))
+# (softmax's backward, which needs P and dP alive), each then scaled into dQ / dK. So while one attention layer
+# is differentiated, three such matrices are alive: P and its two gradients (torch autograd formulas for bmm and
+# _softmax_backward_data; torch >= 2.5's math SDPA upcasts half inputs and keeps P in fp32, so the gradients are
+# fp32 too, the same bytes as the saved P that scripts/compute_activations.py counts).
+ATTENTION_MATRIX_COPIES_IN_BACKWARD = 3
+
+
+def recomputed_attention_matrix_bytes(
+    profiles: Profiles, s: Settings, trained_part: str, *, batch: int, latent_pixels: int
+) -> float:
+    """Bytes of the attention matrix saved inside the largest recomputed segment (the ``quadratic`` term of the
+    activation profile's ``recompute_peak``) with gradient checkpointing and the math attention path; 0 otherwise.
+
+    With checkpointing, a segment's saved tensors are small (one transformer block's), and the two gradients of
+    its attention matrix (:data:`ATTENTION_MATRIX_COPIES_IN_BACKWARD`) are a large share of the segment's
+    backward peak, which ACTIVATION_FACTOR's flat 0.5 x of the saved bytes does not reach: with the math path
+    at 512 px in fp32 the SD1.5 matrix alone is 0.5 GiB a sample. Without checkpointing every layer's matrix is
+    saved at once and the factor's share of all of them already exceeds one layer's two gradients."""
+    if not s.gradient_checkpointing or s.attention != "math":
+        return 0.0
+    dt = "fp32" if s.precision == "fp32" else "bf16"
+    entry = profiles.activations.families[s.model]["unet"].get(f"{dt}/math/gc/{trained_part}")
+    if not entry or "recompute_peak" not in entry:
+        return 0.0
+    return batch * float(entry["recompute_peak"]["quadratic"]) * latent_pixels**2
+
+
+def ti_original_rows_bytes(trained: int) -> float:
+    """The fp32 copy of the trained embedding matrix that textual inversion keeps on the GPU to restore the rows
+    of every other token after each optimizer step (same size as the trained matrix)."""
+    return trained * 4.0
+
+
+def ti_frozen_half_copies_bytes(model: ModelSpec) -> float:
+    """Half-precision copies of the frozen fp32 text encoders' weights that autocast makes in textual inversion
+    and that autograd keeps until the backward reaches each layer.
+
+    Textual inversion keeps the text encoder in fp32 (its embedding matrix trains) and runs it under autocast.
+    Its frozen weights do not require grad, so autocast does not cache their half casts (aten autocast_mode.cpp
+    cached_cast needs requires_grad and a leaf) but casts them at every Linear; the gradient flows through each
+    Linear to the embeddings, so linear's backward needs the weight it multiplied by and autograd saves that
+    half copy until the layer's backward: every weight but the embeddings (lookups, not autocast ops) is held
+    once more at 2 bytes from the text encoder's forward to the end of the backward. The norms' few weights
+    (layer_norm runs in fp32 under autocast) are counted too; they are well under 1% of the encoder."""
+    frozen = sum(
+        int(p) - text_encoder_embedding_params(te)
+        for p, te in zip(model.params_text_encoders, model.text_encoders)
+    )
+    return 2.0 * frozen
+
+
 def trainable_params(model: ModelSpec, s: Settings, profiles: Profiles | None = None) -> int:
     if flow_family(s.model):
         return flow_lora_params(model, s)
@@ -332,6 +386,10 @@ def memory(profiles: Profiles, s: Settings) -> Memory:
     te_total = model.text_encoder_params
     if s.method == "textual-inversion":
         frozen += (te_total - t) * 4  # the text encoder stays fp32 around its trained embeddings
+        # and a full copy of the embedding matrix, made on the GPU before training, from which the rows of the
+        # other tokens are restored after every step (trainer/recipes/textual_inversion.py original_rows;
+        # diffusers' examples/textual_inversion.py and InvokeAI 2.3's orig_embeds_params: weight.data.clone())
+        frozen += ti_original_rows_bytes(t)
     elif (
         s.method == "lora"
         and s.train_text_encoder
@@ -357,7 +415,7 @@ def memory(profiles: Profiles, s: Settings) -> Memory:
     # autocast caches the half copy of every fp32 leaf tensor that requires grad for the rest of the autocast
     # region (pytorch aten/src/ATen/autocast_mode.cpp cached_cast: can_try_cache = lower-precision target,
     # float32, requires_grad, is_leaf): the trained weights of a full fine-tune and a LoRA's fp32 matrices alike.
-    # Textual inversion's embedding lookup is not an autocast op (no copy).
+    # Textual inversion's embedding lookup is not an autocast op (no copy; but see ti_frozen_half_copies_bytes).
     autocast = t * 2.0 if (half and tb == 4 and (full or s.method == "lora")) else 0.0
 
     trained_part = "unet" if full else "attn"
@@ -378,11 +436,18 @@ def memory(profiles: Profiles, s: Settings) -> Memory:
         latent_pixels=latent,
         trained=trained_part,
     )
-    activations = ACTIVATION_FACTOR * (held + recompute + lora_rank_activation_bytes(profiles, s))
-    recompute_tail = ACTIVATION_FACTOR * recompute  # the backward's last (high-resolution) segment
+    # the recomputed segment's attention matrix is counted exactly (itself and its two gradients), the factor
+    # covers the rest (see recomputed_attention_matrix_bytes)
+    matrix = recomputed_attention_matrix_bytes(profiles, s, trained_part, batch=batch, latent_pixels=latent)
+    exact = ATTENTION_MATRIX_COPIES_IN_BACKWARD * matrix - ACTIVATION_FACTOR * matrix
+    activations = ACTIVATION_FACTOR * (held + recompute + lora_rank_activation_bytes(profiles, s)) + exact
+    recompute_tail = ACTIVATION_FACTOR * recompute + exact  # the backward's last (high-resolution) segment
     if s.train_text_encoder or s.method == "textual-inversion":
         te_dtype = "fp32" if s.method == "textual-inversion" else s.precision
         activations += ACTIVATION_FACTOR * act.text_encoders(s.model, dtype=te_dtype, batch=batch)
+    if s.method == "textual-inversion" and half:
+        # saved for the backward like activations, but weights: once, whatever the batch, no gradient buffers
+        activations += ti_frozen_half_copies_bytes(model)
 
     ram = RAM_PER_PROCESS + 4.0 * (model.params_unet + te_total + model.params_vae)  # fp32 load
     step = t * 4.0 if (s.optimizer in FOREACH_OPTIMIZERS and not s.fused_backward) else 0.0
@@ -451,7 +516,7 @@ def sampling_peak_bytes(
     full = s.method in FULL_METHODS
     comps = 0.0 if full else model.params_unet * wb
     if s.method == "textual-inversion":
-        comps += (model.text_encoder_params - trained) * 4
+        comps += (model.text_encoder_params - trained) * 4 + ti_original_rows_bytes(trained)
     elif not (full and s.train_text_encoder):
         comps += model.text_encoder_params * wb
     vae_dtype = "bf16" if s.precision == "bf16" else "fp32"

@@ -468,3 +468,105 @@ def test_lora_rank_intermediates_are_saved_activations(prof, settings, expected_
     low = P.memory(prof, replace(s, lora_rank=1))
     grown = P.memory(prof, s).activations - low.activations
     assert grown == pytest.approx(P.ACTIVATION_FACTOR * (expected_bytes - expected_bytes / s.lora_rank))
+
+
+# -- the math attention path's matrix gradients inside a recomputed segment ---------------------------------
+
+
+# (settings, bytes of one saved attention matrix in the largest recomputed segment): heads x tokens^2 x 4 B (the
+# matrix is fp32: fp32 compute, or torch's math SDPA upcasting half inputs) x samples, 64 x 64 latent tokens
+_matrix_cases = [
+    # SD1.5 (8 heads at 64x64), fp32 DreamBooth, prior preservation doubles the samples
+    (
+        dict(method="dreambooth", precision="fp32", optimizer="adamw8bit", prior_preservation=True),
+        2 * 8 * 4096**2 * 4,
+    ),
+    # SD1.5 LoRA in bf16, one sample
+    (dict(method="lora", precision="bf16", lora_rank=16), 8 * 4096**2 * 4),
+    # SD2.x: 5 heads at 64x64
+    (dict(method="dreambooth", model="sd21", precision="fp16"), 5 * 4096**2 * 4),
+]
+
+
+@pytest.mark.parametrize("kw, matrix_bytes", _matrix_cases)
+def test_recomputed_math_attention_holds_the_matrix_and_its_two_gradients(prof, kw, matrix_bytes):
+    base = dict(model="sd15", resolution=512, gradient_checkpointing=True, attention="math")
+    s = Settings(**{**base, **kw})
+    trained = "unet" if s.method == "dreambooth" else "attn"
+    batch = s.batch * (2 if s.prior_preservation else 1)
+    got = P.recomputed_attention_matrix_bytes(prof, s, trained, batch=batch, latent_pixels=4096)
+    assert got == pytest.approx(matrix_bytes)
+    # the peak counts the matrix three times (itself, dP, dS) where the flat factor gave it 1.5 times
+    m = P.memory(prof, s)
+    assert P.ATTENTION_MATRIX_COPIES_IN_BACKWARD == 3
+    held, recompute = prof.activations.unet(
+        s.model,
+        dtype=s.precision,
+        attention="math",
+        gc=True,
+        batch=batch,
+        latent_pixels=4096,
+        trained=trained,
+    )
+    lora = P.lora_rank_activation_bytes(prof, s)
+    expected = P.ACTIVATION_FACTOR * (held + recompute - matrix_bytes + lora) + 3 * matrix_bytes
+    assert m.activations == pytest.approx(expected)
+
+
+def test_attention_matrix_gradients_only_with_checkpointing_and_the_math_path(prof):
+    s = Settings(
+        method="dreambooth", model="sd15", resolution=512, precision="fp32", gradient_checkpointing=True
+    )
+    for other in (
+        replace(s, attention="efficient"),
+        replace(s, attention="math", gradient_checkpointing=False),
+    ):
+        assert P.recomputed_attention_matrix_bytes(prof, other, "unet", batch=1, latent_pixels=4096) == 0.0
+    # with the math path the recomputed segment's peak grows by 1.5 matrices over the flat factor
+    math = P.memory(prof, replace(s, attention="math"))
+    assert (
+        math.activations
+        > P.ACTIVATION_FACTOR
+        * sum(
+            prof.activations.unet(
+                "sd15", dtype="fp32", attention="math", gc=True, batch=1, latent_pixels=4096
+            )
+        )
+        + 1.4 * 8 * 4096**2 * 4
+    )
+
+
+# -- textual inversion: the original embedding rows and the frozen encoder's half copies ------------------------
+
+# (family, bytes autocast's per-Linear half casts of the frozen fp32 text encoders hold for the backward):
+# every weight but the token + position embeddings (CLIP-L 123,060,480 params, (49408 + 77) x 768 embeddings;
+# OpenCLIP-H 340,387,840, (49408 + 77) x 1024; SDXL both CLIP-L and OpenCLIP-bigG 694,659,840, (49408 + 77) x 1280)
+_ti_cases = [
+    ("sd15", 2 * (123_060_480 - 49_485 * 768)),
+    ("sd21", 2 * (340_387_840 - 49_485 * 1024)),
+    ("sdxl", 2 * (123_060_480 - 49_485 * 768) + 2 * (694_659_840 - 49_485 * 1280)),
+]
+
+
+@pytest.mark.parametrize("family, half_copies", _ti_cases)
+def test_textual_inversion_holds_original_rows_and_half_copies_of_the_frozen_encoder(
+    prof, family, half_copies
+):
+    model = prof.model(family)
+    assert P.ti_frozen_half_copies_bytes(model) == half_copies
+    s = Settings(method="textual-inversion", model=family, resolution=512, precision="fp16")
+    m = P.memory(prof, s)
+    t = m.trainable_params
+    # the fp32 text encoders around the trained embeddings, plus the fp32 copy of the embedding matrix
+    unet_vae = (model.params_unet + model.params_vae) * 2
+    assert m.frozen == pytest.approx(unet_vae + (model.text_encoder_params - t) * 4 + t * 4)
+    # saved for the backward beside the activations, once whatever the batch (not autocast's cached copies)
+    assert m.autocast_copies == 0
+    two = P.memory(prof, replace(s, batch=2))
+    per_sample = two.activations - m.activations
+    assert m.activations - per_sample == pytest.approx(half_copies, rel=0.05)
+    # fp32 (no autocast): no half copies, the original rows are still kept
+    m32 = P.memory(prof, replace(s, precision="fp32"))
+    assert m32.frozen == pytest.approx(
+        (model.params_unet + model.params_vae) * 4 + model.text_encoder_params * 4
+    )
