@@ -189,6 +189,24 @@ def tiny_train_config(
     return config.validate(config.apply_overrides(base, list(overrides)))
 
 
+def losses(out: Path) -> list[float]:
+    """The per-step losses a run wrote (loss_history.json)."""
+    import json
+
+    return json.loads((out / "loss_history.json").read_text())["losses"]
+
+
+def assert_same_run(straight: Path, resumed: Path) -> None:
+    """A resumed run equals the uninterrupted one: the same losses, the same LoRA weights bit for bit."""
+    import torch
+    from safetensors.torch import load_file
+
+    assert losses(resumed) == losses(straight)
+    a = load_file(str(straight / "pytorch_lora_weights.safetensors"))
+    b = load_file(str(resumed / "pytorch_lora_weights.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def generate_64px(pipe) -> np.ndarray:
     """The pipeline's images for the demo prompt: 2 steps, 64 px, seed 0, as numpy."""
     import torch

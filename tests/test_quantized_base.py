@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from conftest import make_images, reset_accelerator, trains_in_process
+from conftest import assert_same_run, generate_64px, losses, make_images, reset_accelerator, trains_in_process
 from sdplan.trainer.quantize import support_problem
 
 from sdplan.errors import UsageError
@@ -351,18 +351,6 @@ def _untrained(path: Path) -> set[str]:
     return {k for k, v in load_file(str(path)).items() if "lora_B" in k and float(v.abs().max()) == 0}
 
 
-def _generate(pipe) -> np.ndarray:
-    pipe.set_progress_bar_config(disable=True)
-    return pipe(
-        "a photo of sks red square",
-        num_inference_steps=2,
-        height=64,
-        width=64,
-        generator=torch.Generator().manual_seed(0),
-        output_type="np",
-    ).images
-
-
 @pytest.mark.train
 @pytest.mark.parametrize(
     ("family", "base", "extra"),
@@ -407,9 +395,9 @@ def test_lora_trains_over_a_quantized_base_and_exports_what_a_bf16_base_exports(
     assert _untrained(diff) == ref["untrained"] and len(ref["untrained"]) <= 1
     # loads back into the (unquantized) pipeline and changes what it makes
     pipe = DiffusionPipeline.from_pretrained(str(tiny_models[family]))
-    before = _generate(pipe)
+    before = generate_64px(pipe)
     pipe.load_lora_weights(str(out))
-    assert float(np.abs(_generate(pipe) - before).max()) > 1e-3
+    assert float(np.abs(generate_64px(pipe) - before).max()) > 1e-3
     assert (out / "samples" / "final.png").is_file()  # sampled through the quantized transformer
 
 
@@ -570,7 +558,6 @@ def test_block_swap_picks_kohyas_blocks_and_changes_nothing_on_the_cpu():
 @pytest.mark.train
 @pytest.mark.parametrize("base", ["bf16", "nf4"])
 def test_block_swap_trains_the_same_losses_through_the_loop(tiny_models, dataset, tmp_path, base):
-    import json
 
     _needs(base)
     gc = "memory.gradient_checkpointing=true"
@@ -580,7 +567,7 @@ def test_block_swap_trains_the_same_losses_through_the_loop(tiny_models, dataset
         summary, seen = _train(
             tiny_models["sd35-medium"], "sd35-medium", dataset, out, base, gc, f"memory.blocks_to_swap={n}"
         )
-        runs[n] = json.loads((out / "loss_history.json").read_text())["losses"], seen
+        runs[n] = losses(out), seen
     assert runs[1][0] == runs[0][0] and all(math.isfinite(v) for v in runs[1][0])
     swap = runs[1][1]["recipe"].block_swap
     assert swap.names == ["transformer_blocks.1"] and runs[0][1]["recipe"].block_swap is None
@@ -590,7 +577,6 @@ def test_block_swap_trains_the_same_losses_through_the_loop(tiny_models, dataset
 @pytest.mark.train
 def test_resume_over_an_nf4_base_equals_uninterrupted(tiny_models, dataset, tmp_path):
     """A checkpoint holds the adapters only; the resumed run quantizes the same base the same way."""
-    import json
 
     from safetensors.torch import load_file
     from sdplan.trainer import checkpoint, run
@@ -618,10 +604,5 @@ def test_resume_over_an_nf4_base_equals_uninterrupted(tiny_models, dataset, tmp_
     kept = load_file(str(next(checkpoint.checkpoint_root(straight).glob("step-000002/*.safetensors"))))
     assert kept and all(".lora_" in k for k in kept)  # no quantized base weights in the checkpoint
 
-    def losses(out):
-        return json.loads((out / "loss_history.json").read_text())["losses"]
-
-    assert len(losses(straight)) == 4 and losses(resumed) == losses(straight)
-    a = load_file(str(straight / "pytorch_lora_weights.safetensors"))
-    b = load_file(str(resumed / "pytorch_lora_weights.safetensors"))
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert len(losses(straight)) == 4
+    assert_same_run(straight, resumed)

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from conftest import make_images, tiny_train_config, trains_in_process
+from conftest import losses, make_images, tiny_train_config, trains_in_process
 from limits import scaled
 from PIL import Image
 from sdplan.trainer import checkpoint, models, run, runtime, stops
@@ -36,10 +36,6 @@ pytestmark = trains_in_process
 def write_cfg(cfg: config.TrainConfig, path: Path) -> Path:
     path.write_text(yaml.safe_dump(cfg.to_dict()))
     return path
-
-
-def losses(out: Path) -> list[float]:
-    return json.loads((out / "loss_history.json").read_text())["losses"]
 
 
 def pipe_image(pipe, prompt: str = "a photo of sks red square") -> np.ndarray:
