@@ -189,6 +189,27 @@ def tiny_train_config(
     return config.validate(config.apply_overrides(base, list(overrides)))
 
 
+def train_two_processes(config: Path, cwd: Path):
+    """``torchrun --standalone --nproc_per_node 2 -m sdplan.trainer --config CONFIG`` on the CPU (gloo), one
+    thread per process; asserts it exited 0."""
+    import subprocess
+    import sys
+
+    from limits import scaled
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    proc = subprocess.run(
+        [*cmd, "-m", "sdplan.trainer", "--config", str(config)],
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=scaled(300),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
 def losses(out: Path) -> list[float]:
     """The per-step losses a run wrote (loss_history.json)."""
     import json

@@ -13,7 +13,15 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from conftest import assert_same_run, generate_64px, losses, make_images, reset_accelerator, trains_in_process
+from conftest import (
+    assert_same_run,
+    generate_64px,
+    losses,
+    make_images,
+    reset_accelerator,
+    train_two_processes,
+    trains_in_process,
+)
 from sdplan.trainer.quantize import support_problem
 
 from sdplan.errors import UsageError
@@ -406,11 +414,6 @@ def test_lora_trains_over_a_quantized_base_and_exports_what_a_bf16_base_exports(
 def test_two_processes_train_over_an_fp8_base(tiny_models, dataset, tmp_path):
     """DDP leaves the quantized weights out of its start-up broadcast (gloo cannot send float8 at all)."""
     import json
-    import os
-    import subprocess
-    import sys
-
-    from limits import scaled
 
     from sdplan import config
 
@@ -426,16 +429,7 @@ def test_two_processes_train_over_an_fp8_base(tiny_models, dataset, tmp_path):
     }
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(config.validate(data).to_dict()))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    proc = subprocess.run(
-        [*cmd, "-m", "sdplan.trainer", "--config", str(path)],
-        env=dict(os.environ, OMP_NUM_THREADS="1"),
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=scaled(300),
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    train_two_processes(path, tmp_path)
     summary = json.loads((tmp_path / "out" / "run_summary.json").read_text())
     assert summary["num_processes"] == 2 and math.isfinite(summary["final_loss"])
     assert (tmp_path / "out" / "t.kohya.safetensors").is_file()

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from conftest import losses, make_images, tiny_train_config, trains_in_process
+from conftest import losses, make_images, tiny_train_config, train_two_processes, trains_in_process
 from limits import scaled
 from PIL import Image
 from sdplan.trainer import checkpoint, models, run, runtime, stops
@@ -483,27 +483,7 @@ def test_two_processes_see_the_same_images_as_one(tiny_sd15, dataset, tmp_path):
         tiny_sd15, dataset, tmp_path / "two", "training.max_steps=null", "training.epochs=2"
     )
     path = write_cfg(cfg, tmp_path / "c.yaml")
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run(
-        [
-            PY,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node",
-            "2",
-            "-m",
-            "sdplan.trainer",
-            "--config",
-            str(path),
-        ],
-        env=env,
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=scaled(300),
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    train_two_processes(path, tmp_path)
     two = json.loads((tmp_path / "two" / "run_summary.json").read_text())
     one = run.train(
         tiny_train_config(
@@ -679,26 +659,7 @@ def test_two_processes_train_sdxl_text_encoders(tiny_sdxl, dataset, tmp_path):
         "training.train_text_encoder=true",
     )
     path = write_cfg(cfg, tmp_path / "c.yaml")
-    proc = subprocess.run(
-        [
-            PY,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node",
-            "2",
-            "-m",
-            "sdplan.trainer",
-            "--config",
-            str(path),
-        ],
-        env=dict(os.environ, OMP_NUM_THREADS="1"),
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=scaled(300),
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    train_two_processes(path, tmp_path)
     assert json.loads((tmp_path / "out" / "run_summary.json").read_text())["steps"] == 2
 
 
