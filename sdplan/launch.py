@@ -36,6 +36,7 @@ from sdplan.settings import DEEPSPEED_BUCKET_ELEMENTS
 from sdplan.terminal import HANGUP, detach_from_terminal, hangup_wanted, terminal_fds
 
 DEFAULT_PORT = 29500  # accelerate's and torchrun's rendezvous port
+LAUNCHED_ENV = "SDPLAN_LAUNCHED"  # set for a trainer started by `sdplan train`
 
 TRAINER_MODULE = "sdplan.trainer"
 ACCELERATE_FILE = "accelerate.yaml"
@@ -179,7 +180,8 @@ def build_launch(
         trainer_args += ["--resume", str(resume)]
     # PYTHONSAFEPATH (Python >= 3.11, inherited by torchrun/accelerate workers): the trainer never imports
     # from the working folder, where a folder named `sdplan` would shadow this package.
-    env = {"PYTHONUNBUFFERED": "1", "PYTHONSAFEPATH": "1"}
+    # SDPLAN_LAUNCHED: sdplan prints the run's summary itself, so the trainer does not print its own as well.
+    env = {"PYTHONUNBUFFERED": "1", "PYTHONSAFEPATH": "1", LAUNCHED_ENV: "1"}
     on_cpu = cfg.training.device == "cpu"
     ds = cfg.distributed.deepspeed
     if on_cpu:

@@ -33,7 +33,7 @@ def test_one_gpu_is_one_plain_process():
     launch = build_launch(cfg(), CFG, OUT, python=PY)
     assert launch.cmd == [PY, *TRAINER]
     assert launch.kind == "single"
-    assert launch.env == {"PYTHONUNBUFFERED": "1", "PYTHONSAFEPATH": "1"}
+    assert launch.env == {"PYTHONUNBUFFERED": "1", "PYTHONSAFEPATH": "1", "SDPLAN_LAUNCHED": "1"}
     assert launch.deepspeed_config is None
     assert launch.per_node_commands == []
     # accelerate.yaml is still written, for the record and for `accelerate launch` by hand.
@@ -225,6 +225,7 @@ def test_shell_line_quotes():
     assert shlex.split(launch.shell()) == [
         "PYTHONSAFEPATH=1",
         "PYTHONUNBUFFERED=1",
+        "SDPLAN_LAUNCHED=1",
         PY,
         "-m",
         "sdplan.trainer",

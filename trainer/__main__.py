@@ -103,10 +103,12 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         _err("aborted")
         return stops.EXIT_INTERRUPTED
-    if summary:
+    if summary and not os.environ.get("SDPLAN_LAUNCHED"):  # under `sdplan train`, sdplan prints the summary
+        loss = summary["final_loss"]
+        loss_text = f"final loss {loss:.4f}, " if isinstance(loss, float) else ""
         print(
-            f"done: {summary['steps']} steps, {summary['images_seen']} images, final loss "
-            f"{summary['final_loss']}, {summary['wall_seconds']:.1f} s; outputs in {cfg.output.dir}",
+            f"done: {summary['steps']} steps, {summary['images_seen']} images, {loss_text}"
+            f"{summary['wall_seconds']:.1f} s; outputs in {cfg.output.dir}",
             flush=True,
         )
     return 0
