@@ -371,30 +371,55 @@ def fit(
     return coef, worst
 
 
-def compute_family(model: dict, resolutions: tuple[int, ...], log) -> dict:
+def unet_entry(
+    unet,
+    model: dict,
+    resolutions: tuple[int, ...],
+    *,
+    dtype_name: str,
+    backend: str,
+    gc: bool,
+    trained,
+    on_point=None,
+) -> tuple[str, dict]:
+    """(key, entry) of activations.yaml for one (dtype, attention backend, checkpointing, trained part): the UNet
+    measured at batch 1 over ``resolutions`` and at batch 2 at the native resolution, then fitted.
+    ``on_point(batch, resolution, held, peak, seconds)`` sees every measurement."""
     scale = int(model.get("vae_scale_factor", 8))
     native = int(model["native_resolution"])
+    held_pts, peak_pts, measured = [], [], []
+    for batch, res in [(1, r) for r in resolutions] + [(2, native)]:
+        t0 = time.perf_counter()
+        held, peak = measure_unet(
+            unet,
+            model,
+            batch=batch,
+            resolution=res,
+            dtype_name=dtype_name,
+            backend=backend,
+            gc=gc,
+            trained=trained,
+        )
+        lat = (res // scale) ** 2
+        held_pts.append((batch, lat, held))
+        peak_pts.append((batch, lat, peak))
+        measured.append((batch, res, held, peak, time.perf_counter() - t0))
+    held_coef, held_err = fit(held_pts, quadratic=backend == "math")
+    entry = {"held": held_coef, "fit_max_error": round(held_err, 4)}
+    if gc:
+        entry["recompute_peak"], _ = fit(peak_pts, quadratic=backend == "math")
+    return f"{dtype_name}/{backend}/{'gc' if gc else 'no_gc'}/{trained}", entry, measured
+
+
+def compute_family(model: dict, resolutions: tuple[int, ...], log) -> dict:
     out: dict[str, Any] = {"unet": {}, "text_encoders": [], "measured": []}
     for dtype_name in DTYPES:
         unet = build_unet(model["unet"], dtype_name)
         for backend, gc, trained in itertools.product(BACKENDS, (False, True), TRAINED):
-            held_pts, peak_pts = [], []
-            shapes = [(1, r) for r in resolutions] + [(2, native)]
-            for batch, res in shapes:
-                t0 = time.perf_counter()
-                held, peak = measure_unet(
-                    unet,
-                    model,
-                    batch=batch,
-                    resolution=res,
-                    dtype_name=dtype_name,
-                    backend=backend,
-                    gc=gc,
-                    trained=trained,
-                )
-                lat = (res // scale) ** 2
-                held_pts.append((batch, lat, held))
-                peak_pts.append((batch, lat, peak))
+            key, entry, measured = unet_entry(
+                unet, model, resolutions, dtype_name=dtype_name, backend=backend, gc=gc, trained=trained
+            )
+            for batch, res, held, peak, seconds in measured:
                 out["measured"].append(
                     {
                         "dtype": dtype_name,
@@ -409,14 +434,8 @@ def compute_family(model: dict, resolutions: tuple[int, ...], log) -> dict:
                 )
                 log(
                     f"  {model['family']} {dtype_name} {backend:9s} {trained:4s} gc={gc!s:5s} b={batch} {res:5d}: "
-                    f"held {held / 2**30:7.3f} GiB, recompute peak {peak / 2**30:6.3f} GiB "
-                    f"({time.perf_counter() - t0:.2f}s)"
+                    f"held {held / 2**30:7.3f} GiB, recompute peak {peak / 2**30:6.3f} GiB ({seconds:.2f}s)"
                 )
-            held_coef, held_err = fit(held_pts, quadratic=backend == "math")
-            key = f"{dtype_name}/{backend}/{'gc' if gc else 'no_gc'}/{trained}"
-            entry = {"held": held_coef, "fit_max_error": round(held_err, 4)}
-            if gc:
-                entry["recompute_peak"], _ = fit(peak_pts, quadratic=backend == "math")
             out["unet"][key] = entry
         if dtype_name == "fp32":
             out["adafactor_state_bytes"] = {"unet": adafactor_state_bytes(unet), "text_encoders": []}
@@ -830,34 +849,15 @@ def lora_params_per_rank(model: dict) -> dict:
 def compute_lora_targets(model: dict, resolutions: tuple[int, ...], log) -> dict:
     """The UNet activation entries of the LoRA target sets beyond attention, and the per-rank parameter
     counts: merged into a family's entry of activations.yaml."""
-    scale = int(model.get("vae_scale_factor", 8))
-    native = int(model["native_resolution"])
     unet_entries: dict[str, Any] = {}
     for dtype_name in DTYPES:
         unet = build_unet(model["unet"], dtype_name)
         for backend, gc, trained in itertools.product(BACKENDS, (False, True), LORA_TARGET_SETS):
-            held_pts, peak_pts = [], []
-            for batch, res in [(1, r) for r in resolutions] + [(2, native)]:
-                held, peak = measure_unet(
-                    unet,
-                    model,
-                    batch=batch,
-                    resolution=res,
-                    dtype_name=dtype_name,
-                    backend=backend,
-                    gc=gc,
-                    trained=trained,
-                )
-                lat = (res // scale) ** 2
-                held_pts.append((batch, lat, held))
-                peak_pts.append((batch, lat, peak))
-            held_coef, held_err = fit(held_pts, quadratic=backend == "math")
-            entry = {"held": held_coef, "fit_max_error": round(held_err, 4)}
-            if gc:
-                entry["recompute_peak"], _ = fit(peak_pts, quadratic=backend == "math")
-            key = f"{dtype_name}/{backend}/{'gc' if gc else 'no_gc'}/{trained}"
+            key, entry, _ = unet_entry(
+                unet, model, resolutions, dtype_name=dtype_name, backend=backend, gc=gc, trained=trained
+            )
             unet_entries[key] = entry
-            log(f"  {model['family']} {key}: held {held_coef}")
+            log(f"  {model['family']} {key}: held {entry['held']}")
         del unet
     counts = lora_params_per_rank(model)
     log(f"  {model['family']} LoRA params per rank: {counts}")
