@@ -366,6 +366,34 @@ def trainable_params(model: ModelSpec, s: Settings, profiles: Profiles | None = 
     return model.params_unet + (model.text_encoder_params if s.train_text_encoder else 0)
 
 
+def step_allocated_bytes(
+    s: Settings,
+    *,
+    resident: float,
+    grads: float,
+    buckets: float,
+    forward: float,
+    step: float,
+    recompute_tail: float,
+) -> float:
+    """The training step's peak allocated bytes, the largest of its phases, for the UNet and the transformer
+    families alike. ``resident``: weights, frozen parts, optimizer state (and EMA), there all along; ``grads``:
+    the gradients, DDP's reducer ``buckets`` (a second copy, kept) included; ``forward``: the forward's peak
+    (saved activations and autocast's half copies); ``step``: the optimizer's temporaries; ``recompute_tail``:
+    the backward's last recomputed segment.
+
+    zero_grad(set_to_none=True) frees the gradients after every step, so they do not coexist with the
+    forward's peak: autocast's cache of half weight copies (held until autocast exits at the end of the
+    forward, or by the saved tensors until each layer's backward) and the saved activations. Gradients grow
+    during the backward while those are freed (with checkpointing the first, high-resolution segment is
+    recomputed last, beside nearly all gradients); the step then adds its temporaries. With gradient
+    accumulation the gradients live from the first micro-step's backward to the optimizer step, through the
+    next micro-steps' forwards, whatever zero_grad does after the step; DeepSpeed offload keeps its buckets."""
+    if s.set_grads_to_none and s.grad_accum == 1 and not s.offload:
+        return resident + buckets + max(forward, grads - buckets + max(step, recompute_tail))
+    return resident + grads + max(forward, step)
+
+
 def memory(profiles: Profiles, s: Settings) -> Memory:
     if flow_family(s.model):
         return memory_flow(profiles, s)
@@ -463,19 +491,15 @@ def memory(profiles: Profiles, s: Settings) -> Memory:
 
     buckets = grads if (s.num_gpus > 1 and not s.offload) else 0.0  # DDP's reducer buckets: a second copy
     grads += buckets
-    # with gradient accumulation the gradients live from the first micro-step's backward to the optimizer step,
-    # through the next micro-steps' forwards, whatever zero_grad does after the step
-    if s.set_grads_to_none and s.grad_accum == 1 and not s.offload:
-        # zero_grad(set_to_none=True) frees the gradients after every step, so they do not coexist with the
-        # forward's peak: autocast's cache of half weight copies (held until autocast exits at the end of the
-        # forward, or by the saved tensors until each layer's backward) and the saved activations. Gradients
-        # grow during the backward while those are freed (with checkpointing the first, high-resolution
-        # segment is recomputed last, beside nearly all gradients); the step then adds its temporaries.
-        base = weights + frozen + buckets + opt + ema
-        allocated = base + max(activations + autocast, grads - buckets + max(step, recompute_tail))
-    else:
-        base = weights + frozen + grads + opt + ema
-        allocated = base + max(activations + autocast, step)
+    allocated = step_allocated_bytes(
+        s,
+        resident=weights + frozen + opt + ema,
+        grads=grads,
+        buckets=buckets,
+        forward=activations + autocast,
+        step=step,
+        recompute_tail=recompute_tail,
+    )
     overhead = CUDA_CONTEXT_BYTES + ALLOCATOR_OVERHEAD * allocated
     kept_grads = 0.0 if (s.set_grads_to_none and not s.offload) else grads - buckets
     sampling = sampling_peak_bytes(
@@ -2016,11 +2040,15 @@ def memory_flow(profiles: Profiles, s: Settings) -> Memory:
     step = t * 4.0 if s.optimizer in FOREACH_OPTIMIZERS else 0.0
     # autocast's cached bf16 copies of the fp32 LoRA matrices (see memory()), held until the forward ends
     autocast = t * 2.0 if _half(s.precision) else 0.0
-    base = weights + frozen + opt
-    if s.set_grads_to_none:
-        allocated = base + max(activations + autocast, grads + max(step, recompute_tail))
-    else:
-        allocated = base + grads + max(activations + autocast, step)
+    allocated = step_allocated_bytes(
+        s,
+        resident=weights + frozen + opt,
+        grads=grads,
+        buckets=0.0,
+        forward=activations + autocast,
+        step=step,
+        recompute_tail=recompute_tail,
+    )
     overhead = CUDA_CONTEXT_BYTES + ALLOCATOR_OVERHEAD * allocated
     # host RAM: the components load in bf16 (quantizing on the GPU would first put the bf16 base there:
     # SimpleTuner#1149; the trainer / kohya quantize on the CPU)
