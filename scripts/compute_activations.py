@@ -371,26 +371,37 @@ def fit(
     return coef, worst
 
 
-def unet_entry(
-    unet,
-    model: dict,
-    resolutions: tuple[int, ...],
-    *,
-    dtype_name: str,
-    backend: str,
-    gc: bool,
-    trained,
-    on_point=None,
-) -> tuple[str, dict]:
-    """(key, entry) of activations.yaml for one (dtype, attention backend, checkpointing, trained part): the UNet
-    measured at batch 1 over ``resolutions`` and at batch 2 at the native resolution, then fitted.
-    ``on_point(batch, resolution, held, peak, seconds)`` sees every measurement."""
+def measured_entry(
+    measure, model: dict, resolutions: tuple[int, ...], *, gc: bool, quadratic: bool, error_digits: int = 4
+) -> tuple[dict, list[tuple[int, int, int, int, float]]]:
+    """One activations.yaml entry: ``measure(batch, resolution) -> (held, recompute peak)`` at batch 1 over
+    ``resolutions`` and at batch 2 at the native resolution, then fitted (the recompute peak only with gradient
+    checkpointing). Returns (entry, measurements as (batch, resolution, held, peak, seconds))."""
     scale = int(model.get("vae_scale_factor", 8))
     native = int(model["native_resolution"])
     held_pts, peak_pts, measured = [], [], []
     for batch, res in [(1, r) for r in resolutions] + [(2, native)]:
         t0 = time.perf_counter()
-        held, peak = measure_unet(
+        held, peak = measure(batch, res)
+        lat = (res // scale) ** 2
+        held_pts.append((batch, lat, held))
+        peak_pts.append((batch, lat, peak))
+        measured.append((batch, res, held, peak, time.perf_counter() - t0))
+    held_coef, held_err = fit(held_pts, quadratic=quadratic)
+    entry = {"held": held_coef, "fit_max_error": round(held_err, error_digits)}
+    if gc:
+        entry["recompute_peak"], _ = fit(peak_pts, quadratic=quadratic)
+    return entry, measured
+
+
+def unet_entry(
+    unet, model: dict, resolutions: tuple[int, ...], *, dtype_name: str, backend: str, gc: bool, trained
+) -> tuple[str, dict, list[tuple[int, int, int, int, float]]]:
+    """(key, entry, measurements) of activations.yaml for one (dtype, attention backend, checkpointing, trained
+    part) of the UNet (:func:`measured_entry`; plain attention's matrix makes the fit quadratic)."""
+
+    def measure(batch: int, res: int) -> tuple[int, int]:
+        return measure_unet(
             unet,
             model,
             batch=batch,
@@ -400,14 +411,8 @@ def unet_entry(
             gc=gc,
             trained=trained,
         )
-        lat = (res // scale) ** 2
-        held_pts.append((batch, lat, held))
-        peak_pts.append((batch, lat, peak))
-        measured.append((batch, res, held, peak, time.perf_counter() - t0))
-    held_coef, held_err = fit(held_pts, quadratic=backend == "math")
-    entry = {"held": held_coef, "fit_max_error": round(held_err, 4)}
-    if gc:
-        entry["recompute_peak"], _ = fit(peak_pts, quadratic=backend == "math")
+
+    entry, measured = measured_entry(measure, model, resolutions, gc=gc, quadratic=backend == "math")
     return f"{dtype_name}/{backend}/{'gc' if gc else 'no_gc'}/{trained}", entry, measured
 
 
@@ -692,18 +697,21 @@ def compute_transformer_family(model: dict, log) -> dict:
     from torch.utils.flop_counter import FlopCounterMode
 
     scale = int(model["vae_scale_factor"])
-    native = int(model["native_resolution"])
     out: dict[str, Any] = {"text_tokens": int(model["transformer_text_tokens"]), "transformer": {}}
     measured: list[dict] = []
     net = build_transformer(model)
     for gc, trained in itertools.product((False, True), TRANSFORMER_TRAINED):
-        held_pts, peak_pts = [], []
-        for batch, res in [(1, r) for r in TRANSFORMER_RESOLUTIONS] + [(2, native)]:
-            t0 = time.perf_counter()
-            held, peak = measure_transformer(net, model, batch=batch, resolution=res, gc=gc, trained=trained)
-            lat = (res // scale) ** 2
-            held_pts.append((batch, lat, held))
-            peak_pts.append((batch, lat, peak))
+        entry, points = measured_entry(
+            lambda batch, res, net=net, gc=gc, trained=trained: measure_transformer(
+                net, model, batch=batch, resolution=res, gc=gc, trained=trained
+            ),
+            model,
+            TRANSFORMER_RESOLUTIONS,
+            gc=gc,
+            quadratic=False,
+            error_digits=6,
+        )
+        for batch, res, held, peak, seconds in points:
             measured.append(
                 {
                     "gradient_checkpointing": gc,
@@ -716,12 +724,8 @@ def compute_transformer_family(model: dict, log) -> dict:
             )
             log(
                 f"  {model['family']} {trained:4s} gc={gc!s:5s} b={batch} {res:5d}: held {held / 2**30:7.3f} GiB, "
-                f"recompute peak {peak / 2**30:6.3f} GiB ({time.perf_counter() - t0:.2f}s)"
+                f"recompute peak {peak / 2**30:6.3f} GiB ({seconds:.2f}s)"
             )
-        coef, err = fit(held_pts, quadratic=False)
-        entry: dict[str, Any] = {"held": coef, "fit_max_error": round(err, 6)}
-        if gc:
-            entry["recompute_peak"], _ = fit(peak_pts, quadratic=False)
         out["transformer"][f"bf16/efficient/{'gc' if gc else 'no_gc'}/{trained}"] = entry
     t0 = time.perf_counter()
     flops = measure_transformer_flops(net, model, TRANSFORMER_FLOP_RESOLUTIONS)
