@@ -502,6 +502,26 @@ def _replace_dir(tmp: Path, final: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+def save_diffusers_lora(
+    pipeline_cls, out_dir: Path, metadata: dict[str, str], **layers: Any
+) -> tuple[Path, dict[str, str]]:
+    """``out_dir/pytorch_lora_weights.safetensors`` written by diffusers' own ``save_lora_weights`` (through a
+    temporary folder, so a failure leaves no half file), keeping diffusers' metadata (format,
+    lora_adapter_metadata) merged with ``metadata``. Returns (the file, the metadata written)."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    tmp = _tmp_name(out_dir / "lora")
+    try:
+        pipeline_cls.save_lora_weights(save_directory=str(tmp), safe_serialization=True, **layers)
+        with safe_open(str(tmp / DIFFUSERS_LORA_NAME), framework="pt") as f:
+            md = {**(f.metadata() or {}), **metadata}
+        path = _save_safetensors(load_file(str(tmp / DIFFUSERS_LORA_NAME)), out_dir / DIFFUSERS_LORA_NAME, md)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path, md
+
+
 def _check_family(family: str) -> None:
     if family not in FAMILIES:
         raise UsageError(f"unknown model family {family!r}", fix=f"use one of {', '.join(FAMILIES)}")
@@ -564,8 +584,6 @@ def save_lora(
     from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
     from diffusers.utils import convert_state_dict_to_diffusers
     from diffusers.utils.state_dict_utils import convert_state_dict_to_kohya
-    from safetensors import safe_open
-    from safetensors.torch import load_file
 
     _check_family(family)
     out_dir = Path(out_dir)
@@ -609,16 +627,7 @@ def save_lora(
     md.update({"sdplan_lora_rank": str(rank), "sdplan_lora_alpha": str(float(alpha))})
     md["sdplan_lora_alpha_folded"] = "alpha/rank is folded into lora_B; load with lora_alpha = rank"
     out_dir.mkdir(parents=True, exist_ok=True)
-    tmp = _tmp_name(out_dir / "lora")
-    try:
-        pipeline_cls.save_lora_weights(save_directory=str(tmp), safe_serialization=True, **kwargs)
-        with safe_open(str(tmp / DIFFUSERS_LORA_NAME), framework="pt") as f:
-            md = {**(f.metadata() or {}), **md}  # keep diffusers' format + lora_adapter_metadata
-        written = [
-            _save_safetensors(load_file(str(tmp / DIFFUSERS_LORA_NAME)), out_dir / DIFFUSERS_LORA_NAME, md)
-        ]
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    written = [save_diffusers_lora(pipeline_cls, out_dir, md, **kwargs)[0]]
 
     if not kohya:
         return written

@@ -6,20 +6,17 @@ dicts) are ``export``'s.
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Any
 
 from sdplan import registry
 
 from .export import (
-    DIFFUSERS_LORA_NAME,
     ExportError,
     _peft_lora,
-    _save_safetensors,
-    _tmp_name,
     output_metadata,
     output_name,
+    save_diffusers_lora,
 )
 
 
@@ -43,9 +40,6 @@ def save_flow_lora(
     """Write the LoRA ``transformer`` carries as a peft adapter: ``pytorch_lora_weights.safetensors`` and, with
     ``kohya``, ``{name}.kohya.safetensors`` (kohya sd-scripts / ComfyUI names; ``name`` None/empty: the run
     folder's name, ``export.output_name``)."""
-    from safetensors import safe_open
-    from safetensors.torch import load_file
-
     if family not in registry.FLOW_FAMILIES:
         raise ExportError(f"{family} is not an SD3.5/FLUX family")
     found = _peft_lora(transformer)
@@ -62,21 +56,14 @@ def save_flow_lora(
     md = output_metadata(metadata, family)
     md.update({"sdplan_lora_rank": str(rank), "sdplan_lora_alpha": str(float(alpha))})
     out_dir.mkdir(parents=True, exist_ok=True)
-    tmp = _tmp_name(out_dir / "lora")
-    try:
-        pipeline_class(family).save_lora_weights(
-            save_directory=str(tmp),
-            transformer_lora_layers=state_dict,  # peft names, as the diffusers examples save them
-            transformer_lora_adapter_metadata=config.to_dict(),
-            safe_serialization=True,
-        )
-        with safe_open(str(tmp / DIFFUSERS_LORA_NAME), framework="pt") as f:
-            md = {**(f.metadata() or {}), **md}  # keep diffusers' format + lora_adapter_metadata
-        written = [
-            _save_safetensors(load_file(str(tmp / DIFFUSERS_LORA_NAME)), out_dir / DIFFUSERS_LORA_NAME, md)
-        ]
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    diffusers_file, md = save_diffusers_lora(  # md gains diffusers' format + lora_adapter_metadata
+        pipeline_class(family),
+        out_dir,
+        md,
+        transformer_lora_layers=state_dict,  # peft names, as the diffusers examples save them
+        transformer_lora_adapter_metadata=config.to_dict(),
+    )
+    written = [diffusers_file]
     if kohya:
         from .flow_kohya import save_kohya
 
