@@ -33,6 +33,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from sdplan.probe.snapshot import version_tuple
+
 QUANTIZED = ("fp8", "nf4")
 BLOCK_PREFIXES = ("transformer_blocks.", "single_transformer_blocks.")
 NF4_BLOCKSIZE = 64  # bitsandbytes' default; the planner's bytes (0.5 + 4/64 per weight) assume it
@@ -40,19 +42,6 @@ BITSANDBYTES_MIN = (0, 46)  # the first release whose PyPI wheel has CPU 4-bit k
 DIFFUSERS_MIN = (0, 33)  # the first release with diffusers.hooks.apply_layerwise_casting
 NF4_MIN_CC = (6, 0)  # bitsandbytes installation guide: NF4/FP4 quantization needs compute capability 6.0+
 KEEP = "pin model.base_precision=bf16"
-
-
-def version_tuple(version: str | None) -> tuple[int, ...] | None:
-    """(major, minor, ...) of a version string ("0.50.2", "0.47.0.dev0"); None when absent or unreadable."""
-    if not version:
-        return None
-    parts = []
-    for piece in version.split("+")[0].split("."):
-        digits = "".join(c for c in piece if c.isdigit()) if piece[:1].isdigit() else ""
-        if not digits:
-            break
-        parts.append(int(digits))
-    return tuple(parts) or None
 
 
 def _dotted(v: tuple[int, ...]) -> str:

@@ -170,7 +170,7 @@ def _torch_rules(s: Snapshot) -> list[Finding]:
             )
         )
     if sw.torch_build == "cuda" and "nvidia" in vendors:
-        runtime, driver = _version_tuple(sw.cuda_runtime), _version_tuple(sw.cuda_driver)
+        runtime, driver = version_tuple(sw.cuda_runtime), version_tuple(sw.cuda_driver)
         if runtime and driver and runtime > driver:
             major = runtime[0] > driver[0]
             out.append(
@@ -226,7 +226,7 @@ def _amd_rules(s: Snapshot) -> list[Finding]:
                 fix,
             )
         )
-    kernel = _version_tuple(s.host.kernel)
+    kernel = version_tuple(s.host.kernel)
     if kernel and kernel[:2] < AMD_MIN_KERNEL:
         out.append(
             Finding(
@@ -359,7 +359,7 @@ def _multi_gpu_rules(s: Snapshot) -> list[Finding]:
 
 def rocm_wheel_arches(torch_version: str | None) -> frozenset[str]:
     """Arches the ROCm wheels of this torch version ship kernels for (the newest set if torch is unknown)."""
-    version = _version_tuple(torch_version)
+    version = version_tuple(torch_version)
     arches: set[str] = set()
     for since, added in ROCM_WHEEL_ARCHES:
         if version is None or version[:2] >= since:
@@ -367,7 +367,9 @@ def rocm_wheel_arches(torch_version: str | None) -> frozenset[str]:
     return frozenset(arches)
 
 
-def _version_tuple(text: str | None) -> tuple[int, ...] | None:
+def version_tuple(text: str | None) -> tuple[int, ...] | None:
+    """(major, minor[, patch]) at the start of a version string ("12.4", "0.47.0.dev0", "6.8.0-45-generic");
+    None when absent or unreadable."""
     if not text:
         return None
     match = re.match(r"\s*(\d+)\.(\d+)(?:\.(\d+))?", text)
@@ -380,13 +382,13 @@ def _torch_index(s: Snapshot) -> str:
     """' --index-url ...' for the torch build this machine needs, or '' when it cannot be told."""
     vendors = {g.vendor for g in s.usable_gpus}
     if vendors == {"nvidia"}:
-        driver = _version_tuple(s.software.cuda_driver)
-        fitting = [c for c in TORCH_CUDA_WHEELS if driver and _version_tuple(c) <= driver]
+        driver = version_tuple(s.software.cuda_driver)
+        fitting = [c for c in TORCH_CUDA_WHEELS if driver and version_tuple(c) <= driver]
         if fitting:
             return f" --index-url https://download.pytorch.org/whl/cu{fitting[-1].replace('.', '')}"
         return ""
     if vendors == {"amd"}:
-        rocm = _version_tuple(s.software.rocm)
+        rocm = version_tuple(s.software.rocm)
         if rocm:
             return f" --index-url https://download.pytorch.org/whl/rocm{rocm[0]}.{rocm[1]}"
         return ""
