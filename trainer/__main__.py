@@ -103,7 +103,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         _err("aborted")
         return stops.EXIT_INTERRUPTED
-    if summary and not os.environ.get("SDPLAN_LAUNCHED"):  # under `sdplan train`, sdplan prints the summary
+    from sdplan.launch import LAUNCHED_ENV
+
+    if summary and not os.environ.get(LAUNCHED_ENV):  # under `sdplan train`, sdplan prints the summary
         loss = summary["final_loss"]
         loss_text = f"final loss {loss:.4f}, " if isinstance(loss, float) else ""
         print(
