@@ -47,9 +47,11 @@ def _launcher(child: str) -> str:
     )
 
 
-def _read_until(fd: int, needle: bytes) -> bytes:
+def _read_line(fd: int, needle: bytes) -> bytes:
+    """Read the terminal until a whole line holding ``needle`` has come: print() may write a line's text and
+    its newline in two writes, and a terminal closed between them fails the unguarded newline with EIO."""
     seen = b""
-    while needle not in seen:
+    while needle not in seen or b"\n" not in seen.split(needle, 1)[1]:
         chunk = os.read(fd, 1024)
         assert chunk, seen
         seen += chunk
@@ -70,7 +72,7 @@ def test_closing_the_terminal_stops_the_trainer_like_sigterm(tmp_path):
     )
     os.close(secondary)
     try:
-        _read_until(primary, b"ready")
+        _read_line(primary, b"ready")
     finally:
         os.close(primary)  # the terminal is gone: writes to it fail with EIO from now on
     proc.send_signal(signal.SIGHUP)
@@ -111,7 +113,7 @@ def test_a_write_to_the_closed_terminal_is_the_hangup_even_before_any_sighup(tmp
     )
     os.close(secondary)
     try:
-        _read_until(primary, b"ready")
+        _read_line(primary, b"ready")
     finally:
         os.close(primary)  # hung up; no signal is sent
     assert proc.wait(timeout=scaled(60)) == 130
