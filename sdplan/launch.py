@@ -322,17 +322,17 @@ def run_launch(
     """
     env = dict(os.environ if environ is None else environ)
     env.update({k: v for k, v in launch.env.items() if not (k in SOFT_ENV and env.get(k, "").strip())})
-    proc = subprocess.Popen(
-        launch.cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent(os.getpid())
-    )
-    if on_start is not None:
-        on_start(proc.pid)
+    proc: subprocess.Popen | None = None
+    early: list[int | None] = []  # stop signals that came before the child existed
     signals_sent = 0
     escalation = (signal.SIGINT, signal.SIGTERM, signal.SIGKILL)
     ttys = terminal_fds()
 
     def forward(signum: int | None = None, frame: Any = None) -> None:
         nonlocal signals_sent
+        if proc is None:
+            early.append(signum)
+            return
         sig = escalation[min(signals_sent, len(escalation) - 1)]
         if signum is not None and signum == HANGUP:
             # The terminal closed: our output goes nowhere from now on, and the trainer is told why it stops
@@ -344,7 +344,9 @@ def run_launch(
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, sig)
 
-    handled = [signal.SIGTERM] + ([signal.Signals(HANGUP)] if hangup_wanted() else [])
+    # The handlers go in before the child starts: a signal between the start and their installation would
+    # otherwise kill sdplan (SIGHUP, SIGTERM) or escape as KeyboardInterrupt, and the trainer would not be told.
+    handled = [signal.SIGINT, signal.SIGTERM] + ([signal.Signals(HANGUP)] if hangup_wanted() else [])
     previous: dict[int, Any] = {}
     for s in handled:
         try:
@@ -352,12 +354,14 @@ def run_launch(
         except ValueError:  # not the main thread
             break
     try:
-        while True:
-            try:
-                code = proc.wait()
-                break
-            except KeyboardInterrupt:
-                forward()
+        proc = subprocess.Popen(
+            launch.cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent(os.getpid())
+        )
+        if on_start is not None:
+            on_start(proc.pid)
+        for signum in early:
+            forward(signum)
+        code = proc.wait()
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)

@@ -287,6 +287,31 @@ def test_run_launch_forwards_sigint_to_the_child_group(tmp_path):
     assert marker.read_text() == "checkpoint"
 
 
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM", "SIGHUP"])
+def test_a_stop_signal_while_the_trainer_starts_is_forwarded_not_lost(sig):
+    """The signal lands while the child is being started (before it exists as far as sdplan knows): sdplan
+    neither dies (SIGTERM, SIGHUP) nor escapes on KeyboardInterrupt (SIGINT) leaving the trainer behind; the
+    signal is forwarded once the child runs, and the interrupt exit code comes back."""
+    if not hasattr(signal, sig):
+        pytest.skip(f"no {sig} here")
+    child = "import time; print('started', flush=True); time.sleep(600)"
+    parent = textwrap.dedent(
+        f"""
+        import os, signal, subprocess, sys
+        real = subprocess.Popen
+        def popen(*a, **k):
+            os.kill(os.getpid(), signal.{sig})  # arrives before Popen returns
+            return real(*a, **k)
+        subprocess.Popen = popen
+        from sdplan.launch import Launch, run_launch
+        sys.exit(run_launch(Launch(cmd=[sys.executable, "-c", {child!r}], env={{}})))
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", parent], capture_output=True, text=True, timeout=scaled(120))
+    assert proc.returncode == 130, proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
 def test_launch_configs():
     """The accelerate and DeepSpeed configs for a plan."""
     from sdplan.config import DeepSpeedConfig, TrainConfig
