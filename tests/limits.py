@@ -26,3 +26,16 @@ def scaled(nominal_s: float) -> float | None:
     if scale <= 0:
         return None
     return nominal_s * scale * load_factor()
+
+
+def wait_until(condition, nominal_s: float, *, poll_s: float = 0.1) -> bool:
+    """Poll ``condition()`` until it is true (True) or ``scaled(nominal_s)`` has passed (False)."""
+    import time
+
+    limit = scaled(nominal_s)
+    start = time.monotonic()
+    while not condition():
+        if limit is not None and time.monotonic() - start > limit:
+            return False
+        time.sleep(poll_s)
+    return True

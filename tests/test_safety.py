@@ -11,11 +11,11 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
 from conftest import digest, make_images, one_line_error
+from limits import wait_until
 from typer.testing import CliRunner
 
 from sdplan import runfolder
@@ -184,7 +184,7 @@ def test_trainer_ignores_a_sdplan_folder_in_the_working_folder(tmp_path, monkeyp
 def test_second_run_into_a_locked_folder_says_who_holds_it(tmp_path):
     out = tmp_path / "run"
     out.mkdir()
-    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
     try:
         (out / runfolder.LOCK_FILE).write_text(
             json.dumps({"pid": holder.pid, "host": os.uname().nodename, "started": "2026-01-01T00:00:00"})
@@ -247,17 +247,11 @@ def test_trainer_gets_sigterm_when_sdplan_is_killed(tmp_path):
     )
     proc = subprocess.Popen([sys.executable, "-c", parent])
     try:
-        for _ in range(600):
-            if marker.exists() and marker.read_text():
-                break
-            time.sleep(0.1)
+        wait_until(lambda: marker.exists() and marker.read_text(), 60)
         child_pid = int(marker.read_text())
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
-        for _ in range(600):
-            if got.exists():
-                break
-            time.sleep(0.1)
+        wait_until(got.exists, 60)
         assert got.read_text() == "yes"
     finally:
         proc.kill()

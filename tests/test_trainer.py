@@ -10,7 +10,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +17,7 @@ import pytest
 import torch
 import yaml
 from conftest import losses, make_images, tiny_train_config, train_two_processes, trains_in_process
-from limits import scaled
+from limits import scaled, wait_until
 from PIL import Image
 from sdplan.trainer import checkpoint, models, run, runtime, stops
 from sdplan.trainer.__main__ import main as trainer_main
@@ -399,9 +398,9 @@ def test_sigint_leaves_a_resumable_checkpoint(tiny_sd15, dataset, tmp_path):
         stderr=subprocess.PIPE,
         text=True,
     )
-    deadline = time.time() + 90
-    while checkpoint.latest_checkpoint(out) is None and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.2)
+    wait_until(
+        lambda: checkpoint.latest_checkpoint(out) is not None or proc.poll() is not None, 90, poll_s=0.2
+    )
     proc.send_signal(signal.SIGINT)
     stdout, stderr = proc.communicate(timeout=scaled(60))
     assert proc.returncode == 130, stderr[-2000:]
