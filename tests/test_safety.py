@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from conftest import digest, make_images, one_line_error
-from limits import wait_until
+from limits import scaled, wait_until
 from typer.testing import CliRunner
 
 from sdplan import runfolder
@@ -218,7 +218,7 @@ def test_two_runs_into_one_folder_cannot_both_start(tmp_path):
             print(e); raise SystemExit(3)
         """
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=scaled(60))
     assert proc.returncode == 3 and f"sdplan pid {os.getpid()}" in proc.stdout, proc.stdout + proc.stderr
     first.release()
 
