@@ -33,6 +33,10 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # the tests start: the Ctrl-C tests would see nothing stop. A handler here makes children start with the default.
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
+# Likewise a suite started under nohup inherits SIGHUP ignored: sdplan rightly leaves a hangup alone then, and the
+# hangup tests (which set nohup themselves where they mean it) would see nothing stop. They get the default back.
+if hasattr(signal, "SIGHUP") and signal.getsignal(signal.SIGHUP) is signal.SIG_IGN:
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
 
 @pytest.fixture(autouse=True)
