@@ -366,7 +366,20 @@ class Checkpointer:
             raise CheckpointError(
                 f"{path} is a {saved.method} checkpoint; this run trains {self.state.method}"
             )
-        self.accelerator.load_state(str(path))
+        try:
+            self.accelerator.load_state(str(path))
+        except SdplanError:
+            raise
+        except Exception as e:  # files of the right size whose bytes are damaged (a bad copy, a bad disk)
+            import torch
+
+            if isinstance(e, torch.OutOfMemoryError):
+                raise
+            first = (str(e).strip().splitlines() or [""])[0][:200]
+            raise CheckpointError(
+                f"checkpoint {path} cannot be loaded ({type(e).__name__}: {first})",
+                fix="delete that folder to resume from an older checkpoint, or start again without --resume",
+            ) from None
         live = self.state
         moved = (saved.batch_size, saved.num_processes) != (live.batch_size, live.num_processes)
         for key, value in saved.to_json().items():

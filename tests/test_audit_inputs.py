@@ -1,0 +1,46 @@
+"""A new user's mistakes, found by an audit of the CLI with bad inputs and edge cases: each is one clear line, a
+non-zero exit, no traceback, nothing of the user's overwritten."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import make_images, tiny_train_config, trains_in_process
+from typer.testing import CliRunner
+
+from sdplan.cli import app
+
+runner = CliRunner()
+
+
+def cli(*args: str):
+    return runner.invoke(app, list(args))
+
+
+# -- train --resume: a checkpoint whose files have the right sizes but damaged bytes --------------------------
+
+
+@pytest.mark.train
+@trains_in_process
+def test_resume_from_a_checkpoint_with_damaged_bytes_is_one_line(tiny_sd15, tmp_path, capsys):
+    from sdplan.trainer import checkpoint, run
+    from sdplan.trainer.__main__ import main as trainer_main
+    from test_trainer import write_cfg
+
+    images = make_images(tmp_path / "data", n=2)
+    out = tmp_path / "out"
+    run.train(
+        tiny_train_config(tiny_sd15, images, out, "training.max_steps=2", "checkpoints.keep_every_steps=2")
+    )
+    saved = checkpoint.latest_checkpoint(out)
+    optimizer = saved / "optimizer.bin"
+    data = bytearray(optimizer.read_bytes())
+    data[len(data) // 3 : len(data) // 3 + 256] = b"\xff" * 256  # same size: verify_checkpoint passes it
+    optimizer.write_bytes(bytes(data))
+    assert checkpoint.verify_checkpoint(saved) is None
+    cfg = write_cfg(tiny_train_config(tiny_sd15, images, out, "training.max_steps=3"), tmp_path / "c.yaml")
+    capsys.readouterr()
+    assert trainer_main(["--config", str(cfg), "--resume", "latest"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err and len(err.splitlines()) == 1, err
+    assert err.startswith(f"error: checkpoint {saved} cannot be loaded") and "--resume" in err
+    assert optimizer.read_bytes() == bytes(data)  # the damaged checkpoint is left for the user to judge
