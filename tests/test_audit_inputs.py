@@ -4,7 +4,7 @@ non-zero exit, no traceback, nothing of the user's overwritten."""
 from __future__ import annotations
 
 import pytest
-from conftest import make_images, tiny_train_config, trains_in_process
+from conftest import make_images, one_line_error, tiny_train_config, trains_in_process
 from typer.testing import CliRunner
 
 from sdplan.cli import app
@@ -44,3 +44,25 @@ def test_resume_from_a_checkpoint_with_damaged_bytes_is_one_line(tiny_sd15, tmp_
     assert "Traceback" not in err and len(err.splitlines()) == 1, err
     assert err.startswith(f"error: checkpoint {saved} cannot be loaded") and "--resume" in err
     assert optimizer.read_bytes() == bytes(data)  # the damaged checkpoint is left for the user to judge
+
+
+# -- bench --store: a folder that cannot be written ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("where", ["a-file", "a-file/sub"])
+def test_bench_store_that_cannot_be_written_is_one_line_before_measuring(tmp_path, where):
+    (tmp_path / "a-file").write_text("mine\n")
+    r = cli("bench", "--demo", "--store", str(tmp_path / where), "--method", "lora", "--model", "sd15")
+    one_line_error(r, 2, "cannot write the profile store", str(tmp_path / where), "--store")
+    assert (tmp_path / "a-file").read_text() == "mine\n"
+    assert "Measuring" not in r.stdout
+
+
+def test_writing_points_into_a_store_that_is_a_file_is_a_usage_error(tmp_path):
+    from sdplan import profiles
+    from sdplan.errors import UsageError
+
+    (tmp_path / "store").write_text("mine\n")
+    with pytest.raises(UsageError, match="cannot write the profile store"):
+        profiles.write_points(tmp_path / "store", "lora", [], header="")
+    assert (tmp_path / "store").read_text() == "mine\n"

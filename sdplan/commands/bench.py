@@ -68,6 +68,7 @@ def bench(
     Ctrl-C keeps them.
     """
     from sdplan import bench as lib
+    from sdplan import profiles
 
     lib.resolve_device("auto", demo=demo)  # no GPU: say so before probing and planning
     selection = lib.select_requests(method, model, resolution, demo=demo, store_dir=store)
@@ -81,6 +82,7 @@ def bench(
             markup=False,
         )
         return
+    profiles.ensure_store(root)  # an unwritable --store is one line now, not after the first measurement
     where = "the CPU, tiny demo model" if demo else (selection.gpu or "this GPU")
     console().print(
         f"Measuring {len(selection.requests)} configuration(s) on {where}; results go to {root}/methods/",
