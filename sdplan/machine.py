@@ -218,6 +218,9 @@ def _build(kind: type, data: Any, where: str, errors: list[str]):
         if allowed and (not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed)):
             errors.append(f"{where}.{name}: expected {f.type}, got {type(value).__name__}")
             ok = False
+        elif isinstance(value, (int, float)) and not isinstance(value, bool) and not value >= 0:
+            errors.append(f"{where}.{name}: must be >= 0, got {value}")  # bytes, cores, watts, an index
+            ok = False
         kwargs[name] = value
     if not ok:
         return kind() if kind in (Host, Software) else None
