@@ -66,3 +66,43 @@ def test_writing_points_into_a_store_that_is_a_file_is_a_usage_error(tmp_path):
     with pytest.raises(UsageError, match="cannot write the profile store"):
         profiles.write_points(tmp_path / "store", "lora", [], header="")
     assert (tmp_path / "store").read_text() == "mine\n"
+
+
+# -- train --model with a hub id that cannot be fetched ------------------------------------------------------
+
+_LOAD = """
+import sys
+from sdplan.errors import SdplanError
+from sdplan.trainer.models import load_components
+try:
+    load_components("someorg/no-such-model")
+except SdplanError as e:
+    print(e)
+"""
+
+
+@pytest.mark.parametrize(
+    ("env", "said"),
+    [
+        # a network that refuses at once (huggingface_hub retried it five times, about 25 s, a line each)
+        ({"HF_ENDPOINT": "http://127.0.0.1:9"}, "cannot reach the hub"),
+        ({"HF_HUB_OFFLINE": "1"}, "HF_HUB_OFFLINE is set"),
+    ],
+    ids=["no-network", "offline"],
+)
+def test_a_hub_id_that_cannot_be_fetched_is_one_line_without_retries(tmp_path, env, said):
+    import os
+    import subprocess
+    import sys
+
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "TRANSFORMERS_OFFLINE"))}
+    run = subprocess.run(
+        [sys.executable, "-c", _LOAD],
+        env={**base, "HF_HOME": str(tmp_path / "hf"), **env},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert run.stdout.startswith("hub model someorg/no-such-model"), run.stdout + run.stderr
+    assert said in run.stdout and len(run.stdout.strip().splitlines()) == 1
+    assert "Retrying" not in run.stderr, run.stderr
