@@ -106,3 +106,13 @@ def test_a_hub_id_that_cannot_be_fetched_is_one_line_without_retries(tmp_path, e
     assert run.stdout.startswith("hub model someorg/no-such-model"), run.stdout + run.stderr
     assert said in run.stdout and len(run.stdout.strip().splitlines()) == 1
     assert "Retrying" not in run.stderr, run.stderr
+
+
+# -- recommend: an empty --hardware is a mistake, not "probe this machine" ----------------------------------
+
+
+@pytest.mark.parametrize("text", ["", "   "])
+def test_empty_hardware_is_an_error_not_a_plan_for_this_machine(text):
+    r = cli("recommend", "--method", "lora", "--hardware", text)
+    one_line_error(r, 2, "empty --hardware")
+    assert r.stdout == ""
