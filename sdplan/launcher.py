@@ -244,8 +244,7 @@ def config_data(
 
 def read_yaml_config(path: Path) -> dict[str, Any]:
     """A config file as data; ConfigError when missing or not YAML (validation comes after overrides)."""
-    if not path.is_file():
-        raise C.ConfigError(str(path), ["file not found (write one with `sdplan recommend --out DIR`)"])
+    C.require_file(path)
     try:
         data = yaml.safe_load(path.read_text()) or {}
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:

@@ -165,6 +165,11 @@ class Snapshot:
     @classmethod
     def load(cls, path: str | Path) -> Snapshot:
         p = Path(path)
+        if p.is_dir():
+            raise UsageError(
+                f"machine snapshot {p} is a folder, not a file",
+                fix="give the JSON file that `sdplan doctor --save FILE` wrote",
+            )
         if not p.is_file():
             raise UsageError(
                 f"machine snapshot {p} does not exist", fix="write one with `sdplan doctor --save FILE`"

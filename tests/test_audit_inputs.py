@@ -116,3 +116,20 @@ def test_empty_hardware_is_an_error_not_a_plan_for_this_machine(text):
     r = cli("recommend", "--method", "lora", "--hardware", text)
     one_line_error(r, 2, "empty --hardware")
     assert r.stdout == ""
+
+
+# -- a folder where a file is expected ------------------------------------------------------------------------
+
+
+def test_a_run_folder_given_as_config_points_at_its_sdplan_yaml(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "sdplan.yaml").write_text("method: lora\n")
+    r = cli("train", "--config", str(run), "--out", str(tmp_path / "out"), "--device", "cpu", "--dry-run")
+    one_line_error(r, 2, "a folder, not a config file", str(run / "sdplan.yaml"))
+    assert "not found" not in r.stderr and not (tmp_path / "out").exists()
+
+
+def test_a_folder_given_as_machine_snapshot_says_so(tmp_path):
+    r = cli("recommend", "--method", "lora", "--machine", str(tmp_path))
+    one_line_error(r, 2, "is a folder, not a file", "sdplan doctor --save")
