@@ -133,3 +133,16 @@ def test_a_run_folder_given_as_config_points_at_its_sdplan_yaml(tmp_path):
 def test_a_folder_given_as_machine_snapshot_says_so(tmp_path):
     r = cli("recommend", "--method", "lora", "--machine", str(tmp_path))
     one_line_error(r, 2, "is a folder, not a file", "sdplan doctor --save")
+
+
+# -- a full disk whose shortfall is not known -----------------------------------------------------------------
+
+
+def test_a_full_disk_with_an_unknown_shortfall_does_not_say_0_bytes_needed(tmp_path):
+    import errno
+
+    from sdplan.trainer import outputs
+
+    err = outputs.write_error(OSError(errno.ENOSPC, "No space left on device"), tmp_path, needed_bytes=0)
+    assert isinstance(err, outputs.DiskFull)
+    assert str(err).startswith(f"disk full: no room at {tmp_path} (") and "0 bytes needed" not in str(err)
