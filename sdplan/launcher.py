@@ -182,10 +182,14 @@ def _same_file(a: Path, b: Path) -> bool:
 def clear_run_outputs(out: Path) -> None:
     """--force on an existing run: remove what the last run left that a new one would trip over (its
     checkpoints, which a retry would resume from, and its OOM report and summary), and only where the run
-    folder's manifest proves sdplan wrote them. Other files are overwritten by the new run."""
+    folder's manifest proves sdplan wrote them (and of checkpoints/, only the checkpoints: a file the user put
+    there stays). Other files are overwritten by the new run."""
     from sdplan import runfolder
+    from sdplan.trainer.checkpoint import CHECKPOINTS, remove_checkpoints
 
-    runfolder.remove_owned(out, ("checkpoints", OOM_FILE, SUMMARY_FILE))
+    runfolder.remove_owned(out, (OOM_FILE, SUMMARY_FILE))
+    if CHECKPOINTS in runfolder.owned(out):
+        remove_checkpoints(out)
 
 
 # -- the config ---------------------------------------------------------------------------------------------

@@ -146,3 +146,31 @@ def test_a_full_disk_with_an_unknown_shortfall_does_not_say_0_bytes_needed(tmp_p
     err = outputs.write_error(OSError(errno.ENOSPC, "No space left on device"), tmp_path, needed_bytes=0)
     assert isinstance(err, outputs.DiskFull)
     assert str(err).startswith(f"disk full: no room at {tmp_path} (") and "0 bytes needed" not in str(err)
+
+
+# -- train --force: a file the user put inside sdplan's checkpoints/ ------------------------------------------
+
+
+def test_force_keeps_a_users_file_inside_the_runs_checkpoints_folder(tmp_path):
+    from sdplan import runfolder
+    from sdplan.launcher import clear_run_outputs
+
+    out = tmp_path / "run"
+    ckpt = out / "checkpoints"
+    for name in ("rolling-step-000002", "step-000010", ".tmp-step-000012"):
+        (ckpt / name).mkdir(parents=True)
+        (ckpt / name / "train_state.json").write_text("{}")
+    (ckpt / "best-I-kept").mkdir()
+    (ckpt / "best-I-kept" / "weights.safetensors").write_bytes(b"mine")
+    (ckpt / "notes.txt").write_text("mine\n")
+    runfolder.record(out, ["checkpoints"])
+    clear_run_outputs(out)
+    assert sorted(p.name for p in ckpt.iterdir()) == ["best-I-kept", "notes.txt"]
+    assert (ckpt / "best-I-kept" / "weights.safetensors").read_bytes() == b"mine"
+    # with nothing of the user's there, the folder goes as before
+    (ckpt / "notes.txt").unlink()
+    (ckpt / "best-I-kept" / "weights.safetensors").unlink()
+    (ckpt / "best-I-kept").rmdir()
+    (ckpt / "step-000020").mkdir()
+    clear_run_outputs(out)
+    assert not ckpt.exists()

@@ -79,6 +79,23 @@ def checkpoint_root(out_dir: str | Path) -> Path:
     return Path(out_dir) / CHECKPOINTS
 
 
+def remove_checkpoints(out_dir: str | Path) -> None:
+    """Delete the checkpoints under ``out_dir/checkpoints`` (the folders named as sdplan names them, and its
+    ``.tmp-`` folders), then the folder itself when nothing else is left in it: a file the user put there
+    stays. Only for a checkpoints folder that sdplan's run-folder manifest says it created."""
+    root = checkpoint_root(out_dir)
+    if root.is_symlink():
+        root.unlink()
+        return
+    if not root.is_dir():
+        return
+    for p in root.iterdir():
+        if (_NAME.match(p.name) or p.name.startswith(".tmp-")) and p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)
+    if not any(root.iterdir()):
+        root.rmdir()
+
+
 def read_state(path: str | Path) -> TrainState:
     try:
         return TrainState.from_json(json.loads((Path(path) / STATE_FILE).read_text()))
