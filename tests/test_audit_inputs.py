@@ -174,3 +174,24 @@ def test_force_keeps_a_users_file_inside_the_runs_checkpoints_folder(tmp_path):
     (ckpt / "step-000020").mkdir()
     clear_run_outputs(out)
     assert not ckpt.exists()
+
+
+# -- bench: a typo is named before the GPU is looked for ------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["--method", "lorra"], "unknown method 'lorra'"),
+        (["--model", "sd99"], "unknown model 'sd99'"),
+        (["--resolution", "50"], "--resolution 50"),
+    ],
+)
+def test_bench_names_a_bad_argument_before_looking_for_a_gpu(monkeypatch, args, said):
+    from sdplan import bench
+
+    def no_gpu(*a, **k):
+        raise AssertionError("looked for a GPU before checking the arguments")
+
+    monkeypatch.setattr(bench, "resolve_device", no_gpu)
+    one_line_error(cli("bench", *args), 2, said)

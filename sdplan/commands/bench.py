@@ -70,6 +70,7 @@ def bench(
     from sdplan import bench as lib
     from sdplan import profiles
 
+    lib.check_selection(method, model, resolution, demo=demo)  # a typo first: it is wrong on any machine
     lib.resolve_device("auto", demo=demo)  # no GPU: say so before probing and planning
     selection = lib.select_requests(method, model, resolution, demo=demo, store_dir=store)
     root = lib.store_root(store, demo=demo)
