@@ -195,3 +195,13 @@ def test_bench_names_a_bad_argument_before_looking_for_a_gpu(monkeypatch, args, 
 
     monkeypatch.setattr(bench, "resolve_device", no_gpu)
     one_line_error(cli("bench", *args), 2, said)
+
+
+# -- train --main-process-port out of range on one machine ----------------------------------------------------
+
+
+@pytest.mark.parametrize("port", ["0", "99999"])
+def test_a_port_out_of_range_is_refused_on_one_machine_too(tmp_path, port):
+    r = cli("train", "--demo", "--dry-run", "--out", str(tmp_path / "d"), "--main-process-port", port)
+    assert r.exit_code == 2 and "--main-process-port" in r.output and "Traceback" not in r.output
+    assert not (tmp_path / "d").exists()

@@ -101,7 +101,11 @@ def train(
     ] = None,
     main_process_port: Annotated[
         int | None,
-        typer.Option(help="Port on machine 0 (several machines; default 29500). One machine: a free port."),
+        typer.Option(
+            min=1,
+            max=65535,
+            help="Port on machine 0 (several machines; default 29500). One machine: a free port.",
+        ),
     ] = None,
     no_plan: Annotated[
         bool,
