@@ -205,3 +205,28 @@ def test_a_port_out_of_range_is_refused_on_one_machine_too(tmp_path, port):
     r = cli("train", "--demo", "--dry-run", "--out", str(tmp_path / "d"), "--main-process-port", port)
     assert r.exit_code == 2 and "--main-process-port" in r.output and "Traceback" not in r.output
     assert not (tmp_path / "d").exists()
+
+
+# -- train --config with an empty file ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text", ["", "# my settings, to be written\n"])
+def test_an_empty_config_is_an_error_not_every_default(tmp_path, text):
+    cfg = tmp_path / "sdplan.yaml"
+    cfg.write_text(text)
+    data = make_images(tmp_path / "data", n=1)
+    out = tmp_path / "out"
+    r = cli(
+        "train",
+        "--config",
+        str(cfg),
+        "--dataset",
+        str(data),
+        "--out",
+        str(out),
+        "--device",
+        "cpu",
+        "--dry-run",
+    )
+    one_line_error(r, 2, str(cfg), "empty")
+    assert not out.exists()
