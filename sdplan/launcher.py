@@ -351,6 +351,19 @@ def check_model_file(path: Path) -> None:
         raise UsageError(
             f"model.path {path}: not a PyTorch checkpoint (neither a zip archive nor a pickle)", fix=fix
         )
+    if zipfile.is_zipfile(
+        path
+    ):  # torch.save's archive: <name>/data.pkl and <name>/version, as torch reads it
+        try:
+            with zipfile.ZipFile(path) as z:
+                names = {n.split("/", 1)[-1] for n in z.namelist()}
+        except (OSError, zipfile.BadZipFile) as e:
+            raise UsageError(f"model.path {path}: a damaged zip archive ({e})", fix=fix) from None
+        if not {"data.pkl", "version"} <= names:
+            raise UsageError(
+                f"model.path {path}: a zip archive but not a PyTorch checkpoint (no data.pkl and version)",
+                fix=fix,
+            )
 
 
 def _family_of(kind: str, location: str) -> str | None:
