@@ -132,6 +132,12 @@ def check_out_dir(
 
     if out.exists() and not out.is_dir():
         raise OutputExistsError(f"--out {out} is a file, not a folder", fix="choose a folder for the run")
+    inside = next((p for p in out.parents if p.exists()), None)  # a dry run creates nothing: say it now
+    if inside is not None and not inside.is_dir():
+        raise OutputExistsError(
+            f"--out {out} is inside {inside}, which is a file, not a folder",
+            fix="choose a folder for the run",
+        )
     entries = runfolder.entries(out)
     if resume:
         if not (out / CONFIG_FILE).is_file():

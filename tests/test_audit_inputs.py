@@ -230,3 +230,17 @@ def test_an_empty_config_is_an_error_not_every_default(tmp_path, text):
     )
     one_line_error(r, 2, str(cfg), "empty")
     assert not out.exists()
+
+
+# -- train --dry-run --out under a file ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("args", [["--demo"], ["--model", "MODEL", "--dataset", "DATA", "--device", "cpu"]])
+def test_a_dry_run_into_a_folder_under_a_file_says_so(tmp_path, tiny_sd15, args):
+    data = make_images(tmp_path / "data", n=1)
+    (tmp_path / "notes.txt").write_text("mine\n")
+    out = tmp_path / "notes.txt" / "run"
+    args = [{"MODEL": str(tiny_sd15), "DATA": str(data)}.get(a, a) for a in args]
+    r = cli("train", *args, "--dry-run", "--out", str(out))
+    one_line_error(r, 3, str(tmp_path / "notes.txt"), "a file, not a folder")
+    assert (tmp_path / "notes.txt").read_text() == "mine\n"
