@@ -244,3 +244,23 @@ def test_a_dry_run_into_a_folder_under_a_file_says_so(tmp_path, tiny_sd15, args)
     r = cli("train", *args, "--dry-run", "--out", str(out))
     one_line_error(r, 3, str(tmp_path / "notes.txt"), "a file, not a folder")
     assert (tmp_path / "notes.txt").read_text() == "mine\n"
+
+
+# -- an empty path flag (an unset shell variable) -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "flag"),
+    [
+        (["recommend", "--method", "lora", "--hardware", "RTX 4090", "--out", ""], "--out"),
+        (["recommend", "--method", "lora", "--hardware", "RTX 4090", "--dataset", ""], "--dataset"),
+        (["recommend", "--method", "lora", "--machine", ""], "--machine"),
+        (["train", "--demo", "--dry-run", "--out", ""], "--out"),
+        (["train", "--config", ""], "--config"),
+    ],
+)
+def test_an_empty_path_flag_is_an_error_not_the_current_folder(tmp_path, monkeypatch, args, flag):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "notes.txt").write_text("mine\n")
+    one_line_error(cli(*args), 2, f"{flag} is empty")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]  # nothing written here or in ./output

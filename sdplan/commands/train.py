@@ -10,7 +10,7 @@ from typing import Annotated
 
 import typer
 
-from sdplan.commands._common import cli_errors, console
+from sdplan.commands._common import cli_errors, console, reject_empty
 
 
 class Method(str, Enum):
@@ -126,6 +126,8 @@ def train(
     they win, and the planner plans everything else around them (as `sdplan recommend` does with pins).
     """
     from sdplan.launcher import UI, TrainRequest
+
+    reject_empty(model=model, dataset=dataset, out=out, config=config)
 
     interactive = sys.stdin.isatty() and sys.stdout.isatty()
     ui = UI(
