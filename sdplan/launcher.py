@@ -756,6 +756,7 @@ def prepare(req: TrainRequest, ui: UI) -> Prepared:
                 fix="start the run again without --resume (add --force to reuse the folder)",
             )
         resume = "latest"
+        check_resume_settings(C.validate(base, source=source), cfg)
 
     # 5. The inputs exist and hold something, and the run folder is not among them.
     if not req.demo and _inside(out, Path(cfg.data.path).expanduser()):
@@ -1142,6 +1143,37 @@ def _record(
         f"recorded in the local profile store: {path} ({'fits' if fits else 'out of memory'}, batch {point['batch']})"
     )
     return path
+
+
+# Settings the trained weights are shaped by: a checkpoint made with one value cannot be resumed with another.
+WEIGHT_SETTINGS = (
+    "method",
+    "model.path",
+    "lora.rank",
+    "lora.target_modules",
+    "lora.text_encoder_target_modules",
+    "textual_inversion.num_vectors",
+    "training.train_text_encoder",
+)
+
+
+def check_resume_settings(saved: C.TrainConfig, cfg: C.TrainConfig) -> None:
+    """--resume with a key=value that changes a setting its checkpoints' weights were made with: one line before
+    anything is written (else the run's sdplan.yaml keeps the change and every later --resume fails too)."""
+
+    def get(data: dict[str, Any], key: str) -> Any:
+        for part in key.split("."):
+            data = data.get(part) if isinstance(data, dict) else None
+        return data
+
+    old, new = saved.to_dict(), cfg.to_dict()
+    for key in WEIGHT_SETTINGS:
+        if get(old, key) != get(new, key):
+            raise UsageError(
+                f"--resume: {key} is {get(old, key)!r} in the run's sdplan.yaml, {get(new, key)!r} here; its "
+                "checkpoints were trained with the first",
+                fix=f"drop the {key} setting to continue the run, or start a new one (--force or a new --out)",
+            )
 
 
 def run(req: TrainRequest, ui: UI | None = None) -> dict[str, Any]:

@@ -264,3 +264,28 @@ def test_an_empty_path_flag_is_an_error_not_the_current_folder(tmp_path, monkeyp
     (tmp_path / "notes.txt").write_text("mine\n")
     one_line_error(cli(*args), 2, f"{flag} is empty")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]  # nothing written here or in ./output
+
+
+# -- train --resume with a key=value that changes what the checkpoints were trained with ------------------------
+
+
+@pytest.mark.parametrize("override", ["lora.rank=32", "method=dreambooth", "lora.target_modules=[to_q]"])
+def test_resume_refuses_a_setting_the_checkpoints_were_not_trained_with(tmp_path, tiny_sd15, override):
+    import yaml
+
+    from sdplan import runfolder
+
+    data = make_images(tmp_path / "data", n=2)
+    out = tmp_path / "run"
+    step = out / "checkpoints" / "rolling-step-000002"
+    step.mkdir(parents=True)
+    (step / "train_state.json").write_text('{"global_step": 2, "method": "lora", "files": {}}')
+    cfg = tiny_train_config(tiny_sd15, data, out, "lora.rank=16")
+    (out / "sdplan.yaml").write_text(yaml.safe_dump(cfg.to_dict()))
+    runfolder.record(out, ["sdplan.yaml", "checkpoints"])
+    before = (out / "sdplan.yaml").read_text()
+    r = cli("train", "--resume", "--out", str(out), "--device", "cpu", "--dry-run", override)
+    one_line_error(r, 2, "--resume: " + override.split("=")[0], "drop the")
+    assert (out / "sdplan.yaml").read_text() == before
+    ok = cli("train", "--resume", "--out", str(out), "--device", "cpu", "--dry-run", "training.max_steps=5")
+    assert ok.exit_code == 0, ok.output

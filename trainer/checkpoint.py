@@ -395,7 +395,8 @@ class Checkpointer:
             first = (str(e).strip().splitlines() or [""])[0][:200]
             raise CheckpointError(
                 f"checkpoint {path} cannot be loaded ({type(e).__name__}: {first})",
-                fix="delete that folder to resume from an older checkpoint, or start again without --resume",
+                fix="resume with the settings it was saved with; if its files are damaged, move that folder "
+                "aside to resume from an older checkpoint, or start again without --resume",
             ) from None
         live = self.state
         moved = (saved.batch_size, saved.num_processes) != (live.batch_size, live.num_processes)
