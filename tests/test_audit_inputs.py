@@ -289,3 +289,25 @@ def test_resume_refuses_a_setting_the_checkpoints_were_not_trained_with(tmp_path
     assert (out / "sdplan.yaml").read_text() == before
     ok = cli("train", "--resume", "--out", str(out), "--device", "cpu", "--dry-run", "training.max_steps=5")
     assert ok.exit_code == 0, ok.output
+
+
+# -- recommend --compare with a flag it would ignore -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("extra", "flag"),
+    [
+        (["--hardware", "RTX 3090"], "--hardware"),
+        (["--out", "PLAN"], "--out"),
+        (["--machine", "M"], "--machine"),
+    ],
+)
+def test_compare_refuses_a_flag_it_would_ignore(tmp_path, extra, flag):
+    from conftest import MACHINES
+
+    extra = [
+        {"PLAN": str(tmp_path / "plan"), "M": str(MACHINES / "rtx3060_12gb.json")}.get(a, a) for a in extra
+    ]
+    r = cli("recommend", "--method", "lora", "--compare", "RTX 4090,2x RTX 4090", *extra)
+    one_line_error(r, 2, "--compare does not combine with " + flag)
+    assert not (tmp_path / "plan").exists()

@@ -98,6 +98,18 @@ def recommend(
         settings=tuple(settings or ()),
     )
     if compare is not None:
+        given = [
+            f for f, v in (("--hardware", hardware), ("--machine", machine), ("--out", out)) if v is not None
+        ]
+        if (
+            given
+        ):  # else silently ignored: a plan for other hardware, or no files where the user asked for them
+            from sdplan.errors import UsageError
+
+            raise UsageError(
+                f"--compare does not combine with {' or '.join(given)}",
+                fix="compare first, then run `sdplan recommend --hardware NAME --out DIR` for the one you pick",
+            )
         options = [c.strip() for c in compare.split(",") if c.strip()]
         if not options:
             from sdplan.errors import UsageError
