@@ -257,6 +257,8 @@ def test_a_dry_run_into_a_folder_under_a_file_says_so(tmp_path, tiny_sd15, args)
         (["recommend", "--method", "lora", "--machine", ""], "--machine"),
         (["train", "--demo", "--dry-run", "--out", ""], "--out"),
         (["train", "--config", ""], "--config"),
+        (["doctor", "--save", ""], "--save"),  # said ". already exists"
+        (["doctor", "--machine", ""], "--machine"),
     ],
 )
 def test_an_empty_path_flag_is_an_error_not_the_current_folder(tmp_path, monkeypatch, args, flag):
