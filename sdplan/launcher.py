@@ -694,6 +694,10 @@ def prepare(req: TrainRequest, ui: UI) -> Prepared:
     if req.resume:
         if req.out is None and config_path is None:
             raise UsageError("--resume needs the run folder", fix="add --out DIR")
+        if req.force:  # else --force was ignored: the user may have meant to start over
+            raise UsageError(
+                "--resume continues the run and --force starts it over", fix="give one of them, not both"
+            )
         if req.method or req.model or req.dataset:
             raise UsageError(
                 "--resume continues the run as configured in its sdplan.yaml",

@@ -313,3 +313,15 @@ def test_compare_refuses_a_flag_it_would_ignore(tmp_path, extra, flag):
     r = cli("recommend", "--method", "lora", "--compare", "RTX 4090,2x RTX 4090", *extra)
     one_line_error(r, 2, "--compare does not combine with " + flag)
     assert not (tmp_path / "plan").exists()
+
+
+# -- train --resume --force ------------------------------------------------------------------------------------
+
+
+def test_resume_and_force_together_is_an_error(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "sdplan.yaml").write_text("method: lora\n")
+    r = cli("train", "--resume", "--force", "--out", str(out), "--device", "cpu", "--dry-run")
+    one_line_error(r, 2, "--resume continues the run and --force starts it over")
+    assert sorted(p.name for p in out.iterdir()) == ["sdplan.yaml"]
