@@ -609,20 +609,11 @@ class Selection:
     gpu: str | None
 
 
-def select_requests(
-    methods: list[str] | None = None,
-    models: list[str] | None = None,
-    resolution: int | None = None,
-    *,
-    demo: bool = False,
-    store_dir: str | Path | None = None,
-    snapshot: Any = None,
-    gpu_name: str | None = None,
-) -> Selection:
-    """What to measure. Named methods/models are measured as asked. With neither named, every method on the
-    default families (sd15, sdxl) at their native resolution that has no measured point for this GPU yet,
-    i.e. what the planner is least sure of here. Settings are the planner's choice for this GPU (the
-    demo: fp32 on the CPU, tiny model)."""
+def check_selection(
+    methods: list[str] | None, models: list[str] | None, resolution: int | None, *, demo: bool
+) -> list[str]:
+    """UsageError for a method, model or resolution that cannot be measured (before any GPU is looked for);
+    returns the models by their family names."""
     for m in methods or []:
         if m not in METHODS:
             raise UsageError(f"unknown method {m!r}", fix=f"use one of {', '.join(METHODS)}")
@@ -646,6 +637,25 @@ def select_requests(
             raise UsageError(DEMO_MODELS_ERROR, fix=DEMO_MODELS_FIX)
         if resolution is not None and resolution % 16:
             raise UsageError(f"--resolution {resolution}: the demo's tiny models need a multiple of 16")
+    return models
+
+
+def select_requests(
+    methods: list[str] | None = None,
+    models: list[str] | None = None,
+    resolution: int | None = None,
+    *,
+    demo: bool = False,
+    store_dir: str | Path | None = None,
+    snapshot: Any = None,
+    gpu_name: str | None = None,
+) -> Selection:
+    """What to measure. Named methods/models are measured as asked. With neither named, every method on the
+    default families (sd15, sdxl) at their native resolution that has no measured point for this GPU yet,
+    i.e. what the planner is least sure of here. Settings are the planner's choice for this GPU (the
+    demo: fp32 on the CPU, tiny model)."""
+    models = check_selection(methods, models, resolution, demo=demo)
+    if demo:
         reqs = [
             replace(demo_request(m), model=f, resolution=resolution or DEMO_RESOLUTION)
             for f in models or ["sd15"]

@@ -464,11 +464,19 @@ def merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def require_file(path: Path) -> None:
+    """ConfigError unless ``path`` is a file: a run folder given as --config points at its sdplan.yaml."""
+    if path.is_dir():
+        hint = f" (give {path / 'sdplan.yaml'})" if (path / "sdplan.yaml").is_file() else ""
+        raise ConfigError(str(path), [f"a folder, not a config file{hint}"])
+    if not path.is_file():
+        raise ConfigError(str(path), ["file not found (write one with `sdplan recommend --out DIR`)"])
+
+
 def load(path: str | Path, overrides: list[str] | None = None) -> TrainConfig:
     """Read sdplan.yaml, apply overrides, validate (every error at once)."""
     p = Path(path)
-    if not p.is_file():
-        raise ConfigError(str(p), ["file not found (write one with `sdplan recommend --out DIR`)"])
+    require_file(p)
     try:
         data = yaml.safe_load(p.read_text()) or {}
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:

@@ -132,6 +132,12 @@ def check_out_dir(
 
     if out.exists() and not out.is_dir():
         raise OutputExistsError(f"--out {out} is a file, not a folder", fix="choose a folder for the run")
+    inside = next((p for p in out.parents if p.exists()), None)  # a dry run creates nothing: say it now
+    if inside is not None and not inside.is_dir():
+        raise OutputExistsError(
+            f"--out {out} is inside {inside}, which is a file, not a folder",
+            fix="choose a folder for the run",
+        )
     entries = runfolder.entries(out)
     if resume:
         if not (out / CONFIG_FILE).is_file():
@@ -182,10 +188,14 @@ def _same_file(a: Path, b: Path) -> bool:
 def clear_run_outputs(out: Path) -> None:
     """--force on an existing run: remove what the last run left that a new one would trip over (its
     checkpoints, which a retry would resume from, and its OOM report and summary), and only where the run
-    folder's manifest proves sdplan wrote them. Other files are overwritten by the new run."""
+    folder's manifest proves sdplan wrote them (and of checkpoints/, only the checkpoints: a file the user put
+    there stays). Other files are overwritten by the new run."""
     from sdplan import runfolder
+    from sdplan.trainer.checkpoint import CHECKPOINTS, remove_checkpoints
 
-    runfolder.remove_owned(out, ("checkpoints", OOM_FILE, SUMMARY_FILE))
+    runfolder.remove_owned(out, (OOM_FILE, SUMMARY_FILE))
+    if CHECKPOINTS in runfolder.owned(out):
+        remove_checkpoints(out)
 
 
 # -- the config ---------------------------------------------------------------------------------------------
@@ -244,12 +254,13 @@ def config_data(
 
 def read_yaml_config(path: Path) -> dict[str, Any]:
     """A config file as data; ConfigError when missing or not YAML (validation comes after overrides)."""
-    if not path.is_file():
-        raise C.ConfigError(str(path), ["file not found (write one with `sdplan recommend --out DIR`)"])
+    C.require_file(path)
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.safe_load(path.read_text())
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
         raise C.ConfigError(str(path), [C.yaml_problem(e)]) from None
+    if data is None:  # an empty file (or only comments) would train every default, the hub model included
+        raise C.ConfigError(str(path), ["empty: no settings (write one with `sdplan recommend --out DIR`)"])
     if not isinstance(data, dict):
         raise C.ConfigError(
             str(path), ["top level: must be a mapping of sections (model:, data:, training:, ...)"]
@@ -346,6 +357,19 @@ def check_model_file(path: Path) -> None:
         raise UsageError(
             f"model.path {path}: not a PyTorch checkpoint (neither a zip archive nor a pickle)", fix=fix
         )
+    if zipfile.is_zipfile(
+        path
+    ):  # torch.save's archive: <name>/data.pkl and <name>/version, as torch reads it
+        try:
+            with zipfile.ZipFile(path) as z:
+                names = {n.split("/", 1)[-1] for n in z.namelist()}
+        except (OSError, zipfile.BadZipFile) as e:
+            raise UsageError(f"model.path {path}: a damaged zip archive ({e})", fix=fix) from None
+        if not {"data.pkl", "version"} <= names:
+            raise UsageError(
+                f"model.path {path}: a zip archive but not a PyTorch checkpoint (no data.pkl and version)",
+                fix=fix,
+            )
 
 
 def _family_of(kind: str, location: str) -> str | None:
@@ -670,6 +694,10 @@ def prepare(req: TrainRequest, ui: UI) -> Prepared:
     if req.resume:
         if req.out is None and config_path is None:
             raise UsageError("--resume needs the run folder", fix="add --out DIR")
+        if req.force:  # else --force was ignored: the user may have meant to start over
+            raise UsageError(
+                "--resume continues the run and --force starts it over", fix="give one of them, not both"
+            )
         if req.method or req.model or req.dataset:
             raise UsageError(
                 "--resume continues the run as configured in its sdplan.yaml",
@@ -732,6 +760,7 @@ def prepare(req: TrainRequest, ui: UI) -> Prepared:
                 fix="start the run again without --resume (add --force to reuse the folder)",
             )
         resume = "latest"
+        check_resume_settings(C.validate(base, source=source), cfg)
 
     # 5. The inputs exist and hold something, and the run folder is not among them.
     if not req.demo and _inside(out, Path(cfg.data.path).expanduser()):
@@ -1118,6 +1147,37 @@ def _record(
         f"recorded in the local profile store: {path} ({'fits' if fits else 'out of memory'}, batch {point['batch']})"
     )
     return path
+
+
+# Settings the trained weights are shaped by: a checkpoint made with one value cannot be resumed with another.
+WEIGHT_SETTINGS = (
+    "method",
+    "model.path",
+    "lora.rank",
+    "lora.target_modules",
+    "lora.text_encoder_target_modules",
+    "textual_inversion.num_vectors",
+    "training.train_text_encoder",
+)
+
+
+def check_resume_settings(saved: C.TrainConfig, cfg: C.TrainConfig) -> None:
+    """--resume with a key=value that changes a setting its checkpoints' weights were made with: one line before
+    anything is written (else the run's sdplan.yaml keeps the change and every later --resume fails too)."""
+
+    def get(data: dict[str, Any], key: str) -> Any:
+        for part in key.split("."):
+            data = data.get(part) if isinstance(data, dict) else None
+        return data
+
+    old, new = saved.to_dict(), cfg.to_dict()
+    for key in WEIGHT_SETTINGS:
+        if get(old, key) != get(new, key):
+            raise UsageError(
+                f"--resume: {key} is {get(old, key)!r} in the run's sdplan.yaml, {get(new, key)!r} here; its "
+                "checkpoints were trained with the first",
+                fix=f"drop the {key} setting to continue the run, or start a new one (--force or a new --out)",
+            )
 
 
 def run(req: TrainRequest, ui: UI | None = None) -> dict[str, Any]:

@@ -165,6 +165,11 @@ class Snapshot:
     @classmethod
     def load(cls, path: str | Path) -> Snapshot:
         p = Path(path)
+        if p.is_dir():
+            raise UsageError(
+                f"machine snapshot {p} is a folder, not a file",
+                fix="give the JSON file that `sdplan doctor --save FILE` wrote",
+            )
         if not p.is_file():
             raise UsageError(
                 f"machine snapshot {p} does not exist", fix="write one with `sdplan doctor --save FILE`"
@@ -217,6 +222,9 @@ def _build(kind: type, data: Any, where: str, errors: list[str]):
         allowed = _TYPES.get(str(f.type))
         if allowed and (not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed)):
             errors.append(f"{where}.{name}: expected {f.type}, got {type(value).__name__}")
+            ok = False
+        elif isinstance(value, (int, float)) and not isinstance(value, bool) and not value >= 0:
+            errors.append(f"{where}.{name}: must be >= 0, got {value}")  # bytes, cores, watts, an index
             ok = False
         kwargs[name] = value
     if not ok:

@@ -1115,6 +1115,26 @@ def point_record(
     return record
 
 
+def ensure_store(store: Path) -> Path:
+    """Create ``{store}/methods`` where points are written (a UsageError naming the store when that cannot be
+    done: a file in the way, a read-only disk), so that a command can find out before it measures anything."""
+    methods = store / "methods"
+    try:
+        methods.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise _unwritable_store(store, e) from None
+    if not os.access(methods, os.W_OK):
+        raise _unwritable_store(store, PermissionError("permission denied"))
+    return methods
+
+
+def _unwritable_store(store: Path, e: OSError) -> UsageError:
+    return UsageError(
+        f"cannot write the profile store {store}: {e.strerror or e}",
+        fix="pass --store DIR with a folder you can write, or set SDPLAN_PROFILE_DIR to one",
+    )
+
+
 def write_points(
     store: Path,
     method: str,
@@ -1149,9 +1169,13 @@ def write_points(
         points.append(rec)
     data["points"] = points
     text = header + yaml.safe_dump(data, sort_keys=False, default_flow_style=False, width=120)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    ensure_store(store)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text, encoding="utf-8")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise _unwritable_store(store, e) from None
     try:
         load_methods(tmp, origin="local")
     except ConfigError:

@@ -194,7 +194,7 @@ def build_request(inp: RecommendInputs, profiles: Profiles) -> tuple[planner.Req
         raise UsageError(f"--resolution {cfgmod.RESOLUTION_RULE}, got {inp.resolution}")
     if inp.dataset and inp.images is not None:
         raise UsageError("give --dataset or --images, not both")
-    if inp.hardware and inp.machine:
+    if inp.hardware is not None and inp.machine is not None:
         raise UsageError("give --hardware or --machine, not both")
     notes = []
     if inp.dataset:
@@ -241,7 +241,7 @@ def build_request(inp: RecommendInputs, profiles: Profiles) -> tuple[planner.Req
 
 
 def resolve_hardware(inp: RecommendInputs, profiles: Profiles) -> planner.Hardware:
-    if inp.hardware:
+    if inp.hardware is not None:  # "" is a mistake to name, not "probe this machine"
         return parse_hardware(inp.hardware, profiles)
     if inp.machine:
         return hardware_from_machine(inp.machine, profiles)

@@ -70,10 +70,28 @@ def test_read_only_out_for_recommend(unwritable):
     one_line_error(r, 2, "cannot write to", str(unwritable))
 
 
+def _zip(files: dict[str, bytes]) -> bytes:
+    import io
+    import zipfile
+
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as z:
+        for name, data in files.items():
+            z.writestr(name, data)
+    return buf.getvalue()
+
+
 @pytest.mark.parametrize(
     "name, data, needle",
     [
         ("model.bin", os.urandom(4096), "not a PyTorch checkpoint"),
+        # a zip that torch.load cannot read (torch's message was "Expected hasRecord("version") to be true")
+        ("images.ckpt", _zip({"photos/img0.png": b"png"}), "a zip archive but not a PyTorch checkpoint"),
+        (
+            "half.ckpt",
+            _zip({"archive/data.pkl": b"\x80\x02}q\x00."}),
+            "a zip archive but not a PyTorch checkpoint",
+        ),
         ("model.ckpt", b"hello, not a checkpoint", "not a PyTorch checkpoint"),
         ("model.safetensors", os.urandom(4096), "not a safetensors file"),
         ("lora.safetensors", None, "no Stable Diffusion UNet weights"),

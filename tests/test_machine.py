@@ -76,3 +76,17 @@ def test_load_errors(tmp_path):
     bad.write_text("[]")
     with pytest.raises(ConfigError, match="must be a JSON object"):
         Snapshot.load(bad)
+
+
+def test_negative_numbers_in_a_snapshot_are_errors():
+    """A hand-edited snapshot with a negative size planned "-0.0 GiB" GPUs; now each is named."""
+    data = _snapshot().to_dict()
+    data["gpus"][0]["memory_total_bytes"] = -5
+    data["host"]["ram_total_bytes"] = -1
+    data["gpus"][1]["power_limit_watts"] = float("nan")
+    with pytest.raises(ConfigError) as info:
+        Snapshot.from_dict(data, source="m.json")
+    errors = info.value.errors
+    assert "gpus[0].memory_total_bytes: must be >= 0, got -5" in errors
+    assert "host.ram_total_bytes: must be >= 0, got -1" in errors
+    assert "gpus[1].power_limit_watts: must be >= 0, got nan" in errors

@@ -79,6 +79,23 @@ def checkpoint_root(out_dir: str | Path) -> Path:
     return Path(out_dir) / CHECKPOINTS
 
 
+def remove_checkpoints(out_dir: str | Path) -> None:
+    """Delete the checkpoints under ``out_dir/checkpoints`` (the folders named as sdplan names them, and its
+    ``.tmp-`` folders), then the folder itself when nothing else is left in it: a file the user put there
+    stays. Only for a checkpoints folder that sdplan's run-folder manifest says it created."""
+    root = checkpoint_root(out_dir)
+    if root.is_symlink():
+        root.unlink()
+        return
+    if not root.is_dir():
+        return
+    for p in root.iterdir():
+        if (_NAME.match(p.name) or p.name.startswith(".tmp-")) and p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)
+    if not any(root.iterdir()):
+        root.rmdir()
+
+
 def read_state(path: str | Path) -> TrainState:
     try:
         return TrainState.from_json(json.loads((Path(path) / STATE_FILE).read_text()))
@@ -366,7 +383,21 @@ class Checkpointer:
             raise CheckpointError(
                 f"{path} is a {saved.method} checkpoint; this run trains {self.state.method}"
             )
-        self.accelerator.load_state(str(path))
+        try:
+            self.accelerator.load_state(str(path))
+        except SdplanError:
+            raise
+        except Exception as e:  # files of the right size whose bytes are damaged (a bad copy, a bad disk)
+            import torch
+
+            if isinstance(e, torch.OutOfMemoryError):
+                raise
+            first = (str(e).strip().splitlines() or [""])[0][:200]
+            raise CheckpointError(
+                f"checkpoint {path} cannot be loaded ({type(e).__name__}: {first})",
+                fix="resume with the settings it was saved with; if its files are damaged, move that folder "
+                "aside to resume from an older checkpoint, or start again without --resume",
+            ) from None
         live = self.state
         moved = (saved.batch_size, saved.num_processes) != (live.batch_size, live.num_processes)
         for key, value in saved.to_json().items():

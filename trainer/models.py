@@ -172,9 +172,7 @@ def _load_pretrained(
     wkw = dict(kw, variant=variant) if variant else dict(kw)
     try:
         if hub:
-            from huggingface_hub import hf_hub_download
-
-            index = json.loads(Path(hf_hub_download(location, "model_index.json", **kw)).read_text())
+            index = _hub_index(location, revision)
         else:
             index = json.loads((Path(location) / "model_index.json").read_text())
         from .flow_models import PIPELINES, load_flow_components
@@ -210,6 +208,46 @@ def _load_pretrained(
         scheduler_config=scheduler_config,
         source=location,
     )
+
+
+def _hub_index(location: str, revision: str | None) -> dict[str, Any]:
+    """A hub model's model_index.json: from the local cache, else downloaded after one quick request without
+    retries, so that no network, an offline setting or a wrong id is one line at once (huggingface_hub's own
+    download retries a dead network for half a minute)."""
+    from huggingface_hub import constants, get_hf_file_metadata, hf_hub_download, hf_hub_url
+    from huggingface_hub import try_to_load_from_cache as cached
+    from huggingface_hub.errors import EntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError
+
+    where = f"hub model {location} (no such local path, so tried it as a Hugging Face hub id)"
+    if isinstance(hit := cached(location, "model_index.json", revision=revision), str):
+        return json.loads(Path(hit).read_text())
+    if constants.HF_HUB_OFFLINE:
+        raise ModelLoadError(
+            f"{where} is not in the local Hugging Face cache and HF_HUB_OFFLINE is set",
+            fix="download it once with network access, or give a local diffusers folder or .safetensors file",
+        )
+    try:
+        get_hf_file_metadata(hf_hub_url(location, "model_index.json", revision=revision), timeout=10)
+    except RepositoryNotFoundError:  # also a gated or private model without a login
+        raise ModelLoadError(
+            f"{where}: not found on the hub",
+            fix="check the id, or log in (`hf auth login`) for a gated or private model",
+        ) from None
+    except RevisionNotFoundError:
+        raise ModelLoadError(f"{where}: no revision {revision}", fix="fix model.revision") from None
+    except EntryNotFoundError:
+        raise ModelLoadError(
+            f"{where}: not a diffusers model (no model_index.json)",
+            fix="give a diffusers model's hub id, a local diffusers folder or a .safetensors file",
+        ) from None
+    except Exception as e:  # no network: a name that does not resolve, a refused connection, a timeout
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ModelLoadError(
+            f"{where}: cannot reach the hub ({first}) and it is not in the local cache",
+            fix="check the network, or give a local diffusers folder or .safetensors file",
+        ) from None
+    kw = {"revision": revision} if revision else {}
+    return json.loads(Path(hf_hub_download(location, "model_index.json", **kw)).read_text())
 
 
 def _load_single_file(location: str, family: str | None, config_dir: str | None) -> Components:

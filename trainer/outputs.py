@@ -31,8 +31,9 @@ class DiskFull(SdplanError):
 
     def __init__(self, needed_bytes: int, path: str | Path, free_bytes: int, detail: str = "", fix=None):
         self.needed_bytes, self.path, self.free_bytes = needed_bytes, Path(path), free_bytes
+        need = f"{needed_bytes} bytes needed at" if needed_bytes > 0 else "no room at"  # 0: not known
         super().__init__(
-            f"disk full: {needed_bytes} bytes needed at {path} ({free_bytes} bytes free){detail}",
+            f"disk full: {need} {path} ({free_bytes} bytes free){detail}",
             fix=fix or "free space on that disk, or set output.dir to a disk with room",
         )
 

@@ -10,7 +10,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from sdplan.errors import SdplanError
+from sdplan.errors import SdplanError, UsageError
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -41,3 +41,12 @@ def cli_errors(fn: F) -> F:
             raise typer.Exit(130) from None
 
     return wrapper  # type: ignore[return-value]
+
+
+def reject_empty(**flags: str | None) -> None:
+    """UsageError for a path flag given as an empty string (an unset shell variable, ``--out "$RUN"``): left
+    alone it would mean the current folder or the default one."""
+    for name, value in flags.items():
+        if value is not None and not value.strip():
+            flag = "--" + name.replace("_", "-")
+            raise UsageError(f"{flag} is empty", fix=f"give {flag} a value, or leave it out")

@@ -68,7 +68,9 @@ def bench(
     Ctrl-C keeps them.
     """
     from sdplan import bench as lib
+    from sdplan import profiles
 
+    lib.check_selection(method, model, resolution, demo=demo)  # a typo first: it is wrong on any machine
     lib.resolve_device("auto", demo=demo)  # no GPU: say so before probing and planning
     selection = lib.select_requests(method, model, resolution, demo=demo, store_dir=store)
     root = lib.store_root(store, demo=demo)
@@ -81,6 +83,7 @@ def bench(
             markup=False,
         )
         return
+    profiles.ensure_store(root)  # an unwritable --store is one line now, not after the first measurement
     where = "the CPU, tiny demo model" if demo else (selection.gpu or "this GPU")
     console().print(
         f"Measuring {len(selection.requests)} configuration(s) on {where}; results go to {root}/methods/",

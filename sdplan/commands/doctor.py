@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from sdplan.commands._common import cli_errors, console, err_console
+from sdplan.commands._common import cli_errors, console, err_console, reject_empty
 
 
 @cli_errors
@@ -19,14 +19,14 @@ def doctor(
         ),
     ] = False,
     save: Annotated[
-        Path | None,
+        str | None,
         typer.Option(
             "--save", metavar="FILE", help="Also write the snapshot to FILE, to plan on another machine."
         ),
     ] = None,
     force: Annotated[bool, typer.Option("--force", help="Let --save overwrite an existing FILE.")] = False,
     machine: Annotated[
-        Path | None,
+        str | None,
         typer.Option(
             "--machine",
             metavar="FILE",
@@ -41,16 +41,20 @@ def doctor(
     from sdplan.probe.snapshot import probe, refresh
 
     verdicts = planner_verdicts
+    reject_empty(save=save, machine=machine)
 
     snapshot = refresh(Snapshot.load(machine)) if machine is not None else probe(".")
 
     if save is not None:
+        save = Path(save)
         if save.exists() and not force:
             raise OutputExistsError(f"{save} already exists", fix="pass --force to overwrite it")
         try:
             snapshot.save(save)
         except OSError as e:
-            raise UsageError(f"cannot write {save}: {e.strerror or e}") from None
+            raise UsageError(
+                f"cannot write {save}: {e.strerror or e}", fix="--save a file in a folder you can write"
+            ) from None
         err_console().print(f"saved machine snapshot to {save}", markup=False, soft_wrap=True)
 
     if json_:

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from sdplan.commands._common import cli_errors, console, err_console
+from sdplan.commands._common import cli_errors, console, err_console, reject_empty
 
 EXIT_NOTHING_FITS = 1
 
@@ -23,7 +23,7 @@ def recommend(
         typer.Option("--resolution", help="Training resolution in pixels (default: the family's native)."),
     ] = None,
     dataset: Annotated[
-        Path | None,
+        str | None,
         typer.Option(
             "--dataset",
             metavar="DIR",
@@ -42,7 +42,7 @@ def recommend(
         ),
     ] = None,
     machine: Annotated[
-        Path | None,
+        str | None,
         typer.Option(
             "--machine", metavar="FILE", help="Plan for a snapshot saved with `sdplan doctor --save`."
         ),
@@ -56,7 +56,7 @@ def recommend(
         ),
     ] = None,
     out: Annotated[
-        Path | None,
+        str | None,
         typer.Option(
             "--out", metavar="DIR", help="Write sdplan.yaml, accelerate.yaml (and deepspeed.json) to DIR."
         ),
@@ -82,21 +82,34 @@ def recommend(
     from sdplan.recommend import compare as run_compare
     from sdplan.recommend import recommend as run
 
+    reject_empty(dataset=dataset, machine=machine, out=out)
     profiles = load_profiles()
     inp = RecommendInputs(
         method=method,
         model=model,
         resolution=resolution,
-        dataset=str(dataset) if dataset is not None else None,
+        dataset=dataset,
         images=images,
         repeats=repeats,
         epochs=epochs,
         hardware=hardware,
-        machine=str(machine) if machine is not None else None,
+        machine=machine,
         gpus=gpus,
         settings=tuple(settings or ()),
     )
     if compare is not None:
+        given = [
+            f for f, v in (("--hardware", hardware), ("--machine", machine), ("--out", out)) if v is not None
+        ]
+        if (
+            given
+        ):  # else silently ignored: a plan for other hardware, or no files where the user asked for them
+            from sdplan.errors import UsageError
+
+            raise UsageError(
+                f"--compare does not combine with {' or '.join(given)}",
+                fix="compare first, then run `sdplan recommend --hardware NAME --out DIR` for the one you pick",
+            )
         options = [c.strip() for c in compare.split(",") if c.strip()]
         if not options:
             from sdplan.errors import UsageError

@@ -10,7 +10,7 @@ from typing import Annotated
 
 import typer
 
-from sdplan.commands._common import cli_errors, console
+from sdplan.commands._common import cli_errors, console, reject_empty
 
 
 class Method(str, Enum):
@@ -101,7 +101,11 @@ def train(
     ] = None,
     main_process_port: Annotated[
         int | None,
-        typer.Option(help="Port on machine 0 (several machines; default 29500). One machine: a free port."),
+        typer.Option(
+            min=1,
+            max=65535,
+            help="Port on machine 0 (several machines; default 29500). One machine: a free port.",
+        ),
     ] = None,
     no_plan: Annotated[
         bool,
@@ -122,6 +126,8 @@ def train(
     they win, and the planner plans everything else around them (as `sdplan recommend` does with pins).
     """
     from sdplan.launcher import UI, TrainRequest
+
+    reject_empty(model=model, dataset=dataset, out=out, config=config)
 
     interactive = sys.stdin.isatty() and sys.stdout.isatty()
     ui = UI(
