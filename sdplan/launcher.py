@@ -1142,7 +1142,11 @@ def _record(
         fits=fits,
         peak_bytes=peak if gpu else None,
     )
-    path = record_point(point, cfg.method, local_dir())
+    try:
+        path = record_point(point, cfg.method, local_dir())
+    except SdplanError as e:  # the store is bookkeeping: a store that cannot be written must not stop the run
+        ui.echo(f"warning: not recorded in the local profile store: {e}")
+        return None
     ui.echo(
         f"recorded in the local profile store: {path} ({'fits' if fits else 'out of memory'}, batch {point['batch']})"
     )

@@ -130,6 +130,22 @@ def test_out_of_memory_is_retried_smaller_and_recorded(tmp_path):
     assert "out of memory at step 10" in points[0]["source"]
 
 
+def test_a_profile_store_that_cannot_be_written_does_not_stop_the_out_of_memory_retry(tmp_path):
+    """Recording the observation is bookkeeping: with the store unwritable (a file in its place) the retry goes
+    on and the run finishes; sdplan says what it could not record."""
+    store = tmp_path / "store"
+    store.write_text("not a folder")
+    out = tmp_path / "oom"
+    proc = sdplan(
+        "train", "--demo", "--out", str(out),
+        env={"SDPLAN_INJECT_OOM_AT_STEP": "10", "SDPLAN_PROFILE_DIR": str(store)},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "warning: not recorded in the local profile store" in proc.stdout + proc.stderr
+    assert summary(out)["steps"] == 16
+    assert store.read_text() == "not a folder"
+
+
 @pytest.mark.slow
 def test_ctrl_c_leaves_a_checkpoint_and_resume_finishes_the_same_run(demo, tmp_path):
     out = tmp_path / "int"
