@@ -47,11 +47,33 @@ app.command("bench")(bench.bench)
 app.add_typer(profiles.profiles_app, name="profiles")
 
 
+def _is(e: BaseException, click_class: str) -> bool:
+    """Whether ``e`` is click's ``click_class`` (by name: typer may vendor its own copy of click)."""
+    return any(c.__name__ == click_class for c in type(e).__mro__)
+
+
 def main() -> None:
+    import sys
+
     from sdplan.terminal import guard_terminal_output
 
     guard_terminal_output()  # a closed terminal must not turn the next line printed into a traceback
-    app()
+    try:
+        code = app(prog_name="sdplan", standalone_mode=False)
+    except Exception as e:
+        if _is(e, "ClickException"):
+            # A mistyped option or value (click's own checks: a missing option, a number out of range, an
+            # unknown flag) is one line like sdplan's own errors, not a usage block and a boxed panel.
+            if not _is(e, "NoArgsIsHelpError"):  # bare `sdplan`: the help is already printed
+                ctx = getattr(e, "ctx", None)
+                hint = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
+                print(f"error: {e.format_message()}{hint}", file=sys.stderr)
+            sys.exit(e.exit_code)
+        if _is(e, "Abort"):  # Ctrl-C or end of input at a prompt
+            print("aborted", file=sys.stderr)
+            sys.exit(1)
+        raise
+    sys.exit(code if type(code) is int else 0)
 
 
 if __name__ == "__main__":

@@ -25,3 +25,37 @@ def test_help_reflows_each_paragraph(command):
         words = " ".join(paragraph.split()).replace("`", "")
         line = next((ln for ln in result.output.splitlines() if words[:30] in ln), "")
         assert words.split()[-1] in line, (words, result.output)  # the whole paragraph on one wide line
+
+
+@pytest.mark.parametrize(
+    ("args", "needles"),
+    [
+        (["recommend", "--model", "sdxl"], ["Missing option '--method'", "sdplan recommend --help"]),
+        (["train", "--epochs", "0"], ["'--epochs'", "sdplan train --help"]),
+        (["train", "--resolution", "abc"], ["'--resolution'"]),
+        (["train", "--bogus"], ["No such option: --bogus"]),
+        (["profiles", "bogus"], ["No such command 'bogus'"]),
+    ],
+)
+def test_click_usage_errors_are_one_line_too(args, needles):
+    """Errors that click finds before sdplan's code runs (a missing option, a value out of range, an unknown
+    flag or command) come out of the console script as one line and exit 2, like sdplan's own errors."""
+    import subprocess
+    import sys
+    from types import SimpleNamespace
+
+    from conftest import one_line_error
+
+    proc = subprocess.run([sys.executable, "-m", "sdplan.cli", *args], capture_output=True, text=True)
+    one_line_error(
+        SimpleNamespace(exit_code=proc.returncode, stdout=proc.stdout, stderr=proc.stderr), 2, *needles
+    )
+
+
+def test_bare_sdplan_prints_the_help():
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "sdplan.cli"], capture_output=True, text=True)
+    assert "Usage: sdplan" in proc.stdout + proc.stderr and "error:" not in proc.stderr
+    assert "Traceback" not in proc.stderr
