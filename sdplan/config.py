@@ -473,14 +473,38 @@ def require_file(path: Path) -> None:
         raise ConfigError(str(path), ["file not found (write one with `sdplan recommend --out DIR`)"])
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """safe_load that refuses a key given twice in one mapping (plain YAML keeps the last one silently: a second
+    ``training:`` section would drop every setting of the first)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        keys = [k for k, _ in node.value]
+        if not any(k.tag == "tag:yaml.org,2002:merge" for k in keys):  # `<<:` merges may override on purpose
+            seen: set[Any] = set()
+            for key_node in keys:
+                key = self.construct_object(key_node, deep=True)
+                if isinstance(key, (str, int, float, bool)) or key is None:
+                    if key in seen:
+                        raise yaml.constructor.ConstructorError(
+                            None, None, f"key {key!r} given twice (keep one)", key_node.start_mark
+                        )
+                    seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def read_config_file(path: Path) -> Any:
+    """A user's config file as data (keys given twice refused); ConfigError when missing or not YAML."""
+    require_file(path)
+    try:
+        return yaml.load(path.read_text(), Loader=_UniqueKeyLoader)  # a SafeLoader: no arbitrary objects
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        raise ConfigError(str(path), [yaml_problem(e)]) from None
+
+
 def load(path: str | Path, overrides: list[str] | None = None) -> TrainConfig:
     """Read sdplan.yaml, apply overrides, validate (every error at once)."""
     p = Path(path)
-    require_file(p)
-    try:
-        data = yaml.safe_load(p.read_text()) or {}
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
-        raise ConfigError(str(p), [yaml_problem(e)]) from None
+    data = read_config_file(p) or {}
     if isinstance(data, dict) and overrides:
         data = apply_overrides(data, overrides)
     return validate(data, source=str(p))

@@ -254,11 +254,7 @@ def config_data(
 
 def read_yaml_config(path: Path) -> dict[str, Any]:
     """A config file as data; ConfigError when missing or not YAML (validation comes after overrides)."""
-    C.require_file(path)
-    try:
-        data = yaml.safe_load(path.read_text())
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
-        raise C.ConfigError(str(path), [C.yaml_problem(e)]) from None
+    data = C.read_config_file(path)
     if data is None:  # an empty file (or only comments) would train every default, the hub model included
         raise C.ConfigError(str(path), ["empty: no settings (write one with `sdplan recommend --out DIR`)"])
     if not isinstance(data, dict):

@@ -325,3 +325,36 @@ def test_resume_and_force_together_is_an_error(tmp_path):
     r = cli("train", "--resume", "--force", "--out", str(out), "--device", "cpu", "--dry-run")
     one_line_error(r, 2, "--resume continues the run and --force starts it over")
     assert sorted(p.name for p in out.iterdir()) == ["sdplan.yaml"]
+
+
+# -- a key given twice in a config ----------------------------------------------------------------------------
+
+
+def test_a_section_given_twice_in_a_config_is_an_error_not_a_silent_drop(tmp_path):
+    """Plain YAML keeps the last of two `training:` sections and drops the first's settings without a word."""
+    cfg = tmp_path / "sdplan.yaml"
+    cfg.write_text("method: lora\ntraining:\n  batch_size: 2\nlora:\n  rank: 8\ntraining:\n  max_steps: 4\n")
+    data = make_images(tmp_path / "data", n=1)
+    out = tmp_path / "out"
+    r = cli(
+        "train",
+        "--config",
+        str(cfg),
+        "--dataset",
+        str(data),
+        "--out",
+        str(out),
+        "--device",
+        "cpu",
+        "--dry-run",
+    )
+    one_line_error(r, 2, str(cfg), "line 6", "'training' given twice")
+    assert not out.exists()
+
+    from sdplan import config
+
+    with pytest.raises(config.ConfigError, match="'batch_size' given twice"):
+        cfg.write_text("training:\n  batch_size: 2\n  batch_size: 4\n")
+        config.load(cfg)
+    cfg.write_text("base: &b {batch_size: 2}\ntraining:\n  <<: *b\n  batch_size: 4\n")  # a merge may override
+    assert config.read_config_file(cfg)["training"]["batch_size"] == 4
