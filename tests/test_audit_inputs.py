@@ -210,13 +210,11 @@ def test_a_port_out_of_range_is_refused_on_one_machine_too(tmp_path, port):
 # -- train --config with an empty file ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("text", ["", "# my settings, to be written\n"])
-def test_an_empty_config_is_an_error_not_every_default(tmp_path, text):
-    cfg = tmp_path / "sdplan.yaml"
-    cfg.write_text(text)
-    data = make_images(tmp_path / "data", n=1)
+def _dry_run_with_config(cfg, tmp_path):
+    """`sdplan train --config cfg --dry-run` on one generated image; (result, the --out folder)."""
     out = tmp_path / "out"
-    r = cli(
+    data = make_images(tmp_path / "data", n=1)
+    return cli(
         "train",
         "--config",
         str(cfg),
@@ -227,7 +225,14 @@ def test_an_empty_config_is_an_error_not_every_default(tmp_path, text):
         "--device",
         "cpu",
         "--dry-run",
-    )
+    ), out
+
+
+@pytest.mark.parametrize("text", ["", "# my settings, to be written\n"])
+def test_an_empty_config_is_an_error_not_every_default(tmp_path, text):
+    cfg = tmp_path / "sdplan.yaml"
+    cfg.write_text(text)
+    r, out = _dry_run_with_config(cfg, tmp_path)
     one_line_error(r, 2, str(cfg), "empty")
     assert not out.exists()
 
@@ -334,20 +339,7 @@ def test_a_section_given_twice_in_a_config_is_an_error_not_a_silent_drop(tmp_pat
     """Plain YAML keeps the last of two `training:` sections and drops the first's settings without a word."""
     cfg = tmp_path / "sdplan.yaml"
     cfg.write_text("method: lora\ntraining:\n  batch_size: 2\nlora:\n  rank: 8\ntraining:\n  max_steps: 4\n")
-    data = make_images(tmp_path / "data", n=1)
-    out = tmp_path / "out"
-    r = cli(
-        "train",
-        "--config",
-        str(cfg),
-        "--dataset",
-        str(data),
-        "--out",
-        str(out),
-        "--device",
-        "cpu",
-        "--dry-run",
-    )
+    r, out = _dry_run_with_config(cfg, tmp_path)
     one_line_error(r, 2, str(cfg), "line 6", "'training' given twice")
     assert not out.exists()
 

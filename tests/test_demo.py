@@ -107,13 +107,16 @@ def test_two_processes_see_the_same_images(demo, tmp_path):
     assert two["steps"] == one["steps"] // 2
 
 
+def _demo_with_oom_at_step_10(tmp_path: Path, store: Path) -> tuple[Path, subprocess.CompletedProcess]:
+    """The demo with an out-of-memory injected at step 10 and ``store`` as the local profile store."""
+    out = tmp_path / "oom"
+    env = {"SDPLAN_INJECT_OOM_AT_STEP": "10", "SDPLAN_PROFILE_DIR": str(store)}
+    return out, sdplan("train", "--demo", "--out", str(out), env=env)
+
+
 def test_out_of_memory_is_retried_smaller_and_recorded(tmp_path):
     store = tmp_path / "store"
-    out = tmp_path / "oom"
-    proc = sdplan(
-        "train", "--demo", "--out", str(out),
-        env={"SDPLAN_INJECT_OOM_AT_STEP": "10", "SDPLAN_PROFILE_DIR": str(store)},
-    )  # fmt: skip
+    out, proc = _demo_with_oom_at_step_10(tmp_path, store)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "micro-batch 2 -> 1, gradient accumulation 1 -> 2" in proc.stdout
     assert "restarting from the last checkpoint" in proc.stdout  # the rolling checkpoint of step 8
@@ -135,11 +138,7 @@ def test_a_profile_store_that_cannot_be_written_does_not_stop_the_out_of_memory_
     on and the run finishes; sdplan says what it could not record."""
     store = tmp_path / "store"
     store.write_text("not a folder")
-    out = tmp_path / "oom"
-    proc = sdplan(
-        "train", "--demo", "--out", str(out),
-        env={"SDPLAN_INJECT_OOM_AT_STEP": "10", "SDPLAN_PROFILE_DIR": str(store)},
-    )  # fmt: skip
+    out, proc = _demo_with_oom_at_step_10(tmp_path, store)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "warning: not recorded in the local profile store" in proc.stdout + proc.stderr
     assert summary(out)["steps"] == 16
