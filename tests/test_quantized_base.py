@@ -19,6 +19,7 @@ from conftest import (
     losses,
     make_images,
     reset_accelerator,
+    tiny_train_config,
     train_two_processes,
     trains_in_process,
 )
@@ -295,8 +296,6 @@ def _train(model: Path, family: str, data: Path, out: Path, base: str, *extra: s
     from sdplan.trainer import loop
     from sdplan.trainer.recipes.lora import LoRA
 
-    from sdplan import config
-
     seen = {}
 
     class Watched(LoRA):  # the real recipe; keeps a handle on the transformer it trained
@@ -306,24 +305,17 @@ def _train(model: Path, family: str, data: Path, out: Path, base: str, *extra: s
             seen["summary"] = self.base_summary
             seen["recipe"] = self
 
-    base_cfg = {
-        "method": "lora",
-        "model": {"path": str(model), "family": family, "base_precision": base},
-        "data": {"path": str(data), "resolution": 64},
-        "training": {
-            "batch_size": 2,
-            "precision": "fp32",
-            "learning_rate": 1e-2,
-            "max_steps": 3,
-            "device": "cpu",
-        },
-        "lora": {"rank": 4, "alpha": 8},
-        "output": {"dir": str(out), "name": "t"},
-        "checkpoints": {"every_steps": 0},
-        "sampling": {"num_inference_steps": 2, "guidance_scale": 1.0},
-    }
-    cfg = config.validate(
-        config.apply_overrides(base_cfg, ["memory.cache_text_encoder_outputs=true", *extra])
+    cfg = tiny_train_config(
+        model,
+        data,
+        out,
+        f"model.base_precision={base}",
+        "memory.cache_text_encoder_outputs=true",
+        *extra,
+        family=family,
+        name="t",
+        learning_rate=1e-2,
+        max_steps=3,
     )
     reset_accelerator()
     summary = loop.train(cfg, Watched)
@@ -415,20 +407,18 @@ def test_two_processes_train_over_an_fp8_base(tiny_models, dataset, tmp_path):
     """DDP leaves the quantized weights out of its start-up broadcast (gloo cannot send float8 at all)."""
     import json
 
-    from sdplan import config
-
-    data = {
-        "method": "lora",
-        "model": {"path": str(tiny_models["flux-dev"]), "family": "flux-dev", "base_precision": "fp8"},
-        "data": {"path": str(dataset), "resolution": 64},
-        "training": {"batch_size": 1, "precision": "fp32", "max_steps": 2, "device": "cpu"},
-        "lora": {"rank": 4, "alpha": 8},
-        "memory": {"cache_text_encoder_outputs": True},
-        "output": {"dir": str(tmp_path / "out"), "name": "t"},
-        "checkpoints": {"every_steps": 0},
-    }
+    cfg = tiny_train_config(
+        tiny_models["flux-dev"],
+        dataset,
+        tmp_path / "out",
+        "model.base_precision=fp8",
+        "training.batch_size=1",
+        "memory.cache_text_encoder_outputs=true",
+        family="flux-dev",
+        name="t",
+    )
     path = tmp_path / "c.yaml"
-    path.write_text(yaml.safe_dump(config.validate(data).to_dict()))
+    path.write_text(yaml.safe_dump(cfg.to_dict()))
     train_two_processes(path, tmp_path)
     summary = json.loads((tmp_path / "out" / "run_summary.json").read_text())
     assert summary["num_processes"] == 2 and math.isfinite(summary["final_loss"])
@@ -575,23 +565,21 @@ def test_resume_over_an_nf4_base_equals_uninterrupted(tiny_models, dataset, tmp_
     from safetensors.torch import load_file
     from sdplan.trainer import checkpoint, run
 
-    from sdplan import config
-
     _needs("nf4")
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
 
     def cfg(out, *extra):
-        data = {
-            "method": "lora",
-            "model": {"path": str(tiny_models["flux-dev"]), "family": "flux-dev", "base_precision": "nf4"},
-            "data": {"path": str(dataset), "resolution": 64},
-            "training": {"batch_size": 2, "precision": "fp32", "max_steps": 4, "device": "cpu"},
-            "lora": {"rank": 4, "alpha": 8},
-            "memory": {"cache_text_encoder_outputs": True},
-            "output": {"dir": str(out), "name": "t"},
-            "checkpoints": {"every_steps": 0},
-        }
-        return config.validate(config.apply_overrides(data, list(extra)))
+        return tiny_train_config(
+            tiny_models["flux-dev"],
+            dataset,
+            out,
+            "model.base_precision=nf4",
+            "memory.cache_text_encoder_outputs=true",
+            *extra,
+            family="flux-dev",
+            name="t",
+            max_steps=4,
+        )
 
     run.train(cfg(straight, "checkpoints.keep_every_steps=2"))
     run.train(cfg(resumed), resume=str(checkpoint.checkpoint_root(straight) / "step-000002"))
