@@ -353,9 +353,8 @@ def check_model_file(path: Path) -> None:
         raise UsageError(
             f"model.path {path}: not a PyTorch checkpoint (neither a zip archive nor a pickle)", fix=fix
         )
-    if zipfile.is_zipfile(
-        path
-    ):  # torch.save's archive: <name>/data.pkl and <name>/version, as torch reads it
+    # torch.save's archive holds <name>/data.pkl and <name>/version, as torch reads it
+    if zipfile.is_zipfile(path):
         try:
             with zipfile.ZipFile(path) as z:
                 names = {n.split("/", 1)[-1] for n in z.namelist()}

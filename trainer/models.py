@@ -246,8 +246,7 @@ def _hub_index(location: str, revision: str | None) -> dict[str, Any]:
             f"{where}: cannot reach the hub ({first}) and it is not in the local cache",
             fix="check the network, or give a local diffusers folder or .safetensors file",
         ) from None
-    kw = {"revision": revision} if revision else {}
-    return json.loads(Path(hf_hub_download(location, "model_index.json", **kw)).read_text())
+    return json.loads(Path(hf_hub_download(location, "model_index.json", revision=revision)).read_text())
 
 
 def _load_single_file(location: str, family: str | None, config_dir: str | None) -> Components:

@@ -98,22 +98,19 @@ def recommend(
         settings=tuple(settings or ()),
     )
     if compare is not None:
+        from sdplan.errors import UsageError
+
+        # Flags that --compare would ignore (a plan for other hardware, no files where the user asked for them).
         given = [
             f for f, v in (("--hardware", hardware), ("--machine", machine), ("--out", out)) if v is not None
         ]
-        if (
-            given
-        ):  # else silently ignored: a plan for other hardware, or no files where the user asked for them
-            from sdplan.errors import UsageError
-
+        if given:
             raise UsageError(
                 f"--compare does not combine with {' or '.join(given)}",
                 fix="compare first, then run `sdplan recommend --hardware NAME --out DIR` for the one you pick",
             )
         options = [c.strip() for c in compare.split(",") if c.strip()]
         if not options:
-            from sdplan.errors import UsageError
-
             raise UsageError(
                 "--compare needs at least one hardware option", fix="e.g. --compare 'RTX 4090,2x RTX 4090'"
             )
