@@ -8,7 +8,10 @@
   ``text_model`` (``embeddings.token_embedding``, ``encoder.layers.N.{self_attn.{q,k,v,out}_proj, layer_norm1,
   mlp.fc1, mlp.fc2, layer_norm2}``, ``final_layer_norm``; WithProjection adds ``text_projection`` without
   bias), and its loader only repairs a ``base_model_prefix`` (``clip``) mismatch, so flattened names load as
-  random weights with a warning. No transformers 4.x here: the tests check the files against that.
+  random weights with a warning. A T5 tokenizer saved by 5.x as tokenizer.json loads in 4.x as
+  ``T5TokenizerFast`` (4.x's ``T5Tokenizer`` needs ``spiece.model``), and 4.x reads ``extra_special_tokens`` as
+  a dict (``tokenization_utils_base.py``). No transformers 4.x here: the tests check the files against that;
+  ``scripts/check_older_stack.py`` loads real outputs on transformers 4.57 / diffusers 0.35.
 - Embeddings are named after the run (A1111 and ComfyUI call an embedding by its file name).
 - Every output is named after the run folder unless a name is given.
 - kohya ``ss_*`` / ``sshs_*`` and model spec keys have the types and formats kohya sd-scripts writes
@@ -93,6 +96,14 @@ def _v4_problems(folder: Path) -> list[str]:
             for special in ("bos_token", "eos_token", "unk_token", "pad_token"):
                 if config.get(special) not in vocab:
                     problems.append(f"{component}: {special}")
+        elif entry[1] == "T5Tokenizer" and not (sub / "spiece.model").is_file():
+            # 4.x's T5Tokenizer is the sentencepiece class: without spiece.model it cannot load
+            problems.append(f"{component}: T5Tokenizer without spiece.model")
+        config_file = sub / "tokenizer_config.json"
+        if config_file.is_file():
+            config = json.loads(config_file.read_text(encoding="utf-8"))
+            if isinstance(config.get("extra_special_tokens"), list):  # 4.x reads a dict of named tokens
+                problems.append(f"{component}: extra_special_tokens is a list")
     return problems
 
 
@@ -130,6 +141,36 @@ def test_full_folder_has_what_transformers4_reads(family, tiny_sd15, tiny_sdxl, 
         from_files = CLIPTokenizer.from_pretrained(str(bare), pad_token="<|endoftext|>")
         prompt = "a photo of sks dog, red square on blue"
         assert from_files(prompt).input_ids == getattr(loaded, name)(prompt).input_ids
+
+
+@pytest.mark.parametrize("family", ["sd15", "sdxl", "sd35-medium", "flux-dev"])
+def test_base_folders_load_alike_on_transformers4_and_5(family, tmp_path):
+    """The demo's base model (and any folder folder_for_transformers4 fixes): the plain save_pretrained of a
+    FLUX / SD3.5 folder names its T5 tokenizer with 5.x's class and writes a list 4.x cannot read; after the
+    fix nothing is left for 4.x to mis-load, and 5.x loads the same weights and tokenizes alike."""
+    from diffusers import DiffusionPipeline
+    from sdplan.trainer.tiny import save_tiny_model
+
+    fixed = save_tiny_model(tmp_path / "fixed", family)
+    assert _v4_problems(fixed) == []
+    original = DiffusionPipeline.from_pretrained(fixed)
+    plain = tmp_path / "plain"  # what transformers 5 writes on its own
+    original.save_pretrained(plain)
+    if int(__import__("transformers").__version__.split(".")[0]) >= 5:
+        assert _v4_problems(plain)
+    export.folder_for_transformers4(plain)
+    assert _v4_problems(plain) == []
+    index = json.loads((plain / "model_index.json").read_text())
+    assert "T5Tokenizer" not in [entry[1] for entry in index.values() if isinstance(entry, list)]
+
+    loaded = DiffusionPipeline.from_pretrained(plain)
+    prompt = "a photo of sks dog, red square on blue"
+    for name, part in original.components.items():
+        if name.startswith("tokenizer") and part is not None:
+            assert getattr(loaded, name)(prompt).input_ids == part(prompt).input_ids, name
+        elif hasattr(part, "state_dict"):
+            a, b = part.state_dict(), getattr(loaded, name).state_dict()
+            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
 
 
 def test_text_encoder_keys_are_renamed_in_shards_too(tmp_path):

@@ -907,6 +907,7 @@ def pipeline_to_original(pipeline, family: str) -> dict:
 # transformers components of a diffusers folder that transformers 4.x reads differently from 5.x.
 _CLIP_TEXT_MODELS = ("CLIPTextModel", "CLIPTextModelWithProjection")
 _CLIP_TOKENIZERS = ("CLIPTokenizer", "CLIPTokenizerFast")
+_T5_TOKENIZERS = ("T5Tokenizer", "T5TokenizerFast")
 
 
 def _text_encoder_for_transformers4(folder: Path) -> None:
@@ -973,12 +974,36 @@ def _tokenizer_for_transformers4(folder: Path) -> None:
     )
 
 
+def _special_tokens_for_transformers4(folder: Path) -> None:
+    """transformers 5 writes ``tokenizer_config.json``'s ``extra_special_tokens`` as a list of tokens; 4.x
+    (v4.57 ``tokenization_utils_base.py``, ``_set_model_specific_special_tokens``) reads it as a dict of named
+    tokens and fails on a list ("'list' object has no attribute 'keys'"). Both read the list under
+    ``additional_special_tokens`` (5.x converts it back), so it moves there."""
+    config_file = folder / "tokenizer_config.json"
+    if not config_file.is_file():
+        return
+    config = json.loads(config_file.read_text(encoding="utf-8"))
+    if not isinstance(config.get("extra_special_tokens"), list):
+        return
+    tokens = config.pop("extra_special_tokens")
+    if tokens:
+        config.setdefault("additional_special_tokens", tokens)
+    config_file.write_text(
+        json.dumps(config, indent=2, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8"
+    )
+
+
 def folder_for_transformers4(folder: str | Path) -> None:
     """Make a diffusers folder saved with transformers 5 load the same on transformers 4.x / diffusers 0.3x
     (kohya sd-scripts' and many UIs' pins): CLIP text encoders with ``text_model.`` names, CLIP tokenizers with
-    vocab.json + merges.txt. A folder saved by 4.x is left as it is."""
+    vocab.json + merges.txt, special tokens 4.x can read. A T5 tokenizer saved as ``tokenizer.json`` is named
+    ``T5TokenizerFast`` in model_index.json, as the SD3.5 / FLUX.1 hub repos name it: 5.x's ``T5Tokenizer``
+    is 4.x's sentencepiece class (it needs ``spiece.model``), while ``T5TokenizerFast`` reads tokenizer.json
+    in 4.x and is the same class in 5.x. A folder saved by 4.x is left as it is."""
     folder = Path(folder)
-    index = json.loads((folder / "model_index.json").read_text())
+    index_file = folder / "model_index.json"
+    index = json.loads(index_file.read_text())
+    renamed = False
     for component, entry in index.items():
         if not (isinstance(entry, list) and len(entry) == 2 and entry[0] == "transformers"):
             continue
@@ -986,6 +1011,14 @@ def folder_for_transformers4(folder: str | Path) -> None:
             _text_encoder_for_transformers4(folder / component)
         elif entry[1] in _CLIP_TOKENIZERS:
             _tokenizer_for_transformers4(folder / component)
+            _special_tokens_for_transformers4(folder / component)
+        elif entry[1] in _T5_TOKENIZERS:
+            _special_tokens_for_transformers4(folder / component)
+            if entry[1] == "T5Tokenizer" and (folder / component / "tokenizer.json").is_file():
+                index[component] = ["transformers", "T5TokenizerFast"]
+                renamed = True
+    if renamed:
+        index_file.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
 
 def save_full(

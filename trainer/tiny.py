@@ -365,6 +365,8 @@ def save_tiny_model(folder: str | Path, family: str = "sd15", seed: int = 0) -> 
         StableDiffusionXLPipeline,
     )
 
+    from .export import folder_for_transformers4
+
     folder = Path(folder)
     with tempfile.TemporaryDirectory() as tmp:
         if family in ("sd35-medium", "sd35-large"):
@@ -385,4 +387,5 @@ def save_tiny_model(folder: str | Path, family: str = "sd15", seed: int = 0) -> 
         else:
             raise ValueError(f"tiny models exist for {', '.join(TINY_FAMILIES)}, not {family!r}")
         pipe.save_pretrained(folder, safe_serialization=True)
+    folder_for_transformers4(folder)  # the demo's base model loads on transformers 4.x too, as outputs do
     return folder

@@ -1,0 +1,193 @@
+#!/usr/bin/env python
+"""Load sdplan's outputs on the previous major transformers (4.x, with the diffusers that pairs with it) and on
+this environment's, and check that both see the same thing.
+
+diffusers >= 0.36 needs huggingface_hub 1.x and transformers 4.x needs huggingface_hub < 1, so a user on
+transformers 4 has an older diffusers too (kohya sd-scripts and many UIs pin such a stack). This script:
+
+1. trains tiny outputs on the CPU with this environment: the demo LoRA of every family (with its base model),
+   DreamBooth folders of SD 1.x and SDXL with and without the text encoders, and textual-inversion embeddings;
+2. builds a second environment (``--venv``, kept for the next run) that shares this one's packages but pins
+   the older stack (``OLDER_STACK``, from PyPI: the only network it needs);
+3. loads every output in both (``DiffusionPipeline.from_pretrained``, ``load_lora_weights``,
+   ``load_textual_inversion``), and compares parameter counts and sums, every tokenizer's ids for a prompt, the
+   first text encoder's output and a 2-step image.
+
+Prints one line per output and exits 1 if any differs or fails to load. Not part of `make test` (it installs
+packages); the structural checks of tests/test_export_compat.py run there. Usage:
+``python scripts/check_older_stack.py [--work DIR] [--venv DIR]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import sysconfig
+import tempfile
+from pathlib import Path
+
+OLDER_STACK = ("transformers==4.57.6", "tokenizers==0.22.2", "huggingface-hub==0.36.2", "diffusers==0.35.2")
+FAMILIES = ("sd15", "sdxl", "sd35", "flux")
+PROMPT = "a photo of <sks> person"
+
+
+def fingerprint(work: Path) -> dict:
+    """What this interpreter's transformers / diffusers load from each output under ``work``."""
+    import warnings
+
+    import diffusers
+    import torch
+    import transformers
+    from diffusers import DiffusionPipeline
+    from safetensors.torch import load_file
+
+    warnings.filterwarnings("ignore")
+    diffusers.utils.logging.disable_progress_bar()
+    diffusers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.set_verbosity_error()
+
+    def describe(pipe, **call) -> dict:
+        d = {}
+        for name, part in pipe.components.items():
+            if hasattr(part, "state_dict"):
+                sd = part.state_dict()
+                total = sum(float(v.double().sum()) for v in sd.values() if v.is_floating_point())
+                d[name] = [len(sd), round(total, 5)]
+            elif name.startswith("tokenizer") and part is not None:
+                d[name] = part(PROMPT).input_ids
+        ids = pipe.tokenizer(PROMPT, padding="max_length", truncation=True, return_tensors="pt").input_ids
+        with torch.no_grad():
+            d["text_encoder_output"] = round(float(pipe.text_encoder(ids)[0].double().sum()), 4)
+            image = pipe(
+                PROMPT, num_inference_steps=2, height=64, width=64, output_type="np",
+                generator=torch.Generator().manual_seed(0), **call,
+            ).images[0]  # fmt: skip
+        d["image_mean"] = round(float(image.mean()), 5)
+        return d
+
+    def base(family: str):
+        return DiffusionPipeline.from_pretrained(work / f"{family}-lora" / "base_model")
+
+    loaders = {}
+    for family in ("sd15", "sdxl"):
+        for run in ("dreambooth", "dreambooth-te"):
+            loaders[f"{family}-{run}"] = lambda f=family, r=run: describe(
+                DiffusionPipeline.from_pretrained(work / f"{f}-{r}" / "model")
+            )
+    for family in FAMILIES:
+
+        def lora(f=family):
+            pipe = base(f)
+            pipe.load_lora_weights(work / f"{f}-lora")
+            return describe(pipe, **({"guidance_scale": 1.0} if f in ("sd35", "flux") else {}))
+
+        loaders[f"{family}-lora"] = lora
+    for family in ("sd15", "sdxl"):
+
+        def embedding(f=family):
+            pipe, path = base(f), work / f"{f}-ti" / f"{f}-ti.safetensors"
+            if f == "sd15":
+                pipe.load_textual_inversion(path, token="<sks>")
+            else:  # SDXL: one vector set per encoder (diffusers' documented way)
+                state = load_file(path)
+                pipe.load_textual_inversion(
+                    state["clip_l"], token="<sks>", text_encoder=pipe.text_encoder, tokenizer=pipe.tokenizer
+                )
+                pipe.load_textual_inversion(
+                    state["clip_g"],
+                    token="<sks>",
+                    text_encoder=pipe.text_encoder_2,
+                    tokenizer=pipe.tokenizer_2,
+                )
+            return describe(pipe)
+
+        loaders[f"{family}-ti"] = embedding
+    out = {"versions": {"transformers": transformers.__version__, "diffusers": diffusers.__version__}}
+    for name, load in loaders.items():
+        try:
+            out[name] = load()
+        except Exception as e:  # a failure to load is the finding: report it, go on with the rest
+            out[name] = f"FAILED: {type(e).__name__}: {e}"[:300]
+    return out
+
+
+def train_outputs(work: Path) -> None:
+    """The outputs to compare, trained on the CPU with this environment's sdplan."""
+    sdplan = [sys.executable, "-c", "from sdplan.cli import main; main()"]
+
+    def run(*args: str) -> None:
+        subprocess.run([*sdplan, *args], check=True, stdout=subprocess.DEVNULL)
+
+    for family in FAMILIES:
+        run("train", "--demo", "--model", family, "--out", str(work / f"{family}-lora"), "--force")
+    for family in ("sd15", "sdxl"):
+        demo = work / f"{family}-lora"
+        common = ["--device", "cpu", "--model", str(demo / "base_model"), "--dataset", str(demo / "dataset")]
+        common += ["--yes", "training.max_steps=2"]
+        run("train", "--method", "dreambooth", "--out", str(work / f"{family}-dreambooth"), *common)
+        run(
+            "train", "--method", "dreambooth", "--out", str(work / f"{family}-dreambooth-te"), *common,
+            "training.train_text_encoder=true",
+        )  # fmt: skip
+        run("train", "--method", "textual-inversion", "--out", str(work / f"{family}-ti"), *common)
+
+
+def older_python(venv: Path) -> Path:
+    """A virtual environment that sees this one's packages (torch, peft, ...) but the older stack first."""
+    python = venv / "bin" / "python"
+    if not python.exists():
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        site = subprocess.run(
+            [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+            check=True, capture_output=True, text=True,
+        ).stdout.strip()  # fmt: skip
+        # appended after the venv's own site-packages: the pinned older packages win over this environment's
+        Path(site, "shared.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+        pip = [str(python), "-m", "pip", "install", "-q", "--no-deps", *OLDER_STACK]
+        subprocess.run(pip, check=True)
+    return python
+
+
+def compare(now: dict, older: dict) -> list[str]:
+    lines, names = [], [k for k in now if k != "versions"]
+    for name in names:
+        a, b = now[name], older.get(name)
+        if isinstance(a, str) or isinstance(b, str) or a != b:
+            lines.append(f"DIFFERS {name}\n  {now['versions']}: {a}\n  {older['versions']}: {b}")
+        else:
+            lines.append(f"same    {name}")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--work", type=Path, help="folder for the trained outputs (default: a temporary one)")
+    parser.add_argument("--venv", type=Path, default=Path(tempfile.gettempdir()) / "sdplan-older-stack")
+    parser.add_argument("--fingerprint", type=Path, help=argparse.SUPPRESS)  # internal: run in each stack
+    args = parser.parse_args(argv)
+    if args.fingerprint:
+        print(json.dumps(fingerprint(args.fingerprint)))
+        return 0
+    with tempfile.TemporaryDirectory() as tmp:
+        work = args.work or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        train_outputs(work)
+        results = []
+        for python in (Path(sys.executable), older_python(args.venv)):
+            env = dict(os.environ, PYTHONWARNINGS="ignore")
+            proc = subprocess.run(
+                [str(python), __file__, "--fingerprint", str(work)],
+                capture_output=True, text=True, env=env, check=True,
+            )  # fmt: skip
+            results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    lines = compare(*results)
+    print(f"{results[0]['versions']} vs {results[1]['versions']}")
+    print("\n".join(lines))
+    return 1 if any(not line.startswith("same") for line in lines) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
