@@ -6,11 +6,12 @@ diffusers >= 0.36 needs huggingface_hub 1.x and transformers 4.x needs huggingfa
 transformers 4 has an older diffusers too (kohya sd-scripts and many UIs pin such a stack). This script:
 
 1. trains tiny outputs on the CPU with this environment: the demo LoRA of every family (with its base model),
-   DreamBooth folders of SD 1.x and SDXL with and without the text encoders, and textual-inversion embeddings;
+   DreamBooth folders of SD 1.x and SDXL with and without the text encoders, full fine-tune folders of SD3.5
+   and FLUX.1, and textual-inversion embeddings;
 2. builds a second environment (``--venv``, kept for the next run) that shares this one's packages but pins
    the older stack (``OLDER_STACK``, from PyPI: the only network it needs);
-3. loads every output in both (``DiffusionPipeline.from_pretrained``, ``load_lora_weights``,
-   ``load_textual_inversion``), and compares parameter counts and sums, every tokenizer's ids for a prompt, the
+3. loads every output in both (``DiffusionPipeline.from_pretrained``, ``load_lora_weights`` of the
+   diffusers and the kohya-format LoRA, ``load_textual_inversion``), and compares parameter counts and sums, every tokenizer's ids for a prompt, the
    first text encoder's output and a 2-step image.
 
 Prints one line per output and exits 1 if any differs or fails to load. Not part of `make test` (it installs
@@ -31,6 +32,9 @@ from pathlib import Path
 
 OLDER_STACK = ("transformers==4.57.6", "tokenizers==0.22.2", "huggingface-hub==0.36.2", "diffusers==0.35.2")
 FAMILIES = ("sd15", "sdxl", "sd35", "flux")
+# the runs that write a diffusers folder: DreamBooth (with / without the text encoders), full fine-tune
+FOLDER_RUNS = ("sd15-dreambooth", "sd15-dreambooth-te", "sdxl-dreambooth", "sdxl-dreambooth-te")
+FOLDER_RUNS += ("sd35-finetune", "flux-finetune")
 PROMPT = "a photo of <sks> person"
 
 
@@ -72,11 +76,11 @@ def fingerprint(work: Path) -> dict:
         return DiffusionPipeline.from_pretrained(work / f"{family}-lora" / "base_model")
 
     loaders = {}
-    for family in ("sd15", "sdxl"):
-        for run in ("dreambooth", "dreambooth-te"):
-            loaders[f"{family}-{run}"] = lambda f=family, r=run: describe(
-                DiffusionPipeline.from_pretrained(work / f"{f}-{r}" / "model")
-            )
+    for run in FOLDER_RUNS:
+        loaders[run] = lambda r=run: describe(
+            DiffusionPipeline.from_pretrained(work / r / "model"),
+            **({"guidance_scale": 1.0} if r.startswith(("sd35", "flux")) else {}),
+        )
     for family in FAMILIES:
 
         def lora(f=family):
@@ -85,6 +89,16 @@ def fingerprint(work: Path) -> dict:
             return describe(pipe, **({"guidance_scale": 1.0} if f in ("sd35", "flux") else {}))
 
         loaders[f"{family}-lora"] = lora
+
+        def kohya_lora(f=family):  # the kohya-format file (A1111 / ComfyUI), through diffusers' converter
+            pipe = base(f)
+            pipe.load_lora_weights(work / f"{f}-lora" / f"{f}-lora.kohya.safetensors")
+            return describe(pipe, **({"guidance_scale": 1.0} if f in ("sd35", "flux") else {}))
+
+        # diffusers reads no kohya-format SD3 LoRA, and its kohya FLUX converter hard-codes FLUX.1's widths
+        # (3072 / 12288), which the tiny model lacks (tests/test_sd3_flux.py checks those names structurally)
+        if family in ("sd15", "sdxl"):
+            loaders[f"{family}-lora-kohya"] = kohya_lora
     for family in ("sd15", "sdxl"):
 
         def embedding(f=family):
@@ -133,6 +147,11 @@ def train_outputs(work: Path) -> None:
             "training.train_text_encoder=true",
         )  # fmt: skip
         run("train", "--method", "textual-inversion", "--out", str(work / f"{family}-ti"), *common)
+    for family in ("sd35", "flux"):
+        demo = work / f"{family}-lora"
+        common = ["--device", "cpu", "--model", str(demo / "base_model"), "--dataset", str(demo / "dataset")]
+        common += ["--yes", "training.max_steps=2"]
+        run("train", "--method", "finetune", "--out", str(work / f"{family}-finetune"), *common)
 
 
 def older_python(venv: Path) -> Path:
