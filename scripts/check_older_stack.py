@@ -16,7 +16,8 @@ transformers 4 has an older diffusers too (kohya sd-scripts and many UIs pin suc
 
 Prints one line per output and exits 1 if any differs or fails to load. Not part of `make test` (it installs
 packages); the structural checks of tests/test_export_compat.py run there. Usage:
-``python scripts/check_older_stack.py [--work DIR] [--venv DIR]``.
+``python scripts/check_older_stack.py [--work DIR] [--venv DIR] [--train-with older]`` (``older``: the outputs
+are trained by sdplan running on the older stack, which checks that sdplan runs there too).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ FAMILIES = ("sd15", "sdxl", "sd35", "flux")
 FOLDER_RUNS = ("sd15-dreambooth", "sd15-dreambooth-te", "sdxl-dreambooth", "sdxl-dreambooth-te")
 FOLDER_RUNS += ("sd35-finetune", "flux-finetune")
 PROMPT = "a photo of <sks> person"
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def fingerprint(work: Path) -> dict:
@@ -128,12 +130,13 @@ def fingerprint(work: Path) -> dict:
     return out
 
 
-def train_outputs(work: Path) -> None:
-    """The outputs to compare, trained on the CPU with this environment's sdplan."""
-    sdplan = [sys.executable, "-c", "from sdplan.cli import main; main()"]
+def train_outputs(work: Path, python: Path) -> None:
+    """The outputs to compare, trained on the CPU by ``python``'s sdplan."""
+    sdplan = [str(python), "-c", "from sdplan.cli import main; main()"]
 
     def run(*args: str) -> None:
-        subprocess.run([*sdplan, *args], check=True, stdout=subprocess.DEVNULL)
+        # cwd: not the checkout, whose sdplan/ would shadow the installed package under `python -c`
+        subprocess.run([*sdplan, *args], check=True, stdout=subprocess.DEVNULL, cwd=work)
 
     for family in FAMILIES:
         run("train", "--demo", "--model", family, "--out", str(work / f"{family}-lora"), "--force")
@@ -170,6 +173,12 @@ def older_python(venv: Path) -> Path:
     return python
 
 
+def install_sdplan(python: Path) -> None:
+    """This checkout's sdplan into the older environment (not editable: it must import there on its own)."""
+    pip = [str(python), "-m", "pip", "install", "-q", "--no-deps", "--force-reinstall", str(ROOT)]
+    subprocess.run(pip, check=True)
+
+
 def compare(now: dict, older: dict) -> list[str]:
     lines, names = [], [k for k in now if k != "versions"]
     for name in names:
@@ -185,6 +194,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work", type=Path, help="folder for the trained outputs (default: a temporary one)")
     parser.add_argument("--venv", type=Path, default=Path(tempfile.gettempdir()) / "sdplan-older-stack")
+    parser.add_argument(
+        "--train-with",
+        choices=("this", "older"),
+        default="this",
+        help="which stack trains the outputs (older: sdplan itself runs on transformers 4.x)",
+    )
     parser.add_argument("--fingerprint", type=Path, help=argparse.SUPPRESS)  # internal: run in each stack
     args = parser.parse_args(argv)
     if args.fingerprint:
@@ -193,9 +208,12 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         work = args.work or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
-        train_outputs(work)
+        older = older_python(args.venv)
+        if args.train_with == "older":
+            install_sdplan(older)
+        train_outputs(work, older if args.train_with == "older" else Path(sys.executable))
         results = []
-        for python in (Path(sys.executable), older_python(args.venv)):
+        for python in (Path(sys.executable), older):
             env = dict(os.environ, PYTHONWARNINGS="ignore")
             proc = subprocess.run(
                 [str(python), __file__, "--fingerprint", str(work)],

@@ -222,13 +222,32 @@ def _scheduler(cls):
 
 def tiny_t5_tokenizer(max_length: int = 256):
     """A T5 tokenizer built offline: a Unigram vocabulary of the demo words (SentencePiece's ``▁`` word marker)
-    plus single letters, so any caption tokenizes; ``</s>`` closes every sequence as in T5."""
+    plus single letters, so any caption tokenizes; ``</s>`` closes every sequence as in T5. Built with the
+    tokenizers library (what T5's tokenizer.json holds), so transformers 4.x, whose T5TokenizerFast takes no
+    ``vocab`` of its own, builds the same one as 5.x."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import T5TokenizerFast
 
     pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0)]
     pieces += [("\u2581" + w, -1.0) for w in DEMO_WORDS]
     pieces += [(c, -5.0) for c in "abcdefghijklmnopqrstuvwxyz0123456789\u2581"]
-    return T5TokenizerFast(vocab=pieces, extra_ids=0, model_max_length=max_length)
+    tok = Tokenizer(models.Unigram(pieces, unk_id=2, byte_fallback=False))
+    space = {"replacement": "\u2581", "prepend_scheme": "always", "split": True}
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Metaspace(**space)]
+    )
+    tok.decoder = decoders.Metaspace(**space)
+    tok.post_processor = processors.TemplateProcessing(
+        single="$A </s>", pair="$A </s> $B </s>", special_tokens=[("</s>", 1)]
+    )
+    return T5TokenizerFast(
+        tokenizer_object=tok,
+        eos_token="</s>",
+        unk_token="<unk>",
+        pad_token="<pad>",
+        extra_ids=0,
+        model_max_length=max_length,
+    )
 
 
 def tiny_t5(vocab_size: int, d_model: int):
