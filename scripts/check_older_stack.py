@@ -157,8 +157,8 @@ def train_outputs(work: Path, python: Path) -> None:
         run("train", "--method", "finetune", "--out", str(work / f"{family}-finetune"), *common)
 
 
-def older_python(venv: Path) -> Path:
-    """A virtual environment that sees this one's packages (torch, peft, ...) but the older stack first."""
+def older_python(venv: Path, stack: list[str]) -> Path:
+    """A virtual environment that sees this one's packages (torch, peft, ...) but ``stack`` first."""
     python = venv / "bin" / "python"
     if not python.exists():
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
@@ -168,8 +168,7 @@ def older_python(venv: Path) -> Path:
         ).stdout.strip()  # fmt: skip
         # appended after the venv's own site-packages: the pinned older packages win over this environment's
         Path(site, "shared.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-        pip = [str(python), "-m", "pip", "install", "-q", "--no-deps", *OLDER_STACK]
-        subprocess.run(pip, check=True)
+    subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps", *stack], check=True)
     return python
 
 
@@ -195,6 +194,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", type=Path, help="folder for the trained outputs (default: a temporary one)")
     parser.add_argument("--venv", type=Path, default=Path(tempfile.gettempdir()) / "sdplan-older-stack")
     parser.add_argument(
+        "--stack",
+        nargs="+",
+        default=list(OLDER_STACK),
+        help="the older packages, pinned (default: %(default)s); e.g. the oldest pyproject.toml allows",
+    )
+    parser.add_argument(
         "--train-with",
         choices=("this", "older"),
         default="this",
@@ -208,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         work = args.work or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
-        older = older_python(args.venv)
+        older = older_python(args.venv, args.stack)
         if args.train_with == "older":
             install_sdplan(older)
         train_outputs(work, older if args.train_with == "older" else Path(sys.executable))
