@@ -15,6 +15,7 @@ class SdplanError(Exception):
     """Base class: a problem the user can fix. ``str(err)`` is the one line shown to the user."""
 
     exit_code = 1
+    reported = False  # True: already printed (by the trainer sdplan launched); the CLI adds no line
 
     def __init__(self, message: str, *, fix: str | None = None):
         super().__init__(message)

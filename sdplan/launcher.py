@@ -30,6 +30,7 @@ from sdplan.launch import (
     ACCELERATE_FILE,
     DEEPSPEED_FILE,
     DEFAULT_PORT,
+    REPORTED_FILE,
     Launch,
     build_launch,
     free_port,
@@ -49,17 +50,20 @@ PLAN_FILES = (CONFIG_FILE, ACCELERATE_FILE, DEEPSPEED_FILE)
 # What the trainer writes at the top of its output folder, whatever the output name: recorded in the run
 # folder's manifest at launch (when they do not exist yet), so a run killed mid-way can still be --force'd.
 TRAINER_ENTRIES = (
-    "checkpoints", "samples", "logs", "cache", "class_images", "ema", "intermediate", "loss.png", SUMMARY_FILE, OOM_FILE
+    "checkpoints", "samples", "logs", "cache", "class_images", "ema", "intermediate", "loss.png", SUMMARY_FILE, OOM_FILE,
+    REPORTED_FILE,
 )  # fmt: skip
 MAX_OOM_RETRIES = 4
 
 
 class TrainFailed(SdplanError):
-    """The trainer exited non-zero; the exit code is the trainer's."""
+    """The trainer exited non-zero; the exit code is the trainer's. ``reported``: the trainer printed the one
+    line that says why, so the CLI adds none."""
 
-    def __init__(self, message: str, code: int, *, fix: str | None = None):
+    def __init__(self, message: str, code: int, *, fix: str | None = None, reported: bool = False):
         super().__init__(message, fix=fix)
         self.exit_code = code
+        self.reported = reported
 
 
 class OutOfMemoryError(SdplanError):
@@ -193,7 +197,7 @@ def clear_run_outputs(out: Path) -> None:
     from sdplan import runfolder
     from sdplan.trainer.checkpoint import CHECKPOINTS, remove_checkpoints
 
-    runfolder.remove_owned(out, (OOM_FILE, SUMMARY_FILE))
+    runfolder.remove_owned(out, (OOM_FILE, SUMMARY_FILE, REPORTED_FILE))
     if CHECKPOINTS in runfolder.owned(out):
         remove_checkpoints(out)
 
@@ -1055,8 +1059,8 @@ def execute(p: Prepared, req: TrainRequest, ui: UI, launch: Launch, lock: Any = 
     retries = 0
     fixes: list[str] = []
     while True:
-        (out / OOM_FILE).unlink(missing_ok=True)
-        (out / SUMMARY_FILE).unlink(missing_ok=True)
+        for stale in (OOM_FILE, SUMMARY_FILE, REPORTED_FILE):
+            (out / stale).unlink(missing_ok=True)
         code = run_launch(launch, on_start=lock.set_trainer if lock is not None else None)
         runfolder.record(out, set(runfolder.entries(out)) - before)
         oom = read_json(out / OOM_FILE)
@@ -1069,7 +1073,11 @@ def execute(p: Prepared, req: TrainRequest, ui: UI, launch: Launch, lock: Any = 
                 fix=f"continue with `sdplan train --resume --out {shlex.quote(str(out))}`",
             )
         if oom is None:
-            raise TrainFailed(f"the trainer failed (exit code {code}); its error is above", code)
+            reported = read_json(out / REPORTED_FILE) is not None  # its one line is already on the screen
+            (out / REPORTED_FILE).unlink(missing_ok=True)  # a signal between the two, not an output
+            raise TrainFailed(
+                f"the trainer failed (exit code {code}); its error is above", code, reported=reported
+            )
         # Out of memory: record what did not fit, then retry smaller.
         _record(cfg, oom, p, ui, fits=False)
         if req.num_machines > 1:

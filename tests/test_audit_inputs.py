@@ -350,3 +350,40 @@ def test_a_section_given_twice_in_a_config_is_an_error_not_a_silent_drop(tmp_pat
         config.load(cfg)
     cfg.write_text("base: &b {batch_size: 2}\ntraining:\n  <<: *b\n  batch_size: 4\n")  # a merge may override
     assert config.read_config_file(cfg)["training"]["batch_size"] == 4
+
+
+# -- sdplan train: an error the trainer reports is the only line ---------------------------------------------
+
+
+@pytest.mark.slow
+def test_an_error_the_trainer_reports_is_the_only_line_from_sdplan_train(tiny_sd15, tmp_path):
+    """sdplan's own checks pass (a diffusers folder) and the trainer fails to load the weights: its line is the
+    only one, with its exit code. sdplan used to add "the trainer failed (exit code 2); its error is above"."""
+    import shutil
+    import subprocess
+    import sys
+    from types import SimpleNamespace
+
+    from limits import scaled
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_sd15, model)
+    weights = next((model / "unet").glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[:1000])
+    images = make_images(tmp_path / "data", n=2)
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-c", "from sdplan.cli import main; main()", "train", "--device", "cpu"]
+    cmd += [
+        "--model",
+        str(model),
+        "--dataset",
+        str(images),
+        "--out",
+        str(out),
+        "--yes",
+        "training.max_steps=1",
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=scaled(300))
+    result = SimpleNamespace(exit_code=proc.returncode, stdout=proc.stdout, stderr=proc.stderr)
+    one_line_error(result, 2, "could not load model", str(model))
+    assert not (out / "error.json").exists()  # the trainer's note to sdplan is not left behind

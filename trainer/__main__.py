@@ -23,6 +23,23 @@ def _err(message: str) -> None:
     print(f"error: {message}", file=sys.stderr, flush=True)
 
 
+def _tell_the_launcher(out_dir, e) -> None:
+    """Under `sdplan train`: say that the error line is printed, so sdplan adds no second one (best effort: an
+    output folder that cannot be written only costs that second line)."""
+    from sdplan.launch import LAUNCHED_ENV, REPORTED_FILE
+
+    if not os.environ.get(LAUNCHED_ENV):
+        return
+    import json
+    from pathlib import Path
+
+    try:
+        path = Path(out_dir) / REPORTED_FILE
+        path.write_text(json.dumps({"message": str(e), "exit_code": e.exit_code}) + "\n")
+    except OSError:
+        pass
+
+
 def _quiet_libraries() -> None:
     """The trainer prints its own progress: keep the libraries' loading bars and advice out of the log
     (errors still show)."""
@@ -95,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     except SdplanError as e:
         if _rank() == 0:
             _err(str(e))
+            _tell_the_launcher(cfg.output.dir, e)
         return e.exit_code
     except torch.OutOfMemoryError as e:  # outside the loop, e.g. moving the model to the GPU
         report = stops.write_oom_report(cfg.output.dir, step=0, cfg=cfg, message=str(e))

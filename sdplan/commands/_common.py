@@ -34,7 +34,8 @@ def cli_errors(fn: F) -> F:
         try:
             return fn(*args, **kwargs)
         except SdplanError as e:
-            err_console().print(f"[bold red]error:[/] {escape(str(e))}", soft_wrap=True)
+            if not e.reported:
+                err_console().print(f"[bold red]error:[/] {escape(str(e))}", soft_wrap=True)
             raise typer.Exit(e.exit_code) from None
         except KeyboardInterrupt:
             err_console().print("[yellow]interrupted[/]")
