@@ -634,3 +634,43 @@ def test_refresh_keeps_probe_notes_and_recomputes_rules():
     assert fresh.findings[0] == note
     assert stale not in fresh.findings
     assert {f.code for f in fresh.findings[1:]} == {c for _, c in EXPECTED["rx6700xt"]}
+
+
+# -- the installed stack against sdplan's own requirements ------------------------------------------------
+
+
+def test_packages_below_sdplans_requirements_are_findings_with_the_pip_fix():
+    requires = [
+        "diffusers>=0.34",
+        "transformers>=4.46",
+        "torch>=2.5",
+        'deepspeed>=0.15; extra == "deepspeed"',  # optional: judged only when installed
+        'amdsmi; extra == "amd"',
+        'pytest>=8; extra == "test"',  # the developers' tools: never the user's problem
+        'pywin32>=300; sys_platform == "win32"',  # a platform this is not
+    ]
+    installed = {"diffusers": "0.33.1", "torch": "2.13.0+cpu", "deepspeed": "0.14.0", "pytest": "7.0"}
+    found = {f.message: f for f in software.unmet_requirements(requires, installed.get)}
+    assert set(found) == {
+        "diffusers 0.33.1 does not meet sdplan's requirement diffusers>=0.34",
+        "transformers is not installed",
+        "deepspeed 0.14.0 does not meet sdplan's requirement deepspeed>=0.15",
+    }
+    assert found["diffusers 0.33.1 does not meet sdplan's requirement diffusers>=0.34"] == Finding(
+        "error", "package_unmet", "diffusers 0.33.1 does not meet sdplan's requirement diffusers>=0.34",
+        "pip install -U 'diffusers>=0.34'",
+    )  # fmt: skip
+    assert found["transformers is not installed"].fix == "pip install 'transformers>=4.46'"
+    assert found["deepspeed 0.14.0 does not meet sdplan's requirement deepspeed>=0.15"].severity == "warning"
+    fixed = {**installed, "diffusers": "0.42.1", "transformers": "5.0"}
+    assert [f.code for f in software.unmet_requirements(requires, fixed.get)] == [
+        "package_unmet"
+    ]  # deepspeed
+
+
+def test_this_environment_meets_the_requirements_it_was_installed_with():
+    """The live probe reads sdplan's real metadata: the environment the suite runs in satisfies it."""
+    import importlib.metadata
+
+    assert any(r.startswith("diffusers") for r in importlib.metadata.requires("sdplan"))
+    assert software.requirement_notes() == ()

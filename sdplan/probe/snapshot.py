@@ -92,7 +92,7 @@ def probe(path: str | os.PathLike[str] = ".") -> Snapshot:
         software=software.probe_software(cuda_driver=nv.cuda_driver, rocm=am.rocm),
         env=software.probe_env(),
     )
-    notes = nv.notes + am.notes + host.probe_notes(host_info)
+    notes = nv.notes + am.notes + host.probe_notes(host_info) + software.requirement_notes()
     return replace(snap, findings=notes + findings(snap))
 
 

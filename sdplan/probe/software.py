@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from sdplan.machine import ENV_KEYS, Software
+from sdplan.machine import ENV_KEYS, Finding, Software
 
 # Distribution names (as pip knows them) reported in Software.packages, in display order.
 PACKAGES = (
@@ -57,6 +57,66 @@ def probe_software(*, cuda_driver: str | None = None, rocm: str | None = None) -
         rocm=rocm,
         packages=package_versions(),
     )
+
+
+def requirement_notes() -> tuple[Finding, ...]:
+    """Findings for the installed packages that do not meet sdplan's own requirements (its package metadata,
+    i.e. pyproject.toml): a diffusers or transformers older than the trainer needs fails mid-run with an
+    error that names neither. None when sdplan runs from a source tree without being installed."""
+    try:
+        requires = importlib.metadata.requires("sdplan") or []
+    except importlib.metadata.PackageNotFoundError:
+        return ()
+    return unmet_requirements(requires, dist_version)
+
+
+# Extras whose packages only the developers use: not the user's problem.
+DEV_EXTRAS = ("test",)
+
+
+def unmet_requirements(requires: list[str], version_of) -> tuple[Finding, ...]:
+    """One finding per requirement line (``importlib.metadata.requires`` form) that the versions
+    ``version_of(name)`` gives do not meet. A required package that is missing is an error; an optional one
+    (an extra: deepspeed, bitsandbytes, ...) counts only when it is installed."""
+    from packaging.requirements import InvalidRequirement, Requirement
+    from packaging.version import InvalidVersion, Version
+
+    out: list[Finding] = []
+    for line in requires:
+        try:
+            req = Requirement(line)
+        except InvalidRequirement:
+            continue
+        marker = str(req.marker) if req.marker else ""
+        optional = "extra" in marker
+        if any(f'extra == "{extra}"' in marker for extra in DEV_EXTRAS):
+            continue
+        if req.marker and not optional and not req.marker.evaluate():
+            continue  # e.g. a platform-only requirement
+        have = version_of(req.name)
+        want = f"{req.name}{req.specifier}"
+        if have is None:
+            if not optional:
+                out.append(
+                    Finding(
+                        "error", "package_missing", f"{req.name} is not installed", f"pip install '{want}'"
+                    )
+                )
+            continue
+        try:
+            ok = req.specifier.contains(Version(have), prereleases=True)
+        except InvalidVersion:
+            continue  # a version packaging cannot read: no verdict rather than a wrong one
+        if not ok:
+            out.append(
+                Finding(
+                    "error" if not optional else "warning",
+                    "package_unmet",
+                    f"{req.name} {have} does not meet sdplan's requirement {want}",
+                    f"pip install -U '{want}'",
+                )
+            )
+    return tuple(out)
 
 
 def probe_env(environ: Mapping[str, str] | None = None) -> dict[str, str | None]:
