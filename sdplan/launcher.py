@@ -686,8 +686,19 @@ class Prepared:
     state: str = "new"
 
 
+def check_stack() -> None:
+    """A package older than sdplan needs (or missing) fails mid-run with an error that names neither: say so
+    before anything is written."""
+    from sdplan.probe.software import requirement_notes
+
+    if unmet := [f for f in requirement_notes() if f.severity == "error"]:
+        more = f"; {len(unmet) - 1} more in `sdplan doctor`" if len(unmet) > 1 else ""
+        raise SdplanError(unmet[0].message, fix=unmet[0].fix + more)
+
+
 def prepare(req: TrainRequest, ui: UI) -> Prepared:
     """Everything before the launch: config, --out rule, inputs, device, plan. No model loads here."""
+    check_stack()
     # 1. Where the run lives and which config it starts from.
     config_path = Path(req.config).expanduser() if req.config else None
     if req.resume:

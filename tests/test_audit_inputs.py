@@ -387,3 +387,22 @@ def test_an_error_the_trainer_reports_is_the_only_line_from_sdplan_train(tiny_sd
     result = SimpleNamespace(exit_code=proc.returncode, stdout=proc.stdout, stderr=proc.stderr)
     one_line_error(result, 2, "could not load model", str(model))
     assert not (out / "error.json").exists()  # the trainer's note to sdplan is not left behind
+
+
+# -- sdplan train on a stack older than sdplan needs -----------------------------------------------------
+
+
+@pytest.mark.parametrize("demo", [True, False])
+def test_train_on_a_too_old_package_is_one_line_before_anything_is_written(demo, tmp_path, monkeypatch):
+    """A diffusers below the requirement used to fail only at the trainer's first export, after loading."""
+    from sdplan.machine import Finding
+    from sdplan.probe import software
+
+    old = Finding("error", "package_unmet", "diffusers 0.33.1 does not meet sdplan's requirement diffusers>=0.34",
+                  "pip install -U 'diffusers>=0.34'")  # fmt: skip
+    monkeypatch.setattr(software, "requirement_notes", lambda: (old, old))
+    out = tmp_path / "demo"
+    given = ["--demo"] if demo else ["--model", str(tmp_path / "m"), "--dataset", str(tmp_path / "d")]
+    r = cli("train", *given, "--out", str(out))
+    one_line_error(r, 1, "diffusers 0.33.1", "pip install -U 'diffusers>=0.34'", "1 more in `sdplan doctor`")
+    assert not out.exists()
