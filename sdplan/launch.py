@@ -148,7 +148,13 @@ def deepspeed_config(cfg: TrainConfig) -> dict[str, Any] | None:
         "gradient_accumulation_steps": t.grad_accum,
         "gradient_clipping": t.max_grad_norm,
         "zero_optimization": zero,
-        "fp16": {"enabled": t.precision == "fp16", "loss_scale": 0, "initial_scale_power": 16},
+        # fp16 is a GPU feature: on the CPU (DeepSpeed's CPU accelerator refuses it) the run trains in fp32,
+        # as it does without DeepSpeed
+        "fp16": {
+            "enabled": t.precision == "fp16" and t.device != "cpu",
+            "loss_scale": 0,
+            "initial_scale_power": 16,
+        },
         "bf16": {"enabled": t.precision == "bf16"},
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 100,

@@ -338,6 +338,10 @@ def test_launch_configs():
     assert js["train_batch_size"] == 24 and js["bf16"]["enabled"] and not js["fp16"]["enabled"]
     with pytest.raises(ValueError):
         deepspeed_config(cfg(1, "fp16", ds=True, batch=0))
+    assert deepspeed_config(cfg(1, "fp16", ds=True))["fp16"]["enabled"]
+    on_cpu = cfg(1, "fp16", ds=True)
+    on_cpu.training.device = "cpu"  # DeepSpeed's CPU accelerator refuses fp16: fp32, as without DeepSpeed
+    assert not deepspeed_config(on_cpu)["fp16"]["enabled"]
 
 
 def test_a_one_machine_run_takes_a_free_port_unless_the_user_gave_one():

@@ -50,7 +50,7 @@ def make_accelerator(cfg, out_dir: Path):
     from accelerate import Accelerator
     from accelerate.utils import ProjectConfiguration
 
-    cpu = use_cpu(cfg)
+    cpu = on_cpu = use_cpu(cfg)
     kwargs: dict[str, Any] = {}
     ds = cfg.distributed.deepspeed
     launched_with_ds = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
@@ -86,7 +86,7 @@ def make_accelerator(cfg, out_dir: Path):
         # accelerator (DS_ACCELERATOR=cpu), which the launcher sets.
         cpu = False
     return Accelerator(
-        mixed_precision=mixed_precision_for(cfg, cpu),
+        mixed_precision=mixed_precision_for(cfg, on_cpu),  # DeepSpeed on the CPU: no fp16 either
         gradient_accumulation_steps=cfg.training.grad_accum,
         cpu=cpu,
         rng_types=[],
