@@ -38,7 +38,7 @@ from sdplan.launch import (
 )
 from sdplan.planner import format_duration
 from sdplan.registry import FAMILIES, FULL_METHODS, guess_family
-from sdplan.settings import OFFLOAD, Settings
+from sdplan.settings import OFFLOAD, Settings, get_key
 from sdplan.steps import plan_steps
 
 CONFIG_FILE = "sdplan.yaml"
@@ -1182,17 +1182,11 @@ WEIGHT_SETTINGS = (
 def check_resume_settings(saved: C.TrainConfig, cfg: C.TrainConfig) -> None:
     """--resume with a key=value that changes a setting its checkpoints' weights were made with: one line before
     anything is written (else the run's sdplan.yaml keeps the change and every later --resume fails too)."""
-
-    def get(data: dict[str, Any], key: str) -> Any:
-        for part in key.split("."):
-            data = data.get(part) if isinstance(data, dict) else None
-        return data
-
     old, new = saved.to_dict(), cfg.to_dict()
     for key in WEIGHT_SETTINGS:
-        if get(old, key) != get(new, key):
+        if (was := get_key(old, key)) != (now := get_key(new, key)):
             raise UsageError(
-                f"--resume: {key} is {get(old, key)!r} in the run's sdplan.yaml, {get(new, key)!r} here; its "
+                f"--resume: {key} is {was!r} in the run's sdplan.yaml, {now!r} here; its "
                 "checkpoints were trained with the first",
                 fix=f"drop the {key} setting to continue the run, or start a new one (--force or a new --out)",
             )

@@ -96,7 +96,7 @@ class Settings:
         """From an sdplan.yaml (a validated ``TrainConfig`` or its plain data; absent keys: the defaults).
         ``changes`` replace fields (the model family, when the config leaves it to detection)."""
         data = C.merge(C.default_config(), cfg if isinstance(cfg, dict) else cfg.to_dict())
-        kwargs: dict[str, Any] = {name: _get(data, key) for name, key in CONFIG_KEYS.items()}
+        kwargs: dict[str, Any] = {name: get_key(data, key) for name, key in CONFIG_KEYS.items()}
         ema = data.get("ema") or {}
         kwargs["ema"] = ema.get("device", "cpu") if ema.get("enabled") else None
         kwargs["deepspeed"] = dict(kwargs["deepspeed"]) if kwargs["deepspeed"] else None
@@ -200,7 +200,8 @@ def _put(data: dict[str, Any], key: str, value: Any) -> None:
     data[last] = value
 
 
-def _get(data: dict[str, Any], key: str) -> Any:
+def get_key(data: dict[str, Any], key: str) -> Any:
+    """The value at a dotted sdplan.yaml key (``lora.rank``) of a config dict; None where it is absent."""
     for part in key.split("."):
         data = data.get(part) if isinstance(data, dict) else None
     return data
