@@ -126,10 +126,8 @@ def run_demo(req: Any, ui: Any) -> dict[str, Any]:
 
     from sdplan import runfolder
     from sdplan.errors import UsageError
-    from sdplan.launcher import InputSummary, TrainRequest, check_out_dir, check_stack, clear_run_outputs, run
+    from sdplan.launcher import InputSummary, TrainRequest, check_out_dir, clear_run_outputs, run
     from sdplan.registry import family as lookup_family
-
-    check_stack()  # before the tiny model is built
 
     demo_families = ("sd15", "sdxl", *FLOW_DEMO_FAMILIES)
     family = lookup_family(req.model or "sd15").name  # aliases: flux -> flux-dev, sd35 -> sd35-medium

@@ -698,7 +698,6 @@ def check_stack() -> None:
 
 def prepare(req: TrainRequest, ui: UI) -> Prepared:
     """Everything before the launch: config, --out rule, inputs, device, plan. No model loads here."""
-    check_stack()
     # 1. Where the run lives and which config it starts from.
     config_path = Path(req.config).expanduser() if req.config else None
     if req.resume:

@@ -125,9 +125,10 @@ def train(
     Extra arguments are key=value settings of sdplan.yaml (training.batch_size=8 training.learning_rate=5e-5):
     they win, and the planner plans everything else around them (as `sdplan recommend` does with pins).
     """
-    from sdplan.launcher import UI, TrainRequest
+    from sdplan.launcher import UI, TrainRequest, check_stack
 
     reject_empty(model=model, dataset=dataset, out=out, config=config)
+    check_stack()  # once, before the demo or the run writes anything
 
     interactive = sys.stdin.isatty() and sys.stdout.isatty()
     ui = UI(
