@@ -37,9 +37,9 @@ from sdplan.terminal import HANGUP, detach_from_terminal, hangup_wanted, termina
 
 DEFAULT_PORT = 29500  # accelerate's and torchrun's rendezvous port
 LAUNCHED_ENV = "SDPLAN_LAUNCHED"  # set for a trainer started by `sdplan train`
-# {output.dir}/REPORTED_FILE: such a trainer printed its one-line error (message, exit code there), so `sdplan
-# train` exits with its code and prints no second line
-REPORTED_FILE = "error.json"
+# {output.dir}/REPORTED_FILE (holding that line): such a trainer printed its one-line error, so `sdplan train`
+# exits with its code and prints no second line
+REPORTED_FILE = "error.txt"
 
 TRAINER_MODULE = "sdplan.trainer"
 ACCELERATE_FILE = "accelerate.yaml"

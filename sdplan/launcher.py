@@ -1083,7 +1083,7 @@ def execute(p: Prepared, req: TrainRequest, ui: UI, launch: Launch, lock: Any = 
                 fix=f"continue with `sdplan train --resume --out {shlex.quote(str(out))}`",
             )
         if oom is None:
-            reported = read_json(out / REPORTED_FILE) is not None  # its one line is already on the screen
+            reported = (out / REPORTED_FILE).is_file()  # its one line is already on the screen
             (out / REPORTED_FILE).unlink(missing_ok=True)  # a signal between the two, not an output
             raise TrainFailed(
                 f"the trainer failed (exit code {code}); its error is above", code, reported=reported

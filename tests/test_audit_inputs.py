@@ -386,7 +386,7 @@ def test_an_error_the_trainer_reports_is_the_only_line_from_sdplan_train(tiny_sd
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=scaled(300))
     result = SimpleNamespace(exit_code=proc.returncode, stdout=proc.stdout, stderr=proc.stderr)
     one_line_error(result, 2, "could not load model", str(model))
-    assert not (out / "error.json").exists()  # the trainer's note to sdplan is not left behind
+    assert not (out / "error.txt").exists()  # the trainer's note to sdplan is not left behind
 
 
 # -- sdplan train on a stack older than sdplan needs -----------------------------------------------------

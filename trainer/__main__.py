@@ -30,14 +30,11 @@ def _tell_the_launcher(out_dir, e) -> None:
 
     if not os.environ.get(LAUNCHED_ENV):
         return
-    import json
+    import contextlib
     from pathlib import Path
 
-    try:
-        path = Path(out_dir) / REPORTED_FILE
-        path.write_text(json.dumps({"message": str(e), "exit_code": e.exit_code}) + "\n")
-    except OSError:
-        pass
+    with contextlib.suppress(OSError):
+        (Path(out_dir) / REPORTED_FILE).write_text(f"error: {e}\n")
 
 
 def _quiet_libraries() -> None:
