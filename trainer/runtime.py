@@ -50,7 +50,7 @@ def make_accelerator(cfg, out_dir: Path):
     from accelerate import Accelerator
     from accelerate.utils import ProjectConfiguration
 
-    cpu = on_cpu = use_cpu(cfg)
+    cpu = use_cpu(cfg)
     kwargs: dict[str, Any] = {}
     ds = cfg.distributed.deepspeed
     launched_with_ds = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
@@ -81,14 +81,12 @@ def make_accelerator(cfg, out_dir: Path):
     ]
     if cpu and cfg.training.precision == "fp16" and os.environ.get("RANK", "0") == "0":
         print("training.precision fp16 needs a GPU; training in fp32 on the CPU", flush=True)
-    if ds is not None or launched_with_ds:
-        # accelerate ignores DeepSpeed when cpu=True; on a CPU-only machine DeepSpeed runs on its CPU
-        # accelerator (DS_ACCELERATOR=cpu), which the launcher sets.
-        cpu = False
     return Accelerator(
-        mixed_precision=mixed_precision_for(cfg, on_cpu),  # DeepSpeed on the CPU: no fp16 either
+        mixed_precision=mixed_precision_for(cfg, cpu),  # DeepSpeed on the CPU: no fp16 either
         gradient_accumulation_steps=cfg.training.grad_accum,
-        cpu=cpu,
+        # accelerate ignores DeepSpeed when cpu=True; on a CPU-only machine DeepSpeed runs on its CPU
+        # accelerator (DS_ACCELERATOR=cpu), which the launcher sets
+        cpu=cpu and ds is None and not launched_with_ds,
         rng_types=[],
         step_scheduler_with_optimizer=False,
         project_config=ProjectConfiguration(
