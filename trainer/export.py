@@ -969,28 +969,35 @@ def _tokenizer_for_transformers4(folder: Path) -> None:
     config["added_tokens_decoder"] = decoder
     config.setdefault("tokenizer_class", "CLIPTokenizer")
     config.setdefault("errors", "replace")
+    _special_tokens_for_transformers4(config)
     config_file.write_text(
         json.dumps(config, indent=2, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8"
     )
 
 
-def _special_tokens_for_transformers4(folder: Path) -> None:
+def _special_tokens_for_transformers4(config: dict[str, Any]) -> bool:
     """transformers 5 writes ``tokenizer_config.json``'s ``extra_special_tokens`` as a list of tokens; 4.x
     (v4.57 ``tokenization_utils_base.py``, ``_set_model_specific_special_tokens``) reads it as a dict of named
     tokens and fails on a list ("'list' object has no attribute 'keys'"). Both read the list under
-    ``additional_special_tokens`` (5.x converts it back), so it moves there."""
+    ``additional_special_tokens`` (5.x converts it back), so it moves there. Edits ``config``; whether it did."""
+    if not isinstance(config.get("extra_special_tokens"), list):
+        return False
+    tokens = config.pop("extra_special_tokens")
+    if tokens:
+        config.setdefault("additional_special_tokens", tokens)
+    return True
+
+
+def _t5_tokenizer_for_transformers4(folder: Path) -> None:
+    """A T5 tokenizer's config with the special tokens where 4.x reads them (its tokenizer.json serves both)."""
     config_file = folder / "tokenizer_config.json"
     if not config_file.is_file():
         return
     config = json.loads(config_file.read_text(encoding="utf-8"))
-    if not isinstance(config.get("extra_special_tokens"), list):
-        return
-    tokens = config.pop("extra_special_tokens")
-    if tokens:
-        config.setdefault("additional_special_tokens", tokens)
-    config_file.write_text(
-        json.dumps(config, indent=2, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8"
-    )
+    if _special_tokens_for_transformers4(config):
+        config_file.write_text(
+            json.dumps(config, indent=2, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8"
+        )
 
 
 def folder_for_transformers4(folder: str | Path) -> None:
@@ -1011,9 +1018,8 @@ def folder_for_transformers4(folder: str | Path) -> None:
             _text_encoder_for_transformers4(folder / component)
         elif entry[1] in _CLIP_TOKENIZERS:
             _tokenizer_for_transformers4(folder / component)
-            _special_tokens_for_transformers4(folder / component)
         elif entry[1] in _T5_TOKENIZERS:
-            _special_tokens_for_transformers4(folder / component)
+            _t5_tokenizer_for_transformers4(folder / component)
             if entry[1] == "T5Tokenizer" and (folder / component / "tokenizer.json").is_file():
                 index[component] = ["transformers", "T5TokenizerFast"]
                 renamed = True
