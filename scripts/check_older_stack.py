@@ -32,10 +32,15 @@ import tempfile
 from pathlib import Path
 
 OLDER_STACK = ("transformers==4.57.6", "tokenizers==0.22.2", "huggingface-hub==0.36.2", "diffusers==0.35.2")
-FAMILIES = ("sd15", "sdxl", "sd35", "flux")
-# the runs that write a diffusers folder: DreamBooth (with / without the text encoders), full fine-tune
-FOLDER_RUNS = ("sd15-dreambooth", "sd15-dreambooth-te", "sdxl-dreambooth", "sdxl-dreambooth-te")
-FOLDER_RUNS += ("sd35-finetune", "flux-finetune")
+FAMILIES = ("sd15", "sdxl", "sd35", "flux")  # each one's demo LoRA, base model and dataset come first
+TE = "training.train_text_encoder=true"
+# the other runs, on a family's demo model and dataset: name -> (family, method, extra overrides)
+RUNS = {
+    **{f"{f}-dreambooth": (f, "dreambooth", ()) for f in ("sd15", "sdxl")},
+    **{f"{f}-dreambooth-te": (f, "dreambooth", (TE,)) for f in ("sd15", "sdxl")},
+    **{f"{f}-ti": (f, "textual-inversion", ()) for f in ("sd15", "sdxl")},
+    **{f"{f}-finetune": (f, "finetune", ()) for f in ("sd35", "flux")},
+}
 PROMPT = "a photo of <sks> person"
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -55,7 +60,7 @@ def fingerprint(work: Path) -> dict:
     diffusers.utils.logging.set_verbosity_error()
     transformers.utils.logging.set_verbosity_error()
 
-    def describe(pipe, **call) -> dict:
+    def describe(pipe) -> dict:
         d = {}
         for name, part in pipe.components.items():
             if hasattr(part, "state_dict"):
@@ -65,6 +70,8 @@ def fingerprint(work: Path) -> dict:
             elif name.startswith("tokenizer") and part is not None:
                 d[name] = part(PROMPT).input_ids
         ids = pipe.tokenizer(PROMPT, padding="max_length", truncation=True, return_tensors="pt").input_ids
+        # the flow-matching pipelines (SD3.5 / FLUX.1) at guidance 1: no unconditional pass
+        call = {"guidance_scale": 1.0} if getattr(pipe, "transformer", None) is not None else {}
         with torch.no_grad():
             d["text_encoder_output"] = round(float(pipe.text_encoder(ids)[0].double().sum()), 4)
             image = pipe(
@@ -77,50 +84,38 @@ def fingerprint(work: Path) -> dict:
     def base(family: str):
         return DiffusionPipeline.from_pretrained(work / f"{family}-lora" / "base_model")
 
+    def lora(family: str, file: str | None = None):
+        pipe, folder = base(family), work / f"{family}-lora"
+        pipe.load_lora_weights(folder / file if file else folder)
+        return describe(pipe)
+
+    def embedding(name: str, family: str):
+        pipe, path = base(family), work / name / f"{name}.safetensors"
+        if family == "sd15":
+            pipe.load_textual_inversion(path, token="<sks>")
+        else:  # SDXL: one vector set per encoder (diffusers' documented way)
+            state = load_file(path)
+            pipe.load_textual_inversion(
+                state["clip_l"], token="<sks>", text_encoder=pipe.text_encoder, tokenizer=pipe.tokenizer
+            )
+            pipe.load_textual_inversion(
+                state["clip_g"], token="<sks>", text_encoder=pipe.text_encoder_2, tokenizer=pipe.tokenizer_2
+            )
+        return describe(pipe)
+
     loaders = {}
-    for run in FOLDER_RUNS:
-        loaders[run] = lambda r=run: describe(
-            DiffusionPipeline.from_pretrained(work / r / "model"),
-            **({"guidance_scale": 1.0} if r.startswith(("sd35", "flux")) else {}),
-        )
+    for name, (family, method, _) in RUNS.items():
+        if method == "textual-inversion":
+            loaders[name] = lambda n=name, f=family: embedding(n, f)
+        else:  # a diffusers folder
+            loaders[name] = lambda n=name: describe(DiffusionPipeline.from_pretrained(work / n / "model"))
     for family in FAMILIES:
-
-        def lora(f=family):
-            pipe = base(f)
-            pipe.load_lora_weights(work / f"{f}-lora")
-            return describe(pipe, **({"guidance_scale": 1.0} if f in ("sd35", "flux") else {}))
-
-        loaders[f"{family}-lora"] = lora
-
-        def kohya_lora(f=family):  # the kohya-format file (A1111 / ComfyUI), through diffusers' converter
-            pipe = base(f)
-            pipe.load_lora_weights(work / f"{f}-lora" / f"{f}-lora.kohya.safetensors")
-            return describe(pipe, **({"guidance_scale": 1.0} if f in ("sd35", "flux") else {}))
-
-        # diffusers reads no kohya-format SD3 LoRA, and its kohya FLUX converter hard-codes FLUX.1's widths
-        # (3072 / 12288), which the tiny model lacks (tests/test_sd3_flux.py checks those names structurally)
+        loaders[f"{family}-lora"] = lambda f=family: lora(f)
+        # the kohya-format file (A1111 / ComfyUI) through diffusers' converter; diffusers reads no kohya-format
+        # SD3 LoRA, and its kohya FLUX converter hard-codes FLUX.1's widths (3072 / 12288), which the tiny model
+        # lacks (tests/test_sd3_flux.py checks those names structurally)
         if family in ("sd15", "sdxl"):
-            loaders[f"{family}-lora-kohya"] = kohya_lora
-    for family in ("sd15", "sdxl"):
-
-        def embedding(f=family):
-            pipe, path = base(f), work / f"{f}-ti" / f"{f}-ti.safetensors"
-            if f == "sd15":
-                pipe.load_textual_inversion(path, token="<sks>")
-            else:  # SDXL: one vector set per encoder (diffusers' documented way)
-                state = load_file(path)
-                pipe.load_textual_inversion(
-                    state["clip_l"], token="<sks>", text_encoder=pipe.text_encoder, tokenizer=pipe.tokenizer
-                )
-                pipe.load_textual_inversion(
-                    state["clip_g"],
-                    token="<sks>",
-                    text_encoder=pipe.text_encoder_2,
-                    tokenizer=pipe.tokenizer_2,
-                )
-            return describe(pipe)
-
-        loaders[f"{family}-ti"] = embedding
+            loaders[f"{family}-lora-kohya"] = lambda f=family: lora(f, f"{f}-lora.kohya.safetensors")
     out = {"versions": {"transformers": transformers.__version__, "diffusers": diffusers.__version__}}
     for name, load in loaders.items():
         try:
@@ -140,21 +135,13 @@ def train_outputs(work: Path, python: Path) -> None:
 
     for family in FAMILIES:
         run("train", "--demo", "--model", family, "--out", str(work / f"{family}-lora"), "--force")
-    for family in ("sd15", "sdxl"):
+    for name, (family, method, extra) in RUNS.items():
         demo = work / f"{family}-lora"
-        common = ["--device", "cpu", "--model", str(demo / "base_model"), "--dataset", str(demo / "dataset")]
-        common += ["--yes", "training.max_steps=2"]
-        run("train", "--method", "dreambooth", "--out", str(work / f"{family}-dreambooth"), *common)
         run(
-            "train", "--method", "dreambooth", "--out", str(work / f"{family}-dreambooth-te"), *common,
-            "training.train_text_encoder=true",
+            "train", "--method", method, "--out", str(work / name), "--device", "cpu",
+            "--model", str(demo / "base_model"), "--dataset", str(demo / "dataset"),
+            "--yes", "training.max_steps=2", *extra,
         )  # fmt: skip
-        run("train", "--method", "textual-inversion", "--out", str(work / f"{family}-ti"), *common)
-    for family in ("sd35", "flux"):
-        demo = work / f"{family}-lora"
-        common = ["--device", "cpu", "--model", str(demo / "base_model"), "--dataset", str(demo / "dataset")]
-        common += ["--yes", "training.max_steps=2"]
-        run("train", "--method", "finetune", "--out", str(work / f"{family}-finetune"), *common)
 
 
 def older_python(venv: Path, stack: list[str]) -> Path:
