@@ -490,19 +490,32 @@ def _bnb_available() -> bool:
     return importlib.util.find_spec("bitsandbytes") is not None
 
 
-def _same_gpu(profiles_: Any, a: str | None, b: str | None) -> bool:
-    """Two GPU names are the same GPU: the same catalog entry, or (outside the catalog) the same name."""
+def _measured_on(profiles_: Any, point: Any, gpu_name: str | None, gpu_memory_bytes: int | None) -> bool:
+    """The point was measured on this GPU: the same catalog entry (the memory settles a name several boards
+    share), or outside the catalog the same name and memory."""
     from sdplan.profiles import normalise_gpu_name
 
-    if not a or not b:
+    if not point.gpu or not gpu_name:
         return False
-    sa, sb = profiles_.gpu_or_none(a), profiles_.gpu_or_none(b)
-    if sa is not None and sb is not None:
-        return sa.name == sb.name
-    return normalise_gpu_name(a) == normalise_gpu_name(b)
+    here, there = profiles_.gpu_or_none(gpu_name, gpu_memory_bytes), profiles_.point_gpu(point)
+    if here is not None or there is not None:
+        return here is not None and there is not None and here.name == there.name
+    same_memory = (
+        point.gpu_memory_gib is None
+        or gpu_memory_bytes is None
+        or abs(point.gpu_memory_gib * GiB - gpu_memory_bytes) <= 0.05 * gpu_memory_bytes
+    )
+    return normalise_gpu_name(point.gpu) == normalise_gpu_name(gpu_name) and same_memory
 
 
-def measured_here(profiles_: Any, gpu_name: str, method: str, model: str, resolution: int) -> list[Any]:
+def measured_here(
+    profiles_: Any,
+    gpu_name: str,
+    method: str,
+    model: str,
+    resolution: int,
+    gpu_memory_bytes: int | None = None,
+) -> list[Any]:
     """Points measured on this GPU (by `sdplan bench`, here or shipped) for a method, model and resolution."""
     return [
         p
@@ -513,7 +526,7 @@ def measured_here(profiles_: Any, gpu_name: str, method: str, model: str, resolu
         and p.num_gpus == 1
         and (p.origin == "local" or p.source.startswith(MEASURED_PREFIX))
         and (p.outcome.get("peak_vram_gib") is not None or p.outcome.get("fits") is False)
-        and _same_gpu(profiles_, p.gpu, gpu_name)
+        and _measured_on(profiles_, p, gpu_name, gpu_memory_bytes)
     ]
 
 
@@ -680,6 +693,7 @@ def select_requests(
     if snapshot.usable_gpus and gpu_name:  # plan for the GPU the bench runs on, alone
         gpu = next((g for g in snapshot.usable_gpus if g.name == gpu_name), snapshot.usable_gpus[0])
         snapshot = replace(snapshot, gpus=(gpu,), links=())
+    gpu_memory_bytes = next((g.memory_total_bytes for g in snapshot.usable_gpus if g.name == gpu_name), None)
     explicit = bool(methods or models)
     requests, skipped = [], []
     for family in models or list(DEFAULT_FAMILIES):
@@ -692,7 +706,7 @@ def select_requests(
             continue
         for method in methods or list(METHODS):
             if not explicit and gpu_name:
-                have = measured_here(profiles_, gpu_name, method, family, res)
+                have = measured_here(profiles_, gpu_name, method, family, res, gpu_memory_bytes)
                 if have:
                     skipped.append(
                         f"{method} {family} {res}px: {len(have)} point(s) measured on {gpu_name} already"

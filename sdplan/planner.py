@@ -744,7 +744,7 @@ def calibrate(profiles: Profiles) -> Calibration:
     speeds = []
     for p in profiles.points:
         it_s = p.outcome.get("it_s")
-        spec = profiles.gpu_or_none(p.gpu)
+        spec = profiles.point_gpu(p)
         # the transformer families' speeds have their own efficiency (_flow_efficiency_points)
         if it_s and spec is not None and p.num_gpus == 1 and not flow_family(p.model):
             s = setup_from_point(p)
@@ -999,7 +999,7 @@ def _matching_point(profiles: Profiles, s: Settings, gpu: HWGPU) -> MethodPoint 
     for p in profiles.points:
         if not p.outcome.get("it_s") or p.num_gpus != 1 or p.method != s.method or p.model != s.model:
             continue
-        spec = profiles.gpu_or_none(p.gpu)
+        spec = profiles.point_gpu(p)
         if spec is None or gpu.spec is None or spec.name != gpu.spec.name:
             continue
         o = p.options
@@ -1031,7 +1031,7 @@ def _observed_oom(profiles: Profiles, s: Settings, gpu: HWGPU) -> MethodPoint | 
             or p.model != s.model
         ):
             continue
-        spec = profiles.gpu_or_none(p.gpu)
+        spec = profiles.point_gpu(p)
         if spec is None or spec.name != gpu.spec.name:
             continue
         o = p.options
@@ -2094,7 +2094,7 @@ def _flow_efficiency_points(profiles: Profiles) -> list[tuple[str, float]]:
     out = []
     for p in profiles.points:
         it_s = p.outcome.get("it_s")
-        spec = profiles.gpu_or_none(p.gpu)
+        spec = profiles.point_gpu(p)
         if not it_s or spec is None or p.num_gpus != 1 or not flow_family(p.model):
             continue
         ideal = step_flops_flow(profiles, p.settings) / (spec.matmul_tflops(p.settings.precision) * 1e12)

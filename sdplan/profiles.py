@@ -655,6 +655,12 @@ class Profiles:
         except UsageError:
             return None
 
+    def point_gpu(self, point: MethodPoint) -> GPUSpec | None:
+        """The catalog GPU a point was measured on: its recorded memory settles a name several boards share
+        (a probed "NVIDIA GeForce RTX 3080" is the 10 GB or the 12 GB card)."""
+        memory = int(point.gpu_memory_gib * GiB) if point.gpu_memory_gib else None
+        return self.gpu_or_none(point.gpu, memory)
+
 
 # -- GPU name matching -----------------------------------------------------------------------------------
 #

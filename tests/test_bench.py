@@ -488,3 +488,22 @@ def test_a_bench_oom_point_rules_that_configuration_out(tmp_path, monkeypatch):
         chosen.cache_latents,
     )
     assert not same  # out of memory at batch 1 with those settings: the planner picks other settings
+
+
+def test_a_point_of_the_other_board_of_a_shared_name_does_not_count_for_this_one(tmp_path, monkeypatch):
+    """The RTX 3060 8GB and 12GB report one NVML name: the recorded memory keeps their measurements apart, in
+    what the bench skips and in the planner's measured basis."""
+    from sdplan import planner
+
+    root = fresh_profile_store(monkeypatch, tmp_path)
+    snap = Snapshot.load(MACHINES / "rtx3060_12gb.json")
+    (req,) = bench.select_requests(["lora"], ["sd15"], store_dir=root, snapshot=snap).requests
+    gpu = snap.gpus[0]
+    bench.write_points(root, "lora", _gpu_bench_points(req, gpu.name, 8 * 2**30, batches=(1,)))
+    learned = profiles.load_profiles(local=root)
+    assert {learned.point_gpu(p).name for p in learned.points if p.origin == "local"} == {"RTX 3060 8GB"}
+    assert ("lora", "sd15") in {
+        (r.method, r.model) for r in bench.select_requests(store_dir=root, snapshot=snap).requests
+    }
+    result = planner.plan(snap, learned, planner.Request(method="lora", model="sd15"))
+    assert result.feasible and result.basis != "measured"

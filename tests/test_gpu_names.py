@@ -188,6 +188,7 @@ def test_form_factors_are_planned_with_the_assumption_stated(prof):
         ("H100 80GB", "H100 PCIe, H100 SXM"),
         ("A100", "A100 PCIe 40GB, A100 PCIe 80GB, A100 SXM 40GB, A100 SXM 80GB"),
         ("RTX 3080", "RTX 3080 10GB, RTX 3080 12GB"),
+        ("RTX 3060", "RTX 3060 12GB, RTX 3060 8GB"),
         ("P100", "P100 PCIe 12GB, P100 PCIe 16GB, P100 SXM2 16GB"),
     ],
 )
@@ -207,10 +208,18 @@ def test_several_gpus_need_the_link_named(prof):
 
 
 def test_a_probed_memory_the_catalog_does_not_know_is_no_match(prof):
-    """An RTX 3060 8GB reports the 12 GB card's NVML name: it must not be planned as the 12 GB card."""
-    assert prof.gpu_or_none("NVIDIA GeForce RTX 3060", 8 * GiB) is None
-    with pytest.raises(UsageError, match="8.0 GiB is not in the catalog"):
-        match_gpu(prof.gpus, "NVIDIA GeForce RTX 3060", 8 * GiB)
+    """The 2024 RTX 3050 6GB reports the 8 GB card's NVML name: it must not be planned as the 8 GB card."""
+    assert prof.gpu_or_none("NVIDIA GeForce RTX 3050", 6 * GiB) is None
+    with pytest.raises(UsageError, match="6.0 GiB is not in the catalog"):
+        match_gpu(prof.gpus, "NVIDIA GeForce RTX 3050", 6 * GiB)
+
+
+def test_both_rtx_3060_boards_are_matched_by_their_probed_memory(prof):
+    """The 8 GB and 12 GB RTX 3060 share the NVML name; the probed memory picks the board (and its bandwidth)."""
+    small = prof.gpu_or_none("NVIDIA GeForce RTX 3060", int(7.8 * GiB))
+    large = prof.gpu_or_none("NVIDIA GeForce RTX 3060", int(11.8 * GiB))
+    assert (small.name, small.memory_bandwidth_gbs) == ("RTX 3060 8GB", 240)
+    assert (large.name, large.memory_bandwidth_gbs) == ("RTX 3060 12GB", 360)
 
 
 def _with_gpu(name: str, memory_gib: float) -> Snapshot:

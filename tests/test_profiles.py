@@ -82,7 +82,7 @@ def test_broken_yaml_names_the_line(tmp_path):
         ("RTX 4090", "RTX 4090"),
         ("NVIDIA GeForce RTX 4090", "RTX 4090"),
         ("H100 SXM", "H100 SXM"),
-        ("NVIDIA GeForce RTX 3060", "RTX 3060 12GB"),
+        ("NVIDIA GeForce RTX 3060 Ti", "RTX 3060 Ti"),
         ("rtx 3060 12gb", "RTX 3060 12GB"),
         ("Tesla T4", "T4"),
     ],
