@@ -46,7 +46,7 @@ def bench_points(profiles) -> list:
         and p.source.startswith(MEASURED_PREFIX)
         and not p.source.startswith(f"{MEASURED_PREFIX} --demo")
         and OOM_HOOK_ENV not in p.source
-        and profiles.gpu_or_none(p.gpu) is not None
+        and profiles.point_gpu(p) is not None
     ]
 
 
@@ -57,7 +57,7 @@ def rows(store: Path) -> list[dict]:
     cal_before = P.calibrate(shipped_only)
     out = []
     for p in mine:
-        spec = with_store.gpu_or_none(p.gpu)
+        spec = with_store.point_gpu(p)
         s = P.setup_from_point(p)
         mem = P.memory(with_store, s)
         allocated = mem.peak - mem.overhead

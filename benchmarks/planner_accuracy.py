@@ -387,7 +387,7 @@ def source_key(source: str) -> str:
 def profile_points(prof: Profiles) -> list[Point]:
     out = []
     for p in prof.points:
-        o, spec = p.options, prof.gpu_or_none(p.gpu)
+        o, spec = p.options, prof.point_gpu(p)
         claims = []
         if p.outcome.get("max_vram_gib"):
             claims.append((float(p.outcome["max_vram_gib"]), True))
