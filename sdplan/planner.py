@@ -1213,6 +1213,8 @@ def _evaluate(req: Request, profiles: Profiles, hw: Hardware, cal: Calibration, 
     fits = mem.peak <= HEADROOM * vram
     if s.offload and hw.ram_total_bytes:
         fits = fits and mem.ram <= 0.9 * hw.ram_total_bytes
+    if s.blocks_to_swap and hw.ram_total_bytes:  # the swapped blocks are pinned: they cannot be paged out
+        fits = fits and pinned_ram_bytes(profiles, s) <= 0.9 * hw.ram_total_bytes
     if fits and _observed_oom(profiles, s, gpu) is not None:
         fits = False
     unc = profiles.uncertainty
@@ -1684,6 +1686,11 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
         + f"; the range is measured / predicted x{unc.peak_vram[0]:g}-{unc.peak_vram[1]:g} on the validation "
         f"set (n={unc.n_peak_vram})"
     )
+    if hw.ram_total_bytes and m.ram > hw.ram_total_bytes:
+        r.append(
+            f"warning: host RAM: loading the models for this plan takes ~{_gib(m.ram)} and this machine has "
+            f"{_gib(hw.ram_total_bytes)}: loading may swap heavily or be killed by the OS; add RAM or swap space"
+        )
     if not final_grid_fits(m, vram):
         r.append(
             f"the final sample grid needs {_gib(m.sampling_peak)} (the VAE and text encoders back on the GPU beside "
@@ -2053,7 +2060,9 @@ def memory_flow(profiles: Profiles, s: Settings) -> Memory:
     # host RAM: the components load in bf16 (quantizing on the GPU would first put the bf16 base there:
     # SimpleTuner#1149; the trainer / kohya quantize on the CPU)
     ram = RAM_PER_PROCESS + 2.0 * (model.denoiser_params + model.text_encoder_params + model.params_vae)
-    ram += swapped  # the swapped blocks' pinned host copies
+    # the swapped blocks' pinned host copies are made from the loaded weights, which are then freed: the
+    # peak is the larger of the two phases, not their sum
+    ram = max(ram, RAM_PER_PROCESS + swapped)
     return Memory(
         trainable_params=t,
         weights=weights,
@@ -2147,6 +2156,12 @@ def swapped_block_bytes(model: ModelSpec, s: Settings) -> float:
         layers = int((model.transformer or {})["num_layers"])
         elements = n * sum(c * i * o for _, i, o, c in linears) / layers
     return elements * BASE_PRECISION_BYTES[s.base_precision]
+
+
+def pinned_ram_bytes(profiles: Profiles, s: Settings) -> float:
+    """Host RAM a block-swap run holds for the whole run, all processes: each process's baseline and its
+    swapped blocks' pinned (page-locked) copies, which the OS cannot page out."""
+    return (RAM_PER_PROCESS + swapped_block_bytes(profiles.model(s.model), s)) * s.num_gpus
 
 
 def swap_seconds(profiles: Profiles, s: Settings, spec: GPUSpec | None) -> float:

@@ -16,6 +16,7 @@ from conftest import make_images
 from sdplan import planner as P
 from sdplan import registry
 from sdplan.errors import UsageError
+from sdplan.machine import Snapshot
 from sdplan.profiles import load_profiles
 from sdplan.settings import Settings
 
@@ -112,7 +113,10 @@ def test_block_swap_moves_the_swapped_blocks_to_host_ram(prof):
         moved == 8 * 36 * d * d + 16 * 15 * d * d
     )  # 8 double blocks (36 d^2 each) + 16 single (15 d^2), 1 byte
     a, b = P.memory(prof, base), P.memory(prof, swapped)
-    assert a.frozen - b.frozen == pytest.approx(moved) and b.ram - a.ram == pytest.approx(moved)
+    assert a.frozen - b.frozen == pytest.approx(moved)
+    # the pinned copies are made from the loaded weights, which are then freed: the larger phase, not the sum
+    assert b.ram == pytest.approx(max(a.ram, P.RAM_PER_PROCESS + moved))
+    assert P.pinned_ram_bytes(prof, swapped) == pytest.approx(P.RAM_PER_PROCESS + moved)
     spec = prof.find_gpu("RTX 3060 12GB")
     cal = P.calibrate(prof)
     assert P.step_seconds(prof, swapped, spec, cal) > P.step_seconds(prof, base, spec, cal)
@@ -249,3 +253,23 @@ def test_registry_plans_lora_only_for_the_transformer_families():
         f = registry.family(fam)
         assert f.planned and f.plans("lora") and not f.plans("textual-inversion")
     assert registry.family("sdxl").plans("textual-inversion")
+
+
+def test_swapped_blocks_must_fit_the_probed_host_ram(prof):
+    """Block swap pins the swapped blocks in host RAM (the OS cannot page them out): on a probed machine with
+    16 GB of RAM, a plan never pins more than 90% of it, and a plan whose model loading needs more RAM than the
+    machine has says so."""
+    snap = Snapshot.load(MACHINES / "rtx3060_12gb.json")
+    ram = snap.host.ram_total_bytes
+    res = P.plan(snap, prof, P.Request(method="lora", model="flux-dev"))
+    assert res.feasible
+    assert P.pinned_ram_bytes(prof, res.plan) <= 0.9 * ram
+    assert any(r.startswith("warning: host RAM") for r in res.reasons)
+    # the same card from the catalog (RAM unknown) may pin more: the constraint comes from the probed RAM
+    free = P.plan(
+        P.hardware_from_catalog(prof.find_gpu("RTX 3060 12GB")),
+        prof,
+        P.Request(method="lora", model="flux-dev"),
+    )
+    assert P.pinned_ram_bytes(prof, free.plan) > 0.9 * ram
+    assert not any(r.startswith("warning: host RAM") for r in free.reasons)
