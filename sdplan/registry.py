@@ -69,7 +69,7 @@ OPTIMIZERS = ("adamw", "adamw8bit", "adafactor")  # what the trainer runs and th
 # never chosen by the search, since they change the training dynamics: sdplan.planner.OPTIMIZER_STATE
 MODELLED_OPTIMIZERS = (*OPTIMIZERS, "prodigy", "dadaptation", "lion", "lion8bit")
 PRECISIONS = ("fp32", "fp16", "bf16")
-FLOW_METHODS = ("lora", "dreambooth", "finetune")  # what the SD3.5 / FLUX.1 families train (trainer/flow.py)
+FLOW_METHODS = ("lora", "finetune", "dreambooth")  # what the SD3.5 / FLUX.1 families train (trainer/flow.py)
 # storage of a frozen transformer base's Linear weights (LoRA on SD3.5 / FLUX.1): bf16, float8 (e4m3, per-tensor
 # scale) or bitsandbytes 4-bit NormalFloat; bytes and hardware rules in sdplan.planner.BASE_PRECISION_BYTES
 BASE_PRECISIONS = ("bf16", "fp8", "nf4")
