@@ -352,7 +352,7 @@ def ti_frozen_half_copies_bytes(model: ModelSpec) -> float:
 
 def trainable_params(model: ModelSpec, s: Settings, profiles: Profiles | None = None) -> int:
     if flow_family(s.model):
-        return flow_lora_params(model, s)
+        return flow_trainable_params(model, s)
     if s.method == "lora":
         if profiles is not None:
             return lora_params(profiles, s)
@@ -1090,9 +1090,12 @@ def settings_space(
     )
     halves = (False, True) if (full and precision == "bf16") else (False,)
     flow = flow_family(req.model)
-    # transformer families: the frozen base's storage (nf4: bitsandbytes, NVIDIA only) is a dimension
+    # transformer families' LoRA: the frozen base's storage (nf4: bitsandbytes, NVIDIA only) is a dimension; the
+    # full methods train the base's own weights (pin_conflicts refuses a quantized base pinned for them)
     bases = (
-        axis("base_precision", ("bf16", "fp8", "nf4") if nvidia else ("bf16", "fp8")) if flow else ("bf16",)
+        axis("base_precision", ("bf16", "fp8", "nf4") if nvidia else ("bf16", "fp8"))
+        if (flow and lora)
+        else ("bf16",)
     )
     swaps = (
         axis(
@@ -1409,8 +1412,23 @@ def pin_conflicts(req: Request, hw: Hardware) -> list[str]:
             f"model.base_precision={base}: a quantized frozen base is planned for the transformer families "
             f"({', '.join(registry.FLOW_FAMILIES)}) only (use model.base_precision=bf16)"
         )
+    elif base is not None and base != "bf16" and req.method != "lora":
+        out.append(
+            f"model.base_precision={base}: only LoRA trains over a quantized frozen base; {req.method} trains the "
+            "base's own weights (use model.base_precision=bf16)"
+        )
     elif base is not None and (why := base_precision_allowed(base, gpu)):
         out.append(f"model.base_precision={base}: {why} (use model.base_precision=fp8 or bf16)")
+    if req.pin("train_text_encoder") and flow_family(req.model):
+        out.append(
+            f"training.train_text_encoder=true: not supported for {req.model} (the transformer trains; the CLIP/T5 "
+            "encoders stay frozen in the bundled trainer) (use training.train_text_encoder=false)"
+        )
+    if req.pin("blocks_to_swap") and req.method != "lora":
+        out.append(
+            f"memory.blocks_to_swap={req.pin('blocks_to_swap')}: the bundled trainer swaps blocks for LoRA only "
+            "(use memory.blocks_to_swap=0)"
+        )
     if req.pin("optimizer") == "adamw8bit" and gpu.vendor != "nvidia":
         out.append(
             "memory.optimizer=adamw8bit: bitsandbytes runs on NVIDIA GPUs only (use adamw or adafactor)"
@@ -1514,6 +1532,8 @@ def plan(hardware: Hardware | Any, profiles: Profiles, request: Request) -> Resu
         relax = _relaxations(req, profiles, hardware, cal, resolution)
         if relax:
             reasons.append("fits when changed: " + "; or ".join(relax))
+        if flow_family(req.model) and req.method in FULL_METHODS:
+            reasons.append(FLOW_FULL_NOT_IN_TRAINER)
         return _infeasible(
             req, hardware, reasons, one_steps, memory=leanest.memory, need=need, profiles=profiles
         )
@@ -1889,14 +1909,25 @@ def _jsonable(v: Any) -> Any:
     return list(v) if isinstance(v, tuple) else v
 
 
-# -- the transformer families (SD3.5, FLUX.1): LoRA over a frozen, possibly quantized base ----------------
+# -- the transformer families (SD3.5, FLUX.1): LoRA over a frozen base, or the whole transformer ----------
 #
-# Issue 14. The frozen transformer's Linear weights are stored at the plan's base precision (the rest of the
-# base: biases, norms, embeddings, in bf16); LoRA matrices train in fp32 with bf16 autocast; the text encoders
+# Issue 14 (LoRA). The frozen transformer's Linear weights are stored at the plan's base precision (the rest of
+# the base: biases, norms, embeddings, in bf16); LoRA matrices train in fp32 with bf16 autocast; the text encoders
 # (CLIP-L, CLIP-G, T5-XXL) stay resident in bf16 unless their outputs are cached (then they leave the GPU:
 # kohya --cache_text_encoder_outputs, diffusers' --cache_latents/embedding precompute); activations are the
 # transformer's saved tensors with only the LoRA targets trained (profiles/activations.yaml, computed on meta),
 # with block-level gradient checkpointing (every transformer block a segment) or without.
+#
+# Full fine-tune and DreamBooth (trainer/recipes/finetune.py, dreambooth.py over trainer/flow.py) train every
+# transformer weight, as the UNet families' full methods do (memory()): fp32 master weights under bf16 autocast
+# (runtime.trained_dtype), or bf16 weights and gradients with training.full_half_weights (kohya --full_bf16);
+# the optimizer state per optimizer (OPTIMIZER_STATE, Adafactor's factored moment of the real shapes); autocast's
+# cached bf16 copies of fp32 weights; the optional EMA; DeepSpeed ZeRO-2 with optimizer offload; the activations
+# with the whole transformer trained (the "full" entries of activations.yaml). DreamBooth's prior preservation
+# puts the class images in the same call (batch doubled). What the trainer runs for these methods, and so all
+# the planner chooses: no quantized base (quantize.support_problem: "only LoRA trains over a quantized frozen
+# base") and no block swap (blockswap.support_problem: "the bundled trainer swaps blocks for LoRA only"), the text
+# encoders frozen (flow.FlowAdapter.check refuses train_text_encoder).
 
 # Bytes per stored element of a quantized frozen Linear weight.
 # - fp8: torch.float8_e4m3fn, 1 byte; kohya --fp8_base and diffusers' layerwise upcasting store the weight and
@@ -2017,59 +2048,109 @@ def frozen_text_encoder_bytes(model: ModelSpec, base_precision: str) -> float:
     return model.text_encoder_params * 1.0 + embeddings * 1.0
 
 
+# Why a card that kohya fits can be too small here: kohya-ss/sd-scripts README (sd3 branch), "FLUX.1 fine-tuning":
+# "Sample command for FLUX.1 fine-tuning is below. This will work with 24GB VRAM GPUs" with "--fused_backward_pass
+# --blocks_to_swap 8 --full_bf16" and Adafactor; "--blocks_to_swap ... must be combined with --fused_backward_pass or
+# --blockwise_fused_optimizers". The bundled trainer has neither for the full methods.
+FLOW_FULL_NOT_IN_TRAINER = (
+    "kohya's flux_train.py / sd3_train.py fit smaller cards with a fused backward pass (the optimizer step inside "
+    "the backward, no gradients held) and block swap for full fine-tuning; the bundled trainer has neither for "
+    "the full methods (block swap is LoRA-only here): use LoRA, a larger GPU, or kohya's scripts"
+)
+
+
+def flow_trainable_params(model: ModelSpec, s: Settings) -> int:
+    """What trains on a transformer family: every transformer weight (full fine-tune, DreamBooth) or the LoRA
+    matrices (:func:`flow_lora_params`)."""
+    return model.denoiser_params if s.method in FULL_METHODS else flow_lora_params(model, s)
+
+
+def flow_batch(s: Settings) -> int:
+    """Samples per transformer call: DreamBooth's prior preservation adds as many class images to the same call
+    (trainer/recipes/dreambooth.py loss), as in the UNet families. The LoRA recipe has no prior term."""
+    return s.batch * (2 if (s.prior_preservation and s.method in FULL_METHODS) else 1)
+
+
 def memory_flow(profiles: Profiles, s: Settings) -> Memory:
-    """Peak bytes of a LoRA on SD3.5 / FLUX.1 (see the section comment)."""
+    """Peak bytes of training SD3.5 / FLUX.1: a LoRA over a frozen base, or the whole transformer (see the
+    section comment). The two share everything but what is frozen and what trains."""
     model = profiles.model(s.model)
     act = profiles.activations
-    t = flow_lora_params(model, s)
-    batch = s.batch
+    full = s.method in FULL_METHODS
+    t = flow_trainable_params(model, s)
+    batch = flow_batch(s)
     latent = (s.resolution // model.vae_scale_factor) ** 2
+    # the trained weights, their gradients and the optimizer state: fp32 (LoRA; full fine-tune's master weights
+    # under autocast), or bf16 with training.full_half_weights (runtime.trained_dtype)
+    tb = 2.0 if (full and s.full_half_weights and _half(s.precision)) else 4.0
 
     swapped = swapped_block_bytes(model, s)
-    frozen = base_weight_bytes(model, s.base_precision) - swapped  # swapped blocks live in host RAM
+    frozen = 0.0 if full else base_weight_bytes(model, s.base_precision) - swapped  # swapped: in host RAM
+    if full:  # the transformer's persistent buffers (SD3's positional table) stay beside its trained weights
+        frozen += model.buffers_transformer * tb
     if not s.cache_text_encoder_outputs:
         frozen += frozen_text_encoder_bytes(model, s.base_precision)  # resident, used every step
     if not s.cache_latents:
         frozen += model.params_vae * 2.0
-    weights = t * 4.0  # fp32 LoRA matrices
-    grads = 0.0 if s.fused_backward else t * 4.0
+    weights = t * tb
+    grads = 0.0 if s.fused_backward else t * tb
     if s.optimizer in OPTIMIZER_STATE:
         copies, fixed = OPTIMIZER_STATE[s.optimizer]
-        opt = t * (copies * 4.0 + fixed)
+        opt = t * (copies * tb + fixed)
+    elif full:  # adafactor: the factored second moment of the transformer's real shapes, in fp32 whatever the
+        # weights' dtype (transformers' Adafactor.step upcasts a bf16 gradient to fp32 before making its state)
+        opt = float(act.adafactor_bytes(s.model))
     else:  # adafactor: factored second moment of each LoRA matrix (A: rank x in, B: out x rank)
         r = int(s.lora_rank)
         opt = 4.0 * sum(c * (2 * r + i + o) for _, i, o, c in _lora_linears(model, s))
+    ema = model.denoiser_params * 4.0 if (full and s.ema == "gpu") else 0.0  # an fp32 copy, as memory()
     held, recompute = act.transformer(
-        s.model, gc=s.gradient_checkpointing, batch=batch, latent_pixels=latent, trained="lora"
+        s.model,
+        gc=s.gradient_checkpointing,
+        batch=batch,
+        latent_pixels=latent,
+        trained="full" if full else "lora",
     )
     activations = ACTIVATION_FACTOR * (held + recompute)
     recompute_tail = ACTIVATION_FACTOR * recompute
-    step = t * 4.0 if s.optimizer in FOREACH_OPTIMIZERS else 0.0
-    # autocast's cached bf16 copies of the fp32 LoRA matrices (see memory()), held until the forward ends
-    autocast = t * 2.0 if _half(s.precision) else 0.0
-    allocated = step_allocated_bytes(
-        s,
-        resident=weights + frozen + opt,
-        grads=grads,
-        buckets=0.0,
-        forward=activations + autocast,
-        step=step,
-        recompute_tail=recompute_tail,
-    )
-    overhead = CUDA_CONTEXT_BYTES + ALLOCATOR_OVERHEAD * allocated
+    # torch's foreach AdamW: one step-sized temporary per parameter, in the parameter's dtype
+    step = t * tb if (s.optimizer in FOREACH_OPTIMIZERS and not s.fused_backward) else 0.0
+    # autocast's cached bf16 copies of the fp32 trained weights (see memory()), held until the forward ends
+    autocast = t * 2.0 if (_half(s.precision) and tb == 4.0) else 0.0
     # host RAM: the components load in bf16 (quantizing on the GPU would first put the bf16 base there:
     # SimpleTuner#1149; the trainer / kohya quantize on the CPU)
     ram = RAM_PER_PROCESS + 2.0 * (model.denoiser_params + model.text_encoder_params + model.params_vae)
     # the swapped blocks' pinned host copies are made from the loaded weights, which are then freed: the
     # peak is the larger of the two phases, not their sum
     ram = max(ram, RAM_PER_PROCESS + swapped)
+    buckets = 0.0
+    if full and s.offload:  # DeepSpeed ZeRO-2 + optimizer offload, as memory(): bf16 weights and the buckets
+        g = s.num_gpus
+        ram = max(ram, RAM_PER_PROCESS + t * max(4 * g, 16) * 1.5 / g)  # DeepSpeed's estimator, per process
+        weights, opt, step, autocast = t * 2.0, 0.0, 0.0, 0.0
+        grads = 2 * DEEPSPEED_BUCKET_ELEMENTS * 2.0  # reduce + allgather buckets
+    elif full and s.num_gpus > 1:  # DDP's reducer buckets: a second copy of the gradients (memory())
+        buckets = grads
+        grads += buckets
+    if full and s.ema == "cpu":
+        ram += model.denoiser_params * 4.0
+    allocated = step_allocated_bytes(
+        s,
+        resident=weights + frozen + opt + ema,
+        grads=grads,
+        buckets=buckets,
+        forward=activations + autocast,
+        step=step,
+        recompute_tail=recompute_tail,
+    )
+    overhead = CUDA_CONTEXT_BYTES + ALLOCATOR_OVERHEAD * allocated
     return Memory(
         trainable_params=t,
         weights=weights,
         frozen=frozen,
         gradients=grads,
         optimizer=opt,
-        ema=0.0,
+        ema=ema,
         autocast_copies=autocast,
         activations=activations,
         step_transient=step,
@@ -2080,21 +2161,24 @@ def memory_flow(profiles: Profiles, s: Settings) -> Memory:
 
 
 def step_flops_flow(profiles: Profiles, s: Settings) -> float:
-    """FLOPs of one LoRA micro-step on a transformer family, counted on meta (activations.yaml: the training
-    step's forward + input-gradient backward, + the recomputed forward with checkpointing), the dequantisation
-    cost of a quantized base as a factor, and the VAE / text encoders when not cached."""
+    """FLOPs of one micro-step on a transformer family, counted on meta (activations.yaml): the forward + the
+    input-gradient backward, + the weight-gradient backward of every trained Linear (the LoRA targets' for a
+    LoRA, every weight for full fine-tune / DreamBooth: ~3x the forward against a LoRA's ~2.4x, like the UNet's
+    3x vs 2x), + the recomputed forward with checkpointing; the dequantisation cost of a quantized base as a
+    factor, and the VAE / text encoders when not cached."""
     model = profiles.model(s.model)
     fam = profiles.activations.families[s.model]
     latent = (s.resolution // model.vae_scale_factor) ** 2
-    key = "lora_gc" if s.gradient_checkpointing else "lora"
+    batch = flow_batch(s)
+    key = ("full" if s.method in FULL_METHODS else "lora") + ("_gc" if s.gradient_checkpointing else "")
     coef = fam["flops"]["transformer_train_step"][key]
-    transformer = profiles.activations._eval(coef, s.batch, latent)
+    transformer = profiles.activations._eval(coef, batch, latent)
     transformer *= BASE_PRECISION_TIME[s.base_precision][0]
     other = 0.0
     if not s.cache_latents:
         other += profiles.activations.vae_encode_flops(s.model, latent) * s.batch
     if not s.cache_text_encoder_outputs:
-        other += profiles.activations.text_encoder_flops(s.model) * s.batch
+        other += profiles.activations.text_encoder_flops(s.model) * batch
     return transformer + other
 
 
@@ -2187,6 +2271,59 @@ def base_precision_allowed(base_precision: str, gpu: HWGPU) -> str | None:
 def _flow_reasons(req: Request, best: Candidate, fitting: list[Candidate], profiles: Profiles) -> list[str]:
     s = best.setup
     model = profiles.model(s.model)
+    r = (
+        _flow_full_reasons(best)
+        if s.method in FULL_METHODS
+        else _flow_base_reasons(req, best, fitting, model)
+    )
+    te = _gib(model.text_encoder_params * 2.0)
+    if not s.cache_text_encoder_outputs:
+        r.append(f"text encoders resident on the GPU in bf16 ({te}, T5-XXL included): they fit")
+    if s.method == "lora":
+        r.append(
+            f"LoRA rank {s.lora_rank} on {len(_lora_linears(model, s))} Linear kinds of the transformer "
+            f"({best.memory.trainable_params / 1e6:.1f}M parameters, counted from the config's shapes)"
+        )
+    cal = calibrate(profiles)
+    if cal.flow_efficiency:
+        pts = ", ".join(i for i, _ in cal.flow_points)
+        r.append(
+            f"time: transformer FLOPs counted on meta over the GPU's throughput at "
+            f"{cal.flow_efficiency * 100:.0f}% efficiency, fitted on {len(cal.flow_points)} published SD3.5 / "
+            f"FLUX.1 speeds ({pts}); weakly calibrated (few points, settings partly assumed)"
+            + (
+                ", all of them LoRA: the full methods' weight gradients are counted, not measured"
+                if s.method in FULL_METHODS
+                else ", and the quantized base's dequantisation factor is UNCALIBRATED"
+            )
+        )
+    else:
+        r.append(
+            "time: transformer FLOPs counted on meta over the GPU's throughput with the UNet families' fitted "
+            f"efficiency: UNCALIBRATED for {s.model}"
+        )
+    return r
+
+
+def _flow_full_reasons(best: Candidate) -> list[str]:
+    """What a full fine-tune / DreamBooth of a transformer family holds, in words."""
+    s, m = best.setup, best.memory
+    where = "bf16 (training.full_half_weights)" if s.full_half_weights else "fp32 master copies"
+    if s.offload:
+        where = "bf16 on the GPU, fp32 masters and optimizer state in host RAM (DeepSpeed)"
+    return [
+        f"the whole {s.model} transformer trains ({m.trainable_params / 1e9:.2f}B parameters): weights "
+        f"{_gib(m.weights)} in {where}, gradients {_gib(m.gradients)}, {s.optimizer} state {_gib(m.optimizer)}; "
+        "the bundled trainer has no quantized base or block swap for the full methods (LoRA only), and the "
+        "text encoders stay frozen"
+    ]
+
+
+def _flow_base_reasons(
+    req: Request, best: Candidate, fitting: list[Candidate], model: ModelSpec
+) -> list[str]:
+    """The LoRA's frozen base: its storage precision and block swap, in words."""
+    s = best.setup
     r = []
     bf16_gib = _gib(base_weight_bytes(model, "bf16"))
     here = _gib(base_weight_bytes(model, s.base_precision))
@@ -2232,26 +2369,5 @@ def _flow_reasons(req: Request, best: Candidate, fitting: list[Candidate], profi
             + f"; {_gib(swapped_block_bytes(model, s))} of the base stays in host RAM and is copied in twice per "
             "step (UNCALIBRATED time: the copies are counted in full); the bundled trainer swaps them one block "
             "at a time (one process, with gradient checkpointing)"
-        )
-    te = _gib(model.text_encoder_params * 2.0)
-    if not s.cache_text_encoder_outputs:
-        r.append(f"text encoders resident on the GPU in bf16 ({te}, T5-XXL included): they fit")
-    r.append(
-        f"LoRA rank {s.lora_rank} on {len(_lora_linears(model, s))} Linear kinds of the transformer "
-        f"({best.memory.trainable_params / 1e6:.1f}M parameters, counted from the config's shapes)"
-    )
-    cal = calibrate(profiles)
-    if cal.flow_efficiency:
-        pts = ", ".join(i for i, _ in cal.flow_points)
-        r.append(
-            f"time: transformer FLOPs counted on meta over the GPU's throughput at "
-            f"{cal.flow_efficiency * 100:.0f}% efficiency, fitted on {len(cal.flow_points)} published SD3.5 / "
-            f"FLUX.1 speeds ({pts}); weakly calibrated (few points, settings partly assumed), and the quantized "
-            "base's dequantisation factor is UNCALIBRATED"
-        )
-    else:
-        r.append(
-            "time: transformer FLOPs counted on meta over the GPU's throughput with the UNet families' fitted "
-            f"efficiency: UNCALIBRATED for {s.model}"
         )
     return r

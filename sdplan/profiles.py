@@ -540,8 +540,11 @@ class Activations:
         return f"{dt}/{attention}/{'gc' if gc else 'no_gc'}/{trained}" in self.families[family]["unet"]
 
     def adafactor_bytes(self, family: str, *, text_encoders: bool = False) -> int:
+        """Adafactor's fp32 state for the whole denoiser (the UNet, or a transformer family's transformer) and,
+        with ``text_encoders``, every text encoder."""
         a = self.families[family]["adafactor_state_bytes"]
-        return int(a["unet"]) + (sum(a["text_encoders"]) if text_encoders else 0)
+        denoiser = a["unet"] if "unet" in a else a["transformer"]
+        return int(denoiser) + (sum(a["text_encoders"]) if text_encoders else 0)
 
     def unet_forward_flops(self, family: str, latent_pixels: int) -> float:
         return self._eval(self.families[family]["flops"]["unet_forward"], 1, latent_pixels)

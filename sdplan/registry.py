@@ -49,8 +49,9 @@ class Family:
     encoders: tuple[str, ...] = ("clip-l",)  # text encoders in the pipeline's order: clip-l | clip-g | t5
     t5_max_length: int = 0  # T5 tokens the transformer sees (the pipelines' max_sequence_length)
     planned: bool = True  # the planner has profiles for it (`sdplan recommend` / `train` plan it)
-    # the methods the planner plans for it (None: every method); the transformer families: LoRA only (issue 14:
-    # the bundled trainer has LoRA recipes for them, and no anchor supports textual inversion there)
+    # the methods the planner plans for it (None: every method); the transformer families: LoRA, DreamBooth and
+    # full fine-tune, what the bundled trainer's flow loop runs (FLOW_METHODS, read by trainer/flow.py); textual inversion
+    # is not (no anchor supports it for a T5-conditioned model)
     methods: tuple[str, ...] | None = None
 
     @property
@@ -68,6 +69,7 @@ OPTIMIZERS = ("adamw", "adamw8bit", "adafactor")  # what the trainer runs and th
 # never chosen by the search, since they change the training dynamics: sdplan.planner.OPTIMIZER_STATE
 MODELLED_OPTIMIZERS = (*OPTIMIZERS, "prodigy", "dadaptation", "lion", "lion8bit")
 PRECISIONS = ("fp32", "fp16", "bf16")
+FLOW_METHODS = ("lora", "finetune", "dreambooth")  # what the SD3.5 / FLUX.1 families train (trainer/flow.py)
 # storage of a frozen transformer base's Linear weights (LoRA on SD3.5 / FLUX.1): bf16, float8 (e4m3, per-tensor
 # scale) or bitsandbytes 4-bit NormalFloat; bytes and hardware rules in sdplan.planner.BASE_PRECISION_BYTES
 BASE_PRECISIONS = ("bf16", "fp8", "nf4")
@@ -98,7 +100,8 @@ FAMILY_LIST = (
     # with qk-norm and dual attention vs 8B MMDiT), so two families for the planner. T5 256 tokens: the
     # pipeline's max_sequence_length default. FLUX.1 [dev] (guidance-distilled: a guidance embedder) and
     # [schnell] (none): the same network otherwise; T5 512 / 256 tokens (FluxPipeline default; BFL's and
-    # kohya's 256 for schnell). Planned for LoRA (sdplan.planner.memory_flow; issue 14).
+    # kohya's 256 for schnell). Planned for LoRA (issue 14), DreamBooth and full fine-tune (the whole transformer
+    # trains): sdplan.planner.memory_flow.
     Family(
         "sd35-medium",
         "Stable Diffusion 3.5 Medium",
@@ -108,7 +111,7 @@ FAMILY_LIST = (
         arch="mmdit",
         encoders=("clip-l", "clip-g", "t5"),
         t5_max_length=256,
-        methods=("lora",),
+        methods=FLOW_METHODS,
     ),
     Family(
         "sd35-large",
@@ -119,7 +122,7 @@ FAMILY_LIST = (
         arch="mmdit",
         encoders=("clip-l", "clip-g", "t5"),
         t5_max_length=256,
-        methods=("lora",),
+        methods=FLOW_METHODS,
     ),
     Family(
         "flux-dev",
@@ -130,7 +133,7 @@ FAMILY_LIST = (
         arch="flux",
         encoders=("clip-l", "t5"),
         t5_max_length=512,
-        methods=("lora",),
+        methods=FLOW_METHODS,
     ),
     Family(
         "flux-schnell",
@@ -141,7 +144,7 @@ FAMILY_LIST = (
         arch="flux",
         encoders=("clip-l", "t5"),
         t5_max_length=256,
-        methods=("lora",),
+        methods=FLOW_METHODS,
     ),
 )
 

@@ -116,8 +116,8 @@ def planned(data: dict) -> Settings:
     return Settings.from_config(data)
 
 
-# the methods the planner plans for each family (SD3.5 / FLUX.1: LoRA; the others are refused by both commands
-# with "not supported for this family": tests/test_plan_flow.py)
+# the methods the planner plans for each family (SD3.5 / FLUX.1: LoRA, DreamBooth, full fine-tune; textual
+# inversion is refused by both commands with "not supported for this family": tests/test_plan_flow.py)
 CASES = [
     (m, method, family)
     for m in (*NAMES, "rtx4090")

@@ -184,8 +184,10 @@ def test_pins_and_hardware_rules(prof):
     assert r.feasible and r.plan.base_precision in ("bf16", "fp8")  # never nf4 off CUDA
 
 
-@pytest.mark.parametrize("method", ["textual-inversion", "dreambooth", "finetune"])
+@pytest.mark.parametrize("method", ["textual-inversion"])
 def test_other_methods_are_refused_in_one_line(prof, method):
+    """Textual inversion is not trained for these families (full fine-tune and DreamBooth are planned:
+    tests/test_plan_flow_full.py)."""
     with pytest.raises(UsageError, match="not supported for this family") as e:
         P.plan(
             P.hardware_from_catalog(prof.find_gpu("RTX 4090")),
@@ -248,10 +250,13 @@ def test_train_refuses_a_quantized_base_before_launch(tmp_path):
     assert not out.exists()
 
 
-def test_registry_plans_lora_only_for_the_transformer_families():
+def test_registry_plans_what_the_flow_trainer_runs_for_the_transformer_families():
+    from sdplan.trainer import flow
+
     for fam in registry.FLOW_FAMILIES:
         f = registry.family(fam)
-        assert f.planned and f.plans("lora") and not f.plans("textual-inversion")
+        assert f.planned and not f.plans("textual-inversion")
+        assert all(f.plans(m) for m in flow.METHODS) and set(f.methods) == set(flow.METHODS)
     assert registry.family("sdxl").plans("textual-inversion")
 
 

@@ -32,7 +32,7 @@ def test_registry_names_the_transformer_families_and_their_encoders():
     assert registry.family("flux").name == "flux-dev"
     assert registry.family("sd35").name == "sd35-medium"
     assert set(FLOW) == set(registry.FLOW_FAMILIES)
-    assert set(FLOW) <= set(registry.PLANNED_FAMILIES)  # planned for LoRA (issue 14)
+    assert set(FLOW) <= set(registry.PLANNED_FAMILIES)  # planned for LoRA (issue 14) and the full methods
     assert registry.family("sd35-large").encoders == ("clip-l", "clip-g", "t5")
     assert registry.family("flux-schnell").arch == "flux" and registry.family("sd35-medium").arch == "mmdit"
     assert registry.guess_family("black-forest-labs/FLUX.1-schnell") == "flux-schnell"
@@ -46,11 +46,11 @@ def test_the_planner_says_not_supported_in_one_line():
 
     profiles = load_profiles()
     hw = hardware_from_catalog(profiles.find_gpu("RTX 4090"))
-    for name in ("flux-dev", "sd35-large"):
-        for method in ("textual-inversion", "finetune"):
-            with pytest.raises(UsageError, match="not supported for this family") as e:
-                plan(hw, profiles, Request(method=method, model=name))
-            assert "\n" not in str(e.value)
+    for name in ("flux-dev", "sd35-large"):  # textual inversion only: the full methods are planned
+        with pytest.raises(UsageError, match="not supported for this family") as e:
+            plan(hw, profiles, Request(method="textual-inversion", model=name))
+        assert "\n" not in str(e.value)
+        assert "--method lora or finetune or dreambooth" in str(e.value)
 
 
 def test_recommend_cli_exits_cleanly_for_flux():

@@ -34,8 +34,9 @@ from sdplan.errors import UsageError
 from .objective import mse
 
 WEIGHTINGS = ("none", "logit_normal", "mode", "sigma_sqrt", "cosmap")
-# What the one loop trains for these families (textual inversion: not for a T5-conditioned model here).
-METHODS = ("lora", "finetune", "dreambooth")
+# What the one loop trains for these families (textual inversion: not for a T5-conditioned model here); the
+# registry owns the list, which the planner plans too.
+METHODS = registry.FLOW_METHODS
 
 
 @dataclass(frozen=True)
