@@ -1612,9 +1612,12 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
     if pinned("precision"):
         r.append(f"precision {s.precision}: pinned")
     elif s.precision == "bf16":
-        r.append(
-            f"precision bf16: {gpu.name} supports bf16 in hardware (mixed precision, fp32 master weights)"
+        kept = (
+            "bf16 weights and gradients, see below"
+            if s.full_half_weights
+            else "mixed precision, fp32 master weights"
         )
+        r.append(f"precision bf16: {gpu.name} supports bf16 in hardware ({kept})")
     elif s.precision == "fp16":
         r.append(
             f"precision fp16: {gpu.name} has no bf16 in hardware (T4/V100/RDNA2 class), so fp16 mixed precision "

@@ -207,6 +207,8 @@ def test_full_half_weights_and_a_lean_optimizer_make_the_big_ones_fit(prof):
     assert r.feasible and r.plan.full_half_weights and r.plan.optimizer in ("adamw8bit", "adafactor")
     text = "\n".join(r.reasons)
     assert "full bf16 weights and gradients" in text and "nothing with fp32 master weights fits" in text
+    # the precision line does not claim fp32 master weights for a plan without them
+    assert "fp32 master weights)" not in text and "(bf16 weights and gradients, see below)" in text
 
 
 def test_a_card_too_small_gets_one_needs_at_least_line(prof):
