@@ -104,6 +104,32 @@ def test_load_components(tiny_sd15, tiny_sdxl):
         models.load_components(str(tiny_sd15), family="sdxl")
 
 
+def test_components_load_in_the_dtype_they_train_in(tiny_sd15, tmp_path):
+    """diffusers (and transformers 4.x) load in fp32 unless told: host RAM then held an fp32 copy of every
+    half-precision part before it was cast (48 GB for a FLUX.1 transformer instead of 24). Each part loads in
+    the dtype the recipe trains it in, for a folder and for a single file."""
+    from sdplan.trainer import export
+    from sdplan.trainer.tiny import save_tiny_model
+
+    assert models.load_components(str(tiny_sd15)).unet.dtype == torch.float32  # the libraries' default
+    want = {"unet": torch.bfloat16, "vae": torch.float32, "text_encoder": torch.bfloat16}
+    c = models.load_components(str(tiny_sd15), dtypes=want)
+    assert (c.unet.dtype, c.vae.dtype) == (torch.bfloat16, torch.float32)
+    assert [te.dtype for te in c.text_encoders] == [torch.bfloat16]
+
+    flux = save_tiny_model(tmp_path / "flux", "flux-dev")
+    f = models.load_components(str(flux), dtypes=want)
+    assert (f.unet.dtype, f.vae.dtype) == (torch.bfloat16, torch.float32)
+    assert [te.dtype for te in f.text_encoders] == [torch.bfloat16, torch.bfloat16]  # CLIP-L and T5
+
+    single = export.save_full(
+        tmp_path / "exported", pipeline=sd_pipeline(tiny_sd15), family="sd15", metadata=None
+    )[-1]
+    half = dict.fromkeys(want, torch.bfloat16)
+    s = models.load_components(str(single), config_dir=str(tiny_sd15), dtypes=half)
+    assert {s.unet.dtype, s.vae.dtype, *(te.dtype for te in s.text_encoders)} == {torch.bfloat16}
+
+
 def test_latest_checkpoint_ignores_incomplete(tmp_path):
     root = checkpoint.checkpoint_root(tmp_path)
     for name in ("rolling-step-000004", "step-000002", ".tmp-rolling-step-000006", "step-000008"):

@@ -205,14 +205,14 @@ def is_flow_transformer_file(path: str | Path) -> bool:
     return any(k.startswith(("joint_blocks.", "double_blocks.")) for k in keys)
 
 
-def load_flow_single_file(location: str, family: str | None, config_dir: str | None):
+def load_flow_single_file(location: str, family: str | None, config_dir: str | None, dtypes=None):
     """FlowComponents with the transformer read from ``location`` (diffusers ``from_single_file`` with the
     transformer config of ``config_dir``) and the VAE, text encoders, tokenizers and scheduler of
     ``config_dir``."""
     import json
 
     from .flow_models import PIPELINES, load_flow_components
-    from .models import ModelLoadError
+    from .models import ModelLoadError, load_dtype_kw
 
     if not config_dir:
         raise UsageError(
@@ -246,7 +246,11 @@ def load_flow_single_file(location: str, family: str | None, config_dir: str | N
             )
     try:  # the folder's transformer config only: its weights (if any) are never read
         transformer = cls.from_single_file(
-            location, config=str(root), subfolder="transformer", local_files_only=True
+            location,
+            config=str(root),
+            subfolder="transformer",
+            local_files_only=True,
+            **load_dtype_kw(dtypes, "unet"),
         )
     except Exception as e:  # a file of another network or width
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
@@ -254,7 +258,7 @@ def load_flow_single_file(location: str, family: str | None, config_dir: str | N
             f"could not load {location} as the transformer of {config_dir}: {first}",
             fix="give a transformer checkpoint of the same model as model.config_dir",
         ) from e
-    comps = load_flow_components(str(root), index, family, {}, {}, transformer=transformer)
+    comps = load_flow_components(str(root), index, family, {}, {}, transformer=transformer, dtypes=dtypes)
     comps.source = location
     return comps
 

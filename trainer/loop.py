@@ -422,6 +422,7 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
         variant=cfg.model.variant,
         source=source,
         config_dir=cfg.model.config_dir,
+        dtypes=recipe_cls.dtypes(cfg, accelerator),  # loaded as they train: no fp32 copy of a bf16 model
     )
     recipe = recipe_cls(cfg, accelerator, comps, dataset)
     groups, optimizer = build(recipe)

@@ -32,6 +32,22 @@ class ModelSource:
     location: str
 
 
+def load_dtype_kw(dtypes: dict[str, Any] | None, part: str, library: str = "diffusers") -> dict[str, Any]:
+    """The from_pretrained keyword that loads ``part`` ("unet" = the denoiser, "vae", "text_encoder") straight
+    in the dtype it trains in (the recipe's ``dtypes``), so that host RAM never holds an fp32 copy of a bf16
+    checkpoint (diffusers and transformers 4.x load in fp32 by default: a FLUX.1 transformer is then 48 GB
+    in RAM instead of 24). The cast is the one ``place_models`` would make, so the weights are the same.
+    transformers 5 names the keyword ``dtype`` (``torch_dtype`` is deprecated there); 4.x ``torch_dtype``."""
+    dtype = (dtypes or {}).get(part)
+    if dtype is None:
+        return {}
+    if library == "transformers":
+        import transformers
+
+        return {"dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype": dtype}
+    return {"torch_dtype": dtype}
+
+
 @dataclass
 class Components:
     """What a recipe trains and conditions on. Lists hold one entry for SD 1.x/2.x, two for SDXL."""
@@ -151,19 +167,30 @@ def load_components(
     variant: str | None = None,
     source: ModelSource | None = None,
     config_dir: str | None = None,
+    dtypes: dict[str, Any] | None = None,
 ) -> Components:
     """Load UNet, VAE, text encoder(s), tokenizer(s) and the training noise scheduler from ``path``.
 
     ``config_dir``: for a single file, a local diffusers folder with the matching component configs (nothing
-    is downloaded then); without it diffusers fetches the default configs of the detected family."""
+    is downloaded then); without it diffusers fetches the default configs of the detected family.
+    ``dtypes``: the dtype each part trains in (a recipe's ``dtypes``, keys unet / vae / text_encoder): each
+    loads in it (:func:`load_dtype_kw`); None loads as the libraries default."""
     source = source or resolve_source(path)
     if source.kind == "file":
-        return _load_single_file(source.location, family, config_dir)
-    return _load_pretrained(source.location, family, revision, variant, hub=source.kind == "hub")
+        return _load_single_file(source.location, family, config_dir, dtypes)
+    return _load_pretrained(
+        source.location, family, revision, variant, hub=source.kind == "hub", dtypes=dtypes
+    )
 
 
 def _load_pretrained(
-    location: str, family: str | None, revision: str | None, variant: str | None, *, hub: bool
+    location: str,
+    family: str | None,
+    revision: str | None,
+    variant: str | None,
+    *,
+    hub: bool,
+    dtypes: dict[str, Any] | None = None,
 ) -> Components:
     from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
     from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
@@ -178,17 +205,20 @@ def _load_pretrained(
         from .flow_models import PIPELINES, load_flow_components
 
         if index.get("_class_name") in PIPELINES:  # SD3.5 / FLUX.1: a transformer, not a UNet
-            return load_flow_components(location, index, family, kw, wkw)
+            return load_flow_components(location, index, family, kw, wkw, dtypes=dtypes)
         two = "text_encoder_2" in index and index.get("text_encoder_2", [None])[0] is not None
-        unet = UNet2DConditionModel.from_pretrained(location, subfolder="unet", **wkw)
+        unet = UNet2DConditionModel.from_pretrained(
+            location, subfolder="unet", **wkw, **load_dtype_kw(dtypes, "unet")
+        )
         found = _check_family(detect_family(unet.config, 2 if two else 1), family, location)
-        vae = AutoencoderKL.from_pretrained(location, subfolder="vae", **wkw)
+        vae = AutoencoderKL.from_pretrained(location, subfolder="vae", **wkw, **load_dtype_kw(dtypes, "vae"))
+        te_kw = dict(wkw, **load_dtype_kw(dtypes, "text_encoder", "transformers"))
         tokenizers = [CLIPTokenizer.from_pretrained(location, subfolder="tokenizer", **kw)]
-        text_encoders = [CLIPTextModel.from_pretrained(location, subfolder="text_encoder", **wkw)]
+        text_encoders = [CLIPTextModel.from_pretrained(location, subfolder="text_encoder", **te_kw)]
         if found == "sdxl":
             tokenizers.append(CLIPTokenizer.from_pretrained(location, subfolder="tokenizer_2", **kw))
             text_encoders.append(
-                CLIPTextModelWithProjection.from_pretrained(location, subfolder="text_encoder_2", **wkw)
+                CLIPTextModelWithProjection.from_pretrained(location, subfolder="text_encoder_2", **te_kw)
             )
         noise_scheduler = DDPMScheduler.from_pretrained(location, subfolder="scheduler", **kw)
         scheduler_config = dict(DDPMScheduler.load_config(location, subfolder="scheduler", **kw))
@@ -249,7 +279,9 @@ def _hub_index(location: str, revision: str | None) -> dict[str, Any]:
     return json.loads(Path(hf_hub_download(location, "model_index.json", revision=revision)).read_text())
 
 
-def _load_single_file(location: str, family: str | None, config_dir: str | None) -> Components:
+def _load_single_file(
+    location: str, family: str | None, config_dir: str | None, dtypes: dict[str, Any] | None = None
+) -> Components:
     from diffusers import DDPMScheduler
 
     from sdplan.registry import FLOW_FAMILIES
@@ -258,10 +290,14 @@ def _load_single_file(location: str, family: str | None, config_dir: str | None)
     from .single_file import load_single_file_model
 
     if family in FLOW_FAMILIES or (family is None and is_flow_transformer_file(location)):
-        return load_flow_single_file(location, family, config_dir)  # SD3.5 / FLUX.1 transformer
+        return load_flow_single_file(location, family, config_dir, dtypes)  # SD3.5 / FLUX.1 transformer
 
+    # one dtype for the whole pipeline file: only where every part trains in the same one
+    same = set((dtypes or {}).values())
     try:  # the family is read from the file's keys when not given
-        pipe = load_single_file_model(location, family, config_dir)
+        pipe = load_single_file_model(
+            location, family, config_dir, torch_dtype=same.pop() if len(same) == 1 else None
+        )
     except SdplanError:
         raise
     except Exception as e:
