@@ -477,7 +477,12 @@ def memory(profiles: Profiles, s: Settings) -> Memory:
         # saved for the backward like activations, but weights: once, whatever the batch, no gradient buffers
         activations += ti_frozen_half_copies_bytes(model)
 
-    ram = RAM_PER_PROCESS + 4.0 * (model.params_unet + te_total + model.params_vae)  # fp32 load
+    # host RAM: each part loads in the dtype it trains in (the trainer's models.load_components): the UNet as
+    # its trained or frozen weights, the text encoders in fp32 where they train in it, the VAE in bf16 or fp32
+    te_bytes = 4 if (s.method == "textual-inversion" or (full and s.train_text_encoder)) else wb
+    vae_bytes = 2 if s.precision == "bf16" else 4
+    ram = RAM_PER_PROCESS + (tb if full else wb) * model.params_unet + te_bytes * te_total
+    ram += vae_bytes * model.params_vae
     step = t * 4.0 if (s.optimizer in FOREACH_OPTIMIZERS and not s.fused_backward) else 0.0
     if s.offload:
         g = s.num_gpus
@@ -2120,9 +2125,11 @@ def memory_flow(profiles: Profiles, s: Settings) -> Memory:
     step = t * tb if (s.optimizer in FOREACH_OPTIMIZERS and not s.fused_backward) else 0.0
     # autocast's cached bf16 copies of the fp32 trained weights (see memory()), held until the forward ends
     autocast = t * 2.0 if (_half(s.precision) and tb == 4.0) else 0.0
-    # host RAM: the components load in bf16 (quantizing on the GPU would first put the bf16 base there:
-    # SimpleTuner#1149; the trainer / kohya quantize on the CPU)
-    ram = RAM_PER_PROCESS + 2.0 * (model.denoiser_params + model.text_encoder_params + model.params_vae)
+    # host RAM: the components load in the dtype they train in (models.load_components): bf16, and the
+    # transformer's trained weights in fp32 unless full_half_weights (quantizing on the GPU would first put the
+    # bf16 base there: SimpleTuner#1149; the trainer / kohya quantize on the CPU)
+    ram = RAM_PER_PROCESS + (tb if full else 2.0) * model.denoiser_params
+    ram += 2.0 * (model.text_encoder_params + model.params_vae)
     # the swapped blocks' pinned host copies are made from the loaded weights, which are then freed: the
     # peak is the larger of the two phases, not their sum
     ram = max(ram, RAM_PER_PROCESS + swapped)
