@@ -18,6 +18,7 @@ from typing import Any
 from sdplan.errors import SdplanError
 
 from .latents import offload
+from .runtime import same_device
 
 INTERMEDIATE = "intermediate"  # {output.dir}/intermediate/{name}-{epoch:06d}/ (output.save_every_n_*)
 EXPORT_CHECK = ".export-check"  # the trial export before training, deleted at once
@@ -210,6 +211,12 @@ def sampling_precision(accelerator, vae):
         del vae.decode
 
 
+def models_away(device, *models) -> list:
+    """The models not on ``device`` (moved off it once their outputs were cached): sampling brings them back
+    and sends them away again. A model already there is not listed, whatever index its device carries."""
+    return [m for m in models if not same_device(m.device, device)]
+
+
 def samples(
     accelerator,
     comps,
@@ -239,7 +246,7 @@ def samples(
 
         tes = [unwrap(te) for te in text_encoders]
         pipe = comps.pipeline(unet=unwrap(unet), text_encoders=tes)
-        away = [m for m in (comps.vae, *tes) if m.device != accelerator.device]
+        away = models_away(accelerator.device, comps.vae, *tes)
         for m in away:
             m.to(accelerator.device)
         try:

@@ -132,6 +132,16 @@ def vae_dtype(accelerator):
     return torch.bfloat16 if accelerator.mixed_precision == "bf16" else torch.float32
 
 
+def same_device(a, b) -> bool:
+    """Whether tensors on ``a`` are on ``b``. accelerate's one-GPU device is ``cuda`` without an index, while a
+    tensor on it says ``cuda:0`` (``torch.device("cuda:0") != torch.device("cuda")``): a device without an
+    index is the process's current one, the only GPU this trainer uses per process."""
+    import torch
+
+    a, b = torch.device(a), torch.device(b)
+    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
+
+
 def place(model, device, dtype) -> None:
     """Move ``model`` to ``device`` in ``dtype``, cast on the way: one ``to(device=, dtype=)`` converts tensor
     by tensor, so the device never holds the whole model in its load dtype (moving an fp32 SDXL UNet first and
