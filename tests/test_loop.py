@@ -67,3 +67,29 @@ def test_injected_faults_change_only_their_step():
     assert f.after_forward(2, 1, loss) is loss  # the OOM is injected only above batch 1
     with pytest.raises(torch.OutOfMemoryError):
         f.after_forward(2, 2, loss)
+
+
+def test_ema_of_bf16_weights_is_kept_in_fp32_and_follows_them():
+    """training.full_half_weights trains bf16 weights; an EMA kept in bf16 moves by (1 - decay) x the gap per
+    update, below bf16's resolution, and never left the starting weights (the exported EMA was the base)."""
+    import torch
+    from sdplan.trainer.loop import Ema
+
+    class Tiny(torch.nn.Linear):
+        config: dict = {}  # what EMAModel keeps to rebuild the model class
+
+    model = Tiny(16, 16).to(torch.bfloat16)
+    master = torch.full_like(model.weight, 0.5, dtype=torch.float32)  # the weights as training moves them
+    with torch.no_grad():
+        model.weight.copy_(master)
+    ema = Ema(model, decay=0.999, device="cpu", every=1)
+    for _ in range(2000):
+        master += 1e-4
+        with torch.no_grad():
+            model.weight.copy_(master)
+        ema.step(model.parameters())
+    average = ema.model.shadow_params[0]
+    assert average.dtype == torch.float32
+    assert 0.55 < float(average.mean()) < float(master.mean())  # behind the weights (0.7), but following them
+    ema.copy_to(model)  # back into the bf16 model
+    assert model.weight.dtype == torch.bfloat16 and float(model.weight.float().mean()) > 0.55

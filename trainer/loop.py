@@ -312,7 +312,11 @@ def _params(optimizer) -> list:
 
 class Ema:
     """diffusers' EMAModel over a model's parameters, on ``device`` ("cpu": system RAM, no VRAM), updated
-    every ``every`` optimizer steps with decay ``decay ** every`` (the same averaging horizon in steps)."""
+    every ``every`` optimizer steps with decay ``decay ** every`` (the same averaging horizon in steps).
+
+    The average is kept in fp32 whatever the weights train in (what the planner counts): with bf16 weights
+    (``training.full_half_weights``) a bf16 average moves by ``(1 - decay) * (weight - average)`` per update,
+    far below bf16's resolution (1/256 of the value), and would stay where it started."""
 
     def __init__(self, model, decay: float, device, every: int):
         import torch
@@ -320,7 +324,7 @@ class Ema:
 
         self.decay, self.every, self.device = decay, every, torch.device(device)
         self.model = EMAModel(
-            [p.detach().to(self.device) for p in model.parameters()],
+            [p.detach().to(self.device, torch.float32) for p in model.parameters()],
             decay=decay**every,
             model_cls=type(model),
             model_config=model.config,
@@ -340,7 +344,7 @@ class Ema:
 
         # EMAModel averages a parameter only when it requires grad: the copies say so.
         with torch.no_grad():
-            params = [p.detach().to(self.device).requires_grad_(True) for p in parameters]
+            params = [p.detach().to(self.device, torch.float32).requires_grad_(True) for p in parameters]
         self.model.step(params)
 
     def copy_to(self, model) -> None:
@@ -494,7 +498,7 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
     if resume_from is not None:
         ckpt.load(resume_from)
         if ema is not None:
-            ema.model.to(ema.device)  # loaded on the CPU
+            ema.model.to(ema.device, torch.float32)  # loaded on the CPU (fp32: see Ema)
         ckpt_lib.apply_learning_rates(optimizer, lr_scheduler, [g["lr"] for g in groups])
         progress.say(accelerator, f"resumed from {resume_from} at step {state.global_step}")
     progress.say(accelerator, runtime.describe_plan(cfg.method, comps.family, len(dataset), cfg, plan))
