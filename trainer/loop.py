@@ -517,6 +517,7 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
             step=step,
             fallback=fallback,
             tb=tb,
+            injected=injected,
             **kw,
         )
 
