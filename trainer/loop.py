@@ -323,12 +323,12 @@ class Ema:
         from diffusers.training_utils import EMAModel
 
         self.decay, self.every, self.device = decay, every, torch.device(device)
-        self.model = EMAModel(
-            [p.detach().to(self.device, torch.float32) for p in model.parameters()],
-            decay=decay**every,
-            model_cls=type(model),
-            model_config=model.config,
-        )
+        self.model = EMAModel([], decay=decay**every, model_cls=type(model), model_config=model.config)
+        # One fp32 copy per parameter, made here: EMAModel clones what it is given, so handing it converted
+        # copies held two copies of the whole model at once (bf16 weights: 4x their size in fp32 on the GPU).
+        self.model.shadow_params = [
+            p.detach().to(device=self.device, dtype=torch.float32, copy=True) for p in model.parameters()
+        ]
 
     @classmethod
     def for_config(cls, cfg, model, device) -> Ema | None:
