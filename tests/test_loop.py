@@ -116,3 +116,18 @@ def test_ema_holds_one_fp32_copy_of_the_weights_while_it_is_made():
     (average,) = ema.model.shadow_params
     assert average.dtype == torch.float32 and torch.equal(average, model.weight.detach().float())
     assert ema.model.state_dict()["shadow_params"][0] is average  # what a checkpoint saves
+
+
+def test_processes_wait_at_a_barrier_longer_than_nccls_ten_minutes(tmp_path, fresh_accelerator_state):
+    """While the main process works alone (DreamBooth class images, the latent cache on disk, exports) the
+    others wait at a barrier; NCCL's default 10 minutes ended them (and the run) during e.g. 100 SDXL class
+    images. The process group is made with runtime.PROCESS_GROUP_TIMEOUT."""
+    from datetime import timedelta
+
+    from sdplan.trainer import runtime
+
+    cfg = TrainConfig()
+    cfg.training.device = "cpu"
+    accelerator = runtime.make_accelerator(cfg, tmp_path)
+    assert accelerator.init_handler.to_kwargs() == {"timeout": runtime.PROCESS_GROUP_TIMEOUT}
+    assert timedelta(hours=1) <= runtime.PROCESS_GROUP_TIMEOUT
