@@ -64,7 +64,7 @@ train_run() {  # name, then `sdplan train` arguments
         printf '%s\tskipped (stage out of time)\t-\t-\n' "$name" >>"$OUT/train.tsv"
         return
     fi
-    timeout "$left" $SDPLAN train --demo --out "$OUT/train/$name" "$@" >"$OUT/train/$name.txt" 2>&1
+    timeout -k 10 "$left" $SDPLAN train --demo --out "$OUT/train/$name" "$@" >"$OUT/train/$name.txt" 2>&1
     rc=$?
     peak=$($PY -c 'import json, sys; print(json.load(open(sys.argv[1]))["peak_memory_bytes"] // 2**20, "MiB")' \
         "$OUT/train/$name/run_summary.json" 2>/dev/null) || peak="-"
