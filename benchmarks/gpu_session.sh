@@ -7,7 +7,8 @@
 # A CPU dry run of the same script on the tiny demo models:   GPU_SESSION_DEMO=1 OUT=/tmp/gpu-out bash benchmarks/gpu_session.sh
 #
 # Each stage has its own time budget and writes as it goes (`sdplan bench` saves every point when measured), so
-# a stage that runs out of time still leaves its points; the next stage runs regardless.
+# a stage that runs out of time still leaves its points; the next stage runs regardless. Budgets (seconds):
+# BENCH_S per bench model (2 x 160), TRAIN_S for stage 5 (170), the rest ~60: the script fits a 600 s call.
 set -uo pipefail
 : "${OUT:?set OUT to the folder results go to}"
 mkdir -p "$OUT"
@@ -36,7 +37,7 @@ if [ -n "$DEMO" ]; then
 else
     for model in sd15 sdxl; do
         log "bench $model"
-        timeout "${BENCH_S:-200}" $SDPLAN bench --model "$model" --method lora --method dreambooth \
+        timeout "${BENCH_S:-160}" $SDPLAN bench --model "$model" --method lora --method dreambooth \
             --method finetune --quick --store "$STORE" >>"$OUT/bench.txt" 2>&1
         echo "exit $?" >>"$OUT/bench.txt"
     done
@@ -46,4 +47,50 @@ fi
 log "planner vs bench"
 $PY benchmarks/bench_vs_planner.py --store "$STORE" >"$OUT/bench_vs_planner.txt" 2>&1
 $PY benchmarks/bench_vs_planner.py --store "$STORE" --json >"$OUT/bench_vs_planner.json" 2>/dev/null
+
+# 5. the trainer on the GPU, which no test machine has: `sdplan train --demo` (the tiny models, LoRA, the real
+#    launcher -> trainer path) per family at fp16 and (where the card has it) bf16, with a sample grid during
+#    training (sampling.every_steps) and at the end; and one fp16 run with an out-of-memory injected in step 1
+#    (trainer/faults.py), which the launcher must retry at batch 1. Lanes run side by side (tiny models);
+#    $OUT/train.tsv: run, exit code, peak memory (run_summary.json), OOM retries; $OUT/train/<run>.txt: output.
+TRAIN_S=${TRAIN_S:-170}
+train_end=$((SECONDS + TRAIN_S))
+mkdir -p "$OUT/train"
+export SDPLAN_PROFILE_DIR="$OUT/train/store"  # the launcher's observed points stay out of this machine's store
+train_run() {  # name, then `sdplan train` arguments
+    local name=$1 left=$((train_end - SECONDS)) rc peak retries
+    shift
+    if [ "$left" -lt 10 ]; then
+        printf '%s\tskipped (stage out of time)\t-\t-\n' "$name" >>"$OUT/train.tsv"
+        return
+    fi
+    timeout -k 10 "$left" $SDPLAN train --demo --out "$OUT/train/$name" "$@" >"$OUT/train/$name.txt" 2>&1
+    rc=$?
+    peak=$($PY -c 'import json, sys; print(json.load(open(sys.argv[1]))["peak_memory_bytes"] // 2**20, "MiB")' \
+        "$OUT/train/$name/run_summary.json" 2>/dev/null) || peak="-"
+    retries=$(grep -c "^after out of memory" "$OUT/train/$name.txt")
+    printf '%s\t%s\t%s\t%s\n' "$name" "$rc" "$peak" "$retries" >>"$OUT/train.tsv"
+    # keep what says how it went (summary, OOM report, config, samples); the weights and model go
+    find "$OUT/train/$name" -mindepth 1 -maxdepth 1 ! -name run_summary.json ! -name oom.json \
+        ! -name sdplan.yaml ! -name samples -exec rm -rf {} + 2>/dev/null
+}
+printf 'run\texit\tpeak\toom_retries\n' >"$OUT/train.tsv"
+if [ -n "$DEMO" ]; then
+    log "train (demo, CPU): sd15 with an injected OOM"
+    SDPLAN_INJECT_OOM_AT_STEP=1 train_run sd15-oom --model sd15 --max-steps 2 sampling.every_steps=1
+else
+    log "train on the GPU (demo models)"
+    precisions="fp16"
+    $PY -c "import sys, torch; sys.exit(0 if torch.cuda.is_bf16_supported() else 1)" 2>/dev/null \
+        && precisions="fp16 bf16"
+    gpu_args=(--max-steps 4 training.device=cuda sampling.every_steps=2)
+    for family in sd15 sdxl sd35 flux; do
+        (for p in $precisions; do
+            train_run "$family-$p" --model "$family" "${gpu_args[@]}" "training.precision=$p"
+        done) &
+    done
+    (SDPLAN_INJECT_OOM_AT_STEP=1 train_run sd15-fp16-oom --model sd15 "${gpu_args[@]}" training.precision=fp16) &
+    wait
+fi
+{ column -t -s $'\t' "$OUT/train.tsv" 2>/dev/null || cat "$OUT/train.tsv"; } | tee -a "$OUT/session.log"
 log "done"

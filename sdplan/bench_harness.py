@@ -375,7 +375,7 @@ class Harness:
         return bool(getattr(inner, "state", None))
 
     def after_oom(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
+        end_failed_step(self.optimizer, self.accelerator.scaler)
         free_memory()
 
     def close(self) -> None:
@@ -385,6 +385,24 @@ class Harness:
         with contextlib.suppress(Exception):
             self.accelerator.free_memory()
         free_memory()
+
+
+def end_failed_step(optimizer, scaler) -> None:
+    """After an out-of-memory error anywhere in a step, leave the optimizer and the fp16 gradient scaler
+    (``accelerator.scaler``, None without fp16 on a GPU) as a finished step does, for the next probe point.
+
+    The gradients go (``set_to_none``: their memory is freed). A step that failed after its gradients were
+    unscaled (in ``clip_grad_norm_``, or in the optimizer step itself, e.g. Adam allocating its state) never
+    reached ``scaler.update()``: the scaler still marks this optimizer as unscaled, and the next step's
+    ``unscale_`` would raise "unscale_() has already been called on this optimizer since the last update()".
+    ``update()`` ends that step as a skipped one (it needs the inf checks the unscale recorded; a step that
+    failed before unscaling left nothing to end)."""
+    optimizer.zero_grad(set_to_none=True)
+    if scaler is None or not scaler.is_enabled():
+        return
+    states = getattr(scaler, "_per_optimizer_states", {})  # torch has no public "step in progress" query
+    if any(state.get("found_inf_per_device") for state in states.values()):
+        scaler.update()
 
 
 def _reset_accelerate_state() -> None:

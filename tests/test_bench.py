@@ -139,6 +139,39 @@ def test_the_harness_is_the_recipe_step(tmp_path):
         h.close()
 
 
+def test_after_an_oom_in_the_fp16_optimizer_step_the_next_probe_point_steps():
+    """fp16 on a GPU steps through a GradScaler. An OOM inside the optimizer step (Adam allocating its state)
+    comes after the gradients were unscaled and before ``scaler.update()``: unless the harness ends that step,
+    the next probe point's unscale raises "unscale_() has already been called" instead of measuring."""
+    import torch
+
+    from sdplan.bench_harness import end_failed_step
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8)
+    optimizer = torch.optim.AdamW(model.parameters())
+    scaler = torch.amp.GradScaler("cpu")  # accelerate's fp16 scaler is torch.amp.GradScaler("cuda")
+
+    def out_of_memory():  # AdamW.step(closure) calls it first: the step's allocation fails there
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    def step(closure=None):  # loop.optimizer_step under fp16, as accelerate runs it
+        scaler.scale(model(torch.ones(2, 8)).square().mean()).backward()  # accelerator.backward
+        scaler.unscale_(optimizer)  # accelerator.clip_grad_norm_
+        scaler.step(optimizer, closure)  # the prepared optimizer's step ...
+        scaler.update()  # ... and its update
+
+    with pytest.raises(torch.OutOfMemoryError):
+        step(out_of_memory)
+    end_failed_step(optimizer, scaler)
+    assert all(p.grad is None for p in model.parameters())
+    before = model.weight.detach().clone()
+    step()
+    assert optimizer.state and not torch.equal(model.weight, before)
+    end_failed_step(optimizer, None)  # fp32 / bf16: no scaler; an OOM before the unscale: nothing to end
+    end_failed_step(optimizer, scaler)
+
+
 def test_cached_text_encoder_outputs_need_frozen_encoders():
     with pytest.raises(UsageError, match="frozen"):
         bench.BenchRequest(

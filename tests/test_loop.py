@@ -67,3 +67,67 @@ def test_injected_faults_change_only_their_step():
     assert f.after_forward(2, 1, loss) is loss  # the OOM is injected only above batch 1
     with pytest.raises(torch.OutOfMemoryError):
         f.after_forward(2, 2, loss)
+
+
+def test_ema_of_bf16_weights_is_kept_in_fp32_and_follows_them():
+    """training.full_half_weights trains bf16 weights; an EMA kept in bf16 moves by (1 - decay) x the gap per
+    update, below bf16's resolution, and never left the starting weights (the exported EMA was the base)."""
+    import torch
+    from sdplan.trainer.loop import Ema
+
+    class Tiny(torch.nn.Linear):
+        config: dict = {}  # what EMAModel keeps to rebuild the model class
+
+    model = Tiny(16, 16).to(torch.bfloat16)
+    master = torch.full_like(model.weight, 0.5, dtype=torch.float32)  # the weights as training moves them
+    with torch.no_grad():
+        model.weight.copy_(master)
+    ema = Ema(model, decay=0.999, device="cpu", every=1)
+    for _ in range(2000):
+        master += 1e-4
+        with torch.no_grad():
+            model.weight.copy_(master)
+        ema.step(model.parameters())
+    average = ema.model.shadow_params[0]
+    assert average.dtype == torch.float32
+    assert 0.55 < float(average.mean()) < float(master.mean())  # behind the weights (0.7), but following them
+    ema.copy_to(model)  # back into the bf16 model
+    assert model.weight.dtype == torch.bfloat16 and float(model.weight.detach().float().mean()) > 0.55
+
+
+def test_ema_holds_one_fp32_copy_of_the_weights_while_it_is_made():
+    """EMAModel clones what it is given: handing it fp32 copies held two copies of the model at once (on the
+    GPU with ema.device=gpu: an SDXL UNet in bf16 took 4x its size at start-up instead of 2x)."""
+    import diffusers.training_utils  # noqa: F401  (imported before measuring)
+    import torch
+    from sdplan.trainer.loop import Ema
+
+    from sdplan.bench_harness import PeakRSS
+
+    class Tiny(torch.nn.Linear):
+        config: dict = {}
+
+    model = Tiny(4096, 4096, bias=False).to(torch.bfloat16)
+    fp32_bytes = 4096 * 4096 * 4
+    with PeakRSS() as meter:
+        start = meter.peak
+        ema = Ema(model, decay=0.99, device="cpu", every=1)
+    assert 0.9 < (meter.peak - start) / fp32_bytes < 1.5  # one fp32 copy (two before)
+    (average,) = ema.model.shadow_params
+    assert average.dtype == torch.float32 and torch.equal(average, model.weight.detach().float())
+    assert ema.model.state_dict()["shadow_params"][0] is average  # what a checkpoint saves
+
+
+def test_processes_wait_at_a_barrier_longer_than_nccls_ten_minutes(tmp_path, fresh_accelerator_state):
+    """While the main process works alone (DreamBooth class images, the latent cache on disk, exports) the
+    others wait at a barrier; NCCL's default 10 minutes ended them (and the run) during e.g. 100 SDXL class
+    images. The process group is made with runtime.PROCESS_GROUP_TIMEOUT."""
+    from datetime import timedelta
+
+    from sdplan.trainer import runtime
+
+    cfg = TrainConfig()
+    cfg.training.device = "cpu"
+    accelerator = runtime.make_accelerator(cfg, tmp_path)
+    assert accelerator.init_handler.to_kwargs() == {"timeout": runtime.PROCESS_GROUP_TIMEOUT}
+    assert timedelta(hours=1) <= runtime.PROCESS_GROUP_TIMEOUT

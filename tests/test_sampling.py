@@ -146,3 +146,21 @@ def test_tensorboard_logger_without_tensorboard_is_a_warned_noop(tmp_path, monke
     tb.close()
     assert not (tmp_path / "tb").exists()
     assert not plots.TensorBoardLogger(tmp_path / "off", enabled=False).enabled
+
+
+def test_sampling_brings_back_only_the_models_that_left_the_training_device(tmp_path):
+    """On one GPU accelerate's device is ``cuda`` without an index while a model there reports ``cuda:0``:
+    comparing the two with ``!=`` listed every model as away, so a sample grid during training
+    (``sampling.every_steps``) sent the VAE and text encoders to the CPU afterwards and the next step failed
+    on tensors on two devices."""
+    from sdplan.trainer import outputs, runtime, tiny
+
+    assert runtime.same_device(torch.device("cuda:0"), torch.device("cuda"))
+    assert runtime.same_device("cuda", "cuda:0") and runtime.same_device("cuda:1", "cuda:1")
+    assert not runtime.same_device("cuda:1", "cuda:0")
+    assert not runtime.same_device("cpu", "cuda") and not runtime.same_device("cuda:0", "cpu")
+
+    parts = tiny.tiny_sd15_components(tmp_path / "tokenizer")
+    vae, te = parts["vae"], parts["text_encoder"]
+    assert outputs.models_away(torch.device("cpu"), vae, te) == []
+    assert outputs.models_away(torch.device("meta"), vae, te) == [vae, te]

@@ -488,6 +488,30 @@ def test_injected_oom_writes_a_report_and_exits_75(tiny_sd15, dataset, tmp_path,
 
 
 @pytest.mark.train
+def test_out_of_memory_in_a_sample_grid_during_training_skips_the_grid(
+    tiny_sd15, dataset, tmp_path, monkeypatch, capsys
+):
+    """A grid during training needs the VAE and text encoders back beside the training state; out of GPU
+    memory there stopped the run as a training OOM (exit 75), and the launcher retried a smaller batch, which
+    does not shrink the grid's need, and recorded this batch as not fitting. The grid is skipped instead."""
+    out = tmp_path / "out"
+    monkeypatch.setenv("SDPLAN_INJECT_SAMPLE_OOM_AT_STEP", "2")
+    cfg = tiny_train_config(
+        tiny_sd15,
+        dataset,
+        out,
+        "training.max_steps=3",
+        "sampling.every_steps=1",
+        "sampling.prompts=[a red square]",
+    )
+    summary = run.train(cfg)
+    assert summary["steps"] == 3 and not (out / "oom.json").exists()
+    grids = sorted(p.name for p in (out / "samples").glob("step-*.png"))
+    assert grids == ["step-000001.png", "step-000003.png"]
+    assert "skipped the sample grid of step 2: out of GPU memory" in capsys.readouterr().out
+
+
+@pytest.mark.train
 def test_nan_loss_stops_with_a_checkpoint_from_before(tiny_sd15, dataset, tmp_path, monkeypatch):
     out = tmp_path / "out"
     monkeypatch.setenv("SDPLAN_INJECT_NAN_AT_STEP", "3")

@@ -25,6 +25,8 @@ from contextlib import contextmanager
 
 from sdplan import registry
 
+from .runtime import same_device
+
 
 def support_problem(
     blocks: int,
@@ -155,7 +157,7 @@ class BlockSwap:
         total = 0
         for entries in self._host.values():
             for p, host, _ in entries:
-                if p.data.device == self.device and p.data.data_ptr() != host.data_ptr():
+                if same_device(p.data.device, self.device) and p.data.data_ptr() != host.data_ptr():
                     total += p.data.numel() * p.data.element_size()
         return total
 

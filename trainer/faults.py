@@ -7,6 +7,8 @@ injects nothing. They exist so that out-of-memory and NaN handling can be tested
 - ``SDPLAN_INJECT_OOM_AT_STEP=N``: raise ``torch.OutOfMemoryError`` in optimizer step N (1-based) when
   ``training.batch_size > 1``, so the launcher's retry with a smaller micro-batch can be tested.
 - ``SDPLAN_INJECT_NAN_AT_STEP=N``: make the loss NaN in optimizer step N.
+- ``SDPLAN_INJECT_SAMPLE_OOM_AT_STEP=N``: raise ``torch.OutOfMemoryError`` in the sample grid made after
+  optimizer step N (``sampling.every_steps``), inside the pipeline's precision as a real one would be.
 - ``SDPLAN_BENCH_OOM_ABOVE_BATCH=N``: in ``sdplan bench``, every probe point with a batch larger than N raises
   ``torch.OutOfMemoryError`` after the forward pass, as a real OOM would.
 """
@@ -21,6 +23,7 @@ from sdplan.errors import UsageError
 
 OOM_AT_STEP_ENV = "SDPLAN_INJECT_OOM_AT_STEP"
 NAN_AT_STEP_ENV = "SDPLAN_INJECT_NAN_AT_STEP"
+SAMPLE_OOM_AT_STEP_ENV = "SDPLAN_INJECT_SAMPLE_OOM_AT_STEP"
 BENCH_OOM_ABOVE_BATCH_ENV = "SDPLAN_BENCH_OOM_ABOVE_BATCH"
 
 
@@ -44,6 +47,7 @@ class Faults:
     oom_at_step: int | None = None
     nan_at_step: int | None = None
     bench_oom_above_batch: int | None = None
+    sample_oom_at_step: int | None = None
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Faults:
@@ -52,6 +56,7 @@ class Faults:
             oom_at_step=_read(env, OOM_AT_STEP_ENV),
             nan_at_step=_read(env, NAN_AT_STEP_ENV),
             bench_oom_above_batch=_read(env, BENCH_OOM_ABOVE_BATCH_ENV),
+            sample_oom_at_step=_read(env, SAMPLE_OOM_AT_STEP_ENV),
         )
 
     def after_forward(self, step: int, batch_size: int, loss):
@@ -65,6 +70,15 @@ class Faults:
         if self.nan_at_step is not None and self.nan_at_step == step:
             return loss * float("nan")
         return loss
+
+    def in_sample_grid(self, step: int | None) -> None:
+        """The trainer's hook inside the sample grid made after optimizer step ``step`` (None: the final one)."""
+        if self.sample_oom_at_step is not None and step == self.sample_oom_at_step:
+            import torch
+
+            raise torch.OutOfMemoryError(
+                f"CUDA out of memory (injected by {SAMPLE_OOM_AT_STEP_ENV}={self.sample_oom_at_step})"
+            )
 
     def bench_oom(self, batch: int) -> bool:
         """True when the bench must simulate an out-of-memory at this batch."""

@@ -312,19 +312,23 @@ def _params(optimizer) -> list:
 
 class Ema:
     """diffusers' EMAModel over a model's parameters, on ``device`` ("cpu": system RAM, no VRAM), updated
-    every ``every`` optimizer steps with decay ``decay ** every`` (the same averaging horizon in steps)."""
+    every ``every`` optimizer steps with decay ``decay ** every`` (the same averaging horizon in steps).
+
+    The average is kept in fp32 whatever the weights train in (what the planner counts): with bf16 weights
+    (``training.full_half_weights``) a bf16 average moves by ``(1 - decay) * (weight - average)`` per update,
+    far below bf16's resolution (1/256 of the value), and would stay where it started."""
 
     def __init__(self, model, decay: float, device, every: int):
         import torch
         from diffusers.training_utils import EMAModel
 
         self.decay, self.every, self.device = decay, every, torch.device(device)
-        self.model = EMAModel(
-            [p.detach().to(self.device) for p in model.parameters()],
-            decay=decay**every,
-            model_cls=type(model),
-            model_config=model.config,
-        )
+        self.model = EMAModel([], decay=decay**every, model_cls=type(model), model_config=model.config)
+        # One fp32 copy per parameter, made here: EMAModel clones what it is given, so handing it converted
+        # copies held two copies of the whole model at once (bf16 weights: 4x their size in fp32 on the GPU).
+        self.model.shadow_params = [
+            p.detach().to(device=self.device, dtype=torch.float32, copy=True) for p in model.parameters()
+        ]
 
     @classmethod
     def for_config(cls, cfg, model, device) -> Ema | None:
@@ -340,7 +344,7 @@ class Ema:
 
         # EMAModel averages a parameter only when it requires grad: the copies say so.
         with torch.no_grad():
-            params = [p.detach().to(self.device).requires_grad_(True) for p in parameters]
+            params = [p.detach().to(self.device, torch.float32).requires_grad_(True) for p in parameters]
         self.model.step(params)
 
     def copy_to(self, model) -> None:
@@ -495,7 +499,7 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
     if resume_from is not None:
         ckpt.load(resume_from)
         if ema is not None:
-            ema.model.to(ema.device)  # loaded on the CPU
+            ema.model.to(ema.device, torch.float32)  # loaded on the CPU (fp32: see Ema)
         ckpt_lib.apply_learning_rates(optimizer, lr_scheduler, [g["lr"] for g in groups])
         progress.say(accelerator, f"resumed from {resume_from} at step {state.global_step}")
     progress.say(accelerator, runtime.describe_plan(cfg.method, comps.family, len(dataset), cfg, plan))
@@ -514,6 +518,7 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
             step=step,
             fallback=fallback,
             tb=tb,
+            injected=injected,
             **kw,
         )
 

@@ -18,6 +18,8 @@ from typing import Any
 from sdplan.errors import SdplanError
 
 from .latents import offload
+from .progress import say
+from .runtime import same_device
 
 INTERMEDIATE = "intermediate"  # {output.dir}/intermediate/{name}-{epoch:06d}/ (output.save_every_n_*)
 EXPORT_CHECK = ".export-check"  # the trial export before training, deleted at once
@@ -210,6 +212,12 @@ def sampling_precision(accelerator, vae):
         del vae.decode
 
 
+def models_away(device, *models) -> list:
+    """The models not on ``device`` (moved off it once their outputs were cached): sampling brings them back
+    and sends them away again. A model already there is not listed, whatever index its device carries."""
+    return [m for m in models if not same_device(m.device, device)]
+
+
 def samples(
     accelerator,
     comps,
@@ -222,11 +230,19 @@ def samples(
     tb=None,
     at_step: int | None = None,
     out_path: Path | None = None,
+    injected=None,
 ) -> Path | None:
     """A PNG grid from ``sampling.prompts`` (else ``fallback``) with a fixed seed, made on the main process:
     ``samples/step-000100.png`` during training (the other processes wait), ``samples/final.png`` at the end
     (call it on the main process only then), or ``out_path``. Each image is labelled with the step (``step``,
-    else ``at_step``) and its prompt. Components moved off the GPU (cached outputs) come back for it."""
+    else ``at_step``) and its prompt. Components moved off the GPU (cached outputs) come back for it.
+
+    Out of GPU memory in a grid during training (``step`` given) skips that grid and training goes on (None):
+    the grid needs the VAE and text encoders back beside the training state, which a smaller batch would not
+    change, so stopping for the launcher's smaller-batch retry (and recording an out-of-memory at this batch)
+    would be wrong; the other processes still meet this one at the barrier. At the end it is raised (the loop
+    says what it skipped). ``injected``: the run's ``faults.Faults`` (a test hook)."""
+    import torch
 
     from .checkpoint import unwrap
 
@@ -234,16 +250,19 @@ def samples(
     name = f"step-{step:06d}.png" if step is not None else "final.png"
     shown_step = step if step is not None else at_step
     grid = None
+    skipped = None
     if prompts and accelerator.is_main_process:
         from . import sampling
 
         tes = [unwrap(te) for te in text_encoders]
         pipe = comps.pipeline(unet=unwrap(unet), text_encoders=tes)
-        away = [m for m in (comps.vae, *tes) if m.device != accelerator.device]
+        away = models_away(accelerator.device, comps.vae, *tes)
         for m in away:
             m.to(accelerator.device)
         try:
             with sampling_precision(accelerator, comps.vae):
+                if injected is not None:
+                    injected.in_sample_grid(step)
                 grid = sampling.sample_grid(
                     pipe,
                     prompts,
@@ -254,9 +273,20 @@ def samples(
                     out_path=out_path or Path(cfg.output.dir) / "samples" / name,
                     labels=[f"step {shown_step}\n{p}" if shown_step is not None else p for p in prompts],
                 )
+        except torch.OutOfMemoryError as e:
+            if step is None:
+                raise
+            skipped = (str(e).strip().splitlines() or ["out of memory"])[0][:200]
         finally:
             offload(*away)
-        if tb is not None:
+        if skipped is not None:  # outside the except block: its traceback no longer pins the activations
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            say(
+                accelerator,
+                f"skipped the sample grid of step {step}: out of GPU memory ({skipped}); training goes on",
+            )
+        if tb is not None and grid is not None:
             tb.image("samples", grid, shown_step or 0)
     if step is not None:
         accelerator.wait_for_everyone()

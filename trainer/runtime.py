@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import sys
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,14 @@ def mixed_precision_for(cfg, cpu: bool) -> str:
     return p
 
 
+PROCESS_GROUP_TIMEOUT = timedelta(hours=3)
+"""How long a process waits at a collective (a barrier) for the others. Several processes wait while the main
+one works alone: DreamBooth's class images (100 by default; FLUX.1 at 20-40 s each), the latent cache on disk,
+the trial export, samples and outputs. NCCL's default is 10 minutes, after which its watchdog ends the waiting
+processes and the run (gloo's is 30); kohya has --ddp_timeout for it. A process that dies is still noticed at
+once (the launcher ends the others)."""
+
+
 def make_accelerator(cfg, out_dir: Path):
     """An Accelerator for this config: precision, grad accumulation, CPU when asked or without CUDA.
 
@@ -69,7 +78,7 @@ def make_accelerator(cfg, out_dir: Path):
             gradient_accumulation_steps=cfg.training.grad_accum,
             gradient_clipping=cfg.training.max_grad_norm or None,
         )
-    from accelerate.utils import DistributedDataParallelKwargs
+    from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs
 
     # Gradients as views into DDP's all-reduce buckets: no second copy of the gradients (the planner counts
     # none; kohya's --ddp_gradient_as_bucket_view). SDXL conditions on the first encoder's penultimate
@@ -77,7 +86,8 @@ def make_accelerator(cfg, out_dir: Path):
     kwargs["kwargs_handlers"] = [
         DistributedDataParallelKwargs(
             gradient_as_bucket_view=True, find_unused_parameters=cfg.training.train_text_encoder
-        )
+        ),
+        InitProcessGroupKwargs(timeout=PROCESS_GROUP_TIMEOUT),
     ]
     if cpu and cfg.training.precision == "fp16" and os.environ.get("RANK", "0") == "0":
         print("training.precision fp16 needs a GPU; training in fp32 on the CPU", flush=True)
@@ -130,6 +140,16 @@ def vae_dtype(accelerator):
     import torch
 
     return torch.bfloat16 if accelerator.mixed_precision == "bf16" else torch.float32
+
+
+def same_device(a, b) -> bool:
+    """Whether tensors on ``a`` are on ``b``. accelerate's one-GPU device is ``cuda`` without an index, while a
+    tensor on it says ``cuda:0`` (``torch.device("cuda:0") != torch.device("cuda")``): a device without an
+    index is the process's current one, the only GPU this trainer uses per process."""
+    import torch
+
+    a, b = torch.device(a), torch.device(b)
+    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
 
 
 def place(model, device, dtype) -> None:
