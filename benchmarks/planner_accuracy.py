@@ -63,8 +63,15 @@ PLANNER_LORA_TARGETS = {
 # the validation schema's family names -> the planner's. "flux": FLUX.1 [dev] (what every validation source
 # trains; [schnell] has the same network without the guidance embedder). "sd35" does not say Medium or Large.
 PLANNER_FAMILY = {"sd15": "sd15", "sd21": "sd21", "sdxl": "sdxl", "flux": "flux-dev"}
+# a point's `variant` names the model within a validation family: sd35 medium / large, flux dev / schnell
+VARIANTS = {"sd35": ("medium", "large"), "flux": ("dev", "schnell")}
 # a validation point's `unmodelled` notes the planner now models (issue 14): -> the Settings field and value
-MODELLED_NOTES = {"fp8 base weights (fp8_base)": ("base_precision", "fp8")}
+MODELLED_NOTES = {
+    "fp8 base weights (fp8_base)": ("base_precision", "fp8"),
+    # bitsandbytes nf4 (what the planner's nf4 base and the bundled trainer's are; SimpleTuner's two spellings)
+    "nf4 base weights (nf4-bnb)": ("base_precision", "nf4"),
+    "nf4 base weights (bnb-nf4)": ("base_precision", "nf4"),
+}
 KOHYA_DEFAULT_LORA_RANK = 4  # kohya-ss/sd-scripts networks/lora*.py create_network: network_dim None -> 4
 
 
@@ -82,6 +89,8 @@ _CALIBRATIONS: dict[int, tuple[Profiles, Any]] = {}
 
 def _family_and_rank(point: "Point") -> tuple[str, bool, int | None]:
     family = PLANNER_FAMILY.get(point.family, point.family)
+    if point.variant:
+        family = f"{point.family}-{point.variant}"
     flow = family in P.registry.FLOW_FAMILIES
     rank = point.lora_rank
     if flow and rank is None and "kohya" in point.tool.lower():
@@ -128,7 +137,7 @@ def predict(profiles: Profiles, point: "Point", *, interconnect: str = "pcie") -
     """Peak VRAM per GPU, host RAM and micro-batch it/s the planner predicts for ``point``'s own settings."""
     reasons = []
     family, flow, rank = _family_and_rank(point)
-    if point.family == "sd35":
+    if point.family == "sd35" and not point.variant:
         reasons.append("family sd35: Medium or Large not stated")
     elif family not in profiles.models:
         reasons.append(f"family {point.family}: not planned")
@@ -138,8 +147,14 @@ def predict(profiles: Profiles, point: "Point", *, interconnect: str = "pcie") -
         reasons.append(f"optimizer {point.optimizer}: not modelled (only {', '.join(PLANNED_OPTIMIZERS)})")
     if point.method == "lora" and rank is None:
         reasons.append("LoRA rank not stated")
-    if flow and point.method != "lora":
+    if (
+        family in profiles.models
+        and point.method in P.METHODS
+        and not P.registry.family(family).plans(point.method)
+    ):
         reasons.append(f"method {point.method}: not planned for {family}")
+    if flow and point.train_text_encoder:
+        reasons.append(f"text-encoder training: not planned for {family}")
     if point.attention not in PLANNER_ATTENTION:
         reasons.append(f"attention {point.attention}: unknown backend")
     reasons += [n for n in point.unmodelled if n not in MODELLED_NOTES]
@@ -192,6 +207,7 @@ class Point:
     tool: str = ""  # the training tool, as the validation point names it
     set_grads_to_none: bool = True  # torch >= 2.0's zero_grad default; torch 1.x kept zeroed gradients
     base_precision: str = "bf16"  # the frozen transformer base's storage (SD3.5 / FLUX.1)
+    variant: str | None = None  # sd35: medium / large; flux: dev (the default) / schnell
     unmodelled: tuple[str, ...] = ()
     peak_vram_gib: float | None = None
     ram_gib: float | None = None
@@ -228,6 +244,7 @@ MEASURED_SCHEMA = {
 VALIDATION_POINT_SCHEMA = {
     "id": F((str,)),
     "family": F((str,), check=_one_of(*VALIDATION_FAMILIES)),
+    "variant": F((str, type(None)), required=False),
     "method": F((str,), check=_one_of(*METHODS)),
     "tool": F((str,)),
     "gpu": F((str, type(None))),
@@ -310,6 +327,10 @@ def _point_errors(d: dict, catalog: dict) -> list[str]:
         errors.append("source.url: must be a URL")
     if not d["source"]["quote"].strip() or len(d["source"]["quote"]) > 300:
         errors.append("source.quote: must be a short exact quote (1-300 characters)")
+    variant = d.get("variant")
+    if variant is not None and variant not in VARIANTS.get(d["family"], ()):
+        allowed = ", ".join(VARIANTS.get(d["family"], ())) or "none"
+        errors.append(f"variant: {variant!r} is not a {d['family']} variant ({allowed})")
     if d["gpu_in_catalog"]:
         spec = catalog.get(d["gpu"])
         if spec is None:
@@ -362,6 +383,7 @@ def _point_from_yaml(d: dict) -> Point:
         deepspeed=d.get("deepspeed"),
         set_grads_to_none=d.get("set_grads_to_none", True),
         tool=d["tool"],
+        variant=d.get("variant"),
         unmodelled=tuple(d.get("unmodelled") or ()),
         peak_vram_gib=m["peak_vram_gib"],
         it_s=m["it_s"],
