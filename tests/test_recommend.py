@@ -99,10 +99,13 @@ def test_json_shape_is_exactly_the_issue(tmp_path):
         "basis",
     }
     assert d["estimate"]["basis"] in ("measured", "calibrated", "published")
-    # SD1.5 LoRA, 1,040 images: two GPUs' predicted gain clears the time uncertainty (>= 20% of the run; Puget
-    # measured LoRA ~36% faster on 2x RTX 4090 PCIe); the shorter default run above stays on one GPU
-    assert d["needs"] is None and d["plan"]["num_gpus"] == 2 and d["steps"]["images_seen"] == 1040
-    assert d["settings"]["num_gpus"] == d["config"]["distributed"]["num_processes"] == 2
+    # SD1.5 LoRA, 1,040 images on 2x RTX 4090: one or two GPUs by the rule that two must save more than the
+    # time uncertainty (test_pins, test_planner); whichever it is, the plan, the settings and the written
+    # accelerate config agree on it
+    assert d["needs"] is None and d["steps"]["images_seen"] == 1040
+    n = d["plan"]["num_gpus"]
+    assert d["settings"]["num_gpus"] == d["config"]["distributed"]["num_processes"] == n
+    assert (d["estimate"]["speedup_vs_one_gpu"] > 1) == (n > 1)
 
 
 def test_method_alone_on_a_machine_without_gpu(monkeypatch):
