@@ -70,7 +70,7 @@ from sdplan.bench_harness import (
     rss_bytes,
 )
 from sdplan.errors import ConfigError, NoGPUError, UsageError
-from sdplan.registry import FAMILIES, FLOW_FAMILIES, METHODS, PLANNED_FAMILIES
+from sdplan.registry import FAMILIES, FLOW_FAMILIES, FLOW_METHODS, METHODS, PLANNED_FAMILIES
 from sdplan.settings import DEFAULT_LORA_RANK, Settings
 from sdplan.trainer import faults
 
@@ -572,11 +572,6 @@ def planner_settings(snapshot: Any, profiles_: Any, method: str, model: str, res
 
 
 DEMO_FAMILIES = ("sd15", *FLOW_FAMILIES)  # the tiny models of sdplan.trainer.tiny the demo measures
-FLOW_METHODS = (
-    "lora",
-    "finetune",
-    "dreambooth",
-)  # what the trainer does for SD3.5/FLUX (trainer.flow.METHODS)
 
 
 def _family_name(name: str) -> str:
