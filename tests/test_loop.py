@@ -131,3 +131,42 @@ def test_processes_wait_at_a_barrier_longer_than_nccls_ten_minutes(tmp_path, fre
     accelerator = runtime.make_accelerator(cfg, tmp_path)
     assert accelerator.init_handler.to_kwargs() == {"timeout": runtime.PROCESS_GROUP_TIMEOUT}
     assert timedelta(hours=1) <= runtime.PROCESS_GROUP_TIMEOUT
+
+
+def test_the_ema_export_copy_is_made_in_host_ram_one_tensor_at_a_time(monkeypatch):
+    """runtime.host_copy (the EMA export's UNet copy) never deep-copies a tensor where it lives: a plain
+    deepcopy of a model on the GPU would put a whole second model there at the end of a long run."""
+    import torch
+    from diffusers import UNet2DConditionModel
+    from sdplan.trainer import runtime
+
+    unet = UNet2DConditionModel(
+        block_out_channels=(32, 64),
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        cross_attention_dim=32,
+        layers_per_block=1,
+        sample_size=8,
+        attention_head_dim=8,
+        norm_num_groups=8,
+    )
+    unet.requires_grad_(False)
+    unet.conv_in.requires_grad_(True)
+    deep_copied = []
+    for cls in (torch.Tensor, torch.nn.Parameter):
+        original = cls.__deepcopy__
+
+        def counting(self, memo, original=original):
+            deep_copied.append(tuple(self.shape))
+            return original(self, memo)
+
+        monkeypatch.setattr(cls, "__deepcopy__", counting)
+    twin = runtime.host_copy(unet)
+    assert deep_copied == []  # every parameter and buffer came from its one-tensor host copy
+    a, b = unet.state_dict(), twin.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert all(p.device.type == "cpu" for p in twin.parameters())
+    assert {n for n, p in twin.named_parameters() if p.requires_grad} == {"conv_in.weight", "conv_in.bias"}
+    twin.conv_in.weight.data.add_(1.0)  # its own storage
+    assert not torch.equal(twin.conv_in.weight, unet.conv_in.weight)
+    assert type(twin) is UNet2DConditionModel and twin.config == unet.config

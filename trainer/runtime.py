@@ -142,6 +142,22 @@ def vae_dtype(accelerator):
     return torch.bfloat16 if accelerator.mixed_precision == "bf16" else torch.float32
 
 
+def host_copy(model):
+    """A copy of ``model`` with every parameter and buffer in host RAM, made one tensor at a time: a plain
+    ``copy.deepcopy`` of a model on the GPU allocates the whole copy on the GPU, which at an export beside the
+    training state (the EMA weights of a full fine-tune) can run out of memory after hours of training."""
+    import copy
+
+    import torch
+
+    memo: dict[int, Any] = {}
+    for p in model.parameters():
+        memo[id(p)] = torch.nn.Parameter(p.detach().to("cpu", copy=True), requires_grad=p.requires_grad)
+    for b in model.buffers():
+        memo[id(b)] = b.detach().to("cpu", copy=True)
+    return copy.deepcopy(model, memo)
+
+
 def same_device(a, b) -> bool:
     """Whether tensors on ``a`` are on ``b``. accelerate's one-GPU device is ``cuda`` without an index, while a
     tensor on it says ``cuda:0`` (``torch.device("cuda:0") != torch.device("cuda")``): a device without an

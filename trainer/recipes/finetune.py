@@ -13,11 +13,10 @@ single-file ``.safetensors``, beside what every run writes (``trainer/loop.py``)
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 from typing import Any
 
-from .. import export
+from .. import export, runtime
 from ..checkpoint import unwrap
 from ..loop import Ema, Recipe
 
@@ -55,7 +54,7 @@ class Finetune(Recipe):
     def export(self, out_dir: Path, metadata: dict[str, Any], ema: Ema | None) -> list[Path]:
         written = self.save_pipeline(out_dir, unwrap(self.unet), metadata, self.cfg.output.name)
         if ema is not None:
-            ema_unet = copy.deepcopy(unwrap(self.unet))
+            ema_unet = runtime.host_copy(unwrap(self.unet))  # not a second UNet on the GPU
             ema.copy_to(ema_unet)
             meta = {**metadata, "ema_decay": ema.decay, "ema_update_every": ema.every}
             written += self.save_pipeline(
