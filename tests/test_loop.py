@@ -95,27 +95,92 @@ def test_ema_of_bf16_weights_is_kept_in_fp32_and_follows_them():
     assert model.weight.dtype == torch.bfloat16 and float(model.weight.detach().float().mean()) > 0.55
 
 
+def _peak_new_bytes(fn):
+    """(result, peak bytes of the tensors ``fn`` creates that are alive at once): every op's new output storage
+    is counted once while a Python reference to it lives (views and in-place results are not new). Deterministic, unlike
+    the process's peak RSS, which earlier tests in the same worker may already have raised."""
+    import weakref
+
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    live: dict[int, tuple] = {}  # storage pointer -> (weakref to a tensor using it, bytes)
+    peak = [0]
+
+    class Meter(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            inputs = {
+                t.untyped_storage().data_ptr()
+                for t in tree_leaves((args, kwargs))
+                if isinstance(t, torch.Tensor)
+            }
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    ptr = t.untyped_storage().data_ptr()
+                    if ptr in inputs:  # a view or an in-place result: nothing new
+                        continue
+                    if ptr not in live or live[ptr][0]() is None:
+                        live[ptr] = (weakref.ref(t), t.untyped_storage().nbytes())
+            for ptr in [k for k, (ref, _) in live.items() if ref() is None]:
+                del live[ptr]
+            peak[0] = max(peak[0], sum(n for _, n in live.values()))
+            return out
+
+    with Meter():
+        result = fn()
+    return result, peak[0]
+
+
+def _bf16_model():
+    import torch
+
+    class Tiny(torch.nn.Sequential):
+        config: dict = {}
+
+    return Tiny(*(torch.nn.Linear(512, 512, bias=False) for _ in range(8))).to(torch.bfloat16)
+
+
 def test_ema_holds_one_fp32_copy_of_the_weights_while_it_is_made():
     """EMAModel clones what it is given: handing it fp32 copies held two copies of the model at once (on the
     GPU with ema.device=gpu: an SDXL UNet in bf16 took 4x its size at start-up instead of 2x)."""
-    import diffusers.training_utils  # noqa: F401  (imported before measuring)
     import torch
     from sdplan.trainer.loop import Ema
 
-    from sdplan.bench_harness import PeakRSS
+    model = _bf16_model()
+    fp32_bytes = sum(p.numel() for p in model.parameters()) * 4
+    ema, peak = _peak_new_bytes(lambda: Ema(model, decay=0.99, device="cpu", every=1))
+    assert peak <= 1.05 * fp32_bytes  # one fp32 copy (two before)
+    averages = ema.model.shadow_params
+    assert all(a.dtype == torch.float32 for a in averages)
+    assert all(torch.equal(a, p.detach().float()) for a, p in zip(averages, model.parameters()))
+    assert ema.model.state_dict()["shadow_params"][0] is averages[0]  # what a checkpoint saves
 
-    class Tiny(torch.nn.Linear):
-        config: dict = {}
 
-    model = Tiny(4096, 4096, bias=False).to(torch.bfloat16)
-    fp32_bytes = 4096 * 4096 * 4
-    with PeakRSS() as meter:
-        start = meter.peak
-        ema = Ema(model, decay=0.99, device="cpu", every=1)
-    assert 0.9 < (meter.peak - start) / fp32_bytes < 1.5  # one fp32 copy (two before)
-    (average,) = ema.model.shadow_params
-    assert average.dtype == torch.float32 and torch.equal(average, model.weight.detach().float())
-    assert ema.model.state_dict()["shadow_params"][0] is average  # what a checkpoint saves
+def test_an_ema_update_holds_one_parameter_copy_at_a_time_and_follows_emamodel():
+    """EMAModel.step takes a list: the fp32 copies of bf16 weights (or host-RAM copies of GPU weights) it needs
+    were all alive at once, a whole fp32 model per update. Ema.step converts one parameter at a time, with
+    EMAModel's own decay schedule and the same result."""
+    import torch
+    from diffusers.training_utils import EMAModel
+    from sdplan.trainer.loop import Ema
+
+    model = _bf16_model()
+    ema = Ema(model, decay=0.9, device="cpu", every=1)
+    reference = EMAModel([p.detach().float().clone() for p in model.parameters()], decay=0.9)
+    one_fp32 = max(p.numel() for p in model.parameters()) * 4
+    for _ in range(3):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.25)
+        _, peak = _peak_new_bytes(lambda: ema.step(model.parameters()))
+        assert peak <= 3 * one_fp32  # a parameter's copy and lerp's temporaries, never the model's
+        reference.step([p.detach().float().requires_grad_(True) for p in model.parameters()])
+    assert ema.model.optimization_step == reference.optimization_step == 3
+    assert ema.model.cur_decay_value == reference.cur_decay_value
+    for a, b in zip(ema.model.shadow_params, reference.shadow_params):
+        assert torch.allclose(a, b, atol=1e-6)
 
 
 def test_processes_wait_at_a_barrier_longer_than_nccls_ten_minutes(tmp_path, fresh_accelerator_state):

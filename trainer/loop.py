@@ -340,12 +340,18 @@ class Ema:
         return cls(model, e.decay, torch.device("cpu") if e.device == "cpu" else device, e.update_every)
 
     def step(self, parameters) -> None:
+        """One EMA update with EMAModel's decay schedule (``get_decay``), one parameter at a time: EMAModel.step
+        takes a list, so the fp32 / host-RAM copies it needs here (bf16 weights, an EMA in host RAM) would all
+        exist at once: a whole fp32 model (10 GB for SDXL, 48 GB for FLUX.1) beside the training state."""
         import torch
 
-        # EMAModel averages a parameter only when it requires grad: the copies say so.
+        ema = self.model
+        ema.optimization_step += 1
+        decay = ema.get_decay(ema.optimization_step)
+        ema.cur_decay_value = decay
         with torch.no_grad():
-            params = [p.detach().to(self.device, torch.float32).requires_grad_(True) for p in parameters]
-        self.model.step(params)
+            for average, p in zip(ema.shadow_params, parameters):
+                average.lerp_(p.detach().to(average.device, average.dtype), 1.0 - decay)
 
     def copy_to(self, model) -> None:
         self.model.copy_to(model.parameters())
