@@ -41,7 +41,6 @@ def planner_verdicts(snapshot: Snapshot) -> list[Verdict]:
     from sdplan.profiles import load_profiles
 
     profiles = load_profiles()
-    no_gpu = not snapshot.usable_gpus
     hardware = hardware_from_snapshot(snapshot, profiles)
     out: list[Verdict] = []
     for method in METHODS:
@@ -60,7 +59,9 @@ def planner_verdicts(snapshot: Snapshot) -> list[Verdict]:
             if not result.feasible or s is None or result.memory is None:
                 need = (result.needs or {}).get("min_vram_bytes")
                 what = f"needs a {need / 2**30:.0f} GiB GPU" if need else "does not fit"
-                out.append(Verdict(method, family, "no", f"no usable GPU; {what}" if no_gpu else what))
+                out.append(
+                    Verdict(method, family, "no", what)
+                )  # the table's title says when no GPU is usable
                 continue
             savers = [s.precision, f"batch {s.batch}"]
             if s.gradient_checkpointing:
@@ -218,7 +219,10 @@ def render(snapshot: Snapshot, console: Console, verdicts: VerdictFn = planner_v
         console.print("[bold]Findings[/]: none [green]ok[/]")
 
     grid = verdict_grid(list(verdicts(snapshot)))
-    table = Table(title="Verdict (planner: fastest one-GPU plan at native resolution)", title_justify="left")
+    title = "Verdict (planner: fastest one-GPU plan at native resolution)"
+    if not snapshot.usable_gpus:
+        title = "Verdict: no usable GPU here; the smallest GPU each would need (planner, native resolution)"
+    table = Table(title=title, title_justify="left")
     table.add_column("method")
     for family in PLANNED_FAMILIES:
         table.add_column(family, overflow="fold")

@@ -248,6 +248,15 @@ def test_render_takes_any_verdict_function():
     assert "unknown" in text  # pairs the planner did not answer are shown as unknown
 
 
+def test_without_a_gpu_the_verdicts_say_so_once_and_each_cell_the_gpu_it_needs():
+    snap = Snapshot.load(MACHINES / "cpu_only.json")
+    console = Console(record=True, width=200)
+    render(snap, console)
+    text = console.export_text()
+    assert text.count("no usable GPU here") == 1 and "no usable GPU;" not in text
+    assert "needs a 3 GiB GPU" in text  # SD 1.x LoRA
+
+
 def test_report_rows_mark_missing_values_not_zero():
     snap = Snapshot.load(MACHINES / "t4.json")
     from dataclasses import replace
