@@ -61,7 +61,8 @@ PLANNER_LORA_TARGETS = {
 
 
 # the validation schema's family names -> the planner's. "flux": FLUX.1 [dev] (what every validation source
-# trains; [schnell] has the same network without the guidance embedder). "sd35" does not say Medium or Large.
+# trains; [schnell] has the same network without the guidance embedder), unless the point's `variant` says
+# otherwise; "sd35" needs the variant (Medium or Large).
 PLANNER_FAMILY = {"sd15": "sd15", "sd21": "sd21", "sdxl": "sdxl", "flux": "flux-dev"}
 # a point's `variant` names the model within a validation family: sd35 medium / large, flux dev / schnell
 VARIANTS = {"sd35": ("medium", "large"), "flux": ("dev", "schnell")}

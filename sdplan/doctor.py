@@ -59,9 +59,8 @@ def planner_verdicts(snapshot: Snapshot) -> list[Verdict]:
             if not result.feasible or s is None or result.memory is None:
                 need = (result.needs or {}).get("min_vram_bytes")
                 what = f"needs a {need / 2**30:.0f} GiB GPU" if need else "does not fit"
-                out.append(
-                    Verdict(method, family, "no", what)
-                )  # the table's title says when no GPU is usable
+                # no "no usable GPU" here: the table's title says it once
+                out.append(Verdict(method, family, "no", what))
                 continue
             savers = [s.precision, f"batch {s.batch}"]
             if s.gradient_checkpointing:

@@ -1548,7 +1548,7 @@ def plan(hardware: Hardware | Any, profiles: Profiles, request: Request) -> Resu
     speedup = one.seconds / best.seconds if (one and one.seconds and best.seconds) else None
     reasons += _reasons(req, hardware, best, one, best_by_n, fitting, cal, profiles)
     if flow_family(req.model):
-        reasons += _flow_reasons(req, best, fitting, profiles)
+        reasons += _flow_reasons(req, best, fitting, cal, profiles)
     alternatives = tuple(sorted(best_by_n.values(), key=lambda c: c.setup.num_gpus))
     return Result(
         feasible=True,
@@ -2278,7 +2278,9 @@ def base_precision_allowed(base_precision: str, gpu: HWGPU) -> str | None:
     return None
 
 
-def _flow_reasons(req: Request, best: Candidate, fitting: list[Candidate], profiles: Profiles) -> list[str]:
+def _flow_reasons(
+    req: Request, best: Candidate, fitting: list[Candidate], cal: Calibration, profiles: Profiles
+) -> list[str]:
     s = best.setup
     model = profiles.model(s.model)
     r = (
@@ -2294,7 +2296,6 @@ def _flow_reasons(req: Request, best: Candidate, fitting: list[Candidate], profi
             f"LoRA rank {s.lora_rank} on {len(_lora_linears(model, s))} Linear kinds of the transformer "
             f"({best.memory.trainable_params / 1e6:.1f}M parameters, counted from the config's shapes)"
         )
-    cal = calibrate(profiles)
     if cal.flow_efficiency:
         pts = ", ".join(i for i, _ in cal.flow_points)
         r.append(
