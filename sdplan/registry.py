@@ -157,6 +157,11 @@ RECIPES = {m.name: m.recipe for m in METHOD_LIST}
 DEFAULT_FAMILY = "sd15"  # a hub id whose name names no family
 
 
+def one_of(names: tuple[str, ...]) -> str:
+    """'a, b or c': a list of names for help texts."""
+    return f"{', '.join(names[:-1])} or {names[-1]}" if len(names) > 1 else "".join(names)
+
+
 def method(name: str) -> Method:
     """The method called ``name`` (or one of its aliases); UsageError naming the closest otherwise."""
     return _lookup("method", name, METHOD_LIST)

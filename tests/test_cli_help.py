@@ -59,3 +59,16 @@ def test_bare_sdplan_prints_the_help():
     proc = subprocess.run([sys.executable, "-m", "sdplan.cli"], capture_output=True, text=True)
     assert "Usage: sdplan" in proc.stdout + proc.stderr and "error:" not in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("command", ["recommend", "bench"])
+def test_help_names_every_family_and_method(command):
+    """The --model / --method help comes from the registry: `recommend --help` said "sd15, sd21 or sdxl" while
+    SD3.5 and FLUX.1 were planned."""
+    from sdplan import registry
+
+    result = CliRunner().invoke(app, [command, "--help"], env={"COLUMNS": "400"})
+    assert result.exit_code == 0, result.output
+    families = registry.PLANNED_FAMILIES if command == "recommend" else registry.FAMILIES
+    for name in (*families, *registry.METHODS):
+        assert name in result.output, (name, result.output)

@@ -8,6 +8,7 @@ from typing import Annotated, Any
 import typer
 from rich.markup import escape
 
+from sdplan import registry
 from sdplan.commands._common import cli_errors, console, err_console
 
 
@@ -19,7 +20,7 @@ def bench(
             "--method",
             "-m",
             metavar="M",
-            help="lora, dreambooth, finetune or textual-inversion (repeat for several). "
+            help=f"{registry.one_of(registry.METHODS)} (repeat for several). "
             "Default: every method the planner has no measurement for on this GPU.",
         ),
     ] = None,
@@ -28,8 +29,7 @@ def bench(
         typer.Option(
             "--model",
             metavar="F",
-            help="sd15, sd21, sdxl, sd35-medium, sd35-large, flux-dev or flux-schnell (repeat for several). "
-            "Default: sd15 and sdxl.",
+            help=f"{registry.one_of(registry.FAMILIES)} (repeat for several). Default: sd15 and sdxl.",
         ),
     ] = None,
     resolution: Annotated[

@@ -7,6 +7,7 @@ from typing import Annotated
 
 import typer
 
+from sdplan import registry
 from sdplan.commands._common import cli_errors, console, err_console, reject_empty
 
 EXIT_NOTHING_FITS = 1
@@ -15,9 +16,11 @@ EXIT_NOTHING_FITS = 1
 @cli_errors
 def recommend(
     method: Annotated[
-        str, typer.Option("--method", help="What to train: lora, dreambooth, finetune or textual-inversion.")
+        str, typer.Option("--method", help=f"What to train: {registry.one_of(registry.METHODS)}.")
     ],
-    model: Annotated[str, typer.Option("--model", help="Model family: sd15, sd21 or sdxl.")] = "sd15",
+    model: Annotated[
+        str, typer.Option("--model", help=f"Model family: {registry.one_of(registry.PLANNED_FAMILIES)}.")
+    ] = registry.DEFAULT_FAMILY,
     resolution: Annotated[
         int | None,
         typer.Option("--resolution", help="Training resolution in pixels (default: the family's native)."),
