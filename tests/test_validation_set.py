@@ -233,3 +233,25 @@ def test_each_point_is_predicted_at_its_own_settings(prof, points):
     b1 = accuracy.predict(prof, by_id["invokeai3008-t4-ti-b1"])
     b4 = accuracy.predict(prof, by_id["invokeai3008-t4-ti-b4"])
     assert b4.peak_vram_bytes > b1.peak_vram_bytes  # batch 4 vs 1, not the planner's own choice
+
+
+def test_verdicts_with_the_card_inside_the_likely_range_are_counted_apart(prof):
+    """The fit verdict is also reported for the verdicts whose likely peak range lies wholly on one side of the
+    card's memory (those `recommend` states without its "may run out of memory" flag)."""
+    low, high = prof.uncertainty.peak_vram
+    base = {"agree": True, "within_range": False}
+    verdicts = [
+        base,
+        {**base, "agree": False},
+        {"agree": False, "within_range": True},
+        {"agree": True, "within_range": True},
+    ]
+    got = accuracy._agreement(verdicts)
+    assert (got["agree"], got["total"]) == (2, 4)
+    assert (got["outside_range_agree"], got["outside_range_total"], got["within_range"]) == (1, 2, 2)
+    # point_rows marks a card inside [low, high) x the predicted peak
+    pt = next(p for p in accuracy.load_validation(VALIDATION, prof) if p.fit_claims)
+    _, rows, pred = accuracy.point_rows(prof, pt)
+    peak = pred.peak_vram_bytes / accuracy.GiB
+    for (memory, _), row in zip(pt.fit_claims, rows, strict=True):
+        assert row["within_range"] == (low * peak <= memory < high * peak)
