@@ -1948,6 +1948,8 @@ BASE_PRECISION_BYTES = {"bf16": 2.0, "fp8": 1.0, "nf4": 0.5 + 4.0 / 64.0}
 # Time per transformer FLOP relative to a bf16 base. UNCALIBRATED (no published same-GPU pair of bf16 and
 # quantized-base step times for these families): the base's weights are dequantised to bf16 before every matmul
 # (fp8: a cast; nf4: bitsandbytes' dequantize kernel), forward and backward; the ranges are wide on purpose.
+# The nf4 range agrees with the one public same-GPU pair found, for a language model: bitsandbytes issue 465
+# (LoRA on an RTX A5000, fp16 vs nf4 base) "For nf4 20-100% drop for 7B model depending on batch size".
 BASE_PRECISION_TIME = {"bf16": (1.0, (1.0, 1.0)), "fp8": (1.1, (1.0, 1.3)), "nf4": (1.3, (1.1, 1.8))}
 # A quantized base changes the result a little (its forward is the quantized network's): a small handicap so
 # it is chosen where it makes a plan fit or clearly faster, not by default.
