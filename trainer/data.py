@@ -50,10 +50,17 @@ def _rng(*parts: Any) -> random.Random:
     return random.Random(int.from_bytes(digest[:8], "little"))
 
 
+_SIXTEEN_BIT_GRAY = ("I", "I;16", "I;16L", "I;16B", "I;16N")  # how PIL opens a 16-bit grayscale PNG
+
+
 def _to_rgb(im: Image.Image) -> Image.Image:
-    """RGB; transparent pixels become white (not the black of a plain convert)."""
+    """RGB; transparent pixels become white (not the black of a plain convert); 16-bit grayscale scaled to
+    8 bits (a plain convert clips every value above 255, so the image trains as white)."""
     if im.mode == "RGB":
         return im
+    if im.mode in _SIXTEEN_BIT_GRAY:
+        gray = np.asarray(im, dtype=np.float64) / 257.0  # 0..65535 -> 0..255
+        return Image.fromarray(np.clip(gray, 0, 255).round().astype(np.uint8), "L").convert("RGB")
     if im.mode in ("RGBA", "LA", "PA") or (im.mode == "P" and "transparency" in im.info):
         rgba = im.convert("RGBA")
         background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))

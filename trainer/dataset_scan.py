@@ -38,7 +38,8 @@ Three layouts, detected in this order:
     (``a.png`` + ``a.txt``). Without one: ``default_caption``, else ``None`` (the recipe then uses the
     instance prompt). Every image repeats ``repeats`` times.
 
-Caption files: the first non-empty line, stripped (as kohya reads them); an empty file counts as missing.
+Caption files: UTF-8 (a byte-order mark dropped) or UTF-16 with its mark; the first non-empty line, stripped
+(as kohya reads them); an empty file counts as missing, and one in another encoding is an error naming it.
 Images: png, jpg, jpeg, webp, bmp in any letter case. Files and folders whose names start with ``.`` are
 ignored without a word; every other file that is neither a usable image nor a caption for one is listed in
 ``Scan.skipped`` with its reason, once. Zero-byte images are always skipped (a cheap ``stat``); with
@@ -48,6 +49,7 @@ skipped too, and ``Item.size`` records each image's ``(width, height)`` (aspect-
 
 from __future__ import annotations
 
+import codecs
 import json
 import os
 import re
@@ -139,20 +141,20 @@ def scan(
 ) -> Scan:
     """Find the images under ``root`` and their captions (see the module doc for the layouts).
 
-    Raises :class:`DatasetError` when ``root`` is missing or not a folder, or a ``.json`` in it is not valid
-    JSON (file, line and column); an empty or unreadable
+    Raises :class:`DatasetError` when ``root`` is missing or not a folder, a ``.json`` in it is not valid
+    JSON (file, line and column), or a caption file is not UTF-8 / UTF-16 text; an empty or unreadable
     dataset is a :class:`Scan` with no items (``require_images`` turns that into an error).
     """
     root = Path(root).expanduser()
     if not root.exists():
         raise DatasetError(
             f"dataset folder {root} does not exist",
-            fix="set data.path to the folder that holds the training images",
+            fix="give --dataset (data.path in sdplan.yaml) the folder that holds the training images",
         )
     if not root.is_dir():
         raise DatasetError(
             f"dataset path {root} is not a folder",
-            fix="set data.path to the folder that holds the images, not to one file",
+            fix="give --dataset (data.path in sdplan.yaml) the folder that holds the images, not one file",
         )
     if repeats < 1:
         raise DatasetError(f"repeats must be >= 1, got {repeats}", fix="set data.repeats to 1 or more")
@@ -238,14 +240,32 @@ def _not_image_reason(path: Path) -> str:
 
 def _read_caption(path: Path) -> str | None:
     try:
-        text = path.read_text(encoding="utf-8", errors="replace")
+        raw = path.read_bytes()
     except OSError:
         return None
-    for line in text.splitlines():
+    for line in _decode_caption(path, raw).splitlines():
         line = line.strip()
         if line:
             return line
     return None
+
+
+def _decode_caption(path: Path, raw: bytes) -> str:
+    """UTF-8 with or without a byte-order mark (Windows editors write one), or UTF-16 with its mark
+    (Notepad's "Unicode"); anything else is an error naming the file: decoding it with replacement
+    characters would train on a garbled caption without a word."""
+    if raw.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
+        try:
+            return raw.decode("utf-16")
+        except UnicodeDecodeError:
+            pass
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise DatasetError(
+            f"caption {path} is not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start})",
+            fix="save it as UTF-8 (in most editors: Save as, encoding UTF-8)",
+        ) from None
 
 
 def _pair_captions(root, files, result, cap_ext, repeats, fallback) -> None:

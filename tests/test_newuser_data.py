@@ -1,0 +1,66 @@
+"""What a new user's dataset holds and the first run tripped on: captions saved by Windows editors (a UTF-8
+byte-order mark, UTF-16, a legacy code page) and 16-bit grayscale PNGs."""
+
+from __future__ import annotations
+
+import codecs
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import one_line_error
+from PIL import Image
+from sdplan.trainer.dataset_scan import scan
+from typer.testing import CliRunner
+
+from sdplan.cli import app
+from sdplan.errors import DatasetError
+
+
+def picture(path: Path) -> Path:
+    Image.new("RGB", (32, 32), (10, 20, 30)).save(path)
+    return path
+
+
+def captions(folder: Path) -> dict[str, str | None]:
+    return {it.path.name: it.caption for it in scan(folder).items}
+
+
+def test_a_byte_order_mark_is_not_part_of_the_caption(tmp_path):
+    picture(tmp_path / "a.png")
+    (tmp_path / "a.txt").write_bytes(codecs.BOM_UTF8 + b"a photo of sks dog\r\nsecond line\r\n")
+    assert captions(tmp_path) == {"a.png": "a photo of sks dog"}
+
+
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-be"])
+def test_a_utf16_caption_reads_as_its_text(tmp_path, encoding):
+    picture(tmp_path / "a.png")
+    raw = "café au lait".encode(encoding)
+    if encoding == "utf-16-be":
+        raw = codecs.BOM_UTF16_BE + raw
+    (tmp_path / "a.txt").write_bytes(raw)
+    assert captions(tmp_path) == {"a.png": "café au lait"}
+
+
+def test_a_caption_in_another_encoding_is_an_error_naming_it(tmp_path):
+    picture(tmp_path / "a.png")
+    (tmp_path / "a.txt").write_bytes("café au lait".encode("cp1252"))
+    with pytest.raises(DatasetError, match=r"a\.txt is not UTF-8 text"):
+        scan(tmp_path)
+    result = CliRunner().invoke(
+        app, ["recommend", "--method", "lora", "--hardware", "RTX 4090", "--dataset", str(tmp_path)]
+    )
+    one_line_error(result, 2, "a.txt", "UTF-8")
+
+
+def test_a_16_bit_grayscale_png_keeps_its_gray(tmp_path):
+    from sdplan.trainer.data import CaptionedImages
+
+    path = tmp_path / "scan.png"
+    Image.fromarray(np.full((32, 32), 40000, dtype=np.uint16)).save(path)
+    with Image.open(path) as im:
+        assert im.mode.startswith("I")  # how PIL opens it: a plain convert("RGB") clips it to white
+    pixels = CaptionedImages(scan(path.parent).items, resolution=32)[0]["pixel_values"]
+    expected = round(40000 / 257) / 127.5 - 1.0  # 156 of 255: a mid gray
+    assert pixels.shape == (3, 32, 32)
+    assert abs(float(pixels.mean()) - expected) < 1e-3 and float(pixels.max() - pixels.min()) < 1e-6
