@@ -81,11 +81,14 @@ def parse_hardware(text: str, profiles: Profiles) -> planner.Hardware:
     """'2x RTX 4090', 'RTX 4090', 'H100 SXM x8' -> catalog hardware; unknown names raise UsageError."""
     if not text or not text.strip():
         raise UsageError("empty --hardware", fix="e.g. --hardware '2x RTX 4090'")
-    count, name = 1, text.strip()
+    name = text.strip()
+    readings = [(1, name)]  # a catalog name can read as a count too: "7900 XTX" is not 7900 x "TX"
     if m := _COUNT.match(name):
-        count, name = int(m.group(1)), m.group(2)
-    elif m := _COUNT_AFTER.match(name):
-        count, name = int(m.group(2)), m.group(1)
+        readings.append((int(m.group(1)), m.group(2)))
+    if m := _COUNT_AFTER.match(name):
+        readings.append((int(m.group(2)), m.group(1)))
+    fallback = readings[1] if len(readings) > 1 else readings[0]  # neither names a GPU: the error says why
+    count, name = next((r for r in readings if profiles.gpu_or_none(r[1]) is not None), fallback)
     if count < 1 or count > 64:
         raise UsageError(f"GPU count in {text!r} must be between 1 and 64")
     match = profiles.match_gpu(name, count=count)
@@ -167,6 +170,34 @@ def parse_pins(items: tuple[str, ...] | list[str], method: str, model: str) -> t
     return tuple(pins.items()), resolution
 
 
+# sdplan.yaml keys that size the run as a flag does: pinned, they count as that flag (and must agree with it)
+_SIZING_KEYS = {"data.path": "--dataset", "data.repeats": "--repeats", "training.epochs": "--epochs"}
+
+
+def _sizing_pins(inp: RecommendInputs) -> RecommendInputs:
+    """``inp`` with its ``data.path`` / ``data.repeats`` / ``training.epochs`` pins in the flags' places (the
+    plan counted its steps without them, and `--out` wrote a config whose max_steps contradicted them)."""
+    given = {item.partition("=")[0].strip() for item in inp.settings}
+    keys = [key for key in _SIZING_KEYS if key in given]
+    if not keys:
+        return inp
+    base = cfgmod.default_config()
+    base["method"] = inp.method
+    base["model"]["family"] = inp.model
+    cfg = cfgmod.validate(cfgmod.apply_overrides(base, list(inp.settings)), source="key=value settings")
+    changes: dict[str, Any] = {}
+    for key in keys:
+        flag = _SIZING_KEYS[key]
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        field = flag.removeprefix("--")
+        given_flag = getattr(inp, field)
+        if given_flag is not None and str(given_flag) != str(value):
+            raise UsageError(f"{flag} {given_flag} and {key}={value} disagree", fix="give one")
+        changes[field] = str(value) if field == "dataset" else value
+    return replace(inp, **changes)
+
+
 def _check_choice(kind: str, value: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
         close = difflib.get_close_matches(value, choices, n=1)
@@ -192,6 +223,7 @@ def build_request(inp: RecommendInputs, profiles: Profiles) -> tuple[planner.Req
             raise UsageError(f"{name} must be >= 1, got {v}")
     if inp.resolution is not None and not cfgmod.resolution_ok(inp.resolution):
         raise UsageError(f"--resolution {cfgmod.RESOLUTION_RULE}, got {inp.resolution}")
+    inp = _sizing_pins(inp)
     if inp.dataset and inp.images is not None:
         raise UsageError("give --dataset or --images, not both")
     if inp.hardware is not None and inp.machine is not None:

@@ -1,0 +1,96 @@
+"""What a new user typed and sdplan misread: GPU names that read as a count ("7900 XTX"), key=value pins
+that size the run (training.epochs, data.repeats, data.path), a key given twice, `doctor --save` a folder."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import make_images, one_line_error
+from typer.testing import CliRunner
+
+from sdplan.cli import app
+from sdplan.profiles import load_profiles
+from sdplan.recommend import parse_hardware
+
+MACHINES = Path(__file__).resolve().parent / "fixtures" / "machines"
+runner = CliRunner()
+
+
+def cli(*args: str):
+    return runner.invoke(app, list(args))
+
+
+@pytest.mark.parametrize(
+    ("typed", "name", "count"),
+    [
+        ("7900 XTX", "RX 7900 XTX", 1),
+        ("7900 XT", "RX 7900 XT", 1),
+        ("2x 7900 XTX", "RX 7900 XTX", 2),
+        ("7900 XTX x2", "RX 7900 XTX", 2),
+        ("2x RTX 4090", "RTX 4090", 2),
+        ("RTX 4090 x2", "RTX 4090", 2),
+    ],
+)
+def test_a_gpu_name_that_reads_as_a_count_is_the_gpu(typed, name, count):
+    hw = parse_hardware(typed, load_profiles())
+    assert (hw.gpus[0].name, hw.count) == (name, count)
+
+
+def test_a_count_out_of_range_is_still_refused():
+    result = cli("recommend", "--method", "lora", "--hardware", "999x RTX 4090")
+    one_line_error(result, 2, "between 1 and 64")
+
+
+def plan(*args: str) -> dict:
+    result = cli("recommend", "--method", "lora", "--hardware", "RTX 4090", "--json", *args)
+    assert result.exit_code == 0, result.stderr
+    return yaml.safe_load(result.stdout)
+
+
+def test_sizing_pins_count_as_their_flags(tmp_path):
+    assert plan("training.epochs=3")["steps"] == plan("--epochs", "3")["steps"]
+    assert (
+        plan("--images", "8", "data.repeats=3")["steps"] == plan("--images", "8", "--repeats", "3")["steps"]
+    )
+    data = make_images(tmp_path / "data", 6)
+    assert plan(f"data.path={data}")["steps"] == plan("--dataset", str(data))["steps"]
+    assert plan("training.epochs=3")["steps"] != plan()["steps"]  # the pin was dropped: 10 epochs planned
+
+
+def test_a_sizing_pin_that_contradicts_its_flag_is_refused():
+    result = cli(
+        "recommend", "--method", "lora", "--hardware", "RTX 4090", "--epochs", "3", "training.epochs=5"
+    )
+    one_line_error(result, 2, "--epochs 3", "training.epochs=5", "disagree")
+
+
+def test_the_written_config_trains_the_pinned_epochs(tmp_path):
+    out = tmp_path / "plan"
+    result = cli(
+        "recommend", "--method", "lora", "--hardware", "RTX 4090", "--out", str(out), "training.epochs=3"
+    )
+    assert result.exit_code == 0, result.stderr
+    training = yaml.safe_load((out / "sdplan.yaml").read_text())["training"]
+    # max_steps is 3 epochs' steps (it was the default 10 epochs' beside epochs: 3)
+    assert (training["epochs"], training["max_steps"]) == (3, plan("--epochs", "3")["steps"]["total_steps"])
+
+
+@pytest.mark.parametrize("command", ["recommend", "train"])
+def test_a_key_given_twice_with_two_values_is_refused(command, tmp_path):
+    args = ["--method", "lora", "--dataset", str(tmp_path), "--dry-run"] if command == "train" else []
+    if command == "recommend":
+        args = ["--method", "lora", "--hardware", "RTX 4090"]
+    result = cli(command, *args, "training.batch_size=4", "training.batch_size=8")
+    one_line_error(result, 2, "training.batch_size given twice")
+
+
+def test_a_key_given_twice_with_one_value_is_fine():
+    assert plan("training.batch_size=2", "training.batch_size=2")["plan"]["batch_size"] == 2
+
+
+def test_doctor_save_to_a_folder_says_so_with_or_without_force(tmp_path):
+    for extra in ([], ["--force"]):
+        result = cli("doctor", "--machine", str(MACHINES / "t4.json"), "--save", str(tmp_path), *extra)
+        one_line_error(result, 2, "is a folder", "machine.json")
