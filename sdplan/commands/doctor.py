@@ -47,6 +47,10 @@ def doctor(
 
     if save is not None:
         save = Path(save)
+        if save.is_dir():  # --force cannot help: the snapshot is one file
+            raise UsageError(
+                f"--save {save} is a folder", fix=f"give a file, e.g. --save {save / 'machine.json'}"
+            )
         if save.exists() and not force:
             raise OutputExistsError(f"{save} already exists", fix="pass --force to overwrite it")
         try:

@@ -10,7 +10,7 @@ from typing import Annotated
 
 import typer
 
-from sdplan.commands._common import cli_errors, console, reject_empty
+from sdplan.commands._common import cli_errors, console, reject_empty, reject_repeated_settings
 
 
 class Method(str, Enum):
@@ -128,6 +128,7 @@ def train(
     from sdplan.launcher import UI, TrainRequest, check_stack
 
     reject_empty(model=model, dataset=dataset, out=out, config=config)
+    reject_repeated_settings(ctx.args)
     check_stack()  # once, before the demo or the run writes anything
 
     interactive = sys.stdin.isatty() and sys.stdout.isatty()
