@@ -64,3 +64,22 @@ def test_a_16_bit_grayscale_png_keeps_its_gray(tmp_path):
     expected = round(40000 / 257) / 127.5 - 1.0  # 156 of 255: a mid gray
     assert pixels.shape == (3, 32, 32)
     assert abs(float(pixels.mean()) - expected) < 1e-3 and float(pixels.max() - pixels.min()) < 1e-6
+
+
+def test_a_large_photo_trains_without_a_dos_attack_warning_and_a_huge_one_is_skipped(tmp_path, monkeypatch):
+    import warnings
+
+    from sdplan.trainer.data import CaptionedImages
+
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)  # as a 100-megapixel photo against PIL's 89.5
+    Image.new("RGB", (40, 40), (90, 90, 90)).save(tmp_path / "large.png")  # 1600 pixels: PIL warns
+    Image.new("RGB", (50, 50), (90, 90, 90)).save(tmp_path / "huge.png")  # 2500 > 2 x 1000: PIL refuses
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        result = scan(tmp_path, verify=True)
+        CaptionedImages(result.items, resolution=32, buckets=[(32, 32)])[0]
+    assert [it.path.name for it in result.items] == ["large.png"]
+    assert [(p.name, "too large" in why and "downscale" in why) for p, why in result.skipped] == [
+        ("huge.png", True)
+    ]
+    assert not [w for w in seen if issubclass(w.category, Image.DecompressionBombWarning)], seen

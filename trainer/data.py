@@ -37,7 +37,7 @@ from PIL import Image, ImageOps
 from sdplan.errors import DatasetError
 
 from .buckets import assign_buckets, bucket_table, make_buckets
-from .dataset_scan import Item, Scan, image_size, require_images, scan
+from .dataset_scan import Item, Scan, image_size, quiet_large_images, require_images, scan
 
 if TYPE_CHECKING:
     from sdplan.config import TrainConfig
@@ -187,6 +187,7 @@ class CaptionedImages(torch.utils.data.Dataset):
         th, tw = self.target_size(index)
         data = Path(item.path).read_bytes()
         digest = hashlib.sha256(data).hexdigest()
+        quiet_large_images()  # here too: DataLoader workers are fresh processes
         with Image.open(io.BytesIO(data)) as opened:
             im = ImageOps.exif_transpose(opened)
             im = _to_rgb(im)

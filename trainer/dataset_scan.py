@@ -202,10 +202,22 @@ def is_image(path: str | os.PathLike[str]) -> bool:
     return Path(path).suffix.lower() in IMAGE_EXTENSIONS
 
 
+def quiet_large_images() -> None:
+    """Silence PIL's DecompressionBombWarning ("could be decompression bomb DOS attack", once per open) for
+    a large photo of the user's own (a 100-megapixel camera's): images over PIL's hard limit are still
+    refused (:func:`check_image` lists them as skipped)."""
+    import warnings
+
+    from PIL import Image
+
+    warnings.filterwarnings("ignore", category=Image.DecompressionBombWarning)  # idempotent
+
+
 def image_size(path: str | os.PathLike[str]) -> tuple[int, int]:
     """(width, height) from the file's header (PIL opens lazily: no decode), after EXIF rotation."""
     from PIL import Image
 
+    quiet_large_images()
     with Image.open(path) as im:
         w, h = im.size
         if _exif_rotated(im):
@@ -505,6 +517,7 @@ def check_image(path: str | os.PathLike[str]) -> tuple[int, int] | str:
     """Open and fully decode one image: its (width, height) after EXIF rotation, or why it is unusable."""
     from PIL import Image, UnidentifiedImageError
 
+    quiet_large_images()
     try:
         with Image.open(path) as im:
             im.verify()  # structure and checksums (PNG CRCs); leaves the image unusable
@@ -515,8 +528,9 @@ def check_image(path: str | os.PathLike[str]) -> tuple[int, int] | str:
                 w, h = h, w
     except UnidentifiedImageError:
         return "not an image PIL can read (corrupt, or another format with an image extension)"
-    except Image.DecompressionBombError as e:
-        return f"too large to open safely ({e})"
+    except Image.DecompressionBombError:  # over twice Image.MAX_IMAGE_PIXELS (then set: never None here)
+        limit = 2 * (Image.MAX_IMAGE_PIXELS or 0) / 1e6
+        return f"too large to open safely (over {limit:.0f} megapixels); downscale it"
     except OSError as e:
         msg = str(e) or type(e).__name__
         if "truncated" in msg.lower():
