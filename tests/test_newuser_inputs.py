@@ -94,3 +94,9 @@ def test_doctor_save_to_a_folder_says_so_with_or_without_force(tmp_path):
     for extra in ([], ["--force"]):
         result = cli("doctor", "--machine", str(MACHINES / "t4.json"), "--save", str(tmp_path), *extra)
         one_line_error(result, 2, "is a folder", "machine.json")
+
+
+def test_profiles_export_to_a_folder_says_so_with_or_without_force(tmp_path):
+    for extra in ([], ["--force"]):
+        result = cli("profiles", "export", str(tmp_path), *extra)
+        one_line_error(result, 2, "is a folder")
