@@ -83,3 +83,10 @@ def test_a_large_photo_trains_without_a_dos_attack_warning_and_a_huge_one_is_ski
         ("huge.png", True)
     ]
     assert not [w for w in seen if issubclass(w.category, Image.DecompressionBombWarning)], seen
+
+
+def test_a_metadata_json_with_a_byte_order_mark_is_read(tmp_path):
+    picture(tmp_path / "0001.png")
+    (tmp_path / "0001.json").write_bytes(codecs.BOM_UTF8 + b'{"tags": ["sks dog", "grass"], "score": 7}')
+    result = scan(tmp_path)
+    assert (result.format, [it.caption for it in result.items]) == ("metadata", ["sks dog, grass"])

@@ -339,7 +339,7 @@ def _metadata_records(files: Iterable[Path]) -> dict[Path, dict[str, Any] | str]
         if f.suffix.lower() != ".json":
             continue
         try:
-            data = json.loads(f.read_text(encoding="utf-8"))
+            data = json.loads(f.read_text(encoding="utf-8-sig"))  # a BOM (Windows tools) is no error
         except json.JSONDecodeError as e:
             # A broken metadata file is an error, not a file skipped as "not an image": its image would
             # train with no caption, or the whole dataset would silently fall back to another layout.
