@@ -90,3 +90,22 @@ def test_a_metadata_json_with_a_byte_order_mark_is_read(tmp_path):
     (tmp_path / "0001.json").write_bytes(codecs.BOM_UTF8 + b'{"tags": ["sks dog", "grass"], "score": 7}')
     result = scan(tmp_path)
     assert (result.format, [it.caption for it in result.items]) == ("metadata", ["sks dog, grass"])
+
+
+def test_symlinked_folders_are_followed_and_a_link_loop_is_not(tmp_path):
+    photos = tmp_path / "photos"
+    photos.mkdir()
+    for name in ("a", "b"):
+        picture(photos / f"{name}.png")
+    kohya = tmp_path / "kohya"
+    kohya.mkdir()
+    (kohya / "10_sks dog").symlink_to(photos, target_is_directory=True)
+    (kohya / "10_sks dog_again").symlink_to(photos, target_is_directory=True)
+    (photos / "loop").symlink_to(kohya, target_is_directory=True)  # photos/loop/10_sks dog/loop/...
+    result = scan(kohya)
+    assert (result.format, result.num_images, result.images_x_repeats) == ("kohya", 4, 40)
+    flat = tmp_path / "flat"
+    flat.mkdir()
+    (flat / "photos").symlink_to(photos, target_is_directory=True)
+    (flat / "self").symlink_to(flat, target_is_directory=True)
+    assert sorted(it.path.name for it in scan(flat).items) == ["a.png", "b.png"]

@@ -229,10 +229,21 @@ def image_size(path: str | os.PathLike[str]) -> tuple[int, int]:
 
 
 def _walk(root: Path) -> list[Path]:
-    """Every file under root, sorted; names starting with '.' (files and folders) left out."""
+    """Every file under root, sorted; names starting with '.' (files and folders) left out. Symlinked
+    folders are followed (``ln -s ~/photos/dog 10_dog`` is how many build a kohya dataset), except a link
+    back to a folder above it, which would loop."""
     out: list[Path] = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+    above: dict[str, tuple[str, ...]] = {str(root): ()}  # folder -> the real paths of the folders above it
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
+        chain = (*above.pop(dirpath, ()), os.path.realpath(dirpath))
+        keep = []
+        for d in sorted(dirnames):
+            sub = os.path.join(dirpath, d)
+            if d.startswith(".") or os.path.realpath(sub) in chain:
+                continue
+            above[sub] = chain
+            keep.append(d)
+        dirnames[:] = keep
         base = Path(dirpath)
         out.extend(base / f for f in sorted(filenames) if not f.startswith("."))
     return out
