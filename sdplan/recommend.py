@@ -17,7 +17,7 @@ from sdplan import config as cfgmod
 from sdplan import planner, registry
 from sdplan.errors import DatasetError, OutputExistsError, UsageError
 from sdplan.profiles import GiB, Profiles
-from sdplan.registry import FAMILIES, METHODS
+from sdplan.registry import FAMILIES
 
 DEFAULT_IMAGES = 20
 DEFAULT_EPOCHS = cfgmod.DEFAULT_EPOCHS
@@ -207,7 +207,7 @@ def _check_choice(kind: str, value: str, choices: tuple[str, ...]) -> None:
 
 def build_request(inp: RecommendInputs, profiles: Profiles) -> tuple[planner.Request, list[str]]:
     """Validate the command-line inputs; returns the planner request and notes for the reasons."""
-    _check_choice("method", inp.method, METHODS)
+    inp = replace(inp, method=registry.method(inp.method).name)  # an alias (ti) or another case (LoRA)
     if inp.model not in profiles.models and inp.model not in FAMILIES:  # an alias (flux) or a typo
         inp = replace(inp, model=registry.family(inp.model).name)
     if inp.model in FAMILIES and inp.model not in profiles.models:

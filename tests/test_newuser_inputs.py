@@ -100,3 +100,38 @@ def test_profiles_export_to_a_folder_says_so_with_or_without_force(tmp_path):
     for extra in ([], ["--force"]):
         result = cli("profiles", "export", str(tmp_path), *extra)
         one_line_error(result, 2, "is a folder")
+
+
+@pytest.mark.parametrize(
+    ("typed", "method", "model"),
+    [
+        (["--method", "LoRA", "--model", "SDXL"], "lora", "sdxl"),
+        (["--method", "ti"], "textual-inversion", "sd15"),  # registry aliases
+        (["--method", "fine-tune", "--model", "SD3.5"], "finetune", "sd35-medium"),
+    ],
+)
+def test_recommend_takes_method_and_model_names_as_users_type_them(typed, method, model):
+    result = cli("recommend", "--hardware", "RTX 4090", "--json", *typed)
+    assert result.exit_code == 0, result.stderr
+    request = yaml.safe_load(result.stdout)["request"]
+    assert (request["method"], request["model"]) == (method, model)
+
+
+def test_train_takes_the_method_in_any_case(tmp_path, tiny_sd15):
+    data = make_images(tmp_path / "data", 2)
+    result = cli(
+        "train",
+        "--method",
+        "LoRA",
+        "--model",
+        str(tiny_sd15),
+        "--dataset",
+        str(data),
+        "--device",
+        "cpu",
+        "--dry-run",
+        "--out",
+        str(tmp_path / "run"),
+    )
+    assert result.exit_code == 0, result.stderr
+    assert result.stdout.startswith("lora on sd15")

@@ -29,7 +29,8 @@ class Device(str, Enum):
 def train(
     ctx: typer.Context,
     method: Annotated[
-        Method | None, typer.Option(help="What to train (default lora).", show_default=False)
+        Method | None,
+        typer.Option(help="What to train (default lora).", show_default=False, case_sensitive=False),
     ] = None,
     model: Annotated[
         str | None,
