@@ -34,6 +34,7 @@ class DatasetCount:
     layout: str  # "kohya" | "flat" | "metadata"
     folders: tuple[tuple[str, int, int], ...] = ()  # (folder, repeats, images)
     captions: int = 0
+    skipped: str = ""  # the files the trainer would not use, and why ("" when none)
 
 
 def count_dataset(path: str | Path) -> DatasetCount:
@@ -50,6 +51,8 @@ def count_dataset(path: str | Path) -> DatasetCount:
         )
     require_images(result)
     per_epoch = result.images_x_repeats
+    n = len(result.skipped)
+    skipped = f"{n} file{'s' if n != 1 else ''} not used: {result.skipped_text()}" if n else ""
     if result.format != "kohya":
         return DatasetCount(
             images=result.num_images,
@@ -57,6 +60,7 @@ def count_dataset(path: str | Path) -> DatasetCount:
             images_per_epoch=per_epoch,
             layout=result.format,
             captions=result.num_captioned,
+            skipped=skipped,
         )
     groups: dict[str, list[int]] = {}
     for item in result.items:
@@ -67,7 +71,12 @@ def count_dataset(path: str | Path) -> DatasetCount:
     repeats = kinds.pop() if len(kinds) == 1 else 1
     images = result.num_images if len({r for _, r, _ in folders}) == 1 else per_epoch  # mixed: image-repeats
     return DatasetCount(
-        images=images, repeats=repeats, images_per_epoch=per_epoch, layout="kohya", folders=folders
+        images=images,
+        repeats=repeats,
+        images_per_epoch=per_epoch,
+        layout="kohya",
+        folders=folders,
+        skipped=skipped,
     )
 
 
@@ -241,7 +250,10 @@ def build_request(inp: RecommendInputs, profiles: Profiles) -> tuple[planner.Req
                 notes.append("--repeats ignored: kohya folder names carry the repeats")
         else:
             repeats = inp.repeats or 1
-            notes.append(f"dataset {inp.dataset}: {ds.images} images ({ds.captions} with .txt captions)")
+            captioned = "with .txt captions" if ds.layout == "flat" else "captioned"
+            notes.append(f"dataset {inp.dataset}: {ds.images} images ({ds.captions} {captioned})")
+        if ds.skipped:  # as `sdplan train` would say: a file left out is no surprise later
+            notes.append(f"dataset {inp.dataset}: {ds.skipped}")
     else:
         images = inp.images or DEFAULT_IMAGES
         repeats = inp.repeats or 1

@@ -135,3 +135,11 @@ def test_train_takes_the_method_in_any_case(tmp_path, tiny_sd15):
     )
     assert result.exit_code == 0, result.stderr
     assert result.stdout.startswith("lora on sd15")
+
+
+def test_recommend_says_which_dataset_files_it_leaves_out(tmp_path):
+    make_images(tmp_path / "10_sks dog", 2)
+    make_images(tmp_path / "loose", 1)
+    (tmp_path / "loose" / "img000.png").rename(tmp_path / "stray.png")
+    reasons = plan("--dataset", str(tmp_path))["reasons"]
+    assert any("not used" in r and "stray.png" in r and "loose" in r for r in reasons), reasons
