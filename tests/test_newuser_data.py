@@ -109,3 +109,15 @@ def test_symlinked_folders_are_followed_and_a_link_loop_is_not(tmp_path):
     (flat / "photos").symlink_to(photos, target_is_directory=True)
     (flat / "self").symlink_to(flat, target_is_directory=True)
     assert sorted(it.path.name for it in scan(flat).items) == ["a.png", "b.png"]
+
+
+def test_class_data_that_is_a_file_is_one_error_not_a_traceback(tmp_path):
+    from types import SimpleNamespace
+
+    from sdplan.trainer.recipes.dreambooth import _generate_class_images
+
+    photo = picture(tmp_path / "dog.png")
+    cfg = SimpleNamespace(dreambooth=SimpleNamespace(num_class_images=2, class_prompt="a dog"))
+    with pytest.raises(DatasetError, match=r"class_data .*dog\.png is a file, not a folder"):
+        # it reached class_dir.mkdir(): FileExistsError, a traceback after the model had loaded
+        _generate_class_images(SimpleNamespace(is_main_process=True), None, cfg, photo)
