@@ -143,3 +143,23 @@ def test_recommend_says_which_dataset_files_it_leaves_out(tmp_path):
     (tmp_path / "loose" / "img000.png").rename(tmp_path / "stray.png")
     reasons = plan("--dataset", str(tmp_path))["reasons"]
     assert any("not used" in r and "stray.png" in r and "loose" in r for r in reasons), reasons
+
+
+def test_lora_target_modules_that_match_nothing_are_one_error_naming_real_ones():
+    from sdplan.trainer.runtime import add_lora_adapters
+    from sdplan.trainer.tiny import tiny_unet
+
+    from sdplan.config import LoraConfig
+    from sdplan.errors import UsageError
+
+    lcfg = LoraConfig(rank=2, alpha=2.0, target_modules=["nope"])
+    # peft's NoMatchingPeftModuleError came out of the trainer as a traceback
+    with pytest.raises(UsageError, match=r"lora\.target_modules=\['nope'\]") as caught:
+        unet = tiny_unet(
+            down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+            up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+            cross_attention_dim=32,
+            attention_head_dim=8,
+        )  # as tiny_sd15_components wires it
+        add_lora_adapters(unet, [], lcfg, train_text_encoder=False)
+    assert "to_out.0" in caught.value.fix  # a name that would match, as the default writes it
