@@ -163,3 +163,19 @@ def test_lora_target_modules_that_match_nothing_are_one_error_naming_real_ones()
         )  # as tiny_sd15_components wires it
         add_lora_adapters(unet, [], lcfg, train_text_encoder=False)
     assert "to_out.0" in caught.value.fix  # a name that would match, as the default writes it
+
+
+@pytest.mark.parametrize("content", [b"", b'{"a":', b"[1, 2]", b'{"foo": 1}'])
+def test_a_broken_machine_snapshot_says_how_to_make_a_good_one(tmp_path, content):
+    path = tmp_path / "machine.json"
+    path.write_bytes(content)
+    result = cli("recommend", "--method", "lora", "--machine", str(path))
+    one_line_error(result, 2, "machine.json", "sdplan doctor --save FILE")
+
+
+def test_a_machine_snapshot_with_a_byte_order_mark_loads(tmp_path):
+    path = tmp_path / "machine.json"
+    path.write_bytes(b"\xef\xbb\xbf" + (MACHINES / "t4.json").read_bytes())
+    result = cli("recommend", "--method", "lora", "--machine", str(path), "--json")
+    assert result.exit_code == 0, result.stderr
+    assert yaml.safe_load(result.stdout)["hardware"]["gpus"][0]["name"].endswith("T4")
