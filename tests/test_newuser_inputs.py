@@ -179,3 +179,17 @@ def test_a_machine_snapshot_with_a_byte_order_mark_loads(tmp_path):
     result = cli("recommend", "--method", "lora", "--machine", str(path), "--json")
     assert result.exit_code == 0, result.stderr
     assert yaml.safe_load(result.stdout)["hardware"]["gpus"][0]["name"].endswith("T4")
+
+
+def test_a_path_with_a_tilde_the_shell_left_alone_means_home(tmp_path, monkeypatch):
+    home, cwd = tmp_path / "home", tmp_path / "cwd"
+    home.mkdir()
+    cwd.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(cwd)  # `--out=~/plan` reaches sdplan with the "~": it made ./~/plan here
+    result = cli("recommend", "--method", "lora", "--hardware", "RTX 4090", "--out", "~/plan")
+    assert result.exit_code == 0, result.stderr
+    result = cli("doctor", "--machine", str(MACHINES / "t4.json"), "--save", "~/machine.json")
+    assert result.exit_code == 0, result.stderr
+    assert (home / "plan" / "sdplan.yaml").is_file() and (home / "machine.json").is_file()
+    assert list(cwd.iterdir()) == []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -66,3 +67,9 @@ def reject_repeated_settings(settings: list[str] | None) -> None:
         if key in seen and seen[key] != value:
             raise UsageError(f"{key} given twice ({key}={seen[key]}, then {key}={value})", fix="give it once")
         seen[key] = value
+
+
+def expand_home(value: str | None) -> str | None:
+    """``~/runs`` as the shell would have made it: ``--out=~/runs`` and quoted paths reach sdplan with the
+    ``~`` (left alone, a folder named ``~`` appeared in the current one; ``rm -rf ~`` then deletes home)."""
+    return os.path.expanduser(value) if value else value

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from sdplan.commands._common import cli_errors, console, err_console, reject_empty
+from sdplan.commands._common import cli_errors, console, err_console, expand_home, reject_empty
 
 
 @cli_errors
@@ -42,6 +42,7 @@ def doctor(
 
     verdicts = planner_verdicts
     reject_empty(save=save, machine=machine)
+    save, machine = expand_home(save), expand_home(machine)
 
     snapshot = refresh(Snapshot.load(machine)) if machine is not None else probe(".")
 

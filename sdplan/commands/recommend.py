@@ -12,6 +12,7 @@ from sdplan.commands._common import (
     cli_errors,
     console,
     err_console,
+    expand_home,
     reject_empty,
     reject_repeated_settings,
 )
@@ -92,6 +93,7 @@ def recommend(
     from sdplan.recommend import recommend as run
 
     reject_empty(dataset=dataset, machine=machine, out=out)
+    dataset, machine, out = expand_home(dataset), expand_home(machine), expand_home(out)
     reject_repeated_settings(settings)
     profiles = load_profiles()
     inp = RecommendInputs(
