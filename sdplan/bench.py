@@ -930,10 +930,10 @@ def export_measurements(
     from sdplan.errors import OutputExistsError
 
     dest = Path(dest).expanduser()
+    if dest.is_dir():  # first: --force cannot help
+        raise UsageError(f"{dest} is a folder", fix="name a file, e.g. my-gpu.yaml")
     if dest.exists() and not force:
         raise OutputExistsError(f"{dest} already exists", fix="pass --force to overwrite it")
-    if dest.is_dir():
-        raise UsageError(f"{dest} is a folder", fix="name a file, e.g. my-gpu.yaml")
     root = store_root(store_dir)
     files = sorted((root / "methods").glob("*.yaml"))
     methods: dict[str, dict[str, Any]] = {}

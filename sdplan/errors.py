@@ -37,15 +37,12 @@ class ConfigError(SdplanError):
 
     exit_code = 2
 
-    def __init__(self, source: str, errors: list[str]):
+    def __init__(self, source: str, errors: list[str], *, fix: str | None = None):
         self.source = source
         self.errors = list(errors)
         shown = "; ".join(self.errors[:8])
         more = f"; and {len(self.errors) - 8} more" if len(self.errors) > 8 else ""
-        super().__init__(f"{source}: {shown}{more}")
-
-    def __str__(self) -> str:
-        return self.message
+        super().__init__(f"{source}: {shown}{more}", fix=fix)
 
 
 class DatasetError(SdplanError):

@@ -174,11 +174,15 @@ class Snapshot:
             raise UsageError(
                 f"machine snapshot {p} does not exist", fix="write one with `sdplan doctor --save FILE`"
             )
+        again = "write it again with `sdplan doctor --save FILE` on that machine"
         try:
-            data = json.loads(p.read_text())
+            data = json.loads(p.read_text(encoding="utf-8-sig"))  # an editor's byte-order mark is no error
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ConfigError(str(p), [f"not valid JSON ({e})"]) from None
-        return cls.from_dict(data, source=str(p))
+            raise ConfigError(str(p), [f"not valid JSON ({e})"], fix=again) from None
+        try:
+            return cls.from_dict(data, source=str(p))
+        except ConfigError as e:
+            raise ConfigError(e.source, e.errors, fix=again) from None
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(self.to_json() + "\n")

@@ -17,7 +17,7 @@ from sdplan import config as cfgmod
 from sdplan import planner, registry
 from sdplan.errors import DatasetError, OutputExistsError, UsageError
 from sdplan.profiles import GiB, Profiles
-from sdplan.registry import FAMILIES, METHODS
+from sdplan.registry import FAMILIES
 
 DEFAULT_IMAGES = 20
 DEFAULT_EPOCHS = cfgmod.DEFAULT_EPOCHS
@@ -34,6 +34,7 @@ class DatasetCount:
     layout: str  # "kohya" | "flat" | "metadata"
     folders: tuple[tuple[str, int, int], ...] = ()  # (folder, repeats, images)
     captions: int = 0
+    skipped: str = ""  # the files the trainer would not use, and why ("" when none)
 
 
 def count_dataset(path: str | Path) -> DatasetCount:
@@ -50,6 +51,8 @@ def count_dataset(path: str | Path) -> DatasetCount:
         )
     require_images(result)
     per_epoch = result.images_x_repeats
+    n = len(result.skipped)
+    skipped = f"{n} file{'s' if n != 1 else ''} not used: {result.skipped_text()}" if n else ""
     if result.format != "kohya":
         return DatasetCount(
             images=result.num_images,
@@ -57,6 +60,7 @@ def count_dataset(path: str | Path) -> DatasetCount:
             images_per_epoch=per_epoch,
             layout=result.format,
             captions=result.num_captioned,
+            skipped=skipped,
         )
     groups: dict[str, list[int]] = {}
     for item in result.items:
@@ -67,7 +71,12 @@ def count_dataset(path: str | Path) -> DatasetCount:
     repeats = kinds.pop() if len(kinds) == 1 else 1
     images = result.num_images if len({r for _, r, _ in folders}) == 1 else per_epoch  # mixed: image-repeats
     return DatasetCount(
-        images=images, repeats=repeats, images_per_epoch=per_epoch, layout="kohya", folders=folders
+        images=images,
+        repeats=repeats,
+        images_per_epoch=per_epoch,
+        layout="kohya",
+        folders=folders,
+        skipped=skipped,
     )
 
 
@@ -81,11 +90,14 @@ def parse_hardware(text: str, profiles: Profiles) -> planner.Hardware:
     """'2x RTX 4090', 'RTX 4090', 'H100 SXM x8' -> catalog hardware; unknown names raise UsageError."""
     if not text or not text.strip():
         raise UsageError("empty --hardware", fix="e.g. --hardware '2x RTX 4090'")
-    count, name = 1, text.strip()
+    name = text.strip()
+    readings = [(1, name)]  # a catalog name can read as a count too: "7900 XTX" is not 7900 x "TX"
     if m := _COUNT.match(name):
-        count, name = int(m.group(1)), m.group(2)
-    elif m := _COUNT_AFTER.match(name):
-        count, name = int(m.group(2)), m.group(1)
+        readings.append((int(m.group(1)), m.group(2)))
+    if m := _COUNT_AFTER.match(name):
+        readings.append((int(m.group(2)), m.group(1)))
+    fallback = readings[1] if len(readings) > 1 else readings[0]  # neither names a GPU: the error says why
+    count, name = next((r for r in readings if profiles.gpu_or_none(r[1]) is not None), fallback)
     if count < 1 or count > 64:
         raise UsageError(f"GPU count in {text!r} must be between 1 and 64")
     match = profiles.match_gpu(name, count=count)
@@ -167,6 +179,34 @@ def parse_pins(items: tuple[str, ...] | list[str], method: str, model: str) -> t
     return tuple(pins.items()), resolution
 
 
+# sdplan.yaml keys that size the run as a flag does: pinned, they count as that flag (and must agree with it)
+_SIZING_KEYS = {"data.path": "--dataset", "data.repeats": "--repeats", "training.epochs": "--epochs"}
+
+
+def _sizing_pins(inp: RecommendInputs) -> RecommendInputs:
+    """``inp`` with its ``data.path`` / ``data.repeats`` / ``training.epochs`` pins in the flags' places (the
+    plan counted its steps without them, and `--out` wrote a config whose max_steps contradicted them)."""
+    given = {item.partition("=")[0].strip() for item in inp.settings}
+    keys = [key for key in _SIZING_KEYS if key in given]
+    if not keys:
+        return inp
+    base = cfgmod.default_config()
+    base["method"] = inp.method
+    base["model"]["family"] = inp.model
+    cfg = cfgmod.validate(cfgmod.apply_overrides(base, list(inp.settings)), source="key=value settings")
+    changes: dict[str, Any] = {}
+    for key in keys:
+        flag = _SIZING_KEYS[key]
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        field = flag.removeprefix("--")
+        given_flag = getattr(inp, field)
+        if given_flag is not None and str(given_flag) != str(value):
+            raise UsageError(f"{flag} {given_flag} and {key}={value} disagree", fix="give one")
+        changes[field] = str(value) if field == "dataset" else value
+    return replace(inp, **changes)
+
+
 def _check_choice(kind: str, value: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
         close = difflib.get_close_matches(value, choices, n=1)
@@ -176,7 +216,7 @@ def _check_choice(kind: str, value: str, choices: tuple[str, ...]) -> None:
 
 def build_request(inp: RecommendInputs, profiles: Profiles) -> tuple[planner.Request, list[str]]:
     """Validate the command-line inputs; returns the planner request and notes for the reasons."""
-    _check_choice("method", inp.method, METHODS)
+    inp = replace(inp, method=registry.method(inp.method).name)  # an alias (ti) or another case (LoRA)
     if inp.model not in profiles.models and inp.model not in FAMILIES:  # an alias (flux) or a typo
         inp = replace(inp, model=registry.family(inp.model).name)
     if inp.model in FAMILIES and inp.model not in profiles.models:
@@ -192,6 +232,7 @@ def build_request(inp: RecommendInputs, profiles: Profiles) -> tuple[planner.Req
             raise UsageError(f"{name} must be >= 1, got {v}")
     if inp.resolution is not None and not cfgmod.resolution_ok(inp.resolution):
         raise UsageError(f"--resolution {cfgmod.RESOLUTION_RULE}, got {inp.resolution}")
+    inp = _sizing_pins(inp)
     if inp.dataset and inp.images is not None:
         raise UsageError("give --dataset or --images, not both")
     if inp.hardware is not None and inp.machine is not None:
@@ -209,7 +250,10 @@ def build_request(inp: RecommendInputs, profiles: Profiles) -> tuple[planner.Req
                 notes.append("--repeats ignored: kohya folder names carry the repeats")
         else:
             repeats = inp.repeats or 1
-            notes.append(f"dataset {inp.dataset}: {ds.images} images ({ds.captions} with .txt captions)")
+            captioned = "with .txt captions" if ds.layout == "flat" else "captioned"
+            notes.append(f"dataset {inp.dataset}: {ds.images} images ({ds.captions} {captioned})")
+        if ds.skipped:  # as `sdplan train` would say: a file left out is no surprise later
+            notes.append(f"dataset {inp.dataset}: {ds.skipped}")
     else:
         images = inp.images or DEFAULT_IMAGES
         repeats = inp.repeats or 1

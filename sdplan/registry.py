@@ -193,8 +193,9 @@ def not_supported(method_name: str, family_name: str) -> UsageError:
 
 
 def _lookup(kind: str, name: str, entries):
+    key = str(name).strip().lower()  # as users type them: SDXL, LoRA
     for e in entries:
-        if name == e.name or name in e.aliases:
+        if key == e.name or key in (a.lower() for a in e.aliases):
             return e
     names = [e.name for e in entries]
     close = difflib.get_close_matches(str(name), names, n=1)

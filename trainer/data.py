@@ -37,7 +37,7 @@ from PIL import Image, ImageOps
 from sdplan.errors import DatasetError
 
 from .buckets import assign_buckets, bucket_table, make_buckets
-from .dataset_scan import Item, Scan, image_size, require_images, scan
+from .dataset_scan import Item, Scan, image_size, quiet_large_images, require_images, scan
 
 if TYPE_CHECKING:
     from sdplan.config import TrainConfig
@@ -50,10 +50,17 @@ def _rng(*parts: Any) -> random.Random:
     return random.Random(int.from_bytes(digest[:8], "little"))
 
 
+_SIXTEEN_BIT_GRAY = ("I", "I;16", "I;16L", "I;16B", "I;16N")  # how PIL opens a 16-bit grayscale PNG
+
+
 def _to_rgb(im: Image.Image) -> Image.Image:
-    """RGB; transparent pixels become white (not the black of a plain convert)."""
+    """RGB; transparent pixels become white (not the black of a plain convert); 16-bit grayscale scaled to
+    8 bits (a plain convert clips every value above 255, so the image trains as white)."""
     if im.mode == "RGB":
         return im
+    if im.mode in _SIXTEEN_BIT_GRAY:
+        gray = np.asarray(im, dtype=np.float64) / 257.0  # 0..65535 -> 0..255
+        return Image.fromarray(np.clip(gray, 0, 255).round().astype(np.uint8), "L").convert("RGB")
     if im.mode in ("RGBA", "LA", "PA") or (im.mode == "P" and "transparency" in im.info):
         rgba = im.convert("RGBA")
         background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
@@ -180,6 +187,7 @@ class CaptionedImages(torch.utils.data.Dataset):
         th, tw = self.target_size(index)
         data = Path(item.path).read_bytes()
         digest = hashlib.sha256(data).hexdigest()
+        quiet_large_images()  # here too: DataLoader workers are fresh processes
         with Image.open(io.BytesIO(data)) as opened:
             im = ImageOps.exif_transpose(opened)
             im = _to_rgb(im)

@@ -38,7 +38,8 @@ Three layouts, detected in this order:
     (``a.png`` + ``a.txt``). Without one: ``default_caption``, else ``None`` (the recipe then uses the
     instance prompt). Every image repeats ``repeats`` times.
 
-Caption files: the first non-empty line, stripped (as kohya reads them); an empty file counts as missing.
+Caption files: UTF-8 (a byte-order mark dropped) or UTF-16 with its mark; the first non-empty line, stripped
+(as kohya reads them); an empty file counts as missing, and one in another encoding is an error naming it.
 Images: png, jpg, jpeg, webp, bmp in any letter case. Files and folders whose names start with ``.`` are
 ignored without a word; every other file that is neither a usable image nor a caption for one is listed in
 ``Scan.skipped`` with its reason, once. Zero-byte images are always skipped (a cheap ``stat``); with
@@ -48,6 +49,7 @@ skipped too, and ``Item.size`` records each image's ``(width, height)`` (aspect-
 
 from __future__ import annotations
 
+import codecs
 import json
 import os
 import re
@@ -139,20 +141,20 @@ def scan(
 ) -> Scan:
     """Find the images under ``root`` and their captions (see the module doc for the layouts).
 
-    Raises :class:`DatasetError` when ``root`` is missing or not a folder, or a ``.json`` in it is not valid
-    JSON (file, line and column); an empty or unreadable
+    Raises :class:`DatasetError` when ``root`` is missing or not a folder, a ``.json`` in it is not valid
+    JSON (file, line and column), or a caption file is not UTF-8 / UTF-16 text; an empty or unreadable
     dataset is a :class:`Scan` with no items (``require_images`` turns that into an error).
     """
     root = Path(root).expanduser()
     if not root.exists():
         raise DatasetError(
             f"dataset folder {root} does not exist",
-            fix="set data.path to the folder that holds the training images",
+            fix="give --dataset (data.path in sdplan.yaml) the folder that holds the training images",
         )
     if not root.is_dir():
         raise DatasetError(
             f"dataset path {root} is not a folder",
-            fix="set data.path to the folder that holds the images, not to one file",
+            fix="give --dataset (data.path in sdplan.yaml) the folder that holds the images, not one file",
         )
     if repeats < 1:
         raise DatasetError(f"repeats must be >= 1, got {repeats}", fix="set data.repeats to 1 or more")
@@ -200,10 +202,22 @@ def is_image(path: str | os.PathLike[str]) -> bool:
     return Path(path).suffix.lower() in IMAGE_EXTENSIONS
 
 
+def quiet_large_images() -> None:
+    """Silence PIL's DecompressionBombWarning ("could be decompression bomb DOS attack", once per open) for
+    a large photo of the user's own (a 100-megapixel camera's): images over PIL's hard limit are still
+    refused (:func:`check_image` lists them as skipped)."""
+    import warnings
+
+    from PIL import Image
+
+    warnings.filterwarnings("ignore", category=Image.DecompressionBombWarning)  # idempotent
+
+
 def image_size(path: str | os.PathLike[str]) -> tuple[int, int]:
     """(width, height) from the file's header (PIL opens lazily: no decode), after EXIF rotation."""
     from PIL import Image
 
+    quiet_large_images()
     with Image.open(path) as im:
         w, h = im.size
         if _exif_rotated(im):
@@ -215,10 +229,21 @@ def image_size(path: str | os.PathLike[str]) -> tuple[int, int]:
 
 
 def _walk(root: Path) -> list[Path]:
-    """Every file under root, sorted; names starting with '.' (files and folders) left out."""
+    """Every file under root, sorted; names starting with '.' (files and folders) left out. Symlinked
+    folders are followed (``ln -s ~/photos/dog 10_dog`` is how many build a kohya dataset), except a link
+    back to a folder above it, which would loop."""
     out: list[Path] = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+    above: dict[str, tuple[str, ...]] = {str(root): ()}  # folder -> the real paths of the folders above it
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
+        chain = (*above.pop(dirpath, ()), os.path.realpath(dirpath))
+        keep = []
+        for d in sorted(dirnames):
+            sub = os.path.join(dirpath, d)
+            if d.startswith(".") or os.path.realpath(sub) in chain:
+                continue
+            above[sub] = chain
+            keep.append(d)
+        dirnames[:] = keep
         base = Path(dirpath)
         out.extend(base / f for f in sorted(filenames) if not f.startswith("."))
     return out
@@ -238,14 +263,32 @@ def _not_image_reason(path: Path) -> str:
 
 def _read_caption(path: Path) -> str | None:
     try:
-        text = path.read_text(encoding="utf-8", errors="replace")
+        raw = path.read_bytes()
     except OSError:
         return None
-    for line in text.splitlines():
+    for line in _decode_caption(path, raw).splitlines():
         line = line.strip()
         if line:
             return line
     return None
+
+
+def _decode_caption(path: Path, raw: bytes) -> str:
+    """UTF-8 with or without a byte-order mark (Windows editors write one), or UTF-16 with its mark
+    (Notepad's "Unicode"); anything else is an error naming the file: decoding it with replacement
+    characters would train on a garbled caption without a word."""
+    if raw.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
+        try:
+            return raw.decode("utf-16")
+        except UnicodeDecodeError:
+            pass
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise DatasetError(
+            f"caption {path} is not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start})",
+            fix="save it as UTF-8 (in most editors: Save as, encoding UTF-8)",
+        ) from None
 
 
 def _pair_captions(root, files, result, cap_ext, repeats, fallback) -> None:
@@ -307,7 +350,7 @@ def _metadata_records(files: Iterable[Path]) -> dict[Path, dict[str, Any] | str]
         if f.suffix.lower() != ".json":
             continue
         try:
-            data = json.loads(f.read_text(encoding="utf-8"))
+            data = json.loads(f.read_text(encoding="utf-8-sig"))  # a BOM (Windows tools) is no error
         except json.JSONDecodeError as e:
             # A broken metadata file is an error, not a file skipped as "not an image": its image would
             # train with no caption, or the whole dataset would silently fall back to another layout.
@@ -485,6 +528,7 @@ def check_image(path: str | os.PathLike[str]) -> tuple[int, int] | str:
     """Open and fully decode one image: its (width, height) after EXIF rotation, or why it is unusable."""
     from PIL import Image, UnidentifiedImageError
 
+    quiet_large_images()
     try:
         with Image.open(path) as im:
             im.verify()  # structure and checksums (PNG CRCs); leaves the image unusable
@@ -495,8 +539,9 @@ def check_image(path: str | os.PathLike[str]) -> tuple[int, int] | str:
                 w, h = h, w
     except UnidentifiedImageError:
         return "not an image PIL can read (corrupt, or another format with an image extension)"
-    except Image.DecompressionBombError as e:
-        return f"too large to open safely ({e})"
+    except Image.DecompressionBombError:  # over twice Image.MAX_IMAGE_PIXELS (then set: never None here)
+        limit = 2 * (Image.MAX_IMAGE_PIXELS or 0) / 1e6
+        return f"too large to open safely (over {limit:.0f} megapixels); downscale it"
     except OSError as e:
         msg = str(e) or type(e).__name__
         if "truncated" in msg.lower():

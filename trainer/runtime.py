@@ -220,17 +220,47 @@ def add_lora_adapters(unet, text_encoders, lcfg, train_text_encoder: bool) -> di
             target_modules=targets,
         )
 
-    unet.add_adapter(adapter(lcfg.target_modules))
+    def attach(model, targets, key: str) -> None:
+        try:
+            model.add_adapter(adapter(targets))
+        except ValueError as e:  # peft's NoMatchingPeftModuleError (a ValueError) or, before it, a ValueError
+            if type(e).__name__ != "NoMatchingPeftModuleError" and "not found in the base model" not in str(
+                e
+            ):
+                raise
+            from sdplan.errors import UsageError
+
+            raise UsageError(
+                f"{key}={list(targets)}: no module of {type(model).__name__} has such a name",
+                fix=f"name its modules (e.g. {', '.join(_module_names(model))}), or leave {key} out for the default",
+            ) from None
+
+    attach(unet, lcfg.target_modules, "lora.target_modules")
     trained = {"unet": unet}
     if train_text_encoder:
         for i, te in enumerate(text_encoders):
-            te.add_adapter(adapter(lcfg.text_encoder_target_modules))
+            attach(te, lcfg.text_encoder_target_modules, "lora.text_encoder_target_modules")
             trained[f"text_encoder_{i}"] = te
     for m in trained.values():
         for p in m.parameters():
             if p.requires_grad:
                 p.data = p.data.float()
     return trained
+
+
+def _module_names(model, limit: int = 6) -> list[str]:
+    """The last parts of a model's Linear / Conv layer names, most frequent first (what target_modules match)."""
+    import collections
+
+    import torch
+
+    def tail(name: str) -> str:  # "...attn1.to_out.0" -> "to_out.0", as the default names it
+        parts = name.split(".")
+        return ".".join(parts[-2:]) if parts[-1].isdigit() and len(parts) > 1 else parts[-1]
+
+    layers = (torch.nn.Linear, torch.nn.Conv2d)
+    counts = collections.Counter(tail(n) for n, m in model.named_modules() if isinstance(m, layers))
+    return [name for name, _ in counts.most_common(limit)]
 
 
 def seed_step(seed: int, process_index: int, step: int):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -51,3 +52,24 @@ def reject_empty(**flags: str | None) -> None:
         if value is not None and not value.strip():
             flag = "--" + name.replace("_", "-")
             raise UsageError(f"{flag} is empty", fix=f"give {flag} a value, or leave it out")
+
+
+def reject_repeated_settings(settings: list[str] | None) -> None:
+    """UsageError for a ``key=value`` key given twice with different values (``training.batch_size=4 ...
+    training.batch_size=8``): the last would win without a word. Malformed items are left to the config's
+    own check."""
+    seen: dict[str, str] = {}
+    for item in settings or ():
+        key, sep, value = item.partition("=")
+        key, value = key.strip(), value.strip()
+        if not sep or not key:
+            continue
+        if key in seen and seen[key] != value:
+            raise UsageError(f"{key} given twice ({key}={seen[key]}, then {key}={value})", fix="give it once")
+        seen[key] = value
+
+
+def expand_home(value: str | None) -> str | None:
+    """``~/runs`` as the shell would have made it: ``--out=~/runs`` and quoted paths reach sdplan with the
+    ``~`` (left alone, a folder named ``~`` appeared in the current one; ``rm -rf ~`` then deletes home)."""
+    return os.path.expanduser(value) if value else value

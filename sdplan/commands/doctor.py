@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from sdplan.commands._common import cli_errors, console, err_console, reject_empty
+from sdplan.commands._common import cli_errors, console, err_console, expand_home, reject_empty
 
 
 @cli_errors
@@ -42,11 +42,16 @@ def doctor(
 
     verdicts = planner_verdicts
     reject_empty(save=save, machine=machine)
+    save, machine = expand_home(save), expand_home(machine)
 
     snapshot = refresh(Snapshot.load(machine)) if machine is not None else probe(".")
 
     if save is not None:
         save = Path(save)
+        if save.is_dir():  # --force cannot help: the snapshot is one file
+            raise UsageError(
+                f"--save {save} is a folder", fix=f"give a file, e.g. --save {save / 'machine.json'}"
+            )
         if save.exists() and not force:
             raise OutputExistsError(f"{save} already exists", fix="pass --force to overwrite it")
         try:

@@ -8,7 +8,14 @@ from typing import Annotated
 import typer
 
 from sdplan import registry
-from sdplan.commands._common import cli_errors, console, err_console, reject_empty
+from sdplan.commands._common import (
+    cli_errors,
+    console,
+    err_console,
+    expand_home,
+    reject_empty,
+    reject_repeated_settings,
+)
 
 EXIT_NOTHING_FITS = 1
 
@@ -86,6 +93,8 @@ def recommend(
     from sdplan.recommend import recommend as run
 
     reject_empty(dataset=dataset, machine=machine, out=out)
+    dataset, machine, out = expand_home(dataset), expand_home(machine), expand_home(out)
+    reject_repeated_settings(settings)
     profiles = load_profiles()
     inp = RecommendInputs(
         method=method,

@@ -10,7 +10,13 @@ from typing import Annotated
 
 import typer
 
-from sdplan.commands._common import cli_errors, console, reject_empty
+from sdplan.commands._common import (
+    cli_errors,
+    console,
+    expand_home,
+    reject_empty,
+    reject_repeated_settings,
+)
 
 
 class Method(str, Enum):
@@ -29,7 +35,8 @@ class Device(str, Enum):
 def train(
     ctx: typer.Context,
     method: Annotated[
-        Method | None, typer.Option(help="What to train (default lora).", show_default=False)
+        Method | None,
+        typer.Option(help="What to train (default lora).", show_default=False, case_sensitive=False),
     ] = None,
     model: Annotated[
         str | None,
@@ -128,6 +135,8 @@ def train(
     from sdplan.launcher import UI, TrainRequest, check_stack
 
     reject_empty(model=model, dataset=dataset, out=out, config=config)
+    model, dataset, out, config = (expand_home(v) for v in (model, dataset, out, config))
+    reject_repeated_settings(ctx.args)
     check_stack()  # once, before the demo or the run writes anything
 
     interactive = sys.stdin.isatty() and sys.stdout.isatty()

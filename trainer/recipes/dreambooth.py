@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from sdplan.errors import DatasetError
+
 from .. import data, latents, outputs, progress
 from .finetune import Finetune
 
@@ -103,6 +105,11 @@ def _generate_class_images(accelerator, comps, cfg, class_dir: Path) -> None:
     from ..dataset_scan import scan
 
     db = cfg.dreambooth
+    if class_dir.exists() and not class_dir.is_dir():  # every process: none waits for the others
+        raise DatasetError(
+            f"dreambooth.class_data {class_dir} is a file, not a folder",
+            fix="set it to a folder for the class images (generated there when short)",
+        )
     have = scan(class_dir, verify=True).num_images if class_dir.is_dir() else 0
     missing = db.num_class_images - have
     if missing > 0 and accelerator.is_main_process:
