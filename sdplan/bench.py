@@ -220,12 +220,16 @@ class Effort:
     """How long each probe point runs and how far the search goes."""
 
     warmup_steps: int
-    timed_steps: int
+    timed_steps: int  # at least this many timed steps ...
     max_batch: int
+    min_timed_seconds: float = 0.0  # ... and on until this much time has passed (short GPU steps are noisy)
+    max_timed_steps: int = 100
 
 
-FULL = Effort(warmup_steps=2, timed_steps=6, max_batch=64)
-QUICK = Effort(warmup_steps=1, timed_steps=3, max_batch=16)
+# A 3-step window on an H100 (0.2 s steps) gave it/s off by up to 2x (batch 4 slower than batch 8 per step):
+# time each step on its own and report the median over at least a couple of seconds.
+FULL = Effort(warmup_steps=2, timed_steps=6, max_batch=64, min_timed_seconds=4.0)
+QUICK = Effort(warmup_steps=1, timed_steps=3, max_batch=16, min_timed_seconds=1.5)
 DEMO = Effort(warmup_steps=1, timed_steps=2, max_batch=4)
 
 
@@ -360,7 +364,7 @@ def point_record(point: BenchPoint, machine: Machine) -> dict[str, Any]:
     )
     if point.simulated_oom:
         source += f"; out of memory SIMULATED by the test hook {OOM_HOOK_ENV}"
-    settings = f"settings from {req.settings_from}; {point.warmup_steps} warm-up + {point.steps} timed steps"
+    settings = f"settings from {req.settings_from}; {point.warmup_steps} warm-up + {point.steps} timed steps (median step time)"
     if not point.fits:
         note = f"out of memory at batch {point.batch}: {point.error or 'OutOfMemoryError'}; {settings}"
     elif point.peak_allocated_bytes is not None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import statistics
 import threading
 import time
 from pathlib import Path
@@ -433,6 +434,25 @@ def free_memory() -> None:
 # -- one probe point ------------------------------------------------------------------------------------
 
 
+def timed_steps(h: Harness, batch: int, effort: Effort, *, cuda: bool) -> list[float]:
+    """Seconds of each timed step (synchronised on a GPU): at least ``effort.timed_steps`` of them, and more
+    until ``effort.min_timed_seconds`` have passed (at most ``effort.max_timed_steps``)."""
+    import torch
+
+    seconds: list[float] = []
+    while len(seconds) < effort.timed_steps or (
+        sum(seconds) < effort.min_timed_seconds and len(seconds) < effort.max_timed_steps
+    ):
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        h.step(batch)
+        if cuda:
+            torch.cuda.synchronize()
+        seconds.append(time.perf_counter() - t0)
+    return seconds
+
+
 def probe_point(h: Harness, batch: int, effort: Effort, *, cuda: bool, rss_base: int) -> dict[str, Any]:
     """Warm up, then time ``effort.timed_steps`` steps at ``batch``; peak memory over all of them."""
     import torch
@@ -453,14 +473,7 @@ def probe_point(h: Harness, batch: int, effort: Effort, *, cuda: bool, rss_base:
                 if h.optimizer_has_state():
                     break
                 h.step(batch)
-            if cuda:
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(effort.timed_steps):
-                h.step(batch)
-            if cuda:
-                torch.cuda.synchronize()
-            elapsed = time.perf_counter() - t0
+            step_seconds = timed_steps(h, batch, effort, cuda=cuda)
         finally:
             if meter is not None:
                 meter.__exit__(None, None, None)
@@ -475,7 +488,9 @@ def probe_point(h: Harness, batch: int, effort: Effort, *, cuda: bool, rss_base:
         }
         return out
     out["fits"] = True
-    out["it_s"] = effort.timed_steps / elapsed if elapsed > 0 else None
+    out["steps"] = len(step_seconds)
+    median = statistics.median(step_seconds)
+    out["it_s"] = 1.0 / median if median > 0 else None
     if cuda:
         out["peak_allocated_bytes"] = int(torch.cuda.max_memory_allocated())
         out["peak_reserved_bytes"] = int(torch.cuda.max_memory_reserved())

@@ -540,3 +540,47 @@ def test_a_point_of_the_other_board_of_a_shared_name_does_not_count_for_this_one
     }
     result = planner.plan(snap, learned, planner.Request(method="lora", model="sd15"))
     assert result.feasible and result.basis != "measured"
+
+
+class _SleepyHarness:
+    """Stands in for the bench harness's step: a step takes ``seconds`` (as a short GPU step does)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.steps = 0
+
+    def step(self, batch: int) -> float:
+        import time
+
+        time.sleep(self.seconds)
+        self.steps += 1
+        return 0.0
+
+
+def test_short_steps_are_timed_over_a_minimum_window_not_a_fixed_count():
+    """On an H100 a 3-step window (0.2 s steps) gave it/s off by up to 2x; the bench now times steps until the
+    effort's minimum time has passed and reports the median."""
+    from sdplan.bench_harness import timed_steps
+
+    effort = bench.Effort(warmup_steps=0, timed_steps=3, max_batch=1, min_timed_seconds=0.2, max_timed_steps=50)
+    h = _SleepyHarness(0.01)
+    seconds = timed_steps(h, 1, effort, cuda=False)
+    assert len(seconds) > 3 and sum(seconds) >= 0.2 and len(seconds) == h.steps
+    capped = bench.Effort(warmup_steps=0, timed_steps=3, max_batch=1, min_timed_seconds=100.0, max_timed_steps=8)
+    assert len(timed_steps(_SleepyHarness(0.0), 1, capped, cuda=False)) == 8
+    slow = bench.Effort(warmup_steps=0, timed_steps=3, max_batch=1, min_timed_seconds=0.0)
+    assert len(timed_steps(_SleepyHarness(0.0), 1, slow, cuda=False)) == 3
+
+
+def test_a_gpu_table_with_out_of_memory_points_is_labelled_vram_not_cpu():
+    """A GPU bench whose search ended in out of memory printed its table as a CPU demo's ("sdxl tiny",
+    "RSS delta (CPU)"): the out-of-memory points have no peak, which was taken for a CPU run."""
+    req = bench.BenchRequest(method="lora", model="sdxl", resolution=1024, precision="bf16")
+    fits = bench.BenchPoint(request=req, batch=1, fits=True, it_s=1.6, peak_allocated_bytes=14 * 2**30)
+    oom = bench.BenchPoint(request=req, batch=2, fits=False, error="CUDA out of memory")
+    from rich.console import Console
+
+    console = Console(width=200, record=True)
+    console.print(bench_cmd.results_table([req], [fits, oom], cap=16, interrupted=False))
+    text = console.export_text()
+    assert "peak VRAM" in text and "RSS" not in text and "tiny" not in text

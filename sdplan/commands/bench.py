@@ -189,7 +189,7 @@ def results_table(requests: list[Any], points: list[Any], *, cap: int, interrupt
     from sdplan import bench as lib
 
     rows = lib.summarise(requests, points, cap=cap, interrupted=interrupted)
-    cpu = any(p.peak_allocated_bytes is None for p in points)
+    cpu = any(p.demo for p in points)  # (a GPU's out-of-memory points have no peak either)
     table = Table(title="sdplan bench", title_justify="left")
     table.add_column("case")
     table.add_column("settings", overflow="fold")
