@@ -20,7 +20,14 @@ log() { echo "[$(date -u +%H:%M:%S)] $*" | tee -a "$OUT/session.log"; }
 if ! $PY -c "import diffusers" 2>/dev/null; then
     $PY -m pip install -q --no-index --find-links .whl diffusers 2>&1 | tail -3
 fi
-$PY -c "import sdplan" 2>/dev/null || $PY -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -3
+if ! $PY -c "import diffusers" 2>/dev/null; then  # a dependency the image lacks: the wheels alone, no resolver
+    $PY -m pip install -q --no-deps .whl/*.whl 2>&1 | tail -3
+fi
+$PY -c "import diffusers" || { echo "diffusers does not import: stopping" >&2; exit 1; }
+# always (`import sdplan` alone succeeds from the repo root without an install; sdplan.trainer and
+# sdplan.profile_data exist only through the install's mapping)
+$PY -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -5
+$PY -c "import sdplan.trainer" || { echo "sdplan is not installed: stopping" >&2; exit 1; }
 SDPLAN="$PY -m sdplan.cli"
 { nvidia-smi || true; $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"; } >"$OUT/versions.txt" 2>&1
 
@@ -94,3 +101,5 @@ else
 fi
 { column -t -s $'\t' "$OUT/train.tsv" 2>/dev/null || cat "$OUT/train.tsv"; } | tee -a "$OUT/session.log"
 log "done"
+# the device tool brings back at most 8 files: everything else travels in one archive
+tar czf "$OUT/all.tgz" -C "$OUT" --exclude all.tgz . 2>/dev/null
