@@ -761,3 +761,27 @@ def test_final_sample_grid_out_of_memory_keeps_the_run(tiny_sd15, dataset, tmp_p
     assert (out / f"{out.name}.kohya.safetensors").exists()
     assert all(Path(p).exists() for p in summary["outputs"])
     assert "skipped the final sample grid: it ran out of GPU memory" in capsys.readouterr().out
+
+
+@pytest.mark.train
+def test_inf_gradients_with_a_finite_loss_stop_before_the_update(tiny_sd15, dataset, tmp_path, monkeypatch):
+    """On an H100 a faulty attention backward made inf gradients while the loss stayed finite: the update
+    spread them into every weight and the run stopped one step later, its last checkpoint already NaN.
+    Now the step stops before the update, with the weights from before it."""
+    import torch
+
+    out = tmp_path / "out"
+    monkeypatch.setenv("SDPLAN_INJECT_INF_GRAD_AT_STEP", "2")
+    with pytest.raises(stops.NonFiniteLoss, match="gradients became NaN/inf at step 2") as err:
+        run.train(
+            tiny_train_config(tiny_sd15, dataset, out, "training.max_steps=4", "training.precision=fp32")
+        )
+    saved = checkpoint.checkpoint_root(out) / "before-nan-step-000001"
+    assert str(saved) in str(err.value) and checkpoint.read_state(saved).global_step == 1
+    assert not torch.backends.cuda.cudnn_sdp_enabled()  # the trainer turned cuDNN attention off
+    monkeypatch.delenv("SDPLAN_INJECT_INF_GRAD_AT_STEP")
+    summary = run.train(
+        tiny_train_config(tiny_sd15, dataset, out, "training.max_steps=4", "training.precision=fp32"),
+        resume=str(saved),
+    )
+    assert summary["steps"] == 4 and np.isfinite(summary["final_loss"])

@@ -7,6 +7,8 @@ injects nothing. They exist so that out-of-memory and NaN handling can be tested
 - ``SDPLAN_INJECT_OOM_AT_STEP=N``: raise ``torch.OutOfMemoryError`` in optimizer step N (1-based) when
   ``training.batch_size > 1``, so the launcher's retry with a smaller micro-batch can be tested.
 - ``SDPLAN_INJECT_NAN_AT_STEP=N``: make the loss NaN in optimizer step N.
+- ``SDPLAN_INJECT_INF_GRAD_AT_STEP=N``: keep the loss of optimizer step N finite but make its gradients inf
+  (as a faulty GPU kernel in the backward pass does).
 - ``SDPLAN_INJECT_SAMPLE_OOM_AT_STEP=N``: raise ``torch.OutOfMemoryError`` in the sample grid made after
   optimizer step N (``sampling.every_steps``), inside the pipeline's precision as a real one would be.
 - ``SDPLAN_BENCH_OOM_ABOVE_BATCH=N``: in ``sdplan bench``, every probe point with a batch larger than N raises
@@ -23,6 +25,7 @@ from sdplan.errors import UsageError
 
 OOM_AT_STEP_ENV = "SDPLAN_INJECT_OOM_AT_STEP"
 NAN_AT_STEP_ENV = "SDPLAN_INJECT_NAN_AT_STEP"
+INF_GRAD_AT_STEP_ENV = "SDPLAN_INJECT_INF_GRAD_AT_STEP"
 SAMPLE_OOM_AT_STEP_ENV = "SDPLAN_INJECT_SAMPLE_OOM_AT_STEP"
 BENCH_OOM_ABOVE_BATCH_ENV = "SDPLAN_BENCH_OOM_ABOVE_BATCH"
 
@@ -48,6 +51,7 @@ class Faults:
     nan_at_step: int | None = None
     bench_oom_above_batch: int | None = None
     sample_oom_at_step: int | None = None
+    inf_grad_at_step: int | None = None
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Faults:
@@ -57,6 +61,7 @@ class Faults:
             nan_at_step=_read(env, NAN_AT_STEP_ENV),
             bench_oom_above_batch=_read(env, BENCH_OOM_ABOVE_BATCH_ENV),
             sample_oom_at_step=_read(env, SAMPLE_OOM_AT_STEP_ENV),
+            inf_grad_at_step=_read(env, INF_GRAD_AT_STEP_ENV),
         )
 
     def after_forward(self, step: int, batch_size: int, loss):
@@ -69,6 +74,8 @@ class Faults:
             )
         if self.nan_at_step is not None and self.nan_at_step == step:
             return loss * float("nan")
+        if self.inf_grad_at_step is not None and self.inf_grad_at_step == step:
+            return _inf_backward(loss)
         return loss
 
     def in_sample_grid(self, step: int | None) -> None:
@@ -86,3 +93,19 @@ class Faults:
 
 
 NONE = Faults()
+
+
+def _inf_backward(loss):
+    """``loss`` unchanged, with an inf gradient flowing back from it."""
+    import torch
+
+    class _Inf(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad * float("inf")
+
+    return _Inf.apply(loss)

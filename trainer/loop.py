@@ -274,6 +274,7 @@ def prepare(recipe: Recipe, optimizer, *extra):
 def build(recipe: Recipe) -> tuple[list[dict[str, Any]], Any]:
     """The recipe's models set up for training: placed, trainable, checkpointed; returns (groups, optimizer)."""
     recipe.setup()
+    runtime.avoid_faulty_attention_kernels()
     runtime.use_sdpa(recipe.unet, *([recipe.vae] if recipe.vae is not None else []))
     if recipe.cfg.memory.gradient_checkpointing:
         runtime.enable_gradient_checkpointing(*recipe.checkpointed_models())
@@ -286,7 +287,8 @@ def optimizer_step(
 ):
     """One micro-batch under gradient accumulation: loss, backward and, at an accumulation boundary, gradient
     clipping and the optimizer step. ``on_forward(loss, batch) -> loss`` runs between the forward and the
-    backward pass; ``on_boundary()`` before the optimizer step (the loop's NaN and stop decisions)."""
+    backward pass; ``on_boundary(grad_norm)`` before the optimizer step (the loop's NaN and stop decisions;
+    ``grad_norm``: the clipped gradients' total norm before clipping, None when nothing was clipped)."""
     accelerator, cfg = recipe.accelerator, recipe.cfg
     with accelerator.accumulate(*recipe.trained.values()):
         loss = recipe.loss(batch, generator, micro)
@@ -294,10 +296,11 @@ def optimizer_step(
             loss = on_forward(loss, batch)
         accelerator.backward(loss)
         if accelerator.sync_gradients:
-            if on_boundary is not None:
-                on_boundary()
+            grad_norm = None
             if cfg.training.max_grad_norm > 0:
-                accelerator.clip_grad_norm_(_params(optimizer), cfg.training.max_grad_norm)
+                grad_norm = accelerator.clip_grad_norm_(_params(optimizer), cfg.training.max_grad_norm)
+            if on_boundary is not None:
+                on_boundary(grad_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=cfg.memory.set_grads_to_none)
         if accelerator.sync_gradients:
@@ -395,12 +398,20 @@ class _Step:
         self.loss_sum = self.loss_sum + loss.detach()
         return loss
 
-    def boundary(self) -> None:
+    def boundary(self, grad_norm=None) -> None:
         self.mean_loss, self.images_all, self.stop_now, bad = reduce_step_stats(
             self.accelerator, self.loss_sum, self.micro, self.images, self.stop.requested is not None
         )
         if bad:
             raise stops.stop_on_nan(self.ckpt, self.params, self.number, self.cfg)
+        # A finite loss with non-finite gradients (a faulty backward kernel): the update would spread them into
+        # every weight and the next step's loss would be NaN. Under fp16 the gradient scaler skips such steps
+        # itself; the norm is the same on every process (the gradients are already all-reduced).
+        import torch
+
+        scaler = getattr(self.accelerator, "scaler", None)
+        if grad_norm is not None and scaler is None and not bool(torch.isfinite(torch.as_tensor(grad_norm))):
+            raise stops.stop_on_nan(self.ckpt, self.params, self.number, self.cfg, gradients=True)
 
 
 def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = None) -> dict:

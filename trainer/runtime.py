@@ -180,6 +180,19 @@ def place(model, device, dtype) -> None:
         model.to(device)
 
 
+def avoid_faulty_attention_kernels() -> None:
+    """Turn PyTorch's cuDNN attention backend off for training (flash / memory-efficient SDPA take over).
+    PyTorch >= 2.11 prefers it on Hopper (H100/H200), and its bf16 backward has given non-finite gradients
+    at some shapes (pytorch/pytorch#196678, huggingface/trl#7181, kyutai-labs/pocket-tts#264: same throughput
+    without it). On sdplan's lent H100 (torch 2.11, 2026-11-26) the FLUX demo LoRA in bf16 turned NaN at step 2
+    with the default backends and trained with math attention; the same run with only the flash kernel off
+    still failed. A no-op on machines without cuDNN attention."""
+    import torch
+
+    if hasattr(torch.backends.cuda, "enable_cudnn_sdp"):
+        torch.backends.cuda.enable_cudnn_sdp(False)
+
+
 def use_sdpa(*models) -> None:
     """PyTorch scaled-dot-product attention (flash / memory-efficient kernels on GPU). The SD3/FLUX
     transformers' joint-attention processors already use it (and AttnProcessor2_0 would break them)."""

@@ -57,19 +57,28 @@ class NonFiniteLoss(SdplanError):
     exit_code = 1
 
 
-def nonfinite_error(step: int, cfg, checkpoint: Path | None) -> NonFiniteLoss:
+def nonfinite_error(step: int, cfg, checkpoint: Path | None, *, gradients: bool = False) -> NonFiniteLoss:
     p = cfg.training.precision
+    where = f"; weights from before it in {checkpoint}" if checkpoint else ""
+    if gradients:  # the loss was finite: the backward pass made them
+        return NonFiniteLoss(
+            f"gradients became NaN/inf at step {step} while the loss was finite: likely a GPU kernel in the "
+            f"backward pass (on Hopper GPUs PyTorch's cuDNN attention has given non-finite gradients at some "
+            f"shapes; sdplan turns it off, see trainer/runtime.py) or diverging weights{where}",
+            fix=f"resume from that checkpoint with a lower training.learning_rate (now "
+            f"{cfg.training.learning_rate:g}); if it comes back at once, train with training.precision=fp32 "
+            "and report it with the run's sdplan.yaml",
+        )
     if p == "fp16":
         cause = "fp16 overflow (activations or the loss exceed the fp16 range)"
         fix = "train with training.precision=bf16 (Ampere or newer) or fp32, or lower training.learning_rate"
     else:
         cause = "diverging weights (learning rate too high) or a bad batch"
         fix = f"lower training.learning_rate (now {cfg.training.learning_rate:g}) or add warmup"
-    where = f"; weights from before it in {checkpoint}" if checkpoint else ""
     return NonFiniteLoss(f"loss became NaN/inf at step {step}: likely {cause}{where}", fix=fix)
 
 
-def stop_on_nan(ckpt, params, step: int, cfg) -> NonFiniteLoss:
+def stop_on_nan(ckpt, params, step: int, cfg, *, gradients: bool = False) -> NonFiniteLoss:
     """At a NaN/inf loss, before the optimizer step: checkpoint the weights from before this step (when they
     are still finite; else point at the last checkpoint) and return the error to raise."""
     import torch
@@ -79,7 +88,7 @@ def stop_on_nan(ckpt, params, step: int, cfg) -> NonFiniteLoss:
         path = ckpt.save("nan")
     elif ckpt.last_saved is not None:
         path = ckpt.last_saved
-    return nonfinite_error(step, cfg, path)
+    return nonfinite_error(step, cfg, path, gradients=gradients)
 
 
 def checkpoint_on_error(accelerator, ckpt, state) -> None:
