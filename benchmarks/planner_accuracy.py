@@ -79,6 +79,9 @@ KOHYA_DEFAULT_LORA_RANK = 4  # kohya-ss/sd-scripts networks/lora*.py create_netw
 @dataclass(frozen=True)
 class Prediction:
     peak_vram_bytes: float | None = None
+    allocated_bytes: float | None = (
+        None  # the step's peak torch allocation (no CUDA context, no fragmentation)
+    )
     host_ram_bytes: float | None = None
     it_per_s: float | None = None
     not_expressible: tuple[str, ...] = ()  # why the planner cannot express these settings (nothing predicted)
@@ -166,13 +169,23 @@ def predict(profiles: Profiles, point: "Point", *, interconnect: str = "pcie") -
     spec = next((g for g in profiles.gpus if g.name == point.gpu), None) if point.gpu else None
     if spec is None:
         why = f"GPU {point.gpu_reported!r} not in the catalog" if point.gpu_reported else "GPU not named"
-        return Prediction(peak_vram_bytes=mem.peak, host_ram_bytes=mem.ram, no_speed=why)
+        return Prediction(
+            peak_vram_bytes=mem.peak,
+            allocated_bytes=mem.peak - mem.overhead,
+            host_ram_bytes=mem.ram,
+            no_speed=why,
+        )
     cached = _CALIBRATIONS.get(id(profiles))
     if cached is None or cached[0] is not profiles:
         cached = _CALIBRATIONS[id(profiles)] = (profiles, P.calibrate(profiles))
     link = P._link_gbs_for(spec, interconnect) if point.num_gpus > 1 else None
     step = P.step_seconds(profiles, setup, spec, cached[1], link_gbs=link)
-    return Prediction(peak_vram_bytes=mem.peak, host_ram_bytes=mem.ram, it_per_s=1.0 / step if step else None)
+    return Prediction(
+        peak_vram_bytes=mem.peak,
+        allocated_bytes=mem.peak - mem.overhead,
+        host_ram_bytes=mem.ram,
+        it_per_s=1.0 / step if step else None,
+    )
 
 
 # -- one description of a training configuration and what was observed --------------------------------------
@@ -211,6 +224,7 @@ class Point:
     variant: str | None = None  # sd35: medium / large; flux: dev (the default) / schnell
     unmodelled: tuple[str, ...] = ()
     peak_vram_gib: float | None = None
+    peak_is_allocated: bool = False  # peak_vram_gib is torch.cuda.max_memory_allocated (sdplan bench points)
     ram_gib: float | None = None
     it_s: float | None = None
     fit_claims: tuple[tuple[float, bool], ...] = ()  # (card memory GiB, fits)
@@ -416,6 +430,9 @@ def profile_points(prof: Profiles) -> list[Point]:
             claims.append((float(p.outcome["max_vram_gib"]), True))
         if p.outcome.get("exceeds_vram_gib"):
             claims.append((float(p.outcome["exceeds_vram_gib"]), False))
+        memory_gib = p.gpu_memory_gib or (spec.memory_gib if spec else None)
+        if not claims and p.outcome.get("fits") is not None and memory_gib:  # e.g. sdplan bench's verdicts
+            claims.append((float(memory_gib), bool(p.outcome["fits"])))
         out.append(
             Point(
                 id=p.id,
@@ -446,6 +463,7 @@ def profile_points(prof: Profiles) -> list[Point]:
                 set_grads_to_none=o.set_grads_to_none,
                 base_precision=o.base_precision,
                 peak_vram_gib=p.outcome.get("peak_vram_gib"),
+                peak_is_allocated="max_memory_allocated" in (p.note or ""),
                 ram_gib=p.outcome.get("ram_gib"),
                 it_s=p.outcome.get("it_s"),
                 fit_claims=tuple(claims),
@@ -525,7 +543,8 @@ def point_rows(prof: Profiles, pt: Point) -> tuple[list[dict], list[dict], Predi
         return numeric, verdicts, pred
     peak_gib = pred.peak_vram_bytes / GiB
     if pt.peak_vram_gib:
-        numeric.append(_row(pt.id, "peak VRAM GiB", peak_gib, pt.peak_vram_gib, pt.source))
+        compared = pred.allocated_bytes / GiB if pt.peak_is_allocated else peak_gib
+        numeric.append(_row(pt.id, "peak VRAM GiB", compared, pt.peak_vram_gib, pt.source))
     if pt.ram_gib:
         numeric.append(_row(pt.id, "host RAM GiB", pred.host_ram_bytes / GiB, pt.ram_gib, pt.source))
     if pt.it_s and pred.it_per_s:

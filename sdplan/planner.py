@@ -580,6 +580,18 @@ class Calibration:
     bandwidth_points: tuple[tuple[str, float], ...] = ()
     step_overhead_s: float = STEP_OVERHEAD_S
     fixed_samples: float = 0.0  # the UNet's per-step fixed work, in samples of traffic (FIXED_SAMPLES_GRID)
+    # (family, "adapter" | "full") -> the fastest micro-step measured for it on any GPU, in seconds (see
+    # step_floor_s); the point each comes from
+    step_floors: tuple[tuple[tuple[str, str], float, str], ...] = ()
+
+    def step_floor_s(self, s: Settings) -> float | None:
+        """No prediction is faster than the fastest micro-step measured for its family and kind of training.
+        On an H100 the step time barely grows with the batch at batch 1-8 (SD1.5 LoRA 0.16-0.17 s, SDXL LoRA
+        0.60-0.64 s: the host launching the kernels, not the GPU, sets it), where the roofline predicted up to
+        3x faster; a floor from measurements is what the model cannot extrapolate. It depends on the host's
+        CPU: one measured on a slower host errs on the slow side."""
+        key = (s.model, _step_floor_kind(s.method))
+        return next((sec for k, sec, _ in self.step_floors if k == key), None)
 
     def bandwidth_efficiency_for(self, spec: GPUSpec | None) -> float:
         """One bandwidth efficiency for every GPU: the architectures differ through their measured GEMM ceiling
@@ -698,6 +710,7 @@ def step_seconds(
     else:
         compute = step_compute_seconds(profiles, s, spec, cal)
         seconds = compute + optimizer_step_seconds(profiles, s, spec) + cal.step_overhead_s
+        seconds = max(seconds, cal.step_floor_s(s) or 0.0)
     if s.offload:
         seconds *= OFFLOAD_TIME_FACTOR
     if s.num_gpus > 1 and link_gbs:
@@ -751,7 +764,7 @@ def calibrate(profiles: Profiles) -> Calibration:
         it_s = p.outcome.get("it_s")
         spec = profiles.point_gpu(p)
         # the transformer families' speeds have their own efficiency (_flow_efficiency_points)
-        if it_s and spec is not None and p.num_gpus == 1 and not flow_family(p.model):
+        if it_s and p.fit_speed and spec is not None and p.num_gpus == 1 and not flow_family(p.model):
             s = setup_from_point(p)
             speeds.append((p, spec, s, 1.0 / it_s - optimizer_step_seconds(profiles, s, spec)))
     # the FLOP efficiency (families without byte counts, and the encoders that run every step), then the
@@ -789,6 +802,7 @@ def calibrate(profiles: Profiles) -> Calibration:
         bandwidth_efficiency=_geomean([e for _, e, _ in bw]) if bw else BANDWIDTH_EFFICIENCY,
         bandwidth_points=tuple((i, e) for i, e, _ in bw),
     )
+    cal = replace(cal, step_floors=_step_floors(profiles))
     flow = _flow_efficiency_points(profiles)
     if flow:
         cal = replace(cal, flow_efficiency=_geomean([e for _, e in flow]), flow_points=tuple(flow))
@@ -807,6 +821,35 @@ def calibrate(profiles: Profiles) -> Calibration:
         links.append((m.id, moved / (needed * nominal * 1e9)))
     link_eff = _geomean([v for _, v in links]) if links else 0.05
     return replace(cal, link_efficiency=link_eff, link_points=tuple(links))
+
+
+def _step_floor_kind(method: str) -> str:
+    return "adapter" if method in ("lora", "textual-inversion") else "full"
+
+
+FLAT_STEP_RATIO = 1.25  # a step this close to the one at twice the batch or more is launch-bound
+
+
+def _step_floors(profiles: Profiles) -> tuple[tuple[tuple[str, str], float, str], ...]:
+    """Per (UNet family, kind of training): the shortest launch-bound micro-step measured. A point is
+    launch-bound where the same GPU and settings at twice the batch or more took at most FLAT_STEP_RATIO as
+    long (the step did not grow with the work). The shortest step of any point would not do: on a family whose
+    fastest measurement is a T4's, that would cap every faster GPU at a T4's speed."""
+    series: dict[tuple, list[tuple[int, float, str]]] = {}
+    for p in profiles.points:
+        it_s = p.outcome.get("it_s")
+        if not it_s or p.num_gpus != 1 or flow_family(p.model) or p.grad_accum != 1 or not p.gpu:
+            continue
+        series.setdefault((p.gpu, replace(p.settings, batch=1)), []).append((p.batch, 1.0 / it_s, p.id))
+    best: dict[tuple[str, str], tuple[float, str]] = {}
+    for (_, settings), pts in series.items():
+        for batch, sec, pid in pts:
+            if not any(b >= 2 * batch and other <= FLAT_STEP_RATIO * sec for b, other, _ in pts):
+                continue
+            key = (settings.model, _step_floor_kind(settings.method))
+            if key not in best or sec < best[key][0]:
+                best[key] = (sec, pid)
+    return tuple((k, sec, pid) for k, (sec, pid) in sorted(best.items()))
 
 
 def _fit_step_overhead(profiles: Profiles, speeds: list) -> float:
@@ -2200,7 +2243,7 @@ def _flow_efficiency_points(profiles: Profiles) -> list[tuple[str, float]]:
     for p in profiles.points:
         it_s = p.outcome.get("it_s")
         spec = profiles.point_gpu(p)
-        if not it_s or spec is None or p.num_gpus != 1 or not flow_family(p.model):
+        if not it_s or not p.fit_speed or spec is None or p.num_gpus != 1 or not flow_family(p.model):
             continue
         ideal = step_flops_flow(profiles, p.settings) / (spec.matmul_tflops(p.settings.precision) * 1e12)
         measured = 1.0 / it_s - STEP_OVERHEAD_S

@@ -283,6 +283,9 @@ POINT_SCHEMA = {
     "outcome": F((dict,), sub=OUTCOME_SCHEMA),
     "source": F(STR),
     "note": F(STR, required=False),
+    # false: the point is measured evidence (basis "measured", memory, fit verdicts) but stays out of the speed
+    # fit, whose form cannot express it (say why in note)
+    "fit_speed": F((bool,), required=False),
 }
 MULTI_GPU_SCHEMA = {
     "id": F(STR),
@@ -478,6 +481,7 @@ class MethodPoint(_SettingsView):
     model_name: str | None = None
     note: str | None = None
     origin: str = "shipped"  # "shipped" | "local"
+    fit_speed: bool = True  # calibrate() fits the speed model on its it/s
 
 
 @dataclass(frozen=True)
@@ -1000,6 +1004,7 @@ def load_methods(path: Path, origin: str = "shipped") -> tuple[list[MethodPoint]
                 model_name=p.get("model_name"),
                 note=p.get("note"),
                 origin=origin,
+                fit_speed=p.get("fit_speed", True),
             )
         )
     multi = [
