@@ -1,6 +1,6 @@
 """Resuming with another process count: the images seen carry over, the steps are the new run's
-(``sdplan.steps.moved_position``), and the learning rate stands where the new schedule has it. The slow tests
-are real 2-process gloo runs (torchrun) resumed on 1 process and back."""
+(``sdplan.steps.moved_position``), the learning rate stands where the new schedule has it, and checkpoints rank
+by images seen. The slow tests are real 2-process gloo runs (torchrun) resumed on 1 process and back."""
 
 from __future__ import annotations
 
@@ -107,6 +107,63 @@ def test_the_learning_rate_moves_with_the_step():
     ref_opt.step()
     ref.step()
     assert opt.param_groups[0]["lr"] == pytest.approx(ref_opt.param_groups[0]["lr"])
+
+
+# -- which checkpoints stay, which is the latest -------------------------------------------------------------
+
+
+def fake_checkpoint(out: Path, name: str, images: int) -> Path:
+    path = checkpoint.checkpoint_root(out) / name
+    path.mkdir(parents=True)
+    (path / checkpoint.STATE_FILE).write_text(json.dumps({"images_seen": images, "files": {}}))
+    return path
+
+
+def test_latest_is_the_checkpoint_with_the_most_images(tmp_path):
+    """A 2-process run's step 4 (16 images) is further than the 1-process step 6 it resumed from (12)."""
+    fake_checkpoint(tmp_path, "rolling-step-000006", 12)
+    further = fake_checkpoint(tmp_path, "step-000004", 16)
+    assert checkpoint.latest_checkpoint(tmp_path) == further
+    assert checkpoint.resolve_resume("latest", tmp_path) == further
+
+
+@pytest.fixture
+def checkpointer(tmp_path, fresh_accelerator_state):
+    import torch
+    from accelerate import Accelerator
+
+    def make(state: checkpoint.TrainState, **kw) -> checkpoint.Checkpointer:
+        return checkpoint.Checkpointer(
+            Accelerator(cpu=True),
+            tmp_path,
+            state,
+            get_weights=lambda: {"w": torch.zeros(2)},
+            set_weights=lambda _: None,
+            **kw,
+        )
+
+    return make
+
+
+def test_a_kept_checkpoint_replaces_the_rolling_one_before_it(tmp_path, checkpointer):
+    state = checkpoint.TrainState()
+    ckpt = checkpointer(state, every_steps=1, keep_every_steps=2)
+    names = []
+    for step in (1, 2, 3):
+        state.global_step, state.images_seen = step, 2 * step
+        ckpt.maybe_save()
+        names.append(sorted(p.name for _, _, p in checkpoint.list_checkpoints(tmp_path)))
+    assert names == [["rolling-step-000001"], ["step-000002"], ["rolling-step-000003", "step-000002"]]
+
+
+def test_a_rolling_checkpoint_replaces_one_with_fewer_images_and_a_higher_step(tmp_path, checkpointer):
+    """Resumed on 2 processes from a 1-process rolling checkpoint at step 6 (12 images): the 2-process rolling
+    checkpoint at step 4 (16 images) replaces it, and is the latest."""
+    fake_checkpoint(tmp_path, "rolling-step-000006", 12)
+    state = checkpoint.TrainState(global_step=4, images_seen=16, num_processes=2)
+    saved = checkpointer(state, every_steps=1).maybe_save()
+    assert [p for _, _, p in checkpoint.list_checkpoints(tmp_path)] == [saved]
+    assert saved.name == "rolling-step-000004" and checkpoint.latest_checkpoint(tmp_path) == saved
 
 
 # -- real 2-process runs -------------------------------------------------------------------------------------

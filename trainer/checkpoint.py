@@ -4,7 +4,7 @@ Layout under ``{output.dir}/checkpoints/``:
 
 - ``rolling-step-000300``: every ``checkpoints.every_steps``; a new one replaces the previous (the old one is
   deleted only after the new one is complete).
-- ``step-000500``: every ``checkpoints.keep_every_steps``; never deleted.
+- ``step-000500``: every ``checkpoints.keep_every_steps``; never deleted (it replaces the rolling one before it).
 - ``interrupt-step-000123``: on SIGINT/SIGTERM or an exception; ``before-nan-step-000041`` when the loss
   turned NaN/inf (the weights from before that step).
 
@@ -22,7 +22,8 @@ scheduler and any registered object (EMA), accelerate's RNG states, and ``train_
 batches consumed in that epoch, images seen, loss history). Together with the epoch-seeded batch order and the
 per-step noise seeds (``runtime.seed_step``) this makes a resumed run's losses equal an uninterrupted run's.
 A resume with another process count (or micro-batch, or accumulation) continues at the images the checkpoint
-had trained, in this run's steps (:func:`resume_position`).
+had trained, in this run's steps (:func:`resume_position`). "Newest" (``--resume latest``, which checkpoints a
+new one replaces) means most images seen: a step number counts the steps of the process count that wrote it.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ CHECKPOINTS = "checkpoints"
 STATE_FILE = "train_state.json"
 WEIGHTS_FILE = "trainable.safetensors"
 _NAME = re.compile(r"^(rolling-step|step|interrupt-step|before-nan-step)-(\d+)$")
-_REPLACEABLE = ("rolling-step", "interrupt-step")  # a newer rolling checkpoint removes these
+_REPLACEABLE = ("rolling-step", "interrupt-step")  # a newer rolling or kept checkpoint removes these
 # The TrainState fields that are this run's settings, not its progress: a resume keeps the live ones.
 _SETTINGS = ("batch_size", "grad_accum", "num_processes", "method")
 
@@ -130,20 +131,29 @@ def read_state(path: str | Path) -> TrainState:
         raise CheckpointError(f"{path}: not a complete sdplan checkpoint ({type(e).__name__}: {e})") from e
 
 
+def images_seen(path: str | Path) -> int:
+    """The images checkpoint ``path`` had trained (-1 when its state is unreadable)."""
+    try:
+        return int(json.loads((Path(path) / STATE_FILE).read_text()).get("images_seen", -1))
+    except (OSError, ValueError, TypeError, AttributeError):
+        return -1
+
+
 def list_checkpoints(out_dir: str | Path) -> list[tuple[int, str, Path]]:
-    """Complete checkpoints as (step, kind, path), oldest first."""
+    """Checkpoints with a state file as (step, kind, path), oldest first: by images seen, then step. The
+    step in a name counts that run's steps, which differ with the process count a run had."""
     root = checkpoint_root(out_dir)
     found = []
     if root.is_dir():
         for p in root.iterdir():
             m = _NAME.match(p.name)
             if m and p.is_dir() and (p / STATE_FILE).is_file():
-                found.append((int(m.group(2)), m.group(1), p))
-    return sorted(found, key=lambda t: (t[0], t[2].stat().st_mtime))
+                found.append((images_seen(p), int(m.group(2)), p.stat().st_mtime, m.group(1), p))
+    return [(step, kind, p) for _, step, _, kind, p in sorted(found, key=lambda t: t[:3])]
 
 
 def latest_checkpoint(out_dir: str | Path) -> Path | None:
-    """The newest complete checkpoint (highest step) under ``out_dir/checkpoints``, or None."""
+    """The newest complete checkpoint (most images seen) under ``out_dir/checkpoints``, or None."""
     found = list_checkpoints(out_dir)
     return found[-1][2] if found else None
 
@@ -352,9 +362,10 @@ class Checkpointer:
             else:
                 os.replace(tmp, final)
             _fsync_dir(self.root)
-            if kind in ("rolling", "interrupt"):
-                for s, k, p in list_checkpoints(self.root.parent):
-                    if k in _REPLACEABLE and p != final and s <= step:
+            if kind in ("rolling", "interrupt", "keep"):  # the rolling / interrupt ones it supersedes go
+                seen = self.state.images_seen
+                for _, k, p in list_checkpoints(self.root.parent):
+                    if k in _REPLACEABLE and p != final and images_seen(p) <= seen:
                         shutil.rmtree(p, ignore_errors=True)
         acc.wait_for_everyone()
         self.last_saved = final
