@@ -45,8 +45,13 @@ TRAINER_MODULE = "sdplan.trainer"
 ACCELERATE_FILE = "accelerate.yaml"
 DEEPSPEED_FILE = "deepspeed.json"
 MIXED = {"fp32": "no", "fp16": "fp16", "bf16": "bf16"}  # training.precision -> accelerate's mixed_precision
-# Defaults the launch sets for CPU runs that a user's own environment setting overrides.
-SOFT_ENV = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY")
+# How long torchrun (and accelerate launch, which runs it) lets its workers finish after Ctrl-C or SIGTERM
+# before it kills them (torch's TORCH_ELASTIC_SHUTDOWN_TIMEOUT, default 30 s): they write their interrupt
+# checkpoint first, which for a full fine-tune takes longer than 30 s.
+SHUTDOWN_TIMEOUT_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
+SHUTDOWN_TIMEOUT_S = 600
+# Defaults the launch sets that a user's own environment setting overrides.
+SOFT_ENV = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", SHUTDOWN_TIMEOUT_ENV)
 
 
 @dataclass(frozen=True)
@@ -226,6 +231,9 @@ def build_launch(
         # DeepSpeed's CPU accelerator: one process, launched by accelerate's DeepSpeed launcher.
         env["DS_ACCELERATOR"] = "cpu"
 
+    if cfg.distributed.num_processes > 1 or num_machines > 1:
+        env[SHUTDOWN_TIMEOUT_ENV] = str(SHUTDOWN_TIMEOUT_S)
+
     # CPU, several processes: torchrun with gloo (accelerate sees MULTI_CPU).
     if on_cpu and ds is None and cfg.distributed.num_processes > 1:
         n = cfg.distributed.num_processes
@@ -326,8 +334,8 @@ def run_launch(
     checkpoint and exits 130. A second Ctrl-C sends SIGTERM, a third SIGKILL. If sdplan itself dies (kill -9,
     a closed terminal), the kernel sends the child SIGTERM (Linux, see ``_die_with_parent``); torchrun and
     accelerate pass it on to their workers. ``on_start(pid)`` is called once the child runs (the run lock
-    records it). Thread settings in ``SOFT_ENV`` that the user set in the environment are kept (an empty
-    value counts as not set: accelerate and torch read it as a number).
+    records it). Settings in ``SOFT_ENV`` (threads, torchrun's shutdown timeout) that the user set in the
+    environment are kept (an empty value counts as not set: accelerate and torch read it as a number).
     """
     env = dict(os.environ if environ is None else environ)
     env.update({k: v for k, v in launch.env.items() if not (k in SOFT_ENV and env.get(k, "").strip())})

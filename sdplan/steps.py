@@ -3,7 +3,9 @@
 With N processes each epoch is split N ways: every process draws ``ceil(images / (batch x N))`` micro-batches
 and takes one optimizer step per ``grad_accum`` of them, so the images trained equal the one-process run's.
 ``training.max_steps`` and ``training.lr_warmup_steps`` are one-process counts (as the planner writes them):
-with N processes both are divided by N, rounded up. Pure: no torch.
+with N processes both are divided by N, rounded up. A checkpoint resumed with other settings (another process
+count, micro-batch or accumulation) continues at its images, in this run's steps: :func:`moved_position`.
+Pure: no torch.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ class Steps:
     one_gpu_total_steps: int  # the same run on one process
     lr_warmup_steps: int  # per process
     num_processes: int = 1
+    grad_accum: int = 1
 
     def summary(self) -> dict[str, int]:
         """The counts `sdplan train` prints and records (run metadata)."""
@@ -75,4 +78,49 @@ def plan_steps(
         one_gpu_total_steps=one,
         lr_warmup_steps=min(total, math.ceil(warmup_steps / num_processes)),
         num_processes=num_processes,
+        grad_accum=grad_accum,
     )
+
+
+@dataclass(frozen=True)
+class Position:
+    """Where a run stands: optimizer steps taken (each process), the epoch, and the micro-batches each
+    process has drawn in that epoch."""
+
+    step: int
+    epoch: int
+    batches_in_epoch: int
+
+
+def moved_position(
+    *,
+    epoch: int,
+    batches_in_epoch: int,
+    samples_in_epoch: int,
+    batch_size: int,
+    num_processes: int,
+    epoch_batches: int,
+    new: Steps,
+) -> Position:
+    """Where a checkpoint saved under other settings stands in a run planned as ``new``.
+
+    The checkpoint was ``batches_in_epoch`` micro-batches of ``batch_size`` into ``epoch`` on each of its
+    ``num_processes`` processes (``samples_in_epoch`` images on one of them). The processes take an epoch's
+    batches in turn (process i: batches i, i+N, ...), so the first ``batches_in_epoch x num_processes``
+    batches of the epoch's order are done; with another micro-batch the batches differ, and the images done
+    count instead (exact without aspect buckets). ``epoch_batches``: the new run's batches in one epoch,
+    before they are shared out. Each new process skips its share of what is done: a count the new processes
+    cannot share evenly is rounded down (up to ``new.num_processes - 1`` batches train again; none is left
+    out). The step is the steps ``new`` takes to that point, so the run ends after the images it was asked
+    for, and the learning-rate schedule stands where this run's own schedule would.
+    """
+    new_batch = new.images_per_step // (new.grad_accum * new.num_processes)
+    if batch_size == new_batch:
+        done = batches_in_epoch * num_processes
+    else:
+        done = samples_in_epoch * num_processes // new_batch
+    if done >= epoch_batches:  # the epoch was finished
+        epoch, done = epoch + 1, 0
+    mine = min(done // new.num_processes, new.batches_per_epoch)
+    left = math.ceil((new.batches_per_epoch - mine) / new.grad_accum)  # the steps of this epoch still to take
+    return Position(step=(epoch + 1) * new.steps_per_epoch - left, epoch=epoch, batches_in_epoch=mine)

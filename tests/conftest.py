@@ -193,9 +193,9 @@ def tiny_train_config(
     return config.validate(config.apply_overrides(base, list(overrides)))
 
 
-def train_two_processes(config: Path, cwd: Path):
-    """``torchrun --standalone --nproc_per_node 2 -m sdplan.trainer --config CONFIG`` on the CPU (gloo), one
-    thread per process; asserts it exited 0."""
+def train_two_processes(config: Path, cwd: Path, *args: str):
+    """``torchrun --standalone --nproc_per_node 2 -m sdplan.trainer --config CONFIG [ARGS]`` on the CPU (gloo),
+    one thread per process; asserts it exited 0."""
     import subprocess
     import sys
 
@@ -203,7 +203,7 @@ def train_two_processes(config: Path, cwd: Path):
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     proc = subprocess.run(
-        [*cmd, "-m", "sdplan.trainer", "--config", str(config)],
+        [*cmd, "-m", "sdplan.trainer", "--config", str(config), *args],
         env=dict(os.environ, OMP_NUM_THREADS="1"),
         cwd=cwd,
         capture_output=True,

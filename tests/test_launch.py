@@ -255,6 +255,27 @@ def test_run_launch_keeps_the_users_thread_settings_but_not_empty_ones(capfd):
     assert "threads '1'" in capfd.readouterr().out
 
 
+def test_multi_process_launches_let_workers_save_after_ctrl_c(capfd):
+    """torchrun (and accelerate launch, which runs it) kills its workers 30 s after Ctrl-C unless
+    TORCH_ELASTIC_SHUTDOWN_TIMEOUT says otherwise: too soon for a large interrupt checkpoint. Every
+    multi-process launch sets 600 s; a user's own value wins; a single process has no torchrun."""
+    two = {"num_processes": 2}
+    launches = [
+        build_launch(cfg(distributed=two), CFG, OUT, python=PY),
+        build_launch(cfg(distributed=two, training={"device": "cpu"}), CFG, OUT, python=PY, cpu_processes=2),
+        build_launch(cfg(distributed={**two, "deepspeed": {"zero_stage": 2}}), CFG, OUT, python=PY),
+        build_launch(cfg(distributed=two), CFG, OUT, python=PY, num_machines=2, main_process_ip="10.0.0.1"),
+    ]
+    assert [launch.env.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT") for launch in launches] == ["600"] * 4
+    assert "TORCH_ELASTIC_SHUTDOWN_TIMEOUT" not in build_launch(cfg(), CFG, OUT, python=PY).env
+    code = "import os; print('timeout', os.environ['TORCH_ELASTIC_SHUTDOWN_TIMEOUT'])"
+    launch = Launch(cmd=[sys.executable, "-c", code], env=launches[0].env)
+    assert run_launch(launch, environ={"PATH": "/usr/bin:/bin", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "90"}) == 0
+    assert "timeout 90" in capfd.readouterr().out
+    assert run_launch(launch, environ={"PATH": "/usr/bin:/bin"}) == 0
+    assert "timeout 600" in capfd.readouterr().out
+
+
 def test_run_launch_forwards_sigint_to_the_child_group(tmp_path):
     """The parent gets SIGINT (Ctrl-C): the child (in its own group) gets it too, cleans up, and its
     exit code comes back."""

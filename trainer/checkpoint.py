@@ -4,7 +4,7 @@ Layout under ``{output.dir}/checkpoints/``:
 
 - ``rolling-step-000300``: every ``checkpoints.every_steps``; a new one replaces the previous (the old one is
   deleted only after the new one is complete).
-- ``step-000500``: every ``checkpoints.keep_every_steps``; never deleted.
+- ``step-000500``: every ``checkpoints.keep_every_steps``; never deleted (it replaces the rolling one before it).
 - ``interrupt-step-000123``: on SIGINT/SIGTERM or an exception; ``before-nan-step-000041`` when the loss
   turned NaN/inf (the weights from before that step).
 
@@ -21,6 +21,9 @@ text encoder, via the save/load hooks below; DeepSpeed keeps its own model files
 scheduler and any registered object (EMA), accelerate's RNG states, and ``train_state.json`` (global step, epoch,
 batches consumed in that epoch, images seen, loss history). Together with the epoch-seeded batch order and the
 per-step noise seeds (``runtime.seed_step``) this makes a resumed run's losses equal an uninterrupted run's.
+A resume with another process count (or micro-batch, or accumulation) continues at the images the checkpoint
+had trained, in this run's steps (:func:`resume_position`). "Newest" (``--resume latest``, which checkpoints a
+new one replaces) means most images seen: a step number counts the steps of the process count that wrote it.
 """
 
 from __future__ import annotations
@@ -35,12 +38,15 @@ from pathlib import Path
 from typing import Any
 
 from sdplan.errors import SdplanError, UsageError
+from sdplan.steps import Position, Steps, moved_position
 
 CHECKPOINTS = "checkpoints"
 STATE_FILE = "train_state.json"
 WEIGHTS_FILE = "trainable.safetensors"
 _NAME = re.compile(r"^(rolling-step|step|interrupt-step|before-nan-step)-(\d+)$")
-_REPLACEABLE = ("rolling-step", "interrupt-step")  # a newer rolling checkpoint removes these
+_REPLACEABLE = ("rolling-step", "interrupt-step")  # a newer rolling or kept checkpoint removes these
+# The TrainState fields that are this run's settings, not its progress: a resume keeps the live ones.
+_SETTINGS = ("batch_size", "grad_accum", "num_processes", "method")
 
 
 class CheckpointError(SdplanError):
@@ -75,6 +81,28 @@ class TrainState:
         return cls(**known)
 
 
+def resume_position(saved: TrainState, live: TrainState, plan: Steps, epoch_batches: int) -> Position | None:
+    """Where a run resumed from checkpoint state ``saved`` stands in this run (its settings in ``live``, its
+    steps ``plan``, ``epoch_batches`` batches per epoch before they are shared out), when it was saved with
+    another process count, micro-batch or accumulation (:func:`sdplan.steps.moved_position`: the images
+    done carry over, the steps are this run's); None when the settings are the same (the saved position)."""
+    if (saved.batch_size, saved.grad_accum, saved.num_processes) == (
+        live.batch_size,
+        live.grad_accum,
+        live.num_processes,
+    ):
+        return None
+    return moved_position(
+        epoch=saved.epoch,
+        batches_in_epoch=saved.batches_in_epoch,
+        samples_in_epoch=saved.samples_in_epoch,
+        batch_size=saved.batch_size,
+        num_processes=saved.num_processes,
+        epoch_batches=epoch_batches,
+        new=plan,
+    )
+
+
 def checkpoint_root(out_dir: str | Path) -> Path:
     return Path(out_dir) / CHECKPOINTS
 
@@ -103,20 +131,29 @@ def read_state(path: str | Path) -> TrainState:
         raise CheckpointError(f"{path}: not a complete sdplan checkpoint ({type(e).__name__}: {e})") from e
 
 
+def images_seen(path: str | Path) -> int:
+    """The images checkpoint ``path`` had trained (-1 when its state is unreadable)."""
+    try:
+        return int(json.loads((Path(path) / STATE_FILE).read_text()).get("images_seen", -1))
+    except (OSError, ValueError, TypeError, AttributeError):
+        return -1
+
+
 def list_checkpoints(out_dir: str | Path) -> list[tuple[int, str, Path]]:
-    """Complete checkpoints as (step, kind, path), oldest first."""
+    """Checkpoints with a state file as (step, kind, path), oldest first: by images seen, then step. The
+    step in a name counts that run's steps, which differ with the process count a run had."""
     root = checkpoint_root(out_dir)
     found = []
     if root.is_dir():
         for p in root.iterdir():
             m = _NAME.match(p.name)
             if m and p.is_dir() and (p / STATE_FILE).is_file():
-                found.append((int(m.group(2)), m.group(1), p))
-    return sorted(found, key=lambda t: (t[0], t[2].stat().st_mtime))
+                found.append((images_seen(p), int(m.group(2)), p.stat().st_mtime, m.group(1), p))
+    return [(step, kind, p) for _, step, _, kind, p in sorted(found, key=lambda t: t[:3])]
 
 
 def latest_checkpoint(out_dir: str | Path) -> Path | None:
-    """The newest complete checkpoint (highest step) under ``out_dir/checkpoints``, or None."""
+    """The newest complete checkpoint (most images seen) under ``out_dir/checkpoints``, or None."""
     found = list_checkpoints(out_dir)
     return found[-1][2] if found else None
 
@@ -325,9 +362,10 @@ class Checkpointer:
             else:
                 os.replace(tmp, final)
             _fsync_dir(self.root)
-            if kind in ("rolling", "interrupt"):
-                for s, k, p in list_checkpoints(self.root.parent):
-                    if k in _REPLACEABLE and p != final and s <= step:
+            if kind in ("rolling", "interrupt", "keep"):  # the rolling / interrupt ones it supersedes go
+                seen = self.state.images_seen
+                for _, k, p in list_checkpoints(self.root.parent):
+                    if k in _REPLACEABLE and p != final and images_seen(p) <= seen:
                         shutil.rmtree(p, ignore_errors=True)
         acc.wait_for_everyone()
         self.last_saved = final
@@ -374,9 +412,9 @@ class Checkpointer:
 
     # -- loading ---------------------------------------------------------------------------------------
 
-    def load(self, path: str | Path) -> TrainState:
+    def load(self, path: str | Path, plan: Steps, epoch_batches: int) -> TrainState:
         """Restore weights, optimizer, scheduler, registered objects and RNG from ``path``; update and return
-        the live TrainState."""
+        the live TrainState, at :func:`resume_position` in this run's ``plan``."""
         path = Path(path)
         saved = read_state(path)
         if saved.method and self.state.method and saved.method != self.state.method:
@@ -399,32 +437,33 @@ class Checkpointer:
                 "aside to resume from an older checkpoint, or start again without --resume",
             ) from None
         live = self.state
-        moved = (saved.batch_size, saved.num_processes) != (live.batch_size, live.num_processes)
         for key, value in saved.to_json().items():
-            if key not in ("batch_size", "grad_accum", "num_processes", "method"):
+            if key not in _SETTINGS:
                 setattr(live, key, value)
-        if moved and saved.samples_in_epoch:
-            # Another micro-batch or process count (e.g. after an out-of-memory retry): keep the images done.
-            per_batch = live.batch_size * live.num_processes
-            live.batches_in_epoch = (saved.samples_in_epoch * saved.num_processes) // per_batch
-            live.samples_in_epoch = live.batches_in_epoch * live.batch_size
+        at = resume_position(saved, live, plan, epoch_batches)
+        if at is not None:
+            live.global_step, live.epoch, live.batches_in_epoch = at.step, at.epoch, at.batches_in_epoch
+            live.samples_in_epoch = at.batches_in_epoch * live.batch_size
         self.last_saved = path
         self.last_saved_step = live.global_step
         return live
 
 
-def apply_learning_rates(optimizer, lr_scheduler, lrs: list[float]) -> None:
+def apply_learning_rates(optimizer, lr_scheduler, lrs: list[float], step: int) -> None:
     """After a resume, use this run's configured learning rates (a resume may lower them, e.g. after a NaN)
-    at the schedule position the checkpoint reached."""
+    at ``step`` of this run's schedule: a checkpoint from another process count reached another step of a
+    schedule with other lengths (:func:`resume_position`)."""
     base = getattr(lr_scheduler, "base_lrs", None)
-    if base is None or len(base) != len(lrs) or list(base) == list(lrs):
+    lambdas = getattr(lr_scheduler, "lr_lambdas", None)
+    if base is None or lambdas is None or len(base) != len(lrs):
+        return
+    if list(base) == list(lrs) and lr_scheduler.last_epoch == step:
         return
     lr_scheduler.base_lrs = list(lrs)
-    for group, lr in zip(optimizer.param_groups, lrs):
+    lr_scheduler.last_epoch = step
+    for group, lr, factor in zip(optimizer.param_groups, lrs, lambdas):
         group["initial_lr"] = lr
-    factors = [f(lr_scheduler.last_epoch) for f in lr_scheduler.lr_lambdas]
-    for group, lr, factor in zip(optimizer.param_groups, lrs, factors):
-        group["lr"] = lr * factor
+        group["lr"] = lr * factor(step)
     lr_scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]
 
 

@@ -467,8 +467,29 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
         accelerator.register_for_checkpointing(ema.model)
     params = [p for g in groups for p in g["params"]]
 
+    # Where a resumed run stands, in this run's steps (a checkpoint from another process count, micro-batch
+    # or accumulation continues at the images it had trained).
+    state = ckpt_lib.TrainState(
+        batch_size=tcfg.batch_size,
+        grad_accum=tcfg.grad_accum,
+        num_processes=accelerator.num_processes,
+        method=cfg.method,
+    )
+    start_step = 0
+    if resume_from is not None:
+        saved = ckpt_lib.read_state(resume_from)
+        moved = ckpt_lib.resume_position(saved, state, plan, len(batches))
+        start_step = moved.step if moved is not None else saved.global_step
+        if moved is not None:
+            progress.say(
+                accelerator,
+                f"{resume_from}: saved by {saved.num_processes} process(es) (batch {saved.batch_size} x accum "
+                f"{saved.grad_accum}) after {saved.images_seen} images; on {accelerator.num_processes} "
+                f"process(es) (batch {tcfg.batch_size} x accum {tcfg.grad_accum}) that is step {moved.step} "
+                f"of {plan.total_steps}",
+            )
+
     # The export, once, before anything is trained: what fails there fails now, not after the training.
-    start_step = ckpt_lib.read_state(resume_from).global_step if resume_from is not None else 0
     saves_at = outputs.intermediate_steps(
         total_steps=plan.total_steps,
         steps_per_epoch=plan.steps_per_epoch,
@@ -498,12 +519,6 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
     )
 
     # 4. Checkpoints and resume.
-    state = ckpt_lib.TrainState(
-        batch_size=tcfg.batch_size,
-        grad_accum=tcfg.grad_accum,
-        num_processes=accelerator.num_processes,
-        method=cfg.method,
-    )
     ckpt = ckpt_lib.Checkpointer(
         accelerator,
         out_dir,
@@ -514,10 +529,10 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
         keep_every_steps=cfg.checkpoints.keep_every_steps,
     )
     if resume_from is not None:
-        ckpt.load(resume_from)
+        ckpt.load(resume_from, plan, len(batches))
         if ema is not None:
             ema.model.to(ema.device, torch.float32)  # loaded on the CPU (fp32: see Ema)
-        ckpt_lib.apply_learning_rates(optimizer, lr_scheduler, [g["lr"] for g in groups])
+        ckpt_lib.apply_learning_rates(optimizer, lr_scheduler, [g["lr"] for g in groups], state.global_step)
         progress.say(accelerator, f"resumed from {resume_from} at step {state.global_step}")
     progress.say(accelerator, runtime.describe_plan(cfg.method, comps.family, len(dataset), cfg, plan))
 

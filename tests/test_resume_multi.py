@@ -1,0 +1,245 @@
+"""Resuming with another process count: the images seen carry over, the steps are the new run's
+(``sdplan.steps.moved_position``), the learning rate stands where the new schedule has it, and checkpoints rank
+by images seen. The slow tests are real 2-process gloo runs (torchrun) resumed on 1 process and back."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import assert_same_run, tiny_train_config, train_two_processes, trains_in_process
+from sdplan.trainer import checkpoint, run
+
+from sdplan.steps import Position, moved_position, plan_steps
+
+# -- the arithmetic (pure) -----------------------------------------------------------------------------------
+
+
+def plan(n: int, *, images: int = 8, accum: int = 2, epochs: int = 2, batch: int = 1):
+    return plan_steps(
+        images_per_epoch=images, batch_size=batch, grad_accum=accum, num_processes=n, epochs=epochs
+    )
+
+
+def moved(epoch: int, batches: int, old: int, new, *, epoch_batches: int = 8, batch: int = 1) -> Position:
+    return moved_position(
+        epoch=epoch,
+        batches_in_epoch=batches,
+        samples_in_epoch=batches * batch,
+        batch_size=batch,
+        num_processes=old,
+        epoch_batches=epoch_batches,
+        new=new,
+    )
+
+
+def finish(at: Position, p) -> tuple[int, int]:
+    """Where the loop stops from ``at`` under plan ``p``: (epoch, micro-batches into it). A step closes after
+    ``grad_accum`` micro-batches or at the epoch's end (accelerate's sync rule), as in ``trainer/loop.py``."""
+    step, epoch, b, micro = at.step, at.epoch, at.batches_in_epoch, 0
+    while step < p.total_steps:
+        if b >= p.batches_per_epoch:
+            epoch, b = epoch + 1, 0
+        b, micro = b + 1, micro + 1
+        if micro == p.grad_accum or b == p.batches_per_epoch:
+            step, micro = step + 1, 0
+    return (epoch - 1, p.batches_per_epoch) if b == 0 else (epoch, b)
+
+
+def test_moved_position_two_to_one_and_back():
+    # 8 images, batch 1, accumulation 2, 2 epochs: 4 steps/epoch on one process, 2 on two.
+    assert moved(0, 2, 2, plan(1)) == Position(step=2, epoch=0, batches_in_epoch=4)  # 4 images done
+    assert moved(0, 4, 1, plan(2)) == Position(step=1, epoch=0, batches_in_epoch=2)
+    assert moved(0, 4, 2, plan(1)) == Position(step=4, epoch=1, batches_in_epoch=0)  # a finished epoch
+    # 3 batches done cannot be shared by 2 processes: the third trains again rather than being left out.
+    assert moved(1, 3, 1, plan(2)) == Position(step=2, epoch=1, batches_in_epoch=1)
+    # Another micro-batch (an out-of-memory retry: batch 2 -> 1): the images done count.
+    assert moved(0, 1, 2, plan(2), batch=2) == Position(step=1, epoch=0, batches_in_epoch=2)
+
+
+@pytest.mark.parametrize("images,accum", [(8, 1), (8, 2), (8, 3), (7, 2), (5, 3)])
+@pytest.mark.parametrize("old,new", [(2, 1), (1, 2), (4, 2), (2, 3), (2, 2)])
+def test_a_moved_run_ends_at_the_last_epochs_end(images, accum, old, new):
+    """From every checkpoint the old run writes (each optimizer step), the new run stops exactly at the end of
+    its last epoch: it trains neither an extra epoch nor stops short of one."""
+    before, after = (
+        plan(old, images=images, accum=accum, epochs=3),
+        plan(new, images=images, accum=accum, epochs=3),
+    )
+    for epoch in range(3):
+        for k in range(1, before.steps_per_epoch + 1):
+            b = min(k * accum, before.batches_per_epoch)
+            at = moved(epoch, b, old, after, epoch_batches=images)
+            assert finish(at, after) == (2, after.batches_per_epoch), (epoch, b, at)
+            if old == new:  # the same settings: the step the run itself counted
+                assert at.step == epoch * before.steps_per_epoch + k
+
+
+# -- the learning-rate schedule ------------------------------------------------------------------------------
+
+
+def test_the_learning_rate_moves_with_the_step():
+    """A 2-process checkpoint after step 1 of 4 resumed on 1 process is step 2 of 8: its learning rate is the
+    1-process schedule's at step 2 (cosine with warmup), and the schedule goes on from there."""
+    import torch
+    from diffusers.optimization import get_scheduler
+
+    def scheduler(total: int, warmup: int):
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
+        return opt, get_scheduler("cosine", opt, num_warmup_steps=warmup, num_training_steps=total)
+
+    old_opt, old = scheduler(4, 1)
+    old_opt.step()
+    old.step()
+    opt, sched = scheduler(8, 2)
+    opt.load_state_dict(old_opt.state_dict())
+    sched.load_state_dict(old.state_dict())
+    checkpoint.apply_learning_rates(opt, sched, [1e-3], 2)
+    ref_opt, ref = scheduler(8, 2)
+    for _ in range(2):
+        ref_opt.step()
+        ref.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(ref_opt.param_groups[0]["lr"])
+    opt.step()
+    sched.step()
+    ref_opt.step()
+    ref.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(ref_opt.param_groups[0]["lr"])
+
+
+# -- which checkpoints stay, which is the latest -------------------------------------------------------------
+
+
+def fake_checkpoint(out: Path, name: str, images: int) -> Path:
+    path = checkpoint.checkpoint_root(out) / name
+    path.mkdir(parents=True)
+    (path / checkpoint.STATE_FILE).write_text(json.dumps({"images_seen": images, "files": {}}))
+    return path
+
+
+def test_latest_is_the_checkpoint_with_the_most_images(tmp_path):
+    """A 2-process run's step 4 (16 images) is further than the 1-process step 6 it resumed from (12)."""
+    fake_checkpoint(tmp_path, "rolling-step-000006", 12)
+    further = fake_checkpoint(tmp_path, "step-000004", 16)
+    assert checkpoint.latest_checkpoint(tmp_path) == further
+    assert checkpoint.resolve_resume("latest", tmp_path) == further
+
+
+@pytest.fixture
+def checkpointer(tmp_path, fresh_accelerator_state):
+    import torch
+    from accelerate import Accelerator
+
+    def make(state: checkpoint.TrainState, **kw) -> checkpoint.Checkpointer:
+        return checkpoint.Checkpointer(
+            Accelerator(cpu=True),
+            tmp_path,
+            state,
+            get_weights=lambda: {"w": torch.zeros(2)},
+            set_weights=lambda _: None,
+            **kw,
+        )
+
+    return make
+
+
+def test_a_kept_checkpoint_replaces_the_rolling_one_before_it(tmp_path, checkpointer):
+    state = checkpoint.TrainState()
+    ckpt = checkpointer(state, every_steps=1, keep_every_steps=2)
+    names = []
+    for step in (1, 2, 3):
+        state.global_step, state.images_seen = step, 2 * step
+        ckpt.maybe_save()
+        names.append(sorted(p.name for _, _, p in checkpoint.list_checkpoints(tmp_path)))
+    assert names == [["rolling-step-000001"], ["step-000002"], ["rolling-step-000003", "step-000002"]]
+
+
+def test_a_rolling_checkpoint_replaces_one_with_fewer_images_and_a_higher_step(tmp_path, checkpointer):
+    """Resumed on 2 processes from a 1-process rolling checkpoint at step 6 (12 images): the 2-process rolling
+    checkpoint at step 4 (16 images) replaces it, and is the latest."""
+    fake_checkpoint(tmp_path, "rolling-step-000006", 12)
+    state = checkpoint.TrainState(global_step=4, images_seen=16, num_processes=2)
+    saved = checkpointer(state, every_steps=1).maybe_save()
+    assert [p for _, _, p in checkpoint.list_checkpoints(tmp_path)] == [saved]
+    assert saved.name == "rolling-step-000004" and checkpoint.latest_checkpoint(tmp_path) == saved
+
+
+# -- real 2-process runs -------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def shapes(tmp_path_factory) -> Path:
+    """8 captioned images of three aspect ratios (aspect-ratio buckets at 128 px)."""
+    from PIL import Image
+
+    folder = tmp_path_factory.mktemp("shapes")
+    for i in range(8):
+        Image.new("RGB", [(256, 96), (96, 256), (200, 200)][i % 3], (30 * i, 120, 200 - 20 * i)).save(
+            folder / f"img{i}.png"
+        )
+        (folder / f"img{i}.txt").write_text("a photo of sks shape")
+    return folder
+
+
+# 8 images x 2 epochs = 16, batch 1, accumulation 3: 3 steps/epoch on one process (3 + 3 + 2 micro-batches),
+# 2 on two (3 + 1 each); cosine schedule with warmup; LoRA dropout.
+OPTS = (
+    "training.batch_size=1",
+    "training.grad_accum=3",
+    "training.max_steps=null",
+    "training.epochs=2",
+    "training.lr_scheduler=cosine",
+    "training.lr_warmup_steps=2",
+    "lora.dropout=0.1",
+    "data.resolution=128",
+    "data.buckets=true",
+)
+
+
+def config_file(model: Path, data: Path, out: Path, *extra: str) -> Path:
+    path = out.parent / f"{out.name}.yaml"
+    path.write_text(yaml.safe_dump(tiny_train_config(model, data, out, *OPTS, *extra).to_dict()))
+    return path
+
+
+def summary(out: Path) -> dict:
+    return json.loads((out / "run_summary.json").read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.train
+@trains_in_process
+def test_two_processes_resumed_on_two_and_on_one(tiny_sd15, shapes, tmp_path):
+    """A 2-process run's checkpoint after step 1 (mid-epoch, 6 of 16 images): resumed on 2 processes it equals
+    the uninterrupted run bit for bit; resumed on 1 process it trains the other 10 images (it trained 19)."""
+    straight = tmp_path / "straight"
+    train_two_processes(config_file(tiny_sd15, shapes, straight, "checkpoints.keep_every_steps=1"), tmp_path)
+    assert (summary(straight)["steps"], summary(straight)["images_seen"]) == (4, 16)
+    kept = checkpoint.checkpoint_root(straight) / "step-000001"
+    assert checkpoint.read_state(kept).images_seen == 6
+
+    again = tmp_path / "again"
+    train_two_processes(config_file(tiny_sd15, shapes, again), tmp_path, "--resume", str(kept))
+    assert_same_run(straight, again)
+
+    one = tmp_path / "one"
+    run.train(tiny_train_config(tiny_sd15, shapes, one, *OPTS), resume=str(kept))
+    assert (summary(one)["num_processes"], summary(one)["steps"], summary(one)["images_seen"]) == (1, 6, 16)
+
+
+@pytest.mark.slow
+@pytest.mark.train
+@trains_in_process
+def test_one_process_resumed_on_two(tiny_sd15, shapes, tmp_path):
+    """A 1-process checkpoint after step 2 (6 of 16 images) resumed on 2 processes trains the other 10 (it
+    trained 14: the step count was the 1-process one)."""
+    first = tmp_path / "first"
+    run.train(tiny_train_config(tiny_sd15, shapes, first, *OPTS, "checkpoints.keep_every_steps=2"))
+    kept = checkpoint.checkpoint_root(first) / "step-000002"
+    assert checkpoint.read_state(kept).images_seen == 6
+
+    two = tmp_path / "two"
+    train_two_processes(config_file(tiny_sd15, shapes, two), tmp_path, "--resume", str(kept))
+    assert (summary(two)["num_processes"], summary(two)["steps"], summary(two)["images_seen"]) == (2, 4, 16)
