@@ -380,15 +380,17 @@ def step_allocated_bytes(
     families alike. ``resident``: weights, frozen parts, optimizer state (and EMA), there all along; ``grads``:
     the gradients, DDP's reducer ``buckets`` (a second copy, kept) included; ``forward``: the forward's peak
     (saved activations and autocast's half copies); ``step``: the optimizer's temporaries; ``recompute_tail``:
-    the backward's last recomputed segment.
+    the backward's last segment (recomputed with gradient checkpointing; without it the same segment's saved
+    tensors are still held then, so the term is the same either way).
 
     zero_grad(set_to_none=True) frees the gradients after every step, so they do not coexist with the
     forward's peak: autocast's cache of half weight copies (held until autocast exits at the end of the
     forward, or by the saved tensors until each layer's backward) and the saved activations. Gradients grow
-    during the backward while those are freed (with checkpointing the first, high-resolution segment is
-    recomputed last, beside nearly all gradients); the step then adds its temporaries. With gradient
-    accumulation the gradients live from the first micro-step's backward to the optimizer step, through the
-    next micro-steps' forwards, whatever zero_grad does after the step; DeepSpeed offload keeps its buckets."""
+    during the backward while those are freed (the first, high-resolution segment is differentiated last, beside
+    nearly all gradients: recomputed with checkpointing, still saved without); the step then adds its
+    temporaries. With gradient accumulation the gradients live from the first micro-step's backward to the
+    optimizer step, through the next micro-steps' forwards, whatever zero_grad does after the step; DeepSpeed
+    offload keeps its buckets."""
     if s.set_grads_to_none and s.grad_accum == 1 and not s.offload:
         return resident + buckets + max(forward, grads - buckets + max(step, recompute_tail))
     return resident + grads + max(forward, step)
@@ -469,7 +471,25 @@ def memory(profiles: Profiles, s: Settings) -> Memory:
     matrix = recomputed_attention_matrix_bytes(profiles, s, trained_part, batch=batch, latent_pixels=latent)
     exact = ATTENTION_MATRIX_COPIES_IN_BACKWARD * matrix - ACTIVATION_FACTOR * matrix
     activations = ACTIVATION_FACTOR * (held + recompute + lora_rank_activation_bytes(profiles, s)) + exact
-    recompute_tail = ACTIVATION_FACTOR * recompute + exact  # the backward's last (high-resolution) segment
+    # the backward's last segment (the forward's first, high-resolution blocks) beside nearly all gradients:
+    # recomputed with checkpointing, its saved tensors still held without, the same bytes either way
+    gc_part = trained_part
+    if not act.has_unet_entry(s.model, dtype=s.precision, attention=s.attention, gc=True, trained=gc_part):
+        gc_part = "unet" if full else "attn"
+    _, segment = act.unet(
+        s.model,
+        dtype=s.precision,
+        attention=s.attention,
+        gc=True,
+        batch=batch,
+        latent_pixels=latent,
+        trained=gc_part,
+    )
+    tail_matrix = recomputed_attention_matrix_bytes(
+        profiles, replace(s, gradient_checkpointing=True), gc_part, batch=batch, latent_pixels=latent
+    )
+    tail_exact = (ATTENTION_MATRIX_COPIES_IN_BACKWARD - ACTIVATION_FACTOR) * tail_matrix
+    recompute_tail = ACTIVATION_FACTOR * segment + tail_exact
     if s.train_text_encoder or s.method == "textual-inversion":
         te_dtype = "fp32" if s.method == "textual-inversion" else s.precision
         activations += ACTIVATION_FACTOR * act.text_encoders(s.model, dtype=te_dtype, batch=batch)
@@ -2122,7 +2142,12 @@ def memory_flow(profiles: Profiles, s: Settings) -> Memory:
         trained="full" if full else "lora",
     )
     activations = ACTIVATION_FACTOR * (held + recompute)
-    recompute_tail = ACTIVATION_FACTOR * recompute
+    # the backward's last block beside nearly all gradients: recomputed with checkpointing, its saved tensors
+    # still held without (memory())
+    _, segment = act.transformer(
+        s.model, gc=True, batch=batch, latent_pixels=latent, trained="full" if full else "lora"
+    )
+    recompute_tail = ACTIVATION_FACTOR * segment
     # torch's foreach AdamW: one step-sized temporary per parameter, in the parameter's dtype
     step = t * tb if (s.optimizer in FOREACH_OPTIMIZERS and not s.fused_backward) else 0.0
     # autocast's cached bf16 copies of the fp32 trained weights (see memory()), held until the forward ends
