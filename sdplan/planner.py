@@ -54,6 +54,7 @@ ACTIVATION_FACTOR = 1.5  # saved tensors -> peak incl. gradient buffers of the b
 CUDA_CONTEXT_BYTES = int(0.6 * GiB)  # CUDA context + cuBLAS/cuDNN workspaces, outside torch's allocator
 ALLOCATOR_OVERHEAD = 0.06  # caching-allocator fragmentation, fraction of the allocated peak
 HEADROOM = 0.92  # a recommended plan's predicted peak stays at or below this share of VRAM
+HOST_RAM_SHARE = 0.9  # host RAM a plan holds (offloaded optimizer, pinned blocks) stays within this share
 RAM_PER_PROCESS = 3 * GiB  # python + torch + CUDA host allocations + data loading, per process
 GC_TIME_FACTOR = 1.25  # gradient checkpointing: ~20-30% slower (field notes 2; invoke-training PR 22)
 OFFLOAD_TIME_FACTOR = 3.5  # DeepSpeed optimizer offload: 3-4x slower (lunar-diffusion notes)
@@ -976,6 +977,7 @@ class Candidate:
     safe: bool = False  # fits, and the upper end of peak_range is within the card's memory
     observed_multi_gpu: str | None = None  # the multi-GPU observation its step time comes from
     lowered_rank: bool = False  # a LoRA rank below the requested one (changes the result)
+    host_ok: bool = True  # this machine's host RAM holds what the run keeps there (host_ram_needed_bytes)
 
 
 @dataclass(frozen=True)
@@ -1234,15 +1236,32 @@ def _one_gpu_step(
     return step_s, ("calibrated" if step_s is not None else "unknown speed")
 
 
+def host_ram_needed_bytes(profiles: Profiles, s: Settings, mem: Memory | None = None) -> float:
+    """Host RAM a configuration holds for the whole run, all processes, that the OS cannot page out without
+    stalling or killing it: DeepSpeed's offloaded optimizer (fp32 masters and state, :func:`memory`'s ``ram``)
+    and block swap's pinned copies (:func:`pinned_ram_bytes`); 0 otherwise (loading beyond the RAM swaps: the
+    plan's reasons warn, it is not refused)."""
+    need = 0.0
+    if s.offload:
+        need = (mem or memory(profiles, s)).ram
+    if s.blocks_to_swap:
+        need = max(need, pinned_ram_bytes(profiles, s))
+    return need
+
+
+def host_ram_ok(
+    profiles: Profiles, s: Settings, ram_total_bytes: int | None, mem: Memory | None = None
+) -> bool:
+    """Whether a host with ``ram_total_bytes`` (None: not known, as for catalog hardware) can run ``s``."""
+    return not ram_total_bytes or host_ram_needed_bytes(profiles, s, mem) <= HOST_RAM_SHARE * ram_total_bytes
+
+
 def _evaluate(req: Request, profiles: Profiles, hw: Hardware, cal: Calibration, s: Settings) -> Candidate:
     gpu = hw.gpus[0]
     mem = memory(profiles, s)
     vram = min(g.memory_bytes for g in hw.gpus[: s.num_gpus])
-    fits = mem.peak <= HEADROOM * vram
-    if s.offload and hw.ram_total_bytes:
-        fits = fits and mem.ram <= 0.9 * hw.ram_total_bytes
-    if s.blocks_to_swap and hw.ram_total_bytes:  # the swapped blocks are pinned: they cannot be paged out
-        fits = fits and pinned_ram_bytes(profiles, s) <= 0.9 * hw.ram_total_bytes
+    host_ok = host_ram_ok(profiles, s, hw.ram_total_bytes, mem)
+    fits = mem.peak <= HEADROOM * vram and host_ok
     if fits and _observed_oom(profiles, s, gpu) is not None:
         fits = False
     unc = profiles.uncertainty
@@ -1275,6 +1294,7 @@ def _evaluate(req: Request, profiles: Profiles, hw: Hardware, cal: Calibration, 
         steps=steps,
         basis=basis,
         fits=fits,
+        host_ok=host_ok,
         peak_range=peak_range,
         seconds_range=None if seconds is None else (seconds * unc.seconds[0], seconds * unc.seconds[1]),
         safe=fits and peak_range[1] <= vram,
@@ -1326,13 +1346,16 @@ def min_vram_needed(
     precision: str = "fp16",
     attention: str = "efficient",
     nvidia: bool = True,
-) -> int:
+    ram_total_bytes: int | None = None,
+) -> int | None:
     """The smallest VRAM (bytes) on which some configuration of this request (:func:`settings_space`, one GPU
-    unless pinned) fits with headroom."""
+    unless pinned) fits with headroom, among those a host with ``ram_total_bytes`` of RAM can run (None: any);
+    None when that host can run none of them."""
     if req.resolution is None:
         req = replace(req, resolution=profiles.model(req.model).native_resolution)
     space = settings_space(req, precision=precision, attention=attention, nvidia=nvidia, max_gpus=1)
-    return int(math.ceil(min(memory(profiles, s).peak for s in space) / HEADROOM))
+    peaks = [m.peak for s in space if host_ram_ok(profiles, s, ram_total_bytes, m := memory(profiles, s))]
+    return int(math.ceil(min(peaks) / HEADROOM)) if peaks else None
 
 
 def suggest_hardware(profiles: Profiles, need_bytes: int, limit: int = 6) -> list[str]:
@@ -1530,11 +1553,15 @@ def plan(hardware: Hardware | Any, profiles: Profiles, request: Request) -> Resu
     one_steps = _steps(req, 1, 1, 1)
 
     if not hardware.gpus:
-        need = min_vram_needed(req, profiles)
-        reasons.append(
-            f"no usable GPU on this machine ({hardware.label or 'none found'}): training {req.method} on {req.model} "
-            f"needs at least {_gib(need)} of GPU memory"
-        )
+        need = min_vram_needed(req, profiles, ram_total_bytes=hardware.ram_total_bytes)
+        no_gpu = f"no usable GPU on this machine ({hardware.label or 'none found'}): training {req.method} on {req.model}"
+        if need is None:
+            reasons.append(
+                f"{no_gpu} needs a GPU, and every configuration of it holds more in host RAM than "
+                f"{int(HOST_RAM_SHARE * 100)}% of this machine's {_gib(hardware.ram_total_bytes)}"
+            )
+        else:
+            reasons.append(f"{no_gpu} needs at least {_gib(need)} of GPU memory")
         return _infeasible(req, hardware, reasons, one_steps, need=need, profiles=profiles)
 
     conflicts = pin_conflicts(req, hardware)
@@ -1543,17 +1570,10 @@ def plan(hardware: Hardware | Any, profiles: Profiles, request: Request) -> Resu
 
     cands = _candidates(req, profiles, hardware, cal, resolution)
     fitting = [c for c in cands if c.fits]
-    gpu = hardware.gpus[0]
     if not fitting:
-        leanest = min(cands, key=lambda c: c.memory.peak)
-        need = int(math.ceil(leanest.memory.peak / HEADROOM))
-        vram = min(g.memory_bytes for g in hardware.gpus[: leanest.setup.num_gpus])
         what = ", ".join(pin_text(k, v) for k, v in req.pins) if req.pins else "the leanest configuration"
-        reasons.append(
-            f"nothing fits: {what} ({_describe(leanest.setup)}) needs "
-            f"{format_range(leanest.memory.peak, leanest.peak_range)} per GPU on {gpu.name} {_gib(vram)}, more than "
-            f"its {int(HEADROOM * 100)}% limit ({_gib(HEADROOM * vram)}): at least {_gib(need)} of GPU memory"
-        )
+        leanest, need, not_fit = _not_fit_reasons(req, hardware, cands, what, profiles)
+        reasons += not_fit
         relax = _relaxations(req, profiles, hardware, cal, resolution)
         if relax:
             reasons.append("fits when changed: " + "; or ".join(relax))
@@ -1589,6 +1609,61 @@ def plan(hardware: Hardware | Any, profiles: Profiles, request: Request) -> Resu
         seconds_range=best.seconds_range,
         within_upper_bound=best.safe,
     )
+
+
+def _not_fit_reasons(
+    req: Request, hw: Hardware, cands: list[Candidate], what: str, profiles: Profiles
+) -> tuple[Candidate, int | None, list[str]]:
+    """Why nothing fits: (the leanest configuration this host can run, the GPU memory it needs, the reasons).
+
+    "needs at least" comes only from configurations the host RAM can hold (:attr:`Candidate.host_ok`); a leaner
+    one that only more host RAM would allow (DeepSpeed offload, block swap) is named with the RAM it needs.
+    When the host can run none, the host RAM is the blocker: no GPU-memory figure (None)."""
+    gpu = hw.gpus[0]
+    ram = hw.ram_total_bytes
+    runnable = [c for c in cands if c.host_ok]
+    leanest_any = min(cands, key=lambda c: c.memory.peak)
+
+    def host_text(c: Candidate) -> str:
+        held = host_ram_needed_bytes(profiles, c.setup, c.memory)
+        return (
+            f"holds {_gib(held)} in host RAM, more than {int(HOST_RAM_SHARE * 100)}% of this machine's {_gib(ram)} "
+            f"(at least {_gib(held / HOST_RAM_SHARE)} of host RAM)"
+        )
+
+    if not runnable:
+        return (
+            leanest_any,
+            None,
+            [
+                f"nothing fits: host RAM is the blocker: {what} ({_describe(leanest_any.setup)}) "
+                + host_text(leanest_any)
+                + f"; it needs {format_range(leanest_any.memory.peak, leanest_any.peak_range)} per GPU on {gpu.name}"
+            ],
+        )
+    leanest = min(runnable, key=lambda c: c.memory.peak)
+    need = int(math.ceil(leanest.memory.peak / HEADROOM))
+    vram = min(g.memory_bytes for g in hw.gpus[: leanest.setup.num_gpus])
+    if leanest_any.memory.peak < leanest.memory.peak:
+        what += " this machine's host RAM allows"
+    out = [
+        f"nothing fits: {what} ({_describe(leanest.setup)}) needs "
+        f"{format_range(leanest.memory.peak, leanest.peak_range)} per GPU on {gpu.name} {_gib(vram)}, more than "
+        f"its {int(HEADROOM * 100)}% limit ({_gib(HEADROOM * vram)}): at least {_gib(need)} of GPU memory"
+    ]
+    if leanest_any.memory.peak < leanest.memory.peak:
+        c = leanest_any
+        gpu_vram = min(g.memory_bytes for g in hw.gpus[: c.setup.num_gpus])
+        on_gpu = (
+            "which this GPU has"
+            if c.memory.peak <= HEADROOM * gpu_vram
+            else f"at least {_gib(math.ceil(c.memory.peak / HEADROOM))}"
+        )
+        out.append(
+            f"host RAM: a leaner configuration ({_describe(c.setup)}) would need only "
+            f"{format_range(c.memory.peak, c.peak_range)} of GPU memory ({on_gpu}), but it " + host_text(c)
+        )
+    return leanest, need, out
 
 
 def _relaxations(
