@@ -1358,9 +1358,39 @@ def min_vram_needed(
     return int(math.ceil(min(peaks) / HEADROOM)) if peaks else None
 
 
-def suggest_hardware(profiles: Profiles, need_bytes: int, limit: int = 6) -> list[str]:
-    """Catalog GPUs with at least ``need_bytes`` of VRAM: the smallest that fit first, then by speed."""
+def suggest_hardware(
+    profiles: Profiles,
+    need_bytes: int,
+    limit: int = 6,
+    *,
+    request: Request | None = None,
+    ram_total_bytes: int | None = None,
+) -> list[str]:
+    """Catalog GPUs with at least ``need_bytes`` of VRAM: the smallest that fit first, then by speed. With the
+    ``request``, only those on which it fits in this host RAM: a GPU's own leanest configuration
+    (:func:`min_vram_needed`) depends on what it runs (no full bf16 weights without bf16, no 8-bit AdamW or nf4
+    off NVIDIA, the math attention path on RDNA1/2), and a pin it cannot run rules it out."""
     fit = [g for g in profiles.gpus if g.memory_bytes >= need_bytes]
+    if request is not None:
+        needs: dict[tuple, int | None] = {}
+
+        def runs(spec: GPUSpec) -> bool:
+            hw = hardware_from_catalog(spec)
+            if pin_conflicts(request, hw):
+                return False
+            key = (precision_for(hw.gpus), attention_backend(hw.gpus[0]), spec.vendor == "nvidia")
+            if key not in needs:
+                needs[key] = min_vram_needed(
+                    request,
+                    profiles,
+                    precision=key[0],
+                    attention=key[1],
+                    nvidia=key[2],
+                    ram_total_bytes=ram_total_bytes,
+                )
+            return needs[key] is not None and spec.memory_bytes >= needs[key]
+
+        fit = [g for g in fit if runs(g)]
     fit.sort(key=lambda g: (g.memory_gib, -g.fp16_tflops))
     return [g.name for g in fit[:limit]]
 
@@ -1487,7 +1517,8 @@ def pin_conflicts(req: Request, hw: Hardware) -> list[str]:
 def _infeasible(req, hw, reasons, steps, *, memory=None, need=None, profiles=None, conflicts=()):
     needs = None
     if need is not None:
-        needs = {"min_vram_bytes": need, "suggested_hardware": suggest_hardware(profiles, need)}
+        suggested = suggest_hardware(profiles, need, request=req, ram_total_bytes=hw.ram_total_bytes)
+        needs = {"min_vram_bytes": need, "suggested_hardware": suggested}
     return Result(
         feasible=False,
         request=req,

@@ -294,6 +294,25 @@ def test_without_a_gpu_needs_at_least_comes_from_what_the_host_ram_can_hold(prof
         assert f"needs at least {need / GiB:.1f} GiB of GPU memory" in res.reasons[-1]
 
 
+@pytest.mark.parametrize(
+    "gpu,family,method,ram_gib",
+    [
+        ("RTX 3060 12GB", "sdxl", "finetune", 32),  # needs full bf16 weights: no V100 (it has no bf16)
+        ("GTX 1060 6GB", "sd15", "dreambooth", 16),
+        ("RX 6700 XT", "flux-dev", "lora", 8),
+        ("RTX 3070", "sd35-large", "dreambooth", None),
+    ],
+)
+def test_every_gpu_the_plan_says_would_fit_does(prof, gpu, family, method, ram_gib):
+    req = P.Request(method=method, model=family)
+    res = P.plan(_hardware(prof, gpu, ram_gib=ram_gib), prof, req)
+    assert not res.feasible
+    suggested = res.needs["suggested_hardware"]
+    assert suggested
+    for name in suggested:
+        assert P.plan(_hardware(prof, name, ram_gib=ram_gib), prof, req).feasible, (name, suggested)
+
+
 def test_recommend_on_a_machine_names_the_host_ram_it_lacks():
     """A 12 GB card in a 16 GB machine (fixture): SDXL fine-tune needs more than the card with what the host can
     run (it said 'needs at least 9.5 GiB', from an offload plan needing 60 GiB of host RAM); a pinned offload the
