@@ -19,7 +19,7 @@ coefficients computed on the meta device (profiles/activations.yaml):
 - with zero_grad(set_to_none=True) the gradients exist only from the backward on: the peak holds
   max(activations + half copies, gradients + step temporaries or the last recomputed segment), not both;
 - the AdamW (foreach) step transient, CUDA context and allocator overhead (calibrated);
-- DeepSpeed ZeRO-2/1 with optimizer offload: half weights + reduction buckets on the GPU, and
+- DeepSpeed ZeRO-2/1 with optimizer offload: the weights + reduction buckets on the GPU in the training dtype, and
   P x max(4G, 16) x 1.5 bytes in host RAM (DeepSpeed's own estimator).
 
 Time model (roofline-style sum): the UNet / VAE / text-encoder FLOPs (counted on meta, activations.yaml) over
@@ -509,8 +509,12 @@ def memory(profiles: Profiles, s: Settings) -> Memory:
         g = s.num_gpus
         cpu = t * max(4 * g, 16) * 1.5 / g  # DeepSpeed estimator, per process share
         ram = max(ram, RAM_PER_PROCESS + cpu)
-        weights, opt, step = t * 2.0, 0.0, 0.0
-        grads = 2 * DEEPSPEED_BUCKET_ELEMENTS * 2.0  # reduce + allgather buckets (fp16)
+        # the GPU keeps the weights and its reduce + allgather buckets in the training dtype: half, or fp32 where
+        # neither fp16 nor bf16 is enabled in deepspeed.json (sdplan.launch; DeepSpeed's ZeRO-1/2 optimizer takes
+        # its dtype from the parameters', stage_1_and_2.py)
+        pb = 2.0 if half else 4.0
+        weights, opt, step = t * pb, 0.0, 0.0
+        grads = 2 * DEEPSPEED_BUCKET_ELEMENTS * pb
         autocast = 0.0
     if s.ema == "cpu":
         ram += model.params_unet * 4.0
@@ -2270,8 +2274,9 @@ def memory_flow(profiles: Profiles, s: Settings) -> Memory:
     if full and s.offload:  # DeepSpeed ZeRO-2 + optimizer offload, as memory(): bf16 weights and the buckets
         g = s.num_gpus
         ram = max(ram, RAM_PER_PROCESS + t * max(4 * g, 16) * 1.5 / g)  # DeepSpeed's estimator, per process
-        weights, opt, step, autocast = t * 2.0, 0.0, 0.0, 0.0
-        grads = 2 * DEEPSPEED_BUCKET_ELEMENTS * 2.0  # reduce + allgather buckets
+        pb = 2.0 if _half(s.precision) else 4.0  # the training dtype on the GPU (memory())
+        weights, opt, step, autocast = t * pb, 0.0, 0.0, 0.0
+        grads = 2 * DEEPSPEED_BUCKET_ELEMENTS * pb  # reduce + allgather buckets
     elif full and s.num_gpus > 1:  # DDP's reducer buckets: a second copy of the gradients (memory())
         buckets = grads
         grads += buckets
