@@ -19,7 +19,7 @@ coefficients computed on the meta device (profiles/activations.yaml):
 - with zero_grad(set_to_none=True) the gradients exist only from the backward on: the peak holds
   max(activations + half copies, gradients + step temporaries or the last recomputed segment), not both;
 - the AdamW (foreach) step transient, CUDA context and allocator overhead (calibrated);
-- DeepSpeed ZeRO-2/1 with optimizer offload: half weights + reduction buckets on the GPU, and
+- DeepSpeed ZeRO-2/1 with optimizer offload: the weights + reduction buckets on the GPU in the training dtype, and
   P x max(4G, 16) x 1.5 bytes in host RAM (DeepSpeed's own estimator).
 
 Time model (roofline-style sum): the UNet / VAE / text-encoder FLOPs (counted on meta, activations.yaml) over
@@ -54,6 +54,7 @@ ACTIVATION_FACTOR = 1.5  # saved tensors -> peak incl. gradient buffers of the b
 CUDA_CONTEXT_BYTES = int(0.6 * GiB)  # CUDA context + cuBLAS/cuDNN workspaces, outside torch's allocator
 ALLOCATOR_OVERHEAD = 0.06  # caching-allocator fragmentation, fraction of the allocated peak
 HEADROOM = 0.92  # a recommended plan's predicted peak stays at or below this share of VRAM
+HOST_RAM_SHARE = 0.9  # host RAM a plan holds (offloaded optimizer, pinned blocks) stays within this share
 RAM_PER_PROCESS = 3 * GiB  # python + torch + CUDA host allocations + data loading, per process
 GC_TIME_FACTOR = 1.25  # gradient checkpointing: ~20-30% slower (field notes 2; invoke-training PR 22)
 OFFLOAD_TIME_FACTOR = 3.5  # DeepSpeed optimizer offload: 3-4x slower (lunar-diffusion notes)
@@ -380,15 +381,17 @@ def step_allocated_bytes(
     families alike. ``resident``: weights, frozen parts, optimizer state (and EMA), there all along; ``grads``:
     the gradients, DDP's reducer ``buckets`` (a second copy, kept) included; ``forward``: the forward's peak
     (saved activations and autocast's half copies); ``step``: the optimizer's temporaries; ``recompute_tail``:
-    the backward's last recomputed segment.
+    the backward's last segment (recomputed with gradient checkpointing; without it the same segment's saved
+    tensors are still held then, so the term is the same either way).
 
     zero_grad(set_to_none=True) frees the gradients after every step, so they do not coexist with the
     forward's peak: autocast's cache of half weight copies (held until autocast exits at the end of the
     forward, or by the saved tensors until each layer's backward) and the saved activations. Gradients grow
-    during the backward while those are freed (with checkpointing the first, high-resolution segment is
-    recomputed last, beside nearly all gradients); the step then adds its temporaries. With gradient
-    accumulation the gradients live from the first micro-step's backward to the optimizer step, through the
-    next micro-steps' forwards, whatever zero_grad does after the step; DeepSpeed offload keeps its buckets."""
+    during the backward while those are freed (the first, high-resolution segment is differentiated last, beside
+    nearly all gradients: recomputed with checkpointing, still saved without); the step then adds its
+    temporaries. With gradient accumulation the gradients live from the first micro-step's backward to the
+    optimizer step, through the next micro-steps' forwards, whatever zero_grad does after the step; DeepSpeed
+    offload keeps its buckets."""
     if s.set_grads_to_none and s.grad_accum == 1 and not s.offload:
         return resident + buckets + max(forward, grads - buckets + max(step, recompute_tail))
     return resident + grads + max(forward, step)
@@ -469,7 +472,25 @@ def memory(profiles: Profiles, s: Settings) -> Memory:
     matrix = recomputed_attention_matrix_bytes(profiles, s, trained_part, batch=batch, latent_pixels=latent)
     exact = ATTENTION_MATRIX_COPIES_IN_BACKWARD * matrix - ACTIVATION_FACTOR * matrix
     activations = ACTIVATION_FACTOR * (held + recompute + lora_rank_activation_bytes(profiles, s)) + exact
-    recompute_tail = ACTIVATION_FACTOR * recompute + exact  # the backward's last (high-resolution) segment
+    # the backward's last segment (the forward's first, high-resolution blocks) beside nearly all gradients:
+    # recomputed with checkpointing, its saved tensors still held without, the same bytes either way
+    gc_part = trained_part
+    if not act.has_unet_entry(s.model, dtype=s.precision, attention=s.attention, gc=True, trained=gc_part):
+        gc_part = "unet" if full else "attn"
+    _, segment = act.unet(
+        s.model,
+        dtype=s.precision,
+        attention=s.attention,
+        gc=True,
+        batch=batch,
+        latent_pixels=latent,
+        trained=gc_part,
+    )
+    tail_matrix = recomputed_attention_matrix_bytes(
+        profiles, replace(s, gradient_checkpointing=True), gc_part, batch=batch, latent_pixels=latent
+    )
+    tail_exact = (ATTENTION_MATRIX_COPIES_IN_BACKWARD - ACTIVATION_FACTOR) * tail_matrix
+    recompute_tail = ACTIVATION_FACTOR * segment + tail_exact
     if s.train_text_encoder or s.method == "textual-inversion":
         te_dtype = "fp32" if s.method == "textual-inversion" else s.precision
         activations += ACTIVATION_FACTOR * act.text_encoders(s.model, dtype=te_dtype, batch=batch)
@@ -488,8 +509,12 @@ def memory(profiles: Profiles, s: Settings) -> Memory:
         g = s.num_gpus
         cpu = t * max(4 * g, 16) * 1.5 / g  # DeepSpeed estimator, per process share
         ram = max(ram, RAM_PER_PROCESS + cpu)
-        weights, opt, step = t * 2.0, 0.0, 0.0
-        grads = 2 * DEEPSPEED_BUCKET_ELEMENTS * 2.0  # reduce + allgather buckets (fp16)
+        # the GPU keeps the weights and its reduce + allgather buckets in the training dtype: half, or fp32 where
+        # neither fp16 nor bf16 is enabled in deepspeed.json (sdplan.launch; DeepSpeed's ZeRO-1/2 optimizer takes
+        # its dtype from the parameters', stage_1_and_2.py)
+        pb = 2.0 if half else 4.0
+        weights, opt, step = t * pb, 0.0, 0.0
+        grads = 2 * DEEPSPEED_BUCKET_ELEMENTS * pb
         autocast = 0.0
     if s.ema == "cpu":
         ram += model.params_unet * 4.0
@@ -999,6 +1024,7 @@ class Candidate:
     safe: bool = False  # fits, and the upper end of peak_range is within the card's memory
     observed_multi_gpu: str | None = None  # the multi-GPU observation its step time comes from
     lowered_rank: bool = False  # a LoRA rank below the requested one (changes the result)
+    host_ok: bool = True  # this machine's host RAM holds what the run keeps there (host_ram_needed_bytes)
 
 
 @dataclass(frozen=True)
@@ -1257,15 +1283,32 @@ def _one_gpu_step(
     return step_s, ("calibrated" if step_s is not None else "unknown speed")
 
 
+def host_ram_needed_bytes(profiles: Profiles, s: Settings, mem: Memory | None = None) -> float:
+    """Host RAM a configuration holds for the whole run, all processes, that the OS cannot page out without
+    stalling or killing it: DeepSpeed's offloaded optimizer (fp32 masters and state, :func:`memory`'s ``ram``)
+    and block swap's pinned copies (:func:`pinned_ram_bytes`); 0 otherwise (loading beyond the RAM swaps: the
+    plan's reasons warn, it is not refused)."""
+    need = 0.0
+    if s.offload:
+        need = (mem or memory(profiles, s)).ram
+    if s.blocks_to_swap:
+        need = max(need, pinned_ram_bytes(profiles, s))
+    return need
+
+
+def host_ram_ok(
+    profiles: Profiles, s: Settings, ram_total_bytes: int | None, mem: Memory | None = None
+) -> bool:
+    """Whether a host with ``ram_total_bytes`` (None: not known, as for catalog hardware) can run ``s``."""
+    return not ram_total_bytes or host_ram_needed_bytes(profiles, s, mem) <= HOST_RAM_SHARE * ram_total_bytes
+
+
 def _evaluate(req: Request, profiles: Profiles, hw: Hardware, cal: Calibration, s: Settings) -> Candidate:
     gpu = hw.gpus[0]
     mem = memory(profiles, s)
     vram = min(g.memory_bytes for g in hw.gpus[: s.num_gpus])
-    fits = mem.peak <= HEADROOM * vram
-    if s.offload and hw.ram_total_bytes:
-        fits = fits and mem.ram <= 0.9 * hw.ram_total_bytes
-    if s.blocks_to_swap and hw.ram_total_bytes:  # the swapped blocks are pinned: they cannot be paged out
-        fits = fits and pinned_ram_bytes(profiles, s) <= 0.9 * hw.ram_total_bytes
+    host_ok = host_ram_ok(profiles, s, hw.ram_total_bytes, mem)
+    fits = mem.peak <= HEADROOM * vram and host_ok
     if fits and _observed_oom(profiles, s, gpu) is not None:
         fits = False
     unc = profiles.uncertainty
@@ -1298,6 +1341,7 @@ def _evaluate(req: Request, profiles: Profiles, hw: Hardware, cal: Calibration, 
         steps=steps,
         basis=basis,
         fits=fits,
+        host_ok=host_ok,
         peak_range=peak_range,
         seconds_range=None if seconds is None else (seconds * unc.seconds[0], seconds * unc.seconds[1]),
         safe=fits and peak_range[1] <= vram,
@@ -1349,18 +1393,51 @@ def min_vram_needed(
     precision: str = "fp16",
     attention: str = "efficient",
     nvidia: bool = True,
-) -> int:
+    ram_total_bytes: int | None = None,
+) -> int | None:
     """The smallest VRAM (bytes) on which some configuration of this request (:func:`settings_space`, one GPU
-    unless pinned) fits with headroom."""
+    unless pinned) fits with headroom, among those a host with ``ram_total_bytes`` of RAM can run (None: any);
+    None when that host can run none of them."""
     if req.resolution is None:
         req = replace(req, resolution=profiles.model(req.model).native_resolution)
     space = settings_space(req, precision=precision, attention=attention, nvidia=nvidia, max_gpus=1)
-    return int(math.ceil(min(memory(profiles, s).peak for s in space) / HEADROOM))
+    peaks = [m.peak for s in space if host_ram_ok(profiles, s, ram_total_bytes, m := memory(profiles, s))]
+    return int(math.ceil(min(peaks) / HEADROOM)) if peaks else None
 
 
-def suggest_hardware(profiles: Profiles, need_bytes: int, limit: int = 6) -> list[str]:
-    """Catalog GPUs with at least ``need_bytes`` of VRAM: the smallest that fit first, then by speed."""
+def suggest_hardware(
+    profiles: Profiles,
+    need_bytes: int,
+    limit: int = 6,
+    *,
+    request: Request | None = None,
+    ram_total_bytes: int | None = None,
+) -> list[str]:
+    """Catalog GPUs with at least ``need_bytes`` of VRAM: the smallest that fit first, then by speed. With the
+    ``request``, only those on which it fits in this host RAM: a GPU's own leanest configuration
+    (:func:`min_vram_needed`) depends on what it runs (no full bf16 weights without bf16, no 8-bit AdamW or nf4
+    off NVIDIA, the math attention path on RDNA1/2), and a pin it cannot run rules it out."""
     fit = [g for g in profiles.gpus if g.memory_bytes >= need_bytes]
+    if request is not None:
+        needs: dict[tuple, int | None] = {}
+
+        def runs(spec: GPUSpec) -> bool:
+            hw = hardware_from_catalog(spec)
+            if pin_conflicts(request, hw):
+                return False
+            key = (precision_for(hw.gpus), attention_backend(hw.gpus[0]), spec.vendor == "nvidia")
+            if key not in needs:
+                needs[key] = min_vram_needed(
+                    request,
+                    profiles,
+                    precision=key[0],
+                    attention=key[1],
+                    nvidia=key[2],
+                    ram_total_bytes=ram_total_bytes,
+                )
+            return needs[key] is not None and spec.memory_bytes >= needs[key]
+
+        fit = [g for g in fit if runs(g)]
     fit.sort(key=lambda g: (g.memory_gib, -g.fp16_tflops))
     return [g.name for g in fit[:limit]]
 
@@ -1487,7 +1564,8 @@ def pin_conflicts(req: Request, hw: Hardware) -> list[str]:
 def _infeasible(req, hw, reasons, steps, *, memory=None, need=None, profiles=None, conflicts=()):
     needs = None
     if need is not None:
-        needs = {"min_vram_bytes": need, "suggested_hardware": suggest_hardware(profiles, need)}
+        suggested = suggest_hardware(profiles, need, request=req, ram_total_bytes=hw.ram_total_bytes)
+        needs = {"min_vram_bytes": need, "suggested_hardware": suggested}
     return Result(
         feasible=False,
         request=req,
@@ -1553,11 +1631,15 @@ def plan(hardware: Hardware | Any, profiles: Profiles, request: Request) -> Resu
     one_steps = _steps(req, 1, 1, 1)
 
     if not hardware.gpus:
-        need = min_vram_needed(req, profiles)
-        reasons.append(
-            f"no usable GPU on this machine ({hardware.label or 'none found'}): training {req.method} on {req.model} "
-            f"needs at least {_gib(need)} of GPU memory"
-        )
+        need = min_vram_needed(req, profiles, ram_total_bytes=hardware.ram_total_bytes)
+        no_gpu = f"no usable GPU on this machine ({hardware.label or 'none found'}): training {req.method} on {req.model}"
+        if need is None:
+            reasons.append(
+                f"{no_gpu} needs a GPU, and every configuration of it holds more in host RAM than "
+                f"{int(HOST_RAM_SHARE * 100)}% of this machine's {_gib(hardware.ram_total_bytes)}"
+            )
+        else:
+            reasons.append(f"{no_gpu} needs at least {_gib(need)} of GPU memory")
         return _infeasible(req, hardware, reasons, one_steps, need=need, profiles=profiles)
 
     conflicts = pin_conflicts(req, hardware)
@@ -1566,17 +1648,10 @@ def plan(hardware: Hardware | Any, profiles: Profiles, request: Request) -> Resu
 
     cands = _candidates(req, profiles, hardware, cal, resolution)
     fitting = [c for c in cands if c.fits]
-    gpu = hardware.gpus[0]
     if not fitting:
-        leanest = min(cands, key=lambda c: c.memory.peak)
-        need = int(math.ceil(leanest.memory.peak / HEADROOM))
-        vram = min(g.memory_bytes for g in hardware.gpus[: leanest.setup.num_gpus])
         what = ", ".join(pin_text(k, v) for k, v in req.pins) if req.pins else "the leanest configuration"
-        reasons.append(
-            f"nothing fits: {what} ({_describe(leanest.setup)}) needs "
-            f"{format_range(leanest.memory.peak, leanest.peak_range)} per GPU on {gpu.name} {_gib(vram)}, more than "
-            f"its {int(HEADROOM * 100)}% limit ({_gib(HEADROOM * vram)}): at least {_gib(need)} of GPU memory"
-        )
+        leanest, need, not_fit = _not_fit_reasons(req, hardware, cands, what, profiles)
+        reasons += not_fit
         relax = _relaxations(req, profiles, hardware, cal, resolution)
         if relax:
             reasons.append("fits when changed: " + "; or ".join(relax))
@@ -1612,6 +1687,61 @@ def plan(hardware: Hardware | Any, profiles: Profiles, request: Request) -> Resu
         seconds_range=best.seconds_range,
         within_upper_bound=best.safe,
     )
+
+
+def _not_fit_reasons(
+    req: Request, hw: Hardware, cands: list[Candidate], what: str, profiles: Profiles
+) -> tuple[Candidate, int | None, list[str]]:
+    """Why nothing fits: (the leanest configuration this host can run, the GPU memory it needs, the reasons).
+
+    "needs at least" comes only from configurations the host RAM can hold (:attr:`Candidate.host_ok`); a leaner
+    one that only more host RAM would allow (DeepSpeed offload, block swap) is named with the RAM it needs.
+    When the host can run none, the host RAM is the blocker: no GPU-memory figure (None)."""
+    gpu = hw.gpus[0]
+    ram = hw.ram_total_bytes
+    runnable = [c for c in cands if c.host_ok]
+    leanest_any = min(cands, key=lambda c: c.memory.peak)
+
+    def host_text(c: Candidate) -> str:
+        held = host_ram_needed_bytes(profiles, c.setup, c.memory)
+        return (
+            f"holds {_gib(held)} in host RAM, more than {int(HOST_RAM_SHARE * 100)}% of this machine's {_gib(ram)} "
+            f"(at least {_gib(held / HOST_RAM_SHARE)} of host RAM)"
+        )
+
+    if not runnable:
+        return (
+            leanest_any,
+            None,
+            [
+                f"nothing fits: host RAM is the blocker: {what} ({_describe(leanest_any.setup)}) "
+                + host_text(leanest_any)
+                + f"; it needs {format_range(leanest_any.memory.peak, leanest_any.peak_range)} per GPU on {gpu.name}"
+            ],
+        )
+    leanest = min(runnable, key=lambda c: c.memory.peak)
+    need = int(math.ceil(leanest.memory.peak / HEADROOM))
+    vram = min(g.memory_bytes for g in hw.gpus[: leanest.setup.num_gpus])
+    if leanest_any.memory.peak < leanest.memory.peak:
+        what += " this machine's host RAM allows"
+    out = [
+        f"nothing fits: {what} ({_describe(leanest.setup)}) needs "
+        f"{format_range(leanest.memory.peak, leanest.peak_range)} per GPU on {gpu.name} {_gib(vram)}, more than "
+        f"its {int(HEADROOM * 100)}% limit ({_gib(HEADROOM * vram)}): at least {_gib(need)} of GPU memory"
+    ]
+    if leanest_any.memory.peak < leanest.memory.peak:
+        c = leanest_any
+        gpu_vram = min(g.memory_bytes for g in hw.gpus[: c.setup.num_gpus])
+        on_gpu = (
+            "which this GPU has"
+            if c.memory.peak <= HEADROOM * gpu_vram
+            else f"at least {_gib(math.ceil(c.memory.peak / HEADROOM))}"
+        )
+        out.append(
+            f"host RAM: a leaner configuration ({_describe(c.setup)}) would need only "
+            f"{format_range(c.memory.peak, c.peak_range)} of GPU memory ({on_gpu}), but it " + host_text(c)
+        )
+    return leanest, need, out
 
 
 def _relaxations(
@@ -2165,7 +2295,12 @@ def memory_flow(profiles: Profiles, s: Settings) -> Memory:
         trained="full" if full else "lora",
     )
     activations = ACTIVATION_FACTOR * (held + recompute)
-    recompute_tail = ACTIVATION_FACTOR * recompute
+    # the backward's last block beside nearly all gradients: recomputed with checkpointing, its saved tensors
+    # still held without (memory())
+    _, segment = act.transformer(
+        s.model, gc=True, batch=batch, latent_pixels=latent, trained="full" if full else "lora"
+    )
+    recompute_tail = ACTIVATION_FACTOR * segment
     # torch's foreach AdamW: one step-sized temporary per parameter, in the parameter's dtype
     step = t * tb if (s.optimizer in FOREACH_OPTIMIZERS and not s.fused_backward) else 0.0
     # autocast's cached bf16 copies of the fp32 trained weights (see memory()), held until the forward ends
@@ -2182,8 +2317,9 @@ def memory_flow(profiles: Profiles, s: Settings) -> Memory:
     if full and s.offload:  # DeepSpeed ZeRO-2 + optimizer offload, as memory(): bf16 weights and the buckets
         g = s.num_gpus
         ram = max(ram, RAM_PER_PROCESS + t * max(4 * g, 16) * 1.5 / g)  # DeepSpeed's estimator, per process
-        weights, opt, step, autocast = t * 2.0, 0.0, 0.0, 0.0
-        grads = 2 * DEEPSPEED_BUCKET_ELEMENTS * 2.0  # reduce + allgather buckets
+        pb = 2.0 if _half(s.precision) else 4.0  # the training dtype on the GPU (memory())
+        weights, opt, step, autocast = t * pb, 0.0, 0.0, 0.0
+        grads = 2 * DEEPSPEED_BUCKET_ELEMENTS * pb  # reduce + allgather buckets
     elif full and s.num_gpus > 1:  # DDP's reducer buckets: a second copy of the gradients (memory())
         buckets = grads
         grads += buckets

@@ -514,9 +514,12 @@ def render(d: dict, res: planner.Result, console) -> None:
         console.print(t)
     else:
         needs = d["needs"] or {}
-        console.print(
-            f"[bold red]does not fit[/]: needs at least {_gib(needs.get('min_vram_bytes'))} of GPU memory"
-        )
+        if needs.get("min_vram_bytes") is None:  # the host RAM blocks every configuration (see the reasons)
+            console.print("[bold red]does not fit[/]: this machine's host RAM is too small for it")
+        else:
+            console.print(
+                f"[bold red]does not fit[/]: needs at least {_gib(needs.get('min_vram_bytes'))} of GPU memory"
+            )
         if needs.get("suggested_hardware"):
             console.print("would fit: " + ", ".join(needs["suggested_hardware"]), markup=False)
     console.print("[bold]why[/]")
@@ -542,7 +545,11 @@ def render_compare(rows: list[tuple[str, dict, planner.Result]], console) -> Non
             "yes" if d["feasible"] else "no",
             _settings(d["plan"])
             if d["feasible"]
-            else f"needs {_gib((d['needs'] or {}).get('min_vram_bytes'))}",
+            else (
+                f"needs {_gib(need)}"
+                if (need := (d["needs"] or {}).get("min_vram_bytes")) is not None
+                else "needs more host RAM"
+            ),
             _compact(est.get("peak_vram_bytes"), est.get("peak_vram_bytes_range"))
             + ("" if est.get("within_upper_bound") is not False else " may not fit"),
             _compact(est.get("seconds"), est.get("seconds_range"), seconds=True) if d["feasible"] else "-",

@@ -1,0 +1,377 @@
+"""Invariants of the planner a user relies on, stated over many (GPU x family x method x settings) plans.
+
+Each memory-saving knob never raises the predicted peak VRAM (turning gradient checkpointing on, a smaller LoRA
+rank, cached latents or text-encoder outputs, more swapped blocks, a leaner frozen base, full bf16 weights, an
+8-bit optimizer); a larger batch never lowers it; a card with more memory never gets "does not fit" where a
+smaller one (else the same) fits; and "needs at least X GiB of GPU memory" is only ever computed from plans this
+host can run (host RAM enough for DeepSpeed's offloaded optimizer or the swapped blocks), agrees with the
+leanest configuration the reason names, and says so when the host RAM is what blocks the plan.
+
+The memory sweeps call only :func:`planner.memory` (microseconds each), over every configuration the search
+enumerates (:func:`planner.settings_space`) for one and two GPUs, in the precisions and attention paths the
+catalog's GPUs get (bf16 / fp16 / fp32; the math attention path of RDNA1/2)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from sdplan import planner as P
+from sdplan import registry
+from sdplan.profiles import GiB, clear_cache, load_profiles
+from sdplan.settings import OFFLOAD, Settings
+
+FAMILIES = tuple(f.name for f in registry.FAMILY_LIST)
+UNET_FAMILIES = tuple(f for f in FAMILIES if not P.flow_family(f))
+MACHINES = Path(__file__).resolve().parent / "fixtures" / "machines"
+SLACK = 1.0  # bytes: a float sum's rounding, nothing more
+
+
+@pytest.fixture(scope="module")
+def prof():
+    clear_cache()
+    return load_profiles()
+
+
+def _methods(family: str) -> list[str]:
+    return [m for m in P.METHODS if registry.family(family).plans(m)]
+
+
+_SPACES: dict[str, list[tuple[Settings, float]]] = {}
+
+
+def _space(prof, family: str) -> list[tuple[Settings, float]]:
+    """(configuration, predicted peak) for every configuration the search enumerates for this family, each
+    method, in the precisions and attention paths the catalog's GPUs get (the transformer families' memory is
+    the same in fp16 and bf16), with and without the pins that add memory (a trained text encoder, DreamBooth's
+    prior preservation), at the native resolution on one and two GPUs and at half of it on one."""
+    if family not in _SPACES:
+        _SPACES[family] = [(s, P.memory(prof, s).peak) for s in _enumerate(prof, family)]
+    return _SPACES[family]
+
+
+def _enumerate(prof, family: str) -> Iterator[Settings]:
+    native = prof.model(family).native_resolution
+    flow = P.flow_family(family)
+    combos = (
+        [("bf16", "efficient")] if flow else [("bf16", "efficient"), ("fp32", "efficient"), ("fp16", "math")]
+    )
+    for method in _methods(family):
+        pin_sets: list[tuple] = [()]
+        if not flow and method != "textual-inversion":
+            pin_sets.append((("train_text_encoder", True),))
+        if method == "dreambooth":
+            pin_sets.append((("prior_preservation", True),))
+        for resolution, gpus in ((native, 2), (native // 2, 1)):
+            for pins in pin_sets:
+                req = P.Request(method=method, model=family, resolution=resolution, images=100, pins=pins)
+                for precision, attention in combos:
+                    yield from P.settings_space(req, precision=precision, attention=attention, max_gpus=gpus)
+
+
+def _violations(prof, family: str, leaner: Callable[[Settings], Settings | None]) -> list[str]:
+    """Settings where ``leaner(s)`` (a configuration that should need no more memory) predicts a higher peak."""
+    out, compared = [], 0
+    for s, before in _space(prof, family):
+        other = leaner(s)
+        if other is None or other == s:
+            continue
+        compared += 1
+        after = P.memory(prof, other).peak
+        if after > before + SLACK:
+            changed = {k: (getattr(s, k), getattr(other, k)) for k in Settings.__dataclass_fields__}
+            changed = {k: v for k, v in changed.items() if v[0] != v[1]}
+            out.append(
+                f"{s.method} {s.model} {P._describe(s)}: {changed} raises the peak "
+                f"{before / GiB:.3f} -> {after / GiB:.3f} GiB"
+            )
+    assert compared > 100, f"only {compared} configurations to compare"
+    return out
+
+
+# -- each memory saver never raises the predicted peak --------------------------------------------------------
+
+SAVERS: dict[str, Callable[[Settings], Settings | None]] = {
+    "gradient checkpointing on": lambda s: replace(s, gradient_checkpointing=True),
+    "latents cached": lambda s: replace(s, cache_latents=True),
+    "text-encoder outputs cached": lambda s: (
+        None
+        if s.train_text_encoder or s.method == "textual-inversion"
+        else replace(s, cache_text_encoder_outputs=True)
+    ),
+    "a smaller LoRA rank": lambda s: replace(s, lora_rank=s.lora_rank // 2) if s.lora_rank else None,
+    "an 8-bit optimizer instead of AdamW": lambda s: (
+        replace(s, optimizer="adamw8bit")
+        if s.optimizer == "adamw" and s.method != "textual-inversion"
+        else None
+    ),
+    "full bf16 weights": lambda s: (
+        replace(s, full_half_weights=True)
+        if s.full_weights and s.precision == "bf16" and not s.offload
+        else None
+    ),
+    "more blocks swapped": lambda s: (
+        replace(s, blocks_to_swap=min(s.blocks_to_swap + 8, P.MAX_BLOCKS_TO_SWAP[s.model]))
+        if P.flow_family(s.model) and s.method == "lora"
+        else None
+    ),
+    # with the text encoders off the GPU: an nf4 base keeps them in bf16 where fp8 stores them in fp8 too
+    # (trainer/quantize.py, planner.frozen_text_encoder_bytes), so with them resident nf4 can need more than fp8
+    "a leaner frozen base (bf16 -> fp8 -> nf4)": lambda s: (
+        replace(s, base_precision={"bf16": "fp8", "fp8": "nf4"}[s.base_precision])
+        if P.flow_family(s.model)
+        and s.method == "lora"
+        and s.base_precision != "nf4"
+        and s.cache_text_encoder_outputs
+        else None
+    ),
+}
+
+
+FLOW_ONLY = ("more blocks swapped", "a leaner frozen base (bf16 -> fp8 -> nf4)")
+
+
+@pytest.mark.parametrize(
+    "family,saver",
+    [(f, saver) for f in FAMILIES for saver in SAVERS if P.flow_family(f) or saver not in FLOW_ONLY],
+)
+def test_a_memory_saver_never_raises_the_predicted_peak(prof, family, saver):
+    bad = _violations(prof, family, SAVERS[saver])
+    assert not bad, f"{len(bad)} configurations, e.g. {bad[:3]}"
+
+
+# -- more work never lowers it ----------------------------------------------------------------------------------
+
+HEAVIER: dict[str, Callable[[Settings], Settings | None]] = {
+    "a larger batch": lambda s: replace(s, batch=s.batch * 2),
+    "a higher resolution": lambda s: replace(s, resolution=s.resolution + 256),
+    "the text encoder trained too": lambda s: (
+        replace(s, train_text_encoder=True)
+        if not P.flow_family(s.model)
+        and s.method != "textual-inversion"
+        and not s.train_text_encoder
+        and not s.cache_text_encoder_outputs
+        else None
+    ),
+    "prior preservation": lambda s: replace(s, prior_preservation=True) if s.method == "dreambooth" else None,
+    "an EMA copy on the GPU": lambda s: replace(s, ema="gpu") if s.full_weights else None,
+    "gradient accumulation": lambda s: replace(s, grad_accum=2),
+    "gradients kept between steps": lambda s: replace(s, set_grads_to_none=False),
+}
+
+
+@pytest.mark.parametrize("change", HEAVIER)
+def test_more_work_never_lowers_the_predicted_peak(prof, change):
+    """Over every family, each fifth configuration of the search (the savers above take them all)."""
+    bad, compared = [], 0
+    for family in FAMILIES:
+        for s, before in _space(prof, family)[::5]:
+            heavier = HEAVIER[change](s)
+            if heavier is None or heavier == s:
+                continue
+            compared += 1
+            after = P.memory(prof, heavier).peak
+            if after < before - SLACK:
+                bad.append(
+                    f"{s.method} {family} {P._describe(s)}: {before / GiB:.3f} -> {after / GiB:.3f} GiB"
+                )
+    assert compared > 100
+    assert not bad, f"{len(bad)} configurations, e.g. {bad[:3]}"
+
+
+def test_deepspeed_offload_keeps_fp32_weights_on_the_gpu_in_fp32(prof):
+    """deepspeed.json enables neither fp16 nor bf16 for training.precision=fp32 (sdplan.launch): the GPU holds the
+    weights and the reduce / allgather buckets in fp32, twice the half-precision bytes (they were counted at 2 B
+    whatever the precision, so training the text encoder too lowered an fp32 offload plan's peak)."""
+    from sdplan.settings import DEEPSPEED_BUCKET_ELEMENTS
+
+    for family, method in (("sd15", "finetune"), ("flux-dev", "finetune")):
+        s = Settings(method=method, model=family, resolution=512, deepspeed=dict(OFFLOAD), precision="fp32")
+        m, half = P.memory(prof, s), P.memory(prof, replace(s, precision="fp16"))
+        assert m.weights == 4.0 * m.trainable_params == 2 * half.weights
+        assert m.gradients == 2 * DEEPSPEED_BUCKET_ELEMENTS * 4.0 == 2 * half.gradients
+
+
+# -- plans: more GPU memory never loses a plan; "needs at least" comes from what the host can run -------------
+
+
+def _hardware(prof, gpu: str, *, vram_gib: float | None = None, ram_gib: float | None = None) -> P.Hardware:
+    """A catalog GPU, with its memory replaced (else the same GPU) and a host RAM (None: not known)."""
+    hw = P.hardware_from_catalog(prof.find_gpu(gpu))
+    if vram_gib is not None:
+        hw = replace(hw, gpus=tuple(replace(g, memory_bytes=int(vram_gib * GiB)) for g in hw.gpus))
+    return replace(hw, ram_total_bytes=None if ram_gib is None else int(ram_gib * GiB))
+
+
+def _host_holds(prof, s: Settings, m: P.Memory) -> float:
+    """What a configuration keeps in host RAM for the whole run: DeepSpeed's offloaded optimizer (the memory
+    model's host RAM), block swap's pinned copies; nothing that must stay put otherwise."""
+    held = m.ram if s.offload else 0.0
+    return max(held, P.pinned_ram_bytes(prof, s)) if s.blocks_to_swap else held
+
+
+def _leanest_runnable(prof, hw: P.Hardware, req: P.Request) -> tuple[list[Settings], float] | None:
+    """The configurations of the search with the smallest peak among those this host's RAM can hold."""
+    gpu = hw.gpus[0]
+    req = replace(req, resolution=req.resolution or prof.model(req.model).native_resolution)
+    space = P.settings_space(
+        req,
+        precision=P.precision_for(hw.gpus),
+        attention=P.attention_backend(gpu),
+        nvidia=gpu.vendor == "nvidia",
+        max_gpus=hw.count,
+    )
+    best = None
+    for s in space:
+        m = P.memory(prof, s)
+        if hw.ram_total_bytes and _host_holds(prof, s, m) > 0.9 * hw.ram_total_bytes:
+            continue
+        if best is None or m.peak < best[1] - SLACK:
+            best = ([s], m.peak)
+        elif m.peak <= best[1] + SLACK:
+            best[0].append(s)
+    return best
+
+
+def _check_needs(prof, hw: P.Hardware, req: P.Request, res: P.Result) -> None:
+    """An infeasible plan's "needs at least" is the leanest configuration this host can run, that configuration
+    is the one the reason names, and it really is over the card's limit."""
+    lean = _leanest_runnable(prof, hw, req)
+    assert lean is not None
+    leanest, peak = lean
+    need = res.needs["min_vram_bytes"]
+    assert need == math.ceil(peak / P.HEADROOM), (req, hw.gpus[0].name, need / GiB, peak / GiB)
+    assert res.memory.peak == pytest.approx(peak)
+    assert peak > P.HEADROOM * hw.gpus[0].memory_bytes  # "more than its 92% limit" is true
+    said = next(r for r in res.reasons if r.startswith("nothing fits"))
+    assert f"at least {need / GiB:.1f} GiB of GPU memory" in said
+    assert any(f"({P._describe(s)})" in said for s in leanest), said
+
+
+VRAM_GIB = (6, 10, 16, 24, 48)
+
+
+@pytest.mark.parametrize(
+    "gpu,ram_gib", [("RTX 4090", None), ("T4", 32), ("RX 6700 XT", 16), ("RX 7700 XT", 64)]
+)
+def test_more_gpu_memory_never_loses_a_plan_and_each_does_not_fit_names_a_real_need(prof, gpu, ram_gib):
+    """The same GPU (vendor, bf16, attention path) with more memory: once a plan fits, it fits on every larger
+    card; each "does not fit" on the way names a need the card really lacks."""
+    for family in ("sd15", "sdxl", "flux-dev"):
+        for method in _methods(family):
+            req = P.Request(method=method, model=family)
+            fitted_at = None
+            for gib in VRAM_GIB:
+                hw = _hardware(prof, gpu, vram_gib=gib, ram_gib=ram_gib)
+                res = P.plan(hw, prof, req)
+                assert res.feasible or fitted_at is None, (
+                    f"{method} {family}: fits {gpu} with {fitted_at} GiB, not with {gib} GiB: {res.reasons}"
+                )
+                if res.feasible:
+                    fitted_at = gib
+                else:
+                    _check_needs(prof, hw, req, res)
+
+
+@pytest.mark.parametrize(
+    "gpu,family,method,ram_gib,fits_this_gpu",
+    [
+        ("RTX 3060 12GB", "sdxl", "finetune", 16, True),  # DeepSpeed offload fits the card, not the host RAM
+        ("RTX 3070", "sdxl", "dreambooth", 32, False),  # offload is leaner, but not lean enough for 8 GB
+        ("RTX 3090", "sd35-large", "finetune", 64, True),
+        ("RTX 3060 12GB", "flux-dev", "finetune", 64, False),
+        ("GTX 1060 6GB", "sd15", "dreambooth", 16, True),
+        ("GTX 1060 6GB", "flux-dev", "lora", 8, True),  # block swap's pinned copies do not fit the host RAM
+    ],
+)
+def test_needs_at_least_comes_from_configurations_the_host_ram_can_hold(
+    prof, gpu, family, method, ram_gib, fits_this_gpu
+):
+    hw = _hardware(prof, gpu, ram_gib=ram_gib)
+    req = P.Request(method=method, model=family)
+    res = P.plan(hw, prof, req)
+    assert not res.feasible
+    _check_needs(prof, hw, req, res)
+    # the leaner configuration only more host RAM allows is named, with the RAM it needs
+    host = [r for r in res.reasons if r.startswith("host RAM: a leaner configuration")]
+    assert host and "of host RAM" in host[0] and f"this machine's {ram_gib:.1f} GiB" in host[0], res.reasons
+    assert ("(which this GPU has)" in host[0]) is fits_this_gpu, host[0]
+    # with that host RAM the same GPU runs it
+    big = P.plan(_hardware(prof, gpu, ram_gib=512), prof, req)
+    assert big.feasible is fits_this_gpu, big.reasons
+    assert not fits_this_gpu or big.plan.offload or big.plan.blocks_to_swap
+
+
+def test_host_ram_too_small_for_every_configuration_says_so_without_a_gpu_memory_figure(prof):
+    hw = _hardware(prof, "RTX 3060 12GB", ram_gib=8)
+    req = P.Request(method="finetune", model="sd15", pins=(("deepspeed", dict(OFFLOAD)),))
+    res = P.plan(hw, prof, req)
+    assert not res.feasible and res.needs is None
+    said = next(r for r in res.reasons if r.startswith("nothing fits"))
+    assert "host RAM is the blocker" in said and "this machine's 8.0 GiB" in said, said
+    assert any(r.startswith("fits when changed: distributed.deepspeed=null") for r in res.reasons)
+    # with the host RAM it names, the pinned offload fits
+    held = float(said.split("(at least ")[1].split(" GiB of host RAM")[0])
+    assert P.plan(_hardware(prof, "RTX 3060 12GB", ram_gib=held + 0.1), prof, req).feasible
+
+
+def test_without_a_gpu_needs_at_least_comes_from_what_the_host_ram_can_hold(prof):
+    req = P.Request(method="finetune", model="sdxl")
+    space = [
+        (s, P.memory(prof, s))
+        for s in P.settings_space(replace(req, resolution=1024), precision="fp16", attention="efficient")
+    ]
+    for ram_gib, offload_runs in ((16, False), (1024, True)):
+        limit = 0.9 * ram_gib * GiB
+        runnable = [(s, m.peak) for s, m in space if _host_holds(prof, s, m) <= limit]
+        assert any(s.offload for s, _ in runnable) is offload_runs
+        res = P.plan(P.Hardware(source="probe", gpus=(), ram_total_bytes=int(ram_gib * GiB)), prof, req)
+        need = res.needs["min_vram_bytes"]
+        assert need == math.ceil(min(peak for _, peak in runnable) / P.HEADROOM)
+        assert f"needs at least {need / GiB:.1f} GiB of GPU memory" in res.reasons[-1]
+
+
+@pytest.mark.parametrize(
+    "gpu,family,method,ram_gib",
+    [
+        ("RTX 3060 12GB", "sdxl", "finetune", 32),  # needs full bf16 weights: no V100 (it has no bf16)
+        ("GTX 1060 6GB", "sd15", "dreambooth", 16),
+        ("RX 6700 XT", "flux-dev", "lora", 8),
+        ("RTX 3070", "sd35-large", "dreambooth", None),
+    ],
+)
+def test_every_gpu_the_plan_says_would_fit_does(prof, gpu, family, method, ram_gib):
+    req = P.Request(method=method, model=family)
+    res = P.plan(_hardware(prof, gpu, ram_gib=ram_gib), prof, req)
+    assert not res.feasible
+    suggested = res.needs["suggested_hardware"]
+    assert suggested
+    for name in suggested:
+        assert P.plan(_hardware(prof, name, ram_gib=ram_gib), prof, req).feasible, (name, suggested)
+
+
+def test_recommend_on_a_machine_names_the_host_ram_it_lacks():
+    """A 12 GB card in a 16 GB machine (fixture): SDXL fine-tune needs more than the card with what the host can
+    run (it said 'needs at least 9.5 GiB', from an offload plan needing 60 GiB of host RAM); a pinned offload the
+    host RAM cannot hold says so instead of 'needs at least - of GPU memory'."""
+    from typer.testing import CliRunner
+
+    from sdplan.cli import app
+
+    machine = str(MACHINES / "rtx3060_12gb.json")
+    runner = CliRunner()
+    out = runner.invoke(
+        app, ["recommend", "--method", "finetune", "--model", "sdxl", "--machine", machine]
+    ).output
+    assert "does not fit: needs at least 12.4 GiB of GPU memory" in out, out
+    assert "host RAM: a leaner configuration" in out and "60.4 GiB in host RAM" in out
+    pin = "distributed.deepspeed={zero_stage: 2, offload_optimizer: true}"
+    out = runner.invoke(
+        app, ["recommend", "--method", "finetune", "--model", "sd15", "--machine", machine, pin]
+    ).output
+    assert "does not fit: this machine's host RAM is too small for it" in out, out
+    assert "host RAM is the blocker" in out and "needs at least -" not in out
