@@ -269,8 +269,8 @@ def fake_diffusers_folder(
     root: Path, family: str = "sd15", *, denoiser: dict | None = None, index: dict | None = None
 ) -> Path:
     """A diffusers folder that passes the pre-launch model check (``source_check.check_source``: every
-    component's folder and config, tokenizer files, a weights file by name) but holds no weights (the weights
-    files are empty): loading it fails, so a test passing with it proves nothing was loaded. ``denoiser``: the
+    component's folder and config, tokenizer files, a weights file) but holds no weights (each weights file is
+    a safetensors file of no tensors): loading it fails, so a test passing with it proves nothing was loaded. ``denoiser``: the
     UNet's (or transformer's) config.json; ``index``: keys added to model_index.json."""
     import json
 
@@ -297,7 +297,9 @@ def fake_diffusers_folder(
         else:
             conf = denoiser if sub in ("unet", "transformer") else {}
             (folder / "config.json").write_text(json.dumps(conf or {}))
-            (folder / "diffusion_pytorch_model.safetensors").write_bytes(b"")
+            (folder / "diffusion_pytorch_model.safetensors").write_bytes(
+                b"\x02" + bytes(7) + b"{}"
+            )  # no tensors
     data.update(index or {})
     (root / "model_index.json").write_text(json.dumps(data))
     return root

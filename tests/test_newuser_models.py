@@ -82,6 +82,14 @@ def test_loader_refuses_a_folder_without_tokenizer(sd15_copy):
         models.load_components(str(sd15_copy))
 
 
+def test_folder_with_truncated_weights_is_refused(sd15_copy):
+    """An interrupted download: diffusers' 'Unable to load weights' came from the trainer after the launch."""
+    weights = sd15_copy / "unet" / "diffusion_pytorch_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    with pytest.raises(UnsupportedModelError, match="unet/diffusion_pytorch_model.safetensors is truncated"):
+        check_source(str(sd15_copy))
+
+
 @pytest.mark.parametrize(
     "family, remove, needle",
     [
@@ -294,11 +302,13 @@ def test_config_dir_of_another_family_is_refused(tmp_path):
     )
 
 
-def test_config_dir_with_tilde_is_expanded(tmp_path, monkeypatch):
+def test_config_dir_with_tilde_is_expanded(single_sd15, tiny_sd15, tmp_path, monkeypatch):
+    """'config_dir: ~/models/sd15' reached diffusers as the hub id '~/models/sd15' (HFValidationError)."""
+    from sdplan.trainer import models
+
     monkeypatch.setenv("HOME", str(tmp_path))
-    fake_diffusers_folder(tmp_path / "configs", "sdxl")
-    path = write_safetensors(tmp_path / "xl.safetensors", checkpoint(text=SDXL_TE))
-    assert check_source(str(path), config_dir="~/configs").family == "sdxl"
+    shutil.copytree(tiny_sd15, tmp_path / "configs")
+    assert models.load_components(str(single_sd15), config_dir="~/configs").family == "sd15"
 
 
 # -- a hub id in the local cache -----------------------------------------------------------------------------------

@@ -202,6 +202,11 @@ def load_components(
         )
         if info.cached:
             comps.source = path
+    if info.family is None and info.notes:  # a single transformer file: its family is config_dir's
+        from .source_check import describe
+
+        info.family = comps.family
+        info.notes[0] = describe(info)
     comps.notes = list(info.notes) + comps.notes
     return comps
 

@@ -153,6 +153,23 @@ def weight_variants(folder: Path) -> set[str | None]:
     return found
 
 
+def _truncated(folder: Path, sub: str, variant: str | None) -> list[str]:
+    """The .safetensors weights of ``variant`` in a component folder that are shorter than their header
+    says (an interrupted download): their names, as problems."""
+    found = []
+    for f in sorted(folder.glob("*.safetensors")):
+        stem = re.sub(r"-\d{5}-of-\d{5}", "", f.name.rsplit(".", 1)[0]).split(".")
+        if (stem[1] if len(stem) == 2 else None) != variant:
+            continue
+        try:
+            read_safetensors_header(f, f"{sub}/{f.name}")
+        except (
+            UnsupportedModelError
+        ) as e:  # "model.path <name>: truncated: ..." -> "<name> is truncated: ..."
+            found.append(e.message.replace("model.path ", "", 1).replace(": ", " is ", 1))
+    return found
+
+
 def _tokenizer_ok(folder: Path) -> bool:
     has = {p.name for p in folder.iterdir()} if folder.is_dir() else set()
     return "tokenizer.json" in has or {"vocab.json", "merges.txt"} <= has or "spiece.model" in has
@@ -241,12 +258,14 @@ def check_folder(
             have = weight_variants(folder)
             if not have:
                 problems.append(f"no {sub} weights ({sub}/*.safetensors)")
-            elif variant in have:
+                continue
+            if variant in have:
                 variants[sub] = variant
             elif None in have:
                 variants[sub] = None
             else:  # only variant files (*.fp16.safetensors): load those
                 variants[sub] = "fp16" if "fp16" in have else sorted(v for v in have if v)[0]
+            problems += _truncated(folder, sub, variants[sub])
     if problems:
         shown = "; ".join(problems[:4]) + (f" (and {len(problems) - 4} more)" if len(problems) > 4 else "")
         raise refuse(
