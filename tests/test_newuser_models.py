@@ -192,6 +192,18 @@ def test_single_file_that_is_no_base_model_is_refused(tmp_path, shapes, needle):
         check_source(str(path))
 
 
+def test_a1111_embedding_pt_given_as_the_model_says_so(tmp_path):
+    """An A1111 .pt embedding: 'cannot tell SD 1.x, 2.x or SDXL from its keys (set model.family)'."""
+    import torch
+    from sdplan.trainer import models
+
+    path = tmp_path / "my-style.pt"
+    emb = {"string_to_token": {"*": 265}, "string_to_param": {"*": torch.zeros(1, 8)}, "name": "x", "step": 9}
+    torch.save({**emb, "sd_checkpoint": "abc", "sd_checkpoint_name": "v1-5"}, path)
+    with pytest.raises(UnsupportedModelError, match="a textual-inversion embedding"):
+        models.load_components(str(path))
+
+
 def test_truncated_safetensors_is_one_line_before_launch(tmp_path):
     path = write_safetensors(tmp_path / "model.safetensors", checkpoint(), cut=4)
     one_line_error(dry_run(path, tmp_path), 2, "truncated", "download or copy the file again")

@@ -163,9 +163,8 @@ def _truncated(folder: Path, sub: str, variant: str | None) -> list[str]:
             continue
         try:
             read_safetensors_header(f, f"{sub}/{f.name}")
-        except (
-            UnsupportedModelError
-        ) as e:  # "model.path <name>: truncated: ..." -> "<name> is truncated: ..."
+        except UnsupportedModelError as e:
+            # "model.path <name>: truncated: ..." -> "<name> is truncated: ..."
             found.append(e.message.replace("model.path ", "", 1).replace(": ", " is ", 1))
     return found
 
@@ -236,6 +235,27 @@ def check_folder(
             fix="give the SDXL base model (e.g. stabilityai/stable-diffusion-xl-base-1.0)",
         )
 
+    denoiser = "unet" if arch == "unet" else "transformer"
+    # what it is first (an inpainting or EDM model is refused as that, complete or not)
+    has = (root / denoiser / "config.json").is_file()
+    dconf = _read_json(root, f"{denoiser}/config.json", where) if has else {}
+    channels = dconf.get("in_channels")
+    if channels != _IN_CHANNELS[arch] and channels is not None:
+        what = _CHANNEL_VARIANTS.get((arch, channels)) or (
+            f"a {denoiser} with {channels} input channels (a text-to-image base takes {_IN_CHANNELS[arch]})"
+        )
+        raise refuse(where, f"{what}, not a text-to-image base sdplan trains")
+
+    has = (root / "scheduler" / "scheduler_config.json").is_file()
+    sched = _read_json(root, "scheduler/scheduler_config.json", where) if has else {}
+    sname = str(sched.get("_class_name") or "")
+    if sname.startswith("EDM"):
+        raise refuse(
+            where,
+            f"an EDM model (its scheduler is {sname}, as Playground v2.5's): it is trained with the EDM "
+            "objective and noise schedule, which sdplan's SDXL training does not use",
+            fix="train an SDXL base with the DDPM schedule, or a trainer that supports EDM (Playground v2.5)",
+        )
     problems: list[str] = []
     variants: dict[str, str | None] = {}
     for sub, kind in _components(arch, sdxl):
@@ -279,24 +299,6 @@ def check_folder(
     if picked:
         info.notes.append(f"weights: the {', '.join(picked)} variant (the folder holds only those files)")
 
-    denoiser = "unet" if arch == "unet" else "transformer"
-    dconf = _read_json(root, f"{denoiser}/config.json", where)
-    channels = dconf.get("in_channels")
-    if channels != _IN_CHANNELS[arch] and channels is not None:
-        what = _CHANNEL_VARIANTS.get((arch, channels)) or (
-            f"a {denoiser} with {channels} input channels (a text-to-image base takes {_IN_CHANNELS[arch]})"
-        )
-        raise refuse(where, f"{what}, not a text-to-image base sdplan trains")
-
-    sched = _read_json(root, "scheduler/scheduler_config.json", where)
-    sname = str(sched.get("_class_name") or "")
-    if sname.startswith("EDM"):
-        raise refuse(
-            where,
-            f"an EDM model (its scheduler is {sname}, as Playground v2.5's): it is trained with the EDM "
-            "objective and noise schedule, which sdplan's SDXL training does not use",
-            fix="train an SDXL base with the DDPM schedule, or a trainer that supports EDM (Playground v2.5)",
-        )
     if arch == "unet":
         found = detect_family(dconf, 2 if sdxl else 1)
         info.prediction_type = sched.get("prediction_type") or "epsilon"
@@ -344,7 +346,9 @@ def describe(info: SourceInfo) -> str:
 
 # -- single files ----------------------------------------------------------------------------------------------
 
+# kohya / sdplan embeddings: emb_params (SD 1.x/2.x), clip_l + clip_g (SDXL); A1111's .pt: string_to_param, ...
 _TI_KEYS = {"emb_params", "clip_l", "clip_g", "string_to_param", "string_to_token", "name", "step"}
+_TI_KEYS |= {"sd_checkpoint", "sd_checkpoint_name"}
 _VAE_PREFIXES = ("encoder.", "decoder.", "quant_conv.", "post_quant_conv.", "first_stage_model.")
 _TEXT_PREFIXES = ("cond_stage_model.", "conditioner.", "text_encoders.")
 _DIFFUSERS_UNET = ("down_blocks.", "mid_block.", "up_blocks.", "conv_in.")
