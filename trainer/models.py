@@ -166,7 +166,6 @@ def load_components(
     family: str | None = None,
     revision: str | None = None,
     variant: str | None = None,
-    source: ModelSource | None = None,
     config_dir: str | None = None,
     dtypes: dict[str, Any] | None = None,
     info: Any = None,
@@ -175,8 +174,7 @@ def load_components(
 
     ``info``: what ``source_check.check_source`` found (checked here when not given): the family, the
     prediction type the files say, the weights variant of each component, the cached snapshot of a hub id;
-    its notes are the returned components' ``notes``. ``source``: accepted for callers that resolved the path
-    already (the check resolves it again, cheaply).
+    its notes are the returned components' ``notes``.
     ``config_dir``: for a single file, a local diffusers folder with the matching component configs (nothing
     is downloaded then); without it diffusers fetches the default configs of the detected family.
     ``dtypes``: the dtype each part trains in (a recipe's ``dtypes``, keys unet / vae / text_encoder): each
