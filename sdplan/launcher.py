@@ -54,6 +54,7 @@ TRAINER_ENTRIES = (
     REPORTED_FILE,
 )  # fmt: skip
 MAX_OOM_RETRIES = 4
+SINGLE_FILE_PICKLES = (".ckpt", ".pt", ".pth", ".bin")  # torch checkpoints: check_model_file reads their head
 
 
 class TrainFailed(SdplanError):
@@ -287,6 +288,7 @@ def check_inputs(cfg: C.TrainConfig) -> InputSummary:
     """The dataset has readable images and the model exists: one clear error otherwise. No torch."""
     from sdplan.trainer.dataset_scan import require_images, scan
     from sdplan.trainer.models import resolve_source
+    from sdplan.trainer.source_check import check_source
 
     result = require_images(
         scan(
@@ -299,9 +301,18 @@ def check_inputs(cfg: C.TrainConfig) -> InputSummary:
         )
     )
     source = resolve_source(cfg.model.path)
-    if source.kind == "file":
+    if source.kind == "file" and source.location.lower().endswith(SINGLE_FILE_PICKLES):
         check_model_file(Path(source.location))
-    family = cfg.model.family or _family_of(source.kind, source.location)
+    # what the model is, from its files: an incomplete folder, another family, an inpainting / refiner /
+    # EDM model, a LoRA or embedding given as the model are one line here, not a traceback in the trainer
+    info = check_source(
+        cfg.model.path,
+        family=cfg.model.family,
+        variant=cfg.model.variant,
+        config_dir=cfg.model.config_dir,
+        revision=cfg.model.revision,
+    )
+    family = cfg.model.family or info.family or _family_of(source.kind, source.location)
     return InputSummary(
         images=result.num_images,
         images_x_repeats=result.images_x_repeats,

@@ -282,3 +282,43 @@ def demo_dataset(tmp_path_factory) -> Path:
     from sdplan.demo import make_dataset
 
     return make_dataset(tmp_path_factory.mktemp("data") / "ds", n=4)
+
+
+def fake_diffusers_folder(
+    root: Path, family: str = "sd15", *, denoiser: dict | None = None, index: dict | None = None
+) -> Path:
+    """A diffusers folder that passes the pre-launch model check (``source_check.check_source``: every
+    component's folder and config, tokenizer files, a weights file) but holds no weights (each weights file is
+    a safetensors file of no tensors): loading it fails, so a test passing with it proves nothing was loaded. ``denoiser``: the
+    UNet's (or transformer's) config.json; ``index``: keys added to model_index.json."""
+    import json
+
+    from sdplan.trainer.source_check import _components
+
+    from sdplan import registry
+
+    arch = registry.family(family).arch
+    pipe = {"unet": "StableDiffusionXLPipeline" if family == "sdxl" else "StableDiffusionPipeline",
+            "mmdit": "StableDiffusion3Pipeline", "flux": "FluxPipeline"}[arch]  # fmt: skip
+    if denoiser is None and arch == "unet":
+        denoiser = {"cross_attention_dim": {"sdxl": 2048, "sd21": 1024}.get(family, 768)}
+        if family == "sdxl":
+            denoiser["addition_embed_type"] = "text_time"
+    data: dict = {"_class_name": pipe}
+    for sub, kind in _components(arch, family == "sdxl"):
+        folder = root / sub
+        folder.mkdir(parents=True, exist_ok=True)
+        data[sub] = ["diffusers", "X"]
+        if kind == "tokenizer":
+            (folder / "tokenizer.json").write_text("{}")
+        elif kind == "scheduler":
+            (folder / "scheduler_config.json").write_text('{"_class_name": "DDPMScheduler"}')
+        else:
+            conf = denoiser if sub in ("unet", "transformer") else {}
+            (folder / "config.json").write_text(json.dumps(conf or {}))
+            (folder / "diffusion_pytorch_model.safetensors").write_bytes(
+                b"\x02" + bytes(7) + b"{}"
+            )  # no tensors
+    data.update(index or {})
+    (root / "model_index.json").write_text(json.dumps(data))
+    return root

@@ -359,6 +359,7 @@ def test_a_section_given_twice_in_a_config_is_an_error_not_a_silent_drop(tmp_pat
 def test_an_error_the_trainer_reports_is_the_only_line_from_sdplan_train(tiny_sd15, tmp_path):
     """sdplan's own checks pass (a diffusers folder) and the trainer fails to load the weights: its line is the
     only one, with its exit code. sdplan used to add "the trainer failed (exit code 2); its error is above"."""
+    import json
     import shutil
     import subprocess
     import sys
@@ -368,8 +369,10 @@ def test_an_error_the_trainer_reports_is_the_only_line_from_sdplan_train(tiny_sd
 
     model = tmp_path / "model"
     shutil.copytree(tiny_sd15, model)
-    weights = next((model / "unet").glob("*.safetensors"))
-    weights.write_bytes(weights.read_bytes()[:1000])
+    # a UNet config diffusers cannot build (a truncated weights file is now refused before the launch)
+    config = json.loads((model / "unet" / "config.json").read_text())
+    config["down_block_types"] = ["NoSuchDownBlock2D"] * len(config["down_block_types"])
+    (model / "unet" / "config.json").write_text(json.dumps(config))
     images = make_images(tmp_path / "data", n=2)
     out = tmp_path / "out"
     cmd = [sys.executable, "-c", "from sdplan.cli import main; main()", "train", "--device", "cpu"]

@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 import pytest
-from conftest import make_images, one_line_error
+from conftest import fake_diffusers_folder, make_images, one_line_error
 from typer.testing import CliRunner
 
 from sdplan.cli import app
@@ -24,11 +24,7 @@ def cli(*args: str):
 
 @pytest.fixture
 def fake_model(tmp_path) -> Path:
-    root = tmp_path / "model"
-    (root / "unet").mkdir(parents=True)
-    (root / "model_index.json").write_text("{}")
-    (root / "unet" / "config.json").write_text("{}")
-    return root
+    return fake_diffusers_folder(tmp_path / "model")
 
 
 @pytest.fixture
@@ -94,7 +90,7 @@ def _zip(files: dict[str, bytes]) -> bytes:
         ),
         ("model.ckpt", b"hello, not a checkpoint", "not a PyTorch checkpoint"),
         ("model.safetensors", os.urandom(4096), "not a safetensors file"),
-        ("lora.safetensors", None, "no Stable Diffusion UNet weights"),
+        ("lora.safetensors", None, "a LoRA, which is applied to a base model"),
     ],
 )
 def test_bad_model_file_is_refused_before_launch(tmp_path, name, data, needle):

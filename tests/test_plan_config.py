@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import json
 from pathlib import Path
 
 import pytest
 import yaml
-from conftest import make_images
+from conftest import fake_diffusers_folder, make_images
 from typer.testing import CliRunner
 
 from sdplan import config as C
@@ -35,22 +34,9 @@ NAMES = ("rtx3060_12gb", "2x_rtx4090_pcie", "t4", "8x_h100_sxm")
 
 def fake_model(root: Path, family: str) -> Path:
     """A diffusers folder with the family's config files and no weights (loading it would fail)."""
-    if family in registry.FLOW_FAMILIES:  # SD3.5 / FLUX.1: the pipeline class and the transformer's config
-        spec = load_profiles().model(family)
-        (root / "transformer").mkdir(parents=True)
-        pipe = "FluxPipeline" if spec.architecture == "flux" else "StableDiffusion3Pipeline"
-        (root / "model_index.json").write_text(json.dumps({"_class_name": pipe}))
-        (root / "transformer" / "config.json").write_text(json.dumps(spec.transformer))
-        return root
-    (root / "unet").mkdir(parents=True)
-    index = {"_class_name": "StableDiffusionXLPipeline" if family == "sdxl" else "StableDiffusionPipeline"}
-    unet = {"cross_attention_dim": {"sd15": 768, "sd21": 1024, "sdxl": 2048}[family]}
-    if family == "sdxl":
-        index["text_encoder_2"] = ["transformers", "CLIPTextModelWithProjection"]
-        unet["addition_embed_type"] = "text_time"
-    (root / "model_index.json").write_text(json.dumps(index))
-    (root / "unet" / "config.json").write_text(json.dumps(unet))
-    return root
+    if family in registry.FLOW_FAMILIES:  # SD3.5 / FLUX.1: the transformer's config
+        return fake_diffusers_folder(root, family, denoiser=load_profiles().model(family).transformer)
+    return fake_diffusers_folder(root, family)
 
 
 @pytest.fixture(scope="module")

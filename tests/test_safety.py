@@ -14,7 +14,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import digest, make_images, one_line_error
+from conftest import digest, fake_diffusers_folder, make_images, one_line_error
 from limits import scaled, wait_until
 from typer.testing import CliRunner
 
@@ -100,10 +100,7 @@ def test_install_hints_keep_their_brackets():
 
 def test_train_echo_is_plain_text(tmp_path):
     """The train UI prints paths and commands verbatim: a dry run into a bracketed folder shows it whole."""
-    model = tmp_path / "model"
-    (model / "unet").mkdir(parents=True)
-    (model / "model_index.json").write_text("{}")
-    (model / "unet" / "config.json").write_text("{}")
+    model = fake_diffusers_folder(tmp_path / "model")
     ds = make_images(tmp_path / "ds", n=2)
     out = tmp_path / "runs" / "x[/b] [v2]"
     r = cli(

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import make_images, one_line_error
+from conftest import fake_diffusers_folder, make_images, one_line_error
 from limits import scaled
 from typer.testing import CliRunner
 
@@ -33,11 +33,7 @@ def invoke(*args: str, cwd: Path | None = None):
 def fake_model(tmp_path) -> Path:
     """A folder that passes the cheap model check (model_index.json + unet config), with no weights: any
     attempt to load it would fail, so a test passing with it proves nothing was loaded."""
-    root = tmp_path / "model"
-    (root / "unet").mkdir(parents=True)
-    (root / "model_index.json").write_text('{"_class_name": "StableDiffusionPipeline"}')
-    (root / "unet" / "config.json").write_text('{"cross_attention_dim": 768}')
-    return root
+    return fake_diffusers_folder(tmp_path / "model")
 
 
 def write_config(path: Path, **sections) -> Path:
@@ -243,10 +239,7 @@ def test_two_machines_print_each_node_command(tmp_path, fake_model):
 def test_input_errors_load_no_model_code(tmp_path, case):
     """In a fresh interpreter: the error comes with torch, diffusers and transformers never imported."""
     ds = make_images(tmp_path / "ds", n=2)
-    model = tmp_path / "model"
-    (model / "unet").mkdir(parents=True)
-    (model / "model_index.json").write_text("{}")
-    (model / "unet" / "config.json").write_text("{}")
+    model = fake_diffusers_folder(tmp_path / "model")
     bad = tmp_path / "bad"
     bad.mkdir()
     (bad / "x.png").write_bytes(b"junk")

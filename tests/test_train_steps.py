@@ -234,10 +234,9 @@ def test_demo_dataset_is_a_captioned_flat_dataset(tmp_path):
 
 
 def _fake_model(root):
-    (root / "unet").mkdir(parents=True)
-    (root / "model_index.json").write_text('{"_class_name": "StableDiffusionPipeline"}')
-    (root / "unet" / "config.json").write_text('{"cross_attention_dim": 768}')
-    return root
+    from conftest import fake_diffusers_folder
+
+    return fake_diffusers_folder(root)
 
 
 def test_plan_mode_uses_the_planner_and_overrides_win(tmp_path):

@@ -678,7 +678,7 @@ def test_deepspeed_zero2_cpu_offload_run_and_resume(tiny_sd15, dataset, tmp_path
 
 
 @pytest.mark.train
-def test_trains_from_a_single_file_model(tiny_sd15, dataset, tmp_path):
+def test_trains_from_a_single_file_model(tiny_sd15, dataset, tmp_path, capsys):
     from sdplan.trainer import export
 
     pipe = sd_pipeline(tiny_sd15)
@@ -692,6 +692,10 @@ def test_trains_from_a_single_file_model(tiny_sd15, dataset, tmp_path):
     cfg = tiny_train_config(single, dataset, tmp_path / "out", "training.max_steps=1")
     cfg.model.config_dir = str(tiny_sd15)  # not in the schema yet: read with a default (None: hub configs)
     assert run.train(cfg)["steps"] == 1
+    # the trainer says what it detected (the file's own metadata: sdplan's export writes the SAI model spec)
+    out = capsys.readouterr().out
+    assert "model: single file: family sd15, prediction epsilon" in out, out
+    assert "prediction type epsilon from its metadata (modelspec.prediction_type)" in out
 
 
 @pytest.mark.slow

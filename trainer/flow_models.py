@@ -105,12 +105,13 @@ def load_flow_components(
     index: dict[str, Any],
     family: str | None,
     kw: dict[str, Any],
-    wkw: dict[str, Any],
+    wkw: dict[str, Any] | Any,
     transformer: Any = None,
     dtypes: dict[str, Any] | None = None,
 ) -> FlowComponents:
     """The components of an SD3.5/FLUX folder or hub id (``index``: its model_index.json; ``kw``/``wkw``: the
-    revision / revision+variant keywords of from_pretrained). ``transformer``: one already loaded (a
+    revision / revision+variant keywords of from_pretrained; ``wkw`` may be a function of the subfolder, as
+    ``models._load_pretrained`` passes: the variant each component's weights come in). ``transformer``: one already loaded (a
     single-file base, ``flow_single_file``); the folder's own is then not read. ``dtypes``: the dtype each
     part loads in (``models.load_components``)."""
     from diffusers import (
@@ -127,16 +128,19 @@ def load_flow_components(
         T5TokenizerFast,
     )
 
+    weights = wkw if callable(wkw) else (lambda sub: wkw)
     arch = PIPELINES[index["_class_name"]]
     transformer_cls = FluxTransformer2DModel if arch == "flux" else SD3Transformer2DModel
     if transformer is None:
         transformer = transformer_cls.from_pretrained(
-            location, subfolder="transformer", **wkw, **load_dtype_kw(dtypes, "unet")
+            location, subfolder="transformer", **weights("transformer"), **load_dtype_kw(dtypes, "unet")
         )
     found = detect_flow_family(index, dict(transformer.config))
     fam = registry.family(_check(found, family, location))
-    vae = AutoencoderKL.from_pretrained(location, subfolder="vae", **wkw, **load_dtype_kw(dtypes, "vae"))
-    te_kw = dict(wkw, **load_dtype_kw(dtypes, "text_encoder", "transformers"))
+    vae = AutoencoderKL.from_pretrained(
+        location, subfolder="vae", **weights("vae"), **load_dtype_kw(dtypes, "vae")
+    )
+    te_kw = load_dtype_kw(dtypes, "text_encoder", "transformers")
     if arch == "flux":
         clips = [(CLIPTextModel, "text_encoder", "tokenizer")]
         t5_at = ("text_encoder_2", "tokenizer_2")
@@ -148,14 +152,16 @@ def load_flow_components(
         t5_at = ("text_encoder_3", "tokenizer_3")
     text_encoders, tokenizers = [], []
     for cls, te_dir, tok_dir in clips:
-        text_encoders.append(cls.from_pretrained(location, subfolder=te_dir, **te_kw))
+        text_encoders.append(cls.from_pretrained(location, subfolder=te_dir, **weights(te_dir), **te_kw))
         tokenizers.append(CLIPTokenizer.from_pretrained(location, subfolder=tok_dir, **kw))
     if index.get(t5_at[0], [None])[0] is None:
         raise ModelLoadError(
             f"{location}: no T5 text encoder ({t5_at[0]} is empty in model_index.json)",
             fix="use the full pipeline folder; training without T5 is not supported",
         )
-    text_encoders.append(T5EncoderModel.from_pretrained(location, subfolder=t5_at[0], **te_kw))
+    text_encoders.append(
+        T5EncoderModel.from_pretrained(location, subfolder=t5_at[0], **weights(t5_at[0]), **te_kw)
+    )
     t5_tok = T5TokenizerFast.from_pretrained(location, subfolder=t5_at[1], **kw)
     t5_tok.model_max_length = fam.t5_max_length  # conditioning.tokenize pads and cuts at model_max_length
     tokenizers.append(t5_tok)

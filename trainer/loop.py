@@ -54,6 +54,7 @@ from . import (
     stops,
 )
 from . import checkpoint as ckpt_lib
+from .source_check import check_source
 
 
 class Recipe:
@@ -424,8 +425,16 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
     tcfg = cfg.training
 
     # 1. Everything that can be wrong with the inputs, before anything heavy loads.
-    source = models.resolve_source(cfg.model.path)
+    models.resolve_source(cfg.model.path)
     dataset, scan = data.build_dataset(cfg)
+    model_info = check_source(  # what the model is, from its files (one line for one sdplan cannot train)
+        cfg.model.path,
+        family=cfg.model.family,
+        variant=cfg.model.variant,
+        config_dir=cfg.model.config_dir,
+        revision=cfg.model.revision,
+        deep=True,
+    )
     cfg = recipe_cls.resolve_config(cfg)
     notes: list[str] = []
     resume_from = ckpt_lib.resolve_resume(resume or cfg.checkpoints.resume, out_dir, say=notes.append)
@@ -441,10 +450,12 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
         family=cfg.model.family,
         revision=cfg.model.revision,
         variant=cfg.model.variant,
-        source=source,
         config_dir=cfg.model.config_dir,
         dtypes=recipe_cls.dtypes(cfg, accelerator),  # loaded as they train: no fp32 copy of a bf16 model
+        info=model_info,
     )
+    for note in comps.notes:  # what was detected: family, prediction type, weights variant
+        progress.say(accelerator, note)
     recipe = recipe_cls(cfg, accelerator, comps, dataset)
     groups, optimizer = build(recipe)
     ema = Ema.for_config(cfg, recipe.ema_model(), device)

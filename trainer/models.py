@@ -61,6 +61,7 @@ class Components:
     scheduler_config: dict[str, Any] = field(default_factory=dict)  # the model's own (inference) scheduler
     source: str = ""
     adapter: Any = None  # SD3.5/FLUX: flow.FlowAdapter (their objective and denoiser call); None for UNets
+    notes: list[str] = field(default_factory=list)  # what the loader detected (family, prediction, variant)
 
     @property
     def prediction_type(self) -> str:
@@ -165,22 +166,47 @@ def load_components(
     family: str | None = None,
     revision: str | None = None,
     variant: str | None = None,
-    source: ModelSource | None = None,
     config_dir: str | None = None,
     dtypes: dict[str, Any] | None = None,
+    info: Any = None,
 ) -> Components:
     """Load UNet, VAE, text encoder(s), tokenizer(s) and the training noise scheduler from ``path``.
 
+    ``info``: what ``source_check.check_source`` found (checked here when not given): the family, the
+    prediction type the files say, the weights variant of each component, the cached snapshot of a hub id;
+    its notes are the returned components' ``notes``.
     ``config_dir``: for a single file, a local diffusers folder with the matching component configs (nothing
     is downloaded then); without it diffusers fetches the default configs of the detected family.
     ``dtypes``: the dtype each part trains in (a recipe's ``dtypes``, keys unet / vae / text_encoder): each
     loads in it (:func:`load_dtype_kw`); None loads as the libraries default."""
-    source = source or resolve_source(path)
-    if source.kind == "file":
-        return _load_single_file(source.location, family, config_dir, dtypes)
-    return _load_pretrained(
-        source.location, family, revision, variant, hub=source.kind == "hub", dtypes=dtypes
+    from .source_check import check_source
+
+    if config_dir is not None:
+        config_dir = str(Path(config_dir).expanduser())
+    info = info or check_source(
+        path, family=family, variant=variant, config_dir=config_dir, revision=revision, deep=True
     )
+    if info.kind == "file":
+        comps = _load_single_file(info.location, family or info.family, config_dir, dtypes, info)
+    else:
+        comps = _load_pretrained(
+            info.location,
+            family or info.family,
+            None if info.cached else revision,
+            variant,
+            hub=info.kind == "hub" and not info.cached,
+            dtypes=dtypes,
+            variants=info.variants,
+        )
+        if info.cached:
+            comps.source = path
+    if info.family is None and info.notes:  # a single transformer file: its family is config_dir's
+        from .source_check import describe
+
+        info.family = comps.family
+        info.notes[0] = describe(info)
+    comps.notes = list(info.notes) + comps.notes
+    return comps
 
 
 def _load_pretrained(
@@ -191,12 +217,21 @@ def _load_pretrained(
     *,
     hub: bool,
     dtypes: dict[str, Any] | None = None,
+    variants: dict[str, str | None] | None = None,
 ) -> Components:
     from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
     from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
 
     kw: dict[str, Any] = {"revision": revision} if revision else {}
-    wkw = dict(kw, variant=variant) if variant else dict(kw)
+    if not hub:
+        kw["local_files_only"] = True  # a local folder (or a hub id's cached snapshot): never the network
+
+    def wkw(sub: str) -> dict[str, Any]:
+        """The keywords that load ``sub``'s weights: the variant the check chose for it (a folder of only
+        fp16 files loads those), else the one asked for."""
+        v = variants.get(sub, variant) if variants else variant
+        return dict(kw, variant=v) if v else dict(kw)
+
     try:
         if hub:
             index = _hub_index(location, revision)
@@ -208,17 +243,23 @@ def _load_pretrained(
             return load_flow_components(location, index, family, kw, wkw, dtypes=dtypes)
         two = "text_encoder_2" in index and index.get("text_encoder_2", [None])[0] is not None
         unet = UNet2DConditionModel.from_pretrained(
-            location, subfolder="unet", **wkw, **load_dtype_kw(dtypes, "unet")
+            location, subfolder="unet", **wkw("unet"), **load_dtype_kw(dtypes, "unet")
         )
         found = _check_family(detect_family(unet.config, 2 if two else 1), family, location)
-        vae = AutoencoderKL.from_pretrained(location, subfolder="vae", **wkw, **load_dtype_kw(dtypes, "vae"))
-        te_kw = dict(wkw, **load_dtype_kw(dtypes, "text_encoder", "transformers"))
+        vae = AutoencoderKL.from_pretrained(
+            location, subfolder="vae", **wkw("vae"), **load_dtype_kw(dtypes, "vae")
+        )
+        te_kw = load_dtype_kw(dtypes, "text_encoder", "transformers")
         tokenizers = [CLIPTokenizer.from_pretrained(location, subfolder="tokenizer", **kw)]
-        text_encoders = [CLIPTextModel.from_pretrained(location, subfolder="text_encoder", **te_kw)]
+        text_encoders = [
+            CLIPTextModel.from_pretrained(location, subfolder="text_encoder", **wkw("text_encoder"), **te_kw)
+        ]
         if found == "sdxl":
             tokenizers.append(CLIPTokenizer.from_pretrained(location, subfolder="tokenizer_2", **kw))
             text_encoders.append(
-                CLIPTextModelWithProjection.from_pretrained(location, subfolder="text_encoder_2", **te_kw)
+                CLIPTextModelWithProjection.from_pretrained(
+                    location, subfolder="text_encoder_2", **wkw("text_encoder_2"), **te_kw
+                )
             )
         noise_scheduler = DDPMScheduler.from_pretrained(location, subfolder="scheduler", **kw)
         scheduler_config = dict(DDPMScheduler.load_config(location, subfolder="scheduler", **kw))
@@ -280,7 +321,11 @@ def _hub_index(location: str, revision: str | None) -> dict[str, Any]:
 
 
 def _load_single_file(
-    location: str, family: str | None, config_dir: str | None, dtypes: dict[str, Any] | None = None
+    location: str,
+    family: str | None,
+    config_dir: str | None,
+    dtypes: dict[str, Any] | None = None,
+    info: Any = None,
 ) -> Components:
     from diffusers import DDPMScheduler
 
@@ -309,6 +354,7 @@ def _load_single_file(
     text_encoders = [parts["text_encoder"]] + ([parts["text_encoder_2"]] if two else [])
     tokenizers = [parts["tokenizer"]] + ([parts["tokenizer_2"]] if two else [])
     scheduler_config = dict(parts["scheduler"].config)
+    notes = _single_file_prediction(scheduler_config, info, found, location)
     return Components(
         family=found,
         unet=parts["unet"],
@@ -318,4 +364,46 @@ def _load_single_file(
         noise_scheduler=DDPMScheduler.from_config(scheduler_config),
         scheduler_config=scheduler_config,
         source=location,
+        notes=notes,
     )
+
+
+def _single_file_prediction(
+    scheduler_config: dict[str, Any], info: Any, family: str, location: str
+) -> list[str]:
+    """Set the prediction type a single file trains with in ``scheduler_config`` (in place): what the file
+    says (``source_check``: a .yaml beside it, a ``v_pred`` key, its metadata), else for SD 2.x ComfyUI's
+    test on its weights; else the scheduler config stands (``model.config_dir``'s, or diffusers' default
+    for the family). A ``ztsnr`` key adds zero terminal SNR. Returns the notes to print."""
+    from .source_check import SD2_V_PROBE, sd2_v_from_weights
+
+    pred = getattr(info, "prediction_type", None)
+    if pred is None and family == "sd21":
+        bias = _read_tensor(location, SD2_V_PROBE)
+        if bias is not None:
+            pred = "v_prediction" if sd2_v_from_weights(bias) else "epsilon"
+            note = f"prediction type {pred} from its weights (ComfyUI's SD 2.x test)"
+            scheduler_config["prediction_type"] = pred
+            return [note]
+    if pred is None:
+        return [
+            f"prediction type {scheduler_config.get('prediction_type')} (the scheduler config's; "
+            "the file does not say)"
+        ]
+    scheduler_config["prediction_type"] = pred
+    if getattr(info, "zero_snr", False):
+        scheduler_config["rescale_betas_zero_snr"] = True
+        scheduler_config["timestep_spacing"] = "trailing"
+    return []
+
+
+def _read_tensor(location: str, key: str):
+    """One tensor of a checkpoint file (None when it has no such key)."""
+    if location.lower().endswith(".safetensors"):
+        from safetensors import safe_open
+
+        with safe_open(location, framework="pt") as f:
+            return f.get_tensor(key) if key in set(f.keys()) else None
+    from .single_file import read_checkpoint_safely
+
+    return read_checkpoint_safely(location).get(key)

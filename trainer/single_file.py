@@ -58,13 +58,9 @@ def detect_single_file_family(path: str | Path) -> str | None:
             keys = list(f.keys())
     else:
         keys = list(read_checkpoint_safely(path))
-    if any(k.startswith("conditioner.embedders.1.") for k in keys):
-        return "sdxl"
-    if any(k.startswith("cond_stage_model.model.") for k in keys):
-        return "sd21"
-    if any(k.startswith("cond_stage_model.transformer.") for k in keys):
-        return "sd15"
-    return None
+    from .source_check import family_from_keys
+
+    return family_from_keys(keys)
 
 
 def load_single_file_model(

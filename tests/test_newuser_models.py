@@ -1,0 +1,374 @@
+"""A new user's base model, as found (issue: model loading review): a diffusers folder missing a part, a
+model of another family or kind, a single file whose prediction type lives beside or inside it, a folder of
+fp16 weights only, a hub id already in the cache. Each is what the user meant, or one clear line before the
+launch (``source_check.check_source``, run by ``sdplan train`` and again by the trainer)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import threading
+from math import prod
+from pathlib import Path
+
+import pytest
+from conftest import fake_diffusers_folder, make_images, one_line_error
+from sdplan.trainer.source_check import UnsupportedModelError, check_source
+from typer.testing import CliRunner
+
+from sdplan.cli import app
+
+runner = CliRunner()
+
+
+def dry_run(model: Path, tmp_path: Path, *extra: str):
+    ds = make_images(tmp_path / "ds", n=2)
+    args = ["train", "--model", str(model), "--dataset", str(ds), "--out", str(tmp_path / "o")]
+    return runner.invoke(app, [*args, "--device", "cpu", "--dry-run", *extra])
+
+
+def write_safetensors(path: Path, shapes: dict, metadata: dict | None = None, cut: int = 0) -> Path:
+    """A .safetensors file of zero-filled F16 tensors with these shapes (written by hand: no torch);
+    ``cut`` bytes short of what its header says."""
+    header: dict = {"__metadata__": metadata} if metadata else {}
+    offset = 0
+    for name, shape in shapes.items():
+        size = 2 * prod(shape)
+        header[name] = {"dtype": "F16", "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header).encode()
+    path.write_bytes(len(raw).to_bytes(8, "little") + raw + bytes(max(offset - cut, 0)))
+    return path
+
+
+UNET_IN = "model.diffusion_model.input_blocks.0.0.weight"
+VAE = {"first_stage_model.decoder.conv_in.weight": (2,)}
+CLIP_L = {"cond_stage_model.transformer.text_model.embeddings.token_embedding.weight": (2,)}
+OPEN_CLIP = {"cond_stage_model.model.token_embedding.weight": (2,)}
+SDXL_TE = {
+    "conditioner.embedders.0.transformer.text_model.embeddings.token_embedding.weight": (2,),
+    "conditioner.embedders.1.model.token_embedding.weight": (2,),
+}
+
+
+def checkpoint(channels: int = 4, text: dict = CLIP_L, **extra) -> dict:
+    """The keys of a whole SD checkpoint (UNet with ``channels`` inputs, VAE, text encoders) plus ``extra``."""
+    return {UNET_IN: (2, channels, 1, 1), **VAE, **text, **extra}
+
+
+# -- diffusers folders -------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def sd15_copy(tiny_sd15, tmp_path) -> Path:
+    return Path(shutil.copytree(tiny_sd15, tmp_path / "sd15"))
+
+
+def test_folder_without_tokenizer_is_one_line_before_launch(sd15_copy, tmp_path):
+    """It passed the pre-launch check, and the trainer then loaded some other tokenizer (no error at all)."""
+    shutil.rmtree(sd15_copy / "tokenizer")
+    line = one_line_error(
+        dry_run(sd15_copy, tmp_path), 2, "incomplete diffusers folder", "no tokenizer/ folder"
+    )
+    assert "download the whole model again" in line
+
+
+def test_loader_refuses_a_folder_without_tokenizer(sd15_copy):
+    from sdplan.trainer import models
+
+    shutil.rmtree(sd15_copy / "tokenizer")
+    with pytest.raises(UnsupportedModelError, match="no tokenizer/ folder"):
+        models.load_components(str(sd15_copy))
+
+
+def test_folder_with_truncated_weights_is_refused(sd15_copy):
+    """An interrupted download: diffusers' 'Unable to load weights' came from the trainer after the launch."""
+    weights = sd15_copy / "unet" / "diffusion_pytorch_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    with pytest.raises(UnsupportedModelError, match="unet/diffusion_pytorch_model.safetensors is truncated"):
+        check_source(str(sd15_copy))
+
+
+@pytest.mark.parametrize(
+    "family, remove, needle",
+    [
+        ("sd15", "vae", "no vae/ folder"),
+        ("sd15", "scheduler/scheduler_config.json", "no scheduler/scheduler_config.json"),
+        ("sd15", "unet/diffusion_pytorch_model.safetensors", "no unet weights"),
+        ("sdxl", "tokenizer_2/tokenizer.json", "tokenizer_2/ holds no tokenizer files"),
+        ("flux-dev", "text_encoder_2", "no text_encoder_2/ folder"),
+    ],
+)
+def test_incomplete_folder_names_the_missing_part(tmp_path, family, remove, needle):
+    root = fake_diffusers_folder(tmp_path / "m", family)
+    target = root / remove
+    shutil.rmtree(target) if target.is_dir() else target.unlink()
+    with pytest.raises(UnsupportedModelError, match=needle):
+        check_source(str(root))
+
+
+@pytest.mark.parametrize(
+    "pipeline, needle",
+    [("PixArtSigmaPipeline", "a PixArt model"), ("KandinskyV22Pipeline", "a Kandinsky model")],
+)
+def test_other_family_is_refused_naming_it(tmp_path, pipeline, needle):
+    """A PixArt / Kandinsky folder planned and launched as SD 1.x."""
+    root = tmp_path / "m"
+    (root / "transformer").mkdir(parents=True)
+    (root / "model_index.json").write_text(json.dumps({"_class_name": pipeline}))
+    line = one_line_error(dry_run(root, tmp_path), 2, needle, "unsupported family", pipeline)
+    assert "SD 1.x / 2.x, SDXL, SD3.5 and FLUX.1" in line
+
+
+def test_playground_edm_folder_is_refused(tmp_path):
+    """Playground v2.5 is an SDXL UNet with an EDM scheduler: trained as plain SDXL (DDPM) it learns the wrong
+    objective."""
+    root = fake_diffusers_folder(tmp_path / "m", "sdxl")
+    (root / "scheduler" / "scheduler_config.json").write_text(
+        json.dumps({"_class_name": "EDMDPMSolverMultistepScheduler", "sigma_data": 0.5})
+    )
+    one_line_error(dry_run(root, tmp_path), 2, "an EDM model", "Playground v2.5")
+
+
+@pytest.mark.parametrize(
+    "family, denoiser, index, needle",
+    [
+        ("sd15", {"in_channels": 9}, {}, "an inpainting model"),
+        ("sd15", {"in_channels": 8}, {}, "an instruct-pix2pix model"),
+        ("sdxl", None, {"text_encoder": [None, None], "requires_aesthetics_score": True}, "an SDXL refiner"),
+        ("flux-dev", {"in_channels": 384}, {}, "a FLUX.1 Fill"),
+        ("flux-dev", {"in_channels": 128}, {"_class_name": "FluxControlPipeline"}, "FLUX.1 Depth / Canny"),
+    ],
+)
+def test_variant_models_are_refused(tmp_path, family, denoiser, index, needle):
+    root = fake_diffusers_folder(tmp_path / "m", family, denoiser=denoiser, index=index)
+    with pytest.raises(UnsupportedModelError, match=needle):
+        check_source(str(root))
+
+
+def test_folder_of_fp16_weights_only_loads(sd15_copy):
+    """Every hub fp16 branch folder (*.fp16.safetensors only): 'no file named diffusion_pytorch_model.bin'."""
+    from sdplan.trainer import models
+
+    for f in sd15_copy.rglob("*.safetensors"):
+        f.rename(f.with_name(f.name.replace(".safetensors", ".fp16.safetensors")))
+    comps = models.load_components(str(sd15_copy))
+    assert comps.family == "sd15"
+    assert any("fp16" in n for n in comps.notes), comps.notes
+
+
+def test_folder_notes_say_family_and_prediction(tmp_path):
+    root = fake_diffusers_folder(tmp_path / "m", "sd21")
+    (root / "scheduler" / "scheduler_config.json").write_text(json.dumps({"prediction_type": "v_prediction"}))
+    info = check_source(str(root))
+    assert (info.family, info.prediction_type) == ("sd21", "v_prediction")
+    assert info.notes[0] == "model: diffusers folder: family sd21, prediction v_prediction"
+
+
+# -- single files: what they are ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "shapes, needle",
+    [
+        (checkpoint(9), "an inpainting model"),
+        (checkpoint(8), "an instruct-pix2pix model"),
+        (checkpoint(text={"conditioner.embedders.0.model.token_embedding.weight": (2,)}), "an SDXL refiner"),
+        (checkpoint(text=SDXL_TE, edm_mean=(1, 4, 1, 1), edm_std=(1, 4, 1, 1)), "Playground v2.5"),
+        ({"double_blocks.0.img_attn.qkv.weight": (2,), "img_in.weight": (8, 384)}, "a FLUX.1 Fill"),
+        ({"double_blocks.0.img_attn.qkv.weight": (2,), "img_in.weight": (8, 128)}, "FLUX.1 Depth / Canny"),
+        ({"emb_params": (2, 768)}, "a textual-inversion embedding"),
+        ({"clip_l": (2, 768), "clip_g": (2, 1280)}, "a textual-inversion embedding"),
+        ({"lora_unet_down_blocks_0.lora_down.weight": (2, 2)}, "a LoRA"),
+        ({"encoder.conv_in.weight": (2,), "decoder.conv_out.weight": (2,)}, "only a VAE"),
+        ({UNET_IN: (2, 4, 1, 1)}, "only a UNet"),
+        ({"conv_in.weight": (2,), "down_blocks.0.resnets.0.conv1.weight": (2,)}, "only a UNet in diffusers"),
+    ],
+)
+def test_single_file_that_is_no_base_model_is_refused(tmp_path, shapes, needle):
+    path = write_safetensors(tmp_path / "model.safetensors", shapes)
+    with pytest.raises(UnsupportedModelError, match=needle):
+        check_source(str(path))
+
+
+def test_a1111_embedding_pt_given_as_the_model_says_so(tmp_path):
+    """An A1111 .pt embedding: 'cannot tell SD 1.x, 2.x or SDXL from its keys (set model.family)'."""
+    import torch
+    from sdplan.trainer import models
+
+    path = tmp_path / "my-style.pt"
+    emb = {"string_to_token": {"*": 265}, "string_to_param": {"*": torch.zeros(1, 8)}, "name": "x", "step": 9}
+    torch.save({**emb, "sd_checkpoint": "abc", "sd_checkpoint_name": "v1-5"}, path)
+    with pytest.raises(UnsupportedModelError, match="a textual-inversion embedding"):
+        models.load_components(str(path))
+
+
+def test_truncated_safetensors_is_one_line_before_launch(tmp_path):
+    path = write_safetensors(tmp_path / "model.safetensors", checkpoint(), cut=4)
+    one_line_error(dry_run(path, tmp_path), 2, "truncated", "download or copy the file again")
+
+
+def test_a_whole_checkpoint_passes_with_its_family(tmp_path):
+    path = write_safetensors(tmp_path / "m.safetensors", checkpoint(text=SDXL_TE))
+    assert check_source(str(path)).family == "sdxl"
+
+
+# -- single files: the prediction type ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "extra, metadata, yaml_text, want",
+    [
+        ({}, None, 'model:\n  params:\n    parameterization: "v"\n', "v_prediction"),
+        ({}, {"modelspec.prediction_type": "v"}, "model:\n  params:\n    linear_start: 0.00085\n", "epsilon"),
+        ({"v_pred": (0,)}, None, None, "v_prediction"),
+        ({}, {"modelspec.prediction_type": "v"}, None, "v_prediction"),
+        ({}, {"modelspec.architecture": "stable-diffusion-v2-768-v"}, None, "v_prediction"),
+        ({}, {"modelspec.architecture": "stable-diffusion-v2-512"}, None, "epsilon"),
+        ({}, None, None, None),
+    ],
+)
+def test_prediction_type_of_a_single_file(tmp_path, extra, metadata, yaml_text, want):
+    """A1111 reads a <name>.yaml beside the checkpoint (it wins), ComfyUI a v_pred key, kohya / the SAI spec
+    write modelspec.prediction_type and the SD2 768-v architecture."""
+    path = write_safetensors(tmp_path / "m.safetensors", checkpoint(text=OPEN_CLIP, **extra), metadata)
+    if yaml_text:
+        (tmp_path / "m.yaml").write_text(yaml_text)
+    assert check_source(str(path)).prediction_type == want
+
+
+def test_ztsnr_key_means_zero_terminal_snr(tmp_path):
+    path = write_safetensors(tmp_path / "m.safetensors", checkpoint(text=SDXL_TE, v_pred=(0,), ztsnr=(0,)))
+    info = check_source(str(path))
+    assert (info.prediction_type, info.zero_snr) == ("v_prediction", True)
+
+
+def test_sd2_weights_test_follows_comfyui():
+    import torch
+    from sdplan.trainer.source_check import sd2_v_from_weights
+
+    assert sd2_v_from_weights(torch.linspace(-1, 1, 320)) and not sd2_v_from_weights(torch.zeros(320) + 0.01)
+
+
+@pytest.fixture(scope="module")
+def single_sd15(tiny_sd15, tmp_path_factory) -> Path:
+    from diffusers import StableDiffusionPipeline
+    from sdplan.trainer import export
+
+    pipe = StableDiffusionPipeline.from_pretrained(
+        str(tiny_sd15), safety_checker=None, requires_safety_checker=False
+    )
+    out = tmp_path_factory.mktemp("single")
+    return export.save_full(out, pipeline=pipe, family="sd15", metadata=None)[-1]
+
+
+def test_v_prediction_file_trains_as_v(single_sd15, tiny_sd15, tmp_path):
+    """A v-prediction SDXL merge (NoobAI-style v_pred / ztsnr keys) trained as epsilon: the config folder's or
+    diffusers' default scheduler won over what the file says."""
+    from safetensors.torch import load_file, save_file
+    from sdplan.trainer import models
+
+    state = load_file(str(single_sd15))
+    import torch
+
+    state["v_pred"], state["ztsnr"] = torch.zeros(0), torch.zeros(0)
+    vfile = tmp_path / "vpred.safetensors"
+    save_file(state, str(vfile))
+    comps = models.load_components(str(vfile), config_dir=str(tiny_sd15))
+    assert comps.prediction_type == "v_prediction"
+    assert comps.noise_scheduler.config.rescale_betas_zero_snr
+    assert any("v_pred key and ztsnr key" in n for n in comps.notes), comps.notes
+
+
+def test_yaml_beside_the_file_sets_v_prediction(single_sd15, tiny_sd15, tmp_path):
+    from sdplan.trainer import models
+
+    vfile = Path(shutil.copy(single_sd15, tmp_path / "m.safetensors"))
+    (tmp_path / "m.yaml").write_text('model:\n  params:\n    parameterization: "v"\n')
+    comps = models.load_components(str(vfile), config_dir=str(tiny_sd15))
+    assert comps.prediction_type == "v_prediction"
+    assert comps.notes[0].startswith("model: single file: family sd15, prediction v_prediction")
+
+
+# -- config_dir -----------------------------------------------------------------------------------------------
+
+
+def test_config_dir_null_in_yaml_is_no_config_dir(single_sd15, tmp_path):
+    from sdplan import config
+
+    cfg = config.validate({"method": "lora", "model": {"path": str(single_sd15), "config_dir": None}})
+    assert cfg.model.config_dir is None
+    assert check_source(cfg.model.path, config_dir=cfg.model.config_dir).family == "sd15"
+
+
+def test_config_dir_of_another_family_is_refused(tmp_path):
+    path = write_safetensors(tmp_path / "xl.safetensors", checkpoint(text=SDXL_TE))
+    sd15 = fake_diffusers_folder(tmp_path / "sd15", "sd15")
+    one_line_error(
+        dry_run(path, tmp_path, f"model.config_dir={sd15}"),
+        2,
+        "model.config_dir",
+        "sd15 folder",
+        "sdxl checkpoint",
+    )
+
+
+def test_config_dir_with_tilde_is_expanded(single_sd15, tiny_sd15, tmp_path, monkeypatch):
+    """'config_dir: ~/models/sd15' reached diffusers as the hub id '~/models/sd15' (HFValidationError)."""
+    from sdplan.trainer import models
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    shutil.copytree(tiny_sd15, tmp_path / "configs")
+    assert models.load_components(str(single_sd15), config_dir="~/configs").family == "sd15"
+
+
+# -- a hub id in the local cache -----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def counting_hub(monkeypatch):
+    """A local address standing in for the hub: it counts the connections and closes each at once."""
+    from huggingface_hub import constants
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(16)
+    seen = []
+
+    def serve():
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            seen.append(1)
+            conn.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    endpoint = f"http://127.0.0.1:{server.getsockname()[1]}"
+    monkeypatch.setattr(constants, "ENDPOINT", endpoint)
+    monkeypatch.setattr(
+        constants, "HUGGINGFACE_CO_URL_TEMPLATE", endpoint + "/{repo_id}/resolve/{revision}/{filename}"
+    )
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    yield seen
+    server.close()
+
+
+def test_cached_hub_id_loads_without_the_network(tiny_sd15, tmp_path, monkeypatch, counting_hub):
+    """A hub id whose files are all in the cache: it loaded through the hub client, which asked the network
+    first for each part (196 s of retries without one)."""
+    from huggingface_hub import constants
+    from sdplan.trainer import models
+
+    cache = tmp_path / "hub"
+    repo = cache / "models--someorg--tiny-sd"
+    shutil.copytree(tiny_sd15, repo / "snapshots" / ("a" * 40))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("a" * 40)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    comps = models.load_components("someorg/tiny-sd")
+    assert comps.family == "sd15" and comps.source == "someorg/tiny-sd"
+    assert "from the local Hugging Face cache" in comps.notes[0]
+    assert counting_hub == []

@@ -1,0 +1,645 @@
+"""What a base model is, read from its files before anything loads (no torch): ``sdplan train`` runs
+:func:`check_source` before the launch, the trainer again before it loads the model.
+
+A diffusers folder: its pipeline class, every component it needs (folder, config, weights or tokenizer files),
+its UNet / transformer input channels and its scheduler. A single ``.safetensors``: its header (keys,
+shapes, metadata; a file shorter than its header says is truncated). Either way the result is the family,
+the prediction type where the files say it, the weights variant to load, and notes on what was detected; a
+model sdplan cannot train (another family, an inpainting / instruct-pix2pix / refiner / FLUX.1 Fill or
+Control model, an EDM model such as Playground v2.5, a LoRA, an embedding, a lone VAE or UNet) is one
+:class:`UnsupportedModelError` line naming what it is.
+
+Where the facts come from (public source, read for this): diffusers 0.42 ``loaders/single_file_utils.py``
+(``CHECKPOINT_KEY_NAMES``: the refiner's ``conditioner.embedders.0`` without ``.1``, Playground v2.5's
+``edm_mean``, inpainting's 9 input channels; SD 2.x files default to v-prediction unless ``global_step`` is
+875000); ComfyUI ``comfy/supported_models.py`` (``v_pred`` key: v-prediction, ``ztsnr`` key: zero terminal SNR,
+``edm_vpred.sigma_max``: EDM v-prediction; SD 2.x: v-prediction when the std of
+``output_blocks.11.1.transformer_blocks.0.norm1.bias`` exceeds 0.09); A1111 ``modules/sd_models_config.py``
+(a ``<name>.yaml`` beside the checkpoint is its config; 9 / 8 input channels: inpainting / instruct-pix2pix;
+``conditioner.embedders.0`` alone: the SDXL refiner); the SAI model spec as kohya writes it
+(``modelspec.prediction_type``: ``v`` or ``epsilon``; ``modelspec.architecture``:
+``stable-diffusion-v2-768-v`` / ``-512``).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sdplan import registry
+from sdplan.errors import UsageError
+
+from .flow_models import PIPELINES as FLOW_PIPELINES
+from .flow_models import detect_flow_family
+from .models import ModelLoadError, detect_family
+
+UNET = "model.diffusion_model."
+FIX_TRAINABLE = (
+    "give a Stable Diffusion 1.x / 2.x / SDXL, SD3.5 or FLUX.1 base model (diffusers folder, hub id or "
+    ".safetensors/.ckpt checkpoint)"
+)
+
+
+class UnsupportedModelError(ModelLoadError):
+    """The model exists but is not one sdplan trains, or is incomplete: one line saying which."""
+
+    exit_code = 2
+
+
+@dataclass
+class SourceInfo:
+    """What :func:`check_source` found. ``prediction_type``: epsilon / v_prediction / flow_matching where the
+    files say it, None where the loader's default stands. ``variants``: the weights variant each diffusers
+    component loads (``fp16`` where a folder holds only ``*.fp16.*`` weights), ``location``: where to load
+    from (a hub id found complete in the local cache: its snapshot folder, with ``cached`` set)."""
+
+    kind: str  # folder | file | hub
+    location: str
+    family: str | None = None
+    prediction_type: str | None = None
+    zero_snr: bool = False
+    variants: dict[str, str | None] = field(default_factory=dict)
+    cached: bool = False
+    notes: list[str] = field(default_factory=list)
+
+
+def refuse(where: str, what: str, fix: str = FIX_TRAINABLE) -> UnsupportedModelError:
+    return UnsupportedModelError(f"model.path {where}: {what}", fix=fix)
+
+
+# -- diffusers folders ---------------------------------------------------------------------------------------
+
+UNET_PIPELINES = {
+    "StableDiffusionPipeline",
+    "StableDiffusionImg2ImgPipeline",
+    "StableDiffusionXLPipeline",
+    "StableDiffusionXLImg2ImgPipeline",
+}
+# pipelines of a known model sdplan does not train, by what they are
+REFUSED_PIPELINES = {
+    "StableDiffusionInpaintPipeline": "an inpainting model (its UNet takes 9 input channels)",
+    "StableDiffusionXLInpaintPipeline": "an SDXL inpainting model (its UNet takes 9 input channels)",
+    "StableDiffusionInstructPix2PixPipeline": "an instruct-pix2pix model (its UNet takes 8 input channels)",
+    "StableDiffusionXLInstructPix2PixPipeline": "an SDXL instruct-pix2pix model (its UNet takes 8 input channels)",
+    "FluxFillPipeline": "a FLUX.1 Fill (inpainting) model",
+    "FluxControlPipeline": "a FLUX.1 Depth / Canny (control) model",
+    "FluxKontextPipeline": "a FLUX.1 Kontext (image editing) model",
+    "StableDiffusionUpscalePipeline": "an upscaler",
+    "StableDiffusionDepth2ImgPipeline": "a depth-to-image model (its UNet takes 5 input channels)",
+}
+# other families, by the start of their pipeline class name
+OTHER_FAMILIES = (
+    ("PixArt", "PixArt"),
+    ("Kandinsky", "Kandinsky"),
+    ("StableCascade", "Stable Cascade"),
+    ("Wuerstchen", "Würstchen"),
+    ("IF", "DeepFloyd IF"),
+    ("AuraFlow", "AuraFlow"),
+    ("Lumina", "Lumina"),
+    ("Sana", "Sana"),
+    ("HunyuanDiT", "Hunyuan-DiT"),
+    ("Kolors", "Kolors"),
+    ("Flux2", "FLUX.2"),
+    ("QwenImage", "Qwen-Image"),
+    ("HiDream", "HiDream"),
+    ("CogView", "CogView"),
+    ("LatentConsistency", "a latent consistency (LCM) model"),
+)
+# the channels a denoiser of each kind takes as a text-to-image base; others are conditioned variants
+_IN_CHANNELS = {"unet": 4, "mmdit": 16, "flux": 64}
+_CHANNEL_VARIANTS = {
+    ("unet", 9): "an inpainting model (its UNet takes 9 input channels: latents, mask, masked image)",
+    ("unet", 8): "an instruct-pix2pix model (its UNet takes 8 input channels: latents and the input image)",
+    ("unet", 5): "a depth-to-image model (its UNet takes 5 input channels)",
+    ("flux", 384): "a FLUX.1 Fill (inpainting) model (its transformer takes 384 input channels)",
+    ("flux", 128): "a FLUX.1 Depth / Canny (control) model (its transformer takes 128 input channels)",
+}
+_WEIGHT_STEMS = ("diffusion_pytorch_model", "model", "pytorch_model")
+
+
+def _read_json(root: Path, name: str, where: str) -> dict[str, Any]:
+    path = root / name
+    try:
+        data = json.loads(path.read_text(encoding="utf-8-sig"))
+    except OSError as e:
+        raise refuse(where, f"cannot read {name} ({e.strerror or e})") from None
+    except ValueError as e:
+        raise refuse(
+            where, f"{name} is not valid JSON ({e})", fix="restore the file (download the model again)"
+        ) from None
+    if not isinstance(data, dict):
+        raise refuse(where, f"{name} is not a JSON object", fix="restore the file (download it again)")
+    return data
+
+
+def weight_variants(folder: Path) -> set[str | None]:
+    """The variants a component folder's weights come in: None for plain ``model.safetensors`` names,
+    ``fp16`` for ``model.fp16.safetensors`` (sharded: ``model.safetensors.index.fp16.json``)."""
+    found: set[str | None] = set()
+    for f in folder.iterdir() if folder.is_dir() else ():
+        name = f.name
+        if not name.startswith(_WEIGHT_STEMS):
+            continue
+        if name.endswith((".safetensors", ".bin")):
+            stem = re.sub(r"-\d{5}-of-\d{5}", "", name.rsplit(".", 1)[0])
+            parts = stem.split(".")
+            found.add(parts[1] if len(parts) == 2 else None)
+        elif ".index" in name and name.endswith(".json"):
+            parts = name.split(".")  # model.safetensors.index.json | model.safetensors.index.fp16.json
+            found.add(parts[3] if len(parts) == 5 else None)
+    return found
+
+
+def _truncated(folder: Path, sub: str, variant: str | None) -> list[str]:
+    """The .safetensors weights of ``variant`` in a component folder that are shorter than their header
+    says (an interrupted download): their names, as problems."""
+    found = []
+    for f in sorted(folder.glob("*.safetensors")):
+        stem = re.sub(r"-\d{5}-of-\d{5}", "", f.name.rsplit(".", 1)[0]).split(".")
+        if (stem[1] if len(stem) == 2 else None) != variant:
+            continue
+        try:
+            read_safetensors_header(f, f"{sub}/{f.name}")
+        except UnsupportedModelError as e:
+            # "model.path <name>: truncated: ..." -> "<name> is truncated: ..."
+            found.append(e.message.replace("model.path ", "", 1).replace(": ", " is ", 1))
+    return found
+
+
+def _tokenizer_ok(folder: Path) -> bool:
+    has = {p.name for p in folder.iterdir()} if folder.is_dir() else set()
+    return "tokenizer.json" in has or {"vocab.json", "merges.txt"} <= has or "spiece.model" in has
+
+
+def _components(arch: str, sdxl: bool) -> list[tuple[str, str]]:
+    """(subfolder, kind) of what a family's folder must hold; kind: model | tokenizer | scheduler."""
+    if arch == "unet":
+        names = ["unet", "vae", "text_encoder", "tokenizer"] + (
+            ["text_encoder_2", "tokenizer_2"] if sdxl else []
+        )
+    else:
+        encoders = 3 if arch == "mmdit" else 2
+        names = ["transformer", "vae"]
+        for i in range(encoders):
+            sfx = "" if i == 0 else f"_{i + 1}"
+            names += [f"text_encoder{sfx}", f"tokenizer{sfx}"]
+    names.append("scheduler")
+    return [
+        (n, "tokenizer" if n.startswith("tokenizer") else "scheduler" if n == "scheduler" else "model")
+        for n in names
+    ]
+
+
+def check_folder(
+    root: Path, where: str, *, family: str | None = None, variant: str | None = None
+) -> SourceInfo:
+    """A diffusers folder: a pipeline sdplan trains, complete, with the family, variant and prediction type
+    it loads with. ``where``: the name the user gave (for the messages)."""
+    index = _read_json(root, "model_index.json", where)
+    cls = str(index.get("_class_name") or "")
+    if cls in REFUSED_PIPELINES:
+        raise refuse(
+            where, f"a {cls} folder: {REFUSED_PIPELINES[cls]}, not a text-to-image base sdplan trains"
+        )
+    if cls not in UNET_PIPELINES and cls not in FLOW_PIPELINES:
+        label = next((lab for pre, lab in OTHER_FAMILIES if cls.startswith(pre)), None)
+        if label is not None or not (root / "unet" / "config.json").is_file():
+            what = (
+                f"a {label} model ({cls}), an unsupported family"
+                if label
+                else f"a {cls or 'unnamed'} pipeline"
+            )
+            raise refuse(where, f"{what}; sdplan trains SD 1.x / 2.x, SDXL, SD3.5 and FLUX.1")
+        # another pipeline class over a Stable Diffusion UNet (a community pipeline's folder): its UNet decides
+
+    def named(key: str) -> bool:
+        entry = index.get(key)
+        return isinstance(entry, (list, tuple)) and len(entry) == 2 and entry[1] is not None
+
+    arch = FLOW_PIPELINES.get(cls, "unet")
+    sdxl = arch == "unet" and ("text_encoder_2" in index or cls.startswith("StableDiffusionXL"))
+    if sdxl and not named("text_encoder") and named("text_encoder_2"):
+        raise refuse(
+            where,
+            "an SDXL refiner (only the second text encoder; it refines SDXL base images from late "
+            "timesteps and is not a base to train)",
+            fix="give the SDXL base model (e.g. stabilityai/stable-diffusion-xl-base-1.0)",
+        )
+    if index.get("requires_aesthetics_score"):
+        raise refuse(
+            where,
+            "an SDXL refiner (it conditions on an aesthetic score), not a base to train",
+            fix="give the SDXL base model (e.g. stabilityai/stable-diffusion-xl-base-1.0)",
+        )
+
+    denoiser = "unet" if arch == "unet" else "transformer"
+    # what it is first (an inpainting or EDM model is refused as that, complete or not)
+    has = (root / denoiser / "config.json").is_file()
+    dconf = _read_json(root, f"{denoiser}/config.json", where) if has else {}
+    channels = dconf.get("in_channels")
+    if channels != _IN_CHANNELS[arch] and channels is not None:
+        what = _CHANNEL_VARIANTS.get((arch, channels)) or (
+            f"a {denoiser} with {channels} input channels (a text-to-image base takes {_IN_CHANNELS[arch]})"
+        )
+        raise refuse(where, f"{what}, not a text-to-image base sdplan trains")
+
+    has = (root / "scheduler" / "scheduler_config.json").is_file()
+    sched = _read_json(root, "scheduler/scheduler_config.json", where) if has else {}
+    sname = str(sched.get("_class_name") or "")
+    if sname.startswith("EDM"):
+        raise refuse(
+            where,
+            f"an EDM model (its scheduler is {sname}, as Playground v2.5's): it is trained with the EDM "
+            "objective and noise schedule, which sdplan's SDXL training does not use",
+            fix="train an SDXL base with the DDPM schedule, or a trainer that supports EDM (Playground v2.5)",
+        )
+    problems: list[str] = []
+    variants: dict[str, str | None] = {}
+    for sub, kind in _components(arch, sdxl):
+        folder = root / sub
+        if not named(sub):
+            problems.append(f"model_index.json names no {sub}")
+        elif not folder.is_dir():
+            problems.append(f"no {sub}/ folder")
+        elif kind == "tokenizer":
+            if not _tokenizer_ok(folder):
+                problems.append(
+                    f"{sub}/ holds no tokenizer files (tokenizer.json, or vocab.json + merges.txt)"
+                )
+        elif kind == "scheduler":
+            if not (folder / "scheduler_config.json").is_file():
+                problems.append(f"no {sub}/scheduler_config.json")
+        elif not (folder / "config.json").is_file():
+            problems.append(f"no {sub}/config.json")
+        else:
+            have = weight_variants(folder)
+            if not have:
+                problems.append(f"no {sub} weights ({sub}/*.safetensors)")
+                continue
+            if variant in have:
+                variants[sub] = variant
+            elif None in have:
+                variants[sub] = None
+            else:  # only variant files (*.fp16.safetensors): load those
+                variants[sub] = "fp16" if "fp16" in have else sorted(v for v in have if v)[0]
+            problems += _truncated(folder, sub, variants[sub])
+    if problems:
+        shown = "; ".join(problems[:4]) + (f" (and {len(problems) - 4} more)" if len(problems) > 4 else "")
+        raise refuse(
+            where,
+            f"an incomplete diffusers folder: {shown}",
+            fix="download the whole model again (e.g. `hf download <id> --local-dir <folder>`), or give its "
+            ".safetensors checkpoint",
+        )
+    info = SourceInfo("folder", str(root), variants=variants)
+    picked = sorted({v for v in variants.values() if v and v != variant})
+    if picked:
+        info.notes.append(f"weights: the {', '.join(picked)} variant (the folder holds only those files)")
+
+    if arch == "unet":
+        found = detect_family(dconf, 2 if sdxl else 1)
+        info.prediction_type = sched.get("prediction_type") or "epsilon"
+        info.zero_snr = bool(sched.get("rescale_betas_zero_snr"))
+    else:
+        found = detect_flow_family({"_class_name": cls}, dconf)
+        info.prediction_type = "flow_matching"
+    info.family = check_family(found, family, where)
+    info.notes.insert(0, describe(info))
+    return info
+
+
+def check_family(found: str | None, wanted: str | None, where: str) -> str | None:
+    """The family to train as: ``wanted`` (model.family) unless the files say another network kind (SD
+    1.x/2.x vs SDXL vs SD3.5 vs FLUX.1; sd15 vs sd21 and variants of one kind are the setting's call)."""
+    if wanted is None or found is None or wanted == found:
+        return found or wanted
+
+    def kind(name: str) -> str:
+        return "sdxl" if name == "sdxl" else registry.family(name).arch
+
+    if kind(wanted) != kind(found):
+        raise UnsupportedModelError(
+            f"model.family is {wanted} but {where} is an {found} model",
+            fix=f"set model.family: {found} (or leave it out: it is read from the model)",
+        )
+    return wanted
+
+
+def describe(info: SourceInfo) -> str:
+    """One line on what was detected (the trainer prints it before it loads the model)."""
+    bits = [f"family {info.family or 'from the model'}"]
+    if info.prediction_type:
+        bits.append(
+            f"prediction {info.prediction_type}" + (" with zero terminal SNR" if info.zero_snr else "")
+        )
+    chosen = sorted({v for v in info.variants.values() if v})
+    if chosen:
+        bits.append(f"variant {', '.join(chosen)}")
+    where = {"folder": "diffusers folder", "file": "single file", "hub": "hub model"}[info.kind]
+    if info.cached:
+        where += " (from the local Hugging Face cache)"
+    return f"model: {where}: " + ", ".join(bits)
+
+
+# -- single files ----------------------------------------------------------------------------------------------
+
+# kohya / sdplan embeddings: emb_params (SD 1.x/2.x), clip_l + clip_g (SDXL); A1111's .pt: string_to_param, ...
+_TI_KEYS = {"emb_params", "clip_l", "clip_g", "string_to_param", "string_to_token", "name", "step"}
+_TI_KEYS |= {"sd_checkpoint", "sd_checkpoint_name"}
+_VAE_PREFIXES = ("encoder.", "decoder.", "quant_conv.", "post_quant_conv.", "first_stage_model.")
+_TEXT_PREFIXES = ("cond_stage_model.", "conditioner.", "text_encoders.")
+_DIFFUSERS_UNET = ("down_blocks.", "mid_block.", "up_blocks.", "conv_in.")
+SD2_V_PROBE = UNET + "output_blocks.11.1.transformer_blocks.0.norm1.bias"  # ComfyUI SD20.model_type
+
+
+def read_safetensors_header(path: Path, where: str) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
+    """A .safetensors file's tensor shapes and metadata from its header (no torch); a file shorter than the
+    header says (an interrupted download or copy) is refused here, before anything reads it."""
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        head = f.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if not 2 <= n <= min(size - 8, 256 * 2**20):
+            raise refuse(where, "not a safetensors file (no valid header)")
+        try:
+            header = json.loads(f.read(n))
+        except ValueError:
+            raise refuse(where, "not a safetensors file (header is not JSON)") from None
+    if not isinstance(header, dict):
+        raise refuse(where, "not a safetensors file")
+    metadata = header.pop("__metadata__", None) or {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    end = 0
+    for name, t in header.items():
+        if isinstance(t, dict):
+            shapes[name] = tuple(t.get("shape") or ())
+            end = max(end, int((t.get("data_offsets") or [0, 0])[1]))
+    if 8 + n + end > size:
+        raise refuse(
+            where,
+            f"truncated: its header describes {8 + n + end:,} bytes but the file holds {size:,} (an "
+            "interrupted download or copy)",
+            fix="download or copy the file again",
+        )
+    return shapes, {str(k): str(v) for k, v in metadata.items()} if isinstance(metadata, dict) else {}
+
+
+def family_from_keys(keys) -> str | None:
+    """sd15 / sd21 / sdxl from a checkpoint's key names (the text encoders' prefixes)."""
+    keys = list(keys)
+    if any(k.startswith("conditioner.embedders.1.") for k in keys):
+        return "sdxl"
+    if any(k.startswith(("cond_stage_model.model.", "conditioner.embedders.0.model.")) for k in keys):
+        return "sd21"
+    if any(k.startswith("cond_stage_model.transformer.") for k in keys):
+        return "sd15"
+    return None
+
+
+def classify_state(
+    shapes: dict[str, tuple[int, ...]],
+    metadata: dict[str, str],
+    path: Path,
+    where: str,
+    *,
+    family: str | None = None,
+) -> SourceInfo:
+    """What a single checkpoint is, from its tensor names and shapes, its metadata and a ``<name>.yaml``
+    beside it: a base sdplan trains (family, prediction type) or an :class:`UnsupportedModelError`."""
+    keys = set(shapes)
+    if not keys:
+        raise refuse(where, "holds no tensors")
+    if keys <= _TI_KEYS or all(k.startswith("string_to_param") or k in _TI_KEYS for k in keys):
+        raise refuse(
+            where,
+            "a textual-inversion embedding (it adds a word to a base model; it is not one)",
+            fix="give the base model it was trained for as model.path (the embedding is loaded at inference)",
+        )
+    if any("lora" in k.lower() or k.startswith(("lycoris_", "hada_")) for k in keys):
+        raise refuse(
+            where,
+            "a LoRA, which is applied to a base model, not trained from",
+            fix="give the base model it was trained for as model.path",
+        )
+    plain = {k[len(UNET) :] if k.startswith(UNET) else k: v for k, v in shapes.items()}
+    if any(k.startswith(("joint_blocks.", "double_blocks.")) for k in plain):
+        channels = (plain.get("img_in.weight") or (0, 0))[-1]
+        what = _CHANNEL_VARIANTS.get(("flux", channels))
+        if what is not None:
+            raise refuse(where, f"{what}, not a text-to-image base sdplan trains")
+        info = SourceInfo("file", str(path), prediction_type="flow_matching")
+        info.family = family
+        return info
+    has_unet = any(k.startswith(UNET) for k in keys)
+    if not has_unet:
+        if all(k.startswith(_VAE_PREFIXES) for k in keys):
+            what = "only a VAE (no UNet or text encoder)"
+        elif any(k.startswith(_DIFFUSERS_UNET) for k in keys):
+            what = "only a UNet in diffusers layout (no VAE or text encoder)"
+        elif all(k.startswith(_TEXT_PREFIXES + ("text_model.", "transformer.")) for k in keys):
+            what = "only a text encoder"
+        else:
+            what = "holds no Stable Diffusion UNet weights (model.diffusion_model.*)"
+        raise refuse(where, what if what.startswith("holds") else f"{what}, not a whole model")
+    missing = [
+        part
+        for part, prefixes in (("VAE", ("first_stage_model.",)), ("text encoder", _TEXT_PREFIXES))
+        if not any(k.startswith(prefixes) for k in keys)
+    ]
+    if missing:
+        what = (
+            "only a UNet (a 'diffusion model' file without the VAE and text encoders)"
+            if len(missing) == 2
+            else f"a checkpoint without its {missing[0]}"
+        )
+        raise refuse(
+            where,
+            f"{what}, not a whole model",
+            fix="give the full checkpoint (UNet, VAE and text encoders in one file) or the diffusers folder",
+        )
+    channels = (shapes.get(UNET + "input_blocks.0.0.weight") or (0, 4))[1]
+    if channels != 4:
+        what = _CHANNEL_VARIANTS.get(("unet", channels)) or f"a UNet with {channels} input channels"
+        raise refuse(where, f"{what}, not a text-to-image base sdplan trains")
+    if any(k.startswith("conditioner.embedders.0.model.") for k in keys) and not any(
+        k.startswith("conditioner.embedders.1.") for k in keys
+    ):
+        raise refuse(
+            where,
+            "an SDXL refiner (one OpenCLIP text encoder; it refines SDXL base images from late timesteps "
+            "and is not a base to train)",
+            fix="give the SDXL base checkpoint",
+        )
+    if "edm_mean" in keys or "edm_vpred.sigma_max" in keys:
+        what = "Playground v2.5's" if "edm_mean" in keys else "an EDM v-prediction model's (edm_vpred.*)"
+        raise refuse(
+            where,
+            f"an EDM model ({what} keys): it is trained with the EDM objective and noise schedule, which "
+            "sdplan's SDXL training does not use",
+            fix="train an SDXL base with the DDPM schedule, or a trainer that supports EDM",
+        )
+    found = family_from_keys(keys)
+    info = SourceInfo("file", str(path), family=check_family(found, family, where))
+    if info.family is None:
+        raise refuse(where, "cannot tell SD 1.x, 2.x or SDXL from its keys", fix="set model.family")
+    info.prediction_type, reason = _prediction(keys, metadata, path)
+    info.zero_snr = "ztsnr" in keys and info.prediction_type == "v_prediction"
+    if reason:
+        info.notes.append(f"prediction type {info.prediction_type} from {reason}")
+    return info
+
+
+def _prediction(keys: set[str], metadata: dict[str, str], path: Path) -> tuple[str | None, str]:
+    """The prediction type a checkpoint says, and where it says it: the A1111 config beside it first (what
+    A1111 uses), then ComfyUI's ``v_pred`` marker, then the SAI model spec. (None, "") when none says."""
+    yaml_path = path.with_suffix(".yaml")
+    if yaml_path.is_file():
+        import yaml
+
+        try:
+            conf = yaml.safe_load(yaml_path.read_text(encoding="utf-8-sig"))
+            params = conf["model"]["params"]
+        except (OSError, ValueError, yaml.YAMLError, KeyError, TypeError):
+            params = None
+        if isinstance(params, dict):
+            v = str(params.get("parameterization", "eps")).lower() == "v"
+            return ("v_prediction" if v else "epsilon"), f"{yaml_path.name} (parameterization)"
+    if "v_pred" in keys:
+        return "v_prediction", "its v_pred key" + (" and ztsnr key" if "ztsnr" in keys else "")
+    spec = metadata.get("modelspec.prediction_type", "").strip().lower()
+    if spec in ("v", "v_prediction", "v-prediction"):
+        return "v_prediction", "its metadata (modelspec.prediction_type)"
+    if spec in ("epsilon", "eps"):
+        return "epsilon", "its metadata (modelspec.prediction_type)"
+    arch = metadata.get("modelspec.architecture", "")
+    if arch.startswith("stable-diffusion-v2-768-v"):
+        return "v_prediction", "its metadata (modelspec.architecture)"
+    if arch.startswith("stable-diffusion-v2-512"):
+        return "epsilon", "its metadata (modelspec.architecture)"
+    return None, ""
+
+
+def sd2_v_from_weights(norm_bias) -> bool:
+    """ComfyUI's test for an SD 2.x checkpoint without a config: v-prediction when the std of the last output
+    block's first norm bias exceeds 0.09 (``SD20.model_type``)."""
+    return float(norm_bias.float().std(unbiased=False)) > 0.09
+
+
+def check_file(
+    path: Path, where: str, *, family: str | None = None, config_dir: str | None = None, deep: bool = False
+) -> SourceInfo:
+    """A single checkpoint: a .safetensors is classified from its header; a .ckpt's keys need torch, so it is
+    classified only with ``deep`` (the trainer, reading it safely). ``config_dir`` must be a diffusers folder
+    of the same network kind."""
+    if config_dir is None and family is not None and registry.family(family).flow:
+        raise _needs_config_dir(where, family)
+    if path.suffix.lower() == ".safetensors":
+        shapes, metadata = read_safetensors_header(path, where)
+        info = classify_state(shapes, metadata, path, where, family=family)
+    elif deep:
+        from .single_file import read_checkpoint_safely
+
+        state = read_checkpoint_safely(path)
+        shapes = {k: tuple(getattr(v, "shape", ())) for k, v in state.items() if isinstance(k, str)}
+        info = classify_state(shapes, {}, path, where, family=family)
+    else:
+        info = SourceInfo("file", str(path), family=family)
+    flow = info.prediction_type == "flow_matching"
+    if config_dir is not None:
+        cdir = Path(config_dir).expanduser()
+        cwhere = f"model.config_dir {config_dir}"
+        if not (cdir / "model_index.json").is_file():
+            raise UnsupportedModelError(
+                f"{cwhere}: not a diffusers folder (no model_index.json)",
+                fix="point it at the diffusers folder of the checkpoint's model, or leave it out",
+            )
+        index = _read_json(cdir, "model_index.json", cwhere)
+        cls = str(index.get("_class_name") or "")
+        if flow and cls not in FLOW_PIPELINES:
+            raise UnsupportedModelError(
+                f"{cwhere}: a {cls or 'unnamed'} folder, but {where} is an SD3.5 / FLUX.1 transformer",
+                fix="point it at a StableDiffusion3Pipeline or FluxPipeline folder of the same model",
+            )
+        if not flow and cls not in UNET_PIPELINES:
+            raise UnsupportedModelError(
+                f"{cwhere}: a {cls or 'unnamed'} folder, but {where} is an SD 1.x / 2.x / SDXL checkpoint",
+                fix="point it at a diffusers folder of the same family as the checkpoint",
+            )
+        if not flow and info.family is not None:
+            ufile = cdir / "unet" / "config.json"
+            if ufile.is_file():
+                theirs = detect_family(
+                    _read_json(cdir, "unet/config.json", cwhere), 2 if "text_encoder_2" in index else 1
+                )
+                if (theirs == "sdxl") != (info.family == "sdxl"):
+                    raise UnsupportedModelError(
+                        f"{cwhere} is an {theirs} folder but {where} is an {info.family} checkpoint",
+                        fix="point model.config_dir at a diffusers folder of the same family, or leave it out",
+                    )
+    elif flow:
+        raise _needs_config_dir(where, family)
+    info.notes.insert(0, describe(info))
+    return info
+
+
+def _needs_config_dir(where: str, family: str | None) -> UsageError:
+    return UsageError(
+        f"model.path {where}: a single-file {family or 'SD3.5/FLUX'} transformer needs model.config_dir",
+        fix="set model.config_dir to a diffusers folder of the same family (its text encoders, VAE and "
+        "configs are used; e.g. a downloaded black-forest-labs/FLUX.1-dev or "
+        "stabilityai/stable-diffusion-3.5-medium)",
+    )
+
+
+# -- any source ------------------------------------------------------------------------------------------------
+
+
+def cached_snapshot(repo_id: str, revision: str | None = None) -> Path | None:
+    """The local Hugging Face cache's snapshot folder of a hub model, without the network; None when the
+    cache does not hold it."""
+    try:
+        from huggingface_hub import snapshot_download
+
+        folder = snapshot_download(repo_id, revision=revision, local_files_only=True)
+    except Exception:  # not cached (LocalEntryNotFoundError), or no usable cache
+        return None
+    folder = Path(folder)
+    return folder if (folder / "model_index.json").is_file() else None
+
+
+def check_source(
+    path: str,
+    *,
+    family: str | None = None,
+    variant: str | None = None,
+    config_dir: str | None = None,
+    revision: str | None = None,
+    deep: bool = False,
+) -> SourceInfo:
+    """Everything that can be told about ``model.path`` from its files, before anything loads: one clear
+    :class:`UnsupportedModelError` (or ``UsageError`` for a missing path) otherwise. A hub id is checked where
+    the local cache holds it whole (then ``location`` is its snapshot folder and it loads from there, with no
+    network); otherwise the trainer fetches it. ``deep``: also read a pickled checkpoint's keys (torch; the
+    trainer does, ``sdplan train`` before the launch does not)."""
+    from .models import resolve_source
+
+    source = resolve_source(path)
+    if source.kind == "folder":
+        return check_folder(Path(source.location), path, family=family, variant=variant)
+    if source.kind == "file":
+        return check_file(Path(source.location), path, family=family, config_dir=config_dir, deep=deep)
+    snap = cached_snapshot(source.location, revision)
+    if snap is not None:
+        try:
+            info = check_folder(snap, path, family=family, variant=variant)
+        except UnsupportedModelError as e:
+            if "incomplete diffusers folder" not in str(e):
+                raise
+        else:  # whole in the cache: load it from there
+            info.kind, info.cached = "hub", True
+            info.notes[0] = describe(info)
+            return info
+    return SourceInfo("hub", source.location, family=family)
