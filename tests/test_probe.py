@@ -490,6 +490,7 @@ def test_env_reads_only_the_known_keys():
 EXPECTED = {
     "2x_rtx4090_pcie": {("warning", "multi_gpu_slow_link")},
     "8x_h100_sxm": set(),
+    "h100_80gb_hbm3": set(),  # the real `sdplan doctor --json` of a lent H100 (2026-11-26): nothing wrong
     "w6800": {("warning", "bf16_unavailable")},
     "rx6700xt": {
         ("error", "rocm_arch_unsupported"),
