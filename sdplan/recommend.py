@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import os
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -15,7 +16,7 @@ from typing import Any
 
 from sdplan import config as cfgmod
 from sdplan import planner, registry
-from sdplan.errors import DatasetError, OutputExistsError, UsageError
+from sdplan.errors import DatasetError, OutputExistsError, SdplanError, UsageError
 from sdplan.profiles import GiB, Profiles
 from sdplan.registry import FAMILIES
 
@@ -134,6 +135,7 @@ class RecommendInputs:
     machine: str | None = None
     gpus: int | None = None
     settings: tuple[str, ...] = ()  # `key=value` sdplan.yaml settings, as `sdplan train` takes them: pinned
+    notes: tuple[str, ...] = ()  # said first among the plan's reasons (what --model turned out to be)
 
 
 # sdplan.yaml keys given on the command line instead (a pin would only repeat or contradict them)
@@ -214,6 +216,52 @@ def _check_choice(kind: str, value: str, choices: tuple[str, ...]) -> None:
         raise UsageError(f"unknown {kind} {value!r}", fix=f"{hint}one of: {', '.join(choices)}")
 
 
+def _is_family_name(model: str, profiles: Profiles) -> bool:
+    if model in profiles.models or model in FAMILIES:
+        return True
+    try:
+        registry.family(model)  # an alias (flux) or another case
+    except SdplanError:
+        return False
+    return True
+
+
+def model_source(inp: RecommendInputs, profiles: Profiles) -> RecommendInputs:
+    """``--model`` as `sdplan train` takes it: a family, or a diffusers folder, a .safetensors/.ckpt file or a
+    hub id. A model's own files say its family (read without torch, as `sdplan train` checks them before
+    launching); the plan is for that family and the written sdplan.yaml trains that model. Returns the inputs
+    with the family in ``model``, ``model.path`` among the settings and a note (unchanged for a family name)."""
+    model = inp.model
+    if _is_family_name(model, profiles):
+        return inp
+    looks_like_source = (
+        os.path.exists(os.path.expanduser(model))
+        or "/" in model
+        or model.endswith((".safetensors", ".ckpt", ".pt"))
+    )
+    if not looks_like_source:  # a typo of a family name: build_request names the closest one
+        return inp
+    from sdplan.trainer.source_check import check_source
+
+    path = os.path.abspath(os.path.expanduser(model)) if os.path.exists(os.path.expanduser(model)) else model
+    info = check_source(path)
+    if not info.family:
+        raise UsageError(
+            f"--model {model}: cannot tell its family here (a hub id that is not in the local cache)",
+            fix=f"give the family instead (one of: {', '.join(registry.PLANNED_FAMILIES)}), and "
+            f"model.path={model}",
+        )
+    if info.family not in profiles.models:
+        raise registry.not_planned(info.family)
+    what = {"folder": "a diffusers folder", "file": "a single file", "hub": "a hub id"}.get(
+        info.kind, info.kind
+    )
+    note = f"model {model}: {what} of the {info.family} family (planned as {info.family})"
+    return replace(
+        inp, model=info.family, settings=(*inp.settings, f"model.path={path}"), notes=(*inp.notes, note)
+    )
+
+
 def build_request(inp: RecommendInputs, profiles: Profiles) -> tuple[planner.Request, list[str]]:
     """Validate the command-line inputs; returns the planner request and notes for the reasons."""
     inp = replace(inp, method=registry.method(inp.method).name)  # an alias (ti) or another case (LoRA)
@@ -237,7 +285,7 @@ def build_request(inp: RecommendInputs, profiles: Profiles) -> tuple[planner.Req
         raise UsageError("give --dataset or --images, not both")
     if inp.hardware is not None and inp.machine is not None:
         raise UsageError("give --hardware or --machine, not both")
-    notes = []
+    notes = list(inp.notes)
     if inp.dataset:
         ds = count_dataset(inp.dataset)
         images, repeats = ds.images, ds.repeats
@@ -298,6 +346,7 @@ def recommend(
     """-> (the `--json` dict, the planner Result). ``strict``: a pin this hardware cannot run at all (bf16 on
     a GPU without it, more processes than GPUs) is a UsageError; --compare shows it as a row that does not fit.
     With a plan, the dict's ``config`` is the sdplan.yaml `--out` writes (pins included as given)."""
+    inp = model_source(inp, profiles)
     req, notes = build_request(inp, profiles)
     hw = hardware if hardware is not None else resolve_hardware(inp, profiles)
     if inp.gpus is not None and hw.count and inp.gpus > hw.count:

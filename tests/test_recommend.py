@@ -272,3 +272,38 @@ def test_full_bf16_choice_reaches_the_trainer_config(tmp_path):
 
     cfg = config.load(out / "sdplan.yaml")
     assert cfg.training.full_half_weights is True and cfg.training.precision == "bf16"
+
+
+def test_model_given_as_a_folder_plans_its_family_and_the_config_trains_it(tmp_path):
+    """`sdplan train --model` takes a folder, a file or a hub id; `sdplan recommend --model` said "unknown model"
+    for any of them. The folder's own files say its family (read without torch), and `--out` writes a config
+    that trains that folder."""
+    from conftest import fake_diffusers_folder
+
+    folder = fake_diffusers_folder(tmp_path / "my-sdxl", "sdxl")
+    code = (
+        "import sys\nfrom sdplan.cli import app\n"
+        "try:\n    app(['recommend', '--method', 'lora', '--model', sys.argv[1], '--hardware', 'RTX 4090', '--out',"
+        " sys.argv[2]], standalone_mode=False)\n"
+        "except SystemExit:\n    pass\n"
+        "print('TORCH', 'torch' in sys.modules)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(folder), str(tmp_path / "plan")],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=ROOT,
+    )
+    assert "a diffusers folder of the sdxl family" in out.stdout and out.stdout.strip().endswith(
+        "TORCH False"
+    )
+    cfg = yaml.safe_load((tmp_path / "plan" / "sdplan.yaml").read_text())
+    assert cfg["model"]["family"] == "sdxl" and cfg["model"]["path"] == str(folder)
+
+
+def test_model_given_as_an_uncached_hub_id_asks_for_the_family(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    r = run("--method", "lora", "--model", "someone/not-cached", "--hardware", "RTX 4090")
+    _one_line_error(r, 2)
+    assert "cannot tell its family" in r.output and "model.path=someone/not-cached" in r.output

@@ -88,7 +88,7 @@ def recommend(
     import shlex
 
     from sdplan.profiles import load_profiles
-    from sdplan.recommend import RecommendInputs, render, render_compare, write_outputs
+    from sdplan.recommend import RecommendInputs, model_source, render, render_compare, write_outputs
     from sdplan.recommend import compare as run_compare
     from sdplan.recommend import recommend as run
 
@@ -109,6 +109,7 @@ def recommend(
         gpus=gpus,
         settings=tuple(settings or ()),
     )
+    inp = model_source(inp, profiles)  # --model PATH_OR_ID: its family, and model.path for the written config
     if compare is not None:
         from sdplan.errors import UsageError
 
