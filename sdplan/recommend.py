@@ -246,8 +246,13 @@ def model_source(inp: RecommendInputs, profiles: Profiles) -> RecommendInputs:
     path = os.path.abspath(os.path.expanduser(model)) if os.path.exists(os.path.expanduser(model)) else model
     info = check_source(path)
     if not info.family:
+        why = (
+            "a pickled checkpoint says it only when loaded"
+            if info.kind == "file"
+            else "a hub id that is not in the local cache"
+        )
         raise UsageError(
-            f"--model {model}: cannot tell its family here (a hub id that is not in the local cache)",
+            f"--model {model}: cannot tell its family here ({why})",
             fix=f"give the family instead (one of: {', '.join(registry.PLANNED_FAMILIES)}), and "
             f"model.path={model}",
         )
