@@ -84,6 +84,9 @@ class Prediction:
     )
     host_ram_bytes: float | None = None
     it_per_s: float | None = None
+    # as a plan states it: a measured speed on this GPU near the settings scales the model (basis "scaled")
+    planned_it_per_s: float | None = None
+    planned_basis: str | None = None
     not_expressible: tuple[str, ...] = ()  # why the planner cannot express these settings (nothing predicted)
     no_speed: str | None = None  # why no speed was predicted (GPU not named / not in the catalog)
 
@@ -180,11 +183,14 @@ def predict(profiles: Profiles, point: "Point", *, interconnect: str = "pcie") -
         cached = _CALIBRATIONS[id(profiles)] = (profiles, P.calibrate(profiles))
     link = P._link_gbs_for(spec, interconnect) if point.num_gpus > 1 else None
     step = P.step_seconds(profiles, setup, spec, cached[1], link_gbs=link)
+    planned, basis = P.planned_step_seconds(profiles, setup, spec, cached[1], link_gbs=link)
     return Prediction(
         peak_vram_bytes=mem.peak,
         allocated_bytes=mem.peak - mem.overhead,
         host_ram_bytes=mem.ram,
         it_per_s=1.0 / step if step else None,
+        planned_it_per_s=1.0 / planned if planned else None,
+        planned_basis=basis,
     )
 
 
@@ -681,13 +687,23 @@ def leave_one_source_out(prof: Profiles) -> dict:
 
 
 def out_of_sample(prof: Profiles, points: list[Point]) -> dict:
-    numeric, verdicts, per_point = [], [], []
+    numeric, verdicts, per_point, planned = [], [], [], []
     not_expressible: list[dict] = []
     no_speed = 0
     for pt in points:
         n, v, pred = point_rows(prof, pt)
         numeric += n
         verdicts += v
+        if pt.it_s and pred.planned_it_per_s and not pred.not_expressible:
+            planned.append(
+                _row(
+                    pt.id,
+                    f"it/s as planned ({pred.planned_basis})",
+                    pred.planned_it_per_s,
+                    pt.it_s,
+                    pt.source,
+                )
+            )
         if pred.not_expressible:
             not_expressible.append({"id": pt.id, "reasons": list(pred.not_expressible), "source": pt.source})
         elif pt.it_s and pred.no_speed:
@@ -716,8 +732,11 @@ def out_of_sample(prof: Profiles, points: list[Point]) -> dict:
         "points": per_point,
         "figures": numeric,
         "fit_verdicts": verdicts,
+        "planned_speeds": planned,
         "not_expressible": not_expressible,
         "summary": {
+            "speed_as_planned": _stats(planned),
+            "speed_scaled_by_a_near_point": sum("(scaled)" in r["quantity"] for r in planned),
             "points": len(points),
             "sources": len({pt.source for pt in points}),
             "peak_vram": _stats(_by(numeric, "peak VRAM")),
@@ -842,6 +861,8 @@ def render(result: dict) -> str:
         "== SUMMARY                  in-sample                          out-of-sample",
         f"peak VRAM |error|          {_fmt(ins['peak_vram']):34s} {_fmt(oos['peak_vram'])}",
         f"speed (it/s) |error|       {_fmt(ins['speed']):34s} {_fmt(oos['speed'])}",
+        f"  as a plan states it      {'':34s} {_fmt(oos['speed_as_planned'])}, "
+        f"{oos['speed_scaled_by_a_near_point']} scaled by a speed measured near it on that GPU",
         f"fit verdict agreement      {_fmt_agree(ins['fit_verdict']):34s} {_fmt_agree(oos['fit_verdict'])}",
         f"  range clear of the card  {_fmt_clear(ins['fit_verdict']):34s} {_fmt_clear(oos['fit_verdict'])}",
         f"host RAM |error|           {_fmt(ins['host_ram'])}",

@@ -483,6 +483,12 @@ class MethodPoint(_SettingsView):
     origin: str = "shipped"  # "shipped" | "local"
     fit_speed: bool = True  # calibrate() fits the speed model on its it/s
 
+    @property
+    def from_bench(self) -> bool:
+        """Measured by `sdplan bench` (this machine's store, or shipped from a bench run): sdplan's own trainer
+        step, unlike a published figure from another tool."""
+        return self.origin == "local" or self.source.startswith("measured: sdplan bench")
+
 
 @dataclass(frozen=True)
 class MultiGPUObservation(_SettingsView):
