@@ -53,11 +53,15 @@ def _is(e: BaseException, click_class: str) -> bool:
 
 
 def main() -> None:
+    import logging
     import sys
 
     from sdplan.terminal import guard_terminal_output
 
     guard_terminal_output()  # a closed terminal must not turn the next line printed into a traceback
+    # bitsandbytes (imported with diffusers by the demo and bench) warns at import, on CPUs with AVX512-BF16,
+    # that an optional CPU kernel package is missing: a stray line before sdplan's own
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
     try:
         code = app(prog_name="sdplan", standalone_mode=False)
     except Exception as e:

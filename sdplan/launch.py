@@ -35,6 +35,9 @@ from sdplan.errors import EXIT_INTERRUPTED, UsageError
 from sdplan.settings import DEEPSPEED_BUCKET_ELEMENTS
 from sdplan.terminal import HANGUP, detach_from_terminal, hangup_wanted, terminal_fds
 
+# torchrun / accelerate launch run through sdplan.distrun: a stop signal or a failed worker ends them without a
+# traceback of their own (the worker's one error line stays the only one)
+DISTRUN = "sdplan.distrun"
 DEFAULT_PORT = 29500  # accelerate's and torchrun's rendezvous port
 LAUNCHED_ENV = "SDPLAN_LAUNCHED"  # set for a trainer started by `sdplan train`
 # {output.dir}/REPORTED_FILE (holding that line): such a trainer printed its one-line error, so `sdplan train`
@@ -238,7 +241,16 @@ def build_launch(
     if on_cpu and ds is None and cfg.distributed.num_processes > 1:
         n = cfg.distributed.num_processes
         env["ACCELERATE_USE_CPU"] = "true"
-        cmd = [py, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(n), *trainer_args]
+        cmd = [
+            py,
+            "-m",
+            DISTRUN,
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            str(n),
+            *trainer_args,
+        ]
         return Launch(cmd=cmd, env=env, kind="cpu-multi", world_size=n)
 
     world = cfg.distributed.num_processes
@@ -264,11 +276,19 @@ def build_launch(
         main_process_port=main_process_port,
     )
     launcher = ["--config_file", acc_path]
-    cmd = [py, "-m", "accelerate.commands.launch", *launcher, *trainer_args]
+    cmd = [py, "-m", DISTRUN, "accelerate.commands.launch", *launcher, *trainer_args]
     per_node: list[str] = []
     if num_machines > 1:
         # The same files on every node (same paths); only the rank differs.
-        cmd = [py, "-m", "accelerate.commands.launch", *launcher, "--machine_rank", str(machine_rank)]
+        cmd = [
+            py,
+            "-m",
+            DISTRUN,
+            "accelerate.commands.launch",
+            *launcher,
+            "--machine_rank",
+            str(machine_rank),
+        ]
         cmd += trainer_args
         for rank in range(num_machines):
             per_node.append(

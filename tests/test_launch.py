@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shlex
 import signal
 import subprocess
@@ -58,6 +59,7 @@ def test_two_gpus_use_accelerate_launch_with_ddp_config():
     assert launch.cmd == [
         PY,
         "-m",
+        "sdplan.distrun",
         "accelerate.commands.launch",
         "--config_file",
         "/runs/a/accelerate.yaml",
@@ -81,9 +83,10 @@ def test_deepspeed_offload_writes_json_with_batch_arithmetic():
     c = cfg(distributed={"num_processes": 4, "deepspeed": {"zero_stage": 2, "offload_optimizer": True}})
     launch = build_launch(c, CFG, OUT, python=PY)
     assert launch.kind == "deepspeed"
-    assert launch.cmd[:5] == [
+    assert launch.cmd[:6] == [
         PY,
         "-m",
+        "sdplan.distrun",
         "accelerate.commands.launch",
         "--config_file",
         "/runs/a/accelerate.yaml",
@@ -112,7 +115,7 @@ def test_deepspeed_offload_writes_json_with_batch_arithmetic():
 def test_deepspeed_on_one_gpu_still_goes_through_accelerate():
     c = cfg(distributed={"num_processes": 1, "deepspeed": {"zero_stage": 2}}, training={"precision": "fp16"})
     launch = build_launch(c, CFG, OUT, python=PY)
-    assert launch.cmd[2] == "accelerate.commands.launch"
+    assert launch.cmd[2:4] == ["sdplan.distrun", "accelerate.commands.launch"]
     assert launch.deepspeed_config["train_batch_size"] == 2 * 3 * 1
     assert launch.deepspeed_config["fp16"]["enabled"] is True
     assert "DS_ACCELERATOR" not in launch.env
@@ -151,6 +154,7 @@ def test_two_machines_per_node_config_and_commands():
     assert launch.cmd == [
         PY,
         "-m",
+        "sdplan.distrun",
         "accelerate.commands.launch",
         "--config_file",
         "/runs/a/accelerate.yaml",
@@ -181,6 +185,7 @@ def test_cpu_processes_use_torchrun_with_gloo():
     assert launch.cmd == [
         PY,
         "-m",
+        "sdplan.distrun",
         "torch.distributed.run",
         "--standalone",
         "--nproc_per_node",
@@ -381,3 +386,65 @@ def test_a_one_machine_run_takes_a_free_port_unless_the_user_gave_one():
     assert rendezvous_port(TrainRequest(num_machines=2)) == 29500
     assert rendezvous_port(TrainRequest(main_process_port=29555)) == 29555
     assert rendezvous_port(TrainRequest(num_machines=2, main_process_port=29555)) == 29555
+
+
+_WORKER = """
+import os, signal, sys, time
+rank = int(os.environ["RANK"])
+if sys.argv[1] == "fail" and rank == 1:
+    print("error: something the user can fix", file=sys.stderr, flush=True)
+    sys.exit(3)
+def stop(signum, frame):
+    sys.exit(130)
+signal.signal(signal.SIGINT, stop)
+print("ready", rank, flush=True)
+time.sleep(120)
+"""
+
+
+def _distrun(tmp_path, mode: str):
+    from limits import wait_until
+
+    script = tmp_path / "worker.py"
+    script.write_text(_WORKER)
+    out = tmp_path / f"{mode}.out"
+    cmd = [sys.executable, "-m", "sdplan.distrun", "torch.distributed.run", "--standalone"]
+    cmd += ["--nproc_per_node", "2", str(script), mode]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    with open(out, "w") as stdout:
+        proc = subprocess.Popen(
+            cmd, stdout=stdout, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
+        )
+        if mode == "stop":
+            assert wait_until(lambda: out.read_text().count("ready") == 2, 60), out.read_text()
+            os.killpg(proc.pid, signal.SIGINT)  # as sdplan train forwards a Ctrl-C: to the whole group
+        _, err = proc.communicate()
+    return proc.returncode, err
+
+
+@pytest.mark.slow
+def test_torchrun_stopped_by_ctrl_c_ends_quietly_as_interrupted(tmp_path):
+    """Plain torchrun turned a Ctrl-C into a 30-line SignalException traceback and exit 1; through
+    sdplan.distrun it ends with 130 (sdplan's interrupted) and prints nothing of its own."""
+    code, err = _distrun(tmp_path, "stop")
+    assert code == 130, err
+    assert "Traceback" not in err and "SignalException" not in err and "death signal" not in err, err
+
+
+@pytest.mark.slow
+def test_a_failed_worker_leaves_only_its_own_error_line(tmp_path):
+    code, err = _distrun(tmp_path, "fail")
+    assert code == 3, err
+    assert "Traceback" not in err and "ChildFailedError" not in err, err
+    assert [line for line in err.splitlines() if line.strip()] == ["error: something the user can fix"], err
+
+
+def test_distrun_reports_a_worker_killed_by_a_signal_in_one_line():
+    from types import SimpleNamespace
+
+    from sdplan import distrun
+
+    failures = {0: SimpleNamespace(exitcode=0), 1: SimpleNamespace(exitcode=-9)}
+    assert "killed by SIGKILL" in distrun._killed_line(failures)
+    assert distrun._exit_code(failures) == 137
+    assert distrun._exit_code({0: SimpleNamespace(exitcode=2)}) == 2

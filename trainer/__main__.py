@@ -120,8 +120,11 @@ def main(argv: list[str] | None = None) -> int:
         report = stops.write_oom_report(cfg.output.dir, step=0, cfg=cfg, message=str(e))
         _err(f"out of GPU memory before training started; details in {report}")
         return stops.EXIT_OOM
-    except KeyboardInterrupt:
-        _err("aborted")
+    except KeyboardInterrupt:  # outside the steps (loading, the export): under `sdplan train`, it says so
+        from sdplan.launch import LAUNCHED_ENV
+
+        if _rank() == 0 and not os.environ.get(LAUNCHED_ENV):
+            _err("aborted")
         return stops.EXIT_INTERRUPTED
     from sdplan.launch import LAUNCHED_ENV
 
