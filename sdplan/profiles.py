@@ -481,7 +481,7 @@ class MethodPoint(_SettingsView):
     model_name: str | None = None
     note: str | None = None
     origin: str = "shipped"  # "shipped" | "local"
-    fit_speed: bool = True  # calibrate() fits the speed model on its it/s
+    fit_speed: bool = True  # calibrate() fits the roofline on its it/s (default: shipped points only)
 
     @property
     def from_bench(self) -> bool:
@@ -1010,7 +1010,9 @@ def load_methods(path: Path, origin: str = "shipped") -> tuple[list[MethodPoint]
                 model_name=p.get("model_name"),
                 note=p.get("note"),
                 origin=origin,
-                fit_speed=p.get("fit_speed", True),
+                # this machine's own `sdplan bench` points are evidence for its GPU (exact matches, the floor,
+                # the scaled basis), not a refit of the roofline every other GPU's prediction rests on
+                fit_speed=p.get("fit_speed", origin != "local"),
             )
         )
     multi = [

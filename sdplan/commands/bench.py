@@ -139,7 +139,8 @@ def bench(
         )
     elif points and not interrupted:
         console().print(
-            "The planner uses these now: `sdplan recommend` reports estimate.basis measured for them."
+            "The planner uses these now: `sdplan recommend` reports estimate.basis measured for them, and scaled "
+            "for settings near them on this GPU."
         )
     if interrupted:
         err_console().print(f"[yellow]the {len(points)} point(s) measured before Ctrl-C are kept[/]")
