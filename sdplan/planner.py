@@ -1303,12 +1303,6 @@ def _observed_multi_gpu(profiles: Profiles, s: Settings, hw: Hardware):
     return None
 
 
-def _one_gpu_step(
-    profiles: Profiles, hw: Hardware, cal: Calibration, s: Settings
-) -> tuple[float | None, str]:
-    return planned_step_seconds(profiles, s, hw.gpus[0].spec, cal, link_gbs=hw.link_gbs)
-
-
 def planned_step_seconds(
     profiles: Profiles, s: Settings, gpu: GPUSpec | None, cal: Calibration, *, link_gbs: float | None = None
 ) -> tuple[float | None, str]:
@@ -1374,10 +1368,10 @@ def _evaluate(req: Request, profiles: Profiles, hw: Hardware, cal: Calibration, 
     steps = _steps(req, s.batch, s.grad_accum, s.num_gpus)
     observed = _observed_multi_gpu(profiles, s, hw)
     if observed is not None:
-        one_s, basis = _one_gpu_step(profiles, hw, cal, replace(s, num_gpus=1))
+        one_s, basis = planned_step_seconds(profiles, replace(s, num_gpus=1), gpu.spec, cal)
         step_s = one_s * observed.outcome["iteration_time_ratio"] if one_s is not None else None
     else:
-        step_s, basis = _one_gpu_step(profiles, hw, cal, s)
+        step_s, basis = planned_step_seconds(profiles, s, gpu.spec, cal, link_gbs=hw.link_gbs)
     if step_s is None:
         seconds = None
     else:
