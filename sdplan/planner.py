@@ -1315,24 +1315,23 @@ def planned_step_seconds(
     if point is not None:
         return 1.0 / point.outcome["it_s"], ("measured" if point.origin == "local" else "published")
     step_s = step_seconds(profiles, s, gpu, cal, link_gbs=link_gbs)
-    near = _near_point(profiles, s, gpu) if step_s is not None and not flow_family(s.model) else None
-    floor = cal.step_floor_s(s) or 0.0
-    one = step_seconds(profiles, replace(s, num_gpus=1), gpu, cal) if near is not None else None
-    if one is not None and one <= floor:  # launch-bound: the floor is itself a measurement
-        near = None
+    if step_s is None:
+        return None, "unknown speed"
+    if flow_family(
+        s.model
+    ):  # an efficiency fitted on two published speeds; quantized-base and swap costs unfitted
+        return step_s, "uncalibrated"
+    near = _near_point(profiles, s, gpu)
     if (
         near is not None
     ):  # measured evidence on this GPU near these settings: the model only carries the change
+        floor = cal.step_floor_s(s) or 0.0
+        one = step_s if s.num_gpus == 1 else step_seconds(profiles, replace(s, num_gpus=1), gpu, cal)
         at_near = step_seconds(profiles, replace(near.settings, num_gpus=1), gpu, cal)
-        if at_near and one:
+        if one > floor and at_near:  # at the floor (launch-bound) the floor is itself a measurement
             scaled = max(one * (1.0 / near.outcome["it_s"]) / at_near, floor)
             return scaled + (step_s - one), "scaled"  # the all-reduce (several GPUs) as modelled
-    if step_s is not None and flow_family(s.model):
-        return (
-            step_s,
-            "uncalibrated",
-        )  # an efficiency fitted on two published speeds; quantized-base and swap costs unfitted
-    return step_s, ("calibrated" if step_s is not None else "unknown speed")
+    return step_s, "calibrated"
 
 
 def host_ram_needed_bytes(profiles: Profiles, s: Settings, mem: Memory | None = None) -> float:

@@ -234,16 +234,14 @@ def model_source(inp: RecommendInputs, profiles: Profiles) -> RecommendInputs:
     model = inp.model
     if _is_family_name(model, profiles):
         return inp
-    looks_like_source = (
-        os.path.exists(os.path.expanduser(model))
-        or "/" in model
-        or model.endswith((".safetensors", ".ckpt", ".pt"))
-    )
+    local = os.path.expanduser(model)
+    exists = os.path.exists(local)
+    looks_like_source = exists or "/" in model or model.endswith((".safetensors", ".ckpt", ".pt"))
     if not looks_like_source:  # a typo of a family name: build_request names the closest one
         return inp
     from sdplan.trainer.source_check import check_source
 
-    path = os.path.abspath(os.path.expanduser(model)) if os.path.exists(os.path.expanduser(model)) else model
+    path = os.path.abspath(local) if exists else model
     info = check_source(path)
     if not info.family:
         why = (
