@@ -9,27 +9,7 @@
 # Each stage has its own time budget and writes as it goes (`sdplan bench` saves every point when measured), so
 # a stage that runs out of time still leaves its points; the next stage runs regardless. Budgets (seconds):
 # BENCH_S per bench model (2 x 160), TRAIN_S for stage 5 (170), the rest ~60: the script fits a 600 s call.
-set -uo pipefail
-: "${OUT:?set OUT to the folder results go to}"
-mkdir -p "$OUT"
-PY=${PY:-python}
-DEMO=${GPU_SESSION_DEMO:-}
-log() { echo "[$(date -u +%H:%M:%S)] $*" | tee -a "$OUT/session.log"; }
-
-# 1. the software the image lacks, and sdplan from this working tree
-if ! $PY -c "import diffusers" 2>/dev/null; then
-    $PY -m pip install -q --no-index --find-links .whl diffusers 2>&1 | tail -3
-fi
-if ! $PY -c "import diffusers" 2>/dev/null; then  # a dependency the image lacks: the wheels alone, no resolver
-    $PY -m pip install -q --no-deps .whl/*.whl 2>&1 | tail -3
-fi
-$PY -c "import diffusers" || { echo "diffusers does not import: stopping" >&2; exit 1; }
-# always (`import sdplan` alone succeeds from the repo root without an install; sdplan.trainer and
-# sdplan.profile_data exist only through the install's mapping)
-$PY -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -5
-$PY -c "import sdplan.trainer" || { echo "sdplan is not installed: stopping" >&2; exit 1; }
-SDPLAN="$PY -m sdplan.cli"
-{ nvidia-smi || true; $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"; } >"$OUT/versions.txt" 2>&1
+source "$(dirname "$0")/gpu_setup.sh"  # OUT, PY, DEMO, log, pack; diffusers and sdplan installed
 
 # 2. the real doctor snapshot (a test fixture once committed: tests/fixtures/machines/)
 log "doctor"
@@ -101,5 +81,4 @@ else
 fi
 { column -t -s $'\t' "$OUT/train.tsv" 2>/dev/null || cat "$OUT/train.tsv"; } | tee -a "$OUT/session.log"
 log "done"
-# the device tool brings back at most 8 files: everything else travels in one archive
-tar czf "$OUT/all.tgz" -C "$OUT" --exclude all.tgz . 2>/dev/null
+pack

@@ -12,23 +12,8 @@
 # Results: $OUT/all.tgz (the device tool brings back 8 files at most) and the logs beside it. Ship the points with
 #   sdplan profiles export --store <unpacked>/store FILE   (then append them to profiles/methods/, as on 2026-11-26)
 # A CPU dry run on the tiny models:   GPU_SESSION_DEMO=1 OUT=/tmp/gpu2 bash benchmarks/gpu_session2.sh
-set -uo pipefail
-: "${OUT:?set OUT to the folder results go to}"
-mkdir -p "$OUT"
-PY=${PY:-python}
-DEMO=${GPU_SESSION_DEMO:-}
-log() { echo "[$(date -u +%H:%M:%S)] $*" | tee -a "$OUT/session.log"; }
-pack() { tar czf "$OUT/all.tgz" -C "$OUT" --exclude all.tgz . 2>/dev/null; }
+source "$(dirname "$0")/gpu_setup.sh"  # OUT, PY, DEMO, log, pack; diffusers and sdplan installed
 trap pack EXIT
-
-if ! $PY -c "import diffusers" 2>/dev/null; then
-    $PY -m pip install -q --no-index --find-links .whl diffusers 2>&1 | tail -3
-    $PY -c "import diffusers" 2>/dev/null || $PY -m pip install -q --no-deps .whl/*.whl 2>&1 | tail -3
-fi
-$PY -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -5  # always: see gpu_session.sh
-$PY -c "import sdplan.trainer, diffusers" || { echo "sdplan or diffusers does not import: stopping" >&2; exit 1; }
-SDPLAN="$PY -m sdplan.cli"
-{ nvidia-smi || true; $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"; } >"$OUT/versions.txt" 2>&1
 
 # 1. the FLUX.1 bf16 demo (tiny model) on the GPU: 4 steps, a sample grid at step 2
 log "flux bf16 demo"

@@ -1,0 +1,24 @@
+# Sourced by benchmarks/gpu_session*.sh: the results folder, logging, and the software the GPU image lacks.
+# The image has no diffusers and no network: carry the wheels in .whl/ (see each session script's header).
+set -uo pipefail
+: "${OUT:?set OUT to the folder results go to}"
+mkdir -p "$OUT"
+PY=${PY:-python}
+DEMO=${GPU_SESSION_DEMO:-}
+log() { echo "[$(date -u +%H:%M:%S)] $*" | tee -a "$OUT/session.log"; }
+# the device tool returns 8 files: everything travels in one archive (tar's 1, a log still growing, is no failure)
+pack() { tar czf "$OUT/all.tgz" -C "$OUT" --exclude all.tgz . 2>/dev/null || [ $? -eq 1 ]; }
+
+if ! $PY -c "import diffusers" 2>/dev/null; then
+    $PY -m pip install -q --no-index --find-links .whl diffusers 2>&1 | tail -3
+fi
+if ! $PY -c "import diffusers" 2>/dev/null; then  # a dependency the image lacks: the wheels alone, no resolver
+    $PY -m pip install -q --no-deps .whl/*.whl 2>&1 | tail -3
+fi
+$PY -c "import diffusers" || { echo "diffusers does not import: stopping" >&2; exit 1; }
+# always (`import sdplan` alone succeeds from the repo root without an install; sdplan.trainer and
+# sdplan.profile_data exist only through the install's mapping)
+$PY -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -5
+$PY -c "import sdplan.trainer" || { echo "sdplan is not installed: stopping" >&2; exit 1; }
+SDPLAN="$PY -m sdplan.cli"
+{ nvidia-smi || true; $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"; } >"$OUT/versions.txt" 2>&1
