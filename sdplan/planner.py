@@ -51,6 +51,10 @@ from sdplan.steps import Steps, plan_steps
 
 # -- calibration constants (fitted with benchmarks/planner_accuracy.py against profiles/methods) ----------
 ACTIVATION_FACTOR = 1.5  # saved tensors -> peak incl. gradient buffers of the backward pass
+# the same for the transformer families (SD3.5 / FLUX.1): least squares over the 27 peaks of their H100 bench points
+# (profiles/methods/lora.yaml, 2026-11-26; x1.5 over-predicted them by up to 34%, growing with the batch);
+# scripts/autocast_activations.py computes x1.09-1.23 for them on meta
+FLOW_ACTIVATION_FACTOR = 1.13
 CUDA_CONTEXT_BYTES = int(0.6 * GiB)  # CUDA context + cuBLAS/cuDNN workspaces, outside torch's allocator
 ALLOCATOR_OVERHEAD = 0.06  # caching-allocator fragmentation, fraction of the allocated peak
 HEADROOM = 0.92  # a recommended plan's predicted peak stays at or below this share of VRAM
@@ -628,6 +632,19 @@ class Calibration:
     # transformers keep the GPU far busier than the UNets at batch 1); None: none published (the UNets' then)
     flow_efficiency: float | None = None
     flow_points: tuple[tuple[str, float], ...] = ()
+    # GPU architecture family -> the transformer families' efficiency measured there by `sdplan bench` (at
+    # least FLOW_BENCH_MIN_POINTS points); the one above elsewhere
+    flow_by_family: tuple[tuple[str, float], ...] = ()
+
+    def flow_efficiency_for(self, spec: GPUSpec | None) -> float:
+        """The transformer families' FLOP efficiency on ``spec``: measured on its architecture where sdplan
+        bench has measured them there (on the H100, 2026-11-26: 0.35 of its measured GEMM rate (0.16-0.42), half
+        what two published speeds of an RTX 4090 and an RTX 4060 Ti give; the attention and elementwise work
+        that the FLOP count leaves out weigh more where the GEMM rate is this high), else the published one."""
+        fam = dict(self.flow_by_family)
+        if spec is not None and spec.family in fam:
+            return fam[spec.family]
+        return self.flow_efficiency or self.efficiency_for(spec)
 
     def efficiency_for(self, spec: GPUSpec | None) -> float:
         """The FLOP efficiency (families without byte counts, the encoders that run every step): one
@@ -726,7 +743,7 @@ def step_seconds(
         return None
     spec = gpu if isinstance(gpu, GPUSpec) else gpu.spec
     if flow_family(s.model):  # FLOPs at the efficiency fitted on the families' own speeds (no byte counts)
-        eff = cal.flow_efficiency or cal.efficiency_for(spec)
+        eff = cal.flow_efficiency_for(spec)
         compute = step_flops_flow(profiles, s) / (tflops * 1e12 * eff) + step_traffic_seconds(
             profiles, s, spec, cal
         )
@@ -831,6 +848,7 @@ def calibrate(profiles: Profiles) -> Calibration:
     flow = _flow_efficiency_points(profiles)
     if flow:
         cal = replace(cal, flow_efficiency=_geomean([e for _, e in flow]), flow_points=tuple(flow))
+    cal = replace(cal, flow_by_family=_flow_bench_efficiencies(profiles))
     links: list[tuple[str, float]] = []
     for m in profiles.multi_gpu:
         spec = profiles.gpu_or_none(m.gpu)
@@ -1023,6 +1041,7 @@ class Candidate:
     seconds_range: tuple[float, float] | None = None
     safe: bool = False  # fits, and the upper end of peak_range is within the card's memory
     observed_multi_gpu: str | None = None  # the multi-GPU observation its step time comes from
+    peak_measured: str | None = None  # the sdplan bench point that measured its peak on this GPU
     lowered_rank: bool = False  # a LoRA rank below the requested one (changes the result)
     host_ok: bool = True  # this machine's host RAM holds what the run keeps there (host_ram_needed_bytes)
 
@@ -1086,6 +1105,10 @@ def _matching_point(profiles: Profiles, s: Settings, gpu: GPUSpec | None) -> Met
             and o.train_text_encoder == s.train_text_encoder
             and bool(o.deepspeed) == bool(s.deepspeed)
             and o.base_precision == s.base_precision
+            # the text encoders' forward runs every step where their outputs are not cached (FLUX.1 LoRA on an
+            # H100: 0.97 it/s against 1.10 cached); block swap's copies
+            and o.cache_text_encoder_outputs == s.cache_text_encoder_outputs
+            and (o.blocks_to_swap or 0) == (s.blocks_to_swap or 0)
         )
         if same and (best is None or p.origin == "local"):
             best = p
@@ -1120,6 +1143,8 @@ def _near_point(profiles: Profiles, s: Settings, gpu: GPUSpec | None) -> MethodP
             p.resolution != s.resolution,
             abs(math.log2(p.batch / s.batch)),
             o.gradient_checkpointing != s.gradient_checkpointing,
+            (o.base_precision or "bf16") != (s.base_precision or "bf16"),
+            (o.blocks_to_swap or 0) != (s.blocks_to_swap or 0),
             p.method != s.method,
             p.origin != "local",
         )
@@ -1154,6 +1179,10 @@ def _observed_oom(profiles: Profiles, s: Settings, gpu: HWGPU) -> MethodPoint | 
             and o.cache_latents == s.cache_latents
             and o.train_text_encoder == s.train_text_encoder
             and bool(o.deepspeed) == bool(s.deepspeed)
+            # what holds the most memory besides the batch in the transformer families
+            and o.cache_text_encoder_outputs == s.cache_text_encoder_outputs
+            and (o.base_precision or "bf16") == (s.base_precision or "bf16")
+            and (o.blocks_to_swap or 0) == (s.blocks_to_swap or 0)
         ):
             return p
     return None
@@ -1308,19 +1337,16 @@ def planned_step_seconds(
 ) -> tuple[float | None, str]:
     """(seconds per micro-step, basis) as a plan states them: a measured or published speed for this GPU and
     these settings; else the model scaled by the nearest speed measured on this GPU ("scaled"); else the
-    model alone ("calibrated"; "uncalibrated" for the transformer families)."""
+    model alone ("calibrated"; "uncalibrated" for the transformer families, whose efficiency rests on two
+    published speeds)."""
     if gpu is None:
         return None, "unknown speed"
     point = _matching_point(profiles, s, gpu) if s.num_gpus == 1 else None
     if point is not None:
-        return 1.0 / point.outcome["it_s"], ("measured" if point.origin == "local" else "published")
+        return 1.0 / point.outcome["it_s"], ("measured" if point.from_bench else "published")
     step_s = step_seconds(profiles, s, gpu, cal, link_gbs=link_gbs)
     if step_s is None:
         return None, "unknown speed"
-    if flow_family(
-        s.model
-    ):  # an efficiency fitted on two published speeds; quantized-base and swap costs unfitted
-        return step_s, "uncalibrated"
     near = _near_point(profiles, s, gpu)
     if (
         near is not None
@@ -1328,10 +1354,17 @@ def planned_step_seconds(
         floor = cal.step_floor_s(s) or 0.0
         one = step_s if s.num_gpus == 1 else step_seconds(profiles, replace(s, num_gpus=1), gpu, cal)
         at_near = step_seconds(profiles, replace(near.settings, num_gpus=1), gpu, cal)
-        if one > floor and at_near:  # at the floor (launch-bound) the floor is itself a measurement
-            scaled = max(one * (1.0 / near.outcome["it_s"]) / at_near, floor)
+        # block swap's PCIe copies (transformer families) are modelled apart from the compute the measured
+        # ratio corrects: both sides leave them out of the ratio and the plan's own are added back
+        swap, swap_near = swap_seconds(profiles, s, gpu), swap_seconds(profiles, near.settings, gpu)
+        measured = 1.0 / near.outcome["it_s"] - swap_near
+        if one > floor and at_near and measured > 0 and at_near > swap_near and one > swap:
+            # at the floor (launch-bound) the floor is itself a measurement
+            scaled = max((one - swap) * measured / (at_near - swap_near) + swap, floor)
             return scaled + (step_s - one), "scaled"  # the all-reduce (several GPUs) as modelled
-    return step_s, "calibrated"
+    # the transformer families alone: an efficiency fitted on two published speeds; quantized-base and swap
+    # costs unfitted
+    return step_s, ("uncalibrated" if flow_family(s.model) else "calibrated")
 
 
 def host_ram_needed_bytes(profiles: Profiles, s: Settings, mem: Memory | None = None) -> float:
@@ -1354,16 +1387,65 @@ def host_ram_ok(
     return not ram_total_bytes or host_ram_needed_bytes(profiles, s, mem) <= HOST_RAM_SHARE * ram_total_bytes
 
 
+def _memory_settings(s: Settings) -> tuple:
+    """What a step's peak depends on, to match a measured peak to a plan exactly."""
+    return (
+        s.method,
+        s.model,
+        s.resolution,
+        s.batch,
+        s.precision,
+        s.gradient_checkpointing,
+        s.optimizer,
+        s.cache_latents,
+        s.cache_text_encoder_outputs,
+        s.train_text_encoder,
+        bool(s.deepspeed),
+        s.ema,
+        s.lora_rank,
+        s.lora_targets,
+        s.prior_preservation,
+        s.fused_backward,
+        s.full_half_weights,
+        s.base_precision,
+        s.blocks_to_swap,
+    )
+
+
+def _measured_peak_point(profiles: Profiles, s: Settings, gpu: HWGPU) -> MethodPoint | None:
+    """An `sdplan bench` point that measured these very settings' peak on this GPU (one process)."""
+    if gpu.spec is None or s.num_gpus != 1:
+        return None
+    want = _memory_settings(s)
+    for p in profiles.points:
+        if not p.from_bench or not p.outcome.get("fits") or not p.outcome.get("peak_vram_gib"):
+            continue
+        spec = profiles.point_gpu(p)
+        if spec is not None and spec.name == gpu.spec.name and _memory_settings(p.settings) == want:
+            return p
+    return None
+
+
+MEASURED_PEAK_BAND = (0.95, 1.05)  # a peak measured on this GPU: the run's own noise, not the model's
+
+
 def _evaluate(req: Request, profiles: Profiles, hw: Hardware, cal: Calibration, s: Settings) -> Candidate:
     gpu = hw.gpus[0]
     mem = memory(profiles, s)
+    unc_peak = profiles.uncertainty.peak_vram
+    measured = _measured_peak_point(profiles, s, gpu)
+    if measured is not None:  # measured evidence beats the model: its allocated peak, the same allowances
+        allocated = measured.outcome["peak_vram_gib"] * GiB
+        overhead = CUDA_CONTEXT_BYTES + ALLOCATOR_OVERHEAD * allocated
+        mem = replace(mem, overhead=overhead, peak=max(allocated + overhead, mem.sampling_peak))
+        unc_peak = MEASURED_PEAK_BAND
     vram = min(g.memory_bytes for g in hw.gpus[: s.num_gpus])
     host_ok = host_ram_ok(profiles, s, hw.ram_total_bytes, mem)
     fits = mem.peak <= HEADROOM * vram and host_ok
     if fits and _observed_oom(profiles, s, gpu) is not None:
         fits = False
     unc = profiles.uncertainty
-    peak_range = (mem.peak * unc.peak_vram[0], mem.peak * unc.peak_vram[1])
+    peak_range = (mem.peak * unc_peak[0], mem.peak * unc_peak[1])
     steps = _steps(req, s.batch, s.grad_accum, s.num_gpus)
     observed = _observed_multi_gpu(profiles, s, hw)
     if observed is not None:
@@ -1397,6 +1479,7 @@ def _evaluate(req: Request, profiles: Profiles, hw: Hardware, cal: Calibration, 
         seconds_range=None if seconds is None else (seconds * unc.seconds[0], seconds * unc.seconds[1]),
         safe=fits and peak_range[1] <= vram,
         observed_multi_gpu=observed.id if observed is not None else None,
+        peak_measured=measured.id if measured is not None else None,
         lowered_rank=s.method == "lora" and not req.pinned("lora_rank") and s.lora_rank < req.lora_rank,
     )
 
@@ -1717,7 +1800,7 @@ def plan(hardware: Hardware | Any, profiles: Profiles, request: Request) -> Resu
     speedup = one.seconds / best.seconds if (one and one.seconds and best.seconds) else None
     reasons += _reasons(req, hardware, best, one, best_by_n, fitting, cal, profiles)
     if flow_family(req.model):
-        reasons += _flow_reasons(req, best, fitting, cal, profiles)
+        reasons += _flow_reasons(req, best, fitting, cal, profiles, hardware.gpus[0].spec)
     alternatives = tuple(sorted(best_by_n.values(), key=lambda c: c.setup.num_gpus))
     return Result(
         feasible=True,
@@ -1931,13 +2014,22 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
             f"batch size {s.batch}, gradient accumulation {s.grad_accum}: the fastest whole run that fits"
         )
     unc = profiles.uncertainty
-    r.append(
-        f"predicted peak {format_range(m.peak, best.peak_range)} per GPU of {_gib(vram)} "
-        f"({100 * m.peak / vram:.0f}%, limit {int(HEADROOM * 100)}%): "
-        + breakdown_text(m)
-        + f"; the range is measured / predicted x{unc.peak_vram[0]:g}-{unc.peak_vram[1]:g} on the validation "
-        f"set (n={unc.n_peak_vram})"
-    )
+    if best.peak_measured:
+        r.append(
+            f"peak {format_range(m.peak, best.peak_range)} per GPU of {_gib(vram)} "
+            f"({100 * m.peak / vram:.0f}%, limit {int(HEADROOM * 100)}%): measured by sdplan bench on "
+            f"{gpu.name} at these settings ({best.peak_measured}) plus the CUDA context and allocator "
+            f"allowances; the range is a measurement's own spread (x{MEASURED_PEAK_BAND[0]:g}-"
+            f"{MEASURED_PEAK_BAND[1]:g}), not the model's"
+        )
+    else:
+        r.append(
+            f"predicted peak {format_range(m.peak, best.peak_range)} per GPU of {_gib(vram)} "
+            f"({100 * m.peak / vram:.0f}%, limit {int(HEADROOM * 100)}%): "
+            + breakdown_text(m)
+            + f"; the range is measured / predicted x{unc.peak_vram[0]:g}-{unc.peak_vram[1]:g} on the "
+            f"validation set (n={unc.n_peak_vram})"
+        )
     if hw.ram_total_bytes and m.ram > hw.ram_total_bytes:
         r.append(
             f"warning: host RAM: loading the models for this plan takes ~{_gib(m.ram)} and this machine has "
@@ -2353,13 +2445,13 @@ def memory_flow(profiles: Profiles, s: Settings) -> Memory:
         latent_pixels=latent,
         trained="full" if full else "lora",
     )
-    activations = ACTIVATION_FACTOR * (held + recompute)
+    activations = FLOW_ACTIVATION_FACTOR * (held + recompute)
     # the backward's last block beside nearly all gradients: recomputed with checkpointing, its saved tensors
     # still held without (memory())
     _, segment = act.transformer(
         s.model, gc=True, batch=batch, latent_pixels=latent, trained="full" if full else "lora"
     )
-    recompute_tail = ACTIVATION_FACTOR * segment
+    recompute_tail = FLOW_ACTIVATION_FACTOR * segment
     # torch's foreach AdamW: one step-sized temporary per parameter, in the parameter's dtype
     step = t * tb if (s.optimizer in FOREACH_OPTIMIZERS and not s.fused_backward) else 0.0
     # autocast's cached bf16 copies of the fp32 trained weights (see memory()), held until the forward ends
@@ -2432,19 +2524,43 @@ def step_flops_flow(profiles: Profiles, s: Settings) -> float:
     return transformer + other
 
 
+def _flow_point_efficiency(profiles: Profiles, p: MethodPoint) -> float | None:
+    """Achieved / rated throughput of a one-GPU speed of a transformer family (None: not such a point)."""
+    it_s = p.outcome.get("it_s")
+    spec = profiles.point_gpu(p)
+    if not it_s or spec is None or p.num_gpus != 1 or not flow_family(p.model) or p.settings.blocks_to_swap:
+        return None
+    ideal = step_flops_flow(profiles, p.settings) / (spec.matmul_tflops(p.settings.precision) * 1e12)
+    measured = 1.0 / it_s - STEP_OVERHEAD_S
+    return ideal / measured if measured > 0 else None
+
+
 def _flow_efficiency_points(profiles: Profiles) -> list[tuple[str, float]]:
     """(point id, achieved / rated throughput) of every published one-GPU speed of a transformer family."""
     out = []
     for p in profiles.points:
-        it_s = p.outcome.get("it_s")
-        spec = profiles.point_gpu(p)
-        if not it_s or not p.fit_speed or spec is None or p.num_gpus != 1 or not flow_family(p.model):
-            continue
-        ideal = step_flops_flow(profiles, p.settings) / (spec.matmul_tflops(p.settings.precision) * 1e12)
-        measured = 1.0 / it_s - STEP_OVERHEAD_S
-        if measured > 0:
-            out.append((p.id, ideal / measured))
+        e = _flow_point_efficiency(profiles, p) if p.fit_speed else None
+        if e is not None:
+            out.append((p.id, e))
     return out
+
+
+# sdplan bench speeds of the transformer families that give an architecture its own efficiency
+FLOW_BENCH_MIN_POINTS = 5
+
+
+def _flow_bench_efficiencies(profiles: Profiles) -> tuple[tuple[str, float], ...]:
+    """Per GPU architecture family: the geometric mean efficiency of the transformer families' sdplan bench
+    speeds measured there (fit_speed or not: they stay out of the cross-GPU fit above, whose two published
+    points they would outnumber), where there are at least FLOW_BENCH_MIN_POINTS."""
+    by: dict[str, list[float]] = {}
+    for p in profiles.points:
+        e = _flow_point_efficiency(profiles, p) if p.from_bench else None
+        if e is not None:
+            by.setdefault(profiles.point_gpu(p).family, []).append(e)
+    return tuple(
+        (fam, _geomean(effs)) for fam, effs in sorted(by.items()) if len(effs) >= FLOW_BENCH_MIN_POINTS
+    )
 
 
 # kohya --blocks_to_swap (kohya-ss/sd-scripts library/flux_models.py enable_block_swap): N swaps N // 2
@@ -2519,7 +2635,12 @@ def base_precision_allowed(base_precision: str, gpu: HWGPU) -> str | None:
 
 
 def _flow_reasons(
-    req: Request, best: Candidate, fitting: list[Candidate], cal: Calibration, profiles: Profiles
+    req: Request,
+    best: Candidate,
+    fitting: list[Candidate],
+    cal: Calibration,
+    profiles: Profiles,
+    spec: GPUSpec | None,
 ) -> list[str]:
     s = best.setup
     model = profiles.model(s.model)
@@ -2536,7 +2657,16 @@ def _flow_reasons(
             f"LoRA rank {s.lora_rank} on {len(_lora_linears(model, s))} Linear kinds of the transformer "
             f"({best.memory.trainable_params / 1e6:.1f}M parameters, counted from the config's shapes)"
         )
-    if cal.flow_efficiency:
+    if best.basis != "uncalibrated":  # a measured speed, or the model scaled by one: said with the time
+        return r
+    if spec is not None and spec.family in dict(cal.flow_by_family):
+        r.append(
+            f"time: transformer FLOPs counted on meta over the GPU's throughput at "
+            f"{cal.flow_efficiency_for(spec) * 100:.0f}% efficiency, measured by sdplan bench on "
+            f"{spec.family.capitalize()} GPUs (SD3.5 / FLUX.1 LoRA); the quantized base's dequantisation factor "
+            "and the full methods' weight gradients are UNCALIBRATED"
+        )
+    elif cal.flow_efficiency:
         pts = ", ".join(i for i, _ in cal.flow_points)
         r.append(
             f"time: transformer FLOPs counted on meta over the GPU's throughput at "
