@@ -6,6 +6,8 @@
 #   3. SD3.5 Large LoRA at 1024 px without checkpointing;
 # and, in a fourth call (BENCHES="flux-dev:512:0 flux-dev:1024:1:0"), FLUX.1 LoRA at 512 px without checkpointing
 # (the settings of four out-of-memory reports) and at 1024 px with the text encoders on the GPU.
+# (`sdplan bench` takes these as key=value pins since: `sdplan bench --model flux-dev --method lora --quick
+# memory.gradient_checkpointing=false`; this script, as run, builds the requests itself.)
 # Same set-up and call as gpu_session2.sh:   run(command="bash benchmarks/gpu_session3.sh", carry=[".whl"])
 # A CPU dry run:   GPU_SESSION_DEMO=1 OUT=/tmp/gpu3 bash benchmarks/gpu_session3.sh
 source "$(dirname "$0")/gpu_setup.sh"

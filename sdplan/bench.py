@@ -621,11 +621,49 @@ class Selection:
     gpu: str | None
 
 
+# sdplan.yaml keys a bench request can pin (`sdplan bench ... memory.gradient_checkpointing=false`): what a
+# bench point records besides the batch, which the bench searches, and the resolution (--resolution)
+BENCH_KEYS = (
+    "training.precision",
+    "training.train_text_encoder",
+    "memory.gradient_checkpointing",
+    "memory.optimizer",
+    "memory.cache_latents",
+    "memory.cache_text_encoder_outputs",
+    "lora.rank",
+)
+
+
+def pin_request(req: BenchRequest, items: tuple[str, ...] | list[str]) -> BenchRequest:
+    """``req`` with the ``key=value`` settings pinned over the planner's (or the default) ones, parsed and
+    validated as `sdplan train` and `sdplan recommend` take them (:func:`sdplan.recommend.parse_pins`)."""
+    if not items:
+        return req
+    keys = [item.partition("=")[0].strip() for item in items]
+    other = [k for k in keys if k not in BENCH_KEYS]
+    if other:
+        raise UsageError(
+            f"sdplan bench cannot pin {', '.join(other)}: a bench point records "
+            "the precision, checkpointing, optimizer, caching, text-encoder training and LoRA rank",
+            fix=f"pin only {', '.join(BENCH_KEYS)} (the bench searches the batch; --resolution sets the size)",
+        )
+    from sdplan.recommend import parse_pins
+
+    pins, _ = parse_pins(tuple(items), req.method, req.model)
+    fields = {f: v for f, v in pins if f in BenchRequest.__dataclass_fields__}
+    return replace(req, **fields, settings_from=f"{req.settings_from}; pinned {' '.join(items)}")
+
+
 def check_selection(
-    methods: list[str] | None, models: list[str] | None, resolution: int | None, *, demo: bool
+    methods: list[str] | None,
+    models: list[str] | None,
+    resolution: int | None,
+    *,
+    demo: bool,
+    pins: tuple[str, ...] = (),
 ) -> list[str]:
-    """UsageError for a method, model or resolution that cannot be measured (before any GPU is looked for);
-    returns the models by their family names."""
+    """UsageError for a method, model, resolution or pinned setting that cannot be measured (before any GPU
+    is looked for); returns the models by their family names."""
     for m in methods or []:
         if m not in METHODS:
             raise UsageError(f"unknown method {m!r}", fix=f"use one of {', '.join(METHODS)}")
@@ -649,6 +687,9 @@ def check_selection(
             raise UsageError(DEMO_MODELS_ERROR, fix=DEMO_MODELS_FIX)
         if resolution is not None and resolution % 16:
             raise UsageError(f"--resolution {resolution}: the demo's tiny models need a multiple of 16")
+    for method in methods or ["lora"]:  # every pin, parsed for each method named (a typo is wrong anywhere)
+        for family in models or ["sd15"]:
+            pin_request(BenchRequest(method=method, model=family, resolution=resolution or 512), pins)
     return models
 
 
@@ -661,15 +702,16 @@ def select_requests(
     store_dir: str | Path | None = None,
     snapshot: Any = None,
     gpu_name: str | None = None,
+    pins: tuple[str, ...] = (),
 ) -> Selection:
     """What to measure. Named methods/models are measured as asked. With neither named, every method on the
     default families (sd15, sdxl) at their native resolution that has no measured point for this GPU yet,
     i.e. what the planner is least sure of here. Settings are the planner's choice for this GPU (the
-    demo: fp32 on the CPU, tiny model)."""
-    models = check_selection(methods, models, resolution, demo=demo)
+    demo: fp32 on the CPU, tiny model), with ``pins`` (``key=value``, :data:`BENCH_KEYS`) over them."""
+    models = check_selection(methods, models, resolution, demo=demo, pins=pins)
     if demo:
         reqs = [
-            replace(demo_request(m), model=f, resolution=resolution or DEMO_RESOLUTION)
+            pin_request(replace(demo_request(m), model=f, resolution=resolution or DEMO_RESOLUTION), pins)
             for f in models or ["sd15"]
             for m in methods or ["lora"]
         ]
@@ -693,7 +735,7 @@ def select_requests(
         gpu = next((g for g in snapshot.usable_gpus if g.name == gpu_name), snapshot.usable_gpus[0])
         snapshot = replace(snapshot, gpus=(gpu,), links=())
     gpu_memory_bytes = next((g.memory_total_bytes for g in snapshot.usable_gpus if g.name == gpu_name), None)
-    explicit = bool(methods or models)
+    explicit = bool(methods or models or pins)
     requests, skipped = [], []
     for family in models or list(DEFAULT_FAMILIES):
         spec = profiles_.unplanned_models.get(family) or profiles_.model(family)  # profile, planned or not
@@ -717,7 +759,7 @@ def select_requests(
                 requests.append(
                     BenchRequest(method=method, model=family, resolution=res, settings_from="default")
                 )
-    return Selection(requests=requests, skipped=skipped, gpu=gpu_name)
+    return Selection(requests=[pin_request(r, pins) for r in requests], skipped=skipped, gpu=gpu_name)
 
 
 # -- the bench ------------------------------------------------------------------------------------------

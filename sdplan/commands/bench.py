@@ -9,7 +9,7 @@ import typer
 from rich.markup import escape
 
 from sdplan import registry
-from sdplan.commands._common import cli_errors, console, err_console
+from sdplan.commands._common import cli_errors, console, err_console, reject_repeated_settings
 
 
 @cli_errors
@@ -58,6 +58,16 @@ def bench(
             help="Profile store to write to. Default: $SDPLAN_PROFILE_DIR, else $XDG_DATA_HOME/sdplan/profiles.",
         ),
     ] = None,
+    settings: Annotated[
+        list[str] | None,
+        typer.Argument(
+            metavar="[KEY=VALUE]...",
+            help="Pin what is measured, as `sdplan train` takes it (memory.gradient_checkpointing=false "
+            "training.precision=bf16 memory.optimizer=adamw8bit memory.cache_text_encoder_outputs=false "
+            "lora.rank=32); the rest is the planner's choice. The bench searches the batch.",
+            show_default=False,
+        ),
+    ] = None,
 ) -> None:
     """Measure peak memory and it/s of real training steps on this GPU, search the largest batch that fits,
     and save the results where the planner reads them (`sdplan recommend` then says basis: measured).
@@ -70,9 +80,12 @@ def bench(
     from sdplan import bench as lib
     from sdplan import profiles
 
-    lib.check_selection(method, model, resolution, demo=demo)  # a typo first: it is wrong on any machine
+    reject_repeated_settings(settings)
+    pins = tuple(settings or ())
+    # a typo first: it is wrong on any machine
+    lib.check_selection(method, model, resolution, demo=demo, pins=pins)
     lib.resolve_device("auto", demo=demo)  # no GPU: say so before probing and planning
-    selection = lib.select_requests(method, model, resolution, demo=demo, store_dir=store)
+    selection = lib.select_requests(method, model, resolution, demo=demo, store_dir=store, pins=pins)
     root = lib.store_root(store, demo=demo)
     for line in selection.skipped:
         console().print(f"skip {line}", style="dim", markup=False)
