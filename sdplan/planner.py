@@ -1066,6 +1066,7 @@ class Result:
     seconds_range: tuple[float, float] | None = None
     within_upper_bound: bool | None = None  # the likely-peak upper bound fits the card (None: no plan)
     pin_conflicts: tuple[str, ...] = ()  # pins this hardware cannot run at all (bf16 without bf16, ...)
+    peak_measured: str | None = None  # the sdplan bench point whose measured peak the plan states
 
 
 def _steps(req: Request, batch: int, grad_accum: int, num_gpus: int) -> Steps:
@@ -1820,6 +1821,7 @@ def plan(hardware: Hardware | Any, profiles: Profiles, request: Request) -> Resu
         peak_range=best.peak_range,
         seconds_range=best.seconds_range,
         within_upper_bound=best.safe,
+        peak_measured=best.peak_measured,
     )
 
 
@@ -2195,6 +2197,8 @@ def result_dict(res: Result) -> dict[str, Any]:
             "sampling_peak_vram_bytes": int(res.memory.sampling_peak) or None,
             "final_sample_grid_fits": final_grid_fits(res.memory, res.vram_bytes) if res.vram_bytes else None,
             "peak_vram_bytes_range": _rng(res.peak_range),
+            # "measured": an sdplan bench point at these settings on this GPU; "predicted": the model
+            "peak_vram_basis": "measured" if res.peak_measured else "predicted",
             "within_upper_bound": res.within_upper_bound,
             "ram_bytes": int(res.memory.ram),
             "seconds": None if res.seconds is None else round(res.seconds, 1),

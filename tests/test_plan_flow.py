@@ -337,6 +337,10 @@ def test_a_plan_at_measured_settings_takes_the_measured_peak_and_speed(prof):
     assert r.peak_range == pytest.approx((r.memory.peak * 0.95, r.memory.peak * 1.05))
     assert r.basis == "measured" and r.step_seconds == pytest.approx(1 / 1.418)
     assert any(point in line and "measured by sdplan bench" in line for line in r.reasons)
+    assert P.result_dict(r)["estimate"]["peak_vram_basis"] == "measured"
+    assert (
+        P.result_dict(_plan(prof, "H100 SXM", "flux-dev", 768))["estimate"]["peak_vram_basis"] == "predicted"
+    )
     # the text encoders on the GPU are other settings: FLUX.1 at 1024 px, checkpointing, batch 1 was measured
     # at 1.10 it/s with their outputs cached and 0.97 with them resident
     spec = prof.find_gpu("H100 SXM")
