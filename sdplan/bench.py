@@ -575,7 +575,7 @@ def planner_settings(snapshot: Any, profiles_: Any, method: str, model: str, res
     return bench_request(s, origin)
 
 
-DEMO_FAMILIES = ("sd15", *FLOW_FAMILIES)  # the tiny models of sdplan.trainer.tiny the demo measures
+DEMO_FAMILIES = ("sd15", "sdxl", *FLOW_FAMILIES)  # the tiny models of sdplan.trainer.tiny the demo measures
 
 
 def _family_name(name: str) -> str:

@@ -150,15 +150,19 @@ def build_components(
             family, demo=demo, workdir=workdir, device=device, dtypes=dtypes, with_vae=with_vae
         )
     if demo:
-        if family != "sd15":
+        if family not in ("sd15", "sdxl"):
             raise UsageError(DEMO_MODELS_ERROR, fix=DEMO_MODELS_FIX)
-        parts = tiny.tiny_sd15_components(workdir / "tokenizer")
+        if family == "sd15":
+            parts = tiny.tiny_sd15_components(workdir / "tokenizer")
+        else:
+            parts = tiny.tiny_sdxl_components(workdir / "tokenizers")
+        second = ("_2",) if family == "sdxl" else ()
         return Components(
-            family="sd15",
+            family=family,
             unet=parts["unet"],
             vae=parts["vae"] if with_vae else None,
-            text_encoders=[parts["text_encoder"]],
-            tokenizers=[parts["tokenizer"]],
+            text_encoders=[parts[f"text_encoder{i}"] for i in ("", *second)],
+            tokenizers=[parts[f"tokenizer{i}"] for i in ("", *second)],
             noise_scheduler=parts["scheduler"],
             source="sdplan.trainer.tiny",
         )
@@ -195,8 +199,8 @@ def build_components(
     )
 
 
-DEMO_MODELS_ERROR = "the demo's tiny models are SD 1.x-, SD3.5- and FLUX.1-shaped"
-DEMO_MODELS_FIX = "use --model sd15, sd35-medium, sd35-large, flux-dev or flux-schnell with --demo"
+DEMO_MODELS_ERROR = "the demo's tiny models are SD 1.x-, SDXL-, SD3.5- and FLUX.1-shaped"
+DEMO_MODELS_FIX = "use --model sd15, sdxl, sd35-medium, sd35-large, flux-dev or flux-schnell with --demo"
 
 
 def _flow_components(family: str, *, demo: bool, workdir: Path, device: str, dtypes, with_vae: bool):

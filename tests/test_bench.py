@@ -9,6 +9,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import typer
@@ -361,7 +362,7 @@ def test_selection_rejects_bad_names():
     with pytest.raises(UsageError, match="unknown model"):
         bench.select_requests(None, ["sd3"], demo=True)
     with pytest.raises(UsageError, match="tiny model"):
-        bench.select_requests(None, ["sdxl"], demo=True)
+        bench.select_requests(None, ["sd21"], demo=True)
 
 
 # -- the commands ------------------------------------------------------------------------------------------
@@ -647,3 +648,18 @@ def test_bad_pins_are_one_line_before_anything_runs(tmp_path, monkeypatch, item,
     assert result.exit_code == 2, result.output
     assert message in result.output and "Traceback" not in result.output
     assert len(result.output.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("model", ["sd15", "sdxl"])
+def test_trainer_vs_reference_script_times_both_loops_on_the_demo_model(model):
+    """benchmarks/trainer_vs_reference.py (the trainer's step against diffusers' LoRA example loop written
+    out bare) runs end to end on the tiny model; its figures are for a GPU (the CPU here is shared)."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "trainer_vs_reference.py"
+    spec = importlib.util.spec_from_file_location("trainer_vs_reference", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    r = mod.measure(model, 2, demo=True, warmup=1, steps=2)
+    assert r["sdplan"]["median_step_s"] > 0 and r["reference"]["median_step_s"] > 0
+    assert r["ratio"] == r["sdplan"]["median_step_s"] / r["reference"]["median_step_s"]
