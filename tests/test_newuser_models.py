@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from conftest import fake_diffusers_folder, make_images, one_line_error
+from sdplan.trainer.single_file import UnsafeCheckpointError
 from sdplan.trainer.source_check import UnsupportedModelError, check_source
 from typer.testing import CliRunner
 
@@ -295,6 +296,40 @@ def test_ckpt_whose_pickle_names_code_is_refused_without_running_it(tmp_path):
     assert not marker.exists()
     torch.load(path, weights_only=False)  # the payload is real: a plain unpickle runs it
     assert marker.exists()
+
+
+def _zip_ckpt(path: Path, data_pkl: bytes) -> Path:
+    import zipfile
+
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("archive/data.pkl", data_pkl)
+        z.writestr("archive/version", "3\n")
+    return path
+
+
+def _call(module: str, name: str, arg: bytes) -> bytes:
+    """A protocol-2 pickle of ``module.name(arg)`` (GLOBAL, one argument, REDUCE)."""
+    return b"\x80\x02c" + f"{module}\n{name}\n".encode() + arg + b"\x85R."
+
+
+@pytest.mark.parametrize(
+    "data_pkl, unread",
+    [
+        (b"\x80\x02garbage", "its pickle does not parse"),
+        (_call("torch._utils", "_rebuild_qtensor", b"N"), "names torch._utils._rebuild_qtensor"),
+        (_call("builtins", "bytearray", b"J\x00\x00\x00\x7f"), "a malformed bytearray"),  # 2 GB, never made
+        (b"\x80\x02]q\x00.", "holds a list, not a state dict"),
+    ],
+)
+def test_ckpt_the_reader_cannot_read_is_left_to_the_load(tmp_path, data_pkl, unread):
+    info = check_source(str(_zip_ckpt(tmp_path / "odd.ckpt", data_pkl)))
+    assert info.family is None and unread in info.unread
+
+
+def test_ckpt_naming_any_other_global_is_refused(tmp_path):
+    path = _zip_ckpt(tmp_path / "evil.ckpt", _call("builtins", "eval", b"X\x03\x00\x00\x001+1"))
+    with pytest.raises(UnsafeCheckpointError, match="refusing to unpickle it.*names builtins.eval"):
+        check_source(str(path))
 
 
 def test_old_pickle_ckpt_is_read_when_it_loads(tmp_path):
