@@ -508,3 +508,14 @@ def test_cached_hub_id_loads_without_the_network(tiny_sd15, tmp_path, monkeypatc
     assert comps.family == "sd15" and comps.source == "someorg/tiny-sd"
     assert "from the local Hugging Face cache" in comps.notes[0]
     assert counting_hub == []
+
+
+def test_ckpt_whose_state_dict_contains_itself_is_read_once(tmp_path):
+    """A pickle can build a dict that holds itself under "state_dict": unwrapped once, as A1111 does (a loop
+    unwrapping until no "state_dict" is left never ended)."""
+    import pickle
+
+    d: dict = {}
+    d["state_dict"] = d
+    with pytest.raises(UnsupportedModelError, match="holds no Stable Diffusion UNet weights"):
+        check_source(str(_zip_ckpt(tmp_path / "loop.ckpt", pickle.dumps(d, protocol=2))))

@@ -167,8 +167,8 @@ def read_ckpt_shapes(path: str | Path, where: str | None = None) -> dict[str, tu
         raise
     except Exception as e:  # damaged archive, malformed pickle, a stand-in given odd arguments
         raise Unreadable(f"its pickle does not parse: {type(e).__name__}") from None
-    while isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
-        state = state["state_dict"]
+    if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):  # once, as A1111 (a pickle may
+        state = state["state_dict"]  # hold a dict that contains itself)
     if not isinstance(state, dict):
         raise Unreadable(f"its pickle holds a {type(state).__name__}, not a state dict")
     return {k: v.shape if isinstance(v, _Tensor) else () for k, v in state.items() if isinstance(k, str)}
