@@ -245,7 +245,7 @@ def model_source(inp: RecommendInputs, profiles: Profiles) -> RecommendInputs:
     info = check_source(path)
     if not info.family:
         why = (
-            "a pickled checkpoint says it only when loaded"
+            f"a pickled checkpoint whose keys cannot be read without loading it: {info.unread}"
             if info.kind == "file"
             else "a hub id that is not in the local cache"
         )

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from conftest import fake_diffusers_folder, make_images, one_line_error
+from sdplan.trainer.single_file import UnsafeCheckpointError
 from sdplan.trainer.source_check import UnsupportedModelError, check_source
 from typer.testing import CliRunner
 
@@ -214,6 +215,141 @@ def test_a_whole_checkpoint_passes_with_its_family(tmp_path):
     assert check_source(str(path)).family == "sdxl"
 
 
+# -- single files: pickled .ckpt, read without torch ---------------------------------------------------------------
+
+
+def write_ckpt(path: Path, shapes: dict, *, nested: bool = True, **extra) -> Path:
+    """A real torch.save .ckpt of zero tensors with these shapes: A1111's {"state_dict": {...}} (or flat)."""
+    import torch
+
+    state = {k: torch.zeros(shape, dtype=torch.float16) for k, shape in shapes.items()}
+    torch.save({"state_dict": state, "global_step": 1, **extra} if nested else state, path)
+    return path
+
+
+@pytest.mark.parametrize(
+    "text, nested, family",
+    [(CLIP_L, True, "sd15"), (OPEN_CLIP, False, "sd21"), (SDXL_TE, True, "sdxl")],
+)
+def test_ckpt_family_is_read_before_anything_loads(tmp_path, text, nested, family):
+    """A .ckpt's family was 'from the model' until the trainer had loaded it whole."""
+    info = check_source(str(write_ckpt(tmp_path / "m.ckpt", checkpoint(text=text), nested=nested)))
+    assert (info.family, info.notes[0]) == (family, f"model: single file: family {family}")
+
+
+def test_ckpt_v_prediction_from_the_yaml_beside_it(tmp_path):
+    path = write_ckpt(tmp_path / "768-v.ckpt", checkpoint(text=OPEN_CLIP))
+    (tmp_path / "768-v.yaml").write_text('model:\n  params:\n    parameterization: "v"\n')
+    assert check_source(str(path)).prediction_type == "v_prediction"
+
+
+@pytest.mark.parametrize(
+    "shapes, needle",
+    [
+        (checkpoint(9), "an inpainting model"),
+        (checkpoint(text={"conditioner.embedders.0.model.token_embedding.weight": (2,)}), "an SDXL refiner"),
+        ({"lora_unet_down_blocks_0.lora_down.weight": (2, 2), "lora_te_x.alpha": ()}, "a LoRA"),
+    ],
+)
+def test_ckpt_that_is_no_base_model_is_refused_before_launch(tmp_path, shapes, needle):
+    path = write_ckpt(tmp_path / "m.ckpt", shapes, nested=False)
+    one_line_error(dry_run(path, tmp_path), 2, needle)
+
+
+def test_recommend_plans_a_ckpt_as_its_family_without_torch(tmp_path):
+    import subprocess
+    import sys
+
+    path = write_ckpt(tmp_path / "xl.ckpt", checkpoint(text=SDXL_TE))
+    code = (
+        "import sys\nfrom sdplan.cli import app\n"
+        "try:\n    app(['recommend', '--method', 'lora', '--model', sys.argv[1], '--hardware', 'RTX 4090'],"
+        " standalone_mode=False)\n"
+        "except SystemExit:\n    pass\n"
+        "print('TORCH', 'torch' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, check=True)
+    assert "a single file of the sdxl family" in out.stdout, out.stdout + out.stderr
+    assert out.stdout.strip().endswith("TORCH False")
+
+
+class _Payload:
+    def __init__(self, target: Path):
+        self.target = target
+
+    def __reduce__(self):
+        import os
+
+        return (os.mkdir, (str(self.target),))
+
+
+def test_ckpt_whose_pickle_names_code_is_refused_without_running_it(tmp_path):
+    import torch
+
+    marker = tmp_path / "pwned"
+    path = write_ckpt(tmp_path / "evil.ckpt", checkpoint(), extra=_Payload(marker))
+    line = one_line_error(
+        runner.invoke(app, ["recommend", "--method", "lora", "--model", str(path)]), 2, "refusing to unpickle"
+    )
+    assert "mkdir" in line and not marker.exists()
+    one_line_error(dry_run(path, tmp_path), 2, "refusing to unpickle")
+    assert not marker.exists()
+    torch.load(path, weights_only=False)  # the payload is real: a plain unpickle runs it
+    assert marker.exists()
+
+
+def _zip_ckpt(path: Path, data_pkl: bytes) -> Path:
+    import zipfile
+
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("archive/data.pkl", data_pkl)
+        z.writestr("archive/version", "3\n")
+    return path
+
+
+def _call(module: str, name: str, arg: bytes) -> bytes:
+    """A protocol-2 pickle of ``module.name(arg)`` (GLOBAL, one argument, REDUCE)."""
+    return b"\x80\x02c" + f"{module}\n{name}\n".encode() + arg + b"\x85R."
+
+
+@pytest.mark.parametrize(
+    "data_pkl, unread",
+    [
+        (b"\x80\x02garbage", "its pickle does not parse"),
+        (_call("torch._utils", "_rebuild_qtensor", b"N"), "names torch._utils._rebuild_qtensor"),
+        (_call("builtins", "bytearray", b"J\x00\x00\x00\x7f"), "a malformed bytearray"),  # 2 GB, never made
+        (b"\x80\x02]q\x00.", "holds a list, not a state dict"),
+    ],
+)
+def test_ckpt_the_reader_cannot_read_is_left_to_the_load(tmp_path, data_pkl, unread):
+    info = check_source(str(_zip_ckpt(tmp_path / "odd.ckpt", data_pkl)))
+    assert info.family is None and unread in info.unread
+
+
+def test_ckpt_naming_any_other_global_is_refused(tmp_path):
+    path = _zip_ckpt(tmp_path / "evil.ckpt", _call("builtins", "eval", b"X\x03\x00\x00\x001+1"))
+    with pytest.raises(UnsafeCheckpointError, match="refusing to unpickle it.*names builtins.eval"):
+        check_source(str(path))
+
+
+def test_old_pickle_ckpt_is_read_when_it_loads(tmp_path):
+    """torch's pre-1.6 format (no zip) is not read here: one line says so; the trainer loads it (deep)."""
+    import torch
+
+    path = tmp_path / "old.ckpt"
+    torch.save(
+        {"state_dict": {k: torch.zeros(s) for k, s in checkpoint().items()}},
+        path,
+        _use_new_zipfile_serialization=False,
+    )
+    one_line_error(
+        runner.invoke(app, ["recommend", "--method", "lora", "--model", str(path)]),
+        2,
+        "an old pickle checkpoint, not torch's zip",
+    )
+    assert check_source(str(path), deep=True).family == "sd15"
+
+
 # -- single files: the prediction type ---------------------------------------------------------------------------
 
 
@@ -372,3 +508,14 @@ def test_cached_hub_id_loads_without_the_network(tiny_sd15, tmp_path, monkeypatc
     assert comps.family == "sd15" and comps.source == "someorg/tiny-sd"
     assert "from the local Hugging Face cache" in comps.notes[0]
     assert counting_hub == []
+
+
+def test_ckpt_whose_state_dict_contains_itself_is_read_once(tmp_path):
+    """A pickle can build a dict that holds itself under "state_dict": unwrapped once, as A1111 does (a loop
+    unwrapping until no "state_dict" is left never ended)."""
+    import pickle
+
+    d: dict = {}
+    d["state_dict"] = d
+    with pytest.raises(UnsupportedModelError, match="holds no Stable Diffusion UNet weights"):
+        check_source(str(_zip_ckpt(tmp_path / "loop.ckpt", pickle.dumps(d, protocol=2))))

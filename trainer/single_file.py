@@ -7,16 +7,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from sdplan.errors import SdplanError, UsageError
+from sdplan.errors import UsageError
 
+from .ckpt_reader import UnsafeCheckpointError
 from .export import FAMILIES
-
-
-class UnsafeCheckpointError(SdplanError):
-    """A .ckpt whose pickle holds more than tensors and plain containers."""
-
-    exit_code = 2
-
 
 _SAFE_SUFFIXES = (".safetensors",)
 _PICKLE_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin")

@@ -3,7 +3,8 @@
 
 A diffusers folder: its pipeline class, every component it needs (folder, config, weights or tokenizer files),
 its UNet / transformer input channels and its scheduler. A single ``.safetensors``: its header (keys,
-shapes, metadata; a file shorter than its header says is truncated). Either way the result is the family,
+shapes, metadata; a file shorter than its header says is truncated). A pickled ``.ckpt``: its keys and
+shapes from its pickle, read without torch and without running it (:mod:`.ckpt_reader`). Either way the result is the family,
 the prediction type where the files say it, the weights variant to load, and notes on what was detected; a
 model sdplan cannot train (another family, an inpainting / instruct-pix2pix / refiner / FLUX.1 Fill or
 Control model, an EDM model such as Playground v2.5, a LoRA, an embedding, a lone VAE or UNet) is one
@@ -32,6 +33,7 @@ from typing import Any
 from sdplan import registry
 from sdplan.errors import UsageError
 
+from .ckpt_reader import Unreadable, read_ckpt_shapes
 from .flow_models import PIPELINES as FLOW_PIPELINES
 from .flow_models import detect_flow_family
 from .models import ModelLoadError, detect_family
@@ -64,6 +66,7 @@ class SourceInfo:
     variants: dict[str, str | None] = field(default_factory=dict)
     cached: bool = False
     notes: list[str] = field(default_factory=list)
+    unread: str | None = None  # a pickled checkpoint whose keys were not read: why (it is checked at load)
 
 
 def refuse(where: str, what: str, fix: str = FIX_TRAINABLE) -> UnsupportedModelError:
@@ -531,22 +534,33 @@ def sd2_v_from_weights(norm_bias) -> bool:
 def check_file(
     path: Path, where: str, *, family: str | None = None, config_dir: str | None = None, deep: bool = False
 ) -> SourceInfo:
-    """A single checkpoint: a .safetensors is classified from its header; a .ckpt's keys need torch, so it is
-    classified only with ``deep`` (the trainer, reading it safely). ``config_dir`` must be a diffusers folder
-    of the same network kind."""
+    """A single checkpoint, classified from its tensor names and shapes without torch: a .safetensors's from
+    its header, a pickled .ckpt's from its pickle (:mod:`.ckpt_reader`, nothing in it runs). A .ckpt that
+    reader cannot read (an old non-zip pickle, a torch global it does not model) is classified only with
+    ``deep`` (the trainer, loading it with torch ``weights_only``); otherwise ``unread`` says why.
+    ``config_dir`` must be a diffusers folder of the same network kind."""
     if config_dir is None and family is not None and registry.family(family).flow:
         raise _needs_config_dir(where, family)
     if path.suffix.lower() == ".safetensors":
         shapes, metadata = read_safetensors_header(path, where)
         info = classify_state(shapes, metadata, path, where, family=family)
-    elif deep:
-        from .single_file import read_checkpoint_safely
-
-        state = read_checkpoint_safely(path)
-        shapes = {k: tuple(getattr(v, "shape", ())) for k, v in state.items() if isinstance(k, str)}
-        info = classify_state(shapes, {}, path, where, family=family)
     else:
-        info = SourceInfo("file", str(path), family=family)
+        try:
+            shapes = read_ckpt_shapes(path, f"model.path {where}")
+        except Unreadable as e:
+            if not deep:
+                info = SourceInfo("file", str(path), family=family, unread=str(e))
+                info.notes.append(
+                    f"its keys cannot be read without loading it: {e}; it is checked when it loads"
+                )
+            else:  # the trainer: load it (torch, weights_only) and classify what it holds
+                from .single_file import read_checkpoint_safely
+
+                state = read_checkpoint_safely(path)
+                shapes = {k: tuple(getattr(v, "shape", ())) for k, v in state.items() if isinstance(k, str)}
+                info = classify_state(shapes, {}, path, where, family=family)
+        else:
+            info = classify_state(shapes, {}, path, where, family=family)
     flow = info.prediction_type == "flow_matching"
     if config_dir is not None:
         cdir = Path(config_dir).expanduser()
@@ -622,8 +636,8 @@ def check_source(
     """Everything that can be told about ``model.path`` from its files, before anything loads: one clear
     :class:`UnsupportedModelError` (or ``UsageError`` for a missing path) otherwise. A hub id is checked where
     the local cache holds it whole (then ``location`` is its snapshot folder and it loads from there, with no
-    network); otherwise the trainer fetches it. ``deep``: also read a pickled checkpoint's keys (torch; the
-    trainer does, ``sdplan train`` before the launch does not)."""
+    network); otherwise the trainer fetches it. ``deep``: also load a pickled checkpoint the torch-free reader
+    cannot read (torch; the trainer does, ``sdplan train`` before the launch does not)."""
     from .models import resolve_source
 
     source = resolve_source(path)
