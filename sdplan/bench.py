@@ -70,7 +70,7 @@ from sdplan.bench_harness import (
     rss_bytes,
 )
 from sdplan.errors import ConfigError, NoGPUError, UsageError
-from sdplan.registry import FAMILIES, FLOW_FAMILIES, FLOW_METHODS, METHODS, PLANNED_FAMILIES
+from sdplan.registry import BASE_PRECISIONS, FAMILIES, FLOW_FAMILIES, FLOW_METHODS, METHODS, PLANNED_FAMILIES
 from sdplan.settings import DEFAULT_LORA_RANK, Settings
 from sdplan.trainer import faults
 
@@ -98,6 +98,9 @@ class BenchRequest:
     train_text_encoder: bool = False
     cache_text_encoder_outputs: bool = False  # frozen text encoders only: they leave the GPU
     lora_rank: int | None = None  # LoRA only
+    base_precision: str = (
+        "bf16"  # SD3.5 / FLUX.1 LoRA: the frozen base stored at fp8 / nf4 (trainer/quantize.py)
+    )
     settings_from: str = "default"  # "planner" | "default" | "demo": where the settings came from
 
     def __post_init__(self) -> None:
@@ -115,6 +118,16 @@ class BenchRequest:
             self.train_text_encoder or self.method == "textual-inversion"
         ):
             raise UsageError("text-encoder outputs can be cached only while the text encoders are frozen")
+        if self.base_precision not in BASE_PRECISIONS:
+            raise UsageError(
+                f"base precision {self.base_precision!r}: must be one of {', '.join(BASE_PRECISIONS)}"
+            )
+        if self.base_precision != "bf16" and (self.method != "lora" or self.model not in FLOW_FAMILIES):
+            raise UsageError(
+                f"model.base_precision={self.base_precision}: a quantized frozen base is for SD3.5 / FLUX.1 LoRA "
+                f"only, not {self.method} {self.model}",
+                fix="leave model.base_precision out",
+            )
         if self.method == "lora" and self.lora_rank is None:
             object.__setattr__(self, "lora_rank", DEFAULT_LORA_RANK)
         if self.method != "lora":
@@ -131,6 +144,8 @@ class BenchRequest:
             opts.append("+TE")
         if self.lora_rank:
             opts.append(f"rank {self.lora_rank}")
+        if self.base_precision != "bf16":
+            opts.append(f"{self.base_precision} base")
         return ", ".join(opts)
 
     @property
@@ -300,6 +315,8 @@ def point_id(machine: Machine, req: BenchRequest, batch: int, *, demo: bool) -> 
         parts.append("te")
     if req.lora_rank:
         parts.append(f"r{req.lora_rank}")
+    if req.base_precision != "bf16":
+        parts.append(req.base_precision)
     parts.append(f"b{batch}")
     return "-".join(parts)
 
@@ -318,6 +335,7 @@ def request_settings(req: BenchRequest, batch: int) -> Settings:
         cache_text_encoder_outputs=req.cache_text_encoder_outputs,
         train_text_encoder=req.train_text_encoder,
         lora_rank=req.lora_rank,
+        base_precision=req.base_precision,
         set_grads_to_none=True,
     )
 
@@ -335,6 +353,7 @@ def bench_request(s: Settings, settings_from: str) -> BenchRequest:
         train_text_encoder=s.train_text_encoder,
         cache_text_encoder_outputs=s.cache_text_encoder_outputs,
         lora_rank=s.lora_rank,
+        base_precision=s.base_precision,
         settings_from=settings_from,
     )
 
@@ -631,6 +650,7 @@ BENCH_KEYS = (
     "memory.cache_latents",
     "memory.cache_text_encoder_outputs",
     "lora.rank",
+    "model.base_precision",
 )
 
 
@@ -643,8 +663,8 @@ def pin_request(req: BenchRequest, items: tuple[str, ...] | list[str]) -> BenchR
     other = [k for k in keys if k not in BENCH_KEYS]
     if other:
         raise UsageError(
-            f"sdplan bench cannot pin {', '.join(other)}: a bench point records "
-            "the precision, checkpointing, optimizer, caching, text-encoder training and LoRA rank",
+            f"sdplan bench cannot pin {', '.join(other)}: a bench point records the precision, "
+            "checkpointing, optimizer, caching, text-encoder training, LoRA rank and frozen base's precision",
             fix=f"pin only {', '.join(BENCH_KEYS)} (the bench searches the batch; --resolution sets the size)",
         )
     from sdplan.recommend import parse_pins

@@ -92,6 +92,7 @@ def _synthetic_config(req: BenchRequest, device: str):
     cfg.memory.cache_latents = req.cache_latents
     cfg.memory.cache_text_encoder_outputs = req.cache_text_encoder_outputs
     cfg.memory.set_grads_to_none = True
+    cfg.model.base_precision = req.base_precision
     if req.lora_rank:
         cfg.lora.rank = req.lora_rank
         cfg.lora.alpha = float(req.lora_rank)
@@ -130,6 +131,7 @@ def build_components(
     device: str,
     dtypes: dict[str, Any] | None = None,
     with_vae: bool = True,
+    denoiser_device: str | None = None,
 ):
     """``sdplan.trainer.models.Components`` with random weights: the full-size networks built from the
     configs in profiles/models, or the tiny demo model. The tokenizer is the tiny generated CLIP BPE one (its
@@ -138,6 +140,7 @@ def build_components(
     Full-size networks are created directly on ``device`` in their training dtype (``dtypes``: "unet",
     "text_encoder", "vae"; default fp32), so that building never needs more memory than training holds
     (an SDXL UNet is 10 GB in fp32, 5 GB in half precision). ``with_vae=False`` (cached latents) builds no VAE.
+    ``denoiser_device``: where the SD3.5 / FLUX.1 transformer is built instead (a base the recipe quantizes).
     """
     import torch
 
@@ -147,7 +150,13 @@ def build_components(
 
     if family in FLOW_FAMILIES:
         return _flow_components(
-            family, demo=demo, workdir=workdir, device=device, dtypes=dtypes, with_vae=with_vae
+            family,
+            demo=demo,
+            workdir=workdir,
+            device=device,
+            dtypes=dtypes,
+            with_vae=with_vae,
+            denoiser_device=denoiser_device or device,
         )
     if demo:
         if family not in ("sd15", "sdxl"):
@@ -203,7 +212,9 @@ DEMO_MODELS_ERROR = "the demo's tiny models are SD 1.x-, SDXL-, SD3.5- and FLUX.
 DEMO_MODELS_FIX = "use --model sd15, sdxl, sd35-medium, sd35-large, flux-dev or flux-schnell with --demo"
 
 
-def _flow_components(family: str, *, demo: bool, workdir: Path, device: str, dtypes, with_vae: bool):
+def _flow_components(
+    family: str, *, demo: bool, workdir: Path, device: str, dtypes, with_vae: bool, denoiser_device: str
+):
     """SD3.5 / FLUX.1 components (``flow_models.FlowComponents``, the transformer in the denoiser slot):
     the tiny models of ``sdplan.trainer.tiny`` for the demo, else the transformer, CLIP/T5 encoders and
     16-channel VAE built from profiles/models/<family>.yaml with random weights on ``device``."""
@@ -254,9 +265,9 @@ def _flow_components(family: str, *, demo: bool, workdir: Path, device: str, dty
         "T5EncoderModel": (T5EncoderModel, T5Config),
     }
     torch.manual_seed(0)
+    with torch.device(denoiser_device), _default_dtype(dtypes.get("unet", torch.float32)):
+        transformer = getattr(diffusers, spec.transformer_class).from_config(dict(spec.transformer))
     with torch.device(device):
-        with _default_dtype(dtypes.get("unet", torch.float32)):
-            transformer = getattr(diffusers, spec.transformer_class).from_config(dict(spec.transformer))
         encoders = []
         with _default_dtype(dtypes.get("text_encoder", torch.float32)):
             for te in spec.text_encoders:
@@ -311,6 +322,9 @@ class Harness:
             device=str(self.device),
             dtypes=recipe_cls.dtypes(cfg, accelerator),  # built in the dtypes the recipe trains them in
             with_vae=not req.cache_latents,
+            # a quantized base: built in host RAM, then stored quantized on the GPU layer by layer by the
+            # recipe (quantize.quantize_base), as the trainer loads it: never the whole bf16 base on the GPU
+            denoiser_device="cpu" if req.base_precision != "bf16" else None,
         )
         self.recipe = recipe = recipe_cls(cfg, accelerator, comps)
         groups, optimizer = loop.build(recipe)

@@ -129,3 +129,26 @@ def test_bench_demo_command_takes_a_flow_model(tmp_path, monkeypatch):
     )
     assert result.exit_code == 0, result.output
     assert "lora flux-schnell tiny 64px" in result.output
+
+
+@pytest.mark.parametrize("base", ["fp8", "nf4"])
+def test_a_quantized_base_is_measured_as_the_trainer_stores_it(tmp_path, monkeypatch, base):
+    """`sdplan bench --model flux-dev model.base_precision=fp8`: the recipe stores the frozen base quantized
+    (the trainer's quantize_base) and the point says so, so the planner reads it as that base's measurement
+    (the validation set's two largest FLUX.1 speed misses are nf4 runs; the dequantising cost is uncalibrated)."""
+    root = fresh_profile_store(monkeypatch, tmp_path)
+    sel = bench.select_requests(["lora"], ["flux-dev"], demo=True, pins=(f"model.base_precision={base}",))
+    (req,) = sel.requests
+    assert req.base_precision == base and f"{base} base" in req.label
+    (res,) = bench.run_bench(sel.requests, demo=True, store_dir=root, effort=TINY)
+    assert all(p.fits for p in res.points) and all(
+        p.point_id.endswith(f"-{base}-b{p.batch}") for p in res.points
+    )
+    mine = [p for p in profiles.load_profiles(local=root).points if p.origin == "local"]
+    assert mine and {p.settings.base_precision for p in mine} == {base}
+
+
+def test_a_quantized_base_is_refused_for_the_unet_families():
+    result = CliRunner().invoke(cli(), ["bench", "--demo", "--model", "sd15", "model.base_precision=fp8"])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert "model.base_precision" in result.output and len(result.output.strip().splitlines()) == 1
