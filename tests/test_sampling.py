@@ -107,7 +107,7 @@ def test_ema_over_images_seen_averages_the_same_images_before_and_after_a_resume
     moved = plots.ema([1.0, 1.0, 1.0, 1.0, a, b, c], 0.9, x=[1, 2, 3, 4, 6, 8, 10])
     kept = plots.ema([1.0, 1.0, 1.0, 1.0, a, a, b, b, c, c], 0.9, x=list(range(1, 11)))
     assert moved == pytest.approx(kept[:4] + kept[5::2])
-    assert plots.ema([3.0, 1.0, 2.0], 0.8, x=[2, 4, 6]) == pytest.approx(plots.ema([3.0, 1.0, 2.0], 0.8))
+    assert plots.ema([3.0, 1.0, 2.0], 0.8, x=[0, 2, 4]) == pytest.approx(plots.ema([3.0, 1.0, 2.0], 0.8))
     with pytest.raises(ValueError, match="increase"):
         plots.ema([1.0, 2.0], 0.9, x=[2, 2])
 

@@ -16,21 +16,21 @@ def ema(values: list[float], smoothing: float = 0.9, x: list[float] | None = Non
     NaN/inf values are skipped (the average carries over); before the first finite value the result is NaN.
 
     ``x``: where each value lies (increasing; the images seen at each step). ``smoothing`` is then the decay
-    over the usual spacing (the median gap, the first measured from 0) and a value ``k`` times as far from
-    the previous one decays the average ``smoothing ** k``: a history whose steps cover more images after a
-    resume is averaged over the same images, not the same number of steps. Evenly spaced ``x`` is the plain
-    average."""
+    over the usual gap between values (the median; the lower one of an even count) and a value ``k`` times
+    as far from the previous one decays the average ``smoothing ** k``: a history whose steps cover more
+    images after a resume is averaged over the same images, not the same number of steps. Evenly spaced
+    ``x`` is the plain average."""
     if not 0 <= smoothing < 1:
         raise ValueError(f"smoothing must be in [0, 1), got {smoothing}")
-    gaps = [1.0] * len(values)
+    gaps = [1.0] * len(values)  # the first value's gap does not matter: the debiased average starts there
     if x is not None:
         if len(x) != len(values):
             raise ValueError(f"{len(x)} positions for {len(values)} values")
-        gaps = [float(b) - float(a) for a, b in zip([0, *x[:-1]], x)]
-        if any(not g > 0 for g in gaps):
+        between = [float(b) - float(a) for a, b in zip(x, x[1:])]
+        if any(not g > 0 for g in between):
             raise ValueError("positions must increase")
-        usual = sorted(gaps)[len(gaps) // 2] if gaps else 1.0
-        gaps = [g / usual for g in gaps]
+        usual = sorted(between)[(len(between) - 1) // 2] if between else 1.0
+        gaps = [1.0] + [g / usual for g in between]
     out, last, weight = [], 0.0, 0.0
     for v, gap in zip(values, gaps):
         v = float(v)
