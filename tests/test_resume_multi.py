@@ -286,6 +286,8 @@ def test_two_processes_resumed_on_two_and_on_one(tiny_sd15, shapes, tmp_path):
     run.train(tiny_train_config(tiny_sd15, shapes, one, *OPTS), resume=str(kept))
     assert (summary(one)["num_processes"], summary(one)["steps"], summary(one)["images_seen"]) == (1, 6, 16)
     assert_continuous_history(one)
+    # step 1 of 2 processes (6 images), then 1 process from its step 2: 3 + 3 + 2 micro-batches an epoch
+    assert (history(one)["steps"], history(one)["images_seen"]) == ([1, 3, 4, 5, 6], [6, 8, 11, 14, 16])
 
 
 @pytest.mark.slow
@@ -303,3 +305,5 @@ def test_one_process_resumed_on_two(tiny_sd15, shapes, tmp_path):
     train_two_processes(config_file(tiny_sd15, shapes, two), tmp_path, "--resume", str(kept))
     assert (summary(two)["num_processes"], summary(two)["steps"], summary(two)["images_seen"]) == (2, 4, 16)
     assert_continuous_history(two)
+    # steps 1-2 of 1 process (3 images each), then 2 processes from their step 1: 3 + 1 micro-batches each
+    assert (history(two)["steps"], history(two)["images_seen"]) == ([1, 2, 2, 3, 4], [3, 6, 8, 14, 16])
