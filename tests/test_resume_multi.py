@@ -166,6 +166,58 @@ def test_a_rolling_checkpoint_replaces_one_with_fewer_images_and_a_higher_step(t
     assert saved.name == "rolling-step-000004" and checkpoint.latest_checkpoint(tmp_path) == saved
 
 
+# -- the loss history across a moved resume ------------------------------------------------------------------
+
+
+def history(out: Path) -> dict:
+    return json.loads((out / "loss_history.json").read_text())
+
+
+@pytest.mark.train
+@trains_in_process
+def test_the_loss_history_of_a_resume_with_another_micro_batch_counts_images(tiny_sd15, tmp_path):
+    """4 images x 2 epochs at batch 1 (8 steps), checkpoint after step 3, resumed at batch 2: step 1 of 4
+    (moved_position: 1 of the 3 images done is a whole batch of 2, the third trains again). The history
+    numbered its 6 entries 1..6 for a run of 4 steps whose steps covered 1 image, then 2: loss.png drew them
+    on one step axis. Now each entry says the images seen (strictly increasing, to the run's 9) and its step
+    in the run that took it: 1..3 before the resume, 2..4 (this run's steps) after."""
+    from conftest import make_images
+
+    data = make_images(tmp_path / "data", n=4)
+    opts = ("training.max_steps=null", "training.epochs=2")
+    first = tmp_path / "first"
+    run.train(
+        tiny_train_config(
+            tiny_sd15, data, first, "training.batch_size=1", *opts, "checkpoints.keep_every_steps=3"
+        )
+    )
+    kept = checkpoint.checkpoint_root(first) / "step-000003"
+    resumed = tmp_path / "resumed"
+    run.train(tiny_train_config(tiny_sd15, data, resumed, "training.batch_size=2", *opts), resume=str(kept))
+    h, s = history(resumed), summary(resumed)
+    assert (s["steps"], s["images_seen"]) == (4, 9)
+    assert h["images_seen"] == [1, 2, 3, 5, 7, 9]  # strictly increasing, ending at the run's images
+    assert h["steps"] == [1, 2, 3, 2, 3, 4]
+    assert h["losses"][:3] == history(first)["losses"][:3] and len(h["losses"]) == 6
+    assert history(first)["images_seen"] == history(first)["steps"] == list(range(1, 9))
+
+
+def test_a_checkpoint_without_the_history_positions_numbers_its_steps_and_spreads_its_images():
+    """A train_state.json written before the history kept steps and images still resumes: steps 1..n, the
+    images it had seen spread over them."""
+    state = checkpoint.TrainState.from_json(
+        {"global_step": 4, "images_seen": 8, "losses": [1.0, 0.9, 0.8, 0.7]}
+    )
+    assert state.loss_history() == {
+        "steps": [1, 2, 3, 4],
+        "images_seen": [2, 4, 6, 8],
+        "losses": [1.0, 0.9, 0.8, 0.7],
+    }
+    state.images_seen = 10
+    state.record_loss(5, 0.6)
+    assert state.loss_history()["steps"][-1] == 5 and state.loss_history()["images_seen"][-1] == 10
+
+
 # -- real 2-process runs -------------------------------------------------------------------------------------
 
 
@@ -208,6 +260,12 @@ def summary(out: Path) -> dict:
     return json.loads((out / "run_summary.json").read_text())
 
 
+def assert_continuous_history(out: Path) -> None:
+    """loss.png's x axis after a moved resume: the images seen, strictly increasing to the run's total."""
+    seen = history(out)["images_seen"]
+    assert all(a < b for a, b in zip(seen, seen[1:])) and seen[-1] == summary(out)["images_seen"], seen
+
+
 @pytest.mark.slow
 @pytest.mark.train
 @trains_in_process
@@ -227,6 +285,9 @@ def test_two_processes_resumed_on_two_and_on_one(tiny_sd15, shapes, tmp_path):
     one = tmp_path / "one"
     run.train(tiny_train_config(tiny_sd15, shapes, one, *OPTS), resume=str(kept))
     assert (summary(one)["num_processes"], summary(one)["steps"], summary(one)["images_seen"]) == (1, 6, 16)
+    assert_continuous_history(one)
+    # step 1 of 2 processes (6 images), then 1 process from its step 2: 3 + 3 + 2 micro-batches an epoch
+    assert (history(one)["steps"], history(one)["images_seen"]) == ([1, 3, 4, 5, 6], [6, 8, 11, 14, 16])
 
 
 @pytest.mark.slow
@@ -243,3 +304,6 @@ def test_one_process_resumed_on_two(tiny_sd15, shapes, tmp_path):
     two = tmp_path / "two"
     train_two_processes(config_file(tiny_sd15, shapes, two), tmp_path, "--resume", str(kept))
     assert (summary(two)["num_processes"], summary(two)["steps"], summary(two)["images_seen"]) == (2, 4, 16)
+    assert_continuous_history(two)
+    # steps 1-2 of 1 process (3 images each), then 2 processes from their step 1: 3 + 1 micro-batches each
+    assert (history(two)["steps"], history(two)["images_seen"]) == ([1, 2, 2, 3, 4], [3, 6, 8, 14, 16])

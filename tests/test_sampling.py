@@ -99,6 +99,19 @@ def test_ema_is_debiased_and_skips_nan():
         plots.ema([1.0], 1.0)
 
 
+def test_ema_over_images_seen_averages_the_same_images_before_and_after_a_resume():
+    """A history of 1-image steps resumed with 2-image steps: each 2-image step weighs as much as the two
+    1-image steps it replaces, so the curve equals the one of a run that kept 1-image steps (the plain EMA
+    per step gave the 2-image steps the weight of one). Evenly spaced positions are the plain EMA."""
+    a, b, c = 1.0, 0.5, 0.25
+    moved = plots.ema([1.0, 1.0, 1.0, 1.0, a, b, c], 0.9, x=[1, 2, 3, 4, 6, 8, 10])
+    kept = plots.ema([1.0, 1.0, 1.0, 1.0, a, a, b, b, c, c], 0.9, x=list(range(1, 11)))
+    assert moved == pytest.approx(kept[:4] + kept[5::2])
+    assert plots.ema([3.0, 1.0, 2.0], 0.8, x=[0, 2, 4]) == pytest.approx(plots.ema([3.0, 1.0, 2.0], 0.8))
+    with pytest.raises(ValueError, match="increase"):
+        plots.ema([1.0, 2.0], 0.9, x=[2, 2])
+
+
 def test_loss_curve_png(tmp_path):
     steps = list(range(1, 51))
     losses = [1.0 / s + 0.05 * math.sin(s) for s in steps]
@@ -111,7 +124,7 @@ def test_loss_curve_png(tmp_path):
         assert im.format == "PNG" and im.size == (800, 450)
         assert len(set(im.convert("RGB").getdata())) > 10  # something was drawn
     assert plots.loss_curve([1], [0.5], tmp_path / "one.png").exists()
-    with pytest.raises(ValueError, match="steps"):
+    with pytest.raises(ValueError, match="positions"):
         plots.loss_curve([1, 2], [0.5], tmp_path / "bad.png")
 
 

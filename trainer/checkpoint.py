@@ -19,7 +19,7 @@ previous checkpoint and is one line: "disk full: N bytes needed at PATH".
 Contents: the trainable weights only (``trainable.safetensors``: LoRA, the TI embedding rows or the full UNet /
 text encoder, via the save/load hooks below; DeepSpeed keeps its own model files), the optimizer, the LR
 scheduler and any registered object (EMA), accelerate's RNG states, and ``train_state.json`` (global step, epoch,
-batches consumed in that epoch, images seen, loss history). Together with the epoch-seeded batch order and the
+batches consumed in that epoch, images seen, loss history with each step's number and images seen). Together with the epoch-seeded batch order and the
 per-step noise seeds (``runtime.seed_step``) this makes a resumed run's losses equal an uninterrupted run's.
 A resume with another process count (or micro-batch, or accumulation) continues at the images the checkpoint
 had trained, in this run's steps (:func:`resume_position`). "Newest" (``--resume latest``, which checkpoints a
@@ -63,7 +63,11 @@ class TrainState:
     batches_in_epoch: int = 0
     samples_in_epoch: int = 0
     images_seen: int = 0
+    # The loss history, one entry per optimizer step taken: its mean loss, its number in the run that took it
+    # and the images seen once it was taken (see :meth:`record_loss`).
     losses: list[float] = field(default_factory=list)
+    loss_steps: list[int] = field(default_factory=list)
+    loss_images: list[int] = field(default_factory=list)
     # The settings the position depends on; a resume with other values maps the position by images.
     batch_size: int = 1
     grad_accum: int = 1
@@ -78,7 +82,33 @@ class TrainState:
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> TrainState:
         known = {k: data[k] for k in cls.__dataclass_fields__ if k in data}
-        return cls(**known)
+        state = cls(**known)
+        n = len(state.losses)
+        if len(state.loss_steps) != n or len(state.loss_images) != n:
+            # A checkpoint written before the history kept its steps and images: its steps were numbered
+            # 1..n and its images are spread evenly up to the images it had seen (exact without epoch ends
+            # that close a short step, or a resume with other settings before it).
+            state.loss_steps = list(range(1, n + 1))
+            state.loss_images = [round(state.images_seen * (i + 1) / n) for i in range(n)]
+        return state
+
+    def record_loss(self, step: int, loss: float) -> None:
+        """Step ``step`` (this run's number) was taken with mean loss ``loss``; call after ``images_seen``
+        counts its images. After a resume with another process count, micro-batch or accumulation the steps
+        continue at the step :func:`sdplan.steps.moved_position` gives (this run's steps, so a step number
+        can repeat or jump where the settings changed); the images seen always grow, which is what the
+        curve's x axis is."""
+        self.losses.append(loss)
+        self.loss_steps.append(step)
+        self.loss_images.append(self.images_seen)
+
+    def loss_history(self) -> dict[str, list]:
+        """``loss_history.json``'s content: ``steps``, ``images_seen`` and ``losses``, one entry per step."""
+        return {
+            "steps": list(self.loss_steps),
+            "images_seen": list(self.loss_images),
+            "losses": list(self.losses),
+        }
 
 
 def resume_position(saved: TrainState, live: TrainState, plan: Steps, epoch_batches: int) -> Position | None:

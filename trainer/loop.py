@@ -617,7 +617,7 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
                     state.batches_in_epoch += current.micro
                     state.samples_in_epoch += current.images
                     state.images_seen += current.images_all
-                    state.losses.append(mean_loss)
+                    state.record_loss(step, mean_loss)
                     stop_now, current = current.stop_now, None
                     bar.update(step, mean_loss)
                     progress.log_step(tb, bar, step, mean_loss, lr_scheduler)
@@ -677,9 +677,13 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
                     f"back beside the training state); the trained weights are in {out_dir}",
                 )
             written += [grid] if grid else []
-            steps = list(range(1, len(state.losses) + 1))
-            written.append(plots.loss_curve(steps, state.losses, out_dir / "loss.png"))
-            written.append(outputs.write_loss_history(out_dir, state.losses))
+            history = state.loss_history()  # x axis: images seen (steps change scale on a moved resume)
+            written.append(
+                plots.loss_curve(
+                    history["images_seen"], history["losses"], out_dir / "loss.png", xlabel="images seen"
+                )
+            )
+            written.append(outputs.write_loss_history(out_dir, history))
     accelerator.wait_for_everyone()
     summary = (
         _write_summary(

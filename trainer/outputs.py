@@ -334,11 +334,13 @@ def write_run_summary(
     return summary
 
 
-def write_loss_history(out_dir: Path, losses: list[float]) -> Path:
-    """``loss_history.json``: the mean loss of every optimizer step (1-based), what loss.png draws."""
-    return write_json_atomic(
-        Path(out_dir) / "loss_history.json", {"steps": list(range(1, len(losses) + 1)), "losses": losses}
-    )
+def write_loss_history(out_dir: Path, history: dict[str, list]) -> Path:
+    """``loss_history.json``: one entry per optimizer step (``TrainState.loss_history``): ``losses`` its mean
+    loss, ``images_seen`` the images trained once it was taken (strictly increasing: loss.png's x axis) and
+    ``steps`` its number in the run that took it (1-based; after a resume with another process count,
+    micro-batch or accumulation the numbers continue in the new run's steps, ``sdplan.steps.moved_position``,
+    so they can repeat or jump there)."""
+    return write_json_atomic(Path(out_dir) / "loss_history.json", dict(history))
 
 
 def run_metadata(cfg, *, steps: int, epochs: float, prediction_type: str, **extra: Any) -> dict[str, Any]:

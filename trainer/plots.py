@@ -11,52 +11,71 @@ from pathlib import Path
 from typing import Any
 
 
-def ema(values: list[float], smoothing: float = 0.9) -> list[float]:
+def ema(values: list[float], smoothing: float = 0.9, x: list[float] | None = None) -> list[float]:
     """Exponential moving average with TensorBoard's debiasing (the first points are not pulled to 0).
-    NaN/inf values are skipped (the average carries over); before the first finite value the result is NaN."""
+    NaN/inf values are skipped (the average carries over); before the first finite value the result is NaN.
+
+    ``x``: where each value lies (increasing; the images seen at each step). ``smoothing`` is then the decay
+    over the usual gap between values (the median; the lower one of an even count) and a value ``k`` times
+    as far from the previous one decays the average ``smoothing ** k``: a history whose steps cover more
+    images after a resume is averaged over the same images, not the same number of steps. Evenly spaced
+    ``x`` is the plain average."""
     if not 0 <= smoothing < 1:
         raise ValueError(f"smoothing must be in [0, 1), got {smoothing}")
+    gaps = [1.0] * len(values)  # the first value's gap does not matter: the debiased average starts there
+    if x is not None:
+        if len(x) != len(values):
+            raise ValueError(f"{len(x)} positions for {len(values)} values")
+        between = [float(b) - float(a) for a, b in zip(x, x[1:])]
+        if any(not g > 0 for g in between):
+            raise ValueError("positions must increase")
+        usual = sorted(between)[(len(between) - 1) // 2] if between else 1.0
+        gaps = [1.0] + [g / usual for g in between]
     out, last, weight = [], 0.0, 0.0
-    for v in values:
+    for v, gap in zip(values, gaps):
         v = float(v)
         if math.isfinite(v):
-            last = smoothing * last + (1 - smoothing) * v
-            weight = smoothing * weight + (1 - smoothing)
+            decay = smoothing**gap
+            last = decay * last + (1 - decay) * v
+            weight = decay * weight + (1 - decay)
         out.append(last / weight if weight > 0 else math.nan)
     return out
 
 
 def loss_curve(
-    steps: list[int],
+    x: list[float],
     losses: list[float],
     out_path: str | Path,
     lr: list[float] | None = None,
     *,
     smoothing: float = 0.9,
     title: str | None = None,
+    xlabel: str = "step",
 ) -> Path:
-    """PNG of the raw loss (thin), its smoothed EMA (thick) and, when given, the learning rate on a second
-    axis. Written atomically."""
+    """PNG of the raw loss (thin), its smoothed EMA (thick, :func:`ema` over the x positions) and, when
+    given, the learning rate on a second axis. ``x``: the position of each loss (increasing), named
+    ``xlabel`` (the trainer draws against the images seen). Written atomically."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    steps, losses = list(steps), [float(x) for x in losses]
-    if len(steps) != len(losses):
-        raise ValueError(f"{len(steps)} steps for {len(losses)} losses")
-    if lr is not None and len(lr) != len(steps):
-        raise ValueError(f"{len(lr)} learning rates for {len(steps)} steps")
+    x, losses = list(x), [float(v) for v in losses]
+    if len(x) != len(losses):
+        raise ValueError(f"{len(x)} positions for {len(losses)} losses")
+    if lr is not None and len(lr) != len(x):
+        raise ValueError(f"{len(lr)} learning rates for {len(x)} positions")
     fig = Figure(figsize=(8, 4.5), dpi=100)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
-    ax.plot(steps, losses, color="tab:blue", alpha=0.35, linewidth=1, label="loss")
-    ax.plot(steps, ema(losses, smoothing), color="tab:blue", linewidth=2, label=f"loss (EMA {smoothing})")
-    ax.set_xlabel("step")
+    ax.plot(x, losses, color="tab:blue", alpha=0.35, linewidth=1, label="loss")
+    smooth = ema(losses, smoothing, x=x)
+    ax.plot(x, smooth, color="tab:blue", linewidth=2, label=f"loss (EMA {smoothing})")
+    ax.set_xlabel(xlabel)
     ax.set_ylabel("loss")
     ax.grid(True, alpha=0.3)
     handles, names = ax.get_legend_handles_labels()
     if lr is not None:
         ax2 = ax.twinx()
-        ax2.plot(steps, [float(x) for x in lr], color="tab:orange", linewidth=1, label="learning rate")
+        ax2.plot(x, [float(v) for v in lr], color="tab:orange", linewidth=1, label="learning rate")
         ax2.set_ylabel("learning rate")
         ax2.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
         h2, n2 = ax2.get_legend_handles_labels()

@@ -5,7 +5,11 @@ and the step arithmetic.
 
 from __future__ import annotations
 
+import contextlib
+import io
+import logging
 import os
+import re
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -40,6 +44,44 @@ def mixed_precision_for(cfg, cpu: bool) -> str:
     return p
 
 
+# DeepSpeed's notes on stdout that are no news in an sdplan run, each a stray line between sdplan's own (checked
+# against DeepSpeed's source): its accelerator detection falling back to the CPU, a WARNING through its "DeepSpeed"
+# logger (accelerator/real_accelerator.py) on any import of deepspeed on a machine without a GPU and without
+# DS_ACCELERATOR (accelerate's extract_model_from_parallel imports it: every CPU run, the demo's model build); and
+# a bare print once its shared-memory collective op is built (deepspeed/comm/torch.py, DeepSpeed's CPU accelerator,
+# when accelerate starts it). Its other warnings still show.
+_DEEPSPEED_CPU_NOTE = "Setting accelerator to CPU."
+_DEEPSPEED_BUILT = re.compile(r"^DeepSpeed \S+ built successfully\s*$")
+
+
+class _DropDeepSpeedCpuNote(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(_DEEPSPEED_CPU_NOTE)
+
+
+def quiet_deepspeed() -> None:
+    """Drop DeepSpeed's CPU-fallback note from its logger, in this process (before or after deepspeed is
+    imported: its logger keeps the filter when deepspeed sets it up)."""
+    log = logging.getLogger("DeepSpeed")
+    if not any(isinstance(f, _DropDeepSpeedCpuNote) for f in log.filters):
+        log.addFilter(_DropDeepSpeedCpuNote())
+
+
+@contextlib.contextmanager
+def without_deepspeed_build_note():
+    """What the block prints on stdout, less DeepSpeed's "DeepSpeed <op> built successfully" lines (printed
+    when the block is done)."""
+    buf = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(buf):
+            yield
+    finally:
+        kept = [line for line in buf.getvalue().splitlines(keepends=True) if not _DEEPSPEED_BUILT.match(line)]
+        if kept:
+            sys.stdout.write("".join(kept))
+            sys.stdout.flush()
+
+
 PROCESS_GROUP_TIMEOUT = timedelta(hours=3)
 """How long a process waits at a collective (a barrier) for the others. Several processes wait while the main
 one works alone: DreamBooth's class images (100 by default; FLUX.1 at 20-40 s each), the latent cache on disk,
@@ -59,6 +101,7 @@ def make_accelerator(cfg, out_dir: Path):
     from accelerate import Accelerator
     from accelerate.utils import ProjectConfiguration
 
+    quiet_deepspeed()
     cpu = use_cpu(cfg)
     kwargs: dict[str, Any] = {}
     ds = cfg.distributed.deepspeed
@@ -91,19 +134,20 @@ def make_accelerator(cfg, out_dir: Path):
     ]
     if cpu and cfg.training.precision == "fp16" and os.environ.get("RANK", "0") == "0":
         print("training.precision fp16 needs a GPU; training in fp32 on the CPU", flush=True)
-    return Accelerator(
-        mixed_precision=mixed_precision_for(cfg, cpu),  # DeepSpeed on the CPU: no fp16 either
-        gradient_accumulation_steps=cfg.training.grad_accum,
-        # accelerate ignores DeepSpeed when cpu=True; on a CPU-only machine DeepSpeed runs on its CPU
-        # accelerator (DS_ACCELERATOR=cpu), which the launcher sets
-        cpu=cpu and ds is None and not launched_with_ds,
-        rng_types=[],
-        step_scheduler_with_optimizer=False,
-        project_config=ProjectConfiguration(
-            project_dir=str(out_dir), logging_dir=str(Path(out_dir) / "logs")
-        ),
-        **kwargs,
-    )
+    with without_deepspeed_build_note():  # DeepSpeed's communication starts here (accelerate's PartialState)
+        return Accelerator(
+            mixed_precision=mixed_precision_for(cfg, cpu),  # DeepSpeed on the CPU: no fp16 either
+            gradient_accumulation_steps=cfg.training.grad_accum,
+            # accelerate ignores DeepSpeed when cpu=True; on a CPU-only machine DeepSpeed runs on its CPU
+            # accelerator (DS_ACCELERATOR=cpu), which the launcher sets
+            cpu=cpu and ds is None and not launched_with_ds,
+            rng_types=[],
+            step_scheduler_with_optimizer=False,
+            project_config=ProjectConfiguration(
+                project_dir=str(out_dir), logging_dir=str(Path(out_dir) / "logs")
+            ),
+            **kwargs,
+        )
 
 
 def check_deepspeed(accelerator, trained: dict) -> None:
