@@ -789,3 +789,18 @@ def test_inf_gradients_with_a_finite_loss_stop_before_the_update(tiny_sd15, data
         resume=str(saved),
     )
     assert summary["steps"] == 4 and np.isfinite(summary["final_loss"])
+
+
+def test_deepspeed_says_when_it_builds_its_cpu_adam_op(tmp_path, monkeypatch):
+    """ZeRO-2 optimizer offload compiles DeepSpeed's CPU Adam op on its first run, silently, for a minute or
+    two; the trainer says so beforehand unless the op is prebuilt or in torch's extension cache."""
+    pytest.importorskip("deepspeed")
+    from sdplan.trainer import runtime
+    from torch.utils.cpp_extension import _get_build_directory
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    assert "building its CPU Adam op" in runtime.deepspeed_cpu_adam_build_note()
+    built = Path(_get_build_directory("cpu_adam", verbose=False))
+    built.mkdir(parents=True, exist_ok=True)
+    (built / "cpu_adam.so").write_bytes(b"")
+    assert runtime.deepspeed_cpu_adam_build_note() is None

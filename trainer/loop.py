@@ -258,6 +258,11 @@ def prepare(recipe: Recipe, optimizer, *extra):
     models are rebound to what was prepared (DDP wrappers). Returns (optimizer, *extra)."""
     names = list(recipe.trained)
     runtime.check_deepspeed(recipe.accelerator, recipe.trained)
+    ds = recipe.cfg.distributed.deepspeed
+    if ds is not None and ds.offload_optimizer:
+        note = runtime.deepspeed_cpu_adam_build_note()
+        if note:
+            progress.say(recipe.accelerator, note)
     kw = {}
     if recipe.block_swap is not None:  # placed already; moving it whole would bring the swapped blocks in
         kw["device_placement"] = [name != "unet" for name in names] + [True] * (1 + len(extra))

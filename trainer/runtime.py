@@ -162,6 +162,31 @@ def check_deepspeed(accelerator, trained: dict) -> None:
         )
 
 
+def deepspeed_cpu_adam_build_note() -> str | None:
+    """What to say before DeepSpeed's optimizer offload builds its CPU Adam op: DeepSpeed compiles it on first
+    use (a minute or two, silent) unless its wheel was built with the op or torch's extension cache holds it
+    (``$TORCH_EXTENSIONS_DIR`` or ~/.cache/torch_extensions/<python and CUDA tag>/cpu_adam). None: it is there."""
+    try:
+        from deepspeed.git_version_info import installed_ops
+
+        if installed_ops.get("cpu_adam"):
+            return None
+    except Exception:  # no deepspeed, or another layout: say nothing rather than something wrong
+        return None
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+
+        built = Path(_get_build_directory("cpu_adam", verbose=False))
+        if any(built.glob("cpu_adam*.so")):
+            return None
+    except Exception:
+        pass
+    return (
+        "DeepSpeed is building its CPU Adam op for the optimizer offload (once per machine: a minute or two, "
+        "cached in torch's extension folder)"
+    )
+
+
 def weight_dtype(accelerator):
     """dtype for frozen weights: half precision under fp16/bf16 mixed precision, else fp32."""
     import torch
