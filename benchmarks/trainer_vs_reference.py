@@ -21,36 +21,25 @@ On the CPU (tiny SD1.5- or SDXL-shaped model, fp32, to try it):   python benchma
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def _sync(cuda: bool) -> None:
-    if cuda:
-        import torch
-
-        torch.cuda.synchronize()
-
-
 def _timed(step, warmup: int, steps: int, cuda: bool) -> list[float]:
+    """``warmup`` untimed calls of ``step``, then the seconds of each of ``steps`` calls, timed as the bench
+    times a probe point (:func:`sdplan.bench_harness.timed_steps`)."""
+    from sdplan.bench import Effort
+    from sdplan.bench_harness import timed_steps
+
     for _ in range(warmup):
         step()
-    seconds = []
-    for _ in range(steps):
-        _sync(cuda)
-        t0 = time.perf_counter()
-        step()
-        _sync(cuda)
-        seconds.append(time.perf_counter() - t0)
-    return seconds
+    return timed_steps(step, Effort(warmup_steps=0, timed_steps=steps, max_batch=1), cuda=cuda)
 
 
 def _peak_reset(cuda: bool) -> None:
@@ -68,16 +57,8 @@ def _peak_gib(cuda: bool) -> float | None:
     return torch.cuda.max_memory_allocated() / 2**30
 
 
-def _free(cuda: bool) -> None:
-    gc.collect()
-    if cuda:
-        import torch
-
-        torch.cuda.empty_cache()
-
-
 def sdplan_step_seconds(req, *, device: str, demo: bool, batch: int, warmup: int, steps: int, workdir: Path):
-    from sdplan.bench_harness import Harness
+    from sdplan.bench_harness import Harness, free_memory
 
     cuda = device == "cuda"
     h = Harness(req, device=device, demo=demo, workdir=workdir)
@@ -87,7 +68,7 @@ def sdplan_step_seconds(req, *, device: str, demo: bool, batch: int, warmup: int
         return seconds, _peak_gib(cuda)
     finally:
         h.close()
-        _free(cuda)
+        free_memory()
 
 
 def reference_step_seconds(
@@ -184,6 +165,7 @@ def measure(model: str, batch: int, *, demo: bool, warmup: int, steps: int) -> d
     import torch
 
     from sdplan.bench import BenchRequest, _quiet_diffusers, demo_request
+    from sdplan.bench_harness import free_memory
 
     cuda = torch.cuda.is_available() and not demo
     device = "cuda" if cuda else "cpu"
@@ -222,7 +204,7 @@ def measure(model: str, batch: int, *, demo: bool, warmup: int, steps: int) -> d
                 workdir=Path(tmp) / name,
             )
             out[name] = {"median_step_s": statistics.median(seconds), "peak_allocated_gib": peak}
-            _free(cuda)
+            free_memory()
     out["ratio"] = out["sdplan"]["median_step_s"] / out["reference"]["median_step_s"]
     return out
 

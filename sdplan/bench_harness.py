@@ -19,6 +19,8 @@ from sdplan.errors import UsageError
 from sdplan.trainer.faults import BENCH_OOM_ABOVE_BATCH_ENV
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from sdplan.bench import BenchRequest, Effort
 
 MAX_SKIPPED_STEPS = 24  # fp16 warm-up steps the gradient scaler may skip before the optimizer state exists
@@ -452,9 +454,9 @@ def free_memory() -> None:
 # -- one probe point ------------------------------------------------------------------------------------
 
 
-def timed_steps(h: Harness, batch: int, effort: Effort, *, cuda: bool) -> list[float]:
-    """Seconds of each timed step (synchronised on a GPU): at least ``effort.timed_steps`` of them, and more
-    until ``effort.min_timed_seconds`` have passed (at most ``effort.max_timed_steps``)."""
+def timed_steps(step: Callable[[], Any], effort: Effort, *, cuda: bool) -> list[float]:
+    """Seconds of each call of ``step`` (synchronised on a GPU): at least ``effort.timed_steps`` of them, and
+    more until ``effort.min_timed_seconds`` have passed (at most ``effort.max_timed_steps``)."""
     import torch
 
     seconds: list[float] = []
@@ -464,7 +466,7 @@ def timed_steps(h: Harness, batch: int, effort: Effort, *, cuda: bool) -> list[f
         if cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        h.step(batch)
+        step()
         if cuda:
             torch.cuda.synchronize()
         seconds.append(time.perf_counter() - t0)
@@ -491,7 +493,7 @@ def probe_point(h: Harness, batch: int, effort: Effort, *, cuda: bool, rss_base:
                 if h.optimizer_has_state():
                     break
                 h.step(batch)
-            step_seconds = timed_steps(h, batch, effort, cuda=cuda)
+            step_seconds = timed_steps(lambda: h.step(batch), effort, cuda=cuda)
         finally:
             if meter is not None:
                 meter.__exit__(None, None, None)

@@ -567,14 +567,14 @@ def test_short_steps_are_timed_over_a_minimum_window_not_a_fixed_count():
         warmup_steps=0, timed_steps=3, max_batch=1, min_timed_seconds=0.2, max_timed_steps=50
     )
     h = _SleepyHarness(0.01)
-    seconds = timed_steps(h, 1, effort, cuda=False)
+    seconds = timed_steps(lambda: h.step(1), effort, cuda=False)
     assert len(seconds) > 3 and sum(seconds) >= 0.2 and len(seconds) == h.steps
     capped = bench.Effort(
         warmup_steps=0, timed_steps=3, max_batch=1, min_timed_seconds=100.0, max_timed_steps=8
     )
-    assert len(timed_steps(_SleepyHarness(0.0), 1, capped, cuda=False)) == 8
+    assert len(timed_steps(lambda: _SleepyHarness(0.0).step(1), capped, cuda=False)) == 8
     slow = bench.Effort(warmup_steps=0, timed_steps=3, max_batch=1, min_timed_seconds=0.0)
-    assert len(timed_steps(_SleepyHarness(0.0), 1, slow, cuda=False)) == 3
+    assert len(timed_steps(lambda: _SleepyHarness(0.0).step(1), slow, cuda=False)) == 3
 
 
 def test_a_gpu_table_with_out_of_memory_points_is_labelled_vram_not_cpu():
