@@ -669,9 +669,8 @@ def pin_request(req: BenchRequest, items: tuple[str, ...] | list[str]) -> BenchR
         )
     from sdplan.recommend import parse_pins
 
-    pins, _ = parse_pins(tuple(items), req.method, req.model)
-    fields = {f: v for f, v in pins if f in BenchRequest.__dataclass_fields__}
-    return replace(req, **fields, settings_from=f"{req.settings_from}; pinned {' '.join(items)}")
+    pins, _ = parse_pins(tuple(items), req.method, req.model)  # each a BenchRequest field (BENCH_KEYS)
+    return replace(req, **dict(pins), settings_from=f"{req.settings_from}; pinned {' '.join(items)}")
 
 
 def check_selection(

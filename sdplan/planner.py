@@ -1109,7 +1109,7 @@ def _matching_point(profiles: Profiles, s: Settings, gpu: GPUSpec | None) -> Met
             # the text encoders' forward runs every step where their outputs are not cached (FLUX.1 LoRA on an
             # H100: 0.97 it/s against 1.10 cached); block swap's copies
             and o.cache_text_encoder_outputs == s.cache_text_encoder_outputs
-            and (o.blocks_to_swap or 0) == (s.blocks_to_swap or 0)
+            and o.blocks_to_swap == s.blocks_to_swap
         )
         if same and (best is None or p.origin == "local"):
             best = p
@@ -1144,8 +1144,8 @@ def _near_point(profiles: Profiles, s: Settings, gpu: GPUSpec | None) -> MethodP
             p.resolution != s.resolution,
             abs(math.log2(p.batch / s.batch)),
             o.gradient_checkpointing != s.gradient_checkpointing,
-            (o.base_precision or "bf16") != (s.base_precision or "bf16"),
-            (o.blocks_to_swap or 0) != (s.blocks_to_swap or 0),
+            o.base_precision != s.base_precision,
+            o.blocks_to_swap != s.blocks_to_swap,
             p.method != s.method,
             p.origin != "local",
         )
@@ -1182,8 +1182,8 @@ def _observed_oom(profiles: Profiles, s: Settings, gpu: HWGPU) -> MethodPoint | 
             and bool(o.deepspeed) == bool(s.deepspeed)
             # what holds the most memory besides the batch in the transformer families
             and o.cache_text_encoder_outputs == s.cache_text_encoder_outputs
-            and (o.base_precision or "bf16") == (s.base_precision or "bf16")
-            and (o.blocks_to_swap or 0) == (s.blocks_to_swap or 0)
+            and o.base_precision == s.base_precision
+            and o.blocks_to_swap == s.blocks_to_swap
         ):
             return p
     return None
@@ -1349,9 +1349,8 @@ def planned_step_seconds(
     if step_s is None:
         return None, "unknown speed"
     near = _near_point(profiles, s, gpu)
-    if (
-        near is not None
-    ):  # measured evidence on this GPU near these settings: the model only carries the change
+    # measured evidence on this GPU near these settings: the model only carries the change
+    if near is not None:
         floor = cal.step_floor_s(s) or 0.0
         one = step_s if s.num_gpus == 1 else step_seconds(profiles, replace(s, num_gpus=1), gpu, cal)
         at_near = step_seconds(profiles, replace(near.settings, num_gpus=1), gpu, cal)
@@ -2088,11 +2087,11 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
             f"x{unc.seconds[0]:g}-{unc.seconds[1]:g} of that (validation set, n={unc.n_seconds})"
         )
     elif best.basis == "scaled":
-        near = _near_point(profiles, replace(s, num_gpus=1), gpu.spec)
+        near = _near_point(profiles, s, gpu.spec)  # the point planned_step_seconds scaled by
         r.append(
             f"time: the model's prediction scaled by how a measured speed on {gpu.name} compares with it "
-            f"({near.id if near else 'a point'}: {near.method} at batch {near.batch}, {near.resolution}px"
-            f"{', checkpointing' if near and near.options.gradient_checkpointing else ''}); likely "
+            f"({near.id}: {near.method} at batch {near.batch}, {near.resolution}px"
+            f"{', checkpointing' if near.options.gradient_checkpointing else ''}); likely "
             f"x{unc.seconds[0]:g}-{unc.seconds[1]:g} of that (validation set, n={unc.n_seconds})"
         )
     elif best.basis != "uncalibrated":  # uncalibrated (transformer families): _flow_reasons says how
