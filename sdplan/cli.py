@@ -53,15 +53,13 @@ def _is(e: BaseException, click_class: str) -> bool:
 
 
 def main() -> None:
-    import logging
     import sys
 
+    from sdplan.quiet import quiet_library_notes
     from sdplan.terminal import guard_terminal_output
 
     guard_terminal_output()  # a closed terminal must not turn the next line printed into a traceback
-    # bitsandbytes (imported with diffusers by the demo and bench) warns at import, on CPUs with AVX512-BF16,
-    # that an optional CPU kernel package is missing: a stray line before sdplan's own
-    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+    quiet_library_notes()  # bitsandbytes' and DeepSpeed's import-time notes (the demo and bench import them)
     try:
         code = app(prog_name="sdplan", standalone_mode=False)
     except Exception as e:

@@ -195,16 +195,14 @@ def run_demo(req: Any, ui: Any) -> dict[str, Any]:
 
 def _build_tiny_model(folder: Path, family: str) -> None:
     """The tiny model, without the library chatter a newcomer would take for errors (the tiny scheduler's
-    config notes, save progress bars, DeepSpeed's accelerator note)."""
+    config notes, save progress bars)."""
     import warnings
 
     from diffusers.utils import logging as dlog
     from transformers.utils import logging as tlog
 
-    from sdplan.trainer.runtime import quiet_deepspeed
     from sdplan.trainer.tiny import save_tiny_model
 
-    quiet_deepspeed()  # saving imports deepspeed (when installed): its CPU-fallback note on a machine without GPU
     levels = dlog.get_verbosity(), tlog.get_verbosity()
     for log in (dlog, tlog):
         log.set_verbosity_error()

@@ -40,12 +40,11 @@ def _tell_the_launcher(out_dir, e) -> None:
 def _quiet_libraries() -> None:
     """The trainer prints its own progress: keep the libraries' loading bars and advice out of the log
     (errors still show)."""
-    import logging
     import warnings
 
-    # bitsandbytes, imported by diffusers / peft, warns at import on CPUs with AVX512-BF16 that an optional CPU
-    # kernel package is missing: a stray line in every run's output (and beside the one error line)
-    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+    from sdplan.quiet import quiet_library_notes
+
+    quiet_library_notes()  # bitsandbytes' and DeepSpeed's import-time notes (diffusers, peft, accelerate)
 
     from diffusers.utils import logging as diffusers_logging
     from transformers.utils import logging as transformers_logging

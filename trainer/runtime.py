@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import logging
 import os
 import re
 import sys
@@ -44,27 +43,10 @@ def mixed_precision_for(cfg, cpu: bool) -> str:
     return p
 
 
-# DeepSpeed's notes on stdout that are no news in an sdplan run, each a stray line between sdplan's own (checked
-# against DeepSpeed's source): its accelerator detection falling back to the CPU, a WARNING through its "DeepSpeed"
-# logger (accelerator/real_accelerator.py) on any import of deepspeed on a machine without a GPU and without
-# DS_ACCELERATOR (accelerate's extract_model_from_parallel imports it: every CPU run, the demo's model build); and
-# a bare print once its shared-memory collective op is built (deepspeed/comm/torch.py, DeepSpeed's CPU accelerator,
-# when accelerate starts it). Its other warnings still show.
-_DEEPSPEED_CPU_NOTE = "Setting accelerator to CPU."
+# DeepSpeed's bare print once its shared-memory collective op is built (deepspeed/comm/torch.py, DeepSpeed's CPU
+# accelerator, when accelerate starts it): a stray line between sdplan's own (checked against DeepSpeed's source;
+# its logger's notes are silenced at the process's entry: sdplan.quiet).
 _DEEPSPEED_BUILT = re.compile(r"^DeepSpeed \S+ built successfully\s*$")
-
-
-class _DropDeepSpeedCpuNote(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith(_DEEPSPEED_CPU_NOTE)
-
-
-def quiet_deepspeed() -> None:
-    """Drop DeepSpeed's CPU-fallback note from its logger, in this process (before or after deepspeed is
-    imported: its logger keeps the filter when deepspeed sets it up)."""
-    log = logging.getLogger("DeepSpeed")
-    if not any(isinstance(f, _DropDeepSpeedCpuNote) for f in log.filters):
-        log.addFilter(_DropDeepSpeedCpuNote())
 
 
 @contextlib.contextmanager
@@ -101,7 +83,6 @@ def make_accelerator(cfg, out_dir: Path):
     from accelerate import Accelerator
     from accelerate.utils import ProjectConfiguration
 
-    quiet_deepspeed()
     cpu = use_cpu(cfg)
     kwargs: dict[str, Any] = {}
     ds = cfg.distributed.deepspeed
