@@ -54,7 +54,6 @@ TRAINER_ENTRIES = (
     REPORTED_FILE,
 )  # fmt: skip
 MAX_OOM_RETRIES = 4
-SINGLE_FILE_PICKLES = (".ckpt", ".pt", ".pth", ".bin")  # torch checkpoints: check_model_file reads their head
 
 
 class TrainFailed(SdplanError):
@@ -287,7 +286,7 @@ class InputSummary:
 def check_inputs(cfg: C.TrainConfig) -> InputSummary:
     """The dataset has readable images and the model exists: one clear error otherwise. No torch."""
     from sdplan.trainer.dataset_scan import require_images, scan
-    from sdplan.trainer.models import resolve_source
+    from sdplan.trainer.models import PICKLE_SUFFIXES, resolve_source
     from sdplan.trainer.source_check import check_source
 
     result = require_images(
@@ -301,8 +300,8 @@ def check_inputs(cfg: C.TrainConfig) -> InputSummary:
         )
     )
     source = resolve_source(cfg.model.path)
-    if source.kind == "file" and source.location.lower().endswith(SINGLE_FILE_PICKLES):
-        check_model_file(Path(source.location))
+    if source.kind == "file" and source.location.lower().endswith(PICKLE_SUFFIXES):
+        check_model_file(Path(source.location))  # torch checkpoints: their head
     # what the model is, from its files: an incomplete folder, another family, an inpainting / refiner /
     # EDM model, a LoRA or embedding given as the model are one line here, not a traceback in the trainer
     info = check_source(

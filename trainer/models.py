@@ -15,7 +15,8 @@ from typing import Any
 
 from sdplan.errors import SdplanError, UsageError
 
-SINGLE_FILE_SUFFIXES = (".safetensors", ".ckpt", ".pt", ".pth", ".bin")
+PICKLE_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin")  # torch checkpoints (a pickle, in a zip or bare)
+SINGLE_FILE_SUFFIXES = (".safetensors", *PICKLE_SUFFIXES)
 # owner/name as the hub spells it (no leading dot or slash, exactly one slash).
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 

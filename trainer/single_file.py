@@ -11,9 +11,7 @@ from sdplan.errors import UsageError
 
 from .ckpt_reader import UnsafeCheckpointError
 from .export import FAMILIES
-
-_SAFE_SUFFIXES = (".safetensors",)
-_PICKLE_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin")
+from .models import PICKLE_SUFFIXES, SINGLE_FILE_SUFFIXES
 
 
 def read_checkpoint_safely(path: str | Path) -> dict:
@@ -45,7 +43,7 @@ def read_checkpoint_safely(path: str | Path) -> dict:
 def detect_single_file_family(path: str | Path) -> str | None:
     """sd15 / sd21 / sdxl from a single file's key names (a .safetensors header only; a .ckpt read safely)."""
     path = Path(path)
-    if path.suffix.lower() in _SAFE_SUFFIXES:
+    if path.suffix.lower() == ".safetensors":
         from safetensors import safe_open
 
         with safe_open(str(path), framework="pt") as f:
@@ -78,9 +76,9 @@ def load_single_file_model(
     if not path.is_file():
         raise UsageError(f"model file {path} does not exist")
     suffix = path.suffix.lower()
-    if suffix not in _SAFE_SUFFIXES + _PICKLE_SUFFIXES:
+    if suffix not in SINGLE_FILE_SUFFIXES:
         raise UsageError(f"{path}: a single-file model is .safetensors or .ckpt, not {suffix or 'no suffix'}")
-    if suffix in _PICKLE_SUFFIXES:
+    if suffix in PICKLE_SUFFIXES:
         read_checkpoint_safely(path)  # refuses code before diffusers reads the file
     family = family or detect_single_file_family(path)
     if family is None:
