@@ -382,10 +382,17 @@ def compare(
 
 
 def trainer_config(
-    res: planner.Result, profiles: Profiles, dataset: str | None, overrides: tuple[str, ...] | list[str] = ()
+    res: planner.Result,
+    profiles: Profiles,
+    dataset: str | None,
+    overrides: tuple[str, ...] | list[str] = (),
+    *,
+    out: str | Path | None = None,
 ) -> dict[str, Any]:
     """The sdplan.yaml for this plan: defaults, the planner's settings, then the user's key=value settings
-    exactly as given (as `sdplan train` applies them)."""
+    exactly as given (as `sdplan train` applies them). ``out``: the folder it is written to, which is then
+    the run's output.dir (`sdplan train --config OUT/sdplan.yaml` trains there); the dataset and the run
+    folder are absolute paths, as `sdplan train` writes them, so the file works from any folder."""
     from sdplan import config as cfgmod
 
     s = res.plan
@@ -393,7 +400,9 @@ def trainer_config(
     model = profiles.model(s.model)
     data = cfgmod.merge(cfgmod.default_config(), s.to_config())  # the planner's settings (as `sdplan train`)
     data["model"]["path"] = model.hub_ids[0] if model.hub_ids else data["model"]["path"]
-    data["data"]["path"] = dataset or data["data"]["path"]
+    data["data"]["path"] = str(Path(dataset).resolve()) if dataset else data["data"]["path"]
+    if out is not None:
+        data["output"]["dir"] = str(Path(out).resolve())
     data["data"]["repeats"] = res.request.repeats
     data["training"].update(
         epochs=res.steps.epochs, max_steps=res.steps.total_steps, lr_warmup_steps=res.steps.lr_warmup_steps
@@ -432,7 +441,7 @@ def write_outputs(
         )
     outdir = Path(out)
     files: dict[str, str] = {}
-    cfg = trainer_config(res, profiles, dataset, overrides=overrides)
+    cfg = trainer_config(res, profiles, dataset, overrides=overrides, out=outdir)
     header = (
         f"sdplan.yaml written by `sdplan recommend` for {res.hardware.label or 'this machine'}\n"
         f"run it with: sdplan train --config {outdir / 'sdplan.yaml'}"
