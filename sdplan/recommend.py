@@ -243,7 +243,8 @@ def model_source(inp: RecommendInputs, profiles: Profiles) -> RecommendInputs:
 
     path = os.path.abspath(local) if exists else model
     info = check_source(path)
-    if not info.family:
+    family = info.family or (_listed_hub_family(model, profiles) if info.kind == "hub" else None)
+    if not family:
         why = (
             f"a pickled checkpoint whose keys cannot be read without loading it: {info.unread}"
             if info.kind == "file"
@@ -254,15 +255,22 @@ def model_source(inp: RecommendInputs, profiles: Profiles) -> RecommendInputs:
             fix=f"give the family instead (one of: {', '.join(registry.PLANNED_FAMILIES)}), and "
             f"model.path={model}",
         )
-    if info.family not in profiles.models:
-        raise registry.not_planned(info.family)
+    if family not in profiles.models:
+        raise registry.not_planned(family)
     what = {"folder": "a diffusers folder", "file": "a single file", "hub": "a hub id"}.get(
         info.kind, info.kind
     )
-    note = f"model {model}: {what} of the {info.family} family (planned as {info.family})"
+    note = f"model {model}: {what} of the {family} family (planned as {family})"
     return replace(
-        inp, model=info.family, settings=(*inp.settings, f"model.path={path}"), notes=(*inp.notes, note)
+        inp, model=family, settings=(*inp.settings, f"model.path={path}"), notes=(*inp.notes, note)
     )
+
+
+def _listed_hub_family(hub_id: str, profiles: Profiles) -> str | None:
+    """The family whose profile lists ``hub_id`` (the ids `recommend --out` itself writes as model.path), for
+    a hub id the local cache does not hold."""
+    want = hub_id.lower()
+    return next((m.family for m in profiles.models.values() if want in (h.lower() for h in m.hub_ids)), None)
 
 
 def build_request(inp: RecommendInputs, profiles: Profiles) -> tuple[planner.Request, list[str]]:

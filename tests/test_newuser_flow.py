@@ -43,3 +43,19 @@ def test_the_printed_train_command_trains_into_the_recommend_out_folder(tmp_path
     assert result.exit_code == 0, result.stderr
     assert f"output: {tmp_path / 'runs' / 'me'}" in result.stdout.splitlines()
     assert not (elsewhere / "output").exists()
+
+
+def test_a_hub_id_the_profiles_list_is_planned_for_its_family_without_the_cache(tmp_path, monkeypatch):
+    """`recommend --model stabilityai/stable-diffusion-xl-base-1.0` (the id `recommend --out` itself writes as
+    model.path) was 'cannot tell its family here' unless the local cache held the model."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    for hub_id, family in (
+        ("stabilityai/stable-diffusion-xl-base-1.0", "sdxl"),
+        ("runwayml/stable-diffusion-v1-5", "sd15"),
+    ):
+        result = cli("recommend", "--method", "lora", "--model", hub_id, "--hardware", "RTX 4090", "--json")
+        assert result.exit_code == 0, result.stderr
+        d = yaml.safe_load(result.stdout)
+        assert d["request"]["model"] == family and d["config"]["model"]["path"] == hub_id
