@@ -239,9 +239,14 @@ def model_source(inp: RecommendInputs, profiles: Profiles) -> RecommendInputs:
     looks_like_source = exists or "/" in model or model.endswith((".safetensors", ".ckpt", ".pt"))
     if not looks_like_source:  # a typo of a family name: build_request names the closest one
         return inp
+    from sdplan.trainer.models import PICKLE_SUFFIXES
     from sdplan.trainer.source_check import check_source
 
     path = os.path.abspath(local) if exists else model
+    if exists and os.path.isfile(path) and path.lower().endswith(PICKLE_SUFFIXES):
+        from sdplan.launcher import check_model_file
+
+        check_model_file(Path(path))  # as `sdplan train`: a file that is no torch checkpoint at all says so
     info = check_source(path)
     family = info.family or (_listed_hub_family(model, profiles) if info.kind == "hub" else None)
     if not family:

@@ -5,7 +5,7 @@ about the transformer families."""
 from __future__ import annotations
 
 import yaml
-from conftest import fake_diffusers_folder, make_images
+from conftest import fake_diffusers_folder, make_images, one_line_error
 from typer.testing import CliRunner
 
 from sdplan.cli import app
@@ -59,3 +59,12 @@ def test_a_hub_id_the_profiles_list_is_planned_for_its_family_without_the_cache(
         assert result.exit_code == 0, result.stderr
         d = yaml.safe_load(result.stdout)
         assert d["request"]["model"] == family and d["config"]["model"]["path"] == hub_id
+
+
+def test_recommend_says_a_ckpt_that_is_no_checkpoint_is_none_as_train_does(tmp_path):
+    """A text file named my_model.ckpt: recommend called it 'an old pickle checkpoint' whose family it cannot
+    tell and asked for the family and model.path=... (which train then refused as no checkpoint at all)."""
+    bogus = tmp_path / "my_model.ckpt"
+    bogus.write_text("not a checkpoint\n")
+    result = cli("recommend", "--method", "lora", "--model", str(bogus), "--hardware", "RTX 4090")
+    one_line_error(result, 2, "not a PyTorch checkpoint (neither a zip archive nor a pickle)")
