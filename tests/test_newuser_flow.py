@@ -68,3 +68,18 @@ def test_recommend_says_a_ckpt_that_is_no_checkpoint_is_none_as_train_does(tmp_p
     bogus.write_text("not a checkpoint\n")
     result = cli("recommend", "--method", "lora", "--model", str(bogus), "--hardware", "RTX 4090")
     one_line_error(result, 2, "not a PyTorch checkpoint (neither a zip archive nor a pickle)")
+
+
+def test_profiles_names_the_flux_variants_and_counts_the_transformer(monkeypatch):
+    """`sdplan profiles` printed 'FLUX.1 : 1024 px, 4.97B parameters (UNet 0M)': rich took '[dev]' for a style
+    tag, and the transformer families' totals left out the transformer (SD3.5 Medium and Large both 5.66B).
+    Its points table showed the QLoRA (nf4 base) point with the same settings as the bf16-base one."""
+    monkeypatch.setenv("COLUMNS", "400")
+    result = cli("profiles")
+    assert result.exit_code == 0, result.stderr
+    out = result.stdout
+    assert "FLUX.1 [dev]: 1024 px, 16.87B parameters (transformer 11901M)" in out
+    assert "FLUX.1 [schnell]: 1024 px" in out
+    assert "Stable Diffusion 3.5 Large: 1024 px, 13.72B parameters (transformer 8057M)" in out
+    assert "Stable Diffusion XL 1.0: 1024 px, 3.47B parameters (UNet 2567M)" in out
+    assert "rank 4, nf4 base" in out

@@ -78,6 +78,14 @@ def export(
 # -- tables ---------------------------------------------------------------------------------------------
 
 
+def _plain(*cells: str) -> list:
+    """Table cells as plain text: names and sources are data, not rich markup ("FLUX.1 [dev]" printed as
+    "FLUX.1 ", its "[dev]" taken for a style tag)."""
+    from rich.text import Text
+
+    return [Text(c) for c in cells]
+
+
 def _rel(path: Path, *roots: Path) -> str:
     for root in roots:
         try:
@@ -106,7 +114,7 @@ def sources_table(known: Any, shipped: Path, local: Path):
         path = Path(src)
         origin = _origin(path, local)
         rel = _rel(path, local.expanduser(), shipped) if origin == "local" else _rel(path, shipped)
-        table.add_row(origin, rel, _holds(known, path, origin))
+        table.add_row(*_plain(origin, rel, _holds(known, path, origin)))
     return table
 
 
@@ -121,8 +129,12 @@ def _holds(known: Any, path: Path, origin: str) -> str:
     if path.parent.name == "models":
         m = known.models.get(path.stem)
         if m is not None:
-            total = m.params_unet + m.text_encoder_params + m.params_vae
-            return f"{m.name}: {m.native_resolution} px, {total / 1e9:.2f}B parameters (UNet {m.params_unet / 1e6:.0f}M)"
+            total = m.denoiser_params + m.text_encoder_params + m.params_vae
+            denoiser = "UNet" if m.architecture == "unet" else "transformer"
+            return (
+                f"{m.name}: {m.native_resolution} px, {total / 1e9:.2f}B parameters "
+                f"({denoiser} {m.denoiser_params / 1e6:.0f}M)"
+            )
     if path.parent.name == "methods":
         pts = [p for p in known.points if p.method == path.stem and p.origin == origin]
         multi = [m for m in known.multi_gpu if m.method == path.stem] if origin == "shipped" else []
@@ -183,6 +195,10 @@ def _settings(p: Any) -> str:
         bits.append("+TE")
     if o.lora_rank:
         bits.append(f"rank {o.lora_rank}")
+    if o.base_precision != "bf16":  # the frozen SD3.5 / FLUX.1 base: QLoRA's nf4 is not the bf16 point
+        bits.append(f"{o.base_precision} base")
+    if o.blocks_to_swap:
+        bits.append(f"swap {o.blocks_to_swap} blocks")
     if o.deepspeed:
         bits.append("ZeRO-2 offload" if o.deepspeed.get("offload_optimizer") else "ZeRO-2")
     if o.ema:
@@ -217,13 +233,15 @@ def points_table(known: Any, *, full: bool = False):
         if p.num_gpus > 1:
             gpu = f"{p.num_gpus}x {gpu}"
         table.add_row(
-            _kind(p),
-            f"{p.method} {p.model} {p.resolution}px b{p.batch}"
-            + (f"x{p.grad_accum}" if p.grad_accum > 1 else ""),
-            _settings(p),
-            gpu,
-            _outcome(p),
-            p.source,
+            *_plain(
+                _kind(p),
+                f"{p.method} {p.model} {p.resolution}px b{p.batch}"
+                + (f"x{p.grad_accum}" if p.grad_accum > 1 else ""),
+                _settings(p),
+                gpu,
+                _outcome(p),
+                p.source,
+            )
         )
     return table
 
@@ -241,12 +259,14 @@ def gpus_table(known: Any, *, full: bool = False):
     )
     for g in known.gpus:
         table.add_row(
-            g.name,
-            g.vendor,
-            f"{g.memory_gib:g} GiB",
-            g.arch,
-            "yes" if g.bf16 else "no",
-            f"{g.fp16_tflops:g}",
-            g.source,
+            *_plain(
+                g.name,
+                g.vendor,
+                f"{g.memory_gib:g} GiB",
+                g.arch,
+                "yes" if g.bf16 else "no",
+                f"{g.fp16_tflops:g}",
+                g.source,
+            )
         )
     return table
