@@ -2710,12 +2710,17 @@ def _flow_base_reasons(
     s = best.setup
     r = []
     bf16_gib = _gib(base_weight_bytes(model, "bf16"))
-    here = _gib(base_weight_bytes(model, s.base_precision))
+    whole = base_weight_bytes(model, s.base_precision)
+    swapped = swapped_block_bytes(model, s) if s.blocks_to_swap else 0
+    here = f"{_gib(whole - swapped)} on the GPU" + (
+        f" ({_gib(whole)} in all; the swapped blocks wait in host RAM)" if swapped else ""
+    )
     factor, (lo, hi) = BASE_PRECISION_TIME[s.base_precision]
     if req.pinned("base_precision"):
         why = "pinned"
     elif s.base_precision == "bf16":
-        why = f"the {bf16_gib} bf16 base fits, so it is not quantized"
+        with_swap = f" with {s.blocks_to_swap} blocks swapped" if s.blocks_to_swap else ""
+        why = f"the {bf16_gib} bf16 base fits{with_swap}, so it is not quantized"
     else:
         leaner = [c for c in fitting if c.setup.base_precision == "bf16" and c.setup.num_gpus == s.num_gpus]
         why = (
@@ -2724,7 +2729,7 @@ def _flow_base_reasons(
             else "it allows a faster configuration than the bf16 base"
         )
     r.append(
-        f"base precision {s.base_precision}: the frozen {model.name} transformer takes {here} on the GPU; {why}"
+        f"base precision {s.base_precision}: the frozen {model.name} transformer takes {here}; {why}"
         + (
             f"; dequantising costs ~x{factor:g} transformer time (UNCALIBRATED, likely x{lo:g}-{hi:g})"
             if s.base_precision != "bf16"

@@ -83,3 +83,17 @@ def test_profiles_names_the_flux_variants_and_counts_the_transformer(monkeypatch
     assert "Stable Diffusion 3.5 Large: 1024 px, 13.72B parameters (transformer 8057M)" in out
     assert "Stable Diffusion XL 1.0: 1024 px, 3.47B parameters (UNet 2567M)" in out
     assert "rank 4, nf4 base" in out
+
+
+def test_a_swapped_base_is_not_said_to_sit_whole_on_the_gpu():
+    """FLUX.1 LoRA on a 12 GB card (35 blocks swapped) said 'the frozen transformer takes 22.2 GiB on the GPU;
+    the 22.2 GiB bf16 base fits' beside a predicted peak of 8.3 GiB."""
+    result = cli(
+        "recommend", "--method", "lora", "--model", "flux-dev", "--hardware", "RTX 3060 12GB", "--json"
+    )
+    assert result.exit_code == 0, result.stderr
+    d = yaml.safe_load(result.stdout)
+    assert d["plan"]["blocks_to_swap"] > 0 and d["plan"]["base_precision"] == "bf16"
+    (base,) = [r for r in d["reasons"] if r.startswith("base precision")]
+    assert "22.2 GiB on the GPU" not in base
+    assert "1.9 GiB on the GPU (22.2 GiB in all" in base and "fits with 35 blocks swapped" in base
