@@ -285,7 +285,7 @@ class InputSummary:
 
 def check_inputs(cfg: C.TrainConfig) -> InputSummary:
     """The dataset has readable images and the model exists: one clear error otherwise. No torch."""
-    from sdplan.trainer.dataset_scan import require_images, scan
+    from sdplan.trainer.dataset_scan import require_images, scan, uncaptioned_note
     from sdplan.trainer.models import PICKLE_SUFFIXES, resolve_source
     from sdplan.trainer.source_check import check_source
 
@@ -318,7 +318,7 @@ def check_inputs(cfg: C.TrainConfig) -> InputSummary:
         skipped=len(result.skipped),
         model_kind=source.kind,
         family=family,
-        scan_summary=result.summary(),
+        scan_summary="; ".join(filter(None, (result.summary(), uncaptioned_note(result, cfg)))),
     )
 
 

@@ -97,3 +97,19 @@ def test_a_swapped_base_is_not_said_to_sit_whole_on_the_gpu():
     (base,) = [r for r in d["reasons"] if r.startswith("base precision")]
     assert "22.2 GiB on the GPU" not in base
     assert "1.9 GiB on the GPU (22.2 GiB in all" in base and "fits with 35 blocks swapped" in base
+
+
+def test_train_says_what_uncaptioned_images_train_with(tmp_path):
+    """A LoRA from photos without .txt captions trained every one as 'a photo of sks person' (the DreamBooth
+    instance prompt), and the plan said only '0 captioned'."""
+    model = fake_diffusers_folder(tmp_path / "model")
+    photos = make_images(tmp_path / "photos", 3, caption=None)
+    args = ["train", "--model", str(model), "--dataset", str(photos), "--device", "cpu", "--dry-run"]
+    result = cli(*args, "--out", str(tmp_path / "a"))
+    assert result.exit_code == 0, result.stderr
+    (data,) = [line for line in result.stdout.splitlines() if line.startswith("data: ")]
+    assert "3 images without a .txt caption train with the caption 'a photo of sks person'" in data
+    assert "data.default_caption" in data
+    result = cli(*args, "--out", str(tmp_path / "b"), "data.default_caption=a photo of my dog")
+    assert result.exit_code == 0, result.stderr
+    assert "without a .txt caption" not in result.stdout

@@ -37,7 +37,7 @@ from PIL import Image, ImageOps
 from sdplan.errors import DatasetError
 
 from .buckets import assign_buckets, bucket_table, make_buckets
-from .dataset_scan import Item, Scan, image_size, quiet_large_images, require_images, scan
+from .dataset_scan import Item, Scan, fallback_caption, image_size, quiet_large_images, require_images, scan
 
 if TYPE_CHECKING:
     from sdplan.config import TrainConfig
@@ -272,16 +272,6 @@ def _buckets_for(cfg: TrainConfig, buckets: bool | Sequence[tuple[int, int]] | N
             max_size=_option(cfg.data, "bucket_max_size", None),
         )
     return [tuple(b) for b in buckets]
-
-
-def fallback_caption(cfg: TrainConfig) -> str:
-    """Caption for an image with none: data.default_caption (already applied by the scan), else the
-    instance prompt (textual inversion: ``a photo of <token>``), else ""."""
-    if cfg.data.default_caption is not None:
-        return cfg.data.default_caption
-    if cfg.method == "textual-inversion":
-        return f"a photo of {cfg.textual_inversion.token}"
-    return cfg.dreambooth.instance_prompt or ""
 
 
 def build_dataset(

@@ -62,7 +62,7 @@ from typing import TYPE_CHECKING, Any
 from sdplan.errors import DatasetError
 
 if TYPE_CHECKING:
-    from sdplan.config import MetadataConfig
+    from sdplan.config import MetadataConfig, TrainConfig
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 FORMATS = ("flat", "kohya", "metadata")
@@ -179,6 +179,31 @@ def scan(
     result.skipped = [s for s in result.skipped if not (s[0] in seen or seen.add(s[0]))]
     result.skipped.sort(key=lambda s: str(s[0]))
     return result
+
+
+def fallback_caption(cfg: TrainConfig) -> str:
+    """Caption for an image with none: data.default_caption (already applied by the scan), else the
+    instance prompt (textual inversion: ``a photo of <token>``), else ""."""
+    if cfg.data.default_caption is not None:
+        return cfg.data.default_caption
+    if cfg.method == "textual-inversion":
+        return f"a photo of {cfg.textual_inversion.token}"
+    return cfg.dreambooth.instance_prompt or ""
+
+
+def uncaptioned_note(result: Scan, cfg: TrainConfig) -> str:
+    """What the images without a caption train with, for the plan's data line ("" when all have one): a LoRA
+    of a dog from uncaptioned photos trained as 'a photo of sks person' without a word."""
+    n = sum(1 for it in result.items if it.caption is None)
+    if not n:
+        return ""
+    caption = fallback_caption(cfg)
+    key = "textual_inversion.token" if cfg.method == "textual-inversion" else "dreambooth.instance_prompt"
+    said = f"the caption {caption!r} (from {key})" if caption else "an empty caption"
+    return (
+        f"{n} image{'s' if n != 1 else ''} without a .txt caption train with {said}; set "
+        "data.default_caption=... or add captions to change that"
+    )
 
 
 def require_images(result: Scan) -> Scan:
