@@ -256,6 +256,18 @@ def config_data(
     return data
 
 
+def _validate_given(base: dict[str, Any], req: TrainRequest, out: Path, source: str) -> C.TrainConfig:
+    """The config as given, validated. An error that only the user's key=value settings bring is theirs: named
+    'key=value settings', not the config file that holds no such value."""
+    try:
+        return C.validate(config_data(base, req, out), source=source)
+    except C.ConfigError as e:
+        if not req.overrides:
+            raise
+        C.validate(config_data(base, replace(req, overrides=[]), out), source=source)  # the file's own errors
+        raise C.ConfigError("key=value settings", e.errors, fix=e.fix) from None
+
+
 def read_yaml_config(path: Path) -> dict[str, Any]:
     """A config file as data; ConfigError when missing or not YAML (validation comes after overrides)."""
     data = C.read_config_file(path)
@@ -757,7 +769,7 @@ def prepare(req: TrainRequest, ui: UI) -> Prepared:
         out = out_given or Path("./output").resolve()
 
     # 2. The config validates (unknown keys, wrong types) before anything else is looked at.
-    cfg = C.validate(config_data(base, req, out), source=source)
+    cfg = _validate_given(base, req, out, source)
 
     # 3. The --out rule (the demo checked it before building its model and dataset there).
     from sdplan.runfolder import check_free

@@ -113,3 +113,21 @@ def test_train_says_what_uncaptioned_images_train_with(tmp_path):
     result = cli(*args, "--out", str(tmp_path / "b"), "data.default_caption=a photo of my dog")
     assert result.exit_code == 0, result.stderr
     assert "without a .txt caption" not in result.stdout
+
+
+def test_a_bad_key_value_setting_is_not_blamed_on_the_config_file(tmp_path):
+    """`train --config run.yaml training.learning_rate=abc` said 'run.yaml: training.learning_rate: must be a
+    number, got 'abc'': the user looks in a file that holds no 'abc'."""
+    model = fake_diffusers_folder(tmp_path / "model")
+    photos = make_images(tmp_path / "photos", 2)
+    config = tmp_path / "run.yaml"
+    config.write_text(f"method: lora\nmodel: {{path: {model}}}\ndata: {{path: {photos}}}\n")
+    base = ["train", "--config", str(config), "--device", "cpu", "--dry-run", "--out", str(tmp_path / "out")]
+    line = one_line_error(
+        cli(*base, "training.learning_rate=abc"), 2, "key=value settings: training.learning_rate"
+    )
+    assert "run.yaml" not in line
+    config.write_text(
+        config.read_text() + "training: {batchsize: 2}\n"
+    )  # the file's own error still names it
+    one_line_error(cli(*base, "training.learning_rate=abc"), 2, "run.yaml: training.batchsize: unknown key")
