@@ -2143,7 +2143,8 @@ def _multi_gpu_reasons(hw, best, one, best_by_n, profiles, cal) -> list[str]:
             ratio = obs[best.observed_multi_gpu].outcome["iteration_time_ratio"]
             src = f"measured: {best.observed_multi_gpu}"
         else:
-            t1 = step_seconds(profiles, replace(s, num_gpus=1), hw.gpus[0], cal)
+            # the one-GPU step on the same basis as the plan's (a measured or scaled speed, not the bare model)
+            t1, _ = planned_step_seconds(profiles, replace(s, num_gpus=1), hw.gpus[0].spec, cal)
             ratio = best.step_seconds / t1 if t1 else float("nan")
             src = f"gradient all-reduce over {hw.link}"
         r.append(

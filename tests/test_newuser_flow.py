@@ -4,11 +4,15 @@ about the transformer families."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import yaml
 from conftest import fake_diffusers_folder, make_images, one_line_error
 from typer.testing import CliRunner
 
 from sdplan.cli import app
+
+MACHINES = Path(__file__).resolve().parent / "fixtures" / "machines"
 
 runner = CliRunner()
 
@@ -131,3 +135,22 @@ def test_a_bad_key_value_setting_is_not_blamed_on_the_config_file(tmp_path):
         config.read_text() + "training: {batchsize: 2}\n"
     )  # the file's own error still names it
     one_line_error(cli(*base, "training.learning_rate=abc"), 2, "run.yaml: training.batchsize: unknown key")
+
+
+def test_a_multi_gpu_step_is_never_said_to_be_shorter_than_one_gpus():
+    """SDXL LoRA on 8x H100: '8 GPUs: each step takes 0.38x as long as on one GPU with the same settings'. The
+    plan's step is the H100's measured speed scaled to these settings plus the all-reduce; the one-GPU step it
+    was divided by was the bare roofline."""
+    import re
+
+    machine = str(MACHINES / "8x_h100_sxm.json")
+    for method in ("lora", "finetune"):
+        result = cli(
+            "recommend", "--method", method, "--model", "sdxl", "--machine", machine, "--images", "5000", "--json"
+        )  # fmt: skip
+        assert result.exit_code == 0, result.stderr
+        d = yaml.safe_load(result.stdout)
+        assert d["plan"]["num_gpus"] == 8
+        (said,) = [r for r in d["reasons"] if r.startswith("8 GPUs: each step takes")]
+        ratio = float(re.match(r"8 GPUs: each step takes ([0-9.]+)x", said).group(1))
+        assert ratio >= 1.0, said
