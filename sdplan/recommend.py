@@ -226,6 +226,11 @@ def _is_family_name(model: str, profiles: Profiles) -> bool:
     return True
 
 
+def _count(n: int, noun: str) -> str:
+    """'1 image', '3 images'."""
+    return f"{n} {noun}{'s' if n != 1 else ''}"
+
+
 def model_source(inp: RecommendInputs, profiles: Profiles) -> RecommendInputs:
     """``--model`` as `sdplan train` takes it: a family, or a diffusers folder, a .safetensors/.ckpt file or a
     hub id. A model's own files say its family (read without torch, as `sdplan train` checks them before
@@ -306,7 +311,7 @@ def build_request(inp: RecommendInputs, profiles: Profiles) -> tuple[planner.Req
         ds = count_dataset(inp.dataset)
         images, repeats = ds.images, ds.repeats
         if ds.layout == "kohya":
-            desc = ", ".join(f"{n} ({n_img} images x {r})" for n, r, n_img in ds.folders)
+            desc = ", ".join(f"{n} ({_count(n_img, 'image')} x {r})" for n, r, n_img in ds.folders)
             notes.append(
                 f"dataset {inp.dataset}: kohya folders {desc} = {ds.images_per_epoch} images per epoch"
             )
@@ -315,7 +320,7 @@ def build_request(inp: RecommendInputs, profiles: Profiles) -> tuple[planner.Req
         else:
             repeats = inp.repeats or 1
             captioned = "with .txt captions" if ds.layout == "flat" else "captioned"
-            notes.append(f"dataset {inp.dataset}: {ds.images} images ({ds.captions} {captioned})")
+            notes.append(f"dataset {inp.dataset}: {_count(ds.images, 'image')} ({ds.captions} {captioned})")
         if ds.skipped:  # as `sdplan train` would say: a file left out is no surprise later
             notes.append(f"dataset {inp.dataset}: {ds.skipped}")
     else:

@@ -154,3 +154,18 @@ def test_a_multi_gpu_step_is_never_said_to_be_shorter_than_one_gpus():
         (said,) = [r for r in d["reasons"] if r.startswith("8 GPUs: each step takes")]
         ratio = float(re.match(r"8 GPUs: each step takes ([0-9.]+)x", said).group(1))
         assert ratio >= 1.0, said
+
+
+def test_the_data_line_gives_the_repeats(tmp_path):
+    """The demo's plan said 'flat: 8 images x repeats = 16 samples per epoch': the number was left out."""
+    from sdplan.trainer.dataset_scan import scan
+
+    photos = make_images(tmp_path / "photos", 4)
+    assert scan(photos, repeats=2).summary().startswith("flat: 4 images x 2 repeats = 8 samples per epoch")
+    make_images(tmp_path / "kohya" / "10_dog", 1)
+    make_images(tmp_path / "kohya" / "5_cat", 2)
+    assert (
+        scan(tmp_path / "kohya")
+        .summary()
+        .startswith("kohya: 3 images x their folders' repeats = 20 samples per epoch")
+    )

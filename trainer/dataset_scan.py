@@ -110,10 +110,17 @@ class Scan:
         return "; ".join(parts) + (f"; and {more} more" if more > 0 else "")
 
     def summary(self) -> str:
-        """One line for the CLI: ``kohya: 13 images x repeats = 520 samples, 12 captioned, 2 skipped``."""
+        """One line for the CLI: ``flat: 8 images x 2 repeats = 16 samples per epoch, 8 captioned``; kohya
+        folders of different repeats: ``kohya: 13 images x their folders' repeats = 520 samples ...``."""
+        kinds = {it.repeats for it in self.items}
+        repeats = (
+            f"{next(iter(kinds))} repeat{'s' if kinds != {1} else ''}"
+            if len(kinds) == 1
+            else "their folders' repeats"
+        )
         text = (
             f"{self.format}: {self.num_images} image{'s' if self.num_images != 1 else ''}"
-            f" x repeats = {self.images_x_repeats} samples per epoch, {self.num_captioned} captioned"
+            f" x {repeats} = {self.images_x_repeats} samples per epoch, {self.num_captioned} captioned"
         )
         if self.skipped:
             text += f", {len(self.skipped)} skipped ({self.skipped_text()})"
