@@ -209,6 +209,13 @@ def build_launch(
 
     if num_machines < 1:
         raise UsageError(f"--num-machines must be >= 1, got {num_machines}")
+    if num_machines == 1 and (machine_rank or main_process_ip):
+        # a node that forgot --num-machines would train alone, not join machine 0's run
+        given = "--machine-rank" if machine_rank else "--main-process-ip"
+        raise UsageError(
+            f"{given} is for a run on several machines, but --num-machines is 1",
+            fix="add --num-machines N (the number of machines), or drop it",
+        )
     if num_machines > 1:
         if cpu_processes:
             raise UsageError("--num-processes (CPU processes) does not combine with --num-machines")

@@ -169,3 +169,18 @@ def test_the_data_line_gives_the_repeats(tmp_path):
         .summary()
         .startswith("kohya: 3 images x their folders' repeats = 20 samples per epoch")
     )
+
+
+def test_machine_rank_without_num_machines_is_refused(tmp_path):
+    """Machine 1 of a two-machine run started with `--machine-rank 1 --main-process-ip 10.0.0.1` and no
+    --num-machines trained a run of its own instead of joining machine 0's."""
+    model = fake_diffusers_folder(tmp_path / "model")
+    photos = make_images(tmp_path / "photos", 2)
+    base = ["train", "--model", str(model), "--dataset", str(photos), "--device", "cpu", "--dry-run"]
+    for extra, flag in (
+        (["--machine-rank", "1"], "--machine-rank"),
+        (["--main-process-ip", "10.0.0.1"], "--main-process-ip"),
+    ):
+        result = cli(*base, "--out", str(tmp_path / "run"), *extra)
+        one_line_error(result, 2, f"{flag} is for a run on several machines", "--num-machines")
+    assert not (tmp_path / "run").exists()
