@@ -676,6 +676,16 @@ def write_run_files(out: Path, cfg: C.TrainConfig, launch: Launch, header: str) 
     return [out / name for name in files]
 
 
+def check_out_not_in_dataset(out: Path, dataset: str) -> None:
+    """UsageError for a run folder inside the dataset folder (`train --out`, `recommend --out`): the next run
+    would train on this run's outputs."""
+    if _inside(out, Path(dataset).expanduser()):
+        raise UsageError(
+            f"--out {out} is inside the dataset folder {dataset}: the next run would train on this run's outputs",
+            fix="choose an output folder outside the dataset",
+        )
+
+
 def _inside(path: Path, folder: Path) -> bool:
     try:
         path.resolve().relative_to(folder.resolve())
@@ -794,12 +804,8 @@ def prepare(req: TrainRequest, ui: UI) -> Prepared:
         check_resume_settings(C.validate(base, source=source), cfg)
 
     # 5. The inputs exist and hold something, and the run folder is not among them.
-    if not req.demo and _inside(out, Path(cfg.data.path).expanduser()):
-        raise UsageError(
-            f"--out {out} is inside the dataset folder {cfg.data.path}: the next run would train on this "
-            "run's outputs",
-            fix="choose an output folder outside the dataset",
-        )
+    if not req.demo:
+        check_out_not_in_dataset(out, cfg.data.path)
     if cfg.training.device == "cpu" and req.gpus is not None:
         raise UsageError(
             "--gpus counts GPUs; this run is on the CPU", fix="drop --gpus, or use --num-processes N"

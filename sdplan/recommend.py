@@ -474,6 +474,9 @@ def write_outputs(
         files[DEEPSPEED_FILE] = json.dumps(ds, indent=2) + "\n"
     if outdir.exists() and not outdir.is_dir():
         raise OutputExistsError(f"{outdir} exists and is not a folder")
+    from sdplan.launcher import check_out_not_in_dataset
+
+    check_out_not_in_dataset(outdir, cfg["data"]["path"])  # `sdplan train` would refuse the file written
     existing = [n for n in files if (outdir / n).exists()]
     if existing and not force:
         raise OutputExistsError(

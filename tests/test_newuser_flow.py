@@ -184,3 +184,24 @@ def test_machine_rank_without_num_machines_is_refused(tmp_path):
         result = cli(*base, "--out", str(tmp_path / "run"), *extra)
         one_line_error(result, 2, f"{flag} is for a run on several machines", "--num-machines")
     assert not (tmp_path / "run").exists()
+
+
+def test_recommend_out_inside_the_dataset_is_refused_as_train_refuses_it(tmp_path):
+    """`recommend --dataset photos --out photos` wrote sdplan.yaml and accelerate.yaml among the photos, and
+    the config it printed the command for trains into the dataset, which `sdplan train` refuses."""
+    photos = make_images(tmp_path / "photos", 2)
+    before = sorted(p.name for p in photos.iterdir())
+    for out in (photos, photos / "plan"):
+        result = cli(
+            "recommend",
+            "--method",
+            "lora",
+            "--hardware",
+            "RTX 4090",
+            "--dataset",
+            str(photos),
+            "--out",
+            str(out),
+        )
+        one_line_error(result, 2, "is inside the dataset folder")
+    assert sorted(p.name for p in photos.iterdir()) == before
