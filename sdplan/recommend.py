@@ -483,7 +483,17 @@ def write_outputs(
             f"{outdir} already holds {', '.join(existing)}", fix="pass --force to overwrite"
         )
     from sdplan import runfolder
+    from sdplan.launcher import PLAN_FILES
 
+    trained = sorted(e for e in runfolder.owned(outdir) - set(PLAN_FILES) if (outdir / e).exists())
+    if (
+        existing and trained
+    ):  # --force replaces a plan, not the settings a run's checkpoints were trained with
+        raise OutputExistsError(
+            f"{outdir} holds an sdplan training run ({', '.join(trained[:4])}): a new sdplan.yaml there would "
+            "leave its checkpoints without the settings they were trained with",
+            fix="choose another --out; continue that run with `sdplan train --resume --out DIR`",
+        )
     # --force replaces what sdplan wrote (the folder's manifest), never a user's own sdplan.yaml
     runfolder.check_not_ours(
         outdir, files, fix="--force replaces only sdplan's own files: choose another --out"

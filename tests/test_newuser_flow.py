@@ -205,3 +205,27 @@ def test_recommend_out_inside_the_dataset_is_refused_as_train_refuses_it(tmp_pat
         )
         one_line_error(result, 2, "is inside the dataset folder")
     assert sorted(p.name for p in photos.iterdir()) == before
+
+
+def test_recommend_force_never_replaces_the_config_of_a_trained_run(tmp_path):
+    """`recommend --out RUN --force` on a folder sdplan trained in replaced the run's sdplan.yaml: `train
+    --resume --out RUN` then read the new plan (another model, ./dataset) for the old checkpoints."""
+    from sdplan import runfolder
+
+    run = tmp_path / "run"
+    (run / "checkpoints" / "rolling-step-000016").mkdir(parents=True)
+    (run / "sdplan.yaml").write_text("method: lora\nlora: {rank: 4}\n")
+    runfolder.record(run, ["sdplan.yaml", "checkpoints"])
+    before = (run / "sdplan.yaml").read_text()
+    result = cli("recommend", "--method", "lora", "--hardware", "RTX 4090", "--out", str(run), "--force")
+    one_line_error(result, 3, "holds an sdplan training run (checkpoints)", "--resume")
+    assert (run / "sdplan.yaml").read_text() == before
+    plan = tmp_path / "plan"  # a folder holding only an earlier plan is still replaced with --force
+    assert cli("recommend", "--method", "lora", "--hardware", "RTX 4090", "--out", str(plan)).exit_code == 0
+    assert (
+        cli(
+            "recommend", "--method", "lora", "--hardware", "RTX 3090", "--out", str(plan), "--force"
+        ).exit_code
+        == 0
+    )
+    assert "RTX 3090" in (plan / "sdplan.yaml").read_text()
