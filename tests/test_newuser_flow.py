@@ -229,3 +229,11 @@ def test_recommend_force_never_replaces_the_config_of_a_trained_run(tmp_path):
         == 0
     )
     assert "RTX 3090" in (plan / "sdplan.yaml").read_text()
+
+
+def test_recommend_help_says_model_takes_a_path_or_hub_id():
+    """README: `sdplan recommend --model ./models/my_sdxl.safetensors`; --help said only 'Model family: sd15, ...'."""
+    result = runner.invoke(app, ["recommend", "--help"], env={"COLUMNS": "400"})
+    assert result.exit_code == 0, result.output
+    (line,) = [ln for ln in result.output.splitlines() if "--model" in ln]
+    assert "diffusers folder" in line and ".safetensors" in line and "hub id" in line

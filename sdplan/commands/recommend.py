@@ -26,7 +26,14 @@ def recommend(
         str, typer.Option("--method", help=f"What to train: {registry.one_of(registry.METHODS)}.")
     ],
     model: Annotated[
-        str, typer.Option("--model", help=f"Model family: {registry.one_of(registry.PLANNED_FAMILIES)}.")
+        str,
+        typer.Option(
+            "--model",
+            metavar="FAMILY_OR_PATH",
+            help=f"Model family: {registry.one_of(registry.PLANNED_FAMILIES)}; or the model as `sdplan train` "
+            "takes it (a diffusers folder, a .safetensors/.ckpt file or a hub id): its files say its family, and "
+            "--out writes it as model.path.",
+        ),
     ] = registry.DEFAULT_FAMILY,
     resolution: Annotated[
         int | None,
