@@ -1295,17 +1295,25 @@ def _load_cached(shipped: str, local: str) -> Profiles:
 
     lroot = Path(local)
     if lroot.is_dir():
-        lg = lroot / "gpus.yaml"
-        if lg.is_file():
-            extra = load_gpus(lg)
-            names = {g.name for g in extra}
-            gpus = [g for g in gpus if g.name not in names] + list(extra)
-            sources.append(str(lg))
-        for p in sorted((lroot / "methods").glob("*.yaml")):
-            pts, mg = load_methods(p, origin="local")
-            points += pts
-            multi += mg
-            sources.append(str(p))
+        try:
+            lg = lroot / "gpus.yaml"
+            if lg.is_file():
+                extra = load_gpus(lg)
+                names = {g.name for g in extra}
+                gpus = [g for g in gpus if g.name not in names] + list(extra)
+                sources.append(str(lg))
+            for p in sorted((lroot / "methods").glob("*.yaml")):
+                pts, mg = load_methods(p, origin="local")
+                points += pts
+                multi += mg
+                sources.append(str(p))
+        except ConfigError as e:  # a hand-edited file of the user's own store stops every command: say whose
+            raise ConfigError(
+                e.source,
+                e.errors,
+                fix=f"it is in your local profile store {lroot} ($SDPLAN_PROFILE_DIR; sdplan bench writes "
+                "there): fix the file, or move it out of the store",
+            ) from None
     missing = [f for f in PLANNED_FAMILIES if f not in models]  # a family not yet planned needs no profile
     if missing:
         raise ConfigError(str(root / "models"), [f"{f}.yaml: missing" for f in missing])

@@ -237,3 +237,14 @@ def test_recommend_help_says_model_takes_a_path_or_hub_id():
     assert result.exit_code == 0, result.output
     (line,) = [ln for ln in result.output.splitlines() if "--model" in ln]
     assert "diffusers folder" in line and ".safetensors" in line and "hub id" in line
+
+
+def test_a_broken_file_in_the_local_store_says_where_it_lives(tmp_path, monkeypatch):
+    """A hand-edited local gpus.yaml (as the 'unknown GPU' error suggests) that does not parse stopped every
+    command with 'PATH: line 2: not valid YAML' and no word that it is the user's own store, or what to do."""
+    store = tmp_path / "store"
+    (store / "methods").mkdir(parents=True)
+    (store / "gpus.yaml").write_text("gpus:\n  - name: [\n")
+    monkeypatch.setenv("SDPLAN_PROFILE_DIR", str(store))
+    result = cli("recommend", "--method", "lora", "--hardware", "RTX 4090")
+    one_line_error(result, 2, "gpus.yaml", "not valid YAML", f"local profile store {store}", "move it out")
