@@ -218,8 +218,13 @@ def flag_overrides(req: TrainRequest, out: Path | None) -> list[str]:
         o.append(f"data.resolution={req.resolution}")
     if req.epochs is not None:
         o.append(f"training.epochs={req.epochs}")
+    given = {item.partition("=")[0].strip() for item in req.overrides}
     if req.max_steps is not None:
         o.append(f"training.max_steps={req.max_steps}")
+    elif (req.epochs is not None or "training.epochs" in given) and "training.max_steps" not in given:
+        # the epochs asked for count: a config's max_steps (recommend --out writes its planned count there)
+        # would stop the run at its old length and the new epochs would do nothing
+        o.append("training.max_steps=null")
     if req.device:
         o.append(f"training.device={req.device}")
     if req.num_processes is not None:

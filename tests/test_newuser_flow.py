@@ -248,3 +248,33 @@ def test_a_broken_file_in_the_local_store_says_where_it_lives(tmp_path, monkeypa
     monkeypatch.setenv("SDPLAN_PROFILE_DIR", str(store))
     result = cli("recommend", "--method", "lora", "--hardware", "RTX 4090")
     one_line_error(result, 2, "gpus.yaml", "not valid YAML", f"local profile store {store}", "move it out")
+
+
+def test_epochs_given_to_train_count_over_a_planned_max_steps(tmp_path):
+    """`recommend --out` writes its planned step count as training.max_steps; `sdplan train --config
+    DIR/sdplan.yaml --epochs 3` (or training.epochs=3) then trained the planned 10 epochs' steps: the epochs
+    asked for did nothing."""
+    model = fake_diffusers_folder(tmp_path / "model")
+    photos = make_images(tmp_path / "photos", 4)
+    plan = tmp_path / "plan"
+    args = [
+        "recommend",
+        "--method",
+        "lora",
+        "--model",
+        str(model),
+        "--dataset",
+        str(photos),
+        "--hardware",
+        "RTX 4090",
+    ]
+    assert cli(*args, "--out", str(plan), "training.batch_size=2").exit_code == 0
+    train = ["train", "--config", str(plan / "sdplan.yaml"), "--device", "cpu", "--dry-run"]
+    for extra in (["--epochs", "3"], ["training.epochs=3"]):
+        result = cli(*train, *extra)
+        assert result.exit_code == 0, result.stderr
+        assert "= 2 steps per epoch x 3 epoch(s) = 6 optimizer steps; images seen 12" in result.stdout, (
+            result.stdout
+        )
+    result = cli(*train, "--epochs", "3", "training.max_steps=5")  # both given: the step count still caps
+    assert "training.max_steps 5 / 1 process(es) = 5 optimizer steps" in result.stdout, result.stdout
