@@ -483,9 +483,19 @@ def describe(cfg: C.TrainConfig, steps: dict[str, int], world: int, inputs: Inpu
         f"memory savers: {', '.join(savers) if savers else 'none needed'}; optimizer {m.optimizer}",
     ]
     if t.max_steps:
+        by_epochs = config_steps(
+            replace(cfg, training=replace(t, max_steps=None)), steps["images_per_epoch"], world
+        )
         lines.append(
             f"steps: training.max_steps {t.max_steps} / {world} process(es) = {steps['total_steps']} optimizer "
             f"steps = {steps['images_seen']} images"
+            # a planned count (recommend --out) for another dataset than this one trains another length
+            + (
+                f" ({by_epochs['epochs']} epoch(s) of this dataset would be {by_epochs['total_steps']} steps: "
+                "training.max_steps=null trains by epochs)"
+                if by_epochs["total_steps"] != steps["total_steps"]
+                else ""
+            )
         )
     else:
         lines.append(

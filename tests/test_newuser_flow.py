@@ -278,3 +278,20 @@ def test_epochs_given_to_train_count_over_a_planned_max_steps(tmp_path):
         )
     result = cli(*train, "--epochs", "3", "training.max_steps=5")  # both given: the step count still caps
     assert "training.max_steps 5 / 1 process(es) = 5 optimizer steps" in result.stdout, result.stdout
+
+
+def test_a_planned_step_count_for_another_dataset_is_pointed_out(tmp_path):
+    """Planned with --images 2 (max_steps 20), then trained on 8 images: the run trained 20 steps, a quarter of
+    its 10 epochs, and the plan's lines gave no hint."""
+    model = fake_diffusers_folder(tmp_path / "model")
+    photos = make_images(tmp_path / "photos", 8)
+    plan = tmp_path / "plan"
+    args = ["recommend", "--method", "lora", "--model", str(model), "--images", "2", "--hardware", "RTX 4090"]
+    assert cli(*args, "--out", str(plan), "training.batch_size=1").exit_code == 0
+    result = cli(
+        "train", "--config", str(plan / "sdplan.yaml"), "--device", "cpu", "--dry-run", f"data.path={photos}"
+    )
+    assert result.exit_code == 0, result.stderr
+    (steps,) = [line for line in result.stdout.splitlines() if line.startswith("steps: ")]
+    assert "= 20 optimizer steps" in steps
+    assert "10 epoch(s) of this dataset would be 80 steps: training.max_steps=null trains by epochs" in steps
