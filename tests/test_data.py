@@ -434,3 +434,22 @@ def test_vae_identity_tells_weights_apart():
     assert vae_identity(a) != vae_identity(other)
     assert vae_identity(a, "mode") != vae_identity(a, "sample")
     assert len(vae_identity(a)) == 16
+
+
+def test_caching_latents_shows_its_progress(tmp_path, capsys, fresh_accelerator_state):
+    """A VAE pass over every sample of every epoch (minutes on a real dataset) printed nothing until its
+    'latent cache: N encoded' line at the end."""
+    from accelerate import Accelerator
+    from diffusers import AutoencoderKL
+    from sdplan.trainer.latents import precompute_latents
+
+    for i in range(3):
+        noise(tmp_path / f"{i}.png", size=(64, 64), seed=i)
+    ds = CaptionedImages([Item(p) for p in sorted(tmp_path.glob("*.png"))], resolution=64, random_flip=0.5)
+    torch.manual_seed(0)
+    vae = AutoencoderKL(block_out_channels=(8,), layers_per_block=1, latent_channels=4, norm_num_groups=8)
+    precompute_latents(Accelerator(cpu=True), LatentCache(None, identity="v"), vae, [ds], epochs=2)
+    lines = capsys.readouterr().out.splitlines()
+    assert "caching latents: sample 1/6" in lines[0]
+    assert any(line.startswith("caching latents: sample 6/6") for line in lines)
+    assert lines[-1].startswith("latent cache: ")

@@ -480,10 +480,12 @@ class LatentCache:
         *,
         epochs: Sequence[int] = (0,),
         batch_size: int = 8,
+        on_sample: Callable[[], None] | None = None,
     ) -> int:
         """Encode every sample of the given epochs that the cache lacks (so the VAE can leave the GPU);
         returns how many were encoded. With random crops or flips each epoch has its own samples: pass
-        every epoch that will be trained. Leaves the dataset at its current epoch."""
+        every epoch that will be trained. Leaves the dataset at its current epoch. ``on_sample`` is called
+        once per sample looked at (progress)."""
         before = self.misses
         keep = dataset.epoch
         loader = torch.utils.data.DataLoader(dataset, batch_size=1, collate_fn=lambda b: b[0])
@@ -494,16 +496,18 @@ class LatentCache:
                 for sample in loader:
                     if not self._has(self.key(sample)):
                         group.append(sample)
+                    elif on_sample is not None:
+                        on_sample()
                     if len(group) >= batch_size:
-                        self._encode_group(group, encode_fn)
+                        self._encode_group(group, encode_fn, on_sample)
                         group = []
                 if group:
-                    self._encode_group(group, encode_fn)
+                    self._encode_group(group, encode_fn, on_sample)
         finally:
             dataset.set_epoch(keep)
         return self.misses - before
 
-    def _encode_group(self, group: list[dict[str, Any]], encode_fn) -> None:
+    def _encode_group(self, group: list[dict[str, Any]], encode_fn, on_sample=None) -> None:
         by_shape: dict[tuple[int, ...], list[dict[str, Any]]] = {}
         for s in group:
             by_shape.setdefault(tuple(s["pixel_values"].shape), []).append(s)
@@ -511,3 +515,6 @@ class LatentCache:
             # Two samples of one epoch can share a key (same image, crop and flip): encode it once.
             unique = list({s["cache_key"]: s for s in samples}.values())
             self.get_or_encode_batch(collate(unique), encode_fn)
+            if on_sample is not None:
+                for _ in samples:
+                    on_sample()

@@ -79,16 +79,32 @@ def precompute_latents(accelerator, cache, vae, datasets: list, epochs: int) -> 
         with torch.no_grad():
             return posterior(vae, px).float()
 
-    def fill() -> int:
-        return sum(cache.precompute(ds, encode, epochs=range(epochs)) for ds in datasets)
+    from .progress import Progress
 
-    if cache.dir is None:  # in memory: each process fills its own
-        encoded = fill()
-    else:  # on disk: the main process encodes, the others then find the files
-        encoded = fill() if accelerator.is_main_process else 0
-        accelerator.wait_for_everyone()
-        if not accelerator.is_main_process:
-            fill()
+    # a VAE pass over every sample of every epoch takes minutes on a real dataset: show it (main process)
+    progress = Progress(
+        accelerator, sum(len(ds) for ds in datasets) * epochs, description="caching latents", unit="sample"
+    )
+    done = 0
+
+    def tick() -> None:
+        nonlocal done
+        done += 1
+        progress.update(done)
+
+    def fill() -> int:
+        return sum(cache.precompute(ds, encode, epochs=range(epochs), on_sample=tick) for ds in datasets)
+
+    try:
+        if cache.dir is None:  # in memory: each process fills its own
+            encoded = fill()
+        else:  # on disk: the main process encodes, the others then find the files
+            encoded = fill() if accelerator.is_main_process else 0
+            accelerator.wait_for_everyone()
+            if not accelerator.is_main_process:
+                fill()
+    finally:
+        progress.close()
     say(accelerator, f"latent cache: {encoded} encoded, {len(cache)} cached")
 
 

@@ -24,12 +24,16 @@ class Progress:
     """Step, loss, it/s, ETA (and GPU memory on CUDA) on the main process. A rich bar on a terminal; plain
     lines (about 20 per run, and the last step) when stdout is not a TTY; nothing on other processes."""
 
-    def __init__(self, accelerator, total: int, initial: int = 0, description: str = "train"):
+    def __init__(
+        self, accelerator, total: int, initial: int = 0, description: str = "train", unit: str = "step"
+    ):
+        """``unit``: what is counted ("step"; "sample" for caching, which has no loss to show)."""
         import torch
 
         self.enabled = accelerator.is_main_process
         self.total = total
         self.initial = initial
+        self.unit = unit
         self.cuda = accelerator.device.type == "cuda" and torch.cuda.is_available()
         self.tty = sys.stdout.isatty() and os.environ.get("SDPLAN_PLAIN_PROGRESS") is None
         self.every = max(1, total // 20)
@@ -40,11 +44,12 @@ class Progress:
             from rich.progress import BarColumn, TextColumn
             from rich.progress import Progress as RichProgress
 
+            loss = [TextColumn("loss {task.fields[loss]}")] if unit == "step" else []
             self._bar = RichProgress(
                 TextColumn("[bold]{task.description}"),
                 BarColumn(),
-                TextColumn("step {task.completed}/{task.total}"),
-                TextColumn("loss {task.fields[loss]}"),
+                TextColumn(f"{unit} {{task.completed}}/{{task.total}}"),
+                *loss,
                 TextColumn("{task.fields[rate]} it/s"),
                 TextColumn("ETA {task.fields[eta]}"),
                 TextColumn("{task.fields[mem]}"),
@@ -84,7 +89,7 @@ class Progress:
             mem = f" {fields['mem']}" if fields["mem"] else ""
             loss_text = f" loss {fields['loss']}" if loss is not None else ""
             print(
-                f"{self.description}: step {step}/{self.total}{loss_text} {fields['rate']} it/s "
+                f"{self.description}: {self.unit} {step}/{self.total}{loss_text} {fields['rate']} it/s "
                 f"ETA {fields['eta']}{mem}",
                 flush=True,
             )
