@@ -295,3 +295,19 @@ def test_a_planned_step_count_for_another_dataset_is_pointed_out(tmp_path):
     (steps,) = [line for line in result.stdout.splitlines() if line.startswith("steps: ")]
     assert "= 20 optimizer steps" in steps
     assert "10 epoch(s) of this dataset would be 80 steps: training.max_steps=null trains by epochs" in steps
+
+
+def test_python_dash_m_sdplan_runs_the_cli(tmp_path):
+    """`python -m sdplan --version`: 'No module named sdplan.__main__'."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "sdplan", "--version"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("sdplan ")
