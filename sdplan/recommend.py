@@ -409,8 +409,8 @@ def trainer_config(
 ) -> dict[str, Any]:
     """The sdplan.yaml for this plan: defaults, the planner's settings, then the user's key=value settings
     exactly as given (as `sdplan train` applies them). ``out``: the folder it is written to, which is then
-    the run's output.dir (`sdplan train --config OUT/sdplan.yaml` trains there); the dataset and the run
-    folder are absolute paths, as `sdplan train` writes them, so the file works from any folder."""
+    the run's output.dir, as given (like the dataset: `sdplan train --config OUT/sdplan.yaml` from the same
+    folder trains there; a plan for another machine keeps no path of this one)."""
     from sdplan import config as cfgmod
 
     s = res.plan
@@ -418,9 +418,9 @@ def trainer_config(
     model = profiles.model(s.model)
     data = cfgmod.merge(cfgmod.default_config(), s.to_config())  # the planner's settings (as `sdplan train`)
     data["model"]["path"] = model.hub_ids[0] if model.hub_ids else data["model"]["path"]
-    data["data"]["path"] = str(Path(dataset).resolve()) if dataset else data["data"]["path"]
+    data["data"]["path"] = dataset or data["data"]["path"]
     if out is not None:
-        data["output"]["dir"] = str(Path(out).resolve())
+        data["output"]["dir"] = str(out)
     data["data"]["repeats"] = res.request.repeats
     data["training"].update(
         epochs=res.steps.epochs, max_steps=res.steps.total_steps, lr_warmup_steps=res.steps.lr_warmup_steps
