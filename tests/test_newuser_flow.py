@@ -1,6 +1,8 @@
-"""A new user following the README end to end: `recommend --out DIR` then the command it prints, a model given
-by the hub id the planner itself writes, a file that is not a checkpoint at all, what `sdplan profiles` says
-about the transformer families."""
+"""A new user following the README end to end (QA pass, 2026-11-26): `recommend --out DIR` then the command
+it prints, a model given by a hub id the profiles list, a .ckpt that is no checkpoint, `sdplan profiles` on the
+transformer families, what the plan says about a swapped base, multi-GPU steps, uncaptioned images and the
+repeats, whose mistake a bad key=value is, a second machine without --num-machines, recommend --out inside the
+dataset or over a trained run, --epochs over a planned max_steps, a broken local store, `python -m sdplan`."""
 
 from __future__ import annotations
 
