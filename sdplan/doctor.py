@@ -58,7 +58,8 @@ def planner_verdicts(snapshot: Snapshot) -> list[Verdict]:
             s = result.plan
             if not result.feasible or s is None or result.memory is None:
                 need = (result.needs or {}).get("min_vram_bytes")
-                what = f"needs a {need / 2**30:.0f} GiB GPU" if need else "does not fit"
+                # one decimal, as recommend says it: rounded to whole GiB, 12.4 read "needs a 12 GiB GPU" on a 12 GiB card
+                what = f"needs a {need / 2**30:.1f} GiB GPU" if need else "does not fit"
                 # no "no usable GPU" here: the table's title says it once
                 out.append(Verdict(method, family, "no", what))
                 continue

@@ -254,7 +254,16 @@ def test_without_a_gpu_the_verdicts_say_so_once_and_each_cell_the_gpu_it_needs()
     render(snap, console)
     text = console.export_text()
     assert text.count("no usable GPU here") == 1 and "no usable GPU;" not in text
-    assert "needs a 3 GiB GPU" in text  # SD 1.x LoRA
+    assert "needs a 2.8 GiB GPU" in text  # SD 1.x LoRA
+
+
+def test_a_gpu_a_little_too_small_is_not_said_to_be_what_it_needs():
+    """SDXL DreamBooth on a 12 GiB RTX 3060 needs 12.4 GiB: the verdict said 'needs a 12 GiB GPU' (rounded)."""
+    from sdplan.doctor import planner_verdicts
+
+    verdicts = planner_verdicts(Snapshot.load(MACHINES / "rtx3060_12gb.json"))
+    (cell,) = [v for v in verdicts if (v.method, v.family) == ("dreambooth", "sdxl")]
+    assert cell.status == "no" and cell.note == "needs a 12.4 GiB GPU"
 
 
 def test_report_rows_mark_missing_values_not_zero():
