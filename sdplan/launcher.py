@@ -454,8 +454,17 @@ def config_steps(cfg: C.TrainConfig, images_x_repeats: int, world: int) -> dict[
     ).summary()
 
 
-def describe(cfg: C.TrainConfig, steps: dict[str, int], world: int, inputs: InputSummary) -> list[str]:
-    """The plan as lines for the user: what is trained, how, and the step arithmetic."""
+def describe(
+    cfg: C.TrainConfig,
+    steps: dict[str, int],
+    world: int,
+    inputs: InputSummary,
+    *,
+    max_steps_from_file: bool = True,
+) -> list[str]:
+    """The plan as lines for the user: what is trained, how, and the step arithmetic. ``max_steps_from_file``:
+    training.max_steps came with the config (not --max-steps or a key=value), so what its epochs would train
+    is worth a word where that differs."""
     t, m, ds = cfg.training, cfg.memory, cfg.distributed.deepspeed
     savers = [
         name
@@ -493,7 +502,7 @@ def describe(cfg: C.TrainConfig, steps: dict[str, int], world: int, inputs: Inpu
             + (
                 f" ({by_epochs['epochs']} epoch(s) of this dataset would be {by_epochs['total_steps']} steps: "
                 "training.max_steps=null trains by epochs)"
-                if by_epochs["total_steps"] != steps["total_steps"]
+                if max_steps_from_file and by_epochs["total_steps"] != steps["total_steps"]
                 else ""
             )
         )
@@ -1248,7 +1257,8 @@ def run(req: TrainRequest, ui: UI | None = None) -> dict[str, Any]:
         ui.echo(
             "not planned (--no-plan): the defaults with your key=value settings; whether they fit is not checked"
         )
-    for line in describe(p.cfg, p.steps, p.world, p.inputs):
+    typed = req.max_steps is not None or any(o.startswith("training.max_steps=") for o in req.overrides)
+    for line in describe(p.cfg, p.steps, p.world, p.inputs, max_steps_from_file=not typed):
         ui.echo(line)
     ui.echo(f"output: {p.out}")
     if launch.per_node_commands:

@@ -289,6 +289,18 @@ def test_a_planned_step_count_for_another_dataset_is_pointed_out(tmp_path):
     (steps,) = [line for line in result.stdout.splitlines() if line.startswith("steps: ")]
     assert "= 20 optimizer steps" in steps
     assert "10 epoch(s) of this dataset would be 80 steps: training.max_steps=null trains by epochs" in steps
+    result = cli(
+        "train",
+        "--config",
+        str(plan / "sdplan.yaml"),
+        "--device",
+        "cpu",
+        "--dry-run",
+        "--max-steps",
+        "3",
+        f"data.path={photos}",
+    )
+    assert "optimizer steps = 3 images" in result.stdout and "would be" not in result.stdout  # asked for here
 
 
 def test_python_dash_m_sdplan_runs_the_cli(tmp_path):
