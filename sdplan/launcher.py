@@ -166,6 +166,18 @@ def check_out_dir(
             f"--out {out} already holds files ({shown}) and is not an sdplan run",
             fix="choose a new or empty folder; sdplan never writes over your files",
         )
+    if (
+        not force
+        and config_path is not None
+        and _same_file(config_path, out / CONFIG_FILE)
+        and runfolder.owned(out) <= set(PLAN_FILES)
+    ):  # `recommend --out` wrote its plan beside the user's own files: nothing has trained here
+        theirs = [e for e in entries if e not in PLAN_FILES]
+        shown = ", ".join(theirs[:4]) + (", ..." if len(theirs) > 4 else "")
+        raise OutputExistsError(
+            f"--out {out} holds your files ({shown}) beside the plan; a run there would write among them",
+            fix="train into another folder with --out DIR, or move your files out",
+        )
     if not force:
         raise OutputExistsError(
             f"--out {out} holds an sdplan run",

@@ -317,3 +317,39 @@ def test_python_dash_m_sdplan_runs_the_cli(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("sdplan ")
+
+
+def test_a_plan_written_beside_the_users_files_says_so_when_trained(tmp_path):
+    """`recommend --out proj` into a folder of the user's own files, then the printed `sdplan train --config
+    proj/sdplan.yaml`: 'holds an sdplan run (continue it with --resume, ...)', of a run that never trained."""
+    model = fake_diffusers_folder(tmp_path / "model")
+    photos = make_images(tmp_path / "photos", 2)
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    (proj / "notes.txt").write_text("mine")
+    args = [
+        "recommend",
+        "--method",
+        "lora",
+        "--model",
+        str(model),
+        "--dataset",
+        str(photos),
+        "--hardware",
+        "RTX 4090",
+    ]
+    assert cli(*args, "--out", str(proj)).exit_code == 0
+    result = cli("train", "--config", str(proj / "sdplan.yaml"), "--device", "cpu", "--dry-run")
+    line = one_line_error(result, 3, "holds your files (notes.txt) beside the plan", "--out DIR")
+    assert "--resume" not in line
+    result = cli(
+        "train",
+        "--config",
+        str(proj / "sdplan.yaml"),
+        "--device",
+        "cpu",
+        "--dry-run",
+        "--out",
+        str(tmp_path / "run"),
+    )
+    assert result.exit_code == 0, result.stderr
