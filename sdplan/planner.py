@@ -622,10 +622,20 @@ class Calibration:
         key = (s.model, _step_floor_kind(s.method))
         return next((sec for k, sec, _ in self.step_floors if k == key), None)
 
+    # GPU architecture family -> the UNets' bandwidth efficiency fitted on the sdplan bench speeds measured
+    # there (at least BENCH_MIN_POINTS); the published one above elsewhere
+    bandwidth_by_family: tuple[tuple[str, float], ...] = ()
+
     def bandwidth_efficiency_for(self, spec: GPUSpec | None) -> float:
-        """One bandwidth efficiency for every GPU: the architectures differ through their measured GEMM ceiling
-        and their memory bandwidth. Fitted per architecture family, each family rests on one or two published
-        speeds and leave-one-source-out gets worse (40% median against 27%): not done."""
+        """The UNets' bandwidth efficiency on ``spec``: fitted on sdplan bench speeds of its architecture where
+        there are enough (bandwidth_by_family), else one for every GPU, fitted on published speeds (the
+        architectures differ through their measured GEMM ceiling and their memory bandwidth; fitted per
+        architecture on one or two published speeds each, leave-one-source-out got worse, 40% median against
+        27%). On the H100 (28 points, 2026-11-26) the bench fit is 2x the published one: the global fit
+        predicted its large batches up to 2.6x too slow."""
+        fam = dict(self.bandwidth_by_family)
+        if spec is not None and spec.family in fam:
+            return fam[spec.family]
         return self.bandwidth_efficiency
 
     # the transformer families (SD3.5 / FLUX.1): one efficiency fitted on their own published speeds (big
@@ -633,7 +643,7 @@ class Calibration:
     flow_efficiency: float | None = None
     flow_points: tuple[tuple[str, float], ...] = ()
     # GPU architecture family -> the transformer families' efficiency measured there by `sdplan bench` (at
-    # least FLOW_BENCH_MIN_POINTS points); the one above elsewhere
+    # least BENCH_MIN_POINTS points); the one above elsewhere
     flow_by_family: tuple[tuple[str, float], ...] = ()
 
     def flow_efficiency_for(self, spec: GPUSpec | None) -> float:
@@ -751,8 +761,10 @@ def step_seconds(
         seconds += swap_seconds(profiles, s, spec)
     else:
         compute = step_compute_seconds(profiles, s, spec, cal)
-        seconds = compute + optimizer_step_seconds(profiles, s, spec) + cal.step_overhead_s
-        seconds = max(seconds, cal.step_floor_s(s) or 0.0)
+        # the launch-bound floor is a step with cached latents: a VAE encode every step adds to it, not under it
+        vae = compute - step_compute_seconds(profiles, replace(s, cache_latents=True), spec, cal)
+        seconds = compute - vae + optimizer_step_seconds(profiles, s, spec) + cal.step_overhead_s
+        seconds = max(seconds, cal.step_floor_s(s) or 0.0) + vae
     if s.offload:
         seconds *= OFFLOAD_TIME_FACTOR
     if s.num_gpus > 1 and link_gbs:
@@ -778,6 +790,12 @@ def time_basis_text(profiles: Profiles, s: Settings, gpu: HWGPU, cal: Calibratio
         f"{spec.matmul_tflops(s.precision):g} TFLOPS): {byte_s:.2f} s of memory traffic vs {flop_s:.2f} s of "
         f"matmul per micro-step (the traffic includes the per-step fixed work of {cal.fixed_samples:g} samples), "
         f"plus {cal.step_overhead_s:.2f} s per-step overhead (fitted on {len(cal.bandwidth_points)} published speeds)"
+        + (
+            f"; the bandwidth efficiency ({cal.bandwidth_efficiency_for(spec) * 100:.0f}%) fitted on sdplan bench "
+            f"speeds of {spec.family.capitalize()} GPUs"
+            if spec.family in dict(cal.bandwidth_by_family)
+            else ""
+        )
     )
 
 
@@ -845,6 +863,7 @@ def calibrate(profiles: Profiles) -> Calibration:
         bandwidth_points=tuple((i, e) for i, e, _ in bw),
     )
     cal = replace(cal, step_floors=_step_floors(profiles))
+    cal = replace(cal, bandwidth_by_family=_bench_bandwidth_efficiencies(profiles, cal))
     flow = _flow_efficiency_points(profiles)
     if flow:
         cal = replace(cal, flow_efficiency=_geomean([e for _, e in flow]), flow_points=tuple(flow))
@@ -883,6 +902,8 @@ def _step_floors(profiles: Profiles) -> tuple[tuple[tuple[str, str], float, str]
         it_s = p.outcome.get("it_s")
         if not it_s or p.num_gpus != 1 or flow_family(p.model) or p.grad_accum != 1 or not p.gpu:
             continue
+        if not p.settings.cache_latents:  # step_seconds adds the VAE encode to the floor
+            continue
         series.setdefault((p.gpu, replace(p.settings, batch=1)), []).append((p.batch, 1.0 / it_s, p.id))
     best: dict[tuple[str, str], tuple[float, str]] = {}
     for (_, settings), pts in series.items():
@@ -893,6 +914,38 @@ def _step_floors(profiles: Profiles) -> tuple[tuple[tuple[str, str], float, str]
             if key not in best or sec < best[key][0]:
                 best[key] = (sec, pid)
     return tuple((k, sec, pid) for k, (sec, pid) in sorted(best.items()))
+
+
+# sdplan bench speeds that give a GPU architecture its own efficiency (the UNets' bandwidth efficiency, the
+# transformer families' FLOP efficiency): fewer would let one noisy series set it
+BENCH_MIN_POINTS = 5
+BANDWIDTH_EFFICIENCY_GRID = tuple(0.01 * 1.03**i for i in range(160))  # 0.01 .. 1.1, 3% apart
+
+
+def _bench_bandwidth_efficiencies(profiles: Profiles, cal: Calibration) -> tuple[tuple[str, float], ...]:
+    """Per GPU architecture family with at least BENCH_MIN_POINTS sdplan bench speeds of the UNet families (one
+    GPU): the bandwidth efficiency whose whole step prediction (roofline, overhead, launch-bound floor) fits
+    them best, least squares on log time. The floor absorbs the flat small batches, so the batches where the
+    step grows with the work set it. Fitting it there as for the published speeds (a geometric mean of each
+    point's ratio) would read the launch-bound steps as slow memory."""
+    by: dict[str, list[tuple[Settings, GPUSpec, float]]] = {}
+    for p in profiles.points:
+        it_s, spec = p.outcome.get("it_s"), profiles.point_gpu(p)
+        if not (p.from_bench and it_s and spec is not None and spec.memory_bandwidth_gbs):
+            continue
+        if p.num_gpus != 1 or flow_family(p.model):
+            continue
+        by.setdefault(spec.family, []).append((setup_from_point(p), spec, 1.0 / it_s))
+
+    def error(fam: str, rows: list, eff: float) -> float:
+        c = replace(cal, bandwidth_by_family=((fam, eff),))
+        return sum(math.log(step_seconds(profiles, s, spec, c) / sec) ** 2 for s, spec, sec in rows)
+
+    return tuple(
+        (fam, min(BANDWIDTH_EFFICIENCY_GRID, key=lambda eff, fam=fam, rows=rows: error(fam, rows, eff)))
+        for fam, rows in sorted(by.items())
+        if len(rows) >= BENCH_MIN_POINTS
+    )
 
 
 def _fit_step_overhead(profiles: Profiles, speeds: list) -> float:
@@ -2548,22 +2601,16 @@ def _flow_efficiency_points(profiles: Profiles) -> list[tuple[str, float]]:
     return out
 
 
-# sdplan bench speeds of the transformer families that give an architecture its own efficiency
-FLOW_BENCH_MIN_POINTS = 5
-
-
 def _flow_bench_efficiencies(profiles: Profiles) -> tuple[tuple[str, float], ...]:
     """Per GPU architecture family: the geometric mean efficiency of the transformer families' sdplan bench
     speeds measured there (fit_speed or not: they stay out of the cross-GPU fit above, whose two published
-    points they would outnumber), where there are at least FLOW_BENCH_MIN_POINTS."""
+    points they would outnumber), where there are at least BENCH_MIN_POINTS."""
     by: dict[str, list[float]] = {}
     for p in profiles.points:
         e = _flow_point_efficiency(profiles, p) if p.from_bench else None
         if e is not None:
             by.setdefault(profiles.point_gpu(p).family, []).append(e)
-    return tuple(
-        (fam, _geomean(effs)) for fam, effs in sorted(by.items()) if len(effs) >= FLOW_BENCH_MIN_POINTS
-    )
+    return tuple((fam, _geomean(effs)) for fam, effs in sorted(by.items()) if len(effs) >= BENCH_MIN_POINTS)
 
 
 # kohya --blocks_to_swap (kohya-ss/sd-scripts library/flux_models.py enable_block_swap): N swaps N // 2

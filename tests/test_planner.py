@@ -315,9 +315,10 @@ def test_settings_near_a_bench_point_are_scaled_by_it(prof):
 
 def test_bench_points_predicted_leaving_each_out():
     """Leave each H100 bench point out (calibration and evidence): as a plan states it (the floor, then the
-    nearest other bench point scaling the model) the speed errs by a median 7.5%, max 36.8% on the 28 UNet
-    points; the model with the floor alone by 9.3% / 61.6%. The 27 SD3.5 / FLUX.1 LoRA points (2026-11-26,
-    second session): median 3.4%, max 41.8% (SD3.5 Large at batch 1, scaled from batch 2), where the model
+    nearest other bench point scaling the model) the speed errs by a median 6.4%, max 36.8% on the 28 UNet
+    points (7.5% with the published bandwidth efficiency, before the Hopper one fitted on the bench points;
+    the model with the floor alone then erred by 9.3% / 61.6%). The 27 SD3.5 / FLUX.1 LoRA points (2026-11-26,
+    second session): median 2.0%, max 38.1% (SD3.5 Large at batch 1, scaled from batch 2), where the model
     alone errs by 82-274% (their efficiency rests on two published speeds of other GPUs)."""
     import dataclasses
     import statistics
