@@ -1479,7 +1479,22 @@ def _measured_peak_point(profiles: Profiles, s: Settings, gpu: HWGPU) -> MethodP
     return None
 
 
-MEASURED_PEAK_BAND = (0.95, 1.05)  # a peak measured on this GPU: the run's own noise, not the model's
+MEASURED_BAND = (0.95, 1.05)  # a peak or speed sdplan bench measured on this GPU: the run's own noise
+
+
+def seconds_band(profiles: Profiles, basis: str) -> tuple[tuple[float, float], str]:
+    """(low, high) factors of a plan's time and where they come from, by the basis of its speed: a speed
+    sdplan bench measured at these settings on this GPU, the run's own spread; the model scaled by a bench
+    point, the spread of the bench points each predicted so without themselves; else the validation set's."""
+    unc = profiles.uncertainty
+    if basis == "measured":
+        return MEASURED_BAND, "a measurement's own spread"
+    if basis == "scaled" and unc.seconds_scaled is not None:
+        return (
+            unc.seconds_scaled,
+            f"sdplan bench speeds each predicted so without itself, n={unc.n_seconds_scaled}",
+        )
+    return unc.seconds, f"validation set, n={unc.n_seconds}"
 
 
 def _evaluate(req: Request, profiles: Profiles, hw: Hardware, cal: Calibration, s: Settings) -> Candidate:
@@ -1491,13 +1506,12 @@ def _evaluate(req: Request, profiles: Profiles, hw: Hardware, cal: Calibration, 
         allocated = measured.outcome["peak_vram_gib"] * GiB
         overhead = CUDA_CONTEXT_BYTES + ALLOCATOR_OVERHEAD * allocated
         mem = replace(mem, overhead=overhead, peak=max(allocated + overhead, mem.sampling_peak))
-        unc_peak = MEASURED_PEAK_BAND
+        unc_peak = MEASURED_BAND
     vram = min(g.memory_bytes for g in hw.gpus[: s.num_gpus])
     host_ok = host_ram_ok(profiles, s, hw.ram_total_bytes, mem)
     fits = mem.peak <= HEADROOM * vram and host_ok
     if fits and _observed_oom(profiles, s, gpu) is not None:
         fits = False
-    unc = profiles.uncertainty
     peak_range = (mem.peak * unc_peak[0], mem.peak * unc_peak[1])
     steps = _steps(req, s.batch, s.grad_accum, s.num_gpus)
     observed = _observed_multi_gpu(profiles, s, hw)
@@ -1506,11 +1520,10 @@ def _evaluate(req: Request, profiles: Profiles, hw: Hardware, cal: Calibration, 
         step_s = one_s * observed.outcome["iteration_time_ratio"] if one_s is not None else None
     else:
         step_s, basis = planned_step_seconds(profiles, s, gpu.spec, cal, link_gbs=hw.link_gbs)
-    if step_s is None:
-        seconds = None
-    else:
-        micro = steps.total_steps * s.grad_accum
-        seconds = STARTUP_S + micro * step_s
+    seconds = seconds_range = None
+    if step_s is not None:
+        stepping = steps.total_steps * s.grad_accum * step_s
+        fixed = STARTUP_S
         if s.cache_latents:  # one VAE pass over the images, split over the processes
             model = profiles.model(s.model)
             latent = (s.resolution // model.vae_scale_factor) ** 2
@@ -1518,7 +1531,11 @@ def _evaluate(req: Request, profiles: Profiles, hw: Hardware, cal: Calibration, 
             flops = (
                 profiles.activations.vae_encode_flops(s.model, latent) * steps.images_per_epoch / s.num_gpus
             )
-            seconds += flops / (tflops * 1e12 * cal.efficiency_for(gpu.spec))
+            fixed += flops / (tflops * 1e12 * cal.efficiency_for(gpu.spec))
+        seconds = fixed + stepping
+        # the steps' range by their basis; start-up and caching are the model's (the validation set's range)
+        band, model_band = seconds_band(profiles, basis)[0], profiles.uncertainty.seconds
+        seconds_range = tuple(fixed * model_band[i] + stepping * band[i] for i in (0, 1))
     return Candidate(
         setup=s,
         memory=mem,
@@ -1529,7 +1546,7 @@ def _evaluate(req: Request, profiles: Profiles, hw: Hardware, cal: Calibration, 
         fits=fits,
         host_ok=host_ok,
         peak_range=peak_range,
-        seconds_range=None if seconds is None else (seconds * unc.seconds[0], seconds * unc.seconds[1]),
+        seconds_range=seconds_range,
         safe=fits and peak_range[1] <= vram,
         observed_multi_gpu=observed.id if observed is not None else None,
         peak_measured=measured.id if measured is not None else None,
@@ -2073,8 +2090,8 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
             f"peak {format_range(m.peak, best.peak_range)} per GPU of {_gib(vram)} "
             f"({100 * m.peak / vram:.0f}%, limit {int(HEADROOM * 100)}%): measured by sdplan bench on "
             f"{gpu.name} at these settings ({best.peak_measured}) plus the CUDA context and allocator "
-            f"allowances; the range is a measurement's own spread (x{MEASURED_PEAK_BAND[0]:g}-"
-            f"{MEASURED_PEAK_BAND[1]:g}), not the model's"
+            f"allowances; the range is a measurement's own spread (x{MEASURED_BAND[0]:g}-"
+            f"{MEASURED_BAND[1]:g}), not the model's"
         )
     else:
         r.append(
@@ -2134,21 +2151,22 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
         r += _multi_gpu_reasons(hw, best, one, best_by_n, profiles, cal)
     if best.seconds is None:
         r.append(f"time: unknown: no catalog throughput or measured speed for {gpu.name}")
-    elif best.basis == "calibrated":
-        r.append(
-            f"time: {time_basis_text(profiles, s, gpu, cal)}; likely "
-            f"x{unc.seconds[0]:g}-{unc.seconds[1]:g} of that (validation set, n={unc.n_seconds})"
-        )
-    elif best.basis == "scaled":
-        near = _near_point(profiles, s, gpu.spec)  # the point planned_step_seconds scaled by
-        r.append(
-            f"time: the model's prediction scaled by how a measured speed on {gpu.name} compares with it "
-            f"({near.id}: {near.method} at batch {near.batch}, {near.resolution}px"
-            f"{', checkpointing' if near.options.gradient_checkpointing else ''}); likely "
-            f"x{unc.seconds[0]:g}-{unc.seconds[1]:g} of that (validation set, n={unc.n_seconds})"
-        )
-    elif best.basis != "uncalibrated":  # uncalibrated (transformer families): _flow_reasons says how
-        r.append(f"time: from a {best.basis} speed for {gpu.name} with these settings")
+    else:
+        (low, high), band = seconds_band(profiles, best.basis)
+        likely = f"likely x{low:g}-{high:g} of that ({band})"
+        if (low, high) != unc.seconds:
+            likely += f"; start-up and latent caching keep the model's x{unc.seconds[0]:g}-{unc.seconds[1]:g}"
+        if best.basis == "calibrated":
+            r.append(f"time: {time_basis_text(profiles, s, gpu, cal)}; {likely}")
+        elif best.basis == "scaled":
+            near = _near_point(profiles, s, gpu.spec)  # the point planned_step_seconds scaled by
+            r.append(
+                f"time: the model's prediction scaled by how a measured speed on {gpu.name} compares with it "
+                f"({near.id}: {near.method} at batch {near.batch}, {near.resolution}px"
+                f"{', checkpointing' if near.options.gradient_checkpointing else ''}); {likely}"
+            )
+        elif best.basis != "uncalibrated":  # uncalibrated (transformer families): _flow_reasons says how
+            r.append(f"time: from a {best.basis} speed for {gpu.name} with these settings; {likely}")
     if req.prior_preservation and req.class_images:
         r.append(f"prior preservation: {req.class_images} class images are trained alongside (batch doubled)")
     return r
