@@ -4,7 +4,9 @@
 #      SD1.5 and SDXL, batch 4): the ratio issue 12 left open;
 #   2. FLUX.1 [dev] LoRA at 1024 px over an fp8 and an nf4 frozen base (`sdplan bench model.base_precision=...`): the
 #      planner's quantized-base memory is modelled, its time factor (x1.1 fp8, x1.3 nf4) is a guess, and the
-#      validation set's two largest FLUX.1 speed misses are nf4 runs;
+#      validation set's two largest FLUX.1 speed misses are nf4 runs. fp8 without checkpointing: beside the bf16
+#      points without it (50.0 GiB at batch 1), it shows the trainer's Fp8Linear keeps no upcast copies for the
+#      backward (expect about 11 GiB less, not 11 GiB more as through diffusers' layerwise-casting hook);
 #   3. SD3.5 Medium LoRA at 1024 px (no point yet);
 #   4. planner vs bench.
 # Before the call, here (the GPU image has no diffusers, no network; .whl/ is git-ignored):
@@ -42,7 +44,7 @@ bench() {  # model [key=value ...]
     fi
     echo "exit $?" >>"$OUT/bench.txt"
 }
-bench flux-dev model.base_precision=fp8
+bench flux-dev model.base_precision=fp8 memory.gradient_checkpointing=false
 bench flux-dev model.base_precision=nf4
 bench sd35-medium
 

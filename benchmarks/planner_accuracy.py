@@ -6,6 +6,8 @@ independent validation set in benchmarks/validation/), reported separately.
   claims, multi-GPU ratios), as the planner sees them;
 - leave-one-source-out: the calibration refitted (``planner.calibrate``) without each source's points, then
   that source's speed figures predicted with it (the memory constants are module constants, not refitted);
+- sdplan bench points, each left out: its speed as a plan states it without that point (measured, scaled by the
+  nearest other bench point on that GPU, or the model), by basis (the scaled basis' range comes from these);
 - out-of-sample: every point in benchmarks/validation/*.yaml evaluated at its stated configuration (not the
   planner's choice): peak VRAM, it/s and the fit verdict (predicted peak within the card's memory vs the
   reported fit / out-of-memory). Points the planner cannot express are counted with the reason.
@@ -15,8 +17,7 @@ planner request (with the source's own words for every assumption), which must s
 feeds; in-sample, leave-one-source-out and out-of-sample share it.
 
 Run: ``python benchmarks/planner_accuracy.py [--json] [--no-timing]``. Only the shipped profiles are used
-(a local profile store would change the calibration). Every call into ``sdplan.planner`` is in
-:func:`predict` below, so it can be re-pointed when the planner's settings type changes.
+(a local profile store would change the calibration).
 """
 
 # No `from __future__ import annotations`: tests load this file by path, and dataclasses with string
@@ -686,6 +687,29 @@ def leave_one_source_out(prof: Profiles) -> dict:
     }
 
 
+def bench_leave_one_out(prof: Profiles) -> dict:
+    """Each sdplan bench speed predicted as a plan states it (``planner.planned_step_seconds``: the measured
+    point, else the model scaled by the nearest other bench point on that GPU, else the model) by profiles
+    without that point (calibration and evidence). The rows whose basis is "scaled" are how far a scaled plan
+    falls from a measurement: scripts/uncertainty.py writes their spread as the scaled basis' range."""
+    rows = []
+    for p in prof.points:
+        it_s, gpu = p.outcome.get("it_s"), prof.point_gpu(p)
+        if not (p.from_bench and it_s and gpu is not None and p.num_gpus == 1):
+            continue
+        without = replace(prof, points=tuple(q for q in prof.points if q.id != p.id))
+        seconds, basis = P.planned_step_seconds(without, p.settings, gpu, P.calibrate(without))
+        if seconds:
+            rows.append(dict(_row(p.id, f"it/s on {gpu.name}", 1.0 / seconds, it_s, p.source), basis=basis))
+    return {
+        "figures": rows,
+        "summary": {
+            basis: _stats([r for r in rows if r["basis"] == basis])
+            for basis in sorted({r["basis"] for r in rows})
+        },
+    }
+
+
 def out_of_sample(prof: Profiles, points: list[Point]) -> dict:
     numeric, verdicts, per_point, planned = [], [], [], []
     not_expressible: list[dict] = []
@@ -794,6 +818,7 @@ def report(timing: bool = True, folder: Path = VALIDATION_DIR) -> dict:
     result = {
         "in_sample": in_sample(prof),
         "leave_one_source_out": leave_one_source_out(prof),
+        "bench_leave_one_out": bench_leave_one_out(prof),
         "out_of_sample": out_of_sample(prof, load_validation(folder, prof)),
     }
     if timing:
@@ -851,6 +876,16 @@ def render(result: dict) -> str:
             f"{r['id']:44s} {r['quantity']:32s} {r['predicted']:10.3f} {r['published']:10.3f} {r['error_pct']:+7.1f}%"
         )
     lines += [f"({loso['note']})", ""]
+    bench = result["bench_leave_one_out"]
+    lines.append(
+        "== SDPLAN BENCH POINTS, each left out (calibration and evidence), as a plan states the speed"
+    )
+    for r in bench["figures"]:
+        lines.append(
+            f"{r['id']:44s} {r['quantity']:32s} {r['predicted']:10.3f} {r['published']:10.3f} {r['error_pct']:+7.1f}%"
+            f"  {r['basis']}"
+        )
+    lines.append("")
     ne = result["out_of_sample"]["not_expressible"]
     lines.append(f"== NOT EXPRESSIBLE by the planner ({len(ne)} validation points)")
     for n in ne:
@@ -868,6 +903,8 @@ def render(result: dict) -> str:
         f"host RAM |error|           {_fmt(ins['host_ram'])}",
         f"multi-GPU ratios |error|   {_fmt(ins['multi_gpu_ratio'])}",
         f"leave-one-source-out: speed {_fmt(ls['speed'])}; multi-GPU ratios {_fmt(ls['multi_gpu_ratio'])}",
+        "sdplan bench speeds, each left out: "
+        + "; ".join(f"{b} {_fmt(s)}" for b, s in result["bench_leave_one_out"]["summary"].items()),
         f"validation set: {oos['points']} points from {oos['sources']} sources; "
         f"{oos['not_expressible']['count']} not expressible (reasons: {oos['not_expressible']['reasons']}); "
         f"{oos['speed_without_catalog_gpu']} speeds on GPUs not named or not in the catalog",

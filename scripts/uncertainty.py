@@ -7,7 +7,11 @@ and writes the 10th and 90th percentiles (linear interpolation between order sta
 least +-5% (a range narrower than that would claim more than any of these reports measure). The planner
 shows every prediction ``x`` as "x (likely low*x - high*x)" and decides fits on the upper end.
 
-Run after the planner's model or the validation set changes: ``python scripts/uncertainty.py`` (``--check``
+The scaled basis (a plan's speed scaled by the nearest sdplan bench point on its GPU) gets its own time range,
+``seconds_scaled``: the same percentiles over the bench speeds, each predicted so with the point itself left
+out of the calibration and the evidence (calibration data used out of sample, not the validation set).
+
+Run after the planner's model, the profiles or the validation set changes: ``python scripts/uncertainty.py`` (``--check``
 only prints). Reads benchmarks/; `sdplan recommend` reads only the YAML this writes.
 """
 
@@ -102,13 +106,16 @@ def compute() -> dict:
     prof = acc.shipped_profiles()
     oos = acc.out_of_sample(prof, acc.load_validation(acc.VALIDATION_DIR, prof))
     vram, secs = residuals(oos["figures"])
+    bench = acc.bench_leave_one_out(prof)
+    scaled = [r["predicted"] / r["published"] for r in bench["figures"] if r["basis"] == "scaled"]
     date = datetime.date.today().isoformat()
     return {
         "schema_version": 1,
         "source": (
             f"computed: scripts/uncertainty.py from the out-of-sample residuals of benchmarks/planner_accuracy.py "
-            f"(benchmarks/validation/, {oos['summary']['points']} points, {oos['summary']['sources']} sources), "
-            f"commit {_commit()}, {date}"
+            f"(benchmarks/validation/, {oos['summary']['points']} points, {oos['summary']['sources']} sources); "
+            f"seconds_scaled from the {len(scaled)} sdplan bench speeds in profiles/ that a plan scales when "
+            f"each is left out; commit {_commit()}, {date}"
         ),
         "method": (
             f"measured / predicted; low and high are the {int(LOW_Q * 100)}th and {int(HIGH_Q * 100)}th "
@@ -116,6 +123,9 @@ def compute() -> dict:
         ),
         "peak_vram": factors(vram),
         "seconds": factors(secs),
+        # a plan whose speed is the model scaled by the nearest sdplan bench point on its GPU (basis "scaled"):
+        # each bench speed predicted so without itself (planner_accuracy.bench_leave_one_out)
+        "seconds_scaled": factors(scaled),
     }
 
 
@@ -137,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     pv, sc = data["peak_vram"], data["seconds"]
     print(
         f"wrote {args.out}: peak VRAM x{pv['low']}-{pv['high']} (n={pv['n']}), "
-        f"time x{sc['low']}-{sc['high']} (n={sc['n']})"
+        f"time x{sc['low']}-{sc['high']} (n={sc['n']}), scaled by a bench point "
+        f"x{data['seconds_scaled']['low']}-{data['seconds_scaled']['high']} (n={data['seconds_scaled']['n']})"
     )
     return 0
 

@@ -622,10 +622,20 @@ class Calibration:
         key = (s.model, _step_floor_kind(s.method))
         return next((sec for k, sec, _ in self.step_floors if k == key), None)
 
+    # GPU architecture family -> the UNets' bandwidth efficiency fitted on the sdplan bench speeds measured
+    # there (at least BENCH_MIN_POINTS); the published one above elsewhere
+    bandwidth_by_family: tuple[tuple[str, float], ...] = ()
+
     def bandwidth_efficiency_for(self, spec: GPUSpec | None) -> float:
-        """One bandwidth efficiency for every GPU: the architectures differ through their measured GEMM ceiling
-        and their memory bandwidth. Fitted per architecture family, each family rests on one or two published
-        speeds and leave-one-source-out gets worse (40% median against 27%): not done."""
+        """The UNets' bandwidth efficiency on ``spec``: fitted on sdplan bench speeds of its architecture where
+        there are enough (bandwidth_by_family), else one for every GPU, fitted on published speeds (the
+        architectures differ through their measured GEMM ceiling and their memory bandwidth; fitted per
+        architecture on one or two published speeds each, leave-one-source-out got worse, 40% median against
+        27%). On the H100 (28 points, 2026-11-26) the bench fit is 2x the published one: the global fit
+        predicted its large batches up to 2.6x too slow."""
+        fam = dict(self.bandwidth_by_family)
+        if spec is not None and spec.family in fam:
+            return fam[spec.family]
         return self.bandwidth_efficiency
 
     # the transformer families (SD3.5 / FLUX.1): one efficiency fitted on their own published speeds (big
@@ -633,7 +643,7 @@ class Calibration:
     flow_efficiency: float | None = None
     flow_points: tuple[tuple[str, float], ...] = ()
     # GPU architecture family -> the transformer families' efficiency measured there by `sdplan bench` (at
-    # least FLOW_BENCH_MIN_POINTS points); the one above elsewhere
+    # least BENCH_MIN_POINTS points); the one above elsewhere
     flow_by_family: tuple[tuple[str, float], ...] = ()
 
     def flow_efficiency_for(self, spec: GPUSpec | None) -> float:
@@ -751,8 +761,10 @@ def step_seconds(
         seconds += swap_seconds(profiles, s, spec)
     else:
         compute = step_compute_seconds(profiles, s, spec, cal)
-        seconds = compute + optimizer_step_seconds(profiles, s, spec) + cal.step_overhead_s
-        seconds = max(seconds, cal.step_floor_s(s) or 0.0)
+        # the launch-bound floor is a step with cached latents: a VAE encode every step adds to it, not under it
+        vae = compute - step_compute_seconds(profiles, replace(s, cache_latents=True), spec, cal)
+        seconds = compute - vae + optimizer_step_seconds(profiles, s, spec) + cal.step_overhead_s
+        seconds = max(seconds, cal.step_floor_s(s) or 0.0) + vae
     if s.offload:
         seconds *= OFFLOAD_TIME_FACTOR
     if s.num_gpus > 1 and link_gbs:
@@ -778,6 +790,12 @@ def time_basis_text(profiles: Profiles, s: Settings, gpu: HWGPU, cal: Calibratio
         f"{spec.matmul_tflops(s.precision):g} TFLOPS): {byte_s:.2f} s of memory traffic vs {flop_s:.2f} s of "
         f"matmul per micro-step (the traffic includes the per-step fixed work of {cal.fixed_samples:g} samples), "
         f"plus {cal.step_overhead_s:.2f} s per-step overhead (fitted on {len(cal.bandwidth_points)} published speeds)"
+        + (
+            f"; the bandwidth efficiency ({cal.bandwidth_efficiency_for(spec) * 100:.0f}%) fitted on sdplan bench "
+            f"speeds of {spec.family.capitalize()} GPUs"
+            if spec.family in dict(cal.bandwidth_by_family)
+            else ""
+        )
     )
 
 
@@ -845,6 +863,7 @@ def calibrate(profiles: Profiles) -> Calibration:
         bandwidth_points=tuple((i, e) for i, e, _ in bw),
     )
     cal = replace(cal, step_floors=_step_floors(profiles))
+    cal = replace(cal, bandwidth_by_family=_bench_bandwidth_efficiencies(profiles, cal))
     flow = _flow_efficiency_points(profiles)
     if flow:
         cal = replace(cal, flow_efficiency=_geomean([e for _, e in flow]), flow_points=tuple(flow))
@@ -883,6 +902,8 @@ def _step_floors(profiles: Profiles) -> tuple[tuple[tuple[str, str], float, str]
         it_s = p.outcome.get("it_s")
         if not it_s or p.num_gpus != 1 or flow_family(p.model) or p.grad_accum != 1 or not p.gpu:
             continue
+        if not p.settings.cache_latents:  # step_seconds adds the VAE encode to the floor
+            continue
         series.setdefault((p.gpu, replace(p.settings, batch=1)), []).append((p.batch, 1.0 / it_s, p.id))
     best: dict[tuple[str, str], tuple[float, str]] = {}
     for (_, settings), pts in series.items():
@@ -893,6 +914,38 @@ def _step_floors(profiles: Profiles) -> tuple[tuple[tuple[str, str], float, str]
             if key not in best or sec < best[key][0]:
                 best[key] = (sec, pid)
     return tuple((k, sec, pid) for k, (sec, pid) in sorted(best.items()))
+
+
+# sdplan bench speeds that give a GPU architecture its own efficiency (the UNets' bandwidth efficiency, the
+# transformer families' FLOP efficiency): fewer would let one noisy series set it
+BENCH_MIN_POINTS = 5
+BANDWIDTH_EFFICIENCY_GRID = tuple(0.01 * 1.03**i for i in range(160))  # 0.01 .. 1.1, 3% apart
+
+
+def _bench_bandwidth_efficiencies(profiles: Profiles, cal: Calibration) -> tuple[tuple[str, float], ...]:
+    """Per GPU architecture family with at least BENCH_MIN_POINTS sdplan bench speeds of the UNet families (one
+    GPU): the bandwidth efficiency whose whole step prediction (roofline, overhead, launch-bound floor) fits
+    them best, least squares on log time. The floor absorbs the flat small batches, so the batches where the
+    step grows with the work set it. Fitting it there as for the published speeds (a geometric mean of each
+    point's ratio) would read the launch-bound steps as slow memory."""
+    by: dict[str, list[tuple[Settings, GPUSpec, float]]] = {}
+    for p in profiles.points:
+        it_s, spec = p.outcome.get("it_s"), profiles.point_gpu(p)
+        if not (p.from_bench and it_s and spec is not None and spec.memory_bandwidth_gbs):
+            continue
+        if p.num_gpus != 1 or flow_family(p.model):
+            continue
+        by.setdefault(spec.family, []).append((setup_from_point(p), spec, 1.0 / it_s))
+
+    def error(fam: str, rows: list, eff: float) -> float:
+        c = replace(cal, bandwidth_by_family=((fam, eff),))
+        return sum(math.log(step_seconds(profiles, s, spec, c) / sec) ** 2 for s, spec, sec in rows)
+
+    return tuple(
+        (fam, min(BANDWIDTH_EFFICIENCY_GRID, key=lambda eff, fam=fam, rows=rows: error(fam, rows, eff)))
+        for fam, rows in sorted(by.items())
+        if len(rows) >= BENCH_MIN_POINTS
+    )
 
 
 def _fit_step_overhead(profiles: Profiles, speeds: list) -> float:
@@ -1426,7 +1479,22 @@ def _measured_peak_point(profiles: Profiles, s: Settings, gpu: HWGPU) -> MethodP
     return None
 
 
-MEASURED_PEAK_BAND = (0.95, 1.05)  # a peak measured on this GPU: the run's own noise, not the model's
+MEASURED_BAND = (0.95, 1.05)  # a peak or speed sdplan bench measured on this GPU: the run's own noise
+
+
+def seconds_band(profiles: Profiles, basis: str) -> tuple[tuple[float, float], str]:
+    """(low, high) factors of a plan's time and where they come from, by the basis of its speed: a speed
+    sdplan bench measured at these settings on this GPU, the run's own spread; the model scaled by a bench
+    point, the spread of the bench points each predicted so without themselves; else the validation set's."""
+    unc = profiles.uncertainty
+    if basis == "measured":
+        return MEASURED_BAND, "a measurement's own spread"
+    if basis == "scaled" and unc.seconds_scaled is not None:
+        return (
+            unc.seconds_scaled,
+            f"sdplan bench speeds each predicted so without itself, n={unc.n_seconds_scaled}",
+        )
+    return unc.seconds, f"validation set, n={unc.n_seconds}"
 
 
 def _evaluate(req: Request, profiles: Profiles, hw: Hardware, cal: Calibration, s: Settings) -> Candidate:
@@ -1438,13 +1506,12 @@ def _evaluate(req: Request, profiles: Profiles, hw: Hardware, cal: Calibration, 
         allocated = measured.outcome["peak_vram_gib"] * GiB
         overhead = CUDA_CONTEXT_BYTES + ALLOCATOR_OVERHEAD * allocated
         mem = replace(mem, overhead=overhead, peak=max(allocated + overhead, mem.sampling_peak))
-        unc_peak = MEASURED_PEAK_BAND
+        unc_peak = MEASURED_BAND
     vram = min(g.memory_bytes for g in hw.gpus[: s.num_gpus])
     host_ok = host_ram_ok(profiles, s, hw.ram_total_bytes, mem)
     fits = mem.peak <= HEADROOM * vram and host_ok
     if fits and _observed_oom(profiles, s, gpu) is not None:
         fits = False
-    unc = profiles.uncertainty
     peak_range = (mem.peak * unc_peak[0], mem.peak * unc_peak[1])
     steps = _steps(req, s.batch, s.grad_accum, s.num_gpus)
     observed = _observed_multi_gpu(profiles, s, hw)
@@ -1453,11 +1520,10 @@ def _evaluate(req: Request, profiles: Profiles, hw: Hardware, cal: Calibration, 
         step_s = one_s * observed.outcome["iteration_time_ratio"] if one_s is not None else None
     else:
         step_s, basis = planned_step_seconds(profiles, s, gpu.spec, cal, link_gbs=hw.link_gbs)
-    if step_s is None:
-        seconds = None
-    else:
-        micro = steps.total_steps * s.grad_accum
-        seconds = STARTUP_S + micro * step_s
+    seconds = seconds_range = None
+    if step_s is not None:
+        stepping = steps.total_steps * s.grad_accum * step_s
+        fixed = STARTUP_S
         if s.cache_latents:  # one VAE pass over the images, split over the processes
             model = profiles.model(s.model)
             latent = (s.resolution // model.vae_scale_factor) ** 2
@@ -1465,7 +1531,11 @@ def _evaluate(req: Request, profiles: Profiles, hw: Hardware, cal: Calibration, 
             flops = (
                 profiles.activations.vae_encode_flops(s.model, latent) * steps.images_per_epoch / s.num_gpus
             )
-            seconds += flops / (tflops * 1e12 * cal.efficiency_for(gpu.spec))
+            fixed += flops / (tflops * 1e12 * cal.efficiency_for(gpu.spec))
+        seconds = fixed + stepping
+        # the steps' range by their basis; start-up and caching are the model's (the validation set's range)
+        band, model_band = seconds_band(profiles, basis)[0], profiles.uncertainty.seconds
+        seconds_range = tuple(fixed * model_band[i] + stepping * band[i] for i in (0, 1))
     return Candidate(
         setup=s,
         memory=mem,
@@ -1476,7 +1546,7 @@ def _evaluate(req: Request, profiles: Profiles, hw: Hardware, cal: Calibration, 
         fits=fits,
         host_ok=host_ok,
         peak_range=peak_range,
-        seconds_range=None if seconds is None else (seconds * unc.seconds[0], seconds * unc.seconds[1]),
+        seconds_range=seconds_range,
         safe=fits and peak_range[1] <= vram,
         observed_multi_gpu=observed.id if observed is not None else None,
         peak_measured=measured.id if measured is not None else None,
@@ -2020,8 +2090,8 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
             f"peak {format_range(m.peak, best.peak_range)} per GPU of {_gib(vram)} "
             f"({100 * m.peak / vram:.0f}%, limit {int(HEADROOM * 100)}%): measured by sdplan bench on "
             f"{gpu.name} at these settings ({best.peak_measured}) plus the CUDA context and allocator "
-            f"allowances; the range is a measurement's own spread (x{MEASURED_PEAK_BAND[0]:g}-"
-            f"{MEASURED_PEAK_BAND[1]:g}), not the model's"
+            f"allowances; the range is a measurement's own spread (x{MEASURED_BAND[0]:g}-"
+            f"{MEASURED_BAND[1]:g}), not the model's"
         )
     else:
         r.append(
@@ -2081,21 +2151,22 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
         r += _multi_gpu_reasons(hw, best, one, best_by_n, profiles, cal)
     if best.seconds is None:
         r.append(f"time: unknown: no catalog throughput or measured speed for {gpu.name}")
-    elif best.basis == "calibrated":
-        r.append(
-            f"time: {time_basis_text(profiles, s, gpu, cal)}; likely "
-            f"x{unc.seconds[0]:g}-{unc.seconds[1]:g} of that (validation set, n={unc.n_seconds})"
-        )
-    elif best.basis == "scaled":
-        near = _near_point(profiles, s, gpu.spec)  # the point planned_step_seconds scaled by
-        r.append(
-            f"time: the model's prediction scaled by how a measured speed on {gpu.name} compares with it "
-            f"({near.id}: {near.method} at batch {near.batch}, {near.resolution}px"
-            f"{', checkpointing' if near.options.gradient_checkpointing else ''}); likely "
-            f"x{unc.seconds[0]:g}-{unc.seconds[1]:g} of that (validation set, n={unc.n_seconds})"
-        )
-    elif best.basis != "uncalibrated":  # uncalibrated (transformer families): _flow_reasons says how
-        r.append(f"time: from a {best.basis} speed for {gpu.name} with these settings")
+    else:
+        (low, high), band = seconds_band(profiles, best.basis)
+        likely = f"likely x{low:g}-{high:g} of that ({band})"
+        if (low, high) != unc.seconds:
+            likely += f"; start-up and latent caching keep the model's x{unc.seconds[0]:g}-{unc.seconds[1]:g}"
+        if best.basis == "calibrated":
+            r.append(f"time: {time_basis_text(profiles, s, gpu, cal)}; {likely}")
+        elif best.basis == "scaled":
+            near = _near_point(profiles, s, gpu.spec)  # the point planned_step_seconds scaled by
+            r.append(
+                f"time: the model's prediction scaled by how a measured speed on {gpu.name} compares with it "
+                f"({near.id}: {near.method} at batch {near.batch}, {near.resolution}px"
+                f"{', checkpointing' if near.options.gradient_checkpointing else ''}); {likely}"
+            )
+        elif best.basis != "uncalibrated":  # uncalibrated (transformer families): _flow_reasons says how
+            r.append(f"time: from a {best.basis} speed for {gpu.name} with these settings; {likely}")
     if req.prior_preservation and req.class_images:
         r.append(f"prior preservation: {req.class_images} class images are trained alongside (batch doubled)")
     return r
@@ -2266,8 +2337,10 @@ def _jsonable(v: Any) -> Any:
 # encoders frozen (flow.FlowAdapter.check refuses train_text_encoder).
 
 # Bytes per stored element of a quantized frozen Linear weight.
-# - fp8: torch.float8_e4m3fn, 1 byte; kohya --fp8_base and diffusers' layerwise upcasting store the weight and
-#   upcast it per layer for a bf16 matmul (one per-tensor scale where there is one: negligible).
+# - fp8: torch.float8_e4m3fn, 1 byte; kohya --fp8_base and the trainer's Fp8Linear store the weight and upcast
+#   it per layer for a bf16 matmul (one per-tensor scale where there is one: negligible). The trainer's backward
+#   upcasts the stored weight again, so without checkpointing no upcast copy waits for the backward (kohya's
+#   autocast casts and diffusers' layerwise-casting hook keep one per layer: a whole bf16 base, not counted).
 # - nf4: bitsandbytes Linear4bit, 4 bits per weight plus one fp32 absmax per block of 64 (the blocksize default
 #   of bitsandbytes.functional.quantize_4bit): 0.5 + 4/64 = 0.5625 bytes. QLoRA (Dettmers et al. 2023, section 3,
 #   "Double Quantization"): "with a blocksize of 64 ... 32/64 = 0.5 bits per parameter on average" for the
@@ -2549,22 +2622,16 @@ def _flow_efficiency_points(profiles: Profiles) -> list[tuple[str, float]]:
     return out
 
 
-# sdplan bench speeds of the transformer families that give an architecture its own efficiency
-FLOW_BENCH_MIN_POINTS = 5
-
-
 def _flow_bench_efficiencies(profiles: Profiles) -> tuple[tuple[str, float], ...]:
     """Per GPU architecture family: the geometric mean efficiency of the transformer families' sdplan bench
     speeds measured there (fit_speed or not: they stay out of the cross-GPU fit above, whose two published
-    points they would outnumber), where there are at least FLOW_BENCH_MIN_POINTS."""
+    points they would outnumber), where there are at least BENCH_MIN_POINTS."""
     by: dict[str, list[float]] = {}
     for p in profiles.points:
         e = _flow_point_efficiency(profiles, p) if p.from_bench else None
         if e is not None:
             by.setdefault(profiles.point_gpu(p).family, []).append(e)
-    return tuple(
-        (fam, _geomean(effs)) for fam, effs in sorted(by.items()) if len(effs) >= FLOW_BENCH_MIN_POINTS
-    )
+    return tuple((fam, _geomean(effs)) for fam, effs in sorted(by.items()) if len(effs) >= BENCH_MIN_POINTS)
 
 
 # kohya --blocks_to_swap (kohya-ss/sd-scripts library/flux_models.py enable_block_swap): N swaps N // 2

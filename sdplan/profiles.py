@@ -598,6 +598,9 @@ class Uncertainty:
     source: str = "none"
     n_peak_vram: int = 0
     n_seconds: int = 0
+    # a speed scaled by the nearest sdplan bench point on the GPU: from those points, each left out
+    seconds_scaled: tuple[float, float] | None = None
+    n_seconds_scaled: int = 0
 
 
 _FACTORS = {
@@ -612,6 +615,7 @@ UNCERTAINTY_SCHEMA = {
     "method": F(STR),
     "peak_vram": F((dict,), sub=_FACTORS),
     "seconds": F((dict,), sub=_FACTORS),
+    "seconds_scaled": F((dict,), sub=_FACTORS, required=False),
 }
 
 
@@ -619,12 +623,15 @@ def load_uncertainty(path: Path) -> Uncertainty:
     d = _validated(path, UNCERTAINTY_SCHEMA)
     errors = [
         f"{key}: low {d[key]['low']} must be <= 1 <= high {d[key]['high']}"
-        for key in ("peak_vram", "seconds")
-        if not d[key]["low"] <= 1.0 <= d[key]["high"]
+        for key in ("peak_vram", "seconds", "seconds_scaled")
+        if key in d and not d[key]["low"] <= 1.0 <= d[key]["high"]
     ]
     if errors:
         raise ConfigError(str(path), errors)
+    scaled = d.get("seconds_scaled")
     return Uncertainty(
+        seconds_scaled=(float(scaled["low"]), float(scaled["high"])) if scaled and scaled["n"] else None,
+        n_seconds_scaled=scaled["n"] if scaled else 0,
         peak_vram=(float(d["peak_vram"]["low"]), float(d["peak_vram"]["high"])),
         seconds=(float(d["seconds"]["low"]), float(d["seconds"]["high"])),
         source=d["source"],

@@ -241,11 +241,12 @@ def model_source(inp: RecommendInputs, profiles: Profiles) -> RecommendInputs:
         return inp
     local = os.path.expanduser(model)
     exists = os.path.exists(local)
-    looks_like_source = exists or "/" in model or model.endswith((".safetensors", ".ckpt", ".pt"))
+    from sdplan.trainer.models import PICKLE_SUFFIXES, SINGLE_FILE_SUFFIXES
+    from sdplan.trainer.source_check import check_source
+
+    looks_like_source = exists or "/" in model or model.lower().endswith(SINGLE_FILE_SUFFIXES)
     if not looks_like_source:  # a typo of a family name: build_request names the closest one
         return inp
-    from sdplan.trainer.models import PICKLE_SUFFIXES
-    from sdplan.trainer.source_check import check_source
 
     path = os.path.abspath(local) if exists else model
     if exists and os.path.isfile(path) and path.lower().endswith(PICKLE_SUFFIXES):

@@ -167,3 +167,13 @@ def test_train_and_recommend_share_default_epochs(tmp_path, fake_model):
               "--dry-run")  # fmt: skip
     assert r.exit_code == 0, r.output
     assert "x 10 epoch(s)" in r.stdout
+
+
+@pytest.mark.parametrize("name", ["mymodel.pth", "MyModel.SAFETENSORS", "weights.bin"])
+def test_recommend_reads_a_missing_model_file_of_any_suffix_train_takes_as_a_path(tmp_path, name):
+    """`sdplan train` takes .safetensors, .ckpt, .pt, .pth and .bin files (any case); `recommend` read only the
+    first three as a path and called a missing `mymodel.pth` an unknown family name."""
+    line = one_line_error(
+        cli("recommend", "--method", "lora", "--hardware", "RTX 4090", "--model", name), 2, "no such file"
+    )
+    assert name in line

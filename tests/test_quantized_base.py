@@ -254,6 +254,44 @@ def test_quantize_base_stores_every_block_linear_and_keeps_the_output_close(tiny
     assert torch.isfinite(got).all() and 0 < rel < (0.05 if base == "fp8" else 0.2), rel
 
 
+@pytest.mark.parametrize("family", ["flux-dev", "sd35-medium"])
+def test_an_fp8_base_keeps_only_its_fp8_weights_for_the_backward(tiny_models, family):
+    """What autograd saves for the backward through an fp8 base: the 1-byte stored weights, never their upcast
+    copies. Through diffusers' layerwise-casting hook every block Linear's compute-dtype copy was saved (without
+    checkpointing a whole bf16 base beside the fp8 one, which the planner does not count); the input gradient
+    is the same as through the upcast weights."""
+    from sdplan.trainer.quantize import block_linears, quantize_base
+
+    model = _tiny_transformer(tiny_models[family], family)
+    names = block_linears(model)
+    quantize_base(model, "fp8", torch.device("cpu"), torch.float32)
+    stored = [model.get_submodule(n).weight for n in names]
+    x = _inputs(model, family)
+    x["hidden_states"].requires_grad_(True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = model(**x, return_dict=False)[0]
+    # the stored weights themselves (of every Linear whose input needs a gradient: not the modulation ones,
+    # which read the frozen timestep embedding)
+    assert len({id(w) for w in stored} & {id(t) for t in saved}) > len(stored) // 2
+    copies = [
+        t
+        for t in saved
+        for w in stored
+        if t.dtype != w.dtype and t.shape == w.shape and torch.equal(t, w.to(t.dtype))
+    ]
+    assert not copies, f"{len(copies)} upcast copies of the stored weights kept for the backward"
+    (grad,) = torch.autograd.grad(out.square().sum(), x["hidden_states"])
+    # the same model with the stored weights upcast once, as plain Linears
+    for n in names:
+        m = model.get_submodule(n)
+        m.__class__ = torch.nn.Linear
+        m.weight.data = m.weight.data.to(torch.float32)
+    x["hidden_states"] = x["hidden_states"].detach().requires_grad_(True)
+    (want,) = torch.autograd.grad(model(**x, return_dict=False)[0].square().sum(), x["hidden_states"])
+    assert torch.allclose(grad, want, rtol=1e-5, atol=1e-6)
+
+
 # -- LoRA over a quantized base through the one loop ---------------------------------------------------------
 
 
@@ -373,7 +411,7 @@ def test_lora_trains_over_a_quantized_base_and_exports_what_a_bf16_base_exports(
     transformer = seen["transformer"]
     assert seen["summary"]["quantized"] > 0
     # peft's adapters sit on quantized base layers: the 4-bit LoRA layer on Linear4bit, fp8 weights under the
-    # layerwise casting hook; only the adapters train
+    # Fp8Linear; only the adapters train
     lora_layers = [m for m in transformer.modules() if hasattr(m, "lora_A") and hasattr(m, "base_layer")]
     assert lora_layers
     for m in lora_layers:

@@ -18,9 +18,11 @@ Which library, and why (checked against the packages' source and PyPI wheels, to
   wheel carries CUDA kernels (compute capability 6.0+) and, since 0.46.0, CPU kernels for 4-bit
   quantize/dequantize/gemv, so the same code trains on the CPU (the tests) as on an NVIDIA GPU.
 - fp8: torch's ``float8_e4m3fn`` storage, upcast layer by layer to the compute dtype for the matmul (kohya's
-  ``--fp8_base`` scheme), through diffusers' layerwise-casting hooks (``diffusers.hooks.apply_layerwise_casting``,
-  diffusers >= 0.33; diffusers keeps peft's LoRA layers out of the casting). bitsandbytes has no fp8 storage;
-  this needs no library beyond diffusers, and runs wherever torch casts float8 (any CUDA/ROCm GPU, the CPU).
+  ``--fp8_base`` scheme): the transformer's block Linears become ``Fp8Linear`` (:func:`_fp8_linear_class`), whose
+  backward upcasts the stored weight again instead of keeping the upcast copy; the text encoders (run without
+  gradients) use diffusers' layerwise-casting hook (``diffusers.hooks``, diffusers >= 0.33). bitsandbytes has no
+  fp8 storage; this needs no library beyond diffusers, and runs wherever torch casts float8 (any CUDA/ROCm GPU,
+  the CPU).
 - not torchao: peft's torchao LoRA layer (``peft/tuners/lora/torchao.py``) accepts int8 weights only (a
   TypeError for anything else), torchao's int4 kernels need CUDA, and its compiled parts are built for one torch
   release at a time (the 0.18 wheel against a torch older than the 2.13 here).
@@ -31,6 +33,7 @@ the probed machine snapshot before launch (no torch import there), the trainer o
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from sdplan.probe.snapshot import version_tuple
@@ -187,14 +190,56 @@ def _nf4_linear(linear, compute_dtype, device):
     return q.to(device)
 
 
+@functools.cache
+def _fp8_linear_class():
+    """``nn.Linear`` whose weight is stored in fp8 and upcast to ``compute_dtype`` for each matmul, and again in
+    the backward: autograd keeps the 1-byte weight, not the upcast copy. diffusers' layerwise-casting hook (used
+    here before) upcasts the module and calls its forward, so autograd saved each layer's bf16 copy for the
+    backward: without gradient checkpointing a whole bf16 base (22 GiB for FLUX.1) stayed alive until the
+    backward reached it, beside the fp8 one. kohya's --fp8_base (autocast casts) holds the same copies; its
+    users train with checkpointing, where one block's copies are held at a time."""
+    import torch
+
+    class UpcastMatmul(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, weight, bias, compute_dtype):
+            ctx.save_for_backward(weight)
+            ctx.x_dtype = x.dtype
+            w = weight.to(compute_dtype)
+            return torch.nn.functional.linear(x, w, bias)
+
+        @staticmethod
+        def backward(ctx, grad):
+            (weight,) = ctx.saved_tensors
+            return (grad @ weight.to(grad.dtype)).to(ctx.x_dtype), None, None, None
+
+    class Fp8Linear(torch.nn.Linear):
+        compute_dtype = torch.bfloat16
+
+        def forward(self, x):
+            return UpcastMatmul.apply(x, self.weight, self.bias, self.compute_dtype)
+
+    return Fp8Linear
+
+
+def _fp8_linear(linear, compute_dtype, device):
+    """``linear`` as an Fp8Linear on ``device``: its weight stored in fp8, its bias in ``compute_dtype``."""
+    import torch
+
+    linear.__class__ = _fp8_linear_class()
+    linear.compute_dtype = compute_dtype
+    linear.weight.data = linear.weight.data.to(device=device, dtype=torch.float8_e4m3fn)
+    if linear.bias is not None:
+        linear.bias.data = linear.bias.data.to(device=device, dtype=compute_dtype)
+    return linear
+
+
 def quantize_base(model, base_precision: str, device, compute_dtype, *, names=None) -> dict[str, Any]:
     """Freeze ``model`` (a transformer on the CPU), store its block Linear weights (``names``: those Linear
     layers instead; a block set aside for block swap passes all of its own) at ``base_precision`` on ``device``
     one layer at a time (the device never holds the bf16 base), and move the rest there in ``compute_dtype``.
     Returns {"quantized": n layers, "weight_bytes": bytes of those layers' stored weights}. LoRA goes on top
     afterwards (``runtime.add_lora_adapters``)."""
-    import torch
-
     if base_precision not in QUANTIZED:
         raise ValueError(f"base precision {base_precision!r}: one of {QUANTIZED}")
     model.requires_grad_(False)
@@ -202,9 +247,6 @@ def quantize_base(model, base_precision: str, device, compute_dtype, *, names=No
     if current != compute_dtype:
         model.to(dtype=compute_dtype)  # on the CPU: what stays unquantized, in the compute dtype
     names = block_linears(model) if names is None else list(names)
-    if base_precision == "fp8":
-        from diffusers.hooks import apply_layerwise_casting
-
     stored = 0
     for name in names:
         parent_name, _, attr = name.rpartition(".")
@@ -215,15 +257,7 @@ def quantize_base(model, base_precision: str, device, compute_dtype, *, names=No
             setattr(parent, attr, q)
             stored += q.weight.numel() * q.weight.element_size() + _quant_state_bytes(q.weight.quant_state)
         else:
-            linear.to(device=device, dtype=torch.float8_e4m3fn)
-            # weight and bias stored in fp8, both upcast to the compute dtype around the layer's forward
-            apply_layerwise_casting(
-                linear,
-                storage_dtype=torch.float8_e4m3fn,
-                compute_dtype=compute_dtype,
-                skip_modules_pattern=None,
-            )
-            stored += linear.weight.numel() * linear.weight.element_size()
+            stored += _fp8_linear(linear, compute_dtype, device).weight.nbytes
     if base_precision == "nf4":
         model.is_loaded_in_4bit = True  # peft then wraps Linear4bit in its 4-bit LoRA layer
     model.to(device)  # no dtype: the stored fp8 / 4-bit weights stay as they are
