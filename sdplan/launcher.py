@@ -144,6 +144,10 @@ def check_out_dir(
         )
     entries = runfolder.entries(out)
     if resume:
+        if not out.exists():
+            raise UsageError(
+                f"--resume: {out} does not exist", fix="point --out at the folder of the run to continue"
+            )
         if not (out / CONFIG_FILE).is_file():
             raise UsageError(
                 f"--resume: {out} is not an sdplan run (no {CONFIG_FILE})",
@@ -500,7 +504,7 @@ def describe(
         f"device: {device}; precision {precision}; resolution {cfg.data.resolution}",
         f"batch: {t.batch_size} per process x {t.grad_accum} accumulation x {world} process"
         + ("es" if world > 1 else "")
-        + f" = {steps['images_per_step']} images per optimizer step",
+        + f" = {steps['images_per_step']} image{'s' if steps['images_per_step'] != 1 else ''} per optimizer step",
         f"memory savers: {', '.join(savers) if savers else 'none needed'}; optimizer {m.optimizer}",
     ]
     if t.max_steps:

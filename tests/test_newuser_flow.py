@@ -353,3 +353,31 @@ def test_a_plan_written_beside_the_users_files_says_so_when_trained(tmp_path):
         str(tmp_path / "run"),
     )
     assert result.exit_code == 0, result.stderr
+
+
+def test_resume_of_a_folder_that_does_not_exist_says_so(tmp_path):
+    """`train --resume --out nope` said 'nope is not an sdplan run (no sdplan.yaml)' for a folder not there."""
+    line = one_line_error(cli("train", "--resume", "--out", str(tmp_path / "nope")), 2, "does not exist")
+    assert "not an sdplan run" not in line
+
+
+def test_one_file_is_one_file(tmp_path):
+    """A kohya folder of one image without repeats in its name: '(1 files ignored ...)'."""
+    from sdplan.trainer.dataset_scan import scan
+
+    make_images(tmp_path / "ds" / "5_ok", n=2)
+    make_images(tmp_path / "one", n=1)
+    (tmp_path / "ds" / "dog").mkdir()
+    next((tmp_path / "one").glob("*.png")).rename(tmp_path / "ds" / "dog" / "a.png")
+    skipped = " ".join(why for _, why in scan(tmp_path / "ds").skipped)
+    assert "(1 file ignored;" in skipped
+
+
+def test_doctor_states_the_machines_ram_in_gib_as_its_host_table_does():
+    """'25.8 GB RAM: enough to train, tight ...' beside '24.0 GiB total' in the host table (one machine)."""
+    from sdplan.machine import Snapshot
+    from sdplan.probe import snapshot
+
+    snap = Snapshot.load(Path(__file__).parent / "fixtures" / "machines" / "t4.json")
+    ram = next(f for f in snapshot.findings(snap) if f.code == "ram_low")
+    assert ram.message.startswith(f"{snap.host.ram_total_bytes / 2**30:.1f} GiB RAM:")

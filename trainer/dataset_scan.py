@@ -359,12 +359,14 @@ def _scan_kohya(root: Path, files: list[Path], cap_ext: str) -> Scan:
         m = KOHYA_DIR.match(folder.name)
         if m is None:
             result.skipped.append(
-                (folder, f"folder not named N_name ({len(members)} files ignored; e.g. 10_{folder.name})")
+                (folder, f"folder not named N_name ({_files(len(members))} ignored; e.g. 10_{folder.name})")
             )
             continue
         n, name = int(m.group(1)), m.group(2).strip()
         if n < 1:
-            result.skipped.append((folder, f"repeats {n} in the folder name ({len(members)} files ignored)"))
+            result.skipped.append(
+                (folder, f"repeats {n} in the folder name ({_files(len(members))} ignored)")
+            )
             continue
         _pair_captions(root, members, result, cap_ext, n, lambda _p, name=name: name or None)
     return result
@@ -602,3 +604,7 @@ def _verify(result: Scan) -> None:
             it.size = check
             keep.append(it)
     result.items = keep
+
+
+def _files(n: int) -> str:
+    return f"{n} file{'s' if n != 1 else ''}"

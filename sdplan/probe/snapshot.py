@@ -263,7 +263,7 @@ def _host_rules(s: Snapshot) -> list[Finding]:
             Finding(
                 "error",
                 "ram_insufficient",
-                f"{_gb(h.ram_total_bytes)} RAM: training needs at least 16 GB",
+                f"{_gib(h.ram_total_bytes)} RAM: training needs a machine with at least 16 GB",
                 "train on a machine with >= 16 GB RAM (32 GB is comfortable)",
             )
         )
@@ -272,7 +272,7 @@ def _host_rules(s: Snapshot) -> list[Finding]:
             Finding(
                 "warning",
                 "ram_low",
-                f"{_gb(h.ram_total_bytes)} RAM: enough to train, tight for model loading and optimizer offload",
+                f"{_gib(h.ram_total_bytes)} RAM: enough to train, tight for model loading and optimizer offload",
                 "close other programs while training; 32 GB RAM is comfortable; avoid DeepSpeed CPU offload",
             )
         )
@@ -281,7 +281,7 @@ def _host_rules(s: Snapshot) -> list[Finding]:
             Finding(
                 "warning",
                 "disk_low",
-                f"{_gb(h.disk_free_bytes)} free on the output disk: models and checkpoints need >= 10 GB",
+                f"{_gib(h.disk_free_bytes)} free on the output disk: models and checkpoints need >= 10 GB",
                 "free space, or point the output (and HF_HOME) at a disk with >= 10 GB free",
             )
         )
@@ -419,5 +419,7 @@ def _names(gpus: list[GPU] | tuple[GPU, ...]) -> str:
     return ", ".join(f"{n}x {name}" if n > 1 else name for name, n in counts.items())
 
 
-def _gb(n: int) -> str:
-    return f"{n / 10**9:.1f} GB"
+def _gib(n: int) -> str:
+    """The machine's figure in GiB, as doctor's host table shows it (the thresholds stay in the decimal GB
+    machines are sold in)."""
+    return f"{n / 2**30:.1f} GiB"
