@@ -92,6 +92,11 @@ def parse_hardware(text: str, profiles: Profiles) -> planner.Hardware:
     if not text or not text.strip():
         raise UsageError("empty --hardware", fix="e.g. --hardware '2x RTX 4090'")
     name = text.strip()
+    if "," in name:  # a list: one machine has one kind of GPU here; --compare plans each
+        raise UsageError(
+            f"--hardware {text!r}: one kind of GPU, as 'RTX 4090' or '2x RTX 4090'",
+            fix=f'to plan for each of them, use --compare "{name}"',
+        )
     readings = [(1, name)]  # a catalog name can read as a count too: "7900 XTX" is not 7900 x "TX"
     if m := _COUNT.match(name):
         readings.append((int(m.group(1)), m.group(2)))

@@ -381,3 +381,12 @@ def test_doctor_states_the_machines_ram_in_gib_as_its_host_table_does():
     snap = Snapshot.load(Path(__file__).parent / "fixtures" / "machines" / "t4.json")
     ram = next(f for f in snapshot.findings(snap) if f.code == "ram_low")
     assert ram.message.startswith(f"{snap.host.ram_total_bytes / 2**30:.1f} GiB RAM:")
+
+
+def test_a_list_given_to_hardware_points_at_compare():
+    """--hardware "RTX 4090, RTX 3090" was an unknown GPU named 'RTX 4090, RTX 3090'."""
+    line = one_line_error(
+        cli("recommend", "--method", "lora", "--hardware", "RTX 4090, RTX 3090"), 2, "one kind of GPU"
+    )
+    assert '--compare "RTX 4090, RTX 3090"' in line
+    assert cli("recommend", "--method", "lora", "--compare", "RTX 4090, RTX 3090").exit_code == 0
