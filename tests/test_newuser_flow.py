@@ -390,3 +390,10 @@ def test_a_list_given_to_hardware_points_at_compare():
     )
     assert '--compare "RTX 4090, RTX 3090"' in line
     assert cli("recommend", "--method", "lora", "--compare", "RTX 4090, RTX 3090").exit_code == 0
+
+
+def test_a_kohya_folder_with_zero_repeats_is_not_called_broken_files(tmp_path):
+    """A dataset whose only folder is 0_dog: the fix said 'replace or remove the broken files'."""
+    make_images(tmp_path / "ds" / "0_dog", n=2)
+    line = one_line_error(cli("recommend", "--method", "lora", "--dataset", str(tmp_path / "ds")), 2, "0_dog")
+    assert "broken" not in line and "N >= 1" in line

@@ -222,6 +222,8 @@ def require_images(result: Scan) -> Scan:
         fix = "replace or remove the broken files"
         if result.format == "metadata":
             fix += ", or loosen data.metadata (skip_tags, min_score)"
+        elif result.format == "kohya" and all((Path(result.root) / p).is_dir() for p, _ in result.skipped):
+            fix = "name each image folder N_name, N >= 1 its repeats (10_name/a.png)"  # no file is broken
         elif result.format == "kohya":
             fix += "; images belong in N_name folders (10_name/a.png)"
     else:
