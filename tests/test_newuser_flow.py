@@ -19,6 +19,21 @@ MACHINES = Path(__file__).resolve().parent / "fixtures" / "machines"
 runner = CliRunner()
 
 
+def _recommend_lora(model, photos) -> list[str]:
+    """`sdplan recommend` of a LoRA of ``model`` on ``photos`` for an RTX 4090 (as a list, to add to)."""
+    return [
+        "recommend",
+        "--method",
+        "lora",
+        "--model",
+        str(model),
+        "--dataset",
+        str(photos),
+        "--hardware",
+        "RTX 4090",
+    ]
+
+
 def cli(*args: str):
     return runner.invoke(app, list(args))
 
@@ -251,17 +266,7 @@ def test_epochs_given_to_train_count_over_a_planned_max_steps(tmp_path):
     model = fake_diffusers_folder(tmp_path / "model")
     photos = make_images(tmp_path / "photos", 4)
     plan = tmp_path / "plan"
-    args = [
-        "recommend",
-        "--method",
-        "lora",
-        "--model",
-        str(model),
-        "--dataset",
-        str(photos),
-        "--hardware",
-        "RTX 4090",
-    ]
+    args = _recommend_lora(model, photos)
     assert cli(*args, "--out", str(plan), "training.batch_size=2").exit_code == 0
     train = ["train", "--config", str(plan / "sdplan.yaml"), "--device", "cpu", "--dry-run"]
     for extra in (["--epochs", "3"], ["training.epochs=3"]):
@@ -327,17 +332,7 @@ def test_a_plan_written_beside_the_users_files_says_so_when_trained(tmp_path):
     proj = tmp_path / "proj"
     proj.mkdir()
     (proj / "notes.txt").write_text("mine")
-    args = [
-        "recommend",
-        "--method",
-        "lora",
-        "--model",
-        str(model),
-        "--dataset",
-        str(photos),
-        "--hardware",
-        "RTX 4090",
-    ]
+    args = _recommend_lora(model, photos)
     assert cli(*args, "--out", str(proj)).exit_code == 0
     result = cli("train", "--config", str(proj / "sdplan.yaml"), "--device", "cpu", "--dry-run")
     line = one_line_error(result, 3, "holds your files (notes.txt) beside the plan", "--out DIR")
