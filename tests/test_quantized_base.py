@@ -578,7 +578,7 @@ def test_block_swap_picks_kohyas_blocks_and_changes_nothing_on_the_cpu():
 
 
 @pytest.mark.train
-@pytest.mark.parametrize("base", ["bf16", "nf4"])
+@pytest.mark.parametrize("base", ["bf16", "fp8", "nf4"])
 def test_block_swap_trains_the_same_losses_through_the_loop(tiny_models, dataset, tmp_path, base):
 
     _needs(base)
