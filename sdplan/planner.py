@@ -1482,14 +1482,15 @@ def _measured_peak_point(profiles: Profiles, s: Settings, gpu: HWGPU) -> MethodP
 MEASURED_BAND = (0.95, 1.05)  # a peak or speed sdplan bench measured on this GPU: the run's own noise
 
 
-def seconds_band(profiles: Profiles, basis: str) -> tuple[tuple[float, float], str]:
-    """(low, high) factors of a plan's time and where they come from, by the basis of its speed: a speed
+def seconds_band(profiles: Profiles, basis: str, num_gpus: int = 1) -> tuple[tuple[float, float], str]:
+    """(low, high) factors of a plan's step time and where they come from, by the basis of its speed: a speed
     sdplan bench measured at these settings on this GPU, the run's own spread; the model scaled by a bench
-    point, the spread of the bench points each predicted so without themselves; else the validation set's."""
+    point, the spread of the bench points each predicted so without themselves; else, and on several GPUs
+    (an all-reduce as modelled on top of the one-GPU step), the validation set's."""
     unc = profiles.uncertainty
-    if basis == "measured":
+    if basis == "measured" and num_gpus == 1:
         return MEASURED_BAND, "a measurement's own spread"
-    if basis == "scaled" and unc.seconds_scaled is not None:
+    if basis == "scaled" and num_gpus == 1 and unc.seconds_scaled is not None:
         return (
             unc.seconds_scaled,
             f"sdplan bench speeds each predicted so without itself, n={unc.n_seconds_scaled}",
@@ -1533,8 +1534,9 @@ def _evaluate(req: Request, profiles: Profiles, hw: Hardware, cal: Calibration, 
             )
             fixed += flops / (tflops * 1e12 * cal.efficiency_for(gpu.spec))
         seconds = fixed + stepping
-        # the steps' range by their basis; start-up and caching are the model's (the validation set's range)
-        band, model_band = seconds_band(profiles, basis)[0], profiles.uncertainty.seconds
+        # the steps' range by their basis (one GPU: the bench evidence behind it times one GPU; several add an
+        # all-reduce as modelled); start-up and caching are the model's (the validation set's range)
+        band, model_band = seconds_band(profiles, basis, s.num_gpus)[0], profiles.uncertainty.seconds
         seconds_range = tuple(fixed * model_band[i] + stepping * band[i] for i in (0, 1))
     return Candidate(
         setup=s,
@@ -2152,7 +2154,7 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
     if best.seconds is None:
         r.append(f"time: unknown: no catalog throughput or measured speed for {gpu.name}")
     else:
-        (low, high), band = seconds_band(profiles, best.basis)
+        (low, high), band = seconds_band(profiles, best.basis, s.num_gpus)
         likely = f"likely x{low:g}-{high:g} of that ({band})"
         if (low, high) != unc.seconds:
             likely += f"; start-up and latent caching keep the model's x{unc.seconds[0]:g}-{unc.seconds[1]:g}"

@@ -107,6 +107,14 @@ def test_a_time_from_bench_evidence_carries_the_range_of_that_evidence(prof):
         assert 0 < fixed < 0.1 * res.seconds
         assert res.seconds_range == pytest.approx((fixed * tlo + stepping * lo, fixed * thi + stepping * hi))
         assert any(f"likely x{lo:g}-{hi:g} of that" in r for r in res.reasons)
+    # on 8 GPUs the scaled one-GPU step carries an all-reduce as modelled: the validation set's range
+    res = P.plan(
+        P.hardware_from_catalog(prof.find_gpu("H100 SXM"), 8),
+        prof,
+        P.Request(method="lora", model="sdxl", images=5000, epochs=10, pins=(te,)),
+    )
+    assert res.plan.num_gpus == 8 and res.basis == "scaled"
+    assert res.seconds_range == pytest.approx((res.seconds * tlo, res.seconds * thi))
     # the model alone (no bench point on the card) keeps the validation set's range
     res = P.plan(
         P.hardware_from_catalog(prof.find_gpu("RTX 4090")), prof, P.Request(method="lora", model="sdxl")
