@@ -2342,7 +2342,7 @@ def _jsonable(v: Any) -> Any:
 # - fp8: torch.float8_e4m3fn, 1 byte; kohya --fp8_base and the trainer's Fp8Linear store the weight and upcast
 #   it per layer for a bf16 matmul (one per-tensor scale where there is one: negligible). The trainer's backward
 #   upcasts the stored weight again, so without checkpointing no upcast copy waits for the backward (kohya's
-#   autocast casts and diffusers' layerwise-casting hook keep one per layer: a whole bf16 base, not counted).
+#   autocast casts and diffusers' layerwise-casting hook keep one per layer: most of a bf16 base, not counted).
 # - nf4: bitsandbytes Linear4bit, 4 bits per weight plus one fp32 absmax per block of 64 (the blocksize default
 #   of bitsandbytes.functional.quantize_4bit): 0.5 + 4/64 = 0.5625 bytes. QLoRA (Dettmers et al. 2023, section 3,
 #   "Double Quantization"): "with a blocksize of 64 ... 32/64 = 0.5 bits per parameter on average" for the

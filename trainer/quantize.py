@@ -195,9 +195,10 @@ def _fp8_linear_class():
     """``nn.Linear`` whose weight is stored in fp8 and upcast to ``compute_dtype`` for each matmul, and again in
     the backward: autograd keeps the 1-byte weight, not the upcast copy. diffusers' layerwise-casting hook (used
     here before) upcasts the module and calls its forward, so autograd saved each layer's bf16 copy for the
-    backward: without gradient checkpointing a whole bf16 base (22 GiB for FLUX.1) stayed alive until the
-    backward reached it, beside the fp8 one. kohya's --fp8_base (autocast casts) holds the same copies; its
-    users train with checkpointing, where one block's copies are held at a time."""
+    backward: without gradient checkpointing most of a bf16 base (16 GiB for FLUX.1, 10 GiB for SD3.5 Large: the
+    Linears whose input needs a gradient) stayed alive until the backward reached it, beside the fp8 one.
+    kohya's --fp8_base (autocast casts) holds the same copies; its users train with checkpointing, where one
+    block's copies are held at a time."""
     import torch
 
     class UpcastMatmul(torch.autograd.Function):
