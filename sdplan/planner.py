@@ -597,6 +597,11 @@ def _coef_bytes(coef: dict, latent_pixels: int) -> float:
 # -- time ------------------------------------------------------------------------------------------------
 
 
+def _for_family(table: tuple[tuple[str, float], ...], spec: GPUSpec | None, default: float) -> float:
+    """The value ``table`` holds for ``spec``'s GPU architecture family, else ``default``."""
+    return dict(table).get(spec.family, default) if spec is not None else default
+
+
 @dataclass(frozen=True)
 class Calibration:
     efficiency: float  # achieved / catalog dense half-precision TFLOPS (geometric mean over all points)
@@ -633,10 +638,7 @@ class Calibration:
         architecture on one or two published speeds each, leave-one-source-out got worse, 40% median against
         27%). On the H100 (28 points, 2026-11-26) the bench fit is 2x the published one: the global fit
         predicted its large batches up to 2.6x too slow."""
-        fam = dict(self.bandwidth_by_family)
-        if spec is not None and spec.family in fam:
-            return fam[spec.family]
-        return self.bandwidth_efficiency
+        return _for_family(self.bandwidth_by_family, spec, self.bandwidth_efficiency)
 
     # the transformer families (SD3.5 / FLUX.1): one efficiency fitted on their own published speeds (big
     # transformers keep the GPU far busier than the UNets at batch 1); None: none published (the UNets' then)
@@ -651,17 +653,13 @@ class Calibration:
         bench has measured them there (on the H100, 2026-11-26: 0.35 of its measured GEMM rate (0.16-0.42), half
         what two published speeds of an RTX 4090 and an RTX 4060 Ti give; the attention and elementwise work
         that the FLOP count leaves out weigh more where the GEMM rate is this high), else the published one."""
-        fam = dict(self.flow_by_family)
-        if spec is not None and spec.family in fam:
-            return fam[spec.family]
-        return self.flow_efficiency or self.efficiency_for(spec)
+        return _for_family(self.flow_by_family, spec, self.flow_efficiency or self.efficiency_for(spec))
 
     def efficiency_for(self, spec: GPUSpec | None) -> float:
         """The FLOP efficiency (families without byte counts, the encoders that run every step): one
         geometric mean, by_family only where a caller fills it (calibrate() no longer does: with one or two
         speeds per architecture it reproduced each and missed by 53% leaving a source out)."""
-        fam = dict(self.by_family)
-        return fam.get(spec.family, self.efficiency) if spec is not None else self.efficiency
+        return _for_family(self.by_family, spec, self.efficiency)
 
 
 def step_flops(profiles: Profiles, s: Settings) -> float:
@@ -762,7 +760,9 @@ def step_seconds(
     else:
         compute = step_compute_seconds(profiles, s, spec, cal)
         # the launch-bound floor is a step with cached latents: a VAE encode every step adds to it, not under it
-        vae = compute - step_compute_seconds(profiles, replace(s, cache_latents=True), spec, cal)
+        vae = 0.0
+        if not s.cache_latents:
+            vae = compute - step_compute_seconds(profiles, replace(s, cache_latents=True), spec, cal)
         seconds = compute - vae + optimizer_step_seconds(profiles, s, spec) + cal.step_overhead_s
         seconds = max(seconds, cal.step_floor_s(s) or 0.0) + vae
     if s.offload:
