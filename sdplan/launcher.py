@@ -481,6 +481,8 @@ def describe(
     """The plan as lines for the user: what is trained, how, and the step arithmetic. ``max_steps_from_file``:
     training.max_steps came with the config (not --max-steps or a key=value), so what its epochs would train
     is worth a word where that differs."""
+    from sdplan.trainer.dataset_scan import count_of
+
     t, m, ds = cfg.training, cfg.memory, cfg.distributed.deepspeed
     savers = [
         name
@@ -504,7 +506,7 @@ def describe(
         f"device: {device}; precision {precision}; resolution {cfg.data.resolution}",
         f"batch: {t.batch_size} per process x {t.grad_accum} accumulation x {world} process"
         + ("es" if world > 1 else "")
-        + f" = {steps['images_per_step']} image{'s' if steps['images_per_step'] != 1 else ''} per optimizer step",
+        + f" = {count_of(steps['images_per_step'], 'image')} per optimizer step",
         f"memory savers: {', '.join(savers) if savers else 'none needed'}; optimizer {m.optimizer}",
     ]
     if t.max_steps:

@@ -41,7 +41,7 @@ class DatasetCount:
 def count_dataset(path: str | Path) -> DatasetCount:
     """Count training images as the trainer finds them (:func:`sdplan.trainer.dataset_scan.scan`, torch-free):
     kohya-style ``N_name`` folders (N repeats each), a flat image+caption folder, or per-image metadata."""
-    from sdplan.trainer.dataset_scan import require_images, scan
+    from sdplan.trainer.dataset_scan import count_of, require_images, scan
 
     root = Path(path)
     result = scan(root)
@@ -53,7 +53,7 @@ def count_dataset(path: str | Path) -> DatasetCount:
     require_images(result)
     per_epoch = result.images_x_repeats
     n = len(result.skipped)
-    skipped = f"{n} file{'s' if n != 1 else ''} not used: {result.skipped_text()}" if n else ""
+    skipped = f"{count_of(n, 'file')} not used: {result.skipped_text()}" if n else ""
     if result.format != "kohya":
         return DatasetCount(
             images=result.num_images,
@@ -231,11 +231,6 @@ def _is_family_name(model: str, profiles: Profiles) -> bool:
     return True
 
 
-def _count(n: int, noun: str) -> str:
-    """'1 image', '3 images'."""
-    return f"{n} {noun}{'s' if n != 1 else ''}"
-
-
 def model_source(inp: RecommendInputs, profiles: Profiles) -> RecommendInputs:
     """``--model`` as `sdplan train` takes it: a family, or a diffusers folder, a .safetensors/.ckpt file or a
     hub id. A model's own files say its family (read without torch, as `sdplan train` checks them before
@@ -314,10 +309,12 @@ def build_request(inp: RecommendInputs, profiles: Profiles) -> tuple[planner.Req
         raise UsageError("give --hardware or --machine, not both")
     notes = list(inp.notes)
     if inp.dataset:
+        from sdplan.trainer.dataset_scan import count_of
+
         ds = count_dataset(inp.dataset)
         images, repeats = ds.images, ds.repeats
         if ds.layout == "kohya":
-            desc = ", ".join(f"{n} ({_count(n_img, 'image')} x {r})" for n, r, n_img in ds.folders)
+            desc = ", ".join(f"{n} ({count_of(n_img, 'image')} x {r})" for n, r, n_img in ds.folders)
             notes.append(
                 f"dataset {inp.dataset}: kohya folders {desc} = {ds.images_per_epoch} images per epoch"
             )
@@ -326,7 +323,7 @@ def build_request(inp: RecommendInputs, profiles: Profiles) -> tuple[planner.Req
         else:
             repeats = inp.repeats or 1
             captioned = "with .txt captions" if ds.layout == "flat" else "captioned"
-            notes.append(f"dataset {inp.dataset}: {_count(ds.images, 'image')} ({ds.captions} {captioned})")
+            notes.append(f"dataset {inp.dataset}: {count_of(ds.images, 'image')} ({ds.captions} {captioned})")
         if ds.skipped:  # as `sdplan train` would say: a file left out is no surprise later
             notes.append(f"dataset {inp.dataset}: {ds.skipped}")
     else:

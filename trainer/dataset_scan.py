@@ -119,7 +119,7 @@ class Scan:
             else "their folders' repeats"
         )
         text = (
-            f"{self.format}: {self.num_images} image{'s' if self.num_images != 1 else ''}"
+            f"{self.format}: {count_of(self.num_images, 'image')}"
             f" x {repeats} = {self.images_x_repeats} samples per epoch, {self.num_captioned} captioned"
         )
         if self.skipped:
@@ -208,7 +208,7 @@ def uncaptioned_note(result: Scan, cfg: TrainConfig) -> str:
     key = "textual_inversion.token" if cfg.method == "textual-inversion" else "dreambooth.instance_prompt"
     said = f"the caption {caption!r} (from {key})" if caption else "an empty caption"
     return (
-        f"{n} image{'s' if n != 1 else ''} without a .txt caption train with {said}; set "
+        f"{count_of(n, 'image')} without a .txt caption train with {said}; set "
         "data.default_caption=... or add captions to change that"
     )
 
@@ -361,13 +361,16 @@ def _scan_kohya(root: Path, files: list[Path], cap_ext: str) -> Scan:
         m = KOHYA_DIR.match(folder.name)
         if m is None:
             result.skipped.append(
-                (folder, f"folder not named N_name ({_files(len(members))} ignored; e.g. 10_{folder.name})")
+                (
+                    folder,
+                    f"folder not named N_name ({count_of(len(members), 'file')} ignored; e.g. 10_{folder.name})",
+                )
             )
             continue
         n, name = int(m.group(1)), m.group(2).strip()
         if n < 1:
             result.skipped.append(
-                (folder, f"repeats {n} in the folder name ({_files(len(members))} ignored)")
+                (folder, f"repeats {n} in the folder name ({count_of(len(members), 'file')} ignored)")
             )
             continue
         _pair_captions(root, members, result, cap_ext, n, lambda _p, name=name: name or None)
@@ -608,5 +611,6 @@ def _verify(result: Scan) -> None:
     result.items = keep
 
 
-def _files(n: int) -> str:
-    return f"{n} file{'s' if n != 1 else ''}"
+def count_of(n: int, noun: str) -> str:
+    """'1 image', '3 images': how the dataset's counts are worded (here and in `sdplan recommend`)."""
+    return f"{n} {noun}{'s' if n != 1 else ''}"
