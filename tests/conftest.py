@@ -322,3 +322,16 @@ def fake_diffusers_folder(
     data.update(index or {})
     (root / "model_index.json").write_text(json.dumps(data))
     return root
+
+
+class MkdirPayload:
+    """A pickle that runs code when unpickled: makes the folder ``target`` (a .ckpt that names code must be
+    refused before it runs)."""
+
+    def __init__(self, target: Path):
+        self.target = target
+
+    def __reduce__(self):
+        import os
+
+        return (os.mkdir, (str(self.target),))

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from conftest import MkdirPayload
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from sdplan.trainer import export, single_file
@@ -425,20 +426,12 @@ def test_ckpt_loads_with_weights_only(tiny_sd15, tmp_path):
     _assert_same_weights(pipe, single_file.load_single_file_model(ckpt, "sd15", config_dir=model_dir))
 
 
-class _Payload:
-    """A pickle that runs code when unpickled (here: makes a folder)."""
-
-    def __init__(self, target: Path):
-        self.target = target
-
-    def __reduce__(self):
-        return (os.mkdir, (str(self.target),))
-
-
 def test_ckpt_with_code_is_refused_before_it_runs(tmp_path):
     marker = tmp_path / "pwned"
     ckpt = tmp_path / "evil.ckpt"
-    torch.save({"state_dict": {"model.diffusion_model.x": torch.zeros(1)}, "extra": _Payload(marker)}, ckpt)
+    torch.save(
+        {"state_dict": {"model.diffusion_model.x": torch.zeros(1)}, "extra": MkdirPayload(marker)}, ckpt
+    )
     with pytest.raises(single_file.UnsafeCheckpointError, match="refusing to unpickle"):
         single_file.load_single_file_model(ckpt, "sd15")
     assert not marker.exists()

@@ -13,7 +13,7 @@ from math import prod
 from pathlib import Path
 
 import pytest
-from conftest import fake_diffusers_folder, make_images, one_line_error
+from conftest import MkdirPayload, fake_diffusers_folder, make_images, one_line_error
 from sdplan.trainer.single_file import UnsafeCheckpointError
 from sdplan.trainer.source_check import UnsupportedModelError, check_source
 from typer.testing import CliRunner
@@ -273,21 +273,11 @@ def test_recommend_plans_a_ckpt_as_its_family_without_torch(tmp_path):
     assert out.stdout.strip().endswith("TORCH False")
 
 
-class _Payload:
-    def __init__(self, target: Path):
-        self.target = target
-
-    def __reduce__(self):
-        import os
-
-        return (os.mkdir, (str(self.target),))
-
-
 def test_ckpt_whose_pickle_names_code_is_refused_without_running_it(tmp_path):
     import torch
 
     marker = tmp_path / "pwned"
-    path = write_ckpt(tmp_path / "evil.ckpt", checkpoint(), extra=_Payload(marker))
+    path = write_ckpt(tmp_path / "evil.ckpt", checkpoint(), extra=MkdirPayload(marker))
     line = one_line_error(
         runner.invoke(app, ["recommend", "--method", "lora", "--model", str(path)]), 2, "refusing to unpickle"
     )
