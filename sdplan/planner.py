@@ -2348,12 +2348,17 @@ def _jsonable(v: Any) -> Any:
 #   "Double Quantization"): "with a blocksize of 64 ... 32/64 = 0.5 bits per parameter on average" for the
 #   constants; double quantization (not bitsandbytes' default) brings them to 0.127 bits.
 BASE_PRECISION_BYTES = {"bf16": 2.0, "fp8": 1.0, "nf4": 0.5 + 4.0 / 64.0}
-# Time per transformer FLOP relative to a bf16 base. UNCALIBRATED (no published same-GPU pair of bf16 and
-# quantized-base step times for these families): the base's weights are dequantised to bf16 before every matmul
-# (fp8: a cast; nf4: bitsandbytes' dequantize kernel), forward and backward; the ranges are wide on purpose.
-# The nf4 range agrees with the one public same-GPU pair found, for a language model: bitsandbytes issue 465
-# (LoRA on an RTX A5000, fp16 vs nf4 base) "For nf4 20-100% drop for 7B model depending on batch size".
-BASE_PRECISION_TIME = {"bf16": (1.0, (1.0, 1.0)), "fp8": (1.1, (1.0, 1.3)), "nf4": (1.3, (1.1, 1.8))}
+# Time per transformer FLOP relative to a bf16 base: the base's weights are dequantised to bf16 before every
+# matmul (fp8: a cast; nf4: bitsandbytes' dequantize kernel), forward and backward; the ranges are wide on purpose.
+# - fp8: measured, one same-GPU pair (sdplan bench on an H100 80GB HBM3, FLUX.1 [dev] LoRA 1024 px, batch 1, no
+#   checkpointing, 3 timed steps each): bf16 1.573 it/s, fp8 1.395 it/s, x1.128. With checkpointing the forward's
+#   casts run twice: not measured.
+# - nf4: UNCALIBRATED. The same H100 session measured x1.26-1.39 (batches 1-14, checkpointing) before the
+#   trainer's Linear4bit followed autocast (it ran the blocks in fp32 after each LayerNorm: trainer/quantize.py),
+#   an upper bound of the trainer's factor since. The range agrees with the one public same-GPU pair found, for a
+#   language model: bitsandbytes issue 465 (LoRA on an RTX A5000, fp16 vs nf4 base) "For nf4 20-100% drop for 7B
+#   model depending on batch size".
+BASE_PRECISION_TIME = {"bf16": (1.0, (1.0, 1.0)), "fp8": (1.128, (1.0, 1.3)), "nf4": (1.3, (1.1, 1.8))}
 # A quantized base changes the result a little (its forward is the quantized network's): a small handicap so
 # it is chosen where it makes a plan fit or clearly faster, not by default.
 BASE_QUANT_HANDICAP = {"bf16": 0.0, "fp8": 0.02, "nf4": 0.05}
