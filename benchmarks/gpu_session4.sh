@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# RAN on 2026-11-26 at 18:30 UTC (results: benchmarks/results/h100-2026-11-26.md, "Third session"); the next call is
+# gpu_session5.sh.
 # The next GPU session's call (one 600 s call of the `device` tool), after gpu_session3.sh (2026-11-26):
 #   1. the trainer's step against diffusers' LoRA example loop written out bare (benchmarks/trainer_vs_reference.py,
 #      SD1.5 and SDXL, batch 4): the ratio issue 12 left open;
@@ -22,14 +24,6 @@ if ! $PY -c "import bitsandbytes" 2>/dev/null && ls .whl/bitsandbytes-*.whl >/de
 fi
 demo=${DEMO:+--demo}
 
-# 1. the trainer vs a bare loop
-for model in sd15 sdxl; do
-    log "trainer vs reference $model"
-    timeout "${REF_S:-120}" $PY benchmarks/trainer_vs_reference.py --model "$model" --batch 4 $demo --json \
-        >"$OUT/reference-$model.json" 2>"$OUT/reference-$model.err"
-    echo "exit $?" >>"$OUT/reference-$model.err"
-done
-
 # 2-3. quantized FLUX.1 bases, SD3.5 Medium
 STORE="$OUT/store"
 bench() {  # model [key=value ...]
@@ -43,6 +37,7 @@ bench() {  # model [key=value ...]
             >>"$OUT/bench.txt" 2>&1
     fi
     echo "exit $?" >>"$OUT/bench.txt"
+    pack  # what a call cut off at its limit has measured still comes back
 }
 bench flux-dev model.base_precision=fp8 memory.gradient_checkpointing=false
 bench flux-dev model.base_precision=nf4
@@ -51,4 +46,14 @@ bench sd35-medium
 # 4. predicted (shipped profiles) vs measured
 log "planner vs bench"
 $PY benchmarks/bench_vs_planner.py --store "$STORE" >"$OUT/bench_vs_planner.txt" 2>&1
+pack
+# 5. the trainer vs a bare loop (last: issue 12 is closed; what time is left)
+for model in sd15 sdxl; do
+    log "trainer vs reference $model"
+    timeout "${REF_S:-120}" $PY benchmarks/trainer_vs_reference.py --model "$model" --batch 4 $demo --json \
+        >"$OUT/reference-$model.json" 2>"$OUT/reference-$model.err"
+    echo "exit $?" >>"$OUT/reference-$model.err"
+    pack
+done
+
 log "done"

@@ -14,7 +14,7 @@ encoders run every step, one process:
 Printed: the median step time of each after warm-up, their ratio (sdplan / reference: 1.00 = no overhead) and,
 on a GPU, each loop's peak allocated memory. The issue's target is the trainer within 10% of the reference.
 
-Run on a GPU:   python benchmarks/trainer_vs_reference.py --model sdxl --batch 4
+Run on a GPU:   python benchmarks/trainer_vs_reference.py --model sdxl --batch 4 [--profile DIR]
 On the CPU (tiny SD1.5- or SDXL-shaped model, fp32, to try it):   python benchmarks/trainer_vs_reference.py --demo
 """
 
@@ -31,15 +31,43 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def _timed(step, warmup: int, steps: int, cuda: bool) -> list[float]:
+PROFILE_DIR: Path | None = None  # --profile: one more step of each loop under torch.profiler, written here
+
+
+def _timed(step, warmup: int, steps: int, cuda: bool, label: str) -> list[float]:
     """``warmup`` untimed calls of ``step``, then the seconds of each of ``steps`` calls, timed as the bench
-    times a probe point (:func:`sdplan.bench_harness.timed_steps`)."""
+    times a probe point (:func:`sdplan.bench_harness.timed_steps`); with --profile, one more step profiled."""
     from sdplan.bench import Effort
     from sdplan.bench_harness import timed_steps
 
     for _ in range(warmup):
         step()
-    return timed_steps(step, Effort(warmup_steps=0, timed_steps=steps, max_batch=1), cuda=cuda)
+    seconds = timed_steps(step, Effort(warmup_steps=0, timed_steps=steps, max_batch=1), cuda=cuda)
+    if PROFILE_DIR is not None:
+        _profile(step, cuda, PROFILE_DIR / f"{label}-profile.txt")
+    return seconds
+
+
+def _profile(step, cuda: bool, path: Path) -> None:
+    """Where one step's time goes: the operators by self time and the number of kernels launched (on a GPU)
+    and of operators called, for the two loops to be compared line by line."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        step()
+        if cuda:
+            torch.cuda.synchronize()
+    events = prof.events()
+    kernels = sum(1 for e in events if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA)
+    ops = sum(1 for e in events if e.name.startswith("aten::"))
+    sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(
+        f"aten operators called: {ops}\nGPU kernels: {kernels}\n\n"
+        + prof.key_averages().table(sort_by=sort, row_limit=40)
+    )
 
 
 def _peak_reset(cuda: bool) -> None:
@@ -64,7 +92,7 @@ def sdplan_step_seconds(req, *, device: str, demo: bool, batch: int, warmup: int
     h = Harness(req, device=device, demo=demo, workdir=workdir)
     try:
         _peak_reset(cuda)
-        seconds = _timed(lambda: h.step(batch), warmup, steps, cuda)
+        seconds = _timed(lambda: h.step(batch), warmup, steps, cuda, "sdplan")
         return seconds, _peak_gib(cuda)
     finally:
         h.close()
@@ -155,7 +183,7 @@ def reference_step_seconds(
         optimizer.zero_grad(set_to_none=True)
 
     _peak_reset(cuda)
-    seconds = _timed(step, warmup, steps, cuda)
+    seconds = _timed(step, warmup, steps, cuda, "reference")
     return seconds, _peak_gib(cuda)  # the models go with this frame: measure() frees them after
 
 
@@ -217,7 +245,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--demo", action="store_true", help="the tiny model of --model's shape on the CPU")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument(
+        "--profile", type=Path, metavar="DIR", help="write each loop's torch.profiler table to DIR"
+    )
     args = ap.parse_args(argv)
+    global PROFILE_DIR
+    PROFILE_DIR = args.profile
     r = measure(args.model, args.batch, demo=args.demo, warmup=args.warmup, steps=args.steps)
     if args.json:
         print(json.dumps(r, indent=1))
