@@ -1149,21 +1149,9 @@ def _matching_point(profiles: Profiles, s: Settings, gpu: GPUSpec | None) -> Met
         spec = profiles.point_gpu(p)
         if spec is None or gpu is None or spec.name != gpu.name:
             continue
-        o = p.options
-        same = (
-            p.resolution == s.resolution
-            and p.batch == s.batch
-            and p.precision == s.precision
-            and o.gradient_checkpointing == s.gradient_checkpointing
-            and o.cache_latents == s.cache_latents
-            and o.train_text_encoder == s.train_text_encoder
-            and bool(o.deepspeed) == bool(s.deepspeed)
-            and o.base_precision == s.base_precision
-            # the text encoders' forward runs every step where their outputs are not cached (FLUX.1 LoRA on an
-            # H100: 0.97 it/s against 1.10 cached); block swap's copies
-            and o.cache_text_encoder_outputs == s.cache_text_encoder_outputs
-            and o.blocks_to_swap == s.blocks_to_swap
-        )
+        # the text encoders' forward runs every step where their outputs are not cached (FLUX.1 LoRA on an
+        # H100: 0.97 it/s against 1.10 cached); block swap's copies: both in _speed_settings
+        same = _speed_settings(p.settings) == _speed_settings(s)
         if same and (best is None or p.origin == "local"):
             best = p
     return best
@@ -1223,21 +1211,7 @@ def _observed_oom(profiles: Profiles, s: Settings, gpu: HWGPU) -> MethodPoint | 
         spec = profiles.point_gpu(p)
         if spec is None or spec.name != gpu.spec.name:
             continue
-        o = p.options
-        if (
-            p.resolution == s.resolution
-            and p.batch <= s.batch
-            and p.precision == s.precision
-            and o.gradient_checkpointing == s.gradient_checkpointing
-            and o.optimizer == s.optimizer
-            and o.cache_latents == s.cache_latents
-            and o.train_text_encoder == s.train_text_encoder
-            and bool(o.deepspeed) == bool(s.deepspeed)
-            # what holds the most memory besides the batch in the transformer families
-            and o.cache_text_encoder_outputs == s.cache_text_encoder_outputs
-            and o.base_precision == s.base_precision
-            and o.blocks_to_swap == s.blocks_to_swap
-        ):
+        if p.batch <= s.batch and _memory_settings(replace(p.settings, batch=s.batch)) == _memory_settings(s):
             return p
     return None
 
@@ -1440,8 +1414,10 @@ def host_ram_ok(
     return not ram_total_bytes or host_ram_needed_bytes(profiles, s, mem) <= HOST_RAM_SHARE * ram_total_bytes
 
 
-def _memory_settings(s: Settings) -> tuple:
-    """What a step's peak depends on, to match a measured peak to a plan exactly."""
+def _speed_settings(s: Settings) -> tuple:
+    """What a one-GPU step's time depends on, to match a measured or published speed to a plan exactly (the
+    optimizer, the LoRA rank and the attention backend move it by a few percent: a point differing only there
+    still states the speed)."""
     return (
         s.method,
         s.model,
@@ -1449,19 +1425,25 @@ def _memory_settings(s: Settings) -> tuple:
         s.batch,
         s.precision,
         s.gradient_checkpointing,
-        s.optimizer,
         s.cache_latents,
         s.cache_text_encoder_outputs,
         s.train_text_encoder,
         bool(s.deepspeed),
+        s.base_precision,
+        s.blocks_to_swap,
+    )
+
+
+def _memory_settings(s: Settings) -> tuple:
+    """What a step's peak depends on, to match a measured peak or an observed out-of-memory to a plan."""
+    return _speed_settings(s) + (
+        s.optimizer,
         s.ema,
         s.lora_rank,
         s.lora_targets,
         s.prior_preservation,
         s.fused_backward,
         s.full_half_weights,
-        s.base_precision,
-        s.blocks_to_swap,
     )
 
 

@@ -247,18 +247,23 @@ def test_an_observed_out_of_memory_changes_the_next_plan(tmp_path):
         cache_latents=first.cache_latents,
     )
     cfg = C.validate(data)
+    oom = {
+        "step": 1,
+        "batch_size": first.batch,
+        "grad_accum": first.grad_accum,
+        "message": "CUDA out of memory",
+    }
     point = oom_point(
         cfg,
-        {
-            "step": 1,
-            "batch_size": first.batch,
-            "grad_accum": first.grad_accum,
-            "message": "CUDA out of memory",
-        },
-        family="sd15",
-        gpu_name="NVIDIA GeForce RTX 3060",
-        gpu_memory_bytes=12 * 2**30,
-        when=datetime.datetime(2026, 11, 21),
+        oom,
+        **(
+            where := {
+                "family": "sd15",
+                "gpu_name": "NVIDIA GeForce RTX 3060",
+                "gpu_memory_bytes": 12 * 2**30,
+                "when": datetime.datetime(2026, 11, 21),
+            }
+        ),
     )
     record_point(point, "lora", tmp_path / "store")
 
@@ -278,6 +283,11 @@ def test_an_observed_out_of_memory_changes_the_next_plan(tmp_path):
         second.batch >= first.batch
         and (second.gradient_checkpointing, second.optimizer, second.cache_latents) == same[1:4]
     )
+    # The match is on everything the peak depends on (planner._memory_settings, as for a measured peak): an
+    # out-of-memory at LoRA rank 128 says nothing the model does not about rank 16 (it held a rank-16 plan off).
+    data["lora"]["rank"] = 128
+    record_point(oom_point(C.validate(data), oom, **where), "lora", tmp_path / "rank128")
+    assert plan(hw, load_profiles(local=tmp_path / "rank128"), req).plan == first
 
 
 def test_the_real_h100_doctor_snapshot_plans_from_the_measured_points(prof):
