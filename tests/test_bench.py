@@ -378,6 +378,8 @@ def test_bench_demo_command_prints_a_table_and_saves(tmp_path, monkeypatch):
     assert "batch 4: out of memory (simulated)" in out
     assert "4 point(s) saved to" in out and "not VRAM" in out
     assert (root / "methods" / "lora.yaml").is_file()
+    # not a terminal (a log, a pipe): no live bar, so each phase is a line, before the minutes it can take
+    assert "  ... building the model" in out and "  ... batch 1" in out
 
 
 def test_demo_points_stay_out_of_the_planners_store_by_default(tmp_path, monkeypatch):

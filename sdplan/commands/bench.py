@@ -117,6 +117,8 @@ def bench(
             )
         current["req"] = req
         progress.update(task, completed=current["done"], description=f"{req.label}: {text}")
+        if not progress.console.is_terminal:  # no live bar in a log or a pipe: say each phase on a line
+            progress.console.print(f"  ... {text}", markup=False, style="dim")
 
     def on_result(point: Any) -> None:
         points.append(point)
