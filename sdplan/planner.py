@@ -647,12 +647,18 @@ class Calibration:
     # GPU architecture family -> the transformer families' efficiency measured there by `sdplan bench` (at
     # least BENCH_MIN_POINTS points); the one above elsewhere
     flow_by_family: tuple[tuple[str, float], ...] = ()
+    # (GPU architecture family, model) -> that model's efficiency there, where sdplan bench measured the model at
+    # least BENCH_MIN_POINTS times on the architecture: a smaller transformer keeps the GPU less busy
+    flow_by_model: tuple[tuple[tuple[str, str], float], ...] = ()
 
-    def flow_efficiency_for(self, spec: GPUSpec | None) -> float:
+    def flow_efficiency_for(self, spec: GPUSpec | None, model: str | None = None) -> float:
         """The transformer families' FLOP efficiency on ``spec``: measured on its architecture where sdplan
         bench has measured them there (on the H100, 2026-11-26: 0.35 of its measured GEMM rate (0.16-0.42), half
         what two published speeds of an RTX 4090 and an RTX 4060 Ti give; the attention and elementwise work
         that the FLOP count leaves out weigh more where the GEMM rate is this high), else the published one."""
+        own = dict(self.flow_by_model).get((spec.family, model)) if spec is not None and model else None
+        if own is not None:  # on the H100, SD3.5 Medium at 0.23, SD3.5 Large 0.31, FLUX.1 [dev] 0.38
+            return own
         return _for_family(self.flow_by_family, spec, self.flow_efficiency or self.efficiency_for(spec))
 
     def efficiency_for(self, spec: GPUSpec | None) -> float:
@@ -751,7 +757,7 @@ def step_seconds(
         return None
     spec = gpu if isinstance(gpu, GPUSpec) else gpu.spec
     if flow_family(s.model):  # FLOPs at the efficiency fitted on the families' own speeds (no byte counts)
-        eff = cal.flow_efficiency_for(spec)
+        eff = cal.flow_efficiency_for(spec, s.model)
         compute = step_flops_flow(profiles, s) / (tflops * 1e12 * eff) + step_traffic_seconds(
             profiles, s, spec, cal
         )
@@ -867,7 +873,8 @@ def calibrate(profiles: Profiles) -> Calibration:
     flow = _flow_efficiency_points(profiles)
     if flow:
         cal = replace(cal, flow_efficiency=_geomean([e for _, e in flow]), flow_points=tuple(flow))
-    cal = replace(cal, flow_by_family=_flow_bench_efficiencies(profiles))
+    by_family, by_model = _flow_bench_efficiencies(profiles)
+    cal = replace(cal, flow_by_family=by_family, flow_by_model=by_model)
     links: list[tuple[str, float]] = []
     for m in profiles.multi_gpu:
         spec = profiles.gpu_or_none(m.gpu)
@@ -2611,16 +2618,29 @@ def _flow_efficiency_points(profiles: Profiles) -> list[tuple[str, float]]:
     return out
 
 
-def _flow_bench_efficiencies(profiles: Profiles) -> tuple[tuple[str, float], ...]:
-    """Per GPU architecture family: the geometric mean efficiency of the transformer families' sdplan bench
-    speeds measured there (fit_speed or not: they stay out of the cross-GPU fit above, whose two published
-    points they would outnumber), where there are at least BENCH_MIN_POINTS."""
+def _flow_bench_efficiencies(
+    profiles: Profiles,
+) -> tuple[tuple[tuple[str, float], ...], tuple[tuple[tuple[str, str], float], ...]]:
+    """The transformer families' sdplan bench speeds (fit_speed or not: they stay out of the cross-GPU fit
+    above, whose published points they would outnumber) as efficiencies, geometric means where there are at
+    least BENCH_MIN_POINTS: per GPU architecture family, and per (architecture, model). On the H100 one
+    efficiency for the three models put SD3.5 Medium's speeds +31% to +126% too fast; leaving each of the 33
+    points out, the model alone erred by a median 20.2%, 9.8% with each model's own."""
     by: dict[str, list[float]] = {}
+    by_model: dict[tuple[str, str], list[float]] = {}
     for p in profiles.points:
         e = _flow_point_efficiency(profiles, p) if p.from_bench else None
         if e is not None:
-            by.setdefault(profiles.point_gpu(p).family, []).append(e)
-    return tuple((fam, _geomean(effs)) for fam, effs in sorted(by.items()) if len(effs) >= BENCH_MIN_POINTS)
+            family = profiles.point_gpu(p).family
+            by.setdefault(family, []).append(e)
+            by_model.setdefault((family, p.model), []).append(e)
+
+    def means(table: dict) -> tuple:
+        return tuple(
+            (k, _geomean(effs)) for k, effs in sorted(table.items()) if len(effs) >= BENCH_MIN_POINTS
+        )
+
+    return means(by), means(by_model)
 
 
 # kohya --blocks_to_swap (kohya-ss/sd-scripts library/flux_models.py enable_block_swap): N swaps N // 2
@@ -2722,9 +2742,11 @@ def _flow_reasons(
     if spec is not None and spec.family in dict(cal.flow_by_family):
         r.append(
             f"time: transformer FLOPs counted on meta over the GPU's throughput at "
-            f"{cal.flow_efficiency_for(spec) * 100:.0f}% efficiency, measured by sdplan bench on "
-            f"{spec.family.capitalize()} GPUs (SD3.5 / FLUX.1 LoRA); the quantized base's dequantisation factor "
-            "and the full methods' weight gradients are UNCALIBRATED"
+            f"{cal.flow_efficiency_for(spec, s.model) * 100:.0f}% efficiency, measured by sdplan bench on "
+            f"{spec.family.capitalize()} GPUs ("
+            + (s.model if (spec.family, s.model) in dict(cal.flow_by_model) else "SD3.5 / FLUX.1")
+            + " LoRA); the quantized base's dequantisation factor and the full methods' weight gradients are "
+            "UNCALIBRATED"
         )
     elif cal.flow_efficiency:
         pts = ", ".join(i for i, _ in cal.flow_points)
