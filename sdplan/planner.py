@@ -652,10 +652,11 @@ class Calibration:
     flow_by_model: tuple[tuple[tuple[str, str], float], ...] = ()
 
     def flow_efficiency_for(self, spec: GPUSpec | None, model: str | None = None) -> float:
-        """The transformer families' FLOP efficiency on ``spec``: measured on its architecture where sdplan
-        bench has measured them there (on the H100, 2026-11-26: 0.35 of its measured GEMM rate (0.16-0.42), half
-        what two published speeds of an RTX 4090 and an RTX 4060 Ti give; the attention and elementwise work
-        that the FLOP count leaves out weigh more where the GEMM rate is this high), else the published one."""
+        """The transformer families' FLOP efficiency on ``spec`` for ``model``: that model's own where sdplan
+        bench measured it enough on the architecture (flow_by_model), else the architecture's (on the H100,
+        2026-11-26: 0.33 of its measured GEMM rate over 33 points of three models, 0.16-0.42; about 0.4 of what
+        four published consumer-card and T4 speeds give, as the attention and elementwise work that the FLOP
+        count leaves out weigh more where the GEMM rate is this high), else the published one."""
         own = dict(self.flow_by_model).get((spec.family, model)) if spec is not None and model else None
         if own is not None:  # on the H100, SD3.5 Medium at 0.23, SD3.5 Large 0.31, FLUX.1 [dev] 0.38
             return own
