@@ -2745,7 +2745,7 @@ def _flow_reasons(
             f"time: transformer FLOPs counted on meta over the GPU's throughput at "
             f"{cal.flow_efficiency_for(spec, s.model) * 100:.0f}% efficiency, measured by sdplan bench on "
             f"{spec.family.capitalize()} GPUs ("
-            + (s.model if (spec.family, s.model) in dict(cal.flow_by_model) else "SD3.5 / FLUX.1")
+            + (model.name if (spec.family, s.model) in dict(cal.flow_by_model) else "SD3.5 / FLUX.1")
             + " LoRA); the quantized base's dequantisation factor and the full methods' weight gradients are "
             "UNCALIBRATED"
         )

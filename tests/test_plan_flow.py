@@ -344,6 +344,11 @@ def test_a_model_measured_on_an_architecture_gets_its_own_efficiency_there(prof)
     for batch, p in points.items():
         ratio = 1.0 / P.step_seconds(prof, p.settings, h100, cal) / p.outcome["it_s"]
         assert abs(math.log(ratio)) < math.log(1.2 if batch > 1 else 1.6), (p.id, ratio)
+    # a plan says whose efficiency it used
+    res = P.plan(P.hardware_from_catalog(h200), prof, P.Request(method="lora", model="sd35-medium"))
+    assert res.basis == "uncalibrated"
+    assert f"at {medium * 100:.0f}% efficiency" in "\n".join(res.reasons)
+    assert "Hopper GPUs (Stable Diffusion 3.5 Medium LoRA)" in "\n".join(res.reasons)
 
 
 def test_a_plan_at_measured_settings_takes_the_measured_peak_and_speed(prof):
