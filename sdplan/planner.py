@@ -2349,6 +2349,17 @@ BASE_PRECISION_BYTES = {"bf16": 2.0, "fp8": 1.0, "nf4": 0.5 + 4.0 / 64.0}
 #   language model: bitsandbytes issue 465 (LoRA on an RTX A5000, fp16 vs nf4 base) "For nf4 20-100% drop for 7B
 #   model depending on batch size".
 BASE_PRECISION_TIME = {"bf16": (1.0, (1.0, 1.0)), "fp8": (1.128, (1.0, 1.3)), "nf4": (1.3, (1.1, 1.8))}
+
+
+def _base_time_source(s: Settings) -> str:
+    """Where BASE_PRECISION_TIME's factor for ``s`` comes from, in words."""
+    if s.base_precision == "fp8" and not s.gradient_checkpointing:
+        return "measured once, on an H100 without checkpointing"
+    if s.base_precision == "fp8":
+        return "measured once on an H100 without checkpointing; with it UNCALIBRATED"
+    return "UNCALIBRATED"
+
+
 # A quantized base changes the result a little (its forward is the quantized network's): a small handicap so
 # it is chosen where it makes a plan fit or clearly faster, not by default.
 BASE_QUANT_HANDICAP = {"bf16": 0.0, "fp8": 0.02, "nf4": 0.05}
@@ -2811,7 +2822,7 @@ def _flow_base_reasons(
     r.append(
         f"base precision {s.base_precision}: the frozen {model.name} transformer takes {here}; {why}"
         + (
-            f"; dequantising costs ~x{factor:g} transformer time (UNCALIBRATED, likely x{lo:g}-{hi:g})"
+            f"; dequantising costs ~x{factor:g} transformer time ({_base_time_source(s)}, likely x{lo:g}-{hi:g})"
             if s.base_precision != "bf16"
             else ""
         )

@@ -401,3 +401,13 @@ def test_flow_plans_near_a_bench_point_are_scaled_by_it(prof):
     assert basis == "scaled"
     # between the measured 512 px (1.77 it/s) and 1024 px (0.58 it/s) steps at batch 2
     assert 0.58 < 1.0 / seconds < 1.77
+
+
+def test_the_base_time_factor_says_what_was_measured():
+    """fp8's factor was measured once (H100, FLUX.1 LoRA, no checkpointing); with checkpointing and for nf4 it
+    is not, and a plan's reason says so rather than calling every factor uncalibrated or measured."""
+    s = P.Settings(method="lora", model="flux-dev", resolution=1024, batch=1, base_precision="fp8")
+    no_gc = replace(s, gradient_checkpointing=False)
+    assert P._base_time_source(no_gc) == "measured once, on an H100 without checkpointing"
+    assert P._base_time_source(replace(s, gradient_checkpointing=True)).endswith("with it UNCALIBRATED")
+    assert P._base_time_source(replace(no_gc, base_precision="nf4")) == "UNCALIBRATED"
