@@ -659,7 +659,9 @@ def pin_request(req: BenchRequest, items: tuple[str, ...] | list[str]) -> BenchR
     validated as `sdplan train` and `sdplan recommend` take them (:func:`sdplan.recommend.parse_pins`)."""
     if not items:
         return req
-    keys = [item.partition("=")[0].strip() for item in items]
+    from sdplan.config import override_keys
+
+    keys = override_keys(items)
     other = [k for k in keys if k not in BENCH_KEYS]
     if other:
         raise UsageError(

@@ -423,6 +423,12 @@ def _dataclass_in(tp: Any) -> type | None:
 # -- overrides and files --------------------------------------------------------------------------------
 
 
+def override_keys(overrides) -> list[str]:
+    """The sdplan.yaml keys that `key.path=value` overrides set, in their order, read as :func:`apply_overrides`
+    reads them."""
+    return [item.partition("=")[0].strip() for item in overrides]
+
+
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """Apply `key.path=value` overrides (values parsed as YAML: 1e-4, true, null, [a, b]); returns a copy."""
     out = copy.deepcopy(data)

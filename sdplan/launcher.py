@@ -234,7 +234,7 @@ def flag_overrides(req: TrainRequest, out: Path | None) -> list[str]:
         o.append(f"data.resolution={req.resolution}")
     if req.epochs is not None:
         o.append(f"training.epochs={req.epochs}")
-    given = {item.partition("=")[0].strip() for item in req.overrides}
+    given = C.override_keys(req.overrides)
     if req.max_steps is not None:
         o.append(f"training.max_steps={req.max_steps}")
     elif (req.epochs is not None or "training.epochs" in given) and "training.max_steps" not in given:
@@ -1275,7 +1275,7 @@ def run(req: TrainRequest, ui: UI | None = None) -> dict[str, Any]:
         ui.echo(
             "not planned (--no-plan): the defaults with your key=value settings; whether they fit is not checked"
         )
-    typed = req.max_steps is not None or any(o.startswith("training.max_steps=") for o in req.overrides)
+    typed = req.max_steps is not None or "training.max_steps" in C.override_keys(req.overrides)
     for line in describe(p.cfg, p.steps, p.world, p.inputs, max_steps_from_file=not typed):
         ui.echo(line)
     ui.echo(f"output: {p.out}")

@@ -162,7 +162,7 @@ def parse_pins(items: tuple[str, ...] | list[str], method: str, model: str) -> t
     base["model"]["family"] = model
     data = C.apply_overrides(base, list(items))
     cfg = C.validate(data, source="key=value settings")
-    given = {item.partition("=")[0].strip() for item in items}
+    given = C.override_keys(items)
     for key, flag in _FLAG_KEYS.items():
         if key in given and (cfg.method if key == "method" else cfg.model.family) != (
             method if key == "method" else model
@@ -193,7 +193,7 @@ _SIZING_KEYS = {"data.path": "--dataset", "data.repeats": "--repeats", "training
 def _sizing_pins(inp: RecommendInputs) -> RecommendInputs:
     """``inp`` with its ``data.path`` / ``data.repeats`` / ``training.epochs`` pins in the flags' places (the
     plan counted its steps without them, and `--out` wrote a config whose max_steps contradicted them)."""
-    given = {item.partition("=")[0].strip() for item in inp.settings}
+    given = cfgmod.override_keys(inp.settings)
     keys = [key for key in _SIZING_KEYS if key in given]
     if not keys:
         return inp

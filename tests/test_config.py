@@ -97,3 +97,12 @@ def test_missing_and_malformed_files(tmp_path):
     bad.write_text("training: [unclosed\n")
     with pytest.raises(ConfigError, match="not valid YAML"):
         config.load(bad)
+
+
+def test_override_keys_are_read_as_the_overrides_apply():
+    """One reading of which keys key=value settings set (train, recommend and bench each had a copy, and one a
+    `startswith("training.max_steps=")` that missed a spaced 'training.max_steps = 5')."""
+    items = ["training.max_steps = 5", "lora.rank=8"]
+    assert config.override_keys(items) == ["training.max_steps", "lora.rank"]
+    applied = config.apply_overrides(config.default_config(), items)
+    assert applied["training"]["max_steps"] == 5 and applied["lora"]["rank"] == 8
