@@ -614,9 +614,18 @@ class Calibration:
     bandwidth_points: tuple[tuple[str, float], ...] = ()
     step_overhead_s: float = STEP_OVERHEAD_S
     fixed_samples: float = 0.0  # the UNet's per-step fixed work, in samples of traffic (FIXED_SAMPLES_GRID)
-    # (family, "adapter" | "full") -> the fastest micro-step measured for it on any GPU, in seconds (see
-    # step_floor_s); the point each comes from
-    step_floors: tuple[tuple[tuple[str, str], float, str], ...] = ()
+    # (family, "adapter" | "full", gradient checkpointing) -> the fastest launch-bound micro-step measured for
+    # it on any GPU, in seconds (see step_floor_s); the point each comes from
+    step_floors: tuple[tuple[tuple[str, str, bool], float, str], ...] = ()
+
+    def step_floor(self, s: Settings) -> tuple[float, str] | None:
+        """(seconds, point id) of the floor serving ``s``: measured with its checkpointing setting where there is
+        one (recomputing the forward launches its kernels again: FLUX.1 LoRA 0.48 s with, 0.45 s without), else
+        with the other."""
+        kind = _step_floor_kind(s.method)
+        floors = {k: (sec, pid) for k, sec, pid in self.step_floors}
+        own = floors.get((s.model, kind, bool(s.gradient_checkpointing)))
+        return own or floors.get((s.model, kind, not s.gradient_checkpointing))
 
     def step_floor_s(self, s: Settings) -> float | None:
         """No prediction is faster than the fastest micro-step measured for its family and kind of training.
@@ -624,8 +633,8 @@ class Calibration:
         0.60-0.64 s: the host launching the kernels, not the GPU, sets it), where the roofline predicted up to
         3x faster; a floor from measurements is what the model cannot extrapolate. It depends on the host's
         CPU: one measured on a slower host errs on the slow side."""
-        key = (s.model, _step_floor_kind(s.method))
-        return next((sec for k, sec, _ in self.step_floors if k == key), None)
+        floor = self.step_floor(s)
+        return floor[0] if floor else None
 
     # GPU architecture family -> the UNets' bandwidth efficiency fitted on the sdplan bench speeds measured
     # there (at least BENCH_MIN_POINTS); the published one above elsewhere
@@ -650,17 +659,40 @@ class Calibration:
     # (GPU architecture family, model) -> that model's efficiency there, where sdplan bench measured the model at
     # least BENCH_MIN_POINTS times on the architecture: a smaller transformer keeps the GPU less busy
     flow_by_model: tuple[tuple[tuple[str, str], float], ...] = ()
+    # the bf16 GEMM rates (TFLOPS) the transformer families' efficiencies were measured at: (architecture of
+    # flow_by_family, or None for the published fit, rate), one per GPU
+    flow_rates: tuple[tuple[str | None, float], ...] = ()
+
+    def flow_source(self, spec: GPUSpec | None) -> tuple[str | None, bool]:
+        """(architecture whose sdplan bench efficiency serves ``spec``, or None for the published one; whether
+        it is borrowed from another architecture). An architecture without its own takes the one measured at
+        the GEMM rate nearest ``spec``'s (log scale): the published consumer-card fit (44-167 TFLOPS, 0.66-1.13)
+        is not stretched to a B200's 2250 TFLOPS when an H100 (786, 0.33) was measured nearer. The efficiency
+        falls as the GEMM rate rises: the attention and elementwise work the FLOP count leaves out weigh more."""
+        if spec is None:
+            return None, False
+        if spec.family in dict(self.flow_by_family):
+            return spec.family, False
+        rate = spec.matmul_tflops("bf16")
+        if not self.flow_rates or not rate:
+            return None, False
+        arch, _ = min(self.flow_rates, key=lambda r: abs(math.log(rate / r[1])))
+        return arch, arch is not None
 
     def flow_efficiency_for(self, spec: GPUSpec | None, model: str | None = None) -> float:
         """The transformer families' FLOP efficiency on ``spec`` for ``model``: that model's own where sdplan
         bench measured it enough on the architecture (flow_by_model), else the architecture's (on the H100,
         2026-11-26: 0.33 of its measured GEMM rate over 33 points of three models, 0.16-0.42; about 0.4 of what
         four published consumer-card and T4 speeds give, as the attention and elementwise work that the FLOP
-        count leaves out weigh more where the GEMM rate is this high), else the published one."""
-        own = dict(self.flow_by_model).get((spec.family, model)) if spec is not None and model else None
+        count leaves out weigh more where the GEMM rate is this high), else the published one; an architecture
+        with none of its own takes the one measured nearest its GEMM rate (flow_source)."""
+        arch, _ = self.flow_source(spec)
+        if arch is None:
+            return self.flow_efficiency or self.efficiency_for(spec)
+        own = dict(self.flow_by_model).get((arch, model)) if model else None
         if own is not None:  # on the H100, SD3.5 Medium at 0.23, SD3.5 Large 0.31, FLUX.1 [dev] 0.38
             return own
-        return _for_family(self.flow_by_family, spec, self.flow_efficiency or self.efficiency_for(spec))
+        return dict(self.flow_by_family)[arch]
 
     def efficiency_for(self, spec: GPUSpec | None) -> float:
         """The FLOP efficiency (families without byte counts, the encoders that run every step): one
@@ -763,7 +795,8 @@ def step_seconds(
             profiles, s, spec, cal
         )
         seconds = compute + optimizer_step_seconds(profiles, s, spec) + STEP_OVERHEAD_S
-        seconds += swap_seconds(profiles, s, spec)
+        # the launch-bound floor, then block swap's PCIe copies (measured without swap)
+        seconds = max(seconds, cal.step_floor_s(s) or 0.0) + swap_seconds(profiles, s, spec)
     else:
         compute = step_compute_seconds(profiles, s, spec, cal)
         # the launch-bound floor is a step with cached latents: a VAE encode every step adds to it, not under it
@@ -779,11 +812,30 @@ def step_seconds(
     return seconds
 
 
+def floor_text(profiles: Profiles, s: Settings, spec: GPUSpec | None, cal: Calibration) -> str | None:
+    """Where the launch-bound floor, not the model, sets the step time: the measurement it comes from, in
+    words (None where the model's step is slower than the floor)."""
+    floor = cal.step_floor(s)
+    if spec is None or floor is None:
+        return None
+    model = step_seconds(profiles, s, spec, replace(cal, step_floors=()))
+    if model is None or model >= step_seconds(profiles, s, spec, cal):
+        return None
+    return (
+        f"launch-bound: no micro-step faster than {floor[0]:.2f} s, the fastest measured for {s.model} "
+        f"{_step_floor_kind(s.method)} training where a larger batch took hardly longer ({floor[1]}); the model "
+        f"alone says {model:.2f} s"
+    )
+
+
 def time_basis_text(profiles: Profiles, s: Settings, gpu: HWGPU, cal: Calibration) -> str:
     """Which roofline term sets the step time on this GPU, in words."""
     spec = gpu.spec
     if spec is None:
         return "no speed known"
+    floored = floor_text(profiles, s, spec, cal)
+    if floored is not None:
+        return floored
     flop_s = step_flops(profiles, s) / (spec.matmul_tflops(s.precision) * 1e12)
     byte_s = step_traffic_seconds(profiles, s, spec, cal)
     if byte_s <= 0:
@@ -876,6 +928,7 @@ def calibrate(profiles: Profiles) -> Calibration:
         cal = replace(cal, flow_efficiency=_geomean([e for _, e in flow]), flow_points=tuple(flow))
     by_family, by_model = _flow_bench_efficiencies(profiles)
     cal = replace(cal, flow_by_family=by_family, flow_by_model=by_model)
+    cal = replace(cal, flow_rates=_flow_rates(profiles, cal))
     links: list[tuple[str, float]] = []
     for m in profiles.multi_gpu:
         spec = profiles.gpu_or_none(m.gpu)
@@ -900,25 +953,29 @@ def _step_floor_kind(method: str) -> str:
 FLAT_STEP_RATIO = 1.25  # a step this close to the one at twice the batch or more is launch-bound
 
 
-def _step_floors(profiles: Profiles) -> tuple[tuple[tuple[str, str], float, str], ...]:
-    """Per (UNet family, kind of training): the shortest launch-bound micro-step measured. A point is
-    launch-bound where the same GPU and settings at twice the batch or more took at most FLAT_STEP_RATIO as
-    long (the step did not grow with the work). The shortest step of any point would not do: on a family whose
-    fastest measurement is a T4's, that would cap every faster GPU at a T4's speed."""
+def _step_floors(profiles: Profiles) -> tuple[tuple[tuple[str, str, bool], float, str], ...]:
+    """Per (family, kind of training, checkpointing): the shortest launch-bound micro-step measured. A point is launch-bound
+    where the same GPU and settings at twice the batch or more took at most FLAT_STEP_RATIO as long (the step
+    did not grow with the work). The shortest step of any point would not do: on a family whose fastest
+    measurement is a T4's, that would cap every faster GPU at a T4's speed. The transformer families too (H100,
+    2026-11-26: FLUX.1 LoRA 0.45 s at 512 px batch 1, 0.43 s at batch 2; SD3.5 Medium 0.41 s at batch 1, 0.50
+    s at batch 2): without it a B200's FLUX.1 step was predicted 7x faster than measured. Where only one
+    checkpointing setting was measured (SD3.5 Medium: with; the UNets: without) its floor serves the other
+    too (Calibration.step_floor): a plan without checkpointing then errs slow, by ~8% on FLUX.1."""
     series: dict[tuple, list[tuple[int, float, str]]] = {}
     for p in profiles.points:
         it_s = p.outcome.get("it_s")
-        if not it_s or p.num_gpus != 1 or flow_family(p.model) or p.grad_accum != 1 or not p.gpu:
+        if not it_s or p.num_gpus != 1 or p.grad_accum != 1 or not p.gpu or p.settings.blocks_to_swap:
             continue
         if not p.settings.cache_latents:  # step_seconds adds the VAE encode to the floor
             continue
         series.setdefault((p.gpu, replace(p.settings, batch=1)), []).append((p.batch, 1.0 / it_s, p.id))
-    best: dict[tuple[str, str], tuple[float, str]] = {}
+    best: dict[tuple[str, str, bool], tuple[float, str]] = {}
     for (_, settings), pts in series.items():
         for batch, sec, pid in pts:
             if not any(b >= 2 * batch and other <= FLAT_STEP_RATIO * sec for b, other, _ in pts):
                 continue
-            key = (settings.model, _step_floor_kind(settings.method))
+            key = (settings.model, _step_floor_kind(settings.method), bool(settings.gradient_checkpointing))
             if key not in best or sec < best[key][0]:
                 best[key] = (sec, pid)
     return tuple((k, sec, pid) for k, (sec, pid) in sorted(best.items()))
@@ -1373,8 +1430,8 @@ def planned_step_seconds(
 ) -> tuple[float | None, str]:
     """(seconds per micro-step, basis) as a plan states them: a measured or published speed for this GPU and
     these settings; else the model scaled by the nearest speed measured on this GPU ("scaled"); else the
-    model alone ("calibrated"; "uncalibrated" for the transformer families, whose efficiency rests on two
-    published speeds)."""
+    model alone ("calibrated"; "uncalibrated" for the transformer families, whose efficiency rests on few
+    speeds, unless the measured launch-bound floor sets the step)."""
     if gpu is None:
         return None, "unknown speed"
     point = _matching_point(profiles, s, gpu) if s.num_gpus == 1 else None
@@ -1397,9 +1454,10 @@ def planned_step_seconds(
             # at the floor (launch-bound) the floor is itself a measurement
             scaled = max((one - swap) * measured / (at_near - swap_near) + swap, floor)
             return scaled + (step_s - one), "scaled"  # the all-reduce (several GPUs) as modelled
-    # the transformer families alone: an efficiency fitted on two published speeds; quantized-base and swap
-    # costs unfitted
-    return step_s, ("uncalibrated" if flow_family(s.model) else "calibrated")
+    # the transformer families alone: an efficiency fitted on few speeds; quantized-base and swap costs
+    # unfitted; at the launch-bound floor, the floor's measurement sets the step
+    floored = flow_family(s.model) and floor_text(profiles, s, gpu, cal) is not None
+    return step_s, ("uncalibrated" if flow_family(s.model) and not floored else "calibrated")
 
 
 def host_ram_needed_bytes(profiles: Profiles, s: Settings, mem: Memory | None = None) -> float:
@@ -2655,6 +2713,22 @@ def _flow_bench_efficiencies(
     return means(by), means(by_model)
 
 
+def _flow_rates(profiles: Profiles, cal: Calibration) -> tuple[tuple[str | None, float], ...]:
+    """The bf16 GEMM rate of each GPU behind the transformer families' efficiencies (Calibration.flow_rates):
+    the published fit's GPUs (None) and the GPUs of each architecture with a bench efficiency."""
+    bench = dict(cal.flow_by_family)
+    out: set[tuple[str | None, float]] = set()
+    for p in profiles.points:
+        spec = profiles.point_gpu(p)
+        if spec is None or _flow_point_efficiency(profiles, p) is None:
+            continue
+        if p.from_bench and spec.family in bench:
+            out.add((spec.family, spec.matmul_tflops("bf16")))
+        elif p.fit_speed and cal.flow_efficiency:
+            out.add((None, spec.matmul_tflops("bf16")))
+    return tuple(sorted(out, key=lambda r: r[1]))
+
+
 # kohya --blocks_to_swap (kohya-ss/sd-scripts library/flux_models.py enable_block_swap): N swaps N // 2
 # double-stream and (N - N // 2) x 2 single-stream FLUX blocks, at most 17 / 36 of them (N <= 35); SD3
 # (library/sd3_models.py) swaps N joint blocks, at most num_layers - 2. The swapped blocks stay in host RAM and
@@ -2751,13 +2825,26 @@ def _flow_reasons(
         )
     if best.basis != "uncalibrated":  # a measured speed, or the model scaled by one: said with the time
         return r
-    if spec is not None and spec.family in dict(cal.flow_by_family):
+    floored = floor_text(profiles, s, spec, cal)
+    arch, borrowed = cal.flow_source(spec)
+    if floored is not None:
+        r.append(f"time: {floored}")
+    elif arch is not None:
+        rate = spec.matmul_tflops("bf16")
+        near = max(r_ for a, r_ in cal.flow_rates if a == arch)
         r.append(
             f"time: transformer FLOPs counted on meta over the GPU's throughput at "
             f"{cal.flow_efficiency_for(spec, s.model) * 100:.0f}% efficiency, measured by sdplan bench on "
-            f"{spec.family.capitalize()} GPUs ("
-            + (model.name if (spec.family, s.model) in dict(cal.flow_by_model) else "SD3.5 / FLUX.1")
-            + " LoRA); the quantized base's dequantisation factor and the full methods' weight gradients are "
+            f"{arch.capitalize()} GPUs ("
+            + (model.name if (arch, s.model) in dict(cal.flow_by_model) else "SD3.5 / FLUX.1")
+            + " LoRA)"
+            + (
+                f": none measured on {spec.family.capitalize()} GPUs, so the efficiency measured at the GEMM rate nearest "
+                f"{spec.name}'s {rate:g} TFLOPS ({near:g} TFLOPS) is borrowed: EXTRAPOLATED"
+                if borrowed
+                else ""
+            )
+            + "; the quantized base's dequantisation factor and the full methods' weight gradients are "
             "UNCALIBRATED"
         )
     elif cal.flow_efficiency:

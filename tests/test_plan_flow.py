@@ -351,6 +351,57 @@ def test_a_model_measured_on_an_architecture_gets_its_own_efficiency_there(prof)
     assert "Hopper GPUs (Stable Diffusion 3.5 Medium LoRA)" in "\n".join(res.reasons)
 
 
+def test_no_flow_step_is_predicted_faster_than_the_launch_bound_floor_measured_for_its_model(prof):
+    """FLUX.1 LoRA at 512 px on an H100 took 0.45 s a step at batch 1 and 0.43 s at batch 2: the host launching
+    kernels, not the GPU, sets such a step. The UNets' floor did not cover the transformer families, and the
+    unsloth B200 point (FLUX.1 nf4 LoRA, 512 px, batch 1: 1.81 it/s) was predicted at 12.2 it/s (+571%). No GPU,
+    whatever its rating, runs a FLUX.1 LoRA step faster than that measured floor; the plan says where it is."""
+    cal = P.calibrate(prof)
+    flux = Settings(method="lora", model="flux-dev", resolution=512, gradient_checkpointing=False)
+    floor = cal.step_floor_s(flux)
+    assert floor == pytest.approx(1.0 / 2.238, rel=0.01)
+    # checkpointing launches the forward's kernels twice: its own floor where one was measured (2.072 it/s),
+    # else the other setting's (SD3.5 Medium was measured with checkpointing only)
+    assert cal.step_floor_s(replace(flux, gradient_checkpointing=True)) == pytest.approx(
+        1.0 / 2.072, rel=0.01
+    )
+    medium = replace(flux, model="sd35-medium")
+    assert cal.step_floor_s(medium) == cal.step_floor_s(replace(medium, gradient_checkpointing=True))
+    unsloth = next(p for p in prof.points if p.id == "unsloth6839-b200-flux-nf4-512-r16")
+    b200 = prof.find_gpu("B200")
+    predicted = 1.0 / P.step_seconds(prof, unsloth.settings, b200, cal)
+    assert abs(predicted / unsloth.outcome["it_s"] - 1.0) < 0.2  # +14.5% (its step has checkpointing)
+    res = _plan(prof, "B200", "flux-dev", 512, pins=(("batch", 1),))
+    assert res.step_seconds >= floor
+    assert any("launch-bound: no micro-step faster than 0.45 s" in r for r in res.reasons)
+    assert res.basis == "calibrated"  # the floor is a measurement, not the uncalibrated efficiency
+
+
+def test_an_architecture_without_its_own_flow_speed_borrows_the_one_measured_nearest_its_gemm_rate(prof):
+    """The published SD3.5 / FLUX.1 efficiency (0.85) comes from GPUs of 44-167 TFLOPS; an H100 (786) measured
+    0.38 for FLUX.1. A B200 (2250 TFLOPS, no flow speed of its own) took the published one and planned FLUX.1 at
+    2.2x an H100's efficiency on 2.9x its rate. It now takes the H100's, per model, and says it is borrowed;
+    the cards near the published GPUs keep the published fit."""
+    cal = P.calibrate(prof)
+    hopper_flux = dict(cal.flow_by_model)[("hopper", "flux-dev")]
+    b200 = prof.find_gpu("B200")
+    assert cal.flow_source(b200) == ("hopper", True)
+    assert cal.flow_efficiency_for(b200, "flux-dev") == hopper_flux
+    for near in ("RTX 4090", "RTX 5090", "A100 SXM 80GB", "L40S"):
+        assert cal.flow_source(prof.find_gpu(near)) == (None, False), near
+        assert cal.flow_efficiency_for(prof.find_gpu(near), "flux-dev") == cal.flow_efficiency
+    # a B200 plans FLUX.1 at 1024 px no faster per FLOP than the H100 measured it
+    h100 = prof.find_gpu("H100 SXM")
+    dev = next(
+        p for p in _h100_flow_points(prof) if p.id.endswith("flux-dev-1024-bf16-gc-adamw-cl-cte-r16-b4")
+    )
+    ratio = P.step_seconds(prof, dev.settings, h100, cal) / P.step_seconds(prof, dev.settings, b200, cal)
+    assert ratio < 1.05 * b200.matmul_tflops("bf16") / h100.matmul_tflops("bf16")
+    res = _plan(prof, "B200", "flux-dev", 1024)
+    assert res.basis == "uncalibrated"
+    assert any("borrowed: EXTRAPOLATED" in r for r in res.reasons)
+
+
 def test_a_plan_at_measured_settings_takes_the_measured_peak_and_speed(prof):
     """FLUX.1 LoRA at 512 px on an H100: bf16 batch 4 without checkpointing was measured at 58.8 GiB allocated.
     The model's peak for it (62 GiB) with the validation band's upper end went over the card, and the plan
