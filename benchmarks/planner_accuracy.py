@@ -794,11 +794,19 @@ def recommend_wall_time(runs: int = 3) -> dict:
         "2x RTX 4090",
         "--json",
     ]
-    times = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        subprocess.run(cmd, check=True, capture_output=True)
-        times.append(time.perf_counter() - t0)
+
+    def timed(command: list[str]) -> list[float]:
+        out = []
+        for _ in range(runs):
+            t0 = time.perf_counter()
+            subprocess.run(command, check=True, capture_output=True)
+            out.append(time.perf_counter() - t0)
+        return out
+
+    # interleaved on the same machine: the SD 1.5 default, a FLUX.1 plan (the largest search), import torch
+    times = timed(cmd)
+    flux = timed([*cmd, "--model", "flux-dev"])
+    torch_s = timed([sys.executable, "-c", "import torch"])
     probe = (
         "import sys; from sdplan.cli import app\n"
         "try:\n app(['recommend','--method','dreambooth','--hardware','RTX 4090','--json'], standalone_mode=False)\n"
@@ -809,6 +817,8 @@ def recommend_wall_time(runs: int = 3) -> dict:
     return {
         "median_s": round(statistics.median(times), 3),
         "runs": [round(t, 3) for t in times],
+        "flux_median_s": round(statistics.median(flux), 3),
+        "import_torch_median_s": round(statistics.median(torch_s), 3),
         "torch_imported": out.strip().splitlines()[-1] == "True",
     }
 
@@ -912,7 +922,8 @@ def render(result: dict) -> str:
     if "recommend_wall_time" in result:
         w = result["recommend_wall_time"]
         lines.append(
-            f"sdplan recommend wall time: median {w['median_s']} s over {len(w['runs'])} runs; "
+            f"sdplan recommend wall time: median {w['median_s']} s over {len(w['runs'])} runs (FLUX.1: "
+            f"{w['flux_median_s']} s; python -c 'import torch': {w['import_torch_median_s']} s); "
             f"torch imported: {w['torch_imported']}"
         )
     return "\n".join(lines)

@@ -1208,11 +1208,8 @@ def precision_for(gpus: tuple[HWGPU, ...]) -> str:
 def _matching_point(profiles: Profiles, s: Settings, gpu: GPUSpec | None) -> MethodPoint | None:
     """A measured (local) or published point for this GPU and these settings, with a speed."""
     best = None
-    for p in profiles.points:
+    for p in profiles.points_on(gpu.name) if gpu is not None else ():
         if not p.outcome.get("it_s") or p.num_gpus != 1 or p.method != s.method or p.model != s.model:
-            continue
-        spec = profiles.point_gpu(p)
-        if spec is None or gpu is None or spec.name != gpu.name:
             continue
         # the text encoders' forward runs every step where their outputs are not cached (FLUX.1 LoRA on an
         # H100: 0.97 it/s against 1.10 cached); block swap's copies: both in _speed_settings
@@ -1231,13 +1228,10 @@ def _near_point(profiles: Profiles, s: Settings, gpu: GPUSpec | None) -> MethodP
     if gpu is None:
         return None
     best, best_key = None, None
-    for p in profiles.points:
+    for p in profiles.points_on(gpu.name):
         if not p.outcome.get("it_s") or p.num_gpus != 1 or p.grad_accum != 1 or p.model != s.model:
             continue
         if not p.from_bench:
-            continue
-        spec = profiles.point_gpu(p)
-        if spec is None or spec.name != gpu.name:
             continue
         o = p.options
         if (
@@ -1265,16 +1259,13 @@ def _observed_oom(profiles: Profiles, s: Settings, gpu: HWGPU) -> MethodPoint | 
     what ran out of memory once will again, whatever the model predicts."""
     if gpu.spec is None:
         return None
-    for p in profiles.points:
+    for p in profiles.points_on(gpu.spec.name):
         if (
             p.origin != "local"
             or p.outcome.get("fits") is not False
             or p.method != s.method
             or p.model != s.model
         ):
-            continue
-        spec = profiles.point_gpu(p)
-        if spec is None or spec.name != gpu.spec.name:
             continue
         if p.batch <= s.batch and _memory_settings(replace(p.settings, batch=s.batch)) == _memory_settings(s):
             return p
@@ -1518,11 +1509,10 @@ def _measured_peak_point(profiles: Profiles, s: Settings, gpu: HWGPU) -> MethodP
     if gpu.spec is None or s.num_gpus != 1:
         return None
     want = _memory_settings(s)
-    for p in profiles.points:
+    for p in profiles.points_on(gpu.spec.name):
         if not p.from_bench or not p.outcome.get("fits") or not p.outcome.get("peak_vram_gib"):
             continue
-        spec = profiles.point_gpu(p)
-        if spec is not None and spec.name == gpu.spec.name and _memory_settings(p.settings) == want:
+        if _memory_settings(p.settings) == want:
             return p
     return None
 
@@ -2476,14 +2466,23 @@ def transformer_linears(model: ModelSpec) -> list[tuple[str, int, int, int]]:
     return out
 
 
-def _lora_linears(model: ModelSpec, s: Settings) -> list[tuple[str, int, int, int]]:
+# (id(model), targets) -> (model, its adapted Linears): a plan's search asks thousands of times per model
+_LORA_LINEARS: dict[tuple[int, tuple[str, ...]], tuple[ModelSpec, tuple]] = {}
+
+
+def _lora_linears(model: ModelSpec, s: Settings) -> tuple[tuple[str, int, int, int], ...]:
     targets = tuple(s.lora_targets or model.lora_target_modules)
+    cached = _LORA_LINEARS.get((id(model), targets))
+    if cached is not None and cached[0] is model:
+        return cached[1]
     # peft matches a target by the module name's suffix; single-stream blocks' attn.to_q/k/v match attn.to_*
-    return [
+    found = tuple(
         (name, i, o, c)
         for name, i, o, c in transformer_linears(model)
         if any(name == t or name.endswith("." + t) for t in targets)
-    ]
+    )
+    _LORA_LINEARS[(id(model), targets)] = (model, found)
+    return found
 
 
 def flow_lora_params(model: ModelSpec, s: Settings) -> int:

@@ -651,6 +651,10 @@ class Profiles:
     # families with profile data but no planner support yet (FLOW_FAMILIES); not offered to recommend
     unplanned_models: dict[str, ModelSpec] = field(default_factory=dict)
     uncertainty: Uncertainty = field(default_factory=Uncertainty)
+    # gpu_or_none's answers for this catalog: a plan asks for its points' GPUs some 10^5 times (not an input:
+    # dataclasses.replace starts an empty one)
+    _gpu_lookups: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    _points_by_gpu: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def model(self, family: str) -> ModelSpec:
         if family not in self.models and family in FAMILIES:
@@ -670,10 +674,22 @@ class Profiles:
     def gpu_or_none(self, name: str | None, memory_bytes: int | None = None) -> GPUSpec | None:
         if not name:
             return None
-        try:
-            return find_gpu(self.gpus, name, memory_bytes)
-        except UsageError:
-            return None
+        key = (name, memory_bytes)
+        if key not in self._gpu_lookups:
+            try:
+                self._gpu_lookups[key] = find_gpu(self.gpus, name, memory_bytes)
+            except UsageError:
+                self._gpu_lookups[key] = None
+        return self._gpu_lookups[key]
+
+    def points_on(self, gpu_name: str) -> tuple[MethodPoint, ...]:
+        """The points measured on the catalog GPU ``gpu_name`` (point_gpu), in file order."""
+        if not self._points_by_gpu:
+            for p in self.points:
+                spec = self.point_gpu(p)
+                if spec is not None:
+                    self._points_by_gpu.setdefault(spec.name, []).append(p)
+        return tuple(self._points_by_gpu.get(gpu_name, ()))
 
     def point_gpu(self, point: MethodPoint) -> GPUSpec | None:
         """The catalog GPU a point was measured on: its recorded memory settles a name several boards share
