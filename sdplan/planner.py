@@ -667,7 +667,7 @@ class Calibration:
         """(architecture whose sdplan bench efficiency serves ``spec``, or None for the published one; whether
         it is borrowed from another architecture). An architecture without its own takes the one measured at
         the GEMM rate nearest ``spec``'s (log scale): the published consumer-card fit (44-167 TFLOPS, 0.66-1.13)
-        is not stretched to a B200's 2250 TFLOPS when an H100 (786, 0.33) was measured nearer. The efficiency
+        is not stretched to a B200's 2250 TFLOPS when an H100 (786, 0.36) was measured nearer. The efficiency
         falls as the GEMM rate rises: the attention and elementwise work the FLOP count leaves out weigh more."""
         if spec is None:
             return None, False
@@ -682,7 +682,8 @@ class Calibration:
     def flow_efficiency_for(self, spec: GPUSpec | None, model: str | None = None) -> float:
         """The transformer families' FLOP efficiency on ``spec`` for ``model``: that model's own where sdplan
         bench measured it enough on the architecture (flow_by_model), else the architecture's (on the H100,
-        2026-11-26: 0.33 of its measured GEMM rate over 33 points of three models, 0.16-0.42; about 0.4 of what
+        2026-11-26: 0.36 of its measured GEMM rate over 33 points of three models, fitted with the launch-bound
+        floor (_fit_with_floor; 0.26-0.42 by model where the step grows with the batch); about 0.4 of what
         four published consumer-card and T4 speeds give, as the attention and elementwise work that the FLOP
         count leaves out weigh more where the GEMM rate is this high), else the published one; an architecture
         with none of its own takes the one measured nearest its GEMM rate (flow_source)."""
@@ -690,7 +691,7 @@ class Calibration:
         if arch is None:
             return self.flow_efficiency or self.efficiency_for(spec)
         own = dict(self.flow_by_model).get((arch, model)) if model else None
-        if own is not None:  # on the H100, SD3.5 Medium at 0.23, SD3.5 Large 0.31, FLUX.1 [dev] 0.38
+        if own is not None:  # on the H100, SD3.5 Medium at 0.26, SD3.5 Large 0.32, FLUX.1 [dev] 0.41
             return own
         return dict(self.flow_by_family)[arch]
 
@@ -926,7 +927,7 @@ def calibrate(profiles: Profiles) -> Calibration:
     flow = _flow_efficiency_points(profiles)
     if flow:
         cal = replace(cal, flow_efficiency=_geomean([e for _, e in flow]), flow_points=tuple(flow))
-    by_family, by_model = _flow_bench_efficiencies(profiles)
+    by_family, by_model = _flow_bench_efficiencies(profiles, cal)
     cal = replace(cal, flow_by_family=by_family, flow_by_model=by_model)
     cal = replace(cal, flow_rates=_flow_rates(profiles, cal))
     links: list[tuple[str, float]] = []
@@ -2687,29 +2688,60 @@ def _flow_efficiency_points(profiles: Profiles) -> list[tuple[str, float]]:
     return out
 
 
+def _fit_with_floor(points: list[tuple[float, float, float]]) -> float:
+    """The efficiency e whose step max(ideal / e + STEP_OVERHEAD_S, floor) fits the measured steps best, least
+    squares on log time, over ``points`` (ideal seconds, measured seconds, floor seconds or 0). A step at the
+    launch-bound floor says nothing of e: fitted as each point's own ratio (a geometric mean), the H100's
+    launch-bound batch-1 steps pulled FLUX.1's efficiency from 0.42 (its batches 4-16) to 0.38 and SD3.5
+    Medium's from 0.27 to 0.23."""
+
+    def error(e: float) -> float:
+        return sum(
+            math.log(max(ideal / e + STEP_OVERHEAD_S, floor) / measured) ** 2
+            for ideal, measured, floor in points
+        )
+
+    best = min(BANDWIDTH_EFFICIENCY_GRID, key=error)
+    # refine between the grid's neighbours (3% apart) by golden-section search
+    lo, hi = best / 1.03, best * 1.03
+    g = (math.sqrt(5) - 1) / 2
+    for _ in range(30):
+        a, b = hi - g * (hi - lo), lo + g * (hi - lo)
+        if error(a) <= error(b):
+            hi = b
+        else:
+            lo = a
+    return (lo + hi) / 2
+
+
 def _flow_bench_efficiencies(
-    profiles: Profiles,
+    profiles: Profiles, cal: Calibration | None = None
 ) -> tuple[tuple[tuple[str, float], ...], tuple[tuple[tuple[str, str], float], ...]]:
     """The transformer families' sdplan bench speeds (fit_speed or not: they stay out of the cross-GPU fit
-    above, whose published points they would outnumber) as efficiencies, geometric means where there are at
-    least BENCH_MIN_POINTS: per GPU architecture family, and per (architecture, model). On the H100 one
-    efficiency for the three models put SD3.5 Medium's speeds +31% to +126% too fast; leaving each of the 33
-    points out, the model alone erred by a median 20.2%, 9.8% with each model's own."""
-    by: dict[str, list[float]] = {}
-    by_model: dict[tuple[str, str], list[float]] = {}
+    above, whose published points they would outnumber) as efficiencies where there are at least
+    BENCH_MIN_POINTS: per GPU architecture family, and per (architecture, model), fitted with ``cal``'s
+    launch-bound floor (_fit_with_floor). On the H100 one efficiency for the three models put SD3.5 Medium's
+    speeds +31% to +126% too fast; leaving each of the 33 points out, the model alone erred by a median 20.2%,
+    9.8% with each model's own, 3.9% (max 128%: Medium's batch 1 with only 4 Medium points left, which falls
+    back to the architecture's efficiency) fitted with the floor."""
+    by: dict[str, list[tuple[float, float, float]]] = {}
+    by_model: dict[tuple[str, str], list[tuple[float, float, float]]] = {}
     for p in profiles.points:
         e = _flow_point_efficiency(profiles, p) if p.from_bench else None
         if e is not None:
+            measured = 1.0 / p.outcome["it_s"]
+            floor = (cal.step_floor_s(p.settings) if cal is not None else None) or 0.0
+            point = ((measured - STEP_OVERHEAD_S) * e, measured, floor)
             family = profiles.point_gpu(p).family
-            by.setdefault(family, []).append(e)
-            by_model.setdefault((family, p.model), []).append(e)
+            by.setdefault(family, []).append(point)
+            by_model.setdefault((family, p.model), []).append(point)
 
-    def means(table: dict) -> tuple:
+    def fits(table: dict) -> tuple:
         return tuple(
-            (k, _geomean(effs)) for k, effs in sorted(table.items()) if len(effs) >= BENCH_MIN_POINTS
+            (k, _fit_with_floor(pts)) for k, pts in sorted(table.items()) if len(pts) >= BENCH_MIN_POINTS
         )
 
-    return means(by), means(by_model)
+    return fits(by), fits(by_model)
 
 
 def _flow_rates(profiles: Profiles, cal: Calibration) -> tuple[tuple[str | None, float], ...]:
