@@ -36,6 +36,7 @@ from sdplan.launch import (
     free_port,
     run_launch,
 )
+from sdplan.plan_chart import FILE_NAME as PLAN_CHART_FILE
 from sdplan.planner import format_duration
 from sdplan.registry import FAMILIES, FULL_METHODS, guess_family
 from sdplan.settings import OFFLOAD, Settings, get_key
@@ -46,7 +47,7 @@ OOM_FILE = "oom.json"
 SUMMARY_FILE = "run_summary.json"
 # Files `sdplan recommend --out` / `sdplan train` write before any training: a folder holding only these is a
 # planned run, not yet trained.
-PLAN_FILES = (CONFIG_FILE, ACCELERATE_FILE, DEEPSPEED_FILE)
+PLAN_FILES = (CONFIG_FILE, ACCELERATE_FILE, DEEPSPEED_FILE, PLAN_CHART_FILE)  # the chart: recommend --out
 # What the trainer writes at the top of its output folder, whatever the output name: recorded in the run
 # folder's manifest at launch (when they do not exist yet), so a run killed mid-way can still be --force'd.
 TRAINER_ENTRIES = (

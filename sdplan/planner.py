@@ -1188,6 +1188,23 @@ class Result:
     peak_measured: str | None = None  # the sdplan bench point whose measured peak the plan states
 
 
+SWEEP_MAX_BATCH = 64
+
+
+def batch_sweep(res: Result, profiles: Profiles) -> tuple[Candidate, ...]:
+    """The plan's settings at other batch sizes, evaluated as the search evaluates a candidate (peak, its
+    likely range, whole-run time, whether it fits): batch 1, 2, 4, ... up to twice the plan's (at least 4, at
+    most SWEEP_MAX_BATCH) and the plan's own, for a picture of where the plan sits (sdplan.plan_chart)."""
+    if res.plan is None:
+        return ()
+    cal = calibrate(profiles)
+    top = min(SWEEP_MAX_BATCH, max(4, 2 * res.plan.batch))
+    batches = sorted({res.plan.batch} | {2**i for i in range(7) if 2**i <= top})
+    return tuple(
+        _evaluate(res.request, profiles, res.hardware, cal, replace(res.plan, batch=b)) for b in batches
+    )
+
+
 def _steps(req: Request, batch: int, grad_accum: int, num_gpus: int) -> Steps:
     return plan_steps(
         images_per_epoch=req.images * req.repeats,

@@ -450,7 +450,8 @@ def write_outputs(
     force: bool,
     overrides: tuple[str, ...] | list[str] = (),
 ) -> list[Path]:
-    """Write sdplan.yaml, accelerate.yaml and (with offload) deepspeed.json; never overwrite without force."""
+    """Write sdplan.yaml, accelerate.yaml, (with offload) deepspeed.json and plan.png (sdplan.plan_chart);
+    never overwrite without force."""
     import yaml
 
     from sdplan import config as cfgmod
@@ -461,7 +462,7 @@ def write_outputs(
             "nothing to write: no configuration fits this hardware", fix="see the suggested hardware"
         )
     outdir = Path(out)
-    files: dict[str, str] = {}
+    files: dict[str, str | bytes] = {}
     cfg = trainer_config(res, profiles, dataset, overrides=overrides, out=outdir)
     header = (
         f"sdplan.yaml written by `sdplan recommend` for {res.hardware.label or 'this machine'}\n"
@@ -475,6 +476,9 @@ def write_outputs(
     ds = deepspeed_config(train_cfg)
     if ds is not None:
         files[DEEPSPEED_FILE] = json.dumps(ds, indent=2) + "\n"
+    from sdplan import plan_chart
+
+    files[plan_chart.FILE_NAME] = plan_chart.render_png(plan_chart.chart_data(res, profiles))
     if outdir.exists() and not outdir.is_dir():
         raise OutputExistsError(f"{outdir} exists and is not a folder")
     from sdplan.launcher import check_out_not_in_dataset
@@ -505,10 +509,13 @@ def write_outputs(
     written = []
     try:
         outdir.mkdir(parents=True, exist_ok=True)
-        for name, text in files.items():
+        for name, content in files.items():
             path = outdir / name
             tmp = path.with_suffix(path.suffix + ".tmp")
-            tmp.write_text(text)
+            if isinstance(content, bytes):
+                tmp.write_bytes(content)
+            else:
+                tmp.write_text(content)
             tmp.replace(path)
             written.append(path)
     except OSError as e:

@@ -114,9 +114,9 @@ def remove_owned(out: Path, names: Iterable[str]) -> list[str]:
     return removed
 
 
-def not_ours(out: Path, files: dict[str, str]) -> list[str]:
-    """Names in ``files`` (name -> the text sdplan is about to write in ``out``) that exist there, are not in
-    the manifest, and hold other bytes: writing them would overwrite a user's file."""
+def not_ours(out: Path, files: dict[str, str | bytes]) -> list[str]:
+    """Names in ``files`` (name -> the text or bytes sdplan is about to write in ``out``) that exist there, are
+    not in the manifest, and hold other bytes: writing them would overwrite a user's file."""
     mine = owned(out)
     theirs = []
     for name, text in files.items():
@@ -124,7 +124,9 @@ def not_ours(out: Path, files: dict[str, str]) -> list[str]:
         if name in mine or not (path.exists() or path.is_symlink()):
             continue
         try:
-            same = path.is_file() and path.read_bytes() == text.encode()
+            same = path.is_file() and path.read_bytes() == (
+                text if isinstance(text, bytes) else text.encode()
+            )
         except OSError:
             same = False
         if not same:
@@ -132,7 +134,7 @@ def not_ours(out: Path, files: dict[str, str]) -> list[str]:
     return theirs
 
 
-def check_not_ours(out: Path, files: dict[str, str], *, fix: str) -> None:
+def check_not_ours(out: Path, files: dict[str, str | bytes], *, fix: str) -> None:
     """OutputExistsError when writing ``files`` in ``out`` would overwrite a file sdplan did not write."""
     theirs = not_ours(out, files)
     if theirs:

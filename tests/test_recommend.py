@@ -216,6 +216,51 @@ def test_out_writes_files_and_never_overwrites(tmp_path):
     assert run(*args, "--force").exit_code == 0
 
 
+def test_out_draws_the_plan(tmp_path):
+    """The quality bar: a plan breakdown is a picture. `--out` writes plan.png beside the config: the memory
+    parts stacked against the card, the stated peak with its likely range, and the plan's settings at other
+    batch sizes (peak and whole-run time), from the planner's own evaluation of each."""
+    from PIL import Image
+
+    from sdplan import plan_chart
+    from sdplan import planner as P
+    from sdplan.profiles import load_profiles
+
+    out = tmp_path / "plan"
+    r = run("--method", "lora", "--model", "sdxl", "--hardware", "RTX 4090", "--out", str(out))
+    assert r.exit_code == 0, r.output
+    with Image.open(out / "plan.png") as im:
+        assert im.format == "PNG" and im.size == (1200, 600)
+        assert len(im.convert("RGB").getcolors(maxcolors=1 << 20)) > 50  # drawn, not blank
+
+    prof = load_profiles()
+    res = P.plan(
+        P.hardware_from_catalog(prof.find_gpu("RTX 4090")), prof, P.Request(method="lora", model="sdxl")
+    )
+    d = plan_chart.chart_data(res, prof)
+    assert d["card"] == pytest.approx(prof.find_gpu("RTX 4090").memory_bytes / 2**30)
+    assert d["limit"] == pytest.approx(d["card"] * P.HEADROOM)
+    assert d["peak"] == pytest.approx(res.memory.peak / 2**30)
+    # the parts add up to about the peak (the peak is the largest phase; see the plan's breakdown reason)
+    assert 0.9 < sum(g for _, g in d["parts"]) / d["peak"] < 1.15
+    by_batch = {row["batch"]: row for row in d["sweep"]}
+    assert res.plan.batch in by_batch and by_batch[res.plan.batch]["peak"] == pytest.approx(d["peak"])
+    assert [b for b in sorted(by_batch)] == sorted(by_batch) and min(by_batch) == 1
+    peaks = [by_batch[b]["peak"] for b in sorted(by_batch)]
+    assert peaks == sorted(peaks)  # more images a step, more memory
+    # a batch whose peak is over the plan's limit is drawn as not fitting
+    assert all(row["fits"] == (row["peak"] <= d["limit"]) for row in d["sweep"])
+
+
+def test_out_never_overwrites_a_users_own_plan_png(tmp_path):
+    out = tmp_path / "plan"
+    out.mkdir()
+    (out / "plan.png").write_bytes(b"mine")
+    r = run("--method", "lora", "--hardware", "RTX 4090", "--out", str(out), "--force")
+    assert r.exit_code != 0 and "plan.png" in r.stderr and "Traceback" not in r.output
+    assert (out / "plan.png").read_bytes() == b"mine" and not (out / "sdplan.yaml").exists()
+
+
 @pytest.mark.parametrize(
     ("args", "needle"),
     [

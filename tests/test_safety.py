@@ -40,7 +40,7 @@ def test_force_never_deletes_a_users_checkpoints_folder(tmp_path):
     user = digest(proj)
     r = cli("recommend", "--method", "lora", "--machine", str(MACHINES / "rx6700xt.json"), "--out", str(proj))
     assert r.exit_code == 0, r.output
-    assert runfolder.owned(proj) == {"sdplan.yaml", "accelerate.yaml"}
+    assert runfolder.owned(proj) == {"sdplan.yaml", "accelerate.yaml", "plan.png"}
     r = cli("train", "--config", str(proj / "sdplan.yaml"), "--out", str(proj), "--force", "--device", "cpu")
     one_line_error(r, 3, "checkpoints", "did not write")
     after = digest(proj)

@@ -1,0 +1,144 @@
+"""The plan as a picture (``plan.png``, written by ``sdplan recommend --out`` beside the config): where the
+predicted peak memory goes, how it compares with the card, and how peak and run time move with the batch.
+
+:func:`chart_data` computes everything from the planner's result (pure); :func:`render_png` draws it
+(matplotlib's Agg canvas, no pyplot state, no torch)."""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+from sdplan import planner
+
+GiB = 2**30
+FILE_NAME = "plan.png"
+MIN_PART_GIB = 0.05  # smaller parts are left out of the bar (they would not show)
+
+# Memory's parts, in the order they are stacked, with the words the plan's reasons use
+PART_LABELS = {
+    "weights": "trained weights",
+    "frozen": "frozen weights",
+    "gradients": "gradients",
+    "optimizer": "optimizer state",
+    "ema": "EMA copy",
+    "autocast_copies": "autocast copies",
+    "activations": "activations",
+    "step_transient": "step temporaries",
+    "overhead": "CUDA context + allocator",
+}
+
+
+def chart_data(res: planner.Result, profiles: Any) -> dict[str, Any]:
+    """What plan.png shows, in GiB and minutes: the plan's memory parts, its stated peak and likely range,
+    the card's memory and the plan's limit on it, and the plan's settings at other batch sizes
+    (:func:`sdplan.planner.batch_sweep`)."""
+    if res.plan is None or res.memory is None:
+        raise ValueError("no plan to draw")
+    s, m = res.plan, res.memory
+    parts = [(PART_LABELS[k], v / GiB) for k, v in m.parts().items() if v >= MIN_PART_GIB * GiB]
+    card = (res.vram_bytes or 0) / GiB
+    sweep = [
+        {
+            "batch": c.setup.batch,
+            "peak": c.memory.peak / GiB,
+            "low": c.peak_range[0] / GiB,
+            "high": c.peak_range[1] / GiB,
+            "minutes": c.seconds / 60 if c.seconds is not None else None,
+            "fits": c.fits,
+        }
+        for c in planner.batch_sweep(res, profiles)
+    ]
+    gpus = f"{s.num_gpus}x " if s.num_gpus > 1 else ""
+    gpu = res.hardware.gpus[0].name if res.hardware.gpus else "this machine"
+    settings = [f"batch {s.batch}" + (f" x GA {s.grad_accum}" if s.grad_accum > 1 else ""), s.precision]
+    settings += ["checkpointing"] * s.gradient_checkpointing + [s.optimizer]
+    if s.method == "lora":
+        settings.append(f"rank {s.lora_rank}")
+    if s.base_precision != "bf16":
+        settings.append(f"{s.base_precision} base")
+    if s.cache_text_encoder_outputs:
+        settings.append("cached TE outputs")
+    if s.offload:
+        settings.append("DeepSpeed offload")
+    return {
+        "title": f"{s.method} {s.model} at {s.resolution}px on {gpus}{gpu}: " + ", ".join(settings),
+        "parts": parts,
+        "peak": m.peak / GiB,
+        "peak_range": (res.peak_range[0] / GiB, res.peak_range[1] / GiB) if res.peak_range else None,
+        "peak_basis": "measured" if res.peak_measured else "predicted",
+        "card": card,
+        "limit": card * planner.HEADROOM,
+        "batch": s.batch,
+        "minutes": res.seconds / 60 if res.seconds is not None else None,
+        "sweep": sweep,
+    }
+
+
+def render_png(data: dict[str, Any]) -> bytes:
+    """plan.png's bytes: the memory breakdown (left) and peak / run time against the batch (right)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(12, 6), dpi=100)
+    FigureCanvasAgg(fig)
+    left, right = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
+    fig.suptitle(data["title"], fontsize=11)
+
+    # left: the parts stacked in one bar, the stated peak with its likely range, the card and the limit
+    start = 0.0
+    colors = [f"C{i}" for i in range(10)]
+    for i, (label, gib) in enumerate(data["parts"]):
+        left.barh(0, gib, left=start, height=0.5, color=colors[i % 10], label=f"{label} {gib:.1f}")
+        start += gib
+    peak = data["peak"]
+    if data["peak_range"]:
+        low, high = data["peak_range"]
+        left.errorbar(
+            peak, 0.45, xerr=[[peak - low], [high - peak]], fmt="kv", capsize=6, label="peak, likely range"
+        )
+    else:
+        left.plot(peak, 0.45, "kv", label="peak")
+    if data["card"]:
+        left.axvline(data["card"], color="red", linewidth=2, label=f"card {data['card']:.1f}")
+        left.axvline(data["limit"], color="red", linestyle="--", linewidth=1, label="plan limit")
+    left.set_yticks([])
+    left.set_ylim(-0.6, 0.8)
+    left.set_xlabel("GiB per GPU")
+    rng = f" (likely {data['peak_range'][0]:.1f}-{data['peak_range'][1]:.1f})" if data["peak_range"] else ""
+    left.set_title(f"{data['peak_basis']} peak {peak:.1f} GiB{rng}", fontsize=10)
+    left.legend(loc="upper center", bbox_to_anchor=(0.5, -0.14), fontsize=8, ncol=3)  # below: never on a bar
+    left.grid(True, axis="x", alpha=0.3)
+
+    # right: peak (likely range shaded) and whole-run time against the batch
+    sweep = data["sweep"]
+    xs = [r["batch"] for r in sweep]
+    right.fill_between(xs, [r["low"] for r in sweep], [r["high"] for r in sweep], color="C0", alpha=0.2)
+    right.plot(xs, [r["peak"] for r in sweep], "o-", color="C0", label="peak VRAM (likely range shaded)")
+    for r in sweep:
+        if not r["fits"]:
+            right.plot(r["batch"], r["peak"], "x", color="red", markersize=9)
+    if data["card"]:
+        right.axhline(data["card"], color="red", linewidth=2)
+        right.axhline(data["limit"], color="red", linestyle="--", linewidth=1)
+    right.axvline(data["batch"], color="grey", linestyle=":", label=f"plan: batch {data['batch']}")
+    right.set_xscale("log", base=2)
+    right.set_xticks(xs, [str(x) for x in xs])
+    right.set_xlabel("batch size (x: does not fit)")
+    right.set_ylabel("GiB per GPU")
+    right.grid(True, alpha=0.3)
+    handles, names = right.get_legend_handles_labels()
+    timed = [(r["batch"], r["minutes"]) for r in sweep if r["minutes"] is not None]
+    if timed:
+        twin = right.twinx()
+        twin.plot(*zip(*timed), "s--", color="C1", label="whole run (min)")
+        twin.set_ylabel("whole run, minutes")
+        twin.set_ylim(0, 1.15 * max(t for _, t in timed))
+        h2, n2 = twin.get_legend_handles_labels()
+        handles, names = handles + h2, names + n2
+    right.legend(handles, names, loc="upper center", bbox_to_anchor=(0.5, -0.14), fontsize=8, ncol=2)
+    right.set_title("the plan's settings at other batch sizes", fontsize=10)
+    fig.subplots_adjust(left=0.05, right=0.93, top=0.88, bottom=0.3, wspace=0.25)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    return buf.getvalue()
