@@ -680,17 +680,32 @@ def command_line(req: TrainRequest, out: Path) -> str:
     return f"sdplan train --config {shlex.quote(str(out / CONFIG_FILE))} --out {shlex.quote(str(out))}"
 
 
-def run_files(cfg: C.TrainConfig, launch: Launch, header: str) -> dict[str, str]:
-    """The files a run writes at the top of its folder before the launch: name -> text."""
-    files = {CONFIG_FILE: C.to_yaml(cfg, header=header)}
+def plan_chart_png(p: Prepared) -> bytes | None:
+    """plan.png of the plan this run trains, as `sdplan recommend --out` draws it (None: it did not plan)."""
+    if p.planned is None:
+        return None
+    from sdplan import plan_chart
+    from sdplan.profiles import load_profiles
+
+    return plan_chart.render_png(plan_chart.chart_data(p.planned, load_profiles()))
+
+
+def run_files(
+    cfg: C.TrainConfig, launch: Launch, header: str, chart: bytes | None = None
+) -> dict[str, str | bytes]:
+    """The files a run writes at the top of its folder before the launch: name -> text (or bytes: the plan's
+    chart, when this run planned)."""
+    files: dict[str, str | bytes] = {CONFIG_FILE: C.to_yaml(cfg, header=header)}
     if launch.accelerate_config is not None:
         files[ACCELERATE_FILE] = yaml.safe_dump(launch.accelerate_config, sort_keys=False)
     if launch.deepspeed_config is not None:
         files[DEEPSPEED_FILE] = json.dumps(launch.deepspeed_config, indent=2) + "\n"
+    if chart is not None:
+        files[PLAN_CHART_FILE] = chart
     return files
 
 
-def check_run_files(out: Path, files: dict[str, str]) -> None:
+def check_run_files(out: Path, files: dict[str, str | bytes]) -> None:
     """Never write over a user's sdplan.yaml / accelerate.yaml / deepspeed.json: one sdplan wrote (the
     manifest lists it) is rewritten, one already holding these bytes is left as it is, any other refused."""
     from sdplan import runfolder
@@ -703,16 +718,21 @@ def check_run_files(out: Path, files: dict[str, str]) -> None:
     )
 
 
-def write_run_files(out: Path, cfg: C.TrainConfig, launch: Launch, header: str) -> list[Path]:
+def write_run_files(
+    out: Path, cfg: C.TrainConfig, launch: Launch, header: str, chart: bytes | None = None
+) -> list[Path]:
     from sdplan import runfolder
 
-    files = run_files(cfg, launch, header)
+    files = run_files(cfg, launch, header, chart)
     check_run_files(out, files)
     try:
         out.mkdir(parents=True, exist_ok=True)
         new = [name for name in files if not (out / name).exists()]
-        for name, text in files.items():
-            (out / name).write_text(text)
+        for name, content in files.items():
+            if isinstance(content, bytes):
+                (out / name).write_bytes(content)
+            else:
+                (out / name).write_text(content)
         runfolder.record(out, new)
     except OSError as e:
         raise runfolder.cannot_write(out, e) from None
@@ -759,6 +779,7 @@ class Prepared:
     plan: dict[str, Any] | None = None
     resume: str | None = None
     state: str = "new"
+    planned: Any = None  # the planner's Result this run trains, when it planned (drawn as plan.png at launch)
 
 
 def check_stack() -> None:
@@ -872,7 +893,7 @@ def prepare(req: TrainRequest, ui: UI) -> Prepared:
             raise UsageError(f"--gpus {req.gpus}: this machine has {have} usable GPU(s)")
 
     # 7. The plan (as `sdplan recommend`), unless a config was given to train as it is.
-    plan_result = None
+    plan_result, planned = None, None
     planning = (
         not (req.resume or req.config or req.config_data is not None or req.no_plan) and snapshot is not None
     )
@@ -882,6 +903,7 @@ def prepare(req: TrainRequest, ui: UI) -> Prepared:
         result = plan_request(cfg, inputs, snapshot, req)
         chosen = result.plan
         plan_result = result_dict(result)
+        planned = result
         if chosen.optimizer == "adamw8bit" and not _have("bitsandbytes"):
             chosen = replace(chosen, optimizer="adamw")
             ui.echo(
@@ -938,6 +960,7 @@ def prepare(req: TrainRequest, ui: UI) -> Prepared:
         plan=plan_result,
         resume=resume,
         state=state,
+        planned=planned,
     )
 
 
@@ -1284,7 +1307,8 @@ def run(req: TrainRequest, ui: UI | None = None) -> dict[str, Any]:
         ui.echo(f"{req.num_machines} machines: the same files at the same paths on each node, then:")
         for rank, line in enumerate(launch.per_node_commands):
             ui.echo(f"  node {rank}: {line}")
-    check_run_files(p.out, run_files(p.cfg, launch, command_line(req, p.out)))  # a dry run refuses it too
+    chart = plan_chart_png(p)
+    check_run_files(p.out, run_files(p.cfg, launch, command_line(req, p.out), chart))  # a dry run too
     if req.dry_run:
         ui.echo(f"dry run: would run `{launch.shell()}`")
         return {}
@@ -1307,7 +1331,7 @@ def run(req: TrainRequest, ui: UI | None = None) -> dict[str, Any]:
             )
         if p.state == "run" and not req.resume:
             clear_run_outputs(p.out)
-        for path in write_run_files(p.out, p.cfg, launch, header):
+        for path in write_run_files(p.out, p.cfg, launch, header, chart):
             ui.echo(f"wrote {path}")
         ui.echo(f"$ {launch.shell()}")
         return execute(p, req, ui, launch, lock)

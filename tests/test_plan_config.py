@@ -150,6 +150,39 @@ def test_sdxl_finetune_on_rtx4090_trains_with_full_half_weights(tmp_path, machin
     assert cfg.training.full_half_weights and cfg.distributed.num_processes == 1
 
 
+def test_a_planned_run_draws_its_plan_beside_its_config(tmp_path, machines, dataset):
+    """`sdplan train` that planned writes plan.png with its sdplan.yaml, as `recommend --out` does, and records
+    it as sdplan's own (a later --force may replace it); a run given a config did not plan and draws none."""
+    from sdplan import runfolder
+    from sdplan.launcher import (
+        UI,
+        TrainRequest,
+        command_line,
+        launch_for,
+        plan_chart_png,
+        prepare,
+        write_run_files,
+    )
+
+    req = TrainRequest(
+        method="lora",
+        model=str(fake_model(tmp_path / "model", "sd15")),
+        dataset=str(dataset),
+        out=str(tmp_path / "run"),
+        epochs=EPOCHS,
+        snapshot=Snapshot.load(machines["rtx4090"]),
+        yes=True,
+    )
+    p = prepare(req, UI(echo=lambda line: None))
+    chart = plan_chart_png(p)
+    assert chart is not None and chart.startswith(b"\x89PNG")
+    write_run_files(p.out, p.cfg, launch_for(p, req, p.resume), command_line(req, p.out), chart)
+    assert (p.out / "plan.png").read_bytes() == chart
+    assert {"sdplan.yaml", "plan.png"} <= runfolder.owned(p.out)
+    again = dataclasses.replace(req, config=str(p.out / "sdplan.yaml"), out=str(tmp_path / "run2"))
+    assert plan_chart_png(prepare(again, UI(echo=lambda line: None))) is None
+
+
 def test_settings_round_trip_through_sdplan_yaml_and_profile_points():
     s = Settings(
         method="finetune",
