@@ -955,9 +955,9 @@ FLAT_STEP_RATIO = 1.25  # a step this close to the one at twice the batch or mor
 
 
 def _step_floors(profiles: Profiles) -> tuple[tuple[tuple[str, str, bool], float, str], ...]:
-    """Per (family, kind of training, checkpointing): the shortest launch-bound micro-step measured. A point is launch-bound
-    where the same GPU and settings at twice the batch or more took at most FLAT_STEP_RATIO as long (the step
-    did not grow with the work). The shortest step of any point would not do: on a family whose fastest
+    """Per (family, kind of training, checkpointing): the shortest launch-bound micro-step measured. A point
+    is launch-bound where the same GPU and settings at twice the batch or more took at most FLAT_STEP_RATIO as
+    long (the step did not grow with the work). The shortest step of any point would not do: on a family whose fastest
     measurement is a T4's, that would cap every faster GPU at a T4's speed. The transformer families too (H100,
     2026-11-26: FLUX.1 LoRA 0.45 s at 512 px batch 1, 0.43 s at batch 2; SD3.5 Medium 0.41 s at batch 1, 0.50
     s at batch 2): without it a B200's FLUX.1 step was predicted 7x faster than measured. Where only one
