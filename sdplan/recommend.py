@@ -40,11 +40,13 @@ class DatasetCount:
 
 def count_dataset(path: str | Path) -> DatasetCount:
     """Count training images as the trainer finds them (:func:`sdplan.trainer.dataset_scan.scan`, torch-free):
-    kohya-style ``N_name`` folders (N repeats each), a flat image+caption folder, or per-image metadata."""
+    kohya-style ``N_name`` folders (N repeats each), a flat image+caption folder, or per-image metadata. Each
+    image's header is read, so a file that is no image is left out as the trainer leaves it out (the plan's
+    steps would otherwise count it); one broken past its header only the trainer's full decode finds."""
     from sdplan.trainer.dataset_scan import count_of, require_images, scan
 
     root = Path(path)
-    result = scan(root)
+    result = scan(root, verify="header")
     if not result.items and not result.skipped:
         raise DatasetError(
             f"dataset folder {root} holds no images (.png/.jpg/.jpeg/.webp/.bmp)",

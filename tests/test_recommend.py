@@ -158,18 +158,24 @@ def test_compare_table():
         assert name in r.stdout
 
 
+def _image(path: Path) -> None:
+    from PIL import Image
+
+    Image.new("RGB", (8, 8), (200, 30, 30)).save(path)
+
+
 def test_dataset_counting(tmp_path):
     kohya = tmp_path / "kohya"
     for folder, n in (("10_sks dog", 3), ("10_dog", 2)):
         (kohya / folder).mkdir(parents=True)
         for i in range(n):
-            (kohya / folder / f"{i}.png").write_bytes(b"x")
+            _image(kohya / folder / f"{i}.png")
     c = count_dataset(kohya)
     assert (c.images, c.repeats, c.images_per_epoch, c.layout) == (5, 10, 50, "kohya")
     flat = tmp_path / "flat"
     flat.mkdir()
     for i in range(4):
-        (flat / f"{i}.jpg").write_bytes(b"x")
+        _image(flat / f"{i}.jpg")
         (flat / f"{i}.txt").write_text("a photo")
     (flat / "notes.md").write_text("not an image")
     f = count_dataset(flat)
@@ -214,6 +220,25 @@ def test_out_writes_files_and_never_overwrites(tmp_path):
     again = run(*args)
     assert again.exit_code == 3 and "--force" in again.stderr
     assert run(*args, "--force").exit_code == 0
+
+
+def test_a_file_that_is_no_image_is_not_counted_as_the_trainer_does_not_train_it(tmp_path):
+    """recommend counted a corrupt image the trainer skips: the plan's steps (and the max_steps `--out` wrote)
+    were for more images than the run had. It reads each image's header, as the trainer's full decode would
+    refuse such a file, and says which it left out."""
+    from sdplan.trainer.dataset_scan import scan
+
+    for i in range(6):
+        _image(tmp_path / f"{i}.png")
+        (tmp_path / f"{i}.txt").write_text("a photo")
+    (tmp_path / "bad.png").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(range(200)))
+    (tmp_path / "bad.txt").write_text("a photo")
+    c = count_dataset(tmp_path)
+    trained = scan(tmp_path, verify=True)  # what `sdplan train` scans
+    assert c.images == trained.num_images == 6
+    assert "bad.png: not an image PIL can read" in c.skipped
+    r = run("--method", "lora", "--hardware", "RTX 4090", "--dataset", str(tmp_path), "--json")
+    assert json.loads(r.stdout)["steps"]["images_per_epoch"] == 6
 
 
 def test_out_draws_the_plan(tmp_path):

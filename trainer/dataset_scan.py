@@ -44,7 +44,9 @@ Images: png, jpg, jpeg, webp, bmp in any letter case. Files and folders whose na
 ignored without a word; every other file that is neither a usable image nor a caption for one is listed in
 ``Scan.skipped`` with its reason, once. Zero-byte images are always skipped (a cheap ``stat``); with
 ``verify=True`` each image is also opened and decoded with PIL, so corrupt, truncated or mislabelled files are
-skipped too, and ``Item.size`` records each image's ``(width, height)`` (aspect-ratio buckets use it).
+skipped too, and ``Item.size`` records each image's ``(width, height)`` (aspect-ratio buckets use it). With
+``verify="header"`` (``sdplan recommend``: about 1,000 files in 0.1 s) only each image's header is read: files
+that are no image PIL can identify are skipped as the trainer skips them, a file broken further in is not.
 """
 
 from __future__ import annotations
@@ -144,7 +146,7 @@ def scan(
     default_caption: str | None = None,
     repeats: int = 1,
     metadata: MetadataConfig | None = None,
-    verify: bool = False,
+    verify: bool | str = False,
 ) -> Scan:
     """Find the images under ``root`` and their captions (see the module doc for the layouts).
 
@@ -180,7 +182,7 @@ def scan(
 
     _drop_empty_files(result)
     if verify:
-        _verify(result)
+        _verify(result, check_header if verify == "header" else check_image)
     result.items.sort(key=lambda it: str(it.path))
     seen: set[Path] = set()
     result.skipped = [s for s in result.skipped if not (s[0] in seen or seen.add(s[0]))]
@@ -593,14 +595,32 @@ def check_image(path: str | os.PathLike[str]) -> tuple[int, int] | str:
     return w, h
 
 
-def _verify(result: Scan) -> None:
+def check_header(path: str | os.PathLike[str]) -> tuple[int, int] | str:
+    """Read one image's header only (no decode): its (width, height) as stored, or why PIL cannot identify it
+    (the same words as :func:`check_image`)."""
+    from PIL import Image, UnidentifiedImageError
+
+    quiet_large_images()
+    try:
+        with Image.open(path) as im:
+            return im.size
+    except UnidentifiedImageError:
+        return "not an image PIL can read (corrupt, or another format with an image extension)"
+    except Image.DecompressionBombError:
+        limit = 2 * (Image.MAX_IMAGE_PIXELS or 0) / 1e6
+        return f"too large to open safely (over {limit:.0f} megapixels); downscale it"
+    except Exception as e:  # PIL raises OSError, SyntaxError, ValueError, struct.error ... on a bad header
+        return f"corrupt ({type(e).__name__}: {e})"
+
+
+def _verify(result: Scan, check=check_image) -> None:
     paths = [it.path for it in result.items]
     workers = min(8, os.cpu_count() or 1, max(1, len(paths) // 16))
     if workers > 1:
         with ThreadPoolExecutor(workers) as pool:
-            checks = list(pool.map(check_image, paths))
+            checks = list(pool.map(check, paths))
     else:
-        checks = [check_image(p) for p in paths]
+        checks = [check(p) for p in paths]
     keep = []
     for it, check in zip(result.items, checks):
         if isinstance(check, str):
