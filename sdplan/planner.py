@@ -2887,8 +2887,8 @@ def _flow_reasons(
             + (model.name if (arch, s.model) in dict(cal.flow_by_model) else "SD3.5 / FLUX.1")
             + " LoRA)"
             + (
-                f": none measured on {spec.family.capitalize()} GPUs, so the efficiency measured at the GEMM rate nearest "
-                f"{spec.name}'s {rate:g} TFLOPS ({near:g} TFLOPS) is borrowed: EXTRAPOLATED"
+                f": none measured on {spec.family.capitalize()} GPUs, so the efficiency measured at the GEMM "
+                f"rate nearest {spec.name}'s {rate:g} TFLOPS ({near:g} TFLOPS) is borrowed: EXTRAPOLATED"
                 if borrowed
                 else ""
             )
