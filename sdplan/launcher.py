@@ -690,6 +690,15 @@ def plan_chart_png(p: Prepared) -> bytes | None:
     return plan_chart.render_png(plan_chart.chart_data(p.planned, load_profiles()))
 
 
+def _drop_stale_plan_chart(out: Path) -> None:
+    """The plan.png sdplan drew for a config an out-of-memory retry has since rewritten: it no longer shows what
+    runs, so it goes (a user's own file of that name is left alone)."""
+    from sdplan import runfolder
+
+    if PLAN_CHART_FILE in runfolder.owned(out):
+        (out / PLAN_CHART_FILE).unlink(missing_ok=True)
+
+
 def run_files(
     cfg: C.TrainConfig, launch: Launch, header: str, chart: bytes | None = None
 ) -> dict[str, str | bytes]:
@@ -1217,6 +1226,7 @@ def execute(p: Prepared, req: TrainRequest, ui: UI, launch: Launch, lock: Any = 
             cpu_cores=_cpu_cores(),
         )
         write_run_files(out, cfg, launch, header + f"\nrewritten after out of memory: {change.message}")
+        _drop_stale_plan_chart(out)
     summary = read_json(out / SUMMARY_FILE) or {}
     if fixes:
         _record(cfg, {}, p, ui, fits=True, peak=summary.get("peak_memory_bytes"))

@@ -254,3 +254,18 @@ def test_trainer_gets_sigterm_when_sdplan_is_killed(tmp_path):
         proc.kill()
         with contextlib.suppress(ProcessLookupError, UnboundLocalError):
             os.kill(child_pid, signal.SIGKILL)
+
+
+def test_an_out_of_memory_rewrite_drops_sdplans_plan_chart_not_a_users(tmp_path):
+    """After an out-of-memory retry rewrites the config, the plan.png drawn for the old one no longer shows what
+    runs: sdplan's goes, a user's own file of that name stays."""
+    from sdplan.launcher import _drop_stale_plan_chart
+
+    ours, theirs = tmp_path / "ours", tmp_path / "theirs"
+    for d in (ours, theirs):
+        d.mkdir()
+        (d / "plan.png").write_bytes(b"png")
+    runfolder.record(ours, ["plan.png"])
+    _drop_stale_plan_chart(ours)
+    _drop_stale_plan_chart(theirs)
+    assert not (ours / "plan.png").exists() and (theirs / "plan.png").read_bytes() == b"png"
