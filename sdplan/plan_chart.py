@@ -25,7 +25,7 @@ PART_LABELS = {
     "autocast_copies": "autocast copies",
     "activations": "activations",
     "step_transient": "step temporaries",
-    "overhead": "CUDA context + allocator",
+    "overhead": "GPU runtime context + allocator",
 }
 
 
