@@ -37,6 +37,7 @@ constants and are checked together (benchmarks/planner_accuracy.py); the configu
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Iterator
@@ -44,6 +45,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from sdplan import registry
+from sdplan.errors import UsageError
 from sdplan.profiles import GiB, GPUSpec, MethodPoint, ModelSpec, Profiles
 from sdplan.registry import FULL_METHODS, METHODS
 from sdplan.settings import CONFIG_KEYS, DEEPSPEED_BUCKET_ELEMENTS, OFFLOAD, Settings
@@ -624,8 +626,9 @@ class Calibration:
         with the other."""
         kind = _step_floor_kind(s.method)
         floors = {k: (sec, pid) for k, sec, pid in self.step_floors}
-        own = floors.get((s.model, kind, bool(s.gradient_checkpointing)))
-        return own or floors.get((s.model, kind, not s.gradient_checkpointing))
+        model = speed_family(s.model)
+        own = floors.get((model, kind, bool(s.gradient_checkpointing)))
+        return own or floors.get((model, kind, not s.gradient_checkpointing))
 
     def step_floor_s(self, s: Settings) -> float | None:
         """No prediction is faster than the fastest micro-step measured for its family and kind of training.
@@ -690,7 +693,7 @@ class Calibration:
         arch, _ = self.flow_source(spec)
         if arch is None:
             return self.flow_efficiency or self.efficiency_for(spec)
-        own = dict(self.flow_by_model).get((arch, model)) if model else None
+        own = dict(self.flow_by_model).get((arch, speed_family(model))) if model else None
         if own is not None:  # on the H100, SD3.5 Medium at 0.26, SD3.5 Large 0.32, FLUX.1 [dev] 0.41
             return own
         return dict(self.flow_by_family)[arch]
@@ -947,6 +950,16 @@ def calibrate(profiles: Profiles) -> Calibration:
     return replace(cal, link_efficiency=link_eff, link_points=tuple(links))
 
 
+@functools.lru_cache(maxsize=64)
+def speed_family(model: str) -> str:
+    """The family whose measured speeds serve ``model``: the same network under another name
+    (``registry.Family.speed_as``: FLUX.1 [schnell] is [dev] without its guidance embedder), else itself."""
+    try:
+        return registry.family(model).speed_as or model
+    except UsageError:
+        return model
+
+
 def _step_floor_kind(method: str) -> str:
     return "adapter" if method in ("lora", "textual-inversion") else "full"
 
@@ -976,7 +989,11 @@ def _step_floors(profiles: Profiles) -> tuple[tuple[tuple[str, str, bool], float
         for batch, sec, pid in pts:
             if not any(b >= 2 * batch and other <= FLAT_STEP_RATIO * sec for b, other, _ in pts):
                 continue
-            key = (settings.model, _step_floor_kind(settings.method), bool(settings.gradient_checkpointing))
+            key = (
+                speed_family(settings.model),
+                _step_floor_kind(settings.method),
+                bool(settings.gradient_checkpointing),
+            )
             if key not in best or sec < best[key][0]:
                 best[key] = (sec, pid)
     return tuple((k, sec, pid) for k, (sec, pid) in sorted(best.items()))
@@ -1247,7 +1264,9 @@ def _near_point(profiles: Profiles, s: Settings, gpu: GPUSpec | None) -> MethodP
         return None
     best, best_key = None, None
     for p in profiles.points_on(gpu.name):
-        if not p.outcome.get("it_s") or p.num_gpus != 1 or p.grad_accum != 1 or p.model != s.model:
+        if not p.outcome.get("it_s") or p.num_gpus != 1 or p.grad_accum != 1:
+            continue
+        if speed_family(p.model) != speed_family(s.model):
             continue
         if not p.from_bench:
             continue
@@ -1265,6 +1284,7 @@ def _near_point(profiles: Profiles, s: Settings, gpu: GPUSpec | None) -> MethodP
             o.base_precision != s.base_precision,
             o.blocks_to_swap != s.blocks_to_swap,
             p.method != s.method,
+            p.model != s.model,  # a point of the same network under another name (speed_family) comes last
             p.origin != "local",
         )
         if best_key is None or key < best_key:
@@ -2751,7 +2771,7 @@ def _flow_bench_efficiencies(
             point = ((measured - STEP_OVERHEAD_S) * e, measured, floor)
             family = profiles.point_gpu(p).family
             by.setdefault(family, []).append(point)
-            by_model.setdefault((family, p.model), []).append(point)
+            by_model.setdefault((family, speed_family(p.model)), []).append(point)
 
     def fits(table: dict) -> tuple:
         return tuple(
@@ -2884,7 +2904,11 @@ def _flow_reasons(
             f"time: transformer FLOPs counted on meta over the GPU's throughput at "
             f"{cal.flow_efficiency_for(spec, s.model) * 100:.0f}% efficiency, measured by sdplan bench on "
             f"{arch.capitalize()} GPUs ("
-            + (model.name if (arch, s.model) in dict(cal.flow_by_model) else "SD3.5 / FLUX.1")
+            + (
+                profiles.model(speed_family(s.model)).name
+                if (arch, speed_family(s.model)) in dict(cal.flow_by_model)
+                else "SD3.5 / FLUX.1"
+            )
             + " LoRA)"
             + (
                 f": none measured on {spec.family.capitalize()} GPUs, so the efficiency measured at the GEMM "

@@ -53,6 +53,9 @@ class Family:
     # full fine-tune, what the bundled trainer's flow loop runs (FLOW_METHODS, read by trainer/flow.py); textual inversion
     # is not (no anchor supports it for a T5-conditioned model)
     methods: tuple[str, ...] | None = None
+    # the family whose measured speeds also serve this one (the same network: its efficiency, its launch-bound
+    # floor and its bench points near a plan's settings); None: its own
+    speed_as: str | None = None
 
     @property
     def flow(self) -> bool:
@@ -145,6 +148,7 @@ FAMILY_LIST = (
         encoders=("clip-l", "t5"),
         t5_max_length=256,
         methods=FLOW_METHODS,
+        speed_as="flux-dev",  # [dev]'s transformer without the guidance embedder (a 2-layer MLP)
     ),
 )
 
