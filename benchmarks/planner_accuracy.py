@@ -929,10 +929,66 @@ def render(result: dict) -> str:
     return "\n".join(lines)
 
 
+def write_chart(result: dict, path: Path) -> Path:
+    """Predicted against measured, as a picture: peak VRAM (left) and speed (right), the profile points the
+    planner is fitted on (in sample) beside the validation set (out of sample), with the +-10% / +-25% lines of
+    the targets. Log scales: the points span 0.2-80 GiB and 0.07-12 it/s."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    fig = Figure(figsize=(12, 5.5), dpi=100)
+    FigureCanvasAgg(fig)
+    panels = (("peak VRAM GiB", "peak VRAM, GiB"), ("it/s", "speed, it/s"))
+    for i, (prefix, label) in enumerate(panels):
+        ax = fig.add_subplot(1, 2, i + 1)
+        for key, name, style in (
+            ("in_sample", "in sample (fitted on)", dict(marker="o", color="C0", alpha=0.45, s=18)),
+            ("out_of_sample", "out of sample (validation)", dict(marker="D", color="C3", s=30)),
+        ):
+            rows = [r for r in result[key]["figures"] if r["quantity"].startswith(prefix)]
+            if rows:
+                med = statistics.median(abs(r["error_pct"]) for r in rows)
+                ax.scatter(
+                    [r["published"] for r in rows],
+                    [r["predicted"] for r in rows],
+                    label=f"{name}: n={len(rows)}, median |error| {med:.1f}%",
+                    **style,
+                )
+        lo, hi = ax.get_xlim()
+        lo, hi = min(lo, ax.get_ylim()[0]), max(hi, ax.get_ylim()[1])
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        xs = [lo, hi]
+        ax.plot(xs, xs, color="black", linewidth=1)
+        for band, dash in ((0.10, ":"), (0.25, "--")):
+            for f in (1 - band, 1 + band):
+                ax.plot(xs, [x * f for x in xs], color="grey", linestyle=dash, linewidth=0.8)
+        ax.set_xlim(lo, hi)
+        ax.set_ylim(lo, hi)
+        for axis in (ax.xaxis, ax.yaxis):  # 0.1, 0.2, 0.5, 1, 2, 5, ... rather than 10^-1
+            axis.set_major_locator(LogLocator(subs=(1, 2, 5)))
+            axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+            axis.set_minor_formatter(NullFormatter())
+        ax.set_xlabel(f"measured {label}")
+        ax.set_ylabel(f"predicted {label}")
+        ax.set_title(f"{label}: lines at +-10% (dotted) and +-25% (dashed)", fontsize=10)
+        ax.legend(loc="upper left", fontsize=8)
+        ax.grid(True, which="both", alpha=0.2)
+    fig.suptitle("sdplan's planner: predicted against measured (benchmarks/planner_accuracy.py)", fontsize=11)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, format="png")
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print the whole report as JSON")
     parser.add_argument("--no-timing", action="store_true", help="skip timing `sdplan recommend`")
+    parser.add_argument(
+        "--chart", type=Path, metavar="PNG", help="also draw predicted against measured to this PNG file"
+    )
     parser.add_argument("--validation-dir", type=Path, default=VALIDATION_DIR, help=argparse.SUPPRESS)
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     try:
@@ -941,6 +997,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"benchmarks/validation: {e}", file=sys.stderr)
         return 2
     print(json.dumps(result, indent=2) if args.json else render(result))
+    if args.chart is not None:
+        print(f"wrote {write_chart(result, args.chart)}", file=sys.stderr)
     return 0
 
 

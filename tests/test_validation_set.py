@@ -255,3 +255,17 @@ def test_verdicts_with_the_card_inside_the_likely_range_are_counted_apart(prof):
     peak = pred.peak_vram_bytes / accuracy.GiB
     for (memory, _), row in zip(pt.fit_claims, rows, strict=True):
         assert row["within_range"] == (low * peak <= memory < high * peak)
+
+
+def test_the_accuracy_chart_draws_both_sets(tmp_path):
+    """`planner_accuracy.py --chart FILE`: predicted against measured, in and out of sample, as a PNG."""
+    from PIL import Image
+
+    rows = [
+        {"id": "a", "quantity": "peak VRAM GiB", "predicted": 10.0, "published": 11.0, "error_pct": -9.1},
+        {"id": "b", "quantity": "it/s on RTX 4090", "predicted": 1.2, "published": 1.0, "error_pct": 20.0},
+    ]
+    result = {"in_sample": {"figures": rows}, "out_of_sample": {"figures": rows[:1]}}
+    path = accuracy.write_chart(result, tmp_path / "chart.png")
+    with Image.open(path) as im:
+        assert im.format == "PNG" and im.size == (1200, 550)
