@@ -106,7 +106,10 @@ def render_png(data: dict[str, Any]) -> bytes:
     left.set_ylim(-0.6, 0.8)
     left.set_xlabel("GiB per GPU")
     rng = f" (likely {data['peak_range'][0]:.1f}-{data['peak_range'][1]:.1f})" if data["peak_range"] else ""
-    left.set_title(f"{data['peak_basis']} peak {peak:.1f} GiB{rng}", fontsize=10)
+    title = f"{data['peak_basis']} peak {peak:.1f} GiB{rng}"
+    if start > 1.05 * peak:  # the parts are not all alive at once: the peak is the largest phase
+        title += f"\nthe parts add up to {start:.1f}: not all are alive at once"
+    left.set_title(title, fontsize=10)
     left.legend(loc="upper center", bbox_to_anchor=(0.5, -0.14), fontsize=8, ncol=3)  # below: never on a bar
     left.grid(True, axis="x", alpha=0.3)
 
@@ -138,7 +141,7 @@ def render_png(data: dict[str, Any]) -> bytes:
         handles, names = handles + h2, names + n2
     right.legend(handles, names, loc="upper center", bbox_to_anchor=(0.5, -0.14), fontsize=8, ncol=2)
     right.set_title("the plan's settings at other batch sizes", fontsize=10)
-    fig.subplots_adjust(left=0.05, right=0.93, top=0.88, bottom=0.3, wspace=0.25)
+    fig.subplots_adjust(left=0.05, right=0.93, top=0.85, bottom=0.3, wspace=0.25)
     buf = io.BytesIO()
     fig.savefig(buf, format="png")
     return buf.getvalue()
