@@ -83,8 +83,8 @@ FIXED_SAMPLES_GRID = tuple(i * 0.25 for i in range(0, 33))
 # as an RTX 3090 Ti (80 TFLOPS, the same 1008 GB/s), and a T4 (70 W, 320 GB/s) never reaches its rating. The
 # counted bytes are a floor (layout transposes around cuDNN convs, autocast casts, attention re-reads and kernel
 # launches are not counted), so the fitted efficiency is small and carries them. The backward moves about twice
-# the forward's bytes (read the saved input and the incoming gradient, write the outgoing one), checkpointing
-# adds one more forward. BANDWIDTH_EFFICIENCY is the prior where calibrate() has no point.
+# the forward's bytes (read the saved input and the incoming gradient, write the outgoing one); checkpointing
+# costs GC_TIME_FACTOR, as on the matmul side. BANDWIDTH_EFFICIENCY is the prior where calibrate() has no point.
 BANDWIDTH_EFFICIENCY = 0.7
 BACKWARD_TRAFFIC = 2.0
 STARTUP_S = 60.0  # loading the model, building the optimizer, first compilation
@@ -744,7 +744,10 @@ def step_traffic_bytes(profiles: Profiles, s: Settings, fixed_samples: float = 0
     forward = profiles.activations.unet_forward_traffic_bytes(s.model, latent, s.attention)
     if forward is None:
         return 0.0
-    passes = 1.0 + BACKWARD_TRAFFIC + (1.0 if s.gradient_checkpointing else 0.0)
+    # checkpointing re-runs the forward: GC_TIME_FACTOR of the step, as on the matmul side (one cost for one
+    # effect; a whole extra forward of traffic charged +33%, where the T4 DreamBooth pairs of profiles/ measured
+    # +23% and the field notes give 20-30%)
+    passes = (1.0 + BACKWARD_TRAFFIC) * (GC_TIME_FACTOR if s.gradient_checkpointing else 1.0)
     element = (
         2.0 if s.precision == "fp32" else 1.0
     )  # counted in half precision; fp32 moves 4 bytes an element

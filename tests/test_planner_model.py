@@ -183,10 +183,16 @@ def test_bandwidth_bound_bytes_cost_time_on_a_slower_memory(prof):
     assert extra > 0 and extra <= added < 1.1 * extra
 
 
-def test_checkpointing_moves_one_more_forward_of_bytes(prof):
+def test_checkpointing_costs_the_same_on_both_sides_of_the_roofline(prof):
+    """Checkpointing re-runs the forward: one cost, GC_TIME_FACTOR (x1.25), on the bytes as on the matmuls. A
+    whole extra forward of bytes charged x1.33, where the T4 DreamBooth pairs in profiles/ measured x1.23 (fp16,
+    batch 1: 1.14 it/s without, 0.93 with) and the field notes give 20-30%."""
     plain = P.step_traffic_bytes(prof, _lora())
     gc = P.step_traffic_bytes(prof, _lora(gradient_checkpointing=True))
-    assert gc / plain == pytest.approx((2 + P.BACKWARD_TRAFFIC) / (1 + P.BACKWARD_TRAFFIC))
+    assert gc / plain == pytest.approx(P.GC_TIME_FACTOR)
+    unet, _ = P.step_flops_parts(prof, _lora())
+    unet_gc, _ = P.step_flops_parts(prof, _lora(gradient_checkpointing=True))
+    assert unet_gc / unet == pytest.approx(P.GC_TIME_FACTOR)
 
 
 # -- peaks outside the step: sampling with the training state resident --------------------------------------

@@ -100,7 +100,7 @@ def test_a_time_from_bench_evidence_carries_the_range_of_that_evidence(prof):
         ((("batch", 4), ("gradient_checkpointing", False), te), "measured", P.MEASURED_BAND),
         ((("batch", 16), ("gradient_checkpointing", True), te), "scaled", (slo, shi)),
     ):
-        res = P.plan(hw, prof, P.Request(method="lora", model="sdxl", images=400, epochs=20, pins=pins))
+        res = P.plan(hw, prof, P.Request(method="lora", model="sdxl", images=600, epochs=20, pins=pins))
         assert res.basis == basis
         stepping = res.steps.total_steps * res.plan.grad_accum * res.step_seconds
         fixed = res.seconds - stepping
