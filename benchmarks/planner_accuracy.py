@@ -942,11 +942,13 @@ def write_chart(result: dict, path: Path) -> Path:
     panels = (("peak VRAM GiB", "peak VRAM, GiB"), ("it/s", "speed, it/s"))
     for i, (prefix, label) in enumerate(panels):
         ax = fig.add_subplot(1, 2, i + 1)
+        values: list[float] = []
         for key, name, style in (
             ("in_sample", "in sample (fitted on)", dict(marker="o", color="C0", alpha=0.45, s=18)),
             ("out_of_sample", "out of sample (validation)", dict(marker="D", color="C3", s=30)),
         ):
             rows = [r for r in result[key]["figures"] if r["quantity"].startswith(prefix)]
+            values += [v for r in rows for v in (r["published"], r["predicted"]) if v and v > 0]
             if rows:
                 med = statistics.median(abs(r["error_pct"]) for r in rows)
                 ax.scatter(
@@ -955,8 +957,7 @@ def write_chart(result: dict, path: Path) -> Path:
                     label=f"{name}: n={len(rows)}, median |error| {med:.1f}%",
                     **style,
                 )
-        lo, hi = ax.get_xlim()
-        lo, hi = min(lo, ax.get_ylim()[0]), max(hi, ax.get_ylim()[1])
+        lo, hi = (min(values) / 1.3, max(values) * 1.3) if values else (0.1, 10.0)
         ax.set_xscale("log")
         ax.set_yscale("log")
         xs = [lo, hi]
