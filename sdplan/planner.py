@@ -792,6 +792,15 @@ def step_seconds(
     profiles: Profiles, s: Settings, gpu: HWGPU | GPUSpec, cal: Calibration, *, link_gbs: float | None = None
 ) -> float | None:
     """Seconds per micro-step of one process, all overheads included; None when the GPU's speed is unknown."""
+    times = _step_times(profiles, s, gpu, cal, link_gbs=link_gbs)
+    return times[0] if times is not None else None
+
+
+def _step_times(
+    profiles: Profiles, s: Settings, gpu: HWGPU | GPUSpec, cal: Calibration, *, link_gbs: float | None = None
+) -> tuple[float, float] | None:
+    """(seconds per micro-step, the same without the launch-bound floor): the floor sets the step where the
+    two differ (:func:`floor_text`); None when the GPU's speed is unknown."""
     tflops = gpu_tflops(gpu, s.precision)
     if not tflops:
         return None
@@ -801,37 +810,36 @@ def step_seconds(
         compute = step_flops_flow(profiles, s) / (tflops * 1e12 * eff) + step_traffic_seconds(
             profiles, s, spec, cal
         )
-        seconds = compute + optimizer_step_seconds(profiles, s, spec) + STEP_OVERHEAD_S
+        base = compute + optimizer_step_seconds(profiles, s, spec) + STEP_OVERHEAD_S
         # the launch-bound floor, then block swap's PCIe copies (measured without swap)
-        seconds = max(seconds, cal.step_floor_s(s) or 0.0) + swap_seconds(profiles, s, spec)
+        after = swap_seconds(profiles, s, spec)
     else:
         compute = step_compute_seconds(profiles, s, spec, cal)
         # the launch-bound floor is a step with cached latents: a VAE encode every step adds to it, not under it
-        vae = 0.0
+        after = 0.0
         if not s.cache_latents:
-            vae = compute - step_compute_seconds(profiles, replace(s, cache_latents=True), spec, cal)
-        seconds = compute - vae + optimizer_step_seconds(profiles, s, spec) + cal.step_overhead_s
-        seconds = max(seconds, cal.step_floor_s(s) or 0.0) + vae
+            after = compute - step_compute_seconds(profiles, replace(s, cache_latents=True), spec, cal)
+        base = compute - after + optimizer_step_seconds(profiles, s, spec) + cal.step_overhead_s
+    times = (max(base, cal.step_floor_s(s) or 0.0) + after, base + after)
     if s.offload:
-        seconds *= OFFLOAD_TIME_FACTOR
+        times = tuple(t * OFFLOAD_TIME_FACTOR for t in times)
     if s.num_gpus > 1 and link_gbs:
-        seconds += allreduce_seconds(profiles, s, link_gbs, cal) / s.grad_accum
-    return seconds
+        allreduce = allreduce_seconds(profiles, s, link_gbs, cal) / s.grad_accum
+        times = tuple(t + allreduce for t in times)
+    return times
 
 
 def floor_text(profiles: Profiles, s: Settings, spec: GPUSpec | None, cal: Calibration) -> str | None:
     """Where the launch-bound floor, not the model, sets the step time: the measurement it comes from, in
     words (None where the model's step is slower than the floor)."""
     floor = cal.step_floor(s)
-    if spec is None or floor is None:
-        return None
-    model = step_seconds(profiles, s, spec, replace(cal, step_floors=()))
-    if model is None or model >= step_seconds(profiles, s, spec, cal):
+    times = _step_times(profiles, s, spec, cal) if spec is not None and floor is not None else None
+    if times is None or times[1] >= times[0]:
         return None
     return (
         f"launch-bound: no micro-step faster than {floor[0]:.2f} s, the fastest measured for {s.model} "
         f"{_step_floor_kind(s.method)} training where a larger batch took hardly longer ({floor[1]}); the model "
-        f"alone says {model:.2f} s"
+        f"alone says {times[1]:.2f} s"
     )
 
 
@@ -1469,9 +1477,10 @@ def planned_step_seconds(
     point = _matching_point(profiles, s, gpu) if s.num_gpus == 1 else None
     if point is not None:
         return 1.0 / point.outcome["it_s"], ("measured" if point.from_bench else "published")
-    step_s = step_seconds(profiles, s, gpu, cal, link_gbs=link_gbs)
-    if step_s is None:
+    times = _step_times(profiles, s, gpu, cal, link_gbs=link_gbs)
+    if times is None:
         return None, "unknown speed"
+    step_s = times[0]
     near = _near_point(profiles, s, gpu)
     # measured evidence on this GPU near these settings: the model only carries the change
     if near is not None:
@@ -1488,7 +1497,7 @@ def planned_step_seconds(
             return scaled + (step_s - one), "scaled"  # the all-reduce (several GPUs) as modelled
     # the transformer families alone: an efficiency fitted on few speeds; quantized-base and swap costs
     # unfitted; at the launch-bound floor, the floor's measurement sets the step
-    floored = flow_family(s.model) and floor_text(profiles, s, gpu, cal) is not None
+    floored = times[1] < times[0]
     return step_s, ("uncalibrated" if flow_family(s.model) and not floored else "calibrated")
 
 
@@ -2896,11 +2905,9 @@ def _flow_reasons(
         )
     if best.basis != "uncalibrated":  # a measured speed, or the model scaled by one: said with the time
         return r
-    floored = floor_text(profiles, s, spec, cal)
+    # at the launch-bound floor the basis is "calibrated" (planned_step_seconds): time_basis_text says so
     arch, borrowed = cal.flow_source(spec)
-    if floored is not None:
-        r.append(f"time: {floored}")
-    elif arch is not None:
+    if arch is not None:
         rate = spec.matmul_tflops("bf16")
         near = max(r_ for a, r_ in cal.flow_rates if a == arch)
         r.append(
