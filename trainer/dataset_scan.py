@@ -182,7 +182,7 @@ def scan(
 
     _drop_empty_files(result)
     if verify:
-        _verify(result, check_header if verify == "header" else check_image)
+        _verify(result, decode=verify != "header")
     result.items.sort(key=lambda it: str(it.path))
     seen: set[Path] = set()
     result.skipped = [s for s in result.skipped if not (s[0] in seen or seen.add(s[0]))]
@@ -565,18 +565,22 @@ def _exif_rotated(im: Any) -> bool:
         return False
 
 
-def check_image(path: str | os.PathLike[str]) -> tuple[int, int] | str:
-    """Open and fully decode one image: its (width, height) after EXIF rotation, or why it is unusable."""
+def check_image(path: str | os.PathLike[str], *, decode: bool = True) -> tuple[int, int] | str:
+    """Open and fully decode one image: its (width, height) after EXIF rotation, or why it is unusable.
+    ``decode=False`` reads the header only: what PIL identifies, its size as stored (a PNG's EXIF can follow
+    its pixel data: reading it costs a decode); a file broken further in passes."""
     from PIL import Image, UnidentifiedImageError
 
     quiet_large_images()
     try:
+        if decode:
+            with Image.open(path) as im:
+                im.verify()  # structure and checksums (PNG CRCs); leaves the image unusable
         with Image.open(path) as im:
-            im.verify()  # structure and checksums (PNG CRCs); leaves the image unusable
-        with Image.open(path) as im:
-            im.load()  # a real decode catches truncated data that verify() lets through
+            if decode:
+                im.load()  # a real decode catches truncated data that verify() lets through
             w, h = im.size
-            if _exif_rotated(im):
+            if decode and _exif_rotated(im):
                 w, h = h, w
     except UnidentifiedImageError:
         return "not an image PIL can read (corrupt, or another format with an image extension)"
@@ -595,38 +599,24 @@ def check_image(path: str | os.PathLike[str]) -> tuple[int, int] | str:
     return w, h
 
 
-def check_header(path: str | os.PathLike[str]) -> tuple[int, int] | str:
-    """Read one image's header only (no decode): its (width, height) as stored, or why PIL cannot identify it
-    (the same words as :func:`check_image`)."""
-    from PIL import Image, UnidentifiedImageError
-
-    quiet_large_images()
-    try:
-        with Image.open(path) as im:
-            return im.size
-    except UnidentifiedImageError:
-        return "not an image PIL can read (corrupt, or another format with an image extension)"
-    except Image.DecompressionBombError:
-        limit = 2 * (Image.MAX_IMAGE_PIXELS or 0) / 1e6
-        return f"too large to open safely (over {limit:.0f} megapixels); downscale it"
-    except Exception as e:  # PIL raises OSError, SyntaxError, ValueError, struct.error ... on a bad header
-        return f"corrupt ({type(e).__name__}: {e})"
-
-
-def _verify(result: Scan, check=check_image) -> None:
+def _verify(result: Scan, *, decode: bool = True) -> None:
     paths = [it.path for it in result.items]
     workers = min(8, os.cpu_count() or 1, max(1, len(paths) // 16))
+
+    def check(path: Path) -> tuple[int, int] | str:
+        return check_image(path, decode=decode)
+
     if workers > 1:
         with ThreadPoolExecutor(workers) as pool:
             checks = list(pool.map(check, paths))
     else:
         checks = [check(p) for p in paths]
     keep = []
-    for it, check in zip(result.items, checks):
-        if isinstance(check, str):
-            result.skipped.append((it.path, check))
+    for it, outcome in zip(result.items, checks):
+        if isinstance(outcome, str):
+            result.skipped.append((it.path, outcome))
         else:
-            it.size = check
+            it.size = outcome
             keep.append(it)
     result.items = keep
 
