@@ -738,10 +738,7 @@ def write_run_files(
         out.mkdir(parents=True, exist_ok=True)
         new = [name for name in files if not (out / name).exists()]
         for name, content in files.items():
-            if isinstance(content, bytes):
-                (out / name).write_bytes(content)
-            else:
-                (out / name).write_text(content)
+            (out / name).write_bytes(runfolder.as_bytes(content))
         runfolder.record(out, new)
     except OSError as e:
         raise runfolder.cannot_write(out, e) from None

@@ -514,10 +514,7 @@ def write_outputs(
         for name, content in files.items():
             path = outdir / name
             tmp = path.with_suffix(path.suffix + ".tmp")
-            if isinstance(content, bytes):
-                tmp.write_bytes(content)
-            else:
-                tmp.write_text(content)
+            tmp.write_bytes(runfolder.as_bytes(content))
             tmp.replace(path)
             written.append(path)
     except OSError as e:

@@ -114,6 +114,11 @@ def remove_owned(out: Path, names: Iterable[str]) -> list[str]:
     return removed
 
 
+def as_bytes(content: str | bytes) -> bytes:
+    """A run-folder file's bytes as sdplan writes them: text in UTF-8, an image as it is."""
+    return content if isinstance(content, bytes) else content.encode()
+
+
 def not_ours(out: Path, files: dict[str, str | bytes]) -> list[str]:
     """Names in ``files`` (name -> the text or bytes sdplan is about to write in ``out``) that exist there, are
     not in the manifest, and hold other bytes: writing them would overwrite a user's file."""
@@ -124,9 +129,7 @@ def not_ours(out: Path, files: dict[str, str | bytes]) -> list[str]:
         if name in mine or not (path.exists() or path.is_symlink()):
             continue
         try:
-            same = path.is_file() and path.read_bytes() == (
-                text if isinstance(text, bytes) else text.encode()
-            )
+            same = path.is_file() and path.read_bytes() == as_bytes(text)
         except OSError:
             same = False
         if not same:
