@@ -685,11 +685,13 @@ class Profiles:
     def points_on(self, gpu_name: str) -> tuple[MethodPoint, ...]:
         """The points measured on the catalog GPU ``gpu_name`` (point_gpu), in file order."""
         if not self._points_by_gpu:
+            by: dict[str, list[MethodPoint]] = {}
             for p in self.points:
                 spec = self.point_gpu(p)
                 if spec is not None:
-                    self._points_by_gpu.setdefault(spec.name, []).append(p)
-        return tuple(self._points_by_gpu.get(gpu_name, ()))
+                    by.setdefault(spec.name, []).append(p)
+            self._points_by_gpu.update((name, tuple(pts)) for name, pts in by.items())
+        return self._points_by_gpu.get(gpu_name, ())
 
     def point_gpu(self, point: MethodPoint) -> GPUSpec | None:
         """The catalog GPU a point was measured on: its recorded memory settles a name several boards share
