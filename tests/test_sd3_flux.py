@@ -138,6 +138,33 @@ def test_text_conditioning_matches_the_pipeline_encode_prompt(tiny_flow, family)
     assert torch.allclose(pooled, ref_pooled, atol=1e-5)
 
 
+@pytest.mark.parametrize("family", ["sd35-medium", "flux-dev"])
+def test_a_grid_sampled_from_cached_text_outputs_is_the_pipelines_own_without_its_encoders(tiny_flow, family):
+    from sdplan.trainer import conditioning, flow, models, sampling
+
+    comps = models.load_components(str(tiny_flow[family]), family=family)
+    prompts = ["a photo of sks red square", "a blue circle"]
+    cache = conditioning.TextCache()
+    cache.precompute(comps, comps.text_encoders, flow.sampling_captions(family, prompts), "cpu")
+    assert ("" in cache.embeds) == (family == "sd35-medium")  # SD3.5's guidance: the empty negative prompt
+    pipe = comps.pipeline()
+    settings = dict(seed=3, steps=2, guidance_scale=4.0, resolution=64)
+    own = sampling.generate_images(pipe, prompts, **settings)
+
+    def not_run(*args, **kwargs):
+        raise AssertionError("a text encoder ran while sampling from the cache")
+
+    for te in comps.text_encoders:
+        te.forward = not_run
+    cached = sampling.generate_images(
+        pipe, prompts, conditioning=flow.cached_conditioning(family, cache, "cpu"), **settings
+    )
+    for a, b in zip(own, cached, strict=True):
+        assert np.abs(np.asarray(a, dtype=float) - np.asarray(b, dtype=float)).max() <= 1.0
+    with pytest.raises(AssertionError, match="text encoder ran"):
+        sampling.generate_images(pipe, prompts[:1], **settings)
+
+
 # -- training through the one loop ------------------------------------------------------------------------
 
 
@@ -145,10 +172,19 @@ def test_text_conditioning_matches_the_pipeline_encode_prompt(tiny_flow, family)
     "family",
     ["sd35-medium", "sd35-large", "flux-dev", "flux-schnell"],
 )
-def test_lora_trains_and_loads_back_into_the_pipeline(tiny_flow, demo_dataset, tmp_path, family):
+def test_lora_trains_and_loads_back_into_the_pipeline(tiny_flow, demo_dataset, tmp_path, family, monkeypatch):
     from diffusers import DiffusionPipeline
     from safetensors import safe_open
-    from sdplan.trainer import run
+    from sdplan.trainer import flow, run
+
+    sampled_from_cache = []
+    original = flow.cached_conditioning
+
+    def counted(*args):
+        sampled_from_cache.append(args[0])
+        return original(*args)
+
+    monkeypatch.setattr(flow, "cached_conditioning", counted)
 
     extra = ["memory.cache_text_encoder_outputs=true"]
     if family == "flux-schnell":  # the memory savers and half precision through the same path
@@ -174,6 +210,7 @@ def test_lora_trains_and_loads_back_into_the_pipeline(tiny_flow, demo_dataset, t
     pipe.load_lora_weights(str(tmp_path / "out"))
     assert float(np.abs(generate_64px(pipe) - base).max()) > 1e-3
     assert (tmp_path / "out" / "samples" / "final.png").is_file()
+    assert sampled_from_cache == [family]  # the final grid: its prompt was encoded with the captions
 
 
 def _kohya_and_diffusers(tiny_flow, demo_dataset, tmp_path, family, targets):

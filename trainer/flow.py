@@ -225,6 +225,36 @@ def encode_prompts(text_encoders: list, input_ids: list, family: str, device):
     return torch.cat([clip, t5.to(clip.dtype)], dim=-2), torch.cat(pooled, dim=-1)
 
 
+# -- sampling from cached text-encoder outputs ------------------------------------------------------------
+# With memory.cache_text_encoder_outputs the encoders leave the GPU once the captions are encoded. A sample
+# grid that brought them back would put T5-XXL (~9 GiB in bf16) beside the training state: on the cards such
+# a plan is for, the grid would not fit. So the grid's prompts are encoded with the captions, and the pipeline
+# gets their embeddings (the same encode_prompts output the transformer trains on; the pipeline's own
+# encode_prompt gives the same tensors: tests/test_sd3_flux.py).
+
+
+def sampling_captions(family: str, prompts: list[str]) -> set[str]:
+    """What the text cache must hold to sample ``prompts`` from it: the prompts, and for SD3.5 (classifier-free
+    guidance; the pipeline's negative prompt defaults to "") the empty prompt."""
+    return set(prompts) | (set() if registry.family(family).arch == "flux" else {""})
+
+
+def cached_conditioning(family: str, cache, device):
+    """``conditioning(prompt, negative)`` for ``sampling.generate_images``: the pipeline's embedding arguments
+    from the text cache (FLUX.1: prompt and pooled embeddings; SD3.5: the negative prompt's too)."""
+    flux = registry.family(family).arch == "flux"
+
+    def conditioning(prompt: str, negative: str | None) -> dict:
+        embeds, pooled = cache.lookup([prompt], device, None)
+        out = {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}
+        if not flux:
+            negative_embeds, negative_pooled = cache.lookup([negative or ""], device, None)
+            out.update(negative_prompt_embeds=negative_embeds, negative_pooled_prompt_embeds=negative_pooled)
+        return out
+
+    return conditioning
+
+
 # -- the adapter the recipes use --------------------------------------------------------------------------
 
 

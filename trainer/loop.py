@@ -37,6 +37,7 @@ from typing import Any
 
 from sdplan.config import TrainConfig
 from sdplan.errors import SdplanError, UsageError
+from sdplan.registry import FLOW_FAMILIES
 
 from . import (
     blockswap,
@@ -44,6 +45,7 @@ from . import (
     data,
     export,
     faults,
+    flow,
     latents,
     models,
     objective,
@@ -526,6 +528,9 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
     latents.precompute_latents(accelerator, latent_cache, recipe.vae, recipe.latent_datasets(), plan.epochs)
     recipe.latents = latents.Latents(recipe.vae, device, latent_cache)
     captions = recipe.text_captions(plan.epochs)
+    if captions is not None and comps.family in FLOW_FAMILIES:  # their grids sample from the cache
+        prompts = list(cfg.sampling.prompts) + [recipe.sample_prompt()]
+        captions = captions | flow.sampling_captions(comps.family, prompts)
     if captions is not None:
         recipe.text_cache = conditioning.make_text_cache(
             accelerator, cfg, comps, recipe.text_encoders, captions, device
@@ -567,6 +572,7 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
             fallback=fallback,
             tb=tb,
             injected=injected,
+            text_cache=recipe.text_cache,
             **kw,
         )
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from sdplan.errors import SdplanError
+from sdplan.registry import FLOW_FAMILIES
 
 from .latents import offload
 from .progress import say
@@ -231,6 +232,7 @@ def samples(
     at_step: int | None = None,
     out_path: Path | None = None,
     injected=None,
+    text_cache=None,
 ) -> Path | None:
     """A PNG grid from ``sampling.prompts`` (else ``fallback``) with a fixed seed, made on the main process:
     ``samples/step-000100.png`` during training (the other processes wait), ``samples/final.png`` at the end
@@ -241,7 +243,9 @@ def samples(
     the grid needs the VAE and text encoders back beside the training state, which a smaller batch would not
     change, so stopping for the launcher's smaller-batch retry (and recording an out-of-memory at this batch)
     would be wrong; the other processes still meet this one at the barrier. At the end it is raised (the loop
-    says what it skipped). ``injected``: the run's ``faults.Faults`` (a test hook)."""
+    says what it skipped). ``injected``: the run's ``faults.Faults`` (a test hook). ``text_cache``: the run's
+    cache of text-encoder outputs; SD3.5 / FLUX.1 sample from it (their encoders stay off the GPU:
+    ``flow.cached_conditioning``)."""
     import torch
 
     from .checkpoint import unwrap
@@ -256,7 +260,12 @@ def samples(
 
         tes = [unwrap(te) for te in text_encoders]
         pipe = comps.pipeline(unet=unwrap(unet), text_encoders=tes)
-        away = models_away(accelerator.device, comps.vae, *tes)
+        conditioning = None
+        if text_cache is not None and comps.family in FLOW_FAMILIES:
+            from .flow import cached_conditioning
+
+            conditioning = cached_conditioning(comps.family, text_cache, accelerator.device)
+        away = models_away(accelerator.device, comps.vae, *([] if conditioning else tes))
         for m in away:
             m.to(accelerator.device)
         try:
@@ -272,6 +281,7 @@ def samples(
                     resolution=cfg.data.resolution,
                     out_path=out_path or Path(cfg.output.dir) / "samples" / name,
                     labels=[f"step {shown_step}\n{p}" if shown_step is not None else p for p in prompts],
+                    conditioning=conditioning,
                 )
         except torch.OutOfMemoryError as e:
             if step is None:

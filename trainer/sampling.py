@@ -11,6 +11,7 @@ import json
 import math
 import os
 import uuid
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -54,9 +55,12 @@ def generate_images(
     guidance_scale: float,
     resolution: int | tuple[int, int],
     negative_prompt: str | list[str] | None = None,
+    conditioning: Callable[[str, str | None], dict] | None = None,
 ) -> list[Any]:
     """One PIL image per prompt, each from ``torch.Generator("cpu").manual_seed(seed)``; prompts run one at
-    a time (a full-size model at 1024 px does not batch many on a small GPU)."""
+    a time (a full-size model at 1024 px does not batch many on a small GPU). ``conditioning(prompt,
+    negative)``: the pipeline's embedding arguments for a prompt, computed earlier (the pipeline's text encoders
+    then never run: they can stay off the GPU); None: the pipeline encodes the prompt itself."""
     import torch
 
     if not prompts:
@@ -69,9 +73,13 @@ def generate_images(
     with _sampling_state(pipeline):
         for i, prompt in enumerate(prompts):
             negative = negative_prompt[i] if isinstance(negative_prompt, list) else negative_prompt
+            text = (
+                conditioning(prompt, negative)
+                if conditioning is not None
+                else {"prompt": prompt, "negative_prompt": negative}
+            )
             result = pipeline(
-                prompt=prompt,
-                negative_prompt=negative,
+                **text,
                 num_inference_steps=steps,
                 guidance_scale=guidance_scale,
                 height=height,
@@ -173,11 +181,13 @@ def sample_grid(
     negative_prompt: str | list[str] | None = None,
     cols: int | None = None,
     labels: bool | list[str] = False,
+    conditioning: Callable[[str, str | None], dict] | None = None,
 ) -> Path:
     """Generate one image per prompt and save them as one PNG grid of ``cols * width`` x ``rows * height``
     pixels (``cols`` defaults to ceil(sqrt(len(prompts)))); the prompts and settings go into the PNG's text
     chunks. ``labels``: True draws each prompt on its image, a list draws those texts (one per prompt).
-    Works for StableDiffusionPipeline and StableDiffusionXLPipeline. Written atomically."""
+    ``conditioning``: as :func:`generate_images`. Works for the SD 1.x/2.x, SDXL, SD3 and FLUX pipelines.
+    Written atomically."""
     from PIL.PngImagePlugin import PngInfo
 
     images = generate_images(
@@ -188,6 +198,7 @@ def sample_grid(
         guidance_scale=guidance_scale,
         resolution=resolution,
         negative_prompt=negative_prompt,
+        conditioning=conditioning,
     )
     if isinstance(labels, list) and len(labels) != len(prompts):
         raise ValueError(f"{len(labels)} labels for {len(prompts)} prompts")
