@@ -902,7 +902,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = ap.parse_args(argv)
     if args.only_sampling:
-        return update_families(args, "sampling", _add_entry("sampling", measure_sampling))
+        return update_families(args, "sampling", update_sampling)
     if args.only_lora_targets:
         return update_families(
             args,
@@ -929,6 +929,7 @@ def main(argv: list[str] | None = None) -> int:
         log(f"{fam}: {path}")
         if fam in TRANSFORMER_FAMILIES:
             result = compute_transformer_family(model, log)
+            result["sampling"] = measure_flow_sampling(model, TRANSFORMER_RESOLUTIONS, log)
         else:
             result = compute_family(model, FAMILY_RESOLUTIONS[fam], log)
             merge_lora_targets(result, compute_lora_targets(model, FAMILY_RESOLUTIONS[fam], log))
@@ -1130,6 +1131,42 @@ def measure_sampling(model: dict, resolutions: tuple[int, ...], log) -> dict:
     return out
 
 
+def measure_flow_sampling(model: dict, resolutions: tuple[int, ...], log) -> dict:
+    """The transformer families' sampling peaks, as measure_sampling's: the transformer's no-grad forward
+    (bf16; batch 2 where the pipeline guides with a negative prompt, SD3.5; FLUX.1 is guidance-distilled, one
+    forward per step) and the VAE decode (16 latent channels), fitted against latent pixels. The text encoders
+    do not come back for a grid (trainer/flow.py cached_conditioning), so they are not part of it."""
+    import torch
+    from accelerate import init_empty_weights
+    from diffusers import AutoencoderKL
+
+    scale = int(model["vae_scale_factor"])
+    net = build_transformer(model)
+    net.eval()
+    net.requires_grad_(False)
+    batch = 1 if model["transformer"]["class"] == "FluxTransformer2DModel" else 2
+    with init_empty_weights():
+        vae = AutoencoderKL.from_config(dict(model["vae"]))
+    vae.eval()
+    net_pts: list[tuple[int, int, int]] = []
+    vae_pts: dict[str, list[tuple[int, int, int]]] = {"bf16": [], "fp32": []}
+    for res in resolutions:
+        side = res // scale
+        kwargs = transformer_inputs(model, batch=batch, resolution=res)
+        with attention_backend("efficient", "bf16"):
+            net_pts.append((1, side * side, peak_live_bytes(lambda k=kwargs: net(**k))))
+        for dtype_name in ("bf16", "fp32"):
+            vae.to(_torch_dtype(dtype_name))
+            z = torch.empty(1, int(model["latent_channels"]), side, side, device="meta")
+            z = z.to(_torch_dtype(dtype_name))
+            with attention_backend("efficient", dtype_name):
+                vae_pts[dtype_name].append((1, side * side, peak_live_bytes(lambda x=z: vae.decode(x))))
+    out = {"unet_inference_peak": fit(net_pts, quadratic=False, with_fixed=False)[0]}
+    out["vae_decode_peak"] = {k: fit(v, quadratic=False, with_fixed=False)[0] for k, v in vae_pts.items()}
+    log(f"  {model['family']} sampling peaks: {out}")
+    return out
+
+
 def _add_entry(key: str, measure):
     """An updater that sets a family's ``key`` entry to ``measure(model, resolutions, log)``."""
 
@@ -1137,6 +1174,14 @@ def _add_entry(key: str, measure):
         entry[key] = measure(model, FAMILY_RESOLUTIONS[fam], log)
 
     return update
+
+
+def update_sampling(entry: dict, model: dict, fam: str, log) -> None:
+    """--only-sampling: the UNet families' peaks, or the transformer families' (measure_flow_sampling)."""
+    if fam in TRANSFORMER_FAMILIES:
+        entry["sampling"] = measure_flow_sampling(model, TRANSFORMER_RESOLUTIONS, log)
+    else:
+        entry["sampling"] = measure_sampling(model, FAMILY_RESOLUTIONS[fam], log)
 
 
 def update_families(args, what: str, update) -> int:

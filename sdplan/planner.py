@@ -2197,11 +2197,12 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
             f"{_gib(hw.ram_total_bytes)}: loading may swap heavily or be killed by the OS; add RAM or swap space"
         )
     if not final_grid_fits(m, vram):
+        back = "the VAE" if flow_family(s.model) else "the VAE and text encoders"
         r.append(
-            f"the final sample grid needs {_gib(m.sampling_peak)} (the VAE and text encoders back on the GPU beside "
-            f"the training state), more than {int(HEADROOM * 100)}% of {_gib(vram)}: `sdplan train` writes the "
-            "trained weights first and skips the grid if it runs out of memory; sampling.every_steps or "
-            "intermediate grids (sampling.prompts with output.save_every_n_*) would stop the run"
+            f"the final sample grid needs {_gib(m.sampling_peak)} ({back} back on the GPU beside the training "
+            f"state), more than {int(HEADROOM * 100)}% of {_gib(vram)}: `sdplan train` writes the trained weights "
+            "first and skips the grid if it runs out of memory; grids during the run (sampling.every_steps, "
+            "intermediate outputs) are skipped the same way and training goes on"
         )
     if not best.safe:
         r.append(
@@ -2678,6 +2679,10 @@ def memory_flow(profiles: Profiles, s: Settings) -> Memory:
         recompute_tail=recompute_tail,
     )
     overhead = CUDA_CONTEXT_BYTES + ALLOCATOR_OVERHEAD * allocated
+    kept_grads = 0.0 if (s.set_grads_to_none and not s.offload) else grads - buckets
+    sampling = flow_sampling_peak_bytes(
+        profiles, s, resident=weights + frozen + opt + ema + buckets + kept_grads, autocast=autocast
+    )
     return Memory(
         trainable_params=t,
         weights=weights,
@@ -2691,7 +2696,30 @@ def memory_flow(profiles: Profiles, s: Settings) -> Memory:
         overhead=overhead,
         peak=allocated + overhead,
         ram=ram * s.num_gpus,
+        sampling_peak=sampling,
     )
+
+
+def flow_sampling_peak_bytes(profiles: Profiles, s: Settings, *, resident: float, autocast: float) -> float:
+    """Peak bytes while the trainer samples a grid of a transformer family: the resident training state (the
+    frozen base, and the text encoders and VAE where their outputs are not cached), the VAE back on the GPU
+    where latents were cached, autocast's copies of the fp32 trained weights (sampling runs in the training
+    autocast), and the larger of the transformer's inference forward and the VAE decode at the training
+    resolution (measured on meta). Cached text-encoder outputs keep the encoders away: the grid's prompts are
+    encoded with the captions (trainer/flow.py cached_conditioning). 0 without sampling coefficients."""
+    sampling = profiles.activations.families[s.model].get("sampling")
+    if not sampling:
+        return 0.0
+    model = profiles.model(s.model)
+    vae_dtype = "bf16" if s.precision == "bf16" else "fp32"  # trainer/runtime.py vae_dtype
+    vae = model.params_vae * (2 if vae_dtype == "bf16" else 4) if s.cache_latents else 0.0
+    latent = (s.resolution // model.vae_scale_factor) ** 2
+    transient = max(
+        _coef_bytes(sampling["unet_inference_peak"], latent),
+        _coef_bytes(sampling["vae_decode_peak"][vae_dtype], latent),
+    )
+    allocated = resident + vae + autocast + transient
+    return allocated + CUDA_CONTEXT_BYTES + ALLOCATOR_OVERHEAD * allocated
 
 
 def step_flops_flow(profiles: Profiles, s: Settings) -> float:

@@ -1079,14 +1079,7 @@ def load_activations(path: Path) -> Activations:
                 "unet_forward_bytes_math": F((dict,), required=False, sub=_COEF.sub),
             },
         ),
-        "sampling": F(
-            (dict,),
-            required=False,
-            sub={
-                "unet_inference_peak": _COEF,
-                "vae_decode_peak": F((dict,), sub={"bf16": _COEF, "fp32": _COEF}),
-            },
-        ),
+        "sampling": _SAMPLING_PEAKS,
         "lora_params_per_rank": F(
             (dict,),
             required=False,
@@ -1233,6 +1226,17 @@ def write_points(
     return path
 
 
+# the trainer's sample grid (planner.sampling_peak_bytes / flow_sampling_peak_bytes): the denoiser's inference
+# forward (the UNet's, or a transformer's under the same key) and the VAE decode, per dtype
+_SAMPLING_PEAKS = F(
+    (dict,),
+    required=False,
+    sub={
+        "unet_inference_peak": _COEF,
+        "vae_decode_peak": F((dict,), sub={"bf16": _COEF, "fp32": _COEF}),
+    },
+)
+
 _TRANSFORMER_ACTIVATIONS_SCHEMA = {
     "transformer": F((dict,)),
     "text_tokens": F((int,), check=_positive),
@@ -1253,6 +1257,7 @@ _TRANSFORMER_ACTIVATIONS_SCHEMA = {
     ),
     "flops_fit_max_error": F(NUM, required=False),
     "measured": F((list,), required=False),
+    "sampling": _SAMPLING_PEAKS,
 }
 
 

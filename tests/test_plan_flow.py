@@ -490,3 +490,39 @@ def test_the_base_time_factor_says_what_was_measured():
     assert P._base_time_source(no_gc) == "measured once, on an H100 without checkpointing"
     assert P._base_time_source(replace(s, gradient_checkpointing=True)).endswith("with it UNCALIBRATED")
     assert P._base_time_source(replace(no_gc, base_precision="nf4")) == "UNCALIBRATED"
+
+
+@pytest.mark.parametrize("model", ["flux-dev", "sd35-large"])
+def test_the_grid_of_a_transformer_family_brings_back_the_vae_not_the_text_encoders(prof, model):
+    """The trainer samples SD3.5 / FLUX.1 grids from the cached text-encoder outputs (trainer/flow.py), so the
+    grid's peak is the training state, the VAE back where latents were cached, and the larger of the
+    transformer's inference forward and the VAE decode (activations.yaml sampling, computed on meta)."""
+    base = Settings(
+        method="lora",
+        model=model,
+        resolution=1024,
+        batch=1,
+        precision="bf16",
+        gradient_checkpointing=True,
+        cache_latents=True,
+        cache_text_encoder_outputs=True,
+        base_precision="fp8",
+    )
+    cached = P.memory(prof, base)
+    resident = P.memory(prof, replace(base, cache_text_encoder_outputs=False))
+    spec = prof.model(model)
+    encoders = P.frozen_text_encoder_bytes(spec, "fp8")
+    # the encoders count in the grid only where they never left the GPU (allocator allowance aside)
+    assert resident.sampling_peak - cached.sampling_peak == pytest.approx(
+        encoders * (1 + P.ALLOCATOR_OVERHEAD), rel=1e-6
+    )
+    assert cached.sampling_peak > cached.weights + cached.frozen + cached.optimizer
+    # the bf16 VAE counts once in the grid: back on the GPU for the decode (latents cached), or never gone
+    vae_resident = P.memory(prof, replace(base, cache_latents=False))
+    assert vae_resident.frozen - cached.frozen == spec.params_vae * 2
+    assert cached.sampling_peak == pytest.approx(vae_resident.sampling_peak, rel=1e-9)
+    # FLUX.1 LoRA over an fp8 base on a 16 GB card: the step fits and so does the grid (T4 stayed away)
+    hw = P.hardware_from_catalog(prof.find_gpu("RTX 4060 Ti 16GB"))
+    res = P.plan(hw, prof, P.Request(method="lora", model="flux-dev", resolution=1024))
+    assert res.feasible and res.memory.sampling_peak > 0 and P.final_grid_fits(res.memory, res.vram_bytes)
+    assert not any("final sample grid" in r for r in res.reasons)
