@@ -73,6 +73,9 @@ MODELLED_NOTES = {
     # bitsandbytes nf4 (what the planner's nf4 base and the bundled trainer's are; SimpleTuner's two spellings)
     "nf4 base weights (nf4-bnb)": ("base_precision", "nf4"),
     "nf4 base weights (bnb-nf4)": ("base_precision", "nf4"),
+    # SimpleTuner's fp8wo-torchao: torchao float8 weight-only (the weight stored in fp8, the matmul in bf16), as
+    # the planner's fp8 base (kohya --fp8_base, the bundled trainer's Fp8Linear)
+    "fp8 weight-only base (fp8wo-torchao)": ("base_precision", "fp8"),
 }
 KOHYA_DEFAULT_LORA_RANK = 4  # kohya-ss/sd-scripts networks/lora*.py create_network: network_dim None -> 4
 
@@ -259,6 +262,9 @@ OPT_NUM = (int, float, type(None))
 MEASURED_SCHEMA = {
     "peak_vram_gib": F(OPT_NUM, check=_positive),
     "peak_vram_reported": F((str, type(None))),
+    # the peak is torch.cuda.max_memory_allocated (no CUDA context, no allocator reserve): compared with the
+    # planner's allocated bytes, as the sdplan bench points are
+    "peak_vram_is_allocated": F(B, required=False),
     "it_s": F(OPT_NUM, check=_positive),
     "speed_reported": F((str, type(None))),
     "fits": F((bool, type(None))),
@@ -408,6 +414,7 @@ def _point_from_yaml(d: dict) -> Point:
         variant=d.get("variant"),
         unmodelled=tuple(d.get("unmodelled") or ()),
         peak_vram_gib=m["peak_vram_gib"],
+        peak_is_allocated=bool(m.get("peak_vram_is_allocated", False)),
         it_s=m["it_s"],
         fit_claims=claims,
         quote=d["source"]["quote"],
