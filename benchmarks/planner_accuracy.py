@@ -563,7 +563,7 @@ def point_rows(prof: Profiles, pt: Point) -> tuple[list[dict], list[dict], Predi
         numeric.append(_row(pt.id, "host RAM GiB", pred.host_ram_bytes / GiB, pt.ram_gib, pt.source))
     if pt.it_s and pred.it_per_s:
         numeric.append(_row(pt.id, f"it/s on {pt.gpu}", pred.it_per_s, pt.it_s, pt.source))
-    low, high = prof.uncertainty.peak_vram
+    low, high = prof.uncertainty.peak_for(_family_and_rank(pt)[0])[0]
     for memory_gib, fits in pt.fit_claims:
         predicted_fits = peak_gib <= memory_gib
         verdicts.append(

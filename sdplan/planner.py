@@ -1188,6 +1188,8 @@ class Candidate:
     seconds_range: tuple[float, float] | None = None
     safe: bool = False  # fits, and the upper end of peak_range is within the card's memory
     observed_multi_gpu: str | None = None  # the multi-GPU observation its step time comes from
+    fixed_seconds: float = 0.0  # start-up and latent caching, in ``seconds``
+    allreduce_seconds: float = 0.0  # the modelled gradient all-reduce over the whole run, in ``seconds``
     peak_measured: str | None = None  # the sdplan bench point that measured its peak on this GPU
     lowered_rank: bool = False  # a LoRA rank below the requested one (changes the result)
     host_ok: bool = True  # this machine's host RAM holds what the run keeps there (host_ram_needed_bytes)
@@ -1570,11 +1572,14 @@ def _measured_peak_point(profiles: Profiles, s: Settings, gpu: HWGPU) -> MethodP
 MEASURED_BAND = (0.95, 1.05)  # a peak or speed sdplan bench measured on this GPU: the run's own noise
 
 
-def seconds_band(profiles: Profiles, basis: str, num_gpus: int = 1) -> tuple[tuple[float, float], str]:
+def seconds_band(
+    profiles: Profiles, basis: str, num_gpus: int = 1, model: str = "sd15"
+) -> tuple[tuple[float, float], str]:
     """(low, high) factors of a plan's step time and where they come from, by the basis of its speed: a speed
     sdplan bench measured at these settings on this GPU, the run's own spread; the model scaled by a bench
     point, the spread of the bench points each predicted so without themselves; else, and on several GPUs
-    (an all-reduce as modelled on top of the one-GPU step), the validation set's."""
+    (an all-reduce as modelled on top of the one-GPU step), the validation set's for ``model``'s kind of
+    network (Uncertainty.seconds_for)."""
     unc = profiles.uncertainty
     if basis == "measured" and num_gpus == 1:
         return MEASURED_BAND, "a measurement's own spread"
@@ -1583,13 +1588,14 @@ def seconds_band(profiles: Profiles, basis: str, num_gpus: int = 1) -> tuple[tup
             unc.seconds_scaled,
             f"sdplan bench speeds each predicted so without itself, n={unc.n_seconds_scaled}",
         )
-    return unc.seconds, f"validation set, n={unc.n_seconds}"
+    band, n = unc.seconds_for(model)
+    return band, f"validation set, n={n}"
 
 
 def _evaluate(req: Request, profiles: Profiles, hw: Hardware, cal: Calibration, s: Settings) -> Candidate:
     gpu = hw.gpus[0]
     mem = memory(profiles, s)
-    unc_peak = profiles.uncertainty.peak_vram
+    unc_peak = profiles.uncertainty.peak_for(s.model)[0]
     measured = _measured_peak_point(profiles, s, gpu)
     if measured is not None:  # measured evidence beats the model: its allocated peak, the same allowances
         allocated = measured.outcome["peak_vram_gib"] * GiB
@@ -1610,6 +1616,7 @@ def _evaluate(req: Request, profiles: Profiles, hw: Hardware, cal: Calibration, 
     else:
         step_s, basis = planned_step_seconds(profiles, s, gpu.spec, cal, link_gbs=hw.link_gbs)
     seconds = seconds_range = None
+    fixed = allreduce = 0.0
     if step_s is not None:
         stepping = steps.total_steps * s.grad_accum * step_s
         fixed = STARTUP_S
@@ -1622,9 +1629,13 @@ def _evaluate(req: Request, profiles: Profiles, hw: Hardware, cal: Calibration, 
             )
             fixed += flops / (tflops * 1e12 * cal.efficiency_for(gpu.spec))
         seconds = fixed + stepping
+        if s.num_gpus > 1 and observed is None and hw.link_gbs:
+            micro_steps = steps.total_steps * s.grad_accum
+            allreduce = micro_steps * allreduce_seconds(profiles, s, hw.link_gbs, cal) / s.grad_accum
         # the steps' range by their basis (one GPU: the bench evidence behind it times one GPU; several add an
         # all-reduce as modelled); start-up and caching are the model's (the validation set's range)
-        band, model_band = seconds_band(profiles, basis, s.num_gpus)[0], profiles.uncertainty.seconds
+        band = seconds_band(profiles, basis, s.num_gpus, s.model)[0]
+        model_band = profiles.uncertainty.seconds_for(s.model)[0]
         seconds_range = tuple(fixed * model_band[i] + stepping * band[i] for i in (0, 1))
     return Candidate(
         setup=s,
@@ -1639,6 +1650,8 @@ def _evaluate(req: Request, profiles: Profiles, hw: Hardware, cal: Calibration, 
         seconds_range=seconds_range,
         safe=fits and peak_range[1] <= vram,
         observed_multi_gpu=observed.id if observed is not None else None,
+        fixed_seconds=fixed,
+        allreduce_seconds=allreduce,
         peak_measured=measured.id if measured is not None else None,
         lowered_rank=s.method == "lora" and not req.pinned("lora_rank") and s.lora_rank < req.lora_rank,
     )
@@ -1892,18 +1905,27 @@ def _choose(fitting: list[Candidate], profiles: Profiles) -> tuple[Candidate, di
     for n, c in sorted(eligible.items()):
         if n == best.setup.num_gpus or c.seconds is None or best.seconds is None:
             continue
-        ref = one.seconds if one is not None and one.seconds else best.seconds
-        if 1 - c.seconds / ref > multi_gpu_gain_needed(c, profiles) and c.seconds < best.seconds:
+        ref = one if one is not None and one.seconds else best
+        if multi_gpu_gain(c, ref, profiles) > MIN_MULTI_GPU_GAIN and c.seconds < best.seconds:
             best = c
     return best, best_by_n
 
 
-def multi_gpu_gain_needed(c: Candidate, profiles: Profiles) -> float:
-    """The share of the one-GPU run time more GPUs must save: MIN_MULTI_GPU_GAIN when measured on these GPUs,
-    else enough that the run is still faster if the multi-GPU time is at the upper end of its range."""
+def multi_gpu_gain(c: Candidate, ref: Candidate, profiles: Profiles) -> float:
+    """The share of ``ref``'s run time (one GPU, or fewer GPUs) that ``c`` saves for sure enough to advise it.
+    Measured on these GPUs near the settings (an observation): as predicted. Modelled: with the steps' compute
+    at the low end of its time band in both runs (the same GPU, batch and model: their error is shared, and
+    faster compute leaves the all-reduce a larger share) and the modelled all-reduce at the high end (it is
+    what only the multi-GPU run has: PCIe without NVLink made DreamBooth slower on two GPUs than on one)."""
     if c.observed_multi_gpu:
-        return MIN_MULTI_GPU_GAIN
-    return max(MIN_MULTI_GPU_GAIN, 1 - 1 / profiles.uncertainty.seconds[1])
+        return 1 - c.seconds / ref.seconds
+    low, high = profiles.uncertainty.seconds_for(c.setup.model)[0]
+
+    def run(x: Candidate, allreduce_factor: float) -> float:
+        compute = x.seconds - x.fixed_seconds - x.allreduce_seconds
+        return x.fixed_seconds + compute * low + x.allreduce_seconds * allreduce_factor
+
+    return 1 - run(c, high) / run(ref, low)
 
 
 def plan(hardware: Hardware | Any, profiles: Profiles, request: Request) -> Result:
@@ -2076,6 +2098,13 @@ def _describe(s: Settings) -> str:
     return ", ".join(bits)
 
 
+def _band_scope(profiles: Profiles, model: str) -> str:
+    """Which validation points an uncertainty band of ``model``'s plan comes from, in words."""
+    if profiles.uncertainty.peak_vram_transformer is None:
+        return "points"
+    return "SD3.5 / FLUX.1 points" if flow_family(model) else "SD 1.x/2.x/SDXL points"
+
+
 def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]:
     s, m = best.setup, best.memory
     gpu = hw.gpus[0]
@@ -2175,6 +2204,7 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
             f"batch size {s.batch}, gradient accumulation {s.grad_accum}: the fastest whole run that fits"
         )
     unc = profiles.uncertainty
+    peak_band, peak_n = unc.peak_for(s.model)
     if best.peak_measured:
         r.append(
             f"peak {format_range(m.peak, best.peak_range)} per GPU of {_gib(vram)} "
@@ -2188,8 +2218,8 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
             f"predicted peak {format_range(m.peak, best.peak_range)} per GPU of {_gib(vram)} "
             f"({100 * m.peak / vram:.0f}%, limit {int(HEADROOM * 100)}%): "
             + breakdown_text(m)
-            + f"; the range is measured / predicted x{unc.peak_vram[0]:g}-{unc.peak_vram[1]:g} on the "
-            f"validation set (n={unc.n_peak_vram})"
+            + f"; the range is measured / predicted x{peak_band[0]:g}-{peak_band[1]:g} on the "
+            f"validation set's {_band_scope(profiles, s.model)} (n={peak_n})"
         )
     if hw.ram_total_bytes and m.ram > hw.ram_total_bytes:
         r.append(
@@ -2243,10 +2273,11 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
     if best.seconds is None:
         r.append(f"time: unknown: no catalog throughput or measured speed for {gpu.name}")
     else:
-        (low, high), band = seconds_band(profiles, best.basis, s.num_gpus)
+        (low, high), band = seconds_band(profiles, best.basis, s.num_gpus, s.model)
         likely = f"likely x{low:g}-{high:g} of that ({band})"
-        if (low, high) != unc.seconds:
-            likely += f"; start-up and latent caching keep the model's x{unc.seconds[0]:g}-{unc.seconds[1]:g}"
+        model_band = unc.seconds_for(s.model)[0]
+        if (low, high) != model_band:
+            likely += f"; start-up and latent caching keep the model's x{model_band[0]:g}-{model_band[1]:g}"
         if best.basis == "calibrated":
             r.append(f"time: {time_basis_text(profiles, s, gpu, cal)}; {likely}")
         elif best.basis == "scaled":
@@ -2274,7 +2305,8 @@ def _multi_gpu_reasons(hw, best, one, best_by_n, profiles, cal) -> list[str]:
             r.append(f"1 GPU would take {format_duration(c.seconds)}")
             continue
         m = obs.get(c.observed_multi_gpu) if c.observed_multi_gpu else None
-        ref = one.seconds if one is not None and one.seconds else best.seconds
+        ref_c = one if one is not None and one.seconds else best
+        ref = ref_c.seconds
         if c.seconds >= ref:
             why = "slower"
         elif _tier(c) > _tier(best):
@@ -2283,12 +2315,14 @@ def _multi_gpu_reasons(hw, best, one, best_by_n, profiles, cal) -> list[str]:
                 if not c.safe
                 else "a less preferred setting"
             )
-        elif 1 - c.seconds / ref > multi_gpu_gain_needed(c, profiles):
+        elif (gain := multi_gpu_gain(c, ref_c, profiles)) > MIN_MULTI_GPU_GAIN:
             why = f"{ref / c.seconds:.2f}x faster than one GPU, but {s.num_gpus} GPU(s) are faster still"
         else:
+            low, high = profiles.uncertainty.seconds_for(c.setup.model)[0]
             why = (
-                f"predicted {ref / c.seconds:.2f}x faster: within the time uncertainty (more GPUs must save "
-                f"{multi_gpu_gain_needed(c, profiles) * 100:.0f}% of the run unless measured)"
+                f"predicted {ref / c.seconds:.2f}x faster: within the time uncertainty (with the steps at "
+                f"x{low:g} of the prediction and the all-reduce at x{high:g} it saves {gain * 100:.0f}% of the "
+                f"run, under the {MIN_MULTI_GPU_GAIN * 100:.0f}% more GPUs must save unless measured)"
             )
         if m is not None:
             why += (

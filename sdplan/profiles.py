@@ -591,7 +591,9 @@ class Uncertainty:
     written by scripts/uncertainty.py from benchmarks/planner_accuracy.py's validation-set residuals).
 
     ``peak_vram`` and ``seconds``: (low, high) factors of measured / predicted; a prediction ``x`` is likely
-    between ``low * x`` and ``high * x``."""
+    between ``low * x`` and ``high * x``. The UNet families' (SD 1.x/2.x/SDXL), and the transformer families'
+    (SD3.5 / FLUX.1) from their own residuals where the file has them: the planner errs differently on the two
+    (``peak_for`` / ``seconds_for`` pick by model)."""
 
     peak_vram: tuple[float, float] = (1.0, 1.0)
     seconds: tuple[float, float] = (1.0, 1.0)
@@ -601,6 +603,23 @@ class Uncertainty:
     # a speed scaled by the nearest sdplan bench point on the GPU: from those points, each left out
     seconds_scaled: tuple[float, float] | None = None
     n_seconds_scaled: int = 0
+    # SD3.5 / FLUX.1 (registry.FLOW_FAMILIES); None: the ones above serve them too
+    peak_vram_transformer: tuple[float, float] | None = None
+    seconds_transformer: tuple[float, float] | None = None
+    n_peak_vram_transformer: int = 0
+    n_seconds_transformer: int = 0
+
+    def peak_for(self, model: str) -> tuple[tuple[float, float], int]:
+        """(the peak-VRAM band, the residuals behind it) for a plan of ``model``."""
+        if model in FLOW_FAMILIES and self.peak_vram_transformer is not None:
+            return self.peak_vram_transformer, self.n_peak_vram_transformer
+        return self.peak_vram, self.n_peak_vram
+
+    def seconds_for(self, model: str) -> tuple[tuple[float, float], int]:
+        """(the step-time band from the validation set, the residuals behind it) for a plan of ``model``."""
+        if model in FLOW_FAMILIES and self.seconds_transformer is not None:
+            return self.seconds_transformer, self.n_seconds_transformer
+        return self.seconds, self.n_seconds
 
 
 _FACTORS = {
@@ -616,20 +635,37 @@ UNCERTAINTY_SCHEMA = {
     "peak_vram": F((dict,), sub=_FACTORS),
     "seconds": F((dict,), sub=_FACTORS),
     "seconds_scaled": F((dict,), sub=_FACTORS, required=False),
+    # the transformer families' own bands (peak_vram / seconds above: the UNet families')
+    "transformer": F(
+        (dict,),
+        sub={"peak_vram": F((dict,), sub=_FACTORS), "seconds": F((dict,), sub=_FACTORS)},
+        required=False,
+    ),
 }
 
 
 def load_uncertainty(path: Path) -> Uncertainty:
     d = _validated(path, UNCERTAINTY_SCHEMA)
+    flow = d.get("transformer") or {}
+    bands = [(k, d[k]) for k in ("peak_vram", "seconds", "seconds_scaled") if k in d]
+    bands += [(f"transformer.{k}", v) for k, v in flow.items()]
     errors = [
-        f"{key}: low {d[key]['low']} must be <= 1 <= high {d[key]['high']}"
-        for key in ("peak_vram", "seconds", "seconds_scaled")
-        if key in d and not d[key]["low"] <= 1.0 <= d[key]["high"]
+        f"{key}: low {band['low']} must be <= 1 <= high {band['high']}"
+        for key, band in bands
+        if not band["low"] <= 1.0 <= band["high"]
     ]
     if errors:
         raise ConfigError(str(path), errors)
     scaled = d.get("seconds_scaled")
+
+    def band(entry: dict | None) -> tuple[float, float] | None:
+        return (float(entry["low"]), float(entry["high"])) if entry and entry["n"] else None
+
     return Uncertainty(
+        peak_vram_transformer=band(flow.get("peak_vram")),
+        seconds_transformer=band(flow.get("seconds")),
+        n_peak_vram_transformer=flow["peak_vram"]["n"] if flow else 0,
+        n_seconds_transformer=flow["seconds"]["n"] if flow else 0,
         seconds_scaled=(float(scaled["low"]), float(scaled["high"])) if scaled and scaled["n"] else None,
         n_seconds_scaled=scaled["n"] if scaled else 0,
         peak_vram=(float(d["peak_vram"]["low"]), float(d["peak_vram"]["high"])),

@@ -33,10 +33,15 @@ def prof():
     a plan's tier (within the likely peak's upper end or not) moves with them."""
     p = load_profiles()
     bands = json.loads(BASELINE.read_text())["uncertainty"]
+    peak, secs = tuple(bands["peak_vram"]), tuple(bands["seconds"])
     return replace(
         p,
         uncertainty=replace(
-            p.uncertainty, peak_vram=tuple(bands["peak_vram"]), seconds=tuple(bands["seconds"])
+            p.uncertainty,
+            peak_vram=peak,
+            seconds=secs,
+            peak_vram_transformer=peak,  # the transformer families' own bands came later
+            seconds_transformer=secs,
         ),
     )
 

@@ -44,6 +44,55 @@ def test_shipped_file_is_what_the_script_computes_now():
     assert (shipped.n_peak_vram, shipped.n_seconds) == (now["peak_vram"]["n"], now["seconds"]["n"])
     assert shipped.seconds_scaled == (now["seconds_scaled"]["low"], now["seconds_scaled"]["high"])
     assert shipped.n_seconds_scaled == now["seconds_scaled"]["n"] >= 20
+    flow = now["transformer"]
+    assert shipped.peak_vram_transformer == (flow["peak_vram"]["low"], flow["peak_vram"]["high"])
+    assert shipped.seconds_transformer == (flow["seconds"]["low"], flow["seconds"]["high"])
+    assert (shipped.n_peak_vram_transformer, shipped.n_seconds_transformer) == (
+        flow["peak_vram"]["n"],
+        flow["seconds"]["n"],
+    )
+
+
+def test_the_transformer_families_carry_their_own_bands(tmp_path):
+    """SD3.5 / FLUX.1 plans take the bands of their own validation residuals, the UNet families theirs; a file
+    without the transformer section serves every family from the one pair."""
+    p = tmp_path / "uncertainty.yaml"
+    head = (
+        "schema_version: 1\nsource: x\nmethod: y\npeak_vram: {low: 0.9, high: 1.2, n: 9}\n"
+        "seconds: {low: 0.6, high: 1.4, n: 8}\n"
+    )
+    p.write_text(head)
+    one = load_uncertainty(p)
+    assert one.peak_for("flux-dev") == one.peak_for("sdxl") == ((0.9, 1.2), 9)
+    assert one.seconds_for("sd35-medium") == ((0.6, 1.4), 8)
+    p.write_text(
+        head
+        + "transformer:\n  peak_vram: {low: 0.8, high: 1.3, n: 7}\n  seconds: {low: 0.9, high: 2.5, n: 6}\n"
+    )
+    two = load_uncertainty(p)
+    assert two.peak_for("sdxl") == ((0.9, 1.2), 9) and two.seconds_for("sd15") == ((0.6, 1.4), 8)
+    assert two.peak_for("flux-dev") == ((0.8, 1.3), 7) and two.seconds_for("sd35-large") == ((0.9, 2.5), 6)
+    p.write_text(
+        head
+        + "transformer:\n  peak_vram: {low: 1.1, high: 1.3, n: 7}\n  seconds: {low: 0.9, high: 2.5, n: 6}\n"
+    )
+    with pytest.raises(ConfigError, match="transformer.peak_vram: low 1.1 must be <= 1"):
+        load_uncertainty(p)
+
+
+def test_a_flux_plan_states_the_transformer_families_range(prof):
+    hw = P.hardware_from_catalog(prof.find_gpu("RTX 4090"))
+    res = P.plan(hw, prof, P.Request(method="lora", model="flux-dev"))
+    (lo, hi), n = prof.uncertainty.peak_for("flux-dev")
+    assert (lo, hi) == prof.uncertainty.peak_vram_transformer != prof.uncertainty.peak_vram
+    d = P.result_dict(res)["estimate"]
+    assert d["peak_vram_bytes_range"] == [int(res.memory.peak * lo), int(res.memory.peak * hi)]
+    assert any(
+        f"x{lo:g}-{hi:g} on the validation set's SD3.5 / FLUX.1 points (n={n})" in r for r in res.reasons
+    )
+    (tlo, thi), _ = prof.uncertainty.seconds_for("flux-dev")
+    assert (tlo, thi) == prof.uncertainty.seconds_transformer != prof.uncertainty.seconds
+    assert d["seconds_range"] == [round(res.seconds * tlo, 1), round(res.seconds * thi, 1)]
 
 
 def test_quantiles_and_floor():
