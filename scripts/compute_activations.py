@@ -929,7 +929,7 @@ def main(argv: list[str] | None = None) -> int:
         log(f"{fam}: {path}")
         if fam in TRANSFORMER_FAMILIES:
             result = compute_transformer_family(model, log)
-            result["sampling"] = measure_flow_sampling(model, TRANSFORMER_RESOLUTIONS, log)
+            result["sampling"] = measure_sampling(model, TRANSFORMER_RESOLUTIONS, log)
         else:
             result = compute_family(model, FAMILY_RESOLUTIONS[fam], log)
             merge_lora_targets(result, compute_lora_targets(model, FAMILY_RESOLUTIONS[fam], log))
@@ -1098,53 +1098,33 @@ def peak_live_bytes(fn) -> int:
 
 
 def measure_sampling(model: dict, resolutions: tuple[int, ...], log) -> dict:
-    """Per-sample peaks of the UNet's inference forward (bf16, batch 2 for guidance) and the VAE decode
-    (bf16 and fp32: the SD VAE decodes in fp32 under fp16), fitted against latent pixels."""
+    """Per-sample peaks of the denoiser's inference forward (bf16) and the VAE decode (bf16 and fp32: the SD VAE
+    decodes in fp32 under fp16), fitted against latent pixels. The UNet at batch 2 (classifier-free guidance);
+    a transformer at batch 2 where its pipeline guides with a negative prompt (SD3.5), else 1 (FLUX.1 is
+    guidance-distilled). A transformer family's text encoders do not come back for a grid (trainer/flow.py
+    cached_conditioning), so they are not part of it."""
     import torch
     from accelerate import init_empty_weights
     from diffusers import AutoencoderKL
 
     scale = int(model.get("vae_scale_factor", 8))
-    cfg = model["unet"]
-    unet = build_unet(cfg, "bf16")
-    unet.eval()
-    with init_empty_weights():
-        vae = AutoencoderKL.from_config(dict(model["vae"]))
-    vae.eval()
-    unet_pts: list[tuple[int, int, int]] = []
-    vae_pts: dict[str, list[tuple[int, int, int]]] = {"bf16": [], "fp32": []}
-    for res in resolutions:
-        side = res // scale
-        meta = {"device": "meta", "dtype": torch.bfloat16}
-        args, kwargs = unet_meta_inputs(model, batch=2, side=side, dtype=meta["dtype"])
-        with attention_backend("efficient", "bf16"):
-            unet_pts.append((1, side * side, peak_live_bytes(lambda a=args, k=kwargs: unet(*a, **k))))
-        for dtype_name in ("bf16", "fp32"):
-            vae.to(_torch_dtype(dtype_name))
-            z = torch.empty(1, int(model.get("latent_channels", 4)), side, side, device="meta")
-            z = z.to(_torch_dtype(dtype_name))
-            with attention_backend("efficient", dtype_name):
-                vae_pts[dtype_name].append((1, side * side, peak_live_bytes(lambda x=z: vae.decode(x))))
-    out = {"unet_inference_peak": fit(unet_pts, quadratic=False, with_fixed=False)[0]}
-    out["vae_decode_peak"] = {k: fit(v, quadratic=False, with_fixed=False)[0] for k, v in vae_pts.items()}
-    log(f"  {model['family']} sampling peaks: {out}")
-    return out
+    if "transformer" in model:  # SD3.5 / FLUX.1
+        net = build_transformer(model)
+        net.requires_grad_(False)
+        batch = 1 if model["transformer"]["class"] == "FluxTransformer2DModel" else 2
 
+        def forward(res: int):
+            kwargs = transformer_inputs(model, batch=batch, resolution=res)
+            return lambda: net(**kwargs)
 
-def measure_flow_sampling(model: dict, resolutions: tuple[int, ...], log) -> dict:
-    """The transformer families' sampling peaks, as measure_sampling's: the transformer's no-grad forward
-    (bf16; batch 2 where the pipeline guides with a negative prompt, SD3.5; FLUX.1 is guidance-distilled, one
-    forward per step) and the VAE decode (16 latent channels), fitted against latent pixels. The text encoders
-    do not come back for a grid (trainer/flow.py cached_conditioning), so they are not part of it."""
-    import torch
-    from accelerate import init_empty_weights
-    from diffusers import AutoencoderKL
+    else:
+        net = build_unet(model["unet"], "bf16")
 
-    scale = int(model["vae_scale_factor"])
-    net = build_transformer(model)
+        def forward(res: int):
+            args, kwargs = unet_meta_inputs(model, batch=2, side=res // scale, dtype=torch.bfloat16)
+            return lambda: net(*args, **kwargs)
+
     net.eval()
-    net.requires_grad_(False)
-    batch = 1 if model["transformer"]["class"] == "FluxTransformer2DModel" else 2
     with init_empty_weights():
         vae = AutoencoderKL.from_config(dict(model["vae"]))
     vae.eval()
@@ -1152,12 +1132,11 @@ def measure_flow_sampling(model: dict, resolutions: tuple[int, ...], log) -> dic
     vae_pts: dict[str, list[tuple[int, int, int]]] = {"bf16": [], "fp32": []}
     for res in resolutions:
         side = res // scale
-        kwargs = transformer_inputs(model, batch=batch, resolution=res)
         with attention_backend("efficient", "bf16"):
-            net_pts.append((1, side * side, peak_live_bytes(lambda k=kwargs: net(**k))))
+            net_pts.append((1, side * side, peak_live_bytes(forward(res))))
         for dtype_name in ("bf16", "fp32"):
             vae.to(_torch_dtype(dtype_name))
-            z = torch.empty(1, int(model["latent_channels"]), side, side, device="meta")
+            z = torch.empty(1, int(model.get("latent_channels", 4)), side, side, device="meta")
             z = z.to(_torch_dtype(dtype_name))
             with attention_backend("efficient", dtype_name):
                 vae_pts[dtype_name].append((1, side * side, peak_live_bytes(lambda x=z: vae.decode(x))))
@@ -1177,11 +1156,11 @@ def _add_entry(key: str, measure):
 
 
 def update_sampling(entry: dict, model: dict, fam: str, log) -> None:
-    """--only-sampling: the UNet families' peaks, or the transformer families' (measure_flow_sampling)."""
-    if fam in TRANSFORMER_FAMILIES:
-        entry["sampling"] = measure_flow_sampling(model, TRANSFORMER_RESOLUTIONS, log)
-    else:
-        entry["sampling"] = measure_sampling(model, FAMILY_RESOLUTIONS[fam], log)
+    """--only-sampling: a family's peaks at its resolutions (measure_sampling)."""
+    flow = fam in TRANSFORMER_FAMILIES
+    entry["sampling"] = measure_sampling(
+        model, TRANSFORMER_RESOLUTIONS if flow else FAMILY_RESOLUTIONS[fam], log
+    )
 
 
 def update_families(args, what: str, update) -> int:

@@ -498,17 +498,7 @@ def test_the_grid_of_a_transformer_family_brings_back_the_vae_not_the_text_encod
     """The trainer samples SD3.5 / FLUX.1 grids from the cached text-encoder outputs (trainer/flow.py), so the
     grid's peak is the training state, the VAE back where latents were cached, and the larger of the
     transformer's inference forward and the VAE decode (activations.yaml sampling, computed on meta)."""
-    base = Settings(
-        method="lora",
-        model=model,
-        resolution=1024,
-        batch=1,
-        precision="bf16",
-        gradient_checkpointing=True,
-        cache_latents=True,
-        cache_text_encoder_outputs=True,
-        base_precision="fp8",
-    )
+    base = replace(_flux_fp8_lora(), model=model)
     cached = P.memory(prof, base)
     resident = P.memory(prof, replace(base, cache_text_encoder_outputs=False))
     spec = prof.model(model)
