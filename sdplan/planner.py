@@ -655,6 +655,8 @@ class Calibration:
     # the transformer families (SD3.5 / FLUX.1): one efficiency fitted on their own published speeds (big
     # transformers keep the GPU far busier than the UNets at batch 1); None: none published (the UNets' then)
     flow_efficiency: float | None = None
+    # the models (speed families) of the published points behind flow_efficiency (all FLUX.1 [dev] today)
+    flow_published_models: tuple[str, ...] = ()
     flow_points: tuple[tuple[str, float], ...] = ()
     # GPU architecture family -> the transformer families' efficiency measured there by `sdplan bench` (at
     # least BENCH_MIN_POINTS points); the one above elsewhere
@@ -692,11 +694,28 @@ class Calibration:
         with none of its own takes the one measured nearest its GEMM rate (flow_source)."""
         arch, _ = self.flow_source(spec)
         if arch is None:
-            return self.flow_efficiency or self.efficiency_for(spec)
+            base = self.flow_efficiency or self.efficiency_for(spec)
+            return base * (self.flow_model_ratio(model)[0] if model else 1.0)
         own = dict(self.flow_by_model).get((arch, speed_family(model))) if model else None
         if own is not None:  # on the H100, SD3.5 Medium at 0.26, SD3.5 Large 0.32, FLUX.1 [dev] 0.41
             return own
         return dict(self.flow_by_family)[arch]
+
+    def flow_model_ratio(self, model: str) -> tuple[float, str | None]:
+        """(factor, architecture it was measured on) that carries the published efficiency, fitted on other
+        models' speeds, over to ``model``: its efficiency against theirs where sdplan bench measured both on
+        one architecture (the H100, 2026-11-26: SD3.5 Medium 0.26, Large 0.32, FLUX.1 [dev] 0.41 of its GEMM
+        rate; a smaller transformer keeps the GPU less busy), else (1.0, None)."""
+        own = speed_family(model)
+        published = self.flow_published_models
+        if not published or own in published:
+            return 1.0, None
+        by_model = dict(self.flow_by_model)
+        for arch, _ in self.flow_by_family:
+            if (arch, own) in by_model and all((arch, m) in by_model for m in published):
+                theirs = _geomean([by_model[(arch, m)] for m in published])
+                return by_model[(arch, own)] / theirs, arch
+        return 1.0, None
 
     def efficiency_for(self, spec: GPUSpec | None) -> float:
         """The FLOP efficiency (families without byte counts, the encoders that run every step): one
@@ -807,12 +826,19 @@ def _step_times(
     spec = gpu if isinstance(gpu, GPUSpec) else gpu.spec
     if flow_family(s.model):  # FLOPs at the efficiency fitted on the families' own speeds (no byte counts)
         eff = cal.flow_efficiency_for(spec, s.model)
-        compute = step_flops_flow(profiles, s) / (tflops * 1e12 * eff) + step_traffic_seconds(
-            profiles, s, spec, cal
+
+        def flops_seconds(x: Settings) -> float:
+            return step_flops_flow(profiles, x) / (tflops * 1e12 * eff)
+
+        compute = flops_seconds(s) + step_traffic_seconds(profiles, s, spec, cal)
+        # the launch-bound floors were measured with latents and text-encoder outputs cached: encoding them
+        # every step adds to the floor, not under it (as the UNets' VAE encode below); then block swap's PCIe
+        # copies (measured without swap)
+        encode = flops_seconds(s) - flops_seconds(
+            replace(s, cache_latents=True, cache_text_encoder_outputs=True)
         )
-        base = compute + optimizer_step_seconds(profiles, s, spec) + STEP_OVERHEAD_S
-        # the launch-bound floor, then block swap's PCIe copies (measured without swap)
-        after = swap_seconds(profiles, s, spec)
+        base = compute - encode + optimizer_step_seconds(profiles, s, spec) + STEP_OVERHEAD_S
+        after = encode + swap_seconds(profiles, s, spec)
     else:
         compute = step_compute_seconds(profiles, s, spec, cal)
         # the launch-bound floor is a step with cached latents: a VAE encode every step adds to it, not under it
@@ -940,7 +966,14 @@ def calibrate(profiles: Profiles) -> Calibration:
     cal = replace(cal, bandwidth_by_family=_bench_bandwidth_efficiencies(profiles, cal))
     flow = _flow_efficiency_points(profiles)
     if flow:
-        cal = replace(cal, flow_efficiency=_geomean([e for _, e in flow]), flow_points=tuple(flow))
+        ids = {i for i, _ in flow}
+        models = tuple(sorted({speed_family(p.model) for p in profiles.points if p.id in ids}))
+        cal = replace(
+            cal,
+            flow_efficiency=_geomean([e for _, e in flow]),
+            flow_points=tuple(flow),
+            flow_published_models=models,
+        )
     by_family, by_model = _flow_bench_efficiencies(profiles, cal)
     cal = replace(cal, flow_by_family=by_family, flow_by_model=by_model)
     cal = replace(cal, flow_rates=_flow_rates(profiles, cal))
@@ -2993,10 +3026,19 @@ def _flow_reasons(
         )
     elif cal.flow_efficiency:
         pts = ", ".join(i for i, _ in cal.flow_points)
+        ratio, on = cal.flow_model_ratio(s.model)
+        carried = (
+            f", x{ratio:.2f} for {model.name}: its efficiency against "
+            f"{', '.join(profiles.model(m).name for m in cal.flow_published_models)}'s measured by sdplan bench "
+            f"on {on.capitalize()} GPUs (EXTRAPOLATED to {spec.family.capitalize()})"
+            if on is not None
+            else ""
+        )
         r.append(
             f"time: transformer FLOPs counted on meta over the GPU's throughput at "
-            f"{cal.flow_efficiency * 100:.0f}% efficiency, fitted on {len(cal.flow_points)} published SD3.5 / "
-            f"FLUX.1 speeds ({pts}); weakly calibrated (few points, settings partly assumed)"
+            f"{cal.flow_efficiency_for(spec, s.model) * 100:.0f}% efficiency, fitted on {len(cal.flow_points)} "
+            f"published SD3.5 / FLUX.1 speeds ({pts}){carried}; weakly calibrated (few points, settings partly "
+            "assumed)"
             + (
                 ", all of them LoRA: the full methods' weight gradients are counted, not measured"
                 if s.method in FULL_METHODS
