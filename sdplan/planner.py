@@ -1606,7 +1606,7 @@ MEASURED_BAND = (0.95, 1.05)  # a peak or speed sdplan bench measured on this GP
 
 
 def seconds_band(
-    profiles: Profiles, basis: str, num_gpus: int = 1, model: str = "sd15"
+    profiles: Profiles, basis: str, model: str, num_gpus: int = 1
 ) -> tuple[tuple[float, float], str]:
     """(low, high) factors of a plan's step time and where they come from, by the basis of its speed: a speed
     sdplan bench measured at these settings on this GPU, the run's own spread; the model scaled by a bench
@@ -1667,7 +1667,7 @@ def _evaluate(req: Request, profiles: Profiles, hw: Hardware, cal: Calibration, 
             allreduce = micro_steps * allreduce_seconds(profiles, s, hw.link_gbs, cal) / s.grad_accum
         # the steps' range by their basis (one GPU: the bench evidence behind it times one GPU; several add an
         # all-reduce as modelled); start-up and caching are the model's (the validation set's range)
-        band = seconds_band(profiles, basis, s.num_gpus, s.model)[0]
+        band = seconds_band(profiles, basis, s.model, s.num_gpus)[0]
         model_band = profiles.uncertainty.seconds_for(s.model)[0]
         seconds_range = tuple(fixed * model_band[i] + stepping * band[i] for i in (0, 1))
     return Candidate(
@@ -2306,7 +2306,7 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
     if best.seconds is None:
         r.append(f"time: unknown: no catalog throughput or measured speed for {gpu.name}")
     else:
-        (low, high), band = seconds_band(profiles, best.basis, s.num_gpus, s.model)
+        (low, high), band = seconds_band(profiles, best.basis, s.model, s.num_gpus)
         likely = f"likely x{low:g}-{high:g} of that ({band})"
         model_band = unc.seconds_for(s.model)[0]
         if (low, high) != model_band:
