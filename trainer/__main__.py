@@ -11,6 +11,7 @@ errors the user can fix (one line on stderr, no traceback).
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 
@@ -125,6 +126,11 @@ def main(argv: list[str] | None = None) -> int:
         if _rank() == 0 and not os.environ.get(LAUNCHED_ENV):
             _err("aborted")
         return stops.EXIT_INTERRUPTED
+    finally:
+        # DDP's reducer and gloo's finished work keep tensors in reference cycles; freed during interpreter
+        # shutdown they take the GIL and the process aborts after a finished run ("terminate called without an
+        # active exception", exit -6: pytorch/pytorch#190489, PR 179291): collect them while Python is alive
+        gc.collect()
     from sdplan.launch import LAUNCHED_ENV
 
     if summary and not os.environ.get(LAUNCHED_ENV):  # under `sdplan train`, sdplan prints the summary
