@@ -53,10 +53,14 @@ from sdplan.steps import Steps, plan_steps
 
 # -- calibration constants (fitted with benchmarks/planner_accuracy.py against profiles/methods) ----------
 ACTIVATION_FACTOR = 1.5  # saved tensors -> peak incl. gradient buffers of the backward pass
-# the same for the transformer families (SD3.5 / FLUX.1): least squares over the 27 peaks of their H100 bench points
-# (profiles/methods/lora.yaml, 2026-11-26; x1.5 over-predicted them by up to 34%, growing with the batch);
-# scripts/autocast_activations.py computes x1.09-1.23 for them on meta
+# the same for the transformer families (SD3.5 / FLUX.1), per model: least squares over the peaks of its H100 bench
+# points (profiles/methods/lora.yaml, 2026-11-26; x1.5 over-predicted them by up to 34%, growing with the batch).
+# One factor for the three, x1.13 (kept for a model without bench peaks), left SD3.5 Large's 8 peaks 6.1% under
+# (median); each its own: FLUX.1 [dev] x1.09 (20 peaks: median 1.0%, max 4.7%), SD3.5 Large x1.28 (8: 1.1%,
+# 3.5%), SD3.5 Medium x1.195 (5: 4.4%, 7.4%), as scripts/autocast_activations.py computes on meta (x1.08-1.22,
+# by model and checkpointing). FLUX.1 [schnell] takes [dev]'s (registry speed_as: the same network)
 FLOW_ACTIVATION_FACTOR = 1.13
+FLOW_ACTIVATION_FACTORS = {"flux-dev": 1.09, "sd35-large": 1.28, "sd35-medium": 1.195}
 CUDA_CONTEXT_BYTES = int(0.6 * GiB)  # CUDA context + cuBLAS/cuDNN workspaces, outside torch's allocator
 ALLOCATOR_OVERHEAD = 0.06  # caching-allocator fragmentation, fraction of the allocated peak
 HEADROOM = 0.92  # a recommended plan's predicted peak stays at or below this share of VRAM
@@ -2705,13 +2709,14 @@ def memory_flow(profiles: Profiles, s: Settings) -> Memory:
         latent_pixels=latent,
         trained="full" if full else "lora",
     )
-    activations = FLOW_ACTIVATION_FACTOR * (held + recompute)
+    factor = FLOW_ACTIVATION_FACTORS.get(speed_family(s.model), FLOW_ACTIVATION_FACTOR)
+    activations = factor * (held + recompute)
     # the backward's last block beside nearly all gradients: recomputed with checkpointing, its saved tensors
     # still held without (memory())
     _, segment = act.transformer(
         s.model, gc=True, batch=batch, latent_pixels=latent, trained="full" if full else "lora"
     )
-    recompute_tail = FLOW_ACTIVATION_FACTOR * segment
+    recompute_tail = factor * segment
     # torch's foreach AdamW: one step-sized temporary per parameter, in the parameter's dtype
     step = t * tb if (s.optimizer in FOREACH_OPTIMIZERS and not s.fused_backward) else 0.0
     # autocast's cached bf16 copies of the fp32 trained weights (see memory()), held until the forward ends

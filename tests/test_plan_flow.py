@@ -295,10 +295,9 @@ def _h100_flow_points(prof):
 
 
 def test_flow_activation_factor_reproduces_the_h100_peaks(prof):
-    """27 peaks of FLUX.1 / SD3.5 Large LoRA (checkpointing on and off, 512-1024 px, batch 1-16): the x1.13 fitted
-    on them puts every one within 8% (x1.5, the UNets' factor, over-predicted the large batches by up to 34%).
-    Six measured after the fit (fourth session) fall inside it too: FLUX.1 over an fp8 base without
-    checkpointing (38.99 GiB predicted and measured) and SD3.5 Medium at batch 1-16 (-7.7% to +0.4%)."""
+    """33 peaks of FLUX.1 / SD3.5 Large / SD3.5 Medium LoRA (checkpointing on and off, 512-1024 px, batch 1-16):
+    each model's own factor fitted on them (FLOW_ACTIVATION_FACTORS) puts every one within 8% (x1.5, the UNets'
+    factor, over-predicted the large batches by up to 34%; one x1.13 for the three left SD3.5 Large 6% under)."""
     errors = []
     for p in _h100_flow_points(prof):
         if p.outcome.get("fits"):
