@@ -45,14 +45,9 @@ from sdplan.steps import plan_steps
 CONFIG_FILE = "sdplan.yaml"
 OOM_FILE = "oom.json"
 SUMMARY_FILE = "run_summary.json"
-# Files `sdplan recommend --out` / `sdplan train` write before any training: a folder holding only these is a
-# planned run, not yet trained.
-PLAN_FILES = (
-    CONFIG_FILE,
-    ACCELERATE_FILE,
-    DEEPSPEED_FILE,
-    PLAN_CHART_FILE,
-)  # the chart: where a plan was made
+# Files `sdplan recommend --out` / `sdplan train` write before any training (the chart where a plan was made): a
+# folder holding only these is a planned run, not yet trained.
+PLAN_FILES = (CONFIG_FILE, ACCELERATE_FILE, DEEPSPEED_FILE, PLAN_CHART_FILE)
 # What the trainer writes at the top of its output folder, whatever the output name: recorded in the run
 # folder's manifest at launch (when they do not exist yet), so a run killed mid-way can still be --force'd.
 TRAINER_ENTRIES = (

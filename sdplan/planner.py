@@ -834,13 +834,12 @@ def _step_times(
         def flops_seconds(x: Settings) -> float:
             return step_flops_flow(profiles, x) / (tflops * 1e12 * eff)
 
-        compute = flops_seconds(s) + step_traffic_seconds(profiles, s, spec, cal)
+        flops_s = flops_seconds(s)
+        compute = flops_s + step_traffic_seconds(profiles, s, spec, cal)
         # the launch-bound floors were measured with latents and text-encoder outputs cached: encoding them
         # every step adds to the floor, not under it (as the UNets' VAE encode below); then block swap's PCIe
         # copies (measured without swap)
-        encode = flops_seconds(s) - flops_seconds(
-            replace(s, cache_latents=True, cache_text_encoder_outputs=True)
-        )
+        encode = flops_s - flops_seconds(replace(s, cache_latents=True, cache_text_encoder_outputs=True))
         base = compute - encode + optimizer_step_seconds(profiles, s, spec) + STEP_OVERHEAD_S
         after = encode + swap_seconds(profiles, s, spec)
     else:
@@ -1942,10 +1941,17 @@ def _choose(fitting: list[Candidate], profiles: Profiles) -> tuple[Candidate, di
     for n, c in sorted(eligible.items()):
         if n == best.setup.num_gpus or c.seconds is None or best.seconds is None:
             continue
-        ref = one if one is not None and one.seconds else best
-        if multi_gpu_gain(c, ref, profiles) > MIN_MULTI_GPU_GAIN and c.seconds < best.seconds:
+        if (
+            multi_gpu_gain(c, _gain_reference(one, best), profiles) > MIN_MULTI_GPU_GAIN
+            and c.seconds < best.seconds
+        ):
             best = c
     return best, best_by_n
+
+
+def _gain_reference(one: Candidate | None, best: Candidate) -> Candidate:
+    """The run more GPUs are weighed against: the one-GPU run where it has a time, else the current choice."""
+    return one if one is not None and one.seconds else best
 
 
 def multi_gpu_gain(c: Candidate, ref: Candidate, profiles: Profiles) -> float:
@@ -2342,7 +2348,7 @@ def _multi_gpu_reasons(hw, best, one, best_by_n, profiles, cal) -> list[str]:
             r.append(f"1 GPU would take {format_duration(c.seconds)}")
             continue
         m = obs.get(c.observed_multi_gpu) if c.observed_multi_gpu else None
-        ref_c = one if one is not None and one.seconds else best
+        ref_c = _gain_reference(one, best)
         ref = ref_c.seconds
         if c.seconds >= ref:
             why = "slower"
