@@ -836,12 +836,12 @@ def _step_times(
 
         flops_s = flops_seconds(s)
         compute = flops_s + step_traffic_seconds(profiles, s, spec, cal)
-        # the launch-bound floors were measured with latents and text-encoder outputs cached: encoding them
-        # every step adds to the floor, not under it (as the UNets' VAE encode below); then block swap's PCIe
-        # copies (measured without swap)
+        # the launch-bound floors were measured with latents and text-encoder outputs cached and a bf16 base:
+        # encoding them every step adds to the floor, not under it (as the UNets' VAE encode below); so do block
+        # swap's PCIe copies (measured without swap) and a quantized base's dequantisation
         encode = flops_s - flops_seconds(replace(s, cache_latents=True, cache_text_encoder_outputs=True))
         base = compute - encode + optimizer_step_seconds(profiles, s, spec) + STEP_OVERHEAD_S
-        after = encode + swap_seconds(profiles, s, spec)
+        after = encode + swap_seconds(profiles, s, spec) + dequant_seconds(profiles, s)
     else:
         compute = step_compute_seconds(profiles, s, spec, cal)
         # the launch-bound floor is a step with cached latents: a VAE encode every step adds to it, not under it
@@ -2514,26 +2514,35 @@ def _jsonable(v: Any) -> Any:
 #   "Double Quantization"): "with a blocksize of 64 ... 32/64 = 0.5 bits per parameter on average" for the
 #   constants; double quantization (not bitsandbytes' default) brings them to 0.127 bits.
 BASE_PRECISION_BYTES = {"bf16": 2.0, "fp8": 1.0, "nf4": 0.5 + 4.0 / 64.0}
-# Time per transformer FLOP relative to a bf16 base: the base's weights are dequantised to bf16 before every
-# matmul (fp8: a cast; nf4: bitsandbytes' dequantize kernel), forward and backward; the ranges are wide on purpose.
-# - fp8: measured, one same-GPU pair (sdplan bench on an H100 80GB HBM3, FLUX.1 [dev] LoRA 1024 px, batch 1, no
-#   checkpointing, 3 timed steps each): bf16 1.573 it/s, fp8 1.395 it/s, x1.128. With checkpointing the forward's
-#   casts run twice: not measured.
-# - nf4: UNCALIBRATED. The same H100 session measured x1.26-1.39 (batches 1-14, checkpointing) before the
-#   trainer's Linear4bit followed autocast (it ran the blocks in fp32 after each LayerNorm: trainer/quantize.py),
-#   an upper bound of the trainer's factor since. The range agrees with the one public same-GPU pair found, for a
-#   language model: bitsandbytes issue 465 (LoRA on an RTX A5000, fp16 vs nf4 base) "For nf4 20-100% drop for 7B
-#   model depending on batch size".
-BASE_PRECISION_TIME = {"bf16": (1.0, (1.0, 1.0)), "fp8": (1.128, (1.0, 1.3)), "nf4": (1.3, (1.1, 1.8))}
+# Dequantising a quantized base costs a fixed time per stored Linear and per pass, whatever the batch: before every
+# matmul the stored weight becomes a bf16 copy (fp8: a cast; nf4: bitsandbytes' dequantize kernel), in the
+# forward, in the backward (the input gradient needs the weight) and again in the recomputed forward with
+# checkpointing. Seconds per Linear per pass: least squares on log step time over the six same-GPU pairs
+# measured (sdplan bench, H100 80GB HBM3, 16-core Xeon host, FLUX.1 [dev] LoRA 1024 px, rank 16, cached
+# text-encoder outputs; 494 block Linears): fp8 without checkpointing at batch 1 (2026-11-26: bf16 1.573 it/s,
+# fp8 1.395) and nf4 with checkpointing at batches 1-16 (2026-11-27: bf16 1.101 / 0.581 / 0.299 / 0.150 /
+# 0.075 it/s, nf4 0.977 / 0.574 / 0.296 / 0.151 / 0.075). 68 us puts every pair's step within -2% / +5% (+0.10 s
+# per FLUX.1 step with checkpointing: x1.11 at batch 1, hidden by the matmuls beyond). fp8 and nf4 cost the same
+# per Linear (0.040 and 0.038 s per pass), though nf4 moves fewer bytes: kernel launches, not memory bandwidth, set
+# it on this GPU (a per-byte model fitted on the same pairs scored worse left-one-source-out, 107% vs 65% median).
+# Before the trainer's Linear4bit followed autocast (trainer/quantize.py) nf4 measured x1.26-1.39 here.
+DEQUANT_SECONDS_PER_LINEAR_PASS = 68e-6
 
 
-def _base_time_source(s: Settings) -> str:
-    """Where BASE_PRECISION_TIME's factor for ``s`` comes from, in words."""
-    if s.base_precision == "fp8" and not s.gradient_checkpointing:
-        return "measured once, on an H100 without checkpointing"
-    if s.base_precision == "fp8":
-        return "measured once on an H100 without checkpointing; with it UNCALIBRATED"
-    return "UNCALIBRATED"
+def dequant_seconds(profiles: Profiles, s: Settings) -> float:
+    """Seconds per micro-step spent dequantising the frozen base's block Linears (0: a bf16 base or a UNet)."""
+    if s.base_precision == "bf16" or not flow_family(s.model):
+        return 0.0
+    return dequant_passes(s) * _block_linear_count(profiles.model(s.model)) * DEQUANT_SECONDS_PER_LINEAR_PASS
+
+
+def dequant_passes(s: Settings) -> int:
+    """Passes over the frozen base's weights per micro-step: forward, backward, + the recomputed forward."""
+    return 3 if s.gradient_checkpointing else 2
+
+
+def _block_linear_count(model: ModelSpec) -> int:
+    return sum(c for _, _, _, c in transformer_linears(model))
 
 
 # A quantized base changes the result a little (its forward is the quantized network's): a small handicap so
@@ -2804,8 +2813,8 @@ def step_flops_flow(profiles: Profiles, s: Settings) -> float:
     """FLOPs of one micro-step on a transformer family, counted on meta (activations.yaml): the forward + the
     input-gradient backward, + the weight-gradient backward of every trained Linear (the LoRA targets' for a
     LoRA, every weight for full fine-tune / DreamBooth: ~3x the forward against a LoRA's ~2.4x, like the UNet's
-    3x vs 2x), + the recomputed forward with checkpointing; the dequantisation cost of a quantized base as a
-    factor, and the VAE / text encoders when not cached."""
+    3x vs 2x), + the recomputed forward with checkpointing, + the VAE / text encoders when not cached. A
+    quantized base's dequantisation is a time per Linear, not FLOPs (:func:`dequant_seconds`)."""
     model = profiles.model(s.model)
     fam = profiles.activations.families[s.model]
     latent = (s.resolution // model.vae_scale_factor) ** 2
@@ -2813,7 +2822,6 @@ def step_flops_flow(profiles: Profiles, s: Settings) -> float:
     key = ("full" if s.method in FULL_METHODS else "lora") + ("_gc" if s.gradient_checkpointing else "")
     coef = fam["flops"]["transformer_train_step"][key]
     transformer = profiles.activations._eval(coef, batch, latent)
-    transformer *= BASE_PRECISION_TIME[s.base_precision][0]
     other = 0.0
     if not s.cache_latents:
         other += profiles.activations.vae_encode_flops(s.model, latent) * s.batch
@@ -2829,7 +2837,7 @@ def _flow_point_efficiency(profiles: Profiles, p: MethodPoint) -> float | None:
     if not it_s or spec is None or p.num_gpus != 1 or not flow_family(p.model) or p.settings.blocks_to_swap:
         return None
     ideal = step_flops_flow(profiles, p.settings) / (spec.matmul_tflops(p.settings.precision) * 1e12)
-    measured = 1.0 / it_s - STEP_OVERHEAD_S
+    measured = 1.0 / it_s - STEP_OVERHEAD_S - dequant_seconds(profiles, p.settings)
     return ideal / measured if measured > 0 else None
 
 
@@ -2999,7 +3007,7 @@ def _flow_reasons(
     r = (
         _flow_full_reasons(best)
         if s.method in FULL_METHODS
-        else _flow_base_reasons(req, best, fitting, model)
+        else _flow_base_reasons(req, best, fitting, profiles, spec)
     )
     te = _gib(model.text_encoder_params * 2.0)
     if not s.cache_text_encoder_outputs:
@@ -3032,8 +3040,7 @@ def _flow_reasons(
                 if borrowed
                 else ""
             )
-            + "; the quantized base's dequantisation factor and the full methods' weight gradients are "
-            "UNCALIBRATED"
+            + "; the full methods' weight gradients are UNCALIBRATED"
         )
     elif cal.flow_efficiency:
         pts = ", ".join(i for i, _ in cal.flow_points)
@@ -3053,7 +3060,7 @@ def _flow_reasons(
             + (
                 ", all of them LoRA: the full methods' weight gradients are counted, not measured"
                 if s.method in FULL_METHODS
-                else ", and the quantized base's dequantisation factor is UNCALIBRATED"
+                else ""
             )
         )
     else:
@@ -3079,10 +3086,12 @@ def _flow_full_reasons(best: Candidate) -> list[str]:
 
 
 def _flow_base_reasons(
-    req: Request, best: Candidate, fitting: list[Candidate], model: ModelSpec
+    req: Request, best: Candidate, fitting: list[Candidate], profiles: Profiles, spec: GPUSpec | None
 ) -> list[str]:
     """The LoRA's frozen base: its storage precision and block swap, in words."""
     s = best.setup
+    model = profiles.model(s.model)
+    dequant = dequant_seconds(profiles, s)
     r = []
     bf16_gib = _gib(base_weight_bytes(model, "bf16"))
     whole = base_weight_bytes(model, s.base_precision)
@@ -3090,7 +3099,6 @@ def _flow_base_reasons(
     here = f"{_gib(whole - swapped)} on the GPU" + (
         f" ({_gib(whole)} in all; the swapped blocks wait in host RAM)" if swapped else ""
     )
-    factor, (lo, hi) = BASE_PRECISION_TIME[s.base_precision]
     if req.pinned("base_precision"):
         why = "pinned"
     elif s.base_precision == "bf16":
@@ -3106,8 +3114,10 @@ def _flow_base_reasons(
     r.append(
         f"base precision {s.base_precision}: the frozen {model.name} transformer takes {here}; {why}"
         + (
-            f"; dequantising costs ~x{factor:g} transformer time ({_base_time_source(s)}, likely x{lo:g}-{hi:g})"
-            if s.base_precision != "bf16"
+            f"; dequantising it adds ~{dequant:.2f} s per step ({_block_linear_count(model)} block Linears x"
+            f" {dequant_passes(s)} passes x {DEQUANT_SECONDS_PER_LINEAR_PASS * 1e6:.0f} us, fitted on 6 same-GPU H100 pairs"
+            " within -2%/+5%)"
+            if dequant
             else ""
         )
     )

@@ -383,12 +383,12 @@ def test_calibration_uses_profile_speeds_only(prof):
 
 
 def test_hopper_unet_speeds_get_the_bandwidth_efficiency_their_bench_points_measured(prof):
-    """28 sdplan bench speeds of SD1.5 / SDXL on an H100: each left out in turn and predicted by a calibration
+    """38 sdplan bench speeds of SD1.5 / SDXL on an H100 (10 with checkpointing, 2026-11-27): each left out in turn and predicted by a calibration
     fitted without it. The one published bandwidth efficiency (consumer cards) predicted the large batches up to
     2.6x too slow (it/s -62%); the Hopper efficiency fitted on the other bench points brings the worst to 37%
     (SDXL fine-tune at batch 6) and the median from 9.3% to 6.4%."""
     points = [p for p in prof.points if p.from_bench and p.outcome.get("it_s") and not P.flow_family(p.model)]
-    assert len(points) == 28
+    assert len(points) == 38
     fitted, published = [], []
     for p in points:
         without = replace(prof, points=tuple(q for q in prof.points if q is not p))
