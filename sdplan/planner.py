@@ -2525,7 +2525,10 @@ BASE_PRECISION_BYTES = {"bf16": 2.0, "fp8": 1.0, "nf4": 0.5 + 4.0 / 64.0}
 # per FLUX.1 step with checkpointing: x1.11 at batch 1, hidden by the matmuls beyond). fp8 and nf4 cost the same
 # per Linear (0.040 and 0.038 s per pass), though nf4 moves fewer bytes: kernel launches, not memory bandwidth, set
 # it on this GPU (a per-byte model fitted on the same pairs scored worse left-one-source-out, 107% vs 65% median).
-# Before the trainer's Linear4bit followed autocast (trainer/quantize.py) nf4 measured x1.26-1.39 here.
+# Held out (measured after the fit, not refitted on it): fp8 with checkpointing at batches 1-8 on the same H100
+# (0.972 / 0.556 / 0.294 / 0.152 it/s), each within 3% of bf16's step plus this time (x1.128, the factor it
+# replaced, was 7-13% slow beyond batch 1). Before the trainer's Linear4bit followed autocast
+# (trainer/quantize.py) nf4 measured x1.26-1.39 here.
 DEQUANT_SECONDS_PER_LINEAR_PASS = 68e-6
 
 
