@@ -25,20 +25,7 @@ fi
 demo=${DEMO:+--demo}
 
 # 2-3. quantized FLUX.1 bases, SD3.5 Medium
-STORE="$OUT/store"
-bench() {  # model [key=value ...]
-    log "bench $*"
-    local model=$1
-    shift
-    if [ -n "$DEMO" ]; then
-        timeout 120 $SDPLAN bench --demo --model "$model" --method lora --store "$STORE" "$@" >>"$OUT/bench.txt" 2>&1
-    else
-        timeout "${BENCH_S:-110}" $SDPLAN bench --model "$model" --method lora --quick --store "$STORE" "$@" \
-            >>"$OUT/bench.txt" 2>&1
-    fi
-    echo "exit $?" >>"$OUT/bench.txt"
-    pack  # what a call cut off at its limit has measured still comes back
-}
+BENCH_S=${BENCH_S:-110}  # gpu_setup.sh's bench(): each model's limit
 bench flux-dev model.base_precision=fp8 memory.gradient_checkpointing=false
 bench flux-dev model.base_precision=nf4
 bench sd35-medium

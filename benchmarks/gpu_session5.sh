@@ -17,17 +17,7 @@ trap pack EXIT
 if ! $PY -c "import bitsandbytes" 2>/dev/null && ls .whl/bitsandbytes-*.whl >/dev/null 2>&1; then
     $PY -m pip install -q --no-deps .whl/bitsandbytes-*.whl 2>&1 | tail -2
 fi
-STORE="$OUT/store"
-log "bench flux-dev nf4"
-if [ -n "$DEMO" ]; then
-    timeout 120 $SDPLAN bench --demo --model flux-dev --method lora --store "$STORE" model.base_precision=nf4 \
-        >>"$OUT/bench.txt" 2>&1
-else
-    timeout "${BENCH_S:-300}" $SDPLAN bench --model flux-dev --method lora --quick --store "$STORE" \
-        model.base_precision=nf4 >>"$OUT/bench.txt" 2>&1
-fi
-echo "exit $?" >>"$OUT/bench.txt"
-pack
+BENCH_S=${BENCH_S:-300} bench flux-dev model.base_precision=nf4
 demo=${DEMO:+--demo}
 for model in sd15 sdxl; do
     log "trainer vs reference $model"

@@ -10,18 +10,9 @@
 # A CPU dry run on the tiny models:   GPU_SESSION_DEMO=1 OUT=/tmp/gpu6 bash benchmarks/gpu_session6.sh
 source "$(dirname "$0")/gpu_setup.sh"  # OUT, PY, DEMO, log, pack; diffusers and sdplan installed
 trap pack EXIT
-STORE="$OUT/store"
+BENCH_S=${BENCH_S:-100}  # gpu_setup.sh's bench(): each model's limit
 for model in sd15 sdxl; do
-    log "bench $model lora with gradient checkpointing"
-    if [ -n "$DEMO" ]; then
-        timeout 120 $SDPLAN bench --demo --model "$model" --method lora --store "$STORE" \
-            memory.gradient_checkpointing=true >>"$OUT/bench.txt" 2>&1
-    else
-        timeout "${BENCH_S:-100}" $SDPLAN bench --model "$model" --method lora --quick --store "$STORE" \
-            memory.gradient_checkpointing=true >>"$OUT/bench.txt" 2>&1
-    fi
-    echo "exit $?" >>"$OUT/bench.txt"
-    pack
+    bench "$model" memory.gradient_checkpointing=true
 done
 log "planner vs bench"
 $PY benchmarks/bench_vs_planner.py --store "$STORE" >"$OUT/bench_vs_planner.txt" 2>&1

@@ -10,17 +10,7 @@
 # A CPU dry run on the tiny models:   GPU_SESSION_DEMO=1 OUT=/tmp/gpu7 PY=.venv/bin/python bash benchmarks/gpu_session7.sh
 source "$(dirname "$0")/gpu_setup.sh"  # OUT, PY, DEMO, log, pack; diffusers and sdplan installed
 trap pack EXIT
-STORE="$OUT/store"
-log "bench sd35-medium lora without gradient checkpointing"
-if [ -n "$DEMO" ]; then
-    timeout 120 $SDPLAN bench --demo --model sd35-medium --method lora --store "$STORE" \
-        memory.gradient_checkpointing=false >>"$OUT/bench.txt" 2>&1
-else
-    timeout "${BENCH_S:-150}" $SDPLAN bench --model sd35-medium --method lora --quick --store "$STORE" \
-        memory.gradient_checkpointing=false >>"$OUT/bench.txt" 2>&1
-fi
-echo "exit $?" >>"$OUT/bench.txt"
-pack
+BENCH_S=${BENCH_S:-150} bench sd35-medium memory.gradient_checkpointing=false
 demo=${DEMO:+--demo}
 log "trainer vs reference sdxl"
 timeout "${REF_S:-70}" $PY benchmarks/trainer_vs_reference.py --model sdxl --batch 4 $demo --json \

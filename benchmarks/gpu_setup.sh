@@ -22,3 +22,20 @@ $PY -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -5
 $PY -c "import sdplan.trainer" || { echo "sdplan is not installed: stopping" >&2; exit 1; }
 SDPLAN="$PY -m sdplan.cli"
 { nvidia-smi || true; $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"; } >"$OUT/versions.txt" 2>&1
+STORE="$OUT/store"
+# bench MODEL [key=value ...]: `sdplan bench` of a LoRA on the GPU (--quick, BENCH_S seconds at most; each
+# point is saved when measured) or on the tiny demo model on the CPU, appended to bench.txt, then packed (what a
+# call cut off at its limit has measured still comes back)
+bench() {
+    log "bench $*"
+    local model=$1
+    shift
+    if [ -n "$DEMO" ]; then
+        timeout 120 $SDPLAN bench --demo --model "$model" --method lora --store "$STORE" "$@" >>"$OUT/bench.txt" 2>&1
+    else
+        timeout "${BENCH_S:-120}" $SDPLAN bench --model "$model" --method lora --quick --store "$STORE" "$@" \
+            >>"$OUT/bench.txt" 2>&1
+    fi
+    echo "exit $?" >>"$OUT/bench.txt"
+    pack
+}
