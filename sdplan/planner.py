@@ -3108,10 +3108,19 @@ def _flow_base_reasons(
         with_swap = f" with {s.blocks_to_swap} blocks swapped" if s.blocks_to_swap else ""
         why = f"the {bf16_gib} bf16 base fits{with_swap}, so it is not quantized"
     else:
-        leaner = [c for c in fitting if c.setup.base_precision == "bf16" and c.setup.num_gpus == s.num_gpus]
+        leaner = [
+            c
+            for c in fitting
+            if c.setup.base_precision == "bf16" and c.setup.num_gpus == s.num_gpus and c.seconds is not None
+        ]
+        fastest = min(leaner, key=lambda c: (_tier(c), _key(c)), default=None)  # as _choose would pick it
         why = (
             f"the bf16 base ({bf16_gib}) does not fit beside the rest"
-            if not leaner
+            if fastest is None
+            else "it allows a faster configuration than the bf16 base: the bf16-base plan it would choose instead "
+            f"({_describe(fastest.setup)}) takes {fastest.seconds / best.seconds:.2f}x as long; pin "
+            "model.base_precision=bf16 to keep the unquantized base"
+            if best.seconds
             else "it allows a faster configuration than the bf16 base"
         )
     r.append(

@@ -510,6 +510,20 @@ def test_the_dequantisation_time_reproduces_the_measured_pairs(prof):
     assert "dequantising it adds ~0.10 s per step (494 block Linears x 3 passes" in "\n".join(r.reasons)
 
 
+def test_a_quantized_base_says_what_the_bf16_base_would_cost(prof):
+    """A quantized base changes the result: where the bf16 base also fits (with swap or checkpointing), the
+    reason names the plan pinning it would give and how much longer that takes (on a 4090: blocks swapped)."""
+    r = _plan(prof, "RTX 4090", "flux-dev", 1024)
+    q = _plan(prof, "RTX 4090", "flux-dev", 1024, pins=(("base_precision", "bf16"),))
+    assert r.plan.base_precision != "bf16" and q.feasible
+    (base,) = [x for x in r.reasons if x.startswith("base precision")]
+    assert (
+        f"the bf16-base plan it would choose instead ({P._describe(q.plan)}) takes {q.seconds / r.seconds:.2f}x"
+        in base
+    )
+    assert "pin model.base_precision=bf16" in base
+
+
 @pytest.mark.parametrize("model", ["flux-dev", "sd35-large"])
 def test_the_grid_of_a_transformer_family_brings_back_the_vae_not_the_text_encoders(prof, model):
     """The trainer samples SD3.5 / FLUX.1 grids from the cached text-encoder outputs (trainer/flow.py), so the
