@@ -3010,7 +3010,7 @@ def _flow_reasons(
     r = (
         _flow_full_reasons(best)
         if s.method in FULL_METHODS
-        else _flow_base_reasons(req, best, fitting, profiles, spec)
+        else _flow_base_reasons(req, best, fitting, profiles)
     )
     te = _gib(model.text_encoder_params * 2.0)
     if not s.cache_text_encoder_outputs:
@@ -3089,7 +3089,7 @@ def _flow_full_reasons(best: Candidate) -> list[str]:
 
 
 def _flow_base_reasons(
-    req: Request, best: Candidate, fitting: list[Candidate], profiles: Profiles, spec: GPUSpec | None
+    req: Request, best: Candidate, fitting: list[Candidate], profiles: Profiles
 ) -> list[str]:
     """The LoRA's frozen base: its storage precision and block swap, in words."""
     s = best.setup
@@ -3108,21 +3108,20 @@ def _flow_base_reasons(
         with_swap = f" with {s.blocks_to_swap} blocks swapped" if s.blocks_to_swap else ""
         why = f"the {bf16_gib} bf16 base fits{with_swap}, so it is not quantized"
     else:
-        leaner = [
-            c
-            for c in fitting
-            if c.setup.base_precision == "bf16" and c.setup.num_gpus == s.num_gpus and c.seconds is not None
+        bf16_plans = [
+            c for c in fitting if c.setup.base_precision == "bf16" and c.setup.num_gpus == s.num_gpus
         ]
-        fastest = min(leaner, key=lambda c: (_tier(c), _key(c)), default=None)  # as _choose would pick it
-        why = (
-            f"the bf16 base ({bf16_gib}) does not fit beside the rest"
-            if fastest is None
-            else "it allows a faster configuration than the bf16 base: the bf16-base plan it would choose instead "
-            f"({_describe(fastest.setup)}) takes {fastest.seconds / best.seconds:.2f}x as long; pin "
-            "model.base_precision=bf16 to keep the unquantized base"
-            if best.seconds
-            else "it allows a faster configuration than the bf16 base"
-        )
+        instead = min(bf16_plans, key=lambda c: (_tier(c), _key(c)), default=None)  # as _choose would pick it
+        if instead is None:
+            why = f"the bf16 base ({bf16_gib}) does not fit beside the rest"
+        elif instead.seconds and best.seconds:
+            why = (
+                "it allows a faster configuration than the bf16 base: the bf16-base plan it would choose instead "
+                f"({_describe(instead.setup)}) takes {instead.seconds / best.seconds:.2f}x as long; pin "
+                "model.base_precision=bf16 to keep the unquantized base"
+            )
+        else:
+            why = "it allows a faster configuration than the bf16 base"
     r.append(
         f"base precision {s.base_precision}: the frozen {model.name} transformer takes {here}; {why}"
         + (
