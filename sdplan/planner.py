@@ -540,8 +540,8 @@ def memory(profiles: Profiles, s: Settings) -> Memory:
         step=step,
         recompute_tail=recompute_tail,
     )
-    overhead = CUDA_CONTEXT_BYTES + ALLOCATOR_OVERHEAD * allocated
-    kept_grads = 0.0 if (s.set_grads_to_none and not s.offload) else grads - buckets
+    overhead = _overhead_bytes(allocated)
+    kept_grads = _grads_between_steps(s, grads, buckets)
     sampling = sampling_peak_bytes(
         profiles, s, resident=weights + buckets + kept_grads + opt + ema, trained=t, trained_bytes=tb
     )
@@ -583,14 +583,40 @@ def sampling_peak_bytes(
         comps += (model.text_encoder_params - trained) * 4 + ti_original_rows_bytes(trained)
     elif not (full and s.train_text_encoder):
         comps += model.text_encoder_params * wb
-    vae_dtype = "bf16" if s.precision == "bf16" else "fp32"
-    comps += model.params_vae * (2 if vae_dtype == "bf16" else 4)
+    comps += _vae_bytes(model, s)
     autocast = trained * 2.0 if (half and trained_bytes == 4 and not s.offload) else 0.0
+    allocated = resident + comps + autocast + _grid_transient_bytes(model, s, sampling)
+    return allocated + _overhead_bytes(allocated)
+
+
+def _vae_dtype(s: Settings) -> str:
+    """The VAE's dtype in sdplan's trainer (trainer/runtime.py vae_dtype): bf16 under bf16, else fp32."""
+    return "bf16" if s.precision == "bf16" else "fp32"
+
+
+def _vae_bytes(model: ModelSpec, s: Settings) -> float:
+    return model.params_vae * (2 if _vae_dtype(s) == "bf16" else 4)
+
+
+def _grid_transient_bytes(model: ModelSpec, s: Settings, sampling: dict) -> float:
+    """A sample grid's largest transient at the training resolution: the denoiser's inference forward or the
+    VAE decode (activations.yaml ``sampling``, measured on meta)."""
     latent = (s.resolution // model.vae_scale_factor) ** 2
-    unet = _coef_bytes(sampling["unet_inference_peak"], latent)
-    vae = _coef_bytes(sampling["vae_decode_peak"][vae_dtype], latent)
-    allocated = resident + comps + autocast + max(unet, vae)
-    return allocated + CUDA_CONTEXT_BYTES + ALLOCATOR_OVERHEAD * allocated
+    return max(
+        _coef_bytes(sampling["unet_inference_peak"], latent),
+        _coef_bytes(sampling["vae_decode_peak"][_vae_dtype(s)], latent),
+    )
+
+
+def _overhead_bytes(allocated: float) -> float:
+    """What a process holds beyond torch's allocated peak: the CUDA context and the caching allocator's slack."""
+    return CUDA_CONTEXT_BYTES + ALLOCATOR_OVERHEAD * allocated
+
+
+def _grads_between_steps(s: Settings, grads: float, buckets: float) -> float:
+    """Gradient bytes still allocated between optimizer steps (while a sample grid runs): none where
+    zero_grad(set_to_none=True) frees them, except under DeepSpeed offload, which keeps its buckets."""
+    return 0.0 if (s.set_grads_to_none and not s.offload) else grads - buckets
 
 
 def _coef_bytes(coef: dict, latent_pixels: int) -> float:
@@ -1635,7 +1661,7 @@ def _evaluate(req: Request, profiles: Profiles, hw: Hardware, cal: Calibration, 
     measured = _measured_peak_point(profiles, s, gpu)
     if measured is not None:  # measured evidence beats the model: its allocated peak, the same allowances
         allocated = measured.outcome["peak_vram_gib"] * GiB
-        overhead = CUDA_CONTEXT_BYTES + ALLOCATOR_OVERHEAD * allocated
+        overhead = _overhead_bytes(allocated)
         mem = replace(mem, overhead=overhead, peak=max(allocated + overhead, mem.sampling_peak))
         unc_peak = MEASURED_BAND
     vram = min(g.memory_bytes for g in hw.gpus[: s.num_gpus])
@@ -1728,6 +1754,11 @@ def _tier(c: Candidate) -> tuple:
     """Preference before speed: within the likely peak's upper end, the requested LoRA rank, no offload
     (3-4x slower), fp32 master weights."""
     return (not c.safe, c.lowered_rank, c.setup.offload, c.setup.full_half_weights)
+
+
+def _preference(c: Candidate) -> tuple:
+    """The order _choose picks plans in: the preferred tier, then the fastest."""
+    return (_tier(c), _key(c))
 
 
 def min_vram_needed(
@@ -1932,7 +1963,7 @@ def _choose(fitting: list[Candidate], profiles: Profiles) -> tuple[Candidate, di
     clears the time uncertainty (or a multi-GPU observation near the configuration measured it).
     Returns the choice and each GPU count's own best (for the reasons)."""
     best_by_n: dict[int, Candidate] = {}
-    for c in sorted(fitting, key=lambda c: (_tier(c), _key(c))):
+    for c in sorted(fitting, key=_preference):
         best_by_n.setdefault(c.setup.num_gpus, c)
     top = min(_tier(c) for c in best_by_n.values())
     eligible = {n: c for n, c in best_by_n.items() if _tier(c) == top}
@@ -2768,8 +2799,8 @@ def memory_flow(profiles: Profiles, s: Settings) -> Memory:
         step=step,
         recompute_tail=recompute_tail,
     )
-    overhead = CUDA_CONTEXT_BYTES + ALLOCATOR_OVERHEAD * allocated
-    kept_grads = 0.0 if (s.set_grads_to_none and not s.offload) else grads - buckets
+    overhead = _overhead_bytes(allocated)
+    kept_grads = _grads_between_steps(s, grads, buckets)
     sampling = flow_sampling_peak_bytes(
         profiles, s, resident=weights + frozen + opt + ema + buckets + kept_grads, autocast=autocast
     )
@@ -2801,15 +2832,9 @@ def flow_sampling_peak_bytes(profiles: Profiles, s: Settings, *, resident: float
     if not sampling:
         return 0.0
     model = profiles.model(s.model)
-    vae_dtype = "bf16" if s.precision == "bf16" else "fp32"  # trainer/runtime.py vae_dtype
-    vae = model.params_vae * (2 if vae_dtype == "bf16" else 4) if s.cache_latents else 0.0
-    latent = (s.resolution // model.vae_scale_factor) ** 2
-    transient = max(
-        _coef_bytes(sampling["unet_inference_peak"], latent),
-        _coef_bytes(sampling["vae_decode_peak"][vae_dtype], latent),
-    )
-    allocated = resident + vae + autocast + transient
-    return allocated + CUDA_CONTEXT_BYTES + ALLOCATOR_OVERHEAD * allocated
+    vae = _vae_bytes(model, s) if s.cache_latents else 0.0
+    allocated = resident + vae + autocast + _grid_transient_bytes(model, s, sampling)
+    return allocated + _overhead_bytes(allocated)
 
 
 def step_flops_flow(profiles: Profiles, s: Settings) -> float:
@@ -3111,7 +3136,7 @@ def _flow_base_reasons(
         bf16_plans = [
             c for c in fitting if c.setup.base_precision == "bf16" and c.setup.num_gpus == s.num_gpus
         ]
-        instead = min(bf16_plans, key=lambda c: (_tier(c), _key(c)), default=None)  # as _choose would pick it
+        instead = min(bf16_plans, key=_preference, default=None)
         if instead is None:
             why = f"the bf16 base ({bf16_gib}) does not fit beside the rest"
         elif instead.seconds and best.seconds:
