@@ -929,12 +929,11 @@ def main(argv: list[str] | None = None) -> int:
         log(f"{fam}: {path}")
         if fam in TRANSFORMER_FAMILIES:
             result = compute_transformer_family(model, log)
-            result["sampling"] = measure_sampling(model, TRANSFORMER_RESOLUTIONS, log)
         else:
             result = compute_family(model, FAMILY_RESOLUTIONS[fam], log)
             merge_lora_targets(result, compute_lora_targets(model, FAMILY_RESOLUTIONS[fam], log))
             result["traffic"] = measure_traffic(model, FAMILY_RESOLUTIONS[fam], log)
-            result["sampling"] = measure_sampling(model, FAMILY_RESOLUTIONS[fam], log)
+        update_sampling(result, model, fam, log)
         if not args.keep_measured:
             result.pop("measured")
         families[fam] = result
