@@ -67,6 +67,8 @@ def _profile(step, cuda: bool, path: Path) -> None:
     path.write_text(
         f"aten operators called: {ops}\nGPU kernels: {kernels}\n\n"
         + prof.key_averages().table(sort_by=sort, row_limit=40)
+        + ("\n\nby host time (where a host-bound step goes):\n" + prof.key_averages().table(
+            sort_by="self_cpu_time_total", row_limit=30) if cuda else "")
     )
 
 
@@ -187,7 +189,9 @@ def reference_step_seconds(
     return seconds, _peak_gib(cuda)  # the models go with this frame: measure() frees them after
 
 
-def measure(model: str, batch: int, *, demo: bool, warmup: int, steps: int) -> dict:
+def measure(
+    model: str, batch: int, *, demo: bool, warmup: int, steps: int, reference_first: bool = False
+) -> dict:
     from dataclasses import replace
 
     import torch
@@ -221,7 +225,8 @@ def measure(model: str, batch: int, *, demo: bool, warmup: int, steps: int) -> d
         "timed_steps": steps,
     }
     with tempfile.TemporaryDirectory() as tmp, _quiet_diffusers():
-        for name, fn in (("sdplan", sdplan_step_seconds), ("reference", reference_step_seconds)):
+        loops = [("sdplan", sdplan_step_seconds), ("reference", reference_step_seconds)]
+        for name, fn in reversed(loops) if reference_first else loops:
             seconds, peak = fn(
                 req,
                 device=device,
@@ -248,10 +253,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--profile", type=Path, metavar="DIR", help="write each loop's torch.profiler table to DIR"
     )
+    ap.add_argument(
+        "--reference-first",
+        action="store_true",
+        help="run the bare loop first (a host-bound step is sensitive to what ran before it)",
+    )
     args = ap.parse_args(argv)
     global PROFILE_DIR
     PROFILE_DIR = args.profile
-    r = measure(args.model, args.batch, demo=args.demo, warmup=args.warmup, steps=args.steps)
+    r = measure(
+        args.model,
+        args.batch,
+        demo=args.demo,
+        warmup=args.warmup,
+        steps=args.steps,
+        reference_first=args.reference_first,
+    )
+    r["order"] = "reference first" if args.reference_first else "sdplan first"
     if args.json:
         print(json.dumps(r, indent=1))
         return 0
