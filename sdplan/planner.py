@@ -651,14 +651,25 @@ class Calibration:
     step_floors: tuple[tuple[tuple[str, str, bool], float, str], ...] = ()
 
     def step_floor(self, s: Settings) -> tuple[float, str] | None:
-        """(seconds, point id) of the floor serving ``s``: measured with its checkpointing setting where there is
-        one (recomputing the forward launches its kernels again: FLUX.1 LoRA 0.48 s with, 0.45 s without), else
-        with the other."""
+        """(seconds, where it comes from) of the floor serving ``s``: measured with its checkpointing setting
+        where there is one (recomputing the forward launches its kernels again: FLUX.1 LoRA 0.48 s with, 0.45 s
+        without; SD3.5 Medium 0.41 s / 0.27 s; the UNets 1.65-1.71x), else the other setting's times the
+        ratio the families measured both ways have (:func:`_checkpointing_floor_ratio`)."""
         kind = _step_floor_kind(s.method)
         floors = {k: (sec, pid) for k, sec, pid in self.step_floors}
         model = speed_family(s.model)
-        own = floors.get((model, kind, bool(s.gradient_checkpointing)))
-        return own or floors.get((model, kind, not s.gradient_checkpointing))
+        gc = bool(s.gradient_checkpointing)
+        own = floors.get((model, kind, gc))
+        other = floors.get((model, kind, not gc))
+        if own is not None or other is None:
+            return own
+        ratio = _checkpointing_floor_ratio(self.step_floors)
+        sec, pid = other
+        return (
+            sec * ratio if gc else sec / ratio,
+            f"{pid}, measured {'without' if gc else 'with'} gradient checkpointing, "
+            f"{'x' if gc else '/'}{ratio:.2f} for it as the models measured both ways",
+        )
 
     def step_floor_s(self, s: Settings) -> float | None:
         """No prediction is faster than the fastest micro-step measured for its family and kind of training.
@@ -1040,6 +1051,20 @@ def _step_floor_kind(method: str) -> str:
 FLAT_STEP_RATIO = 1.25  # a step this close to the one at twice the batch or more is launch-bound
 
 
+def _checkpointing_floor_ratio(floors: tuple[tuple[tuple[str, str, bool], float, str], ...]) -> float:
+    """How much longer a launch-bound micro-step is with gradient checkpointing than without: the geometric
+    mean over the (family, kind of training) measured both ways (H100, 2026-11-26/27: FLUX.1 LoRA at 512 px
+    1.08, SD3.5 Medium 1.50, SD1.5 1.71, SDXL 1.65; the recomputed forward launches its kernels again). 1.0
+    where no pair was measured."""
+    by_key = {k: sec for k, sec, _ in floors}
+    ratios = [
+        sec / by_key[(model, kind, False)]
+        for (model, kind, gc), sec in by_key.items()
+        if gc and (model, kind, False) in by_key
+    ]
+    return _geomean(ratios) if ratios else 1.0
+
+
 def _step_floors(profiles: Profiles) -> tuple[tuple[tuple[str, str, bool], float, str], ...]:
     """Per (family, kind of training, checkpointing): the shortest launch-bound micro-step measured. A point
     is launch-bound where the same GPU and settings at twice the batch or more took at most FLAT_STEP_RATIO as
@@ -1047,8 +1072,8 @@ def _step_floors(profiles: Profiles) -> tuple[tuple[tuple[str, str, bool], float
     measurement is a T4's, that would cap every faster GPU at a T4's speed. The transformer families too (H100,
     2026-11-26: FLUX.1 LoRA 0.45 s at 512 px batch 1, 0.43 s at batch 2; SD3.5 Medium 0.41 s at batch 1, 0.50
     s at batch 2): without it a B200's FLUX.1 step was predicted 7x faster than measured. Where only one
-    checkpointing setting was measured (SD3.5 Medium: with; the UNets: without) its floor serves the other
-    too (Calibration.step_floor): a plan without checkpointing then errs slow, by ~8% on FLUX.1."""
+    checkpointing setting was measured (the UNets' full training: without) its floor serves the other too,
+    scaled by the checkpointing ratio of the pairs measured (Calibration.step_floor)."""
     series: dict[tuple, list[tuple[int, float, str]]] = {}
     for p in profiles.points:
         it_s = p.outcome.get("it_s")
