@@ -67,8 +67,12 @@ def _profile(step, cuda: bool, path: Path) -> None:
     path.write_text(
         f"aten operators called: {ops}\nGPU kernels: {kernels}\n\n"
         + prof.key_averages().table(sort_by=sort, row_limit=40)
-        + ("\n\nby host time (where a host-bound step goes):\n" + prof.key_averages().table(
-            sort_by="self_cpu_time_total", row_limit=30) if cuda else "")
+        + (
+            "\n\nby host time (where a host-bound step goes):\n"
+            + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
+            if cuda
+            else ""
+        )
     )
 
 

@@ -389,7 +389,9 @@ def test_no_flow_step_is_predicted_faster_than_the_launch_bound_floor_measured_f
     )
     medium = replace(flux, model="sd35-medium")
     assert cal.step_floor_s(medium) == pytest.approx(1.0 / 3.696, rel=0.01)
-    assert cal.step_floor_s(replace(medium, gradient_checkpointing=True)) == pytest.approx(1.0 / 2.463, rel=0.01)
+    assert cal.step_floor_s(replace(medium, gradient_checkpointing=True)) == pytest.approx(
+        1.0 / 2.463, rel=0.01
+    )
     unsloth = next(p for p in prof.points if p.id == "unsloth6839-b200-flux-nf4-512-r16")
     b200 = prof.find_gpu("B200")
     predicted = 1.0 / P.step_seconds(prof, unsloth.settings, b200, cal)
