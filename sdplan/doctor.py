@@ -35,7 +35,7 @@ VerdictFn = Callable[[Snapshot], Sequence[tuple[str, str, str, str]]]
 def planner_verdicts(snapshot: Snapshot) -> list[Verdict]:
     """Verdict from the planner: the fastest one-GPU plan at the family's native resolution.
 
-    ok: fits without DeepSpeed offload; tight: only with offload (3-4x slower); no: does not fit.
+    ok: fits without DeepSpeed offload; tight: only with offload (the optimizer on the CPU); no: does not fit.
     """
     from sdplan.planner import Request, hardware_from_snapshot, plan
     from sdplan.profiles import load_profiles

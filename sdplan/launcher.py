@@ -560,7 +560,7 @@ def after_oom(data: dict[str, Any], *, cuda: bool, have_bnb: bool, have_deepspee
     checkpointing (~20-30% slower), 8-bit AdamW (CUDA with bitsandbytes, not with DeepSpeed), cached latents,
     cached text-encoder outputs (frozen encoders only), full bf16 weights (a full-UNet method in bf16 on a GPU:
     the planner's fallback before offload, kohya --full_bf16), and last DeepSpeed ZeRO-2 with the optimizer
-    state offloaded to CPU (3-4x slower: the last resort).
+    state offloaded to CPU (the optimizer step on the CPU: the last resort).
     """
     new = json.loads(json.dumps(data))  # deep copy of plain data
     t = new.setdefault("training", {})
@@ -606,7 +606,8 @@ def after_oom(data: dict[str, Any], *, cuda: bool, have_bnb: bool, have_deepspee
         if m.get("optimizer") == "adamw8bit":
             m["optimizer"] = "adamw"  # bitsandbytes does not combine with DeepSpeed
         return Change(
-            new, "turned on DeepSpeed ZeRO-2 with the optimizer state offloaded to CPU (3-4x slower)"
+            new,
+            "turned on DeepSpeed ZeRO-2 with the optimizer state offloaded to CPU (slower: the optimizer runs on the CPU)",
         )
     return None
 

@@ -25,7 +25,8 @@ coefficients computed on the meta device (profiles/activations.yaml):
 Time model (roofline-style sum): the UNet / VAE / text-encoder FLOPs (counted on meta, activations.yaml) over
 the GPU's measured torch.matmul rate where one was published (else its dense half-precision rating) times an
 efficiency fitted on the published speed points, plus the bytes the bandwidth-bound ops move (counted on meta)
-over the memory bandwidth, plus the optimizer step's traffic; gradient checkpointing +25%; offload x3.5;
+over the memory bandwidth, plus the optimizer step's traffic; gradient checkpointing +25%; DeepSpeed offload: the
+gradients' copy to the host each micro-step, CPU Adam and the weights' copy back each optimizer step;
 multi-GPU: the gradient all-reduce over the interconnect once per optimizer step, with a link efficiency
 fitted on Puget's 2x RTX 4090 observations. A measured point for the same GPU and settings (local profile
 store) or a published one is used directly.
@@ -67,7 +68,11 @@ HEADROOM = 0.92  # a recommended plan's predicted peak stays at or below this sh
 HOST_RAM_SHARE = 0.9  # host RAM a plan holds (offloaded optimizer, pinned blocks) stays within this share
 RAM_PER_PROCESS = 3 * GiB  # python + torch + CUDA host allocations + data loading, per process
 GC_TIME_FACTOR = 1.25  # gradient checkpointing: ~20-30% slower (field notes 2; invoke-training PR 22)
-OFFLOAD_TIME_FACTOR = 3.5  # DeepSpeed optimizer offload: 3-4x slower (lunar-diffusion notes)
+# DeepSpeed's CPU Adam (DeepSpeedCPUAdam, AVX): fp32 parameters updated per second on the host, measured by
+# benchmarks/cpu_adam_rate.py (deepspeed 0.19.8, torch 2.13 CPU, AMD EPYC, 200M parameters, 2026-11-27): 2.10 G
+# with one thread, 2.36 G with two (memory-bound: ~28 bytes moved per parameter); torch's AdamW 0.31 G, 6.7x
+# slower, as DeepSpeed documents (5-7x)
+CPU_ADAM_PARAMS_PER_S = 2.1e9
 # python, data loading and kernel launches per micro-step, whatever the batch: the prior; calibrate() fits it
 # with the bandwidth efficiency where the published speeds span several batch sizes
 STEP_OVERHEAD_S = 0.03
@@ -837,7 +842,10 @@ def step_compute_seconds(profiles: Profiles, s: Settings, spec: GPUSpec, cal: Ca
 
 
 def optimizer_step_seconds(profiles: Profiles, s: Settings, spec: GPUSpec) -> float:
-    """The optimizer step's own memory traffic, spread over the accumulated micro-steps."""
+    """The optimizer step's own memory traffic on the GPU, spread over the accumulated micro-steps (none when
+    DeepSpeed offloads the optimizer: :func:`offload_seconds`)."""
+    if s.offload:
+        return 0.0
     t = trainable_params(profiles.model(s.model), s, profiles)
     opt_bytes = OPTIMIZER_STEP_BYTES.get(s.optimizer, 28)
     return t * opt_bytes / (spec.memory_bandwidth_gbs * 1e9) / s.grad_accum
@@ -878,7 +886,12 @@ def _step_times(
         # swap's PCIe copies (measured without swap) and a quantized base's dequantisation
         encode = flops_s - flops_seconds(replace(s, cache_latents=True, cache_text_encoder_outputs=True))
         base = compute - encode + optimizer_step_seconds(profiles, s, spec) + STEP_OVERHEAD_S
-        after = encode + swap_seconds(profiles, s, spec) + dequant_seconds(profiles, s)
+        after = (
+            encode
+            + swap_seconds(profiles, s, spec)
+            + dequant_seconds(profiles, s)
+            + offload_seconds(profiles, s, spec)
+        )
     else:
         compute = step_compute_seconds(profiles, s, spec, cal)
         # the launch-bound floor is a step with cached latents: a VAE encode every step adds to it, not under it
@@ -886,9 +899,8 @@ def _step_times(
         if not s.cache_latents:
             after = compute - step_compute_seconds(profiles, replace(s, cache_latents=True), spec, cal)
         base = compute - after + optimizer_step_seconds(profiles, s, spec) + cal.step_overhead_s
+        after += offload_seconds(profiles, s, spec)  # the floors were measured without offload
     times = (max(base, cal.step_floor_s(s) or 0.0) + after, base + after)
-    if s.offload:
-        times = tuple(t * OFFLOAD_TIME_FACTOR for t in times)
     if s.num_gpus > 1 and link_gbs:
         allreduce = allreduce_seconds(profiles, s, link_gbs, cal) / s.grad_accum
         times = tuple(t + allreduce for t in times)
@@ -1776,8 +1788,8 @@ def _which(c: Candidate, best: Candidate) -> str:
 
 
 def _tier(c: Candidate) -> tuple:
-    """Preference before speed: within the likely peak's upper end, the requested LoRA rank, no offload
-    (3-4x slower), fp32 master weights."""
+    """Preference before speed: within the likely peak's upper end, the requested LoRA rank, no offload (the
+    optimizer on the CPU, host RAM held), fp32 master weights."""
     return (not c.safe, c.lowered_rank, c.setup.offload, c.setup.full_half_weights)
 
 
@@ -2280,17 +2292,28 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
             + (
                 "pinned"
                 if pinned("full_half_weights")
-                else "nothing with fp32 master weights fits; tried before DeepSpeed offload, which is 3-4x slower"
+                else "nothing with fp32 master weights fits; tried before DeepSpeed offload, which runs the optimizer "
+                "on the CPU"
             )
         )
     if s.offload:
+        added = offload_seconds(profiles, s, gpu.spec) if gpu.spec is not None else None
         r.append(
             "DeepSpeed ZeRO-2 with optimizer offload to CPU: "
             + ("pinned" if pinned("deepspeed") else "nothing without offload fits")
-            + f"; it runs ~3-4x slower, needs ~{_gib(m.ram)} of host RAM and `pip install 'sdplan[deepspeed]'`"
+            + (
+                f"; it adds ~{added:.2f} s a micro-step (the gradients copied to the host, and once per optimizer "
+                f"step CPU Adam over {trainable_params(profiles.model(s.model), s, profiles) / 1e9:.2f} B "
+                "parameters and the weights copied back)"
+                if added
+                else "; the optimizer runs on the CPU"
+            )
+            + f"; it needs ~{_gib(m.ram)} of host RAM and `pip install 'sdplan[deepspeed]'`"
         )
     elif req.method in FULL_METHODS and not pinned("deepspeed"):
-        r.append("no DeepSpeed offload: a configuration without it fits (offload is 3-4x slower)")
+        r.append(
+            "no DeepSpeed offload: a configuration without it fits (offload runs the optimizer on the CPU)"
+        )
     if best.seconds is None:
         r.append(
             f"batch size {s.batch}, gradient accumulation {s.grad_accum}: the largest batch that fits within the "
@@ -3025,6 +3048,23 @@ def pinned_ram_bytes(profiles: Profiles, s: Settings) -> float:
     """Host RAM a block-swap run holds for the whole run, all processes: each process's baseline and its
     swapped blocks' pinned (page-locked) copies, which the OS cannot page out."""
     return (RAM_PER_PROCESS + swapped_block_bytes(profiles.model(s.model), s)) * s.num_gpus
+
+
+def offload_seconds(profiles: Profiles, s: Settings, spec: GPUSpec | None) -> float:
+    """Seconds per micro-step that DeepSpeed ZeRO-2's optimizer offload adds (0 without it): each micro-step
+    the process's share of the gradients goes to host memory over PCIe (2 bytes a parameter in half precision);
+    once per optimizer step the host runs CPU Adam over every trained parameter (the processes of one machine
+    share its memory bandwidth, which bounds CPU Adam: not divided by the GPU count) and the updated weights
+    come back. The gradient copy overlaps the backward in DeepSpeed (overlap_comm, which sdplan's config sets):
+    counted in full, an upper bound. Replaces a x3.5 factor on the whole step (a 2022 report of "3-4x slower"
+    for SD 1.x at batch 1, which this model gives too: ~1.5 s added to a ~0.5 s step), which made a 4090's
+    accumulated SDXL fine-tune 11x too slow."""
+    if not s.offload or spec is None:
+        return 0.0
+    trained = trainable_params(profiles.model(s.model), s, profiles)
+    link = PCIE_GBS.get(spec.pcie_gen or 4, 32.0) * 1e9 * PCIE_EFFICIENCY
+    copied = trained * (2 if _half(s.precision) else 4) / s.num_gpus
+    return copied / link + (trained / CPU_ADAM_PARAMS_PER_S + copied / link) / s.grad_accum
 
 
 def swap_seconds(profiles: Profiles, s: Settings, spec: GPUSpec | None) -> float:

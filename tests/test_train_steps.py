@@ -115,7 +115,7 @@ def test_at_batch_one_the_memory_savers_come_in_order():
 
 
 def test_a_full_unet_method_in_bf16_tries_full_bf16_weights_before_offload():
-    """The planner's order: full bf16 weights (no fp32 master copy) before DeepSpeed offload, 3-4x slower."""
+    """The planner's order: full bf16 weights (no fp32 master copy) before DeepSpeed offload (the optimizer on the CPU)."""
     d = data(training={"batch_size": 1, "precision": "bf16"}, memory={"gradient_checkpointing": True})
     d["method"] = "finetune"
     seen = []
