@@ -2303,7 +2303,7 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
             + ("pinned" if pinned("deepspeed") else "nothing without offload fits")
             + (
                 f"; it adds ~{added:.2f} s a micro-step (the gradients copied to the host, and once per optimizer "
-                f"step CPU Adam over {trainable_params(profiles.model(s.model), s, profiles) / 1e9:.2f} B "
+                f"step CPU Adam over {m.trainable_params / 1e9:.2f} B "
                 "parameters and the weights copied back)"
                 if added
                 else "; the optimizer runs on the CPU"
@@ -3062,9 +3062,14 @@ def offload_seconds(profiles: Profiles, s: Settings, spec: GPUSpec | None) -> fl
     if not s.offload or spec is None:
         return 0.0
     trained = trainable_params(profiles.model(s.model), s, profiles)
-    link = PCIE_GBS.get(spec.pcie_gen or 4, 32.0) * 1e9 * PCIE_EFFICIENCY
+    link = _host_copy_bytes_per_s(spec)
     copied = trained * (2 if _half(s.precision) else 4) / s.num_gpus
     return copied / link + (trained / CPU_ADAM_PARAMS_PER_S + copied / link) / s.grad_accum
+
+
+def _host_copy_bytes_per_s(spec: GPUSpec) -> float:
+    """Bytes per second a copy between host memory and this GPU moves: its PCIe link at PCIE_EFFICIENCY."""
+    return _link_gbs_for(spec, "pcie") * 1e9 * PCIE_EFFICIENCY
 
 
 def swap_seconds(profiles: Profiles, s: Settings, spec: GPUSpec | None) -> float:
@@ -3072,8 +3077,7 @@ def swap_seconds(profiles: Profiles, s: Settings, spec: GPUSpec | None) -> float
     if not s.blocks_to_swap or spec is None:
         return 0.0
     moved = 2.0 * swapped_block_bytes(profiles.model(s.model), s)
-    link = PCIE_GBS.get(spec.pcie_gen or 4, 32.0)
-    return moved / (link * 1e9 * PCIE_EFFICIENCY)
+    return moved / _host_copy_bytes_per_s(spec)
 
 
 def base_precision_allowed(base_precision: str, gpu: HWGPU) -> str | None:
