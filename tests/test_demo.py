@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import re
 import signal
@@ -250,6 +251,39 @@ def test_deepspeed_zero2_offload_on_cpu(tmp_path):
     assert ds["train_batch_size"] == 2 * 1 * 1
     assert ds["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
     assert summary(out)["steps"] == 4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("offload", [True, False], ids=["offload", "sharded"])
+def test_deepspeed_full_finetune_in_bf16_on_cpu(tmp_path, offload):
+    """DeepSpeed runs its own bf16: its engine casts the trained UNet to bf16 and accelerate's autocast is off,
+    so the recipe hands the UNet bf16 latents and conditioning (fp32 ones stopped the first step). ZeRO-2 with
+    the optimizer offloaded, and without (the optimizer state split over the processes: one here, as
+    accelerate runs DeepSpeed on the CPU in one process only)."""
+    pytest.importorskip("deepspeed")
+    from sdplan.trainer.tiny import save_tiny_model
+
+    from sdplan.demo import demo_config, make_dataset
+
+    root = tmp_path / "ds"
+    save_tiny_model(root / "base_model", "sd15")
+    make_dataset(root / "dataset")
+    data = demo_config(root, max_steps=2)
+    data["method"] = "finetune"
+    data.pop("lora", None)
+    data["distributed"]["deepspeed"] = {"zero_stage": 2, "offload_optimizer": offload}
+    data["training"]["precision"] = "bf16"
+    data["sampling"]["prompts"] = data["sampling"]["prompts"][:1]
+    (tmp_path / "ds.yaml").write_text(yaml.safe_dump(data))
+    out = root / "run"
+    proc = sdplan(
+        "train", "--config", str(tmp_path / "ds.yaml"), "--out", str(out), "--device", "cpu", timeout=600
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ds = json.loads((out / "deepspeed.json").read_text())
+    assert ds["bf16"] == {"enabled": True}
+    assert ("offload_optimizer" in ds["zero_optimization"]) is offload
+    assert summary(out)["steps"] == 2 and math.isfinite(summary(out)["final_loss"])
 
 
 @pytest.mark.slow

@@ -34,7 +34,12 @@ class Finetune(Recipe):
         self.trained = {"unet": self.unet}
         if self.cfg.training.train_text_encoder:
             self.trained |= self.train_text_encoders()
-        self.latent_dtype, self.cond_dtype = None, torch.float32  # under autocast, as the trained weights
+        if self.cfg.distributed.deepspeed is not None and self.wdtype != torch.float32:
+            # DeepSpeed runs its own half precision: its engine casts the trained model to fp16 / bf16 (fp32
+            # masters in the optimizer) and accelerate leaves autocast off, so the inputs come in that dtype
+            self.latent_dtype = self.cond_dtype = self.wdtype
+        else:
+            self.latent_dtype, self.cond_dtype = None, torch.float32  # under autocast, as the trained weights
 
     def param_groups(self) -> list[dict[str, Any]]:
         tes = [p for te in self.text_encoders for p in te.parameters()]
