@@ -70,6 +70,8 @@ def planner_verdicts(snapshot: Snapshot) -> list[Verdict]:
                 savers.append(s.optimizer)
             if s.offload:
                 savers.append("offload")
+            elif s.sharded:
+                savers.append(f"ZeRO-2 over {s.num_gpus} GPUs")
             if s.base_precision != "bf16":
                 savers.append(f"{s.base_precision} base")
             if s.cache_text_encoder_outputs:

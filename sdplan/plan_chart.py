@@ -61,6 +61,8 @@ def chart_data(res: planner.Result, profiles: Any) -> dict[str, Any]:
         settings.append("cached TE outputs")
     if s.offload:
         settings.append("DeepSpeed offload")
+    elif s.sharded:
+        settings.append("DeepSpeed ZeRO-2")
     return {
         "title": f"{s.method} {s.model} at {s.resolution}px on {gpus}{gpu}: " + ", ".join(settings),
         "parts": parts,

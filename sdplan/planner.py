@@ -49,7 +49,7 @@ from sdplan import registry
 from sdplan.errors import UsageError
 from sdplan.profiles import GiB, GPUSpec, MethodPoint, ModelSpec, Profiles
 from sdplan.registry import FULL_METHODS, METHODS
-from sdplan.settings import CONFIG_KEYS, DEEPSPEED_BUCKET_ELEMENTS, OFFLOAD, Settings
+from sdplan.settings import CONFIG_KEYS, DEEPSPEED_BUCKET_ELEMENTS, OFFLOAD, SHARDED, Settings
 from sdplan.steps import Steps, plan_steps
 
 # -- calibration constants (fitted with benchmarks/planner_accuracy.py against profiles/methods) ----------
@@ -412,6 +412,40 @@ def step_allocated_bytes(
     return resident + grads + max(forward, step)
 
 
+def deepspeed_states(s: Settings, trained: float, adafactor_state_fp32: float = 0.0) -> dict[str, float]:
+    """Bytes each GPU holds under DeepSpeed ZeRO-1/2 (the deepspeed.json sdplan.launch writes) for ``trained``
+    parameters (Adafactor's factored state, which depends on the shapes, given in fp32): ``weights`` (the
+    parameters in the training dtype, every process a whole copy), ``gradients`` (during the backward: the reduce
+    buckets, two of DEEPSPEED_BUCKET_ELEMENTS with overlap_comm, and the gradients this process keeps),
+    ``optimizer`` (the fp32 master weights and state it updates) and ``step`` (the optimizer step's temporaries).
+
+    With optimizer offload the master weights, state and step live on the CPU. Without it they are split over
+    the N processes: ZeRO-2 keeps 2 + 18/N bytes per parameter at the step (half weights; of 1/N: half gradients,
+    fp32 gradients, fp32 master weights, Adam's two fp32 moments), deepspeed/runtime/zero/stage_1_and_2.py
+    estimate_zero2_model_states_mem_needs @0.19.8. Measured on the CPU with two processes (2026-11-27, a 16.8M
+    parameter bf16 model, live tensors): 2 + 4/N bytes per parameter before the first step, + 2/N after the
+    backward (the kept gradient partition), 2 + 12/N after the step. ZeRO-1 keeps whole half gradients."""
+    pb = 2.0 if _half(s.precision) else 4.0
+    buckets = 2 * DEEPSPEED_BUCKET_ELEMENTS * pb
+    if s.offload:
+        return {"weights": trained * pb, "gradients": buckets, "optimizer": 0.0, "step": 0.0}
+    n = s.num_gpus
+    stage = (s.deepspeed or {}).get("zero_stage", 2)
+    kept = trained * pb / (n if stage >= 2 else 1)
+    foreach = trained * 4.0 / n if s.optimizer in FOREACH_OPTIMIZERS else 0.0
+    if s.optimizer in OPTIMIZER_STATE:
+        copies, fixed = OPTIMIZER_STATE[s.optimizer]
+        state = trained * (copies * 4.0 + fixed)
+    else:
+        state = adafactor_state_fp32
+    return {
+        "weights": trained * pb,
+        "gradients": kept + buckets,
+        "optimizer": (trained * 4.0 + state) / n,
+        "step": trained * 4.0 / n + foreach,  # the fp32 gradient partition, and foreach AdamW's temporary
+    }
+
+
 def memory(profiles: Profiles, s: Settings) -> Memory:
     if flow_family(s.model):
         return memory_flow(profiles, s)
@@ -520,21 +554,20 @@ def memory(profiles: Profiles, s: Settings) -> Memory:
     ram = RAM_PER_PROCESS + (tb if full else wb) * model.params_unet + te_bytes * te_total
     ram += vae_bytes * model.params_vae
     step = t * 4.0 if (s.optimizer in FOREACH_OPTIMIZERS and not s.fused_backward) else 0.0
-    if s.offload:
-        g = s.num_gpus
-        cpu = t * max(4 * g, 16) * 1.5 / g  # DeepSpeed estimator, per process share
-        ram = max(ram, RAM_PER_PROCESS + cpu)
-        # the GPU keeps the weights and its reduce + allgather buckets in the training dtype: half, or fp32 where
-        # neither fp16 nor bf16 is enabled in deepspeed.json (sdplan.launch; DeepSpeed's ZeRO-1/2 optimizer takes
-        # its dtype from the parameters', stage_1_and_2.py)
-        pb = 2.0 if half else 4.0
-        weights, opt, step = t * pb, 0.0, 0.0
-        grads = 2 * DEEPSPEED_BUCKET_ELEMENTS * pb
+    if s.deepspeed and full:
+        if s.offload:
+            g = s.num_gpus
+            cpu = t * max(4 * g, 16) * 1.5 / g  # DeepSpeed estimator, per process share
+            ram = max(ram, RAM_PER_PROCESS + cpu)
+        # the weights in the training dtype: half, or fp32 where neither fp16 nor bf16 is enabled in
+        # deepspeed.json (DeepSpeed's ZeRO-1/2 optimizer takes its dtype from the parameters'); no autocast copies
+        ds = deepspeed_states(s, t, opt * 4.0 / tb)
+        weights, grads, opt, step = ds["weights"], ds["gradients"], ds["optimizer"], ds["step"]
         autocast = 0.0
     if s.ema == "cpu":
         ram += model.params_unet * 4.0
 
-    buckets = grads if (s.num_gpus > 1 and not s.offload) else 0.0  # DDP's reducer buckets: a second copy
+    buckets = grads if (s.num_gpus > 1 and not s.deepspeed) else 0.0  # DDP's reducer buckets: a second copy
     grads += buckets
     allocated = step_allocated_bytes(
         s,
@@ -843,10 +876,13 @@ def step_compute_seconds(profiles: Profiles, s: Settings, spec: GPUSpec, cal: Ca
 
 def optimizer_step_seconds(profiles: Profiles, s: Settings, spec: GPUSpec) -> float:
     """The optimizer step's own memory traffic on the GPU, spread over the accumulated micro-steps (none when
-    DeepSpeed offloads the optimizer: :func:`offload_seconds`)."""
+    DeepSpeed offloads the optimizer: :func:`offload_seconds`; DeepSpeed without offload updates each process's
+    1/N of the parameters)."""
     if s.offload:
         return 0.0
     t = trainable_params(profiles.model(s.model), s, profiles)
+    if s.deepspeed:
+        t /= s.num_gpus
     opt_bytes = OPTIMIZER_STEP_BYTES.get(s.optimizer, 28)
     return t * opt_bytes / (spec.memory_bandwidth_gbs * 1e9) / s.grad_accum
 
@@ -902,7 +938,7 @@ def _step_times(
         after += offload_seconds(profiles, s, spec)  # the floors were measured without offload
     times = (max(base, cal.step_floor_s(s) or 0.0) + after, base + after)
     if s.num_gpus > 1 and link_gbs:
-        allreduce = allreduce_seconds(profiles, s, link_gbs, cal) / s.grad_accum
+        allreduce = comm_seconds(profiles, s, link_gbs, cal)
         times = tuple(t + allreduce for t in times)
     return times
 
@@ -953,7 +989,7 @@ def time_basis_text(profiles: Profiles, s: Settings, gpu: HWGPU, cal: Calibratio
 
 def gradient_bytes(profiles: Profiles, s: Settings) -> float:
     model = profiles.model(s.model)
-    tb = 2 if (_half(s.precision) and s.full_half_weights) or s.offload else 4
+    tb = 2 if _half(s.precision) and (s.full_half_weights or s.deepspeed) else 4
     return trainable_params(model, s, profiles) * tb
 
 
@@ -963,6 +999,18 @@ def allreduce_seconds(profiles: Profiles, s: Settings, link_gbs: float, cal: Cal
         return 0.0
     moved = gradient_bytes(profiles, s) * 2 * (n - 1) / n  # ring all-reduce
     return moved / (link_gbs * 1e9 * cal.link_efficiency)
+
+
+def comm_seconds(profiles: Profiles, s: Settings, link_gbs: float, cal: Calibration) -> float:
+    """The gradient exchange's seconds per micro-step. DDP all-reduces once per optimizer step (no_sync on the
+    accumulated micro-steps). DeepSpeed ZeRO-2 moves as much in two halves: each micro-step's backward
+    reduce-scatters the gradients into their owners' partitions, and after the optimizer step every process
+    all-gathers the updated weights (stage_1_and_2.py: reduce_ipg_grads per micro-step, all_gather_dp_groups
+    after step)."""
+    full = allreduce_seconds(profiles, s, link_gbs, cal)
+    if s.deepspeed:
+        return full / 2 + full / 2 / s.grad_accum
+    return full / s.grad_accum
 
 
 def setup_from_point(p: MethodPoint, attention: str | None = None) -> Settings:
@@ -1478,7 +1526,7 @@ def settings_space(
         if (flow and lora)
         else axis("blocks_to_swap", (0,))
     )
-    speeds = (None, dict(OFFLOAD)) if full else (None,)
+    speeds = (None, dict(OFFLOAD), dict(SHARDED)) if full else (None,)
     fixed = {
         name: pins[name]
         for name in ("lora_alpha", "lora_targets", "set_grads_to_none", "ema")
@@ -1507,6 +1555,8 @@ def settings_space(
                     or (half_w and "full_half_weights" not in pins)
                 ):
                     continue  # 8-bit / Adafactor / full bf16 are not combined with DeepSpeed unless pinned
+                if ds == SHARDED and n == 1 and "deepspeed" not in pins:
+                    continue  # nothing to split the optimizer state over: more bytes than no DeepSpeed
                 yield Settings(
                     method=req.method,
                     model=req.model,
@@ -1730,7 +1780,7 @@ def _evaluate(req: Request, profiles: Profiles, hw: Hardware, cal: Calibration, 
         seconds = fixed + stepping
         if s.num_gpus > 1 and observed is None and hw.link_gbs:
             micro_steps = steps.total_steps * s.grad_accum
-            allreduce = micro_steps * allreduce_seconds(profiles, s, hw.link_gbs, cal) / s.grad_accum
+            allreduce = micro_steps * comm_seconds(profiles, s, hw.link_gbs, cal)
         # the steps' range by their basis (one GPU: the bench evidence behind it times one GPU; several add an
         # all-reduce as modelled); start-up and caching are the model's (the validation set's range)
         band = seconds_band(profiles, basis, s.model, s.num_gpus)[0]
@@ -1997,7 +2047,9 @@ def _infeasible(req, hw, reasons, steps, *, memory=None, need=None, profiles=Non
 
 def _choose(fitting: list[Candidate], profiles: Profiles) -> tuple[Candidate, dict[int, Candidate]]:
     """The preferred tier (:func:`_tier`), fastest first; more GPUs only from the same tier and when the gain
-    clears the time uncertainty (or a multi-GPU observation near the configuration measured it).
+    clears the time uncertainty (or a multi-GPU observation near the configuration measured it). Where only
+    several GPUs reach the preferred tier (DeepSpeed splitting fp32 master weights and AdamW state that one GPU
+    cannot hold), the fewest that do, and more only on the same terms.
     Returns the choice and each GPU count's own best (for the reasons)."""
     best_by_n: dict[int, Candidate] = {}
     for c in sorted(fitting, key=_preference):
@@ -2005,7 +2057,7 @@ def _choose(fitting: list[Candidate], profiles: Profiles) -> tuple[Candidate, di
     top = min(_tier(c) for c in best_by_n.values())
     eligible = {n: c for n, c in best_by_n.items() if _tier(c) == top}
     one = eligible.get(1)
-    best = one or min(eligible.values(), key=_key)
+    best = one or eligible[min(eligible)]
     for n, c in sorted(eligible.items()):
         if n == best.setup.num_gpus or c.seconds is None or best.seconds is None:
             continue
@@ -2204,6 +2256,8 @@ def _describe(s: Settings) -> str:
         bits.append("full bf16 weights")
     if s.offload:
         bits.append("DeepSpeed ZeRO-2 CPU offload")
+    elif s.sharded:
+        bits.append("DeepSpeed ZeRO-2")
     if s.num_gpus > 1:
         bits.append(f"{s.num_gpus} GPUs")
     return ", ".join(bits)
@@ -2309,6 +2363,18 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
                 else "; the optimizer runs on the CPU"
             )
             + f"; it needs ~{_gib(m.ram)} of host RAM and `pip install 'sdplan[deepspeed]'`"
+        )
+    elif s.sharded:
+        r.append(
+            f"DeepSpeed ZeRO-2 over {s.num_gpus} GPUs: "
+            + (
+                "pinned"
+                if pinned("deepspeed")
+                else "the fp32 master weights, optimizer state and gradients are split between the GPUs, which "
+                "one GPU (or plain data parallelism, a whole copy on each) cannot hold with fp32 master weights"
+            )
+            + f"; each GPU holds the {_gib(m.weights)} of half weights and {_gib(m.optimizer)} of master weights "
+            "and state; it needs `pip install 'sdplan[deepspeed]'`"
         )
     elif req.method in FULL_METHODS and not pinned("deepspeed"):
         r.append(
@@ -2432,11 +2498,7 @@ def _multi_gpu_reasons(hw, best, one, best_by_n, profiles, cal) -> list[str]:
         if c.seconds >= ref:
             why = "slower"
         elif _tier(c) > _tier(best):
-            why = f"{ref / c.seconds:.2f}x faster, but only with " + (
-                "its likely peak's upper end over the card's memory"
-                if not c.safe
-                else "a less preferred setting"
-            )
+            why = f"{ref / c.seconds:.2f}x faster, but only with " + _tier_text(c, best)
         elif (gain := multi_gpu_gain(c, ref_c, profiles)) > MIN_MULTI_GPU_GAIN:
             why = f"{ref / c.seconds:.2f}x faster than one GPU, but {s.num_gpus} GPU(s) are faster still"
         else:
@@ -2452,9 +2514,7 @@ def _multi_gpu_reasons(hw, best, one, best_by_n, profiles, cal) -> list[str]:
                 f"{m.outcome['iteration_time_ratio']:g}x as long as on one GPU"
             )
         else:
-            why += (
-                f"; the {_gib(gradient_bytes(profiles, c.setup))} gradient all-reduce per step over {hw.link}"
-            )
+            why += f"; {_comm_text(profiles, c.setup, hw.link)}"
         r.append(f"{n} GPUs would take {format_duration(c.seconds)} ({why})")
     if s.num_gpus > 1 and one is not None and one.seconds and best.seconds and best.step_seconds:
         if best.observed_multi_gpu:
@@ -2464,12 +2524,34 @@ def _multi_gpu_reasons(hw, best, one, best_by_n, profiles, cal) -> list[str]:
             # the one-GPU step on the same basis as the plan's (a measured or scaled speed, not the bare model)
             t1, _ = planned_step_seconds(profiles, replace(s, num_gpus=1), hw.gpus[0].spec, cal)
             ratio = best.step_seconds / t1 if t1 else float("nan")
-            src = f"gradient all-reduce over {hw.link}"
+            src = _comm_text(profiles, s, hw.link)
         r.append(
             f"{s.num_gpus} GPUs: each step takes {ratio:.2f}x as long as on one GPU with the same settings ({src}), "
             f"but the run is {one.seconds / best.seconds:.2f}x faster once steps are normalised"
         )
     return r
+
+
+def _tier_text(c: Candidate, best: Candidate) -> str:
+    """What makes ``c`` less preferred than ``best`` (:func:`_tier`), in words."""
+    if not c.safe:
+        return "its likely peak's upper end over the card's memory"
+    if c.lowered_rank and not best.lowered_rank:
+        return "a lower LoRA rank"
+    if c.setup.offload and not best.setup.offload:
+        return "DeepSpeed optimizer offload (the optimizer on the CPU)"
+    return "full bf16 weights (no fp32 master copy)"
+
+
+def _comm_text(profiles: Profiles, s: Settings, link: str) -> str:
+    """What the GPUs exchange each step (:func:`comm_seconds`), in words."""
+    moved = _gib(gradient_bytes(profiles, s))
+    if s.deepspeed:
+        return (
+            f"the {moved} of gradients reduce-scattered every micro-step and of weights all-gathered every "
+            f"optimizer step over {link} (DeepSpeed ZeRO-2)"
+        )
+    return f"the {moved} gradient all-reduce per step over {link}"
 
 
 def _settings_dict(s: Settings) -> dict[str, Any]:
@@ -2827,12 +2909,14 @@ def memory_flow(profiles: Profiles, s: Settings) -> Memory:
     # peak is the larger of the two phases, not their sum
     ram = max(ram, RAM_PER_PROCESS + swapped)
     buckets = 0.0
-    if full and s.offload:  # DeepSpeed ZeRO-2 + optimizer offload, as memory(): bf16 weights and the buckets
-        g = s.num_gpus
-        ram = max(ram, RAM_PER_PROCESS + t * max(4 * g, 16) * 1.5 / g)  # DeepSpeed's estimator, per process
-        pb = 2.0 if _half(s.precision) else 4.0  # the training dtype on the GPU (memory())
-        weights, opt, step, autocast = t * pb, 0.0, 0.0, 0.0
-        grads = 2 * DEEPSPEED_BUCKET_ELEMENTS * pb  # reduce + allgather buckets
+    if full and s.deepspeed:  # DeepSpeed ZeRO-1/2, offloaded or split over the GPUs, as memory()
+        if s.offload:
+            g = s.num_gpus
+            # DeepSpeed's estimator, per process
+            ram = max(ram, RAM_PER_PROCESS + t * max(4 * g, 16) * 1.5 / g)
+        ds = deepspeed_states(s, t, opt)  # Adafactor's state is in fp32 already
+        weights, grads, opt, step = ds["weights"], ds["gradients"], ds["optimizer"], ds["step"]
+        autocast = 0.0
     elif full and s.num_gpus > 1:  # DDP's reducer buckets: a second copy of the gradients (memory())
         buckets = grads
         grads += buckets
@@ -3174,6 +3258,8 @@ def _flow_full_reasons(best: Candidate) -> list[str]:
     where = "bf16 (training.full_half_weights)" if s.full_half_weights else "fp32 master copies"
     if s.offload:
         where = "bf16 on the GPU, fp32 masters and optimizer state in host RAM (DeepSpeed)"
+    elif s.sharded:
+        where = f"bf16 on every GPU, fp32 masters and optimizer state split over the {s.num_gpus} (DeepSpeed)"
     return [
         f"the whole {s.model} transformer trains ({m.trainable_params / 1e9:.2f}B parameters): weights "
         f"{_gib(m.weights)} in {where}, gradients {_gib(m.gradients)}, {s.optimizer} state {_gib(m.optimizer)}; "

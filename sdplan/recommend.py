@@ -578,7 +578,7 @@ def _settings(plan: dict | None) -> str:
     if plan.get("full_half_weights"):
         bits.append("full bf16")
     if plan["deepspeed"]:
-        bits.append("ZeRO-2 offload")
+        bits.append("ZeRO-2 offload" if plan["deepspeed"].get("offload_optimizer") else "ZeRO-2")
     return ", ".join(bits)
 
 

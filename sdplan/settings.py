@@ -15,7 +15,10 @@ from sdplan import config as C
 from sdplan.registry import FULL_METHODS
 
 DEFAULT_LORA_RANK = C.LoraConfig().rank
-OFFLOAD = {"zero_stage": 2, "offload_optimizer": True}  # the DeepSpeed setting the planner considers
+# the DeepSpeed settings the planner considers: ZeRO-2 with the optimizer on the CPU (any GPU count), and ZeRO-2
+# with the optimizer state and gradients split over the GPUs (two or more)
+OFFLOAD = {"zero_stage": 2, "offload_optimizer": True}
+SHARDED = {"zero_stage": 2, "offload_optimizer": False}
 DEEPSPEED_BUCKET_ELEMENTS = 500_000_000  # reduce / allgather buckets (5e8 elements), written and counted
 
 
@@ -63,6 +66,11 @@ class Settings:
     @property
     def offload(self) -> bool:
         return bool(self.deepspeed and self.deepspeed.get("offload_optimizer"))
+
+    @property
+    def sharded(self) -> bool:
+        """DeepSpeed without offload: the optimizer state (and, ZeRO-2, the gradients) split over the GPUs."""
+        return bool(self.deepspeed) and not self.offload
 
     @property
     def full_weights(self) -> bool:

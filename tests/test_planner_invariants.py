@@ -23,7 +23,7 @@ import pytest
 from sdplan import planner as P
 from sdplan import registry
 from sdplan.profiles import GiB, clear_cache, load_profiles
-from sdplan.settings import OFFLOAD, Settings
+from sdplan.settings import OFFLOAD, SHARDED, Settings
 
 FAMILIES = tuple(f.name for f in registry.FAMILY_LIST)
 UNET_FAMILIES = tuple(f for f in FAMILIES if not P.flow_family(f))
@@ -243,6 +243,72 @@ def test_deepspeed_offload_time_is_a_cpu_optimizer_step_and_pcie_copies(prof):
         P.Request(method="finetune", model="sdxl", pins=(("deepspeed", dict(OFFLOAD)),)),
     )
     assert any("CPU Adam over 2.57 B parameters" in r for r in res.reasons), res.reasons
+
+
+def test_deepspeed_zero2_splits_master_weights_state_and_gradients_over_the_gpus(prof):
+    """ZeRO-2 without offload, per GPU: the half weights whole (2 B per parameter), the fp32 master weights and
+    AdamW's two moments split N ways (12/N), the kept half gradients split too (2/N) beside the two reduce
+    buckets, and at the step the fp32 gradient partition (4/N) and foreach AdamW's temporary (4/N). At the step
+    that is DeepSpeed's own estimate, 2 + 18/N (stage_1_and_2.py estimate_zero2_model_states_mem_needs), and a
+    CPU census of a two-process run gave 2 + 4/N, + 2/N after the backward, 2 + 12/N after the step."""
+    from sdplan.settings import DEEPSPEED_BUCKET_ELEMENTS
+
+    buckets = 2 * DEEPSPEED_BUCKET_ELEMENTS * 2.0
+    for family in ("sdxl", "flux-dev"):
+        for n in (2, 8):
+            s = Settings(
+                method="finetune",
+                model=family,
+                resolution=1024,
+                precision="bf16",
+                gradient_checkpointing=True,
+                cache_latents=True,
+                deepspeed=dict(SHARDED),
+                num_gpus=n,
+            )
+            m, t = P.memory(prof, s), P.memory(prof, s).trainable_params
+            assert m.weights == pytest.approx(2 * t)
+            assert m.optimizer == pytest.approx(12 * t / n)
+            assert m.gradients == pytest.approx(2 * t / n + buckets)
+            assert m.step_transient == pytest.approx(8 * t / n)
+            assert m.autocast_copies == 0.0
+            # plain data parallelism holds fp32 weights, gradients, AdamW state and a bucket copy on every GPU
+            assert m.peak < P.memory(prof, replace(s, deepspeed=None)).peak
+    # ZeRO-2 moves half gradients (reduce-scatter each micro-step) and half weights (all-gather each step):
+    # with accumulation it reduces every micro-step, where DDP all-reduces fp32 gradients once per step
+    cal = P.calibrate(prof)
+    s = Settings(
+        method="finetune", model="sdxl", resolution=1024, deepspeed=dict(SHARDED), num_gpus=4, grad_accum=4
+    )
+    full = P.allreduce_seconds(prof, s, 64.0, cal)
+    assert P.comm_seconds(prof, s, 64.0, cal) == pytest.approx(full / 2 + full / 8)
+    ddp = replace(s, deepspeed=None)
+    assert P.comm_seconds(prof, ddp, 64.0, cal) == pytest.approx(
+        P.allreduce_seconds(prof, ddp, 64.0, cal) / 4
+    )
+    assert P.gradient_bytes(prof, ddp) == 2 * P.gradient_bytes(prof, s)
+
+
+def test_fp32_master_weights_over_several_gpus_beat_full_bf16_on_one(prof):
+    """A FLUX.1 fine-tune on 8x H100 was planned on one GPU with bf16 weights and Adafactor: more GPUs could only
+    offload the optimizer to the CPU (DDP gives every GPU a whole copy), "1.07-4.15x faster, but only with a
+    less preferred setting". ZeRO-2 splitting the fp32 master weights and AdamW state fits from 7 GPUs; the
+    plan takes them, and one GPU stays as it was."""
+    h100 = prof.find_gpu("H100 SXM")
+    req = P.Request(method="finetune", model="flux-dev", images=1000)
+    res = P.plan(P.hardware_from_catalog(h100, count=8), prof, req)
+    s = res.plan
+    assert s.sharded and s.num_gpus == 8 and s.optimizer == "adamw" and not s.full_half_weights
+    assert res.memory.peak <= h100.memory_bytes * P.HEADROOM
+    assert any(r.startswith("DeepSpeed ZeRO-2 over 8 GPUs") for r in res.reasons), res.reasons
+    assert not any("less preferred" in r for r in res.reasons)
+    one = P.plan(P.hardware_from_catalog(h100), prof, req).plan
+    assert one.num_gpus == 1 and one.deepspeed is None and one.full_half_weights
+    # nothing to split over on one GPU: the search does not offer it there
+    space = P.settings_space(
+        replace(req, resolution=1024), precision="bf16", attention="efficient", max_gpus=1
+    )
+    assert not any(x.sharded for x in space)
 
 
 # -- plans: more GPU memory never loses a plan; "needs at least" comes from what the host can run -------------
