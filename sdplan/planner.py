@@ -423,8 +423,9 @@ def deepspeed_states(s: Settings, trained: float, adafactor_state_fp32: float = 
     the N processes: ZeRO-2 keeps 2 + 18/N bytes per parameter at the step (half weights; of 1/N: half gradients,
     fp32 gradients, fp32 master weights, Adam's two fp32 moments), deepspeed/runtime/zero/stage_1_and_2.py
     estimate_zero2_model_states_mem_needs @0.19.8. Measured on the CPU with two processes (2026-11-27, a 16.8M
-    parameter bf16 model, live tensors, benchmarks/zero2_census.py): 2 + 4/N bytes per parameter before the first step, + 2/N after the
-    backward (the kept gradient partition), 2 + 12/N after the step. ZeRO-1 keeps whole half gradients."""
+    parameter bf16 model, live tensors, benchmarks/zero2_census.py): 2 + 4/N bytes per parameter before the
+    first step, + 2/N after the backward (the kept gradient partition), 2 + 12/N after the step. ZeRO-1 keeps
+    whole half gradients."""
     pb = 2.0 if _half(s.precision) else 4.0
     buckets = 2 * DEEPSPEED_BUCKET_ELEMENTS * pb
     if s.offload:
