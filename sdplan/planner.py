@@ -394,7 +394,7 @@ def step_allocated_bytes(
 ) -> float:
     """The training step's peak allocated bytes, the largest of its phases, for the UNet and the transformer
     families alike. ``resident``: weights, frozen parts, optimizer state (and EMA), there all along; ``grads``:
-    the gradients, DDP's reducer ``buckets`` (a second copy, kept) included; ``forward``: the forward's peak
+    the gradients, of which ``buckets`` are DDP's (kept between steps); ``forward``: the forward's peak
     (saved activations and autocast's half copies); ``step``: the optimizer's temporaries; ``recompute_tail``:
     the backward's last segment (recomputed with gradient checkpointing; without it the same segment's saved
     tensors are still held then, so the term is the same either way).
@@ -412,6 +412,15 @@ def step_allocated_bytes(
     return resident + grads + max(forward, step)
 
 
+def ddp_bucket_bytes(s: Settings, grads: float) -> float:
+    """The part of ``grads`` that DDP's all-reduce buckets hold, allocated for good (zero_grad(set_to_none=True)
+    frees nothing of it). sdplan's trainer sets gradient_as_bucket_view=True: the gradients are views into the
+    buckets, one copy, not a second one beside them (DDP's default). Measured on the CPU with two processes
+    (2026-11-27, benchmarks/multi_gpu_census.py, 100.7M fp32 parameters, resident-set growth in gradient
+    bytes): 1.21 after the backward, 1.22 after zero_grad with bucket views; 2.21 and 1.22 without."""
+    return grads if (s.num_gpus > 1 and not s.deepspeed) else 0.0
+
+
 def deepspeed_states(s: Settings, trained: float, adafactor_state_fp32: float = 0.0) -> dict[str, float]:
     """Bytes each GPU holds under DeepSpeed ZeRO-1/2 (the deepspeed.json sdplan.launch writes) for ``trained``
     parameters (Adafactor's factored state, which depends on the shapes, given in fp32): ``weights`` (the
@@ -423,7 +432,7 @@ def deepspeed_states(s: Settings, trained: float, adafactor_state_fp32: float = 
     the N processes: ZeRO-2 keeps 2 + 18/N bytes per parameter at the step (half weights; of 1/N: half gradients,
     fp32 gradients, fp32 master weights, Adam's two fp32 moments), deepspeed/runtime/zero/stage_1_and_2.py
     estimate_zero2_model_states_mem_needs @0.19.8. Measured on the CPU with two processes (2026-11-27, a 16.8M
-    parameter bf16 model, live tensors, benchmarks/zero2_census.py): 2 + 4/N bytes per parameter before the
+    parameter bf16 model, live tensors, benchmarks/multi_gpu_census.py): 2 + 4/N bytes per parameter before the
     first step, + 2/N after the backward (the kept gradient partition), 2 + 12/N after the step. ZeRO-1 keeps
     whole half gradients."""
     pb = 2.0 if _half(s.precision) else 4.0
@@ -568,8 +577,7 @@ def memory(profiles: Profiles, s: Settings) -> Memory:
     if s.ema == "cpu":
         ram += model.params_unet * 4.0
 
-    buckets = grads if (s.num_gpus > 1 and not s.deepspeed) else 0.0  # DDP's reducer buckets: a second copy
-    grads += buckets
+    buckets = ddp_bucket_bytes(s, grads)
     allocated = step_allocated_bytes(
         s,
         resident=weights + frozen + opt + ema,
@@ -2918,9 +2926,8 @@ def memory_flow(profiles: Profiles, s: Settings) -> Memory:
         ds = deepspeed_states(s, t, opt)  # Adafactor's state is in fp32 already
         weights, grads, opt, step = ds["weights"], ds["gradients"], ds["optimizer"], ds["step"]
         autocast = 0.0
-    elif full and s.num_gpus > 1:  # DDP's reducer buckets: a second copy of the gradients (memory())
-        buckets = grads
-        grads += buckets
+    else:
+        buckets = ddp_bucket_bytes(s, grads)
     if full and s.ema == "cpu":
         ram += model.denoiser_params * 4.0
     allocated = step_allocated_bytes(

@@ -289,6 +289,31 @@ def test_deepspeed_zero2_splits_master_weights_state_and_gradients_over_the_gpus
     assert P.gradient_bytes(prof, ddp) == 2 * P.gradient_bytes(prof, s)
 
 
+def test_ddp_gradients_are_the_buckets_one_copy_kept_between_steps(prof):
+    """The trainer sets gradient_as_bucket_view=True: DDP's gradients are views into its all-reduce buckets, one
+    copy, allocated for good (set_to_none frees nothing of it). The planner counted a second copy beside the
+    buckets (DDP's default): benchmarks/multi_gpu_census.py measured 1.21 gradient-sizes after the backward
+    with bucket views, 2.21 without."""
+    for family in ("sd15", "sdxl", "flux-dev"):
+        one = Settings(
+            method="finetune",
+            model=family,
+            resolution=512,
+            precision="bf16",
+            gradient_checkpointing=True,
+            cache_latents=True,
+            cache_text_encoder_outputs=True,
+        )
+        two = replace(one, num_gpus=2)
+        m1, m2 = P.memory(prof, one), P.memory(prof, two)
+        assert m2.gradients == m1.gradients  # no second copy
+        g = m1.gradients
+        resident = m1.weights + m1.frozen + m1.optimizer + m1.ema
+        forward = m1.activations + m1.autocast_copies
+        assert m2.peak - m2.overhead == pytest.approx(resident + g + max(forward, m1.step_transient))
+        assert m2.peak >= m1.peak  # the buckets stay through the next forward
+
+
 def test_fp32_master_weights_over_several_gpus_beat_full_bf16_on_one(prof):
     """A FLUX.1 fine-tune on 8x H100 was planned on one GPU with bf16 weights and Adafactor: more GPUs could only
     offload the optimizer to the CPU (DDP gives every GPU a whole copy), "1.07-4.15x faster, but only with a

@@ -105,8 +105,9 @@ def make_accelerator(cfg, out_dir: Path):
     from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs
 
     # Gradients as views into DDP's all-reduce buckets: no second copy of the gradients (the planner counts
-    # none; kohya's --ddp_gradient_as_bucket_view). SDXL conditions on the first encoder's penultimate
-    # layer: its last layer (and any adapter there) gets no gradient, which DDP must be told about.
+    # one, kept between steps: planner.ddp_bucket_bytes; kohya's --ddp_gradient_as_bucket_view). SDXL
+    # conditions on the first encoder's penultimate layer: its last layer (and any adapter there) gets no
+    # gradient, which DDP must be told about.
     kwargs["kwargs_handlers"] = [
         DistributedDataParallelKwargs(
             gradient_as_bucket_view=True, find_unused_parameters=cfg.training.train_text_encoder

@@ -1,10 +1,17 @@
-"""DeepSpeed ZeRO-2 (no offload): the bytes per trained parameter each process holds, counted on the CPU.
+"""What each process of a data-parallel run holds per trained parameter, counted on the CPU (gloo), for the
+planner's multi-GPU memory (:func:`sdplan.planner.memory`, :func:`sdplan.planner.deepspeed_states`).
 
-Run under two processes (and one, to compare):
+    DS_ACCELERATOR=cpu .venv/bin/torchrun --nproc_per_node 2 benchmarks/multi_gpu_census.py zero2
+    .venv/bin/torchrun --nproc_per_node 2 benchmarks/multi_gpu_census.py ddp      # the trainer's DDP
+    .venv/bin/torchrun --nproc_per_node 2 benchmarks/multi_gpu_census.py ddp-copy # DDP's default, for contrast
 
-    DS_ACCELERATOR=cpu .venv/bin/torchrun --nproc_per_node 2 benchmarks/zero2_census.py
+``ddp``: an fp32 model of 100.7M parameters under DistributedDataParallel with gradient_as_bucket_view=True (as
+sdplan's trainer sets it), the process's resident-set growth in units of the gradients' bytes after the
+backward and after zero_grad(set_to_none=True), twice. The gradients are views into the all-reduce buckets: one
+copy, kept between steps (2026-11-27: 1.21 after the backward, 1.22 after zero_grad; DDP's default copies
+them, 2.21 and 1.22).
 
-It builds a bf16 model of plain Linear layers, initialises DeepSpeed ZeRO-2 (overlap_comm, contiguous
+``zero2``: DeepSpeed ZeRO-2. It builds a bf16 model of plain Linear layers, initialises DeepSpeed ZeRO-2 (overlap_comm, contiguous
 gradients, as sdplan.launch writes it) and counts the live tensors' distinct storages after the forward's
 start, the backward and the optimizer step, twice. The planner's :func:`sdplan.planner.deepspeed_states` rests
 on it: 2 + 4/N bytes per parameter before the first step (half weights, fp32 master partition), + 2/N after the
@@ -18,6 +25,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import sys
 import warnings
 
 WIDTH, DEPTH, BUCKET = 1024, 16, 1_000_000
@@ -40,7 +48,44 @@ def live_bytes() -> int:
     return total
 
 
-def main() -> None:
+def ddp(view: bool) -> None:
+    """Resident-set growth per gradient byte under DDP (large Linear layers: their buffers are mmapped, so
+    freeing them returns the pages)."""
+    import psutil
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    def rss() -> int:
+        gc.collect()
+        return psutil.Process().memory_info().rss
+
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(4096, 4096) for _ in range(6)])
+    params = sum(p.numel() for p in model.parameters())
+    grad_bytes = 4 * params
+    base = rss()
+    wrapped = DistributedDataParallel(model, gradient_as_bucket_view=view)
+    optimizer = torch.optim.SGD(wrapped.parameters(), lr=1e-3)
+    x = torch.randn(2, 4096)
+    rows = {}
+    for i in range(2):
+        wrapped(x).pow(2).mean().backward()
+        rows[f"step {i} after backward"] = (rss() - base) / grad_bytes
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        rows[f"step {i} after zero_grad"] = (rss() - base) / grad_bytes
+    if dist.get_rank() == 0:
+        print(
+            f"DDP, gradient_as_bucket_view={view}, {params} fp32 parameters, {dist.get_world_size()} processes;"
+        )
+        print("resident-set growth in gradients' bytes:")
+        for name, v in rows.items():
+            print(f"  {name:24s} {v:6.2f}")
+
+
+def zero2() -> None:
     import deepspeed
     import torch
     import torch.distributed as dist
@@ -84,5 +129,15 @@ def main() -> None:
         print(json.dumps({"params": params, "world": n, **rows}))
 
 
+def main(argv: list[str]) -> None:
+    mode = argv[0] if argv else "zero2"
+    if mode == "zero2":
+        zero2()
+    elif mode in ("ddp", "ddp-copy"):
+        ddp(view=mode == "ddp")
+    else:
+        raise SystemExit(f"unknown mode {mode!r}: zero2, ddp or ddp-copy")
+
+
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])
