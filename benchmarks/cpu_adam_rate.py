@@ -1,6 +1,7 @@
 #!/usr/bin/env python
 """How fast DeepSpeed's CPU Adam updates parameters on this host: the optimizer step DeepSpeed ZeRO-2 with
-optimizer offload runs on the CPU once per optimizer step (planner.CPU_ADAM_PARAMS_PER_S).
+optimizer offload runs on the CPU once per optimizer step (planner.CPU_ADAM_PARAMS_PER_S; `sdplan bench --host`
+measures it too, and the planner uses that for this host).
 
 One flat fp32 parameter of --params elements with a gradient, DeepSpeedCPUAdam (AdamW mode, AVX kernels); one
 untimed step allocates the moments, then the median of --steps timed steps. For comparison, torch's AdamW
@@ -15,29 +16,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import time
 
-
-def rate(params: int, steps: int, optimizer: str) -> float:
-    """Parameters updated per second by one optimizer step, median over ``steps``."""
-    import torch
-
-    p = torch.nn.Parameter(torch.randn(params))
-    p.grad = torch.randn(params)
-    if optimizer == "deepspeed":
-        from deepspeed.ops.adam import DeepSpeedCPUAdam
-
-        opt = DeepSpeedCPUAdam([p], lr=1e-4, adamw_mode=True)
-    else:
-        opt = torch.optim.AdamW([p], lr=1e-4, foreach=True)
-    opt.step()  # allocates the moments
-    seconds = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        opt.step()
-        seconds.append(time.perf_counter() - t)
-    return params / statistics.median(seconds)
+from sdplan.bench_harness import cpu_adam_rate
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -52,8 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     n = int(args.params)
-    ds = rate(n, args.steps, "deepspeed")
-    pt = rate(n, args.steps, "torch")
+    ds = cpu_adam_rate(n, args.steps, "deepspeed")
+    pt = cpu_adam_rate(n, args.steps, "torch")
     print(f"{n / 1e6:.0f}M fp32 parameters, {torch.get_num_threads()} thread(s), {os.cpu_count()} CPU(s):")
     print(f"  DeepSpeedCPUAdam       {ds / 1e9:.2f} G params/s")
     print(f"  torch AdamW (foreach)  {pt / 1e9:.2f} G params/s  (DeepSpeed {ds / pt:.1f}x)")

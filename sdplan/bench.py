@@ -474,6 +474,45 @@ def describe_machine(device: str) -> Machine:
     )
 
 
+HOST_PARAMS = (
+    50_000_000  # the flat fp32 parameter CPU Adam updates in `sdplan bench --host` (0.8 GB with state)
+)
+HOST_STEPS = 5
+
+
+def measure_host(store_dir: str | Path | None = None, *, params: int | None = None, steps: int = HOST_STEPS):
+    """`sdplan bench --host`: DeepSpeed's CPU Adam rate on this host (the optimizer step ZeRO-2 offload runs on
+    the CPU), written to the store's host.yaml, which the planner reads when it plans for this machine.
+    Returns (the HostMeasurement, the file)."""
+    import importlib.metadata
+
+    import torch
+
+    from sdplan import profiles
+    from sdplan.bench_harness import cpu_adam_rate
+
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # the optimizer runs on the CPU whatever GPU is here
+    params = params or HOST_PARAMS
+    rate = cpu_adam_rate(params, steps)
+    try:
+        from sdplan.probe.host import cpu_model
+
+        cpu = cpu_model() or "unknown CPU"
+    except Exception:  # provenance only
+        cpu = "unknown CPU"
+    threads = torch.get_num_threads()
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    host = profiles.HostMeasurement(
+        cpu=cpu,
+        threads=threads,
+        cpu_adam_params_per_s=round(rate, -6),
+        source=f"sdplan bench --host {__version__}, DeepSpeedCPUAdam "
+        f"(deepspeed {importlib.metadata.version('deepspeed')}), {params / 1e6:.0f}M fp32 parameters, median of "
+        f"{steps} steps on {threads} thread(s) of {cpu}, {now}",
+    )
+    return host, profiles.write_host(store_root(store_dir), host)
+
+
 def resolve_device(device: str, *, demo: bool) -> str:
     """ "cuda" or "cpu". A real bench needs a GPU; the demo runs on the CPU."""
     if demo:

@@ -517,3 +517,34 @@ def probe_point(h: Harness, batch: int, effort: Effort, *, cuda: bool, rss_base:
     else:
         out["peak_rss_delta_bytes"] = max(0, meter.peak - rss_base)
     return out
+
+
+# -- the host: DeepSpeed's CPU Adam ---------------------------------------------------------------------------
+
+
+def cpu_adam_rate(params: int, steps: int, optimizer: str = "deepspeed") -> float:
+    """Parameters one optimizer step updates per second on this host's CPU, median of ``steps`` timed steps
+    after one that allocates the moments: DeepSpeed's CPU Adam (AdamW mode: what ZeRO-2 optimizer offload runs
+    once per optimizer step), or ``optimizer="torch"``: torch's AdamW (foreach), for comparison. One flat fp32
+    parameter of ``params`` elements with a gradient (16 bytes each, with the two moments)."""
+    import torch
+
+    p = torch.nn.Parameter(torch.randn(params))
+    p.grad = torch.randn(params)
+    if optimizer == "deepspeed":
+        try:
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+        except ImportError as e:
+            raise UsageError(
+                "measuring the CPU Adam rate needs DeepSpeed", fix="pip install 'sdplan[deepspeed]'"
+            ) from e
+        opt = DeepSpeedCPUAdam([p], lr=1e-4, adamw_mode=True)
+    else:
+        opt = torch.optim.AdamW([p], lr=1e-4, foreach=True)
+    opt.step()  # allocates the moments
+    seconds = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        opt.step()
+        seconds.append(time.perf_counter() - t)
+    return params / statistics.median(seconds)

@@ -47,7 +47,7 @@ from typing import Any
 
 from sdplan import registry
 from sdplan.errors import UsageError
-from sdplan.profiles import GiB, GPUSpec, MethodPoint, ModelSpec, Profiles
+from sdplan.profiles import GiB, GPUSpec, HostMeasurement, MethodPoint, ModelSpec, Profiles
 from sdplan.registry import FULL_METHODS, METHODS
 from sdplan.settings import CONFIG_KEYS, DEEPSPEED_BUCKET_ELEMENTS, OFFLOAD, SHARDED, Settings
 from sdplan.steps import Steps, plan_steps
@@ -73,6 +73,7 @@ GC_TIME_FACTOR = 1.25  # gradient checkpointing: ~20-30% slower (field notes 2; 
 # with one thread, 2.36 G with two (memory-bound: ~28 bytes moved per parameter); torch's AdamW 0.31 G, 6.7x
 # slower, as DeepSpeed documents (5-7x)
 CPU_ADAM_PARAMS_PER_S = 2.1e9
+CPU_ADAM_SOURCE = "measured on a 2-core AMD EPYC VM; `sdplan bench --host` measures this host's"
 # python, data loading and kernel launches per micro-step, whatever the batch: the prior; calibrate() fits it
 # with the bandwidth efficiency where the published speeds span several batch sizes
 STEP_OVERHEAD_S = 0.03
@@ -153,6 +154,9 @@ class Hardware:
     label: str = ""
     # what was assumed about the GPUs (a form factor, an uncatalogued GPU); the plan's reasons start with them
     notes: tuple[str, ...] = ()
+    host: HostMeasurement | None = (
+        None  # this host's own measurements (a probe of the machine sdplan runs on)
+    )
 
     @property
     def count(self) -> int:
@@ -727,6 +731,11 @@ class Calibration:
         floor = self.step_floor(s)
         return floor[0] if floor else None
 
+    # DeepSpeed's CPU Adam rate (parameters per second) that offload's time uses, and where it comes from: the
+    # shipped figure, or this host's own (calibrate_for)
+    cpu_adam_params_per_s: float = CPU_ADAM_PARAMS_PER_S
+    cpu_adam_source: str = CPU_ADAM_SOURCE
+
     # GPU architecture family -> the UNets' bandwidth efficiency fitted on the sdplan bench speeds measured
     # there (at least BENCH_MIN_POINTS); the published one above elsewhere
     bandwidth_by_family: tuple[tuple[str, float], ...] = ()
@@ -935,7 +944,7 @@ def _step_times(
             encode
             + swap_seconds(profiles, s, spec)
             + dequant_seconds(profiles, s)
-            + offload_seconds(profiles, s, spec)
+            + offload_seconds(profiles, s, spec, cal.cpu_adam_params_per_s)
         )
     else:
         compute = step_compute_seconds(profiles, s, spec, cal)
@@ -944,7 +953,8 @@ def _step_times(
         if not s.cache_latents:
             after = compute - step_compute_seconds(profiles, replace(s, cache_latents=True), spec, cal)
         base = compute - after + optimizer_step_seconds(profiles, s, spec) + cal.step_overhead_s
-        after += offload_seconds(profiles, s, spec)  # the floors were measured without offload
+        # the floors were measured without offload
+        after += offload_seconds(profiles, s, spec, cal.cpu_adam_params_per_s)
     times = (max(base, cal.step_floor_s(s) or 0.0) + after, base + after)
     if s.num_gpus > 1 and link_gbs:
         allreduce = comm_seconds(profiles, s, link_gbs, cal)
@@ -1111,6 +1121,19 @@ def speed_family(model: str) -> str:
         return registry.family(model).speed_as or model
     except UsageError:
         return model
+
+
+def calibrate_for(profiles: Profiles, hardware: Hardware) -> Calibration:
+    """:func:`calibrate`, with what ``hardware``'s host measured of itself (`sdplan bench --host`: its CPU Adam
+    rate) in place of the shipped figure."""
+    cal = calibrate(profiles)
+    if hardware.host is not None:
+        cal = replace(
+            cal,
+            cpu_adam_params_per_s=hardware.host.cpu_adam_params_per_s,
+            cpu_adam_source=f"measured on this host by `sdplan bench --host` ({hardware.host.source})",
+        )
+    return cal
 
 
 def _step_floor_kind(method: str) -> str:
@@ -1325,6 +1348,7 @@ def hardware_from_snapshot(snapshot: Any, profiles: Profiles, source: str = "pro
         link_gbs=gbs,
         label=label,
         notes=tuple(notes),
+        host=profiles.host if source == "probe" else None,
     )
 
 
@@ -1383,7 +1407,7 @@ def batch_sweep(res: Result, profiles: Profiles) -> tuple[Candidate, ...]:
     most SWEEP_MAX_BATCH) and the plan's own, for a picture of where the plan sits (sdplan.plan_chart)."""
     if res.plan is None:
         return ()
-    cal = calibrate(profiles)
+    cal = calibrate_for(profiles, res.hardware)
     top = min(SWEEP_MAX_BATCH, max(4, 2 * res.plan.batch))
     batches = sorted({res.plan.batch} | {2**i for i in range(7) if 2**i <= top})
     return tuple(
@@ -2112,7 +2136,7 @@ def plan(hardware: Hardware | Any, profiles: Profiles, request: Request) -> Resu
         raise registry.not_supported(req.method, req.model)
     resolution = req.resolution or model.native_resolution
     req = replace(req, resolution=resolution)
-    cal = calibrate(profiles)
+    cal = calibrate_for(profiles, hardware)
     reasons: list[str] = list(hardware.notes)
     if req.pins:
         reasons.append("pinned: " + ", ".join(pin_text(k, v) for k, v in req.pins) + " (planned around them)")
@@ -2360,14 +2384,14 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
             )
         )
     if s.offload:
-        added = offload_seconds(profiles, s, gpu.spec) if gpu.spec is not None else None
+        added = offload_seconds(profiles, s, gpu.spec, cal.cpu_adam_params_per_s) if gpu.spec else None
         r.append(
             "DeepSpeed ZeRO-2 with optimizer offload to CPU: "
             + ("pinned" if pinned("deepspeed") else "nothing without offload fits")
             + (
-                f"; it adds ~{added:.2f} s a micro-step (the gradients copied to the host, and once per optimizer "
-                f"step CPU Adam over {m.trainable_params / 1e9:.2f} B "
-                "parameters and the weights copied back)"
+                f"; it adds ~{added:.2f} s a micro-step (the gradients copied to the host and, once per optimizer "
+                f"step, the weights copied back and CPU Adam over {m.trainable_params / 1e9:.2f} B parameters at "
+                f"{cal.cpu_adam_params_per_s / 1e9:.2f} G/s: {cal.cpu_adam_source})"
                 if added
                 else "; the optimizer runs on the CPU"
             )
@@ -3142,7 +3166,12 @@ def pinned_ram_bytes(profiles: Profiles, s: Settings) -> float:
     return (RAM_PER_PROCESS + swapped_block_bytes(profiles.model(s.model), s)) * s.num_gpus
 
 
-def offload_seconds(profiles: Profiles, s: Settings, spec: GPUSpec | None) -> float:
+def offload_seconds(
+    profiles: Profiles,
+    s: Settings,
+    spec: GPUSpec | None,
+    cpu_adam_params_per_s: float = CPU_ADAM_PARAMS_PER_S,
+) -> float:
     """Seconds per micro-step that DeepSpeed ZeRO-2's optimizer offload adds (0 without it): each micro-step
     the process's share of the gradients goes to host memory over PCIe (2 bytes a parameter in half precision);
     once per optimizer step the host runs CPU Adam over every trained parameter (the processes of one machine
@@ -3156,7 +3185,7 @@ def offload_seconds(profiles: Profiles, s: Settings, spec: GPUSpec | None) -> fl
     trained = trainable_params(profiles.model(s.model), s, profiles)
     link = _host_copy_bytes_per_s(spec)
     copied = trained * (2 if _half(s.precision) else 4) / s.num_gpus
-    return copied / link + (trained / CPU_ADAM_PARAMS_PER_S + copied / link) / s.grad_accum
+    return copied / link + (trained / cpu_adam_params_per_s + copied / link) / s.grad_accum
 
 
 def _host_copy_bytes_per_s(spec: GPUSpec) -> float:

@@ -644,6 +644,58 @@ UNCERTAINTY_SCHEMA = {
 }
 
 
+HOST_FILE = "host.yaml"  # in the local store: this host's own measurements (sdplan bench --host)
+HOST_SCHEMA = {
+    "schema_version": F((int,), check=_one_of(SCHEMA_VERSION)),
+    "cpu": F(STR),
+    "threads": F((int,), check=_positive),
+    "cpu_adam_params_per_s": F(NUM, check=_positive),
+    "source": F(STR),
+}
+
+
+@dataclass(frozen=True)
+class HostMeasurement:
+    """What `sdplan bench --host` measured on this host: DeepSpeed's CPU Adam rate (parameters updated per
+    second), which sets DeepSpeed optimizer offload's time (planner.offload_seconds)."""
+
+    cpu: str
+    threads: int
+    cpu_adam_params_per_s: float
+    source: str
+
+
+def load_host(path: Path) -> HostMeasurement:
+    d = _validated(path, HOST_SCHEMA)
+    return HostMeasurement(
+        cpu=d["cpu"],
+        threads=d["threads"],
+        cpu_adam_params_per_s=float(d["cpu_adam_params_per_s"]),
+        source=d["source"],
+    )
+
+
+def write_host(store: Path, host: HostMeasurement) -> Path:
+    """``{store}/host.yaml``, atomically (a re-measurement replaces it); clears the load cache."""
+    path = store / HOST_FILE
+    data = {
+        "schema_version": SCHEMA_VERSION,
+        **{k: getattr(host, k) for k in HOST_SCHEMA if k != "schema_version"},
+    }
+    try:
+        store.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(
+            "# this host's measurements, written by `sdplan bench --host`; the planner reads them when it plans\n"
+            "# for this machine\n" + yaml.safe_dump(data, sort_keys=False)
+        )
+        os.replace(tmp, path)
+    except OSError as e:
+        raise _unwritable_store(store, e) from None
+    clear_cache()
+    return path
+
+
 def load_uncertainty(path: Path) -> Uncertainty:
     d = _validated(path, UNCERTAINTY_SCHEMA)
     flow = d.get("transformer") or {}
@@ -687,6 +739,7 @@ class Profiles:
     # families with profile data but no planner support yet (FLOW_FAMILIES); not offered to recommend
     unplanned_models: dict[str, ModelSpec] = field(default_factory=dict)
     uncertainty: Uncertainty = field(default_factory=Uncertainty)
+    host: HostMeasurement | None = None  # this host's own measurements (the local store's host.yaml)
     # gpu_or_none's answers for this catalog: a plan asks for its points' GPUs some 10^5 times (not an input:
     # dataclasses.replace starts an empty one)
     _gpu_lookups: dict = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -1360,8 +1413,12 @@ def _load_cached(shipped: str, local: str) -> Profiles:
     sources.append(str(unc_path))
 
     lroot = Path(local)
+    host = None
     if lroot.is_dir():
         try:
+            if (lroot / HOST_FILE).is_file():
+                host = load_host(lroot / HOST_FILE)
+                sources.append(str(lroot / HOST_FILE))
             lg = lroot / "gpus.yaml"
             if lg.is_file():
                 extra = load_gpus(lg)
@@ -1398,6 +1455,7 @@ def _load_cached(shipped: str, local: str) -> Profiles:
         activations=activations,
         sources=tuple(sources),
         uncertainty=uncertainty,
+        host=host,
     )
 
 

@@ -665,3 +665,56 @@ def test_trainer_vs_reference_script_times_both_loops_on_the_demo_model(model):
     r = mod.measure(model, 2, demo=True, warmup=1, steps=2)
     assert r["sdplan"]["median_step_s"] > 0 and r["reference"]["median_step_s"] > 0
     assert r["ratio"] == r["sdplan"]["median_step_s"] / r["reference"]["median_step_s"]
+
+
+# -- sdplan bench --host: this host's CPU Adam rate -----------------------------------------------------------
+
+
+def test_a_measured_host_rate_sets_offload_time_on_this_machine_only(tmp_path, monkeypatch):
+    """host.yaml in the local store (what `sdplan bench --host` writes) replaces the shipped CPU Adam rate when
+    the plan is for this machine (a probe), and says so; a saved snapshot of another machine or a catalog GPU
+    keeps the shipped rate."""
+    from sdplan import planner as P
+    from sdplan.settings import OFFLOAD
+
+    root = fresh_profile_store(monkeypatch, tmp_path)
+    slow = profiles.HostMeasurement(
+        cpu="Test CPU", threads=4, cpu_adam_params_per_s=0.5e9, source="a test's figure"
+    )
+    profiles.write_host(root, slow)
+    prof = profiles.load_profiles(local=root)
+    assert prof.host == slow
+    snap = Snapshot.load(MACHINES / "rtx3060_12gb.json")
+    snap = replace(snap, host=replace(snap.host, ram_total_bytes=64 * 2**30))  # room for the offload
+    req = P.Request(method="finetune", model="sd15", pins=(("deepspeed", dict(OFFLOAD)),))
+    here = P.plan(P.hardware_from_snapshot(snap, prof, source="probe"), prof, req)
+    there = P.plan(P.hardware_from_snapshot(snap, prof, source="file"), prof, req)
+    assert here.plan.offload and there.plan.offload and here.plan == there.plan
+    assert here.step_seconds > there.step_seconds
+    trained = here.memory.trainable_params
+    # CPU Adam once per optimizer step: the step grows by the rates' difference over the trained parameters
+    extra = trained / 0.5e9 - trained / P.CPU_ADAM_PARAMS_PER_S
+    assert here.step_seconds - there.step_seconds == pytest.approx(extra / here.plan.grad_accum, rel=1e-6)
+    assert any("at 0.50 G/s: measured on this host by `sdplan bench --host`" in r for r in here.reasons)
+    assert any("`sdplan bench --host` measures this host's" in r for r in there.reasons)
+
+
+def test_host_bench_refuses_other_options_in_one_line(tmp_path, monkeypatch):
+    fresh_profile_store(monkeypatch, tmp_path)
+    result = CliRunner().invoke(cli(), ["bench", "--host", "--model", "sdxl"])
+    assert result.exit_code != 0
+    assert "--host measures this host's CPU only" in result.output
+    assert not (tmp_path / "host.yaml").exists()
+
+
+@pytest.mark.slow
+def test_host_bench_measures_deepspeeds_cpu_adam_and_saves_it(tmp_path, monkeypatch):
+    pytest.importorskip("deepspeed")
+    root = fresh_profile_store(monkeypatch, tmp_path)
+    monkeypatch.setattr(bench, "HOST_PARAMS", 5_000_000)
+    result = CliRunner().invoke(cli(), ["bench", "--host"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    host = profiles.load_profiles(local=root).host
+    assert host is not None and host.cpu_adam_params_per_s > 1e7 and host.threads >= 1
+    assert "DeepSpeedCPUAdam" in host.source and "5M fp32 parameters" in host.source
+    assert f"{host.cpu_adam_params_per_s / 1e9:.2f} G parameters/s" in result.output

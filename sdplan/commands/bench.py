@@ -58,6 +58,15 @@ def bench(
             help="Profile store to write to. Default: $SDPLAN_PROFILE_DIR, else $XDG_DATA_HOME/sdplan/profiles.",
         ),
     ] = None,
+    host: Annotated[
+        bool,
+        typer.Option(
+            "--host",
+            help="Measure this host's CPU instead: DeepSpeed's CPU Adam rate, which sets the time of DeepSpeed "
+            "optimizer offload, saved for the planner's plans on this machine (no GPU needed; needs "
+            "`pip install 'sdplan[deepspeed]'`).",
+        ),
+    ] = False,
     settings: Annotated[
         list[str] | None,
         typer.Argument(
@@ -80,6 +89,9 @@ def bench(
     from sdplan import bench as lib
     from sdplan import profiles
 
+    if host:
+        _bench_host(store, clash=bool(method or model or resolution or demo or quick or settings))
+        return
     reject_repeated_settings(settings)
     pins = tuple(settings or ())
     # a typo first: it is wrong on any machine
@@ -160,6 +172,32 @@ def bench(
     if interrupted:
         err_console().print(f"[yellow]the {len(points)} point(s) measured before Ctrl-C are kept[/]")
         raise KeyboardInterrupt
+
+
+def _bench_host(store: Path | None, *, clash: bool) -> None:
+    from sdplan import bench as lib
+    from sdplan.errors import UsageError
+    from sdplan.trainer import runtime
+
+    if clash:
+        raise UsageError(
+            "--host measures this host's CPU only",
+            fix="run `sdplan bench --host` alone (--store may go with it)",
+        )
+    note = runtime.deepspeed_cpu_adam_build_note()
+    if note:
+        console().print(note, markup=False)
+    console().print(
+        f"Measuring DeepSpeed's CPU Adam on this host ({lib.HOST_PARAMS / 1e6:.0f}M parameters, "
+        f"{lib.HOST_STEPS} steps) ...",
+        markup=False,
+    )
+    measured, path = lib.measure_host(store)
+    console().print(
+        f"CPU Adam: {measured.cpu_adam_params_per_s / 1e9:.2f} G parameters/s on {measured.threads} thread(s) of "
+        f"{measured.cpu}; saved to {path}: `sdplan recommend` on this machine uses it for DeepSpeed offload's time",
+        markup=False,
+    )
 
 
 def _progress(total: int):

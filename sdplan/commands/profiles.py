@@ -147,6 +147,9 @@ def _holds(known: Any, path: Path, origin: str) -> str:
         return text
     if name == "activations.yaml":
         return f"activation and FLOP coefficients per family ({known.activations.source})"
+    if name == "host.yaml" and known.host is not None:
+        h = known.host
+        return f"this host: CPU Adam {h.cpu_adam_params_per_s / 1e9:.2f} G parameters/s ({h.source})"
     return ""
 
 
