@@ -221,9 +221,11 @@ def test_closing_the_terminal_leaves_a_checkpoint_and_resume_finishes_the_same_r
     assert s["final_loss"] == pytest.approx(summary(demo[0])["final_loss"], rel=1e-6)
 
 
-@pytest.mark.slow
-def test_deepspeed_zero2_offload_on_cpu(tmp_path):
-    pytest.importorskip("deepspeed")
+def _train_with_deepspeed(
+    tmp_path, deepspeed: dict, precision: str, max_steps: int, method: str | None = None
+):
+    """`sdplan train --device cpu` of the tiny SD 1.x demo under DeepSpeed; asserts it exited 0, returns
+    (the process, the run folder)."""
     from sdplan.trainer.tiny import save_tiny_model
 
     from sdplan.demo import demo_config, make_dataset
@@ -231,9 +233,12 @@ def test_deepspeed_zero2_offload_on_cpu(tmp_path):
     root = tmp_path / "ds"
     save_tiny_model(root / "base_model", "sd15")
     make_dataset(root / "dataset")
-    data = demo_config(root, max_steps=4)
-    data["distributed"]["deepspeed"] = {"zero_stage": 2, "offload_optimizer": True}
-    data["training"]["precision"] = "fp16"  # the default: trains in fp32 on the CPU (DeepSpeed refused fp16)
+    data = demo_config(root, max_steps=max_steps)
+    if method is not None and method != data["method"]:
+        data["method"] = method
+        data.pop("lora", None)
+    data["distributed"]["deepspeed"] = deepspeed
+    data["training"]["precision"] = precision
     data["sampling"]["prompts"] = data["sampling"]["prompts"][:1]
     (tmp_path / "ds.yaml").write_text(yaml.safe_dump(data))
     out = root / "run"
@@ -241,6 +246,14 @@ def test_deepspeed_zero2_offload_on_cpu(tmp_path):
         "train", "--config", str(tmp_path / "ds.yaml"), "--out", str(out), "--device", "cpu", timeout=600
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc, out
+
+
+@pytest.mark.slow
+def test_deepspeed_zero2_offload_on_cpu(tmp_path):
+    pytest.importorskip("deepspeed")
+    # fp16, the default: trains in fp32 on the CPU (DeepSpeed refused fp16)
+    proc, out = _train_with_deepspeed(tmp_path, {"zero_stage": 2, "offload_optimizer": True}, "fp16", 4)
     assert "DS_ACCELERATOR=cpu" in proc.stdout and "accelerate.commands.launch" in proc.stdout
     # DeepSpeed's bare print once its shared-memory op is built, between the trainer's lines
     assert "built successfully" not in proc.stdout and "Setting accelerator" not in proc.stdout, proc.stdout
@@ -261,25 +274,9 @@ def test_deepspeed_full_finetune_in_bf16_on_cpu(tmp_path, offload):
     the optimizer offloaded, and without (the optimizer state split over the processes: one here, as
     accelerate runs DeepSpeed on the CPU in one process only)."""
     pytest.importorskip("deepspeed")
-    from sdplan.trainer.tiny import save_tiny_model
-
-    from sdplan.demo import demo_config, make_dataset
-
-    root = tmp_path / "ds"
-    save_tiny_model(root / "base_model", "sd15")
-    make_dataset(root / "dataset")
-    data = demo_config(root, max_steps=2)
-    data["method"] = "finetune"
-    data.pop("lora", None)
-    data["distributed"]["deepspeed"] = {"zero_stage": 2, "offload_optimizer": offload}
-    data["training"]["precision"] = "bf16"
-    data["sampling"]["prompts"] = data["sampling"]["prompts"][:1]
-    (tmp_path / "ds.yaml").write_text(yaml.safe_dump(data))
-    out = root / "run"
-    proc = sdplan(
-        "train", "--config", str(tmp_path / "ds.yaml"), "--out", str(out), "--device", "cpu", timeout=600
+    _, out = _train_with_deepspeed(
+        tmp_path, {"zero_stage": 2, "offload_optimizer": offload}, "bf16", 2, method="finetune"
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     ds = json.loads((out / "deepspeed.json").read_text())
     assert ds["bf16"] == {"enabled": True}
     assert ("offload_optimizer" in ds["zero_optimization"]) is offload
