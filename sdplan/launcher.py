@@ -560,7 +560,8 @@ def after_oom(data: dict[str, Any], *, cuda: bool, have_bnb: bool, have_deepspee
     checkpointing (~20-30% slower), 8-bit AdamW (CUDA with bitsandbytes, not with DeepSpeed), cached latents,
     cached text-encoder outputs (frozen encoders only), full bf16 weights (a full-UNet method in bf16 on a GPU:
     the planner's fallback before offload, kohya --full_bf16), and last DeepSpeed ZeRO-2 with the optimizer
-    state offloaded to CPU (the optimizer step on the CPU: the last resort).
+    state offloaded to CPU (the optimizer step on the CPU: the last resort; a plan's ZeRO-2 that splits the
+    optimizer state over the GPUs offloads it then).
     """
     new = json.loads(json.dumps(data))  # deep copy of plain data
     t = new.setdefault("training", {})
@@ -601,13 +602,21 @@ def after_oom(data: dict[str, Any], *, cuda: bool, have_bnb: bool, have_deepspee
         return Change(
             new, "switched to full bf16 weights and gradients (no fp32 master copy; kohya --full_bf16)"
         )
-    if have_deepspeed and not deepspeed_on:
+    # a DeepSpeed config without the key offloads (config.DeepSpeedConfig's default)
+    offloaded = deepspeed_on and dist["deepspeed"].get("offload_optimizer", True)
+    if have_deepspeed and not offloaded:
+        was_split = deepspeed_on  # ZeRO-2 splitting the optimizer state over the GPUs: offload it too
         dist["deepspeed"] = dict(OFFLOAD)
         if m.get("optimizer") == "adamw8bit":
             m["optimizer"] = "adamw"  # bitsandbytes does not combine with DeepSpeed
         return Change(
             new,
-            "turned on DeepSpeed ZeRO-2 with the optimizer state offloaded to CPU (slower: the optimizer runs on the CPU)",
+            (
+                "offloaded the split optimizer state of DeepSpeed ZeRO-2 to CPU"
+                if was_split
+                else "turned on DeepSpeed ZeRO-2 with the optimizer state offloaded to CPU"
+            )
+            + " (slower: the optimizer runs on the CPU)",
         )
     return None
 

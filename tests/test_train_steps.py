@@ -136,6 +136,24 @@ def test_a_full_unet_method_in_bf16_tries_full_bf16_weights_before_offload():
             d = change.data
 
 
+def test_a_plans_split_zero2_offloads_its_optimizer_state_last():
+    """A plan's DeepSpeed ZeRO-2 without offload (the optimizer state split over the GPUs) that runs out of memory
+    at batch 1 with every saver on ends with the state offloaded to the CPU; an offloading one has nothing left."""
+    d = data(training={"batch_size": 1, "precision": "bf16"}, memory={"gradient_checkpointing": True})
+    d["method"] = "finetune"
+    d["distributed"] = {"num_processes": 2, "deepspeed": {"zero_stage": 2, "offload_optimizer": False}}
+    seen = []
+    while (change := after_oom(d, cuda=True, have_bnb=True, have_deepspeed=True)) is not None:
+        validate(change.data)
+        seen.append(change.message.split(" (")[0])
+        d = change.data
+    assert seen[-1] == "offloaded the split optimizer state of DeepSpeed ZeRO-2 to CPU"
+    assert "switched to 8-bit AdamW" not in seen and not any("full bf16" in m for m in seen)
+    assert d["distributed"]["deepspeed"] == {"zero_stage": 2, "offload_optimizer": True}
+    d["distributed"]["deepspeed"] = {"zero_stage": 2}  # the config's default offloads
+    assert after_oom(d, cuda=True, have_bnb=True, have_deepspeed=True) is None
+
+
 def test_no_8bit_adam_on_cpu_or_without_bitsandbytes_and_no_deepspeed_without_it():
     d = data(training={"batch_size": 1}, memory={"gradient_checkpointing": True})
     for kwargs in ({"cuda": False, "have_bnb": True}, {"cuda": True, "have_bnb": False}):
