@@ -707,20 +707,28 @@ class Calibration:
         without; SD3.5 Medium 0.41 s / 0.27 s; the UNets 1.65-1.71x), else the other setting's times the
         ratio the families measured both ways have (:func:`_checkpointing_floor_ratio`)."""
         kind = _step_floor_kind(s.method)
-        floors = {k: (sec, pid) for k, sec, pid in self.step_floors}
+        floors = self._floors_by_key
         model = speed_family(s.model)
         gc = bool(s.gradient_checkpointing)
         own = floors.get((model, kind, gc))
         other = floors.get((model, kind, not gc))
         if own is not None or other is None:
             return own
-        ratio = _checkpointing_floor_ratio(self.step_floors)
+        ratio = self._checkpointing_ratio
         sec, pid = other
         return (
             sec * ratio if gc else sec / ratio,
             f"{pid}, measured {'without' if gc else 'with'} gradient checkpointing, "
             f"{'x' if gc else '/'}{ratio:.2f} for it as the models measured both ways",
         )
+
+    @functools.cached_property
+    def _floors_by_key(self) -> dict[tuple[str, str, bool], tuple[float, str]]:
+        return {k: (sec, pid) for k, sec, pid in self.step_floors}
+
+    @functools.cached_property
+    def _checkpointing_ratio(self) -> float:
+        return _checkpointing_floor_ratio(self.step_floors)
 
     def step_floor_s(self, s: Settings) -> float | None:
         """No prediction is faster than the fastest micro-step measured for its family and kind of training.
@@ -1455,6 +1463,25 @@ def _near_point(profiles: Profiles, s: Settings, gpu: GPUSpec | None) -> MethodP
     loading, logging), 3 of the 4 validation speeds it touched got worse (median 20.1% -> 22.7%)."""
     if gpu is None:
         return None
+    memo = (
+        "near_point",
+        gpu.name,
+        s.model,
+        s.method,
+        s.precision,
+        bool(s.deepspeed),
+        s.resolution,
+        s.batch,
+        s.gradient_checkpointing,
+        s.base_precision,
+        s.blocks_to_swap,
+    )
+    if memo not in profiles.memo:
+        profiles.memo[memo] = _nearest_bench_point(profiles, s, gpu)
+    return profiles.memo[memo]
+
+
+def _nearest_bench_point(profiles: Profiles, s: Settings, gpu: GPUSpec) -> MethodPoint | None:
     best, best_key = None, None
     for p in profiles.points_on(gpu.name):
         if not p.outcome.get("it_s") or p.num_gpus != 1 or p.grad_accum != 1:

@@ -744,6 +744,8 @@ class Profiles:
     # dataclasses.replace starts an empty one)
     _gpu_lookups: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     _points_by_gpu: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    # the planner's per-settings lookups over these points (planner._near_point), asked thousands of times a plan
+    memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def model(self, family: str) -> ModelSpec:
         if family not in self.models and family in FAMILIES:
