@@ -41,7 +41,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -1203,6 +1203,15 @@ BENCH_MIN_POINTS = 5
 BANDWIDTH_EFFICIENCY_GRID = tuple(0.01 * 1.03**i for i in range(160))  # 0.01 .. 1.1, 3% apart
 
 
+def _grid_argmin(grid: tuple[float, ...], f: Callable[[float], float], stride: int = 8) -> float:
+    """The grid value where ``f`` is least: every ``stride``-th value, then every value around the best of those
+    (each ``f`` here predicts a whole series of steps: 36 of them instead of 160 for a 3%-step grid). The
+    shipped profiles' fits, and every left-out fit benchmarks/planner_accuracy.py makes, equal the full scan's."""
+    coarse = min(range(0, len(grid), stride), key=lambda i: f(grid[i]))
+    fine = range(max(0, coarse - stride + 1), min(len(grid), coarse + stride))
+    return grid[min(fine, key=lambda i: f(grid[i]))]
+
+
 def _bench_bandwidth_efficiencies(profiles: Profiles, cal: Calibration) -> tuple[tuple[str, float], ...]:
     """Per GPU architecture family with at least BENCH_MIN_POINTS sdplan bench speeds of the UNet families (one
     GPU): the bandwidth efficiency whose whole step prediction (roofline, overhead, launch-bound floor) fits
@@ -1223,7 +1232,7 @@ def _bench_bandwidth_efficiencies(profiles: Profiles, cal: Calibration) -> tuple
         return sum(math.log(step_seconds(profiles, s, spec, c) / sec) ** 2 for s, spec, sec in rows)
 
     return tuple(
-        (fam, min(BANDWIDTH_EFFICIENCY_GRID, key=lambda eff, fam=fam, rows=rows: error(fam, rows, eff)))
+        (fam, _grid_argmin(BANDWIDTH_EFFICIENCY_GRID, lambda eff, fam=fam, rows=rows: error(fam, rows, eff)))
         for fam, rows in sorted(by.items())
         if len(rows) >= BENCH_MIN_POINTS
     )
@@ -2766,7 +2775,7 @@ def dequant_passes(s: Settings) -> int:
 
 
 def _block_linear_count(model: ModelSpec) -> int:
-    return sum(c for _, _, _, c in transformer_linears(model))
+    return _per_model(model, "linear count", lambda: sum(c for _, _, _, c in transformer_linears(model)))
 
 
 # A quantized base changes the result a little (its forward is the quantized network's): a small handicap so
@@ -2781,9 +2790,27 @@ def flow_family(family: str) -> bool:
     return family in registry.FLOW_FAMILIES
 
 
-def transformer_linears(model: ModelSpec) -> list[tuple[str, int, int, int]]:
+# (id(model), what) -> (model, the value): per-model arithmetic a plan's search asks thousands of times
+_MODEL_MEMO: dict[tuple[int, Any], tuple[ModelSpec, Any]] = {}
+
+
+def _per_model(model: ModelSpec, what: Any, compute: Callable[[], Any]) -> Any:
+    """``compute()`` once per model spec (and ``what``): held while that very spec lives."""
+    hit = _MODEL_MEMO.get((id(model), what))
+    if hit is not None and hit[0] is model:
+        return hit[1]
+    value = compute()
+    _MODEL_MEMO[(id(model), what)] = (model, value)
+    return value
+
+
+def transformer_linears(model: ModelSpec) -> tuple[tuple[str, int, int, int], ...]:
     """The Linear layers of the transformer's blocks from its config: (module suffix, in, out, count), as named
     by diffusers' FluxTransformer2DModel / SD3Transformer2DModel (what peft's target_modules match)."""
+    return _per_model(model, "linears", lambda: tuple(_transformer_linears(model)))
+
+
+def _transformer_linears(model: ModelSpec) -> list[tuple[str, int, int, int]]:
     cfg = model.transformer or {}
     d = int(cfg["num_attention_heads"]) * int(cfg["attention_head_dim"])
     out: list[tuple[str, int, int, int]] = []
@@ -2827,33 +2854,36 @@ def transformer_linears(model: ModelSpec) -> list[tuple[str, int, int, int]]:
     return out
 
 
-# (id(model), targets) -> (model, its adapted Linears): a plan's search asks thousands of times per model
-_LORA_LINEARS: dict[tuple[int, tuple[str, ...]], tuple[ModelSpec, tuple]] = {}
-
-
 def _lora_linears(model: ModelSpec, s: Settings) -> tuple[tuple[str, int, int, int], ...]:
     targets = tuple(s.lora_targets or model.lora_target_modules)
-    cached = _LORA_LINEARS.get((id(model), targets))
-    if cached is not None and cached[0] is model:
-        return cached[1]
     # peft matches a target by the module name's suffix; single-stream blocks' attn.to_q/k/v match attn.to_*
-    found = tuple(
-        (name, i, o, c)
-        for name, i, o, c in transformer_linears(model)
-        if any(name == t or name.endswith("." + t) for t in targets)
+    return _per_model(
+        model,
+        ("lora", targets),
+        lambda: tuple(
+            (name, i, o, c)
+            for name, i, o, c in transformer_linears(model)
+            if any(name == t or name.endswith("." + t) for t in targets)
+        ),
     )
-    _LORA_LINEARS[(id(model), targets)] = (model, found)
-    return found
 
 
 def flow_lora_params(model: ModelSpec, s: Settings) -> int:
     """LoRA parameters on a transformer: rank x (in + out) per adapted Linear, from the config's shapes."""
-    return int(s.lora_rank) * sum(c * (i + o) for _, i, o, c in _lora_linears(model, s))
+    targets = tuple(s.lora_targets or model.lora_target_modules)
+    per_rank = _per_model(
+        model, ("lora per rank", targets), lambda: sum(c * (i + o) for _, i, o, c in _lora_linears(model, s))
+    )
+    return int(s.lora_rank) * per_rank
 
 
 def flow_quantizable_params(model: ModelSpec) -> int:
     """The transformer's block Linear weights (what a quantized base stores at fp8 / nf4)."""
-    return min(sum(c * i * o for _, i, o, c in transformer_linears(model)), model.denoiser_params)
+    return _per_model(
+        model,
+        "quantizable",
+        lambda: min(sum(c * i * o for _, i, o, c in transformer_linears(model)), model.denoiser_params),
+    )
 
 
 def base_weight_bytes(model: ModelSpec, base_precision: str) -> float:

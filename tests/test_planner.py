@@ -372,3 +372,13 @@ def test_bench_points_predicted_leaving_each_out():
     errors = [abs(r["error_pct"]) / 100 for r in rows if r["id"].startswith("bench-nvidia-h100")]
     assert len(errors) >= 50
     assert statistics.median(errors) <= 0.10 and max(errors) <= 0.50
+
+
+def test_the_coarse_to_fine_efficiency_search_finds_the_full_scans_value(prof, monkeypatch):
+    """calibrate() fits the bench bandwidth efficiency on a 160-value grid by a coarse pass and a fine one
+    around its best (36 predictions of the bench series instead of 160): the same value as scanning it all."""
+    fast = P.calibrate(prof)
+    monkeypatch.setattr(P, "_grid_argmin", lambda grid, f, stride=8: min(grid, key=f))
+    full = P.calibrate(prof)
+    assert fast.bandwidth_by_family and fast.bandwidth_by_family == full.bandwidth_by_family
+    assert fast == full
