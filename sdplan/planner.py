@@ -1617,7 +1617,9 @@ def settings_space(
                 bases,
                 swaps,
             ):
-                if swap and "blocks_to_swap" not in pins and not (gc and cache and te_cache):
+                if swap and (n > 1 or not gc):
+                    continue  # the bundled trainer swaps in one process, with checkpointing (trainer/blockswap.py)
+                if swap and "blocks_to_swap" not in pins and not (cache and te_cache):
                     continue  # block swap only after the cheaper savers (as kohya's docs order them)
                 if ds and (
                     (opt != "adamw" and "optimizer" not in pins)
@@ -2055,6 +2057,11 @@ def pin_conflicts(req: Request, hw: Hardware) -> list[str]:
         out.append(
             f"training.precision=fp16: {gpu.name} reports no fp16 support (use training.precision=fp32)"
         )
+    if req.pin("full_half_weights") and precision is None and precision_for(hw.gpus) != "bf16":
+        out.append(
+            f"training.full_half_weights=true: needs bf16, which {gpu.name} lacks in hardware "
+            "(use training.full_half_weights=false)"
+        )
     n = req.pin("num_gpus")
     limit = min(hw.count, req.max_gpus or hw.count)
     if n is not None and n > limit:
@@ -2079,10 +2086,21 @@ def pin_conflicts(req: Request, hw: Hardware) -> list[str]:
             f"training.train_text_encoder=true: not supported for {req.model} (the transformer trains; the CLIP/T5 "
             "encoders stay frozen in the bundled trainer) (use training.train_text_encoder=false)"
         )
-    if req.pin("blocks_to_swap") and req.method != "lora":
+    swap = req.pin("blocks_to_swap")
+    if swap and req.method != "lora":
         out.append(
-            f"memory.blocks_to_swap={req.pin('blocks_to_swap')}: the bundled trainer swaps blocks for LoRA only "
+            f"memory.blocks_to_swap={swap}: the bundled trainer swaps blocks for LoRA only "
             "(use memory.blocks_to_swap=0)"
+        )
+    elif swap and (req.pin("num_gpus") or 1) > 1:
+        out.append(
+            f"memory.blocks_to_swap={swap}: the bundled trainer swaps blocks in one process "
+            "(use distributed.num_processes=1, or memory.blocks_to_swap=0)"
+        )
+    elif swap and req.pin("gradient_checkpointing") is False:
+        out.append(
+            f"memory.blocks_to_swap={swap}: needs gradient checkpointing (without it the backward keeps every "
+            "block's weights on the GPU) (use memory.gradient_checkpointing=true, or memory.blocks_to_swap=0)"
         )
     if req.pin("optimizer") == "adamw8bit" and gpu.vendor != "nvidia":
         out.append(

@@ -162,9 +162,12 @@ def parse_pins(items: tuple[str, ...] | list[str], method: str, model: str) -> t
     base = C.default_config()
     base["method"] = method
     base["model"]["family"] = model
+    given = C.override_keys(items)
+    if "training.full_half_weights" in given and "training.precision" not in given:
+        # the planner picks the precision; full bf16 weights leave it one (not the default's, checked below)
+        base["training"]["precision"] = "bf16"
     data = C.apply_overrides(base, list(items))
     cfg = C.validate(data, source="key=value settings")
-    given = C.override_keys(items)
     for key, flag in _FLAG_KEYS.items():
         if key in given and (cfg.method if key == "method" else cfg.model.family) != (
             method if key == "method" else model

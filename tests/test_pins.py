@@ -237,3 +237,59 @@ def test_modelled_multi_gpu_gain_must_clear_the_time_uncertainty(prof):
         # LoRA's small all-reduce keeps its gain whatever the step's error; a full UNet's 3.2 GiB over PCIe
         # does not
         assert res.plan.num_gpus == (2 if method == "lora" else 1), (method, model, gain)
+
+
+def test_block_swap_is_planned_in_one_process_with_checkpointing_only(prof):
+    """The bundled trainer swaps blocks in one process, with gradient checkpointing (trainer/blockswap.py). A
+    FLUX.1 LoRA pinned to two RTX 4090s with a bf16 base was planned with 28 blocks swapped, which the trainer
+    then refused: now nothing in the search swaps on several GPUs or without checkpointing, that pin says
+    what fits instead, and pinning a swap with two processes is one line."""
+    req = P.Request(method="lora", model="flux-dev", resolution=1024)
+    space = list(P.settings_space(req, precision="bf16", attention="efficient", max_gpus=2))
+    assert any(s.blocks_to_swap for s in space)
+    assert not any(s.blocks_to_swap and (s.num_gpus > 1 or not s.gradient_checkpointing) for s in space)
+    pinned = replace(req, pins=(("num_gpus", 2), ("base_precision", "bf16")))
+    res = P.plan(_catalog(prof, "RTX 4090", 2), prof, pinned)
+    assert not res.feasible
+    assert any("distributed.num_processes=1 fits" in r for r in res.reasons), res.reasons
+    result = run(
+        "--method",
+        "lora",
+        "--model",
+        "flux-dev",
+        "--hardware",
+        "2x RTX 4090",
+        "distributed.num_processes=2",
+        "memory.blocks_to_swap=10",
+    )
+    assert result.exit_code != 0
+    assert "the bundled trainer swaps blocks in one process" in result.output
+
+
+def test_a_full_bf16_pin_plans_bf16_and_is_refused_without_it(prof):
+    """training.full_half_weights=true without a precision: the planner picks bf16 (the default config's fp16
+    was checked against it, a false "needs training.precision bf16"); a GPU without bf16 says so."""
+    result = run(
+        "--method",
+        "finetune",
+        "--model",
+        "sdxl",
+        "--hardware",
+        "RTX 4090",
+        "training.full_half_weights=true",
+        "--json",
+    )
+    assert result.exit_code == 0, result.output
+    plan = json.loads(result.output)["plan"]
+    assert plan["full_half_weights"] is True and plan["precision"] == "bf16"
+    result = run(
+        "--method",
+        "finetune",
+        "--model",
+        "sdxl",
+        "--hardware",
+        "T4",
+        "training.full_half_weights=true",
+    )
+    assert result.exit_code != 0
+    assert "training.full_half_weights=true: needs bf16, which T4 lacks" in result.output
