@@ -1628,6 +1628,8 @@ def settings_space(
                     continue  # 8-bit / Adafactor / full bf16 are not combined with DeepSpeed unless pinned
                 if ds == SHARDED and n == 1 and "deepspeed" not in pins:
                     continue  # nothing to split the optimizer state over: more bytes than no DeepSpeed
+                if ds and train_te:
+                    continue  # DeepSpeed trains one model (sdplan.config refuses it with the text encoders)
                 yield Settings(
                     method=req.method,
                     model=req.model,

@@ -293,3 +293,28 @@ def test_a_full_bf16_pin_plans_bf16_and_is_refused_without_it(prof):
     )
     assert result.exit_code != 0
     assert "training.full_half_weights=true: needs bf16, which T4 lacks" in result.output
+
+
+@pytest.mark.parametrize("hardware", ["RTX 3060 12GB", "RTX 4090", "2x RTX 4090", "8x H100 SXM"])
+def test_text_encoder_training_is_never_planned_under_deepspeed(prof, tmp_path, hardware):
+    """DeepSpeed trains one model: sdplan.config refuses it with the text encoders training. An SDXL fine-tune
+    with training.train_text_encoder=true on an RTX 3060 was planned with DeepSpeed offload, and writing its
+    sdplan.yaml then failed; now no such plan is made, and every one written validates."""
+    result = run(
+        "--method",
+        "finetune",
+        "--model",
+        "sdxl",
+        "--hardware",
+        hardware,
+        "training.train_text_encoder=true",
+        "--out",
+        str(tmp_path / "out"),
+    )
+    assert "from the plan" not in result.output
+    if result.exit_code == 0:
+        data = yaml.safe_load((tmp_path / "out" / "sdplan.yaml").read_text())
+        assert data["training"]["train_text_encoder"] is True
+        assert data["distributed"]["deepspeed"] is None
+    else:
+        assert "needs at least" in result.output
