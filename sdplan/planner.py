@@ -1628,8 +1628,9 @@ def settings_space(
                     continue  # 8-bit / Adafactor / full bf16 are not combined with DeepSpeed unless pinned
                 if ds == SHARDED and n == 1 and "deepspeed" not in pins:
                     continue  # nothing to split the optimizer state over: more bytes than no DeepSpeed
-                if ds and train_te:
-                    continue  # DeepSpeed trains one model (sdplan.config refuses it with the text encoders)
+                if ds and (train_te or opt == "adamw8bit"):
+                    # DeepSpeed trains one model, and not with bitsandbytes' optimizer (sdplan.config refuses both)
+                    continue
                 yield Settings(
                     method=req.method,
                     model=req.model,

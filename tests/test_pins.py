@@ -318,3 +318,41 @@ def test_text_encoder_training_is_never_planned_under_deepspeed(prof, tmp_path, 
         assert data["distributed"]["deepspeed"] is None
     else:
         assert "needs at least" in result.output
+
+
+# what users pin, each alone: the planner must still write a config `sdplan train` accepts
+PIN_SETS = (
+    (),
+    ("training.train_text_encoder=true",),
+    ("ema.enabled=true", "ema.device=gpu"),
+    ("dreambooth.with_prior_preservation=true", "dreambooth.class_prompt=a dog"),
+    ("memory.optimizer=adamw8bit",),
+    ("memory.optimizer=adafactor",),
+    ("memory.gradient_checkpointing=false",),
+    ("training.precision=fp16",),
+    ("distributed.num_processes=2",),
+)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["sd15", "sdxl", "sd35-medium", "flux-dev"])
+def test_every_pinned_plan_writes_a_config_the_trainer_accepts(prof, model):
+    """recommend validates the sdplan.yaml it writes as `sdplan train` will (sdplan.config), and a plan that
+    does not validate is an error 'sdplan.yaml (from the plan): ...'. Over methods, GPUs and common pins, none:
+    DeepSpeed with text-encoder training or with 8-bit AdamW, and block swap on two GPUs, each was one."""
+    from sdplan import recommend as R
+    from sdplan.errors import SdplanError
+
+    bad = []
+    for method in ("lora", "dreambooth", "finetune", "textual-inversion"):
+        for hardware in ("RTX 3060 12GB", "2x RTX 4090", "8x H100 SXM", "T4"):
+            for pins in PIN_SETS:
+                inp = R.RecommendInputs(
+                    method=method, model=model, hardware=hardware, settings=pins, images=200
+                )
+                try:
+                    R.recommend(inp, prof)
+                except SdplanError as e:  # a pin this hardware or method cannot run: one line, fine
+                    if "from the plan" in str(e):
+                        bad.append(f"{method} on {hardware} with {pins}: {e}")
+    assert not bad, f"{len(bad)}, e.g. {bad[:3]}"
