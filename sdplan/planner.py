@@ -2090,7 +2090,12 @@ def pin_conflicts(req: Request, hw: Hardware) -> list[str]:
             "encoders stay frozen in the bundled trainer) (use training.train_text_encoder=false)"
         )
     swap = req.pin("blocks_to_swap")
-    if swap and req.method != "lora":
+    if swap and not flow_family(req.model):
+        out.append(
+            f"memory.blocks_to_swap={swap}: block swap is for the SD3.5 / FLUX.1 transformers only, not "
+            f"{req.model} (use memory.blocks_to_swap=0)"
+        )
+    elif swap and req.method != "lora":
         out.append(
             f"memory.blocks_to_swap={swap}: the bundled trainer swaps blocks for LoRA only "
             "(use memory.blocks_to_swap=0)"

@@ -331,6 +331,7 @@ PIN_SETS = (
     ("memory.gradient_checkpointing=false",),
     ("training.precision=fp16",),
     ("distributed.num_processes=2",),
+    ("memory.blocks_to_swap=10",),
 )
 
 
@@ -339,7 +340,11 @@ PIN_SETS = (
 def test_every_pinned_plan_writes_a_config_the_trainer_accepts(prof, model):
     """recommend validates the sdplan.yaml it writes as `sdplan train` will (sdplan.config), and a plan that
     does not validate is an error 'sdplan.yaml (from the plan): ...'. Over methods, GPUs and common pins, none:
-    DeepSpeed with text-encoder training or with 8-bit AdamW, and block swap on two GPUs, each was one."""
+    DeepSpeed with text-encoder training or with 8-bit AdamW, and block swap on two GPUs, each was one. A
+    planned block swap is one the trainer runs (trainer/blockswap.py); a swap pinned on a UNet crashed the
+    8x H100 search."""
+    from sdplan.trainer.blockswap import support_problem
+
     from sdplan import recommend as R
     from sdplan.errors import SdplanError
 
@@ -351,8 +356,21 @@ def test_every_pinned_plan_writes_a_config_the_trainer_accepts(prof, model):
                     method=method, model=model, hardware=hardware, settings=pins, images=200
                 )
                 try:
-                    R.recommend(inp, prof)
+                    _, res = R.recommend(inp, prof)
                 except SdplanError as e:  # a pin this hardware or method cannot run: one line, fine
                     if "from the plan" in str(e):
                         bad.append(f"{method} on {hardware} with {pins}: {e}")
+                    continue
+                s = res.plan
+                if s is not None and s.blocks_to_swap:
+                    why = support_problem(
+                        s.blocks_to_swap,
+                        family=s.model,
+                        method=s.method,
+                        gradient_checkpointing=s.gradient_checkpointing,
+                        processes=s.num_gpus,
+                        deepspeed=s.deepspeed is not None,
+                    )
+                    if why:
+                        bad.append(f"{method} on {hardware} with {pins}: {why}")
     assert not bad, f"{len(bad)}, e.g. {bad[:3]}"
