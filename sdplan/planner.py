@@ -723,6 +723,11 @@ class Calibration:
         )
 
     @functools.cached_property
+    def memo(self) -> dict:
+        """Lookups that depend on this calibration only, kept while it lives (one plan's search)."""
+        return {}
+
+    @functools.cached_property
     def _floors_by_key(self) -> dict[tuple[str, str, bool], tuple[float, str]]:
         return {k: (sec, pid) for k, sec, pid in self.step_floors}
 
@@ -1711,7 +1716,10 @@ def planned_step_seconds(
     if near is not None:
         floor = cal.step_floor_s(s) or 0.0
         one = step_s if s.num_gpus == 1 else step_seconds(profiles, replace(s, num_gpus=1), gpu, cal)
-        at_near = step_seconds(profiles, replace(near.settings, num_gpus=1), gpu, cal)
+        key = ("at near", near.id, gpu.name)
+        if key not in cal.memo:  # the same few points serve a search's thousands of candidates
+            cal.memo[key] = step_seconds(profiles, replace(near.settings, num_gpus=1), gpu, cal)
+        at_near = cal.memo[key]
         # block swap's PCIe copies (transformer families) are modelled apart from the compute the measured
         # ratio corrects: both sides leave them out of the ratio and the plan's own are added back
         swap, swap_near = swap_seconds(profiles, s, gpu), swap_seconds(profiles, near.settings, gpu)
