@@ -31,6 +31,11 @@ def run(*args: str):
     return runner.invoke(app, ["recommend", *args])
 
 
+def _plan_for(method: str, model: str, hardware: str, *args: str):
+    """`sdplan recommend --method M --model F --hardware H ARGS`."""
+    return run("--method", method, "--model", model, "--hardware", hardware, *args)
+
+
 def _catalog(prof, name: str, count: int = 1) -> P.Hardware:
     return P.hardware_from_catalog(prof.find_gpu(name), count)
 
@@ -253,7 +258,7 @@ def test_block_swap_is_planned_in_one_process_with_checkpointing_only(prof):
     assert not res.feasible
     assert any("distributed.num_processes=1 fits" in r for r in res.reasons), res.reasons
     swap = ("distributed.num_processes=2", "memory.blocks_to_swap=10")
-    result = run(*"--method lora --model flux-dev --hardware".split(), "2x RTX 4090", *swap)
+    result = _plan_for("lora", "flux-dev", "2x RTX 4090", *swap)
     assert result.exit_code != 0
     assert "the bundled trainer swaps blocks in one process" in result.output
 
@@ -261,16 +266,11 @@ def test_block_swap_is_planned_in_one_process_with_checkpointing_only(prof):
 def test_a_full_bf16_pin_plans_bf16_and_is_refused_without_it(prof):
     """training.full_half_weights=true without a precision: the planner picks bf16 (the default config's fp16
     was checked against it, a false "needs training.precision bf16"); a GPU without bf16 says so."""
-    result = run(
-        *"--method finetune --model sdxl --hardware".split(),
-        "RTX 4090",
-        "training.full_half_weights=true",
-        "--json",
-    )
+    result = _plan_for("finetune", "sdxl", "RTX 4090", "training.full_half_weights=true", "--json")
     assert result.exit_code == 0, result.output
     plan = json.loads(result.output)["plan"]
     assert plan["full_half_weights"] is True and plan["precision"] == "bf16"
-    result = run(*"--method finetune --model sdxl --hardware T4".split(), "training.full_half_weights=true")
+    result = _plan_for("finetune", "sdxl", "T4", "training.full_half_weights=true")
     assert result.exit_code != 0
     assert "training.full_half_weights=true: needs bf16, which T4 lacks" in result.output
 
@@ -281,13 +281,7 @@ def test_text_encoder_training_is_never_planned_under_deepspeed(prof, tmp_path, 
     with training.train_text_encoder=true on an RTX 3060 was planned with DeepSpeed offload, and writing its
     sdplan.yaml then failed; now no such plan is made, and every one written validates."""
     out = str(tmp_path / "out")
-    result = run(
-        *"--method finetune --model sdxl --hardware".split(),
-        hardware,
-        "training.train_text_encoder=true",
-        "--out",
-        out,
-    )
+    result = _plan_for("finetune", "sdxl", hardware, "training.train_text_encoder=true", "--out", out)
     assert "from the plan" not in result.output
     if result.exit_code == 0:
         data = yaml.safe_load((tmp_path / "out" / "sdplan.yaml").read_text())
