@@ -154,9 +154,8 @@ class Hardware:
     label: str = ""
     # what was assumed about the GPUs (a form factor, an uncatalogued GPU); the plan's reasons start with them
     notes: tuple[str, ...] = ()
-    host: HostMeasurement | None = (
-        None  # this host's own measurements (a probe of the machine sdplan runs on)
-    )
+    # this host's own measurements (a probe of the machine sdplan runs on; `sdplan bench --host`)
+    host: HostMeasurement | None = None
 
     @property
     def count(self) -> int:
