@@ -474,9 +474,8 @@ def describe_machine(device: str) -> Machine:
     )
 
 
-HOST_PARAMS = (
-    50_000_000  # the flat fp32 parameter CPU Adam updates in `sdplan bench --host` (0.8 GB with state)
-)
+# the flat fp32 parameter CPU Adam updates in `sdplan bench --host` (0.8 GB with its gradient and moments)
+HOST_PARAMS = 50_000_000
 HOST_STEPS = 5
 
 
