@@ -429,7 +429,8 @@ def deepspeed_states(s: Settings, trained: float, adafactor_state_fp32: float = 
     parameters (Adafactor's factored state, which depends on the shapes, given in fp32): ``weights`` (the
     parameters in the training dtype, every process a whole copy), ``gradients`` (during the backward: the reduce
     buckets, two of DEEPSPEED_BUCKET_ELEMENTS with overlap_comm, and the gradients this process keeps),
-    ``optimizer`` (the fp32 master weights and state it updates) and ``step`` (the optimizer step's temporaries).
+    ``optimizer`` (the fp32 master weights and state it updates), ``step`` (the optimizer step's temporaries)
+    and ``host`` (the process's share of host RAM the offloaded state takes).
 
     With optimizer offload the master weights, state and step live on the CPU. Without it they are split over
     the N processes: ZeRO-2 keeps 2 + 18/N bytes per parameter at the step (half weights; of 1/N: half gradients,
@@ -440,9 +441,10 @@ def deepspeed_states(s: Settings, trained: float, adafactor_state_fp32: float = 
     whole half gradients."""
     pb = 2.0 if _half(s.precision) else 4.0
     buckets = 2 * DEEPSPEED_BUCKET_ELEMENTS * pb
-    if s.offload:
-        return {"weights": trained * pb, "gradients": buckets, "optimizer": 0.0, "step": 0.0}
     n = s.num_gpus
+    if s.offload:  # host RAM: DeepSpeed's estimator with cpu_offload, per process
+        host = trained * max(4 * n, 16) * 1.5 / n
+        return {"weights": trained * pb, "gradients": buckets, "optimizer": 0.0, "step": 0.0, "host": host}
     stage = (s.deepspeed or {}).get("zero_stage", 2)
     kept = trained * pb / (n if stage >= 2 else 1)
     foreach = trained * 4.0 / n if s.optimizer in FOREACH_OPTIMIZERS else 0.0
@@ -456,6 +458,7 @@ def deepspeed_states(s: Settings, trained: float, adafactor_state_fp32: float = 
         "gradients": kept + buckets,
         "optimizer": (trained * 4.0 + state) / n,
         "step": trained * 4.0 / n + foreach,  # the fp32 gradient partition, and foreach AdamW's temporary
+        "host": 0.0,
     }
 
 
@@ -568,14 +571,11 @@ def memory(profiles: Profiles, s: Settings) -> Memory:
     ram += vae_bytes * model.params_vae
     step = t * 4.0 if (s.optimizer in FOREACH_OPTIMIZERS and not s.fused_backward) else 0.0
     if s.deepspeed and full:
-        if s.offload:
-            g = s.num_gpus
-            cpu = t * max(4 * g, 16) * 1.5 / g  # DeepSpeed estimator, per process share
-            ram = max(ram, RAM_PER_PROCESS + cpu)
         # the weights in the training dtype: half, or fp32 where neither fp16 nor bf16 is enabled in
         # deepspeed.json (DeepSpeed's ZeRO-1/2 optimizer takes its dtype from the parameters'); no autocast copies
         ds = deepspeed_states(s, t, opt * 4.0 / tb)
         weights, grads, opt, step = ds["weights"], ds["gradients"], ds["optimizer"], ds["step"]
+        ram = max(ram, RAM_PER_PROCESS + ds["host"])
         autocast = 0.0
     if s.ema == "cpu":
         ram += model.params_unet * 4.0
@@ -1563,6 +1563,8 @@ def settings_space(
     Knobs that keep the result (latent / text-encoder-output caching, gradient checkpointing, optimizer
     memory savers, DeepSpeed offload, full bf16 weights) and, for LoRA, lower ranks (which do not; the search
     prefers the requested rank)."""
+    from sdplan.trainer.blockswap import support_problem as swap_problem  # pure; no torch
+
     pins = dict(req.pins)
     full = req.method in FULL_METHODS
     lora = req.method == "lora"
@@ -1621,8 +1623,15 @@ def settings_space(
                 bases,
                 swaps,
             ):
-                if swap and (n > 1 or not gc):
-                    continue  # the bundled trainer swaps in one process, with checkpointing (trainer/blockswap.py)
+                if swap and swap_problem(
+                    swap,
+                    family=req.model,
+                    method=req.method,
+                    gradient_checkpointing=gc,
+                    processes=n,
+                    deepspeed=bool(ds),
+                ):
+                    continue  # a swap the bundled trainer does not run (one process, checkpointing, LoRA)
                 if swap and "blocks_to_swap" not in pins and not (cache and te_cache):
                     continue  # block swap only after the cheaper savers (as kohya's docs order them)
                 if ds and (
@@ -2096,27 +2105,18 @@ def pin_conflicts(req: Request, hw: Hardware) -> list[str]:
             f"training.train_text_encoder=true: not supported for {req.model} (the transformer trains; the CLIP/T5 "
             "encoders stay frozen in the bundled trainer) (use training.train_text_encoder=false)"
         )
-    swap = req.pin("blocks_to_swap")
-    if swap and not flow_family(req.model):
-        out.append(
-            f"memory.blocks_to_swap={swap}: block swap is for the SD3.5 / FLUX.1 transformers only, not "
-            f"{req.model} (use memory.blocks_to_swap=0)"
-        )
-    elif swap and req.method != "lora":
-        out.append(
-            f"memory.blocks_to_swap={swap}: the bundled trainer swaps blocks for LoRA only "
-            "(use memory.blocks_to_swap=0)"
-        )
-    elif swap and (req.pin("num_gpus") or 1) > 1:
-        out.append(
-            f"memory.blocks_to_swap={swap}: the bundled trainer swaps blocks in one process "
-            "(use distributed.num_processes=1, or memory.blocks_to_swap=0)"
-        )
-    elif swap and req.pin("gradient_checkpointing") is False:
-        out.append(
-            f"memory.blocks_to_swap={swap}: needs gradient checkpointing (without it the backward keeps every "
-            "block's weights on the GPU) (use memory.gradient_checkpointing=true, or memory.blocks_to_swap=0)"
-        )
+    from sdplan.trainer.blockswap import support_problem as swap_problem
+
+    swap_why = swap_problem(  # the trainer's own rule; what is not pinned the search chooses to suit it
+        req.pin("blocks_to_swap", 0),
+        family=req.model,
+        method=req.method,
+        gradient_checkpointing=req.pin("gradient_checkpointing") is not False,
+        processes=req.pin("num_gpus") or 1,
+        deepspeed=bool(req.pin("deepspeed")),
+    )
+    if swap_why:
+        out.append(swap_why)
     if req.pin("optimizer") == "adamw8bit" and gpu.vendor != "nvidia":
         out.append(
             "memory.optimizer=adamw8bit: bitsandbytes runs on NVIDIA GPUs only (use adamw or adafactor)"
@@ -3033,12 +3033,9 @@ def memory_flow(profiles: Profiles, s: Settings) -> Memory:
     ram = max(ram, RAM_PER_PROCESS + swapped)
     buckets = 0.0
     if full and s.deepspeed:  # DeepSpeed ZeRO-1/2, offloaded or split over the GPUs, as memory()
-        if s.offload:
-            g = s.num_gpus
-            # DeepSpeed's estimator, per process
-            ram = max(ram, RAM_PER_PROCESS + t * max(4 * g, 16) * 1.5 / g)
         ds = deepspeed_states(s, t, opt)  # Adafactor's state is in fp32 already
         weights, grads, opt, step = ds["weights"], ds["gradients"], ds["optimizer"], ds["step"]
+        ram = max(ram, RAM_PER_PROCESS + ds["host"])
         autocast = 0.0
     else:
         buckets = ddp_bucket_bytes(s, grads)
