@@ -677,23 +677,16 @@ def load_host(path: Path) -> HostMeasurement:
 
 def write_host(store: Path, host: HostMeasurement) -> Path:
     """``{store}/host.yaml``, atomically (a re-measurement replaces it); clears the load cache."""
-    path = store / HOST_FILE
     data = {
         "schema_version": SCHEMA_VERSION,
         **{k: getattr(host, k) for k in HOST_SCHEMA if k != "schema_version"},
     }
-    try:
-        store.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(
-            "# this host's measurements, written by `sdplan bench --host`; the planner reads them when it plans\n"
-            "# for this machine\n" + yaml.safe_dump(data, sort_keys=False)
-        )
-        os.replace(tmp, path)
-    except OSError as e:
-        raise _unwritable_store(store, e) from None
-    clear_cache()
-    return path
+    text = (
+        "# this host's measurements, written by `sdplan bench --host`; the planner reads them when it plans\n"
+        "# for this machine\n" + yaml.safe_dump(data, sort_keys=False)
+    )
+    ensure_store(store)
+    return _replace_store_file(store, store / HOST_FILE, text, check=load_host)
 
 
 def load_uncertainty(path: Path) -> Uncertainty:
@@ -1301,6 +1294,13 @@ def write_points(
     data["points"] = points
     text = header + yaml.safe_dump(data, sort_keys=False, default_flow_style=False, width=120)
     ensure_store(store)
+    return _replace_store_file(store, path, text, check=lambda tmp: load_methods(tmp, origin="local"))
+
+
+def _replace_store_file(store: Path, path: Path, text: str, *, check: Callable[[Path], Any]) -> Path:
+    """Write ``text`` to ``path`` in the local store atomically: a temporary file beside it, read back with
+    ``check`` (the loader: a ConfigError leaves the old file), then renamed over it; clears the load cache so
+    the planner sees it. An unwritable store is a UsageError naming it."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         tmp.write_text(text, encoding="utf-8")
@@ -1308,7 +1308,7 @@ def write_points(
         tmp.unlink(missing_ok=True)
         raise _unwritable_store(store, e) from None
     try:
-        load_methods(tmp, origin="local")
+        check(tmp)
     except ConfigError:
         tmp.unlink(missing_ok=True)
         raise
