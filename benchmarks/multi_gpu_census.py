@@ -51,14 +51,15 @@ def live_bytes() -> int:
 def ddp(view: bool) -> None:
     """Resident-set growth per gradient byte under DDP (large Linear layers: their buffers are mmapped, so
     freeing them returns the pages)."""
-    import psutil
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
+    from sdplan.bench_harness import rss_bytes
+
     def rss() -> int:
         gc.collect()
-        return psutil.Process().memory_info().rss
+        return rss_bytes()
 
     dist.init_process_group("gloo")
     torch.manual_seed(0)
