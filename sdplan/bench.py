@@ -493,12 +493,7 @@ def measure_host(store_dir: str | Path | None = None, *, params: int | None = No
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # the optimizer runs on the CPU whatever GPU is here
     params = params or HOST_PARAMS
     rate = cpu_adam_rate(params, steps)
-    try:
-        from sdplan.probe.host import cpu_model
-
-        cpu = cpu_model() or "unknown CPU"
-    except Exception:  # provenance only
-        cpu = "unknown CPU"
+    cpu = describe_machine("cpu").cpu_model or "unknown CPU"
     threads = torch.get_num_threads()
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     host = profiles.HostMeasurement(
