@@ -2212,7 +2212,10 @@ def plan(hardware: Hardware | Any, profiles: Profiles, request: Request) -> Resu
     one_steps = _steps(req, 1, 1, 1)
 
     if not hardware.gpus:
-        need = min_vram_needed(req, profiles, ram_total_bytes=hardware.ram_total_bytes)
+        # the smallest GPU any card could run it on: one with bf16 has every configuration (full bf16 weights
+        # too); the figure without bf16 is said beside it where it differs (suggest_hardware checks each card)
+        ram = hardware.ram_total_bytes
+        need = min_vram_needed(req, profiles, precision="bf16", ram_total_bytes=ram)
         no_gpu = f"no usable GPU on this machine ({hardware.label or 'none found'}): training {req.method} on {req.model}"
         if need is None:
             reasons.append(
@@ -2220,7 +2223,17 @@ def plan(hardware: Hardware | Any, profiles: Profiles, request: Request) -> Resu
                 f"{int(HOST_RAM_SHARE * 100)}% of this machine's {_gib(hardware.ram_total_bytes)}"
             )
         else:
-            reasons.append(f"{no_gpu} needs at least {_gib(need)} of GPU memory")
+            without = min_vram_needed(req, profiles, precision="fp16", ram_total_bytes=ram)
+            reasons.append(
+                f"{no_gpu} needs at least {_gib(need)} of GPU memory"
+                + (
+                    ""
+                    if without == need
+                    else f" on a GPU with bf16 ({_gib(without)} without)"
+                    if without is not None
+                    else " on a GPU with bf16 (none without)"
+                )
+            )
         return _infeasible(req, hardware, reasons, one_steps, need=need, profiles=profiles)
 
     conflicts = pin_conflicts(req, hardware)

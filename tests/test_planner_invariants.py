@@ -461,9 +461,9 @@ def test_host_ram_too_small_for_every_configuration_says_so_without_a_gpu_memory
 
 def test_without_a_gpu_needs_at_least_comes_from_what_the_host_ram_can_hold(prof):
     req = P.Request(method="finetune", model="sdxl")
-    space = [
+    space = [  # any GPU: one with bf16 runs every configuration (full bf16 weights too)
         (s, P.memory(prof, s))
-        for s in P.settings_space(replace(req, resolution=1024), precision="fp16", attention="efficient")
+        for s in P.settings_space(replace(req, resolution=1024), precision="bf16", attention="efficient")
     ]
     for ram_gib, offload_runs in ((16, False), (1024, True)):
         limit = 0.9 * ram_gib * GiB
@@ -515,3 +515,19 @@ def test_recommend_on_a_machine_names_the_host_ram_it_lacks():
     ).output
     assert "does not fit: this machine's host RAM is too small for it" in out, out
     assert "host RAM is the blocker" in out and "needs at least -" not in out
+
+
+def test_without_a_gpu_needs_at_least_is_the_smallest_card_any_gpu_could_run_it_on(prof):
+    """No GPU here: FLUX.1 fine-tune was said to need 103.8 GiB (fp16 mixed precision, no full bf16 weights),
+    while an 80 GB H100 plans it with full bf16 weights. The figure is now the bf16 card's, with the one
+    without bf16 beside it, and the smallest suggested card runs it."""
+    req = P.Request(method="finetune", model="flux-dev")
+    res = P.plan(P.Hardware(source="probe", gpus=(), ram_total_bytes=int(24 * GiB)), prof, req)
+    need = res.needs["min_vram_bytes"]
+    without = P.min_vram_needed(req, prof, precision="fp16", ram_total_bytes=int(24 * GiB))
+    assert need == P.min_vram_needed(req, prof, precision="bf16", ram_total_bytes=int(24 * GiB)) < without
+    assert (
+        f"needs at least {need / GiB:.1f} GiB of GPU memory on a GPU with bf16 ({without / GiB:.1f} GiB without)"
+        in (res.reasons[-1])
+    )
+    assert P.plan(_hardware(prof, "H100 SXM", ram_gib=24), prof, req).feasible
