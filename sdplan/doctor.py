@@ -20,6 +20,7 @@ from sdplan.errors import SdplanError
 from sdplan.machine import GPU, Snapshot
 from sdplan.probe.snapshot import sorted_findings
 from sdplan.registry import METHODS, PLANNED_FAMILIES
+from sdplan.settings import deepspeed_label
 
 
 class Verdict(NamedTuple):
@@ -68,10 +69,10 @@ def planner_verdicts(snapshot: Snapshot) -> list[Verdict]:
                 savers.append("GC")
             if s.optimizer != "adamw":
                 savers.append(s.optimizer)
-            if s.offload:
-                savers.append("offload")
-            elif s.sharded:
-                savers.append(f"ZeRO-2 over {s.num_gpus} GPUs")
+            if s.deepspeed:
+                savers.append(
+                    deepspeed_label(s.deepspeed) + (f" over {s.num_gpus} GPUs" if s.sharded else "")
+                )
             if s.base_precision != "bf16":
                 savers.append(f"{s.base_precision} base")
             if s.cache_text_encoder_outputs:

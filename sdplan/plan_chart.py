@@ -10,6 +10,7 @@ import io
 from typing import Any
 
 from sdplan import planner
+from sdplan.settings import deepspeed_label
 
 GiB = 2**30
 FILE_NAME = "plan.png"
@@ -59,10 +60,8 @@ def chart_data(res: planner.Result, profiles: Any) -> dict[str, Any]:
         settings.append(f"{s.base_precision} base")
     if s.cache_text_encoder_outputs:
         settings.append("cached TE outputs")
-    if s.offload:
-        settings.append("DeepSpeed offload")
-    elif s.sharded:
-        settings.append("DeepSpeed ZeRO-2")
+    if s.deepspeed:
+        settings.append(f"DeepSpeed {deepspeed_label(s.deepspeed)}")
     return {
         "title": f"{s.method} {s.model} at {s.resolution}px on {gpus}{gpu}: " + ", ".join(settings),
         "parts": parts,

@@ -49,7 +49,14 @@ from sdplan import registry
 from sdplan.errors import UsageError
 from sdplan.profiles import GiB, GPUSpec, HostMeasurement, MethodPoint, ModelSpec, Profiles
 from sdplan.registry import FULL_METHODS, METHODS
-from sdplan.settings import CONFIG_KEYS, DEEPSPEED_BUCKET_ELEMENTS, OFFLOAD, SHARDED, Settings
+from sdplan.settings import (
+    CONFIG_KEYS,
+    DEEPSPEED_BUCKET_ELEMENTS,
+    OFFLOAD,
+    SHARDED,
+    Settings,
+    deepspeed_label,
+)
 from sdplan.steps import Steps, plan_steps
 
 # -- calibration constants (fitted with benchmarks/planner_accuracy.py against profiles/methods) ----------
@@ -2369,10 +2376,8 @@ def _describe(s: Settings) -> str:
         bits.append(f"{s.blocks_to_swap} blocks swapped")
     if s.full_half_weights:
         bits.append("full bf16 weights")
-    if s.offload:
-        bits.append("DeepSpeed ZeRO-2 CPU offload")
-    elif s.sharded:
-        bits.append("DeepSpeed ZeRO-2")
+    if s.deepspeed:
+        bits.append(f"DeepSpeed {deepspeed_label(s.deepspeed)}")
     if s.num_gpus > 1:
         bits.append(f"{s.num_gpus} GPUs")
     return ", ".join(bits)

@@ -19,6 +19,7 @@ from sdplan import planner, registry
 from sdplan.errors import DatasetError, OutputExistsError, SdplanError, UsageError
 from sdplan.profiles import GiB, Profiles
 from sdplan.registry import FAMILIES
+from sdplan.settings import deepspeed_label
 
 DEFAULT_IMAGES = 20
 DEFAULT_EPOCHS = cfgmod.DEFAULT_EPOCHS
@@ -581,7 +582,7 @@ def _settings(plan: dict | None) -> str:
     if plan.get("full_half_weights"):
         bits.append("full bf16")
     if plan["deepspeed"]:
-        bits.append("ZeRO-2 offload" if plan["deepspeed"].get("offload_optimizer") else "ZeRO-2")
+        bits.append(deepspeed_label(plan["deepspeed"]))
     return ", ".join(bits)
 
 

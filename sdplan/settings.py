@@ -22,6 +22,15 @@ SHARDED = {"zero_stage": 2, "offload_optimizer": False}
 DEEPSPEED_BUCKET_ELEMENTS = 500_000_000  # reduce / allgather buckets (5e8 elements), written and counted
 
 
+def deepspeed_label(deepspeed: dict | None) -> str | None:
+    """What a DeepSpeed setting is called wherever one is shown ('ZeRO-2 offload', 'ZeRO-2'; None: none), from
+    the settings', a plan's (--json) or a profile point's ``deepspeed`` entry."""
+    if not deepspeed:
+        return None
+    stage = f"ZeRO-{deepspeed.get('zero_stage', 2)}"
+    return f"{stage} offload" if deepspeed.get("offload_optimizer") else stage
+
+
 @dataclass(frozen=True)
 class Settings:
     """One concrete training configuration: what the planner chooses, a profile point records, sdplan.yaml holds."""

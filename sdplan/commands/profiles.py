@@ -9,6 +9,7 @@ from typing import Annotated, Any
 import typer
 
 from sdplan.commands._common import cli_errors, console
+from sdplan.settings import deepspeed_label
 
 profiles_app = typer.Typer(
     help="What the planner knows, with sources: shipped profiles and this machine's measurements.",
@@ -203,7 +204,7 @@ def _settings(p: Any) -> str:
     if o.blocks_to_swap:
         bits.append(f"swap {o.blocks_to_swap} blocks")
     if o.deepspeed:
-        bits.append("ZeRO-2 offload" if o.deepspeed.get("offload_optimizer") else "ZeRO-2")
+        bits.append(deepspeed_label(o.deepspeed))
     if o.ema:
         bits.append(f"EMA {o.ema}")
     return ", ".join(bits)
