@@ -577,45 +577,80 @@ def memory(profiles: Profiles, s: Settings) -> Memory:
     ram = RAM_PER_PROCESS + (tb if full else wb) * model.params_unet + te_bytes * te_total
     ram += vae_bytes * model.params_vae
     step = t * 4.0 if (s.optimizer in FOREACH_OPTIMIZERS and not s.fused_backward) else 0.0
-    if s.deepspeed and full:
-        # the weights in the training dtype: half, or fp32 where neither fp16 nor bf16 is enabled in
-        # deepspeed.json (DeepSpeed's ZeRO-1/2 optimizer takes its dtype from the parameters'); no autocast copies
-        ds = deepspeed_states(s, t, opt * 4.0 / tb)
-        weights, grads, opt, step = ds["weights"], ds["gradients"], ds["optimizer"], ds["step"]
-        ram = max(ram, RAM_PER_PROCESS + ds["host"])
-        autocast = 0.0
-    if s.ema == "cpu":
-        ram += model.params_unet * 4.0
+    return _assemble(
+        s,
+        Memory(
+            trainable_params=t,
+            weights=weights,
+            frozen=frozen,
+            gradients=grads,
+            optimizer=opt,
+            ema=ema,
+            autocast_copies=autocast,
+            activations=activations,
+            step_transient=step,
+            overhead=0.0,
+            peak=0.0,
+            ram=ram,
+            sampling_peak=0.0,
+        ),
+        optimizer_fp32=opt * 4.0 / tb,
+        ema_host=model.params_unet * 4.0 if s.ema == "cpu" else 0.0,
+        recompute_tail=recompute_tail,
+        sampling=lambda resident, m: sampling_peak_bytes(
+            profiles, s, resident=resident - m.frozen, trained=t, trained_bytes=tb
+        ),
+    )
 
-    buckets = ddp_bucket_bytes(s, grads)
+
+def _assemble(
+    s: Settings,
+    parts: Memory,
+    *,
+    optimizer_fp32: float,
+    ema_host: float,
+    recompute_tail: float,
+    sampling: Callable[[float, Memory], float],
+) -> Memory:
+    """What every family's memory shares once its own parts (``parts``: one process, no DeepSpeed, ``ram`` of
+    one process, no overhead or peak yet) are known: DeepSpeed ZeRO-1/2 in place of a full method's weights,
+    gradients, optimizer state and step (the weights in the training dtype: half, or fp32 where deepspeed.json
+    enables neither fp16 nor bf16, as DeepSpeed's optimizer takes the parameters' dtype; no autocast copies;
+    ``optimizer_fp32``: the optimizer state in fp32 for it), the host's EMA copy, DDP's buckets, the step's peak
+    phase and the allocator's overhead, and the sampling grid's peak: ``sampling(resident, memory)`` with the
+    state resident between steps."""
+    m, ram = parts, parts.ram
+    if s.deepspeed and s.method in FULL_METHODS:
+        ds = deepspeed_states(s, m.trainable_params, optimizer_fp32)
+        m = replace(
+            m,
+            weights=ds["weights"],
+            gradients=ds["gradients"],
+            optimizer=ds["optimizer"],
+            step_transient=ds["step"],
+            autocast_copies=0.0,
+        )
+        ram = max(ram, RAM_PER_PROCESS + ds["host"])
+    ram += ema_host
+    buckets = ddp_bucket_bytes(s, m.gradients)
     allocated = step_allocated_bytes(
         s,
-        resident=weights + frozen + opt + ema,
-        grads=grads,
+        resident=m.weights + m.frozen + m.optimizer + m.ema,
+        grads=m.gradients,
         buckets=buckets,
-        forward=activations + autocast,
-        step=step,
+        forward=m.activations + m.autocast_copies,
+        step=m.step_transient,
         recompute_tail=recompute_tail,
     )
     overhead = _overhead_bytes(allocated)
-    kept_grads = _grads_between_steps(s, grads, buckets)
-    sampling = sampling_peak_bytes(
-        profiles, s, resident=weights + buckets + kept_grads + opt + ema, trained=t, trained_bytes=tb
-    )
-    return Memory(
-        trainable_params=t,
-        weights=weights,
-        frozen=frozen,
-        gradients=grads,
-        optimizer=opt,
-        ema=ema,
-        autocast_copies=autocast,
-        activations=activations,
-        step_transient=step,
+    kept_grads = _grads_between_steps(s, m.gradients, buckets)
+    resident = m.weights + m.frozen + m.optimizer + m.ema + buckets + kept_grads
+    return replace(
+        m,
         overhead=overhead,
         peak=allocated + overhead,
         ram=ram * s.num_gpus,
-        sampling_peak=sampling,
+        sampling_peak=sampling(resident, m),
     )
 
 
@@ -3049,44 +3084,29 @@ def memory_flow(profiles: Profiles, s: Settings) -> Memory:
     # the swapped blocks' pinned host copies are made from the loaded weights, which are then freed: the
     # peak is the larger of the two phases, not their sum
     ram = max(ram, RAM_PER_PROCESS + swapped)
-    buckets = 0.0
-    if full and s.deepspeed:  # DeepSpeed ZeRO-1/2, offloaded or split over the GPUs, as memory()
-        ds = deepspeed_states(s, t, opt)  # Adafactor's state is in fp32 already
-        weights, grads, opt, step = ds["weights"], ds["gradients"], ds["optimizer"], ds["step"]
-        ram = max(ram, RAM_PER_PROCESS + ds["host"])
-        autocast = 0.0
-    else:
-        buckets = ddp_bucket_bytes(s, grads)
-    if full and s.ema == "cpu":
-        ram += model.denoiser_params * 4.0
-    allocated = step_allocated_bytes(
+    return _assemble(
         s,
-        resident=weights + frozen + opt + ema,
-        grads=grads,
-        buckets=buckets,
-        forward=activations + autocast,
-        step=step,
+        Memory(
+            trainable_params=t,
+            weights=weights,
+            frozen=frozen,
+            gradients=grads,
+            optimizer=opt,
+            ema=ema,
+            autocast_copies=autocast,
+            activations=activations,
+            step_transient=step,
+            overhead=0.0,
+            peak=0.0,
+            ram=ram,
+            sampling_peak=0.0,
+        ),
+        optimizer_fp32=opt,  # Adafactor's state is in fp32 already
+        ema_host=model.denoiser_params * 4.0 if (full and s.ema == "cpu") else 0.0,
         recompute_tail=recompute_tail,
-    )
-    overhead = _overhead_bytes(allocated)
-    kept_grads = _grads_between_steps(s, grads, buckets)
-    sampling = flow_sampling_peak_bytes(
-        profiles, s, resident=weights + frozen + opt + ema + buckets + kept_grads, autocast=autocast
-    )
-    return Memory(
-        trainable_params=t,
-        weights=weights,
-        frozen=frozen,
-        gradients=grads,
-        optimizer=opt,
-        ema=ema,
-        autocast_copies=autocast,
-        activations=activations,
-        step_transient=step,
-        overhead=overhead,
-        peak=allocated + overhead,
-        ram=ram * s.num_gpus,
-        sampling_peak=sampling,
+        sampling=lambda resident, m: flow_sampling_peak_bytes(
+            profiles, s, resident=resident, autocast=m.autocast_copies
+        ),
     )
 
 
