@@ -71,7 +71,7 @@ from sdplan.bench_harness import (
 )
 from sdplan.errors import ConfigError, NoGPUError, UsageError
 from sdplan.registry import BASE_PRECISIONS, FAMILIES, FLOW_FAMILIES, FLOW_METHODS, METHODS, PLANNED_FAMILIES
-from sdplan.settings import DEFAULT_LORA_RANK, Settings
+from sdplan.settings import DEFAULT_LORA_RANK, Settings, describe
 from sdplan.trainer import faults
 
 OOM_HOOK_ENV = faults.BENCH_OOM_ABOVE_BATCH_ENV  # the test hook (sdplan.trainer.faults)
@@ -135,18 +135,7 @@ class BenchRequest:
 
     @property
     def settings(self) -> str:
-        opts = [self.precision, "gc" if self.gradient_checkpointing else "no-gc", self.optimizer]
-        if self.cache_latents:
-            opts.append("cached latents")
-        if self.cache_text_encoder_outputs:
-            opts.append("cached TE outputs")
-        if self.train_text_encoder:
-            opts.append("+TE")
-        if self.lora_rank:
-            opts.append(f"rank {self.lora_rank}")
-        if self.base_precision != "bf16":
-            opts.append(f"{self.base_precision} base")
-        return ", ".join(opts)
+        return describe(request_settings(self, 1), batch=False, short=True)
 
     @property
     def label(self) -> str:

@@ -10,7 +10,7 @@ import io
 from typing import Any
 
 from sdplan import planner
-from sdplan.settings import deepspeed_label
+from sdplan.settings import describe
 
 GiB = 2**30
 FILE_NAME = "plan.png"
@@ -52,18 +52,9 @@ def chart_data(res: planner.Result, profiles: Any) -> dict[str, Any]:
     ]
     gpus = f"{s.num_gpus}x " if s.num_gpus > 1 else ""
     gpu = res.hardware.gpus[0].name if res.hardware.gpus else "this machine"
-    settings = [f"batch {s.batch}" + (f" x GA {s.grad_accum}" if s.grad_accum > 1 else ""), s.precision]
-    settings += ["checkpointing"] * s.gradient_checkpointing + [s.optimizer]
-    if s.method == "lora":
-        settings.append(f"rank {s.lora_rank}")
-    if s.base_precision != "bf16":
-        settings.append(f"{s.base_precision} base")
-    if s.cache_text_encoder_outputs:
-        settings.append("cached TE outputs")
-    if s.deepspeed:
-        settings.append(f"DeepSpeed {deepspeed_label(s.deepspeed)}")
     return {
-        "title": f"{s.method} {s.model} at {s.resolution}px on {gpus}{gpu}: " + ", ".join(settings),
+        "title": f"{s.method} {s.model} at {s.resolution}px on {gpus}{gpu}: "
+        + describe(s, gpus=False, short=True),
         "parts": parts,
         "peak": m.peak / GiB,
         "peak_range": (res.peak_range[0] / GiB, res.peak_range[1] / GiB) if res.peak_range else None,

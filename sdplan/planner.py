@@ -55,7 +55,7 @@ from sdplan.settings import (
     OFFLOAD,
     SHARDED,
     Settings,
-    deepspeed_label,
+    describe,
 )
 from sdplan.steps import Steps, plan_steps
 
@@ -2351,7 +2351,7 @@ def _not_fit_reasons(
             leanest_any,
             None,
             [
-                f"nothing fits: host RAM is the blocker: {what} ({_describe(leanest_any.setup)}) "
+                f"nothing fits: host RAM is the blocker: {what} ({describe(leanest_any.setup)}) "
                 + host_text(leanest_any)
                 + f"; it needs {format_range(leanest_any.memory.peak, leanest_any.peak_range)} per GPU on {gpu.name}"
             ],
@@ -2362,7 +2362,7 @@ def _not_fit_reasons(
     if leanest_any.memory.peak < leanest.memory.peak:
         what += " this machine's host RAM allows"
     out = [
-        f"nothing fits: {what} ({_describe(leanest.setup)}) needs "
+        f"nothing fits: {what} ({describe(leanest.setup)}) needs "
         f"{format_range(leanest.memory.peak, leanest.peak_range)} per GPU on {gpu.name} {_gib(vram)}, more than "
         f"its {int(HEADROOM * 100)}% limit ({_gib(HEADROOM * vram)}): at least {_gib(need)} of GPU memory"
     ]
@@ -2375,7 +2375,7 @@ def _not_fit_reasons(
             else f"at least {_gib(math.ceil(c.memory.peak / HEADROOM))}"
         )
         out.append(
-            f"host RAM: a leaner configuration ({_describe(c.setup)}) would need only "
+            f"host RAM: a leaner configuration ({describe(c.setup)}) would need only "
             f"{format_range(c.memory.peak, c.peak_range)} of GPU memory ({on_gpu}), but it " + host_text(c)
         )
     return leanest, need, out
@@ -2391,31 +2391,8 @@ def _relaxations(
         fitting = [c for c in _candidates(rest, profiles, hw, cal, resolution) if c.fits]
         if fitting:
             best, _ = _choose(fitting, profiles)
-            out.append(f"{pin_text(name, getattr(best.setup, name))} fits ({_describe(best.setup)})")
+            out.append(f"{pin_text(name, getattr(best.setup, name))} fits ({describe(best.setup)})")
     return out
-
-
-def _describe(s: Settings) -> str:
-    bits = [s.precision, f"batch {s.batch}" + (f" x accumulation {s.grad_accum}" if s.grad_accum > 1 else "")]
-    bits.append("gradient checkpointing" if s.gradient_checkpointing else "no checkpointing")
-    bits.append(s.optimizer)
-    if s.cache_latents:
-        bits.append("cached latents")
-    if s.cache_text_encoder_outputs:
-        bits.append("cached text-encoder outputs")
-    if s.lora_rank is not None:
-        bits.append(f"rank {s.lora_rank}")
-    if s.base_precision != "bf16":
-        bits.append(f"{s.base_precision} base")
-    if s.blocks_to_swap:
-        bits.append(f"{s.blocks_to_swap} blocks swapped")
-    if s.full_half_weights:
-        bits.append("full bf16 weights")
-    if s.deepspeed:
-        bits.append(f"DeepSpeed {deepspeed_label(s.deepspeed)}")
-    if s.num_gpus > 1:
-        bits.append(f"{s.num_gpus} GPUs")
-    return ", ".join(bits)
 
 
 def _band_scope(profiles: Profiles, model: str) -> str:
@@ -2595,7 +2572,7 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
         if risky:
             c = min(risky, key=_key)
             r.append(
-                f"avoided {_which(c, best)} configuration ({_describe(c.setup)}): predicted "
+                f"avoided {_which(c, best)} configuration ({describe(c.setup)}): predicted "
                 f"{format_range(c.memory.peak, c.peak_range)}, its upper end over the card's {_gib(vram)}"
             )
     st = best.steps
@@ -3459,7 +3436,7 @@ def _flow_base_reasons(
         elif instead.seconds and best.seconds:
             why = (
                 "it allows a faster configuration than the bf16 base: the bf16-base plan it would choose instead "
-                f"({_describe(instead.setup)}) takes {instead.seconds / best.seconds:.2f}x as long; pin "
+                f"({describe(instead.setup)}) takes {instead.seconds / best.seconds:.2f}x as long; pin "
                 "model.base_precision=bf16 to keep the unquantized base"
             )
         else:

@@ -19,7 +19,7 @@ from sdplan import planner, registry
 from sdplan.errors import DatasetError, OutputExistsError, SdplanError, UsageError
 from sdplan.profiles import GiB, Profiles
 from sdplan.registry import FAMILIES
-from sdplan.settings import deepspeed_label
+from sdplan.settings import describe
 
 DEFAULT_IMAGES = 20
 DEFAULT_EPOCHS = cfgmod.DEFAULT_EPOCHS
@@ -558,34 +558,6 @@ def _compact(value: float | None, rng: list | None, *, seconds: bool = False) ->
     return _gib(value) + (f" ({rng[0] / GiB:.1f}-{rng[1] / GiB:.1f})" if rng else "")
 
 
-def _settings(plan: dict | None) -> str:
-    if not plan:
-        return "-"
-    bits = [
-        f"{plan['num_gpus']} GPU" + ("s" if plan["num_gpus"] > 1 else ""),
-        plan["precision"],
-        f"batch {plan['batch_size']}" + (f" x GA {plan['grad_accum']}" if plan["grad_accum"] > 1 else ""),
-        plan["optimizer"],
-    ]
-    if plan["gradient_checkpointing"]:
-        bits.append("GC")
-    if plan["cache_latents"]:
-        bits.append("cached latents")
-    if plan.get("cache_text_encoder_outputs"):
-        bits.append("cached TE outputs")
-    if plan.get("lora_rank"):
-        bits.append(f"rank {plan['lora_rank']}")
-    if plan.get("base_precision", "bf16") != "bf16":
-        bits.append(f"{plan['base_precision']} base")
-    if plan.get("blocks_to_swap"):
-        bits.append(f"swap {plan['blocks_to_swap']} blocks")
-    if plan.get("full_half_weights"):
-        bits.append("full bf16")
-    if plan["deepspeed"]:
-        bits.append(deepspeed_label(plan["deepspeed"]))
-    return ", ".join(bits)
-
-
 def render(d: dict, res: planner.Result, console) -> None:
     from rich.markup import escape
     from rich.table import Table
@@ -597,7 +569,7 @@ def render(d: dict, res: planner.Result, console) -> None:
     if d["feasible"]:
         est, st = d["estimate"], d["steps"]
         t = Table(show_header=False, box=None, pad_edge=False)
-        t.add_row("plan", _settings(d["plan"]))
+        t.add_row("plan", describe(res.plan, gpus=True, short=True))
         peak = f"{_range(est['peak_vram_bytes'], est['peak_vram_bytes_range'])} per GPU (of {_gib(res.vram_bytes)})"
         if est["within_upper_bound"] is False:
             peak += " [yellow]may not fit: the upper end is over the card[/]"
@@ -648,7 +620,7 @@ def render_compare(rows: list[tuple[str, dict, planner.Result]], console) -> Non
         t.add_row(
             escape(text),
             "yes" if d["feasible"] else "no",
-            _settings(d["plan"])
+            describe(res.plan, gpus=True, short=True)
             if d["feasible"]
             else (
                 f"needs {_gib(need)}"

@@ -31,6 +31,38 @@ def deepspeed_label(deepspeed: dict | None) -> str | None:
     return f"{stage} offload" if deepspeed.get("offload_optimizer") else stage
 
 
+def describe(s: Settings, *, batch: bool = True, gpus: bool | None = None, short: bool = False) -> str:
+    """A configuration in words: the one spelling that recommend, the plan's reasons, plan.png, sdplan bench and
+    sdplan profiles list settings with. ``short`` for table cells ('GC', 'cached TE outputs'); ``batch`` adds the
+    micro-batch and accumulation (off where a table has its own column); ``gpus``: True leads with the process
+    count, False leaves it out (a column of its own), None ends the list with it where there is more than one."""
+    bits = [f"{s.num_gpus} GPU" + ("s" if s.num_gpus > 1 else "")] if gpus else []
+    bits.append(s.precision)
+    if batch:
+        bits.append(f"batch {s.batch}" + (f" x GA {s.grad_accum}" if s.grad_accum > 1 else ""))
+    if short:
+        bits.append("GC" if s.gradient_checkpointing else "no GC")
+    else:
+        bits.append("gradient checkpointing" if s.gradient_checkpointing else "no checkpointing")
+    bits.append(s.optimizer)
+    for on, words in (
+        (s.cache_latents, "cached latents"),
+        (s.cache_text_encoder_outputs, "cached TE outputs" if short else "cached text-encoder outputs"),
+        (s.train_text_encoder, "+TE" if short else "text encoder trained"),
+        (s.method == "lora" and s.lora_rank is not None, f"rank {s.lora_rank}"),
+        (s.base_precision != "bf16", f"{s.base_precision} base"),
+        (s.blocks_to_swap, f"{s.blocks_to_swap} blocks swapped"),
+        (s.full_half_weights, f"full {s.precision} weights"),
+        (s.fused_backward, "fused backward"),
+        (s.deepspeed, f"DeepSpeed {deepspeed_label(s.deepspeed)}"),
+        (s.ema, f"EMA on {s.ema}"),
+        (gpus is None and s.num_gpus > 1, f"{s.num_gpus} GPUs"),
+    ):
+        if on:
+            bits.append(words)
+    return ", ".join(bits)
+
+
 @dataclass(frozen=True)
 class Settings:
     """One concrete training configuration: what the planner chooses, a profile point records, sdplan.yaml holds."""

@@ -529,7 +529,7 @@ def test_a_quantized_base_says_what_the_bf16_base_would_cost(prof):
     assert r.plan.base_precision != "bf16" and q.feasible
     (base,) = [x for x in r.reasons if x.startswith("base precision")]
     assert (
-        f"the bf16-base plan it would choose instead ({P._describe(q.plan)}) takes {q.seconds / r.seconds:.2f}x"
+        f"the bf16-base plan it would choose instead ({P.describe(q.plan)}) takes {q.seconds / r.seconds:.2f}x"
         in base
     )
     assert "pin model.base_precision=bf16" in base

@@ -86,7 +86,7 @@ def _violations(prof, family: str, leaner: Callable[[Settings], Settings | None]
             changed = {k: (getattr(s, k), getattr(other, k)) for k in Settings.__dataclass_fields__}
             changed = {k: v for k, v in changed.items() if v[0] != v[1]}
             out.append(
-                f"{s.method} {s.model} {P._describe(s)}: {changed} raises the peak "
+                f"{s.method} {s.model} {P.describe(s)}: {changed} raises the peak "
                 f"{before / GiB:.3f} -> {after / GiB:.3f} GiB"
             )
     assert compared > 100, f"only {compared} configurations to compare"
@@ -177,7 +177,7 @@ def test_more_work_never_lowers_the_predicted_peak(prof, change):
             after = P.memory(prof, heavier).peak
             if after < before - SLACK:
                 bad.append(
-                    f"{s.method} {family} {P._describe(s)}: {before / GiB:.3f} -> {after / GiB:.3f} GiB"
+                    f"{s.method} {family} {P.describe(s)}: {before / GiB:.3f} -> {after / GiB:.3f} GiB"
                 )
     assert compared > 100
     assert not bad, f"{len(bad)} configurations, e.g. {bad[:3]}"
@@ -389,7 +389,7 @@ def _check_needs(prof, hw: P.Hardware, req: P.Request, res: P.Result) -> None:
     assert peak > P.HEADROOM * hw.gpus[0].memory_bytes  # "more than its 92% limit" is true
     said = next(r for r in res.reasons if r.startswith("nothing fits"))
     assert f"at least {need / GiB:.1f} GiB of GPU memory" in said
-    assert any(f"({P._describe(s)})" in said for s in leanest), said
+    assert any(f"({P.describe(s)})" in said for s in leanest), said
 
 
 VRAM_GIB = (6, 10, 16, 24, 48)

@@ -9,7 +9,7 @@ from typing import Annotated, Any
 import typer
 
 from sdplan.commands._common import cli_errors, console
-from sdplan.settings import deepspeed_label
+from sdplan.settings import describe
 
 profiles_app = typer.Typer(
     help="What the planner knows, with sources: shipped profiles and this machine's measurements.",
@@ -184,32 +184,6 @@ def _outcome(p: Any) -> str:
     return ", ".join(bits)
 
 
-def _settings(p: Any) -> str:
-    o = p.options
-    bits = [p.precision, "gc" if o.gradient_checkpointing else "no-gc", o.optimizer]
-    if o.cache_latents:
-        bits.append("cached latents")
-    if o.cache_text_encoder_outputs:
-        bits.append("cached TE outputs")
-    if o.full_half_weights:
-        bits.append(f"full {p.precision} weights")
-    if o.fused_backward:
-        bits.append("fused backward")
-    if o.train_text_encoder:
-        bits.append("+TE")
-    if o.lora_rank:
-        bits.append(f"rank {o.lora_rank}")
-    if o.base_precision != "bf16":  # the frozen SD3.5 / FLUX.1 base: QLoRA's nf4 is not the bf16 point
-        bits.append(f"{o.base_precision} base")
-    if o.blocks_to_swap:
-        bits.append(f"swap {o.blocks_to_swap} blocks")
-    if o.deepspeed:
-        bits.append(deepspeed_label(o.deepspeed))
-    if o.ema:
-        bits.append(f"EMA {o.ema}")
-    return ", ".join(bits)
-
-
 def points_table(known: Any, *, full: bool = False):
     from rich.table import Table
 
@@ -241,7 +215,7 @@ def points_table(known: Any, *, full: bool = False):
                 _kind(p),
                 f"{p.method} {p.model} {p.resolution}px b{p.batch}"
                 + (f"x{p.grad_accum}" if p.grad_accum > 1 else ""),
-                _settings(p),
+                describe(p.settings, batch=False, gpus=False, short=True),
                 gpu,
                 _outcome(p),
                 p.source,
