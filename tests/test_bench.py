@@ -667,6 +667,26 @@ def test_trainer_vs_reference_script_times_both_loops_on_the_demo_model(model):
     assert r["ratio"] == r["sdplan"]["median_step_s"] / r["reference"]["median_step_s"]
 
 
+def test_flux_script_memory_runs_each_variant_of_the_diffusers_step_on_the_demo_model():
+    """benchmarks/flux_script_memory.py (diffusers' FLUX.1 LoRA example's step written out bare, for the next
+    lent GPU) runs each variant on the tiny model. What the CPU can show: fp32 LoRA weights under autocast save
+    more for the backward than bf16 ones without it (each LoRA's own bf16 cast of its input and weights), and
+    a batch of 2 about twice what a batch of 1 saves."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "flux_script_memory.py"
+    spec = importlib.util.spec_from_file_location("flux_script_memory", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    saved = {
+        (v, b): mod.run(v, b, 64, 1, True, None)["saved_for_backward_bytes"]
+        for v in ("script", "no-autocast")
+        for b in (1, 2)
+    }
+    assert saved[("script", 1)] > saved[("no-autocast", 1)] > 0
+    assert 1.8 < saved[("script", 2)] / saved[("script", 1)] < 2.2
+
+
 # -- sdplan bench --host: this host's CPU Adam rate -----------------------------------------------------------
 
 

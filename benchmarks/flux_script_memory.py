@@ -1,0 +1,290 @@
+#!/usr/bin/env python
+"""Peak GPU memory of diffusers' FLUX.1 LoRA example's training step, written out bare: does that step hold
+more than sdplan's model of a step predicts, and which of its choices does it?
+
+Why: four of the validation set's SD3.5 / FLUX.1 verdict misses are runs of diffusers'
+``examples/dreambooth/train_dreambooth_lora_flux.py`` out of memory on 40-80 GB cards, and the calibration
+point diffusers10994 read 78.2 GiB allocated at 512 px, batch 2, no checkpointing, where the planner predicts
+53.7 GiB with the script's text encoders resident. sdplan's own trainer measured 31.9 GiB at batch 1 on an
+H100 (predicted 33.6): the planner models sdplan's step well, so the difference is in that script's step.
+
+The step, from the script at diffusers b8215b1c (read, not copied):
+
+- transformer, VAE and both text encoders in bf16 on the GPU; the encoders stay there for the whole run
+  (``del text_encoder_one, text_encoder_two`` leaves the list ``text_encoders`` holding them);
+- LoRA rank 4 (``init_lora_weights="gaussian"``, alpha = rank, no dropout) on the script's default targets
+  (``lora_target_modules`` of profiles/models/flux-dev.yaml), its parameters cast to fp32
+  (``cast_training_params``);
+- ``accelerate.Accelerator(mixed_precision="bf16")``: ``prepare`` runs the forward under autocast;
+- the instance prompt encoded once: prompt embeddings of batch 1 against a latent batch of N;
+- latents from the VAE every step (no ``--cache_latents``), 2x2-packed; no gradient checkpointing;
+- flow-matching loss in fp32, ``accelerator.backward``, AdamW on the LoRA parameters, ``zero_grad``.
+
+Variants (``--variants``), each changing one thing:
+
+- ``script``: as above;
+- ``matched``: the prompt embeddings repeated to the latent batch (as per-image captions give);
+- ``bf16-lora``: LoRA parameters left in bf16 (not cast to fp32);
+- ``no-autocast``: bf16 LoRA parameters and no autocast (``mixed_precision="no"``): the arithmetic sdplan's
+  meta-device count of activations assumes.
+
+Printed (``--json``: one object per variant and batch): the bytes allocated before the first step (weights,
+encoders, VAE), ``torch.cuda.max_memory_allocated`` over the steps, and their difference (the step's own
+peak); on any device, the bytes autograd saved for the first step's backward (each storage once, weights
+excluded: what sdplan's meta count of activations counts). ``--snapshot DIR`` writes a CUDA memory snapshot (``torch.cuda.memory._dump_snapshot``) of each run,
+for https://pytorch.org/memory_viz.
+
+GPU:   python benchmarks/flux_script_memory.py --batches 1,2 --resolution 512 --json [--snapshot $OUT/snap]
+CPU (the tiny FLUX.1-shaped model, to try the code; no memory figures):   python benchmarks/flux_script_memory.py --demo
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+VARIANTS = ("script", "matched", "bf16-lora", "no-autocast")
+GiB = 2**30
+
+
+def _components(demo: bool, workdir: Path, device: str):
+    """The FLUX.1 [dev] transformer, CLIP-L, T5-XXL and VAE in bf16 with random weights (profiles/models), or
+    the tiny demo model."""
+    import torch
+    from diffusers.utils import logging as dlogging
+
+    from sdplan.bench_harness import build_components
+
+    dlogging.set_verbosity_error()  # the tiny demo model is cast to bf16 after building
+    bf16 = torch.bfloat16
+    comps = build_components(
+        "flux-dev",
+        demo=demo,
+        workdir=workdir,
+        device=device,
+        dtypes={"unet": bf16, "text_encoder": bf16, "vae": bf16},
+    )
+    for m in (comps.unet, comps.vae, *comps.text_encoders):
+        m.to(device, bf16).requires_grad_(False)
+    return comps
+
+
+def _prompt(comps, device: str):
+    """One prompt's CLIP pooled output and T5 sequence (random token ids: the weights are random too)."""
+    import torch
+
+    clip, t5 = comps.text_encoders
+    ids_clip = torch.randint(
+        0, clip.config.vocab_size, (1, comps.tokenizers[0].model_max_length), device=device
+    )
+    ids_t5 = torch.randint(0, t5.config.vocab_size, (1, comps.tokenizers[1].model_max_length), device=device)
+    with torch.no_grad():
+        pooled = clip(ids_clip).pooler_output
+        embeds = t5(ids_t5)[0]
+    return embeds, pooled
+
+
+def _shallow(depth: tuple[int, int], device: str):
+    """--depth: FLUX.1 [dev]'s transformer at full width with ``depth`` (double, single) blocks, in bf16 with
+    random weights, and a random prompt of the real shapes (T5 512 x 4096, CLIP pooled 768): no encoders or
+    VAE, so that it runs on a CPU; per-block bytes scale to the 19 + 38 blocks."""
+    import diffusers
+    import torch
+
+    from sdplan import profiles
+
+    spec = profiles.load_model(profiles.shipped_dir() / "models" / "flux-dev.yaml")
+    config = dict(spec.transformer) | {"num_layers": depth[0], "num_single_layers": depth[1]}
+    torch.manual_seed(0)
+    with torch.device(device):
+        net = diffusers.FluxTransformer2DModel.from_config(config).to(torch.bfloat16).requires_grad_(False)
+        embeds = torch.randn(
+            1, spec.transformer_text_tokens, config["joint_attention_dim"], dtype=torch.bfloat16
+        )
+        pooled = torch.randn(1, config["pooled_projection_dim"], dtype=torch.bfloat16)
+    return net, embeds, pooled
+
+
+def run(
+    variant: str,
+    batch: int,
+    resolution: int,
+    steps: int,
+    demo: bool,
+    snapshot: Path | None,
+    depth: tuple[int, int] | None = None,
+) -> dict:
+    import torch
+    from accelerate import Accelerator
+    from diffusers import FluxPipeline
+    from diffusers.training_utils import cast_training_params
+    from peft import LoraConfig
+
+    from sdplan import profiles
+    from sdplan.bench_harness import _reset_accelerate_state
+
+    _reset_accelerate_state()  # each run sets its own mixed precision
+    cuda = torch.cuda.is_available() and not demo
+    device = "cuda" if cuda else "cpu"
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    if depth is None:
+        with tempfile.TemporaryDirectory() as tmp:
+            comps = _components(demo, Path(tmp), device)
+        transformer, vae = comps.unet, comps.vae
+        embeds, pooled = _prompt(comps, device)
+        vae_scale = 2 ** (len(vae.config.block_out_channels) - 1)
+    else:
+        comps = vae = None
+        transformer, embeds, pooled = _shallow(depth, device)
+        vae_scale = 8
+    targets = profiles.load_model(profiles.shipped_dir() / "models" / "flux-dev.yaml").lora_target_modules
+    transformer.add_adapter(
+        LoraConfig(r=4, lora_alpha=4, init_lora_weights="gaussian", target_modules=list(targets))
+    )
+    if variant in ("script", "matched"):
+        cast_training_params(transformer, dtype=torch.float32)
+    params = [p for p in transformer.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-4)
+    accelerator = Accelerator(mixed_precision="no" if variant == "no-autocast" else "bf16", cpu=not cuda)
+    transformer, optimizer = accelerator.prepare(transformer, optimizer)
+    if variant == "matched":
+        embeds, pooled = embeds.repeat(batch, 1, 1), pooled.repeat(batch, 1)
+    text_ids = torch.zeros(embeds.shape[1], 3, device=device, dtype=torch.bfloat16)
+    channels = transformer.config.in_channels // 4
+    guidance = torch.ones(batch, device=device) if transformer.config.guidance_embeds else None
+    resident = torch.cuda.memory_allocated() if cuda else None
+    if cuda and snapshot is not None:
+        torch.cuda.memory._record_memory_history(max_entries=200_000)
+    skip = {p.untyped_storage()._cdata for p in transformer.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(x):  # the first step's saved tensors, each storage once, weights excluded
+        key = x.untyped_storage()._cdata
+        if key not in skip:
+            saved.setdefault(key, x.untyped_storage().nbytes())
+        return x
+
+    for step in range(steps):
+        hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x)
+        if step == 0:
+            hooks.__enter__()
+        if vae is not None:  # the script encodes every step (no --cache_latents)
+            pixels = torch.randn(batch, 3, resolution, resolution, device=device, dtype=torch.bfloat16)
+            dist = vae.encode(pixels).latent_dist
+            latents = (dist.sample() - vae.config.shift_factor) * vae.config.scaling_factor
+        else:
+            side = resolution // vae_scale
+            latents = torch.randn(batch, channels, side, side, device=device, dtype=torch.bfloat16)
+        b, c, h, w = latents.shape
+        noise = torch.randn_like(latents)
+        sigmas = torch.rand(b, device=device)
+        noisy = (1 - sigmas.view(-1, 1, 1, 1)) * latents + sigmas.view(-1, 1, 1, 1) * noise
+        packed = FluxPipeline._pack_latents(noisy.to(torch.bfloat16), b, c, h, w)
+        img_ids = FluxPipeline._prepare_latent_image_ids(b, h // 2, w // 2, device, torch.bfloat16)
+        pred = transformer(
+            hidden_states=packed,
+            timestep=sigmas,  # the script passes timesteps / 1000, i.e. the sigmas
+            guidance=guidance,
+            pooled_projections=pooled,
+            encoder_hidden_states=embeds,
+            txt_ids=text_ids,
+            img_ids=img_ids,
+            return_dict=False,
+        )[0]
+        pred = FluxPipeline._unpack_latents(pred, resolution, resolution, vae_scale)
+        loss = ((pred.float() - (noise - latents).float()) ** 2).mean()
+        if step == 0:
+            hooks.__exit__(None, None, None)
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    out = {
+        "variant": variant,
+        "batch": batch,
+        "resolution": resolution,
+        "steps": steps,
+        "device": device,
+        "saved_for_backward_bytes": sum(saved.values()),
+        "saved_for_backward_gib": round(sum(saved.values()) / GiB, 4),
+    }
+    if cuda:
+        peak = torch.cuda.max_memory_allocated()
+        out |= {
+            "resident_gib": round(resident / GiB, 3),
+            "peak_allocated_gib": round(peak / GiB, 3),
+            "step_gib": round((peak - resident) / GiB, 3),
+            "gpu": torch.cuda.get_device_name(),
+        }
+        if snapshot is not None:
+            snapshot.mkdir(parents=True, exist_ok=True)
+            torch.cuda.memory._dump_snapshot(str(snapshot / f"{variant}-b{batch}-{resolution}.pickle"))
+            torch.cuda.memory._record_memory_history(enabled=None)
+    del transformer, vae, comps, optimizer, accelerator
+    if cuda:
+        torch.cuda.empty_cache()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--batches", default="1,2")
+    ap.add_argument("--resolution", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--demo", action="store_true", help="the tiny FLUX.1-shaped model on the CPU")
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument(
+        "--depth",
+        default=None,
+        help="D,S: full width, D double and S single blocks, no encoders or VAE (a CPU-sized slice)",
+    )
+    ap.add_argument("--snapshot", type=Path, default=None, help="write a CUDA memory snapshot per run here")
+    args = ap.parse_args(argv)
+    variants = [v for v in args.variants.split(",") if v]
+    unknown = sorted(set(variants) - set(VARIANTS))
+    if unknown:
+        print(f"error: unknown variant(s) {', '.join(unknown)} (use {', '.join(VARIANTS)})", file=sys.stderr)
+        return 2
+    depth = tuple(int(x) for x in args.depth.split(",")) if args.depth else None
+    resolution = 64 if args.demo and depth is None else args.resolution
+    for variant in variants:
+        for batch in (int(b) for b in args.batches.split(",")):
+            try:
+                row = run(variant, batch, resolution, args.steps, args.demo, args.snapshot, depth)
+            except Exception as e:  # out of memory on a GPU is a result, not a crash
+                import torch
+
+                if not isinstance(e, torch.OutOfMemoryError):
+                    raise
+                row = {
+                    "variant": variant,
+                    "batch": batch,
+                    "resolution": resolution,
+                    "oom": str(e).splitlines()[0],
+                }
+                torch.cuda.empty_cache()
+            if args.json:
+                print(json.dumps(row), flush=True)
+            else:
+                fig = (
+                    f"resident {row['resident_gib']:.2f} GiB, peak {row['peak_allocated_gib']:.2f} GiB "
+                    f"(step {row['step_gib']:.2f} GiB)"
+                    if "peak_allocated_gib" in row
+                    else row.get("oom", "no allocator figures on the CPU")
+                )
+                if "saved_for_backward_gib" in row:
+                    fig += f"; saved for the backward {row['saved_for_backward_gib']:.4f} GiB"
+                print(f"{variant:12s} batch {batch} at {resolution}px: {fig}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
