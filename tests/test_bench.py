@@ -670,8 +670,8 @@ def test_trainer_vs_reference_script_times_both_loops_on_the_demo_model(model):
 def test_flux_script_memory_runs_each_variant_of_the_diffusers_step_on_the_demo_model():
     """benchmarks/flux_script_memory.py (diffusers' FLUX.1 LoRA example's step written out bare, for the next
     lent GPU) runs each variant on the tiny model. What the CPU can show: fp32 LoRA weights under autocast save
-    more for the backward than bf16 ones without it (each LoRA's own bf16 cast of its input and weights), and
-    a batch of 2 about twice what a batch of 1 saves."""
+    more for the backward than bf16 ones without it (each LoRA's own bf16 cast of its input and weights), a
+    batch of 2 about twice what a batch of 1 saves, and LayerNorm in fp32 (CUDA's autocast policy) more again."""
     import importlib.util
 
     path = Path(__file__).resolve().parents[1] / "benchmarks" / "flux_script_memory.py"
@@ -685,6 +685,9 @@ def test_flux_script_memory_runs_each_variant_of_the_diffusers_step_on_the_demo_
     }
     assert saved[("script", 1)] > saved[("no-autocast", 1)] > 0
     assert 1.8 < saved[("script", 2)] / saved[("script", 1)] < 2.2
+    with mod.cuda_layer_norm_policy():  # CUDA's autocast keeps LayerNorm in fp32: its output is saved wider
+        wider = mod.run("script", 1, 64, 1, True, None)["saved_for_backward_bytes"]
+    assert wider > saved[("script", 1)]
 
 
 # -- sdplan bench --host: this host's CPU Adam rate -----------------------------------------------------------
