@@ -579,78 +579,69 @@ def memory(profiles: Profiles, s: Settings) -> Memory:
     step = t * 4.0 if (s.optimizer in FOREACH_OPTIMIZERS and not s.fused_backward) else 0.0
     return _assemble(
         s,
-        Memory(
-            trainable_params=t,
-            weights=weights,
-            frozen=frozen,
-            gradients=grads,
-            optimizer=opt,
-            ema=ema,
-            autocast_copies=autocast,
-            activations=activations,
-            step_transient=step,
-            overhead=0.0,
-            peak=0.0,
-            ram=ram,
-            sampling_peak=0.0,
-        ),
+        dict(trainable_params=t, weights=weights, frozen=frozen, gradients=grads, optimizer=opt, ema=ema),
+        autocast_copies=autocast,
+        activations=activations,
+        step_transient=step,
+        ram=ram,
         optimizer_fp32=opt * 4.0 / tb,
         ema_host=model.params_unet * 4.0 if s.ema == "cpu" else 0.0,
         recompute_tail=recompute_tail,
-        sampling=lambda resident, m: sampling_peak_bytes(
-            profiles, s, resident=resident - m.frozen, trained=t, trained_bytes=tb
+        sampling=lambda resident, autocast: sampling_peak_bytes(
+            profiles, s, resident=resident - frozen, trained=t, trained_bytes=tb
         ),
     )
 
 
 def _assemble(
     s: Settings,
-    parts: Memory,
+    state: dict[str, float],
     *,
+    autocast_copies: float,
+    activations: float,
+    step_transient: float,
+    ram: float,
     optimizer_fp32: float,
     ema_host: float,
     recompute_tail: float,
-    sampling: Callable[[float, Memory], float],
+    sampling: Callable[[float, float], float],
 ) -> Memory:
-    """What every family's memory shares once its own parts (``parts``: one process, no DeepSpeed, ``ram`` of
-    one process, no overhead or peak yet) are known: DeepSpeed ZeRO-1/2 in place of a full method's weights,
-    gradients, optimizer state and step (the weights in the training dtype: half, or fp32 where deepspeed.json
-    enables neither fp16 nor bf16, as DeepSpeed's optimizer takes the parameters' dtype; no autocast copies;
-    ``optimizer_fp32``: the optimizer state in fp32 for it), the host's EMA copy, DDP's buckets, the step's peak
-    phase and the allocator's overhead, and the sampling grid's peak: ``sampling(resident, memory)`` with the
-    state resident between steps."""
-    m, ram = parts, parts.ram
+    """What every family's memory shares once its own parts are known (one process, no DeepSpeed: ``state``, the
+    Memory fields trainable_params, weights, frozen, gradients, optimizer and ema; ``ram`` of one process):
+    DeepSpeed ZeRO-1/2 in place of a full method's weights, gradients, optimizer state and step (the weights in
+    the training dtype: half, or fp32 where deepspeed.json enables neither fp16 nor bf16, as DeepSpeed's
+    optimizer takes the parameters' dtype; no autocast copies; ``optimizer_fp32``: the optimizer state in fp32
+    for it), the host's EMA copy, DDP's buckets, the step's peak phase and the allocator's overhead, and the
+    sampling grid's peak: ``sampling(resident, autocast_copies)`` with the state resident between steps."""
     if s.deepspeed and s.method in FULL_METHODS:
-        ds = deepspeed_states(s, m.trainable_params, optimizer_fp32)
-        m = replace(
-            m,
-            weights=ds["weights"],
-            gradients=ds["gradients"],
-            optimizer=ds["optimizer"],
-            step_transient=ds["step"],
-            autocast_copies=0.0,
-        )
+        ds = deepspeed_states(s, state["trainable_params"], optimizer_fp32)
+        state = state | {"weights": ds["weights"], "gradients": ds["gradients"], "optimizer": ds["optimizer"]}
+        step_transient, autocast_copies = ds["step"], 0.0
         ram = max(ram, RAM_PER_PROCESS + ds["host"])
     ram += ema_host
-    buckets = ddp_bucket_bytes(s, m.gradients)
+    weights, grads = state["weights"], state["gradients"]
+    held = weights + state["frozen"] + state["optimizer"] + state["ema"]
+    buckets = ddp_bucket_bytes(s, grads)
     allocated = step_allocated_bytes(
         s,
-        resident=m.weights + m.frozen + m.optimizer + m.ema,
-        grads=m.gradients,
+        resident=held,
+        grads=grads,
         buckets=buckets,
-        forward=m.activations + m.autocast_copies,
-        step=m.step_transient,
+        forward=activations + autocast_copies,
+        step=step_transient,
         recompute_tail=recompute_tail,
     )
     overhead = _overhead_bytes(allocated)
-    kept_grads = _grads_between_steps(s, m.gradients, buckets)
-    resident = m.weights + m.frozen + m.optimizer + m.ema + buckets + kept_grads
-    return replace(
-        m,
+    resident = held + buckets + _grads_between_steps(s, grads, buckets)
+    return Memory(
+        **state,
+        autocast_copies=autocast_copies,
+        activations=activations,
+        step_transient=step_transient,
         overhead=overhead,
         peak=allocated + overhead,
         ram=ram * s.num_gpus,
-        sampling_peak=sampling(resident, m),
+        sampling_peak=sampling(resident, autocast_copies),
     )
 
 
@@ -3063,26 +3054,16 @@ def memory_flow(profiles: Profiles, s: Settings) -> Memory:
     ram = max(ram, RAM_PER_PROCESS + swapped)
     return _assemble(
         s,
-        Memory(
-            trainable_params=t,
-            weights=weights,
-            frozen=frozen,
-            gradients=grads,
-            optimizer=opt,
-            ema=ema,
-            autocast_copies=autocast,
-            activations=activations,
-            step_transient=step,
-            overhead=0.0,
-            peak=0.0,
-            ram=ram,
-            sampling_peak=0.0,
-        ),
+        dict(trainable_params=t, weights=weights, frozen=frozen, gradients=grads, optimizer=opt, ema=ema),
+        autocast_copies=autocast,
+        activations=activations,
+        step_transient=step,
+        ram=ram,
         optimizer_fp32=opt,  # Adafactor's state is in fp32 already
         ema_host=model.denoiser_params * 4.0 if (full and s.ema == "cpu") else 0.0,
         recompute_tail=recompute_tail,
-        sampling=lambda resident, m: flow_sampling_peak_bytes(
-            profiles, s, resident=resident, autocast=m.autocast_copies
+        sampling=lambda resident, autocast: flow_sampling_peak_bytes(
+            profiles, s, resident=resident, autocast=autocast
         ),
     )
 
