@@ -2257,16 +2257,10 @@ def plan(hardware: Hardware | Any, profiles: Profiles, request: Request) -> Resu
             )
         else:
             without = min_vram_needed(req, profiles, precision="fp16", ram_total_bytes=ram)
-            reasons.append(
-                f"{no_gpu} needs at least {_gib(need)} of GPU memory"
-                + (
-                    ""
-                    if without == need
-                    else f" on a GPU with bf16 ({_gib(without)} without)"
-                    if without is not None
-                    else " on a GPU with bf16 (none without)"
-                )
-            )
+            said = f"{no_gpu} needs at least {_gib(need)} of GPU memory"
+            if without != need:
+                said += f" on a GPU with bf16 ({_gib(without) if without is not None else 'none'} without)"
+            reasons.append(said)
         return _infeasible(req, hardware, reasons, one_steps, need=need, profiles=profiles)
 
     conflicts = pin_conflicts(req, hardware)

@@ -266,7 +266,8 @@ def test_deepspeed_zero2_splits_master_weights_state_and_gradients_over_the_gpus
                 deepspeed=dict(SHARDED),
                 num_gpus=n,
             )
-            m, t = P.memory(prof, s), P.memory(prof, s).trainable_params
+            m = P.memory(prof, s)
+            t = m.trainable_params
             assert m.weights == pytest.approx(2 * t)
             assert m.optimizer == pytest.approx(12 * t / n)
             assert m.gradients == pytest.approx(2 * t / n + buckets)
