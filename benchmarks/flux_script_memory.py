@@ -54,6 +54,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from compute_activations import SavedCounter  # noqa: E402  (scripts/, beside this folder)
 
 VARIANTS = ("script", "matched", "bf16-lora", "no-autocast")
 GiB = 2**30
@@ -194,19 +197,10 @@ def run(
     resident = torch.cuda.memory_allocated() if cuda else None
     if cuda and snapshot is not None:
         torch.cuda.memory._record_memory_history(max_entries=200_000)
-    skip = {p.untyped_storage()._cdata for p in transformer.parameters()}
-    saved: dict[int, int] = {}
+    # the first step's saved tensors, each storage once, weights excluded: the meta-device count's own counter
+    saved = SavedCounter({p.untyped_storage()._cdata for p in transformer.parameters()})
 
-    def pack(x):  # the first step's saved tensors, each storage once, weights excluded
-        key = x.untyped_storage()._cdata
-        if key not in skip:
-            saved.setdefault(key, x.untyped_storage().nbytes())
-        return x
-
-    for step in range(steps):
-        hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x)
-        if step == 0:
-            hooks.__enter__()
+    def forward():
         if vae is not None:  # the script encodes every step (no --cache_latents)
             pixels = torch.randn(batch, 3, resolution, resolution, device=device, dtype=torch.bfloat16)
             dist = vae.encode(pixels).latent_dist
@@ -231,9 +225,11 @@ def run(
             return_dict=False,
         )[0]
         pred = FluxPipeline._unpack_latents(pred, resolution, resolution, vae_scale)
-        loss = ((pred.float() - (noise - latents).float()) ** 2).mean()
-        if step == 0:
-            hooks.__exit__(None, None, None)
+        return ((pred.float() - (noise - latents).float()) ** 2).mean()
+
+    for step in range(steps):
+        with saved.hooks() if step == 0 else contextlib.nullcontext():
+            loss = forward()
         accelerator.backward(loss)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -243,8 +239,8 @@ def run(
         "resolution": resolution,
         "steps": steps,
         "device": device,
-        "saved_for_backward_bytes": sum(saved.values()),
-        "saved_for_backward_gib": round(sum(saved.values()) / GiB, 4),
+        "saved_for_backward_bytes": saved.total,
+        "saved_for_backward_gib": round(saved.total / GiB, 4),
     }
     if cuda:
         peak = torch.cuda.max_memory_allocated()
@@ -258,7 +254,9 @@ def run(
             snapshot.mkdir(parents=True, exist_ok=True)
             torch.cuda.memory._dump_snapshot(str(snapshot / f"{variant}-b{batch}-{resolution}.pickle"))
             torch.cuda.memory._record_memory_history(enabled=None)
-    del transformer, vae, comps, optimizer, accelerator
+    transformer = vae = comps = optimizer = accelerator = (
+        None  # free them before empty_cache (forward holds cells)
+    )
     if cuda:
         torch.cuda.empty_cache()
     return out
