@@ -58,6 +58,7 @@ from sdplan.settings import (
     describe,
 )
 from sdplan.steps import Steps, plan_steps
+from sdplan.trainer.blockswap import support_problem as swap_problem  # the trainer's rule (pure, no torch)
 
 # -- calibration constants (fitted with benchmarks/planner_accuracy.py against profiles/methods) ----------
 ACTIVATION_FACTOR = 1.5  # saved tensors -> peak incl. gradient buffers of the backward pass
@@ -1596,8 +1597,6 @@ def settings_space(
     Knobs that keep the result (latent / text-encoder-output caching, gradient checkpointing, optimizer
     memory savers, DeepSpeed offload, full bf16 weights) and, for LoRA, lower ranks (which do not; the search
     prefers the requested rank)."""
-    from sdplan.trainer.blockswap import support_problem as swap_problem  # pure; no torch
-
     pins = dict(req.pins)
     full = req.method in FULL_METHODS
     lora = req.method == "lora"
@@ -2138,8 +2137,6 @@ def pin_conflicts(req: Request, hw: Hardware) -> list[str]:
             f"training.train_text_encoder=true: not supported for {req.model} (the transformer trains; the CLIP/T5 "
             "encoders stay frozen in the bundled trainer) (use training.train_text_encoder=false)"
         )
-    from sdplan.trainer.blockswap import support_problem as swap_problem
-
     swap_why = swap_problem(  # the trainer's own rule; what is not pinned the search chooses to suit it
         req.pin("blocks_to_swap", 0),
         family=req.model,
