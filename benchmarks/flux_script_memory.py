@@ -39,6 +39,21 @@ blocks: the script's step saves 9.24 GiB per image for the backward under the CP
 LayerNorm in fp32 as CUDA's autocast runs it (--cuda-layer-norm), against 8.04 GiB for bf16 LoRA without autocast
 (the same as sdplan's meta-device count): +23% at most, where diffusers issue 10994 implies ~2.7x.
 
+On the lent H100 (2026-11-27, torch 2.11.0+cu130, diffusers 0.42.1, cuDNN attention off: its backward faulted
+with "illegal memory access" here), 512 px, peak over steps 2-3 (GiB, torch.cuda.max_memory_allocated):
+
+    variant       batch 1: peak (step)    batch 2: step    saved for the backward per image
+    script        40.69 (9.17)            18.10            8.90
+    matched       40.69 (9.17)            18.10            8.90
+    bf16-lora     40.44 (8.91)            18.04            8.71-8.88
+    no-autocast   38.71 (7.19)            14.66            7.04-7.21
+    resident (transformer, T5-XXL, CLIP-L, VAE in bf16): 31.51
+
+So the script's step at batch 2 peaks at 31.5 + 18.1 = 49.6 GiB, where the planner predicts 50.1 GiB allocated
+(40.3 against 40.7 at batch 1): the step is modelled, and the 78.2 GiB of diffusers issue 10994 came from
+something else in that run. These two are calibration points in profiles/methods/lora.yaml
+(flux-script-step-h100-512-b1/-b2).
+
 GPU:   python benchmarks/flux_script_memory.py --batches 1,2 --resolution 512 --json [--snapshot $OUT/snap]
 CPU (the tiny FLUX.1-shaped model, to try the code; no memory figures):   python benchmarks/flux_script_memory.py --demo
 """
@@ -47,6 +62,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import sys
 import tempfile
@@ -57,6 +73,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from compute_activations import SavedCounter  # noqa: E402  (scripts/, beside this folder)
+from sdplan.trainer.runtime import avoid_faulty_attention_kernels  # noqa: E402
 
 VARIANTS = ("script", "matched", "bf16-lora", "no-autocast")
 GiB = 2**30
@@ -120,6 +137,21 @@ def _shallow(depth: tuple[int, int], device: str):
     return net, embeds, pooled
 
 
+def sdpa_backend(name: str | None):
+    """--sdpa: attention on one scaled_dot_product_attention backend (torch.nn.attention.sdpa_kernel)."""
+    if name is None:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = {
+        "flash": SDPBackend.FLASH_ATTENTION,
+        "efficient": SDPBackend.EFFICIENT_ATTENTION,
+        "cudnn": SDPBackend.CUDNN_ATTENTION,
+        "math": SDPBackend.MATH,
+    }[name]
+    return sdpa_kernel(backend)
+
+
 @contextlib.contextmanager
 def cuda_layer_norm_policy():
     """On the CPU, LayerNorm as CUDA's autocast runs it: in fp32, returning fp32 (aten/src/ATen/autocast_mode.cpp
@@ -153,6 +185,9 @@ def run(
     demo: bool,
     snapshot: Path | None,
     depth: tuple[int, int] | None = None,
+    count: bool = True,
+    sdpa: str | None = None,
+    cudnn: bool = False,
 ) -> dict:
     import torch
     from accelerate import Accelerator
@@ -166,6 +201,11 @@ def run(
     _reset_accelerate_state()  # each run sets its own mixed precision
     cuda = torch.cuda.is_available() and not demo
     device = "cuda" if cuda else "cpu"
+    if not cudnn:
+        # torch 2.11 prefers cuDNN attention on Hopper; on the lent H100 its backward faulted in this step
+        # ("illegal memory access" in mha_graph.execute, 2026-11-27): off, as sdplan's trainer runs (and as the
+        # torch 2.4-2.10 that the reports ran on chose flash / memory-efficient attention)
+        avoid_faulty_attention_kernels()
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -227,20 +267,27 @@ def run(
         pred = FluxPipeline._unpack_latents(pred, resolution, resolution, vae_scale)
         return ((pred.float() - (noise - latents).float()) ** 2).mean()
 
+    first_peak = None
     for step in range(steps):
-        with saved.hooks() if step == 0 else contextlib.nullcontext():
+        with saved.hooks() if step == 0 and count else contextlib.nullcontext(), sdpa_backend(sdpa):
             loss = forward()
-        accelerator.backward(loss)
+            accelerator.backward(loss)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        if step == 0 and cuda and steps > 1:
+            # the counter kept step 0's saved tensors alive through its backward: the peak is the later steps'
+            saved.keep.clear()
+            loss = None
+            first_peak = torch.cuda.max_memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
     out = {
         "variant": variant,
         "batch": batch,
         "resolution": resolution,
         "steps": steps,
         "device": device,
-        "saved_for_backward_bytes": saved.total,
-        "saved_for_backward_gib": round(saved.total / GiB, 4),
+        "saved_for_backward_bytes": saved.total if count else None,
+        "saved_for_backward_gib": round(saved.total / GiB, 4) if count else None,
     }
     if cuda:
         peak = torch.cuda.max_memory_allocated()
@@ -248,15 +295,17 @@ def run(
             "resident_gib": round(resident / GiB, 3),
             "peak_allocated_gib": round(peak / GiB, 3),
             "step_gib": round((peak - resident) / GiB, 3),
+            "first_step_peak_gib": None if first_peak is None else round(first_peak / GiB, 3),
             "gpu": torch.cuda.get_device_name(),
         }
         if snapshot is not None:
             snapshot.mkdir(parents=True, exist_ok=True)
             torch.cuda.memory._dump_snapshot(str(snapshot / f"{variant}-b{batch}-{resolution}.pickle"))
             torch.cuda.memory._record_memory_history(enabled=None)
-    transformer = vae = comps = optimizer = accelerator = (
-        None  # free them before empty_cache (forward holds cells)
-    )
+    # free them before the next run: forward holds cells, and with fp32 LoRA parameters something keeps the
+    # transformer in a reference cycle (on the H100 a batch-2 run after a batch-1 one found 22 GiB more resident)
+    transformer = vae = comps = optimizer = accelerator = params = saved = loss = None
+    gc.collect()
     if cuda:
         torch.cuda.empty_cache()
     return out
@@ -281,6 +330,18 @@ def main(argv: list[str] | None = None) -> int:
         help="on the CPU, run LayerNorm in fp32 under autocast, as CUDA's autocast does",
     )
     ap.add_argument("--snapshot", type=Path, default=None, help="write a CUDA memory snapshot per run here")
+    ap.add_argument(
+        "--cudnn",
+        action="store_true",
+        help="leave PyTorch's cuDNN attention on (its backward faulted in this step on an H100, torch 2.11)",
+    )
+    ap.add_argument("--no-count", action="store_true", help="no saved-tensor hooks (no count of saved bytes)")
+    ap.add_argument(
+        "--sdpa",
+        default=None,
+        choices=("flash", "efficient", "cudnn", "math"),
+        help="run attention on this scaled_dot_product_attention backend only",
+    )
     args = ap.parse_args(argv)
     variants = [v for v in args.variants.split(",") if v]
     unknown = sorted(set(variants) - set(VARIANTS))
@@ -294,7 +355,20 @@ def main(argv: list[str] | None = None) -> int:
             policy = cuda_layer_norm_policy() if args.cuda_layer_norm else contextlib.nullcontext()
             try:
                 with policy:
-                    row = run(variant, batch, resolution, args.steps, args.demo, args.snapshot, depth)
+                    row = run(
+                        variant,
+                        batch,
+                        resolution,
+                        args.steps,
+                        args.demo,
+                        args.snapshot,
+                        depth,
+                        count=not args.no_count,
+                        sdpa=args.sdpa,
+                        cudnn=args.cudnn,
+                    )
+                if args.sdpa:
+                    row["sdpa"] = args.sdpa
             except Exception as e:  # out of memory on a GPU is a result, not a crash
                 import torch
 
@@ -316,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
                     if "peak_allocated_gib" in row
                     else row.get("oom", "no allocator figures on the CPU")
                 )
-                if "saved_for_backward_gib" in row:
+                if row.get("saved_for_backward_gib") is not None:
                     fig += f"; saved for the backward {row['saved_for_backward_gib']:.4f} GiB"
                 print(f"{variant:12s} batch {batch} at {resolution}px: {fig}", flush=True)
     return 0

@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# Ran 2026-11-27 on the lent H100: every variant faulted in its first backward (cuDNN attention under torch 2.11);
+# gpu_session11.sh found the kernel, gpu_session12.sh measured with it off (results: flux_script_memory.py).
 # For the next lent GPU (about 5 minutes on an H100 80GB): diffusers' FLUX.1 LoRA example's training step,
 # written out bare (benchmarks/flux_script_memory.py), at 512 px, batch 1 and 2, no checkpointing: its peak
 # allocated memory against sdplan's prediction for those settings with the text encoders resident (44.0 / 53.7

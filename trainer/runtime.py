@@ -237,7 +237,9 @@ def avoid_faulty_attention_kernels() -> None:
     at some shapes (pytorch/pytorch#196678, huggingface/trl#7181, kyutai-labs/pocket-tts#264: same throughput
     without it). On sdplan's lent H100 (torch 2.11, 2026-11-26) the FLUX demo LoRA in bf16 turned NaN at step 2
     with the default backends and trained with math attention; the same run with only the flash kernel off
-    still failed. A no-op on machines without cuDNN attention."""
+    still failed. On 2026-11-27 a bare copy of diffusers' FLUX.1 LoRA script step (benchmarks/flux_script_memory.py)
+    faulted there in its first backward ("illegal memory access", mha_graph.execute) and ran with it off.
+    A no-op on machines without cuDNN attention."""
     import torch
 
     if hasattr(torch.backends.cuda, "enable_cudnn_sdp"):
