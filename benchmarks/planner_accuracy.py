@@ -717,6 +717,33 @@ def bench_leave_one_out(prof: Profiles) -> dict:
     }
 
 
+def bench_peak_leave_one_out(prof: Profiles) -> dict:
+    """Each sdplan bench peak (torch's allocated peak) predicted as a plan states it, by profiles without that
+    point: the model scaled by the bench point on that GPU at the same settings and the nearest other batch
+    (``planner.peak_evidence`` / ``evidenced_allocated_bytes``, basis "scaled"), else the model ("predicted").
+    scripts/uncertainty.py writes the scaled rows' spread as the scaled peak's range."""
+    rows = []
+    for p in prof.points:
+        peak, gpu = p.outcome.get("peak_vram_gib"), prof.point_gpu(p)
+        if not (p.from_bench and peak and gpu is not None and p.num_gpus == 1 and p.outcome.get("fits")):
+            continue
+        without = replace(prof, points=tuple(q for q in prof.points if q.id != p.id))
+        mem = P.memory(without, p.settings)
+        evidence = P.peak_evidence(without, p.settings, gpu)
+        if evidence is None:
+            allocated, basis = mem.peak - mem.overhead, "predicted"
+        else:
+            allocated, basis = P.evidenced_allocated_bytes(without, p.settings, mem, evidence[0]), evidence[1]
+        rows.append(dict(_row(p.id, "peak VRAM GiB", allocated / GiB, float(peak), p.source), basis=basis))
+    return {
+        "figures": rows,
+        "summary": {
+            basis: _stats([r for r in rows if r["basis"] == basis])
+            for basis in sorted({r["basis"] for r in rows})
+        },
+    }
+
+
 def out_of_sample(prof: Profiles, points: list[Point]) -> dict:
     numeric, verdicts, per_point, planned = [], [], [], []
     not_expressible: list[dict] = []
@@ -836,6 +863,7 @@ def report(timing: bool = True, folder: Path = VALIDATION_DIR) -> dict:
         "in_sample": in_sample(prof),
         "leave_one_source_out": leave_one_source_out(prof),
         "bench_leave_one_out": bench_leave_one_out(prof),
+        "bench_peak_leave_one_out": bench_peak_leave_one_out(prof),
         "out_of_sample": out_of_sample(prof, load_validation(folder, prof)),
     }
     if timing:
@@ -903,6 +931,13 @@ def render(result: dict) -> str:
             f"  {r['basis']}"
         )
     lines.append("")
+    lines.append("== SDPLAN BENCH PEAKS, each left out (evidence), as a plan states the peak")
+    for r in result["bench_peak_leave_one_out"]["figures"]:
+        lines.append(
+            f"{r['id']:44s} {r['quantity']:32s} {r['predicted']:10.3f} {r['published']:10.3f} {r['error_pct']:+7.1f}%"
+            f"  {r['basis']}"
+        )
+    lines.append("")
     ne = result["out_of_sample"]["not_expressible"]
     lines.append(f"== NOT EXPRESSIBLE by the planner ({len(ne)} validation points)")
     for n in ne:
@@ -922,6 +957,8 @@ def render(result: dict) -> str:
         f"leave-one-source-out: speed {_fmt(ls['speed'])}; multi-GPU ratios {_fmt(ls['multi_gpu_ratio'])}",
         "sdplan bench speeds, each left out: "
         + "; ".join(f"{b} {_fmt(s)}" for b, s in result["bench_leave_one_out"]["summary"].items()),
+        "sdplan bench peaks, each left out: "
+        + "; ".join(f"{b} {_fmt(s)}" for b, s in result["bench_peak_leave_one_out"]["summary"].items()),
         f"validation set: {oos['points']} points from {oos['sources']} sources; "
         f"{oos['not_expressible']['count']} not expressible (reasons: {oos['not_expressible']['reasons']}); "
         f"{oos['speed_without_catalog_gpu']} speeds on GPUs not named or not in the catalog",

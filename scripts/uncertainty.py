@@ -11,7 +11,8 @@ high*x)" and decides fits on the upper end.
 
 The scaled basis (a plan's speed scaled by the nearest sdplan bench point on its GPU) gets its own time range,
 ``seconds_scaled``: the same percentiles over the bench speeds, each predicted so with the point itself left
-out of the calibration and the evidence (calibration data used out of sample, not the validation set).
+out of the calibration and the evidence (calibration data used out of sample, not the validation set); a peak
+scaled by the bench point at the same settings and another batch likewise gets ``peak_scaled``.
 
 Run after the planner's model, the profiles or the validation set changes: ``python scripts/uncertainty.py`` (``--check``
 only prints). Reads benchmarks/; `sdplan recommend` reads only the YAML this writes.
@@ -114,6 +115,8 @@ def compute() -> dict:
     vram_flow, secs_flow = residuals([r for r in oos["figures"] if r["id"] in flow])
     bench = acc.bench_leave_one_out(prof)
     scaled = [r["predicted"] / r["published"] for r in bench["figures"] if r["basis"] == "scaled"]
+    peaks = acc.bench_peak_leave_one_out(prof)
+    peak_scaled = [r["published"] / r["predicted"] for r in peaks["figures"] if r["basis"] == "scaled"]
     date = datetime.date.today().isoformat()
     return {
         "schema_version": 1,
@@ -121,7 +124,8 @@ def compute() -> dict:
             f"computed: scripts/uncertainty.py from the out-of-sample residuals of benchmarks/planner_accuracy.py "
             f"(benchmarks/validation/, {oos['summary']['points']} points, {oos['summary']['sources']} sources); "
             f"seconds_scaled from the {len(scaled)} sdplan bench speeds in profiles/ that a plan scales when "
-            f"each is left out; commit {_commit()}, {date}"
+            f"each is left out; peak_scaled from the {len(peak_scaled)} sdplan bench peaks that a plan scales from "
+            f"another batch when each is left out; commit {_commit()}, {date}"
         ),
         "method": (
             f"measured / predicted; low and high are the {int(LOW_Q * 100)}th and {int(HIGH_Q * 100)}th "
@@ -133,6 +137,9 @@ def compute() -> dict:
         # a plan whose speed is the model scaled by the nearest sdplan bench point on its GPU (basis "scaled"):
         # each bench speed predicted so without itself (planner_accuracy.bench_leave_one_out)
         "seconds_scaled": factors(scaled),
+        # a plan whose peak is the model scaled by the bench point on its GPU at the same settings and the
+        # nearest other batch: each bench peak predicted so without itself (bench_peak_leave_one_out)
+        "peak_scaled": factors(peak_scaled),
     }
 
 
@@ -157,7 +164,9 @@ def main(argv: list[str] | None = None) -> int:
         f"wrote {args.out}: SD 1.x/2.x/SDXL peak VRAM x{pv['low']}-{pv['high']} (n={pv['n']}), "
         f"time x{sc['low']}-{sc['high']} (n={sc['n']}); SD3.5 / FLUX.1 peak VRAM x{tpv['low']}-{tpv['high']} "
         f"(n={tpv['n']}), time x{tsc['low']}-{tsc['high']} (n={tsc['n']}); scaled by a bench point "
-        f"x{data['seconds_scaled']['low']}-{data['seconds_scaled']['high']} (n={data['seconds_scaled']['n']})"
+        f"x{data['seconds_scaled']['low']}-{data['seconds_scaled']['high']} (n={data['seconds_scaled']['n']}); "
+        f"peak scaled from another batch x{data['peak_scaled']['low']}-{data['peak_scaled']['high']} "
+        f"(n={data['peak_scaled']['n']})"
     )
     return 0
 

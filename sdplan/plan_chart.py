@@ -58,7 +58,7 @@ def chart_data(res: planner.Result, profiles: Any) -> dict[str, Any]:
         "parts": parts,
         "peak": m.peak / GiB,
         "peak_range": (res.peak_range[0] / GiB, res.peak_range[1] / GiB) if res.peak_range else None,
-        "peak_basis": "measured" if res.peak_measured else "predicted",
+        "peak_basis": res.peak_basis,
         "card": card,
         "limit": card * planner.HEADROOM,
         "batch": s.batch,

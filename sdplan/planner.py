@@ -1425,7 +1425,10 @@ class Candidate:
     observed_multi_gpu: str | None = None  # the multi-GPU observation its step time comes from
     fixed_seconds: float = 0.0  # start-up and latent caching, in ``seconds``
     allreduce_seconds: float = 0.0  # the modelled gradient all-reduce over the whole run, in ``seconds``
-    peak_measured: str | None = None  # the sdplan bench point that measured its peak on this GPU
+    peak_measured: str | None = None  # the sdplan bench point on this GPU whose peak the plan states
+    peak_basis: str = (
+        "predicted"  # "measured" (that point's settings), "scaled" (its batch differs), "predicted"
+    )
     lowered_rank: bool = False  # a LoRA rank below the requested one (changes the result)
     host_ok: bool = True  # this machine's host RAM holds what the run keeps there (host_ram_needed_bytes)
 
@@ -1451,6 +1454,7 @@ class Result:
     within_upper_bound: bool | None = None  # the likely-peak upper bound fits the card (None: no plan)
     pin_conflicts: tuple[str, ...] = ()  # pins this hardware cannot run at all (bf16 without bf16, ...)
     peak_measured: str | None = None  # the sdplan bench point whose measured peak the plan states
+    peak_basis: str = "predicted"  # Candidate.peak_basis
 
 
 SWEEP_MAX_BATCH = 64
@@ -1827,17 +1831,35 @@ def _memory_settings(s: Settings) -> tuple:
     )
 
 
-def _measured_peak_point(profiles: Profiles, s: Settings, gpu: HWGPU) -> MethodPoint | None:
-    """An `sdplan bench` point that measured these very settings' peak on this GPU (one process)."""
-    if gpu.spec is None or s.num_gpus != 1:
+def peak_evidence(profiles: Profiles, s: Settings, gpu: GPUSpec | None) -> tuple[MethodPoint, str] | None:
+    """The `sdplan bench` peak on this GPU (one process) that a plan states: the point that measured these very
+    settings ("measured"), else one at these settings but another batch, the nearest to this one (on a log scale,
+    the larger on a tie; "scaled"); None where this GPU has neither."""
+    if gpu is None or s.num_gpus != 1:
         return None
     want = _memory_settings(s)
-    for p in profiles.points_on(gpu.spec.name):
+    near = []
+    for p in profiles.points_on(gpu.name):
         if not p.from_bench or not p.outcome.get("fits") or not p.outcome.get("peak_vram_gib"):
             continue
         if _memory_settings(p.settings) == want:
-            return p
-    return None
+            return p, "measured"
+        if _memory_settings(replace(p.settings, batch=s.batch)) == want:
+            near.append(p)
+    if not near:
+        return None
+    return min(near, key=lambda p: (abs(math.log(p.batch / s.batch)), -p.batch)), "scaled"
+
+
+def evidenced_allocated_bytes(profiles: Profiles, s: Settings, mem: Memory, point: MethodPoint) -> float:
+    """The allocated peak a plan states from a bench point (peak_evidence): the point's own where it measured
+    these settings, else the model's for these settings times measured / model at the point's batch (the
+    model's error there carried over: activation bytes grow with the batch as the model has them)."""
+    measured = point.outcome["peak_vram_gib"] * GiB
+    if point.batch == s.batch:
+        return measured
+    at_point = memory(profiles, point.settings)
+    return (mem.peak - mem.overhead) * measured / (at_point.peak - at_point.overhead)
 
 
 MEASURED_BAND = (0.95, 1.05)  # a peak or speed sdplan bench measured on this GPU: the run's own noise
@@ -1867,12 +1889,13 @@ def _evaluate(req: Request, profiles: Profiles, hw: Hardware, cal: Calibration, 
     gpu = hw.gpus[0]
     mem = memory(profiles, s)
     unc_peak = profiles.uncertainty.peak_for(s.model)[0]
-    measured = _measured_peak_point(profiles, s, gpu)
-    if measured is not None:  # measured evidence beats the model: its allocated peak, the same allowances
-        allocated = measured.outcome["peak_vram_gib"] * GiB
+    evidence = peak_evidence(profiles, s, gpu.spec)
+    if evidence is not None:  # measured evidence beats the model: its allocated peak, the same allowances
+        allocated = evidenced_allocated_bytes(profiles, s, mem, evidence[0])
         overhead = _overhead_bytes(allocated)
         mem = replace(mem, overhead=overhead, peak=max(allocated + overhead, mem.sampling_peak))
-        unc_peak = MEASURED_BAND
+        scaled_band = profiles.uncertainty.peak_scaled or unc_peak
+        unc_peak = MEASURED_BAND if evidence[1] == "measured" else scaled_band
     vram = min(g.memory_bytes for g in hw.gpus[: s.num_gpus])
     host_ok = host_ram_ok(profiles, s, hw.ram_total_bytes, mem)
     fits = mem.peak <= HEADROOM * vram and host_ok
@@ -1923,7 +1946,8 @@ def _evaluate(req: Request, profiles: Profiles, hw: Hardware, cal: Calibration, 
         observed_multi_gpu=observed.id if observed is not None else None,
         fixed_seconds=fixed,
         allreduce_seconds=allreduce,
-        peak_measured=measured.id if measured is not None else None,
+        peak_measured=evidence[0].id if evidence is not None else None,
+        peak_basis=evidence[1] if evidence is not None else "predicted",
         lowered_rank=s.method == "lora" and not req.pinned("lora_rank") and s.lora_rank < req.lora_rank,
     )
 
@@ -2305,6 +2329,7 @@ def plan(hardware: Hardware | Any, profiles: Profiles, request: Request) -> Resu
         seconds_range=best.seconds_range,
         within_upper_bound=best.safe,
         peak_measured=best.peak_measured,
+        peak_basis=best.peak_basis,
     )
 
 
@@ -2507,7 +2532,23 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
         )
     unc = profiles.uncertainty
     peak_band, peak_n = unc.peak_for(s.model)
-    if best.peak_measured:
+    if best.peak_basis == "scaled":
+        scaled_n = unc.n_peak_scaled
+        r.append(
+            f"peak {format_range(m.peak, best.peak_range)} per GPU of {_gib(vram)} "
+            f"({100 * m.peak / vram:.0f}%, limit {int(HEADROOM * 100)}%): the model's prediction scaled by how "
+            f"the peak sdplan bench measured on {gpu.name} at these settings and batch "
+            f"{next(p.batch for p in profiles.points if p.id == best.peak_measured)} ({best.peak_measured}) "
+            "compares with it, plus the CUDA "
+            f"context and allocator allowances; the range is x{best.peak_range[0] / m.peak:.3g}-"
+            f"{best.peak_range[1] / m.peak:.3g}"
+            + (
+                f" (sdplan bench peaks each scaled so from another batch, n={scaled_n})"
+                if unc.peak_scaled is not None
+                else " (the validation set's: no bench peaks to judge scaling by)"
+            )
+        )
+    elif best.peak_basis == "measured":
         r.append(
             f"peak {format_range(m.peak, best.peak_range)} per GPU of {_gib(vram)} "
             f"({100 * m.peak / vram:.0f}%, limit {int(HEADROOM * 100)}%): measured by sdplan bench on "
@@ -2711,8 +2752,9 @@ def result_dict(res: Result) -> dict[str, Any]:
             "sampling_peak_vram_bytes": int(res.memory.sampling_peak) or None,
             "final_sample_grid_fits": final_grid_fits(res.memory, res.vram_bytes) if res.vram_bytes else None,
             "peak_vram_bytes_range": _rng(res.peak_range),
-            # "measured": an sdplan bench point at these settings on this GPU; "predicted": the model
-            "peak_vram_basis": "measured" if res.peak_measured else "predicted",
+            # "measured": an sdplan bench point at these settings on this GPU; "scaled": the model times measured /
+            # model at another batch of these settings on this GPU; "predicted": the model
+            "peak_vram_basis": res.peak_basis,
             "within_upper_bound": res.within_upper_bound,
             "ram_bytes": int(res.memory.ram),
             "seconds": None if res.seconds is None else round(res.seconds, 1),

@@ -603,6 +603,9 @@ class Uncertainty:
     # a speed scaled by the nearest sdplan bench point on the GPU: from those points, each left out
     seconds_scaled: tuple[float, float] | None = None
     n_seconds_scaled: int = 0
+    # a peak scaled by the sdplan bench point on the GPU at the same settings and the nearest batch: likewise
+    peak_scaled: tuple[float, float] | None = None
+    n_peak_scaled: int = 0
     # SD3.5 / FLUX.1 (registry.FLOW_FAMILIES); None: the ones above serve them too
     peak_vram_transformer: tuple[float, float] | None = None
     seconds_transformer: tuple[float, float] | None = None
@@ -635,6 +638,7 @@ UNCERTAINTY_SCHEMA = {
     "peak_vram": F((dict,), sub=_FACTORS),
     "seconds": F((dict,), sub=_FACTORS),
     "seconds_scaled": F((dict,), sub=_FACTORS, required=False),
+    "peak_scaled": F((dict,), sub=_FACTORS, required=False),
     # the transformer families' own bands (peak_vram / seconds above: the UNet families')
     "transformer": F(
         (dict,),
@@ -692,7 +696,7 @@ def write_host(store: Path, host: HostMeasurement) -> Path:
 def load_uncertainty(path: Path) -> Uncertainty:
     d = _validated(path, UNCERTAINTY_SCHEMA)
     flow = d.get("transformer") or {}
-    bands = [(k, d[k]) for k in ("peak_vram", "seconds", "seconds_scaled") if k in d]
+    bands = [(k, d[k]) for k in ("peak_vram", "seconds", "seconds_scaled", "peak_scaled") if k in d]
     bands += [(f"transformer.{k}", v) for k, v in flow.items()]
     errors = [
         f"{key}: low {band['low']} must be <= 1 <= high {band['high']}"
@@ -701,7 +705,6 @@ def load_uncertainty(path: Path) -> Uncertainty:
     ]
     if errors:
         raise ConfigError(str(path), errors)
-    scaled = d.get("seconds_scaled")
 
     def band(entry: dict | None) -> tuple[float, float] | None:
         return (float(entry["low"]), float(entry["high"])) if entry and entry["n"] else None
@@ -711,8 +714,10 @@ def load_uncertainty(path: Path) -> Uncertainty:
         seconds_transformer=band(flow.get("seconds")),
         n_peak_vram_transformer=flow["peak_vram"]["n"] if flow else 0,
         n_seconds_transformer=flow["seconds"]["n"] if flow else 0,
-        seconds_scaled=(float(scaled["low"]), float(scaled["high"])) if scaled and scaled["n"] else None,
-        n_seconds_scaled=scaled["n"] if scaled else 0,
+        seconds_scaled=band(d.get("seconds_scaled")),
+        n_seconds_scaled=d["seconds_scaled"]["n"] if "seconds_scaled" in d else 0,
+        peak_scaled=band(d.get("peak_scaled")),
+        n_peak_scaled=d["peak_scaled"]["n"] if "peak_scaled" in d else 0,
         peak_vram=(float(d["peak_vram"]["low"]), float(d["peak_vram"]["high"])),
         seconds=(float(d["seconds"]["low"]), float(d["seconds"]["high"])),
         source=d["source"],

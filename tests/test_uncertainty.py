@@ -212,3 +212,63 @@ def test_fit_decisions_use_the_upper_end(prof):
             assert P.result_dict(res)["estimate"]["within_upper_bound"] is False
             assert any(r.startswith("warning: the likely peak's upper end") for r in res.reasons)
     assert avoided and flagged  # both cases occur on this spread of cards
+
+
+def test_a_peak_from_bench_evidence_at_another_batch_is_the_model_scaled_by_it(prof):
+    """sdplan bench measured SDXL LoRA with checkpointing on an H100 at batches 1-16: the model over-predicts its
+    activations there (+11.5% at 16). A plan at batch 12 states the model's peak times measured / model at batch
+    16 (the nearest measured batch on a log scale), with the range of the bench peaks each scaled so from
+    another batch when left out, and says where it comes from."""
+    spec = prof.find_gpu("H100 SXM")
+    hw = P.hardware_from_catalog(spec)
+    te = ("cache_text_encoder_outputs", False)  # as sdplan bench measured SDXL
+    res = P.plan(
+        hw,
+        prof,
+        P.Request(method="lora", model="sdxl", pins=(("batch", 12), ("gradient_checkpointing", True), te)),
+    )
+    s = res.plan
+    point, basis = P.peak_evidence(prof, s, spec)
+    assert basis == "scaled" and point.batch == 16 and res.peak_basis == "scaled"
+    model, at_16 = P.memory(prof, s), P.memory(prof, point.settings)
+    allocated = (
+        (model.peak - model.overhead) * point.outcome["peak_vram_gib"] * 2**30 / (at_16.peak - at_16.overhead)
+    )
+    assert allocated < model.peak - model.overhead  # the model's over-prediction carried over
+    assert res.memory.peak == pytest.approx(allocated * (1 + P.ALLOCATOR_OVERHEAD) + P.CUDA_CONTEXT_BYTES)
+    lo, hi = prof.uncertainty.peak_scaled
+    assert prof.uncertainty.n_peak_scaled >= 50
+    assert res.peak_range == pytest.approx((res.memory.peak * lo, res.memory.peak * hi))
+    assert any(point.id in r and "scaled by how the peak sdplan bench measured" in r for r in res.reasons)
+    assert P.result_dict(res)["estimate"]["peak_vram_basis"] == "scaled"
+
+
+@pytest.mark.parametrize(
+    "batch, gpus, gpu, expected",
+    [
+        (8, 1, "H100 SXM", ("measured", 8)),
+        (12, 1, "H100 SXM", ("scaled", 16)),  # log distance: 16/12 < 12/8
+        (3, 1, "H100 SXM", ("scaled", 4)),  # 4/3 < 3/2
+        (32, 1, "H100 SXM", ("scaled", 16)),
+        (8, 2, "H100 SXM", None),  # one process only
+        (8, 1, "A100 SXM 80GB", None),  # never another GPU's measurement
+    ],
+)
+def test_peak_evidence_takes_the_exact_point_else_the_nearest_batch_on_this_gpu(
+    prof, batch, gpus, gpu, expected
+):
+    from dataclasses import replace
+
+    measured = "bench-nvidia-h100-80gb-hbm3-lora-sdxl-1024-bf16-gc-adamw-cl-r16-b8"  # also 1, 2, 4, 16
+    base = next(p for p in prof.points if p.id == measured).settings
+    got = P.peak_evidence(prof, replace(base, batch=batch, num_gpus=gpus), prof.find_gpu(gpu))
+    assert (None if got is None else (got[1], got[0].batch)) == expected
+
+
+def test_bench_peaks_scaled_from_another_batch_fall_within_five_percent():
+    """What the accuracy report prints: every sdplan bench peak predicted as a plan states it with the point
+    left out. 2026-11-27: the 82 scaled from another batch, median 1.0%, max 3.4% (the model alone reached
+    +12.4% on SDXL at batch 6)."""
+    rows = script._accuracy().bench_peak_leave_one_out(load_profiles())["figures"]
+    scaled = [abs(r["error_pct"]) for r in rows if r["basis"] == "scaled"]
+    assert len(scaled) >= 50 and max(scaled) <= 5.0
