@@ -1426,9 +1426,8 @@ class Candidate:
     fixed_seconds: float = 0.0  # start-up and latent caching, in ``seconds``
     allreduce_seconds: float = 0.0  # the modelled gradient all-reduce over the whole run, in ``seconds``
     peak_measured: str | None = None  # the sdplan bench point on this GPU whose peak the plan states
-    peak_basis: str = (
-        "predicted"  # "measured" (that point's settings), "scaled" (its batch differs), "predicted"
-    )
+    # "measured" (at that point's settings), "scaled" (the model times measured / model at its batch), "predicted"
+    peak_basis: str = "predicted"
     lowered_rank: bool = False  # a LoRA rank below the requested one (changes the result)
     host_ok: bool = True  # this machine's host RAM holds what the run keeps there (host_ram_needed_bytes)
 
@@ -2533,17 +2532,15 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
     unc = profiles.uncertainty
     peak_band, peak_n = unc.peak_for(s.model)
     if best.peak_basis == "scaled":
-        scaled_n = unc.n_peak_scaled
+        near = next(p for p in profiles.points if p.id == best.peak_measured)
+        lo, hi = (x / m.peak for x in best.peak_range)
         r.append(
             f"peak {format_range(m.peak, best.peak_range)} per GPU of {_gib(vram)} "
             f"({100 * m.peak / vram:.0f}%, limit {int(HEADROOM * 100)}%): the model's prediction scaled by how "
-            f"the peak sdplan bench measured on {gpu.name} at these settings and batch "
-            f"{next(p.batch for p in profiles.points if p.id == best.peak_measured)} ({best.peak_measured}) "
-            "compares with it, plus the CUDA "
-            f"context and allocator allowances; the range is x{best.peak_range[0] / m.peak:.3g}-"
-            f"{best.peak_range[1] / m.peak:.3g}"
+            f"the peak sdplan bench measured on {gpu.name} at these settings and batch {near.batch} ({near.id}) "
+            f"compares with it, plus the CUDA context and allocator allowances; the range is x{lo:.3g}-{hi:.3g}"
             + (
-                f" (sdplan bench peaks each scaled so from another batch, n={scaled_n})"
+                f" (sdplan bench peaks each scaled so from another batch, n={unc.n_peak_scaled})"
                 if unc.peak_scaled is not None
                 else " (the validation set's: no bench peaks to judge scaling by)"
             )
