@@ -307,7 +307,18 @@ class Harness:
 
     CAPTION = "a photo of sks person"
 
-    def __init__(self, req: BenchRequest, *, device: str, demo: bool, workdir: Path, injected=None):
+    def __init__(
+        self,
+        req: BenchRequest,
+        *,
+        device: str,
+        demo: bool,
+        workdir: Path,
+        injected=None,
+        keep_vae: bool = False,
+    ):
+        """``keep_vae``: build the VAE with cached latents too, off the GPU as the trainer leaves it once the
+        latents are cached, for the sample grid (:meth:`sample_grid`)."""
         from sdplan.trainer import conditioning, faults, latents, loop, run, runtime
 
         self.req = req
@@ -323,20 +334,25 @@ class Harness:
             workdir=workdir,
             device=str(self.device),
             dtypes=recipe_cls.dtypes(cfg, accelerator),  # built in the dtypes the recipe trains them in
-            with_vae=not req.cache_latents,
+            with_vae=keep_vae or not req.cache_latents,
             # a quantized base: built in host RAM, then stored quantized on the GPU layer by layer by the
             # recipe (quantize.quantize_base), as the trainer loads it: never the whole bf16 base on the GPU
             denoiser_device="cpu" if req.base_precision != "bf16" else None,
         )
+        self.comps = comps
         self.recipe = recipe = recipe_cls(cfg, accelerator, comps)
         groups, optimizer = loop.build(recipe)
         if req.cache_text_encoder_outputs:  # as the loop does: encode once, then the encoders leave the GPU
             recipe.text_cache = conditioning.TextCache()
             recipe.text_cache.precompute(comps, recipe.text_encoders, [self.CAPTION], self.device)
             latents.offload(*recipe.text_encoders)
-        if recipe.vae is None:  # cached latents: what the latent cache hands the recipe
+        if req.cache_latents:  # cached latents: what the latent cache hands the recipe
             recipe.latents = lambda batch, generator: batch["latents"].to(self.device)
         (self.optimizer,) = loop.prepare(recipe, optimizer)
+        if (
+            req.cache_latents and comps.vae is not None
+        ):  # as the trainer leaves it once the latents are cached
+            latents.offload(comps.vae)
         self.step_index = 0
 
     @property
@@ -356,7 +372,7 @@ class Harness:
             "original_size": torch.tensor([(res, res)] * batch_size),
             "crop_top_left": torch.tensor([(0, 0)] * batch_size),
         }
-        if self.recipe.vae is None:
+        if self.req.cache_latents:
             from sdplan import registry
 
             f, channels = 8, 16 if registry.family(self.req.model).flow else 4  # SD3.5/FLUX: 16-channel VAE
@@ -388,6 +404,25 @@ class Harness:
             self.recipe, self.optimizer, batch, generator, micro=0, on_forward=on_forward
         )
         return float(loss.detach().item())
+
+    def sample_grid(self, out_path: Path, *, steps: int = 2) -> Path | None:
+        """The trainer's final sample grid (trainer/outputs.py ``samples``: the VAE and, unless their outputs are
+        cached for a transformer family, the text encoders come back beside the training state) of the recipe's
+        own prompt at the training resolution, ``steps`` denoising steps (the peak does not grow with them)."""
+        from sdplan.trainer import outputs
+
+        self.cfg.sampling.num_inference_steps = steps
+        return outputs.samples(
+            self.accelerator,
+            self.comps,
+            self.recipe.unet,
+            self.recipe.text_encoders,
+            self.cfg,
+            fallback=self.CAPTION,  # encoded with the captions where their outputs are cached
+            at_step=self.step_index,
+            out_path=out_path,
+            text_cache=self.recipe.text_cache,
+        )
 
     def optimizer_has_state(self) -> bool:
         """True once an optimizer step has really run (its state, e.g. Adam's moments, is allocated). Under

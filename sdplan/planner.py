@@ -70,6 +70,12 @@ ACTIVATION_FACTOR = 1.5  # saved tensors -> peak incl. gradient buffers of the b
 # by model and checkpointing). FLUX.1 [schnell] takes [dev]'s (registry speed_as: the same network)
 FLOW_ACTIVATION_FACTOR = 1.13
 FLOW_ACTIVATION_FACTORS = {"flux-dev": 1.09, "sd35-large": 1.28, "sd35-medium": 1.195}
+# A sample grid's VAE decode holds this many times the live bytes counted on meta (activations.yaml sampling
+# vae_decode_peak): the grid's peak over the bytes allocated before it, less the VAE's weights, over that count,
+# measured by benchmarks/sampling_peak.py on an H100 (2026-11-27, the three bench points in profiles/methods/lora.yaml
+# with sample_grid_peak_gib): SD1.5 at 512 px x1.635, SDXL at 1024 x1.619, FLUX.1 [dev] at 1024 x1.646; the mean.
+# (cuDNN's convolution workspaces and the allocator's rounding at these sizes, which a meta count cannot see.)
+VAE_DECODE_FACTOR = 1.633
 CUDA_CONTEXT_BYTES = int(0.6 * GiB)  # CUDA context + cuBLAS/cuDNN workspaces, outside torch's allocator
 ALLOCATOR_OVERHEAD = 0.06  # caching-allocator fragmentation, fraction of the allocated peak
 HEADROOM = 0.92  # a recommended plan's predicted peak stays at or below this share of VRAM
@@ -684,11 +690,11 @@ def _vae_bytes(model: ModelSpec, s: Settings) -> float:
 
 def _grid_transient_bytes(model: ModelSpec, s: Settings, sampling: dict) -> float:
     """A sample grid's largest transient at the training resolution: the denoiser's inference forward or the
-    VAE decode (activations.yaml ``sampling``, measured on meta)."""
+    VAE decode (activations.yaml ``sampling``, counted on meta; the decode times VAE_DECODE_FACTOR, measured)."""
     latent = (s.resolution // model.vae_scale_factor) ** 2
     return max(
         _coef_bytes(sampling["unet_inference_peak"], latent),
-        _coef_bytes(sampling["vae_decode_peak"][_vae_dtype(s)], latent),
+        VAE_DECODE_FACTOR * _coef_bytes(sampling["vae_decode_peak"][_vae_dtype(s)], latent),
     )
 
 
@@ -1892,7 +1898,7 @@ def _evaluate(req: Request, profiles: Profiles, hw: Hardware, cal: Calibration, 
     if evidence is not None:  # measured evidence beats the model: its allocated peak, the same allowances
         allocated = evidenced_allocated_bytes(profiles, s, mem, evidence[0])
         overhead = _overhead_bytes(allocated)
-        mem = replace(mem, overhead=overhead, peak=max(allocated + overhead, mem.sampling_peak))
+        mem = replace(mem, overhead=overhead, peak=allocated + overhead)  # the step's (final_grid_fits)
         scaled_band = profiles.uncertainty.peak_scaled or unc_peak
         unc_peak = MEASURED_BAND if evidence[1] == "measured" else scaled_band
     vram = min(g.memory_bytes for g in hw.gpus[: s.num_gpus])

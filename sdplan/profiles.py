@@ -267,6 +267,8 @@ OUTCOME_SCHEMA = {
     "peak_vram_gib": F(OPT_NUM, required=False, check=_positive),
     "ram_gib": F(OPT_NUM, required=False, check=_positive),
     "it_s": F(OPT_NUM, required=False, check=_positive),
+    # the trainer's final sample grid beside the training state (benchmarks/sampling_peak.py), allocated
+    "sample_grid_peak_gib": F(OPT_NUM, required=False, check=_positive),
 }
 POINT_SCHEMA = {
     "id": F(STR),

@@ -690,6 +690,34 @@ def test_flux_script_memory_runs_each_variant_of_the_diffusers_step_on_the_demo_
     assert wider > saved[("script", 1)]
 
 
+def test_the_harness_makes_the_trainers_sample_grid_after_its_steps(tmp_path):
+    """benchmarks/sampling_peak.py's measurement: two steps of a LoRA with cached latents (the VAE built anyway,
+    off the GPU as the trainer leaves it), then the trainer's own sample grid (trainer/outputs.py samples), the
+    VAE back for it. On the tiny SD1.5 model on the CPU: the grid is written as a PNG of the training
+    resolution and the planner's figures for the full-size model come with it."""
+    import importlib.util
+
+    from PIL import Image
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "sampling_peak.py"
+    spec = importlib.util.spec_from_file_location("sampling_peak", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    row = mod.measure("sd15", 512, 1, demo=True)
+    assert row["grid_written"] and row["resolution"] == 64
+    assert row["predicted_grid_gib"] > row["predicted_step_gib"] > 0  # the VAE decode at 512 px: the larger
+    from sdplan.bench_harness import Harness
+
+    h = Harness(mod.request("sd15", 64), device="cpu", demo=True, workdir=tmp_path, keep_vae=True)
+    try:
+        assert h.comps.vae is not None and h.req.cache_latents  # built for the grid, not used by the steps
+        h.step(1)
+        grid = h.sample_grid(tmp_path / "grid.png")
+        assert Image.open(grid).size == (64, 64)
+    finally:
+        h.close()
+
+
 # -- sdplan bench --host: this host's CPU Adam rate -----------------------------------------------------------
 
 
