@@ -88,7 +88,7 @@ def test_json_shape_is_exactly_the_issue(tmp_path):
     assert set(d["estimate"]) == {
         "peak_vram_bytes",
         "peak_vram_bytes_range",
-        "peak_vram_basis",  # measured (an sdplan bench point at these settings on this GPU) or predicted
+        "peak_vram_basis",  # measured (bench, these settings, this GPU), scaled (another batch), predicted
         "sampling_peak_vram_bytes",
         "final_sample_grid_fits",
         "within_upper_bound",
