@@ -20,7 +20,9 @@ into each point's ``source`` and ``note``.
 What is recorded:
 
 - on a GPU: peak VRAM as ``torch.cuda.max_memory_allocated`` (``outcome.peak_vram_gib``: what the planner
-  predicts) and ``max_memory_reserved`` (in the note), and micro-batch iterations per second (``it_s``);
+  predicts) and ``max_memory_reserved`` (in the note), and micro-batch iterations per second (``it_s``); after
+  the search, the trainer's final sample grid beside the training state (``outcome.sample_grid_peak_gib`` on
+  the largest point that fitted: :func:`sample_grid_peak`), which plans at those settings state;
 - with ``demo=True`` (``sdplan bench --demo``): the same code on a tiny model from ``sdplan.trainer.tiny``
   (SD 1.x-shaped, or SD3.5/FLUX.1-shaped with ``--model``) on the CPU, for trying it and for the tests.
   There is no VRAM there: memory is the process's peak resident-set growth over the bench's starting point,
@@ -179,6 +181,8 @@ class BenchPoint:
     peak_allocated_bytes: int | None = None  # torch.cuda.max_memory_allocated
     peak_reserved_bytes: int | None = None  # torch.cuda.max_memory_reserved
     peak_rss_delta_bytes: int | None = None  # CPU runs: peak resident set over the bench's start
+    # on a GPU, the largest fitting point: the trainer's final sample grid after the search (allocated peak)
+    sample_grid_peak_bytes: int | None = None
     steps: int = 0  # timed steps
     warmup_steps: int = 0
     simulated_oom: bool = False
@@ -360,6 +364,8 @@ def point_record(point: BenchPoint, machine: Machine) -> dict[str, Any]:
             outcome["ram_gib"] = round(point.peak_rss_delta_bytes / GiB, 4)
         if point.it_s:
             outcome["it_s"] = round(point.it_s, 3)
+        if point.sample_grid_peak_bytes is not None:
+            outcome["sample_grid_peak_gib"] = round(point.sample_grid_peak_bytes / GiB, 3)
 
     what = (
         "random-weight full-size networks from profiles/models"
@@ -380,6 +386,11 @@ def point_record(point: BenchPoint, machine: Machine) -> dict[str, Any]:
             f"peak_vram_gib = torch.cuda.max_memory_allocated; max_memory_reserved "
             f"{point.peak_reserved_bytes / GiB:.3f} GiB; {settings}"
         )
+        if point.sample_grid_peak_bytes is not None:
+            note += (
+                "; sample_grid_peak_gib: the trainer's final sample grid (one image, 2 denoising steps) after "
+                "the batch search, torch.cuda.max_memory_allocated"
+            )
     else:
         note = f"CPU run: ram_gib is the peak resident-set growth of the process (not VRAM); {settings}"
     return profiles.point_record(
@@ -904,7 +915,7 @@ def _measure(
     with tempfile.TemporaryDirectory(prefix="sdplan-bench-") as tmp, _quiet_diffusers():
         error = None
         try:
-            harness = Harness(req, device=dev, demo=demo, workdir=Path(tmp), injected=injected)
+            harness = Harness(req, device=dev, demo=demo, workdir=Path(tmp), injected=injected, keep_vae=True)
         except torch.OutOfMemoryError as e:
             error = (str(e).strip().splitlines() or ["out of memory"])[0][:300]
         if error is not None:  # the weights alone do not fit: batch 1 cannot
@@ -923,9 +934,45 @@ def _measure(
                 return record(probe_point(harness, batch, e, cuda=dev == "cuda", rss_base=rss_base)).fits
 
             result.max_batch, result.bounded_by = search_largest_batch(fits, max_batch=effort.max_batch)
+            if dev == "cuda" and any(p.fits for p in result.points):
+                status(req, "sample grid")
+                grid = sample_grid_peak(harness, Path(tmp))
+                if grid is not None:
+                    record_sample_grid(result, grid, machine=machine, root=root)
         finally:
             harness.close()
     free_memory()
+
+
+def record_sample_grid(result: BenchResult, grid_bytes: int, *, machine: Machine, root: Path) -> BenchPoint:
+    """The request's largest fitting point again, with the sample grid's peak: written over its record (the same
+    id) and in ``result.points``."""
+    largest = max((p for p in result.points if p.fits), key=lambda p: p.batch)
+    updated = replace(largest, sample_grid_peak_bytes=grid_bytes)
+    path = write_points(root, result.request.method, [point_record(updated, machine)])
+    updated = replace(updated, store_file=path)
+    result.points[result.points.index(largest)] = updated
+    return updated
+
+
+def sample_grid_peak(harness: Harness, workdir: Path) -> int | None:
+    """The allocated peak of the trainer's final sample grid (``Harness.sample_grid``: the VAE and, unless the
+    family samples from cached text-encoder outputs, the text encoders back beside the training state), on a
+    GPU; None where it runs out of memory (the trainer then skips the grid and keeps the weights)."""
+    import torch
+
+    free_memory()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    out_of_memory = False
+    try:
+        harness.sample_grid(workdir / "sample-grid.png")
+    except torch.OutOfMemoryError:
+        out_of_memory = True
+    if out_of_memory:  # outside the except block: its traceback no longer pins the grid's tensors
+        free_memory()
+        return None
+    return int(torch.cuda.max_memory_allocated())
 
 
 @contextlib.contextmanager

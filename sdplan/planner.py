@@ -1856,6 +1856,19 @@ def peak_evidence(profiles: Profiles, s: Settings, gpu: GPUSpec | None) -> tuple
     return min(near, key=lambda p: (abs(math.log(p.batch / s.batch)), -p.batch)), "scaled"
 
 
+def measured_grid_point(profiles: Profiles, s: Settings, gpu: GPUSpec | None) -> MethodPoint | None:
+    """An `sdplan bench` point on this GPU at these settings (any batch: the grid runs between steps, beside
+    the training state without activations) that measured the trainer's final sample grid."""
+    if gpu is None or s.num_gpus != 1:
+        return None
+    want = _memory_settings(s)
+    for p in profiles.points_on(gpu.name):
+        measured = p.from_bench and p.outcome.get("sample_grid_peak_gib")
+        if measured and _memory_settings(replace(p.settings, batch=s.batch)) == want:
+            return p
+    return None
+
+
 def evidenced_allocated_bytes(profiles: Profiles, s: Settings, mem: Memory, point: MethodPoint) -> float:
     """The allocated peak a plan states from a bench point (peak_evidence): the point's own where it measured
     these settings, else the model's for these settings times measured / model at the point's batch (the
@@ -1901,6 +1914,10 @@ def _evaluate(req: Request, profiles: Profiles, hw: Hardware, cal: Calibration, 
         mem = replace(mem, overhead=overhead, peak=allocated + overhead)  # the step's (final_grid_fits)
         scaled_band = profiles.uncertainty.peak_scaled or unc_peak
         unc_peak = MEASURED_BAND if evidence[1] == "measured" else scaled_band
+    grid = measured_grid_point(profiles, s, gpu.spec)
+    if grid is not None:  # the final sample grid as sdplan bench measured it here, the same allowances
+        grid_allocated = grid.outcome["sample_grid_peak_gib"] * GiB
+        mem = replace(mem, sampling_peak=grid_allocated + _overhead_bytes(grid_allocated))
     vram = min(g.memory_bytes for g in hw.gpus[: s.num_gpus])
     host_ok = host_ram_ok(profiles, s, hw.ram_total_bytes, mem)
     fits = mem.peak <= HEADROOM * vram and host_ok
@@ -2574,8 +2591,11 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
         )
     if not final_grid_fits(m, vram):
         back = "the VAE" if flow_family(s.model) else "the VAE and text encoders"
+        grid = measured_grid_point(profiles, s, gpu.spec)
         r.append(
-            f"the final sample grid needs {_gib(m.sampling_peak)} ({back} back on the GPU beside the training "
+            f"the final sample grid needs {_gib(m.sampling_peak)}"
+            + (f" (measured by sdplan bench on {gpu.name}: {grid.id})" if grid is not None else "")
+            + f" ({back} back on the GPU beside the training "
             f"state), more than {int(HEADROOM * 100)}% of {_gib(vram)}: `sdplan train` writes the trained weights "
             "first and skips the grid if it runs out of memory; grids during the run (sampling.every_steps, "
             "intermediate outputs) are skipped the same way and training goes on"

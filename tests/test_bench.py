@@ -331,6 +331,57 @@ def test_bench_points_make_the_planner_report_basis_measured(tmp_path, monkeypat
     assert planner.result_dict(after)["estimate"]["basis"] == "measured"
 
 
+def test_a_measured_sample_grid_is_the_plans_grid_peak(tmp_path, monkeypatch):
+    """On a GPU the bench ends each request with the trainer's final sample grid and writes its peak onto the
+    largest fitting point (record_sample_grid: the same id, so the record is replaced, not added). A plan at
+    those settings, at any batch, states that peak for the grid (plus the usual allowances) and says where it
+    comes from when the grid would not fit."""
+    from sdplan import planner
+
+    root = fresh_profile_store(monkeypatch, tmp_path)
+    snap = Snapshot.load(MACHINES / "rtx3060_12gb.json")
+    request = planner.Request(method="lora", model="sd15")
+    before = planner.plan(snap, profiles.load_profiles(local=root), request)
+    (req,) = bench.select_requests(["lora"], ["sd15"], store_dir=root, snapshot=snap).requests
+    gpu = snap.gpus[0]
+    machine = bench.Machine(
+        kind="cuda", name=gpu.name, memory_total_bytes=gpu.memory_total_bytes, torch="2.13.0"
+    )
+    records = _gpu_bench_points(req, gpu.name, gpu.memory_total_bytes, batches=(1, 2))
+    path = bench.write_points(root, "lora", records)
+    result = bench.BenchResult(request=req)
+    for r in records:  # the points as the search left them
+        b = r["batch"]
+        point = bench.BenchPoint(
+            request=req,
+            batch=b,
+            fits=True,
+            it_s=2.0 / b,
+            peak_allocated_bytes=(3 + b) * 2**30,
+            peak_reserved_bytes=(4 + b) * 2**30,
+            steps=6,
+            warmup_steps=2,
+            date="2026-01-01T00:00:00Z",
+            point_id=r["id"],
+        )
+        result.points.append(point)
+    grid = int(11.5 * 2**30)  # over the card's 92%: the plan says the grid would not fit
+    updated = bench.record_sample_grid(result, grid, machine=machine, root=root)
+    assert updated.batch == 2 and result.points[-1] is updated and updated.store_file == path
+    written = profiles.read_yaml(path)["points"]
+    assert len(written) == 2 and written[-1]["outcome"]["sample_grid_peak_gib"] == 11.5
+    assert "sample_grid_peak_gib: the trainer's final sample grid" in written[-1]["note"]
+
+    prof = profiles.load_profiles(local=root)
+    after = planner.plan(snap, prof, request)
+    grid_allocated = 11.5 * 2**30
+    assert after.memory.sampling_peak == pytest.approx(
+        grid_allocated + planner._overhead_bytes(grid_allocated)
+    )
+    assert after.memory.sampling_peak != before.memory.sampling_peak
+    assert any("final sample grid" in r and updated.point_id in r for r in after.reasons)
+
+
 def test_default_selection_skips_what_is_measured_on_this_gpu(tmp_path, monkeypatch):
     root = fresh_profile_store(monkeypatch, tmp_path)
     snap = Snapshot.load(MACHINES / "rtx3060_12gb.json")
