@@ -279,10 +279,8 @@ def test_a_broken_store_file_is_never_overwritten(tmp_path, monkeypatch):
 # -- bench points teach the planner ------------------------------------------------------------------------
 
 
-def _gpu_bench_points(req: bench.BenchRequest, gpu: str, memory_bytes: int, batches=(1, 2, 4, 8, 16)):
-    """Records exactly as a GPU bench writes them (point_record), with stand-in numbers: this machine has no
-    GPU to measure. The field names, ids and provenance are the bench's own."""
-    machine = bench.Machine(
+def _gpu_machine(gpu: str, memory_bytes: int) -> bench.Machine:
+    return bench.Machine(
         kind="cuda",
         name=gpu,
         memory_total_bytes=memory_bytes,
@@ -290,22 +288,29 @@ def _gpu_bench_points(req: bench.BenchRequest, gpu: str, memory_bytes: int, batc
         torch="2.13.0",
         cuda="12.6",
     )
-    records = []
-    for b in batches:
-        point = bench.BenchPoint(
-            request=req,
-            batch=b,
-            fits=True,
-            it_s=2.0 / b,
-            peak_allocated_bytes=(3 + b) * 2**30,
-            peak_reserved_bytes=(4 + b) * 2**30,
-            steps=6,
-            warmup_steps=2,
-            date="2026-01-01T00:00:00Z",
-        )
-        point = replace(point, point_id=bench.point_id(machine, req, b, demo=False))
-        records.append(bench.point_record(point, machine))
-    return records
+
+
+def _gpu_bench_point(req: bench.BenchRequest, machine: bench.Machine, b: int) -> bench.BenchPoint:
+    """One point as a GPU bench's search leaves it, with stand-in numbers and the bench's own id."""
+    point = bench.BenchPoint(
+        request=req,
+        batch=b,
+        fits=True,
+        it_s=2.0 / b,
+        peak_allocated_bytes=(3 + b) * 2**30,
+        peak_reserved_bytes=(4 + b) * 2**30,
+        steps=6,
+        warmup_steps=2,
+        date="2026-01-01T00:00:00Z",
+    )
+    return replace(point, point_id=bench.point_id(machine, req, b, demo=False))
+
+
+def _gpu_bench_points(req: bench.BenchRequest, gpu: str, memory_bytes: int, batches=(1, 2, 4, 8, 16)):
+    """Records exactly as a GPU bench writes them (point_record), with stand-in numbers: this machine has no
+    GPU to measure. The field names, ids and provenance are the bench's own."""
+    machine = _gpu_machine(gpu, memory_bytes)
+    return [bench.point_record(_gpu_bench_point(req, machine, b), machine) for b in batches]
 
 
 def test_bench_points_make_the_planner_report_basis_measured(tmp_path, monkeypatch):
@@ -344,27 +349,9 @@ def test_a_measured_sample_grid_is_the_plans_grid_peak(tmp_path, monkeypatch):
     before = planner.plan(snap, profiles.load_profiles(local=root), request)
     (req,) = bench.select_requests(["lora"], ["sd15"], store_dir=root, snapshot=snap).requests
     gpu = snap.gpus[0]
-    machine = bench.Machine(
-        kind="cuda", name=gpu.name, memory_total_bytes=gpu.memory_total_bytes, torch="2.13.0"
-    )
-    records = _gpu_bench_points(req, gpu.name, gpu.memory_total_bytes, batches=(1, 2))
-    path = bench.write_points(root, "lora", records)
-    result = bench.BenchResult(request=req)
-    for r in records:  # the points as the search left them
-        b = r["batch"]
-        point = bench.BenchPoint(
-            request=req,
-            batch=b,
-            fits=True,
-            it_s=2.0 / b,
-            peak_allocated_bytes=(3 + b) * 2**30,
-            peak_reserved_bytes=(4 + b) * 2**30,
-            steps=6,
-            warmup_steps=2,
-            date="2026-01-01T00:00:00Z",
-            point_id=r["id"],
-        )
-        result.points.append(point)
+    machine = _gpu_machine(gpu.name, gpu.memory_total_bytes)
+    result = bench.BenchResult(request=req, points=[_gpu_bench_point(req, machine, b) for b in (1, 2)])
+    path = bench.write_points(root, "lora", [bench.point_record(p, machine) for p in result.points])
     grid = int(11.5 * 2**30)  # over the card's 92%: the plan says the grid would not fit
     updated = bench.record_sample_grid(result, grid, machine=machine, root=root)
     assert updated.batch == 2 and result.points[-1] is updated and updated.store_file == path
