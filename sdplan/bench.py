@@ -936,7 +936,13 @@ def _measure(
             result.max_batch, result.bounded_by = search_largest_batch(fits, max_batch=effort.max_batch)
             if dev == "cuda" and any(p.fits for p in result.points):
                 status(req, "sample grid")
-                grid = sample_grid_peak(harness, Path(tmp))
+                try:
+                    grid = sample_grid_peak(harness, Path(tmp))
+                except Exception as e:  # an addition to the points already written: its failure loses none
+                    status(
+                        req, f"sample grid not measured ({type(e).__name__}: {str(e).splitlines()[0][:120]})"
+                    )
+                    grid = None
                 if grid is not None:
                     record_sample_grid(result, grid, machine=machine, root=root)
         finally:
