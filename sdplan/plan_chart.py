@@ -99,7 +99,9 @@ def render_png(data: dict[str, Any]) -> bytes:
     left.set_xlabel("GiB per GPU")
     rng = f" (likely {data['peak_range'][0]:.1f}-{data['peak_range'][1]:.1f})" if data["peak_range"] else ""
     title = f"{data['peak_basis']} peak {peak:.1f} GiB{rng}"
-    if start > 1.05 * peak:  # the parts are not all alive at once: the peak is the largest phase
+    if data["peak_basis"] != "predicted":  # the bars are the model's parts; the peak is sdplan bench's
+        title += f"\nthe model's parts add up to {start:.1f}; the peak is from sdplan bench"
+    elif start > 1.05 * peak:  # the parts are not all alive at once: the peak is the largest phase
         title += f"\nthe parts add up to {start:.1f}: not all are alive at once"
     left.set_title(title, fontsize=10)
     left.legend(loc="upper center", bbox_to_anchor=(0.5, -0.14), fontsize=8, ncol=3)  # below: never on a bar

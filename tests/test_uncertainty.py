@@ -241,6 +241,9 @@ def test_a_peak_from_bench_evidence_at_another_batch_is_the_model_scaled_by_it(p
     assert res.peak_range == pytest.approx((res.memory.peak * lo, res.memory.peak * hi))
     assert any(point.id in r and "scaled by how the peak sdplan bench measured" in r for r in res.reasons)
     assert P.result_dict(res)["estimate"]["peak_vram_basis"] == "scaled"
+    from sdplan import plan_chart
+
+    assert plan_chart.chart_data(res, prof)["peak_basis"] == "scaled"  # plan.png says where its peak is from
 
 
 @pytest.mark.parametrize(
