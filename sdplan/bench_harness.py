@@ -316,16 +316,30 @@ class Harness:
         workdir: Path,
         injected=None,
         keep_vae: bool = False,
+        deepspeed: dict | None = None,
     ):
         """``keep_vae``: build the VAE with cached latents too, off the GPU as the trainer leaves it once the
-        latents are cached, for the sample grid (:meth:`sample_grid`)."""
+        latents are cached, for the sample grid (:meth:`sample_grid`). ``deepspeed``: ``{"zero_stage",
+        "offload_optimizer", "micro_batch"}``, the trainer's DeepSpeed in this one process (accelerate's plugin,
+        as ``runtime.make_accelerator`` builds it; the process group from RANK / WORLD_SIZE / MASTER_* in the
+        environment, set by the caller). DeepSpeed fixes the micro-batch when it is prepared (the trainer's
+        data loader gives it): :meth:`step` then runs that batch only."""
         from sdplan.trainer import conditioning, faults, latents, loop, run, runtime
 
         self.req = req
         self.faults = injected or faults.NONE
         self.cfg = cfg = _synthetic_config(req, device)
+        ds_batch = None
+        if deepspeed is not None:
+            from sdplan.config import DeepSpeedConfig
+
+            ds = dict(deepspeed)
+            ds_batch = int(ds.pop("micro_batch", 1))
+            cfg.distributed.deepspeed = DeepSpeedConfig(**ds)
         _reset_accelerate_state()
         self.accelerator = accelerator = runtime.make_accelerator(cfg, workdir)
+        if ds_batch is not None:  # what the trainer's data loader tells accelerate's DeepSpeed
+            accelerator.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = ds_batch
         self.device = accelerator.device
         recipe_cls = run.recipe(req.method)
         comps = build_components(

@@ -756,6 +756,34 @@ def test_the_harness_makes_the_trainers_sample_grid_after_its_steps(tmp_path):
         h.close()
 
 
+@pytest.mark.slow
+def test_the_harness_runs_the_trainers_step_under_deepspeed_in_one_process():
+    """benchmarks/deepspeed_memory.py (for the next lent GPU): the trainer's step under DeepSpeed ZeRO-2 with CPU
+    optimizer offload, accelerate's plugin built in this one process (the micro-batch given as the trainer's
+    data loader would), on the tiny model with DeepSpeed's CPU accelerator. It prints one JSON line: the
+    planner's allocated peak for the full settings, DeepSpeed's ZeRO optimizer in place, a step time."""
+    pytest.importorskip("deepspeed")
+    import json
+    import os
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "deepspeed_memory.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--demo", "--model", "sd15", "--method", "finetune", "--batch", "2"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "DS_ACCELERATOR": "cpu"},
+        timeout=1800,  # a hang guard only
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    row = json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
+    assert "error" not in row, row
+    assert row["optimizer"] == "DeepSpeedZeroOptimizer" and row["step_s"] > 0
+    assert row["deepspeed"] == {"zero_stage": 2, "offload_optimizer": True}
+    assert (
+        row["predicted_parts_gib"]["optimizer"] == 0
+    )  # offloaded: the master weights and Adam live on the host
+
+
 # -- sdplan bench --host: this host's CPU Adam rate -----------------------------------------------------------
 
 
