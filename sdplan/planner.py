@@ -1836,21 +1836,33 @@ def _memory_settings(s: Settings) -> tuple:
     )
 
 
+def _bench_points_at(profiles: Profiles, s: Settings, gpu: GPUSpec | None) -> tuple[MethodPoint, ...]:
+    """The `sdplan bench` points on this GPU at the settings a peak depends on, any batch, in file order; none
+    for several processes. The index is built once per profiles (a plan search asks for every candidate)."""
+    if gpu is None or s.num_gpus != 1:
+        return ()
+    memo = ("bench_points_by_memory_settings", gpu.name)
+    if memo not in profiles.memo:
+        index: dict[tuple, list[MethodPoint]] = {}
+        for p in profiles.points_on(gpu.name):
+            if p.from_bench:
+                index.setdefault(_memory_settings(replace(p.settings, batch=1)), []).append(p)
+        profiles.memo[memo] = {k: tuple(v) for k, v in index.items()}
+    return profiles.memo[memo].get(_memory_settings(replace(s, batch=1)), ())
+
+
 def peak_evidence(profiles: Profiles, s: Settings, gpu: GPUSpec | None) -> tuple[MethodPoint, str] | None:
     """The `sdplan bench` peak on this GPU (one process) that a plan states: the point that measured these very
     settings ("measured"), else one at these settings but another batch, the nearest to this one (on a log scale,
     the larger on a tie; "scaled"); None where this GPU has neither."""
-    if gpu is None or s.num_gpus != 1:
-        return None
-    want = _memory_settings(s)
-    near = []
-    for p in profiles.points_on(gpu.name):
-        if not p.from_bench or not p.outcome.get("fits") or not p.outcome.get("peak_vram_gib"):
-            continue
-        if _memory_settings(p.settings) == want:
-            return p, "measured"
-        if _memory_settings(replace(p.settings, batch=s.batch)) == want:
-            near.append(p)
+    near = [
+        p
+        for p in _bench_points_at(profiles, s, gpu)
+        if p.outcome.get("fits") and p.outcome.get("peak_vram_gib")
+    ]
+    exact = next((p for p in near if p.batch == s.batch), None)
+    if exact is not None:
+        return exact, "measured"
     if not near:
         return None
     return min(near, key=lambda p: (abs(math.log(p.batch / s.batch)), -p.batch)), "scaled"
@@ -1859,14 +1871,9 @@ def peak_evidence(profiles: Profiles, s: Settings, gpu: GPUSpec | None) -> tuple
 def measured_grid_point(profiles: Profiles, s: Settings, gpu: GPUSpec | None) -> MethodPoint | None:
     """An `sdplan bench` point on this GPU at these settings (any batch: the grid runs between steps, beside
     the training state without activations) that measured the trainer's final sample grid."""
-    if gpu is None or s.num_gpus != 1:
-        return None
-    want = _memory_settings(s)
-    for p in profiles.points_on(gpu.name):
-        measured = p.from_bench and p.outcome.get("sample_grid_peak_gib")
-        if measured and _memory_settings(replace(p.settings, batch=s.batch)) == want:
-            return p
-    return None
+    return next(
+        (p for p in _bench_points_at(profiles, s, gpu) if p.outcome.get("sample_grid_peak_gib")), None
+    )
 
 
 def evidenced_allocated_bytes(profiles: Profiles, s: Settings, mem: Memory, point: MethodPoint) -> float:
