@@ -62,7 +62,7 @@ def measure(model: str, resolution: int, batch: int, demo: bool) -> dict:
     import torch
 
     from sdplan import planner as P
-    from sdplan.bench import request_settings
+    from sdplan.bench import request_settings, sample_grid_peak
     from sdplan.bench_harness import Harness, free_memory
     from sdplan.profiles import load_profiles
 
@@ -79,16 +79,19 @@ def measure(model: str, resolution: int, batch: int, demo: bool) -> dict:
                 torch.cuda.reset_peak_memory_stats()
             for _ in range(2):
                 h.step(batch)
-            if cuda:
+            if cuda:  # the grid's peak as `sdplan bench` measures it
                 row["step_gib"] = round(torch.cuda.max_memory_allocated() / GiB, 3)
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
                 row["before_grid_gib"] = round(torch.cuda.memory_allocated() / GiB, 3)
-            grid = h.sample_grid(Path(tmp) / "grid.png")
-            row["grid_written"] = grid is not None and Path(grid).is_file()
-            if cuda:
-                row["grid_gib"] = round(torch.cuda.max_memory_allocated() / GiB, 3)
+                peak = sample_grid_peak(h, Path(tmp))
+                row["grid_written"] = (Path(tmp) / "sample-grid.png").is_file()
+                if peak is None:
+                    row["error"] = "out of memory in the sample grid"
+                else:
+                    row["grid_gib"] = round(peak / GiB, 3)
                 row["gpu"] = torch.cuda.get_device_name()
+            else:
+                grid = h.sample_grid(Path(tmp) / "grid.png")
+                row["grid_written"] = grid is not None and Path(grid).is_file()
         finally:
             h.close()
             del h

@@ -363,9 +363,8 @@ class Harness:
         if req.cache_latents:  # cached latents: what the latent cache hands the recipe
             recipe.latents = lambda batch, generator: batch["latents"].to(self.device)
         (self.optimizer,) = loop.prepare(recipe, optimizer)
-        if (
-            req.cache_latents and comps.vae is not None
-        ):  # as the trainer leaves it once the latents are cached
+        # the VAE kept for the sample grid leaves the GPU, as the trainer's does once the latents are cached
+        if req.cache_latents and comps.vae is not None:
             latents.offload(comps.vae)
         self.step_index = 0
 
