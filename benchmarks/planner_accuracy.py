@@ -694,6 +694,14 @@ def leave_one_source_out(prof: Profiles) -> dict:
     }
 
 
+def _stats_by_basis(rows: list[dict]) -> dict:
+    """``_stats`` of the rows of each basis (measured, scaled, ...) a plan states them on."""
+    return {
+        basis: _stats([r for r in rows if r["basis"] == basis])
+        for basis in sorted({r["basis"] for r in rows})
+    }
+
+
 def bench_leave_one_out(prof: Profiles) -> dict:
     """Each sdplan bench speed predicted as a plan states it (``planner.planned_step_seconds``: the measured
     point, else the model scaled by the nearest other bench point on that GPU, else the model) by profiles
@@ -708,13 +716,7 @@ def bench_leave_one_out(prof: Profiles) -> dict:
         seconds, basis = P.planned_step_seconds(without, p.settings, gpu, P.calibrate(without))
         if seconds:
             rows.append(dict(_row(p.id, f"it/s on {gpu.name}", 1.0 / seconds, it_s, p.source), basis=basis))
-    return {
-        "figures": rows,
-        "summary": {
-            basis: _stats([r for r in rows if r["basis"] == basis])
-            for basis in sorted({r["basis"] for r in rows})
-        },
-    }
+    return {"figures": rows, "summary": _stats_by_basis(rows)}
 
 
 def bench_peak_leave_one_out(prof: Profiles) -> dict:
@@ -735,13 +737,7 @@ def bench_peak_leave_one_out(prof: Profiles) -> dict:
         else:
             allocated, basis = P.evidenced_allocated_bytes(without, p.settings, mem, evidence[0]), evidence[1]
         rows.append(dict(_row(p.id, "peak VRAM GiB", allocated / GiB, float(peak), p.source), basis=basis))
-    return {
-        "figures": rows,
-        "summary": {
-            basis: _stats([r for r in rows if r["basis"] == basis])
-            for basis in sorted({r["basis"] for r in rows})
-        },
-    }
+    return {"figures": rows, "summary": _stats_by_basis(rows)}
 
 
 def out_of_sample(prof: Profiles, points: list[Point]) -> dict:
