@@ -47,7 +47,7 @@ def planner_verdicts(snapshot: Snapshot) -> list[Verdict]:
     for method in METHODS:
         for family in PLANNED_FAMILIES:  # a family not yet planned has no verdict
             if not registry.family(family).plans(method):
-                out.append(Verdict(method, family, NA, "not supported for this family"))
+                out.append(Verdict(method, family, NA, "not for this family"))
                 continue
             try:
                 result = plan(hardware, profiles, Request(method=method, model=family, max_gpus=1, epochs=1))
@@ -225,17 +225,19 @@ def render(snapshot: Snapshot, console: Console, verdicts: VerdictFn = planner_v
     title = "Verdict (planner: fastest one-GPU plan at native resolution)"
     if not snapshot.usable_gpus:
         title = "Verdict: no usable GPU here; the smallest GPU each would need (planner, native resolution)"
+    # a row per family, a column per method: four columns of notes fit an 80-column terminal, where eight
+    # family columns broke words ("support / ed") and cut the methods' names
     table = Table(title=title, title_justify="left")
-    table.add_column("method")
-    for family in PLANNED_FAMILIES:
-        table.add_column(family, overflow="fold")
+    table.add_column("model")
     for method in METHODS:
+        table.add_column(method.replace("-", " "), overflow="fold")
+    for family in PLANNED_FAMILIES:
         cells = []
-        for family in PLANNED_FAMILIES:
+        for method in METHODS:
             status, note = grid.get(method, {}).get(family, ("unknown", ""))
             style = _STATUS_STYLE.get(status, "")
             cells.append(f"[{style}]{escape(status)}[/]" + (f"\n[dim]{escape(note)}[/]" if note else ""))
-        table.add_row(method, *cells)
+        table.add_row(family, *cells)
     console.print(table)
 
 
