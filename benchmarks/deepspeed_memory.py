@@ -36,13 +36,15 @@ GiB = 2**30
 def measure(
     model: str, method: str, resolution: int, batch: int, offload: bool, demo: bool, steps: int = 3
 ) -> dict:
+    from sdplan.launch import free_port
+
     os.environ.update(
         {
             "RANK": "0",
             "WORLD_SIZE": "1",
             "LOCAL_RANK": "0",
             "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": "29541",
+            "MASTER_PORT": str(free_port()),  # not a fixed port: a run or test beside this one may hold it
         }
     )
     import torch
