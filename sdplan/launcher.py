@@ -318,33 +318,45 @@ class InputSummary:
 
 
 def check_inputs(cfg: C.TrainConfig) -> InputSummary:
-    """The dataset has readable images and the model exists: one clear error otherwise. No torch."""
+    """The dataset has readable images and the model exists: one clear error otherwise, or one line with both
+    when both are wrong (the user fixes them in one go, not one per run). No torch."""
     from sdplan.trainer.dataset_scan import require_images, scan, uncaptioned_note
     from sdplan.trainer.models import PICKLE_SUFFIXES, resolve_source
     from sdplan.trainer.source_check import check_source
 
-    result = require_images(
-        scan(
-            cfg.data.path,
-            caption_extension=cfg.data.caption_extension,
-            default_caption=cfg.data.default_caption,
-            repeats=cfg.data.repeats,
-            metadata=cfg.data.metadata,
-            verify=True,
+    dataset_error: SdplanError | None = None
+    try:
+        result = require_images(
+            scan(
+                cfg.data.path,
+                caption_extension=cfg.data.caption_extension,
+                default_caption=cfg.data.default_caption,
+                repeats=cfg.data.repeats,
+                metadata=cfg.data.metadata,
+                verify=True,
+            )
         )
-    )
-    source = resolve_source(cfg.model.path)
-    if source.kind == "file" and source.location.lower().endswith(PICKLE_SUFFIXES):
-        check_model_file(Path(source.location))  # torch checkpoints: their head
-    # what the model is, from its files: an incomplete folder, another family, an inpainting / refiner /
-    # EDM model, a LoRA or embedding given as the model are one line here, not a traceback in the trainer
-    info = check_source(
-        cfg.model.path,
-        family=cfg.model.family,
-        variant=cfg.model.variant,
-        config_dir=cfg.model.config_dir,
-        revision=cfg.model.revision,
-    )
+    except SdplanError as e:
+        dataset_error = e
+    try:
+        source = resolve_source(cfg.model.path)
+        if source.kind == "file" and source.location.lower().endswith(PICKLE_SUFFIXES):
+            check_model_file(Path(source.location))  # torch checkpoints: their head
+        # what the model is, from its files: an incomplete folder, another family, an inpainting / refiner /
+        # EDM model, a LoRA or embedding given as the model are one line here, not a traceback in the trainer
+        info = check_source(
+            cfg.model.path,
+            family=cfg.model.family,
+            variant=cfg.model.variant,
+            config_dir=cfg.model.config_dir,
+            revision=cfg.model.revision,
+        )
+    except SdplanError as e:
+        if dataset_error is not None:
+            raise C.ConfigError("the dataset and the model", [str(dataset_error), str(e)]) from e
+        raise
+    if dataset_error is not None:
+        raise dataset_error
     family = cfg.model.family or info.family or _family_of(source.kind, source.location)
     return InputSummary(
         images=result.num_images,

@@ -110,6 +110,19 @@ def test_missing_model_path(tmp_path):
     )
 
 
+def test_a_wrong_dataset_and_a_wrong_model_are_one_line_with_both(tmp_path):
+    """Both inputs are checked before either error is shown: a user with an empty folder and a mistyped model
+    fixes both in one go instead of meeting the second on the next run."""
+    (tmp_path / "ds").mkdir()
+    line = one_line_error(
+        invoke("--model", str(tmp_path / "models" / "sd15"), "--dataset", str(tmp_path / "ds")),
+        2,
+        "no readable images",
+    )
+    assert "no such file or folder" in line and "the dataset and the model" in line
+    assert not (tmp_path / "sdplan.yaml").exists()
+
+
 def test_model_and_dataset_are_required_without_config(tmp_path):
     one_line_error(invoke("--method", "lora"), 2, "--model and --dataset missing")
 
