@@ -16,7 +16,7 @@ from typing import Any
 
 from sdplan import config as cfgmod
 from sdplan import planner, registry
-from sdplan.errors import DatasetError, OutputExistsError, SdplanError, UsageError
+from sdplan.errors import OutputExistsError, SdplanError, UsageError
 from sdplan.profiles import GiB, Profiles
 from sdplan.registry import FAMILIES
 from sdplan.settings import describe
@@ -46,14 +46,7 @@ def count_dataset(path: str | Path) -> DatasetCount:
     steps would otherwise count it); one broken past its header only the trainer's full decode finds."""
     from sdplan.trainer.dataset_scan import count_of, require_images, scan
 
-    root = Path(path)
-    result = scan(root, verify="header")
-    if not result.items and not result.skipped:
-        raise DatasetError(
-            f"dataset folder {root} holds no images (.png/.jpg/.jpeg/.webp/.bmp)",
-            fix="put images (and .txt captions) in it, or kohya-style N_name subfolders",
-        )
-    require_images(result)
+    result = require_images(scan(Path(path), verify="header"))  # as `sdplan train` says it
     per_epoch = result.images_x_repeats
     n = len(result.skipped)
     skipped = f"{count_of(n, 'file')} not used: {result.skipped_text()}" if n else ""

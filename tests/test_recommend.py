@@ -306,9 +306,8 @@ def test_bad_input_is_one_clear_line(args, needle):
 def test_bad_dataset_and_snapshot(tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
-    assert "holds no images" in _one_line_error(
-        run("--method", "lora", "--hardware", "T4", "--dataset", str(empty))
-    )
+    line = _one_line_error(run("--method", "lora", "--hardware", "T4", "--dataset", str(empty)))
+    assert "no readable images" in line and "the folder has no image files" in line  # as `sdplan train`
     missing = tmp_path / "nope"
     assert "does not exist" in _one_line_error(
         run("--method", "lora", "--hardware", "T4", "--dataset", str(missing))

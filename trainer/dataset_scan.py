@@ -230,7 +230,10 @@ def require_images(result: Scan) -> Scan:
             fix += "; images belong in N_name folders (10_name/a.png)"
     else:
         detail = " (the folder has no image files)"
-        fix = f"put {_EXT_LIST} images there, each with an optional same-name .txt caption"
+        fix = (
+            f"put {_EXT_LIST} images there, each with an optional same-name .txt caption, "
+            "or kohya-style N_name subfolders (10_name/a.png)"
+        )
     raise DatasetError(f"no readable images in {result.root}{detail}", fix=fix)
 
 
