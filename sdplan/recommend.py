@@ -16,7 +16,7 @@ from typing import Any
 
 from sdplan import config as cfgmod
 from sdplan import planner, registry
-from sdplan.errors import OutputExistsError, SdplanError, UsageError
+from sdplan.errors import ConfigError, OutputExistsError, SdplanError, UsageError
 from sdplan.profiles import GiB, Profiles
 from sdplan.registry import FAMILIES
 from sdplan.settings import describe
@@ -234,7 +234,20 @@ def model_source(inp: RecommendInputs, profiles: Profiles) -> RecommendInputs:
     """``--model`` as `sdplan train` takes it: a family, or a diffusers folder, a .safetensors/.ckpt file or a
     hub id. A model's own files say its family (read without torch, as `sdplan train` checks them before
     launching); the plan is for that family and the written sdplan.yaml trains that model. Returns the inputs
-    with the family in ``model``, ``model.path`` among the settings and a note (unchanged for a family name)."""
+    with the family in ``model``, ``model.path`` among the settings and a note (unchanged for a family name).
+    A wrong model beside a wrong ``--dataset`` is one line with both, as `sdplan train` says them."""
+    try:
+        return _model_source(inp, profiles)
+    except SdplanError as e:
+        if inp.dataset:
+            try:
+                count_dataset(inp.dataset)
+            except SdplanError as d:
+                raise ConfigError("the dataset and the model", [str(d), str(e)]) from e
+        raise
+
+
+def _model_source(inp: RecommendInputs, profiles: Profiles) -> RecommendInputs:
     model = inp.model
     if _is_family_name(model, profiles):
         return inp

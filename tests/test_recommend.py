@@ -312,6 +312,20 @@ def test_bad_dataset_and_snapshot(tmp_path):
     assert "does not exist" in _one_line_error(
         run("--method", "lora", "--hardware", "T4", "--dataset", str(missing))
     )
+    # a wrong model beside it: one line with both, as `sdplan train` says them
+    both = (
+        "--method",
+        "lora",
+        "--hardware",
+        "T4",
+        "--dataset",
+        str(empty),
+        "--model",
+        str(missing / "m.ckpt"),
+    )
+    line = _one_line_error(run(*both))
+    assert "the dataset and the model" in line and "no readable images" in line
+    assert "no such file or folder" in line
     bad = tmp_path / "snap.json"
     bad.write_text('{"schema_version": 1, "host": {}, "gpus": [{"index": 0}]}')
     assert "gpus[0].vendor: missing" in _one_line_error(run("--method", "lora", "--machine", str(bad)))
