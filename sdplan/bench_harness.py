@@ -110,6 +110,10 @@ def _noise_scheduler(family: str):
         beta_end=0.012,
         beta_schedule="scaled_linear",
         prediction_type="v_prediction" if family == "sd21" else "epsilon",
+        # the released configs' values: the sample grid's scheduler is built from this config, and with
+        # diffusers' defaults (0, True) its pipeline printed a FutureWarning on the user's terminal
+        steps_offset=1,
+        clip_sample=False,
     )
 
 

@@ -169,7 +169,7 @@ def tiny_sd15_components(tokenizer_dir: str | Path, seed: int = 0) -> dict:
         "vae": tiny_vae(),
         "text_encoder": text_encoder,
         "tokenizer": tokenizer,
-        "scheduler": _scheduler(DDPMScheduler),
+        "scheduler": _scheduler(DDPMScheduler, clip_sample=False),  # SD 1.5's value: no clipping
     }
 
 
@@ -208,12 +208,16 @@ def tiny_sdxl_components(tokenizer_dir: str | Path, seed: int = 0) -> dict:
     }
 
 
-def _scheduler(cls):
+def _scheduler(cls, **extra):
+    """The SD 1.x / SDXL schedule; ``steps_offset=1`` as their released configs (with 0, diffusers' pipelines
+    warn on load that the config is outdated, and rewrite it)."""
     return cls(
         num_train_timesteps=1000,
         beta_start=0.00085,
         beta_end=0.012,
         beta_schedule="scaled_linear",
+        steps_offset=1,
+        **extra,
     )
 
 
