@@ -546,7 +546,11 @@ def _peft_lora(model, adapter: str = "default") -> tuple[dict, Any] | None:
     configs = getattr(model, "peft_config", None) or {}
     if adapter not in configs:
         return None
-    return get_peft_model_state_dict(model, adapter_name=adapter), configs[adapter]
+    # no embedding layer is ever a LoRA target here (textual inversion saves its own embeddings): with peft's
+    # "auto" the export looked for the base model's config.json, on the Hub for a hub id (a network call at
+    # the end of the run), and warned "Could not find a config file" for a diffusers folder
+    state = get_peft_model_state_dict(model, adapter_name=adapter, save_embedding_layers=False)
+    return state, configs[adapter]
 
 
 def _text_model_keys(state_dict: dict) -> dict:
