@@ -464,6 +464,22 @@ def test_profiles_lists_shipped_and_local(tmp_path, monkeypatch):
     assert gpus.exit_code == 0 and "GPU catalog" in gpus.output and "H100 SXM" in gpus.output
 
 
+def test_profiles_fit_an_80_column_terminal_with_their_figures_whole(tmp_path, monkeypatch):
+    """On 80 columns every table of `sdplan profiles --gpus` fits, and the figures stay whole: a fixed 40-column
+    source cut the catalog's TFLOPS to '4.…' and wrapped the points' settings a few letters a line."""
+    from rich.cells import cell_len
+
+    fresh_profile_store(monkeypatch, tmp_path)
+    result = CliRunner().invoke(cli(), ["profiles", "--gpus"], env={"COLUMNS": "80"})
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert max(cell_len(line) for line in lines) <= 80
+    h100 = next(line for line in lines if line.startswith("│ H100 SXM "))
+    assert "989.4" in h100 and "80 GiB" in h100
+    assert any("adamw8bit" in line for line in lines)  # a setting on one line, not 'adam / w8bi / t'
+    assert "Method points: published measurement" in result.output
+
+
 def test_profiles_export_writes_a_shareable_file_and_refuses_overwrite(tmp_path, monkeypatch):
     root = fresh_profile_store(monkeypatch, tmp_path)
     snap = Snapshot.load(MACHINES / "rtx3060_12gb.json")

@@ -42,9 +42,9 @@ def profiles(
     local = Path(store).expanduser() if store is not None else lib.local_dir()
     known = lib.load_profiles(shipped, local)
     console().print(sources_table(known, shipped, local))
-    console().print(points_table(known, full=full))
+    console().print(points_table(known, full=full, width=console().width))
     if gpus:
-        console().print(gpus_table(known, full=full))
+        console().print(gpus_table(known, full=full, width=console().width))
     n_local = sum(1 for p in known.points if p.origin == "local")
     where = f"{local}" + ("" if local.is_dir() else " (does not exist yet)")
     console().print(
@@ -184,57 +184,71 @@ def _outcome(p: Any) -> str:
     return ", ".join(bits)
 
 
-def points_table(known: Any, *, full: bool = False):
+def points_table(known: Any, *, full: bool = False, width: int = 120):
+    """Every method point, a table per kind (measured here, published measurement, ...: its title), four
+    columns: the case on its GPU, the settings, the outcome, the source (shortened unless ``full``). One table
+    of six columns, the kind and the GPU among them, left the settings and outcomes a few letters wide on an
+    80-column terminal."""
+    from rich.console import Group
     from rich.table import Table
 
-    table = Table(title="Method points", title_justify="left")
-    table.add_column("kind")
-    table.add_column("case")
-    table.add_column("settings", overflow="fold")
-    table.add_column("GPU")
-    table.add_column("outcome", overflow="fold")
-    table.add_column(
-        "source", overflow="fold" if full else "ellipsis", no_wrap=not full, max_width=None if full else 40
-    )
     order = ["measured here", "published measurement", "published fit"]
-    for p in sorted(
+    points = sorted(
         known.points,
         key=lambda p: (
             order.index(_kind(p)) if _kind(p) in order else 3,
+            _kind(p),
             p.method,
             p.model,
             p.resolution,
             p.batch,
         ),
-    ):
+    )
+    tables: list[Table] = []
+    for p in points:
+        if not tables or tables[-1].title != f"Method points: {_kind(p)}":
+            table = Table(title=f"Method points: {_kind(p)}", title_justify="left")
+            table.add_column("case", width=16, overflow="fold")
+            table.add_column("settings", width=18, overflow="fold")
+            table.add_column("outcome", width=14, overflow="fold")
+            table.add_column("source", **_source_column(full, width - 16 - 18 - 14 - 13))  # - borders
+            tables.append(table)
         gpu = p.gpu or (f"any {p.gpu_memory_gib:g} GiB" if p.gpu_memory_gib else "-")
         if p.num_gpus > 1:
             gpu = f"{p.num_gpus}x {gpu}"
-        table.add_row(
+        tables[-1].add_row(
             *_plain(
-                _kind(p),
                 f"{p.method} {p.model} {p.resolution}px b{p.batch}"
-                + (f"x{p.grad_accum}" if p.grad_accum > 1 else ""),
+                + (f"x{p.grad_accum}" if p.grad_accum > 1 else "")
+                + f" on {gpu}",
                 describe(p.settings, batch=False, gpus=False, short=True),
-                gpu,
                 _outcome(p),
                 p.source,
             )
         )
-    return table
+    return Group(*tables)
 
 
-def gpus_table(known: Any, *, full: bool = False):
+def _source_column(full: bool, room: int) -> dict:
+    """A source column as wide as the terminal leaves it (``room``: 12 to 60 columns), shortened to one line
+    unless ``full``: with a fixed 40 columns it squeezed the other columns on an 80-column terminal."""
+    width = max(12, min(60, room))
+    if full:
+        return {"overflow": "fold", "width": width}
+    return {"overflow": "ellipsis", "no_wrap": True, "width": width}
+
+
+def gpus_table(known: Any, *, full: bool = False, width: int = 120):
+    """The GPU catalog: fixed columns wide enough for their values (a 40-column source cut the TFLOPS to
+    "4.…" on an 80-column terminal), the source in what the terminal leaves."""
     from rich.table import Table
 
     table = Table(title="GPU catalog", title_justify="left")
-    for col, just in (("GPU", "left"), ("vendor", "left"), ("VRAM", "right"), ("arch", "left")):
-        table.add_column(col, justify=just)
-    table.add_column("bf16")
-    table.add_column("fp16 TFLOPS", justify="right")
-    table.add_column(
-        "source", overflow="fold" if full else "ellipsis", no_wrap=not full, max_width=None if full else 40
-    )
+    columns = (("GPU", "left", 15), ("vendor", "left", 6), ("VRAM", "right", 7), ("arch", "left", 7))
+    columns += (("bf16", "left", 4), ("fp16 TFLOPS", "right", 7))
+    for col, just, w in columns:
+        table.add_column(col, justify=just, width=w, overflow="fold")
+    table.add_column("source", **_source_column(full, width - sum(w for *_, w in columns) - 22))
     for g in known.gpus:
         table.add_row(
             *_plain(
