@@ -42,7 +42,7 @@ def profiles(
     local = Path(store).expanduser() if store is not None else lib.local_dir()
     known = lib.load_profiles(shipped, local)
     console().print(sources_table(known, shipped, local))
-    console().print(points_table(known, full=full, width=console().width))
+    console().print(points_table(known, full=full))
     if gpus:
         console().print(gpus_table(known, full=full, width=console().width))
     n_local = sum(1 for p in known.points if p.origin == "local")
@@ -184,7 +184,7 @@ def _outcome(p: Any) -> str:
     return ", ".join(bits)
 
 
-def points_table(known: Any, *, full: bool = False, width: int = 120):
+def points_table(known: Any, *, full: bool = False):
     """Every method point, a table per kind (measured here, published measurement, ...: its title), four
     columns: the case on its GPU, the settings, the outcome, the source (shortened unless ``full``). One table
     of six columns, the kind and the GPU among them, left the settings and outcomes a few letters wide on an
@@ -207,11 +207,13 @@ def points_table(known: Any, *, full: bool = False, width: int = 120):
     tables: list[Table] = []
     for p in points:
         if not tables or tables[-1].title != f"Method points: {_kind(p)}":
-            table = Table(title=f"Method points: {_kind(p)}", title_justify="left")
-            table.add_column("case", width=16, overflow="fold")
-            table.add_column("settings", width=18, overflow="fold")
-            table.add_column("outcome", width=14, overflow="fold")
-            table.add_column("source", **_source_column(full, width - 16 - 18 - 14 - 13))  # - borders
+            # the terminal's width, shared out by ratio above each column's minimum (a narrow terminal
+            # wraps the settings at their commas, a wide one keeps them on one line)
+            table = Table(title=f"Method points: {_kind(p)}", title_justify="left", expand=True)
+            table.add_column("case", min_width=16, ratio=2, overflow="fold")
+            table.add_column("settings", min_width=18, ratio=3, overflow="fold")
+            table.add_column("outcome", min_width=14, ratio=2, overflow="fold")
+            table.add_column("source", min_width=12, ratio=3, **_shortened(full))
             tables.append(table)
         gpu = p.gpu or (f"any {p.gpu_memory_gib:g} GiB" if p.gpu_memory_gib else "-")
         if p.num_gpus > 1:
@@ -229,13 +231,15 @@ def points_table(known: Any, *, full: bool = False, width: int = 120):
     return Group(*tables)
 
 
+def _shortened(full: bool) -> dict:
+    """A source cell: one line ending in "…" where it does not fit, or folded whole with ``full``."""
+    return {"overflow": "fold"} if full else {"overflow": "ellipsis", "no_wrap": True}
+
+
 def _source_column(full: bool, room: int) -> dict:
-    """A source column as wide as the terminal leaves it (``room``: 12 to 60 columns), shortened to one line
-    unless ``full``: with a fixed 40 columns it squeezed the other columns on an 80-column terminal."""
-    width = max(12, min(60, room))
-    if full:
-        return {"overflow": "fold", "width": width}
-    return {"overflow": "ellipsis", "no_wrap": True, "width": width}
+    """The catalog's source column, as wide as the terminal leaves it (``room``: 12 to 60 columns): with a
+    fixed 40 columns it squeezed the figures beside it on an 80-column terminal."""
+    return {"width": max(12, min(60, room)), **_shortened(full)}
 
 
 def gpus_table(known: Any, *, full: bool = False, width: int = 120):
