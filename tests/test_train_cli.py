@@ -110,6 +110,24 @@ def test_missing_model_path(tmp_path):
     )
 
 
+@pytest.mark.parametrize(
+    ("typed", "hub"),
+    [("sdxl", "stabilityai/stable-diffusion-xl-base-1.0"), ("flux", "black-forest-labs/FLUX.1-dev")],
+)
+def test_a_family_name_as_the_model_says_its_hub_id(tmp_path, typed, hub):
+    """`sdplan recommend --model sdxl` takes a family; `sdplan train --model sdxl` needs weights. It said
+    "no such file or folder"; it now names the family's hub id to give instead, and writes nothing."""
+    ds = make_images(tmp_path / "ds")
+    line = one_line_error(
+        invoke("--model", typed, "--dataset", str(ds), "--out", str(tmp_path / "o")), 2, hub
+    )
+    assert "family, not a model" in line
+    assert not (tmp_path / "o").exists()
+    (tmp_path / typed).mkdir()  # a local folder of that name is the model: its own check speaks
+    line = one_line_error(invoke("--model", typed, "--dataset", str(ds), cwd=tmp_path), 2, typed)
+    assert "family, not a model" not in line
+
+
 def test_a_wrong_dataset_and_a_wrong_model_are_one_line_with_both(tmp_path):
     """Both inputs are checked before either error is shown: a user with an empty folder and a mistyped model
     fixes both in one go instead of meeting the second on the next run."""
