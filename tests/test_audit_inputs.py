@@ -108,6 +108,51 @@ def test_a_hub_id_that_cannot_be_fetched_is_one_line_without_retries(tmp_path, e
     assert "Retrying" not in run.stderr, run.stderr
 
 
+def test_a_gated_hub_model_says_to_accept_its_license_and_log_in(tmp_path):
+    """FLUX.1 [dev] and SD3.5 are gated: the hub answers a request without an accepted license with the
+    GatedRepo error code (huggingface_hub raises GatedRepoError, a RepositoryNotFoundError). sdplan said "not
+    found on the hub". A local server answers as the hub does."""
+    import http.server
+    import os
+    import subprocess
+    import sys
+    import threading
+
+    class Gated(http.server.BaseHTTPRequestHandler):
+        def _answer(self):
+            self.send_response(401)
+            self.send_header("X-Error-Code", "GatedRepo")
+            self.send_header("X-Error-Message", "Access to model someorg/no-such-model is restricted.")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        do_HEAD = do_GET = _answer
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Gated)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        base = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "TRANSFORMERS_OFFLINE"))}
+        run = subprocess.run(
+            [sys.executable, "-c", _LOAD],
+            env={
+                **base,
+                "HF_HOME": str(tmp_path / "hf"),
+                "HF_ENDPOINT": f"http://127.0.0.1:{server.server_port}",
+            },
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+    finally:
+        server.shutdown()
+    assert run.stdout.startswith("hub model someorg/no-such-model"), run.stdout + run.stderr
+    assert "gated on the hub" in run.stdout and "hf auth login" in run.stdout
+    assert "huggingface.co/someorg/no-such-model" in run.stdout and len(run.stdout.strip().splitlines()) == 1
+
+
 # -- recommend: an empty --hardware is a mistake, not "probe this machine" ----------------------------------
 
 

@@ -288,7 +288,12 @@ def _hub_index(location: str, revision: str | None) -> dict[str, Any]:
     download retries a dead network for half a minute)."""
     from huggingface_hub import constants, get_hf_file_metadata, hf_hub_download, hf_hub_url
     from huggingface_hub import try_to_load_from_cache as cached
-    from huggingface_hub.errors import EntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError
+    from huggingface_hub.errors import (
+        EntryNotFoundError,
+        GatedRepoError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
 
     where = f"hub model {location} (no such local path, so tried it as a Hugging Face hub id)"
     if isinstance(hit := cached(location, "model_index.json", revision=revision), str):
@@ -300,7 +305,12 @@ def _hub_index(location: str, revision: str | None) -> dict[str, Any]:
         )
     try:
         get_hf_file_metadata(hf_hub_url(location, "model_index.json", revision=revision), timeout=10)
-    except RepositoryNotFoundError:  # also a gated or private model without a login
+    except GatedRepoError:  # FLUX.1 [dev], SD3.5: the repo exists, its files need an accepted license
+        raise ModelLoadError(
+            f"{where}: gated on the hub (its license must be accepted, and this machine logged in)",
+            fix=f"accept it at https://huggingface.co/{location} while logged in there, then `hf auth login` here",
+        ) from None
+    except RepositoryNotFoundError:  # also a private model without a login
         raise ModelLoadError(
             f"{where}: not found on the hub",
             fix="check the id, or log in (`hf auth login`) for a gated or private model",
