@@ -339,7 +339,6 @@ def check_inputs(cfg: C.TrainConfig) -> InputSummary:
     except SdplanError as e:
         dataset_error = e
     try:
-        _refuse_a_family_name(cfg.model.path)
         source = resolve_source(cfg.model.path)
         if source.kind == "file" and source.location.lower().endswith(PICKLE_SUFFIXES):
             check_model_file(Path(source.location))  # torch checkpoints: their head
@@ -366,28 +365,6 @@ def check_inputs(cfg: C.TrainConfig) -> InputSummary:
         model_kind=source.kind,
         family=family,
         scan_summary="; ".join(filter(None, (result.summary(), uncaptioned_note(result, cfg)))),
-    )
-
-
-def _refuse_a_family_name(path: str) -> None:
-    """``--model sdxl`` names a family, as `sdplan recommend --model` takes it, not weights to train from:
-    one line giving the family's hub id (profiles/models: what `recommend --out` writes as model.path)
-    rather than "no such file or folder". A local file or folder of that name is the model."""
-    from sdplan import registry
-    from sdplan.profiles import load_profiles
-
-    if Path(path).expanduser().exists():
-        return
-    try:
-        family = registry.family(path)
-    except SdplanError:
-        return
-    model = load_profiles().models.get(family.name)
-    hub = model.hub_ids[0] if model is not None and model.hub_ids else None
-    raise UsageError(
-        f"model.path {path}: the {family.label} family, not a model to load",
-        fix=(f"give its hub id {hub} (downloaded once), " if hub else "give ")
-        + "a diffusers folder or a .safetensors/.ckpt file",
     )
 
 

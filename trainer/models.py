@@ -107,6 +107,26 @@ def looks_like_hub_id(text: str) -> bool:
     return bool(_HUB_ID.match(text)) and not text.startswith((".", "~")) and ".." not in text
 
 
+def _refuse_a_family_name(path: str) -> None:
+    """``sdxl`` names a family, as `sdplan recommend --model` takes it, not weights to train from (no local path
+    of that name: the caller checked): one line giving the family's hub id (profiles/models: what `recommend
+    --out` writes as model.path) rather than "no such file or folder"."""
+    from sdplan import registry
+    from sdplan.profiles import load_profiles
+
+    try:
+        family = registry.family(path)
+    except UsageError:
+        return
+    model = load_profiles().models.get(family.name)
+    hub = model.hub_ids[0] if model is not None and model.hub_ids else None
+    raise UsageError(
+        f"model.path {path}: the {family.label} family, not a model to load",
+        fix=(f"give its hub id {hub} (downloaded once), " if hub else "give ")
+        + "a diffusers folder or a .safetensors/.ckpt file",
+    )
+
+
 def resolve_source(path: str) -> ModelSource:
     """Say what ``path`` is, without loading anything. A missing local path is a UsageError."""
     p = Path(path).expanduser()
@@ -126,6 +146,7 @@ def resolve_source(path: str) -> ModelSource:
         return ModelSource("file", str(p))
     if looks_like_hub_id(path) and p.suffix.lower() not in SINGLE_FILE_SUFFIXES:
         return ModelSource("hub", path)
+    _refuse_a_family_name(path)
     raise UsageError(
         f"model.path {path}: no such file or folder",
         fix="give a diffusers folder, a .safetensors/.ckpt file, or a hub id such as "
