@@ -44,7 +44,7 @@ def profiles(
     console().print(sources_table(known, shipped, local))
     console().print(points_table(known, full=full))
     if gpus:
-        console().print(gpus_table(known, full=full, width=console().width))
+        console().print(gpus_table(known, full=full))
     n_local = sum(1 for p in known.points if p.origin == "local")
     where = f"{local}" + ("" if local.is_dir() else " (does not exist yet)")
     console().print(
@@ -189,6 +189,8 @@ def points_table(known: Any, *, full: bool = False):
     columns: the case on its GPU, the settings, the outcome, the source (shortened unless ``full``). One table
     of six columns, the kind and the GPU among them, left the settings and outcomes a few letters wide on an
     80-column terminal."""
+    import itertools
+
     from rich.console import Group
     from rich.table import Table
 
@@ -205,29 +207,29 @@ def points_table(known: Any, *, full: bool = False):
         ),
     )
     tables: list[Table] = []
-    for p in points:
-        if not tables or tables[-1].title != f"Method points: {_kind(p)}":
-            # the terminal's width, shared out by ratio above each column's minimum (a narrow terminal
-            # wraps the settings at their commas, a wide one keeps them on one line)
-            table = Table(title=f"Method points: {_kind(p)}", title_justify="left", expand=True)
-            table.add_column("case", min_width=16, ratio=2, overflow="fold")
-            table.add_column("settings", min_width=18, ratio=3, overflow="fold")
-            table.add_column("outcome", min_width=14, ratio=2, overflow="fold")
-            table.add_column("source", min_width=12, ratio=3, **_shortened(full))
-            tables.append(table)
-        gpu = p.gpu or (f"any {p.gpu_memory_gib:g} GiB" if p.gpu_memory_gib else "-")
-        if p.num_gpus > 1:
-            gpu = f"{p.num_gpus}x {gpu}"
-        tables[-1].add_row(
-            *_plain(
-                f"{p.method} {p.model} {p.resolution}px b{p.batch}"
-                + (f"x{p.grad_accum}" if p.grad_accum > 1 else "")
-                + f" on {gpu}",
-                describe(p.settings, batch=False, gpus=False, short=True),
-                _outcome(p),
-                p.source,
+    for kind, group in itertools.groupby(points, key=_kind):
+        # the terminal's width, shared out by ratio above each column's minimum (a narrow terminal wraps the
+        # settings at their commas, a wide one keeps them on one line)
+        table = Table(title=f"Method points: {kind}", title_justify="left", expand=True)
+        table.add_column("case", min_width=16, ratio=2, overflow="fold")
+        table.add_column("settings", min_width=18, ratio=3, overflow="fold")
+        table.add_column("outcome", min_width=14, ratio=2, overflow="fold")
+        table.add_column("source", min_width=12, ratio=3, **_shortened(full))
+        for p in group:
+            gpu = p.gpu or (f"any {p.gpu_memory_gib:g} GiB" if p.gpu_memory_gib else "-")
+            if p.num_gpus > 1:
+                gpu = f"{p.num_gpus}x {gpu}"
+            table.add_row(
+                *_plain(
+                    f"{p.method} {p.model} {p.resolution}px b{p.batch}"
+                    + (f"x{p.grad_accum}" if p.grad_accum > 1 else "")
+                    + f" on {gpu}",
+                    describe(p.settings, batch=False, gpus=False, short=True),
+                    _outcome(p),
+                    p.source,
+                )
             )
-        )
+        tables.append(table)
     return Group(*tables)
 
 
@@ -236,23 +238,17 @@ def _shortened(full: bool) -> dict:
     return {"overflow": "fold"} if full else {"overflow": "ellipsis", "no_wrap": True}
 
 
-def _source_column(full: bool, room: int) -> dict:
-    """The catalog's source column, as wide as the terminal leaves it (``room``: 12 to 60 columns): with a
-    fixed 40 columns it squeezed the figures beside it on an 80-column terminal."""
-    return {"width": max(12, min(60, room)), **_shortened(full)}
-
-
-def gpus_table(known: Any, *, full: bool = False, width: int = 120):
+def gpus_table(known: Any, *, full: bool = False):
     """The GPU catalog: fixed columns wide enough for their values (a 40-column source cut the TFLOPS to
-    "4.…" on an 80-column terminal), the source in what the terminal leaves."""
+    "4.…" on an 80-column terminal), the source in what the terminal leaves (as the points tables share it)."""
     from rich.table import Table
 
-    table = Table(title="GPU catalog", title_justify="left")
+    table = Table(title="GPU catalog", title_justify="left", expand=True)
     columns = (("GPU", "left", 15), ("vendor", "left", 6), ("VRAM", "right", 7), ("arch", "left", 7))
     columns += (("bf16", "left", 4), ("fp16 TFLOPS", "right", 7))
     for col, just, w in columns:
         table.add_column(col, justify=just, width=w, overflow="fold")
-    table.add_column("source", **_source_column(full, width - sum(w for *_, w in columns) - 22))
+    table.add_column("source", min_width=12, ratio=1, **_shortened(full))
     for g in known.gpus:
         table.add_row(
             *_plain(
