@@ -350,6 +350,7 @@ def check_inputs(cfg: C.TrainConfig) -> InputSummary:
             variant=cfg.model.variant,
             config_dir=cfg.model.config_dir,
             revision=cfg.model.revision,
+            hub=True,  # an uncached hub id: its configs, before the launch (the trainer downloads it anyway)
         )
     except SdplanError as e:
         if dataset_error is not None:

@@ -253,7 +253,7 @@ def _model_source(inp: RecommendInputs, profiles: Profiles) -> RecommendInputs:
         return inp
     local = os.path.expanduser(model)
     exists = os.path.exists(local)
-    from sdplan.trainer.models import PICKLE_SUFFIXES, SINGLE_FILE_SUFFIXES
+    from sdplan.trainer.models import PICKLE_SUFFIXES, SINGLE_FILE_SUFFIXES, HubUnreachable
     from sdplan.trainer.source_check import check_source
 
     looks_like_source = exists or "/" in model or model.lower().endswith(SINGLE_FILE_SUFFIXES)
@@ -267,12 +267,15 @@ def _model_source(inp: RecommendInputs, profiles: Profiles) -> RecommendInputs:
         check_model_file(Path(path))  # as `sdplan train`: a file that is no torch checkpoint at all says so
     info = check_source(path)
     family = info.family or (_listed_hub_family(model, profiles) if info.kind == "hub" else None)
+    why = "a hub id that is not in the local cache"
+    if not family and info.kind == "hub":
+        try:  # its configs from the hub (a few KB, as `sdplan train` asks before its launch)
+            family = check_source(path, hub=True).family
+        except HubUnreachable as e:
+            why += f", and the hub cannot be asked ({e.why})"
     if not family:
-        why = (
-            f"a pickled checkpoint whose keys cannot be read without loading it: {info.unread}"
-            if info.kind == "file"
-            else "a hub id that is not in the local cache"
-        )
+        if info.kind == "file":
+            why = f"a pickled checkpoint whose keys cannot be read without loading it: {info.unread}"
         raise UsageError(
             f"--model {model}: cannot tell its family here ({why})",
             fix=f"give the family instead (one of: {', '.join(registry.PLANNED_FAMILIES)}), and "

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import signal
+import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import hub_cache
 import pytest
 
 if TYPE_CHECKING:
@@ -21,6 +25,12 @@ MACHINES = FIXTURES / "machines"
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+# ... and none reads the developer's cache: a hub cache of its own, holding the configs of the hub ids that
+# profiles/models lists (what `sdplan train` keeps of a hub model it checked; tests/hub_cache.py)
+_HUB_CACHE = Path(tempfile.mkdtemp(prefix="sdplan-tests-hub-"))
+atexit.register(shutil.rmtree, _HUB_CACHE, ignore_errors=True)
+os.environ["HF_HUB_CACHE"] = str(_HUB_CACHE)
+hub_cache.seed(_HUB_CACHE)
 
 # `make test` runs the suite on 2 pytest-xdist workers. Each worker, and every trainer a test starts, gets one CPU
 # thread unless the caller chose: two workers whose children each take every core oversubscribe a 2-core machine

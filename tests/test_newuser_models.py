@@ -509,3 +509,134 @@ def test_ckpt_whose_state_dict_contains_itself_is_read_once(tmp_path):
     d["state_dict"] = d
     with pytest.raises(UnsupportedModelError, match="holds no Stable Diffusion UNet weights"):
         check_source(str(_zip_ckpt(tmp_path / "loop.ckpt", pickle.dumps(d, protocol=2))))
+
+
+# -- a hub id the local cache does not hold: its configs asked for before the launch -------------------------------
+
+
+@pytest.fixture
+def fake_hub(tmp_path, monkeypatch):
+    """A local server answering as the hub does for the files of ``repos`` (repo id -> {path: JSON}), in an
+    empty cache; yields (repos, the paths asked for)."""
+    import hashlib
+    import http.server
+    import re
+    import urllib.parse
+
+    import hub_cache
+    from huggingface_hub import constants
+
+    repos: dict[str, dict[str, dict]] = {}
+    asked: list[str] = []
+
+    class Hub(http.server.BaseHTTPRequestHandler):
+        def _answer(self, body: bool):
+            path = urllib.parse.unquote(self.path.split("?")[0])
+            asked.append(path)
+            m = re.match(r"^/([^/]+/[^/]+)/resolve/[^/]+/(.+)$", path)
+            files = repos.get(m.group(1)) if m else None
+            data = json.dumps(files[m.group(2)]).encode() if files and m.group(2) in files else None
+            if data is None:
+                self.send_response(404 if files else 401)
+                self.send_header("X-Error-Code", "EntryNotFound" if files else "RepoNotFound")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
+            self.send_response(200)
+            self.send_header("X-Repo-Commit", hub_cache.COMMIT)
+            self.send_header("ETag", f'"{hashlib.sha1(data).hexdigest()}"')
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            if body:
+                self.wfile.write(data)
+
+        def do_HEAD(self):
+            self._answer(body=False)
+
+        def do_GET(self):
+            self._answer(body=True)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Hub)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    endpoint = f"http://127.0.0.1:{server.server_address[1]}"
+    monkeypatch.setattr(constants, "ENDPOINT", endpoint)
+    monkeypatch.setattr(
+        constants, "HUGGINGFACE_CO_URL_TEMPLATE", endpoint + "/{repo_id}/resolve/{revision}/{filename}"
+    )
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    yield repos, asked
+    server.shutdown()
+    server.server_close()
+
+
+def test_an_uncached_hub_model_sdplan_cannot_train_is_refused_before_anything_downloads(tmp_path, fake_hub):
+    """An inpainting model given by hub id: its configs said so only in a local folder; from the hub the
+    trainer was launched, the run folder written, and the UNet's weights downloaded before anything failed."""
+    import hub_cache
+
+    repos, asked = fake_hub
+    files = hub_cache.configs("sd15")
+    files["model_index.json"]["_class_name"] = "StableDiffusionInpaintPipeline"
+    files["unet/config.json"] = {**files["unet/config.json"], "in_channels": 9}
+    repos["someorg/sd-inpainting"] = files
+    ds = make_images(tmp_path / "ds", n=2)
+    out = tmp_path / "o"
+    args = ["--model", "someorg/sd-inpainting", "--dataset", str(ds), "--out", str(out), "--device", "cpu"]
+    r = runner.invoke(app, ["train", *args, "--yes"])
+    one_line_error(r, 2, "model.path someorg/sd-inpainting", "an inpainting model")
+    assert not out.exists()
+    assert asked and all(p.endswith(".json") for p in asked), asked  # configs only, no weights
+
+
+def test_an_uncached_hub_model_is_planned_as_the_family_its_configs_say(tmp_path, fake_hub):
+    """A hub id whose name does not say its family was planned as SD 1.5 (the guess from its name) whatever
+    it was; an SDXL model is planned as SDXL, and a model.family that disagrees is one line."""
+    import hub_cache
+
+    repos, _ = fake_hub
+    repos["someorg/my-model"] = hub_cache.configs("sdxl")
+    ds = make_images(tmp_path / "ds", n=2)
+    args = [
+        "--model",
+        "someorg/my-model",
+        "--dataset",
+        str(ds),
+        "--out",
+        str(tmp_path / "o"),
+        "--device",
+        "cpu",
+    ]
+    r = runner.invoke(app, ["train", *args, "--dry-run"])
+    assert r.exit_code == 0, r.output
+    assert "lora on sdxl (someorg/my-model)" in r.output
+    r = runner.invoke(app, ["train", *args, "--dry-run", "model.family=sd15"])
+    one_line_error(r, 2, "model.family is sd15", "an sdxl model")
+
+
+def test_an_uncached_hub_id_the_hub_does_not_know_is_one_line_before_the_launch(tmp_path, fake_hub):
+    ds = make_images(tmp_path / "ds", n=2)
+    out = tmp_path / "o"
+    args = ["--model", "someorg/typo", "--dataset", str(ds), "--out", str(out), "--device", "cpu", "--yes"]
+    r = runner.invoke(app, ["train", *args])
+    one_line_error(r, 2, "someorg/typo", "not found on the hub")
+    assert not out.exists()
+
+
+def test_recommend_plans_an_uncached_hub_model_as_the_family_its_configs_say(fake_hub):
+    """`recommend --model <hub id>` said "cannot tell its family here" for any hub id the cache did not hold
+    and profiles/models does not list."""
+    import hub_cache
+
+    repos, asked = fake_hub
+    repos["someorg/my-model"] = hub_cache.configs("sdxl")
+    r = runner.invoke(
+        app, ["recommend", "--method", "lora", "--model", "someorg/my-model", "--hardware", "RTX 4090"]
+    )
+    assert r.exit_code == 0, r.output
+    assert "a hub id of the sdxl family (planned as sdxl)" in " ".join(r.output.split())
+    assert asked and all(p.endswith(".json") for p in asked), asked

@@ -391,3 +391,4 @@ def test_model_given_as_an_uncached_hub_id_asks_for_the_family(tmp_path, monkeyp
     r = run("--method", "lora", "--model", "someone/not-cached", "--hardware", "RTX 4090")
     _one_line_error(r, 2)
     assert "cannot tell its family" in r.output and "model.path=someone/not-cached" in r.output
+    assert "the hub cannot be asked (HF_HUB_OFFLINE is set)" in " ".join(r.output.split())

@@ -441,6 +441,7 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
         config_dir=cfg.model.config_dir,
         revision=cfg.model.revision,
         deep=True,
+        hub=True,
     )
     cfg = recipe_cls.resolve_config(cfg)
     notes: list[str] = []

@@ -27,6 +27,15 @@ class ModelLoadError(SdplanError):
     exit_code = 2
 
 
+class HubUnreachable(ModelLoadError):
+    """A hub model that is not in the local cache, and the hub could not be asked (``why``: offline, no
+    network)."""
+
+    def __init__(self, message: str, *, fix: str, why: str):
+        super().__init__(message, fix=fix)
+        self.why = why
+
+
 @dataclass(frozen=True)
 class ModelSource:
     kind: str  # "folder" | "file" | "hub"
@@ -304,9 +313,17 @@ def _load_pretrained(
 
 
 def _hub_index(location: str, revision: str | None) -> dict[str, Any]:
-    """A hub model's model_index.json: from the local cache, else downloaded after one quick request without
+    """A hub model's model_index.json (:func:`hub_file`)."""
+    path = hub_file(location, "model_index.json", revision)
+    assert path is not None  # not optional: its absence is an error
+    return json.loads(path.read_text())
+
+
+def hub_file(location: str, filename: str, revision: str | None, *, optional: bool = False) -> Path | None:
+    """One file of a hub model: from the local cache, else downloaded after one quick request without
     retries, so that no network, an offline setting or a wrong id is one line at once (huggingface_hub's own
-    download retries a dead network for half a minute)."""
+    download retries a dead network for half a minute). ``optional``: a file the repo may lack is None then;
+    otherwise only model_index.json is asked for this way, and its absence says "not a diffusers model"."""
     from huggingface_hub import constants, get_hf_file_metadata, hf_hub_download, hf_hub_url
     from huggingface_hub import try_to_load_from_cache as cached
     from huggingface_hub.errors import (
@@ -317,15 +334,16 @@ def _hub_index(location: str, revision: str | None) -> dict[str, Any]:
     )
 
     where = f"hub model {location} (no such local path, so tried it as a Hugging Face hub id)"
-    if isinstance(hit := cached(location, "model_index.json", revision=revision), str):
-        return json.loads(Path(hit).read_text())
+    if isinstance(hit := cached(location, filename, revision=revision), str):
+        return Path(hit)
     if constants.HF_HUB_OFFLINE:
-        raise ModelLoadError(
+        raise HubUnreachable(
             f"{where} is not in the local Hugging Face cache and HF_HUB_OFFLINE is set",
             fix="download it once with network access, or give a local diffusers folder or .safetensors file",
+            why="HF_HUB_OFFLINE is set",
         )
     try:
-        get_hf_file_metadata(hf_hub_url(location, "model_index.json", revision=revision), timeout=10)
+        get_hf_file_metadata(hf_hub_url(location, filename, revision=revision), timeout=10)
     except GatedRepoError:  # FLUX.1 [dev], SD3.5: the repo exists, its files need an accepted license
         raise ModelLoadError(
             f"{where}: gated on the hub (its license must be accepted, and this machine logged in)",
@@ -339,17 +357,20 @@ def _hub_index(location: str, revision: str | None) -> dict[str, Any]:
     except RevisionNotFoundError:
         raise ModelLoadError(f"{where}: no revision {revision}", fix="fix model.revision") from None
     except EntryNotFoundError:
+        if optional:
+            return None
         raise ModelLoadError(
-            f"{where}: not a diffusers model (no model_index.json)",
+            f"{where}: not a diffusers model (no {filename})",
             fix="give a diffusers model's hub id, a local diffusers folder or a .safetensors file",
         ) from None
     except Exception as e:  # no network: a name that does not resolve, a refused connection, a timeout
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise ModelLoadError(
+        raise HubUnreachable(
             f"{where}: cannot reach the hub ({first}) and it is not in the local cache",
             fix="check the network, or give a local diffusers folder or .safetensors file",
+            why=first,
         ) from None
-    return json.loads(Path(hf_hub_download(location, "model_index.json", revision=revision)).read_text())
+    return Path(hf_hub_download(location, filename, revision=revision))
 
 
 def _load_single_file(

@@ -197,10 +197,11 @@ def _components(arch: str, sdxl: bool) -> list[tuple[str, str]]:
 
 
 def check_folder(
-    root: Path, where: str, *, family: str | None = None, variant: str | None = None
+    root: Path, where: str, *, family: str | None = None, variant: str | None = None, files: bool = True
 ) -> SourceInfo:
     """A diffusers folder: a pipeline sdplan trains, complete, with the family, variant and prediction type
-    it loads with. ``where``: the name the user gave (for the messages)."""
+    it loads with. ``where``: the name the user gave (for the messages). ``files=False``: ``root`` holds only
+    the configs (a hub model's, :func:`check_hub`); its components' files are not looked for."""
     index = _read_json(root, "model_index.json", where)
     cls = str(index.get("_class_name") or "")
     if cls in REFUSED_PIPELINES:
@@ -265,6 +266,8 @@ def check_folder(
         folder = root / sub
         if not named(sub):
             problems.append(f"model_index.json names no {sub}")
+        elif not files:
+            continue
         elif not folder.is_dir():
             problems.append(f"no {sub}/ folder")
         elif kind == "tokenizer":
@@ -304,7 +307,9 @@ def check_folder(
 
     if arch == "unet":
         found = detect_family(dconf, 2 if sdxl else 1)
-        info.prediction_type = sched.get("prediction_type") or "epsilon"
+        # epsilon is the default of a scheduler config that does not say; none read (a hub model's that
+        # could not be fetched): the loader's scheduler decides
+        info.prediction_type = sched.get("prediction_type") or ("epsilon" if has else None)
         info.zero_snr = bool(sched.get("rescale_betas_zero_snr"))
     else:
         found = detect_flow_family({"_class_name": cls}, dconf)
@@ -624,6 +629,29 @@ def cached_snapshot(repo_id: str, revision: str | None = None) -> Path | None:
     return folder if (folder / "model_index.json").is_file() else None
 
 
+def check_hub(
+    repo_id: str, where: str, *, family: str | None, variant: str | None, revision: str | None
+) -> SourceInfo:
+    """A hub model the local cache does not hold whole, checked as a folder is from its configs alone:
+    model_index.json, its UNet's or transformer's config and its scheduler's (a few KB, kept in the cache,
+    where the load finds them), not its weights. So an inpainting model, a refiner, another family or a
+    model.family that does not match is one line before gigabytes download, and the plan knows the family
+    of a hub id whose name does not say it. The hub's answer (gated, not found, no network, offline) is one
+    line too (:func:`.models.hub_file`)."""
+    from .models import hub_file
+
+    index_file = hub_file(repo_id, "model_index.json", revision)
+    assert index_file is not None
+    index = _read_json(index_file.parent, "model_index.json", where)
+    denoiser = "transformer" if index.get("_class_name") in FLOW_PIPELINES else "unet"
+    for name in (f"{denoiser}/config.json", "scheduler/scheduler_config.json"):
+        hub_file(repo_id, name, revision, optional=True)
+    info = check_folder(index_file.parent, where, family=family, variant=variant, files=False)
+    info.kind, info.location = "hub", repo_id
+    info.notes[0] = describe(info)
+    return info
+
+
 def check_source(
     path: str,
     *,
@@ -632,12 +660,14 @@ def check_source(
     config_dir: str | None = None,
     revision: str | None = None,
     deep: bool = False,
+    hub: bool = False,
 ) -> SourceInfo:
     """Everything that can be told about ``model.path`` from its files, before anything loads: one clear
     :class:`UnsupportedModelError` (or ``UsageError`` for a missing path) otherwise. A hub id is checked where
     the local cache holds it whole (then ``location`` is its snapshot folder and it loads from there, with no
-    network); otherwise the trainer fetches it. ``deep``: also load a pickled checkpoint the torch-free reader
-    cannot read (torch; the trainer does, ``sdplan train`` before the launch does not)."""
+    network); otherwise from its configs on the hub with ``hub`` (:func:`check_hub`: ``sdplan train`` and the
+    trainer, which download it anyway, and ``recommend`` for a family it cannot tell offline), else not. ``deep``: also load a pickled checkpoint the torch-free
+    reader cannot read (torch; the trainer does, ``sdplan train`` before the launch does not)."""
     from .models import resolve_source
 
     source = resolve_source(path)
@@ -656,4 +686,6 @@ def check_source(
             info.kind, info.cached = "hub", True
             info.notes[0] = describe(info)
             return info
+    if hub:
+        return check_hub(source.location, path, family=family, variant=variant, revision=revision)
     return SourceInfo("hub", source.location, family=family)
