@@ -184,6 +184,15 @@ def check_out_dir(
             fix="train into another folder with --out DIR, or move your files out",
         )
     if not force:
+        from sdplan.trainer.checkpoint import latest_checkpoint
+
+        if (
+            latest_checkpoint(out) is None
+        ):  # --resume would be refused: it stopped before its first checkpoint
+            raise OutputExistsError(
+                f"--out {out} holds an sdplan run that saved no checkpoint",
+                fix="start it over with --force, or choose a new folder",
+            )
         raise OutputExistsError(
             f"--out {out} holds an sdplan run",
             fix="continue it with --resume, start it over with --force, or choose a new folder",
@@ -752,20 +761,13 @@ def check_run_files(out: Path, files: dict[str, str | bytes]) -> None:
 
 def write_run_files(
     out: Path, cfg: C.TrainConfig, launch: Launch, header: str, chart: bytes | None = None
-) -> list[Path]:
+) -> tuple[list[Path], list[Path]]:
+    """The run files written (:func:`run_files`), and the copies kept of those the user had edited."""
     from sdplan import runfolder
 
     files = run_files(cfg, launch, header, chart)
     check_run_files(out, files)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        new = [name for name in files if not (out / name).exists()]
-        for name, content in files.items():
-            (out / name).write_bytes(runfolder.as_bytes(content))
-        runfolder.record(out, new)
-    except OSError as e:
-        raise runfolder.cannot_write(out, e) from None
-    return [out / name for name in files]
+    return runfolder.write_files(out, files)
 
 
 def check_out_not_in_dataset(out: Path, dataset: str) -> None:
@@ -1361,8 +1363,11 @@ def run(req: TrainRequest, ui: UI | None = None) -> dict[str, Any]:
             )
         if p.state == "run" and not req.resume:
             clear_run_outputs(p.out)
-        for path in write_run_files(p.out, p.cfg, launch, header, chart):
+        written, copies = write_run_files(p.out, p.cfg, launch, header, chart)
+        for path in written:
             ui.echo(f"wrote {path}")
+        for copy in copies:
+            ui.echo(runfolder.kept_line(copy))
         ui.echo(f"$ {launch.shell()}")
         return execute(p, req, ui, launch, lock)
     finally:

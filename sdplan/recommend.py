@@ -464,9 +464,10 @@ def write_outputs(
     dataset: str | None,
     force: bool,
     overrides: tuple[str, ...] | list[str] = (),
-) -> list[Path]:
+) -> tuple[list[Path], list[Path]]:
     """Write sdplan.yaml, accelerate.yaml, (with offload) deepspeed.json and plan.png (sdplan.plan_chart);
-    never overwrite without force."""
+    never overwrite without force, never a user's file. Returns (written, copies kept of the user's edits:
+    ``runfolder.write_files``)."""
     import yaml
 
     from sdplan import config as cfgmod
@@ -499,13 +500,17 @@ def write_outputs(
     from sdplan.launcher import check_out_not_in_dataset
 
     check_out_not_in_dataset(outdir, cfg["data"]["path"])  # `sdplan train` would refuse the file written
+    from sdplan import runfolder
+    from sdplan.launcher import PLAN_FILES
+
+    # never a user's own sdplan.yaml, --force or not (so --force is not offered for one)
+    runfolder.check_not_ours(outdir, files, fix="choose another --out")
     existing = [n for n in files if (outdir / n).exists()]
     if existing and not force:
         raise OutputExistsError(
-            f"{outdir} already holds {', '.join(existing)}", fix="pass --force to overwrite"
+            f"{outdir} already holds {', '.join(existing)} from an earlier plan",
+            fix="pass --force to replace them",
         )
-    from sdplan import runfolder
-    from sdplan.launcher import PLAN_FILES
 
     trained = sorted(e for e in runfolder.owned(outdir) - set(PLAN_FILES) if (outdir / e).exists())
     if (
@@ -516,26 +521,8 @@ def write_outputs(
             "leave its checkpoints without the settings they were trained with",
             fix="choose another --out; continue that run with `sdplan train --resume --out DIR`",
         )
-    # --force replaces what sdplan wrote (the folder's manifest), never a user's own sdplan.yaml
-    runfolder.check_not_ours(
-        outdir, files, fix="--force replaces only sdplan's own files: choose another --out"
-    )
-
-    written = []
-    try:
-        outdir.mkdir(parents=True, exist_ok=True)
-        for name, content in files.items():
-            path = outdir / name
-            tmp = path.with_suffix(path.suffix + ".tmp")
-            tmp.write_bytes(runfolder.as_bytes(content))
-            tmp.replace(path)
-            written.append(path)
-    except OSError as e:
-        raise runfolder.cannot_write(outdir, e) from None
-    finally:
-        if written:  # the run folder's manifest: `train --force` may later replace only these
-            runfolder.record(outdir, [p.name for p in written])
-    return written
+    # the run folder's manifest: `train --force` may later replace only these; an edited plan is kept aside
+    return runfolder.write_files(outdir, files)
 
 
 # -- render ----------------------------------------------------------------------------------------------

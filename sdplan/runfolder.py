@@ -3,7 +3,10 @@
 Manifest (``.sdplan-manifest.json``): the top-level entries of the folder that sdplan (``recommend --out``,
 ``train`` and the trainer it launched) created. ``--force`` may delete only names listed here; anything else in
 the folder is the user's and is never deleted or written over. An entry is recorded only when sdplan creates it
-(it did not exist before), so a name in the manifest is proof that sdplan wrote it.
+(it did not exist before), so a name in the manifest is proof that sdplan wrote it. With the run files it writes
+at the top (sdplan.yaml, accelerate.yaml, ...: :func:`write_files`) it keeps the sha256 of what it wrote: one
+the user edited since is copied aside (``sdplan.edited-<time>.yaml``, listed as ``kept``: the user's, never
+deleted, not counted among the folder's entries) before sdplan writes it again.
 
 Lock (``.sdplan.lock``): JSON with the pid, host and start time of the sdplan process using the folder (and the
 trainer's pid once it runs). A second run into the same folder says who holds it and stops; a lock whose
@@ -56,37 +59,108 @@ def cannot_write(path: Path, e: OSError) -> CannotWrite:
 # -- the manifest ------------------------------------------------------------------------------------------
 
 
-def owned(out: Path) -> set[str]:
-    """Top-level names in ``out`` that sdplan recorded as its own (empty without a readable manifest)."""
+def _manifest(out: Path) -> dict[str, Any]:
     try:
         data = json.loads((out / MANIFEST_FILE).read_text())
     except (OSError, ValueError):
-        return set()
-    entries = data.get("entries") if isinstance(data, dict) else None
-    return {e for e in entries if isinstance(e, str) and "/" not in e} if isinstance(entries, list) else set()
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
-def record(out: Path, names: Iterable[str]) -> None:
-    """Add ``names`` (top-level entries sdplan just created in ``out``) to the manifest; atomic rewrite."""
+def _names(value: Any) -> set[str]:
+    return {e for e in value if isinstance(e, str) and "/" not in e} if isinstance(value, list) else set()
+
+
+def owned(out: Path) -> set[str]:
+    """Top-level names in ``out`` that sdplan recorded as its own (empty without a readable manifest)."""
+    return _names(_manifest(out).get("entries"))
+
+
+def kept(out: Path) -> set[str]:
+    """Copies of run files the user edited, set aside before sdplan wrote those again (:func:`write_files`)."""
+    return _names(_manifest(out).get("kept"))
+
+
+def record(
+    out: Path, names: Iterable[str], *, sha256: dict[str, str] | None = None, keep: Iterable[str] = ()
+) -> None:
+    """Add ``names`` (top-level entries sdplan just created in ``out``) to the manifest, with the sha256 of
+    files it wrote and the names of copies it kept of the user's edits; atomic rewrite."""
     names = {n for n in names if n and "/" not in n and n not in BOOKKEEPING}
-    current = owned(out)
-    if names <= current:
+    data = _manifest(out)
+    current, hashes, keep = owned(out), dict(data.get("sha256") or {}), kept(out) | set(keep)
+    hashes.update(sha256 or {})
+    if names <= current and hashes == (data.get("sha256") or {}) and keep == kept(out):
         return
     data = {
         "written_by": "sdplan",
         "about": "files and folders sdplan created here; `--force` deletes only these",
         "entries": sorted(current | names),
+        "sha256": dict(sorted(hashes.items())),
+        "kept": sorted(keep),
     }
     tmp = out / (MANIFEST_FILE + ".tmp")
     tmp.write_text(json.dumps(data, indent=2) + "\n")
     tmp.replace(out / MANIFEST_FILE)
 
 
+def write_files(out: Path, files: dict[str, str | bytes]) -> tuple[list[Path], list[Path]]:
+    """Write the run files at the top of ``out`` (name -> text or bytes), each atomically, and record them.
+    A file sdplan wrote there before that no longer holds what it wrote (the user edited it: its sha256 is not
+    the manifest's, or the manifest predates the hashes) and would change is first copied to
+    ``<name>.edited-<time><suffix>``. Returns (written, kept copies). The caller checked that no file of the
+    user's is among them (:func:`check_not_ours`)."""
+    import hashlib
+    import shutil
+
+    mine, hashes = owned(out), _manifest(out).get("sha256") or {}
+    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    written: list[Path] = []
+    copies: list[Path] = []
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        new = [name for name in files if not (out / name).exists()]
+        for name, content in files.items():
+            path, data = out / name, as_bytes(content)
+            if name in mine and path.is_file() and not path.is_symlink():
+                old = path.read_bytes()
+                if old != data and hashlib.sha256(old).hexdigest() != hashes.get(name):
+                    copy = path.with_name(f"{path.stem}.edited-{stamp}{path.suffix}")
+                    shutil.copy2(path, copy)
+                    copies.append(copy)
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_bytes(data)
+            tmp.replace(path)
+            written.append(path)
+    except OSError as e:
+        raise cannot_write(out, e) from None
+    finally:
+        if written or copies:
+            record(
+                out,
+                new,
+                sha256={p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in written},
+                keep=[p.name for p in copies],
+            )
+    return written, copies
+
+
+def kept_line(copy: Path) -> str:
+    """The line saying that a copy of the user's edits was kept (:func:`write_files`)."""
+    return f"kept your edited {copy.stem.split('.edited-')[0]}{copy.suffix} as {copy} (it was rewritten)"
+
+
 def entries(out: Path) -> list[str]:
-    """The folder's top-level names, without sdplan's bookkeeping files."""
+    """The folder's top-level names, without sdplan's bookkeeping files and the copies it kept of the user's
+    edits."""
     if not out.is_dir():
         return []
-    return sorted(p.name for p in out.iterdir() if p.name not in BOOKKEEPING and not p.name.endswith(".tmp"))
+    skip = kept(out)
+    return sorted(
+        p.name
+        for p in out.iterdir()
+        if p.name not in BOOKKEEPING and p.name not in skip and not p.name.endswith(".tmp")
+    )
 
 
 def foreign(out: Path) -> list[str]:

@@ -31,6 +31,12 @@ def test_folder_with_user_files_is_refused_even_with_force(tmp_path):
 def test_sdplan_run_needs_force_or_resume(tmp_path):
     (tmp_path / "sdplan.yaml").write_text("method: lora\n")
     (tmp_path / "checkpoints").mkdir()
+    # a run that stopped before its first checkpoint: --resume would be refused, so it is not offered
+    with pytest.raises(OutputExistsError, match=r"saved no checkpoint \(start it over with --force") as e:
+        check_out_dir(tmp_path)
+    assert "--resume" not in str(e.value)
+    (tmp_path / "checkpoints" / "step-2").mkdir()
+    (tmp_path / "checkpoints" / "step-2" / "train_state.json").write_text("{}")
     with pytest.raises(OutputExistsError, match="--resume.*--force"):
         check_out_dir(tmp_path)
     with pytest.raises(OutputExistsError, match="did not write"):  # no manifest: nothing is provably sdplan's

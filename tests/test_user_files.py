@@ -10,6 +10,7 @@ with no manifest (``.sdplan-manifest.json``): as --out, --save, --store and expo
 from __future__ import annotations
 
 import datetime as _dt
+import re
 from pathlib import Path
 
 import pytest
@@ -177,3 +178,71 @@ def test_train_rewrites_its_own_planned_config_but_never_a_hand_written_one(tmp_
     assert any(line.startswith("dry run: would run") for line in lines)
     data = yaml.safe_load((proj / "sdplan.yaml").read_text())
     assert data["training"]["max_steps"] == 2
+
+
+def test_an_edited_plan_is_kept_aside_when_sdplan_writes_it_again(tmp_path):
+    """`recommend --out proj`, then the user edits proj/sdplan.yaml (notes, a learning rate) and plans again
+    with --force, or trains it in place with a key=value override: sdplan rewrote the file and the edits were
+    gone. Now a run file that no longer holds what sdplan wrote is copied aside first, and said so."""
+    proj = tmp_path / "proj"
+    plan = ["recommend", "--method", "lora", "--machine", str(SNAPSHOT), "--out", str(proj)]
+    assert runner.invoke(app, plan).exit_code == 0
+    edited = "# my notes: lr tuned by hand\n" + (proj / "sdplan.yaml").read_text()
+    (proj / "sdplan.yaml").write_text(edited)
+
+    r = runner.invoke(app, [*plan, "--force"])
+    assert r.exit_code == 0, r.output
+    copies = sorted(proj.glob("sdplan.edited-*.yaml"))
+    assert len(copies) == 1 and copies[0].read_text() == edited
+    assert f"kept your edited sdplan.yaml as {copies[0]}" in r.stderr
+    assert not (proj / "sdplan.yaml").read_text().startswith("# my notes")  # the new plan
+    assert not list(proj.glob("accelerate.edited-*")) and not list(proj.glob("plan.edited-*"))  # not edited
+    # the copy is the user's: --force never deletes it, and the folder is still a plan to train in place
+    assert copies[0].name in runfolder.kept(proj) and copies[0].name not in runfolder.owned(proj)
+    assert copies[0].name not in runfolder.entries(proj)
+
+    r = runner.invoke(app, [*plan, "--force"])  # nothing edited since: nothing kept
+    assert r.exit_code == 0 and "kept your edited" not in r.stderr
+    assert len(list(proj.glob("sdplan.edited-*.yaml"))) == 1
+
+
+def test_train_in_place_keeps_the_users_edits_to_a_planned_config(tmp_path):
+    from sdplan.launcher import UI, TrainRequest, command_line, launch_for, prepare, write_run_files
+
+    proj = tmp_path / "proj"
+    ds = make_images(tmp_path / "ds", n=2)
+    plan = [
+        "recommend",
+        "--method",
+        "lora",
+        "--machine",
+        str(SNAPSHOT),
+        "--dataset",
+        str(ds),
+        "--out",
+        str(proj),
+    ]
+    assert runner.invoke(app, plan).exit_code == 0
+    text = (proj / "sdplan.yaml").read_text()
+    edited = "# my notes\n" + re.sub(
+        r"(?m)^(\s+)learning_rate: .*$", r"\1learning_rate: 0.0003  # mine", text
+    )
+    (proj / "sdplan.yaml").write_text(edited)
+    req = TrainRequest(
+        config=str(proj / "sdplan.yaml"), out=str(proj), device="cpu", overrides=["training.max_steps=1"]
+    )
+    p = prepare(req, UI(echo=lambda s: None))
+    assert p.cfg.training.learning_rate == 0.0003
+    written, copies = write_run_files(p.out, p.cfg, launch_for(p, req, p.resume), command_line(req, p.out))
+    assert len(copies) == 1 and copies[0].read_text() == edited
+    assert yaml.safe_load((proj / "sdplan.yaml").read_text())["training"]["max_steps"] == 1
+
+
+def test_recommend_out_over_the_users_files_does_not_offer_force(tmp_path, tiny_sd15):
+    """It said "already holds sdplan.yaml, accelerate.yaml (pass --force to overwrite)", and --force was then
+    refused: the first answer is the last one."""
+    user = seed(tmp_path, tiny_sd15)
+    r = runner.invoke(app, ["recommend", "--method", "lora", "--machine", str(SNAPSHOT), "--out", str(user)])
+    assert r.exit_code == 3
+    assert "not written by sdplan" in r.stderr and "choose another --out" in r.stderr
+    assert "--force" not in r.stderr

@@ -142,8 +142,14 @@ def recommend(
         return
     d, res = run(inp, profiles)
     if out is not None and res.plan is not None:
-        written = write_outputs(out, res, profiles, dataset=inp.dataset, force=force, overrides=inp.settings)
+        written, copies = write_outputs(
+            out, res, profiles, dataset=inp.dataset, force=force, overrides=inp.settings
+        )
         err_console().print("wrote " + ", ".join(str(p) for p in written), markup=False, soft_wrap=True)
+        from sdplan import runfolder
+
+        for copy in copies:
+            err_console().print(runfolder.kept_line(copy), markup=False, soft_wrap=True)
         err_console().print(
             f"run it with: sdplan train --config {shlex.quote(str(Path(out) / 'sdplan.yaml'))}",
             markup=False,
