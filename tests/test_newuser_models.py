@@ -640,3 +640,17 @@ def test_recommend_plans_an_uncached_hub_model_as_the_family_its_configs_say(fak
     assert r.exit_code == 0, r.output
     assert "a hub id of the sdxl family (planned as sdxl)" in " ".join(r.output.split())
     assert asked and all(p.endswith(".json") for p in asked), asked
+
+
+def test_a_single_file_without_config_dir_offline_says_to_set_config_dir(single_sd15, tmp_path, monkeypatch):
+    """diffusers fetches a single file's component configs and tokenizers from the hub: offline (or with no
+    network) the trainer said only "could not load model file ...: Cannot find an appropriate cached snapshot
+    folder ...", with no way on; model.config_dir is that way."""
+    from huggingface_hub import constants
+    from sdplan.trainer import models
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "empty"))
+    with pytest.raises(models.ModelLoadError) as e:
+        models.load_components(str(single_sd15))
+    assert "come from the Hugging Face hub, and it cannot be reached here" in str(e.value)
+    assert "set model.config_dir to a local diffusers folder of the same family" in str(e.value)

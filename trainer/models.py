@@ -373,6 +373,21 @@ def hub_file(location: str, filename: str, revision: str | None, *, optional: bo
     return Path(hf_hub_download(location, filename, revision=revision))
 
 
+def _from_an_unreachable_hub(e: BaseException) -> bool:
+    """Whether ``e`` (or what caused it) is the hub client's "not in the cache, and the hub cannot be asked"
+    (offline, no network: huggingface_hub raises LocalEntryNotFoundError for both)."""
+    from huggingface_hub.errors import LocalEntryNotFoundError, OfflineModeIsEnabled
+
+    seen: set[int] = set()
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:
+        if isinstance(cur, (LocalEntryNotFoundError, OfflineModeIsEnabled)):
+            return True
+        seen.add(id(cur))
+        cur = cur.__cause__ or cur.__context__
+    return False
+
+
 def _load_single_file(
     location: str,
     family: str | None,
@@ -400,6 +415,13 @@ def _load_single_file(
         raise
     except Exception as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        if config_dir is None and _from_an_unreachable_hub(e):
+            raise ModelLoadError(
+                f"could not load model file {location}: a single file's component configs and tokenizers come "
+                f"from the Hugging Face hub, and it cannot be reached here ({first})",
+                fix="set model.config_dir to a local diffusers folder of the same family (then nothing is "
+                "downloaded), or connect to the network once",
+            ) from e
         raise ModelLoadError(f"could not load model file {location}: {first}") from e
     parts = pipe.components if hasattr(pipe, "components") else dict(pipe)
     two = parts.get("text_encoder_2") is not None
