@@ -2420,15 +2420,24 @@ def _not_fit_reasons(
 def _relaxations(
     req: Request, profiles: Profiles, hw: Hardware, cal: Calibration, resolution: int
 ) -> list[str]:
-    """For each pin, the value that fits when only that pin is freed (the rest stay pinned)."""
-    out = []
-    for name, _ in req.pins:
-        rest = replace(req, pins=tuple(p for p in req.pins if p[0] != name))
-        fitting = [c for c in _candidates(rest, profiles, hw, cal, resolution) if c.fits]
-        if fitting:
-            best, _ = _choose(fitting, profiles)
-            out.append(f"{pin_text(name, getattr(best.setup, name))} fits ({describe(best.setup)})")
-    return out
+    """For each pin, the value that fits when only that pin is freed (the rest stay pinned); where none
+    does, the fewest pins that fit when freed together (two pins that only fit when both change)."""
+    from itertools import combinations
+
+    names = [name for name, _ in req.pins]
+    # up to three freed together, then all of them: a planning call each, so not every subset of many pins
+    for size in [*range(1, min(len(names), 3) + 1), *([len(names)] if len(names) > 3 else [])]:
+        out = []
+        for group in combinations(names, size):
+            rest = replace(req, pins=tuple(p for p in req.pins if p[0] not in group))
+            fitting = [c for c in _candidates(rest, profiles, hw, cal, resolution) if c.fits]
+            if fitting:
+                best, _ = _choose(fitting, profiles)
+                values = " and ".join(pin_text(name, getattr(best.setup, name)) for name in group)
+                out.append(f"{values} {'fits' if size == 1 else 'fit together'} ({describe(best.setup)})")
+        if out:
+            return out
+    return []
 
 
 def _band_scope(profiles: Profiles, model: str) -> str:

@@ -31,6 +31,9 @@ _HUB_CACHE = Path(tempfile.mkdtemp(prefix="sdplan-tests-hub-"))
 atexit.register(shutil.rmtree, _HUB_CACHE, ignore_errors=True)
 os.environ["HF_HUB_CACHE"] = str(_HUB_CACHE)
 hub_cache.seed(_HUB_CACHE)
+# huggingface_hub reads these once, at its import: now, so that no test's own setting of them sticks for the
+# tests after it (a test changes its cache with monkeypatch.setattr(constants, "HF_HUB_CACHE", ...))
+import huggingface_hub.constants  # noqa: E402,F401
 
 # `make test` runs the suite on 2 pytest-xdist workers. Each worker, and every trainer a test starts, gets one CPU
 # thread unless the caller chose: two workers whose children each take every core oversubscribe a 2-core machine

@@ -153,6 +153,20 @@ def test_a_pin_that_cannot_fit_says_by_how_much_and_what_to_change(prof):
     assert res.needs["min_vram_bytes"] > 24 * 2**30
 
 
+def test_two_pins_that_only_fit_when_both_change_say_so(prof):
+    """On a 12 GB card neither pin alone can be freed to fit (batch 16 does not fit with checkpointing, nor
+    batch 1 without it at 1024 px... both must change): no "what to change" was said at all."""
+    req = P.Request(method="lora", model="sdxl", pins=(("batch", 16), ("gradient_checkpointing", False)))
+    res = P.plan(_catalog(prof, "RTX 3060 12GB"), prof, req)
+    assert not res.feasible
+    relax = next(r for r in res.reasons if r.startswith("fits when changed: "))
+    assert (
+        "memory.gradient_checkpointing=true" in relax
+        and "training.batch_size=" in relax
+        and "fit together" in relax
+    )
+
+
 @pytest.mark.parametrize(
     "pin, needle",
     [

@@ -387,7 +387,9 @@ def test_model_given_as_a_folder_plans_its_family_and_the_config_trains_it(tmp_p
 
 
 def test_model_given_as_an_uncached_hub_id_asks_for_the_family(tmp_path, monkeypatch):
-    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
     r = run("--method", "lora", "--model", "someone/not-cached", "--hardware", "RTX 4090")
     _one_line_error(r, 2)
     assert "cannot tell its family" in r.output and "model.path=someone/not-cached" in r.output
