@@ -273,8 +273,59 @@ def test_out_draws_the_plan(tmp_path):
     assert [b for b in sorted(by_batch)] == sorted(by_batch) and min(by_batch) == 1
     peaks = [by_batch[b]["peak"] for b in sorted(by_batch)]
     assert peaks == sorted(peaks)  # more images a step, more memory
-    # a batch whose peak is over the plan's limit is drawn as not fitting
-    assert all(row["fits"] == (row["peak"] <= d["limit"]) for row in d["sweep"])
+    # each batch as the planner judges it (test_plan_chart_judges_each_batch_as_the_planner_does)
+    assert [row["verdict"] for row in d["sweep"]] == [c.verdict for c in P.batch_sweep(res, prof)]
+
+
+def _planned(gpu: str, method: str, model: str):
+    from sdplan import planner as P
+    from sdplan.profiles import load_profiles
+
+    prof = load_profiles()
+    res = P.plan(P.hardware_from_catalog(prof.find_gpu(gpu)), prof, P.Request(method=method, model=model))
+    return prof, res
+
+
+@pytest.mark.parametrize(
+    ("gpu", "method", "model", "verdicts"),
+    [
+        ("RTX 3060 12GB", "lora", "sdxl", {1: "fits", 2: "fits", 4: "may run out of memory"}),
+        ("RTX 3060 12GB", "dreambooth", "sd15", {1: "fits", 2: "may run out of memory", 4: "does not fit"}),
+        ("RTX 4090", "lora", "sdxl", {1: "fits", 2: "fits", 4: "fits", 8: "fits"}),
+    ],
+)
+def test_plan_chart_judges_each_batch_as_the_planner_does(gpu, method, model, verdicts):
+    """plan.png drew SDXL LoRA's batch 4 on an RTX 3060 12GB as a plain circle, fitting (its peak 10.9 GiB is
+    under the 92% limit), though its likely range reaches 14.1 GiB, over the 12 GiB card: the very batch the
+    planner avoids ("its upper end over the card's 12.0 GiB"). Each batch now carries the planner's own verdict
+    on it (Candidate.verdict: fits / may run out of memory / does not fit), which the chart draws apart."""
+    from sdplan import plan_chart
+    from sdplan import planner as P
+
+    prof, res = _planned(gpu, method, model)
+    d = plan_chart.chart_data(res, prof)
+    assert {row["batch"]: row["verdict"] for row in d["sweep"]} == verdicts
+    for row in d["sweep"]:  # what each verdict means, in the chart's own numbers
+        if row["verdict"] == P.FITS:
+            assert row["peak"] <= d["limit"] and row["high"] <= d["card"]
+        elif row["verdict"] == P.MAY_RUN_OUT:
+            assert row["peak"] <= d["limit"] < d["card"] < row["high"]
+    assert d["verdict"] == P.FITS  # the plan itself: within the upper end (the search's first preference)
+    assert plan_chart.render_png(d).startswith(b"\x89PNG")  # every kind of batch draws
+
+
+def test_plan_chart_flags_a_plan_whose_likely_range_crosses_the_card():
+    """Where nothing fits within the likely peak's upper end, the plan is flagged in the text ("may run out of
+    memory"); the chart says the same of the plan, not only of other batch sizes."""
+    from sdplan import plan_chart
+    from sdplan import planner as P
+
+    prof, res = _planned("GTX 1080", "lora", "sdxl")
+    assert res.within_upper_bound is False
+    assert any("may run out of memory" in r for r in res.reasons)
+    d = plan_chart.chart_data(res, prof)
+    assert d["verdict"] == P.MAY_RUN_OUT
+    assert {row["batch"]: row["verdict"] for row in d["sweep"]}[res.plan.batch] == P.MAY_RUN_OUT
 
 
 def test_out_never_overwrites_a_users_own_plan_png(tmp_path):
