@@ -29,11 +29,25 @@ PART_LABELS = {
     "overhead": "GPU runtime context + allocator",
 }
 
+# How each of the planner's verdicts on a batch is drawn (matplotlib plot keywords) and what the legend says of it
+VERDICT_MARKS: dict[str, tuple[dict[str, Any], str]] = {
+    planner.FITS: ({"marker": "o", "color": "C0"}, "fits (likely range under the card)"),
+    planner.MAY_RUN_OUT: (
+        {"marker": "^", "color": "gold", "markeredgecolor": "black", "markersize": 10},
+        "may run out of memory (likely range over the card)",
+    ),
+    planner.DOES_NOT_FIT: (
+        {"marker": "x", "color": "red", "markersize": 9, "markeredgewidth": 2},
+        "does not fit",
+    ),
+}
+
 
 def chart_data(res: planner.Result, profiles: Any) -> dict[str, Any]:
     """What plan.png shows, in GiB and minutes: the plan's memory parts, its stated peak and likely range,
     the card's memory and the plan's limit on it, and the plan's settings at other batch sizes
-    (:func:`sdplan.planner.batch_sweep`)."""
+    (:func:`sdplan.planner.batch_sweep`). Each batch carries the planner's own verdict on it
+    (:attr:`sdplan.planner.Candidate.verdict`), the plan too (its batch's)."""
     if res.plan is None or res.memory is None:
         raise ValueError("no plan to draw")
     s, m = res.plan, res.memory
@@ -46,7 +60,7 @@ def chart_data(res: planner.Result, profiles: Any) -> dict[str, Any]:
             "low": c.peak_range[0] / GiB,
             "high": c.peak_range[1] / GiB,
             "minutes": c.seconds / 60 if c.seconds is not None else None,
-            "fits": c.fits,
+            "verdict": c.verdict,
         }
         for c in planner.batch_sweep(res, profiles)
     ]
@@ -62,6 +76,7 @@ def chart_data(res: planner.Result, profiles: Any) -> dict[str, Any]:
         "card": card,
         "limit": card * planner.HEADROOM,
         "batch": s.batch,
+        "verdict": next(r["verdict"] for r in sweep if r["batch"] == s.batch),
         "minutes": res.seconds / 60 if res.seconds is not None else None,
         "sweep": sweep,
     }
@@ -103,6 +118,8 @@ def render_png(data: dict[str, Any]) -> bytes:
         title += f"\nthe model's parts add up to {start:.1f}; the peak is from sdplan bench"
     elif start > 1.05 * peak:  # the parts are not all alive at once: the peak is the largest phase
         title += f"\nthe parts add up to {start:.1f}: not all are alive at once"
+    if data["verdict"] != planner.FITS:  # as the plan's reasons warn
+        title += f"\n{data['verdict']}: the likely range's upper end is over the card"
     left.set_title(title, fontsize=10)
     left.legend(loc="upper center", bbox_to_anchor=(0.5, -0.14), fontsize=8, ncol=3)  # below: never on a bar
     left.grid(True, axis="x", alpha=0.3)
@@ -111,17 +128,20 @@ def render_png(data: dict[str, Any]) -> bytes:
     sweep = data["sweep"]
     xs = [r["batch"] for r in sweep]
     right.fill_between(xs, [r["low"] for r in sweep], [r["high"] for r in sweep], color="C0", alpha=0.2)
-    right.plot(xs, [r["peak"] for r in sweep], "o-", color="C0", label="peak VRAM (likely range shaded)")
-    for r in sweep:
-        if not r["fits"]:
-            right.plot(r["batch"], r["peak"], "x", color="red", markersize=9)
+    right.plot(xs, [r["peak"] for r in sweep], "-", color="C0", label="peak VRAM (likely range shaded)")
+    for verdict, (style, label) in VERDICT_MARKS.items():  # each batch as the planner judges it
+        rows = [r for r in sweep if r["verdict"] == verdict]
+        if rows:
+            right.plot(
+                [r["batch"] for r in rows], [r["peak"] for r in rows], linestyle="", label=label, **style
+            )
     if data["card"]:
         right.axhline(data["card"], color="red", linewidth=2)
         right.axhline(data["limit"], color="red", linestyle="--", linewidth=1)
     right.axvline(data["batch"], color="grey", linestyle=":", label=f"plan: batch {data['batch']}")
     right.set_xscale("log", base=2)
     right.set_xticks(xs, [str(x) for x in xs])
-    right.set_xlabel("batch size (x: does not fit)")
+    right.set_xlabel("batch size")
     right.set_ylabel("GiB per GPU")
     right.grid(True, alpha=0.3)
     handles, names = right.get_legend_handles_labels()

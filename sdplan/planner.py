@@ -1416,6 +1416,12 @@ def hardware_from_snapshot(snapshot: Any, profiles: Profiles, source: str = "pro
 # -- the plan --------------------------------------------------------------------------------------------
 
 
+# The planner's verdict on a configuration, in the words its reasons use (:attr:`Candidate.verdict`)
+FITS = "fits"
+MAY_RUN_OUT = "may run out of memory"
+DOES_NOT_FIT = "does not fit"
+
+
 @dataclass(frozen=True)
 class Candidate:
     setup: Settings
@@ -1436,6 +1442,15 @@ class Candidate:
     peak_basis: str = "predicted"
     lowered_rank: bool = False  # a LoRA rank below the requested one (changes the result)
     host_ok: bool = True  # this machine's host RAM holds what the run keeps there (host_ram_needed_bytes)
+
+    @property
+    def verdict(self) -> str:
+        """FITS (within the limit, and the likely peak's upper end within the card: the search's first
+        preference), MAY_RUN_OUT (within the limit, the upper end over the card: avoided where something else
+        fits, flagged where nothing does) or DOES_NOT_FIT."""
+        if not self.fits:
+            return DOES_NOT_FIT
+        return FITS if self.safe else MAY_RUN_OUT
 
 
 @dataclass(frozen=True)

@@ -596,8 +596,25 @@ def render(d: dict, res: planner.Result, console) -> None:
         if needs.get("suggested_hardware"):
             console.print("would fit: " + ", ".join(needs["suggested_hardware"]), markup=False)
     console.print("[bold]why[/]")
-    for r in d["reasons"]:
-        console.print(f"  - {r}", soft_wrap=True, markup=False)
+    _print_reasons(d["reasons"], console)
+
+
+def _print_reasons(reasons: list[str], console) -> None:
+    """The plan's reasons as a list. On a terminal each wraps to its width with a hanging indent (a grid, as
+    the summary's table wraps its values); piped (a log, grep), each stays one line."""
+    from rich.table import Table
+    from rich.text import Text
+
+    if not console.is_terminal:
+        for r in reasons:
+            console.print(f"  - {r}", soft_wrap=True, markup=False)
+        return
+    grid = Table.grid()
+    grid.add_column(no_wrap=True)  # "  - ": the continuation lines start under the reason's first word
+    grid.add_column(overflow="fold")  # a word wider than the terminal (a long path) breaks, never spills
+    for r in reasons:
+        grid.add_row("  - ", Text(r))  # Text: a reason's "[dev]" is no markup
+    console.print(grid)
 
 
 def render_compare(rows: list[tuple[str, dict, planner.Result]], console) -> None:

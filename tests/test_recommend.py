@@ -151,6 +151,87 @@ def test_human_output_has_plan_reasons_and_step_arithmetic():
         assert text in r.stdout
 
 
+def _reasons_printed(console_kwargs: dict) -> tuple[list[str], list[str]]:
+    """`recommend`'s human output for FLUX.1 LoRA on an RTX 4090 (reasons of up to ~550 characters) on a rich
+    console built with ``console_kwargs``: (the reasons, the lines after "why")."""
+    import io
+
+    from rich.console import Console
+
+    from sdplan import recommend as R
+    from sdplan.profiles import load_profiles
+
+    d, res = R.recommend(
+        R.RecommendInputs(method="lora", model="flux-dev", hardware="RTX 4090"), load_profiles()
+    )
+    buf = io.StringIO()
+    R.render(d, res, Console(file=buf, highlight=False, **console_kwargs))
+    lines = buf.getvalue().splitlines()
+    return d["reasons"], lines[lines.index("why") + 1 :]
+
+
+def test_reasons_wrap_to_the_terminal_with_a_hanging_indent():
+    """On an 80-column terminal the summary wrapped and the "why" list did not: reasons of up to 553 characters
+    were printed unbroken, and the terminal wrapped them at column 0, under the dashes. Each reason now wraps to
+    the terminal's width, its continuation lines indented under its first word."""
+    reasons, lines = _reasons_printed({"force_terminal": True, "width": 80, "color_system": None})
+    assert max(len(r) for r in reasons) > 200  # the case: reasons far wider than the terminal
+    assert all(len(line) <= 80 for line in lines), max(lines, key=len)
+    assert all(line.startswith(("  - ", "    ")) and line[4] != " " for line in lines)
+    items = []  # each reason's lines joined back: the words are all there, in order
+    for line in lines:
+        if line.startswith("  - "):
+            items.append(line[4:].rstrip())
+        else:
+            items[-1] += " " + line[4:].rstrip()
+    assert [" ".join(item.split()) for item in items] == [" ".join(r.split()) for r in reasons]
+    assert len(lines) > len(reasons)  # wrapped
+
+
+def test_reasons_are_one_line_each_in_a_pipe():
+    """Piped (a log, grep), each reason stays one line, whatever the width, as before."""
+    reasons, lines = _reasons_printed({"force_terminal": False, "width": 80})
+    assert lines == [f"  - {r}" for r in reasons]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a pseudo-terminal of a given width")
+def test_recommend_on_an_80_column_terminal_wraps_every_line(tmp_path):
+    """The report's case end to end: `sdplan recommend` on a terminal 80 columns wide (a pseudo-terminal, as
+    `script` gives one) prints no line wider than the terminal."""
+    import fcntl
+    import os
+    import pty
+    import re
+    import struct
+    import termios
+
+    main, tty = pty.openpty()
+    fcntl.ioctl(tty, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES", "FORCE_COLOR", "TTY_COMPATIBLE")
+    }
+    args = ["recommend", "--method", "lora", "--hardware", "RTX 4090", "--model", "flux-dev"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sdplan", *args], stdin=tty, stdout=tty, stderr=tty, env=env, cwd=tmp_path
+    )
+    os.close(tty)
+    out = b""
+    while True:
+        try:
+            chunk = os.read(main, 65536)
+        except OSError:  # EIO: the process is gone and the terminal closed
+            break
+        if not chunk:
+            break
+        out += chunk
+    os.close(main)
+    assert proc.wait(timeout=60) == 0, out.decode(errors="replace")
+    text = re.sub(r"\x1b\[[0-9;]*m", "", out.decode()).replace("\r\n", "\n")
+    lines = text.splitlines()
+    assert "why" in lines and "precision bf16" in text.replace("\n", " "), text
+    assert all(len(line.rstrip()) <= 80 for line in lines), max(lines, key=len)
+
+
 def test_compare_table():
     r = run("--method", "dreambooth", "--compare", "RTX 3060 12GB,RTX 4090,2x RTX 4090,H100 SXM")
     assert r.exit_code == 0, r.output
@@ -273,8 +354,59 @@ def test_out_draws_the_plan(tmp_path):
     assert [b for b in sorted(by_batch)] == sorted(by_batch) and min(by_batch) == 1
     peaks = [by_batch[b]["peak"] for b in sorted(by_batch)]
     assert peaks == sorted(peaks)  # more images a step, more memory
-    # a batch whose peak is over the plan's limit is drawn as not fitting
-    assert all(row["fits"] == (row["peak"] <= d["limit"]) for row in d["sweep"])
+    # each batch as the planner judges it (test_plan_chart_judges_each_batch_as_the_planner_does)
+    assert [row["verdict"] for row in d["sweep"]] == [c.verdict for c in P.batch_sweep(res, prof)]
+
+
+def _planned(gpu: str, method: str, model: str):
+    from sdplan import planner as P
+    from sdplan.profiles import load_profiles
+
+    prof = load_profiles()
+    res = P.plan(P.hardware_from_catalog(prof.find_gpu(gpu)), prof, P.Request(method=method, model=model))
+    return prof, res
+
+
+@pytest.mark.parametrize(
+    ("gpu", "method", "model", "verdicts"),
+    [
+        ("RTX 3060 12GB", "lora", "sdxl", {1: "fits", 2: "fits", 4: "may run out of memory"}),
+        ("RTX 3060 12GB", "dreambooth", "sd15", {1: "fits", 2: "may run out of memory", 4: "does not fit"}),
+        ("RTX 4090", "lora", "sdxl", {1: "fits", 2: "fits", 4: "fits", 8: "fits"}),
+    ],
+)
+def test_plan_chart_judges_each_batch_as_the_planner_does(gpu, method, model, verdicts):
+    """plan.png drew SDXL LoRA's batch 4 on an RTX 3060 12GB as a plain circle, fitting (its peak 10.9 GiB is
+    under the 92% limit), though its likely range reaches 14.1 GiB, over the 12 GiB card: the very batch the
+    planner avoids ("its upper end over the card's 12.0 GiB"). Each batch now carries the planner's own verdict
+    on it (Candidate.verdict: fits / may run out of memory / does not fit), which the chart draws apart."""
+    from sdplan import plan_chart
+    from sdplan import planner as P
+
+    prof, res = _planned(gpu, method, model)
+    d = plan_chart.chart_data(res, prof)
+    assert {row["batch"]: row["verdict"] for row in d["sweep"]} == verdicts
+    for row in d["sweep"]:  # what each verdict means, in the chart's own numbers
+        if row["verdict"] == P.FITS:
+            assert row["peak"] <= d["limit"] and row["high"] <= d["card"]
+        elif row["verdict"] == P.MAY_RUN_OUT:
+            assert row["peak"] <= d["limit"] < d["card"] < row["high"]
+    assert d["verdict"] == P.FITS  # the plan itself: within the upper end (the search's first preference)
+    assert plan_chart.render_png(d).startswith(b"\x89PNG")  # every kind of batch draws
+
+
+def test_plan_chart_flags_a_plan_whose_likely_range_crosses_the_card():
+    """Where nothing fits within the likely peak's upper end, the plan is flagged in the text ("may run out of
+    memory"); the chart says the same of the plan, not only of other batch sizes."""
+    from sdplan import plan_chart
+    from sdplan import planner as P
+
+    prof, res = _planned("GTX 1080", "lora", "sdxl")
+    assert res.within_upper_bound is False
+    assert any("may run out of memory" in r for r in res.reasons)
+    d = plan_chart.chart_data(res, prof)
+    assert d["verdict"] == P.MAY_RUN_OUT
+    assert {row["batch"]: row["verdict"] for row in d["sweep"]}[res.plan.batch] == P.MAY_RUN_OUT
 
 
 def test_out_never_overwrites_a_users_own_plan_png(tmp_path):
