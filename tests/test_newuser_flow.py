@@ -52,7 +52,11 @@ def test_the_printed_train_command_trains_into_the_recommend_out_folder(tmp_path
     assert result.exit_code == 0, result.stderr
     assert "run it with: sdplan train --config runs/me/sdplan.yaml" in result.stderr
     written = yaml.safe_load((tmp_path / "runs" / "me" / "sdplan.yaml").read_text())
-    assert (written["output"]["dir"], written["data"]["path"]) == ("runs/me", "photos")  # as given
+    # absolute, as `sdplan train` writes them: the config trains the same from any folder (test_recommend_out)
+    assert (written["output"]["dir"], written["data"]["path"]) == (
+        str(tmp_path / "runs" / "me"),
+        str(tmp_path / "photos"),
+    )
     result = cli("train", "--config", "runs/me/sdplan.yaml", "--device", "cpu", "--dry-run")
     assert result.exit_code == 0, result.stderr
     assert f"output: {tmp_path / 'runs' / 'me'}" in result.stdout.splitlines()
