@@ -346,7 +346,10 @@ def build_request(inp: RecommendInputs, profiles: Profiles) -> tuple[planner.Req
         images = inp.images or DEFAULT_IMAGES
         repeats = inp.repeats or 1
         if inp.images is None:
-            notes.append(f"no --dataset or --images: planned for {DEFAULT_IMAGES} images")
+            notes.append(
+                f"no --dataset or --images: planned for {DEFAULT_IMAGES} images (the steps and time are for "
+                f"{DEFAULT_IMAGES}; a run trains its epochs over the dataset it is given)"
+            )
     epochs = inp.epochs or DEFAULT_EPOCHS
     pins, pinned_resolution = parse_pins(inp.settings, inp.method, inp.model)
     resolution = inp.resolution
@@ -429,8 +432,10 @@ def trainer_config(
     """The sdplan.yaml for this plan: defaults, the planner's settings, then the user's key=value settings
     (as `sdplan train` applies them). ``out``: the folder it is written to, which is then the run's
     output.dir. Its places are absolute, as `sdplan train` writes them: `sdplan train --config
-    OUT/sdplan.yaml` trains the same dataset into OUT from any folder (a data.path with no dataset behind it
-    stays the placeholder it is)."""
+    OUT/sdplan.yaml` trains the same dataset into OUT from any folder. The planned step count is written as
+    training.max_steps only where the plan counted the dataset itself (--dataset or data.path=...): a plan
+    for an assumed image count (none given, or --images) trains its epochs over the dataset the run is given
+    (steps.py counts them there), and its data.path stays the placeholder `sdplan train --dataset` replaces."""
     from sdplan import config as cfgmod
 
     s = res.plan
@@ -444,7 +449,9 @@ def trainer_config(
     data["data"]["repeats"] = res.request.repeats
     counted = dataset_counted(dataset, overrides)
     data["training"].update(
-        epochs=res.steps.epochs, max_steps=res.steps.total_steps, lr_warmup_steps=res.steps.lr_warmup_steps
+        epochs=res.steps.epochs,
+        max_steps=res.steps.total_steps if counted else None,
+        lr_warmup_steps=res.steps.lr_warmup_steps,
     )
     d = planner.result_dict(res)
     data["plan"] = {
@@ -481,6 +488,17 @@ def dataset_counted(dataset: str | None, overrides: tuple[str, ...] | list[str] 
     return bool(dataset) or "data.path" in cfgmod.override_keys(overrides)
 
 
+def run_command(out: str | Path, *, dataset_given: bool) -> str:
+    """The `sdplan train` line for a written plan; one without a dataset says the run still needs one."""
+    line = f"sdplan train --config {out}"
+    if dataset_given:
+        return line
+    return (
+        f"{line} --dataset DIR (needed: the folder of training images; no --dataset was given here, so "
+        "data.path in sdplan.yaml is only a placeholder; or give data.path=DIR)"
+    )
+
+
 def write_outputs(
     out: str | Path,
     res: planner.Result,
@@ -506,9 +524,10 @@ def write_outputs(
     files: dict[str, str | bytes] = {}
     cfg = trainer_config(res, profiles, dataset, overrides=overrides, out=outdir)
     config_file = shlex.quote(str(outdir.resolve() / "sdplan.yaml"))  # the file may be read from anywhere
+    given = dataset_counted(dataset, overrides)
     header = (
         f"sdplan.yaml written by `sdplan recommend` for {res.hardware.label or 'this machine'}\n"
-        f"run it with: sdplan train --config {config_file}"
+        f"run it with: {run_command(config_file, dataset_given=given)}"
     )
     files["sdplan.yaml"] = cfgmod.to_yaml(cfg, header)
     # The same builders `sdplan train` uses, from the validated trainer config.

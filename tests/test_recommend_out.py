@@ -1,5 +1,7 @@
 """What `sdplan recommend --out DIR` writes is a run that `sdplan train --config DIR/sdplan.yaml` trains as
-planned, from any folder: every path in it is absolute (as `sdplan train` writes its own)."""
+planned, from any folder: every path in it is absolute (as `sdplan train` writes its own), and a plan that
+never saw the dataset trains its epochs over the dataset the run is given, not a step count for an assumed
+image count; the command it prints says when a dataset is still needed."""
 
 from __future__ import annotations
 
@@ -68,3 +70,52 @@ def test_pinned_paths_are_written_absolute_too(tmp_path, monkeypatch):
     assert written["output"]["dir"] == str(tmp_path / "plan")
     assert written["training"]["max_steps"] is not None  # the pinned dataset was counted: its steps stand
     assert "run it with: sdplan train --config plan/sdplan.yaml\n" in result.stderr
+
+
+def test_a_plan_without_the_dataset_trains_its_epochs_over_the_dataset_given(tmp_path):
+    """Planned without --dataset (for 20 assumed images: max_steps 50), then trained on 40 images: the run
+    trained 50 steps, 5 of its 10 epochs."""
+    model = fake_diffusers_folder(tmp_path / "model")
+    photos = make_images(tmp_path / "photos", 40)
+    plan = tmp_path / "plan"
+    result = _recommend(model, "--out", str(plan), "training.batch_size=4")
+    assert result.exit_code == 0, result.stderr
+    training = _written(plan)["training"]
+    assert (training["epochs"], training["max_steps"]) == (10, None)
+    train = ["train", "--config", str(plan / "sdplan.yaml"), "--device", "cpu", "--dry-run"]
+    for given in (["--dataset", str(photos)], [f"data.path={photos}"]):
+        steps = _steps_line(cli(*train, *given))
+        assert "= 10 steps per epoch x 10 epoch(s) = 100 optimizer steps; images seen 400" in steps, steps
+
+
+def test_images_without_the_dataset_write_epochs_and_a_pinned_max_steps_stays(tmp_path):
+    model = fake_diffusers_folder(tmp_path / "model")
+    for extra, want in (
+        (["--images", "8", "--epochs", "3"], (3, None)),
+        (["training.max_steps=7"], (10, 7)),
+        (["--images", "8", "training.max_steps=7"], (10, 7)),
+    ):
+        plan = tmp_path / "-".join(extra)
+        result = _recommend(model, "--out", str(plan), *extra)
+        assert result.exit_code == 0, result.stderr
+        training = _written(plan)["training"]
+        assert (training["epochs"], training["max_steps"]) == want, extra
+
+
+def test_the_printed_command_asks_for_the_dataset_when_none_was_given(tmp_path, monkeypatch):
+    """`recommend --out plan` without --dataset printed `run it with: sdplan train --config plan/sdplan.yaml`,
+    which failed with 'dataset folder dataset does not exist'."""
+    fake_diffusers_folder(tmp_path / "model")
+    monkeypatch.chdir(tmp_path)
+    result = _recommend("model", "--out", "plan")
+    assert result.exit_code == 0, result.stderr
+    (line,) = [s for s in result.stderr.splitlines() if s.startswith("run it with: ")]
+    assert line.startswith("run it with: sdplan train --config plan/sdplan.yaml --dataset DIR "), line
+    assert "data.path=DIR" in line and "needed" in line, line
+    header = (tmp_path / "plan" / "sdplan.yaml").read_text().splitlines()[1]
+    assert header.startswith(
+        f"# run it with: sdplan train --config {tmp_path / 'plan' / 'sdplan.yaml'} --dataset DIR"
+    )
+    # the command without a dataset still says what is missing, in one line
+    result = cli("train", "--config", "plan/sdplan.yaml", "--device", "cpu", "--dry-run")
+    assert result.exit_code != 0 and "--dataset" in result.stderr and "Traceback" not in result.stderr
