@@ -450,7 +450,8 @@ def trainer_config(
     counted = dataset_counted(dataset, overrides)
     data["training"].update(
         epochs=res.steps.epochs,
-        max_steps=res.steps.total_steps if counted else None,
+        # a one-process count (steps.py): `sdplan train` divides it by the processes, back to the plan's steps
+        max_steps=res.steps.total_steps * res.steps.num_processes if counted else None,
         lr_warmup_steps=res.steps.lr_warmup_steps,
     )
     d = planner.result_dict(res)

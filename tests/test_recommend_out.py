@@ -119,3 +119,23 @@ def test_the_printed_command_asks_for_the_dataset_when_none_was_given(tmp_path, 
     # the command without a dataset still says what is missing, in one line
     result = cli("train", "--config", "plan/sdplan.yaml", "--device", "cpu", "--dry-run")
     assert result.exit_code != 0 and "--dataset" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_planned_step_count_is_one_process_count_on_several_gpus(tmp_path):
+    """`recommend --hardware "2x RTX 4090" --dataset --out` wrote each process's 50 steps as training.max_steps,
+    a one-process count that `sdplan train` divides by the 2 processes: 25 steps, 5 of the 10 epochs. It
+    writes the count that divides back to the plan's 50 (9 images: 5 batches of 1 per process and epoch)."""
+    model = fake_diffusers_folder(tmp_path / "model")
+    photos = make_images(tmp_path / "photos", 9)
+    plan = tmp_path / "plan"
+    result = cli(
+        "recommend", "--method", "lora", "--model", str(model), "--dataset", str(photos),
+        "--hardware", "2x RTX 4090", "--out", str(plan), "--json",
+        "training.batch_size=1", "distributed.num_processes=2",
+    )  # fmt: skip
+    assert result.exit_code == 0, result.stderr
+    planned = yaml.safe_load(result.stdout)["steps"]
+    assert (planned["steps_per_epoch"], planned["total_steps"]) == (5, 50)
+    train = ["train", "--config", str(plan / "sdplan.yaml"), "--device", "cpu", "--dry-run"]
+    steps = _steps_line(cli(*train))
+    assert "/ 2 process(es) = 50 optimizer steps" in steps and "would be" not in steps, steps
