@@ -10,6 +10,7 @@ import difflib
 import json
 import os
 import re
+import shlex
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -345,7 +346,10 @@ def build_request(inp: RecommendInputs, profiles: Profiles) -> tuple[planner.Req
         images = inp.images or DEFAULT_IMAGES
         repeats = inp.repeats or 1
         if inp.images is None:
-            notes.append(f"no --dataset or --images: planned for {DEFAULT_IMAGES} images")
+            notes.append(
+                f"no --dataset or --images: planned for {DEFAULT_IMAGES} images (the steps and time are for "
+                f"{DEFAULT_IMAGES}; a run trains its epochs over the dataset it is given)"
+            )
     epochs = inp.epochs or DEFAULT_EPOCHS
     pins, pinned_resolution = parse_pins(inp.settings, inp.method, inp.model)
     resolution = inp.resolution
@@ -426,9 +430,12 @@ def trainer_config(
     out: str | Path | None = None,
 ) -> dict[str, Any]:
     """The sdplan.yaml for this plan: defaults, the planner's settings, then the user's key=value settings
-    exactly as given (as `sdplan train` applies them). ``out``: the folder it is written to, which is then
-    the run's output.dir, as given (like the dataset: `sdplan train --config OUT/sdplan.yaml` from the same
-    folder trains there; a plan for another machine keeps no path of this one)."""
+    (as `sdplan train` applies them). ``out``: the folder it is written to, which is then the run's
+    output.dir. Its places are absolute, as `sdplan train` writes them: `sdplan train --config
+    OUT/sdplan.yaml` trains the same dataset into OUT from any folder. The planned step count is written as
+    training.max_steps only where the plan counted the dataset itself (--dataset or data.path=...): a plan
+    for an assumed image count (none given, or --images) trains its epochs over the dataset the run is given
+    (steps.py counts them there), and its data.path stays the placeholder `sdplan train --dataset` replaces."""
     from sdplan import config as cfgmod
 
     s = res.plan
@@ -440,8 +447,12 @@ def trainer_config(
     if out is not None:
         data["output"]["dir"] = str(out)
     data["data"]["repeats"] = res.request.repeats
+    counted = dataset_counted(dataset, overrides)
     data["training"].update(
-        epochs=res.steps.epochs, max_steps=res.steps.total_steps, lr_warmup_steps=res.steps.lr_warmup_steps
+        epochs=res.steps.epochs,
+        # a one-process count (steps.py): `sdplan train` divides it by the processes, back to the plan's steps
+        max_steps=res.steps.total_steps * res.steps.num_processes if counted else None,
+        lr_warmup_steps=res.steps.lr_warmup_steps,
     )
     d = planner.result_dict(res)
     data["plan"] = {
@@ -452,8 +463,41 @@ def trainer_config(
     }
     if overrides:
         data = cfgmod.apply_overrides(data, list(overrides))
+    for section, key in (("model", "path"), ("model", "config_dir")):  # a hub id, or a file or folder here
+        data[section][key] = _absolute(data[section][key], only_existing=True)
+    for section, key, place in (("data", "path", counted), ("output", "dir", out is not None)):
+        if place:  # else data.path is the placeholder: there is no dataset yet
+            data[section][key] = _absolute(data[section][key])
     cfgmod.validate(data, "sdplan.yaml (from the plan)")
     return data
+
+
+def _absolute(path: Any, *, only_existing: bool = False) -> Any:
+    """A local path made absolute as `sdplan train` writes --model, --dataset and --out. ``only_existing``:
+    a path that names nothing here is left alone (a hub id)."""
+    if not isinstance(path, str) or not path:
+        return path
+    local = Path(path).expanduser()
+    if only_existing and (os.path.isabs(path) or not local.exists()):
+        return path
+    return str(local.resolve())
+
+
+def dataset_counted(dataset: str | None, overrides: tuple[str, ...] | list[str] = ()) -> bool:
+    """Whether the plan counted the real dataset (--dataset, or data.path=... which counts as it), rather than
+    an assumed image count."""
+    return bool(dataset) or "data.path" in cfgmod.override_keys(overrides)
+
+
+def run_command(out: str | Path, *, dataset_given: bool) -> str:
+    """The `sdplan train` line for a written plan; one without a dataset says the run still needs one."""
+    line = f"sdplan train --config {out}"
+    if dataset_given:
+        return line
+    return (
+        f"{line} --dataset DIR (needed: the folder of training images; no --dataset was given here, so "
+        "data.path in sdplan.yaml is only a placeholder; or give data.path=DIR)"
+    )
 
 
 def write_outputs(
@@ -480,9 +524,11 @@ def write_outputs(
     outdir = Path(out)
     files: dict[str, str | bytes] = {}
     cfg = trainer_config(res, profiles, dataset, overrides=overrides, out=outdir)
+    config_file = shlex.quote(str(outdir.resolve() / "sdplan.yaml"))  # the file may be read from anywhere
+    given = dataset_counted(dataset, overrides)
     header = (
         f"sdplan.yaml written by `sdplan recommend` for {res.hardware.label or 'this machine'}\n"
-        f"run it with: sdplan train --config {outdir / 'sdplan.yaml'}"
+        f"run it with: {run_command(config_file, dataset_given=given)}"
     )
     files["sdplan.yaml"] = cfgmod.to_yaml(cfg, header)
     # The same builders `sdplan train` uses, from the validated trainer config.

@@ -52,7 +52,11 @@ def test_the_printed_train_command_trains_into_the_recommend_out_folder(tmp_path
     assert result.exit_code == 0, result.stderr
     assert "run it with: sdplan train --config runs/me/sdplan.yaml" in result.stderr
     written = yaml.safe_load((tmp_path / "runs" / "me" / "sdplan.yaml").read_text())
-    assert (written["output"]["dir"], written["data"]["path"]) == ("runs/me", "photos")  # as given
+    # absolute, as `sdplan train` writes them: the config trains the same from any folder (test_recommend_out)
+    assert (written["output"]["dir"], written["data"]["path"]) == (
+        str(tmp_path / "runs" / "me"),
+        str(tmp_path / "photos"),
+    )
     result = cli("train", "--config", "runs/me/sdplan.yaml", "--device", "cpu", "--dry-run")
     assert result.exit_code == 0, result.stderr
     assert f"output: {tmp_path / 'runs' / 'me'}" in result.stdout.splitlines()
@@ -284,12 +288,13 @@ def test_epochs_given_to_train_count_over_a_planned_max_steps(tmp_path):
 
 
 def test_a_planned_step_count_for_another_dataset_is_pointed_out(tmp_path):
-    """Planned with --images 2 (max_steps 20), then trained on 8 images: the run trained 20 steps, a quarter of
-    its 10 epochs, and the plan's lines gave no hint."""
+    """Planned on a dataset of 2 images (max_steps 20), then trained on 8 images: the run trained 20 steps, a
+    quarter of its 10 epochs, and the plan's lines gave no hint. (It was planned with --images 2, which now
+    writes no max_steps: a plan that never saw the dataset trains its epochs, test_recommend_out.)"""
     model = fake_diffusers_folder(tmp_path / "model")
     photos = make_images(tmp_path / "photos", 8)
     plan = tmp_path / "plan"
-    args = ["recommend", "--method", "lora", "--model", str(model), "--images", "2", "--hardware", "RTX 4090"]
+    args = _recommend_lora(model, make_images(tmp_path / "two", 2))
     assert cli(*args, "--out", str(plan), "training.batch_size=1").exit_code == 0
     result = cli(
         "train", "--config", str(plan / "sdplan.yaml"), "--device", "cpu", "--dry-run", f"data.path={photos}"

@@ -67,14 +67,19 @@ def test_a_sizing_pin_that_contradicts_its_flag_is_refused():
 
 
 def test_the_written_config_trains_the_pinned_epochs(tmp_path):
-    out = tmp_path / "plan"
-    result = cli(
-        "recommend", "--method", "lora", "--hardware", "RTX 4090", "--out", str(out), "training.epochs=3"
-    )
-    assert result.exit_code == 0, result.stderr
-    training = yaml.safe_load((out / "sdplan.yaml").read_text())["training"]
-    # max_steps is 3 epochs' steps (it was the default 10 epochs' beside epochs: 3)
-    assert (training["epochs"], training["max_steps"]) == (3, plan("--epochs", "3")["steps"]["total_steps"])
+    data = make_images(tmp_path / "data", 6)
+    for given in ((), ("--dataset", str(data))):
+        out = tmp_path / f"plan{len(given)}"
+        result = cli(
+            "recommend", "--method", "lora", "--hardware", "RTX 4090", "--out", str(out), "training.epochs=3",
+            *given,
+        )  # fmt: skip
+        assert result.exit_code == 0, result.stderr
+        training = yaml.safe_load((out / "sdplan.yaml").read_text())["training"]
+        # with the dataset counted, max_steps is 3 epochs' steps (it was the default 10 epochs' beside epochs:
+        # 3); without it there is no step count to write: the run trains the 3 epochs (test_recommend_out)
+        steps = plan("--epochs", "3", *given)["steps"]["total_steps"] if given else None
+        assert (training["epochs"], training["max_steps"]) == (3, steps)
 
 
 @pytest.mark.parametrize("command", ["recommend", "train"])

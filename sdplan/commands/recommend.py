@@ -95,7 +95,15 @@ def recommend(
     import shlex
 
     from sdplan.profiles import load_profiles
-    from sdplan.recommend import RecommendInputs, model_source, render, render_compare, write_outputs
+    from sdplan.recommend import (
+        RecommendInputs,
+        dataset_counted,
+        model_source,
+        render,
+        render_compare,
+        run_command,
+        write_outputs,
+    )
     from sdplan.recommend import compare as run_compare
     from sdplan.recommend import recommend as run
 
@@ -150,10 +158,10 @@ def recommend(
 
         for copy in copies:
             err_console().print(runfolder.kept_line(copy), markup=False, soft_wrap=True)
+        config_file = shlex.quote(str(Path(out) / "sdplan.yaml"))
+        given = dataset_counted(inp.dataset, inp.settings)
         err_console().print(
-            f"run it with: sdplan train --config {shlex.quote(str(Path(out) / 'sdplan.yaml'))}",
-            markup=False,
-            soft_wrap=True,
+            f"run it with: {run_command(config_file, dataset_given=given)}", markup=False, soft_wrap=True
         )
     elif out is not None:
         err_console().print("nothing written: no configuration fits this hardware")
