@@ -90,7 +90,7 @@ METHOD_LIST = (
     ),
 )
 FAMILY_LIST = (
-    Family("sd15", "Stable Diffusion 1.x", text_encoders=1, aliases=("sd1", "sd1.5")),
+    Family("sd15", "Stable Diffusion 1.x", text_encoders=1, aliases=("sd1", "sd1.5", "sd14", "sd1.4")),
     Family(
         "sd21",
         "Stable Diffusion 2.x",

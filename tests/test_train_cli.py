@@ -307,3 +307,32 @@ def test_input_errors_load_no_model_code(tmp_path, case):
     assert proc.returncode in (2, 4), proc.stderr
     assert proc.stderr.count("error:") == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert "HEAVY=\n" in proc.stdout or proc.stdout.strip().endswith("HEAVY="), proc.stdout
+
+
+def test_a_mistyped_method_is_answered_as_recommend_answers_it(tmp_path):
+    """`train --method lroa` said "Invalid value for '--method': Value error, 'lroa' is not one of ..." where
+    `recommend` says "did you mean lora?"; and train took none of the methods' aliases (ti, fine-tune)."""
+    one_line_error(
+        invoke("--method", "lroa", "--out", str(tmp_path / "o")),
+        2,
+        "unknown method 'lroa'",
+        "did you mean lora?",
+    )
+    r = invoke(
+        "--method",
+        "ti",
+        "--model",
+        "nowhere/x",
+        "--dataset",
+        str(tmp_path / "none"),
+        "--out",
+        str(tmp_path / "o"),
+    )
+    assert r.exit_code == 2 and "unknown method" not in r.stderr and "dataset folder" in r.stderr, r.stderr
+
+
+def test_sd14_is_the_sd15_family():
+    """SD 1.4 is in the SD 1.x family (its profile says so): `--model sd14` was answered "did you mean sd21"."""
+    from sdplan import registry
+
+    assert registry.family("sd14").name == "sd15" and registry.family("sd1.4").name == "sd15"

@@ -10,6 +10,7 @@ from typing import Annotated
 
 import typer
 
+from sdplan import registry
 from sdplan.commands._common import (
     cli_errors,
     console,
@@ -17,13 +18,6 @@ from sdplan.commands._common import (
     reject_empty,
     reject_repeated_settings,
 )
-
-
-class Method(str, Enum):
-    lora = "lora"
-    dreambooth = "dreambooth"
-    finetune = "finetune"
-    textual_inversion = "textual-inversion"
 
 
 class Device(str, Enum):
@@ -35,8 +29,12 @@ class Device(str, Enum):
 def train(
     ctx: typer.Context,
     method: Annotated[
-        Method | None,
-        typer.Option(help="What to train (default lora).", show_default=False, case_sensitive=False),
+        str | None,
+        typer.Option(
+            metavar="METHOD",
+            help=f"What to train: {registry.one_of(registry.METHODS)} (default lora).",
+            show_default=False,
+        ),
     ] = None,
     model: Annotated[
         str | None,
@@ -145,7 +143,7 @@ def train(
         confirm=(lambda q: typer.confirm(q, default=True)) if interactive else None,
     )
     req = TrainRequest(
-        method=method.value if method else None,
+        method=registry.method(method).name if method else None,  # a typo: "did you mean", as recommend
         model=model,
         dataset=dataset,
         out=out,
