@@ -313,3 +313,22 @@ def test_alike_gpus_plan_as_before(prof):
     res = plan(prof, Snapshot.load(MACHINES / "2x_rtx4090_pcie.json"), "lora", "sdxl", images=400)
     assert res.plan.gpu_ids is None
     assert not any("GPUs differ" in r for r in res.reasons)
+
+
+def test_doctor_verdicts_are_for_the_best_gpu_whatever_the_order():
+    """`sdplan doctor`'s per-method verdicts (one-GPU plans) on a 12 GiB RTX 3060 beside a 24 GiB RTX 4090: the same
+    verdicts whichever GPU comes first, each on the 4090 (SDXL textual inversion said "needs a 13.9 GiB GPU" with
+    the 3060 first)."""
+    from sdplan.doctor import planner_verdicts
+
+    def verdicts(snap: Snapshot) -> dict:
+        return {(v.method, v.family): v for v in planner_verdicts(snap)}
+
+    first, last = verdicts(machine(RTX3060, RTX4090)), verdicts(machine(RTX4090, RTX3060))
+    assert first.keys() == last.keys()
+    assert {k: v.status for k, v in first.items()} == {k: v.status for k, v in last.items()}
+    assert first["textual-inversion", "sdxl"].status == "ok"
+    for key, v in first.items():
+        assert v.note.replace("on GPU 1", "on GPU x") == last[key].note.replace("on GPU 0", "on GPU x"), key
+        if v.status in ("ok", "tight"):
+            assert v.note.endswith("on GPU 1"), key  # the 4090's number
