@@ -156,6 +156,10 @@ class DeepSpeedConfig:
 class DistributedConfig:
     num_processes: int = 1
     deepspeed: DeepSpeedConfig | None = None
+    # the GPUs this machine's processes run on, as `sdplan doctor` numbers them (NVIDIA in PCI bus order, as
+    # nvidia-smi does; then AMD); null: the first ones the framework sees. The planner sets it on a machine whose
+    # GPUs differ, and `sdplan train` launches on those GPUs (CUDA_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES)
+    gpu_ids: list[int] | None = None
 
 
 @dataclass
@@ -256,6 +260,10 @@ _RULES: dict[str, tuple[Any, str]] = {
     "memory.blocks_to_swap": (lambda v: v >= 0, "must be >= 0 (0: off)"),
     "memory.optimizer": (lambda v: v in OPTIMIZERS, f"must be one of {', '.join(OPTIMIZERS)}"),
     "distributed.num_processes": (lambda v: v >= 1, "must be >= 1"),
+    "distributed.gpu_ids": (
+        lambda v: v is None or (bool(v) and min(v) >= 0 and len(set(v)) == len(v)),
+        "must list GPU numbers >= 0, each once (or be null)",
+    ),
     "distributed.deepspeed.zero_stage": (lambda v: v in (1, 2), "must be 1 or 2 (ZeRO-3 is not supported)"),
     "output.save_every_n_epochs": (lambda v: v >= 0, "must be >= 0 (0: off)"),
     "output.save_every_n_steps": (lambda v: v >= 0, "must be >= 0 (0: off)"),

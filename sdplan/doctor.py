@@ -34,15 +34,17 @@ VerdictFn = Callable[[Snapshot], Sequence[tuple[str, str, str, str]]]
 
 
 def planner_verdicts(snapshot: Snapshot) -> list[Verdict]:
-    """Verdict from the planner: the fastest one-GPU plan at the family's native resolution.
+    """Verdict from the planner: the fastest one-GPU plan at the family's native resolution (on a machine whose
+    GPUs differ, on the GPU that suits it best, named in the note).
 
     ok: fits without DeepSpeed offload; tight: only with offload (the optimizer on the CPU); no: does not fit.
     """
-    from sdplan.planner import Request, hardware_from_snapshot, plan
+    from sdplan.planner import Request, hardware_from_snapshot, mixed_gpus, plan, plan_gpus
     from sdplan.profiles import load_profiles
 
     profiles = load_profiles()
     hardware = hardware_from_snapshot(snapshot, profiles)
+    mixed = mixed_gpus(hardware)
     out: list[Verdict] = []
     for method in METHODS:
         for family in PLANNED_FAMILIES:  # a family not yet planned has no verdict
@@ -80,6 +82,8 @@ def planner_verdicts(snapshot: Snapshot) -> list[Verdict]:
             if s.blocks_to_swap:
                 savers.append(f"swap {s.blocks_to_swap} blocks")
             note = f"{', '.join(savers)}; {result.memory.peak / 2**30:.1f} GiB"
+            if mixed:  # which of the GPUs that differ
+                note += f" on GPU {plan_gpus(hardware, s)[0].index}"
             out.append(Verdict(method, family, "tight" if s.offload else "ok", note))
     return out
 

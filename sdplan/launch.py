@@ -182,12 +182,15 @@ def build_launch(
     resume: str | None = None,
     python: str | None = None,
     cpu_cores: int | None = None,
+    devices: Mapping[str, str] | None = None,
 ) -> Launch:
     """Pure: the launch for ``cfg`` (already validated, the one written at ``config_path``).
 
     ``cpu_processes``: run that many CPU processes with gloo through torchrun (``--num-processes``).
     ``resume``: passed to the trainer as ``--resume`` ("latest" or a checkpoint folder).
     ``python``: the interpreter (default: this one), ``cpu_cores``: splits threads between CPU processes.
+    ``devices``: the environment that shows the processes only the GPUs they run on (``distributed.gpu_ids``,
+    :meth:`sdplan.machine.Snapshot.visible_devices`); None: every GPU, the framework's first ones used.
     """
     py = python or sys.executable
     out = Path(out_dir)
@@ -200,6 +203,8 @@ def build_launch(
     # SDPLAN_LAUNCHED: sdplan prints the run's summary itself, so the trainer does not print its own as well.
     env = {"PYTHONUNBUFFERED": "1", "PYTHONSAFEPATH": "1", LAUNCHED_ENV: "1"}
     on_cpu = cfg.training.device == "cpu"
+    if devices and not on_cpu:
+        env.update(devices)
     ds = cfg.distributed.deepspeed
     if on_cpu:
         from sdplan.cputhreads import thread_env

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import os
 import shlex
 import sys
 from collections.abc import Callable
@@ -257,6 +258,7 @@ def flag_overrides(req: TrainRequest, out: Path | None) -> list[str]:
         o.append(f"distributed.num_processes={req.num_processes}")
     elif req.gpus is not None and (req.config or req.resume):
         o.append(f"distributed.num_processes={req.gpus * req.num_machines}")
+        o.append("distributed.gpu_ids=null")  # the config's GPUs were for its count: chosen again for --gpus
     if out is not None:
         o.append(f"output.dir={out}")
     return o
@@ -811,6 +813,8 @@ class Prepared:
     resume: str | None = None
     state: str = "new"
     planned: Any = None  # the planner's Result this run trains, when it planned (drawn as plan.png at launch)
+    gpu_ids: tuple[int, ...] | None = None  # the GPUs this machine's processes run on (run_gpus)
+    devices: dict[str, str] | None = None  # the environment that shows them only those (None: every GPU)
 
 
 def check_stack() -> None:
@@ -951,12 +955,6 @@ def prepare(req: TrainRequest, ui: UI) -> Prepared:
             source=source,
         )
 
-    family = cfg.model.family or inputs.family or guess_family(cfg.model.path)
-    if refusal := quantized_base_refusal(cfg, family, snapshot):
-        raise UsageError(refusal)
-    if refusal := block_swap_refusal(cfg, family):
-        raise UsageError(refusal)
-
     world = cfg.distributed.num_processes
     per_node = world // max(1, req.num_machines)
     if snapshot is not None and per_node > len(snapshot.usable_gpus):
@@ -965,6 +963,15 @@ def prepare(req: TrainRequest, ui: UI) -> Prepared:
             f"this machine has {len(snapshot.usable_gpus)}",
             fix="lower distributed.num_processes (or --gpus)",
         )
+    gpu_ids = run_gpus(cfg, snapshot, per_node) if snapshot is not None else None
+    devices = launch_devices(snapshot, gpu_ids, ui) if gpu_ids is not None else None
+
+    family = cfg.model.family or inputs.family or guess_family(cfg.model.path)
+    if refusal := quantized_base_refusal(cfg, family, snapshot, gpu_ids):
+        raise UsageError(refusal)
+    if refusal := block_swap_refusal(cfg, family):
+        raise UsageError(refusal)
+
     steps = config_steps(cfg, inputs.images_x_repeats, world)
     if req.demo and cfg.plan is None:
         # The demo's plan: the tiny model on the CPU; its memory and time are trivially small, its step
@@ -992,10 +999,73 @@ def prepare(req: TrainRequest, ui: UI) -> Prepared:
         resume=resume,
         state=state,
         planned=planned,
+        gpu_ids=gpu_ids,
+        devices=devices,
     )
 
 
-def quantized_base_refusal(cfg: C.TrainConfig, family: str | None, snapshot: Any) -> str | None:
+VISIBLE_DEVICES_ENV = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES")
+
+
+def run_gpus(cfg: C.TrainConfig, snapshot: Any, per_node: int) -> tuple[int, ...] | None:
+    """The GPUs (as `sdplan doctor` numbers them) this machine's ``per_node`` processes run on: the config's
+    ``distributed.gpu_ids`` (the plan's, on a machine whose GPUs differ); where it names none on such a machine,
+    the ones the planner would choose for that many (:func:`sdplan.planner.gpu_sets`, the first that has the
+    config's precision); None on alike GPUs (the first ones, as the framework numbers them)."""
+    usable = {g.index: g for g in snapshot.usable_gpus}
+    ids = cfg.distributed.gpu_ids
+    if ids is not None:
+        fix = "`sdplan doctor` numbers the GPUs; or drop distributed.gpu_ids and sdplan chooses"
+        if missing := [i for i in ids if i not in usable]:
+            raise UsageError(
+                f"distributed.gpu_ids {ids}: this machine has no usable GPU {missing[0]} "
+                f"(it has {', '.join(map(str, usable))})",
+                fix=fix,
+            )
+        if len(ids) != per_node:
+            raise UsageError(
+                f"distributed.gpu_ids {ids} lists {len(ids)} GPU(s) for {per_node} process(es) on this machine",
+                fix="list one GPU per process (distributed.num_processes), or drop distributed.gpu_ids",
+            )
+        if len({usable[i].vendor for i in ids}) > 1:
+            raise UsageError(
+                f"distributed.gpu_ids {ids}: NVIDIA and AMD GPUs cannot train together (one torch build drives "
+                "a run)",
+                fix=fix,
+            )
+        return tuple(ids)
+    from sdplan.planner import gpu_sets, hardware_from_snapshot, mixed_gpus
+    from sdplan.profiles import load_profiles
+
+    hw = hardware_from_snapshot(snapshot, load_profiles())
+    if not mixed_gpus(hw):
+        return None
+    sets = gpu_sets(hw, per_node)
+    if cfg.training.precision == "bf16":
+        sets = [s for s in sets if all(g.bf16 for g in s)] or sets
+    return tuple(g.index for g in sets[0]) if sets else None
+
+
+def launch_devices(snapshot: Any, gpu_ids: tuple[int, ...], ui: UI) -> dict[str, str] | None:
+    """The environment that shows the trainer only ``gpu_ids`` (:meth:`sdplan.machine.Snapshot.visible_devices`);
+    None where the user's own CUDA_VISIBLE_DEVICES (or HIP_ / ROCR_) already chooses, which is kept, with a note."""
+    own = {k: v for k in VISIBLE_DEVICES_ENV if (v := os.environ.get(k, "").strip())}
+    if own:
+        names = ", ".join(
+            f"GPU {i} ({g.name})" for i in gpu_ids for g in snapshot.usable_gpus if g.index == i
+        )
+        ui.echo(
+            f"note: {', '.join(f'{k}={v}' for k, v in own.items())} is set: the run uses the GPU(s) it shows, "
+            f"which may not be {names} (sdplan's numbers, as `sdplan doctor` shows them) that it is planned for; "
+            "unset it to train there"
+        )
+        return None
+    return snapshot.visible_devices(gpu_ids)
+
+
+def quantized_base_refusal(
+    cfg: C.TrainConfig, family: str | None, snapshot: Any, gpu_ids: tuple[int, ...] | None = None
+) -> str | None:
     """The one line `sdplan train` stops with before launch when this machine cannot train over the config's
     quantized frozen base (``model.base_precision`` fp8 / nf4; what each needs: ``trainer/quantize.py``), from
     the probed snapshot's GPUs and packages (``--device cpu``: this Python's packages); None when it can."""
@@ -1009,7 +1079,11 @@ def quantized_base_refusal(cfg: C.TrainConfig, family: str | None, snapshot: Any
         device, gpus = "cpu", ()
         packages = {name: dist_version(name) for name in ("bitsandbytes", "diffusers")}
     else:
-        used = snapshot.usable_gpus[: max(1, cfg.distributed.num_processes)]
+        used = (
+            tuple(g for g in snapshot.usable_gpus if g.index in gpu_ids)
+            if gpu_ids is not None
+            else snapshot.usable_gpus[: max(1, cfg.distributed.num_processes)]
+        )
         gpus = tuple((g.vendor, g.compute_capability) for g in used)
         device = "rocm" if snapshot.software.torch_build == "rocm" else "cuda"
         packages = snapshot.software.packages
@@ -1156,6 +1230,7 @@ def launch_for(p: Prepared, req: TrainRequest, resume: str | None) -> Launch:
         cpu_processes=p.world if p.cfg.training.device == "cpu" and p.world > 1 else None,
         resume=resume,
         cpu_cores=_cpu_cores(),
+        devices=p.devices,
     )
 
 
@@ -1246,6 +1321,7 @@ def execute(p: Prepared, req: TrainRequest, ui: UI, launch: Launch, lock: Any = 
             cpu_processes=p.world if cfg.training.device == "cpu" and p.world > 1 else None,
             resume=resume,
             cpu_cores=_cpu_cores(),
+            devices=p.devices,
         )
         write_run_files(out, cfg, launch, header + f"\nrewritten after out of memory: {change.message}")
         _drop_stale_plan_chart(out)
@@ -1270,7 +1346,12 @@ def _record(
     family = cfg.model.family or p.inputs.family
     if family not in FAMILIES:
         return None
-    gpu = p.snapshot.usable_gpus[0] if p.snapshot is not None and p.snapshot.usable_gpus else None
+    gpus = p.snapshot.usable_gpus if p.snapshot is not None else ()
+    if p.gpu_ids is not None:  # the run's GPUs: out of memory is the one with the least memory's
+        gpus = tuple(
+            sorted((g for g in gpus if g.index in p.gpu_ids), key=lambda g: g.memory_total_bytes or 0)
+        )
+    gpu = gpus[0] if gpus else None
     point = oom_point(
         cfg,
         oom,
@@ -1324,7 +1405,12 @@ def run(req: TrainRequest, ui: UI | None = None) -> dict[str, Any]:
     launch = launch_for(p, req, p.resume)
     if p.plan is not None:
         gpus = p.plan["hardware"]["gpus"]
-        ui.echo(f"plan for this machine ({len(gpus)}x {gpus[0]['name']}):")
+        if p.gpu_ids is not None:
+            gpus = [g for g in gpus if g.get("index") in p.gpu_ids] or gpus
+            on = ", ".join(f"GPU {g['index']} ({g['name']})" for g in gpus)
+        else:
+            on = f"{len(gpus)}x {gpus[0]['name']}"
+        ui.echo(f"plan for this machine ({on}):")
         for line in describe_plan(p.plan):
             ui.echo(line)
     elif req.no_plan and not (req.config or req.resume or req.demo):

@@ -98,6 +98,22 @@ class Snapshot:
         """GPUs a trainer can use: known vendor and known memory."""
         return tuple(g for g in self.gpus if g.memory_total_bytes)
 
+    def visible_devices(self, indexes: tuple[int, ...] | list[int]) -> dict[str, str]:
+        """The environment that shows a process only these GPUs (their ``index``, as `sdplan doctor` numbers
+        them), in this order: NVIDIA ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` (NVML's order; CUDA's own default puts the
+        fastest first) with ``CUDA_VISIBLE_DEVICES``, AMD ``HIP_VISIBLE_DEVICES``, each counting that vendor's
+        GPUs only. The GPUs must be one vendor's (one torch build drives them)."""
+        chosen = [next(g for g in self.gpus if g.index == i) for i in indexes]
+        vendors = {g.vendor for g in chosen}
+        if len(vendors) != 1:
+            raise ValueError(f"GPUs {list(indexes)} are not one vendor's")
+        vendor = vendors.pop()
+        local = [g.index for g in self.gpus if g.vendor == vendor]
+        ids = ",".join(str(local.index(g.index)) for g in chosen)
+        if vendor == "nvidia":
+            return {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": ids}
+        return {"HIP_VISIBLE_DEVICES": ids}
+
     def to_dict(self) -> dict[str, Any]:
         """The exact object `sdplan doctor --json` prints."""
         return {

@@ -64,10 +64,10 @@ def chart_data(res: planner.Result, profiles: Any) -> dict[str, Any]:
         }
         for c in planner.batch_sweep(res, profiles)
     ]
-    gpus = f"{s.num_gpus}x " if s.num_gpus > 1 else ""
-    gpu = res.hardware.gpus[0].name if res.hardware.gpus else "this machine"
+    # the GPUs the plan runs on (not GPU 0 where the machine's differ)
+    used = planner.plan_gpus(res.hardware, s)
     return {
-        "title": f"{s.method} {s.model} at {s.resolution}px on {gpus}{gpu}: "
+        "title": f"{s.method} {s.model} at {s.resolution}px on {planner.gpus_label(used) if used else 'this machine'}: "
         + describe(s, gpus=False, short=True),
         "parts": parts,
         "peak": m.peak / GiB,

@@ -156,6 +156,8 @@ class HWGPU:
     fp16: bool
     arch: str | None = None
     spec: GPUSpec | None = None  # the catalog entry, when the name matches one
+    # its number on the machine, as `sdplan doctor` numbers GPUs (catalog hardware: 0, 1, ...)
+    index: int | None = None
 
 
 @dataclass(frozen=True)
@@ -1351,8 +1353,9 @@ def hardware_from_catalog(spec: GPUSpec, count: int = 1) -> Hardware:
             fp16=spec.fp16,
             arch=spec.arch,
             spec=spec,
+            index=i,
         )
-        for _ in range(count)
+        for i in range(count)
     )
     link = spec.interconnect["type"] if (spec.interconnect and count > 1) else "pcie"
     label = f"{count}x {spec.name}" if count > 1 else spec.name
@@ -1382,35 +1385,143 @@ def hardware_from_snapshot(snapshot: Any, profiles: Profiles, source: str = "pro
                 fp16=bool(fp16),
                 arch=g.gfx_arch or g.compute_capability or (spec.arch if spec else None),
                 spec=spec,
+                index=g.index,
             )
         )
     link, gbs = "pcie", PCIE_GBS[4]
     if len(gpus) > 1:
         types = {lk.type for lk in snapshot.links}
-        spec0 = gpus[0].spec
+        specs = [g.spec for g in gpus if g.spec is not None]
         if "nvlink" in types or "xgmi" in types:
             link = "nvlink" if "nvlink" in types else "xgmi"
-            gbs = float(spec0.interconnect["bandwidth_gbs"]) if spec0 and spec0.interconnect else 100.0
+            rates = [float(s.interconnect["bandwidth_gbs"]) for s in specs if s.interconnect]
+            gbs = min(rates) if rates else 100.0
         else:
             gens = [g.pcie_gen for g in snapshot.usable_gpus if g.pcie_gen]
-            gen = min(gens) if gens else (spec0.pcie_gen if spec0 and spec0.pcie_gen else 4)
-            gbs = PCIE_GBS.get(gen, 32.0)
-    names = [g.name for g in gpus]
-    label = (
-        f"{len(names)}x {names[0]}"
-        if len(set(names)) == 1 and len(names) > 1
-        else ", ".join(names) or "no GPU"
-    )
+            gens = gens or [s.pcie_gen for s in specs if s.pcie_gen]
+            gbs = PCIE_GBS.get(min(gens) if gens else 4, 32.0)
     return Hardware(
         source=source,
         gpus=tuple(gpus),
         ram_total_bytes=snapshot.host.ram_total_bytes,
         link=link,
         link_gbs=gbs,
-        label=label,
+        label=gpus_label(gpus),
         notes=tuple(notes),
         host=profiles.host if source == "probe" else None,
     )
+
+
+def gpus_label(gpus: tuple[HWGPU, ...] | list[HWGPU]) -> str:
+    """'2x RTX 4090', 'RTX 4090, RTX 3060', 'no GPU'."""
+    names = [g.name for g in gpus]
+    if len(set(names)) == 1 and len(names) > 1:
+        return f"{len(names)}x {names[0]}"
+    return ", ".join(names) or "no GPU"
+
+
+# -- which GPUs a plan runs on -------------------------------------------------------------------------------
+#
+# Data parallelism runs every process in step: a plan on several GPUs runs at the pace of the slowest of them
+# and fits only what the smallest holds, in bf16 only where all have it. On a machine whose GPUs differ the
+# search therefore plans each GPU count on chosen GPUs (:func:`gpu_sets`), each configuration at the weakest of
+# them (:func:`_evaluate`), and the plan names them (``Settings.gpu_ids``), which `sdplan train` launches on.
+
+
+def _gpu_kind(g: HWGPU) -> tuple:
+    """What the planner tells GPUs apart by (alike GPUs are interchangeable)."""
+    return (g.vendor, g.name, g.memory_bytes, g.bf16, g.fp16, g.arch, g.spec.name if g.spec else None)
+
+
+def mixed_gpus(hw: Hardware) -> bool:
+    """The hardware's GPUs are not all alike."""
+    return len({_gpu_kind(g) for g in hw.gpus}) > 1
+
+
+def _strength(g: HWGPU) -> tuple:
+    """What a plan takes from a GPU, each the larger the better: memory, matmul rate, memory bandwidth, bf16 and
+    fp16 (an uncatalogued GPU's speed is unknown: 0)."""
+    spec = g.spec
+    rate = spec.matmul_tflops("fp16") if spec else 0.0
+    bandwidth = float(spec.memory_bandwidth_gbs) if spec else 0.0
+    return (g.memory_bytes, rate, bandwidth, g.bf16, g.fp16)
+
+
+def _weakest(gpus: tuple[HWGPU, ...]) -> tuple:
+    """A set of GPUs as data parallelism sees it: each of :func:`_strength`'s figures at its weakest GPU."""
+    return tuple(min(x) for x in zip(*(_strength(g) for g in gpus), strict=True))
+
+
+def gpu_sets(hw: Hardware, n: int) -> list[tuple[HWGPU, ...]]:
+    """The sets of ``n`` GPUs an ``n``-GPU plan may run on, the best first (most memory, then speed, at their
+    weakest GPU). Alike GPUs: the first ``n``. GPUs that differ: one vendor's (one torch build drives a run),
+    the ``n`` best by each of :func:`_strength`'s figures in turn (ties by the rest, then the GPU's number),
+    less any set that another matches or beats at its weakest GPU on every figure. Whatever order the machine
+    lists its GPUs in, the same sets (up to which of alike GPUs)."""
+    if n < 1 or n > hw.count:
+        return []
+    if not mixed_gpus(hw):
+        return [hw.gpus[:n]]
+    found: dict[tuple, tuple[HWGPU, ...]] = {}
+    for vendor in sorted({g.vendor for g in hw.gpus}):
+        group = [g for g in hw.gpus if g.vendor == vendor]
+        if len(group) < n:
+            continue
+        for lead in range(len(_strength(group[0]))):
+
+            def order(g: HWGPU, lead: int = lead) -> tuple:
+                st = _strength(g)
+                return (
+                    tuple(-float(x) for x in st[lead:] + st[:lead]),
+                    tuple(map(str, _gpu_kind(g))),
+                    g.index,
+                )
+
+            chosen = tuple(sorted(sorted(group, key=order)[:n], key=lambda g: g.index or 0))
+            found.setdefault(tuple(g.index for g in chosen), chosen)
+
+    def rank(gs: tuple[HWGPU, ...]) -> tuple:
+        # the weakest GPU's figures, then the others' (a set that keeps the better GPUs wins a tie), then numbers
+        rest = sorted(tuple(-float(x) for x in _strength(g)) for g in gs)
+        return (tuple(-float(x) for x in _weakest(gs)), rest, tuple(g.index or 0 for g in gs))
+
+    kept: list[tuple[HWGPU, ...]] = []
+    for gs in sorted(found.values(), key=rank):
+        w = _weakest(gs)
+        if not any(all(a >= b for a, b in zip(_weakest(k), w, strict=True)) for k in kept):
+            kept.append(gs)
+    return kept
+
+
+def plan_gpus(hw: Hardware, s: Settings) -> tuple[HWGPU, ...]:
+    """The GPUs the settings ``s`` run on: those ``s.gpu_ids`` names, else the first ``s.num_gpus``."""
+    if s.gpu_ids is None:
+        return hw.gpus[: s.num_gpus]
+    by_index = {g.index: g for g in hw.gpus}
+    return tuple(by_index[i] for i in s.gpu_ids if i in by_index)
+
+
+def _on(hw: Hardware, gpus: tuple[HWGPU, ...]) -> Hardware:
+    """``hw`` with only ``gpus``."""
+    return replace(hw, gpus=tuple(gpus), label=gpus_label(gpus))
+
+
+def gpu_text(g: HWGPU) -> str:
+    """'GPU 1 (NVIDIA GeForce RTX 3060, 12.0 GiB)'."""
+    return f"GPU {g.index} ({g.name}, {g.memory_bytes / GiB:.1f} GiB)"
+
+
+def _distinct(gpus: tuple[HWGPU, ...]) -> list[HWGPU]:
+    """One GPU of each kind, in order."""
+    seen: dict[tuple, HWGPU] = {}
+    for g in gpus:
+        seen.setdefault(_gpu_kind(g), g)
+    return list(seen.values())
+
+
+def smallest_gpu(gpus: tuple[HWGPU, ...]) -> HWGPU:
+    """The GPU whose memory a data-parallel plan on ``gpus`` must fit in."""
+    return min(gpus, key=lambda g: (g.memory_bytes, g.index or 0))
 
 
 # -- the plan --------------------------------------------------------------------------------------------
@@ -1613,15 +1724,24 @@ TE_CACHE_HANDICAP = 0.03
 
 
 def settings_space(
-    req: Request, *, precision: str, attention: str, nvidia: bool = True, max_gpus: int = 1
+    req: Request,
+    *,
+    precision: str,
+    attention: str,
+    nvidia: bool = True,
+    max_gpus: int = 1,
+    counts: tuple[int, ...] | None = None,
+    gpu_ids: tuple[int, ...] | None = None,
 ) -> Iterator[Settings]:
     """Every configuration the planner considers for ``req``: the search, the "needs at least" figure and the
     reasons all enumerate this one generator. A pinned field (``req.pins``) takes only its pinned value.
 
     Knobs that keep the result (latent / text-encoder-output caching, gradient checkpointing, optimizer
     memory savers, DeepSpeed offload, full bf16 weights) and, for LoRA, lower ranks (which do not; the search
-    prefers the requested rank)."""
+    prefers the requested rank). ``counts``: the GPU counts (default 1 to ``max_gpus``); ``gpu_ids``: the GPUs
+    they run on (:func:`plan_gpus`; None: the first ones)."""
     pins = dict(req.pins)
+    gpu_ids = pins.get("gpu_ids", gpu_ids)
     full = req.method in FULL_METHODS
     lora = req.method == "lora"
     resolution = req.resolution
@@ -1663,7 +1783,7 @@ def settings_space(
         for name in ("lora_alpha", "lora_targets", "set_grads_to_none", "ema")
         if name in pins and (lora or not name.startswith("lora"))
     }
-    for n in axis("num_gpus", range(1, max_gpus + 1)):
+    for n in axis("num_gpus", counts or range(1, max_gpus + 1)):
         for batch in axis("batch", BATCHES):
             if "batch" not in pins and batch > 1 and batch * n > req.images:
                 continue  # a global batch larger than the images would repeat an image within a step
@@ -1720,30 +1840,56 @@ def settings_space(
                     num_gpus=n,
                     base_precision=base,
                     blocks_to_swap=swap,
+                    gpu_ids=gpu_ids,
                     **fixed,
                 )
 
 
+def _gpu_choices(req: Request, hw: Hardware) -> list[Hardware]:
+    """The GPUs the search plans on, each set as a Hardware: for every GPU count the request allows (fewest
+    first), the sets :func:`gpu_sets` offers; the pinned ``distributed.gpu_ids`` alone where given (none where it
+    names a GPU the hardware lacks: :func:`pin_conflicts` says so)."""
+    ids = req.pin("gpu_ids")
+    if ids is not None:
+        by_index = {g.index: g for g in hw.gpus}
+        return [_on(hw, tuple(by_index[i] for i in ids))] if all(i in by_index for i in ids) else []
+    limit = min(hw.count, req.max_gpus or hw.count)
+    pinned = req.pin("num_gpus")
+    counts = (pinned,) if pinned is not None else range(1, limit + 1)
+    return [_on(hw, gs) for n in counts if n <= limit for gs in gpu_sets(hw, n)]
+
+
+def _attention_for(gpus: tuple[HWGPU, ...]) -> str:
+    """The attention every one of ``gpus`` runs (math SDPA where any lacks the efficient kernels)."""
+    return "math" if any(attention_backend(g) == "math" for g in gpus) else "efficient"
+
+
 def _candidates(req: Request, profiles: Profiles, hw: Hardware, cal: Calibration, resolution: int):
-    gpu = hw.gpus[0]
     req = replace(req, resolution=resolution)
-    space = settings_space(
-        req,
-        precision=precision_for(hw.gpus),
-        attention=attention_backend(gpu),
-        nvidia=gpu.vendor == "nvidia",
-        max_gpus=min(hw.count, req.max_gpus or hw.count),
-    )
-    return [_evaluate(req, profiles, hw, cal, s) for s in space]
+    mixed = mixed_gpus(hw)
+    out = []
+    for on in _gpu_choices(req, hw):
+        if pin_conflicts(req, on):  # a pin these GPUs cannot run (bf16 where one lacks it, ...)
+            continue
+        space = settings_space(
+            req,
+            precision=precision_for(on.gpus),
+            attention=_attention_for(on.gpus),
+            nvidia=all(g.vendor == "nvidia" for g in on.gpus),
+            counts=(on.count,),
+            gpu_ids=tuple(g.index for g in on.gpus) if mixed else None,
+        )
+        out += [_evaluate(req, profiles, hw, cal, s) for s in space]
+    return out
 
 
-def _observed_multi_gpu(profiles: Profiles, s: Settings, hw: Hardware):
+def _observed_multi_gpu(profiles: Profiles, s: Settings, gpus: tuple[HWGPU, ...], link: str):
     """A multi-GPU observation near these settings (same GPU, method, family, GPU count and link): measured
-    evidence wins over the all-reduce model."""
-    gpu = hw.gpus[0]
-    if gpu.spec is None or s.num_gpus < 2:
+    evidence wins over the all-reduce model. Observations are of alike GPUs: none for GPUs that differ."""
+    gpu = gpus[0]
+    if gpu.spec is None or s.num_gpus < 2 or len(_distinct(gpus)) > 1:
         return None
-    link = "nvlink" if hw.link in ("nvlink", "xgmi") else "pcie"
+    link = "nvlink" if link in ("nvlink", "xgmi") else "pcie"
     for m in profiles.multi_gpu:
         spec = profiles.gpu_or_none(m.gpu)
         if (
@@ -1757,6 +1903,23 @@ def _observed_multi_gpu(profiles: Profiles, s: Settings, hw: Hardware):
         ):
             return m
     return None
+
+
+def pace_gpu(
+    profiles: Profiles, s: Settings, gpus: tuple[HWGPU, ...], cal: Calibration, link_gbs: float | None = None
+) -> tuple[HWGPU, float | None, str]:
+    """(the GPU that sets the step's pace, its seconds per micro-step, their basis) for ``s`` on ``gpus``: the
+    slowest of them by :func:`planned_step_seconds` (data-parallel processes wait for each other every step); a
+    GPU of unknown speed makes the step's time unknown."""
+    pace: tuple[HWGPU, float | None, str] | None = None
+    for g in _distinct(gpus):
+        step_s, basis = planned_step_seconds(profiles, s, g.spec, cal, link_gbs=link_gbs)
+        if step_s is None:
+            return g, None, basis
+        if pace is None or step_s > pace[1]:
+            pace = (g, step_s, basis)
+    assert pace is not None
+    return pace
 
 
 def planned_step_seconds(
@@ -1926,7 +2089,10 @@ def seconds_band(
 
 
 def _evaluate(req: Request, profiles: Profiles, hw: Hardware, cal: Calibration, s: Settings) -> Candidate:
-    gpu = hw.gpus[0]
+    """``s`` on the GPUs it runs on (:func:`plan_gpus`), at the weakest of them: the smallest memory, the
+    slowest step (:func:`pace_gpu`), an out-of-memory observed on any."""
+    used = plan_gpus(hw, s)
+    gpu = used[0]  # one GPU: the measured evidence below is one process's on one GPU
     mem = memory(profiles, s)
     unc_peak = profiles.uncertainty.peak_for(s.model)[0]
     evidence = peak_evidence(profiles, s, gpu.spec)
@@ -1940,19 +2106,19 @@ def _evaluate(req: Request, profiles: Profiles, hw: Hardware, cal: Calibration, 
     if grid is not None:  # the final sample grid as sdplan bench measured it here, the same allowances
         grid_allocated = grid.outcome["sample_grid_peak_gib"] * GiB
         mem = replace(mem, sampling_peak=grid_allocated + _overhead_bytes(grid_allocated))
-    vram = min(g.memory_bytes for g in hw.gpus[: s.num_gpus])
+    vram = smallest_gpu(used).memory_bytes
     host_ok = host_ram_ok(profiles, s, hw.ram_total_bytes, mem)
     fits = mem.peak <= HEADROOM * vram and host_ok
-    if fits and _observed_oom(profiles, s, gpu) is not None:
+    if fits and any(_observed_oom(profiles, s, g) is not None for g in _distinct(used)):
         fits = False
     peak_range = (mem.peak * unc_peak[0], mem.peak * unc_peak[1])
     steps = _steps(req, s.batch, s.grad_accum, s.num_gpus)
-    observed = _observed_multi_gpu(profiles, s, hw)
+    observed = _observed_multi_gpu(profiles, s, used, hw.link)
     if observed is not None:
         one_s, basis = planned_step_seconds(profiles, replace(s, num_gpus=1), gpu.spec, cal)
         step_s = one_s * observed.outcome["iteration_time_ratio"] if one_s is not None else None
     else:
-        step_s, basis = planned_step_seconds(profiles, s, gpu.spec, cal, link_gbs=hw.link_gbs)
+        gpu, step_s, basis = pace_gpu(profiles, s, used, cal, hw.link_gbs)
     seconds = seconds_range = None
     fixed = allreduce = 0.0
     if step_s is not None:
@@ -2162,23 +2328,25 @@ def pin_text(name: str, value: Any) -> str:
 
 
 def pin_conflicts(req: Request, hw: Hardware) -> list[str]:
-    """Pins this hardware cannot run at all, whatever the memory: each a sentence with the fix."""
+    """Pins these GPUs, all of them used, cannot run at all, whatever the memory: each a sentence with the fix
+    (naming the GPU that lacks what a pin needs)."""
     out = []
     if not hw.gpus:
         return out
-    gpu = hw.gpus[0]
+    no_bf16 = next((g for g in hw.gpus if not g.bf16), None)
+    no_fp16 = next((g for g in hw.gpus if not g.fp16), None)
     precision = req.pin("precision")
-    if precision == "bf16" and not all(g.bf16 for g in hw.gpus):
+    if precision == "bf16" and no_bf16 is not None:
         out.append(
-            f"training.precision=bf16: {gpu.name} has no bf16 in hardware (use training.precision=fp16)"
+            f"training.precision=bf16: {no_bf16.name} has no bf16 in hardware (use training.precision=fp16)"
         )
-    if precision == "fp16" and not all(g.fp16 for g in hw.gpus):
+    if precision == "fp16" and no_fp16 is not None:
         out.append(
-            f"training.precision=fp16: {gpu.name} reports no fp16 support (use training.precision=fp32)"
+            f"training.precision=fp16: {no_fp16.name} reports no fp16 support (use training.precision=fp32)"
         )
-    if req.pin("full_half_weights") and precision is None and precision_for(hw.gpus) != "bf16":
+    if req.pin("full_half_weights") and precision is None and no_bf16 is not None:
         out.append(
-            f"training.full_half_weights=true: needs bf16, which {gpu.name} lacks in hardware "
+            f"training.full_half_weights=true: needs bf16, which {no_bf16.name} lacks in hardware "
             "(use training.full_half_weights=false)"
         )
     n = req.pin("num_gpus")
@@ -2187,6 +2355,34 @@ def pin_conflicts(req: Request, hw: Hardware) -> list[str]:
         out.append(
             f"distributed.num_processes={n}: this hardware has {limit} usable GPU(s) (use at most {limit})"
         )
+    elif n is not None and n > (
+        most := max(sum(g.vendor == v for g in hw.gpus) for v in {g.vendor for g in hw.gpus})
+    ):
+        out.append(
+            f"distributed.num_processes={n}: this machine's NVIDIA and AMD GPUs cannot train together (one torch "
+            f"build drives a run) (use at most {most})"
+        )
+    ids = req.pin("gpu_ids")
+    if ids is not None:
+        by_index = {g.index: g for g in hw.gpus}
+        have = ", ".join(str(g.index) for g in hw.gpus)
+        if missing := [i for i in ids if i not in by_index]:
+            out.append(
+                f"distributed.gpu_ids={list(ids)}: this hardware has no GPU {missing[0]} (it has {have}; "
+                "`sdplan doctor` numbers them)"
+            )
+        elif len({by_index[i].vendor for i in ids}) > 1:
+            out.append(
+                f"distributed.gpu_ids={list(ids)}: NVIDIA and AMD GPUs cannot train together (one torch build "
+                "drives a run): list one vendor's"
+            )
+        elif len(ids) > limit:
+            out.append(f"distributed.gpu_ids={list(ids)}: more GPUs than the {limit} allowed (--gpus)")
+        if n is not None and n != len(ids):
+            out.append(
+                f"distributed.gpu_ids={list(ids)} lists {len(ids)} GPU(s) but distributed.num_processes={n}: "
+                "give as many of each"
+            )
     base = req.pin("base_precision")
     if base is not None and base != "bf16" and not flow_family(req.model):
         out.append(
@@ -2198,7 +2394,9 @@ def pin_conflicts(req: Request, hw: Hardware) -> list[str]:
             f"model.base_precision={base}: only LoRA trains over a quantized frozen base; {req.method} trains the "
             "base's own weights (use model.base_precision=bf16)"
         )
-    elif base is not None and (why := base_precision_allowed(base, gpu)):
+    elif base is not None and (
+        why := next(filter(None, (base_precision_allowed(base, g) for g in hw.gpus)), None)
+    ):
         out.append(f"model.base_precision={base}: {why} (use model.base_precision=fp8 or bf16)")
     if req.pin("train_text_encoder") and flow_family(req.model):
         out.append(
@@ -2215,7 +2413,7 @@ def pin_conflicts(req: Request, hw: Hardware) -> list[str]:
     )
     if swap_why:
         out.append(swap_why)
-    if req.pin("optimizer") == "adamw8bit" and gpu.vendor != "nvidia":
+    if req.pin("optimizer") == "adamw8bit" and any(g.vendor != "nvidia" for g in hw.gpus):
         out.append(
             "memory.optimizer=adamw8bit: bitsandbytes runs on NVIDIA GPUs only (use adamw or adafactor)"
         )
@@ -2240,7 +2438,7 @@ def _infeasible(req, hw, reasons, steps, *, memory=None, need=None, profiles=Non
         basis=None,
         needs=needs,
         reasons=tuple(reasons),
-        vram_bytes=hw.gpus[0].memory_bytes if hw.gpus else None,
+        vram_bytes=max(g.memory_bytes for g in hw.gpus) if hw.gpus else None,
         pin_conflicts=tuple(conflicts),
     )
 
@@ -2328,9 +2526,13 @@ def plan(hardware: Hardware | Any, profiles: Profiles, request: Request) -> Resu
             reasons.append(said)
         return _infeasible(req, hardware, reasons, one_steps, need=need, profiles=profiles)
 
-    conflicts = pin_conflicts(req, hardware)
-    if conflicts:
-        return _infeasible(req, hardware, reasons + conflicts, one_steps, conflicts=conflicts)
+    # a pin rules out the GPU sets that cannot run it; it conflicts where none can (said for the first: the best
+    # single GPU, or the machine where no set has the pinned GPU count or GPUs)
+    choices = _gpu_choices(req, hardware)
+    if not any(not pin_conflicts(req, on) for on in choices):
+        conflicts = pin_conflicts(req, choices[0] if choices else hardware)
+        if conflicts:
+            return _infeasible(req, hardware, reasons + conflicts, one_steps, conflicts=conflicts)
 
     cands = _candidates(req, profiles, hardware, cal, resolution)
     fitting = [c for c in cands if c.fits]
@@ -2350,9 +2552,19 @@ def plan(hardware: Hardware | Any, profiles: Profiles, request: Request) -> Resu
     best, best_by_n = _choose(fitting, profiles)
     one = best_by_n.get(1)
     speedup = one.seconds / best.seconds if (one and one.seconds and best.seconds) else None
+    if mixed_gpus(hardware):
+        reasons.append(_mixed_text(hardware, best, profiles, cal))
     reasons += _reasons(req, hardware, best, one, best_by_n, fitting, cal, profiles)
     if flow_family(req.model):
-        reasons += _flow_reasons(req, best, fitting, cal, profiles, hardware.gpus[0].spec)
+        used = plan_gpus(hardware, best.setup)
+        reasons += _flow_reasons(
+            req,
+            best,
+            fitting,
+            cal,
+            profiles,
+            pace_gpu(profiles, best.setup, used, cal, hardware.link_gbs)[0].spec,
+        )
     alternatives = tuple(sorted(best_by_n.values(), key=lambda c: c.setup.num_gpus))
     return Result(
         feasible=True,
@@ -2367,7 +2579,7 @@ def plan(hardware: Hardware | Any, profiles: Profiles, request: Request) -> Resu
         basis=best.basis,
         needs=None,
         reasons=tuple(reasons),
-        vram_bytes=min(g.memory_bytes for g in hardware.gpus[: best.setup.num_gpus]),
+        vram_bytes=smallest_gpu(plan_gpus(hardware, best.setup)).memory_bytes,
         alternatives=alternatives,
         peak_range=best.peak_range,
         seconds_range=best.seconds_range,
@@ -2385,7 +2597,6 @@ def _not_fit_reasons(
     "needs at least" comes only from configurations the host RAM can hold (:attr:`Candidate.host_ok`); a leaner
     one that only more host RAM would allow (DeepSpeed offload, block swap) is named with the RAM it needs.
     When the host can run none, the host RAM is the blocker: no GPU-memory figure (None)."""
-    gpu = hw.gpus[0]
     ram = hw.ram_total_bytes
     runnable = [c for c in cands if c.host_ok]
     leanest_any = min(cands, key=lambda c: c.memory.peak)
@@ -2404,12 +2615,14 @@ def _not_fit_reasons(
             [
                 f"nothing fits: host RAM is the blocker: {what} ({describe(leanest_any.setup)}) "
                 + host_text(leanest_any)
-                + f"; it needs {format_range(leanest_any.memory.peak, leanest_any.peak_range)} per GPU on {gpu.name}"
+                + f"; it needs {format_range(leanest_any.memory.peak, leanest_any.peak_range)} per GPU on "
+                + smallest_gpu(plan_gpus(hw, leanest_any.setup)).name
             ],
         )
     leanest = min(runnable, key=lambda c: c.memory.peak)
     need = int(math.ceil(leanest.memory.peak / HEADROOM))
-    vram = min(g.memory_bytes for g in hw.gpus[: leanest.setup.num_gpus])
+    gpu = smallest_gpu(plan_gpus(hw, leanest.setup))
+    vram = gpu.memory_bytes
     if leanest_any.memory.peak < leanest.memory.peak:
         what += " this machine's host RAM allows"
     out = [
@@ -2419,7 +2632,7 @@ def _not_fit_reasons(
     ]
     if leanest_any.memory.peak < leanest.memory.peak:
         c = leanest_any
-        gpu_vram = min(g.memory_bytes for g in hw.gpus[: c.setup.num_gpus])
+        gpu_vram = smallest_gpu(plan_gpus(hw, c.setup)).memory_bytes
         on_gpu = (
             "which this GPU has"
             if c.memory.peak <= HEADROOM * gpu_vram
@@ -2464,8 +2677,15 @@ def _band_scope(profiles: Profiles, model: str) -> str:
 
 def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]:
     s, m = best.setup, best.memory
-    gpu = hw.gpus[0]
-    vram = min(g.memory_bytes for g in hw.gpus[: s.num_gpus])
+    used = plan_gpus(hw, s)
+    gpu = used[0]  # one GPU: the GPU (bench evidence, the sample grid)
+    # several that differ: the one with the least memory, and the slowest (pace_gpu), each named where it limits
+    differ = len(_distinct(used)) > 1
+    small = smallest_gpu(used)
+    pace = pace_gpu(profiles, s, used, cal, hw.link_gbs)[0]
+    vram = small.memory_bytes
+    less = len({g.memory_bytes for g in used}) > 1
+    card = _gib(vram) + (f" ({small.name}'s, the least of the {len(used)})" if less else "")
     pinned = req.pinned
     r = []
     if pinned("precision"):
@@ -2476,14 +2696,17 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
             if s.full_half_weights
             else "mixed precision, fp32 master weights"
         )
-        r.append(f"precision bf16: {gpu.name} supports bf16 in hardware ({kept})")
+        names = " and ".join(g.name for g in _distinct(used))
+        r.append(f"precision bf16: {names} support{'' if differ else 's'} bf16 in hardware ({kept})")
     elif s.precision == "fp16":
+        lacking = next((g for g in used if not g.bf16), gpu)
         r.append(
-            f"precision fp16: {gpu.name} has no bf16 in hardware (T4/V100/RDNA2 class), so fp16 mixed precision "
+            f"precision fp16: {lacking.name} has no bf16 in hardware (T4/V100/RDNA2 class), so fp16 mixed precision "
             "with loss scaling"
         )
     else:
-        r.append(f"precision fp32: {gpu.name} reports no fp16/bf16 support")
+        lacking = next((g for g in used if not g.fp16), gpu)
+        r.append(f"precision fp32: {lacking.name} reports no fp16/bf16 support")
     r.append(
         f"attention: {'flash / memory-efficient SDPA' if s.attention == 'efficient' else 'math SDPA (no memory-efficient kernel for this GPU): activations grow with the square of the latent pixels'}"
     )
@@ -2543,7 +2766,7 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
             )
         )
     if s.offload:
-        added = offload_seconds(profiles, s, gpu.spec, cal.cpu_adam_params_per_s) if gpu.spec else None
+        added = offload_seconds(profiles, s, pace.spec, cal.cpu_adam_params_per_s) if pace.spec else None
         r.append(
             "DeepSpeed ZeRO-2 with optimizer offload to CPU: "
             + ("pinned" if pinned("deepspeed") else "nothing without offload fits")
@@ -2589,7 +2812,7 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
         near = next(p for p in profiles.points if p.id == best.peak_measured)
         lo, hi = (x / m.peak for x in best.peak_range)
         r.append(
-            f"peak {format_range(m.peak, best.peak_range)} per GPU of {_gib(vram)} "
+            f"peak {format_range(m.peak, best.peak_range)} per GPU of {card} "
             f"({100 * m.peak / vram:.0f}%, limit {int(HEADROOM * 100)}%): the model's prediction scaled by how "
             f"the peak sdplan bench measured on {gpu.name} at these settings and batch {near.batch} ({near.id}) "
             f"compares with it, plus the CUDA context and allocator allowances; the range is x{lo:.3g}-{hi:.3g}"
@@ -2601,7 +2824,7 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
         )
     elif best.peak_basis == "measured":
         r.append(
-            f"peak {format_range(m.peak, best.peak_range)} per GPU of {_gib(vram)} "
+            f"peak {format_range(m.peak, best.peak_range)} per GPU of {card} "
             f"({100 * m.peak / vram:.0f}%, limit {int(HEADROOM * 100)}%): measured by sdplan bench on "
             f"{gpu.name} at these settings ({best.peak_measured}) plus the CUDA context and allocator "
             f"allowances; the range is a measurement's own spread (x{MEASURED_BAND[0]:g}-"
@@ -2609,7 +2832,7 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
         )
     else:
         r.append(
-            f"predicted peak {format_range(m.peak, best.peak_range)} per GPU of {_gib(vram)} "
+            f"predicted peak {format_range(m.peak, best.peak_range)} per GPU of {card} "
             f"({100 * m.peak / vram:.0f}%, limit {int(HEADROOM * 100)}%): "
             + breakdown_text(m)
             + f"; the range is measured / predicted x{peak_band[0]:g}-{peak_band[1]:g} on the "
@@ -2668,24 +2891,26 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
     if hw.count > 1:
         r += _multi_gpu_reasons(hw, best, one, best_by_n, profiles, cal)
     if best.seconds is None:
-        r.append(f"time: unknown: no catalog throughput or measured speed for {gpu.name}")
+        r.append(f"time: unknown: no catalog throughput or measured speed for {pace.name}")
     else:
         (low, high), band = seconds_band(profiles, best.basis, s.model, s.num_gpus)
         likely = f"likely x{low:g}-{high:g} of that ({band})"
         model_band = unc.seconds_for(s.model)[0]
         if (low, high) != model_band:
             likely += f"; start-up and latent caching keep the model's x{model_band[0]:g}-{model_band[1]:g}"
+        if differ:
+            likely += f"; {pace.name} is the slowest of the {len(used)} GPUs: every step waits for it"
         if best.basis == "calibrated":
-            r.append(f"time: {time_basis_text(profiles, s, gpu, cal)}; {likely}")
+            r.append(f"time: {time_basis_text(profiles, s, pace, cal)}; {likely}")
         elif best.basis == "scaled":
-            near = _near_point(profiles, s, gpu.spec)  # the point planned_step_seconds scaled by
+            near = _near_point(profiles, s, pace.spec)  # the point planned_step_seconds scaled by
             r.append(
-                f"time: the model's prediction scaled by how a measured speed on {gpu.name} compares with it "
+                f"time: the model's prediction scaled by how a measured speed on {pace.name} compares with it "
                 f"({near.id}: {near.method} at batch {near.batch}, {near.resolution}px"
                 f"{', checkpointing' if near.options.gradient_checkpointing else ''}); {likely}"
             )
         elif best.basis != "uncalibrated":  # uncalibrated (transformer families): _flow_reasons says how
-            r.append(f"time: from a {best.basis} speed for {gpu.name} with these settings; {likely}")
+            r.append(f"time: from a {best.basis} speed for {pace.name} with these settings; {likely}")
     if req.prior_preservation and req.class_images:
         r.append(f"prior preservation: {req.class_images} class images are trained alongside (batch doubled)")
     return r
@@ -2693,13 +2918,16 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
 
 def _multi_gpu_reasons(hw, best, one, best_by_n, profiles, cal) -> list[str]:
     s = best.setup
+    mixed = mixed_gpus(hw)
     r = []
     obs = {m.id: m for m in profiles.multi_gpu}
     for n, c in sorted(best_by_n.items()):
         if n == s.num_gpus or c.seconds is None or best.seconds is None:
             continue
+        used = plan_gpus(hw, c.setup)
         if n == 1:
-            r.append(f"1 GPU would take {format_duration(c.seconds)}")
+            on = f" ({used[0].name})" if mixed else ""
+            r.append(f"1 GPU{on} would take {format_duration(c.seconds)}")
             continue
         m = obs.get(c.observed_multi_gpu) if c.observed_multi_gpu else None
         ref_c = _gain_reference(one, best)
@@ -2717,6 +2945,11 @@ def _multi_gpu_reasons(hw, best, one, best_by_n, profiles, cal) -> list[str]:
                 f"x{low:g} of the prediction and the all-reduce at x{high:g} it saves {gain * 100:.0f}% of the "
                 f"run, under the {MIN_MULTI_GPU_GAIN * 100:.0f}% more GPUs must save unless measured)"
             )
+        if len(_distinct(used)) > 1:
+            slow = pace_gpu(profiles, c.setup, used, cal, hw.link_gbs)[0]
+            why += (
+                f"; on GPUs {', '.join(str(g.index) for g in used)} at the pace of {slow.name}, the slowest"
+            )
         if m is not None:
             why += (
                 f"; measured on {m.num_gpus}x {m.gpu} over {m.interconnect} ({m.id}): each step took "
@@ -2726,19 +2959,53 @@ def _multi_gpu_reasons(hw, best, one, best_by_n, profiles, cal) -> list[str]:
             why += f"; {_comm_text(profiles, c.setup, hw.link)}"
         r.append(f"{n} GPUs would take {format_duration(c.seconds)} ({why})")
     if s.num_gpus > 1 and one is not None and one.seconds and best.seconds and best.step_seconds:
+        used = plan_gpus(hw, s)
+        slow = pace_gpu(profiles, s, used, cal, hw.link_gbs)[0]
         if best.observed_multi_gpu:
             ratio = obs[best.observed_multi_gpu].outcome["iteration_time_ratio"]
             src = f"measured: {best.observed_multi_gpu}"
         else:
             # the one-GPU step on the same basis as the plan's (a measured or scaled speed, not the bare model)
-            t1, _ = planned_step_seconds(profiles, replace(s, num_gpus=1), hw.gpus[0].spec, cal)
+            t1, _ = planned_step_seconds(profiles, replace(s, num_gpus=1), slow.spec, cal)
             ratio = best.step_seconds / t1 if t1 else float("nan")
             src = _comm_text(profiles, s, hw.link)
         r.append(
-            f"{s.num_gpus} GPUs: each step takes {ratio:.2f}x as long as on one GPU with the same settings ({src}), "
-            f"but the run is {one.seconds / best.seconds:.2f}x faster once steps are normalised"
+            f"{s.num_gpus} GPUs: each step takes {ratio:.2f}x as long as on one "
+            + (slow.name if len(_distinct(used)) > 1 else "GPU")
+            + f" with the same settings ({src}), but the run is {one.seconds / best.seconds:.2f}x faster "
+            + ("than on one GPU " if mixed else "")
+            + "once steps are normalised"
         )
     return r
+
+
+def _mixed_text(hw: Hardware, best: Candidate, profiles: Profiles, cal: Calibration) -> str:
+    """A machine whose GPUs differ: which they are, what that means for several, and which the plan uses."""
+    s = best.setup
+    used = plan_gpus(hw, s)
+    listed = "; ".join(
+        f"GPU {g.index}: {g.name}, {g.memory_bytes / GiB:.1f} GiB" + ("" if g.bf16 else ", no bf16")
+        for g in hw.gpus
+    )
+    if len(used) == 1:
+        which = f"this plan uses {gpu_text(used[0])}"
+    else:
+        which = f"this plan uses GPUs {', '.join(str(g.index) for g in used)}"
+        if len(_distinct(used)) > 1:
+            slow = pace_gpu(profiles, s, used, cal, hw.link_gbs)[0]
+            small = smallest_gpu(used)
+            which += f", at the pace of {slow.name}" + (
+                f" and within the {small.memory_bytes / GiB:.1f} GiB of {small.name}"
+                if len({g.memory_bytes for g in used}) > 1
+                else ""
+            )
+        else:
+            which += f" ({len(used)}x {used[0].name})"
+    return (
+        f"this machine's GPUs differ ({listed}): a run on several of them runs at the pace of the slowest, fits "
+        f"what the one with the least memory holds, and uses bf16 only where all have it; {which} "
+        f"(distributed.gpu_ids={[g.index for g in used]}: `sdplan train` launches on {'it' if len(used) == 1 else 'them'})"
+    )
 
 
 def _tier_text(c: Candidate, best: Candidate) -> str:
@@ -2783,6 +3050,8 @@ def result_dict(res: Result) -> dict[str, Any]:
     if s is not None:
         plan_d = {
             "num_gpus": s.num_gpus,
+            # the GPUs it runs on (as `sdplan doctor` numbers them) where the machine's differ; None: the first
+            "gpu_ids": list(s.gpu_ids) if s.gpu_ids is not None else None,
             "batch_size": s.batch,
             "grad_accum": s.grad_accum,
             "precision": s.precision,
@@ -2833,7 +3102,10 @@ def result_dict(res: Result) -> dict[str, Any]:
         },
         "hardware": {
             "source": res.hardware.source,
-            "gpus": [{"name": g.name, "memory_total_bytes": g.memory_bytes} for g in res.hardware.gpus],
+            "gpus": [
+                {"index": g.index, "name": g.name, "memory_total_bytes": g.memory_bytes}
+                for g in res.hardware.gpus
+            ],
             "ram_total_bytes": res.hardware.ram_total_bytes,
         },
         "plan": plan_d,

@@ -93,6 +93,9 @@ class Settings:
     blocks_to_swap: int = (
         0  # transformer blocks held in host RAM, swapped in per block (kohya; SD3.5 / FLUX.1)
     )
+    # the GPUs the processes run on, as `sdplan doctor` numbers them (planner.plan_gpus); None: the first
+    # num_gpus (alike GPUs). Set where the machine's GPUs differ
+    gpu_ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         lora = self.method == "lora"
@@ -103,6 +106,8 @@ class Settings:
                 object.__setattr__(self, name, None)
         if self.lora_targets is not None:
             object.__setattr__(self, "lora_targets", tuple(self.lora_targets))
+        if self.gpu_ids is not None:
+            object.__setattr__(self, "gpu_ids", tuple(self.gpu_ids))
 
     @property
     def offload(self) -> bool:
@@ -132,8 +137,8 @@ class Settings:
                 value *= num_machines
             elif name == "deepspeed":
                 value = dict(value) if value else None
-            elif name == "lora_targets":
-                value = list(value)
+            elif name in ("lora_targets", "gpu_ids"):
+                value = list(value) if value is not None else None
             _put(out, key, value)
         _put(out, "ema.enabled", self.ema is not None)
         if self.ema is not None:
@@ -208,6 +213,7 @@ CONFIG_KEYS = {
     "set_grads_to_none": "memory.set_grads_to_none",
     "blocks_to_swap": "memory.blocks_to_swap",
     "num_gpus": "distributed.num_processes",
+    "gpu_ids": "distributed.gpu_ids",
     "deepspeed": "distributed.deepspeed",
     "lora_rank": "lora.rank",
     "lora_alpha": "lora.alpha",

@@ -106,3 +106,23 @@ def test_override_keys_are_read_as_the_overrides_apply():
     assert config.override_keys(items) == ["training.max_steps", "lora.rank"]
     applied = config.apply_overrides(config.default_config(), items)
     assert applied["training"]["max_steps"] == 5 and applied["lora"]["rank"] == 8
+
+
+@pytest.mark.parametrize(
+    ("value", "ok"),
+    [("[1]", True), ("[0, 2]", True), ("null", True), ("[]", False), ("[0, 0]", False), ("[-1]", False)],
+)
+def test_gpu_ids_are_distinct_gpu_numbers(value, ok):
+    """distributed.gpu_ids: the GPUs a run uses, as `sdplan doctor` numbers them (the planner writes them where the
+    machine's GPUs differ); Settings carries them both ways."""
+    from sdplan.settings import Settings
+
+    data = config.apply_overrides(config.default_config(), [f"distributed.gpu_ids={value}"])
+    if not ok:
+        with pytest.raises(ConfigError, match="distributed.gpu_ids"):
+            config.validate(data)
+        return
+    cfg = config.validate(data)
+    s = Settings.from_config(cfg)
+    assert s.gpu_ids == (tuple(cfg.distributed.gpu_ids) if cfg.distributed.gpu_ids is not None else None)
+    assert s.to_config()["distributed"]["gpu_ids"] == cfg.distributed.gpu_ids

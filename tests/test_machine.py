@@ -90,3 +90,16 @@ def test_negative_numbers_in_a_snapshot_are_errors():
     assert "gpus[0].memory_total_bytes: must be >= 0, got -5" in errors
     assert "host.ram_total_bytes: must be >= 0, got -1" in errors
     assert "gpus[1].power_limit_watts: must be >= 0, got nan" in errors
+
+
+def test_visible_devices_counts_each_vendors_gpus_in_their_own_order():
+    """The environment that shows a process only some GPUs: NVIDIA by PCI bus order (what NVML numbers, not
+    CUDA's fastest-first default), AMD after them in the snapshot but numbered from 0 among themselves."""
+    snap = _snapshot()
+    amd = GPU(index=2, vendor="amd", name="AMD Radeon PRO W6800", memory_total_bytes=32 * 2**30)
+    snap = Snapshot(host=snap.host, gpus=(*snap.gpus, amd))
+    assert snap.visible_devices([1]) == {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": "1"}
+    assert snap.visible_devices((1, 0)) == {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": "1,0"}
+    assert snap.visible_devices([2]) == {"HIP_VISIBLE_DEVICES": "0"}
+    with pytest.raises(ValueError, match="not one vendor's"):
+        snap.visible_devices([0, 2])

@@ -69,6 +69,7 @@ def test_json_shape_is_exactly_the_issue(tmp_path):
     )
     assert set(d["plan"]) == {
         "num_gpus",
+        "gpu_ids",  # the GPUs it runs on where the machine's differ (None here: alike GPUs)
         "batch_size",
         "grad_accum",
         "precision",

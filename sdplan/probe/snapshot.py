@@ -310,7 +310,7 @@ def _multi_gpu_rules(s: Snapshot) -> list[Finding]:
                 "mixed_gpus",
                 f"mixed GPUs ({_names(gpus)}): data-parallel training runs at the pace of the slowest "
                 "and fits only what the smallest holds",
-                _restrict_fix(gpus),
+                _restrict_fix(s, gpus),
             )
         )
     indexes = {g.index for g in gpus}
@@ -397,18 +397,14 @@ def _torch_index(s: Snapshot) -> str:
     return ""
 
 
-def _restrict_fix(gpus: tuple[GPU, ...]) -> str:
+def _restrict_fix(s: Snapshot, gpus: tuple[GPU, ...]) -> str:
     """Name the largest group of identical GPUs and the variable that restricts training to it."""
     groups: dict[tuple, list[GPU]] = {}
     for g in gpus:
         groups.setdefault((g.vendor, g.name, g.memory_total_bytes), []).append(g)
     best = max(groups.values(), key=lambda group: (len(group), group[0].memory_total_bytes or 0))
-    vendor = best[0].vendor
-    same_vendor = [g.index for g in gpus if g.vendor == vendor]
-    local = ",".join(str(same_vendor.index(g.index)) for g in best)
-    if vendor == "nvidia":
-        return f"train on identical GPUs: CUDA_DEVICE_ORDER=PCI_BUS_ID CUDA_VISIBLE_DEVICES={local}"
-    return f"train on identical GPUs: HIP_VISIBLE_DEVICES={local}"
+    env = s.visible_devices([g.index for g in best])
+    return "train on identical GPUs: " + " ".join(f"{k}={v}" for k, v in env.items())
 
 
 def _names(gpus: list[GPU] | tuple[GPU, ...]) -> str:

@@ -1,0 +1,135 @@
+"""`sdplan train` on a machine whose GPUs differ launches on the GPUs the plan is for: the plan's
+distributed.gpu_ids become CUDA_DEVICE_ORDER=PCI_BUS_ID + CUDA_VISIBLE_DEVICES (CUDA's own order puts the fastest
+first, NVML and `sdplan doctor` go by PCI bus), so a one-GPU plan on the RTX 4090 trains on the 4090 whichever
+GPU the machine lists first. Nothing is launched here."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import fake_diffusers_folder, make_images
+from test_planner_mixed import RTX2080TI, RTX3060, RTX4090, machine
+
+from sdplan import config as C
+from sdplan.errors import UsageError
+from sdplan.launch import build_launch
+from sdplan.launcher import UI, TrainRequest, launch_for, prepare, run_gpus
+
+PCI = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory) -> Path:
+    return make_images(tmp_path_factory.mktemp("data") / "ds", n=12)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    return fake_diffusers_folder(tmp_path_factory.mktemp("model") / "sd15")
+
+
+def prepared(tmp_path, model, dataset, snap, *, lines=None, **kw):
+    req = TrainRequest(
+        method="lora",
+        model=str(model),
+        dataset=str(dataset),
+        out=str(tmp_path / "run"),
+        epochs=2,
+        snapshot=snap,
+        yes=True,
+        **kw,
+    )
+    p = prepare(req, UI(echo=(lines.append if lines is not None else lambda line: None)))
+    return p, launch_for(p, req, p.resume)
+
+
+@pytest.mark.parametrize(
+    ("gpus", "flags", "want"),
+    [
+        # the 4090 alone, wherever it sits (before: GPU 0 whatever it was, and CUDA's fastest-first numbering)
+        ((RTX3060, RTX4090), {}, [1]),
+        ((RTX4090, RTX3060), {}, [0]),
+        ((RTX2080TI, RTX4090), {"gpus": 1}, [1]),
+        ((RTX3060, RTX4090, RTX4090), {"gpus": 1}, [1]),
+        # pinned by number: those
+        ((RTX4090, RTX3060), {"overrides": ["distributed.gpu_ids=[1]"]}, [1]),
+    ],
+)
+def test_train_launches_on_the_planned_gpus(tmp_path, model, dataset, monkeypatch, gpus, flags, want):
+    for k in ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES"):
+        monkeypatch.delenv(k, raising=False)
+    p, launch = prepared(tmp_path, model, dataset, machine(*gpus), **flags)
+    assert p.cfg.distributed.gpu_ids == want == p.plan["plan"]["gpu_ids"]
+    assert p.cfg.distributed.num_processes == len(want)
+    assert launch.env["CUDA_VISIBLE_DEVICES"] == ",".join(map(str, want))
+    assert launch.env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+    written = yaml.safe_load(C.to_yaml(p.cfg))
+    assert written["distributed"]["gpu_ids"] == want
+
+
+def test_alike_gpus_launch_as_before(tmp_path, model, dataset):
+    snap = machine(RTX4090, RTX4090)
+    p, launch = prepared(tmp_path, model, dataset, snap)
+    assert p.cfg.distributed.gpu_ids is None and p.devices is None
+    assert "CUDA_VISIBLE_DEVICES" not in launch.env and "CUDA_DEVICE_ORDER" not in launch.env
+
+
+def test_the_users_own_visible_devices_are_kept_with_a_note(tmp_path, model, dataset, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    lines: list[str] = []
+    p, launch = prepared(tmp_path, model, dataset, machine(RTX3060, RTX4090), lines=lines)
+    assert p.cfg.distributed.gpu_ids == [1] and p.devices is None
+    assert "CUDA_VISIBLE_DEVICES" not in launch.env  # run_launch passes the user's environment on
+    assert any(
+        "CUDA_VISIBLE_DEVICES=0 is set" in line and "GPU 1 (NVIDIA GeForce RTX 4090)" in line
+        for line in lines
+    )
+
+
+def _cfg(**distributed) -> C.TrainConfig:
+    data = C.default_config()
+    data["distributed"].update(distributed)
+    return C.validate(data)
+
+
+def test_run_gpus_for_a_config_trained_as_given():
+    """A config without GPUs (--config, --no-plan, --resume --gpus N) on GPUs that differ: those the planner would
+    choose for that many (with the config's precision); its own GPUs where it names them, checked."""
+    snap = machine(RTX3060, RTX4090, RTX2080TI)
+    assert run_gpus(_cfg(), snap, 1) == (1,)
+    assert run_gpus(_cfg(num_processes=2), snap, 2) in ((0, 1), (1, 2))
+    # bf16 (the default precision): not the 2080 Ti
+    assert run_gpus(_cfg(num_processes=2), snap, 2) == (0, 1)
+    assert run_gpus(_cfg(gpu_ids=[2]), snap, 1) == (2,)
+    with pytest.raises(UsageError, match="no usable GPU 5"):
+        run_gpus(_cfg(gpu_ids=[5]), snap, 1)
+    with pytest.raises(UsageError, match=r"lists 1 GPU\(s\) for 2 process"):
+        run_gpus(_cfg(num_processes=2, gpu_ids=[1]), snap, 2)
+    assert run_gpus(_cfg(), machine(RTX4090, RTX4090), 1) is None
+
+
+def test_resume_on_another_gpu_count_chooses_the_gpus_again():
+    from sdplan.launcher import flag_overrides
+
+    req = TrainRequest(resume=True, out="/tmp/x", gpus=1)
+    assert "distributed.gpu_ids=null" in flag_overrides(req, None)
+
+
+def test_build_launch_shows_the_processes_only_their_gpus(tmp_path):
+    devices = {**PCI, "CUDA_VISIBLE_DEVICES": "1"}
+    one = build_launch(_cfg(), tmp_path / "sdplan.yaml", tmp_path, devices=devices)
+    two = build_launch(
+        _cfg(num_processes=2),
+        tmp_path / "sdplan.yaml",
+        tmp_path,
+        devices={**PCI, "CUDA_VISIBLE_DEVICES": "0,2"},
+    )
+    assert one.kind == "single" and one.env["CUDA_VISIBLE_DEVICES"] == "1"
+    assert two.kind == "multi-gpu" and two.env["CUDA_VISIBLE_DEVICES"] == "0,2"
+    assert "CUDA_DEVICE_ORDER=PCI_BUS_ID CUDA_VISIBLE_DEVICES=1" in one.shell()
+    data = C.default_config()
+    data["training"]["device"] = "cpu"
+    cpu = build_launch(C.validate(data), tmp_path / "sdplan.yaml", tmp_path, devices=devices)
+    assert "CUDA_VISIBLE_DEVICES" not in cpu.env
