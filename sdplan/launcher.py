@@ -790,6 +790,33 @@ def _inside(path: Path, folder: Path) -> bool:
     return folder.is_dir()
 
 
+def refuse_a_finished_resume(out: Path, steps: dict[str, int]) -> None:
+    """UsageError for --resume of a run that is done: its newest checkpoint trained the images this config
+    asks for (``steps``: :func:`config_steps`), and its summary and every output it lists are there. The
+    trainer would load the model, cache the latents, train nothing and write the same outputs again (minutes
+    for a large model). A run stopped between its last checkpoint and its outputs still resumes."""
+    from sdplan.trainer.checkpoint import images_seen, latest_checkpoint
+
+    summary = read_json(out / SUMMARY_FILE)
+    last = latest_checkpoint(out)
+    if summary is None or last is None:
+        return
+    done = images_seen(last)
+    outputs = summary.get("outputs") if isinstance(summary.get("outputs"), list) else []
+    if (
+        done < steps["images_seen"]
+        or summary.get("images_seen") != done
+        or not all(isinstance(o, str) and Path(o).exists() for o in outputs)
+    ):
+        return
+    raise UsageError(
+        f"--resume: the run in {out} is finished: it trained the {done} images this config asks for "
+        f"({summary.get('steps')} steps) and wrote its outputs",
+        fix="to train longer, resume with more: --epochs N or training.max_steps=N; to train again from the "
+        "start, --force instead of --resume",
+    )
+
+
 def read_json(path: Path) -> dict[str, Any] | None:
     try:
         data = json.loads(path.read_text())
@@ -973,6 +1000,8 @@ def prepare(req: TrainRequest, ui: UI) -> Prepared:
         raise UsageError(refusal)
 
     steps = config_steps(cfg, inputs.images_x_repeats, world)
+    if resume is not None:
+        refuse_a_finished_resume(out, steps)
     if req.demo and cfg.plan is None:
         # The demo's plan: the tiny model on the CPU; its memory and time are trivially small, its step
         # arithmetic is the real one (recorded in the outputs' metadata like a planned run's).

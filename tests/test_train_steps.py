@@ -315,3 +315,25 @@ def test_no_confirmation_means_nothing_is_written(tmp_path):
         run(req, UI(echo=lambda s: None, confirm=lambda q: pytest.fail("asked despite --yes")))
     assert err.value.exit_code not in (0, 75, 130)
     assert (tmp_path / "o" / "sdplan.yaml").is_file()
+
+
+def test_resume_of_a_finished_run_is_refused_but_an_unfinished_one_is_not(tmp_path):
+    """`train --resume` of a finished run loaded the model, cached the latents, trained nothing and wrote the
+    same outputs again. It is one line now, unless the config asks for more images, or an output is missing
+    (a run stopped between its last checkpoint and its outputs)."""
+    import json
+
+    from sdplan.launcher import refuse_a_finished_resume
+
+    ckpt = tmp_path / "checkpoints" / "rolling-step-000016"
+    ckpt.mkdir(parents=True)
+    (ckpt / "train_state.json").write_text(json.dumps({"images_seen": 32, "global_step": 16}))
+    lora = tmp_path / "pytorch_lora_weights.safetensors"
+    lora.write_bytes(b"x")
+    summary = {"steps": 16, "images_seen": 32, "outputs": [str(lora)]}
+    (tmp_path / "run_summary.json").write_text(json.dumps(summary))
+    with pytest.raises(UsageError, match=r"is finished: it trained the 32 images.*--epochs N"):
+        refuse_a_finished_resume(tmp_path, {"images_seen": 32})
+    refuse_a_finished_resume(tmp_path, {"images_seen": 48})  # --epochs 3: more to train
+    lora.unlink()
+    refuse_a_finished_resume(tmp_path, {"images_seen": 32})  # its outputs are not all there: the export again
