@@ -228,7 +228,12 @@ def render(snapshot: Snapshot, console: Console, verdicts: VerdictFn = planner_v
     grid = verdict_grid(list(verdicts(snapshot)))
     title = "Verdict (planner: fastest one-GPU plan at native resolution)"
     if not snapshot.usable_gpus:
-        title = "Verdict: no usable GPU here; the smallest GPU each would need (planner, native resolution)"
+        # with this host's RAM: DeepSpeed's CPU offload, which lowers what a full fine-tune needs of the GPU,
+        # keeps the optimizer there (a FLUX.1 DreamBooth needs a 52.7 GiB GPU beside 23.5 GiB of RAM)
+        title = (
+            "Verdict: no usable GPU here; the smallest GPU each would need beside this machine's "
+            f"{_gib(snapshot.host.ram_total_bytes)} of RAM (planner, native resolution)"
+        )
     # a row per family, a column per method: four columns of notes fit an 80-column terminal, where eight
     # family columns broke words ("support / ed") and cut the methods' names
     table = Table(title=title, title_justify="left")

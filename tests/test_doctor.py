@@ -257,6 +257,9 @@ def test_without_a_gpu_the_verdicts_say_so_once_and_each_cell_the_gpu_it_needs()
     text = console.export_text()
     assert text.count("no usable GPU here") == 1 and "no usable GPU;" not in text
     assert "needs a 2.8 GiB GPU" in text  # SD 1.x LoRA
+    # the figures count this host's RAM (DeepSpeed's CPU offload keeps the optimizer there): the title says so
+    ram = f"{snap.host.ram_total_bytes / 2**30:.1f} GiB"
+    assert f"the smallest GPU each would need beside this machine's {ram} of RAM" in text
 
 
 def test_a_gpu_a_little_too_small_is_not_said_to_be_what_it_needs():
