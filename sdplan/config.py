@@ -286,6 +286,13 @@ def validate(data: Any, source: str = "config") -> TrainConfig:
         raise ConfigError(
             source, ["top level: must be a mapping of sections (model:, data:, training:, ...)"]
         )
+    if {"host", "gpus"} <= data.keys() and "method" not in data:  # what `sdplan doctor --save` writes
+        raise ConfigError(
+            source,
+            ["a machine snapshot (sdplan doctor --save), not an sdplan.yaml"],
+            fix="plan with it: sdplan recommend --machine FILE; train with an sdplan.yaml (sdplan recommend "
+            "--out DIR writes one)",
+        )
     cfg = _build(TrainConfig, data, "", errors)
     if cfg is not None:
         _cross_checks(cfg, errors)
@@ -368,11 +375,17 @@ def _build(kind: type, data: Any, prefix: str, errors: list[str]):
         return None
     hints = get_type_hints(kind)
     names = {f.name: f for f in fields(kind)}
+    unknown = []  # keys with no near name: said together, with the known names once
     for key in data:
         if key not in names:
             close = [n for n in names if n.startswith(str(key)[:3])]
-            hint = f" (did you mean {close[0]}?)" if close else f" (known: {', '.join(names)})"
-            errors.append(f"{prefix}{key}: unknown key{hint}")
+            if close:
+                errors.append(f"{prefix}{key}: unknown key (did you mean {close[0]}?)")
+            else:
+                unknown.append(f"{prefix}{key}")
+    if unknown:
+        keys = "unknown keys" if len(unknown) > 1 else "unknown key"
+        errors.append(f"{', '.join(unknown)}: {keys} (known: {', '.join(names)})")
     kwargs: dict[str, Any] = {}
     for name in names:
         path = f"{prefix}{name}"

@@ -126,3 +126,22 @@ def test_gpu_ids_are_distinct_gpu_numbers(value, ok):
     s = Settings.from_config(cfg)
     assert s.gpu_ids == (tuple(cfg.distributed.gpu_ids) if cfg.distributed.gpu_ids is not None else None)
     assert s.to_config()["distributed"]["gpu_ids"] == cfg.distributed.gpu_ids
+
+
+def test_unknown_keys_without_a_near_name_are_said_together_with_the_known_names_once():
+    """Each unknown key repeated the whole list of known ones: a wrong file gave a 1,200-character line."""
+    with pytest.raises(ConfigError) as e:
+        config.validate({"method": "lora", "foo": 1, "bar": 2, "training": {"batch_sise": 2}})
+    assert e.value.errors[0].startswith("foo, bar: unknown keys (known: method, model,")
+    assert "training.batch_sise: unknown key (did you mean batch_size?)" in e.value.errors
+    assert str(e.value).count("known:") == 1
+
+
+def test_a_machine_snapshot_given_as_the_config_says_what_it_is(tmp_path):
+    """`sdplan train --config machine.json` (what `doctor --save` writes) listed every snapshot key as unknown."""
+    from conftest import MACHINES
+
+    with pytest.raises(ConfigError) as e:
+        config.load(MACHINES / "rtx3060_12gb.json")
+    assert "a machine snapshot (sdplan doctor --save), not an sdplan.yaml" in str(e.value)
+    assert "sdplan recommend --machine FILE" in str(e.value) and "unknown key" not in str(e.value)
