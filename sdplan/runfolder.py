@@ -135,10 +135,10 @@ def write_files(out: Path, files: dict[str, str | bytes]) -> tuple[list[Path], l
     except OSError as e:
         raise cannot_write(out, e) from None
     finally:
-        if written or copies:
+        if written or copies:  # only what was written: a name that failed to write is not sdplan's
             record(
                 out,
-                new,
+                [n for n in new if out / n in written],
                 sha256={p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in written},
                 keep=[p.name for p in copies],
             )
@@ -147,7 +147,11 @@ def write_files(out: Path, files: dict[str, str | bytes]) -> tuple[list[Path], l
 
 def kept_line(copy: Path) -> str:
     """The line saying that a copy of the user's edits was kept (:func:`write_files`)."""
-    return f"kept your edited {copy.stem.split('.edited-')[0]}{copy.suffix} as {copy} (it was rewritten)"
+    name = f"{copy.stem.split('.edited-')[0]}{copy.suffix}"
+    return (
+        f"kept the {name} that was there as {copy}: it was not what sdplan last wrote (your edits, or an older "
+        "sdplan's file)"
+    )
 
 
 def entries(out: Path) -> list[str]:

@@ -194,7 +194,9 @@ def test_an_edited_plan_is_kept_aside_when_sdplan_writes_it_again(tmp_path):
     assert r.exit_code == 0, r.output
     copies = sorted(proj.glob("sdplan.edited-*.yaml"))
     assert len(copies) == 1 and copies[0].read_text() == edited
-    assert f"kept your edited sdplan.yaml as {copies[0]}" in r.stderr
+    assert (
+        f"kept the sdplan.yaml that was there as {copies[0]}: it was not what sdplan last wrote" in r.stderr
+    )
     assert not (proj / "sdplan.yaml").read_text().startswith("# my notes")  # the new plan
     assert not list(proj.glob("accelerate.edited-*")) and not list(proj.glob("plan.edited-*"))  # not edited
     # the copy is the user's: --force never deletes it, and the folder is still a plan to train in place
@@ -202,7 +204,7 @@ def test_an_edited_plan_is_kept_aside_when_sdplan_writes_it_again(tmp_path):
     assert copies[0].name not in runfolder.entries(proj)
 
     r = runner.invoke(app, [*plan, "--force"])  # nothing edited since: nothing kept
-    assert r.exit_code == 0 and "kept your edited" not in r.stderr
+    assert r.exit_code == 0 and "kept the" not in r.stderr
     assert len(list(proj.glob("sdplan.edited-*.yaml"))) == 1
 
 
@@ -246,3 +248,24 @@ def test_recommend_out_over_the_users_files_does_not_offer_force(tmp_path, tiny_
     assert r.exit_code == 3
     assert "not written by sdplan" in r.stderr and "choose another --out" in r.stderr
     assert "--force" not in r.stderr
+
+
+def test_a_write_that_fails_midway_claims_only_what_it_wrote(tmp_path, monkeypatch):
+    """The disk filled up after sdplan.yaml: the manifest listed accelerate.yaml and deepspeed.json as sdplan's
+    too, so a deepspeed.json the user put there later would have been written over."""
+    import errno
+
+    from sdplan.errors import SdplanError
+
+    real = Path.write_bytes
+
+    def full(self, data):
+        if self.name.startswith("accelerate.yaml"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, data)
+
+    monkeypatch.setattr(Path, "write_bytes", full)
+    files = {"sdplan.yaml": "method: lora\n", "accelerate.yaml": "x: 1\n", "deepspeed.json": "{}\n"}
+    with pytest.raises(SdplanError, match="disk full"):
+        runfolder.write_files(tmp_path, files)
+    assert runfolder.owned(tmp_path) == {"sdplan.yaml"}
