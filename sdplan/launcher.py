@@ -326,13 +326,16 @@ class InputSummary:
     model_kind: str  # folder | file | hub
     family: str | None
     scan_summary: str
+    model_note: str | None = None  # what could not be checked before the launch (a dry run without the hub)
 
 
-def check_inputs(cfg: C.TrainConfig) -> InputSummary:
+def check_inputs(cfg: C.TrainConfig, *, dry_run: bool = False) -> InputSummary:
     """The dataset has readable images and the model exists: one clear error otherwise, or one line with both
-    when both are wrong (the user fixes them in one go, not one per run). No torch."""
+    when both are wrong (the user fixes them in one go, not one per run). No torch. A hub id the cache does not
+    hold is checked on the hub; ``dry_run``: where the hub cannot be asked, it is planned from its name, and
+    said (a run would fail there: it is refused)."""
     from sdplan.trainer.dataset_scan import require_images, scan, uncaptioned_note
-    from sdplan.trainer.models import PICKLE_SUFFIXES, resolve_source
+    from sdplan.trainer.models import PICKLE_SUFFIXES, HubUnreachable, resolve_source
     from sdplan.trainer.source_check import check_source
 
     dataset_error: SdplanError | None = None
@@ -355,14 +358,21 @@ def check_inputs(cfg: C.TrainConfig) -> InputSummary:
             check_model_file(Path(source.location))  # torch checkpoints: their head
         # what the model is, from its files: an incomplete folder, another family, an inpainting / refiner /
         # EDM model, a LoRA or embedding given as the model are one line here, not a traceback in the trainer
-        info = check_source(
-            cfg.model.path,
+        kw = dict(
             family=cfg.model.family,
             variant=cfg.model.variant,
             config_dir=cfg.model.config_dir,
             revision=cfg.model.revision,
-            hub=True,  # an uncached hub id: its configs, before the launch (the trainer downloads it anyway)
         )
+        model_note = None
+        try:  # an uncached hub id: its configs, before the launch (the trainer downloads it anyway)
+            info = check_source(cfg.model.path, **kw, hub=True)
+        except HubUnreachable as e:
+            if not dry_run:
+                raise
+            info = check_source(cfg.model.path, **kw)
+            info.family = info.family or guess_family(cfg.model.path)
+            model_note = f"model: not checked ({e.why}): planned as the family its name suggests"
     except SdplanError as e:
         if dataset_error is not None:
             raise C.ConfigError("the dataset and the model", [str(dataset_error), str(e)]) from e
@@ -377,6 +387,7 @@ def check_inputs(cfg: C.TrainConfig) -> InputSummary:
         model_kind=source.kind,
         family=family,
         scan_summary="; ".join(filter(None, (result.summary(), uncaptioned_note(result, cfg)))),
+        model_note=model_note,
     )
 
 
@@ -527,6 +538,7 @@ def describe(
         device = f"CPU, {world} processes (gloo)"
     lines = [
         f"{cfg.method} on {cfg.model.family or inputs.family or 'the model'} ({cfg.model.path})",
+        *([inputs.model_note] if inputs.model_note else []),
         f"data: {inputs.scan_summary}",
         f"device: {device}; precision {precision}; resolution {cfg.data.resolution}",
         f"batch: {t.batch_size} per process x {t.grad_accum} accumulation x {world} process"
@@ -941,7 +953,7 @@ def prepare(req: TrainRequest, ui: UI) -> Prepared:
             f"the current folder {Path.cwd()} holds `sdplan`, which Python 3.10 would import instead of sdplan",
             fix="run sdplan from another folder (Python >= 3.11 ignores the current folder)",
         )
-    inputs = req.inputs if req.inputs is not None else check_inputs(cfg)
+    inputs = req.inputs if req.inputs is not None else check_inputs(cfg, dry_run=req.dry_run)
 
     # 6. The device.
     snapshot = None
@@ -990,7 +1002,9 @@ def prepare(req: TrainRequest, ui: UI) -> Prepared:
             f"this machine has {len(snapshot.usable_gpus)}",
             fix="lower distributed.num_processes (or --gpus)",
         )
-    gpu_ids = run_gpus(cfg, snapshot, per_node) if snapshot is not None else None
+    gpu_ids = (
+        run_gpus(cfg, snapshot, per_node, num_machines=req.num_machines) if snapshot is not None else None
+    )
     devices = launch_devices(snapshot, gpu_ids, ui) if gpu_ids is not None else None
 
     family = cfg.model.family or inputs.family or guess_family(cfg.model.path)
@@ -1036,13 +1050,18 @@ def prepare(req: TrainRequest, ui: UI) -> Prepared:
 VISIBLE_DEVICES_ENV = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES")
 
 
-def run_gpus(cfg: C.TrainConfig, snapshot: Any, per_node: int) -> tuple[int, ...] | None:
+def run_gpus(
+    cfg: C.TrainConfig, snapshot: Any, per_node: int, *, num_machines: int = 1
+) -> tuple[int, ...] | None:
     """The GPUs (as `sdplan doctor` numbers them) this machine's ``per_node`` processes run on: the config's
     ``distributed.gpu_ids`` (the plan's, on a machine whose GPUs differ); where it names none on such a machine,
     the ones the planner would choose for that many (:func:`sdplan.planner.gpu_sets`, the first that has the
-    config's precision); None on alike GPUs (the first ones, as the framework numbers them)."""
+    config's precision); None on alike GPUs (the first ones, as the framework numbers them). On several machines
+    the config's ids are the machine it was planned on: another node that lacks them chooses its own."""
     usable = {g.index: g for g in snapshot.usable_gpus}
     ids = cfg.distributed.gpu_ids
+    if ids is not None and num_machines > 1 and (len(ids) != per_node or any(i not in usable for i in ids)):
+        ids = None
     if ids is not None:
         fix = "`sdplan doctor` numbers the GPUs; or drop distributed.gpu_ids and sdplan chooses"
         if missing := [i for i in ids if i not in usable]:
@@ -1060,6 +1079,15 @@ def run_gpus(cfg: C.TrainConfig, snapshot: Any, per_node: int) -> tuple[int, ...
             raise UsageError(
                 f"distributed.gpu_ids {ids}: NVIDIA and AMD GPUs cannot train together (one torch build drives "
                 "a run)",
+                fix=fix,
+            )
+        from sdplan.planner import build_vendor
+
+        drives = build_vendor(snapshot)
+        if drives is not None and usable[ids[0]].vendor != drives:
+            raise UsageError(
+                f"distributed.gpu_ids {ids}: {usable[ids[0]].name} is an {usable[ids[0]].vendor.upper()} GPU, and "
+                f"this machine's torch is a {snapshot.software.torch_build} build, which does not drive it",
                 fix=fix,
             )
         return tuple(ids)

@@ -1388,6 +1388,14 @@ def hardware_from_snapshot(snapshot: Any, profiles: Profiles, source: str = "pro
                 index=g.index,
             )
         )
+    drives = build_vendor(snapshot)
+    if drives is not None and len({g.vendor for g in gpus}) > 1:  # NVIDIA and AMD: the torch build picks
+        left = [g for g in gpus if g.vendor != drives]
+        gpus = [g for g in gpus if g.vendor == drives]
+        notes.append(
+            f"this machine's torch is a {snapshot.software.torch_build} build: it drives the {drives.upper()} GPUs "
+            f"only, so {', '.join(f'GPU {g.index} ({g.name})' for g in left)} are not planned"
+        )
     link, gbs = "pcie", PCIE_GBS[4]
     if len(gpus) > 1:
         types = {lk.type for lk in snapshot.links}
@@ -1412,6 +1420,12 @@ def hardware_from_snapshot(snapshot: Any, profiles: Profiles, source: str = "pro
     )
 
 
+def build_vendor(snapshot: Any) -> str | None:
+    """The GPU vendor the machine's torch build drives (``cuda``: nvidia, ``rocm``: amd); None when unknown."""
+    build = getattr(getattr(snapshot, "software", None), "torch_build", None)
+    return {"cuda": "nvidia", "rocm": "amd"}.get(build or "")
+
+
 def gpus_label(gpus: tuple[HWGPU, ...] | list[HWGPU]) -> str:
     """'2x RTX 4090', 'RTX 4090, RTX 3060', 'no GPU'."""
     names = [g.name for g in gpus]
@@ -1429,8 +1443,10 @@ def gpus_label(gpus: tuple[HWGPU, ...] | list[HWGPU]) -> str:
 
 
 def _gpu_kind(g: HWGPU) -> tuple:
-    """What the planner tells GPUs apart by (alike GPUs are interchangeable)."""
-    return (g.vendor, g.name, g.memory_bytes, g.bf16, g.fp16, g.arch, g.spec.name if g.spec else None)
+    """What the planner tells GPUs apart by (alike GPUs are interchangeable; memory to 256 MiB, as two cards of
+    one model may report a few MiB apart, e.g. one with ECC on)."""
+    memory = round(g.memory_bytes / (256 * 2**20))
+    return (g.vendor, g.name, memory, g.bf16, g.fp16, g.arch, g.spec.name if g.spec else None)
 
 
 def mixed_gpus(hw: Hardware) -> bool:

@@ -180,6 +180,8 @@ def parse_pins(items: tuple[str, ...] | list[str], method: str, model: str) -> t
         if field is None or field in ("method", "model", "resolution"):
             continue
         value = getattr(settings, field)
+        if field == "gpu_ids" and value is None:
+            continue  # distributed.gpu_ids=null: sdplan chooses the GPUs, as without the key
         if field.startswith("lora_") and method != "lora":
             continue  # no LoRA in this method: carried to the config only
         pins[field] = value

@@ -133,3 +133,11 @@ def test_build_launch_shows_the_processes_only_their_gpus(tmp_path):
     data["training"]["device"] = "cpu"
     cpu = build_launch(C.validate(data), tmp_path / "sdplan.yaml", tmp_path, devices=devices)
     assert "CUDA_VISIBLE_DEVICES" not in cpu.env
+
+
+def test_another_node_without_the_planned_gpus_chooses_its_own():
+    """A config planned on node 0 (a 3060 and a 4090: gpu_ids [1]) run on a node with one RTX 4090: "this
+    machine has no usable GPU 1". On several machines the ids are node 0's; a node that lacks them chooses."""
+    assert run_gpus(_cfg(gpu_ids=[1]), machine(RTX4090), 1, num_machines=2) is None
+    with pytest.raises(UsageError, match="no usable GPU 1"):
+        run_gpus(_cfg(gpu_ids=[1]), machine(RTX4090), 1)  # one machine: the config names a GPU it lacks

@@ -654,3 +654,28 @@ def test_a_single_file_without_config_dir_offline_says_to_set_config_dir(single_
         models.load_components(str(single_sd15))
     assert "come from the Hugging Face hub, and it cannot be reached here" in str(e.value)
     assert "set model.config_dir to a local diffusers folder of the same family" in str(e.value)
+
+
+def test_a_dry_run_plans_an_uncached_hub_id_offline_and_says_it_was_not_checked(tmp_path, monkeypatch):
+    """Offline, a dry run (plan and print, nothing run) planned a hub id from its name before the hub check;
+    it must still (a run is refused: it could not load the model)."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "empty"))
+    ds = make_images(tmp_path / "ds", n=2)
+    args = [
+        "--model",
+        "someorg/my-xl-model",
+        "--dataset",
+        str(ds),
+        "--out",
+        str(tmp_path / "o"),
+        "--device",
+        "cpu",
+    ]
+    r = runner.invoke(app, ["train", *args, "--dry-run"])
+    assert r.exit_code == 0, r.output
+    assert "lora on sdxl (someorg/my-xl-model)" in r.output
+    assert "model: not checked (HF_HUB_OFFLINE is set): planned as the family its name suggests" in r.output
+    one_line_error(runner.invoke(app, ["train", *args, "--yes"]), 2, "HF_HUB_OFFLINE is set")
+    assert not (tmp_path / "o").exists()

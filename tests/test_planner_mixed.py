@@ -274,8 +274,12 @@ def test_pins_no_gpu_set_can_run_are_refused_naming_the_gpu(prof):
 
 
 def test_nvidia_and_amd_gpus_never_train_together(prof):
-    snap = machine(RTX4090, W6800)
+    import dataclasses
+
+    snap = machine(RTX4090, W6800)  # its torch build unknown (a known one plans its own vendor's GPUs only)
+    snap = dataclasses.replace(snap, software=dataclasses.replace(snap.software, torch_build=None))
     hw = P.hardware_from_snapshot(snap, prof)
+    assert len(hw.gpus) == 2
     assert P.gpu_sets(hw, 2) == []
     res = plan(prof, snap, "lora", "sdxl", images=400)
     assert res.feasible and res.plan.num_gpus == 1
@@ -332,3 +336,37 @@ def test_doctor_verdicts_are_for_the_best_gpu_whatever_the_order():
         assert v.note.replace("on GPU 1", "on GPU x") == last[key].note.replace("on GPU 0", "on GPU x"), key
         if v.status in ("ok", "tight"):
             assert v.note.endswith("on GPU 1"), key  # the 4090's number
+
+
+def test_gpu_ids_null_lets_sdplan_choose_as_without_the_key(prof):
+    """`distributed.gpu_ids=null` (what the planner's own fix lines say: "drop distributed.gpu_ids and sdplan
+    chooses") pinned "no GPUs named", and every set was judged on the first GPUs: the 3060 of a 3060 + 4090
+    machine, which then did not fit SDXL DreamBooth without offload while `train` launched on the 4090."""
+    from sdplan.recommend import parse_pins
+
+    pins, _ = parse_pins(["distributed.gpu_ids=null"], "dreambooth", "sdxl")
+    assert pins == ()
+    snap = machine(RTX3060, RTX4090)
+    res = plan(prof, snap, "dreambooth", "sdxl", pins=pins)
+    assert used_names(res) == ["NVIDIA GeForce RTX 4090"]
+    assert essence(res) == essence(plan(prof, snap, "dreambooth", "sdxl"))
+
+
+def test_a_cuda_build_plans_only_the_nvidia_gpus_of_a_machine_with_amd_ones_too(prof):
+    """An RTX 4090 and a W6800 (32 GB) with a CUDA build of torch: the plan was sized for the W6800 and launched
+    with HIP_VISIBLE_DEVICES, which a CUDA build ignores: it trained on the 24 GB 4090."""
+    snap = machine(RTX4090, W6800)
+    assert snap.software.torch_build == "cuda"
+    hw = P.hardware_from_snapshot(snap, prof)
+    assert [g.vendor for g in hw.gpus] == ["nvidia"]
+    assert any("cuda build: it drives the NVIDIA GPUs only" in n and "GPU 1" in n for n in hw.notes)
+    res = plan(prof, snap, "dreambooth", "sdxl")
+    assert used_names(res) == ["NVIDIA GeForce RTX 4090"]
+
+
+def test_cards_of_one_model_a_few_mib_apart_are_alike(prof):
+    """Two RTX 4090s whose memory differs by 1 MiB (one with ECC on) counted as GPUs that differ: gpu_ids were
+    written and the measured multi-GPU evidence was dropped."""
+    other = {**RTX4090, "index": 1, "memory_total_bytes": RTX4090["memory_total_bytes"] - 2**20}
+    snap = machine(RTX4090, other)
+    assert not P.mixed_gpus(P.hardware_from_snapshot(snap, prof))
