@@ -37,6 +37,8 @@ def describe(s: Settings, *, batch: bool = True, gpus: bool | None = None, short
     micro-batch and accumulation (off where a table has its own column); ``gpus``: True leads with the process
     count, False leaves it out (a column of its own), None ends the list with it where there is more than one."""
     bits = [f"{s.num_gpus} GPU" + ("s" if s.num_gpus > 1 else "")] if gpus else []
+    if gpus and s.gpu_ids:  # a machine whose GPUs differ: which, as `sdplan doctor` numbers them
+        bits[0] += f" ({'GPUs' if len(s.gpu_ids) > 1 else 'GPU'} {', '.join(map(str, s.gpu_ids))})"
     bits.append(s.precision)
     if batch:
         bits.append(f"batch {s.batch}" + (f" x GA {s.grad_accum}" if s.grad_accum > 1 else ""))

@@ -370,3 +370,14 @@ def test_cards_of_one_model_a_few_mib_apart_are_alike(prof):
     other = {**RTX4090, "index": 1, "memory_total_bytes": RTX4090["memory_total_bytes"] - 2**20}
     snap = machine(RTX4090, other)
     assert not P.mixed_gpus(P.hardware_from_snapshot(snap, prof))
+
+
+def test_the_plan_line_names_the_gpus_it_runs_on(prof):
+    """`plan  1 GPU, bf16, ...` on a 3060 + 4090 machine did not say which; the reasons did, far below."""
+    from sdplan.settings import describe
+
+    res = plan(prof, machine(RTX3060, RTX4090))
+    assert describe(res.plan, gpus=True, short=True).startswith("1 GPU (GPU 1), ")
+    alike = plan(prof, machine(RTX4090, RTX4090))
+    assert describe(alike.plan, gpus=True, short=True).startswith(f"{alike.plan.num_gpus} GPU")
+    assert "(GPU" not in describe(alike.plan, gpus=True, short=True)
