@@ -4,7 +4,9 @@
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-# The CPU build of torch is pinned first, so installing diffusers & co. does not pull CUDA wheels.
+# torch is pinned first, so installing diffusers & co. does not pull another build. Which build it is depends on
+# pip's index (CPU on this project's CI image; from PyPI on Linux the CUDA one): for the CPU build from PyPI,
+#   make demo TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
 TORCH ?= torch==2.13.0
 
 .PHONY: demo test lint install clean
