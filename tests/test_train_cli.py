@@ -336,3 +336,51 @@ def test_sd14_is_the_sd15_family():
     from sdplan import registry
 
     assert registry.family("sd14").name == "sd15" and registry.family("sd1.4").name == "sd15"
+
+
+def test_a_method_the_family_has_not_is_refused_before_anything_is_written(tmp_path):
+    """Textual inversion on FLUX.1: `recommend` refused it at once; `train --device cpu` wrote the run folder,
+    launched and loaded the model before the trainer said so (a new user's report)."""
+    import hub_cache
+
+    model = fake_diffusers_folder(
+        tmp_path / "flux", "flux-dev", denoiser=hub_cache.configs("flux-dev")["transformer/config.json"]
+    )
+    ds = make_images(tmp_path / "ds")
+    out = tmp_path / "o"
+    r = invoke(
+        "--method",
+        "textual-inversion",
+        "--model",
+        str(model),
+        "--dataset",
+        str(ds),
+        "--out",
+        str(out),
+        "--device",
+        "cpu",
+        "--yes",
+    )
+    one_line_error(r, 2, "textual-inversion on flux-dev", "not supported for this family")
+    assert not out.exists()
+
+
+def test_deepspeed_in_several_cpu_processes_is_refused_before_the_launch(tmp_path, fake_model):
+    """Each process trained the whole run alone, then they failed at the first checkpoint or hung."""
+    ds = make_images(tmp_path / "ds")
+    out = tmp_path / "o"
+    args = [
+        "--model",
+        str(fake_model),
+        "--dataset",
+        str(ds),
+        "--out",
+        str(out),
+        "--device",
+        "cpu",
+        "--num-processes",
+        "2",
+    ]
+    r = invoke(*args, "--yes", "method=finetune", "distributed.deepspeed.zero_stage=2")
+    one_line_error(r, 2, "DeepSpeed on the CPU with 2 processes", "drop --num-processes")
+    assert not out.exists()

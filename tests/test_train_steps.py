@@ -337,3 +337,17 @@ def test_resume_of_a_finished_run_is_refused_but_an_unfinished_one_is_not(tmp_pa
     refuse_a_finished_resume(tmp_path, {"images_seen": 48})  # --epochs 3: more to train
     lora.unlink()
     refuse_a_finished_resume(tmp_path, {"images_seen": 32})  # its outputs are not all there: the export again
+
+
+def test_an_interrupted_run_under_sdplan_says_the_one_resume_command(monkeypatch, tmp_path):
+    """The trainer said "continue with --resume latest" (its own command line), and sdplan right after "continue
+    with `sdplan train --resume --out DIR`": `sdplan train --resume latest` then failed on 'latest'."""
+    from sdplan.trainer.stops import TrainingInterrupted
+
+    ckpt = tmp_path / "run" / "checkpoints" / "interrupt-step-000020"
+    monkeypatch.setenv("SDPLAN_LAUNCHED", "1")
+    assert f"continue with `sdplan train --resume --out {tmp_path / 'run'}`" in str(
+        TrainingInterrupted(20, ckpt)
+    )
+    monkeypatch.delenv("SDPLAN_LAUNCHED")
+    assert "continue with --resume latest" in str(TrainingInterrupted(20, ckpt))

@@ -29,9 +29,12 @@ class TrainingInterrupted(SdplanError):
         self.step = step
         self.checkpoint = checkpoint
         where = f"checkpoint {checkpoint}" if checkpoint else "no checkpoint (no step had finished)"
+        again = "--resume latest"  # the trainer's own command line; under `sdplan train`, its command
+        if checkpoint and os.environ.get("SDPLAN_LAUNCHED"):
+            again = f"`sdplan train --resume --out {Path(checkpoint).parent.parent}`"
         super().__init__(
             f"interrupted at step {step}; {where}",
-            fix="continue with --resume latest" if checkpoint else None,
+            fix=f"continue with {again}" if checkpoint else None,
         )
 
 
