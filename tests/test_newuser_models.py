@@ -600,21 +600,10 @@ def test_an_uncached_hub_model_is_planned_as_the_family_its_configs_say(tmp_path
 
     repos, _ = fake_hub
     repos["someorg/my-model"] = hub_cache.configs("sdxl")
-    ds = make_images(tmp_path / "ds", n=2)
-    args = [
-        "--model",
-        "someorg/my-model",
-        "--dataset",
-        str(ds),
-        "--out",
-        str(tmp_path / "o"),
-        "--device",
-        "cpu",
-    ]
-    r = runner.invoke(app, ["train", *args, "--dry-run"])
+    r = dry_run("someorg/my-model", tmp_path)
     assert r.exit_code == 0, r.output
     assert "lora on sdxl (someorg/my-model)" in r.output
-    r = runner.invoke(app, ["train", *args, "--dry-run", "model.family=sd15"])
+    r = dry_run("someorg/my-model", tmp_path, "model.family=sd15")
     one_line_error(r, 2, "model.family is sd15", "an sdxl model")
 
 
@@ -662,20 +651,12 @@ def test_a_dry_run_plans_an_uncached_hub_id_offline_and_says_it_was_not_checked(
     from huggingface_hub import constants
 
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "empty"))
-    ds = make_images(tmp_path / "ds", n=2)
-    args = [
-        "--model",
-        "someorg/my-xl-model",
-        "--dataset",
-        str(ds),
-        "--out",
-        str(tmp_path / "o"),
-        "--device",
-        "cpu",
-    ]
-    r = runner.invoke(app, ["train", *args, "--dry-run"])
+    r = dry_run("someorg/my-xl-model", tmp_path)
     assert r.exit_code == 0, r.output
     assert "lora on sdxl (someorg/my-xl-model)" in r.output
     assert "model: not checked (HF_HUB_OFFLINE is set): planned as the family its name suggests" in r.output
-    one_line_error(runner.invoke(app, ["train", *args, "--yes"]), 2, "HF_HUB_OFFLINE is set")
+    args = (
+        f"--model someorg/my-xl-model --dataset {tmp_path / 'ds'} --out {tmp_path / 'o'} --device cpu --yes"
+    )
+    one_line_error(runner.invoke(app, ["train", *args.split()]), 2, "HF_HUB_OFFLINE is set")
     assert not (tmp_path / "o").exists()

@@ -349,17 +349,7 @@ def test_a_method_the_family_has_not_is_refused_before_anything_is_written(tmp_p
     ds = make_images(tmp_path / "ds")
     out = tmp_path / "o"
     r = invoke(
-        "--method",
-        "textual-inversion",
-        "--model",
-        str(model),
-        "--dataset",
-        str(ds),
-        "--out",
-        str(out),
-        "--device",
-        "cpu",
-        "--yes",
+        *f"--method textual-inversion --model {model} --dataset {ds} --out {out} --device cpu --yes".split()
     )
     one_line_error(r, 2, "textual-inversion on flux-dev", "not supported for this family")
     assert not out.exists()
@@ -369,18 +359,7 @@ def test_deepspeed_in_several_cpu_processes_is_refused_before_the_launch(tmp_pat
     """Each process trained the whole run alone, then they failed at the first checkpoint or hung."""
     ds = make_images(tmp_path / "ds")
     out = tmp_path / "o"
-    args = [
-        "--model",
-        str(fake_model),
-        "--dataset",
-        str(ds),
-        "--out",
-        str(out),
-        "--device",
-        "cpu",
-        "--num-processes",
-        "2",
-    ]
+    args = f"--model {fake_model} --dataset {ds} --out {out} --device cpu --num-processes 2".split()
     r = invoke(*args, "--yes", "method=finetune", "distributed.deepspeed.zero_stage=2")
     one_line_error(r, 2, "DeepSpeed on the CPU with 2 processes", "drop --num-processes")
     assert not out.exists()
