@@ -239,7 +239,7 @@ def flag_overrides(req: TrainRequest, out: Path | None) -> list[str]:
     if req.method:
         o.append(f"method={req.method}")
     if req.model:
-        o.append(f"model.path={_abs_if_local(req.model)}")
+        o.append(f"model.path={absolute_if_local(req.model)}")
     if req.dataset:
         o.append(f"data.path={Path(req.dataset).expanduser().resolve()}")
     if req.resolution is not None:
@@ -265,7 +265,8 @@ def flag_overrides(req: TrainRequest, out: Path | None) -> list[str]:
     return o
 
 
-def _abs_if_local(path: str) -> str:
+def absolute_if_local(path: str) -> str:
+    """``path`` absolute where it names a local file or folder; as it is otherwise (a hub id)."""
     p = Path(path).expanduser()
     return str(p.resolve()) if p.exists() else path
 

@@ -476,13 +476,14 @@ def trainer_config(
 
 def _absolute(path: Any, *, only_existing: bool = False) -> Any:
     """A local path made absolute as `sdplan train` writes --model, --dataset and --out. ``only_existing``:
-    a path that names nothing here is left alone (a hub id)."""
+    a path that names nothing here is left alone (a hub id), and an absolute one as given."""
+    from sdplan.launcher import absolute_if_local
+
     if not isinstance(path, str) or not path:
         return path
-    local = Path(path).expanduser()
-    if only_existing and (os.path.isabs(path) or not local.exists()):
-        return path
-    return str(local.resolve())
+    if only_existing:
+        return path if os.path.isabs(path) else absolute_if_local(path)
+    return str(Path(path).expanduser().resolve())
 
 
 def dataset_counted(dataset: str | None, overrides: tuple[str, ...] | list[str] = ()) -> bool:

@@ -88,9 +88,10 @@ def record(
     files it wrote and the names of copies it kept of the user's edits; atomic rewrite."""
     names = {n for n in names if n and "/" not in n and n not in BOOKKEEPING}
     data = _manifest(out)
-    current, hashes, keep = owned(out), dict(data.get("sha256") or {}), kept(out) | set(keep)
-    hashes.update(sha256 or {})
-    if names <= current and hashes == (data.get("sha256") or {}) and keep == kept(out):
+    current, had = _names(data.get("entries")), _names(data.get("kept"))
+    hashes = {**(data.get("sha256") or {}), **(sha256 or {})}
+    keep = had | set(keep)
+    if names <= current and hashes == (data.get("sha256") or {}) and keep == had:
         return
     data = {
         "written_by": "sdplan",
@@ -113,9 +114,10 @@ def write_files(out: Path, files: dict[str, str | bytes]) -> tuple[list[Path], l
     import hashlib
     import shutil
 
-    mine, hashes = owned(out), _manifest(out).get("sha256") or {}
+    manifest = _manifest(out)
+    mine, hashes = _names(manifest.get("entries")), manifest.get("sha256") or {}
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    written: list[Path] = []
+    written: dict[str, str] = {}  # name -> the sha256 of what was written
     copies: list[Path] = []
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -131,18 +133,13 @@ def write_files(out: Path, files: dict[str, str | bytes]) -> tuple[list[Path], l
             tmp = path.with_name(path.name + ".tmp")
             tmp.write_bytes(data)
             tmp.replace(path)
-            written.append(path)
+            written[name] = hashlib.sha256(data).hexdigest()
     except OSError as e:
         raise cannot_write(out, e) from None
     finally:
         if written or copies:  # only what was written: a name that failed to write is not sdplan's
-            record(
-                out,
-                [n for n in new if out / n in written],
-                sha256={p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in written},
-                keep=[p.name for p in copies],
-            )
-    return written, copies
+            record(out, [n for n in new if n in written], sha256=written, keep=[p.name for p in copies])
+    return [out / name for name in written], copies
 
 
 def kept_line(copy: Path) -> str:
