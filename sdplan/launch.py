@@ -87,6 +87,7 @@ def accelerate_config(
     machine_rank: int = 0,
     main_process_ip: str | None = None,
     main_process_port: int = DEFAULT_PORT,
+    gpu_ids: str = "all",
 ) -> dict[str, Any]:
     """The accelerate config YAML (as a dict) for ``accelerate launch --config_file``, for this node of
     ``num_machines`` (field notes section 5: ``distributed_type`` is NO / MULTI_GPU / DEEPSPEED).
@@ -96,6 +97,9 @@ def accelerate_config(
     clipping and precision live in ``deepspeed_file`` (the JSON from :func:`deepspeed_config`; give an absolute
     path, accelerate resolves it from its working folder): accelerate 1.x refuses a ``deepspeed_config_file``
     beside inline ZeRO keys or ``mixed_precision``, so those are left out here.
+
+    ``gpu_ids``: the GPUs the run uses, as ``CUDA_VISIBLE_DEVICES`` takes them (:func:`accelerate_gpu_ids`):
+    ``accelerate launch`` sets that variable to it, so a hand launch of the file runs on the planned GPUs.
     """
     num_processes = cfg.distributed.num_processes
     precision = cfg.training.precision
@@ -113,7 +117,7 @@ def accelerate_config(
         "machine_rank": machine_rank,
         "main_process_ip": main_process_ip if num_machines > 1 else None,
         "main_process_port": main_process_port,
-        "gpu_ids": "all",
+        "gpu_ids": gpu_ids,
         "use_cpu": False,
         "downcast_bf16": "no",
         "rdzv_backend": "static",
@@ -126,6 +130,13 @@ def accelerate_config(
             "zero3_init_flag": False,
         }
     return out
+
+
+def accelerate_gpu_ids(devices: Mapping[str, str] | None) -> str:
+    """accelerate's ``gpu_ids`` for a launch with ``devices`` (:meth:`sdplan.machine.Snapshot.visible_devices`):
+    its ``CUDA_VISIBLE_DEVICES``, which ``accelerate launch`` sets again to the same; "all" otherwise. AMD's
+    ``HIP_VISIBLE_DEVICES`` stays alone: ROCm applies ``CUDA_VISIBLE_DEVICES`` after it, to the GPUs it left."""
+    return (devices or {}).get("CUDA_VISIBLE_DEVICES") or "all"
 
 
 def deepspeed_config(cfg: TrainConfig) -> dict[str, Any] | None:
@@ -269,7 +280,7 @@ def build_launch(
     if ds is None and world == 1 and num_machines == 1:
         if on_cpu:
             env["ACCELERATE_USE_CPU"] = "true"
-        acc = accelerate_config(cfg) if not on_cpu else None
+        acc = accelerate_config(cfg, gpu_ids=accelerate_gpu_ids(devices)) if not on_cpu else None
         return Launch(cmd=[py, *trainer_args], env=env, accelerate_config=acc, kind="single", world_size=1)
 
     if world % num_machines:
@@ -286,6 +297,7 @@ def build_launch(
         machine_rank=machine_rank,
         main_process_ip=main_process_ip,
         main_process_port=main_process_port,
+        gpu_ids=accelerate_gpu_ids(None if on_cpu else devices),
     )
     launcher = ["--config_file", acc_path]
     cmd = [py, "-m", DISTRUN, "accelerate.commands.launch", *launcher, *trainer_args]

@@ -82,6 +82,12 @@ class Finding:
     fix: str
 
 
+def nvidia_uuid(uuid: str | None) -> bool:
+    """Whether ``uuid`` is an NVIDIA GPU's UUID as NVML reports it (``GPU-8932f937-...``), the form
+    ``CUDA_VISIBLE_DEVICES`` takes."""
+    return bool(uuid) and str(uuid).startswith("GPU-")
+
+
 @dataclass(frozen=True)
 class Snapshot:
     host: Host
@@ -98,16 +104,23 @@ class Snapshot:
         """GPUs a trainer can use: known vendor and known memory."""
         return tuple(g for g in self.gpus if g.memory_total_bytes)
 
-    def visible_devices(self, indexes: tuple[int, ...] | list[int]) -> dict[str, str]:
+    def visible_devices(
+        self, indexes: tuple[int, ...] | list[int], *, by_uuid: bool = True
+    ) -> dict[str, str]:
         """The environment that shows a process only these GPUs (their ``index``, as `sdplan doctor` numbers
-        them), in this order: NVIDIA ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` (NVML's order; CUDA's own default puts the
-        fastest first) with ``CUDA_VISIBLE_DEVICES``, AMD ``HIP_VISIBLE_DEVICES``, each counting that vendor's
-        GPUs only. The GPUs must be one vendor's (one torch build drives them)."""
+        them), in this order. NVIDIA: ``CUDA_VISIBLE_DEVICES`` by the UUIDs NVML reported (``GPU-...``, which
+        CUDA and torch take in any device order), else by index with ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` (NVML's
+        order; CUDA's own default puts the fastest first). AMD: ``HIP_VISIBLE_DEVICES``, counting AMD's GPUs only.
+        The GPUs must be one vendor's (one torch build drives them). ``by_uuid=False``: by index (shorter, for a
+        person to type)."""
         chosen = [next(g for g in self.gpus if g.index == i) for i in indexes]
         vendors = {g.vendor for g in chosen}
         if len(vendors) != 1:
             raise ValueError(f"GPUs {list(indexes)} are not one vendor's")
         vendor = vendors.pop()
+        if by_uuid and vendor == "nvidia" and all(nvidia_uuid(g.uuid) for g in chosen):
+            ids = ",".join(str(g.uuid) for g in chosen)
+            return {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": ids}
         local = [g.index for g in self.gpus if g.vendor == vendor]
         ids = ",".join(str(local.index(g.index)) for g in chosen)
         if vendor == "nvidia":

@@ -158,6 +158,7 @@ class HWGPU:
     spec: GPUSpec | None = None  # the catalog entry, when the name matches one
     # its number on the machine, as `sdplan doctor` numbers GPUs (catalog hardware: 0, 1, ...)
     index: int | None = None
+    uuid: str | None = None  # as the probe read it (NVML: "GPU-..."); None for catalog hardware
 
 
 @dataclass(frozen=True)
@@ -1386,6 +1387,7 @@ def hardware_from_snapshot(snapshot: Any, profiles: Profiles, source: str = "pro
                 arch=g.gfx_arch or g.compute_capability or (spec.arch if spec else None),
                 spec=spec,
                 index=g.index,
+                uuid=g.uuid,
             )
         )
     drives = build_vendor(snapshot)

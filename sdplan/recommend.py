@@ -503,6 +503,20 @@ def run_command(out: str | Path, *, dataset_given: bool) -> str:
     )
 
 
+def accelerate_gpu_ids(hw: planner.Hardware, ids: tuple[int, ...] | None) -> str:
+    """accelerate's ``gpu_ids`` for the GPUs a plan names (a machine whose GPUs differ): their NVML UUIDs, which
+    ``accelerate launch`` puts in ``CUDA_VISIBLE_DEVICES`` and CUDA takes in any device order. "all" where the
+    plan names none, or a GPU's UUID is unknown (a hand-written snapshot; an index there would be counted in
+    CUDA's fastest-first order): ``sdplan train`` chooses them from the sdplan.yaml's ``distributed.gpu_ids``."""
+    from sdplan.machine import nvidia_uuid
+
+    if not ids:
+        return "all"
+    by_index = {g.index: g for g in hw.gpus}
+    uuids = [by_index[i].uuid if i in by_index else None for i in ids]
+    return ",".join(str(u) for u in uuids) if all(nvidia_uuid(u) for u in uuids) else "all"
+
+
 def write_outputs(
     out: str | Path,
     res: planner.Result,
@@ -536,7 +550,11 @@ def write_outputs(
     files["sdplan.yaml"] = cfgmod.to_yaml(cfg, header)
     # The same builders `sdplan train` uses, from the validated trainer config.
     train_cfg = cfgmod.validate(cfg, source="the planned sdplan.yaml")
-    acc = accelerate_config(train_cfg, deepspeed_file=str((outdir / DEEPSPEED_FILE).resolve()))
+    acc = accelerate_config(
+        train_cfg,
+        deepspeed_file=str((outdir / DEEPSPEED_FILE).resolve()),
+        gpu_ids=accelerate_gpu_ids(res.hardware, res.plan.gpu_ids),
+    )
     files["accelerate.yaml"] = yaml.safe_dump(acc, sort_keys=False)
     ds = deepspeed_config(train_cfg)
     if ds is not None:

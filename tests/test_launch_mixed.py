@@ -1,6 +1,6 @@
 """`sdplan train` on a machine whose GPUs differ launches on the GPUs the plan is for: the plan's
-distributed.gpu_ids become CUDA_DEVICE_ORDER=PCI_BUS_ID + CUDA_VISIBLE_DEVICES (CUDA's own order puts the fastest
-first, NVML and `sdplan doctor` go by PCI bus), so a one-GPU plan on the RTX 4090 trains on the 4090 whichever
+distributed.gpu_ids become CUDA_VISIBLE_DEVICES by NVML's UUIDs (else by index with CUDA_DEVICE_ORDER=PCI_BUS_ID:
+CUDA's own order puts the fastest first, NVML and `sdplan doctor` go by PCI bus), so a one-GPU plan on the RTX 4090 trains on the 4090 whichever
 GPU the machine lists first. Nothing is launched here."""
 
 from __future__ import annotations
@@ -63,8 +63,10 @@ def test_train_launches_on_the_planned_gpus(tmp_path, model, dataset, monkeypatc
     p, launch = prepared(tmp_path, model, dataset, machine(*gpus), **flags)
     assert p.cfg.distributed.gpu_ids == want == p.plan["plan"]["gpu_ids"]
     assert p.cfg.distributed.num_processes == len(want)
-    assert launch.env["CUDA_VISIBLE_DEVICES"] == ",".join(map(str, want))
+    # by NVML's UUIDs, which CUDA takes in any device order; accelerate's gpu_ids sets the same again
+    assert launch.env["CUDA_VISIBLE_DEVICES"] == ",".join(gpus[i]["uuid"] for i in want)
     assert launch.env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+    assert launch.accelerate_config["gpu_ids"] == launch.env["CUDA_VISIBLE_DEVICES"]
     written = yaml.safe_load(C.to_yaml(p.cfg))
     assert written["distributed"]["gpu_ids"] == want
 
@@ -141,3 +143,28 @@ def test_another_node_without_the_planned_gpus_chooses_its_own():
     assert run_gpus(_cfg(gpu_ids=[1]), machine(RTX4090), 1, num_machines=2) is None
     with pytest.raises(UsageError, match="no usable GPU 1"):
         run_gpus(_cfg(gpu_ids=[1]), machine(RTX4090), 1)  # one machine: the config names a GPU it lacks
+
+
+def test_recommend_out_writes_the_planned_gpus_into_accelerate_yaml(tmp_path):
+    """`recommend --out` on a 3060 + 4090 machine wrote accelerate.yaml with gpu_ids "all": a hand `accelerate
+    launch --config_file` of it trained on CUDA's first GPU, not the 4090 planned. Now it names the 4090 by its
+    UUID (accelerate puts gpu_ids in CUDA_VISIBLE_DEVICES, which takes UUIDs in any device order)."""
+    from typer.testing import CliRunner
+
+    from sdplan.cli import app
+
+    snap = machine(RTX3060, RTX4090)
+    (tmp_path / "machine.json").write_text(snap.to_json())
+    out = tmp_path / "plan"
+    args = ["recommend", "--method", "lora", "--model", "sd15", "--machine", str(tmp_path / "machine.json")]
+    r = CliRunner().invoke(app, [*args, "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    cfg = yaml.safe_load((out / "sdplan.yaml").read_text())
+    acc = yaml.safe_load((out / "accelerate.yaml").read_text())
+    assert cfg["distributed"]["gpu_ids"] == [1]
+    assert acc["gpu_ids"] == RTX4090["uuid"]
+    # alike GPUs: all of them, as before
+    (tmp_path / "alike.json").write_text(machine(RTX4090, RTX4090).to_json())
+    r = CliRunner().invoke(app, [*args[:-1], str(tmp_path / "alike.json"), "--out", str(tmp_path / "alike")])
+    assert r.exit_code == 0, r.output
+    assert yaml.safe_load((tmp_path / "alike" / "accelerate.yaml").read_text())["gpu_ids"] == "all"

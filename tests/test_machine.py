@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 
 import pytest
 
@@ -103,3 +104,20 @@ def test_visible_devices_counts_each_vendors_gpus_in_their_own_order():
     assert snap.visible_devices([2]) == {"HIP_VISIBLE_DEVICES": "0"}
     with pytest.raises(ValueError, match="not one vendor's"):
         snap.visible_devices([0, 2])
+
+
+def test_visible_devices_name_nvidia_gpus_by_uuid_where_nvml_gave_them():
+    """NVML's UUIDs ("GPU-..."), which CUDA takes whatever its device order: the GPU sdplan planned for, however
+    CUDA numbers them. A GPU without one (a hand-written snapshot) falls back to the PCI bus index."""
+    base = _snapshot()
+    a, b = (
+        GPU(**{**asdict(g), "uuid": f"GPU-{i}1111111-2222-3333-4444-555555555555"})
+        for i, g in enumerate(base.gpus)
+    )
+    snap = Snapshot(host=base.host, gpus=(a, b))
+    assert snap.visible_devices([1, 0]) == {
+        "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+        "CUDA_VISIBLE_DEVICES": f"{b.uuid},{a.uuid}",
+    }
+    half = Snapshot(host=base.host, gpus=(a, base.gpus[1]))
+    assert half.visible_devices([0, 1])["CUDA_VISIBLE_DEVICES"] == "0,1"

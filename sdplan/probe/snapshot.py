@@ -403,7 +403,7 @@ def _restrict_fix(s: Snapshot, gpus: tuple[GPU, ...]) -> str:
     for g in gpus:
         groups.setdefault((g.vendor, g.name, g.memory_total_bytes), []).append(g)
     best = max(groups.values(), key=lambda group: (len(group), group[0].memory_total_bytes or 0))
-    env = s.visible_devices([g.index for g in best])
+    env = s.visible_devices([g.index for g in best], by_uuid=False)  # for a person to type
     return "train on identical GPUs: " + " ".join(f"{k}={v}" for k, v in env.items())
 
 
