@@ -173,12 +173,15 @@ def test_ctrl_c_leaves_a_checkpoint_and_resume_finishes_the_same_run(demo, tmp_p
     assert Path(said.group(2)).parent == out / "checkpoints" and Path(said.group(2)).is_dir()
     assert Path(said.group(2)).name.startswith(("interrupt-step-", "rolling-step-"))
 
+    before = json.loads((Path(said.group(2)) / "train_state.json").read_text())["wall_seconds"]
+    assert before > 0
     resumed = sdplan("train", "--resume", "--out", str(out))
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     one = summary(demo[0])
     s = summary(out)
     assert (s["steps"], s["images_seen"]) == (16, 32)
     assert s["final_loss"] == pytest.approx(one["final_loss"], rel=1e-6)  # the same run as never interrupted
+    assert s["wall_seconds"] > before  # the whole run's time, not the resumed session's alone
 
 
 @pytest.mark.slow

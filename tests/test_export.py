@@ -525,6 +525,11 @@ def test_metadata_from_a_train_config():
     assert ss["ss_base_model_version"] == "sd_v2_v" and ss["ss_v2"] == "True"
     assert ss["ss_resolution"] == "(768, 768)" and ss["ss_network_alpha"] == "4.0"
     assert ss["ss_mixed_precision"] == "bf16"
+    # what the run trained in wins over the config's: a GPU plan's fp16 config trains in fp32 on the CPU
+    # (its kohya file said fp16)
+    fp16 = config.validate(config.apply_overrides(cfg.to_dict(), ["training.precision=fp16"]))
+    on_cpu = export._kohya_metadata({**meta, "config": fp16, "mixed_precision": "no"}, "sd21", 8, 4.0, "out")
+    assert on_cpu["ss_mixed_precision"] == "no" and on_cpu["ss_full_fp16"] == "False"
     assert ss["ss_optimizer"] == "bitsandbytes.optim.adamw.AdamW8bit"  # kohya: the class, module.name
     assert ss["ss_sd_model_name"] == "sd21-v.safetensors"
     assert ss["ss_steps"] == "100" and ss["ss_epoch"] == "2"

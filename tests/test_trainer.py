@@ -185,6 +185,7 @@ def test_lora_trains_outputs_load_and_change_the_pipeline(tiny_sd15, dataset, tm
     assert any(k.startswith("lora_te_") for k in keys)
     assert (meta["ss_network_dim"], float(meta["ss_network_alpha"])) == ("4", 8.0)
     assert json.loads(meta["sdplan_config"])["method"] == "lora"
+    assert meta["sdplan_mixed_precision"] == "no" == meta["ss_mixed_precision"]  # what it trained in
 
     pipe = sd_pipeline(tiny_sd15)
     before = pipe_image(pipe)

@@ -32,6 +32,7 @@ import json
 import os
 import re
 import shutil
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -75,6 +76,9 @@ class TrainState:
     method: str = ""
     # Outputs saved during training so far (output.save_every_n_*): [{"epoch", "step", "files"}].
     intermediate_outputs: list[dict[str, Any]] = field(default_factory=list)
+    # The run's wall-clock seconds before this session: in a checkpoint, from the run's start to that checkpoint
+    # (each earlier session counted up to the checkpoint it left); live, what the resumed checkpoint said.
+    wall_seconds: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -306,7 +310,8 @@ class Checkpointer:
 
     ``get_weights()`` returns the trainable tensors (a flat dict); ``set_weights(dict)`` puts them back. They
     replace accelerate's full model files through its save/load pre-hooks (except under DeepSpeed, whose engine
-    saves its own sharded model and optimizer). ``state`` is the live TrainState.
+    saves its own sharded model and optimizer). ``state`` is the live TrainState. ``started``: this session's
+    ``time.perf_counter()`` at its start; a checkpoint records the run's wall seconds to it (``wall_seconds``).
     """
 
     def __init__(
@@ -319,6 +324,7 @@ class Checkpointer:
         set_weights: Callable[[dict[str, Any]], None],
         every_steps: int = 0,
         keep_every_steps: int = 0,
+        started: float | None = None,
     ):
         from accelerate.utils import DistributedType
 
@@ -331,6 +337,7 @@ class Checkpointer:
         self.keep_every_steps = keep_every_steps
         self.last_saved: Path | None = None
         self.last_saved_step = -1
+        self.started = time.perf_counter() if started is None else started
         self._deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
         accelerator.register_save_state_pre_hook(self._save_hook)
         accelerator.register_load_state_pre_hook(self._load_hook)
@@ -418,7 +425,10 @@ class Checkpointer:
                 p.relative_to(tmp).as_posix(): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()
             }
             with open(tmp / STATE_FILE, "w") as f:
-                json.dump({**self.state.to_json(), "files": files}, f, indent=1)
+                wall = self.state.wall_seconds + time.perf_counter() - self.started
+                json.dump(
+                    {**self.state.to_json(), "wall_seconds": round(wall, 3), "files": files}, f, indent=1
+                )
                 f.flush()
                 os.fsync(f.fileno())
 

@@ -78,7 +78,8 @@ def output_metadata(metadata: dict[str, Any] | None, family: str) -> dict[str, s
 
     ``metadata`` keys with a meaning: ``config`` (a TrainConfig or its dict), ``plan`` (defaults to the
     config's ``plan``), ``comment`` (kohya ``ss_training_comment``), ``prediction_type`` (the scheduler's;
-    SD 2.x v-prediction is ``sd_v2_v`` for kohya), ``steps``, ``epoch`` (kohya ``ss_steps``/``ss_epoch``).
+    SD 2.x v-prediction is ``sd_v2_v`` for kohya), ``steps``, ``epoch`` (kohya ``ss_steps``/``ss_epoch``),
+    ``mixed_precision`` (accelerate's, what the run trained in: kohya ``ss_mixed_precision``).
     """
     from sdplan import __version__
 
@@ -274,7 +275,9 @@ def _kohya_metadata(
             config.get("memory") or {},
             config.get("data") or {},
         )
-        precision = training.get("precision")
+        # what the run trained in (a GPU plan's config on the CPU trains in fp32), else the config's
+        precision = {"no": "fp32"}.get(md.get("mixed_precision"), md.get("mixed_precision"))
+        precision = precision or training.get("precision")
         lr = training.get("learning_rate")
         ss.update(
             {

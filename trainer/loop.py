@@ -518,7 +518,13 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
     )
     export_bytes = 0
     if accelerator.is_main_process:
-        meta0 = outputs.run_metadata(cfg, steps=0, epochs=0, prediction_type=comps.prediction_type)
+        meta0 = outputs.run_metadata(
+            cfg,
+            steps=0,
+            epochs=0,
+            prediction_type=comps.prediction_type,
+            mixed_precision=accelerator.mixed_precision,
+        )
         export_bytes = outputs.check_export(
             lambda folder: recipe.export(folder, meta0, ema), out_dir, saves=1 + len(saves_at)
         )
@@ -549,6 +555,7 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
         set_weights=recipe.load_checkpoint_weights,
         every_steps=cfg.checkpoints.every_steps,
         keep_every_steps=cfg.checkpoints.keep_every_steps,
+        started=t0,
     )
     if resume_from is not None:
         ckpt.load(resume_from, plan, len(batches))
@@ -587,7 +594,11 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
         reached = epoch if epoch is not None else round(step / plan.steps_per_epoch, 3)
         if accelerator.is_main_process:
             meta = outputs.run_metadata(
-                cfg, steps=step, epochs=reached, prediction_type=comps.prediction_type
+                cfg,
+                steps=step,
+                epochs=reached,
+                prediction_type=comps.prediction_type,
+                mixed_precision=accelerator.mixed_precision,
             )
             with outputs.write_errors(folder, needed_bytes=export_bytes), recipe.output_name(label):
                 files += recipe.export(folder, meta, ema)
@@ -668,7 +679,11 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
         from . import plots
 
         meta = outputs.run_metadata(
-            cfg, steps=state.global_step, epochs=epochs_done, prediction_type=comps.prediction_type
+            cfg,
+            steps=state.global_step,
+            epochs=epochs_done,
+            prediction_type=comps.prediction_type,
+            mixed_precision=accelerator.mixed_precision,
         )
         try:
             written += recipe.export(out_dir, meta, ema)
@@ -706,7 +721,7 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
             images_seen=state.images_seen,
             num_processes=accelerator.num_processes,
             final_loss=state.losses[-1] if state.losses else None,
-            wall_seconds=time.perf_counter() - t0,
+            wall_seconds=state.wall_seconds + time.perf_counter() - t0,  # over the run's sessions
             peak_memory_bytes=peak,
             outputs=written,
             intermediate_outputs=state.intermediate_outputs,

@@ -327,7 +327,8 @@ def write_run_summary(
     intermediate_outputs: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """``run_summary.json``. ``intermediate_outputs``: the outputs saved during training (output.save_every_n_*),
-    each ``{"epoch", "step", "files"}`` (``epoch``: the epoch it ends, or the fraction reached)."""
+    each ``{"epoch", "step", "files"}`` (``epoch``: the epoch it ends, or the fraction reached). ``wall_seconds``:
+    the run's, over its sessions (a resumed run adds its earlier sessions' time up to the checkpoint resumed)."""
     summary = {
         "method": method,
         "steps": steps,
@@ -353,14 +354,18 @@ def write_loss_history(out_dir: Path, history: dict[str, list]) -> Path:
     return write_json_atomic(Path(out_dir) / "loss_history.json", dict(history))
 
 
-def run_metadata(cfg, *, steps: int, epochs: float, prediction_type: str, **extra: Any) -> dict[str, Any]:
+def run_metadata(
+    cfg, *, steps: int, epochs: float, prediction_type: str, mixed_precision: str, **extra: Any
+) -> dict[str, Any]:
     """What every output records (export turns it into string metadata): the config, the plan it came from,
-    steps, epochs and the prediction type (kohya's ss_* keys read these)."""
+    steps, epochs, the prediction type and the mixed precision the run trained in (accelerate's "no" / "fp16" /
+    "bf16": "no" on the CPU, where a GPU plan's sdplan.yaml keeps its precision) (kohya's ss_* keys read these)."""
     return {
         "config": cfg,
         "plan": cfg.plan,
         "steps": steps,
         "epoch": epochs,
         "prediction_type": prediction_type,
+        "mixed_precision": mixed_precision,
         **extra,
     }
