@@ -336,7 +336,7 @@ def check_inputs(cfg: C.TrainConfig, *, dry_run: bool = False) -> InputSummary:
     when both are wrong (the user fixes them in one go, not one per run). No torch. A hub id the cache does not
     hold is checked on the hub; ``dry_run``: where the hub cannot be asked, it is planned from its name, and
     said (a run would fail there: it is refused)."""
-    from sdplan.trainer.dataset_scan import require_images, scan, uncaptioned_note
+    from sdplan.trainer.dataset_scan import require_images, scan, small_images_note, uncaptioned_note
     from sdplan.trainer.models import PICKLE_SUFFIXES, HubUnreachable, resolve_source
     from sdplan.trainer.source_check import check_source
 
@@ -388,7 +388,16 @@ def check_inputs(cfg: C.TrainConfig, *, dry_run: bool = False) -> InputSummary:
         skipped=len(result.skipped),
         model_kind=source.kind,
         family=family,
-        scan_summary="; ".join(filter(None, (result.summary(), uncaptioned_note(result, cfg)))),
+        scan_summary="; ".join(
+            filter(
+                None,
+                (
+                    result.summary(),
+                    uncaptioned_note(result, cfg),
+                    small_images_note(result, cfg.data.resolution, buckets=cfg.data.buckets),
+                ),
+            )
+        ),
         model_note=model_note,
     )
 

@@ -401,3 +401,48 @@ def test_a_kohya_folder_with_zero_repeats_is_not_called_broken_files(tmp_path):
     make_images(tmp_path / "ds" / "0_dog", n=2)
     line = one_line_error(cli("recommend", "--method", "lora", "--dataset", str(tmp_path / "ds")), 2, "0_dog")
     assert "broken" not in line and "N >= 1" in line
+
+
+def test_train_says_which_images_are_scaled_up_far(tmp_path):
+    """Photos of 200 px trained at 512 px are scaled up 2.6x and train blurry; the plan said nothing of it. The
+    data line now names how many and the smallest. With buckets the area counts: a 200x800 photo is not."""
+    model = fake_diffusers_folder(tmp_path / "model")
+    photos = make_images(tmp_path / "photos", 2, size=600)
+    make_images(tmp_path / "small", 1, size=200)
+    (tmp_path / "small" / "img000.png").rename(photos / "tiny.png")
+    args = ["train", "--model", str(model), "--dataset", str(photos), "--device", "cpu", "--dry-run"]
+    result = cli(*args, "--out", str(tmp_path / "a"), "data.resolution=512")
+    assert result.exit_code == 0, result.stderr
+    (data,) = [line for line in result.stdout.splitlines() if line.startswith("data: ")]
+    assert (
+        "1 image is scaled up more than 2x to the 512 px training resolution (the smallest: tiny.png, 200x200)"
+        in data
+    )
+    result = cli(*args, "--out", str(tmp_path / "b"), "data.resolution=384")
+    assert result.exit_code == 0, result.stderr
+    assert "scaled up" not in result.stdout
+
+
+def test_small_images_note_counts_the_area_with_buckets(tmp_path):
+    from sdplan.trainer.dataset_scan import Item, Scan, small_images_note
+
+    tall = Scan(tmp_path, "flat", items=[Item(tmp_path / "tall.png", size=(200, 800))])
+    assert "tall.png, 200x800" in small_images_note(tall, 512)  # its short side: 2.56x
+    assert small_images_note(tall, 512, buckets=True) == ""  # its area: 1.28x
+    assert (
+        small_images_note(Scan(tmp_path, "flat", items=[Item(tmp_path / "a.png")]), 512) == ""
+    )  # size unknown
+
+
+def test_long_captions_are_said_once_with_the_longest(tmp_path):
+    """A caption past CLIP's 77 tokens is cut without a word in training (the pipelines warn at each prompt)."""
+    from sdplan.trainer.conditioning import long_captions_note
+    from sdplan.trainer.tiny import tiny_tokenizer
+
+    tok = tiny_tokenizer(tmp_path / "tok")
+    long, short = "a photo of a red dog " * 20, "a photo of a dog"
+    note = long_captions_note(tok, [long, long, short], "CLIP")
+    n = len(tok(long)["input_ids"])
+    assert n > 77
+    assert note.startswith(f"2 captions run past the 77 tokens CLIP reads (the longest: {n})")
+    assert long_captions_note(tok, [short] * 3, "CLIP") == ""

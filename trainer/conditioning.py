@@ -22,6 +22,29 @@ def tokenize(tokenizers: list, captions: list[str]) -> list:
     ]
 
 
+def long_captions_note(tokenizer: Any, captions: list[str], encoder: str) -> str:
+    """How many of ``captions`` (one per image) run past what ``encoder`` reads (``tokenizer.model_max_length``
+    tokens, its start and end tokens counted), whose end :func:`tokenize` cuts, in training as in sampling;
+    "" when none does. The SD pipelines warn of this at each prompt; a dataset's captions are said once."""
+    limit = int(tokenizer.model_max_length)
+    # a token is at least one character: a caption shorter than the limit (less the start and end) fits
+    maybe = sorted({c for c in captions if len(c) > limit - 2})
+    if not maybe:
+        return ""
+    lengths = dict(zip(maybe, map(len, tokenizer(maybe, truncation=True, max_length=10**7)["input_ids"])))
+    long = {c for c, n in lengths.items() if n > limit}
+    if not long:
+        return ""
+    from .dataset_scan import count_of
+
+    n = sum(1 for c in captions if c in long)
+    return (
+        f"{count_of(n, 'caption')} run past the {limit} tokens {encoder} reads (the longest: "
+        f"{max(lengths[c] for c in long)}): the words after that are cut, in training as in use; shorten them, "
+        "or put what matters first"
+    )
+
+
 def encode_prompts(text_encoders: list, input_ids: list, family: str, device):
     """(prompt_embeds, pooled). SD 1.x/2.x: last hidden state, no pooled. SDXL: both encoders' penultimate
     hidden states concatenated, pooled (projected) output of the second."""

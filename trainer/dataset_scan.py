@@ -215,6 +215,30 @@ def uncaptioned_note(result: Scan, cfg: TrainConfig) -> str:
     )
 
 
+UPSCALE_NOTE = 2.0  # an image scaled up more than this many times to the training resolution is said
+
+
+def small_images_note(result: Scan, resolution: int, *, buckets: bool = False) -> str:
+    """The images a run scales up more than :data:`UPSCALE_NOTE` times to ``resolution`` (trainer.data: the
+    short side to the square's side; with buckets, the area to the bucket's, about ``resolution`` squared), for
+    the plan's data line: they train blurry. "" when none is, or sizes are unknown (a scan without verify)."""
+
+    def upscale(size: tuple[int, int]) -> float:
+        w, h = size
+        return resolution / ((w * h) ** 0.5 if buckets else min(w, h))
+
+    small = [it for it in result.items if it.size and upscale(it.size) > UPSCALE_NOTE]
+    if not small:
+        return ""
+    worst = max(small, key=lambda it: upscale(it.size))
+    w, h = worst.size
+    return (
+        f"{count_of(len(small), 'image')} {'is' if len(small) == 1 else 'are'} scaled up more than "
+        f"{UPSCALE_NOTE:g}x to the {resolution} px training resolution (the smallest: {_rel(worst.path, result.root)}, "
+        f"{w}x{h}): they train blurry; use larger images or a lower data.resolution"
+    )
+
+
 def require_images(result: Scan) -> Scan:
     """Raise :class:`DatasetError` when the scan found no usable image; return the scan otherwise."""
     if result.items:

@@ -465,6 +465,8 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
     for note in comps.notes:  # what was detected: family, prediction type, weights variant
         progress.say(accelerator, note)
     recipe = recipe_cls(cfg, accelerator, comps, dataset)
+    if accelerator.is_main_process and (note := _long_captions(dataset, comps)):  # after TI's token is added
+        progress.say(accelerator, f"note: {note}")
     groups, optimizer = build(recipe)
     ema = Ema.for_config(cfg, recipe.ema_model(), device)
     loader, batches = runtime.make_loader(dataset, cfg, device)
@@ -732,6 +734,20 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return summary
+
+
+def _long_captions(dataset, comps) -> str:
+    """The captions the text encoder that reads the most (T5 for SD3.5 / FLUX.1, CLIP otherwise) cuts."""
+    from sdplan.registry import FLOW_FAMILIES
+
+    from .conditioning import long_captions_note
+
+    if not comps.tokenizers:
+        return ""
+    flow = comps.family in FLOW_FAMILIES
+    tokenizer = comps.tokenizers[-1] if flow else comps.tokenizers[0]
+    captions = [dataset.caption_for(item, i) for i, item in enumerate(dataset.items)]
+    return long_captions_note(tokenizer, captions, "T5" if flow else "CLIP")
 
 
 def _checkpoint_final(ckpt, state, accelerator) -> Path | None:
