@@ -138,7 +138,7 @@ def test_text_conditioning_matches_the_pipeline_encode_prompt(tiny_flow, family)
     assert torch.allclose(pooled, ref_pooled, atol=1e-5)
 
 
-@pytest.mark.parametrize("family", ["sd35-medium", "flux-dev"])
+@pytest.mark.parametrize("family", ["sd35-medium", "flux-dev", "flux-schnell"])
 def test_a_grid_sampled_from_cached_text_outputs_is_the_pipelines_own_without_its_encoders(tiny_flow, family):
     from sdplan.trainer import conditioning, flow, models, sampling
 
@@ -163,6 +163,28 @@ def test_a_grid_sampled_from_cached_text_outputs_is_the_pipelines_own_without_it
         assert np.abs(np.asarray(a, dtype=float) - np.asarray(b, dtype=float)).max() <= 1.0
     with pytest.raises(AssertionError, match="text encoder ran"):
         sampling.generate_images(pipe, prompts[:1], **settings)
+
+
+@pytest.mark.parametrize("family", FLOW)
+def test_a_sample_grid_conditions_on_the_t5_tokens_the_transformer_trained_on(tiny_flow, family):
+    """Sampling without the text cache: the pipeline encodes the prompt with as many T5 tokens as training
+    (FluxPipeline pads to 512 by default; FLUX.1 [schnell] trains on 256)."""
+    from sdplan.trainer import conditioning, models, sampling
+
+    comps = models.load_components(str(tiny_flow[family]), family=family)
+    ids = conditioning.tokenize(comps.tokenizers, ["a blue circle"])
+    trained, _ = conditioning.encode_prompts(comps.text_encoders, ids, family, "cpu")
+    pipe = comps.pipeline()
+    seen = []
+    forward = pipe.transformer.forward
+
+    def record(*args, **kwargs):
+        seen.append(kwargs["encoder_hidden_states"].shape[1])
+        return forward(*args, **kwargs)
+
+    pipe.transformer.forward = record
+    sampling.generate_images(pipe, ["a blue circle"], seed=0, steps=1, guidance_scale=4.0, resolution=64)
+    assert seen and set(seen) == {trained.shape[1]}
 
 
 # -- training through the one loop ------------------------------------------------------------------------

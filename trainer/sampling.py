@@ -46,6 +46,20 @@ def _size(resolution: int | tuple[int, int]) -> tuple[int, int]:
     return int(width), int(height)
 
 
+def _t5_length(pipeline) -> dict[str, int]:
+    """SD3 / FLUX pipelines: ``max_sequence_length`` = the T5 tokens the transformer trained on (the T5
+    tokenizer's ``model_max_length``, which ``flow_models`` sets to the family's ``t5_max_length``). Without it
+    the pipeline pads T5 to its own default (FluxPipeline: 512), so FLUX.1 [schnell], trained on 256 tokens,
+    was sampled on 512. Other pipelines: nothing."""
+    import inspect
+
+    if "max_sequence_length" not in inspect.signature(pipeline.__call__).parameters:
+        return {}
+    t5 = getattr(pipeline, "tokenizer_3", None) or getattr(pipeline, "tokenizer_2", None)
+    length = getattr(t5, "model_max_length", None)
+    return {"max_sequence_length": int(length)} if isinstance(length, int) and 0 < length <= 512 else {}
+
+
 def generate_images(
     pipeline,
     prompts: list[str],
@@ -76,7 +90,7 @@ def generate_images(
             text = (
                 conditioning(prompt, negative)
                 if conditioning is not None
-                else {"prompt": prompt, "negative_prompt": negative}
+                else {"prompt": prompt, "negative_prompt": negative, **_t5_length(pipeline)}
             )
             result = pipeline(
                 **text,
