@@ -3,6 +3,7 @@ the one loop on tiny models built in code, and the outputs loading back into the
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -185,6 +186,53 @@ def test_a_sample_grid_conditions_on_the_t5_tokens_the_transformer_trained_on(ti
     pipe.transformer.forward = record
     sampling.generate_images(pipe, ["a blue circle"], seed=0, steps=1, guidance_scale=4.0, resolution=64)
     assert seen and set(seen) == {trained.shape[1]}
+
+
+@pytest.mark.parametrize(("family", "guidance"), [("flux-dev", 3.5), ("sd35-medium", 7.5)])
+def test_a_sample_grid_takes_the_familys_guidance_unless_the_config_says(
+    tiny_flow, tmp_path, family, guidance
+):
+    """FluxPipeline's guidance_scale is FLUX.1 [dev]'s guidance embedding (3.5: FluxPipeline's and kohya's
+    default), not the classifier-free 7.5 of the other families; a value in the config is used as given."""
+    import contextlib
+    import types
+
+    from PIL import Image
+    from sdplan.trainer import models, outputs
+
+    from sdplan import config
+
+    comps = models.load_components(str(tiny_flow[family]), family=family)
+    seen = []
+    forward = comps.unet.forward
+
+    def record(*args, **kwargs):
+        seen.append(float(kwargs["guidance"][0]) if kwargs.get("guidance") is not None else None)
+        return forward(*args, **kwargs)
+
+    comps.unet.forward = record
+    accelerator = types.SimpleNamespace(
+        is_main_process=True, device=torch.device("cpu"), autocast=contextlib.nullcontext
+    )
+    for given, expected in ((None, guidance), (2.0, 2.0)):
+        sampling = {"prompts": ["a blue circle"], "num_inference_steps": 1}
+        if given is not None:
+            sampling["guidance_scale"] = given
+        cfg = config.validate(
+            {
+                "model": {"path": "x"},
+                "data": {"resolution": 64},
+                "output": {"dir": str(tmp_path)},
+                "sampling": sampling,
+            }
+        )
+        seen.clear()
+        grid = outputs.samples(
+            accelerator, comps, comps.unet, comps.text_encoders, cfg, out_path=tmp_path / "g.png"
+        )
+        assert json.loads(Image.open(grid).text["sdplan_samples"])["guidance_scale"] == expected
+        if family == "flux-dev":  # the guidance embedding's input, at the one denoising step
+            assert seen == [expected]
 
 
 # -- training through the one loop ------------------------------------------------------------------------
