@@ -420,6 +420,19 @@ def test_flow_families_refuse_textual_inversion_and_noise_offset(tiny_flow, demo
         run.train(cfg)
 
 
+@pytest.mark.parametrize("family", ["sd35-medium", "flux-schnell"])
+def test_flow_families_refuse_a_resolution_that_is_no_whole_number_of_patches(
+    tiny_flow, demo_dataset, tmp_path, family
+):
+    """72 px: a 9x9 latent, which FLUX cannot pack into 2x2 tokens (a reshape error at the first step) and
+    SD3's patch embedding cuts to 8x8 (a shape mismatch in the loss)."""
+    from sdplan.trainer import run
+
+    cfg = _cfg(tiny_flow[family], family, demo_dataset, tmp_path / "o", "data.resolution=72")
+    with pytest.raises(UsageError, match="multiple of 16 pixels"):
+        run.train(cfg)
+
+
 def test_family_of_another_network_kind_is_refused(tiny_flow):
     from sdplan.trainer import models
 
