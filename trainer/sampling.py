@@ -71,7 +71,8 @@ def _t5_length(pipeline) -> dict[str, int]:
 
     if "max_sequence_length" not in inspect.signature(pipeline.__call__).parameters:
         return {}
-    t5 = getattr(pipeline, "tokenizer_3", None) or getattr(pipeline, "tokenizer_2", None)
+    # SD3: tokenizer_3 (tokenizer_2 is CLIP-G's); FLUX: tokenizer_2
+    t5 = pipeline.tokenizer_3 if hasattr(pipeline, "tokenizer_3") else getattr(pipeline, "tokenizer_2", None)
     length = getattr(t5, "model_max_length", None)
     return {"max_sequence_length": int(length)} if isinstance(length, int) and 0 < length <= 512 else {}
 
