@@ -186,7 +186,9 @@ class SamplingConfig:
     prompts: list[str] = field(default_factory=list)
     every_steps: int = 0  # 0: only a final grid
     num_inference_steps: int = 20
-    guidance_scale: float = 7.5
+    # null: the family's (trainer.sampling.guidance_for): 3.5 for FLUX.1, whose pipeline takes it as the guidance
+    # embedding's value (FluxPipeline's and kohya's sample default), 7.5 for the others (classifier-free)
+    guidance_scale: float | None = None
     seed: int = 0
 
 
@@ -271,6 +273,7 @@ _RULES: dict[str, tuple[Any, str]] = {
     "checkpoints.keep_every_steps": (lambda v: v >= 0, "must be >= 0"),
     "sampling.every_steps": (lambda v: v >= 0, "must be >= 0"),
     "sampling.num_inference_steps": (lambda v: v >= 1, "must be >= 1"),
+    "sampling.guidance_scale": (lambda v: v is None or v >= 0, "must be >= 0 or null"),
 }
 
 

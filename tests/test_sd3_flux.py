@@ -3,6 +3,7 @@ the one loop on tiny models built in code, and the outputs loading back into the
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -138,7 +139,7 @@ def test_text_conditioning_matches_the_pipeline_encode_prompt(tiny_flow, family)
     assert torch.allclose(pooled, ref_pooled, atol=1e-5)
 
 
-@pytest.mark.parametrize("family", ["sd35-medium", "flux-dev"])
+@pytest.mark.parametrize("family", ["sd35-medium", "flux-dev", "flux-schnell"])
 def test_a_grid_sampled_from_cached_text_outputs_is_the_pipelines_own_without_its_encoders(tiny_flow, family):
     from sdplan.trainer import conditioning, flow, models, sampling
 
@@ -163,6 +164,75 @@ def test_a_grid_sampled_from_cached_text_outputs_is_the_pipelines_own_without_it
         assert np.abs(np.asarray(a, dtype=float) - np.asarray(b, dtype=float)).max() <= 1.0
     with pytest.raises(AssertionError, match="text encoder ran"):
         sampling.generate_images(pipe, prompts[:1], **settings)
+
+
+@pytest.mark.parametrize("family", FLOW)
+def test_a_sample_grid_conditions_on_the_t5_tokens_the_transformer_trained_on(tiny_flow, family):
+    """Sampling without the text cache: the pipeline encodes the prompt with as many T5 tokens as training
+    (FluxPipeline pads to 512 by default; FLUX.1 [schnell] trains on 256)."""
+    from sdplan.trainer import conditioning, models, sampling
+
+    comps = models.load_components(str(tiny_flow[family]), family=family)
+    ids = conditioning.tokenize(comps.tokenizers, ["a blue circle"])
+    trained, _ = conditioning.encode_prompts(comps.text_encoders, ids, family, "cpu")
+    pipe = comps.pipeline()
+    seen = []
+    forward = pipe.transformer.forward
+
+    def record(*args, **kwargs):
+        seen.append(kwargs["encoder_hidden_states"].shape[1])
+        return forward(*args, **kwargs)
+
+    pipe.transformer.forward = record
+    sampling.generate_images(pipe, ["a blue circle"], seed=0, steps=1, guidance_scale=4.0, resolution=64)
+    assert seen and set(seen) == {trained.shape[1]}
+
+
+@pytest.mark.parametrize(("family", "guidance"), [("flux-dev", 3.5), ("sd35-medium", 7.5)])
+def test_a_sample_grid_takes_the_familys_guidance_unless_the_config_says(
+    tiny_flow, tmp_path, family, guidance
+):
+    """FluxPipeline's guidance_scale is FLUX.1 [dev]'s guidance embedding (3.5: FluxPipeline's and kohya's
+    default), not the classifier-free 7.5 of the other families; a value in the config is used as given."""
+    import contextlib
+    import types
+
+    from PIL import Image
+    from sdplan.trainer import models, outputs
+
+    from sdplan import config
+
+    comps = models.load_components(str(tiny_flow[family]), family=family)
+    seen = []
+    forward = comps.unet.forward
+
+    def record(*args, **kwargs):
+        seen.append(float(kwargs["guidance"][0]) if kwargs.get("guidance") is not None else None)
+        return forward(*args, **kwargs)
+
+    comps.unet.forward = record
+    accelerator = types.SimpleNamespace(
+        is_main_process=True, device=torch.device("cpu"), autocast=contextlib.nullcontext
+    )
+    for given, expected in ((None, guidance), (2.0, 2.0)):
+        sampling = {"prompts": ["a blue circle"], "num_inference_steps": 1}
+        if given is not None:
+            sampling["guidance_scale"] = given
+        cfg = config.validate(
+            {
+                "model": {"path": "x"},
+                "data": {"resolution": 64},
+                "output": {"dir": str(tmp_path)},
+                "sampling": sampling,
+            }
+        )
+        seen.clear()
+        grid = outputs.samples(
+            accelerator, comps, comps.unet, comps.text_encoders, cfg, out_path=tmp_path / "g.png"
+        )
+        assert json.loads(Image.open(grid).text["sdplan_samples"])["guidance_scale"] == expected
+        if family == "flux-dev":  # the guidance embedding's input, at the one denoising step
+            assert seen == [expected]
 
 
 # -- training through the one loop ------------------------------------------------------------------------
@@ -347,6 +417,19 @@ def test_flow_families_refuse_textual_inversion_and_noise_offset(tiny_flow, demo
         tiny_flow["flux-schnell"], "flux-schnell", demo_dataset, tmp_path / "o", "training.noise_offset=0.1"
     )
     with pytest.raises(UsageError, match="noise_offset"):
+        run.train(cfg)
+
+
+@pytest.mark.parametrize("family", ["sd35-medium", "flux-schnell"])
+def test_flow_families_refuse_a_resolution_that_is_no_whole_number_of_patches(
+    tiny_flow, demo_dataset, tmp_path, family
+):
+    """72 px: a 9x9 latent, which FLUX cannot pack into 2x2 tokens (a reshape error at the first step) and
+    SD3's patch embedding cuts to 8x8 (a shape mismatch in the loss)."""
+    from sdplan.trainer import run
+
+    cfg = _cfg(tiny_flow[family], family, demo_dataset, tmp_path / "o", "data.resolution=72")
+    with pytest.raises(UsageError, match="multiple of 16 pixels"):
         run.train(cfg)
 
 

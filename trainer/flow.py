@@ -92,6 +92,7 @@ LORA_TARGETS = {
         "ff_context.net.2",
     ],
 }
+PIXELS_PER_TOKEN = 16  # the 8x VAE latent in 2x2 patches (FLUX packing, SD3's patch embedding)
 UNET_LORA_DEFAULT = ["to_k", "to_q", "to_v", "to_out.0"]  # sdplan.config.LoraConfig's default
 
 
@@ -279,6 +280,14 @@ class FlowAdapter:
                 f"training.noise_offset for {self.family.name}: an offset of the DDPM noise, not part of the "
                 "rectified-flow objective",
                 fix="set training.noise_offset: 0",
+            )
+        resolution = cfg.data.resolution
+        if not cfg.data.buckets and resolution % PIXELS_PER_TOKEN:  # bucket sides are multiples of 32 or more
+            lower = resolution - resolution % PIXELS_PER_TOKEN
+            raise UsageError(
+                f"data.resolution {resolution} for {self.family.name}: the transformer takes 2x2 patches of the "
+                f"8x VAE latent, so a side must be a multiple of {PIXELS_PER_TOKEN} pixels",
+                fix=f"set data.resolution to {lower} or {lower + PIXELS_PER_TOKEN}",
             )
         if cfg.training.train_text_encoder:
             raise UsageError(

@@ -277,7 +277,7 @@ def samples(
                     prompts,
                     seed=cfg.sampling.seed,
                     steps=cfg.sampling.num_inference_steps,
-                    guidance_scale=cfg.sampling.guidance_scale,
+                    guidance_scale=sampling.guidance_for(cfg.sampling.guidance_scale, comps.family),
                     resolution=cfg.data.resolution,
                     out_path=out_path or Path(cfg.output.dir) / "samples" / name,
                     labels=[f"step {shown_step}\n{p}" if shown_step is not None else p for p in prompts],

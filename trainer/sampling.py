@@ -46,6 +46,37 @@ def _size(resolution: int | tuple[int, int]) -> tuple[int, int]:
     return int(width), int(height)
 
 
+CFG_GUIDANCE = 7.5  # SD 1.x/2.x, SDXL, SD3.5: classifier-free guidance (kohya's sample default)
+FLUX_GUIDANCE = 3.5  # FLUX.1: the guidance embedding's value (FluxPipeline's default; kohya's sample default)
+
+
+def guidance_for(guidance_scale: float | None, family: str) -> float:
+    """The guidance scale to sample ``family`` with: ``sampling.guidance_scale``, or when it is null the
+    family's. FluxPipeline's ``guidance_scale`` is FLUX.1 [dev]'s distilled guidance embedding (no second,
+    unconditional pass; [schnell] ignores it), so the classifier-free 7.5 of the UNet families made its grids and
+    DreamBooth class images at more than twice the 3.5 it is used at."""
+    if guidance_scale is not None:
+        return float(guidance_scale)
+    from sdplan import registry
+
+    return FLUX_GUIDANCE if registry.family(family).arch == "flux" else CFG_GUIDANCE
+
+
+def _t5_length(pipeline) -> dict[str, int]:
+    """SD3 / FLUX pipelines: ``max_sequence_length`` = the T5 tokens the transformer trained on (the T5
+    tokenizer's ``model_max_length``, which ``flow_models`` sets to the family's ``t5_max_length``). Without it
+    the pipeline pads T5 to its own default (FluxPipeline: 512), so FLUX.1 [schnell], trained on 256 tokens,
+    was sampled on 512. Other pipelines: nothing."""
+    import inspect
+
+    if "max_sequence_length" not in inspect.signature(pipeline.__call__).parameters:
+        return {}
+    # SD3: tokenizer_3 (tokenizer_2 is CLIP-G's); FLUX: tokenizer_2
+    t5 = pipeline.tokenizer_3 if hasattr(pipeline, "tokenizer_3") else getattr(pipeline, "tokenizer_2", None)
+    length = getattr(t5, "model_max_length", None)
+    return {"max_sequence_length": int(length)} if isinstance(length, int) and 0 < length <= 512 else {}
+
+
 def generate_images(
     pipeline,
     prompts: list[str],
@@ -76,7 +107,7 @@ def generate_images(
             text = (
                 conditioning(prompt, negative)
                 if conditioning is not None
-                else {"prompt": prompt, "negative_prompt": negative}
+                else {"prompt": prompt, "negative_prompt": negative, **_t5_length(pipeline)}
             )
             result = pipeline(
                 **text,

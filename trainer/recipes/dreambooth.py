@@ -131,7 +131,7 @@ def _generate_class_images(accelerator, comps, cfg, class_dir: Path) -> None:
                         [db.class_prompt],
                         seed=cfg.training.seed + have + i,
                         steps=cfg.sampling.num_inference_steps,
-                        guidance_scale=cfg.sampling.guidance_scale,
+                        guidance_scale=sampling.guidance_for(cfg.sampling.guidance_scale, comps.family),
                         resolution=cfg.data.resolution,
                     )[0]
                 while (class_dir / f"class-{have + n:05d}.png").exists():
