@@ -1398,6 +1398,11 @@ def hardware_from_snapshot(snapshot: Any, profiles: Profiles, source: str = "pro
             f"this machine's torch is a {snapshot.software.torch_build} build: it drives the {drives.upper()} GPUs "
             f"only, so {', '.join(f'GPU {g.index} ({g.name})' for g in left)} are not planned"
         )
+    if snapshot.host.ram_total_bytes is None:
+        notes.append(
+            "this machine's RAM is not known (the snapshot does not say it): the host RAM a plan needs is not "
+            "checked against it"
+        )
     link, gbs = "pcie", PCIE_GBS[4]
     if len(gpus) > 1:
         types = {lk.type for lk in snapshot.links}
@@ -2386,8 +2391,8 @@ def pin_conflicts(req: Request, hw: Hardware) -> list[str]:
         have = ", ".join(str(g.index) for g in hw.gpus)
         if missing := [i for i in ids if i not in by_index]:
             out.append(
-                f"distributed.gpu_ids={list(ids)}: this hardware has no GPU {missing[0]} (it has {have}; "
-                "`sdplan doctor` numbers them)"
+                f"distributed.gpu_ids={list(ids)}: this hardware has no GPU {missing[0]} (it has "
+                f"GPU{'s' if len(hw.gpus) > 1 else ''} {have}; `sdplan doctor` numbers them)"
             )
         elif len({by_index[i].vendor for i in ids}) > 1:
             out.append(

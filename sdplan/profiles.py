@@ -869,7 +869,7 @@ def match_gpu(
         same = _unique(stripped.get(_MEMORY.sub("", query), []))
         found = [g for g in same if abs(g.memory_gib - size) < 1]
     if not found:
-        raise UsageError(f"unknown GPU {name!r}", fix=_unknown_fix(query, index))
+        raise UsageError(f"unknown GPU {name!r}", fix=_unknown_fix(query, index, stripped))
     if memory_bytes is not None:
         near = _by_memory(found, memory_bytes)
         if not near:
@@ -890,13 +890,28 @@ _ADD_GPU = (
 )
 
 
-def _unknown_fix(query: str, index: dict[str, list[GPUSpec]]) -> str:
+def _unknown_fix(query: str, index: dict[str, list[GPUSpec]], stripped: dict[str, list[GPUSpec]]) -> str:
+    """'did you mean: ...? add it ...'. A known name with a size it does not come in ("RTX 4090 48GB"): first the
+    names that extend it in that size ("RTX 4070 Ti 16GB": RTX 4070 Ti SUPER), then its own sizes; else the
+    catalog names nearest the spelling."""
+    first: list[GPUSpec] = []
+    if size := _MEMORY.search(query):
+        gib, stem = int(size.group(1)), _MEMORY.sub("", query)
+        longer = [g for k, gs in stripped.items() if k.startswith(stem) and k != stem for g in gs]
+        first = [g for g in longer if abs(g.memory_gib - gib) < 1] + list(stripped.get(stem, []))
     keys = [k for k in index if query in k or k in query] + difflib.get_close_matches(
         query, list(index), n=6, cutoff=0.6
     )
     keys.sort(key=lambda k: -difflib.SequenceMatcher(None, query, k).ratio())
-    names = list(dict.fromkeys(g.name for k in keys for g in index[k]))[:4]
-    hint = f"did you mean: {', '.join(names)}? " if names else ""
+    names = list(
+        dict.fromkeys(
+            [
+                *(g.name if "gb" in g.name.lower() else f"{g.name} ({g.memory_gib:g} GiB)" for g in first),
+                *(g.name for k in keys for g in index[k]),
+            ]
+        )
+    )
+    hint = f"did you mean: {', '.join(names[:4])}? " if names else ""
     return f"{hint}{_ADD_GPU}"
 
 

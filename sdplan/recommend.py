@@ -394,7 +394,12 @@ def recommend(
     inp = model_source(inp, profiles)
     req, notes = build_request(inp, profiles)
     hw = hardware if hardware is not None else resolve_hardware(inp, profiles)
-    if inp.gpus is not None and hw.count and inp.gpus > hw.count:
+    if inp.gpus is not None and inp.gpus > hw.count:
+        if not hw.count:  # was planned as if not given
+            raise UsageError(
+                f"--gpus {inp.gpus}: this machine has no GPU",
+                fix=f'plan for GPUs it does not have with --hardware "{inp.gpus}x RTX 4090" (any GPU name)',
+            )
         raise UsageError(f"--gpus {inp.gpus}: this hardware has {hw.count} GPU(s)")
     res = planner.plan(hw, profiles, req)
     if strict and res.pin_conflicts:

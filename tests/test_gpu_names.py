@@ -168,6 +168,19 @@ def test_unknown_name_suggests_the_closest(prof):
         prof.find_gpu("RTX A4001")
 
 
+@pytest.mark.parametrize(
+    ("typed", "first"),
+    [
+        ("RTX 4090 48GB", "RTX 4090 (24 GiB)"),  # suggested 4060 Ti 8GB, 3060 8GB, ... but not the RTX 4090
+        ("RTX 4070 Ti 16GB", "RTX 4070 Ti Super (16 GiB)"),  # the card of that name and size
+    ],
+)
+def test_a_known_name_in_a_size_it_does_not_come_in_suggests_its_own_sizes(prof, typed, first):
+    with pytest.raises(UsageError) as e:
+        prof.find_gpu(typed)
+    assert str(e.value).startswith(f"unknown GPU {typed!r} (did you mean: {first}")
+
+
 def test_form_factors_are_planned_with_the_assumption_stated(prof):
     """issue 10: `V100 16GB` was refused although both form factors have 16 GB."""
     m = prof.match_gpu("V100 16GB")

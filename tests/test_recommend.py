@@ -527,3 +527,31 @@ def test_model_given_as_an_uncached_hub_id_asks_for_the_family(tmp_path, monkeyp
     _one_line_error(r, 2)
     assert "cannot tell its family" in r.output and "model.path=someone/not-cached" in r.output
     assert "the hub cannot be asked (HF_HUB_OFFLINE is set)" in " ".join(r.output.split())
+
+
+def test_gpus_on_a_machine_without_a_gpu_is_an_error(monkeypatch):
+    """`recommend --gpus 2` on a machine without a GPU planned as if --gpus were not given, without a word."""
+    from sdplan import recommend as R
+    from sdplan.planner import Hardware
+
+    monkeypatch.setattr(R, "hardware_from_probe", lambda profiles: Hardware(source="probe", gpus=()))
+    r = CliRunner().invoke(app, ["recommend", "--method", "lora", "--model", "sd15", "--gpus", "2"])
+    assert r.exit_code == 2 and "--gpus 2: this machine has no GPU" in r.output
+    assert '--hardware "2x RTX 4090"' in r.output and "Traceback" not in r.output
+
+
+def test_a_snapshot_without_the_hosts_ram_says_it_is_not_checked(tmp_path):
+    data = json.loads((Path(__file__).parent / "fixtures" / "machines" / "rtx3060_12gb.json").read_text())
+    del data["host"]
+    (tmp_path / "m.json").write_text(json.dumps(data))
+    args = ["recommend", "--method", "lora", "--model", "sd15", "--machine", str(tmp_path / "m.json")]
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 0, r.output
+    assert "this machine's RAM is not known" in r.output
+
+
+def test_a_gpu_id_the_hardware_lacks_names_the_ones_it_has():
+    r = CliRunner().invoke(
+        app, ["recommend", "--method", "lora", "--hardware", "RTX 4090", "distributed.gpu_ids=[3]"]
+    )
+    assert r.exit_code == 2 and "has no GPU 3 (it has GPU 0;" in r.output
