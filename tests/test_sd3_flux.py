@@ -344,6 +344,16 @@ def test_flux_kohya_names_map_to_the_bfl_model_and_keep_every_delta(tiny_flow, d
     assert modules <= names, sorted(modules - names)
     assert "lora_unet_double_blocks_0_img_attn_qkv" in modules
     assert "lora_unet_single_blocks_0_linear1" in modules
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "out" / "t.kohya.safetensors"), "pt") as f:
+        meta = f.metadata()
+    assert (meta["ss_network_module"], meta["ss_base_model_version"]) == ("networks.lora_flux", "flux1")
+    assert meta["modelspec.architecture"] == "flux-1-dev/lora"
+    # the training's keys, as the SD 1.x / SDXL file has them (it had the network's only)
+    keys = ("ss_learning_rate", "ss_steps", "ss_max_train_steps", "ss_num_train_images", "ss_tag_frequency")
+    assert all(k in meta for k in keys), [k for k in keys if k not in meta]
+    assert meta["ss_mixed_precision"] == "no" and meta["ss_v2"] == "False"
     inner = tconfig["num_attention_heads"] * tconfig["attention_head_dim"]
     qkv = torch.cat([_delta_diffusers(diff, f"transformer_blocks.0.attn.to_{p}") for p in "qkv"])
     assert torch.allclose(_delta_kohya(kohya, "lora_unet_double_blocks_0_img_attn_qkv"), qkv, atol=1e-6)

@@ -234,12 +234,15 @@ def _kohya_metadata(
     name: str,
     *,
     run: dict[str, Any] | None = None,
+    module: str = "networks.lora",
+    version: str | None = None,
 ) -> dict[str, str]:
     """kohya sd-scripts ``ss_*`` keys as train_network.py writes them (every value through ``str()``: numbers
     as ``"4"``/``"0.0001"``, booleans as ``"True"``, tuples as ``"(512, 512)"``, dicts as JSON). Only keys this
     run can fill truthfully: from the config, ``metadata`` (steps, epoch, prediction type) and ``run``
     (``run_info``: step plan, dataset, start time). kohya options sdplan has no equivalent of (caption dropout,
-    min-SNR, huber loss, ...) are left out rather than written as defaults."""
+    min-SNR, huber loss, ...) are left out rather than written as defaults. ``module`` / ``version``: the
+    network module and base model version (SD3.5 / FLUX.1: ``flow_export``'s; default the UNet families')."""
     import time
 
     md = dict(metadata or {})
@@ -249,13 +252,13 @@ def _kohya_metadata(
     def get(section: str, key: str, default: Any = None) -> Any:
         return (config.get(section) or {}).get(key, default)
 
-    version = BASE_MODEL_VERSION[family]
+    version = version or BASE_MODEL_VERSION[family]
     if family == "sd21" and md.get("prediction_type") == "v_prediction":
         version = "sd_v2_v"
     resolution = md.get("resolution") or get("data", "resolution")
     method = config.get("method", "lora")
     ss: dict[str, Any] = {
-        "ss_network_module": "networks.lora",
+        "ss_network_module": module,
         "ss_network_dim": rank,
         "ss_network_alpha": float(alpha),
         "ss_base_model_version": version,

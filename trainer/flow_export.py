@@ -36,10 +36,12 @@ def save_flow_lora(
     metadata: dict[str, Any] | None,
     name: str | None = None,
     kohya: bool = True,
+    run: dict[str, Any] | None = None,
 ) -> list[Path]:
     """Write the LoRA ``transformer`` carries as a peft adapter: ``pytorch_lora_weights.safetensors`` and, with
     ``kohya``, ``{name}.kohya.safetensors`` (kohya sd-scripts / ComfyUI names; ``name`` None/empty: the run
-    folder's name, ``export.output_name``)."""
+    folder's name, ``export.output_name``), with kohya's ``ss_*`` training keys from ``metadata`` and ``run``
+    (``export.run_info``) as the SD 1.x / SDXL file has them."""
     if family not in registry.FLOW_FAMILIES:
         raise ExportError(f"{family} is not an SD3.5/FLUX family")
     found = _peft_lora(transformer)
@@ -75,14 +77,26 @@ def save_flow_lora(
                 state_dict,
                 transformer_config=dict(transformer.config),
                 alpha=alpha,
-                metadata={**md, **_kohya_metadata(arch, dict(transformer.config), rank, alpha, name, family)},
+                metadata={
+                    **md,
+                    **_kohya_metadata(
+                        arch, dict(transformer.config), rank, alpha, name, family, metadata, run
+                    ),
+                },
             )
         )
     return written
 
 
 def _kohya_metadata(
-    arch: str, config: dict[str, Any], rank: int, alpha: float, name: str, family: str
+    arch: str,
+    config: dict[str, Any],
+    rank: int,
+    alpha: float,
+    name: str,
+    family: str,
+    metadata: dict[str, Any] | None = None,
+    run: dict[str, Any] | None = None,
 ) -> dict[str, str]:
     """kohya sd-scripts' keys for the LoRA. FLUX (flux_train_network.py): networks.lora_flux, base model
     ``flux1`` (library/flux_utils.MODEL_VERSION_FLUX_V1). SD3 (sd3_train_network.py): networks.lora_sd3, base
@@ -96,12 +110,11 @@ def _kohya_metadata(
             version = "5-medium"
         else:
             version = "5-large" if config.get("qk_norm") else "3-medium"
+    from .export import _kohya_metadata as training_keys
+
     return {
-        "ss_network_module": module,
-        "ss_network_dim": str(rank),
-        "ss_network_alpha": str(float(alpha)),
-        "ss_base_model_version": version,
-        "ss_output_name": name,
+        # the training's keys (learning rate, steps, dataset, tag frequency, ...), as the UNet families' file
+        **training_keys(metadata, family, rank, alpha, name, run=run, module=module, version=version),
         "modelspec.sai_model_spec": "1.0.0",
         "modelspec.architecture": f"{_MODELSPEC[family]}/lora",
         "modelspec.title": name,

@@ -57,6 +57,7 @@ class LoRA(Recipe):
                 metadata=metadata,
                 name=self.cfg.output.name,
                 kohya=self.cfg.output.save_kohya,
+                run=self.run_info(),
             )
         train_te = self.cfg.training.train_text_encoder
         return export.save_lora(
@@ -69,14 +70,18 @@ class LoRA(Recipe):
             metadata=metadata,
             name=self.cfg.output.name,
             kohya=self.cfg.output.save_kohya,
-            run=export.run_info(
-                step_plan=self.plan,
-                dataset=export.dataset_info(
-                    self.dataset.items,
-                    self.cfg.data.path,
-                    bucket_rows=self.dataset.bucket_table() if self.cfg.data.buckets else None,
-                ),
-                started_at=self.started_at,
-                session_id=self.session_id,
+            run=self.run_info(),
+        )
+
+    def run_info(self) -> dict[str, Any]:
+        """The run's facts for kohya's ``ss_*`` keys (``export.run_info``): step plan, dataset, start."""
+        return export.run_info(
+            step_plan=self.plan,
+            dataset=export.dataset_info(
+                self.dataset.items,
+                self.cfg.data.path,
+                bucket_rows=self.dataset.bucket_table() if self.cfg.data.buckets else None,
             ),
+            started_at=self.started_at,
+            session_id=self.session_id,
         )
