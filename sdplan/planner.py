@@ -2106,6 +2106,19 @@ def seconds_band(
     return band, f"validation set, n={n}"
 
 
+def latent_cache_seconds(profiles: Profiles, s: Settings, images: int, gpu: HWGPU, cal: Calibration) -> float:
+    """Filling the latent cache: one VAE pass per distinct image, split over the processes. The trainer's cache
+    is keyed by the file's content with its size, crop and flip (trainer/data.py LatentCache), so with the
+    default centre crop and no flip the repeats of an image and the later epochs all reuse its latents: the
+    pass does not grow with repeats or epochs (charging it per repeat made caching look no faster than
+    encoding every step)."""
+    model = profiles.model(s.model)
+    latent = (s.resolution // model.vae_scale_factor) ** 2
+    tflops = gpu_tflops(gpu, s.precision) or 1.0
+    flops = profiles.activations.vae_encode_flops(s.model, latent) * images / s.num_gpus
+    return flops / (tflops * 1e12 * cal.efficiency_for(gpu.spec))
+
+
 def _evaluate(req: Request, profiles: Profiles, hw: Hardware, cal: Calibration, s: Settings) -> Candidate:
     """``s`` on the GPUs it runs on (:func:`plan_gpus`), at the weakest of them: the smallest memory, the
     slowest step (:func:`pace_gpu`), an out-of-memory observed on any."""
@@ -2142,14 +2155,8 @@ def _evaluate(req: Request, profiles: Profiles, hw: Hardware, cal: Calibration, 
     if step_s is not None:
         stepping = steps.total_steps * s.grad_accum * step_s
         fixed = STARTUP_S
-        if s.cache_latents:  # one VAE pass over the images, split over the processes
-            model = profiles.model(s.model)
-            latent = (s.resolution // model.vae_scale_factor) ** 2
-            tflops = gpu_tflops(gpu, s.precision) or 1.0
-            flops = (
-                profiles.activations.vae_encode_flops(s.model, latent) * steps.images_per_epoch / s.num_gpus
-            )
-            fixed += flops / (tflops * 1e12 * cal.efficiency_for(gpu.spec))
+        if s.cache_latents:
+            fixed += latent_cache_seconds(profiles, s, req.images, gpu, cal)
         seconds = fixed + stepping
         if s.num_gpus > 1 and observed is None and hw.link_gbs:
             micro_steps = steps.total_steps * s.grad_accum
@@ -2755,11 +2762,7 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
         "adafactor": f"Adafactor (factored second moment, a fraction of AdamW's state): {why}",
     }[s.optimizer]
     r.append(f"optimizer {s.optimizer}: " + ("pinned" if pinned("optimizer") else opt_reason))
-    r.append(
-        "latents cached: the VAE runs once per image instead of every step (faster, less VRAM; no random crop/flip)"
-        if s.cache_latents
-        else "latents not cached"
-    )
+    r.append(_latent_cache_text(req, best, fitting))
     if s.cache_text_encoder_outputs:
         te = profiles.model(s.model).text_encoder_params * (2 if s.precision in ("fp16", "bf16") else 4)
         r.append(
@@ -2932,6 +2935,47 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
     if req.prior_preservation and req.class_images:
         r.append(f"prior preservation: {req.class_images} class images are trained alongside (batch doubled)")
     return r
+
+
+def _latent_cache_text(req: Request, best: Candidate, fitting: list[Candidate]) -> str:
+    """Why the latents are cached or not, by the same plan the other way (:func:`latent_cache_seconds`: one
+    VAE pass per distinct image; uncached, the VAE encodes every image every step sees)."""
+    s = best.setup
+    state = "cached" if s.cache_latents else "not cached"
+    if req.pinned("cache_latents"):
+        return f"latents {state}: pinned"
+    twin = next((c for c in fitting if c.setup == replace(s, cache_latents=not s.cache_latents)), None)
+    seen = best.steps.images_seen
+    once = (
+        f"the VAE encodes each of the {req.images} images once (repeats and epochs reuse the cached latents) "
+        f"instead of all {seen} images the steps see"
+    )
+    if s.cache_latents:
+        if twin is None:
+            how = "without caching this plan does not fit"
+        elif twin.seconds is None or best.seconds is None:
+            how = "faster"
+        elif twin.seconds - best.seconds >= 0.5:
+            saved = twin.seconds - best.seconds
+            how = f"{format_duration(saved)} faster ({saved / twin.seconds:.0%})"
+        else:
+            return (
+                f"latents cached: each of the {req.images} images is seen once, so no faster than encoding them "
+                "every step, but the VAE leaves the GPU (less VRAM; no random crop/flip)"
+            )
+        return f"latents cached: {once}: {how} (less VRAM; no random crop/flip)"
+    if twin is None:
+        return "latents not cached: the plan with cached latents does not fit"
+    if twin.seconds is None or best.seconds is None:
+        return "latents not cached"
+    diff = twin.seconds - best.seconds
+    if abs(diff) < 0.5:
+        return (
+            f"latents not cached: each of the {req.images} images is seen once, so caching would save no time"
+        )
+    if diff > 0:
+        return f"latents not cached: caching would take {format_duration(diff)} longer ({once})"
+    return f"latents not cached: caching would be {format_duration(-diff)} faster, but it has {_tier_text(twin, best)}"
 
 
 def _multi_gpu_reasons(hw, best, one, best_by_n, profiles, cal) -> list[str]:
