@@ -2786,6 +2786,15 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
                 "on the CPU"
             )
         )
+    elif req.method in FULL_METHODS and s.precision == "bf16" and not pinned("full_half_weights"):
+        half = _faster_full_half(best, fitting)
+        if half is not None:
+            r.append(
+                "fp32 master weights kept over speed (a quality preference for full-weight training): full bf16 "
+                f"weights and gradients (training.full_half_weights=true, no fp32 master copy) would take "
+                f"{format_duration(half.seconds)}, {1 - half.seconds / best.seconds:.0%} less "
+                f"({describe(half.setup)}), with lower-precision weights; pin it to plan that"
+            )
     if s.offload:
         added = offload_seconds(profiles, s, pace.spec, cal.cpu_adam_params_per_s) if pace.spec else None
         r.append(
@@ -2826,6 +2835,7 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
     else:
         r.append(
             f"batch size {s.batch}, gradient accumulation {s.grad_accum}: the fastest whole run that fits"
+            + _preferred_tier_text(best, fitting)
         )
     unc = profiles.uncertainty
     peak_band, peak_n = unc.peak_for(s.model)
@@ -2935,6 +2945,52 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
     if req.prior_preservation and req.class_images:
         r.append(f"prior preservation: {req.class_images} class images are trained alongside (batch doubled)")
     return r
+
+
+PREFERENCE_COST_SHOWN = 0.02  # a faster plan passed over for fp32 master weights is named from 2% faster
+
+
+def _faster_full_half(best: Candidate, fitting: list[Candidate]) -> Candidate | None:
+    """The fastest plan with full bf16 weights (no fp32 master copy) that the search passed over for ``best``'s
+    fp32 master weights (:func:`_tier`) and that is otherwise as preferred (within the upper end, as many GPUs,
+    the same rank and offload), where it is at least PREFERENCE_COST_SHOWN faster; else None."""
+    if best.setup.full_half_weights or best.seconds is None:
+        return None
+    half = [
+        c
+        for c in fitting
+        if c.setup.full_half_weights
+        and c.safe
+        and c.seconds is not None
+        and c.seconds < best.seconds * (1 - PREFERENCE_COST_SHOWN)
+        and c.setup.num_gpus == best.setup.num_gpus
+        and _tier(c)[:3] == _tier(best)[:3]
+    ]
+    return min(half, key=_key, default=None)
+
+
+def _preferred_tier_text(best: Candidate, fitting: list[Candidate]) -> str:
+    """What "the fastest whole run that fits" is among, where a faster plan within the upper end was passed
+    over for a preference (:func:`_tier`): "" where none was."""
+    faster = [
+        c
+        for c in fitting
+        if c.safe
+        and c.setup.num_gpus == best.setup.num_gpus
+        and _tier(c) != _tier(best)
+        and c.seconds is not None
+        and c.seconds < best.seconds
+    ]
+    if not faster:
+        return ""
+    said = []
+    if any(c.lowered_rank and not best.lowered_rank for c in faster):
+        said.append("at the requested LoRA rank")
+    if any(c.setup.offload and not best.setup.offload for c in faster):
+        said.append("without DeepSpeed offload")
+    if any(c.setup.full_half_weights and not best.setup.full_half_weights for c in faster):
+        said.append("with fp32 master weights")
+    return " " + " and ".join(said) if said else ""
 
 
 def _latent_cache_text(req: Request, best: Candidate, fitting: list[Candidate]) -> str:
