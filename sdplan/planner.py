@@ -1999,6 +1999,13 @@ def host_ram_ok(
     return not ram_total_bytes or host_ram_needed_bytes(profiles, s, mem) <= HOST_RAM_SHARE * ram_total_bytes
 
 
+def loading_ram_short(mem: Memory, ram_total_bytes: int | None) -> bool:
+    """Whether loading the models for a plan takes more host RAM (``mem.ram``) than the machine has: a warning,
+    not a refusal, unlike what :func:`host_ram_ok` checks (held for the whole run): loading beyond the RAM
+    swaps, and may be killed by the OS (recommend warns, doctor calls the cell tight)."""
+    return bool(ram_total_bytes) and mem.ram > ram_total_bytes
+
+
 def _speed_settings(s: Settings) -> tuple:
     """What a one-GPU step's time depends on, to match a measured or published speed to a plan exactly (the
     optimizer, the LoRA rank and the attention backend move it by a few percent: a point differing only there
@@ -2869,7 +2876,7 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
             + f"; the range is measured / predicted x{peak_band[0]:g}-{peak_band[1]:g} on the "
             f"validation set's {_band_scope(profiles, s.model)} (n={peak_n})"
         )
-    if hw.ram_total_bytes and m.ram > hw.ram_total_bytes:
+    if loading_ram_short(m, hw.ram_total_bytes):
         r.append(
             f"warning: host RAM: loading the models for this plan takes ~{_gib(m.ram)} and this machine has "
             f"{_gib(hw.ram_total_bytes)}: loading may swap heavily or be killed by the OS; add RAM or swap space"
