@@ -37,9 +37,11 @@ def planner_verdicts(snapshot: Snapshot) -> list[Verdict]:
     """Verdict from the planner: the fastest one-GPU plan at the family's native resolution (on a machine whose
     GPUs differ, on the GPU that suits it best, named in the note).
 
-    ok: fits without DeepSpeed offload; tight: only with offload (the optimizer on the CPU); no: does not fit.
+    ok: fits without DeepSpeed offload; tight: only with offload (the optimizer on the CPU), or loading the models
+    takes more host RAM than the machine has (it may swap heavily or be killed by the OS: recommend's warning;
+    the planner refuses only RAM held for the whole run, offload's and block swap's); no: does not fit.
     """
-    from sdplan.planner import Request, hardware_from_snapshot, mixed_gpus, plan, plan_gpus
+    from sdplan.planner import Request, hardware_from_snapshot, loading_ram_short, mixed_gpus, plan, plan_gpus
     from sdplan.profiles import load_profiles
 
     profiles = load_profiles()
@@ -82,9 +84,15 @@ def planner_verdicts(snapshot: Snapshot) -> list[Verdict]:
             if s.blocks_to_swap:
                 savers.append(f"swap {s.blocks_to_swap} blocks")
             note = f"{', '.join(savers)}; {result.memory.peak / 2**30:.1f} GiB"
+            short_ram = loading_ram_short(result.memory, hardware.ram_total_bytes)
+            if short_ram:
+                note += (
+                    f"; loading takes {_gib(int(result.memory.ram))} of host RAM, "
+                    f"{_gib(hardware.ram_total_bytes)} here: may swap"
+                )
             if mixed:  # which of the GPUs that differ
                 note += f" on GPU {plan_gpus(hardware, s)[0].index}"
-            out.append(Verdict(method, family, "tight" if s.offload else "ok", note))
+            out.append(Verdict(method, family, "tight" if (s.offload or short_ram) else "ok", note))
     return out
 
 

@@ -2004,6 +2004,13 @@ def host_ram_ok(
     return not ram_total_bytes or host_ram_needed_bytes(profiles, s, mem) <= HOST_RAM_SHARE * ram_total_bytes
 
 
+def loading_ram_short(mem: Memory, ram_total_bytes: int | None) -> bool:
+    """Whether loading the models for a plan takes more host RAM (``mem.ram``) than the machine has: a warning,
+    not a refusal, unlike what :func:`host_ram_ok` checks (held for the whole run): loading beyond the RAM
+    swaps, and may be killed by the OS (recommend warns, doctor calls the cell tight)."""
+    return bool(ram_total_bytes) and mem.ram > ram_total_bytes
+
+
 def _speed_settings(s: Settings) -> tuple:
     """What a one-GPU step's time depends on, to match a measured or published speed to a plan exactly (the
     optimizer, the LoRA rank and the attention backend move it by a few percent: a point differing only there
@@ -2111,6 +2118,19 @@ def seconds_band(
     return band, f"validation set, n={n}"
 
 
+def latent_cache_seconds(profiles: Profiles, s: Settings, images: int, gpu: HWGPU, cal: Calibration) -> float:
+    """Filling the latent cache: one VAE pass per distinct image, split over the processes. The trainer's cache
+    is keyed by the file's content with its size, crop and flip (trainer/data.py LatentCache), so with the
+    default centre crop and no flip the repeats of an image and the later epochs all reuse its latents: the
+    pass does not grow with repeats or epochs (charging it per repeat made caching look no faster than
+    encoding every step)."""
+    model = profiles.model(s.model)
+    latent = (s.resolution // model.vae_scale_factor) ** 2
+    tflops = gpu_tflops(gpu, s.precision) or 1.0
+    flops = profiles.activations.vae_encode_flops(s.model, latent) * images / s.num_gpus
+    return flops / (tflops * 1e12 * cal.efficiency_for(gpu.spec))
+
+
 def _evaluate(req: Request, profiles: Profiles, hw: Hardware, cal: Calibration, s: Settings) -> Candidate:
     """``s`` on the GPUs it runs on (:func:`plan_gpus`), at the weakest of them: the smallest memory, the
     slowest step (:func:`pace_gpu`), an out-of-memory observed on any."""
@@ -2147,14 +2167,8 @@ def _evaluate(req: Request, profiles: Profiles, hw: Hardware, cal: Calibration, 
     if step_s is not None:
         stepping = steps.total_steps * s.grad_accum * step_s
         fixed = STARTUP_S
-        if s.cache_latents:  # one VAE pass over the images, split over the processes
-            model = profiles.model(s.model)
-            latent = (s.resolution // model.vae_scale_factor) ** 2
-            tflops = gpu_tflops(gpu, s.precision) or 1.0
-            flops = (
-                profiles.activations.vae_encode_flops(s.model, latent) * steps.images_per_epoch / s.num_gpus
-            )
-            fixed += flops / (tflops * 1e12 * cal.efficiency_for(gpu.spec))
+        if s.cache_latents:
+            fixed += latent_cache_seconds(profiles, s, req.images, gpu, cal)
         seconds = fixed + stepping
         if s.num_gpus > 1 and observed is None and hw.link_gbs:
             micro_steps = steps.total_steps * s.grad_accum
@@ -2760,11 +2774,7 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
         "adafactor": f"Adafactor (factored second moment, a fraction of AdamW's state): {why}",
     }[s.optimizer]
     r.append(f"optimizer {s.optimizer}: " + ("pinned" if pinned("optimizer") else opt_reason))
-    r.append(
-        "latents cached: the VAE runs once per image instead of every step (faster, less VRAM; no random crop/flip)"
-        if s.cache_latents
-        else "latents not cached"
-    )
+    r.append(_latent_cache_text(req, best, fitting))
     if s.cache_text_encoder_outputs:
         te = profiles.model(s.model).text_encoder_params * (2 if s.precision in ("fp16", "bf16") else 4)
         r.append(
@@ -2788,6 +2798,15 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
                 "on the CPU"
             )
         )
+    elif req.method in FULL_METHODS and s.precision == "bf16" and not pinned("full_half_weights"):
+        half = _faster_full_half(best, fitting)
+        if half is not None:
+            r.append(
+                "fp32 master weights kept over speed (a quality preference for full-weight training): full bf16 "
+                f"weights and gradients (training.full_half_weights=true, no fp32 master copy) would take "
+                f"{format_duration(half.seconds)}, {1 - half.seconds / best.seconds:.0%} less "
+                f"({describe(half.setup)}), with lower-precision weights; pin it to plan that"
+            )
     if s.offload:
         added = offload_seconds(profiles, s, pace.spec, cal.cpu_adam_params_per_s) if pace.spec else None
         r.append(
@@ -2828,6 +2847,7 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
     else:
         r.append(
             f"batch size {s.batch}, gradient accumulation {s.grad_accum}: the fastest whole run that fits"
+            + _preferred_tier_text(best, fitting)
         )
     unc = profiles.uncertainty
     peak_band, peak_n = unc.peak_for(s.model)
@@ -2861,7 +2881,7 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
             + f"; the range is measured / predicted x{peak_band[0]:g}-{peak_band[1]:g} on the "
             f"validation set's {_band_scope(profiles, s.model)} (n={peak_n})"
         )
-    if hw.ram_total_bytes and m.ram > hw.ram_total_bytes:
+    if loading_ram_short(m, hw.ram_total_bytes):
         r.append(
             f"warning: host RAM: loading the models for this plan takes ~{_gib(m.ram)} and this machine has "
             f"{_gib(hw.ram_total_bytes)}: loading may swap heavily or be killed by the OS; add RAM or swap space"
@@ -2937,6 +2957,93 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
     if req.prior_preservation and req.class_images:
         r.append(f"prior preservation: {req.class_images} class images are trained alongside (batch doubled)")
     return r
+
+
+PREFERENCE_COST_SHOWN = 0.02  # a faster plan passed over for fp32 master weights is named from 2% faster
+
+
+def _faster_full_half(best: Candidate, fitting: list[Candidate]) -> Candidate | None:
+    """The fastest plan with full bf16 weights (no fp32 master copy) that the search passed over for ``best``'s
+    fp32 master weights (:func:`_tier`) and that is otherwise as preferred (within the upper end, as many GPUs,
+    the same rank and offload), where it is at least PREFERENCE_COST_SHOWN faster; else None."""
+    if best.setup.full_half_weights or best.seconds is None:
+        return None
+    half = [
+        c
+        for c in fitting
+        if c.setup.full_half_weights
+        and c.safe
+        and c.seconds is not None
+        and c.seconds < best.seconds * (1 - PREFERENCE_COST_SHOWN)
+        and c.setup.num_gpus == best.setup.num_gpus
+        and _tier(c)[:3] == _tier(best)[:3]
+    ]
+    return min(half, key=_key, default=None)
+
+
+def _preferred_tier_text(best: Candidate, fitting: list[Candidate]) -> str:
+    """What "the fastest whole run that fits" is among, where a faster plan within the upper end was passed
+    over for a preference (:func:`_tier`): "" where none was."""
+    faster = [
+        c
+        for c in fitting
+        if c.safe
+        and c.setup.num_gpus == best.setup.num_gpus
+        and _tier(c) != _tier(best)
+        and c.seconds is not None
+        and c.seconds < best.seconds
+    ]
+    if not faster:
+        return ""
+    said = []
+    if any(c.lowered_rank and not best.lowered_rank for c in faster):
+        said.append("at the requested LoRA rank")
+    if any(c.setup.offload and not best.setup.offload for c in faster):
+        said.append("without DeepSpeed offload")
+    if any(c.setup.full_half_weights and not best.setup.full_half_weights for c in faster):
+        said.append("with fp32 master weights")
+    return " " + " and ".join(said) if said else ""
+
+
+def _latent_cache_text(req: Request, best: Candidate, fitting: list[Candidate]) -> str:
+    """Why the latents are cached or not, by the same plan the other way (:func:`latent_cache_seconds`: one
+    VAE pass per distinct image; uncached, the VAE encodes every image every step sees)."""
+    s = best.setup
+    state = "cached" if s.cache_latents else "not cached"
+    if req.pinned("cache_latents"):
+        return f"latents {state}: pinned"
+    twin = next((c for c in fitting if c.setup == replace(s, cache_latents=not s.cache_latents)), None)
+    seen = best.steps.images_seen
+    once = (
+        f"the VAE encodes each of the {req.images} images once (repeats and epochs reuse the cached latents) "
+        f"instead of all {seen} images the steps see"
+    )
+    if s.cache_latents:
+        if twin is None:
+            how = "without caching this plan does not fit"
+        elif twin.seconds is None or best.seconds is None:
+            how = "faster"
+        elif twin.seconds - best.seconds >= 0.5:
+            saved = twin.seconds - best.seconds
+            how = f"{format_duration(saved)} faster ({saved / twin.seconds:.0%})"
+        else:
+            return (
+                f"latents cached: each of the {req.images} images is seen once, so no faster than encoding them "
+                "every step, but the VAE leaves the GPU (less VRAM; no random crop/flip)"
+            )
+        return f"latents cached: {once}: {how} (less VRAM; no random crop/flip)"
+    if twin is None:
+        return "latents not cached: the plan with cached latents does not fit"
+    if twin.seconds is None or best.seconds is None:
+        return "latents not cached"
+    diff = twin.seconds - best.seconds
+    if abs(diff) < 0.5:
+        return (
+            f"latents not cached: each of the {req.images} images is seen once, so caching would save no time"
+        )
+    if diff > 0:
+        return f"latents not cached: caching would take {format_duration(diff)} longer ({once})"
+    return f"latents not cached: caching would be {format_duration(-diff)} faster, but it has {_tier_text(twin, best)}"
 
 
 def _multi_gpu_reasons(hw, best, one, best_by_n, profiles, cal) -> list[str]:

@@ -330,3 +330,23 @@ def test_planner_verdicts_on_fixture_machines(machine, method, family, status):
         assert "offload" in note
     if status == "ok":
         assert "GiB" in note
+
+
+def test_planner_verdict_is_tight_where_loading_needs_more_host_ram(tmp_path):
+    """One RTX 4090 with 16 GiB of RAM: FLUX.1 [dev] LoRA fits the GPU, but loading it takes ~34 GiB of host
+    RAM (it may swap or be killed): not "ok". A warning, not "no": the planner refuses only RAM held for the
+    whole run (DeepSpeed offload, block swap's pinned copies)."""
+    from sdplan.doctor import planner_verdicts
+
+    data = json.loads((MACHINES / "2x_rtx4090_pcie.json").read_text())
+    data["gpus"] = data["gpus"][:1]
+    data["links"] = []
+    data["host"]["ram_total_bytes"] = 16 * 2**30
+    data["host"]["ram_available_bytes"] = 15 * 2**30
+    path = tmp_path / "one_4090_16g.json"
+    path.write_text(json.dumps(data))
+    grid = {(m, f): (s, note) for m, f, s, note in planner_verdicts(Snapshot.load(path))}
+    status, note = grid[("lora", "flux-dev")]
+    assert status == "tight", note
+    assert "host RAM" in note and "16.0 GiB here" in note
+    assert grid[("lora", "sd15")][0] == "ok"  # what loads within the RAM stays ok

@@ -1,0 +1,88 @@
+"""The planner's choices and their reasons: latent caching charged once per distinct image, fp32 master
+weights preferred with their cost said, a plan over the machine's host RAM flagged."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from sdplan import planner as P
+from sdplan.profiles import clear_cache, load_profiles
+
+
+@pytest.fixture(scope="module")
+def prof():
+    clear_cache()
+    return load_profiles()
+
+
+def _catalog(prof, name: str, count: int = 1) -> P.Hardware:
+    return P.hardware_from_catalog(prof.find_gpu(name), count)
+
+
+def _plan(prof, hardware: str, **kw) -> P.Result:
+    return P.plan(_catalog(prof, hardware), prof, P.Request(**kw))
+
+
+def _outside_steps(res: P.Result) -> float:
+    return res.seconds - res.steps.total_steps * res.step_seconds
+
+
+def _latent_reason(res: P.Result) -> str:
+    return next(r for r in res.reasons if r.startswith("latents "))
+
+
+def test_latent_cache_is_one_vae_pass_per_distinct_image(prof):
+    """The trainer's latent cache is keyed by file content (and size, crop, flip): repeats and epochs reuse
+    an image's latents, so 13 images x 40 repeats cost what 13 images x 40 epochs do outside the steps."""
+    repeats = _plan(prof, "RTX 4090", method="lora", model="sdxl", images=13, repeats=40, epochs=1)
+    epochs = _plan(prof, "RTX 4090", method="lora", model="sdxl", images=13, repeats=1, epochs=40)
+    assert repeats.plan.cache_latents and epochs.plan.cache_latents
+    assert _outside_steps(repeats) == pytest.approx(_outside_steps(epochs), abs=0.5)
+
+
+def test_latent_caching_chosen_where_it_saves_time_and_says_so(prof):
+    """100 images x 10 repeats: the VAE encodes 100 images once instead of 1000 in the steps."""
+    res = _plan(prof, "RTX 4090", method="lora", model="sd15", images=100, repeats=10, epochs=1)
+    assert res.plan.cache_latents
+    why = _latent_reason(res)
+    assert "each of the 100 images once" in why and "1000 images" in why and "faster" in why
+    uncached = P._evaluate(
+        res.request,
+        prof,
+        res.hardware,
+        P.calibrate_for(prof, res.hardware),
+        replace(res.plan, cache_latents=False),
+    )
+    assert uncached.seconds > res.seconds + 10
+
+
+def test_latent_cache_reason_when_each_image_is_seen_once(prof):
+    res = _plan(prof, "RTX 4090", method="lora", model="sd15", images=20, repeats=1, epochs=1)
+    assert "seen once" in _latent_reason(res)
+
+
+def test_fp32_master_weights_preference_is_said_with_its_cost(prof):
+    """A 12 GB RTX 3080 DreamBooth plan keeps fp32 master weights at batch 1; full bf16 would be faster and
+    fit: the reasons say so with the planner's own figure, and do not call the plan the fastest that fits."""
+    res = _plan(prof, "RTX 3080 12GB", method="dreambooth", model="sd15")
+    assert not res.plan.full_half_weights
+    half = _plan(
+        prof, "RTX 3080 12GB", method="dreambooth", model="sd15", pins=(("full_half_weights", True),)
+    )
+    assert half.feasible and half.within_upper_bound and half.seconds < res.seconds
+    said = next(r for r in res.reasons if "fp32 master weights kept over speed" in r)
+    assert "training.full_half_weights=true" in said
+    assert f"{P.format_duration(half.seconds)}, {1 - half.seconds / res.seconds:.0%} less" in said
+    batch = next(r for r in res.reasons if r.startswith("batch size"))
+    assert batch.endswith("the fastest whole run that fits with fp32 master weights")
+
+
+def test_no_preference_cost_where_full_bf16_is_the_plan(prof):
+    res = _plan(prof, "RTX 3080 10GB", method="dreambooth", model="sd15")
+    assert res.plan.full_half_weights
+    assert not any("kept over speed" in r for r in res.reasons)
+    assert next(r for r in res.reasons if r.startswith("batch size")).endswith(
+        "the fastest whole run that fits"
+    )
