@@ -75,6 +75,8 @@ def chart_data(res: planner.Result, profiles: Any) -> dict[str, Any]:
         "peak_basis": res.peak_basis,
         "card": card,
         "limit": card * planner.HEADROOM,
+        # the dashed line is the estimate's limit only: the likely range's is the card itself (planner.vram_required)
+        "limit_label": f"the estimate's limit ({int(planner.HEADROOM * 100)}%; the likely range's is the card)",
         "batch": s.batch,
         "verdict": next(r["verdict"] for r in sweep if r["batch"] == s.batch),
         "minutes": res.seconds / 60 if res.seconds is not None else None,
@@ -108,7 +110,7 @@ def render_png(data: dict[str, Any]) -> bytes:
         left.plot(peak, 0.45, "kv", label="peak")
     if data["card"]:
         left.axvline(data["card"], color="red", linewidth=2, label=f"card {data['card']:.1f}")
-        left.axvline(data["limit"], color="red", linestyle="--", linewidth=1, label="plan limit")
+        left.axvline(data["limit"], color="red", linestyle="--", linewidth=1, label=data["limit_label"])
     left.set_yticks([])
     left.set_ylim(-0.6, 0.8)
     left.set_xlabel("GiB per GPU")

@@ -2131,30 +2131,53 @@ def latent_cache_seconds(profiles: Profiles, s: Settings, images: int, gpu: HWGP
     return flops / (tflops * 1e12 * cal.efficiency_for(gpu.spec))
 
 
-def _evaluate(req: Request, profiles: Profiles, hw: Hardware, cal: Calibration, s: Settings) -> Candidate:
-    """``s`` on the GPUs it runs on (:func:`plan_gpus`), at the weakest of them: the smallest memory, the
-    slowest step (:func:`pace_gpu`), an out-of-memory observed on any."""
-    used = plan_gpus(hw, s)
-    gpu = used[0]  # one GPU: the measured evidence below is one process's on one GPU
+def card_peak(
+    profiles: Profiles, s: Settings, gpu: GPUSpec | None
+) -> tuple[Memory, tuple[float, float], tuple[MethodPoint, str] | None]:
+    """The peak a plan states for ``s`` on ``gpu`` (None: no GPU's evidence, the model alone): its memory, the
+    likely range of its peak and the `sdplan bench` evidence behind it (:func:`peak_evidence`)."""
     mem = memory(profiles, s)
     unc_peak = profiles.uncertainty.peak_for(s.model)[0]
-    evidence = peak_evidence(profiles, s, gpu.spec)
+    evidence = peak_evidence(profiles, s, gpu)
     if evidence is not None:  # measured evidence beats the model: its allocated peak, the same allowances
         allocated = evidenced_allocated_bytes(profiles, s, mem, evidence[0])
         overhead = _overhead_bytes(allocated)
         mem = replace(mem, overhead=overhead, peak=allocated + overhead)  # the step's (final_grid_fits)
         scaled_band = profiles.uncertainty.peak_scaled or unc_peak
         unc_peak = MEASURED_BAND if evidence[1] == "measured" else scaled_band
-    grid = measured_grid_point(profiles, s, gpu.spec)
+    grid = measured_grid_point(profiles, s, gpu)
     if grid is not None:  # the final sample grid as sdplan bench measured it here, the same allowances
         grid_allocated = grid.outcome["sample_grid_peak_gib"] * GiB
         mem = replace(mem, sampling_peak=grid_allocated + _overhead_bytes(grid_allocated))
+    return mem, (mem.peak * unc_peak[0], mem.peak * unc_peak[1]), evidence
+
+
+FIT_RULE_TEXT = f"a plan keeps its estimate under {int(HEADROOM * 100)}% and its likely range within the card"
+
+
+def fit_share_text(peak: float, vram: float) -> str:
+    """A peak's share of the card, with the rule it is judged by."""
+    return f"{100 * peak / vram:.0f}% of the card; {FIT_RULE_TEXT}"
+
+
+def vram_required(peak: float, peak_range: tuple[float, float]) -> int:
+    """The fit rule, as the smallest card (bytes) a plan with this peak fits without the "may not fit" flag:
+    its predicted peak within HEADROOM of the card and its likely peak's upper end within the card. The
+    verdict (:attr:`Candidate.safe`), "needs at least" and the cards suggested all use this."""
+    return int(math.ceil(max(peak / HEADROOM, peak_range[1])))
+
+
+def _evaluate(req: Request, profiles: Profiles, hw: Hardware, cal: Calibration, s: Settings) -> Candidate:
+    """``s`` on the GPUs it runs on (:func:`plan_gpus`), at the weakest of them: the smallest memory, the
+    slowest step (:func:`pace_gpu`), an out-of-memory observed on any."""
+    used = plan_gpus(hw, s)
+    gpu = used[0]  # one GPU: the measured evidence below is one process's on one GPU
+    mem, peak_range, evidence = card_peak(profiles, s, gpu.spec)
     vram = smallest_gpu(used).memory_bytes
     host_ok = host_ram_ok(profiles, s, hw.ram_total_bytes, mem)
     fits = mem.peak <= HEADROOM * vram and host_ok
     if fits and any(_observed_oom(profiles, s, g) is not None for g in _distinct(used)):
         fits = False
-    peak_range = (mem.peak * unc_peak[0], mem.peak * unc_peak[1])
     steps = _steps(req, s.batch, s.grad_accum, s.num_gpus)
     observed = _observed_multi_gpu(profiles, s, used, hw.link)
     if observed is not None:
@@ -2189,7 +2212,7 @@ def _evaluate(req: Request, profiles: Profiles, hw: Hardware, cal: Calibration, 
         host_ok=host_ok,
         peak_range=peak_range,
         seconds_range=seconds_range,
-        safe=fits and peak_range[1] <= vram,
+        safe=fits and vram_required(mem.peak, peak_range) <= vram,
         observed_multi_gpu=observed.id if observed is not None else None,
         fixed_seconds=fixed,
         allreduce_seconds=allreduce,
@@ -2248,15 +2271,25 @@ def min_vram_needed(
     attention: str = "efficient",
     nvidia: bool = True,
     ram_total_bytes: int | None = None,
+    gpu: HWGPU | None = None,
 ) -> int | None:
     """The smallest VRAM (bytes) on which some configuration of this request (:func:`settings_space`, one GPU
-    unless pinned) fits with headroom, among those a host with ``ram_total_bytes`` of RAM can run (None: any);
-    None when that host can run none of them."""
+    unless pinned) fits by the verdict's rule (:func:`vram_required`: its estimate within HEADROOM, its likely
+    peak's upper end within the card), among those a host with ``ram_total_bytes`` of RAM can run (None: any);
+    None when that host can run none of them. With ``gpu``, as a plan on it has them: its `sdplan bench`
+    peaks (:func:`card_peak`), and no configuration that ran out of memory on it."""
     if req.resolution is None:
         req = replace(req, resolution=profiles.model(req.model).native_resolution)
     space = settings_space(req, precision=precision, attention=attention, nvidia=nvidia, max_gpus=1)
-    peaks = [m.peak for s in space if host_ram_ok(profiles, s, ram_total_bytes, m := memory(profiles, s))]
-    return int(math.ceil(min(peaks) / HEADROOM)) if peaks else None
+    needs = []
+    for s in space:
+        mem, peak_range, _ = card_peak(profiles, s, gpu.spec if gpu is not None else None)
+        if not host_ram_ok(profiles, s, ram_total_bytes, mem):
+            continue
+        if gpu is not None and _observed_oom(profiles, s, gpu) is not None:
+            continue
+        needs.append(vram_required(mem.peak, peak_range))
+    return min(needs) if needs else None
 
 
 def suggest_hardware(
@@ -2268,32 +2301,45 @@ def suggest_hardware(
     ram_total_bytes: int | None = None,
 ) -> list[str]:
     """Catalog GPUs with at least ``need_bytes`` of VRAM: the smallest that fit first, then by speed. With the
-    ``request``, only those on which it fits in this host RAM: a GPU's own leanest configuration
-    (:func:`min_vram_needed`) depends on what it runs (no full bf16 weights without bf16, no 8-bit AdamW or nf4
-    off NVIDIA, the math attention path on RDNA1/2), and a pin it cannot run rules it out."""
-    fit = [g for g in profiles.gpus if g.memory_bytes >= need_bytes]
-    if request is not None:
-        needs: dict[tuple, int | None] = {}
+    ``request``, only those on which it fits by the verdict's rule (no "may not fit" flag) in this host RAM: a
+    GPU's own leanest configuration (:func:`min_vram_needed`) depends on what it runs (no full bf16 weights
+    without bf16, no 8-bit AdamW or nf4 off NVIDIA, the math attention path on RDNA1/2) and on its own
+    `sdplan bench` peaks and out-of-memory points, and a pin it cannot run rules it out."""
+    fit = sorted(
+        (g for g in profiles.gpus if g.memory_bytes >= need_bytes),
+        key=lambda g: (g.memory_gib, -g.fp16_tflops),
+    )
+    if request is None:
+        return [g.name for g in fit[:limit]]
+    needs: dict[tuple, int | None] = {}
 
-        def runs(spec: GPUSpec) -> bool:
-            hw = hardware_from_catalog(spec)
-            if pin_conflicts(request, hw):
-                return False
-            key = (precision_for(hw.gpus), attention_backend(hw.gpus[0]), spec.vendor == "nvidia")
-            if key not in needs:
-                needs[key] = min_vram_needed(
-                    request,
-                    profiles,
-                    precision=key[0],
-                    attention=key[1],
-                    nvidia=key[2],
-                    ram_total_bytes=ram_total_bytes,
-                )
-            return needs[key] is not None and spec.memory_bytes >= needs[key]
+    def runs(spec: GPUSpec) -> bool:
+        hw = hardware_from_catalog(spec)
+        if pin_conflicts(request, hw):
+            return False
+        gpu = hw.gpus[0]
+        # a GPU with points of its own (bench peaks, out-of-memory) is judged alone; the rest by what they run
+        own = spec.name if profiles.points_on(spec.name) else None
+        key = (precision_for(hw.gpus), attention_backend(gpu), spec.vendor == "nvidia", own)
+        if key not in needs:
+            needs[key] = min_vram_needed(
+                request,
+                profiles,
+                precision=key[0],
+                attention=key[1],
+                nvidia=key[2],
+                ram_total_bytes=ram_total_bytes,
+                gpu=gpu if own else None,
+            )
+        return needs[key] is not None and spec.memory_bytes >= needs[key]
 
-        fit = [g for g in fit if runs(g)]
-    fit.sort(key=lambda g: (g.memory_gib, -g.fp16_tflops))
-    return [g.name for g in fit[:limit]]
+    out: list[str] = []
+    for g in fit:  # in order, until ``limit`` run it
+        if len(out) == limit:
+            break
+        if runs(g):
+            out.append(g.name)
+    return out
 
 
 def _gib(x: float) -> str:
@@ -2626,6 +2672,11 @@ def plan(hardware: Hardware | Any, profiles: Profiles, request: Request) -> Resu
     )
 
 
+def _required(c: Candidate) -> int:
+    """The GPU memory a candidate needs by the verdict's rule (:func:`vram_required`)."""
+    return vram_required(c.memory.peak, c.peak_range)
+
+
 def _not_fit_reasons(
     req: Request, hw: Hardware, cands: list[Candidate], what: str, profiles: Profiles
 ) -> tuple[Candidate, int | None, list[str]]:
@@ -2636,7 +2687,7 @@ def _not_fit_reasons(
     When the host can run none, the host RAM is the blocker: no GPU-memory figure (None)."""
     ram = hw.ram_total_bytes
     runnable = [c for c in cands if c.host_ok]
-    leanest_any = min(cands, key=lambda c: c.memory.peak)
+    leanest_any = min(cands, key=_required)
 
     def host_text(c: Candidate) -> str:
         held = host_ram_needed_bytes(profiles, c.setup, c.memory)
@@ -2656,25 +2707,22 @@ def _not_fit_reasons(
                 + smallest_gpu(plan_gpus(hw, leanest_any.setup)).name
             ],
         )
-    leanest = min(runnable, key=lambda c: c.memory.peak)
-    need = int(math.ceil(leanest.memory.peak / HEADROOM))
+    leanest = min(runnable, key=_required)
+    need = _required(leanest)
     gpu = smallest_gpu(plan_gpus(hw, leanest.setup))
     vram = gpu.memory_bytes
-    if leanest_any.memory.peak < leanest.memory.peak:
+    if _required(leanest_any) < need:
         what += " this machine's host RAM allows"
     out = [
         f"nothing fits: {what} ({describe(leanest.setup)}) needs "
         f"{format_range(leanest.memory.peak, leanest.peak_range)} per GPU on {gpu.name} {_gib(vram)}, more than "
-        f"its {int(HEADROOM * 100)}% limit ({_gib(HEADROOM * vram)}): at least {_gib(need)} of GPU memory"
+        f"its {int(HEADROOM * 100)}% limit ({_gib(HEADROOM * vram)}): at least {_gib(need)} of GPU memory "
+        f"({FIT_RULE_TEXT})"
     ]
-    if leanest_any.memory.peak < leanest.memory.peak:
+    if _required(leanest_any) < need:
         c = leanest_any
         gpu_vram = smallest_gpu(plan_gpus(hw, c.setup)).memory_bytes
-        on_gpu = (
-            "which this GPU has"
-            if c.memory.peak <= HEADROOM * gpu_vram
-            else f"at least {_gib(math.ceil(c.memory.peak / HEADROOM))}"
-        )
+        on_gpu = "which this GPU has" if _required(c) <= gpu_vram else f"at least {_gib(_required(c))}"
         out.append(
             f"host RAM: a leaner configuration ({describe(c.setup)}) would need only "
             f"{format_range(c.memory.peak, c.peak_range)} of GPU memory ({on_gpu}), but it " + host_text(c)
@@ -2856,7 +2904,7 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
         lo, hi = (x / m.peak for x in best.peak_range)
         r.append(
             f"peak {format_range(m.peak, best.peak_range)} per GPU of {card} "
-            f"({100 * m.peak / vram:.0f}%, limit {int(HEADROOM * 100)}%): the model's prediction scaled by how "
+            f"({fit_share_text(m.peak, vram)}): the model's prediction scaled by how "
             f"the peak sdplan bench measured on {gpu.name} at these settings and batch {near.batch} ({near.id}) "
             f"compares with it, plus the CUDA context and allocator allowances; the range is x{lo:.3g}-{hi:.3g}"
             + (
@@ -2868,7 +2916,7 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
     elif best.peak_basis == "measured":
         r.append(
             f"peak {format_range(m.peak, best.peak_range)} per GPU of {card} "
-            f"({100 * m.peak / vram:.0f}%, limit {int(HEADROOM * 100)}%): measured by sdplan bench on "
+            f"({fit_share_text(m.peak, vram)}): measured by sdplan bench on "
             f"{gpu.name} at these settings ({best.peak_measured}) plus the CUDA context and allocator "
             f"allowances; the range is a measurement's own spread (x{MEASURED_BAND[0]:g}-"
             f"{MEASURED_BAND[1]:g}), not the model's"
@@ -2876,7 +2924,7 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
     else:
         r.append(
             f"predicted peak {format_range(m.peak, best.peak_range)} per GPU of {card} "
-            f"({100 * m.peak / vram:.0f}%, limit {int(HEADROOM * 100)}%): "
+            f"({fit_share_text(m.peak, vram)}): "
             + breakdown_text(m)
             + f"; the range is measured / predicted x{peak_band[0]:g}-{peak_band[1]:g} on the "
             f"validation set's {_band_scope(profiles, s.model)} (n={peak_n})"

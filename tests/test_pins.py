@@ -53,13 +53,16 @@ def test_needs_at_least_is_the_leanest_configuration_of_the_search(prof):
     )
     leanest = min(P.memory(prof, s).peak for s in space)
     assert any(s.full_half_weights for s in space) is False  # fp16 card: no full bf16 weights to try
-    assert res.needs["min_vram_bytes"] == math.ceil(leanest / P.HEADROOM)
+    # the verdict's rule: the estimate within 92% of the card and the likely peak's upper end within it
+    hi = prof.uncertainty.peak_for("sdxl")[0][1]
+    assert res.needs["min_vram_bytes"] == math.ceil(max(leanest / P.HEADROOM, leanest * hi))
     assert res.memory.peak == pytest.approx(leanest)
     assert P.min_vram_needed(req, prof, precision="fp16") == res.needs["min_vram_bytes"]
     # on a bf16 card the same figure includes full bf16 weights, as the search does
     bf16 = P.min_vram_needed(req, prof, precision="bf16")
     bf16_space = P.settings_space(replace(req, resolution=1024), precision="bf16", attention="efficient")
-    assert bf16 == math.ceil(min(P.memory(prof, s).peak for s in bf16_space) / P.HEADROOM)
+    bf16_leanest = min(P.memory(prof, s).peak for s in bf16_space)
+    assert bf16 == math.ceil(max(bf16_leanest / P.HEADROOM, bf16_leanest * hi))
 
 
 def test_sdxl_lora_fits_an_8gb_card_with_cached_text_encoder_outputs(prof):

@@ -410,6 +410,22 @@ def test_plan_chart_flags_a_plan_whose_likely_range_crosses_the_card():
     assert {row["batch"]: row["verdict"] for row in d["sweep"]}[res.plan.batch] == P.MAY_RUN_OUT
 
 
+def test_the_peak_share_and_the_chart_state_the_real_fit_rule():
+    """SDXL LoRA on an RTX 3060 12GB, 9.2 GiB (likely 8.7-11.9): "(77%, limit 92%)" read as a limit the plan
+    breaks (its range passes 92%), and plan.png's dashed "plan limit" line was crossed by the plan's own range.
+    Both say the rule: the estimate under 92%, the likely range within the card."""
+    from sdplan import plan_chart
+
+    prof, res = _planned("RTX 3060 12GB", "lora", "sdxl")
+    line = next(r for r in res.reasons if r.startswith("predicted peak"))
+    assert (
+        "(77% of the card; a plan keeps its estimate under 92% and its likely range within the card)" in line
+    )
+    assert not any("limit 92%" in r for r in res.reasons)
+    d = plan_chart.chart_data(res, prof)
+    assert "plan limit" not in d["limit_label"] and "92%" in d["limit_label"] and "card" in d["limit_label"]
+
+
 def test_out_never_overwrites_a_users_own_plan_png(tmp_path):
     out = tmp_path / "plan"
     out.mkdir()
