@@ -680,6 +680,59 @@ def test_deepspeed_zero2_cpu_offload_run_and_resume(tiny_sd15, dataset, tmp_path
     assert losses(out) == pytest.approx(straight, rel=1e-5)
 
 
+@pytest.mark.slow
+@pytest.mark.train
+def test_deepspeed_zero2_cpu_offload_in_two_processes_is_one_run(tiny_sd15, dataset, tmp_path):
+    """DeepSpeed ZeRO-2 with the optimizer offloaded, in 2 CPU processes launched as `sdplan train` launches
+    them: one world that splits the run (each process used to count itself alone, train the whole run, then
+    hang at the first checkpoint), the losses of the 2-process gloo run without DeepSpeed, one optimizer shard
+    per process in the checkpoint, and a resume from it that equals the uninterrupted run."""
+    pytest.importorskip("deepspeed")
+    from sdplan.launch import build_launch, free_port
+    from sdplan.launcher import write_run_files
+
+    two = ("training.max_steps=null", "training.epochs=2", "distributed.num_processes=2")
+    ddp = tmp_path / "ddp"
+    train_two_processes(
+        write_cfg(tiny_train_config(tiny_sd15, dataset, ddp, *two), tmp_path / "ddp.yaml"), tmp_path
+    )
+
+    out = tmp_path / "ds"
+    ds = ("distributed.deepspeed.zero_stage=2", "distributed.deepspeed.offload_optimizer=true")
+    cfg = tiny_train_config(tiny_sd15, dataset, out, *two, *ds, "checkpoints.keep_every_steps=1")
+    path = write_cfg(cfg, tmp_path / "ds.yaml")
+
+    def launch(*resume: str) -> subprocess.CompletedProcess:
+        # a fresh port each time: accelerate launch's own fallback races with a launch beside it
+        ln = build_launch(cfg, path, out, cpu_processes=2, cpu_cores=2, main_process_port=free_port())
+        write_run_files(out, cfg, ln, "test")
+        cmd = ln.cmd + list(resume)
+        run_env = {**os.environ, **ln.env}
+        proc = subprocess.run(
+            cmd, env=run_env, cwd=tmp_path, capture_output=True, text=True, timeout=scaled(300)
+        )
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        return proc
+
+    proc = launch()
+    assert "x 2 process(es) -> 1 steps/epoch, 2 steps" in proc.stdout, proc.stdout
+    summary = json.loads((out / "run_summary.json").read_text())
+    assert (summary["num_processes"], summary["steps"], summary["images_seen"]) == (2, 2, 8)
+    straight = losses(out)
+    assert straight == pytest.approx(losses(ddp), rel=1e-5)
+    kept = checkpoint.checkpoint_root(out) / "step-000001"
+    shards = sorted(p.name for p in (kept / "pytorch_model").glob("zero_pp_rank_*_optim_states.pt"))
+    assert shards == [
+        "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+        "zero_pp_rank_1_mp_rank_00_optim_states.pt",
+    ]
+
+    (out / "loss_history.json").unlink()
+    proc = launch("--resume", str(kept))
+    assert "resumed from" in proc.stdout
+    assert losses(out) == pytest.approx(straight, rel=1e-5)
+
+
 @pytest.mark.train
 def test_trains_from_a_single_file_model(tiny_sd15, dataset, tmp_path, capsys):
     from sdplan.trainer import export
