@@ -81,6 +81,24 @@ def test_multi_process_step_arithmetic():
     assert (capped.total_steps, capped.epochs) == (5, 3)  # max_steps is a one-process count
 
 
+def test_deepspeed_on_the_cpu_names_gloo_in_a_launched_process_only(monkeypatch, tmp_path):
+    """accelerate picks no backend for DeepSpeed on the CPU (each process then counted itself alone): the trainer
+    names gloo there, in a process a launcher started; elsewhere (a test process that built a DeepSpeed
+    Accelerator keeps ACCELERATE_USE_DEEPSPEED=true) naming it made accelerate read a process group nobody
+    started."""
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert runtime.process_group_backend(cpu=True, launched_with_ds=True) == {}
+    cfg = config.validate({"training": {"device": "cpu", "precision": "fp32"}})
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    assert runtime.make_accelerator(cfg, tmp_path).num_processes == 1
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert runtime.process_group_backend(cpu=True, launched_with_ds=True) == {"backend": "gloo"}
+    assert runtime.process_group_backend(cpu=False, launched_with_ds=True) == {}  # CUDA: accelerate's nccl
+    assert (
+        runtime.process_group_backend(cpu=True, launched_with_ds=False) == {}
+    )  # MULTI_CPU: accelerate's gloo
+
+
 def test_family_detection_and_sources(tmp_path, tiny_sd15):
     assert models.detect_family({"cross_attention_dim": 768}) == "sd15"
     assert models.detect_family({"cross_attention_dim": 1024}) == "sd21"

@@ -85,8 +85,13 @@ def process_group_backend(cpu: bool, launched_with_ds: bool) -> dict[str, str]:
     backend, gloo without oneCCL), but accelerate, seeing no backend, counts each process as a world of one:
     ``num_processes`` 1 and ``process_index`` 0 in every process, so each trained the whole run alone as the
     main process, and they hung or failed at the first checkpoint (DeepSpeed's save is collective). Named,
-    the backend goes to both: one world, with the ranks torchrun gave."""
-    return {"backend": CPU_BACKEND} if cpu and launched_with_ds else {}
+    the backend goes to both: one world, with the ranks torchrun gave.
+
+    Only in a launched process (LOCAL_RANK set, accelerate's own test for starting DeepSpeed's communication):
+    elsewhere accelerate would read the world size of a process group nobody started (a process that built a
+    DeepSpeed Accelerator keeps ACCELERATE_USE_DEEPSPEED=true in its environment)."""
+    launched = int(os.environ.get("LOCAL_RANK", -1) or -1) != -1
+    return {"backend": CPU_BACKEND} if cpu and launched_with_ds and launched else {}
 
 
 def make_accelerator(cfg, out_dir: Path):
