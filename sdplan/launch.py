@@ -9,9 +9,11 @@ The builder decides between four launches, as accelerate's own `commands/launch.
   machine_rank and the main process address, and each node runs the same command with its own
   ``--machine_rank``;
 - DeepSpeed ZeRO-2 with CPU optimizer offload: ``accelerate launch`` with ``distributed_type: DEEPSPEED`` and
-  the written ``deepspeed.json`` (train_batch_size = micro batch x grad accumulation x world size);
-- CPU-only with ``--num-processes N``: ``torchrun --nproc_per_node N -m sdplan.trainer ...``: N real processes
-  with gloo (``accelerate launch --cpu`` alone would run one process).
+  the written ``deepspeed.json`` (train_batch_size = micro batch x grad accumulation x world size); on the CPU
+  (``DS_ACCELERATOR=cpu``) in one process or several (``--num-processes N``: accelerate's DeepSpeed launcher
+  runs torchrun, and the trainer names accelerate the gloo backend: ``trainer/runtime.py``'s make_accelerator);
+- CPU-only with ``--num-processes N``, without DeepSpeed: ``torchrun --nproc_per_node N -m sdplan.trainer ...``:
+  N real processes with gloo (``accelerate launch --cpu`` alone would run one process).
 
 Nothing here touches the file system or the environment; ``run_launch`` is the only side effect.
 """
@@ -197,7 +199,8 @@ def build_launch(
 ) -> Launch:
     """Pure: the launch for ``cfg`` (already validated, the one written at ``config_path``).
 
-    ``cpu_processes``: run that many CPU processes with gloo through torchrun (``--num-processes``).
+    ``cpu_processes``: run that many CPU processes with gloo (``--num-processes``): through torchrun, or
+    accelerate's DeepSpeed launcher with DeepSpeed.
     ``resume``: passed to the trainer as ``--resume`` ("latest" or a checkpoint folder).
     ``python``: the interpreter (default: this one), ``cpu_cores``: splits threads between CPU processes.
     ``devices``: the environment that shows the processes only the GPUs they run on (``distributed.gpu_ids``,
@@ -254,13 +257,13 @@ def build_launch(
             raise UsageError("--num-processes runs CPU processes", fix="add --device cpu")
 
     if on_cpu and ds is not None:
-        # DeepSpeed's CPU accelerator: one process, launched by accelerate's DeepSpeed launcher.
+        # DeepSpeed's CPU accelerator, launched by accelerate's DeepSpeed launcher (one process or several).
         env["DS_ACCELERATOR"] = "cpu"
 
     if cfg.distributed.num_processes > 1 or num_machines > 1:
         env[SHUTDOWN_TIMEOUT_ENV] = str(SHUTDOWN_TIMEOUT_S)
 
-    # CPU, several processes: torchrun with gloo (accelerate sees MULTI_CPU).
+    # CPU, several processes without DeepSpeed: torchrun with gloo (accelerate sees MULTI_CPU).
     if on_cpu and ds is None and cfg.distributed.num_processes > 1:
         n = cfg.distributed.num_processes
         env["ACCELERATE_USE_CPU"] = "true"

@@ -1021,13 +1021,6 @@ def prepare(req: TrainRequest, ui: UI) -> Prepared:
     family = cfg.model.family or inputs.family or guess_family(cfg.model.path)
     if family in FAMILIES and not registry.family(family).plans(cfg.method):
         raise registry.not_supported(cfg.method, family)  # as recommend says it: before anything is written
-    if cfg.training.device == "cpu" and world > 1 and cfg.distributed.deepspeed is not None:
-        raise UsageError(
-            f"DeepSpeed on the CPU with {world} processes: each trains the whole run alone (its processes do "
-            "not join one world there), then they fail at the first checkpoint",
-            fix="drop --num-processes (DeepSpeed in one CPU process), or drop distributed.deepspeed (CPU "
-            "processes with gloo)",
-        )
     if refusal := quantized_base_refusal(cfg, family, snapshot, gpu_ids):
         raise UsageError(refusal)
     if refusal := block_swap_refusal(cfg, family):

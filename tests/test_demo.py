@@ -274,8 +274,8 @@ def test_deepspeed_zero2_offload_on_cpu(tmp_path):
 def test_deepspeed_full_finetune_in_bf16_on_cpu(tmp_path, offload):
     """DeepSpeed runs its own bf16: its engine casts the trained UNet to bf16 and accelerate's autocast is off,
     so the recipe hands the UNet bf16 latents and conditioning (fp32 ones stopped the first step). ZeRO-2 with
-    the optimizer offloaded, and without (the optimizer state split over the processes: one here, as
-    accelerate runs DeepSpeed on the CPU in one process only)."""
+    the optimizer offloaded, and without (the optimizer state split over the processes: one here; two:
+    test_trainer's test_deepspeed_zero2_cpu_offload_in_two_processes_is_one_run)."""
     pytest.importorskip("deepspeed")
     _, out = _train_with_deepspeed(
         tmp_path, {"zero_stage": 2, "offload_optimizer": offload}, "bf16", 2, method="finetune"

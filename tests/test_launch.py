@@ -131,6 +131,24 @@ def test_deepspeed_on_cpu_selects_the_cpu_accelerator():
     assert launch.kind == "deepspeed"
 
 
+def test_deepspeed_in_two_cpu_processes_is_one_accelerate_launch_of_two():
+    """2 CPU processes with DeepSpeed: accelerate's DeepSpeed launcher starts both (torchrun inside it), on
+    DeepSpeed's CPU accelerator, one thread each; DeepSpeed's batch counts both processes."""
+    c = cfg(
+        distributed={"num_processes": 2, "deepspeed": {"zero_stage": 2, "offload_optimizer": True}},
+        training={"device": "cpu", "precision": "fp32", "batch_size": 2, "grad_accum": 3},
+    )
+    launch = build_launch(c, CFG, OUT, python=PY, cpu_processes=2, cpu_cores=2)
+    assert launch.cmd == [PY, "-m", "sdplan.distrun", "accelerate.commands.launch", "--config_file",
+                          "/runs/a/accelerate.yaml", *TRAINER]  # fmt: skip
+    assert (launch.kind, launch.world_size) == ("deepspeed", 2)
+    assert launch.env["DS_ACCELERATOR"] == "cpu" and launch.env["OMP_NUM_THREADS"] == "1"
+    assert "ACCELERATE_USE_CPU" not in launch.env  # accelerate turns DeepSpeed off with it
+    acc = launch.accelerate_config
+    assert (acc["distributed_type"], acc["num_processes"], acc["use_cpu"]) == ("DEEPSPEED", 2, False)
+    assert launch.deepspeed_config["train_batch_size"] == 2 * 3 * 2
+
+
 def test_two_machines_per_node_config_and_commands():
     c = cfg(distributed={"num_processes": 8})
     launch = build_launch(

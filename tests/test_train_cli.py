@@ -355,11 +355,16 @@ def test_a_method_the_family_has_not_is_refused_before_anything_is_written(tmp_p
     assert not out.exists()
 
 
-def test_deepspeed_in_several_cpu_processes_is_refused_before_the_launch(tmp_path, fake_model):
-    """Each process trained the whole run alone, then they failed at the first checkpoint or hung."""
-    ds = make_images(tmp_path / "ds")
+def test_deepspeed_in_several_cpu_processes_launches_one_world(tmp_path, fake_model):
+    """DeepSpeed in 2 CPU processes: accelerate's DeepSpeed launch of 2 processes on DeepSpeed's CPU accelerator,
+    one thread each, the run's steps split over both (it was refused: each process trained the whole run alone,
+    then they hung at the first checkpoint; the trainer now names accelerate the gloo backend)."""
+    ds = make_images(tmp_path / "ds", n=6)
     out = tmp_path / "o"
-    args = f"--model {fake_model} --dataset {ds} --out {out} --device cpu --num-processes 2".split()
-    r = invoke(*args, "--yes", "method=finetune", "distributed.deepspeed.zero_stage=2")
-    one_line_error(r, 2, "DeepSpeed on the CPU with 2 processes", "drop --num-processes")
+    args = f"--model {fake_model} --dataset {ds} --out {out} --device cpu --num-processes 2 --dry-run".split()
+    r = invoke(*args, "--epochs", "2", "training.batch_size=2", "distributed.deepspeed.zero_stage=2")
+    assert r.exit_code == 0, r.stderr
+    assert "DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 " in r.stdout
+    assert "accelerate.commands.launch --config_file" in r.stdout
+    assert "2 steps per epoch x 2 epoch(s) = 4 optimizer steps; images seen 12" in r.stdout
     assert not out.exists()

@@ -81,6 +81,24 @@ def test_multi_process_step_arithmetic():
     assert (capped.total_steps, capped.epochs) == (5, 3)  # max_steps is a one-process count
 
 
+def test_deepspeed_on_the_cpu_names_gloo_in_a_launched_process_only(monkeypatch, tmp_path):
+    """accelerate picks no backend for DeepSpeed on the CPU (each process then counted itself alone): the trainer
+    names gloo there, in a process a launcher started; elsewhere (a test process that built a DeepSpeed
+    Accelerator keeps ACCELERATE_USE_DEEPSPEED=true) naming it made accelerate read a process group nobody
+    started."""
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert runtime.process_group_backend(cpu=True, launched_with_ds=True) == {}
+    cfg = config.validate({"training": {"device": "cpu", "precision": "fp32"}})
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    assert runtime.make_accelerator(cfg, tmp_path).num_processes == 1
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert runtime.process_group_backend(cpu=True, launched_with_ds=True) == {"backend": "gloo"}
+    assert runtime.process_group_backend(cpu=False, launched_with_ds=True) == {}  # CUDA: accelerate's nccl
+    assert (
+        runtime.process_group_backend(cpu=True, launched_with_ds=False) == {}
+    )  # MULTI_CPU: accelerate's gloo
+
+
 def test_family_detection_and_sources(tmp_path, tiny_sd15):
     assert models.detect_family({"cross_attention_dim": 768}) == "sd15"
     assert models.detect_family({"cross_attention_dim": 1024}) == "sd21"
@@ -677,6 +695,59 @@ def test_deepspeed_zero2_cpu_offload_run_and_resume(tiny_sd15, dataset, tmp_path
         timeout=scaled(300),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resumed from" in proc.stdout
+    assert losses(out) == pytest.approx(straight, rel=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.train
+def test_deepspeed_zero2_cpu_offload_in_two_processes_is_one_run(tiny_sd15, dataset, tmp_path):
+    """DeepSpeed ZeRO-2 with the optimizer offloaded, in 2 CPU processes launched as `sdplan train` launches
+    them: one world that splits the run (each process used to count itself alone, train the whole run, then
+    hang at the first checkpoint), the losses of the 2-process gloo run without DeepSpeed, one optimizer shard
+    per process in the checkpoint, and a resume from it that equals the uninterrupted run."""
+    pytest.importorskip("deepspeed")
+    from sdplan.launch import build_launch, free_port
+    from sdplan.launcher import write_run_files
+
+    two = ("training.max_steps=null", "training.epochs=2", "distributed.num_processes=2")
+    ddp = tmp_path / "ddp"
+    train_two_processes(
+        write_cfg(tiny_train_config(tiny_sd15, dataset, ddp, *two), tmp_path / "ddp.yaml"), tmp_path
+    )
+
+    out = tmp_path / "ds"
+    ds = ("distributed.deepspeed.zero_stage=2", "distributed.deepspeed.offload_optimizer=true")
+    cfg = tiny_train_config(tiny_sd15, dataset, out, *two, *ds, "checkpoints.keep_every_steps=1")
+    path = write_cfg(cfg, tmp_path / "ds.yaml")
+
+    def launch(*resume: str) -> subprocess.CompletedProcess:
+        # a fresh port each time: accelerate launch's own fallback races with a launch beside it
+        ln = build_launch(cfg, path, out, cpu_processes=2, cpu_cores=2, main_process_port=free_port())
+        write_run_files(out, cfg, ln, "test")
+        cmd = ln.cmd + list(resume)
+        run_env = {**os.environ, **ln.env}
+        proc = subprocess.run(
+            cmd, env=run_env, cwd=tmp_path, capture_output=True, text=True, timeout=scaled(300)
+        )
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        return proc
+
+    proc = launch()
+    assert "x 2 process(es) -> 1 steps/epoch, 2 steps" in proc.stdout, proc.stdout
+    summary = json.loads((out / "run_summary.json").read_text())
+    assert (summary["num_processes"], summary["steps"], summary["images_seen"]) == (2, 2, 8)
+    straight = losses(out)
+    assert straight == pytest.approx(losses(ddp), rel=1e-5)
+    kept = checkpoint.checkpoint_root(out) / "step-000001"
+    shards = sorted(p.name for p in (kept / "pytorch_model").glob("zero_pp_rank_*_optim_states.pt"))
+    assert shards == [
+        "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+        "zero_pp_rank_1_mp_rank_00_optim_states.pt",
+    ]
+
+    (out / "loss_history.json").unlink()
+    proc = launch("--resume", str(kept))
     assert "resumed from" in proc.stdout
     assert losses(out) == pytest.approx(straight, rel=1e-5)
 

@@ -72,6 +72,28 @@ processes and the run (gloo's is 30); kohya has --ddp_timeout for it. A process 
 once (the launcher ends the others)."""
 
 
+CPU_BACKEND = "gloo"
+
+
+def process_group_backend(cpu: bool, launched_with_ds: bool) -> dict[str, str]:
+    """The process-group backend to name to accelerate: gloo for DeepSpeed on the CPU, else accelerate's own
+    choice (none named).
+
+    ``accelerate launch`` with DeepSpeed runs every process with ``cpu=False`` (``cpu=True`` turns DeepSpeed
+    off), and there accelerate's ``PartialState._prepare_backend`` finds no GPU and picks no backend. DeepSpeed
+    still joins the processes into one world (``deepspeed.comm.init_distributed`` with the CPU accelerator's
+    backend, gloo without oneCCL), but accelerate, seeing no backend, counts each process as a world of one:
+    ``num_processes`` 1 and ``process_index`` 0 in every process, so each trained the whole run alone as the
+    main process, and they hung or failed at the first checkpoint (DeepSpeed's save is collective). Named,
+    the backend goes to both: one world, with the ranks torchrun gave.
+
+    Only in a launched process (LOCAL_RANK set, accelerate's own test for starting DeepSpeed's communication):
+    elsewhere accelerate would read the world size of a process group nobody started (a process that built a
+    DeepSpeed Accelerator keeps ACCELERATE_USE_DEEPSPEED=true in its environment)."""
+    launched = int(os.environ.get("LOCAL_RANK", -1) or -1) != -1
+    return {"backend": CPU_BACKEND} if cpu and launched_with_ds and launched else {}
+
+
 def make_accelerator(cfg, out_dir: Path):
     """An Accelerator for this config: precision, grad accumulation, CPU when asked or without CUDA.
 
@@ -112,12 +134,12 @@ def make_accelerator(cfg, out_dir: Path):
         DistributedDataParallelKwargs(
             gradient_as_bucket_view=True, find_unused_parameters=cfg.training.train_text_encoder
         ),
-        InitProcessGroupKwargs(timeout=PROCESS_GROUP_TIMEOUT),
+        InitProcessGroupKwargs(timeout=PROCESS_GROUP_TIMEOUT, **process_group_backend(cpu, launched_with_ds)),
     ]
     if cpu and cfg.training.precision == "fp16" and os.environ.get("RANK", "0") == "0":
         print("training.precision fp16 needs a GPU; training in fp32 on the CPU", flush=True)
     with without_deepspeed_build_note():  # DeepSpeed's communication starts here (accelerate's PartialState)
-        return Accelerator(
+        accelerator = Accelerator(
             mixed_precision=mixed_precision_for(cfg, cpu),  # DeepSpeed on the CPU: no fp16 either
             gradient_accumulation_steps=cfg.training.grad_accum,
             # accelerate ignores DeepSpeed when cpu=True; on a CPU-only machine DeepSpeed runs on its CPU
@@ -129,6 +151,21 @@ def make_accelerator(cfg, out_dir: Path):
                 project_dir=str(out_dir), logging_dir=str(Path(out_dir) / "logs")
             ),
             **kwargs,
+        )
+    check_world(accelerator)
+    return accelerator
+
+
+def check_world(accelerator) -> None:
+    """Every process the launcher started counted in one world: a process that counts itself alone trains the
+    whole run as the main process, then waits forever at the first checkpoint another process saves with it."""
+    launched = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if accelerator.num_processes != launched:
+        raise SdplanError(
+            f"the launcher started {launched} processes but accelerate counts {accelerator.num_processes} "
+            f"({accelerator.distributed_type}, backend {accelerator.state.backend}): each would train the whole "
+            "run alone",
+            fix="report this with the launch command sdplan printed",
         )
 
 

@@ -94,7 +94,10 @@ def train(
         typer.Option(help="cpu: train on the CPU even without a GPU (slow).", show_default=False),
     ] = None,
     num_processes: Annotated[
-        int | None, typer.Option(min=1, help="CPU only: run N real processes with gloo (torchrun).")
+        int | None,
+        typer.Option(
+            min=1, help="CPU only: run N real processes with gloo (torchrun; with DeepSpeed, its launch)."
+        ),
     ] = None,
     max_steps: Annotated[
         int | None, typer.Option(min=1, help="Stop after N optimizer steps (one-process count).")
