@@ -34,7 +34,7 @@ lint: $(VENV)/.test-installed
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-# Two pytest-xdist workers (the suite takes ~5-6 min on two cores); -n 0 runs it serially.
+# Two pytest-xdist workers (the suite takes about 7-8 min on two CI cores); -n 0 runs it serially.
 XDIST ?= -n 2 --dist worksteal
 
 test: lint
