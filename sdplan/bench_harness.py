@@ -333,17 +333,15 @@ class Harness:
         self.req = req
         self.faults = injected or faults.NONE
         self.cfg = cfg = _synthetic_config(req, device)
-        ds_batch = None
         if deepspeed is not None:
             from sdplan.config import DeepSpeedConfig
 
             ds = dict(deepspeed)
-            ds_batch = int(ds.pop("micro_batch", 1))
+            # DeepSpeed's config states the micro-batch, and checks it
+            cfg.training.batch_size = int(ds.pop("micro_batch", 1))
             cfg.distributed.deepspeed = DeepSpeedConfig(**ds)
         _reset_accelerate_state()
         self.accelerator = accelerator = runtime.make_accelerator(cfg, workdir)
-        if ds_batch is not None:  # what the trainer's data loader tells accelerate's DeepSpeed
-            accelerator.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = ds_batch
         self.device = accelerator.device
         recipe_cls = run.recipe(req.method)
         comps = build_components(

@@ -55,6 +55,7 @@ from sdplan.settings import (
     OFFLOAD,
     SHARDED,
     Settings,
+    deepspeed_reduce_buckets,
     describe,
 )
 from sdplan.steps import Steps, plan_steps
@@ -62,6 +63,12 @@ from sdplan.trainer.blockswap import support_problem as swap_problem  # the trai
 
 # -- calibration constants (fitted with benchmarks/planner_accuracy.py against profiles/methods) ----------
 ACTIVATION_FACTOR = 1.5  # saved tensors -> peak incl. gradient buffers of the backward pass
+# the same under DeepSpeed, for the UNets: accelerate runs no autocast there (DeepSpeed trains the half weights
+# itself), so the fp32 outputs of autocast's norm and softmax ops, part of ACTIVATION_FACTOR, are not made.
+# Least squares over the peaks of sdplan's own ZeRO-2 steps on an H100 (profiles/methods/finetune.yaml, points
+# bench-...-zero2-*: SDXL at 512 and 1024 px, batch 1-8, and SD1.5 at 512 px, batch 1-16, with optimizer
+# offload, 2026-11-27), where x1.5 put them 13-35% high, growing with the batch
+DEEPSPEED_ACTIVATION_FACTOR = 1.05
 # the same for the transformer families (SD3.5 / FLUX.1), per model: least squares over the peaks of its H100 bench
 # points (profiles/methods/lora.yaml, 2026-11-26; x1.5 over-predicted them by up to 34%, growing with the batch).
 # One factor for the three, x1.13 (kept for a model without bench peaks), left SD3.5 Large's 8 peaks 6.1% under
@@ -426,7 +433,13 @@ def step_allocated_bytes(
     nearly all gradients: recomputed with checkpointing, still saved without); the step then adds its
     temporaries. With gradient accumulation the gradients live from the first micro-step's backward to the
     optimizer step, through the next micro-steps' forwards, whatever zero_grad does after the step; DeepSpeed
-    offload keeps its buckets."""
+    offload keeps its buckets. DeepSpeed without offload has let go of its half gradients and buckets when the
+    step's temporaries (its fp32 gradient partition and AdamW's) peak: SDXL's ZeRO-2 step in one process on an
+    H100 peaked at exactly the resident bytes + ``step`` at batch 1 and 4 (2026-11-27), where adding the
+    gradients put it 12% high."""
+    if s.deepspeed and not s.offload:
+        held_grads = grads if s.grad_accum > 1 else 0.0  # the partition accumulates over the micro-steps
+        return resident + max(forward + held_grads, grads + recompute_tail, step)
     if s.set_grads_to_none and s.grad_accum == 1 and not s.offload:
         return resident + buckets + max(forward, grads - buckets + max(step, recompute_tail))
     return resident + grads + max(forward, step)
@@ -445,7 +458,7 @@ def deepspeed_states(s: Settings, trained: float, adafactor_state_fp32: float = 
     """Bytes each GPU holds under DeepSpeed ZeRO-1/2 (the deepspeed.json sdplan.launch writes) for ``trained``
     parameters (Adafactor's factored state, which depends on the shapes, given in fp32): ``weights`` (the
     parameters in the training dtype, every process a whole copy), ``gradients`` (during the backward: the reduce
-    buckets, two of DEEPSPEED_BUCKET_ELEMENTS with overlap_comm, and the gradients this process keeps),
+    buckets of DEEPSPEED_BUCKET_ELEMENTS, settings.deepspeed_reduce_buckets, and the gradients this process keeps),
     ``optimizer`` (the fp32 master weights and state it updates), ``step`` (the optimizer step's temporaries)
     and ``host`` (the process's share of host RAM the offloaded state takes).
 
@@ -457,8 +470,8 @@ def deepspeed_states(s: Settings, trained: float, adafactor_state_fp32: float = 
     first step, + 2/N after the backward (the kept gradient partition), 2 + 12/N after the step. ZeRO-1 keeps
     whole half gradients."""
     pb = 2.0 if _half(s.precision) else 4.0
-    buckets = 2 * DEEPSPEED_BUCKET_ELEMENTS * pb
     n = s.num_gpus
+    buckets = deepspeed_reduce_buckets(n) * DEEPSPEED_BUCKET_ELEMENTS * pb
     if s.offload:  # host RAM: DeepSpeed's estimator with cpu_offload, per process
         host = trained * max(4 * n, 16) * 1.5 / n
         return {"weights": trained * pb, "gradients": buckets, "optimizer": 0.0, "step": 0.0, "host": host}
@@ -552,8 +565,9 @@ def memory(profiles: Profiles, s: Settings) -> Memory:
     # the recomputed segment's attention matrix is counted exactly (itself and its two gradients), the factor
     # covers the rest (see recomputed_attention_matrix_bytes)
     matrix = recomputed_attention_matrix_bytes(profiles, s, trained_part, batch=batch, latent_pixels=latent)
-    exact = ATTENTION_MATRIX_COPIES_IN_BACKWARD * matrix - ACTIVATION_FACTOR * matrix
-    activations = ACTIVATION_FACTOR * (held + recompute + lora_rank_activation_bytes(profiles, s)) + exact
+    factor = DEEPSPEED_ACTIVATION_FACTOR if (s.deepspeed and full) else ACTIVATION_FACTOR
+    exact = ATTENTION_MATRIX_COPIES_IN_BACKWARD * matrix - factor * matrix
+    activations = factor * (held + recompute + lora_rank_activation_bytes(profiles, s)) + exact
     # the backward's last segment (the forward's first, high-resolution blocks) beside nearly all gradients:
     # recomputed with checkpointing, its saved tensors still held without, the same bytes either way
     gc_part = trained_part
@@ -571,11 +585,11 @@ def memory(profiles: Profiles, s: Settings) -> Memory:
     tail_matrix = recomputed_attention_matrix_bytes(
         profiles, replace(s, gradient_checkpointing=True), gc_part, batch=batch, latent_pixels=latent
     )
-    tail_exact = (ATTENTION_MATRIX_COPIES_IN_BACKWARD - ACTIVATION_FACTOR) * tail_matrix
-    recompute_tail = ACTIVATION_FACTOR * segment + tail_exact
+    tail_exact = (ATTENTION_MATRIX_COPIES_IN_BACKWARD - factor) * tail_matrix
+    recompute_tail = factor * segment + tail_exact
     if s.train_text_encoder or s.method == "textual-inversion":
         te_dtype = "fp32" if s.method == "textual-inversion" else s.precision
-        activations += ACTIVATION_FACTOR * act.text_encoders(s.model, dtype=te_dtype, batch=batch)
+        activations += factor * act.text_encoders(s.model, dtype=te_dtype, batch=batch)
     if s.method == "textual-inversion" and half:
         # saved for the backward like activations, but weights: once, whatever the batch, no gradient buffers
         activations += ti_frozen_half_copies_bytes(model)
@@ -1227,6 +1241,10 @@ def _step_floors(profiles: Profiles) -> tuple[tuple[tuple[str, str, bool], float
         if not it_s or p.num_gpus != 1 or p.grad_accum != 1 or not p.gpu or p.settings.blocks_to_swap:
             continue
         if not p.settings.cache_latents:  # step_seconds adds the VAE encode to the floor
+            continue
+        if (
+            p.settings.deepspeed
+        ):  # DeepSpeed's step is its optimizer's (CPU Adam with offload), not the launches'
             continue
         series.setdefault((p.gpu, replace(p.settings, batch=1)), []).append((p.batch, 1.0 / it_s, p.id))
     best: dict[tuple[str, str, bool], tuple[float, str]] = {}

@@ -22,6 +22,14 @@ SHARDED = {"zero_stage": 2, "offload_optimizer": False}
 DEEPSPEED_BUCKET_ELEMENTS = 500_000_000  # reduce / allgather buckets (5e8 elements), written and counted
 
 
+def deepspeed_reduce_buckets(num_processes: int) -> int:
+    """The reduce buckets DeepSpeed ZeRO-1/2 allocates on each GPU during the backward, as sdplan's DeepSpeed
+    config (``launch.deepspeed_config``) sets overlap_comm: two with it (several processes: the reduction
+    overlaps the backward), one without (one process: nothing to overlap with); deepspeed/runtime/zero/
+    stage_1_and_2.py setup_buckets @0.19.8. The config and the planner both read it."""
+    return 2 if num_processes > 1 else 1
+
+
 def deepspeed_label(deepspeed: dict | None) -> str | None:
     """What a DeepSpeed setting is called wherever one is shown ('ZeRO-2 offload', 'ZeRO-2'; None: none), from
     the settings', a plan's (--json) or a profile point's ``deepspeed`` entry."""

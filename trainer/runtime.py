@@ -118,12 +118,12 @@ def make_accelerator(cfg, out_dir: Path):
                 "distributed.deepspeed is set but DeepSpeed is not installed",
                 fix="pip install 'sdplan[deepspeed]' or remove distributed.deepspeed",
             ) from e
-        kwargs["deepspeed_plugin"] = DeepSpeedPlugin(
-            zero_stage=ds.zero_stage,
-            offload_optimizer_device="cpu" if ds.offload_optimizer else "none",
-            gradient_accumulation_steps=cfg.training.grad_accum,
-            gradient_clipping=cfg.training.max_grad_norm or None,
-        )
+        from sdplan.launch import deepspeed_config
+
+        # the same DeepSpeed config `sdplan train` writes for a launch (buckets, overlap, offload, precision), not
+        # accelerate's defaults for the plugin's arguments, so a run without the launcher (sdplan bench) measures
+        # what training runs
+        kwargs["deepspeed_plugin"] = DeepSpeedPlugin(hf_ds_config=deepspeed_config(cfg))
     from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs
 
     # Gradients as views into DDP's all-reduce buckets: no second copy of the gradients (the planner counts
