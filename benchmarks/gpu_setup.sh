@@ -39,3 +39,23 @@ bench() {
     echo "exit $?" >>"$OUT/bench.txt"
     pack
 }
+# deepspeed_setup: DeepSpeed from .whl/ where the image lacks it, and what it will build CPU Adam with
+deepspeed_setup() {
+    if ! $PY -c "import deepspeed" 2>/dev/null; then
+        $PY -m pip install -q --no-index --find-links .whl deepspeed 2>&1 | tail -3
+    fi
+    { $PY -c "import deepspeed; print('deepspeed', deepspeed.__version__)"; which g++ c++ nvcc ninja; echo "CUDA_HOME=${CUDA_HOME:-}"; } \
+        >>"$OUT/versions.txt" 2>&1
+}
+# ds NAME ARGS...: one configuration of benchmarks/deepspeed_memory.py (one process; RUN_S seconds at most),
+# appended to deepspeed.json, its stderr's tail kept, then packed
+ds() {
+    local name=$1
+    shift
+    log "deepspeed $name: $*"
+    timeout "${RUN_S:-120}" $PY benchmarks/deepspeed_memory.py ${DEMO:+--demo} "$@" >>"$OUT/deepspeed.json" \
+        2>>"$OUT/deepspeed-$name.err"
+    echo "exit $? ($name)" >>"$OUT/deepspeed-$name.err"
+    tail -c 3000 "$OUT/deepspeed-$name.err" >"$OUT/deepspeed-$name.tail" && rm -f "$OUT/deepspeed-$name.err"
+    pack
+}
