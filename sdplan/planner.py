@@ -63,8 +63,9 @@ from sdplan.trainer.blockswap import support_problem as swap_problem  # the trai
 
 # -- calibration constants (fitted with benchmarks/planner_accuracy.py against profiles/methods) ----------
 ACTIVATION_FACTOR = 1.5  # saved tensors -> peak incl. gradient buffers of the backward pass
-# the same under DeepSpeed, for the UNets: accelerate runs no autocast there (DeepSpeed trains the half weights
-# itself), so the fp32 outputs of autocast's norm and softmax ops, part of ACTIVATION_FACTOR, are not made.
+# the same under DeepSpeed, for the UNets: accelerate runs no autocast there (Accelerator.__init__ leaves
+# native_amp False for DistributedType.DEEPSPEED, accelerate 1.15; DeepSpeed trains the half weights itself), so
+# the fp32 outputs of autocast's norm and softmax ops, part of ACTIVATION_FACTOR, are not made.
 # Least squares over the peaks of sdplan's own ZeRO-2 steps on an H100 (profiles/methods/finetune.yaml, points
 # bench-...-zero2-*: SDXL at 512 and 1024 px, batch 1-8, and SD1.5 at 512 px, batch 1-16, with optimizer
 # offload, 2026-11-27), where x1.5 put them 13-35% high, growing with the batch
