@@ -508,18 +508,23 @@ def run_command(out: str | Path, *, dataset_given: bool) -> str:
     )
 
 
-def accelerate_gpu_ids(hw: planner.Hardware, ids: tuple[int, ...] | None) -> str:
-    """accelerate's ``gpu_ids`` for the GPUs a plan names (a machine whose GPUs differ): their NVML UUIDs, which
-    ``accelerate launch`` puts in ``CUDA_VISIBLE_DEVICES`` and CUDA takes in any device order. "all" where the
-    plan names none, or a GPU's UUID is unknown (a hand-written snapshot; an index there would be counted in
-    CUDA's fastest-first order): ``sdplan train`` chooses them from the sdplan.yaml's ``distributed.gpu_ids``."""
+def planned_devices(hw: planner.Hardware, ids: tuple[int, ...] | None) -> dict[str, str] | None:
+    """The ``CUDA_VISIBLE_DEVICES`` for the GPUs a plan names (a machine whose GPUs differ): their NVML UUIDs, which
+    CUDA takes in any device order, as ``sdplan train`` shows them (:meth:`sdplan.machine.Snapshot.
+    visible_devices`). None where the plan names none, or a GPU's UUID is unknown (a hand-written snapshot; an
+    index there would be counted in CUDA's fastest-first order): ``sdplan train`` chooses them from the
+    sdplan.yaml's ``distributed.gpu_ids``."""
     from sdplan.machine import nvidia_uuid
 
     if not ids:
-        return "all"
+        return None
     by_index = {g.index: g for g in hw.gpus}
     uuids = [by_index[i].uuid if i in by_index else None for i in ids]
-    return ",".join(str(u) for u in uuids) if all(nvidia_uuid(u) for u in uuids) else "all"
+    return (
+        {"CUDA_VISIBLE_DEVICES": ",".join(str(u) for u in uuids)}
+        if all(nvidia_uuid(u) for u in uuids)
+        else None
+    )
 
 
 def write_outputs(
@@ -537,7 +542,7 @@ def write_outputs(
     import yaml
 
     from sdplan import config as cfgmod
-    from sdplan.launch import DEEPSPEED_FILE, accelerate_config, deepspeed_config
+    from sdplan.launch import DEEPSPEED_FILE, accelerate_config, accelerate_gpu_ids, deepspeed_config
 
     if res.plan is None:
         raise UsageError(
@@ -558,7 +563,7 @@ def write_outputs(
     acc = accelerate_config(
         train_cfg,
         deepspeed_file=str((outdir / DEEPSPEED_FILE).resolve()),
-        gpu_ids=accelerate_gpu_ids(res.hardware, res.plan.gpu_ids),
+        gpu_ids=accelerate_gpu_ids(planned_devices(res.hardware, res.plan.gpu_ids)),
     )
     files["accelerate.yaml"] = yaml.safe_dump(acc, sort_keys=False)
     ds = deepspeed_config(train_cfg)
