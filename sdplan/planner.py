@@ -433,8 +433,10 @@ def step_allocated_bytes(
     during the backward while those are freed (the first, high-resolution segment is differentiated last, beside
     nearly all gradients: recomputed with checkpointing, still saved without); the step then adds its
     temporaries. With gradient accumulation the gradients live from the first micro-step's backward to the
-    optimizer step, through the next micro-steps' forwards, whatever zero_grad does after the step; DeepSpeed
-    offload keeps its buckets. DeepSpeed without offload has let go of its half gradients and buckets when the
+    optimizer step, through the next micro-steps' forwards, whatever zero_grad does after the step. DeepSpeed
+    offload's buckets are counted beside the forward too (the form DEEPSPEED_ACTIVATION_FACTOR was fitted with),
+    though DeepSpeed frees them at the end of every backward (stage_1_and_2.py _release_ipg_buffers @0.19.8:
+    the H100's offload steps held 6.43 GiB between steps for SDXL, the bucket not among it). DeepSpeed without offload has let go of its half gradients and buckets when the
     step's temporaries (its fp32 gradient partition and AdamW's) peak: SDXL's ZeRO-2 step in one process on an
     H100 peaked at exactly the resident bytes + ``step`` at batch 1 and 4 (2026-11-27), where adding the
     gradients put it 12% high. Its reduce buckets are freed at the end of every backward, the kept gradient
