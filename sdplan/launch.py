@@ -141,14 +141,21 @@ def accelerate_gpu_ids(devices: Mapping[str, str] | None) -> str:
     return (devices or {}).get("CUDA_VISIBLE_DEVICES") or "all"
 
 
-def deepspeed_config(cfg: TrainConfig) -> dict[str, Any] | None:
+def deepspeed_config(
+    cfg: TrainConfig, *, world_size: int | None = None, cpu: bool | None = None
+) -> dict[str, Any] | None:
     """The DeepSpeed JSON for ZeRO-1/2, optimizer state offloaded to CPU when planned; None without DeepSpeed.
-    DeepSpeed checks train_batch_size == micro batch x grad accumulation x world size."""
+    DeepSpeed checks train_batch_size == micro batch x grad accumulation x world size.
+
+    ``world_size`` / ``cpu``: the world and device the run really has, where they are known and may differ from
+    ``distributed.num_processes`` and ``training.device`` (a process not started by ``accelerate launch``:
+    trainer/runtime.py make_accelerator); default: the config's."""
     ds = cfg.distributed.deepspeed
     if ds is None:
         return None
     t = cfg.training
-    world = cfg.distributed.num_processes
+    world = cfg.distributed.num_processes if world_size is None else world_size
+    on_cpu = t.device == "cpu" if cpu is None else cpu
     for name, v in (("micro_batch", t.batch_size), ("grad_accum", t.grad_accum), ("world_size", world)):
         if v < 1:
             raise ValueError(f"{name} must be >= 1")
@@ -174,7 +181,7 @@ def deepspeed_config(cfg: TrainConfig) -> dict[str, Any] | None:
         # fp16 is a GPU feature: on the CPU (DeepSpeed's CPU accelerator refuses it) the run trains in fp32,
         # as it does without DeepSpeed
         "fp16": {
-            "enabled": t.precision == "fp16" and t.device != "cpu",
+            "enabled": t.precision == "fp16" and not on_cpu,
             "loss_scale": 0,
             "initial_scale_power": 16,
         },

@@ -433,14 +433,29 @@ def step_allocated_bytes(
     during the backward while those are freed (the first, high-resolution segment is differentiated last, beside
     nearly all gradients: recomputed with checkpointing, still saved without); the step then adds its
     temporaries. With gradient accumulation the gradients live from the first micro-step's backward to the
-    optimizer step, through the next micro-steps' forwards, whatever zero_grad does after the step; DeepSpeed
-    offload keeps its buckets. DeepSpeed without offload has let go of its half gradients and buckets when the
+    optimizer step, through the next micro-steps' forwards, whatever zero_grad does after the step. DeepSpeed
+    offload's buckets are counted beside the forward too (the form DEEPSPEED_ACTIVATION_FACTOR was fitted with),
+    though DeepSpeed frees them at the end of every backward (stage_1_and_2.py _release_ipg_buffers @0.19.8:
+    the H100's offload steps held 6.43 GiB between steps for SDXL, the bucket not among it). DeepSpeed without offload has let go of its half gradients and buckets when the
     step's temporaries (its fp32 gradient partition and AdamW's) peak: SDXL's ZeRO-2 step in one process on an
     H100 peaked at exactly the resident bytes + ``step`` at batch 1 and 4 (2026-11-27), where adding the
-    gradients put it 12% high."""
+    gradients put it 12% high. Its reduce buckets are freed at the end of every backward, the kept gradient
+    partition is not: with gradient accumulation that partition is there through the next micro-steps' forwards
+    (without the buckets), and beside the next backward's own partition buffer and buckets
+    (deepspeed/runtime/zero/stage_1_and_2.py independent_gradient_partition_epilogue: the new partition is added
+    into the kept one, then _release_ipg_buffers drops the buckets and the new buffer, @0.19.8)."""
     if s.deepspeed and not s.offload:
-        held_grads = grads if s.grad_accum > 1 else 0.0  # the partition accumulates over the micro-steps
-        return resident + max(forward + held_grads, grads + recompute_tail, step)
+        pb = 2.0 if _half(s.precision) else 4.0
+        # the buckets are in ``grads`` where they are DeepSpeed's states (deepspeed_states: full methods)
+        ds_buckets = (
+            deepspeed_reduce_buckets(s.num_gpus) * DEEPSPEED_BUCKET_ELEMENTS * pb
+            if s.method in FULL_METHODS
+            else 0.0
+        )
+        held = (
+            max(0.0, grads - ds_buckets) if s.grad_accum > 1 else 0.0
+        )  # the partition, over the micro-steps
+        return resident + max(forward + held, grads + held + recompute_tail, step)
     if s.set_grads_to_none and s.grad_accum == 1 and not s.offload:
         return resident + buckets + max(forward, grads - buckets + max(step, recompute_tail))
     return resident + grads + max(forward, step)
@@ -479,6 +494,11 @@ def deepspeed_states(s: Settings, trained: float, adafactor_state_fp32: float = 
     stage = (s.deepspeed or {}).get("zero_stage", 2)
     kept = trained * pb / (n if stage >= 2 else 1)
     foreach = trained * 4.0 / n if s.optimizer in FOREACH_OPTIMIZERS else 0.0
+    # step() makes a flat copy of the kept half gradient partition (flatten: torch.cat) and of that the fp32
+    # partition before it frees either (stage_1_and_2.py step @0.19.8): 2 + 2 + 4 bytes per parameter of the
+    # partition (fp32 training: the partition and its flat copy, which .to(float32) keeps: 4 + 4); the optimizer
+    # then runs beside the fp32 partition alone
+    flatten = trained * 8.0 / n
     if s.optimizer in OPTIMIZER_STATE:
         copies, fixed = OPTIMIZER_STATE[s.optimizer]
         state = trained * (copies * 4.0 + fixed)
@@ -488,7 +508,8 @@ def deepspeed_states(s: Settings, trained: float, adafactor_state_fp32: float = 
         "weights": trained * pb,
         "gradients": kept + buckets,
         "optimizer": (trained * 4.0 + state) / n,
-        "step": trained * 4.0 / n + foreach,  # the fp32 gradient partition, and foreach AdamW's temporary
+        # the fp32 gradient partition and foreach AdamW's temporary, or the flattening before it
+        "step": max(flatten, trained * 4.0 / n + foreach),
         "host": 0.0,
     }
 

@@ -634,3 +634,51 @@ def test_deepspeed_without_offload_peaks_at_the_step_without_the_half_gradients(
         m = P.memory(prof, replace(s, batch=batch))
         resident = m.weights + m.frozen + m.optimizer
         assert m.peak - m.overhead == pytest.approx(resident + m.step_transient)
+
+
+def test_deepspeed_sharded_step_counts_the_flattening_of_the_half_gradients(prof):
+    """DeepSpeed's step() turns the kept half gradient partition into a flat copy and that into the fp32
+    partition before it frees either (deepspeed/runtime/zero/stage_1_and_2.py step @0.19.8): 2 + 2 + 4 bytes per
+    parameter of the partition, what foreach AdamW's step (fp32 partition + its temporary) also takes. An
+    optimizer without foreach's temporary (Lion, pinned) was counted at 4 bytes: 9.6 GiB short for SDXL."""
+    s = Settings(
+        method="finetune",
+        model="sdxl",
+        resolution=1024,
+        precision="bf16",
+        gradient_checkpointing=True,
+        cache_latents=True,
+        deepspeed=dict(SHARDED),
+    )
+    for n in (1, 2, 4):
+        for optimizer in ("adamw", "lion"):
+            m = P.memory(prof, replace(s, optimizer=optimizer, num_gpus=n))
+            assert m.step_transient == pytest.approx(8.0 * m.trainable_params / n)
+            resident = m.weights + m.frozen + m.optimizer
+            assert m.peak - m.overhead >= resident + m.step_transient - 1
+
+
+def test_deepspeed_sharded_accumulation_holds_the_partition_not_the_buckets(prof):
+    """DeepSpeed frees its reduce buckets at the end of every backward (_release_ipg_buffers) and keeps the
+    gradient partition: with accumulation the next forward runs beside the partition alone, the next backward
+    beside it and its own partition buffer and buckets (stage_1_and_2.py independent_gradient_partition_epilogue
+    @0.19.8)."""
+    from sdplan.settings import DEEPSPEED_BUCKET_ELEMENTS
+
+    s = Settings(method="finetune", model="sdxl", resolution=1024, deepspeed=dict(SHARDED), grad_accum=2)
+    bucket = DEEPSPEED_BUCKET_ELEMENTS * 2.0  # one process: one bf16 bucket
+    kept = 10e9
+    grads = kept + bucket
+    step = 1e9
+    # the forward beside the kept partition
+    assert P.step_allocated_bytes(
+        s, resident=0.0, grads=grads, buckets=0.0, forward=30e9, step=step, recompute_tail=1e9
+    ) == pytest.approx(30e9 + kept)
+    # the backward beside the kept partition, a new one and the bucket
+    assert P.step_allocated_bytes(
+        s, resident=0.0, grads=grads, buckets=0.0, forward=5e9, step=step, recompute_tail=1e9
+    ) == pytest.approx(grads + kept + 1e9)
+    one = replace(s, grad_accum=1)  # nothing held between steps
+    assert P.step_allocated_bytes(
+        one, resident=0.0, grads=grads, buckets=0.0, forward=5e9, step=step, recompute_tail=1e9
+    ) == pytest.approx(grads + 1e9)

@@ -99,6 +99,52 @@ def test_deepspeed_on_the_cpu_names_gloo_in_a_launched_process_only(monkeypatch,
     )  # MULTI_CPU: accelerate's gloo
 
 
+def test_deepspeed_without_the_launcher_is_configured_for_the_process_it_runs_in(monkeypatch, tmp_path):
+    """A DeepSpeed config run without `accelerate launch` (sdplan bench's harness, a hand run of the trainer) is
+    one process on the device it resolved: accelerate's plugin keeps a given train_batch_size and fp16 block as
+    they are (DeepSpeedPlugin.fill_match replaces only "auto", accelerate 1.15), and DeepSpeed asserts
+    train_batch_size == micro batch x accumulation x its world size (deepspeed/runtime/config.py _batch_assertion
+    @0.19.8). Built from distributed.num_processes (4) it said 24 where one process makes 6, with a second reduce
+    bucket (overlap_comm) and fp16 enabled where device auto fell back to the CPU."""
+    pytest.importorskip("deepspeed")
+    import accelerate
+
+    seen: dict = {}
+
+    class Recorded:
+        num_processes = 1
+
+        def __init__(self, **kwargs):
+            seen.update(kwargs)
+
+    monkeypatch.setattr(accelerate, "Accelerator", Recorded)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for name in ("ACCELERATE_USE_DEEPSPEED", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    cfg = config.validate(
+        {
+            "training": {"batch_size": 2, "grad_accum": 3, "precision": "fp16"},
+            "distributed": {"num_processes": 4, "deepspeed": {"zero_stage": 2, "offload_optimizer": True}},
+        }
+    )
+    runtime.make_accelerator(cfg, tmp_path)
+    ds = seen["deepspeed_plugin"].deepspeed_config
+    assert (
+        ds["train_batch_size"],
+        ds["train_micro_batch_size_per_gpu"],
+        ds["gradient_accumulation_steps"],
+    ) == (
+        6,
+        2,
+        3,
+    )
+    assert ds["zero_optimization"]["overlap_comm"] is False  # one process: one reduce bucket
+    assert (
+        not ds["fp16"]["enabled"] and seen["mixed_precision"] == "no"
+    )  # the CPU: fp32, as without DeepSpeed
+    assert cfg.distributed.num_processes == 4 and cfg.training.device == "auto"  # the config itself unchanged
+
+
 def test_family_detection_and_sources(tmp_path, tiny_sd15):
     assert models.detect_family({"cross_attention_dim": 768}) == "sd15"
     assert models.detect_family({"cross_attention_dim": 1024}) == "sd21"

@@ -122,8 +122,14 @@ def make_accelerator(cfg, out_dir: Path):
 
         # the same DeepSpeed config `sdplan train` writes for a launch (buckets, overlap, offload, precision), not
         # accelerate's defaults for the plugin's arguments, so a run without the launcher (sdplan bench) measures
-        # what training runs
-        kwargs["deepspeed_plugin"] = DeepSpeedPlugin(hf_ds_config=deepspeed_config(cfg))
+        # what training runs; for the world and device this process really has: accelerate keeps a given
+        # train_batch_size and fp16 block (DeepSpeedPlugin.fill_match replaces only "auto"), and DeepSpeed
+        # asserts train_batch_size == micro batch x accumulation x its world size (runtime/config.py
+        # _batch_assertion), where distributed.num_processes may name the GPUs of a planned launch
+        world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+        kwargs["deepspeed_plugin"] = DeepSpeedPlugin(
+            hf_ds_config=deepspeed_config(cfg, world_size=world, cpu=cpu)
+        )
     from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs
 
     # Gradients as views into DDP's all-reduce buckets: no second copy of the gradients (the planner counts
