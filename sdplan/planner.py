@@ -2877,7 +2877,7 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
     if s.offload:
         added = offload_seconds(profiles, s, pace.spec, cal.cpu_adam_params_per_s) if pace.spec else None
         r.append(
-            "DeepSpeed ZeRO-2 with optimizer offload to CPU: "
+            f"DeepSpeed {_zero(s)} with optimizer offload to CPU: "
             + ("pinned" if pinned("deepspeed") else "nothing without offload fits")
             + (
                 f"; it adds ~{added:.2f} s a micro-step (the gradients copied to the host and, once per optimizer "
@@ -2890,7 +2890,7 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
         )
     elif s.sharded:
         r.append(
-            f"DeepSpeed ZeRO-2 over {s.num_gpus} GPUs: "
+            f"DeepSpeed {_zero(s)} over {s.num_gpus} GPU{'s' if s.num_gpus > 1 else ''}: "
             + (
                 "pinned"
                 if pinned("deepspeed")
@@ -3216,13 +3216,18 @@ def _tier_text(c: Candidate, best: Candidate) -> str:
     return "full bf16 weights (no fp32 master copy)"
 
 
+def _zero(s: Settings) -> str:
+    """The ZeRO stage a DeepSpeed setting runs ('ZeRO-1', 'ZeRO-2'), as sdplan.launch writes it."""
+    return f"ZeRO-{(s.deepspeed or {}).get('zero_stage', 2)}"
+
+
 def _comm_text(profiles: Profiles, s: Settings, link: str) -> str:
     """What the GPUs exchange each step (:func:`comm_seconds`), in words."""
     moved = _gib(gradient_bytes(profiles, s))
     if s.deepspeed:
         return (
             f"the {moved} of gradients reduce-scattered every micro-step and of weights all-gathered every "
-            f"optimizer step over {link} (DeepSpeed ZeRO-2)"
+            f"optimizer step over {link} (DeepSpeed {_zero(s)})"
         )
     return f"the {moved} gradient all-reduce per step over {link}"
 

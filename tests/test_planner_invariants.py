@@ -634,3 +634,17 @@ def test_deepspeed_without_offload_peaks_at_the_step_without_the_half_gradients(
         m = P.memory(prof, replace(s, batch=batch))
         resident = m.weights + m.frozen + m.optimizer
         assert m.peak - m.overhead == pytest.approx(resident + m.step_transient)
+
+
+@pytest.mark.parametrize("offload", [True, False], ids=["offload", "sharded"])
+def test_a_zero1_plan_says_zero1_not_zero2(prof, offload):
+    """A plan pinned to ZeRO-1 (deepspeed.json stage 1) explained itself as "DeepSpeed ZeRO-2 with optimizer
+    offload" / "DeepSpeed ZeRO-2 over 1 GPUs" and its GPU-count reasons as "(DeepSpeed ZeRO-2)"."""
+    ds = {"zero_stage": 1, "offload_optimizer": offload}
+    req = P.Request(method="finetune", model="sd15", images=100, pins=(("deepspeed", ds),))
+    gpu = prof.find_gpu("H100 SXM" if not offload else "RTX 4090")
+    res = P.plan(P.hardware_from_catalog(gpu, count=2), prof, req)
+    assert res.plan.deepspeed == ds
+    text = "\n".join(res.reasons)
+    assert "ZeRO-1" in text and "ZeRO-2" not in text, text
+    assert "1 GPUs" not in text, text
