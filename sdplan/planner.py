@@ -2379,7 +2379,7 @@ def breakdown_text(m: Memory) -> str:
     parts = {k: v for k, v in m.parts().items() if v > 0}
     text = ", ".join(f"{k.replace('_', ' ')} {_gib(v)}" for k, v in parts.items())
     total = sum(parts.values())
-    if abs(total - m.peak) > 0.05 * GiB:
+    if _gib(total) != _gib(m.peak):  # as shown: "add up to 11.2 GiB, not the step's 11.2 GiB" says nothing
         text += (
             f" (these add up to {_gib(total)}, not the step's {_gib(m.peak)}: "
             + (
