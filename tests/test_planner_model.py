@@ -643,3 +643,22 @@ def test_textual_inversion_holds_original_rows_and_half_copies_of_the_frozen_enc
     assert m32.frozen == pytest.approx(
         (model.params_unet + model.params_vae) * 4 + model.text_encoder_params * 4
     )
+
+
+@pytest.mark.parametrize("model", ["sd15", "sdxl", "flux-dev"])
+@pytest.mark.parametrize("gpus", [1, 2])
+def test_a_lora_pinned_to_deepspeed_counts_its_buckets_and_offload(prof, model, gpus):
+    """A LoRA pinned to DeepSpeed ZeRO-2 offload was planned as if without DeepSpeed: its optimizer state on the
+    GPU, autocast's copies, and none of the reduce buckets DeepSpeed allocates whatever the parameter count
+    (0.93 GiB of bf16 each: one in one process, two with overlap_comm across several)."""
+    from sdplan.settings import DEEPSPEED_BUCKET_ELEMENTS, OFFLOAD, SHARDED
+
+    res = 1024 if model != "sd15" else 512
+    plain = _lora(model=model, resolution=res, gradient_checkpointing=True, cache_latents=True, num_gpus=gpus)
+    bucket = DEEPSPEED_BUCKET_ELEMENTS * 2.0
+    off = P.memory(prof, replace(plain, deepspeed=dict(OFFLOAD)))
+    assert off.optimizer == 0.0 and off.autocast_copies == 0.0 and off.step_transient == 0.0
+    assert off.gradients == pytest.approx(bucket * (2 if gpus > 1 else 1))
+    assert off.ram >= P.memory(prof, plain).ram
+    split = P.memory(prof, replace(plain, deepspeed=dict(SHARDED)))
+    assert split.gradients >= bucket and split.optimizer > 0.0 and split.autocast_copies == 0.0
