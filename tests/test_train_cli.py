@@ -368,3 +368,16 @@ def test_deepspeed_in_several_cpu_processes_launches_one_world(tmp_path, fake_mo
     assert "accelerate.commands.launch --config_file" in r.stdout
     assert "2 steps per epoch x 2 epoch(s) = 4 optimizer steps; images seen 12" in r.stdout
     assert not out.exists()
+
+
+def test_demo_refuses_a_bad_setting_before_building_anything(tmp_path):
+    """`sdplan train --demo --out X distributed.deepspeed.zero_stage=3` built the tiny model and dataset in X,
+    then refused the setting; the corrected command was then refused too: "X already holds files (base_model,
+    dataset) and is not an sdplan run". The settings are checked first, and X stays untouched."""
+    out = tmp_path / "demo"
+    one_line_error(
+        invoke("--demo", "--out", str(out), "-y", "distributed.deepspeed.zero_stage=3"),
+        2,
+        "distributed.deepspeed.zero_stage: must be 1 or 2",
+    )
+    assert not out.exists()
