@@ -2376,10 +2376,11 @@ def final_grid_fits(m: Memory, vram_bytes: int) -> bool:
     return m.sampling_peak <= HEADROOM * vram_bytes
 
 
-def breakdown_text(m: Memory) -> str:
+def breakdown_text(m: Memory, s: Settings | None = None) -> str:
     """The step's parts in GiB, and, when they do not add up to its peak, why: freed gradients never coexist
     with the forward's activations, the step transient only follows the backward, and the overhead is part of
-    the sum; each peak is the largest of the phases, not the sum of everything."""
+    the sum; each peak is the largest of the phases, not the sum of everything. ``s``: the settings, for what
+    frees the gradients (DeepSpeed without offload lets go of them before its step: step_allocated_bytes)."""
     parts = {k: v for k, v in m.parts().items() if v > 0}
     text = ", ".join(f"{k.replace('_', ' ')} {_gib(v)}" for k, v in parts.items())
     total = sum(parts.values())
@@ -2387,8 +2388,13 @@ def breakdown_text(m: Memory) -> str:
         text += (
             f" (these add up to {_gib(total)}, not the step's {_gib(m.peak)}: "
             + (
-                "the activations, the gradients (freed after every step with set_to_none) and the step's "
-                "temporaries are not all alive at once; the peak is the largest phase"
+                "the activations, the gradients ("
+                + (
+                    "DeepSpeed lets go of its half gradients and buckets before the optimizer step"
+                    if s is not None and s.sharded
+                    else "freed after every step with set_to_none"
+                )
+                + ") and the step's temporaries are not all alive at once; the peak is the largest phase"
                 if total > m.peak
                 else "the parts are each phase's own, and the peak is the largest phase"
             )
@@ -2948,7 +2954,7 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
         r.append(
             f"predicted peak {format_range(m.peak, best.peak_range)} per GPU of {card} "
             f"({fit_share_text(m.peak, vram)}): "
-            + breakdown_text(m)
+            + breakdown_text(m, s)
             + f"; the range is measured / predicted x{peak_band[0]:g}-{peak_band[1]:g} on the "
             f"validation set's {_band_scope(profiles, s.model)} (n={peak_n})"
         )
@@ -3824,8 +3830,8 @@ def offload_seconds(
     the process's share of the gradients goes to host memory over PCIe (2 bytes a parameter in half precision);
     once per optimizer step the host runs CPU Adam over every trained parameter (the processes of one machine
     share its memory bandwidth, which bounds CPU Adam: not divided by the GPU count) and the updated weights
-    come back. The gradient copy overlaps the backward in DeepSpeed (overlap_comm, which sdplan's config sets):
-    counted in full, an upper bound. Replaces a x3.5 factor on the whole step (a 2022 report of "3-4x slower"
+    come back. The gradient copy can overlap the backward in DeepSpeed (overlap_comm, which sdplan's config sets
+    with several processes): counted in full, an upper bound. Replaces a x3.5 factor on the whole step (a 2022 report of "3-4x slower"
     for SD 1.x at batch 1, which this model gives too: ~1.5 s added to a ~0.5 s step), which made a 4090's
     accumulated SDXL fine-tune 11x too slow."""
     if not s.offload or spec is None:

@@ -662,3 +662,25 @@ def test_a_lora_pinned_to_deepspeed_counts_its_buckets_and_offload(prof, model, 
     assert off.ram >= P.memory(prof, plain).ram
     split = P.memory(prof, replace(plain, deepspeed=dict(SHARDED)))
     assert split.gradients >= bucket and split.optimizer > 0.0 and split.autocast_copies == 0.0
+
+
+def test_a_sharded_deepspeed_breakdown_says_deepspeed_frees_the_gradients(prof):
+    """ZeRO-2 without offload: the parts add up to more than the peak because DeepSpeed lets go of its half
+    gradients and buckets before the step (step_allocated_bytes), not because of set_to_none, as it said."""
+    from sdplan.settings import SHARDED
+
+    s = Settings(
+        method="finetune",
+        model="sdxl",
+        resolution=1024,
+        precision="bf16",
+        batch=4,
+        gradient_checkpointing=True,
+        cache_latents=True,
+        deepspeed=dict(SHARDED),
+    )
+    m = P.memory(prof, s)
+    text = P.breakdown_text(m, s)
+    assert "not the step's" in text and "DeepSpeed lets go of its half gradients" in text
+    assert "set_to_none" not in text
+    assert "set_to_none" in P.breakdown_text(m)  # no settings: as before
