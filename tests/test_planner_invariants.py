@@ -648,3 +648,32 @@ def test_a_zero1_plan_says_zero1_not_zero2(prof, offload):
     text = "\n".join(res.reasons)
     assert "ZeRO-1" in text and "ZeRO-2" not in text, text
     assert "1 GPUs" not in text, text
+
+
+def test_a_zero2_plan_without_offload_takes_no_speed_or_peak_from_an_offload_run(prof):
+    """SDXL ZeRO-2 without offload on an H100 at the settings measured both ways (2026-11-27: 2.11 s a step
+    with offload, CPU Adam; 1.02 s without): the plan took the offload run's 0.47 it/s "from a published speed
+    with these settings", since matching knew DeepSpeed but not offload; peaks and recorded out-of-memory
+    errors, matched the same way, would have crossed over too (10 GiB offloaded against 54 sharded)."""
+    req = P.Request(
+        method="finetune",
+        model="sdxl",
+        images=100,
+        pins=(
+            ("batch", 4),
+            ("gradient_checkpointing", True),
+            ("optimizer", "adamw"),
+            ("cache_latents", True),
+            ("cache_text_encoder_outputs", False),
+        ),
+    )
+    h100 = P.hardware_from_catalog(prof.find_gpu("H100 SXM"))
+    its = {}
+    for name, ds in (("sharded", SHARDED), ("offload", OFFLOAD)):
+        res = P.plan(h100, prof, replace(req, pins=(*req.pins, ("deepspeed", dict(ds)))))
+        assert res.plan.deepspeed == ds
+        its[name] = P.result_dict(res)["estimate"]["it_per_s"]
+    assert its["sharded"] == pytest.approx(0.985, rel=0.01), its
+    assert its["offload"] == pytest.approx(1 / 2.111, rel=0.01), its
+    s = Settings(method="finetune", model="sdxl", resolution=1024, precision="bf16", deepspeed=dict(SHARDED))
+    assert P._memory_settings(s) != P._memory_settings(replace(s, deepspeed=dict(OFFLOAD)))
