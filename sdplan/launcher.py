@@ -541,6 +541,12 @@ def describe(
                 ds is not None and ds.offload_optimizer,
                 f"DeepSpeed ZeRO-{ds and ds.zero_stage} optimizer offload",
             ),
+            # without offload: the optimizer state split over the processes (one process: nothing to split)
+            (
+                ds is not None and not ds.offload_optimizer,
+                f"DeepSpeed ZeRO-{ds and ds.zero_stage} (optimizer state split over {world} process"
+                + ("es)" if world > 1 else ")"),
+            ),
         )
         if on
     ]
