@@ -696,7 +696,9 @@ def sampling_peak_bytes(
     elif not (full and s.train_text_encoder):
         comps += model.text_encoder_params * wb
     comps += _vae_bytes(model, s)
-    autocast = trained * 2.0 if (half and trained_bytes == 4 and not s.offload) else 0.0
+    # none under DeepSpeed, offloaded or not: accelerate's autocast() is a no-op there (native_amp off; DeepSpeed
+    # holds the trained weights in the half dtype itself), as _assemble counts for the step
+    autocast = trained * 2.0 if (half and trained_bytes == 4 and not s.deepspeed) else 0.0
     allocated = resident + comps + autocast + _grid_transient_bytes(model, s, sampling)
     return allocated + _overhead_bytes(allocated)
 
