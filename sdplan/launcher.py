@@ -666,6 +666,7 @@ def after_oom(data: dict[str, Any], *, cuda: bool, have_bnb: bool, have_deepspee
         dist["deepspeed"] = dict(OFFLOAD)
         if m.get("optimizer") == "adamw8bit":
             m["optimizer"] = "adamw"  # bitsandbytes does not combine with DeepSpeed
+        t["full_half_weights"] = False  # DeepSpeed keeps fp32 master weights of its own (offloaded here)
         return Change(
             new,
             (

@@ -1860,11 +1860,10 @@ def settings_space(
                     continue  # a swap the bundled trainer does not run (one process, checkpointing, LoRA)
                 if swap and "blocks_to_swap" not in pins and not (cache and te_cache):
                     continue  # block swap only after the cheaper savers (as kohya's docs order them)
-                if ds and (
-                    (opt != "adamw" and "optimizer" not in pins)
-                    or (half_w and "full_half_weights" not in pins)
-                ):
-                    continue  # 8-bit / Adafactor / full bf16 are not combined with DeepSpeed unless pinned
+                if ds and ((opt != "adamw" and "optimizer" not in pins) or half_w):
+                    # 8-bit / Adafactor are not combined with DeepSpeed unless pinned; full bf16 never (DeepSpeed
+                    # keeps fp32 master weights of its own: sdplan.config refuses it)
+                    continue
                 if ds == SHARDED and n == 1 and "deepspeed" not in pins:
                     continue  # nothing to split the optimizer state over: more bytes than no DeepSpeed
                 if ds and (train_te or opt == "adamw8bit"):

@@ -677,3 +677,14 @@ def test_a_zero2_plan_without_offload_takes_no_speed_or_peak_from_an_offload_run
     assert its["offload"] == pytest.approx(1 / 2.111, rel=0.01), its
     s = Settings(method="finetune", model="sdxl", resolution=1024, precision="bf16", deepspeed=dict(SHARDED))
     assert P._memory_settings(s) != P._memory_settings(replace(s, deepspeed=dict(OFFLOAD)))
+
+
+def test_pinned_full_bf16_weights_never_plan_deepspeed(prof):
+    """Pinned full bf16 weights on a card too small for them without DeepSpeed: the search took DeepSpeed
+    offload beside them (a config sdplan.config now refuses: DeepSpeed keeps fp32 master weights of its own)."""
+    req = P.Request(
+        method="finetune", model="sdxl", resolution=1024, images=100, pins=(("full_half_weights", True),)
+    )
+    space = list(P.settings_space(req, precision="bf16", attention="efficient", max_gpus=2))
+    assert space and all(s.full_half_weights for s in space)
+    assert not any(s.deepspeed for s in space)

@@ -133,6 +133,8 @@ def test_a_full_unet_method_in_bf16_tries_full_bf16_weights_before_offload():
         "switched to full bf16 weights and gradients",
         "turned on DeepSpeed ZeRO-2 with the optimizer state offloaded to CPU",
     ]
+    # DeepSpeed keeps fp32 master weights of its own: the full bf16 step is undone (it stayed on, as if it held)
+    assert d["training"]["full_half_weights"] is False
     # fp16 weights would underflow; LoRA trains no UNet weights: neither gets this step.
     for method, precision in (("finetune", "fp16"), ("lora", "bf16")):
         d = data(training={"batch_size": 1, "precision": precision}, memory={"gradient_checkpointing": True})
