@@ -633,16 +633,16 @@ def _assemble(
 ) -> Memory:
     """What every family's memory shares once its own parts are known (one process, no DeepSpeed: ``state``, the
     Memory fields trainable_params, weights, frozen, gradients, optimizer and ema; ``ram`` of one process):
-    DeepSpeed ZeRO-1/2 in place of a full method's or a LoRA's weights, gradients, optimizer state and step (the weights in
+    DeepSpeed ZeRO-1/2 in place of the trained weights, gradients, optimizer state and step, any method (the weights in
     the training dtype: half, or fp32 where deepspeed.json enables neither fp16 nor bf16, as DeepSpeed's
     optimizer takes the parameters' dtype; no autocast copies; ``optimizer_fp32``: the optimizer state in fp32
     for it), the host's EMA copy, DDP's buckets, the step's peak phase and the allocator's overhead, and the
     sampling grid's peak: ``sampling(resident, autocast_copies)`` with the state resident between steps."""
-    if s.deepspeed and (s.method in FULL_METHODS or s.method == "lora"):
-        # a LoRA under DeepSpeed as well (a pin: the search offers DeepSpeed to the full methods only): its engine
-        # takes the adapter's weights to the training dtype, offloads or splits their fp32 master copy and state,
-        # and allocates the same reduce buckets of DEEPSPEED_BUCKET_ELEMENTS however few parameters train
-        # (stage_1_and_2.py setup_buckets); without this the plan counted none of them
+    if s.deepspeed:
+        # a LoRA or textual inversion under DeepSpeed as well (a pin: the search offers DeepSpeed to the full
+        # methods only): its engine takes the trained weights to the training dtype, offloads or splits their
+        # fp32 master copy and state, and allocates the same reduce buckets of DEEPSPEED_BUCKET_ELEMENTS however
+        # few parameters train (stage_1_and_2.py setup_buckets); without this the plan counted none of them
         ds = deepspeed_states(s, state["trainable_params"], optimizer_fp32)
         state = state | {"weights": ds["weights"], "gradients": ds["gradients"], "optimizer": ds["optimizer"]}
         step_transient, autocast_copies = ds["step"], 0.0

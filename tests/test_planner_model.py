@@ -664,6 +664,18 @@ def test_a_lora_pinned_to_deepspeed_counts_its_buckets_and_offload(prof, model, 
     assert split.gradients >= bucket and split.optimizer > 0.0 and split.autocast_copies == 0.0
 
 
+def test_textual_inversion_pinned_to_deepspeed_counts_its_bucket_and_offload(prof):
+    """The same for textual inversion (DeepSpeed wraps its text encoder): a bucket, no optimizer on the GPU."""
+    from sdplan.settings import DEEPSPEED_BUCKET_ELEMENTS, OFFLOAD
+
+    s = Settings(
+        method="textual-inversion", model="sd15", resolution=512, precision="bf16", cache_latents=True
+    )
+    off = P.memory(prof, replace(s, deepspeed=dict(OFFLOAD)))
+    assert off.optimizer == 0.0 and off.autocast_copies == 0.0
+    assert off.gradients == pytest.approx(DEEPSPEED_BUCKET_ELEMENTS * 2.0)
+
+
 def test_a_sharded_deepspeed_breakdown_says_deepspeed_frees_the_gradients(prof):
     """ZeRO-2 without offload: the parts add up to more than the peak because DeepSpeed lets go of its half
     gradients and buckets before the step (step_allocated_bytes), not because of set_to_none, as it said."""
