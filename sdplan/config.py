@@ -315,6 +315,11 @@ def _cross_checks(cfg: TrainConfig, errors: list[str]) -> None:
         )
     if ds is not None and cfg.method == "textual-inversion" and cfg.model.family == "sdxl":
         errors.append("distributed.deepspeed: textual inversion on SDXL trains two text encoders; remove it")
+    if ds is not None and cfg.training.full_half_weights:
+        errors.append(
+            "training.full_half_weights: DeepSpeed keeps fp32 master weights of its own (ZeRO's optimizer), so "
+            "there is no full bf16 training under it; set it to false or remove distributed.deepspeed"
+        )
     if ds is not None and cfg.memory.optimizer == "adamw8bit":
         errors.append("memory.optimizer: adamw8bit (bitsandbytes) does not combine with DeepSpeed; use adamw")
     if (

@@ -126,7 +126,14 @@ def run_demo(req: Any, ui: Any) -> dict[str, Any]:
 
     from sdplan import runfolder
     from sdplan.errors import UsageError
-    from sdplan.launcher import InputSummary, TrainRequest, check_out_dir, clear_run_outputs, run
+    from sdplan.launcher import (
+        InputSummary,
+        TrainRequest,
+        _validate_given,
+        check_out_dir,
+        clear_run_outputs,
+        run,
+    )
     from sdplan.registry import family as lookup_family
 
     demo_families = ("sd15", "sdxl", *FLOW_DEMO_FAMILIES)
@@ -157,6 +164,9 @@ def run_demo(req: Any, ui: Any) -> dict[str, Any]:
         dry_run=req.dry_run,
         demo=True,
     )
+    # the key=value settings validate before the model and dataset are built: a typo (zero_stage=3) left them in
+    # --out, which the corrected command then refused as a folder of someone else's files
+    _validate_given(data, train_req, out, "demo config")
     if req.dry_run:  # touches nothing: the plan for the model and dataset the demo would build
         ui.echo(
             f"dry run: would build a tiny {family} model in {out / 'base_model'} and {DEMO_IMAGES} captioned "

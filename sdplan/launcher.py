@@ -537,7 +537,16 @@ def describe(
             (m.gradient_checkpointing, "gradient checkpointing"),
             (m.optimizer == "adamw8bit", "8-bit AdamW"),
             (m.cache_latents, "cached latents"),
-            (ds is not None and ds.offload_optimizer, "DeepSpeed ZeRO-2 optimizer offload"),
+            (
+                ds is not None and ds.offload_optimizer,
+                f"DeepSpeed ZeRO-{ds and ds.zero_stage} optimizer offload",
+            ),
+            # without offload: the optimizer state split over the processes (one process: nothing to split)
+            (
+                ds is not None and not ds.offload_optimizer,
+                f"DeepSpeed ZeRO-{ds and ds.zero_stage} (optimizer state split over {world} process"
+                + ("es)" if world > 1 else ")"),
+            ),
         )
         if on
     ]
@@ -652,14 +661,17 @@ def after_oom(data: dict[str, Any], *, cuda: bool, have_bnb: bool, have_deepspee
     # a DeepSpeed config without the key offloads (config.DeepSpeedConfig's default)
     offloaded = deepspeed_on and dist["deepspeed"].get("offload_optimizer", True)
     if have_deepspeed and not offloaded:
-        was_split = deepspeed_on  # ZeRO-2 splitting the optimizer state over the GPUs: offload it too
+        was_split = deepspeed_on  # ZeRO-1/2 splitting the optimizer state over the GPUs: offload it too
+        stage = int(dist["deepspeed"].get("zero_stage", 2)) if was_split else None
         dist["deepspeed"] = dict(OFFLOAD)
         if m.get("optimizer") == "adamw8bit":
             m["optimizer"] = "adamw"  # bitsandbytes does not combine with DeepSpeed
+        t["full_half_weights"] = False  # DeepSpeed keeps fp32 master weights of its own (offloaded here)
         return Change(
             new,
             (
-                "offloaded the split optimizer state of DeepSpeed ZeRO-2 to CPU"
+                f"offloaded the split optimizer state of DeepSpeed ZeRO-{stage} to CPU"
+                + (" (ZeRO-2 offload)" if stage != 2 else "")
                 if was_split
                 else "turned on DeepSpeed ZeRO-2 with the optimizer state offloaded to CPU"
             )

@@ -654,12 +654,16 @@ def _assemble(
 ) -> Memory:
     """What every family's memory shares once its own parts are known (one process, no DeepSpeed: ``state``, the
     Memory fields trainable_params, weights, frozen, gradients, optimizer and ema; ``ram`` of one process):
-    DeepSpeed ZeRO-1/2 in place of a full method's weights, gradients, optimizer state and step (the weights in
+    DeepSpeed ZeRO-1/2 in place of the trained weights, gradients, optimizer state and step, any method (the weights in
     the training dtype: half, or fp32 where deepspeed.json enables neither fp16 nor bf16, as DeepSpeed's
     optimizer takes the parameters' dtype; no autocast copies; ``optimizer_fp32``: the optimizer state in fp32
     for it), the host's EMA copy, DDP's buckets, the step's peak phase and the allocator's overhead, and the
     sampling grid's peak: ``sampling(resident, autocast_copies)`` with the state resident between steps."""
-    if s.deepspeed and s.method in FULL_METHODS:
+    if s.deepspeed:
+        # a LoRA or textual inversion under DeepSpeed as well (a pin: the search offers DeepSpeed to the full
+        # methods only): its engine takes the trained weights to the training dtype, offloads or splits their
+        # fp32 master copy and state, and allocates the same reduce buckets of DEEPSPEED_BUCKET_ELEMENTS however
+        # few parameters train (stage_1_and_2.py setup_buckets); without this the plan counted none of them
         ds = deepspeed_states(s, state["trainable_params"], optimizer_fp32)
         state = state | {"weights": ds["weights"], "gradients": ds["gradients"], "optimizer": ds["optimizer"]}
         step_transient, autocast_copies = ds["step"], 0.0
@@ -713,7 +717,9 @@ def sampling_peak_bytes(
     elif not (full and s.train_text_encoder):
         comps += model.text_encoder_params * wb
     comps += _vae_bytes(model, s)
-    autocast = trained * 2.0 if (half and trained_bytes == 4 and not s.offload) else 0.0
+    # none under DeepSpeed, offloaded or not: accelerate's autocast() is a no-op there (native_amp off; DeepSpeed
+    # holds the trained weights in the half dtype itself), as _assemble counts for the step
+    autocast = trained * 2.0 if (half and trained_bytes == 4 and not s.deepspeed) else 0.0
     allocated = resident + comps + autocast + _grid_transient_bytes(model, s, sampling)
     return allocated + _overhead_bytes(allocated)
 
@@ -1702,7 +1708,7 @@ def _matching_point(profiles: Profiles, s: Settings, gpu: GPUSpec | None) -> Met
 
 def _near_point(profiles: Profiles, s: Settings, gpu: GPUSpec | None) -> MethodPoint | None:
     """The `sdplan bench` speed point on this very GPU nearest these settings (same family, kind of training,
-    precision and DeepSpeed use; then the same resolution, the closest batch, the same checkpointing and
+    precision, DeepSpeed use and optimizer offload; then the same resolution, the closest batch, the same checkpointing and
     method), for :func:`planned_step_seconds` to scale the model's prediction by; None where this GPU has none.
     Only sdplan's own measurements: scaled by published figures from other tools (their attention, data
     loading, logging), 3 of the 4 validation speeds it touched got worse (median 20.1% -> 22.7%)."""
@@ -1715,6 +1721,7 @@ def _near_point(profiles: Profiles, s: Settings, gpu: GPUSpec | None) -> MethodP
         s.method,
         s.precision,
         bool(s.deepspeed),
+        s.offload,
         s.resolution,
         s.batch,
         s.gradient_checkpointing,
@@ -1740,6 +1747,7 @@ def _nearest_bench_point(profiles: Profiles, s: Settings, gpu: GPUSpec) -> Metho
             _step_floor_kind(p.method) != _step_floor_kind(s.method)
             or p.precision != s.precision
             or bool(o.deepspeed) != bool(s.deepspeed)
+            or p.settings.offload != s.offload  # CPU Adam's step, which the roofline does not carry over
         ):
             continue
         key = (
@@ -1873,11 +1881,10 @@ def settings_space(
                     continue  # a swap the bundled trainer does not run (one process, checkpointing, LoRA)
                 if swap and "blocks_to_swap" not in pins and not (cache and te_cache):
                     continue  # block swap only after the cheaper savers (as kohya's docs order them)
-                if ds and (
-                    (opt != "adamw" and "optimizer" not in pins)
-                    or (half_w and "full_half_weights" not in pins)
-                ):
-                    continue  # 8-bit / Adafactor / full bf16 are not combined with DeepSpeed unless pinned
+                if ds and ((opt != "adamw" and "optimizer" not in pins) or half_w):
+                    # 8-bit / Adafactor are not combined with DeepSpeed unless pinned; full bf16 never (DeepSpeed
+                    # keeps fp32 master weights of its own: sdplan.config refuses it)
+                    continue
                 if ds == SHARDED and n == 1 and "deepspeed" not in pins:
                     continue  # nothing to split the optimizer state over: more bytes than no DeepSpeed
                 if ds and (train_te or opt == "adamw8bit"):
@@ -2066,6 +2073,7 @@ def _speed_settings(s: Settings) -> tuple:
         s.cache_text_encoder_outputs,
         s.train_text_encoder,
         bool(s.deepspeed),
+        s.offload,  # offload's step is CPU Adam's (an SDXL step on an H100: 2.11 s with it, 1.02 s without)
         s.base_precision,
         s.blocks_to_swap,
     )
@@ -2393,19 +2401,25 @@ def final_grid_fits(m: Memory, vram_bytes: int) -> bool:
     return m.sampling_peak <= HEADROOM * vram_bytes
 
 
-def breakdown_text(m: Memory) -> str:
+def breakdown_text(m: Memory, s: Settings | None = None) -> str:
     """The step's parts in GiB, and, when they do not add up to its peak, why: freed gradients never coexist
     with the forward's activations, the step transient only follows the backward, and the overhead is part of
-    the sum; each peak is the largest of the phases, not the sum of everything."""
+    the sum; each peak is the largest of the phases, not the sum of everything. ``s``: the settings, for what
+    frees the gradients (DeepSpeed without offload lets go of them before its step: step_allocated_bytes)."""
     parts = {k: v for k, v in m.parts().items() if v > 0}
     text = ", ".join(f"{k.replace('_', ' ')} {_gib(v)}" for k, v in parts.items())
     total = sum(parts.values())
-    if abs(total - m.peak) > 0.05 * GiB:
+    if _gib(total) != _gib(m.peak):  # as shown: "add up to 11.2 GiB, not the step's 11.2 GiB" says nothing
         text += (
             f" (these add up to {_gib(total)}, not the step's {_gib(m.peak)}: "
             + (
-                "the activations, the gradients (freed after every step with set_to_none) and the step's "
-                "temporaries are not all alive at once; the peak is the largest phase"
+                "the activations, the gradients ("
+                + (
+                    "DeepSpeed lets go of its half gradients and buckets before the optimizer step"
+                    if s is not None and s.sharded
+                    else "freed after every step with set_to_none"
+                )
+                + ") and the step's temporaries are not all alive at once; the peak is the largest phase"
                 if total > m.peak
                 else "the parts are each phase's own, and the peak is the largest phase"
             )
@@ -2898,7 +2912,7 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
     if s.offload:
         added = offload_seconds(profiles, s, pace.spec, cal.cpu_adam_params_per_s) if pace.spec else None
         r.append(
-            "DeepSpeed ZeRO-2 with optimizer offload to CPU: "
+            f"DeepSpeed {_zero(s)} with optimizer offload to CPU: "
             + ("pinned" if pinned("deepspeed") else "nothing without offload fits")
             + (
                 f"; it adds ~{added:.2f} s a micro-step (the gradients copied to the host and, once per optimizer "
@@ -2911,7 +2925,7 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
         )
     elif s.sharded:
         r.append(
-            f"DeepSpeed ZeRO-2 over {s.num_gpus} GPUs: "
+            f"DeepSpeed {_zero(s)} over {s.num_gpus} GPU{'s' if s.num_gpus > 1 else ''}: "
             + (
                 "pinned"
                 if pinned("deepspeed")
@@ -2965,7 +2979,7 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
         r.append(
             f"predicted peak {format_range(m.peak, best.peak_range)} per GPU of {card} "
             f"({fit_share_text(m.peak, vram)}): "
-            + breakdown_text(m)
+            + breakdown_text(m, s)
             + f"; the range is measured / predicted x{peak_band[0]:g}-{peak_band[1]:g} on the "
             f"validation set's {_band_scope(profiles, s.model)} (n={peak_n})"
         )
@@ -3237,13 +3251,18 @@ def _tier_text(c: Candidate, best: Candidate) -> str:
     return "full bf16 weights (no fp32 master copy)"
 
 
+def _zero(s: Settings) -> str:
+    """The ZeRO stage a DeepSpeed setting runs ('ZeRO-1', 'ZeRO-2'), as sdplan.launch writes it."""
+    return f"ZeRO-{(s.deepspeed or {}).get('zero_stage', 2)}"
+
+
 def _comm_text(profiles: Profiles, s: Settings, link: str) -> str:
     """What the GPUs exchange each step (:func:`comm_seconds`), in words."""
     moved = _gib(gradient_bytes(profiles, s))
     if s.deepspeed:
         return (
             f"the {moved} of gradients reduce-scattered every micro-step and of weights all-gathered every "
-            f"optimizer step over {link} (DeepSpeed ZeRO-2)"
+            f"optimizer step over {link} (DeepSpeed {_zero(s)})"
         )
     return f"the {moved} gradient all-reduce per step over {link}"
 
@@ -3836,8 +3855,8 @@ def offload_seconds(
     the process's share of the gradients goes to host memory over PCIe (2 bytes a parameter in half precision);
     once per optimizer step the host runs CPU Adam over every trained parameter (the processes of one machine
     share its memory bandwidth, which bounds CPU Adam: not divided by the GPU count) and the updated weights
-    come back. The gradient copy overlaps the backward in DeepSpeed (overlap_comm, which sdplan's config sets):
-    counted in full, an upper bound. Replaces a x3.5 factor on the whole step (a 2022 report of "3-4x slower"
+    come back. The gradient copy can overlap the backward in DeepSpeed (overlap_comm, which sdplan's config sets
+    with several processes): counted in full, an upper bound. Replaces a x3.5 factor on the whole step (a 2022 report of "3-4x slower"
     for SD 1.x at batch 1, which this model gives too: ~1.5 s added to a ~0.5 s step), which made a 4090's
     accumulated SDXL fine-tune 11x too slow."""
     if not s.offload or spec is None:

@@ -145,3 +145,19 @@ def test_a_machine_snapshot_given_as_the_config_says_what_it_is(tmp_path):
         config.load(MACHINES / "rtx3060_12gb.json")
     assert "a machine snapshot (sdplan doctor --save), not an sdplan.yaml" in str(e.value)
     assert "sdplan recommend --machine FILE" in str(e.value) and "unknown key" not in str(e.value)
+
+
+def test_full_bf16_weights_do_not_combine_with_deepspeed():
+    """A plan pinned to DeepSpeed and full bf16 weights said "full bf16 weights and gradients (no fp32 master
+    copy)" while DeepSpeed's ZeRO optimizer kept its fp32 master weights (the plan's 60 GiB of host RAM for
+    SDXL counted them): refused, with the fix."""
+    with pytest.raises(ConfigError) as e:
+        config.validate(
+            {
+                "method": "finetune",
+                "training": {"precision": "bf16", "full_half_weights": True},
+                "distributed": {"deepspeed": {"zero_stage": 2, "offload_optimizer": True}},
+            }
+        )
+    assert "training.full_half_weights: DeepSpeed keeps fp32 master weights" in str(e.value)
+    assert "set it to false or remove distributed.deepspeed" in str(e.value)

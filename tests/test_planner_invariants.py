@@ -682,3 +682,57 @@ def test_deepspeed_sharded_accumulation_holds_the_partition_not_the_buckets(prof
     assert P.step_allocated_bytes(
         one, resident=0.0, grads=grads, buckets=0.0, forward=5e9, step=step, recompute_tail=1e9
     ) == pytest.approx(grads + 1e9)
+
+
+@pytest.mark.parametrize("offload", [True, False], ids=["offload", "sharded"])
+def test_a_zero1_plan_says_zero1_not_zero2(prof, offload):
+    """A plan pinned to ZeRO-1 (deepspeed.json stage 1) explained itself as "DeepSpeed ZeRO-2 with optimizer
+    offload" / "DeepSpeed ZeRO-2 over 1 GPUs" and its GPU-count reasons as "(DeepSpeed ZeRO-2)"."""
+    ds = {"zero_stage": 1, "offload_optimizer": offload}
+    req = P.Request(method="finetune", model="sd15", images=100, pins=(("deepspeed", ds),))
+    gpu = prof.find_gpu("H100 SXM" if not offload else "RTX 4090")
+    res = P.plan(P.hardware_from_catalog(gpu, count=2), prof, req)
+    assert res.plan.deepspeed == ds
+    text = "\n".join(res.reasons)
+    assert "ZeRO-1" in text and "ZeRO-2" not in text, text
+    assert "1 GPUs" not in text, text
+
+
+def test_a_zero2_plan_without_offload_takes_no_speed_or_peak_from_an_offload_run(prof):
+    """SDXL ZeRO-2 without offload on an H100 at the settings measured both ways (2026-11-27: 2.11 s a step
+    with offload, CPU Adam; 1.02 s without): the plan took the offload run's 0.47 it/s "from a published speed
+    with these settings", since matching knew DeepSpeed but not offload; peaks and recorded out-of-memory
+    errors, matched the same way, would have crossed over too (10 GiB offloaded against 54 sharded)."""
+    req = P.Request(
+        method="finetune",
+        model="sdxl",
+        images=100,
+        pins=(
+            ("batch", 4),
+            ("gradient_checkpointing", True),
+            ("optimizer", "adamw"),
+            ("cache_latents", True),
+            ("cache_text_encoder_outputs", False),
+        ),
+    )
+    h100 = P.hardware_from_catalog(prof.find_gpu("H100 SXM"))
+    its = {}
+    for name, ds in (("sharded", SHARDED), ("offload", OFFLOAD)):
+        res = P.plan(h100, prof, replace(req, pins=(*req.pins, ("deepspeed", dict(ds)))))
+        assert res.plan.deepspeed == ds
+        its[name] = P.result_dict(res)["estimate"]["it_per_s"]
+    assert its["sharded"] == pytest.approx(0.985, rel=0.01), its
+    assert its["offload"] == pytest.approx(1 / 2.111, rel=0.01), its
+    s = Settings(method="finetune", model="sdxl", resolution=1024, precision="bf16", deepspeed=dict(SHARDED))
+    assert P._memory_settings(s) != P._memory_settings(replace(s, deepspeed=dict(OFFLOAD)))
+
+
+def test_pinned_full_bf16_weights_never_plan_deepspeed(prof):
+    """Pinned full bf16 weights on a card too small for them without DeepSpeed: the search took DeepSpeed
+    offload beside them (a config sdplan.config now refuses: DeepSpeed keeps fp32 master weights of its own)."""
+    req = P.Request(
+        method="finetune", model="sdxl", resolution=1024, images=100, pins=(("full_half_weights", True),)
+    )
+    space = list(P.settings_space(req, precision="bf16", attention="efficient", max_gpus=2))
+    assert space and all(s.full_half_weights for s in space)
+    assert not any(s.deepspeed for s in space)

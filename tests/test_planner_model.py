@@ -285,6 +285,28 @@ def test_breakdown_says_when_the_parts_do_not_add_up(prof):
     assert "not the step's" not in P.breakdown_text(kept)
 
 
+def test_breakdown_does_not_contrast_a_sum_that_rounds_to_the_peak():
+    """Parts 0.06 GiB over the peak said "these add up to 11.2 GiB, not the step's 11.2 GiB" (an SDXL LoRA
+    pinned to DeepSpeed offload on an RTX 4090)."""
+    gib = float(GiB)
+    m = P.Memory(
+        trainable_params=1,
+        weights=0.1 * gib,
+        frozen=6.3 * gib,
+        gradients=0.1 * gib,
+        optimizer=0.2 * gib,
+        ema=0.0,
+        autocast_copies=0.0,
+        activations=3.3 * gib,
+        step_transient=0.1 * gib,
+        overhead=1.14 * gib,
+        peak=11.17 * gib,
+        ram=0.0,
+    )
+    assert 0.05 * gib < sum(m.parts().values()) - m.peak < 0.1 * gib
+    assert "not the step's" not in P.breakdown_text(m), P.breakdown_text(m)
+
+
 # -- speed: the roofline, fitted on profiles/ only -----------------------------------------------------------
 
 
@@ -621,3 +643,81 @@ def test_textual_inversion_holds_original_rows_and_half_copies_of_the_frozen_enc
     assert m32.frozen == pytest.approx(
         (model.params_unet + model.params_vae) * 4 + model.text_encoder_params * 4
     )
+
+
+@pytest.mark.parametrize("model", ["sd15", "sdxl", "flux-dev"])
+@pytest.mark.parametrize("gpus", [1, 2])
+def test_a_lora_pinned_to_deepspeed_counts_its_buckets_and_offload(prof, model, gpus):
+    """A LoRA pinned to DeepSpeed ZeRO-2 offload was planned as if without DeepSpeed: its optimizer state on the
+    GPU, autocast's copies, and none of the reduce buckets DeepSpeed allocates whatever the parameter count
+    (0.93 GiB of bf16 each: one in one process, two with overlap_comm across several)."""
+    from sdplan.settings import DEEPSPEED_BUCKET_ELEMENTS, OFFLOAD, SHARDED
+
+    res = 1024 if model != "sd15" else 512
+    plain = _lora(model=model, resolution=res, gradient_checkpointing=True, cache_latents=True, num_gpus=gpus)
+    bucket = DEEPSPEED_BUCKET_ELEMENTS * 2.0
+    off = P.memory(prof, replace(plain, deepspeed=dict(OFFLOAD)))
+    assert off.optimizer == 0.0 and off.autocast_copies == 0.0 and off.step_transient == 0.0
+    assert off.gradients == pytest.approx(bucket * (2 if gpus > 1 else 1))
+    assert off.ram >= P.memory(prof, plain).ram
+    split = P.memory(prof, replace(plain, deepspeed=dict(SHARDED)))
+    assert split.gradients >= bucket and split.optimizer > 0.0 and split.autocast_copies == 0.0
+
+
+def test_textual_inversion_pinned_to_deepspeed_counts_its_bucket_and_offload(prof):
+    """The same for textual inversion (DeepSpeed wraps its text encoder): a bucket, no optimizer on the GPU."""
+    from sdplan.settings import DEEPSPEED_BUCKET_ELEMENTS, OFFLOAD
+
+    s = Settings(
+        method="textual-inversion", model="sd15", resolution=512, precision="bf16", cache_latents=True
+    )
+    off = P.memory(prof, replace(s, deepspeed=dict(OFFLOAD)))
+    assert off.optimizer == 0.0 and off.autocast_copies == 0.0
+    assert off.gradients == pytest.approx(DEEPSPEED_BUCKET_ELEMENTS * 2.0)
+
+
+def test_a_sharded_deepspeed_breakdown_says_deepspeed_frees_the_gradients(prof):
+    """ZeRO-2 without offload: the parts add up to more than the peak because DeepSpeed lets go of its half
+    gradients and buckets before the step (step_allocated_bytes), not because of set_to_none, as it said."""
+    from sdplan.settings import SHARDED
+
+    s = Settings(
+        method="finetune",
+        model="sdxl",
+        resolution=1024,
+        precision="bf16",
+        batch=4,
+        gradient_checkpointing=True,
+        cache_latents=True,
+        deepspeed=dict(SHARDED),
+    )
+    m = P.memory(prof, s)
+    text = P.breakdown_text(m, s)
+    assert "not the step's" in text and "DeepSpeed lets go of its half gradients" in text
+    assert "set_to_none" not in text
+    assert "set_to_none" in P.breakdown_text(m)  # no settings: as before
+
+
+@pytest.mark.parametrize("method", ["finetune", "lora"])
+def test_the_sample_grid_under_deepspeed_has_no_autocast_copies(prof, method):
+    """accelerate's autocast() does nothing under DeepSpeed (native_amp off): the grid's peak under ZeRO-2
+    without offload counted autocast's half copies of the trained weights all the same (4.8 GiB for SDXL),
+    where the step (_assemble) and the offloaded grid did not."""
+    from sdplan.settings import SHARDED
+
+    s = Settings(
+        method=method,
+        model="sdxl",
+        resolution=1024,
+        precision="bf16",
+        gradient_checkpointing=True,
+        cache_latents=True,
+        deepspeed=dict(SHARDED),
+        num_gpus=2,
+    )
+    t = 2_567_463_684 if method == "finetune" else 23_000_000
+    with_ds = P.sampling_peak_bytes(prof, s, resident=10 * GiB, trained=t, trained_bytes=4)
+    without = P.sampling_peak_bytes(
+        prof, replace(s, deepspeed=None), resident=10 * GiB, trained=t, trained_bytes=4
+    )
+    assert without - with_ds >= t * 2.0 * 0.99

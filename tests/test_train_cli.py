@@ -368,3 +368,40 @@ def test_deepspeed_in_several_cpu_processes_launches_one_world(tmp_path, fake_mo
     assert "accelerate.commands.launch --config_file" in r.stdout
     assert "2 steps per epoch x 2 epoch(s) = 4 optimizer steps; images seen 12" in r.stdout
     assert not out.exists()
+
+
+def test_demo_refuses_a_bad_setting_before_building_anything(tmp_path):
+    """`sdplan train --demo --out X distributed.deepspeed.zero_stage=3` built the tiny model and dataset in X,
+    then refused the setting; the corrected command was then refused too: "X already holds files (base_model,
+    dataset) and is not an sdplan run". The settings are checked first, and X stays untouched."""
+    out = tmp_path / "demo"
+    one_line_error(
+        invoke("--demo", "--out", str(out), "-y", "distributed.deepspeed.zero_stage=3"),
+        2,
+        "distributed.deepspeed.zero_stage: must be 1 or 2",
+    )
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    ("stage", "offload", "shown"),
+    [
+        (2, "false", "memory savers: DeepSpeed ZeRO-2 (optimizer state split over 2 processes)"),
+        (1, "true", "memory savers: DeepSpeed ZeRO-1 optimizer offload"),
+    ],
+)
+def test_train_says_which_deepspeed_it_runs(tmp_path, stage, offload, shown):
+    """The run's summary named DeepSpeed only with offload, and as ZeRO-2 whatever the stage: ZeRO-2 splitting
+    the optimizer state over the processes said "memory savers: none needed"."""
+    result = invoke(
+        "--demo",
+        "--out",
+        str(tmp_path / "demo"),
+        "--dry-run",
+        "--num-processes",
+        "2",
+        f"distributed.deepspeed.zero_stage={stage}",
+        f"distributed.deepspeed.offload_optimizer={offload}",
+    )
+    assert result.exit_code == 0, result.stdout + result.stderr
+    assert shown in result.stdout, result.stdout

@@ -133,6 +133,8 @@ def test_a_full_unet_method_in_bf16_tries_full_bf16_weights_before_offload():
         "switched to full bf16 weights and gradients",
         "turned on DeepSpeed ZeRO-2 with the optimizer state offloaded to CPU",
     ]
+    # DeepSpeed keeps fp32 master weights of its own: the full bf16 step is undone (it stayed on, as if it held)
+    assert d["training"]["full_half_weights"] is False
     # fp16 weights would underflow; LoRA trains no UNet weights: neither gets this step.
     for method, precision in (("finetune", "fp16"), ("lora", "bf16")):
         d = data(training={"batch_size": 1, "precision": precision}, memory={"gradient_checkpointing": True})
@@ -351,3 +353,18 @@ def test_an_interrupted_run_under_sdplan_says_the_one_resume_command(monkeypatch
     )
     monkeypatch.delenv("SDPLAN_LAUNCHED")
     assert "continue with --resume latest" in str(TrainingInterrupted(20, ckpt))
+
+
+def test_oom_offloads_a_zero1_split_naming_its_own_stage():
+    """A ZeRO-1 run without offload that runs out of memory is offloaded as ZeRO-2 (the planner's offload); the
+    message named the split it had as ZeRO-2."""
+    d = data(
+        training={"batch_size": 1, "precision": "bf16"},
+        memory={"gradient_checkpointing": True, "cache_latents": True, "cache_text_encoder_outputs": True},
+        distributed={"deepspeed": {"zero_stage": 1, "offload_optimizer": False}, "num_processes": 2},
+    )
+    d["method"] = "finetune"
+    change = after_oom(d, cuda=True, have_bnb=True, have_deepspeed=True)
+    assert change.data["distributed"]["deepspeed"] == {"zero_stage": 2, "offload_optimizer": True}
+    assert "DeepSpeed ZeRO-1 to CPU (ZeRO-2 offload)" in change.message, change.message
+    validate(change.data)
