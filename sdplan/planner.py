@@ -446,12 +446,8 @@ def step_allocated_bytes(
     into the kept one, then _release_ipg_buffers drops the buckets and the new buffer, @0.19.8)."""
     if s.deepspeed and not s.offload:
         pb = 2.0 if _half(s.precision) else 4.0
-        # the buckets are in ``grads`` where they are DeepSpeed's states (deepspeed_states: full methods)
-        ds_buckets = (
-            deepspeed_reduce_buckets(s.num_gpus) * DEEPSPEED_BUCKET_ELEMENTS * pb
-            if s.method in FULL_METHODS
-            else 0.0
-        )
+        # the buckets are in ``grads``: DeepSpeed's states (deepspeed_states), any method under DeepSpeed
+        ds_buckets = deepspeed_reduce_buckets(s.num_gpus) * DEEPSPEED_BUCKET_ELEMENTS * pb
         held = (
             max(0.0, grads - ds_buckets) if s.grad_accum > 1 else 0.0
         )  # the partition, over the micro-steps

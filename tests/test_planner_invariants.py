@@ -736,3 +736,22 @@ def test_pinned_full_bf16_weights_never_plan_deepspeed(prof):
     space = list(P.settings_space(req, precision="bf16", attention="efficient", max_gpus=2))
     assert space and all(s.full_half_weights for s in space)
     assert not any(s.deepspeed for s in space)
+
+
+def test_a_lora_under_sharded_deepspeed_holds_its_partition_without_the_buckets(prof):
+    """A LoRA pinned to ZeRO-2 without offload is planned with DeepSpeed's states too (its reduce buckets among
+    its gradients), so with accumulation the kept partition between micro-steps is its gradients less those
+    buckets, as for a full method."""
+    from sdplan.settings import DEEPSPEED_BUCKET_ELEMENTS
+
+    s = Settings(
+        method="lora", model="sdxl", resolution=1024, deepspeed=dict(SHARDED), num_gpus=2, grad_accum=2
+    )
+    m = P.memory(prof, s)
+    buckets = 2 * DEEPSPEED_BUCKET_ELEMENTS * 2.0
+    assert m.gradients > buckets
+    kept = m.gradients - buckets
+    forward = P.step_allocated_bytes(
+        s, resident=0.0, grads=m.gradients, buckets=0.0, forward=100e9, step=0.0, recompute_tail=0.0
+    )
+    assert forward == pytest.approx(100e9 + kept)
