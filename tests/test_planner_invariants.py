@@ -618,18 +618,22 @@ def test_deepspeed_activations_have_no_autocast_share(prof):
             )
 
 
+# SDXL's full fine-tune at 1024 px under ZeRO-2 without offload, as the H100 measured it (2026-11-27)
+SDXL_SHARDED = Settings(
+    method="finetune",
+    model="sdxl",
+    resolution=1024,
+    precision="bf16",
+    gradient_checkpointing=True,
+    cache_latents=True,
+    deepspeed=dict(SHARDED),
+)
+
+
 def test_deepspeed_without_offload_peaks_at_the_step_without_the_half_gradients(prof):
     """Measured (H100, one process, SDXL ZeRO-2 at batch 1 and 4): the peak is the resident bytes + the step's
     temporaries, the half gradients and buckets already let go; counting them too put it 12% high."""
-    s = Settings(
-        method="finetune",
-        model="sdxl",
-        resolution=1024,
-        precision="bf16",
-        gradient_checkpointing=True,
-        cache_latents=True,
-        deepspeed=dict(SHARDED),
-    )
+    s = SDXL_SHARDED
     for batch in (1, 4):
         m = P.memory(prof, replace(s, batch=batch))
         resident = m.weights + m.frozen + m.optimizer
@@ -641,15 +645,7 @@ def test_deepspeed_sharded_step_counts_the_flattening_of_the_half_gradients(prof
     partition before it frees either (deepspeed/runtime/zero/stage_1_and_2.py step @0.19.8): 2 + 2 + 4 bytes per
     parameter of the partition, what foreach AdamW's step (fp32 partition + its temporary) also takes. An
     optimizer without foreach's temporary (Lion, pinned) was counted at 4 bytes: 9.6 GiB short for SDXL."""
-    s = Settings(
-        method="finetune",
-        model="sdxl",
-        resolution=1024,
-        precision="bf16",
-        gradient_checkpointing=True,
-        cache_latents=True,
-        deepspeed=dict(SHARDED),
-    )
+    s = SDXL_SHARDED
     for n in (1, 2, 4):
         for optimizer in ("adamw", "lion"):
             m = P.memory(prof, replace(s, optimizer=optimizer, num_gpus=n))
