@@ -593,25 +593,6 @@ def test_nan_loss_stops_with_a_checkpoint_from_before(tiny_sd15, dataset, tmp_pa
     assert summary["steps"] == 5 and np.isfinite(summary["final_loss"])
 
 
-@pytest.mark.slow
-@pytest.mark.train
-def test_two_processes_see_the_same_images_as_one(tiny_sd15, dataset, tmp_path):
-    cfg = tiny_train_config(
-        tiny_sd15, dataset, tmp_path / "two", "training.max_steps=null", "training.epochs=2"
-    )
-    path = write_cfg(cfg, tmp_path / "c.yaml")
-    train_two_processes(path, tmp_path)
-    two = json.loads((tmp_path / "two" / "run_summary.json").read_text())
-    one = run.train(
-        tiny_train_config(
-            tiny_sd15, dataset, tmp_path / "one", "training.max_steps=null", "training.epochs=2"
-        )
-    )
-    assert (two["num_processes"], one["num_processes"]) == (2, 1)
-    assert two["images_seen"] == one["images_seen"] == 8
-    assert (two["steps"], one["steps"]) == (2, 4)  # each epoch split two ways
-
-
 @pytest.mark.train
 def test_gradient_checkpointing_gives_the_same_losses(tiny_sd15, dataset, tmp_path):
     opts = ("training.max_steps=3", "training.train_text_encoder=true", "training.learning_rate=1e-2")
@@ -745,9 +726,36 @@ def test_deepspeed_zero2_cpu_offload_run_and_resume(tiny_sd15, dataset, tmp_path
     assert losses(out) == pytest.approx(straight, rel=1e-5)
 
 
+@pytest.fixture(scope="module")
+def two_process_run(tiny_sd15, dataset, tmp_path_factory) -> Path:
+    """One 2-process gloo run (torchrun) of 2 epochs, no DeepSpeed: its output folder. Read, never written, by
+    test_two_processes_see_the_same_images_as_one and, as its baseline, by
+    test_deepspeed_zero2_cpu_offload_in_two_processes_is_one_run (each launched its own: ~10 s apiece)."""
+    root = tmp_path_factory.mktemp("two-processes")
+    cfg = tiny_train_config(tiny_sd15, dataset, root / "two", "training.max_steps=null", "training.epochs=2")
+    train_two_processes(write_cfg(cfg, root / "c.yaml"), root)
+    return root / "two"
+
+
 @pytest.mark.slow
 @pytest.mark.train
-def test_deepspeed_zero2_cpu_offload_in_two_processes_is_one_run(tiny_sd15, dataset, tmp_path):
+def test_two_processes_see_the_same_images_as_one(tiny_sd15, dataset, tmp_path, two_process_run):
+    two = json.loads((two_process_run / "run_summary.json").read_text())
+    one = run.train(
+        tiny_train_config(
+            tiny_sd15, dataset, tmp_path / "one", "training.max_steps=null", "training.epochs=2"
+        )
+    )
+    assert (two["num_processes"], one["num_processes"]) == (2, 1)
+    assert two["images_seen"] == one["images_seen"] == 8
+    assert (two["steps"], one["steps"]) == (2, 4)  # each epoch split two ways
+
+
+@pytest.mark.slow
+@pytest.mark.train
+def test_deepspeed_zero2_cpu_offload_in_two_processes_is_one_run(
+    tiny_sd15, dataset, tmp_path, two_process_run
+):
     """DeepSpeed ZeRO-2 with the optimizer offloaded, in 2 CPU processes launched as `sdplan train` launches
     them: one world that splits the run (each process used to count itself alone, train the whole run, then
     hang at the first checkpoint), the losses of the 2-process gloo run without DeepSpeed, one optimizer shard
@@ -757,10 +765,10 @@ def test_deepspeed_zero2_cpu_offload_in_two_processes_is_one_run(tiny_sd15, data
     from sdplan.launcher import write_run_files
 
     two = ("training.max_steps=null", "training.epochs=2", "distributed.num_processes=2")
-    ddp = tmp_path / "ddp"
-    train_two_processes(
-        write_cfg(tiny_train_config(tiny_sd15, dataset, ddp, *two), tmp_path / "ddp.yaml"), tmp_path
-    )
+    # the 2-process gloo run without DeepSpeed (the same 2 epochs; distributed.num_processes is read by the
+    # launcher and, in the trainer, by DeepSpeed's config and the exports' metadata only: torchrun gives that run
+    # its 2 processes)
+    ddp = two_process_run
 
     out = tmp_path / "ds"
     ds = ("distributed.deepspeed.zero_stage=2", "distributed.deepspeed.offload_optimizer=true")
