@@ -478,7 +478,7 @@ def test_demo_cli_trains_the_tiny_transformer_families(tmp_path, model):
             "--out",
             str(out),
             "--max-steps",
-            "4",
+            "1",  # the outputs checked below come from any run of one step or more
         ],
         capture_output=True,
         text=True,
