@@ -730,10 +730,23 @@ def test_deepspeed_zero2_cpu_offload_run_and_resume(tiny_sd15, dataset, tmp_path
 def two_process_run(tiny_sd15, dataset, tmp_path_factory) -> Path:
     """One 2-process gloo run (torchrun) of 2 epochs, no DeepSpeed: its output folder. Read, never written, by
     test_two_processes_see_the_same_images_as_one and, as its baseline, by
-    test_deepspeed_zero2_cpu_offload_in_two_processes_is_one_run (each launched its own: ~10 s apiece)."""
-    root = tmp_path_factory.mktemp("two-processes")
-    cfg = tiny_train_config(tiny_sd15, dataset, root / "two", "training.max_steps=null", "training.epochs=2")
-    train_two_processes(write_cfg(cfg, root / "c.yaml"), root)
+    test_deepspeed_zero2_cpu_offload_in_two_processes_is_one_run (each launched its own: ~10 s apiece). Under
+    pytest-xdist the workers of this session share it: the first launches it, another waits for it (the tiny
+    model and dataset are seeded, the same in every worker)."""
+    import shutil
+
+    from filelock import FileLock
+
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "two-processes-run"
+    with FileLock(f"{root}.lock"):
+        if not (root / "two" / "run_summary.json").is_file():
+            shutil.rmtree(root, ignore_errors=True)  # a run that failed before: start again
+            root.mkdir()
+            cfg = tiny_train_config(
+                tiny_sd15, dataset, root / "two", "training.max_steps=null", "training.epochs=2"
+            )
+            train_two_processes(write_cfg(cfg, root / "c.yaml"), root)
     return root / "two"
 
 
