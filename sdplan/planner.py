@@ -57,6 +57,7 @@ from sdplan.settings import (
     Settings,
     deepspeed_reduce_buckets,
     describe,
+    zero_label,
 )
 from sdplan.steps import Steps, plan_steps
 from sdplan.trainer.blockswap import support_problem as swap_problem  # the trainer's rule (pure, no torch)
@@ -436,8 +437,8 @@ def step_allocated_bytes(
     optimizer step, through the next micro-steps' forwards, whatever zero_grad does after the step. DeepSpeed
     offload's buckets are counted beside the forward too (the form DEEPSPEED_ACTIVATION_FACTOR was fitted with),
     though DeepSpeed frees them at the end of every backward (stage_1_and_2.py _release_ipg_buffers @0.19.8:
-    the H100's offload steps held 6.43 GiB between steps for SDXL, the bucket not among it). DeepSpeed without offload has let go of its half gradients and buckets when the
-    step's temporaries (its fp32 gradient partition and AdamW's) peak: SDXL's ZeRO-2 step in one process on an
+    the H100's offload steps held 6.43 GiB between steps for SDXL, the bucket not among it). DeepSpeed without
+    offload has let go of its half gradients and buckets when the step's temporaries (its fp32 gradient partition and AdamW's) peak: SDXL's ZeRO-2 step in one process on an
     H100 peaked at exactly the resident bytes + ``step`` at batch 1 and 4 (2026-11-27), where adding the
     gradients put it 12% high. Its reduce buckets are freed at the end of every backward, the kept gradient
     partition is not: with gradient accumulation that partition is there through the next micro-steps' forwards
@@ -445,12 +446,9 @@ def step_allocated_bytes(
     (deepspeed/runtime/zero/stage_1_and_2.py independent_gradient_partition_epilogue: the new partition is added
     into the kept one, then _release_ipg_buffers drops the buckets and the new buffer, @0.19.8)."""
     if s.deepspeed and not s.offload:
-        pb = 2.0 if _half(s.precision) else 4.0
-        # the buckets are in ``grads``: DeepSpeed's states (deepspeed_states), any method under DeepSpeed
-        ds_buckets = deepspeed_reduce_buckets(s.num_gpus) * DEEPSPEED_BUCKET_ELEMENTS * pb
-        held = (
-            max(0.0, grads - ds_buckets) if s.grad_accum > 1 else 0.0
-        )  # the partition, over the micro-steps
+        # the buckets are in ``grads`` (deepspeed_states, any method under DeepSpeed); over the micro-steps the
+        # partition alone is held
+        held = max(0.0, grads - deepspeed_bucket_bytes(s)) if s.grad_accum > 1 else 0.0
         return resident + max(forward + held, grads + held + recompute_tail, step)
     if s.set_grads_to_none and s.grad_accum == 1 and not s.offload:
         return resident + buckets + max(forward, grads - buckets + max(step, recompute_tail))
@@ -464,6 +462,16 @@ def ddp_bucket_bytes(s: Settings, grads: float) -> float:
     (2026-11-27, benchmarks/multi_gpu_census.py, 100.7M fp32 parameters, resident-set growth in gradient
     bytes): 1.21 after the backward, 1.22 after zero_grad with bucket views; 2.21 and 1.22 without."""
     return grads if (s.num_gpus > 1 and not s.deepspeed) else 0.0
+
+
+def deepspeed_bucket_bytes(s: Settings) -> float:
+    """Bytes of the reduce buckets DeepSpeed allocates on each GPU during the backward (settings.
+    deepspeed_reduce_buckets of DEEPSPEED_BUCKET_ELEMENTS, in the training dtype's width)."""
+    return (
+        deepspeed_reduce_buckets(s.num_gpus)
+        * DEEPSPEED_BUCKET_ELEMENTS
+        * (2.0 if _half(s.precision) else 4.0)
+    )
 
 
 def deepspeed_states(s: Settings, trained: float, adafactor_state_fp32: float = 0.0) -> dict[str, float]:
@@ -483,7 +491,7 @@ def deepspeed_states(s: Settings, trained: float, adafactor_state_fp32: float = 
     whole half gradients."""
     pb = 2.0 if _half(s.precision) else 4.0
     n = s.num_gpus
-    buckets = deepspeed_reduce_buckets(n) * DEEPSPEED_BUCKET_ELEMENTS * pb
+    buckets = deepspeed_bucket_bytes(s)
     if s.offload:  # host RAM: DeepSpeed's estimator with cpu_offload, per process
         host = trained * max(4 * n, 16) * 1.5 / n
         return {"weights": trained * pb, "gradients": buckets, "optimizer": 0.0, "step": 0.0, "host": host}
@@ -1266,9 +1274,8 @@ def _step_floors(profiles: Profiles) -> tuple[tuple[tuple[str, str, bool], float
             continue
         if not p.settings.cache_latents:  # step_seconds adds the VAE encode to the floor
             continue
-        if (
-            p.settings.deepspeed
-        ):  # DeepSpeed's step is its optimizer's (CPU Adam with offload), not the launches'
+        # DeepSpeed's step is its optimizer's (CPU Adam with offload), not the launches'
+        if p.settings.deepspeed:
             continue
         series.setdefault((p.gpu, replace(p.settings, batch=1)), []).append((p.batch, 1.0 / it_s, p.id))
     best: dict[tuple[str, str, bool], tuple[float, str]] = {}
@@ -2908,7 +2915,7 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
     if s.offload:
         added = offload_seconds(profiles, s, pace.spec, cal.cpu_adam_params_per_s) if pace.spec else None
         r.append(
-            f"DeepSpeed {_zero(s)} with optimizer offload to CPU: "
+            f"DeepSpeed {zero_label(s.deepspeed)} with optimizer offload to CPU: "
             + ("pinned" if pinned("deepspeed") else "nothing without offload fits")
             + (
                 f"; it adds ~{added:.2f} s a micro-step (the gradients copied to the host and, once per optimizer "
@@ -2921,7 +2928,7 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
         )
     elif s.sharded:
         r.append(
-            f"DeepSpeed {_zero(s)} over {s.num_gpus} GPU{'s' if s.num_gpus > 1 else ''}: "
+            f"DeepSpeed {zero_label(s.deepspeed)} over {s.num_gpus} GPU{'s' if s.num_gpus > 1 else ''}: "
             + (
                 "pinned"
                 if pinned("deepspeed")
@@ -3247,18 +3254,13 @@ def _tier_text(c: Candidate, best: Candidate) -> str:
     return "full bf16 weights (no fp32 master copy)"
 
 
-def _zero(s: Settings) -> str:
-    """The ZeRO stage a DeepSpeed setting runs ('ZeRO-1', 'ZeRO-2'), as sdplan.launch writes it."""
-    return f"ZeRO-{(s.deepspeed or {}).get('zero_stage', 2)}"
-
-
 def _comm_text(profiles: Profiles, s: Settings, link: str) -> str:
     """What the GPUs exchange each step (:func:`comm_seconds`), in words."""
     moved = _gib(gradient_bytes(profiles, s))
     if s.deepspeed:
         return (
             f"the {moved} of gradients reduce-scattered every micro-step and of weights all-gathered every "
-            f"optimizer step over {link} (DeepSpeed {_zero(s)})"
+            f"optimizer step over {link} (DeepSpeed {zero_label(s.deepspeed)})"
         )
     return f"the {moved} gradient all-reduce per step over {link}"
 

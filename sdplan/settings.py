@@ -30,12 +30,18 @@ def deepspeed_reduce_buckets(num_processes: int) -> int:
     return 2 if num_processes > 1 else 1
 
 
+def zero_label(deepspeed: dict | None) -> str:
+    """The ZeRO stage a DeepSpeed setting runs ('ZeRO-1', 'ZeRO-2'; 2 where it names none, as sdplan.launch
+    writes it)."""
+    return f"ZeRO-{(deepspeed or {}).get('zero_stage', 2)}"
+
+
 def deepspeed_label(deepspeed: dict | None) -> str | None:
     """What a DeepSpeed setting is called wherever one is shown ('ZeRO-2 offload', 'ZeRO-2'; None: none), from
     the settings', a plan's (--json) or a profile point's ``deepspeed`` entry."""
     if not deepspeed:
         return None
-    stage = f"ZeRO-{deepspeed.get('zero_stage', 2)}"
+    stage = zero_label(deepspeed)
     return f"{stage} offload" if deepspeed.get("offload_optimizer") else stage
 
 
