@@ -126,7 +126,7 @@ def make_accelerator(cfg, out_dir: Path):
         # train_batch_size and fp16 block (DeepSpeedPlugin.fill_match replaces only "auto"), and DeepSpeed
         # asserts train_batch_size == micro batch x accumulation x its world size (runtime/config.py
         # _batch_assertion), where distributed.num_processes may name the GPUs of a planned launch
-        world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+        world = launched_world_size()
         kwargs["deepspeed_plugin"] = DeepSpeedPlugin(
             hf_ds_config=deepspeed_config(cfg, world_size=world, cpu=cpu)
         )
@@ -162,10 +162,15 @@ def make_accelerator(cfg, out_dir: Path):
     return accelerator
 
 
+def launched_world_size() -> int:
+    """The processes the launcher started (its WORLD_SIZE; 1 without a launcher)."""
+    return int(os.environ.get("WORLD_SIZE", "1") or 1)
+
+
 def check_world(accelerator) -> None:
     """Every process the launcher started counted in one world: a process that counts itself alone trains the
     whole run as the main process, then waits forever at the first checkpoint another process saves with it."""
-    launched = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    launched = launched_world_size()
     if accelerator.num_processes != launched:
         raise SdplanError(
             f"the launcher started {launched} processes but accelerate counts {accelerator.num_processes} "
