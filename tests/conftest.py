@@ -14,6 +14,8 @@ import hub_cache
 import pytest
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     import numpy as np
 
     from sdplan.config import TrainConfig
@@ -223,6 +225,23 @@ def tiny_train_config(
     base["checkpoints"] = {"every_steps": 0}
     base["sampling"] = {"num_inference_steps": 2, "guidance_scale": 1.0}
     return config.validate(config.apply_overrides(base, list(overrides)))
+
+
+def built_once(tmp_path_factory, name: str, done: str, build: Callable[[Path], None]) -> Path:
+    """The folder ``name`` that ``build(folder)`` fills, built once per test session: under pytest-xdist the
+    workers share it through a lock in the session's temp folder (the first builds it, the others wait for it).
+    ``done``: the file, relative to the folder, a finished build leaves; without it (a build that failed
+    before) the folder is built again."""
+    from filelock import FileLock
+
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / name
+    with FileLock(f"{root}.lock"):
+        if not (root / done).is_file():
+            shutil.rmtree(root, ignore_errors=True)
+            root.mkdir()
+            build(root)
+    return root
 
 
 def train_two_processes(config: Path, cwd: Path, *args: str):

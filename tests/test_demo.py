@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import built_once
 from limits import scaled
 
 pytestmark = pytest.mark.train
@@ -39,20 +40,18 @@ def summary(out: Path) -> dict:
 def demo(tmp_path_factory):
     """One `sdplan train --demo` (read, never written, by the tests): under pytest-xdist the workers of this
     session share it, the first runs it and another waits for it (each worker ran its own: ~20 s)."""
-    import shutil
 
-    from filelock import FileLock
+    def build(root: Path) -> None:
+        proc = sdplan(
+            "train", "--demo", "--out", str(root / "sdplan-demo")
+        )  # its time: benchmarks/demo_time.py
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        (root / "process.json").write_text(
+            json.dumps({"args": proc.args, "stdout": proc.stdout, "stderr": proc.stderr})
+        )
 
-    base = tmp_path_factory.getbasetemp()
-    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "demo-run"
+    root = built_once(tmp_path_factory, "demo-run", "process.json", build)
     out, said = root / "sdplan-demo", root / "process.json"
-    with FileLock(f"{root}.lock"):
-        if not said.is_file():
-            shutil.rmtree(root, ignore_errors=True)  # a run that failed before: start again
-            root.mkdir()
-            proc = sdplan("train", "--demo", "--out", str(out))  # its time: benchmarks/demo_time.py
-            assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-            said.write_text(json.dumps({"args": proc.args, "stdout": proc.stdout, "stderr": proc.stderr}))
     kept = json.loads(said.read_text())
     return out, subprocess.CompletedProcess(kept["args"], 0, kept["stdout"], kept["stderr"])
 

@@ -16,7 +16,14 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from conftest import losses, make_images, tiny_train_config, train_two_processes, trains_in_process
+from conftest import (
+    built_once,
+    losses,
+    make_images,
+    tiny_train_config,
+    train_two_processes,
+    trains_in_process,
+)
 from limits import scaled, wait_until
 from PIL import Image
 from sdplan.trainer import checkpoint, models, run, runtime, stops
@@ -733,21 +740,14 @@ def two_process_run(tiny_sd15, dataset, tmp_path_factory) -> Path:
     test_deepspeed_zero2_cpu_offload_in_two_processes_is_one_run (each launched its own: ~10 s apiece). Under
     pytest-xdist the workers of this session share it: the first launches it, another waits for it (the tiny
     model and dataset are seeded, the same in every worker)."""
-    import shutil
 
-    from filelock import FileLock
+    def build(root: Path) -> None:
+        cfg = tiny_train_config(
+            tiny_sd15, dataset, root / "two", "training.max_steps=null", "training.epochs=2"
+        )
+        train_two_processes(write_cfg(cfg, root / "c.yaml"), root)
 
-    base = tmp_path_factory.getbasetemp()
-    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "two-processes-run"
-    with FileLock(f"{root}.lock"):
-        if not (root / "two" / "run_summary.json").is_file():
-            shutil.rmtree(root, ignore_errors=True)  # a run that failed before: start again
-            root.mkdir()
-            cfg = tiny_train_config(
-                tiny_sd15, dataset, root / "two", "training.max_steps=null", "training.epochs=2"
-            )
-            train_two_processes(write_cfg(cfg, root / "c.yaml"), root)
-    return root / "two"
+    return built_once(tmp_path_factory, "two-processes-run", "two/run_summary.json", build) / "two"
 
 
 @pytest.mark.slow
