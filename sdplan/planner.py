@@ -1226,8 +1226,15 @@ def speed_family(model: str) -> str:
 
 def calibrate_for(profiles: Profiles, hardware: Hardware) -> Calibration:
     """:func:`calibrate`, with what ``hardware``'s host measured of itself (`sdplan bench --host`: its CPU Adam
-    rate) in place of the shipped figure."""
-    cal = calibrate(profiles)
+    rate) in place of the shipped figure.
+
+    :func:`calibrate` depends on ``profiles`` alone, and every plan asked for it again (a fifth of a plan's
+    time): it is kept in ``profiles.memo``, which lives and dies with this Profiles object
+    (``dataclasses.replace`` starts an empty one). Safe to share: Profiles and Calibration are frozen, and
+    ``Calibration.memo`` holds only lookups that are pure functions of the calibration and these profiles."""
+    if "calibration" not in profiles.memo:
+        profiles.memo["calibration"] = calibrate(profiles)
+    cal = profiles.memo["calibration"]
     if hardware.host is not None:
         cal = replace(
             cal,
