@@ -1723,14 +1723,24 @@ def precision_for(gpus: tuple[HWGPU, ...]) -> str:
 
 def _matching_point(profiles: Profiles, s: Settings, gpu: GPUSpec | None) -> MethodPoint | None:
     """A measured (local) or published point for this GPU and these settings, with a speed."""
+    if gpu is None:
+        return None
+    # the points with a one-GPU speed on this GPU by their _speed_settings, in file order, indexed once per
+    # profiles (a plan's search asks for thousands of candidates; the points do not change)
+    memo = ("speed_points_by_speed_settings", gpu.name)
+    if memo not in profiles.memo:
+        index: dict[tuple, list[MethodPoint]] = {}
+        for p in profiles.points_on(gpu.name):
+            if p.outcome.get("it_s") and p.num_gpus == 1:
+                index.setdefault(_speed_settings(p.settings), []).append(p)
+        profiles.memo[memo] = {k: tuple(v) for k, v in index.items()}
     best = None
-    for p in profiles.points_on(gpu.name) if gpu is not None else ():
-        if not p.outcome.get("it_s") or p.num_gpus != 1 or p.method != s.method or p.model != s.model:
+    # the text encoders' forward runs every step where their outputs are not cached (FLUX.1 LoRA on an
+    # H100: 0.97 it/s against 1.10 cached); block swap's copies: both in _speed_settings
+    for p in profiles.memo[memo].get(_speed_settings(s), ()):
+        if p.method != s.method or p.model != s.model:
             continue
-        # the text encoders' forward runs every step where their outputs are not cached (FLUX.1 LoRA on an
-        # H100: 0.97 it/s against 1.10 cached); block swap's copies: both in _speed_settings
-        same = _speed_settings(p.settings) == _speed_settings(s)
-        if same and (best is None or p.origin == "local"):
+        if best is None or p.origin == "local":
             best = p
     return best
 
@@ -1799,13 +1809,16 @@ def _observed_oom(profiles: Profiles, s: Settings, gpu: HWGPU) -> MethodPoint | 
     what ran out of memory once will again, whatever the model predicts."""
     if gpu.spec is None:
         return None
-    for p in profiles.points_on(gpu.spec.name):
-        if (
-            p.origin != "local"
-            or p.outcome.get("fits") is not False
-            or p.method != s.method
-            or p.model != s.model
-        ):
+    # the local out-of-memory points on this GPU, in file order, listed once per profiles (asked per candidate)
+    memo = ("local_ooms", gpu.spec.name)
+    if memo not in profiles.memo:
+        profiles.memo[memo] = tuple(
+            p
+            for p in profiles.points_on(gpu.spec.name)
+            if p.origin == "local" and p.outcome.get("fits") is False
+        )
+    for p in profiles.memo[memo]:
+        if p.method != s.method or p.model != s.model:
             continue
         if p.batch <= s.batch and _memory_settings(replace(p.settings, batch=s.batch)) == _memory_settings(s):
             return p
