@@ -81,6 +81,28 @@ def _with(s: Settings, **changes: Any) -> Settings:
     return new
 
 
+def _settings_key(s: Settings) -> tuple:
+    """A hashable stand-in for ``s`` (Settings is not hashable: ``deepspeed`` is a dict), for the memos of pure
+    functions of it. The values' types are in it too: 16 and 16.0 compare equal, but a result computed from one
+    could be written differently (an int, a float) than one computed from the other."""
+    values = [repr(v) if isinstance(v, (dict, list)) else v for v in s.__dict__.values()]
+    return (*values, *map(type, values))
+
+
+# bounds each memo below: a test session plans thousands of times with one Profiles object
+_MEMO_ENTRIES = 100_000
+
+
+def _memo(table: dict, key: tuple, compute: Callable[[], Any]) -> Any:
+    """``table[key]``, computed on first use; the table is emptied when full (the entries are only caches)."""
+    if key in table:
+        return table[key]
+    if len(table) >= _MEMO_ENTRIES:
+        table.clear()
+    table[key] = value = compute()
+    return value
+
+
 # -- calibration constants (fitted with benchmarks/planner_accuracy.py against profiles/methods) ----------
 ACTIVATION_FACTOR = 1.5  # saved tensors -> peak incl. gradient buffers of the backward pass
 # the same under DeepSpeed, for the UNets: accelerate runs no autocast there (Accelerator.__init__ leaves
@@ -538,6 +560,14 @@ def deepspeed_states(s: Settings, trained: float, adafactor_state_fp32: float = 
 
 
 def memory(profiles: Profiles, s: Settings) -> Memory:
+    """The peak of a training step with ``s`` (:class:`Memory`). A pure function of these profiles and ``s``,
+    kept in ``profiles.memo`` (which lives and dies with the Profiles object): plans of the same model and
+    method on other hardware, or with other pins, size many of the same settings again."""
+    table = profiles.memo.setdefault("memory", {})
+    return _memo(table, _settings_key(s), lambda: _memory(profiles, s))
+
+
+def _memory(profiles: Profiles, s: Settings) -> Memory:
     if flow_family(s.model):
         return memory_flow(profiles, s)
     model = profiles.model(s.model)
@@ -1042,11 +1072,25 @@ def _step_times(
     profiles: Profiles, s: Settings, gpu: HWGPU | GPUSpec, cal: Calibration, *, link_gbs: float | None = None
 ) -> tuple[float, float] | None:
     """(seconds per micro-step, the same without the launch-bound floor): the floor sets the step where the
-    two differ (:func:`floor_text`); None when the GPU's speed is unknown."""
-    tflops = gpu_tflops(gpu, s.precision)
+    two differ (:func:`floor_text`); None when the GPU's speed is unknown.
+
+    A pure function of its arguments (of ``gpu``, only its catalog spec), kept in ``cal.memo``: a search asks
+    for the one-GPU step of every multi-GPU candidate again, and plans on other hardware or with other pins
+    ask for many of the same. The key holds the profiles and the spec by identity, and the entry keeps both
+    alive, so an id is never another object's."""
+    spec = gpu if isinstance(gpu, GPUSpec) else gpu.spec
+    key = ("step_times", id(profiles), id(spec), link_gbs, type(link_gbs), _settings_key(s))
+    table = cal.memo.setdefault("step_times", {})
+    entry = _memo(table, key, lambda: (profiles, spec, _compute_step_times(profiles, s, spec, cal, link_gbs)))
+    return entry[2]
+
+
+def _compute_step_times(
+    profiles: Profiles, s: Settings, spec: GPUSpec | None, cal: Calibration, link_gbs: float | None
+) -> tuple[float, float] | None:
+    tflops = gpu_tflops(spec, s.precision)
     if not tflops:
         return None
-    spec = gpu if isinstance(gpu, GPUSpec) else gpu.spec
     if flow_family(s.model):  # FLOPs at the efficiency fitted on the families' own speeds (no byte counts)
         eff = cal.flow_efficiency_for(spec, s.model)
 
