@@ -85,8 +85,10 @@ def _settings_key(s: Settings) -> tuple:
     """A hashable stand-in for ``s`` (Settings is not hashable: ``deepspeed`` is a dict), for the memos of pure
     functions of it. The values' types are in it too: 16 and 16.0 compare equal, but a result computed from one
     could be written differently (an int, a float) than one computed from the other."""
-    values = [repr(v) if isinstance(v, (dict, list)) else v for v in s.__dict__.values()]
-    return (*values, *map(type, values))
+    values = tuple(s.__dict__.values())  # in field order: __init__ sets them so, _with copies them so
+    if s.deepspeed is not None:  # the one dict (lora_targets and gpu_ids are tuples: __post_init__)
+        values = tuple(repr(v) if isinstance(v, dict) else v for v in values)
+    return values + tuple(map(type, values))
 
 
 # bounds each memo below: a test session plans thousands of times with one Profiles object
