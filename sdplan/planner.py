@@ -91,8 +91,9 @@ def _settings_key(s: Settings) -> tuple:
     return values + tuple(map(type, values))
 
 
-# bounds each memo below: a test session plans thousands of times with one Profiles object
-_MEMO_ENTRIES = 100_000
+# bounds each memo below (~830 bytes an entry: ~40 MB each at most): a test session plans thousands of times
+# with one Profiles object; one plan asks for up to ~20,000 settings (FLUX.1 on 8 GPUs)
+_MEMO_ENTRIES = 50_000
 
 
 def _memo(table: dict, key: tuple, compute: Callable[[], Any]) -> Any:
