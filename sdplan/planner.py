@@ -42,7 +42,7 @@ import functools
 import itertools
 import math
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from sdplan import registry
@@ -61,6 +61,50 @@ from sdplan.settings import (
 )
 from sdplan.steps import Steps, plan_steps
 from sdplan.trainer.blockswap import support_problem as swap_problem  # the trainer's rule (pure, no torch)
+
+# Settings.__post_init__ normalises these fields only (LoRA's, by the method, and gpu_ids to a tuple)
+_NORMALISED_FIELDS = frozenset(("method", "lora_rank", "lora_alpha", "lora_targets", "gpu_ids"))
+_SETTINGS_FIELDS = frozenset(f.name for f in fields(Settings))
+
+
+def _with(s: Settings, **changes: Any) -> Settings:
+    """``dataclasses.replace(s, **changes)``, several times faster: a plan's search asks for ~35,000 such
+    variants (the one-GPU step, the step with cached latents, ...) and the generic replace, which walks the
+    fields and runs ``__init__`` and ``__post_init__`` again, was a fifth of a plan's time. The same object
+    results: the other fields are copied as they are, and ``__post_init__`` would leave them so, as it changes
+    none of the fields given here (a change to one it normalises goes through ``replace``)."""
+    if not changes.keys() <= _SETTINGS_FIELDS or changes.keys() & _NORMALISED_FIELDS:
+        return replace(s, **changes)
+    new = object.__new__(Settings)
+    new.__dict__.update(s.__dict__)
+    new.__dict__.update(changes)
+    return new
+
+
+def _settings_key(s: Settings) -> tuple:
+    """A hashable stand-in for ``s`` (Settings is not hashable: ``deepspeed`` is a dict), for the memos of pure
+    functions of it. The values' types are in it too: 16 and 16.0 compare equal, but a result computed from one
+    could be written differently (an int, a float) than one computed from the other."""
+    values = tuple(s.__dict__.values())  # in field order: __init__ sets them so, _with copies them so
+    if s.deepspeed is not None:  # the one dict (lora_targets and gpu_ids are tuples: __post_init__)
+        values = tuple(repr(v) if isinstance(v, dict) else v for v in values)
+    return values + tuple(map(type, values))
+
+
+# bounds each memo below (~830 bytes an entry: ~40 MB each at most): a test session plans thousands of times
+# with one Profiles object; one plan asks for up to ~20,000 settings (FLUX.1 on 8 GPUs)
+_MEMO_ENTRIES = 50_000
+
+
+def _memo(table: dict, key: tuple, compute: Callable[[], Any]) -> Any:
+    """``table[key]``, computed on first use; the table is emptied when full (the entries are only caches)."""
+    if key in table:
+        return table[key]
+    if len(table) >= _MEMO_ENTRIES:
+        table.clear()
+    table[key] = value = compute()
+    return value
+
 
 # -- calibration constants (fitted with benchmarks/planner_accuracy.py against profiles/methods) ----------
 ACTIVATION_FACTOR = 1.5  # saved tensors -> peak incl. gradient buffers of the backward pass
@@ -519,6 +563,14 @@ def deepspeed_states(s: Settings, trained: float, adafactor_state_fp32: float = 
 
 
 def memory(profiles: Profiles, s: Settings) -> Memory:
+    """The peak of a training step with ``s`` (:class:`Memory`). A pure function of these profiles and ``s``,
+    kept in ``profiles.memo`` (which lives and dies with the Profiles object): plans of the same model and
+    method on other hardware, or with other pins, size many of the same settings again."""
+    table = profiles.memo.setdefault("memory", {})
+    return _memo(table, _settings_key(s), lambda: _memory(profiles, s))
+
+
+def _memory(profiles: Profiles, s: Settings) -> Memory:
     if flow_family(s.model):
         return memory_flow(profiles, s)
     model = profiles.model(s.model)
@@ -609,7 +661,7 @@ def memory(profiles: Profiles, s: Settings) -> Memory:
         trained=gc_part,
     )
     tail_matrix = recomputed_attention_matrix_bytes(
-        profiles, replace(s, gradient_checkpointing=True), gc_part, batch=batch, latent_pixels=latent
+        profiles, _with(s, gradient_checkpointing=True), gc_part, batch=batch, latent_pixels=latent
     )
     tail_exact = (ATTENTION_MATRIX_COPIES_IN_BACKWARD - factor) * tail_matrix
     recompute_tail = factor * segment + tail_exact
@@ -1023,11 +1075,25 @@ def _step_times(
     profiles: Profiles, s: Settings, gpu: HWGPU | GPUSpec, cal: Calibration, *, link_gbs: float | None = None
 ) -> tuple[float, float] | None:
     """(seconds per micro-step, the same without the launch-bound floor): the floor sets the step where the
-    two differ (:func:`floor_text`); None when the GPU's speed is unknown."""
-    tflops = gpu_tflops(gpu, s.precision)
+    two differ (:func:`floor_text`); None when the GPU's speed is unknown.
+
+    A pure function of its arguments (of ``gpu``, only its catalog spec), kept in ``cal.memo``: a search asks
+    for the one-GPU step of every multi-GPU candidate again, and plans on other hardware or with other pins
+    ask for many of the same. The key holds the profiles and the spec by identity, and the entry keeps both
+    alive, so an id is never another object's."""
+    spec = gpu if isinstance(gpu, GPUSpec) else gpu.spec
+    key = ("step_times", id(profiles), id(spec), link_gbs, type(link_gbs), _settings_key(s))
+    table = cal.memo.setdefault("step_times", {})
+    entry = _memo(table, key, lambda: (profiles, spec, _compute_step_times(profiles, s, spec, cal, link_gbs)))
+    return entry[2]
+
+
+def _compute_step_times(
+    profiles: Profiles, s: Settings, spec: GPUSpec | None, cal: Calibration, link_gbs: float | None
+) -> tuple[float, float] | None:
+    tflops = gpu_tflops(spec, s.precision)
     if not tflops:
         return None
-    spec = gpu if isinstance(gpu, GPUSpec) else gpu.spec
     if flow_family(s.model):  # FLOPs at the efficiency fitted on the families' own speeds (no byte counts)
         eff = cal.flow_efficiency_for(spec, s.model)
 
@@ -1039,7 +1105,7 @@ def _step_times(
         # the launch-bound floors were measured with latents and text-encoder outputs cached and a bf16 base:
         # encoding them every step adds to the floor, not under it (as the UNets' VAE encode below); so do block
         # swap's PCIe copies (measured without swap) and a quantized base's dequantisation
-        encode = flops_s - flops_seconds(replace(s, cache_latents=True, cache_text_encoder_outputs=True))
+        encode = flops_s - flops_seconds(_with(s, cache_latents=True, cache_text_encoder_outputs=True))
         base = compute - encode + optimizer_step_seconds(profiles, s, spec) + STEP_OVERHEAD_S
         after = (
             encode
@@ -1052,7 +1118,7 @@ def _step_times(
         # the launch-bound floor is a step with cached latents: a VAE encode every step adds to it, not under it
         after = 0.0
         if not s.cache_latents:
-            after = compute - step_compute_seconds(profiles, replace(s, cache_latents=True), spec, cal)
+            after = compute - step_compute_seconds(profiles, _with(s, cache_latents=True), spec, cal)
         base = compute - after + optimizer_step_seconds(profiles, s, spec) + cal.step_overhead_s
         # the floors were measured without offload
         after += offload_seconds(profiles, s, spec, cal.cpu_adam_params_per_s)
@@ -1226,8 +1292,15 @@ def speed_family(model: str) -> str:
 
 def calibrate_for(profiles: Profiles, hardware: Hardware) -> Calibration:
     """:func:`calibrate`, with what ``hardware``'s host measured of itself (`sdplan bench --host`: its CPU Adam
-    rate) in place of the shipped figure."""
-    cal = calibrate(profiles)
+    rate) in place of the shipped figure.
+
+    :func:`calibrate` depends on ``profiles`` alone, and every plan asked for it again (a fifth of a plan's
+    time): it is kept in ``profiles.memo``, which lives and dies with this Profiles object
+    (``dataclasses.replace`` starts an empty one). Safe to share: Profiles and Calibration are frozen, and
+    ``Calibration.memo`` holds only lookups that are pure functions of the calibration and these profiles."""
+    if "calibration" not in profiles.memo:
+        profiles.memo["calibration"] = calibrate(profiles)
+    cal = profiles.memo["calibration"]
     if hardware.host is not None:
         cal = replace(
             cal,
@@ -1673,7 +1746,7 @@ def batch_sweep(res: Result, profiles: Profiles) -> tuple[Candidate, ...]:
     top = min(SWEEP_MAX_BATCH, max(4, 2 * res.plan.batch))
     batches = sorted({res.plan.batch} | {2**i for i in range(7) if 2**i <= top})
     return tuple(
-        _evaluate(res.request, profiles, res.hardware, cal, replace(res.plan, batch=b)) for b in batches
+        _evaluate(res.request, profiles, res.hardware, cal, _with(res.plan, batch=b)) for b in batches
     )
 
 
@@ -1697,14 +1770,24 @@ def precision_for(gpus: tuple[HWGPU, ...]) -> str:
 
 def _matching_point(profiles: Profiles, s: Settings, gpu: GPUSpec | None) -> MethodPoint | None:
     """A measured (local) or published point for this GPU and these settings, with a speed."""
+    if gpu is None:
+        return None
+    # the points with a one-GPU speed on this GPU by their _speed_settings, in file order, indexed once per
+    # profiles (a plan's search asks for thousands of candidates; the points do not change)
+    memo = ("speed_points_by_speed_settings", gpu.name)
+    if memo not in profiles.memo:
+        index: dict[tuple, list[MethodPoint]] = {}
+        for p in profiles.points_on(gpu.name):
+            if p.outcome.get("it_s") and p.num_gpus == 1:
+                index.setdefault(_speed_settings(p.settings), []).append(p)
+        profiles.memo[memo] = {k: tuple(v) for k, v in index.items()}
     best = None
-    for p in profiles.points_on(gpu.name) if gpu is not None else ():
-        if not p.outcome.get("it_s") or p.num_gpus != 1 or p.method != s.method or p.model != s.model:
+    # the text encoders' forward runs every step where their outputs are not cached (FLUX.1 LoRA on an
+    # H100: 0.97 it/s against 1.10 cached); block swap's copies: both in _speed_settings
+    for p in profiles.memo[memo].get(_speed_settings(s), ()):
+        if p.method != s.method or p.model != s.model:
             continue
-        # the text encoders' forward runs every step where their outputs are not cached (FLUX.1 LoRA on an
-        # H100: 0.97 it/s against 1.10 cached); block swap's copies: both in _speed_settings
-        same = _speed_settings(p.settings) == _speed_settings(s)
-        if same and (best is None or p.origin == "local"):
+        if best is None or p.origin == "local":
             best = p
     return best
 
@@ -1773,13 +1856,16 @@ def _observed_oom(profiles: Profiles, s: Settings, gpu: HWGPU) -> MethodPoint | 
     what ran out of memory once will again, whatever the model predicts."""
     if gpu.spec is None:
         return None
-    for p in profiles.points_on(gpu.spec.name):
-        if (
-            p.origin != "local"
-            or p.outcome.get("fits") is not False
-            or p.method != s.method
-            or p.model != s.model
-        ):
+    # the local out-of-memory points on this GPU, in file order, listed once per profiles (asked per candidate)
+    memo = ("local_ooms", gpu.spec.name)
+    if memo not in profiles.memo:
+        profiles.memo[memo] = tuple(
+            p
+            for p in profiles.points_on(gpu.spec.name)
+            if p.origin == "local" and p.outcome.get("fits") is False
+        )
+    for p in profiles.memo[memo]:
+        if p.method != s.method or p.model != s.model:
             continue
         if p.batch <= s.batch and _memory_settings(replace(p.settings, batch=s.batch)) == _memory_settings(s):
             return p
@@ -2015,10 +2101,10 @@ def planned_step_seconds(
     # measured evidence on this GPU near these settings: the model only carries the change
     if near is not None:
         floor = cal.step_floor_s(s) or 0.0
-        one = step_s if s.num_gpus == 1 else step_seconds(profiles, replace(s, num_gpus=1), gpu, cal)
+        one = step_s if s.num_gpus == 1 else step_seconds(profiles, _with(s, num_gpus=1), gpu, cal)
         key = ("at near", near.id, gpu.name)
         if key not in cal.memo:  # the same few points serve a search's thousands of candidates
-            cal.memo[key] = step_seconds(profiles, replace(near.settings, num_gpus=1), gpu, cal)
+            cal.memo[key] = step_seconds(profiles, _with(near.settings, num_gpus=1), gpu, cal)
         at_near = cal.memo[key]
         # block swap's PCIe copies (transformer families) are modelled apart from the compute the measured
         # ratio corrects: both sides leave them out of the ratio and the plan's own are added back
@@ -2107,7 +2193,7 @@ def _bench_points_at(profiles: Profiles, s: Settings, gpu: GPUSpec | None) -> tu
             if p.from_bench:
                 index.setdefault(_memory_settings(replace(p.settings, batch=1)), []).append(p)
         profiles.memo[memo] = {k: tuple(v) for k, v in index.items()}
-    return profiles.memo[memo].get(_memory_settings(replace(s, batch=1)), ())
+    return profiles.memo[memo].get(_memory_settings(_with(s, batch=1)), ())
 
 
 def peak_evidence(profiles: Profiles, s: Settings, gpu: GPUSpec | None) -> tuple[MethodPoint, str] | None:
@@ -2232,7 +2318,7 @@ def _evaluate(req: Request, profiles: Profiles, hw: Hardware, cal: Calibration, 
     steps = _steps(req, s.batch, s.grad_accum, s.num_gpus)
     observed = _observed_multi_gpu(profiles, s, used, hw.link)
     if observed is not None:
-        one_s, basis = planned_step_seconds(profiles, replace(s, num_gpus=1), gpu.spec, cal)
+        one_s, basis = planned_step_seconds(profiles, _with(s, num_gpus=1), gpu.spec, cal)
         step_s = one_s * observed.outcome["iteration_time_ratio"] if one_s is not None else None
     else:
         gpu, step_s, basis = pace_gpu(profiles, s, used, cal, hw.link_gbs)
@@ -2870,7 +2956,8 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
         r.append("gradient checkpointing on: " + why)
     else:
         r.append("gradient checkpointing off: the plan fits without it, and it would cost ~25% time")
-    adamw_fits = any(c.setup == replace(s, optimizer="adamw") for c in fitting)
+    as_adamw = _with(s, optimizer="adamw")
+    adamw_fits = any(c.setup == as_adamw for c in fitting)
     why = "its smaller state update makes the run faster" if adamw_fits else "AdamW does not fit"
     opt_reason = {
         "adamw": "AdamW (8 bytes of fp32 state per trained parameter) fits",
@@ -3117,7 +3204,8 @@ def _latent_cache_text(req: Request, best: Candidate, fitting: list[Candidate]) 
     state = "cached" if s.cache_latents else "not cached"
     if req.pinned("cache_latents"):
         return f"latents {state}: pinned"
-    twin = next((c for c in fitting if c.setup == replace(s, cache_latents=not s.cache_latents)), None)
+    flipped = _with(s, cache_latents=not s.cache_latents)
+    twin = next((c for c in fitting if c.setup == flipped), None)
     seen = best.steps.images_seen
     once = (
         f"the VAE encodes each of the {req.images} images once (repeats and epochs reuse the cached latents) "
@@ -3201,7 +3289,7 @@ def _multi_gpu_reasons(hw, best, one, best_by_n, profiles, cal) -> list[str]:
             src = f"measured: {best.observed_multi_gpu}"
         else:
             # the one-GPU step on the same basis as the plan's (a measured or scaled speed, not the bare model)
-            t1, _ = planned_step_seconds(profiles, replace(s, num_gpus=1), slow.spec, cal)
+            t1, _ = planned_step_seconds(profiles, _with(s, num_gpus=1), slow.spec, cal)
             ratio = best.step_seconds / t1 if t1 else float("nan")
             src = _comm_text(profiles, s, hw.link)
         r.append(
