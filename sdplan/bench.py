@@ -28,6 +28,11 @@ What is recorded:
   There is no VRAM there: memory is the process's peak resident-set growth over the bench's starting point,
   recorded as ``outcome.ram_gib`` and labelled as such, never as VRAM.
 
+A DeepSpeed request (the planner's choice, or pinned: ``distributed.deepspeed.zero_stage=2``) is measured as
+planned, each probed batch in a process of its own (:func:`sdplan.bench_harness.probe_in_process`: DeepSpeed's
+engine fixes the micro-batch when it is prepared, and its process group lives as long as the process); no sample
+grid is measured there.
+
 SD3.5 and FLUX.1 (``--model sd35-medium`` ... ``flux-dev``): the transformer, CLIP/T5 encoders and VAE are
 built from ``profiles/models/<family>.yaml`` and stepped through the same recipes and the flow-matching
 objective (``sdplan.trainer.flow``). While the planner does not plan a family, a named one is measured in
@@ -68,6 +73,7 @@ from sdplan.bench_harness import (
     DEMO_MODELS_FIX,
     Harness,
     free_memory,
+    probe_in_process,
     probe_point,
     rss_bytes,
 )
@@ -103,6 +109,9 @@ class BenchRequest:
     base_precision: str = (
         "bf16"  # SD3.5 / FLUX.1 LoRA: the frozen base stored at fp8 / nf4 (trainer/quantize.py)
     )
+    # DeepSpeed ZeRO in this one process ({"zero_stage", "offload_optimizer"}, as Settings has it): each probe
+    # point runs in a process of its own (:func:`_probe_in_process`)
+    deepspeed: dict | None = None
     settings_from: str = "default"  # "planner" | "default" | "demo": where the settings came from
 
     def __post_init__(self) -> None:
@@ -130,6 +139,19 @@ class BenchRequest:
                 f"only, not {self.method} {self.model}",
                 fix="leave model.base_precision out",
             )
+        if self.deepspeed is not None:
+            ds = dict(self.deepspeed)
+            if set(ds) != {"zero_stage", "offload_optimizer"} or ds["zero_stage"] not in (1, 2):
+                raise UsageError(
+                    f"deepspeed {ds}: a bench measures ZeRO-1 or ZeRO-2, with or without optimizer offload",
+                    fix="pin distributed.deepspeed.zero_stage=1|2 and distributed.deepspeed.offload_optimizer",
+                )
+            object.__setattr__(self, "deepspeed", ds)
+            # what the trainer refuses under DeepSpeed (8-bit AdamW, text-encoder training ...), as it says it
+            from sdplan import config as C
+
+            data = C.merge(C.default_config(), request_settings(self, 1).to_config())
+            C.validate(data, source="the bench's settings")
         if self.method == "lora" and self.lora_rank is None:
             object.__setattr__(self, "lora_rank", DEFAULT_LORA_RANK)
         if self.method != "lora":
@@ -310,6 +332,9 @@ def point_id(machine: Machine, req: BenchRequest, batch: int, *, demo: bool) -> 
         parts.append(f"r{req.lora_rank}")
     if req.base_precision != "bf16":
         parts.append(req.base_precision)
+    if req.deepspeed:
+        parts.append(f"zero{req.deepspeed['zero_stage']}")
+        parts.append("offload" if req.deepspeed["offload_optimizer"] else "sharded")
     parts.append(f"b{batch}")
     return "-".join(parts)
 
@@ -329,6 +354,7 @@ def request_settings(req: BenchRequest, batch: int) -> Settings:
         train_text_encoder=req.train_text_encoder,
         lora_rank=req.lora_rank,
         base_precision=req.base_precision,
+        deepspeed=req.deepspeed,
         set_grads_to_none=True,
     )
 
@@ -347,6 +373,7 @@ def bench_request(s: Settings, settings_from: str) -> BenchRequest:
         cache_text_encoder_outputs=s.cache_text_encoder_outputs,
         lora_rank=s.lora_rank,
         base_precision=s.base_precision,
+        deepspeed=s.deepspeed,
         settings_from=settings_from,
     )
 
@@ -540,6 +567,12 @@ def demo_request(method: str = "lora") -> BenchRequest:
     )
 
 
+def _deepspeed_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("deepspeed") is not None
+
+
 def _bnb_available() -> bool:
     import importlib.util
 
@@ -589,10 +622,13 @@ def measured_here(
 def planner_settings(snapshot: Any, profiles_: Any, method: str, model: str, resolution: int) -> BenchRequest:
     """The settings `sdplan recommend` would choose for one GPU of this machine; the bench searches the batch.
 
-    Where the planner would offload to DeepSpeed, or finds nothing that fits, the bench measures the leanest
-    setting without offload (gradient checkpointing, Adafactor, cached latents): whether that fits is exactly
-    what the planner is unsure of. So does a plan with full half-precision weights (kohya --full_bf16): the
-    trainer (and so the harness) runs them, but a bench point has no field to record them yet. 8-bit AdamW needs bitsandbytes; without it Adafactor is measured instead.
+    A DeepSpeed plan is measured as planned, each probe point in a process of its own (DeepSpeed's engine and
+    process group live as long as the process); without DeepSpeed installed, or where the planner finds
+    nothing that fits, the bench measures the leanest setting without DeepSpeed (gradient checkpointing,
+    Adafactor, cached latents): whether that fits is exactly what the planner is unsure of. So does a plan
+    with full half-precision weights (kohya --full_bf16): the trainer (and so the harness) runs them, but a
+    bench point has no field to record them yet. 8-bit AdamW needs bitsandbytes; without it Adafactor is
+    measured instead.
     """
     from sdplan import planner
 
@@ -602,8 +638,10 @@ def planner_settings(snapshot: Any, profiles_: Any, method: str, model: str, res
     hw = planner.hardware_from_snapshot(snapshot, profiles_)
     precision = planner.precision_for(hw.gpus[:1]) if hw.gpus else "fp16"
     s = res.plan
-    why = "the planner finds nothing that fits without it"
-    if s is not None and s.full_half_weights and not s.deepspeed:
+    why = "the planner finds nothing that fits"
+    if s is not None and s.deepspeed and not _deepspeed_available():
+        why = "the planner's plan uses DeepSpeed, which is not installed: pip install 'sdplan[deepspeed]'"
+    elif s is not None and s.full_half_weights:
         why = "the planner's plan needs full half-precision weights, which a bench point cannot record yet"
     lean = BenchRequest(
         method=method,
@@ -614,9 +652,9 @@ def planner_settings(snapshot: Any, profiles_: Any, method: str, model: str, res
         optimizer="adafactor" if method != "textual-inversion" else "adamw",
         cache_latents=True,
         cache_text_encoder_outputs=method != "textual-inversion",
-        settings_from=f"leanest without offload ({why})",
+        settings_from=f"leanest without DeepSpeed ({why})",
     )
-    if s is None or s.deepspeed or s.full_half_weights:
+    if s is None or (s.deepspeed and not _deepspeed_available()) or s.full_half_weights:
         return lean
     origin = f"the planner ({res.basis} basis)"
     if s.optimizer == "adamw8bit" and not _bnb_available():
@@ -674,7 +712,8 @@ class Selection:
 
 
 # sdplan.yaml keys a bench request can pin (`sdplan bench ... memory.gradient_checkpointing=false`): what a
-# bench point records besides the batch, which the bench searches, and the resolution (--resolution)
+# bench point records besides the batch, which the bench searches, and the resolution (--resolution); a key
+# names its sub-keys too (distributed.deepspeed.zero_stage)
 BENCH_KEYS = (
     "training.precision",
     "training.train_text_encoder",
@@ -684,6 +723,7 @@ BENCH_KEYS = (
     "memory.cache_text_encoder_outputs",
     "lora.rank",
     "model.base_precision",
+    "distributed.deepspeed",
 )
 
 
@@ -695,11 +735,12 @@ def pin_request(req: BenchRequest, items: tuple[str, ...] | list[str]) -> BenchR
     from sdplan.config import override_keys
 
     keys = override_keys(items)
-    other = [k for k in keys if k not in BENCH_KEYS]
+    other = [k for k in keys if not any(k == b or k.startswith(b + ".") for b in BENCH_KEYS)]
     if other:
         raise UsageError(
             f"sdplan bench cannot pin {', '.join(other)}: a bench point records the precision, "
-            "checkpointing, optimizer, caching, text-encoder training, LoRA rank and frozen base's precision",
+            "checkpointing, optimizer, caching, text-encoder training, LoRA rank, frozen base's precision "
+            "and DeepSpeed",
             fix=f"pin only {', '.join(BENCH_KEYS)} (the bench searches the batch; --resolution sets the size)",
         )
     from sdplan.recommend import parse_pins
@@ -893,7 +934,8 @@ def _measure(
     on_result: Callable[[BenchPoint], None] | None,
     injected: faults.Faults = faults.NONE,
 ) -> None:
-    """Build one request's model, search its batch, write each point as it is measured."""
+    """Build one request's model, search its batch, write each point as it is measured (under DeepSpeed, each
+    batch built and measured in a process of its own)."""
     import torch
 
     req = result.request
@@ -912,6 +954,14 @@ def _measure(
             on_result(point)
         return point
 
+    if req.deepspeed:  # each batch in a process of its own (bench_harness.probe_in_process)
+
+        def fits_alone(batch: int) -> bool:
+            status(req, f"batch {batch} (a DeepSpeed process of its own)")
+            return record(probe_in_process(req, batch, effort, device=dev, demo=demo)).fits
+
+        result.max_batch, result.bounded_by = search_largest_batch(fits_alone, max_batch=effort.max_batch)
+        return
     with tempfile.TemporaryDirectory(prefix="sdplan-bench-") as tmp, _quiet_diffusers():
         error = None
         try:

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from sdplan.errors import UsageError
+from sdplan.errors import SdplanError, UsageError
 from sdplan.trainer.faults import BENCH_OOM_ABOVE_BATCH_ENV
 
 if TYPE_CHECKING:
@@ -598,3 +598,111 @@ def cpu_adam_rate(params: int, steps: int, optimizer: str = "deepspeed") -> floa
         opt.step()
         seconds.append(time.perf_counter() - t)
     return params / statistics.median(seconds)
+
+
+# -- a probe point in a process of its own: DeepSpeed -----------------------------------------------------------
+
+RESULT_PREFIX = "sdplan-bench-probe: "  # the child's one result line on stdout (DeepSpeed logs there too)
+
+
+def probe_in_process(
+    req: BenchRequest, batch: int, effort: Effort, *, device: str, demo: bool
+) -> dict[str, Any]:
+    """:func:`probe_point` of a DeepSpeed request, in a new process (``python -m sdplan.bench_harness``): DeepSpeed's
+    engine fixes the micro-batch when it is prepared, and its process group lives as long as the process, so each
+    batch the search tries gets a process of its own, one rank of a one-process world (RANK / WORLD_SIZE /
+    MASTER_*, as benchmarks/deepspeed_memory.py measured the H100's points; the CPU through DeepSpeed's CPU
+    accelerator). Every probe in it is the process's first: one more warm-up step than ``effort`` (kernels,
+    allocator, optimizer state). Returns probe_point's dict; a process that ends without one raises
+    :class:`BenchProbeError` with its last line."""
+    import dataclasses
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from sdplan.launch import free_port
+
+    env = {
+        **os.environ,
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),  # not a fixed port: another run on this machine may hold it
+    }
+    if device == "cpu":
+        env["DS_ACCELERATOR"] = "cpu"
+    job = {
+        "request": dataclasses.asdict(req),
+        "batch": batch,
+        "effort": dataclasses.asdict(dataclasses.replace(effort, warmup_steps=effort.warmup_steps + 1)),
+        "device": device,
+        "demo": demo,
+    }
+    proc = subprocess.run(
+        [sys.executable, "-m", "sdplan.bench_harness", json.dumps(job)],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+    )
+    results = [line for line in proc.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
+    if not results:
+        lines = [line for line in (proc.stderr + proc.stdout).strip().splitlines() if line.strip()]
+        raise BenchProbeError(
+            f"the DeepSpeed probe of batch {batch} ended without a result (exit {proc.returncode}): "
+            f"{(lines or ['no output'])[-1][:300]}",
+            fix="check that `python -c 'import deepspeed'` works here, then run the bench again",
+        )
+    return json.loads(results[-1][len(RESULT_PREFIX) :])
+
+
+class BenchProbeError(SdplanError):
+    """A probe process that ended without its result (not an out-of-memory: that is a measurement)."""
+
+
+def _probe_main(job_json: str) -> None:
+    """The child of :func:`probe_in_process`: build the request's harness under DeepSpeed at the job's micro-batch,
+    run one probe point, print its dict on one :data:`RESULT_PREFIX` line."""
+    import json
+    import tempfile
+
+    import torch
+
+    from sdplan.bench import BenchRequest, Effort
+    from sdplan.trainer import faults
+
+    job = json.loads(job_json)
+    req, batch = BenchRequest(**job["request"]), int(job["batch"])
+    effort, device = Effort(**job["effort"]), job["device"]
+    free_memory()
+    rss_base = rss_bytes()
+    error = None
+    with tempfile.TemporaryDirectory(prefix="sdplan-bench-") as tmp:
+        try:
+            harness = Harness(
+                req,
+                device=device,
+                demo=job["demo"],
+                workdir=Path(tmp),
+                injected=faults.Faults.from_env(),
+                deepspeed={**req.deepspeed, "micro_batch": batch},
+            )
+        except torch.OutOfMemoryError as e:
+            error = (str(e).strip().splitlines() or ["out of memory"])[0][:300]
+        if error is not None:  # the weights alone do not fit
+            out = {"batch": batch, "fits": False, "error": f"out of memory placing the weights: {error}"}
+        else:
+            try:
+                out = probe_point(harness, batch, effort, cuda=device == "cuda", rss_base=rss_base)
+            finally:
+                harness.close()
+    print(RESULT_PREFIX + json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    import sys
+
+    _probe_main(sys.argv[1])

@@ -1392,7 +1392,8 @@ def _bench_bandwidth_efficiencies(profiles: Profiles, cal: Calibration) -> tuple
         it_s, spec = p.outcome.get("it_s"), profiles.point_gpu(p)
         if not (p.from_bench and it_s and spec is not None and spec.memory_bandwidth_gbs):
             continue
-        if p.num_gpus != 1 or flow_family(p.model):
+        # DeepSpeed's step is its optimizer's (CPU Adam with offload), not the GPU's memory traffic
+        if p.num_gpus != 1 or flow_family(p.model) or p.settings.deepspeed:
             continue
         by.setdefault(spec.family, []).append((setup_from_point(p), spec, 1.0 / it_s))
 
@@ -3788,10 +3789,13 @@ def step_flops_flow(profiles: Profiles, s: Settings) -> float:
 
 
 def _flow_point_efficiency(profiles: Profiles, p: MethodPoint) -> float | None:
-    """Achieved / rated throughput of a one-GPU speed of a transformer family (None: not such a point)."""
+    """Achieved / rated throughput of a one-GPU speed of a transformer family (None: not such a point, or one
+    under DeepSpeed, whose step is its optimizer's: CPU Adam with offload)."""
     it_s = p.outcome.get("it_s")
     spec = profiles.point_gpu(p)
     if not it_s or spec is None or p.num_gpus != 1 or not flow_family(p.model) or p.settings.blocks_to_swap:
+        return None
+    if p.settings.deepspeed:
         return None
     ideal = step_flops_flow(profiles, p.settings) / (spec.matmul_tflops(p.settings.precision) * 1e12)
     measured = 1.0 / it_s - STEP_OVERHEAD_S - dequant_seconds(profiles, p.settings)

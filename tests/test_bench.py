@@ -336,6 +336,86 @@ def test_bench_points_make_the_planner_report_basis_measured(tmp_path, monkeypat
     assert planner.result_dict(after)["estimate"]["basis"] == "measured"
 
 
+def _rx6700xt_with_ram():
+    """A 12 GB card (no bitsandbytes on ROCm) whose host holds an offloaded optimizer: the planner's SD1.5
+    fine-tune here is DeepSpeed ZeRO-2 with CPU offload."""
+    snap = Snapshot.load(MACHINES / "rx6700xt.json")
+    return replace(snap, host=replace(snap.host, ram_total_bytes=64 * 2**30))
+
+
+def test_a_deepspeed_plan_is_benched_as_planned_and_then_measured(tmp_path, monkeypatch):
+    """The bench measured the leanest setting without offload where the planner chose DeepSpeed, so a 12 GB
+    card's own offload plan could never be measured. It now benches the plan itself (each batch in a process
+    of its own: the slow test below), records DeepSpeed in the point's id and settings, and the plan at those
+    settings then says basis "measured"."""
+    from sdplan import planner
+
+    root = fresh_profile_store(monkeypatch, tmp_path)
+    snap = _rx6700xt_with_ram()
+    request = planner.Request(method="finetune", model="sd15", max_gpus=1)
+    before = planner.plan(snap, profiles.load_profiles(local=root), request)
+    assert before.plan.deepspeed == {"zero_stage": 2, "offload_optimizer": True}
+    assert before.basis != "measured"
+
+    (req,) = bench.select_requests(["finetune"], ["sd15"], store_dir=root, snapshot=snap).requests
+    assert req.settings_from.startswith("the planner") and req.deepspeed == before.plan.deepspeed
+    assert "DeepSpeed ZeRO-2 offload" in req.label
+
+    gpu = snap.gpus[0]
+    records = _gpu_bench_points(req, gpu.name, gpu.memory_total_bytes, batches=(1, 2, 4))
+    assert all(r["id"].endswith(f"-zero2-offload-b{r['batch']}") for r in records)
+    bench.write_points(root, "finetune", records)
+    loaded = profiles.load_profiles(local=root)
+    mine = [p for p in loaded.points if p.origin == "local"]
+    assert [p.settings.deepspeed for p in mine] == [req.deepspeed] * 3 and all(p.from_bench for p in mine)
+    after = planner.plan(snap, loaded, request)
+    assert after.plan.deepspeed == req.deepspeed and after.basis == "measured"
+
+
+def test_without_deepspeed_installed_the_bench_measures_the_leanest_setting_and_says_why(
+    tmp_path, monkeypatch
+):
+    root = fresh_profile_store(monkeypatch, tmp_path)
+    monkeypatch.setattr(bench, "_deepspeed_available", lambda: False)
+    sel = bench.select_requests(["finetune"], ["sd15"], store_dir=root, snapshot=_rx6700xt_with_ram())
+    (req,) = sel.requests
+    assert req.deepspeed is None and "DeepSpeed, which is not installed" in req.settings_from
+
+
+def test_deepspeed_is_pinned_as_sdplan_train_takes_it_and_checked_as_it_checks_it():
+    req = bench.BenchRequest(method="finetune", model="sd15", resolution=512, settings_from="test")
+    pinned = bench.pin_request(req, ["distributed.deepspeed.zero_stage=2"])
+    assert pinned.deepspeed == {"zero_stage": 2, "offload_optimizer": True}
+    sharded = bench.pin_request(pinned, ["distributed.deepspeed.offload_optimizer=false"])
+    assert sharded.deepspeed == {"zero_stage": 2, "offload_optimizer": False}
+    assert bench.pin_request(pinned, ["distributed.deepspeed=null"]).deepspeed is None
+    # what the trainer refuses under DeepSpeed, the bench refuses with the trainer's words
+    with pytest.raises(ConfigError, match="adamw8bit .* does not combine with DeepSpeed"):
+        bench.pin_request(pinned, ["memory.optimizer=adamw8bit"])
+    with pytest.raises(UsageError, match="cannot pin distributed.num_processes"):
+        bench.pin_request(req, ["distributed.num_processes=2"])
+
+
+@pytest.mark.slow
+def test_a_deepspeed_request_measures_each_batch_in_a_process_of_its_own(tmp_path, monkeypatch):
+    """DeepSpeed's engine fixes the micro-batch when it is prepared and its process group lives as long as the
+    process, so each batch the search tries runs in a new process (bench_harness.probe_in_process), here on
+    the tiny model with DeepSpeed's CPU accelerator, one batch (a process costs ~10 s of imports here; the
+    search over several is test_search_*'s and the out-of-memory handling in it probe_point's, as in one
+    process). Its point comes back from the child, is stored with DeepSpeed in its settings and id."""
+    pytest.importorskip("deepspeed")
+    root = fresh_profile_store(monkeypatch, tmp_path)
+    req = replace(bench.demo_request("finetune"), deepspeed={"zero_stage": 2, "offload_optimizer": True})
+    one = replace(TINY, max_batch=1)
+    (res,) = bench.run_bench([req], demo=True, store_dir=root, effort=one)
+    (point,) = res.points
+    assert point.fits and (res.max_batch, res.bounded_by) == (1, "cap")
+    assert point.it_s > 0 and point.peak_rss_delta_bytes > 0 and point.warmup_steps == one.warmup_steps + 1
+    assert point.point_id.endswith("-zero2-offload-b1")
+    (loaded,) = [p for p in profiles.load_profiles(local=root).points if p.origin == "local"]
+    assert loaded.id == point.point_id and loaded.settings.deepspeed == req.deepspeed and loaded.from_bench
+
+
 def test_a_measured_sample_grid_is_the_plans_grid_peak(tmp_path, monkeypatch):
     """On a GPU the bench ends each request with the trainer's final sample grid and writes its peak onto the
     largest fitting point (record_sample_grid: the same id, so the record is replaced, not added). A plan at

@@ -56,6 +56,17 @@ def machines(tmp_path_factory) -> dict[str, Path]:
     return out
 
 
+@pytest.fixture
+def no_chart_pixels(monkeypatch):
+    """test_train_writes_the_settings_recommend_writes compares the configs the two commands write, for ~135
+    cases. Drawing both plan.png files of each (matplotlib, ~0.5-0.9 s a chart) was a third of this file's time:
+    the chart's data is still computed from each plan (plan_chart.chart_data), and the drawing is tested by
+    test_a_planned_run_draws_its_plan_beside_its_config below and test_recommend.py's plan.png tests."""
+    from sdplan import plan_chart
+
+    monkeypatch.setattr(plan_chart, "render_png", lambda data: b"not drawn in this test")
+
+
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory) -> Path:
     return make_images(tmp_path_factory.mktemp("data") / "ds", n=IMAGES)
@@ -113,6 +124,7 @@ CASES = [
 ]
 
 
+@pytest.mark.usefixtures("no_chart_pixels")
 @pytest.mark.parametrize(("machine", "method", "family"), CASES)
 def test_train_writes_the_settings_recommend_writes(tmp_path, machines, dataset, machine, method, family):
     recommended = recommend_config(tmp_path, machines[machine], method, family, dataset)

@@ -73,7 +73,8 @@ def bench(
             metavar="[KEY=VALUE]...",
             help="Pin what is measured, as `sdplan train` takes it (memory.gradient_checkpointing=false "
             "training.precision=bf16 memory.optimizer=adamw8bit memory.cache_text_encoder_outputs=false "
-            "lora.rank=32 model.base_precision=fp8); the rest is the planner's choice. The bench searches the batch.",
+            "lora.rank=32 model.base_precision=fp8 distributed.deepspeed.zero_stage=2); the rest is the planner's "
+            "choice. The bench searches the batch (under DeepSpeed, each batch in a process of its own).",
             show_default=False,
         ),
     ] = None,
