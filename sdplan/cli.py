@@ -75,7 +75,9 @@ def main() -> None:
             print("aborted", file=sys.stderr)
             sys.exit(1)
         raise
-    sys.exit(code if type(code) is int else 0)
+    from sdplan.procexit import exit_process
+
+    exit_process(code if type(code) is int else 0)  # after a demo build: no 1-2 s interpreter teardown
 
 
 if __name__ == "__main__":

@@ -145,4 +145,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from sdplan.procexit import exit_process
+
+    exit_process(main())  # the atexit handlers and a flush, without the 1-2 s interpreter teardown

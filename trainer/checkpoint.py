@@ -261,6 +261,14 @@ def resolve_resume(resume: str | Path | None, out_dir: str | Path, say=print) ->
 
 
 def unwrap(model):
+    """The model out of its DDP / DataParallel / DeepSpeed / FSDP container (accelerate's
+    ``extract_model_from_parallel``; a torch.compile wrapper goes through it too). A model in none (no
+    ``.module``, no ``_orig_mod``) is returned as is without asking accelerate: its
+    ``extract_model_from_parallel`` imports DeepSpeed (0.5 s, every CPU run) for an isinstance check, and returns
+    such a model unchanged."""
+    # torch.compile's wrapper holds the model as a submodule (nn.Module keeps it in _modules, not __dict__)
+    if not hasattr(model, "module") and not hasattr(model, "_orig_mod"):
+        return model
     from accelerate.utils import extract_model_from_parallel
 
     return extract_model_from_parallel(model)

@@ -534,9 +534,9 @@ def _check_family(family: str) -> None:
 
 
 def _unwrap(model):
-    from accelerate.utils import extract_model_from_parallel
+    from .checkpoint import unwrap
 
-    return extract_model_from_parallel(model)
+    return unwrap(model)
 
 
 # -- LoRA -----------------------------------------------------------------------------------------------
