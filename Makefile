@@ -34,7 +34,8 @@ lint: $(VENV)/.test-installed
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-# Two pytest-xdist workers (the suite takes about 7-8 min on two CI cores); -n 0 runs it serially.
+# Two pytest-xdist workers (the suite takes about 11 min on two cores, 2 of them DeepSpeed compiling its CPU
+# ops in a fresh venv); -n 0 runs it serially.
 XDIST ?= -n 2 --dist worksteal
 
 test: lint
