@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 DEFAULT_OUT = "./sdplan-demo"
+CACHE_ENV = "SDPLAN_CACHE_DIR"  # sdplan's cache (the demo's tiny models); the tests point it at their session
 DEMO_IMAGES = 8
 DEMO_REPEATS = 2  # 8 images x 2 repeats x 2 epochs / batch 2 = 16 optimizer steps on one process
 DEMO_EPOCHS = 2
@@ -192,18 +193,83 @@ def run_demo(req: Any, ui: Any) -> dict[str, Any]:
         start = time.perf_counter()
         new = [n for n in ("base_model", "dataset") if not (out / n).exists()]
         runfolder.record(out, new)
-        _build_tiny_model(out / "base_model", family)
+        kept = _build_tiny_model(out / "base_model", family)
         make_dataset(out / "dataset")
+        how = (
+            f"copied the tiny {family} model an earlier demo built ({kept})"
+            if kept
+            else f"built a tiny {family} model"
+        )
         ui.echo(
-            f"built a tiny {family} model in {out / 'base_model'} and {DEMO_IMAGES} captioned images in "
-            f"{out / 'dataset'} ({time.perf_counter() - start:.1f} s)"
+            f"{how} in {out / 'base_model'}, {DEMO_IMAGES} captioned images in {out / 'dataset'} "
+            f"({time.perf_counter() - start:.1f} s)"
         )
         summary = run(train_req, ui)
     ui.echo(DEMO_NOTE)
     return summary
 
 
-def _build_tiny_model(folder: Path, family: str) -> None:
+def tiny_model_cache(family: str) -> Path:
+    """Where a built tiny model of ``family`` is kept for the next demo (``$SDPLAN_CACHE_DIR``, else
+    ``$XDG_CACHE_HOME/sdplan``, else ``~/.cache/sdplan``): building one imports diffusers and transformers in `sdplan train` itself, ~5 s of a
+    demo's ~18. Named by what makes its files: the tiny model's code (trainer/tiny.py and the transformers-4
+    export it applies) and the installed torch, diffusers and transformers; a change to any is a new name."""
+    import hashlib
+    import importlib.metadata
+    import os
+
+    trainer = Path(__file__).resolve().parent.parent / "trainer"
+    if not (trainer / "tiny.py").is_file():  # installed (not editable): the package's own folder
+        import sdplan.trainer
+
+        trainer = Path(sdplan.trainer.__file__).resolve().parent
+    digest = hashlib.sha256()
+    for name in ("tiny.py", "export.py"):
+        digest.update((trainer / name).read_bytes())
+    for dist in ("torch", "diffusers", "transformers"):
+        digest.update(f"{dist}=={importlib.metadata.version(dist)};".encode())
+    root = (
+        os.environ.get(CACHE_ENV)
+        or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "sdplan"
+    )
+    return Path(root) / "tiny-models" / f"{family}-{digest.hexdigest()[:16]}"
+
+
+def _build_tiny_model(folder: Path, family: str) -> Path | None:
+    """The tiny model: a copy of the one an earlier demo built (:func:`tiny_model_cache`; returns where it was
+    kept), else built here and kept there (returns None). The cache only saves time: one that cannot be read or
+    written is passed over."""
+    import shutil
+
+    try:
+        cached = tiny_model_cache(family)
+        if cached.is_dir():
+            shutil.copytree(cached, folder)
+            return cached
+    except OSError:
+        cached = None
+        shutil.rmtree(folder, ignore_errors=True)
+    _build_tiny_model_here(folder, family)
+    if cached is not None:
+        _keep(folder, cached)
+    return None
+
+
+def _keep(folder: Path, cached: Path) -> None:
+    """``folder`` copied to ``cached`` whole or not at all: copied beside it, then renamed (two demos at once:
+    the second rename finds the first's folder and its copy is dropped)."""
+    import os
+    import shutil
+
+    part = cached.with_name(f".{cached.name}.{os.getpid()}.part")
+    try:
+        shutil.copytree(folder, part)
+        os.rename(part, cached)
+    except OSError:
+        shutil.rmtree(part, ignore_errors=True)
+
+
+def _build_tiny_model_here(folder: Path, family: str) -> None:
     """The tiny model, without the library chatter a newcomer would take for errors (the tiny scheduler's
     config notes, save progress bars)."""
     import warnings

@@ -227,6 +227,24 @@ def tiny_train_config(
     return config.validate(config.apply_overrides(base, list(overrides)))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def session_cache(tmp_path_factory):
+    """sdplan's cache (the demo's tiny models, sdplan.demo.tiny_model_cache) in this session's temp folder, shared
+    by the xdist workers and the processes they start: the first demo of each family builds its model, the rest
+    copy it; the user's ~/.cache is not touched."""
+    from sdplan.demo import CACHE_ENV
+
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "sdplan-cache"
+    old = os.environ.get(CACHE_ENV)
+    os.environ[CACHE_ENV] = str(root)
+    yield root
+    if old is None:
+        os.environ.pop(CACHE_ENV, None)
+    else:
+        os.environ[CACHE_ENV] = old
+
+
 def built_once(tmp_path_factory, name: str, done: str, build: Callable[[Path], None]) -> Path:
     """The folder ``name`` that ``build(folder)`` fills, built once per test session: under pytest-xdist the
     workers share it through a lock in the session's temp folder (the first builds it, the others wait for it).

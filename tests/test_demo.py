@@ -369,3 +369,27 @@ def test_sdxl_demo_with_text_encoders_writes_te1_te2_kohya_names_and_logs(tmp_pa
     assert (out / "loss.png").is_file() and list((out / "samples").glob("*.png"))
     if importlib.util.find_spec("tensorboard") is not None:
         assert list((out / "logs").rglob("events.out.tfevents.*"))
+
+
+def test_a_second_demo_copies_the_tiny_model_the_first_built(tmp_path, monkeypatch):
+    """Building the tiny model imports diffusers and transformers in `sdplan train` itself (~5 s of a demo's
+    ~18): a demo keeps the model it built (sdplan.demo.tiny_model_cache) and the next copies it, file for file
+    what a build writes. A cache that cannot be written costs nothing but the time: the model is built."""
+    from sdplan import demo
+
+    monkeypatch.setenv(demo.CACHE_ENV, str(tmp_path / "cache"))
+    assert demo._build_tiny_model(tmp_path / "first", "sd15") is None  # built, and kept
+    kept = demo.tiny_model_cache("sd15")
+    assert kept.is_dir() and kept.parent.parent == tmp_path / "cache"
+    assert demo._build_tiny_model(tmp_path / "second", "sd15") == kept
+    files = sorted(p.relative_to(tmp_path / "first") for p in (tmp_path / "first").rglob("*") if p.is_file())
+    assert files and files == sorted(
+        p.relative_to(tmp_path / "second") for p in (tmp_path / "second").rglob("*") if p.is_file()
+    )
+    for f in files:
+        assert (tmp_path / "first" / f).read_bytes() == (tmp_path / "second" / f).read_bytes(), f
+
+    (tmp_path / "not-a-folder").write_text("a file where the cache would go")
+    monkeypatch.setenv(demo.CACHE_ENV, str(tmp_path / "not-a-folder"))
+    assert demo._build_tiny_model(tmp_path / "third", "sd15") is None
+    assert (tmp_path / "third" / "model_index.json").is_file()
