@@ -61,7 +61,7 @@ import os
 import re
 import tempfile
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +76,7 @@ from sdplan.bench_harness import (
     probe_in_process,
     probe_point,
     rss_bytes,
+    weights_oom_point,
 )
 from sdplan.errors import ConfigError, NoGPUError, UsageError
 from sdplan.registry import BASE_PRECISIONS, FAMILIES, FLOW_FAMILIES, FLOW_METHODS, METHODS, PLANNED_FAMILIES
@@ -110,7 +111,7 @@ class BenchRequest:
         "bf16"  # SD3.5 / FLUX.1 LoRA: the frozen base stored at fp8 / nf4 (trainer/quantize.py)
     )
     # DeepSpeed ZeRO in this one process ({"zero_stage", "offload_optimizer"}, as Settings has it): each probe
-    # point runs in a process of its own (:func:`_probe_in_process`)
+    # point runs in a process of its own (:func:`sdplan.bench_harness.probe_in_process`)
     deepspeed: dict | None = None
     settings_from: str = "default"  # "planner" | "default" | "demo": where the settings came from
 
@@ -140,18 +141,14 @@ class BenchRequest:
                 fix="leave model.base_precision out",
             )
         if self.deepspeed is not None:
-            ds = dict(self.deepspeed)
-            if set(ds) != {"zero_stage", "offload_optimizer"} or ds["zero_stage"] not in (1, 2):
-                raise UsageError(
-                    f"deepspeed {ds}: a bench measures ZeRO-1 or ZeRO-2, with or without optimizer offload",
-                    fix="pin distributed.deepspeed.zero_stage=1|2 and distributed.deepspeed.offload_optimizer",
-                )
-            object.__setattr__(self, "deepspeed", ds)
-            # what the trainer refuses under DeepSpeed (8-bit AdamW, text-encoder training ...), as it says it
+            # checked by the trainer's own config rules, in its words: the stage (1 or 2), the keys, and what
+            # does not combine with DeepSpeed (8-bit AdamW, text-encoder training ...); the stored dict is the
+            # validated one, its defaults filled
             from sdplan import config as C
 
             data = C.merge(C.default_config(), request_settings(self, 1).to_config())
-            C.validate(data, source="the bench's settings")
+            ds = C.validate(data, source="the bench's settings").distributed.deepspeed
+            object.__setattr__(self, "deepspeed", asdict(ds))
         if self.method == "lora" and self.lora_rank is None:
             object.__setattr__(self, "lora_rank", DEFAULT_LORA_RANK)
         if self.method != "lora":
@@ -567,16 +564,11 @@ def demo_request(method: str = "lora") -> BenchRequest:
     )
 
 
-def _deepspeed_available() -> bool:
+def _installed(module: str) -> bool:
+    """Whether ``module`` (deepspeed, bitsandbytes) can be imported here, without importing it."""
     import importlib.util
 
-    return importlib.util.find_spec("deepspeed") is not None
-
-
-def _bnb_available() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("bitsandbytes") is not None
+    return importlib.util.find_spec(module) is not None
 
 
 def _measured_on(profiles_: Any, point: Any, gpu_name: str | None, gpu_memory_bytes: int | None) -> bool:
@@ -638,8 +630,9 @@ def planner_settings(snapshot: Any, profiles_: Any, method: str, model: str, res
     hw = planner.hardware_from_snapshot(snapshot, profiles_)
     precision = planner.precision_for(hw.gpus[:1]) if hw.gpus else "fp16"
     s = res.plan
+    no_deepspeed = s is not None and bool(s.deepspeed) and not _installed("deepspeed")
     why = "the planner finds nothing that fits"
-    if s is not None and s.deepspeed and not _deepspeed_available():
+    if no_deepspeed:
         why = "the planner's plan uses DeepSpeed, which is not installed: pip install 'sdplan[deepspeed]'"
     elif s is not None and s.full_half_weights:
         why = "the planner's plan needs full half-precision weights, which a bench point cannot record yet"
@@ -654,10 +647,10 @@ def planner_settings(snapshot: Any, profiles_: Any, method: str, model: str, res
         cache_text_encoder_outputs=method != "textual-inversion",
         settings_from=f"leanest without DeepSpeed ({why})",
     )
-    if s is None or (s.deepspeed and not _deepspeed_available()) or s.full_half_weights:
+    if s is None or no_deepspeed or s.full_half_weights:
         return lean
     origin = f"the planner ({res.basis} basis)"
-    if s.optimizer == "adamw8bit" and not _bnb_available():
+    if s.optimizer == "adamw8bit" and not _installed("bitsandbytes"):
         s, origin = (
             replace(s, optimizer="adafactor"),
             origin + "; adafactor for adamw8bit: bitsandbytes is not installed",
@@ -963,14 +956,14 @@ def _measure(
         result.max_batch, result.bounded_by = search_largest_batch(fits_alone, max_batch=effort.max_batch)
         return
     with tempfile.TemporaryDirectory(prefix="sdplan-bench-") as tmp, _quiet_diffusers():
-        error = None
+        no_room = None
         try:
             harness = Harness(req, device=dev, demo=demo, workdir=Path(tmp), injected=injected, keep_vae=True)
         except torch.OutOfMemoryError as e:
-            error = (str(e).strip().splitlines() or ["out of memory"])[0][:300]
-        if error is not None:  # the weights alone do not fit: batch 1 cannot
+            no_room = weights_oom_point(1, e)
+        if no_room is not None:  # the weights alone do not fit: batch 1 cannot
             free_memory()
-            record({"batch": 1, "fits": False, "error": f"out of memory placing the weights: {error}"})
+            record(no_room)
             result.max_batch, result.bounded_by = 0, "oom"
             return
         try:

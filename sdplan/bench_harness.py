@@ -523,6 +523,17 @@ def timed_steps(step: Callable[[], Any], effort: Effort, *, cuda: bool) -> list[
     return seconds
 
 
+def oom_line(e: BaseException) -> str:
+    """An out-of-memory error's first line, as a bench point records it."""
+    return (str(e).strip().splitlines() or ["out of memory"])[0][:300]
+
+
+def weights_oom_point(batch: int, e: BaseException) -> dict[str, Any]:
+    """The probe point at ``batch`` where building the harness ran out of memory: the weights alone do not fit.
+    (A dict of strings: called in the except block, it keeps nothing of the traceback's tensors.)"""
+    return {"batch": batch, "fits": False, "error": f"out of memory placing the weights: {oom_line(e)}"}
+
+
 def probe_point(h: Harness, batch: int, effort: Effort, *, cuda: bool, rss_base: int) -> dict[str, Any]:
     """Warm up, then time ``effort.timed_steps`` steps at ``batch``; peak memory over all of them."""
     import torch
@@ -548,7 +559,7 @@ def probe_point(h: Harness, batch: int, effort: Effort, *, cuda: bool, rss_base:
             if meter is not None:
                 meter.__exit__(None, None, None)
     except torch.OutOfMemoryError as e:
-        error = (str(e).strip().splitlines() or ["out of memory"])[0][:300]
+        error = oom_line(e)
     if error is not None:  # outside the except block: its traceback no longer pins the activations
         h.after_oom()
         out |= {
@@ -679,7 +690,7 @@ def _probe_main(job_json: str) -> None:
     effort, device = Effort(**job["effort"]), job["device"]
     free_memory()
     rss_base = rss_bytes()
-    error = None
+    out = None
     with tempfile.TemporaryDirectory(prefix="sdplan-bench-") as tmp:
         try:
             harness = Harness(
@@ -691,10 +702,8 @@ def _probe_main(job_json: str) -> None:
                 deepspeed={**req.deepspeed, "micro_batch": batch},
             )
         except torch.OutOfMemoryError as e:
-            error = (str(e).strip().splitlines() or ["out of memory"])[0][:300]
-        if error is not None:  # the weights alone do not fit
-            out = {"batch": batch, "fits": False, "error": f"out of memory placing the weights: {error}"}
-        else:
+            out = weights_oom_point(batch, e)
+        if out is None:
             try:
                 out = probe_point(harness, batch, effort, cuda=device == "cuda", rss_base=rss_base)
             finally:
