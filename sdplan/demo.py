@@ -211,18 +211,17 @@ def run_demo(req: Any, ui: Any) -> dict[str, Any]:
 
 def tiny_model_cache(family: str) -> Path:
     """Where a built tiny model of ``family`` is kept for the next demo (``$SDPLAN_CACHE_DIR``, else
-    ``$XDG_CACHE_HOME/sdplan``, else ``~/.cache/sdplan``): building one imports diffusers and transformers in `sdplan train` itself, ~5 s of a
-    demo's ~18. Named by what makes its files: the tiny model's code (trainer/tiny.py and the transformers-4
-    export it applies) and the installed torch, diffusers and transformers; a change to any is a new name."""
+    ``$XDG_CACHE_HOME/sdplan``, else ``~/.cache/sdplan``): building one imports diffusers and transformers in
+    `sdplan train` itself, ~5 s of a demo's ~18. Named by what makes its files: the tiny model's code
+    (trainer/tiny.py and the transformers-4 export it applies) and the installed torch, diffusers and
+    transformers; a change to any is a new name."""
     import hashlib
     import importlib.metadata
     import os
 
-    trainer = Path(__file__).resolve().parent.parent / "trainer"
-    if not (trainer / "tiny.py").is_file():  # installed (not editable): the package's own folder
-        import sdplan.trainer
+    import sdplan.trainer  # its __init__ only: no torch
 
-        trainer = Path(sdplan.trainer.__file__).resolve().parent
+    trainer = Path(sdplan.trainer.__file__).resolve().parent  # the repo's trainer/ in an editable install
     digest = hashlib.sha256()
     for name in ("tiny.py", "export.py"):
         digest.update((trainer / name).read_bytes())
