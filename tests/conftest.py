@@ -23,6 +23,23 @@ if TYPE_CHECKING:
 FIXTURES = Path(__file__).parent / "fixtures"
 MACHINES = FIXTURES / "machines"
 
+
+def sdxl_sharded():
+    """SDXL's full fine-tune at 1024 px under ZeRO-2 without offload, as the H100 measured it (2026-11-27): the
+    settings the DeepSpeed memory tests of test_planner_invariants and test_planner_model vary."""
+    from sdplan.settings import SHARDED, Settings
+
+    return Settings(
+        method="finetune",
+        model="sdxl",
+        resolution=1024,
+        precision="bf16",
+        gradient_checkpointing=True,
+        cache_latents=True,
+        deepspeed=dict(SHARDED),
+    )
+
+
 # Nothing in the tests may reach a hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

@@ -19,6 +19,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from conftest import sdxl_sharded
 
 from sdplan import planner as P
 from sdplan import registry
@@ -618,16 +619,7 @@ def test_deepspeed_activations_have_no_autocast_share(prof):
             )
 
 
-# SDXL's full fine-tune at 1024 px under ZeRO-2 without offload, as the H100 measured it (2026-11-27)
-SDXL_SHARDED = Settings(
-    method="finetune",
-    model="sdxl",
-    resolution=1024,
-    precision="bf16",
-    gradient_checkpointing=True,
-    cache_latents=True,
-    deepspeed=dict(SHARDED),
-)
+SDXL_SHARDED = sdxl_sharded()
 
 
 def test_deepspeed_without_offload_peaks_at_the_step_without_the_half_gradients(prof):

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import sdxl_sharded
 
 from sdplan import planner as P
 from sdplan.profiles import GiB, clear_cache, load_profiles  # noqa: F401
@@ -703,18 +704,7 @@ def test_the_sample_grid_under_deepspeed_has_no_autocast_copies(prof, method):
     """accelerate's autocast() does nothing under DeepSpeed (native_amp off): the grid's peak under ZeRO-2
     without offload counted autocast's half copies of the trained weights all the same (4.8 GiB for SDXL),
     where the step (_assemble) and the offloaded grid did not."""
-    from sdplan.settings import SHARDED
-
-    s = Settings(
-        method=method,
-        model="sdxl",
-        resolution=1024,
-        precision="bf16",
-        gradient_checkpointing=True,
-        cache_latents=True,
-        deepspeed=dict(SHARDED),
-        num_gpus=2,
-    )
+    s = replace(sdxl_sharded(), method=method, num_gpus=2)
     t = 2_567_463_684 if method == "finetune" else 23_000_000
     with_ds = P.sampling_peak_bytes(prof, s, resident=10 * GiB, trained=t, trained_bytes=4)
     without = P.sampling_peak_bytes(
