@@ -1773,19 +1773,17 @@ def _matching_point(profiles: Profiles, s: Settings, gpu: GPUSpec | None) -> Met
     """A measured (local) or published point for this GPU and these settings, with a speed."""
     if gpu is None:
         return None
-    # the points with a one-GPU speed on this GPU by their _speed_settings, in file order, indexed once per
-    # profiles (a plan's search asks for thousands of candidates; the points do not change)
-    memo = ("speed_points_by_speed_settings", gpu.name)
-    if memo not in profiles.memo:
-        index: dict[tuple, list[MethodPoint]] = {}
-        for p in profiles.points_on(gpu.name):
-            if p.outcome.get("it_s") and p.num_gpus == 1:
-                index.setdefault(_speed_settings(p.settings), []).append(p)
-        profiles.memo[memo] = {k: tuple(v) for k, v in index.items()}
+    index = _points_index(
+        profiles,
+        "speed_points_by_speed_settings",
+        gpu.name,
+        keep=lambda p: bool(p.outcome.get("it_s")) and p.num_gpus == 1,
+        key=lambda p: _speed_settings(p.settings),
+    )
     best = None
     # the text encoders' forward runs every step where their outputs are not cached (FLUX.1 LoRA on an
     # H100: 0.97 it/s against 1.10 cached); block swap's copies: both in _speed_settings
-    for p in profiles.memo[memo].get(_speed_settings(s), ()):
+    for p in index.get(_speed_settings(s), ()):
         if p.method != s.method or p.model != s.model:
             continue
         if best is None or p.origin == "local":
@@ -1857,17 +1855,14 @@ def _observed_oom(profiles: Profiles, s: Settings, gpu: HWGPU) -> MethodPoint | 
     what ran out of memory once will again, whatever the model predicts."""
     if gpu.spec is None:
         return None
-    # the local out-of-memory points on this GPU, in file order, listed once per profiles (asked per candidate)
-    memo = ("local_ooms", gpu.spec.name)
-    if memo not in profiles.memo:
-        profiles.memo[memo] = tuple(
-            p
-            for p in profiles.points_on(gpu.spec.name)
-            if p.origin == "local" and p.outcome.get("fits") is False
-        )
-    for p in profiles.memo[memo]:
-        if p.method != s.method or p.model != s.model:
-            continue
+    index = _points_index(
+        profiles,
+        "local_ooms_by_method_and_model",
+        gpu.spec.name,
+        keep=lambda p: p.origin == "local" and p.outcome.get("fits") is False,
+        key=lambda p: (p.method, p.model),
+    )
+    for p in index.get((s.method, s.model), ()):
         if p.batch <= s.batch and _memory_settings(replace(p.settings, batch=s.batch)) == _memory_settings(s):
             return p
     return None
@@ -2187,14 +2182,35 @@ def _bench_points_at(profiles: Profiles, s: Settings, gpu: GPUSpec | None) -> tu
     for several processes. The index is built once per profiles (a plan search asks for every candidate)."""
     if gpu is None or s.num_gpus != 1:
         return ()
-    memo = ("bench_points_by_memory_settings", gpu.name)
+    index = _points_index(
+        profiles,
+        "bench_points_by_memory_settings",
+        gpu.name,
+        keep=lambda p: p.from_bench,
+        key=lambda p: _memory_settings(replace(p.settings, batch=1)),
+    )
+    return index.get(_memory_settings(_with(s, batch=1)), ())
+
+
+def _points_index(
+    profiles: Profiles,
+    name: str,
+    gpu: str,
+    *,
+    keep: Callable[[MethodPoint], bool],
+    key: Callable[[MethodPoint], tuple],
+) -> dict[tuple, tuple[MethodPoint, ...]]:
+    """The points on ``gpu`` that ``keep`` selects, grouped by ``key``, each group in file order. Built once per
+    profiles and kept in ``profiles.memo`` under ``name``: a plan's search asks for thousands of candidates, and
+    the points do not change."""
+    memo = (name, gpu)
     if memo not in profiles.memo:
         index: dict[tuple, list[MethodPoint]] = {}
-        for p in profiles.points_on(gpu.name):
-            if p.from_bench:
-                index.setdefault(_memory_settings(replace(p.settings, batch=1)), []).append(p)
+        for p in profiles.points_on(gpu):
+            if keep(p):
+                index.setdefault(key(p), []).append(p)
         profiles.memo[memo] = {k: tuple(v) for k, v in index.items()}
-    return profiles.memo[memo].get(_memory_settings(_with(s, batch=1)), ())
+    return profiles.memo[memo]
 
 
 def peak_evidence(profiles: Profiles, s: Settings, gpu: GPUSpec | None) -> tuple[MethodPoint, str] | None:
