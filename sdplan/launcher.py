@@ -1081,7 +1081,8 @@ def run_gpus(
     """The GPUs (as `sdplan doctor` numbers them) this machine's ``per_node`` processes run on: the config's
     ``distributed.gpu_ids`` (the plan's, on a machine whose GPUs differ); where it names none on such a machine,
     the ones the planner would choose for that many (:func:`sdplan.planner.gpu_sets`, the first that has the
-    config's precision); None on alike GPUs (the first ones, as the framework numbers them). On several machines
+    config's precision); None on alike GPUs (the first ones, as the framework numbers them) unless others are
+    better joined (NVLink between two of four, :func:`sdplan.planner.gpu_sets`). On several machines
     the config's ids are the machine it was planned on: another node that lacks them chooses its own."""
     usable = {g.index: g for g in snapshot.usable_gpus}
     ids = cfg.distributed.gpu_ids
@@ -1120,9 +1121,9 @@ def run_gpus(
     from sdplan.profiles import load_profiles
 
     hw = hardware_from_snapshot(snapshot, load_profiles())
-    if not mixed_gpus(hw):
-        return None
     sets = gpu_sets(hw, per_node)
+    if not mixed_gpus(hw):  # alike GPUs: the first ones, unless others are better joined (NVLink bridges)
+        return tuple(g.index for g in sets[0]) if sets and sets[0] != hw.gpus[: len(sets[0])] else None
     if cfg.training.precision == "bf16":
         sets = [s for s in sets if all(g.bf16 for g in s)] or sets
     return tuple(g.index for g in sets[0]) if sets else None

@@ -212,6 +212,7 @@ class HWGPU:
     # its number on the machine, as `sdplan doctor` numbers GPUs (catalog hardware: 0, 1, ...)
     index: int | None = None
     uuid: str | None = None  # as the probe read it (NVML: "GPU-..."); None for catalog hardware
+    pcie_gen: int | None = None  # the link generation the probe read (catalog hardware: its spec's)
 
 
 @dataclass(frozen=True)
@@ -226,6 +227,10 @@ class Hardware:
     notes: tuple[str, ...] = ()
     # this host's own measurements (a probe of the machine sdplan runs on; `sdplan bench --host`)
     host: HostMeasurement | None = None
+    # a probed machine's link between each pair of its GPUs, (index, index, "nvlink" | "xgmi" | "pcie"): a plan on
+    # some of them runs its all-reduce over the links among those (:func:`set_link`); link / link_gbs above are
+    # the whole machine's. Catalog hardware has none: all its GPUs are joined alike.
+    pair_links: tuple[tuple[int, int, str], ...] = ()
 
     @property
     def count(self) -> int:
@@ -1511,6 +1516,7 @@ def hardware_from_snapshot(snapshot: Any, profiles: Profiles, source: str = "pro
                 spec=spec,
                 index=g.index,
                 uuid=g.uuid,
+                pcie_gen=g.pcie_gen,
             )
         )
     drives = build_vendor(snapshot)
@@ -1526,18 +1532,9 @@ def hardware_from_snapshot(snapshot: Any, profiles: Profiles, source: str = "pro
             "this machine's RAM is not known (the snapshot does not say it): the host RAM a plan needs is not "
             "checked against it"
         )
-    link, gbs = "pcie", PCIE_GBS[4]
-    if len(gpus) > 1:
-        types = {lk.type for lk in snapshot.links}
-        specs = [g.spec for g in gpus if g.spec is not None]
-        if "nvlink" in types or "xgmi" in types:
-            link = "nvlink" if "nvlink" in types else "xgmi"
-            rates = [float(s.interconnect["bandwidth_gbs"]) for s in specs if s.interconnect]
-            gbs = min(rates) if rates else 100.0
-        else:
-            gens = [g.pcie_gen for g in snapshot.usable_gpus if g.pcie_gen]
-            gens = gens or [s.pcie_gen for s in specs if s.pcie_gen]
-            gbs = PCIE_GBS.get(min(gens) if gens else 4, 32.0)
+    planned = {g.index for g in gpus}
+    pair_links = tuple((lk.a, lk.b, lk.type) for lk in snapshot.links if lk.a in planned and lk.b in planned)
+    link, gbs = _links_among(tuple(gpus), pair_links) if len(gpus) > 1 else ("pcie", PCIE_GBS[4])
     return Hardware(
         source=source,
         gpus=tuple(gpus),
@@ -1547,7 +1544,84 @@ def hardware_from_snapshot(snapshot: Any, profiles: Profiles, source: str = "pro
         label=gpus_label(gpus),
         notes=tuple(notes),
         host=profiles.host if source == "probe" else None,
+        pair_links=pair_links,
     )
+
+
+# -- the links among the GPUs a plan runs on ------------------------------------------------------------------
+#
+# A ring all-reduce (NCCL / RCCL on a few GPUs) runs at the pace of the slowest hop of its ring. NVLink bridges on
+# PCIe cards join pairs (a 4-GPU RTX 3090 rig often has two bridges), NVSwitch boards join every pair: GPUs count
+# as NVLink-joined only where a ring over NVLink passes through all of them; otherwise their all-reduce crosses
+# PCIe at the slowest of their PCIe links.
+
+FAST_LINKS = ("nvlink", "xgmi")
+# NVLink between GPUs whose catalog entry gives no NVLink rate (PCIe cards with a bridge): RTX 3090's bridge is
+# 112.5 GB/s both ways (NVIDIA RTX 3090 page, not re-checked); 100 keeps the earlier, rounder assumption
+BRIDGE_GBS = 100.0
+# ring search by permutation up to this many GPUs (7! orders); more GPUs count as NVLink-joined only when every
+# pair is (an NVSwitch board)
+RING_SEARCH_MAX_GPUS = 8
+
+
+@functools.lru_cache(maxsize=4096)
+def _fast_ring(ids: tuple[int, ...], pair_links: tuple[tuple[int, int, str], ...]) -> str | None:
+    """The fast link type ("nvlink" / "xgmi") of a ring over such links through every GPU of ``ids``; None
+    where the ring must cross PCIe (or the links are unknown)."""
+    fast = {frozenset((a, b)): kind for a, b, kind in pair_links if kind in FAST_LINKS}
+    pairs = [frozenset(p) for p in itertools.combinations(ids, 2)]
+    if all(p in fast for p in pairs):
+        return fast[pairs[0]] if pairs else None
+    if len(ids) < 4 or len(ids) > RING_SEARCH_MAX_GPUS:  # 2 or 3 GPUs: a ring uses every pair
+        return None
+    first, rest = ids[0], ids[1:]
+    for order in itertools.permutations(rest):
+        ring = (first, *order, first)
+        hops = [frozenset(h) for h in zip(ring, ring[1:])]
+        if all(h in fast for h in hops):
+            return fast[hops[0]]
+    return None
+
+
+def _links_among(gpus: tuple[HWGPU, ...], pair_links: tuple[tuple[int, int, str], ...]) -> tuple[str, float]:
+    """(link type, GB/s one way) of the all-reduce among ``gpus`` of a probed machine: NVLink / xGMI where a ring
+    of it joins them all (at the slowest GPU's catalog rate), else PCIe at the lowest generation among them."""
+    fast = _fast_ring(tuple(sorted(g.index or 0 for g in gpus)), pair_links)
+    specs = [g.spec for g in gpus if g.spec is not None]
+    if fast is not None:
+        rates = [float(s.interconnect["bandwidth_gbs"]) for s in specs if s.interconnect]
+        return fast, min(rates) if rates else BRIDGE_GBS
+    gens = [g.pcie_gen for g in gpus if g.pcie_gen] or [s.pcie_gen for s in specs if s.pcie_gen]
+    return "pcie", PCIE_GBS.get(min(gens) if gens else 4, 32.0)
+
+
+def set_link(hw: Hardware, gpus: tuple[HWGPU, ...]) -> tuple[str, float]:
+    """(link type, GB/s) of an all-reduce among ``gpus`` of ``hw``: on a probed machine the links among those
+    GPUs (:func:`_links_among`); catalog hardware's one link."""
+    if hw.source == "catalog" or len(gpus) < 2:
+        return hw.link, hw.link_gbs
+    return _links_among(tuple(gpus), hw.pair_links)
+
+
+def _link_rank(link: tuple[str, float]) -> tuple[bool, float]:
+    return link[0] in FAST_LINKS, link[1]
+
+
+def _best_linked(hw: Hardware, chosen: tuple[HWGPU, ...], pool: list[HWGPU] | tuple[HWGPU, ...]):
+    """``chosen``, or the set of the same kinds of GPU from ``pool`` whose all-reduce link is fastest
+    (:func:`set_link`; the lowest GPU numbers among equals): two of four RTX 3090s that share an NVLink bridge,
+    not the first two. Only probed machines with link data and at most RING_SEARCH_MAX_GPUS GPUs are searched."""
+    if len(chosen) < 2 or hw.source == "catalog" or not hw.pair_links or len(pool) > RING_SEARCH_MAX_GPUS:
+        return chosen
+    kinds = sorted(map(str, map(_gpu_kind, chosen)))
+    best, rank = chosen, _link_rank(set_link(hw, chosen))
+    for gs in itertools.combinations(sorted(pool, key=lambda g: g.index or 0), len(chosen)):
+        if sorted(map(str, map(_gpu_kind, gs))) != kinds:
+            continue
+        r = _link_rank(set_link(hw, gs))
+        if r > rank or (r == rank and [g.index for g in gs] < [g.index for g in best]):
+            best, rank = gs, r
+    return best
 
 
 def build_vendor(snapshot: Any) -> str | None:
@@ -1600,14 +1674,14 @@ def _weakest(gpus: tuple[HWGPU, ...]) -> tuple:
 
 def gpu_sets(hw: Hardware, n: int) -> list[tuple[HWGPU, ...]]:
     """The sets of ``n`` GPUs an ``n``-GPU plan may run on, the best first (most memory, then speed, at their
-    weakest GPU). Alike GPUs: the first ``n``. GPUs that differ: one vendor's (one torch build drives a run),
+    weakest GPU). Alike GPUs: the first ``n`` whose links are fastest (:func:`_best_linked`). GPUs that differ: one vendor's (one torch build drives a run),
     the ``n`` best by each of :func:`_strength`'s figures in turn (ties by the rest, then the GPU's number),
     less any set that another matches or beats at its weakest GPU on every figure. Whatever order the machine
     lists its GPUs in, the same sets (up to which of alike GPUs)."""
     if n < 1 or n > hw.count:
         return []
     if not mixed_gpus(hw):
-        return [hw.gpus[:n]]
+        return [_best_linked(hw, hw.gpus[:n], hw.gpus)]
     found: dict[tuple, tuple[HWGPU, ...]] = {}
     for vendor in sorted({g.vendor for g in hw.gpus}):
         group = [g for g in hw.gpus if g.vendor == vendor]
@@ -1624,6 +1698,7 @@ def gpu_sets(hw: Hardware, n: int) -> list[tuple[HWGPU, ...]]:
                 )
 
             chosen = tuple(sorted(sorted(group, key=order)[:n], key=lambda g: g.index or 0))
+            chosen = tuple(sorted(_best_linked(hw, chosen, group), key=lambda g: g.index or 0))
             found.setdefault(tuple(g.index for g in chosen), chosen)
 
     def rank(gs: tuple[HWGPU, ...]) -> tuple:
@@ -2032,7 +2107,7 @@ def _candidates(req: Request, profiles: Profiles, hw: Hardware, cal: Calibration
             attention=_attention_for(on.gpus),
             nvidia=all(g.vendor == "nvidia" for g in on.gpus),
             counts=(on.count,),
-            gpu_ids=tuple(g.index for g in on.gpus) if mixed else None,
+            gpu_ids=tuple(g.index for g in on.gpus) if mixed or on.gpus != hw.gpus[: on.count] else None,
         )
         out += [_evaluate(req, profiles, hw, cal, s) for s in space]
     return out
@@ -2333,12 +2408,13 @@ def _evaluate(req: Request, profiles: Profiles, hw: Hardware, cal: Calibration, 
     if fits and any(_observed_oom(profiles, s, g) is not None for g in _distinct(used)):
         fits = False
     steps = _steps(req, s.batch, s.grad_accum, s.num_gpus)
-    observed = _observed_multi_gpu(profiles, s, used, hw.link)
+    link, link_gbs = set_link(hw, used)
+    observed = _observed_multi_gpu(profiles, s, used, link)
     if observed is not None:
         one_s, basis = planned_step_seconds(profiles, _with(s, num_gpus=1), gpu.spec, cal)
         step_s = one_s * observed.outcome["iteration_time_ratio"] if one_s is not None else None
     else:
-        gpu, step_s, basis = pace_gpu(profiles, s, used, cal, hw.link_gbs)
+        gpu, step_s, basis = pace_gpu(profiles, s, used, cal, link_gbs)
     seconds = seconds_range = None
     fixed = allreduce = 0.0
     if step_s is not None:
@@ -2347,9 +2423,9 @@ def _evaluate(req: Request, profiles: Profiles, hw: Hardware, cal: Calibration, 
         if s.cache_latents:
             fixed += latent_cache_seconds(profiles, s, req.images, gpu, cal)
         seconds = fixed + stepping
-        if s.num_gpus > 1 and observed is None and hw.link_gbs:
+        if s.num_gpus > 1 and observed is None and link_gbs:
             micro_steps = steps.total_steps * s.grad_accum
-            allreduce = micro_steps * comm_seconds(profiles, s, hw.link_gbs, cal)
+            allreduce = micro_steps * comm_seconds(profiles, s, link_gbs, cal)
         # the steps' range by their basis (one GPU: the bench evidence behind it times one GPU; several add an
         # all-reduce as modelled); start-up and caching are the model's (the validation set's range)
         band = seconds_band(profiles, basis, s.model, s.num_gpus)[0]
@@ -2797,6 +2873,8 @@ def plan(hardware: Hardware | Any, profiles: Profiles, request: Request) -> Resu
     speedup = one.seconds / best.seconds if (one and one.seconds and best.seconds) else None
     if mixed_gpus(hardware):
         reasons.append(_mixed_text(hardware, best, profiles, cal))
+    elif links := _links_text(hardware, best):
+        reasons.append(links)
     reasons += _reasons(req, hardware, best, one, best_by_n, fitting, cal, profiles)
     if flow_family(req.model):
         used = plan_gpus(hardware, best.setup)
@@ -2806,7 +2884,7 @@ def plan(hardware: Hardware | Any, profiles: Profiles, request: Request) -> Resu
             fitting,
             cal,
             profiles,
-            pace_gpu(profiles, best.setup, used, cal, hardware.link_gbs)[0].spec,
+            pace_gpu(profiles, best.setup, used, cal, set_link(hardware, used)[1])[0].spec,
         )
     alternatives = tuple(sorted(best_by_n.values(), key=lambda c: c.setup.num_gpus))
     return Result(
@@ -2927,7 +3005,7 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
     # several that differ: the one with the least memory, and the slowest (pace_gpu), each named where it limits
     differ = len(_distinct(used)) > 1
     small = smallest_gpu(used)
-    pace = pace_gpu(profiles, s, used, cal, hw.link_gbs)[0]
+    pace = pace_gpu(profiles, s, used, cal, set_link(hw, used)[1])[0]
     vram = small.memory_bytes
     less = len({g.memory_bytes for g in used}) > 1
     card = _gib(vram) + (f" ({small.name}'s, the least of the {len(used)})" if less else "")
@@ -3286,7 +3364,7 @@ def _multi_gpu_reasons(hw, best, one, best_by_n, profiles, cal) -> list[str]:
                 f"run, under the {MIN_MULTI_GPU_GAIN * 100:.0f}% more GPUs must save unless measured)"
             )
         if len(_distinct(used)) > 1:
-            slow = pace_gpu(profiles, c.setup, used, cal, hw.link_gbs)[0]
+            slow = pace_gpu(profiles, c.setup, used, cal, set_link(hw, used)[1])[0]
             why += (
                 f"; on GPUs {', '.join(str(g.index) for g in used)} at the pace of {slow.name}, the slowest"
             )
@@ -3296,11 +3374,11 @@ def _multi_gpu_reasons(hw, best, one, best_by_n, profiles, cal) -> list[str]:
                 f"{m.outcome['iteration_time_ratio']:g}x as long as on one GPU"
             )
         else:
-            why += f"; {_comm_text(profiles, c.setup, hw.link)}"
+            why += f"; {_comm_text(profiles, c.setup, set_link(hw, used)[0])}"
         r.append(f"{n} GPUs would take {format_duration(c.seconds)} ({why})")
     if s.num_gpus > 1 and one is not None and one.seconds and best.seconds and best.step_seconds:
         used = plan_gpus(hw, s)
-        slow = pace_gpu(profiles, s, used, cal, hw.link_gbs)[0]
+        slow = pace_gpu(profiles, s, used, cal, set_link(hw, used)[1])[0]
         if best.observed_multi_gpu:
             ratio = obs[best.observed_multi_gpu].outcome["iteration_time_ratio"]
             src = f"measured: {best.observed_multi_gpu}"
@@ -3308,7 +3386,7 @@ def _multi_gpu_reasons(hw, best, one, best_by_n, profiles, cal) -> list[str]:
             # the one-GPU step on the same basis as the plan's (a measured or scaled speed, not the bare model)
             t1, _ = planned_step_seconds(profiles, _with(s, num_gpus=1), slow.spec, cal)
             ratio = best.step_seconds / t1 if t1 else float("nan")
-            src = _comm_text(profiles, s, hw.link)
+            src = _comm_text(profiles, s, set_link(hw, used)[0])
         r.append(
             f"{s.num_gpus} GPUs: each step takes {ratio:.2f}x as long as on one "
             + (slow.name if len(_distinct(used)) > 1 else "GPU")
@@ -3317,6 +3395,28 @@ def _multi_gpu_reasons(hw, best, one, best_by_n, profiles, cal) -> list[str]:
             + "once steps are normalised"
         )
     return r
+
+
+def _links_text(hw: Hardware, best: Candidate) -> str | None:
+    """Alike GPUs joined unevenly (NVLink bridges on some pairs): which GPUs a multi-GPU plan uses and the link
+    its all-reduce runs over (:func:`_best_linked` chose them); None where every pair is joined alike."""
+    s = best.setup
+    if s.num_gpus < 2 or len({kind for *_, kind in hw.pair_links}) < 2:
+        return None
+    used = plan_gpus(hw, s)
+    fast = ", ".join(f"{a}-{b}" for a, b, kind in hw.pair_links if kind in FAST_LINKS)
+    kind = next(kind for *_, kind in hw.pair_links if kind in FAST_LINKS)
+    link = set_link(hw, used)[0]
+    text = (
+        f"this machine's GPUs are joined unevenly ({_LINK_NAMES[kind]} between GPUs {fast}, PCIe otherwise): this "
+        f"plan uses GPUs {', '.join(str(g.index) for g in used)}, whose all-reduce runs over {_LINK_NAMES[link]}"
+    )
+    if s.gpu_ids is not None:
+        text += f" (distributed.gpu_ids={list(s.gpu_ids)}: `sdplan train` launches on them)"
+    return text
+
+
+_LINK_NAMES = {"nvlink": "NVLink", "xgmi": "xGMI", "pcie": "PCIe"}
 
 
 def _mixed_text(hw: Hardware, best: Candidate, profiles: Profiles, cal: Calibration) -> str:
@@ -3332,7 +3432,7 @@ def _mixed_text(hw: Hardware, best: Candidate, profiles: Profiles, cal: Calibrat
     else:
         which = f"this plan uses GPUs {', '.join(str(g.index) for g in used)}"
         if len(_distinct(used)) > 1:
-            slow = pace_gpu(profiles, s, used, cal, hw.link_gbs)[0]
+            slow = pace_gpu(profiles, s, used, cal, set_link(hw, used)[1])[0]
             small = smallest_gpu(used)
             which += f", at the pace of {slow.name}" + (
                 f" and within the {small.memory_bytes / GiB:.1f} GiB of {small.name}"
