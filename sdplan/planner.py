@@ -1556,8 +1556,9 @@ def hardware_from_snapshot(snapshot: Any, profiles: Profiles, source: str = "pro
 # PCIe at the slowest of their PCIe links.
 
 FAST_LINKS = ("nvlink", "xgmi")
-# NVLink between GPUs whose catalog entry gives no NVLink rate (PCIe cards with a bridge): RTX 3090's bridge is
-# 112.5 GB/s both ways (NVIDIA RTX 3090 page, not re-checked); 100 keeps the earlier, rounder assumption
+# NVLink between GPUs whose catalog entry gives no NVLink rate (PCIe cards with a bridge), as the catalog gives
+# NVLink (per-GPU total, both directions): RTX 2080 Ti bridge 100 GB/s, RTX 3090 / RTX A6000 112.5 GB/s (NVIDIA
+# spec pages, not re-checked); the lower
 BRIDGE_GBS = 100.0
 # ring search by permutation up to this many GPUs (7! orders); more GPUs count as NVLink-joined only when every
 # pair is (an NVSwitch board)
