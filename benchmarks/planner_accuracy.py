@@ -141,6 +141,7 @@ def settings_for(point: "Point") -> Settings:
         set_grads_to_none=point.set_grads_to_none,
         num_gpus=point.num_gpus,
         base_precision=changes.get("base_precision", point.base_precision),
+        blocks_to_swap=point.blocks_to_swap,
     )
 
 
@@ -231,6 +232,7 @@ class Point:
     tool: str = ""  # the training tool, as the validation point names it
     set_grads_to_none: bool = True  # torch >= 2.0's zero_grad default; torch 1.x kept zeroed gradients
     base_precision: str = "bf16"  # the frozen transformer base's storage (SD3.5 / FLUX.1)
+    blocks_to_swap: int = 0  # kohya --blocks_to_swap (profile points only)
     variant: str | None = None  # sd35: medium / large; flux: dev (the default) / schnell
     unmodelled: tuple[str, ...] = ()
     peak_vram_gib: float | None = None
@@ -476,6 +478,7 @@ def profile_points(prof: Profiles) -> list[Point]:
                 fused_backward=o.fused_backward,
                 set_grads_to_none=o.set_grads_to_none,
                 base_precision=o.base_precision,
+                blocks_to_swap=o.blocks_to_swap,
                 peak_vram_gib=p.outcome.get("peak_vram_gib"),
                 peak_is_allocated="max_memory_allocated" in (p.note or ""),
                 ram_gib=p.outcome.get("ram_gib"),
