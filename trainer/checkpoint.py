@@ -22,12 +22,17 @@ scheduler and any registered object (EMA), accelerate's RNG states, and ``train_
 batches consumed in that epoch, images seen, loss history with each step's number and images seen). Together with the epoch-seeded batch order and the
 per-step noise seeds (``runtime.seed_step``) this makes a resumed run's losses equal an uninterrupted run's.
 A resume with another process count (or micro-batch, or accumulation) continues at the images the checkpoint
-had trained, in this run's steps (:func:`resume_position`). "Newest" (``--resume latest``, which checkpoints a
-new one replaces) means most images seen: a step number counts the steps of the process count that wrote it.
+had trained, in this run's steps (:func:`resume_position`); a DeepSpeed checkpoint (one ZeRO optimizer shard per
+process, which DeepSpeed's engine loads into as many processes only) is then converted to DeepSpeed's universal
+checkpoint and loaded from that (:func:`deepspeed_universal_resume`). "Newest" (``--resume latest``, which
+checkpoints a new one replaces) means most images seen: a step number counts the steps of the process count
+that wrote it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import re
@@ -42,6 +47,8 @@ from sdplan.errors import SdplanError, UsageError
 from sdplan.steps import Position, Steps, moved_position
 
 CHECKPOINTS = "checkpoints"
+# accelerate's folder for the DeepSpeed engine's files in a checkpoint (accelerate.utils.MODEL_NAME)
+DEEPSPEED_DIR = "pytorch_model"
 STATE_FILE = "train_state.json"
 WEIGHTS_FILE = "trainable.safetensors"
 _NAME = re.compile(r"^(rolling-step|step|interrupt-step|before-nan-step)-(\d+)$")
@@ -135,6 +142,64 @@ def resume_position(saved: TrainState, live: TrainState, plan: Steps, epoch_batc
         epoch_batches=epoch_batches,
         new=plan,
     )
+
+
+def _is_deepspeed(accelerator) -> bool:
+    from accelerate.utils import DistributedType
+
+    return accelerator.distributed_type == DistributedType.DEEPSPEED
+
+
+def reshards_deepspeed(accelerator, path: str | Path | None) -> bool:
+    """Whether checkpoint ``path`` holds DeepSpeed ZeRO shards of another number of processes than this run's:
+    DeepSpeed's engine refuses to load those (``engine.py`` ``_load_zero_checkpoint``: "Automatic adjustment
+    of ZeRO's optimizer state partitioning with a new world size is not currently supported"), so they are
+    loaded through DeepSpeed's universal checkpoint (:func:`deepspeed_universal_resume`)."""
+    if path is None or not _is_deepspeed(accelerator) or not (Path(path) / DEEPSPEED_DIR).is_dir():
+        return False
+    return read_state(path).num_processes != accelerator.num_processes
+
+
+def deepspeed_universal_resume(accelerator, path: str | Path | None) -> bool:
+    """Before ``accelerator.prepare``: when this run resumes from a DeepSpeed checkpoint of another process count
+    (:func:`reshards_deepspeed`), its DeepSpeed config says ``"checkpoint": {"load_universal": true}``, which the
+    engine reads when it is built (``runtime/config.py``) and which makes its ``load_checkpoint`` read a
+    universal checkpoint (the one :meth:`Checkpointer.load` converts) and spread it over this run's processes.
+    Returns whether it does."""
+    if not reshards_deepspeed(accelerator, path):
+        return False
+    ds_config = accelerator.state.deepspeed_plugin.deepspeed_config
+    ds_config.setdefault("checkpoint", {})["load_universal"] = True
+    return True
+
+
+def _universal_copy(path: Path, into: Path) -> None:
+    """``into``: checkpoint ``path`` with its DeepSpeed shards converted to DeepSpeed's universal checkpoint
+    (``deepspeed.checkpoint.ds_to_universal``: each parameter's fp32 weights and Adam moments whole, which the
+    engine partitions for any number of processes), and links to its other files (scheduler, EMA, RNG). Its
+    output goes to a string, not the run's output. ``inject_missing_state``: a ZeRO-1/2 checkpoint of a model
+    without tensor parallelism has no universal-checkpoint info to give (DeepSpeed's converter then asks for
+    only its version)."""
+    import argparse
+
+    from deepspeed.checkpoint import ds_to_universal
+
+    shutil.rmtree(into, ignore_errors=True)
+    into.mkdir(parents=True)
+    for entry in path.iterdir():
+        if entry.name not in (DEEPSPEED_DIR, STATE_FILE):
+            os.symlink(entry.resolve(), into / entry.name)
+    args = argparse.Namespace(
+        input_folder=str(path / DEEPSPEED_DIR),
+        output_folder=str(into / DEEPSPEED_DIR),
+        num_extract_workers=1,  # in this process: no worker processes beside the training ones
+        num_merge_workers=1,
+        keep_temp_folder=False,
+        strict=True,
+        inject_missing_state=True,
+    )
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        ds_to_universal.main(args)
 
 
 def checkpoint_root(out_dir: str | Path) -> Path:
@@ -334,8 +399,6 @@ class Checkpointer:
         keep_every_steps: int = 0,
         started: float | None = None,
     ):
-        from accelerate.utils import DistributedType
-
         self.accelerator = accelerator
         self.root = checkpoint_root(out_dir)
         self.state = state
@@ -346,7 +409,7 @@ class Checkpointer:
         self.last_saved: Path | None = None
         self.last_saved_step = -1
         self.started = time.perf_counter() if started is None else started
-        self._deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
+        self._deepspeed = _is_deepspeed(accelerator)
         accelerator.register_save_state_pre_hook(self._save_hook)
         accelerator.register_load_state_pre_hook(self._load_hook)
 
@@ -469,8 +532,20 @@ class Checkpointer:
             raise CheckpointError(
                 f"{path} is a {saved.method} checkpoint; this run trains {self.state.method}"
             )
+        # DeepSpeed shards of another process count: loaded from a universal copy (deepspeed_universal_resume)
+        universal = None
+        if reshards_deepspeed(self.accelerator, path):
+            universal = self.root / f".tmp-universal-{path.name}"
         try:
-            self.accelerator.load_state(str(path))
+            if universal is not None:
+                if self.accelerator.is_main_process:
+                    _universal_copy(path, universal)
+                self.accelerator.wait_for_everyone()
+            self.accelerator.load_state(str(universal or path))
+            if universal is not None:  # every process has read it (a failed load leaves it to the next save)
+                self.accelerator.wait_for_everyone()
+                if self.accelerator.is_main_process:
+                    shutil.rmtree(universal)
         except SdplanError:
             raise
         except Exception as e:  # files of the right size whose bytes are damaged (a bad copy, a bad disk)

@@ -447,6 +447,11 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
     notes: list[str] = []
     resume_from = ckpt_lib.resolve_resume(resume or cfg.checkpoints.resume, out_dir, say=notes.append)
     accelerator = runtime.make_accelerator(cfg, out_dir)
+    if ckpt_lib.deepspeed_universal_resume(accelerator, resume_from):  # before prepare() builds the engine
+        notes.append(
+            f"{resume_from}: DeepSpeed optimizer shards of another process count; loading them through "
+            "DeepSpeed's universal checkpoint"
+        )
     device = accelerator.device
     for note in notes:
         progress.say(accelerator, note)

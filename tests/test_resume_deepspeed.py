@@ -1,0 +1,133 @@
+"""Resuming a DeepSpeed ZeRO-2 checkpoint (optimizer state offloaded) with another process count: 2 processes ->
+1 and 1 -> 2, launched as `sdplan train` launches them on DeepSpeed's CPU accelerator. Each resumed run is the
+same run as the DDP resume across the same process counts (tests/test_resume_multi.py): the position (steps,
+images seen), the losses and the LoRA weights, so the weights and Adam's moments and step carried over."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import losses, make_images, tiny_train_config, train_two_processes, trains_in_process
+from limits import scaled
+from sdplan.trainer import checkpoint, run
+
+pytestmark = [pytest.mark.slow, pytest.mark.train, trains_in_process]
+
+# 8 images x 2 epochs = 16, batch 2: 4 steps/epoch on one process, 2 on two.
+OPTS = ("training.max_steps=null", "training.epochs=2")
+DEEPSPEED = ("distributed.deepspeed.zero_stage=2", "distributed.deepspeed.offload_optimizer=true")
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory) -> Path:
+    return make_images(tmp_path_factory.mktemp("data") / "flat", n=8)
+
+
+def config_file(model: Path, data: Path, out: Path, *extra: str) -> Path:
+    path = out.parent / f"{out.name}.yaml"
+    path.write_text(yaml.safe_dump(tiny_train_config(model, data, out, *OPTS, *extra).to_dict()))
+    return path
+
+
+def deepspeed_run(model: Path, data: Path, out: Path, processes: int, *args: str, extra=()) -> str:
+    """A DeepSpeed run of ``processes`` CPU processes as `sdplan train` launches it; its stdout."""
+    pytest.importorskip("deepspeed")
+    from sdplan.launch import build_launch, free_port
+    from sdplan.launcher import write_run_files
+
+    cfg = tiny_train_config(
+        model, data, out, *OPTS, *DEEPSPEED, f"distributed.num_processes={processes}", *extra
+    )
+    path = out.parent / f"{out.name}.yaml"
+    path.write_text(yaml.safe_dump(cfg.to_dict()))
+    # a fresh port each time: accelerate launch's own fallback races with a launch beside it
+    ln = build_launch(
+        cfg, path, out, cpu_processes=processes, cpu_cores=processes, main_process_port=free_port()
+    )
+    write_run_files(out, cfg, ln, "test")
+    proc = subprocess.run(
+        ln.cmd + list(args),
+        env={**os.environ, **ln.env},
+        cwd=out.parent,
+        capture_output=True,
+        text=True,
+        timeout=scaled(300),
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def summary(out: Path) -> tuple[int, int, int]:
+    s = json.loads((out / "run_summary.json").read_text())
+    return s["num_processes"], s["steps"], s["images_seen"]
+
+
+def history(out: Path) -> tuple[list[int], list[int]]:
+    h = json.loads((out / "loss_history.json").read_text())
+    return h["steps"], h["images_seen"]
+
+
+def assert_same_resume(ddp: Path, ds: Path) -> None:
+    """The DeepSpeed resume is the DDP resume: the same steps and images, the same losses and LoRA weights (to
+    DeepSpeed's CPU Adam against torch's AdamW)."""
+    import torch
+    from safetensors.torch import load_file
+
+    assert summary(ds) == summary(ddp)
+    assert history(ds) == history(ddp)
+    assert losses(ds) == pytest.approx(losses(ddp), rel=1e-5)
+    a = load_file(str(ddp / "pytorch_lora_weights.safetensors"))
+    b = load_file(str(ds / "pytorch_lora_weights.safetensors"))
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-6, msg=k)
+
+
+def test_two_deepspeed_processes_resumed_on_one(tiny_sd15, images, tmp_path):
+    """A 2-process ZeRO-2 checkpoint after step 1 (4 of 16 images, two optimizer shards) resumed on 1 process:
+    step 2 of the 1-process run's 8, the other 12 images trained, as the DDP checkpoint resumes."""
+    first = tmp_path / "first"
+    deepspeed_run(tiny_sd15, images, first, 2, extra=("checkpoints.keep_every_steps=1",))
+    kept = checkpoint.checkpoint_root(first) / "step-000001"
+    assert len(list((kept / "pytorch_model").glob("zero_pp_rank_*_optim_states.pt"))) == 2
+    assert checkpoint.read_state(kept).images_seen == 4
+
+    one = tmp_path / "one"
+    out = deepspeed_run(tiny_sd15, images, one, 1, "--resume", str(kept))
+    assert "DeepSpeed's universal checkpoint" in out and "resumed from" in out
+    assert summary(one) == (1, 8, 16)
+    assert history(one) == ([1, 3, 4, 5, 6, 7, 8], [4, 6, 8, 10, 12, 14, 16])
+    assert losses(one)[0] == losses(first)[0]
+
+    ddp_first, ddp_one = tmp_path / "ddp-first", tmp_path / "ddp-one"
+    train_two_processes(config_file(tiny_sd15, images, ddp_first, "checkpoints.keep_every_steps=1"), tmp_path)
+    ddp_kept = checkpoint.checkpoint_root(ddp_first) / "step-000001"
+    run.train(tiny_train_config(tiny_sd15, images, ddp_one, *OPTS), resume=str(ddp_kept))
+    assert_same_resume(ddp_one, one)
+
+
+def test_one_deepspeed_process_resumed_on_two(tiny_sd15, images, tmp_path):
+    """A 1-process ZeRO-2 checkpoint after step 2 (4 of 16 images) resumed on 2 processes: step 1 of the
+    2-process run's 4, the other 12 images trained, as the DDP checkpoint resumes."""
+    first = tmp_path / "first"
+    deepspeed_run(tiny_sd15, images, first, 1, extra=("checkpoints.keep_every_steps=2",))
+    kept = checkpoint.checkpoint_root(first) / "step-000002"
+    assert checkpoint.read_state(kept).images_seen == 4
+
+    two = tmp_path / "two"
+    out = deepspeed_run(tiny_sd15, images, two, 2, "--resume", str(kept))
+    assert "DeepSpeed's universal checkpoint" in out and "resumed from" in out
+    assert summary(two) == (2, 4, 16)
+    assert history(two) == ([1, 2, 2, 3, 4], [2, 4, 8, 12, 16])
+    assert losses(two)[:2] == losses(first)[:2]
+
+    ddp_first, ddp_two = tmp_path / "ddp-first", tmp_path / "ddp-two"
+    run.train(tiny_train_config(tiny_sd15, images, ddp_first, *OPTS, "checkpoints.keep_every_steps=2"))
+    ddp_kept = checkpoint.checkpoint_root(ddp_first) / "step-000002"
+    train_two_processes(config_file(tiny_sd15, images, ddp_two), tmp_path, "--resume", str(ddp_kept))
+    assert_same_resume(ddp_two, two)
