@@ -1335,7 +1335,7 @@ def _replace_store_file(store: Path, path: Path, text: str, *, check: Callable[[
         tmp.unlink(missing_ok=True)
         raise
     os.replace(tmp, path)
-    clear_cache()
+    _load_cached.cache_clear()  # the store changed, not the shipped profiles: the next load reads the store again
     return path
 
 
@@ -1406,8 +1406,22 @@ def _check_denoiser_entries(
         errors.append(f"{where}.{part}: missing {', '.join(sorted(missing))}")
 
 
-@functools.lru_cache(maxsize=8)
-def _load_cached(shipped: str, local: str) -> Profiles:
+@dataclass(frozen=True)
+class _Shipped:
+    """The profiles that ship with sdplan, read and checked (the part of :func:`load_profiles` that no write to
+    the local store changes)."""
+
+    gpus: tuple[GPUSpec, ...]
+    models: dict[str, ModelSpec]
+    points: tuple[MethodPoint, ...]
+    multi_gpu: tuple[MultiGPUObservation, ...]
+    activations: Activations
+    uncertainty: Uncertainty
+    sources: tuple[str, ...]
+
+
+@functools.lru_cache(maxsize=4)
+def _load_shipped(shipped: str) -> _Shipped:
     root = Path(shipped)
     sources: list[str] = []
     gpus_path = root / "gpus.yaml"
@@ -1435,6 +1449,25 @@ def _load_cached(shipped: str, local: str) -> Profiles:
         raise ConfigError(str(unc_path), ["missing: run scripts/uncertainty.py (it ships with sdplan)"])
     uncertainty = load_uncertainty(unc_path)
     sources.append(str(unc_path))
+    return _Shipped(
+        gpus=tuple(gpus),
+        models=models,
+        points=tuple(points),
+        multi_gpu=tuple(multi),
+        activations=activations,
+        uncertainty=uncertainty,
+        sources=tuple(sources),
+    )
+
+
+@functools.lru_cache(maxsize=8)
+def _load_cached(shipped: str, local: str) -> Profiles:
+    root = Path(shipped)
+    ship = _load_shipped(shipped)  # read once: a write to the local store re-reads the store alone
+    gpus, models = list(ship.gpus), dict(ship.models)
+    points, multi = list(ship.points), list(ship.multi_gpu)
+    activations, uncertainty, sources = ship.activations, ship.uncertainty, list(ship.sources)
+    act_path = root / "activations.yaml"
 
     lroot = Path(local)
     host = None
@@ -1491,4 +1524,6 @@ def load_profiles(shipped: str | Path | None = None, local: str | Path | None = 
 
 
 def clear_cache() -> None:
+    """Forget what was loaded: the next :func:`load_profiles` reads the shipped profiles and the store again."""
     _load_cached.cache_clear()
+    _load_shipped.cache_clear()
