@@ -84,7 +84,8 @@ def _no_bitsandbytes_cpu_repack(monkeypatch):
     block: "shape '[96, 0]' is invalid". The tiny test models' layers are that narrow; every real SD3.5 / FLUX.1
     layer is a multiple of 64, and nobody trains those on a CPU. Only CPUs with AVX512-BF16 take that path (this
     suite's machine since 2026-11-26: four nf4 tests failed there), so the tests turn it off and run the same
-    dequantising path on every machine. Only imports bitsandbytes where a test already has."""
+    dequantising path on every machine. Imports bitsandbytes (and torch) once per worker, at its first test: a
+    test that imports it later would otherwise miss the patch."""
     import sys
 
     modules = sys.modules.get("bitsandbytes.nn.modules")
