@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import shutil
 import signal
@@ -317,6 +318,31 @@ def assert_same_run(straight: Path, resumed: Path) -> None:
     a = load_file(str(straight / "pytorch_lora_weights.safetensors"))
     b = load_file(str(resumed / "pytorch_lora_weights.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def assert_same_resume(ddp: Path, ds: Path) -> None:
+    """A DeepSpeed run resumed on another process count is the plain (DDP) run resumed across the same counts:
+    the same steps and images seen, the same losses and LoRA weights (to DeepSpeed's CPU Adam against torch's
+    AdamW), so the weights and Adam's moments and step carried over."""
+    import torch
+    from safetensors.torch import load_file
+
+    def summary(out: Path) -> tuple[int, int, int]:
+        s = json.loads((out / "run_summary.json").read_text())
+        return s["num_processes"], s["steps"], s["images_seen"]
+
+    def history(out: Path) -> tuple[list[int], list[int]]:
+        h = json.loads((out / "loss_history.json").read_text())
+        return h["steps"], h["images_seen"]
+
+    assert summary(ds) == summary(ddp)
+    assert history(ds) == history(ddp)
+    assert losses(ds) == pytest.approx(losses(ddp), rel=1e-5)
+    a = load_file(str(ddp / "pytorch_lora_weights.safetensors"))
+    b = load_file(str(ds / "pytorch_lora_weights.safetensors"))
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-6, msg=k)
 
 
 def generate_64px(pipe) -> np.ndarray:

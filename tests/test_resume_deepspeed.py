@@ -1,7 +1,8 @@
-"""Resuming a DeepSpeed ZeRO-2 checkpoint (optimizer state offloaded) with another process count: 2 processes ->
-1 and 1 -> 2, launched as `sdplan train` launches them on DeepSpeed's CPU accelerator. Each resumed run is the
-same run as the DDP resume across the same process counts (tests/test_resume_multi.py): the position (steps,
-images seen), the losses and the LoRA weights, so the weights and Adam's moments and step carried over."""
+"""Resuming a DeepSpeed ZeRO-2 checkpoint (optimizer state offloaded) with another process count, launched as
+`sdplan train` launches it on DeepSpeed's CPU accelerator: 1 process -> 2 here (2 -> 1: the 2-process DeepSpeed run
+of tests/test_trainer.py resumes on 1). The resumed run is the same run as the DDP resume across the same process
+counts (tests/test_resume_multi.py): the position (steps, images seen), the losses and the LoRA weights, so the
+weights and Adam's moments and step carried over."""
 
 from __future__ import annotations
 
@@ -12,7 +13,14 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import losses, make_images, tiny_train_config, train_two_processes, trains_in_process
+from conftest import (
+    assert_same_resume,
+    losses,
+    make_images,
+    tiny_train_config,
+    train_two_processes,
+    trains_in_process,
+)
 from limits import scaled
 from sdplan.trainer import checkpoint, run
 
@@ -70,45 +78,6 @@ def summary(out: Path) -> tuple[int, int, int]:
 def history(out: Path) -> tuple[list[int], list[int]]:
     h = json.loads((out / "loss_history.json").read_text())
     return h["steps"], h["images_seen"]
-
-
-def assert_same_resume(ddp: Path, ds: Path) -> None:
-    """The DeepSpeed resume is the DDP resume: the same steps and images, the same losses and LoRA weights (to
-    DeepSpeed's CPU Adam against torch's AdamW)."""
-    import torch
-    from safetensors.torch import load_file
-
-    assert summary(ds) == summary(ddp)
-    assert history(ds) == history(ddp)
-    assert losses(ds) == pytest.approx(losses(ddp), rel=1e-5)
-    a = load_file(str(ddp / "pytorch_lora_weights.safetensors"))
-    b = load_file(str(ds / "pytorch_lora_weights.safetensors"))
-    assert a.keys() == b.keys()
-    for k in a:
-        torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-6, msg=k)
-
-
-def test_two_deepspeed_processes_resumed_on_one(tiny_sd15, images, tmp_path):
-    """A 2-process ZeRO-2 checkpoint after step 1 (4 of 16 images, two optimizer shards) resumed on 1 process:
-    step 2 of the 1-process run's 8, the other 12 images trained, as the DDP checkpoint resumes."""
-    first = tmp_path / "first"
-    deepspeed_run(tiny_sd15, images, first, 2, extra=("checkpoints.keep_every_steps=1",))
-    kept = checkpoint.checkpoint_root(first) / "step-000001"
-    assert len(list((kept / "pytorch_model").glob("zero_pp_rank_*_optim_states.pt"))) == 2
-    assert checkpoint.read_state(kept).images_seen == 4
-
-    one = tmp_path / "one"
-    out = deepspeed_run(tiny_sd15, images, one, 1, "--resume", str(kept))
-    assert "DeepSpeed's universal checkpoint" in out and "resumed from" in out
-    assert summary(one) == (1, 8, 16)
-    assert history(one) == ([1, 3, 4, 5, 6, 7, 8], [4, 6, 8, 10, 12, 14, 16])
-    assert losses(one)[0] == losses(first)[0]
-
-    ddp_first, ddp_one = tmp_path / "ddp-first", tmp_path / "ddp-one"
-    train_two_processes(config_file(tiny_sd15, images, ddp_first, "checkpoints.keep_every_steps=1"), tmp_path)
-    ddp_kept = checkpoint.checkpoint_root(ddp_first) / "step-000001"
-    run.train(tiny_train_config(tiny_sd15, images, ddp_one, *OPTS), resume=str(ddp_kept))
-    assert_same_resume(ddp_one, one)
 
 
 def test_one_deepspeed_process_resumed_on_two(tiny_sd15, images, tmp_path):

@@ -17,6 +17,7 @@ import pytest
 import torch
 import yaml
 from conftest import (
+    assert_same_resume,
     built_once,
     losses,
     make_images,
@@ -743,7 +744,12 @@ def two_process_run(tiny_sd15, dataset, tmp_path_factory) -> Path:
 
     def build(root: Path) -> None:
         cfg = tiny_train_config(
-            tiny_sd15, dataset, root / "two", "training.max_steps=null", "training.epochs=2"
+            tiny_sd15,
+            dataset,
+            root / "two",
+            "training.max_steps=null",
+            "training.epochs=2",
+            "checkpoints.keep_every_steps=1",  # step 1: resumed on 1 process beside DeepSpeed's
         )
         train_two_processes(write_cfg(cfg, root / "c.yaml"), root)
 
@@ -772,7 +778,9 @@ def test_deepspeed_zero2_cpu_offload_in_two_processes_is_one_run(
     """DeepSpeed ZeRO-2 with the optimizer offloaded, in 2 CPU processes launched as `sdplan train` launches
     them: one world that splits the run (each process used to count itself alone, train the whole run, then
     hang at the first checkpoint), the losses of the 2-process gloo run without DeepSpeed, one optimizer shard
-    per process in the checkpoint, and a resume from it that equals the uninterrupted run."""
+    per process in the checkpoint, a resume from it that equals the uninterrupted run, and one on 1 process
+    (DeepSpeed's universal checkpoint) that equals the DDP checkpoint resumed on 1 process (1 -> 2:
+    tests/test_resume_deepspeed.py)."""
     pytest.importorskip("deepspeed")
     from sdplan.launch import build_launch, free_port
     from sdplan.launcher import write_run_files
@@ -817,6 +825,31 @@ def test_deepspeed_zero2_cpu_offload_in_two_processes_is_one_run(
     proc = launch("--resume", str(kept))
     assert "resumed from" in proc.stdout
     assert losses(out) == pytest.approx(straight, rel=1e-5)
+
+    # the 2 processes' shards resumed on 1 process: step 2 of the 1-process run's 4 (4 of 8 images done)
+    one = tmp_path / "ds-one"
+    one_cfg = tiny_train_config(tiny_sd15, dataset, one, *two[:2], *ds)
+    one_path = write_cfg(one_cfg, tmp_path / "ds-one.yaml")
+    ln = build_launch(one_cfg, one_path, one, cpu_processes=1, cpu_cores=1, main_process_port=free_port())
+    write_run_files(one, one_cfg, ln, "test")
+    proc = subprocess.run(
+        [*ln.cmd, "--resume", str(kept)],
+        env={**os.environ, **ln.env},
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=scaled(300),
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "DeepSpeed's universal checkpoint" in proc.stdout and "resumed from" in proc.stdout
+    summary = json.loads((one / "run_summary.json").read_text())
+    assert (summary["num_processes"], summary["steps"], summary["images_seen"]) == (1, 4, 8)
+    ddp_one = tmp_path / "ddp-one"
+    run.train(
+        tiny_train_config(tiny_sd15, dataset, ddp_one, *two[:2]),
+        resume=str(checkpoint.checkpoint_root(ddp) / "step-000001"),
+    )
+    assert_same_resume(ddp_one, one)
 
 
 @pytest.mark.train
