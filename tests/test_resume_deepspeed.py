@@ -6,7 +6,6 @@ weights and Adam's moments and step carried over."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 from pathlib import Path
@@ -17,6 +16,8 @@ from conftest import (
     assert_same_resume,
     losses,
     make_images,
+    run_position,
+    step_history,
     tiny_train_config,
     train_two_processes,
     trains_in_process,
@@ -70,16 +71,6 @@ def deepspeed_run(model: Path, data: Path, out: Path, processes: int, *args: str
     return proc.stdout
 
 
-def summary(out: Path) -> tuple[int, int, int]:
-    s = json.loads((out / "run_summary.json").read_text())
-    return s["num_processes"], s["steps"], s["images_seen"]
-
-
-def history(out: Path) -> tuple[list[int], list[int]]:
-    h = json.loads((out / "loss_history.json").read_text())
-    return h["steps"], h["images_seen"]
-
-
 def test_one_deepspeed_process_resumed_on_two(tiny_sd15, images, tmp_path):
     """A 1-process ZeRO-2 checkpoint after step 2 (4 of 16 images) resumed on 2 processes: step 1 of the
     2-process run's 4, the other 12 images trained, as the DDP checkpoint resumes."""
@@ -91,8 +82,8 @@ def test_one_deepspeed_process_resumed_on_two(tiny_sd15, images, tmp_path):
     two = tmp_path / "two"
     out = deepspeed_run(tiny_sd15, images, two, 2, "--resume", str(kept))
     assert "DeepSpeed's universal checkpoint" in out and "resumed from" in out
-    assert summary(two) == (2, 4, 16)
-    assert history(two) == ([1, 2, 2, 3, 4], [2, 4, 8, 12, 16])
+    assert run_position(two) == (2, 4, 16)
+    assert step_history(two) == ([1, 2, 2, 3, 4], [2, 4, 8, 12, 16])
     assert losses(two)[:2] == losses(first)[:2]
 
     ddp_first, ddp_two = tmp_path / "ddp-first", tmp_path / "ddp-two"
