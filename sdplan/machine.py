@@ -44,6 +44,10 @@ class GPU:
     pcie_width: int | None = None
     power_limit_watts: float | None = None
     driver_version: str | None = None
+    # AMD: the HIP runtime's number for this GPU, which HIP_VISIBLE_DEVICES takes. HIP numbers GPUs by their KFD
+    # topology node, amdsmi in its own discovery order; the two agree on most hosts, not all (amd-smi itself
+    # computes HIP's id from the KFD node: ROCm/rocm-systems PR 4406). None: not read (NVIDIA; older amdsmi).
+    hip_index: int | None = None
 
 
 @dataclass(frozen=True)
@@ -110,7 +114,8 @@ class Snapshot:
         """The environment that shows a process only these GPUs (their ``index``, as `sdplan doctor` numbers
         them), in this order. NVIDIA: ``CUDA_VISIBLE_DEVICES`` by the UUIDs NVML reported (``GPU-...``, which
         CUDA and torch take in any device order), else by index with ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` (NVML's
-        order; CUDA's own default puts the fastest first). AMD: ``HIP_VISIBLE_DEVICES``, counting AMD's GPUs only.
+        order; CUDA's own default puts the fastest first). AMD: ``HIP_VISIBLE_DEVICES`` by HIP's own numbers
+        (``hip_index``, from the KFD topology), else counting AMD's GPUs in amdsmi's order.
         The GPUs must be one vendor's (one torch build drives them). ``by_uuid=False``: by index (shorter, for a
         person to type)."""
         chosen = [next(g for g in self.gpus if g.index == i) for i in indexes]
@@ -122,10 +127,12 @@ class Snapshot:
             ids = ",".join(str(g.uuid) for g in chosen)
             return {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": ids}
         local = [g.index for g in self.gpus if g.vendor == vendor]
-        ids = ",".join(str(local.index(g.index)) for g in chosen)
         if vendor == "nvidia":
+            ids = ",".join(str(local.index(g.index)) for g in chosen)
             return {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": ids}
-        return {"HIP_VISIBLE_DEVICES": ids}
+        if all(g.hip_index is not None for g in chosen):  # HIP's own numbers (KFD node order)
+            return {"HIP_VISIBLE_DEVICES": ",".join(str(g.hip_index) for g in chosen)}
+        return {"HIP_VISIBLE_DEVICES": ",".join(str(local.index(g.index)) for g in chosen)}
 
     def to_dict(self) -> dict[str, Any]:
         """The exact object `sdplan doctor --json` prints."""

@@ -224,6 +224,58 @@ def test_amd_cdna_decimal_arch_and_xgmi_links(monkeypatch, no_devices):
     assert reading.links == (Link(0, 1, "xgmi", True),)
 
 
+def test_amd_gpus_carry_hips_numbers_where_amdsmi_lists_them_in_another_order(monkeypatch, no_devices):
+    """amdsmi lists GPUs in its discovery order, HIP numbers them by KFD topology node: a pair whose second
+    amdsmi GPU is HIP's device 0 (as on some MI350X hosts). The probe reads each GPU's KFD node and
+    HIP_VISIBLE_DEVICES shows a process the GPU sdplan chose, by HIP's number."""
+    from sdplan.machine import Snapshot
+
+    data = raw("w6800")
+    first = data["gpus"][0]
+    data["gpus"] = [dict(first, index=0, hip_index=1), dict(first, index=1, uuid="0bff740f-1", hip_index=0)]
+    data["links"] = [{"a": 0, "b": 1, "type": "pcie", "p2p": False}]
+    state = fake_amdsmi.install(monkeypatch, data)
+    reading = amd.probe(sys_root=no_devices["sys"], dev_root=no_devices["dev"], rocm_root=no_devices["proc"])
+    assert "amdsmi_get_gpu_kfd_info" in state.calls
+    assert [g.hip_index for g in reading.gpus] == [1, 0]
+    snap = Snapshot.from_dict(data)
+    assert snap.gpus == reading.gpus  # the snapshot keeps it (doctor --save, --machine)
+    assert snap.visible_devices([0]) == {"HIP_VISIBLE_DEVICES": "1"}
+    assert snap.visible_devices([1, 0]) == {"HIP_VISIBLE_DEVICES": "0,1"}
+
+
+@pytest.mark.parametrize(
+    ("nodes", "want"),
+    [
+        ([1, 2, 3], [0, 1, 2]),
+        ([3, 1, 2], [2, 0, 1]),
+        ([2, 5], [0, 1]),  # not consecutive: HIP's numbers are dense, in node order
+        ([1, None], [None, None]),  # one unknown: no map at all, amdsmi's order instead
+        ([1, 1], [None, None]),
+        ([], []),
+    ],
+)
+def test_hip_numbers_from_kfd_nodes(nodes, want):
+    assert amd.hip_indexes(nodes) == want
+
+
+def test_amd_without_kfd_info_numbers_hip_devices_in_amdsmi_order(monkeypatch, no_devices):
+    """Bindings without amdsmi_get_gpu_kfd_info (before 6.1): no HIP number, so amdsmi's order, as before."""
+    data = raw("w6800")
+    w6800 = dict(data["gpus"][0], hip_index=None)
+    data["gpus"] = [dict(w6800, index=0), dict(w6800, index=1, uuid="0bff740f-1")]
+    data["links"] = [{"a": 0, "b": 1, "type": "pcie", "p2p": False}]
+    module, _ = fake_amdsmi.make_module(data)
+    del module.amdsmi_get_gpu_kfd_info
+    monkeypatch.setitem(sys.modules, "amdsmi", module)
+    reading = amd.probe(sys_root=no_devices["sys"], dev_root=no_devices["dev"], rocm_root=no_devices["proc"])
+    assert [g.hip_index for g in reading.gpus] == [None, None]
+    from sdplan.machine import Snapshot
+
+    snap = Snapshot.from_dict(data)
+    assert snap.visible_devices([1]) == {"HIP_VISIBLE_DEVICES": "1"}
+
+
 def test_amd_missing_power_and_pcie_become_none(monkeypatch, no_devices):
     data = raw("rx6700xt")
     data["gpus"][0].update(power_limit_watts=None, pcie_gen=None, pcie_width=None, driver_version=None)

@@ -12,7 +12,7 @@ import contextlib
 import io
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +77,8 @@ def _import_amdsmi() -> tuple[Any, BaseException | None]:
 def _read(amdsmi: Any, index_start: int) -> AmdReading:
     handles = _query(amdsmi.amdsmi_get_processor_handles) or []
     gpus = tuple(_read_gpu(amdsmi, h, index_start + i) for i, h in enumerate(handles))
+    hip = hip_indexes([_kfd_node(amdsmi, h) for h in handles])
+    gpus = tuple(replace(g, hip_index=i) for g, i in zip(gpus, hip, strict=True))
     links: list[Link] = []
     for a in range(len(handles)):
         for b in range(a + 1, len(handles)):
@@ -129,7 +131,25 @@ def _read_gpu(amdsmi: Any, h: Any, index: int) -> GPU:
     )
 
 
+def _kfd_node(amdsmi: Any, h: Any) -> int | None:
+    """The GPU's KFD topology node id (``amdsmi_get_gpu_kfd_info``, amdsmi 6.1+); None where not read."""
+    get = getattr(amdsmi, "amdsmi_get_gpu_kfd_info", None)
+    info = _query(get, h) if get is not None else None
+    return _int(info.get("node_id")) if isinstance(info, dict) else None
+
+
 # -- the one query wrapper and pure helpers --------------------------------------------------------------
+
+
+def hip_indexes(nodes: list[int | None]) -> list[int | None]:
+    """HIP's device numbers from the GPUs' KFD node ids: HIP enumerates GPUs in KFD node order, so a GPU's
+    number is its node's rank among the GPUs' nodes (amd-smi: node id minus the smallest GPU node id, the same
+    where the ids are consecutive). All None unless every node is known and distinct: a partial map would number
+    the rest wrongly."""
+    if not nodes or any(n is None for n in nodes) or len(set(nodes)) != len(nodes):
+        return [None] * len(nodes)
+    order = sorted(nodes)
+    return [order.index(n) for n in nodes]
 
 
 def _query(fn: Any, *args: Any) -> Any:

@@ -187,6 +187,15 @@ class FakeAmdSmi:
             else "gfx18446744073709551615",
         }
 
+    def amdsmi_get_gpu_kfd_info(self, processor_handle: Any) -> dict[str, int]:
+        """KFD node ids in HIP's order from the fixture's ``hip_index`` (node 0 is the CPU); NOT_SUPPORTED where
+        the fixture has none, as bindings before amdsmi 6.1 lack the call."""
+        self._ready("amdsmi_get_gpu_kfd_info")
+        hip = self._gpu(processor_handle).get("hip_index")
+        if hip is None:
+            raise AmdSmiLibraryException(AMDSMI_STATUS_NOT_SUPPORTED)
+        return {"kfd_id": 20000 + hip, "node_id": hip + 1, "current_partition_id": 0}
+
     def amdsmi_get_gpu_device_uuid(self, processor_handle: Any) -> str:
         self._ready("amdsmi_get_gpu_device_uuid")
         return self._field(processor_handle, "uuid")
