@@ -260,7 +260,7 @@ def test_hip_numbers_from_kfd_nodes(nodes, want):
 
 
 def test_amd_without_kfd_info_numbers_hip_devices_in_amdsmi_order(monkeypatch, no_devices):
-    """Bindings without amdsmi_get_gpu_kfd_info (before 6.1): no HIP number, so amdsmi's order, as before."""
+    """Bindings without amdsmi_get_gpu_kfd_info (older amdsmi): no HIP number, so amdsmi's order, as before."""
     data = raw("w6800")
     w6800 = dict(data["gpus"][0], hip_index=None)
     data["gpus"] = [dict(w6800, index=0), dict(w6800, index=1, uuid="0bff740f-1")]

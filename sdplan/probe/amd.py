@@ -132,7 +132,7 @@ def _read_gpu(amdsmi: Any, h: Any, index: int) -> GPU:
 
 
 def _kfd_node(amdsmi: Any, h: Any) -> int | None:
-    """The GPU's KFD topology node id (``amdsmi_get_gpu_kfd_info``, amdsmi 6.1+); None where not read."""
+    """The GPU's KFD topology node id (``amdsmi_get_gpu_kfd_info``; older bindings lack it); None where not read."""
     get = getattr(amdsmi, "amdsmi_get_gpu_kfd_info", None)
     info = _query(get, h) if get is not None else None
     return _int(info.get("node_id")) if isinstance(info, dict) else None

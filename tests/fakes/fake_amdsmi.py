@@ -189,7 +189,7 @@ class FakeAmdSmi:
 
     def amdsmi_get_gpu_kfd_info(self, processor_handle: Any) -> dict[str, int]:
         """KFD node ids in HIP's order from the fixture's ``hip_index`` (node 0 is the CPU); NOT_SUPPORTED where
-        the fixture has none, as bindings before amdsmi 6.1 lack the call."""
+        the fixture has none, as older bindings lack the call."""
         self._ready("amdsmi_get_gpu_kfd_info")
         hip = self._gpu(processor_handle).get("hip_index")
         if hip is None:
