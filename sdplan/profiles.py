@@ -1412,7 +1412,8 @@ class _Shipped:
     the local store changes)."""
 
     gpus: tuple[GPUSpec, ...]
-    models: dict[str, ModelSpec]
+    models: dict[str, ModelSpec]  # the planned families'
+    unplanned_models: dict[str, ModelSpec]
     points: tuple[MethodPoint, ...]
     multi_gpu: tuple[MultiGPUObservation, ...]
     activations: Activations
@@ -1449,9 +1450,19 @@ def _load_shipped(shipped: str) -> _Shipped:
         raise ConfigError(str(unc_path), ["missing: run scripts/uncertainty.py (it ships with sdplan)"])
     uncertainty = load_uncertainty(unc_path)
     sources.append(str(unc_path))
+    missing = [f for f in PLANNED_FAMILIES if f not in models]  # a family not yet planned needs no profile
+    if missing:
+        raise ConfigError(str(root / "models"), [f"{f}.yaml: missing" for f in missing])
+    for fam in [*PLANNED_FAMILIES, *(f for f in FLOW_FAMILIES if f in models)]:
+        if fam not in activations.families:
+            raise ConfigError(
+                str(act_path), [f"families.{fam}: missing (run scripts/compute_activations.py)"]
+            )
+    unplanned = {f: models.pop(f) for f in FLOW_FAMILIES if f in models and f not in PLANNED_FAMILIES}
     return _Shipped(
         gpus=tuple(gpus),
         models=models,
+        unplanned_models=unplanned,
         points=tuple(points),
         multi_gpu=tuple(multi),
         activations=activations,
@@ -1462,12 +1473,9 @@ def _load_shipped(shipped: str) -> _Shipped:
 
 @functools.lru_cache(maxsize=8)
 def _load_cached(shipped: str, local: str) -> Profiles:
-    root = Path(shipped)
     ship = _load_shipped(shipped)  # read once: a write to the local store re-reads the store alone
-    gpus, models = list(ship.gpus), dict(ship.models)
-    points, multi = list(ship.points), list(ship.multi_gpu)
-    activations, uncertainty, sources = ship.activations, ship.uncertainty, list(ship.sources)
-    act_path = root / "activations.yaml"
+    gpus, points = list(ship.gpus), list(ship.points)
+    multi, sources = list(ship.multi_gpu), list(ship.sources)
 
     lroot = Path(local)
     host = None
@@ -1494,24 +1502,15 @@ def _load_cached(shipped: str, local: str) -> Profiles:
                 fix=f"it is in your local profile store {lroot} ($SDPLAN_PROFILE_DIR; sdplan bench writes "
                 "there): fix the file, or move it out of the store",
             ) from None
-    missing = [f for f in PLANNED_FAMILIES if f not in models]  # a family not yet planned needs no profile
-    if missing:
-        raise ConfigError(str(root / "models"), [f"{f}.yaml: missing" for f in missing])
-    for fam in [*PLANNED_FAMILIES, *(f for f in FLOW_FAMILIES if f in models)]:
-        if fam not in activations.families:
-            raise ConfigError(
-                str(act_path), [f"families.{fam}: missing (run scripts/compute_activations.py)"]
-            )
-    unplanned = {f: models.pop(f) for f in FLOW_FAMILIES if f in models and f not in PLANNED_FAMILIES}
     return Profiles(
         gpus=tuple(gpus),
-        unplanned_models=unplanned,
-        models=models,
+        unplanned_models=dict(ship.unplanned_models),
+        models=dict(ship.models),
         points=tuple(points),
         multi_gpu=tuple(multi),
-        activations=activations,
+        activations=ship.activations,
         sources=tuple(sources),
-        uncertainty=uncertainty,
+        uncertainty=ship.uncertainty,
         host=host,
     )
 
