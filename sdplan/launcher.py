@@ -1117,16 +1117,14 @@ def run_gpus(
                 fix=fix,
             )
         return tuple(ids)
-    from sdplan.planner import gpu_sets, hardware_from_snapshot, mixed_gpus
+    from sdplan.planner import gpu_sets, hardware_from_snapshot, named_gpu_ids
     from sdplan.profiles import load_profiles
 
     hw = hardware_from_snapshot(snapshot, load_profiles())
     sets = gpu_sets(hw, per_node)
-    if not mixed_gpus(hw):  # alike GPUs: the first ones, unless others are better joined (NVLink bridges)
-        return tuple(g.index for g in sets[0]) if sets and sets[0] != hw.gpus[: len(sets[0])] else None
-    if cfg.training.precision == "bf16":
+    if cfg.training.precision == "bf16":  # alike GPUs: one set, all with bf16 or none
         sets = [s for s in sets if all(g.bf16 for g in s)] or sets
-    return tuple(g.index for g in sets[0]) if sets else None
+    return named_gpu_ids(hw, sets[0]) if sets else None
 
 
 def launch_devices(snapshot: Any, gpu_ids: tuple[int, ...], ui: UI) -> dict[str, str] | None:

@@ -41,6 +41,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
@@ -1614,10 +1615,10 @@ def _best_linked(hw: Hardware, chosen: tuple[HWGPU, ...], pool: list[HWGPU] | tu
     not the first two. Only probed machines with link data and at most RING_SEARCH_MAX_GPUS GPUs are searched."""
     if len(chosen) < 2 or hw.source == "catalog" or not hw.pair_links or len(pool) > RING_SEARCH_MAX_GPUS:
         return chosen
-    kinds = sorted(map(str, map(_gpu_kind, chosen)))
+    kinds = Counter(map(_gpu_kind, chosen))
     best, rank = chosen, _link_rank(set_link(hw, chosen))
     for gs in itertools.combinations(sorted(pool, key=lambda g: g.index or 0), len(chosen)):
-        if sorted(map(str, map(_gpu_kind, gs))) != kinds:
+        if Counter(map(_gpu_kind, gs)) != kinds:
             continue
         r = _link_rank(set_link(hw, gs))
         if r > rank or (r == rank and [g.index for g in gs] < [g.index for g in best]):
@@ -1675,10 +1676,11 @@ def _weakest(gpus: tuple[HWGPU, ...]) -> tuple:
 
 def gpu_sets(hw: Hardware, n: int) -> list[tuple[HWGPU, ...]]:
     """The sets of ``n`` GPUs an ``n``-GPU plan may run on, the best first (most memory, then speed, at their
-    weakest GPU). Alike GPUs: the first ``n`` whose links are fastest (:func:`_best_linked`). GPUs that differ: one vendor's (one torch build drives a run),
-    the ``n`` best by each of :func:`_strength`'s figures in turn (ties by the rest, then the GPU's number),
-    less any set that another matches or beats at its weakest GPU on every figure. Whatever order the machine
-    lists its GPUs in, the same sets (up to which of alike GPUs)."""
+    weakest GPU). Alike GPUs: the ``n`` whose links are fastest, the lowest numbers among equals
+    (:func:`_best_linked`). GPUs that differ: one vendor's (one torch build drives a run), the ``n`` best by each
+    of :func:`_strength`'s figures in turn (ties by the rest, then the GPU's number; the best-joined of alike
+    ones), less any set that another matches or beats at its weakest GPU on every figure. Whatever order the
+    machine lists its GPUs in, the same sets (up to which of alike GPUs)."""
     if n < 1 or n > hw.count:
         return []
     if not mixed_gpus(hw):
@@ -1699,7 +1701,7 @@ def gpu_sets(hw: Hardware, n: int) -> list[tuple[HWGPU, ...]]:
                 )
 
             chosen = tuple(sorted(sorted(group, key=order)[:n], key=lambda g: g.index or 0))
-            chosen = tuple(sorted(_best_linked(hw, chosen, group), key=lambda g: g.index or 0))
+            chosen = _best_linked(hw, chosen, group)  # in GPU-number order, as chosen is
             found.setdefault(tuple(g.index for g in chosen), chosen)
 
     def rank(gs: tuple[HWGPU, ...]) -> tuple:
@@ -1713,6 +1715,14 @@ def gpu_sets(hw: Hardware, n: int) -> list[tuple[HWGPU, ...]]:
         if not any(all(a >= b for a, b in zip(_weakest(k), w, strict=True)) for k in kept):
             kept.append(gs)
     return kept
+
+
+def named_gpu_ids(hw: Hardware, gpus: tuple[HWGPU, ...]) -> tuple[int, ...] | None:
+    """The ``distributed.gpu_ids`` a run on ``gpus`` names: their numbers where the machine's GPUs differ or they
+    are not its first ones (a bridged pair); None for the first ones of alike GPUs, which a launch takes anyway."""
+    if mixed_gpus(hw) or tuple(gpus) != hw.gpus[: len(gpus)]:
+        return tuple(g.index for g in gpus)
+    return None
 
 
 def plan_gpus(hw: Hardware, s: Settings) -> tuple[HWGPU, ...]:
@@ -2097,7 +2107,6 @@ def _attention_for(gpus: tuple[HWGPU, ...]) -> str:
 
 def _candidates(req: Request, profiles: Profiles, hw: Hardware, cal: Calibration, resolution: int):
     req = replace(req, resolution=resolution)
-    mixed = mixed_gpus(hw)
     out = []
     for on in _gpu_choices(req, hw):
         if pin_conflicts(req, on):  # a pin these GPUs cannot run (bf16 where one lacks it, ...)
@@ -2108,7 +2117,7 @@ def _candidates(req: Request, profiles: Profiles, hw: Hardware, cal: Calibration
             attention=_attention_for(on.gpus),
             nvidia=all(g.vendor == "nvidia" for g in on.gpus),
             counts=(on.count,),
-            gpu_ids=tuple(g.index for g in on.gpus) if mixed or on.gpus != hw.gpus[: on.count] else None,
+            gpu_ids=named_gpu_ids(hw, on.gpus),
         )
         out += [_evaluate(req, profiles, hw, cal, s) for s in space]
     return out
