@@ -51,6 +51,8 @@ from sdplan import registry
 from sdplan.errors import SdplanError, UsageError
 from sdplan.registry import FAMILIES, FLOW_FAMILIES
 
+from .checkpoint import unwrap
+
 DIFFUSERS_LORA_NAME = "pytorch_lora_weights.safetensors"  # diffusers' LORA_WEIGHT_NAME_SAFE
 METADATA_JSON = "sdplan.json"  # beside a diffusers folder's model_index.json
 
@@ -533,12 +535,6 @@ def _check_family(family: str) -> None:
         raise UsageError(f"unknown model family {family!r}", fix=f"use one of {', '.join(FAMILIES)}")
 
 
-def _unwrap(model):
-    from .checkpoint import unwrap
-
-    return unwrap(model)
-
-
 # -- LoRA -----------------------------------------------------------------------------------------------
 
 
@@ -548,7 +544,7 @@ def _peft_lora(model, adapter: str = "default") -> tuple[dict, Any] | None:
 
     if model is None:
         return None
-    model = _unwrap(model)
+    model = unwrap(model)
     configs = getattr(model, "peft_config", None) or {}
     if adapter not in configs:
         return None
@@ -648,7 +644,7 @@ def save_lora(
     for part, (state_dict, _) in parts.items():
         for key, value in state_dict.items():
             if part == "unet" and family == "sdxl":
-                key = unet_key_to_original(key, _unwrap(unet).config)
+                key = unet_key_to_original(key, unwrap(unet).config)
             peft_sd[f"{part}.{key}"] = value
     kohya_sd = convert_state_dict_to_kohya(peft_sd)
     out: dict[str, Any] = {}
@@ -890,18 +886,18 @@ def pipeline_to_original(pipeline, family: str) -> dict:
     _check_family(family)
     for part in ("unet", "text_encoder", "text_encoder_2"):
         model = getattr(pipeline, part, None)
-        if model is not None and getattr(_unwrap(model), "peft_config", None):
+        if model is not None and getattr(unwrap(model), "peft_config", None):
             raise ExportError(
                 f"the pipeline's {part} carries a LoRA adapter", fix="fuse it or save it with save_lora"
             )
-    unet, vae = _unwrap(pipeline.unet), _unwrap(pipeline.vae)
+    unet, vae = unwrap(pipeline.unet), unwrap(pipeline.vae)
     out = {
         f"model.diffusion_model.{k}": v for k, v in unet_to_original(unet.state_dict(), unet.config).items()
     }
     out.update(
         {f"first_stage_model.{k}": v for k, v in vae_to_original(vae.state_dict(), vae.config).items()}
     )
-    te = _unwrap(pipeline.text_encoder).state_dict()
+    te = unwrap(pipeline.text_encoder).state_dict()
     te = {k: v for k, v in te.items() if not k.endswith("position_ids")}
     if family == "sd15":
         out.update({f"cond_stage_model.transformer.{k}": v for k, v in _text_model_keys(te).items()})
@@ -909,7 +905,7 @@ def pipeline_to_original(pipeline, family: str) -> dict:
         out.update({f"cond_stage_model.model.{k}": v for k, v in clip_to_openclip(te).items()})
     else:
         out.update({f"conditioner.embedders.0.transformer.{k}": v for k, v in _text_model_keys(te).items()})
-        te2 = _unwrap(pipeline.text_encoder_2).state_dict()
+        te2 = unwrap(pipeline.text_encoder_2).state_dict()
         out.update({f"conditioner.embedders.1.model.{k}": v for k, v in clip_to_openclip(te2).items()})
     return out
 
@@ -1066,7 +1062,7 @@ def save_full(
 
         tensors = {
             f"model.diffusion_model.{k}": v
-            for k, v in transformer_to_original(_unwrap(pipeline.transformer), family).items()
+            for k, v in transformer_to_original(unwrap(pipeline.transformer), family).items()
         }
     elif single_file:
         tensors = pipeline_to_original(pipeline, family)  # checks before writing

@@ -274,9 +274,10 @@ def sd3_pipeline_to_original(pipeline) -> dict:
     0.42 ``single_file_utils``: ``is_clip_sd3_model``, ``is_open_clip_sd3_model``, ``is_t5_in_single_file``;
     as Stability's ``sd3_medium_incl_clips_t5xxlfp16.safetensors``). diffusers' loader sets CLIP-L's
     ``text_projection`` to the identity when it reads such a file; the file carries the trained one."""
-    from .export import _text_model_keys, _unwrap, vae_to_original
+    from .checkpoint import unwrap
+    from .export import _text_model_keys, vae_to_original
 
-    transformer, vae = _unwrap(pipeline.transformer), _unwrap(pipeline.vae)
+    transformer, vae = unwrap(pipeline.transformer), unwrap(pipeline.vae)
     out = {
         f"model.diffusion_model.{k}": v
         for k, v in transformer_to_original(transformer, "sd35-medium").items()
@@ -287,11 +288,11 @@ def sd3_pipeline_to_original(pipeline) -> dict:
     for name, attr in (("clip_l", "text_encoder"), ("clip_g", "text_encoder_2")):
         te = {
             k: v
-            for k, v in _unwrap(getattr(pipeline, attr)).state_dict().items()
+            for k, v in unwrap(getattr(pipeline, attr)).state_dict().items()
             if not k.endswith("position_ids")
         }
         out.update({f"text_encoders.{name}.transformer.{k}": v for k, v in _text_model_keys(te).items()})
-    t5 = dict(_unwrap(pipeline.text_encoder_3).state_dict())
+    t5 = dict(unwrap(pipeline.text_encoder_3).state_dict())
     if "encoder.embed_tokens.weight" in t5:  # tied to shared.weight: its own copy on disk, since diffusers
         t5["encoder.embed_tokens.weight"] = t5["encoder.embed_tokens.weight"].clone()  # loads it untied
     out.update({f"text_encoders.t5xxl.transformer.{k}": v for k, v in t5.items()})
