@@ -79,6 +79,7 @@ from sdplan.bench_harness import (
     weights_oom_point,
 )
 from sdplan.errors import ConfigError, NoGPUError, UsageError
+from sdplan.probe.software import importable
 from sdplan.registry import BASE_PRECISIONS, FAMILIES, FLOW_FAMILIES, FLOW_METHODS, METHODS, PLANNED_FAMILIES
 from sdplan.settings import DEFAULT_LORA_RANK, Settings, describe
 from sdplan.trainer import faults
@@ -564,13 +565,6 @@ def demo_request(method: str = "lora") -> BenchRequest:
     )
 
 
-def _installed(module: str) -> bool:
-    """Whether ``module`` (deepspeed, bitsandbytes) can be imported here, without importing it."""
-    import importlib.util
-
-    return importlib.util.find_spec(module) is not None
-
-
 def _measured_on(profiles_: Any, point: Any, gpu_name: str | None, gpu_memory_bytes: int | None) -> bool:
     """The point was measured on this GPU: the same catalog entry (the memory settles a name several boards
     share), or outside the catalog the same name and memory."""
@@ -630,7 +624,7 @@ def planner_settings(snapshot: Any, profiles_: Any, method: str, model: str, res
     hw = planner.hardware_from_snapshot(snapshot, profiles_)
     precision = planner.precision_for(hw.gpus[:1]) if hw.gpus else "fp16"
     s = res.plan
-    no_deepspeed = s is not None and bool(s.deepspeed) and not _installed("deepspeed")
+    no_deepspeed = s is not None and bool(s.deepspeed) and not importable("deepspeed")
     why = "the planner finds nothing that fits"
     if no_deepspeed:
         why = "the planner's plan uses DeepSpeed, which is not installed: pip install 'sdplan[deepspeed]'"
@@ -650,7 +644,7 @@ def planner_settings(snapshot: Any, profiles_: Any, method: str, model: str, res
     if s is None or no_deepspeed or s.full_half_weights:
         return lean
     origin = f"the planner ({res.basis} basis)"
-    if s.optimizer == "adamw8bit" and not _installed("bitsandbytes"):
+    if s.optimizer == "adamw8bit" and not importable("bitsandbytes"):
         s, origin = (
             replace(s, optimizer="adafactor"),
             origin + "; adafactor for adamw8bit: bitsandbytes is not installed",

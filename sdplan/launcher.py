@@ -40,6 +40,7 @@ from sdplan.launch import (
 )
 from sdplan.plan_chart import FILE_NAME as PLAN_CHART_FILE
 from sdplan.planner import format_duration
+from sdplan.probe.software import importable
 from sdplan.registry import FAMILIES, FULL_METHODS, guess_family
 from sdplan.settings import OFFLOAD, Settings, get_key
 from sdplan.steps import plan_steps
@@ -1001,7 +1002,7 @@ def prepare(req: TrainRequest, ui: UI) -> Prepared:
         chosen = result.plan
         plan_result = result_dict(result)
         planned = result
-        if chosen.optimizer == "adamw8bit" and not _have("bitsandbytes"):
+        if chosen.optimizer == "adamw8bit" and not importable("bitsandbytes"):
             chosen = replace(chosen, optimizer="adamw")
             ui.echo(
                 "note: the plan uses 8-bit AdamW but bitsandbytes is not installed: AdamW instead "
@@ -1274,7 +1275,7 @@ def chosen_needs_bnb(chosen: Settings, pins: tuple) -> bool:
     return (
         chosen.optimizer == "adamw8bit"
         and dict(pins).get("optimizer") == "adamw8bit"
-        and not _have("bitsandbytes")
+        and not importable("bitsandbytes")
     )
 
 
@@ -1330,12 +1331,6 @@ def _cpu_cores() -> int:
     return physical_cores()
 
 
-def _have(module: str) -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec(module) is not None
-
-
 def execute(p: Prepared, req: TrainRequest, ui: UI, launch: Launch, lock: Any = None) -> dict[str, Any]:
     """Launch, and on out-of-memory retry with the next smaller config (bounded). Returns run_summary.json.
     Every top-level entry the trainer creates goes into the run folder's manifest."""
@@ -1380,8 +1375,8 @@ def execute(p: Prepared, req: TrainRequest, ui: UI, launch: Launch, lock: Any = 
         change = after_oom(
             cfg.to_dict(),
             cuda=cfg.training.device != "cpu",
-            have_bnb=_have("bitsandbytes"),
-            have_deepspeed=_have("deepspeed"),
+            have_bnb=importable("bitsandbytes"),
+            have_deepspeed=importable("deepspeed"),
         )
         if change is None or retries > req.max_oom_retries:
             raise OutOfMemoryError(

@@ -376,7 +376,7 @@ def test_without_deepspeed_installed_the_bench_measures_the_leanest_setting_and_
     tmp_path, monkeypatch
 ):
     root = fresh_profile_store(monkeypatch, tmp_path)
-    monkeypatch.setattr(bench, "_installed", lambda module: module != "deepspeed")
+    monkeypatch.setattr(bench, "importable", lambda module: module != "deepspeed")
     sel = bench.select_requests(["finetune"], ["sd15"], store_dir=root, snapshot=_rx6700xt_with_ram())
     (req,) = sel.requests
     assert req.deepspeed is None and "DeepSpeed, which is not installed" in req.settings_from

@@ -128,6 +128,11 @@ def package_versions(names: tuple[str, ...] = PACKAGES) -> dict[str, str | None]
     return {name: dist_version(name) for name in names}
 
 
+def importable(module: str) -> bool:
+    """Whether ``module`` (deepspeed, bitsandbytes) can be imported here, without importing it."""
+    return importlib.util.find_spec(module) is not None
+
+
 def dist_version(name: str) -> str | None:
     try:
         return importlib.metadata.version(name)
