@@ -979,3 +979,17 @@ def test_deepspeed_says_when_it_builds_its_cpu_adam_op(tmp_path, monkeypatch):
     built.mkdir(parents=True, exist_ok=True)
     (built / "cpu_adam.so").write_bytes(b"")
     assert runtime.deepspeed_cpu_adam_build_note() is None
+
+
+def test_deepspeed_on_the_cpu_reduces_over_gloo_without_building_its_shared_memory_op():
+    """DeepSpeed's CPU accelerator compiles a shared-memory all-reduce op whenever its communication starts (a
+    minute of C++ per new environment); the trainer's CPU runs mark it incompatible, and DeepSpeed's own builder
+    then returns no op (it reduces over gloo) without compiling anything."""
+    pytest.importorskip("deepspeed")
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.comm.torch import build_shm_op
+    from sdplan.trainer import runtime
+
+    assert get_accelerator().device_name() == "cpu"
+    runtime.gloo_for_deepspeed_on_the_cpu()
+    assert build_shm_op() is None

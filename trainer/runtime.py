@@ -144,6 +144,8 @@ def make_accelerator(cfg, out_dir: Path):
     ]
     if cpu and cfg.training.precision == "fp16" and os.environ.get("RANK", "0") == "0":
         print("training.precision fp16 needs a GPU; training in fp32 on the CPU", flush=True)
+    if ds is not None or launched_with_ds:
+        gloo_for_deepspeed_on_the_cpu()
     with without_deepspeed_build_note():  # DeepSpeed's communication starts here (accelerate's PartialState)
         accelerator = Accelerator(
             mixed_precision=mixed_precision_for(cfg, cpu),  # DeepSpeed on the CPU: no fp16 either
@@ -160,6 +162,24 @@ def make_accelerator(cfg, out_dir: Path):
         )
     check_world(accelerator)
     return accelerator
+
+
+def gloo_for_deepspeed_on_the_cpu() -> None:
+    """DeepSpeed on its CPU accelerator (a CPU run: the demo, the tests) compiles a shared-memory all-reduce op
+    whenever its communication starts, one process included (``TorchBackend.__init__`` calls ``build_shm_op``,
+    deepspeed/comm/torch.py): two C++ files, about a minute on two cores, again for every new environment.
+    gloo, which DeepSpeed uses when that op is not marked compatible, does the same reductions, and these runs
+    are tiny: mark it so. GPU runs are untouched (DeepSpeed's CUDA accelerator has no such op). DeepSpeed's
+    optimizer op (cpu_adam), which GPU runs with offload use too, is still built and used."""
+    try:
+        import deepspeed.ops
+        from deepspeed.accelerator import get_accelerator
+
+        if get_accelerator().device_name() != "cpu":
+            return
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # read by build_shm_op
+    except (ImportError, AttributeError, TypeError):  # another DeepSpeed layout: it builds the op, as before
+        return
 
 
 def launched_world_size() -> int:
