@@ -1471,6 +1471,29 @@ def _load_shipped(shipped: str) -> _Shipped:
     )
 
 
+def _profiles(ship: _Shipped, gpus, points, multi, sources, host) -> Profiles:
+    return Profiles(
+        gpus=tuple(gpus),
+        unplanned_models=dict(ship.unplanned_models),
+        models=dict(ship.models),
+        points=tuple(points),
+        multi_gpu=tuple(multi),
+        activations=ship.activations,
+        sources=tuple(sources),
+        uncertainty=ship.uncertainty,
+        host=host,
+    )
+
+
+@functools.lru_cache(maxsize=2)
+def _shipped_only(shipped: str) -> Profiles:
+    """The shipped profiles with nothing from a local store: one object per folder, so every empty store (a
+    new user's; each test's) shares what the planner keeps in ``Profiles.memo`` (its calibration, step times),
+    which depends on the profiles alone."""
+    ship = _load_shipped(shipped)
+    return _profiles(ship, ship.gpus, ship.points, ship.multi_gpu, ship.sources, None)
+
+
 @functools.lru_cache(maxsize=8)
 def _load_cached(shipped: str, local: str) -> Profiles:
     ship = _load_shipped(shipped)  # read once: a write to the local store re-reads the store alone
@@ -1502,17 +1525,9 @@ def _load_cached(shipped: str, local: str) -> Profiles:
                 fix=f"it is in your local profile store {lroot} ($SDPLAN_PROFILE_DIR; sdplan bench writes "
                 "there): fix the file, or move it out of the store",
             ) from None
-    return Profiles(
-        gpus=tuple(gpus),
-        unplanned_models=dict(ship.unplanned_models),
-        models=dict(ship.models),
-        points=tuple(points),
-        multi_gpu=tuple(multi),
-        activations=ship.activations,
-        sources=tuple(sources),
-        uncertainty=ship.uncertainty,
-        host=host,
-    )
+    if len(sources) == len(ship.sources):  # the store added nothing
+        return _shipped_only(shipped)
+    return _profiles(ship, gpus, points, multi, sources, host)
 
 
 def load_profiles(shipped: str | Path | None = None, local: str | Path | None = None) -> Profiles:
@@ -1522,7 +1537,10 @@ def load_profiles(shipped: str | Path | None = None, local: str | Path | None = 
     return _load_cached(str(s.resolve()), str(loc.expanduser()))
 
 
-def clear_cache() -> None:
-    """Forget what was loaded: the next :func:`load_profiles` reads the shipped profiles and the store again."""
+def clear_cache(*, shipped: bool = True) -> None:
+    """Forget what was loaded: the next :func:`load_profiles` reads the local store again, and the shipped
+    profiles too unless ``shipped=False`` (they change only when edited, as scripts/uncertainty.py does)."""
     _load_cached.cache_clear()
-    _load_shipped.cache_clear()
+    if shipped:
+        _shipped_only.cache_clear()
+        _load_shipped.cache_clear()

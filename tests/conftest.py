@@ -105,7 +105,7 @@ def fresh_profile_store(monkeypatch, tmp_path: Path) -> Path:
 
     root = tmp_path / "store"
     monkeypatch.setenv("SDPLAN_PROFILE_DIR", str(root))
-    profiles.clear_cache()
+    profiles.clear_cache(shipped=False)
     return root
 
 

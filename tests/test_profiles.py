@@ -121,6 +121,29 @@ def test_local_store_adds_measured_points(tmp_path, monkeypatch):
     assert mine and mine[0].origin == "local"
 
 
+def test_empty_stores_share_one_profiles_object_and_its_calibration(tmp_path):
+    """A store that adds nothing (a new user's, each test's) gives the one shipped-only Profiles, so what the
+    planner keeps in its memo (the calibration) is computed once; a store with a point of its own gets its own."""
+    from sdplan import planner
+
+    a, b = load_profiles(local=tmp_path / "a"), load_profiles(local=tmp_path / "b")
+    assert a is b and a.host is None
+    assert planner.calibrate_for(a, _one_gpu()) is planner.calibrate_for(b, _one_gpu())
+
+    store = tmp_path / "mine"
+    (store / "methods").mkdir(parents=True)
+    src = (shipped_dir() / "methods" / "lora.yaml").read_text()
+    (store / "methods" / "lora.yaml").write_text(src.replace("id: diffusers-lora-2080ti", "id: mine"))
+    mine = load_profiles(local=store)
+    assert mine is not a and "mine" in {p.id for p in mine.points} and "mine" not in {p.id for p in a.points}
+
+
+def _one_gpu():
+    from sdplan import planner
+
+    return planner.hardware_from_catalog(load_profiles().find_gpu("RTX 4090"))
+
+
 def test_loading_imports_no_torch():
     code = "import sys; from sdplan.profiles import load_profiles; load_profiles(); print('torch' in sys.modules)"
     out = subprocess.run(
