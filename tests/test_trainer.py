@@ -993,3 +993,21 @@ def test_deepspeed_on_the_cpu_reduces_over_gloo_without_building_its_shared_memo
     assert get_accelerator().device_name() == "cpu"
     runtime.gloo_for_deepspeed_on_the_cpu()
     assert build_shm_op() is None
+
+
+def test_deepspeed_asks_py_cpuinfo_once_per_process(monkeypatch):
+    """DeepSpeed's op builder and DeepSpeedCPUAdam each ask py-cpuinfo, which runs a new Python each time (a
+    second of CPU); after the trainer's ask_py_cpuinfo_once, DeepSpeed's own callers get one answer."""
+    pytest.importorskip("deepspeed")
+    cpuinfo = pytest.importorskip("cpuinfo")
+    from deepspeed.ops.op_builder import CPUAdamBuilder
+    from sdplan.trainer import runtime
+
+    asked = []
+    monkeypatch.setattr(
+        cpuinfo, "get_cpu_info", lambda: asked.append(1) or {"arch": "X86_64", "flags": ["avx2"]}
+    )
+    runtime.ask_py_cpuinfo_once()
+    builder = CPUAdamBuilder()
+    assert builder.cpu_arch() == builder.cpu_arch() == "-march=native"
+    assert asked == [1]

@@ -6,6 +6,7 @@ and the step arithmetic.
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import os
 import re
@@ -145,6 +146,7 @@ def make_accelerator(cfg, out_dir: Path):
     if cpu and cfg.training.precision == "fp16" and os.environ.get("RANK", "0") == "0":
         print("training.precision fp16 needs a GPU; training in fp32 on the CPU", flush=True)
     if ds is not None or launched_with_ds:
+        ask_py_cpuinfo_once()
         gloo_for_deepspeed_on_the_cpu()
     with without_deepspeed_build_note():  # DeepSpeed's communication starts here (accelerate's PartialState)
         accelerator = Accelerator(
@@ -162,6 +164,18 @@ def make_accelerator(cfg, out_dir: Path):
         )
     check_world(accelerator)
     return accelerator
+
+
+def ask_py_cpuinfo_once() -> None:
+    """DeepSpeed asks py-cpuinfo about this CPU three times in each process (its op builder's -march and SIMD
+    flags, DeepSpeedCPUAdam's vendor check), and each ask runs py-cpuinfo in a new Python interpreter: about a
+    second of CPU each, in every process of a run. The CPU does not change while the process runs: ask once."""
+    try:
+        import cpuinfo
+    except ImportError:  # DeepSpeed then reads lscpu itself
+        return
+    if not hasattr(cpuinfo.get_cpu_info, "cache_info"):
+        cpuinfo.get_cpu_info = functools.cache(cpuinfo.get_cpu_info)
 
 
 def gloo_for_deepspeed_on_the_cpu() -> None:
