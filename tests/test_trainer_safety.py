@@ -285,3 +285,23 @@ def test_grid_labels_have_their_own_lines_and_keep_the_size():
     a, b = (torch.from_numpy(__import__("numpy").asarray(g)) for g in (plain, labelled))
     assert torch.equal(a[:30], b[:30]) and not torch.equal(a[-10:], b[-10:])  # text in the bottom band only
     assert not torch.equal(b[-22:-12], a[-22:-12])  # two lines: the band is taller than one line's
+
+
+def test_grid_labels_take_a_font_that_has_their_characters():
+    """PIL's own font has 113 glyphs: an accent, Cyrillic or Chinese in a prompt drew as a box. The labels take
+    DejaVu Sans (it ships with matplotlib) where it has every character, else an installed font that has them
+    (here one more of matplotlib's own: STIX has U+1D81, DejaVu Sans does not), else DejaVu Sans."""
+
+    def needed(text):
+        return frozenset(ord(c) for c in text if not c.isspace())
+
+    for text in ("a photo of sks dog", "une photo de café crème", "фото кота", "αβγ"):
+        assert sampling._font(20, text).getname()[0] == "DejaVu Sans"
+        assert needed(text) <= sampling._charmap(sampling._font_path(needed(text)))
+    rare = "a \u1d81"
+    path = sampling._font_path(needed(rare))
+    assert needed(rare) <= sampling._charmap(path) and sampling._font(20, rare).getname()[0] != "DejaVu Sans"
+    nowhere = "\U0010fffd"  # a private-use character no font has: DejaVu Sans, a box, no error
+    assert sampling._font(20, nowhere).getname()[0] == "DejaVu Sans"
+    cells = [Image.new("RGB", (64, 64), (90, 90, 90)) for _ in range(2)]
+    assert sampling.make_grid(cells, cols=2, labels=["猫 café", nowhere]).size == (128, 64)

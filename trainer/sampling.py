@@ -7,6 +7,7 @@ resumed run stays identical to an uninterrupted one) and modules go back to trai
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -127,7 +128,7 @@ def generate_images(
 
 def make_grid(images: list, cols: int | None = None, labels: list[str] | None = None):
     """Images pasted into a ``cols`` x ``rows`` grid (cells the size of the first image; ``cols`` defaults to
-    ceil(sqrt(n))). ``labels`` are drawn over the bottom of each cell (PIL's own font, scaled to the cell; a
+    ceil(sqrt(n))). ``labels`` are drawn over the bottom of each cell (a font that has their characters, scaled to the cell; a
     newline starts a line, long lines wrap, at most :data:`LABEL_LINES`), so the grid size never changes."""
     from PIL import Image, ImageDraw
 
@@ -143,7 +144,7 @@ def make_grid(images: list, cols: int | None = None, labels: list[str] | None = 
         grid.paste(image.convert("RGB"), ((i % cols) * w, (i // cols) * h))
     if labels:
         draw = ImageDraw.Draw(grid, "RGBA")
-        font = _font(max(10, h // 24))
+        font = _font(max(10, h // 24), "".join(labels[: len(images)]))
         _, top, _, bottom = font.getbbox("Ag")
         line_h = bottom - top + 2
         most = max(1, min(LABEL_LINES, (h // 2) // line_h))  # the band covers at most half the cell
@@ -162,14 +163,57 @@ def make_grid(images: list, cols: int | None = None, labels: list[str] | None = 
 LABEL_LINES = 2
 
 
-def _font(size: int):
-    """PIL's bundled default font (no file, no download) at ``size`` px where this Pillow can scale it."""
+def _font(size: int, text: str = ""):
+    """A font at ``size`` px that draws every character of ``text`` (:func:`_font_path`), else PIL's bundled
+    one (113 glyphs: no accents, no other script; it draws the rest as boxes)."""
     from PIL import ImageFont
 
+    path = _font_path(frozenset(ord(c) for c in text if not c.isspace()))
+    if path is not None:
+        try:
+            return ImageFont.truetype(path, size)
+        except OSError:  # a font file matplotlib listed but FreeType cannot open
+            pass
     try:
         return ImageFont.load_default(size=size)
     except (TypeError, ImportError, OSError):  # Pillow < 10.1 or without FreeType: the fixed bitmap font
         return ImageFont.load_default()
+
+
+@functools.cache
+def _font_path(codepoints: frozenset[int]) -> str | None:
+    """The font file for labels with these characters: DejaVu Sans, which ships with matplotlib (accented Latin,
+    Greek, Cyrillic), where it has them all; else the first font installed on this machine that has them all
+    (a Chinese or Japanese prompt needs one such as Noto Sans CJK), regular sans-serif faces first, from
+    matplotlib's list of the system's fonts; else DejaVu Sans (what it lacks draws as boxes). None without
+    matplotlib."""
+    try:
+        from matplotlib import font_manager
+    except ImportError:
+        return None
+    dejavu = font_manager.findfont(font_manager.FontProperties(family="DejaVu Sans"))
+    if codepoints <= _charmap(dejavu):
+        return dejavu
+    faces = sorted(
+        font_manager.fontManager.ttflist,
+        key=lambda f: (f.style != "normal", f.weight not in (400, "normal", "regular"), "Sans" not in f.name),
+    )
+    for face in faces:
+        # Last Resort (matplotlib ships it) has every character, each as a box naming its Unicode block
+        if not face.name.startswith("Last Resort") and codepoints <= _charmap(face.fname):
+            return face.fname
+    return dejavu
+
+
+@functools.cache
+def _charmap(path: str) -> frozenset[int]:
+    """The characters the font file at ``path`` has glyphs for (empty where FreeType cannot read it)."""
+    try:
+        from matplotlib.ft2font import FT2Font
+
+        return frozenset(FT2Font(path).get_charmap())
+    except Exception:  # noqa: BLE001 - a broken or unusual font file is one that cannot draw the labels
+        return frozenset()
 
 
 def _wrap(draw, font, text: str, width: int, most: int = 2) -> list[str]:
