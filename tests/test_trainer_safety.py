@@ -297,11 +297,20 @@ def test_grid_labels_take_a_font_that_has_their_characters():
 
     for text in ("a photo of sks dog", "une photo de café crème", "фото кота", "αβγ"):
         assert sampling._font(20, text).getname()[0] == "DejaVu Sans"
-        assert needed(text) <= sampling._charmap(sampling._font_path(needed(text)))
+        assert needed(text) <= sampling._charmap(sampling._font_paths(needed(text))[0])
     rare = "a \u1d81"
-    path = sampling._font_path(needed(rare))
+    path = sampling._font_paths(needed(rare))[0]
     assert needed(rare) <= sampling._charmap(path) and sampling._font(20, rare).getname()[0] != "DejaVu Sans"
     nowhere = "\U0010fffd"  # a private-use character no font has: DejaVu Sans, a box, no error
     assert sampling._font(20, nowhere).getname()[0] == "DejaVu Sans"
     cells = [Image.new("RGB", (64, 64), (90, 90, 90)) for _ in range(2)]
     assert sampling.make_grid(cells, cols=2, labels=["猫 café", nowhere]).size == (128, 64)
+
+
+def test_a_label_font_that_cannot_be_opened_gives_way_to_the_next(monkeypatch, tmp_path):
+    """A listed font FreeType cannot open at the size (a colour-emoji font has one size only): the next one."""
+    broken = tmp_path / "emoji.ttf"
+    broken.write_bytes(b"not a font")
+    dejavu = sampling._font_paths(frozenset(map(ord, "a")))[0]
+    monkeypatch.setattr(sampling, "_font_paths", lambda codepoints: (str(broken), dejavu))
+    assert sampling._font(20, "a \U0001f431").getname()[0] == "DejaVu Sans"

@@ -164,16 +164,15 @@ LABEL_LINES = 2
 
 
 def _font(size: int, text: str = ""):
-    """A font at ``size`` px that draws every character of ``text`` (:func:`_font_path`), else PIL's bundled
+    """A font at ``size`` px that draws every character of ``text`` (:func:`_font_paths`), else PIL's bundled
     one (113 glyphs: no accents, no other script; it draws the rest as boxes)."""
     from PIL import ImageFont
 
-    path = _font_path(frozenset(ord(c) for c in text if not c.isspace()))
-    if path is not None:
+    for path in _font_paths(frozenset(ord(c) for c in text if not c.isspace())):
         try:
             return ImageFont.truetype(path, size)
-        except OSError:  # a font file matplotlib listed but FreeType cannot open
-            pass
+        except OSError:  # a file FreeType cannot open, or a colour-emoji font that has one size only
+            continue
     try:
         return ImageFont.load_default(size=size)
     except (TypeError, ImportError, OSError):  # Pillow < 10.1 or without FreeType: the fixed bitmap font
@@ -181,28 +180,31 @@ def _font(size: int, text: str = ""):
 
 
 @functools.cache
-def _font_path(codepoints: frozenset[int]) -> str | None:
-    """The font file for labels with these characters: DejaVu Sans, which ships with matplotlib (accented Latin,
-    Greek, Cyrillic), where it has them all; else the first font installed on this machine that has them all
-    (a Chinese or Japanese prompt needs one such as Noto Sans CJK), regular sans-serif faces first, from
-    matplotlib's list of the system's fonts; else DejaVu Sans (what it lacks draws as boxes). None without
-    matplotlib."""
+def _font_paths(codepoints: frozenset[int]) -> tuple[str, ...]:
+    """The font files to try, in order, for labels with these characters: DejaVu Sans, which ships with
+    matplotlib (accented Latin, Greek, Cyrillic), where it has them all; else first the regular face of a font
+    installed on this machine that has them all (a Chinese or Japanese prompt needs one such as Noto Sans CJK;
+    from matplotlib's list of the system's fonts, sans-serif first), then DejaVu Sans (what it lacks draws as
+    boxes). None without matplotlib."""
     try:
         from matplotlib import font_manager
     except ImportError:
-        return None
+        return ()
     dejavu = font_manager.findfont(font_manager.FontProperties(family="DejaVu Sans"))
     if codepoints <= _charmap(dejavu):
-        return dejavu
-    faces = sorted(
-        font_manager.fontManager.ttflist,
-        key=lambda f: (f.style != "normal", f.weight not in (400, "normal", "regular"), "Sans" not in f.name),
-    )
-    for face in faces:
-        # Last Resort (matplotlib ships it) has every character, each as a box naming its Unicode block
-        if not face.name.startswith("Last Resort") and codepoints <= _charmap(face.fname):
-            return face.fname
-    return dejavu
+        return (dejavu,)
+    regular = [
+        f
+        for f in font_manager.fontManager.ttflist
+        if f.style == "normal"
+        and f.weight in (400, "normal", "regular")
+        # Last Resort (matplotlib ships it) has every character, each drawn as a box naming its Unicode block
+        and not f.name.startswith("Last Resort")
+    ]
+    for face in sorted(regular, key=lambda f: "Sans" not in f.name):
+        if codepoints <= _charmap(face.fname):
+            return (face.fname, dejavu)
+    return (dejavu,)
 
 
 @functools.cache
