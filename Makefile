@@ -34,8 +34,8 @@ lint: $(VENV)/.test-installed
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-# Two pytest-xdist workers (the suite takes about 10 min on two cores, 1 of them DeepSpeed compiling its CPU
-# ops in a fresh venv); -n 0 runs it serially.
+# Two pytest-xdist workers (the suite takes about 10 min on two cores, a minute of it DeepSpeed compiling its CPU
+# Adam op in a fresh venv); -n 0 runs it serially.
 XDIST ?= -n 2 --dist worksteal
 
 test: lint
