@@ -215,6 +215,22 @@ class HWGPU:
     uuid: str | None = None  # as the probe read it (NVML: "GPU-..."); None for catalog hardware
     pcie_gen: int | None = None  # the link generation the probe read (catalog hardware: its spec's)
 
+    @functools.cached_property
+    def kind(self) -> tuple:
+        """What the planner tells GPUs apart by (alike GPUs are interchangeable; memory to 256 MiB, as two cards
+        of one model may report a few MiB apart, e.g. one with ECC on). Kept on the object (not a field: equality
+        and ``replace`` ignore it): a search asks for it ~100,000 times."""
+        memory = round(self.memory_bytes / (256 * 2**20))
+        return (
+            self.vendor,
+            self.name,
+            memory,
+            self.bf16,
+            self.fp16,
+            self.arch,
+            self.spec.name if self.spec else None,
+        )
+
 
 @dataclass(frozen=True)
 class Hardware:
@@ -573,7 +589,26 @@ def memory(profiles: Profiles, s: Settings) -> Memory:
     kept in ``profiles.memo`` (which lives and dies with the Profiles object): plans of the same model and
     method on other hardware, or with other pins, size many of the same settings again."""
     table = profiles.memo.setdefault("memory", {})
-    return _memo(table, _settings_key(s), lambda: _memory(profiles, s))
+    return _memo(table, _settings_key(s), lambda: _memory_on(profiles, s))
+
+
+def _memory_on(profiles: Profiles, s: Settings) -> Memory:
+    if s.num_gpus > 2 and not s.deepspeed:
+        # DDP on N > 2 GPUs: each process holds what one of 2 holds (DDP's buckets are the one part that depends
+        # on the count, and only on whether there are several); the host RAM is N processes'. Exactly what
+        # _memory gives (x2 then /2 is exact in binary floating point): a search on 8 GPUs sized every
+        # configuration 7 times over
+        two = memory(profiles, _count_free(s, 2))
+        # replace(two, ram=...) without its walk over the fields (Memory has no __post_init__)
+        out = object.__new__(Memory)
+        out.__dict__.update(two.__dict__, ram=two.ram / 2 * s.num_gpus)
+        return out
+    return _memory(profiles, s)
+
+
+def _count_free(s: Settings, num_gpus: int) -> Settings:
+    """``s`` on ``num_gpus`` GPUs, whichever they are (for memos of what does not depend on which)."""
+    return _with(s, num_gpus=num_gpus) if s.gpu_ids is None else replace(s, num_gpus=num_gpus, gpu_ids=None)
 
 
 def _memory(profiles: Profiles, s: Settings) -> Memory:
@@ -1090,8 +1125,22 @@ def _step_times(
     spec = gpu if isinstance(gpu, GPUSpec) else gpu.spec
     key = ("step_times", id(profiles), id(spec), link_gbs, type(link_gbs), _settings_key(s))
     table = cal.memo.setdefault("step_times", {})
-    entry = _memo(table, key, lambda: (profiles, spec, _compute_step_times(profiles, s, spec, cal, link_gbs)))
+    entry = _memo(table, key, lambda: (profiles, spec, _step_times_on(profiles, s, spec, cal, link_gbs)))
     return entry[2]
+
+
+def _step_times_on(
+    profiles: Profiles, s: Settings, spec: GPUSpec | None, cal: Calibration, link_gbs: float | None
+) -> tuple[float, float] | None:
+    if s.num_gpus > 1 and not s.deepspeed:
+        # without DeepSpeed the count changes only the all-reduce added to one process's step: exactly what
+        # _compute_step_times gives, with one step computed for all the counts a search plans
+        one = _step_times(profiles, _count_free(s, 1), spec, cal)
+        if one is None or not link_gbs:
+            return one
+        allreduce = comm_seconds(profiles, s, link_gbs, cal)
+        return (one[0] + allreduce, one[1] + allreduce)
+    return _compute_step_times(profiles, s, spec, cal, link_gbs)
 
 
 def _compute_step_times(
@@ -1649,10 +1698,8 @@ def gpus_label(gpus: tuple[HWGPU, ...] | list[HWGPU]) -> str:
 
 
 def _gpu_kind(g: HWGPU) -> tuple:
-    """What the planner tells GPUs apart by (alike GPUs are interchangeable; memory to 256 MiB, as two cards of
-    one model may report a few MiB apart, e.g. one with ECC on)."""
-    memory = round(g.memory_bytes / (256 * 2**20))
-    return (g.vendor, g.name, memory, g.bf16, g.fp16, g.arch, g.spec.name if g.spec else None)
+    """What the planner tells GPUs apart by (:attr:`HWGPU.kind`)."""
+    return g.kind
 
 
 def mixed_gpus(hw: Hardware) -> bool:
@@ -1747,7 +1794,7 @@ def _distinct(gpus: tuple[HWGPU, ...]) -> list[HWGPU]:
     """One GPU of each kind, in order."""
     seen: dict[tuple, HWGPU] = {}
     for g in gpus:
-        seen.setdefault(_gpu_kind(g), g)
+        seen.setdefault(g.kind, g)
     return list(seen.values())
 
 
@@ -1838,12 +1885,18 @@ def batch_sweep(res: Result, profiles: Profiles) -> tuple[Candidate, ...]:
 
 
 def _steps(req: Request, batch: int, grad_accum: int, num_gpus: int) -> Steps:
+    return _plan_steps(req.images * req.repeats, batch, grad_accum, num_gpus, req.epochs)
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan_steps(images_per_epoch: int, batch: int, grad_accum: int, num_gpus: int, epochs: int) -> Steps:
+    """plan_steps, once per arguments (Steps is frozen): a search asks again for every configuration."""
     return plan_steps(
-        images_per_epoch=req.images * req.repeats,
+        images_per_epoch=images_per_epoch,
         batch_size=batch,
         grad_accum=grad_accum,
         num_processes=num_gpus,
-        epochs=req.epochs,
+        epochs=epochs,
     )
 
 
