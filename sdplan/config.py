@@ -499,6 +499,12 @@ def merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def absolute_if_local(path: str) -> str:
+    """``path`` absolute where it names a local file or folder; as it is otherwise (a hub id)."""
+    p = Path(path).expanduser()
+    return str(p.resolve()) if p.exists() else path
+
+
 def require_file(path: Path) -> None:
     """ConfigError unless ``path`` is a file: a run folder given as --config points at its sdplan.yaml."""
     if path.is_dir():

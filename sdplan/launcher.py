@@ -240,7 +240,7 @@ def flag_overrides(req: TrainRequest, out: Path | None) -> list[str]:
     if req.method:
         o.append(f"method={req.method}")
     if req.model:
-        o.append(f"model.path={absolute_if_local(req.model)}")
+        o.append(f"model.path={C.absolute_if_local(req.model)}")
     if req.dataset:
         o.append(f"data.path={Path(req.dataset).expanduser().resolve()}")
     if req.resolution is not None:
@@ -264,12 +264,6 @@ def flag_overrides(req: TrainRequest, out: Path | None) -> list[str]:
     if out is not None:
         o.append(f"output.dir={out}")
     return o
-
-
-def absolute_if_local(path: str) -> str:
-    """``path`` absolute where it names a local file or folder; as it is otherwise (a hub id)."""
-    p = Path(path).expanduser()
-    return str(p.resolve()) if p.exists() else path
 
 
 def _quote_override(item: str) -> str:

@@ -482,12 +482,10 @@ def trainer_config(
 def _absolute(path: Any, *, only_existing: bool = False) -> Any:
     """A local path made absolute as `sdplan train` writes --model, --dataset and --out. ``only_existing``:
     a path that names nothing here is left alone (a hub id), and an absolute one as given."""
-    from sdplan.launcher import absolute_if_local
-
     if not isinstance(path, str) or not path:
         return path
     if only_existing:
-        return path if os.path.isabs(path) else absolute_if_local(path)
+        return path if os.path.isabs(path) else cfgmod.absolute_if_local(path)
     return str(Path(path).expanduser().resolve())
 
 
