@@ -836,9 +836,11 @@ def recommend_wall_time(runs: int = 3) -> dict:
             out.append(time.perf_counter() - t0)
         return out
 
-    # interleaved on the same machine: the SD 1.5 default, a FLUX.1 plan (the largest search), import torch
+    # on the same machine: the SD 1.5 default, a FLUX.1 plan, FLUX.1 on 8 GPUs (the largest search a catalog
+    # machine gives: every configuration on 1 to 8 GPUs), import torch
     times = timed(cmd)
     flux = timed([*cmd, "--model", "flux-dev"])
+    flux8 = timed([*cmd[:-2], "8x H100 SXM", "--json", "--model", "flux-dev"])
     torch_s = timed([sys.executable, "-c", "import torch"])
     probe = (
         "import sys; from sdplan.cli import app\n"
@@ -851,6 +853,7 @@ def recommend_wall_time(runs: int = 3) -> dict:
         "median_s": round(statistics.median(times), 3),
         "runs": [round(t, 3) for t in times],
         "flux_median_s": round(statistics.median(flux), 3),
+        "flux_8_gpus_median_s": round(statistics.median(flux8), 3),
         "import_torch_median_s": round(statistics.median(torch_s), 3),
         "torch_imported": out.strip().splitlines()[-1] == "True",
     }
@@ -966,7 +969,8 @@ def render(result: dict) -> str:
         w = result["recommend_wall_time"]
         lines.append(
             f"sdplan recommend wall time: median {w['median_s']} s over {len(w['runs'])} runs (FLUX.1: "
-            f"{w['flux_median_s']} s; python -c 'import torch': {w['import_torch_median_s']} s); "
+            f"{w['flux_median_s']} s; FLUX.1 on 8x H100 SXM: {w['flux_8_gpus_median_s']} s; python -c "
+            f"'import torch': {w['import_torch_median_s']} s); "
             f"torch imported: {w['torch_imported']}"
         )
     return "\n".join(lines)
