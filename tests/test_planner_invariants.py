@@ -13,6 +13,7 @@ catalog's GPUs get (bf16 / fp16 / fp32; the math attention path of RDNA1/2)."""
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import replace
@@ -743,3 +744,21 @@ def test_a_lora_under_sharded_deepspeed_holds_its_partition_without_the_buckets(
         s, resident=0.0, grads=m.gradients, buckets=0.0, forward=100e9, step=0.0, recompute_tail=0.0
     )
     assert forward == pytest.approx(100e9 + kept)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_count_shortcut_gives_what_the_count_itself_computes(prof, family):
+    """The search sizes a configuration once for every count of 2+ GPUs without DeepSpeed and times its step once
+    for every count (planner._memory_on, _step_times_on): for each count the same Memory and step times, to the
+    bit, as computing them for that count (every 4th configuration the search enumerates, on 3 and 8 GPUs,
+    with no link rate and a PCIe link's)."""
+    spec = prof.gpu_or_none("H100 SXM")
+    cal = P.calibrate(prof)
+    for s in itertools.islice(_enumerate(prof, family), 0, None, 4):
+        for n in (3, 8):
+            on_n = replace(s, num_gpus=n)
+            assert P._memory_on(prof, on_n) == P._memory(prof, on_n), P.describe(on_n)
+            for link_gbs in (None, 32.0):
+                assert P._step_times_on(prof, on_n, spec, cal, link_gbs) == P._compute_step_times(
+                    prof, on_n, spec, cal, link_gbs
+                ), P.describe(on_n)
