@@ -168,6 +168,9 @@ GPU_SCHEMA = {
     "aliases": F((list,), item=F(STR)),
     "vendor": F(STR, check=_one_of("nvidia", "amd")),
     "memory_gib": F(NUM, check=_positive),
+    # the total NVML reports (nvidia-smi's MiB), where ECC (on by default) or the driver keeps it over 1% under
+    # memory_gib; its source in `source`
+    "memory_total_mib": F(NUM, required=False, check=_positive),
     "arch": F(STR),
     "family": F(STR),
     "bf16": F((bool,)),
@@ -355,9 +358,14 @@ class GPUSpec:
     interconnect: dict | None
     source: str
     measured_matmul_tflops: dict | None = None
+    memory_total_mib: float | None = None
 
     @property
     def memory_bytes(self) -> int:
+        """The card's memory as a plan for it counts it: what NVML reports on the card where the catalog has it
+        (a T4 sold as 16 GB has 15 GiB: ECC keeps 1/16 of its GDDR6), else the marketing size as GiB."""
+        if self.memory_total_mib:
+            return int(round(self.memory_total_mib * 2**20))
         return int(round(self.memory_gib * GiB))
 
     def tflops(self, precision: str) -> float:
@@ -1046,6 +1054,7 @@ def load_gpus(path: Path) -> tuple[GPUSpec, ...]:
                 interconnect=g["interconnect"],
                 source=g["source"],
                 measured_matmul_tflops=g.get("measured_matmul_tflops"),
+                memory_total_mib=g.get("memory_total_mib"),
             )
         )
     if errors:

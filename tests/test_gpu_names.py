@@ -306,4 +306,28 @@ def test_cli_unknown_gpu_is_one_line():
 )
 def test_the_cards_issue_10_found_missing_are_planned(prof, typed, memory_gib):
     hw = parse_hardware(typed, prof)
-    assert hw.gpus[0].memory_bytes == memory_gib * GiB and hw.gpus[0].spec is not None
+    spec = hw.gpus[0].spec
+    assert spec is not None and spec.memory_gib == memory_gib
+    assert hw.gpus[0].memory_bytes == spec.memory_bytes  # the card's NVML total where known (L4: 23034 MiB)
+
+
+@pytest.mark.parametrize(
+    "typed, mib", [("T4", 15360), ("L4", 23034), ("A10", 23028), ("A10G", 23028), ("L40S", 46068)]
+)
+def test_a_card_with_ecc_is_planned_with_the_memory_nvml_reports(prof, typed, mib):
+    """ECC keeps 1/16 of these GDDR6 cards' memory: a plan for the card counts what the driver reports, not the
+    marketing size (a T4 sold as 16 GB has 15 GiB), as a plan on the probed card does."""
+    assert parse_hardware(typed, prof).gpus[0].memory_bytes == mib * 2**20
+    assert match_gpu(prof.gpus, typed).spec.memory_gib * GiB > mib * 2**20  # the size users type is kept
+
+
+def test_a_t4_named_is_planned_as_the_probed_t4(prof):
+    """`--hardware T4` and a probed T4 (the fixture's NVML reading) plan the same card: the same memory, the same
+    plan, the same verdict."""
+    snap = Snapshot.load(MACHINES / "t4.json")
+    probed = planner.hardware_from_snapshot(snap, prof)
+    named = parse_hardware("T4", prof)
+    assert named.gpus[0].memory_bytes == probed.gpus[0].memory_bytes == snap.gpus[0].memory_total_bytes
+    request = planner.Request(method="dreambooth", model="sd15")
+    a, b = planner.plan(named, prof, request), planner.plan(probed, prof, request)
+    assert (a.plan, a.memory.peak, a.vram_bytes) == (b.plan, b.memory.peak, b.vram_bytes)
