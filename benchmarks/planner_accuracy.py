@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from sdplan import planner as P
-from sdplan.profiles import METHODS, F, GiB, Profiles, _check, load_profiles, read_yaml
+from sdplan.profiles import METHODS, F, GiB, GPUSpec, Profiles, _check, load_profiles, read_yaml
 from sdplan.settings import Settings
 
 VALIDATION_DIR = Path(__file__).resolve().parent / "validation"
@@ -342,7 +342,7 @@ def load_validation(folder: Path = VALIDATION_DIR, profiles: Profiles | None = N
             if d["id"] in seen:
                 errors.append(f"{where}: duplicate id")
             seen.add(d["id"])
-            points.append(_point_from_yaml(d))
+            points.append(_point_from_yaml(d, catalog.get(d["gpu"]) if d["gpu_in_catalog"] else None))
     if errors:
         raise ValidationError("\n".join(errors))
     return points
@@ -381,11 +381,12 @@ def _point_errors(d: dict, catalog: dict) -> list[str]:
     return errors
 
 
-def _point_from_yaml(d: dict) -> Point:
+def _point_from_yaml(d: dict, spec: GPUSpec | None = None) -> Point:
+    """``spec``: the catalog GPU the point names, whose memory its fit claim is judged against (what NVML reports
+    on the card where the catalog has it: a T4 "16 GB" has 15 GiB), as a plan for that card counts it."""
     m = d["measured"]
-    claims = (
-        ((float(d["gpu_memory_gib"]), m["fits"]),) if d["gpu_memory_gib"] and m["fits"] is not None else ()
-    )
+    memory_gib = spec.memory_bytes / GiB if spec is not None else d["gpu_memory_gib"]
+    claims = ((float(memory_gib), m["fits"]),) if memory_gib and m["fits"] is not None else ()
     return Point(
         id=d["id"],
         family=d["family"],
@@ -446,7 +447,7 @@ def profile_points(prof: Profiles) -> list[Point]:
             claims.append((float(p.outcome["max_vram_gib"]), True))
         if p.outcome.get("exceeds_vram_gib"):
             claims.append((float(p.outcome["exceeds_vram_gib"]), False))
-        memory_gib = p.gpu_memory_gib or (spec.memory_gib if spec else None)
+        memory_gib = p.gpu_memory_gib or (spec.memory_bytes / GiB if spec else None)
         if not claims and p.outcome.get("fits") is not None and memory_gib:  # e.g. sdplan bench's verdicts
             claims.append((float(memory_gib), bool(p.outcome["fits"])))
         out.append(
@@ -572,7 +573,7 @@ def point_rows(prof: Profiles, pt: Point) -> tuple[list[dict], list[dict], Predi
         verdicts.append(
             {
                 "id": pt.id,
-                "claim": f"{'fits' if fits else 'does not fit'} in {memory_gib:g} GB",
+                "claim": f"{'fits' if fits else 'does not fit'} in {memory_gib:.4g} GiB",
                 "predicted_gib": round(peak_gib, 2),
                 "predicted_fits": predicted_fits,
                 "reported_fits": fits,
