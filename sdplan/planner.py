@@ -1123,6 +1123,8 @@ def _step_times(
     ask for many of the same. The key holds the profiles and the spec by identity, and the entry keeps both
     alive, so an id is never another object's."""
     spec = gpu if isinstance(gpu, GPUSpec) else gpu.spec
+    if s.num_gpus == 1:
+        link_gbs = None  # one process exchanges nothing: one entry whatever link the hardware has
     key = ("step_times", id(profiles), id(spec), link_gbs, type(link_gbs), _settings_key(s))
     table = cal.memo.setdefault("step_times", {})
     entry = _memo(table, key, lambda: (profiles, spec, _step_times_on(profiles, s, spec, cal, link_gbs)))
