@@ -542,6 +542,13 @@ def test_profiles_lists_shipped_and_local(tmp_path, monkeypatch):
 
     gpus = CliRunner().invoke(cli(), ["profiles", "--gpus"], env={"COLUMNS": "250"})
     assert gpus.exit_code == 0 and "GPU catalog" in gpus.output and "H100 SXM" in gpus.output
+    # each card's memory as a plan counts it: a T4's NVML total (ECC), a 4090's marketing size
+    rows = {
+        line.split("│")[1].strip(): line.split("│")[3].strip()
+        for line in gpus.output.splitlines()
+        if line.count("│") > 4
+    }
+    assert (rows["T4"], rows["A10G"], rows["RTX 4090"]) == ("15 GiB", "22.5 GiB", "24 GiB")
 
 
 def test_profiles_fit_an_80_column_terminal_with_their_figures_whole(tmp_path, monkeypatch):

@@ -244,7 +244,7 @@ def gpus_table(known: Any, *, full: bool = False):
     from rich.table import Table
 
     table = Table(title="GPU catalog", title_justify="left", expand=True)
-    columns = (("GPU", "left", 15), ("vendor", "left", 6), ("VRAM", "right", 7), ("arch", "left", 7))
+    columns = (("GPU", "left", 15), ("vendor", "left", 6), ("VRAM", "right", 8), ("arch", "left", 7))
     columns += (("bf16", "left", 4), ("fp16 TFLOPS", "right", 7))
     for col, just, w in columns:
         table.add_column(col, justify=just, width=w, overflow="fold")
@@ -254,7 +254,7 @@ def gpus_table(known: Any, *, full: bool = False):
             *_plain(
                 g.name,
                 g.vendor,
-                f"{g.memory_gib:g} GiB",
+                f"{g.memory_bytes / 2**30:.3g} GiB",  # as planned: the NVML total where the catalog has it
                 g.arch,
                 "yes" if g.bf16 else "no",
                 f"{g.fp16_tflops:g}",
