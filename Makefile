@@ -40,7 +40,7 @@ lint: $(VENV)/.test-installed
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-# Two pytest-xdist workers (the suite takes about 9 min on two cores, a minute of it DeepSpeed compiling its CPU
+# Two pytest-xdist workers (the suite takes 8-10 min on two cores, a minute of it DeepSpeed compiling its CPU
 # Adam op in a fresh venv); -n 0 runs it serially.
 XDIST ?= -n 2 --dist worksteal
 
