@@ -1666,10 +1666,10 @@ def _best_linked(hw: Hardware, chosen: tuple[HWGPU, ...], pool: list[HWGPU] | tu
     not the first two. Only probed machines with link data and at most RING_SEARCH_MAX_GPUS GPUs are searched."""
     if len(chosen) < 2 or hw.source == "catalog" or not hw.pair_links or len(pool) > RING_SEARCH_MAX_GPUS:
         return chosen
-    kinds = Counter(map(_gpu_kind, chosen))
+    kinds = Counter(g.kind for g in chosen)
     best, rank = chosen, _link_rank(set_link(hw, chosen))
     for gs in itertools.combinations(sorted(pool, key=lambda g: g.index or 0), len(chosen)):
-        if Counter(map(_gpu_kind, gs)) != kinds:
+        if Counter(g.kind for g in gs) != kinds:
             continue
         r = _link_rank(set_link(hw, gs))
         if r > rank or (r == rank and [g.index for g in gs] < [g.index for g in best]):
@@ -1699,14 +1699,9 @@ def gpus_label(gpus: tuple[HWGPU, ...] | list[HWGPU]) -> str:
 # them (:func:`_evaluate`), and the plan names them (``Settings.gpu_ids``), which `sdplan train` launches on.
 
 
-def _gpu_kind(g: HWGPU) -> tuple:
-    """What the planner tells GPUs apart by (:attr:`HWGPU.kind`)."""
-    return g.kind
-
-
 def mixed_gpus(hw: Hardware) -> bool:
     """The hardware's GPUs are not all alike."""
-    return len({_gpu_kind(g) for g in hw.gpus}) > 1
+    return len({g.kind for g in hw.gpus}) > 1
 
 
 def _strength(g: HWGPU) -> tuple:
@@ -1745,7 +1740,7 @@ def gpu_sets(hw: Hardware, n: int) -> list[tuple[HWGPU, ...]]:
                 st = _strength(g)
                 return (
                     tuple(-float(x) for x in st[lead:] + st[:lead]),
-                    tuple(map(str, _gpu_kind(g))),
+                    tuple(map(str, g.kind)),
                     g.index,
                 )
 
