@@ -2155,13 +2155,13 @@ def _attention_for(gpus: tuple[HWGPU, ...]) -> str:
     return "math" if any(attention_backend(g) == "math" for g in gpus) else "efficient"
 
 
-def _candidates(req: Request, profiles: Profiles, hw: Hardware, cal: Calibration, resolution: int):
-    req = replace(req, resolution=resolution)
-    out = []
+def _space(req: Request, hw: Hardware) -> list[Settings]:
+    """Every configuration of ``req`` on every set of ``hw``'s GPUs it can run on, in the search's order."""
+    out: list[Settings] = []
     for on in _gpu_choices(req, hw):
         if pin_conflicts(req, on):  # a pin these GPUs cannot run (bf16 where one lacks it, ...)
             continue
-        space = settings_space(
+        out += settings_space(
             req,
             precision=precision_for(on.gpus),
             attention=_attention_for(on.gpus),
@@ -2169,8 +2169,50 @@ def _candidates(req: Request, profiles: Profiles, hw: Hardware, cal: Calibration
             counts=(on.count,),
             gpu_ids=named_gpu_ids(hw, on.gpus),
         )
-        out += [_evaluate(req, profiles, hw, cal, s) for s in space]
     return out
+
+
+def _candidates(req: Request, profiles: Profiles, hw: Hardware, cal: Calibration, resolution: int):
+    req = replace(req, resolution=resolution)
+    return [_evaluate(req, profiles, hw, cal, s) for s in _space(req, hw)]
+
+
+def _search(
+    req: Request, profiles: Profiles, hw: Hardware, cal: Calibration, resolution: int
+) -> tuple[list[Candidate], Callable[[int], list[Candidate]]]:
+    """The search as a plan needs it: (the candidates evaluated, in the search's order, among them each GPU
+    count's best that fits by :func:`_preference`; a function giving every fitting candidate on a count, in
+    the search's order, for the chosen plan's reasons).
+
+    A count's candidates are evaluated tier by tier of what their settings decide of :func:`_tier` (a lower
+    rank than asked, offload, full half weights: :func:`_settings_tier`). Once a tier holds a candidate that
+    fits within its likely range (``safe``), every later tier of that count loses to it by :func:`_tier`
+    alone, so it is evaluated only if that count is chosen. That skips most of a large search (the lower
+    ranks on every further GPU count); where nothing fits, nothing is skipped."""
+    req = replace(req, resolution=resolution)
+    space = _space(req, hw)
+    done: list[Candidate | None] = [None] * len(space)
+
+    def at(i: int) -> Candidate:
+        c = done[i]
+        if c is None:
+            c = done[i] = _evaluate(req, profiles, hw, cal, space[i])
+        return c
+
+    tiers = [_settings_tier(req, s) for s in space]
+    by_count: dict[int, list[int]] = {}
+    for i, s in enumerate(space):
+        by_count.setdefault(s.num_gpus, []).append(i)
+    for idx in by_count.values():
+        for tier in sorted({tiers[i] for i in idx}):
+            whole_tier = [at(i) for i in idx if tiers[i] == tier]  # all of it: its best may be the count's
+            if any(c.safe for c in whole_tier):
+                break
+
+    def on_count(n: int) -> list[Candidate]:
+        return [c for c in (at(i) for i in by_count.get(n, ())) if c.fits]
+
+    return [c for c in done if c is not None], on_count
 
 
 def _observed_multi_gpu(profiles: Profiles, s: Settings, gpus: tuple[HWGPU, ...], link: str):
@@ -2508,7 +2550,7 @@ def _evaluate(req: Request, profiles: Profiles, hw: Hardware, cal: Calibration, 
         allreduce_seconds=allreduce,
         peak_measured=evidence[0].id if evidence is not None else None,
         peak_basis=evidence[1] if evidence is not None else "predicted",
-        lowered_rank=s.method == "lora" and not req.pinned("lora_rank") and s.lora_rank < req.lora_rank,
+        lowered_rank=_settings_tier(req, s)[0],
     )
 
 
@@ -2543,9 +2585,17 @@ def _which(c: Candidate, best: Candidate) -> str:
     return "a faster" if c.seconds < best.seconds else "an otherwise preferred"
 
 
+def _settings_tier(req: Request, s: Settings) -> tuple[bool, bool, bool]:
+    """What the settings alone decide of :func:`_tier`: a LoRA rank below the requested one (changes the
+    result), DeepSpeed offload, full half weights."""
+    lowered = s.method == "lora" and not req.pinned("lora_rank") and s.lora_rank < req.lora_rank
+    return (lowered, s.offload, s.full_half_weights)
+
+
 def _tier(c: Candidate) -> tuple:
     """Preference before speed: within the likely peak's upper end, the requested LoRA rank, no offload (the
-    optimizer on the CPU, host RAM held), fp32 master weights."""
+    optimizer on the CPU, host RAM held), fp32 master weights. All but the first are the settings'
+    (:func:`_settings_tier`, which lets :func:`_search` skip what loses by them)."""
     return (not c.safe, c.lowered_rank, c.setup.offload, c.setup.full_half_weights)
 
 
@@ -2913,9 +2963,9 @@ def plan(hardware: Hardware | Any, profiles: Profiles, request: Request) -> Resu
         if conflicts:
             return _infeasible(req, hardware, reasons + conflicts, one_steps, conflicts=conflicts)
 
-    cands = _candidates(req, profiles, hardware, cal, resolution)
+    cands, on_count = _search(req, profiles, hardware, cal, resolution)
     fitting = [c for c in cands if c.fits]
-    if not fitting:
+    if not fitting:  # the search skipped nothing (_search): every candidate is here to say why
         what = ", ".join(pin_text(k, v) for k, v in req.pins) if req.pins else "the leanest configuration"
         leanest, need, not_fit = _not_fit_reasons(req, hardware, cands, what, profiles)
         reasons += not_fit
@@ -2929,6 +2979,7 @@ def plan(hardware: Hardware | Any, profiles: Profiles, request: Request) -> Resu
         )
 
     best, best_by_n = _choose(fitting, profiles)
+    fitting = on_count(best.setup.num_gpus)  # what the reasons weigh the plan against: its GPU count, in full
     one = best_by_n.get(1)
     speedup = one.seconds / best.seconds if (one and one.seconds and best.seconds) else None
     if mixed_gpus(hardware):
@@ -3041,7 +3092,7 @@ def _relaxations(
         out = []
         for group in combinations(names, size):
             rest = replace(req, pins=tuple(p for p in req.pins if p[0] not in group))
-            fitting = [c for c in _candidates(rest, profiles, hw, cal, resolution) if c.fits]
+            fitting = [c for c in _search(rest, profiles, hw, cal, resolution)[0] if c.fits]
             if fitting:
                 best, _ = _choose(fitting, profiles)
                 values = " and ".join(pin_text(name, getattr(best.setup, name)) for name in group)

@@ -762,3 +762,37 @@ def test_a_count_shortcut_gives_what_the_count_itself_computes(prof, family):
                 assert P._step_times_on(prof, on_n, spec, cal, link_gbs) == P._compute_step_times(
                     prof, on_n, spec, cal, link_gbs
                 ), P.describe(on_n)
+
+
+SEARCHES = (  # (method, family, GPU, count): large searches, chosen counts of 1 and more, lowered ranks, DeepSpeed
+    ("lora", "flux-dev", "H100 SXM", 8),
+    ("lora", "sdxl", "RTX 3060 12GB", 1),
+    ("lora", "sdxl", "RTX 4090", 2),
+    ("dreambooth", "sdxl", "RTX 4090", 2),
+    ("finetune", "sd35-large", "A100 80GB PCIe", 4),
+    ("textual-inversion", "sd15", "T4", 1),
+    ("lora", "sd15", "mixed", 3),
+)
+
+
+@pytest.mark.parametrize(("method", "family", "gpu", "count"), SEARCHES)
+def test_the_search_skips_only_what_no_count_would_choose(prof, method, family, gpu, count):
+    """planner._search skips a GPU count's tiers that lose by the tier alone: each count's best and the chosen
+    count's fitting candidates (what the reasons weigh) are those of the whole search, to the bit; and it skips."""
+    from test_planner_mixed import RTX3060, RTX3090, RTX4090, machine
+
+    if gpu == "mixed":
+        hw = P.hardware_from_snapshot(machine(RTX3060, RTX4090, RTX3090), prof)
+    else:
+        hw = P.hardware_from_catalog(prof.find_gpu(gpu), count)
+    req = P.Request(method=method, model=family)
+    resolution = prof.model(family).native_resolution
+    cal = P.calibrate_for(prof, hw)
+    whole = [c for c in P._candidates(req, prof, hw, cal, resolution) if c.fits]
+    cands, on_count = P._search(req, prof, hw, cal, resolution)
+    best, best_by_n = P._choose(whole, prof)
+    assert P._choose([c for c in cands if c.fits], prof) == (best, best_by_n)
+    for n in best_by_n:
+        assert on_count(n) == [c for c in whole if c.setup.num_gpus == n]
+    if method == "lora":
+        assert len(cands) < len(P._candidates(req, prof, hw, cal, resolution))
