@@ -11,8 +11,9 @@ import random
 from pathlib import Path
 from typing import Any
 
+from sdplan.profiles import cache_dir
+
 DEFAULT_OUT = "./sdplan-demo"
-CACHE_ENV = "SDPLAN_CACHE_DIR"  # sdplan's cache (the demo's tiny models); the tests point it at their session
 DEMO_IMAGES = 8
 DEMO_REPEATS = 2  # 8 images x 2 repeats x 2 epochs / batch 2 = 16 optimizer steps on one process
 DEMO_EPOCHS = 2
@@ -210,14 +211,12 @@ def run_demo(req: Any, ui: Any) -> dict[str, Any]:
 
 
 def tiny_model_cache(family: str) -> Path:
-    """Where a built tiny model of ``family`` is kept for the next demo (``$SDPLAN_CACHE_DIR``, else
-    ``$XDG_CACHE_HOME/sdplan``, else ``~/.cache/sdplan``): building one imports diffusers and transformers in
+    """Where a built tiny model of ``family`` is kept for the next demo (in :func:`cache_dir`): building one imports diffusers and transformers in
     `sdplan train` itself, ~5 s of a demo's ~18. Named by what makes its files: the tiny model's code
     (trainer/tiny.py and the transformers-4 export it applies) and the installed torch, diffusers and
     transformers; a change to any is a new name."""
     import hashlib
     import importlib.metadata
-    import os
 
     import sdplan.trainer  # its __init__ only: no torch
 
@@ -227,11 +226,7 @@ def tiny_model_cache(family: str) -> Path:
         digest.update((trainer / name).read_bytes())
     for dist in ("torch", "diffusers", "transformers"):
         digest.update(f"{dist}=={importlib.metadata.version(dist)};".encode())
-    root = (
-        os.environ.get(CACHE_ENV)
-        or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "sdplan"
-    )
-    return Path(root) / "tiny-models" / f"{family}-{digest.hexdigest()[:16]}"
+    return cache_dir() / "tiny-models" / f"{family}-{digest.hexdigest()[:16]}"
 
 
 def _build_tiny_model(folder: Path, family: str) -> Path | None:

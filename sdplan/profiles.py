@@ -19,8 +19,11 @@ from __future__ import annotations
 
 import difflib
 import functools
+import hashlib
 import os
+import pickle
 import re
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -72,6 +75,19 @@ def shipped_dir() -> Path:
         if (candidate / "models").is_dir() or (candidate / "gpus.yaml").is_file():
             return candidate
     return here.parent / "profiles"
+
+
+CACHE_ENV = "SDPLAN_CACHE_DIR"
+
+
+def cache_dir() -> Path:
+    """sdplan's cache (parsed profiles, the demo's tiny models): ``$SDPLAN_CACHE_DIR``, else
+    ``$XDG_CACHE_HOME/sdplan``, else ``~/.cache/sdplan``. Deleting it only costs time."""
+    env = os.environ.get(CACHE_ENV)
+    if env:
+        return Path(env).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(xdg).expanduser() / "sdplan"
 
 
 def local_dir() -> Path:
@@ -1004,18 +1020,51 @@ def _unique(gpus: list[GPUSpec]) -> list[GPUSpec]:
 # -- loading ---------------------------------------------------------------------------------------------
 
 
+def _parsed_cache(path: Path) -> Path:
+    """The cache entry of a YAML file's parsed data: one per file (a changed file replaces its entry)."""
+    name = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:32]
+    return cache_dir() / "yaml" / f"{name}.pickle"
+
+
 def read_yaml(path: Path) -> Any:
+    """A YAML file's data. Parsing the profiles takes ~0.1 s (PyYAML builds every node in Python), a tenth of a
+    plan, so each file's data is kept in :func:`cache_dir` under the SHA-256 of its bytes and used only while
+    the file has exactly those bytes; a cache that cannot be read or written is passed over."""
     try:
-        text = path.read_text(encoding="utf-8")
+        raw = path.read_bytes()
     except OSError as e:
         raise ConfigError(str(path), [f"cannot read ({e.strerror or e})"]) from None
+    digest = hashlib.sha256(raw).digest()
+    entry = _parsed_cache(path)
     try:
-        return yaml.load(text, Loader=_Loader)
+        with entry.open("rb") as f:
+            kept_digest, data = pickle.load(f)
+        if kept_digest == digest:
+            return data
+    except Exception:  # none yet, another version's or a torn write: parse the file
+        pass
+    try:
+        data = yaml.load(raw.decode("utf-8"), Loader=_Loader)
+    except UnicodeDecodeError as e:
+        raise ConfigError(str(path), [f"not UTF-8 text (byte {e.start})"]) from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"line {mark.line + 1}: " if mark is not None else ""
         problem = getattr(e, "problem", None) or str(e)
         raise ConfigError(str(path), [f"{where}not valid YAML ({problem})"]) from None
+    try:  # written whole, then renamed over the entry: a reader never sees half of one
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=entry.parent, prefix=entry.stem)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                pickle.dump((digest, data), f, protocol=pickle.HIGHEST_PROTOCOL)
+            os.replace(tmp, entry)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+    except OSError:
+        pass
+    return data
 
 
 def _validated(path: Path, schema: dict[str, F]) -> dict:

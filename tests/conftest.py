@@ -248,10 +248,10 @@ def tiny_train_config(
 
 @pytest.fixture(scope="session", autouse=True)
 def session_cache(tmp_path_factory):
-    """sdplan's cache (the demo's tiny models, sdplan.demo.tiny_model_cache) in this session's temp folder, shared
-    by the xdist workers and the processes they start: the first demo of each family builds its model, the rest
-    copy it; the user's ~/.cache is not touched."""
-    from sdplan.demo import CACHE_ENV
+    """sdplan's cache (sdplan.profiles.cache_dir: the parsed profiles, the demo's tiny models) in this session's
+    temp folder, shared by the xdist workers and the processes they start: the first demo of each family builds
+    its model, the rest copy it; the user's ~/.cache is not touched."""
+    from sdplan.profiles import CACHE_ENV
 
     base = tmp_path_factory.getbasetemp()
     root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "sdplan-cache"

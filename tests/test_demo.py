@@ -375,9 +375,9 @@ def test_a_second_demo_copies_the_tiny_model_the_first_built(tmp_path, monkeypat
     """Building the tiny model imports diffusers and transformers in `sdplan train` itself (~5 s of a demo's
     ~18): a demo keeps the model it built (sdplan.demo.tiny_model_cache) and the next copies it, file for file
     what a build writes. A cache that cannot be written costs nothing but the time: the model is built."""
-    from sdplan import demo
+    from sdplan import demo, profiles
 
-    monkeypatch.setenv(demo.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv(profiles.CACHE_ENV, str(tmp_path / "cache"))
     assert demo._build_tiny_model(tmp_path / "first", "sd15") is None  # built, and kept
     kept = demo.tiny_model_cache("sd15")
     assert kept.is_dir() and kept.parent.parent == tmp_path / "cache"
@@ -386,6 +386,6 @@ def test_a_second_demo_copies_the_tiny_model_the_first_built(tmp_path, monkeypat
     assert built and digest(tmp_path / "second") == built
 
     (tmp_path / "not-a-folder").write_text("a file where the cache would go")
-    monkeypatch.setenv(demo.CACHE_ENV, str(tmp_path / "not-a-folder"))
+    monkeypatch.setenv(profiles.CACHE_ENV, str(tmp_path / "not-a-folder"))
     assert demo._build_tiny_model(tmp_path / "third", "sd15") is None
     assert (tmp_path / "third" / "model_index.json").is_file()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -73,6 +74,39 @@ def test_broken_yaml_names_the_line(tmp_path):
     with pytest.raises(ConfigError) as e:
         load_gpus(bad)
     assert "line" in str(e.value) and "not valid YAML" in str(e.value)
+
+
+def test_parsed_yaml_is_kept_while_the_file_is_unchanged(tmp_path, monkeypatch):
+    """read_yaml keeps a file's parsed data in the cache and uses it only for the very bytes it was parsed from:
+    an edit is read again, and a cache that is corrupt, missing or cannot be written costs only the parse."""
+    from sdplan import profiles
+
+    monkeypatch.setenv("SDPLAN_CACHE_DIR", str(tmp_path / "cache"))
+    f = tmp_path / "gpus.yaml"
+    f.write_text("schema_version: 1\nnote: first\n")
+    assert profiles.read_yaml(f) == {"schema_version": 1, "note": "first"}
+    entry = profiles._parsed_cache(f)
+    assert entry.is_file() and list(entry.parent.iterdir()) == [entry]  # one entry, no temporary file left
+    # the entry is what is read: a parse of the file would not give this
+    digest, _ = pickle.loads(entry.read_bytes())
+    entry.write_bytes(pickle.dumps((digest, {"from": "cache"})))
+    assert profiles.read_yaml(f) == {"from": "cache"}
+    f.write_text("schema_version: 1\nnote: second\n")  # an edit: the entry's digest no longer matches
+    assert profiles.read_yaml(f) == {"schema_version": 1, "note": "second"}
+    assert profiles.read_yaml(f) == {"schema_version": 1, "note": "second"}  # and the new entry serves it
+    entry.write_bytes(b"torn")
+    assert profiles.read_yaml(f) == {"schema_version": 1, "note": "second"}
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    monkeypatch.setenv("SDPLAN_CACHE_DIR", str(blocked))  # no folder can be made there
+    assert profiles.read_yaml(f) == {"schema_version": 1, "note": "second"}
+
+
+def test_a_file_that_is_not_utf8_is_one_clear_error(tmp_path):
+    bad = tmp_path / "gpus.yaml"
+    bad.write_bytes(b"schema_version: 1\nnote: \xff\n")
+    with pytest.raises(ConfigError, match="not UTF-8 text"):
+        load_gpus(bad)
 
 
 @pytest.mark.parametrize(
