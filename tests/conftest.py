@@ -50,6 +50,11 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 _HUB_CACHE = Path(tempfile.mkdtemp(prefix="sdplan-tests-hub-"))
 atexit.register(shutil.rmtree, _HUB_CACHE, ignore_errors=True)
 os.environ["HF_HUB_CACHE"] = str(_HUB_CACHE)
+# ... nor writes the developer's sdplan cache (sdplan.profiles.cache_dir): the seeding below parses the profiles
+# already; the session_cache fixture moves the cache to the session's temp folder once the session starts
+_COLLECTION_CACHE = Path(tempfile.mkdtemp(prefix="sdplan-tests-cache-"))
+atexit.register(shutil.rmtree, _COLLECTION_CACHE, ignore_errors=True)
+os.environ["SDPLAN_CACHE_DIR"] = str(_COLLECTION_CACHE)
 hub_cache.seed(_HUB_CACHE)
 # huggingface_hub reads these once, at its import: now, so that no test's own setting of them sticks for the
 # tests after it (a test changes its cache with monkeypatch.setattr(constants, "HF_HUB_CACHE", ...))
