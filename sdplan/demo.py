@@ -211,10 +211,10 @@ def run_demo(req: Any, ui: Any) -> dict[str, Any]:
 
 
 def tiny_model_cache(family: str) -> Path:
-    """Where a built tiny model of ``family`` is kept for the next demo (in :func:`cache_dir`): building one imports diffusers and transformers in
-    `sdplan train` itself, ~5 s of a demo's ~18. Named by what makes its files: the tiny model's code
-    (trainer/tiny.py and the transformers-4 export it applies) and the installed torch, diffusers and
-    transformers; a change to any is a new name."""
+    """Where a built tiny model of ``family`` is kept for the next demo (in sdplan's :func:`cache_dir`):
+    building one imports diffusers and transformers in `sdplan train` itself, ~5 s of a demo's ~18. Named by
+    what makes its files: the tiny model's code (trainer/tiny.py and the transformers-4 export it applies) and
+    the installed torch, diffusers and transformers; a change to any is a new name."""
     import hashlib
     import importlib.metadata
 
