@@ -86,8 +86,21 @@ def cache_dir() -> Path:
     env = os.environ.get(CACHE_ENV)
     if env:
         return Path(env).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(xdg).expanduser() / "sdplan"
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    if xdg:
+        return Path(xdg).expanduser() / "sdplan"
+    home = _home()
+    if home is None:  # callers keep no cache then
+        raise OSError(f"no home folder to keep sdplan's cache in; set ${CACHE_ENV}")
+    return home / ".cache" / "sdplan"
+
+
+def _home() -> Path | None:
+    """The user's home folder; None where there is none (a container's arbitrary user, without $HOME)."""
+    try:
+        return Path.home()
+    except (RuntimeError, KeyError):
+        return None
 
 
 def local_dir() -> Path:
@@ -95,8 +108,16 @@ def local_dir() -> Path:
     env = os.environ.get("SDPLAN_PROFILE_DIR")
     if env:
         return Path(env).expanduser()
-    xdg = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
-    return Path(xdg).expanduser() / "sdplan" / "profiles"
+    xdg = os.environ.get("XDG_DATA_HOME")
+    if xdg:
+        return Path(xdg).expanduser() / "sdplan" / "profiles"
+    home = _home()
+    if home is None:
+        raise UsageError(
+            "no home folder to find the local profile store in",
+            fix="set $SDPLAN_PROFILE_DIR to a folder for sdplan's measurements",
+        )
+    return home / ".local" / "share" / "sdplan" / "profiles"
 
 
 # -- schema checking -------------------------------------------------------------------------------------
@@ -1035,14 +1056,18 @@ def read_yaml(path: Path) -> Any:
     except OSError as e:
         raise ConfigError(str(path), [f"cannot read ({e.strerror or e})"]) from None
     digest = hashlib.sha256(raw).digest()
-    entry = _parsed_cache(path)
     try:
-        with entry.open("rb") as f:
-            kept_digest, data = pickle.load(f)
-        if kept_digest == digest:
-            return data
-    except Exception:  # none yet, another version's or a torn write: parse the file
-        pass
+        entry: Path | None = _parsed_cache(path)
+    except OSError:  # nowhere to keep a cache
+        entry = None
+    if entry is not None:
+        try:
+            with entry.open("rb") as f:
+                kept_digest, data = pickle.load(f)
+            if kept_digest == digest:
+                return data
+        except Exception:  # none yet, another version's or a torn write: parse the file
+            pass
     try:
         data = yaml.load(raw.decode("utf-8"), Loader=_Loader)
     except UnicodeDecodeError as e:
@@ -1052,6 +1077,14 @@ def read_yaml(path: Path) -> Any:
         where = f"line {mark.line + 1}: " if mark is not None else ""
         problem = getattr(e, "problem", None) or str(e)
         raise ConfigError(str(path), [f"{where}not valid YAML ({problem})"]) from None
+    if entry is not None:
+        _keep_parsed(entry, digest, data)
+    return data
+
+
+def _keep_parsed(entry: Path, digest: bytes, data: Any) -> None:
+    """Keep a file's parsed ``data`` under the digest of its bytes, or nothing where the cache cannot be
+    written."""
     try:  # written whole, then renamed over the entry: a reader never sees half of one
         entry.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=entry.parent, prefix=entry.stem)
@@ -1064,7 +1097,6 @@ def read_yaml(path: Path) -> Any:
             raise
     except OSError:
         pass
-    return data
 
 
 def _validated(path: Path, schema: dict[str, F]) -> dict:

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import one_line_error
 
 from sdplan.errors import ConfigError, UsageError
 from sdplan.profiles import clear_cache, load_gpus, load_methods, load_profiles, shipped_dir
@@ -100,6 +101,33 @@ def test_parsed_yaml_is_kept_while_the_file_is_unchanged(tmp_path, monkeypatch):
     blocked.write_text("")
     monkeypatch.setenv("SDPLAN_CACHE_DIR", str(blocked))  # no folder can be made there
     assert profiles.read_yaml(f) == {"schema_version": 1, "note": "second"}
+
+
+def test_no_home_folder_is_no_cache_and_one_line_for_the_store(tmp_path, monkeypatch):
+    """A container's arbitrary user may have no home folder (Path.home() raises): sdplan keeps no cache then
+    (the demo passes its cache over the same way), and a command that needs the local profile store says in one
+    line to set $SDPLAN_PROFILE_DIR (it was a traceback)."""
+    from typer.testing import CliRunner
+
+    from sdplan import profiles
+    from sdplan.cli import app
+
+    def no_home():
+        raise RuntimeError("Could not determine home directory.")
+
+    for var in ("SDPLAN_CACHE_DIR", "XDG_CACHE_HOME", "SDPLAN_PROFILE_DIR", "XDG_DATA_HOME"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(Path, "home", staticmethod(no_home))
+    with pytest.raises(OSError, match="SDPLAN_CACHE_DIR"):
+        profiles.cache_dir()
+    f = tmp_path / "gpus.yaml"
+    f.write_text("schema_version: 1\n")
+    assert profiles.read_yaml(f) == {"schema_version": 1}
+
+    result = CliRunner().invoke(app, ["recommend", "--method", "lora", "--hardware", "RTX 4090"])
+    one_line_error(result, 2, "no home folder", "SDPLAN_PROFILE_DIR")
+    monkeypatch.setenv("SDPLAN_PROFILE_DIR", str(tmp_path / "store"))
+    assert CliRunner().invoke(app, ["recommend", "--method", "lora", "--hardware", "RTX 4090"]).exit_code == 0
 
 
 def test_a_file_that_is_not_utf8_is_one_clear_error(tmp_path):
