@@ -2173,6 +2173,7 @@ def _space(req: Request, hw: Hardware) -> list[Settings]:
 
 
 def _candidates(req: Request, profiles: Profiles, hw: Hardware, cal: Calibration, resolution: int):
+    """Every candidate of the search, none skipped (what :func:`_search` is checked against)."""
     req = replace(req, resolution=resolution)
     return [_evaluate(req, profiles, hw, cal, s) for s in _space(req, hw)]
 
@@ -2199,7 +2200,7 @@ def _search(
             c = done[i] = _evaluate(req, profiles, hw, cal, space[i])
         return c
 
-    tiers = [_settings_tier(req, s) for s in space]
+    tiers = [_settings_tier(s, _lowered_rank(req, s)) for s in space]
     by_count: dict[int, list[int]] = {}
     for i, s in enumerate(space):
         by_count.setdefault(s.num_gpus, []).append(i)
@@ -2550,7 +2551,7 @@ def _evaluate(req: Request, profiles: Profiles, hw: Hardware, cal: Calibration, 
         allreduce_seconds=allreduce,
         peak_measured=evidence[0].id if evidence is not None else None,
         peak_basis=evidence[1] if evidence is not None else "predicted",
-        lowered_rank=_settings_tier(req, s)[0],
+        lowered_rank=_lowered_rank(req, s),
     )
 
 
@@ -2585,18 +2586,21 @@ def _which(c: Candidate, best: Candidate) -> str:
     return "a faster" if c.seconds < best.seconds else "an otherwise preferred"
 
 
-def _settings_tier(req: Request, s: Settings) -> tuple[bool, bool, bool]:
-    """What the settings alone decide of :func:`_tier`: a LoRA rank below the requested one (changes the
-    result), DeepSpeed offload, full half weights."""
-    lowered = s.method == "lora" and not req.pinned("lora_rank") and s.lora_rank < req.lora_rank
-    return (lowered, s.offload, s.full_half_weights)
+def _lowered_rank(req: Request, s: Settings) -> bool:
+    """A LoRA rank below the requested one (it changes the result)."""
+    return s.method == "lora" and not req.pinned("lora_rank") and s.lora_rank < req.lora_rank
+
+
+def _settings_tier(s: Settings, lowered_rank: bool) -> tuple[bool, bool, bool]:
+    """What the settings alone decide of :func:`_tier` (which lets :func:`_search` skip what loses by them): a
+    lower LoRA rank than asked, DeepSpeed offload, full half weights."""
+    return (lowered_rank, s.offload, s.full_half_weights)
 
 
 def _tier(c: Candidate) -> tuple:
     """Preference before speed: within the likely peak's upper end, the requested LoRA rank, no offload (the
-    optimizer on the CPU, host RAM held), fp32 master weights. All but the first are the settings'
-    (:func:`_settings_tier`, which lets :func:`_search` skip what loses by them)."""
-    return (not c.safe, c.lowered_rank, c.setup.offload, c.setup.full_half_weights)
+    optimizer on the CPU, host RAM held), fp32 master weights."""
+    return (not c.safe, *_settings_tier(c.setup, c.lowered_rank))
 
 
 def _preference(c: Candidate) -> tuple:

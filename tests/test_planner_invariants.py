@@ -788,11 +788,12 @@ def test_the_search_skips_only_what_no_count_would_choose(prof, method, family, 
     req = P.Request(method=method, model=family)
     resolution = prof.model(family).native_resolution
     cal = P.calibrate_for(prof, hw)
-    whole = [c for c in P._candidates(req, prof, hw, cal, resolution) if c.fits]
+    every = P._candidates(req, prof, hw, cal, resolution)
+    whole = [c for c in every if c.fits]
     cands, on_count = P._search(req, prof, hw, cal, resolution)
     best, best_by_n = P._choose(whole, prof)
     assert P._choose([c for c in cands if c.fits], prof) == (best, best_by_n)
     for n in best_by_n:
         assert on_count(n) == [c for c in whole if c.setup.num_gpus == n]
     if method == "lora":
-        assert len(cands) < len(P._candidates(req, prof, hw, cal, resolution))
+        assert len(cands) < len(every)
