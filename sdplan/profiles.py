@@ -83,41 +83,38 @@ CACHE_ENV = "SDPLAN_CACHE_DIR"
 def cache_dir() -> Path:
     """sdplan's cache (parsed profiles, the demo's tiny models): ``$SDPLAN_CACHE_DIR``, else
     ``$XDG_CACHE_HOME/sdplan``, else ``~/.cache/sdplan``. Deleting it only costs time."""
-    env = os.environ.get(CACHE_ENV)
-    if env:
-        return Path(env).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    if xdg:
-        return Path(xdg).expanduser() / "sdplan"
-    home = _home()
-    if home is None:  # callers keep no cache then
+    path = _user_dir(CACHE_ENV, "XDG_CACHE_HOME", ".cache")
+    if path is None:  # callers keep no cache then
         raise OSError(f"no home folder to keep sdplan's cache in; set ${CACHE_ENV}")
-    return home / ".cache" / "sdplan"
-
-
-def _home() -> Path | None:
-    """The user's home folder; None where there is none (a container's arbitrary user, without $HOME)."""
-    try:
-        return Path.home()
-    except (RuntimeError, KeyError):
-        return None
+    return path
 
 
 def local_dir() -> Path:
-    """The user's local profile store (measurements made on this machine); may not exist."""
-    env = os.environ.get("SDPLAN_PROFILE_DIR")
-    if env:
-        return Path(env).expanduser()
-    xdg = os.environ.get("XDG_DATA_HOME")
-    if xdg:
-        return Path(xdg).expanduser() / "sdplan" / "profiles"
-    home = _home()
-    if home is None:
+    """The user's local profile store (measurements made on this machine; ``$SDPLAN_PROFILE_DIR``, else
+    ``$XDG_DATA_HOME/sdplan/profiles``, else ``~/.local/share/sdplan/profiles``); may not exist."""
+    path = _user_dir("SDPLAN_PROFILE_DIR", "XDG_DATA_HOME", ".local/share", "profiles")
+    if path is None:
         raise UsageError(
             "no home folder to find the local profile store in",
             fix="set $SDPLAN_PROFILE_DIR to a folder for sdplan's measurements",
         )
-    return home / ".local" / "share" / "sdplan" / "profiles"
+    return path
+
+
+def _user_dir(env: str, xdg_var: str, xdg_default: str, *tail: str) -> Path | None:
+    """``$env`` as given, else ``$xdg_var/sdplan/*tail``, else ``~/xdg_default/sdplan/*tail``; None where there
+    is no home folder (a container's arbitrary user, without $HOME)."""
+    given = os.environ.get(env)
+    if given:
+        return Path(given).expanduser()
+    xdg = os.environ.get(xdg_var)
+    if xdg:
+        return Path(xdg).expanduser().joinpath("sdplan", *tail)
+    try:
+        home = Path.home()
+    except (RuntimeError, KeyError):
+        return None
+    return home.joinpath(xdg_default, "sdplan", *tail)
 
 
 # -- schema checking -------------------------------------------------------------------------------------
