@@ -368,3 +368,44 @@ def test_oom_offloads_a_zero1_split_naming_its_own_stage():
     assert change.data["distributed"]["deepspeed"] == {"zero_stage": 2, "offload_optimizer": True}
     assert "DeepSpeed ZeRO-1 to CPU (ZeRO-2 offload)" in change.message, change.message
     validate(change.data)
+
+
+# -- a trainer process leaves out the libraries its run does not use ---------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "overrides, left_out",
+    [
+        ([], {"bitsandbytes", "deepspeed"}),
+        (["memory.optimizer=adamw8bit"], {"deepspeed"}),
+        (["model.base_precision=nf4"], {"deepspeed"}),
+        (["distributed.deepspeed.zero_stage=2"], {"bitsandbytes"}),
+    ],
+)
+def test_a_trainer_process_leaves_out_bitsandbytes_and_deepspeed_where_its_run_uses_neither(
+    overrides, left_out
+):
+    """diffusers imports bitsandbytes with itself and accelerate imports DeepSpeed to unwrap any model, about
+    3 s of each trainer process's start: a run that uses neither marks them absent; one that uses one keeps it."""
+    from sdplan.trainer.__main__ import _leave_out_unused_libraries
+
+    from sdplan.config import apply_overrides
+
+    modules: dict = {}
+    _leave_out_unused_libraries(validate(apply_overrides(default_config(), overrides)), modules)
+    assert modules == dict.fromkeys(left_out)
+    imported = {"deepspeed": object()}  # one already imported stays
+    _leave_out_unused_libraries(validate(default_config()), imported)
+    assert imported["deepspeed"] is not None and imported["bitsandbytes"] is None
+
+
+def test_a_library_marked_absent_is_absent_to_the_checks_the_libraries_make(monkeypatch):
+    """None in sys.modules: ``find_spec`` (diffusers', accelerate's and peft's availability checks) answers None
+    and an import fails, as for a library that is not installed."""
+    import importlib.util
+    import sys
+
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)
+    assert importlib.util.find_spec("bitsandbytes") is None
+    with pytest.raises(ImportError):
+        import bitsandbytes  # noqa: F401

@@ -56,6 +56,20 @@ def _quiet_libraries() -> None:
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"diffusers\.")
 
 
+def _leave_out_unused_libraries(cfg, modules: dict = sys.modules) -> None:
+    """Mark bitsandbytes and DeepSpeed as not installed in a run that uses neither: ``None`` in ``sys.modules``
+    (Python's documented way to block an import) makes ``find_spec`` answer None, so diffusers, peft and accelerate
+    take them for absent. Installed, diffusers imports bitsandbytes with itself (``diffusers.quantizers``) and
+    accelerate imports DeepSpeed to unwrap any model (``extract_model_from_parallel``): about 3 s of each
+    trainer process's start, in each process of a multi-GPU run (`sdplan train --demo` on this project's shared
+    2-core CPU machine: 10.1-11.5 s with both imported, 7.6-10.0 s without).
+    The trainer imports bitsandbytes only for 8-bit AdamW and the nf4 base, DeepSpeed only under DeepSpeed."""
+    if cfg.memory.optimizer != "adamw8bit" and cfg.model.base_precision != "nf4":
+        modules.setdefault("bitsandbytes", None)
+    if cfg.distributed.deepspeed is None:
+        modules.setdefault("deepspeed", None)
+
+
 def _cpu_threads(cfg, torch) -> None:
     """CPU training started without OMP_NUM_THREADS (not by `sdplan train`): physical cores / processes."""
     if cfg.training.device != "cpu" or os.environ.get("OMP_NUM_THREADS"):
@@ -65,7 +79,10 @@ def _cpu_threads(cfg, torch) -> None:
     torch.set_num_threads(threads_per_process(int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)))
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, own_process: bool = False) -> int:
+    """The trainer's command line. ``own_process``: this process ends with the run (``python -m``), so the
+    libraries the run does not use may be left out of it (:func:`_leave_out_unused_libraries`); a caller that
+    goes on after the run keeps them."""
     parser = argparse.ArgumentParser(
         prog="python -m sdplan.trainer", description="Train as sdplan.yaml says."
     )
@@ -95,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
         _err(str(e))
         return e.exit_code
 
+    if own_process:
+        _leave_out_unused_libraries(cfg)
     _quiet_libraries()
     import torch
 
@@ -147,4 +166,6 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     from sdplan.procexit import exit_process
 
-    exit_process(main())  # the atexit handlers and a flush, without the 1-2 s interpreter teardown
+    exit_process(
+        main(own_process=True)
+    )  # the atexit handlers and a flush, without the 1-2 s interpreter teardown
