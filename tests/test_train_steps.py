@@ -383,7 +383,7 @@ def test_oom_offloads_a_zero1_split_naming_its_own_stage():
     ],
 )
 def test_a_trainer_process_leaves_out_bitsandbytes_and_deepspeed_where_its_run_uses_neither(
-    overrides, left_out
+    overrides, left_out, monkeypatch
 ):
     """diffusers imports bitsandbytes with itself and accelerate imports DeepSpeed to unwrap any model, about
     3 s of each trainer process's start: a run that uses neither marks them absent; one that uses one keeps it."""
@@ -391,9 +391,15 @@ def test_a_trainer_process_leaves_out_bitsandbytes_and_deepspeed_where_its_run_u
 
     from sdplan.config import apply_overrides
 
+    monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED", raising=False)
     modules: dict = {}
     _leave_out_unused_libraries(validate(apply_overrides(default_config(), overrides)), modules)
     assert modules == dict.fromkeys(left_out)
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")  # `accelerate launch --use_deepspeed`
+    launched: dict = {}
+    _leave_out_unused_libraries(validate(apply_overrides(default_config(), overrides)), launched)
+    assert launched == dict.fromkeys(left_out - {"deepspeed"})
+    monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED")
     imported = {"deepspeed": object()}  # one already imported stays
     _leave_out_unused_libraries(validate(default_config()), imported)
     assert imported["deepspeed"] is not None and imported["bitsandbytes"] is None

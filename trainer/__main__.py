@@ -63,10 +63,12 @@ def _leave_out_unused_libraries(cfg, modules: dict = sys.modules) -> None:
     accelerate imports DeepSpeed to unwrap any model (``extract_model_from_parallel``): about 3 s of each
     trainer process's start, in each process of a multi-GPU run (`sdplan train --demo` on this project's shared
     2-core CPU machine: 10.1-11.5 s with both imported, 7.6-10.0 s without).
-    The trainer imports bitsandbytes only for 8-bit AdamW and the nf4 base, DeepSpeed only under DeepSpeed."""
+    The trainer imports bitsandbytes only for 8-bit AdamW and the nf4 base, DeepSpeed only under DeepSpeed (its
+    config's or accelerate's)."""
     if cfg.memory.optimizer != "adamw8bit" and cfg.model.base_precision != "nf4":
         modules.setdefault("bitsandbytes", None)
-    if cfg.distributed.deepspeed is None:
+    launched_with_ds = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    if cfg.distributed.deepspeed is None and not launched_with_ds:  # `accelerate launch --use_deepspeed`
         modules.setdefault("deepspeed", None)
 
 
