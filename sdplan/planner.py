@@ -1897,12 +1897,26 @@ def _plan_steps(images_per_epoch: int, batch: int, grad_accum: int, num_gpus: in
     )
 
 
+def fp16_trains(g: HWGPU) -> bool:
+    """Whether fp16 mixed precision trains on ``g`` without NaN losses: its catalog entry's ``fp16_trains``
+    (false on the GTX 16 cards; a GPU not in the catalog: as its fp16 support says)."""
+    return g.fp16 and (g.spec is None or g.spec.fp16_trains)
+
+
 def precision_for(gpus: tuple[HWGPU, ...]) -> str:
     if gpus and all(g.bf16 for g in gpus):
         return "bf16"
-    if gpus and all(g.fp16 for g in gpus):
+    if gpus and all(fp16_trains(g) for g in gpus):
         return "fp16"
     return "fp32"
+
+
+def _fp16_nan_note(g: HWGPU) -> str:
+    """Why fp16 mixed precision is not planned on ``g`` (catalog ``fp16_trains: false``), with the sources."""
+    return (
+        f"fp16 mixed precision gives NaN losses in training on {g.name} (GTX 16 cards: kohya-ss/sd-scripts issue "
+        "293, bmaltais/kohya_ss issues 722 and 1951; AUTOMATIC1111 and InvokeAI run them without autocast)"
+    )
 
 
 def _matching_point(profiles: Profiles, s: Settings, gpu: GPUSpec | None) -> MethodPoint | None:
@@ -2976,6 +2990,7 @@ def plan(hardware: Hardware | Any, profiles: Profiles, request: Request) -> Resu
         relax = _relaxations(req, profiles, hardware, cal, resolution)
         if relax:
             reasons.append("fits when changed: " + "; or ".join(relax))
+        reasons += _fp16_would_fit(req, profiles, hardware, cal, resolution)
         if flow_family(req.model) and req.method in FULL_METHODS:
             reasons.append(FLOW_FULL_NOT_IN_TRAINER)
         return _infeasible(
@@ -3106,6 +3121,25 @@ def _relaxations(
     return []
 
 
+def _fp16_would_fit(
+    req: Request, profiles: Profiles, hw: Hardware, cal: Calibration, resolution: int
+) -> list[str]:
+    """Where nothing fits in the fp32 planned for a GPU whose fp16 mixed precision gives NaN losses (GTX 16), what
+    fits with training.precision=fp16 pinned, and the risk (one reason; none where fp16 does not fit either)."""
+    nan = next((g for g in hw.gpus if g.fp16 and not fp16_trains(g)), None)
+    if nan is None or req.pinned("precision"):
+        return []
+    pinned = replace(req, pins=(*req.pins, ("precision", "fp16")))
+    fitting = [c for c in _search(pinned, profiles, hw, cal, resolution)[0] if c.fits]
+    if not fitting:
+        return []
+    best, _ = _choose(fitting, profiles)
+    return [
+        f"in fp16 it fits ({describe(best.setup)}: {format_range(best.memory.peak, best.peak_range)} per GPU); "
+        f"pin training.precision=fp16 to plan it, but {_fp16_nan_note(nan)}"
+    ]
+
+
 def _band_scope(profiles: Profiles, model: str) -> str:
     """Which validation points an uncertainty band of ``model``'s plan comes from, in words."""
     if profiles.uncertainty.peak_vram_transformer is None:
@@ -3127,7 +3161,10 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
     pinned = req.pinned
     r = []
     if pinned("precision"):
-        r.append(f"precision {s.precision}: pinned")
+        nan = (
+            next((g for g in used if not fp16_trains(g) and g.fp16), None) if s.precision == "fp16" else None
+        )
+        r.append(f"precision {s.precision}: pinned" + (f"; note: {_fp16_nan_note(nan)}" if nan else ""))
     elif s.precision == "bf16":
         kept = (
             "bf16 weights and gradients, see below"
@@ -3141,6 +3178,11 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
         r.append(
             f"precision fp16: {lacking.name} has no bf16 in hardware (T4/V100/RDNA2 class), so fp16 mixed precision "
             "with loss scaling"
+        )
+    elif (nan := next((g for g in used if g.fp16 and not fp16_trains(g)), None)) is not None:
+        r.append(
+            f"precision fp32 (no mixed precision): {_fp16_nan_note(nan)}; it holds more memory than fp16 would, "
+            "and pinning training.precision=fp16 plans that"
         )
     else:
         lacking = next((g for g in used if not g.fp16), gpu)

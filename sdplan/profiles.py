@@ -210,6 +210,11 @@ GPU_SCHEMA = {
     "bf16": F((bool,)),
     "fp16": F((bool,)),
     "fp16_tflops": F(NUM, check=_positive),
+    # the FP32 rate where it is not a quarter of fp16_tflops (no tensor cores: the same CUDA-core rate)
+    "fp32_tflops": F(NUM, required=False, check=_positive),
+    # false where fp16 mixed precision is reported to give NaN losses in training (the planner then plans fp32);
+    # its sources in `source`
+    "fp16_trains": F((bool,), required=False),
     "bf16_tflops": F(OPT_NUM, check=_positive),
     "memory_bandwidth_gbs": F(NUM, check=_positive),
     # a measured torch.matmul peak (large square GEMMs, TFLOPS), where one was published; its source in `source`
@@ -393,6 +398,8 @@ class GPUSpec:
     source: str
     measured_matmul_tflops: dict | None = None
     memory_total_mib: float | None = None
+    fp32_tflops: float | None = None
+    fp16_trains: bool = True
 
     @property
     def memory_bytes(self) -> int:
@@ -403,11 +410,12 @@ class GPUSpec:
         return int(round(self.memory_gib * GiB))
 
     def tflops(self, precision: str) -> float:
-        """Dense tensor throughput for a precision; fp32 training runs at roughly a quarter of fp16 rate."""
+        """Dense tensor throughput for a precision; fp32 training runs at roughly a quarter of fp16 rate (tensor
+        cores), or at ``fp32_tflops`` where the catalog gives it (no tensor cores: the same rate)."""
         if precision == "bf16" and self.bf16_tflops:
             return float(self.bf16_tflops)
         if precision == "fp32":
-            return float(self.fp16_tflops) / 4.0
+            return float(self.fp32_tflops) if self.fp32_tflops else float(self.fp16_tflops) / 4.0
         return float(self.fp16_tflops)
 
     def matmul_tflops(self, precision: str) -> float:
@@ -1133,6 +1141,8 @@ def load_gpus(path: Path) -> tuple[GPUSpec, ...]:
                 source=g["source"],
                 measured_matmul_tflops=g.get("measured_matmul_tflops"),
                 memory_total_mib=g.get("memory_total_mib"),
+                fp32_tflops=g.get("fp32_tflops"),
+                fp16_trains=g.get("fp16_trains", True),
             )
         )
     if errors:

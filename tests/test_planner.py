@@ -217,6 +217,54 @@ def test_t4_gets_fp16_and_cpu_only_gets_suggestions(prof):
     assert cpu["needs"]["suggested_hardware"]
 
 
+@pytest.mark.parametrize("name", ["GTX 1650", "GTX 1660", "GTX 1660 Super", "GTX 1660 Ti"])
+def test_a_gtx_16_card_trains_in_fp32_and_a_pinned_fp16_carries_the_nan_note(prof, name):
+    """fp16 mixed precision gives NaN losses on the GTX 16 cards (kohya-ss/sd-scripts#293, bmaltais/kohya_ss#722,
+    #1951; A1111 and InvokeAI run them without autocast): the planner plans fp32 there and says why; a pinned
+    fp16 is planned, with the note. Their fp32 runs at their CUDA-core rate (no tensor cores), not a quarter of
+    it. Where nothing fits in fp32, the reasons say what fits in fp16."""
+    spec = prof.find_gpu(name)
+    assert not spec.fp16_trains and spec.tflops("fp32") == spec.fp16_tflops
+    req = P.Request(method="lora", model="sd15")
+    res = P.plan(P.hardware_from_catalog(spec), prof, req)
+    if spec.memory_gib < 6:  # 4 GB: nothing fits in fp32; the reasons say what fp16 would fit, and the risk
+        assert not res.feasible and "(fp32, batch 1," in res.reasons[-2]
+        assert res.reasons[-1].startswith("in fp16 it fits (fp16, ") and "gives NaN losses" in res.reasons[-1]
+    else:
+        assert res.feasible and res.plan.precision == "fp32"
+        why = next(r for r in res.reasons if r.startswith("precision "))
+        assert why.startswith(
+            "precision fp32 (no mixed precision): fp16 mixed precision gives NaN losses"
+        ) and ("kohya-ss/sd-scripts issue 293" in why and "training.precision=fp16" in why)
+    pinned = P.plan(P.hardware_from_catalog(spec), prof, replace(req, pins=(("precision", "fp16"),)))
+    assert pinned.feasible and pinned.plan.precision == "fp16"
+    assert any(
+        r.startswith("precision fp16: pinned; note: fp16 mixed precision gives NaN") for r in pinned.reasons
+    )
+
+
+def test_fp16_stays_where_it_trains_and_the_probed_gtx_16_name_is_the_catalogs(prof):
+    """Turing cards with tensor cores (RTX 2060, T4) keep fp16; a probed GTX 16 (its NVML name) is planned as its
+    catalog entry says, also beside another GPU; an A100's fp32 is still a quarter of its fp16 rate."""
+    for name in ("RTX 2060", "T4", "GTX 1080 Ti"):
+        res = P.plan(
+            P.hardware_from_catalog(prof.find_gpu(name)), prof, P.Request(method="lora", model="sd15")
+        )
+        assert res.plan.precision == "fp16", name
+    a100 = prof.find_gpu("A100 SXM4 80GB")
+    assert a100.fp16_trains and a100.tflops("fp32") == a100.fp16_tflops / 4
+    from test_planner_mixed import RTX2080TI, machine
+
+    gtx = {**RTX2080TI, "name": "NVIDIA GeForce GTX 1660 SUPER", "memory_total_bytes": 6442450944}
+    one = P.plan(machine(gtx), prof, P.Request(method="lora", model="sd15"))
+    assert one.hardware.gpus[0].spec.name == "GTX 1660 Super" and one.plan.precision == "fp32"
+    both = P.plan(
+        machine(RTX2080TI, gtx), prof, P.Request(method="lora", model="sd15", pins=(("num_gpus", 2),))
+    )
+    assert both.plan.precision == "fp32"
+    assert P.precision_for(P.hardware_from_catalog(prof.find_gpu("RTX 2080 Ti")).gpus) == "fp16"
+
+
 def test_infeasible_catalog_gpu_says_what_would_fit(prof):
     hw = P.hardware_from_catalog(prof.find_gpu("RTX 2060"))
     res = P.plan(hw, prof, P.Request(method="finetune", model="sdxl"))
