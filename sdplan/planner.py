@@ -2870,8 +2870,18 @@ def pin_conflicts(req: Request, hw: Hardware) -> list[str]:
 def _infeasible(req, hw, reasons, steps, *, memory=None, need=None, profiles=None, conflicts=()):
     needs = None
     if need is not None:
-        suggested = suggest_hardware(profiles, need, request=req, ram_total_bytes=hw.ram_total_bytes)
-        needs = {"min_vram_bytes": need, "suggested_hardware": suggested}
+        # a GPU that trains in fp32 because its fp16 gives NaN losses (GTX 16): what a GPU that trains in fp16
+        # mixed precision needs, from which the cards that would fit are drawn (each by its own precision)
+        mixed = None
+        if next((g for g in hw.gpus if g.fp16 and not fp16_trains(g)), None) and not req.pinned("precision"):
+            mixed = min_vram_needed(req, profiles, precision="fp16", ram_total_bytes=hw.ram_total_bytes)
+            mixed = mixed if mixed is not None and mixed < need else None
+        suggested = suggest_hardware(profiles, mixed or need, request=req, ram_total_bytes=hw.ram_total_bytes)
+        needs = {
+            "min_vram_bytes": need,
+            "min_vram_bytes_mixed_precision": mixed,
+            "suggested_hardware": suggested,
+        }
     return Result(
         feasible=False,
         request=req,

@@ -665,8 +665,10 @@ def render(d: dict, res: planner.Result, console) -> None:
         if needs.get("min_vram_bytes") is None:  # the host RAM blocks every configuration (see the reasons)
             console.print("[bold red]does not fit[/]: this machine's host RAM is too small for it")
         else:
+            mixed = needs.get("min_vram_bytes_mixed_precision")
             console.print(
                 f"[bold red]does not fit[/]: needs at least {_gib(needs.get('min_vram_bytes'))} of GPU memory"
+                + (f" in fp32 ({_gib(mixed)} on a GPU that trains in fp16 mixed precision)" if mixed else "")
             )
         if needs.get("suggested_hardware"):
             console.print("would fit: " + ", ".join(needs["suggested_hardware"]), markup=False)

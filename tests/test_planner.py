@@ -243,6 +243,25 @@ def test_a_gtx_16_card_trains_in_fp32_and_a_pinned_fp16_carries_the_nan_note(pro
     )
 
 
+def test_the_cards_said_to_fit_a_gtx_16_request_are_those_that_fit_it_in_their_own_precision(prof):
+    """SDXL LoRA on a GTX 1660 Super needs 16 GiB in the fp32 it trains in there, 8.5 in fp16 mixed precision:
+    "would fit" names the cards on which it fits as each trains (a 10 GB RTX 3080), not only cards of 16 GiB and
+    more; "needs at least" keeps this card's figure, with the other beside it."""
+    req = P.Request(method="lora", model="sdxl")
+    res = P.plan(P.hardware_from_catalog(prof.find_gpu("GTX 1660 Super")), prof, req)
+    need, mixed = res.needs["min_vram_bytes"], res.needs["min_vram_bytes_mixed_precision"]
+    assert not res.feasible and mixed is not None and mixed < need
+    assert mixed == P.min_vram_needed(req, prof, precision="fp16")
+    suggested = res.needs["suggested_hardware"]
+    assert any(prof.find_gpu(n).memory_bytes < need for n in suggested), suggested
+    for name in suggested:
+        own = P.plan(P.hardware_from_catalog(prof.find_gpu(name)), prof, req)
+        assert own.feasible and own.within_upper_bound, name
+    flux_ft = P.Request(method="finetune", model="flux-dev")
+    t4 = P.plan(P.hardware_from_catalog(prof.find_gpu("T4")), prof, flux_ft)
+    assert not t4.feasible and t4.needs["min_vram_bytes_mixed_precision"] is None
+
+
 def test_fp16_stays_where_it_trains_and_the_probed_gtx_16_name_is_the_catalogs(prof):
     """Turing cards with tensor cores (RTX 2060, T4) keep fp16; a probed GTX 16 (its NVML name) is planned as its
     catalog entry says, also beside another GPU; an A100's fp32 is still a quarter of its fp16 rate."""
