@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -353,3 +354,26 @@ def test_planner_verdict_is_tight_where_loading_needs_more_host_ram(tmp_path):
     assert status == "tight", note
     assert "host RAM" in note and "16.0 GiB here" in note
     assert grid[("lora", "sd15")][0] == "ok"  # what loads within the RAM stays ok
+
+
+def test_a_gtx_16_card_is_judged_in_fp32_with_the_fp16_figure_beside_it():
+    """GTX 16 cards train in fp32 (fp16 mixed precision gives NaN losses on them): the cells say so, and where
+    nothing fits, the GPU fp16 would need beside the fp32 one."""
+    import dataclasses
+
+    from sdplan.doctor import planner_verdicts
+
+    snap = Snapshot.load(MACHINES / "rtx3060_12gb.json")
+    gtx = dataclasses.replace(
+        snap.gpus[0],
+        name="NVIDIA GeForce GTX 1660 SUPER",
+        memory_total_bytes=6 * 2**30,
+        compute_capability="7.5",
+        bf16=False,
+    )
+    grid = {(m, f): (s, note) for m, f, s, note in planner_verdicts(dataclasses.replace(snap, gpus=(gtx,)))}
+    assert grid[("lora", "sd15")][0] == "ok" and grid[("lora", "sd15")][1].startswith("fp32, batch ")
+    status, note = grid[("lora", "sdxl")]
+    assert status == "no" and re.fullmatch(r"needs a [\d.]+ GiB GPU in fp32 \([\d.]+ GiB in fp16\)", note), (
+        note
+    )
