@@ -1911,6 +1911,11 @@ def precision_for(gpus: tuple[HWGPU, ...]) -> str:
     return "fp32"
 
 
+def _fp16_nan_gpu(gpus) -> HWGPU | None:
+    """The first of ``gpus`` that has fp16 but whose fp16 mixed precision gives NaN losses (GTX 16), if any."""
+    return next((g for g in gpus if g.fp16 and not fp16_trains(g)), None)
+
+
 def _fp16_nan_note(g: HWGPU) -> str:
     """Why fp16 mixed precision is not planned on ``g`` (catalog ``fp16_trains: false``), with the sources."""
     return (
@@ -2873,7 +2878,7 @@ def _infeasible(req, hw, reasons, steps, *, memory=None, need=None, profiles=Non
         # a GPU that trains in fp32 because its fp16 gives NaN losses (GTX 16): what a GPU that trains in fp16
         # mixed precision needs, from which the cards that would fit are drawn (each by its own precision)
         mixed = None
-        if next((g for g in hw.gpus if g.fp16 and not fp16_trains(g)), None) and not req.pinned("precision"):
+        if _fp16_nan_gpu(hw.gpus) and not req.pinned("precision"):
             mixed = min_vram_needed(req, profiles, precision="fp16", ram_total_bytes=hw.ram_total_bytes)
             mixed = mixed if mixed is not None and mixed < need else None
         suggested = suggest_hardware(profiles, mixed or need, request=req, ram_total_bytes=hw.ram_total_bytes)
@@ -3136,7 +3141,7 @@ def _fp16_would_fit(
 ) -> list[str]:
     """Where nothing fits in the fp32 planned for a GPU whose fp16 mixed precision gives NaN losses (GTX 16), what
     fits with training.precision=fp16 pinned, and the risk (one reason; none where fp16 does not fit either)."""
-    nan = next((g for g in hw.gpus if g.fp16 and not fp16_trains(g)), None)
+    nan = _fp16_nan_gpu(hw.gpus)
     if nan is None or req.pinned("precision"):
         return []
     pinned = replace(req, pins=(*req.pins, ("precision", "fp16")))
@@ -3171,9 +3176,7 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
     pinned = req.pinned
     r = []
     if pinned("precision"):
-        nan = (
-            next((g for g in used if not fp16_trains(g) and g.fp16), None) if s.precision == "fp16" else None
-        )
+        nan = _fp16_nan_gpu(used) if s.precision == "fp16" else None
         r.append(f"precision {s.precision}: pinned" + (f"; note: {_fp16_nan_note(nan)}" if nan else ""))
     elif s.precision == "bf16":
         kept = (
@@ -3189,7 +3192,7 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
             f"precision fp16: {lacking.name} has no bf16 in hardware (T4/V100/RDNA2 class), so fp16 mixed precision "
             "with loss scaling"
         )
-    elif (nan := next((g for g in used if g.fp16 and not fp16_trains(g)), None)) is not None:
+    elif (nan := _fp16_nan_gpu(used)) is not None:
         r.append(
             f"precision fp32 (no mixed precision): {_fp16_nan_note(nan)}; it holds more memory than fp16 would, "
             "and pinning training.precision=fp16 plans that"
