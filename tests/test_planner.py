@@ -264,7 +264,9 @@ def test_the_cards_said_to_fit_a_gtx_16_request_are_those_that_fit_it_in_their_o
 
 def test_fp16_stays_where_it_trains_and_the_probed_gtx_16_name_is_the_catalogs(prof):
     """Turing cards with tensor cores (RTX 2060, T4) keep fp16; a probed GTX 16 (its NVML name) is planned as its
-    catalog entry says, also beside another GPU; an A100's fp32 is still a quarter of its fp16 rate."""
+    catalog entry says, also beside another GPU, and one the catalog lacks by AUTOMATIC1111's rule (compute
+    capability 7.5, a name starting "NVIDIA GeForce GTX 16"); an A100's fp32 is still a quarter of its fp16
+    rate."""
     for name in ("RTX 2060", "T4", "GTX 1080 Ti"):
         res = P.plan(
             P.hardware_from_catalog(prof.find_gpu(name)), prof, P.Request(method="lora", model="sd15")
@@ -277,6 +279,16 @@ def test_fp16_stays_where_it_trains_and_the_probed_gtx_16_name_is_the_catalogs(p
     gtx = {**RTX2080TI, "name": "NVIDIA GeForce GTX 1660 SUPER", "memory_total_bytes": 6442450944}
     one = P.plan(machine(gtx), prof, P.Request(method="lora", model="sd15"))
     assert one.hardware.gpus[0].spec.name == "GTX 1660 Super" and one.plan.precision == "fp32"
+    laptop = {
+        **gtx,
+        "name": "NVIDIA GeForce GTX 1650 Ti",
+        "memory_total_bytes": 4 * 2**30,
+    }  # not in the catalog
+    alone = P.plan(machine(laptop), prof, P.Request(method="lora", model="sd15"))
+    assert alone.hardware.gpus[0].spec is None and not P.fp16_trains(alone.hardware.gpus[0])
+    assert not P.fp16_trains(replace(alone.hardware.gpus[0], name="NVIDIA GeForce GTX 1630"))
+    assert P.fp16_trains(replace(alone.hardware.gpus[0], name="NVIDIA GeForce RTX 2050"))  # not a GTX 16
+    assert P.fp16_trains(replace(alone.hardware.gpus[0], arch="6.1", name="NVIDIA GeForce GTX 1650 Ti"))
     both = P.plan(
         machine(RTX2080TI, gtx), prof, P.Request(method="lora", model="sd15", pins=(("num_gpus", 2),))
     )
