@@ -714,6 +714,7 @@ def render_compare(rows: list[tuple[str, dict, planner.Result]], console) -> Non
             if d["feasible"]
             else (
                 f"needs {_gib(need)}"
+                + (" in fp32" if (d["needs"] or {}).get("min_vram_bytes_mixed_precision") else "")
                 if (need := (d["needs"] or {}).get("min_vram_bytes")) is not None
                 else "needs more host RAM"
             ),

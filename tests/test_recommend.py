@@ -240,6 +240,23 @@ def test_compare_table():
         assert name in r.stdout
 
 
+def test_a_gtx_16_card_that_does_not_fit_says_its_need_is_in_fp32():
+    """It trains in fp32 there (fp16 mixed precision gives NaN losses): the figures say so, in the compare table
+    (its row only) and beside 'needs at least', with what a GPU that trains in fp16 needs."""
+    import re
+
+    r = run("--method", "lora", "--model", "sdxl", "--compare", "GTX 1660 Super,RTX 2060")
+    assert r.exit_code == 0, r.output
+    table = re.sub(
+        r"[│┃\s]+", " ", r.stdout
+    )  # a wrapped cell's lines, read on (the row's other cells are "-")
+    assert table.count("GiB in fp32") == 1, table
+    one = run("--method", "lora", "--model", "sdxl", "--hardware", "GTX 1660 Super")
+    flat = " ".join(one.stdout.split())
+    want = r"does not fit: needs at least [\d.]+ GiB of GPU memory in fp32 \([\d.]+ GiB on a GPU that trains in fp16"
+    assert one.exit_code == 1 and re.search(want, flat), flat
+
+
 def _image(path: Path) -> None:
     from PIL import Image
 
