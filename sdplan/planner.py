@@ -2800,8 +2800,10 @@ def pin_conflicts(req: Request, hw: Hardware) -> list[str]:
     no_fp16 = next((g for g in hw.gpus if not g.fp16), None)
     precision = req.pin("precision")
     if precision == "bf16" and no_bf16 is not None:
+        # the precision it would plan without the pin: fp32 where fp16 gives NaN losses (GTX 16)
         out.append(
-            f"training.precision=bf16: {no_bf16.name} has no bf16 in hardware (use training.precision=fp16)"
+            f"training.precision=bf16: {no_bf16.name} has no bf16 in hardware "
+            f"(use training.precision={precision_for(hw.gpus)})"
         )
     if precision == "fp16" and no_fp16 is not None:
         out.append(

@@ -236,6 +236,8 @@ def test_a_gtx_16_card_trains_in_fp32_and_a_pinned_fp16_carries_the_nan_note(pro
         assert why.startswith(
             "precision fp32 (no mixed precision): fp16 mixed precision gives NaN losses"
         ) and ("kohya-ss/sd-scripts issue 293" in why and "training.precision=fp16" in why)
+    bf16 = P.pin_conflicts(replace(req, pins=(("precision", "bf16"),)), P.hardware_from_catalog(spec))
+    assert bf16 == [f"training.precision=bf16: {name} has no bf16 in hardware (use training.precision=fp32)"]
     pinned = P.plan(P.hardware_from_catalog(spec), prof, replace(req, pins=(("precision", "fp16"),)))
     assert pinned.feasible and pinned.plan.precision == "fp16"
     assert any(
