@@ -15,6 +15,17 @@ from sdplan.errors import ConfigError, UsageError
 
 SCHEMA_VERSION = 1
 
+# The GTX 16 cards (Turing TU116/TU117, no tensor cores) as AUTOMATIC1111 tells them apart to run them without
+# autocast (modules/devices.py cuda_no_autocast: compute capability 7.5 and a name starting so): fp16 mixed
+# precision gives NaN losses in training on them (kohya-ss/sd-scripts issue 293, bmaltais/kohya_ss issues 722 and
+# 1951). The GPU catalog marks its GTX 16 entries so too (profiles/gpus.yaml fp16_trains: false).
+GTX16_NAME_PREFIX = "NVIDIA GeForce GTX 16"
+
+
+def fp16_gives_nan(name: str | None, compute_capability: str | None) -> bool:
+    """Whether a GPU of this NVML name and compute capability is a GTX 16 card (:data:`GTX16_NAME_PREFIX`)."""
+    return compute_capability == "7.5" and (name or "").startswith(GTX16_NAME_PREFIX)
+
 
 @dataclass(frozen=True)
 class Host:

@@ -48,6 +48,7 @@ from typing import Any
 
 from sdplan import registry
 from sdplan.errors import UsageError
+from sdplan.machine import fp16_gives_nan
 from sdplan.profiles import GiB, GPUSpec, HostMeasurement, MethodPoint, ModelSpec, Profiles
 from sdplan.registry import FULL_METHODS, METHODS
 from sdplan.settings import (
@@ -1897,21 +1898,15 @@ def _plan_steps(images_per_epoch: int, batch: int, grad_accum: int, num_gpus: in
     )
 
 
-# the GTX 16 cards as AUTOMATIC1111 tells them apart to run them without autocast (modules/devices.py
-# cuda_no_autocast: compute capability 7.5 and a name starting so): for probed ones the catalog does not list
-# (laptop GTX 1650 Ti, GTX 1660 Ti with Max-Q design, GTX 1630)
-GTX16_NAME_PREFIX = "NVIDIA GeForce GTX 16"
-
-
 def fp16_trains(g: HWGPU) -> bool:
     """Whether fp16 mixed precision trains on ``g`` without NaN losses: its catalog entry's ``fp16_trains``
     (false on the GTX 16 cards); a GPU not in the catalog: its fp16 support, unless it is a GTX 16 by
-    AUTOMATIC1111's rule (:data:`GTX16_NAME_PREFIX`)."""
+    AUTOMATIC1111's rule (:func:`sdplan.machine.fp16_gives_nan`: the laptop GTX 1650 Ti, the GTX 1630)."""
     if not g.fp16:
         return False
     if g.spec is not None:
         return g.spec.fp16_trains
-    return not (g.vendor == "nvidia" and g.arch == "7.5" and g.name.startswith(GTX16_NAME_PREFIX))
+    return not (g.vendor == "nvidia" and fp16_gives_nan(g.name, g.arch))
 
 
 def precision_for(gpus: tuple[HWGPU, ...]) -> str:

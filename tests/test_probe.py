@@ -582,6 +582,22 @@ def test_findings_name_the_fix_per_machine():
     assert "whl/cu121" in fx["cuda_driver_too_old"].fix  # driver supports 12.2 -> cu121
 
 
+def test_a_gtx_16_card_is_told_to_train_in_fp32_not_fp16():
+    """GTX 16 cards (compute capability 7.5, NVML name "NVIDIA GeForce GTX 16..."): fp16 mixed precision gives NaN
+    losses there, so the finding says fp32; an RTX 2080 Ti (7.5 too, tensor cores) keeps the fp16 advice."""
+    t4 = load("t4")
+    gtx = replace(t4.gpus[0], name="NVIDIA GeForce GTX 1650 Ti", compute_capability="7.5", bf16=False)
+    rtx = replace(
+        t4.gpus[0], index=1, name="NVIDIA GeForce RTX 2080 Ti", compute_capability="7.5", bf16=False
+    )
+    fx = {f.code: f for f in findings(replace(t4, gpus=(gtx,)))}
+    assert "bf16_unavailable" not in fx and "mixed_precision no" in fx["fp16_nan"].fix
+    assert fx["fp16_nan"].message.startswith("NVIDIA GeForce GTX 1650 Ti has no hardware bf16, and fp16")
+    both = {f.code: f for f in findings(replace(t4, gpus=(gtx, rtx)))}
+    assert both["bf16_unavailable"].message.startswith("NVIDIA GeForce RTX 2080 Ti has no hardware bf16 (")
+    assert both["fp16_nan"].message.startswith("NVIDIA GeForce GTX 1650 Ti has")
+
+
 def test_findings_is_pure(monkeypatch):
     def no_io(*args, **kwargs):
         raise AssertionError("findings() did I/O")

@@ -12,7 +12,7 @@ import os
 import re
 from dataclasses import replace
 
-from sdplan.machine import GPU, Finding, Snapshot
+from sdplan.machine import GPU, Finding, Snapshot, fp16_gives_nan
 
 # -- thresholds ----------------------------------------------------------------------------------------
 # Field notes section 1 ("How many GPUs do you need"): 16 GB RAM minimum, 32 GB comfortable for training,
@@ -64,6 +64,7 @@ RULE_CODES = frozenset(
         "rocm_arch_override",
         "amd_kernel_old",
         "bf16_unavailable",
+        "fp16_nan",
         "ram_insufficient",
         "ram_low",
         "disk_low",
@@ -242,17 +243,30 @@ def _amd_rules(s: Snapshot) -> list[Finding]:
 
 def _precision_rules(s: Snapshot) -> list[Finding]:
     no_bf16 = [g for g in s.usable_gpus if g.bf16 is False]
-    if not no_bf16:
-        return []
-    return [
-        Finding(
-            "warning",
-            "bf16_unavailable",
-            f"{_names(no_bf16)} has no hardware bf16 "
-            "(NVIDIA needs compute capability >= 8.0; AMD needs RDNA3+ or CDNA)",
-            "train with fp16 mixed precision (accelerate: mixed_precision fp16)",
+    nan = [g for g in no_bf16 if g.vendor == "nvidia" and fp16_gives_nan(g.name, g.compute_capability)]
+    fp16 = [g for g in no_bf16 if g not in nan]
+    out = []
+    if fp16:
+        out.append(
+            Finding(
+                "warning",
+                "bf16_unavailable",
+                f"{_names(fp16)} has no hardware bf16 "
+                "(NVIDIA needs compute capability >= 8.0; AMD needs RDNA3+ or CDNA)",
+                "train with fp16 mixed precision (accelerate: mixed_precision fp16)",
+            )
         )
-    ]
+    if nan:
+        out.append(
+            Finding(
+                "warning",
+                "fp16_nan",
+                f"{_names(nan)} has no hardware bf16, and fp16 mixed precision gives NaN losses in training on "
+                "GTX 16 cards (kohya-ss/sd-scripts issue 293, bmaltais/kohya_ss issues 722 and 1951)",
+                "train in fp32 (accelerate: mixed_precision no; sdplan plans it there), which holds more memory",
+            )
+        )
+    return out
 
 
 def _host_rules(s: Snapshot) -> list[Finding]:
