@@ -264,6 +264,24 @@ def test_the_cards_said_to_fit_a_gtx_16_request_are_those_that_fit_it_in_their_o
     assert not t4.feasible and t4.needs["min_vram_bytes_mixed_precision"] is None
 
 
+def test_the_catalogs_fp16_trains_agrees_with_the_gtx_16_name_rule(prof):
+    """The catalog's fp16_trains: false and AUTOMATIC1111's name rule (sdplan.machine.fp16_gives_nan, for probed
+    cards the catalog lacks and for doctor's finding) name the same cards."""
+    from sdplan.machine import fp16_gives_nan
+
+    by_rule = {g.name for g in prof.gpus if any(fp16_gives_nan(a, g.arch) for a in g.aliases)}
+    assert (
+        by_rule
+        == {g.name for g in prof.gpus if not g.fp16_trains}
+        == {
+            "GTX 1650",
+            "GTX 1660",
+            "GTX 1660 Super",
+            "GTX 1660 Ti",
+        }
+    )
+
+
 def test_fp16_stays_where_it_trains_and_the_probed_gtx_16_name_is_the_catalogs(prof):
     """Turing cards with tensor cores (RTX 2060, T4) keep fp16; a probed GTX 16 (its NVML name) is planned as its
     catalog entry says, also beside another GPU, and one the catalog lacks by AUTOMATIC1111's rule (compute
