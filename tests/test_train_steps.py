@@ -415,3 +415,21 @@ def test_a_library_marked_absent_is_absent_to_the_checks_the_libraries_make(monk
     assert importlib.util.find_spec("bitsandbytes") is None
     with pytest.raises(ImportError):
         import bitsandbytes  # noqa: F401
+
+
+def test_a_nan_loss_in_fp16_on_a_gtx_16_card_says_to_train_in_fp32():
+    """fp16 mixed precision gives NaN losses on GTX 16 cards: a NaN loss there names that cause and fp32 (a pinned
+    fp16 is the only way such a run trains in fp16); elsewhere the fp16 advice stays."""
+    from pathlib import Path
+
+    from sdplan.trainer.stops import nonfinite_error
+
+    from sdplan.config import apply_overrides
+
+    cfg = validate(apply_overrides(default_config(), ["training.precision=fp16"]))
+    gtx = nonfinite_error(7, cfg, Path("ck"), device=("NVIDIA GeForce GTX 1660 SUPER", "7.5"))
+    assert "fp16 mixed precision on NVIDIA GeForce GTX 1660 SUPER" in str(gtx) and "ck" in str(gtx)
+    assert gtx.fix == "train with training.precision=fp32 (what sdplan plans on GTX 16 cards)"
+    for device in (("NVIDIA GeForce RTX 2080 Ti", "7.5"), (None, None)):
+        other = nonfinite_error(7, cfg, None, device=device)
+        assert "fp16 overflow" in str(other) and "bf16" in other.fix

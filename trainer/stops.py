@@ -60,7 +60,18 @@ class NonFiniteLoss(SdplanError):
     exit_code = 1
 
 
-def nonfinite_error(step: int, cfg, checkpoint: Path | None, *, gradients: bool = False) -> NonFiniteLoss:
+def nonfinite_error(
+    step: int,
+    cfg,
+    checkpoint: Path | None,
+    *,
+    gradients: bool = False,
+    device: tuple[str | None, str | None] = (None, None),
+) -> NonFiniteLoss:
+    """The error for a NaN/inf at ``step``; ``device``: the CUDA device's (name, compute capability), which names
+    a GTX 16 card's fp16 NaN (sdplan.machine.fp16_gives_nan) as the likely cause."""
+    from sdplan.machine import fp16_gives_nan
+
     p = cfg.training.precision
     where = f"; weights from before it in {checkpoint}" if checkpoint else ""
     if gradients:  # the loss was finite: the backward pass made them
@@ -72,7 +83,13 @@ def nonfinite_error(step: int, cfg, checkpoint: Path | None, *, gradients: bool 
             f"{cfg.training.learning_rate:g}); if it comes back at once, train with training.precision=fp32 "
             "and report it with the run's sdplan.yaml",
         )
-    if p == "fp16":
+    if p == "fp16" and fp16_gives_nan(*device):
+        cause = (
+            f"fp16 mixed precision on {device[0]}: it gives NaN losses on GTX 16 cards (kohya-ss/sd-scripts issue "
+            "293, bmaltais/kohya_ss issues 722 and 1951)"
+        )
+        fix = "train with training.precision=fp32 (what sdplan plans on GTX 16 cards)"
+    elif p == "fp16":
         cause = "fp16 overflow (activations or the loss exceed the fp16 range)"
         fix = "train with training.precision=bf16 (Ampere or newer) or fp32, or lower training.learning_rate"
     else:
@@ -91,7 +108,11 @@ def stop_on_nan(ckpt, params, step: int, cfg, *, gradients: bool = False) -> Non
         path = ckpt.save("nan")
     elif ckpt.last_saved is not None:
         path = ckpt.last_saved
-    return nonfinite_error(step, cfg, path, gradients=gradients)
+    device = (None, None)
+    if torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        device = (torch.cuda.get_device_name(), f"{major}.{minor}")
+    return nonfinite_error(step, cfg, path, gradients=gradients, device=device)
 
 
 def checkpoint_on_error(accelerator, ckpt, state) -> None:
