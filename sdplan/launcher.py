@@ -494,6 +494,16 @@ def require_gpu(snapshot: Any) -> None:
             ),
             fix="install the CUDA or ROCm build of torch (`sdplan doctor` prints the command), or add --device cpu",
         )
+    if build == "cuda":  # a torch whose wheels hold no kernels for any GPU here fails at its first CUDA call
+        from sdplan.probe.snapshot import findings, torch_cuda_lacks
+
+        sw = snapshot.software
+        if all(
+            g.vendor == "nvidia" and torch_cuda_lacks(g.compute_capability, sw.torch, sw.cuda_runtime)
+            for g in snapshot.usable_gpus
+        ):
+            lacking = next(f for f in findings(snapshot) if f.code == "torch_arch_unsupported")
+            raise NoGPUError(lacking.message, fix=lacking.fix)
 
 
 # -- step arithmetic -----------------------------------------------------------------------------------------

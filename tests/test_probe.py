@@ -598,6 +598,48 @@ def test_a_gtx_16_card_is_told_to_train_in_fp32_not_fp16():
     assert both["fp16_nan"].message.startswith("NVIDIA GeForce GTX 1650 Ti has")
 
 
+@pytest.mark.parametrize(
+    ("cc", "torch", "cuda", "lacks"),
+    [
+        ("6.1", "2.9.0+cu130", "13.0", "CUDA 13 compiles nothing below compute capability 7.5"),
+        ("7.0", "2.11.0+cu130", "13.0", "CUDA 13 compiles nothing below compute capability 7.5"),
+        ("7.5", "2.11.0+cu130", "13.0", None),  # Turing: still built
+        ("12.0", "2.5.1+cu124", "12.4", "Blackwell GPUs need a torch built for CUDA 12.8 or newer"),
+        ("10.0", "2.7.0+cu126", "12.6", "Blackwell GPUs need a torch built for CUDA 12.8 or newer"),
+        ("12.0", "2.8.0+cu128", "12.8", None),
+        ("6.1", "2.8.0+cu128", "12.8", "PyTorch's CUDA 12.8 wheels dropped Maxwell and Pascal in torch 2.8"),
+        ("5.2", "2.10.0+cu129", "12.9", "PyTorch's CUDA 12.9 wheels dropped Maxwell and Pascal in torch 2.8"),
+        ("6.1", "2.7.1+cu128", "12.8", None),  # before 2.8: not said
+        ("6.1", "2.8.0+cu126", "12.6", None),  # cu126 keeps Maxwell and Pascal
+        ("8.9", "2.13.0+cu130", "13.0", None),
+        (None, "2.8.0+cu128", "12.8", None),
+    ],
+)
+def test_torch_cuda_lacks_the_gpus_its_wheels_have_no_kernels_for(cc, torch, cuda, lacks):
+    got = snapshot.torch_cuda_lacks(cc, torch, cuda)
+    assert (got is None) if lacks is None else got.startswith(lacks), got
+
+
+def test_a_torch_without_kernels_for_the_gpu_is_an_error_with_the_build_to_install():
+    """A GTX 1080 Ti under torch 2.8 cu128, an RTX 5090 under cu124: 'no kernel image is available' at the first
+    CUDA call; doctor says so, and which index has the kernels where this driver runs it."""
+    t4 = load("t4")
+    pascal = replace(t4.gpus[0], name="NVIDIA GeForce GTX 1080 Ti", compute_capability="6.1")
+    sw = replace(t4.software, torch="2.8.0+cu128", cuda_runtime="12.8", cuda_driver="12.9")
+    fx = {f.code: f for f in findings(replace(t4, gpus=(pascal,), software=sw))}
+    f = fx["torch_arch_unsupported"]
+    assert f.severity == "error" and "NVIDIA GeForce GTX 1080 Ti (compute capability 6.1)" in f.message
+    assert f.fix.endswith("whl/cu126")
+    blackwell = replace(t4.gpus[0], name="NVIDIA GeForce RTX 5090", compute_capability="12.0")
+    old = replace(t4.software, torch="2.5.1+cu124", cuda_runtime="12.4", cuda_driver="12.9")
+    fx = {f.code: f for f in findings(replace(t4, gpus=(blackwell,), software=old))}
+    assert fx["torch_arch_unsupported"].fix.endswith("whl/cu129")
+    too_old_driver = replace(old, cuda_driver="12.4")
+    fx = {f.code: f for f in findings(replace(t4, gpus=(blackwell,), software=too_old_driver))}
+    assert fx["torch_arch_unsupported"].fix.startswith("update the NVIDIA driver to one for CUDA 12.8")
+    assert "torch_arch_unsupported" not in {f.code for f in findings(t4)}  # a T4 under cu124
+
+
 def test_findings_is_pure(monkeypatch):
     def no_io(*args, **kwargs):
         raise AssertionError("findings() did I/O")

@@ -433,3 +433,24 @@ def test_a_nan_loss_in_fp16_on_a_gtx_16_card_says_to_train_in_fp32():
     for device in (("NVIDIA GeForce RTX 2080 Ti", "7.5"), (None, None)):
         other = nonfinite_error(7, cfg, None, device=device)
         assert "fp16 overflow" in str(other) and "bf16" in other.fix
+
+
+def test_train_stops_before_anything_where_torch_has_no_kernels_for_the_gpus():
+    """A GTX 1080 Ti under torch 2.8 cu128 (PyTorch dropped Pascal from those wheels): `sdplan train` says so and
+    which build to install, before loading anything; a T4 under cu124 goes on."""
+    import dataclasses
+    from pathlib import Path
+
+    from sdplan.errors import NoGPUError
+    from sdplan.launcher import require_gpu
+    from sdplan.machine import Snapshot
+
+    t4 = Snapshot.load(Path(__file__).parent / "fixtures" / "machines" / "t4.json")
+    require_gpu(t4)
+    pascal = dataclasses.replace(t4.gpus[0], name="NVIDIA GeForce GTX 1080 Ti", compute_capability="6.1")
+    sw = dataclasses.replace(t4.software, torch="2.8.0+cu128", cuda_runtime="12.8", cuda_driver="12.9")
+    with pytest.raises(NoGPUError, match=r"has no CUDA kernels for NVIDIA GeForce GTX 1080 Ti") as err:
+        require_gpu(dataclasses.replace(t4, gpus=(pascal,), software=sw))
+    assert err.value.fix.endswith("whl/cu126")
+    # one GPU it has kernels for: the run goes on (the plan picks among the GPUs)
+    require_gpu(dataclasses.replace(t4, gpus=(pascal, dataclasses.replace(t4.gpus[0], index=1)), software=sw))

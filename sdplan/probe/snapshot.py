@@ -59,6 +59,7 @@ RULE_CODES = frozenset(
         "torch_missing",
         "torch_cpu_build",
         "torch_build_mismatch",
+        "torch_arch_unsupported",
         "cuda_driver_too_old",
         "rocm_arch_unsupported",
         "rocm_arch_override",
@@ -170,6 +171,27 @@ def _torch_rules(s: Snapshot) -> list[Finding]:
                 f"pip install --force-reinstall torch{_torch_index(s)}",
             )
         )
+    if sw.torch_build == "cuda":
+        lacking: dict[str, list[GPU]] = {}
+        for g in s.usable_gpus:
+            why = (
+                torch_cuda_lacks(g.compute_capability, sw.torch, sw.cuda_runtime)
+                if g.vendor == "nvidia"
+                else None
+            )
+            if why:
+                lacking.setdefault(why, []).append(g)
+        for why, gpus in lacking.items():
+            blackwell = why.startswith("Blackwell")
+            out.append(
+                Finding(
+                    "error",
+                    "torch_arch_unsupported",
+                    f"torch {sw.torch} has no CUDA kernels for {_names(gpus)} (compute capability "
+                    f"{gpus[0].compute_capability}): {why}; CUDA fails with 'no kernel image is available'",
+                    _arch_fix(s, blackwell),
+                )
+            )
     if sw.torch_build == "cuda" and "nvidia" in vendors:
         runtime, driver = version_tuple(sw.cuda_runtime), version_tuple(sw.cuda_driver)
         if runtime and driver and runtime > driver:
@@ -390,6 +412,47 @@ def version_tuple(text: str | None) -> tuple[int, ...] | None:
     if not match:
         return None
     return tuple(int(x) for x in match.groups() if x is not None)
+
+
+def torch_cuda_lacks(
+    compute_capability: str | None, torch_version: str | None, cuda: str | None
+) -> str | None:
+    """Why PyTorch's wheels for this torch and CUDA version hold no kernels for a GPU of this compute capability,
+    in words (None: they hold them, or it cannot be told). Three published facts:
+    - CUDA 13 compiles nothing below compute capability 7.5 (NVIDIA, "Navigating GPU Architecture Support: A
+      Guide for NVIDIA CUDA Developers": Maxwell, Pascal and Volta lose offline compilation in CUDA 13.0);
+    - Blackwell (10.x, 12.x) needs CUDA 12.8 or newer, the first toolkit that compiles for it (PyTorch's cu126
+      build list ends at 9.0 without PTX: .ci/manywheel/build_cuda.sh);
+    - PyTorch 2.8's CUDA 12.8 / 12.9 wheels dropped Maxwell and Pascal (2.8.0 release notes, dev-discuss
+      "Maxwell and Pascal architecture support removed in CUDA 12.8 and 12.9 builds"; cu126 keeps them)."""
+    cc, runtime, torch = version_tuple(compute_capability), version_tuple(cuda), version_tuple(torch_version)
+    if cc is None or runtime is None:
+        return None
+    if runtime[0] >= 13 and cc < (7, 5):
+        return "CUDA 13 compiles nothing below compute capability 7.5 (Maxwell, Pascal and Volta)"
+    if runtime[:2] < (12, 8) and cc[0] >= 10:
+        return f"Blackwell GPUs need a torch built for CUDA 12.8 or newer, not {cuda}"
+    if runtime[:2] in ((12, 8), (12, 9)) and torch is not None and torch[:2] >= (2, 8) and cc < (7, 0):
+        return f"PyTorch's CUDA {cuda} wheels dropped Maxwell and Pascal in torch 2.8"
+    return None
+
+
+def _arch_fix(s: Snapshot, blackwell: bool) -> str:
+    """Which torch build the GPUs of :func:`torch_cuda_lacks` need: CUDA 12.8+ for Blackwell, 12.6 for older
+    GPUs (the last CUDA whose PyTorch wheels carry Maxwell and Pascal), each where the driver runs it."""
+    driver = version_tuple(s.software.cuda_driver)
+    if blackwell:
+        fitting = [
+            c
+            for c in TORCH_CUDA_WHEELS
+            if version_tuple(c) >= (12, 8) and driver and version_tuple(c) <= driver
+        ]
+        if not fitting:
+            return "update the NVIDIA driver to one for CUDA 12.8 or newer (570+), then install torch for CUDA 12.8"
+        return f"pip install --force-reinstall torch --index-url https://download.pytorch.org/whl/cu{fitting[-1].replace('.', '')}"
+    if driver is not None and driver < (12, 6):
+        return "update the NVIDIA driver to one for CUDA 12.6 or newer, then install torch for CUDA 12.6"
+    return "pip install --force-reinstall torch --index-url https://download.pytorch.org/whl/cu126"
 
 
 def _torch_index(s: Snapshot) -> str:
