@@ -454,3 +454,39 @@ def test_train_stops_before_anything_where_torch_has_no_kernels_for_the_gpus():
     assert err.value.fix.endswith("whl/cu126")
     # one GPU it has kernels for: the run goes on (the plan picks among the GPUs)
     require_gpu(dataclasses.replace(t4, gpus=(pascal, dataclasses.replace(t4.gpus[0], index=1)), software=sw))
+
+
+CU126 = ["sm_50", "sm_60", "sm_70", "sm_75", "sm_80", "sm_86", "sm_90"]  # PyTorch's cu126 wheels
+CU128 = ["sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120"]
+
+
+@pytest.mark.parametrize(
+    ("arches", "capability", "need"),
+    [
+        (CU126, (6, 1), None),  # sm_60's code runs on 6.1
+        (CU126, (8, 9), None),  # sm_86's on Ada
+        (CU126, (12, 0), "CUDA 12.8 or newer"),  # RTX 5090
+        (CU128, (6, 1), "CUDA 12.6"),  # GTX 1080 Ti
+        (CU128, (12, 1), None),
+        (["sm_80", "compute_90"], (12, 0), None),  # PTX the driver compiles
+        (["sm_90a", "sm_100f"], (9, 0), None),
+    ],
+)
+def test_the_trainer_says_which_build_a_gpu_without_kernels_needs(monkeypatch, arches, capability, need):
+    import torch
+    from sdplan.trainer.runtime import check_cuda_kernels
+
+    from sdplan.errors import NoGPUError
+
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(torch.cuda, "get_arch_list", lambda: arches)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA GeForce GPU")
+    if need is None:
+        check_cuda_kernels("cuda:0")
+        return
+    with pytest.raises(
+        NoGPUError, match=r"has no CUDA kernels for NVIDIA GeForce GPU \(compute capability"
+    ) as e:
+        check_cuda_kernels("cuda:0")
+    assert f"torch built for {need}" in e.value.fix

@@ -163,7 +163,43 @@ def make_accelerator(cfg, out_dir: Path):
             **kwargs,
         )
     check_world(accelerator)
+    if accelerator.device.type == "cuda":
+        check_cuda_kernels(accelerator.device)
     return accelerator
+
+
+def check_cuda_kernels(device) -> None:
+    """This torch build's kernels run on ``device``: its arch list (``torch.cuda.get_arch_list``) has code for
+    the GPU's compute capability: a cubin of the same major and no higher minor, or PTX of no higher capability
+    the driver compiles. Else every CUDA call fails with "no kernel image is available" (a GTX 1080 Ti under
+    PyTorch 2.8's CUDA 12.8 wheels; an RTX 5090 under a CUDA 12.6 build): one line saying which build to
+    install. ROCm builds list gfx targets: not checked here (`sdplan doctor` judges them)."""
+    import torch
+
+    if torch.version.hip:
+        return
+    arches = torch.cuda.get_arch_list()
+    if not arches:  # a build that does not say
+        return
+    major, minor = torch.cuda.get_device_capability(device)
+
+    def cc(a: str) -> tuple[int, int]:
+        digits = a.split("_", 1)[1].rstrip("afi")  # sm_90a, compute_120f
+        return int(digits[:-1]), int(digits[-1])
+
+    cubins = [cc(a) for a in arches if a.startswith("sm_")]
+    ptx = [cc(a) for a in arches if a.startswith("compute_")]
+    if any(m == major and n <= minor for m, n in cubins) or any(x <= (major, minor) for x in ptx):
+        return
+    from sdplan.errors import NoGPUError
+
+    need = "12.8 or newer" if major >= 10 else "12.6"
+    raise NoGPUError(
+        f"torch {torch.__version__} has no CUDA kernels for {torch.cuda.get_device_name(device)} (compute "
+        f"capability {major}.{minor}; this build has {' '.join(arches)})",
+        fix=f"install a torch built for CUDA {need} (`sdplan doctor` prints the command), or set "
+        "training.device=cpu",
+    )
 
 
 def ask_py_cpuinfo_once() -> None:
