@@ -638,6 +638,12 @@ def test_a_torch_without_kernels_for_the_gpu_is_an_error_with_the_build_to_insta
     fx = {f.code: f for f in findings(replace(t4, gpus=(blackwell,), software=too_old_driver))}
     assert fx["torch_arch_unsupported"].fix.startswith("update the NVIDIA driver to one for CUDA 12.8")
     assert "torch_arch_unsupported" not in {f.code for f in findings(t4)}  # a T4 under cu124
+    # no torch yet: the install doctor prints is one with the GPU's kernels (cu126 for Pascal, not cu129)
+    bare = replace(t4.software, torch=None, torch_build=None, cuda_runtime=None, cuda_driver="12.9")
+    fx = {f.code: f for f in findings(replace(t4, gpus=(pascal,), software=bare))}
+    assert fx["torch_missing"].fix.endswith("whl/cu126")
+    fx = {f.code: f for f in findings(replace(t4, software=bare))}  # a T4: the newest the driver runs
+    assert fx["torch_missing"].fix.endswith("whl/cu129")
 
 
 def test_findings_is_pure(monkeypatch):

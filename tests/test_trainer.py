@@ -122,6 +122,7 @@ def test_deepspeed_without_the_launcher_is_configured_for_the_process_it_runs_in
 
     class Recorded:
         num_processes = 1
+        device = torch.device("cpu")
 
         def __init__(self, **kwargs):
             seen.update(kwargs)

@@ -424,7 +424,8 @@ def torch_cuda_lacks(
     - Blackwell (10.x, 12.x) needs CUDA 12.8 or newer, the first toolkit that compiles for it (PyTorch's cu126
       build list ends at 9.0 without PTX: .ci/manywheel/build_cuda.sh);
     - PyTorch 2.8's CUDA 12.8 / 12.9 wheels dropped Maxwell and Pascal (2.8.0 release notes, dev-discuss
-      "Maxwell and Pascal architecture support removed in CUDA 12.8 and 12.9 builds"; cu126 keeps them)."""
+      "Maxwell and Pascal architecture support removed in CUDA 12.8 and 12.9 builds"; cu126 keeps them).
+    ``torch_version`` None: the torch pip would install now (2.8 or newer)."""
     cc, runtime, torch = version_tuple(compute_capability), version_tuple(cuda), version_tuple(torch_version)
     if cc is None or runtime is None:
         return None
@@ -432,35 +433,34 @@ def torch_cuda_lacks(
         return "CUDA 13 compiles nothing below compute capability 7.5 (Maxwell, Pascal and Volta)"
     if runtime[:2] < (12, 8) and cc[0] >= 10:
         return f"Blackwell GPUs need a torch built for CUDA 12.8 or newer, not {cuda}"
-    if runtime[:2] in ((12, 8), (12, 9)) and torch is not None and torch[:2] >= (2, 8) and cc < (7, 0):
+    if runtime[:2] in ((12, 8), (12, 9)) and (torch is None or torch[:2] >= (2, 8)) and cc < (7, 0):
         return f"PyTorch's CUDA {cuda} wheels dropped Maxwell and Pascal in torch 2.8"
     return None
 
 
 def _arch_fix(s: Snapshot, blackwell: bool) -> str:
-    """Which torch build the GPUs of :func:`torch_cuda_lacks` need: CUDA 12.8+ for Blackwell, 12.6 for older
-    GPUs (the last CUDA whose PyTorch wheels carry Maxwell and Pascal), each where the driver runs it."""
-    driver = version_tuple(s.software.cuda_driver)
-    if blackwell:
-        fitting = [
-            c
-            for c in TORCH_CUDA_WHEELS
-            if version_tuple(c) >= (12, 8) and driver and version_tuple(c) <= driver
-        ]
-        if not fitting:
-            return "update the NVIDIA driver to one for CUDA 12.8 or newer (570+), then install torch for CUDA 12.8"
-        return f"pip install --force-reinstall torch --index-url https://download.pytorch.org/whl/cu{fitting[-1].replace('.', '')}"
-    if driver is not None and driver < (12, 6):
-        return "update the NVIDIA driver to one for CUDA 12.6 or newer, then install torch for CUDA 12.6"
-    return "pip install --force-reinstall torch --index-url https://download.pytorch.org/whl/cu126"
+    """The torch build the GPUs of :func:`torch_cuda_lacks` need (:func:`_torch_index`), or the driver to get
+    first where this one runs no build with their kernels."""
+    index = _torch_index(s)
+    if index:
+        return f"pip install --force-reinstall torch{index}"
+    need = "CUDA 12.8 or newer (570+)" if blackwell else "CUDA 12.6 or newer"
+    return f"update the NVIDIA driver to one for {need}, then install torch for that CUDA"
 
 
 def _torch_index(s: Snapshot) -> str:
     """' --index-url ...' for the torch build this machine needs, or '' when it cannot be told."""
     vendors = {g.vendor for g in s.usable_gpus}
     if vendors == {"nvidia"}:
+        # the newest CUDA the driver runs whose wheels (of the torch pip installs now) hold every GPU's kernels
         driver = version_tuple(s.software.cuda_driver)
-        fitting = [c for c in TORCH_CUDA_WHEELS if driver and version_tuple(c) <= driver]
+        fitting = [
+            c
+            for c in TORCH_CUDA_WHEELS
+            if driver
+            and version_tuple(c) <= driver
+            and not any(torch_cuda_lacks(g.compute_capability, None, c) for g in s.usable_gpus)
+        ]
         if fitting:
             return f" --index-url https://download.pytorch.org/whl/cu{fitting[-1].replace('.', '')}"
         return ""
