@@ -20,6 +20,8 @@ SCHEMA_VERSION = 1
 # precision gives NaN losses in training on them (kohya-ss/sd-scripts issue 293, bmaltais/kohya_ss issues 722 and
 # 1951). The GPU catalog marks its GTX 16 entries so too (profiles/gpus.yaml fp16_trains: false).
 GTX16_NAME_PREFIX = "NVIDIA GeForce GTX 16"
+# the reports of it, as sdplan's messages cite them
+GTX16_FP16_NAN_SOURCES = "kohya-ss/sd-scripts issue 293, bmaltais/kohya_ss issues 722 and 1951"
 
 
 def fp16_gives_nan(name: str | None, compute_capability: str | None) -> bool:

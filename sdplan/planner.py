@@ -48,7 +48,7 @@ from typing import Any
 
 from sdplan import registry
 from sdplan.errors import UsageError
-from sdplan.machine import fp16_gives_nan
+from sdplan.machine import GTX16_FP16_NAN_SOURCES, fp16_gives_nan
 from sdplan.profiles import GiB, GPUSpec, HostMeasurement, MethodPoint, ModelSpec, Profiles
 from sdplan.registry import FULL_METHODS, METHODS
 from sdplan.settings import (
@@ -1925,8 +1925,8 @@ def _fp16_nan_gpu(gpus) -> HWGPU | None:
 def _fp16_nan_note(g: HWGPU) -> str:
     """Why fp16 mixed precision is not planned on ``g`` (catalog ``fp16_trains: false``), with the sources."""
     return (
-        f"fp16 mixed precision gives NaN losses in training on {g.name} (GTX 16 cards: kohya-ss/sd-scripts issue "
-        "293, bmaltais/kohya_ss issues 722 and 1951; AUTOMATIC1111 and InvokeAI run them without autocast)"
+        f"fp16 mixed precision gives NaN losses in training on {g.name} (GTX 16 cards: {GTX16_FP16_NAN_SOURCES}; "
+        "AUTOMATIC1111 and InvokeAI run them without autocast)"
     )
 
 

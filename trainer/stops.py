@@ -70,7 +70,7 @@ def nonfinite_error(
 ) -> NonFiniteLoss:
     """The error for a NaN/inf at ``step``; ``device``: the CUDA device's (name, compute capability), which names
     a GTX 16 card's fp16 NaN (sdplan.machine.fp16_gives_nan) as the likely cause."""
-    from sdplan.machine import fp16_gives_nan
+    from sdplan.machine import GTX16_FP16_NAN_SOURCES, fp16_gives_nan
 
     p = cfg.training.precision
     where = f"; weights from before it in {checkpoint}" if checkpoint else ""
@@ -84,10 +84,7 @@ def nonfinite_error(
             "and report it with the run's sdplan.yaml",
         )
     if p == "fp16" and fp16_gives_nan(*device):
-        cause = (
-            f"fp16 mixed precision on {device[0]}: it gives NaN losses on GTX 16 cards (kohya-ss/sd-scripts issue "
-            "293, bmaltais/kohya_ss issues 722 and 1951)"
-        )
+        cause = f"fp16 mixed precision on {device[0]}: it gives NaN losses on GTX 16 cards ({GTX16_FP16_NAN_SOURCES})"
         fix = "train with training.precision=fp32 (what sdplan plans on GTX 16 cards)"
     elif p == "fp16":
         cause = "fp16 overflow (activations or the loss exceed the fp16 range)"

@@ -12,7 +12,7 @@ import os
 import re
 from dataclasses import replace
 
-from sdplan.machine import GPU, Finding, Snapshot, fp16_gives_nan
+from sdplan.machine import GPU, GTX16_FP16_NAN_SOURCES, Finding, Snapshot, fp16_gives_nan
 
 # -- thresholds ----------------------------------------------------------------------------------------
 # Field notes section 1 ("How many GPUs do you need"): 16 GB RAM minimum, 32 GB comfortable for training,
@@ -284,7 +284,7 @@ def _precision_rules(s: Snapshot) -> list[Finding]:
                 "warning",
                 "fp16_nan",
                 f"{_names(nan)} has no hardware bf16, and fp16 mixed precision gives NaN losses in training on "
-                "GTX 16 cards (kohya-ss/sd-scripts issue 293, bmaltais/kohya_ss issues 722 and 1951)",
+                f"GTX 16 cards ({GTX16_FP16_NAN_SOURCES})",
                 "train in fp32 (accelerate: mixed_precision no; sdplan plans it there), which holds more memory",
             )
         )
