@@ -182,7 +182,7 @@ def _torch_rules(s: Snapshot) -> list[Finding]:
             if why:
                 lacking.setdefault(why, []).append(g)
         for why, gpus in lacking.items():
-            blackwell = why.startswith("Blackwell")
+            blackwell = (version_tuple(gpus[0].compute_capability) or (0,))[0] >= 10
             out.append(
                 Finding(
                     "error",
