@@ -470,6 +470,7 @@ CU128 = ["sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120"]
         (CU128, (12, 1), None),
         (["sm_80", "compute_90"], (12, 0), None),  # PTX the driver compiles
         (["sm_90a", "sm_100f"], (9, 0), None),
+        (["gfx90a"], (9, 0), None),  # a form not known: not judged
     ],
 )
 def test_the_trainer_says_which_build_a_gpu_without_kernels_needs(monkeypatch, arches, capability, need):

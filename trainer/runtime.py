@@ -183,12 +183,13 @@ def check_cuda_kernels(device) -> None:
         return
     major, minor = torch.cuda.get_device_capability(device)
 
-    def cc(a: str) -> tuple[int, int]:
-        digits = a.split("_", 1)[1].rstrip("afi")  # sm_90a, compute_120f
-        return int(digits[:-1]), int(digits[-1])
+    import re
 
-    cubins = [cc(a) for a in arches if a.startswith("sm_")]
-    ptx = [cc(a) for a in arches if a.startswith("compute_")]
+    codes = [m.groups() for a in arches if (m := re.fullmatch(r"(sm|compute)_(\d+)(\d)[a-z]?", a))]  # sm_90a
+    if not codes:  # an arch list in a form not known here: not judged
+        return
+    cubins = [(int(x), int(y)) for kind, x, y in codes if kind == "sm"]
+    ptx = [(int(x), int(y)) for kind, x, y in codes if kind == "compute"]
     if any(m == major and n <= minor for m, n in cubins) or any(x <= (major, minor) for x in ptx):
         return
     from sdplan.errors import NoGPUError
