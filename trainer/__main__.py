@@ -67,8 +67,9 @@ def _leave_out_unused_libraries(cfg, modules: dict = sys.modules) -> None:
     config's or accelerate's)."""
     if cfg.memory.optimizer != "adamw8bit" and cfg.model.base_precision != "nf4":
         modules.setdefault("bitsandbytes", None)
-    launched_with_ds = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
-    if cfg.distributed.deepspeed is None and not launched_with_ds:  # `accelerate launch --use_deepspeed`
+    from .runtime import launched_with_deepspeed  # torch-free at import
+
+    if cfg.distributed.deepspeed is None and not launched_with_deepspeed():
         modules.setdefault("deepspeed", None)
 
 

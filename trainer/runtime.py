@@ -95,6 +95,12 @@ def process_group_backend(cpu: bool, launched_with_ds: bool) -> dict[str, str]:
     return {"backend": CPU_BACKEND} if cpu and launched_with_ds and launched else {}
 
 
+def launched_with_deepspeed() -> bool:
+    """Whether accelerate launched this process with DeepSpeed (``accelerate launch --use_deepspeed``), whatever
+    the config says."""
+    return os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+
+
 def make_accelerator(cfg, out_dir: Path):
     """An Accelerator for this config: precision, grad accumulation, CPU when asked or without CUDA.
 
@@ -109,7 +115,7 @@ def make_accelerator(cfg, out_dir: Path):
     cpu = use_cpu(cfg)
     kwargs: dict[str, Any] = {}
     ds = cfg.distributed.deepspeed
-    launched_with_ds = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    launched_with_ds = launched_with_deepspeed()
     if ds is not None and not launched_with_ds:
         try:
             import deepspeed  # noqa: F401
@@ -182,8 +188,6 @@ def check_cuda_kernels(device) -> None:
     if not arches:  # a build that does not say
         return
     major, minor = torch.cuda.get_device_capability(device)
-
-    import re
 
     codes = [m.groups() for a in arches if (m := re.fullmatch(r"(sm|compute)_(\d+)(\d)[a-z]?", a))]  # sm_90a
     if not codes:  # an arch list in a form not known here: not judged
