@@ -3134,14 +3134,22 @@ def _relaxations(
         out = []
         for group in combinations(names, size):
             rest = replace(req, pins=tuple(p for p in req.pins if p[0] not in group))
-            fitting = [c for c in _search(rest, profiles, hw, cal, resolution)[0] if c.fits]
-            if fitting:
-                best, _ = _choose(fitting, profiles)
+            best = _best_fitting(rest, profiles, hw, cal, resolution)
+            if best is not None:
                 values = " and ".join(pin_text(name, getattr(best.setup, name)) for name in group)
                 out.append(f"{values} {'fits' if size == 1 else 'fit together'} ({describe(best.setup)})")
         if out:
             return out
     return []
+
+
+def _best_fitting(
+    req: Request, profiles: Profiles, hw: Hardware, cal: Calibration, resolution: int
+) -> Candidate | None:
+    """The plan :func:`plan` would choose for ``req`` (another pin set of the same request), or None where
+    nothing fits: what a relaxed or added pin gives."""
+    fitting = [c for c in _search(req, profiles, hw, cal, resolution)[0] if c.fits]
+    return _choose(fitting, profiles)[0] if fitting else None
 
 
 def _fp16_would_fit(
@@ -3152,11 +3160,9 @@ def _fp16_would_fit(
     nan = _fp16_nan_gpu(hw.gpus)
     if nan is None or req.pinned("precision"):
         return []
-    pinned = replace(req, pins=(*req.pins, ("precision", "fp16")))
-    fitting = [c for c in _search(pinned, profiles, hw, cal, resolution)[0] if c.fits]
-    if not fitting:
+    best = _best_fitting(replace(req, pins=(*req.pins, ("precision", "fp16"))), profiles, hw, cal, resolution)
+    if best is None:
         return []
-    best, _ = _choose(fitting, profiles)
     return [
         f"in fp16 it fits ({describe(best.setup)}: {format_range(best.memory.peak, best.peak_range)} per GPU); "
         f"pin training.precision=fp16 to plan it, but {_fp16_nan_note(nan)}"
