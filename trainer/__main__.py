@@ -169,6 +169,5 @@ def main(argv: list[str] | None = None, *, own_process: bool = False) -> int:
 if __name__ == "__main__":
     from sdplan.procexit import exit_process
 
-    exit_process(
-        main(own_process=True)
-    )  # the atexit handlers and a flush, without the 1-2 s interpreter teardown
+    # the atexit handlers and a flush, without the 1-2 s interpreter teardown
+    exit_process(main(own_process=True))
