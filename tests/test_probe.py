@@ -576,10 +576,15 @@ def test_fixture_findings(name):
 def test_findings_name_the_fix_per_machine():
     fx = {f.code: f for f in findings(load("rx6700xt"))}
     assert "HSA_OVERRIDE_GFX_VERSION=10.3.0" in fx["rocm_arch_unsupported"].fix
+    # a 12.4 driver runs neither of the builds torch publishes now (cu126, cu130): torch 2.7 from cu118 it runs
     fx = {f.code: f for f in findings(load("rtx3060_12gb"))}
-    assert "whl/cu124" in fx["torch_cpu_build"].fix  # the newest CUDA wheel the 12.4 driver runs
+    assert fx["torch_cpu_build"].fix.endswith(
+        '"torch==2.7.*" --index-url https://download.pytorch.org/whl/cu118'
+    )
     fx = {f.code: f for f in findings(load("t4"))}
-    assert "whl/cu121" in fx["cuda_driver_too_old"].fix  # driver supports 12.2 -> cu121
+    assert fx["cuda_driver_too_old"].fix.endswith(
+        '"torch==2.7.*" --index-url https://download.pytorch.org/whl/cu118'
+    )
 
 
 def test_a_gtx_16_card_is_told_to_train_in_fp32_not_fp16():
@@ -612,6 +617,10 @@ def test_a_gtx_16_card_is_told_to_train_in_fp32_not_fp16():
         ("6.1", "2.7.1+cu128", "12.8", None),  # before 2.8: not said
         ("6.1", "2.8.0+cu126", "12.6", None),  # cu126 keeps Maxwell and Pascal
         ("8.9", "2.13.0+cu130", "13.0", None),
+        ("7.0", "2.11.0+cu128", "12.8", "PyTorch's CUDA 12.8 wheels dropped Volta in torch 2.11"),
+        ("7.0", "2.10.0+cu128", "12.8", None),  # before 2.11: not said
+        ("7.0", "2.11.0+cu126", "12.6", None),  # cu126 keeps Volta
+        ("7.5", "2.11.0+cu128", "12.8", None),  # Turing: still built
         (None, "2.8.0+cu128", "12.8", None),
     ],
 )
@@ -633,7 +642,15 @@ def test_a_torch_without_kernels_for_the_gpu_is_an_error_with_the_build_to_insta
     blackwell = replace(t4.gpus[0], name="NVIDIA GeForce RTX 5090", compute_capability="12.0")
     old = replace(t4.software, torch="2.5.1+cu124", cuda_runtime="12.4", cuda_driver="12.9")
     fx = {f.code: f for f in findings(replace(t4, gpus=(blackwell,), software=old))}
-    assert fx["torch_arch_unsupported"].fix.endswith("whl/cu129")
+    # torch publishes no CUDA 12.8 build since 2.12; its last cu128 release runs under this 12.9 driver
+    assert fx["torch_arch_unsupported"].fix == (
+        'pip install --force-reinstall "torch==2.11.*" --index-url https://download.pytorch.org/whl/cu128'
+    )
+    newer_driver = replace(old, cuda_driver="13.0")
+    fx = {f.code: f for f in findings(replace(t4, gpus=(blackwell,), software=newer_driver))}
+    assert fx["torch_arch_unsupported"].fix.endswith(
+        "torch --index-url https://download.pytorch.org/whl/cu130"
+    )
     too_old_driver = replace(old, cuda_driver="12.4")
     fx = {f.code: f for f in findings(replace(t4, gpus=(blackwell,), software=too_old_driver))}
     assert fx["torch_arch_unsupported"].fix.startswith("update the NVIDIA driver to one for CUDA 12.8")
@@ -642,8 +659,18 @@ def test_a_torch_without_kernels_for_the_gpu_is_an_error_with_the_build_to_insta
     bare = replace(t4.software, torch=None, torch_build=None, cuda_runtime=None, cuda_driver="12.9")
     fx = {f.code: f for f in findings(replace(t4, gpus=(pascal,), software=bare))}
     assert fx["torch_missing"].fix.endswith("whl/cu126")
-    fx = {f.code: f for f in findings(replace(t4, software=bare))}  # a T4: the newest the driver runs
-    assert fx["torch_missing"].fix.endswith("whl/cu129")
+    fx = {f.code: f for f in findings(replace(t4, software=bare))}  # a T4: the newest build the driver runs
+    assert fx["torch_missing"].fix == "pip install torch --index-url https://download.pytorch.org/whl/cu126"
+    fx = {f.code: f for f in findings(replace(t4, software=replace(bare, cuda_driver="13.1")))}
+    assert fx["torch_missing"].fix == "pip install torch --index-url https://download.pytorch.org/whl/cu130"
+    # a V100 under torch 2.11's cu128 build (Volta left it in 2.11): cu126, which keeps it, under this driver
+    volta = replace(t4.gpus[0], name="Tesla V100-SXM2-16GB", compute_capability="7.0")
+    sw = replace(t4.software, torch="2.11.0+cu128", cuda_runtime="12.8", cuda_driver="12.8")
+    fx = {f.code: f for f in findings(replace(t4, gpus=(volta,), software=sw))}
+    assert "dropped Volta in torch 2.11" in fx["torch_arch_unsupported"].message
+    assert fx["torch_arch_unsupported"].fix.endswith(
+        "torch --index-url https://download.pytorch.org/whl/cu126"
+    )
 
 
 def test_findings_is_pure(monkeypatch):

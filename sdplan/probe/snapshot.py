@@ -48,8 +48,17 @@ HSA_OVERRIDES: dict[str, tuple[str, str]] = {
     "gfx1012": ("10.1.0", "only with a torch built for gfx1010 (PYTORCH_ROCM_ARCH=gfx1010)"),
 }
 
-# CUDA versions PyTorch publishes wheels for (download.pytorch.org/whl/cuXYZ), to name a matching index.
-TORCH_CUDA_WHEELS = ("11.8", "12.1", "12.4", "12.6", "12.8", "12.9", "13.0")
+# The CUDA builds of the torch pip installs now (download.pytorch.org/whl/cuXYZ), to name a matching index.
+# Releases 2.12 to 2.14 publish cu126 (legacy: Maxwell to Hopper) and cu130 (stable: Turing to Blackwell), and
+# cu132, experimental in 2.12, left out here (PyTorch RELEASE.md "PyTorch CUDA Support Matrix", PR 197555;
+# 2.12 dropped cu128: PR 182849, RFC pytorch/pytorch#178665).
+TORCH_CUDA_WHEELS = ("12.6", "13.0")
+# Older builds, for a driver that runs none of those with the GPUs' kernels, each with the last torch release
+# that publishes it, newest release first: cu128 to 2.11, for Blackwell under a CUDA 12.8-12.9 driver (R570/R575;
+# pytorch/FBGEMM PR 5976 counted the wheels: "cu128's last version was 2.11"), and cu118 to 2.7, Maxwell to
+# Hopper under a driver older than CUDA 12.6 (2.7 built cu118, cu126 and cu128; 2.8 dropped cu118: RFC
+# pytorch/pytorch#147383).
+TORCH_CUDA_LEGACY_WHEELS = (("12.8", "2.11"), ("11.8", "2.7"))
 
 # Every code :func:`findings` can produce. Other codes in a snapshot are probe-time notes (a backend that
 # could not load, a container memory limit): facts the rules cannot recompute from the snapshot.
@@ -147,7 +156,7 @@ def _torch_rules(s: Snapshot) -> list[Finding]:
                 "warning",
                 "torch_missing",
                 "torch is not installed: sdplan can plan here but not train",
-                f"pip install torch{_torch_index(s)}",
+                f"pip install {_torch_install(s) or 'torch'}",
             )
         )
         return out
@@ -158,7 +167,7 @@ def _torch_rules(s: Snapshot) -> list[Finding]:
                 "torch_cpu_build",
                 f"torch {sw.torch} is a CPU-only build on a machine with "
                 f"{' and '.join(v.upper() for v in sorted(vendors))} GPUs",
-                f"pip install --force-reinstall torch{_torch_index(s) or ' (a CUDA or ROCm build)'}",
+                f"pip install --force-reinstall {_torch_install(s) or 'torch (a CUDA or ROCm build)'}",
             )
         )
     if (sw.torch_build, vendors) in (("cuda", {"amd"}), ("rocm", {"nvidia"})):
@@ -168,7 +177,7 @@ def _torch_rules(s: Snapshot) -> list[Finding]:
                 "error",
                 "torch_build_mismatch",
                 f"torch {sw.torch} is a {have} build but this machine's GPUs need {want}",
-                f"pip install --force-reinstall torch{_torch_index(s)}",
+                f"pip install --force-reinstall {_torch_install(s) or 'torch'}",
             )
         )
     if sw.torch_build == "cuda":
@@ -206,7 +215,7 @@ def _torch_rules(s: Snapshot) -> list[Finding]:
                         if major
                         else " (runs under CUDA minor-version compatibility; kernels needing PTX JIT can fail)"
                     ),
-                    f"update the NVIDIA driver, or pip install --force-reinstall torch{_torch_index(s)}",
+                    f"update the NVIDIA driver, or pip install --force-reinstall {_torch_install(s) or 'torch'}",
                 )
             )
     return out
@@ -418,14 +427,16 @@ def torch_cuda_lacks(
     compute_capability: str | None, torch_version: str | None, cuda: str | None
 ) -> str | None:
     """Why PyTorch's wheels for this torch and CUDA version hold no kernels for a GPU of this compute capability,
-    in words (None: they hold them, or it cannot be told). Three published facts:
+    in words (None: they hold them, or it cannot be told). Four published facts:
     - CUDA 13 compiles nothing below compute capability 7.5 (NVIDIA, "Navigating GPU Architecture Support: A
       Guide for NVIDIA CUDA Developers": Maxwell, Pascal and Volta lose offline compilation in CUDA 13.0);
     - Blackwell (10.x, 12.x) needs CUDA 12.8 or newer, the first toolkit that compiles for it (PyTorch's cu126
       build list ends at 9.0 without PTX: .ci/manywheel/build_cuda.sh);
     - PyTorch 2.8's CUDA 12.8 / 12.9 wheels dropped Maxwell and Pascal (2.8.0 release notes, dev-discuss
-      "Maxwell and Pascal architecture support removed in CUDA 12.8 and 12.9 builds"; cu126 keeps them).
-    ``torch_version`` None: the torch pip would install now (2.8 or newer)."""
+      "Maxwell and Pascal architecture support removed in CUDA 12.8 and 12.9 builds"; cu126 keeps them);
+    - PyTorch 2.11's CUDA 12.8 wheels dropped Volta (dev-discuss "Dropping Volta support from CUDA-12.8
+      binaries for release 2.11", RFC pytorch/pytorch#172352, RELEASE.md in PR 175253; cu126 keeps it).
+    ``torch_version`` None: the torch pip would install now (2.12 or newer)."""
     cc, runtime, torch = version_tuple(compute_capability), version_tuple(cuda), version_tuple(torch_version)
     if cc is None or runtime is None:
         return None
@@ -435,42 +446,46 @@ def torch_cuda_lacks(
         return f"Blackwell GPUs need a torch built for CUDA 12.8 or newer, not {cuda}"
     if runtime[:2] in ((12, 8), (12, 9)) and (torch is None or torch[:2] >= (2, 8)) and cc < (7, 0):
         return f"PyTorch's CUDA {cuda} wheels dropped Maxwell and Pascal in torch 2.8"
+    if runtime[:2] == (12, 8) and (torch is None or torch[:2] >= (2, 11)) and cc < (7, 5):
+        return f"PyTorch's CUDA {cuda} wheels dropped Volta in torch 2.11"
     return None
 
 
 def _arch_fix(s: Snapshot, blackwell: bool) -> str:
-    """The torch build the GPUs of :func:`torch_cuda_lacks` need (:func:`_torch_index`), or the driver to get
+    """The torch build the GPUs of :func:`torch_cuda_lacks` need (:func:`_torch_install`), or the driver to get
     first where this one runs no build with their kernels."""
-    index = _torch_index(s)
-    if index:
-        return f"pip install --force-reinstall torch{index}"
+    install = _torch_install(s)
+    if install:
+        return f"pip install --force-reinstall {install}"
     need = "CUDA 12.8 or newer (570+)" if blackwell else "CUDA 12.6 or newer"
     return f"update the NVIDIA driver to one for {need}, then install torch for that CUDA"
 
 
-def _torch_index(s: Snapshot) -> str:
-    """' --index-url ...' for the torch build this machine needs, or '' when it cannot be told."""
+def _torch_install(s: Snapshot) -> str:
+    """What `pip install` takes for the torch build this machine needs ('torch --index-url ...'; a quoted older
+    release where only that has the GPUs' kernels under this driver), or '' when it cannot be told."""
     vendors = {g.vendor for g in s.usable_gpus}
     if vendors == {"nvidia"}:
-        # the newest CUDA the driver runs whose wheels (of the torch pip installs now) hold every GPU's kernels
+        # the newest CUDA the driver runs whose wheels hold every GPU's kernels: a build of the torch pip
+        # installs now, else the last release of an older build
         driver = version_tuple(s.software.cuda_driver)
-        fitting = [
-            c
-            for c in TORCH_CUDA_WHEELS
-            if driver
-            and version_tuple(c) <= driver
-            and not any(torch_cuda_lacks(g.compute_capability, None, c) for g in s.usable_gpus)
-        ]
-        if fitting:
-            return f" --index-url https://download.pytorch.org/whl/cu{fitting[-1].replace('.', '')}"
+        if not driver:
+            return ""
+        builds = [(c, None) for c in reversed(TORCH_CUDA_WHEELS)] + list(TORCH_CUDA_LEGACY_WHEELS)
+        for cuda, last in builds:
+            if version_tuple(cuda) <= driver and not any(
+                torch_cuda_lacks(g.compute_capability, last, cuda) for g in s.usable_gpus
+            ):
+                url = f"--index-url https://download.pytorch.org/whl/cu{cuda.replace('.', '')}"
+                return f"torch {url}" if last is None else f'"torch=={last}.*" {url}'
         return ""
     if vendors == {"amd"}:
         rocm = version_tuple(s.software.rocm)
         if rocm:
-            return f" --index-url https://download.pytorch.org/whl/rocm{rocm[0]}.{rocm[1]}"
+            return f"torch --index-url https://download.pytorch.org/whl/rocm{rocm[0]}.{rocm[1]}"
         return ""
     if not vendors:
-        return " --index-url https://download.pytorch.org/whl/cpu"
+        return "torch --index-url https://download.pytorch.org/whl/cpu"
     return ""
 
 
