@@ -124,6 +124,7 @@ def run_demo(req: Any, ui: Any) -> dict[str, Any]:
     """`sdplan train --demo`: tiny model + generated dataset in ``--out`` (default ./sdplan-demo), then the
     same plan/write/launch path as a real run, on the CPU, and :data:`DEMO_NOTE` on what it shows. Returns
     run_summary.json."""
+    import dataclasses
     import time
 
     from sdplan import runfolder
@@ -150,8 +151,8 @@ def run_demo(req: Any, ui: Any) -> dict[str, Any]:
     if req.device == "cuda":
         raise UsageError("--demo trains on the CPU", fix="drop --device cuda")
     out = Path(req.out or DEFAULT_OUT).expanduser().resolve()
-    if req.resume:
-        return run(TrainRequest(resume=True, out=str(out), yes=True, overrides=list(req.overrides)), ui)
+    if req.resume:  # a run like any other: its flags (--dry-run, --epochs, --max-steps, ...) count as there
+        return run(dataclasses.replace(req, out=str(out), yes=True, model=None, demo=False), ui)
     runfolder.check_free(out)
     state = check_out_dir(out, force=req.force)
     data = demo_config(out, family=family, num_processes=req.num_processes or 1, max_steps=req.max_steps)
@@ -163,6 +164,8 @@ def run_demo(req: Any, ui: Any) -> dict[str, Any]:
         device="cpu",
         num_processes=req.num_processes,
         max_steps=req.max_steps,
+        epochs=req.epochs,
+        resolution=req.resolution,
         dry_run=req.dry_run,
         demo=True,
     )

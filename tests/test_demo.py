@@ -111,6 +111,22 @@ def test_demo_refuses_to_overwrite_without_force(demo, tmp_path):
     assert proc.returncode == 3 and "--force" in proc.stderr and "Traceback" not in proc.stderr
 
 
+def test_the_demos_flags_count_when_it_resumes_and_when_it_starts(demo, tmp_path):
+    """`--demo --resume --dry-run` runs nothing (it trained steps 17-48 and rewrote the weights: the resume
+    dropped every flag but the overrides), and a new demo takes --epochs and --resolution (they were ignored)."""
+    out, _ = demo
+    before = digest(out)
+    proc = sdplan("train", "--demo", "--resume", "--out", str(out), "--dry-run", "training.max_steps=48")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "dry run: would run" in proc.stdout and "--resume latest" in proc.stdout
+    assert digest(out) == before
+    new = tmp_path / "new"
+    proc = sdplan("train", "--demo", "--out", str(new), "--dry-run", "--epochs", "3", "--resolution", "128")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "8 steps per epoch x 3 epoch(s) = 24 optimizer steps" in proc.stdout
+    assert "resolution 128" in proc.stdout and not new.exists()
+
+
 @pytest.mark.slow
 def test_two_processes_see_the_same_images(demo, tmp_path):
     out1, _ = demo
