@@ -17,6 +17,7 @@ import datetime as _dt
 import json
 import os
 import shlex
+import signal
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -1335,6 +1336,32 @@ def _cpu_cores() -> int:
     return physical_cores()
 
 
+# The signals that stop a run with a checkpoint (Ctrl-C, kill, a closed terminal); a trainer that one kills while
+# Python is still starting exits by the signal itself.
+STOP_SIGNALS = frozenset(
+    {int(signal.SIGINT), int(signal.SIGTERM), int(getattr(signal, "SIGHUP", signal.SIGTERM))}
+)
+
+
+def interrupted(out: Path) -> TrainFailed:
+    """The trainer stopped on Ctrl-C, SIGTERM or a hangup: with the checkpoint it saved (or an earlier one) to
+    resume from, or, stopped while it was still starting, with none."""
+    from sdplan.trainer.checkpoint import latest_checkpoint
+
+    last = latest_checkpoint(out)
+    if last is None:
+        return TrainFailed(
+            "training interrupted before its first checkpoint: there is nothing to resume from",
+            EXIT_INTERRUPTED,
+            fix="start it again: the same command with --force",
+        )
+    return TrainFailed(
+        f"training interrupted; its last checkpoint is {last.name}",
+        EXIT_INTERRUPTED,
+        fix=f"continue with `sdplan train --resume --out {shlex.quote(str(out))}`",
+    )
+
+
 def execute(p: Prepared, req: TrainRequest, ui: UI, launch: Launch, lock: Any = None) -> dict[str, Any]:
     """Launch, and on out-of-memory retry with the next smaller config (bounded). Returns run_summary.json.
     Every top-level entry the trainer creates goes into the run folder's manifest."""
@@ -1356,12 +1383,8 @@ def execute(p: Prepared, req: TrainRequest, ui: UI, launch: Launch, lock: Any = 
         oom = read_json(out / OOM_FILE)
         if code == 0:
             break
-        if code == EXIT_INTERRUPTED:
-            raise TrainFailed(
-                "training interrupted; the trainer saved a checkpoint",
-                EXIT_INTERRUPTED,
-                fix=f"continue with `sdplan train --resume --out {shlex.quote(str(out))}`",
-            )
+        if code == EXIT_INTERRUPTED or -code in STOP_SIGNALS:  # killed by one before Python handled it
+            raise interrupted(out)
         if oom is None:
             reported = (out / REPORTED_FILE).is_file()  # its one line is already on the screen
             (out / REPORTED_FILE).unlink(missing_ok=True)  # a signal between the two, not an output

@@ -405,3 +405,35 @@ def test_train_says_which_deepspeed_it_runs(tmp_path, stage, offload, shown):
     )
     assert result.exit_code == 0, result.stdout + result.stderr
     assert shown in result.stdout, result.stdout
+
+
+@pytest.mark.parametrize("checkpoint", [False, True])
+@pytest.mark.parametrize("code", [130, -2])
+def test_an_interrupted_run_says_whether_there_is_a_checkpoint_to_resume_from(
+    tmp_path, fake_model, monkeypatch, code, checkpoint
+):
+    """Ctrl-C while the trainer was still starting said "the trainer saved a checkpoint (continue with
+    --resume)", and --resume then found none. A trainer killed by the signal before Python handled it (exit -2)
+    is interrupted too, not "failed (exit code -2)"."""
+    import sdplan.launcher as L
+
+    out = tmp_path / "o"
+
+    def launched(*args, **kwargs):
+        if checkpoint:
+            saved = out / "checkpoints" / "interrupt-step-3"
+            saved.mkdir(parents=True)
+            (saved / "train_state.json").write_text('{"step": 3}')
+        return code
+
+    monkeypatch.setattr(L, "run_launch", launched)
+    ds = make_images(tmp_path / "ds", n=4)
+    r = invoke(
+        "--model", str(fake_model), "--dataset", str(ds), "--out", str(out), "--device", "cpu", "--yes"
+    )
+    line = one_line_error(r, 130)
+    if checkpoint:
+        assert "its last checkpoint is interrupt-step-3" in line and "sdplan train --resume --out" in line
+    else:
+        assert "before its first checkpoint: there is nothing to resume from" in line
+        assert "the same command with --force" in line and "--resume" not in line

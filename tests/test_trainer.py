@@ -1012,3 +1012,20 @@ def test_deepspeed_asks_py_cpuinfo_once_per_process(monkeypatch):
     builder = CPUAdamBuilder()
     assert builder.cpu_arch() == builder.cpu_arch() == "-march=native"
     assert asked == [1]
+
+
+def test_ctrl_c_while_the_trainer_starts_ends_as_interrupted_not_in_a_traceback(
+    tmp_path, monkeypatch, capsys
+):
+    """Ctrl-C while torch and the libraries import (before the steps' own handler) printed a 45-line traceback
+    from inside an import; it ends with the interrupted exit code, in one line."""
+    from sdplan import config
+    from sdplan.launch import LAUNCHED_ENV
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(config, "load", interrupted)
+    monkeypatch.delenv(LAUNCHED_ENV, raising=False)
+    assert trainer_main(["--config", str(tmp_path / "c.yaml")]) == 130
+    assert capsys.readouterr().err.strip() == "error: aborted"

@@ -85,7 +85,21 @@ def _cpu_threads(cfg, torch) -> None:
 def main(argv: list[str] | None = None, *, own_process: bool = False) -> int:
     """The trainer's command line. ``own_process``: this process ends with the run (``python -m``), so the
     libraries the run does not use may be left out of it (:func:`_leave_out_unused_libraries`); a caller that
-    goes on after the run keeps them."""
+    goes on after the run keeps them. Ctrl-C outside the steps (torch and the libraries importing, the model
+    loading, the export) ends it with the interrupted exit code: under `sdplan train`, sdplan says so and
+    whether a checkpoint is there to resume from; a traceback from inside an import says nothing."""
+    try:
+        return _main(argv, own_process)
+    except KeyboardInterrupt:
+        from sdplan.errors import EXIT_INTERRUPTED
+        from sdplan.launch import LAUNCHED_ENV
+
+        if _rank() == 0 and not os.environ.get(LAUNCHED_ENV):
+            _err("aborted")
+        return EXIT_INTERRUPTED
+
+
+def _main(argv: list[str] | None, own_process: bool) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m sdplan.trainer", description="Train as sdplan.yaml says."
     )
@@ -142,12 +156,6 @@ def main(argv: list[str] | None = None, *, own_process: bool = False) -> int:
         report = stops.write_oom_report(cfg.output.dir, step=0, cfg=cfg, message=str(e))
         _err(f"out of GPU memory before training started; details in {report}")
         return stops.EXIT_OOM
-    except KeyboardInterrupt:  # outside the steps (loading, the export): under `sdplan train`, it says so
-        from sdplan.launch import LAUNCHED_ENV
-
-        if _rank() == 0 and not os.environ.get(LAUNCHED_ENV):
-            _err("aborted")
-        return stops.EXIT_INTERRUPTED
     finally:
         # DDP's reducer and gloo's finished work keep tensors in reference cycles; freed during interpreter
         # shutdown they take the GIL and the process aborts after a finished run ("terminate called without an
