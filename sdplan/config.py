@@ -505,6 +505,28 @@ def absolute_if_local(path: str) -> str:
     return str(p.resolve()) if p.exists() else path
 
 
+# The settings that name local files or folders (model.path: where it is one, else a hub id).
+PATH_KEYS = ("model.path", "model.config_dir", "data.path", "dreambooth.class_data", "output.dir")
+
+
+def absolute_paths(data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` with the paths of :data:`PATH_KEYS` absolute, as the current folder reads them: a run's
+    sdplan.yaml then names the same files from wherever it is resumed (a relative name there was looked up from
+    the new folder: another dataset, or the model on the hub). Values of the wrong type stay for validation."""
+    out = copy.deepcopy(data)
+    for key in PATH_KEYS:
+        section, _, name = key.partition(".")
+        node = out.get(section)
+        if not isinstance(node, dict) or not isinstance(node.get(name), str) or not node[name].strip():
+            continue
+        node[name] = (
+            absolute_if_local(node[name])
+            if key == "model.path"
+            else str(Path(node[name]).expanduser().resolve())
+        )
+    return out
+
+
 def require_file(path: Path) -> None:
     """ConfigError unless ``path`` is a file: a run folder given as --config points at its sdplan.yaml."""
     if path.is_dir():

@@ -279,12 +279,12 @@ def config_data(
     base: dict[str, Any], req: TrainRequest, out: Path | None, *, plan: dict[str, Any] | None = None
 ) -> dict[str, Any]:
     """Base data, then the plan's settings, then flags, then the user's key=value overrides (last wins), as
-    plain data (not yet validated)."""
+    plain data (not yet validated), with its paths absolute (:func:`sdplan.config.absolute_paths`)."""
     data = C.merge(base, plan) if plan else base
     data = C.apply_overrides(data, [_quote_override(o) for o in flag_overrides(req, out)])
     if req.overrides:
         data = C.apply_overrides(data, req.overrides)
-    return data
+    return C.absolute_paths(data)
 
 
 def _validate_given(base: dict[str, Any], req: TrainRequest, out: Path, source: str) -> C.TrainConfig:

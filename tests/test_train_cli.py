@@ -437,3 +437,25 @@ def test_an_interrupted_run_says_whether_there_is_a_checkpoint_to_resume_from(
     else:
         assert "before its first checkpoint: there is nothing to resume from" in line
         assert "the same command with --force" in line and "--resume" not in line
+
+
+def test_relative_paths_of_a_config_file_and_of_key_value_settings_are_written_absolute(
+    tmp_path, monkeypatch
+):
+    """A run's sdplan.yaml named `ds` and `model` as the config file gave them, so `--resume` from another folder
+    looked for another dataset and took the model for a hub id."""
+    import sdplan.launcher as L
+
+    monkeypatch.setattr(L, "run_launch", lambda *a, **k: 130)  # written, then stopped before a checkpoint
+    fake_diffusers_folder(tmp_path / "model")
+    make_images(tmp_path / "ds", n=4)
+    write_config(
+        tmp_path / "mine.yaml", model={"path": "model"}, data={"path": "ds"}, training={"device": "cpu"}
+    )
+    r = invoke("--config", "mine.yaml", "--out", "o", "--yes", "dreambooth.class_data=class", cwd=tmp_path)
+    assert r.exit_code == 130, r.output
+    cfg = yaml.safe_load((tmp_path / "o" / "sdplan.yaml").read_text())
+    assert cfg["model"]["path"] == str((tmp_path / "model").resolve())
+    assert cfg["data"]["path"] == str((tmp_path / "ds").resolve())
+    assert cfg["dreambooth"]["class_data"] == str((tmp_path / "class").resolve())
+    assert cfg["output"]["dir"] == str((tmp_path / "o").resolve())
