@@ -219,15 +219,27 @@ def _same_file(a: Path, b: Path) -> bool:
         return False
 
 
+# What a run leaves that --force clears: its sample grids, intermediate weights, EMA and logs (else the new run's
+# sit among the old run's, as if one run had made them all). The latent cache and generated class images are
+# kept: the same inputs give the same ones.
+RUN_PRODUCTS = ("samples", "intermediate", "ema", "logs", "loss.png")
+
+
 def clear_run_outputs(out: Path) -> None:
-    """--force on an existing run: remove what the last run left that a new one would trip over (its
-    checkpoints, which a retry would resume from, and its OOM report and summary), and only where the run
-    folder's manifest proves sdplan wrote them (and of checkpoints/, only the checkpoints: a file the user put
-    there stays). Other files are overwritten by the new run."""
+    """--force on an existing run: remove what the last run left (its checkpoints, which a retry would resume
+    from, its OOM report and summary, the outputs its summary lists and :data:`RUN_PRODUCTS`), and only where the
+    run folder's manifest proves sdplan wrote them (and of checkpoints/, only the checkpoints: a file the user
+    put there stays)."""
     from sdplan import runfolder
     from sdplan.trainer.checkpoint import CHECKPOINTS, remove_checkpoints
 
-    runfolder.remove_owned(out, (OOM_FILE, SUMMARY_FILE, REPORTED_FILE))
+    listed = (read_json(out / SUMMARY_FILE) or {}).get("outputs") or []
+    finals = {
+        Path(p).relative_to(out).parts[0]
+        for p in listed
+        if isinstance(p, str) and Path(p).is_relative_to(out) and Path(p) != out and ".." not in Path(p).parts
+    } - {CONFIG_FILE, ACCELERATE_FILE, DEEPSPEED_FILE, PLAN_CHART_FILE}  # rewritten, an edited one kept aside
+    runfolder.remove_owned(out, (OOM_FILE, SUMMARY_FILE, REPORTED_FILE, *RUN_PRODUCTS, *sorted(finals)))
     if CHECKPOINTS in runfolder.owned(out):
         remove_checkpoints(out)
 

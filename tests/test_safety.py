@@ -60,6 +60,30 @@ def test_force_removes_only_manifest_entries(tmp_path):
     assert sorted(runfolder.entries(out)) == ["oom.json"]
 
 
+def test_force_clears_the_last_runs_grids_intermediate_weights_and_final_outputs(tmp_path):
+    """--force starts a run over: the old run's intermediate weights and step grids sat among the new run's (old
+    steps 3 and 6 beside new 4 and 8). The latent cache, the class images, the run files and what the manifest
+    does not list stay."""
+    import json
+
+    from sdplan.launcher import clear_run_outputs
+
+    out = tmp_path / "run"
+    for rel in (
+        "intermediate/inter-step00000003/w.safetensors", "samples/step-000003.png", "samples/final.png",
+        "logs/events", "cache/latents.pt", "class_images/0.png", "loss.png", "loss_history.json",
+        "pytorch_lora_weights.safetensors", "run.kohya.safetensors", "sdplan.yaml", "mine.safetensors",
+    ):  # fmt: skip
+        (out / rel).parent.mkdir(parents=True, exist_ok=True)
+        (out / rel).write_bytes(b"x")
+    finals = ["pytorch_lora_weights.safetensors", "run.kohya.safetensors", "samples/final.png", "loss.png"]
+    outputs = [str(out / f) for f in (*finals, "loss_history.json", "sdplan.yaml", "../elsewhere.bin")]
+    (out / "run_summary.json").write_text(json.dumps({"outputs": outputs}))
+    runfolder.record(out, [n for n in runfolder.entries(out) if n != "mine.safetensors"])
+    clear_run_outputs(out)
+    assert sorted(runfolder.entries(out)) == ["cache", "class_images", "mine.safetensors", "sdplan.yaml"]
+
+
 def test_a_run_records_what_it_and_the_trainer_write(tmp_path):
     """The real launch path with a stand-in trainer command: every top-level entry it creates is recorded."""
     from sdplan import config as C
