@@ -238,11 +238,19 @@ def _build_tiny_model(folder: Path, family: str) -> Path | None:
     written is passed over."""
     import shutil
 
+    from sdplan.errors import SdplanError
+    from sdplan.trainer.source_check import check_folder
+
     try:
         cached = tiny_model_cache(family)
         if cached.is_dir():
-            shutil.copytree(cached, folder)
-            return cached
+            try:  # a kept model a disk or an editor damaged since: built again (it failed every later demo)
+                check_folder(cached, str(cached), family=family)
+            except SdplanError:
+                shutil.rmtree(cached)
+            else:
+                shutil.copytree(cached, folder)
+                return cached
     except OSError:
         cached = None
         shutil.rmtree(folder, ignore_errors=True)

@@ -401,6 +401,12 @@ def test_a_second_demo_copies_the_tiny_model_the_first_built(tmp_path, monkeypat
     built = digest(tmp_path / "first")
     assert built and digest(tmp_path / "second") == built
 
+    # a kept model damaged since (a truncated weights file) is built again, not copied into every later demo
+    weights = next((kept / "unet").glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[:-100])
+    assert demo._build_tiny_model(tmp_path / "fourth", "sd15") is None
+    assert digest(tmp_path / "fourth") == built and digest(kept) == built
+
     (tmp_path / "not-a-folder").write_text("a file where the cache would go")
     monkeypatch.setenv(profiles.CACHE_ENV, str(tmp_path / "not-a-folder"))
     assert demo._build_tiny_model(tmp_path / "third", "sd15") is None
