@@ -590,6 +590,18 @@ def test_out_of_memory_in_a_sample_grid_during_training_skips_the_grid(
 
 
 @pytest.mark.train
+def test_grids_during_training_without_prompts_show_a_caption_as_the_final_grid_does(
+    tiny_sd15, dataset, tmp_path
+):
+    """sampling.every_steps with no sampling.prompts (the default outside the demo) made no grid at all, and
+    said nothing; the final grid already fell back to a caption."""
+    out = tmp_path / "out"
+    run.train(tiny_train_config(tiny_sd15, dataset, out, "training.max_steps=2", "sampling.every_steps=1"))
+    grids = sorted(p.name for p in (out / "samples").glob("*.png"))
+    assert grids == ["final.png", "step-000001.png", "step-000002.png"]
+
+
+@pytest.mark.train
 def test_nan_loss_stops_with_a_checkpoint_from_before(tiny_sd15, dataset, tmp_path, monkeypatch):
     out = tmp_path / "out"
     monkeypatch.setenv("SDPLAN_INJECT_NAN_AT_STEP", "3")

@@ -652,7 +652,7 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
                     bar.update(step, mean_loss)
                     progress.log_step(tb, bar, step, mean_loss, lr_scheduler)
                     if cfg.sampling.every_steps and step % cfg.sampling.every_steps == 0:
-                        sample(step)
+                        sample(step, fallback=recipe.sample_prompt())  # no prompts: a caption, as at the end
                     if step in saves_at:
                         save_intermediate(step, saves_at[step])
                     ckpt.maybe_save()
