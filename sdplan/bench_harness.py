@@ -81,9 +81,11 @@ class PeakRSS:
 
 def _synthetic_config(req: BenchRequest, device: str):
     from sdplan.config import TrainConfig
+    from sdplan.registry import method
 
     cfg = TrainConfig()
     cfg.method = req.method
+    cfg.training.learning_rate = method(req.method).learning_rate  # as validate() fills it
     cfg.model.family = req.model
     cfg.data.resolution = req.resolution
     cfg.training.precision = req.precision

@@ -7,6 +7,7 @@ at once with its key path (``training.batch_size: must be >= 1``). Pure Python: 
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, get_args, get_origin, get_type_hints
@@ -14,7 +15,7 @@ from typing import Any, get_args, get_origin, get_type_hints
 import yaml
 
 from sdplan.errors import ConfigError
-from sdplan.registry import BASE_PRECISIONS, FAMILIES, METHODS, OPTIMIZERS, PRECISIONS
+from sdplan.registry import BASE_PRECISIONS, FAMILIES, METHOD_LIST, METHODS, OPTIMIZERS, PRECISIONS
 
 SCHEDULERS = (
     "constant",
@@ -111,7 +112,7 @@ class TrainingConfig:
     batch_size: int = 1
     grad_accum: int = 1
     precision: str = "fp16"
-    learning_rate: float = 1e-4
+    learning_rate: float | None = None  # None: the method's (sdplan.registry.Method.learning_rate)
     text_encoder_learning_rate: float | None = None
     lr_scheduler: str = "constant"
     lr_warmup_steps: int = 0
@@ -246,8 +247,11 @@ _RULES: dict[str, tuple[Any, str]] = {
     "training.batch_size": (lambda v: v >= 1, "must be >= 1"),
     "training.grad_accum": (lambda v: v >= 1, "must be >= 1"),
     "training.precision": (lambda v: v in PRECISIONS, f"must be one of {', '.join(PRECISIONS)}"),
-    "training.learning_rate": (lambda v: v > 0, "must be > 0"),
-    "training.text_encoder_learning_rate": (lambda v: v is None or v > 0, "must be > 0"),
+    "training.learning_rate": (lambda v: v is None or 0 < v < math.inf, "must be > 0 and finite"),
+    "training.text_encoder_learning_rate": (
+        lambda v: v is None or 0 < v < math.inf,
+        "must be > 0 and finite",
+    ),
     "training.lr_scheduler": (lambda v: v in SCHEDULERS, f"must be one of {', '.join(SCHEDULERS)}"),
     "training.lr_warmup_steps": (lambda v: v >= 0, "must be >= 0"),
     "training.epochs": (lambda v: v >= 1, "must be >= 1"),
@@ -299,6 +303,8 @@ def validate(data: Any, source: str = "config") -> TrainConfig:
     cfg = _build(TrainConfig, data, "", errors)
     if cfg is not None:
         _cross_checks(cfg, errors)
+        if cfg.training.learning_rate is None and cfg.method in METHODS:
+            cfg.training.learning_rate = METHOD_LIST[METHODS.index(cfg.method)].learning_rate
     if errors:
         raise ConfigError(source, errors)
     return cfg

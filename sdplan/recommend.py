@@ -475,7 +475,9 @@ def trainer_config(
     for section, key, place in (("data", "path", counted), ("output", "dir", out is not None)):
         if place:  # else data.path is the placeholder: there is no dataset yet
             data[section][key] = _absolute(data[section][key])
-    cfgmod.validate(data, "sdplan.yaml (from the plan)")
+    cfg = cfgmod.validate(data, "sdplan.yaml (from the plan)")
+    if data["training"].get("learning_rate") is None:  # the method's; a pinned one is carried as given
+        data["training"]["learning_rate"] = cfg.training.learning_rate
     return data
 
 

@@ -21,6 +21,7 @@ class Method:
     label: str
     trains: str  # "unet": every UNet weight | "adapter": LoRA matrices | "embeddings": new token vectors
     recipe: str  # the trainer module sdplan.trainer.recipes.<recipe>
+    learning_rate: float  # training.learning_rate when the config leaves it out (sources in METHOD_LIST)
     aliases: tuple[str, ...] = ()
 
     @property
@@ -77,15 +78,28 @@ FLOW_METHODS = ("lora", "finetune", "dreambooth")  # what the SD3.5 / FLUX.1 fam
 # scale) or bitsandbytes 4-bit NormalFloat; bytes and hardware rules in sdplan.planner.BASE_PRECISION_BYTES
 BASE_PRECISIONS = ("bf16", "fp8", "nf4")
 
+# Learning rates as diffusers' example scripts for the method set them (examples/ at its August 2026 main):
+# LoRA 1e-4 (text_to_image/train_text_to_image_lora.py's default), DreamBooth 5e-6 (dreambooth/
+# train_dreambooth.py's default and its README's commands), full fine-tune 1e-5 (text_to_image/README.md's
+# commands; the script's own default, 1e-4, is LoRA's), textual inversion 1e-4 (textual_inversion.py's default).
+# A whole network trained at a LoRA's rate overfits or breaks within a few hundred steps.
 METHOD_LIST = (
-    Method("lora", "LoRA", trains="adapter", recipe="lora"),
-    Method("dreambooth", "DreamBooth", trains="unet", recipe="dreambooth"),
-    Method("finetune", "full fine-tune", trains="unet", recipe="finetune", aliases=("fine-tune",)),
+    Method("lora", "LoRA", trains="adapter", recipe="lora", learning_rate=1e-4),
+    Method("dreambooth", "DreamBooth", trains="unet", recipe="dreambooth", learning_rate=5e-6),
+    Method(
+        "finetune",
+        "full fine-tune",
+        trains="unet",
+        recipe="finetune",
+        learning_rate=1e-5,
+        aliases=("fine-tune",),
+    ),
     Method(
         "textual-inversion",
         "textual inversion",
         trains="embeddings",
         recipe="textual_inversion",
+        learning_rate=1e-4,
         aliases=("ti",),
     ),
 )

@@ -161,3 +161,24 @@ def test_full_bf16_weights_do_not_combine_with_deepspeed():
         )
     assert "training.full_half_weights: DeepSpeed keeps fp32 master weights" in str(e.value)
     assert "set it to false or remove distributed.deepspeed" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("method", "rate"),
+    [("lora", 1e-4), ("dreambooth", 5e-6), ("finetune", 1e-5), ("textual-inversion", 1e-4)],
+)
+def test_the_learning_rate_left_out_is_the_methods(method, rate):
+    """Every method trained at 1e-4, a LoRA's rate: a DreamBooth or full fine-tune there trains every weight of
+    the network 20x faster than diffusers' DreamBooth script (5e-6) and overfits or breaks. A given one stays."""
+    assert config.validate({"method": method}).training.learning_rate == rate
+    data = {**config.default_config(), "method": method}
+    assert config.validate(data).training.learning_rate == rate  # the defaults as data (`sdplan train`)
+    given = {"method": method, "training": {"learning_rate": 3e-6}}
+    assert config.validate(given).training.learning_rate == 3e-6
+
+
+@pytest.mark.parametrize("value", [".inf", "-.inf", "0", "-1e-4"])
+def test_a_learning_rate_must_be_positive_and_finite(value):
+    data = yaml.safe_load(f"method: lora\ntraining:\n  learning_rate: {value}\n")
+    with pytest.raises(config.ConfigError, match="training.learning_rate: must be > 0 and finite"):
+        config.validate(data)

@@ -139,3 +139,14 @@ def test_a_planned_step_count_is_one_process_count_on_several_gpus(tmp_path):
     train = ["train", "--config", str(plan / "sdplan.yaml"), "--device", "cpu", "--dry-run"]
     steps = _steps_line(cli(*train))
     assert "/ 2 process(es) = 50 optimizer steps" in steps and "would be" not in steps, steps
+
+
+def test_a_written_plan_trains_at_its_methods_learning_rate(tmp_path):
+    """A DreamBooth plan was written with a LoRA's 1e-4, which `sdplan train` then used on every UNet weight."""
+    for method, rate in (("dreambooth", 5e-6), ("finetune", 1e-5), ("lora", 1e-4)):
+        out = tmp_path / method
+        r = cli(
+            "recommend", "--method", method, "--model", "sd15", "--hardware", "H100 SXM", "--out", str(out)
+        )
+        assert r.exit_code == 0, r.stderr
+        assert _written(out)["training"]["learning_rate"] == rate
