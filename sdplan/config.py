@@ -334,6 +334,17 @@ def _cross_checks(cfg: TrainConfig, errors: list[str]) -> None:
         and not cfg.dreambooth.class_prompt
     ):
         errors.append("dreambooth.class_prompt: required when with_prior_preservation is true")
+    # settings of one method given to another: its trainer would ignore them, and the plan charged their memory
+    if cfg.method != "dreambooth" and cfg.dreambooth.with_prior_preservation:
+        errors.append(
+            f"dreambooth.with_prior_preservation: only method dreambooth trains with class images, not "
+            f"{cfg.method}; set it to false"
+        )
+    if cfg.ema.enabled and cfg.method in METHODS and not METHOD_LIST[METHODS.index(cfg.method)].ema:
+        keeps = ", ".join(m.name for m in METHOD_LIST if m.ema)
+        errors.append(
+            f"ema.enabled: an EMA of the weights is kept by method {keeps}, not {cfg.method}; set it false"
+        )
     if cfg.memory.cache_text_encoder_outputs and cfg.training.train_text_encoder:
         errors.append(
             "memory.cache_text_encoder_outputs: cannot cache outputs of a text encoder being trained"

@@ -23,6 +23,9 @@ class Method:
     recipe: str  # the trainer module sdplan.trainer.recipes.<recipe>
     learning_rate: float  # training.learning_rate when the config leaves it out (sources in METHOD_LIST)
     aliases: tuple[str, ...] = ()
+    ema: bool = (
+        False  # keeps an EMA of the trained weights when ema.enabled (as diffusers' text-to-image script)
+    )
 
     @property
     def full_weights(self) -> bool:
@@ -93,6 +96,7 @@ METHOD_LIST = (
         recipe="finetune",
         learning_rate=1e-5,
         aliases=("fine-tune",),
+        ema=True,
     ),
     Method(
         "textual-inversion",

@@ -182,3 +182,21 @@ def test_a_learning_rate_must_be_positive_and_finite(value):
     data = yaml.safe_load(f"method: lora\ntraining:\n  learning_rate: {value}\n")
     with pytest.raises(config.ConfigError, match="training.learning_rate: must be > 0 and finite"):
         config.validate(data)
+
+
+@pytest.mark.parametrize("method", ["lora", "dreambooth", "textual-inversion"])
+def test_an_ema_on_a_method_that_keeps_none_is_refused(method):
+    """`recommend --method lora ema.enabled=true` planned and charged an EMA (3.2 GiB on SD 1.5) that the LoRA
+    trainer never kept: only the full fine-tune keeps one."""
+    with pytest.raises(
+        config.ConfigError, match="ema.enabled: an EMA of the weights is kept by method finetune"
+    ):
+        config.validate({"method": method, "ema": {"enabled": True}})
+    assert config.validate({"method": "finetune", "ema": {"enabled": True}}).ema.enabled
+
+
+@pytest.mark.parametrize("method", ["lora", "finetune", "textual-inversion"])
+def test_prior_preservation_outside_dreambooth_is_refused(method):
+    data = {"method": method, "dreambooth": {"with_prior_preservation": True, "class_prompt": "a dog"}}
+    with pytest.raises(config.ConfigError, match="only method dreambooth trains with class images"):
+        config.validate(data)

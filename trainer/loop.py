@@ -38,6 +38,7 @@ from typing import Any
 from sdplan.config import TrainConfig
 from sdplan.errors import SdplanError, UsageError
 from sdplan.registry import FLOW_FAMILIES
+from sdplan.registry import method as method_of
 
 from . import (
     blockswap,
@@ -66,7 +67,6 @@ class Recipe:
 
     method = ""
     trains_unet = False  # full UNet weights (fp32 masters, or bf16 with training.full_half_weights)
-    ema_supported = False
 
     def __init__(self, cfg: TrainConfig, accelerator, comps, dataset=None):
         self.cfg, self.accelerator, self.comps, self.dataset = cfg, accelerator, comps, dataset
@@ -178,7 +178,7 @@ class Recipe:
 
     def ema_model(self):
         """The model EMA averages (``ema.enabled``), or None when this method keeps no EMA."""
-        return self.unet if self.ema_supported and self.cfg.ema.enabled else None
+        return self.unet if self.cfg.ema.enabled and method_of(self.cfg.method).ema else None
 
     def predict(self, batch: dict, generator, *, latents=None):
         """(prediction, target) of the denoiser on one batch: latents, noised by the objective, conditioned on

@@ -25,7 +25,6 @@ from .finetune import Finetune
 
 class DreamBooth(Finetune):
     method = "dreambooth"
-    ema_supported = False
 
     @classmethod
     def resolve_config(cls, cfg):

@@ -24,7 +24,6 @@ from ..loop import Ema, Recipe
 class Finetune(Recipe):
     method = "finetune"
     trains_unet = True
-    ema_supported = True
 
     def setup(self) -> None:
         import torch
