@@ -15,7 +15,15 @@ from typing import Any, get_args, get_origin, get_type_hints
 import yaml
 
 from sdplan.errors import ConfigError
-from sdplan.registry import BASE_PRECISIONS, FAMILIES, METHOD_LIST, METHODS, OPTIMIZERS, PRECISIONS
+from sdplan.registry import (
+    BASE_PRECISIONS,
+    FAMILIES,
+    FLOW_FAMILIES,
+    METHOD_LIST,
+    METHODS,
+    OPTIMIZERS,
+    PRECISIONS,
+)
 
 SCHEDULERS = (
     "constant",
@@ -34,6 +42,22 @@ RESOLUTION_RULE = f"must be between {MIN_RESOLUTION} and {MAX_RESOLUTION} pixels
 def resolution_ok(pixels: int) -> bool:
     """The VAE downsamples 8x: a side must be a multiple of 8; past 4096 px no SD model trains sensibly."""
     return MIN_RESOLUTION <= pixels <= MAX_RESOLUTION and pixels % 8 == 0
+
+
+PIXELS_PER_TOKEN = 16  # SD3.5 / FLUX.1: the transformer takes 2x2 patches of the 8x VAE latent
+
+
+def flow_resolution_problem(pixels: int, family: str | None, *, buckets: bool = False) -> str | None:
+    """Why an SD3.5 / FLUX.1 transformer cannot train at ``pixels`` (a side not a multiple of
+    :data:`PIXELS_PER_TOKEN`; aspect buckets round their sides themselves), or None. One rule for `recommend`,
+    the config and the trainer, which refused a resolution the plan had accepted."""
+    if family not in FLOW_FAMILIES or buckets or pixels % PIXELS_PER_TOKEN == 0:
+        return None
+    lower = pixels - pixels % PIXELS_PER_TOKEN
+    return (
+        f"data.resolution {pixels} for {family}: the transformer takes 2x2 patches of the 8x VAE latent, so a side "
+        f"must be a multiple of {PIXELS_PER_TOKEN} pixels (set it to {lower} or {lower + PIXELS_PER_TOKEN})"
+    )
 
 
 @dataclass
@@ -334,6 +358,8 @@ def _cross_checks(cfg: TrainConfig, errors: list[str]) -> None:
         and not cfg.dreambooth.class_prompt
     ):
         errors.append("dreambooth.class_prompt: required when with_prior_preservation is true")
+    if problem := flow_resolution_problem(cfg.data.resolution, cfg.model.family, buckets=cfg.data.buckets):
+        errors.append(problem)
     # settings of one method given to another: its trainer would ignore them, and the plan charged their memory
     if cfg.method != "dreambooth" and cfg.dreambooth.with_prior_preservation:
         errors.append(

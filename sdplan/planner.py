@@ -267,6 +267,7 @@ class Request:
     lora_rank: int = 16
     prior_preservation: bool = False
     class_images: int = 0
+    max_steps: int | None = None  # training.max_steps pinned: the run's optimizer steps (one process's count)
     # settings the user fixed (Settings field -> value, from `key=value` sdplan.yaml pins): planned around
     pins: tuple[tuple[str, Any], ...] = ()
 
@@ -1883,11 +1884,13 @@ def batch_sweep(res: Result, profiles: Profiles) -> tuple[Candidate, ...]:
 
 
 def _steps(req: Request, batch: int, grad_accum: int, num_gpus: int) -> Steps:
-    return _plan_steps(req.images * req.repeats, batch, grad_accum, num_gpus, req.epochs)
+    return _plan_steps(req.images * req.repeats, batch, grad_accum, num_gpus, req.epochs, req.max_steps)
 
 
 @functools.lru_cache(maxsize=4096)
-def _plan_steps(images_per_epoch: int, batch: int, grad_accum: int, num_gpus: int, epochs: int) -> Steps:
+def _plan_steps(
+    images_per_epoch: int, batch: int, grad_accum: int, num_gpus: int, epochs: int, max_steps: int | None
+) -> Steps:
     """plan_steps, once per arguments (Steps is frozen): a search asks again for every configuration."""
     return plan_steps(
         images_per_epoch=images_per_epoch,
@@ -1895,6 +1898,7 @@ def _plan_steps(images_per_epoch: int, batch: int, grad_accum: int, num_gpus: in
         grad_accum=grad_accum,
         num_processes=num_gpus,
         epochs=epochs,
+        max_steps=max_steps,
     )
 
 
@@ -2546,13 +2550,13 @@ def _evaluate(req: Request, profiles: Profiles, hw: Hardware, cal: Calibration, 
     seconds = seconds_range = None
     fixed = allreduce = 0.0
     if step_s is not None:
-        stepping = steps.total_steps * s.grad_accum * step_s
+        stepping = steps.micro_batches * step_s
         fixed = STARTUP_S
         if s.cache_latents:
             fixed += latent_cache_seconds(profiles, s, req.images, gpu, cal)
         seconds = fixed + stepping
         if s.num_gpus > 1 and observed is None and link_gbs:
-            micro_steps = steps.total_steps * s.grad_accum
+            micro_steps = steps.micro_batches
             allreduce = micro_steps * comm_seconds(profiles, s, link_gbs, cal)
         # the steps' range by their basis (one GPU: the bench evidence behind it times one GPU; several add an
         # all-reduce as modelled); start-up and caching are the model's (the validation set's range)
@@ -2601,7 +2605,9 @@ def _key(c: Candidate) -> tuple:
     )
     if c.seconds is None:  # no checkpointing (it surely costs time), then the largest batch
         return (math.inf, s.offload, s.num_gpus, s.gradient_checkpointing, -s.batch * s.grad_accum, *savers)
-    return (c.seconds * penalty, s.offload, s.num_gpus, s.batch, *savers)
+    # per image seen: the run's time where its images are set (epochs), its pace where its steps are
+    # (training.max_steps: a larger batch sees more images in as many steps, not a slower run)
+    return (c.seconds / c.steps.images_seen * penalty, s.offload, s.num_gpus, s.batch, *savers)
 
 
 def _which(c: Candidate, best: Candidate) -> str:
@@ -3397,6 +3403,12 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
             f"steps per epoch, {st.total_steps} in all (one GPU: {st.one_gpu_total_steps}); images seen "
             f"{st.images_seen} either way; warmup and LR schedule count these steps"
         )
+    elif req.max_steps:
+        r.append(
+            f"steps: training.max_steps {req.max_steps}, pinned: {st.total_steps} steps of batch {s.batch} x "
+            f"accumulation {s.grad_accum}; images seen {st.images_seen} ({st.epochs} epoch(s) of "
+            f"{st.images_per_epoch}); with the steps set, the plan is the one that trains fastest per image"
+        )
     else:
         r.append(
             f"steps: {st.images_per_epoch} images per epoch / (batch {s.batch} x accumulation {s.grad_accum}) = "
@@ -3722,6 +3734,7 @@ def result_dict(res: Result) -> dict[str, Any]:
             "images": req.images,
             "repeats": req.repeats,
             "epochs": req.epochs,
+            "max_steps": req.max_steps,
             "pins": {pin_text(k, v).partition("=")[0]: _jsonable(v) for k, v in req.pins},
         },
         "hardware": {

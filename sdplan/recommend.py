@@ -133,6 +133,7 @@ class RecommendInputs:
     images: int | None = None
     repeats: int | None = None
     epochs: int | None = None
+    max_steps: int | None = None  # training.max_steps, pinned (no flag of its own)
     hardware: str | None = None
     machine: str | None = None
     gpus: int | None = None
@@ -189,12 +190,18 @@ def parse_pins(items: tuple[str, ...] | list[str], method: str, model: str) -> t
 
 
 # sdplan.yaml keys that size the run as a flag does: pinned, they count as that flag (and must agree with it)
-_SIZING_KEYS = {"data.path": "--dataset", "data.repeats": "--repeats", "training.epochs": "--epochs"}
+_SIZING_KEYS = {
+    "data.path": "--dataset",
+    "data.repeats": "--repeats",
+    "training.epochs": "--epochs",
+    "training.max_steps": "--max-steps",
+}
 
 
 def _sizing_pins(inp: RecommendInputs) -> RecommendInputs:
-    """``inp`` with its ``data.path`` / ``data.repeats`` / ``training.epochs`` pins in the flags' places (the
-    plan counted its steps without them, and `--out` wrote a config whose max_steps contradicted them)."""
+    """``inp`` with its ``data.path`` / ``data.repeats`` / ``training.epochs`` / ``training.max_steps`` pins in
+    the flags' places (the plan counted its steps without them, and `--out` wrote a config whose max_steps
+    contradicted them; ``training.max_steps`` has no flag of its own)."""
     given = cfgmod.override_keys(inp.settings)
     keys = [key for key in _SIZING_KEYS if key in given]
     if not keys:
@@ -208,7 +215,7 @@ def _sizing_pins(inp: RecommendInputs) -> RecommendInputs:
         flag = _SIZING_KEYS[key]
         section, name = key.split(".")
         value = getattr(getattr(cfg, section), name)
-        field = flag.removeprefix("--")
+        field = flag.removeprefix("--").replace("-", "_")
         given_flag = getattr(inp, field)
         if given_flag is not None and str(given_flag) != str(value):
             raise UsageError(f"{flag} {given_flag} and {key}={value} disagree", fix="give one")
@@ -361,6 +368,12 @@ def build_request(inp: RecommendInputs, profiles: Profiles) -> tuple[planner.Req
                 f"--resolution {resolution} and data.resolution={pinned_resolution} disagree", fix="give one"
             )
         resolution = pinned_resolution
+    buckets = cfgmod.apply_overrides({}, [o for o in inp.settings if o.startswith("data.buckets=")])
+    bucketed = bool((buckets.get("data") or {}).get("buckets"))
+    if resolution is not None and (
+        problem := cfgmod.flow_resolution_problem(resolution, inp.model, buckets=bucketed)
+    ):
+        raise UsageError(problem)
     fields = dict(pins)
     req = planner.Request(
         method=inp.method,
@@ -372,6 +385,7 @@ def build_request(inp: RecommendInputs, profiles: Profiles) -> tuple[planner.Req
         max_gpus=inp.gpus,
         lora_rank=fields.get("lora_rank") or planner.Request.lora_rank,
         prior_preservation=bool(fields.get("prior_preservation", False)),
+        max_steps=inp.max_steps,
         pins=pins,
     )
     return req, notes

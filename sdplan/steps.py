@@ -28,6 +28,14 @@ class Steps:
     num_processes: int = 1
     grad_accum: int = 1
 
+    @property
+    def micro_batches(self) -> int:
+        """The micro-batches each process draws in the whole run: ``total_steps x grad_accum`` less the missing
+        micro-batches of each epoch's last, partial accumulation (20 images at batch 8 and accumulation 4 are
+        3 micro-batches an epoch, in one optimizer step, not 4)."""
+        full_epochs, rest = divmod(self.total_steps, self.steps_per_epoch)
+        return full_epochs * self.batches_per_epoch + min(rest * self.grad_accum, self.batches_per_epoch)
+
     def summary(self) -> dict[str, int]:
         """The counts `sdplan train` prints and records (run metadata)."""
         keys = (
@@ -61,7 +69,8 @@ def plan_steps(
     if max_steps:
         total = max(1, math.ceil(max_steps / num_processes))
         epochs = math.ceil(total / spe)
-        images_seen = total * per_step
+        full_epochs, rest = divmod(total, spe)  # an epoch's last step takes what is left of it
+        images_seen = full_epochs * images_per_epoch + min(rest * per_step, images_per_epoch)
         one = max_steps
     else:
         total = epochs * spe

@@ -362,3 +362,40 @@ def test_every_pinned_plan_writes_a_config_the_trainer_accepts(prof, model):
                     if why:
                         bad.append(f"{method} on {hardware} with {pins}: {why}")
     assert not bad, f"{len(bad)}, e.g. {bad[:3]}"
+
+
+def test_a_pinned_max_steps_is_the_plans_step_count_and_time():
+    """`training.max_steps=10` was written to the config (the trainer stops there) while the plan, its time and
+    its JSON counted the epochs' 50 steps. With the steps set, the batch is the one fastest per image."""
+    r = _plan_for("lora", "sdxl", "RTX 4090", "training.max_steps=10", "--json")
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    assert d["steps"]["total_steps"] == 10 and d["request"]["max_steps"] == 10
+    assert any(line.startswith("steps: training.max_steps 10, pinned: 10 steps") for line in d["reasons"])
+    batch = d["plan"]["batch_size"]
+    same = _plan_for("lora", "sdxl", "RTX 4090", f"training.batch_size={batch}", "--json")
+    full = json.loads(same.stdout)
+    assert d["estimate"]["seconds"] < full["estimate"]["seconds"]  # 10 steps, not the epochs' steps
+    assert full["steps"]["total_steps"] > 10
+
+
+def test_accumulation_over_an_epochs_partial_batch_is_charged_the_micro_batches_drawn():
+    """20 images at batch 8: 3 micro-batches an epoch, with accumulation 4 or without. The plan charged 4 per
+    optimizer step with accumulation 4 (320 s against 256 s)."""
+    seconds = []
+    for extra in ((), ("training.grad_accum=4",)):
+        r = _plan_for("lora", "sdxl", "RTX 4090", "training.batch_size=8", *extra, "--json")
+        assert r.exit_code == 0, r.output
+        seconds.append(json.loads(r.stdout)["estimate"]["seconds"])
+    assert seconds[0] == seconds[1]
+
+
+@pytest.mark.parametrize("model", ["flux-dev", "sd35-medium"])
+def test_a_resolution_the_transformer_trainer_refuses_is_refused_by_recommend(model):
+    """--resolution 520 planned an SD3.5 / FLUX.1 run whose config `sdplan train` then refused (a side must be
+    a multiple of 16 px). Aspect buckets round their own sides."""
+    for args in (("--resolution", "520"), ("data.resolution=520",)):
+        r = _plan_for("lora", model, "RTX 4090", *args)
+        assert r.exit_code == 2 and "multiple of 16 pixels (set it to 512 or 528)" in r.stderr, r.output
+    assert _plan_for("lora", model, "RTX 4090", "--resolution", "520", "data.buckets=true").exit_code == 0
+    assert _plan_for("lora", "sdxl", "RTX 4090", "--resolution", "520").exit_code == 0  # a UNet: 8 px

@@ -63,7 +63,16 @@ def test_json_shape_is_exactly_the_issue(tmp_path):
         "reasons",
         "config",
     ]
-    assert set(d["request"]) == {"method", "model", "resolution", "images", "repeats", "epochs", "pins"}
+    assert set(d["request"]) == {
+        "method",
+        "model",
+        "resolution",
+        "images",
+        "repeats",
+        "epochs",
+        "max_steps",
+        "pins",
+    }
     assert (
         set(d["hardware"]) == {"source", "gpus", "ram_total_bytes"} and d["hardware"]["source"] == "catalog"
     )

@@ -92,14 +92,17 @@ def test_images_without_the_dataset_write_epochs_and_a_pinned_max_steps_stays(tm
     model = fake_diffusers_folder(tmp_path / "model")
     for extra, want in (
         (["--images", "8", "--epochs", "3"], (3, None)),
-        (["training.max_steps=7"], (10, 7)),
-        (["--images", "8", "training.max_steps=7"], (10, 7)),
+        (["training.max_steps=7"], (None, 7)),  # the epochs its 7 steps reach, as the plan counts them
+        (["--images", "8", "training.max_steps=7"], (None, 7)),
     ):
         plan = tmp_path / "-".join(extra)
         result = _recommend(model, "--out", str(plan), *extra)
         assert result.exit_code == 0, result.stderr
-        training = _written(plan)["training"]
-        assert (training["epochs"], training["max_steps"]) == want, extra
+        written = _written(plan)
+        training = written["training"]
+        epochs = want[0] or written["plan"]["steps"]["epochs"]
+        assert (training["epochs"], training["max_steps"]) == (epochs, want[1]), extra
+        assert written["plan"]["steps"]["total_steps"] == want[1] or want[1] is None
 
 
 def test_the_printed_command_asks_for_the_dataset_when_none_was_given(tmp_path, monkeypatch):

@@ -435,10 +435,14 @@ def test_flow_families_refuse_a_resolution_that_is_no_whole_number_of_patches(
     tiny_flow, demo_dataset, tmp_path, family
 ):
     """72 px: a 9x9 latent, which FLUX cannot pack into 2x2 tokens (a reshape error at the first step) and
-    SD3's patch embedding cuts to 8x8 (a shape mismatch in the loss)."""
+    SD3's patch embedding cuts to 8x8 (a shape mismatch in the loss). A config that names the family refuses it
+    (as `recommend` does); a family found in the model's files, the trainer."""
     from sdplan.trainer import run
 
-    cfg = _cfg(tiny_flow[family], family, demo_dataset, tmp_path / "o", "data.resolution=72")
+    with pytest.raises(config.ConfigError, match="multiple of 16 pixels"):
+        _cfg(tiny_flow[family], family, demo_dataset, tmp_path / "o", "data.resolution=72")
+    cfg = _cfg(tiny_flow[family], family, demo_dataset, tmp_path / "o")
+    cfg.data.resolution, cfg.model.family = 72, None
     with pytest.raises(UsageError, match="multiple of 16 pixels"):
         run.train(cfg)
 

@@ -25,6 +25,19 @@ def test_warmup_and_max_steps_are_one_process_counts():
     assert (capped.total_steps, capped.epochs, capped.images_seen) == (5, 3, 20)
 
 
+def test_micro_batches_and_images_count_an_epochs_partial_last_step():
+    """20 images at batch 8 and accumulation 4: 3 micro-batches an epoch (8, 8, 4), one optimizer step. The
+    planner charged 4 micro-batches a step (its time 25% over), and 10 steps of batch 8 counted 80 images where
+    the epochs' last batches hold 4."""
+    run = plan_steps(images_per_epoch=20, batch_size=8, grad_accum=4, epochs=10)
+    assert (run.total_steps, run.micro_batches, run.images_seen) == (10, 30, 200)
+    capped = plan_steps(images_per_epoch=20, batch_size=8, epochs=1, max_steps=10)
+    assert (capped.steps_per_epoch, capped.epochs, capped.micro_batches) == (3, 4, 10)
+    assert capped.images_seen == 3 * 20 + 8  # three whole epochs, then one batch of the fourth
+    even = plan_steps(images_per_epoch=16, batch_size=4, grad_accum=2, epochs=2)
+    assert even.micro_batches == even.total_steps * 2 == 8
+
+
 def test_the_dataloader_length_when_known_gives_the_same_steps():
     """ceil(ceil(n / (b x N)) / ga) == ceil(n / (b x ga x N)): the trainer's sharded dataloader length and the
     planner's image count give the same steps."""

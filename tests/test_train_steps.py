@@ -101,6 +101,7 @@ def test_oom_halves_the_micro_batch_keeping_the_effective_batch(b, ga, nb, nga):
 
 def test_at_batch_one_the_memory_savers_come_in_order():
     d = data(training={"batch_size": 1, "grad_accum": 4}, ema={"enabled": True, "device": "gpu"})
+    d["method"] = "finetune"  # the method that keeps an EMA
     seen = []
     while (change := after_oom(d, cuda=True, have_bnb=True, have_deepspeed=True)) is not None:
         validate(change.data)  # every step is a valid config

@@ -29,6 +29,7 @@ import math
 from dataclasses import dataclass
 
 from sdplan import registry
+from sdplan.config import flow_resolution_problem
 from sdplan.errors import UsageError
 
 from .objective import mse
@@ -92,7 +93,6 @@ LORA_TARGETS = {
         "ff_context.net.2",
     ],
 }
-PIXELS_PER_TOKEN = 16  # the 8x VAE latent in 2x2 patches (FLUX packing, SD3's patch embedding)
 UNET_LORA_DEFAULT = ["to_k", "to_q", "to_v", "to_out.0"]  # sdplan.config.LoraConfig's default
 
 
@@ -281,14 +281,11 @@ class FlowAdapter:
                 "rectified-flow objective",
                 fix="set training.noise_offset: 0",
             )
-        resolution = cfg.data.resolution
-        if not cfg.data.buckets and resolution % PIXELS_PER_TOKEN:  # bucket sides are multiples of 32 or more
-            lower = resolution - resolution % PIXELS_PER_TOKEN
-            raise UsageError(
-                f"data.resolution {resolution} for {self.family.name}: the transformer takes 2x2 patches of the "
-                f"8x VAE latent, so a side must be a multiple of {PIXELS_PER_TOKEN} pixels",
-                fix=f"set data.resolution to {lower} or {lower + PIXELS_PER_TOKEN}",
-            )
+        # the config checked it where it names the family; a detected family is checked here
+        if problem := flow_resolution_problem(
+            cfg.data.resolution, self.family.name, buckets=cfg.data.buckets
+        ):
+            raise UsageError(problem)
         if cfg.training.train_text_encoder:
             raise UsageError(
                 f"training.train_text_encoder for {self.family.name}: not supported (the transformer trains; "
