@@ -1233,10 +1233,7 @@ def plan_request(cfg: C.TrainConfig, inputs: InputSummary, snapshot: Any, req: T
 
     family = cfg.model.family or inputs.family or guess_family(cfg.model.path)
     pins, pinned_resolution = parse_pins(req.overrides, cfg.method, family)
-    if inputs.images_x_repeats % inputs.images == 0:
-        images, repeats = inputs.images, inputs.images_x_repeats // inputs.images
-    else:  # kohya folders with different repeats: the planner needs only the product
-        images, repeats = inputs.images_x_repeats, 1
+    images, repeats = inputs.images, max(1, inputs.images_x_repeats // max(1, inputs.images))
     if req.resolution is not None and pinned_resolution is not None and req.resolution != pinned_resolution:
         raise UsageError(
             f"--resolution {req.resolution} and data.resolution={pinned_resolution} disagree", fix="give one"
@@ -1250,7 +1247,9 @@ def plan_request(cfg: C.TrainConfig, inputs: InputSummary, snapshot: Any, req: T
         resolution=resolution,
         images=images,
         repeats=repeats,
+        images_per_epoch=inputs.images_x_repeats,  # kohya folders of unequal repeats: each its own
         epochs=cfg.training.epochs,
+        max_steps=cfg.training.max_steps,
         max_gpus=req.gpus,
         lora_rank=fields.get("lora_rank") or cfg.lora.rank,
         prior_preservation=prior,

@@ -260,7 +260,7 @@ class Request:
     method: str
     model: str = "sd15"
     resolution: int | None = None  # None: the family's native resolution
-    images: int = 20
+    images: int = 20  # distinct images (the latent cache encodes each once; a batch holds no image twice)
     repeats: int = 1
     epochs: int = 10
     max_gpus: int | None = None  # --gpus: use at most this many
@@ -268,11 +268,18 @@ class Request:
     prior_preservation: bool = False
     class_images: int = 0
     max_steps: int | None = None  # training.max_steps pinned: the run's optimizer steps (one process's count)
+    # kohya folders of unequal repeats (10_a, 3_b): each image times its own folder's; None: images x repeats
+    images_per_epoch: int | None = None
     # settings the user fixed (Settings field -> value, from `key=value` sdplan.yaml pins): planned around
     pins: tuple[tuple[str, Any], ...] = ()
 
     def pinned(self, name: str) -> bool:
         return any(k == name for k, _ in self.pins)
+
+    @property
+    def per_epoch(self) -> int:
+        """The images an epoch shows: each with its repeats."""
+        return self.images_per_epoch or self.images * self.repeats
 
     def pin(self, name: str, default: Any = None) -> Any:
         return next((v for k, v in self.pins if k == name), default)
@@ -1884,7 +1891,7 @@ def batch_sweep(res: Result, profiles: Profiles) -> tuple[Candidate, ...]:
 
 
 def _steps(req: Request, batch: int, grad_accum: int, num_gpus: int) -> Steps:
-    return _plan_steps(req.images * req.repeats, batch, grad_accum, num_gpus, req.epochs, req.max_steps)
+    return _plan_steps(req.per_epoch, batch, grad_accum, num_gpus, req.epochs, req.max_steps)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -3733,6 +3740,7 @@ def result_dict(res: Result) -> dict[str, Any]:
             "resolution": req.resolution,
             "images": req.images,
             "repeats": req.repeats,
+            "images_per_epoch": req.per_epoch,
             "epochs": req.epochs,
             "max_steps": req.max_steps,
             "pins": {pin_text(k, v).partition("=")[0]: _jsonable(v) for k, v in req.pins},

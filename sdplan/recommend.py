@@ -66,10 +66,9 @@ def count_dataset(path: str | Path) -> DatasetCount:
         groups.setdefault(folder, []).append(item.repeats)
     folders = tuple((name, reps[0], len(reps)) for name, reps in sorted(groups.items()))
     kinds = {r for _, r, _ in folders}
-    repeats = kinds.pop() if len(kinds) == 1 else 1
-    images = result.num_images if len({r for _, r, _ in folders}) == 1 else per_epoch  # mixed: image-repeats
+    repeats = kinds.pop() if len(kinds) == 1 else 1  # unequal: images_per_epoch counts each folder's own
     return DatasetCount(
-        images=images,
+        images=result.num_images,
         repeats=repeats,
         images_per_epoch=per_epoch,
         layout="kohya",
@@ -337,8 +336,9 @@ def build_request(inp: RecommendInputs, profiles: Profiles) -> tuple[planner.Req
         from sdplan.trainer.dataset_scan import count_of
 
         ds = count_dataset(inp.dataset)
-        images, repeats = ds.images, ds.repeats
-        if ds.layout == "kohya":
+        images, repeats, per_epoch = ds.images, ds.repeats, None  # None: images x repeats
+        if ds.layout == "kohya":  # each folder's own repeats
+            per_epoch = ds.images_per_epoch
             desc = ", ".join(f"{n} ({count_of(n_img, 'image')} x {r})" for n, r, n_img in ds.folders)
             notes.append(
                 f"dataset {inp.dataset}: kohya folders {desc} = {ds.images_per_epoch} images per epoch"
@@ -352,8 +352,7 @@ def build_request(inp: RecommendInputs, profiles: Profiles) -> tuple[planner.Req
         if ds.skipped:  # as `sdplan train` would say: a file left out is no surprise later
             notes.append(f"dataset {inp.dataset}: {ds.skipped}")
     else:
-        images = inp.images or DEFAULT_IMAGES
-        repeats = inp.repeats or 1
+        images, repeats, per_epoch = inp.images or DEFAULT_IMAGES, inp.repeats or 1, None
         if inp.images is None:
             notes.append(
                 f"no --dataset or --images: planned for {DEFAULT_IMAGES} images (the steps and time are for "
@@ -381,6 +380,7 @@ def build_request(inp: RecommendInputs, profiles: Profiles) -> tuple[planner.Req
         resolution=resolution,
         images=images,
         repeats=repeats,
+        images_per_epoch=per_epoch,
         epochs=epochs,
         max_gpus=inp.gpus,
         lora_rank=fields.get("lora_rank") or planner.Request.lora_rank,

@@ -69,6 +69,7 @@ def test_json_shape_is_exactly_the_issue(tmp_path):
         "resolution",
         "images",
         "repeats",
+        "images_per_epoch",
         "epochs",
         "max_steps",
         "pins",
@@ -597,3 +598,28 @@ def test_a_gpu_id_the_hardware_lacks_names_the_ones_it_has():
         app, ["recommend", "--method", "lora", "--hardware", "RTX 4090", "distributed.gpu_ids=[3]"]
     )
     assert r.exit_code == 2 and "has no GPU 3 (it has GPU 0;" in r.output
+
+
+def test_kohya_folders_of_unequal_repeats_count_their_distinct_images(tmp_path):
+    """10_a and 3_b with one image each: 13 images an epoch, of 2 distinct. The plan took 13 for the distinct
+    count: the latent cache 'encoded each of the 13 images once' and the batch passed the 2 a batch can hold."""
+    from conftest import make_images
+
+    make_images(tmp_path / "ds" / "10_a", n=1)
+    make_images(tmp_path / "ds" / "3_b", n=1)
+    args = (
+        "--method",
+        "lora",
+        "--model",
+        "sd15",
+        "--hardware",
+        "RTX 4090",
+        "--dataset",
+        str(tmp_path / "ds"),
+    )
+    r = CliRunner().invoke(app, ["recommend", *args, "--json"])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    assert (d["request"]["images"], d["request"]["images_per_epoch"]) == (2, 13)
+    assert d["steps"]["images_per_epoch"] == 13 and d["plan"]["batch_size"] <= 2
+    assert any("the VAE encodes each of the 2 images once" in line for line in d["reasons"])
