@@ -2617,6 +2617,18 @@ def _key(c: Candidate) -> tuple:
     return (c.seconds / c.steps.images_seen * penalty, s.offload, s.num_gpus, s.batch, *savers)
 
 
+def _batch_cap_text(req: Request, s: Settings) -> str:
+    """Where the search's rule (a global batch holds no image twice) kept the batch from
+    doubling, that it did, and how to go past it."""
+    if req.pinned("batch") or s.batch * 2 * s.num_gpus <= req.images:
+        return ""
+    gpus = f" x {s.num_gpus} GPUs" if s.num_gpus > 1 else ""
+    return (
+        f"; no larger batch was tried: batch {s.batch * 2}{gpus} would exceed the {req.images} distinct images, "
+        "so a step would hold an image twice (pin training.batch_size to go past it)"
+    )
+
+
 def _which(c: Candidate, best: Candidate) -> str:
     """How an avoided candidate compares with the plan, in words the numbers bear out."""
     if c.seconds is None or best.seconds is None:
@@ -3332,6 +3344,7 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
         r.append(
             f"batch size {s.batch}, gradient accumulation {s.grad_accum}: the fastest whole run that fits"
             + _preferred_tier_text(best, fitting)
+            + _batch_cap_text(req, s)
         )
     unc = profiles.uncertainty
     peak_band, peak_n = unc.peak_for(s.model)

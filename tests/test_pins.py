@@ -399,3 +399,16 @@ def test_a_resolution_the_transformer_trainer_refuses_is_refused_by_recommend(mo
         assert r.exit_code == 2 and "multiple of 16 pixels (set it to 512 or 528)" in r.stderr, r.output
     assert _plan_for("lora", model, "RTX 4090", "--resolution", "520", "data.buckets=true").exit_code == 0
     assert _plan_for("lora", "sdxl", "RTX 4090", "--resolution", "520").exit_code == 0  # a UNet: 8 px
+
+
+def test_the_batch_cap_of_the_distinct_images_is_said_where_it_binds():
+    """13 images x 40 repeats on 2 GPUs: batch 4 per GPU, as large as 13 distinct images allow; the reasons
+    called it 'the fastest whole run that fits' and blamed the gradient exchange for the GPU count, while a
+    pinned batch 8 was faster. Pinned, the cap is not applied and not said."""
+    args = ("--images", "13", "--repeats", "40", "distributed.num_processes=2", "--json")
+    d = json.loads(_plan_for("dreambooth", "sd15", "8x H100 SXM", *args).stdout)
+    (line,) = [r for r in d["reasons"] if r.startswith("batch size ")]
+    assert d["plan"]["batch_size"] * 2 * 2 > 13
+    assert "would exceed the 13 distinct images" in line and "pin training.batch_size" in line
+    d = json.loads(_plan_for("dreambooth", "sd15", "8x H100 SXM", *args, "training.batch_size=8").stdout)
+    assert d["plan"]["batch_size"] == 8 and not any("distinct images" in r for r in d["reasons"])
