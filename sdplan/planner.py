@@ -3318,13 +3318,27 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
             + f"; it needs ~{_gib(m.ram)} of host RAM and `pip install 'sdplan[deepspeed]'`"
         )
     elif s.sharded:
+        whole = min(
+            (
+                c
+                for c in fitting
+                if c.setup.deepspeed is None and c.setup.full_half_weights == s.full_half_weights
+            ),
+            key=_key,
+            default=None,
+        )
+        split = "the fp32 master weights, optimizer state and gradients are split between the GPUs"
         r.append(
             f"DeepSpeed {zero_label(s.deepspeed)} over {s.num_gpus} GPU{'s' if s.num_gpus > 1 else ''}: "
             + (
                 "pinned"
                 if pinned("deepspeed")
-                else "the fp32 master weights, optimizer state and gradients are split between the GPUs, which "
-                "one GPU (or plain data parallelism, a whole copy on each) cannot hold with fp32 master weights"
+                else f"{split}, which one GPU (or plain data parallelism, a whole copy on each) cannot hold with "
+                "fp32 master weights"
+                if whole is None
+                else f"{split}: the fastest plan, though a whole copy on each GPU also fits ({describe(whole.setup)}"
+                + (f", {format_duration(whole.seconds)}" if whole.seconds is not None else "")
+                + ")"
             )
             + f"; each GPU holds the {_gib(m.weights)} of half weights and {_gib(m.optimizer)} of master weights "
             "and state; it needs `pip install 'sdplan[deepspeed]'`"

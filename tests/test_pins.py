@@ -412,3 +412,16 @@ def test_the_batch_cap_of_the_distinct_images_is_said_where_it_binds():
     assert "would exceed the 13 distinct images" in line and "pin training.batch_size" in line
     d = json.loads(_plan_for("dreambooth", "sd15", "8x H100 SXM", *args, "training.batch_size=8").stdout)
     assert d["plan"]["batch_size"] == 8 and not any("distinct images" in r for r in d["reasons"])
+
+
+def test_deepspeed_sharding_chosen_for_speed_does_not_claim_one_gpu_cannot_hold_the_run():
+    """An SD 1.5 fine-tune on 8 H100s takes ZeRO-2 for speed; its reason said one GPU 'cannot hold' what fits
+    on one with room (22.9 GiB of 80). It says what else fits; FLUX.1, which needs the split, keeps the claim."""
+    d = json.loads(
+        _plan_for("finetune", "sd15", "8x H100 SXM", "--images", "20000", "--epochs", "5", "--json").stdout
+    )
+    (line,) = [r for r in d["reasons"] if r.startswith("DeepSpeed ZeRO-2 over")]
+    assert "cannot hold" not in line and "a whole copy on each GPU also fits" in line
+    d = json.loads(_plan_for("finetune", "flux-dev", "8x H100 SXM", "--json").stdout)
+    (line,) = [r for r in d["reasons"] if r.startswith("DeepSpeed ZeRO-2 over")]
+    assert "cannot hold with fp32 master weights" in line
