@@ -300,7 +300,9 @@ _RULES: dict[str, tuple[Any, str]] = {
     "checkpoints.every_steps": (lambda v: v >= 0, "must be >= 0"),
     "checkpoints.keep_every_steps": (lambda v: v >= 0, "must be >= 0"),
     "sampling.every_steps": (lambda v: v >= 0, "must be >= 0"),
-    "sampling.num_inference_steps": (lambda v: v >= 1, "must be >= 1"),
+    # the models' schedules have 1000 training timesteps, offset by one (steps_offset=1): 1000 inference steps
+    # index timestep 1000 and the final grid failed after the whole run
+    "sampling.num_inference_steps": (lambda v: 1 <= v <= 999, "must be between 1 and 999 (20-50 is usual)"),
     "sampling.guidance_scale": (lambda v: v is None or v >= 0, "must be >= 0 or null"),
 }
 

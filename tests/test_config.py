@@ -200,3 +200,11 @@ def test_prior_preservation_outside_dreambooth_is_refused(method):
     data = {"method": method, "dreambooth": {"with_prior_preservation": True, "class_prompt": "a dog"}}
     with pytest.raises(config.ConfigError, match="only method dreambooth trains with class images"):
         config.validate(data)
+
+
+def test_sampling_steps_past_the_schedule_are_refused_before_the_run():
+    """sampling.num_inference_steps=1000 passed, and the final grid failed after the whole run with an IndexError
+    from the scheduler (timestep 1000 of 1000)."""
+    with pytest.raises(config.ConfigError, match="sampling.num_inference_steps: must be between 1 and 999"):
+        config.validate({"method": "lora", "sampling": {"num_inference_steps": 1000}})
+    assert config.validate({"method": "lora", "sampling": {"num_inference_steps": 999}})
