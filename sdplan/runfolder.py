@@ -142,6 +142,28 @@ def write_files(out: Path, files: dict[str, str | bytes]) -> tuple[list[Path], l
     return [out / name for name in written], copies
 
 
+def remove_unedited(out: Path, names: Iterable[str]) -> list[str]:
+    """Delete those of ``names`` that sdplan wrote and that still hold what it wrote (the manifest's sha256): a
+    run file a new plan no longer has (deepspeed.json after a plan without DeepSpeed). One the user edited
+    stays. Returns what was removed."""
+    import hashlib
+
+    manifest = _manifest(out)
+    mine, hashes = _names(manifest.get("entries")), manifest.get("sha256") or {}
+    removed = []
+    for name in names:
+        path = out / name
+        if (
+            name in mine
+            and path.is_file()
+            and not path.is_symlink()
+            and hashlib.sha256(path.read_bytes()).hexdigest() == hashes.get(name)
+        ):
+            path.unlink()
+            removed.append(name)
+    return removed
+
+
 def kept_line(copy: Path) -> str:
     """The line saying that a copy of the user's edits was kept (:func:`write_files`)."""
     name = f"{copy.stem.split('.edited-')[0]}{copy.suffix}"

@@ -153,3 +153,18 @@ def test_a_written_plan_trains_at_its_methods_learning_rate(tmp_path):
         )
         assert r.exit_code == 0, r.stderr
         assert _written(out)["training"]["learning_rate"] == rate
+
+
+def test_force_does_not_leave_an_earlier_plans_deepspeed_json(tmp_path):
+    """A T4 SDXL fine-tune plan (DeepSpeed offload) replaced by a LoRA plan with --force left deepspeed.json in
+    the folder, listed as the run's. One the user edited stays."""
+    out = tmp_path / "plan"
+    first = ("--method", "finetune", "--model", "sdxl", "--hardware", "T4", "--out", str(out))
+    second = ("--method", "lora", "--model", "sd15", "--hardware", "RTX 4090", "--out", str(out), "--force")
+    assert cli("recommend", *first).exit_code == 0 and (out / "deepspeed.json").is_file()
+    assert cli("recommend", *second).exit_code == 0
+    assert not (out / "deepspeed.json").exists()
+    assert cli("recommend", *first, "--force").exit_code == 0
+    (out / "deepspeed.json").write_text((out / "deepspeed.json").read_text() + " ")  # the user's edit
+    assert cli("recommend", *second).exit_code == 0
+    assert (out / "deepspeed.json").is_file()
