@@ -525,20 +525,22 @@ def run_command(out: str | Path, *, dataset_given: bool) -> str:
 def planned_devices(hw: planner.Hardware, ids: tuple[int, ...] | None) -> dict[str, str] | None:
     """The ``CUDA_VISIBLE_DEVICES`` for the GPUs a plan names (a machine whose GPUs differ): their NVML UUIDs, which
     CUDA takes in any device order, as ``sdplan train`` shows them (:meth:`sdplan.machine.Snapshot.
-    visible_devices`). None where the plan names none, or a GPU's UUID is unknown (a hand-written snapshot; an
-    index there would be counted in CUDA's fastest-first order): ``sdplan train`` chooses them from the
-    sdplan.yaml's ``distributed.gpu_ids``."""
+    visible_devices`); without UUIDs, on GPUs all alike, their indices. None where the plan names none, or a
+    GPU's UUID is unknown on GPUs that differ (a hand-written snapshot; an index there would be counted in CUDA's
+    fastest-first order): ``sdplan train`` chooses them from the sdplan.yaml's ``distributed.gpu_ids``."""
     from sdplan.machine import nvidia_uuid
 
     if not ids:
         return None
     by_index = {g.index: g for g in hw.gpus}
     uuids = [by_index[i].uuid if i in by_index else None for i in ids]
-    return (
-        {"CUDA_VISIBLE_DEVICES": ",".join(str(u) for u in uuids)}
-        if all(nvidia_uuid(u) for u in uuids)
-        else None
-    )
+    if all(nvidia_uuid(u) for u in uuids):
+        return {"CUDA_VISIBLE_DEVICES": ",".join(str(u) for u in uuids)}
+    if len({g.name for g in hw.gpus}) == 1 and all(i in by_index for i in ids):
+        # GPUs alike (a catalog "2x RTX 4090"): CUDA's fastest-first order has no faster one to put first, so
+        # its indices are the bus order's (else `accelerate launch` took GPU 0 for a pinned GPU 1: "all")
+        return {"CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in ids)}
+    return None
 
 
 def write_outputs(

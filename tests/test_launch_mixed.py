@@ -168,3 +168,18 @@ def test_recommend_out_writes_the_planned_gpus_into_accelerate_yaml(tmp_path):
     r = CliRunner().invoke(app, [*args[:-1], str(tmp_path / "alike.json"), "--out", str(tmp_path / "alike")])
     assert r.exit_code == 0, r.output
     assert yaml.safe_load((tmp_path / "alike" / "accelerate.yaml").read_text())["gpu_ids"] == "all"
+
+
+def test_a_pinned_gpu_on_alike_catalog_gpus_is_written_into_accelerate_yaml(tmp_path):
+    """`recommend --hardware "2x RTX 4090" distributed.gpu_ids=[1] --out` wrote accelerate.yaml with gpu_ids
+    "all" (the catalog's GPUs have no UUIDs): `accelerate launch` of it trained on GPU 0. On GPUs all alike,
+    CUDA's order is the bus order, so the index is the GPU."""
+    from typer.testing import CliRunner
+
+    from sdplan.cli import app
+
+    out = tmp_path / "plan"
+    args = ["recommend", "--method", "lora", "--model", "sdxl", "--hardware", "2x RTX 4090"]
+    r = CliRunner().invoke(app, [*args, "distributed.gpu_ids=[1]", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    assert yaml.safe_load((out / "accelerate.yaml").read_text())["gpu_ids"] == "1"
