@@ -2106,6 +2106,10 @@ def settings_space(
         else axis("blocks_to_swap", (0,))
     )
     speeds = (None, dict(OFFLOAD), dict(SHARDED)) if full else (None,)
+    pinned_ds = pins.get("deepspeed")
+    if pinned_ds and "offload_optimizer" not in pinned_ds:  # the stage pinned, offload left to the search
+        speeds = tuple({**pinned_ds, "offload_optimizer": offload} for offload in (True, False))
+        pins = {k: v for k, v in pins.items() if k != "deepspeed"}
     fixed = {
         name: pins[name]
         for name in ("lora_alpha", "lora_targets", "set_grads_to_none", "ema")
@@ -3303,11 +3307,19 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
                 f"{format_duration(half.seconds)}, {1 - half.seconds / best.seconds:.0%} less "
                 f"({describe(half.setup)}), with lower-precision weights; pin it to plan that"
             )
+    ds_pin = req.pin("deepspeed")
+    offload_pinned = bool(ds_pin) and "offload_optimizer" in ds_pin  # else only the stage was given
     if s.offload:
         added = offload_seconds(profiles, s, pace.spec, cal.cpu_adam_params_per_s) if pace.spec else None
         r.append(
             f"DeepSpeed {zero_label(s.deepspeed)} with optimizer offload to CPU: "
-            + ("pinned" if pinned("deepspeed") else "nothing without offload fits")
+            + (
+                "pinned"
+                if offload_pinned
+                else "the stage pinned, the offload chosen by the plan"
+                if ds_pin
+                else "nothing without offload fits"
+            )
             + (
                 f"; it adds ~{added:.2f} s a micro-step (the gradients copied to the host and, once per optimizer "
                 f"step, the weights copied back and CPU Adam over {m.trainable_params / 1e9:.2f} B parameters at "
@@ -3332,7 +3344,7 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
             f"DeepSpeed {zero_label(s.deepspeed)} over {s.num_gpus} GPU{'s' if s.num_gpus > 1 else ''}: "
             + (
                 "pinned"
-                if pinned("deepspeed")
+                if offload_pinned
                 else f"{split}, which one GPU (or plain data parallelism, a whole copy on each) cannot hold with "
                 "fp32 master weights"
                 if whole is None

@@ -425,3 +425,17 @@ def test_deepspeed_sharding_chosen_for_speed_does_not_claim_one_gpu_cannot_hold_
     d = json.loads(_plan_for("finetune", "flux-dev", "8x H100 SXM", "--json").stdout)
     (line,) = [r for r in d["reasons"] if r.startswith("DeepSpeed ZeRO-2 over")]
     assert "cannot hold with fp32 master weights" in line
+
+
+def test_pinning_the_zero_stage_leaves_the_offload_to_the_plan():
+    """`distributed.deepspeed.zero_stage=2` pinned offload_optimizer=true too (the section's default): ~1.6 s a
+    step of CPU Adam nobody asked for. Given alone, the stage is pinned and the offload is chosen."""
+    d = json.loads(
+        _plan_for("finetune", "sd15", "8x H100 SXM", "distributed.deepspeed.zero_stage=2", "--json").stdout
+    )
+    assert d["request"]["pins"] == {"distributed.deepspeed": {"zero_stage": 2}}
+    assert d["plan"]["deepspeed"] == {"zero_stage": 2, "offload_optimizer": False}  # ZeRO-2 split, no offload
+    assert d["config"]["distributed"]["deepspeed"] == {"zero_stage": 2, "offload_optimizer": False}
+    both = ("distributed.deepspeed.zero_stage=2", "distributed.deepspeed.offload_optimizer=true", "--json")
+    d = json.loads(_plan_for("finetune", "sd15", "8x H100 SXM", *both).stdout)
+    assert d["plan"]["deepspeed"] == {"zero_stage": 2, "offload_optimizer": True}
