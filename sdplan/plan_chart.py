@@ -123,7 +123,7 @@ def render_png(data: dict[str, Any]) -> bytes:
     if data["verdict"] != planner.FITS:  # as the plan's reasons warn
         title += f"\n{data['verdict']}: the likely range's upper end is over the card"
     left.set_title(title, fontsize=10)
-    left.legend(loc="upper center", bbox_to_anchor=(0.5, -0.14), fontsize=8, ncol=3)  # below: never on a bar
+    left.legend(loc="upper center", bbox_to_anchor=(0.5, -0.14), fontsize=8, ncol=2)  # below: never on a bar
     left.grid(True, axis="x", alpha=0.3)
 
     # right: peak (likely range shaded) and whole-run time against the batch
@@ -159,5 +159,5 @@ def render_png(data: dict[str, Any]) -> bytes:
     right.set_title("the plan's settings at other batch sizes", fontsize=10)
     fig.subplots_adjust(left=0.05, right=0.93, top=0.85, bottom=0.3, wspace=0.25)
     buf = io.BytesIO()
-    fig.savefig(buf, format="png")
+    fig.savefig(buf, format="png", bbox_inches="tight", pad_inches=0.2)  # the legends whole, below the axes
     return buf.getvalue()
