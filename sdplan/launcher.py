@@ -44,7 +44,7 @@ from sdplan.planner import format_duration
 from sdplan.probe.software import importable
 from sdplan.registry import FAMILIES, FULL_METHODS, guess_family
 from sdplan.settings import OFFLOAD, Settings, get_key
-from sdplan.steps import plan_steps
+from sdplan.steps import bucketed_batches, plan_steps
 
 CONFIG_FILE = "sdplan.yaml"
 OOM_FILE = "oom.json"
@@ -337,6 +337,7 @@ class InputSummary:
     family: str | None
     scan_summary: str
     model_note: str | None = None  # what could not be checked before the launch (a dry run without the hub)
+    bucket_samples: tuple[int, ...] = ()  # data.buckets: the samples in each aspect bucket (steps.py)
 
 
 def check_inputs(cfg: C.TrainConfig, *, dry_run: bool = False) -> InputSummary:
@@ -390,7 +391,24 @@ def check_inputs(cfg: C.TrainConfig, *, dry_run: bool = False) -> InputSummary:
     if dataset_error is not None:
         raise dataset_error
     family = cfg.model.family or info.family or _family_of(source.kind, source.location)
+    buckets = ()
+    if (
+        cfg.data.buckets
+    ):  # as the trainer's dataset assigns them: the epoch's batches (each bucket ends short)
+        from sdplan.trainer.buckets import bucket_samples
+
+        d = cfg.data
+        sizes, reps = [it.size for it in result.items], [it.repeats for it in result.items]
+        buckets = bucket_samples(
+            sizes,
+            reps,
+            d.resolution,
+            step=d.bucket_step,
+            min_size=d.bucket_min_size,
+            max_size=d.bucket_max_size,
+        )
     return InputSummary(
+        bucket_samples=buckets,
         images=result.num_images,
         images_x_repeats=result.images_x_repeats,
         skipped=len(result.skipped),
@@ -522,8 +540,11 @@ def require_gpu(snapshot: Any) -> None:
 # -- step arithmetic -----------------------------------------------------------------------------------------
 
 
-def config_steps(cfg: C.TrainConfig, images_x_repeats: int, world: int) -> dict[str, int]:
-    """The run's step counts (:func:`sdplan.steps.plan_steps`, as the trainer counts them) for the user."""
+def config_steps(
+    cfg: C.TrainConfig, images_x_repeats: int, world: int, bucket_samples: tuple[int, ...] = ()
+) -> dict[str, int]:
+    """The run's step counts (:func:`sdplan.steps.plan_steps`, as the trainer counts them) for the user;
+    ``bucket_samples``: with aspect buckets, each bucket's samples (:class:`InputSummary`)."""
     t = cfg.training
     return plan_steps(
         images_per_epoch=images_x_repeats,
@@ -532,6 +553,7 @@ def config_steps(cfg: C.TrainConfig, images_x_repeats: int, world: int) -> dict[
         num_processes=world,
         epochs=t.epochs,
         max_steps=t.max_steps,
+        batches_per_epoch=bucketed_batches(bucket_samples, t.batch_size, world) if bucket_samples else None,
     ).summary()
 
 
@@ -586,7 +608,10 @@ def describe(
     ]
     if t.max_steps:
         by_epochs = config_steps(
-            replace(cfg, training=replace(t, max_steps=None)), steps["images_per_epoch"], world
+            replace(cfg, training=replace(t, max_steps=None)),
+            steps["images_per_epoch"],
+            world,
+            inputs.bucket_samples,
         )
         lines.append(
             f"steps: training.max_steps {t.max_steps} / {world} process(es) = {steps['total_steps']} optimizer "
@@ -600,9 +625,11 @@ def describe(
             )
         )
     else:
+        n = len(inputs.bucket_samples)
+        buckets = f" in {count_of(n, 'aspect bucket')} (each ends in a short batch)" if n > 1 else ""
         lines.append(
-            f"steps: {steps['images_per_epoch']} images (with repeats) / {steps['images_per_step']} per step = "
-            f"{steps['steps_per_epoch']} steps per epoch x {steps['epochs']} epoch(s) = {steps['total_steps']} "
+            f"steps: {steps['images_per_epoch']} images (with repeats){buckets} / {steps['images_per_step']} per "
+            f"step = {steps['steps_per_epoch']} steps per epoch x {steps['epochs']} epoch(s) = {steps['total_steps']} "
             f"optimizer steps; images seen {steps['epochs'] * steps['images_per_epoch']}"
             + (f" (the same as on one process: each epoch is split {world} ways)" if world > 1 else "")
         )
@@ -1059,7 +1086,7 @@ def prepare(req: TrainRequest, ui: UI) -> Prepared:
     if refusal := block_swap_refusal(cfg, family):
         raise UsageError(refusal)
 
-    steps = config_steps(cfg, inputs.images_x_repeats, world)
+    steps = config_steps(cfg, inputs.images_x_repeats, world, inputs.bucket_samples)
     if resume is not None:
         refuse_a_finished_resume(out, steps)
     if req.demo and cfg.plan is None:
@@ -1253,6 +1280,7 @@ def plan_request(cfg: C.TrainConfig, inputs: InputSummary, snapshot: Any, req: T
         images_per_epoch=inputs.images_x_repeats,  # kohya folders of unequal repeats: each its own
         epochs=cfg.training.epochs,
         max_steps=cfg.training.max_steps,
+        bucket_samples=inputs.bucket_samples,
         max_gpus=req.gpus,
         lora_rank=fields.get("lora_rank") or cfg.lora.rank,
         prior_preservation=prior,

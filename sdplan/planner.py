@@ -61,7 +61,7 @@ from sdplan.settings import (
     describe,
     zero_label,
 )
-from sdplan.steps import Steps, plan_steps
+from sdplan.steps import Steps, bucketed_batches, plan_steps
 from sdplan.trainer.blockswap import support_problem as swap_problem  # the trainer's rule (pure, no torch)
 
 # Settings.__post_init__ normalises these fields only (LoRA's, by the method, and gpu_ids to a tuple)
@@ -270,6 +270,8 @@ class Request:
     max_steps: int | None = None  # training.max_steps pinned: the run's optimizer steps (one process's count)
     # kohya folders of unequal repeats (10_a, 3_b): each image times its own folder's; None: images x repeats
     images_per_epoch: int | None = None
+    # data.buckets: the samples in each aspect bucket (a batch holds one bucket's: each ends in a short batch)
+    bucket_samples: tuple[int, ...] = ()
     # settings the user fixed (Settings field -> value, from `key=value` sdplan.yaml pins): planned around
     pins: tuple[tuple[str, Any], ...] = ()
 
@@ -1891,12 +1893,20 @@ def batch_sweep(res: Result, profiles: Profiles) -> tuple[Candidate, ...]:
 
 
 def _steps(req: Request, batch: int, grad_accum: int, num_gpus: int) -> Steps:
-    return _plan_steps(req.per_epoch, batch, grad_accum, num_gpus, req.epochs, req.max_steps)
+    return _plan_steps(
+        req.per_epoch, batch, grad_accum, num_gpus, req.epochs, req.max_steps, req.bucket_samples
+    )
 
 
 @functools.lru_cache(maxsize=4096)
 def _plan_steps(
-    images_per_epoch: int, batch: int, grad_accum: int, num_gpus: int, epochs: int, max_steps: int | None
+    images_per_epoch: int,
+    batch: int,
+    grad_accum: int,
+    num_gpus: int,
+    epochs: int,
+    max_steps: int | None,
+    bucket_samples: tuple[int, ...],
 ) -> Steps:
     """plan_steps, once per arguments (Steps is frozen): a search asks again for every configuration."""
     return plan_steps(
@@ -1906,6 +1916,7 @@ def _plan_steps(
         num_processes=num_gpus,
         epochs=epochs,
         max_steps=max_steps,
+        batches_per_epoch=bucketed_batches(bucket_samples, batch, num_gpus) if bucket_samples else None,
     )
 
 
@@ -3456,9 +3467,12 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
             f"{st.images_per_epoch}); with the steps set, the plan is the one that trains fastest per image"
         )
     else:
+        n = len(req.bucket_samples)
+        buckets = f" in {n} aspect buckets (each ends in a short batch)" if n > 1 else ""
         r.append(
-            f"steps: {st.images_per_epoch} images per epoch / (batch {s.batch} x accumulation {s.grad_accum}) = "
-            f"{st.steps_per_epoch} per epoch x {st.epochs} epochs = {st.total_steps}; images seen {st.images_seen}"
+            f"steps: {st.images_per_epoch} images per epoch{buckets} / (batch {s.batch} x accumulation "
+            f"{s.grad_accum}) = {st.steps_per_epoch} per epoch x {st.epochs} epochs = {st.total_steps}; images "
+            f"seen {st.images_seen}"
         )
     if hw.count > 1:
         r += _multi_gpu_reasons(hw, best, one, best_by_n, profiles, cal)

@@ -38,6 +38,8 @@ class DatasetCount:
     folders: tuple[tuple[str, int, int], ...] = ()  # (folder, repeats, images)
     captions: int = 0
     skipped: str = ""  # the files the trainer would not use, and why ("" when none)
+    sizes: tuple[tuple[int, int] | None, ...] = ()  # each image's (width, height), for aspect buckets
+    item_repeats: tuple[int, ...] = ()  # each image's repeats
 
 
 def count_dataset(path: str | Path) -> DatasetCount:
@@ -51,6 +53,9 @@ def count_dataset(path: str | Path) -> DatasetCount:
     per_epoch = result.images_x_repeats
     n = len(result.skipped)
     skipped = f"{count_of(n, 'file')} not used: {result.skipped_text()}" if n else ""
+    each = dict(
+        sizes=tuple(it.size for it in result.items), item_repeats=tuple(it.repeats for it in result.items)
+    )
     if result.format != "kohya":
         return DatasetCount(
             images=result.num_images,
@@ -59,6 +64,7 @@ def count_dataset(path: str | Path) -> DatasetCount:
             layout=result.format,
             captions=result.num_captioned,
             skipped=skipped,
+            **each,
         )
     groups: dict[str, list[int]] = {}
     for item in result.items:
@@ -74,6 +80,7 @@ def count_dataset(path: str | Path) -> DatasetCount:
         layout="kohya",
         folders=folders,
         skipped=skipped,
+        **each,
     )
 
 
@@ -344,6 +351,7 @@ def build_request(inp: RecommendInputs, profiles: Profiles) -> tuple[planner.Req
 
         ds = count_dataset(inp.dataset)
         images, repeats, per_epoch = ds.images, ds.repeats, None  # None: images x repeats
+        counted = ds
         if ds.layout == "kohya":  # each folder's own repeats
             per_epoch = ds.images_per_epoch
             desc = ", ".join(f"{n} ({count_of(n_img, 'image')} x {r})" for n, r, n_img in ds.folders)
@@ -360,6 +368,7 @@ def build_request(inp: RecommendInputs, profiles: Profiles) -> tuple[planner.Req
             notes.append(f"dataset {inp.dataset}: {ds.skipped}")
     else:
         images, repeats, per_epoch = inp.images or DEFAULT_IMAGES, inp.repeats or 1, None
+        counted = None
         if inp.images is None:
             notes.append(
                 f"no --dataset or --images: planned for {DEFAULT_IMAGES} images (the steps and time are for "
@@ -393,9 +402,35 @@ def build_request(inp: RecommendInputs, profiles: Profiles) -> tuple[planner.Req
         lora_rank=fields.get("lora_rank") or planner.Request.lora_rank,
         prior_preservation=bool(fields.get("prior_preservation", False)),
         max_steps=inp.max_steps,
+        bucket_samples=_bucket_samples(
+            inp, counted, resolution or profiles.model(inp.model).native_resolution
+        ),
         pins=pins,
     )
     return req, notes
+
+
+def _bucket_samples(inp: RecommendInputs, ds: DatasetCount | None, resolution: int) -> tuple[int, ...]:
+    """With data.buckets pinned and the dataset counted: the samples in each aspect bucket, as the trainer's
+    dataset assigns them (the steps of an epoch: each bucket ends in a short batch; the plan counted 2 steps
+    an epoch where the trainer ran 7). () otherwise."""
+    if ds is None or not any(k.startswith("data.bucket") for k in cfgmod.override_keys(inp.settings)):
+        return ()
+    base = cfgmod.default_config()
+    base["method"], base["model"]["family"] = inp.method, inp.model
+    data = cfgmod.validate(cfgmod.apply_overrides(base, list(inp.settings)), source="key=value settings").data
+    if not data.buckets:
+        return ()
+    from sdplan.trainer.buckets import bucket_samples
+
+    return bucket_samples(
+        ds.sizes,
+        ds.item_repeats,
+        resolution,
+        step=data.bucket_step,
+        min_size=data.bucket_min_size,
+        max_size=data.bucket_max_size,
+    )
 
 
 def resolve_hardware(inp: RecommendInputs, profiles: Profiles) -> planner.Hardware:

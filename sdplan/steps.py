@@ -49,6 +49,16 @@ class Steps:
         return {k: getattr(self, k) for k in keys}
 
 
+def bucketed_batches(
+    bucket_samples: tuple[int, ...] | list[int], batch_size: int, num_processes: int = 1
+) -> int:
+    """Each process's micro-batches an epoch over aspect buckets (``bucket_samples``: the samples in each,
+    :func:`sdplan.trainer.buckets.bucket_samples`): a batch holds one bucket's samples, each bucket's last one
+    short, and the batches are dealt out over the processes (BucketBatchSampler's length). One bucket gives
+    ``ceil(images / (batch x processes))``, as without buckets."""
+    return math.ceil(sum(math.ceil(n / batch_size) for n in bucket_samples) / num_processes)
+
+
 def plan_steps(
     *,
     images_per_epoch: int,

@@ -439,3 +439,18 @@ def test_pinning_the_zero_stage_leaves_the_offload_to_the_plan():
     both = ("distributed.deepspeed.zero_stage=2", "distributed.deepspeed.offload_optimizer=true", "--json")
     d = json.loads(_plan_for("finetune", "sd15", "8x H100 SXM", *both).stdout)
     assert d["plan"]["deepspeed"] == {"zero_stage": 2, "offload_optimizer": True}
+
+
+def test_aspect_buckets_count_the_steps_the_trainer_takes(tmp_path):
+    """`recommend --dataset DIR data.buckets=true` counted 2 steps an epoch for 8 images at batch 4 where the
+    trainer, with a batch from one bucket at a time, takes 3: each of the 3 buckets ends in a short batch."""
+    from PIL import Image
+
+    sizes = [(512, 512), (512, 768), (768, 512), (512, 1024), (1024, 512), (600, 400), (400, 600), (512, 512)]
+    for i, size in enumerate(sizes):
+        Image.new("RGB", size, (i * 20, 60, 90)).save(tmp_path / f"{i}.png")
+    args = ("--dataset", str(tmp_path), "--resolution", "256", "training.batch_size=4", "--json")
+    plain = json.loads(_plan_for("lora", "sd15", "RTX 4090", *args).stdout)
+    bucketed = json.loads(_plan_for("lora", "sd15", "RTX 4090", *args, "data.buckets=true").stdout)
+    assert plain["steps"]["steps_per_epoch"] == 2 and bucketed["steps"]["steps_per_epoch"] == 3
+    assert any("in 3 aspect buckets (each ends in a short batch)" in r for r in bucketed["reasons"])

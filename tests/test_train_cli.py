@@ -459,3 +459,19 @@ def test_relative_paths_of_a_config_file_and_of_key_value_settings_are_written_a
     assert cfg["data"]["path"] == str((tmp_path / "ds").resolve())
     assert cfg["dreambooth"]["class_data"] == str((tmp_path / "class").resolve())
     assert cfg["output"]["dir"] == str((tmp_path / "o").resolve())
+
+
+def test_with_aspect_buckets_the_printed_steps_are_the_trainers(tmp_path, fake_model):
+    """`sdplan train data.buckets=true`: 8 images of 3 aspect buckets at batch 4 printed '2 steps per epoch';
+    the trainer, a batch from one bucket at a time, took 3."""
+    from PIL import Image
+
+    ds = tmp_path / "ds"
+    ds.mkdir()
+    sizes = [(512, 512), (512, 768), (768, 512), (512, 1024), (1024, 512), (600, 400), (400, 600), (512, 512)]
+    for i, size in enumerate(sizes):
+        Image.new("RGB", size, (i * 20, 60, 90)).save(ds / f"{i}.png")
+    args = ("--model", str(fake_model), "--dataset", str(ds), "--out", str(tmp_path / "o"), "--device", "cpu")
+    r = invoke(*args, "--resolution", "256", "--dry-run", "training.batch_size=4", "data.buckets=true")
+    assert r.exit_code == 0, r.stderr
+    assert "in 3 aspect buckets (each ends in a short batch) / 4 per step = 3 steps per epoch" in r.stdout

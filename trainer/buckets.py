@@ -88,6 +88,26 @@ def assign_buckets(sizes: Sequence[tuple[int, int]], buckets: Sequence[tuple[int
     return out
 
 
+def bucket_samples(
+    sizes: Sequence[tuple[int, int] | None],
+    repeats: Sequence[int],
+    resolution: int,
+    *,
+    step: int = 64,
+    min_size: int | None = None,
+    max_size: int | None = None,
+) -> tuple[int, ...]:
+    """The samples (images x repeats) in each bucket in use, largest first, as the dataset assigns the images
+    (an image whose size is unknown goes where an unreadable one does: as 1x1). The step arithmetic needs them:
+    a batch holds one bucket's samples, so each bucket ends in a short batch (:func:`sdplan.steps.
+    bucketed_batches`)."""
+    shapes = make_buckets(resolution, step=step, min_size=min_size, max_size=max_size)
+    counts: dict[int, int] = {}
+    for b, r in zip(assign_buckets([s or (1, 1) for s in sizes], shapes), repeats):
+        counts[b] = counts.get(b, 0) + max(1, r)
+    return tuple(sorted(counts.values(), reverse=True))
+
+
 def bucket_table(
     buckets: Sequence[tuple[int, int]],
     assignment: Sequence[int],
