@@ -3034,6 +3034,14 @@ def plan(hardware: Hardware | Any, profiles: Profiles, request: Request) -> Resu
             if without != need:
                 said += f" on a GPU with bf16 ({_gib(without) if without is not None else 'none'} without)"
             reasons.append(said)
+        anyhost = min_vram_needed(req, profiles, precision="bf16", ram_total_bytes=None)
+        if anyhost is not None and (need is None or anyhost < need):
+            # a leaner configuration (DeepSpeed offload, block swap) that only more host RAM allows
+            reasons.append(
+                f"host RAM: the figure is for this machine's {_gib(ram)} of RAM; on a host with more (DeepSpeed "
+                f"offload or block swap holds the rest there), {_gib(anyhost)} of GPU memory would do "
+                "(`--hardware NAME` plans a card with no host RAM limit; `--machine FILE`, a saved machine's)"
+            )
         return _infeasible(req, hardware, reasons, one_steps, need=need, profiles=profiles)
 
     # a pin rules out the GPU sets that cannot run it; it conflicts where none can (said for the first: the best

@@ -454,3 +454,16 @@ def test_aspect_buckets_count_the_steps_the_trainer_takes(tmp_path):
     bucketed = json.loads(_plan_for("lora", "sd15", "RTX 4090", *args, "data.buckets=true").stdout)
     assert plain["steps"]["steps_per_epoch"] == 2 and bucketed["steps"]["steps_per_epoch"] == 3
     assert any("in 3 aspect buckets (each ends in a short batch)" in r for r in bucketed["reasons"])
+
+
+def test_needs_at_least_on_a_machine_without_gpu_says_when_host_ram_sets_it(monkeypatch):
+    """On a 23.5 GiB host without a GPU, an SDXL DreamBooth 'needs at least 14.8 GiB': the figure this host's
+    RAM allows, while `--hardware "RTX 3080 10GB"` plans it with DeepSpeed offload (60 GiB of host RAM). The
+    reasons said nothing of the RAM; now they give the figure a larger host has."""
+    from sdplan.machine import Snapshot
+
+    snap = Snapshot.load(Path(__file__).parent / "fixtures" / "machines" / "cpu_only.json")
+    monkeypatch.setattr("sdplan.probe.snapshot.probe", lambda *a, **k: snap)
+    d = json.loads(run("--method", "dreambooth", "--model", "sdxl", "--json").stdout)
+    (line,) = [r for r in d["reasons"] if r.startswith("host RAM: the figure is for this machine's")]
+    assert f"{snap.host.ram_total_bytes / 2**30:.1f} GiB" in line and "of GPU memory would do" in line
