@@ -350,3 +350,27 @@ def test_scan_of_many_files_imports_no_torch(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=scaled(120))
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
+
+
+def test_a_kohya_captions_file_captions_the_images_it_names(tmp_path):
+    """kohya's meta_cap.json (image name -> caption and tags, from sd-scripts' merge_captions_to_metadata.py)
+    was skipped as 'not a supported image type (.json)' and every image trained on the fallback caption. Its
+    captions come first (caption, then tags, as sd-scripts joins them); an image it does not name keeps its
+    caption file; full-path keys match too."""
+    for name in ("a", "b", "c", "d"):
+        Image.new("RGB", (64, 64)).save(tmp_path / f"{name}.png")
+    (tmp_path / "c.txt").write_text("from the caption file")
+    meta = {
+        "a": {"caption": "a red cat", "tags": "cat, red"},
+        "b": {"tags": "dog", "train_resolution": [512, 512]},
+        str(tmp_path / "d"): {"caption": "by its full path"},
+    }
+    (tmp_path / "meta_cap.json").write_text(json.dumps(meta))
+    result = scan(tmp_path)
+    assert result.format == "flat" and not result.skipped
+    assert {it.path.name: it.caption for it in result.items} == {
+        "a.png": "a red cat, cat, red",
+        "b.png": "dog",
+        "c.png": "from the caption file",
+        "d.png": "by its full path",
+    }

@@ -35,8 +35,9 @@ Three layouts, detected in this order:
 
 ``flat``
     Images anywhere under the root (subfolders included) with a same-name caption file beside them
-    (``a.png`` + ``a.txt``). Without one: ``default_caption``, else ``None`` (the recipe then uses the
-    instance prompt). Every image repeats ``repeats`` times.
+    (``a.png`` + ``a.txt``), or named in a kohya captions file at the root (``meta_cap.json``: image name ->
+    ``{"caption": ..., "tags": ...}``, which comes first). Without either: ``default_caption``, else ``None``
+    (the recipe then uses the instance prompt). Every image repeats ``repeats`` times.
 
 Caption files: UTF-8 (a byte-order mark dropped) or UTF-16 with its mark; the first non-empty line, stripped
 (as kohya reads them); an empty file counts as missing, and one in another encoding is an error naming it.
@@ -178,7 +179,8 @@ def scan(
         result = _scan_kohya(root, files, cap_ext)
     else:
         result = Scan(root, "flat")
-        _pair_captions(root, files, result, cap_ext, repeats, lambda _p: default_caption)
+        listed = _kohya_captions(root, files)
+        _pair_captions(root, files, result, cap_ext, repeats, lambda _p: default_caption, listed)
 
     _drop_empty_files(result)
     if verify:
@@ -354,12 +356,14 @@ def _decode_caption(path: Path, raw: bytes) -> str:
         ) from None
 
 
-def _pair_captions(root, files, result, cap_ext, repeats, fallback) -> None:
-    """Images with same-name caption files beside them; leftovers listed as skipped."""
+def _pair_captions(root, files, result, cap_ext, repeats, fallback, listed=None) -> None:
+    """Images with same-name caption files beside them; leftovers listed as skipped. ``listed``: captions of a
+    kohya captions file (:func:`_kohya_captions`), which come first."""
+    files_of, captions = listed or ((), {})
     images = [f for f in files if is_image(f)]
     stems = {(f.parent, f.stem) for f in images}
     for f in files:
-        if is_image(f):
+        if is_image(f) or f in files_of:
             continue
         if f.suffix.lower() == cap_ext:
             if (f.parent, f.stem) not in stems:
@@ -367,11 +371,55 @@ def _pair_captions(root, files, result, cap_ext, repeats, fallback) -> None:
             continue
         result.skipped.append((f, _not_image_reason(f)))
     for img in images:
-        cap_file = img.with_suffix(cap_ext)
-        caption = _read_caption(cap_file) if cap_file.is_file() else None
+        caption = next((captions[k] for k in _image_keys(root, img) if k in captions), None)
+        if caption is None:
+            cap_file = img.with_suffix(cap_ext)
+            caption = _read_caption(cap_file) if cap_file.is_file() else None
         if caption is None:
             caption = fallback(img)
         result.items.append(Item(img, caption, None, repeats))
+
+
+def _kohya_captions(root: Path, files: list[Path]) -> tuple[tuple[Path, ...], dict[str, str]]:
+    """kohya's captions file in the dataset folder (sd-scripts' finetune/merge_captions_to_metadata.py and
+    merge_dd_tags_to_metadata.py write it, meta_cap.json): one object of image key (the file name without
+    its extension, or the full path) -> ``{"caption": ..., "tags": ...}``. The caption is the caption, then the
+    tags, as sd-scripts joins them (train_util: caption + separator + tags). Returns (the files read, key ->
+    caption); an image it does not name keeps its caption file."""
+    found: list[Path] = []
+    captions: dict[str, str] = {}
+    for f in files:
+        if f.parent != root or f.suffix.lower() != ".json":
+            continue
+        try:
+            data = json.loads(f.read_text(encoding="utf-8-sig"))
+        except (OSError, UnicodeDecodeError, ValueError):
+            continue  # _metadata_records said why already
+        if not (isinstance(data, dict) and data and all(isinstance(v, dict) for v in data.values())):
+            continue
+        if not any("caption" in v or "tags" in v for v in data.values()):
+            continue
+        found.append(f)
+        for key, record in data.items():
+            parts = [record.get(k) for k in ("caption", "tags")]
+            text = ", ".join(p.strip() for p in parts if isinstance(p, str) and p.strip())
+            if text:
+                captions[str(key)] = text
+    return tuple(found), captions
+
+
+def _image_keys(root: Path, img: Path) -> tuple[str, ...]:
+    """The keys a kohya captions file may name ``img`` by: its stem, its path relative to the root or in full,
+    each with and without the extension."""
+    rel = img.relative_to(root)
+    return (
+        img.stem,
+        img.name,
+        rel.with_suffix("").as_posix(),
+        rel.as_posix(),
+        str(img.with_suffix("")),
+        str(img),
+    )
 
 
 # -- kohya --------------------------------------------------------------------------------------------
