@@ -3581,9 +3581,9 @@ def _latent_cache_text(req: Request, best: Candidate, fitting: list[Candidate]) 
         else:
             return (
                 f"latents cached: each of the {req.images} images is seen once, so no faster than encoding them "
-                "every step, but the VAE leaves the GPU (less VRAM; no random crop/flip)"
+                "every step, but the VAE leaves the GPU (less VRAM; random flips and crops are cached per epoch)"
             )
-        return f"latents cached: {once}: {how} (less VRAM; no random crop/flip)"
+        return f"latents cached: {once}: {how} (less VRAM; random flips and crops are cached per epoch)"
     if twin is None:
         return "latents not cached: the plan with cached latents does not fit"
     if twin.seconds is None or best.seconds is None:
