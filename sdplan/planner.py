@@ -2644,6 +2644,17 @@ def _batch_cap_text(req: Request, s: Settings) -> str:
     )
 
 
+def _unlike(s: Settings, plan: Settings) -> str:
+    """``s`` in words, with the settings it differs from the plan in as sdplan.yaml keys: the words leave a
+    default out (a bf16 base), so an avoided configuration could read as the plan itself."""
+    differ = [f.name for f in fields(s) if getattr(s, f.name) != getattr(plan, f.name)]
+    if not differ:
+        return describe(s)
+    return f"{describe(s)}; unlike the plan: " + ", ".join(
+        pin_text(name, getattr(s, name)) for name in differ
+    )
+
+
 def _which(c: Candidate, best: Candidate) -> str:
     """How an avoided candidate compares with the plan, in words the numbers bear out."""
     if c.seconds is None or best.seconds is None:
@@ -3457,7 +3468,7 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
         if risky:
             c = min(risky, key=_key)
             r.append(
-                f"avoided {_which(c, best)} configuration ({describe(c.setup)}): predicted "
+                f"avoided {_which(c, best)} configuration ({_unlike(c.setup, best.setup)}): predicted "
                 f"{format_range(c.memory.peak, c.peak_range)}, its upper end over the card's {_gib(vram)}"
             )
     st = best.steps
