@@ -1180,6 +1180,7 @@ def _compute_step_times(
             + swap_seconds(profiles, s, spec)
             + dequant_seconds(profiles, s)
             + offload_seconds(profiles, s, spec, cal.cpu_adam_params_per_s)
+            + ema_seconds(profiles, s, spec, cal.cpu_adam_params_per_s)
         )
     else:
         compute = step_compute_seconds(profiles, s, spec, cal)
@@ -1188,8 +1189,9 @@ def _compute_step_times(
         if not s.cache_latents:
             after = compute - step_compute_seconds(profiles, _with(s, cache_latents=True), spec, cal)
         base = compute - after + optimizer_step_seconds(profiles, s, spec) + cal.step_overhead_s
-        # the floors were measured without offload
+        # the floors were measured without offload or an EMA in host RAM
         after += offload_seconds(profiles, s, spec, cal.cpu_adam_params_per_s)
+        after += ema_seconds(profiles, s, spec, cal.cpu_adam_params_per_s)
     times = (max(base, cal.step_floor_s(s) or 0.0) + after, base + after)
     if s.num_gpus > 1 and link_gbs:
         allreduce = comm_seconds(profiles, s, link_gbs, cal)
@@ -3337,6 +3339,13 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
                 f"{format_duration(half.seconds)}, {1 - half.seconds / best.seconds:.0%} less "
                 f"({describe(half.setup)}), with lower-precision weights; pin it to plan that"
             )
+    if s.ema == "cpu" and pace.spec is not None:
+        per_update = ema_seconds(profiles, s, pace.spec, cal.cpu_adam_params_per_s) * s.grad_accum
+        r.append(
+            f"EMA in host RAM: ~{per_update:.2f} s after each optimizer step (each trained weight copied to the "
+            f"host and averaged in on the CPU, at {cal.cpu_adam_params_per_s / 1e9:.2f} G parameters/s of CPU "
+            "Adam scaled by its memory traffic; modelled, not measured); ema.device=gpu saves it where VRAM allows"
+        )
     ds_pin = req.pin("deepspeed")
     offload_pinned = bool(ds_pin) and "offload_optimizer" in ds_pin  # else only the stage was given
     if s.offload:
@@ -4348,6 +4357,30 @@ def offload_seconds(
     link = _host_copy_bytes_per_s(spec)
     copied = trained * (2 if _half(s.precision) else 4) / s.num_gpus
     return copied / link + (trained / cpu_adam_params_per_s + copied / link) / s.grad_accum
+
+
+# An EMA update's memory traffic over CPU Adam's: the lerp reads the average and the weight and writes the average
+# (3 arrays); Adam reads the weight, gradient and two moments and writes three of them (7)
+EMA_TO_ADAM_TRAFFIC = 3 / 7
+
+
+def ema_seconds(
+    profiles: Profiles,
+    s: Settings,
+    spec: GPUSpec | None,
+    cpu_adam_params_per_s: float = CPU_ADAM_PARAMS_PER_S,
+) -> float:
+    """Seconds per micro-step an EMA kept in host RAM (``ema.device: cpu``) adds (0 on the GPU or without one):
+    after every optimizer step the trainer copies each trained weight to the host (fp32 masters, or the bf16
+    weights) over PCIe, one at a time, and the CPU averages it in (trainer/loop.py Ema.step), at CPU Adam's
+    measured rate scaled by the traffic (:data:`EMA_TO_ADAM_TRAFFIC`). Modelled, not measured: no published
+    step time has a host-RAM EMA. On the GPU the average is a few milliseconds of memory traffic."""
+    if s.ema != "cpu" or spec is None:
+        return 0.0
+    trained = trainable_params(profiles.model(s.model), s, profiles)
+    copied = trained * (2 if s.full_half_weights else 4)
+    update = copied / _host_copy_bytes_per_s(spec) + trained * EMA_TO_ADAM_TRAFFIC / cpu_adam_params_per_s
+    return update / s.grad_accum
 
 
 def _host_copy_bytes_per_s(spec: GPUSpec) -> float:
