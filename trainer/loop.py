@@ -699,6 +699,11 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
                 final_ckpt = _checkpoint_final(ckpt, state, accelerator)
             raise outputs.export_error(e, out_dir, needed_bytes=export_bytes, checkpoint=final_ckpt) from None
         with outputs.write_errors(out_dir):  # the weights are out; a full disk now is still one line
+            n_prompts = len(cfg.sampling.prompts) or 1
+            progress.say(  # seconds to minutes on a real model, with no bar of its own
+                accelerator,
+                f"sampling the final grid: {n_prompts} prompt(s) x {cfg.sampling.num_inference_steps} steps",
+            )
             try:
                 grid = sample(fallback=recipe.sample_prompt(), at_step=state.global_step)
             except torch.OutOfMemoryError:  # a preview: the weights are written, the run is not lost for it
