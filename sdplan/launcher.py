@@ -16,6 +16,7 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import os
+import re
 import shlex
 import signal
 import sys
@@ -219,28 +220,62 @@ def _same_file(a: Path, b: Path) -> bool:
         return False
 
 
-# What a run leaves that --force clears: its sample grids, intermediate weights, EMA and logs (else the new run's
-# sit among the old run's, as if one run had made them all). The latent cache and generated class images are
-# kept: the same inputs give the same ones.
-RUN_PRODUCTS = ("samples", "intermediate", "ema", "logs", "loss.png")
+# What a run's trainer writes that --force clears, by name (else the new run's outputs sit among the old run's,
+# as if one run had made them all): its sample grids, its intermediate outputs (kohya's names), its TensorBoard
+# event files. A file of the user's in these folders stays, and so do the latent cache and generated class
+# images (the same inputs give the same ones).
+_PRODUCT_NAMES = (
+    ("samples", re.compile(r"(step-\d{6,}|final)\.png")),
+    ("intermediate", re.compile(r".+-(\d{6}|step\d{8})")),
+)
+
+
+def _run_products(out: Path) -> list[Path]:
+    """The last run's sample grids, intermediate outputs and TensorBoard event files in ``out``."""
+    found: list[Path] = []
+    for folder, name in _PRODUCT_NAMES:
+        if (out / folder).is_dir():
+            found += [p for p in (out / folder).iterdir() if name.fullmatch(p.name) and not p.is_symlink()]
+    if (out / "logs").is_dir():
+        found += [
+            p for p in (out / "logs").rglob("events.out.tfevents.*") if p.is_file() and not p.is_symlink()
+        ]
+    return found
 
 
 def clear_run_outputs(out: Path) -> None:
     """--force on an existing run: remove what the last run left (its checkpoints, which a retry would resume
-    from, its OOM report and summary, the outputs its summary lists and :data:`RUN_PRODUCTS`), and only where the
-    run folder's manifest proves sdplan wrote them (and of checkpoints/, only the checkpoints: a file the user
-    put there stays)."""
+    from, its OOM report and summary, the output files its summary lists, its grids, intermediate outputs and
+    event files: :func:`_run_products`), only in entries the run folder's manifest proves sdplan made, and of
+    the folders only what the trainer names so (a file the user put there stays; so does a folder)."""
+    import shutil
+
     from sdplan import runfolder
     from sdplan.trainer.checkpoint import CHECKPOINTS, remove_checkpoints
 
-    listed = (read_json(out / SUMMARY_FILE) or {}).get("outputs") or []
-    finals = {
-        Path(p).relative_to(out).parts[0]
-        for p in listed
-        if isinstance(p, str) and Path(p).is_relative_to(out) and Path(p) != out and ".." not in Path(p).parts
-    } - {CONFIG_FILE, ACCELERATE_FILE, DEEPSPEED_FILE, PLAN_CHART_FILE}  # rewritten, an edited one kept aside
-    runfolder.remove_owned(out, (OOM_FILE, SUMMARY_FILE, REPORTED_FILE, *RUN_PRODUCTS, *sorted(finals)))
-    if CHECKPOINTS in runfolder.owned(out):
+    mine = runfolder.owned(out)
+    listed = [
+        Path(p) for p in (read_json(out / SUMMARY_FILE) or {}).get("outputs") or [] if isinstance(p, str)
+    ]
+    files = [p for p in listed if p.is_relative_to(out) and ".." not in p.parts and p.is_file()]
+    runfolder.remove_owned(out, (OOM_FILE, SUMMARY_FILE, REPORTED_FILE))
+    rewritten = {CONFIG_FILE, ACCELERATE_FILE, DEEPSPEED_FILE, PLAN_CHART_FILE}  # an edited one kept aside
+    for path in [*files, *_run_products(out)]:
+        top = path.relative_to(out).parts[0]
+        if top not in mine or top in rewritten or not (path.exists() or path.is_symlink()):
+            continue
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+    for folder in ("samples", "intermediate", "logs"):  # left empty by the above: gone too
+        if folder in mine and (out / folder).is_dir():
+            for sub in sorted((out / folder).rglob("*"), key=lambda p: len(p.parts), reverse=True):
+                if sub.is_dir() and not sub.is_symlink() and not any(sub.iterdir()):
+                    sub.rmdir()
+            if not any((out / folder).iterdir()):
+                (out / folder).rmdir()
+    if CHECKPOINTS in mine:
         remove_checkpoints(out)
 
 

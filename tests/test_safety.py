@@ -62,16 +62,18 @@ def test_force_removes_only_manifest_entries(tmp_path):
 
 def test_force_clears_the_last_runs_grids_intermediate_weights_and_final_outputs(tmp_path):
     """--force starts a run over: the old run's intermediate weights and step grids sat among the new run's (old
-    steps 3 and 6 beside new 4 and 8). The latent cache, the class images, the run files and what the manifest
-    does not list stay."""
+    steps 3 and 6 beside new 4 and 8). What the trainer names so goes; the latent cache, the class images, the
+    run files, what the manifest does not list, and a user's files inside sdplan's folders stay (a first version
+    deleted samples/ and logs/ whole, notes and all, and logs/ though the run had made none)."""
     import json
 
     from sdplan.launcher import clear_run_outputs
 
     out = tmp_path / "run"
     for rel in (
-        "intermediate/inter-step00000003/w.safetensors", "samples/step-000003.png", "samples/final.png",
-        "logs/events", "cache/latents.pt", "class_images/0.png", "loss.png", "loss_history.json",
+        "intermediate/inter-step00000003/w.safetensors", "intermediate/inter-000002/w.safetensors",
+        "samples/step-000003.png", "samples/final.png", "logs/run/events.out.tfevents.1.host",
+        "cache/latents.pt", "class_images/0.png", "loss.png", "loss_history.json",
         "pytorch_lora_weights.safetensors", "run.kohya.safetensors", "sdplan.yaml", "mine.safetensors",
     ):  # fmt: skip
         (out / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -79,9 +81,25 @@ def test_force_clears_the_last_runs_grids_intermediate_weights_and_final_outputs
     finals = ["pytorch_lora_weights.safetensors", "run.kohya.safetensors", "samples/final.png", "loss.png"]
     outputs = [str(out / f) for f in (*finals, "loss_history.json", "sdplan.yaml", "../elsewhere.bin")]
     (out / "run_summary.json").write_text(json.dumps({"outputs": outputs}))
-    runfolder.record(out, [n for n in runfolder.entries(out) if n != "mine.safetensors"])
+    runfolder.record(out, [*[n for n in runfolder.entries(out) if n != "mine.safetensors"], "ema"])
     clear_run_outputs(out)
     assert sorted(runfolder.entries(out)) == ["cache", "class_images", "mine.safetensors", "sdplan.yaml"]
+
+    # a user's files inside the folders sdplan writes in stay, and so do the folders holding them
+    for rel in (
+        "samples/step-000004.png",
+        "samples/mine.txt",
+        "logs/my_notes.txt",
+        "intermediate/keep/x.bin",
+    ):
+        (out / rel).parent.mkdir(parents=True, exist_ok=True)
+        (out / rel).write_bytes(b"x")
+    runfolder.record(out, ["samples", "logs", "intermediate"])
+    clear_run_outputs(out)
+    assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file() and p.name[0] != ".") == [
+        "cache/latents.pt", "class_images/0.png", "intermediate/keep/x.bin", "logs/my_notes.txt",
+        "mine.safetensors", "samples/mine.txt", "sdplan.yaml",
+    ]  # fmt: skip
 
 
 def test_a_run_records_what_it_and_the_trainer_write(tmp_path):
