@@ -1568,7 +1568,8 @@ WEIGHT_SETTINGS = (
 def check_resume_settings(saved: C.TrainConfig, cfg: C.TrainConfig) -> None:
     """--resume with a key=value that changes a setting its checkpoints' weights were made with: one line before
     anything is written (else the run's sdplan.yaml keeps the change and every later --resume fails too)."""
-    old, new = saved.to_dict(), cfg.to_dict()
+    # paths as this run reads them: a run written before they were made absolute names them relative
+    old, new = C.absolute_paths(saved.to_dict()), cfg.to_dict()
     for key in WEIGHT_SETTINGS:
         if (was := get_key(old, key)) != (now := get_key(new, key)):
             raise UsageError(

@@ -475,3 +475,23 @@ def test_with_aspect_buckets_the_printed_steps_are_the_trainers(tmp_path, fake_m
     r = invoke(*args, "--resolution", "256", "--dry-run", "training.batch_size=4", "data.buckets=true")
     assert r.exit_code == 0, r.stderr
     assert "in 3 aspect buckets (each ends in a short batch) / 4 per step = 3 steps per epoch" in r.stdout
+
+
+def test_a_run_written_with_a_relative_model_path_resumes_from_its_folder(tmp_path, monkeypatch):
+    """A run written before paths were made absolute names its model `demo/base_model`; --resume from the same
+    folder compared that with the absolute path it now reads and refused: 'model.path is ... here; its
+    checkpoints were trained with the first'. A model changed for real is still refused."""
+    from sdplan import config as C
+    from sdplan.errors import UsageError
+    from sdplan.launcher import check_resume_settings
+
+    monkeypatch.chdir(tmp_path)
+    fake_diffusers_folder(tmp_path / "demo" / "base_model")
+    fake_diffusers_folder(tmp_path / "other")
+    saved = C.validate({"method": "lora", "model": {"path": "demo/base_model"}})
+    now = C.validate(C.absolute_paths(saved.to_dict()))
+    check_resume_settings(saved, now)
+    with pytest.raises(UsageError, match="--resume: model.path is"):
+        check_resume_settings(
+            saved, C.validate({"method": "lora", "model": {"path": str(tmp_path / "other")}})
+        )
