@@ -2120,6 +2120,7 @@ def settings_space(
     )
     speeds = (None, dict(OFFLOAD), dict(SHARDED)) if full else (None,)
     pinned_ds = pins.get("deepspeed")
+    stage_pinned = bool(pinned_ds)  # DeepSpeed asked for: ZeRO without offload on one GPU is a candidate too
     if pinned_ds and "offload_optimizer" not in pinned_ds:  # the stage pinned, offload left to the search
         speeds = tuple({**pinned_ds, "offload_optimizer": offload} for offload in (True, False))
         pins = {k: v for k, v in pins.items() if k != "deepspeed"}
@@ -2159,7 +2160,7 @@ def settings_space(
                     # 8-bit / Adafactor are not combined with DeepSpeed unless pinned; full bf16 never (DeepSpeed
                     # keeps fp32 master weights of its own: sdplan.config refuses it)
                     continue
-                if ds == SHARDED and n == 1 and "deepspeed" not in pins:
+                if ds and not ds.get("offload_optimizer") and n == 1 and not stage_pinned:
                     continue  # nothing to split the optimizer state over: more bytes than no DeepSpeed
                 if ds and (train_te or opt == "adamw8bit"):
                     # DeepSpeed trains one model, and not with bitsandbytes' optimizer (sdplan.config refuses both)
@@ -3384,6 +3385,8 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
             + (
                 "pinned"
                 if offload_pinned
+                else "the stage pinned, no offload chosen by the plan"
+                if ds_pin
                 else f"{split}, which one GPU (or plain data parallelism, a whole copy on each) cannot hold with "
                 "fp32 master weights"
                 if whole is None

@@ -486,3 +486,15 @@ def test_an_ema_in_host_ram_costs_time_after_each_optimizer_step():
     gpu = ("training.batch_size=4", "ema.enabled=true", "ema.device=gpu")
     on_gpu = json.loads(_plan_for("finetune", "sdxl", "A100 SXM 80GB", *base, *gpu).stdout)
     assert not any(r.startswith("EMA in host RAM") for r in on_gpu["reasons"])
+
+
+def test_a_pinned_zero_stage_on_one_gpu_may_go_without_offload():
+    """On one H100, `zero_stage=2` alone still took the offload (124 s) where ZeRO-2 without it fits (96 s): the
+    search dropped ZeRO without offload on one GPU unless the whole section was pinned. Its reason said one GPU
+    'cannot hold' the run."""
+    d = json.loads(
+        _plan_for("finetune", "sdxl", "H100 SXM", "distributed.deepspeed.zero_stage=2", "--json").stdout
+    )
+    assert d["plan"]["deepspeed"] == {"zero_stage": 2, "offload_optimizer": False}
+    (line,) = [r for r in d["reasons"] if r.startswith("DeepSpeed ZeRO-2 over 1 GPU")]
+    assert "the stage pinned, no offload chosen by the plan" in line and "cannot hold" not in line
