@@ -362,7 +362,7 @@ def build_request(inp: RecommendInputs, profiles: Profiles) -> tuple[planner.Req
                 notes.append("--repeats ignored: kohya folder names carry the repeats")
         else:
             repeats = inp.repeats or 1
-            captioned = "with .txt captions" if ds.layout == "flat" else "captioned"
+            captioned = "captioned"  # .txt files or a kohya captions file
             notes.append(f"dataset {inp.dataset}: {count_of(ds.images, 'image')} ({ds.captions} {captioned})")
         if ds.skipped:  # as `sdplan train` would say: a file left out is no surprise later
             notes.append(f"dataset {inp.dataset}: {ds.skipped}")

@@ -374,3 +374,18 @@ def test_a_kohya_captions_file_captions_the_images_it_names(tmp_path):
         "c.png": "from the caption file",
         "d.png": "by its full path",
     }
+
+
+def test_a_kohya_captions_file_matches_full_paths_through_links_and_tag_lists(tmp_path):
+    """Keys written as full paths through a link, read from the real folder (or the other way round), did not
+    match, so `recommend` and `train` counted different captions; tags as a JSON list were dropped."""
+    real = tmp_path / "real"
+    real.mkdir()
+    for name in ("a", "b"):
+        Image.new("RGB", (64, 64)).save(real / f"{name}.png")
+    (tmp_path / "link").symlink_to(real)
+    meta = {str(tmp_path / "link" / "a.png"): {"caption": "by the link"}, "b": {"tags": ["x", "y"]}}
+    (real / "meta_cap.json").write_text(json.dumps(meta))
+    for root in (real, tmp_path / "link"):
+        result = scan(root)
+        assert {it.path.name: it.caption for it in result.items} == {"a.png": "by the link", "b.png": "x, y"}

@@ -401,25 +401,22 @@ def _kohya_captions(root: Path, files: list[Path]) -> tuple[tuple[Path, ...], di
             continue
         found.append(f)
         for key, record in data.items():
-            parts = [record.get(k) for k in ("caption", "tags")]
+            parts = [record.get("caption"), record.get("tags")]
+            parts = [", ".join(map(str, p)) if isinstance(p, list) else p for p in parts]  # tags as a list
             text = ", ".join(p.strip() for p in parts if isinstance(p, str) and p.strip())
             if text:
                 captions[str(key)] = text
+                if Path(key).is_absolute():  # as the image's own resolved path (a link in either path)
+                    captions.setdefault(str(Path(key).resolve()), text)
     return tuple(found), captions
 
 
 def _image_keys(root: Path, img: Path) -> tuple[str, ...]:
-    """The keys a kohya captions file may name ``img`` by: its stem, its path relative to the root or in full,
-    each with and without the extension."""
-    rel = img.relative_to(root)
-    return (
-        img.stem,
-        img.name,
-        rel.with_suffix("").as_posix(),
-        rel.as_posix(),
-        str(img.with_suffix("")),
-        str(img),
-    )
+    """The keys a kohya captions file may name ``img`` by: its stem, its path relative to the root or in full
+    (as given, made absolute, or resolved through links), each with and without the extension."""
+    rel, full, real = img.relative_to(root), img.absolute(), img.resolve()
+    named = (rel.with_suffix("").as_posix(), rel.as_posix())
+    return (img.stem, img.name, *named, *(str(p) for q in (img, full, real) for p in (q.with_suffix(""), q)))
 
 
 # -- kohya --------------------------------------------------------------------------------------------
