@@ -3345,7 +3345,8 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
         r.append(
             f"EMA in host RAM: ~{per_update:.2f} s after each optimizer step (each trained weight copied to the "
             f"host and averaged in on the CPU, at {cal.cpu_adam_params_per_s / 1e9:.2f} G parameters/s of CPU "
-            "Adam scaled by its memory traffic; modelled, not measured); ema.device=gpu saves it where VRAM allows"
+            "Adam scaled by its memory traffic; modelled, not measured; counted at every step: ema.update_every=N "
+            "divides it, and the plan does not read it); ema.device=gpu saves it where VRAM allows"
         )
     ds_pin = req.pin("deepspeed")
     offload_pinned = bool(ds_pin) and "offload_optimizer" in ds_pin  # else only the stage was given
