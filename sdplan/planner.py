@@ -2983,10 +2983,9 @@ def _choose(fitting: list[Candidate], profiles: Profiles) -> tuple[Candidate, di
     for n, c in sorted(eligible.items()):
         if n == best.setup.num_gpus or c.seconds is None or best.seconds is None:
             continue
-        if (
-            multi_gpu_gain(c, _gain_reference(one, best), profiles) > MIN_MULTI_GPU_GAIN
-            and c.seconds < best.seconds
-        ):
+        if multi_gpu_gain(c, _gain_reference(one, best), profiles) > MIN_MULTI_GPU_GAIN and per_image(
+            c
+        ) < per_image(best):
             best = c
     return best, best_by_n
 
@@ -3003,14 +3002,23 @@ def multi_gpu_gain(c: Candidate, ref: Candidate, profiles: Profiles) -> float:
     faster compute leaves the all-reduce a larger share) and the modelled all-reduce at the high end (it is
     what only the multi-GPU run has: PCIe without NVLink made DreamBooth slower on two GPUs than on one)."""
     if c.observed_multi_gpu:
-        return 1 - c.seconds / ref.seconds
+        return 1 - per_image(c) / per_image(ref)
     low, high = profiles.uncertainty.seconds_for(c.setup.model)[0]
 
-    def run(x: Candidate, allreduce_factor: float) -> float:
+    def run(x: Candidate, allreduce_factor: float) -> float:  # per image seen (see per_image)
         compute = x.seconds - x.fixed_seconds - x.allreduce_seconds
-        return x.fixed_seconds + compute * low + x.allreduce_seconds * allreduce_factor
+        return (
+            x.fixed_seconds + compute * low + x.allreduce_seconds * allreduce_factor
+        ) / x.steps.images_seen
 
     return 1 - run(c, high) / run(ref, low)
+
+
+def per_image(c: Candidate) -> float:
+    """A run's seconds per image it sees: what runs of other GPU counts and batches are weighed by. Their
+    time where the images are set (epochs: the same in every run); where the steps are (training.max_steps),
+    a larger global batch sees more images in as many steps, and only the pace compares."""
+    return c.seconds / c.steps.images_seen
 
 
 def plan(hardware: Hardware | Any, profiles: Profiles, request: Request) -> Result:
@@ -3085,7 +3093,7 @@ def plan(hardware: Hardware | Any, profiles: Profiles, request: Request) -> Resu
     best, best_by_n = _choose(fitting, profiles)
     fitting = on_count(best.setup.num_gpus)  # what the reasons weigh the plan against: its GPU count, in full
     one = best_by_n.get(1)
-    speedup = one.seconds / best.seconds if (one and one.seconds and best.seconds) else None
+    speedup = per_image(one) / per_image(best) if (one and one.seconds and best.seconds) else None
     if mixed_gpus(hardware):
         reasons.append(_mixed_text(hardware, best, profiles, cal))
     elif links := _links_text(hardware, best):
@@ -3485,7 +3493,13 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
                 f"{format_range(c.memory.peak, c.peak_range)}, its upper end over the card's {_gib(vram)}"
             )
     st = best.steps
-    if s.num_gpus > 1:
+    if s.num_gpus > 1 and req.max_steps:
+        r.append(
+            f"steps: training.max_steps {req.max_steps}, pinned, counts one process's steps: {st.total_steps} on "
+            f"each of the {s.num_gpus} GPUs, {st.images_seen} images seen, as {req.max_steps} steps of batch "
+            f"{s.batch} x accumulation {s.grad_accum} on one GPU; with the steps set, runs are weighed per image"
+        )
+    elif s.num_gpus > 1:
         r.append(
             f"{s.num_gpus} GPUs: steps normalised so the run trains what was asked: {st.images_per_epoch} images per "
             f"epoch / (batch {s.batch} x accumulation {s.grad_accum} x {s.num_gpus} GPUs) = {st.steps_per_epoch} "
@@ -3637,17 +3651,17 @@ def _multi_gpu_reasons(hw, best, one, best_by_n, profiles, cal) -> list[str]:
             continue
         m = obs.get(c.observed_multi_gpu) if c.observed_multi_gpu else None
         ref_c = _gain_reference(one, best)
-        ref = ref_c.seconds
-        if c.seconds >= ref:
+        faster = per_image(ref_c) / per_image(c)  # the run's time where epochs set the images
+        if faster <= 1:
             why = "slower"
         elif _tier(c) > _tier(best):
-            why = f"{ref / c.seconds:.2f}x faster, but only with " + _tier_text(c, best)
+            why = f"{faster:.2f}x faster, but only with " + _tier_text(c, best)
         elif (gain := multi_gpu_gain(c, ref_c, profiles)) > MIN_MULTI_GPU_GAIN:
-            why = f"{ref / c.seconds:.2f}x faster than one GPU, but {s.num_gpus} GPU(s) are faster still"
+            why = f"{faster:.2f}x faster than one GPU, but {s.num_gpus} GPU(s) are faster still"
         else:
             low, high = profiles.uncertainty.seconds_for(c.setup.model)[0]
             why = (
-                f"predicted {ref / c.seconds:.2f}x faster: within the time uncertainty (with the steps at "
+                f"predicted {faster:.2f}x faster: within the time uncertainty (with the steps at "
                 f"x{low:g} of the prediction and the all-reduce at x{high:g} it saves {gain * 100:.0f}% of the "
                 f"run, under the {MIN_MULTI_GPU_GAIN * 100:.0f}% more GPUs must save unless measured)"
             )
@@ -3678,7 +3692,7 @@ def _multi_gpu_reasons(hw, best, one, best_by_n, profiles, cal) -> list[str]:
         r.append(
             f"{s.num_gpus} GPUs: each step takes {ratio:.2f}x as long as on one "
             + (slow.name if len(_distinct(used)) > 1 else "GPU")
-            + f" with the same settings ({src}), but the run is {one.seconds / best.seconds:.2f}x faster "
+            + f" with the same settings ({src}), but the run is {per_image(one) / per_image(best):.2f}x faster "
             + ("than on one GPU " if mixed else "")
             + "once steps are normalised"
         )

@@ -498,3 +498,22 @@ def test_a_pinned_zero_stage_on_one_gpu_may_go_without_offload():
     assert d["plan"]["deepspeed"] == {"zero_stage": 2, "offload_optimizer": False}
     (line,) = [r for r in d["reasons"] if r.startswith("DeepSpeed ZeRO-2 over 1 GPU")]
     assert "the stage pinned, no offload chosen by the plan" in line and "cannot hold" not in line
+
+
+def test_a_pinned_max_steps_weighs_gpu_counts_per_image():
+    """`training.max_steps=100` on 2x RTX 4090: one GPU at batch 8 sees 668 images, two at a smaller batch
+    fewer; the reasons said '1.39x faster' and 'images seen either way' of runs that trained different amounts.
+    Runs are weighed per image, and the steps line says what max_steps counts."""
+    d = json.loads(
+        _plan_for("lora", "sd15", "2x RTX 4090", "--images", "20", "training.max_steps=100", "--json").stdout
+    )
+    assert not any("either way" in r for r in d["reasons"])
+    assert any(r.startswith("steps: training.max_steps 100, pinned") for r in d["reasons"])
+    d2 = json.loads(
+        _plan_for(
+            "lora", "sd15", "2x RTX 4090", "--images", "20", "training.max_steps=100",
+            "distributed.num_processes=2", "--json",
+        ).stdout
+    )  # fmt: skip
+    (line,) = [r for r in d2["reasons"] if r.startswith("steps: training.max_steps 100")]
+    assert "counts one process's steps: 50 on each of the 2 GPUs" in line
