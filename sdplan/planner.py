@@ -2126,7 +2126,7 @@ def settings_space(
         pins = {k: v for k, v in pins.items() if k != "deepspeed"}
     fixed = {
         name: pins[name]
-        for name in ("lora_alpha", "lora_targets", "set_grads_to_none", "ema")
+        for name in ("lora_alpha", "lora_targets", "set_grads_to_none", "ema", "ema_every")
         if name in pins and (lora or not name.startswith("lora"))
     }
     for n in axis("num_gpus", counts or range(1, max_gpus + 1)):
@@ -3349,12 +3349,18 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
                 f"({describe(half.setup)}), with lower-precision weights; pin it to plan that"
             )
     if s.ema == "cpu" and pace.spec is not None:
-        per_update = ema_seconds(profiles, s, pace.spec, cal.cpu_adam_params_per_s) * s.grad_accum
+        per_update = (
+            ema_seconds(profiles, s, pace.spec, cal.cpu_adam_params_per_s) * s.grad_accum * s.ema_every
+        )
+        every = (
+            "each optimizer step"
+            if s.ema_every == 1
+            else f"every {s.ema_every} optimizer steps (ema.update_every)"
+        )
         r.append(
-            f"EMA in host RAM: ~{per_update:.2f} s after each optimizer step (each trained weight copied to the "
-            f"host and averaged in on the CPU, at {cal.cpu_adam_params_per_s / 1e9:.2f} G parameters/s of CPU "
-            "Adam scaled by its memory traffic; modelled, not measured; counted at every step: ema.update_every=N "
-            "divides it, and the plan does not read it); ema.device=gpu saves it where VRAM allows"
+            f"EMA in host RAM: ~{per_update:.2f} s after {every} (each trained weight copied to the host and "
+            f"averaged in on the CPU, at {cal.cpu_adam_params_per_s / 1e9:.2f} G parameters/s of CPU Adam scaled "
+            "by its memory traffic; modelled, not measured); ema.device=gpu saves it where VRAM allows"
         )
     ds_pin = req.pin("deepspeed")
     offload_pinned = bool(ds_pin) and "offload_optimizer" in ds_pin  # else only the stage was given
@@ -4398,7 +4404,7 @@ def ema_seconds(
     trained = trainable_params(profiles.model(s.model), s, profiles)
     copied = trained * (2 if s.full_half_weights else 4)
     update = copied / _host_copy_bytes_per_s(spec) + trained * EMA_TO_ADAM_TRAFFIC / cpu_adam_params_per_s
-    return update / s.grad_accum
+    return update / s.grad_accum / s.ema_every
 
 
 def _host_copy_bytes_per_s(spec: GPUSpec) -> float:

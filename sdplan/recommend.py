@@ -182,7 +182,7 @@ def parse_pins(items: tuple[str, ...] | list[str], method: str, model: str) -> t
         field = FIELD_FOR_KEY.get(key)
         if key.startswith("distributed.deepspeed"):
             field = "deepspeed"
-        elif key.startswith("ema."):
+        elif key.startswith("ema.") and field is None:  # ema.update_every has a field of its own
             field = "ema"
         if field is None or field in ("method", "model", "resolution"):
             continue

@@ -97,6 +97,9 @@ class Settings:
     attention: str = "efficient"  # "efficient" (flash / memory-efficient SDPA) | "math"
     deepspeed: dict | None = None  # {"zero_stage", "offload_optimizer"}
     ema: str | None = None  # None | "gpu" | "cpu"
+    ema_every: int = (
+        1  # optimizer steps between EMA updates (ema.update_every): an EMA in host RAM costs time
+    )
     lora_rank: int | None = None  # LoRA only (None elsewhere; LoRA's default 16)
     lora_alpha: float | None = None  # LoRA only; None: the config's default
     lora_targets: tuple[str, ...] | None = None  # LoRA only; None: the config's default
@@ -235,6 +238,7 @@ CONFIG_KEYS = {
     "lora_alpha": "lora.alpha",
     "lora_targets": "lora.target_modules",
     "prior_preservation": "dreambooth.with_prior_preservation",
+    "ema_every": "ema.update_every",
 }
 FIELD_FOR_KEY = {key: name for name, key in CONFIG_KEYS.items()}  # sdplan.yaml key -> Settings field
 # Settings fields a profile point keeps under ``options`` (besides attention and lora_rank).

@@ -483,6 +483,10 @@ def test_an_ema_in_host_ram_costs_time_after_each_optimizer_step():
     assert ema["estimate"]["seconds"] > plain["estimate"]["seconds"]
     (line,) = [r for r in ema["reasons"] if r.startswith("EMA in host RAM: ~")]
     assert "after each optimizer step" in line and "modelled, not measured" in line
+    rare = ("training.batch_size=4", "ema.enabled=true", "ema.update_every=100")
+    sparse = json.loads(_plan_for("finetune", "sdxl", "A100 SXM 80GB", *base, *rare).stdout)
+    assert plain["estimate"]["seconds"] < sparse["estimate"]["seconds"] < ema["estimate"]["seconds"]
+    assert any("after every 100 optimizer steps (ema.update_every)" in r for r in sparse["reasons"])
     gpu = ("training.batch_size=4", "ema.enabled=true", "ema.device=gpu")
     on_gpu = json.loads(_plan_for("finetune", "sdxl", "A100 SXM 80GB", *base, *gpu).stdout)
     assert not any(r.startswith("EMA in host RAM") for r in on_gpu["reasons"])
