@@ -24,6 +24,7 @@ from sdplan.registry import (
     OPTIMIZERS,
     PRECISIONS,
 )
+from sdplan.registry import method as registry_method
 
 SCHEDULERS = (
     "constant",
@@ -330,7 +331,7 @@ def validate(data: Any, source: str = "config") -> TrainConfig:
     if cfg is not None:
         _cross_checks(cfg, errors)
         if cfg.training.learning_rate is None and cfg.method in METHODS:
-            cfg.training.learning_rate = METHOD_LIST[METHODS.index(cfg.method)].learning_rate
+            cfg.training.learning_rate = registry_method(cfg.method).learning_rate
     if errors:
         raise ConfigError(source, errors)
     return cfg
@@ -368,7 +369,7 @@ def _cross_checks(cfg: TrainConfig, errors: list[str]) -> None:
             f"dreambooth.with_prior_preservation: only method dreambooth trains with class images, not "
             f"{cfg.method}; set it to false"
         )
-    if cfg.ema.enabled and cfg.method in METHODS and not METHOD_LIST[METHODS.index(cfg.method)].ema:
+    if cfg.ema.enabled and cfg.method in METHODS and not registry_method(cfg.method).ema:
         keeps = ", ".join(m.name for m in METHOD_LIST if m.ema)
         errors.append(
             f"ema.enabled: an EMA of the weights is kept by method {keeps}, not {cfg.method}; set it false"

@@ -2632,7 +2632,7 @@ def _key(c: Candidate) -> tuple:
         return (math.inf, s.offload, s.num_gpus, s.gradient_checkpointing, -s.batch * s.grad_accum, *savers)
     # per image seen: the run's time where its images are set (epochs), its pace where its steps are
     # (training.max_steps: a larger batch sees more images in as many steps, not a slower run)
-    return (c.seconds / c.steps.images_seen * penalty, s.offload, s.num_gpus, s.batch, *savers)
+    return (per_image(c) * penalty, s.offload, s.num_gpus, s.batch, *savers)
 
 
 def _batch_cap_text(req: Request, s: Settings) -> str:
@@ -3349,9 +3349,7 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
                 f"({describe(half.setup)}), with lower-precision weights; pin it to plan that"
             )
     if s.ema == "cpu" and pace.spec is not None:
-        per_update = (
-            ema_seconds(profiles, s, pace.spec, cal.cpu_adam_params_per_s) * s.grad_accum * s.ema_every
-        )
+        per_update = ema_update_seconds(profiles, s, pace.spec, cal.cpu_adam_params_per_s)
         every = (
             "each optimizer step"
             if s.ema_every == 1
@@ -4401,10 +4399,15 @@ def ema_seconds(
     step time has a host-RAM EMA. On the GPU the average is a few milliseconds of memory traffic."""
     if s.ema != "cpu" or spec is None:
         return 0.0
+    return ema_update_seconds(profiles, s, spec, cpu_adam_params_per_s) / s.grad_accum / s.ema_every
+
+
+def ema_update_seconds(profiles: Profiles, s: Settings, spec: GPUSpec, cpu_adam_params_per_s: float) -> float:
+    """One update of an EMA in host RAM (:func:`ema_seconds`): the trained weights over PCIe, then the CPU's
+    average of them."""
     trained = trainable_params(profiles.model(s.model), s, profiles)
     copied = trained * (2 if s.full_half_weights else 4)
-    update = copied / _host_copy_bytes_per_s(spec) + trained * EMA_TO_ADAM_TRAFFIC / cpu_adam_params_per_s
-    return update / s.grad_accum / s.ema_every
+    return copied / _host_copy_bytes_per_s(spec) + trained * EMA_TO_ADAM_TRAFFIC / cpu_adam_params_per_s
 
 
 def _host_copy_bytes_per_s(spec: GPUSpec) -> float:
