@@ -427,21 +427,12 @@ def check_inputs(cfg: C.TrainConfig, *, dry_run: bool = False) -> InputSummary:
         raise dataset_error
     family = cfg.model.family or info.family or _family_of(source.kind, source.location)
     buckets = ()
-    if (
-        cfg.data.buckets
-    ):  # as the trainer's dataset assigns them: the epoch's batches (each bucket ends short)
-        from sdplan.trainer.buckets import bucket_samples
+    # as the trainer's dataset assigns them: the epoch's batches (each bucket ends short)
+    if cfg.data.buckets:
+        from sdplan.trainer.buckets import bucket_samples, config_buckets
 
-        d = cfg.data
         sizes, reps = [it.size for it in result.items], [it.repeats for it in result.items]
-        buckets = bucket_samples(
-            sizes,
-            reps,
-            d.resolution,
-            step=d.bucket_step,
-            min_size=d.bucket_min_size,
-            max_size=d.bucket_max_size,
-        )
+        buckets = bucket_samples(sizes, reps, config_buckets(cfg.data))
     return InputSummary(
         bucket_samples=buckets,
         images=result.num_images,

@@ -421,16 +421,9 @@ def _bucket_samples(inp: RecommendInputs, ds: DatasetCount | None, resolution: i
     data = cfgmod.validate(cfgmod.apply_overrides(base, list(inp.settings)), source="key=value settings").data
     if not data.buckets:
         return ()
-    from sdplan.trainer.buckets import bucket_samples
+    from sdplan.trainer.buckets import bucket_samples, config_buckets
 
-    return bucket_samples(
-        ds.sizes,
-        ds.item_repeats,
-        resolution,
-        step=data.bucket_step,
-        min_size=data.bucket_min_size,
-        max_size=data.bucket_max_size,
-    )
+    return bucket_samples(ds.sizes, ds.item_repeats, config_buckets(data, resolution))
 
 
 def resolve_hardware(inp: RecommendInputs, profiles: Profiles) -> planner.Hardware:

@@ -59,16 +59,20 @@ def test_the_dataloader_length_when_known_gives_the_same_steps():
 def test_aspect_buckets_end_each_in_a_short_batch():
     """8 images in 3 buckets (3, 3, 2) at batch 4: 3 batches an epoch, not ceil(8 / 4) = 2; dealt over 2
     processes, 2 each. One bucket is the plain count."""
-    from sdplan.trainer.buckets import bucket_samples
+    from sdplan.trainer.buckets import bucket_samples, make_buckets
 
     from sdplan.steps import bucketed_batches
 
     sizes = [(512, 512), (512, 768), (768, 512), (512, 1024), (1024, 512), (600, 400), (400, 600), (512, 512)]
-    samples = bucket_samples(sizes, [1] * 8, 256)
+    samples = bucket_samples(sizes, [1] * 8, make_buckets(256))
     assert samples == (3, 3, 2)
     assert bucketed_batches(samples, 4) == 3 and bucketed_batches(samples, 4, 2) == 2
     assert bucketed_batches((8,), 4) == math.ceil(8 / 4)
-    assert bucket_samples(sizes, [2] * 8, 256) == (6, 6, 4)  # repeats count in their image's bucket
+    assert bucket_samples(sizes, [2] * 8, make_buckets(256)) == (
+        6,
+        6,
+        4,
+    )  # repeats count in their image's bucket
     run = plan_steps(
         images_per_epoch=8, batch_size=4, epochs=2, batches_per_epoch=bucketed_batches(samples, 4)
     )

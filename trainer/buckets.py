@@ -88,20 +88,26 @@ def assign_buckets(sizes: Sequence[tuple[int, int]], buckets: Sequence[tuple[int
     return out
 
 
+def config_buckets(data: Any, resolution: int | None = None) -> list[tuple[int, int]]:
+    """The bucket shapes an sdplan.yaml ``data`` section makes (``bucket_step``, ``bucket_min_size``,
+    ``bucket_max_size``; one the schema lacks: its default) at ``resolution`` (default: ``data.resolution``):
+    the one recipe for the trainer's dataset and the step counts of `recommend` and `train`."""
+    step = getattr(data, "bucket_step", None)
+    return make_buckets(
+        resolution or data.resolution,
+        step=64 if step is None else int(step),
+        min_size=getattr(data, "bucket_min_size", None),
+        max_size=getattr(data, "bucket_max_size", None),
+    )
+
+
 def bucket_samples(
-    sizes: Sequence[tuple[int, int] | None],
-    repeats: Sequence[int],
-    resolution: int,
-    *,
-    step: int = 64,
-    min_size: int | None = None,
-    max_size: int | None = None,
+    sizes: Sequence[tuple[int, int] | None], repeats: Sequence[int], shapes: Sequence[tuple[int, int]]
 ) -> tuple[int, ...]:
-    """The samples (images x repeats) in each bucket in use, largest first, as the dataset assigns the images
-    (an image whose size is unknown goes where an unreadable one does: as 1x1). The step arithmetic needs them:
-    a batch holds one bucket's samples, so each bucket ends in a short batch (:func:`sdplan.steps.
-    bucketed_batches`)."""
-    shapes = make_buckets(resolution, step=step, min_size=min_size, max_size=max_size)
+    """The samples (images x repeats) in each of the bucket ``shapes`` in use, largest first, as the dataset
+    assigns the images (an image whose size is unknown goes where an unreadable one does: as 1x1). The step
+    arithmetic needs them: a batch holds one bucket's samples, so each bucket ends in a short batch
+    (:func:`sdplan.steps.bucketed_batches`)."""
     counts: dict[int, int] = {}
     for b, r in zip(assign_buckets([s or (1, 1) for s in sizes], shapes), repeats):
         counts[b] = counts.get(b, 0) + max(1, r)

@@ -36,7 +36,7 @@ from PIL import Image, ImageOps
 
 from sdplan.errors import DatasetError
 
-from .buckets import assign_buckets, bucket_table, make_buckets
+from .buckets import assign_buckets, bucket_table, config_buckets
 from .dataset_scan import Item, Scan, fallback_caption, image_size, quiet_large_images, require_images, scan
 
 if TYPE_CHECKING:
@@ -265,12 +265,7 @@ def _buckets_for(cfg: TrainConfig, buckets: bool | Sequence[tuple[int, int]] | N
     if buckets is False:
         return None
     if buckets is True:
-        return make_buckets(
-            cfg.data.resolution,
-            step=int(_option(cfg.data, "bucket_step", 64)),
-            min_size=_option(cfg.data, "bucket_min_size", None),
-            max_size=_option(cfg.data, "bucket_max_size", None),
-        )
+        return config_buckets(cfg.data)
     return [tuple(b) for b in buckets]
 
 
