@@ -219,10 +219,7 @@ def _sizing_pins(inp: RecommendInputs) -> RecommendInputs:
     keys = [key for key in _SIZING_KEYS if key in given]
     if not keys:
         return inp
-    base = cfgmod.default_config()
-    base["method"] = inp.method
-    base["model"]["family"] = inp.model
-    cfg = cfgmod.validate(cfgmod.apply_overrides(base, list(inp.settings)), source="key=value settings")
+    cfg = _pinned_config(inp)
     changes: dict[str, Any] = {}
     for key in keys:
         flag = _SIZING_KEYS[key]
@@ -234,6 +231,14 @@ def _sizing_pins(inp: RecommendInputs) -> RecommendInputs:
             raise UsageError(f"{flag} {given_flag} and {key}={value} disagree", fix="give one")
         changes[field] = str(value) if field == "dataset" else value
     return replace(inp, **changes)
+
+
+def _pinned_config(inp: RecommendInputs) -> cfgmod.TrainConfig:
+    """The sdplan.yaml the key=value settings make for this method and family, validated as `sdplan train`
+    validates it (what they set that the planner's pins do not carry: sizes, aspect buckets)."""
+    base = cfgmod.default_config()
+    base["method"], base["model"]["family"] = inp.method, inp.model
+    return cfgmod.validate(cfgmod.apply_overrides(base, list(inp.settings)), source="key=value settings")
 
 
 def _check_choice(kind: str, value: str, choices: tuple[str, ...]) -> None:
@@ -383,10 +388,10 @@ def build_request(inp: RecommendInputs, profiles: Profiles) -> tuple[planner.Req
                 f"--resolution {resolution} and data.resolution={pinned_resolution} disagree", fix="give one"
             )
         resolution = pinned_resolution
-    buckets = cfgmod.apply_overrides({}, [o for o in inp.settings if o.startswith("data.buckets=")])
-    bucketed = bool((buckets.get("data") or {}).get("buckets"))
+    bucketing = any(k.startswith("data.bucket") for k in cfgmod.override_keys(inp.settings))
+    data = _pinned_config(inp).data if bucketing else None  # aspect buckets: the steps and sides differ
     if resolution is not None and (
-        problem := cfgmod.flow_resolution_problem(resolution, inp.model, buckets=bucketed)
+        problem := cfgmod.flow_resolution_problem(resolution, inp.model, buckets=bool(data and data.buckets))
     ):
         raise UsageError(problem)
     fields = dict(pins)
@@ -403,23 +408,18 @@ def build_request(inp: RecommendInputs, profiles: Profiles) -> tuple[planner.Req
         prior_preservation=bool(fields.get("prior_preservation", False)),
         max_steps=inp.max_steps,
         bucket_samples=_bucket_samples(
-            inp, counted, resolution or profiles.model(inp.model).native_resolution
+            counted, data, resolution or profiles.model(inp.model).native_resolution
         ),
         pins=pins,
     )
     return req, notes
 
 
-def _bucket_samples(inp: RecommendInputs, ds: DatasetCount | None, resolution: int) -> tuple[int, ...]:
-    """With data.buckets pinned and the dataset counted: the samples in each aspect bucket, as the trainer's
-    dataset assigns them (the steps of an epoch: each bucket ends in a short batch; the plan counted 2 steps
-    an epoch where the trainer ran 7). () otherwise."""
-    if ds is None or not any(k.startswith("data.bucket") for k in cfgmod.override_keys(inp.settings)):
-        return ()
-    base = cfgmod.default_config()
-    base["method"], base["model"]["family"] = inp.method, inp.model
-    data = cfgmod.validate(cfgmod.apply_overrides(base, list(inp.settings)), source="key=value settings").data
-    if not data.buckets:
+def _bucket_samples(ds: DatasetCount | None, data: Any, resolution: int) -> tuple[int, ...]:
+    """With data.buckets pinned (``data``: the pinned data section) and the dataset counted: the samples in each
+    aspect bucket, as the trainer's dataset assigns them (the steps of an epoch: each bucket ends in a short
+    batch; the plan counted 2 steps an epoch where the trainer ran 7). () otherwise."""
+    if ds is None or data is None or not data.buckets:
         return ()
     from sdplan.trainer.buckets import bucket_samples, config_buckets
 
