@@ -875,10 +875,7 @@ def write_run_files(
 
     files = run_files(cfg, launch, header, chart)
     check_run_files(out, files)
-    written = runfolder.write_files(out, files)
-    if DEEPSPEED_FILE not in files:  # a plan before this one used DeepSpeed; this run's launch names none
-        runfolder.remove_unedited(out, [DEEPSPEED_FILE])
-    return written
+    return runfolder.write_files(out, files, retire=[DEEPSPEED_FILE])  # an earlier plan's, if this has none
 
 
 def check_out_not_in_dataset(out: Path, dataset: str) -> None:

@@ -650,10 +650,9 @@ def write_outputs(
             fix="choose another --out; continue that run with `sdplan train --resume --out DIR`",
         )
     # the run folder's manifest: `train --force` may later replace only these; an edited plan is kept aside
-    written = runfolder.write_files(outdir, files)
-    if DEEPSPEED_FILE not in files:  # an earlier plan's, which this one's accelerate.yaml no longer names
-        runfolder.remove_unedited(outdir, [DEEPSPEED_FILE])
-    return written
+    return runfolder.write_files(
+        outdir, files, retire=[DEEPSPEED_FILE]
+    )  # an earlier plan's, if this has none
 
 
 # -- render ----------------------------------------------------------------------------------------------

@@ -105,17 +105,29 @@ def record(
     tmp.replace(out / MANIFEST_FILE)
 
 
-def write_files(out: Path, files: dict[str, str | bytes]) -> tuple[list[Path], list[Path]]:
+def write_files(
+    out: Path, files: dict[str, str | bytes], *, retire: Iterable[str] = ()
+) -> tuple[list[Path], list[Path]]:
     """Write the run files at the top of ``out`` (name -> text or bytes), each atomically, and record them.
     A file sdplan wrote there before that no longer holds what it wrote (the user edited it: its sha256 is not
     the manifest's, or the manifest predates the hashes) and would change is first copied to
-    ``<name>.edited-<time><suffix>``. Returns (written, kept copies). The caller checked that no file of the
+    ``<name>.edited-<time><suffix>``. ``retire``: run files an earlier write may have left that this one does
+    not write (deepspeed.json after a plan without DeepSpeed): deleted where they still hold what sdplan wrote,
+    kept where the user edited them. Returns (written, kept copies). The caller checked that no file of the
     user's is among them (:func:`check_not_ours`)."""
     import hashlib
     import shutil
 
     manifest = _manifest(out)
     mine, hashes = _names(manifest.get("entries")), manifest.get("sha256") or {}
+
+    def edited(name: str) -> bool | None:
+        """Whether sdplan's file ``name`` was edited since it wrote it (None: not a file sdplan wrote)."""
+        path = out / name
+        if name not in mine or not path.is_file() or path.is_symlink():
+            return None
+        return hashlib.sha256(path.read_bytes()).hexdigest() != hashes.get(name)
+
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     written: dict[str, str] = {}  # name -> the sha256 of what was written
     copies: list[Path] = []
@@ -124,44 +136,23 @@ def write_files(out: Path, files: dict[str, str | bytes]) -> tuple[list[Path], l
         new = [name for name in files if not (out / name).exists()]
         for name, content in files.items():
             path, data = out / name, as_bytes(content)
-            if name in mine and path.is_file() and not path.is_symlink():
-                old = path.read_bytes()
-                if old != data and hashlib.sha256(old).hexdigest() != hashes.get(name):
-                    copy = path.with_name(f"{path.stem}.edited-{stamp}{path.suffix}")
-                    shutil.copy2(path, copy)
-                    copies.append(copy)
+            if edited(name) and path.read_bytes() != data:
+                copy = path.with_name(f"{path.stem}.edited-{stamp}{path.suffix}")
+                shutil.copy2(path, copy)
+                copies.append(copy)
             tmp = path.with_name(path.name + ".tmp")
             tmp.write_bytes(data)
             tmp.replace(path)
             written[name] = hashlib.sha256(data).hexdigest()
+        for name in retire:
+            if name not in files and edited(name) is False:
+                (out / name).unlink()
     except OSError as e:
         raise cannot_write(out, e) from None
     finally:
         if written or copies:  # only what was written: a name that failed to write is not sdplan's
             record(out, [n for n in new if n in written], sha256=written, keep=[p.name for p in copies])
     return [out / name for name in written], copies
-
-
-def remove_unedited(out: Path, names: Iterable[str]) -> list[str]:
-    """Delete those of ``names`` that sdplan wrote and that still hold what it wrote (the manifest's sha256): a
-    run file a new plan no longer has (deepspeed.json after a plan without DeepSpeed). One the user edited
-    stays. Returns what was removed."""
-    import hashlib
-
-    manifest = _manifest(out)
-    mine, hashes = _names(manifest.get("entries")), manifest.get("sha256") or {}
-    removed = []
-    for name in names:
-        path = out / name
-        if (
-            name in mine
-            and path.is_file()
-            and not path.is_symlink()
-            and hashlib.sha256(path.read_bytes()).hexdigest() == hashes.get(name)
-        ):
-            path.unlink()
-            removed.append(name)
-    return removed
 
 
 def kept_line(copy: Path) -> str:
