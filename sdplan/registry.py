@@ -23,9 +23,8 @@ class Method:
     recipe: str  # the trainer module sdplan.trainer.recipes.<recipe>
     learning_rate: float  # training.learning_rate when the config leaves it out (sources in METHOD_LIST)
     aliases: tuple[str, ...] = ()
-    ema: bool = (
-        False  # keeps an EMA of the trained weights when ema.enabled (as diffusers' text-to-image script)
-    )
+    # keeps an EMA of the trained weights when ema.enabled (as diffusers' text-to-image script)
+    ema: bool = False
 
     @property
     def full_weights(self) -> bool:

@@ -97,9 +97,8 @@ class Settings:
     attention: str = "efficient"  # "efficient" (flash / memory-efficient SDPA) | "math"
     deepspeed: dict | None = None  # {"zero_stage", "offload_optimizer"}
     ema: str | None = None  # None | "gpu" | "cpu"
-    ema_every: int = (
-        1  # optimizer steps between EMA updates (ema.update_every): an EMA in host RAM costs time
-    )
+    # optimizer steps between EMA updates (ema.update_every): an EMA in host RAM costs time at each
+    ema_every: int = 1
     lora_rank: int | None = None  # LoRA only (None elsewhere; LoRA's default 16)
     lora_alpha: float | None = None  # LoRA only; None: the config's default
     lora_targets: tuple[str, ...] | None = None  # LoRA only; None: the config's default
