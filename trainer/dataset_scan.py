@@ -172,14 +172,14 @@ def scan(
     cap_ext = cap_ext.lower()
 
     files = _walk(root)
-    records = _metadata_records(files)
-    if records:
+    records, is_metadata = _metadata_records(files)
+    if is_metadata:
         result = _scan_metadata(root, files, records, repeats, metadata, cap_ext)
     elif any(KOHYA_DIR.match(d.name) for d in root.iterdir() if d.is_dir() and not d.name.startswith(".")):
         result = _scan_kohya(root, files, cap_ext)
     else:
         result = Scan(root, "flat")
-        listed = _kohya_captions(root, files)
+        listed = _kohya_captions(root, records)
         _pair_captions(root, files, result, cap_ext, repeats, lambda _p: default_caption, listed)
 
     _drop_empty_files(result)
@@ -380,21 +380,20 @@ def _pair_captions(root, files, result, cap_ext, repeats, fallback, listed=None)
         result.items.append(Item(img, caption, None, repeats))
 
 
-def _kohya_captions(root: Path, files: list[Path]) -> tuple[tuple[Path, ...], dict[str, str]]:
+def _kohya_captions(
+    root: Path, records: dict[Path, dict[str, Any] | str]
+) -> tuple[tuple[Path, ...], dict[str, str]]:
     """kohya's captions file in the dataset folder (sd-scripts' finetune/merge_captions_to_metadata.py and
     merge_dd_tags_to_metadata.py write it, meta_cap.json): one object of image key (the file name without
     its extension, or the full path) -> ``{"caption": ..., "tags": ...}``. The caption is the caption, then the
     tags, as sd-scripts joins them (train_util: caption + separator + tags). Returns (the files read, key ->
-    caption); an image it does not name keeps its caption file."""
+    caption); an image it does not name keeps its caption file. ``records``: the dataset's .json files, read
+    (:func:`_metadata_records`)."""
     found: list[Path] = []
     captions: dict[str, str] = {}
-    for f in files:
-        if f.parent != root or f.suffix.lower() != ".json":
+    for f, data in records.items():
+        if f.parent != root:
             continue
-        try:
-            data = json.loads(f.read_text(encoding="utf-8-sig"))
-        except (OSError, UnicodeDecodeError, ValueError):
-            continue  # _metadata_records said why already
         if not (isinstance(data, dict) and data and all(isinstance(v, dict) for v in data.values())):
             continue
         if not any("caption" in v or "tags" in v for v in data.values()):
@@ -454,9 +453,9 @@ def _scan_kohya(root: Path, files: list[Path], cap_ext: str) -> Scan:
 # -- metadata -----------------------------------------------------------------------------------------
 
 
-def _metadata_records(files: Iterable[Path]) -> dict[Path, dict[str, Any] | str]:
-    """Each .json file -> its parsed record, or a reason string when it is not one. Empty when no json
-    file is a record (then the layout is not metadata)."""
+def _metadata_records(files: Iterable[Path]) -> tuple[dict[Path, dict[str, Any] | str], bool]:
+    """(each .json file -> its parsed object, or a reason string when it is not one; whether any is a per-image
+    record: else the layout is not metadata, and a kohya captions file may be among them)."""
     out: dict[Path, dict[str, Any] | str] = {}
     found = False
     for f in files:
@@ -482,7 +481,7 @@ def _metadata_records(files: Iterable[Path]) -> dict[Path, dict[str, Any] | str]
         if any(isinstance(data.get(k), str) for k in PATH_FIELDS) or "tags" in data:
             found = True
         out[f] = data
-    return out if found else {}
+    return out, found
 
 
 def _as_tags(value: Any) -> list[str]:
