@@ -16,7 +16,6 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import os
-import re
 import shlex
 import signal
 import sys
@@ -224,16 +223,13 @@ def _same_file(a: Path, b: Path) -> bool:
 # as if one run had made them all): its sample grids, its intermediate outputs (kohya's names), its TensorBoard
 # event files. A file of the user's in these folders stays, and so do the latent cache and generated class
 # images (the same inputs give the same ones).
-_PRODUCT_NAMES = (
-    ("samples", re.compile(r"(step-\d{6,}|final)\.png")),
-    ("intermediate", re.compile(r".+-(\d{6}|step\d{8})")),
-)
-
-
 def _run_products(out: Path) -> list[Path]:
-    """The last run's sample grids, intermediate outputs and TensorBoard event files in ``out``."""
+    """The last run's sample grids, intermediate outputs and TensorBoard event files in ``out``, by the names the
+    trainer gives them (sdplan.trainer.outputs)."""
+    from sdplan.trainer.outputs import GRID_NAME, INTERMEDIATE, INTERMEDIATE_NAME
+
     found: list[Path] = []
-    for folder, name in _PRODUCT_NAMES:
+    for folder, name in (("samples", GRID_NAME), (INTERMEDIATE, INTERMEDIATE_NAME)):
         if (out / folder).is_dir():
             found += [p for p in (out / folder).iterdir() if name.fullmatch(p.name) and not p.is_symlink()]
     if (out / "logs").is_dir():

@@ -311,3 +311,12 @@ def test_an_out_of_memory_rewrite_drops_sdplans_plan_chart_not_a_users(tmp_path)
     _drop_stale_plan_chart(ours)
     _drop_stale_plan_chart(theirs)
     assert not (ours / "plan.png").exists() and (theirs / "plan.png").read_bytes() == b"png"
+
+
+def test_force_knows_the_trainers_output_names_by_the_trainers_own_formats():
+    from sdplan.trainer.outputs import GRID_NAME, INTERMEDIATE_NAME, grid_name, intermediate_name
+
+    assert all(GRID_NAME.fullmatch(grid_name(step)) for step in (None, 1, 123456, 1234567))
+    assert not GRID_NAME.fullmatch("my-step-1.png")
+    names = [intermediate_name("run", epoch=e, step=s) for e, s in ((3, 30), (None, 40), (None, 99999999))]
+    assert all(INTERMEDIATE_NAME.fullmatch(n) for n in names) and not INTERMEDIATE_NAME.fullmatch("keep")

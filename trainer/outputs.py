@@ -10,6 +10,7 @@ import errno
 import json
 import math
 import os
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -179,6 +180,16 @@ def intermediate_name(name: str, *, epoch: int | None, step: int) -> str:
     return f"{name}-{epoch:06d}" if epoch is not None else f"{name}-step{step:08d}"
 
 
+def grid_name(step: int | None) -> str:
+    """A sample grid's file in samples/: ``step-000100.png`` during training, ``final.png`` at the end."""
+    return f"step-{step:06d}.png" if step is not None else "final.png"
+
+
+# What the names above look like, for `train --force` to tell a run's outputs from the user's files
+INTERMEDIATE_NAME = re.compile(r".+-(\d{6}|step\d{8})")
+GRID_NAME = re.compile(r"(step-\d{6,}|final)\.png")
+
+
 def intermediate_steps(
     *, total_steps: int, steps_per_epoch: int, every_epochs: int, every_steps: int, after: int = 0
 ) -> dict[int, int | None]:
@@ -251,7 +262,7 @@ def samples(
     from .checkpoint import unwrap
 
     prompts = list(cfg.sampling.prompts) or ([fallback] if fallback else [])
-    name = f"step-{step:06d}.png" if step is not None else "final.png"
+    name = grid_name(step)
     shown_step = step if step is not None else at_step
     grid = None
     skipped = None
