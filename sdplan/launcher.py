@@ -612,9 +612,6 @@ def describe(
         )
         if on
     ]
-    precision = t.precision
-    if t.device == "cpu" and precision == "fp16":
-        precision = "fp32 (fp16 autocast is a GPU feature)"
     device = "CPU" if t.device == "cpu" else f"{world} GPU" + ("s" if world > 1 else "")
     if t.device == "cpu" and world > 1:
         device = f"CPU, {world} processes (gloo)"
@@ -622,7 +619,7 @@ def describe(
         f"{cfg.method} on {cfg.model.family or inputs.family or 'the model'} ({cfg.model.path})",
         *([inputs.model_note] if inputs.model_note else []),
         f"data: {inputs.scan_summary}",
-        f"device: {device}; precision {precision}; resolution {cfg.data.resolution}",
+        f"device: {device}; precision {t.precision}; resolution {cfg.data.resolution}",
         f"batch: {t.batch_size} per process x {t.grad_accum} accumulation x {world} process"
         + ("es" if world > 1 else "")
         + f" = {count_of(steps['images_per_step'], 'image')} per optimizer step",
@@ -636,8 +633,8 @@ def describe(
             inputs.bucket_samples,
         )
         lines.append(
-            f"steps: training.max_steps {t.max_steps} / {world} process(es) = {steps['total_steps']} optimizer "
-            f"steps = {steps['images_seen']} images"
+            f"steps: training.max_steps {t.max_steps} / {world} process(es) = "
+            f"{count_of(steps['total_steps'], 'optimizer step')} = {count_of(steps['images_seen'], 'image')}"
             # a planned count (recommend --out) for another dataset than this one trains another length
             + (
                 f" ({by_epochs['epochs']} epoch(s) of this dataset would be {by_epochs['total_steps']} steps: "
@@ -1055,6 +1052,12 @@ def prepare(req: TrainRequest, ui: UI) -> Prepared:
         have = len(snapshot.usable_gpus)
         if req.gpus is not None and req.gpus > have:
             raise UsageError(f"--gpus {req.gpus}: this machine has {have} usable GPU(s)")
+    elif cfg.training.precision == "fp16":
+        # fp16 autocast is a GPU feature: the trainer would train in fp32, and the run's sdplan.yaml says so.
+        cfg = replace(cfg, training=replace(cfg.training, precision="fp32"))
+        ui.echo(
+            "note: training.precision fp16 needs a GPU; this CPU run trains (and its sdplan.yaml says) fp32"
+        )
 
     # 7. The plan (as `sdplan recommend`), unless a config was given to train as it is.
     plan_result, planned = None, None

@@ -495,3 +495,21 @@ def test_a_run_written_with_a_relative_model_path_resumes_from_its_folder(tmp_pa
         check_resume_settings(
             saved, C.validate({"method": "lora", "model": {"path": str(tmp_path / "other")}})
         )
+
+
+def test_a_cpu_run_of_an_fp16_config_says_fp32_in_its_sdplan_yaml(tmp_path, monkeypatch, fake_model):
+    """`--device cpu` with the default fp16: the trainer trains in fp32 (fp16 autocast is a GPU feature), but the
+    run's sdplan.yaml said `precision: fp16`. It says fp32, and the output says why."""
+    import sdplan.launcher as L
+
+    monkeypatch.setattr(L, "run_launch", lambda *a, **k: 130)  # written, then stopped before a checkpoint
+    ds = make_images(tmp_path / "ds", n=4)
+    out = tmp_path / "o"
+    r = invoke(
+        "--model", str(fake_model), "--dataset", str(ds), "--out", str(out), "--device", "cpu", "--yes",
+        "training.precision=fp16",
+    )  # fmt: skip
+    assert r.exit_code == 130, r.output
+    assert yaml.safe_load((out / "sdplan.yaml").read_text())["training"]["precision"] == "fp32"
+    assert "fp16 needs a GPU; this CPU run trains (and its sdplan.yaml says) fp32" in r.stdout
+    assert "precision fp32; resolution" in r.stdout
