@@ -88,7 +88,7 @@ def test_demo_lora_files_and_sample_grid(demo):
     from PIL import Image
     from safetensors import safe_open
 
-    out, _ = demo
+    out, proc = demo
     kohya = [p for p in out.glob("*.safetensors") if "kohya" in p.name]
     assert len(kohya) == 1
     with safe_open(str(kohya[0]), "pt") as f:
@@ -102,6 +102,9 @@ def test_demo_lora_files_and_sample_grid(demo):
     assert any(k.startswith("unet.") for k in names)
     grid = Image.open(out / "samples" / "final.png")
     assert grid.format == "PNG" and grid.size == (128, 128)  # 4 prompts at 64 px, 2 x 2
+    # The final grid shows its progress (it had none: minutes on a real model): 4 prompts x 6 steps.
+    assert "sampling the final grid: 4 prompt(s) x 6 steps" in proc.stdout
+    assert "final sample grid: denoising step 24/24" in proc.stdout
     assert Image.open(out / "loss.png").format == "PNG"
 
 

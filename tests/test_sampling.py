@@ -52,6 +52,40 @@ def test_sample_grid_sd15_size_seed_and_state(tiny_sd15, tmp_path, capsys):
     assert not list(tmp_path.glob("**/.*.tmp"))
 
 
+def test_generate_images_reports_each_denoising_step_of_every_prompt(tiny_sd15):
+    """The final grid's bar (seconds to minutes on a real model; it had none): ``on_step`` counts the denoising
+    steps over all prompts, per step (PNDM, SD 1.x's default, runs steps + 1: clamped), and per image where a
+    pipeline does not take ``callback_on_step_end``; the images are the ones made without it."""
+    pipe = _pipe(tiny_sd15)
+    kw = dict(seed=5, steps=3, guidance_scale=3.0, resolution=64)
+    done: list[int] = []
+    images = sampling.generate_images(pipe, ["a", "b"], on_step=done.append, **kw)
+    assert done == sorted(done) and done[-1] == 6 and {1, 2, 3, 4, 5} <= set(done)
+    plain = sampling.generate_images(pipe, ["a", "b"], **kw)
+    assert all(torch.equal(_pixels_of(x), _pixels_of(y)) for x, y in zip(images, plain, strict=True))
+
+    class NoCallback:  # an older pipeline's __call__
+        def __init__(self, inner):
+            self.inner = inner
+
+        def set_progress_bar_config(self, **kw):
+            self.inner.set_progress_bar_config(**kw)
+
+        def __call__(self, prompt, negative_prompt, num_inference_steps, guidance_scale, height, width,
+                     generator, output_type):  # fmt: skip
+            return self.inner(prompt, negative_prompt=negative_prompt, num_inference_steps=num_inference_steps,
+                              guidance_scale=guidance_scale, height=height, width=width, generator=generator,
+                              output_type=output_type)  # fmt: skip
+
+    done.clear()
+    sampling.generate_images(NoCallback(pipe), ["a", "b"], on_step=done.append, **kw)
+    assert done == [3, 6]
+
+
+def _pixels_of(image):
+    return torch.from_numpy(__import__("numpy").array(image.convert("RGB")))
+
+
 def test_sample_grid_sdxl_with_labels_keeps_size(tiny_sdxl, tmp_path):
     pipe = _pipe(tiny_sdxl)
     prompts = ["a photo of sks dog", "a green circle on a red square with a long caption"]

@@ -700,7 +700,7 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
             raise outputs.export_error(e, out_dir, needed_bytes=export_bytes, checkpoint=final_ckpt) from None
         with outputs.write_errors(out_dir):  # the weights are out; a full disk now is still one line
             n_prompts = len(cfg.sampling.prompts) or 1
-            progress.say(  # seconds to minutes on a real model, with no bar of its own
+            progress.say(  # seconds to minutes on a real model: outputs.samples shows a bar
                 accelerator,
                 f"sampling the final grid: {n_prompts} prompt(s) x {cfg.sampling.num_inference_steps} steps",
             )

@@ -280,7 +280,10 @@ def samples(
         for m in away:
             m.to(accelerator.device)
         try:
-            with sampling_precision(accelerator, comps.vae):
+            with (
+                sampling_precision(accelerator, comps.vae),
+                _grid_bar(accelerator, step, len(prompts), cfg) as bar,
+            ):
                 if injected is not None:
                     injected.in_sample_grid(step)
                 grid = sampling.sample_grid(
@@ -293,6 +296,7 @@ def samples(
                     out_path=out_path or Path(cfg.output.dir) / "samples" / name,
                     labels=[f"step {shown_step}\n{p}" if shown_step is not None else p for p in prompts],
                     conditioning=conditioning,
+                    on_step=bar,
                 )
         except torch.OutOfMemoryError as e:
             if step is None:
@@ -312,6 +316,28 @@ def samples(
     if step is not None:
         accelerator.wait_for_everyone()
     return grid
+
+
+@contextlib.contextmanager
+def _grid_bar(accelerator, step: int | None, n_prompts: int, cfg):
+    """The final grid's progress (``step`` None: after training, whose bar is closed; seconds to minutes on a
+    real model) as ``on_step`` for ``sampling.sample_grid``; a grid during training (its own bar is live): None."""
+    if step is not None:
+        yield None
+        return
+    from .progress import Progress
+
+    bar = Progress(
+        accelerator,
+        n_prompts * cfg.sampling.num_inference_steps,
+        description="final sample grid",
+        unit="denoising step",
+        lines=4,
+    )
+    try:
+        yield bar.update
+    finally:
+        bar.close()
 
 
 def write_json_atomic(path: Path, data: Any) -> Path:

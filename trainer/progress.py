@@ -22,12 +22,19 @@ def _fmt_eta(seconds: float) -> str:
 
 class Progress:
     """Step, loss, it/s, ETA (and GPU memory on CUDA) on the main process. A rich bar on a terminal; plain
-    lines (about 20 per run, and the last step) when stdout is not a TTY; nothing on other processes."""
+    lines (about ``lines`` per run, and the last step) when stdout is not a TTY; nothing on other processes."""
 
     def __init__(
-        self, accelerator, total: int, initial: int = 0, description: str = "train", unit: str = "step"
+        self,
+        accelerator,
+        total: int,
+        initial: int = 0,
+        description: str = "train",
+        unit: str = "step",
+        lines: int = 20,
     ):
-        """``unit``: what is counted ("step"; "sample" for caching, which has no loss to show)."""
+        """``unit``: what is counted ("step"; "sample" for caching, which has no loss to show). ``lines``: about
+        how many plain lines a whole run prints."""
         import torch
 
         self.enabled = accelerator.is_main_process
@@ -36,7 +43,7 @@ class Progress:
         self.unit = unit
         self.cuda = accelerator.device.type == "cuda" and torch.cuda.is_available()
         self.tty = sys.stdout.isatty() and os.environ.get("SDPLAN_PLAIN_PROGRESS") is None
-        self.every = max(1, total // 20)
+        self.every = max(1, total // lines)
         self.description = description
         self.start = time.perf_counter()
         self._bar = None

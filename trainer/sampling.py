@@ -88,11 +88,16 @@ def generate_images(
     resolution: int | tuple[int, int],
     negative_prompt: str | list[str] | None = None,
     conditioning: Callable[[str, str | None], dict] | None = None,
+    on_step: Callable[[int], None] | None = None,
 ) -> list[Any]:
     """One PIL image per prompt, each from ``torch.Generator("cpu").manual_seed(seed)``; prompts run one at
     a time (a full-size model at 1024 px does not batch many on a small GPU). ``conditioning(prompt,
     negative)``: the pipeline's embedding arguments for a prompt, computed earlier (the pipeline's text encoders
-    then never run: they can stay off the GPU); None: the pipeline encodes the prompt itself."""
+    then never run: they can stay off the GPU); None: the pipeline encodes the prompt itself. ``on_step(n)``:
+    called with the denoising steps done so far over all prompts (of ``len(prompts) * steps``), after each
+    step where the pipeline takes diffusers' ``callback_on_step_end``, else after each image."""
+    import inspect
+
     import torch
 
     if not prompts:
@@ -101,6 +106,9 @@ def generate_images(
     if isinstance(negative_prompt, list) and len(negative_prompt) != len(prompts):
         raise ValueError(f"{len(negative_prompt)} negative prompts for {len(prompts)} prompts")
     pipeline.set_progress_bar_config(disable=True)
+    per_step = (
+        on_step is not None and "callback_on_step_end" in inspect.signature(pipeline.__call__).parameters
+    )
     images = []
     with _sampling_state(pipeline):
         for i, prompt in enumerate(prompts):
@@ -110,6 +118,14 @@ def generate_images(
                 if conditioning is not None
                 else {"prompt": prompt, "negative_prompt": negative, **_t5_length(pipeline)}
             )
+            callback = {}
+            if per_step:
+
+                def step_end(_pipe, index, _timestep, kwargs, done=i * steps):
+                    on_step(done + min(index + 1, steps))  # PNDM (SD 1.x's default) runs steps + 1
+                    return kwargs
+
+                callback = {"callback_on_step_end": step_end}
             result = pipeline(
                 **text,
                 num_inference_steps=steps,
@@ -118,7 +134,10 @@ def generate_images(
                 width=width,
                 generator=torch.Generator("cpu").manual_seed(seed),
                 output_type="pil",
+                **callback,
             )
+            if on_step is not None and not per_step:
+                on_step((i + 1) * steps)
             image = result.images[0]
             if image.size != (width, height):
                 raise RuntimeError(f"the pipeline made a {image.size} image for {width}x{height}")
@@ -259,12 +278,13 @@ def sample_grid(
     cols: int | None = None,
     labels: bool | list[str] = False,
     conditioning: Callable[[str, str | None], dict] | None = None,
+    on_step: Callable[[int], None] | None = None,
 ) -> Path:
     """Generate one image per prompt and save them as one PNG grid of ``cols * width`` x ``rows * height``
     pixels (``cols`` defaults to ceil(sqrt(len(prompts)))); the prompts and settings go into the PNG's text
     chunks. ``labels``: True draws each prompt on its image, a list draws those texts (one per prompt).
-    ``conditioning``: as :func:`generate_images`. Works for the SD 1.x/2.x, SDXL, SD3 and FLUX pipelines.
-    Written atomically."""
+    ``conditioning``, ``on_step``: as :func:`generate_images`. Works for the SD 1.x/2.x, SDXL, SD3 and FLUX
+    pipelines. Written atomically."""
     from PIL.PngImagePlugin import PngInfo
 
     images = generate_images(
@@ -276,6 +296,7 @@ def sample_grid(
         resolution=resolution,
         negative_prompt=negative_prompt,
         conditioning=conditioning,
+        on_step=on_step,
     )
     if isinstance(labels, list) and len(labels) != len(prompts):
         raise ValueError(f"{len(labels)} labels for {len(prompts)} prompts")
