@@ -120,4 +120,4 @@ def test_class_data_that_is_a_file_is_one_error_not_a_traceback(tmp_path):
     cfg = SimpleNamespace(dreambooth=SimpleNamespace(num_class_images=2, class_prompt="a dog"))
     with pytest.raises(DatasetError, match=r"class_data .*dog\.png is a file, not a folder"):
         # it reached class_dir.mkdir(): FileExistsError, a traceback after the model had loaded
-        _generate_class_images(SimpleNamespace(is_main_process=True), None, cfg, photo)
+        _generate_class_images(SimpleNamespace(is_main_process=True), None, cfg, photo, {(64, 64): 1})

@@ -678,6 +678,62 @@ def test_aspect_ratio_buckets(tiny_sd15, tmp_path, capsys):
     assert "aspect-ratio buckets" in table and " 192x64 " in table and "  64x192" in table
 
 
+@pytest.mark.train
+def test_dreambooth_prior_preservation_with_aspect_buckets(tiny_sd15, tmp_path, capsys):
+    """Prior preservation with aspect-ratio buckets: a class batch mixing shapes crashed collate, and a square
+    class image beside a wide instance batch was stretched to it (and kept its own size in the SDXL time
+    ids). Class images are now generated in the instance buckets' shapes, an instance batch pairs with the
+    class images of its bucket, and where its bucket has none they are scaled and cropped to it, not
+    stretched (a note says so)."""
+    data = tmp_path / "data"
+    data.mkdir()
+    for i, size in enumerate([(256, 96), (240, 100), (128, 128), (130, 128)]):
+        Image.new("RGB", size, (60 * i, 120, 200)).save(data / f"img{i}.png")
+    common = ("method=dreambooth", "data.resolution=128", "data.buckets=true", "training.max_steps=2")
+    prior = ("dreambooth.with_prior_preservation=true", "dreambooth.class_prompt=a photo of a square")
+    out = tmp_path / "gen"
+    cfg = tiny_train_config(
+        tiny_sd15, data, out, *common, *prior, "dreambooth.num_class_images=4", lora=False
+    )
+    run.train(cfg)
+    sizes = sorted(Image.open(p).size for p in (out / "class_images").glob("*.png"))
+    assert sizes == [(128, 128), (128, 128), (192, 64), (192, 64)]  # the instance buckets, 2 + 2
+    assert "no class image is in the aspect bucket" not in capsys.readouterr().out
+
+    square = tmp_path / "class"  # the user's class images: square only, beside wide instance batches
+    square.mkdir()
+    for i in range(3):
+        Image.new("RGB", (128, 128), (0, 80 * i, 0)).save(square / f"c{i}.png")
+    cfg = tiny_train_config(
+        tiny_sd15, data, tmp_path / "mine", *common, *prior, "dreambooth.num_class_images=3",
+        f"dreambooth.class_data={square}", "memory.cache_latents=true", lora=False,
+    )  # fmt: skip
+    summary = run.train(cfg)
+    assert summary["steps"] == 2 and math.isfinite(summary["final_loss"])
+    assert "no class image is in the aspect bucket(s) 192x64" in capsys.readouterr().out
+
+
+def test_a_sample_at_another_shape_is_cropped_not_stretched(tmp_path):
+    """DreamBooth's class image beside an instance batch of another bucket: scaled to cover the shape and
+    cropped (its aspect kept), with its real size and crop for the SDXL time ids."""
+    from sdplan.trainer.data import CaptionedImages, Item
+
+    Image.new("RGB", (128, 128), (10, 20, 30)).save(tmp_path / "c.png")
+    ds = CaptionedImages(
+        [Item(tmp_path / "c.png", "a dog", None, 1, None, (128, 128))],
+        resolution=128,
+        center_crop=True,
+        random_flip=0.0,
+        buckets=[(128, 128), (192, 64)],
+    )
+    own, wide = ds[0], ds.sample_at(0, (64, 192))
+    assert tuple(own["pixel_values"].shape) == (3, 128, 128) and own["crop_top_left"] == (0, 0)
+    assert tuple(wide["pixel_values"].shape) == (3, 64, 192)
+    assert wide["original_size"] == (128, 128) and wide["target_size"] == (64, 192)
+    assert wide["crop_top_left"] == (64, 0)  # 128 -> 192 x 192, the middle 64 rows
+    assert wide["cache_key"] != own["cache_key"]
+
+
 @pytest.mark.slow
 @pytest.mark.train
 def test_deepspeed_zero2_cpu_offload_run_and_resume(tiny_sd15, dataset, tmp_path):

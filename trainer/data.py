@@ -162,6 +162,12 @@ class CaptionedImages(torch.utils.data.Dataset):
         return item.caption if item.caption is not None else self.fallback_caption
 
     def __getitem__(self, index: int) -> dict[str, Any]:
+        return self.sample_at(index)
+
+    def sample_at(self, index: int, shape: tuple[int, int] | None = None) -> dict[str, Any]:
+        """The sample at ``index``; ``shape`` (height, width): scaled to cover it and cropped (its aspect
+        kept, its real size and crop in the SDXL time ids) instead of its bucket's (DreamBooth's class images
+        beside an instance batch of a bucket they have none in)."""
         n = len(self._index)
         if not -n <= index < n:
             raise IndexError(index)
@@ -171,7 +177,7 @@ class CaptionedImages(torch.utils.data.Dataset):
             if item_no in self._bad:
                 continue
             try:
-                return self._sample(index, self.items[item_no])
+                return self._sample(index, self.items[item_no], shape)
             except Exception as e:  # a file changed or broken since the scan: report once, use the next
                 self._bad.add(item_no)
                 path = self.items[item_no].path
@@ -183,8 +189,8 @@ class CaptionedImages(torch.utils.data.Dataset):
             fix="see the warnings above; re-check the dataset folder",
         )
 
-    def _sample(self, index: int, item: Item) -> dict[str, Any]:
-        th, tw = self.target_size(index)
+    def _sample(self, index: int, item: Item, shape: tuple[int, int] | None = None) -> dict[str, Any]:
+        th, tw = shape or self.target_size(index)
         data = Path(item.path).read_bytes()
         digest = hashlib.sha256(data).hexdigest()
         quiet_large_images()  # here too: DataLoader workers are fresh processes
