@@ -1103,3 +1103,24 @@ def test_ctrl_c_while_the_trainer_starts_ends_as_interrupted_not_in_a_traceback(
     monkeypatch.delenv(LAUNCHED_ENV, raising=False)
     assert trainer_main(["--config", str(tmp_path / "c.yaml")]) == 130
     assert capsys.readouterr().err.strip() == "error: aborted"
+
+
+def test_a_misspelt_lora_target_beside_a_right_one_is_refused(tiny_sd15):
+    """peft drops a listed target that matches no module as long as another matches: lora.target_modules=[to_q,
+    to_kk] trained to_q alone, silently. Each listed name must name a module."""
+    from types import SimpleNamespace
+
+    from diffusers import UNet2DConditionModel
+    from sdplan.trainer.runtime import add_lora_adapters
+
+    from sdplan.errors import UsageError
+
+    unet = UNet2DConditionModel.from_pretrained(str(tiny_sd15), subfolder="unet")
+    lcfg = SimpleNamespace(rank=2, alpha=2, dropout=0.0, target_modules=["to_q", "to_kk"])
+    with pytest.raises(
+        UsageError, match=r"lora.target_modules: no module of UNet2DConditionModel is named 'to_kk'"
+    ):
+        add_lora_adapters(unet, [], lcfg, train_text_encoder=False)
+    lcfg.target_modules = ["to_q", "attn1.to_k", "to_out.0"]  # suffixes of module names, as peft matches
+    add_lora_adapters(unet, [], lcfg, train_text_encoder=False)
+    assert any("attn1.to_k.lora_A" in n for n, _ in unet.named_parameters())

@@ -410,6 +410,17 @@ def add_lora_adapters(unet, text_encoders, lcfg, train_text_encoder: bool) -> di
         )
 
     def attach(model, targets, key: str) -> None:
+        names = [n for n, _ in model.named_modules()]
+        # peft matches a listed target by a module name's dotted suffix, and drops one that matches nothing
+        # as long as another matches: a misspelt name trained without its layers, silently
+        unmatched = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
+        if unmatched and len(unmatched) < len(targets):
+            from sdplan.errors import UsageError
+
+            raise UsageError(
+                f"{key}: no module of {type(model).__name__} is named {', '.join(map(repr, unmatched))}",
+                fix=f"name its modules (e.g. {', '.join(_module_names(model))}), or leave {key} out for the default",
+            )
         try:
             model.add_adapter(adapter(targets))
         except ValueError as e:  # peft's NoMatchingPeftModuleError (a ValueError) or, before it, a ValueError
