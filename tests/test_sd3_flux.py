@@ -311,7 +311,7 @@ def _delta_kohya(kohya, m):
 
 def _delta_diffusers(diff, path):
     a, b = diff[f"transformer.{path}.lora_A.weight"], diff[f"transformer.{path}.lora_B.weight"]
-    return b @ a * 8 / 4  # alpha 8, rank 4
+    return b @ a  # alpha 8 / rank 4 folded into lora_B, as the SD 1.x / SDXL file has it (ComfyUI: scale 1)
 
 
 # The joint blocks' attention projections, image side and text side: FLUX's double blocks and SD3.5's alike.
@@ -354,6 +354,12 @@ def test_flux_kohya_names_map_to_the_bfl_model_and_keep_every_delta(tiny_flow, d
     keys = ("ss_learning_rate", "ss_steps", "ss_max_train_steps", "ss_num_train_images", "ss_tag_frequency")
     assert all(k in meta for k in keys), [k for k in keys if k not in meta]
     assert meta["ss_mixed_precision"] == "no" and meta["ss_v2"] == "False"
+    # diffusers' kohya FLUX loader folds alpha/rank itself and then handed this peft config to peft, which
+    # scaled by it again: the kohya file carries none of the diffusers file's metadata
+    assert "lora_adapter_metadata" not in meta and "format" not in meta
+    with safe_open(str(tmp_path / "out" / "pytorch_lora_weights.safetensors"), "pt") as f:
+        adapter = json.loads(f.metadata()["lora_adapter_metadata"])
+    assert adapter["transformer.lora_alpha"] == adapter["transformer.r"] == 4  # folded: loads alike everywhere
     inner = tconfig["num_attention_heads"] * tconfig["attention_head_dim"]
     qkv = torch.cat([_delta_diffusers(diff, f"transformer_blocks.0.attn.to_{p}") for p in "qkv"])
     assert torch.allclose(_delta_kohya(kohya, "lora_unet_double_blocks_0_img_attn_qkv"), qkv, atol=1e-6)

@@ -58,12 +58,16 @@ def save_flow_lora(
     md = output_metadata(metadata, family)
     md.update({"sdplan_lora_rank": str(rank), "sdplan_lora_alpha": str(float(alpha))})
     out_dir.mkdir(parents=True, exist_ok=True)
-    diffusers_file, md = save_diffusers_lora(  # md gains diffusers' format + lora_adapter_metadata
+    # As export.save_lora: alpha/rank folded into lora_B and lora_alpha = r in the adapter metadata, so every
+    # loader applies the same: diffusers before 0.34 and ComfyUI (no .alpha key: scale 1) read no metadata.
+    scale = float(alpha) / rank
+    folded = {k: (v * scale if ".lora_B." in k else v) for k, v in state_dict.items()}
+    diffusers_file, _ = save_diffusers_lora(  # with diffusers' format + lora_adapter_metadata
         pipeline_class(family),
         out_dir,
-        md,
-        transformer_lora_layers=state_dict,  # peft names, as the diffusers examples save them
-        transformer_lora_adapter_metadata=config.to_dict(),
+        {**md, "sdplan_lora_alpha_folded": "alpha/rank is folded into lora_B; load with lora_alpha = rank"},
+        transformer_lora_layers=folded,  # peft names, as the diffusers examples save them
+        transformer_lora_adapter_metadata={**config.to_dict(), "lora_alpha": config.r},
     )
     written = [diffusers_file]
     if kohya:
@@ -77,7 +81,8 @@ def save_flow_lora(
                 state_dict,
                 transformer_config=dict(transformer.config),
                 alpha=alpha,
-                metadata={
+                metadata={  # not diffusers' lora_adapter_metadata: diffusers' kohya FLUX loader, which folds
+                    # alpha/rank itself, handed it to peft, which scaled by it again ((alpha/rank)^2)
                     **md,
                     **_kohya_metadata(
                         arch, dict(transformer.config), rank, alpha, name, family, metadata, run
