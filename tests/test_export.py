@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -271,6 +272,7 @@ class _MetaPipe:
         self.unet, self.vae = models["unet"], models["vae"]
         self.text_encoder = models["text_encoders"][0]
         self.text_encoder_2 = models["text_encoders"][1] if len(models["text_encoders"]) > 1 else None
+        self.scheduler = SimpleNamespace(config={"prediction_type": "epsilon"})
 
 
 @pytest.mark.parametrize("family", ["sd15", "sd21", "sdxl"])

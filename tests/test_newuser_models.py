@@ -407,6 +407,31 @@ def test_v_prediction_file_trains_as_v(single_sd15, tiny_sd15, tmp_path):
     assert any("v_pred key and ztsnr key" in n for n in comps.notes), comps.notes
 
 
+def test_a_v_prediction_model_saves_comfyuis_v_pred_and_ztsnr_keys(tiny_sd15, tmp_path):
+    """A fine-tune of a v-prediction, zero-terminal-SNR base (NoobAI-XL V-Pred style): its single file had only
+    modelspec.prediction_type, which ComfyUI's SDXL loader never reads (comfy/supported_models.py
+    SDXL.model_type: the v_pred and ztsnr keys), so ComfyUI sampled it as epsilon; sdplan read it back without
+    zero terminal SNR. An epsilon model gets neither key."""
+    from diffusers import DDPMScheduler, StableDiffusionPipeline
+    from safetensors import safe_open
+    from sdplan.trainer import export
+
+    pipe = StableDiffusionPipeline.from_pretrained(
+        str(tiny_sd15), safety_checker=None, requires_safety_checker=False
+    )
+    eps = export.save_full(tmp_path / "eps", pipeline=pipe, family="sd15", metadata=None)[-1]
+    pipe.scheduler = DDPMScheduler.from_config(
+        pipe.scheduler.config, prediction_type="v_prediction", rescale_betas_zero_snr=True
+    )
+    vfile = export.save_full(tmp_path / "v", pipeline=pipe, family="sd15", metadata=None)[-1]
+    with safe_open(str(vfile), "pt") as f:
+        assert {"v_pred", "ztsnr"} <= set(f.keys()) and f.get_tensor("v_pred").numel() == 0
+    with safe_open(str(eps), "pt") as f:
+        assert not {"v_pred", "ztsnr"} & set(f.keys())
+    info = check_source(str(vfile))
+    assert (info.prediction_type, info.zero_snr) == ("v_prediction", True)
+
+
 def test_yaml_beside_the_file_sets_v_prediction(single_sd15, tiny_sd15, tmp_path):
     from sdplan.trainer import models
 

@@ -359,7 +359,9 @@ def test_flux_kohya_names_map_to_the_bfl_model_and_keep_every_delta(tiny_flow, d
     assert "lora_adapter_metadata" not in meta and "format" not in meta
     with safe_open(str(tmp_path / "out" / "pytorch_lora_weights.safetensors"), "pt") as f:
         adapter = json.loads(f.metadata()["lora_adapter_metadata"])
-    assert adapter["transformer.lora_alpha"] == adapter["transformer.r"] == 4  # folded: loads alike everywhere
+    assert (
+        adapter["transformer.lora_alpha"] == adapter["transformer.r"] == 4
+    )  # folded: loads alike everywhere
     inner = tconfig["num_attention_heads"] * tconfig["attention_head_dim"]
     qkv = torch.cat([_delta_diffusers(diff, f"transformer_blocks.0.attn.to_{p}") for p in "qkv"])
     assert torch.allclose(_delta_kohya(kohya, "lora_unet_double_blocks_0_img_attn_qkv"), qkv, atol=1e-6)

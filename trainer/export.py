@@ -907,7 +907,21 @@ def pipeline_to_original(pipeline, family: str) -> dict:
         out.update({f"conditioner.embedders.0.transformer.{k}": v for k, v in _text_model_keys(te).items()})
         te2 = unwrap(pipeline.text_encoder_2).state_dict()
         out.update({f"conditioner.embedders.1.model.{k}": v for k, v in clip_to_openclip(te2).items()})
-    return out
+    return out | _prediction_markers(pipeline.scheduler.config)
+
+
+def _prediction_markers(scheduler_config) -> dict:
+    """ComfyUI's markers of a v-prediction checkpoint: an empty ``v_pred`` tensor and, with zero terminal SNR,
+    ``ztsnr`` (what its own checkpoint saver writes, comfy/model_base.py; its SDXL loader reads no model spec:
+    comfy/supported_models.py SDXL.model_type). Nothing for epsilon."""
+    import torch
+
+    if scheduler_config.get("prediction_type") != "v_prediction":
+        return {}
+    markers = {"v_pred": torch.tensor([])}
+    if scheduler_config.get("rescale_betas_zero_snr"):
+        markers["ztsnr"] = torch.tensor([])
+    return markers
 
 
 # transformers components of a diffusers folder that transformers 4.x reads differently from 5.x.
