@@ -148,6 +148,9 @@ class TrainingConfig:
     full_half_weights: bool = False  # trained weights in bf16 too, no fp32 master copy (kohya --full_bf16)
     max_grad_norm: float = 1.0
     noise_offset: float = 0.0
+    # Min-SNR loss weighting (Hang et al. 2023; kohya --min_snr_gamma, diffusers --snr_gamma): each sample's loss
+    # weighs min(SNR, gamma) / SNR (v-prediction: / (SNR + 1)); 5 is the paper's. null: off. SD 1.x/2.x/SDXL
+    min_snr_gamma: float | None = None
     device: str = "auto"
 
 
@@ -283,6 +286,10 @@ _RULES: dict[str, tuple[Any, str]] = {
     "training.max_steps": (lambda v: v is None or v >= 1, "must be >= 1 or null"),
     "training.max_grad_norm": (lambda v: v >= 0, "must be >= 0"),
     "training.noise_offset": (lambda v: v >= 0, "must be >= 0"),
+    "training.min_snr_gamma": (
+        lambda v: v is None or 0 < v < math.inf,
+        "must be > 0 and finite, or null (off)",
+    ),
     "training.device": (lambda v: v in DEVICES, f"must be one of {', '.join(DEVICES)}"),
     "model.base_precision": (
         lambda v: v in BASE_PRECISIONS,
@@ -363,6 +370,11 @@ def _cross_checks(cfg: TrainConfig, errors: list[str]) -> None:
         errors.append("dreambooth.class_prompt: required when with_prior_preservation is true")
     if problem := flow_resolution_problem(cfg.data.resolution, cfg.model.family, buckets=cfg.data.buckets):
         errors.append(problem)
+    if cfg.training.min_snr_gamma and cfg.model.family in FLOW_FAMILIES:
+        errors.append(
+            f"training.min_snr_gamma: a weighting of the DDPM objective's timesteps; {cfg.model.family}'s "
+            "rectified flow weighs its own; leave it out (null)"
+        )
     # settings of one method given to another: its trainer would ignore them, and the plan charged their memory
     if cfg.method != "dreambooth" and cfg.dreambooth.with_prior_preservation:
         errors.append(

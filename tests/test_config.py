@@ -202,6 +202,15 @@ def test_prior_preservation_outside_dreambooth_is_refused(method):
         config.validate(data)
 
 
+def test_min_snr_gamma_is_a_positive_number_for_the_ddpm_families():
+    assert config.validate({"method": "lora", "training": {"min_snr_gamma": 5}}).training.min_snr_gamma == 5
+    with pytest.raises(config.ConfigError, match="training.min_snr_gamma: must be > 0 and finite, or null"):
+        config.validate({"method": "lora", "training": {"min_snr_gamma": 0}})
+    flux = {"method": "lora", "model": {"family": "flux-dev"}, "training": {"min_snr_gamma": 5}}
+    with pytest.raises(config.ConfigError, match="flux-dev's rectified flow weighs its own"):
+        config.validate(flux)
+
+
 def test_sampling_steps_past_the_schedule_are_refused_before_the_run():
     """sampling.num_inference_steps=1000 passed, and the final grid failed after the whole run with an IndexError
     from the scheduler (timestep 1000 of 1000)."""

@@ -1124,3 +1124,43 @@ def test_a_misspelt_lora_target_beside_a_right_one_is_refused(tiny_sd15):
     lcfg.target_modules = ["to_q", "attn1.to_k", "to_out.0"]  # suffixes of module names, as peft matches
     add_lora_adapters(unet, [], lcfg, train_text_encoder=False)
     assert any("attn1.to_k.lora_A" in n for n, _ in unet.named_parameters())
+
+
+@pytest.mark.parametrize("prediction", ["epsilon", "v_prediction"])
+def test_min_snr_weights_are_diffusers_and_kohyas(prediction):
+    """training.min_snr_gamma: min(SNR, gamma) / SNR (epsilon) or / (SNR + 1) (v-prediction), with diffusers'
+    compute_snr; a zero terminal SNR weighs 0, never NaN."""
+    from diffusers import DDPMScheduler
+    from diffusers.training_utils import compute_snr
+    from sdplan.trainer.objective import min_snr_weights
+
+    sched = DDPMScheduler(
+        beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012, prediction_type=prediction
+    )
+    t = torch.tensor([0, 10, 250, 500, 999])
+    snr = compute_snr(sched, t)
+    want = torch.minimum(snr, torch.full_like(snr, 5.0)) / (snr + 1 if prediction == "v_prediction" else snr)
+    torch.testing.assert_close(min_snr_weights(sched, t, 5.0), want, rtol=1e-4, atol=1e-6)
+    assert min_snr_weights(sched, t, 5.0)[0] < 0.01 and min_snr_weights(sched, t, 5.0)[-1] == pytest.approx(
+        1.0 if prediction == "epsilon" else float(snr[-1] / (snr[-1] + 1)), rel=1e-4
+    )
+    zt = DDPMScheduler(prediction_type=prediction, rescale_betas_zero_snr=True)
+    w = min_snr_weights(zt, torch.tensor([999]), 5.0)
+    assert w.item() == 0.0  # not NaN (0/0 under epsilon)
+
+
+@pytest.mark.train
+def test_min_snr_gamma_weighs_the_loss_and_is_recorded(tiny_sd15, dataset, tmp_path):
+    """The same run with and without Min-SNR: same draws, other losses (each sample's MSE weighed); kohya's
+    ss_min_snr_gamma in the LoRA file."""
+    from safetensors import safe_open
+
+    plain, weighted = tmp_path / "plain", tmp_path / "snr"
+    run.train(tiny_train_config(tiny_sd15, dataset, plain))
+    run.train(tiny_train_config(tiny_sd15, dataset, weighted, "training.min_snr_gamma=5"))
+    a, b = losses(plain), losses(weighted)
+    assert all(math.isfinite(x) for x in b) and a != b
+    with safe_open(str(weighted / f"{weighted.name}.kohya.safetensors"), "pt") as f:
+        assert f.metadata()["ss_min_snr_gamma"] == "5.0"
+    with safe_open(str(plain / f"{plain.name}.kohya.safetensors"), "pt") as f:
+        assert "ss_min_snr_gamma" not in f.metadata()

@@ -281,6 +281,12 @@ class FlowAdapter:
                 "rectified-flow objective",
                 fix="set training.noise_offset: 0",
             )
+        if cfg.training.min_snr_gamma:
+            raise UsageError(
+                f"training.min_snr_gamma for {self.family.name}: a weighting of the DDPM objective's timesteps; "
+                "the rectified-flow objective weighs its own (the family's timestep density)",
+                fix="leave training.min_snr_gamma out (null)",
+            )
         # the config checked it where it names the family; a detected family is checked here
         if problem := flow_resolution_problem(
             cfg.data.resolution, self.family.name, buckets=cfg.data.buckets

@@ -74,7 +74,9 @@ class Recipe:
         self.wdtype = runtime.weight_dtype(accelerator)
         self.unet, self.vae, self.text_encoders = comps.unet, comps.vae, list(comps.text_encoders)
         self.trained: dict[str, Any] = {}  # name -> model whose parameters train (what DDP wraps)
-        self.objective = objective.DiffusionObjective(comps.noise_scheduler, cfg.training.noise_offset)
+        self.objective = objective.DiffusionObjective(
+            comps.noise_scheduler, cfg.training.noise_offset, cfg.training.min_snr_gamma
+        )
         self.adapter = comps.adapter  # SD3.5/FLUX: their objective and denoiser call (trainer/flow.py)
         if self.adapter is not None:
             self.adapter.check(cfg)
@@ -195,7 +197,7 @@ class Recipe:
             self.comps, batch, self.text_encoders, self.device, self.cond_dtype, self.text_cache
         )
         pred = self.unet(noisy, timesteps, embeds, added_cond_kwargs=added, return_dict=False)[0]
-        return pred, target
+        return self.objective.weigh(pred, target, timesteps)
 
     def place_models(self) -> None:
         """Freeze every model and put it on the device in its training dtype (:meth:`dtypes`); ``setup`` then

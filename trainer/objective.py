@@ -36,18 +36,44 @@ def mse(pred, target, reduction: str = "mean"):
     return F.mse_loss(pred.float(), target.float(), reduction=reduction)
 
 
+def min_snr_weights(noise_scheduler, timesteps, gamma: float):
+    """Min-SNR-gamma loss weights per sample (Hang et al. 2023, as diffusers' training scripts and kohya's
+    apply_snr_weight): min(SNR(t), gamma) / SNR(t) for epsilon, / (SNR(t) + 1) for v-prediction, with
+    SNR = alphas_cumprod / (1 - alphas_cumprod). A zero terminal SNR (ztsnr) weighs 0, not 0/0 (NaN) under
+    epsilon."""
+    import torch
+
+    alphas = noise_scheduler.alphas_cumprod.to(timesteps.device)[timesteps].float()
+    snr = alphas / (1.0 - alphas).clamp_min(1e-20)
+    capped = torch.minimum(snr, torch.full_like(snr, float(gamma)))
+    if noise_scheduler.config.prediction_type == "v_prediction":
+        return capped / (snr + 1.0)
+    return capped / snr.clamp_min(1e-8)
+
+
 class DiffusionObjective:
     """The DDPM-style objective of SD 1.x/2.x/SDXL: noise the latents at a random timestep and predict the
-    noise (epsilon) or the velocity (v-prediction), as the model's scheduler says. Another objective (flow
-    matching, for SD3.5/FLUX) is another class with the same two methods."""
+    noise (epsilon) or the velocity (v-prediction), as the model's scheduler says; with ``min_snr_gamma`` each
+    sample's loss weighs its Min-SNR weight. Another objective (flow matching, for SD3.5/FLUX) is another class
+    with the same methods."""
 
-    def __init__(self, noise_scheduler, noise_offset: float = 0.0):
+    def __init__(self, noise_scheduler, noise_offset: float = 0.0, min_snr_gamma: float | None = None):
         self.noise_scheduler, self.noise_offset = noise_scheduler, noise_offset
+        self.min_snr_gamma = min_snr_gamma
 
     def corrupt(self, latents, generator):
         """(model input, timesteps, target) for clean ``latents``; randomness from ``generator``."""
         noisy, noise, timesteps = noisy_latents(self.noise_scheduler, latents, generator, self.noise_offset)
         return noisy, timesteps, diffusion_target(self.noise_scheduler, latents, noise, timesteps)
+
+    def weigh(self, pred, target, timesteps):
+        """(pred, target) each scaled by sqrt(w) per sample, so the MSE is the w-weighted one (w: Min-SNR); as
+        they are without ``min_snr_gamma``."""
+        if not self.min_snr_gamma:
+            return pred, target
+        w = min_snr_weights(self.noise_scheduler, timesteps, self.min_snr_gamma).sqrt()
+        w = w.view(-1, *([1] * (pred.dim() - 1)))
+        return pred.float() * w, target.float() * w
 
     def loss(self, pred, target, reduction: str = "mean"):
         return mse(pred, target, reduction)
