@@ -1055,9 +1055,13 @@ def prepare(req: TrainRequest, ui: UI) -> Prepared:
     elif cfg.training.precision == "fp16":
         # fp16 autocast is a GPU feature: the trainer would train in fp32, and the run's sdplan.yaml says so.
         cfg = replace(cfg, training=replace(cfg.training, precision="fp32"))
-        ui.echo(
-            "note: training.precision fp16 needs a GPU; this CPU run trains (and its sdplan.yaml says) fp32"
+        asked = any(o.partition("=")[0].strip() == "training.precision" for o in req.overrides) or (
+            source != "command line" and "precision" in (base.get("training") or {})
         )
+        if asked:  # else the default's: the plan line's fp32 says it
+            ui.echo(
+                "note: training.precision fp16 needs a GPU; this CPU run trains (and its sdplan.yaml says) fp32"
+            )
 
     # 7. The plan (as `sdplan recommend`), unless a config was given to train as it is.
     plan_result, planned = None, None

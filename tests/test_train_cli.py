@@ -513,3 +513,8 @@ def test_a_cpu_run_of_an_fp16_config_says_fp32_in_its_sdplan_yaml(tmp_path, monk
     assert yaml.safe_load((out / "sdplan.yaml").read_text())["training"]["precision"] == "fp32"
     assert "fp16 needs a GPU; this CPU run trains (and its sdplan.yaml says) fp32" in r.stdout
     assert "precision fp32; resolution" in r.stdout
+    # fp16 by default (not asked for): the plan line's fp32 says it, with no note about a setting never given
+    r = invoke(
+        "--model", str(fake_model), "--dataset", str(ds), "--out", str(tmp_path / "o2"), "--device", "cpu", "--yes"
+    )  # fmt: skip
+    assert r.exit_code == 130 and "precision fp32; resolution" in r.stdout and "needs a GPU" not in r.stdout
