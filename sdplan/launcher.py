@@ -44,7 +44,7 @@ from sdplan.planner import format_duration
 from sdplan.probe.software import importable
 from sdplan.registry import FAMILIES, FULL_METHODS, guess_family
 from sdplan.settings import OFFLOAD, Settings, get_key
-from sdplan.steps import bucketed_batches, plan_steps
+from sdplan.steps import bucketed_batches, plan_steps, repeated_batches
 
 CONFIG_FILE = "sdplan.yaml"
 OOM_FILE = "oom.json"
@@ -651,6 +651,16 @@ def describe(
             f"step = {steps['steps_per_epoch']} steps per epoch x {steps['epochs']} epoch(s) = {steps['total_steps']} "
             f"optimizer steps; images seen {steps['epochs'] * steps['images_per_epoch']}"
             + (f" (the same as on one process: each epoch is split {world} ways)" if world > 1 else "")
+        )
+    if repeats := repeated_batches(steps["images_per_epoch"], t.batch_size, world, inputs.bucket_samples):
+        lines.append(
+            f"note: the epoch's batches do not divide by {world} processes: its last round trains "
+            f"{repeats} of its first batch{'es' if repeats > 1 else ''} again (accelerate gives every process a batch)"
+            + (
+                ""
+                if t.max_steps
+                else f", about {repeats * t.batch_size * steps['epochs']} images more in all"
+            )
         )
     return lines
 

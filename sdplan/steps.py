@@ -1,7 +1,8 @@
 """Step arithmetic: how many optimizer steps a run takes, shared by the planner, the launcher and the trainer.
 
 With N processes each epoch is split N ways: every process draws ``ceil(images / (batch x N))`` micro-batches
-and takes one optimizer step per ``grad_accum`` of them, so the images trained equal the one-process run's.
+and takes one optimizer step per ``grad_accum`` of them, so the images trained equal the one-process run's
+(where the epoch's batches do not divide by N, its last round repeats a few of its first: :func:`repeated_batches`).
 ``training.max_steps`` and ``training.lr_warmup_steps`` are one-process counts (as the planner writes them):
 with N processes both are divided by N, rounded up. A checkpoint resumed with other settings (another process
 count, micro-batch or accumulation) continues at its images, in this run's steps: :func:`moved_position`.
@@ -57,6 +58,25 @@ def bucketed_batches(
     short, and the batches are dealt out over the processes (BucketBatchSampler's length). One bucket gives
     ``ceil(images / (batch x processes))``, as without buckets."""
     return math.ceil(sum(math.ceil(n / batch_size) for n in bucket_samples) / num_processes)
+
+
+def repeated_batches(
+    images_per_epoch: int,
+    batch_size: int,
+    num_processes: int,
+    bucket_samples: tuple[int, ...] | list[int] = (),
+) -> int:
+    """The batches each epoch trains twice on ``num_processes`` processes: accelerate gives every process as
+    many batches (``even_batches``) by dealing the epoch's first batches again in its last round when the
+    epoch's batches (``bucket_samples``: per aspect bucket, each bucket's last one short) do not divide by the
+    processes. 0 on one process."""
+    if num_processes <= 1:
+        return 0
+    if bucket_samples:
+        total = sum(math.ceil(n / batch_size) for n in bucket_samples)
+    else:
+        total = math.ceil(images_per_epoch / batch_size)
+    return math.ceil(total / num_processes) * num_processes - total
 
 
 def plan_steps(

@@ -77,3 +77,32 @@ def test_aspect_buckets_end_each_in_a_short_batch():
         images_per_epoch=8, batch_size=4, epochs=2, batches_per_epoch=bucketed_batches(samples, 4)
     )
     assert (run.steps_per_epoch, run.total_steps) == (3, 6)
+
+
+def test_repeated_batches_are_what_accelerate_deals_again():
+    """8 images at batch 2 on 5 processes: the plan said 8 images, the run trained 10. accelerate's even batches
+    deal the epoch's first batches again so every process has as many: repeated_batches counts them as the
+    trainer's sharded loader does (its EpochBatches, with and without aspect buckets)."""
+    from accelerate.data_loader import BatchSamplerShard
+    from sdplan.steps import repeated_batches
+    from sdplan.trainer.buckets import BucketBatchSampler
+    from sdplan.trainer.runtime import EpochBatches
+
+    cases = [
+        ((8,), 2, 5),
+        ((8,), 2, 2),
+        ((9,), 2, 2),
+        ((8,), 1, 20),
+        ((5, 3), 2, 2),
+        ((3, 3, 2), 4, 2),
+        ((7,), 3, 1),
+    ]
+    for samples, batch, n in cases:
+        ids = [b for b, k in enumerate(samples) for _ in range(k)]
+        batches = EpochBatches(BucketBatchSampler(ids, batch, seed=1))
+        dealt = (
+            sum(len(BatchSamplerShard(batches, n, p, even_batches=True)) for p in range(n)) if n > 1 else 0
+        )
+        want = dealt - len(batches) if n > 1 else 0
+        assert repeated_batches(sum(samples), batch, n, samples if len(samples) > 1 else ()) == want, samples
+    assert repeated_batches(8, 2, 5) == 1 and repeated_batches(16, 2, 2) == 0

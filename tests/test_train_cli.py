@@ -227,6 +227,18 @@ def test_dry_run_on_cpu_writes_nothing(tmp_path, fake_model):
     assert not out.exists()
 
 
+def test_a_dry_run_says_which_batches_the_processes_repeat(tmp_path, fake_model):
+    """8 images at batch 2 on 5 processes: 'images seen 8', and the run trained 10 (accelerate deals the epoch's
+    first batch again so every process has one); the plan now says so."""
+    ds = make_images(tmp_path / "ds", n=8)
+    args = ("--model", str(fake_model), "--dataset", str(ds), "--out", str(tmp_path / "o"), "--device", "cpu")
+    r = invoke(*args, "--dry-run", "--num-processes", "5", "--epochs", "1", "training.batch_size=2")
+    assert r.exit_code == 0, r.stderr
+    assert "its last round trains 1 of its first batch again" in r.stdout and "about 2 images more" in r.stdout
+    r = invoke(*args, "--dry-run", "--num-processes", "2", "training.batch_size=2")  # 4 batches, 2 each
+    assert r.exit_code == 0 and "first batch" not in r.stdout
+
+
 def test_two_machines_print_each_node_command(tmp_path, fake_model):
     """A config for one machine with 2 GPUs, run on 2 machines: 4 processes, and the exact command for each
     node. Planned against a saved snapshot of a 2x RTX 4090 machine (this one has no GPU)."""

@@ -572,7 +572,11 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
             ema.model.to(ema.device, torch.float32)  # loaded on the CPU (fp32: see Ema)
         ckpt_lib.apply_learning_rates(optimizer, lr_scheduler, [g["lr"] for g in groups], state.global_step)
         progress.say(accelerator, f"resumed from {resume_from} at step {state.global_step}")
-    progress.say(accelerator, runtime.describe_plan(cfg.method, comps.family, len(dataset), cfg, plan))
+    repeated = len(loader) * accelerator.num_processes - len(batches) if accelerator.num_processes > 1 else 0
+    progress.say(
+        accelerator,
+        runtime.describe_plan(cfg.method, comps.family, len(dataset), cfg, plan, max(0, repeated)),
+    )
 
     # 5. The loop.
     tb = progress.tensorboard(accelerator, cfg)

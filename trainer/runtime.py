@@ -499,12 +499,22 @@ def plan_steps(
     )
 
 
-def describe_plan(method: str, family: str, samples: int, cfg, plan: Steps) -> str:
+def describe_plan(method: str, family: str, samples: int, cfg, plan: Steps, repeated: int = 0) -> str:
+    """The trainer's plan line; ``repeated``: the batches each epoch's last round deals again (accelerate's
+    even batches over the processes)."""
     t = cfg.training
+    warmup = f"warmup {plan.lr_warmup_steps}"
+    if plan.num_processes > 1 and t.lr_warmup_steps:
+        warmup += f" (training.lr_warmup_steps {t.lr_warmup_steps} one-process steps / {plan.num_processes})"
     return (
         f"{method} {family}: {samples} samples/epoch, batch {t.batch_size} x accum {t.grad_accum} x "
         f"{plan.num_processes} process(es) -> {plan.steps_per_epoch} steps/epoch, {plan.total_steps} steps "
-        f"({plan.epochs} epoch{'s' if plan.epochs != 1 else ''}), warmup {plan.lr_warmup_steps}"
+        f"({plan.epochs} epoch{'s' if plan.epochs != 1 else ''}), {warmup}"
+        + (
+            f"; each epoch repeats {repeated} of its first batches to give every process one"
+            if repeated
+            else ""
+        )
     )
 
 
