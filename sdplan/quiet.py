@@ -6,19 +6,25 @@ beside its one error line. Their other warnings still show. Torch-free.
   kernel package is missing.
 - DeepSpeed's accelerator detection falling back to the CPU: a WARNING through its "DeepSpeed" logger
   (accelerator/real_accelerator.py) on any import of deepspeed on a machine without a GPU and without
-  DS_ACCELERATOR (accelerate's extract_model_from_parallel imports it: every CPU run, the demo's model build).
+  DS_ACCELERATOR (accelerate's extract_model_from_parallel imports it: every CPU run, the demo's model build);
+  and its "MPU is not provided, setting tp size to 1" (runtime/base_optimizer.py) when a ZeRO checkpoint loads
+  (sdplan never runs tensor parallelism).
+- torch's FutureWarning that ``torch.distributed.all_gather_into_tensor`` is deprecated, raised at each of
+  DeepSpeed ZeRO's calls of it: a library's catch_warnings resets the once-per-place registry, so a 2-process
+  ZeRO-2 run printed it about once per step and process.
 """
 
 from __future__ import annotations
 
 import logging
+import warnings
 
-_DEEPSPEED_CPU_NOTE = "Setting accelerator to CPU."
+_DEEPSPEED_NOTES = ("Setting accelerator to CPU.", "MPU is not provided")
 
 
 class _DropDeepSpeedCpuNote(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith(_DEEPSPEED_CPU_NOTE)
+        return not str(record.msg).startswith(_DEEPSPEED_NOTES)
 
 
 def quiet_library_notes() -> None:
@@ -28,3 +34,8 @@ def quiet_library_notes() -> None:
     log = logging.getLogger("DeepSpeed")
     if not any(isinstance(f, _DropDeepSpeedCpuNote) for f in log.filters):
         log.addFilter(_DropDeepSpeedCpuNote())
+    warnings.filterwarnings(
+        "ignore",
+        message=r"`torch\.distributed\.all_gather_into_tensor` is deprecated",
+        category=FutureWarning,
+    )
