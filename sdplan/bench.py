@@ -80,6 +80,7 @@ from sdplan.bench_harness import (
 )
 from sdplan.errors import ConfigError, NoGPUError, UsageError
 from sdplan.probe.software import importable
+from sdplan.profiles import EXPORT_KIND
 from sdplan.registry import BASE_PRECISIONS, FAMILIES, FLOW_FAMILIES, FLOW_METHODS, METHODS, PLANNED_FAMILIES
 from sdplan.settings import DEFAULT_LORA_RANK, Settings, describe
 from sdplan.trainer import faults
@@ -1086,8 +1087,6 @@ def summarise(
 
 # -- sharing: `sdplan profiles export` --------------------------------------------------------------------
 
-EXPORT_KIND = "sdplan-measurements"
-
 
 def _is_shareable(point: dict[str, Any]) -> bool:
     """Real measurements only: not the CPU demo, not an OOM simulated by the test hook."""
@@ -1144,9 +1143,9 @@ def export_measurements(
     }
     header = (
         "# Training measurements exported by `sdplan profiles export` (sdplan bench points; provenance in each\n"
-        "# point's source and note). Each entry under methods: is a complete profiles/methods/<method>.yaml body:\n"
-        "# to ship them, append its points to that file; to use them on another machine, save it as\n"
-        "# <profile store>/methods/<method>.yaml.\n"
+        "# point's source and note). To use them on another machine: `sdplan profiles import THIS_FILE`. Each\n"
+        "# entry under methods: is a complete profiles/methods/<method>.yaml body: to ship them in sdplan, append\n"
+        "# its points to that file.\n"
     )
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
@@ -1154,6 +1153,36 @@ def export_measurements(
     os.replace(tmp, dest)
     load_export(dest)  # what was written validates as it will be read
     return dest, count, left_out
+
+
+def import_measurements(
+    source: str | Path, *, store_dir: str | Path | None = None
+) -> tuple[Path, dict[str, int]]:
+    """`sdplan profiles import FILE`: add an export file's points to the local store's method files (a point
+    whose id is there already replaces it: importing twice adds nothing). The file is validated whole first,
+    and each store file as it is written (a store file the planner rejects is never written over). Its
+    multi-GPU observations are not imported (the store's files hold points). Returns (store, {method: points})."""
+    from sdplan import profiles
+
+    source = Path(source).expanduser()
+    if not source.is_file():
+        raise UsageError(
+            f"{source}: no such file" if not source.exists() else f"{source} is not a file",
+            fix="name a file written by `sdplan profiles export`",
+        )
+    load_export(source)  # every section as the planner reads it, before anything is written
+    root = store_root(store_dir)
+    if root.exists() and not root.is_dir():
+        raise UsageError(
+            f"the profile store {root} is a file, not a folder", fix="name a folder with --store"
+        )
+    added: dict[str, int] = {}
+    for method, section in profiles.read_yaml(source)["methods"].items():
+        points = list(section.get("points") or [])
+        if points:
+            write_points(root, method, points)
+            added[method] = len(points)
+    return root, added
 
 
 def load_export(path: str | Path) -> dict[str, list[Any]]:

@@ -1212,7 +1212,18 @@ def load_model(path: Path) -> ModelSpec:
     )
 
 
+# the `kind:` of a `sdplan profiles export` file (several method files under methods:), never a method file
+EXPORT_KIND = "sdplan-measurements"
+
+
 def load_methods(path: Path, origin: str = "shipped") -> tuple[list[MethodPoint], list[MultiGPUObservation]]:
+    head = read_yaml(path)
+    if isinstance(head, dict) and head.get("kind") == EXPORT_KIND:
+        raise ConfigError(
+            str(path),
+            ["a `sdplan profiles export` file (several methods' points), not one method's file"],
+            fix=f"move it out of the store and add its points with `sdplan profiles import {path.name}`",
+        )
     d = _validated(path, METHOD_FILE_SCHEMA)
     method = d["method"]
     points = []
@@ -1620,7 +1631,12 @@ def _load_cached(shipped: str, local: str) -> Profiles:
                 e.source,
                 e.errors,
                 fix=f"it is in your local profile store {lroot} ($SDPLAN_PROFILE_DIR; sdplan bench writes "
-                "there): fix the file, or move it out of the store",
+                "there): "
+                + (
+                    e.fix  # an export file saved into the store: import it
+                    if e.fix and "profiles import" in e.fix
+                    else "fix the file, or move it out of the store"
+                ),
             ) from None
     if len(sources) == len(ship.sources):  # the store added nothing
         return _shipped_only(shipped)

@@ -602,6 +602,43 @@ def test_profiles_export_writes_a_shareable_file_and_refuses_overwrite(tmp_path,
     assert forced.exit_code == 0, forced.output
 
 
+def test_profiles_import_adds_an_exported_file_to_another_store(tmp_path, monkeypatch):
+    """The export file's header said to save it as a store's methods/<method>.yaml; saved so, every recommend
+    failed on its unknown keys. `sdplan profiles import FILE` adds its points (twice: nothing more), a copy
+    in the store says to import it, and `profiles --store FILE` is refused as `bench --store` is."""
+    root = fresh_profile_store(monkeypatch, tmp_path / "here")
+    snap = Snapshot.load(MACHINES / "rtx3060_12gb.json")
+    req = bench.select_requests(["lora"], ["sd15"], store_dir=root, snapshot=snap).requests[0]
+    gpu = snap.gpus[0]
+    bench.write_points(root, "lora", _gpu_bench_points(req, gpu.name, gpu.memory_total_bytes, batches=(1, 2)))
+    shared = tmp_path / "rtx3060.yaml"
+    runner = CliRunner()
+    assert runner.invoke(cli(), ["profiles", "export", str(shared)]).exit_code == 0
+    assert "sdplan profiles import THIS_FILE" in shared.read_text()
+
+    other = tmp_path / "there"
+    for _ in range(2):
+        result = runner.invoke(cli(), ["profiles", "import", str(shared), "--store", str(other)])
+        assert result.exit_code == 0, result.output
+        assert f"imported 2 point(s) (2 lora) into {other}" in " ".join(result.output.split())
+    points, _ = profiles.load_methods(other / "methods" / "lora.yaml", origin="local")
+    assert [p.batch for p in points] == [1, 2] and all(p.gpu == gpu.name for p in points)
+
+    misplaced = other / "methods" / "sd15.yaml"
+    misplaced.write_text(shared.read_text())
+    listed = runner.invoke(cli(), ["profiles", "--store", str(other)])
+    assert listed.exit_code == 2 and "a `sdplan profiles export` file" in listed.output
+    assert "sdplan profiles import sd15.yaml" in " ".join(listed.output.split())
+
+    bad = runner.invoke(cli(), ["profiles", "import", str(tmp_path / "nope.yaml"), "--store", str(other)])
+    assert bad.exit_code == 2 and "no such file" in bad.output
+    a_file = tmp_path / "keep.txt"
+    a_file.write_text("mine")
+    refused = runner.invoke(cli(), ["profiles", "--store", str(a_file)])
+    assert refused.exit_code == 2 and "is a file, not a folder" in refused.output
+    assert a_file.read_text() == "mine"
+
+
 def test_profiles_export_with_nothing_measured(tmp_path, monkeypatch):
     root = fresh_profile_store(monkeypatch, tmp_path)
     result = CliRunner().invoke(cli(), ["profiles", "export", str(tmp_path / "x.yaml")])

@@ -40,6 +40,12 @@ def profiles(
 
     shipped = lib.shipped_dir()
     local = Path(store).expanduser() if store is not None else lib.local_dir()
+    if local.exists() and not local.is_dir():
+        from sdplan.errors import UsageError
+
+        raise UsageError(
+            f"the profile store {local} is a file, not a folder", fix="name a folder with --store"
+        )
     known = lib.load_profiles(shipped, local)
     console().print(sources_table(known, shipped, local))
     console().print(points_table(known, full=full))
@@ -74,6 +80,22 @@ def export(
     path, count, left_out = export_measurements(file, store_dir=store, force=force)
     skipped = f" ({left_out} demo/simulated point(s) left out)" if left_out else ""
     console().print(f"wrote {count} measured point(s) to {path}{skipped}", markup=False)
+
+
+@profiles_app.command("import")
+@cli_errors
+def import_(
+    file: Annotated[Path, typer.Argument(metavar="FILE", help="A file written by `sdplan profiles export`.")],
+    store: Annotated[Path | None, _STORE] = None,
+) -> None:
+    """Add the measurements of an export file (from `sdplan profiles export` on another machine) to the local
+    store, which the planner reads: a point already there (same id) is replaced, so importing twice adds
+    nothing."""
+    from sdplan.bench import import_measurements
+
+    root, added = import_measurements(file, store_dir=store)
+    counts = ", ".join(f"{n} {method}" for method, n in added.items())
+    console().print(f"imported {sum(added.values())} point(s) ({counts}) into {root}", markup=False)
 
 
 # -- tables ---------------------------------------------------------------------------------------------
