@@ -317,6 +317,7 @@ def test_force_knows_the_trainers_output_names_by_the_trainers_own_formats():
     from sdplan.trainer.outputs import GRID_NAME, INTERMEDIATE_NAME, grid_name, intermediate_name
 
     assert all(GRID_NAME.fullmatch(grid_name(step)) for step in (None, 1, 123456, 1234567))
+    assert GRID_NAME.fullmatch(grid_name(40, again=2))  # a step an earlier session has a grid of
     assert not GRID_NAME.fullmatch("my-step-1.png")
     names = [intermediate_name("run", epoch=e, step=s) for e, s in ((3, 30), (None, 40), (None, 99999999))]
     assert all(INTERMEDIATE_NAME.fullmatch(n) for n in names) and not INTERMEDIATE_NAME.fullmatch("keep")

@@ -211,3 +211,19 @@ def test_sampling_brings_back_only_the_models_that_left_the_training_device(tmp_
     vae, te = parts["vae"], parts["text_encoder"]
     assert outputs.models_away(torch.device("cpu"), vae, te) == []
     assert outputs.models_away(torch.device("meta"), vae, te) == [vae, te]
+
+
+def test_a_grid_an_earlier_session_wrote_is_kept_beside_the_new_one(tmp_path):
+    """A resume on 2 processes numbers its steps anew: its step 40 (80 images) replaced the 1-process grid of
+    step 40 (40 images). A grid file older than this session is kept; this session's own is replaced."""
+    import os
+
+    from sdplan.trainer.outputs import grid_path
+
+    old = tmp_path / "step-000040.png"
+    old.write_bytes(b"first session")
+    os.utime(old, (1_000_000_000, 1_000_000_000))
+    assert grid_path(tmp_path, 40) == tmp_path / "step-000040-1.png"
+    (tmp_path / "step-000040-1.png").write_bytes(b"this session")  # written now: replaced next time
+    assert grid_path(tmp_path, 40) == tmp_path / "step-000040-1.png"
+    assert grid_path(tmp_path, 60) == tmp_path / "step-000060.png"

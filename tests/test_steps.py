@@ -84,9 +84,10 @@ def test_repeated_batches_are_what_accelerate_deals_again():
     deal the epoch's first batches again so every process has as many: repeated_batches counts them as the
     trainer's sharded loader does (its EpochBatches, with and without aspect buckets)."""
     from accelerate.data_loader import BatchSamplerShard
-    from sdplan.steps import repeated_batches
     from sdplan.trainer.buckets import BucketBatchSampler
     from sdplan.trainer.runtime import EpochBatches
+
+    from sdplan.steps import repeated_batches
 
     cases = [
         ((8,), 2, 5),

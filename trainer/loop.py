@@ -429,6 +429,7 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
     import torch
 
     t0 = time.perf_counter()
+    outputs.mark_session_start()  # the grids an earlier session wrote are kept (outputs.grid_path)
     injected = faults.Faults.from_env()
     out_dir = Path(cfg.output.dir)
     tcfg = cfg.training

@@ -12,6 +12,7 @@ import math
 import os
 import re
 import shutil
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -180,14 +181,37 @@ def intermediate_name(name: str, *, epoch: int | None, step: int) -> str:
     return f"{name}-{epoch:06d}" if epoch is not None else f"{name}-step{step:08d}"
 
 
-def grid_name(step: int | None) -> str:
-    """A sample grid's file in samples/: ``step-000100.png`` during training, ``final.png`` at the end."""
-    return f"step-{step:06d}.png" if step is not None else "final.png"
+def grid_name(step: int | None, again: int = 0) -> str:
+    """A sample grid's file in samples/: ``step-000100.png`` during training, ``final.png`` at the end;
+    ``again`` > 0: ``step-000100-{again}.png``, a step an earlier session of the run has a grid of."""
+    if step is None:
+        return "final.png"
+    return f"step-{step:06d}" + (f"-{again}" if again else "") + ".png"
 
 
 # What the names above look like, for `train --force` to tell a run's outputs from the user's files
 INTERMEDIATE_NAME = re.compile(r".+-(\d{6}|step\d{8})")
-GRID_NAME = re.compile(r"(step-\d{6,}|final)\.png")
+GRID_NAME = re.compile(r"(step-\d{6,}(-\d+)?|final)\.png")
+
+# when this session of the run started (loop.train marks it): a grid file older than it is an earlier session's
+_SESSION_START = time.time()
+
+
+def mark_session_start() -> None:
+    global _SESSION_START
+    _SESSION_START = time.time()
+
+
+def grid_path(folder: Path, step: int | None) -> Path:
+    """Where the grid of ``step`` goes in ``folder``: its name, unless an earlier session of the run wrote that
+    file (a resume on another process count, batch or accumulation numbers its steps anew: step 40 is another
+    point of the run), which is kept beside the new one (``step-000040-1.png``)."""
+    path = folder / grid_name(step)
+    again = 0
+    while step is not None and path.exists() and path.stat().st_mtime < _SESSION_START:
+        again += 1
+        path = folder / grid_name(step, again)
+    return path
 
 
 def intermediate_steps(
@@ -262,7 +286,6 @@ def samples(
     from .checkpoint import unwrap
 
     prompts = list(cfg.sampling.prompts) or ([fallback] if fallback else [])
-    name = grid_name(step)
     shown_step = step if step is not None else at_step
     grid = None
     skipped = None
@@ -293,7 +316,7 @@ def samples(
                     steps=cfg.sampling.num_inference_steps,
                     guidance_scale=sampling.guidance_for(cfg.sampling.guidance_scale, comps.family),
                     resolution=cfg.data.resolution,
-                    out_path=out_path or Path(cfg.output.dir) / "samples" / name,
+                    out_path=out_path or grid_path(Path(cfg.output.dir) / "samples", step),
                     labels=[f"step {shown_step}\n{p}" if shown_step is not None else p for p in prompts],
                     conditioning=conditioning,
                     on_step=bar,
