@@ -39,7 +39,8 @@ def planner_verdicts(snapshot: Snapshot) -> list[Verdict]:
 
     ok: fits without DeepSpeed offload; tight: only with offload (the optimizer on the CPU), or loading the models
     takes more host RAM than the machine has (it may swap heavily or be killed by the OS: recommend's warning;
-    the planner refuses only RAM held for the whole run, offload's and block swap's); no: does not fit.
+    the planner refuses only RAM held for the whole run, offload's and block swap's), or the likely peak's upper
+    end is over the card (recommend's "may not fit"); no: does not fit.
     """
     from sdplan.planner import Request, hardware_from_snapshot, loading_ram_short, mixed_gpus, plan, plan_gpus
     from sdplan.profiles import load_profiles
@@ -92,9 +93,15 @@ def planner_verdicts(snapshot: Snapshot) -> list[Verdict]:
                     f"; loading takes {_gib(int(result.memory.ram))} of host RAM, "
                     f"{_gib(hardware.ram_total_bytes)} here: may swap"
                 )
+            risky = result.within_upper_bound is False  # recommend's "may not fit"
+            if risky and result.peak_range is not None and result.vram_bytes:
+                note += (
+                    f"; may not fit: likely up to {result.peak_range[1] / 2**30:.1f} GiB of "
+                    f"{result.vram_bytes / 2**30:.1f}"
+                )
             if mixed:  # which of the GPUs that differ
                 note += f" on GPU {plan_gpus(hardware, s)[0].index}"
-            out.append(Verdict(method, family, "tight" if (s.offload or short_ram) else "ok", note))
+            out.append(Verdict(method, family, "tight" if (s.offload or short_ram or risky) else "ok", note))
     return out
 
 
