@@ -93,6 +93,9 @@ class DataConfig:
     resolution: int = 512
     center_crop: bool = True
     random_flip: float = 0.0
+    # the share of samples trained on the empty caption (kohya caption_dropout_rate): the model learns the
+    # subject or style without its trigger words too; classifier-free guidance's unconditional branch
+    caption_dropout: float = 0.0
     caption_extension: str = ".txt"
     default_caption: str | None = None  # missing caption: this, else the instance prompt, else ""
     repeats: int = 1  # flat folders; kohya `N_name` folders carry their own
@@ -255,6 +258,7 @@ _RULES: dict[str, tuple[Any, str]] = {
     "model.family": (lambda v: v is None or v in FAMILIES, f"must be one of {', '.join(FAMILIES)} or null"),
     "data.resolution": (resolution_ok, RESOLUTION_RULE),
     "data.random_flip": (lambda v: 0 <= v <= 1, "must be between 0 and 1"),
+    "data.caption_dropout": (lambda v: 0 <= v < 1, "must be at least 0 and below 1"),
     "data.repeats": (lambda v: v >= 1, "must be >= 1"),
     "data.num_workers": (lambda v: v >= 0, "must be >= 0"),
     "data.bucket_step": (lambda v: v in (32, 64, 128), "must be 32, 64 or 128"),
@@ -370,6 +374,11 @@ def _cross_checks(cfg: TrainConfig, errors: list[str]) -> None:
         errors.append("dreambooth.class_prompt: required when with_prior_preservation is true")
     if problem := flow_resolution_problem(cfg.data.resolution, cfg.model.family, buckets=cfg.data.buckets):
         errors.append(problem)
+    if cfg.data.caption_dropout and cfg.method == "textual-inversion":
+        errors.append(
+            "data.caption_dropout: textual inversion learns its token from the captions that hold it; an empty "
+            "caption trains nothing; set it to 0"
+        )
     if cfg.training.min_snr_gamma and cfg.model.family in FLOW_FAMILIES:
         errors.append(
             f"training.min_snr_gamma: a weighting of the DDPM objective's timesteps; {cfg.model.family}'s "

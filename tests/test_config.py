@@ -211,6 +211,14 @@ def test_min_snr_gamma_is_a_positive_number_for_the_ddpm_families():
         config.validate(flux)
 
 
+def test_caption_dropout_is_a_share_and_not_for_textual_inversion():
+    assert config.validate({"method": "lora", "data": {"caption_dropout": 0.1}}).data.caption_dropout == 0.1
+    with pytest.raises(config.ConfigError, match="data.caption_dropout: must be at least 0 and below 1"):
+        config.validate({"method": "lora", "data": {"caption_dropout": 1}})
+    with pytest.raises(config.ConfigError, match="textual inversion learns its token from the captions"):
+        config.validate({"method": "textual-inversion", "data": {"caption_dropout": 0.1}})
+
+
 def test_sampling_steps_past_the_schedule_are_refused_before_the_run():
     """sampling.num_inference_steps=1000 passed, and the final grid failed after the whole run with an IndexError
     from the scheduler (timestep 1000 of 1000)."""

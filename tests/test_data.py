@@ -179,6 +179,30 @@ def test_tag_shuffle_probability_keep_and_determinism(tmp_path):
     assert 60 < kept < 140  # about half keep the written order (the other half rarely lands on it)
 
 
+def test_caption_dropout_empties_a_share_of_the_samples_the_same_way_each_time(tmp_path):
+    """data.caption_dropout (kohya caption_dropout_rate): about that share of the samples train on "", drawn
+    from (seed, epoch, index) like the flips; the captions the text cache encodes include ""; a recipe's
+    sample prompt (caption_for) is the caption itself."""
+    from sdplan.trainer.conditioning import epoch_captions
+
+    solid(tmp_path / "a.png")
+    item = Item(tmp_path / "a.png", "a red square", None, repeats=200)
+    ds = CaptionedImages([item], resolution=16, caption_dropout=0.3, seed=1)
+    caps = [ds[i]["caption"] for i in range(200)]
+    assert set(caps) == {"", "a red square"} and 30 < caps.count("") < 90
+    assert [
+        CaptionedImages([item], resolution=16, caption_dropout=0.3, seed=1)[i]["caption"] for i in range(200)
+    ] == caps
+    ds.set_epoch(1)
+    assert [ds[i]["caption"] for i in range(200)] != caps
+    assert ds.caption_for(item, 0) == "a red square"
+    assert epoch_captions(ds, 2) == {"", "a red square"}
+    plain = CaptionedImages([item], resolution=16)
+    assert {plain[i]["caption"] for i in range(20)} == {"a red square"} and epoch_captions(plain, 2) == {
+        "a red square"
+    }
+
+
 # -- failures at load time --------------------------------------------------------------------------------
 
 

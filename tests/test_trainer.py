@@ -1164,3 +1164,20 @@ def test_min_snr_gamma_weighs_the_loss_and_is_recorded(tiny_sd15, dataset, tmp_p
         assert f.metadata()["ss_min_snr_gamma"] == "5.0"
     with safe_open(str(plain / f"{plain.name}.kohya.safetensors"), "pt") as f:
         assert "ss_min_snr_gamma" not in f.metadata()
+
+
+@pytest.mark.train
+def test_caption_dropout_trains_through_the_text_cache(tiny_sd15, dataset, tmp_path, capsys):
+    """data.caption_dropout with cached text-encoder outputs: the empty caption is encoded with the others (a
+    sample that drew it found no cached embedding otherwise); kohya's ss_caption_dropout_rate in the file."""
+    from safetensors import safe_open
+
+    out = tmp_path / "out"
+    cfg = tiny_train_config(
+        tiny_sd15, dataset, out, "data.caption_dropout=0.5", "memory.cache_text_encoder_outputs=true"
+    )
+    summary = run.train(cfg)
+    assert summary["steps"] == 2 and math.isfinite(summary["final_loss"])
+    assert "text cache: 2 captions encoded" in capsys.readouterr().out  # the dataset's one caption and ""
+    with safe_open(str(out / f"{out.name}.kohya.safetensors"), "pt") as f:
+        assert f.metadata()["ss_caption_dropout_rate"] == "0.5"

@@ -130,7 +130,8 @@ class TextCache:
 
 
 def epoch_captions(dataset, epochs: int) -> set[str]:
-    """Every caption ``dataset`` yields over ``epochs`` epochs (tag shuffling varies them per epoch)."""
+    """Every caption ``dataset`` yields over ``epochs`` epochs (tag shuffling varies them per epoch; caption
+    dropout adds the empty one)."""
     captions: set[str] = set()
     keep = dataset.epoch
     try:
@@ -141,6 +142,8 @@ def epoch_captions(dataset, epochs: int) -> set[str]:
                 captions.add(dataset.caption_for(item, index))
     finally:
         dataset.set_epoch(keep)
+    if getattr(dataset, "caption_dropout", 0):
+        captions.add("")  # the samples data.caption_dropout trains on the empty caption
     return captions
 
 

@@ -85,6 +85,7 @@ class CaptionedImages(torch.utils.data.Dataset):
         resolution: int = 512,
         center_crop: bool = True,
         random_flip: float = 0.0,
+        caption_dropout: float = 0.0,
         shuffle_tags: float = 0.0,
         keep_tags: int = 0,
         seed: int = 0,
@@ -94,8 +95,13 @@ class CaptionedImages(torch.utils.data.Dataset):
     ):
         if not items:
             raise DatasetError("no images to train on", fix="check data.path")
-        if not 0.0 <= random_flip <= 1.0 or not 0.0 <= shuffle_tags <= 1.0:
-            raise ValueError("random_flip and shuffle_tags are probabilities in [0, 1]")
+        if (
+            not 0.0 <= random_flip <= 1.0
+            or not 0.0 <= shuffle_tags <= 1.0
+            or not 0.0 <= caption_dropout < 1.0
+        ):
+            raise ValueError("random_flip, shuffle_tags and caption_dropout are probabilities in [0, 1]")
+        self.caption_dropout = float(caption_dropout)
         self.items = list(items)
         self.resolution = int(resolution)
         self.center_crop = center_crop
@@ -218,9 +224,14 @@ class CaptionedImages(torch.utils.data.Dataset):
         arr = np.asarray(im, dtype=np.uint8)
         pixels = torch.from_numpy(arr.copy()).permute(2, 0, 1).float().div_(127.5).sub_(1.0)
         key = hashlib.sha256(f"{digest}|{tw}x{th}|{top},{left}|{int(flip)}".encode()).hexdigest()
+        caption = self.caption_for(item, index)
+        if self.caption_dropout and (
+            _rng(self.seed, self.epoch, index, self.name, "caption-dropout").random() < self.caption_dropout
+        ):
+            caption = ""  # kohya caption_dropout_rate: this sample trains on the empty caption
         return {
             "pixel_values": pixels,
-            "caption": self.caption_for(item, index),
+            "caption": caption,
             "index": index,
             "original_size": (h, w),
             "crop_top_left": (top, left),
@@ -304,6 +315,7 @@ def build_dataset(
         resolution=d.resolution,
         center_crop=d.center_crop,
         random_flip=d.random_flip,
+        caption_dropout=d.caption_dropout,
         shuffle_tags=meta.shuffle_tags if meta is not None else 0.0,
         keep_tags=int(_option(meta, "keep_tags", 0)),
         seed=cfg.training.seed,

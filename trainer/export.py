@@ -301,6 +301,7 @@ def _kohya_metadata(
                 "ss_max_grad_norm": training.get("max_grad_norm"),
                 "ss_noise_offset": training.get("noise_offset"),
                 "ss_min_snr_gamma": training.get("min_snr_gamma"),
+                "ss_caption_dropout_rate": data.get("caption_dropout"),
                 "ss_network_dropout": get("lora", "dropout"),
                 "ss_optimizer": _KOHYA_OPTIMIZER.get(memory.get("optimizer"), memory.get("optimizer")),
                 "ss_gradient_checkpointing": memory.get("gradient_checkpointing"),
