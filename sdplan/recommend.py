@@ -40,21 +40,34 @@ class DatasetCount:
     skipped: str = ""  # the files the trainer would not use, and why ("" when none)
     sizes: tuple[tuple[int, int] | None, ...] = ()  # each image's (width, height), for aspect buckets
     item_repeats: tuple[int, ...] = ()  # each image's repeats
+    notes: tuple[str, ...] = ()  # what the scan made of something that looks unintended (a year as repeats)
 
 
-def count_dataset(path: str | Path) -> DatasetCount:
+def count_dataset(path: str | Path, data: Any = None) -> DatasetCount:
     """Count training images as the trainer finds them (:func:`sdplan.trainer.dataset_scan.scan`, torch-free):
-    kohya-style ``N_name`` folders (N repeats each), a flat image+caption folder, or per-image metadata. Each
-    image's header is read, so a file that is no image is left out as the trainer leaves it out (the plan's
-    steps would otherwise count it); one broken past its header only the trainer's full decode finds."""
+    kohya-style ``N_name`` folders (N repeats each), a flat image+caption folder, or per-image metadata, read
+    with the ``data`` section's settings (an sdplan.yaml ``data:`` with the pins: caption extension, default
+    caption, repeats, metadata filters; None: the defaults). Each image's header is read, so a file that is no
+    image is left out as the trainer leaves it out (the plan's steps would otherwise count it); one broken past
+    its header only the trainer's full decode finds."""
     from sdplan.trainer.dataset_scan import count_of, require_images, scan
 
-    result = require_images(scan(Path(path), verify="header"))  # as `sdplan train` says it
+    kw = {}
+    if data is not None:
+        kw = dict(
+            caption_extension=data.caption_extension,
+            default_caption=data.default_caption,
+            repeats=data.repeats,
+            metadata=data.metadata,
+        )
+    result = require_images(scan(Path(path), verify="header", **kw))  # as `sdplan train` says it
     per_epoch = result.images_x_repeats
     n = len(result.skipped)
     skipped = f"{count_of(n, 'file')} not used: {result.skipped_text()}" if n else ""
     each = dict(
-        sizes=tuple(it.size for it in result.items), item_repeats=tuple(it.repeats for it in result.items)
+        sizes=tuple(it.size for it in result.items),
+        item_repeats=tuple(it.repeats for it in result.items),
+        notes=tuple(result.notes),
     )
     if result.format != "kohya":
         return DatasetCount(
@@ -354,7 +367,10 @@ def build_request(inp: RecommendInputs, profiles: Profiles) -> tuple[planner.Req
     if inp.dataset:
         from sdplan.trainer.dataset_scan import count_of
 
-        ds = count_dataset(inp.dataset)
+        # read as `sdplan train` reads it: the pinned data settings (caption extension, metadata filters), the
+        # flat folder's repeats on each image (the aspect buckets' samples count them)
+        data = _pinned_config(inp).data
+        ds = count_dataset(inp.dataset, replace(data, repeats=inp.repeats or data.repeats))
         images, repeats, per_epoch = ds.images, ds.repeats, None  # None: images x repeats
         counted = ds
         if ds.layout == "kohya":  # each folder's own repeats
@@ -369,6 +385,7 @@ def build_request(inp: RecommendInputs, profiles: Profiles) -> tuple[planner.Req
             repeats = inp.repeats or 1
             captioned = "captioned"  # .txt files or a kohya captions file
             notes.append(f"dataset {inp.dataset}: {count_of(ds.images, 'image')} ({ds.captions} {captioned})")
+        notes += [f"dataset {inp.dataset}: {note}" for note in ds.notes]
         if ds.skipped:  # as `sdplan train` would say: a file left out is no surprise later
             notes.append(f"dataset {inp.dataset}: {ds.skipped}")
     else:

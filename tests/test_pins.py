@@ -456,6 +456,53 @@ def test_aspect_buckets_count_the_steps_the_trainer_takes(tmp_path):
     assert any("in 3 aspect buckets (each ends in a short batch)" in r for r in bucketed["reasons"])
 
 
+def test_a_dataset_is_counted_with_the_pinned_data_settings(tmp_path):
+    """`recommend --dataset` scanned with the defaults: data.metadata.min_score=6 kept every image (the config
+    it wrote trained 8 steps of 3 images), data.repeats with buckets counted the buckets' samples once (42
+    images seen in 10 steps of 2), an EXIF-rotated JPEG went to the bucket of its stored shape, and
+    data.caption_extension=.caption counted the .txt captions."""
+    from PIL import Image
+
+    meta = tmp_path / "meta"
+    meta.mkdir()
+    for i in range(8):
+        Image.new("RGB", (64, 64), (i * 30, 0, 0)).save(meta / f"{i}.png")
+        (meta / f"{i}.json").write_text(json.dumps({"tags": [f"t{i}"], "score": i + 1}))
+    args = ("--resolution", "256", "training.batch_size=1", "--epochs", "1", "--json")
+    d = json.loads(
+        _plan_for(
+            "lora", "sd15", "RTX 4090", "--dataset", str(meta), *args, "data.metadata.min_score=6"
+        ).stdout
+    )
+    assert d["steps"]["images_per_epoch"] == 3 and d["steps"]["total_steps"] == 3
+
+    shapes = tmp_path / "shapes"
+    shapes.mkdir()
+    for i, size in enumerate([(512, 512), (512, 512), (1024, 256)]):
+        Image.new("RGB", size, (0, i * 60, 0)).save(shapes / f"{i}.png")
+    rotated = Image.new("RGB", (1024, 256), (0, 0, 200))
+    exif = rotated.getexif()
+    exif[0x0112] = 6  # stored wide, shown tall
+    rotated.save(shapes / "r.jpg", exif=exif)
+    (shapes / "0.caption").write_text("a caption")
+    (shapes / "1.txt").write_text("another")
+    args = (
+        "--dataset",
+        str(shapes),
+        "--resolution",
+        "256",
+        "training.batch_size=2",
+        "--epochs",
+        "1",
+        "--json",
+    )
+    d = json.loads(_plan_for("lora", "sd15", "RTX 4090", *args, "data.buckets=true", "data.repeats=3").stdout)
+    # 3 buckets (square x2, wide, tall) x 3 repeats: 6 + 3 + 3 samples = 3 + 2 + 2 batches
+    assert d["steps"]["images_per_epoch"] == 12 and d["steps"]["steps_per_epoch"] == 7
+    d = json.loads(_plan_for("lora", "sd15", "RTX 4090", *args, "data.caption_extension=.caption").stdout)
+    assert any("4 images (1 captioned)" in r for r in d["reasons"]), d["reasons"]
+
+
 def test_needs_at_least_on_a_machine_without_gpu_says_when_host_ram_sets_it(monkeypatch):
     """On a 23.5 GiB host without a GPU, an SDXL DreamBooth 'needs at least 14.8 GiB': the figure this host's
     RAM allows, while `--hardware "RTX 3080 10GB"` plans it with DeepSpeed offload (60 GiB of host RAM). The
