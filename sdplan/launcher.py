@@ -441,6 +441,7 @@ def check_inputs(cfg: C.TrainConfig, *, dry_run: bool = False) -> InputSummary:
                 None,
                 (
                     result.summary(),
+                    *result.notes,
                     uncaptioned_note(result, cfg),
                     small_images_note(result, cfg.data.resolution, buckets=cfg.data.buckets),
                 ),

@@ -81,7 +81,70 @@ def test_caption_extension_with_or_without_dot(tmp_path):
         result = scan(tmp_path, caption_extension=ext)
         assert names(result) == {"a.png": "from caption file"}
         assert skipped(result) == {"a.txt": skipped(result)["a.txt"]}  # .txt now is just another file
-        assert "not a supported image type (.txt)" in skipped(result)["a.txt"]
+        # said as what it is: a caption of another extension, not an odd image
+        assert skipped(result)["a.txt"] == "a .txt caption, not read: data.caption_extension is .caption"
+
+
+def test_caption_files_in_another_case_are_read(tmp_path):
+    """IMG_0001.JPG beside IMG_0001.TXT trained on the fallback caption without a word (images were taken in
+    any case, their captions only in the extension's own)."""
+    img(tmp_path / "IMG_0001.JPG")
+    write(tmp_path / "IMG_0001.TXT", "a red square")
+    img(tmp_path / "b.png")
+    write(tmp_path / "b.Txt", "a blue one")
+    result = scan(tmp_path)
+    assert names(result) == {"IMG_0001.JPG": "a red square", "b.png": "a blue one"} and not result.skipped
+
+
+def test_a_utf16_caption_without_its_byte_order_mark_is_an_error(tmp_path):
+    """It decodes as UTF-8 to 'c\x00a\x00t\x00' and trained on that, counted as captioned."""
+    img(tmp_path / "a.png")
+    (tmp_path / "a.txt").write_bytes("a cat".encode("utf-16-le"))
+    with pytest.raises(
+        DatasetError, match=r"a\.txt holds NUL bytes \(UTF-16 text without a byte-order mark\?\)"
+    ):
+        scan(tmp_path)
+
+
+def test_hugging_face_metadata_jsonl_captions_the_images_it_names(tmp_path):
+    """diffusers' imagefolder layout (metadata.jsonl: file_name, text): its captions were ignored and every
+    image trained on the fallback, the file listed as 'not a supported image type'."""
+    img(tmp_path / "a.png")
+    img(tmp_path / "sub" / "b.png")
+    img(tmp_path / "c.png")
+    write(tmp_path / "c.txt", "c from its own file")
+    lines = [{"file_name": "a.png", "text": "a from jsonl"}, {"file_name": "sub/b.png", "caption": "b too"}]
+    write(tmp_path / "metadata.jsonl", "\n".join(json.dumps(x) for x in lines) + "\n")
+    result = scan(tmp_path)
+    assert names(result) == {"a.png": "a from jsonl", "b.png": "b too", "c.png": "c from its own file"}
+    assert not result.skipped
+    write(tmp_path / "metadata.jsonl", '{"file_name": "a.png"\n')
+    with pytest.raises(DatasetError, match=r"metadata\.jsonl: line 1 is not valid JSON"):
+        scan(tmp_path)
+
+
+def test_a_downloaders_json_among_captioned_images_keeps_their_captions(tmp_path):
+    """gallery-dl writes a.png.json beside a.png: one such file turned the whole folder into the metadata
+    layout, every other image skipped ('no .json record describes this image') and its caption dropped; the
+    record's own image was not found either (a.png.png)."""
+    for n in "abc":
+        img(tmp_path / f"{n}.png")
+        write(tmp_path / f"{n}.txt", f"{n} captioned")
+    write(tmp_path / "c.png.json", json.dumps({"category": "pixiv", "tags": ["red", "circle"]}))
+    result = scan(tmp_path)
+    assert names(result) == {"a.png": "a captioned", "b.png": "b captioned", "c.png": "red, circle"}
+    assert not result.skipped
+
+
+def test_a_kohya_folder_named_by_a_year_says_its_repeats(tmp_path):
+    img(tmp_path / "2023_summer" / "a.png")
+    img(tmp_path / "10_dog" / "b.png")
+    result = scan(tmp_path)
+    assert result.images_x_repeats == 2033
+    assert result.notes == [
+        "folder 2023_summer: 2023 repeats (kohya reads the number before '_' as repeats; a date or an id there "
+        "multiplies the epoch: rename it, e.g. 1_2023_summer)"
+    ]
 
 
 def test_hidden_files_are_ignored_silently(tmp_path):
@@ -152,7 +215,7 @@ def test_metadata_layout_path_fields_and_tag_forms(tmp_path):
     assert items["d.webp"].caption == "beside"
     assert all(it.repeats == 2 for it in result.items)
     assert items["a.png"].path == tmp_path / "images" / "a.png"
-    assert skipped(result) == {"e.png": "no .json record describes this image"}
+    assert skipped(result) == {"e.png": "no .json record describes this image, and it has no caption file"}
 
 
 def test_metadata_filters(tmp_path):

@@ -92,6 +92,7 @@ class Scan:
     format: str  # flat | kohya | metadata
     items: list[Item] = field(default_factory=list)
     skipped: list[tuple[Path, str]] = field(default_factory=list)  # (path, reason), each path once
+    notes: list[str] = field(default_factory=list)  # what the layout made of something that looks unintended
 
     @property
     def num_images(self) -> int:
@@ -179,7 +180,9 @@ def scan(
         result = _scan_kohya(root, files, cap_ext)
     else:
         result = Scan(root, "flat")
-        listed = _kohya_captions(root, records)
+        kohya_files, kohya = _kohya_captions(root, records)
+        jsonl_files, jsonl = _jsonl_captions(root, files)
+        listed = (kohya_files + jsonl_files, {**jsonl, **kohya})
         _pair_captions(root, files, result, cap_ext, repeats, lambda _p: default_caption, listed)
 
     _drop_empty_files(result)
@@ -211,8 +214,10 @@ def uncaptioned_note(result: Scan, cfg: TrainConfig) -> str:
     caption = fallback_caption(cfg)
     key = "textual_inversion.token" if cfg.method == "textual-inversion" else "dreambooth.instance_prompt"
     said = f"the caption {caption!r} (from {key})" if caption else "an empty caption"
+    ext = cfg.data.caption_extension
+    ext = ext if ext.startswith(".") else "." + ext
     return (
-        f"{count_of(n, 'image')} without a .txt caption train with {said}; set "
+        f"{count_of(n, 'image')} without a {ext} caption train with {said}; set "
         "data.default_caption=... or add captions to change that"
     )
 
@@ -321,8 +326,16 @@ def _rel(path: Path, root: Path) -> str:
         return str(path)
 
 
-def _not_image_reason(path: Path) -> str:
+# caption files of the tools people use: one of another extension than data.caption_extension is not read
+CAPTION_EXTENSIONS = (".txt", ".caption", ".tags")
+
+
+def _not_image_reason(path: Path, cap_ext: str | None = None) -> str:
     ext = path.suffix.lower() or "no extension"
+    if cap_ext is not None and ext in CAPTION_EXTENSIONS and ext != cap_ext:
+        return f"a {ext} caption, not read: data.caption_extension is {cap_ext}"
+    if path.name.lower() == "metadata.jsonl":
+        return "a captions file (metadata.jsonl) that names no image here"
     return f"not a supported image type ({ext}); use {_EXT_LIST}"
 
 
@@ -348,12 +361,18 @@ def _decode_caption(path: Path, raw: bytes) -> str:
         except UnicodeDecodeError:
             pass
     try:
-        return raw.decode("utf-8-sig")
+        text = raw.decode("utf-8-sig")
     except UnicodeDecodeError as e:
         raise DatasetError(
             f"caption {path} is not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start})",
             fix="save it as UTF-8 (in most editors: Save as, encoding UTF-8)",
         ) from None
+    if "\x00" in text:  # valid UTF-8, but UTF-16 without its byte-order mark: 'c\x00a\x00t\x00' trained as is
+        raise DatasetError(
+            f"caption {path} holds NUL bytes (UTF-16 text without a byte-order mark?)",
+            fix="save it as UTF-8 (in most editors: Save as, encoding UTF-8)",
+        )
+    return text
 
 
 def _pair_captions(root, files, result, cap_ext, repeats, fallback, listed=None) -> None:
@@ -362,6 +381,8 @@ def _pair_captions(root, files, result, cap_ext, repeats, fallback, listed=None)
     files_of, captions = listed or ((), {})
     images = [f for f in files if is_image(f)]
     stems = {(f.parent, f.stem) for f in images}
+    # a caption file in any case of its extension (IMG_0001.JPG beside IMG_0001.TXT), as images are taken
+    cap_files = {(f.parent, f.stem): f for f in files if f.suffix.lower() == cap_ext}
     for f in files:
         if is_image(f) or f in files_of:
             continue
@@ -369,12 +390,11 @@ def _pair_captions(root, files, result, cap_ext, repeats, fallback, listed=None)
             if (f.parent, f.stem) not in stems:
                 result.skipped.append((f, "caption file without an image of the same name"))
             continue
-        result.skipped.append((f, _not_image_reason(f)))
+        result.skipped.append((f, _not_image_reason(f, cap_ext)))
     for img in images:
         caption = next((captions[k] for k in _image_keys(root, img) if k in captions), None)
-        if caption is None:
-            cap_file = img.with_suffix(cap_ext)
-            caption = _read_caption(cap_file) if cap_file.is_file() else None
+        if caption is None and (cap_file := cap_files.get((img.parent, img.stem))) is not None:
+            caption = _read_caption(cap_file)
         if caption is None:
             caption = fallback(img)
         result.items.append(Item(img, caption, None, repeats))
@@ -410,6 +430,48 @@ def _kohya_captions(
     return tuple(found), captions
 
 
+JSONL_CAPTION_FIELDS = ("text", "caption", "prompt")
+
+
+def _jsonl_captions(root: Path, files: Iterable[Path]) -> tuple[tuple[Path, ...], dict[str, str]]:
+    """Captions of Hugging Face's imagefolder layout (what diffusers' training scripts load with
+    ``load_dataset("imagefolder")``): a ``metadata.jsonl`` whose lines are ``{"file_name": "a.png", "text":
+    "..."}``, names relative to its folder (``caption`` or ``prompt`` where there is no ``text``). Returns (the
+    files read, image path relative to the root -> caption); an image it does not name keeps its caption file.
+    A line that is not a JSON object is an error naming the file and line."""
+    found: list[Path] = []
+    captions: dict[str, str] = {}
+    for f in files:
+        if f.name.lower() != "metadata.jsonl":
+            continue
+        try:
+            lines = f.read_text(encoding="utf-8-sig").splitlines()
+        except (OSError, UnicodeDecodeError) as e:
+            raise DatasetError(
+                f"{f}: cannot read it ({type(e).__name__})",
+                fix="save it as UTF-8, or move it out of the dataset",
+            ) from None
+        for n, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DatasetError(
+                    f"{f}: line {n} is not valid JSON ({e.msg})",
+                    fix="fix the line, or move the file out of the dataset",
+                ) from None
+            name = record.get("file_name") if isinstance(record, dict) else None
+            text = next((record[k] for k in JSONL_CAPTION_FIELDS if isinstance(record.get(k), str)), None)
+            if isinstance(name, str) and text and text.strip():
+                image = f.parent / name
+                captions[image.relative_to(root).as_posix() if image.is_relative_to(root) else str(image)] = (
+                    text.strip()
+                )
+        found.append(f)
+    return tuple(found), captions
+
+
 def _image_keys(root: Path, img: Path) -> tuple[str, ...]:
     """The keys a kohya captions file may name ``img`` by: its stem, its path relative to the root or in full
     (as given, made absolute, or resolved through links), each with and without the extension."""
@@ -419,6 +481,9 @@ def _image_keys(root: Path, img: Path) -> tuple[str, ...]:
 
 
 # -- kohya --------------------------------------------------------------------------------------------
+
+
+SUSPICIOUS_REPEATS = 1000  # a kohya folder's repeats from here on look like a year or an id (2023_summer)
 
 
 def _scan_kohya(root: Path, files: list[Path], cap_ext: str) -> Scan:
@@ -441,6 +506,11 @@ def _scan_kohya(root: Path, files: list[Path], cap_ext: str) -> Scan:
             )
             continue
         n, name = int(m.group(1)), m.group(2).strip()
+        if n >= SUSPICIOUS_REPEATS:
+            result.notes.append(
+                f"folder {folder.name}: {n} repeats (kohya reads the number before '_' as repeats; a date or an "
+                "id there multiplies the epoch: rename it, e.g. 1_" + folder.name + ")"
+            )
         if n < 1:
             result.skipped.append(
                 (folder, f"repeats {n} in the folder name ({count_of(len(members), 'file')} ignored)")
@@ -518,6 +588,9 @@ def _record_image(root: Path, json_path: Path, data: dict[str, Any]) -> Path | s
                 if cand.is_file():
                     return cand
             return f"its image {rel!r} ({key}) was not found under {root} or beside the json"
+    named = json_path.with_suffix("")  # gallery-dl's a.png.json beside a.png
+    if is_image(named) and named.is_file():
+        return named
     for ext in IMAGE_EXTENSIONS:
         for cand in (json_path.with_suffix(ext), json_path.with_suffix(ext.upper())):
             if cand.is_file():
@@ -599,13 +672,18 @@ def _scan_metadata(root, files, records, repeats, meta: MetadataConfig | None, c
             caption = None
         result.items.append(Item(shown, caption, tags or None, repeats, score if has_score else None))
 
+    cap_files = {(f.parent, f.stem): f for f in files if f.suffix.lower() == cap_ext}
     for f in files:
         if f.suffix.lower() == ".json" or f.resolve() in described:
             continue
-        if is_image(f):
-            result.skipped.append((f, "no .json record describes this image"))
+        if is_image(f) and (cap_file := cap_files.get((f.parent, f.stem))) is not None:
+            # beside the records, an image with a caption file trains on it (a few .json files, e.g. a
+            # downloader's, among captioned images took the whole dataset to the metadata layout)
+            result.items.append(Item(f, _read_caption(cap_file), None, repeats))
+        elif is_image(f):
+            result.skipped.append((f, "no .json record describes this image, and it has no caption file"))
         elif f.suffix.lower() == cap_ext:
-            continue  # caption files are not used in the metadata layout; not an error either
+            continue  # caption files: of the images above, or not used; not an error either
         else:
             result.skipped.append((f, _not_image_reason(f)))
     return result
@@ -638,8 +716,9 @@ def _exif_rotated(im: Any) -> bool:
 
 def check_image(path: str | os.PathLike[str], *, decode: bool = True) -> tuple[int, int] | str:
     """Open and fully decode one image: its (width, height) after EXIF rotation, or why it is unusable.
-    ``decode=False`` reads the header only: what PIL identifies, its size as stored (a PNG's EXIF can follow
-    its pixel data: reading it costs a decode); a file broken further in passes."""
+    ``decode=False`` reads the header only: what PIL identifies, its size after a JPEG's or WebP's EXIF
+    rotation (in its header; a PNG's EXIF can follow its pixel data: reading it costs a decode, so a PNG's
+    size is as stored); a file broken further in passes."""
     from PIL import Image, UnidentifiedImageError
 
     quiet_large_images()
@@ -651,7 +730,7 @@ def check_image(path: str | os.PathLike[str], *, decode: bool = True) -> tuple[i
             if decode:
                 im.load()  # a real decode catches truncated data that verify() lets through
             w, h = im.size
-            if decode and _exif_rotated(im):
+            if (decode or im.format != "PNG") and _exif_rotated(im):
                 w, h = h, w
     except UnidentifiedImageError:
         return "not an image PIL can read (corrupt, or another format with an image extension)"
