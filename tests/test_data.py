@@ -97,6 +97,18 @@ def test_transparency_becomes_white_and_grey_becomes_rgb(tmp_path):
     assert ds[1]["pixel_values"].shape == (3, 64, 64)
 
 
+def test_a_pngs_transparent_colour_becomes_white_too(tmp_path):
+    """An RGB or grayscale PNG with a tRNS colour key (PIL's save(transparency=...), optimizers reducing RGBA)
+    trained its transparent background black where the same picture as RGBA trained white."""
+    im = Image.new("RGB", (64, 64), (0, 0, 0))
+    im.paste((200, 30, 30), (16, 16, 48, 48))
+    im.save(tmp_path / "keyed.png", transparency=(0, 0, 0))
+    Image.new("L", (64, 64), 0).save(tmp_path / "keyed_l.png", transparency=0)
+    ds = CaptionedImages([Item(tmp_path / "keyed.png"), Item(tmp_path / "keyed_l.png")], resolution=64)
+    assert rgb_at(ds[0], 2, 2) == (1.0, 1.0, 1.0) and rgb_at(ds[1], 2, 2) == (1.0, 1.0, 1.0)
+    assert rgb_at(ds[0], 32, 32)[0] > 0.5  # the opaque square keeps its colour
+
+
 def test_exif_rotation_is_applied(tmp_path):
     im = Image.new("RGB", (80, 40), RED)
     exif = im.getexif()

@@ -54,14 +54,17 @@ _SIXTEEN_BIT_GRAY = ("I", "I;16", "I;16L", "I;16B", "I;16N")  # how PIL opens a 
 
 
 def _to_rgb(im: Image.Image) -> Image.Image:
-    """RGB; transparent pixels become white (not the black of a plain convert); 16-bit grayscale scaled to
-    8 bits (a plain convert clips every value above 255, so the image trains as white)."""
-    if im.mode == "RGB":
+    """RGB; transparent pixels become white (not the black of a plain convert), those of an alpha channel and
+    of a palette's or an RGB / grayscale PNG's transparent colour (tRNS, what PIL's save(transparency=...) and
+    optimizers reducing RGBA write); 16-bit grayscale scaled to 8 bits (a plain convert clips every value above
+    255, so the image trains as white)."""
+    keyed = im.mode in ("RGB", "L", "P") and "transparency" in im.info
+    if im.mode == "RGB" and not keyed:
         return im
     if im.mode in _SIXTEEN_BIT_GRAY:
         gray = np.asarray(im, dtype=np.float64) / 257.0  # 0..65535 -> 0..255
         return Image.fromarray(np.clip(gray, 0, 255).round().astype(np.uint8), "L").convert("RGB")
-    if im.mode in ("RGBA", "LA", "PA") or (im.mode == "P" and "transparency" in im.info):
+    if im.mode in ("RGBA", "LA", "PA") or keyed:
         rgba = im.convert("RGBA")
         background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
         return Image.alpha_composite(background, rgba).convert("RGB")
