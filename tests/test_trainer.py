@@ -1181,3 +1181,18 @@ def test_caption_dropout_trains_through_the_text_cache(tiny_sd15, dataset, tmp_p
     assert "text cache: 2 captions encoded" in capsys.readouterr().out  # the dataset's one caption and ""
     with safe_open(str(out / f"{out.name}.kohya.safetensors"), "pt") as f:
         assert f.metadata()["ss_caption_dropout_rate"] == "0.5"
+
+
+def test_class_images_top_up_the_buckets_that_are_short():
+    """A class folder filled in part (an interrupted generation, the user's own images) was topped up in the
+    instance shapes' proportion over the missing images alone: one wide image there and one to make, it made
+    another wide one and the square bucket had none."""
+    from sdplan.trainer.recipes.dreambooth import generation_shapes
+
+    wide, square = (64, 192), (128, 128)  # (height, width)
+    assert generation_shapes({wide: 2, square: 2}, 1, {wide: 1}) == [(128, 128)]
+    assert generation_shapes({wide: 2, square: 2}, 4) == [(192, 64), (192, 64), (128, 128), (128, 128)]
+    # 50 square images of the user's and 50 to make, the instances 6 wide to 2 square: all 50 wide
+    assert generation_shapes({wide: 6, square: 2}, 50, {square: 50}) == [(192, 64)] * 50
+    # images in a bucket no instance is in count for nothing
+    assert generation_shapes({square: 4}, 3, {(999, 1): 5}) == [(128, 128)] * 3

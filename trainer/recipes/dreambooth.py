@@ -121,15 +121,48 @@ def _instance_shapes(dataset) -> dict[tuple[int, int], int]:
     return dict(counts.most_common())
 
 
-def generation_shapes(shapes: dict[tuple[int, int], int], n: int) -> list[tuple[int, int]]:
-    """(width, height) of each of ``n`` class images to generate: the instance samples' shapes in proportion
-    (largest remainder; ties to the more common shape), so each aspect bucket has class images of its own."""
+def _shares(shapes: dict[tuple[int, int], int], n: int) -> dict[tuple[int, int], int]:
+    """``n`` shared out over ``shapes`` in proportion to their counts (largest remainder; ties to the more
+    common shape)."""
     total = sum(shapes.values())
     exact = {shape: n * c / total for shape, c in shapes.items()}
     take = {shape: int(x) for shape, x in exact.items()}
     for shape in sorted(exact, key=lambda sh: take[sh] - exact[sh])[: n - sum(take.values())]:
         take[shape] += 1
-    return [(w, h) for (h, w), k in take.items() for _ in range(k)]
+    return take
+
+
+def generation_shapes(
+    shapes: dict[tuple[int, int], int], n: int, have: dict[tuple[int, int], int] | None = None
+) -> list[tuple[int, int]]:
+    """(width, height) of each of ``n`` class images to generate, so that with the class images there are
+    (``have``: (height, width) -> how many are in that shape's bucket) the class set has the instance samples'
+    ``shapes`` (height, width) in proportion: each aspect bucket has class images of its own, a folder filled
+    in part (an interrupted generation, the user's own images) is topped up where it is short."""
+    have = {shape: k for shape, k in (have or {}).items() if shape in shapes}
+    wanted = _shares(shapes, n + sum(have.values()))
+    out = [shape for shape, k in wanted.items() for _ in range(max(0, k - have.get(shape, 0)))][:n]
+    out += (
+        [shape for shape, k in _shares(shapes, n - len(out)).items() for _ in range(k)]
+        if len(out) < n
+        else []
+    )
+    return [(w, h) for h, w in out]
+
+
+def _class_shapes(cfg, items) -> dict[tuple[int, int], int]:
+    """(height, width) -> how many of the class images ``items`` (scanned, with their sizes) the class dataset
+    puts in that shape's aspect bucket (all in the square one without buckets)."""
+    import collections
+
+    from ..buckets import assign_buckets, config_buckets
+
+    res = cfg.data.resolution
+    if not cfg.data.buckets:
+        return {(res, res): len(items)} if items else {}
+    buckets = config_buckets(cfg.data)
+    ids = assign_buckets([it.size or (res, res) for it in items], buckets)
+    return dict(collections.Counter((buckets[i][1], buckets[i][0]) for i in ids))
 
 
 def _generate_class_images(
@@ -146,7 +179,8 @@ def _generate_class_images(
             f"dreambooth.class_data {class_dir} is a file, not a folder",
             fix="set it to a folder for the class images (generated there when short)",
         )
-    have = scan(class_dir, verify=True).num_images if class_dir.is_dir() else 0
+    found = scan(class_dir, verify=True).items if class_dir.is_dir() else []
+    have = len(found)
     missing = db.num_class_images - have
     if missing > 0 and accelerator.is_main_process:
         from .. import sampling
@@ -158,7 +192,7 @@ def _generate_class_images(
         pipe = comps.pipeline()
         pipe.set_progress_bar_config(disable=True)
         bar = progress.Progress(accelerator, missing, description="class images")
-        sizes = generation_shapes(shapes, missing)
+        sizes = generation_shapes(shapes, missing, _class_shapes(cfg, found))
         n = 0
         try:
             for i, size in enumerate(sizes):
