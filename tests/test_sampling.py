@@ -60,7 +60,7 @@ def test_generate_images_reports_each_denoising_step_of_every_prompt(tiny_sd15):
     kw = dict(seed=5, steps=3, guidance_scale=3.0, resolution=64)
     done: list[int] = []
     images = sampling.generate_images(pipe, ["a", "b"], on_step=done.append, **kw)
-    assert done == sorted(done) and done[-1] == 6 and {1, 2, 3, 4, 5} <= set(done)
+    assert done == [1, 2, 3, 4, 5, 6]  # each once (PNDM's extra call said no step twice)
     plain = sampling.generate_images(pipe, ["a", "b"], **kw)
     assert all(torch.equal(_pixels_of(x), _pixels_of(y)) for x, y in zip(images, plain, strict=True))
 

@@ -1121,7 +1121,13 @@ def test_a_misspelt_lora_target_beside_a_right_one_is_refused(tiny_sd15):
         UsageError, match=r"lora.target_modules: no module of UNet2DConditionModel is named 'to_kk'"
     ):
         add_lora_adapters(unet, [], lcfg, train_text_encoder=False)
+    lcfg.target_modules = ["to_q", "attn1"]  # a block, not a layer: peft's ValueError was a traceback
+    with pytest.raises(UsageError, match=r"names a block of UNet2DConditionModel, not a layer LoRA adapts"):
+        add_lora_adapters(unet, [], lcfg, train_text_encoder=False)
     lcfg.target_modules = ["to_q", "attn1.to_k", "to_out.0"]  # suffixes of module names, as peft matches
+    unet = UNet2DConditionModel.from_pretrained(
+        str(tiny_sd15), subfolder="unet"
+    )  # peft left the other half-done
     add_lora_adapters(unet, [], lcfg, train_text_encoder=False)
     assert any("attn1.to_k.lora_A" in n for n, _ in unet.named_parameters())
 

@@ -419,20 +419,26 @@ def add_lora_adapters(unet, text_encoders, lcfg, train_text_encoder: bool) -> di
 
             raise UsageError(
                 f"{key}: no module of {type(model).__name__} is named {', '.join(map(repr, unmatched))}",
-                fix=f"name its modules (e.g. {', '.join(_module_names(model))}), or leave {key} out for the default",
+                fix=f"name its layers (e.g. {', '.join(_module_names(model))}), or leave {key} out for the default",
             )
         try:
             model.add_adapter(adapter(targets))
         except ValueError as e:  # peft's NoMatchingPeftModuleError (a ValueError) or, before it, a ValueError
+            from sdplan.errors import UsageError
+
+            fix = f"name its layers (e.g. {', '.join(_module_names(model))}), or leave {key} out for the default"
+            if "is not supported" in str(e):  # a block (attn1), not a layer: peft adapts Linear / Conv layers
+                raise UsageError(
+                    f"{key}={list(targets)}: names a block of {type(model).__name__}, not a layer LoRA adapts "
+                    "(Linear or Conv)",
+                    fix=fix,
+                ) from None
             if type(e).__name__ != "NoMatchingPeftModuleError" and "not found in the base model" not in str(
                 e
             ):
                 raise
-            from sdplan.errors import UsageError
-
             raise UsageError(
-                f"{key}={list(targets)}: no module of {type(model).__name__} has such a name",
-                fix=f"name its modules (e.g. {', '.join(_module_names(model))}), or leave {key} out for the default",
+                f"{key}={list(targets)}: no module of {type(model).__name__} has such a name", fix=fix
             ) from None
 
     attach(unet, lcfg.target_modules, "lora.target_modules")

@@ -122,7 +122,8 @@ def generate_images(
             if per_step:
 
                 def step_end(_pipe, index, _timestep, kwargs, done=i * steps):
-                    on_step(done + min(index + 1, steps))  # PNDM (SD 1.x's default) runs steps + 1
+                    if index < steps:  # PNDM (SD 1.x's default) calls it steps + 1 times: said once each
+                        on_step(done + index + 1)
                     return kwargs
 
                 callback = {"callback_on_step_end": step_end}
