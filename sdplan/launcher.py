@@ -653,7 +653,12 @@ def describe(
             f"optimizer steps; images seen {steps['epochs'] * steps['images_per_epoch']}"
             + (f" (the same as on one process: each epoch is split {world} ways)" if world > 1 else "")
         )
-    if repeats := repeated_batches(steps["images_per_epoch"], t.batch_size, world, inputs.bucket_samples):
+    reaches_last_round = (
+        steps["total_steps"] >= steps["steps_per_epoch"]
+    )  # a max_steps run may stop before it
+    if reaches_last_round and (
+        repeats := repeated_batches(steps["images_per_epoch"], t.batch_size, world, inputs.bucket_samples)
+    ):
         lines.append(
             f"note: the epoch's batches do not divide by {world} processes: its last round trains "
             f"{repeats} of its first batch{'es' if repeats > 1 else ''} again (accelerate gives every process a batch)"

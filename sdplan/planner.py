@@ -61,7 +61,7 @@ from sdplan.settings import (
     describe,
     zero_label,
 )
-from sdplan.steps import Steps, bucketed_batches, plan_steps
+from sdplan.steps import Steps, bucketed_batches, plan_steps, repeated_batches
 from sdplan.trainer.blockswap import support_problem as swap_problem  # the trainer's rule (pure, no torch)
 
 # Settings.__post_init__ normalises these fields only (LoRA's, by the method, and gpu_ids to a tuple)
@@ -3523,6 +3523,15 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
             f"steps: {st.images_per_epoch} images per epoch{buckets} / (batch {s.batch} x accumulation "
             f"{s.grad_accum}) = {st.steps_per_epoch} per epoch x {st.epochs} epochs = {st.total_steps}; images "
             f"seen {st.images_seen}"
+        )
+    reaches_last_round = s.num_gpus > 1 and st.total_steps >= st.steps_per_epoch  # max_steps may stop before
+    if reaches_last_round and (
+        repeats := repeated_batches(st.images_per_epoch, s.batch, s.num_gpus, req.bucket_samples)
+    ):
+        r.append(
+            f"{s.num_gpus} GPUs: an epoch's {st.images_per_epoch} images do not make batches for every GPU in "
+            f"its last round: accelerate gives each one by training {repeats} of the epoch's first "
+            f"batch{'es' if repeats > 1 else ''} again"
         )
     if hw.count > 1:
         r += _multi_gpu_reasons(hw, best, one, best_by_n, profiles, cal)

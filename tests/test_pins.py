@@ -456,6 +456,15 @@ def test_aspect_buckets_count_the_steps_the_trainer_takes(tmp_path):
     assert any("in 3 aspect buckets (each ends in a short batch)" in r for r in bucketed["reasons"])
 
 
+def test_recommend_says_the_batches_accelerate_deals_again():
+    """README: 'the plan says how many'; recommend said 'images seen 8 either way' where 10 train."""
+    args = ("--images", "8", "--epochs", "1", "training.batch_size=2", "--json")
+    d = json.loads(_plan_for("lora", "sd15", "8x RTX 4090", *args, "distributed.num_processes=5").stdout)
+    assert any("training 1 of the epoch's first batch again" in r for r in d["reasons"]), d["reasons"]
+    d = json.loads(_plan_for("lora", "sd15", "8x RTX 4090", *args, "distributed.num_processes=4").stdout)
+    assert not any("first batch" in r for r in d["reasons"])
+
+
 def test_a_dataset_is_counted_with_the_pinned_data_settings(tmp_path):
     """`recommend --dataset` scanned with the defaults: data.metadata.min_score=6 kept every image (the config
     it wrote trained 8 steps of 3 images), data.repeats with buckets counted the buckets' samples once (42

@@ -239,6 +239,9 @@ def test_a_dry_run_says_which_batches_the_processes_repeat(tmp_path, fake_model)
     )
     r = invoke(*args, "--dry-run", "--num-processes", "2", "training.batch_size=2")  # 4 batches, 2 each
     assert r.exit_code == 0 and "first batch" not in r.stdout
+    # a max_steps run that stops before the epoch's last round repeats nothing
+    r = invoke(*args, "--dry-run", "--num-processes", "3", "--max-steps", "1", "training.batch_size=1")
+    assert r.exit_code == 0 and "first batch" not in r.stdout
 
 
 def test_two_machines_print_each_node_command(tmp_path, fake_model):

@@ -573,7 +573,9 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
             ema.model.to(ema.device, torch.float32)  # loaded on the CPU (fp32: see Ema)
         ckpt_lib.apply_learning_rates(optimizer, lr_scheduler, [g["lr"] for g in groups], state.global_step)
         progress.say(accelerator, f"resumed from {resume_from} at step {state.global_step}")
-    repeated = len(loader) * accelerator.num_processes - len(batches) if accelerator.num_processes > 1 else 0
+    repeated = 0  # the batches an epoch's last round deals again, where the run reaches it
+    if accelerator.num_processes > 1 and plan.total_steps >= plan.steps_per_epoch:
+        repeated = len(loader) * accelerator.num_processes - len(batches)
     progress.say(
         accelerator,
         runtime.describe_plan(cfg.method, comps.family, len(dataset), cfg, plan, max(0, repeated)),
