@@ -348,6 +348,27 @@ def validate(data: Any, source: str = "config") -> TrainConfig:
     return cfg
 
 
+def family_problems(cfg: TrainConfig, family: str | None) -> list[str]:
+    """What ``cfg`` sets that ``family`` cannot train (the config's own model.family, or the family `sdplan
+    train` found in the model's files before the launch): an SD3.5 / FLUX.1 resolution off their 16 px grid,
+    a DDPM-only setting on their rectified flow."""
+    problems = []
+    if problem := flow_resolution_problem(cfg.data.resolution, family, buckets=cfg.data.buckets):
+        problems.append(problem)
+    if family in FLOW_FAMILIES:
+        if cfg.training.min_snr_gamma:
+            problems.append(
+                f"training.min_snr_gamma: a weighting of the DDPM objective's timesteps; {family}'s rectified "
+                "flow weighs its own; leave it out (null)"
+            )
+        if cfg.training.noise_offset:
+            problems.append(
+                f"training.noise_offset: an offset of the DDPM noise, not part of {family}'s rectified-flow "
+                "objective; set it to 0"
+            )
+    return problems
+
+
 def _cross_checks(cfg: TrainConfig, errors: list[str]) -> None:
     ds = cfg.distributed.deepspeed
     if cfg.training.full_half_weights and cfg.training.precision != "bf16":
@@ -372,17 +393,11 @@ def _cross_checks(cfg: TrainConfig, errors: list[str]) -> None:
         and not cfg.dreambooth.class_prompt
     ):
         errors.append("dreambooth.class_prompt: required when with_prior_preservation is true")
-    if problem := flow_resolution_problem(cfg.data.resolution, cfg.model.family, buckets=cfg.data.buckets):
-        errors.append(problem)
+    errors += family_problems(cfg, cfg.model.family)
     if cfg.data.caption_dropout and cfg.method == "textual-inversion":
         errors.append(
             "data.caption_dropout: textual inversion learns its token from the captions that hold it; an empty "
             "caption trains nothing; set it to 0"
-        )
-    if cfg.training.min_snr_gamma and cfg.model.family in FLOW_FAMILIES:
-        errors.append(
-            f"training.min_snr_gamma: a weighting of the DDPM objective's timesteps; {cfg.model.family}'s "
-            "rectified flow weighs its own; leave it out (null)"
         )
     # settings of one method given to another: its trainer would ignore them, and the plan charged their memory
     if cfg.method != "dreambooth" and cfg.dreambooth.with_prior_preservation:

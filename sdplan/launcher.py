@@ -1123,6 +1123,8 @@ def prepare(req: TrainRequest, ui: UI) -> Prepared:
     family = cfg.model.family or inputs.family or guess_family(cfg.model.path)
     if family in FAMILIES and not registry.family(family).plans(cfg.method):
         raise registry.not_supported(cfg.method, family)  # as recommend says it: before anything is written
+    if not cfg.model.family and (problems := C.family_problems(cfg, family)):  # found in the model's files
+        raise C.ConfigError(source, problems)
     if refusal := quantized_base_refusal(cfg, family, snapshot, gpu_ids):
         raise UsageError(refusal)
     if refusal := block_swap_refusal(cfg, family):

@@ -535,3 +535,18 @@ def test_a_cpu_run_of_an_fp16_config_says_fp32_in_its_sdplan_yaml(tmp_path, monk
         "--model", str(fake_model), "--dataset", str(ds), "--out", str(tmp_path / "o2"), "--device", "cpu", "--yes"
     )  # fmt: skip
     assert r.exit_code == 130 and "precision fp32; resolution" in r.stdout and "needs a GPU" not in r.stdout
+
+
+def test_a_ddpm_setting_on_a_flux_folder_is_refused_before_the_launch(tmp_path):
+    """training.min_snr_gamma (or a resolution off the 16 px grid) on a FLUX.1 diffusers folder given as a path:
+    the config has no model.family, so only the trainer refused it, after loading the model (minutes on a real
+    one). The family the model's files say is checked before anything is written."""
+    model = fake_diffusers_folder(tmp_path / "flux", "flux-dev")
+    ds = make_images(tmp_path / "ds", n=2)
+    out = tmp_path / "o"
+    args = ("--model", str(model), "--dataset", str(ds), "--out", str(out), "--device", "cpu", "--yes")
+    line = one_line_error(invoke(*args, "--resolution", "64", "training.min_snr_gamma=5"), 2)
+    assert "training.min_snr_gamma" in line and "rectified flow weighs its own" in line
+    line = one_line_error(invoke(*args, "--resolution", "72"), 2)
+    assert "a side must be a multiple of 16 pixels" in line
+    assert not out.exists()
