@@ -303,9 +303,12 @@ def store_root(store_dir: str | Path | None = None, *, demo: bool = False) -> Pa
     its ``demo/`` subfolder, which the planner does not read (tiny-model CPU points teach it nothing)."""
     from sdplan import profiles
 
-    if store_dir is not None:
-        return Path(store_dir).expanduser()
-    return profiles.local_dir() / "demo" if demo else profiles.local_dir()
+    root = Path(store_dir).expanduser() if store_dir is not None else None
+    if root is None:
+        root = profiles.local_dir() / "demo" if demo else profiles.local_dir()
+    if root.exists() and not root.is_dir():
+        raise UsageError(f"the profile store {root} is a file, not a folder", fix="name a folder with --store")
+    return root
 
 
 def _slug(text: str) -> str:
@@ -1172,10 +1175,6 @@ def import_measurements(
         )
     load_export(source)  # every section as the planner reads it, before anything is written
     root = store_root(store_dir)
-    if root.exists() and not root.is_dir():
-        raise UsageError(
-            f"the profile store {root} is a file, not a folder", fix="name a folder with --store"
-        )
     added: dict[str, int] = {}
     for method, section in profiles.read_yaml(source)["methods"].items():
         points = list(section.get("points") or [])

@@ -634,8 +634,13 @@ def test_profiles_import_adds_an_exported_file_to_another_store(tmp_path, monkey
     assert bad.exit_code == 2 and "no such file" in bad.output
     a_file = tmp_path / "keep.txt"
     a_file.write_text("mine")
-    refused = runner.invoke(cli(), ["profiles", "--store", str(a_file)])
-    assert refused.exit_code == 2 and "is a file, not a folder" in refused.output
+    for args in (
+        ["profiles"],
+        ["profiles", "export", str(tmp_path / "e.yaml")],
+        ["profiles", "import", str(shared)],
+    ):
+        refused = runner.invoke(cli(), [*args, "--store", str(a_file)])
+        assert refused.exit_code == 2 and "is a file, not a folder" in refused.output, args
     assert a_file.read_text() == "mine"
 
 

@@ -38,14 +38,10 @@ def profiles(
         return
     from sdplan import profiles as lib
 
-    shipped = lib.shipped_dir()
-    local = Path(store).expanduser() if store is not None else lib.local_dir()
-    if local.exists() and not local.is_dir():
-        from sdplan.errors import UsageError
+    from sdplan.bench import store_root
 
-        raise UsageError(
-            f"the profile store {local} is a file, not a folder", fix="name a folder with --store"
-        )
+    shipped = lib.shipped_dir()
+    local = store_root(store)  # a file there is refused, as by bench and profiles export / import
     known = lib.load_profiles(shipped, local)
     console().print(sources_table(known, shipped, local))
     console().print(points_table(known, full=full))
