@@ -452,3 +452,10 @@ def test_a_kohya_captions_file_matches_full_paths_through_links_and_tag_lists(tm
     for root in (real, tmp_path / "link"):
         result = scan(root)
         assert {it.path.name: it.caption for it in result.items} == {"a.png": "by the link", "b.png": "x, y"}
+
+
+def test_a_metadata_record_of_file_name_and_text_is_captioned(tmp_path):
+    """Per-image .json records {"file_name", "text"} (Hugging Face's column names) were 'metadata: 0 captioned'."""
+    img(tmp_path / "a.png")
+    write(tmp_path / "a.json", json.dumps({"file_name": "a.png", "text": "a red square"}))
+    assert names(scan(tmp_path)) == {"a.png": "a red square"}

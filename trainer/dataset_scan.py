@@ -35,9 +35,10 @@ Three layouts, detected in this order:
 
 ``flat``
     Images anywhere under the root (subfolders included) with a same-name caption file beside them
-    (``a.png`` + ``a.txt``), or named in a kohya captions file at the root (``meta_cap.json``: image name ->
-    ``{"caption": ..., "tags": ...}``, which comes first). Without either: ``default_caption``, else ``None``
-    (the recipe then uses the instance prompt). Every image repeats ``repeats`` times.
+    (``a.png`` + ``a.txt``, the extension in any case), or named in a kohya captions file at the root
+    (``meta_cap.json``: image name -> ``{"caption": ..., "tags": ...}``) or in Hugging Face's ``metadata.jsonl``
+    (``{"file_name": ..., "text": ...}`` per line), which come first. Without either: ``default_caption``, else
+    ``None`` (the recipe then uses the instance prompt). Every image repeats ``repeats`` times.
 
 Caption files: UTF-8 (a byte-order mark dropped) or UTF-16 with its mark; the first non-empty line, stripped
 (as kohya reads them); an empty file counts as missing, and one in another encoding is an error naming it.
@@ -666,8 +667,10 @@ def _scan_metadata(root, files, records, repeats, meta: MetadataConfig | None, c
         caption: str | None
         if tags:
             caption = ", ".join(tags)
-        elif isinstance(data.get("caption"), str) and data["caption"].strip():
-            caption = data["caption"].strip()
+        elif text := next(
+            (data[k] for k in ("caption", "text", "prompt") if isinstance(data.get(k), str)), ""
+        ):
+            caption = text.strip() or None  # "caption", else a Hugging Face record's "text" (or "prompt")
         else:
             caption = None
         result.items.append(Item(shown, caption, tags or None, repeats, score if has_score else None))
