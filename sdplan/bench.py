@@ -298,7 +298,7 @@ def search_largest_batch(fits: Callable[[int], bool], *, max_batch: int) -> tupl
 # -- the store: method files in the planner's schema -----------------------------------------------------
 
 
-def store_root(store_dir: str | Path | None = None, *, demo: bool = False) -> Path:
+def store_root(store_dir: str | Path | None = None, *, demo: bool = False, verb: str = "write") -> Path:
     """Where points go: ``store_dir``, else the local profile store the planner reads; the demo's default is
     its ``demo/`` subfolder, which the planner does not read (tiny-model CPU points teach it nothing)."""
     from sdplan import profiles
@@ -306,9 +306,7 @@ def store_root(store_dir: str | Path | None = None, *, demo: bool = False) -> Pa
     root = Path(store_dir).expanduser() if store_dir is not None else None
     if root is None:
         root = profiles.local_dir() / "demo" if demo else profiles.local_dir()
-    if root.exists() and not root.is_dir():
-        raise UsageError(f"the profile store {root} is a file, not a folder", fix="name a folder with --store")
-    return root
+    return profiles.check_store(root, verb)  # a file there (or above it): one line, for every command
 
 
 def _slug(text: str) -> str:

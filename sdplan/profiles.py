@@ -1643,11 +1643,25 @@ def _load_cached(shipped: str, local: str) -> Profiles:
     return _profiles(ship, gpus, points, multi, sources, host)
 
 
+def check_store(root: Path, verb: str = "read") -> Path:
+    """``root``, or one clear UsageError where it, or the nearest folder above it that exists, is a file (a
+    store there could be neither read nor written; silently skipped, its measurements would be missed)."""
+    for p in (root, *root.parents):
+        if p.exists():
+            if not p.is_dir():
+                raise UsageError(
+                    f"cannot {verb} the profile store {root}: {p} is a file, not a folder",
+                    fix="pass --store DIR with a folder, or set SDPLAN_PROFILE_DIR to one",
+                )
+            break
+    return root
+
+
 def load_profiles(shipped: str | Path | None = None, local: str | Path | None = None) -> Profiles:
     """All profiles: the shipped ones plus the local store (cached per pair of folders)."""
     s = Path(shipped) if shipped is not None else shipped_dir()
-    loc = Path(local) if local is not None else local_dir()
-    return _load_cached(str(s.resolve()), str(loc.expanduser()))
+    loc = check_store((Path(local) if local is not None else local_dir()).expanduser())
+    return _load_cached(str(s.resolve()), str(loc))
 
 
 def clear_cache(*, shipped: bool = True) -> None:

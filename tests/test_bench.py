@@ -641,6 +641,17 @@ def test_profiles_import_adds_an_exported_file_to_another_store(tmp_path, monkey
     ):
         refused = runner.invoke(cli(), [*args, "--store", str(a_file)])
         assert refused.exit_code == 2 and "is a file, not a folder" in refused.output, args
+    # set by $SDPLAN_PROFILE_DIR, as a file or below one: every command says so (recommend skipped it silently)
+    from sdplan.cli import app
+
+    for where in (a_file, a_file / "sub"):
+        env = {"SDPLAN_PROFILE_DIR": str(where)}
+        r = runner.invoke(
+            app, ["recommend", "--method", "lora", "--model", "sd15", "--hardware", "RTX 4090"], env=env
+        )
+        assert r.exit_code == 2 and f"{a_file} is a file, not a folder" in " ".join(r.output.split()), (
+            r.output
+        )
     assert a_file.read_text() == "mine"
 
 

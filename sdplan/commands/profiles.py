@@ -37,11 +37,12 @@ def profiles(
     if ctx.invoked_subcommand is not None:
         return
     from sdplan import profiles as lib
-
     from sdplan.bench import store_root
 
     shipped = lib.shipped_dir()
-    local = store_root(store)  # a file there is refused, as by bench and profiles export / import
+    local = store_root(
+        store, verb="read"
+    )  # a file there is refused, as by bench and profiles export / import
     known = lib.load_profiles(shipped, local)
     console().print(sources_table(known, shipped, local))
     console().print(points_table(known, full=full))
