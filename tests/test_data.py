@@ -107,6 +107,16 @@ def test_a_pngs_transparent_colour_becomes_white_too(tmp_path):
     ds = CaptionedImages([Item(tmp_path / "keyed.png"), Item(tmp_path / "keyed_l.png")], resolution=64)
     assert rgb_at(ds[0], 2, 2) == (1.0, 1.0, 1.0) and rgb_at(ds[1], 2, 2) == (1.0, 1.0, 1.0)
     assert rgb_at(ds[0], 32, 32)[0] > 0.5  # the opaque square keeps its colour
+    # 16-bit grayscale and 1-bit PNGs with a transparent value (the 16-bit branch ran first and kept it dark)
+    import numpy as np
+
+    gray16 = np.full((64, 64), 1000, dtype=np.uint16)
+    gray16[32:, 32:] = 60000
+    Image.fromarray(gray16).save(tmp_path / "g16.png", transparency=1000)
+    Image.new("1", (64, 64), 0).save(tmp_path / "bits.png", transparency=0)
+    ds = CaptionedImages([Item(tmp_path / "g16.png"), Item(tmp_path / "bits.png")], resolution=64)
+    assert rgb_at(ds[0], 2, 2) == (1.0, 1.0, 1.0) and rgb_at(ds[1], 2, 2) == (1.0, 1.0, 1.0)
+    assert 0.7 < rgb_at(ds[0], 48, 48)[0] < 0.9  # 60000 / 257 = 233: scaled, not transparent
 
 
 def test_exif_rotation_is_applied(tmp_path):

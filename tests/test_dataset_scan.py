@@ -119,7 +119,7 @@ def test_hugging_face_metadata_jsonl_captions_the_images_it_names(tmp_path):
     assert names(result) == {"a.png": "a from jsonl", "b.png": "b too", "c.png": "c from its own file"}
     assert not result.skipped
     write(tmp_path / "metadata.jsonl", '{"file_name": "a.png"\n')
-    with pytest.raises(DatasetError, match=r"metadata\.jsonl: line 1 is not valid JSON"):
+    with pytest.raises(DatasetError, match=r"metadata\.jsonl: line 1 is not a JSON object .*Expecting"):
         scan(tmp_path)
 
 
@@ -459,3 +459,99 @@ def test_a_metadata_record_of_file_name_and_text_is_captioned(tmp_path):
     img(tmp_path / "a.png")
     write(tmp_path / "a.json", json.dumps({"file_name": "a.png", "text": "a red square"}))
     assert names(scan(tmp_path)) == {"a.png": "a red square"}
+
+
+def test_metadata_jsonl_is_per_image_and_says_what_it_cannot_use(tmp_path):
+    """A root metadata.jsonl naming a.png captioned sub/a.png too (over its own caption file); a line of valid
+    JSON that is no object was a traceback; names of images that are not there passed without a word."""
+    img(tmp_path / "a.png")
+    img(tmp_path / "sub" / "a.png")
+    write(tmp_path / "sub" / "a.txt", "the sub folder's own")
+    write(tmp_path / "metadata.jsonl", json.dumps({"file_name": "a.png", "text": "ROOT a"}) + "\n")
+    result = scan(tmp_path)
+    assert {_rel(it.path, tmp_path): it.caption for it in result.items} == {
+        "a.png": "ROOT a",
+        "sub/a.png": "the sub folder's own",
+    }
+    lines = [
+        {"file_name": "a.png", "text": ""},
+        {"file_name": "../x.png", "text": "t"},
+        {"file_name": "gone.png"},
+    ]
+    write(tmp_path / "metadata.jsonl", "\n".join(json.dumps(x) for x in lines) + "\n")
+    write(tmp_path / "sub" / "metadata.jsonl", json.dumps({"file_name": "a.png", "caption": "deeper wins"}))
+    result = scan(tmp_path)
+    assert {_rel(it.path, tmp_path): it.caption for it in result.items}["sub/a.png"] == "deeper wins"
+    assert (
+        skipped(result)["metadata.jsonl"] == "names images that are not in the dataset: ../x.png and 1 more"
+    )
+    for line in ("[1, 2]", "null", '"x"'):
+        write(tmp_path / "metadata.jsonl", line + "\n")
+        with pytest.raises(
+            DatasetError, match=r"metadata\.jsonl: line 1 is not a JSON object with file_name"
+        ):
+            scan(tmp_path)
+
+
+def test_metadata_jsonl_in_a_kohya_folder_is_said_to_be_unread(tmp_path):
+    img(tmp_path / "10_dog" / "a.png")
+    write(tmp_path / "10_dog" / "metadata.jsonl", json.dumps({"file_name": "a.png", "text": "x"}))
+    reason = skipped(scan(tmp_path))["metadata.jsonl"]
+    assert reason.startswith("Hugging Face's metadata.jsonl: read in a flat dataset folder")
+
+
+def test_downloader_records_with_tags_by_category_or_none_keep_the_images(tmp_path):
+    """e621's tags by category ({"general": [...]}) dropped the image (marked as described, then skipped with
+    its record); an empty tags list trained it uncaptioned beside its caption file."""
+    img(tmp_path / "a.png")
+    write(tmp_path / "a.png.json", json.dumps({"tags": {"general": ["dog", "grass"], "artist": ["me"]}}))
+    img(tmp_path / "b.png")
+    write(tmp_path / "b.txt", "b from its file")
+    write(tmp_path / "b.png.json", json.dumps({"tags": []}))
+    img(tmp_path / "c.png")
+    write(tmp_path / "c.txt", "c from its file")
+    write(tmp_path / "c.png.json", json.dumps({"tags": 5}))  # unusable: the image keeps its caption file
+    result = scan(tmp_path)
+    assert names(result) == {
+        "a.png": "dog, grass, me",
+        "b.png": "b from its file",
+        "c.png": "c from its file",
+    }
+
+
+def test_record_captions_take_the_first_field_that_is_not_empty(tmp_path):
+    img(tmp_path / "a.png")
+    write(tmp_path / "a.json", json.dumps({"file_name": "a.png", "caption": "", "text": "a dog"}))
+    assert names(scan(tmp_path)) == {"a.png": "a dog"}
+
+
+def test_two_caption_files_differing_in_case_read_one_and_say_the_other(tmp_path):
+    img(tmp_path / "a.png")
+    write(tmp_path / "a.TXT", "upper")
+    write(tmp_path / "a.txt", "lower")
+    result = scan(tmp_path)
+    assert names(result) == {"a.png": "lower"}
+    assert skipped(result) == {"a.TXT": "another caption file of the same image (a.txt is read)"}
+
+
+def test_a_utf32_caption_with_its_mark_is_read():
+    from sdplan.trainer.dataset_scan import _decode_caption
+
+    assert (
+        _decode_caption(Path("a.txt"), "a cat".encode("utf-32")) == "a cat"
+    )  # it trained as '\x00c\x00a...'
+
+
+def test_a_pngs_exif_rotation_is_read_from_its_header(tmp_path):
+    """`recommend` (header reads) took an EXIF-rotated PNG as stored and planned other buckets than train."""
+    from sdplan.trainer.dataset_scan import check_image
+
+    im = Image.new("RGB", (256, 96))
+    exif = im.getexif()
+    exif[0x0112] = 6
+    im.save(tmp_path / "r.png", exif=exif)
+    assert check_image(tmp_path / "r.png", decode=False) == check_image(tmp_path / "r.png") == (96, 256)
+
+
+def _rel(path, root):
+    return Path(path).relative_to(root).as_posix()

@@ -1122,12 +1122,12 @@ def test_a_misspelt_lora_target_beside_a_right_one_is_refused(tiny_sd15):
     ):
         add_lora_adapters(unet, [], lcfg, train_text_encoder=False)
     lcfg.target_modules = ["to_q", "attn1"]  # a block, not a layer: peft's ValueError was a traceback
-    with pytest.raises(UsageError, match=r"names a block of UNet2DConditionModel, not a layer LoRA adapts"):
+    with pytest.raises(UsageError, match=r"'attn1' in UNet2DConditionModel is a Attention, not a layer LoRA"):
+        add_lora_adapters(unet, [], lcfg, train_text_encoder=False)
+    lcfg.target_modules = ["to_q", "norm1"]  # a norm: refused before peft touches the model
+    with pytest.raises(UsageError, match=r"'norm1' in UNet2DConditionModel is a GroupNorm/LayerNorm, not a"):
         add_lora_adapters(unet, [], lcfg, train_text_encoder=False)
     lcfg.target_modules = ["to_q", "attn1.to_k", "to_out.0"]  # suffixes of module names, as peft matches
-    unet = UNet2DConditionModel.from_pretrained(
-        str(tiny_sd15), subfolder="unet"
-    )  # peft left the other half-done
     add_lora_adapters(unet, [], lcfg, train_text_encoder=False)
     assert any("attn1.to_k.lora_A" in n for n, _ in unet.named_parameters())
 
@@ -1200,5 +1200,8 @@ def test_class_images_top_up_the_buckets_that_are_short():
     assert generation_shapes({wide: 2, square: 2}, 4) == [(192, 64), (192, 64), (128, 128), (128, 128)]
     # 50 square images of the user's and 50 to make, the instances 6 wide to 2 square: all 50 wide
     assert generation_shapes({wide: 6, square: 2}, 50, {square: 50}) == [(192, 64)] * 50
+    # more buckets short than images to make: one each, not both in the second bucket (the third had none)
+    a, b, c = (1, 1), (2, 2), (3, 3)
+    assert generation_shapes({a: 5, b: 5, c: 5}, 2, {a: 10}) == [(2, 2), (3, 3)]
     # images in a bucket no instance is in count for nothing
     assert generation_shapes({square: 4}, 3, {(999, 1): 5}) == [(128, 128)] * 3

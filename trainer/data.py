@@ -61,8 +61,12 @@ def _to_rgb(im: Image.Image) -> Image.Image:
     keyed = im.mode in ("RGB", "L", "P") and "transparency" in im.info
     if im.mode == "RGB" and not keyed:
         return im
-    if im.mode in _SIXTEEN_BIT_GRAY:
-        gray = np.asarray(im, dtype=np.float64) / 257.0  # 0..65535 -> 0..255
+    if im.mode in _SIXTEEN_BIT_GRAY or (im.mode == "1" and "transparency" in im.info):
+        values = np.asarray(im, dtype=np.float64)
+        key = im.info.get("transparency")
+        clear = values == key if isinstance(key, (int, float)) else np.zeros(values.shape, dtype=bool)
+        gray = values / 257.0 if im.mode in _SIXTEEN_BIT_GRAY else values * 255.0  # 0..65535 or 0/1 -> 0..255
+        gray[clear] = 255.0  # its transparent value: white, as an alpha channel's
         return Image.fromarray(np.clip(gray, 0, 255).round().astype(np.uint8), "L").convert("RGB")
     if im.mode in ("RGBA", "LA", "PA") or keyed:
         rgba = im.convert("RGBA")

@@ -54,6 +54,7 @@ that are no image PIL can identify are skipped as the trainer skips them, a file
 from __future__ import annotations
 
 import codecs
+import contextlib
 import json
 import os
 import re
@@ -182,7 +183,7 @@ def scan(
     else:
         result = Scan(root, "flat")
         kohya_files, kohya = _kohya_captions(root, records)
-        jsonl_files, jsonl = _jsonl_captions(root, files)
+        jsonl_files, jsonl = _jsonl_captions(root, files, result)
         listed = (kohya_files + jsonl_files, {**jsonl, **kohya})
         _pair_captions(root, files, result, cap_ext, repeats, lambda _p: default_caption, listed)
 
@@ -335,8 +336,8 @@ def _not_image_reason(path: Path, cap_ext: str | None = None) -> str:
     ext = path.suffix.lower() or "no extension"
     if cap_ext is not None and ext in CAPTION_EXTENSIONS and ext != cap_ext:
         return f"a {ext} caption, not read: data.caption_extension is {cap_ext}"
-    if path.name.lower() == "metadata.jsonl":
-        return "a captions file (metadata.jsonl) that names no image here"
+    if path.name.lower() == "metadata.jsonl":  # read in a flat folder (_jsonl_captions); not here
+        return "Hugging Face's metadata.jsonl: read in a flat dataset folder, not in kohya N_name folders or beside .json records"
     return f"not a supported image type ({ext}); use {_EXT_LIST}"
 
 
@@ -356,18 +357,24 @@ def _decode_caption(path: Path, raw: bytes) -> str:
     """UTF-8 with or without a byte-order mark (Windows editors write one), or UTF-16 with its mark
     (Notepad's "Unicode"); anything else is an error naming the file: decoding it with replacement
     characters would train on a garbled caption without a word."""
-    if raw.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
+    text = None
+    # by byte-order mark, UTF-32's first: UTF-32 LE's mark begins with UTF-16 LE's
+    marks = (
+        ((codecs.BOM_UTF32_LE, codecs.BOM_UTF32_BE), "utf-32"),
+        ((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE), "utf-16"),
+    )
+    for boms, codec in marks:
+        if text is None and raw.startswith(boms):
+            with contextlib.suppress(UnicodeDecodeError):
+                text = raw.decode(codec)
+    if text is None:
         try:
-            return raw.decode("utf-16")
-        except UnicodeDecodeError:
-            pass
-    try:
-        text = raw.decode("utf-8-sig")
-    except UnicodeDecodeError as e:
-        raise DatasetError(
-            f"caption {path} is not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start})",
-            fix="save it as UTF-8 (in most editors: Save as, encoding UTF-8)",
-        ) from None
+            text = raw.decode("utf-8-sig")
+        except UnicodeDecodeError as e:
+            raise DatasetError(
+                f"caption {path} is not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start})",
+                fix="save it as UTF-8 (in most editors: Save as, encoding UTF-8)",
+            ) from None
     if "\x00" in text:  # valid UTF-8, but UTF-16 without its byte-order mark: 'c\x00a\x00t\x00' trained as is
         raise DatasetError(
             f"caption {path} holds NUL bytes (UTF-16 text without a byte-order mark?)",
@@ -376,18 +383,47 @@ def _decode_caption(path: Path, raw: bytes) -> str:
     return text
 
 
+def _caption_files(files: Iterable[Path], cap_ext: str, result: Scan) -> dict[tuple[Path, str], Path]:
+    """(folder, stem) -> the caption file, its extension in any case (IMG_0001.JPG beside IMG_0001.TXT), as
+    images are taken; of two differing in case only, the one in the configured case (else the first), the
+    other listed as skipped."""
+    out: dict[tuple[Path, str], Path] = {}
+    for f in files:
+        if f.suffix.lower() != cap_ext:
+            continue
+        key = (f.parent, f.stem)
+        if key in out:
+            keep, other = (
+                (f, out[key]) if f.suffix == cap_ext and out[key].suffix != cap_ext else (out[key], f)
+            )
+            out[key] = keep
+            result.skipped.append((other, f"another caption file of the same image ({keep.name} is read)"))
+        else:
+            out[key] = f
+    return out
+
+
+def _record_caption(record: dict[str, Any]) -> str | None:
+    """A record's caption: its "caption", else Hugging Face's "text", else "prompt", the first that is not
+    empty (per-image .json records and metadata.jsonl lines alike)."""
+    for key in ("caption", "text", "prompt"):
+        value = record.get(key)
+        if isinstance(value, str) and value.strip():
+            return value.strip()
+    return None
+
+
 def _pair_captions(root, files, result, cap_ext, repeats, fallback, listed=None) -> None:
     """Images with same-name caption files beside them; leftovers listed as skipped. ``listed``: captions of a
     kohya captions file (:func:`_kohya_captions`), which come first."""
     files_of, captions = listed or ((), {})
     images = [f for f in files if is_image(f)]
     stems = {(f.parent, f.stem) for f in images}
-    # a caption file in any case of its extension (IMG_0001.JPG beside IMG_0001.TXT), as images are taken
-    cap_files = {(f.parent, f.stem): f for f in files if f.suffix.lower() == cap_ext}
+    cap_files = _caption_files(files, cap_ext, result)
     for f in files:
         if is_image(f) or f in files_of:
             continue
-        if f.suffix.lower() == cap_ext:
+        if f.suffix.lower() == cap_ext and cap_files.get((f.parent, f.stem)) == f:
             if (f.parent, f.stem) not in stems:
                 result.skipped.append((f, "caption file without an image of the same name"))
             continue
@@ -431,20 +467,20 @@ def _kohya_captions(
     return tuple(found), captions
 
 
-JSONL_CAPTION_FIELDS = ("text", "caption", "prompt")
-
-
-def _jsonl_captions(root: Path, files: Iterable[Path]) -> tuple[tuple[Path, ...], dict[str, str]]:
+def _jsonl_captions(
+    root: Path, files: Iterable[Path], result: Scan
+) -> tuple[tuple[Path, ...], dict[str, str]]:
     """Captions of Hugging Face's imagefolder layout (what diffusers' training scripts load with
     ``load_dataset("imagefolder")``): a ``metadata.jsonl`` whose lines are ``{"file_name": "a.png", "text":
-    "..."}``, names relative to its folder (``caption`` or ``prompt`` where there is no ``text``). Returns (the
-    files read, image path relative to the root -> caption); an image it does not name keeps its caption file.
-    A line that is not a JSON object is an error naming the file and line."""
+    "..."}`` (:func:`_record_caption`), names relative to its folder; one deeper in the tree wins for the images
+    under it. Returns (the files read, each named image's resolved path -> caption: its own, never another
+    folder's image of the same name); an image none names keeps its caption file. A line that is not a JSON
+    object is an error naming the file and line; names of images that are not in the dataset are listed as
+    skipped."""
     found: list[Path] = []
     captions: dict[str, str] = {}
-    for f in files:
-        if f.name.lower() != "metadata.jsonl":
-            continue
+    root_real = root.resolve()
+    for f in sorted((f for f in files if f.name.lower() == "metadata.jsonl"), key=lambda f: len(f.parts)):
         try:
             lines = f.read_text(encoding="utf-8-sig").splitlines()
         except (OSError, UnicodeDecodeError) as e:
@@ -452,23 +488,36 @@ def _jsonl_captions(root: Path, files: Iterable[Path]) -> tuple[tuple[Path, ...]
                 f"{f}: cannot read it ({type(e).__name__})",
                 fix="save it as UTF-8, or move it out of the dataset",
             ) from None
+        missing: list[str] = []
         for n, line in enumerate(lines, 1):
             if not line.strip():
                 continue
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
-                raise DatasetError(
-                    f"{f}: line {n} is not valid JSON ({e.msg})",
-                    fix="fix the line, or move the file out of the dataset",
-                ) from None
-            name = record.get("file_name") if isinstance(record, dict) else None
-            text = next((record[k] for k in JSONL_CAPTION_FIELDS if isinstance(record.get(k), str)), None)
-            if isinstance(name, str) and text and text.strip():
-                image = f.parent / name
-                captions[image.relative_to(root).as_posix() if image.is_relative_to(root) else str(image)] = (
-                    text.strip()
+                record = e.msg
+            if not isinstance(record, dict):
+                why = (
+                    record
+                    if isinstance(record, str) and not line.lstrip().startswith('"')
+                    else "not an object"
                 )
+                raise DatasetError(
+                    f"{f}: line {n} is not a JSON object with file_name and text ({why})",
+                    fix="fix the line, or move the file out of the dataset",
+                )
+            name, text = record.get("file_name"), _record_caption(record)
+            if not isinstance(name, str) or not name.strip():
+                missing.append(f"line {n} has no file_name")
+                continue
+            image = (f.parent / name.strip()).resolve()
+            if not (image.is_relative_to(root_real) and image.is_file() and is_image(image)):
+                missing.append(name.strip())
+            elif text:
+                captions[str(image)] = text
+        if missing:
+            more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+            result.skipped.append((f, f"names images that are not in the dataset: {missing[0]}{more}"))
         found.append(f)
     return tuple(found), captions
 
@@ -562,6 +611,10 @@ def _as_tags(value: Any) -> list[str]:
         parts = value.split(",")
     elif isinstance(value, (list, tuple)):
         parts = [str(v) for v in value if v is not None]
+    elif isinstance(
+        value, dict
+    ):  # by category, as gallery-dl writes e621's: {"general": [...], "artist": [...]}
+        return [t for v in value.values() for t in _as_tags(v)]
     else:
         raise ValueError(f"tags must be a list or a comma-separated string, got {type(value).__name__}")
     return [t.strip() for t in parts if t.strip()]
@@ -614,6 +667,7 @@ def _scan_metadata(root, files, records, repeats, meta: MetadataConfig | None, c
     root_resolved = root.resolve()
 
     described: dict[Path, Path] = {}  # resolved image -> json that described it
+    cap_files = _caption_files(files, cap_ext, result)
     for json_path, data in records.items():
         if isinstance(data, str):
             result.skipped.append((json_path, data))
@@ -636,6 +690,7 @@ def _scan_metadata(root, files, records, repeats, meta: MetadataConfig | None, c
             raw = _as_tags(data.get("tags"))
         except ValueError as e:
             result.skipped.append((json_path, str(e)))
+            del described[image]  # the image may still train on its caption file
             continue
         forms = [(t, _replace(t, replace)) for t in raw]
 
@@ -667,15 +722,14 @@ def _scan_metadata(root, files, records, repeats, meta: MetadataConfig | None, c
         caption: str | None
         if tags:
             caption = ", ".join(tags)
-        elif text := next(
-            (data[k] for k in ("caption", "text", "prompt") if isinstance(data.get(k), str)), ""
-        ):
-            caption = text.strip() or None  # "caption", else a Hugging Face record's "text" (or "prompt")
+        elif text := _record_caption(data):
+            caption = text
+        elif (cap_file := cap_files.get((shown.parent, shown.stem))) is not None:
+            caption = _read_caption(cap_file)  # a record without tags or caption: the image's caption file
         else:
             caption = None
         result.items.append(Item(shown, caption, tags or None, repeats, score if has_score else None))
 
-    cap_files = {(f.parent, f.stem): f for f in files if f.suffix.lower() == cap_ext}
     for f in files:
         if f.suffix.lower() == ".json" or f.resolve() in described:
             continue
@@ -733,7 +787,8 @@ def check_image(path: str | os.PathLike[str], *, decode: bool = True) -> tuple[i
             if decode:
                 im.load()  # a real decode catches truncated data that verify() lets through
             w, h = im.size
-            if (decode or im.format != "PNG") and _exif_rotated(im):
+            # a PNG's EXIF is in its header only where written before the pixels (Pillow does): in im.info
+            if (decode or im.format != "PNG" or "exif" in im.info) and _exif_rotated(im):
                 w, h = h, w
     except UnidentifiedImageError:
         return "not an image PIL can read (corrupt, or another format with an image extension)"

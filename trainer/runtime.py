@@ -410,29 +410,34 @@ def add_lora_adapters(unet, text_encoders, lcfg, train_text_encoder: bool) -> di
         )
 
     def attach(model, targets, key: str) -> None:
-        names = [n for n, _ in model.named_modules()]
+        import torch
+
+        from sdplan.errors import UsageError
+
+        modules = list(model.named_modules())
+        fix = f"name its layers (e.g. {', '.join(_module_names(model))}), or leave {key} out for the default"
         # peft matches a listed target by a module name's dotted suffix, and drops one that matches nothing
         # as long as another matches: a misspelt name trained without its layers, silently
-        unmatched = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
+        matched = {t: [m for n, m in modules if n == t or n.endswith("." + t)] for t in targets}
+        unmatched = [t for t, found in matched.items() if not found]
         if unmatched and len(unmatched) < len(targets):
-            from sdplan.errors import UsageError
-
             raise UsageError(
                 f"{key}: no module of {type(model).__name__} is named {', '.join(map(repr, unmatched))}",
-                fix=f"name its layers (e.g. {', '.join(_module_names(model))}), or leave {key} out for the default",
+                fix=fix,
+            )
+        # a block (attn1) or a norm matches modules LoRA does not adapt: peft's 'not supported' was a traceback
+        layers = (torch.nn.Linear, torch.nn.Conv2d, torch.nn.Conv1d, torch.nn.Embedding)
+        other = [t for t, found in matched.items() if found and not any(isinstance(m, layers) for m in found)]
+        if other:
+            kinds = sorted({type(m).__name__ for t in other for m in matched[t]})
+            raise UsageError(
+                f"{key}: {', '.join(map(repr, other))} in {type(model).__name__} is a {'/'.join(kinds)}, not a "
+                "layer LoRA adapts (Linear or Conv)",
+                fix=fix,
             )
         try:
             model.add_adapter(adapter(targets))
         except ValueError as e:  # peft's NoMatchingPeftModuleError (a ValueError) or, before it, a ValueError
-            from sdplan.errors import UsageError
-
-            fix = f"name its layers (e.g. {', '.join(_module_names(model))}), or leave {key} out for the default"
-            if "is not supported" in str(e):  # a block (attn1), not a layer: peft adapts Linear / Conv layers
-                raise UsageError(
-                    f"{key}={list(targets)}: names a block of {type(model).__name__}, not a layer LoRA adapts "
-                    "(Linear or Conv)",
-                    fix=fix,
-                ) from None
             if type(e).__name__ != "NoMatchingPeftModuleError" and "not found in the base model" not in str(
                 e
             ):

@@ -141,12 +141,12 @@ def generation_shapes(
     in part (an interrupted generation, the user's own images) is topped up where it is short."""
     have = {shape: k for shape, k in (have or {}).items() if shape in shapes}
     wanted = _shares(shapes, n + sum(have.values()))
-    out = [shape for shape, k in wanted.items() for _ in range(max(0, k - have.get(shape, 0)))][:n]
-    out += (
-        [shape for shape, k in _shares(shapes, n - len(out)).items() for _ in range(k)]
-        if len(out) < n
-        else []
-    )
+    short = {shape: k - have.get(shape, 0) for shape, k in wanted.items() if k > have.get(shape, 0)}
+    if sum(short.values()) > n:  # more short than there are images to make: shared by how short each is
+        short = _shares(short, n)
+    out = [shape for shape, k in short.items() for _ in range(k)]
+    if len(out) < n:  # the folder holds more than its share somewhere: the rest in proportion
+        out += [shape for shape, k in _shares(shapes, n - len(out)).items() for _ in range(k)]
     return [(w, h) for h, w in out]
 
 
