@@ -600,6 +600,10 @@ def describe(
             (m.gradient_checkpointing, "gradient checkpointing"),
             (m.optimizer == "adamw8bit", "8-bit AdamW"),
             (m.cache_latents, "cached latents"),
+            (m.cache_text_encoder_outputs, "cached text-encoder outputs"),
+            (t.full_half_weights, f"full {t.precision} weights (no fp32 copy)"),
+            (cfg.model.base_precision != "bf16", f"{cfg.model.base_precision} base weights"),
+            (m.blocks_to_swap > 0, f"{m.blocks_to_swap} transformer blocks swapped to host RAM"),
             (
                 ds is not None and ds.offload_optimizer,
                 f"DeepSpeed ZeRO-{ds and ds.zero_stage} optimizer offload",

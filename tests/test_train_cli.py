@@ -550,3 +550,17 @@ def test_a_ddpm_setting_on_a_flux_folder_is_refused_before_the_launch(tmp_path):
     line = one_line_error(invoke(*args, "--resolution", "72"), 2)
     assert "a side must be a multiple of 16 pixels" in line
     assert not out.exists()
+
+
+def test_the_printed_plan_names_every_memory_saver_the_config_sets(tmp_path, fake_model):
+    """A FLUX.1 plan's cached text-encoder outputs and fp8 base, an SDXL plan's full bf16 weights: in
+    sdplan.yaml, but the printed 'memory savers' left them out."""
+    ds = make_images(tmp_path / "ds", n=2)
+    args = ("--model", str(fake_model), "--dataset", str(ds), "--out", str(tmp_path / "o"), "--device", "cpu")
+    r = invoke(
+        *args, "--dry-run", "memory.cache_text_encoder_outputs=true", "training.precision=bf16",
+        "training.full_half_weights=true", "method=finetune",
+    )  # fmt: skip
+    assert r.exit_code == 0, r.output
+    (line,) = [x for x in r.stdout.splitlines() if x.startswith("memory savers:")]
+    assert "cached text-encoder outputs" in line and "full bf16 weights (no fp32 copy)" in line, line
