@@ -369,6 +369,7 @@ class InputSummary:
     scan_summary: str
     model_note: str | None = None  # what could not be checked before the launch (a dry run without the hub)
     bucket_samples: tuple[int, ...] = ()  # data.buckets: the samples in each aspect bucket (steps.py)
+    prediction_type: str | None = None  # what the model's files say (an SD 2.x epsilon base plans at 512)
 
 
 def check_inputs(cfg: C.TrainConfig, *, dry_run: bool = False) -> InputSummary:
@@ -431,6 +432,7 @@ def check_inputs(cfg: C.TrainConfig, *, dry_run: bool = False) -> InputSummary:
         buckets = bucket_samples(sizes, reps, config_buckets(cfg.data))
     return InputSummary(
         bucket_samples=buckets,
+        prediction_type=info.prediction_type,
         images=result.num_images,
         images_x_repeats=result.images_x_repeats,
         skipped=len(result.skipped),
@@ -1316,7 +1318,10 @@ def plan_request(cfg: C.TrainConfig, inputs: InputSummary, snapshot: Any, req: T
         raise UsageError(
             f"--resolution {req.resolution} and data.resolution={pinned_resolution} disagree", fix="give one"
         )
+    profiles = load_profiles()
     resolution = req.resolution or pinned_resolution
+    if resolution is None and family in profiles.models:  # the model's own (an SD 2.x epsilon base: 512)
+        resolution = profiles.model(family).resolution_for(inputs.prediction_type)
     prior = cfg.method == "dreambooth" and cfg.dreambooth.with_prior_preservation
     fields = dict(pins)
     request = Request(
@@ -1335,7 +1340,7 @@ def plan_request(cfg: C.TrainConfig, inputs: InputSummary, snapshot: Any, req: T
         class_images=cfg.dreambooth.num_class_images if prior else 0,
         pins=pins,
     )
-    result = plan(snapshot, load_profiles(), request)
+    result = plan(snapshot, profiles, request)
     if result.pin_conflicts:
         raise UsageError(result.pin_conflicts[0], fix=NO_PLAN_FIX)
     if not result.feasible or result.plan is None:

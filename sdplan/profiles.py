@@ -240,6 +240,8 @@ MODEL_SCHEMA = {
     "name": F(STR),
     "architecture": F(STR, required=False, check=_one_of("unet", "mmdit", "flux")),
     "native_resolution": F((int,), check=_positive),
+    # an epsilon-prediction model of the family trains at this side instead (SD 2.x: the 512 base)
+    "epsilon_resolution": F((int,), required=False, check=_positive),
     "latent_channels": F((int,), check=_positive),
     "vae_scale_factor": F((int,), check=_positive),
     "hub_ids": F((list,), item=F(STR)),
@@ -459,6 +461,16 @@ class ModelSpec:
     transformer_text_tokens: int | None = None
     lora_target_modules: tuple[str, ...] = ()
     sources: dict | None = None
+    epsilon_resolution: int | None = (
+        None  # SD 2.x: 2-1-base, epsilon at 512 (the family's 768 is v-prediction)
+    )
+
+    def resolution_for(self, prediction_type: str | None) -> int:
+        """The side a model of this family trains at when none is given: the native one, or an epsilon
+        model's own where the family has one (its files say the prediction type; None: not known)."""
+        if prediction_type == "epsilon" and self.epsilon_resolution:
+            return self.epsilon_resolution
+        return self.native_resolution
 
     @property
     def denoiser_params(self) -> int:
@@ -1187,6 +1199,7 @@ def load_model(path: Path) -> ModelSpec:
         family=d["family"],
         name=d["name"],
         native_resolution=d["native_resolution"],
+        epsilon_resolution=d.get("epsilon_resolution"),
         latent_channels=d["latent_channels"],
         vae_scale_factor=d["vae_scale_factor"],
         hub_ids=tuple(d["hub_ids"]),

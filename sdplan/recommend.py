@@ -328,8 +328,18 @@ def _model_source(inp: RecommendInputs, profiles: Profiles) -> RecommendInputs:
         info.kind, info.kind
     )
     note = f"model {model}: {what} of the {family} family (planned as {family})"
+    resolution = inp.resolution
+    own = profiles.model(family).resolution_for(info.prediction_type)
+    pinned = "data.resolution" in cfgmod.override_keys(inp.settings)
+    if resolution is None and not pinned and own != profiles.model(family).native_resolution:
+        resolution = own
+        note += f"; {info.prediction_type}-prediction: planned at its {own} px (--resolution to change it)"
     return replace(
-        inp, model=family, settings=(*inp.settings, f"model.path={path}"), notes=(*inp.notes, note)
+        inp,
+        model=family,
+        resolution=resolution,
+        settings=(*inp.settings, f"model.path={path}"),
+        notes=(*inp.notes, note),
     )
 
 

@@ -564,3 +564,28 @@ def test_the_printed_plan_names_every_memory_saver_the_config_sets(tmp_path, fak
     assert r.exit_code == 0, r.output
     (line,) = [x for x in r.stdout.splitlines() if x.startswith("memory savers:")]
     assert "cached text-encoder outputs" in line and "full bf16 weights (no fp32 copy)" in line, line
+
+
+def test_train_plans_an_sd2_epsilon_base_at_512(tmp_path):
+    """sdplan train planned an SD 2.x epsilon model (2-1-base) at the family's 768, as recommend did."""
+    import dataclasses
+    import json
+
+    from sdplan.launcher import UI, TrainRequest, run
+    from sdplan.machine import Snapshot
+
+    model = fake_diffusers_folder(tmp_path / "sd2base", "sd21")
+    sched = model / "scheduler" / "scheduler_config.json"
+    sched.write_text(json.dumps({"_class_name": "DDPMScheduler", "prediction_type": "epsilon"}))
+    ds = make_images(tmp_path / "ds")
+    snap = Snapshot.load(Path(__file__).parent / "fixtures" / "machines" / "2x_rtx4090_pcie.json")
+    lines: list[str] = []
+    req = TrainRequest(
+        model=str(model), dataset=str(ds), out=str(tmp_path / "o"), dry_run=True, snapshot=snap
+    )
+    run(req, UI(echo=lines.append))
+    assert "resolution 512" in "\n".join(lines)
+    sched.write_text(json.dumps({"_class_name": "DDPMScheduler", "prediction_type": "v_prediction"}))
+    lines.clear()
+    run(dataclasses.replace(req, out=str(tmp_path / "o2")), UI(echo=lines.append))
+    assert "resolution 768" in "\n".join(lines)
