@@ -418,8 +418,11 @@ def fake_diffusers_folder(
         data[sub] = ["diffusers", "X"]
         if kind == "tokenizer":
             (folder / "tokenizer.json").write_text("{}")
-        elif kind == "scheduler":
-            (folder / "scheduler_config.json").write_text('{"_class_name": "DDPMScheduler"}')
+        elif kind == "scheduler":  # SD 2.x: stabilityai/stable-diffusion-2-1's, v-prediction (planned at 768)
+            sched = {"_class_name": "DDPMScheduler"}
+            if family == "sd21":
+                sched["prediction_type"] = "v_prediction"
+            (folder / "scheduler_config.json").write_text(json.dumps(sched))
         else:
             conf = denoiser if sub in ("unet", "transformer") else {}
             (folder / "config.json").write_text(json.dumps(conf or {}))

@@ -626,17 +626,18 @@ def test_kohya_folders_of_unequal_repeats_count_their_distinct_images(tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("prediction", "side"), [("epsilon", 512), ("v_prediction", 768), (None, 512)]
-)  # None: diffusers default, epsilon
+    ("prediction", "side"), [("epsilon", 512), ("v_prediction", 768), ("unset", 512)]
+)  # unset: a scheduler config without prediction_type is diffusers' default, epsilon
 def test_an_sd2_model_plans_at_the_side_its_prediction_type_trains_at(tmp_path, prediction, side):
     """stabilityai/stable-diffusion-2-1-base is epsilon at 512; a folder of it was planned at the family's 768
     (2.25x the pixels of each step). Its files' prediction type says which; --resolution still wins."""
     from conftest import fake_diffusers_folder
 
     model = fake_diffusers_folder(tmp_path / "sd2", "sd21")
-    if prediction:
-        sched = model / "scheduler" / "scheduler_config.json"
-        sched.write_text(json.dumps({"_class_name": "DDPMScheduler", "prediction_type": prediction}))
+    sched = {"_class_name": "DDPMScheduler"} | (
+        {} if prediction == "unset" else {"prediction_type": prediction}
+    )
+    (model / "scheduler" / "scheduler_config.json").write_text(json.dumps(sched))
     d = json.loads(run("--method", "lora", "--model", str(model), "--hardware", "RTX 4090", "--json").stdout)
     assert d["request"]["resolution"] == side
     if side == 512:
