@@ -1113,7 +1113,7 @@ def export_measurements(
         raise UsageError(f"{dest} is a folder", fix="name a file, e.g. my-gpu.yaml")
     if dest.exists() and not force:
         raise OutputExistsError(f"{dest} already exists", fix="pass --force to overwrite it")
-    root = store_root(store_dir)
+    root = store_root(store_dir, verb="read")
     files = sorted((root / "methods").glob("*.yaml"))
     methods: dict[str, dict[str, Any]] = {}
     left_out = 0

@@ -242,7 +242,11 @@ def render(snapshot: Snapshot, console: Console, verdicts: VerdictFn = planner_v
     else:
         console.print("[bold]Findings[/]: none [green]ok[/]")
 
-    grid = verdict_grid(list(verdicts(snapshot)))
+    try:
+        grid = verdict_grid(list(verdicts(snapshot)))
+    except SdplanError as e:  # the planner's profiles cannot be read (a broken local store): said, not an exit
+        console.print(f"[bold]Verdict[/]: not available: {escape(str(e))}")
+        return
     title = "Verdict (planner: fastest one-GPU plan at native resolution)"
     if not snapshot.usable_gpus:
         # with this host's RAM: DeepSpeed's CPU offload, which lowers what a full fine-tune needs of the GPU,

@@ -311,7 +311,8 @@ def _model_source(inp: RecommendInputs, profiles: Profiles) -> RecommendInputs:
     why = "a hub id that is not in the local cache"
     if not family and info.kind == "hub":
         try:  # its configs from the hub (a few KB, as `sdplan train` asks before its launch)
-            family = check_source(path, hub=True).family
+            info = check_source(path, hub=True)  # its prediction type too (2-1-base plans at 512)
+            family = info.family
         except HubUnreachable as e:
             why += f", and the hub cannot be asked ({e.why})"
     if not family:

@@ -117,6 +117,23 @@ def test_a_pngs_transparent_colour_becomes_white_too(tmp_path):
     ds = CaptionedImages([Item(tmp_path / "g16.png"), Item(tmp_path / "bits.png")], resolution=64)
     assert rgb_at(ds[0], 2, 2) == (1.0, 1.0, 1.0) and rgb_at(ds[1], 2, 2) == (1.0, 1.0, 1.0)
     assert 0.7 < rgb_at(ds[0], 48, 48)[0] < 0.9  # 60000 / 257 = 233: scaled, not transparent
+    # a 16-bit RGB PNG: PIL gives its pixels in 8 bits and its tRNS key in 16 (the key matched nothing)
+    import struct
+    import zlib
+
+    def chunk(kind, data):
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    rgb16 = np.full((64, 64, 3), 4660, dtype=">u2")
+    rows = b"".join(b"\x00" + rgb16[y].tobytes() for y in range(64))
+    (tmp_path / "rgb16.png").write_bytes(
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", struct.pack(">IIBBBBB", 64, 64, 16, 2, 0, 0, 0))
+        + chunk(b"tRNS", struct.pack(">HHH", 4660, 4660, 4660))
+        + chunk(b"IDAT", zlib.compress(rows))
+        + chunk(b"IEND", b"")
+    )
+    assert rgb_at(CaptionedImages([Item(tmp_path / "rgb16.png")], resolution=64)[0], 2, 2) == (1.0, 1.0, 1.0)
 
 
 def test_exif_rotation_is_applied(tmp_path):

@@ -493,6 +493,23 @@ def test_metadata_jsonl_is_per_image_and_says_what_it_cannot_use(tmp_path):
             scan(tmp_path)
 
 
+def test_metadata_jsonl_reads_through_linked_folders_and_names_only_its_own(tmp_path):
+    """Images in a linked folder (the walk follows links: `ln -s ~/photos sub`) resolve outside the root: their
+    jsonl captions were dropped and the file said to name images not in the dataset. A deeper file naming
+    ../b.png captioned the root's b.png."""
+    photos = tmp_path / "photos"
+    img(photos / "a.png")
+    root = tmp_path / "ds"
+    root.mkdir()
+    (root / "sub").symlink_to(photos, target_is_directory=True)
+    img(root / "b.png")
+    write(root / "metadata.jsonl", json.dumps({"file_name": "sub/a.png", "text": "linked"}) + "\n")
+    write(root / "sub" / "metadata.jsonl", json.dumps({"file_name": "../b.png", "text": "from below"}) + "\n")
+    result = scan(root)
+    assert {_rel(it.path, root): it.caption for it in result.items} == {"sub/a.png": "linked", "b.png": None}
+    assert skipped(result) == {"metadata.jsonl": "names images that are not in the dataset: ../b.png"}  # sub/
+
+
 def test_metadata_jsonl_in_a_kohya_folder_is_said_to_be_unread(tmp_path):
     img(tmp_path / "10_dog" / "a.png")
     write(tmp_path / "10_dog" / "metadata.jsonl", json.dumps({"file_name": "a.png", "text": "x"}))
@@ -510,13 +527,10 @@ def test_downloader_records_with_tags_by_category_or_none_keep_the_images(tmp_pa
     write(tmp_path / "b.png.json", json.dumps({"tags": []}))
     img(tmp_path / "c.png")
     write(tmp_path / "c.txt", "c from its file")
-    write(tmp_path / "c.png.json", json.dumps({"tags": 5}))  # unusable: the image keeps its caption file
-    result = scan(tmp_path)
-    assert names(result) == {
-        "a.png": "dog, grass, me",
-        "b.png": "b from its file",
-        "c.png": "c from its file",
-    }
+    write(tmp_path / "c.png.json", json.dumps({"tags": 5, "score": 0.1}))  # unusable: its image is left out
+    result = scan(tmp_path)  # (with its caption file it would pass any min_score unchecked)
+    assert names(result) == {"a.png": "dog, grass, me", "b.png": "b from its file"}
+    assert "tags must be a list" in skipped(result)["c.png.json"]
 
 
 def test_record_captions_take_the_first_field_that_is_not_empty(tmp_path):

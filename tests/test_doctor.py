@@ -394,3 +394,13 @@ def test_a_gtx_16_card_is_judged_in_fp32_with_the_fp16_figure_beside_it():
     assert status == "no" and re.fullmatch(r"needs a [\d.]+ GiB GPU in fp32 \([\d.]+ GiB in fp16\)", note), (
         note
     )
+
+
+def test_a_profile_store_that_is_a_file_leaves_the_report_and_says_why_no_verdict(run, tmp_path, monkeypatch):
+    """$SDPLAN_PROFILE_DIR set to a file: doctor printed the whole report and then exited 2 in place of the
+    verdict table; a diagnostic says it."""
+    (tmp_path / "afile").write_text("x")
+    monkeypatch.setenv("SDPLAN_PROFILE_DIR", str(tmp_path / "afile"))
+    r = run("--machine", str(MACHINES / "t4.json"))
+    assert r.exit_code == 0, r.output
+    assert "Verdict: not available: cannot read the profile store" in " ".join(r.output.split())

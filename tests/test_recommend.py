@@ -656,3 +656,20 @@ def test_an_sd2_model_plans_at_the_side_its_prediction_type_trains_at(tmp_path, 
         ).stdout
     )
     assert d["request"]["resolution"] == 640
+
+
+def test_the_sd2_base_hub_id_plans_at_512(tmp_path, monkeypatch):
+    """stabilityai/stable-diffusion-2-1-base from a cache holding its configs: recommend read the family from
+    the hub check but the prediction type from the check before it (none), and planned 768 where train 512."""
+    import hub_cache
+    from huggingface_hub import constants
+
+    cache = tmp_path / "hub"
+    files = hub_cache.configs("sd21")
+    files["scheduler/scheduler_config.json"] = {"_class_name": "DDIMScheduler", "prediction_type": "epsilon"}
+    hub_cache.write_repo(cache, "stabilityai/stable-diffusion-2-1-base", files)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    args = ("--method", "lora", "--model", "stabilityai/stable-diffusion-2-1-base", "--hardware", "RTX 4090")
+    d = json.loads(run(*args, "--json").stdout)
+    assert d["request"]["resolution"] == 512, d["reasons"]

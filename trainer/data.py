@@ -61,6 +61,12 @@ def _to_rgb(im: Image.Image) -> Image.Image:
     keyed = im.mode in ("RGB", "L", "P") and "transparency" in im.info
     if im.mode == "RGB" and not keyed:
         return im
+    key = im.info.get("transparency")
+    if (
+        im.mode == "RGB" and isinstance(key, tuple) and max(key) > 255
+    ):  # a 16-bit PNG's key, its pixels in 8 bits
+        im = im.copy()
+        im.info["transparency"] = tuple(v >> 8 for v in key)
     if im.mode in _SIXTEEN_BIT_GRAY or (im.mode == "1" and "transparency" in im.info):
         values = np.asarray(im, dtype=np.float64)
         key = im.info.get("transparency")

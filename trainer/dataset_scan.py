@@ -479,7 +479,6 @@ def _jsonl_captions(
     skipped."""
     found: list[Path] = []
     captions: dict[str, str] = {}
-    root_real = root.resolve()
     for f in sorted((f for f in files if f.name.lower() == "metadata.jsonl"), key=lambda f: len(f.parts)):
         try:
             lines = f.read_text(encoding="utf-8-sig").splitlines()
@@ -510,11 +509,12 @@ def _jsonl_captions(
             if not isinstance(name, str) or not name.strip():
                 missing.append(f"line {n} has no file_name")
                 continue
-            image = (f.parent / name.strip()).resolve()
-            if not (image.is_relative_to(root_real) and image.is_file() and is_image(image)):
+            # in its own folder, as the dataset's walk sees it (through linked folders, as _walk follows them)
+            image = Path(os.path.normpath(f.parent / name.strip()))
+            if not (image.is_relative_to(f.parent) and image.is_file() and is_image(image)):
                 missing.append(name.strip())
             elif text:
-                captions[str(image)] = text
+                captions[str(image.resolve())] = text  # the key _image_keys gives the image (its real path)
         if missing:
             more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
             result.skipped.append((f, f"names images that are not in the dataset: {missing[0]}{more}"))
@@ -611,10 +611,8 @@ def _as_tags(value: Any) -> list[str]:
         parts = value.split(",")
     elif isinstance(value, (list, tuple)):
         parts = [str(v) for v in value if v is not None]
-    elif isinstance(
-        value, dict
-    ):  # by category, as gallery-dl writes e621's: {"general": [...], "artist": [...]}
-        return [t for v in value.values() for t in _as_tags(v)]
+    elif isinstance(value, dict):  # by category (gallery-dl's e621 records): {"general": [...], "count": 3}
+        return [t for v in value.values() if isinstance(v, (str, list, tuple)) for t in _as_tags(v)]
     else:
         raise ValueError(f"tags must be a list or a comma-separated string, got {type(value).__name__}")
     return [t.strip() for t in parts if t.strip()]
@@ -689,8 +687,7 @@ def _scan_metadata(root, files, records, repeats, meta: MetadataConfig | None, c
         try:
             raw = _as_tags(data.get("tags"))
         except ValueError as e:
-            result.skipped.append((json_path, str(e)))
-            del described[image]  # the image may still train on its caption file
+            result.skipped.append((json_path, str(e)))  # its image too: its score and tags are unknown
             continue
         forms = [(t, _replace(t, replace)) for t in raw]
 
@@ -788,7 +785,8 @@ def check_image(path: str | os.PathLike[str], *, decode: bool = True) -> tuple[i
                 im.load()  # a real decode catches truncated data that verify() lets through
             w, h = im.size
             # a PNG's EXIF is in its header only where written before the pixels (Pillow does): in im.info
-            if (decode or im.format != "PNG" or "exif" in im.info) and _exif_rotated(im):
+            header_exif = "exif" in im.info or "Raw profile type exif" in im.info  # ImageMagick's text chunk
+            if (decode or im.format != "PNG" or header_exif) and _exif_rotated(im):
                 w, h = h, w
     except UnidentifiedImageError:
         return "not an image PIL can read (corrupt, or another format with an image extension)"
