@@ -244,7 +244,7 @@ def render(snapshot: Snapshot, console: Console, verdicts: VerdictFn = planner_v
 
     try:
         grid = verdict_grid(list(verdicts(snapshot)))
-    except SdplanError as e:  # the planner's profiles cannot be read (a broken local store): said, not an exit
+    except SdplanError as e:  # its profiles unreadable (a broken local store): said, not an exit
         console.print(f"[bold]Verdict[/]: not available: {escape(str(e))}")
         return
     title = "Verdict (planner: fastest one-GPU plan at native resolution)"
