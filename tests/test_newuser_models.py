@@ -685,3 +685,24 @@ def test_a_dry_run_plans_an_uncached_hub_id_offline_and_says_it_was_not_checked(
     )
     one_line_error(runner.invoke(app, ["train", *args.split()]), 2, "HF_HUB_OFFLINE is set")
     assert not (tmp_path / "o").exists()
+
+
+def test_an_sd2_single_files_prediction_type_is_read_from_its_weights_without_torch(tmp_path):
+    """An SD 2.x .safetensors with no .yaml beside it and no metadata (v2-1_512-ema-pruned.safetensors): the
+    trainer told epsilon from v-prediction by ComfyUI's test on its weights, recommend (headers only) could
+    not, and planned the 512 base at 768. The probe tensor is now read from its bytes with numpy."""
+    import numpy as np
+    from sdplan.trainer.source_check import SD2_V_PROBE
+
+    path = write_safetensors(
+        tmp_path / "v2-1_512.safetensors", checkpoint(text=OPEN_CLIP, **{SD2_V_PROBE: (320,)})
+    )
+    info = check_source(str(path))
+    assert (info.family, info.prediction_type) == ("sd21", "epsilon")  # zeros: std 0
+    assert "prediction type epsilon from its weights (ComfyUI's SD 2.x test)" in info.notes
+    n = int.from_bytes(path.read_bytes()[:8], "little")
+    start, _ = json.loads(path.read_bytes()[8 : 8 + n])[SD2_V_PROBE]["data_offsets"]
+    with path.open("r+b") as f:
+        f.seek(8 + n + start)
+        f.write(np.linspace(-1, 1, 320).astype("<f2").tobytes())  # a 768-v model's spread
+    assert check_source(str(path)).prediction_type == "v_prediction"

@@ -494,6 +494,11 @@ def classify_state(
     if info.family is None:
         raise refuse(where, "cannot tell SD 1.x, 2.x or SDXL from its keys", fix="set model.family")
     info.prediction_type, reason = _prediction(keys, metadata, path)
+    if info.prediction_type is None and info.family == "sd21" and path.suffix.lower() == ".safetensors":
+        std = safetensors_tensor_std(path, SD2_V_PROBE)  # ComfyUI's SD 2.x test, on the header's offsets
+        if std is not None:
+            info.prediction_type = "v_prediction" if std > SD2_V_STD else "epsilon"
+            reason = "its weights (ComfyUI's SD 2.x test)"
     info.zero_snr = "ztsnr" in keys and info.prediction_type == "v_prediction"
     if reason:
         info.notes.append(f"prediction type {info.prediction_type} from {reason}")
@@ -530,10 +535,39 @@ def _prediction(keys: set[str], metadata: dict[str, str], path: Path) -> tuple[s
     return None, ""
 
 
+def safetensors_tensor_std(path: Path, key: str) -> float | None:
+    """The standard deviation of one float tensor of a .safetensors file, read from its bytes with numpy (no
+    torch): F32, F16 or BF16; None where the file lacks it or stores another dtype."""
+    import numpy as np
+
+    try:
+        with path.open("rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            entry = json.loads(f.read(n)).get(key)
+            if not isinstance(entry, dict):
+                return None
+            start, end = entry["data_offsets"]
+            f.seek(8 + n + int(start))
+            raw = f.read(int(end) - int(start))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    dtype = entry.get("dtype")
+    if dtype == "BF16":  # numpy has no bfloat16: its 16 bits are a float32's high half
+        values = (np.frombuffer(raw, dtype="<u2").astype(np.uint32) << 16).view(np.float32)
+    elif dtype in ("F32", "F16"):
+        values = np.frombuffer(raw, dtype="<f4" if dtype == "F32" else "<f2").astype(np.float64)
+    else:
+        return None
+    return float(np.asarray(values, dtype=np.float64).std()) if values.size else None
+
+
 def sd2_v_from_weights(norm_bias) -> bool:
     """ComfyUI's test for an SD 2.x checkpoint without a config: v-prediction when the std of the last output
     block's first norm bias exceeds 0.09 (``SD20.model_type``)."""
-    return float(norm_bias.float().std(unbiased=False)) > 0.09
+    return float(norm_bias.float().std(unbiased=False)) > SD2_V_STD
+
+
+SD2_V_STD = 0.09  # ComfyUI supported_models.SD20.model_type: the probe's std above it is v-prediction
 
 
 def check_file(
