@@ -134,6 +134,17 @@ def test_a_pngs_transparent_colour_becomes_white_too(tmp_path):
         + chunk(b"IEND", b"")
     )
     assert rgb_at(CaptionedImages([Item(tmp_path / "rgb16.png")], resolution=64)[0], 2, 2) == (1.0, 1.0, 1.0)
+    # a 4-bit grayscale PNG: PIL scales its pixels to 8 bits (5 -> 85) but not its key (5 matched no pixel)
+    rows = b"".join(b"\x00" + bytes([0x55] * 16 + [0xAA] * 16) for _ in range(64))  # left 5, right 10
+    (tmp_path / "gray4.png").write_bytes(
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", struct.pack(">IIBBBBB", 64, 64, 4, 0, 0, 0, 0))
+        + chunk(b"tRNS", struct.pack(">H", 5))
+        + chunk(b"IDAT", zlib.compress(rows))
+        + chunk(b"IEND", b"")
+    )
+    gray4 = CaptionedImages([Item(tmp_path / "gray4.png")], resolution=64)[0]
+    assert rgb_at(gray4, 2, 2) == (1.0, 1.0, 1.0) and rgb_at(gray4, 2, 60) == (0.33, 0.33, 0.33)  # 10: 170
 
 
 def test_exif_rotation_is_applied(tmp_path):

@@ -53,6 +53,17 @@ def _rng(*parts: Any) -> random.Random:
 _SIXTEEN_BIT_GRAY = ("I", "I;16", "I;16L", "I;16B", "I;16N")  # how PIL opens a 16-bit grayscale PNG
 
 
+def _scale_gray_key(im: Image.Image) -> None:
+    """A 1-, 2- or 4-bit grayscale PNG's transparent value (tRNS) in 8 bits, as PIL gives its pixels (it keeps
+    the key as stored: a 4-bit key of 5 matched no pixel, now 85). Read before the pixels load, while PIL still
+    says the bit depth."""
+    rawmode = getattr(getattr(im, "png", None), "im_rawmode", "") or ""
+    key = im.info.get("transparency")
+    if rawmode in ("L;1", "L;2", "L;4") and isinstance(key, int):
+        bits = int(rawmode[2:])
+        im.info["transparency"] = key * (255 // (2**bits - 1))
+
+
 def _to_rgb(im: Image.Image) -> Image.Image:
     """RGB; transparent pixels become white (not the black of a plain convert), those of an alpha channel and
     of a palette's or an RGB / grayscale PNG's transparent colour (tRNS, what PIL's save(transparency=...) and
@@ -214,6 +225,7 @@ class CaptionedImages(torch.utils.data.Dataset):
         digest = hashlib.sha256(data).hexdigest()
         quiet_large_images()  # here too: DataLoader workers are fresh processes
         with Image.open(io.BytesIO(data)) as opened:
+            _scale_gray_key(opened)
             im = ImageOps.exif_transpose(opened)
             im = _to_rgb(im)
         w, h = im.size
