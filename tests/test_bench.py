@@ -653,6 +653,14 @@ def test_profiles_import_adds_an_exported_file_to_another_store(tmp_path, monkey
             r.output
         )
     assert a_file.read_text() == "mine"
+    loop = tmp_path / "loop"
+    loop.symlink_to(
+        loop
+    )  # `sdplan profiles` crashed on it (RuntimeError: Symlink loop), recommend skipped it
+    r = runner.invoke(cli(), ["profiles", "--store", str(loop)])
+    assert r.exit_code == 2 and "is a symbolic link that loops" in " ".join(r.output.split()), r.output
+    (tmp_path / "later").symlink_to(tmp_path / "not-yet")  # a link to a folder not made yet is fine
+    assert runner.invoke(cli(), ["profiles", "--store", str(tmp_path / "later")]).exit_code == 0
 
 
 def test_profiles_export_with_nothing_measured(tmp_path, monkeypatch):

@@ -385,8 +385,8 @@ def _decode_caption(path: Path, raw: bytes) -> str:
 
 def _caption_files(files: Iterable[Path], cap_ext: str, result: Scan) -> dict[tuple[Path, str], Path]:
     """(folder, stem) -> the caption file, its extension in any case (IMG_0001.JPG beside IMG_0001.TXT), as
-    images are taken; of two differing in case only, the one in the configured case (else the first), the
-    other listed as skipped."""
+    images are taken; of two differing in case only, the one in lowercase (else the first found), the other
+    listed as skipped."""
     out: dict[tuple[Path, str], Path] = {}
     for f in files:
         if f.suffix.lower() != cap_ext:
