@@ -540,6 +540,21 @@ def _check_family(family: str) -> None:
 # -- LoRA -----------------------------------------------------------------------------------------------
 
 
+ALPHA_FOLDED = (
+    "alpha/rank is folded into lora_B; load with lora_alpha = rank"  # the diffusers file's metadata
+)
+
+
+def fold_alpha(state_dict: dict, config: Any, rank: int, alpha: float) -> tuple[dict, dict]:
+    """A peft LoRA state dict with alpha/rank folded into ``lora_B``, and its LoraConfig as adapter metadata
+    saying ``lora_alpha = r``: the diffusers-format file every loader applies alike (diffusers before 0.34
+    reads no lora_adapter_metadata and takes lora_alpha = r, peft_utils.get_peft_kwargs; ComfyUI, finding no
+    ``.alpha`` key, scales by 1)."""
+    scale = float(alpha) / rank
+    folded = {k: (v * scale if ".lora_B." in k else v) for k, v in state_dict.items()}
+    return folded, {**config.to_dict(), "lora_alpha": config.r}
+
+
 def _peft_lora(model, adapter: str = "default") -> tuple[dict, Any] | None:
     """(peft state dict, LoraConfig) of a model carrying a peft LoRA adapter; None when it carries none."""
     from peft import get_peft_model_state_dict
@@ -621,19 +636,16 @@ def save_lora(
         if config.rank_pattern or config.alpha_pattern or config.use_dora:
             raise ExportError(f"the {part} adapter uses rank/alpha patterns or DoRA; kohya LoRA has neither")
 
-    # 1. diffusers format, written by diffusers (with the LoraConfig as lora_adapter_metadata). diffusers before
-    # 0.34 reads no lora_adapter_metadata and takes lora_alpha = r for this format (peft_utils.get_peft_kwargs),
-    # so alpha/r is folded into lora_B and the metadata says lora_alpha = r: every version applies the same.
+    # 1. diffusers format, written by diffusers (with the LoraConfig as lora_adapter_metadata), alpha folded
     pipeline_cls = StableDiffusionXLPipeline if family == "sdxl" else StableDiffusionPipeline
-    scale = float(alpha) / rank
     kwargs = {}
     for part, (state_dict, config) in parts.items():
-        folded = {k: (v * scale if ".lora_B." in k else v) for k, v in state_dict.items()}
+        folded, adapter_metadata = fold_alpha(state_dict, config, rank, alpha)
         kwargs[f"{part}_lora_layers"] = convert_state_dict_to_diffusers(folded)
-        kwargs[f"{part}_lora_adapter_metadata"] = {**config.to_dict(), "lora_alpha": config.r}
+        kwargs[f"{part}_lora_adapter_metadata"] = adapter_metadata
     md = output_metadata(metadata, family)
     md.update({"sdplan_lora_rank": str(rank), "sdplan_lora_alpha": str(float(alpha))})
-    md["sdplan_lora_alpha_folded"] = "alpha/rank is folded into lora_B; load with lora_alpha = rank"
+    md["sdplan_lora_alpha_folded"] = ALPHA_FOLDED
     out_dir.mkdir(parents=True, exist_ok=True)
     written = [save_diffusers_lora(pipeline_cls, out_dir, md, **kwargs)[0]]
 

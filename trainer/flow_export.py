@@ -12,8 +12,10 @@ from typing import Any
 from sdplan import registry
 
 from .export import (
+    ALPHA_FOLDED,
     ExportError,
     _peft_lora,
+    fold_alpha,
     output_metadata,
     output_name,
     save_diffusers_lora,
@@ -58,16 +60,13 @@ def save_flow_lora(
     md = output_metadata(metadata, family)
     md.update({"sdplan_lora_rank": str(rank), "sdplan_lora_alpha": str(float(alpha))})
     out_dir.mkdir(parents=True, exist_ok=True)
-    # As export.save_lora: alpha/rank folded into lora_B and lora_alpha = r in the adapter metadata, so every
-    # loader applies the same: diffusers before 0.34 and ComfyUI (no .alpha key: scale 1) read no metadata.
-    scale = float(alpha) / rank
-    folded = {k: (v * scale if ".lora_B." in k else v) for k, v in state_dict.items()}
+    folded, adapter_metadata = fold_alpha(state_dict, config, rank, alpha)  # as export.save_lora's
     diffusers_file, _ = save_diffusers_lora(  # with diffusers' format + lora_adapter_metadata
         pipeline_class(family),
         out_dir,
-        {**md, "sdplan_lora_alpha_folded": "alpha/rank is folded into lora_B; load with lora_alpha = rank"},
+        {**md, "sdplan_lora_alpha_folded": ALPHA_FOLDED},
         transformer_lora_layers=folded,  # peft names, as the diffusers examples save them
-        transformer_lora_adapter_metadata={**config.to_dict(), "lora_alpha": config.r},
+        transformer_lora_adapter_metadata=adapter_metadata,
     )
     written = [diffusers_file]
     if kohya:
