@@ -29,7 +29,7 @@ import math
 from dataclasses import dataclass
 
 from sdplan import registry
-from sdplan.config import flow_resolution_problem
+from sdplan.config import family_problems
 from sdplan.errors import UsageError
 
 from .objective import mse
@@ -275,23 +275,10 @@ class FlowAdapter:
                 f"{cfg.method} for {self.family.name}: the SD3.5/FLUX trainer does {', '.join(METHODS)}",
                 fix="use method: lora, finetune or dreambooth",
             )
-        if cfg.training.noise_offset:
-            raise UsageError(
-                f"training.noise_offset for {self.family.name}: an offset of the DDPM noise, not part of the "
-                "rectified-flow objective",
-                fix="set training.noise_offset: 0",
-            )
-        if cfg.training.min_snr_gamma:
-            raise UsageError(
-                f"training.min_snr_gamma for {self.family.name}: a weighting of the DDPM objective's timesteps; "
-                "the rectified-flow objective weighs its own (the family's timestep density)",
-                fix="leave training.min_snr_gamma out (null)",
-            )
-        # the config checked it where it names the family; a detected family is checked here
-        if problem := flow_resolution_problem(
-            cfg.data.resolution, self.family.name, buckets=cfg.data.buckets
-        ):
-            raise UsageError(problem)
+        # the config checked these where it names the family; a family found in the model's files is checked
+        # by sdplan train before the launch, and here for a config run as it is (python -m sdplan.trainer)
+        if problems := family_problems(cfg, self.family.name):
+            raise UsageError(problems[0])
         if cfg.training.train_text_encoder:
             raise UsageError(
                 f"training.train_text_encoder for {self.family.name}: not supported (the transformer trains; "
