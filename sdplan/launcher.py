@@ -377,22 +377,13 @@ def check_inputs(cfg: C.TrainConfig, *, dry_run: bool = False) -> InputSummary:
     when both are wrong (the user fixes them in one go, not one per run). No torch. A hub id the cache does not
     hold is checked on the hub; ``dry_run``: where the hub cannot be asked, it is planned from its name, and
     said (a run would fail there: it is refused)."""
-    from sdplan.trainer.dataset_scan import require_images, scan, small_images_note, uncaptioned_note
+    from sdplan.trainer.dataset_scan import require_images, scan_data, small_images_note, uncaptioned_note
     from sdplan.trainer.models import PICKLE_SUFFIXES, HubUnreachable, resolve_source
     from sdplan.trainer.source_check import check_source
 
     dataset_error: SdplanError | None = None
     try:
-        result = require_images(
-            scan(
-                cfg.data.path,
-                caption_extension=cfg.data.caption_extension,
-                default_caption=cfg.data.default_caption,
-                repeats=cfg.data.repeats,
-                metadata=cfg.data.metadata,
-                verify=True,
-            )
-        )
+        result = require_images(scan_data(cfg.data, verify=True))
     except SdplanError as e:
         dataset_error = e
     try:

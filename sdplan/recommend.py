@@ -50,17 +50,12 @@ def count_dataset(path: str | Path, data: Any = None) -> DatasetCount:
     caption, repeats, metadata filters; None: the defaults). Each image's header is read, so a file that is no
     image is left out as the trainer leaves it out (the plan's steps would otherwise count it); one broken past
     its header only the trainer's full decode finds."""
-    from sdplan.trainer.dataset_scan import count_of, require_images, scan
+    from sdplan.trainer.dataset_scan import count_of, require_images, scan, scan_data
 
-    kw = {}
-    if data is not None:
-        kw = dict(
-            caption_extension=data.caption_extension,
-            default_caption=data.default_caption,
-            repeats=data.repeats,
-            metadata=data.metadata,
-        )
-    result = require_images(scan(Path(path), verify="header", **kw))  # as `sdplan train` says it
+    if data is None:
+        result = require_images(scan(Path(path), verify="header"))  # as `sdplan train` says it
+    else:
+        result = require_images(scan_data(data, path=Path(path), verify="header"))
     per_epoch = result.images_x_repeats
     n = len(result.skipped)
     skipped = f"{count_of(n, 'file')} not used: {result.skipped_text()}" if n else ""

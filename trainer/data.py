@@ -37,7 +37,16 @@ from PIL import Image, ImageOps
 from sdplan.errors import DatasetError
 
 from .buckets import assign_buckets, bucket_table, config_buckets
-from .dataset_scan import Item, Scan, fallback_caption, image_size, quiet_large_images, require_images, scan
+from .dataset_scan import (
+    Item,
+    Scan,
+    fallback_caption,
+    image_size,
+    quiet_large_images,
+    require_images,
+    scan,
+    scan_data,
+)
 
 if TYPE_CHECKING:
     from sdplan.config import TrainConfig
@@ -324,16 +333,7 @@ def build_dataset(
     (``data.bucket_step``, default 64), or pass the shapes.
     """
     d = cfg.data
-    result = require_images(
-        scan(
-            d.path,
-            caption_extension=d.caption_extension,
-            default_caption=d.default_caption,
-            repeats=d.repeats,
-            metadata=d.metadata,
-            verify=verify,
-        )
-    )
+    result = require_images(scan_data(d, verify=verify))
     meta = d.metadata
     dataset = CaptionedImages(
         result.items,

@@ -197,6 +197,20 @@ def scan(
     return result
 
 
+def scan_data(data: Any, *, path: str | os.PathLike[str] | None = None, verify: bool | str = False) -> Scan:
+    """:func:`scan` of an sdplan.yaml ``data:`` section with its own settings (caption extension, default
+    caption, repeats, metadata filters): what the trainer's dataset, `sdplan train`'s check and `sdplan
+    recommend --dataset` read alike. ``path``: another folder than ``data.path``."""
+    return scan(
+        data.path if path is None else path,
+        caption_extension=data.caption_extension,
+        default_caption=data.default_caption,
+        repeats=data.repeats,
+        metadata=data.metadata,
+        verify=verify,
+    )
+
+
 def fallback_caption(cfg: TrainConfig) -> str:
     """Caption for an image with none: data.default_caption (already applied by the scan), else the
     instance prompt (textual inversion: ``a photo of <token>``), else ""."""
