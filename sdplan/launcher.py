@@ -212,6 +212,24 @@ def check_out_dir(
     return "run"
 
 
+def config_output_dir(config_path: Path, base: dict[str, Any]) -> Path:
+    """The folder a run from ``config_path`` trains into where --out is not given: its ``output.dir``. The
+    sdplan.yaml of a run or plan folder (the folder's manifest says sdplan wrote it) names that folder; where it
+    names another, the folder was copied or moved, and training "there" would write into the other run (or
+    --force would clear it): refused, with the --out that trains in the config's own folder."""
+    from sdplan import runfolder
+
+    out = Path(str((base.get("output") or {}).get("dir", "./output"))).expanduser().resolve()
+    folder = config_path.expanduser().resolve().parent
+    if config_path.name == CONFIG_FILE and CONFIG_FILE in runfolder.owned(folder) and out != folder:
+        raise UsageError(
+            f"{config_path} is the {CONFIG_FILE} of the run folder {folder}, but its output.dir is {out} (was "
+            "the folder copied or moved?)",
+            fix=f"add --out {folder} to train in the folder the config is in, or --out DIR for another",
+        )
+    return out
+
+
 def _same_file(a: Path, b: Path) -> bool:
     try:
         return a.resolve() == b.resolve()
@@ -992,7 +1010,7 @@ def prepare(req: TrainRequest, ui: UI) -> Prepared:
             check_out_dir(out_given, resume=True)  # an sdplan run, before its config is read
         base_path = (out_given / CONFIG_FILE) if out_given else config_path
         base = read_yaml_config(base_path)
-        out = out_given or Path(str(base.get("output", {}).get("dir", "./output"))).expanduser().resolve()
+        out = out_given or config_output_dir(base_path, base)
         source = str(base_path)
     elif req.config_data is not None:
         base, source = req.config_data, "demo config"
@@ -1000,7 +1018,7 @@ def prepare(req: TrainRequest, ui: UI) -> Prepared:
     elif config_path is not None:
         base = read_yaml_config(config_path)
         source = str(config_path)
-        out = out_given or Path(str((base.get("output") or {}).get("dir", "./output"))).expanduser().resolve()
+        out = out_given or config_output_dir(config_path, base)
     else:
         if not req.model or not req.dataset:
             missing = " and ".join(

@@ -192,6 +192,37 @@ def test_out_with_a_run_needs_force_or_resume(tmp_path, fake_model):
     )
 
 
+def test_a_copied_run_folders_config_does_not_train_into_the_original(tmp_path, fake_model):
+    """`cp -r run copy; sdplan train --config copy/sdplan.yaml`: its output.dir still names `run`, so the run
+    went there (and --force cleared the original, --resume continued it). Refused, with the --out to give."""
+    import shutil
+
+    from sdplan import runfolder
+
+    ds = make_images(tmp_path / "ds")
+    run = tmp_path / "run"
+    config = {"method": "lora", "model": {"path": str(fake_model)}, "data": {"path": str(ds)}}
+    config["output"] = {"dir": str(run)}
+    runfolder.write_files(run, {"sdplan.yaml": yaml.safe_dump(config), "run_summary.json": "{}"})
+    shutil.copytree(run, tmp_path / "copy")
+    before = {p.name: p.read_bytes() for p in run.iterdir()}
+    copied = str(tmp_path / "copy" / "sdplan.yaml")
+    for extra in (["--force", "--dry-run"], ["--resume"], ["--dry-run"]):
+        one_line_error(
+            invoke("--config", copied, "--device", "cpu", *extra),
+            2,
+            f"is the sdplan.yaml of the run folder {tmp_path / 'copy'}, but its output.dir is {run}",
+            f"add --out {tmp_path / 'copy'}",
+        )
+    assert {p.name: p.read_bytes() for p in run.iterdir()} == before
+    # a config of the user's own, kept elsewhere, still trains wherever its output.dir says
+    mine = tmp_path / "configs" / "sdplan.yaml"
+    mine.parent.mkdir()
+    mine.write_text(yaml.safe_dump({**config, "output": {"dir": str(tmp_path / "new")}}))
+    r = invoke("--config", str(mine), "--device", "cpu", "--dry-run")
+    assert r.exit_code == 0, r.output
+
+
 # -- no GPU ------------------------------------------------------------------------------------------------------
 
 
