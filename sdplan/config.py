@@ -540,8 +540,43 @@ def override_keys(overrides) -> list[str]:
     return [item.partition("=")[0].strip() for item in overrides]
 
 
+def _setting_type(key: str) -> Any:
+    """The type of the sdplan.yaml setting ``key`` (a dotted path), or None where it names none."""
+    kind: Any = TrainConfig
+    for part in key.split("."):
+        sub = _dataclass_in(kind) if not is_dataclass(kind) else kind
+        if sub is None or part not in {f.name for f in fields(sub)}:
+            return None
+        kind = get_type_hints(sub)[part]
+    return kind
+
+
+def _override_value(key: str, raw: str) -> tuple[Any, str | None]:
+    """An override's value, and the problem with it (None: none). Values are YAML (1e-4, true, null, [a, b]),
+    but a text setting takes the text as typed (a prompt like `sks dog, masterpiece: 1.2` or `#sks` is no YAML
+    mapping or comment), unless it is quoted or null; a list of text takes one item as typed."""
+    tp = _setting_type(key)
+    text = raw.strip()
+    quoted = len(text) >= 2 and text[0] == text[-1] and text[0] in "'\""
+    args = set(get_args(tp)) if tp is not None else set()
+    if (tp is str or args == {str, type(None)}) and not quoted:
+        return (None if text in ("", "null", "~") and type(None) in args else text), None
+    if tp == list[str] and text and not quoted and not text.startswith("["):
+        return [text], None
+    try:
+        value = yaml.safe_load(raw) if text else None
+    except yaml.YAMLError:
+        return raw, None
+    if tp == list[str] and isinstance(value, list) and not all(isinstance(v, str) for v in value):
+        return value, (
+            f"{key}: an item is not text as YAML reads it ({next(v for v in value if not isinstance(v, str))!r}); "
+            f'quote the items, e.g. {key}=\'["a cat: 1.2", "a dog, b"]\''
+        )
+    return value, None
+
+
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply `key.path=value` overrides (values parsed as YAML: 1e-4, true, null, [a, b]); returns a copy."""
+    """Apply `key.path=value` overrides (:func:`_override_value`); returns a copy."""
     out = copy.deepcopy(data)
     errors: list[str] = []
     for item in overrides:
@@ -550,10 +585,10 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
         if not sep or not key:
             errors.append(f"{item!r}: an override is key=value, e.g. training.batch_size=2")
             continue
-        try:
-            value = yaml.safe_load(raw) if raw.strip() else None
-        except yaml.YAMLError:
-            value = raw
+        value, problem = _override_value(key, raw)
+        if problem:
+            errors.append(problem)
+            continue
         node = out
         parts = key.split(".")
         for part in parts[:-1]:

@@ -90,6 +90,41 @@ def test_malformed_override_is_a_clear_error(override):
         config.validate(config.apply_overrides(config.default_config(), [override]))
 
 
+@pytest.mark.parametrize(
+    ("override", "value"),
+    [
+        (
+            "dreambooth.instance_prompt=sks dog, masterpiece: 1.2",
+            "sks dog, masterpiece: 1.2",
+        ),  # was a mapping
+        ("dreambooth.instance_prompt=#sks", "#sks"),  # was a YAML comment: null
+        ("dreambooth.instance_prompt=yes", "yes"),  # was True
+        ("textual_inversion.token=123", "123"),  # was 123
+        ("dreambooth.instance_prompt='quoted: as YAML'", "quoted: as YAML"),
+        ("dreambooth.class_prompt=null", None),
+        ("sampling.prompts=a cat, best quality", ["a cat, best quality"]),  # one item as typed
+        ("sampling.prompts=['a cat: 1.2', dog]", ["a cat: 1.2", "dog"]),
+        ("lora.target_modules=[to_q, to_v]", ["to_q", "to_v"]),
+        ("training.batch_size = 4", 4),  # the rest is YAML
+    ],
+)
+def test_a_text_setting_takes_the_text_as_typed(override, value):
+    """Prompts are text: `key=value` read them as YAML, so `sks dog, masterpiece: 1.2` was a mapping and `#sks`
+    nothing, each refused as "must be a string"."""
+    key = override.partition("=")[0].strip()
+    data = config.apply_overrides(config.default_config(), [override])
+    section, name = key.split(".")
+    assert data[section][name] == value
+    config.validate(data)
+
+
+def test_a_list_item_yaml_reads_as_no_text_says_to_quote_it():
+    with pytest.raises(ConfigError) as info:
+        config.apply_overrides(config.default_config(), ["sampling.prompts=[a cat: 1.2, dog]"])
+    (error,) = info.value.errors
+    assert error.startswith("sampling.prompts: an item is not text as YAML reads it ({'a cat': 1.2}); quote")
+
+
 def test_missing_and_malformed_files(tmp_path):
     with pytest.raises(ConfigError, match="file not found"):
         config.load(tmp_path / "nope.yaml")
