@@ -7,6 +7,7 @@ exports); only the model is tiny (``sdplan.trainer.tiny``) and the device is the
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,9 @@ from typing import Any
 from sdplan.profiles import cache_dir
 
 DEFAULT_OUT = "./sdplan-demo"
+# The files the demo built in its base_model/ and dataset/ (relative paths): what --force may delete there
+DEMO_FILES = ".sdplan-demo-files.json"
+DEMO_INPUTS = ("base_model", "dataset")
 DEMO_IMAGES = 8
 DEMO_REPEATS = 2  # 8 images x 2 repeats x 2 epochs / batch 2 = 16 optimizer steps on one process
 DEMO_EPOCHS = 2
@@ -155,6 +159,8 @@ def run_demo(req: Any, ui: Any) -> dict[str, Any]:
         return run(dataclasses.replace(req, out=str(out), yes=True, model=None, demo=False), ui)
     runfolder.check_free(out)
     state = check_out_dir(out, force=req.force)
+    if state == "run":
+        _check_inputs_are_the_demos(out)
     data = demo_config(out, family=family, num_processes=req.num_processes or 1, max_steps=req.max_steps)
     train_req = TrainRequest(
         config_data=data,
@@ -193,12 +199,16 @@ def run_demo(req: Any, ui: Any) -> dict[str, Any]:
     with runfolder.RunLock(out, command="sdplan train --demo"):
         if state == "run":  # only what the manifest says sdplan wrote
             clear_run_outputs(out)
-            runfolder.remove_owned(out, ("base_model", "dataset"))
+            runfolder.remove_owned(out, (*DEMO_INPUTS, DEMO_FILES))
         start = time.perf_counter()
-        new = [n for n in ("base_model", "dataset") if not (out / n).exists()]
+        new = [n for n in (*DEMO_INPUTS, DEMO_FILES) if not (out / n).exists()]
         runfolder.record(out, new)
         kept = _build_tiny_model(out / "base_model", family)
         make_dataset(out / "dataset")
+        try:
+            (out / DEMO_FILES).write_text(json.dumps({n: _files_in(out / n) for n in DEMO_INPUTS}, indent=1))
+        except OSError as e:
+            raise runfolder.cannot_write(out, e) from None
         how = (
             f"copied the tiny {family} model an earlier demo built ({kept})"
             if kept
@@ -211,6 +221,35 @@ def run_demo(req: Any, ui: Any) -> dict[str, Any]:
         summary = run(train_req, ui)
     ui.echo(DEMO_NOTE)
     return summary
+
+
+def _files_in(folder: Path) -> list[str]:
+    """Every file under ``folder``, as paths relative to it."""
+    return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if not p.is_dir())
+
+
+def _check_inputs_are_the_demos(out: Path) -> None:
+    """--force on a demo run rebuilds its model and dataset: refused where the user put files of their own
+    among them (the list the demo wrote of its files says; a demo from before the list: as it was built)."""
+    from sdplan import runfolder
+    from sdplan.errors import OutputExistsError
+
+    try:
+        made = json.loads((out / DEMO_FILES).read_text())
+    except (OSError, ValueError):
+        return
+    mine = runfolder.owned(out)
+    for name in DEMO_INPUTS:
+        if name not in mine or not (out / name).is_dir() or not isinstance(made.get(name), list):
+            continue
+        theirs = sorted(set(_files_in(out / name)) - set(made[name]))
+        if theirs:
+            shown = ", ".join(theirs[:4]) + (", ..." if len(theirs) > 4 else "")
+            raise OutputExistsError(
+                f"--force rebuilds the demo's {name}/, and {out / name} holds files the demo did not make "
+                f"({shown})",
+                fix="move them out of the folder, or choose a new folder with --out",
+            )
 
 
 def tiny_model_cache(family: str) -> Path:

@@ -114,6 +114,28 @@ def test_demo_refuses_to_overwrite_without_force(demo, tmp_path):
     assert proc.returncode == 3 and "--force" in proc.stderr and "Traceback" not in proc.stderr
 
 
+def test_demo_force_keeps_files_the_user_put_in_its_dataset_and_model(demo, tmp_path):
+    """--force rebuilt the demo's base_model/ and dataset/ by deleting both whole: an image and a note the user
+    had added there were gone. Refused now, before anything is deleted; the demo's own files say which."""
+    import shutil
+
+    out = tmp_path / "sdplan-demo"
+    shutil.copytree(demo[0], out, symlinks=True)
+    made = json.loads((out / ".sdplan-demo-files.json").read_text())
+    assert "unet/config.json" in made["base_model"] and "00_red_square.txt" in made["dataset"], made
+    (out / "dataset" / "mine.png").write_bytes(b"not really a png")
+    (out / "base_model" / "notes.txt").write_text("mine")
+    proc = sdplan("train", "--demo", "--out", str(out), "--force")
+    assert proc.returncode == 3 and "Traceback" not in proc.stderr, proc.stderr
+    assert "holds files the demo did not make (notes.txt)" in proc.stderr, proc.stderr
+    (out / "base_model" / "notes.txt").unlink()
+    proc = sdplan("train", "--demo", "--out", str(out), "--force", "--dry-run")
+    assert proc.returncode == 3 and "(mine.png)" in proc.stderr, proc.stderr
+    assert (out / "dataset" / "mine.png").read_bytes() == b"not really a png"
+    samples = sorted(p.name for p in (out / "samples").iterdir())
+    assert samples == sorted(p.name for p in (demo[0] / "samples").iterdir())  # nothing of the run cleared
+
+
 def test_the_demos_flags_count_when_it_resumes_and_when_it_starts(demo, tmp_path):
     """`--demo --resume --dry-run` runs nothing (it trained steps 17-48 and rewrote the weights: the resume
     dropped every flag but the overrides), and a new demo takes --epochs and --resolution (they were ignored)."""
