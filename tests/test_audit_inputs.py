@@ -352,6 +352,7 @@ def test_resume_refuses_a_setting_the_checkpoints_were_not_trained_with(tmp_path
         (["--hardware", "RTX 3090"], "--hardware"),
         (["--out", "PLAN"], "--out"),
         (["--machine", "M"], "--machine"),
+        (["--gpus", "1"], "--gpus"),  # it planned "2x RTX 4090" on two GPUs all the same
     ],
 )
 def test_compare_refuses_a_flag_it_would_ignore(tmp_path, extra, flag):

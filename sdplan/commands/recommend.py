@@ -128,14 +128,18 @@ def recommend(
     if compare is not None:
         from sdplan.errors import UsageError
 
-        # Flags that --compare would ignore (a plan for other hardware, no files where the user asked for them).
+        # Flags that --compare would ignore (a plan for other hardware, no files where the user asked for them;
+        # each option names its own GPU count)
         given = [
-            f for f, v in (("--hardware", hardware), ("--machine", machine), ("--out", out)) if v is not None
+            f
+            for f, v in (("--hardware", hardware), ("--machine", machine), ("--out", out), ("--gpus", gpus))
+            if v is not None
         ]
         if given:
             raise UsageError(
                 f"--compare does not combine with {' or '.join(given)}",
-                fix="compare first, then run `sdplan recommend --hardware NAME --out DIR` for the one you pick",
+                fix="compare first, then run `sdplan recommend --hardware NAME --out DIR` for the one you pick; an "
+                "option names its GPU count ('2x RTX 4090')",
             )
         options = [c.strip() for c in compare.split(",") if c.strip()]
         if not options:
