@@ -141,7 +141,7 @@ def hardware_from_probe(profiles: Profiles) -> planner.Hardware:
 @dataclass(frozen=True)
 class RecommendInputs:
     method: str
-    model: str = "sd15"
+    model: str | None = None  # None: not given (the default family, or a model.path=X setting's model)
     resolution: int | None = None
     dataset: str | None = None
     images: int | None = None
@@ -273,7 +273,7 @@ def model_source(inp: RecommendInputs, profiles: Profiles) -> RecommendInputs:
     with the family in ``model``, ``model.path`` among the settings and a note (unchanged for a family name).
     A wrong model beside a wrong ``--dataset`` is one line with both, as `sdplan train` says them."""
     try:
-        return _model_source(inp, profiles)
+        return _model_source(_given_model(inp, profiles), profiles)
     except SdplanError as e:
         if inp.dataset:
             try:
@@ -281,6 +281,40 @@ def model_source(inp: RecommendInputs, profiles: Profiles) -> RecommendInputs:
             except SdplanError as d:
                 raise ConfigError("the dataset and the model", [str(d), str(e)]) from e
         raise
+
+
+class UnknownFamily(UsageError):
+    """A model whose family cannot be told here (a hub id not cached, with no hub to ask; a pickle whose keys
+    cannot be read without loading it)."""
+
+
+def _given_model(inp: RecommendInputs, profiles: Profiles) -> RecommendInputs:
+    """The model as given: ``--model`` (None: not given), or a ``model.path=X`` setting, which alone is ``--model
+    X``. Beside ``--model FAMILY`` (how a model whose family cannot be told here is given) ``X`` is checked as
+    ``--model X`` would be, and where its files say another family that is an error: the plan and the written
+    config were for the family named while the run trains another model."""
+    path = next(
+        (v.strip() for k, _, v in (s.partition("=") for s in inp.settings) if k.strip() == "model.path"), None
+    )
+    rest = tuple(s for s in inp.settings if s.partition("=")[0].strip() != "model.path")
+    if inp.model is None:
+        return replace(inp, model=path or registry.DEFAULT_FAMILY, settings=rest if path else inp.settings)
+    if path is None:
+        return inp
+    if not _is_family_name(inp.model, profiles):
+        raise UsageError(
+            f"--model {inp.model} and model.path={path}: two models", fix="give the model once, as --model"
+        )
+    try:
+        found = _model_source(replace(inp, model=path, settings=rest), profiles)
+    except UnknownFamily:
+        return inp  # the family given is what its files cannot say here
+    if found.model != registry.family(inp.model).name:
+        raise UsageError(
+            f"model.path={path} is of the {found.model} family, and --model says {inp.model}",
+            fix="drop --model (the model's files say its family), or give the model of that family",
+        )
+    return found
 
 
 def _model_source(inp: RecommendInputs, profiles: Profiles) -> RecommendInputs:
@@ -313,7 +347,7 @@ def _model_source(inp: RecommendInputs, profiles: Profiles) -> RecommendInputs:
     if not family:
         if info.kind == "file":
             why = f"a pickled checkpoint whose keys cannot be read without loading it: {info.unread}"
-        raise UsageError(
+        raise UnknownFamily(
             f"--model {model}: cannot tell its family here ({why})",
             fix=f"give the family instead (one of: {', '.join(registry.PLANNED_FAMILIES)}), and "
             f"model.path={model}",

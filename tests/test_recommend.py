@@ -572,6 +572,38 @@ def test_model_given_as_an_uncached_hub_id_asks_for_the_family(tmp_path, monkeyp
     assert "the hub cannot be asked (HF_HUB_OFFLINE is set)" in " ".join(r.output.split())
 
 
+def test_a_model_path_setting_is_checked_as_model_is(tmp_path, monkeypatch):
+    """`model.path=X` was written into sdplan.yaml unchecked: a path that does not exist, and an SD 1.x folder
+    under --model sdxl (planned and written as SDXL). Alone it is --model X; beside --model FAMILY (what recommend
+    says to give where it cannot tell a model's family) its files, where they say one, must say that family."""
+    from conftest import fake_diffusers_folder
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    sd15 = fake_diffusers_folder(tmp_path / "my-sd15", "sd15")
+    base = ("--method", "lora", "--hardware", "RTX 4090")
+    r = run(*base, f"model.path={tmp_path / 'nope'}")
+    _one_line_error(r, 2)
+    assert "no such file or folder" in r.output
+    r = run(*base, "--model", "sdxl", f"model.path={sd15}")
+    _one_line_error(r, 2)
+    assert f"model.path={sd15} is of the sd15 family, and --model says sdxl" in " ".join(r.output.split())
+    r = run(*base, "--model", str(sd15), "model.path=someone/other")
+    _one_line_error(r, 2)
+    assert "two models" in r.output
+    out = tmp_path / "plan"
+    for args in ((f"model.path={sd15}",), ("--model", "sd15", f"model.path={sd15}")):
+        r = run(*base, *args, "--out", str(out), "--force")
+        assert r.exit_code == 0 and "a diffusers folder of the sd15 family" in r.output, r.output
+        cfg = yaml.safe_load((out / "sdplan.yaml").read_text())
+        assert (cfg["model"]["family"], cfg["model"]["path"]) == ("sd15", str(sd15))
+    # a hub id whose family cannot be told here keeps the family given
+    r = run(*base, "--model", "flux-dev", "model.path=someone/not-cached", "--out", str(tmp_path / "hub"))
+    assert r.exit_code == 0 and "lora flux-dev" in r.output, r.output
+    cfg = yaml.safe_load((tmp_path / "hub" / "sdplan.yaml").read_text())
+    assert (cfg["model"]["family"], cfg["model"]["path"]) == ("flux-dev", "someone/not-cached")
+
+
 def test_gpus_on_a_machine_without_a_gpu_is_an_error(monkeypatch):
     """`recommend --gpus 2` on a machine without a GPU planned as if --gpus were not given, without a word."""
     from sdplan import recommend as R

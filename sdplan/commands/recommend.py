@@ -26,15 +26,15 @@ def recommend(
         str, typer.Option("--method", help=f"What to train: {registry.one_of(registry.METHODS)}.")
     ],
     model: Annotated[
-        str,
+        str | None,
         typer.Option(
             "--model",
             metavar="FAMILY_OR_PATH",
             help=f"Model family: {registry.one_of(registry.PLANNED_FAMILIES)}; or the model as `sdplan train` "
             "takes it (a diffusers folder, a .safetensors/.ckpt file or a hub id): its files say its family, and "
-            "--out writes it as model.path.",
+            f"--out writes it as model.path. [default: {registry.DEFAULT_FAMILY}]",
         ),
-    ] = registry.DEFAULT_FAMILY,
+    ] = None,
     resolution: Annotated[
         int | None,
         typer.Option("--resolution", help="Training resolution in pixels (default: the family's native)."),
