@@ -42,7 +42,7 @@ from sdplan.launch import (
 from sdplan.plan_chart import FILE_NAME as PLAN_CHART_FILE
 from sdplan.planner import format_duration
 from sdplan.probe.software import importable
-from sdplan.registry import FAMILIES, FULL_METHODS, guess_family
+from sdplan.registry import FAMILIES, FULL_METHODS, family_from_name
 from sdplan.settings import OFFLOAD, Settings, get_key
 from sdplan.steps import bucketed_batches, plan_steps, repeated_batches
 
@@ -416,22 +416,35 @@ def check_inputs(cfg: C.TrainConfig, *, dry_run: bool = False) -> InputSummary:
             config_dir=cfg.model.config_dir,
             revision=cfg.model.revision,
         )
-        model_note = None
+        model_note, unknown = None, None
         try:  # an uncached hub id: its configs, before the launch (the trainer downloads it anyway)
             info = check_source(cfg.model.path, **kw, hub=True)
         except HubUnreachable as e:
             if not dry_run:
                 raise
             info = check_source(cfg.model.path, **kw)
-            info.family = info.family or guess_family(cfg.model.path)
-            model_note = f"model: not checked ({e.why}): planned as the family its name suggests"
+            info.family = info.family or family_from_name(cfg.model.path)
+            unknown = f"a hub id the hub cannot be asked about here ({e.why})"
+            model_note = f"model: not checked ({e.why}): planned as " + (
+                "model.family says" if cfg.model.family else "the family its name suggests"
+            )
+        family = cfg.model.family or info.family or _family_of(source.kind, source.location)
+        if family is None:  # the plan (memory, resolution) is the family's: it was the default family's
+            why = unknown or (
+                f"a pickled checkpoint whose keys cannot be read without loading it: {info.unread}"
+                if info.unread
+                else "its files do not say it"
+            )
+            raise UsageError(
+                f"model {cfg.model.path}: cannot tell its family here ({why})",
+                fix=f"give it as model.family=FAMILY (one of: {', '.join(registry.PLANNED_FAMILIES)})",
+            )
     except SdplanError as e:
         if dataset_error is not None:
             raise C.ConfigError("the dataset and the model", [str(dataset_error), str(e)]) from e
         raise
     if dataset_error is not None:
         raise dataset_error
-    family = cfg.model.family or info.family or _family_of(source.kind, source.location)
     buckets = ()
     # as the trainer's dataset assigns them: the epoch's batches (each bucket ends short)
     if cfg.data.buckets:
@@ -1135,7 +1148,7 @@ def prepare(req: TrainRequest, ui: UI) -> Prepared:
     )
     devices = launch_devices(snapshot, gpu_ids, ui) if gpu_ids is not None else None
 
-    family = cfg.model.family or inputs.family or guess_family(cfg.model.path)
+    family = cfg.model.family or inputs.family
     if family in FAMILIES and not registry.family(family).plans(cfg.method):
         raise registry.not_supported(cfg.method, family)  # as recommend says it: before anything is written
     if not cfg.model.family and (problems := C.family_problems(cfg, family)):  # found in the model's files
@@ -1320,7 +1333,7 @@ def plan_request(cfg: C.TrainConfig, inputs: InputSummary, snapshot: Any, req: T
     from sdplan.profiles import load_profiles
     from sdplan.recommend import parse_pins
 
-    family = cfg.model.family or inputs.family or guess_family(cfg.model.path)
+    family = cfg.model.family or inputs.family
     pins, pinned_resolution = parse_pins(req.overrides, cfg.method, family)
     images, repeats = inputs.images, max(1, inputs.images_x_repeats // max(1, inputs.images))
     if req.resolution is not None and pinned_resolution is not None and req.resolution != pinned_resolution:

@@ -107,7 +107,13 @@ METHOD_LIST = (
     ),
 )
 FAMILY_LIST = (
-    Family("sd15", "Stable Diffusion 1.x", text_encoders=1, aliases=("sd1", "sd1.5", "sd14", "sd1.4")),
+    Family(
+        "sd15",
+        "Stable Diffusion 1.x",
+        text_encoders=1,
+        aliases=("sd1", "sd1.5", "sd14", "sd1.4"),
+        name_hints=("v1-5", "v1-4", "sd15", "sd1.5", "sd-1-5"),
+    ),
     Family(
         "sd21",
         "Stable Diffusion 2.x",
@@ -224,11 +230,12 @@ def _lookup(kind: str, name: str, entries):
     raise UsageError(f"unknown {kind} {name!r}", fix=f"{hint}one of: {', '.join(names)}")
 
 
-def guess_family(model: str) -> str:
-    """A hub id's family from its name, when its config cannot be read offline."""
+def family_from_name(model: str) -> str | None:
+    """A hub id's family from its name, when its config cannot be read offline; None where the name has no
+    hint."""
     name = model.lower()
     # the transformer families' specific hints first, then "xl" before sd21's looser hints
     for fam in sorted(FAMILY_LIST, key=lambda f: (not f.flow, f.name != "sdxl")):
         if any(h in name for h in fam.name_hints):
             return fam.name
-    return DEFAULT_FAMILY
+    return None

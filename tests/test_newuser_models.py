@@ -687,6 +687,34 @@ def test_a_dry_run_plans_an_uncached_hub_id_offline_and_says_it_was_not_checked(
     assert not (tmp_path / "o").exists()
 
 
+def test_a_dry_run_does_not_plan_a_model_whose_family_nothing_says_as_the_default_family(
+    tmp_path, monkeypatch
+):
+    """A hub id with no family in its name, offline, and a legacy (not zip) .ckpt whose keys cannot be read
+    without loading it were planned as SD 1.x at 512 ("planned as the family its name suggests"), whatever
+    they were; recommend refused both. One line asking for model.family; given, it is what is planned."""
+    import pickle
+
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "empty"))
+    legacy = tmp_path / "realvis_legacy.ckpt"
+    legacy.write_bytes(pickle.dumps({"state_dict": {}}, protocol=2))
+    for model, why in (
+        ("someone/my-model", "a hub id the hub cannot be asked about here (HF_HUB_OFFLINE is set)"),
+        (legacy, "a pickled checkpoint whose keys cannot be read without loading it"),
+    ):
+        one_line_error(
+            dry_run(model, tmp_path), 2, f"model {model}: cannot tell its family here ({why}", "model.family="
+        )
+        r = dry_run(model, tmp_path, "model.family=sdxl")
+        assert r.exit_code == 0 and f"lora on sdxl ({model})" in r.output, r.output
+    assert (
+        "planned as model.family says" in r.output
+        or "planned as model.family says" in dry_run("someone/my-model", tmp_path, "model.family=sdxl").output
+    )
+
+
 def test_an_sd2_single_files_prediction_type_is_read_from_its_weights_without_torch(tmp_path):
     """An SD 2.x .safetensors with no .yaml beside it and no metadata (v2-1_512-ema-pruned.safetensors): the
     trainer told epsilon from v-prediction by ComfyUI's test on its weights, recommend (headers only) could

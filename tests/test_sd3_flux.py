@@ -36,9 +36,11 @@ def test_registry_names_the_transformer_families_and_their_encoders():
     assert set(FLOW) <= set(registry.PLANNED_FAMILIES)  # planned for LoRA (issue 14) and the full methods
     assert registry.family("sd35-large").encoders == ("clip-l", "clip-g", "t5")
     assert registry.family("flux-schnell").arch == "flux" and registry.family("sd35-medium").arch == "mmdit"
-    assert registry.guess_family("black-forest-labs/FLUX.1-schnell") == "flux-schnell"
-    assert registry.guess_family("stabilityai/stable-diffusion-3.5-large") == "sd35-large"
-    assert registry.guess_family("stabilityai/stable-diffusion-xl-base-1.0") == "sdxl"
+    assert registry.family_from_name("black-forest-labs/FLUX.1-schnell") == "flux-schnell"
+    assert registry.family_from_name("stabilityai/stable-diffusion-3.5-large") == "sd35-large"
+    assert registry.family_from_name("stabilityai/stable-diffusion-xl-base-1.0") == "sdxl"
+    assert registry.family_from_name("stable-diffusion-v1-5/stable-diffusion-v1-5") == "sd15"
+    assert registry.family_from_name("someone/my-model") is None  # was sd15: planned as if it said so
 
 
 def test_the_planner_says_not_supported_in_one_line():
