@@ -187,6 +187,11 @@ def check_out_dir(
             f"--out {out} holds your files ({shown}) beside the plan; a run there would write among them",
             fix="train into another folder with --out DIR, or move your files out",
         )
+    if not force and config_path is None and set() < runfolder.owned(out) <= set(PLAN_FILES):
+        raise OutputExistsError(  # nothing has trained here: "start it over with --force" would lose the plan
+            f"--out {out} holds a plan (sdplan recommend --out), not a run",
+            fix=f"train the plan with `sdplan train --config {out / CONFIG_FILE}`, or choose a new folder",
+        )
     if not force:
         from sdplan.trainer.checkpoint import latest_checkpoint
 

@@ -192,6 +192,21 @@ def test_out_with_a_run_needs_force_or_resume(tmp_path, fake_model):
     )
 
 
+def test_out_with_a_plan_says_to_train_the_plan(tmp_path, fake_model):
+    """`sdplan recommend --out plan`, then `sdplan train ... --out plan`: it said "holds an sdplan run that saved
+    no checkpoint (start it over with --force)", where nothing had trained and --force would replace the plan."""
+    ds = make_images(tmp_path / "ds")
+    plan = tmp_path / "plan"
+    r = runner.invoke(app, ["recommend", "--method", "lora", "--hardware", "RTX 4090", "--out", str(plan)])
+    assert r.exit_code == 0, r.output
+    one_line_error(
+        invoke("--model", str(fake_model), "--dataset", str(ds), "--out", str(plan), "--device", "cpu"),
+        3,
+        f"--out {plan} holds a plan (sdplan recommend --out), not a run",
+        f"sdplan train --config {plan / 'sdplan.yaml'}",
+    )
+
+
 def test_a_copied_run_folders_config_does_not_train_into_the_original(tmp_path, fake_model):
     """`cp -r run copy; sdplan train --config copy/sdplan.yaml`: its output.dir still names `run`, so the run
     went there (and --force cleared the original, --resume continued it). Refused, with the --out to give."""
