@@ -575,6 +575,14 @@ def _override_value(key: str, raw: str) -> tuple[Any, str | None]:
     return value, None
 
 
+def setting_value(key: str, raw: str) -> Any:
+    """The value a `key=raw` setting gives ``key``, as :func:`apply_overrides` reads it."""
+    value, problem = _override_value(key, raw)
+    if problem:
+        raise ConfigError("key=value settings", [problem])
+    return value
+
+
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """Apply `key.path=value` overrides (:func:`_override_value`); returns a copy."""
     out = copy.deepcopy(data)

@@ -140,9 +140,11 @@ def run_demo(req: Any, ui: Any) -> dict[str, Any]:
         check_out_dir,
         clear_run_outputs,
         run,
+        settings_as_flags,
     )
     from sdplan.registry import family as lookup_family
 
+    req = settings_as_flags(req)  # output.dir=DIR is --out DIR
     demo_families = ("sd15", "sdxl", *FLOW_DEMO_FAMILIES)
     family = lookup_family(req.model or "sd15").name  # aliases: flux -> flux-dev, sd35 -> sd35-medium
     if family not in demo_families:

@@ -1002,8 +1002,47 @@ def check_stack() -> None:
         raise SdplanError(unmet[0].message, fix=unmet[0].fix + more)
 
 
+# The flags that set an sdplan.yaml key (flag_overrides), by key
+FLAG_KEYS = {
+    "method": "--method",
+    "model.path": "--model",
+    "data.path": "--dataset",
+    "data.resolution": "--resolution",
+    "training.epochs": "--epochs",
+    "training.max_steps": "--max-steps",
+    "training.device": "--device",
+    "distributed.num_processes": "--num-processes",
+    "output.dir": "--out",
+}
+
+
+def settings_as_flags(req: TrainRequest) -> TrainRequest:
+    """A key=value setting that a flag also sets must agree with the flag (the setting won, without a word:
+    `--epochs 5 training.epochs=20` trained 20); ``output.dir=DIR`` alone is ``--out DIR``, so the --out rule
+    checks the folder the run writes to (it checked the config's folder and the run went to DIR)."""
+    given = dict(
+        zip(C.override_keys(req.overrides), (o.partition("=")[2] for o in req.overrides), strict=True)
+    )
+    for key, flag in FLAG_KEYS.items():
+        attr = flag.removeprefix("--").replace("-", "_")
+        mine, theirs = getattr(req, "out" if key == "output.dir" else attr, None), given.get(key)
+        if mine is None or theirs is None:
+            continue
+        ours, yours = C.setting_value(key, str(mine)), C.setting_value(key, theirs)
+        if key == "model.path":  # a local model, or a hub id
+            ours, yours = C.absolute_if_local(str(ours)), C.absolute_if_local(str(yours))
+        elif key in C.PATH_KEYS:
+            ours, yours = Path(str(ours)).expanduser().resolve(), Path(str(yours)).expanduser().resolve()
+        if str(ours) != str(yours):
+            raise UsageError(f"{flag} {mine} and {key}={theirs.strip()} disagree", fix="give one")
+    if req.out is None and given.get("output.dir", "").strip():
+        return replace(req, out=str(C.setting_value("output.dir", given["output.dir"])))
+    return req
+
+
 def prepare(req: TrainRequest, ui: UI) -> Prepared:
     """Everything before the launch: config, --out rule, inputs, device, plan. No model loads here."""
+    req = settings_as_flags(req)
     # 1. Where the run lives and which config it starts from.
     config_path = Path(req.config).expanduser() if req.config else None
     if req.resume:

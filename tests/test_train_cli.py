@@ -192,6 +192,37 @@ def test_out_with_a_run_needs_force_or_resume(tmp_path, fake_model):
     )
 
 
+def test_a_setting_a_flag_also_sets_must_agree_with_it_and_output_dir_is_out(tmp_path, fake_model):
+    """`--epochs 5 training.epochs=20` trained 20 without a word (recommend refuses the pair); `output.dir=DIR`
+    was checked by the --out rule as the config's folder while the run wrote to DIR, a run of someone else's."""
+    ds = make_images(tmp_path / "ds")
+    base = ("--model", str(fake_model), "--dataset", str(ds), "--device", "cpu", "--dry-run")
+    one_line_error(
+        invoke(*base, "--out", str(tmp_path / "o"), "--epochs", "5", "training.epochs=20"),
+        2,
+        "--epochs 5 and training.epochs=20 disagree",
+    )
+    one_line_error(invoke(*base, "--out", str(tmp_path / "o"), f"output.dir={tmp_path / 'p'}"), 2, "disagree")
+    r = invoke(
+        *base,
+        "--out",
+        str(tmp_path / "o"),
+        "--epochs",
+        "5",
+        "training.epochs=5",
+        "output.dir=o",
+        cwd=tmp_path,
+    )
+    assert r.exit_code == 0, r.output
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "sdplan.yaml").write_text("method: lora\n")
+    (run / "run_summary.json").write_text("{}")
+    one_line_error(invoke(*base, f"output.dir={run}"), 3, f"--out {run} holds an sdplan run")
+    r = invoke(*base, f"output.dir={tmp_path / 'new'}")
+    assert r.exit_code == 0 and f"output: {tmp_path / 'new'}" in r.output, r.output
+
+
 def test_out_with_a_plan_says_to_train_the_plan(tmp_path, fake_model):
     """`sdplan recommend --out plan`, then `sdplan train ... --out plan`: it said "holds an sdplan run that saved
     no checkpoint (start it over with --force)", where nothing had trained and --force would replace the plan."""
