@@ -2682,6 +2682,23 @@ def _tier(c: Candidate) -> tuple:
     return (not c.safe, *_settings_tier(c.setup, c.lowered_rank))
 
 
+# Where nothing fits within its likely range, the plans whose upper end is within this share of the lowest are
+# the ones most likely to fit (smaller differences are well inside the range's own spread): speed decides
+# among them.
+OVERRUN_TIE = 0.02
+
+
+def _most_likely_to_fit(fitting: list[Candidate]) -> list[Candidate]:
+    """``fitting`` where one of them is within its likely range (``safe``: :func:`_tier` prefers those);
+    else those whose likely peak's upper end (the card it needs, :func:`vram_required`) is within OVERRUN_TIE
+    of the lowest: a plan that may run out of memory is the one least likely to."""
+    if any(c.safe for c in fitting):
+        return fitting
+    need = {id(c): vram_required(c.memory.peak, c.peak_range) for c in fitting}
+    low = min(need.values())
+    return [c for c in fitting if need[id(c)] <= low * (1 + OVERRUN_TIE)]
+
+
 def _preference(c: Candidate) -> tuple:
     """The order _choose picks plans in: the preferred tier, then the fastest."""
     return (_tier(c), _key(c))
@@ -2974,7 +2991,7 @@ def _choose(fitting: list[Candidate], profiles: Profiles) -> tuple[Candidate, di
     cannot hold), the fewest that do, and more only on the same terms.
     Returns the choice and each GPU count's own best (for the reasons)."""
     best_by_n: dict[int, Candidate] = {}
-    for c in sorted(fitting, key=_preference):
+    for c in sorted(_most_likely_to_fit(fitting), key=_preference):
         best_by_n.setdefault(c.setup.num_gpus, c)
     top = min(_tier(c) for c in best_by_n.values())
     eligible = {n: c for n, c in best_by_n.items() if _tier(c) == top}
@@ -3414,7 +3431,12 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
         r.append(
             "no DeepSpeed offload: a configuration without it fits (offload runs the optimizer on the CPU)"
         )
-    if best.seconds is None:
+    if not best.safe:
+        r.append(
+            f"batch size {s.batch}, gradient accumulation {s.grad_accum}: the configuration most likely to fit "
+            "(the lowest upper end of the likely peak)"
+        )
+    elif best.seconds is None:
         r.append(
             f"batch size {s.batch}, gradient accumulation {s.grad_accum}: the largest batch that fits within the "
             "likely peak's upper end"

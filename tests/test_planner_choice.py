@@ -86,3 +86,23 @@ def test_no_preference_cost_where_full_bf16_is_the_plan(prof):
     assert next(r for r in res.reasons if r.startswith("batch size")).endswith(
         "the fastest whole run that fits"
     )
+
+
+def test_where_nothing_fits_within_its_range_the_plan_most_likely_to_fit_is_chosen(prof):
+    """A card that no configuration fits within the likely peak's upper end: the fastest flagged plan was
+    chosen (SD 1.x LoRA on 3.3 GiB: batch 2, likely up to 3.8 GiB, where batch 1 is likely up to 3.4). Now the
+    plans within 2% of the lowest upper end, the fastest of them; the reason says why that batch."""
+    hw = _catalog(prof, "RTX 4090")
+    gpu = replace(hw.gpus[0], memory_bytes=int(3.3 * 2**30))
+    res = P.plan(replace(hw, gpus=(gpu,)), prof, P.Request(method="lora", model="sd15"))
+    assert res.feasible and not res.within_upper_bound
+    search = P._search(res.request, prof, replace(hw, gpus=(gpu,)), P.calibrate_for(prof, hw), 512)[0]
+    lowest = min(P.vram_required(c.memory.peak, c.peak_range) for c in search if c.fits)
+    assert P.vram_required(res.memory.peak, res.peak_range) <= lowest * 1.02
+    assert any(c.fits and P.vram_required(c.memory.peak, c.peak_range) > lowest * 1.02 for c in search)
+    assert "the configuration most likely to fit (the lowest upper end of the likely peak)" in " ".join(
+        res.reasons
+    )
+    # where something fits within its range, the fastest of those (the rule is unchanged)
+    wide = replace(gpu, memory_bytes=int(6 * 2**30))
+    assert P.plan(replace(hw, gpus=(wide,)), prof, P.Request(method="lora", model="sd15")).within_upper_bound
