@@ -1105,7 +1105,7 @@ def export_measurements(
     Demo points and simulated OOMs are left out. Refuses to overwrite ``dest`` unless ``force``.
     Returns (path, points written, points left out).
     """
-    from sdplan import profiles
+    from sdplan import profiles, runfolder
     from sdplan.errors import OutputExistsError
 
     dest = Path(dest).expanduser()
@@ -1148,10 +1148,15 @@ def export_measurements(
         "# entry under methods: is a complete profiles/methods/<method>.yaml body: to ship them in sdplan, append\n"
         "# its points to that file.\n"
     )
-    dest.parent.mkdir(parents=True, exist_ok=True)
+    # a missing folder is refused, as by `doctor --save` (a mistyped path made folders where none were wanted)
     tmp = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
-    tmp.write_text(header + yaml.safe_dump(doc, sort_keys=False, width=120), encoding="utf-8")
-    os.replace(tmp, dest)
+    try:
+        tmp.write_text(header + yaml.safe_dump(doc, sort_keys=False, width=120), encoding="utf-8")
+        os.replace(tmp, dest)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise runfolder.cannot_write(dest, e, fix="name a file in a folder you can write to") from None
     load_export(dest)  # what was written validates as it will be read
     return dest, count, left_out
 

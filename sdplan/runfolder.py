@@ -44,16 +44,19 @@ class CannotWrite(SdplanError):
     exit_code = 2
 
 
-def cannot_write(path: Path, e: OSError) -> CannotWrite:
-    """One line for an OSError while writing under ``path``."""
+def cannot_write(path: Path, e: OSError, *, fix: str | None = None) -> CannotWrite:
+    """One line for an OSError while writing under ``path``. ``fix``: what to do instead, for a command whose
+    output is not ``--out DIR``."""
     import errno
 
     why = e.strerror or type(e).__name__
     if e.errno == errno.ENOSPC:
         return CannotWrite(
-            f"disk full: cannot write to {path}", fix="free some space or choose another --out"
+            f"disk full: cannot write to {path}", fix=f"free some space or {fix or 'choose another --out'}"
         )
-    return CannotWrite(f"cannot write to {path}: {why}", fix="choose a folder you can write to (--out DIR)")
+    return CannotWrite(
+        f"cannot write to {path}: {why}", fix=fix or "choose a folder you can write to (--out DIR)"
+    )
 
 
 # -- the manifest ------------------------------------------------------------------------------------------

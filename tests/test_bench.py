@@ -576,6 +576,7 @@ def test_profiles_export_writes_a_shareable_file_and_refuses_overwrite(tmp_path,
     bench.run_bench([bench.demo_request()], demo=True, store_dir=root, effort=bench.Effort(0, 1, 1))
 
     dest = tmp_path / "share" / "rtx3060.yaml"
+    dest.parent.mkdir()
     runner = CliRunner()
     result = runner.invoke(cli(), ["profiles", "export", str(dest)])
     assert result.exit_code == 0, result.output
@@ -661,6 +662,26 @@ def test_profiles_import_adds_an_exported_file_to_another_store(tmp_path, monkey
     assert r.exit_code == 2 and "is a symbolic link that loops" in " ".join(r.output.split()), r.output
     (tmp_path / "later").symlink_to(tmp_path / "not-yet")  # a link to a folder not made yet is fine
     assert runner.invoke(cli(), ["profiles", "--store", str(tmp_path / "later")]).exit_code == 0
+
+
+def test_profiles_export_where_it_cannot_write_is_one_line_and_makes_no_folder(tmp_path, monkeypatch):
+    """A missing folder is refused as `doctor --save` refuses it (export made it, a mistyped path too), and a
+    file it cannot write is one line, not a traceback (PermissionError, FileNotFoundError)."""
+    from conftest import one_line_error
+
+    from sdplan.cli import app
+
+    root = fresh_profile_store(monkeypatch, tmp_path / "store")
+    snap = Snapshot.load(MACHINES / "rtx3060_12gb.json")
+    req = bench.select_requests(["lora"], ["sd15"], store_dir=root, snapshot=snap).requests[0]
+    bench.write_points(root, "lora", _gpu_bench_points(req, "NVIDIA GeForce RTX 3060", 12 * 2**30))
+    (tmp_path / "a-file").write_text("mine\n")
+    for dest in (tmp_path / "no" / "such" / "e.yaml", tmp_path / "a-file" / "e.yaml"):
+        r = CliRunner().invoke(app, ["profiles", "export", str(dest)])
+        one_line_error(r, 2, f"cannot write to {dest}", "name a file in a folder you can write to")
+    assert not (tmp_path / "no").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "store"]  # no temporary file left
+    assert (tmp_path / "a-file").read_text() == "mine\n"
 
 
 def test_profiles_export_with_nothing_measured(tmp_path, monkeypatch):

@@ -99,7 +99,8 @@ CASES = [
     ("train-own-config-in-place-dry-run", "train --config {user}/proj/sdplan.yaml --out {user}/proj --device cpu --dry-run", 3, None),
     ("bench-demo-store", "bench --demo --store {user}", 0, ["methods/lora.yaml"]),
     ("profiles-export-over-a-user-file", "profiles export {user}/export.yaml", 3, None),
-    ("profiles-export-new", "profiles export {user}/shared/measured.yaml", 0, ["shared/measured.yaml"]),
+    ("profiles-export-new", "profiles export {user}/measured.yaml", 0, ["measured.yaml"]),
+    ("profiles-export-into-a-missing-folder", "profiles export {user}/shared/measured.yaml", 2, None),
 ]  # fmt: skip
 SLOW_CASES = [
     ("train-demo-new", "train --demo --out {user}/demo-run", 0, ["demo-run/run_summary.json"]),
