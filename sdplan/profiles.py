@@ -20,6 +20,7 @@ from __future__ import annotations
 import difflib
 import functools
 import hashlib
+import math
 import os
 import pickle
 import re
@@ -136,7 +137,13 @@ def _num(v: Any) -> bool:
 
 
 def _positive(v: Any) -> str | None:
-    return None if v is None or (_num(v) and v > 0) else "must be > 0"
+    # .inf passed: an infinite peak made every plan "not fit", an infinite memory_gib crashed recommend
+    return None if v is None or (_num(v) and 0 < v < math.inf) else "must be > 0 and finite"
+
+
+def _gib(v: Any) -> str | None:
+    # a GPU's memory, read as int(memory_gib * 2**30) bytes: 1.0e+300 overflowed that to inf (a traceback)
+    return None if v is None or (_num(v) and 0 < v <= 2**20) else "must be > 0 and at most 1048576 (GiB)"
 
 
 def _nonneg(v: Any) -> str | None:
@@ -174,13 +181,27 @@ def _check(data: Any, schema: dict[str, F], where: str, errors: list[str]) -> No
         _check_value(data[key], spec, f"{prefix}{key}", errors)
 
 
+def _number_as_text(value: Any, types: tuple[type, ...]) -> str:
+    """For a number YAML 1.1 read as text (``1e300``: no dot, no exponent sign), how to write it as a number."""
+    if float not in types or not isinstance(value, str):
+        return ""
+    try:
+        number = float(value)
+    except ValueError:
+        return ""
+    if not math.isfinite(number):  # "inf", "nan": not numbers it takes either
+        return ""
+    as_yaml = yaml.safe_dump(number).splitlines()[0]
+    return f" (YAML reads {value} as text: write it as {as_yaml})"
+
+
 def _check_value(value: Any, spec: F, where: str, errors: list[str]) -> None:
     types = spec.types
     ok = isinstance(value, types) and not (isinstance(value, bool) and bool not in types)
     if not ok and float in types and _num(value):
         ok = True
     if not ok:
-        errors.append(f"{where}: must be {_type_names(types)}, got {value!r}")
+        errors.append(f"{where}: must be {_type_names(types)}, got {value!r}{_number_as_text(value, types)}")
         return
     if value is None:
         return
@@ -201,7 +222,7 @@ GPU_SCHEMA = {
     "name": F(STR),
     "aliases": F((list,), item=F(STR)),
     "vendor": F(STR, check=_one_of("nvidia", "amd")),
-    "memory_gib": F(NUM, check=_positive),
+    "memory_gib": F(NUM, check=_gib),
     # the total NVML reports (nvidia-smi's MiB), where ECC (on by default) or the driver keeps it over 1% under
     # memory_gib; its source in `source`
     "memory_total_mib": F(NUM, required=False, check=_positive),
@@ -324,7 +345,7 @@ POINT_SCHEMA = {
     "precision": F(STR, check=_one_of(*PRECISIONS)),
     "options": F((dict,), sub=OPTIONS_SCHEMA),
     "gpu": F((str, type(None))),
-    "gpu_memory_gib": F(OPT_NUM, required=False, check=_positive),
+    "gpu_memory_gib": F(OPT_NUM, required=False, check=_gib),
     "num_gpus": F((int,), check=_positive),
     "outcome": F((dict,), sub=OUTCOME_SCHEMA),
     "source": F(STR),

@@ -69,6 +69,63 @@ def test_method_file_missing_and_bad_values(tmp_path):
     assert any("points[0].source: missing" in x for x in errs)
 
 
+def test_infinite_and_overflowing_numbers_are_refused(tmp_path, monkeypatch):
+    """.inf passed as > 0: an infinite measured peak made recommend call AdamW "does not fit" and its speed
+    "(measured)", an infinite memory_gib crashed it (OverflowError); 1.0e+300 GiB overflowed the same way.
+    1e300 (YAML 1.1 reads it as text) says how to write it as a number."""
+    card = (
+        "  - {{name: {name}, aliases: [], vendor: nvidia, memory_gib: {mem}, arch: '8.9', family: ada, bf16: true,\n"
+        "     fp16: true, fp16_tflops: {tflops}, bf16_tflops: null, memory_bandwidth_gbs: 1000, pcie_gen: 4,\n"
+        "     interconnect: null, source: mine}}\n"
+    )
+    gpus = tmp_path / "gpus.yaml"
+    gpus.write_text(
+        "schema_version: 1\ngpus:\n"
+        + card.format(name="A", mem=".inf", tflops=".nan")
+        + card.format(name="B", mem="1.0e+300", tflops="1e300")
+        + card.format(name="C", mem="24", tflops="1.0e+3")
+    )
+    with pytest.raises(ConfigError) as e:
+        load_gpus(gpus)
+    assert e.value.errors == [
+        "gpus[0].memory_gib: must be > 0 and at most 1048576 (GiB)",
+        "gpus[0].fp16_tflops: must be > 0 and finite",
+        "gpus[1].memory_gib: must be > 0 and at most 1048576 (GiB)",
+        "gpus[1].fp16_tflops: must be an integer or a number, got '1e300' (YAML reads 1e300 as text: write it "
+        "as 1.0e+300)",
+    ]
+    points = tmp_path / "lora.yaml"
+    points.write_text(
+        "schema_version: 1\nmethod: lora\npoints:\n"
+        "  - {id: a, model: sd15, resolution: 512, batch: 4, grad_accum: 1, precision: bf16, gpu: RTX 4090,\n"
+        "     num_gpus: 1, gpu_memory_gib: 1.0e+300, source: mine, options: {gradient_checkpointing: false,\n"
+        "     optimizer: adamw, cache_latents: true, train_text_encoder: false, attention: sdpa, deepspeed: null,\n"
+        "     ema: null}, outcome: {fits: true, peak_vram_gib: .inf, it_s: .inf}}\n"
+    )
+    with pytest.raises(ConfigError) as e:
+        load_methods(points)
+    assert e.value.errors == [
+        "points[0].gpu_memory_gib: must be > 0 and at most 1048576 (GiB)",
+        "points[0].outcome.peak_vram_gib: must be > 0 and finite",
+        "points[0].outcome.it_s: must be > 0 and finite",
+    ]
+    # in a local store: one line from recommend, no traceback
+    from typer.testing import CliRunner
+
+    from sdplan.cli import app
+
+    store = tmp_path / "store"
+    store.mkdir()
+    (store / "gpus.yaml").write_text(
+        "schema_version: 1\ngpus:\n" + card.format(name="A", mem=".inf", tflops=1)
+    )
+    monkeypatch.setenv("SDPLAN_PROFILE_DIR", str(store))
+    clear_cache()
+    r = CliRunner().invoke(app, ["recommend", "--method", "lora", "--hardware", "A"])
+    one_line_error(r, 2, "gpus[0].memory_gib: must be > 0 and at most 1048576 (GiB)")
+    clear_cache()
+
+
 def test_broken_yaml_names_the_line(tmp_path):
     bad = tmp_path / "gpus.yaml"
     bad.write_text("schema_version: 1\ngpus: [\n  - oops: {\n")
