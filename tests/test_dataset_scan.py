@@ -454,6 +454,33 @@ def test_a_kohya_captions_file_matches_full_paths_through_links_and_tag_lists(tm
         assert {it.path.name: it.caption for it in result.items} == {"a.png": "by the link", "b.png": "x, y"}
 
 
+def test_a_link_that_loops_is_not_used_as_a_dangling_link_is(tmp_path):
+    """`ln -s loop.png loop.png` in a dataset crashed recommend --dataset and train (Path.resolve: RuntimeError
+    Symlink loop) in a flat folder, with a kohya captions file naming it, and in a metadata folder; it is listed
+    as not used, as a link to a file that is gone is."""
+    flat = tmp_path / "flat"
+    img(flat / "ok.png")
+    (flat / "loop.png").symlink_to("loop.png")
+    (flat / "gone.png").symlink_to("nowhere.png")
+    write(
+        flat / "meta_cap.json",
+        json.dumps({str(flat / "loop.png"): {"caption": "x"}, "ok": {"caption": "ok"}}),
+    )
+    result = scan(flat)
+    assert names(result) == {"ok.png": "ok"}
+    why = skipped(result)
+    assert why["loop.png"].startswith("cannot be read (") and why["gone.png"].startswith("cannot be read (")
+
+    meta = tmp_path / "meta"
+    img(meta / "ok.png")
+    (meta / "loop.png").symlink_to("loop.png")
+    write(meta / "ok.json", json.dumps({"file_name": "ok.png", "tags": ["a"]}))
+    write(meta / "l.json", json.dumps({"image": "loop.png", "tags": ["b"]}))
+    result = scan(meta)
+    assert names(result) == {"ok.png": "a"}
+    assert set(skipped(result)) == {"l.json", "loop.png"}
+
+
 def test_a_metadata_record_of_file_name_and_text_is_captioned(tmp_path):
     """Per-image .json records {"file_name", "text"} (Hugging Face's column names) were 'metadata: 0 captioned'."""
     img(tmp_path / "a.png")

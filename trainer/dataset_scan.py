@@ -335,6 +335,13 @@ def _walk(root: Path) -> list[Path]:
     return out
 
 
+def _real(path: str | os.PathLike[str]) -> Path:
+    """``path`` through its links, as Path.resolve() gives it; a link that loops is left as it is (Path.resolve()
+    raised RuntimeError on it: a traceback), for the scan to list as not used, as a dangling link is
+    (:func:`_drop_empty_files`: it cannot be read)."""
+    return Path(os.path.realpath(path))
+
+
 def _rel(path: Path, root: Path) -> str:
     try:
         return str(path.relative_to(root))
@@ -477,7 +484,7 @@ def _kohya_captions(
             if text:
                 captions[str(key)] = text
                 if Path(key).is_absolute():  # as the image's own resolved path (a link in either path)
-                    captions.setdefault(str(Path(key).resolve()), text)
+                    captions.setdefault(str(_real(key)), text)
     return tuple(found), captions
 
 
@@ -528,7 +535,7 @@ def _jsonl_captions(
             if not (image.is_relative_to(f.parent) and image.is_file() and is_image(image)):
                 missing.append(name.strip())
             elif text:
-                captions[str(image.resolve())] = text  # the key _image_keys gives the image (its real path)
+                captions[str(_real(image))] = text  # the key _image_keys gives the image (its real path)
         if missing:
             more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
             result.skipped.append((f, f"names images that are not in the dataset: {missing[0]}{more}"))
@@ -539,7 +546,7 @@ def _jsonl_captions(
 def _image_keys(root: Path, img: Path) -> tuple[str, ...]:
     """The keys a kohya captions file may name ``img`` by: its stem, its path relative to the root or in full
     (as given, made absolute, or resolved through links), each with and without the extension."""
-    rel, full, real = img.relative_to(root), img.absolute(), img.resolve()
+    rel, full, real = img.relative_to(root), img.absolute(), _real(img)
     named = (rel.with_suffix("").as_posix(), rel.as_posix())
     return (img.stem, img.name, *named, *(str(p) for q in (img, full, real) for p in (q.with_suffix(""), q)))
 
@@ -650,7 +657,7 @@ def _record_image(root: Path, json_path: Path, data: dict[str, Any]) -> Path | s
         if isinstance(rel, str) and rel.strip():
             rel = rel.strip()
             for base in (root, json_path.parent):
-                cand = (base / rel).resolve() if not os.path.isabs(rel) else Path(rel)
+                cand = _real(base / rel) if not os.path.isabs(rel) else Path(rel)
                 if cand.is_file():
                     return cand
             return f"its image {rel!r} ({key}) was not found under {root} or beside the json"
@@ -688,7 +695,7 @@ def _scan_metadata(root, files, records, repeats, meta: MetadataConfig | None, c
         if isinstance(image, str):
             result.skipped.append((json_path, image))
             continue
-        image = image.resolve()
+        image = _real(image)
         if image in described:
             result.skipped.append((json_path, f"describes the same image as {_rel(described[image], root)}"))
             continue
@@ -742,7 +749,7 @@ def _scan_metadata(root, files, records, repeats, meta: MetadataConfig | None, c
         result.items.append(Item(shown, caption, tags or None, repeats, score if has_score else None))
 
     for f in files:
-        if f.suffix.lower() == ".json" or f.resolve() in described:
+        if f.suffix.lower() == ".json" or _real(f) in described:
             continue
         if is_image(f) and (cap_file := cap_files.get((f.parent, f.stem))) is not None:
             # beside the records, an image with a caption file trains on it (a few .json files, e.g. a
