@@ -7,6 +7,7 @@ at once with its key path (``training.batch_size: must be >= 1``). Pure Python: 
 from __future__ import annotations
 
 import copy
+import errno
 import math
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from pathlib import Path
@@ -14,7 +15,7 @@ from typing import Any, get_args, get_origin, get_type_hints
 
 import yaml
 
-from sdplan.errors import ConfigError
+from sdplan.errors import ConfigError, UsageError
 from sdplan.registry import (
     BASE_PRECISIONS,
     FAMILIES,
@@ -624,6 +625,33 @@ def merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def link_loops(path: Path) -> bool:
+    """Whether ``path`` is, or is under, a symbolic link that loops (``ln -s lp lp``): Path.resolve() raised
+    RuntimeError on it (a traceback), and exists() says it is not there. A link to what is not made yet is not."""
+    try:
+        path.resolve(strict=True)
+    except FileNotFoundError:
+        return False
+    except RuntimeError:  # Python < 3.13
+        return True
+    except OSError as e:
+        return e.errno == errno.ELOOP
+    return False
+
+
+def absolute(path: str | Path, what: str) -> Path:
+    """``path`` with ~ expanded, made absolute through its links, as a run's sdplan.yaml names it; a symbolic link
+    that loops is one UsageError naming ``what`` (--out, data.path, ...)."""
+    p = Path(path).expanduser()
+    if link_loops(p):
+        where = "is" if p.is_symlink() else "is under"
+        raise UsageError(
+            f"{what} {p} {where} a symbolic link that loops",
+            fix=f"remove the link, or give {what} another path",
+        )
+    return p.resolve()
+
+
 def absolute_if_local(path: str) -> str:
     """``path`` absolute where it names a local file or folder; as it is otherwise (a hub id)."""
     p = Path(path).expanduser()
@@ -644,11 +672,7 @@ def absolute_paths(data: dict[str, Any]) -> dict[str, Any]:
         node = out.get(section)
         if not isinstance(node, dict) or not isinstance(node.get(name), str) or not node[name].strip():
             continue
-        node[name] = (
-            absolute_if_local(node[name])
-            if key == "model.path"
-            else str(Path(node[name]).expanduser().resolve())
-        )
+        node[name] = absolute_if_local(node[name]) if key == "model.path" else str(absolute(node[name], key))
     return out
 
 

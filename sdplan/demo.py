@@ -131,6 +131,7 @@ def run_demo(req: Any, ui: Any) -> dict[str, Any]:
     import dataclasses
     import time
 
+    from sdplan import config as C
     from sdplan import runfolder
     from sdplan.errors import UsageError
     from sdplan.launcher import (
@@ -156,7 +157,7 @@ def run_demo(req: Any, ui: Any) -> dict[str, Any]:
         )
     if req.device == "cuda":
         raise UsageError("--demo trains on the CPU", fix="drop --device cuda")
-    out = Path(req.out or DEFAULT_OUT).expanduser().resolve()
+    out = C.absolute(req.out or DEFAULT_OUT, "--out")
     if req.resume:  # a run like any other: its flags (--dry-run, --epochs, --max-steps, ...) count as there
         return run(dataclasses.replace(req, out=str(out), yes=True, model=None, demo=False), ui)
     runfolder.check_free(out)

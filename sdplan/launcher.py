@@ -224,7 +224,7 @@ def config_output_dir(config_path: Path, base: dict[str, Any]) -> Path:
     --force would clear it): refused, with the --out that trains in the config's own folder."""
     from sdplan import runfolder
 
-    out = Path(str((base.get("output") or {}).get("dir", "./output"))).expanduser().resolve()
+    out = C.absolute(str((base.get("output") or {}).get("dir", "./output")), "output.dir")
     folder = config_path.expanduser().resolve().parent
     if config_path.name == CONFIG_FILE and CONFIG_FILE in runfolder.owned(folder) and out != folder:
         raise UsageError(
@@ -309,7 +309,7 @@ def flag_overrides(req: TrainRequest, out: Path | None) -> list[str]:
     if req.model:
         o.append(f"model.path={C.absolute_if_local(req.model)}")
     if req.dataset:
-        o.append(f"data.path={Path(req.dataset).expanduser().resolve()}")
+        o.append(f"data.path={C.absolute(req.dataset, '--dataset')}")
     if req.resolution is not None:
         o.append(f"data.resolution={req.resolution}")
     if req.epochs is not None:
@@ -1032,7 +1032,7 @@ def settings_as_flags(req: TrainRequest) -> TrainRequest:
         if key == "model.path":  # a local model, or a hub id
             ours, yours = C.absolute_if_local(str(ours)), C.absolute_if_local(str(yours))
         elif key in C.PATH_KEYS:
-            ours, yours = Path(str(ours)).expanduser().resolve(), Path(str(yours)).expanduser().resolve()
+            ours, yours = C.absolute(str(ours), flag), C.absolute(str(yours), key)
         if str(ours) != str(yours):
             raise UsageError(f"{flag} {mine} and {key}={theirs.strip()} disagree", fix="give one")
     if req.out is None and given.get("output.dir", "").strip():
@@ -1057,7 +1057,7 @@ def prepare(req: TrainRequest, ui: UI) -> Prepared:
                 "--resume continues the run as configured in its sdplan.yaml",
                 fix="drop --method/--model/--dataset; change settings with key=value overrides",
             )
-    out_given = Path(req.out).expanduser().resolve() if req.out else None
+    out_given = C.absolute(req.out, "--out") if req.out else None
 
     if req.resume:
         if out_given is not None:
@@ -1089,7 +1089,7 @@ def prepare(req: TrainRequest, ui: UI) -> Prepared:
         base = C.default_config()
         base["method"] = req.method or "lora"
         source = "command line"
-        out = out_given or Path("./output").resolve()
+        out = out_given or C.absolute("./output", "output.dir")
 
     # 2. The config validates (unknown keys, wrong types) before anything else is looked at.
     cfg = _validate_given(base, req, out, source)

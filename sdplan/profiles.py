@@ -1681,16 +1681,13 @@ def check_store(root: Path, verb: str = "read") -> Path:
     """``root``, or one clear UsageError where it, or the nearest folder above it that exists, is a file (a
     store there could be neither read nor written; silently skipped, its measurements would be missed), or a
     link that loops (``profiles`` crashed on it, the planner skipped it)."""
-    if root.is_symlink() and not root.exists():
-        try:
-            root.resolve(strict=True)
-        except FileNotFoundError:
-            pass  # a link to a folder not made yet: sdplan bench makes it
-        except (RuntimeError, OSError):
-            raise UsageError(
-                f"cannot {verb} the profile store {root}: it is a symbolic link that loops",
-                fix="pass --store DIR with a folder, or set SDPLAN_PROFILE_DIR to one",
-            ) from None
+    from sdplan.config import link_loops
+
+    if link_loops(root):  # a link to a folder not made yet is fine: sdplan bench makes it
+        raise UsageError(
+            f"cannot {verb} the profile store {root}: it is a symbolic link that loops",
+            fix="pass --store DIR with a folder, or set SDPLAN_PROFILE_DIR to one",
+        )
     for p in (root, *root.parents):
         if p.exists():
             if not p.is_dir():

@@ -578,23 +578,27 @@ def trainer_config(
         data = cfgmod.apply_overrides(data, list(overrides))
     for section, key in (("model", "path"), ("model", "config_dir")):  # a hub id, or a file or folder here
         data[section][key] = _absolute(data[section][key], only_existing=True)
-    for section, key, place in (("data", "path", counted), ("output", "dir", out is not None)):
+    for section, key, place, what in (
+        ("data", "path", counted, "data.path"),
+        ("output", "dir", out is not None, "--out"),
+    ):
         if place:  # else data.path is the placeholder: there is no dataset yet
-            data[section][key] = _absolute(data[section][key])
+            data[section][key] = _absolute(data[section][key], what=what)
     cfg = cfgmod.validate(data, "sdplan.yaml (from the plan)")
     if data["training"].get("learning_rate") is None:  # the method's; a pinned one is carried as given
         data["training"]["learning_rate"] = cfg.training.learning_rate
     return data
 
 
-def _absolute(path: Any, *, only_existing: bool = False) -> Any:
+def _absolute(path: Any, *, only_existing: bool = False, what: str = "") -> Any:
     """A local path made absolute as `sdplan train` writes --model, --dataset and --out. ``only_existing``:
-    a path that names nothing here is left alone (a hub id), and an absolute one as given."""
+    a path that names nothing here is left alone (a hub id), and an absolute one as given. ``what``: the flag or
+    setting named where the path is a symbolic link that loops."""
     if not isinstance(path, str) or not path:
         return path
     if only_existing:
         return path if os.path.isabs(path) else cfgmod.absolute_if_local(path)
-    return str(Path(path).expanduser().resolve())
+    return str(cfgmod.absolute(path, what))
 
 
 def dataset_counted(dataset: str | None, overrides: tuple[str, ...] | list[str] = ()) -> bool:

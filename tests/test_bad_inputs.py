@@ -66,6 +66,49 @@ def test_read_only_out_for_recommend(unwritable):
     one_line_error(r, 2, "cannot write to", str(unwritable))
 
 
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (
+            "recommend --method lora --hardware RTX_4090 --out {lp}",
+            "--out {lp} is a symbolic link that loops",
+        ),
+        (
+            "recommend --method lora --hardware RTX_4090 --out {lp}/sub",
+            "--out {lp}/sub is under a symbolic link",
+        ),
+        (
+            "recommend --method lora --hardware RTX_4090 --dataset {lp}",
+            "dataset folder {lp} is a symbolic link",
+        ),
+        ("train --demo --out {lp}", "--out {lp} is a symbolic link that loops"),
+        ("train --demo --dry-run --out {lp}", "--out {lp} is a symbolic link that loops"),
+        (
+            "train --model {model} --dataset {ds} --out {lp} --device cpu --dry-run",
+            "--out {lp} is a symbolic",
+        ),
+        ("train --model {model} --dataset {lp} --out {tmp}/o --device cpu --dry-run", "--dataset {lp} is a"),
+        ("train --config {cfg} --device cpu --dry-run", "output.dir {lp} is a symbolic link that loops"),
+        ("train --resume --out {lp}", "--out {lp} is a symbolic link that loops"),
+        ("train --config {cfg} --device cpu --dry-run --out {tmp}/o output.dir={lp}", "output.dir {lp} is a"),
+    ],
+)
+def test_a_symbolic_link_that_loops_is_one_line(tmp_path, fake_model, args, needle):
+    """`ln -s lp lp` given as --out, --dataset or output.dir was a traceback (Path.resolve: RuntimeError Symlink
+    loop) in recommend, train and train --demo."""
+    lp = tmp_path / "lp"
+    lp.symlink_to("lp")
+    ds = make_images(tmp_path / "ds", n=2)
+    cfg = tmp_path / "sdplan.yaml"
+    cfg.write_text(
+        f"method: lora\nmodel: {{path: {fake_model}}}\ndata: {{path: {ds}}}\noutput: {{dir: {lp}}}\n"
+    )
+    fill = {"lp": lp, "ds": ds, "model": fake_model, "cfg": cfg, "tmp": tmp_path}
+    argv = [a.format(**fill).replace("RTX_4090", "RTX 4090") for a in args.split()]
+    one_line_error(cli(*argv), 2, needle.format(**fill))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ds", "lp", "model", "sdplan.yaml"]  # nothing made
+
+
 def _zip(files: dict[str, bytes]) -> bytes:
     import io
     import zipfile

@@ -160,8 +160,11 @@ def scan(
     """
     root = Path(root).expanduser()
     if not root.exists():
+        from sdplan.config import link_loops
+
+        why = "is a symbolic link that loops" if link_loops(root) else "does not exist"
         raise DatasetError(
-            f"dataset folder {root} does not exist",
+            f"dataset folder {root} {why}",
             fix="give --dataset (data.path in sdplan.yaml) the folder that holds the training images",
         )
     if not root.is_dir():
