@@ -252,6 +252,8 @@ class TrainConfig:
         return asdict(self)
 
 
+SEED_RULE = "must be from 0 to 4294967295 (2**32 - 1)"
+
 # Constraints beyond the type: key path -> (check, message).
 _RULES: dict[str, tuple[Any, str]] = {
     "method": (lambda v: v in METHODS, f"must be one of {', '.join(METHODS)}"),
@@ -290,6 +292,9 @@ _RULES: dict[str, tuple[Any, str]] = {
     "training.epochs": (lambda v: v >= 1, "must be >= 1"),
     "training.max_steps": (lambda v: v is None or v >= 1, "must be >= 1 or null"),
     "training.max_grad_norm": (lambda v: v >= 0, "must be >= 0"),
+    # a seed every seeder takes: torch.manual_seed (the trainer's; DreamBooth's class images add their count) takes
+    # -2**63 to 2**64 - 1, numpy's and accelerate's set_seed (kohya's) 0 to 2**32 - 1
+    "training.seed": (lambda v: 0 <= v < 2**32, SEED_RULE),
     "training.noise_offset": (lambda v: v >= 0, "must be >= 0"),
     "training.min_snr_gamma": (
         lambda v: v is None or 0 < v < math.inf,
@@ -317,6 +322,7 @@ _RULES: dict[str, tuple[Any, str]] = {
     # index timestep 1000 and the final grid failed after the whole run
     "sampling.num_inference_steps": (lambda v: 1 <= v <= 999, "must be between 1 and 999 (20-50 is usual)"),
     "sampling.guidance_scale": (lambda v: v is None or v >= 0, "must be >= 0 or null"),
+    "sampling.seed": (lambda v: 0 <= v < 2**32, SEED_RULE),
 }
 
 

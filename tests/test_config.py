@@ -219,6 +219,18 @@ def test_a_learning_rate_must_be_positive_and_finite(value):
         config.validate(data)
 
 
+@pytest.mark.parametrize("key", ["training.seed", "sampling.seed"])
+def test_a_seed_is_what_every_seeder_takes(key):
+    """training.seed=99999999999999999999 passed (--dry-run too) and the trainer failed after launch
+    (torch.manual_seed: Overflow when unpacking long long); numpy and accelerate's set_seed take 0 to 2**32 - 1."""
+    section, name = key.split(".")
+    for ok in (0, 2**32 - 1):
+        assert getattr(getattr(config.validate({"method": "lora", section: {name: ok}}), section), name) == ok
+    for bad in (-1, 2**32, 99999999999999999999):
+        with pytest.raises(config.ConfigError, match=rf"{key}: must be from 0 to 4294967295 \(2\*\*32 - 1\)"):
+            config.validate({"method": "lora", section: {name: bad}})
+
+
 @pytest.mark.parametrize("method", ["lora", "dreambooth", "textual-inversion"])
 def test_an_ema_on_a_method_that_keeps_none_is_refused(method):
     """`recommend --method lora ema.enabled=true` planned and charged an EMA (3.2 GiB on SD 1.5) that the LoRA
