@@ -810,33 +810,53 @@ def _print_reasons(reasons: list[str], console) -> None:
     console.print(grid)
 
 
-def render_compare(rows: list[tuple[str, dict, planner.Result]], console) -> None:
-    from rich.markup import escape
-    from rich.table import Table
+COMPARE_COLUMNS = ("hardware", "fits", "settings", "peak VRAM (likely)", "time (likely)", "vs 1 GPU")
 
+
+def render_compare(rows: list[tuple[str, dict, planner.Result]], console) -> None:
+    """The hardware options as a table; as a list, one option under another, where the terminal is narrower
+    than the table's narrowest layout (at 40 or 60 columns its cells were cut to 'y…', '(7.0-…')."""
+    from rich.padding import Padding
+    from rich.table import Table
+    from rich.text import Text
+
+    cells = [_compare_cells(d, res, text) for text, d, res in rows]
     t = Table(title="hardware options")
-    t.add_column("hardware", no_wrap=True)
-    for col in ("fits", "settings", "peak VRAM (likely)", "time (likely)", "vs 1 GPU"):
+    t.add_column(COMPARE_COLUMNS[0], no_wrap=True)
+    for col in COMPARE_COLUMNS[1:]:
         t.add_column(col)
-    for text, d, res in rows:
-        est = d["estimate"] or {}
-        if res.pin_conflicts:
-            t.add_row(text, "no", res.pin_conflicts[0], "-", "-", "-")
-            continue
-        t.add_row(
-            escape(text),
-            "yes" if d["feasible"] else "no",
-            describe(res.plan, gpus=True, short=True)
-            if d["feasible"]
-            else (
-                f"needs {_gib(need)}"
-                + (" in fp32" if (d["needs"] or {}).get("min_vram_bytes_mixed_precision") else "")
-                if (need := (d["needs"] or {}).get("min_vram_bytes")) is not None
-                else "needs more host RAM"
-            ),
-            _compact(est.get("peak_vram_bytes"), est.get("peak_vram_bytes_range"))
-            + ("" if est.get("within_upper_bound") is not False else " may not fit"),
-            _compact(est.get("seconds"), est.get("seconds_range"), seconds=True) if d["feasible"] else "-",
-            f"{est['speedup_vs_one_gpu']:.2f}x" if est.get("speedup_vs_one_gpu") else "-",
-        )
-    console.print(t)
+    for row in cells:
+        t.add_row(*(Text(c) for c in row))
+    # the narrowest it can be laid out (measured unclamped: rich clamps a measurement to the console's width)
+    if console.measure(t, options=console.options.update_width(2**16)).minimum <= console.width:
+        console.print(t)
+        return
+    console.print("hardware options", markup=False)
+    for hardware, *values in cells:
+        console.print(Text(hardware, style="bold"))
+        for name, value in zip(COMPARE_COLUMNS[1:], values):
+            if value != "-":
+                console.print(Padding(Text(f"{name}: {value}"), (0, 0, 0, 2), expand=False))
+
+
+def _compare_cells(d: dict, res: planner.Result, text: str) -> tuple[str, ...]:
+    """One hardware option's cells, in :data:`COMPARE_COLUMNS` order, as plain text."""
+    est = d["estimate"] or {}
+    if res.pin_conflicts:
+        return (text, "no", res.pin_conflicts[0], "-", "-", "-")
+    return (
+        text,
+        "yes" if d["feasible"] else "no",
+        describe(res.plan, gpus=True, short=True)
+        if d["feasible"]
+        else (
+            f"needs {_gib(need)}"
+            + (" in fp32" if (d["needs"] or {}).get("min_vram_bytes_mixed_precision") else "")
+            if (need := (d["needs"] or {}).get("min_vram_bytes")) is not None
+            else "needs more host RAM"
+        ),
+        _compact(est.get("peak_vram_bytes"), est.get("peak_vram_bytes_range"))
+        + ("" if est.get("within_upper_bound") is not False else " may not fit"),
+        _compact(est.get("seconds"), est.get("seconds_range"), seconds=True) if d["feasible"] else "-",
+        f"{est['speedup_vs_one_gpu']:.2f}x" if est.get("speedup_vs_one_gpu") else "-",
+    )

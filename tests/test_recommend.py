@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -248,6 +249,29 @@ def test_compare_table():
     assert r.exit_code == 0, r.output
     for name in ("RTX 3060 12GB", "2x RTX 4090", "H100 SXM"):
         assert name in r.stdout
+
+
+@pytest.mark.parametrize("columns", [40, 60])
+def test_compare_on_a_narrow_terminal_is_a_list_with_nothing_cut(columns):
+    """At 40 or 60 columns the table's cells were cut to 'y…', '2 m…', '(7.0-…': too narrow for the table, each
+    option is listed under the other, its values whole (a long one wrapped at a word)."""
+    options = ["RTX 3060 12GB", "RTX 4090", "2x RTX 4090", "H100 SXM"]
+    r = runner.invoke(
+        app, ["recommend", "--method", "lora", "--compare", ",".join(options)], env={"COLUMNS": str(columns)}
+    )
+    assert r.exit_code == 0, r.output
+    lines = r.stdout.splitlines()
+    assert "…" not in r.stdout and "┃" not in r.stdout, r.stdout
+    assert all(len(line) <= columns for line in lines), r.stdout
+    assert [line for line in lines if line and not line.startswith(" ")] == ["hardware options", *options]
+    flat = " ".join(r.stdout.split())
+    assert flat.count("fits: yes") == 4 and flat.count("vs 1 GPU: ") == 4, flat
+    assert re.search(r"RTX 3060 12GB fits: yes settings: 1 GPU, \w+, batch \d+, .+ peak VRAM \(likely\): "
+                     r"[\d.]+ GiB \([\d.]+-[\d.]+\)", flat), flat  # fmt: skip
+    wide = runner.invoke(
+        app, ["recommend", "--method", "lora", "--compare", ",".join(options)], env={"COLUMNS": "120"}
+    )
+    assert "┃ hardware " in wide.stdout and "…" not in wide.stdout  # wide enough: the table
 
 
 def test_a_gtx_16_card_that_does_not_fit_says_its_need_is_in_fp32():
