@@ -335,12 +335,13 @@ def _model_source(inp: RecommendInputs, profiles: Profiles) -> RecommendInputs:
         from sdplan.launcher import check_model_file
 
         check_model_file(Path(path))  # as `sdplan train`: a file that is no torch checkpoint at all says so
-    info = check_source(path)
+    pinned = _model_pins(inp)
+    info = check_source(path, **pinned)
     family = info.family or (_listed_hub_family(model, profiles) if info.kind == "hub" else None)
     why = "a hub id that is not in the local cache"
     if not family and info.kind == "hub":
         try:  # its configs from the hub (a few KB, as `sdplan train` asks before its launch)
-            info = check_source(path, hub=True)  # its prediction type too (2-1-base plans at 512)
+            info = check_source(path, hub=True, **pinned)  # its prediction type too (2-1-base plans at 512)
             family = info.family
         except HubUnreachable as e:
             why += f", and the hub cannot be asked ({e.why})"
@@ -371,6 +372,18 @@ def _model_source(inp: RecommendInputs, profiles: Profiles) -> RecommendInputs:
         settings=(*inp.settings, f"model.path={path}"),
         notes=(*inp.notes, note),
     )
+
+
+def _model_pins(inp: RecommendInputs) -> dict[str, Any]:
+    """The ``model.config_dir`` / ``model.variant`` / ``model.revision`` the key=value settings give, as
+    ``check_source`` takes them (`sdplan train` checks the model with them: a single SD3.5 / FLUX.1
+    transformer needs its config_dir, which says its family)."""
+    keys = ("config_dir", "variant", "revision")
+    items = [s for s in inp.settings if s.partition("=")[0].strip() in {f"model.{k}" for k in keys}]
+    if not items:
+        return {}
+    model = cfgmod.apply_overrides({}, items).get("model") or {}
+    return {k: str(model[k]) for k in keys if model.get(k) is not None}
 
 
 def _listed_hub_family(hub_id: str, profiles: Profiles) -> str | None:

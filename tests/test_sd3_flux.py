@@ -482,6 +482,103 @@ def test_family_of_another_network_kind_is_refused(tiny_flow):
         models.load_components(str(single), family="flux-dev")
 
 
+# the original-layout keys that tell the variants apart (diffusers infer_diffusers_model_type reads the same)
+_FLOW_KEYS = {
+    "flux-dev": ["double_blocks.0.img_attn.qkv.weight", "img_in.weight", "guidance_in.in_layer.bias"],
+    "flux-schnell": ["double_blocks.0.img_attn.qkv.weight", "img_in.weight"],
+    "sd35-medium": [
+        "joint_blocks.0.x_block.attn.qkv.weight",
+        "joint_blocks.0.x_block.attn.ln_q.weight",
+        "joint_blocks.0.x_block.attn2.qkv.weight",
+    ],
+    "sd35-large": ["joint_blocks.0.x_block.attn.qkv.weight", "joint_blocks.0.x_block.attn.ln_q.weight"],
+}
+
+
+def _flow_file(path: Path, family: str, prefix: str = "") -> Path:
+    """A single transformer file of ``family`` in the original layout (a few tiny tensors, no torch)."""
+    from safetensors.numpy import save_file
+
+    save_file({prefix + k: np.zeros((2, 2), np.float16) for k in _FLOW_KEYS[family]}, str(path))
+    return path
+
+
+def _flow_configs(root: Path, family: str) -> Path:
+    """A diffusers folder of ``family`` that passes the model check: its transformer config says the variant."""
+    from conftest import fake_diffusers_folder
+
+    config = {"in_channels": 64 if family.startswith("flux") else 16}
+    config.update(
+        {"guidance_embeds": family == "flux-dev"}
+        if family.startswith("flux")
+        else {"qk_norm": "rms_norm", "dual_attention_layers": [0] if family == "sd35-medium" else []}
+    )
+    return fake_diffusers_folder(root, family, denoiser=config)
+
+
+def test_a_single_transformer_files_family_is_read_from_its_keys(tmp_path):
+    """A FLUX.1 [dev] file with a [schnell] model.config_dir loaded as [schnell], its guidance embedder dropped,
+    and its LoRA was labelled flux-1-schnell; an SD3.5 file was whatever model.family said (flux-dev too). The
+    file's keys say its variant, as diffusers reads them; model.family or a config_dir that says another is one
+    line naming both."""
+    from sdplan.trainer import flow_models
+    from sdplan.trainer.source_check import UnsupportedModelError, check_source
+
+    folders = {f: _flow_configs(tmp_path / f, f) for f in FLOW}
+    for family in FLOW:
+        for prefix in ("", "model.diffusion_model."):
+            path = _flow_file(tmp_path / f"{family}-{len(prefix)}.safetensors", family, prefix)
+            info = check_source(str(path), config_dir=str(folders[family]))
+            assert (info.family, info.prediction_type) == (family, "flow_matching")
+            assert info.notes[0] == f"model: single file: family {family}, prediction flow_matching"
+    from safetensors.numpy import save_file
+
+    sd3_medium = tmp_path / "sd3.safetensors"  # SD3 Medium: no qk-norm (planned as SD3.5 Medium, its size)
+    save_file({"joint_blocks.0.x_block.attn.qkv.weight": np.zeros(2, np.float16)}, str(sd3_medium))
+    assert check_source(str(sd3_medium), config_dir=str(folders["sd35-medium"])).family == "sd35-medium"
+
+    dev = tmp_path / "flux-dev-0.safetensors"
+    with pytest.raises(UnsupportedModelError, match="model.family is flux-schnell but .* flux-dev model"):
+        check_source(str(dev), family="flux-schnell", config_dir=str(folders["flux-dev"]))
+    with pytest.raises(UnsupportedModelError, match="model.family is flux-dev but .* sd35-large model"):
+        check_source(str(tmp_path / "sd35-large-0.safetensors"), family="flux-dev", config_dir="x")
+    with pytest.raises(
+        UnsupportedModelError, match="is a flux-schnell folder but .* is a flux-dev transformer"
+    ):
+        check_source(str(dev), config_dir=str(folders["flux-schnell"]))
+    with pytest.raises(
+        UnsupportedModelError, match="is a sd35-medium folder but .* is a sd35-large transformer"
+    ):
+        check_source(str(tmp_path / "sd35-large-0.safetensors"), config_dir=str(folders["sd35-medium"]))
+    with pytest.raises(UsageError, match="single-file flux-dev transformer needs model.config_dir"):
+        check_source(str(dev))
+    # a folder: its transformer config says the variant (the trainer's own check on the loaded one too)
+    with pytest.raises(UnsupportedModelError, match="model.family is flux-schnell but"):
+        check_source(str(folders["flux-dev"]), family="flux-schnell")
+    with pytest.raises(UnsupportedModelError, match="model.family is sd35-medium but"):
+        flow_models._check("sd35-large", "sd35-medium", "m")
+
+
+def test_recommend_reads_a_single_transformer_file_with_its_config_dir(tmp_path):
+    """`recommend --model flux.safetensors model.config_dir=DIR` said the file needs model.config_dir: the
+    settings' config_dir never reached the model check."""
+    from conftest import one_line_error
+    from typer.testing import CliRunner
+
+    from sdplan.cli import app
+
+    dev = _flow_file(tmp_path / "flux.safetensors", "flux-dev", "model.diffusion_model.")
+    args = ["recommend", "--method", "lora", "--hardware", "RTX 4090", "--model", str(dev)]
+    folder = _flow_configs(tmp_path / "dev", "flux-dev")
+    r = CliRunner().invoke(app, [*args, f"model.config_dir={folder}"])
+    assert r.exit_code == 0, r.output
+    assert "lora flux-dev" in r.output and "a single file of the flux-dev family" in r.output
+    schnell = _flow_configs(tmp_path / "schnell", "flux-schnell")
+    one_line_error(
+        CliRunner().invoke(app, [*args, f"model.config_dir={schnell}"]), 2, "flux-schnell folder", "flux-dev"
+    )
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("model", ["flux", "sd35"])
 def test_demo_cli_trains_the_tiny_transformer_families(tmp_path, model):

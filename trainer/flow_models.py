@@ -89,15 +89,11 @@ class FlowComponents(Components):
 
 
 def _check(found: str, wanted: str | None, where: str) -> str:
-    """The family to train as: the config's when it names the same network kind (Medium vs Large, dev vs
-    schnell are the config's call: tiny and merged models do not say), an error when it names another."""
-    if wanted is None:
-        return found
-    if registry.family(wanted).arch != registry.family(found).arch:
-        raise ModelLoadError(
-            f"model.family is {wanted} but {where} is an {found} model", fix="fix model.family"
-        )
-    return wanted
+    """The family to train as: the transformer config's (:func:`.source_check.check_family`: a
+    ``model.family`` of another network, or of the other variant of this one, is refused)."""
+    from .source_check import check_family
+
+    return check_family(found, wanted, where) or found
 
 
 def load_flow_components(

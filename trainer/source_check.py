@@ -35,7 +35,7 @@ from sdplan.errors import UsageError
 
 from .ckpt_reader import Unreadable, read_ckpt_shapes
 from .flow_models import PIPELINES as FLOW_PIPELINES
-from .flow_models import detect_flow_family
+from .flow_models import detect_flow_family, flow_family_of_folder
 from .models import ModelLoadError, detect_family
 
 UNET = "model.diffusion_model."
@@ -320,20 +320,19 @@ def check_folder(
 
 
 def check_family(found: str | None, wanted: str | None, where: str) -> str | None:
-    """The family to train as: ``wanted`` (model.family) unless the files say another network kind (SD
-    1.x/2.x vs SDXL vs SD3.5 vs FLUX.1; sd15 vs sd21 and variants of one kind are the setting's call)."""
+    """The family to train as: ``wanted`` (model.family) unless the files say another one. SD 1.x/2.x vs SDXL
+    vs SD3.5 vs FLUX.1 are other networks; SD3.5 Medium vs Large and FLUX.1 [dev] vs [schnell] are told apart
+    by the transformer's config or the file's keys (the dual attention, qk-norm, the guidance embedder) and a
+    mismatch loads the wrong network (FLUX.1 [dev]'s guidance embedder dropped as [schnell]); sd15 vs sd21 is
+    the setting's call."""
     if wanted is None or found is None or wanted == found:
         return found or wanted
-
-    def kind(name: str) -> str:
-        return "sdxl" if name == "sdxl" else registry.family(name).arch
-
-    if kind(wanted) != kind(found):
-        raise UnsupportedModelError(
-            f"model.family is {wanted} but {where} is an {found} model",
-            fix=f"set model.family: {found} (or leave it out: it is read from the model)",
-        )
-    return wanted
+    if {wanted, found} <= {"sd15", "sd21"}:
+        return wanted
+    raise UnsupportedModelError(
+        f"model.family is {wanted} but {where} is an {found} model",
+        fix=f"set model.family: {found} (or leave it out: it is read from the model)",
+    )
 
 
 def describe(info: SourceInfo) -> str:
@@ -407,6 +406,29 @@ def family_from_keys(keys) -> str | None:
     return None
 
 
+def flow_family_from_keys(plain) -> str | None:
+    """sd35-medium / sd35-large / flux-dev / flux-schnell from an SD3.5 / FLUX.1 transformer's original-layout
+    key names (without ``model.diffusion_model.``); None for any other network. The keys stand for the
+    transformer config :func:`.flow_models.detect_flow_family` reads in a folder: ``guidance_in.*`` is the
+    guidance embedder of FLUX.1 [dev] ([schnell] has none: diffusers ``infer_diffusers_model_type``),
+    ``x_block.attn2.*`` the dual attention of SD3.5 Medium (MMDiT-X), ``x_block.attn.ln_q`` the qk-norm of
+    SD3.5 (Large has it and no attn2; SD3 Medium neither). On the released files this is diffusers' reading
+    too (``joint_blocks.37.*``: Large; the 1536-wide blocks: SD3 or 3.5 Medium by ``pos_embed``), and it holds
+    at any width and depth, so a merged or tiny model is read the same way."""
+    keys = list(plain)
+    if any(k.startswith("double_blocks.") for k in keys):
+        config = {"guidance_embeds": any(k.startswith("guidance_in.") for k in keys)}
+        return detect_flow_family({"_class_name": "FluxPipeline"}, config)
+    if any(k.startswith("joint_blocks.") for k in keys):
+        blocks = [k for k in keys if k.startswith("joint_blocks.")]
+        config = {
+            "dual_attention_layers": any(".x_block.attn2." in k for k in blocks),
+            "qk_norm": any(".x_block.attn.ln_q." in k for k in blocks),
+        }
+        return detect_flow_family({"_class_name": "StableDiffusion3Pipeline"}, config)
+    return None
+
+
 def classify_state(
     shapes: dict[str, tuple[int, ...]],
     metadata: dict[str, str],
@@ -433,13 +455,14 @@ def classify_state(
             fix="give the base model it was trained for as model.path",
         )
     plain = {k[len(UNET) :] if k.startswith(UNET) else k: v for k, v in shapes.items()}
-    if any(k.startswith(("joint_blocks.", "double_blocks.")) for k in plain):
+    flow = flow_family_from_keys(plain)
+    if flow is not None:
         channels = (plain.get("img_in.weight") or (0, 0))[-1]
         what = _CHANNEL_VARIANTS.get(("flux", channels))
         if what is not None:
             raise refuse(where, f"{what}, not a text-to-image base sdplan trains")
         info = SourceInfo("file", str(path), prediction_type="flow_matching")
-        info.family = family
+        info.family = check_family(flow, family, where)
         return info
     has_unet = any(k.startswith(UNET) for k in keys)
     if not has_unet:
@@ -616,6 +639,13 @@ def check_file(
                 f"{cwhere}: a {cls or 'unnamed'} folder, but {where} is an SD3.5 / FLUX.1 transformer",
                 fix="point it at a StableDiffusion3Pipeline or FluxPipeline folder of the same model",
             )
+        theirs = flow_family_of_folder(cdir) if flow else None
+        if theirs is not None and info.family is not None and theirs != info.family:
+            # its transformer config is the one the file loads with: another one drops or misses weights
+            raise UnsupportedModelError(
+                f"{cwhere} is a {theirs} folder but {where} is a {info.family} transformer",
+                fix=f"point model.config_dir at a {info.family} diffusers folder: the file loads with its configs",
+            )
         if not flow and cls not in UNET_PIPELINES:
             raise UnsupportedModelError(
                 f"{cwhere}: a {cls or 'unnamed'} folder, but {where} is an SD 1.x / 2.x / SDXL checkpoint",
@@ -633,7 +663,7 @@ def check_file(
                         fix="point model.config_dir at a diffusers folder of the same family, or leave it out",
                     )
     elif flow:
-        raise _needs_config_dir(where, family)
+        raise _needs_config_dir(where, info.family)
     info.notes.insert(0, describe(info))
     return info
 
