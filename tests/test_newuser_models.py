@@ -215,6 +215,44 @@ def test_a_whole_checkpoint_passes_with_its_family(tmp_path):
     assert check_source(str(path)).family == "sdxl"
 
 
+TO_K = "model.diffusion_model.input_blocks.1.1.transformer_blocks.0.attn2.to_k.weight"
+
+
+def test_sd15_or_sd21_is_the_cross_attention_width_of_a_released_model(tmp_path):
+    """recommend --out writes model.family; trained with model.path=an SD 2.x file, model.family: sd15 won
+    (sd15 vs sd21 was "the setting's call"): planned at 512, loaded as SD 1.x (epsilon), exported as sd_v1.
+    diffusers reads SD 2.x from the UNet's to_k width (1024), A1111 from the OpenCLIP encoder; a model.family
+    that says otherwise is one line. A test model of another width stays the setting's call."""
+    from sdplan.trainer import models
+
+    sd21 = write_safetensors(tmp_path / "v2-1.safetensors", checkpoint(text=OPEN_CLIP, **{TO_K: (320, 1024)}))
+    assert check_source(str(sd21)).family == "sd21"
+    with pytest.raises(UnsupportedModelError, match="model.family is sd15 but .* an sd21 model"):
+        check_source(str(sd21), family="sd15")
+    one_line_error(dry_run(sd21, tmp_path, "model.family=sd15"), 2, "model.family is sd15", "sd21 model")
+    odd = write_safetensors(tmp_path / "odd.safetensors", checkpoint(text=CLIP_L, **{TO_K: (320, 1024)}))
+    assert check_source(str(odd)).family == "sd21"  # the width, as diffusers reads it
+    sd15 = write_safetensors(tmp_path / "v1-5.safetensors", checkpoint(**{TO_K: (320, 768)}))
+    with pytest.raises(UnsupportedModelError, match="model.family is sd21 but .* an sd15 model"):
+        check_source(str(sd15), family="sd21")
+    tiny = write_safetensors(tmp_path / "tiny.safetensors", checkpoint(text=OPEN_CLIP, **{TO_K: (32, 32)}))
+    assert check_source(str(tiny), family="sd15").family == "sd15"
+
+    # a folder: its UNet config's width (and the loaded UNet's, at load)
+    folder = fake_diffusers_folder(tmp_path / "sd2", "sd21")
+    with pytest.raises(UnsupportedModelError, match="model.family is sd15 but"):
+        check_source(str(folder), family="sd15")
+    narrow = fake_diffusers_folder(tmp_path / "narrow", "sd15", denoiser={"cross_attention_dim": 32})
+    assert check_source(str(narrow), family="sd21").family == "sd21"
+    with pytest.raises(UnsupportedModelError, match="model.family is sd21 but"):
+        models._check_family("sd15", "sd21", "m", {"cross_attention_dim": 768})
+    assert models._check_family("sd15", "sd21", "m", {"cross_attention_dim": 32}) == "sd21"
+    # a config_dir of the other released family
+    sd15_dir = fake_diffusers_folder(tmp_path / "sd15", "sd15")
+    with pytest.raises(UnsupportedModelError, match="is an sd15 folder but .* is an sd21 checkpoint"):
+        check_source(str(sd21), config_dir=str(sd15_dir))
+
+
 # -- single files: pickled .ckpt, read without torch ---------------------------------------------------------------
 
 

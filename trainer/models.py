@@ -163,6 +163,19 @@ def resolve_source(path: str) -> ModelSource:
     )
 
 
+# the cross-attention width of each released UNet family (SD 1.x: CLIP-L, SD 2.x: OpenCLIP-H, SDXL: both of
+# its encoders); a UNet of another width is a test model built in code (trainer/tiny.py)
+CROSS_WIDTHS = {768: "sd15", 1024: "sd21", 2048: "sdxl"}
+
+
+def cross_attention_width(unet_config: Any) -> int | None:
+    get = unet_config.get if isinstance(unet_config, dict) else lambda k, d=None: getattr(unet_config, k, d)
+    cross = get("cross_attention_dim")
+    if isinstance(cross, (list, tuple)):
+        cross = cross[0] if cross else None
+    return cross if isinstance(cross, int) else None
+
+
 def detect_family(unet_config: Any, num_text_encoders: int = 1) -> str:
     """sdxl when the UNet takes text_time added conditioning; sd21 for 1024-wide cross attention; else sd15.
 
@@ -172,23 +185,18 @@ def detect_family(unet_config: Any, num_text_encoders: int = 1) -> str:
     get = unet_config.get if isinstance(unet_config, dict) else lambda k, d=None: getattr(unet_config, k, d)
     if get("addition_embed_type") == "text_time" or num_text_encoders >= 2:
         return "sdxl"
-    cross = get("cross_attention_dim")
-    if isinstance(cross, (list, tuple)):
-        cross = cross[0]
-    if cross == 1024:
+    if cross_attention_width(unet_config) == 1024:
         return "sd21"
     return "sd15"
 
 
-def _check_family(found: str, wanted: str | None, where: str) -> str:
-    if wanted is None or wanted == found:
-        return found
-    # sd15 vs sd21 is a naming matter for tiny/odd models; only SDXL vs not is structural.
-    if (wanted == "sdxl") != (found == "sdxl"):
-        raise ModelLoadError(
-            f"model.family is {wanted} but {where} is an {found} model", fix="fix model.family"
-        )
-    return wanted
+def _check_family(found: str, wanted: str | None, where: str, unet_config: Any) -> str:
+    """:func:`.source_check.check_family` on a loaded UNet: sd15 vs sd21 is the setting's call only for a UNet
+    of none of the released widths (a test model)."""
+    from .source_check import check_family
+
+    tiny = cross_attention_width(unet_config) not in CROSS_WIDTHS
+    return check_family(found, wanted, where, tiny=tiny) or found
 
 
 def load_components(
@@ -276,7 +284,7 @@ def _load_pretrained(
         unet = UNet2DConditionModel.from_pretrained(
             location, subfolder="unet", **wkw("unet"), **load_dtype_kw(dtypes, "unet")
         )
-        found = _check_family(detect_family(unet.config, 2 if two else 1), family, location)
+        found = _check_family(detect_family(unet.config, 2 if two else 1), family, location, unet.config)
         vae = AutoencoderKL.from_pretrained(
             location, subfolder="vae", **wkw("vae"), **load_dtype_kw(dtypes, "vae")
         )
@@ -425,7 +433,8 @@ def _load_single_file(
         raise ModelLoadError(f"could not load model file {location}: {first}") from e
     parts = pipe.components if hasattr(pipe, "components") else dict(pipe)
     two = parts.get("text_encoder_2") is not None
-    found = _check_family(detect_family(parts["unet"].config, 2 if two else 1), family, location)
+    unet_config = parts["unet"].config
+    found = _check_family(detect_family(unet_config, 2 if two else 1), family, location, unet_config)
     text_encoders = [parts["text_encoder"]] + ([parts["text_encoder_2"]] if two else [])
     tokenizers = [parts["tokenizer"]] + ([parts["tokenizer_2"]] if two else [])
     scheduler_config = dict(parts["scheduler"].config)

@@ -36,7 +36,7 @@ from sdplan.errors import UsageError
 from .ckpt_reader import Unreadable, read_ckpt_shapes
 from .flow_models import PIPELINES as FLOW_PIPELINES
 from .flow_models import detect_flow_family, flow_family_of_folder
-from .models import ModelLoadError, detect_family
+from .models import CROSS_WIDTHS, ModelLoadError, cross_attention_width, detect_family
 
 UNET = "model.diffusion_model."
 FIX_TRAINABLE = (
@@ -305,8 +305,10 @@ def check_folder(
     if picked:
         info.notes.append(f"weights: the {', '.join(picked)} variant (the folder holds only those files)")
 
+    tiny = False
     if arch == "unet":
         found = detect_family(dconf, 2 if sdxl else 1)
+        tiny = cross_attention_width(dconf) not in CROSS_WIDTHS
         # epsilon is the default of a scheduler config that does not say; none read (a hub model's that
         # could not be fetched): the loader's scheduler decides
         info.prediction_type = sched.get("prediction_type") or ("epsilon" if has else None)
@@ -314,20 +316,23 @@ def check_folder(
     else:
         found = detect_flow_family({"_class_name": cls}, dconf)
         info.prediction_type = "flow_matching"
-    info.family = check_family(found, family, where)
+    info.family = check_family(found, family, where, tiny=tiny)
     info.notes.insert(0, describe(info))
     return info
 
 
-def check_family(found: str | None, wanted: str | None, where: str) -> str | None:
+def check_family(found: str | None, wanted: str | None, where: str, *, tiny: bool = False) -> str | None:
     """The family to train as: ``wanted`` (model.family) unless the files say another one. SD 1.x/2.x vs SDXL
     vs SD3.5 vs FLUX.1 are other networks; SD3.5 Medium vs Large and FLUX.1 [dev] vs [schnell] are told apart
     by the transformer's config or the file's keys (the dual attention, qk-norm, the guidance embedder) and a
-    mismatch loads the wrong network (FLUX.1 [dev]'s guidance embedder dropped as [schnell]); sd15 vs sd21 is
-    the setting's call."""
+    mismatch loads the wrong network (FLUX.1 [dev]'s guidance embedder dropped as [schnell]); SD 1.x vs 2.x
+    by the UNet's cross-attention width (768 / 1024, :data:`.models.CROSS_WIDTHS`; diffusers and A1111 read it
+    so), which trains SD 2.x as SD 1.x (epsilon, 512 px, an sd_v1 export) where model.family says sd15. Only
+    ``tiny``: a UNet of none of the released widths (a test model built in code) is sd15 or sd21 as the
+    setting says."""
     if wanted is None or found is None or wanted == found:
         return found or wanted
-    if {wanted, found} <= {"sd15", "sd21"}:
+    if tiny and {wanted, found} <= {"sd15", "sd21"}:
         return wanted
     raise UnsupportedModelError(
         f"model.family is {wanted} but {where} is an {found} model",
@@ -392,6 +397,16 @@ def read_safetensors_header(path: Path, where: str) -> tuple[dict[str, tuple[int
             fix="download or copy the file again",
         )
     return shapes, {str(k): str(v) for k, v in metadata.items()} if isinstance(metadata, dict) else {}
+
+
+def _unet_cross_width(shapes: dict[str, tuple[int, ...]]) -> int | None:
+    """The cross-attention width of a checkpoint's UNet: the input width of its cross attention's key
+    projection (diffusers ``infer_diffusers_model_type`` reads
+    ``input_blocks.2.1.transformer_blocks.0.attn2.to_k.weight``'s last dimension: 1024 is SD 2.x); None when
+    it has none."""
+    found = sorted(k for k in shapes if k.startswith(UNET) and k.endswith(".attn2.to_k.weight"))
+    shape = shapes[found[0]] if found else ()
+    return shape[-1] if len(shape) == 2 else None
 
 
 def family_from_keys(keys) -> str | None:
@@ -513,7 +528,11 @@ def classify_state(
             fix="train an SDXL base with the DDPM schedule, or a trainer that supports EDM",
         )
     found = family_from_keys(keys)
-    info = SourceInfo("file", str(path), family=check_family(found, family, where))
+    width = _unet_cross_width(shapes)
+    if found in (None, "sd15", "sd21") and CROSS_WIDTHS.get(width) in ("sd15", "sd21"):
+        found = CROSS_WIDTHS[width]  # diffusers: SD 2.x when the UNet's to_k is 1024 wide
+    tiny = width not in CROSS_WIDTHS
+    info = SourceInfo("file", str(path), family=check_family(found, family, where, tiny=tiny))
     if info.family is None:
         raise refuse(where, "cannot tell SD 1.x, 2.x or SDXL from its keys", fix="set model.family")
     info.prediction_type, reason = _prediction(keys, metadata, path)
@@ -654,10 +673,10 @@ def check_file(
         if not flow and info.family is not None:
             ufile = cdir / "unet" / "config.json"
             if ufile.is_file():
-                theirs = detect_family(
-                    _read_json(cdir, "unet/config.json", cwhere), 2 if "text_encoder_2" in index else 1
-                )
-                if (theirs == "sdxl") != (info.family == "sdxl"):
+                uconf = _read_json(cdir, "unet/config.json", cwhere)
+                theirs = detect_family(uconf, 2 if "text_encoder_2" in index else 1)
+                tiny = cross_attention_width(uconf) not in CROSS_WIDTHS
+                if theirs != info.family and not (tiny and {theirs, info.family} <= {"sd15", "sd21"}):
                     raise UnsupportedModelError(
                         f"{cwhere} is an {theirs} folder but {where} is an {info.family} checkpoint",
                         fix="point model.config_dir at a diffusers folder of the same family, or leave it out",
