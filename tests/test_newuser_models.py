@@ -381,11 +381,28 @@ def test_old_pickle_ckpt_is_read_when_it_loads(tmp_path):
 # -- single files: the prediction type ---------------------------------------------------------------------------
 
 
+SILENT_YAML = "model:\n  params:\n    linear_start: 0.00085\n"  # v1-inference.yaml: no parameterization
+# A1111 configs/sd_xl_v.yaml: v-prediction is the SGM denoiser's scaling (no parameterization key)
+SGM_YAML = """model:
+  target: sgm.models.diffusion.DiffusionEngine
+  params:
+    denoiser_config:
+      target: sgm.modules.diffusionmodules.denoiser.DiscreteDenoiser
+      params:
+        scaling_config:
+          target: sgm.modules.diffusionmodules.denoiser_scaling.{}
+"""
+
+
 @pytest.mark.parametrize(
     "extra, metadata, yaml_text, want",
     [
         ({}, None, 'model:\n  params:\n    parameterization: "v"\n', "v_prediction"),
-        ({}, {"modelspec.prediction_type": "v"}, "model:\n  params:\n    linear_start: 0.00085\n", "epsilon"),
+        ({}, None, SGM_YAML.format("VScaling"), "v_prediction"),
+        ({"v_pred": (0,)}, None, SGM_YAML.format("EpsScaling"), "epsilon"),
+        ({"v_pred": (0,)}, None, SILENT_YAML, "v_prediction"),
+        ({}, {"modelspec.prediction_type": "v"}, SILENT_YAML, "v_prediction"),
+        ({}, None, SILENT_YAML, "epsilon"),
         ({"v_pred": (0,)}, None, None, "v_prediction"),
         ({}, {"modelspec.prediction_type": "v"}, None, "v_prediction"),
         ({}, {"modelspec.architecture": "stable-diffusion-v2-768-v"}, None, "v_prediction"),
@@ -394,8 +411,10 @@ def test_old_pickle_ckpt_is_read_when_it_loads(tmp_path):
     ],
 )
 def test_prediction_type_of_a_single_file(tmp_path, extra, metadata, yaml_text, want):
-    """A1111 reads a <name>.yaml beside the checkpoint (it wins), ComfyUI a v_pred key, kohya / the SAI spec
-    write modelspec.prediction_type and the SD2 768-v architecture."""
+    """A1111 reads a <name>.yaml beside the checkpoint (it wins where it states the parameterization: ldm's
+    parameterization, or SGM's VScaling / EpsScaling), ComfyUI a v_pred key, kohya / the SAI spec write
+    modelspec.prediction_type and the SD2 768-v architecture; a yaml that states none is ldm's default eps only
+    where the file says nothing (an SGM v-prediction yaml, and a silent one, turned a v_pred file epsilon)."""
     path = write_safetensors(tmp_path / "m.safetensors", checkpoint(text=OPEN_CLIP, **extra), metadata)
     if yaml_text:
         (tmp_path / "m.yaml").write_text(yaml_text)

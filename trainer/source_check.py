@@ -548,20 +548,13 @@ def classify_state(
 
 
 def _prediction(keys: set[str], metadata: dict[str, str], path: Path) -> tuple[str | None, str]:
-    """The prediction type a checkpoint says, and where it says it: the A1111 config beside it first (what
-    A1111 uses), then ComfyUI's ``v_pred`` marker, then the SAI model spec. (None, "") when none says."""
+    """The prediction type a checkpoint says, and where it says it: the A1111 config beside it first where it
+    states one (what A1111 uses), then ComfyUI's ``v_pred`` marker, then the SAI model spec, then a config
+    beside it that states none (ldm's default, eps). (None, "") when none says."""
     yaml_path = path.with_suffix(".yaml")
-    if yaml_path.is_file():
-        import yaml
-
-        try:
-            conf = yaml.safe_load(yaml_path.read_text(encoding="utf-8-sig"))
-            params = conf["model"]["params"]
-        except (OSError, ValueError, yaml.YAMLError, KeyError, TypeError):
-            params = None
-        if isinstance(params, dict):
-            v = str(params.get("parameterization", "eps")).lower() == "v"
-            return ("v_prediction" if v else "epsilon"), f"{yaml_path.name} (parameterization)"
+    stated, how = _yaml_prediction(yaml_path) if yaml_path.is_file() else (None, "")
+    if stated is not None and how:
+        return stated, f"{yaml_path.name} ({how})"
     if "v_pred" in keys:
         return "v_prediction", "its v_pred key" + (" and ztsnr key" if "ztsnr" in keys else "")
     spec = metadata.get("modelspec.prediction_type", "").strip().lower()
@@ -574,7 +567,36 @@ def _prediction(keys: set[str], metadata: dict[str, str], path: Path) -> tuple[s
         return "v_prediction", "its metadata (modelspec.architecture)"
     if arch.startswith("stable-diffusion-v2-512"):
         return "epsilon", "its metadata (modelspec.architecture)"
+    if stated is not None:
+        return stated, f"{yaml_path.name} (no parameterization: the default, eps)"
     return None, ""
+
+
+def _yaml_prediction(yaml_path: Path) -> tuple[str | None, str]:
+    """What an A1111 config says of the prediction type, and how: an ldm config's
+    ``model.params.parameterization`` ("v" or "eps"), an SGM config's (SDXL) denoiser scaling
+    (``denoiser_config.params.scaling_config.target``: ``VScaling`` is v-prediction, ``EpsScaling`` epsilon, as
+    A1111 ``sd_models_xl.extend_sdxl`` sets ``parameterization``). A config that states neither:
+    ("epsilon", ""), ldm's and A1111's default where nothing else says; (None, "") for no readable config."""
+    import yaml
+
+    try:
+        conf = yaml.safe_load(yaml_path.read_text(encoding="utf-8-sig"))
+        params = conf["model"]["params"]
+    except (OSError, ValueError, yaml.YAMLError, KeyError, TypeError):
+        return None, ""
+    if not isinstance(params, dict):
+        return None, ""
+    if params.get("parameterization") is not None:
+        v = str(params["parameterization"]).strip().lower() == "v"
+        return ("v_prediction" if v else "epsilon"), "parameterization"
+    scaling = params.get("denoiser_config")
+    for key in ("params", "scaling_config", "target"):
+        scaling = scaling.get(key) if isinstance(scaling, dict) else None
+    name = str(scaling or "").rsplit(".", 1)[-1]
+    if name in ("VScaling", "EpsScaling"):
+        return ("v_prediction" if name == "VScaling" else "epsilon"), f"scaling_config {name}"
+    return "epsilon", ""
 
 
 def safetensors_tensor_std(path: Path, key: str) -> float | None:
