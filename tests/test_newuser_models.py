@@ -140,9 +140,19 @@ def test_playground_edm_folder_is_refused(tmp_path):
         ("sdxl", None, {"text_encoder": [None, None], "requires_aesthetics_score": True}, "an SDXL refiner"),
         ("flux-dev", {"in_channels": 384}, {}, "a FLUX.1 Fill"),
         ("flux-dev", {"in_channels": 128}, {"_class_name": "FluxControlPipeline"}, "FLUX.1 Depth / Canny"),
+        ("sd21", None, {"_class_name": "StableUnCLIPImg2ImgPipeline"}, "a Stable unCLIP model"),
+        (
+            "sd21",
+            {"class_embed_type": "projection"},
+            {},
+            "conditioned on class labels .class_embed_type projection",
+        ),
     ],
 )
 def test_variant_models_are_refused(tmp_path, family, denoiser, index, needle):
+    """Stable unCLIP (a StableUnCLIP*Pipeline folder, or its class-conditioned UNet under another pipeline
+    class) passed and failed in the first step ("class_labels should be provided when doing class
+    conditioning")."""
     root = fake_diffusers_folder(tmp_path / "m", family, denoiser=denoiser, index=index)
     with pytest.raises(UnsupportedModelError, match=needle):
         check_source(str(root))
@@ -184,6 +194,7 @@ def test_folder_notes_say_family_and_prediction(tmp_path):
         ({"lora_unet_down_blocks_0.lora_down.weight": (2, 2)}, "a LoRA"),
         ({"encoder.conv_in.weight": (2,), "decoder.conv_out.weight": (2,)}, "only a VAE"),
         ({UNET_IN: (2, 4, 1, 1)}, "only a UNet"),
+        (checkpoint(text=OPEN_CLIP, **{"embedder.model.ln_final.weight": (1024,)}), "a Stable unCLIP model"),
         ({"conv_in.weight": (2,), "down_blocks.0.resnets.0.conv1.weight": (2,)}, "only a UNet in diffusers"),
     ],
 )

@@ -81,6 +81,7 @@ UNET_PIPELINES = {
     "StableDiffusionXLPipeline",
     "StableDiffusionXLImg2ImgPipeline",
 }
+UNCLIP = "its UNet is conditioned on a CLIP image embedding at every step, which text-to-image training lacks"
 # pipelines of a known model sdplan does not train, by what they are
 REFUSED_PIPELINES = {
     "StableDiffusionInpaintPipeline": "an inpainting model (its UNet takes 9 input channels)",
@@ -92,6 +93,8 @@ REFUSED_PIPELINES = {
     "FluxKontextPipeline": "a FLUX.1 Kontext (image editing) model",
     "StableDiffusionUpscalePipeline": "an upscaler",
     "StableDiffusionDepth2ImgPipeline": "a depth-to-image model (its UNet takes 5 input channels)",
+    "StableUnCLIPPipeline": f"a Stable unCLIP model ({UNCLIP})",
+    "StableUnCLIPImg2ImgPipeline": f"a Stable unCLIP model ({UNCLIP})",
 }
 # other families, by the start of their pipeline class name
 OTHER_FAMILIES = (
@@ -249,6 +252,14 @@ def check_folder(
             f"a {denoiser} with {channels} input channels (a text-to-image base takes {_IN_CHANNELS[arch]})"
         )
         raise refuse(where, f"{what}, not a text-to-image base sdplan trains")
+    # Stable unCLIP's UNet takes class_labels (class_embed_type "projection"): a text-to-image step gives none
+    embed = [f"{k} {dconf[k]}" for k in ("class_embed_type", "num_class_embeds") if dconf.get(k)]
+    if arch == "unet" and embed:
+        raise refuse(
+            where,
+            f"a UNet conditioned on class labels ({embed[0]}; Stable unCLIP's takes a CLIP image embedding so "
+            "at every step), not a text-to-image base sdplan trains",
+        )
 
     has = (root / "scheduler" / "scheduler_config.json").is_file()
     sched = _read_json(root, "scheduler/scheduler_config.json", where) if has else {}
@@ -519,6 +530,8 @@ def classify_state(
             "and is not a base to train)",
             fix="give the SDXL base checkpoint",
         )
+    if any(k.startswith(("embedder.model.", "noise_augmentor.")) for k in keys):
+        raise refuse(where, f"a Stable unCLIP model (embedder.model.* is its CLIP image encoder; {UNCLIP})")
     if "edm_mean" in keys or "edm_vpred.sigma_max" in keys:
         what = "Playground v2.5's" if "edm_mean" in keys else "an EDM v-prediction model's (edm_vpred.*)"
         raise refuse(
