@@ -195,6 +195,17 @@ def test_folder_notes_say_family_and_prediction(tmp_path):
         ({"encoder.conv_in.weight": (2,), "decoder.conv_out.weight": (2,)}, "only a VAE"),
         ({UNET_IN: (2, 4, 1, 1)}, "only a UNet"),
         (checkpoint(text=OPEN_CLIP, **{"embedder.model.ln_final.weight": (1024,)}), "a Stable unCLIP model"),
+        (  # ComfyUI's scaled fp8 (comfy/utils.py convert_old_quants): weight / scale stored, scale beside it
+            checkpoint(
+                text=SDXL_TE,
+                **{"model.diffusion_model.scaled_fp8": (0,), UNET_IN[:-6] + "scale_weight": (1,)},
+            ),
+            "a ComfyUI scaled-fp8 checkpoint .model.diffusion_model.scaled_fp8",
+        ),
+        (
+            {"double_blocks.0.img_attn.qkv.weight": (2,), "double_blocks.0.img_attn.qkv.scale_weight": (1,)},
+            "a ComfyUI scaled-fp8 checkpoint .double_blocks.0.img_attn.qkv.scale_weight",
+        ),
         ({"conv_in.weight": (2,), "down_blocks.0.resnets.0.conv1.weight": (2,)}, "only a UNet in diffusers"),
     ],
 )

@@ -480,6 +480,21 @@ def classify_state(
             "a LoRA, which is applied to a base model, not trained from",
             fix="give the base model it was trained for as model.path",
         )
+    scaled = [
+        k for k in sorted(keys) if k.rsplit(".", 1)[-1] in ("scaled_fp8", "scale_weight", "comfy_quant")
+    ]
+    if scaled or "_quantization_metadata" in metadata:
+        # ComfyUI (comfy/utils.py convert_old_quants): each weight is stored as fp8 of weight / scale, its
+        # scale beside it; diffusers reads the fp8 values as the weights
+        marker = next((k for k in scaled if k.endswith("scaled_fp8")), scaled[0] if scaled else None)
+        marker = marker or "its _quantization_metadata"
+        raise refuse(
+            where,
+            f"a ComfyUI scaled-fp8 checkpoint ({marker}: its weights are stored divided by per-layer scales, "
+            "which only ComfyUI applies; trained from, they are the wrong weights)",
+            fix="give the unscaled checkpoint (the model's bf16 / fp16 release; for SD3.5 / FLUX.1, "
+            "model.base_precision=fp8 stores it in fp8 for training)",
+        )
     plain = {k[len(UNET) :] if k.startswith(UNET) else k: v for k, v in shapes.items()}
     flow = flow_family_from_keys(plain)
     if flow is not None:
