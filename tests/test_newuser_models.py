@@ -813,3 +813,45 @@ def test_an_sd2_single_files_prediction_type_is_read_from_its_weights_without_to
         f.seek(8 + n + start)
         f.write(np.linspace(-1, 1, 320).astype("<f2").tobytes())  # a 768-v model's spread
     assert check_source(str(path)).prediction_type == "v_prediction"
+
+
+def test_an_sd2_ckpts_prediction_type_is_read_from_its_weights_without_torch(tmp_path):
+    """v2-1_512-ema-pruned.ckpt (no .yaml, no metadata): the .safetensors probe ran only on .safetensors, so
+    recommend and train planned the epsilon 512 base at 768 while the trainer (torch) trained it as epsilon.
+    The probe tensor is now read from the zip's data/<key> entry, at its offset and strides, in any float
+    dtype (here as a slice of a larger storage, and strided)."""
+    import subprocess
+    import sys
+
+    import torch
+    from sdplan.trainer.ckpt_reader import read_ckpt_tensor
+    from sdplan.trainer.source_check import SD2_V_PROBE, tensor_std
+
+    state = {k: torch.zeros(s, dtype=torch.float16) for k, s in checkpoint(text=OPEN_CLIP).items()}
+    eps = tmp_path / "v2-1_512-ema-pruned.ckpt"
+    torch.save({"state_dict": {**state, SD2_V_PROBE: torch.full((320,), 0.01)}, "global_step": 1}, eps)
+    v = tmp_path / "v2-1_768-ema-pruned.ckpt"
+    spread = torch.linspace(-1, 1, 640, dtype=torch.bfloat16)
+    torch.save({"state_dict": {**state, SD2_V_PROBE: spread[320:]}}, v)  # offset 320 in a shared storage
+    assert (check_source(str(eps)).prediction_type, check_source(str(v)).prediction_type) == (
+        "epsilon",
+        "v_prediction",
+    )
+    assert "prediction type epsilon from its weights (ComfyUI's SD 2.x test)" in check_source(str(eps)).notes
+    assert tensor_std(v, SD2_V_PROBE) == pytest.approx(float(spread[320:].float().std(unbiased=False)))
+    strided = tmp_path / "strided.ckpt"
+    base = torch.randn(320, 3, dtype=torch.float32)
+    torch.save({"state_dict": {SD2_V_PROBE: base[:, 1]}}, strided)
+    dtype, raw = read_ckpt_tensor(strided, SD2_V_PROBE)
+    assert dtype == "F32" and raw == base[:, 1].contiguous().numpy().tobytes()
+    assert read_ckpt_tensor(strided, "missing") is None
+
+    code = (
+        "import sys\nfrom sdplan.cli import app\n"
+        "app(['recommend', '--method', 'lora', '--model', sys.argv[1], '--hardware', 'RTX 4090'],"
+        " standalone_mode=False)\n"
+        "print('TORCH', 'torch' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(eps)], capture_output=True, text=True, check=True)
+    assert "lora sd21 at 512px" in out.stdout, out.stdout + out.stderr
+    assert out.stdout.strip().endswith("TORCH False")

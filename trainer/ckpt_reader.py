@@ -1,5 +1,6 @@
 """The tensor names and shapes of a pickled torch checkpoint (``.ckpt``/``.pt``/``.pth``/``.bin``), read with
-the standard library only: no torch, no tensor data, nothing in the pickle executed.
+the standard library only: no torch, nothing in the pickle executed (and no tensor data, but the one tensor
+:func:`read_ckpt_tensor` is asked for).
 
 ``torch.save`` (torch >= 1.6) writes a zip archive: ``<archive>/data.pkl`` is the pickled object and each
 tensor's bytes are a separate ``<archive>/data/<key>`` entry. In ``data.pkl`` a tensor is a call of
@@ -7,7 +8,9 @@ tensor's bytes are a separate ``<archive>/data/<key>`` entry. In ``data.pkl`` a 
 metadata=None)`` whose ``storage`` is a persistent id ``("storage", <torch.XStorage>, key, location, numel)``
 (torch ``serialization.py`` ``_save`` / ``_load``, ``_utils.py``). ``size`` is the shape. A1111
 (``modules/sd_models.py`` ``get_state_dict_from_checkpoint``) takes the weights from the top-level
-``state_dict`` entry when there is one, else the object itself: so does :func:`read_ckpt_shapes`.
+``state_dict`` entry when there is one, else the object itself: so does :func:`read_ckpt_shapes`. One tensor's
+elements are its storage's ``data/<key>`` bytes from ``storage_offset`` along ``stride``, in the storage type's
+element type, in the byte order ``<archive>/byteorder`` names (:func:`read_ckpt_tensor`).
 
 The unpickler resolves a global only to a stand-in of its own (the tensor rebuild functions, storage types,
 ``collections.OrderedDict`` and the few builtins torch's ``weights_only`` loader allows); the stand-ins build
@@ -41,28 +44,43 @@ class Unreadable(Exception):
     """The reader cannot tell this file's keys without loading it (the message says why, in a few words)."""
 
 
+class _Storage:
+    """A storage type (``torch.HalfStorage``) or a persistent storage reference: nothing is read. A reference
+    keeps its ``data/<key>`` entry's name and its storage type's name (``HalfStorage``): what
+    :func:`read_ckpt_tensor` reads one tensor's bytes by."""
+
+    def __init__(self, *args, key: str | None = None, dtype: str | None = None, **kwargs) -> None:
+        self.key, self.dtype = key, dtype
+
+
+class _StorageType:
+    """``torch.<X>Storage`` as a persistent id names it: its name (the element type)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __call__(self, *args, **kwargs) -> _Storage:
+        return _Storage()
+
+
 class _Tensor:
-    """What a rebuilt tensor is here: its shape."""
+    """What a rebuilt tensor is here: its shape, and where its elements are (storage, offset, stride)."""
 
-    __slots__ = ("shape",)
+    __slots__ = ("shape", "storage", "offset", "stride")
 
-    def __init__(self, shape) -> None:
+    def __init__(self, shape, storage=None, offset=None, stride=None) -> None:
         if not isinstance(shape, tuple) or not all(isinstance(n, int) and n >= 0 for n in shape):
             raise Unreadable("a tensor without a valid size")
         self.shape = shape
-
-
-class _Storage:
-    """A storage type (``torch.HalfStorage``) or a persistent storage reference: nothing is read."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        pass
+        self.storage = storage if isinstance(storage, _Storage) else None
+        self.offset = offset if isinstance(offset, int) else None
+        self.stride = tuple(stride) if isinstance(stride, (tuple, list)) else None
 
 
 def _rebuild_tensor(storage, storage_offset, size, stride, *rest):
     # _rebuild_tensor(storage, offset, size, stride) and
     # _rebuild_tensor_v2(storage, offset, size, stride, requires_grad, backward_hooks, metadata=None)
-    return _Tensor(tuple(size) if isinstance(size, (tuple, list)) else size)
+    return _Tensor(tuple(size) if isinstance(size, (tuple, list)) else size, storage, storage_offset, stride)
 
 
 def _rebuild_parameter(data, *rest):
@@ -122,7 +140,7 @@ class _ShapeUnpickler(pickle.Unpickler):
         if found is not None:
             return found
         if module == "torch" and name.endswith("Storage"):  # torch.HalfStorage, torch.FloatStorage, ...
-            return _Storage
+            return _StorageType(name)
         if module == "torch" or module.startswith("torch.") or f"{module}.{name}" in _WEIGHTS_ONLY_OTHERS:
             raise Unreadable(f"its pickle names {module}.{name}, which this reader does not model")
         raise UnsafeCheckpointError(
@@ -131,8 +149,11 @@ class _ShapeUnpickler(pickle.Unpickler):
         )
 
     def persistent_load(self, pid):
+        # ("storage", storage type, key, location, numel): torch serialization.py _save's persistent_id
         if isinstance(pid, tuple) and pid and pid[0] == "storage":
-            return _Storage()
+            kind = pid[1] if len(pid) > 1 else None
+            key = pid[2] if len(pid) > 2 else None
+            return _Storage(key=str(key), dtype=kind.name if isinstance(kind, _StorageType) else None)
         raise Unreadable("a persistent reference that is not a storage")
 
 
@@ -141,13 +162,10 @@ def _data_pkl(path: Path) -> bytes:
     if not zipfile.is_zipfile(path):
         raise Unreadable("an old pickle checkpoint, not torch's zip format")
     with zipfile.ZipFile(path) as z:
-        names = z.namelist()
-        pkls = [n for n in names if n.count("/") == 1 and n.endswith("/data.pkl")]
-        if len(pkls) != 1:
-            raise Unreadable("a zip archive without one <archive>/data.pkl")
-        if any(n.endswith("/constants.pkl") for n in names):
+        name = _data_pkl_name(z)
+        if any(n.endswith("/constants.pkl") for n in z.namelist()):
             raise Unreadable("a TorchScript archive")
-        entry = z.getinfo(pkls[0])
+        entry = z.getinfo(name)
         if entry.file_size > MAX_PICKLE:
             raise Unreadable(f"its data.pkl holds {entry.file_size:,} bytes")
         return z.read(entry)
@@ -158,7 +176,72 @@ def read_ckpt_shapes(path: str | Path, where: str | None = None) -> dict[str, tu
     an entry that is no tensor has shape ``()``). :class:`UnsafeCheckpointError` for a pickle that names code
     (``where``: the name its message gives the file), :class:`Unreadable` for anything else this reader cannot
     tell without loading."""
+    state = _read_state(Path(path), where)
+    return {k: v.shape if isinstance(v, _Tensor) else () for k, v in state.items() if isinstance(k, str)}
+
+
+# storage type -> (the element type as safetensors names it, bytes per element)
+_ELEMENTS = {"HalfStorage": ("F16", 2), "FloatStorage": ("F32", 4), "BFloat16Storage": ("BF16", 2)}
+_ELEMENTS["DoubleStorage"] = ("F64", 8)
+MAX_GATHER = 2**20  # elements of a non-contiguous tensor read one by one
+
+
+def read_ckpt_tensor(path: str | Path, key: str) -> tuple[str, bytes] | None:
+    """One floating-point tensor of a torch zip checkpoint without torch: (its element type as safetensors
+    names it, ``F16`` / ``BF16`` / ``F32`` / ``F64``; its elements' little-endian bytes in row-major order),
+    read from its storage's ``<archive>/data/<key>`` entry at the tensor's offset and strides. None where the
+    file lacks the key, holds another element type, or cannot be read so (a big-endian save, a damaged
+    archive, a pickle this reader does not model)."""
     path = Path(path)
+    try:
+        t = _read_state(path).get(key)
+        if not isinstance(t, _Tensor) or t.storage is None or t.offset is None or t.stride is None:
+            return None
+        code, size = _ELEMENTS.get(t.storage.dtype or "", (None, 0))
+        if code is None or len(t.stride) != len(t.shape):
+            return None
+        numel = 1
+        for n in t.shape:
+            numel *= n
+        with zipfile.ZipFile(path) as z:
+            archive = _data_pkl_name(z).rsplit("/", 1)[0]
+            order = f"{archive}/byteorder"
+            if order in z.namelist() and z.read(order).strip() != b"little":
+                return None
+            entry = z.getinfo(f"{archive}/data/{t.storage.key}")
+            row_major, step = [], 1
+            for n in reversed(t.shape):
+                row_major.insert(0, step)
+                step *= n
+            if all(a == b for a, b, n in zip(t.stride, row_major, t.shape) if n > 1):  # contiguous
+                first, last = t.offset, t.offset + numel
+                if last * size > entry.file_size:
+                    return None
+                with z.open(entry) as f:
+                    f.seek(first * size)
+                    return code, f.read(numel * size)
+            if numel > MAX_GATHER:
+                return None
+            data = z.read(entry)
+            index = [t.offset]
+            for n, st in zip(t.shape, t.stride):
+                index = [i + j * st for i in index for j in range(n)]
+            if any(i < 0 or (i + 1) * size > len(data) for i in index):
+                return None
+            return code, b"".join(data[i * size : (i + 1) * size] for i in index)
+    except (Unreadable, UnsafeCheckpointError, OSError, KeyError, ValueError, zipfile.BadZipFile):
+        return None
+
+
+def _data_pkl_name(z: zipfile.ZipFile) -> str:
+    pkls = [n for n in z.namelist() if n.count("/") == 1 and n.endswith("/data.pkl")]
+    if len(pkls) != 1:
+        raise Unreadable("a zip archive without one <archive>/data.pkl")
+    return pkls[0]
+
+
+def _read_state(path: Path, where: str | None = None) -> dict:
+    """The checkpoint's state dict of :class:`_Tensor` records (read_ckpt_shapes' errors)."""
     try:
         state = _ShapeUnpickler(io.BytesIO(_data_pkl(path))).load()
     except UnsafeCheckpointError as e:
@@ -171,4 +254,4 @@ def read_ckpt_shapes(path: str | Path, where: str | None = None) -> dict[str, tu
         state = state["state_dict"]  # hold a dict that contains itself)
     if not isinstance(state, dict):
         raise Unreadable(f"its pickle holds a {type(state).__name__}, not a state dict")
-    return {k: v.shape if isinstance(v, _Tensor) else () for k, v in state.items() if isinstance(k, str)}
+    return state

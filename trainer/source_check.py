@@ -33,7 +33,7 @@ from typing import Any
 from sdplan import registry
 from sdplan.errors import UsageError
 
-from .ckpt_reader import Unreadable, read_ckpt_shapes
+from .ckpt_reader import Unreadable, read_ckpt_shapes, read_ckpt_tensor
 from .flow_models import PIPELINES as FLOW_PIPELINES
 from .flow_models import detect_flow_family, flow_family_of_folder
 from .models import CROSS_WIDTHS, ModelLoadError, cross_attention_width, detect_family
@@ -564,8 +564,8 @@ def classify_state(
     if info.family is None:
         raise refuse(where, "cannot tell SD 1.x, 2.x or SDXL from its keys", fix="set model.family")
     info.prediction_type, reason = _prediction(keys, metadata, path)
-    if info.prediction_type is None and info.family == "sd21" and path.suffix.lower() == ".safetensors":
-        std = safetensors_tensor_std(path, SD2_V_PROBE)  # ComfyUI's SD 2.x test, on the header's offsets
+    if info.prediction_type is None and info.family == "sd21":
+        std = tensor_std(path, SD2_V_PROBE)  # ComfyUI's SD 2.x test, on the file's bytes
         if std is not None:
             info.prediction_type = "v_prediction" if std > SD2_V_STD else "epsilon"
             reason = "its weights (ComfyUI's SD 2.x test)"
@@ -627,27 +627,35 @@ def _yaml_prediction(yaml_path: Path) -> tuple[str | None, str]:
     return "epsilon", ""
 
 
-def safetensors_tensor_std(path: Path, key: str) -> float | None:
-    """The standard deviation of one float tensor of a .safetensors file, read from its bytes with numpy (no
-    torch): F32, F16 or BF16; None where the file lacks it or stores another dtype."""
+def tensor_std(path: Path, key: str) -> float | None:
+    """The standard deviation of one float tensor of a checkpoint, read from its bytes with numpy (no torch):
+    a .safetensors's at its header's offsets, a torch zip .ckpt's from its ``data/<key>`` entry
+    (:func:`.ckpt_reader.read_ckpt_tensor`); F32, F16, BF16 (and F64 in a .ckpt). None where the file lacks
+    it, stores another dtype or cannot be read so."""
     import numpy as np
 
-    try:
-        with path.open("rb") as f:
-            n = int.from_bytes(f.read(8), "little")
-            entry = json.loads(f.read(n)).get(key)
-            if not isinstance(entry, dict):
-                return None
-            start, end = entry["data_offsets"]
-            f.seek(8 + n + int(start))
-            raw = f.read(int(end) - int(start))
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    dtype = entry.get("dtype")
+    if path.suffix.lower() != ".safetensors":
+        found = read_ckpt_tensor(path, key)
+        if found is None:
+            return None
+        dtype, raw = found
+    else:
+        try:
+            with path.open("rb") as f:
+                n = int.from_bytes(f.read(8), "little")
+                entry = json.loads(f.read(n)).get(key)
+                if not isinstance(entry, dict):
+                    return None
+                start, end = entry["data_offsets"]
+                f.seek(8 + n + int(start))
+                raw = f.read(int(end) - int(start))
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        dtype = entry.get("dtype")
     if dtype == "BF16":  # numpy has no bfloat16: its 16 bits are a float32's high half
         values = (np.frombuffer(raw, dtype="<u2").astype(np.uint32) << 16).view(np.float32)
-    elif dtype in ("F32", "F16"):
-        values = np.frombuffer(raw, dtype="<f4" if dtype == "F32" else "<f2").astype(np.float64)
+    elif dtype in ("F32", "F16", "F64"):
+        values = np.frombuffer(raw, dtype={"F32": "<f4", "F16": "<f2", "F64": "<f8"}[dtype])
     else:
         return None
     return float(np.asarray(values, dtype=np.float64).std()) if values.size else None
