@@ -348,6 +348,41 @@ def test_ckpt_whose_pickle_names_code_is_refused_without_running_it(tmp_path):
     assert marker.exists()
 
 
+def test_an_old_training_checkpoint_with_lightnings_callback_and_a_numpy_step_loads(
+    single_sd15, tiny_sd15, tmp_path, monkeypatch
+):
+    """sd-v1-4.ckpt style: PyTorch Lightning's ModelCheckpoint class under "callbacks" and a numpy int64
+    global_step beside the weights. Refused as "holds more than tensors" by both readers; ComfyUI and A1111
+    allow exactly these. They stand in as an inert TrainingState: the weights read (torch-free, with torch,
+    and by diffusers' own weights_only read), nothing of theirs runs, and torch's safe globals are as before."""
+    import sys
+    import types
+
+    import numpy as np
+    import torch
+    from safetensors.torch import load_file
+    from sdplan.trainer.single_file import load_single_file_model, read_checkpoint_safely
+
+    module = types.ModuleType("pytorch_lightning.callbacks.model_checkpoint")
+    ModelCheckpoint = type("ModelCheckpoint", (), {"__module__": module.__name__})  # no Lightning here
+    module.ModelCheckpoint = ModelCheckpoint
+    for name in ("pytorch_lightning", "pytorch_lightning.callbacks"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    path = tmp_path / "sd-v1-4.ckpt"
+    state = load_file(str(single_sd15))
+    callbacks = {ModelCheckpoint: {"best_model_score": None}}
+    torch.save({"state_dict": state, "global_step": np.int64(470000), "callbacks": callbacks}, path)
+    monkeypatch.delitem(sys.modules, module.__name__)
+
+    assert check_source(str(path)).family == "sd15"  # torch-free
+    before = set(torch.serialization.get_safe_globals())
+    assert set(read_checkpoint_safely(path)) == set(state)
+    pipe = load_single_file_model(path, "sd15", config_dir=tiny_sd15)
+    assert torch.equal(pipe.vae.decoder.conv_out.weight, state["first_stage_model.decoder.conv_out.weight"])
+    assert set(torch.serialization.get_safe_globals()) == before
+
+
 def _zip_ckpt(path: Path, data_pkl: bytes) -> Path:
     import zipfile
 

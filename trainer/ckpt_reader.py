@@ -13,8 +13,9 @@ elements are its storage's ``data/<key>`` bytes from ``storage_offset`` along ``
 element type, in the byte order ``<archive>/byteorder`` names (:func:`read_ckpt_tensor`).
 
 The unpickler resolves a global only to a stand-in of its own (the tensor rebuild functions, storage types,
-``collections.OrderedDict`` and the few builtins torch's ``weights_only`` loader allows); the stand-ins build
-plain records, never call into torch or anything the file names. A global that torch's ``weights_only``
+``collections.OrderedDict`` and the few builtins torch's ``weights_only`` loader allows, and the inert
+:class:`TrainingState` for an old training checkpoint's Lightning callback and numpy scalars); the stand-ins
+build plain records, never call into torch or anything the file names. A global that torch's ``weights_only``
 loader never allows (``os.system``, a class of another package) is :class:`UnsafeCheckpointError`, the same
 refusal the trainer's load (``single_file.read_checkpoint_safely``) would give; anything else this reader
 does not model (a legacy non-zip file, another torch global, a damaged archive) is :class:`Unreadable`, and
@@ -112,6 +113,31 @@ def _bytearray(data=b"", *rest):
     return bytearray(data, *rest) if isinstance(data, str) else bytearray(data)
 
 
+class TrainingState:
+    """An inert stand-in for what an old training checkpoint pickles beside its weights: PyTorch Lightning's
+    ``ModelCheckpoint`` callback (the class, as a key of its ``callbacks`` entry) and numpy scalars with their
+    dtypes (a ``global_step`` saved as ``numpy.int64``), as the original CompVis SD v1 checkpoints hold them.
+    Built from anything, it keeps nothing and runs nothing; only the weights are read."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    def __setstate__(self, state) -> None:
+        pass
+
+
+# the globals TrainingState stands in for: ComfyUI (comfy/utils.py) and A1111 (modules/safe.py) allow these
+# (ComfyUI as torch safe globals) so that such checkpoints load; their values are never needed here
+_NUMPY_DTYPES = ("Bool", "Float16", "Float32", "Float64", "Int8", "Int16", "Int32", "Int64")
+_NUMPY_DTYPES += ("UInt8", "UInt16", "UInt32", "UInt64")
+TRAINING_STATE_GLOBALS = (
+    ("pytorch_lightning.callbacks.model_checkpoint", "ModelCheckpoint"),
+    ("numpy.core.multiarray", "scalar"),  # numpy 1.x pickles
+    ("numpy._core.multiarray", "scalar"),  # numpy 2
+    ("numpy", "dtype"),
+    *(("numpy.dtypes", f"{name}DType") for name in _NUMPY_DTYPES),
+)
+
 _STAND_INS = {
     ("torch._utils", "_rebuild_tensor"): _rebuild_tensor,
     ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor,
@@ -127,6 +153,7 @@ _STAND_INS = {
     ("builtins", "set"): set,
     ("builtins", "bytearray"): _bytearray,
     ("builtins", "complex"): complex,
+    **{name: TrainingState for name in TRAINING_STATE_GLOBALS},
 }
 # what torch.load(weights_only=True) can allow (torch _weights_only_unpickler._get_allowed_globals): torch's own
 # names, collections' OrderedDict / Counter and these; any other global it refuses

@@ -4,19 +4,33 @@ pipeline through diffusers ``from_single_file``, never unpickling code, and the 
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from sdplan.errors import UsageError
 
-from .ckpt_reader import UnsafeCheckpointError
+from .ckpt_reader import TRAINING_STATE_GLOBALS, TrainingState, UnsafeCheckpointError
 from .export import FAMILIES
 from .models import PICKLE_SUFFIXES, SINGLE_FILE_SUFFIXES
 
 
+@contextmanager
+def training_state_allowed():
+    """``torch.load(weights_only=True)`` (here and diffusers' own read of the file) with the inert
+    :class:`.ckpt_reader.TrainingState` standing in for an old training checkpoint's Lightning callback and
+    numpy scalars (ComfyUI ``comfy/utils.py`` allows the same with ``add_safe_globals``)."""
+    import torch
+
+    allowed = [(TrainingState, f"{module}.{name}") for module, name in TRAINING_STATE_GLOBALS]
+    with torch.serialization.safe_globals(allowed):
+        yield
+
+
 def read_checkpoint_safely(path: str | Path) -> dict:
-    """A pickled checkpoint read with ``torch.load(weights_only=True)``: tensors and plain containers only;
-    anything else (code, arbitrary classes) is refused before it runs."""
+    """A pickled checkpoint read with ``torch.load(weights_only=True)``: tensors and plain containers only
+    (and :func:`training_state_allowed`'s inert stand-ins); anything else (code, arbitrary classes) is refused
+    before it runs."""
     import pickle
     import zipfile
 
@@ -24,9 +38,10 @@ def read_checkpoint_safely(path: str | Path) -> dict:
 
     try:
         # Zip-format checkpoints (torch >= 1.6) are memory-mapped: reading the keys costs no RAM.
-        state = torch.load(
-            str(path), map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(str(path))
-        )
+        with training_state_allowed():
+            state = torch.load(
+                str(path), map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(str(path))
+            )
     except pickle.UnpicklingError as e:
         first = (str(e).strip().splitlines() or ["unpickling refused"])[0]
         raise UnsafeCheckpointError(
@@ -90,11 +105,16 @@ def load_single_file_model(
         kwargs.update(config=str(config_dir), local_files_only=True)
     if torch_dtype is not None:
         kwargs["torch_dtype"] = torch_dtype
-    if family == "sdxl":
-        pipe = StableDiffusionXLPipeline.from_single_file(str(path), **kwargs)
-    else:
-        pipe = StableDiffusionPipeline.from_single_file(
-            str(path), safety_checker=None, feature_extractor=None, requires_safety_checker=False, **kwargs
-        )
+    with training_state_allowed():  # diffusers reads a .ckpt again, with weights_only
+        if family == "sdxl":
+            pipe = StableDiffusionXLPipeline.from_single_file(str(path), **kwargs)
+        else:
+            pipe = StableDiffusionPipeline.from_single_file(
+                str(path),
+                safety_checker=None,
+                feature_extractor=None,
+                requires_safety_checker=False,
+                **kwargs,
+            )
     pipe.set_progress_bar_config(disable=True)
     return pipe
