@@ -109,6 +109,28 @@ def test_incomplete_folder_names_the_missing_part(tmp_path, family, remove, need
         check_source(str(root))
 
 
+def test_a_sharded_component_missing_a_shard_is_one_line_before_launch(tmp_path):
+    """A sharded UNet whose download stopped part-way (its index lists a shard the folder lacks) passed the
+    pre-launch check; the trainer then failed loading it. The .safetensors index is what loads: a .bin index
+    whose shards were never downloaded beside it is no problem."""
+    root = fake_diffusers_folder(tmp_path / "m", "sd15")
+    unet = root / "unet"
+    (unet / "diffusion_pytorch_model.safetensors").unlink()
+    shards = [f"diffusion_pytorch_model-0000{i}-of-00002.safetensors" for i in (1, 2)]
+    index = {"metadata": {}, "weight_map": {"conv_in.weight": shards[0], "conv_out.weight": shards[1]}}
+    (unet / "diffusion_pytorch_model.safetensors.index.json").write_text(json.dumps(index))
+    (unet / shards[0]).write_bytes(b"\x02" + bytes(7) + b"{}")
+    line = one_line_error(dry_run(root, tmp_path), 2, "an incomplete diffusers folder")
+    assert (
+        f"unet/ lacks 1 of the 2 shards diffusion_pytorch_model.safetensors.index.json lists ({shards[1]})"
+        in line
+    )
+    (unet / shards[1]).write_bytes(b"\x02" + bytes(7) + b"{}")
+    bins = {"conv_in.weight": "diffusion_pytorch_model-00001-of-00001.bin"}
+    (unet / "diffusion_pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": bins}))
+    assert check_source(str(root)).family == "sd15"
+
+
 @pytest.mark.parametrize(
     "pipeline, needle",
     [("PixArtSigmaPipeline", "a PixArt model"), ("KandinskyV22Pipeline", "a Kandinsky model")],

@@ -175,6 +175,27 @@ def _truncated(folder: Path, sub: str, variant: str | None) -> list[str]:
     return found
 
 
+def _missing_shards(folder: Path, sub: str, variant: str | None) -> list[str]:
+    """The shards a sharded component's index lists that its folder lacks (an interrupted or partial
+    download), as problems: the .safetensors index of ``variant`` where there is one (what diffusers and
+    transformers load), else the .bin one."""
+    indexes = []
+    for f in folder.glob("*.index*.json"):
+        parts = f.name.split(".")  # model.safetensors.index.json | model.safetensors.index.fp16.json
+        if f.name.startswith(_WEIGHT_STEMS) and (parts[3] if len(parts) == 5 else None) == variant:
+            indexes.append(f)
+    indexes.sort(key=lambda f: ".safetensors.index" not in f.name)
+    if not indexes:
+        return []
+    index = _read_json(folder, indexes[0].name, f"{sub}/{indexes[0].name}")
+    names = index.get("weight_map")
+    shards = sorted({str(n) for n in names.values()}) if isinstance(names, dict) else []
+    missing = [n for n in shards if not (folder / n).is_file()]
+    if not missing:
+        return []
+    return [f"{sub}/ lacks {len(missing)} of the {len(shards)} shards {indexes[0].name} lists ({missing[0]})"]
+
+
 def _tokenizer_ok(folder: Path) -> bool:
     has = {p.name for p in folder.iterdir()} if folder.is_dir() else set()
     return "tokenizer.json" in has or {"vocab.json", "merges.txt"} <= has or "spiece.model" in has
@@ -302,7 +323,7 @@ def check_folder(
                 variants[sub] = None
             else:  # only variant files (*.fp16.safetensors): load those
                 variants[sub] = "fp16" if "fp16" in have else sorted(v for v in have if v)[0]
-            problems += _truncated(folder, sub, variants[sub])
+            problems += _missing_shards(folder, sub, variants[sub]) + _truncated(folder, sub, variants[sub])
     if problems:
         shown = "; ".join(problems[:4]) + (f" (and {len(problems) - 4} more)" if len(problems) > 4 else "")
         raise refuse(
