@@ -229,6 +229,21 @@ def test_folder_notes_say_family_and_prediction(tmp_path):
             "a ComfyUI scaled-fp8 checkpoint .double_blocks.0.img_attn.qkv.scale_weight",
         ),
         ({"conv_in.weight": (2,), "down_blocks.0.resnets.0.conv1.weight": (2,)}, "only a UNet in diffusers"),
+        (  # ComfyUI's models/diffusion_models layout (said "holds no Stable Diffusion UNet weights")
+            {"input_blocks.0.0.weight": (2, 4, 1, 1), "label_emb.0.0.weight": (2, 2)},
+            "only a UNet .a 'diffusion model' file: no model.diffusion_model. prefix",
+        ),
+        (
+            {
+                "transformer_blocks.0.attn.to_q.weight": (2, 2),
+                "single_transformer_blocks.0.proj_out.weight": (2,),
+            },
+            "only a FLUX.1 transformer in diffusers layout",
+        ),
+        (
+            {"transformer_blocks.0.attn.to_q.weight": (2, 2), "pos_embed.proj.weight": (2, 2)},
+            "only an SD3.5 transformer in diffusers layout",
+        ),
     ],
 )
 def test_single_file_that_is_no_base_model_is_refused(tmp_path, shapes, needle):

@@ -528,15 +528,30 @@ def classify_state(
         return info
     has_unet = any(k.startswith(UNET) for k in keys)
     if not has_unet:
+        fix = FIX_TRAINABLE
         if all(k.startswith(_VAE_PREFIXES) for k in keys):
             what = "only a VAE (no UNet or text encoder)"
         elif any(k.startswith(_DIFFUSERS_UNET) for k in keys):
             what = "only a UNet in diffusers layout (no VAE or text encoder)"
         elif all(k.startswith(_TEXT_PREFIXES + ("text_model.", "transformer.")) for k in keys):
             what = "only a text encoder"
+        elif any(k.startswith(("input_blocks.", "middle_block.", "output_blocks.")) for k in keys):
+            # ComfyUI's models/diffusion_models files: the UNet's own keys, without model.diffusion_model.
+            what = "only a UNet (a 'diffusion model' file: no model.diffusion_model. prefix, VAE or text encoders)"
+            fix = "give the full checkpoint (UNet, VAE and text encoders in one file) or the diffusers folder"
+        elif any(k.startswith(("transformer_blocks.", "single_transformer_blocks.")) for k in keys):
+            flux = any(k.startswith(("single_transformer_blocks.", "x_embedder.")) for k in keys)
+            what = (
+                f"only {'a FLUX.1' if flux else 'an SD3.5'} transformer in diffusers layout "
+                "(transformer_blocks.*: a diffusers folder's transformer/ weights)"
+            )
+            fix = (
+                "give the diffusers folder it belongs to as model.path, or the transformer in its original layout "
+                f"({'double_blocks' if flux else 'joint_blocks'}.*) with model.config_dir"
+            )
         else:
             what = "holds no Stable Diffusion UNet weights (model.diffusion_model.*)"
-        raise refuse(where, what if what.startswith("holds") else f"{what}, not a whole model")
+        raise refuse(where, what if what.startswith("holds") else f"{what}, not a whole model", fix=fix)
     missing = [
         part
         for part, prefixes in (("VAE", ("first_stage_model.",)), ("text encoder", _TEXT_PREFIXES))
