@@ -385,6 +385,22 @@ def test_ckpt_whose_pickle_names_code_is_refused_without_running_it(tmp_path):
     assert marker.exists()
 
 
+def test_an_old_pickle_naming_code_is_refused_naming_it_without_torchs_advice(tmp_path):
+    """A legacy (non-zip) .ckpt is read only by torch at load: its refusal carried torch's whole message,
+    advice to re-run with weights_only=False (which runs the payload) included."""
+    import torch
+
+    marker = tmp_path / "pwned"
+    path = tmp_path / "evil.ckpt"
+    state = {k: torch.zeros(s) for k, s in checkpoint().items()}
+    torch.save({"state_dict": state, "x": MkdirPayload(marker)}, path, _use_new_zipfile_serialization=False)
+    with pytest.raises(
+        UnsafeCheckpointError, match=r"more than tensors \(its pickle names \w+\.mkdir\)"
+    ) as e:
+        check_source(str(path), deep=True)
+    assert "weights_only" not in str(e.value) and not marker.exists()
+
+
 def test_an_old_training_checkpoint_with_lightnings_callback_and_a_numpy_step_loads(
     single_sd15, tiny_sd15, tmp_path, monkeypatch
 ):

@@ -43,9 +43,8 @@ def read_checkpoint_safely(path: str | Path) -> dict:
                 str(path), map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(str(path))
             )
     except pickle.UnpicklingError as e:
-        first = (str(e).strip().splitlines() or ["unpickling refused"])[0]
         raise UnsafeCheckpointError(
-            f"{path}: refusing to unpickle it: it holds more than tensors ({first})",
+            f"{path}: refusing to unpickle it: it holds more than tensors ({_refused(str(e))})",
             fix="convert it to .safetensors with a tool you trust, or use the model's .safetensors release",
         ) from e
     while isinstance(state, dict) and "state_dict" in state:
@@ -53,6 +52,19 @@ def read_checkpoint_safely(path: str | Path) -> dict:
     if not isinstance(state, dict):
         raise UsageError(f"{path}: not a checkpoint (a {type(state).__name__}, not a state dict)")
     return state
+
+
+def _refused(message: str) -> str:
+    """What torch's weights_only unpickler refused, in the words :mod:`.ckpt_reader` uses ("its pickle names
+    posix.system"), without torch's advice around it (to re-run with weights_only=False, which would run it)."""
+    import re
+
+    named = re.search(r"GLOBAL (\S+)", message)
+    if named:
+        return f"its pickle names {named.group(1)}"
+    skip = ("Weights only load failed", "Check the documentation", "Please file an issue")
+    lines = [line.strip() for line in message.splitlines() if line.strip() and not line.startswith(skip)]
+    return lines[0] if lines else "more than tensors and plain containers"
 
 
 def detect_single_file_family(path: str | Path) -> str | None:
