@@ -401,6 +401,32 @@ def test_an_old_pickle_naming_code_is_refused_naming_it_without_torchs_advice(tm
     assert "weights_only" not in str(e.value) and not marker.exists()
 
 
+def test_a_truncated_ckpt_is_said_to_be_truncated(tmp_path):
+    """A .ckpt cut short (an interrupted download): the torch-free reader called a torch zip without its central
+    directory "an old pickle checkpoint", and the trainer's load raised torch's RuntimeError / EOFError."""
+    import torch
+    from sdplan.trainer.models import ModelLoadError
+
+    whole = write_ckpt(tmp_path / "whole.ckpt", checkpoint())
+    cut = tmp_path / "cut.ckpt"
+    cut.write_bytes(whole.read_bytes()[: whole.stat().st_size // 2])
+    assert (
+        check_source(str(cut)).unread
+        == "a damaged or truncated zip archive (an interrupted download or copy?)"
+    )
+    legacy = tmp_path / "legacy.ckpt"
+    torch.save(
+        {k: torch.zeros(s) for k, s in checkpoint().items()}, legacy, _use_new_zipfile_serialization=False
+    )
+    old, head = tmp_path / "old-cut.ckpt", tmp_path / "old-head.ckpt"
+    old.write_bytes(legacy.read_bytes()[:-5])  # its last storage short
+    head.write_bytes(legacy.read_bytes()[:40])  # its pickle cut
+    for path in (cut, old, head):
+        with pytest.raises(ModelLoadError, match="damaged or truncated, torch cannot read it") as e:
+            check_source(str(path), deep=True)
+        assert e.value.fix == "download or copy the file again" and "\n" not in str(e.value)
+
+
 def test_an_old_training_checkpoint_with_lightnings_callback_and_a_numpy_step_loads(
     single_sd15, tiny_sd15, tmp_path, monkeypatch
 ):

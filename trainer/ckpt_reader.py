@@ -187,6 +187,9 @@ class _ShapeUnpickler(pickle.Unpickler):
 def _data_pkl(path: Path) -> bytes:
     """``<archive>/data.pkl`` of a torch zip checkpoint."""
     if not zipfile.is_zipfile(path):
+        with path.open("rb") as f:
+            if f.read(4) == b"PK\x03\x04":  # a zip's first entry, but no central directory at its end
+                raise Unreadable("a damaged or truncated zip archive (an interrupted download or copy?)")
         raise Unreadable("an old pickle checkpoint, not torch's zip format")
     with zipfile.ZipFile(path) as z:
         name = _data_pkl_name(z)

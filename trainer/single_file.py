@@ -32,6 +32,8 @@ def read_checkpoint_safely(path: str | Path) -> dict:
     (and :func:`training_state_allowed`'s inert stand-ins); anything else (code, arbitrary classes) is refused
     before it runs."""
     import pickle
+    import re
+    import struct
     import zipfile
 
     import torch
@@ -43,15 +45,33 @@ def read_checkpoint_safely(path: str | Path) -> dict:
                 str(path), map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(str(path))
             )
     except pickle.UnpicklingError as e:
+        cut = re.search(r"GLOBAL \S*\.(\s|$)", str(e))  # a global name cut off after its module's dot
+        if "Unsupported operand" in str(e) or cut:  # not pickle opcodes: garbage or a cut-off file
+            raise _damaged(path, "not a pickle where one should be") from e
         raise UnsafeCheckpointError(
             f"{path}: refusing to unpickle it: it holds more than tensors ({_refused(str(e))})",
             fix="convert it to .safetensors with a tool you trust, or use the model's .safetensors release",
         ) from e
+    except (EOFError, IndexError, struct.error) as e:  # a legacy pickle cut short, as its opcodes read it
+        raise _damaged(path, "it ends early") from e
+    except RuntimeError as e:  # torch's zip reader: no central directory, a short data entry
+        first = (str(e).strip().splitlines() or [""])[0]
+        if not any(w in first for w in ("PytorchStreamReader", "unexpected EOF", "corrupted")):
+            raise
+        raise _damaged(path, first.split(". ")[0]) from e
     while isinstance(state, dict) and "state_dict" in state:
         state = state["state_dict"]
     if not isinstance(state, dict):
         raise UsageError(f"{path}: not a checkpoint (a {type(state).__name__}, not a state dict)")
     return state
+
+
+def _damaged(path: str | Path, why: str):
+    from .models import ModelLoadError
+
+    return ModelLoadError(
+        f"{path}: damaged or truncated, torch cannot read it ({why})", fix="download or copy the file again"
+    )
 
 
 def _refused(message: str) -> str:
