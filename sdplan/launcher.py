@@ -521,6 +521,11 @@ def check_model_file(path: Path) -> None:
         raise UsageError(f"model.path {path}: cannot read it ({e.strerror or e})") from None
     # .ckpt/.pt/.pth/.bin: torch.save writes a zip archive (a pickle inside); old files are a bare pickle
     # (protocol 2+ starts with 0x80). Whether it holds only tensors is checked safely when it loads.
+    if head.startswith(b"PK\x03\x04") and not zipfile.is_zipfile(path):  # a zip's end holds its directory
+        raise UsageError(
+            f"model.path {path}: a zip archive cut short or damaged (its end is missing)",
+            fix="download or copy it again",
+        )
     if not (zipfile.is_zipfile(path) or (len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5)):
         raise UsageError(
             f"model.path {path}: not a PyTorch checkpoint (neither a zip archive nor a pickle)", fix=fix

@@ -425,6 +425,11 @@ def test_a_truncated_ckpt_is_said_to_be_truncated(tmp_path):
         with pytest.raises(ModelLoadError, match="damaged or truncated, torch cannot read it") as e:
             check_source(str(path), deep=True)
         assert e.value.fix == "download or copy the file again" and "\n" not in str(e.value)
+    # and `sdplan train`'s check before anything loads, which called the cut zip "neither a zip archive nor a
+    # pickle"
+    one_line_error(
+        dry_run(cut, tmp_path), 2, "a zip archive cut short or damaged", "download or copy it again"
+    )
 
 
 def test_an_old_training_checkpoint_with_lightnings_callback_and_a_numpy_step_loads(
@@ -906,6 +911,31 @@ def test_a_dry_run_does_not_plan_a_model_whose_family_nothing_says_as_the_defaul
         "planned as model.family says" in r.output
         or "planned as model.family says" in dry_run("someone/my-model", tmp_path, "model.family=sdxl").output
     )
+
+
+def test_a_hub_id_whose_configs_alone_are_cached_is_refused_where_the_hub_cannot_be_reached(tmp_path):
+    """What the check before a launch keeps of a hub model is its configs: offline (or without a network) a
+    second `sdplan train` passed its check from them, and the trainer then failed on the weights ("does not
+    appear to have a file named diffusion_pytorch_model.bin", without naming the cause; ~65 s of retries
+    without a network). The suite runs offline, with such a cache of the listed hub ids (tests/hub_cache.py)."""
+    from sdplan.trainer.models import HubUnreachable
+
+    hub_id = "stable-diffusion-v1-5/stable-diffusion-v1-5"
+    with pytest.raises(HubUnreachable) as e:
+        check_source(hub_id, hub=True)
+    assert "the local cache holds its configs, not its weights and HF_HUB_OFFLINE is set" in str(e.value)
+    args = [
+        "--model",
+        hub_id,
+        "--dataset",
+        str(make_images(tmp_path / "ds", n=2)),
+        "--out",
+        str(tmp_path / "o"),
+    ]
+    one_line_error(runner.invoke(app, ["train", *args, "--device", "cpu", "--yes"]), 2, "not its weights")
+    assert not (tmp_path / "o").exists()
+    r = runner.invoke(app, ["train", *args, "--device", "cpu", "--dry-run"])
+    assert r.exit_code == 0 and "model: not checked (HF_HUB_OFFLINE is set)" in r.output, r.output
 
 
 def test_an_sd2_single_files_prediction_type_is_read_from_its_weights_without_torch(tmp_path):

@@ -329,11 +329,31 @@ def _hub_index(location: str, revision: str | None) -> dict[str, Any]:
 
 def hub_file(location: str, filename: str, revision: str | None, *, optional: bool = False) -> Path | None:
     """One file of a hub model: from the local cache, else downloaded after one quick request without
-    retries, so that no network, an offline setting or a wrong id is one line at once (huggingface_hub's own
-    download retries a dead network for half a minute). ``optional``: a file the repo may lack is None then;
-    otherwise only model_index.json is asked for this way, and its absence says "not a diffusers model"."""
-    from huggingface_hub import constants, get_hf_file_metadata, hf_hub_download, hf_hub_url
+    retries (:func:`ask_hub`). ``optional``: a file the repo may lack is None then; otherwise only
+    model_index.json is asked for this way, and its absence says "not a diffusers model"."""
+    from huggingface_hub import hf_hub_download
     from huggingface_hub import try_to_load_from_cache as cached
+
+    if isinstance(hit := cached(location, filename, revision=revision), str):
+        return Path(hit)
+    if not ask_hub(location, filename, revision, optional=optional):
+        return None
+    return Path(hf_hub_download(location, filename, revision=revision))
+
+
+def ask_hub(
+    location: str,
+    filename: str,
+    revision: str | None,
+    *,
+    optional: bool = False,
+    cache: str = "it is not in the local cache",
+) -> bool:
+    """One quick request for ``filename`` of a hub model, without retries, so that no network, an offline
+    setting or a wrong id is one line at once (huggingface_hub's own download retries a dead network for half
+    a minute). False where an ``optional`` file is not in the repo. ``cache``: what the local cache lacks, for
+    the line saying the hub cannot be reached."""
+    from huggingface_hub import constants, get_hf_file_metadata, hf_hub_url
     from huggingface_hub.errors import (
         EntryNotFoundError,
         GatedRepoError,
@@ -342,11 +362,9 @@ def hub_file(location: str, filename: str, revision: str | None, *, optional: bo
     )
 
     where = f"hub model {location} (no such local path, so tried it as a Hugging Face hub id)"
-    if isinstance(hit := cached(location, filename, revision=revision), str):
-        return Path(hit)
     if constants.HF_HUB_OFFLINE:
         raise HubUnreachable(
-            f"{where} is not in the local Hugging Face cache and HF_HUB_OFFLINE is set",
+            f"{where}: {cache} and HF_HUB_OFFLINE is set",
             fix="download it once with network access, or give a local diffusers folder or .safetensors file",
             why="HF_HUB_OFFLINE is set",
         )
@@ -366,7 +384,7 @@ def hub_file(location: str, filename: str, revision: str | None, *, optional: bo
         raise ModelLoadError(f"{where}: no revision {revision}", fix="fix model.revision") from None
     except EntryNotFoundError:
         if optional:
-            return None
+            return False
         raise ModelLoadError(
             f"{where}: not a diffusers model (no {filename})",
             fix="give a diffusers model's hub id, a local diffusers folder or a .safetensors file",
@@ -374,11 +392,11 @@ def hub_file(location: str, filename: str, revision: str | None, *, optional: bo
     except Exception as e:  # no network: a name that does not resolve, a refused connection, a timeout
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise HubUnreachable(
-            f"{where}: cannot reach the hub ({first}) and it is not in the local cache",
+            f"{where}: cannot reach the hub ({first}) and {cache}",
             fix="check the network, or give a local diffusers folder or .safetensors file",
             why=first,
         ) from None
-    return Path(hf_hub_download(location, filename, revision=revision))
+    return True
 
 
 def _from_an_unreachable_hub(e: BaseException) -> bool:
