@@ -393,6 +393,8 @@ class InputSummary:
     model_note: str | None = None  # what could not be checked before the launch (a dry run without the hub)
     bucket_samples: tuple[int, ...] = ()  # data.buckets: the samples in each aspect bucket (steps.py)
     prediction_type: str | None = None  # what the model's files say (an SD 2.x epsilon base plans at 512)
+    revision: str | None = None  # a hub model's
+    hub_cached: bool = False  # a hub model the local cache holds whole (else its weights come from the hub)
 
 
 def check_inputs(cfg: C.TrainConfig, *, dry_run: bool = False) -> InputSummary:
@@ -460,6 +462,8 @@ def check_inputs(cfg: C.TrainConfig, *, dry_run: bool = False) -> InputSummary:
     return InputSummary(
         bucket_samples=buckets,
         prediction_type=info.prediction_type,
+        revision=cfg.model.revision,
+        hub_cached=info.cached,
         images=result.num_images,
         images_x_repeats=result.images_x_repeats,
         skipped=len(result.skipped),
@@ -1206,6 +1210,21 @@ def prepare(req: TrainRequest, ui: UI) -> Prepared:
         raise UsageError(refusal)
     if refusal := block_swap_refusal(cfg, family):
         raise UsageError(refusal)
+    if inputs.model_kind == "hub" and not inputs.hub_cached:
+        # its configs may all be in the cache (what an earlier check kept), not its weights: they come from the
+        # hub, and the trainer failed on them without naming why where it cannot be reached (offline, no network)
+        from sdplan.trainer.models import HubUnreachable, ask_hub
+
+        try:
+            ask_hub(
+                cfg.model.path, "model_index.json", inputs.revision, cache="the local cache lacks its weights"
+            )
+        except HubUnreachable as e:
+            if not req.dry_run:
+                raise
+            ui.echo(
+                f"note: the local cache lacks the model's weights, and the hub cannot be reached ({e.why})"
+            )
 
     steps = config_steps(cfg, inputs.images_x_repeats, world, inputs.bucket_samples)
     if resume is not None:

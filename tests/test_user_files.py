@@ -232,7 +232,11 @@ def test_train_in_place_keeps_the_users_edits_to_a_planned_config(tmp_path):
     )
     (proj / "sdplan.yaml").write_text(edited)
     req = TrainRequest(
-        config=str(proj / "sdplan.yaml"), out=str(proj), device="cpu", overrides=["training.max_steps=1"]
+        config=str(proj / "sdplan.yaml"),
+        out=str(proj),
+        device="cpu",
+        overrides=["training.max_steps=1"],
+        dry_run=True,  # the planned hub model's weights are not here (the suite runs offline)
     )
     p = prepare(req, UI(echo=lambda s: None))
     assert p.cfg.training.learning_rate == 0.0003

@@ -815,11 +815,8 @@ def check_hub(
     model.family that does not match is one line before gigabytes download, and the plan knows the family
     of a hub id whose name does not say it. The hub's answer (gated, not found, no network, offline) is one
     line too (:func:`.models.hub_file`)."""
-    from huggingface_hub import try_to_load_from_cache
+    from .models import hub_file
 
-    from .models import ask_hub, hub_file
-
-    cached = isinstance(try_to_load_from_cache(repo_id, "model_index.json", revision=revision), str)
     index_file = hub_file(repo_id, "model_index.json", revision)
     assert index_file is not None
     index = _read_json(index_file.parent, "model_index.json", where)
@@ -827,12 +824,6 @@ def check_hub(
     for name in (f"{denoiser}/config.json", "scheduler/scheduler_config.json"):
         hub_file(repo_id, name, revision, optional=True)
     info = check_folder(index_file.parent, where, family=family, variant=variant, files=False)
-    if (
-        cached
-    ):  # its configs were all in the cache (an earlier check kept them): the weights must come from the hub
-        ask_hub(
-            repo_id, "model_index.json", revision, cache="the local cache holds its configs, not its weights"
-        )
     info.kind, info.location = "hub", repo_id
     info.notes[0] = describe(info)
     return info
