@@ -218,18 +218,24 @@ def check_out_dir(
 
 
 def config_output_dir(config_path: Path, base: dict[str, Any]) -> Path:
-    """The folder a run from ``config_path`` trains into where --out is not given: its ``output.dir``. The
-    sdplan.yaml of a run or plan folder (the folder's manifest says sdplan wrote it) names that folder; where it
-    names another, the folder was copied or moved, and training "there" would write into the other run (or
-    --force would clear it): refused, with the --out that trains in the config's own folder."""
+    """The folder a run from ``config_path`` trains into where --out is not given: its ``output.dir``. Where
+    the config is the sdplan.yaml of one sdplan run or plan folder and its output.dir names another that holds
+    its own (the folder was copied or moved: the copy's config still names the original), training "there"
+    would write into the other run, and --force would clear it: refused, with the --out that trains in the
+    config's own folder. An output.dir set to a new folder (`recommend --out DIR output.dir=RUN`) is kept."""
     from sdplan import runfolder
 
     out = C.absolute(str((base.get("output") or {}).get("dir", "./output")), "output.dir")
     folder = config_path.expanduser().resolve().parent
-    if config_path.name == CONFIG_FILE and CONFIG_FILE in runfolder.owned(folder) and out != folder:
+    if (
+        config_path.name == CONFIG_FILE
+        and out != folder
+        and CONFIG_FILE in runfolder.owned(folder)
+        and CONFIG_FILE in runfolder.owned(out)
+    ):
         raise UsageError(
-            f"{config_path} is the {CONFIG_FILE} of the run folder {folder}, but its output.dir is {out} (was "
-            "the folder copied or moved?)",
+            f"{config_path} is the {CONFIG_FILE} of the run folder {folder}, but its output.dir is another "
+            f"sdplan folder, {out} (was the folder copied or moved?)",
             fix=f"add --out {folder} to train in the folder the config is in, or --out DIR for another",
         )
     return out

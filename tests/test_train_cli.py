@@ -257,7 +257,8 @@ def test_a_copied_run_folders_config_does_not_train_into_the_original(tmp_path, 
         one_line_error(
             invoke("--config", copied, "--device", "cpu", *extra),
             2,
-            f"is the sdplan.yaml of the run folder {tmp_path / 'copy'}, but its output.dir is {run}",
+            f"is the sdplan.yaml of the run folder {tmp_path / 'copy'}, but its output.dir is another sdplan "
+            f"folder, {run}",
             f"add --out {tmp_path / 'copy'}",
         )
     assert {p.name: p.read_bytes() for p in run.iterdir()} == before
@@ -267,6 +268,14 @@ def test_a_copied_run_folders_config_does_not_train_into_the_original(tmp_path, 
     mine.write_text(yaml.safe_dump({**config, "output": {"dir": str(tmp_path / "new")}}))
     r = invoke("--config", str(mine), "--device", "cpu", "--dry-run")
     assert r.exit_code == 0, r.output
+    # and so does a plan folder's config whose output.dir names a new folder (`recommend --out plan
+    # output.dir=RUN` prints `sdplan train --config plan/sdplan.yaml`, which refused it)
+    plan = tmp_path / "plan"
+    runfolder.write_files(
+        plan, {"sdplan.yaml": yaml.safe_dump({**config, "output": {"dir": str(tmp_path / "r")}})}
+    )
+    r = invoke("--config", str(plan / "sdplan.yaml"), "--device", "cpu", "--dry-run")
+    assert r.exit_code == 0 and f"output: {tmp_path / 'r'}" in r.output, r.output
 
 
 # -- no GPU ------------------------------------------------------------------------------------------------------
