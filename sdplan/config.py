@@ -561,19 +561,23 @@ def _setting_type(key: str) -> Any:
 def _override_value(key: str, raw: str) -> tuple[Any, str | None]:
     """An override's value, and the problem with it (None: none). Values are YAML (1e-4, true, null, [a, b]),
     but a text setting takes the text as typed (a prompt like `sks dog, masterpiece: 1.2` or `#sks` is no YAML
-    mapping or comment), unless it is quoted or null; a list of text takes one item as typed."""
+    mapping or comment), unless it is quoted or null (empty, `null`, `~`: the setting's null, which the
+    validation refuses where it takes none). A list is written as one, `[a, b]`."""
     tp = _setting_type(key)
     text = raw.strip()
     quoted = len(text) >= 2 and text[0] == text[-1] and text[0] in "'\""
     args = set(get_args(tp)) if tp is not None else set()
     if (tp is str or args == {str, type(None)}) and not quoted:
-        return (None if text in ("", "null", "~") and type(None) in args else text), None
-    if tp == list[str] and text and not quoted and not text.startswith("["):
-        return [text], None
+        return (None if text in ("", "null", "~") else text), None
     try:
         value = yaml.safe_load(raw) if text else None
     except yaml.YAMLError:
         return raw, None
+    if tp == list[str] and isinstance(value, str):  # a comma in it may separate items or be part of one
+        return (
+            value,
+            f"{key}: takes a list: write it as {key}='[first, second]' (quote an item that holds ', ')",
+        )
     if tp == list[str] and isinstance(value, list) and not all(isinstance(v, str) for v in value):
         return value, (
             f"{key}: an item is not text as YAML reads it ({next(v for v in value if not isinstance(v, str))!r}); "

@@ -1050,8 +1050,12 @@ def settings_as_flags(req: TrainRequest) -> TrainRequest:
             ours, yours = C.absolute(str(ours), flag), C.absolute(str(yours), key)
         if str(ours) != str(yours):
             raise UsageError(f"{flag} {mine} and {key}={theirs.strip()} disagree", fix="give one")
-    if req.out is None and given.get("output.dir", "").strip():
-        return replace(req, out=str(C.setting_value("output.dir", given["output.dir"])))
+    if (
+        req.out is None
+        and "output.dir" in given
+        and (out := C.setting_value("output.dir", given["output.dir"]))
+    ):
+        return replace(req, out=str(out))
     return req
 
 

@@ -102,7 +102,6 @@ def test_malformed_override_is_a_clear_error(override):
         ("textual_inversion.token=123", "123"),  # was 123
         ("dreambooth.instance_prompt='quoted: as YAML'", "quoted: as YAML"),
         ("dreambooth.class_prompt=null", None),
-        ("sampling.prompts=a cat, best quality", ["a cat, best quality"]),  # one item as typed
         ("sampling.prompts=['a cat: 1.2', dog]", ["a cat: 1.2", "dog"]),
         ("lora.target_modules=[to_q, to_v]", ["to_q", "to_v"]),
         ("training.batch_size = 4", 4),  # the rest is YAML
@@ -123,6 +122,32 @@ def test_a_list_item_yaml_reads_as_no_text_says_to_quote_it():
         config.apply_overrides(config.default_config(), ["sampling.prompts=[a cat: 1.2, dog]"])
     (error,) = info.value.errors
     assert error.startswith("sampling.prompts: an item is not text as YAML reads it ({'a cat': 1.2}); quote")
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        "data.metadata.skip_tags=lowres, bad hands",
+        "lora.target_modules=to_k,to_q",
+        'sampling.prompts="a cat"',
+    ],
+)
+def test_a_list_setting_given_as_text_says_how_to_write_a_list(override):
+    """`skip_tags=lowres, bad hands` is two tags or one? It must not be guessed (one item skipped nothing)."""
+    with pytest.raises(ConfigError) as info:
+        config.apply_overrides(config.default_config(), [override])
+    (error,) = info.value.errors
+    key = override.partition("=")[0]
+    assert (
+        error == f"{key}: takes a list: write it as {key}='[first, second]' (quote an item that holds ', ')"
+    )
+
+
+@pytest.mark.parametrize("value", ["null", "~", ""])
+def test_null_for_a_text_setting_that_takes_none_is_refused(value):
+    data = config.apply_overrides(config.default_config(), [f"output.dir={value}"])
+    with pytest.raises(ConfigError, match="output.dir: must be a string, got None"):
+        config.validate(data)
 
 
 def test_missing_and_malformed_files(tmp_path):
