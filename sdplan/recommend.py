@@ -153,6 +153,7 @@ class RecommendInputs:
     gpus: int | None = None
     settings: tuple[str, ...] = ()  # `key=value` sdplan.yaml settings, as `sdplan train` takes them: pinned
     notes: tuple[str, ...] = ()  # said first among the plan's reasons (what --model turned out to be)
+    sourced: bool = False  # model_source has read the model's files (model is its family)
 
 
 # sdplan.yaml keys given on the command line instead (a pin would only repeat or contradict them)
@@ -235,7 +236,12 @@ def _sizing_pins(inp: RecommendInputs) -> RecommendInputs:
         value = getattr(getattr(cfg, section), name)
         field = flag.removeprefix("--").replace("-", "_")
         given_flag = getattr(inp, field)
-        if given_flag is not None and str(given_flag) != str(value):
+        same = (
+            cfgmod.absolute(str(given_flag), flag) == cfgmod.absolute(str(value), key)
+            if field == "dataset"
+            else str(given_flag) == str(value)
+        )
+        if given_flag is not None and not same:
             raise UsageError(f"{flag} {given_flag} and {key}={value} disagree", fix="give one")
         changes[field] = str(value) if field == "dataset" else value
     return replace(inp, **changes)
@@ -272,8 +278,10 @@ def model_source(inp: RecommendInputs, profiles: Profiles) -> RecommendInputs:
     launching); the plan is for that family and the written sdplan.yaml trains that model. Returns the inputs
     with the family in ``model``, ``model.path`` among the settings and a note (unchanged for a family name).
     A wrong model beside a wrong ``--dataset`` is one line with both, as `sdplan train` says them."""
+    if inp.sourced:  # the command found it, and recommend() is asked with what it found
+        return inp
     try:
-        return _model_source(_given_model(inp, profiles), profiles)
+        return replace(_model_source(_given_model(inp, profiles), profiles), sourced=True)
     except SdplanError as e:
         if inp.dataset:
             try:
@@ -290,18 +298,32 @@ class UnknownFamily(UsageError):
 
 def _given_model(inp: RecommendInputs, profiles: Profiles) -> RecommendInputs:
     """The model as given: ``--model`` (None: not given), or a ``model.path=X`` setting, which alone is ``--model
-    X``. Beside ``--model FAMILY`` (how a model whose family cannot be told here is given) ``X`` is checked as
-    ``--model X`` would be, and where its files say another family that is an error: the plan and the written
-    config were for the family named while the run trains another model."""
-    path = next(
-        (v.strip() for k, _, v in (s.partition("=") for s in inp.settings) if k.strip() == "model.path"), None
-    )
+    X`` (X a path or hub id, read as `sdplan train` reads the setting). Beside ``--model FAMILY`` (how a model
+    whose family cannot be told here is given) ``X`` is checked as ``--model X`` would be, and where its files
+    say another family that is an error: the plan and the written config were for the family named while the
+    run trains another model. Beside ``--model X`` it must be the same model."""
+    from sdplan.trainer.models import SINGLE_FILE_SUFFIXES
+
+    raw = next((v for k, _, v in (s.partition("=") for s in inp.settings) if k.strip() == "model.path"), None)
+    if raw is None:
+        return inp if inp.model is not None else replace(inp, model=registry.DEFAULT_FAMILY)
+    value = cfgmod.setting_value("model.path", raw)
+    if not value:
+        raise UsageError("model.path is empty", fix="give the model as --model PATH_OR_ID")
+    path = str(value)
+    if os.path.exists(os.path.expanduser(path)):
+        path = os.path.abspath(os.path.expanduser(path))
+    elif "/" not in path and not path.lower().endswith(SINGLE_FILE_SUFFIXES):  # nor a hub id (owner/name)
+        raise UsageError(  # a family name would plan that family's hub model
+            f"model.path={path}: no such file or folder",
+            fix="give a diffusers folder, a .safetensors/.ckpt file or a hub id (a family as --model FAMILY)",
+        )
     rest = tuple(s for s in inp.settings if s.partition("=")[0].strip() != "model.path")
     if inp.model is None:
-        return replace(inp, model=path or registry.DEFAULT_FAMILY, settings=rest if path else inp.settings)
-    if path is None:
-        return inp
+        return replace(inp, model=path, settings=rest)
     if not _is_family_name(inp.model, profiles):
+        if cfgmod.absolute_if_local(inp.model) == cfgmod.absolute_if_local(path):
+            return replace(inp, settings=rest)
         raise UsageError(
             f"--model {inp.model} and model.path={path}: two models", fix="give the model once, as --model"
         )

@@ -600,7 +600,7 @@ def test_a_model_path_setting_is_checked_as_model_is(tmp_path, monkeypatch):
     """`model.path=X` was written into sdplan.yaml unchecked: a path that does not exist, and an SD 1.x folder
     under --model sdxl (planned and written as SDXL). Alone it is --model X; beside --model FAMILY (what recommend
     says to give where it cannot tell a model's family) its files, where they say one, must say that family."""
-    from conftest import fake_diffusers_folder
+    from conftest import fake_diffusers_folder, make_images
     from huggingface_hub import constants
 
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
@@ -621,6 +621,25 @@ def test_a_model_path_setting_is_checked_as_model_is(tmp_path, monkeypatch):
         assert r.exit_code == 0 and "a diffusers folder of the sd15 family" in r.output, r.output
         cfg = yaml.safe_load((out / "sdplan.yaml").read_text())
         assert (cfg["model"]["family"], cfg["model"]["path"]) == ("sd15", str(sd15))
+    # a folder named as a family is a folder (it was read as the family, and its hub model written); a path
+    # quoted as for sdplan train; the same model twice; the note said once (it was said twice)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my sd15").symlink_to(sd15)
+    (tmp_path / "sdxl").symlink_to(sd15)
+    for args in (("model.path=sdxl",), ('model.path="my sd15"',), ("--model", "sdxl/", "model.path=sdxl")):
+        r = run(*base, *args, "--json")
+        assert r.exit_code == 0, r.output
+        said = [x for x in json.loads(r.stdout)["reasons"] if x.startswith("model ")]
+        assert len(said) == 1 and "a diffusers folder of the sd15 family" in said[0], said
+    for bad, error in (
+        ("model.path=sd21", "model.path=sd21: no such file or folder"),
+        ("model.path=", "empty"),
+    ):
+        r = run(*base, bad)
+        _one_line_error(r, 2)
+        assert error in r.output
+    ds = make_images(tmp_path / "ds", n=2)
+    assert run(*base, "--dataset", "ds", f"data.path={ds}").exit_code == 0  # the same folder: agree
     # a hub id whose family cannot be told here keeps the family given
     r = run(*base, "--model", "flux-dev", "model.path=someone/not-cached", "--out", str(tmp_path / "hub"))
     assert r.exit_code == 0 and "lora flux-dev" in r.output, r.output
