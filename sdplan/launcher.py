@@ -187,8 +187,10 @@ def check_out_dir(
             f"--out {out} holds your files ({shown}) beside the plan; a run there would write among them",
             fix="train into another folder with --out DIR, or move your files out",
         )
-    if not force and config_path is None and set() < runfolder.owned(out) <= set(PLAN_FILES):
-        raise OutputExistsError(  # nothing has trained here: "start it over with --force" would lose the plan
+    if not force and is_plan(
+        out
+    ):  # nothing has trained here: "start it over with --force" would lose the plan
+        raise OutputExistsError(
             f"--out {out} holds a plan (sdplan recommend --out), not a run",
             fix=f"train the plan with `sdplan train --config {out / CONFIG_FILE}`, or choose a new folder",
         )
@@ -239,6 +241,13 @@ def config_output_dir(config_path: Path, base: dict[str, Any]) -> Path:
             fix=f"add --out {folder} to train in the folder the config is in, or --out DIR for another",
         )
     return out
+
+
+def is_plan(out: Path) -> bool:
+    """Whether ``out`` holds what `sdplan recommend --out` writes and nothing sdplan wrote by training."""
+    from sdplan import runfolder
+
+    return set() < runfolder.owned(out) <= set(PLAN_FILES)
 
 
 def _same_file(a: Path, b: Path) -> bool:
@@ -1127,6 +1136,11 @@ def prepare(req: TrainRequest, ui: UI) -> Prepared:
     if req.resume:
         from sdplan.trainer.checkpoint import checkpoint_root, latest_checkpoint
 
+        if latest_checkpoint(out) is None and is_plan(out):
+            raise UsageError(
+                f"--resume: {out} holds a plan (sdplan recommend --out), not a run: nothing to resume",
+                fix=f"train the plan with `sdplan train --config {out / CONFIG_FILE}`",
+            )
         if latest_checkpoint(out) is None:
             raise UsageError(
                 f"--resume: no checkpoint in {checkpoint_root(out)}",

@@ -236,6 +236,14 @@ def test_out_with_a_plan_says_to_train_the_plan(tmp_path, fake_model):
         f"--out {plan} holds a plan (sdplan recommend --out), not a run",
         f"sdplan train --config {plan / 'sdplan.yaml'}",
     )
+    # with a config of another place, and --resume: neither says --force, which replaced the plan
+    mine = write_config(tmp_path / "mine.yaml", model={"path": str(fake_model)}, data={"path": str(ds)})
+    one_line_error(
+        invoke("--config", str(mine), "--out", str(plan), "--device", "cpu"), 3, "holds a plan", "--config"
+    )
+    one_line_error(
+        invoke("--resume", "--out", str(plan), "--device", "cpu"), 2, "holds a plan", "nothing to resume"
+    )
 
 
 def test_a_copied_run_folders_config_does_not_train_into_the_original(tmp_path, fake_model):
