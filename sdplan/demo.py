@@ -155,8 +155,14 @@ def run_demo(req: Any, ui: Any) -> dict[str, Any]:
             "--demo builds its own model, dataset and config on the CPU",
             fix="drop --config/--dataset/--method/--gpus/--num-machines, or leave out --demo",
         )
-    if req.device == "cuda":
-        raise UsageError("--demo trains on the CPU", fix="drop --device cuda")
+    given = dict(
+        zip(C.override_keys(req.overrides), (o.partition("=")[2] for o in req.overrides), strict=True)
+    )
+    if (
+        req.device == "cuda"
+        or C.setting_value("training.device", given.get("training.device", "cpu")) != "cpu"
+    ):
+        raise UsageError("--demo trains on the CPU", fix="drop --device cuda / training.device")
     out = C.absolute(req.out or DEFAULT_OUT, "--out")
     if req.resume:  # a run like any other: its flags (--dry-run, --epochs, --max-steps, ...) count as there
         return run(dataclasses.replace(req, out=str(out), yes=True, model=None, demo=False), ui)
@@ -240,6 +246,8 @@ def _check_inputs_are_the_demos(out: Path) -> None:
     try:
         made = json.loads((out / DEMO_FILES).read_text())
     except (OSError, ValueError):
+        return
+    if not isinstance(made, dict):
         return
     mine = runfolder.owned(out)
     for name in DEMO_INPUTS:

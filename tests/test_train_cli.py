@@ -492,6 +492,17 @@ def test_demo_refuses_a_bad_setting_before_building_anything(tmp_path):
         "distributed.deepspeed.zero_stage: must be 1 or 2",
     )
     assert not out.exists()
+    # the demo's own --device cpu was said to disagree with the user's setting, as if they had given it
+    one_line_error(invoke("--demo", "--out", str(out), "training.device=cuda"), 2, "--demo trains on the CPU")
+    assert not out.exists()
+
+
+def test_a_demo_file_list_that_is_no_mapping_is_passed_over(tmp_path):
+    """A .sdplan-demo-files.json holding `[]` was an AttributeError traceback on --force."""
+    from sdplan.demo import DEMO_FILES, _check_inputs_are_the_demos
+
+    (tmp_path / DEMO_FILES).write_text("[]")
+    _check_inputs_are_the_demos(tmp_path)
 
 
 @pytest.mark.parametrize(
