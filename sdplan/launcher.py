@@ -412,6 +412,14 @@ class InputSummary:
     hub_cached: bool = False  # a hub model the local cache holds whole (else its weights come from the hub)
 
 
+def listed_hub_family(hub_id: str) -> str | None:
+    """The family whose profile lists ``hub_id`` (recommend plans those offline: :mod:`sdplan.recommend`)."""
+    from sdplan.profiles import load_profiles
+    from sdplan.recommend import _listed_hub_family
+
+    return _listed_hub_family(hub_id, load_profiles())
+
+
 def check_inputs(cfg: C.TrainConfig, *, dry_run: bool = False) -> InputSummary:
     """The dataset has readable images and the model exists: one clear error otherwise, or one line with both
     when both are wrong (the user fixes them in one go, not one per run). No torch. A hub id the cache does not
@@ -445,7 +453,7 @@ def check_inputs(cfg: C.TrainConfig, *, dry_run: bool = False) -> InputSummary:
             if not dry_run:
                 raise
             info = check_source(cfg.model.path, **kw)
-            info.family = info.family or family_from_name(cfg.model.path)
+            info.family = info.family or listed_hub_family(cfg.model.path) or family_from_name(cfg.model.path)
             unknown = f"a hub id the hub cannot be asked about here ({e.why})"
             model_note = f"model: not checked ({e.why}): planned as " + (
                 "model.family says" if cfg.model.family else "the family its name suggests"

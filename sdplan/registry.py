@@ -118,7 +118,7 @@ FAMILY_LIST = (
         "sd21",
         "Stable Diffusion 2.x",
         text_encoders=1,
-        name_hints=("2-1", "2.1", "sd21", "2-base", "v2"),
+        name_hints=("2-1", "2.1", "sd21", "2-base", "diffusion-2"),  # not "v2": a model's own version 2
         aliases=("sd2", "sd2.1"),
     ),
     Family("sdxl", "Stable Diffusion XL", text_encoders=2, name_hints=("xl",), encoders=("clip-l", "clip-g")),

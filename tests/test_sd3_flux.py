@@ -41,6 +41,8 @@ def test_registry_names_the_transformer_families_and_their_encoders():
     assert registry.family_from_name("stabilityai/stable-diffusion-xl-base-1.0") == "sdxl"
     assert registry.family_from_name("stable-diffusion-v1-5/stable-diffusion-v1-5") == "sd15"
     assert registry.family_from_name("someone/my-model") is None  # was sd15: planned as if it said so
+    assert registry.family_from_name("SG161222/Realistic_Vision_V2.0") is None  # an SD 1.5 model's version 2
+    assert registry.family_from_name("stabilityai/stable-diffusion-2") == "sd21"
 
 
 def test_the_planner_says_not_supported_in_one_line():
