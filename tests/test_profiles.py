@@ -84,6 +84,9 @@ def test_infinite_and_overflowing_numbers_are_refused(tmp_path, monkeypatch):
         + card.format(name="A", mem=".inf", tflops=".nan")
         + card.format(name="B", mem="1.0e+300", tflops="1e300")
         + card.format(name="C", mem="24", tflops="1.0e+3")
+        + card.format(
+            name="D", mem="'24'", tflops="100"
+        )  # quoted: text to YAML too, but not for its exponent
     )
     with pytest.raises(ConfigError) as e:
         load_gpus(gpus)
@@ -93,6 +96,7 @@ def test_infinite_and_overflowing_numbers_are_refused(tmp_path, monkeypatch):
         "gpus[1].memory_gib: must be > 0 and at most 1048576 (GiB)",
         "gpus[1].fp16_tflops: must be an integer or a number, got '1e300' (YAML reads 1e300 as text: write it "
         "as 1.0e+300)",
+        "gpus[3].memory_gib: must be an integer or a number, got '24' (it is quoted: write it without the quotes)",
     ]
     points = tmp_path / "lora.yaml"
     points.write_text(
