@@ -700,7 +700,10 @@ def describe(
         )
         lines.append(
             f"steps: training.max_steps {t.max_steps} / {world} process(es) = "
-            f"{count_of(steps['total_steps'], 'optimizer step')} = {count_of(steps['images_seen'], 'image')}"
+            f"{count_of(steps['total_steps'], 'optimizer step')} = "
+            # each aspect bucket ends in a short batch: full batches are the most the steps can see
+            + ("up to " if len(inputs.bucket_samples) > 1 else "")
+            + count_of(steps["images_seen"], "image")
             # a planned count (recommend --out) for another dataset than this one trains another length
             + (
                 f" ({by_epochs['epochs']} epoch(s) of this dataset would be {by_epochs['total_steps']} steps: "

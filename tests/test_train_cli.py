@@ -597,6 +597,18 @@ def test_with_aspect_buckets_the_printed_steps_are_the_trainers(tmp_path, fake_m
     r = invoke(*args, "--resolution", "256", "--dry-run", "training.batch_size=4", "data.buckets=true")
     assert r.exit_code == 0, r.stderr
     assert "in 3 aspect buckets (each ends in a short batch) / 4 per step = 3 steps per epoch" in r.stdout
+    # by max_steps: full batches are the most its steps see ("= 8 images" for 2 steps that see fewer)
+    r = invoke(
+        *args,
+        "--resolution",
+        "256",
+        "--dry-run",
+        "--max-steps",
+        "2",
+        "training.batch_size=4",
+        "data.buckets=true",
+    )
+    assert r.exit_code == 0 and "= 2 optimizer steps = up to 8 images" in r.stdout, r.stdout
 
 
 def test_a_run_written_with_a_relative_model_path_resumes_from_its_folder(tmp_path, monkeypatch):
