@@ -573,6 +573,10 @@ def test_two_caption_files_differing_in_case_read_one_and_say_the_other(tmp_path
     result = scan(tmp_path)
     assert names(result) == {"a.png": "lower"}
     assert skipped(result) == {"a.TXT": "another caption file of the same image (a.txt is read)"}
+    # the configured case is read first (data.caption_extension=.TXT read a.txt)
+    result = scan(tmp_path, caption_extension=".TXT")
+    assert names(result) == {"a.png": "upper"}
+    assert skipped(result) == {"a.txt": "another caption file of the same image (a.TXT is read)"}
 
 
 def test_a_utf32_caption_with_its_mark_is_read():

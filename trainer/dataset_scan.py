@@ -174,8 +174,8 @@ def scan(
         )
     if repeats < 1:
         raise DatasetError(f"repeats must be >= 1, got {repeats}", fix="set data.repeats to 1 or more")
+    # as configured: matched in any case, the configured case read first (:func:`_caption_files`)
     cap_ext = caption_extension if caption_extension.startswith(".") else "." + caption_extension
-    cap_ext = cap_ext.lower()
 
     files = _walk(root)
     records, is_metadata = _metadata_records(files)
@@ -358,7 +358,7 @@ CAPTION_EXTENSIONS = (".txt", ".caption", ".tags")
 
 def _not_image_reason(path: Path, cap_ext: str | None = None) -> str:
     ext = path.suffix.lower() or "no extension"
-    if cap_ext is not None and ext in CAPTION_EXTENSIONS and ext != cap_ext:
+    if cap_ext is not None and ext in CAPTION_EXTENSIONS and ext != cap_ext.lower():
         return f"a {ext} caption, not read: data.caption_extension is {cap_ext}"
     if path.name.lower() == "metadata.jsonl":  # read in a flat folder (_jsonl_captions); not here
         return "Hugging Face's metadata.jsonl: read in a flat dataset folder, not in kohya N_name folders or beside .json records"
@@ -409,11 +409,11 @@ def _decode_caption(path: Path, raw: bytes) -> str:
 
 def _caption_files(files: Iterable[Path], cap_ext: str, result: Scan) -> dict[tuple[Path, str], Path]:
     """(folder, stem) -> the caption file, its extension in any case (IMG_0001.JPG beside IMG_0001.TXT), as
-    images are taken; of two differing in case only, the one in lowercase (else the first found), the other
-    listed as skipped."""
+    images are taken; of two differing in case only, the one in the configured case (``cap_ext``; else the
+    first found), the other listed as skipped."""
     out: dict[tuple[Path, str], Path] = {}
     for f in files:
-        if f.suffix.lower() != cap_ext:
+        if f.suffix.lower() != cap_ext.lower():
             continue
         key = (f.parent, f.stem)
         if key in out:
@@ -447,7 +447,7 @@ def _pair_captions(root, files, result, cap_ext, repeats, fallback, listed=None)
     for f in files:
         if is_image(f) or f in files_of:
             continue
-        if f.suffix.lower() == cap_ext and cap_files.get((f.parent, f.stem)) == f:
+        if f.suffix.lower() == cap_ext.lower() and cap_files.get((f.parent, f.stem)) == f:
             if (f.parent, f.stem) not in stems:
                 result.skipped.append((f, "caption file without an image of the same name"))
             continue
@@ -760,7 +760,7 @@ def _scan_metadata(root, files, records, repeats, meta: MetadataConfig | None, c
             result.items.append(Item(f, _read_caption(cap_file), None, repeats))
         elif is_image(f):
             result.skipped.append((f, "no .json record describes this image, and it has no caption file"))
-        elif f.suffix.lower() == cap_ext:
+        elif f.suffix.lower() == cap_ext.lower():
             continue  # caption files: of the images above, or not used; not an error either
         else:
             result.skipped.append((f, _not_image_reason(f)))
