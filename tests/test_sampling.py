@@ -227,3 +227,20 @@ def test_a_grid_an_earlier_session_wrote_is_kept_beside_the_new_one(tmp_path):
     (tmp_path / "step-000040-1.png").write_bytes(b"this session")  # written now: replaced next time
     assert grid_path(tmp_path, 40) == tmp_path / "step-000040-1.png"
     assert grid_path(tmp_path, 60) == tmp_path / "step-000060.png"
+
+
+def test_outputs_an_earlier_session_saved_at_a_step_are_kept_beside_the_new_ones(tmp_path):
+    """The same for the outputs saved every N steps (intermediate/{name}-step00000040/): a resume on another
+    process count wrote its step 40 over the first session's. `train --force` still knows both for the run's."""
+    import os
+
+    from sdplan.trainer.outputs import INTERMEDIATE_NAME, intermediate_folder
+
+    old = tmp_path / "run-step00000040"
+    old.mkdir()
+    os.utime(old, (1_000_000_000, 1_000_000_000))
+    assert intermediate_folder(tmp_path, "run-step00000040") == tmp_path / "run-step00000040-1"
+    (tmp_path / "run-step00000040-1").mkdir()  # this session's: replaced
+    assert intermediate_folder(tmp_path, "run-step00000040") == tmp_path / "run-step00000040-1"
+    assert intermediate_folder(tmp_path, "run-000002") == tmp_path / "run-000002"
+    assert INTERMEDIATE_NAME.fullmatch("run-step00000040-1") and INTERMEDIATE_NAME.fullmatch("run-000002")

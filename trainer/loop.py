@@ -605,7 +605,8 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
         label = outputs.intermediate_name(
             export.output_name(cfg.output.name, out_dir), epoch=epoch, step=step
         )
-        folder = out_dir / outputs.INTERMEDIATE / label
+        folder = outputs.intermediate_folder(out_dir / outputs.INTERMEDIATE, label)
+        label = folder.name
         files: list[Path] = []
         reached = epoch if epoch is not None else round(step / plan.steps_per_epoch, 3)
         if accelerator.is_main_process:

@@ -190,7 +190,7 @@ def grid_name(step: int | None, again: int = 0) -> str:
 
 
 # What the names above look like, for `train --force` to tell a run's outputs from the user's files
-INTERMEDIATE_NAME = re.compile(r".+-(\d{6}|step\d{8})")
+INTERMEDIATE_NAME = re.compile(r".+-(\d{6}|step\d{8})(-\d+)?")
 GRID_NAME = re.compile(r"(step-\d{6,}(-\d+)?|final)\.png")
 
 # when this session of the run started (loop.train marks it): a grid file older than it is an earlier session's
@@ -212,6 +212,17 @@ def grid_path(folder: Path, step: int | None) -> Path:
         again += 1
         path = folder / grid_name(step, again)
     return path
+
+
+def intermediate_folder(root: Path, label: str) -> Path:
+    """Where the outputs saved as ``label`` go under ``root`` (intermediate/): its name, unless an earlier session
+    of the run wrote that folder (a resume on another process count numbers its steps anew), which is kept
+    beside the new one (``{name}-step00000040-1``), as :func:`grid_path` keeps grids."""
+    folder, again = root / label, 0
+    while folder.exists() and folder.stat().st_mtime < _SESSION_START:
+        again += 1
+        folder = root / f"{label}-{again}"
+    return folder
 
 
 def intermediate_steps(
