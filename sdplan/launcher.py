@@ -420,11 +420,14 @@ def listed_hub_family(hub_id: str) -> str | None:
     return _listed_hub_family(hub_id, load_profiles())
 
 
-def check_inputs(cfg: C.TrainConfig, *, dry_run: bool = False) -> InputSummary:
+def check_inputs(
+    cfg: C.TrainConfig, *, dry_run: bool = False, planned_resolution: bool = False
+) -> InputSummary:
     """The dataset has readable images and the model exists: one clear error otherwise, or one line with both
     when both are wrong (the user fixes them in one go, not one per run). No torch. A hub id the cache does not
     hold is checked on the hub; ``dry_run``: where the hub cannot be asked, it is planned from its name, and
-    said (a run would fail there: it is refused)."""
+    said (a run would fail there: it is refused). ``planned_resolution``: the plan picks the resolution (none
+    given): the model's own, which the images are measured against."""
     from sdplan.trainer.dataset_scan import require_images, scan_data, small_images_note, uncaptioned_note
     from sdplan.trainer.models import PICKLE_SUFFIXES, HubUnreachable, resolve_source
     from sdplan.trainer.source_check import check_source
@@ -475,6 +478,15 @@ def check_inputs(cfg: C.TrainConfig, *, dry_run: bool = False) -> InputSummary:
         raise
     if dataset_error is not None:
         raise dataset_error
+    resolution = cfg.data.resolution
+    if (
+        planned_resolution
+    ):  # as plan_request plans it: the model's own (SDXL 1024; an SD 2.x epsilon base 512)
+        from sdplan.profiles import load_profiles
+
+        models = load_profiles().models
+        if family in models:
+            resolution = models[family].resolution_for(info.prediction_type)
     buckets = ()
     # as the trainer's dataset assigns them: the epoch's batches (each bucket ends short)
     if cfg.data.buckets:
@@ -499,7 +511,7 @@ def check_inputs(cfg: C.TrainConfig, *, dry_run: bool = False) -> InputSummary:
                     result.summary(),
                     *result.notes,
                     uncaptioned_note(result, cfg),
-                    small_images_note(result, cfg.data.resolution, buckets=cfg.data.buckets),
+                    small_images_note(result, resolution, buckets=cfg.data.buckets),
                 ),
             )
         ),
@@ -1172,7 +1184,22 @@ def prepare(req: TrainRequest, ui: UI) -> Prepared:
             f"the current folder {Path.cwd()} holds `sdplan`, which Python 3.10 would import instead of sdplan",
             fix="run sdplan from another folder (Python >= 3.11 ignores the current folder)",
         )
-    inputs = req.inputs if req.inputs is not None else check_inputs(cfg, dry_run=req.dry_run)
+    planned_resolution = (  # as step 7 plans (on a GPU, no resolution given), before the device is probed
+        not (
+            req.resume
+            or req.config
+            or req.config_data is not None
+            or req.no_plan
+            or req.resolution is not None
+        )
+        and "data.resolution" not in C.override_keys(req.overrides)
+        and cfg.training.device != "cpu"
+    )
+    inputs = (
+        req.inputs
+        if req.inputs is not None
+        else check_inputs(cfg, dry_run=req.dry_run, planned_resolution=planned_resolution)
+    )
 
     # 6. The device.
     snapshot = None

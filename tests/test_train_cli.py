@@ -706,3 +706,43 @@ def test_train_plans_an_sd2_epsilon_base_at_512(tmp_path):
     lines.clear()
     run(dataclasses.replace(req, out=str(tmp_path / "o2")), UI(echo=lines.append))
     assert "resolution 768" in "\n".join(lines)
+
+
+def test_small_images_are_measured_against_the_resolution_the_plan_trains_at(tmp_path):
+    """An SDXL plan trains at 1024 px; its small-images note said "scaled up ... to the 512 px training
+    resolution" (the config's default, before the plan chose)."""
+    from conftest import MACHINES
+
+    from sdplan.launcher import UI, TrainRequest, prepare
+    from sdplan.probe.snapshot import Snapshot
+
+    ds = make_images(tmp_path / "ds", n=2)
+    sdxl = fake_diffusers_folder(tmp_path / "sdxl", "sdxl")
+    snap = Snapshot.load(MACHINES / "h100_80gb_hbm3.json")  # a CUDA build of torch: the plan is made
+    for resolution, said in ((None, 1024), (512, 512)):
+        req = TrainRequest(
+            model=str(sdxl),
+            dataset=str(ds),
+            out=str(tmp_path / "o"),
+            dry_run=True,
+            snapshot=snap,
+            resolution=resolution,
+        )
+        p = prepare(req, UI(echo=lambda s: None))
+        assert p.cfg.data.resolution == said
+        assert f"to the {said} px training resolution" in p.inputs.scan_summary, p.inputs.scan_summary
+    # on the CPU (no plan) the config's resolution trains, and is the one said
+    r = invoke(
+        "--model",
+        str(sdxl),
+        "--dataset",
+        str(ds),
+        "--out",
+        str(tmp_path / "o"),
+        "--device",
+        "cpu",
+        "--dry-run",
+    )
+    assert (
+        r.exit_code == 0 and "to the 512 px training resolution" in r.output and "resolution 512" in r.output
+    )
