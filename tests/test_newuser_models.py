@@ -224,6 +224,10 @@ def test_folder_notes_say_family_and_prediction(tmp_path):
             ),
             "a ComfyUI scaled-fp8 checkpoint .model.diffusion_model.scaled_fp8",
         ),
+        (  # an SD 1.x / SDXL file is read whole (its text encoders too): a text encoder's marker counts
+            checkpoint(**{"cond_stage_model.transformer.scaled_fp8": (0,)}),
+            "a ComfyUI scaled-fp8 checkpoint .cond_stage_model.transformer.scaled_fp8",
+        ),
         (
             {"double_blocks.0.img_attn.qkv.weight": (2,), "double_blocks.0.img_attn.qkv.scale_weight": (1,)},
             "a ComfyUI scaled-fp8 checkpoint .double_blocks.0.img_attn.qkv.scale_weight",

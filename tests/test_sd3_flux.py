@@ -561,6 +561,47 @@ def test_a_single_transformer_files_family_is_read_from_its_keys(tmp_path):
         flow_models._check("sd35-large", "sd35-medium", "m")
 
 
+def test_a_scaled_fp8_text_encoder_in_an_all_in_one_file_is_not_the_transformers(tmp_path):
+    """Comfy-Org's sd3.5_medium_incl_clips_t5xxlfp8scaled.safetensors (the MMDiT in fp16, only T5-XXL scaled
+    fp8, its marker text_encoders.t5xxl.transformer.scaled_fp8) was refused as a scaled-fp8 checkpoint: sdplan
+    reads only the transformer from an SD3.5 / FLUX.1 file (text encoders from model.config_dir). A marker of
+    the transformer's own is still refused, and so is the ComfyUI metadata naming a transformer layer."""
+    from safetensors.numpy import save_file
+    from sdplan.trainer.source_check import UnsupportedModelError, check_source
+
+    folder = _flow_configs(tmp_path / "cfg", "sd35-medium")
+    t5 = "text_encoders.t5xxl.transformer."
+    mmdit = {"model.diffusion_model." + k: np.zeros((2, 2), np.float16) for k in _FLOW_KEYS["sd35-medium"]}
+    rest = {
+        "text_encoders.clip_l.transformer.text_model.embeddings.token_embedding.weight": np.zeros(
+            2, np.float16
+        ),
+        "first_stage_model.decoder.conv_in.weight": np.zeros(2, np.float16),
+        t5 + "scaled_fp8": np.zeros(0, np.float16),
+        t5 + "encoder.block.0.layer.0.SelfAttention.q.weight": np.zeros((2, 2), np.float16),
+        t5 + "encoder.block.0.layer.0.SelfAttention.q.scale_weight": np.ones((), np.float32),
+    }
+    path = tmp_path / "sd3.5_medium_incl_clips_t5xxlfp8scaled.safetensors"
+    save_file({**mmdit, **rest}, str(path))
+    assert check_source(str(path), config_dir=str(folder)).family == "sd35-medium"
+    quant = json.dumps(
+        {"format_version": "1.0", "layers": {t5 + "encoder.block.0.layer.0.SelfAttention.q": {}}}
+    )
+    save_file({**mmdit, **rest}, str(path), metadata={"_quantization_metadata": quant})
+    assert check_source(str(path), config_dir=str(folder)).family == "sd35-medium"
+
+    q = "model.diffusion_model.joint_blocks.0.x_block.attn.qkv."
+    save_file({**mmdit, **rest, q + "scale_weight": np.ones((), np.float32)}, str(path))
+    with pytest.raises(UnsupportedModelError, match=r"scaled-fp8 checkpoint \(model.diffusion_model.joint"):
+        check_source(str(path), config_dir=str(folder))
+    quant = json.dumps({"layers": {q[:-1]: {"format": "float8_e4m3fn"}}})
+    save_file({**mmdit, **rest}, str(path), metadata={"_quantization_metadata": quant})
+    with pytest.raises(
+        UnsupportedModelError, match="scaled-fp8 checkpoint .*_quantization_metadata of model"
+    ):
+        check_source(str(path), config_dir=str(folder))
+
+
 def test_recommend_reads_a_single_transformer_file_with_its_config_dir(tmp_path):
     """`recommend --model flux.safetensors model.config_dir=DIR` said the file needs model.config_dir: the
     settings' config_dir never reached the model check."""

@@ -476,6 +476,37 @@ def flow_family_from_keys(plain) -> str | None:
     return None
 
 
+_NOT_THE_TRANSFORMER = _TEXT_PREFIXES + ("first_stage_model.",)
+
+
+def _scaled_markers(keys: set[str], metadata: dict[str, str], flow: bool) -> list[str]:
+    """The ComfyUI scaled-fp8 markers (``scaled_fp8``, ``scale_weight``, ``comfy_quant`` keys; the layers
+    ``_quantization_metadata`` lists) of the weights sdplan loads from the file. An SD 1.x / 2.x / SDXL file is
+    read whole (``from_single_file`` builds its text encoders and VAE from it too): every marker counts. From an
+    SD3.5 / FLUX.1 file only the transformer is read (:func:`.flow_single_file.load_flow_single_file`; text
+    encoders and VAE come from model.config_dir), so a text encoder's own marker
+    (``text_encoders.t5xxl.transformer.scaled_fp8``, as in Comfy-Org's ``*_t5xxlfp8scaled`` files; ComfyUI
+    ``sd3_clip.t5_xxl_detect`` reads it per encoder) does not."""
+    ends = ("scaled_fp8", "scale_weight", "comfy_quant")
+    found = [k for k in sorted(keys) if k.rsplit(".", 1)[-1] in ends]
+    quant = metadata.get("_quantization_metadata")
+    if quant is not None:
+        try:
+            layers = json.loads(quant).get("layers")
+        except (ValueError, AttributeError):
+            layers = None
+        # unreadable: assume it covers the transformer (it names layers ComfyUI dequantizes)
+        names = sorted(layers) if isinstance(layers, dict) else ["model.diffusion_model"]
+        found += [f"_quantization_metadata of {n}" for n in names]
+    if flow:
+        found = [
+            k
+            for k in found
+            if not k.removeprefix("_quantization_metadata of ").startswith(_NOT_THE_TRANSFORMER)
+        ]
+    return found
+
+
 def classify_state(
     shapes: dict[str, tuple[int, ...]],
     metadata: dict[str, str],
@@ -501,14 +532,13 @@ def classify_state(
             "a LoRA, which is applied to a base model, not trained from",
             fix="give the base model it was trained for as model.path",
         )
-    scaled = [
-        k for k in sorted(keys) if k.rsplit(".", 1)[-1] in ("scaled_fp8", "scale_weight", "comfy_quant")
-    ]
-    if scaled or "_quantization_metadata" in metadata:
+    plain = {k[len(UNET) :] if k.startswith(UNET) else k: v for k, v in shapes.items()}
+    flow = flow_family_from_keys(plain)
+    scaled = _scaled_markers(keys, metadata, flow is not None)
+    if scaled:
         # ComfyUI (comfy/utils.py convert_old_quants): each weight is stored as fp8 of weight / scale, its
         # scale beside it; diffusers reads the fp8 values as the weights
-        marker = next((k for k in scaled if k.endswith("scaled_fp8")), scaled[0] if scaled else None)
-        marker = marker or "its _quantization_metadata"
+        marker = next((k for k in scaled if k.endswith("scaled_fp8")), scaled[0])
         raise refuse(
             where,
             f"a ComfyUI scaled-fp8 checkpoint ({marker}: its weights are stored divided by per-layer scales, "
@@ -516,8 +546,6 @@ def classify_state(
             fix="give the unscaled checkpoint (the model's bf16 / fp16 release; for SD3.5 / FLUX.1, "
             "model.base_precision=fp8 stores it in fp8 for training)",
         )
-    plain = {k[len(UNET) :] if k.startswith(UNET) else k: v for k, v in shapes.items()}
-    flow = flow_family_from_keys(plain)
     if flow is not None:
         channels = (plain.get("img_in.weight") or (0, 0))[-1]
         what = _CHANNEL_VARIANTS.get(("flux", channels))
