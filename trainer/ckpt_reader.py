@@ -17,20 +17,24 @@ The unpickler resolves a global only to a stand-in of its own (the tensor rebuil
 :class:`TrainingState` for an old training checkpoint's Lightning callback and numpy scalars); the stand-ins
 build plain records, never call into torch or anything the file names. A global that torch's ``weights_only``
 loader never allows (``os.system``, a class of another package) is :class:`UnsafeCheckpointError`, the same
-refusal the trainer's load (``single_file.read_checkpoint_safely``) would give; anything else this reader
-does not model (a legacy non-zip file, another torch global, a damaged archive) is :class:`Unreadable`, and
-the file is checked when it loads.
+refusal the trainer's load (``single_file.read_checkpoint_safely``) would give; a zip archive cut short or
+whose data.pkl fails its CRC-32 is :class:`DamagedCheckpointError`; anything else this reader does not model
+(a legacy non-zip file, another torch global) is :class:`Unreadable`, and the file is checked when it loads.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import pickle
 import zipfile
+import zlib
 from collections import OrderedDict
 from pathlib import Path
 
 from sdplan.errors import SdplanError
+
+from .models import ModelLoadError
 
 MAX_PICKLE = 64 * 2**20  # a whole SD checkpoint's data.pkl is well under 1 MiB
 
@@ -39,6 +43,21 @@ class UnsafeCheckpointError(SdplanError):
     """A .ckpt whose pickle holds more than tensors and plain containers."""
 
     exit_code = 2
+
+
+class DamagedCheckpointError(ModelLoadError):
+    """A .ckpt whose bytes are damaged (its zip archive cut short, its ``data.pkl`` failing the archive's
+    CRC-32 check): no reader can load it."""
+
+    exit_code = 2
+
+
+def damaged(where: str | Path, why: str) -> DamagedCheckpointError:
+    """The one line for a damaged file (``where``: the name the message gives it)."""
+    return DamagedCheckpointError(
+        f"{where}: damaged or truncated ({why}; an interrupted download or copy, or a bad disk)",
+        fix="download or copy the file again",
+    )
 
 
 class Unreadable(Exception):
@@ -184,21 +203,26 @@ class _ShapeUnpickler(pickle.Unpickler):
         raise Unreadable("a persistent reference that is not a storage")
 
 
-def _data_pkl(path: Path) -> bytes:
-    """``<archive>/data.pkl`` of a torch zip checkpoint."""
+def _data_pkl(path: Path, where: str | Path | None = None) -> bytes:
+    """``<archive>/data.pkl`` of a torch zip checkpoint, read whole, so the archive's CRC-32 of it is checked
+    (torch's reader checks none: a flipped byte fails in its unpickler, as a UnicodeDecodeError or worse).
+    A zip cut short or whose data.pkl fails that check is :class:`DamagedCheckpointError`."""
     if not zipfile.is_zipfile(path):
         with path.open("rb") as f:
             if f.read(4) == b"PK\x03\x04":  # a zip's first entry, but no central directory at its end
-                raise Unreadable("a damaged or truncated zip archive (an interrupted download or copy?)")
+                raise damaged(where or path, "a zip archive whose end is missing")
         raise Unreadable("an old pickle checkpoint, not torch's zip format")
-    with zipfile.ZipFile(path) as z:
-        name = _data_pkl_name(z)
-        if any(n.endswith("/constants.pkl") for n in z.namelist()):
-            raise Unreadable("a TorchScript archive")
-        entry = z.getinfo(name)
-        if entry.file_size > MAX_PICKLE:
-            raise Unreadable(f"its data.pkl holds {entry.file_size:,} bytes")
-        return z.read(entry)
+    try:
+        with zipfile.ZipFile(path) as z:
+            name = _data_pkl_name(z)
+            if any(n.endswith("/constants.pkl") for n in z.namelist()):
+                raise Unreadable("a TorchScript archive")
+            entry = z.getinfo(name)
+            if entry.file_size > MAX_PICKLE:
+                raise Unreadable(f"its data.pkl holds {entry.file_size:,} bytes")
+            return z.read(entry)
+    except (zipfile.BadZipFile, EOFError, zlib.error) as e:  # "Bad CRC-32 for file 'archive/data.pkl'"
+        raise damaged(where or path, f"its zip archive: {e}") from None
 
 
 def read_ckpt_shapes(path: str | Path, where: str | None = None) -> dict[str, tuple[int, ...]]:
@@ -259,8 +283,19 @@ def read_ckpt_tensor(path: str | Path, key: str) -> tuple[str, bytes] | None:
             if any(i < 0 or (i + 1) * size > len(data) for i in index):
                 return None
             return code, b"".join(data[i * size : (i + 1) * size] for i in index)
-    except (Unreadable, UnsafeCheckpointError, OSError, KeyError, ValueError, zipfile.BadZipFile):
+    except (Unreadable, UnsafeCheckpointError, DamagedCheckpointError, OSError, KeyError, ValueError):
         return None
+    except zipfile.BadZipFile:  # a data/<key> entry of a damaged archive
+        return None
+
+
+def check_intact(path: str | Path) -> None:
+    """:class:`DamagedCheckpointError` where a torch zip checkpoint's ``data.pkl`` fails its CRC-32 check (what
+    the trainer's torch load checks first: torch reads it unchecked). Anything else is torch's to read."""
+    path = Path(path)
+    if zipfile.is_zipfile(path):
+        with contextlib.suppress(Unreadable):
+            _data_pkl(path)
 
 
 def _data_pkl_name(z: zipfile.ZipFile) -> str:
@@ -273,10 +308,10 @@ def _data_pkl_name(z: zipfile.ZipFile) -> str:
 def _read_state(path: Path, where: str | None = None) -> dict:
     """The checkpoint's state dict of :class:`_Tensor` records (read_ckpt_shapes' errors)."""
     try:
-        state = _ShapeUnpickler(io.BytesIO(_data_pkl(path))).load()
+        state = _ShapeUnpickler(io.BytesIO(_data_pkl(path, where))).load()
     except UnsafeCheckpointError as e:
         raise UnsafeCheckpointError(f"{where or path}: {e.message}", fix=e.fix) from None
-    except Unreadable:
+    except (Unreadable, DamagedCheckpointError):
         raise
     except Exception as e:  # damaged archive, malformed pickle, a stand-in given odd arguments
         raise Unreadable(f"its pickle does not parse: {type(e).__name__}") from None

@@ -10,7 +10,7 @@ from typing import Any
 
 from sdplan.errors import UsageError
 
-from .ckpt_reader import TRAINING_STATE_GLOBALS, TrainingState, UnsafeCheckpointError
+from .ckpt_reader import TRAINING_STATE_GLOBALS, TrainingState, UnsafeCheckpointError, check_intact
 from .export import FAMILIES
 from .models import PICKLE_SUFFIXES, SINGLE_FILE_SUFFIXES
 
@@ -38,6 +38,7 @@ def read_checkpoint_safely(path: str | Path) -> dict:
 
     import torch
 
+    check_intact(path)  # a data.pkl that fails its CRC-32: torch's unpickler reads it unchecked
     try:
         # Zip-format checkpoints (torch >= 1.6) are memory-mapped: reading the keys costs no RAM.
         with training_state_allowed():
@@ -54,6 +55,8 @@ def read_checkpoint_safely(path: str | Path) -> dict:
         ) from e
     except (EOFError, IndexError, struct.error) as e:  # a legacy pickle cut short, as its opcodes read it
         raise _damaged(path, "it ends early") from e
+    except UnicodeDecodeError as e:  # a string opcode over damaged bytes (a legacy pickle's flipped byte)
+        raise _damaged(path, "its pickle does not parse") from e
     except RuntimeError as e:  # torch's zip reader: no central directory, a short data entry
         first = (str(e).strip().splitlines() or [""])[0]
         if not any(w in first for w in ("PytorchStreamReader", "unexpected EOF", "corrupted")):
