@@ -133,7 +133,11 @@ def test_a_sharded_component_missing_a_shard_is_one_line_before_launch(tmp_path)
 
 @pytest.mark.parametrize(
     "pipeline, needle",
-    [("PixArtSigmaPipeline", "a PixArt model"), ("KandinskyV22Pipeline", "a Kandinsky model")],
+    [
+        ("PixArtSigmaPipeline", "a PixArt model"),
+        ("KandinskyV22Pipeline", "a Kandinsky model"),
+        ("ChromaPipeline", "a Chroma model"),
+    ],
 )
 def test_other_family_is_refused_naming_it(tmp_path, pipeline, needle):
     """A PixArt / Kandinsky folder planned and launched as SD 1.x."""
@@ -231,6 +235,21 @@ def test_folder_notes_say_family_and_prediction(tmp_path):
         (
             {"double_blocks.0.img_attn.qkv.weight": (2,), "double_blocks.0.img_attn.qkv.scale_weight": (1,)},
             "a ComfyUI scaled-fp8 checkpoint .double_blocks.0.img_attn.qkv.scale_weight",
+        ),
+        (  # lodestones' Chroma: FLUX.1 [schnell]'s blocks without their modulation (was read as flux-schnell)
+            {
+                "double_blocks.0.img_attn.qkv.weight": (2,),
+                "img_in.weight": (8, 64),
+                "distilled_guidance_layer.in_proj.bias": (2,),
+            },
+            "a Chroma model .distilled_guidance_layer",
+        ),
+        (
+            {
+                "model.diffusion_model.double_blocks.0.img_attn.qkv.weight": (2,),
+                "model.diffusion_model.distilled_guidance_layer.in_proj.bias": (2,),
+            },
+            "a Chroma model",
         ),
         ({"conv_in.weight": (2,), "down_blocks.0.resnets.0.conv1.weight": (2,)}, "only a UNet in diffusers"),
         (  # ComfyUI's models/diffusion_models layout (said "holds no Stable Diffusion UNet weights")

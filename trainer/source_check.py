@@ -109,6 +109,7 @@ OTHER_FAMILIES = (
     ("HunyuanDiT", "Hunyuan-DiT"),
     ("Kolors", "Kolors"),
     ("Flux2", "FLUX.2"),
+    ("Chroma", "Chroma"),
     ("QwenImage", "Qwen-Image"),
     ("HiDream", "HiDream"),
     ("CogView", "CogView"),
@@ -534,6 +535,15 @@ def classify_state(
         )
     plain = {k[len(UNET) :] if k.startswith(UNET) else k: v for k, v in shapes.items()}
     flow = flow_family_from_keys(plain)
+    if any(k.startswith("distilled_guidance_layer.") for k in plain):
+        # diffusers CHECKPOINT_KEY_NAMES["chroma"], tested before "flux": FLUX.1 [schnell]'s blocks without their
+        # per-block modulation, which this approximator computes (read as FLUX.1 it misses those weights)
+        raise refuse(
+            where,
+            "a Chroma model (distilled_guidance_layer.*: FLUX.1 blocks modulated by a distilled guidance "
+            "network, not FLUX.1's own), an unsupported family; sdplan trains SD 1.x / 2.x, SDXL, SD3.5 and "
+            "FLUX.1",
+        )
     scaled = _scaled_markers(keys, metadata, flow is not None)
     if scaled:
         # ComfyUI (comfy/utils.py convert_old_quants): each weight is stored as fp8 of weight / scale, its
