@@ -251,6 +251,19 @@ def test_folder_notes_say_family_and_prediction(tmp_path):
             },
             "a Chroma model",
         ),
+        (  # BAAI's AltDiffusion (A1111 reads it by this key): accepted as sd15 / sd21 by its UNet's width
+            checkpoint(
+                text={"cond_stage_model.roberta.embeddings.word_embeddings.weight": (2, 2)},
+                **{
+                    "model.diffusion_model.input_blocks.1.1.transformer_blocks.0.attn2.to_k.weight": (
+                        320,
+                        768,
+                    ),
+                    "cond_stage_model.transformation.weight": (768, 1024),
+                },
+            ),
+            "an AltDiffusion model .its text encoder is XLM-RoBERTa",
+        ),
         ({"conv_in.weight": (2,), "down_blocks.0.resnets.0.conv1.weight": (2,)}, "only a UNet in diffusers"),
         (  # ComfyUI's models/diffusion_models layout (said "holds no Stable Diffusion UNet weights")
             {"input_blocks.0.0.weight": (2, 4, 1, 1), "label_emb.0.0.weight": (2, 2)},

@@ -396,6 +396,8 @@ _TI_KEYS = {"emb_params", "clip_l", "clip_g", "string_to_param", "string_to_toke
 _TI_KEYS |= {"sd_checkpoint", "sd_checkpoint_name"}
 _VAE_PREFIXES = ("encoder.", "decoder.", "quant_conv.", "post_quant_conv.", "first_stage_model.")
 _TEXT_PREFIXES = ("cond_stage_model.", "conditioner.", "text_encoders.")
+# the text encoders of SD 1.x / 2.x / SDXL files: CLIP (transformers' layout) and OpenCLIP, ldm's and SGM's prefixes
+_CLIP_LAYOUTS = ("cond_stage_model.transformer.", "cond_stage_model.model.", "conditioner.embedders.")
 _DIFFUSERS_UNET = ("down_blocks.", "mid_block.", "up_blocks.", "conv_in.")
 SD2_V_PROBE = UNET + "output_blocks.11.1.transformer_blocks.0.norm1.bias"  # ComfyUI SD20.model_type
 
@@ -629,10 +631,21 @@ def classify_state(
             "sdplan's SDXL training does not use",
             fix="train an SDXL base with the DDPM schedule, or a trainer that supports EDM",
         )
+    if any(k.startswith("cond_stage_model.roberta.") for k in keys):
+        # A1111 sd_models_config.guess_model_config_from_state_dict: AltDiffusion (m9 / m18 on an SD 1.x / 2.x
+        # UNet); diffusers' single-file loader builds a CLIP text encoder, which it has not
+        raise refuse(
+            where,
+            "an AltDiffusion model (its text encoder is XLM-RoBERTa, cond_stage_model.roberta.*, not CLIP), an "
+            "unsupported family; sdplan trains SD 1.x / 2.x, SDXL, SD3.5 and FLUX.1",
+        )
     found = family_from_keys(keys)
     width = _unet_cross_width(shapes)
-    if found in (None, "sd15", "sd21") and CROSS_WIDTHS.get(width) in ("sd15", "sd21"):
-        found = CROSS_WIDTHS[width]  # diffusers: SD 2.x when the UNet's to_k is 1024 wide
+    clip = found is not None or any(k.startswith(_CLIP_LAYOUTS) for k in keys)
+    if clip and found in (None, "sd15", "sd21") and CROSS_WIDTHS.get(width) in ("sd15", "sd21"):
+        # diffusers: SD 2.x when the UNet's to_k is 1024 wide; only over a CLIP / OpenCLIP text encoder (another
+        # one's projection can give any width: AltDiffusion's XLM-RoBERTa)
+        found = CROSS_WIDTHS[width]
     tiny = width not in CROSS_WIDTHS
     info = SourceInfo("file", str(path), family=check_family(found, family, where, tiny=tiny))
     if info.family is None:
