@@ -131,6 +131,27 @@ def test_a_sharded_component_missing_a_shard_is_one_line_before_launch(tmp_path)
     assert check_source(str(root)).family == "sd15"
 
 
+def test_a_leftover_bin_index_beside_whole_safetensors_weights_is_not_read(tmp_path):
+    """A text encoder of model.safetensors with a pytorch_model.bin.index.json left over (its .bin shards never
+    downloaded) was refused as incomplete: the .bin index was checked where no .safetensors index was, though
+    transformers' from_pretrained loads model.safetensors first and never reads that index. An index is checked
+    only where nothing the loader prefers is there: a .bin index beside neither safetensors weights nor a whole
+    pytorch_model.bin still names its missing shards."""
+    root = fake_diffusers_folder(tmp_path / "m", "sd15")
+    te = root / "text_encoder"
+    (te / "diffusion_pytorch_model.safetensors").rename(te / "model.safetensors")  # transformers' name
+    bins = {"text_model.embeddings.token_embedding.weight": "pytorch_model-00001-of-00002.bin"}
+    (te / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": bins}))
+    assert check_source(str(root)).family == "sd15"
+    (te / "model.safetensors").unlink()
+    with pytest.raises(
+        UnsupportedModelError, match="text_encoder/ lacks 1 of the 1 shards pytorch_model.bin.index"
+    ):
+        check_source(str(root))
+    (te / "pytorch_model.bin").write_bytes(b"")  # a whole .bin: transformers reads it before the .bin index
+    assert check_source(str(root)).family == "sd15"
+
+
 @pytest.mark.parametrize(
     "pipeline, needle",
     [

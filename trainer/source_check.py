@@ -178,23 +178,28 @@ def _truncated(folder: Path, sub: str, variant: str | None) -> list[str]:
 
 def _missing_shards(folder: Path, sub: str, variant: str | None) -> list[str]:
     """The shards a sharded component's index lists that its folder lacks (an interrupted or partial
-    download), as problems: the .safetensors index of ``variant`` where there is one (what diffusers and
-    transformers load), else the .bin one."""
-    indexes = []
-    for f in folder.glob("*.index*.json"):
-        parts = f.name.split(".")  # model.safetensors.index.json | model.safetensors.index.fp16.json
-        if f.name.startswith(_WEIGHT_STEMS) and (parts[3] if len(parts) == 5 else None) == variant:
-            indexes.append(f)
-    indexes.sort(key=lambda f: ".safetensors.index" not in f.name)
-    if not indexes:
-        return []
-    index = _read_json(folder, indexes[0].name, f"{sub}/{indexes[0].name}")
-    names = index.get("weight_map")
-    shards = sorted({str(n) for n in names.values()}) if isinstance(names, dict) else []
-    missing = [n for n in shards if not (folder / n).is_file()]
-    if not missing:
-        return []
-    return [f"{sub}/ lacks {len(missing)} of the {len(shards)} shards {indexes[0].name} lists ({missing[0]})"]
+    download), as problems. The index checked is the one the loader reads: transformers' ``from_pretrained``
+    takes, of ``variant``, the whole ``model.safetensors``, else its index, else ``pytorch_model.bin``, else
+    its index (diffusers likewise, safetensors first), so an index beside a whole weights file of its format
+    or a preferred one (a leftover ``pytorch_model.bin.index.json`` beside ``model.safetensors``) is not read."""
+    suffix = f".{variant}" if variant else ""
+    for ext in ("safetensors", "bin"):
+        if any((folder / f"{stem}{suffix}.{ext}").is_file() for stem in _WEIGHT_STEMS):
+            return []
+        index = next(
+            (f for stem in _WEIGHT_STEMS if (f := folder / f"{stem}.{ext}.index{suffix}.json").is_file()),
+            None,
+        )
+        if index is None:
+            continue
+        data = _read_json(folder, index.name, f"{sub}/{index.name}")
+        names = data.get("weight_map")
+        shards = sorted({str(n) for n in names.values()}) if isinstance(names, dict) else []
+        missing = [n for n in shards if not (folder / n).is_file()]
+        if not missing:
+            return []
+        return [f"{sub}/ lacks {len(missing)} of the {len(shards)} shards {index.name} lists ({missing[0]})"]
+    return []
 
 
 def _tokenizer_ok(folder: Path) -> bool:
