@@ -533,11 +533,13 @@ def test_a_single_transformer_files_family_is_read_from_its_keys(tmp_path):
             info = check_source(str(path), config_dir=str(folders[family]))
             assert (info.family, info.prediction_type) == (family, "flow_matching")
             assert info.notes[0] == f"model: single file: family {family}, prediction flow_matching"
+    from conftest import fake_diffusers_folder
     from safetensors.numpy import save_file
 
     sd3_medium = tmp_path / "sd3.safetensors"  # SD3 Medium: no qk-norm (planned as SD3.5 Medium, its size)
     save_file({"joint_blocks.0.x_block.attn.qkv.weight": np.zeros(2, np.float16)}, str(sd3_medium))
-    assert check_source(str(sd3_medium), config_dir=str(folders["sd35-medium"])).family == "sd35-medium"
+    sd3_folder = fake_diffusers_folder(tmp_path / "sd3", "sd35-medium", denoiser={"in_channels": 16})
+    assert check_source(str(sd3_medium), config_dir=str(sd3_folder)).family == "sd35-medium"
 
     dev = tmp_path / "flux-dev-0.safetensors"
     with pytest.raises(UnsupportedModelError, match="model.family is flux-schnell but .* flux-dev model"):
@@ -600,6 +602,50 @@ def test_a_scaled_fp8_text_encoder_in_an_all_in_one_file_is_not_the_transformers
         UnsupportedModelError, match="scaled-fp8 checkpoint .*_quantization_metadata of model"
     ):
         check_source(str(path), config_dir=str(folder))
+
+
+def test_an_sd3_medium_file_with_an_sd35_medium_config_dir_is_one_line(tmp_path):
+    """SD3 Medium and SD3.5 Medium are both planned as sd35-medium, so an SD3 Medium file with an SD3.5 Medium
+    model.config_dir (or the reverse) passed every check and failed after the launch on a shape mismatch.
+    The file's structure is compared with the transformer config it loads with: the dual-attention blocks,
+    the qk-norm and pos_embed's positions (what diffusers tells SD3 from SD3.5 Medium by)."""
+    from conftest import fake_diffusers_folder
+    from safetensors.numpy import save_file
+    from sdplan.trainer.source_check import UnsupportedModelError, check_source
+
+    sd35 = _flow_configs(tmp_path / "sd35", "sd35-medium")  # dual attention in block 0, qk-norm
+    sd3 = fake_diffusers_folder(tmp_path / "sd3", "sd35-medium", denoiser={"in_channels": 16})
+    z = np.zeros((2, 2), np.float16)
+    sd3_file = tmp_path / "sd3_medium.safetensors"
+    save_file({"model.diffusion_model.joint_blocks.0.x_block.attn.qkv.weight": z}, str(sd3_file))
+    sd35_file = _flow_file(tmp_path / "sd3.5_medium.safetensors", "sd35-medium", "model.diffusion_model.")
+    assert check_source(str(sd3_file), config_dir=str(sd3)).family == "sd35-medium"
+    assert check_source(str(sd35_file), config_dir=str(sd35)).family == "sd35-medium"
+    with pytest.raises(
+        UnsupportedModelError, match=r"sd35 does not describe .*sd3_medium.safetensors's transf"
+    ):
+        check_source(str(sd3_file), config_dir=str(sd35))
+    with pytest.raises(UnsupportedModelError, match=r"dual attention .x_block.attn2. in 1 blocks, .* in 0"):
+        check_source(str(sd35_file), config_dir=str(sd3))
+    qk_only = tmp_path / "qk.safetensors"  # the dual blocks agree, the qk-norm does not
+    save_file(
+        {"joint_blocks.0.x_block.attn2.qkv.weight": z, "joint_blocks.0.x_block.attn.qkv.weight": z},
+        str(qk_only),
+    )
+    with pytest.raises(
+        UnsupportedModelError, match="the file has no qk-norm .x_block.attn.ln_q., the folder"
+    ):
+        check_source(str(qk_only), config_dir=str(sd35))
+    pos = {"pos_embed": np.zeros((1, 36864, 2), np.float16)}  # SD3 Medium's 192 x 192 positions
+    save_file({**{k: z for k in _FLOW_KEYS["sd35-medium"]}, **pos}, str(sd35_file))
+    config = json.loads((sd35 / "transformer" / "config.json").read_text())
+    (sd35 / "transformer" / "config.json").write_text(json.dumps({**config, "pos_embed_max_size": 384}))
+    with pytest.raises(
+        UnsupportedModelError, match="pos_embed holds 36,864 positions, .* 147,456 .pos_embed_max"
+    ):
+        check_source(str(sd35_file), config_dir=str(sd35))
+    (sd35 / "transformer" / "config.json").write_text(json.dumps({**config, "pos_embed_max_size": 192}))
+    assert check_source(str(sd35_file), config_dir=str(sd35)).family == "sd35-medium"
 
 
 def test_recommend_reads_a_single_transformer_file_with_its_config_dir(tmp_path):

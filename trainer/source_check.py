@@ -772,6 +772,7 @@ def check_file(
     ``config_dir`` must be a diffusers folder of the same network kind."""
     if config_dir is None and family is not None and registry.family(family).flow:
         raise _needs_config_dir(where, family)
+    shapes: dict[str, tuple[int, ...]] = {}
     if path.suffix.lower() == ".safetensors":
         shapes, metadata = read_safetensors_header(path, where)
         info = classify_state(shapes, metadata, path, where, family=family)
@@ -815,6 +816,16 @@ def check_file(
                 f"{cwhere} is a {theirs} folder but {where} is a {info.family} transformer",
                 fix=f"point model.config_dir at a {info.family} diffusers folder: the file loads with its configs",
             )
+        tfile = cdir / "transformer" / "config.json"
+        if flow and shapes and tfile.is_file():
+            differs = _mmdit_mismatch(shapes, _read_json(cdir, "transformer/config.json", cwhere))
+            if differs:  # SD3 Medium vs SD3.5 Medium: one family label, two networks
+                raise UnsupportedModelError(
+                    f"{cwhere} does not describe {where}'s transformer: {differs}",
+                    fix="point model.config_dir at the diffusers folder of the file's own model (SD3 Medium: "
+                    "stabilityai/stable-diffusion-3-medium-diffusers; SD3.5 Medium: "
+                    "stabilityai/stable-diffusion-3.5-medium)",
+                )
         if not flow and cls not in UNET_PIPELINES:
             raise UnsupportedModelError(
                 f"{cwhere}: a {cls or 'unnamed'} folder, but {where} is an SD 1.x / 2.x / SDXL checkpoint",
@@ -835,6 +846,42 @@ def check_file(
         raise _needs_config_dir(where, info.family)
     info.notes.insert(0, describe(info))
     return info
+
+
+def _mmdit_mismatch(shapes: dict[str, tuple[int, ...]], config: dict[str, Any]) -> str | None:
+    """How an SD3 / SD3.5 transformer file differs from the transformer config it would load with (None: it
+    does not, or it is no MMDiT): which blocks have the dual attention (``x_block.attn2``) against
+    ``dual_attention_layers``, the qk-norm (``x_block.attn.ln_q``) against ``qk_norm``, the positions of
+    ``pos_embed`` against ``pos_embed_max_size`` squared (diffusers' defaults where the config leaves them out).
+    SD3 Medium and SD3.5 Medium are both planned as sd35-medium, but are other networks: diffusers tells them
+    apart by ``pos_embed`` (36864 vs 147456 positions), the 3.5 file adds qk-norm and 13 dual-attention blocks."""
+    plain = {k[len(UNET) :] if k.startswith(UNET) else k: v for k, v in shapes.items()}
+    blocks = [k for k in plain if k.startswith("joint_blocks.")]
+    if not blocks:
+        return None
+    dual = sorted(
+        {int(k.split(".")[1]) for k in blocks if ".x_block.attn2." in k and k.split(".")[1].isdigit()}
+    )
+    theirs = sorted(int(i) for i in config.get("dual_attention_layers") or ())
+    if dual != theirs:
+        return (
+            f"the file has dual attention (x_block.attn2) in {len(dual)} blocks, the folder's transformer config "
+            f"in {len(theirs)} (dual_attention_layers)"
+        )
+    qk = any(".x_block.attn.ln_q." in k for k in blocks)
+    if qk != (config.get("qk_norm") is not None):
+        return (
+            f"the file {'has' if qk else 'has no'} qk-norm (x_block.attn.ln_q), the folder's transformer config "
+            f"{'has none' if qk else 'has it'} (qk_norm)"
+        )
+    pos = plain.get("pos_embed") or ()
+    size = int(config.get("pos_embed_max_size") or 96)  # SD3Transformer2DModel's default
+    if len(pos) == 3 and pos[1] != size * size:
+        return (
+            f"the file's pos_embed holds {pos[1]:,} positions, the folder's transformer config {size * size:,} "
+            f"(pos_embed_max_size {size})"
+        )
+    return None
 
 
 def _needs_config_dir(where: str, family: str | None) -> UsageError:
