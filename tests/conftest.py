@@ -114,6 +114,26 @@ def fresh_profile_store(monkeypatch, tmp_path: Path) -> Path:
     return root
 
 
+def recommend_in_a_process(*args: str) -> str:
+    """`sdplan recommend ARGS` in a process of its own (from the repository's root); its stdout without the
+    last line, which says whether torch was imported: it must not be (`sdplan recommend` never imports it)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\nfrom sdplan.cli import app\n"
+        "try:\n    app(['recommend', *sys.argv[1:]], standalone_mode=False)\n"
+        "except SystemExit:\n    pass\n"
+        "print('TORCH', 'torch' in sys.modules)\n"
+    )
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run(
+        [sys.executable, "-c", code, *args], capture_output=True, text=True, check=True, cwd=root
+    )
+    assert out.stdout.strip().endswith("TORCH False"), out.stdout + out.stderr
+    return out.stdout[: out.stdout.rindex("TORCH")]
+
+
 def one_line_error(result, code: int, *needles: str) -> str:
     """A CLI result that failed the house way: exit ``code``, exactly one ``error:`` line on stderr holding
     each of ``needles``, no traceback; returns the line."""

@@ -13,7 +13,7 @@ from math import prod
 from pathlib import Path
 
 import pytest
-from conftest import MkdirPayload, fake_diffusers_folder, make_images, one_line_error
+from conftest import MkdirPayload, fake_diffusers_folder, make_images, one_line_error, recommend_in_a_process
 from sdplan.trainer.single_file import UnsafeCheckpointError
 from sdplan.trainer.source_check import UnsupportedModelError, check_source
 from typer.testing import CliRunner
@@ -411,20 +411,9 @@ def test_ckpt_that_is_no_base_model_is_refused_before_launch(tmp_path, shapes, n
 
 
 def test_recommend_plans_a_ckpt_as_its_family_without_torch(tmp_path):
-    import subprocess
-    import sys
-
     path = write_ckpt(tmp_path / "xl.ckpt", checkpoint(text=SDXL_TE))
-    code = (
-        "import sys\nfrom sdplan.cli import app\n"
-        "try:\n    app(['recommend', '--method', 'lora', '--model', sys.argv[1], '--hardware', 'RTX 4090'],"
-        " standalone_mode=False)\n"
-        "except SystemExit:\n    pass\n"
-        "print('TORCH', 'torch' in sys.modules)\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, check=True)
-    assert "a single file of the sdxl family" in out.stdout, out.stdout + out.stderr
-    assert out.stdout.strip().endswith("TORCH False")
+    out = recommend_in_a_process("--method", "lora", "--model", str(path), "--hardware", "RTX 4090")
+    assert "a single file of the sdxl family" in out, out
 
 
 def test_ckpt_whose_pickle_names_code_is_refused_without_running_it(tmp_path):
@@ -1056,8 +1045,6 @@ def test_an_sd2_ckpts_prediction_type_is_read_from_its_weights_without_torch(tmp
     recommend and train planned the epsilon 512 base at 768 while the trainer (torch) trained it as epsilon.
     The probe tensor is now read from the zip's data/<key> entry, at its offset and strides, in any float
     dtype (here as a slice of a larger storage, and strided)."""
-    import subprocess
-    import sys
 
     import torch
     from sdplan.trainer.ckpt_reader import read_ckpt_tensor
@@ -1082,12 +1069,5 @@ def test_an_sd2_ckpts_prediction_type_is_read_from_its_weights_without_torch(tmp
     assert dtype == "F32" and raw == base[:, 1].contiguous().numpy().tobytes()
     assert read_ckpt_tensor(strided, "missing") is None
 
-    code = (
-        "import sys\nfrom sdplan.cli import app\n"
-        "app(['recommend', '--method', 'lora', '--model', sys.argv[1], '--hardware', 'RTX 4090'],"
-        " standalone_mode=False)\n"
-        "print('TORCH', 'torch' in sys.modules)\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code, str(eps)], capture_output=True, text=True, check=True)
-    assert "lora sd21 at 512px" in out.stdout, out.stdout + out.stderr
-    assert out.stdout.strip().endswith("TORCH False")
+    out = recommend_in_a_process("--method", "lora", "--model", str(eps), "--hardware", "RTX 4090")
+    assert "lora sd21 at 512px" in out, out

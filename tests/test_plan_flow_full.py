@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -317,16 +315,10 @@ def test_doctor_shows_the_full_methods_of_the_flow_families(machine, method, fam
 
 
 def test_recommend_dreambooth_sd35_medium_prints_the_plan_without_torch():
-    code = (
-        "import sys\nfrom sdplan.cli import app\n"
-        "try:\n    app(['recommend', '--method', 'dreambooth', '--model', 'sd35-medium', '--hardware', 'RTX 4090'],"
-        " standalone_mode=False)\n"
-        "except SystemExit:\n    pass\n"
-        "print('TORCH', 'torch' in sys.modules)\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
-    text = " ".join(out.stdout.split())
-    assert out.stdout.strip().endswith("TORCH False")
+    from conftest import recommend_in_a_process
+
+    out = recommend_in_a_process("--method", "dreambooth", "--model", "sd35-medium", "--hardware", "RTX 4090")
+    text = " ".join(out.split())
     assert "dreambooth sd35-medium at 1024px on RTX 4090" in text
     assert "full bf16" in text and "peak VRAM" in text and "needs at least" not in text
     assert "the whole sd35-medium transformer trains" in text

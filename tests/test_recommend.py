@@ -534,15 +534,10 @@ def test_bad_dataset_and_snapshot(tmp_path):
 
 
 def test_recommend_never_imports_torch():
-    code = (
-        "import sys\nfrom sdplan.cli import app\n"
-        "try:\n    app(['recommend', '--method', 'dreambooth', '--hardware', '2x RTX 4090', '--json'], standalone_mode=False)\n"
-        "except SystemExit:\n    pass\n"
-        "print('TORCH', 'torch' in sys.modules)\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
-    assert json.loads(out.stdout[: out.stdout.rindex("TORCH")])["feasible"] is True
-    assert out.stdout.strip().endswith("TORCH False")
+    from conftest import recommend_in_a_process
+
+    out = recommend_in_a_process("--method", "dreambooth", "--hardware", "2x RTX 4090", "--json")
+    assert json.loads(out)["feasible"] is True
 
 
 def test_full_bf16_choice_reaches_the_trainer_config(tmp_path):
@@ -565,23 +560,19 @@ def test_model_given_as_a_folder_plans_its_family_and_the_config_trains_it(tmp_p
     from conftest import fake_diffusers_folder
 
     folder = fake_diffusers_folder(tmp_path / "my-sdxl", "sdxl")
-    code = (
-        "import sys\nfrom sdplan.cli import app\n"
-        "try:\n    app(['recommend', '--method', 'lora', '--model', sys.argv[1], '--hardware', 'RTX 4090', '--out',"
-        " sys.argv[2]], standalone_mode=False)\n"
-        "except SystemExit:\n    pass\n"
-        "print('TORCH', 'torch' in sys.modules)\n"
+    from conftest import recommend_in_a_process
+
+    args = (
+        "--method",
+        "lora",
+        "--model",
+        str(folder),
+        "--hardware",
+        "RTX 4090",
+        "--out",
+        str(tmp_path / "plan"),
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code, str(folder), str(tmp_path / "plan")],
-        capture_output=True,
-        text=True,
-        check=True,
-        cwd=ROOT,
-    )
-    assert "a diffusers folder of the sdxl family" in out.stdout and out.stdout.strip().endswith(
-        "TORCH False"
-    )
+    assert "a diffusers folder of the sdxl family" in recommend_in_a_process(*args)
     cfg = yaml.safe_load((tmp_path / "plan" / "sdplan.yaml").read_text())
     assert cfg["model"]["family"] == "sdxl" and cfg["model"]["path"] == str(folder)
 
