@@ -152,12 +152,34 @@ def test_a_leftover_bin_index_beside_whole_safetensors_weights_is_not_read(tmp_p
     assert check_source(str(root)).family == "sd15"
 
 
+def test_a_diffusers_components_safetensors_index_is_read_before_a_whole_file(tmp_path):
+    """diffusers' ModelMixin.from_pretrained reads a UNet's safetensors index where there is one, a whole file
+    beside it or not (save_pretrained leaves a stale one so), and never a .bin index: a folder it cannot load
+    was accepted by the check before the launch."""
+    root = fake_diffusers_folder(tmp_path / "m", "sd15")
+    unet = root / "unet"
+    shards = {"conv_in.weight": "diffusion_pytorch_model-00001-of-00002.safetensors"}
+    (unet / "diffusion_pytorch_model.safetensors.index.json").write_text(json.dumps({"weight_map": shards}))
+    with pytest.raises(UnsupportedModelError, match="unet/ lacks 1 of the 1 shards diffusion_pytorch_model"):
+        check_source(str(root))
+    (unet / "diffusion_pytorch_model.safetensors.index.json").unlink()
+    (unet / "diffusion_pytorch_model.safetensors").unlink()
+    (unet / "diffusion_pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": shards}))
+    with pytest.raises(UnsupportedModelError, match="unet/ holds its weights as .bin shards only"):
+        check_source(str(root))
+
+
 @pytest.mark.parametrize(
     "pipeline, needle",
     [
         ("PixArtSigmaPipeline", "a PixArt model"),
         ("KandinskyV22Pipeline", "a Kandinsky model"),
         ("ChromaPipeline", "a Chroma model"),
+        ("AltDiffusionPipeline", "an AltDiffusion model"),  # its XLM-R text encoder loaded as a random CLIP
+        (
+            "LatentConsistencyModelPipeline",
+            ": a latent consistency (LCM) model (Latent",
+        ),  # was "a a ... model model"
     ],
 )
 def test_other_family_is_refused_naming_it(tmp_path, pipeline, needle):
@@ -506,6 +528,21 @@ def test_a_ckpt_with_a_damaged_byte_is_said_to_be_damaged(tmp_path):
     line = one_line_error(
         dry_run(bad, tmp_path, "model.family=sd15"), 2, "damaged or truncated", "Bad CRC-32"
     )
+
+
+def test_a_ckpt_saved_without_checksums_is_not_damaged(tmp_path):
+    """torch.serialization.set_crc32_options(False) saves every CRC-32 as 0 (some frameworks set it for the
+    whole process): such a file was refused as "Bad CRC-32", though torch loads it. A CRC of 0 is none."""
+    import torch
+    from sdplan.trainer.single_file import read_checkpoint_safely
+
+    torch.serialization.set_crc32_options(False)
+    try:
+        path = write_ckpt(tmp_path / "m.ckpt", checkpoint(text=CLIP_L))
+    finally:
+        torch.serialization.set_crc32_options(True)
+    assert check_source(str(path)).family == "sd15"
+    assert "model.diffusion_model.input_blocks.0.0.weight" in read_checkpoint_safely(path)
 
 
 def test_an_old_training_checkpoint_with_lightnings_callback_and_a_numpy_step_loads(

@@ -220,6 +220,10 @@ def _data_pkl(path: Path, where: str | Path | None = None) -> bytes:
             entry = z.getinfo(name)
             if entry.file_size > MAX_PICKLE:
                 raise Unreadable(f"its data.pkl holds {entry.file_size:,} bytes")
+            if (
+                entry.CRC == 0
+            ):  # none written (torch.serialization.set_crc32_options(False)): nothing to check
+                entry.CRC = None
             return z.read(entry)
     except (zipfile.BadZipFile, EOFError, zlib.error) as e:  # "Bad CRC-32 for file 'archive/data.pkl'"
         raise damaged(where or path, f"its zip archive: {e}") from None

@@ -110,6 +110,7 @@ OTHER_FAMILIES = (
     ("Kolors", "Kolors"),
     ("Flux2", "FLUX.2"),
     ("Chroma", "Chroma"),
+    ("AltDiffusion", "AltDiffusion"),  # its text encoder is XLM-R: a CLIP text model would load it random
     ("QwenImage", "Qwen-Image"),
     ("HiDream", "HiDream"),
     ("CogView", "CogView"),
@@ -178,11 +179,24 @@ def _truncated(folder: Path, sub: str, variant: str | None) -> list[str]:
 
 def _missing_shards(folder: Path, sub: str, variant: str | None) -> list[str]:
     """The shards a sharded component's index lists that its folder lacks (an interrupted or partial
-    download), as problems. The index checked is the one the loader reads: transformers' ``from_pretrained``
-    takes, of ``variant``, the whole ``model.safetensors``, else its index, else ``pytorch_model.bin``, else
-    its index (diffusers likewise, safetensors first), so an index beside a whole weights file of its format
-    or a preferred one (a leftover ``pytorch_model.bin.index.json`` beside ``model.safetensors``) is not read."""
+    download), as problems, from the index its loader reads. diffusers' ``ModelMixin.from_pretrained`` (the UNet,
+    VAE, transformer: ``diffusion_pytorch_model*``) reads the safetensors index of ``variant`` where there is
+    one, a whole weights file beside it or not (``save_pretrained`` leaves a stale index beside a whole file
+    it wrote later: the load fails on it), then a whole file, and never a .bin index. transformers'
+    (the text encoders) takes the whole ``model.safetensors``, else its index, else ``pytorch_model.bin``, else
+    its index, so an index beside a whole file of its format or a preferred one is not read."""
     suffix = f".{variant}" if variant else ""
+    if any(folder.glob("diffusion_pytorch_model*")):
+        index = folder / f"diffusion_pytorch_model.safetensors.index{suffix}.json"
+        if index.is_file():
+            return _shards_missing(folder, sub, index)
+        if any(
+            (folder / f"diffusion_pytorch_model{suffix}.{ext}").is_file() for ext in ("safetensors", "bin")
+        ):
+            return []
+        if (folder / f"diffusion_pytorch_model.bin.index{suffix}.json").is_file():
+            return [f"{sub}/ holds its weights as .bin shards only, which diffusers does not load"]
+        return []
     for ext in ("safetensors", "bin"):
         if any((folder / f"{stem}{suffix}.{ext}").is_file() for stem in _WEIGHT_STEMS):
             return []
@@ -190,16 +204,20 @@ def _missing_shards(folder: Path, sub: str, variant: str | None) -> list[str]:
             (f for stem in _WEIGHT_STEMS if (f := folder / f"{stem}.{ext}.index{suffix}.json").is_file()),
             None,
         )
-        if index is None:
-            continue
-        data = _read_json(folder, index.name, f"{sub}/{index.name}")
-        names = data.get("weight_map")
-        shards = sorted({str(n) for n in names.values()}) if isinstance(names, dict) else []
-        missing = [n for n in shards if not (folder / n).is_file()]
-        if not missing:
-            return []
-        return [f"{sub}/ lacks {len(missing)} of the {len(shards)} shards {index.name} lists ({missing[0]})"]
+        if index is not None:
+            return _shards_missing(folder, sub, index)
     return []
+
+
+def _shards_missing(folder: Path, sub: str, index: Path) -> list[str]:
+    """The problem of the shards ``index`` lists that ``folder`` lacks (none: [])."""
+    data = _read_json(folder, index.name, f"{sub}/{index.name}")
+    names = data.get("weight_map")
+    shards = sorted({str(n) for n in names.values()}) if isinstance(names, dict) else []
+    missing = [n for n in shards if not (folder / n).is_file()]
+    if not missing:
+        return []
+    return [f"{sub}/ lacks {len(missing)} of the {len(shards)} shards {index.name} lists ({missing[0]})"]
 
 
 def _tokenizer_ok(folder: Path) -> bool:
@@ -241,11 +259,14 @@ def check_folder(
     if cls not in UNET_PIPELINES and cls not in FLOW_PIPELINES:
         label = next((lab for pre, lab in OTHER_FAMILIES if cls.startswith(pre)), None)
         if label is not None or not (root / "unet" / "config.json").is_file():
-            what = (
-                f"a {label} model ({cls}), an unsupported family"
-                if label
-                else f"a {cls or 'unnamed'} pipeline"
-            )
+            what = f"a {cls or 'unnamed'} pipeline"
+            if label:  # "a latent consistency (LCM) model" is said as it is
+                named = (
+                    label
+                    if label.startswith("a ")
+                    else f"{'an' if label[0] in 'AEIOU' else 'a'} {label} model"
+                )
+                what = f"{named} ({cls}), an unsupported family"
             raise refuse(where, f"{what}; sdplan trains SD 1.x / 2.x, SDXL, SD3.5 and FLUX.1")
         # another pipeline class over a Stable Diffusion UNet (a community pipeline's folder): its UNet decides
 
