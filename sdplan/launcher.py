@@ -220,24 +220,25 @@ def check_out_dir(
 
 
 def config_output_dir(config_path: Path, base: dict[str, Any]) -> Path:
-    """The folder a run from ``config_path`` trains into where --out is not given: its ``output.dir``. Where
-    the config is the sdplan.yaml of one sdplan run or plan folder and its output.dir names another that holds
-    its own (the folder was copied or moved: the copy's config still names the original), training "there"
-    would write into the other run, and --force would clear it: refused, with the --out that trains in the
-    config's own folder. An output.dir set to a new folder (`recommend --out DIR output.dir=RUN`) is kept."""
+    """The folder a run from ``config_path`` trains into where --out is not given: its ``output.dir``. The
+    sdplan.yaml of a run or plan folder names that folder; where the folder was copied or moved since (its
+    manifest says where it was written, and output.dir names that place), training "there" would write into
+    the original run (--force would clear it) or start one where the folder was: refused, with the --out that
+    trains in the config's own folder. An output.dir set to another folder (`recommend --out DIR
+    output.dir=RUN`) is kept."""
     from sdplan import runfolder
 
     out = C.absolute(str((base.get("output") or {}).get("dir", "./output")), "output.dir")
     folder = config_path.expanduser().resolve().parent
-    if (
-        config_path.name == CONFIG_FILE
-        and out != folder
-        and CONFIG_FILE in runfolder.owned(folder)
-        and CONFIG_FILE in runfolder.owned(out)
-    ):
+    if config_path.name != CONFIG_FILE or out == folder or CONFIG_FILE not in runfolder.owned(folder):
+        return out
+    was = runfolder.written_at(folder)
+    # a manifest from before it said where: a run folder's config names the run folder itself
+    moved = str(out) == was and was != str(folder) if was is not None else not is_plan(folder)
+    if moved:
         raise UsageError(
-            f"{config_path} is the {CONFIG_FILE} of the run folder {folder}, but its output.dir is another "
-            f"sdplan folder, {out} (was the folder copied or moved?)",
+            f"{config_path} is the {CONFIG_FILE} of the run folder {folder}, but its output.dir is {out}, where "
+            "the folder was (was it copied or moved?)",
             fix=f"add --out {folder} to train in the folder the config is in, or --out DIR for another",
         )
     return out

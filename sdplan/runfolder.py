@@ -70,6 +70,12 @@ def _manifest(out: Path) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
+def written_at(out: Path) -> str | None:
+    """The folder ``out``'s manifest was last written in (None: a manifest from before it was recorded)."""
+    folder = _manifest(out).get("folder")
+    return folder if isinstance(folder, str) else None
+
+
 def _names(value: Any) -> set[str]:
     return {e for e in value if isinstance(e, str) and "/" not in e} if isinstance(value, list) else set()
 
@@ -94,11 +100,18 @@ def record(
     current, had = _names(data.get("entries")), _names(data.get("kept"))
     hashes = {**(data.get("sha256") or {}), **(sha256 or {})}
     keep = had | set(keep)
-    if names <= current and hashes == (data.get("sha256") or {}) and keep == had:
+    folder = str(out.resolve())
+    if (
+        names <= current
+        and hashes == (data.get("sha256") or {})
+        and keep == had
+        and data.get("folder") == folder
+    ):
         return
     data = {
         "written_by": "sdplan",
         "about": "files and folders sdplan created here; `--force` deletes only these",
+        "folder": folder,  # where it was written: a copied or moved folder's manifest names the original
         "entries": sorted(current | names),
         "sha256": dict(sorted(hashes.items())),
         "kept": sorted(keep),

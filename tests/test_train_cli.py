@@ -265,8 +265,8 @@ def test_a_copied_run_folders_config_does_not_train_into_the_original(tmp_path, 
         one_line_error(
             invoke("--config", copied, "--device", "cpu", *extra),
             2,
-            f"is the sdplan.yaml of the run folder {tmp_path / 'copy'}, but its output.dir is another sdplan "
-            f"folder, {run}",
+            f"is the sdplan.yaml of the run folder {tmp_path / 'copy'}, but its output.dir is {run}, where the "
+            "folder was",
             f"add --out {tmp_path / 'copy'}",
         )
     assert {p.name: p.read_bytes() for p in run.iterdir()} == before
@@ -284,6 +284,17 @@ def test_a_copied_run_folders_config_does_not_train_into_the_original(tmp_path, 
     )
     r = invoke("--config", str(plan / "sdplan.yaml"), "--device", "cpu", "--dry-run")
     assert r.exit_code == 0 and f"output: {tmp_path / 'r'}" in r.output, r.output
+    # once its run has started there, the plan's command (with --resume or --force) still names that run
+    runfolder.write_files(tmp_path / "r", {"sdplan.yaml": "method: lora\n", "run_summary.json": "{}"})
+    r = invoke("--config", str(plan / "sdplan.yaml"), "--device", "cpu", "--dry-run")
+    assert r.exit_code == 3 and f"--out {tmp_path / 'r'} holds an sdplan run" in r.output, r.output
+    # a run folder moved away: its config names where it was, which no longer exists (a new run started there)
+    shutil.move(run, tmp_path / "run2")
+    one_line_error(
+        invoke("--config", str(tmp_path / "run2" / "sdplan.yaml"), "--device", "cpu", "--dry-run"),
+        2,
+        f"but its output.dir is {run}, where the folder was",
+    )
 
 
 # -- no GPU ------------------------------------------------------------------------------------------------------
