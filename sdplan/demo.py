@@ -243,17 +243,24 @@ def _check_inputs_are_the_demos(out: Path) -> None:
     from sdplan import runfolder
     from sdplan.errors import OutputExistsError
 
+    if not (out / DEMO_FILES).exists():
+        return
     try:
         made = json.loads((out / DEMO_FILES).read_text())
-    except (OSError, ValueError):
-        return
-    if not isinstance(made, dict):
-        return
+        listed = {name: set(made[name]) for name in DEMO_INPUTS}
+        if not all(isinstance(f, str) for files in listed.values() for f in files):
+            raise TypeError
+    except (OSError, ValueError, TypeError, KeyError):  # a list that cannot be read tells nothing: refused
+        raise OutputExistsError(
+            f"--force rebuilds the demo's {' and '.join(DEMO_INPUTS)}, and {out / DEMO_FILES}, the list of the "
+            "files the demo made there, cannot be read",
+            fix="choose a new folder with --out, or delete the folder yourself",
+        ) from None
     mine = runfolder.owned(out)
     for name in DEMO_INPUTS:
-        if name not in mine or not (out / name).is_dir() or not isinstance(made.get(name), list):
+        if name not in mine or not (out / name).is_dir():
             continue
-        theirs = sorted(set(_files_in(out / name)) - set(made[name]))
+        theirs = sorted(set(_files_in(out / name)) - listed[name])
         if theirs:
             shown = ", ".join(theirs[:4]) + (", ..." if len(theirs) > 4 else "")
             raise OutputExistsError(

@@ -191,7 +191,11 @@ def _number_as_text(value: Any, types: tuple[type, ...]) -> str:
         return ""
     if not math.isfinite(number):  # "inf", "nan": not numbers it takes either
         return ""
-    if isinstance(yaml.safe_load(value), (int, float)):  # YAML reads it as a number: it was quoted
+    try:
+        as_number = isinstance(yaml.safe_load(value), (int, float))
+    except yaml.YAMLError:  # a tab or form feed beside it: no number to YAML either
+        return ""
+    if as_number:  # YAML reads it as a number: it was quoted
         return " (it is quoted: write it without the quotes)"
     as_yaml = yaml.safe_dump(number).splitlines()[0]
     return f" (YAML reads {value} as text: write it as {as_yaml})"

@@ -87,6 +87,7 @@ def test_infinite_and_overflowing_numbers_are_refused(tmp_path, monkeypatch):
         + card.format(
             name="D", mem="'24'", tflops="100"
         )  # quoted: text to YAML too, but not for its exponent
+        + card.format(name="E", mem='"24\\t"', tflops="100")  # a tab: the hint's own YAML read crashed
     )
     with pytest.raises(ConfigError) as e:
         load_gpus(gpus)
@@ -97,6 +98,7 @@ def test_infinite_and_overflowing_numbers_are_refused(tmp_path, monkeypatch):
         "gpus[1].fp16_tflops: must be an integer or a number, got '1e300' (YAML reads 1e300 as text: write it "
         "as 1.0e+300)",
         "gpus[3].memory_gib: must be an integer or a number, got '24' (it is quoted: write it without the quotes)",
+        "gpus[4].memory_gib: must be an integer or a number, got '24\\t'",
     ]
     points = tmp_path / "lora.yaml"
     points.write_text(

@@ -508,12 +508,16 @@ def test_demo_refuses_a_bad_setting_before_building_anything(tmp_path):
     assert not out.exists()
 
 
-def test_a_demo_file_list_that_is_no_mapping_is_passed_over(tmp_path):
-    """A .sdplan-demo-files.json holding `[]` was an AttributeError traceback on --force."""
+@pytest.mark.parametrize("listed", ["[]", "[1, 2]", '{"dataset": [["x"]], "base_model": []}', "{"])
+def test_a_demo_file_list_that_cannot_be_read_refuses_force(tmp_path, listed):
+    """A .sdplan-demo-files.json holding `[]` was an AttributeError traceback on --force, and passed over, the
+    user's files in the demo's dataset/ were deleted: it tells nothing, so --force is refused."""
     from sdplan.demo import DEMO_FILES, _check_inputs_are_the_demos
+    from sdplan.errors import OutputExistsError
 
-    (tmp_path / DEMO_FILES).write_text("[]")
-    _check_inputs_are_the_demos(tmp_path)
+    (tmp_path / DEMO_FILES).write_text(listed)
+    with pytest.raises(OutputExistsError, match="the list of the files the demo made there, cannot be read"):
+        _check_inputs_are_the_demos(tmp_path)
 
 
 @pytest.mark.parametrize(
