@@ -457,10 +457,15 @@ def check_inputs(
             if not dry_run:
                 raise
             info = check_source(cfg.model.path, **kw)
-            info.family = info.family or listed_hub_family(cfg.model.path) or family_from_name(cfg.model.path)
+            listed = listed_hub_family(cfg.model.path)
+            info.family = info.family or listed or family_from_name(cfg.model.path)
             unknown = f"a hub id the hub cannot be asked about here ({e.why})"
             model_note = f"model: not checked ({e.why}): planned as " + (
-                "model.family says" if cfg.model.family else "the family its name suggests"
+                "model.family says"
+                if cfg.model.family
+                else "the family sdplan's profiles list it under"
+                if listed
+                else "the family its name suggests"
             )
         family = cfg.model.family or info.family or _family_of(source.kind, source.location)
         if family is None:  # the plan (memory, resolution) is the family's: it was the default family's
@@ -714,8 +719,13 @@ def describe(
         lines.append(
             f"steps: training.max_steps {t.max_steps} / {world} process(es) = "
             f"{count_of(steps['total_steps'], 'optimizer step')} = "
-            # each aspect bucket ends in a short batch: full batches are the most the steps can see
-            + ("up to " if len(inputs.bucket_samples) > 1 else "")
+            # each aspect bucket ends in a short batch: where the steps stop inside an epoch, full batches are
+            # the most they can see
+            + (
+                "up to "
+                if len(inputs.bucket_samples) > 1 and steps["total_steps"] % max(1, steps["steps_per_epoch"])
+                else ""
+            )
             + count_of(steps["images_seen"], "image")
             # a planned count (recommend --out) for another dataset than this one trains another length
             + (

@@ -624,6 +624,17 @@ def test_with_aspect_buckets_the_printed_steps_are_the_trainers(tmp_path, fake_m
         "data.buckets=true",
     )
     assert r.exit_code == 0 and "= 2 optimizer steps = up to 8 images" in r.stdout, r.stdout
+    r = invoke(
+        *args,
+        "--resolution",
+        "256",
+        "--dry-run",
+        "--max-steps",
+        "3",
+        "training.batch_size=4",
+        "data.buckets=true",
+    )
+    assert r.exit_code == 0 and "= 3 optimizer steps = 8 images" in r.stdout, r.stdout  # one whole epoch
 
 
 def test_a_run_written_with_a_relative_model_path_resumes_from_its_folder(tmp_path, monkeypatch):
