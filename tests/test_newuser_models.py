@@ -1056,6 +1056,21 @@ def test_a_hub_id_whose_configs_alone_are_cached_is_refused_where_the_hub_cannot
     )
 
 
+def test_the_sd2_probe_reads_fp8_weights(tmp_path):
+    """An fp8 SD 2.x file (F8_E4M3 / F8_E5M2): the probe read no std, so a 512 epsilon base was planned at 768
+    while the trainer's own probe (torch) trained it as epsilon. numpy has no fp8: a table of each byte's value,
+    checked against torch's."""
+    import torch
+    from safetensors.torch import save_file
+    from sdplan.trainer.source_check import SD2_V_PROBE, tensor_std
+
+    weights = torch.randn(320) * 0.2
+    for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        save_file({SD2_V_PROBE: weights.to(dtype)}, tmp_path / "probe.safetensors")
+        want = float(weights.to(dtype).float().std(unbiased=False))
+        assert tensor_std(tmp_path / "probe.safetensors", SD2_V_PROBE) == pytest.approx(want, rel=1e-6)
+
+
 def test_an_sd2_single_files_prediction_type_is_read_from_its_weights_without_torch(tmp_path):
     """An SD 2.x .safetensors with no .yaml beside it and no metadata (v2-1_512-ema-pruned.safetensors): the
     trainer told epsilon from v-prediction by ComfyUI's test on its weights, recommend (headers only) could

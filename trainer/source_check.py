@@ -25,6 +25,7 @@ Where the facts come from (public source, read for this): diffusers 0.42 ``loade
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -769,9 +770,29 @@ def tensor_std(path: Path, key: str) -> float | None:
         values = (np.frombuffer(raw, dtype="<u2").astype(np.uint32) << 16).view(np.float32)
     elif dtype in ("F32", "F16", "F64"):
         values = np.frombuffer(raw, dtype={"F32": "<f4", "F16": "<f2", "F64": "<f8"}[dtype])
+    elif dtype in _FP8:  # numpy has no fp8: each byte's value from a table (an fp8 checkpoint, kept so)
+        values = _fp8_values(*_FP8[dtype])[np.frombuffer(raw, dtype=np.uint8)]
     else:
         return None
-    return float(np.asarray(values, dtype=np.float64).std()) if values.size else None
+    std = float(np.asarray(values, dtype=np.float64).std()) if values.size else None
+    return std if std is not None and math.isfinite(std) else None
+
+
+# safetensors' fp8 dtypes: (exponent bits, mantissa bits, exponent bias); E4M3 is torch's float8_e4m3fn (no
+# infinities, its all-ones pattern NaN), E5M2 float8_e5m2 (IEEE-like)
+_FP8 = {"F8_E4M3": (4, 3, 7), "F8_E5M2": (5, 2, 15)}
+
+
+def _fp8_values(exp_bits: int, man_bits: int, bias: int):
+    """The 256 values of an fp8 format, by byte."""
+    import numpy as np
+
+    b = np.arange(256)
+    exp, man = (b >> man_bits) & ((1 << exp_bits) - 1), (b & ((1 << man_bits) - 1)) / (1 << man_bits)
+    value = np.where(exp == 0, man * 2.0 ** (1 - bias), (1 + man) * 2.0 ** (exp - bias))
+    top = exp == (1 << exp_bits) - 1
+    special = top & (man == man.max()) if exp_bits == 4 else top  # E4M3: NaN; E5M2: inf and NaN
+    return np.where(special, np.nan, np.where(b & 0x80, -value, value))
 
 
 def sd2_v_from_weights(norm_bias) -> bool:
