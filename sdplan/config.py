@@ -568,6 +568,8 @@ def _override_value(key: str, raw: str) -> tuple[Any, str | None]:
     quoted = len(text) >= 2 and text[0] == text[-1] and text[0] in "'\""
     args = set(get_args(tp)) if tp is not None else set()
     if (tp is str or args == {str, type(None)}) and not quoted:
+        if text == "" and key in _RULES and type(None) not in args:
+            return "", None  # its rule names the choices (training.device=: "must be one of auto, cpu, cuda")
         return (None if text in ("", "null", "~") else text), None
     try:
         value = yaml.safe_load(raw) if text else None

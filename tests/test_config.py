@@ -148,6 +148,10 @@ def test_null_for_a_text_setting_that_takes_none_is_refused(value):
     data = config.apply_overrides(config.default_config(), [f"output.dir={value}"])
     with pytest.raises(ConfigError, match="output.dir: must be a string, got None"):
         config.validate(data)
+    if not value:  # a setting of choices names them
+        data = config.apply_overrides(config.default_config(), ["training.device="])
+        with pytest.raises(ConfigError, match="training.device: must be one of auto, cpu, cuda, got ''"):
+            config.validate(data)
 
 
 def test_missing_and_malformed_files(tmp_path):
