@@ -1098,6 +1098,7 @@ def settings_as_flags(req: TrainRequest) -> TrainRequest:
         and "output.dir" in given
         and (out := C.setting_value("output.dir", given["output.dir"]))
     ):
+        C.absolute(str(out), "output.dir")  # a link that loops is named as the user gave it, not as --out
         return replace(req, out=str(out))
     return req
 

@@ -3519,10 +3519,17 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
                 f"{format_range(c.memory.peak, c.peak_range)}, its upper end over the card's {_gib(vram)}"
             )
     st = best.steps
+    # where a max_steps run stops inside an epoch of aspect buckets (each ends in a short batch), full batches
+    # are the most its steps see
+    seen = (
+        f"up to {st.images_seen}"
+        if req.max_steps and len(req.bucket_samples) > 1 and st.total_steps % max(1, st.steps_per_epoch)
+        else f"{st.images_seen}"
+    )
     if s.num_gpus > 1 and req.max_steps:
         r.append(
             f"steps: training.max_steps {req.max_steps}, pinned, counts one process's steps: {st.total_steps} on "
-            f"each of the {s.num_gpus} GPUs, {st.images_seen} images seen, as {req.max_steps} steps of batch "
+            f"each of the {s.num_gpus} GPUs, {seen} images seen, as {req.max_steps} steps of batch "
             f"{s.batch} x accumulation {s.grad_accum} on one GPU; with the steps set, runs are weighed per image"
         )
     elif s.num_gpus > 1:
@@ -3535,7 +3542,7 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
     elif req.max_steps:
         r.append(
             f"steps: training.max_steps {req.max_steps}, pinned: {st.total_steps} steps of batch {s.batch} x "
-            f"accumulation {s.grad_accum}; images seen {st.images_seen} ({st.epochs} epoch(s) of "
+            f"accumulation {s.grad_accum}; images seen {seen} ({st.epochs} epoch(s) of "
             f"{st.images_per_epoch}); with the steps set, the plan is the one that trains fastest per image"
         )
     else:

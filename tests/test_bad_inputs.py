@@ -91,6 +91,11 @@ def test_read_only_out_for_recommend(unwritable):
         ("train --config {cfg} --device cpu --dry-run", "output.dir {lp} is a symbolic link that loops"),
         ("train --resume --out {lp}", "--out {lp} is a symbolic link that loops"),
         ("train --config {cfg} --device cpu --dry-run --out {tmp}/o output.dir={lp}", "output.dir {lp} is a"),
+        # alone, output.dir is --out, and is named as it was given
+        (
+            "train --model {model} --dataset {ds} --device cpu --dry-run output.dir={lp}",
+            "output.dir {lp} is a",
+        ),
     ],
 )
 def test_a_symbolic_link_that_loops_is_one_line(tmp_path, fake_model, args, needle):

@@ -739,3 +739,17 @@ def test_the_sd2_base_hub_id_plans_at_512(tmp_path, monkeypatch):
     args = ("--method", "lora", "--model", "stabilityai/stable-diffusion-2-1-base", "--hardware", "RTX 4090")
     d = json.loads(run(*args, "--json").stdout)
     assert d["request"]["resolution"] == 512, d["reasons"]
+
+
+def test_a_max_steps_plan_with_buckets_says_up_to_the_images_it_sees(tmp_path):
+    """Each aspect bucket ends in a short batch: where the steps stop inside an epoch, full batches are the most
+    they see (recommend said the full-batch count as exact, train "up to" it)."""
+    from PIL import Image
+
+    ds = tmp_path / "ds"
+    ds.mkdir()
+    for i, size in enumerate([(512, 512), (512, 768), (768, 512), (512, 1024), (1024, 512), (600, 400)]):
+        Image.new("RGB", size, (i * 30, 60, 90)).save(ds / f"{i}.png")
+    base = ("--method", "lora", "--hardware", "RTX 4090", "--dataset", str(ds), "data.buckets=true")
+    r = run(*base, "training.batch_size=2", "training.max_steps=1")
+    assert r.exit_code == 0 and "images seen up to 2 (" in " ".join(r.output.split()), r.output
