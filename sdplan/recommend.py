@@ -620,8 +620,11 @@ def trainer_config(
         if place:  # else data.path is the placeholder: there is no dataset yet
             data[section][key] = _absolute(data[section][key], what=what)
     cfg = cfgmod.validate(data, "sdplan.yaml (from the plan)")
-    if data["training"].get("learning_rate") is None:  # the method's; a pinned one is carried as given
-        data["training"]["learning_rate"] = cfg.training.learning_rate
+    # the method's learning rate where none is pinned; a pinned one as the number it is (YAML 1.1 reads 3e-4,
+    # without a dot, as text: the JSON and sdplan.yaml carried "3e-4")
+    for key in ("learning_rate", "text_encoder_learning_rate"):
+        if data["training"].get(key) is None or isinstance(data["training"][key], str):
+            data["training"][key] = getattr(cfg.training, key)
     return data
 
 

@@ -123,7 +123,7 @@ def test_pins_are_planned_around_and_reach_json_and_config(tmp_path):
     }
     cfg = d["config"]
     assert cfg["training"]["batch_size"] == 2 and cfg["lora"]["rank"] == 64
-    assert str(cfg["training"]["learning_rate"]) == "5e-5"  # carried exactly as given, as `sdplan train` does
+    assert cfg["training"]["learning_rate"] == 5e-5  # the number (YAML 1.1 read the 5e-5 given as text)
     assert d["settings"]["batch"] == 2 and d["settings"]["full_half_weights"] is False
     out = tmp_path / "plan"
     w = run(

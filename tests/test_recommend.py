@@ -753,3 +753,14 @@ def test_a_max_steps_plan_with_buckets_says_up_to_the_images_it_sees(tmp_path):
     base = ("--method", "lora", "--hardware", "RTX 4090", "--dataset", str(ds), "data.buckets=true")
     r = run(*base, "training.batch_size=2", "training.max_steps=1")
     assert r.exit_code == 0 and "images seen up to 2 (" in " ".join(r.output.split()), r.output
+
+
+def test_a_learning_rate_pinned_in_e_notation_is_written_as_a_number(tmp_path):
+    """YAML 1.1 reads 3e-4 (no dot) as text: --json said "3e-4" and sdplan.yaml `learning_rate: 3e-4`, which a
+    tool reading either gets as a string."""
+    out = tmp_path / "plan"
+    base = ("--method", "lora", "--model", "sdxl", "--hardware", "RTX 4090", "training.learning_rate=3e-4")
+    r = run(*base, "--json")
+    assert r.exit_code == 0 and json.loads(r.stdout)["config"]["training"]["learning_rate"] == 0.0003
+    assert run(*base, "--out", str(out)).exit_code == 0
+    assert yaml.safe_load((out / "sdplan.yaml").read_text())["training"]["learning_rate"] == 0.0003
