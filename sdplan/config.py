@@ -547,6 +547,24 @@ def override_keys(overrides) -> list[str]:
     return [item.partition("=")[0].strip() for item in overrides]
 
 
+def given_settings(overrides) -> dict[str, str]:
+    """The `key=value` settings as key -> the value as typed (the last of a key given twice), keys read as
+    :func:`override_keys` reads them."""
+    return dict(zip(override_keys(overrides), (item.partition("=")[2] for item in overrides), strict=True))
+
+
+def setting_place(key: str, raw: Any, what: str) -> str:
+    """What a `key=raw` setting (or a flag's value for ``key``) names, to tell whether two say the same: the
+    value as :func:`apply_overrides` reads it, a local path made absolute (``what``: the flag or key named where
+    it is a link that loops), a hub id as it is."""
+    value = setting_value(key, str(raw))
+    if key == "model.path":
+        return absolute_if_local(str(value))
+    if key in PATH_KEYS:
+        return str(absolute(str(value), what))
+    return str(value)
+
+
 def _setting_type(key: str) -> Any:
     """The type of the sdplan.yaml setting ``key`` (a dotted path), or None where it names none."""
     kind: Any = TrainConfig

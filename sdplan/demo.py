@@ -155,9 +155,7 @@ def run_demo(req: Any, ui: Any) -> dict[str, Any]:
             "--demo builds its own model, dataset and config on the CPU",
             fix="drop --config/--dataset/--method/--gpus/--num-machines, or leave out --demo",
         )
-    given = dict(
-        zip(C.override_keys(req.overrides), (o.partition("=")[2] for o in req.overrides), strict=True)
-    )
+    given = C.given_settings(req.overrides)
     if (
         req.device == "cuda"
         or C.setting_value("training.device", given.get("training.device", "cpu")) != "cpu"

@@ -1078,20 +1078,13 @@ def settings_as_flags(req: TrainRequest) -> TrainRequest:
     """A key=value setting that a flag also sets must agree with the flag (the setting won, without a word:
     `--epochs 5 training.epochs=20` trained 20); ``output.dir=DIR`` alone is ``--out DIR``, so the --out rule
     checks the folder the run writes to (it checked the config's folder and the run went to DIR)."""
-    given = dict(
-        zip(C.override_keys(req.overrides), (o.partition("=")[2] for o in req.overrides), strict=True)
-    )
+    given = C.given_settings(req.overrides)
     for key, flag in FLAG_KEYS.items():
         attr = flag.removeprefix("--").replace("-", "_")
         mine, theirs = getattr(req, "out" if key == "output.dir" else attr, None), given.get(key)
         if mine is None or theirs is None:
             continue
-        ours, yours = C.setting_value(key, str(mine)), C.setting_value(key, theirs)
-        if key == "model.path":  # a local model, or a hub id
-            ours, yours = C.absolute_if_local(str(ours)), C.absolute_if_local(str(yours))
-        elif key in C.PATH_KEYS:
-            ours, yours = C.absolute(str(ours), flag), C.absolute(str(yours), key)
-        if str(ours) != str(yours):
+        if C.setting_place(key, mine, flag) != C.setting_place(key, theirs, key):
             raise UsageError(f"{flag} {mine} and {key}={theirs.strip()} disagree", fix="give one")
     if (
         req.out is None

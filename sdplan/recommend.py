@@ -236,12 +236,9 @@ def _sizing_pins(inp: RecommendInputs) -> RecommendInputs:
         value = getattr(getattr(cfg, section), name)
         field = flag.removeprefix("--").replace("-", "_")
         given_flag = getattr(inp, field)
-        same = (
-            cfgmod.absolute(str(given_flag), flag) == cfgmod.absolute(str(value), key)
-            if field == "dataset"
-            else str(given_flag) == str(value)
-        )
-        if given_flag is not None and not same:
+        if given_flag is not None and cfgmod.setting_place(key, given_flag, flag) != cfgmod.setting_place(
+            key, value, key
+        ):
             raise UsageError(f"{flag} {given_flag} and {key}={value} disagree", fix="give one")
         changes[field] = str(value) if field == "dataset" else value
     return replace(inp, **changes)
@@ -304,7 +301,7 @@ def _given_model(inp: RecommendInputs, profiles: Profiles) -> RecommendInputs:
     run trains another model. Beside ``--model X`` it must be the same model."""
     from sdplan.trainer.models import SINGLE_FILE_SUFFIXES
 
-    raw = next((v for k, _, v in (s.partition("=") for s in inp.settings) if k.strip() == "model.path"), None)
+    raw = cfgmod.given_settings(inp.settings).get("model.path")
     if raw is None:
         return inp if inp.model is not None else replace(inp, model=registry.DEFAULT_FAMILY)
     value = cfgmod.setting_value("model.path", raw)
@@ -322,7 +319,9 @@ def _given_model(inp: RecommendInputs, profiles: Profiles) -> RecommendInputs:
     if inp.model is None:
         return replace(inp, model=path, settings=rest)
     if not _is_family_name(inp.model, profiles):
-        if cfgmod.absolute_if_local(inp.model) == cfgmod.absolute_if_local(path):
+        if cfgmod.setting_place("model.path", inp.model, "--model") == cfgmod.setting_place(
+            "model.path", path, ""
+        ):
             return replace(inp, settings=rest)
         raise UsageError(
             f"--model {inp.model} and model.path={path}: two models", fix="give the model once, as --model"
