@@ -279,6 +279,22 @@ def test_folder_notes_say_family_and_prediction(tmp_path):
             {"double_blocks.0.img_attn.qkv.weight": (2,), "double_blocks.0.img_attn.qkv.scale_weight": (1,)},
             "a ComfyUI scaled-fp8 checkpoint .double_blocks.0.img_attn.qkv.scale_weight",
         ),
+        (  # Forge's flux1-dev-bnb-nf4: bitsandbytes' packed 4-bit layers (passed, then failed in diffusers)
+            {
+                "model.diffusion_model.double_blocks.0.img_attn.qkv.weight": (2, 1),
+                "model.diffusion_model.double_blocks.0.img_attn.qkv.weight.absmax": (1,),
+                "model.diffusion_model.double_blocks.0.img_attn.qkv.weight.quant_map": (16,),
+                "model.diffusion_model.double_blocks.0.img_attn.qkv.weight.quant_state.bitsandbytes__nf4": (
+                    9,
+                ),
+                "model.diffusion_model.img_in.weight": (8, 64),
+            },
+            "a bitsandbytes NF4 checkpoint .model.diffusion_model.double_blocks.0.img_attn.qkv.weight.quant_state",
+        ),
+        (  # bitsandbytes' 8-bit layers (Linear8bitLt's row scales) in an SD 1.x file
+            checkpoint(**{UNET_IN[:-6] + "SCB": (2,)}),
+            "a bitsandbytes 8-bit checkpoint",
+        ),
         (  # lodestones' Chroma: FLUX.1 [schnell]'s blocks without their modulation (was read as flux-schnell)
             {
                 "double_blocks.0.img_attn.qkv.weight": (2,),
@@ -329,6 +345,17 @@ def test_single_file_that_is_no_base_model_is_refused(tmp_path, shapes, needle):
     path = write_safetensors(tmp_path / "model.safetensors", shapes)
     with pytest.raises(UnsupportedModelError, match=needle):
         check_source(str(path))
+
+
+def test_a_gguf_file_says_what_it_is(tmp_path):
+    from sdplan.trainer import models
+
+    from sdplan.errors import UsageError
+
+    path = tmp_path / "flux1-dev-Q4_0.gguf"
+    path.write_bytes(b"GGUF")
+    with pytest.raises(UsageError, match="a GGUF file .weights quantized for ComfyUI-GGUF / Forge"):
+        models.resolve_source(str(path))
 
 
 def test_a1111_embedding_pt_given_as_the_model_says_so(tmp_path):

@@ -563,6 +563,34 @@ def test_a_single_transformer_files_family_is_read_from_its_keys(tmp_path):
         flow_models._check("sd35-large", "sd35-medium", "m")
 
 
+def test_bitsandbytes_layers_are_refused_only_in_the_transformer(tmp_path):
+    """Forge's flux1-dev-bnb-nf4 (the transformer's Linear weights packed 4-bit by bitsandbytes, each with
+    weight.absmax, weight.quant_map and weight.quant_state.bitsandbytes__nf4) passed the check as flux-dev, and
+    diffusers' converter failed on it after launch. A bundled text encoder's 4-bit layers are not read from the
+    file (text encoders come from model.config_dir) and do not make it refused."""
+    from safetensors.numpy import save_file
+    from sdplan.trainer.source_check import UnsupportedModelError, check_source
+
+    folder = _flow_configs(tmp_path / "cfg", "flux-dev")
+    dit = {"model.diffusion_model." + k: np.zeros((2, 2), np.float16) for k in _FLOW_KEYS["flux-dev"]}
+    t5 = "text_encoders.t5xxl.transformer.encoder.block.0.layer.0.SelfAttention.q.weight"
+    packed = {t5: np.zeros((2, 1), np.uint8), t5 + ".quant_state.bitsandbytes__nf4": np.zeros(9, np.uint8)}
+    path = tmp_path / "flux1-dev-bnb-nf4.safetensors"
+    save_file({**dit, **packed}, str(path))
+    assert check_source(str(path), config_dir=str(folder)).family == "flux-dev"
+
+    q = "model.diffusion_model.double_blocks.0.img_attn.qkv.weight"
+    mine = {
+        q + ".absmax": np.ones(1, np.float32),
+        q + ".quant_state.bitsandbytes__nf4": np.zeros(9, np.uint8),
+    }
+    save_file({**dit, **mine}, str(path))
+    with pytest.raises(
+        UnsupportedModelError, match=r"a bitsandbytes NF4 checkpoint \(model.diffusion_model.double"
+    ):
+        check_source(str(path), config_dir=str(folder))
+
+
 def test_a_scaled_fp8_text_encoder_in_an_all_in_one_file_is_not_the_transformers(tmp_path):
     """Comfy-Org's sd3.5_medium_incl_clips_t5xxlfp8scaled.safetensors (the MMDiT in fp16, only T5-XXL scaled
     fp8, its marker text_encoders.t5xxl.transformer.scaled_fp8) was refused as a scaled-fp8 checkpoint: sdplan

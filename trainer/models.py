@@ -148,6 +148,12 @@ def resolve_source(path: str) -> ModelSource:
             )
         return ModelSource("folder", str(p))
     if p.is_file():
+        if p.suffix.lower() == ".gguf":
+            raise UsageError(
+                f"model.path {path}: a GGUF file (weights quantized for ComfyUI-GGUF / Forge inference), "
+                "which diffusers cannot train from",
+                fix="give the model's bf16 / fp16 release as a .safetensors file, a diffusers folder or a hub id",
+            )
         if p.suffix.lower() not in SINGLE_FILE_SUFFIXES:
             raise UsageError(
                 f"model.path {path}: not a model file (expected {', '.join(SINGLE_FILE_SUFFIXES)})"

@@ -537,6 +537,17 @@ def _scaled_markers(keys: set[str], metadata: dict[str, str], flow: bool) -> lis
     return found
 
 
+def _bnb_markers(keys: set[str], flow: bool) -> list[str]:
+    """bitsandbytes' quantized-layer keys (``<layer>.weight.quant_state.bitsandbytes__nf4`` / ``__fp4`` beside
+    ``weight.absmax`` and ``weight.quant_map`` of a 4-bit layer, as in Forge's ``flux1-dev-bnb-nf4``; ``<layer>.SCB``
+    of an 8-bit one: bitsandbytes ``QuantState.as_dict(packed=True)``, ``Linear8bitLt``) among the weights sdplan
+    loads from the file, read as :func:`_scaled_markers` reads ComfyUI's."""
+    found = [k for k in sorted(keys) if ".bitsandbytes__" in k or k.endswith(".SCB")]
+    if flow:
+        found = [k for k in found if not k.startswith(_NOT_THE_TRANSFORMER)]
+    return found
+
+
 def classify_state(
     shapes: dict[str, tuple[int, ...]],
     metadata: dict[str, str],
@@ -582,8 +593,20 @@ def classify_state(
             where,
             f"a ComfyUI scaled-fp8 checkpoint ({marker}: its weights are stored divided by per-layer scales, "
             "which only ComfyUI applies; trained from, they are the wrong weights)",
-            fix="give the unscaled checkpoint (the model's bf16 / fp16 release; for SD3.5 / FLUX.1, "
-            "model.base_precision=fp8 stores it in fp8 for training)",
+            fix="give the unscaled checkpoint, the model's bf16 / fp16 release; for SD3.5 / FLUX.1, "
+            "model.base_precision=fp8 stores it in fp8 for training",
+        )
+    packed = _bnb_markers(keys, flow is not None)
+    if packed:
+        # diffusers' single-file converters copy each tensor as it is: a 4-bit layer's packed uint8 bytes (half
+        # the weight's elements, shape (n, 1)) do not load as its weight, and no converter reads quant_state
+        kind = "8-bit" if packed[0].endswith(".SCB") else packed[0].rsplit("bitsandbytes__", 1)[-1].upper()
+        raise refuse(
+            where,
+            f"a bitsandbytes {kind} checkpoint ({packed[0]}: its weights are stored packed, with per-block "
+            "scales that only the bitsandbytes loaders of Forge and ComfyUI unpack)",
+            fix="give the model's bf16 / fp16 release; for SD3.5 / FLUX.1, model.base_precision=nf4 stores it "
+            "in NF4 for training",
         )
     if flow is not None:
         channels = (plain.get("img_in.weight") or (0, 0))[-1]
