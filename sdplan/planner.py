@@ -2744,7 +2744,9 @@ def suggest_hardware(
     ``request``, only those on which it fits by the verdict's rule (no "may not fit" flag) in this host RAM: a
     GPU's own leanest configuration (:func:`min_vram_needed`) depends on what it runs (no full bf16 weights
     without bf16, no 8-bit AdamW or nf4 off NVIDIA, the math attention path on RDNA1/2) and on its own
-    `sdplan bench` peaks and out-of-memory points, and a pin it cannot run rules it out."""
+    `sdplan bench` peaks and out-of-memory points, and a pin it cannot run rules it out. A pinned GPU count
+    (``distributed.num_processes``) is suggested as that many of each card (``2x RTX 4090``): ``need_bytes`` is
+    then per GPU, and one card alone conflicts with the pin."""
     fit = sorted(
         (g for g in profiles.gpus if g.memory_bytes >= need_bytes),
         key=lambda g: (g.memory_gib, -g.fp16_tflops),
@@ -2752,9 +2754,10 @@ def suggest_hardware(
     if request is None:
         return [g.name for g in fit[:limit]]
     needs: dict[tuple, int | None] = {}
+    count = request.pin("num_gpus") or 1
 
     def runs(spec: GPUSpec) -> bool:
-        hw = hardware_from_catalog(spec)
+        hw = hardware_from_catalog(spec, count)
         if pin_conflicts(request, hw):
             return False
         gpu = hw.gpus[0]
@@ -2778,7 +2781,7 @@ def suggest_hardware(
         if len(out) == limit:
             break
         if runs(g):
-            out.append(g.name)
+            out.append(hardware_from_catalog(g, count).label)
     return out
 
 

@@ -819,8 +819,10 @@ def render(d: dict, res: planner.Result, console) -> None:
             console.print("[bold red]does not fit[/]: this machine's host RAM is too small for it")
         else:
             mixed = needs.get("min_vram_bytes_mixed_precision")
+            per_gpu = " per GPU" if (res.request.pin("num_gpus") or 1) > 1 else ""
             console.print(
                 f"[bold red]does not fit[/]: needs at least {_gib(needs.get('min_vram_bytes'))} of GPU memory"
+                + per_gpu
                 + (f" in fp32 ({_gib(mixed)} on a GPU that trains in fp16 mixed precision)" if mixed else "")
             )
         if needs.get("suggested_hardware"):

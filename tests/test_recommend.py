@@ -764,3 +764,21 @@ def test_a_learning_rate_pinned_in_e_notation_is_written_as_a_number(tmp_path):
     assert r.exit_code == 0 and json.loads(r.stdout)["config"]["training"]["learning_rate"] == 0.0003
     assert run(*base, "--out", str(out)).exit_code == 0
     assert yaml.safe_load((out / "sdplan.yaml").read_text())["training"]["learning_rate"] == 0.0003
+
+
+def test_a_pinned_gpu_count_that_does_not_fit_suggests_that_many_of_a_card():
+    """A plan that failed only for its distributed.num_processes=2 pin suggested no hardware: suggest_hardware
+    tried single GPUs, and the pin ruled each out."""
+    pins = ("distributed.num_processes=2", "training.batch_size=4")
+    r = run("--method", "finetune", "--model", "sdxl", "--hardware", "2x RTX 3080 10GB", *pins, "--json")
+    needs = json.loads(r.stdout)["needs"]
+    assert needs["suggested_hardware"] and all(h.startswith("2x ") for h in needs["suggested_hardware"])
+    text = " ".join(
+        run("--method", "finetune", "--model", "sdxl", "--hardware", "2x RTX 3080 10GB", *pins).output.split()
+    )
+    assert re.search(r"needs at least [\d.]+ GiB of GPU memory per GPU", text) and "would fit: 2x " in text
+    first = needs["suggested_hardware"][0]
+    again = json.loads(
+        run("--method", "finetune", "--model", "sdxl", "--hardware", first, *pins, "--json").stdout
+    )
+    assert again["feasible"], again["reasons"]
