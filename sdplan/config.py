@@ -593,6 +593,11 @@ def _override_value(key: str, raw: str) -> tuple[Any, str | None]:
         value = yaml.safe_load(raw) if text else None
     except yaml.YAMLError:
         return raw, None
+    if (tp is float or args == {float, type(None)}) and isinstance(value, str):
+        try:  # YAML 1.1 reads 3e-4 (no dot) as text: the number it is
+            return float(value), None
+        except ValueError:
+            pass
     if tp == list[str] and isinstance(value, str):  # a comma in it may separate items or be part of one
         return (
             value,

@@ -546,6 +546,11 @@ def recommend(
         raise UsageError(res.pin_conflicts[0])
     res = replace(res, reasons=tuple(notes) + res.reasons)
     d = planner.result_dict(res)
+    # every key=value setting as read (request.pins holds those the planner plans around; the learning rate,
+    # max_steps and the like only go to the config)
+    d["request"]["settings"] = {
+        key: cfgmod.setting_value(key, raw) for key, raw in cfgmod.given_settings(inp.settings).items()
+    }
     d["config"] = (
         trainer_config(res, profiles, inp.dataset, overrides=inp.settings) if res.plan is not None else None
     )
@@ -619,10 +624,9 @@ def trainer_config(
         if place:  # else data.path is the placeholder: there is no dataset yet
             data[section][key] = _absolute(data[section][key], what=what)
     cfg = cfgmod.validate(data, "sdplan.yaml (from the plan)")
-    # the method's learning rate where none is pinned; a pinned one as the number it is (YAML 1.1 reads 3e-4,
-    # without a dot, as text: the JSON and sdplan.yaml carried "3e-4")
+    # the method's learning rate where none is pinned (a pinned 3e-4 is the number: config.setting_value)
     for key in ("learning_rate", "text_encoder_learning_rate"):
-        if data["training"].get(key) is None or isinstance(data["training"][key], str):
+        if data["training"].get(key) is None:
             data["training"][key] = getattr(cfg.training, key)
     return data
 

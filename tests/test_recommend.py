@@ -74,6 +74,7 @@ def test_json_shape_is_exactly_the_issue(tmp_path):
         "epochs",
         "max_steps",
         "pins",
+        "settings",
     }
     assert (
         set(d["hardware"]) == {"source", "gpus", "ram_total_bytes"} and d["hardware"]["source"] == "catalog"
@@ -764,6 +765,31 @@ def test_a_learning_rate_pinned_in_e_notation_is_written_as_a_number(tmp_path):
     assert r.exit_code == 0 and json.loads(r.stdout)["config"]["training"]["learning_rate"] == 0.0003
     assert run(*base, "--out", str(out)).exit_code == 0
     assert yaml.safe_load((out / "sdplan.yaml").read_text())["training"]["learning_rate"] == 0.0003
+
+
+def test_json_request_carries_every_setting_given_as_read():
+    """request.pins holds only what the planner plans around: a pinned learning rate or max_steps was in the
+    JSON only inside the config (none for a plan that does not fit)."""
+    given = ("training.learning_rate=3e-4", "training.max_steps=500", "data.metadata.skip_tags=[lowres, bad]")
+    r = run(
+        "--method",
+        "lora",
+        "--model",
+        "sd15",
+        "--hardware",
+        "RTX 4090",
+        "training.batch_size=2",
+        *given,
+        "--json",
+    )
+    request = json.loads(r.stdout)["request"]
+    assert request["pins"] == {"training.batch_size": 2}
+    assert request["settings"] == {
+        "training.learning_rate": 0.0003,
+        "training.max_steps": 500,
+        "data.metadata.skip_tags": ["lowres", "bad"],
+        "training.batch_size": 2,
+    }
 
 
 def test_a_pinned_gpu_count_that_does_not_fit_suggests_that_many_of_a_card():
