@@ -190,7 +190,7 @@ def _missing_shards(folder: Path, sub: str, variant: str | None) -> list[str]:
     if any(folder.glob("diffusion_pytorch_model*")):
         index = folder / f"diffusion_pytorch_model.safetensors.index{suffix}.json"
         if index.is_file():
-            return _shards_missing(folder, sub, index)
+            return _index_shards_absent(folder, sub, index)
         if any(
             (folder / f"diffusion_pytorch_model{suffix}.{ext}").is_file() for ext in ("safetensors", "bin")
         ):
@@ -206,11 +206,11 @@ def _missing_shards(folder: Path, sub: str, variant: str | None) -> list[str]:
             None,
         )
         if index is not None:
-            return _shards_missing(folder, sub, index)
+            return _index_shards_absent(folder, sub, index)
     return []
 
 
-def _shards_missing(folder: Path, sub: str, index: Path) -> list[str]:
+def _index_shards_absent(folder: Path, sub: str, index: Path) -> list[str]:
     """The problem of the shards ``index`` lists that ``folder`` lacks (none: [])."""
     data = _read_json(folder, index.name, f"{sub}/{index.name}")
     names = data.get("weight_map")
