@@ -64,19 +64,21 @@ def test_latent_cache_reason_when_each_image_is_seen_once(prof):
 
 
 def test_fp32_master_weights_preference_is_said_with_its_cost(prof):
-    """A 12 GB RTX 3080 DreamBooth plan keeps fp32 master weights at batch 1; full bf16 would be faster and
-    fit: the reasons say so with the planner's own figure, and do not call the plan the fastest that fits."""
-    res = _plan(prof, "RTX 3080 12GB", method="dreambooth", model="sd15")
+    """A 16 GB RTX 4060 Ti DreamBooth plan keeps fp32 master weights; full bf16 would be faster and fit: the
+    reasons say so with the planner's own figure, and do not call the plan the fastest that fits. (On a 12 GB
+    RTX 3080, the card this was written for, fp32 masters no longer fit within the likely range the larger
+    validation set gives.)"""
+    res = _plan(prof, "RTX 4060 Ti 16GB", method="dreambooth", model="sd15")
     assert not res.plan.full_half_weights
     half = _plan(
-        prof, "RTX 3080 12GB", method="dreambooth", model="sd15", pins=(("full_half_weights", True),)
+        prof, "RTX 4060 Ti 16GB", method="dreambooth", model="sd15", pins=(("full_half_weights", True),)
     )
     assert half.feasible and half.within_upper_bound and half.seconds < res.seconds
     said = next(r for r in res.reasons if "fp32 master weights kept over speed" in r)
     assert "training.full_half_weights=true" in said
     assert f"{P.format_duration(half.seconds)}, {1 - half.seconds / res.seconds:.0%} less" in said
     batch = next(r for r in res.reasons if r.startswith("batch size"))
-    assert batch.endswith("the fastest whole run that fits with fp32 master weights")
+    assert batch.startswith("batch size 4") and batch.endswith("and with fp32 master weights"), batch
 
 
 def test_no_preference_cost_where_full_bf16_is_the_plan(prof):

