@@ -1834,7 +1834,9 @@ class Candidate:
     peak_range: tuple[float, float] = (0.0, 0.0)  # likely peak bytes (profiles/uncertainty.yaml)
     seconds_range: tuple[float, float] | None = None
     safe: bool = False  # fits, and the upper end of peak_range is within the card's memory
-    observed_multi_gpu: str | None = None  # the multi-GPU observation its step time comes from
+    observed_multi_gpu: str | None = (
+        None  # the multi-GPU observation whose all-reduce rate its exchange takes
+    )
     fixed_seconds: float = 0.0  # start-up and latent caching, in ``seconds``
     allreduce_seconds: float = 0.0  # the modelled gradient all-reduce over the whole run, in ``seconds``
     peak_measured: str | None = None  # the sdplan bench point on this GPU whose peak the plan states
@@ -2271,25 +2273,38 @@ def _search(
 
 
 def _observed_multi_gpu(profiles: Profiles, s: Settings, gpus: tuple[HWGPU, ...], link: str):
-    """A multi-GPU observation near these settings (same GPU, method, family, GPU count and link): measured
-    evidence wins over the all-reduce model. Observations are of alike GPUs: none for GPUs that differ."""
+    """A multi-GPU observation near these settings (same GPU, method, family and link; the nearest GPU count):
+    its all-reduce rate wins over the model's, fitted on every observation. What it measured is the extra
+    seconds its exchange added to each step (:func:`calibrate`'s ``link_points``); the exchange's size (the
+    gradients, not the batch) and its GPU count are the plan's, so a plan at another batch or rank, or on more
+    GPUs, gets the same rate, never the observation's ratio of step times (a 1.23x measured at batch 1, rank 128,
+    multiplied onto a batch-8 step, made 3 GPUs look 1.68x faster than 2 over the same PCIe). Observations are
+    of alike GPUs: none for GPUs that differ."""
     gpu = gpus[0]
     if gpu.spec is None or s.num_gpus < 2 or len(_distinct(gpus)) > 1:
         return None
     link = "nvlink" if link in ("nvlink", "xgmi") else "pcie"
-    for m in profiles.multi_gpu:
-        spec = profiles.gpu_or_none(m.gpu)
-        if (
-            spec is not None
-            and spec.name == gpu.spec.name
-            and m.method == s.method
-            and m.model == s.model
-            and m.num_gpus == s.num_gpus
-            and m.interconnect == link
-            and m.outcome.get("iteration_time_ratio")
-        ):
-            return m
-    return None
+    near = [
+        m
+        for m in profiles.multi_gpu
+        if (spec := profiles.gpu_or_none(m.gpu)) is not None
+        and spec.name == gpu.spec.name
+        and m.method == s.method
+        and m.model == s.model
+        and m.interconnect == link
+        and m.outcome.get("iteration_time_ratio", 0) > 1
+    ]
+    return min(near, key=lambda m: (abs(m.num_gpus - s.num_gpus), m.id), default=None)
+
+
+def _with_link_rate(cal: Calibration, observed: Any) -> Calibration:
+    """``cal`` with the all-reduce rate ``observed`` measured (its :func:`calibrate` link point)."""
+    if observed is None:
+        return cal
+    key = ("link rate", observed.id)
+    if key not in cal.memo:
+        cal.memo[key] = replace(cal, link_efficiency=dict(cal.link_points)[observed.id])
+    return cal.memo[key]
 
 
 def pace_gpu(
@@ -2567,11 +2582,8 @@ def _evaluate(req: Request, profiles: Profiles, hw: Hardware, cal: Calibration, 
     steps = _steps(req, s.batch, s.grad_accum, s.num_gpus)
     link, link_gbs = set_link(hw, used)
     observed = _observed_multi_gpu(profiles, s, used, link)
-    if observed is not None:
-        one_s, basis = planned_step_seconds(profiles, _with(s, num_gpus=1), gpu.spec, cal)
-        step_s = one_s * observed.outcome["iteration_time_ratio"] if one_s is not None else None
-    else:
-        gpu, step_s, basis = pace_gpu(profiles, s, used, cal, link_gbs)
+    link_cal = _with_link_rate(cal, observed)
+    gpu, step_s, basis = pace_gpu(profiles, s, used, link_cal, link_gbs)
     seconds = seconds_range = None
     fixed = allreduce = 0.0
     if step_s is not None:
@@ -2580,9 +2592,8 @@ def _evaluate(req: Request, profiles: Profiles, hw: Hardware, cal: Calibration, 
         if s.cache_latents:
             fixed += latent_cache_seconds(profiles, s, req.images, gpu, cal)
         seconds = fixed + stepping
-        if s.num_gpus > 1 and observed is None and link_gbs:
-            micro_steps = steps.micro_batches
-            allreduce = micro_steps * comm_seconds(profiles, s, link_gbs, cal)
+        if s.num_gpus > 1 and link_gbs:
+            allreduce = steps.micro_batches * comm_seconds(profiles, s, link_gbs, link_cal)
         # the steps' range by their basis (one GPU: the bench evidence behind it times one GPU; several add an
         # all-reduce as modelled); start-up and caching are the model's (the validation set's range)
         band = seconds_band(profiles, basis, s.model, s.num_gpus)[0]
@@ -2989,7 +3000,8 @@ def _infeasible(req, hw, reasons, steps, *, memory=None, need=None, profiles=Non
 
 def _choose(fitting: list[Candidate], profiles: Profiles) -> tuple[Candidate, dict[int, Candidate]]:
     """The preferred tier (:func:`_tier`), fastest first; more GPUs only from the same tier and when the gain
-    clears the time uncertainty (or a multi-GPU observation near the configuration measured it). Where only
+    over the fewer GPUs chosen so far clears the time uncertainty (:func:`multi_gpu_gain`: each GPU added
+    must pay for itself; a 4-GPU run 0.05% faster than 3 is not advised for being 10% faster than one). Where only
     several GPUs reach the preferred tier (DeepSpeed splitting fp32 master weights and AdamW state that one GPU
     cannot hold), the fewest that do, and more only on the same terms.
     Returns the choice and each GPU count's own best (for the reasons)."""
@@ -3003,9 +3015,7 @@ def _choose(fitting: list[Candidate], profiles: Profiles) -> tuple[Candidate, di
     for n, c in sorted(eligible.items()):
         if n == best.setup.num_gpus or c.seconds is None or best.seconds is None:
             continue
-        if multi_gpu_gain(c, _gain_reference(one, best), profiles) > MIN_MULTI_GPU_GAIN and per_image(
-            c
-        ) < per_image(best):
+        if multi_gpu_gain(c, best, profiles) > MIN_MULTI_GPU_GAIN and per_image(c) < per_image(best):
             best = c
     return best, best_by_n
 
@@ -3016,20 +3026,17 @@ def _gain_reference(one: Candidate | None, best: Candidate) -> Candidate:
 
 
 def multi_gpu_gain(c: Candidate, ref: Candidate, profiles: Profiles) -> float:
-    """The share of ``ref``'s run time (one GPU, or fewer GPUs) that ``c`` saves for sure enough to advise it.
-    Measured on these GPUs near the settings (an observation): as predicted. Modelled: with the steps' compute
-    at the low end of its time band in both runs (the same GPU, batch and model: their error is shared, and
-    faster compute leaves the all-reduce a larger share) and the modelled all-reduce at the high end (it is
-    what only the multi-GPU run has: PCIe without NVLink made DreamBooth slower on two GPUs than on one)."""
-    if c.observed_multi_gpu:
-        return 1 - per_image(c) / per_image(ref)
+    """The share of ``ref``'s run time (one GPU, or fewer GPUs) that ``c`` saves for sure enough to advise it:
+    with the steps' compute at the low end of its time band in both runs (the same GPU, batch and model: their
+    error is shared, and faster compute leaves the all-reduce a larger share) and the all-reduce at the high
+    end in ``c``, the low end in ``ref`` (it is what more GPUs add: PCIe without NVLink made DreamBooth slower on
+    two GPUs than on one), or as predicted where its rate was measured on these GPUs (an observation)."""
     low, high = profiles.uncertainty.seconds_for(c.setup.model)[0]
 
     def run(x: Candidate, allreduce_factor: float) -> float:  # per image seen (see per_image)
         compute = x.seconds - x.fixed_seconds - x.allreduce_seconds
-        return (
-            x.fixed_seconds + compute * low + x.allreduce_seconds * allreduce_factor
-        ) / x.steps.images_seen
+        factor = 1.0 if x.observed_multi_gpu else allreduce_factor
+        return (x.fixed_seconds + compute * low + x.allreduce_seconds * factor) / x.steps.images_seen
 
     return 1 - run(c, high) / run(ref, low)
 
@@ -3697,43 +3704,41 @@ def _multi_gpu_reasons(hw, best, one, best_by_n, profiles, cal) -> list[str]:
         m = obs.get(c.observed_multi_gpu) if c.observed_multi_gpu else None
         ref_c = _gain_reference(one, best)
         faster = per_image(ref_c) / per_image(c)  # the run's time where epochs set the images
+        # the run it was weighed against (_choose): the fewer GPUs chosen, the plan itself above its count
+        than = f"{s.num_gpus} GPUs" if n > s.num_gpus and s.num_gpus > 1 else "one GPU"
+        ahead = per_image(best) / per_image(c) if n > s.num_gpus else faster
         if faster <= 1:
             why = "slower"
         elif _tier(c) > _tier(best):
             why = f"{faster:.2f}x faster, but only with " + _tier_text(c, best)
-        elif (gain := multi_gpu_gain(c, ref_c, profiles)) > MIN_MULTI_GPU_GAIN:
+        elif n < s.num_gpus:
             why = f"{faster:.2f}x faster than one GPU, but {s.num_gpus} GPU(s) are faster still"
+        elif ahead <= 1:
+            why = f"{faster:.2f}x faster than one GPU, but no faster than {s.num_gpus} GPUs"
         else:
             low, high = profiles.uncertainty.seconds_for(c.setup.model)[0]
+            gain = multi_gpu_gain(c, best, profiles)
+            rate = "as measured" if m is not None else f"at x{high:g}"
             why = (
-                f"predicted {faster:.2f}x faster: within the time uncertainty (with the steps at "
-                f"x{low:g} of the prediction and the all-reduce at x{high:g} it saves {gain * 100:.0f}% of the "
-                f"run, under the {MIN_MULTI_GPU_GAIN * 100:.0f}% more GPUs must save unless measured)"
+                f"predicted {ahead:.2f}x faster than {than}: within the time uncertainty (with the steps at "
+                f"x{low:g} of the prediction and the all-reduce {rate} it saves {gain * 100:.0f}% of the "
+                f"run, under the {MIN_MULTI_GPU_GAIN * 100:.0f}% more GPUs must save)"
             )
         if len(_distinct(used)) > 1:
             slow = pace_gpu(profiles, c.setup, used, cal, set_link(hw, used)[1])[0]
             why += (
                 f"; on GPUs {', '.join(str(g.index) for g in used)} at the pace of {slow.name}, the slowest"
             )
-        if m is not None:
-            why += (
-                f"; measured on {m.num_gpus}x {m.gpu} over {m.interconnect} ({m.id}): each step took "
-                f"{m.outcome['iteration_time_ratio']:g}x as long as on one GPU"
-            )
-        else:
-            why += f"; {_comm_text(profiles, c.setup, set_link(hw, used)[0])}"
+        why += f"; {_comm_text(profiles, c.setup, set_link(hw, used)[0])}{_measured_rate_text(m)}"
         r.append(f"{n} GPUs would take {format_duration(c.seconds)} ({why})")
     if s.num_gpus > 1 and one is not None and one.seconds and best.seconds and best.step_seconds:
         used = plan_gpus(hw, s)
         slow = pace_gpu(profiles, s, used, cal, set_link(hw, used)[1])[0]
-        if best.observed_multi_gpu:
-            ratio = obs[best.observed_multi_gpu].outcome["iteration_time_ratio"]
-            src = f"measured: {best.observed_multi_gpu}"
-        else:
-            # the one-GPU step on the same basis as the plan's (a measured or scaled speed, not the bare model)
-            t1, _ = planned_step_seconds(profiles, _with(s, num_gpus=1), slow.spec, cal)
-            ratio = best.step_seconds / t1 if t1 else float("nan")
-            src = _comm_text(profiles, s, set_link(hw, used)[0])
+        # the one-GPU step on the same basis as the plan's (a measured or scaled speed, not the bare model)
+        t1, _ = planned_step_seconds(profiles, _with(s, num_gpus=1), slow.spec, cal)
+        ratio = best.step_seconds / t1 if t1 else float("nan")
+        m = obs.get(best.observed_multi_gpu) if best.observed_multi_gpu else None
+        src = _comm_text(profiles, s, set_link(hw, used)[0]) + _measured_rate_text(m)
         r.append(
             f"{s.num_gpus} GPUs: each step takes {ratio:.2f}x as long as on one "
             + (slow.name if len(_distinct(used)) > 1 else "GPU")
@@ -3804,6 +3809,18 @@ def _tier_text(c: Candidate, best: Candidate) -> str:
     if c.setup.offload and not best.setup.offload:
         return "DeepSpeed optimizer offload (the optimizer on the CPU)"
     return "full bf16 weights (no fp32 master copy)"
+
+
+def _measured_rate_text(m: Any) -> str:
+    """Where an exchange's rate comes from when a multi-GPU observation measured it (else "")."""
+    if m is None:
+        return ""
+    rank = m.settings.lora_rank if m.method == "lora" else None
+    at = f"batch {m.batch}" + (f", rank {rank}" if rank else "")
+    return (
+        f", at the rate measured on {m.num_gpus}x {m.gpu} over {m.interconnect} ({m.id}: each step "
+        f"{m.outcome['iteration_time_ratio']:g}x as long as on one GPU at {at})"
+    )
 
 
 def _comm_text(profiles: Profiles, s: Settings, link: str) -> str:
