@@ -167,9 +167,10 @@ def test_a_multi_gpu_step_is_never_said_to_be_shorter_than_one_gpus():
         )  # fmt: skip
         assert result.exit_code == 0, result.stderr
         d = yaml.safe_load(result.stdout)
-        assert d["plan"]["num_gpus"] == 8
-        (said,) = [r for r in d["reasons"] if r.startswith("8 GPUs: each step takes")]
-        ratio = float(re.match(r"8 GPUs: each step takes ([0-9.]+)x", said).group(1))
+        n = d["plan"]["num_gpus"]
+        assert n > 1  # 7 or 8: each GPU added must clear the time uncertainty
+        (said,) = [r for r in d["reasons"] if r.startswith(f"{n} GPUs: each step takes")]
+        ratio = float(re.match(rf"{n} GPUs: each step takes ([0-9.]+)x", said).group(1))
         assert ratio >= 1.0, said
 
 
