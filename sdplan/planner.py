@@ -3332,9 +3332,7 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
         r.append("gradient checkpointing on: " + why)
     else:
         r.append("gradient checkpointing off: the plan fits without it, and it would cost ~25% time")
-    as_adamw = _with(s, optimizer="adamw")
-    adamw_fits = any(c.setup == as_adamw for c in fitting)
-    why = "its smaller state update makes the run faster" if adamw_fits else "AdamW does not fit"
+    why = _adamw_text(best, fitting)
     opt_reason = {
         "adamw": "AdamW (8 bytes of fp32 state per trained parameter) fits",
         "adamw8bit": f"8-bit AdamW (bitsandbytes, ~2 bytes of state per parameter; CUDA only): {why}; "
@@ -3620,6 +3618,56 @@ def _faster_full_half(best: Candidate, fitting: list[Candidate]) -> Candidate | 
         and _tier(c)[:3] == _tier(best)[:3]
     ]
     return min(half, key=_key, default=None)
+
+
+_OPT_NAMES = {"adamw": "AdamW", "adamw8bit": "8-bit AdamW", "adafactor": "Adafactor"}
+
+
+def _batch_words(s: Settings) -> str:
+    """A configuration's batch and checkpointing, the settings an optimizer's memory trades against."""
+    accum = f" x {s.grad_accum} accumulated" if s.grad_accum > 1 else ""
+    gc = "with" if s.gradient_checkpointing else "without"
+    return f"batch {s.batch}{accum} {gc} gradient checkpointing"
+
+
+def _adamw_text(best: Candidate, fitting: list[Candidate]) -> str:
+    """Why ``best`` trains with another optimizer than AdamW, by the AdamW plans on its GPU count: the best of
+    its tier (:func:`_tier`), what it takes and how much slower it is (:func:`_key` takes another optimizer only
+    where it is faster by more than its handicap); else the best AdamW plan of a less preferred tier and what it
+    gives up; else that none fits."""
+    s = best.setup
+    name = _OPT_NAMES[s.optimizer]
+    adamw = [c for c in fitting if c.setup.optimizer == "adamw" and c.setup.num_gpus == s.num_gpus]
+    same = [c for c in adamw if _tier(c) == _tier(best)]
+    if not same:
+        if not adamw:
+            return "AdamW does not fit"
+        other = min(adamw, key=_preference)
+        took = f": {format_duration(other.seconds)}" if other.seconds is not None else ""
+        return (
+            f"AdamW fits only in a less preferred plan, with {_tier_text(other, best)} "
+            f"({_batch_words(other.setup)}{took})"
+        )
+    aw = min(same, key=_key)
+    handicap = f"more than {0.02 * _OPT_RANK[s.optimizer]:.0%} faster"
+    if aw.seconds is None or best.seconds is None:
+        return (
+            f"AdamW fits too ({_batch_words(aw.setup)}), but {name} fits a larger batch "
+            f"({_batch_words(s)}), and with the step's speed unknown the larger batch is taken"
+        )
+    gain = 1 - per_image(best) / per_image(aw)
+    if (aw.setup.batch * aw.setup.grad_accum, aw.setup.gradient_checkpointing) == (
+        s.batch * s.grad_accum,
+        s.gradient_checkpointing,
+    ):
+        how = "its smaller state update makes the step faster"
+    else:
+        how = f"its smaller state lets the plan run {_batch_words(s)}"
+    return (
+        f"AdamW fits too ({_batch_words(aw.setup)}: {format_duration(aw.seconds)}), but {name} makes the run "
+        f"{gain:.0%} faster ({format_duration(best.seconds)}: {how}); another optimizer than AdamW is taken only "
+        f"where it is {handicap}, and pinning memory.optimizer=adamw plans AdamW"
+    )
 
 
 def _preferred_tier_text(best: Candidate, fitting: list[Candidate]) -> str:

@@ -108,3 +108,39 @@ def test_where_nothing_fits_within_its_range_the_plan_most_likely_to_fit_is_chos
     # where something fits within its range, the fastest of those (the rule is unchanged)
     wide = replace(gpu, memory_bytes=int(6 * 2**30))
     assert P.plan(replace(hw, gpus=(wide,)), prof, P.Request(method="lora", model="sd15")).within_upper_bound
+
+
+def _optimizer_reason(res: P.Result) -> str:
+    return next(r for r in res.reasons if r.startswith("optimizer "))
+
+
+def test_optimizer_reason_says_where_adamw_fits_and_why_another_was_taken(prof):
+    """SDXL DreamBooth on an 80 GB A100 takes Adafactor at batch 4 without checkpointing; the reason said
+    "AdamW does not fit" because only AdamW at that very batch and checkpointing was looked for, while AdamW fits
+    at batch 4 with checkpointing, within the card's likely range. Now it names that AdamW plan, its time and
+    how much faster the plan is (the choice itself is unchanged)."""
+    res = _plan(prof, "A100 SXM 80GB", method="dreambooth", model="sdxl")
+    assert res.plan.optimizer == "adafactor" and not res.plan.gradient_checkpointing
+    why = _optimizer_reason(res)
+    assert "does not fit" not in why, why
+    pinned = _plan(prof, "A100 SXM 80GB", method="dreambooth", model="sdxl", pins=(("optimizer", "adamw"),))
+    assert pinned.within_upper_bound and not pinned.plan.full_half_weights and not pinned.plan.offload
+    assert f"AdamW fits too (batch {pinned.plan.batch} with gradient checkpointing: " in why, why
+    gain = 1 - (res.seconds / res.steps.images_seen) / (pinned.seconds / pinned.steps.images_seen)
+    assert f"Adafactor makes the run {gain:.0%} faster" in why, why
+    assert "more than 4% faster" in why and "memory.optimizer=adamw" in why
+
+
+def test_optimizer_reason_where_adamw_fits_only_in_a_less_preferred_tier(prof):
+    """SD 1.5 DreamBooth on a 16 GB card: 8-bit AdamW keeps fp32 master weights; AdamW fits only with full bf16
+    weights (what pinning it plans). The reason said "AdamW does not fit"; now it says what AdamW would give up."""
+    res = _plan(prof, "RTX 4060 Ti 16GB", method="dreambooth", model="sd15")
+    assert res.plan.optimizer == "adamw8bit" and not res.plan.full_half_weights
+    why = _optimizer_reason(res)
+    assert "AdamW fits only in a less preferred plan, with full bf16 weights (no fp32 master copy)" in why, (
+        why
+    )
+    pinned = _plan(
+        prof, "RTX 4060 Ti 16GB", method="dreambooth", model="sd15", pins=(("optimizer", "adamw"),)
+    )
+    assert pinned.plan.full_half_weights
