@@ -3747,7 +3747,9 @@ def _multi_gpu_reasons(hw, best, one, best_by_n, profiles, cal) -> list[str]:
         used = plan_gpus(hw, c.setup)
         if n == 1:
             on = f" ({used[0].name})" if mixed else ""
-            r.append(f"1 GPU{on} would take {format_duration(c.seconds)}")
+            r.append(
+                f"1 GPU{on} would take {format_duration(c.seconds)}" + _one_gpu_trade_text(best, c, profiles)
+            )
             continue
         m = obs.get(c.observed_multi_gpu) if c.observed_multi_gpu else None
         ref_c = _gain_reference(one, best)
@@ -3790,11 +3792,53 @@ def _multi_gpu_reasons(hw, best, one, best_by_n, profiles, cal) -> list[str]:
         r.append(
             f"{s.num_gpus} GPUs: each step takes {ratio:.2f}x as long as on one "
             + (slow.name if len(_distinct(used)) > 1 else "GPU")
-            + f" with the same settings ({src}), but the run is {per_image(one) / per_image(best):.2f}x faster "
-            + ("than on one GPU " if mixed else "")
-            + "once steps are normalised"
+            + f" with the same settings ({src}); once steps are normalised the run is "
+            + speed_ratio_text(per_image(one) / per_image(best))
+            + (" than on one GPU" if mixed else "")
         )
     return r
+
+
+def speed_ratio_text(ratio: float) -> str:
+    """A run's speed against another's (their time per image seen, the other's over this one's) in words: a
+    ratio under 1 is a slow-down, said as one ("1.01x slower", never "0.99x faster")."""
+    if round(ratio, 2) == 1:
+        return "about as fast (1.00x)"
+    return f"{ratio:.2f}x faster" if ratio > 1 else f"{1 / ratio:.2f}x slower"
+
+
+_TIER_KEPT = (
+    (lambda c: not c.safe, "its likely peak within the card"),
+    (lambda c: c.lowered_rank, "the requested LoRA rank"),
+    (lambda c: c.setup.offload, "the optimizer on the GPU (no DeepSpeed offload)"),
+    (lambda c: c.setup.full_half_weights, "fp32 master weights"),
+)
+
+
+def _one_gpu_trade_text(best: Candidate, one: Candidate, profiles: Profiles) -> str:
+    """Where a multi-GPU plan was taken for its tier (:func:`_choose`: one GPU reaches only a less preferred
+    one, such as full bf16 weights where ZeRO-2 over several splits the fp32 master weights), the trade in
+    plain words: what the one-GPU run gives up, its time and host RAM against the plan's, whether the plan is
+    any faster, and the pin that takes the one-GPU run. "" where the plan has one GPU or one GPU's tier is
+    the plan's (then more GPUs were taken for speed alone, said elsewhere)."""
+    s = best.setup
+    if s.num_gpus == 1 or _tier(one) <= _tier(best) or one.seconds is None or best.seconds is None:
+        return ""
+    kept = [words for lacks, words in _TIER_KEPT if lacks(one) and not lacks(best)]
+    if one.setup.optimizer != s.optimizer:
+        kept.append(_OPT_NAMES[s.optimizer])
+    ratio = per_image(one) / per_image(best)
+    speed = (
+        "not for speed"
+        if multi_gpu_gain(best, one, profiles) <= MIN_MULTI_GPU_GAIN
+        else "and for their speed"
+    )
+    return (
+        f" with {_gib(one.memory.ram)} of host RAM ({describe(one.setup)}), but only with {_tier_text(one, best)}; "
+        f"the {s.num_gpus} GPUs are {speed_ratio_text(ratio)} than it and hold {_gib(best.memory.ram)} of host "
+        f"RAM: they are taken to keep {' and '.join(kept)}, {speed} ({pin_text('num_gpus', 1)} plans the "
+        "one-GPU run)"
+    )
 
 
 def _links_text(hw: Hardware, best: Candidate) -> str | None:

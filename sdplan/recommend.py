@@ -809,8 +809,8 @@ def render(d: dict, res: planner.Result, console) -> None:
                 "speed",
                 f"{est['it_per_s']:.2f} it/s per process (one micro-batch of {d['plan']['batch_size']})",
             )
-        if est["speedup_vs_one_gpu"] and d["plan"]["num_gpus"] > 1:
-            t.add_row("vs one GPU", f"{est['speedup_vs_one_gpu']:.2f}x faster")
+        if res.speedup_vs_one_gpu and d["plan"]["num_gpus"] > 1:  # unrounded: the reasons' own figure
+            t.add_row("vs one GPU", planner.speed_ratio_text(res.speedup_vs_one_gpu))
         t.add_row(
             "steps",
             f"{st['images_per_epoch']} images/epoch x {st['epochs']} epochs = {st['images_seen']} images seen; "

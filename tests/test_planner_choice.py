@@ -144,3 +144,41 @@ def test_optimizer_reason_where_adamw_fits_only_in_a_less_preferred_tier(prof):
         prof, "RTX 4060 Ti 16GB", method="dreambooth", model="sd15", pins=(("optimizer", "adamw"),)
     )
     assert pinned.plan.full_half_weights
+
+
+def test_a_multi_gpu_plan_taken_for_its_tier_says_the_trade_with_one_gpu(prof):
+    """SD3.5 Large DreamBooth on 8x RTX A6000: ZeRO-2 over 8 GPUs keeps fp32 master weights and AdamW, one GPU
+    only full bf16 weights and Adafactor, and the 8-GPU run is no faster. The header said "0.99x faster" and the
+    reasons only "1 GPU would take 8 min". Now the slow-down is said as one, and the one-GPU line gives what it
+    gives up, its host RAM against the plan's, why the 8 GPUs are taken and the pin that takes one GPU."""
+    import io
+
+    from rich.console import Console
+
+    from sdplan import recommend
+
+    res = _plan(prof, "RTX A6000", method="dreambooth", model="sd35-large")  # one GPU, as the pin plans it
+    hw = _catalog(prof, "RTX A6000", 8)
+    req = P.Request(method="dreambooth", model="sd35-large")
+    multi = P.plan(hw, prof, req)
+    assert multi.plan.num_gpus == 8 and multi.plan.sharded and not multi.plan.full_half_weights
+    assert multi.speedup_vs_one_gpu < 1
+    pinned = P.plan(hw, prof, replace(req, pins=(("num_gpus", 1),)))
+    assert pinned.plan == res.plan and res.plan.full_half_weights
+    said = next(r for r in multi.reasons if r.startswith("1 GPU would take"))
+    assert f"with {P._gib(res.memory.ram)} of host RAM ({P.describe(res.plan)})" in said, said
+    assert "but only with full bf16 weights (no fp32 master copy)" in said
+    assert f"the 8 GPUs are {1 / multi.speedup_vs_one_gpu:.2f}x slower than it" in said
+    assert f"hold {P._gib(multi.memory.ram)} of host RAM" in said
+    assert "taken to keep fp32 master weights and AdamW, not for speed" in said
+    assert "(distributed.num_processes=1 plans the one-GPU run)" in said
+    assert not any("0.99x faster" in r or "x faster once steps" in r for r in multi.reasons)
+    out = io.StringIO()
+    recommend.render(P.result_dict(multi), multi, Console(file=out, width=200))
+    assert "vs one GPU  1.01x slower" in out.getvalue(), out.getvalue()
+
+
+def test_speed_ratio_text_says_a_slow_down_as_one():
+    assert P.speed_ratio_text(1.54) == "1.54x faster"
+    assert P.speed_ratio_text(0.99) == "1.01x slower"
+    assert P.speed_ratio_text(0.999) == "about as fast (1.00x)"
