@@ -44,7 +44,7 @@ import math
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, fields, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 from sdplan import registry
 from sdplan.errors import UsageError
@@ -1087,14 +1087,54 @@ def step_traffic_seconds(
 
 
 def step_compute_seconds(profiles: Profiles, s: Settings, spec: GPUSpec, cal: Calibration) -> float:
-    """The UNet's part of a micro-step: roofline max(matmul time at the measured GEMM rate, bandwidth time);
-    where the family has no byte count, FLOPs at the efficiency fitted on published speeds."""
+    """The compute of a micro-step: the UNet's roofline and the encoders run every step
+    (:func:`unet_step_parts`)."""
+    p = unet_step_parts(profiles, s, spec, cal)
+    return p.roofline + p.encoders
+
+
+class StepParts(NamedTuple):
+    """The terms of a UNet family's micro-step on one GPU, as :func:`_compute_step_times` adds them and
+    :func:`time_basis_text` states them (one owner for both)."""
+
+    matmul: float  # the UNet's FLOPs over the measured matmul rate
+    traffic: float  # the UNet's bandwidth-bound bytes over the fitted bandwidth (0: no byte count)
+    roofline: (
+        float  # the UNet's time: max(matmul, traffic); with no byte count, its FLOPs at the fitted efficiency
+    )
+    encoders: float  # VAE encode / text encoders run every step (not cached), FLOPs at the fitted efficiency
+    vae: float  # the VAE encode's share of ``encoders`` (it adds above the launch-bound floor)
+    optimizer: float  # the optimizer step's own memory traffic (:func:`optimizer_step_seconds`)
+    overhead: float  # the fitted per-step overhead
+    offload: float  # DeepSpeed's optimizer offload (:func:`offload_seconds`)
+    ema: float  # an EMA in host RAM (:func:`ema_seconds`)
+
+
+def unet_step_parts(profiles: Profiles, s: Settings, spec: GPUSpec, cal: Calibration) -> StepParts:
+    """A UNet family's micro-step on ``spec`` term by term: the UNet's roofline, max(matmul time at the
+    measured GEMM rate, bandwidth time) (where the family has no byte count, its FLOPs at the efficiency fitted
+    on published speeds), the encoders' FLOPs at that efficiency, the optimizer step, the per-step overhead,
+    offload and EMA."""
     unet, other = step_flops_parts(profiles, s)
     rate = spec.matmul_tflops(s.precision) * 1e12
+    eff = cal.efficiency_for(spec)
     traffic = step_traffic_seconds(profiles, s, spec, cal)
-    if traffic > 0:
-        return max(unet / rate, traffic) + other / (rate * cal.efficiency_for(spec))
-    return (unet + other) / (rate * cal.efficiency_for(spec))
+    roofline = max(unet / rate, traffic) if traffic > 0 else unet / (rate * eff)
+    encoders = other / (rate * eff)
+    vae = 0.0
+    if not s.cache_latents:
+        vae = encoders - step_flops_parts(profiles, _with(s, cache_latents=True))[1] / (rate * eff)
+    return StepParts(
+        matmul=unet / rate,
+        traffic=traffic,
+        roofline=roofline,
+        encoders=encoders,
+        vae=vae,
+        optimizer=optimizer_step_seconds(profiles, s, spec),
+        overhead=cal.step_overhead_s,
+        offload=offload_seconds(profiles, s, spec, cal.cpu_adam_params_per_s),
+        ema=ema_seconds(profiles, s, spec, cal.cpu_adam_params_per_s),
+    )
 
 
 def optimizer_step_seconds(profiles: Profiles, s: Settings, spec: GPUSpec) -> float:
@@ -1183,15 +1223,11 @@ def _compute_step_times(
             + ema_seconds(profiles, s, spec, cal.cpu_adam_params_per_s)
         )
     else:
-        compute = step_compute_seconds(profiles, s, spec, cal)
-        # the launch-bound floor is a step with cached latents: a VAE encode every step adds to it, not under it
-        after = 0.0
-        if not s.cache_latents:
-            after = compute - step_compute_seconds(profiles, _with(s, cache_latents=True), spec, cal)
-        base = compute - after + optimizer_step_seconds(profiles, s, spec) + cal.step_overhead_s
-        # the floors were measured without offload or an EMA in host RAM
-        after += offload_seconds(profiles, s, spec, cal.cpu_adam_params_per_s)
-        after += ema_seconds(profiles, s, spec, cal.cpu_adam_params_per_s)
+        p = unet_step_parts(profiles, s, spec, cal)
+        # the launch-bound floor is a step with cached latents: a VAE encode every step adds to it, not under
+        # it; the floors were measured without offload or an EMA in host RAM
+        base = p.roofline + p.encoders - p.vae + p.optimizer + p.overhead
+        after = p.vae + p.offload + p.ema
     times = (max(base, cal.step_floor_s(s) or 0.0) + after, base + after)
     if s.num_gpus > 1 and link_gbs:
         allreduce = comm_seconds(profiles, s, link_gbs, cal)
@@ -1213,33 +1249,59 @@ def floor_text(profiles: Profiles, s: Settings, spec: GPUSpec | None, cal: Calib
     )
 
 
-def time_basis_text(profiles: Profiles, s: Settings, gpu: HWGPU, cal: Calibration) -> str:
-    """Which roofline term sets the step time on this GPU, in words."""
+def time_basis_text(
+    profiles: Profiles, s: Settings, gpu: HWGPU, cal: Calibration, allreduce: float = 0.0
+) -> str:
+    """Which roofline term sets the step time on this GPU, and every term the step adds to it
+    (:func:`unet_step_parts`, what :func:`_compute_step_times` sums), in words that add up to the step;
+    ``allreduce``: the gradient exchange a multi-GPU plan adds to each micro-step."""
     spec = gpu.spec
     if spec is None:
         return "no speed known"
     floored = floor_text(profiles, s, spec, cal)
     if floored is not None:
         return floored
-    flop_s = step_flops(profiles, s) / (spec.matmul_tflops(s.precision) * 1e12)
-    byte_s = step_traffic_seconds(profiles, s, spec, cal)
-    if byte_s <= 0:
-        return (
-            f"FLOPs of the {s.model} UNet at {s.resolution}px over {gpu.name}'s measured matmul rate at "
-            f"{cal.efficiency_for(spec) * 100:.0f}% efficiency (fitted on published speeds)"
+    p = unet_step_parts(profiles, s, spec, cal)
+    eff = f"{cal.efficiency_for(spec) * 100:.0f}%"
+    if p.traffic <= 0:
+        said = (
+            f"{p.roofline:.2f} s of FLOPs of the {s.model} UNet at {s.resolution}px over {gpu.name}'s measured "
+            f"matmul rate at {eff} efficiency (fitted on published speeds)"
         )
-    bound = "memory bandwidth" if byte_s >= flop_s else "matmul throughput"
-    return (
-        f"bound by {bound} on {gpu.name} ({spec.memory_bandwidth_gbs:g} GB/s, "
-        f"{spec.matmul_tflops(s.precision):g} TFLOPS): {byte_s:.2f} s of memory traffic vs {flop_s:.2f} s of "
-        f"matmul per micro-step (the traffic includes the per-step fixed work of {cal.fixed_samples:g} samples), "
-        f"plus {cal.step_overhead_s:.2f} s per-step overhead (fitted on {len(cal.bandwidth_points)} published speeds)"
-        + (
-            f"; the bandwidth efficiency ({cal.bandwidth_efficiency_for(spec) * 100:.0f}%) fitted on sdplan bench "
-            f"speeds of {spec.family.capitalize()} GPUs"
-            if spec.family in dict(cal.bandwidth_by_family)
-            else ""
+    else:
+        bound = "memory bandwidth" if p.traffic >= p.matmul else "matmul throughput"
+        said = (
+            f"bound by {bound} on {gpu.name} ({spec.memory_bandwidth_gbs:g} GB/s, "
+            f"{spec.matmul_tflops(s.precision):g} TFLOPS): {p.traffic:.2f} s of memory traffic vs {p.matmul:.2f} s "
+            f"of matmul per micro-step in the UNet (the traffic includes the per-step fixed work of "
+            f"{cal.fixed_samples:g} samples)"
         )
+    encoded = " and ".join(
+        what
+        for on, what in (
+            (not s.cache_latents, "the VAE encode"),
+            (
+                not s.cache_text_encoder_outputs,
+                "the text encoder" + ("s" if len(profiles.model(s.model).text_encoders) > 1 else ""),
+            ),
+        )
+        if on
+    )
+    terms = [
+        (p.encoders, f"of {encoded} (not cached; FLOPs at the fitted {eff} efficiency)"),
+        (p.optimizer, f"of the {s.optimizer} step's memory traffic"),
+        (p.overhead, f"per-step overhead (fitted on {len(cal.bandwidth_points)} published speeds)"),
+        (p.offload, "of DeepSpeed optimizer offload"),
+        (p.ema, "of the EMA in host RAM"),
+        (allreduce, "of gradient exchange with the other GPUs"),
+    ]
+    plus = [f"{x:.2f} s {what}" for x, what in terms if round(x, 2) > 0 or what.startswith("per-step")]
+    total = p.roofline + p.encoders + p.optimizer + p.overhead + p.offload + p.ema + allreduce
+    return f"{said}, plus {', '.join(plus)}: {total:.2f} s a micro-step" + (
+        f"; the bandwidth efficiency ({cal.bandwidth_efficiency_for(spec) * 100:.0f}%) fitted on sdplan bench "
+        f"speeds of {spec.family.capitalize()} GPUs"
+        if p.traffic > 0 and spec.family in dict(cal.bandwidth_by_family)
+        else ""
     )
 
 
@@ -3583,7 +3645,8 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
         if differ:
             likely += f"; {pace.name} is the slowest of the {len(used)} GPUs: every step waits for it"
         if best.basis == "calibrated":
-            r.append(f"time: {time_basis_text(profiles, s, pace, cal)}; {likely}")
+            exchange = best.allreduce_seconds / best.steps.micro_batches if best.steps.micro_batches else 0.0
+            r.append(f"time: {time_basis_text(profiles, s, pace, cal, exchange)}; {likely}")
         elif best.basis == "scaled":
             near = _near_point(profiles, s, pace.spec)  # the point planned_step_seconds scaled by
             r.append(

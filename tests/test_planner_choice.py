@@ -182,3 +182,41 @@ def test_speed_ratio_text_says_a_slow_down_as_one():
     assert P.speed_ratio_text(1.54) == "1.54x faster"
     assert P.speed_ratio_text(0.99) == "1.01x slower"
     assert P.speed_ratio_text(0.999) == "about as fast (1.00x)"
+
+
+def _time_terms(reason: str) -> tuple[list[float], float]:
+    """The seconds a time reason lists after the roofline term ("plus 0.18 s of ..., 0.03 s ...") and the total
+    it states ("1.03 s a micro-step")."""
+    import re
+
+    roofline = [float(x) for x in re.findall(r"([\d.]+) s of (?:memory traffic|FLOPs)", reason)]
+    matmul = [float(x) for x in re.findall(r"vs ([\d.]+) s of matmul", reason)]
+    plus = reason.split(", plus ", 1)[1].split(": ", 1)[0]
+    terms = [float(x) for x in re.findall(r"([\d.]+) s ", plus)]
+    total = float(re.search(r": ([\d.]+) s a micro-step", reason).group(1))
+    return [max(roofline + matmul), *terms], total
+
+
+@pytest.mark.parametrize(
+    ("hardware", "count", "method", "model"),
+    [
+        ("P100 SXM2 16GB", 1, "textual-inversion", "sd21"),
+        ("RTX 3080 12GB", 1, "finetune", "sd15"),
+        ("RTX 4090", 2, "lora", "sdxl"),
+    ],
+)
+def test_time_reason_names_every_term_of_the_step(prof, hardware, count, method, model):
+    """Textual inversion of SD 2.1 on a P100 said "0.85 s of memory traffic vs 0.84 s of matmul ... plus 0.00 s
+    per-step overhead" beside 0.97 it/s (1.03 s a step): the text encoder run every step and the optimizer step
+    were left out, and the encoders' FLOPs were put in the matmul at full rate. Now the reason reads the same
+    terms the step time adds (unet_step_parts), the all-reduce of several GPUs too, and they add up to it."""
+    res = P.plan(_catalog(prof, hardware, count), prof, P.Request(method=method, model=model))
+    assert res.basis == "calibrated" and res.plan.num_gpus == count
+    reason = next(r for r in res.reasons if r.startswith("time: "))
+    terms, total = _time_terms(reason)
+    assert total == pytest.approx(res.step_seconds, abs=0.005), reason
+    assert sum(terms) == pytest.approx(total, abs=0.005 * len(terms) + 0.005), reason
+    if method == "textual-inversion":
+        assert "of the text encoder (not cached" in reason, reason
+    if count > 1:
+        assert "of gradient exchange with the other GPUs" in reason, reason
