@@ -355,6 +355,15 @@ def validate(data: Any, source: str = "config") -> TrainConfig:
     return cfg
 
 
+def prior_preservation(cfg: TrainConfig) -> tuple[bool, int]:
+    """(whether the run trains with prior preservation, the class images trained alongside its own): DreamBooth's
+    dreambooth.with_prior_preservation and dreambooth.num_class_images (the trainer generates the ones its class
+    folder lacks). What `sdplan train` and `sdplan recommend` both plan (the planner's Request.prior_preservation
+    and class_images)."""
+    on = cfg.method == "dreambooth" and cfg.dreambooth.with_prior_preservation
+    return on, cfg.dreambooth.num_class_images if on else 0
+
+
 def family_problems(cfg: TrainConfig, family: str | None) -> list[str]:
     """What ``cfg`` sets that ``family`` cannot train (the config's own model.family, or the family `sdplan
     train` found in the model's files before the launch): an SD3.5 / FLUX.1 resolution off their 16 px grid,

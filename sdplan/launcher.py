@@ -1479,7 +1479,7 @@ def plan_request(cfg: C.TrainConfig, inputs: InputSummary, snapshot: Any, req: T
     resolution = req.resolution or pinned_resolution
     if resolution is None and family in profiles.models:  # the model's own (an SD 2.x epsilon base: 512)
         resolution = profiles.model(family).resolution_for(inputs.prediction_type)
-    prior = cfg.method == "dreambooth" and cfg.dreambooth.with_prior_preservation
+    prior, class_images = C.prior_preservation(cfg)
     fields = dict(pins)
     request = Request(
         method=cfg.method,
@@ -1494,7 +1494,7 @@ def plan_request(cfg: C.TrainConfig, inputs: InputSummary, snapshot: Any, req: T
         max_gpus=req.gpus,
         lora_rank=fields.get("lora_rank") or cfg.lora.rank,
         prior_preservation=prior,
-        class_images=cfg.dreambooth.num_class_images if prior else 0,
+        class_images=class_images,
         pins=pins,
     )
     result = plan(snapshot, profiles, request)

@@ -486,6 +486,10 @@ def build_request(inp: RecommendInputs, profiles: Profiles) -> tuple[planner.Req
     ):
         raise UsageError(problem)
     fields = dict(pins)
+    # the class images trained alongside, from the settings as `sdplan train` reads them (num_class_images)
+    prior, class_images = (
+        cfgmod.prior_preservation(_pinned_config(inp)) if fields.get("prior_preservation") else (False, 0)
+    )
     req = planner.Request(
         method=inp.method,
         model=inp.model,
@@ -496,7 +500,8 @@ def build_request(inp: RecommendInputs, profiles: Profiles) -> tuple[planner.Req
         epochs=epochs,
         max_gpus=inp.gpus,
         lora_rank=fields.get("lora_rank") or planner.Request.lora_rank,
-        prior_preservation=bool(fields.get("prior_preservation", False)),
+        prior_preservation=prior,
+        class_images=class_images,
         max_steps=inp.max_steps,
         bucket_samples=_bucket_samples(
             counted, data, resolution or profiles.model(inp.model).native_resolution

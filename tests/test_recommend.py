@@ -809,3 +809,40 @@ def test_a_pinned_gpu_count_that_does_not_fit_suggests_that_many_of_a_card():
         run("--method", "finetune", "--model", "sdxl", "--hardware", first, *pins, "--json").stdout
     )
     assert again["feasible"], again["reasons"]
+
+
+def test_recommend_plans_prior_preservation_as_train_does(monkeypatch):
+    """`sdplan recommend ... dreambooth.with_prior_preservation=true` never set the planner's class_images, which
+    `sdplan train` sets from dreambooth.num_class_images: recommend's plan lacked the "prior preservation: N class
+    images are trained alongside" reason train's has. Both now read them with config.prior_preservation."""
+    from sdplan import config as C
+    from sdplan import launcher
+    from sdplan import planner as P
+    from sdplan import recommend as R
+    from sdplan.profiles import load_profiles
+
+    prof = load_profiles()
+    settings = (
+        "dreambooth.with_prior_preservation=true",
+        "dreambooth.class_prompt=a dog",
+        "dreambooth.num_class_images=200",
+    )
+    inp = R.RecommendInputs(
+        method="dreambooth", model="sd15", hardware="RTX 4090", images=20, settings=settings
+    )
+    _, res = R.recommend(inp, prof)
+    assert res.request.prior_preservation and res.request.class_images == 200
+    assert "prior preservation: 200 class images are trained alongside (batch doubled)" in res.reasons
+
+    # train's request for the same settings: the same prior preservation and class images
+    seen = []
+    monkeypatch.setattr(P, "plan", lambda hw, profiles, request: seen.append(request) or res)
+    base = C.default_config()
+    base["method"], base["model"]["family"] = "dreambooth", "sd15"
+    cfg = C.validate(C.apply_overrides(base, list(settings)))
+    inputs = launcher.InputSummary(
+        images=20, images_x_repeats=20, skipped=0, model_kind="hub", family="sd15", scan_summary=""
+    )
+    launcher.plan_request(cfg, inputs, res.hardware, launcher.TrainRequest(overrides=list(settings)))
+    assert (seen[0].prior_preservation, seen[0].class_images) == (True, 200)
+    assert C.prior_preservation(cfg) == (True, 200)
