@@ -3082,6 +3082,22 @@ def _choose(fitting: list[Candidate], profiles: Profiles) -> tuple[Candidate, di
     return best, best_by_n
 
 
+def _pinned_count_one_gpu(
+    req: Request, profiles: Profiles, hw: Hardware, cal: Calibration, resolution: int
+) -> Candidate | None:
+    """Where distributed.num_processes pins several GPUs, the one-GPU run the plan is compared with: the one
+    :func:`_choose` would take on one GPU with the other pins kept (what ``--gpus N`` compares with); None where
+    the count is not pinned above one, distributed.gpu_ids names the GPUs, or nothing fits on one."""
+    n = req.pin("num_gpus")
+    if n is None or n < 2 or req.pinned("gpu_ids"):
+        return None
+    alone = replace(req, pins=tuple((k, v) for k, v in req.pins if k != "num_gpus"), max_gpus=1)
+    if not any(not pin_conflicts(alone, on) for on in _gpu_choices(alone, hw)):
+        return None
+    fitting = [c for c in _search(alone, profiles, hw, cal, resolution)[0] if c.fits]
+    return _choose(fitting, profiles)[0] if fitting else None
+
+
 def _gain_reference(one: Candidate | None, best: Candidate) -> Candidate:
     """The run more GPUs are weighed against: the one-GPU run where it has a time, else the current choice."""
     return one if one is not None and one.seconds else best
@@ -3181,6 +3197,8 @@ def plan(hardware: Hardware | Any, profiles: Profiles, request: Request) -> Resu
 
     best, best_by_n = _choose(fitting, profiles)
     fitting = on_count(best.setup.num_gpus)  # what the reasons weigh the plan against: its GPU count, in full
+    if 1 not in best_by_n and (pinned_one := _pinned_count_one_gpu(req, profiles, hardware, cal, resolution)):
+        best_by_n = {1: pinned_one, **best_by_n}  # compared with, never the plan (the pin stands)
     one = best_by_n.get(1)
     speedup = per_image(one) / per_image(best) if (one and one.seconds and best.seconds) else None
     if mixed_gpus(hardware):
@@ -3633,7 +3651,7 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
             f"batch{'es' if repeats > 1 else ''} again"
         )
     if hw.count > 1:
-        r += _multi_gpu_reasons(hw, best, one, best_by_n, profiles, cal)
+        r += _multi_gpu_reasons(hw, best, one, best_by_n, profiles, cal, pinned("num_gpus"))
     if best.seconds is None:
         r.append(f"time: unknown: no catalog throughput or measured speed for {pace.name}")
     else:
@@ -3799,7 +3817,7 @@ def _latent_cache_text(req: Request, best: Candidate, fitting: list[Candidate]) 
     return f"latents not cached: caching would be {format_duration(-diff)} faster, but it has {_tier_text(twin, best)}"
 
 
-def _multi_gpu_reasons(hw, best, one, best_by_n, profiles, cal) -> list[str]:
+def _multi_gpu_reasons(hw, best, one, best_by_n, profiles, cal, pinned_count: bool = False) -> list[str]:
     s = best.setup
     mixed = mixed_gpus(hw)
     r = []
@@ -3811,7 +3829,13 @@ def _multi_gpu_reasons(hw, best, one, best_by_n, profiles, cal) -> list[str]:
         if n == 1:
             on = f" ({used[0].name})" if mixed else ""
             r.append(
-                f"1 GPU{on} would take {format_duration(c.seconds)}" + _one_gpu_trade_text(best, c, profiles)
+                f"1 GPU{on} would take {format_duration(c.seconds)}"
+                + (
+                    (f", only with {_tier_text(c, best)}" if _tier(c) > _tier(best) else "")
+                    + f" (compared with, not planned: {pin_text('num_gpus', s.num_gpus)} is pinned)"
+                    if pinned_count
+                    else _one_gpu_trade_text(best, c, profiles)
+                )
             )
             continue
         m = obs.get(c.observed_multi_gpu) if c.observed_multi_gpu else None

@@ -220,3 +220,21 @@ def test_time_reason_names_every_term_of_the_step(prof, hardware, count, method,
         assert "of the text encoder (not cached" in reason, reason
     if count > 1:
         assert "of gradient exchange with the other GPUs" in reason, reason
+
+
+def test_a_pinned_gpu_count_is_compared_with_one_gpu(prof):
+    """distributed.num_processes=2 on 4x RTX 4090 gave speedup_vs_one_gpu None and no "1 GPU would take" line,
+    where --gpus 2 said 1.85x for the same plan. The pinned count is now compared with the one-GPU run that
+    --gpus 2 compares with (the other pins kept), which is said and never planned."""
+    hw = _catalog(prof, "RTX 4090", 4)
+    req = P.Request(method="lora", model="sdxl", images=200)
+    pinned = P.plan(hw, prof, replace(req, pins=(("num_gpus", 2),)))
+    capped = P.plan(hw, prof, replace(req, max_gpus=2))
+    assert pinned.plan == capped.plan and pinned.plan.num_gpus == 2
+    assert pinned.speedup_vs_one_gpu is not None
+    assert pinned.speedup_vs_one_gpu == pytest.approx(capped.speedup_vs_one_gpu)
+    said = next(r for r in pinned.reasons if r.startswith("1 GPU would take"))
+    assert said.endswith("(compared with, not planned: distributed.num_processes=2 is pinned)"), said
+    assert any(r.startswith("2 GPUs: each step takes") for r in pinned.reasons)
+    # no count pinned above one: nothing added
+    assert P._pinned_count_one_gpu(replace(req, pins=(("num_gpus", 1),)), prof, hw, None, 1024) is None
