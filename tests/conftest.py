@@ -83,26 +83,6 @@ def _isolated_profile_store(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("SDPLAN_PROFILE_DIR", str(tmp_path_factory.mktemp("profile-store")))
 
 
-@pytest.fixture(autouse=True)
-def _no_bitsandbytes_cpu_repack(monkeypatch):
-    """bitsandbytes repacks a 4-bit layer for its AVX512-BF16 CPU kernel at its first eval forward without
-    gradients (a frozen nf4 text encoder encoding), and the repack fails for layers narrower than its 64-wide
-    block: "shape '[96, 0]' is invalid". The tiny test models' layers are that narrow; every real SD3.5 / FLUX.1
-    layer is a multiple of 64, and nobody trains those on a CPU. Only CPUs with AVX512-BF16 take that path (this
-    suite's machine since 2026-11-26: four nf4 tests failed there), so the tests turn it off and run the same
-    dequantising path on every machine. Imports bitsandbytes (and torch) once per worker, at its first test: a
-    test that imports it later would otherwise miss the patch."""
-    import sys
-
-    modules = sys.modules.get("bitsandbytes.nn.modules")
-    if modules is None:
-        try:
-            import bitsandbytes.nn.modules as modules  # noqa: PLC0415
-        except Exception:  # not installed or no CPU build: the nf4 tests skip themselves
-            return
-    monkeypatch.setattr(modules, "has_avx512bf16", lambda: False, raising=False)
-
-
 def fresh_profile_store(monkeypatch, tmp_path: Path) -> Path:
     """Point the local profile store at an empty ``tmp_path/store`` and drop the loaded-profile cache; returns
     the store's folder."""

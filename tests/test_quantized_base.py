@@ -283,6 +283,39 @@ def test_a_quantized_layer_follows_autocast_as_the_linear_it_replaces(tiny_model
         assert layer(x.detach().to(torch.bfloat16)).dtype == torch.bfloat16
 
 
+def test_an_nf4_layer_samples_and_trains_on_after_an_eval_forward_on_any_cpu(monkeypatch):
+    """bitsandbytes repacks a Linear4bit for its AVX512-BF16 CPU kernel at its first eval forward without
+    gradients (a sample grid). On the demo's tiny FLUX.1 (a 16-wide layer, narrower than the 64-wide block) the
+    final grid failed after the weights were written: "shape '[96, 0]' is invalid for input of size 24". On a
+    wide layer the repack works, but the training after that grid failed, or with no bias went on with no
+    gradient through the base layer. The trainer's nf4 layers never take that path: as on a CPU without
+    AVX512-BF16 (the machine's answer is forced to yes here; the narrow layer fails in Python before any kernel
+    runs), they dequantize, in eval as in training."""
+    _needs("nf4")
+    import bitsandbytes.functional as F
+    import bitsandbytes.nn.modules as modules
+    from sdplan.trainer.quantize import _nf4_linear
+
+    monkeypatch.setattr(modules, "has_avx512bf16", lambda: True, raising=False)
+    torch.manual_seed(0)
+    for i, o in ((16, 96), (96, 64), (64, 48), (3072, 64)):
+        linear = torch.nn.Linear(i, o)
+        layer = _nf4_linear(linear, torch.float32, "cpu")
+        if i == 3072:  # the repack works here, and its kernel would run: not called on a CPU that may lack it
+            assert layer.support_avx512bf16_for_cpu is False
+            continue
+        w = F.dequantize_4bit(layer.weight.data, layer.weight.quant_state).float()
+        x = torch.randn(3, i)
+        layer.eval()
+        with torch.no_grad():
+            got = layer(x)
+        torch.testing.assert_close(got, x @ w.T + linear.bias.detach())
+        layer.train()
+        x.requires_grad_(True)
+        layer(x).sum().backward()
+        torch.testing.assert_close(x.grad, w.sum(0).expand(3, i))
+
+
 @pytest.mark.parametrize("family", ["flux-dev", "sd35-medium"])
 def test_an_fp8_base_keeps_only_its_fp8_weights_for_the_backward(tiny_models, family):
     """What autograd saves for the backward through an fp8 base: the 1-byte stored weights, never their upcast

@@ -207,6 +207,13 @@ def _nf4_linear(linear, compute_dtype, device):
     if linear.bias is not None:
         q.bias = linear.bias
     q.requires_grad_(False)
+    # bitsandbytes (0.50.2 here) repacks the weight in place for its AVX512-BF16 CPU kernel at the first forward in eval
+    # mode without gradients (a sample grid). The repack fails on a layer whose inputs are not a multiple of the
+    # 64-wide block or whose outputs are not of 32 (the demo's tiny FLUX.1: "shape '[96, 0]' is invalid"), and on
+    # the layers it repacks the training after that grid fails ("a view of a leaf Variable ... in-place") or, with
+    # no bias, trains on with no gradient through the base layer (gemv_4bit has no autograd). Off: the CPU
+    # dequantizes as it does in training (slower CPU sampling only; GPUs never take that path).
+    q.support_avx512bf16_for_cpu = False
     return q.to(device)
 
 
