@@ -1829,6 +1829,11 @@ def render_summary(summary: dict[str, Any]) -> list[str]:
     )
     for fix in summary.get("oom_retries", []):
         lines.append(f"after out of memory: {fix}")
+    for failed in summary.get("sample_grid_failures") or []:  # outputs.samples: step None is the final grid
+        if isinstance(failed, dict):
+            step = failed.get("step")
+            which = "the final sample grid" if step is None else f"the sample grid of step {step}"
+            lines.append(f"skipped {which}: {failed.get('error')} (traceback: {failed.get('traceback')})")
     for path in summary.get("outputs", []):
         lines.append(f"  {path}")
     return lines

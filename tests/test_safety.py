@@ -319,5 +319,9 @@ def test_force_knows_the_trainers_output_names_by_the_trainers_own_formats():
     assert all(GRID_NAME.fullmatch(grid_name(step)) for step in (None, 1, 123456, 1234567))
     assert GRID_NAME.fullmatch(grid_name(40, again=2))  # a step an earlier session has a grid of
     assert not GRID_NAME.fullmatch("my-step-1.png")
+    assert GRID_NAME.fullmatch("final.error.txt") and GRID_NAME.fullmatch(
+        "step-000040-1.error.txt"
+    )  # its traceback
+    assert not GRID_NAME.fullmatch("final.txt")
     names = [intermediate_name("run", epoch=e, step=s) for e, s in ((3, 30), (None, 40), (None, 99999999))]
     assert all(INTERMEDIATE_NAME.fullmatch(n) for n in names) and not INTERMEDIATE_NAME.fullmatch("keep")

@@ -1017,6 +1017,47 @@ def test_final_sample_grid_out_of_memory_keeps_the_run(tiny_sd15, dataset, tmp_p
     assert "skipped the final sample grid: it ran out of GPU memory" in capsys.readouterr().out
 
 
+def test_a_sample_grid_that_fails_otherwise_is_skipped_and_the_run_keeps_its_records(
+    tiny_sd15, dataset, tmp_path, monkeypatch, capsys
+):
+    """The demo's FLUX.1 over an nf4 base on an AVX512-BF16 CPU: the final grid raised bitsandbytes' "shape '[96, 0]'
+    is invalid" after the weights were written, and the run died with a traceback and without loss.png,
+    loss_history.json or run_summary.json. A grid that fails (not for memory, not a full disk) now takes the
+    out-of-memory grid's way: skipped with one line naming the error, the traceback in a file beside where the
+    grid would be (not on the console), recorded in run_summary.json; training goes on and the run succeeds."""
+    from sdplan.trainer import sampling
+
+    from sdplan.launcher import render_summary
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("shape '[96, 0]' is invalid for input of size 24\nsecond line")
+
+    monkeypatch.setattr(sampling, "sample_grid", broken)
+    out = tmp_path / "out"
+    summary = run.train(tiny_train_config(tiny_sd15, dataset, out, "sampling.every_steps=1"))
+    assert summary == json.loads((out / "run_summary.json").read_text())
+    assert summary["steps"] == 2 and all(Path(p).exists() for p in summary["outputs"])
+    assert {"loss.png", "loss_history.json", f"{out.name}.kohya.safetensors"} <= {
+        p.name for p in out.iterdir()
+    }
+    error = "RuntimeError: shape '[96, 0]' is invalid for input of size 24"
+    grids = [(1, "step-000001"), (2, "step-000002"), (None, "final")]
+    assert summary["sample_grid_failures"] == [
+        {"step": step, "error": error, "traceback": str(out / "samples" / f"{name}.error.txt")}
+        for step, name in grids
+    ]
+    assert not list((out / "samples").glob("*.png"))
+    written = (out / "samples" / "final.error.txt").read_text()
+    assert written.startswith("Traceback") and "in broken" in written and "second line" in written
+    console = capsys.readouterr()
+    assert "Traceback" not in console.out + console.err
+    assert f"skipped the sample grid of step 1: it failed ({error}); its traceback is in " in console.out
+    assert f"skipped the final sample grid: it failed ({error}); its traceback is in " in console.out
+    assert f"skipped the final sample grid: {error} (traceback: {out / 'samples' / 'final.error.txt'})" in (
+        render_summary(summary)
+    )
+
+
 @pytest.mark.train
 def test_inf_gradients_with_a_finite_loss_stop_before_the_update(tiny_sd15, dataset, tmp_path, monkeypatch):
     """On an H100 a faulty attention backward made inf gradients while the loss stayed finite: the update

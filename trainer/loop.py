@@ -585,6 +585,8 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
     tb = progress.tensorboard(accelerator, cfg)
     bar = progress.Progress(accelerator, plan.total_steps, initial=state.global_step, description=cfg.method)
 
+    grid_failures: list[dict] = []  # grids skipped for an error other than out of memory: run_summary.json
+
     def sample(step=None, fallback="", **kw):
         return outputs.samples(
             accelerator,
@@ -597,6 +599,7 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
             tb=tb,
             injected=injected,
             text_cache=recipe.text_cache,
+            failures=grid_failures,
             **kw,
         )
 
@@ -747,6 +750,7 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
             peak_memory_bytes=peak,
             outputs=written,
             intermediate_outputs=state.intermediate_outputs,
+            sample_grid_failures=grid_failures,
         )
         if accelerator.is_main_process
         else {}

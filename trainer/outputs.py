@@ -191,7 +191,7 @@ def grid_name(step: int | None, again: int = 0) -> str:
 
 # What the names above look like, for `train --force` to tell a run's outputs from the user's files
 INTERMEDIATE_NAME = re.compile(r".+-(\d{6}|step\d{8})(-\d+)?")
-GRID_NAME = re.compile(r"(step-\d{6,}(-\d+)?|final)\.png")
+GRID_NAME = re.compile(r"(step-\d{6,}(-\d+)?|final)\.(png|error\.txt)")  # a grid, or why it failed
 
 # when this session of the run started (loop.train marks it): a grid file older than it is an earlier session's
 _SESSION_START = time.time()
@@ -279,6 +279,7 @@ def samples(
     out_path: Path | None = None,
     injected=None,
     text_cache=None,
+    failures: list[dict[str, Any]] | None = None,
 ) -> Path | None:
     """A PNG grid from ``sampling.prompts`` (else ``fallback``) with a fixed seed, made on the main process:
     ``samples/step-000100.png`` during training (the other processes wait), ``samples/final.png`` at the end
@@ -289,7 +290,11 @@ def samples(
     the grid needs the VAE and text encoders back beside the training state, which a smaller batch would not
     change, so stopping for the launcher's smaller-batch retry (and recording an out-of-memory at this batch)
     would be wrong; the other processes still meet this one at the barrier. At the end it is raised (the loop
-    says what it skipped). ``injected``: the run's ``faults.Faults`` (a test hook). ``text_cache``: the run's
+    says what it skipped). A grid that fails otherwise (a pipeline or library error, not a full disk) is skipped
+    during training and at the end alike, the weights being written by then: one line with the error, its
+    traceback in ``<grid>.error.txt`` beside where the grid would be, and its record (:func:`_grid_failure`)
+    appended to ``failures`` (run_summary.json's ``sample_grid_failures``). ``injected``: the run's
+    ``faults.Faults`` (a test hook). ``text_cache``: the run's
     cache of text-encoder outputs; SD3.5 / FLUX.1 sample from it (their encoders stay off the GPU:
     ``flow.cached_conditioning``)."""
     import torch
@@ -300,6 +305,7 @@ def samples(
     shown_step = step if step is not None else at_step
     grid = None
     skipped = None
+    failure = None
     if prompts and accelerator.is_main_process:
         from . import sampling
 
@@ -313,6 +319,7 @@ def samples(
         away = models_away(accelerator.device, comps.vae, *([] if conditioning else tes))
         for m in away:
             m.to(accelerator.device)
+        target = out_path or grid_path(Path(cfg.output.dir) / "samples", step)
         try:
             with (
                 sampling_precision(accelerator, comps.vae),
@@ -327,7 +334,7 @@ def samples(
                     steps=cfg.sampling.num_inference_steps,
                     guidance_scale=sampling.guidance_for(cfg.sampling.guidance_scale, comps.family),
                     resolution=cfg.data.resolution,
-                    out_path=out_path or grid_path(Path(cfg.output.dir) / "samples", step),
+                    out_path=target,
                     labels=[f"step {shown_step}\n{p}" if shown_step is not None else p for p in prompts],
                     conditioning=conditioning,
                     on_step=bar,
@@ -336,8 +343,21 @@ def samples(
             if step is None:
                 raise
             skipped = (str(e).strip().splitlines() or ["out of memory"])[0][:200]
+        except Exception as e:
+            if isinstance(e, SdplanError) or write_error(e, target, needed_bytes=0) is not None:
+                raise  # a full disk stops the run as any write does
+            failure = _grid_failure(e, target, step)
         finally:
             offload(*away)
+        if failure is not None:
+            if failures is not None:
+                failures.append(failure)
+            where = "the final sample grid" if step is None else f"the sample grid of step {step}"
+            say(
+                accelerator,
+                f"skipped {where}: it failed ({failure['error']}); its traceback is in {failure['traceback']}; "
+                + ("the trained weights are written" if step is None else "training goes on"),
+            )
         if skipped is not None:  # outside the except block: its traceback no longer pins the activations
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
@@ -350,6 +370,21 @@ def samples(
     if step is not None:
         accelerator.wait_for_everyone()
     return grid
+
+
+def _grid_failure(exc: BaseException, grid: Path, step: int | None) -> dict[str, Any]:
+    """The record of a sample grid that failed: its step (None: the final grid), the error's first line, and the
+    file its full traceback went to (``final.error.txt`` for ``final.png``; where that cannot be written, the
+    error says so instead)."""
+    import traceback
+
+    path = grid.with_name(grid.stem + ".error.txt")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(traceback.format_exception(exc)))
+    except OSError as e:
+        path = f"not written ({e.strerror or type(e).__name__})"
+    return {"step": step, "error": _first_line(exc)[:300], "traceback": str(path)}
 
 
 @contextlib.contextmanager
@@ -396,10 +431,13 @@ def write_run_summary(
     peak_memory_bytes: int,
     outputs: list[Path | str],
     intermediate_outputs: list[dict[str, Any]] | None = None,
+    sample_grid_failures: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """``run_summary.json``. ``intermediate_outputs``: the outputs saved during training (output.save_every_n_*),
     each ``{"epoch", "step", "files"}`` (``epoch``: the epoch it ends, or the fraction reached). ``wall_seconds``:
-    the run's, over its sessions (a resumed run adds its earlier sessions' time up to the checkpoint resumed)."""
+    the run's, over its sessions (a resumed run adds its earlier sessions' time up to the checkpoint resumed).
+    ``sample_grid_failures``: the grids this session skipped for an error other than out of memory, each
+    ``{"step", "error", "traceback"}`` (the key only where there are some)."""
     summary = {
         "method": method,
         "steps": steps,
@@ -412,6 +450,8 @@ def write_run_summary(
         "outputs": [str(p) for p in outputs],
         "intermediate_outputs": list(intermediate_outputs or []),
     }
+    if sample_grid_failures:
+        summary["sample_grid_failures"] = list(sample_grid_failures)
     write_json_atomic(Path(out_dir) / "run_summary.json", summary)
     return summary
 
