@@ -86,7 +86,7 @@ def _pixels_of(image):
     return torch.from_numpy(__import__("numpy").array(image.convert("RGB")))
 
 
-def test_sample_grid_sdxl_with_labels_keeps_size(tiny_sdxl, tmp_path):
+def test_sample_grid_sdxl_with_labels_under_the_images(tiny_sdxl, tmp_path):
     pipe = _pipe(tiny_sdxl)
     prompts = ["a photo of sks dog", "a green circle on a red square with a long caption"]
     plain = sampling.sample_grid(
@@ -106,10 +106,12 @@ def test_sample_grid_sdxl_with_labels_keeps_size(tiny_sdxl, tmp_path):
     for path in (plain, labelled):
         with Image.open(path) as im:
             im.verify()
-        with Image.open(path) as im:
-            assert im.size == (2 * 64, 32)  # width x height per cell, one row
+    with Image.open(plain) as im:
+        assert im.size == (2 * 64, 32)  # width x height per cell, one row
+    with Image.open(labelled) as im:
+        assert im.width == 2 * 64 and im.height > 32  # a label strip under the row
     a, b = _pixels(plain), _pixels(labelled)
-    assert torch.equal(a[:20], b[:20]) and not torch.equal(a, b)  # the label band only
+    assert torch.equal(a, b[:32]) and int(b[32:].max()) == 255  # the images untouched, the text under them
 
 
 def test_make_grid_places_each_image():

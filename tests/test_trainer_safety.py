@@ -221,7 +221,7 @@ def test_lora_every_epoch_loads_and_is_listed(tiny_sd15, images, tmp_path):
         assert len(files) == 3 and len(kohya) == 1  # diffusers, kohya (named by epoch), grid
         assert kohya.pop().name.startswith(f"shapes-{x['epoch']:06d}")
         with Image.open(folder / "samples.png") as im:
-            assert im.size == (64, 64)
+            assert im.width == 64 and 64 < im.height < 128  # the image, its label strip under it
             assert json.loads(im.text["sdplan_samples"])["labels"] == [
                 f"step {x['step']}\na photo of sks red square"
             ]
@@ -277,14 +277,31 @@ def test_no_intermediate_outputs_unless_asked(tiny_sd15, images, tmp_path):
 # -- item 11: labelled grids ---------------------------------------------------------------------------------
 
 
-def test_grid_labels_have_their_own_lines_and_keep_the_size():
+def test_grid_labels_sit_under_the_images_and_show_where_prompts_differ():
+    """At 64 px the label drawn over the image ("step 16 / a photo of...") covered 40% of it and cut the prompt
+    where the demo's four differ ("red square", "blue circle"). The labels now sit in a strip under each image,
+    at a readable size, and a prompt too long for its lines keeps its end."""
+    from PIL import ImageDraw
+
     cells = [Image.new("RGB", (64, 64), (90, 90, 90)) for _ in range(2)]
+    labels = ["step 16\na photo of sks red square", "step 16\na photo of sks blue circle"]
     plain = sampling.make_grid(cells, cols=2)
-    labelled = sampling.make_grid(cells, cols=2, labels=["step 16\na photo of sks red square", "step 16\nb"])
-    assert labelled.size == plain.size == (128, 64)
-    a, b = (torch.from_numpy(__import__("numpy").asarray(g)) for g in (plain, labelled))
-    assert torch.equal(a[:30], b[:30]) and not torch.equal(a[-10:], b[-10:])  # text in the bottom band only
-    assert not torch.equal(b[-22:-12], a[-22:-12])  # two lines: the band is taller than one line's
+    labelled = sampling.make_grid(cells, cols=2, labels=labels)
+    assert plain.size == (128, 64) and labelled.width == 128 and 64 + 3 * 11 <= labelled.height < 128
+    a, b = (torch.from_numpy(__import__("numpy").array(g)) for g in (plain, labelled))
+    assert torch.equal(a, b[:64])  # the images untouched
+    assert int(b[64:].max()) == 255  # the text, under them
+    font = sampling._font(11, "".join(labels))
+    draw = ImageDraw.Draw(labelled)
+    for label in labels:
+        lines = sampling._wrap(draw, font, label, 60, 3)
+        assert lines[0] == "step 16" and len(lines) == 3, lines
+        assert lines[1].startswith(sampling.ELLIPSIS) and " ".join(lines).endswith(label.split("sks ")[1])
+        assert all(draw.textlength(line, font=font) <= 60 for line in lines)
+    # a prompt that fits keeps all of it; the lines above a cut prompt keep their start
+    assert sampling._wrap(draw, font, "step 2\nsks dog", 60, 3) == ["step 2", "sks dog"]
+    wide = sampling._wrap(draw, font, "step_1234567890123\nsks dog", 60, 3)
+    assert wide[0].startswith("step_1") and wide[0].endswith(sampling.ELLIPSIS) and wide[1:] == ["sks dog"]
 
 
 def test_grid_labels_take_a_font_that_has_their_characters():
@@ -304,7 +321,7 @@ def test_grid_labels_take_a_font_that_has_their_characters():
     nowhere = "\U0010fffd"  # a private-use character no font has: DejaVu Sans, a box, no error
     assert sampling._font(20, nowhere).getname()[0] == "DejaVu Sans"
     cells = [Image.new("RGB", (64, 64), (90, 90, 90)) for _ in range(2)]
-    assert sampling.make_grid(cells, cols=2, labels=["猫 café", nowhere]).size == (128, 64)
+    assert sampling.make_grid(cells, cols=2, labels=["猫 café", nowhere]).width == 128
 
 
 def test_a_label_font_that_cannot_be_opened_gives_way_to_the_next(monkeypatch, tmp_path):

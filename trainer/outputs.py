@@ -283,8 +283,8 @@ def samples(
 ) -> Path | None:
     """A PNG grid from ``sampling.prompts`` (else ``fallback``) with a fixed seed, made on the main process:
     ``samples/step-000100.png`` during training (the other processes wait), ``samples/final.png`` at the end
-    (call it on the main process only then), or ``out_path``. Each image is labelled with the step (``step``,
-    else ``at_step``) and its prompt. Components moved off the GPU (cached outputs) come back for it.
+    (call it on the main process only then), or ``out_path``. Each image is labelled, in a strip under it, with the step
+    (``step``, else ``at_step``) and its prompt. Components moved off the GPU (cached outputs) come back for it.
 
     Out of GPU memory in a grid during training (``step`` given) skips that grid and training goes on (None):
     the grid needs the VAE and text encoders back beside the training state, which a smaller batch would not

@@ -148,8 +148,11 @@ def generate_images(
 
 def make_grid(images: list, cols: int | None = None, labels: list[str] | None = None):
     """Images pasted into a ``cols`` x ``rows`` grid (cells the size of the first image; ``cols`` defaults to
-    ceil(sqrt(n))). ``labels`` are drawn over the bottom of each cell (a font that has their characters, scaled to the cell; a
-    newline starts a line, long lines wrap, at most :data:`LABEL_LINES`), so the grid size never changes."""
+    ceil(sqrt(n))). ``labels`` go in a strip under each image, never over it (at 64 px a label over the image
+    covered 40% of it): white on black, at least :data:`LABEL_MIN_PX` px high (a font that has their
+    characters, scaled to the cell); a newline starts a line, long lines wrap, at most :data:`LABEL_LINES` in
+    all. The last line of a label (the prompt) keeps its end where it is too long ("...red square": where
+    prompts differ), the lines above it their start ("step 16"). The strip is as tall as the longest label."""
     from PIL import Image, ImageDraw
 
     if not images:
@@ -157,30 +160,34 @@ def make_grid(images: list, cols: int | None = None, labels: list[str] | None = 
     cols = cols or math.ceil(math.sqrt(len(images)))
     rows = math.ceil(len(images) / cols)
     w, h = images[0].size
-    grid = Image.new("RGB", (cols * w, rows * h), (0, 0, 0))
+    texts = list(labels[: len(images)]) if labels else []
+    lines: list[list[str]] = []
+    strip = line_h = top = 0
+    font = None
+    if texts:
+        font = _font(max(LABEL_MIN_PX, h // 24), "".join(texts) + ELLIPSIS)
+        _, top, _, bottom = font.getbbox("Ag")
+        line_h = bottom - top + 2
+        measure = ImageDraw.Draw(Image.new("RGB", (1, 1)))
+        lines = [_wrap(measure, font, text, w - 4, LABEL_LINES) for text in texts]
+        strip = max(len(lab) for lab in lines) * line_h + 3
+    cell_h = h + strip
+    grid = Image.new("RGB", (cols * w, rows * cell_h), (0, 0, 0))
     for i, image in enumerate(images):
         if image.size != (w, h):
             raise ValueError(f"image {i} is {image.size}, the grid's cells are {(w, h)}")
-        grid.paste(image.convert("RGB"), ((i % cols) * w, (i // cols) * h))
-    if labels:
-        draw = ImageDraw.Draw(grid, "RGBA")
-        font = _font(max(10, h // 24), "".join(labels[: len(images)]))
-        _, top, _, bottom = font.getbbox("Ag")
-        line_h = bottom - top + 2
-        most = max(1, min(LABEL_LINES, (h // 2) // line_h))  # the band covers at most half the cell
-        for i, text in enumerate(labels[: len(images)]):
-            x, y = (i % cols) * w, (i // cols) * h
-            lines = _wrap(draw, font, text, w - 4, most)
-            band = len(lines) * line_h
-            draw.rectangle([x, y + h - band, x + w - 1, y + h - 1], fill=(0, 0, 0, 160))
-            for j, line in enumerate(lines):
-                draw.text(
-                    (x + 2, y + h - band + j * line_h + 1 - top), line, font=font, fill=(255, 255, 255, 255)
-                )
+        grid.paste(image.convert("RGB"), ((i % cols) * w, (i // cols) * cell_h))
+    draw = ImageDraw.Draw(grid)
+    for i, label in enumerate(lines):
+        x, y = (i % cols) * w, (i // cols) * cell_h + h + 2
+        for j, line in enumerate(label):
+            draw.text((x + 2, y + j * line_h - top), line, font=font, fill=(255, 255, 255))
     return grid
 
 
-LABEL_LINES = 2
+LABEL_LINES = 3
+LABEL_MIN_PX = 11  # DejaVu Sans at 11 px: about 10 characters across a 64 px cell
+ELLIPSIS = "\u2026"
 
 
 def _font(size: int, text: str = ""):
@@ -238,32 +245,52 @@ def _charmap(path: str) -> frozenset[int]:
         return frozenset()
 
 
-def _wrap(draw, font, text: str, width: int, most: int = 2) -> list[str]:
-    """``text`` in lines of at most ``width`` pixels: newlines break, then words; at most ``most`` lines, the
-    last cut with "..." when the text goes on."""
+def _wrap(draw, font, text: str, width: int, most: int = LABEL_LINES) -> list[str]:
+    """``text`` in lines of at most ``width`` pixels: newlines break, then words; at most ``most`` lines. Where
+    that is too many, the last paragraph (the prompt) loses its start ("...of sks red" / "square": its end is
+    what tells prompts apart), the ones above it their end."""
+    paragraphs = [_words(draw, font, para, width) for para in text.split("\n")]
+    head = [line for para in paragraphs[:-1] for line in para][: max(most - 1, 0)]
+    tail = paragraphs[-1]
+    room = max(most - len(head), 1)
+    if len(tail) > room:
+        tail = tail[-room:]
+        tail[0] = ELLIPSIS + tail[0]
+    return [_fit(draw, font, line, width) for line in head] + [
+        _fit_end(draw, font, line, width) for line in tail
+    ]
+
+
+def _words(draw, font, text: str, width: int) -> list[str]:
     lines: list[str] = []
-    for para in text.split("\n"):
-        line = ""
-        for word in para.split(" "):
-            candidate = f"{line} {word}" if line else word
-            if line and draw.textlength(candidate, font=font) > width:
-                lines.append(line)
-                line = word
-            else:
-                line = candidate
-        lines.append(line)
-    if len(lines) > most:
-        lines = lines[:most]
-        lines[-1] += "..."
-    return [_fit(draw, font, line, width) for line in lines]
+    line = ""
+    for word in text.split(" "):
+        candidate = f"{line} {word}" if line else word
+        if line and draw.textlength(candidate, font=font) > width:
+            lines.append(line)
+            line = word
+        else:
+            line = candidate
+    return [*lines, line]
 
 
 def _fit(draw, font, text: str, width: int) -> str:
+    """``text`` cut at the end (with an ellipsis) to ``width`` pixels."""
     if draw.textlength(text, font=font) <= width:
         return text
-    while text and draw.textlength(text + "...", font=font) > width:
+    while text and draw.textlength(text + ELLIPSIS, font=font) > width:
         text = text[:-1]
-    return text + "..."
+    return text + ELLIPSIS
+
+
+def _fit_end(draw, font, text: str, width: int) -> str:
+    """``text`` cut at the start (with an ellipsis) to ``width`` pixels: its end stays."""
+    if draw.textlength(text, font=font) <= width:
+        return text
+    text = text.removeprefix(ELLIPSIS)
+    while text and draw.textlength(ELLIPSIS + text, font=font) > width:
+        text = text[1:]
+    return ELLIPSIS + text
 
 
 def sample_grid(
@@ -282,8 +309,9 @@ def sample_grid(
     on_step: Callable[[int], None] | None = None,
 ) -> Path:
     """Generate one image per prompt and save them as one PNG grid of ``cols * width`` x ``rows * height``
-    pixels (``cols`` defaults to ceil(sqrt(len(prompts)))); the prompts and settings go into the PNG's text
-    chunks. ``labels``: True draws each prompt on its image, a list draws those texts (one per prompt).
+    pixels (plus the label strips) (``cols`` defaults to ceil(sqrt(len(prompts)))); the prompts and settings go into the PNG's text
+    chunks. ``labels``: True writes each prompt under its image, a list those texts (one per prompt), in a strip
+    that adds to the grid's height (:func:`make_grid`).
     ``conditioning``, ``on_step``: as :func:`generate_images`. Works for the SD 1.x/2.x, SDXL, SD3 and FLUX
     pipelines. Written atomically."""
     from PIL.PngImagePlugin import PngInfo
