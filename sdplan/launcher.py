@@ -431,7 +431,7 @@ def check_inputs(
     given): the model's own, which the images are measured against."""
     from sdplan.trainer.dataset_scan import require_images, scan_data, small_images_note, uncaptioned_note
     from sdplan.trainer.models import PICKLE_SUFFIXES, HubUnreachable, resolve_source
-    from sdplan.trainer.source_check import check_source
+    from sdplan.trainer.source_check import check_source, single_file_configs
 
     dataset_error: SdplanError | None = None
     try:
@@ -468,6 +468,13 @@ def check_inputs(
                 else "the family its name suggests"
             )
         family = cfg.model.family or info.family or _family_of(source.kind, source.location)
+        # a single file's component configs come from the hub at its load: not cached and no hub is one line
+        # now, not in the trainer ~11 s after the launch (a dry run asks no hub: it says so)
+        configs = single_file_configs(
+            source.kind, family, cfg.model.config_dir, ask=not dry_run, where=cfg.model.path
+        )
+        if configs and model_note is None:
+            model_note = f"model: warning: {configs}"
         if family is None:  # the plan (memory, resolution) is the family's: it was the default family's
             why = unknown or (
                 f"a pickled checkpoint whose keys cannot be read without loading it: {info.unread}"

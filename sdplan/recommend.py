@@ -380,6 +380,11 @@ def _model_source(inp: RecommendInputs, profiles: Profiles) -> RecommendInputs:
         info.kind, info.kind
     )
     note = f"model {model}: {what} of the {family} family (planned as {family})"
+    from sdplan.trainer.source_check import single_file_configs
+
+    configs = single_file_configs(info.kind, family, pinned.get("config_dir"))
+    if configs:
+        note += f"; warning: {configs}"
     resolution = inp.resolution
     own = profiles.model(family).resolution_for(info.prediction_type)
     pinned = "data.resolution" in cfgmod.override_keys(inp.settings)

@@ -1150,3 +1150,74 @@ def test_an_sd2_ckpts_prediction_type_is_read_from_its_weights_without_torch(tmp
 
     out = recommend_in_a_process("--method", "lora", "--model", str(eps), "--hardware", "RTX 4090")
     assert "lora sd21 at 512px" in out, out
+
+
+def test_a_single_file_whose_configs_are_not_cached_says_so_at_recommend_and_before_the_launch(
+    tmp_path, monkeypatch
+):
+    """`recommend --model ./x.safetensors --out DIR` wrote model.config_dir: null without a word, though the
+    file's component configs come from the hub at its load; offline, `train` then failed in the trainer about 11 s
+    after the launch. Where the local cache lacks them, recommend warns, and train says so in one line before the
+    launch when the hub cannot be asked (the suite runs offline); a dry run, which asks no hub, warns."""
+    from sdplan.trainer import source_check
+
+    model = write_safetensors(tmp_path / "x.safetensors", checkpoint())
+    repo = source_check.SINGLE_FILE_CONFIGS["sd15"]
+    assert (
+        source_check.single_file_configs("file", "sd15", None, ask=True) is None
+    )  # the suite's cache has them
+    monkeypatch.setattr(source_check, "cached_snapshot", lambda repo_id, revision=None: None)
+    line = source_check.single_file_configs("file", "sd15", None)
+    assert repo in line and "model.config_dir" in line
+    assert source_check.single_file_configs("file", "sd15", str(tmp_path)) is None  # config_dir given
+    assert source_check.single_file_configs("folder", "sd15", None) is None
+
+    out = runner.invoke(
+        app,
+        [
+            "recommend",
+            "--method",
+            "lora",
+            "--model",
+            str(model),
+            "--hardware",
+            "RTX 4090",
+            "--out",
+            str(tmp_path / "r"),
+        ],
+    )
+    assert out.exit_code == 0, out.output
+    assert (
+        f"warning: a single file's component configs and tokenizers come from the Hugging Face hub ({repo})"
+        in (" ".join(out.output.split()))
+    )
+    assert "warning:" in dry_run(model, tmp_path).output
+    ds = make_images(tmp_path / "ds2", n=2)
+    args = [
+        "train",
+        "--model",
+        str(model),
+        "--dataset",
+        str(ds),
+        "--out",
+        str(tmp_path / "o2"),
+        "--device",
+        "cpu",
+    ]
+    message = one_line_error(
+        runner.invoke(app, args), 2, "and the hub cannot be reached (HF_HUB_OFFLINE is set)"
+    )
+    assert (
+        message.startswith(f"error: model.path {model}: ")
+        and repo in message
+        and "model.config_dir" in message
+    )
+
+
+def test_the_single_file_config_repos_are_diffusers_own():
+    """SINGLE_FILE_CONFIGS names the repos diffusers' from_single_file fetches for SD 1.x, 2.x and SDXL files."""
+    from diffusers.loaders.single_file_utils import DIFFUSERS_DEFAULT_PIPELINE_PATHS as paths
+    from sdplan.trainer.source_check import SINGLE_FILE_CONFIGS
+
+    types = {"sd15": "v1", "sd21": "v2", "sdxl": "xl_base"}
+    assert {f: paths[t]["pretrained_model_name_or_path"] for f, t in types.items()} == SINGLE_FILE_CONFIGS

@@ -974,6 +974,49 @@ def cached_snapshot(repo_id: str, revision: str | None = None) -> Path | None:
     return folder if (folder / "model_index.json").is_file() else None
 
 
+# The hub model whose component configs and tokenizers diffusers' ``from_single_file`` fetches for a single file
+# of each family sdplan trains from one, where no model.config_dir is given (diffusers'
+# ``DIFFUSERS_DEFAULT_PIPELINE_PATHS`` for its model types "v1", "v2" and "xl_base"; inpainting, refiner and EDM
+# files are refused before). SD3.5 / FLUX.1 single files need model.config_dir (``check_file``).
+SINGLE_FILE_CONFIGS = {
+    "sd15": "stable-diffusion-v1-5/stable-diffusion-v1-5",
+    "sd21": "stabilityai/stable-diffusion-2-1",
+    "sdxl": "stabilityai/stable-diffusion-xl-base-1.0",
+}
+
+
+def single_file_configs(
+    kind: str, family: str | None, config_dir: str | None, *, ask: bool = False, where: str = ""
+) -> str | None:
+    """For a single file (``kind`` "file") of ``family`` without ``config_dir``, whose component configs come from
+    the hub at its load: None where the local cache holds them (or there is nothing to fetch); else the line
+    saying they are not here (``recommend`` warns with it). ``ask``: the hub is asked once, quickly
+    (:func:`.models.ask_hub`), and a hub that cannot be reached is the one-line error (``sdplan train`` before
+    its launch; the trainer failed there about 11 s after it), a hub that answers is None. ``where``: the
+    model.path the error names."""
+    repo = SINGLE_FILE_CONFIGS.get(family or "") if kind == "file" and config_dir is None else None
+    if repo is None or cached_snapshot(repo) is not None:
+        return None
+    line = (
+        f"a single file's component configs and tokenizers come from the Hugging Face hub ({repo}) at its "
+        "first load, and the local cache does not hold them"
+    )
+    fix = (
+        "set model.config_dir to a local diffusers folder of the same family (then nothing is downloaded), "
+        "or run once with network access"
+    )
+    if not ask:
+        return f"{line}: set model.config_dir or train with network access once"
+    from .models import HubUnreachable, ModelLoadError, ask_hub
+
+    try:
+        ask_hub(repo, "model_index.json", None, cache="the local cache does not hold it")
+    except HubUnreachable as e:
+        at = f"model.path {where}: " if where else ""
+        raise ModelLoadError(f"{at}{line}, and the hub cannot be reached ({e.why})", fix=fix) from None
+    return None
+
+
 def check_hub(
     repo_id: str, where: str, *, family: str | None, variant: str | None, revision: str | None
 ) -> SourceInfo:
