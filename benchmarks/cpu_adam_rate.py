@@ -9,7 +9,7 @@ untimed step allocates the moments, then the median of --steps timed steps. For 
 
     DS_ACCELERATOR=cpu python benchmarks/cpu_adam_rate.py [--params 2e8] [--threads N]
 
-Needs `pip install 'sdplan[deepspeed]'` (the CPU Adam extension is compiled on first use).
+Needs `pip install 'deepspeed>=0.15'` (the CPU Adam extension is compiled on first use).
 """
 
 from __future__ import annotations

@@ -79,6 +79,7 @@ from sdplan.bench_harness import (
     weights_oom_point,
 )
 from sdplan.errors import ConfigError, NoGPUError, UsageError
+from sdplan.extras import install_hint
 from sdplan.probe.software import importable
 from sdplan.profiles import EXPORT_KIND
 from sdplan.registry import BASE_PRECISIONS, FAMILIES, FLOW_FAMILIES, FLOW_METHODS, METHODS, PLANNED_FAMILIES
@@ -629,7 +630,7 @@ def planner_settings(snapshot: Any, profiles_: Any, method: str, model: str, res
     no_deepspeed = s is not None and bool(s.deepspeed) and not importable("deepspeed")
     why = "the planner finds nothing that fits"
     if no_deepspeed:
-        why = "the planner's plan uses DeepSpeed, which is not installed: pip install 'sdplan[deepspeed]'"
+        why = f"the planner's plan uses DeepSpeed, which is not installed: {install_hint('deepspeed')}"
     elif s is not None and s.full_half_weights:
         why = "the planner's plan needs full half-precision weights, which a bench point cannot record yet"
     lean = BenchRequest(

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sdplan.errors import SdplanError, UsageError
+from sdplan.extras import install_hint
 from sdplan.trainer.faults import BENCH_OOM_ABOVE_BATCH_ENV
 
 if TYPE_CHECKING:
@@ -599,7 +600,7 @@ def cpu_adam_rate(params: int, steps: int, optimizer: str = "deepspeed") -> floa
             from deepspeed.ops.adam import DeepSpeedCPUAdam
         except ImportError as e:
             raise UsageError(
-                "measuring the CPU Adam rate needs DeepSpeed", fix="pip install 'sdplan[deepspeed]'"
+                "measuring the CPU Adam rate needs DeepSpeed", fix=install_hint("deepspeed")
             ) from e
         opt = DeepSpeedCPUAdam([p], lr=1e-4, adamw_mode=True)
     else:

@@ -29,6 +29,7 @@ import yaml
 from sdplan import config as C
 from sdplan import registry
 from sdplan.errors import EXIT_INTERRUPTED, EXIT_OOM, NoGPUError, OutputExistsError, SdplanError, UsageError
+from sdplan.extras import install_hint
 from sdplan.launch import (
     ACCELERATE_FILE,
     DEEPSPEED_FILE,
@@ -1250,7 +1251,7 @@ def prepare(req: TrainRequest, ui: UI) -> Prepared:
             chosen = replace(chosen, optimizer="adamw")
             ui.echo(
                 "note: the plan uses 8-bit AdamW but bitsandbytes is not installed: AdamW instead "
-                "(pip install 'sdplan[bnb]' for the planned optimizer; out of memory is retried smaller)"
+                f"({install_hint('bnb')} for the planned optimizer; out of memory is retried smaller)"
             )
         settings = plan_settings(chosen, plan_result, num_machines=req.num_machines)
         cfg = C.validate(config_data(base, req, out, plan=settings), source=source)
@@ -1513,7 +1514,7 @@ def plan_request(cfg: C.TrainConfig, inputs: InputSummary, snapshot: Any, req: T
     if chosen_needs_bnb(result.plan, pins):
         raise UsageError(
             "memory.optimizer=adamw8bit: bitsandbytes is not installed",
-            fix="pip install 'sdplan[bnb]', or pin memory.optimizer=adamw",
+            fix=f"{install_hint('bnb')}, or pin memory.optimizer=adamw",
         )
     return result
 

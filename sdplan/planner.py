@@ -48,6 +48,7 @@ from typing import Any, NamedTuple
 
 from sdplan import registry
 from sdplan.errors import UsageError
+from sdplan.extras import install_hint
 from sdplan.machine import GTX16_FP16_NAN_SOURCES, fp16_gives_nan
 from sdplan.profiles import GiB, GPUSpec, HostMeasurement, MethodPoint, ModelSpec, Profiles
 from sdplan.registry import FULL_METHODS, METHODS
@@ -3416,7 +3417,7 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
     opt_reason = {
         "adamw": "AdamW (8 bytes of fp32 state per trained parameter) fits",
         "adamw8bit": f"8-bit AdamW (bitsandbytes, ~2 bytes of state per parameter; CUDA only): {why}; "
-        "needs `pip install 'sdplan[bnb]'`",
+        f"needs `{install_hint('bnb')}`",
         "adafactor": f"Adafactor (factored second moment, a fraction of AdamW's state): {why}",
     }[s.optimizer]
     r.append(f"optimizer {s.optimizer}: " + ("pinned" if pinned("optimizer") else opt_reason))
@@ -3485,7 +3486,7 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
                 if added
                 else "; the optimizer runs on the CPU"
             )
-            + f"; it needs ~{_gib(m.ram)} of host RAM and `pip install 'sdplan[deepspeed]'`"
+            + f"; it needs ~{_gib(m.ram)} of host RAM and `{install_hint('deepspeed')}`"
         )
     elif s.sharded:
         whole = min(
@@ -3513,7 +3514,7 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
                 + ")"
             )
             + f"; each GPU holds the {_gib(m.weights)} of half weights and {_gib(m.optimizer)} of master weights "
-            "and state; it needs `pip install 'sdplan[deepspeed]'`"
+            f"and state; it needs `{install_hint('deepspeed')}`"
         )
     elif req.method in FULL_METHODS and not pinned("deepspeed"):
         r.append(

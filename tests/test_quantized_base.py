@@ -37,7 +37,7 @@ pytestmark = trains_in_process
 def _needs(base: str) -> None:
     if base == "nf4":
         pytest.importorskip(
-            "bitsandbytes", reason="the nf4 base needs bitsandbytes (pip install 'sdplan[bnb]')"
+            "bitsandbytes", reason="the nf4 base needs bitsandbytes (pip install 'bitsandbytes>=0.46')"
         )
 
 
@@ -81,7 +81,7 @@ def test_support_problem_says_what_each_precision_needs_in_one_line():
     assert "only LoRA trains over a quantized frozen base" in refused["method"]
     assert "NVIDIA CUDA GPU (or the CPU)" in refused["rocm"] and "fp8 or bf16" in refused["rocm"]
     assert "compute capability 6.0+" in refused["maxwell"] and "5.2" in refused["maxwell"]
-    assert "bitsandbytes >= 0.46 (not installed): pip install -U 'sdplan[bnb]'" in refused["no bnb"]
+    assert "bitsandbytes >= 0.46 (not installed): pip install -U 'bitsandbytes>=0.46'" in refused["no bnb"]
     assert "(found 0.45.5)" in refused["old bnb"]
     assert "diffusers >= 0.33" in refused["old diffusers"] and "found 0.32.2" in refused["old diffusers"]
 

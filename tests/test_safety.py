@@ -137,7 +137,7 @@ def test_bracketed_out_paths_print_as_they_are(tmp_path, name):
 def test_install_hints_keep_their_brackets():
     r = cli("recommend", "--method", "dreambooth", "--machine", str(MACHINES / "rx6700xt.json"))
     assert r.exit_code == 0, r.output
-    assert "pip install 'sdplan[deepspeed]'" in r.stdout
+    assert "pip install 'deepspeed>=0.15'" in r.stdout
 
 
 def test_train_echo_is_plain_text(tmp_path):

@@ -10,6 +10,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from sdplan.extras import install_hint
+
 
 def ema(values: list[float], smoothing: float = 0.9, x: list[float] | None = None) -> list[float]:
     """Exponential moving average with TensorBoard's debiasing (the first points are not pulled to 0).
@@ -97,7 +99,7 @@ def loss_curve(
 
 class TensorBoardLogger:
     """``torch.utils.tensorboard.SummaryWriter`` for the few things a run logs: loss, learning rate, it/s,
-    memory and sample images. Without tensorboard installed (``pip install 'sdplan[tensorboard]'``) every
+    memory and sample images. Without tensorboard installed (``pip install 'tensorboard>=2.15'``) every
     method does nothing and one RuntimeWarning says why; ``enabled`` tells which."""
 
     def __init__(self, log_dir: str | Path, enabled: bool = True):
@@ -110,7 +112,7 @@ class TensorBoardLogger:
         except ImportError as e:
             warnings.warn(
                 f"TensorBoard logging is off: tensorboard is not installed ({e}); "
-                "install it with: pip install 'sdplan[tensorboard]'",
+                f"install it with: {install_hint('tensorboard')}",
                 RuntimeWarning,
                 stacklevel=2,
             )

@@ -36,6 +36,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+from sdplan.extras import install_hint
 from sdplan.probe.snapshot import version_tuple
 
 QUANTIZED = ("fp8", "nf4")
@@ -106,7 +107,7 @@ def support_problem(
     if have is None or have < BITSANDBYTES_MIN:
         found = f"found {bitsandbytes}" if bitsandbytes else "not installed"
         return (
-            f"{what} needs bitsandbytes >= {_dotted(BITSANDBYTES_MIN)} ({found}): pip install -U 'sdplan[bnb]', "
+            f"{what} needs bitsandbytes >= {_dotted(BITSANDBYTES_MIN)} ({found}): {install_hint('bnb', upgrade=True)}, "
             "or pin model.base_precision=fp8 or bf16"
         )
     return None

@@ -17,6 +17,7 @@ from typing import Any
 
 from sdplan import steps
 from sdplan.errors import SdplanError
+from sdplan.extras import install_hint
 from sdplan.steps import Steps
 
 
@@ -123,7 +124,7 @@ def make_accelerator(cfg, out_dir: Path):
         except ImportError as e:
             raise SdplanError(
                 "distributed.deepspeed is set but DeepSpeed is not installed",
-                fix="pip install 'sdplan[deepspeed]' or remove distributed.deepspeed",
+                fix=f"{install_hint('deepspeed')} or remove distributed.deepspeed",
             ) from e
         from sdplan.launch import deepspeed_config
 
@@ -582,7 +583,7 @@ def make_optimizer(param_groups: list[dict[str, Any]], cfg):
         except ImportError as e:
             raise SdplanError(
                 "memory.optimizer: adamw8bit needs bitsandbytes, which is not installed",
-                fix="pip install 'sdplan[bnb]', or set memory.optimizer=adamw",
+                fix=f"{install_hint('bnb')}, or set memory.optimizer=adamw",
             ) from e
         return bnb.optim.AdamW8bit(param_groups, lr=lr, betas=(0.9, 0.999), weight_decay=1e-2, eps=1e-8)
     if name == "adafactor":

@@ -10,6 +10,7 @@ from rich.markup import escape
 
 from sdplan import registry
 from sdplan.commands._common import cli_errors, console, err_console, reject_repeated_settings
+from sdplan.extras import install_hint
 
 
 @cli_errors
@@ -64,7 +65,7 @@ def bench(
             "--host",
             help="Measure this host's CPU instead: DeepSpeed's CPU Adam rate, which sets the time of DeepSpeed "
             "optimizer offload, saved for the planner's plans on this machine (no GPU needed; needs "
-            "`pip install 'sdplan[deepspeed]'`).",
+            f"`{install_hint('deepspeed')}`).",
         ),
     ] = False,
     settings: Annotated[
