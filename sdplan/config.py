@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import errno
 import math
+import shlex
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, get_args, get_origin, get_type_hints
@@ -632,12 +633,21 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     """Apply `key.path=value` overrides (:func:`_override_value`); returns a copy."""
     out = copy.deepcopy(data)
     errors: list[str] = []
+    split: list[
+        str
+    ] = []  # the first key=value the shell split at its spaces, with the words that followed it
+    after_setting: list[str] | None = None
     for item in overrides:
         key, sep, raw = item.partition("=")
         key = key.strip()
         if not sep or not key:
             errors.append(f"{item!r}: an override is key=value, e.g. training.batch_size=2")
+            if after_setting is not None:
+                after_setting.append(item)
+                if not split:
+                    split = after_setting
             continue
+        after_setting = [item]
         value, problem = _override_value(key, raw)
         if problem:
             errors.append(problem)
@@ -654,8 +664,16 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
         else:
             node[parts[-1]] = value
     if errors:
-        raise ConfigError("overrides", errors)
+        fix = None
+        if split:  # `key=sks dog, masterpiece` unquoted: the words after the first space arrive on their own
+            fix = f"a value with spaces must be quoted, as one argument: {_shell_quoted(' '.join(split))}"
+        raise ConfigError("overrides", errors, fix=fix)
     return out
+
+
+def _shell_quoted(text: str) -> str:
+    """``text`` as one shell argument, in double quotes where that keeps it as typed ("key=sks dog, x")."""
+    return f'"{text}"' if not any(c in text for c in '"$`\\!') else shlex.quote(text)
 
 
 def merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:

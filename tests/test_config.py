@@ -117,6 +117,33 @@ def test_a_text_setting_takes_the_text_as_typed(override, value):
     config.validate(data)
 
 
+@pytest.mark.parametrize(
+    ("overrides", "fix"),
+    [
+        (
+            ["dreambooth.instance_prompt=sks dog,", "masterpiece"],
+            '"dreambooth.instance_prompt=sks dog, masterpiece"',
+        ),
+        (
+            ["training.epochs=2", "dreambooth.instance_prompt=a", "b", "c"],
+            '"dreambooth.instance_prompt=a b c"',
+        ),
+        (['dreambooth.instance_prompt=say "hi"', "now"], """'dreambooth.instance_prompt=say "hi" now'"""),
+        (["stray", "training.epochs=2"], None),  # not after a setting: nothing to quote
+    ],
+)
+def test_words_the_shell_split_off_a_value_say_to_quote_it(overrides, fix):
+    """`key=sks dog, masterpiece` typed unquoted reaches sdplan as three arguments: the error named each stray
+    word "an override is key=value" and never said why (new-user audit, item 4)."""
+    with pytest.raises(ConfigError) as e:
+        config.apply_overrides(config.default_config(), overrides)
+    assert "an override is key=value" in str(e.value)
+    if fix is None:
+        assert e.value.fix is None
+    else:
+        assert e.value.fix == f"a value with spaces must be quoted, as one argument: {fix}"
+
+
 def test_a_list_item_yaml_reads_as_no_text_says_to_quote_it():
     with pytest.raises(ConfigError) as info:
         config.apply_overrides(config.default_config(), ["sampling.prompts=[a cat: 1.2, dog]"])
