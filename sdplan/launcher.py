@@ -205,6 +205,14 @@ def check_out_dir(
                 f"--out {out} holds an sdplan run that saved no checkpoint",
                 fix="start it over with --force, or choose a new folder",
             )
+        if config_path is not None and _same_file(config_path, out / CONFIG_FILE):
+            # `train --config RUN/sdplan.yaml key=value` on a run that has trained: --config starts a run, so
+            # the way to change a setting of this one is --resume with the setting (or --force to start over)
+            raise OutputExistsError(
+                f"--out {out} holds an sdplan run: --config trains a plan folder or starts a new run",
+                fix=f"to change its settings and continue it: sdplan train --resume --out {shlex.quote(str(out))} "
+                "key=value ...; to start it over with them: add --force; or choose a new folder",
+            )
         raise OutputExistsError(
             f"--out {out} holds an sdplan run",
             fix="continue it with --resume, start it over with --force, or choose a new folder",
@@ -1111,7 +1119,10 @@ def prepare(req: TrainRequest, ui: UI) -> Prepared:
     config_path = Path(req.config).expanduser() if req.config else None
     if req.resume:
         if req.out is None and config_path is None:
-            raise UsageError("--resume needs the run folder", fix="add --out DIR")
+            raise UsageError(
+                "--resume needs the run's folder: --out has no default with --resume",
+                fix="add --out DIR (--out ./output for a run started without --out)",
+            )
         if req.force:  # else --force was ignored: the user may have meant to start over
             raise UsageError(
                 "--resume continues the run and --force starts it over", fix="give one of them, not both"

@@ -154,7 +154,8 @@ def test_resume_without_checkpoint(tmp_path, fake_model):
 
 
 def test_resume_needs_a_run_folder(tmp_path):
-    one_line_error(invoke("--resume"), 2, "--out")
+    # --out defaults to ./output for a new run, not with --resume: the line says so, and how to name that one
+    one_line_error(invoke("--resume"), 2, "--out has no default with --resume", "--out ./output")
     (tmp_path / "r").mkdir()
     one_line_error(invoke("--resume", "--out", str(tmp_path / "r")), 2, "not an sdplan run")
 
@@ -189,6 +190,28 @@ def test_out_with_a_run_needs_force_or_resume(tmp_path, fake_model):
         3,
         "holds an sdplan run that saved no checkpoint",  # so --resume, which would be refused, is not offered
         "--force",
+    )
+
+
+def test_config_of_a_run_that_trained_says_how_to_change_its_settings(tmp_path, fake_model, monkeypatch):
+    """README: `train --config runs/me/sdplan.yaml key=value` after runs/me trained said only "holds an sdplan
+    run"; a setting of a run is changed with --resume (or the run started over with --force)."""
+    from sdplan.trainer import checkpoint
+
+    from sdplan import runfolder
+
+    ds = make_images(tmp_path / "ds")
+    run = tmp_path / "run"
+    config = {"method": "lora", "model": {"path": str(fake_model)}, "data": {"path": str(ds)}}
+    config["output"] = {"dir": str(run)}
+    runfolder.write_files(run, {"sdplan.yaml": yaml.safe_dump(config), "run_summary.json": "{}"})
+    monkeypatch.setattr(checkpoint, "latest_checkpoint", lambda out: run / "checkpoints" / "x")
+    one_line_error(
+        invoke("--config", str(run / "sdplan.yaml"), "--device", "cpu", "training.learning_rate=5e-5"),
+        3,
+        "--config trains a plan folder or starts a new run",
+        f"sdplan train --resume --out {run} key=value",
+        "add --force",
     )
 
 
