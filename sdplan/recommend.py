@@ -23,6 +23,7 @@ from sdplan.registry import FAMILIES
 from sdplan.settings import describe
 
 DEFAULT_IMAGES = 20
+NO_DATASET_NOTE = "no --dataset or --images"  # how a plan's reasons start where it assumed DEFAULT_IMAGES
 DEFAULT_EPOCHS = cfgmod.DEFAULT_EPOCHS
 
 
@@ -472,7 +473,7 @@ def build_request(inp: RecommendInputs, profiles: Profiles) -> tuple[planner.Req
         counted = None
         if inp.images is None:
             notes.append(
-                f"no --dataset or --images: planned for {DEFAULT_IMAGES} images (the steps and time are for "
+                f"{NO_DATASET_NOTE}: planned for {DEFAULT_IMAGES} images (the steps and time are for "
                 f"{DEFAULT_IMAGES}; a run trains its epochs over the dataset it is given)"
             )
     epochs = inp.epochs or DEFAULT_EPOCHS
@@ -874,7 +875,8 @@ def render_compare(rows: list[tuple[str, dict, planner.Result]], console) -> Non
     from rich.text import Text
 
     cells = [_compare_cells(d, res, text) for text, d, res in rows]
-    t = Table(title="hardware options")
+    caption = compare_caption(rows)
+    t = Table(title="hardware options", caption=caption, caption_justify="left")
     t.add_column(COMPARE_COLUMNS[0], no_wrap=True)
     for col in COMPARE_COLUMNS[1:]:
         t.add_column(col)
@@ -885,11 +887,29 @@ def render_compare(rows: list[tuple[str, dict, planner.Result]], console) -> Non
         console.print(t)
         return
     console.print("hardware options", markup=False)
+    if caption:
+        console.print(Padding(Text(caption), (0, 0, 0, 2), expand=False))
     for hardware, *values in cells:
         console.print(Text(hardware, style="bold"))
         for name, value in zip(COMPARE_COLUMNS[1:], values):
             if value != "-":
                 console.print(Padding(Text(f"{name}: {value}"), (0, 0, 0, 2), expand=False))
+
+
+def compare_caption(rows: list[tuple[str, dict, planner.Result]]) -> str:
+    """What the times are for: the images and epochs every option was planned with, and, where neither
+    --dataset nor --images was given, that they are the default's (a table of "84 s" fine-tunes read as the time
+    of a fine-tune, of 20 images)."""
+    if not rows:
+        return ""
+    res = rows[0][2]
+    req = res.request
+    per_epoch = req.images_per_epoch or req.images * req.repeats
+    what = f"{per_epoch} images" + (f" ({req.images} x {req.repeats} repeats)" if req.repeats > 1 else "")
+    text = f"times: {what} per epoch x {req.epochs} epochs"
+    if any(r.startswith(NO_DATASET_NOTE) for r in res.reasons):
+        text += f" (planned for {DEFAULT_IMAGES} images: pass --images N or --dataset DIR for your run's)"
+    return text
 
 
 def _compare_cells(d: dict, res: planner.Result, text: str) -> tuple[str, ...]:
@@ -911,5 +931,19 @@ def _compare_cells(d: dict, res: planner.Result, text: str) -> tuple[str, ...]:
         _compact(est.get("peak_vram_bytes"), est.get("peak_vram_bytes_range"))
         + ("" if est.get("within_upper_bound") is not False else " may not fit"),
         _compact(est.get("seconds"), est.get("seconds_range"), seconds=True) if d["feasible"] else "-",
-        f"{est['speedup_vs_one_gpu']:.2f}x" if est.get("speedup_vs_one_gpu") else "-",
+        (f"{est['speedup_vs_one_gpu']:.2f}x" if est.get("speedup_vs_one_gpu") else "-") + _fewer_gpus(res),
     )
+
+
+def _fewer_gpus(res: planner.Result) -> str:
+    """For an option of N GPUs planned on fewer: how many it uses and why not all (the row read "2x RTX 4090 ...
+    1.00x vs 1 GPU", its one GPU only in the settings)."""
+    if res.plan is None or res.hardware.count <= res.plan.num_gpus:
+        return ""
+    used, n = res.plan.num_gpus, res.hardware.count
+    text = f", uses {used} of {n} GPUs"
+    alt = next((c for c in res.alternatives if c.setup.num_gpus == n), None)
+    if alt is None or alt.seconds is None or res.seconds is None:
+        return text + f" ({n} do not fit)" if alt is None else text
+    why = "slower" if alt.seconds >= res.seconds else "too little faster to be sure of it"
+    return text + f" ({n}: {_dur(alt.seconds)}, {why})"

@@ -252,6 +252,34 @@ def test_compare_table():
         assert name in r.stdout
 
 
+def test_compare_says_what_its_times_are_for_and_why_an_option_uses_fewer_gpus():
+    """The table showed a full fine-tune at "84 s" without saying it was of the 20 images assumed, and its
+    "2x RTX 4090" row "1.00x" vs 1 GPU, the one GPU it planned only in the settings (new-user audit, item 6)."""
+    options = "RTX 4090,2x RTX 4090"
+    r = runner.invoke(
+        app,
+        ["recommend", "--method", "finetune", "--model", "sd15", "--compare", options],
+        env={"COLUMNS": "200"},
+    )
+    assert r.exit_code == 0, r.output
+    flat = " ".join(r.stdout.split())
+    assert (
+        "times: 20 images per epoch x 10 epochs (planned for 20 images: pass --images N or --dataset DIR"
+        in flat
+    )
+    row = next(line for line in r.stdout.splitlines() if "2x RTX 4090" in line)
+    assert "1 GPU," in row and re.search(r"1\.00x, uses 1 of 2 GPUs \(2: [^,]+, slower\)", row), row
+    one = next(line for line in r.stdout.splitlines() if "│ RTX 4090" in line)
+    assert "uses" not in one, one  # a one-GPU option says nothing more
+    r = runner.invoke(
+        app,
+        ["recommend", "--method", "lora", "--compare", options, "--images", "13", "--repeats", "40"],
+        env={"COLUMNS": "200"},
+    )
+    flat = " ".join(r.stdout.split())
+    assert "times: 520 images (13 x 40 repeats) per epoch x 10 epochs" in flat and "planned for" not in flat
+
+
 @pytest.mark.parametrize("columns", [40, 60])
 def test_compare_on_a_narrow_terminal_is_a_list_with_nothing_cut(columns):
     """At 40 or 60 columns the table's cells were cut to 'y…', '2 m…', '(7.0-…': too narrow for the table, each
@@ -265,6 +293,7 @@ def test_compare_on_a_narrow_terminal_is_a_list_with_nothing_cut(columns):
     assert "…" not in r.stdout and "┃" not in r.stdout, r.stdout
     assert all(len(line) <= columns for line in lines), r.stdout
     assert [line for line in lines if line and not line.startswith(" ")] == ["hardware options", *options]
+    assert lines[1].startswith("  times: 20 images per epoch"), lines[1]  # the default's images, said first
     flat = " ".join(r.stdout.split())
     assert flat.count("fits: yes") == 4 and flat.count("vs 1 GPU: ") == 4, flat
     assert re.search(r"RTX 3060 12GB fits: yes settings: 1 GPU, \w+, batch \d+, .+ peak VRAM \(likely\): "
