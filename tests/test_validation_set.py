@@ -208,6 +208,11 @@ def test_planner_accuracy_json_reports_out_of_sample_figures(points):
     # in-sample and leave-one-source-out are reported beside it
     assert result["in_sample"]["summary"]["fit_verdict"]["total"] > 0
     assert result["leave_one_source_out"]["summary"]["speed"]["n"] > 0
+    # the published speeds apart from this project's own H100 points (one source, left out together): the README
+    # quotes the first, which the summary line printed only mixed with the second
+    loso = result["leave_one_source_out"]["summary"]
+    assert loso["speed_published"]["n"] + loso["speed_measured_here"]["n"] == loso["speed"]["n"]
+    assert loso["speed_published"]["n"] > 0 and loso["speed_measured_here"]["n"] > 0
 
 
 def test_settings_the_planner_cannot_express_are_reported_not_dropped(prof, points):
