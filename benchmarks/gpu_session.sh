@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# Issue 12's measurements in one call of the lent GPU machine (the `device` tool), results under $OUT.
+# doctor, `sdplan bench` and the planner-vs-measured table on a GPU machine in one scripted run of up to 600 s
+# (the first H100 session's measurements, 2026-11-26), results under $OUT.
 #
-# Before the call, here (the GPU image has no diffusers and no network; .whl/ is git-ignored):
+# The GPU machine it was written for has no network and no diffusers: first, here, put the wheel in .whl/
+# (git-ignored) and copy it along with the clone:
 #   .venv/bin/pip download --no-deps -d .whl "diffusers==$(.venv/bin/python -c 'import diffusers; print(diffusers.__version__)')"
-# The call:   run(command="bash benchmarks/gpu_session.sh", carry=[".whl"], timeout_s=600)
+# On the GPU machine, from the clone's root:   OUT=/tmp/gpu-out bash benchmarks/gpu_session.sh
 # A CPU dry run of the same script on the tiny demo models:   GPU_SESSION_DEMO=1 OUT=/tmp/gpu-out bash benchmarks/gpu_session.sh
+# Python: $PY, else the clone's .venv/bin/python where it exists, else python (benchmarks/gpu_setup.sh).
 #
 # Each stage has its own time budget and writes as it goes (`sdplan bench` saves every point when measured), so
 # a stage that runs out of time still leaves its points; the next stage runs regardless. Budgets (seconds):

@@ -3,6 +3,9 @@
 set -uo pipefail
 : "${OUT:?set OUT to the folder results go to}"
 mkdir -p "$OUT"
+# the Python that runs everything: $PY, else the clone's .venv (`make demo` / `make test` made it), else python
+_venv_py="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/.venv/bin/python"
+if [ -z "${PY:-}" ] && [ -x "$_venv_py" ]; then PY=$_venv_py; fi
 PY=${PY:-python}
 DEMO=${GPU_SESSION_DEMO:-}
 log() { echo "[$(date -u +%H:%M:%S)] $*" | tee -a "$OUT/session.log"; }
