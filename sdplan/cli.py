@@ -40,9 +40,11 @@ def _root(
 
 app.command("doctor")(doctor.doctor)
 app.command("recommend")(recommend.recommend)
-app.command("train", context_settings={"allow_extra_args": True, "ignore_unknown_options": False})(
-    train.train
-)
+app.command(
+    "train",
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": False},
+    options_metavar="[OPTIONS] [KEY=VALUE]...",  # the extra arguments: key=value settings (ctx.args)
+)(train.train)
 app.command("bench")(bench.bench)
 app.add_typer(profiles.profiles_app, name="profiles")
 

@@ -965,7 +965,7 @@ def match_gpu(
             sizes = ", ".join(f"{g.name} {g.memory_gib:g} GiB" for g in found)
             raise UsageError(
                 f"GPU {name!r} with {memory_bytes / GiB:.1f} GiB is not in the catalog (it has {sizes})",
-                fix=_ADD_GPU,
+                fix=_add_gpu(),
             )
         found = near
     if len(found) == 1:
@@ -973,10 +973,16 @@ def match_gpu(
     return _form_factor(name, found, count)
 
 
-_ADD_GPU = (
-    "add it to gpus.yaml in the local profile store ($SDPLAN_PROFILE_DIR) or to profiles/gpus.yaml, "
-    "or use --machine with a `sdplan doctor --json` snapshot"
-)
+def _add_gpu() -> str:
+    """How to plan for a GPU the catalog lacks, naming the local store's gpus.yaml as this shell has it (it named
+    $SDPLAN_PROFILE_DIR, which is usually unset: the store is then under $XDG_DATA_HOME or ~/.local/share)."""
+    try:
+        where = f"the local profile store's {local_dir() / 'gpus.yaml'}"
+    except UsageError:  # no home folder
+        where = "gpus.yaml in the local profile store ($SDPLAN_PROFILE_DIR)"
+    return (
+        f"add it to {where} or to profiles/gpus.yaml, or use --machine with a `sdplan doctor --json` snapshot"
+    )
 
 
 def _unknown_fix(query: str, index: dict[str, list[GPUSpec]], stripped: dict[str, list[GPUSpec]]) -> str:
@@ -1001,7 +1007,7 @@ def _unknown_fix(query: str, index: dict[str, list[GPUSpec]], stripped: dict[str
         )
     )
     hint = f"did you mean: {', '.join(names[:4])}? " if names else ""
-    return f"{hint}{_ADD_GPU}"
+    return f"{hint}{_add_gpu()}"
 
 
 def _form_factor(name: str, found: list[GPUSpec], count: int) -> GPUMatch:

@@ -72,3 +72,12 @@ def test_help_names_every_family_and_method(command):
     families = registry.PLANNED_FAMILIES if command == "recommend" else registry.FAMILIES
     for name in (*families, *registry.METHODS):
         assert name in result.output, (name, result.output)
+
+
+@pytest.mark.parametrize("command", ["recommend", "train", "bench"])
+def test_usage_shows_the_key_value_settings(command):
+    """`sdplan train --help` read `Usage: sdplan train [OPTIONS]`, though key=value settings are its main way in
+    (recommend and bench showed them)."""
+    result = CliRunner().invoke(app, [command, "--help"], env={"COLUMNS": "200"})
+    usage = next(line for line in result.output.splitlines() if "Usage:" in line)
+    assert "KEY=VALUE" in usage, usage

@@ -163,6 +163,22 @@ def test_a_near_miss_is_only_a_suggestion(prof, typed):
     assert "--machine" in str(e.value)
 
 
+def test_an_unknown_gpu_names_the_local_stores_gpus_yaml_where_it_is(prof, tmp_path, monkeypatch):
+    """It said "the local profile store ($SDPLAN_PROFILE_DIR)", a variable that is usually unset: the store was
+    under $XDG_DATA_HOME (new-user audit, item 12)."""
+    monkeypatch.delenv("SDPLAN_PROFILE_DIR", raising=False)
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "xdg"))
+    with pytest.raises(UsageError) as e:
+        prof.find_gpu("RTX 9999")
+    assert (
+        f"add it to the local profile store's {tmp_path / 'xdg' / 'sdplan' / 'profiles' / 'gpus.yaml'}"
+        in str(e.value)
+    )
+    monkeypatch.setenv("SDPLAN_PROFILE_DIR", str(tmp_path / "store"))
+    with pytest.raises(UsageError, match="profile store's " + str(tmp_path / "store" / "gpus.yaml")):
+        prof.find_gpu("RTX 9999")
+
+
 def test_unknown_name_suggests_the_closest(prof):
     with pytest.raises(UsageError, match=r"did you mean: .*RTX A4000"):
         prof.find_gpu("RTX A4001")

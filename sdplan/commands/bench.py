@@ -46,7 +46,7 @@ def bench(
         bool,
         typer.Option(
             "--demo",
-            help="Run the same code on a tiny model (SD 1.x-, SDXL-, SD3.5- or FLUX.1-shaped) on the CPU (about a minute on two cores; to try it). "
+            help="Run the same code on a tiny model (SD 1.x-, SDXL-, SD3.5- or FLUX.1-shaped) on the CPU (6-25 s measured on two cores; to try it). "
             "Its points are labelled as demo measurements and go to the store's demo/ folder, which the "
             "planner does not read (unless --store says otherwise).",
         ),
