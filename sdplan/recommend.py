@@ -797,6 +797,17 @@ def _compact(value: float | None, rng: list | None, *, seconds: bool = False) ->
     return _gib(value) + (f" ({rng[0] / GiB:.1f}-{rng[1] / GiB:.1f})" if rng else "")
 
 
+def no_gpu_hint(d: dict, res: planner.Result) -> str | None:
+    """On a machine with no GPU (as probed) nothing fits: how to plan for the card the user will train on."""
+    if d["feasible"] or res.hardware.count or res.hardware.source == "catalog":
+        return None
+    name = next(iter((d["needs"] or {}).get("suggested_hardware") or ()), "RTX 4090")
+    return (
+        f'this machine has no GPU: plan for the one you will train on with --hardware "{name}" (any GPU name, '
+        '"2x ..." for several), or --machine FILE with `sdplan doctor --save FILE` from that machine'
+    )
+
+
 def render(d: dict, res: planner.Result, console) -> None:
     from rich.markup import escape
     from rich.table import Table
@@ -842,6 +853,8 @@ def render(d: dict, res: planner.Result, console) -> None:
             )
         if needs.get("suggested_hardware"):
             console.print("would fit: " + ", ".join(needs["suggested_hardware"]), markup=False)
+        if hint := no_gpu_hint(d, res):
+            console.print(hint, markup=False, soft_wrap=True)
     console.print("[bold]why[/]")
     _print_reasons(d["reasons"], console)
 

@@ -132,6 +132,9 @@ def test_no_driver_no_amdsmi_no_torch_still_reports(run, monkeypatch):
     assert data["gpus"] == [] and data["software"]["torch"] is None
     codes = {f["code"] for f in data["findings"]}
     assert {"no_gpu", "torch_missing"} <= codes
+    # how to plan without a GPU here: the --save FILE it names is read by recommend --machine (audit item 12)
+    fix = next(f for f in data["findings"] if f["code"] == "no_gpu")["fix"]
+    assert "sdplan recommend --machine FILE" in fix and "--hardware" in fix, fix
     assert run().exit_code == 0
 
 

@@ -136,6 +136,25 @@ def test_method_alone_on_a_machine_without_gpu(monkeypatch):
     assert human.exit_code == 1 and "does not fit" in human.stdout and "would fit" in human.stdout
 
 
+def test_no_gpu_says_to_plan_for_a_card_with_hardware(monkeypatch, tmp_path):
+    """Without a GPU, recommend said "does not fit" and "would fit: ..." and `--out` "nothing written: no
+    configuration fits this hardware", never how to plan for the card you will train on (new-user audit, item 13)."""
+    import sdplan.probe.snapshot as snapmod
+
+    monkeypatch.setattr(snapmod, "probe", lambda path=".": Snapshot.load(MACHINES / "cpu_only.json"))
+    r = run("--method", "lora", "--model", "sdxl", "--out", str(tmp_path / "plan"))
+    assert r.exit_code == 1, r.output
+    first = r.stdout.split("would fit: ")[1].split(",")[0]
+    flat = " ".join(r.stdout.split())
+    assert f'this machine has no GPU: plan for the one you will train on with --hardware "{first}"' in flat
+    assert "--machine FILE" in flat
+    assert "nothing written: this machine has no GPU" in r.stderr and not (tmp_path / "plan").exists()
+    by_file = run("--method", "lora", "--model", "sdxl", "--machine", str(MACHINES / "cpu_only.json"))
+    assert "--hardware" in by_file.stdout  # a snapshot of a machine without one alike
+    named = run("--method", "lora", "--model", "sdxl", "--hardware", "GTX 1060 6GB")
+    assert named.exit_code == 1 and "would fit" in named.stdout and "no GPU" not in named.stdout
+
+
 def test_human_output_has_plan_reasons_and_step_arithmetic():
     r = run(
         "--method",

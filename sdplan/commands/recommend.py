@@ -99,6 +99,7 @@ def recommend(
         RecommendInputs,
         dataset_counted,
         model_source,
+        no_gpu_hint,
         render,
         render_compare,
         run_command,
@@ -168,7 +169,8 @@ def recommend(
             f"run it with: {run_command(config_file, dataset_given=given)}", markup=False, soft_wrap=True
         )
     elif out is not None:
-        err_console().print("nothing written: no configuration fits this hardware")
+        why = "this machine has no GPU" if no_gpu_hint(d, res) else "no configuration fits this hardware"
+        err_console().print(f"nothing written: {why}", markup=False)
     if json_:
         typer.echo(json.dumps(d, indent=2))
     else:

@@ -141,7 +141,8 @@ def _gpu_rules(s: Snapshot) -> list[Finding]:
             "no_gpu",
             message,
             "install the GPU driver (NVIDIA: `nvidia-smi` must work; AMD: ROCm + `pip install amdsmi`), "
-            "or plan for another machine from its `sdplan doctor --save FILE`",
+            "or plan for another machine: `sdplan recommend --machine FILE` with its `sdplan doctor --save FILE`, "
+            'or for a GPU by name with `sdplan recommend --hardware "RTX 4090"`',
         )
     ]
 
