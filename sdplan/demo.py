@@ -139,7 +139,9 @@ def run_demo(req: Any, ui: Any) -> dict[str, Any]:
         TrainRequest,
         _validate_given,
         check_out_dir,
+        check_start_checkpoint,
         clear_run_outputs,
+        removed_line,
         run,
         settings_as_flags,
     )
@@ -184,7 +186,8 @@ def run_demo(req: Any, ui: Any) -> dict[str, Any]:
     )
     # the key=value settings validate before the model and dataset are built: a typo (zero_stage=3) left them in
     # --out, which the corrected command then refused as a folder of someone else's files
-    _validate_given(data, train_req, out, "demo config")
+    cfg = _validate_given(data, train_req, out, "demo config")
+    check_start_checkpoint(cfg, out, clears=state == "run")  # before --force clears the checkpoints
     if req.dry_run:  # touches nothing: the plan for the model and dataset the demo would build
         ui.echo(
             f"dry run: would build a tiny {family} model in {out / 'base_model'} and {DEMO_IMAGES} captioned "
@@ -205,7 +208,7 @@ def run_demo(req: Any, ui: Any) -> dict[str, Any]:
         raise runfolder.cannot_write(out, e) from None
     with runfolder.RunLock(out, command="sdplan train --demo"):
         if state == "run":  # only what the manifest says sdplan wrote
-            clear_run_outputs(out)
+            ui.echo(removed_line(out, clear_run_outputs(out)))
             runfolder.remove_owned(out, (*DEMO_INPUTS, DEMO_FILES))
         start = time.perf_counter()
         new = [n for n in (*DEMO_INPUTS, DEMO_FILES) if not (out / n).exists()]

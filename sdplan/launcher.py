@@ -287,22 +287,27 @@ def _run_products(out: Path) -> list[Path]:
     return found
 
 
-def clear_run_outputs(out: Path) -> None:
+def clear_run_outputs(out: Path) -> list[str]:
     """--force on an existing run: remove what the last run left (its checkpoints, which a retry would resume
     from, its OOM report and summary, the output files its summary lists, its grids, intermediate outputs and
     event files: :func:`_run_products`), only in entries the run folder's manifest proves sdplan made, and of
-    the folders only what the trainer names so (a file the user put there stays; so does a folder)."""
+    the folders only what the trainer names so (a file the user put there stays; so does a folder). Returns
+    what it removed (paths relative to ``out``, checkpoints first), for the line that says so
+    (:func:`removed_line`)."""
     import shutil
 
     from sdplan import runfolder
-    from sdplan.trainer.checkpoint import CHECKPOINTS, remove_checkpoints
+    from sdplan.trainer.checkpoint import CHECKPOINTS, list_checkpoints, remove_checkpoints
 
     mine = runfolder.owned(out)
     listed = [
         Path(p) for p in (read_json(out / SUMMARY_FILE) or {}).get("outputs") or [] if isinstance(p, str)
     ]
     files = [p for p in listed if p.is_relative_to(out) and ".." not in p.parts and p.is_file()]
-    runfolder.remove_owned(out, (OOM_FILE, SUMMARY_FILE, REPORTED_FILE))
+    removed = (
+        [p.relative_to(out).as_posix() for _, _, p in list_checkpoints(out)] if CHECKPOINTS in mine else []
+    )
+    removed += runfolder.remove_owned(out, (OOM_FILE, SUMMARY_FILE, REPORTED_FILE))
     rewritten = {CONFIG_FILE, ACCELERATE_FILE, DEEPSPEED_FILE, PLAN_CHART_FILE}  # an edited one kept aside
     for path in [*files, *_run_products(out)]:
         top = path.relative_to(out).parts[0]
@@ -312,6 +317,7 @@ def clear_run_outputs(out: Path) -> None:
             shutil.rmtree(path)
         else:
             path.unlink()
+        removed.append(path.relative_to(out).as_posix())
     for folder in ("samples", "intermediate", "logs"):  # left empty by the above: gone too
         if folder in mine and (out / folder).is_dir():
             for sub in sorted((out / folder).rglob("*"), key=lambda p: len(p.parts), reverse=True):
@@ -321,6 +327,74 @@ def clear_run_outputs(out: Path) -> None:
                 (out / folder).rmdir()
     if CHECKPOINTS in mine:
         remove_checkpoints(out)
+    return removed
+
+
+def removed_line(out: Path, removed: list[str]) -> str:
+    """The line --force prints for what :func:`clear_run_outputs` removed from the run folder ``out``."""
+    from sdplan.trainer.checkpoint import CHECKPOINTS
+
+    if not removed:
+        return f"--force: {out} held nothing of an earlier run's to remove"
+    ckpts = [Path(r).name for r in removed if r.startswith(CHECKPOINTS + "/")]
+    others = len(removed) - len(ckpts)
+    parts = []
+    if ckpts:
+        shown = ", ".join(ckpts[:4]) + (", ..." if len(ckpts) > 4 else "")
+        parts.append(f"{len(ckpts)} checkpoint{'s' if len(ckpts) != 1 else ''} ({shown})")
+    if others:
+        parts.append(f"{others} output file{'s' if others != 1 else ''} of the last run")
+    return f"--force: removed {' and '.join(parts)} from {out}"
+
+
+def check_start_checkpoint(cfg: C.TrainConfig, out: Path, *, clears: bool) -> None:
+    """``checkpoints.resume`` in a run that is not a ``--resume`` (a new run starting from another run's
+    checkpoint): it must name a checkpoint folder, outside what ``--force`` clears (``clears``: this run
+    starts over in ``out``, deleting its checkpoints first). One line before anything is deleted or written
+    (else --force deleted every checkpoint, then failed naming a --resume never typed)."""
+    from sdplan.trainer.checkpoint import STATE_FILE, checkpoint_root
+
+    value = cfg.checkpoints.resume
+    if value is None or value == "":
+        return
+    if value == "latest":
+        raise UsageError(
+            "checkpoints.resume=latest: `sdplan train` continues a run's newest checkpoint with --resume",
+            fix=f"`sdplan train --resume --out {shlex.quote(str(out))}`, or drop checkpoints.resume "
+            "(checkpoints.resume=null) to start a new run",
+        )
+    path = C.absolute(str(value), "checkpoints.resume")
+    if clears and _inside(path, checkpoint_root(out)):
+        raise UsageError(
+            f"--force starts the run in {out} over and deletes its checkpoints, and checkpoints.resume names "
+            f"{path}, one of them",
+            fix=f"continue the run with `sdplan train --resume --out {shlex.quote(str(out))}`, or set "
+            "checkpoints.resume=null to start over from the base model (copy that checkpoint out of the folder "
+            "first to start from it)",
+        )
+    if not (path / STATE_FILE).is_file():
+        raise UsageError(
+            f"checkpoints.resume {path}: not a checkpoint folder (no {STATE_FILE})",
+            fix="point it at a checkpoint folder (checkpoints/step-N of a run), or set checkpoints.resume=null",
+        )
+
+
+def check_resume_choice(saved: C.TrainConfig, cfg: C.TrainConfig, out: Path) -> None:
+    """``--resume`` continues the run's newest checkpoint; a ``checkpoints.resume`` given with it (another
+    checkpoint) was dropped without a word and written into sdplan.yaml, where a later --force met it: one line
+    instead. The run's own value (the checkpoint it started from) stays as it is."""
+    from sdplan.trainer.checkpoint import checkpoint_root, latest_checkpoint
+
+    now = cfg.checkpoints.resume
+    if now in (None, "") or now == saved.checkpoints.resume:
+        return
+    last = latest_checkpoint(out)
+    raise UsageError(
+        f"--resume continues the run from its newest checkpoint ({last.name if last else 'none'}); "
+        f"checkpoints.resume={now} is not used with it",
+        fix=f"drop checkpoints.resume; to go back to an older checkpoint, move the newer ones out of "
+        f"{checkpoint_root(out)} first",
+    )
 
 
 # -- the config ---------------------------------------------------------------------------------------------
@@ -1194,7 +1268,11 @@ def prepare(req: TrainRequest, ui: UI) -> Prepared:
                 fix="start the run again without --resume (add --force to reuse the folder)",
             )
         resume = "latest"
-        check_resume_settings(C.validate(base, source=source), cfg)
+        saved = C.validate(base, source=source)
+        check_resume_choice(saved, cfg, out)
+        check_resume_settings(saved, cfg)
+    else:
+        check_start_checkpoint(cfg, out, clears=state == "run")
 
     # 5. The inputs exist and hold something, and the run folder is not among them.
     if not req.demo:
@@ -1823,7 +1901,7 @@ def run(req: TrainRequest, ui: UI | None = None) -> dict[str, Any]:
                 f"--out {p.out} was filled by another run while this one started", fix="choose a new folder"
             )
         if p.state == "run" and not req.resume:
-            clear_run_outputs(p.out)
+            ui.echo(removed_line(p.out, clear_run_outputs(p.out)))
         written, copies = write_run_files(p.out, p.cfg, launch, header, chart)
         for path in written:
             ui.echo(f"wrote {path}")

@@ -1,0 +1,144 @@
+"""`sdplan train --resume` / `--force` on a run folder with checkpoints: settings the checkpoint cannot take are
+one line before anything is written or deleted. The trainer is never launched here (run_launch is faked: it
+writes the checkpoint a real run would have left)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import fake_diffusers_folder, make_images, one_line_error
+from typer.testing import CliRunner
+
+from sdplan.cli import app
+
+runner = CliRunner()
+
+
+def invoke(*args: str):
+    return runner.invoke(app, ["train", *args])
+
+
+def fake_checkpoint(out: Path, name: str, *, step: int, images: int, batch: int = 1, world: int = 1) -> Path:
+    """A checkpoint folder as the trainer names and states it (no weights: nothing loads it here)."""
+    path = out / "checkpoints" / name
+    path.mkdir(parents=True)
+    state = {
+        "global_step": step,
+        "epoch": 0,
+        "batches_in_epoch": step,
+        "samples_in_epoch": step * batch,
+        "images_seen": images,
+        "batch_size": batch,
+        "grad_accum": 1,
+        "num_processes": world,
+        "method": "lora",
+    }
+    (path / "train_state.json").write_text(json.dumps(state))
+    return path
+
+
+@pytest.fixture
+def run_folder(tmp_path, monkeypatch):
+    """A run stopped at step 3 of 8 (8 images, batch 1, 1 epoch) with a kept step-000002 and an interrupt
+    checkpoint; ``launches`` records every launch after it."""
+    import sdplan.launcher as L
+
+    model = fake_diffusers_folder(tmp_path / "model")
+    ds = make_images(tmp_path / "ds", n=8)
+    out = tmp_path / "run"
+
+    def first(launch, **kw):
+        fake_checkpoint(out, "step-000002", step=2, images=2)
+        fake_checkpoint(out, "interrupt-step-000003", step=3, images=3)
+        return 130
+
+    monkeypatch.setattr(L, "run_launch", first)
+    r = invoke("--model", str(model), "--dataset", str(ds), "--out", str(out), "--device", "cpu", "--yes")
+    assert r.exit_code == 130, r.output
+    launches: list = []
+
+    def later(launch, **kw):
+        launches.append(launch)
+        return 130
+
+    monkeypatch.setattr(L, "run_launch", later)
+    return out, launches
+
+
+def checkpoints(out: Path) -> list[str]:
+    return sorted(p.name for p in (out / "checkpoints").iterdir())
+
+
+def test_resume_with_checkpoints_resume_is_refused_not_ignored(run_folder):
+    """`--resume checkpoints.resume=.../step-000002` resumed the newest checkpoint instead, without a word, and
+    wrote the key into sdplan.yaml (where a later --force met it)."""
+    out, launches = run_folder
+    before = (out / "sdplan.yaml").read_text()
+    line = one_line_error(
+        invoke("--resume", "--out", str(out), f"checkpoints.resume={out}/checkpoints/step-000002"),
+        2,
+        "--resume continues the run from its newest checkpoint (interrupt-step-000003)",
+        "checkpoints.resume=",
+    )
+    assert "move the newer ones out of" in line
+    assert (out / "sdplan.yaml").read_text() == before and not launches
+
+
+def test_force_with_checkpoints_resume_inside_the_run_deletes_nothing(run_folder):
+    """`--force` with a config whose checkpoints.resume named one of the run's checkpoints deleted every
+    checkpoint, then failed: `--resume ...: not a checkpoint folder`, a --resume the user never typed."""
+    out, launches = run_folder
+    config = yaml.safe_load((out / "sdplan.yaml").read_text())
+    config["checkpoints"]["resume"] = str(out / "checkpoints" / "step-000002")
+    (out / "sdplan.yaml").write_text(yaml.safe_dump(config))  # as an older sdplan wrote it
+    line = one_line_error(
+        invoke("--config", str(out / "sdplan.yaml"), "--out", str(out), "--force", "--yes"),
+        2,
+        "--force starts the run",
+        "checkpoints.resume names",
+    )
+    assert "--resume" in line  # offered as what to do, not named as what was given
+    assert checkpoints(out) == ["interrupt-step-000003", "step-000002"] and not launches
+    # the same as a key=value, and latest
+    for value in (str(out / "checkpoints" / "step-000002"), "latest"):
+        one_line_error(
+            invoke(
+                "--config",
+                str(out / "sdplan.yaml"),
+                "--out",
+                str(out),
+                "--force",
+                f"checkpoints.resume={value}",
+            ),
+            2,
+            "checkpoints.resume",
+        )
+    assert checkpoints(out) == ["interrupt-step-000003", "step-000002"] and not launches
+
+
+def test_force_says_what_it_removes(run_folder):
+    out, launches = run_folder
+    r = invoke("--config", str(out / "sdplan.yaml"), "--out", str(out), "--force", "--yes")
+    assert r.exit_code == 130, r.output
+    assert "--force: removed 2 checkpoints (step-000002, interrupt-step-000003) from" in r.stdout, r.stdout
+    assert not (out / "checkpoints").exists() and len(launches) == 1
+
+
+def test_a_new_run_from_another_runs_checkpoint_is_checked(run_folder, tmp_path):
+    """A new run may start from another run's checkpoint (the trainer honours checkpoints.resume); one that is
+    not a checkpoint is one line naming checkpoints.resume, not the trainer's `--resume X`."""
+    out, launches = run_folder
+    config = str(out / "sdplan.yaml")
+    one_line_error(
+        invoke("--config", config, "--out", str(tmp_path / "new"), f"checkpoints.resume={tmp_path}"),
+        2,
+        f"checkpoints.resume {tmp_path}: not a checkpoint folder",
+    )
+    r = invoke(
+        "--config", config, "--out", str(tmp_path / "new"), "--yes",
+        f"checkpoints.resume={out}/checkpoints/step-000002",
+    )  # fmt: skip
+    assert r.exit_code == 130 and len(launches) == 1, r.output
