@@ -869,7 +869,9 @@ def _smaller_batch(b: int) -> int:
     return 1
 
 
-def after_oom(data: dict[str, Any], *, cuda: bool, have_bnb: bool, have_deepspeed: bool) -> Change | None:
+def after_oom(
+    data: dict[str, Any], *, cuda: bool, have_bnb: bool, have_deepspeed: bool, resumes: bool = False
+) -> Change | None:
     """The next config after an out-of-memory error, with the same effective batch; None when nothing is left.
 
     First the micro-batch is halved and gradient accumulation doubled (same images per optimizer step). At a
@@ -879,6 +881,9 @@ def after_oom(data: dict[str, Any], *, cuda: bool, have_bnb: bool, have_deepspee
     the planner's fallback before offload, kohya --full_bf16), and last DeepSpeed ZeRO-2 with the optimizer
     state offloaded to CPU (the optimizer step on the CPU: the last resort; a plan's ZeRO-2 that splits the
     optimizer state over the GPUs offloads it then).
+
+    ``resumes``: the retry resumes a checkpoint; the savers it could not be loaded with (8-bit AdamW's other
+    optimizer state, DeepSpeed turned on: :func:`unloadable_change`) are passed over.
     """
     new = json.loads(json.dumps(data))  # deep copy of plain data
     t = new.setdefault("training", {})
@@ -903,7 +908,7 @@ def after_oom(data: dict[str, Any], *, cuda: bool, have_bnb: bool, have_deepspee
         m["gradient_checkpointing"] = True
         return Change(new, "turned on gradient checkpointing (less activation memory, ~20-30% slower)")
     deepspeed_on = dist.get("deepspeed") is not None
-    if cuda and have_bnb and not deepspeed_on and m.get("optimizer", "adamw") == "adamw":
+    if cuda and have_bnb and not deepspeed_on and m.get("optimizer", "adamw") == "adamw" and not resumes:
         m["optimizer"] = "adamw8bit"
         return Change(new, "switched to 8-bit AdamW (optimizer state ~75% smaller)")
     if not m.get("cache_latents", False):
@@ -921,7 +926,7 @@ def after_oom(data: dict[str, Any], *, cuda: bool, have_bnb: bool, have_deepspee
         )
     # a DeepSpeed config without the key offloads (config.DeepSpeedConfig's default)
     offloaded = deepspeed_on and dist["deepspeed"].get("offload_optimizer", True)
-    if have_deepspeed and not offloaded:
+    if have_deepspeed and not offloaded and not (resumes and not deepspeed_on):
         was_split = deepspeed_on  # ZeRO-1/2 splitting the optimizer state over the GPUs: offload it too
         stage = int(dist["deepspeed"].get("zero_stage", 2)) if was_split else None
         dist["deepspeed"] = dict(OFFLOAD)
@@ -1748,22 +1753,31 @@ def execute(p: Prepared, req: TrainRequest, ui: UI, launch: Launch, lock: Any = 
                 fix="lower training.batch_size on every node, or turn on memory.gradient_checkpointing",
             )
         retries += 1
-        change = after_oom(
-            cfg.to_dict(),
+        resumes = _latest(out)
+        kw = dict(
             cuda=cfg.training.device != "cpu",
             have_bnb=importable("bitsandbytes"),
             have_deepspeed=importable("deepspeed"),
         )
+        change = after_oom(cfg.to_dict(), **kw, resumes=resumes)
         if change is None or retries > req.max_oom_retries:
+            # a saver passed over because the checkpoint cannot be loaded with it: a new start can have it
+            fresh = after_oom(cfg.to_dict(), **kw) if change is None and resumes else None
             raise OutOfMemoryError(
                 f"out of GPU memory at step {oom.get('step')} with every memory saver on"
-                + (f" (after {retries - 1} retries)" if retries > 1 else ""),
+                + (f" (after {retries - 1} retries)" if retries > 1 else "")
+                + (
+                    f"; not tried: {fresh.message}, which this run's checkpoints cannot be resumed with"
+                    if fresh is not None
+                    else ""
+                ),
                 fix="lower data.resolution or lora.rank, or use a GPU with more memory "
-                "(`sdplan recommend --compare` lists what fits)",
+                "(`sdplan recommend --compare` lists what fits)"
+                + ("; or start over with that saver (--force)" if fresh is not None else ""),
             )
         cfg = C.validate(change.data, source="out-of-memory retry")
         fixes.append(change.message)
-        resume = "latest" if _latest(out) else None
+        resume = "latest" if resumes else None
         where = "from the last checkpoint" if resume else "from the start (no checkpoint yet)"
         ui.echo(f"out of memory at step {oom.get('step')}: {change.message}; restarting {where}")
         launch = build_launch(
@@ -1835,11 +1849,36 @@ WEIGHT_SETTINGS = (
     "textual_inversion.num_vectors",
     "training.train_text_encoder",
 )
+# Settings the checkpoint's saved state is shaped by (accelerate's load_state reads it into the objects this
+# run builds): another optimizer has other state (adafactor on an AdamW checkpoint: KeyError 'beta1'; 8-bit
+# AdamW's quantized state), an EMA the checkpoint lacks or has is a count of registered objects that differs
+# ("Number of custom checkpoints ... does not match"), and DeepSpeed keeps its own model and optimizer files.
+STATE_SETTINGS = ("memory.optimizer", "ema.enabled", "distributed.deepspeed")
+
+
+def _state_setting(data: dict[str, Any], key: str) -> Any:
+    """The value of a :data:`STATE_SETTINGS` key as the checkpoint's state depends on it: DeepSpeed on or off
+    (its stage and offload load either way); an EMA only where the method keeps one."""
+    if key == "distributed.deepspeed":
+        return "on" if get_key(data, key) is not None else "off"
+    if key == "ema.enabled":
+        return bool(get_key(data, key)) and registry.method(str(data.get("method"))).ema
+    return get_key(data, key)
+
+
+def unloadable_change(old: dict[str, Any], new: dict[str, Any]) -> tuple[str, Any, Any] | None:
+    """(key, old value, new value) of the first setting that changes from ``old`` to ``new`` (configs as data)
+    that a checkpoint made under ``old`` cannot be loaded with (:data:`STATE_SETTINGS`); None when it can."""
+    for key in STATE_SETTINGS:
+        if (was := _state_setting(old, key)) != (now := _state_setting(new, key)):
+            return key, was, now
+    return None
 
 
 def check_resume_settings(saved: C.TrainConfig, cfg: C.TrainConfig) -> None:
-    """--resume with a key=value that changes a setting its checkpoints' weights were made with: one line before
-    anything is written (else the run's sdplan.yaml keeps the change and every later --resume fails too)."""
+    """--resume with a key=value that changes a setting its checkpoints' weights were made with, or one their
+    saved state cannot be loaded with: one line before anything is written (else the run's sdplan.yaml keeps
+    the change and every later --resume fails too)."""
     # paths as this run reads them: a run written before they were made absolute names them relative
     old, new = C.absolute_paths(saved.to_dict()), cfg.to_dict()
     for key in WEIGHT_SETTINGS:
@@ -1849,6 +1888,14 @@ def check_resume_settings(saved: C.TrainConfig, cfg: C.TrainConfig) -> None:
                 "checkpoints were trained with the first",
                 fix=f"drop the {key} setting to continue the run, or start a new one (--force or a new --out)",
             )
+    if (change := unloadable_change(old, new)) is not None:
+        key, was, now = change
+        shown = {"ema.enabled": "an EMA" if was else "no EMA", "distributed.deepspeed": f"DeepSpeed {was}"}
+        raise UsageError(
+            f"--resume: {key} is {was!r} in the run's sdplan.yaml, {now!r} here; its checkpoints hold the "
+            f"state of {shown.get(key, f'{was} optimizer')} and cannot be loaded with the second",
+            fix=f"drop the {key} setting to continue the run, or start a new one with it (--force or a new --out)",
+        )
 
 
 def run(req: TrainRequest, ui: UI | None = None) -> dict[str, Any]:

@@ -142,3 +142,73 @@ def test_a_new_run_from_another_runs_checkpoint_is_checked(run_folder, tmp_path)
         f"checkpoints.resume={out}/checkpoints/step-000002",
     )  # fmt: skip
     assert r.exit_code == 130 and len(launches) == 1, r.output
+
+
+# -- #5: settings the checkpoint's saved state cannot be loaded with -------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "setting",
+    ["memory.optimizer=adafactor", "distributed.deepspeed.zero_stage=2", "training.batch_size=1"],
+)
+def test_resume_with_a_setting_the_checkpoint_cannot_load_writes_nothing(run_folder, setting):
+    """`--resume memory.optimizer=adafactor` on an AdamW checkpoint rewrote sdplan.yaml, then failed with a
+    45-line traceback (KeyError 'beta1'), and so did every later plain --resume. DeepSpeed turned on resumes a
+    checkpoint without its files. A setting it can load (the micro-batch) still resumes."""
+    out, launches = run_folder
+    before = (out / "sdplan.yaml").read_text()
+    r = invoke("--resume", "--out", str(out), setting)
+    if setting.startswith("training."):
+        assert r.exit_code == 130 and len(launches) == 1, r.output
+        return
+    key = setting.split("=")[0].rsplit(".", 1)[0] if "deepspeed" in setting else setting.split("=")[0]
+    line = one_line_error(r, 2, f"--resume: {key} is", "cannot be loaded with the second", "--force")
+    assert "Traceback" not in line
+    assert (out / "sdplan.yaml").read_text() == before and not launches
+
+
+def test_check_resume_settings_covers_the_optimizer_the_ema_and_deepspeed():
+    from sdplan import config as C
+    from sdplan.errors import UsageError
+    from sdplan.launcher import check_resume_settings
+
+    def cfg(method="finetune", **sections):
+        return C.validate({"method": method, "model": {"path": "org/model"}, **sections})
+
+    ema = cfg(ema={"enabled": True})
+    with pytest.raises(UsageError, match="ema.enabled is True in the run's sdplan.yaml, False here"):
+        check_resume_settings(ema, cfg(ema={"enabled": False}))
+    with pytest.raises(UsageError, match="ema.enabled"):
+        check_resume_settings(cfg(), ema)
+    check_resume_settings(ema, cfg(ema={"enabled": True, "device": "gpu"}))  # where it lives: loads
+    with pytest.raises(UsageError, match="memory.optimizer is 'adamw'"):
+        check_resume_settings(cfg(), cfg(memory={"optimizer": "adamw8bit"}))
+    split = cfg(distributed={"num_processes": 2, "deepspeed": {"zero_stage": 2, "offload_optimizer": False}})
+    offload = cfg(distributed={"num_processes": 2, "deepspeed": {"zero_stage": 2, "offload_optimizer": True}})
+    check_resume_settings(split, offload)  # DeepSpeed's files either way
+    with pytest.raises(UsageError, match="distributed.deepspeed is 'on'"):
+        check_resume_settings(split, cfg(distributed={"num_processes": 2}))
+
+
+def test_the_oom_retry_passes_over_savers_its_checkpoint_cannot_be_resumed_with():
+    """At a micro-batch of 1 the retry switched to 8-bit AdamW and last turned DeepSpeed on, and resumed the
+    checkpoint, whose AdamW state (and no DeepSpeed files) cannot be loaded into either: with a checkpoint to
+    resume they are passed over; without one (a fresh start) they are tried."""
+    from sdplan.launcher import after_oom
+
+    d = {
+        "method": "lora",
+        "model": {"path": "org/model"},
+        "training": {"batch_size": 1, "grad_accum": 1},
+        "memory": {"gradient_checkpointing": True, "cache_latents": True, "cache_text_encoder_outputs": True},
+    }
+    kw = dict(cuda=True, have_bnb=True, have_deepspeed=True)
+    assert "8-bit AdamW" in after_oom(d, **kw).message
+    assert after_oom(d, **kw, resumes=True) is None
+    d["memory"]["optimizer"] = "adamw8bit"
+    assert "DeepSpeed" in after_oom(d, **kw).message
+    assert after_oom(d, **kw, resumes=True) is None
+    # a plan's ZeRO-2 that splits the optimizer state: offloading it loads the same DeepSpeed files
+    d["memory"]["optimizer"] = "adamw"
+    d["distributed"] = {"num_processes": 2, "deepspeed": {"zero_stage": 2, "offload_optimizer": False}}
+    assert "offloaded the split optimizer state" in after_oom(d, **kw, resumes=True).message
