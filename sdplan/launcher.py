@@ -1091,6 +1091,67 @@ def _inside(path: Path, folder: Path) -> bool:
     return folder.is_dir()
 
 
+def refuse_a_shortened_resume(
+    out: Path, cfg: C.TrainConfig, inputs: InputSummary, world: int, steps: dict[str, int]
+) -> None:
+    """UsageError for --resume with a length (--max-steps, --epochs, training.max_steps) shorter than what the
+    newest checkpoint already trained: the trainer found nothing left to do and exported the longer-trained
+    weights with metadata that said the shorter run, without a word. The checkpoint's step in this run's steps
+    (:func:`sdplan.steps.moved_position` where it was saved with another micro-batch, accumulation or process
+    count, as the trainer places it)."""
+    import math
+
+    from sdplan.steps import moved_position
+    from sdplan.trainer.checkpoint import CheckpointError, latest_checkpoint, read_state
+
+    last = latest_checkpoint(out)
+    if last is None:
+        return
+    try:
+        saved = read_state(last)
+    except CheckpointError:
+        return
+    t = cfg.training
+    if (saved.batch_size, saved.grad_accum, saved.num_processes) == (t.batch_size, t.grad_accum, world):
+        at = saved.global_step
+    else:
+        buckets = inputs.bucket_samples
+        new = plan_steps(
+            images_per_epoch=inputs.images_x_repeats,
+            batch_size=t.batch_size,
+            grad_accum=t.grad_accum,
+            num_processes=world,
+            epochs=t.epochs,
+            max_steps=t.max_steps,
+            batches_per_epoch=bucketed_batches(buckets, t.batch_size, world) if buckets else None,
+        )
+        epoch_batches = (
+            sum(math.ceil(n / t.batch_size) for n in buckets)
+            if buckets
+            else math.ceil(inputs.images_x_repeats / t.batch_size)
+        )
+        at = moved_position(
+            epoch=saved.epoch,
+            batches_in_epoch=saved.batches_in_epoch,
+            samples_in_epoch=saved.samples_in_epoch,
+            batch_size=saved.batch_size,
+            num_processes=saved.num_processes,
+            epoch_batches=epoch_batches,
+            new=new,
+        ).step
+    total = steps["total_steps"]
+    if at <= total:
+        return
+    asked = f"training.max_steps {t.max_steps}" if t.max_steps else f"{t.epochs} epoch(s)"
+    raise UsageError(
+        f"--resume: its newest checkpoint {last.name} already trained {at} steps ({saved.images_seen} images), "
+        f"more than the {total} this config asks for ({asked}): there is nothing left to train, and its "
+        "outputs would be the longer-trained weights",
+        fix="resume without the shorter --max-steps/--epochs to finish the run; to train "
+        f"{total} steps, start it over with --force instead of --resume",
+    )
+
+
 def refuse_a_finished_resume(out: Path, steps: dict[str, int]) -> None:
     """UsageError for --resume of a run that is done: its newest checkpoint trained the images this config
     asks for (``steps``: :func:`config_steps`), and its summary and every output it lists are there. The
@@ -1397,6 +1458,7 @@ def prepare(req: TrainRequest, ui: UI) -> Prepared:
 
     steps = config_steps(cfg, inputs.images_x_repeats, world, inputs.bucket_samples)
     if resume is not None:
+        refuse_a_shortened_resume(out, cfg, inputs, world, steps)
         refuse_a_finished_resume(out, steps)
     if req.demo and cfg.plan is None:
         # The demo's plan: the tiny model on the CPU; its memory and time are trivially small, its step

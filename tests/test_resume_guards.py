@@ -212,3 +212,25 @@ def test_the_oom_retry_passes_over_savers_its_checkpoint_cannot_be_resumed_with(
     d["memory"]["optimizer"] = "adamw"
     d["distributed"] = {"num_processes": 2, "deepspeed": {"zero_stage": 2, "offload_optimizer": False}}
     assert "offloaded the split optimizer state" in after_oom(d, **kw, resumes=True).message
+
+
+# -- #7: a resume shorter than what the checkpoint trained ------------------------------------------------------
+
+
+def test_resume_shorter_than_the_checkpoint_is_refused(run_folder):
+    """`--resume --max-steps 2` on a checkpoint at step 3 'finished' at once: the outputs held 3 steps of
+    training, their metadata said 2, and nothing was said."""
+    out, launches = run_folder
+    before = (out / "sdplan.yaml").read_text()
+    for extra in (["--max-steps", "2"], ["training.max_steps=1"]):
+        line = one_line_error(
+            invoke("--resume", "--out", str(out), *extra),
+            2,
+            "interrupt-step-000003 already trained 3 steps (3 images)",
+            "nothing left to train",
+            "--force",
+        )
+        assert "training.max_steps" in line
+    assert (out / "sdplan.yaml").read_text() == before and not launches
+    r = invoke("--resume", "--out", str(out), "--max-steps", "3")  # as long as the checkpoint: its outputs
+    assert r.exit_code == 130 and len(launches) == 1, r.output
