@@ -376,6 +376,79 @@ def _die_with_parent(parent_pid: int) -> Callable[[], None] | None:
     return preexec
 
 
+_PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
+# How long the training processes a dead launcher left get to write their checkpoint after SIGTERM, as torchrun
+# gives them (SHUTDOWN_TIMEOUT_S), before SIGKILL.
+ORPHAN_STOP_TIMEOUT_S = SHUTDOWN_TIMEOUT_S
+
+
+def _subreaper(on: bool) -> bool:
+    """Linux: make this process the child subreaper (``prctl(PR_SET_CHILD_SUBREAPER)``) or stop being one: the
+    processes a dead launcher leaves (torchrun starts each worker in a session of its own) become this
+    process's children instead of init's, so they can be found, stopped and waited for. Returns whether it took
+    effect; elsewhere False."""
+    if not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        return libc.prctl(_PR_SET_CHILD_SUBREAPER, int(on), 0, 0, 0) == 0
+    except (OSError, AttributeError):  # pragma: no cover - no libc
+        return False
+
+
+def _children(pid: int) -> set[int]:
+    """The processes whose parent is ``pid`` (Linux ``/proc``; empty elsewhere)."""
+    found = set()
+    with contextlib.suppress(OSError):
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry.name}/stat") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[-1].split()[1]) == pid:
+                found.add(int(entry.name))
+    return found
+
+
+def _reap(pids: set[int]) -> set[int]:
+    """Those of ``pids`` (children of this process) still running; the ones that ended are reaped."""
+    alive = set()
+    for pid in pids:
+        try:
+            done, _ = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            continue
+        if done == 0:
+            alive.add(pid)
+    return alive
+
+
+def stop_orphans(pids: set[int], *, timeout: float = ORPHAN_STOP_TIMEOUT_S, stop: Callable[[], bool]) -> None:
+    """The training processes a dead launcher left (children of this subreaper): SIGTERM (they stop as on
+    Ctrl-C: a checkpoint, exit 130), then wait for them; SIGKILL after ``timeout`` seconds or once ``stop()``
+    says so (a Ctrl-C while waiting). Returns once every one has ended, so the run lock is released only then."""
+    import time
+
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    killed = False
+    while pids := _reap(pids):
+        if not killed and (time.monotonic() > deadline or stop()):
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
+            killed = True
+        time.sleep(0.1)
+
+
 def run_launch(
     launch: Launch,
     *,
@@ -392,6 +465,11 @@ def run_launch(
     accelerate pass it on to their workers. ``on_start(pid)`` is called once the child runs (the run lock
     records it). Settings in ``SOFT_ENV`` (threads, torchrun's shutdown timeout) that the user set in the
     environment are kept (an empty value counts as not set: accelerate and torch read it as a number).
+
+    If the launcher itself dies (a ``kill -9`` of torchrun), its workers, each in a session of its own, would
+    train on after sdplan reported the failure and released the run lock, beside a ``--resume``: this process is
+    their subreaper while the launch runs (Linux, :func:`_subreaper`), and they are stopped with a checkpoint
+    and waited for (:func:`stop_orphans`) before this returns.
     """
     env = dict(os.environ if environ is None else environ)
     env.update({k: v for k, v in launch.env.items() if not (k in SOFT_ENV and env.get(k, "").strip())})
@@ -400,11 +478,15 @@ def run_launch(
     signals_sent = 0
     escalation = (signal.SIGINT, signal.SIGTERM, signal.SIGKILL)
     ttys = terminal_fds()
+    orphans: set[int] = set()
 
     def forward(signum: int | None = None, frame: Any = None) -> None:
         nonlocal signals_sent
         if proc is None:
             early.append(signum)
+            return
+        if orphans:  # waiting for what a dead launcher left: stop_orphans kills them on the next poll
+            signals_sent += 1
             return
         sig = escalation[min(signals_sent, len(escalation) - 1)]
         if signum is not None and signum == HANGUP:
@@ -426,6 +508,8 @@ def run_launch(
             previous[s] = signal.signal(s, forward)
         except ValueError:  # not the main thread
             break
+    ours = _children(os.getpid())  # children this process had before the launch are not the launch's
+    reaper = launch.kind != "single" and _subreaper(True)  # a launcher between sdplan and the trainers
     try:
         proc = subprocess.Popen(
             launch.cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent(os.getpid())
@@ -435,7 +519,19 @@ def run_launch(
         for signum in early:
             forward(signum)
         code = proc.wait()
+        if reaper and code != 0 and (left := _reap(_children(os.getpid()) - ours - {proc.pid})):
+            orphans.update(left)
+            print(
+                f"the launcher (pid {proc.pid}) ended with {len(left)} training process(es) still running: "
+                "stopping them (they write a checkpoint) before the run folder is released",
+                file=sys.stderr,
+                flush=True,
+            )
+            before = signals_sent
+            stop_orphans(left, stop=lambda: signals_sent > before)
     finally:
+        if reaper:
+            _subreaper(False)
         for s, handler in previous.items():
             signal.signal(s, handler)
     if signals_sent and code != 0:

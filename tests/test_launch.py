@@ -466,3 +466,35 @@ def test_distrun_reports_a_worker_killed_by_a_signal_in_one_line():
     assert "killed by SIGKILL" in distrun._killed_line(failures)
     assert distrun._exit_code(failures) == 137
     assert distrun._exit_code({0: SimpleNamespace(exitcode=2)}) == 2
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_CHILD_SUBREAPER is Linux's")
+def test_the_workers_of_a_launcher_killed_by_sigkill_are_stopped_before_run_launch_returns(tmp_path):
+    """`kill -9` of torchrun: its workers (each in a session of its own, as torchrun starts them) trained on
+    after sdplan said "failed" and released the run lock, so a --resume ran beside them. A fake launcher: it
+    starts a worker in a new session (which checkpoints on SIGTERM, as the trainer does) and then dies by
+    SIGKILL. run_launch returns only after the worker got SIGTERM, wrote its marker and ended."""
+    import time
+
+    worker = (
+        "import os, signal, sys, time\n"
+        f"open({str(tmp_path / 'worker.pid')!r}, 'w').write(str(os.getpid()))\n"
+        "def stop(*a):\n"
+        f"    time.sleep(0.5); open({str(tmp_path / 'checkpoint')!r}, 'w').write('saved'); sys.exit(130)\n"
+        "signal.signal(signal.SIGTERM, stop)\n"
+        "time.sleep(60)\n"
+    )
+    launcher = (
+        "import os, signal, subprocess, sys, time\n"
+        f"subprocess.Popen([sys.executable, '-c', {worker!r}], start_new_session=True)\n"
+        f"while not os.path.exists({str(tmp_path / 'worker.pid')!r}): time.sleep(0.05)\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    t0 = time.monotonic()
+    code = run_launch(Launch(cmd=[sys.executable, "-c", launcher], env={}, kind="cpu-multi", world_size=1))
+    assert code == 137
+    assert (
+        tmp_path / "checkpoint"
+    ).read_text() == "saved"  # stopped the way Ctrl-C stops it, then waited for
+    pid = int((tmp_path / "worker.pid").read_text())
+    assert not os.path.exists(f"/proc/{pid}") and time.monotonic() - t0 < 30
