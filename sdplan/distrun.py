@@ -20,10 +20,13 @@ MODULES = ("torch.distributed.run", "accelerate.commands.launch")
 
 def _killed_line(failures: dict) -> str | None:
     """One line for a worker killed by a signal (it printed nothing); None when one exited with an error of its
-    own (it said why, and the launcher then stopped the others with SIGTERM)."""
-    if any(f.exitcode > 0 for f in failures.values()):
+    own (it said why, and the launcher then stopped the others with SIGTERM). A worker killed by SIGKILL (the
+    kernel's out-of-memory killer, a ``kill -9``) is the cause even where another then failed on its own (the
+    other ranks' collectives fail on the lost peer: "Connection closed by peer")."""
+    killed = [(rank, f) for rank, f in sorted(failures.items()) if f.exitcode == -signal.SIGKILL]
+    if not killed and any(f.exitcode > 0 for f in failures.values()):
         return None
-    for rank, failure in sorted(failures.items()):
+    for rank, failure in killed or sorted(failures.items()):
         if failure.exitcode < 0:
             name = (
                 signal.Signals(-failure.exitcode).name if -failure.exitcode in signal.valid_signals() else ""
@@ -39,6 +42,8 @@ def _killed_line(failures: dict) -> str | None:
 
 def _exit_code(failures: dict) -> int:
     codes = [f.exitcode for _, f in sorted(failures.items())]
+    if -signal.SIGKILL in codes:  # the cause (see _killed_line)
+        return 128 + signal.SIGKILL
     positive = [c for c in codes if c > 0]
     if positive:
         return positive[0]
@@ -82,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         return e.returncode if e.returncode > 0 else 128 - e.returncode
     except ChildFailedError as e:
         line = _killed_line(e.failures)
-        if line:
+        if line and not os.environ.get("SDPLAN_LAUNCHED"):  # else `sdplan train` says it, in its one line
             print(line, file=sys.stderr, flush=True)
         return _exit_code(e.failures)
     return 0

@@ -1778,6 +1778,31 @@ def interrupted(out: Path) -> TrainFailed:
     )
 
 
+def killed_by_signal(out: Path, code: int, world: int = 1) -> TrainFailed | None:
+    """The trainer (or, with several processes, one of them) ended by a signal it could not handle (exit
+    ``128 + n``: SIGKILL from the kernel's out-of-memory killer or a ``kill -9``): said so, with the checkpoint
+    to continue from, instead of "its error is above" over no error; None for another exit code."""
+    from sdplan.trainer.checkpoint import latest_checkpoint
+
+    if code <= 128 or (code - 128) not in signal.valid_signals():
+        return None
+    sig = signal.Signals(code - 128)
+    who = "a training process (or their launcher)" if world > 1 else "the trainer"
+    why = " (often the kernel's out-of-memory killer, for lack of host RAM)" if sig == signal.SIGKILL else ""
+    last = latest_checkpoint(out)
+    if last is None:
+        return TrainFailed(
+            f"{who} was killed by {sig.name}{why} before its first checkpoint: there is nothing to resume from",
+            code,
+            fix="start it again: the same command with --force",
+        )
+    return TrainFailed(
+        f"{who} was killed by {sig.name}{why}; its last checkpoint is {last.name}",
+        code,
+        fix=f"continue with `sdplan train --resume --out {shlex.quote(str(out))}`",
+    )
+
+
 def execute(p: Prepared, req: TrainRequest, ui: UI, launch: Launch, lock: Any = None) -> dict[str, Any]:
     """Launch, and on out-of-memory retry with the next smaller config (bounded). Returns run_summary.json.
     Every top-level entry the trainer creates goes into the run folder's manifest."""
@@ -1804,6 +1829,8 @@ def execute(p: Prepared, req: TrainRequest, ui: UI, launch: Launch, lock: Any = 
         if oom is None:
             reported = (out / REPORTED_FILE).is_file()  # its one line is already on the screen
             (out / REPORTED_FILE).unlink(missing_ok=True)  # a signal between the two, not an output
+            if not reported and (killed := killed_by_signal(out, code, p.world)) is not None:
+                raise killed
             raise TrainFailed(
                 f"the trainer failed (exit code {code}); its error is above", code, reported=reported
             )

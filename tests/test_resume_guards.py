@@ -234,3 +234,33 @@ def test_resume_shorter_than_the_checkpoint_is_refused(run_folder):
     assert (out / "sdplan.yaml").read_text() == before and not launches
     r = invoke("--resume", "--out", str(out), "--max-steps", "3")  # as long as the checkpoint: its outputs
     assert r.exit_code == 130 and len(launches) == 1, r.output
+
+
+# -- #9: a trainer killed by a signal ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("code", [137, -9])
+def test_a_trainer_killed_by_sigkill_names_the_signal_and_its_checkpoint(run_folder, monkeypatch, code):
+    """A trainer killed by SIGKILL (the out-of-memory killer) said "failed (exit code 137); its error is above"
+    over no error, and not that --resume continues from its checkpoint."""
+    import sdplan.launcher as L
+
+    out, launches = run_folder
+    # run_launch turns a child's -9 into 137; the fake returns what run_launch would
+    monkeypatch.setattr(L, "run_launch", lambda *a, **k: 128 - code if code < 0 else code)
+    line = one_line_error(invoke("--resume", "--out", str(out)), 137, "the trainer was killed by SIGKILL")
+    assert "out-of-memory killer" in line and "its last checkpoint is interrupt-step-000003" in line
+    assert f"sdplan train --resume --out {out}" in line and "error is above" not in line
+
+
+def test_distrun_names_a_worker_killed_by_sigkill_over_the_peer_it_broke():
+    """One worker of 2 killed by SIGKILL: the other failed on the lost peer (gloo's "Connection closed by
+    peer", exit 1), and that exit 1 was reported ("its error is above") instead of the kill."""
+    from types import SimpleNamespace
+
+    from sdplan import distrun
+
+    failures = {0: SimpleNamespace(exitcode=1), 1: SimpleNamespace(exitcode=-9)}
+    assert "training process 1 was killed by SIGKILL" in distrun._killed_line(failures)
+    assert distrun._exit_code(failures) == 137
+    assert distrun._killed_line({0: SimpleNamespace(exitcode=1), 1: SimpleNamespace(exitcode=-15)}) is None
