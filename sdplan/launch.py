@@ -460,7 +460,8 @@ def run_launch(
     The child gets its own process group. Ctrl-C (SIGINT), SIGTERM or SIGHUP (the terminal closed; not under
     ``nohup``) here is forwarded to that whole group (torchrun/accelerate and every trainer process; a hangup
     as SIGHUP, after pointing our own terminal output at /dev/null), and we wait: the trainer writes its interrupt
-    checkpoint and exits 130. A second Ctrl-C sends SIGTERM, a third SIGKILL. If sdplan itself dies (kill -9,
+    checkpoint and exits 130. A second Ctrl-C sends SIGINT again to a lone trainer (which aborts on it) and
+    SIGTERM to a launcher, a third SIGKILL. If sdplan itself dies (kill -9,
     a closed terminal), the kernel sends the child SIGTERM (Linux, see ``_die_with_parent``); torchrun and
     accelerate pass it on to their workers. ``on_start(pid)`` is called once the child runs (the run lock
     records it). Settings in ``SOFT_ENV`` (threads, torchrun's shutdown timeout) that the user set in the
@@ -476,7 +477,11 @@ def run_launch(
     proc: subprocess.Popen | None = None
     early: list[int | None] = []  # stop signals that came before the child existed
     signals_sent = 0
-    escalation = (signal.SIGINT, signal.SIGTERM, signal.SIGKILL)
+    # The trainer stops at a first SIGINT (a checkpoint) and aborts at a second ("Ctrl-C again to abort"); it
+    # takes a SIGTERM after a first stop as the same request, so a second Ctrl-C forwarded as SIGTERM did nothing
+    # and only a third (SIGKILL) ended it. A launcher (torchrun / accelerate) passes its own SIGTERM on.
+    second = signal.SIGINT if launch.kind == "single" else signal.SIGTERM
+    escalation = (signal.SIGINT, second, signal.SIGKILL)
     ttys = terminal_fds()
     orphans: set[int] = set()
 

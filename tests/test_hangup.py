@@ -222,3 +222,38 @@ def test_detach_from_terminal_points_the_fds_at_dev_null(tmp_path):
     assert proc.wait(timeout=scaled(60)) == 0
     os.close(primary)
     assert marker.read_text() == "ok"
+
+
+# A stand-in trainer that takes a long step: the real StopSignals; a second Ctrl-C must abort it mid-step.
+SLOW_STEP = """
+import sys, time
+from sdplan.trainer.stops import StopSignals
+with StopSignals() as stop:
+    print("ready", flush=True)
+    try:
+        while stop.requested is None:
+            time.sleep(0.02)
+        print("stopping after this step", flush=True)
+        time.sleep(60)  # the step that finishes before the checkpoint
+    except KeyboardInterrupt:
+        print("aborted", flush=True)
+        sys.exit(1)
+sys.exit(130)
+"""
+
+
+def test_a_second_ctrl_c_aborts_the_trainer_as_it_says(tmp_path):
+    """The trainer says "Ctrl-C again to abort", but sdplan forwarded the second Ctrl-C as SIGTERM, which it
+    takes as the same stop request: the step ran to its end, and only a third Ctrl-C (SIGKILL) stopped it."""
+    import time
+
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _launcher(textwrap.dedent(SLOW_STEP))], stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout.readline().strip() == "ready"
+    proc.send_signal(signal.SIGINT)
+    assert proc.stdout.readline().strip() == "stopping after this step"
+    time.sleep(1.2)  # the trainer ignores a second signal within 1 s of the first (one key press, twice)
+    proc.send_signal(signal.SIGINT)
+    rest, _ = proc.communicate(timeout=scaled(30))
+    assert "aborted" in rest, rest
