@@ -164,10 +164,23 @@ def run_demo(req: Any, ui: Any) -> dict[str, Any]:
     ):
         raise UsageError("--demo trains on the CPU", fix="drop --device cuda / training.device")
     out = C.absolute(req.out or DEFAULT_OUT, "--out")
+    unstarted = _an_unstarted_demo(out)
     if req.resume:  # a run like any other: its flags (--dry-run, --epochs, --max-steps, ...) count as there
+        if req.model:  # else the run's own model trained on, and only its first line said which
+            raise UsageError(
+                "--resume continues the demo as configured in its sdplan.yaml",
+                fix="drop --model (a demo of another model: --demo --model NAME --out NEW)",
+            )
+        if unstarted:
+            raise UsageError(
+                f"--resume: the demo in {out} was stopped before it started training: nothing to resume",
+                fix=f"start it again: sdplan train --demo --out {out}",
+            )
         return run(dataclasses.replace(req, out=str(out), yes=True, model=None, demo=False), ui)
     runfolder.check_free(out)
-    state = check_out_dir(out, force=req.force)
+    # a demo stopped between building its model and dataset and writing sdplan.yaml: every entry is the demo's
+    # own (its manifest says so), which a new demo rebuilds
+    state = "unstarted" if unstarted else check_out_dir(out, force=req.force)
     if state == "run":
         _check_inputs_are_the_demos(out)
     data = demo_config(out, family=family, num_processes=req.num_processes or 1, max_steps=req.max_steps)
@@ -210,6 +223,10 @@ def run_demo(req: Any, ui: Any) -> dict[str, Any]:
         if state == "run":  # only what the manifest says sdplan wrote
             ui.echo(removed_line(out, clear_run_outputs(out)))
             runfolder.remove_owned(out, (*DEMO_INPUTS, DEMO_FILES))
+        elif state == "unstarted":
+            _check_inputs_are_the_demos(out)
+            runfolder.remove_owned(out, (*DEMO_INPUTS, DEMO_FILES))
+            ui.echo(f"removed the model and dataset of a demo stopped before it trained in {out}")
         start = time.perf_counter()
         new = [n for n in (*DEMO_INPUTS, DEMO_FILES) if not (out / n).exists()]
         runfolder.record(out, new)
@@ -231,6 +248,16 @@ def run_demo(req: Any, ui: Any) -> dict[str, Any]:
         summary = run(train_req, ui)
     ui.echo(DEMO_NOTE)
     return summary
+
+
+def _an_unstarted_demo(out: Path) -> bool:
+    """Whether ``out`` holds only what a demo builds before its sdplan.yaml (its model, dataset and their file
+    list), each in sdplan's manifest: a demo stopped (Ctrl-C) between the two, which --demo, --demo --force and
+    --resume all refused as a folder of someone else's files."""
+    from sdplan import runfolder
+
+    entries = set(runfolder.entries(out))
+    return bool(entries) and entries <= {*DEMO_INPUTS, DEMO_FILES} and entries <= runfolder.owned(out)
 
 
 def _files_in(folder: Path) -> list[str]:

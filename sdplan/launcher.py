@@ -155,6 +155,12 @@ def check_out_dir(
                 f"--resume: {out} does not exist", fix="point --out at the folder of the run to continue"
             )
         if not (out / CONFIG_FILE).is_file():
+            if CONFIG_FILE in runfolder.owned(out):  # sdplan wrote it there: the run's settings are gone
+                raise UsageError(
+                    f"--resume: the {CONFIG_FILE} of the run in {out} is missing (the settings its checkpoints "
+                    "were trained with)",
+                    fix=f"put the run's {CONFIG_FILE} back in {out} to continue it",
+                )
             raise UsageError(
                 f"--resume: {out} is not an sdplan run (no {CONFIG_FILE})",
                 fix="point --out at the folder of the run to continue",
@@ -1271,6 +1277,17 @@ def prepare(req: TrainRequest, ui: UI) -> Prepared:
             raise UsageError(
                 "--resume continues the run as configured in its sdplan.yaml",
                 fix="drop --method/--model/--dataset; change settings with key=value overrides",
+            )
+        if (
+            req.config
+            and req.out
+            and not _same_file(Path(req.config).expanduser(), C.absolute(req.out, "--out") / CONFIG_FILE)
+        ):  # else the --config file was dropped without a word: the run's own sdplan.yaml is what resumes
+            raise UsageError(
+                f"--resume continues the run in --out {req.out} with its own {CONFIG_FILE}; --config "
+                f"{req.config} is not used with it",
+                fix="drop --config (change settings with key=value overrides), or train that config in another "
+                "folder without --resume",
             )
     out_given = C.absolute(req.out, "--out") if req.out else None
 

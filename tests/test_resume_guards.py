@@ -264,3 +264,54 @@ def test_distrun_names_a_worker_killed_by_sigkill_over_the_peer_it_broke():
     assert "training process 1 was killed by SIGKILL" in distrun._killed_line(failures)
     assert distrun._exit_code(failures) == 137
     assert distrun._killed_line({0: SimpleNamespace(exitcode=1), 1: SimpleNamespace(exitcode=-15)}) is None
+
+
+# -- #14: flags --resume does not use ---------------------------------------------------------------------------
+
+
+def test_resume_refuses_another_config_and_the_demo_refuses_another_model(run_folder, tmp_path):
+    """`--resume --out RUN --config OTHER.yaml` planned from the run's own config and dropped the file without a
+    word; `--demo --model sdxl --resume` finished the sd15 run."""
+    out, launches = run_folder
+    other = tmp_path / "other.yaml"
+    other.write_text((out / "sdplan.yaml").read_text())
+    one_line_error(
+        invoke("--resume", "--out", str(out), "--config", str(other)), 2, f"--config {other} is not used"
+    )
+    r = invoke("--resume", "--out", str(out), "--config", str(out / "sdplan.yaml"), "--dry-run")  # its own
+    assert r.exit_code == 0, r.output
+    one_line_error(invoke("--demo", "--model", "sdxl", "--resume", "--out", str(out)), 2, "drop --model")
+    assert not launches
+
+
+# -- #10 / #18: folders --resume and --demo refused with no way out -----------------------------------------------
+
+
+def test_a_demo_stopped_before_its_sdplan_yaml_is_rebuilt_not_refused(tmp_path, monkeypatch):
+    """Ctrl-C between building the demo's model and dataset and writing sdplan.yaml left a folder of only the
+    demo's own entries (its manifest lists them) that --demo, --demo --force and --resume all refused."""
+    import sdplan.launcher as L
+    from sdplan import runfolder
+    from sdplan.demo import DEMO_FILES
+
+    out = tmp_path / "demo"
+    (out / "base_model").mkdir(parents=True)
+    (out / "base_model" / "model_index.json").write_text("{}")
+    (out / "dataset").mkdir()
+    (out / DEMO_FILES).write_text(json.dumps({"base_model": ["model_index.json"], "dataset": []}))
+    runfolder.record(out, ["base_model", "dataset", DEMO_FILES])
+    one_line_error(invoke("--demo", "--resume", "--out", str(out)), 2, "stopped before it started training")
+    monkeypatch.setattr(L, "run_launch", lambda *a, **k: 130)
+    r = invoke("--demo", "--out", str(out))
+    assert r.exit_code == 130, r.output
+    assert "removed the model and dataset of a demo stopped before it trained" in r.stdout
+    assert (out / "sdplan.yaml").is_file()
+    # a file of the user's among them: still refused
+    (out / "notes.txt").write_text("mine")
+    assert invoke("--demo", "--out", str(out)).exit_code != 0 and (out / "notes.txt").exists()
+
+
+def test_resume_of_a_run_whose_sdplan_yaml_was_deleted_says_so(run_folder):
+    out, launches = run_folder
+    (out / "sdplan.yaml").unlink()
+    one_line_error(invoke("--resume", "--out", str(out)), 2, "sdplan.yaml of the run", "is missing")
