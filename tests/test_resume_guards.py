@@ -315,3 +315,15 @@ def test_resume_of_a_run_whose_sdplan_yaml_was_deleted_says_so(run_folder):
     out, launches = run_folder
     (out / "sdplan.yaml").unlink()
     one_line_error(invoke("--resume", "--out", str(out)), 2, "sdplan.yaml of the run", "is missing")
+
+
+def test_every_checkpoint_incomplete_says_force_not_a_command_that_is_refused(tmp_path):
+    """'start without --resume' under `sdplan train` gave '--model and --dataset missing' or 'holds an sdplan
+    run (continue it with --resume ...)'."""
+    from sdplan.trainer.checkpoint import CheckpointError, resolve_resume
+
+    (tmp_path / "checkpoints" / "step-000002").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "step-000002" / "train_state.json").write_text("{broken")
+    with pytest.raises(CheckpointError) as e:
+        resolve_resume("latest", tmp_path)
+    assert "--force" in e.value.fix

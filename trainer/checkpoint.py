@@ -57,6 +57,13 @@ _REPLACEABLE = ("rolling-step", "interrupt-step")  # a newer rolling or kept che
 _SETTINGS = ("batch_size", "grad_accum", "num_processes", "method")
 
 
+# What to do when no checkpoint can be resumed from: `sdplan train` starts a run over in its folder with --force
+# (without --resume it is refused: the folder holds a run); the trainer's own command line drops --resume.
+START_OVER = (
+    "start it over: `sdplan train --force` instead of --resume (the trainer's own command: without --resume)"
+)
+
+
 class CheckpointError(SdplanError):
     exit_code = 2
 
@@ -305,7 +312,7 @@ def resolve_resume(resume: str | Path | None, out_dir: str | Path, say=print) ->
             skipped.append(problem)
         raise CheckpointError(
             f"--resume latest: every checkpoint in {checkpoint_root(out_dir)} is incomplete ({'; '.join(skipped)})",
-            fix="start without --resume",
+            fix=START_OVER,
         )
     path = Path(resume)
     if not (path / STATE_FILE).is_file():
@@ -315,9 +322,7 @@ def resolve_resume(resume: str | Path | None, out_dir: str | Path, say=print) ->
         complete = [p for _, _, p in reversed(list_checkpoints(out_dir)) if verify_checkpoint(p) is None]
         raise CheckpointError(
             f"--resume {resume}: incomplete checkpoint ({problem})",
-            fix=f"resume from {complete[0]}, the newest complete one"
-            if complete
-            else "start without --resume",
+            fix=f"resume from {complete[0]}, the newest complete one" if complete else START_OVER,
         )
     return path
 
