@@ -202,6 +202,34 @@ def test_the_loss_history_of_a_resume_with_another_micro_batch_counts_images(tin
     assert history(first)["images_seen"] == history(first)["steps"] == list(range(1, 9))
 
 
+@pytest.mark.train
+@trains_in_process
+def test_a_resume_with_another_accumulation_trains_the_images_of_an_uninterrupted_run(tiny_sd15, tmp_path):
+    """A batch 2 x accumulation 1 checkpoint after step 1 resumed as batch 1 x accumulation 2 (what the
+    out-of-memory retry does): accelerate's micro-batch counter came back as saved (1), so the next step closed
+    after one micro-batch and the run reached its 4 steps with 7 of its 8 images. Now every step takes its 2
+    images, as in an uninterrupted 1 x 2 run."""
+    from conftest import make_images
+
+    data = make_images(tmp_path / "data", n=4)
+    opts = ("training.max_steps=null", "training.epochs=2")
+    first = tmp_path / "first"
+    run.train(
+        tiny_train_config(
+            tiny_sd15, data, first, "training.batch_size=2", *opts, "checkpoints.keep_every_steps=1"
+        )
+    )
+    kept = checkpoint.checkpoint_root(first) / "step-000001"
+    small = ("training.batch_size=1", "training.grad_accum=2", *opts)
+    resumed = tmp_path / "resumed"
+    run.train(tiny_train_config(tiny_sd15, data, resumed, *small), resume=str(kept))
+    straight = tmp_path / "straight"
+    run.train(tiny_train_config(tiny_sd15, data, straight, *small))
+    assert history(straight)["images_seen"] == [2, 4, 6, 8]
+    assert history(resumed)["images_seen"] == history(straight)["images_seen"]
+    assert (summary(resumed)["steps"], summary(resumed)["images_seen"]) == (4, 8)
+
+
 def test_a_checkpoint_without_the_history_positions_numbers_its_steps_and_spreads_its_images():
     """A train_state.json written before the history kept steps and images still resumes: steps 1..n, the
     images it had seen spread over them."""

@@ -572,6 +572,14 @@ class Checkpointer:
         if at is not None:
             live.global_step, live.epoch, live.batches_in_epoch = at.step, at.epoch, at.batches_in_epoch
             live.samples_in_epoch = at.batches_in_epoch * live.batch_size
+        # accelerate's micro-batch counter (``Accelerator.step``: ``_do_sync`` closes an optimizer step when it
+        # is a multiple of the accumulation, and zeroes it at the data loader's end) comes back from
+        # ``load_state`` as it was saved: under another accumulation it is out of step with this run (7 micro-
+        # batches saved at accumulation 1, resumed at 2: the next step closed after 1 micro-batch, and the run
+        # reached its steps with images left untrained). It is set to the position's micro-batches in its
+        # epoch under this run's accumulation (0 at an epoch's end, where accelerate zeroes it).
+        done = live.batches_in_epoch
+        self.accelerator.step = done if done < plan.batches_per_epoch else 0
         self.last_saved = path
         self.last_saved_step = live.global_step
         return live
