@@ -166,6 +166,24 @@ def test_a_rolling_checkpoint_replaces_one_with_fewer_images_and_a_higher_step(t
     assert saved.name == "rolling-step-000004" and checkpoint.latest_checkpoint(tmp_path) == saved
 
 
+def test_a_kept_checkpoint_of_an_earlier_session_is_never_replaced(tmp_path, checkpointer):
+    """Resumed on 2 processes from a 1-process run that kept step-000004 (8 images): this run's step 4 (18
+    images) is another point of the run. It replaced the kept one; now it is kept beside it as step-000004-1,
+    which ranks as the latest (most images). Within one session the same step written again replaces its own."""
+    earlier = fake_checkpoint(tmp_path, "step-000004", 8)
+    state = checkpoint.TrainState(global_step=4, images_seen=18, num_processes=2)
+    ckpt = checkpointer(state, keep_every_steps=2)
+    saved = ckpt.maybe_save()
+    assert saved.name == "step-000004-1"
+    assert checkpoint.images_seen(earlier) == 8 and checkpoint.images_seen(saved) == 18
+    assert [p for _, _, p in checkpoint.list_checkpoints(tmp_path)] == [earlier, saved]
+    assert checkpoint.latest_checkpoint(tmp_path) == saved
+    assert ckpt.save("keep") == saved  # this session's own: replaced, no -2
+    assert len(checkpoint.list_checkpoints(tmp_path)) == 2
+    checkpoint.remove_checkpoints(tmp_path)  # --force knows the suffixed name as sdplan's
+    assert not checkpoint.checkpoint_root(tmp_path).exists()
+
+
 # -- the loss history across a moved resume ------------------------------------------------------------------
 
 

@@ -5,6 +5,9 @@ Layout under ``{output.dir}/checkpoints/``:
 - ``rolling-step-000300``: every ``checkpoints.every_steps``; a new one replaces the previous (the old one is
   deleted only after the new one is complete).
 - ``step-000500``: every ``checkpoints.keep_every_steps``; never deleted (it replaces the rolling one before it).
+  A resume on another process count, micro-batch or accumulation numbers its steps anew, so its step 500 can be
+  another point of the run than an earlier session's: a kept (or before-NaN) checkpoint an earlier session
+  wrote is never replaced, the new one is ``step-000500-1`` (``-2``, ...), as grids and intermediate outputs are.
 - ``interrupt-step-000123``: on SIGINT/SIGTERM or an exception; ``before-nan-step-000041`` when the loss
   turned NaN/inf (the weights from before that step).
 
@@ -51,7 +54,7 @@ CHECKPOINTS = "checkpoints"
 DEEPSPEED_DIR = "pytorch_model"
 STATE_FILE = "train_state.json"
 WEIGHTS_FILE = "trainable.safetensors"
-_NAME = re.compile(r"^(rolling-step|step|interrupt-step|before-nan-step)-(\d+)$")
+_NAME = re.compile(r"^(rolling-step|step|interrupt-step|before-nan-step)-(\d+)(?:-\d+)?$")
 _REPLACEABLE = ("rolling-step", "interrupt-step")  # a newer rolling or kept checkpoint removes these
 # The TrainState fields that are this run's settings, not its progress: a resume keeps the live ones.
 _SETTINGS = ("batch_size", "grad_accum", "num_processes", "method")
@@ -413,6 +416,7 @@ class Checkpointer:
         self.keep_every_steps = keep_every_steps
         self.last_saved: Path | None = None
         self.last_saved_step = -1
+        self.written: set[str] = set()  # the checkpoints this session wrote (it may replace those)
         self.started = time.perf_counter() if started is None else started
         self._deepspeed = _is_deepspeed(accelerator)
         accelerator.register_save_state_pre_hook(self._save_hook)
@@ -460,6 +464,10 @@ class Checkpointer:
             "nan": "before-nan-step",
         }[kind]
         name = f"{prefix}-{step:06d}"
+        again = 0
+        while prefix not in _REPLACEABLE and (self.root / name).exists() and name not in self.written:
+            again += 1  # an earlier session's kept checkpoint of this step number: kept beside it
+            name = f"{prefix}-{step:06d}-{again}"
         final = self.root / name
         tmp = self.root / f".tmp-{name}"  # same name on every process: they write into one folder
         try:
@@ -481,6 +489,7 @@ class Checkpointer:
                     if k in _REPLACEABLE and p != final and images_seen(p) <= seen:
                         shutil.rmtree(p, ignore_errors=True)
         acc.wait_for_everyone()
+        self.written.add(name)
         self.last_saved = final
         self.last_saved_step = step
         return final
