@@ -117,6 +117,20 @@ def test_the_final_step_is_checkpointed_before_the_export(tiny_sd15, images, tmp
     assert seen[-1] is not None and checkpoint.read_state(seen[-1]).global_step == 3
 
 
+def test_a_finished_run_removes_the_interrupt_checkpoint_it_passed(tiny_sd15, images, tmp_path, capsys):
+    """Checkpoints off, interrupted after step 1 (interrupt-step-000001, 2 images), resumed to the end: the
+    interrupt checkpoint stayed, so a later --resume (or --epochs extension) restarted from step 1, retrained
+    what was done and wrote over the finished outputs. The finished run now removes it."""
+    out = tmp_path / "out"
+    run.train(tiny_train_config(tiny_sd15, images, out, "training.max_steps=1", "checkpoints.every_steps=1"))
+    root = checkpoint.checkpoint_root(out)
+    (root / "rolling-step-000001").rename(root / "interrupt-step-000001")  # what a Ctrl-C at step 1 leaves
+    run.train(tiny_train_config(tiny_sd15, images, out, "training.max_steps=3"), resume="latest")
+    assert json.loads((out / "run_summary.json").read_text())["steps"] == 3
+    assert checkpoint.list_checkpoints(out) == []
+    assert f"removed {root / 'interrupt-step-000001'}" in capsys.readouterr().out
+
+
 # -- item 6: disk full, half-written checkpoints --------------------------------------------------------------
 
 

@@ -9,7 +9,8 @@ Layout under ``{output.dir}/checkpoints/``:
   another point of the run than an earlier session's: a kept (or before-NaN) checkpoint an earlier session
   wrote is never replaced, the new one is ``step-000500-1`` (``-2``, ...), as grids and intermediate outputs are.
 - ``interrupt-step-000123``: on SIGINT/SIGTERM or an exception; ``before-nan-step-000041`` when the loss
-  turned NaN/inf (the weights from before that step).
+  turned NaN/inf (the weights from before that step). A run that finishes removes the rolling and interrupt
+  checkpoints it has passed (:func:`remove_passed`; with checkpoints off nothing else would).
 
 Each is written by ``accelerator.save_state`` into ``checkpoints/.tmp-<name>`` and then renamed: a kill while
 writing leaves a ``.tmp-`` folder that is ignored (and cleaned up next time) and the previous checkpoint intact.
@@ -231,6 +232,20 @@ def remove_checkpoints(out_dir: str | Path) -> None:
             shutil.rmtree(p)
     if not any(root.iterdir()):
         root.rmdir()
+
+
+def remove_passed(out_dir: str | Path, images: int) -> list[Path]:
+    """After a run finished with ``images`` seen and wrote its outputs: remove the rolling and interrupt
+    checkpoints it has passed (fewer images). With checkpoints off no final checkpoint replaces them (a Ctrl-C
+    at step 7 left ``interrupt-step-000007``), and a later ``--resume`` (or an ``--epochs`` extension) took it
+    for the newest state, trained steps 8.. again and wrote over the finished outputs. Kept and before-NaN
+    checkpoints stay. Returns what was removed (main process only)."""
+    removed = []
+    for _, kind, path in list_checkpoints(out_dir):
+        if kind in _REPLACEABLE and 0 <= images_seen(path) < images:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
 
 
 def read_state(path: str | Path) -> TrainState:
