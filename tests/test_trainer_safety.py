@@ -64,6 +64,33 @@ def test_too_little_disk_for_the_outputs_fails_before_any_step(tiny_sd15, images
     _no_temp_left(out)
 
 
+def test_ctrl_c_in_the_trial_export_leaves_no_folder_and_a_stale_one_goes_at_the_next_start(tmp_path):
+    """KeyboardInterrupt is no Exception: a Ctrl-C in the trial export left .export-check-<pid> (a whole model
+    copy for a fine-tune), which --force and finished runs kept. Now it goes at once; one a killed start left
+    goes at the next start (a folder of the user's with another name stays)."""
+    out = tmp_path / "out"
+
+    def interrupted(folder: Path):
+        folder.mkdir(parents=True)
+        (folder / "model.safetensors").write_bytes(b"x" * 100)
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        outputs.check_export(interrupted, out)
+    assert not list(out.glob(".export-check*"))
+    stale = out / ".export-check-12345"  # what a SIGKILL in the trial export leaves
+    (stale / "model").mkdir(parents=True)
+    (stale / "model" / "unet.safetensors").write_bytes(b"x" * 100)
+    (out / ".export-check-mine").mkdir()
+
+    def export(folder: Path):
+        folder.mkdir(parents=True)
+        (folder / "lora.safetensors").write_bytes(b"x" * 10)
+
+    assert outputs.check_export(export, out) == 10
+    assert sorted(p.name for p in out.iterdir()) == [".export-check-mine"]
+
+
 @pytest.mark.parametrize(
     ("code", "said"),
     [

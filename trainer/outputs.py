@@ -122,12 +122,16 @@ def check_export(export: Callable[[Path], Any], out_dir: str | Path, *, saves: i
     in ``out_dir``, measure it and delete it; then check the disk holds ``saves`` exports of that size. A
     broken export (an import that fails, an unwritable folder, a name that does not resolve, a model the
     format cannot hold) so fails in the first seconds instead of after the training. Returns the bytes of
-    one export."""
+    one export.
+
+    The folder goes whatever ends the export, a Ctrl-C included (for a full fine-tune it is a whole model copy,
+    and a big model's trial export is a silent pause when users press Ctrl-C); one a killed run left
+    (``.export-check-<pid>``: only this run writes in ``out_dir``, its lock says) goes at the next start."""
     out_dir = Path(out_dir)
     tmp = out_dir / f"{EXPORT_CHECK}-{os.getpid()}"
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
+        remove_stale_export_checks(out_dir)
         export(tmp)
         size = tree_bytes(tmp)
     except Exception as e:
@@ -150,11 +154,19 @@ def check_export(export: Callable[[Path], Any], out_dir: str | Path, *, saves: i
         raise ExportFailed(
             f"the export failed before training started ({_first_line(e)}); nothing was trained", fix=hint
         ) from None
-    shutil.rmtree(tmp, ignore_errors=True)
+    finally:  # also on KeyboardInterrupt / SystemExit, which the except above lets through
+        shutil.rmtree(tmp, ignore_errors=True)
     need, free = size * saves, free_bytes(out_dir)
     if free < need:
         raise DiskFull(need, out_dir, free, f": {saves} export(s) of {size} bytes each")
     return size
+
+
+def remove_stale_export_checks(out_dir: Path) -> None:
+    """Remove the trial-export folders (``.export-check-<pid>``) an earlier start left in ``out_dir``."""
+    for stale in Path(out_dir).glob(f"{EXPORT_CHECK}-*"):
+        if stale.name[len(EXPORT_CHECK) + 1 :].isdigit() and stale.is_dir() and not stale.is_symlink():
+            shutil.rmtree(stale, ignore_errors=True)
 
 
 def export_error(
