@@ -119,6 +119,20 @@ def fake_checkpoint(out: Path, name: str, images: int) -> Path:
     return path
 
 
+def test_only_a_resume_that_keeps_the_numbering_writes_over_a_steps_outputs():
+    """checkpoint.same_numbering: a same-settings resume of a history numbered 1..n keeps step N one point of
+    the run (its grid / intermediate outputs are written over); a renumbered resume, or any resume of a history
+    that was renumbered before, keeps an earlier session's beside (``-1``)."""
+    p1 = plan(1, accum=1)
+    saved = checkpoint.TrainState(global_step=3, loss_steps=[1, 2, 3], batch_size=1, grad_accum=1)
+    assert checkpoint.same_numbering(saved, None, p1)
+    assert not checkpoint.same_numbering(saved, Position(step=1, epoch=0, batches_in_epoch=3), plan(2))
+    # batch 1 x accumulation 2 <-> batch 2 x 1: the same images per step, the same step: the same numbering
+    assert checkpoint.same_numbering(saved, Position(step=3, epoch=0, batches_in_epoch=3), p1)
+    renumbered = checkpoint.TrainState(global_step=3, loss_steps=[1, 2, 3, 2, 3], batch_size=1, grad_accum=1)
+    assert not checkpoint.same_numbering(renumbered, None, p1)
+
+
 def test_latest_is_the_checkpoint_with_the_most_images(tmp_path):
     """A 2-process run's step 4 (16 images) is further than the 1-process step 6 it resumed from (12)."""
     fake_checkpoint(tmp_path, "rolling-step-000006", 12)

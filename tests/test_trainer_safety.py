@@ -276,6 +276,36 @@ def test_lora_every_epoch_loads_and_is_listed(tiny_sd15, images, tmp_path):
         assert json.loads(im.text["sdplan_samples"])["labels"] == ["step 6\na photo of sks red square"]
 
 
+def test_an_exact_resume_writes_the_outputs_of_a_step_again_under_their_names(
+    tiny_sd15, images, tmp_path, monkeypatch
+):
+    """A run that saved outputs and a grid at step 4 after its checkpoint at step 3, then crashed, resumed with
+    the same settings: step 4 is the same point of the run, yet it was saved again as run-step00000004-1 and
+    step-000004-1.png (the suffix is for renumbered resumes), and the first became an orphan. Now they are
+    written over; a resume on another batch size still keeps them beside (sampling tests)."""
+    monkeypatch.setattr(outputs, "_SAME_STEPS", False)  # the resume sets it: back to the default after
+    out = tmp_path / "out"
+    opts = (
+        "training.max_steps=5",
+        "output.save_every_n_steps=2",
+        "sampling.every_steps=2",
+        "output.name=run",
+    )
+    run.train(tiny_train_config(tiny_sd15, images, out, *opts, "checkpoints.keep_every_steps=3"))
+    kept = checkpoint.checkpoint_root(out) / "step-000003"
+    summary = run.train(tiny_train_config(tiny_sd15, images, out, *opts), resume=str(kept))
+    assert sorted(p.name for p in (out / "intermediate").iterdir()) == [
+        "run-step00000002",
+        "run-step00000004",
+    ]
+    assert sorted(p.name for p in (out / "samples").iterdir()) == [
+        "final.png",
+        "step-000002.png",
+        "step-000004.png",
+    ]
+    assert [o["step"] for o in summary["intermediate_outputs"]] == [2, 4]
+
+
 @pytest.mark.parametrize("method", ["textual-inversion", "finetune"])
 def test_other_methods_every_n_steps(method, tiny_sd15, images, tmp_path):
     out = tmp_path / "out"

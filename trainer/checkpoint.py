@@ -155,6 +155,19 @@ def resume_position(saved: TrainState, live: TrainState, plan: Steps, epoch_batc
     )
 
 
+def same_numbering(saved: TrainState, moved: Position | None, plan: Steps) -> bool:
+    """Whether a run resumed from ``saved`` (at ``moved``, None for the saved position, in ``plan``) numbers its
+    steps as every session before it did: the checkpoint's history counts 1, 2, ... with no renumbered resume in
+    it, and this one keeps the step and the images per step (batch x accumulation x processes). Then a step
+    number is one point of the run, and what an earlier session saved at that step is this session's too."""
+    if saved.loss_steps != list(range(1, len(saved.loss_steps) + 1)):
+        return False
+    if moved is None:
+        return True
+    per_step = saved.batch_size * saved.grad_accum * saved.num_processes
+    return moved.step == saved.global_step and per_step == plan.images_per_step
+
+
 def _is_deepspeed(accelerator) -> bool:
     from accelerate.utils import DistributedType
 

@@ -509,6 +509,7 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
         saved = ckpt_lib.read_state(resume_from)
         moved = ckpt_lib.resume_position(saved, state, plan, len(batches))
         start_step = moved.step if moved is not None else saved.global_step
+        outputs.same_steps_as_before(ckpt_lib.same_numbering(saved, moved, plan))
         if moved is not None:
             progress.say(
                 accelerator,

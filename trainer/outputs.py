@@ -209,18 +209,31 @@ GRID_NAME = re.compile(r"(step-\d{6,}(-\d+)?|final)\.(png|error\.txt)")  # a gri
 _SESSION_START = time.time()
 
 
-def mark_session_start() -> None:
-    global _SESSION_START
-    _SESSION_START = time.time()
+# whether this session numbers its steps as the earlier sessions of the run did (loop.train says so for a resume
+# with the settings its checkpoint was saved with, from a history never renumbered): step N is then the same
+# point of the run, and its grid and intermediate outputs are written again under their names, not as ``-1``
+_SAME_STEPS = False
+
+
+def mark_session_start(*, same_steps: bool = False) -> None:
+    global _SESSION_START, _SAME_STEPS
+    _SESSION_START, _SAME_STEPS = time.time(), same_steps
+
+
+def same_steps_as_before(same: bool) -> None:
+    """This session's step N is the earlier sessions' step N (an exact resume): see ``_SAME_STEPS``."""
+    global _SAME_STEPS
+    _SAME_STEPS = same
 
 
 def grid_path(folder: Path, step: int | None) -> Path:
     """Where the grid of ``step`` goes in ``folder``: its name, unless an earlier session of the run wrote that
     file (a resume on another process count, batch or accumulation numbers its steps anew: step 40 is another
-    point of the run), which is kept beside the new one (``step-000040-1.png``)."""
+    point of the run), which is kept beside the new one (``step-000040-1.png``). In an exact resume (the same
+    numbering: :func:`same_steps_as_before`) the step is the same point and its name is written over."""
     path = folder / grid_name(step)
     again = 0
-    while step is not None and path.exists() and path.stat().st_mtime < _SESSION_START:
+    while step is not None and not _SAME_STEPS and path.exists() and path.stat().st_mtime < _SESSION_START:
         again += 1
         path = folder / grid_name(step, again)
     return path
@@ -229,9 +242,10 @@ def grid_path(folder: Path, step: int | None) -> Path:
 def intermediate_folder(root: Path, label: str) -> Path:
     """Where the outputs saved as ``label`` go under ``root`` (intermediate/): its name, unless an earlier session
     of the run wrote that folder (a resume on another process count numbers its steps anew), which is kept
-    beside the new one (``{name}-step00000040-1``), as :func:`grid_path` keeps grids."""
+    beside the new one (``{name}-step00000040-1``), as :func:`grid_path` keeps grids (and, as there, written over
+    in an exact resume)."""
     folder, again = root / label, 0
-    while folder.exists() and folder.stat().st_mtime < _SESSION_START:
+    while not _SAME_STEPS and folder.exists() and folder.stat().st_mtime < _SESSION_START:
         again += 1
         folder = root / f"{label}-{again}"
     return folder
