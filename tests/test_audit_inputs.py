@@ -3,6 +3,8 @@ non-zero exit, no traceback, nothing of the user's overwritten."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from conftest import make_images, one_line_error, tiny_train_config, trains_in_process
 from typer.testing import CliRunner
@@ -34,16 +36,43 @@ def test_resume_from_a_checkpoint_with_damaged_bytes_is_one_line(tiny_sd15, tmp_
     saved = checkpoint.latest_checkpoint(out)
     optimizer = saved / "optimizer.bin"
     data = bytearray(optimizer.read_bytes())
-    data[len(data) // 3 : len(data) // 3 + 256] = b"\xff" * 256  # same size: verify_checkpoint passes it
+    data[len(data) // 3 : len(data) // 3 + 256] = b"\xff" * 256  # same size: the sizes listed still match
     optimizer.write_bytes(bytes(data))
-    assert checkpoint.verify_checkpoint(saved) is None
+    # the sha256 saved with each file finds it before anything loads
+    assert "optimizer.bin is damaged" in (checkpoint.verify_checkpoint(saved) or "")
     cfg = write_cfg(tiny_train_config(tiny_sd15, images, out, "training.max_steps=3"), tmp_path / "c.yaml")
     capsys.readouterr()
     assert trainer_main(["--config", str(cfg), "--resume", "latest"]) == 2
     err = capsys.readouterr().err.strip()
     assert "Traceback" not in err and len(err.splitlines()) == 1, err
-    assert err.startswith(f"error: checkpoint {saved} cannot be loaded") and "--resume" in err
+    assert err.startswith("error: --resume latest: every checkpoint") and "optimizer.bin is damaged" in err
     assert optimizer.read_bytes() == bytes(data)  # the damaged checkpoint is left for the user to judge
+    # A checkpoint saved before the sha256 was kept: the load itself fails, in one line.
+    state = json.loads((saved / checkpoint.STATE_FILE).read_text())
+    del state["sha256"]
+    (saved / checkpoint.STATE_FILE).write_text(json.dumps(state))
+    assert checkpoint.verify_checkpoint(saved) is None
+    assert trainer_main(["--config", str(cfg), "--resume", "latest"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err and len(err.splitlines()) == 1, err
+    assert err.startswith(f"error: checkpoint {saved} cannot be loaded") and "--resume" in err
+
+
+def test_a_checkpoint_file_above_the_whole_file_limit_is_hashed_by_slices(tmp_path, monkeypatch):
+    """A large file (a full fine-tune's optimizer state) is hashed by 256 slices of 1 MiB, not read whole: a
+    damaged slice changes its digest."""
+    from sdplan.trainer import checkpoint
+
+    monkeypatch.setattr(checkpoint, "FULL_HASH_BYTES", 1 << 20)
+    monkeypatch.setattr(checkpoint, "_SAMPLE_BYTES", 1 << 10)
+    big = tmp_path / "optimizer.bin"
+    big.write_bytes(bytes(range(256)) * (8 << 12))  # 8 MiB
+    digest = checkpoint.file_digest(big)
+    assert digest.startswith("sampled:") and digest == checkpoint.file_digest(big)
+    with open(big, "r+b") as f:
+        f.seek(0)
+        f.write(b"\xff" * 16)
+    assert checkpoint.file_digest(big) != digest
 
 
 # -- bench --store: a folder that cannot be written ---------------------------------------------------------
