@@ -133,6 +133,16 @@ def test_only_a_resume_that_keeps_the_numbering_writes_over_a_steps_outputs():
     assert not checkpoint.same_numbering(renumbered, None, p1)
 
 
+def test_a_moved_resume_says_the_images_it_trains_again():
+    """The audit's batch 2 -> 4 (and 1 -> 2 processes) resume at 14 images: step 3 = 12 images, 2 again; a
+    position that the new batches meet exactly, or a finished epoch, trains none again."""
+    saved = checkpoint.TrainState(epoch=0, batches_in_epoch=7, samples_in_epoch=14, batch_size=2)
+    assert checkpoint.images_again(saved, Position(step=3, epoch=0, batches_in_epoch=3), 4, 1) == 2
+    assert checkpoint.images_again(saved, Position(step=3, epoch=0, batches_in_epoch=3), 2, 2) == 2
+    assert checkpoint.images_again(saved, Position(step=7, epoch=0, batches_in_epoch=14), 1, 1) == 0
+    assert checkpoint.images_again(saved, Position(step=4, epoch=1, batches_in_epoch=0), 4, 1) == 0
+
+
 def test_latest_is_the_checkpoint_with_the_most_images(tmp_path):
     """A 2-process run's step 4 (16 images) is further than the 1-process step 6 it resumed from (12)."""
     fake_checkpoint(tmp_path, "rolling-step-000006", 12)
@@ -207,7 +217,7 @@ def history(out: Path) -> dict:
 
 @pytest.mark.train
 @trains_in_process
-def test_the_loss_history_of_a_resume_with_another_micro_batch_counts_images(tiny_sd15, tmp_path):
+def test_the_loss_history_of_a_resume_with_another_micro_batch_counts_images(tiny_sd15, tmp_path, capsys):
     """4 images x 2 epochs at batch 1 (8 steps), checkpoint after step 3, resumed at batch 2: step 1 of 4
     (moved_position: 1 of the 3 images done is a whole batch of 2, the third trains again). The history
     numbered its 6 entries 1..6 for a run of 4 steps whose steps covered 1 image, then 2: loss.png drew them
@@ -225,7 +235,9 @@ def test_the_loss_history_of_a_resume_with_another_micro_batch_counts_images(tin
     )
     kept = checkpoint.checkpoint_root(first) / "step-000003"
     resumed = tmp_path / "resumed"
+    capsys.readouterr()
     run.train(tiny_train_config(tiny_sd15, data, resumed, "training.batch_size=2", *opts), resume=str(kept))
+    assert "that is step 1 of 4 (1 image(s) of its epoch are trained again" in capsys.readouterr().out
     h, s = history(resumed), summary(resumed)
     assert (s["steps"], s["images_seen"]) == (4, 9)
     assert h["images_seen"] == [1, 2, 3, 5, 7, 9]  # strictly increasing, ending at the run's images

@@ -157,6 +157,16 @@ def resume_position(saved: TrainState, live: TrainState, plan: Steps, epoch_batc
     )
 
 
+def images_again(saved: TrainState, moved: Position, batch_size: int, num_processes: int) -> int:
+    """The images a run resumed at ``moved`` (micro-batch ``batch_size`` on ``num_processes``) trains again:
+    :func:`sdplan.steps.moved_position` rounds the checkpoint's images in its epoch down to whole batches of the
+    new run (14 images at batch 4: step 3, 12 images; 2 again, counted again in ``images_seen``)."""
+    if moved.epoch != saved.epoch:  # the checkpoint had finished its epoch
+        return 0
+    done = saved.samples_in_epoch * saved.num_processes
+    return max(0, done - moved.batches_in_epoch * batch_size * num_processes)
+
+
 def same_numbering(saved: TrainState, moved: Position | None, plan: Steps) -> bool:
     """Whether a run resumed from ``saved`` (at ``moved``, None for the saved position, in ``plan``) numbers its
     steps as every session before it did: the checkpoint's history counts 1, 2, ... with no renumbered resume in

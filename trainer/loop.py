@@ -511,12 +511,19 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
         start_step = moved.step if moved is not None else saved.global_step
         outputs.same_steps_as_before(ckpt_lib.same_numbering(saved, moved, plan))
         if moved is not None:
+            again = ckpt_lib.images_again(saved, moved, tcfg.batch_size, accelerator.num_processes)
             progress.say(
                 accelerator,
                 f"{resume_from}: saved by {saved.num_processes} process(es) (batch {saved.batch_size} x accum "
                 f"{saved.grad_accum}) after {saved.images_seen} images; on {accelerator.num_processes} "
                 f"process(es) (batch {tcfg.batch_size} x accum {tcfg.grad_accum}) that is step {moved.step} "
-                f"of {plan.total_steps}",
+                f"of {plan.total_steps}"
+                + (
+                    f" ({again} image(s) of its epoch are trained again: the position rounds down to whole "
+                    f"batches of this run; they count again in the images seen)"
+                    if again
+                    else ""
+                ),
             )
 
     # The export, once, before anything is trained: what fails there fails now, not after the training.
