@@ -60,7 +60,7 @@ WEIGHTS_FILE = "trainable.safetensors"
 _NAME = re.compile(r"^(rolling-step|step|interrupt-step|before-nan-step)-(\d+)(?:-\d+)?$")
 _REPLACEABLE = ("rolling-step", "interrupt-step")  # a newer rolling or kept checkpoint removes these
 # The TrainState fields that are this run's settings, not its progress: a resume keeps the live ones.
-_SETTINGS = ("batch_size", "grad_accum", "num_processes", "method")
+_SETTINGS = ("batch_size", "grad_accum", "num_processes", "method", "samples_per_epoch")
 
 
 # What to do when no checkpoint can be resumed from: `sdplan train` starts a run over in its folder with --force
@@ -94,6 +94,8 @@ class TrainState:
     grad_accum: int = 1
     num_processes: int = 1
     method: str = ""
+    # The dataset's samples per epoch (with repeats) the run had; 0 in a checkpoint saved before it was kept.
+    samples_per_epoch: int = 0
     # Outputs saved during training so far (output.save_every_n_*): [{"epoch", "step", "files"}].
     intermediate_outputs: list[dict[str, Any]] = field(default_factory=list)
     # The run's wall-clock seconds before this session: in a checkpoint, from the run's start to that checkpoint

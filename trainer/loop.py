@@ -503,6 +503,7 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
         grad_accum=tcfg.grad_accum,
         num_processes=accelerator.num_processes,
         method=cfg.method,
+        samples_per_epoch=len(dataset),
     )
     start_step = 0
     if resume_from is not None:
@@ -510,6 +511,13 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
         moved = ckpt_lib.resume_position(saved, state, plan, len(batches))
         start_step = moved.step if moved is not None else saved.global_step
         outputs.same_steps_as_before(ckpt_lib.same_numbering(saved, moved, plan))
+        if saved.samples_per_epoch and saved.samples_per_epoch != len(dataset):
+            progress.say(
+                accelerator,
+                f"note: the dataset has {len(dataset)} samples per epoch; {resume_from} was saved with "
+                f"{saved.samples_per_epoch}: the resumed epoch's order is this dataset's, so some of its images "
+                "train twice in it and others not at all (the next epochs are whole)",
+            )
         if moved is not None:
             again = ckpt_lib.images_again(saved, moved, tcfg.batch_size, accelerator.num_processes)
             progress.say(
