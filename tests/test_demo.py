@@ -167,9 +167,10 @@ def test_two_processes_see_the_same_images(demo, tmp_path):
 
 
 def _demo_with_oom_at_step_10(tmp_path: Path, store: Path) -> tuple[Path, subprocess.CompletedProcess]:
-    """The demo with an out-of-memory injected at step 10 and ``store`` as the local profile store."""
+    """The demo with an out-of-memory injected at step 10 and ``store`` as the local profile store, where the
+    injected out-of-memory is recorded (SDPLAN_RECORD_INJECTED: a plain injected run records nothing)."""
     out = tmp_path / "oom"
-    env = {"SDPLAN_INJECT_OOM_AT_STEP": "10", "SDPLAN_PROFILE_DIR": str(store)}
+    env = {"SDPLAN_INJECT_OOM_AT_STEP": "10", "SDPLAN_PROFILE_DIR": str(store), "SDPLAN_RECORD_INJECTED": "1"}
     return out, sdplan("train", "--demo", "--out", str(out), env=env)
 
 

@@ -57,6 +57,33 @@ def test_faults_are_read_once_from_the_environment():
         faults.Faults.from_env({faults.OOM_AT_STEP_ENV: "soon"})
 
 
+def test_an_injected_out_of_memory_is_not_recorded_in_the_local_profile_store(tmp_path, monkeypatch):
+    """A run with SDPLAN_INJECT_* wrote its injected out-of-memory (a CPU 'OOM' and a 'fits') into the user's
+    local profile store, which the planner learns from. Now it says so and writes nothing, unless the test of
+    that recording asks for it (SDPLAN_RECORD_INJECTED=1)."""
+    from sdplan import launcher
+
+    store = tmp_path / "store"
+    monkeypatch.setenv("SDPLAN_PROFILE_DIR", str(store))
+    cfg = TrainConfig()
+    cfg.model.family = "sd15"
+    p = SimpleNamespace(inputs=SimpleNamespace(family="sd15"), snapshot=None, gpu_ids=None)
+    said: list[str] = []
+    ui = launcher.UI(echo=said.append)
+    oom = {"step": 9, "batch_size": 2, "grad_accum": 1, "message": "CUDA out of memory (injected)"}
+    monkeypatch.setenv(faults.OOM_AT_STEP_ENV, "9")
+    assert launcher._record(cfg, oom, p, ui, fits=False) is None
+    assert not store.exists()
+    assert said == [
+        f"not recorded in the local profile store: faults are injected ({faults.OOM_AT_STEP_ENV})"
+    ]
+    monkeypatch.setenv(faults.RECORD_INJECTED_ENV, "1")
+    assert launcher._record(cfg, oom, p, ui, fits=False) == store / "methods" / "observed-lora.yaml"
+    monkeypatch.delenv(faults.OOM_AT_STEP_ENV)
+    monkeypatch.delenv(faults.RECORD_INJECTED_ENV)
+    assert faults.unrecordable() == []
+
+
 def test_injected_faults_change_only_their_step():
     import torch
 

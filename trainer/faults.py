@@ -13,6 +13,10 @@ injects nothing. They exist so that out-of-memory and NaN handling can be tested
   optimizer step N (``sampling.every_steps``), inside the pipeline's precision as a real one would be.
 - ``SDPLAN_BENCH_OOM_ABOVE_BATCH=N``: in ``sdplan bench``, every probe point with a batch larger than N raises
   ``torch.OutOfMemoryError`` after the forward pass, as a real OOM would.
+
+A run with any of them set records nothing in the local profile store (``sdplan train``'s out-of-memory
+observations: an injected one is no measurement, and the planner learns from the store), unless
+``SDPLAN_RECORD_INJECTED=1`` (the tests of that recording).
 """
 
 from __future__ import annotations
@@ -28,6 +32,23 @@ NAN_AT_STEP_ENV = "SDPLAN_INJECT_NAN_AT_STEP"
 INF_GRAD_AT_STEP_ENV = "SDPLAN_INJECT_INF_GRAD_AT_STEP"
 SAMPLE_OOM_AT_STEP_ENV = "SDPLAN_INJECT_SAMPLE_OOM_AT_STEP"
 BENCH_OOM_ABOVE_BATCH_ENV = "SDPLAN_BENCH_OOM_ABOVE_BATCH"
+RECORD_INJECTED_ENV = "SDPLAN_RECORD_INJECTED"
+ENVS = (
+    OOM_AT_STEP_ENV,
+    NAN_AT_STEP_ENV,
+    INF_GRAD_AT_STEP_ENV,
+    SAMPLE_OOM_AT_STEP_ENV,
+    BENCH_OOM_ABOVE_BATCH_ENV,
+)
+
+
+def unrecordable(environ: Mapping[str, str] | None = None) -> list[str]:
+    """The fault-injection variables set in ``environ`` (default: this process's) that keep a run's observations
+    out of the local profile store; empty when none is set or ``SDPLAN_RECORD_INJECTED=1``."""
+    env = os.environ if environ is None else environ
+    if env.get(RECORD_INJECTED_ENV, "").strip() == "1":
+        return []
+    return [name for name in ENVS if env.get(name, "").strip()]
 
 
 def _read(environ: Mapping[str, str], name: str) -> int | None:
