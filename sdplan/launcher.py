@@ -50,6 +50,9 @@ from sdplan.steps import bucketed_batches, plan_steps, repeated_batches
 CONFIG_FILE = "sdplan.yaml"
 OOM_FILE = "oom.json"
 SUMMARY_FILE = "run_summary.json"
+# What an earlier finish of the run wrote, while a later session (an extension, a resume) has not written its own
+# outputs: run_summary.json goes at each start, this keeps the list, so --force still removes those files.
+PREVIOUS_SUMMARY_FILE = "run_summary.previous.json"
 # Files `sdplan recommend --out` / `sdplan train` write before any training (the chart where a plan was made): a
 # folder holding only these is a planned run, not yet trained.
 PLAN_FILES = (CONFIG_FILE, ACCELERATE_FILE, DEEPSPEED_FILE, PLAN_CHART_FILE)
@@ -57,7 +60,7 @@ PLAN_FILES = (CONFIG_FILE, ACCELERATE_FILE, DEEPSPEED_FILE, PLAN_CHART_FILE)
 # folder's manifest at launch (when they do not exist yet), so a run killed mid-way can still be --force'd.
 TRAINER_ENTRIES = (
     "checkpoints", "samples", "logs", "cache", "class_images", "ema", "intermediate", "loss.png", SUMMARY_FILE, OOM_FILE,
-    REPORTED_FILE,
+    REPORTED_FILE, PREVIOUS_SUMMARY_FILE,
 )  # fmt: skip
 MAX_OOM_RETRIES = 4
 
@@ -293,6 +296,42 @@ def _run_products(out: Path) -> list[Path]:
     return found
 
 
+def _listed_outputs(out: Path, name: str) -> list[str]:
+    return [p for p in (read_json(out / name) or {}).get("outputs") or [] if isinstance(p, str)]
+
+
+def set_aside_summary(out: Path) -> None:
+    """Before the trainer starts: run_summary.json goes (it must describe this session once it ends), but the
+    outputs it lists stay until this session writes its own, so their names go into run_summary.previous.json
+    (with those an earlier one kept): an interrupted extension or --force start no longer leaves the previous
+    finish's weights, loss.png and loss_history.json unknown to the next --force."""
+    summary = read_json(out / SUMMARY_FILE)
+    if summary is not None:
+        listed = _listed_outputs(out, PREVIOUS_SUMMARY_FILE) + _listed_outputs(out, SUMMARY_FILE)
+        previous = {
+            "about": "what an earlier finish of this run wrote; this run has not written its own outputs over "
+            "them yet (`sdplan train --force` removes them)",
+            **{k: summary[k] for k in ("steps", "images_seen") if k in summary},
+            "outputs": sorted(set(listed)),
+        }
+        (out / PREVIOUS_SUMMARY_FILE).write_text(json.dumps(previous, indent=1) + "\n")
+    (out / SUMMARY_FILE).unlink(missing_ok=True)
+
+
+def drop_previous_summary(out: Path) -> None:
+    """After a finish: run_summary.previous.json keeps only the files the new summary does not list (an output
+    name that changed), and goes when there are none."""
+    now = set(_listed_outputs(out, SUMMARY_FILE))
+    left = [p for p in _listed_outputs(out, PREVIOUS_SUMMARY_FILE) if p not in now and Path(p).exists()]
+    previous = read_json(out / PREVIOUS_SUMMARY_FILE)
+    if previous is None:
+        return
+    if not left:
+        (out / PREVIOUS_SUMMARY_FILE).unlink(missing_ok=True)
+    else:
+        (out / PREVIOUS_SUMMARY_FILE).write_text(json.dumps({**previous, "outputs": left}, indent=1) + "\n")
+
+
 def clear_run_outputs(out: Path) -> list[str]:
     """--force on an existing run: remove what the last run left (its checkpoints, which a retry would resume
     from, its OOM report and summary, the output files its summary lists, its grids, intermediate outputs and
@@ -307,13 +346,13 @@ def clear_run_outputs(out: Path) -> list[str]:
 
     mine = runfolder.owned(out)
     listed = [
-        Path(p) for p in (read_json(out / SUMMARY_FILE) or {}).get("outputs") or [] if isinstance(p, str)
+        Path(p) for p in _listed_outputs(out, SUMMARY_FILE) + _listed_outputs(out, PREVIOUS_SUMMARY_FILE)
     ]
     files = [p for p in listed if p.is_relative_to(out) and ".." not in p.parts and p.is_file()]
     removed = (
         [p.relative_to(out).as_posix() for _, _, p in list_checkpoints(out)] if CHECKPOINTS in mine else []
     )
-    removed += runfolder.remove_owned(out, (OOM_FILE, SUMMARY_FILE, REPORTED_FILE))
+    removed += runfolder.remove_owned(out, (OOM_FILE, SUMMARY_FILE, REPORTED_FILE, PREVIOUS_SUMMARY_FILE))
     rewritten = {CONFIG_FILE, ACCELERATE_FILE, DEEPSPEED_FILE, PLAN_CHART_FILE}  # an edited one kept aside
     for path in [*files, *_run_products(out)]:
         top = path.relative_to(out).parts[0]
@@ -1834,8 +1873,9 @@ def execute(p: Prepared, req: TrainRequest, ui: UI, launch: Launch, lock: Any = 
     retries = 0
     fixes: list[str] = []
     while True:
-        for stale in (OOM_FILE, SUMMARY_FILE, REPORTED_FILE):
+        for stale in (OOM_FILE, REPORTED_FILE):
             (out / stale).unlink(missing_ok=True)
+        set_aside_summary(out)
         code = run_launch(launch, on_start=lock.set_trainer if lock is not None else None)
         runfolder.record(out, set(runfolder.entries(out)) - before)
         oom = read_json(out / OOM_FILE)
@@ -1898,6 +1938,7 @@ def execute(p: Prepared, req: TrainRequest, ui: UI, launch: Launch, lock: Any = 
         write_run_files(out, cfg, launch, header + f"\nrewritten after out of memory: {change.message}")
         _drop_stale_plan_chart(out)
     summary = read_json(out / SUMMARY_FILE) or {}
+    drop_previous_summary(out)
     if fixes:
         _record(cfg, {}, p, ui, fits=True, peak=summary.get("peak_memory_bytes"))
         summary = {**summary, "oom_retries": fixes}

@@ -102,6 +102,50 @@ def test_force_clears_the_last_runs_grids_intermediate_weights_and_final_outputs
     ]  # fmt: skip
 
 
+def test_force_after_an_interrupted_extension_removes_the_earlier_finishs_outputs(tmp_path):
+    """A finished run resumed with --epochs 3 and interrupted: run_summary.json went at the start, so the
+    16-step LoRA, loss.png and loss_history.json sat there unlisted, and a later --force left them beside the
+    new run's files. Their names now go into run_summary.previous.json at the start, which --force reads; a
+    session that finishes keeps there only what its own summary does not list."""
+    import json
+
+    from sdplan.launcher import (
+        PREVIOUS_SUMMARY_FILE,
+        TRAINER_ENTRIES,
+        clear_run_outputs,
+        drop_previous_summary,
+        set_aside_summary,
+    )
+
+    out = tmp_path / "run"
+    out.mkdir()
+    finals = ["pytorch_lora_weights.safetensors", "run.kohya.safetensors", "loss.png", "loss_history.json"]
+    for f in finals:
+        (out / f).write_bytes(b"x")
+    (out / "run_summary.json").write_text(
+        json.dumps({"steps": 16, "outputs": [str(out / f) for f in finals]})
+    )
+    runfolder.record(out, [*runfolder.entries(out), *TRAINER_ENTRIES])
+    set_aside_summary(out)  # the extension starts ... and is interrupted
+    assert not (out / "run_summary.json").exists()
+    assert json.loads((out / PREVIOUS_SUMMARY_FILE).read_text())["steps"] == 16
+    clear_run_outputs(out)  # --force
+    assert runfolder.entries(out) == []
+
+    for f in finals:  # a session that finishes under another output name: the old kohya file stays listed
+        (out / f).write_bytes(b"x")
+    (out / "run_summary.json").write_text(json.dumps({"outputs": [str(out / f) for f in finals]}))
+    set_aside_summary(out)
+    (out / "new.kohya.safetensors").write_bytes(b"x")
+    now = [str(out / f) for f in (*finals[:1], "new.kohya.safetensors", *finals[2:])]
+    (out / "run_summary.json").write_text(json.dumps({"outputs": now}))
+    drop_previous_summary(out)
+    assert json.loads((out / PREVIOUS_SUMMARY_FILE).read_text())["outputs"] == [str(out / finals[1])]
+    (out / finals[1]).unlink()
+    drop_previous_summary(out)
+    assert not (out / PREVIOUS_SUMMARY_FILE).exists()
+
+
 def test_a_run_records_what_it_and_the_trainer_write(tmp_path):
     """The real launch path with a stand-in trainer command: every top-level entry it creates is recorded."""
     from sdplan import config as C
