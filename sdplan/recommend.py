@@ -955,6 +955,11 @@ def _fewer_gpus(res: planner.Result) -> str:
         return ""
     used, n = res.plan.num_gpus, res.hardware.count
     text = f", uses {used} of {n} GPUs"
+    req = res.request
+    # a pinned count or pinned GPUs kept the others out, not their memory: the planner never tried all n
+    for name in ("gpu_ids", "num_gpus"):
+        if req.pinned(name):
+            return text + f" ({planner.pin_text(name, req.pin(name))} is pinned)"
     alt = next((c for c in res.alternatives if c.setup.num_gpus == n), None)
     if alt is None or alt.seconds is None or res.seconds is None:
         return text + f" ({n} do not fit)" if alt is None else text

@@ -299,6 +299,33 @@ def test_compare_says_what_its_times_are_for_and_why_an_option_uses_fewer_gpus()
     assert "times: 520 images (13 x 40 repeats) per epoch x 10 epochs" in flat and "planned for" not in flat
 
 
+@pytest.mark.parametrize(
+    ("options", "pin", "said"),
+    [
+        (
+            "2x RTX 4090,4x RTX 4090",
+            "distributed.num_processes=2",
+            "uses 2 of 4 GPUs (distributed.num_processes=2 is pinned)",
+        ),
+        (
+            "2x RTX 4090,4x RTX 4090",
+            "distributed.gpu_ids=[1]",
+            "uses 1 of 2 GPUs (distributed.gpu_ids=[1] is pinned)",
+        ),
+    ],
+)
+def test_compare_says_a_pin_not_memory_kept_the_other_gpus_out(options, pin, said):
+    """An SDXL LoRA fits any RTX 4090, yet a row planned on fewer GPUs for a pinned count or pinned GPU ids read
+    "(4 do not fit)": the planner never tried them (review h102, item 1)."""
+    r = runner.invoke(
+        app,
+        ["recommend", "--method", "lora", "--model", "sdxl", "--compare", options, pin],
+        env={"COLUMNS": "250"},
+    )
+    assert r.exit_code == 0, r.output
+    assert said in r.stdout and "do not fit" not in r.stdout, r.stdout
+
+
 @pytest.mark.parametrize("columns", [40, 60])
 def test_compare_on_a_narrow_terminal_is_a_list_with_nothing_cut(columns):
     """At 40 or 60 columns the table's cells were cut to 'y…', '2 m…', '(7.0-…': too narrow for the table, each
