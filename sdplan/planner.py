@@ -3127,6 +3127,34 @@ def per_image(c: Candidate) -> float:
     return c.seconds / c.steps.images_seen
 
 
+def run_time_text(c: Candidate, best: Candidate) -> str:
+    """``c``'s run time, with the images it sees where they are not the plan's (training.max_steps: another
+    global batch sees other images in as many steps, so the two times are of different runs)."""
+    if c.steps.images_seen == best.steps.images_seen:
+        return format_duration(c.seconds)
+    return (
+        f"{format_duration(c.seconds)} for {c.steps.images_seen} images seen against the plan's "
+        f"{best.steps.images_seen}"
+    )
+
+
+def per_image_words(c: Candidate, best: Candidate) -> str:
+    """ "slower", or "slower per image seen" where ``c`` sees other images than the plan (:func:`run_time_text`)."""
+    return "slower" if c.steps.images_seen == best.steps.images_seen else "slower per image seen"
+
+
+def more_gpus_text(c: Candidate, best: Candidate) -> str:
+    """Why ``c``, on more GPUs than the plan, is not the plan, in the words of the plan's reasons
+    (:func:`_multi_gpu_reasons`), weighed as :func:`_choose` weighs it: per image seen."""
+    ahead = per_image(best) / per_image(c)
+    if ahead <= 1:
+        return per_image_words(c, best)
+    than = f"{best.setup.num_gpus} GPUs" if best.setup.num_gpus > 1 else "one GPU"
+    if _tier(c) > _tier(best):
+        return f"{ahead:.2f}x faster than {than}, but only with {_tier_text(c, best)}"
+    return f"predicted {ahead:.2f}x faster than {than}: within the time uncertainty"
+
+
 def plan(hardware: Hardware | Any, profiles: Profiles, request: Request) -> Result:
     """Choose the fastest whole run that fits. ``hardware``: a Hardware, or a machine Snapshot (probe)."""
     if not isinstance(hardware, Hardware):
@@ -3830,7 +3858,7 @@ def _multi_gpu_reasons(hw, best, one, best_by_n, profiles, cal, pinned_count: bo
         if n == 1:
             on = f" ({used[0].name})" if mixed else ""
             r.append(
-                f"1 GPU{on} would take {format_duration(c.seconds)}"
+                f"1 GPU{on} would take {run_time_text(c, best)}"
                 + (
                     (f", only with {_tier_text(c, best)}" if _tier(c) > _tier(best) else "")
                     + f" (compared with, not planned: {pin_text('num_gpus', s.num_gpus)} is pinned)"
@@ -3846,7 +3874,7 @@ def _multi_gpu_reasons(hw, best, one, best_by_n, profiles, cal, pinned_count: bo
         than = f"{s.num_gpus} GPUs" if n > s.num_gpus and s.num_gpus > 1 else "one GPU"
         ahead = per_image(best) / per_image(c) if n > s.num_gpus else faster
         if faster <= 1:
-            why = "slower"
+            why = per_image_words(c, best)
         elif _tier(c) > _tier(best):
             why = f"{faster:.2f}x faster, but only with " + _tier_text(c, best)
         elif n < s.num_gpus:
@@ -3868,7 +3896,7 @@ def _multi_gpu_reasons(hw, best, one, best_by_n, profiles, cal, pinned_count: bo
                 f"; on GPUs {', '.join(str(g.index) for g in used)} at the pace of {slow.name}, the slowest"
             )
         why += f"; {_comm_text(profiles, c.setup, set_link(hw, used)[0])}{_measured_rate_text(m)}"
-        r.append(f"{n} GPUs would take {format_duration(c.seconds)} ({why})")
+        r.append(f"{n} GPUs would take {run_time_text(c, best)} ({why})")
     if s.num_gpus > 1 and one is not None and one.seconds and best.seconds and best.step_seconds:
         used = plan_gpus(hw, s)
         slow = pace_gpu(profiles, s, used, cal, set_link(hw, used)[1])[0]

@@ -919,7 +919,16 @@ def compare_caption(rows: list[tuple[str, dict, planner.Result]]) -> str:
     req = res.request
     per_epoch = req.images_per_epoch or req.images * req.repeats
     what = f"{per_epoch} images" + (f" ({req.images} x {req.repeats} repeats)" if req.repeats > 1 else "")
-    text = f"times: {what} per epoch x {req.epochs} epochs"
+    if req.max_steps:
+        # the steps are set: the epochs and images seen are each plan's, by its global batch
+        seen = sorted({(r.steps.images_seen, r.steps.epochs) for _, _, r in rows if r.plan is not None})
+        text = f"times: {req.max_steps} optimizer steps (training.max_steps) over {what} per epoch"
+        if len(seen) == 1:
+            text += f": {seen[0][0]} images seen ({seen[0][1]} epochs)"
+        elif seen:
+            text += f": {seen[0][0]}-{seen[-1][0]} images seen, by each option's global batch"
+    else:
+        text = f"times: {what} per epoch x {req.epochs} epochs"
     if any(r.startswith(NO_DATASET_NOTE) for r in res.reasons):
         text += f" (planned for {DEFAULT_IMAGES} images: pass --images N or --dataset DIR for your run's)"
     return text
@@ -961,7 +970,10 @@ def _fewer_gpus(res: planner.Result) -> str:
         if req.pinned(name):
             return text + f" ({planner.pin_text(name, req.pin(name))} is pinned)"
     alt = next((c for c in res.alternatives if c.setup.num_gpus == n), None)
-    if alt is None or alt.seconds is None or res.seconds is None:
-        return text + f" ({n} do not fit)" if alt is None else text
-    why = "slower" if alt.seconds >= res.seconds else "too little faster to be sure of it"
-    return text + f" ({n}: {_dur(alt.seconds)}, {why})"
+    if alt is None:
+        return text + f" ({n} do not fit)"
+    best = next((c for c in res.alternatives if c.setup == res.plan), None)
+    if alt.seconds is None or best is None or best.seconds is None:
+        return text
+    # weighed per image seen, as the planner weighs it (with training.max_steps the runs see other images)
+    return text + f" ({n}: {planner.run_time_text(alt, best)}, {planner.more_gpus_text(alt, best)})"

@@ -326,6 +326,30 @@ def test_compare_says_a_pin_not_memory_kept_the_other_gpus_out(options, pin, sai
     assert said in r.stdout and "do not fit" not in r.stdout, r.stdout
 
 
+def test_compare_with_max_steps_states_the_plans_steps_and_weighs_options_per_image():
+    """With training.max_steps the caption said "x 10 epochs" (the default, not the 20 the steps make) and the
+    row "2: 59 min, too little faster to be sure of it" beside a 1.8 h plan: the 2-GPU run sees 4000 images, the
+    plan 8000, and --hardware called the same option slower (review h102, item 2)."""
+    args = ("--method", "dreambooth", "--model", "sdxl", "--images", "400", "training.max_steps=1000")
+    r = runner.invoke(app, ["recommend", *args, "--compare", "2x RTX 4090"], env={"COLUMNS": "250"})
+    assert r.exit_code == 0, r.output
+    flat = " ".join(r.stdout.split())
+    assert (
+        "times: 1000 optimizer steps (training.max_steps) over 400 images per epoch: 8000 images seen (20 epochs)"
+        in flat
+    )
+    assert "x 10 epochs" not in flat and "too little faster" not in flat
+    assert (
+        "uses 1 of 2 GPUs (2: 59 min for 4000 images seen against the plan's 8000, slower per image seen)"
+        in flat
+    )
+    r = runner.invoke(app, ["recommend", *args, "--hardware", "2x RTX 4090"], env={"COLUMNS": "250"})
+    assert (
+        "2 GPUs would take 59 min for 4000 images seen against the plan's 8000 (slower per image seen;"
+        in " ".join(r.stdout.split())
+    )
+
+
 @pytest.mark.parametrize("columns", [40, 60])
 def test_compare_on_a_narrow_terminal_is_a_list_with_nothing_cut(columns):
     """At 40 or 60 columns the table's cells were cut to 'y…', '2 m…', '(7.0-…': too narrow for the table, each
