@@ -2794,7 +2794,10 @@ def min_vram_needed(
     peaks (:func:`card_peak`), and no configuration that ran out of memory on it."""
     if req.resolution is None:
         req = replace(req, resolution=profiles.model(req.model).native_resolution)
-    space = settings_space(req, precision=precision, attention=attention, nvidia=nvidia, max_gpus=1)
+    n = pinned_gpu_count(req)
+    space = settings_space(
+        req, precision=precision, attention=attention, nvidia=nvidia, max_gpus=1, counts=(n,) if n else None
+    )
     needs = []
     for s in space:
         mem, peak_range, _ = card_peak(profiles, s, gpu.spec if gpu is not None else None)
@@ -2804,6 +2807,13 @@ def min_vram_needed(
             continue
         needs.append(vram_required(mem.peak, peak_range))
     return min(needs) if needs else None
+
+
+def pinned_gpu_count(req: Request) -> int | None:
+    """The GPU count a pin sets: distributed.gpu_ids (as many as it names) or distributed.num_processes; None
+    where neither is pinned."""
+    ids = req.pin("gpu_ids")
+    return len(ids) if ids is not None else req.pin("num_gpus")
 
 
 def suggest_hardware(
@@ -2820,7 +2830,8 @@ def suggest_hardware(
     without bf16, no 8-bit AdamW or nf4 off NVIDIA, the math attention path on RDNA1/2) and on its own
     `sdplan bench` peaks and out-of-memory points, and a pin it cannot run rules it out. A pinned GPU count
     (``distributed.num_processes``) is suggested as that many of each card (``2x RTX 4090``): ``need_bytes`` is
-    then per GPU, and one card alone conflicts with the pin."""
+    then per GPU, and one card alone conflicts with the pin. Pinned GPUs (``distributed.gpu_ids``) are as many,
+    on a machine that has the GPUs named (``[2, 3]``: ``4x RTX 4090``)."""
     fit = sorted(
         (g for g in profiles.gpus if g.memory_bytes >= need_bytes),
         key=lambda g: (g.memory_gib, -g.fp16_tflops),
@@ -2828,7 +2839,8 @@ def suggest_hardware(
     if request is None:
         return [g.name for g in fit[:limit]]
     needs: dict[tuple, int | None] = {}
-    count = request.pin("num_gpus") or 1
+    ids = request.pin("gpu_ids")
+    count = max(ids) + 1 if ids else pinned_gpu_count(request) or 1
 
     def runs(spec: GPUSpec) -> bool:
         hw = hardware_from_catalog(spec, count)

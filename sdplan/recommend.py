@@ -845,7 +845,7 @@ def render(d: dict, res: planner.Result, console) -> None:
             console.print("[bold red]does not fit[/]: this machine's host RAM is too small for it")
         else:
             mixed = needs.get("min_vram_bytes_mixed_precision")
-            per_gpu = " per GPU" if (res.request.pin("num_gpus") or 1) > 1 else ""
+            per_gpu = " per GPU" if (planner.pinned_gpu_count(res.request) or 1) > 1 else ""
             console.print(
                 f"[bold red]does not fit[/]: needs at least {_gib(needs.get('min_vram_bytes'))} of GPU memory"
                 + per_gpu

@@ -910,6 +910,23 @@ def test_a_pinned_gpu_count_that_does_not_fit_suggests_that_many_of_a_card():
     assert again["feasible"], again["reasons"]
 
 
+@pytest.mark.parametrize(("ids", "machine"), [("[0,1]", "2x "), ("[2,3]", "4x ")])
+def test_pinned_gpu_ids_that_do_not_fit_suggest_a_machine_with_those_gpus(ids, machine):
+    """distributed.gpu_ids got neither "per GPU" nor a "would fit" line: suggest_hardware built one-GPU catalog
+    machines, each of which lacked the GPUs named (review h102, item 3)."""
+    args = ("--method", "finetune", "--model", "sdxl", "--images", "200", f"distributed.gpu_ids={ids}")
+    r = run(*args, "--hardware", "4x RTX 3060 8GB", "--json")
+    suggested = json.loads(r.stdout)["needs"]["suggested_hardware"]
+    assert suggested and all(h.startswith(machine) for h in suggested), suggested
+    text = " ".join(run(*args, "--hardware", "4x RTX 3060 8GB").output.split())
+    assert (
+        re.search(r"needs at least [\d.]+ GiB of GPU memory per GPU", text)
+        and f"would fit: {machine}" in text
+    )
+    again = json.loads(run(*args, "--hardware", suggested[0], "--json").stdout)
+    assert again["feasible"] and again["plan"]["num_gpus"] == 2, again["reasons"]
+
+
 def test_recommend_plans_prior_preservation_as_train_does(monkeypatch):
     """`sdplan recommend ... dreambooth.with_prior_preservation=true` never set the planner's class_images, which
     `sdplan train` sets from dreambooth.num_class_images: recommend's plan lacked the "prior preservation: N class
