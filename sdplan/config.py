@@ -292,11 +292,11 @@ _RULES: dict[str, tuple[Any, str]] = {
     "training.lr_warmup_steps": (lambda v: v >= 0, "must be >= 0"),
     "training.epochs": (lambda v: v >= 1, "must be >= 1"),
     "training.max_steps": (lambda v: v is None or v >= 1, "must be >= 1 or null"),
-    "training.max_grad_norm": (lambda v: v >= 0, "must be >= 0"),
+    "training.max_grad_norm": (lambda v: 0 <= v < math.inf, "must be >= 0 and finite"),
     # a seed every seeder takes: torch.manual_seed (the trainer's; DreamBooth's class images add their count) takes
     # -2**63 to 2**64 - 1, numpy's and accelerate's set_seed (kohya's) 0 to 2**32 - 1
     "training.seed": (lambda v: 0 <= v < 2**32, SEED_RULE),
-    "training.noise_offset": (lambda v: v >= 0, "must be >= 0"),
+    "training.noise_offset": (lambda v: 0 <= v < math.inf, "must be >= 0 and finite"),
     "training.min_snr_gamma": (
         lambda v: v is None or 0 < v < math.inf,
         "must be > 0 and finite, or null (off)",
@@ -521,12 +521,27 @@ def _build(kind: type, data: Any, prefix: str, errors: list[str]):
         if rule is not None and not rule[0](value):
             errors.append(f"{path}: {rule[1]}, got {value!r}")
             continue
+        if _not_finite(value):  # .inf / 1e400: no setting means it, and --json printed it as Infinity
+            what = "hold finite numbers" if isinstance(value, (list, dict)) else "be a finite number"
+            errors.append(f"{path}: must {what}, got {value!r}")
+            continue
         kwargs[name] = value
     try:
         return kind(**kwargs)
     except TypeError as e:  # a required field without default; not expected in this schema
         errors.append(f"{prefix.rstrip('.') or 'config'}: {e}")
         return None
+
+
+def _not_finite(value: Any) -> bool:
+    """Whether ``value`` is, or holds (a list's items, a mapping's values), a float that is infinite or NaN."""
+    if isinstance(value, float):
+        return not math.isfinite(value)
+    if isinstance(value, list):
+        return any(_not_finite(v) for v in value)
+    if isinstance(value, dict):
+        return any(_not_finite(v) for v in value.values())
+    return False
 
 
 def _coerce_float(value: Any, tp: Any) -> Any:

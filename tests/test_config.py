@@ -275,6 +275,27 @@ def test_a_learning_rate_must_be_positive_and_finite(value):
         config.validate(data)
 
 
+@pytest.mark.parametrize(
+    ("setting", "said"),
+    [
+        ("training.noise_offset=inf", "training.noise_offset: must be >= 0 and finite, got inf"),
+        ("training.noise_offset=1e400", "training.noise_offset: must be >= 0 and finite, got inf"),
+        ("training.max_grad_norm=.inf", "training.max_grad_norm: must be >= 0 and finite, got inf"),
+        ("lora.alpha=.inf", "lora.alpha: must be a finite number, got inf"),
+        ("dreambooth.prior_loss_weight=.inf", "dreambooth.prior_loss_weight: must be a finite number"),
+        ("data.metadata.score_buckets=[.inf,0.5]", "data.metadata.score_buckets: must hold finite numbers"),
+        ("data.metadata.score_bonus={a: .inf}", "data.metadata.score_bonus: must hold finite numbers"),
+    ],
+)
+def test_a_number_setting_must_be_finite(setting, said):
+    """training.noise_offset=inf passed its rule (>= 0) and `recommend --json` printed `Infinity`, which no strict
+    JSON parser reads (review h102, item 5): every number setting is finite, as the learning rate was."""
+    data = config.apply_overrides({"method": "lora"}, [setting])
+    with pytest.raises(config.ConfigError) as e:
+        config.validate(data)
+    assert said in str(e.value)
+
+
 @pytest.mark.parametrize("key", ["training.seed", "sampling.seed"])
 def test_a_seed_is_what_every_seeder_takes(key):
     """training.seed=99999999999999999999 passed (--dry-run too) and the trainer failed after launch
