@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import errno
 import math
+import re
 import shlex
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from pathlib import Path
@@ -544,13 +545,30 @@ def _not_finite(value: Any) -> bool:
     return False
 
 
+# A number as written in decimal or e-notation: what YAML 1.1 reads as text only for want of a dot (`3e-4`, `1E5`).
+# Not Python's wider float() (`1_0e-4` read as 0.001, `infinity`, `nan`): YAML reads those as text too, and
+# they are no number a user meant here.
+_E_NUMBER = re.compile(r"[-+]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?")
+
+
+def _number_text(value: Any) -> Any:
+    """``value`` as a float where it is text YAML 1.1 left unread (:data:`_E_NUMBER`); else as it is."""
+    if isinstance(value, str) and _E_NUMBER.fullmatch(value.strip()):
+        return float(value)
+    return value
+
+
 def _coerce_float(value: Any, tp: Any) -> Any:
-    """YAML 1.1 reads `1e-4` (no dot) as a string; accept it where a number is expected."""
-    if isinstance(value, str) and (tp is float or float in get_args(tp)):
-        try:
-            return float(value)
-        except ValueError:
-            return value
+    """YAML 1.1 reads `1e-4` (no dot) as a string; accept it where a number is expected: a float setting (or
+    float | None), and the items of a list of floats or the values of a mapping to floats
+    (data.metadata.score_buckets: [1e-4, 0.5])."""
+    origin, args = get_origin(tp), get_args(tp)
+    if origin is list and args == (float,) and isinstance(value, list):
+        return [_number_text(v) for v in value]
+    if origin is dict and args[1:] == (float,) and isinstance(value, dict):
+        return {k: _number_text(v) for k, v in value.items()}
+    if origin not in (list, dict) and (tp is float or float in args):
+        return _number_text(value)
     return value
 
 
@@ -618,11 +636,8 @@ def _override_value(key: str, raw: str) -> tuple[Any, str | None]:
         value = yaml.safe_load(raw) if text else None
     except yaml.YAMLError:
         return raw, None
-    if (tp is float or args == {float, type(None)}) and isinstance(value, str):
-        try:  # YAML 1.1 reads 3e-4 (no dot) as text: the number it is
-            return float(value), None
-        except ValueError:
-            pass
+    if tp is not None:  # YAML 1.1 reads 3e-4 (no dot) as text: the number it is (in a list of them too)
+        value = _coerce_float(value, tp)
     if tp == list[str] and isinstance(value, str):  # a comma in it may separate items or be part of one
         return (
             value,

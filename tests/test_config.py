@@ -278,7 +278,7 @@ def test_a_learning_rate_must_be_positive_and_finite(value):
 @pytest.mark.parametrize(
     ("setting", "said"),
     [
-        ("training.noise_offset=inf", "training.noise_offset: must be >= 0 and finite, got inf"),
+        ("training.noise_offset=.inf", "training.noise_offset: must be >= 0 and finite, got inf"),
         ("training.noise_offset=1e400", "training.noise_offset: must be >= 0 and finite, got inf"),
         ("training.max_grad_norm=.inf", "training.max_grad_norm: must be >= 0 and finite, got inf"),
         ("lora.alpha=.inf", "lora.alpha: must be a finite number, got inf"),
@@ -294,6 +294,33 @@ def test_a_number_setting_must_be_finite(setting, said):
     with pytest.raises(config.ConfigError) as e:
         config.validate(data)
     assert said in str(e.value)
+
+
+def test_e_notation_reaches_lists_and_mappings_of_numbers_and_underscores_are_no_number():
+    """data.metadata.score_buckets="[1e-4, 0.5]" was refused as "must be a list of numbers, got ['1e-4', 0.5]":
+    YAML 1.1 reads 1e-4 (no dot) as text, and only a float setting took it as the number it is. And Python's
+    float() read learning_rate=1_0e-4, text to YAML, as 0.001 (review h102, item 6)."""
+    data = config.apply_overrides(
+        {"method": "lora"},
+        ["data.metadata.score_buckets=[1e-4, 0.5]", "data.metadata.score_bonus={a: 2E-1, b: 1}"],
+    )
+    meta = config.validate(data).data.metadata
+    assert meta.score_buckets == [0.0001, 0.5] and meta.score_bonus == {"a": 0.2, "b": 1.0}
+    # the same in an sdplan.yaml
+    text = "method: lora\ndata:\n  metadata:\n    score_buckets: [1e-4, 0.5]\n    score_bonus: {a: 2E-1}\n"
+    meta = config.validate(yaml.safe_load(text)).data.metadata
+    assert meta.score_buckets == [0.0001, 0.5] and meta.score_bonus == {"a": 0.2}
+    for setting, said in (
+        ("training.learning_rate=1_0e-4", "training.learning_rate: must be a number or null, got '1_0e-4'"),
+        ("data.metadata.score_buckets=[1_0e-4]", "data.metadata.score_buckets: must be a list of numbers"),
+        ("training.noise_offset=inf", "training.noise_offset: must be a number, got 'inf'"),
+    ):
+        with pytest.raises(config.ConfigError) as e:
+            config.validate(config.apply_overrides({"method": "lora"}, [setting]))
+        assert said in str(e.value), str(e.value)
+    with pytest.raises(config.ConfigError, match="must be a number or null, got '1_0e-4'"):
+        config.validate(yaml.safe_load("method: lora\ntraining:\n  learning_rate: 1_0e-4\n"))
+    assert config.setting_value("training.learning_rate", "3e-4") == 0.0003
 
 
 @pytest.mark.parametrize("key", ["training.seed", "sampling.seed"])
