@@ -245,6 +245,16 @@ def _sizing_pins(inp: RecommendInputs) -> RecommendInputs:
     return replace(inp, **changes)
 
 
+def _setting_as_written(key: str, raw: str) -> Any:
+    """A `key=raw` setting's value as the planned sdplan.yaml holds it: read as `sdplan train` reads it
+    (:func:`sdplan.config.setting_value`), a path of :data:`sdplan.config.PATH_KEYS` made absolute as the
+    config makes it (:func:`sdplan.config.setting_place`; model.path only where it is local, not a hub id)."""
+    value = cfgmod.setting_value(key, raw)
+    if key in cfgmod.PATH_KEYS and isinstance(value, str) and value.strip():
+        return cfgmod.setting_place(key, raw, key)
+    return value
+
+
 def _pinned_config(inp: RecommendInputs) -> cfgmod.TrainConfig:
     """The sdplan.yaml the key=value settings make for this method and family, validated as `sdplan train`
     validates it (what they set that the planner's pins do not carry: sizes, aspect buckets)."""
@@ -558,9 +568,10 @@ def recommend(
     res = replace(res, reasons=tuple(notes) + res.reasons)
     d = planner.result_dict(res)
     # every key=value setting as read (request.pins holds those the planner plans around; the learning rate,
-    # max_steps and the like only go to the config)
+    # max_steps and the like only go to the config), a path as the config names it: absolute (a relative one
+    # read from another folder named other files)
     d["request"]["settings"] = {
-        key: cfgmod.setting_value(key, raw) for key, raw in cfgmod.given_settings(inp.settings).items()
+        key: _setting_as_written(key, raw) for key, raw in cfgmod.given_settings(inp.settings).items()
     }
     d["config"] = (
         trainer_config(res, profiles, inp.dataset, overrides=inp.settings) if res.plan is not None else None
@@ -634,6 +645,14 @@ def trainer_config(
     ):
         if place:  # else data.path is the placeholder: there is no dataset yet
             data[section][key] = _absolute(data[section][key], what=what)
+    given = set(cfgmod.override_keys(overrides))
+    for key in (
+        "output.dir",
+        "dreambooth.class_data",
+    ):  # a place given as a setting, absolute as train makes it
+        section, _, name = key.partition(".")
+        if key in given and isinstance(data.get(section), dict):
+            data[section][name] = _absolute(data[section][name], what=key)
     cfg = cfgmod.validate(data, "sdplan.yaml (from the plan)")
     # the method's learning rate where none is pinned (a pinned 3e-4 is the number: config.setting_value)
     for key in ("learning_rate", "text_encoder_learning_rate"):

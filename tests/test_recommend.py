@@ -892,6 +892,27 @@ def test_json_request_carries_every_setting_given_as_read():
     }
 
 
+def test_json_request_settings_name_places_as_the_config_does(tmp_path, monkeypatch):
+    """request.settings kept data.path=./ds as typed while the config beside it had it absolute: a JSON consumer in
+    another folder read the request's path wrongly (review h102, item 7). Both now hold the absolute place."""
+    from PIL import Image
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "ds").mkdir()
+    for i in range(3):
+        Image.new("RGB", (512, 512), (i * 40, 60, 90)).save(tmp_path / "ds" / f"{i}.png")
+    given = ("data.path=./ds", "output.dir=./out", "dreambooth.class_data=cls", "training.learning_rate=3e-6")
+    r = run("--method", "dreambooth", "--model", "sd15", "--hardware", "RTX 4090", *given, "--json")
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    settings, config = d["request"]["settings"], d["config"]
+    here = tmp_path.resolve()
+    assert settings["data.path"] == config["data"]["path"] == str(here / "ds")
+    assert settings["output.dir"] == config["output"]["dir"] == str(here / "out")
+    assert settings["dreambooth.class_data"] == config["dreambooth"]["class_data"] == str(here / "cls")
+    assert settings["training.learning_rate"] == 3e-6
+
+
 def test_a_pinned_gpu_count_that_does_not_fit_suggests_that_many_of_a_card():
     """A plan that failed only for its distributed.num_processes=2 pin suggested no hardware: suggest_hardware
     tried single GPUs, and the pin ruled each out."""
