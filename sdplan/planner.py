@@ -2336,7 +2336,8 @@ def _search(
 
 
 def _observed_multi_gpu(profiles: Profiles, s: Settings, gpus: tuple[HWGPU, ...], link: str):
-    """A multi-GPU observation near these settings (same GPU, method, family and link; the nearest GPU count):
+    """A multi-GPU observation near these settings (same GPU, method, family, link and exchange, DDP or
+    DeepSpeed; the nearest GPU count):
     its all-reduce rate wins over the model's, fitted on every observation. What it measured is the extra
     seconds its exchange added to each step (:func:`calibrate`'s ``link_points``); the exchange's size (the
     gradients, not the batch) and its GPU count are the plan's, so a plan at another batch or rank, or on more
@@ -2355,6 +2356,9 @@ def _observed_multi_gpu(profiles: Profiles, s: Settings, gpus: tuple[HWGPU, ...]
         and m.method == s.method
         and m.model == s.model
         and m.interconnect == link
+        # like with like: DDP's one all-reduce is not ZeRO's reduce-scatter and all-gather (a DeepSpeed plan
+        # takes the rate fitted on every observation, and is not said to be measured)
+        and bool(m.settings.deepspeed) == bool(s.deepspeed)
         and m.outcome.get("iteration_time_ratio", 0) > 1
     ]
     return min(near, key=lambda m: (abs(m.num_gpus - s.num_gpus), m.id), default=None)

@@ -257,6 +257,27 @@ def test_a_multi_gpu_observation_gives_its_exchange_rate_not_its_step_ratio(prof
     )
 
 
+def test_a_ddp_observation_gives_its_rate_to_ddp_plans_only(prof):
+    """Puget's 2x RTX 4090 DreamBooth ratio is DDP (one all-reduce, deepspeed: null); its rate went to ZeRO-2
+    plans (reduce-scatter and all-gather) too, which the reasons then called measured (review h102, item 9)."""
+    res = P.plan(
+        _catalog(prof, "RTX 4090", 6), prof, P.Request(method="dreambooth", model="sdxl", images=200)
+    )
+    ddp = [c for c in res.alternatives if c.setup.num_gpus > 1 and not c.setup.deepspeed]
+    zero = [c for c in res.alternatives if c.setup.deepspeed]
+    assert ddp and zero, [c.setup for c in res.alternatives]
+    assert all(c.observed_multi_gpu == "puget-2x4090-dreambooth" for c in ddp)
+    assert all(c.observed_multi_gpu is None for c in zero)
+    for c in zero:
+        said = next(r for r in res.reasons if r.startswith(f"{c.setup.num_gpus} GPUs") and "DeepSpeed" in r)
+        assert "at the rate measured" not in said, said
+    gpus = _catalog(prof, "RTX 4090", 2).gpus
+    s = next(c for c in zero).setup
+    alike = replace(s, num_gpus=2, deepspeed=None, gpu_ids=None)
+    assert P._observed_multi_gpu(prof, replace(s, num_gpus=2, gpu_ids=None), gpus, "pcie") is None
+    assert P._observed_multi_gpu(prof, alike, gpus, "pcie").id == "puget-2x4090-dreambooth"
+
+
 def test_each_gpu_added_must_clear_the_uncertainty_over_the_fewer_chosen(prof):
     """A 4-GPU run 0.05% faster than the 3-GPU one was chosen for being 10% faster than one GPU: more GPUs are
     now weighed against the fewer GPUs chosen so far."""
