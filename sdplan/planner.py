@@ -3907,10 +3907,16 @@ def _multi_gpu_reasons(hw, best, one, best_by_n, profiles, cal, pinned_count: bo
             low, high = profiles.uncertainty.seconds_for(c.setup.model)[0]
             gain = multi_gpu_gain(c, best, profiles)
             rate = "as measured" if m is not None else f"at x{high:g}"
+            # a negative share saved read "it saves -6% of the run" beside "1.46x faster": said as a slow-down
+            saves = (
+                f"the run could be {-gain * 100:.0f}% slower"
+                if gain * 100 <= -0.5
+                else f"it saves {max(gain, 0.0) * 100:.0f}% of the run"
+            )
             why = (
                 f"predicted {ahead:.2f}x faster than {than}: within the time uncertainty (with the steps at "
-                f"x{low:g} of the prediction and the all-reduce {rate} it saves {gain * 100:.0f}% of the "
-                f"run, under the {MIN_MULTI_GPU_GAIN * 100:.0f}% more GPUs must save)"
+                f"x{low:g} of the prediction and the all-reduce {rate} {saves}, where more GPUs must save "
+                f"{MIN_MULTI_GPU_GAIN * 100:.0f}%)"
             )
         if len(_distinct(used)) > 1:
             slow = pace_gpu(profiles, c.setup, used, cal, set_link(hw, used)[1])[0]
@@ -3923,16 +3929,28 @@ def _multi_gpu_reasons(hw, best, one, best_by_n, profiles, cal, pinned_count: bo
         used = plan_gpus(hw, s)
         slow = pace_gpu(profiles, s, used, cal, set_link(hw, used)[1])[0]
         # the one-GPU step on the same basis as the plan's (a measured or scaled speed, not the bare model)
-        t1, _ = planned_step_seconds(profiles, _with(s, num_gpus=1), slow.spec, cal)
+        alone = _with(s, num_gpus=1)
+        t1, _ = planned_step_seconds(profiles, alone, slow.spec, cal)
         ratio = best.step_seconds / t1 if t1 else float("nan")
         m = obs.get(best.observed_multi_gpu) if best.observed_multi_gpu else None
         src = _comm_text(profiles, s, set_link(hw, used)[0]) + _measured_rate_text(m)
+        gpu = slow.name if len(_distinct(used)) > 1 else "GPU"
+        if memory(profiles, alone).peak <= HEADROOM * slow.memory_bytes:
+            step = f"each step takes {ratio:.2f}x as long as on one {gpu} with the same settings ({src})"
+        else:  # ZeRO-2 splitting what one GPU cannot hold: no one-GPU step of these settings to compare with
+            step = f"each step exchanges {src}; these settings do not fit on one {gpu}, so no step of theirs is compared"
+        # the run it is weighed against: the one-GPU plan, whose settings may differ (another optimizer)
+        than = (
+            " than on one GPU"
+            if mixed
+            else ""
+            if _with(one.setup, gpu_ids=s.gpu_ids, num_gpus=s.num_gpus) == s
+            else " than the one-GPU plan"
+        )
         r.append(
-            f"{s.num_gpus} GPUs: each step takes {ratio:.2f}x as long as on one "
-            + (slow.name if len(_distinct(used)) > 1 else "GPU")
-            + f" with the same settings ({src}); once steps are normalised the run is "
+            f"{s.num_gpus} GPUs: {step}; once steps are normalised the run is "
             + speed_ratio_text(per_image(one) / per_image(best))
-            + (" than on one GPU" if mixed else "")
+            + than
         )
     return r
 

@@ -278,6 +278,27 @@ def test_a_ddp_observation_gives_its_rate_to_ddp_plans_only(prof):
     assert P._observed_multi_gpu(prof, alike, gpus, "pcie").id == "puget-2x4090-dreambooth"
 
 
+def test_multi_gpu_reasons_say_a_slow_down_as_one_and_compare_steps_only_where_one_gpu_runs_them(prof):
+    """ "1.46x faster ... it saves -6% of the run" read as a contradiction; and "each step takes 1.82x as long as on
+    one GPU with the same settings" was said of ZeRO-2 settings one GPU cannot hold, beside a run speed measured
+    against another one-GPU plan (review h102, item 9)."""
+    req = P.Request(method="dreambooth", model="sdxl", images=200)
+    four = P.plan(_catalog(prof, "RTX 4090", 4), prof, req)
+    said = next(r for r in four.reasons if r.startswith("4 GPUs would take"))
+    assert "saves -" not in said and "the run could be 6% slower, where more GPUs must save 5%" in said, said
+    six = P.plan(_catalog(prof, "RTX 4090", 6), prof, req)
+    n = six.plan.num_gpus
+    assert n > 1 and six.plan.deepspeed
+    assert P.memory(prof, replace(six.plan, num_gpus=1)).peak > P.HEADROOM * 24 * 2**30 * 0.99
+    said = next(r for r in six.reasons if r.startswith(f"{n} GPUs: each step"))
+    assert "with the same settings" not in said and "these settings do not fit on one GPU" in said, said
+    assert said.endswith("faster than the one-GPU plan"), said
+    # LoRA's settings run on one GPU: the step is compared with them
+    lora = P.plan(_catalog(prof, "RTX 4090", 4), prof, P.Request(method="lora", model="sdxl", images=200))
+    said = next(r for r in lora.reasons if r.startswith("4 GPUs: each step"))
+    assert "as long as on one GPU with the same settings" in said and said.endswith("x faster"), said
+
+
 def test_each_gpu_added_must_clear_the_uncertainty_over_the_fewer_chosen(prof):
     """A 4-GPU run 0.05% faster than the 3-GPU one was chosen for being 10% faster than one GPU: more GPUs are
     now weighed against the fewer GPUs chosen so far."""
