@@ -145,6 +145,14 @@ def settings_for(point: "Point") -> Settings:
     )
 
 
+def _calibration(profiles: Profiles) -> Any:
+    """:func:`sdplan.planner.calibrate` of ``profiles``, once per profiles."""
+    cached = _CALIBRATIONS.get(id(profiles))
+    if cached is None or cached[0] is not profiles:
+        cached = _CALIBRATIONS[id(profiles)] = (profiles, P.calibrate(profiles))
+    return cached[1]
+
+
 def predict(profiles: Profiles, point: "Point", *, interconnect: str = "pcie") -> Prediction:
     """Peak VRAM per GPU, host RAM and micro-batch it/s the planner predicts for ``point``'s own settings."""
     reasons = []
@@ -183,12 +191,10 @@ def predict(profiles: Profiles, point: "Point", *, interconnect: str = "pcie") -
             host_ram_bytes=mem.ram,
             no_speed=why,
         )
-    cached = _CALIBRATIONS.get(id(profiles))
-    if cached is None or cached[0] is not profiles:
-        cached = _CALIBRATIONS[id(profiles)] = (profiles, P.calibrate(profiles))
+    cal = _calibration(profiles)
     link = P._link_gbs_for(spec, interconnect) if point.num_gpus > 1 else None
-    step = P.step_seconds(profiles, setup, spec, cached[1], link_gbs=link)
-    planned, basis = P.planned_step_seconds(profiles, setup, spec, cached[1], link_gbs=link)
+    step = P.step_seconds(profiles, setup, spec, cal, link_gbs=link)
+    planned, basis = P.planned_step_seconds(profiles, setup, spec, cal, link_gbs=link)
     return Prediction(
         peak_vram_bytes=mem.peak,
         allocated_bytes=mem.peak - mem.overhead,
@@ -588,11 +594,28 @@ def point_rows(prof: Profiles, pt: Point) -> tuple[list[dict], list[dict], Predi
 
 
 def multi_gpu_rows(prof: Profiles, mg: MultiGPU) -> list[dict]:
+    """The observation's step-time ratio (N GPUs / one) as a plan predicts it: the N-GPU step as
+    :func:`sdplan.planner._evaluate` times it (the all-reduce at the rate of a matching observation,
+    :func:`sdplan.planner._observed_multi_gpu`, else the fitted one), over the one-GPU step its reasons divide
+    by (:func:`sdplan.planner.planned_step_seconds`). Each row says where its rate came from (``rate``): an
+    observation's id, "fitted" (the geomean of the observations ``prof`` holds) or "fallback" (none: the
+    constant :data:`sdplan.planner.LINK_EFFICIENCY_FALLBACK`)."""
     one = predict(prof, mg.point)
-    many = predict(prof, replace(mg.point, num_gpus=mg.num_gpus), interconnect=mg.interconnect)
-    if not one.it_per_s or not many.it_per_s:
+    if not one.it_per_s:
         return []
-    ratio = one.it_per_s / many.it_per_s  # iteration time with N GPUs / with one
+    spec = next(g for g in prof.gpus if g.name == mg.point.gpu)
+    cal = _calibration(prof)
+    alone = settings_for(mg.point)
+    many = replace(alone, num_gpus=mg.num_gpus)
+    gpus = P.hardware_from_catalog(spec, mg.num_gpus).gpus
+    observed = P._observed_multi_gpu(prof, many, gpus, mg.interconnect)
+    link = P._link_gbs_for(spec, mg.interconnect)
+    t_many, _ = P.planned_step_seconds(prof, many, spec, P._with_link_rate(cal, observed), link_gbs=link)
+    t_one, _ = P.planned_step_seconds(prof, alone, spec, cal)
+    if not t_many or not t_one:
+        return []
+    ratio = t_many / t_one  # iteration time with N GPUs / with one
+    rate = observed.id if observed is not None else "fitted" if cal.link_points else "fallback"
     rows = []
     if mg.iteration_time_ratio:
         rows.append(_row(mg.id, "multi-GPU iteration time ratio", ratio, mg.iteration_time_ratio, mg.source))
@@ -600,7 +623,7 @@ def multi_gpu_rows(prof: Profiles, mg: MultiGPU) -> list[dict]:
         rows.append(
             _row(mg.id, "multi-GPU run time ratio", ratio / mg.num_gpus, mg.run_time_ratio, mg.source)
         )
-    return rows
+    return [dict(r, rate=rate) for r in rows]
 
 
 def _stats(rows: list[dict]) -> dict:
@@ -651,6 +674,9 @@ def in_sample(prof: Profiles) -> dict:
             "host_ram": _stats(_by(numeric, "host RAM")),
             "speed": _stats(_by(numeric, "it/s")),
             "multi_gpu_ratio": _stats(_by(numeric, "multi-GPU")),
+            # predicted at the observation's own measured rate, as a plan on that GPU takes it (a check that a
+            # plan reproduces what it was fitted on, not a prediction)
+            "multi_gpu_ratio_own_rate": sum(r.get("rate") == r["id"] for r in _by(numeric, "multi-GPU")),
             "fit_verdict": _agreement(verdicts),
         },
     }
@@ -704,6 +730,9 @@ def leave_one_source_out(prof: Profiles) -> dict:
             "speed_published": _stats([r for r in speeds if not _measured_here(r)]),
             "speed_measured_here": _stats([r for r in speeds if _measured_here(r)]),
             "multi_gpu_ratio": _stats(_by(rows, "multi-GPU")),
+            # the multi-GPU ratios whose source was the only one with a multi-GPU observation: left out, no
+            # rate is fitted and calibrate() falls back to a constant, which the figure then tests
+            "multi_gpu_ratio_fallback": sum(r.get("rate") == "fallback" for r in _by(rows, "multi-GPU")),
         },
         "note": (
             "calibrate() fits only the speed efficiencies and the link efficiency; the memory constants are "
@@ -910,6 +939,19 @@ def _fmt_clear(a: dict) -> str:
     )
 
 
+def _fallback_text(summary: dict) -> str:
+    """Where leaving a source out left no multi-GPU observation to fit a rate on, that those ratios test the
+    fallback constant, not a refit."""
+    n, total = summary.get("multi_gpu_ratio_fallback", 0), summary["multi_gpu_ratio"]["n"]
+    if not n:
+        return ""
+    which = "all" if n == total else f"{n} of {total}"
+    return (
+        f" ({which} with no other source's multi-GPU observation to refit on: the fallback link efficiency "
+        f"{P.LINK_EFFICIENCY_FALLBACK:g}, a constant, not a fit)"
+    )
+
+
 def render(result: dict) -> str:
     lines = []
     for title, part in (
@@ -970,10 +1012,11 @@ def render(result: dict) -> str:
         f"fit verdict agreement      {_fmt_agree(ins['fit_verdict']):34s} {_fmt_agree(oos['fit_verdict'])}",
         f"  range clear of the card  {_fmt_clear(ins['fit_verdict']):34s} {_fmt_clear(oos['fit_verdict'])}",
         f"host RAM |error|           {_fmt(ins['host_ram'])}",
-        f"multi-GPU ratios |error|   {_fmt(ins['multi_gpu_ratio'])}",
+        f"multi-GPU ratios |error|   {_fmt(ins['multi_gpu_ratio'])}, as a plan predicts them: "
+        f"{ins['multi_gpu_ratio_own_rate']} at their own observation's measured rate",
         f"leave-one-source-out: published speeds {_fmt(ls['speed_published'])}; this project's H100 "
         f"speeds, left out together as one source: {_fmt(ls['speed_measured_here'])}; all speeds "
-        f"{_fmt(ls['speed'])}; multi-GPU ratios {_fmt(ls['multi_gpu_ratio'])}",
+        f"{_fmt(ls['speed'])}; multi-GPU ratios {_fmt(ls['multi_gpu_ratio'])}{_fallback_text(ls)}",
         "sdplan bench speeds, each left out: "
         + "; ".join(f"{b} {_fmt(s)}" for b, s in result["bench_leave_one_out"]["summary"].items()),
         "sdplan bench peaks, each left out: "

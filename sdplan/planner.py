@@ -168,6 +168,8 @@ FIXED_SAMPLES_GRID = tuple(i * 0.25 for i in range(0, 33))
 BANDWIDTH_EFFICIENCY = 0.7
 BACKWARD_TRAFFIC = 2.0
 STARTUP_S = 60.0  # loading the model, building the optimizer, first compilation
+# the all-reduce's share of the link's nominal rate where no multi-GPU observation measured one (calibrate)
+LINK_EFFICIENCY_FALLBACK = 0.05
 MIN_MULTI_GPU_GAIN = 0.05  # use more GPUs only when the whole run gets at least this much shorter
 PCIE_GBS = {1: 4.0, 2: 8.0, 3: 16.0, 4: 32.0, 5: 64.0, 6: 128.0}  # x16, one direction
 BATCHES = (1, 2, 4, 8, 16)
@@ -1409,7 +1411,7 @@ def calibrate(profiles: Profiles) -> Calibration:
         needed = (ratio - 1.0) * t1  # extra seconds per iteration
         moved = gradient_bytes(profiles, multi) * 2 * (m.num_gpus - 1) / m.num_gpus
         links.append((m.id, moved / (needed * nominal * 1e9)))
-    link_eff = _geomean([v for _, v in links]) if links else 0.05
+    link_eff = _geomean([v for _, v in links]) if links else LINK_EFFICIENCY_FALLBACK
     return replace(cal, link_efficiency=link_eff, link_points=tuple(links))
 
 
