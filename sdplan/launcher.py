@@ -1331,14 +1331,23 @@ def prepare(req: TrainRequest, ui: UI) -> Prepared:
     out_given = C.absolute(req.out, "--out") if req.out else None
 
     if req.resume:
-        if out_given is not None:
-            from sdplan.runfolder import check_free
+        from sdplan.runfolder import check_free
 
-            check_free(out_given)  # a live run in it: say who, not what its half-written files look like
-            check_out_dir(out_given, resume=True)  # an sdplan run, before its config is read
-        base_path = (out_given / CONFIG_FILE) if out_given else config_path
+        # the run folder: --out, else the output.dir of --config; what resumes is always that folder's own
+        # sdplan.yaml (comparing --config with itself passed every resume check, and the run's file was
+        # overwritten with the edited one)
+        out = out_given or config_output_dir(config_path, read_yaml_config(config_path))
+        check_free(out)  # a live run in it: say who, not what its half-written files look like
+        check_out_dir(out, resume=True)  # an sdplan run, before its config is read
+        if config_path is not None and not _same_file(config_path, out / CONFIG_FILE):
+            raise UsageError(
+                f"--resume continues the run in {out} (the output.dir of --config {req.config}) with its own "
+                f"{CONFIG_FILE}; --config {req.config} is not used with it",
+                fix=f"resume with `sdplan train --resume --out {shlex.quote(str(out))}` (change settings with "
+                "key=value overrides), or train that config in another folder without --resume",
+            )
+        base_path = out / CONFIG_FILE
         base = read_yaml_config(base_path)
-        out = out_given or config_output_dir(base_path, base)
         source = str(base_path)
     elif req.config_data is not None:
         base, source = req.config_data, "demo config"

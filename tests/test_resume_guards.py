@@ -284,6 +284,38 @@ def test_resume_refuses_another_config_and_the_demo_refuses_another_model(run_fo
     assert not launches
 
 
+def test_resume_with_a_config_and_no_out_checks_the_runs_own_sdplan_yaml(run_folder, tmp_path):
+    """`--resume --config F` without --out resumed F's output.dir with F compared against itself: an edited
+    optimizer passed every resume check, overwrote the run's sdplan.yaml and failed (KeyError 'beta1') on every
+    later --resume. F is refused unless it is the run's own sdplan.yaml."""
+    out, launches = run_folder
+    before = (out / "sdplan.yaml").read_text()
+    edited = yaml.safe_load(before)
+    edited.setdefault("memory", {})["optimizer"] = "adafactor"
+    other = tmp_path / "opt.yaml"
+    other.write_text(yaml.safe_dump(edited))
+    line = one_line_error(
+        invoke("--resume", "--config", str(other), "--yes"),
+        2,
+        f"--config {other} is not used",
+        f"run in {out}",
+    )
+    assert f"sdplan train --resume --out {out}" in line
+    same = tmp_path / "same.yaml"  # the same settings in another file: still not the run's own
+    same.write_text(before)
+    one_line_error(invoke("--resume", "--config", str(same), "--yes"), 2, f"--config {same} is not used")
+    assert (out / "sdplan.yaml").read_text() == before and not launches
+    r = invoke("--resume", "--config", str(out / "sdplan.yaml"), "--yes")  # its own: resumes
+    assert r.exit_code == 130 and len(launches) == 1, r.output
+    # its own file, through its checks: an optimizer it cannot load is refused as with --out
+    one_line_error(
+        invoke("--resume", "--config", str(out / "sdplan.yaml"), "memory.optimizer=adafactor"),
+        2,
+        "--resume: memory.optimizer is",
+    )
+    assert (out / "sdplan.yaml").read_text() == before and len(launches) == 1
+
+
 # -- #10 / #18: folders --resume and --demo refused with no way out -----------------------------------------------
 
 
