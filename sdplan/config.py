@@ -603,7 +603,7 @@ def setting_place(key: str, raw: Any, what: str) -> str:
     value = setting_value(key, str(raw))
     if key == "model.path":
         return absolute_if_local(str(value))
-    if key in PATH_KEYS:
+    if key in PATH_KEYS and not (key == "checkpoints.resume" and value in (None, "latest")):
         return str(absolute(str(value), what))
     return str(value)
 
@@ -751,7 +751,14 @@ def absolute_if_local(path: str) -> str:
 
 
 # The settings that name local files or folders (model.path: where it is one, else a hub id).
-PATH_KEYS = ("model.path", "model.config_dir", "data.path", "dreambooth.class_data", "output.dir")
+PATH_KEYS = (
+    "model.path",
+    "model.config_dir",
+    "data.path",
+    "dreambooth.class_data",
+    "output.dir",
+    "checkpoints.resume",  # the checkpoint a new run starts from ("latest": the run's own newest, as it is)
+)
 
 
 def absolute_paths(data: dict[str, Any]) -> dict[str, Any]:
@@ -763,6 +770,8 @@ def absolute_paths(data: dict[str, Any]) -> dict[str, Any]:
         section, _, name = key.partition(".")
         node = out.get(section)
         if not isinstance(node, dict) or not isinstance(node.get(name), str) or not node[name].strip():
+            continue
+        if key == "checkpoints.resume" and node[name].strip() == "latest":
             continue
         node[name] = absolute_if_local(node[name]) if key == "model.path" else str(absolute(node[name], key))
     return out

@@ -44,7 +44,14 @@ from sdplan.plan_chart import FILE_NAME as PLAN_CHART_FILE
 from sdplan.planner import format_duration
 from sdplan.probe.software import importable
 from sdplan.registry import FAMILIES, FULL_METHODS, family_from_name
-from sdplan.settings import OFFLOAD, Settings, get_key
+from sdplan.settings import (
+    OFFLOAD,
+    STATE_SETTINGS,
+    WEIGHT_SETTINGS,
+    Settings,
+    get_key,
+    settings_data,
+)
 from sdplan.steps import bucketed_batches, plan_steps, repeated_batches
 
 CONFIG_FILE = "sdplan.yaml"
@@ -431,7 +438,7 @@ def check_resume_choice(saved: C.TrainConfig, cfg: C.TrainConfig, out: Path) -> 
     from sdplan.trainer.checkpoint import checkpoint_root, latest_checkpoint
 
     now = cfg.checkpoints.resume
-    if now in (None, "") or now == saved.checkpoints.resume:
+    if now in (None, "") or now == C.absolute_paths(saved.to_dict())["checkpoints"]["resume"]:
         return
     last = latest_checkpoint(out)
     raise UsageError(
@@ -1136,64 +1143,114 @@ def _inside(path: Path, folder: Path) -> bool:
     return folder.is_dir()
 
 
-def refuse_a_shortened_resume(
-    out: Path, cfg: C.TrainConfig, inputs: InputSummary, world: int, steps: dict[str, int]
-) -> None:
-    """UsageError for --resume with a length (--max-steps, --epochs, training.max_steps) shorter than what the
-    newest checkpoint already trained: the trainer found nothing left to do and exported the longer-trained
-    weights with metadata that said the shorter run, without a word. The checkpoint's step in this run's steps
-    (:func:`sdplan.steps.moved_position` where it was saved with another micro-batch, accumulation or process
-    count, as the trainer places it)."""
+def checkpoint_step(
+    last: Path, cfg: C.TrainConfig, inputs: InputSummary, world: int
+) -> tuple[int, Any] | None:
+    """(the step checkpoint ``last`` stands at in this run's steps, its TrainState), or None where its state
+    cannot be read: :func:`sdplan.steps.moved_position` where it was saved with another micro-batch,
+    accumulation or process count, as the trainer places it."""
     import math
 
     from sdplan.steps import moved_position
-    from sdplan.trainer.checkpoint import CheckpointError, latest_checkpoint, read_state
+    from sdplan.trainer.checkpoint import CheckpointError, read_state
 
-    last = latest_checkpoint(out)
-    if last is None:
-        return
     try:
         saved = read_state(last)
     except CheckpointError:
-        return
+        return None
     t = cfg.training
     if (saved.batch_size, saved.grad_accum, saved.num_processes) == (t.batch_size, t.grad_accum, world):
-        at = saved.global_step
-    else:
-        buckets = inputs.bucket_samples
-        new = plan_steps(
-            images_per_epoch=inputs.images_x_repeats,
-            batch_size=t.batch_size,
-            grad_accum=t.grad_accum,
-            num_processes=world,
-            epochs=t.epochs,
-            max_steps=t.max_steps,
-            batches_per_epoch=bucketed_batches(buckets, t.batch_size, world) if buckets else None,
-        )
-        epoch_batches = (
-            sum(math.ceil(n / t.batch_size) for n in buckets)
-            if buckets
-            else math.ceil(inputs.images_x_repeats / t.batch_size)
-        )
-        at = moved_position(
-            epoch=saved.epoch,
-            batches_in_epoch=saved.batches_in_epoch,
-            samples_in_epoch=saved.samples_in_epoch,
-            batch_size=saved.batch_size,
-            num_processes=saved.num_processes,
-            epoch_batches=epoch_batches,
-            new=new,
-        ).step
+        return saved.global_step, saved
+    buckets = inputs.bucket_samples
+    new = plan_steps(
+        images_per_epoch=inputs.images_x_repeats,
+        batch_size=t.batch_size,
+        grad_accum=t.grad_accum,
+        num_processes=world,
+        epochs=t.epochs,
+        max_steps=t.max_steps,
+        batches_per_epoch=bucketed_batches(buckets, t.batch_size, world) if buckets else None,
+    )
+    epoch_batches = (
+        sum(math.ceil(n / t.batch_size) for n in buckets)
+        if buckets
+        else math.ceil(inputs.images_x_repeats / t.batch_size)
+    )
+    at = moved_position(
+        epoch=saved.epoch,
+        batches_in_epoch=saved.batches_in_epoch,
+        samples_in_epoch=saved.samples_in_epoch,
+        batch_size=saved.batch_size,
+        num_processes=saved.num_processes,
+        epoch_batches=epoch_batches,
+        new=new,
+    ).step
+    return at, saved
+
+
+def _asked(cfg: C.TrainConfig) -> str:
+    t = cfg.training
+    return f"training.max_steps {t.max_steps}" if t.max_steps else f"{t.epochs} epoch(s)"
+
+
+def refuse_a_shortened_resume(
+    out: Path,
+    cfg: C.TrainConfig,
+    inputs: InputSummary,
+    world: int,
+    steps: dict[str, int],
+    saved_config: Any = None,
+) -> None:
+    """UsageError for --resume with a length (--max-steps, --epochs, training.max_steps) shorter than what the
+    newest checkpoint already trained: the trainer found nothing left to do and exported the longer-trained
+    weights with metadata that said the shorter run, without a word. ``saved_config``: the run's sdplan.yaml
+    (validated); where it already holds this length (a shorter resume that finished), the fix does not offer
+    a plain --resume, which is refused as finished."""
+    from sdplan.trainer.checkpoint import latest_checkpoint
+
+    last = latest_checkpoint(out)
+    if last is None or (found := checkpoint_step(last, cfg, inputs, world)) is None:
+        return
+    at, saved = found
     total = steps["total_steps"]
     if at <= total:
         return
-    asked = f"training.max_steps {t.max_steps}" if t.max_steps else f"{t.epochs} epoch(s)"
+    t = cfg.training
+    same_length = saved_config is not None and (
+        saved_config.training.max_steps,
+        saved_config.training.epochs,
+    ) == (t.max_steps, t.epochs)
     raise UsageError(
         f"--resume: its newest checkpoint {last.name} already trained {at} steps ({saved.images_seen} images), "
-        f"more than the {total} this config asks for ({asked}): there is nothing left to train, and its "
+        f"more than the {total} this config asks for ({_asked(cfg)}): there is nothing left to train, and its "
         "outputs would be the longer-trained weights",
-        fix="resume without the shorter --max-steps/--epochs to finish the run; to train "
-        f"{total} steps, start it over with --force instead of --resume",
+        fix=(
+            f"its {CONFIG_FILE} already asks for {total} steps: to train longer, resume with more (--epochs N "
+            "or training.max_steps=N); to train "
+            if same_length
+            else "resume without the shorter --max-steps/--epochs to finish the run; to train "
+        )
+        + f"{total} steps, start it over with --force instead of --resume",
+    )
+
+
+def refuse_a_start_past_its_length(
+    path: Path, cfg: C.TrainConfig, inputs: InputSummary, world: int, steps: dict[str, int]
+) -> None:
+    """UsageError for a new run from the checkpoint ``path`` (``checkpoints.resume``) that already trained as
+    many steps as this run asks for, or more: the trainer found nothing left to do and exported that
+    checkpoint's weights as a run of this length ("done: 12 steps" of an 8-step run), without a word."""
+    if (found := checkpoint_step(path, cfg, inputs, world)) is None:
+        return
+    at, saved = found
+    total = steps["total_steps"]
+    if at < total:
+        return
+    more = "more than" if at > total else "as many as"
+    raise UsageError(
+        f"checkpoints.resume {path} already trained {at} steps ({saved.images_seen} images), {more} the "
+        f"{total} this run asks for ({_asked(cfg)}): there is nothing left to train",
+        fix="ask for more steps (--epochs N or training.max_steps=N), or start from an earlier checkpoint",
     )
 
 
@@ -1523,8 +1580,11 @@ def prepare(req: TrainRequest, ui: UI) -> Prepared:
 
     steps = config_steps(cfg, inputs.images_x_repeats, world, inputs.bucket_samples)
     if resume is not None:
-        refuse_a_shortened_resume(out, cfg, inputs, world, steps)
+        refuse_a_shortened_resume(out, cfg, inputs, world, steps, saved_config=saved)
         refuse_a_finished_resume(out, steps)
+    elif (start := start_checkpoint(cfg)) is not None:  # the settings as planned: what the trainer builds
+        check_start_settings(cfg, start)
+        refuse_a_start_past_its_length(start, cfg, inputs, world, steps)
     if req.demo and cfg.plan is None:
         # The demo's plan: the tiny model on the CPU; its memory and time are trivially small, its step
         # arithmetic is the real one (recorded in the outputs' metadata like a planned run's).
@@ -1908,7 +1968,9 @@ def execute(p: Prepared, req: TrainRequest, ui: UI, launch: Launch, lock: Any = 
                 fix="lower training.batch_size on every node, or turn on memory.gradient_checkpointing",
             )
         retries += 1
-        resumes = _latest(out)
+        own = _latest(out)
+        started_from = start_checkpoint(cfg) if not own else None  # the trainer loads it again: resuming too
+        resumes = own or started_from is not None
         kw = dict(
             cuda=cfg.training.device != "cpu",
             have_bnb=importable("bitsandbytes"),
@@ -1928,12 +1990,23 @@ def execute(p: Prepared, req: TrainRequest, ui: UI, launch: Launch, lock: Any = 
                 ),
                 fix="lower data.resolution or lora.rank, or use a GPU with more memory "
                 "(`sdplan recommend --compare` lists what fits)"
-                + ("; or start over with that saver (--force)" if fresh is not None else ""),
+                + (
+                    "; or start over with that saver (--force"
+                    + (", with checkpoints.resume=null)" if started_from is not None else ")")
+                    if fresh is not None
+                    else ""
+                ),
             )
         cfg = C.validate(change.data, source="out-of-memory retry")
         fixes.append(change.message)
-        resume = "latest" if resumes else None
-        where = "from the last checkpoint" if resume else "from the start (no checkpoint yet)"
+        resume = "latest" if own else None
+        where = (
+            "from the last checkpoint"
+            if own
+            else f"from {started_from}, the checkpoint it started from"
+            if started_from is not None
+            else "from the start (no checkpoint yet)"
+        )
         ui.echo(f"out of memory at step {oom.get('step')}: {change.message}; restarting {where}")
         launch = build_launch(
             cfg,
@@ -1999,21 +2072,7 @@ def _record(
     return path
 
 
-# Settings the trained weights are shaped by: a checkpoint made with one value cannot be resumed with another.
-WEIGHT_SETTINGS = (
-    "method",
-    "model.path",
-    "lora.rank",
-    "lora.target_modules",
-    "lora.text_encoder_target_modules",
-    "textual_inversion.num_vectors",
-    "training.train_text_encoder",
-)
-# Settings the checkpoint's saved state is shaped by (accelerate's load_state reads it into the objects this
-# run builds): another optimizer has other state (adafactor on an AdamW checkpoint: KeyError 'beta1'; 8-bit
-# AdamW's quantized state), an EMA the checkpoint lacks or has is a count of registered objects that differs
-# ("Number of custom checkpoints ... does not match"), and DeepSpeed keeps its own model and optimizer files.
-STATE_SETTINGS = ("memory.optimizer", "ema.enabled", "distributed.deepspeed")
+# WEIGHT_SETTINGS / STATE_SETTINGS: sdplan.settings (the trainer records them in each checkpoint)
 
 
 def _state_setting(data: dict[str, Any], key: str) -> Any:
@@ -2040,22 +2099,85 @@ def check_resume_settings(saved: C.TrainConfig, cfg: C.TrainConfig) -> None:
     saved state cannot be loaded with: one line before anything is written (else the run's sdplan.yaml keeps
     the change and every later --resume fails too)."""
     # paths as this run reads them: a run written before they were made absolute names them relative
-    old, new = C.absolute_paths(saved.to_dict()), cfg.to_dict()
+    check_settings(
+        C.absolute_paths(saved.to_dict()),
+        cfg.to_dict(),
+        what="--resume",
+        where="the run's sdplan.yaml",
+        fix="drop the {key} setting to continue the run, or start a new one{with_it} (--force or a new --out)",
+    )
+
+
+def check_settings(
+    old: dict[str, Any],
+    new: dict[str, Any],
+    *,
+    what: str,
+    where: str,
+    fix: str,
+    subject: tuple[str, str] = ("its checkpoints were", "its checkpoints hold"),
+) -> None:
+    """UsageError for the first setting of :data:`WEIGHT_SETTINGS` or :data:`STATE_SETTINGS` that differs from
+    ``old`` (the settings a checkpoint was made with, as config data) to ``new`` (this run's). ``what`` starts
+    the line, ``where`` names where the old value is, ``fix`` is formatted with ``key`` and ``with_it``;
+    ``subject`` says what was trained with / holds the old value."""
     for key in WEIGHT_SETTINGS:
         if (was := get_key(old, key)) != (now := get_key(new, key)):
             raise UsageError(
-                f"--resume: {key} is {was!r} in the run's sdplan.yaml, {now!r} here; its "
-                "checkpoints were trained with the first",
-                fix=f"drop the {key} setting to continue the run, or start a new one (--force or a new --out)",
+                f"{what}: {key} is {was!r} in {where}, {now!r} here; {subject[0]} trained with the first",
+                fix=fix.format(key=key, with_it=""),
             )
     if (change := unloadable_change(old, new)) is not None:
         key, was, now = change
         shown = {"ema.enabled": "an EMA" if was else "no EMA", "distributed.deepspeed": f"DeepSpeed {was}"}
         raise UsageError(
-            f"--resume: {key} is {was!r} in the run's sdplan.yaml, {now!r} here; its checkpoints hold the "
+            f"{what}: {key} is {was!r} in {where}, {now!r} here; {subject[1]} the "
             f"state of {shown.get(key, f'{was} optimizer')} and cannot be loaded with the second",
-            fix=f"drop the {key} setting to continue the run, or start a new one with it (--force or a new --out)",
+            fix=fix.format(key=key, with_it=" with it"),
         )
+
+
+def start_checkpoint(cfg: C.TrainConfig) -> Path | None:
+    """The checkpoint a new run starts from (``checkpoints.resume``, absolute), or None."""
+    value = cfg.checkpoints.resume
+    if value in (None, "", "latest"):
+        return None
+    return C.absolute(str(value), "checkpoints.resume")
+
+
+def check_start_settings(cfg: C.TrainConfig, path: Path) -> None:
+    """A new run from the checkpoint ``path`` (``checkpoints.resume``) with a setting its weights or saved state
+    were not made with: one line, as for --resume (an optimizer change gave the trainer's 45-line KeyError
+    'beta1'). The settings its train_state.json records; in a checkpoint saved before it kept them, those of
+    the sdplan.yaml of the run folder it is in (none where it was copied out of one: not checked)."""
+    from sdplan.trainer.checkpoint import CHECKPOINTS, CheckpointError, read_state
+
+    try:
+        recorded = read_state(path).settings
+    except CheckpointError:
+        return  # the trainer says what is wrong with it
+    new = cfg.to_dict()
+    if recorded:  # the keys it records (a checkpoint of another sdplan version may record others)
+        old, where = settings_data(recorded), f"the checkpoint's train_state.json ({path})"
+        new = settings_data({key: get_key(new, key) for key in recorded})
+    else:
+        run_config = path.parent.parent / CONFIG_FILE
+        if path.parent.name != CHECKPOINTS or not run_config.is_file():
+            return
+        try:
+            old = C.absolute_paths(C.validate(read_yaml_config(run_config), source=str(run_config)).to_dict())
+        except SdplanError:
+            return
+        where = f"{run_config}, the run it was saved in"
+    check_settings(
+        old,
+        new,
+        what=f"checkpoints.resume {path}",
+        where=where,
+        fix="drop the {key} setting to start from that checkpoint, or set checkpoints.resume=null to start "
+        "from the base model{with_it}",
+        subject=("it was", "it holds"),
+    )
 
 
 def run(req: TrainRequest, ui: UI | None = None) -> dict[str, Any]:

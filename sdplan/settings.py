@@ -279,3 +279,35 @@ def get_key(data: dict[str, Any], key: str) -> Any:
     for part in key.split("."):
         data = data.get(part) if isinstance(data, dict) else None
     return data
+
+
+# Settings the trained weights are shaped by: a checkpoint made with one value cannot be resumed with another.
+WEIGHT_SETTINGS = (
+    "method",
+    "model.path",
+    "lora.rank",
+    "lora.target_modules",
+    "lora.text_encoder_target_modules",
+    "textual_inversion.num_vectors",
+    "training.train_text_encoder",
+)
+# Settings the checkpoint's saved state is shaped by (accelerate's load_state reads it into the objects this
+# run builds): another optimizer has other state (adafactor on an AdamW checkpoint: KeyError 'beta1'; 8-bit
+# AdamW's quantized state), an EMA the checkpoint lacks or has is a count of registered objects that differs
+# ("Number of custom checkpoints ... does not match"), and DeepSpeed keeps its own model and optimizer files.
+STATE_SETTINGS = ("memory.optimizer", "ema.enabled", "distributed.deepspeed")
+
+
+def checkpoint_settings(data: dict[str, Any]) -> dict[str, Any]:
+    """What a checkpoint saved under the config ``data`` (plain data) records of it (train_state.json's
+    ``settings``): each of :data:`WEIGHT_SETTINGS` and :data:`STATE_SETTINGS` by its dotted key, so a run that
+    starts from the checkpoint is checked against the settings it was made with, wherever it was copied."""
+    return {key: get_key(data, key) for key in (*WEIGHT_SETTINGS, *STATE_SETTINGS)}
+
+
+def settings_data(settings: dict[str, Any]) -> dict[str, Any]:
+    """:func:`checkpoint_settings`'s dotted keys as a config dict again."""
+    data: dict[str, Any] = {}
+    for key, value in settings.items():
+        _put(data, key, value)
+    return data

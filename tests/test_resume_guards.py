@@ -144,6 +144,88 @@ def test_a_new_run_from_another_runs_checkpoint_is_checked(run_folder, tmp_path)
     assert r.exit_code == 130 and len(launches) == 1, r.output
 
 
+def test_a_new_run_from_another_runs_checkpoint_gets_the_resume_checks(run_folder, tmp_path, monkeypatch):
+    """checkpoints.resume=OTHER/checkpoints/step-N without --resume got none of --resume's checks: another
+    optimizer gave the trainer's KeyError 'beta1', a checkpoint past the new run's length 'finished' at once
+    with its weights, and a relative value named another checkpoint from another folder."""
+    out, launches = run_folder
+    config = str(out / "sdplan.yaml")
+    ckpt = out / "checkpoints" / "step-000002"
+    new = tmp_path / "new"
+    # the settings of the run it was saved in (a checkpoint that records none: its run's sdplan.yaml)
+    one_line_error(
+        invoke(
+            "--config", config, "--out", str(new), f"checkpoints.resume={ckpt}", "memory.optimizer=adafactor"
+        ),
+        2,
+        f"checkpoints.resume {ckpt}: memory.optimizer is 'adamw' in {out / 'sdplan.yaml'}",
+        "checkpoints.resume=null",
+    )
+    one_line_error(
+        invoke("--config", config, "--out", str(new), f"checkpoints.resume={ckpt}", "lora.rank=8"),
+        2,
+        "lora.rank is 16",
+    )
+    # the settings its train_state.json records win (the run's sdplan.yaml may have changed since)
+    state = json.loads((ckpt / "train_state.json").read_text())
+    copied = tmp_path / "copied" / "step-000002"  # copied out of its run folder: no sdplan.yaml beside it
+    copied.mkdir(parents=True)
+    recorded = {"method": "lora", "memory.optimizer": "adamw8bit", "ema.enabled": False}
+    (copied / "train_state.json").write_text(json.dumps({**state, "settings": recorded}))
+    one_line_error(
+        invoke("--config", config, "--out", str(new), f"checkpoints.resume={copied}"),
+        2,
+        f"memory.optimizer is 'adamw8bit' in the checkpoint's train_state.json ({copied}), 'adamw' here",
+    )
+    # past (or at) the new run's length: nothing left to train
+    one_line_error(
+        invoke("--config", config, "--out", str(new), f"checkpoints.resume={ckpt}", "--max-steps", "2"),
+        2,
+        f"checkpoints.resume {ckpt} already trained 2 steps (2 images), as many as the 2",
+        "nothing left to train",
+    )
+    assert not launches and not new.exists()
+    # stored absolute: a later run from another folder reads the same checkpoint
+    monkeypatch.chdir(out)
+    r = invoke("--config", config, "--out", str(new), "--yes", "checkpoints.resume=checkpoints/step-000002")
+    assert r.exit_code == 130 and len(launches) == 1, r.output
+    assert yaml.safe_load((new / "sdplan.yaml").read_text())["checkpoints"]["resume"] == str(ckpt)
+
+
+def test_the_oom_retry_of_a_run_started_from_a_checkpoint_resumes_it(run_folder, tmp_path, monkeypatch):
+    """With no checkpoint of its own yet, the retry of a run from another run's checkpoint said "restarting
+    from the start" and was free to switch to 8-bit AdamW / DeepSpeed, whose state the trainer then loaded the
+    AdamW checkpoint into."""
+    import sdplan.launcher as L
+
+    out, launches = run_folder
+    ckpt = out / "checkpoints" / "step-000002"
+    new = tmp_path / "new"
+    seen: list[bool] = []
+    real = L.after_oom
+
+    def after_oom(data, **kw):
+        seen.append(kw.get("resumes", False))
+        return real(data, **kw)
+
+    def oom(launch, **kw):
+        launches.append(launch)
+        (new / "oom.json").write_text(json.dumps({"step": 3}))
+        return L.EXIT_OOM
+
+    monkeypatch.setattr(L, "after_oom", after_oom)
+    monkeypatch.setattr(L, "run_launch", oom)
+    monkeypatch.setattr(L, "_record", lambda *a, **k: None)
+    r = invoke(
+        "--config", str(out / "sdplan.yaml"), "--out", str(new), "--yes", f"checkpoints.resume={ckpt}",
+        "training.batch_size=2",
+    )  # fmt: skip
+    assert f"restarting from {ckpt}, the checkpoint it started from" in r.stdout, r.stdout
+    # every retry resumes it (the last call, with no resumes, names a saver only a fresh start could have)
+    assert len(seen) > 1 and all(seen[:-1]) and r.exit_code == L.EXIT_OOM, (seen, r.output)
+    assert "checkpoints.resume=null" not in r.output or "not tried" in r.output
+
+
 # -- #5: settings the checkpoint's saved state cannot be loaded with -------------------------------------------
 
 

@@ -485,6 +485,10 @@ def test_resume_equals_uninterrupted_exactly(tiny_sd15, dataset, tmp_path):
     run.train(tiny_train_config(tiny_sd15, dataset, straight, *opts, "checkpoints.keep_every_steps=3"))
     kept = checkpoint.checkpoint_root(straight) / "step-000003"
     assert checkpoint.read_state(kept).batches_in_epoch == 2  # mid-epoch: 4 batches per epoch
+    # the settings it was made with, which a new run from it (checkpoints.resume) is checked against
+    recorded = checkpoint.read_state(kept).settings
+    assert recorded["method"] == "lora" and recorded["memory.optimizer"] == "adamw", recorded
+    assert recorded["distributed.deepspeed"] is None and isinstance(recorded["lora.rank"], int), recorded
     resumed = tmp_path / "resumed"
     run.train(tiny_train_config(tiny_sd15, dataset, resumed, *opts), resume=str(kept))
     assert losses(resumed) == losses(straight)

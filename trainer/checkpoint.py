@@ -60,7 +60,7 @@ WEIGHTS_FILE = "trainable.safetensors"
 _NAME = re.compile(r"^(rolling-step|step|interrupt-step|before-nan-step)-(\d+)(?:-\d+)?$")
 _REPLACEABLE = ("rolling-step", "interrupt-step")  # a newer rolling or kept checkpoint removes these
 # The TrainState fields that are this run's settings, not its progress: a resume keeps the live ones.
-_SETTINGS = ("batch_size", "grad_accum", "num_processes", "method", "samples_per_epoch")
+_SETTINGS = ("batch_size", "grad_accum", "num_processes", "method", "samples_per_epoch", "settings")
 
 
 # What to do when no checkpoint can be resumed from: `sdplan train` starts a run over in its folder with --force
@@ -101,6 +101,9 @@ class TrainState:
     # The run's wall-clock seconds before this session: in a checkpoint, from the run's start to that checkpoint
     # (each earlier session counted up to the checkpoint it left); live, what the resumed checkpoint said.
     wall_seconds: float = 0.0
+    # The settings the checkpoint's weights and saved state were made with (sdplan.settings.checkpoint_settings):
+    # a new run that starts from it (checkpoints.resume) is checked against them; {} in one saved before.
+    settings: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
