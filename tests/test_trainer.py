@@ -1063,6 +1063,39 @@ def test_a_sample_grid_that_fails_otherwise_is_skipped_and_the_run_keeps_its_rec
     )
 
 
+@pytest.mark.parametrize(
+    "error",
+    [
+        ConnectionError("HTTPSConnectionPool(host='huggingface.co'): Max retries exceeded"),
+        PermissionError(13, "Permission denied"),
+        OSError(5, "Input/output error"),
+        OSError(28, "No space left on device"),
+    ],
+    ids=["connection", "permission", "eio", "enospc"],
+)
+def test_only_a_full_disk_in_the_final_grid_stops_the_run(tiny_sd15, dataset, tmp_path, monkeypatch, error):
+    """Every OSError in a grid was re-raised as a failed write (write_error returns WriteFailed for all of
+    them): a ConnectionError in the final grid ended the run after its weights, with no loss.png,
+    loss_history.json or run_summary.json, blaming a write. Only a full disk stops it."""
+    from sdplan.trainer import sampling
+    from sdplan.trainer.outputs import DiskFull
+
+    def broken(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(sampling, "sample_grid", broken)
+    out = tmp_path / "out"
+    if error.errno == 28:
+        with pytest.raises(DiskFull):
+            run.train(tiny_train_config(tiny_sd15, dataset, out))
+        return
+    summary = run.train(tiny_train_config(tiny_sd15, dataset, out))
+    assert summary["steps"] == 2 and (out / "loss.png").exists() and (out / "run_summary.json").exists()
+    assert [f["step"] for f in summary["sample_grid_failures"]] == [None]
+    assert type(error).__name__ in summary["sample_grid_failures"][0]["error"]
+    assert (out / "samples" / "final.error.txt").is_file()
+
+
 @pytest.mark.train
 def test_inf_gradients_with_a_finite_loss_stop_before_the_update(tiny_sd15, dataset, tmp_path, monkeypatch):
     """On an H100 a faulty attention backward made inf gradients while the loss stayed finite: the update

@@ -370,8 +370,9 @@ def samples(
                 raise
             skipped = (str(e).strip().splitlines() or ["out of memory"])[0][:200]
         except Exception as e:
-            if isinstance(e, SdplanError) or write_error(e, target, needed_bytes=0) is not None:
-                raise  # a full disk stops the run as any write does
+            if isinstance(e, SdplanError) or isinstance(write_error(e, target, needed_bytes=0), DiskFull):
+                raise  # a full disk stops the run as any write does; another OSError (a connection, a
+                # permission, an I/O error) is a failed grid like any other, the weights being written
             failure = _grid_failure(e, target, step)
         finally:
             offload(*away)
