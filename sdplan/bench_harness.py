@@ -440,6 +440,7 @@ class Harness:
             at_step=self.step_index,
             out_path=out_path,
             text_cache=self.recipe.text_cache,
+            measuring=True,  # a failed grid raises (bench: "sample grid not measured"), no peak is recorded
         )
 
     def optimizer_has_state(self) -> bool:

@@ -942,6 +942,35 @@ def test_the_harness_makes_the_trainers_sample_grid_after_its_steps(tmp_path):
         h.close()
 
 
+def test_a_sample_grid_that_fails_in_the_bench_records_no_peak(tmp_path, monkeypatch, capsys):
+    """The trainer's grid now skips a failure (not out of memory, not a full disk) and returns None; the bench's
+    sample_grid_peak then recorded the peak of the grid that died part-way as sample_grid_peak_bytes, and said
+    "the trained weights are written". The bench's grid raises: "sample grid not measured", nothing recorded."""
+    import torch
+    from sdplan.trainer import sampling
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("shape '[96, 0]' is invalid for input of size 24")
+
+    monkeypatch.setattr(sampling, "sample_grid", broken)
+    for name in ("synchronize", "reset_peak_memory_stats"):  # the CUDA bookkeeping, on the CPU
+        monkeypatch.setattr(torch.cuda, name, lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a, **k: 123)
+    monkeypatch.setattr(bench, "free_memory", lambda: None)
+    req = bench.BenchRequest(
+        method="lora", model="sd15", resolution=64, precision="fp32", cache_latents=False
+    )
+    h = bench.Harness(req, device="cpu", demo=True, workdir=tmp_path)
+    try:
+        h.step(1)
+        with pytest.raises(RuntimeError, match="invalid for input"):
+            bench.sample_grid_peak(h, tmp_path)
+    finally:
+        h.close()
+    assert "the trained weights are written" not in capsys.readouterr().out
+    assert not list(tmp_path.glob("*.error.txt"))
+
+
 @pytest.mark.slow
 def test_the_harness_runs_the_trainers_step_under_deepspeed_in_one_process():
     """benchmarks/deepspeed_memory.py (for the next lent GPU): the trainer's step under DeepSpeed ZeRO-2 with CPU

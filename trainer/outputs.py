@@ -306,6 +306,7 @@ def samples(
     injected=None,
     text_cache=None,
     failures: list[dict[str, Any]] | None = None,
+    measuring: bool = False,
 ) -> Path | None:
     """A PNG grid from ``sampling.prompts`` (else ``fallback``) with a fixed seed, made on the main process:
     ``samples/step-000100.png`` during training (the other processes wait), ``samples/final.png`` at the end
@@ -320,7 +321,8 @@ def samples(
     during training and at the end alike, the weights being written by then: one line with the error, its
     traceback in ``<grid>.error.txt`` beside where the grid would be, and its record (:func:`_grid_failure`)
     appended to ``failures`` (run_summary.json's ``sample_grid_failures``). ``injected``: the run's
-    ``faults.Faults`` (a test hook). ``text_cache``: the run's
+    ``faults.Faults`` (a test hook). ``measuring``: the grid is made to be measured (``sdplan bench``, no run's
+    weights around it): a failure is raised as it is, not skipped. ``text_cache``: the run's
     cache of text-encoder outputs; SD3.5 / FLUX.1 sample from it (their encoders stay off the GPU:
     ``flow.cached_conditioning``)."""
     import torch
@@ -370,7 +372,11 @@ def samples(
                 raise
             skipped = (str(e).strip().splitlines() or ["out of memory"])[0][:200]
         except Exception as e:
-            if isinstance(e, SdplanError) or isinstance(write_error(e, target, needed_bytes=0), DiskFull):
+            if (
+                measuring
+                or isinstance(e, SdplanError)
+                or isinstance(write_error(e, target, needed_bytes=0), DiskFull)
+            ):
                 raise  # a full disk stops the run as any write does; another OSError (a connection, a
                 # permission, an I/O error) is a failed grid like any other, the weights being written
             failure = _grid_failure(e, target, step)
