@@ -380,6 +380,8 @@ _PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
 # How long the training processes a dead launcher left get to write their checkpoint after SIGTERM, as torchrun
 # gives them (SHUTDOWN_TIMEOUT_S), before SIGKILL.
 ORPHAN_STOP_TIMEOUT_S = SHUTDOWN_TIMEOUT_S
+# How long they get to end after SIGKILL; one that has not (uninterruptible sleep) is reported, not waited for.
+ORPHAN_KILL_TIMEOUT_S = 30.0
 
 
 def _subreaper(on: bool) -> bool:
@@ -429,24 +431,36 @@ def _reap(pids: set[int]) -> set[int]:
     return alive
 
 
-def stop_orphans(pids: set[int], *, timeout: float = ORPHAN_STOP_TIMEOUT_S, stop: Callable[[], bool]) -> None:
+def stop_orphans(
+    pids: set[int],
+    *,
+    timeout: float = ORPHAN_STOP_TIMEOUT_S,
+    kill_timeout: float = ORPHAN_KILL_TIMEOUT_S,
+    stop: Callable[[], bool],
+) -> set[int]:
     """The training processes a dead launcher left (children of this subreaper): SIGTERM (they stop as on
     Ctrl-C: a checkpoint, exit 130), then wait for them; SIGKILL after ``timeout`` seconds or once ``stop()``
-    says so (a Ctrl-C while waiting). Returns once every one has ended, so the run lock is released only then."""
+    says so (a Ctrl-C while waiting). Returns once every one has ended, so the run lock is released only then;
+    or ``kill_timeout`` seconds after the SIGKILL, with the pids still there (a process in uninterruptible sleep
+    -- a wedged GPU driver, a hung network file system -- outlives SIGKILL: the wait had no end, and no Ctrl-C
+    got sdplan out of it)."""
     import time
 
     for pid in pids:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout
-    killed = False
+    killed_at = None
     while pids := _reap(pids):
-        if not killed and (time.monotonic() > deadline or stop()):
+        if killed_at is None and (time.monotonic() > deadline or stop()):
             for pid in pids:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.kill(pid, signal.SIGKILL)
-            killed = True
+            killed_at = time.monotonic()
+        elif killed_at is not None and time.monotonic() - killed_at > kill_timeout:
+            return pids
         time.sleep(0.1)
+    return set()
 
 
 def run_launch(
@@ -528,12 +542,21 @@ def run_launch(
             orphans.update(left)
             print(
                 f"the launcher (pid {proc.pid}) ended with {len(left)} training process(es) still running: "
-                "stopping them (they write a checkpoint) before the run folder is released",
+                "stopping them (they write a checkpoint) before the run folder is released; waiting up to "
+                f"{ORPHAN_STOP_TIMEOUT_S:.0f} s, Ctrl-C stops waiting (they are killed, without a checkpoint)",
                 file=sys.stderr,
                 flush=True,
             )
             before = signals_sent
-            stop_orphans(left, stop=lambda: signals_sent > before)
+            if stuck := stop_orphans(left, stop=lambda: signals_sent > before):
+                print(
+                    f"training process(es) {', '.join(map(str, sorted(stuck)))} did not end "
+                    f"{ORPHAN_KILL_TIMEOUT_S:.0f} s after SIGKILL (stuck in the kernel: a hung GPU driver or "
+                    "file system?); sdplan stops waiting for them: check they are gone (ps -p PID) before "
+                    "resuming the run",
+                    file=sys.stderr,
+                    flush=True,
+                )
     finally:
         if reaper:
             _subreaper(False)

@@ -498,3 +498,35 @@ def test_the_workers_of_a_launcher_killed_by_sigkill_are_stopped_before_run_laun
     ).read_text() == "saved"  # stopped the way Ctrl-C stops it, then waited for
     pid = int((tmp_path / "worker.pid").read_text())
     assert not os.path.exists(f"/proc/{pid}") and time.monotonic() - t0 < 30
+
+
+def test_orphans_of_a_dead_launcher_are_stopped_with_a_bounded_wait_and_a_way_out(
+    tmp_path, monkeypatch, capsys
+):
+    """The wait for the workers a dead launcher left said nothing of Ctrl-C (which cuts it short), and after
+    SIGKILL it had no end: a worker in uninterruptible sleep (a wedged driver, a hung file system) kept sdplan
+    waiting for ever, and no Ctrl-C got it out. Now the line says Ctrl-C stops waiting, and the wait after
+    SIGKILL is bounded, naming the pids it leaves."""
+    from sdplan import launch as L
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("the subreaper is Linux's")
+    # a launcher that starts a worker in a session of its own (as torchrun does) and dies; the worker stops on
+    # SIGTERM
+    worker = (
+        "import signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: sys.exit(130)); time.sleep(60)"
+    )
+    launcher = f"import subprocess, sys; subprocess.Popen([sys.executable, '-c', {worker!r}], start_new_session=True); sys.exit(1)"
+    started = time.monotonic()
+    code = run_launch(Launch(cmd=[sys.executable, "-c", launcher], env={}, kind="cpu-multi", world_size=2))
+    assert code == 1 and time.monotonic() - started < scaled(30)
+    err = capsys.readouterr().err
+    assert "ended with 1 training process(es) still running" in err and "Ctrl-C stops waiting" in err, err
+    # one that outlives SIGKILL: reported after the bounded wait, not waited for
+    kills: list[tuple[int, int]] = []
+    monkeypatch.setattr(L, "_reap", lambda pids: set(pids))
+    monkeypatch.setattr(L.os, "kill", lambda pid, sig: kills.append((pid, sig)))
+    started = time.monotonic()
+    left = L.stop_orphans({999_999_999}, timeout=0, kill_timeout=0.3, stop=lambda: False)
+    assert left == {999_999_999} and time.monotonic() - started < scaled(5)
+    assert kills == [(999_999_999, signal.SIGTERM), (999_999_999, signal.SIGKILL)]
