@@ -1063,6 +1063,38 @@ def test_a_sample_grid_that_fails_otherwise_is_skipped_and_the_run_keeps_its_rec
     )
 
 
+def test_a_grid_a_resume_makes_again_drops_its_error_and_the_failures_span_the_sessions(
+    tiny_sd15, dataset, tmp_path, monkeypatch
+):
+    """A grid that failed, made again by a resumed session: its step-N.error.txt stayed beside the good
+    step-N.png, and run_summary's sample_grid_failures held only the last session's (an earlier session's
+    failure was lost while its .error.txt stayed)."""
+    from sdplan.trainer import sampling
+
+    real = sampling.sample_grid
+    failing = {1, 2}
+
+    def flaky(pipe, prompts, **kw):
+        label = kw["labels"][0].split("\n")[0]
+        if label in {f"step {n}" for n in failing}:
+            raise RuntimeError(f"broken at {label}")
+        return real(pipe, prompts, **kw)
+
+    monkeypatch.setattr(sampling, "sample_grid", flaky)
+    out = tmp_path / "out"
+    opts = ("training.max_steps=3", "sampling.every_steps=1", "checkpoints.keep_every_steps=1")
+    first = run.train(tiny_train_config(tiny_sd15, dataset, out, *opts))
+    assert [f["step"] for f in first["sample_grid_failures"]] == [1, 2]
+    samples = out / "samples"
+    assert (samples / "step-000002.error.txt").is_file() and not (samples / "step-000002.png").exists()
+    failing.clear()  # the grids work in the next session, resumed from step 1: step 2's grid is made again
+    kept = checkpoint.checkpoint_root(out) / "step-000001"
+    again = run.train(tiny_train_config(tiny_sd15, dataset, out, *opts), resume=str(kept))
+    assert (samples / "step-000002.png").is_file() and not (samples / "step-000002.error.txt").exists()
+    assert (samples / "step-000001.error.txt").is_file()  # not made again: its failure stays on record
+    assert [f["step"] for f in again["sample_grid_failures"]] == [1], again.get("sample_grid_failures")
+
+
 @pytest.mark.parametrize(
     "error",
     [

@@ -98,6 +98,9 @@ class TrainState:
     samples_per_epoch: int = 0
     # Outputs saved during training so far (output.save_every_n_*): [{"epoch", "step", "files"}].
     intermediate_outputs: list[dict[str, Any]] = field(default_factory=list)
+    # Sample grids skipped for an error other than out of memory so far (outputs.samples' records): run_summary's
+    # sample_grid_failures, over the run's sessions.
+    sample_grid_failures: list[dict[str, Any]] = field(default_factory=list)
     # The run's wall-clock seconds before this session: in a checkpoint, from the run's start to that checkpoint
     # (each earlier session counted up to the checkpoint it left); live, what the resumed checkpoint said.
     wall_seconds: float = 0.0

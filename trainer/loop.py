@@ -603,8 +603,6 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
     tb = progress.tensorboard(accelerator, cfg)
     bar = progress.Progress(accelerator, plan.total_steps, initial=state.global_step, description=cfg.method)
 
-    grid_failures: list[dict] = []  # grids skipped for an error other than out of memory: run_summary.json
-
     def sample(step=None, fallback="", **kw):
         return outputs.samples(
             accelerator,
@@ -617,7 +615,7 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
             tb=tb,
             injected=injected,
             text_cache=recipe.text_cache,
-            failures=grid_failures,
+            failures=state.sample_grid_failures,  # carried by the checkpoints: over the run's sessions
             **kw,
         )
 
@@ -768,7 +766,7 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
             peak_memory_bytes=peak,
             outputs=written,
             intermediate_outputs=state.intermediate_outputs,
-            sample_grid_failures=grid_failures,
+            sample_grid_failures=state.sample_grid_failures,
         )
         if accelerator.is_main_process
         else {}

@@ -398,11 +398,23 @@ def samples(
                 accelerator,
                 f"skipped the sample grid of step {step}: out of GPU memory ({skipped}); training goes on",
             )
+        if grid is not None:
+            _drop_stale_error(target, step)
         if tb is not None and grid is not None:
             tb.image("samples", grid, shown_step or 0)
     if step is not None:
         accelerator.wait_for_everyone()
     return grid
+
+
+def _drop_stale_error(grid: Path, step: int | None) -> None:
+    """The ``.error.txt`` of a grid now written: an earlier session's failure of the same grid (a resume re-made
+    it), which sat beside the good PNG. Kept where that session numbered its steps otherwise (another point of
+    the run, :func:`grid_path`)."""
+    error = grid.with_name(grid.stem + ".error.txt")
+    with contextlib.suppress(OSError):
+        if step is None or _SAME_STEPS or error.stat().st_mtime >= _SESSION_START:
+            error.unlink()
 
 
 def _grid_failure(exc: BaseException, grid: Path, step: int | None) -> dict[str, Any]:
@@ -469,8 +481,9 @@ def write_run_summary(
     """``run_summary.json``. ``intermediate_outputs``: the outputs saved during training (output.save_every_n_*),
     each ``{"epoch", "step", "files"}`` (``epoch``: the epoch it ends, or the fraction reached). ``wall_seconds``:
     the run's, over its sessions (a resumed run adds its earlier sessions' time up to the checkpoint resumed).
-    ``sample_grid_failures``: the grids this session skipped for an error other than out of memory, each
-    ``{"step", "error", "traceback"}`` (the key only where there are some)."""
+    ``sample_grid_failures``: the grids the run skipped for an error other than out of memory, over its sessions
+    (each checkpoint carries those before it), each ``{"step", "error", "traceback"}`` (the key only where there
+    are some)."""
     summary = {
         "method": method,
         "steps": steps,
