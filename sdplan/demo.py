@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import json
 import random
+import shlex
 from pathlib import Path
 from typing import Any
 
+from sdplan.errors import UsageError
 from sdplan.profiles import cache_dir
 
 DEFAULT_OUT = "./sdplan-demo"
@@ -172,10 +174,7 @@ def run_demo(req: Any, ui: Any) -> dict[str, Any]:
                 fix="drop --model (a demo of another model: --demo --model NAME --out NEW)",
             )
         if unstarted:
-            raise UsageError(
-                f"--resume: the demo in {out} was stopped before it started training: nothing to resume",
-                fix=f"start it again: sdplan train --demo --out {out}",
-            )
+            raise unstarted_demo_error(out)
         return run(dataclasses.replace(req, out=str(out), yes=True, model=None, demo=False), ui)
     runfolder.check_free(out)
     # a demo stopped between building its model and dataset and writing sdplan.yaml: every entry is the demo's
@@ -248,6 +247,17 @@ def run_demo(req: Any, ui: Any) -> dict[str, Any]:
         summary = run(train_req, ui)
     ui.echo(DEMO_NOTE)
     return summary
+
+
+def unstarted_demo_error(out: Path) -> UsageError | None:
+    """The error for --resume of a demo stopped before it started training (:func:`_an_unstarted_demo`), with or
+    without --demo; None for another folder."""
+    if not _an_unstarted_demo(out):
+        return None
+    return UsageError(
+        f"--resume: the demo in {out} was stopped before it started training: nothing to resume",
+        fix=f"start it again: sdplan train --demo --out {shlex.quote(str(out))}",
+    )
 
 
 def _an_unstarted_demo(out: Path) -> bool:

@@ -171,6 +171,10 @@ def check_out_dir(
                     "were trained with)",
                     fix=f"put the run's {CONFIG_FILE} back in {out} to continue it",
                 )
+            from sdplan.demo import unstarted_demo_error
+
+            if (demo := unstarted_demo_error(out)) is not None:
+                raise demo
             raise UsageError(
                 f"--resume: {out} is not an sdplan run (no {CONFIG_FILE})",
                 fix="point --out at the folder of the run to continue",
@@ -1215,19 +1219,20 @@ def refuse_a_shortened_resume(
     total = steps["total_steps"]
     if at <= total:
         return
-    t = cfg.training
-    same_length = saved_config is not None and (
-        saved_config.training.max_steps,
-        saved_config.training.epochs,
-    ) == (t.max_steps, t.epochs)
+    own = None  # the steps the run's own sdplan.yaml asks for, where a plain --resume has none left either
+    if saved_config is not None:
+        length = {"max_steps": saved_config.training.max_steps, "epochs": saved_config.training.epochs}
+        own_cfg = replace(cfg, training=replace(cfg.training, **length))
+        own = config_steps(own_cfg, inputs.images_x_repeats, world, inputs.bucket_samples)["total_steps"]
+        own = own if at >= own else None
     raise UsageError(
         f"--resume: its newest checkpoint {last.name} already trained {at} steps ({saved.images_seen} images), "
         f"more than the {total} this config asks for ({_asked(cfg)}): there is nothing left to train, and its "
         "outputs would be the longer-trained weights",
         fix=(
-            f"its {CONFIG_FILE} already asks for {total} steps: to train longer, resume with more (--epochs N "
-            "or training.max_steps=N); to train "
-            if same_length
+            f"the run's {CONFIG_FILE} asks for {own} steps, which it has trained: to train longer, resume with "
+            "more (--epochs N or training.max_steps=N); to train "
+            if own is not None
             else "resume without the shorter --max-steps/--epochs to finish the run; to train "
         )
         + f"{total} steps, start it over with --force instead of --resume",

@@ -316,6 +316,16 @@ def test_resume_shorter_than_the_checkpoint_is_refused(run_folder):
     assert (out / "sdplan.yaml").read_text() == before and not launches
     r = invoke("--resume", "--out", str(out), "--max-steps", "3")  # as long as the checkpoint: its outputs
     assert r.exit_code == 130 and len(launches) == 1, r.output
+    # its sdplan.yaml now asks for 3 steps, which the checkpoint has trained: a plain --resume has nothing
+    # left either (refused as finished), so the fix does not offer it
+    line = one_line_error(
+        invoke("--resume", "--out", str(out), "--max-steps", "2"), 2, "nothing left to train"
+    )
+    assert (
+        "resume without the shorter" not in line
+        and "sdplan.yaml asks for 3 steps, which it has trained" in line
+    )
+    assert len(launches) == 1
 
 
 # -- #9: a trainer killed by a signal ------------------------------------------------------------------------
@@ -415,6 +425,9 @@ def test_a_demo_stopped_before_its_sdplan_yaml_is_rebuilt_not_refused(tmp_path, 
     (out / DEMO_FILES).write_text(json.dumps({"base_model": ["model_index.json"], "dataset": []}))
     runfolder.record(out, ["base_model", "dataset", DEMO_FILES])
     one_line_error(invoke("--demo", "--resume", "--out", str(out)), 2, "stopped before it started training")
+    # plain --resume --out, as every other message says to resume: the same line, not "not an sdplan run"
+    line = one_line_error(invoke("--resume", "--out", str(out)), 2, "stopped before it started training")
+    assert f"sdplan train --demo --out {out}" in line and "not an sdplan run" not in line
     monkeypatch.setattr(L, "run_launch", lambda *a, **k: 130)
     r = invoke("--demo", "--out", str(out))
     assert r.exit_code == 130, r.output
