@@ -208,6 +208,42 @@ def test_a_kept_checkpoint_of_an_earlier_session_is_never_replaced(tmp_path, che
     assert not checkpoint.checkpoint_root(tmp_path).exists()
 
 
+def test_a_resume_at_a_point_that_is_not_a_multiple_of_the_new_accumulation_takes_the_planned_steps(
+    tmp_path, checkpointer
+):
+    """The review's batch 1 x accumulation 1 checkpoint at micro-batch 4 of a 16-image epoch, resumed at
+    accumulation 3 (2 epochs: 12 steps, 32 images). accelerate's counter was set to the 4 micro-batches done,
+    so the first step closed after 2 (at 6, a multiple of 3 from the epoch's start), the epoch took 5 steps where
+    the plan counts 4, and the run reached step 12 with 31 images. Now it takes the plan's steps: 3 micro-batches
+    each from the resume point, the epoch's last step what is left, and ends after all 32 images."""
+    from accelerate.data_loader import DataLoader
+
+    saved = checkpoint.TrainState(global_step=4, batches_in_epoch=4, samples_in_epoch=4, images_seen=4)
+    ckpt = checkpointer(saved, keep_every_steps=4)
+    ckpt.accelerator.step = 4  # the saving session's counter at accumulation 1
+    path = ckpt.maybe_save()
+    p = plan_steps(images_per_epoch=16, batch_size=1, grad_accum=3, epochs=2)
+    assert (p.steps_per_epoch, p.total_steps) == (6, 12)
+    resumed = checkpointer(checkpoint.TrainState(batch_size=1, grad_accum=3))
+    live = resumed.load(path, p, 16)
+    assert (live.global_step, live.epoch, live.batches_in_epoch) == (2, 0, 4)
+    acc = resumed.accelerator
+    acc.gradient_accumulation_steps = 3
+    loader = acc.prepare(DataLoader(list(range(16)), batch_size=1))
+    step, images, micro, taken = live.global_step, live.images_seen, 0, []
+    while step < p.total_steps:  # as trainer/loop.py: skip the epoch's done batches, a step at each sync
+        for _ in acc.skip_first_batches(loader, live.batches_in_epoch):
+            with acc.accumulate():
+                images, micro = images + 1, micro + 1
+                if acc.sync_gradients:
+                    step, taken, micro = step + 1, [*taken, micro], 0
+                    if step >= p.total_steps:
+                        break
+        live.batches_in_epoch = 0
+    assert taken == [3, 3, 3, 3, 3, 3, 3, 3, 3, 1]  # epoch 0: 4 steps from micro-batch 4; epoch 1: 6
+    assert (step, images) == (12, 32)
+
+
 # -- the loss history across a moved resume ------------------------------------------------------------------
 
 

@@ -672,12 +672,14 @@ class Checkpointer:
             live.samples_in_epoch = at.batches_in_epoch * live.batch_size
         # accelerate's micro-batch counter (``Accelerator.step``: ``_do_sync`` closes an optimizer step when it
         # is a multiple of the accumulation, and zeroes it at the data loader's end) comes back from
-        # ``load_state`` as it was saved: under another accumulation it is out of step with this run (7 micro-
-        # batches saved at accumulation 1, resumed at 2: the next step closed after 1 micro-batch, and the run
-        # reached its steps with images left untrained). It is set to the position's micro-batches in its
-        # epoch under this run's accumulation (0 at an epoch's end, where accelerate zeroes it).
-        done = live.batches_in_epoch
-        self.accelerator.step = done if done < plan.batches_per_epoch else 0
+        # ``load_state`` as it was saved. The position counts this epoch's steps still to take from the resume
+        # point (``moved_position``: ceil(micro-batches left / accumulation)), so the counter starts at 0 here:
+        # set to the micro-batches done in the epoch, it closed steps at multiples of the accumulation counted
+        # from the epoch's start, which differ whenever those are not a multiple of it (4 micro-batches done at
+        # accumulation 1, resumed at 3: a step of 2, one more step in the epoch, and the run reached its steps
+        # with an image never trained). A checkpoint is taken at a step boundary, so on a resume with its own
+        # settings the saved counter was a multiple of the accumulation: 0 closes the same steps.
+        self.accelerator.step = 0
         self.last_saved = path
         self.last_saved_step = live.global_step
         return live
