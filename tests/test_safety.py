@@ -146,6 +146,33 @@ def test_force_after_an_interrupted_extension_removes_the_earlier_finishs_output
     assert not (out / PREVIOUS_SUMMARY_FILE).exists()
 
 
+def test_force_removes_the_trial_export_a_killed_run_left(tmp_path):
+    """A SIGKILL of sdplan and the trainer during the trial export left ``.export-check-<pid>`` (a whole model
+    copy for a full fine-tune), in no manifest: --force was refused ("holds files sdplan did not write") and
+    --resume had no checkpoint, a dead end. sdplan wrote it: --force now goes on and removes it; a name that
+    is not a pid stays the user's."""
+    from sdplan.errors import OutputExistsError
+    from sdplan.launcher import TRAINER_ENTRIES, check_out_dir, clear_run_outputs
+
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "sdplan.yaml").write_text("method: lora\n")
+    runfolder.record(out, ["sdplan.yaml", *TRAINER_ENTRIES])
+    (out / ".export-check-29512").mkdir()
+    (out / ".export-check-29512" / "model.safetensors").write_bytes(b"x")
+    assert check_out_dir(out, force=True) == "run"
+    clear_run_outputs(out)
+    assert runfolder.entries(out) == ["sdplan.yaml"]
+    from sdplan.launcher import remove_export_checks
+
+    (out / ".export-check-12").mkdir()  # a trainer killed alone: the next start (--resume too) removes it
+    remove_export_checks(out)
+    assert runfolder.entries(out) == ["sdplan.yaml"]
+    (out / ".export-check-mine").mkdir()
+    with pytest.raises(OutputExistsError, match="did not write"):
+        check_out_dir(out, force=True)
+
+
 def test_a_run_records_what_it_and_the_trainer_write(tmp_path):
     """The real launch path with a stand-in trainer command: every top-level entry it creates is recorded."""
     from sdplan import config as C
