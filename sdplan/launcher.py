@@ -1309,6 +1309,26 @@ def refuse_a_finished_resume(out: Path, steps: dict[str, int]) -> None:
     )
 
 
+def finished_without_checkpoints(out: Path, saved: C.TrainConfig) -> None:
+    """--resume of a run that finished with checkpoints off (its own sdplan.yaml ``saved`` says so, its
+    run_summary.json says it finished) and left no checkpoint: nothing was kept to continue or extend it from.
+    "no checkpoint ... add --force" read as a way to extend it, and --force throws the finished run away:
+    refused with what the choices are."""
+    summary = read_json(out / SUMMARY_FILE)
+    if summary is None or saved.checkpoints.every_steps or saved.checkpoints.keep_every_steps:
+        return
+    steps, images = summary.get("steps"), summary.get("images_seen")
+    done = f" ({steps} steps, {images} images)" if isinstance(steps, int) and isinstance(images, int) else ""
+    config = shlex.quote(str(out / CONFIG_FILE))
+    raise UsageError(
+        f"--resume: the run in {out} finished{done} with checkpoints off (checkpoints.every_steps=0): no "
+        "training state was kept to continue or extend it from",
+        fix="to train longer, train from the start with more epochs, in a new folder: `sdplan train --config "
+        f"{config} --out NEW_DIR --epochs N`, or in this one with --force instead of --resume, which replaces "
+        "the finished run's outputs; with checkpoints.every_steps=N set, a run can be extended later",
+    )
+
+
 def read_json(path: Path) -> dict[str, Any] | None:
     try:
         data = json.loads(path.read_text())
@@ -1479,6 +1499,7 @@ def prepare(req: TrainRequest, ui: UI) -> Prepared:
                 fix=f"train the plan with `sdplan train --config {out / CONFIG_FILE}`",
             )
         if latest_checkpoint(out) is None:
+            finished_without_checkpoints(out, C.validate(base, source=source))
             raise UsageError(
                 f"--resume: no checkpoint in {checkpoint_root(out)}",
                 fix="start the run again without --resume (add --force to reuse the folder)",

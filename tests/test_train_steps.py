@@ -342,6 +342,42 @@ def test_resume_of_a_finished_run_is_refused_but_an_unfinished_one_is_not(tmp_pa
     refuse_a_finished_resume(tmp_path, {"images_seen": 32})  # its outputs are not all there: the export again
 
 
+def test_extending_a_run_that_finished_with_checkpoints_off_says_why_it_cannot(tmp_path):
+    """A run with checkpoints off, Ctrl-C'd and resumed, finished and removed the interrupt checkpoint it had
+    passed (and now the checkpoints folder left empty). `--resume --epochs 3` then said "no checkpoint ... add
+    --force to reuse the folder", which throws the finished run away without a word. It says now that the run
+    finished with checkpoints off, so no state was kept to extend from, and what the choices are."""
+    import json
+
+    from conftest import make_images
+    from sdplan.trainer import checkpoint
+
+    from sdplan.launcher import UI, TrainRequest, run
+    from sdplan.runfolder import record
+
+    out = tmp_path / "run"
+    out.mkdir()
+    cfg = default_config()
+    cfg["model"]["path"] = str(_fake_model(tmp_path / "m"))
+    cfg["data"]["path"] = str(make_images(tmp_path / "ds", n=2))
+    cfg["output"]["dir"] = str(out)
+    cfg["checkpoints"]["every_steps"] = 0
+    (out / "sdplan.yaml").write_text(yaml.safe_dump(cfg))
+    (out / "run_summary.json").write_text(json.dumps({"steps": 16, "images_seen": 32, "outputs": []}))
+    passed = checkpoint.checkpoint_root(out) / "interrupt-step-000005"
+    passed.mkdir(parents=True)
+    (passed / "train_state.json").write_text(json.dumps({"images_seen": 10}))
+    record(out, ["sdplan.yaml", "run_summary.json", "checkpoints"])
+    assert checkpoint.remove_passed(out, 32) == [passed]  # the finish
+    assert not checkpoint.checkpoint_root(out).exists()
+    req = TrainRequest(resume=True, out=str(out), device="cpu", yes=True, epochs=3)
+    with pytest.raises(UsageError) as err:
+        run(req, UI(echo=lambda s: None))
+    assert "finished (16 steps, 32 images) with checkpoints off" in str(err.value)
+    assert "--force" in err.value.fix and "replaces the finished run's outputs" in err.value.fix
+    assert "--out NEW_DIR --epochs N" in err.value.fix
+
+
 def test_an_interrupted_run_under_sdplan_says_the_one_resume_command(monkeypatch, tmp_path):
     """The trainer said "continue with --resume latest" (its own command line), and sdplan right after "continue
     with `sdplan train --resume --out DIR`": `sdplan train --resume latest` then failed on 'latest'."""

@@ -272,12 +272,16 @@ def remove_passed(out_dir: str | Path, images: int) -> list[Path]:
     checkpoints it has passed (fewer images). With checkpoints off no final checkpoint replaces them (a Ctrl-C
     at step 7 left ``interrupt-step-000007``), and a later ``--resume`` (or an ``--epochs`` extension) took it
     for the newest state, trained steps 8.. again and wrote over the finished outputs. Kept and before-NaN
-    checkpoints stay. Returns what was removed (main process only)."""
+    checkpoints stay. A checkpoints folder left empty goes too (with checkpoints off, nothing else is in it).
+    Returns what was removed (main process only)."""
     removed = []
     for _, kind, path in list_checkpoints(out_dir):
         if kind in _REPLACEABLE and 0 <= images_seen(path) < images:
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
+    root = checkpoint_root(out_dir)
+    if removed and root.is_dir() and not root.is_symlink() and not any(root.iterdir()):
+        root.rmdir()
     return removed
 
 
