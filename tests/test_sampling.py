@@ -231,6 +231,67 @@ def test_a_grid_an_earlier_session_wrote_is_kept_beside_the_new_one(tmp_path):
     assert grid_path(tmp_path, 60) == tmp_path / "step-000060.png"
 
 
+def test_an_exact_resume_writes_over_a_steps_outputs_only_at_the_point_they_record(tmp_path, monkeypatch):
+    """The review's S1 (checkpoint at step 6, 12 images), S2 resumed on 2 processes (renumbered: its step 8 is 32
+    images; grid and intermediate outputs written, no checkpoint), S3 resumed from S1's checkpoint with S1's
+    settings (the same numbering): its step 8 (16 images) wrote over S2's 32-image grid and LoRA. A grid (PNG
+    text) and an intermediate folder (.sdplan-point.json) now record their images seen: written over only at
+    the same point, else kept beside (-1); one that records nothing: the numbering decides, as before."""
+    import os
+
+    from PIL import Image
+    from PIL.PngImagePlugin import PngInfo
+    from sdplan.trainer import outputs
+
+    monkeypatch.setattr(outputs, "_SAME_STEPS", True)  # S3: an exact resume
+
+    def grid(name: str, images: int | None) -> None:
+        info = PngInfo()
+        info.add_text("sdplan_samples", json.dumps({} if images is None else {"images_seen": images}))
+        Image.new("RGB", (4, 4)).save(tmp_path / "samples" / name, pnginfo=info)
+        os.utime(tmp_path / "samples" / name, (1_000_000_000, 1_000_000_000))  # an earlier session's
+
+    def inter(label: str, images: int) -> None:
+        (tmp_path / "intermediate" / label).mkdir(parents=True)
+        point = {"step": int(label[-8:]), "images_seen": images}
+        (tmp_path / "intermediate" / label / ".sdplan-point.json").write_text(json.dumps(point))
+        os.utime(tmp_path / "intermediate" / label, (1_000_000_000, 1_000_000_000))
+
+    (tmp_path / "samples").mkdir()
+    grid("step-000008.png", 32)  # S2's
+    grid("step-000004.png", 8)  # S1's, the same point as S3's step 4
+    grid("step-000002.png", None)  # from before the record
+    samples = tmp_path / "samples"
+    assert outputs.grid_path(samples, 8, 16) == samples / "step-000008-1.png"
+    assert outputs.grid_path(samples, 4, 8) == samples / "step-000004.png"
+    assert outputs.grid_path(samples, 2, 4) == samples / "step-000002.png"
+    grid("step-000008-1.png", 16)  # an earlier S3-like session's: the same point as this one's
+    assert outputs.grid_path(samples, 8, 16) == samples / "step-000008-1.png"
+
+    inter("sn-step00000008", 32)
+    inter("sn-step00000004", 8)
+    root = tmp_path / "intermediate"
+    assert outputs.intermediate_folder(root, "sn-step00000008", 16) == root / "sn-step00000008-1"
+    assert outputs.intermediate_folder(root, "sn-step00000004", 8) == root / "sn-step00000004"
+    assert (
+        outputs.point_of(samples / "step-000008.png") == 32
+        and outputs.point_of(root / "sn-step00000004") == 8
+    )
+
+
+def test_a_resume_on_a_dataset_of_another_size_numbers_its_steps_anew():
+    """samples_per_epoch changed (images added): epoch N ends at other images, so ``name-00000N`` and step N
+    are other points of the run, and the earlier sessions' outputs are kept beside."""
+    from sdplan.trainer.checkpoint import TrainState, same_numbering
+
+    from sdplan.steps import plan_steps
+
+    saved = TrainState(global_step=3, loss_steps=[1, 2, 3], samples_per_epoch=16)
+    assert same_numbering(saved, None, plan_steps(images_per_epoch=16, batch_size=1))
+    assert not same_numbering(saved, None, plan_steps(images_per_epoch=20, batch_size=1))
+    assert same_numbering(TrainState(loss_steps=[1]), None, plan_steps(images_per_epoch=20, batch_size=1))
+
+
 def test_outputs_an_earlier_session_saved_at_a_step_are_kept_beside_the_new_ones(tmp_path):
     """The same for the outputs saved every N steps (intermediate/{name}-step00000040/): a resume on another
     process count wrote its step 40 over the first session's. `train --force` still knows both for the run's."""

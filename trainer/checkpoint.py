@@ -178,9 +178,12 @@ def images_again(saved: TrainState, moved: Position, batch_size: int, num_proces
 def same_numbering(saved: TrainState, moved: Position | None, plan: Steps) -> bool:
     """Whether a run resumed from ``saved`` (at ``moved``, None for the saved position, in ``plan``) numbers its
     steps as every session before it did: the checkpoint's history counts 1, 2, ... with no renumbered resume in
-    it, and this one keeps the step and the images per step (batch x accumulation x processes). Then a step
-    number is one point of the run, and what an earlier session saved at that step is this session's too."""
+    it, and this one keeps the step, the images per step (batch x accumulation x processes) and the samples per
+    epoch (another dataset size puts epoch N's end at other images). Then a step number is one point of the run,
+    and what an earlier session saved at that step is this session's too."""
     if saved.loss_steps != list(range(1, len(saved.loss_steps) + 1)):
+        return False
+    if saved.samples_per_epoch and saved.samples_per_epoch != plan.images_per_epoch:
         return False
     if moved is None:
         return True

@@ -616,6 +616,7 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
             injected=injected,
             text_cache=recipe.text_cache,
             failures=state.sample_grid_failures,  # carried by the checkpoints: over the run's sessions
+            images=state.images_seen,  # the point of the run the grid shows (outputs.grid_path)
             **kw,
         )
 
@@ -624,11 +625,13 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
         label = outputs.intermediate_name(
             export.output_name(cfg.output.name, out_dir), epoch=epoch, step=step
         )
-        folder = outputs.intermediate_folder(out_dir / outputs.INTERMEDIATE, label)
+        folder = outputs.intermediate_folder(out_dir / outputs.INTERMEDIATE, label, state.images_seen)
         label = folder.name
         files: list[Path] = []
         reached = epoch if epoch is not None else round(step / plan.steps_per_epoch, 3)
         if accelerator.is_main_process:
+            with outputs.write_errors(folder, needed_bytes=export_bytes):
+                outputs.record_point(folder, step=step, images=state.images_seen)
             meta = outputs.run_metadata(
                 cfg,
                 steps=step,

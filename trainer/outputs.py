@@ -211,8 +211,17 @@ _SESSION_START = time.time()
 
 # whether this session numbers its steps as the earlier sessions of the run did (loop.train says so for a resume
 # with the settings its checkpoint was saved with, from a history never renumbered): step N is then the same
-# point of the run, and its grid and intermediate outputs are written again under their names, not as ``-1``
+# point of the run, and its grid and intermediate outputs are written again under their names, not as ``-1``.
+# Only where they do not say which point they are: a grid and an intermediate folder record the images seen when
+# they were made (:func:`point_of`), and are written over only at that point (a later, renumbered session that
+# made them and left no checkpoint was another point of the run, whatever this session's numbering).
 _SAME_STEPS = False
+
+# An intermediate output's record of the point of the run it was saved at: {"step", "images_seen"}
+POINT_FILE = ".sdplan-point.json"
+# The key of a sample grid's PNG text chunk that sampling.sample_grid writes (its settings and, during training,
+# the images seen)
+GRID_TEXT = "sdplan_samples"
 
 
 def mark_session_start(*, same_steps: bool = False) -> None:
@@ -226,29 +235,62 @@ def same_steps_as_before(same: bool) -> None:
     _SAME_STEPS = same
 
 
-def grid_path(folder: Path, step: int | None) -> Path:
-    """Where the grid of ``step`` goes in ``folder``: its name, unless an earlier session of the run wrote that
-    file (a resume on another process count, batch or accumulation numbers its steps anew: step 40 is another
-    point of the run), which is kept beside the new one (``step-000040-1.png``). In an exact resume (the same
-    numbering: :func:`same_steps_as_before`) the step is the same point and its name is written over."""
+def point_of(path: Path) -> int | None:
+    """The images seen that grid ``path`` (its PNG text) or intermediate folder ``path`` (its
+    :data:`POINT_FILE`) was made at; None where it does not say (made before it was recorded, or unreadable)."""
+    try:
+        if path.is_dir():
+            seen = json.loads((path / POINT_FILE).read_text()).get("images_seen")
+        else:
+            from PIL import Image
+
+            with Image.open(path) as im:
+                seen = json.loads(im.text[GRID_TEXT]).get("images_seen")
+    except (OSError, ValueError, KeyError, AttributeError, SyntaxError):
+        return None
+    return seen if isinstance(seen, int) and not isinstance(seen, bool) else None
+
+
+def _taken(path: Path, images: int | None) -> bool:
+    """Whether ``path`` (a grid or an intermediate folder this session would write at ``images`` seen) holds an
+    earlier session's output of another point of the run, to keep beside the new one: it was written before this
+    session and records other images seen, or records none and this session numbers its steps anew."""
+    if not path.exists() or path.stat().st_mtime >= _SESSION_START:
+        return False
+    recorded = point_of(path) if images is not None else None
+    return recorded != images if recorded is not None else not _SAME_STEPS
+
+
+def grid_path(folder: Path, step: int | None, images: int | None = None) -> Path:
+    """Where the grid of ``step`` (made at ``images`` seen) goes in ``folder``: its name, unless an earlier
+    session of the run wrote that file at another point of the run (a resume on another process count, batch or
+    accumulation numbers its steps anew: step 40 is another point of the run), which is kept beside the new one
+    (``step-000040-1.png``). A grid of the same point (the images seen it records; one that records none: an
+    exact resume, :func:`same_steps_as_before`) is written over."""
     path = folder / grid_name(step)
     again = 0
-    while step is not None and not _SAME_STEPS and path.exists() and path.stat().st_mtime < _SESSION_START:
+    while step is not None and _taken(path, images):
         again += 1
         path = folder / grid_name(step, again)
     return path
 
 
-def intermediate_folder(root: Path, label: str) -> Path:
-    """Where the outputs saved as ``label`` go under ``root`` (intermediate/): its name, unless an earlier session
-    of the run wrote that folder (a resume on another process count numbers its steps anew), which is kept
-    beside the new one (``{name}-step00000040-1``), as :func:`grid_path` keeps grids (and, as there, written over
-    in an exact resume)."""
+def intermediate_folder(root: Path, label: str, images: int | None = None) -> Path:
+    """Where the outputs saved as ``label`` (at ``images`` seen) go under ``root`` (intermediate/): its name,
+    unless an earlier session of the run wrote that folder at another point of the run, which is kept beside
+    the new one (``{name}-step00000040-1``), as :func:`grid_path` keeps grids. The caller records the point in
+    the folder (:func:`record_point`)."""
     folder, again = root / label, 0
-    while not _SAME_STEPS and folder.exists() and folder.stat().st_mtime < _SESSION_START:
+    while _taken(folder, images):
         again += 1
         folder = root / f"{label}-{again}"
     return folder
+
+
+def record_point(folder: Path, *, step: int, images: int) -> None:
+    """Say in intermediate folder ``folder`` the point of the run its outputs are of (:func:`point_of`)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / POINT_FILE).write_text(json.dumps({"step": step, "images_seen": images}) + "\n")
 
 
 def intermediate_steps(
@@ -307,11 +349,13 @@ def samples(
     text_cache=None,
     failures: list[dict[str, Any]] | None = None,
     measuring: bool = False,
+    images: int | None = None,
 ) -> Path | None:
     """A PNG grid from ``sampling.prompts`` (else ``fallback``) with a fixed seed, made on the main process:
     ``samples/step-000100.png`` during training (the other processes wait), ``samples/final.png`` at the end
     (call it on the main process only then), or ``out_path``. Each image is labelled, in a strip under it, with the step
     (``step``, else ``at_step``) and its prompt. Components moved off the GPU (cached outputs) come back for it.
+    ``images``: the images seen, recorded in the PNG (the point of the run it shows: :func:`grid_path`).
 
     Out of GPU memory in a grid during training (``step`` given) skips that grid and training goes on (None):
     the grid needs the VAE and text encoders back beside the training state, which a smaller batch would not
@@ -347,7 +391,7 @@ def samples(
         away = models_away(accelerator.device, comps.vae, *([] if conditioning else tes))
         for m in away:
             m.to(accelerator.device)
-        target = out_path or grid_path(Path(cfg.output.dir) / "samples", step)
+        target = out_path or grid_path(Path(cfg.output.dir) / "samples", step, images)
         try:
             with (
                 sampling_precision(accelerator, comps.vae),
@@ -366,6 +410,7 @@ def samples(
                     labels=[f"step {shown_step}\n{p}" if shown_step is not None else p for p in prompts],
                     conditioning=conditioning,
                     on_step=bar,
+                    record={} if images is None else {"images_seen": images},
                 )
         except torch.OutOfMemoryError as e:
             if step is None:

@@ -307,12 +307,14 @@ def sample_grid(
     labels: bool | list[str] = False,
     conditioning: Callable[[str, str | None], dict] | None = None,
     on_step: Callable[[int], None] | None = None,
+    record: dict | None = None,
 ) -> Path:
     """Generate one image per prompt and save them as one PNG grid of ``cols * width`` x ``rows * height``
     pixels (plus the label strips) (``cols`` defaults to ceil(sqrt(len(prompts)))); the prompts and settings go into the PNG's text
     chunks. ``labels``: True writes each prompt under its image, a list those texts (one per prompt), in a strip
     that adds to the grid's height (:func:`make_grid`).
-    ``conditioning``, ``on_step``: as :func:`generate_images`. Works for the SD 1.x/2.x, SDXL, SD3 and FLUX
+    ``conditioning``, ``on_step``: as :func:`generate_images`. ``record``: more keys for the text chunk (the
+    trainer's ``images_seen``: the point of the run the grid shows). Works for the SD 1.x/2.x, SDXL, SD3 and FLUX
     pipelines. Written atomically."""
     from PIL.PngImagePlugin import PngInfo
 
@@ -344,6 +346,7 @@ def sample_grid(
                 "resolution": list(_size(resolution)),
                 "pipeline": type(pipeline).__name__,
                 "labels": drawn,
+                **(record or {}),
             }
         ),
     )
