@@ -140,6 +140,13 @@ class UI:
 
     echo: Callable[[str], None] = print
     confirm: Callable[[str], bool] | None = None
+    # lines said once a command (an out-of-memory retry records twice: the out of memory, then the fit)
+    said: set[str] = field(default_factory=set)
+
+    def echo_once(self, line: str) -> None:
+        if line not in self.said:
+            self.said.add(line)
+            self.echo(line)
 
 
 # -- the --out rule ---------------------------------------------------------------------------------------
@@ -2093,7 +2100,7 @@ def _record(
     if family not in FAMILIES:
         return None
     if injected := unrecordable():  # a test's fault is no measurement: the planner learns from the store
-        ui.echo(f"not recorded in the local profile store: faults are injected ({', '.join(injected)})")
+        ui.echo_once(f"not recorded in the local profile store: faults are injected ({', '.join(injected)})")
         return None
     gpus = p.snapshot.usable_gpus if p.snapshot is not None else ()
     if p.gpu_ids is not None:  # the run's GPUs: out of memory is the one with the least memory's

@@ -84,6 +84,49 @@ def test_an_injected_out_of_memory_is_not_recorded_in_the_local_profile_store(tm
     assert faults.unrecordable() == []
 
 
+def test_the_injected_faults_line_is_said_once_in_an_out_of_memory_retry(tmp_path, monkeypatch):
+    """An out-of-memory retry records twice (the out of memory, then the fit after the retry): the line that
+    says nothing is recorded because faults are injected was printed twice. It is said once."""
+    from sdplan import launcher
+
+    monkeypatch.setenv("SDPLAN_PROFILE_DIR", str(tmp_path / "store"))
+    cfg = TrainConfig()
+    cfg.model.family = "sd15"
+    p = SimpleNamespace(inputs=SimpleNamespace(family="sd15"), snapshot=None, gpu_ids=None)
+    said: list[str] = []
+    ui = launcher.UI(echo=said.append)
+    monkeypatch.setenv(faults.OOM_AT_STEP_ENV, "9")
+    launcher._record(cfg, {"step": 9, "batch_size": 2, "grad_accum": 1}, p, ui, fits=False)
+    launcher._record(cfg, {}, p, ui, fits=True)
+    assert said == [
+        f"not recorded in the local profile store: faults are injected ({faults.OOM_AT_STEP_ENV})"
+    ]
+
+
+def test_a_damaged_checkpoint_error_nests_no_parentheses(tmp_path):
+    """ "every checkpoint ... is incomplete or damaged (...optimizer.bin is damaged (its sha256 ...)) (start it
+    over: `sdplan train --force` instead of --resume (the trainer's own command: without --resume))": three
+    levels. Now the reasons follow a colon, and only the fix is in parentheses."""
+    import json
+
+    from sdplan.trainer import checkpoint
+
+    path = checkpoint.checkpoint_root(tmp_path) / "step-000002"
+    path.mkdir(parents=True)
+    (path / "optimizer.bin").write_bytes(b"damaged")
+    state = {"images_seen": 4, "files": {"optimizer.bin": 7}, "sha256": {"optimizer.bin": "0" * 64}}
+    (path / checkpoint.STATE_FILE).write_text(json.dumps(state))
+    for resume in ("latest", str(path)):
+        with pytest.raises(checkpoint.CheckpointError) as err:
+            checkpoint.resolve_resume(resume, tmp_path)
+        line, depth, deepest = str(err.value), 0, 0
+        for c in line:
+            depth += {"(": 1, ")": -1}.get(c, 0)
+            deepest = max(deepest, depth)
+        assert "optimizer.bin is damaged" in line and "--force" in line
+        assert deepest == 1, line
+
+
 def test_injected_faults_change_only_their_step():
     import torch
 

@@ -155,7 +155,10 @@ def test_a_finished_run_removes_the_interrupt_checkpoint_it_passed(tiny_sd15, im
     run.train(tiny_train_config(tiny_sd15, images, out, "training.max_steps=3"), resume="latest")
     assert json.loads((out / "run_summary.json").read_text())["steps"] == 3
     assert checkpoint.list_checkpoints(out) == []
-    assert f"removed {root / 'interrupt-step-000001'}" in capsys.readouterr().out
+    assert (
+        f"removed {root / 'interrupt-step-000001'}: older than the finished outputs; a resume from it would "
+        "train again" in capsys.readouterr().out
+    )
 
 
 # -- item 6: disk full, half-written checkpoints --------------------------------------------------------------

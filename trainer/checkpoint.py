@@ -66,7 +66,7 @@ _SETTINGS = ("batch_size", "grad_accum", "num_processes", "method", "samples_per
 # What to do when no checkpoint can be resumed from: `sdplan train` starts a run over in its folder with --force
 # (without --resume it is refused: the folder holds a run); the trainer's own command line drops --resume.
 START_OVER = (
-    "start it over: `sdplan train --force` instead of --resume (the trainer's own command: without --resume)"
+    "start it over: `sdplan train --force` instead of --resume; with the trainer's own command, drop --resume"
 )
 
 
@@ -288,6 +288,11 @@ def remove_passed(out_dir: str | Path, images: int) -> list[Path]:
     return removed
 
 
+def removed_line(path: Path) -> str:
+    """The line saying that the finish removed checkpoint ``path`` (:func:`remove_passed`), and why."""
+    return f"removed {path}: older than the finished outputs; a resume from it would train again"
+
+
 def read_state(path: str | Path) -> TrainState:
     try:
         return TrainState.from_json(json.loads((Path(path) / STATE_FILE).read_text()))
@@ -329,7 +334,7 @@ def verify_checkpoint(path: str | Path) -> str | None:
     try:
         data = json.loads((path / STATE_FILE).read_text())
     except (OSError, ValueError) as e:
-        return f"{path}: {STATE_FILE} unreadable ({type(e).__name__})"
+        return f"{path}: {STATE_FILE} unreadable: {type(e).__name__}"
     for name, size in (data.get("files") or {}).items():
         f = path / name
         if not f.is_file():
@@ -339,7 +344,7 @@ def verify_checkpoint(path: str | Path) -> str | None:
     for name, digest in (data.get("sha256") or {}).items():  # absent in a checkpoint saved before it was kept
         f = path / name
         if f.is_file() and file_digest(f) != digest:
-            return f"{path}: {name} is damaged (its sha256 differs from the one saved with it)"
+            return f"{path}: {name} is damaged, its sha256 differs from the one saved with it"
     weights = path / WEIGHTS_FILE
     if weights.is_file():
         from safetensors import safe_open
@@ -348,7 +353,7 @@ def verify_checkpoint(path: str | Path) -> str | None:
             with safe_open(str(weights), framework="pt"):
                 pass
         except Exception as e:  # safetensors checks the header against the file's length
-            return f"{path}: {WEIGHTS_FILE} is damaged ({type(e).__name__})"
+            return f"{path}: {WEIGHTS_FILE} is damaged: {type(e).__name__}"
     return None
 
 
@@ -396,13 +401,13 @@ def resolve_resume(resume: str | Path | None, out_dir: str | Path, say=print) ->
             if problem is None:
                 if skipped:
                     say(
-                        f"skipped incomplete or damaged checkpoint(s) ({'; '.join(skipped)}); resuming from {path}"
+                        f"skipped incomplete or damaged checkpoint(s): {'; '.join(skipped)}; resuming from {path}"
                     )
                 return path
             skipped.append(problem)
         raise CheckpointError(
-            f"--resume latest: every checkpoint in {checkpoint_root(out_dir)} is incomplete or damaged "
-            f"({'; '.join(skipped)})",
+            f"--resume latest: every checkpoint in {checkpoint_root(out_dir)} is incomplete or damaged: "
+            f"{'; '.join(skipped)}",
             fix=START_OVER,
         )
     path = Path(resume)
@@ -412,7 +417,7 @@ def resolve_resume(resume: str | Path | None, out_dir: str | Path, say=print) ->
     if problem is not None:
         complete = [p for _, _, p in reversed(list_checkpoints(out_dir)) if verify_checkpoint(p) is None]
         raise CheckpointError(
-            f"--resume {resume}: incomplete or damaged checkpoint ({problem})",
+            f"--resume {resume}: incomplete or damaged checkpoint: {problem}",
             fix=f"resume from {complete[0]}, the newest complete one" if complete else START_OVER,
         )
     return path

@@ -776,7 +776,7 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
     )
     if accelerator.is_main_process:  # the run is finished: a checkpoint from before its end must not resume
         for path in ckpt_lib.remove_passed(out_dir, state.images_seen):
-            progress.say(accelerator, f"removed {path}: the finished run's outputs are past it")
+            progress.say(accelerator, ckpt_lib.removed_line(path))
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return summary
