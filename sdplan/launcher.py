@@ -1185,16 +1185,13 @@ def checkpoint_step(
     accumulation or process count, as the trainer places it."""
     import math
 
-    from sdplan.steps import moved_position
-    from sdplan.trainer.checkpoint import CheckpointError, read_state
+    from sdplan.trainer.checkpoint import CheckpointError, TrainState, read_state, resume_position
 
     try:
         saved = read_state(last)
     except CheckpointError:
         return None
     t = cfg.training
-    if (saved.batch_size, saved.grad_accum, saved.num_processes) == (t.batch_size, t.grad_accum, world):
-        return saved.global_step, saved
     buckets = inputs.bucket_samples
     new = plan_steps(
         images_per_epoch=inputs.images_x_repeats,
@@ -1210,16 +1207,9 @@ def checkpoint_step(
         if buckets
         else math.ceil(inputs.images_x_repeats / t.batch_size)
     )
-    at = moved_position(
-        epoch=saved.epoch,
-        batches_in_epoch=saved.batches_in_epoch,
-        samples_in_epoch=saved.samples_in_epoch,
-        batch_size=saved.batch_size,
-        num_processes=saved.num_processes,
-        epoch_batches=epoch_batches,
-        new=new,
-    ).step
-    return at, saved
+    live = TrainState(batch_size=t.batch_size, grad_accum=t.grad_accum, num_processes=world)
+    moved = resume_position(saved, live, new, epoch_batches)  # None: saved with these settings, its own step
+    return (saved.global_step if moved is None else moved.step), saved
 
 
 def _asked(cfg: C.TrainConfig) -> str:
