@@ -818,10 +818,10 @@ def require_gpu(snapshot: Any) -> None:
 # -- step arithmetic -----------------------------------------------------------------------------------------
 
 
-def config_steps(
+def config_plan_steps(
     cfg: C.TrainConfig, images_x_repeats: int, world: int, bucket_samples: tuple[int, ...] = ()
-) -> dict[str, int]:
-    """The run's step counts (:func:`sdplan.steps.plan_steps`, as the trainer counts them) for the user;
+):
+    """The run's :class:`sdplan.steps.Steps` (:func:`sdplan.steps.plan_steps`, as the trainer counts them);
     ``bucket_samples``: with aspect buckets, each bucket's samples (:class:`InputSummary`)."""
     t = cfg.training
     return plan_steps(
@@ -832,7 +832,14 @@ def config_steps(
         epochs=t.epochs,
         max_steps=t.max_steps,
         batches_per_epoch=bucketed_batches(bucket_samples, t.batch_size, world) if bucket_samples else None,
-    ).summary()
+    )
+
+
+def config_steps(
+    cfg: C.TrainConfig, images_x_repeats: int, world: int, bucket_samples: tuple[int, ...] = ()
+) -> dict[str, int]:
+    """The run's step counts (:func:`config_plan_steps`) for the user."""
+    return config_plan_steps(cfg, images_x_repeats, world, bucket_samples).summary()
 
 
 def describe(
@@ -1193,15 +1200,7 @@ def checkpoint_step(
         return None
     t = cfg.training
     buckets = inputs.bucket_samples
-    new = plan_steps(
-        images_per_epoch=inputs.images_x_repeats,
-        batch_size=t.batch_size,
-        grad_accum=t.grad_accum,
-        num_processes=world,
-        epochs=t.epochs,
-        max_steps=t.max_steps,
-        batches_per_epoch=bucketed_batches(buckets, t.batch_size, world) if buckets else None,
-    )
+    new = config_plan_steps(cfg, inputs.images_x_repeats, world, buckets or ())
     epoch_batches = (
         sum(math.ceil(n / t.batch_size) for n in buckets)
         if buckets
