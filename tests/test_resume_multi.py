@@ -244,6 +244,46 @@ def test_a_resume_at_a_point_that_is_not_a_multiple_of_the_new_accumulation_take
     assert (step, images) == (12, 32)
 
 
+def test_a_new_run_started_from_another_runs_checkpoint_keeps_its_progress_not_that_runs_history(
+    tmp_path, checkpointer
+):
+    """checkpoints.resume of another run's checkpoint: the position and loss history carry over, but that run's
+    failed grids (with paths into its folder), intermediate outputs and wall time are not this run's. A resume
+    of the run's own checkpoint keeps them."""
+    import torch
+    from accelerate import Accelerator
+
+    history = {
+        "intermediate_outputs": [{"epoch": 1, "step": 8, "files": ["x"]}],
+        "sample_grid_failures": [
+            {"step": 8, "traceback": str(tmp_path / "samples" / "step-000008.error.txt")}
+        ],
+        "wall_seconds": 12.5,
+    }
+    saved = checkpoint.TrainState(global_step=8, batches_in_epoch=8, images_seen=8, losses=[1.0], **history)
+    saved.loss_steps, saved.loss_images = [8], [8]
+    path = checkpointer(saved, keep_every_steps=8).maybe_save()
+    p = plan_steps(images_per_epoch=8, batch_size=1, grad_accum=1, epochs=3)
+
+    own = checkpointer(checkpoint.TrainState()).load(path, p, 8)
+    assert (own.intermediate_outputs, own.sample_grid_failures) == (
+        history["intermediate_outputs"],
+        history["sample_grid_failures"],
+    )
+    assert own.wall_seconds >= 12.5  # and the saving session's seconds
+
+    other = checkpoint.Checkpointer(
+        Accelerator(cpu=True),
+        tmp_path / "new-run",
+        checkpoint.TrainState(),
+        get_weights=lambda: {"w": torch.zeros(2)},
+        set_weights=lambda _: None,
+    )
+    live = other.load(path, p, 8)
+    assert (live.global_step, live.images_seen, live.losses) == (8, 8, [1.0])
+    assert (live.intermediate_outputs, live.sample_grid_failures, live.wall_seconds) == ([], [], 0.0)
+
+
 # -- the loss history across a moved resume ------------------------------------------------------------------
 
 

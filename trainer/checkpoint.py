@@ -61,6 +61,10 @@ _NAME = re.compile(r"^(rolling-step|step|interrupt-step|before-nan-step)-(\d+)(?
 _REPLACEABLE = ("rolling-step", "interrupt-step")  # a newer rolling or kept checkpoint removes these
 # The TrainState fields that are this run's settings, not its progress: a resume keeps the live ones.
 _SETTINGS = ("batch_size", "grad_accum", "num_processes", "method", "samples_per_epoch", "settings")
+# The TrainState fields that are the history of the run that wrote the checkpoint (its outputs, its skipped grids
+# with their paths in its folder, its time): a resume of that run keeps them; a new run started from the checkpoint
+# (checkpoints.resume of a checkpoint outside its own checkpoints folder) starts them empty.
+_RUN_HISTORY = ("intermediate_outputs", "sample_grid_failures", "wall_seconds")
 
 
 # What to do when no checkpoint can be resumed from: `sdplan train` starts a run over in its folder with --force
@@ -675,9 +679,12 @@ class Checkpointer:
                 "aside to resume from an older checkpoint, or start again without --resume",
             ) from None
         live = self.state
+        own = _same_folder(path.parent, self.root)  # else a new run started from another run's checkpoint
+        fresh = TrainState()
         for key, value in saved.to_json().items():
-            if key not in _SETTINGS:
-                setattr(live, key, value)
+            if key in _SETTINGS:
+                continue
+            setattr(live, key, value if own or key not in _RUN_HISTORY else getattr(fresh, key))
         at = resume_position(saved, live, plan, epoch_batches)
         if at is not None:
             live.global_step, live.epoch, live.batches_in_epoch = at.step, at.epoch, at.batches_in_epoch
@@ -713,6 +720,13 @@ def apply_learning_rates(optimizer, lr_scheduler, lrs: list[float], step: int) -
         group["initial_lr"] = lr
         group["lr"] = lr * factor(step)
     lr_scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]
+
+
+def _same_folder(a: Path, b: Path) -> bool:
+    try:
+        return a.resolve() == b.resolve() or os.path.samefile(a, b)
+    except OSError:
+        return False
 
 
 def _fsync_dir(path: Path) -> None:
