@@ -46,6 +46,7 @@ from sdplan.planner import format_duration
 from sdplan.probe.software import importable
 from sdplan.registry import FAMILIES, FULL_METHODS, family_from_name
 from sdplan.settings import (
+    FAMILY_SETTING,
     OFFLOAD,
     STATE_SETTINGS,
     WEIGHT_SETTINGS,
@@ -1628,7 +1629,7 @@ def prepare(req: TrainRequest, ui: UI) -> Prepared:
         refuse_a_shortened_resume(out, cfg, inputs, world, steps, saved_config=saved)
         refuse_a_finished_resume(out, steps)
     elif (start := start_checkpoint(cfg)) is not None:  # the settings as planned: what the trainer builds
-        check_start_settings(cfg, start)
+        check_start_settings(cfg, start, family)
         refuse_a_start_past_its_length(start, cfg, inputs, world, steps)
     if req.demo and cfg.plan is None:
         # The demo's plan: the tiny model on the CPU; its memory and time are trivially small, its step
@@ -2150,8 +2151,14 @@ def check_resume_settings(saved: C.TrainConfig, cfg: C.TrainConfig) -> None:
         cfg.to_dict(),
         what="--resume",
         where="the run's sdplan.yaml",
-        fix="drop the {key} setting to continue the run, or start a new one{with_it} (--force or a new --out)",
+        fix="set {key}={value}, the run's (or drop the key=value that changes it), to continue the run, or start "
+        "a new one{with_it} (--force or a new --out)",
     )
+
+
+def setting_text(value: Any) -> str:
+    """``value`` as a key=value override writes it (YAML: text as it is, the rest as JSON, which YAML reads)."""
+    return value if isinstance(value, str) and value.strip() == value and value else json.dumps(value)
 
 
 def check_settings(
@@ -2162,16 +2169,20 @@ def check_settings(
     where: str,
     fix: str,
     subject: tuple[str, str] = ("its checkpoints were", "its checkpoints hold"),
+    skip: tuple[str, ...] = (),
 ) -> None:
-    """UsageError for the first setting of :data:`WEIGHT_SETTINGS` or :data:`STATE_SETTINGS` that differs from
-    ``old`` (the settings a checkpoint was made with, as config data) to ``new`` (this run's). ``what`` starts
-    the line, ``where`` names where the old value is, ``fix`` is formatted with ``key`` and ``with_it``;
-    ``subject`` says what was trained with / holds the old value."""
+    """UsageError for the first setting of :data:`WEIGHT_SETTINGS` or :data:`STATE_SETTINGS` (less ``skip``)
+    that differs from ``old`` (the settings a checkpoint was made with, as config data) to ``new`` (this run's).
+    ``what`` starts the line, ``where`` names where the old value is, ``fix`` is formatted with ``key``,
+    ``value`` (the old value, as a key=value sets it) and ``with_it``; ``subject`` says what was trained with /
+    holds the old value."""
     for key in WEIGHT_SETTINGS:
+        if key in skip:
+            continue
         if (was := get_key(old, key)) != (now := get_key(new, key)):
             raise UsageError(
                 f"{what}: {key} is {was!r} in {where}, {now!r} here; {subject[0]} trained with the first",
-                fix=fix.format(key=key, with_it=""),
+                fix=fix.format(key=key, value=setting_text(was), with_it=""),
             )
     if (change := unloadable_change(old, new)) is not None:
         key, was, now = change
@@ -2179,7 +2190,7 @@ def check_settings(
         raise UsageError(
             f"{what}: {key} is {was!r} in {where}, {now!r} here; {subject[1]} the "
             f"state of {shown.get(key, f'{was} optimizer')} and cannot be loaded with the second",
-            fix=fix.format(key=key, with_it=" with it"),
+            fix=fix.format(key=key, value=setting_text(get_key(old, key)), with_it=" with it"),
         )
 
 
@@ -2191,11 +2202,16 @@ def start_checkpoint(cfg: C.TrainConfig) -> Path | None:
     return C.absolute(str(value), "checkpoints.resume")
 
 
-def check_start_settings(cfg: C.TrainConfig, path: Path) -> None:
+def check_start_settings(cfg: C.TrainConfig, path: Path, family: str | None = None) -> None:
     """A new run from the checkpoint ``path`` (``checkpoints.resume``) with a setting its weights or saved state
     were not made with: one line, as for --resume (an optimizer change gave the trainer's 45-line KeyError
     'beta1'). The settings its train_state.json records; in a checkpoint saved before it kept them, those of
-    the sdplan.yaml of the run folder it is in (none where it was copied out of one: not checked)."""
+    the sdplan.yaml of the run folder it is in (none where it was copied out of one: not checked).
+
+    model.path is not compared: a base model moved, copied to another machine or a local snapshot of the hub
+    id the checkpoint names is the same model at another path. What the weights' shapes depend on is: the
+    method, the LoRA settings, and the model's family (``family``: this run's, as detected; compared with the
+    one the checkpoint records, where it records one)."""
     from sdplan.trainer.checkpoint import CHECKPOINTS, CheckpointError, read_state
 
     try:
@@ -2215,14 +2231,24 @@ def check_start_settings(cfg: C.TrainConfig, path: Path) -> None:
         except SdplanError:
             return
         where = f"{run_config}, the run it was saved in"
+    what = f"checkpoints.resume {path}"
+    made_for = recorded.get(FAMILY_SETTING) if recorded else None
+    if made_for and family and made_for != family:
+        raise UsageError(
+            f"{what}: it was trained on a model of the {made_for} family ({where}); model.path "
+            f"{cfg.model.path} is {family}",
+            fix=f"set model.path to a model of the {made_for} family to start from that checkpoint, or set "
+            "checkpoints.resume=null to start from the base model",
+        )
     check_settings(
         old,
         new,
-        what=f"checkpoints.resume {path}",
+        what=what,
         where=where,
-        fix="drop the {key} setting to start from that checkpoint, or set checkpoints.resume=null to start "
-        "from the base model{with_it}",
+        fix="set {key}={value}, the checkpoint's, to start from that checkpoint, or set checkpoints.resume=null "
+        "to start from the base model{with_it}",
         subject=("it was", "it holds"),
+        skip=("model.path",),
     )
 
 

@@ -296,6 +296,9 @@ WEIGHT_SETTINGS = (
 # AdamW's quantized state), an EMA the checkpoint lacks or has is a count of registered objects that differs
 # ("Number of custom checkpoints ... does not match"), and DeepSpeed keeps its own model and optimizer files.
 STATE_SETTINGS = ("memory.optimizer", "ema.enabled", "distributed.deepspeed")
+# The key a checkpoint records the family of the model it was trained on under (as the trainer detected it;
+# train_state.json's ``settings``): a new run from it on a model of another family is refused.
+FAMILY_SETTING = "model.family"
 
 
 def checkpoint_settings(data: dict[str, Any]) -> dict[str, Any]:

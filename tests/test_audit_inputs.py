@@ -366,7 +366,7 @@ def test_resume_refuses_a_setting_the_checkpoints_were_not_trained_with(tmp_path
     runfolder.record(out, ["sdplan.yaml", "checkpoints"])
     before = (out / "sdplan.yaml").read_text()
     r = cli("train", "--resume", "--out", str(out), "--device", "cpu", "--dry-run", override)
-    one_line_error(r, 2, "--resume: " + override.split("=")[0], "drop the")
+    one_line_error(r, 2, "--resume: " + override.split("=")[0], f"set {override.split('=')[0]}=")
     assert (out / "sdplan.yaml").read_text() == before
     ok = cli("train", "--resume", "--out", str(out), "--device", "cpu", "--dry-run", "training.max_steps=5")
     assert ok.exit_code == 0, ok.output

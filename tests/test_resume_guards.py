@@ -454,3 +454,38 @@ def test_every_checkpoint_incomplete_says_force_not_a_command_that_is_refused(tm
     with pytest.raises(CheckpointError) as e:
         resolve_resume("latest", tmp_path)
     assert "--force" in e.value.fix
+
+
+def test_a_start_from_a_checkpoint_takes_its_base_model_at_another_path(tmp_path):
+    """checkpoints.resume of a checkpoint whose base model sits at another path (moved, copied to another
+    machine, a local snapshot of its hub id) was refused ('model.path is ... it was trained with the first'),
+    and the fix 'drop the model.path setting' gave the default model. The path is not compared; the settings
+    the weights are shaped by are, with a fix naming the value to set; a model of another family is refused."""
+    from sdplan import config as C
+    from sdplan.errors import UsageError
+    from sdplan.launcher import check_start_settings
+
+    ckpt = fake_checkpoint(tmp_path / "old", "rolling-step-000016", step=16, images=16)
+    state = json.loads((ckpt / "train_state.json").read_text())
+    recorded = {
+        "method": "lora",
+        "model.path": str(tmp_path / "old" / "base_model"),
+        "model.family": "sd15",
+        "lora.rank": 4,
+        "memory.optimizer": "adamw",
+    }
+    (ckpt / "train_state.json").write_text(json.dumps({**state, "settings": recorded}))
+
+    def cfg(**lora):
+        model = {"path": str(tmp_path / "new" / "base_model")}
+        return C.validate({"method": "lora", "model": model, "lora": {"rank": 4, **lora}})
+
+    check_start_settings(cfg(), ckpt, "sd15")
+    check_start_settings(cfg(), ckpt)  # family not known yet: the rest is still checked
+    with pytest.raises(UsageError) as e:
+        check_start_settings(cfg(rank=16), ckpt, "sd15")
+    assert "lora.rank is 4 in the checkpoint's train_state.json" in str(e.value)
+    assert "set lora.rank=4, the checkpoint's" in e.value.fix and "drop" not in e.value.fix
+    with pytest.raises(UsageError, match="trained on a model of the sd15 family") as e:
+        check_start_settings(cfg(), ckpt, "sdxl")
+    assert "set model.path to a model of the sd15 family" in e.value.fix

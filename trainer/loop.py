@@ -39,7 +39,7 @@ from sdplan.config import TrainConfig
 from sdplan.errors import SdplanError, UsageError
 from sdplan.registry import FLOW_FAMILIES
 from sdplan.registry import method as method_of
-from sdplan.settings import checkpoint_settings
+from sdplan.settings import FAMILY_SETTING, checkpoint_settings
 
 from . import (
     blockswap,
@@ -505,7 +505,7 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
         num_processes=accelerator.num_processes,
         method=cfg.method,
         samples_per_epoch=len(dataset),
-        settings=checkpoint_settings(cfg.to_dict()),
+        settings={**checkpoint_settings(cfg.to_dict()), FAMILY_SETTING: comps.family},
     )
     start_step = 0
     if resume_from is not None:
