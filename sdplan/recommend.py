@@ -645,14 +645,12 @@ def trainer_config(
     ):
         if place:  # else data.path is the placeholder: there is no dataset yet
             data[section][key] = _absolute(data[section][key], what=what)
-    given = set(cfgmod.override_keys(overrides))
-    for key in (
-        "output.dir",
-        "dreambooth.class_data",
-    ):  # a place given as a setting, absolute as train makes it
+    # a place given as a setting (checkpoints.resume, a model.config_dir not made yet, ...): as request.settings
+    # shows it, absolute as train makes it (the one function for both)
+    for key, raw in cfgmod.given_settings(overrides).items():
         section, _, name = key.partition(".")
-        if key in given and isinstance(data.get(section), dict):
-            data[section][name] = _absolute(data[section][name], what=key)
+        if key in cfgmod.PATH_KEYS and isinstance(data.get(section), dict):
+            data[section][name] = _setting_as_written(key, raw)
     cfg = cfgmod.validate(data, "sdplan.yaml (from the plan)")
     # the method's learning rate where none is pinned (a pinned 3e-4 is the number: config.setting_value)
     for key in ("learning_rate", "text_encoder_learning_rate"):

@@ -72,6 +72,29 @@ def test_pinned_paths_are_written_absolute_too(tmp_path, monkeypatch):
     assert "run it with: sdplan train --config plan/sdplan.yaml\n" in result.stderr
 
 
+def test_every_path_setting_is_written_as_request_settings_shows_it(tmp_path, monkeypatch):
+    """checkpoints.resume=./... and a model.config_dir that does not exist yet stayed relative in the written
+    sdplan.yaml and in --json's config while request.settings showed them absolute: trained from another folder,
+    the config named another checkpoint (or none)."""
+    import json
+
+    fake_diffusers_folder(tmp_path / "model")
+    monkeypatch.chdir(tmp_path)
+    given = ("checkpoints.resume=./old/checkpoints/step-000004", "model.config_dir=./nocfg")
+    assert _recommend("model", "--out", "plan", *given).exit_code == 0
+    written = _written(tmp_path / "plan")
+    want = {
+        "checkpoints.resume": str(tmp_path / "old" / "checkpoints" / "step-000004"),
+        "model.config_dir": str(tmp_path / "nocfg"),
+    }
+    assert (written["checkpoints"]["resume"], written["model"]["config_dir"]) == tuple(want.values())
+    result = _recommend("model", "--json", *given)
+    assert result.exit_code == 0, result.stderr
+    d = json.loads(result.stdout)
+    assert {k: d["request"]["settings"][k] for k in want} == want
+    assert (d["config"]["checkpoints"]["resume"], d["config"]["model"]["config_dir"]) == tuple(want.values())
+
+
 def test_a_plan_without_the_dataset_trains_its_epochs_over_the_dataset_given(tmp_path):
     """Planned without --dataset (for 20 assumed images: max_steps 50), then trained on 40 images: the run
     trained 50 steps, 5 of its 10 epochs."""
