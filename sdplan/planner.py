@@ -3797,9 +3797,16 @@ def _adamw_text(best: Candidate, fitting: list[Candidate]) -> str:
         how = "its smaller state update makes the step faster"
     else:
         how = f"its smaller state lets the plan run {_batch_words(s)}"
+    # training.max_steps: AdamW's other global batch sees other images in as many steps, so its time is of
+    # another run (run_time_text says whose images) and the gain is per image seen, as the multi-GPU lines say
+    faster = (
+        f"makes the run {gain * 100:.{digits}f}% faster"
+        if aw.steps.images_seen == best.steps.images_seen
+        else f"is {gain * 100:.{digits}f}% faster per image seen"
+    )
     return (
-        f"AdamW fits too ({_batch_words(aw.setup)}: {format_duration(aw.seconds)}), but {name} makes the run "
-        f"{gain * 100:.{digits}f}% faster ({format_duration(best.seconds)}: {how}); another optimizer than AdamW is taken only "
+        f"AdamW fits too ({_batch_words(aw.setup)}: {run_time_text(aw, best)}), but {name} {faster} "
+        f"({format_duration(best.seconds)}: {how}); another optimizer than AdamW is taken only "
         f"where it is {handicap}, and pinning memory.optimizer=adamw plans AdamW"
     )
 
