@@ -939,7 +939,17 @@ def compare_caption(rows: list[tuple[str, dict, planner.Result]]) -> str:
     if req.max_steps:
         # the steps are set: the epochs and images seen are each plan's, by its global batch
         seen = sorted({(r.steps.images_seen, r.steps.epochs) for _, _, r in rows if r.plan is not None})
-        text = f"times: {req.max_steps} optimizer steps (training.max_steps) over {what} per epoch"
+        # a multi-GPU option divides the one-GPU steps among its GPUs (the steps reason's "counts one process's
+        # steps"): the caption says so, with the steps each option plans, as its own steps line says them
+        split = sorted({(r.plan.num_gpus, r.steps.total_steps) for _, _, r in rows if r.plan is not None})
+        if any(n > 1 for n, _ in split):
+            each = ", ".join(f"{t} on 1 GPU" if n == 1 else f"{t} per GPU on {n}" for n, t in split)
+            text = (
+                f"times: {req.max_steps} one-GPU steps (training.max_steps), divided among each option's GPUs: "
+                f"{each}; over {what} per epoch"
+            )
+        else:
+            text = f"times: {req.max_steps} optimizer steps (training.max_steps) over {what} per epoch"
         if len(seen) == 1:
             text += f": {seen[0][0]} images seen ({seen[0][1]} epochs)"
         elif seen:

@@ -326,6 +326,20 @@ def test_compare_says_a_pin_not_memory_kept_the_other_gpus_out(options, pin, sai
     assert said in r.stdout and "do not fit" not in r.stdout, r.stdout
 
 
+def test_compare_caption_with_max_steps_says_multi_gpu_options_divide_the_steps():
+    """The caption said "1000 optimizer steps (training.max_steps)" while a 4-GPU row plans 250 per GPU: it says
+    they are one-GPU steps divided among each option's GPUs, with the steps each plans."""
+    args = ("--method", "lora", "--model", "sdxl", "--images", "400", "training.max_steps=1000")
+    r = runner.invoke(app, ["recommend", *args, "--compare", "RTX 4090,4x RTX 4090"], env={"COLUMNS": "250"})
+    assert r.exit_code == 0, r.output
+    flat = " ".join(r.stdout.split())
+    assert (
+        "times: 1000 one-GPU steps (training.max_steps), divided among each option's GPUs: 1000 on 1 GPU, "
+        "250 per GPU on 4; over 400 images per epoch" in flat
+    ), flat
+    assert "1000 optimizer steps" not in flat
+
+
 def test_compare_with_max_steps_states_the_plans_steps_and_weighs_options_per_image():
     """With training.max_steps the caption said "x 10 epochs" (the default, not the 20 the steps make) and the
     row "2: 59 min, too little faster to be sure of it" beside a 1.8 h plan: the 2-GPU run sees 4000 images, the
