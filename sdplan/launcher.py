@@ -1399,6 +1399,69 @@ def settings_as_flags(req: TrainRequest) -> TrainRequest:
     return req
 
 
+def config_differs(config_path: Path, out: Path) -> str | None:
+    """None where the config file ``config_path`` is the run's own ``out/sdplan.yaml``, or holds the same
+    settings (validated, paths absolute as the current folder reads them; its ``plan:`` record aside); else
+    what differs, in a few words."""
+    own = out / CONFIG_FILE
+    if _same_file(config_path, own):
+        return None
+    if not own.is_file():
+        return None  # check_out_dir says what the folder lacks
+
+    def settings(path: Path) -> dict[str, Any]:
+        data = C.absolute_paths(C.validate(read_yaml_config(path), source=str(path)).to_dict())
+        data.pop("plan", None)
+        return data
+
+    try:
+        given, run = settings(config_path), settings(own)
+    except SdplanError:
+        return "its settings are not the run's"
+    key = _first_difference(given, run)
+    if key is None:
+        return None
+    return f"its {key} is {get_key(given, key)!r}, the run's {get_key(run, key)!r}"
+
+
+def _first_difference(a: Any, b: Any, prefix: str = "") -> str | None:
+    """The first dotted key at which the nested dicts ``a`` and ``b`` differ, or None where they are equal."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        for key in [*a, *(k for k in b if k not in a)]:
+            if (found := _first_difference(a.get(key), b.get(key), f"{prefix}{key}.")) is not None:
+                return found
+        return None
+    return None if a == b else prefix.rstrip(".")
+
+
+def resume_command(req: TrainRequest, out: Path) -> str:
+    """The `sdplan train --resume --out OUT` line for ``req`` without its --config, keeping its other flags and
+    key=value settings (--epochs N, --max-steps, ...)."""
+    words = ["sdplan", "train", "--resume", "--out", str(out)]
+    for flag, value in (
+        ("--epochs", req.epochs),
+        ("--max-steps", req.max_steps),
+        ("--resolution", req.resolution),
+        ("--gpus", req.gpus),
+        ("--device", req.device),
+        ("--num-processes", req.num_processes),
+    ):
+        if value is not None:
+            words += [flag, str(value)]
+    if req.num_machines != 1:
+        words += ["--num-machines", str(req.num_machines), "--machine-rank", str(req.machine_rank)]
+        if req.main_process_ip:
+            words += ["--main-process-ip", req.main_process_ip]
+        if req.main_process_port is not None:
+            words += ["--main-process-port", str(req.main_process_port)]
+    words += [
+        flag
+        for flag, on in (("--yes", req.yes), ("--dry-run", req.dry_run), ("--no-plan", req.no_plan))
+        if on
+    ]
+    return " ".join(shlex.quote(w) for w in [*words, *req.overrides])
+
+
 def prepare(req: TrainRequest, ui: UI) -> Prepared:
     """Everything before the launch: config, --out rule, inputs, device, plan. No model loads here."""
     req = settings_as_flags(req)
@@ -1419,17 +1482,16 @@ def prepare(req: TrainRequest, ui: UI) -> Prepared:
                 "--resume continues the run as configured in its sdplan.yaml",
                 fix="drop --method/--model/--dataset; change settings with key=value overrides",
             )
-        if (
-            req.config
-            and req.out
-            and not _same_file(Path(req.config).expanduser(), C.absolute(req.out, "--out") / CONFIG_FILE)
-        ):  # else the --config file was dropped without a word: the run's own sdplan.yaml is what resumes
-            raise UsageError(
-                f"--resume continues the run in --out {req.out} with its own {CONFIG_FILE}; --config "
-                f"{req.config} is not used with it",
-                fix="drop --config (change settings with key=value overrides), or train that config in another "
-                "folder without --resume",
-            )
+        if req.config and req.out:
+            run_dir = C.absolute(req.out, "--out")
+            # else the --config file was dropped without a word: the run's own sdplan.yaml is what resumes
+            if (differs := config_differs(Path(req.config).expanduser(), run_dir)) is not None:
+                raise UsageError(
+                    f"--resume continues the run in --out {req.out} with its own {CONFIG_FILE}; --config "
+                    f"{req.config} is not used with it: {differs}",
+                    fix=f"resume with `{resume_command(req, run_dir)}` (change settings with key=value "
+                    "overrides), or train that config in another folder without --resume",
+                )
     out_given = C.absolute(req.out, "--out") if req.out else None
 
     if req.resume:
@@ -1441,12 +1503,14 @@ def prepare(req: TrainRequest, ui: UI) -> Prepared:
         out = out_given or config_output_dir(config_path, read_yaml_config(config_path))
         check_free(out)  # a live run in it: say who, not what its half-written files look like
         check_out_dir(out, resume=True)  # an sdplan run, before its config is read
-        if config_path is not None and not _same_file(config_path, out / CONFIG_FILE):
+        # a --config whose settings are the run's own (the plan's sdplan.yaml that started it, a copy) resumes
+        # as --resume --out does; another one is refused, naming what differs
+        if config_path is not None and (differs := config_differs(config_path, out)) is not None:
             raise UsageError(
                 f"--resume continues the run in {out} (the output.dir of --config {req.config}) with its own "
-                f"{CONFIG_FILE}; --config {req.config} is not used with it",
-                fix=f"resume with `sdplan train --resume --out {shlex.quote(str(out))}` (change settings with "
-                "key=value overrides), or train that config in another folder without --resume",
+                f"{CONFIG_FILE}; --config {req.config} is not used with it: {differs}",
+                fix=f"resume with `{resume_command(req, out)}` (change settings with key=value overrides), or "
+                "train that config in another folder without --resume",
             )
         base_path = out / CONFIG_FILE
         base = read_yaml_config(base_path)

@@ -366,11 +366,18 @@ def test_resume_refuses_another_config_and_the_demo_refuses_another_model(run_fo
     word; `--demo --model sdxl --resume` finished the sd15 run."""
     out, launches = run_folder
     other = tmp_path / "other.yaml"
-    other.write_text((out / "sdplan.yaml").read_text())
+    edited = yaml.safe_load((out / "sdplan.yaml").read_text())
+    edited["lora"]["rank"] = 8
+    other.write_text(yaml.safe_dump(edited))
     one_line_error(
-        invoke("--resume", "--out", str(out), "--config", str(other)), 2, f"--config {other} is not used"
+        invoke("--resume", "--out", str(out), "--config", str(other)),
+        2,
+        f"--config {other} is not used with it: its lora.rank is 8, the run's 16",
     )
     r = invoke("--resume", "--out", str(out), "--config", str(out / "sdplan.yaml"), "--dry-run")  # its own
+    assert r.exit_code == 0, r.output
+    other.write_text((out / "sdplan.yaml").read_text())  # a copy: the same settings
+    r = invoke("--resume", "--out", str(out), "--config", str(other), "--dry-run")
     assert r.exit_code == 0, r.output
     one_line_error(invoke("--demo", "--model", "sdxl", "--resume", "--out", str(out)), 2, "drop --model")
     assert not launches
@@ -387,18 +394,23 @@ def test_resume_with_a_config_and_no_out_checks_the_runs_own_sdplan_yaml(run_fol
     other = tmp_path / "opt.yaml"
     other.write_text(yaml.safe_dump(edited))
     line = one_line_error(
-        invoke("--resume", "--config", str(other), "--yes"),
+        invoke("--resume", "--config", str(other), "--epochs", "3", "--yes"),
         2,
-        f"--config {other} is not used",
+        f"--config {other} is not used with it: its memory.optimizer is 'adafactor', the run's 'adamw'",
         f"run in {out}",
     )
-    assert f"sdplan train --resume --out {out}" in line
-    same = tmp_path / "same.yaml"  # the same settings in another file: still not the run's own
-    same.write_text(before)
-    one_line_error(invoke("--resume", "--config", str(same), "--yes"), 2, f"--config {same} is not used")
+    # the suggested command keeps the other flags
+    assert f"`sdplan train --resume --out {out} --epochs 3 --yes`" in line, line
     assert (out / "sdplan.yaml").read_text() == before and not launches
     r = invoke("--resume", "--config", str(out / "sdplan.yaml"), "--yes")  # its own: resumes
     assert r.exit_code == 130 and len(launches) == 1, r.output
+    # the same settings in another file (the plan's sdplan.yaml that started the run, a copy): resumes the run
+    # as --resume --out does, with its flags (ff00640 did; the refusal of any other file refused it too)
+    same = tmp_path / "same.yaml"
+    same.write_text(before)
+    r = invoke("--resume", "--config", str(same), "--epochs", "3", "--dry-run")
+    assert r.exit_code == 0, r.output
+    assert "x 3 epoch(s)" in r.stdout and f"output: {out}" in r.stdout, r.stdout
     # its own file, through its checks: an optimizer it cannot load is refused as with --out
     one_line_error(
         invoke("--resume", "--config", str(out / "sdplan.yaml"), "memory.optimizer=adafactor"),
