@@ -514,7 +514,9 @@ def _build(kind: type, data: Any, prefix: str, errors: list[str]):
                 errors.append(f"{path}: must be a mapping")
             continue
         if not _type_ok(value, tp):
-            errors.append(f"{path}: must be {_type_name(tp)}, got {value!r}")
+            errors.append(
+                _mapping_item_error(path, value, tp) or f"{path}: must be {_type_name(tp)}, got {value!r}"
+            )
             continue
         if tp is float or float in get_args(tp):
             value = float(value) if isinstance(value, int) and not isinstance(value, bool) else value
@@ -522,9 +524,10 @@ def _build(kind: type, data: Any, prefix: str, errors: list[str]):
         if rule is not None and not rule[0](value):
             errors.append(f"{path}: {rule[1]}, got {value!r}")
             continue
-        if _not_finite(value):  # .inf / 1e400: no setting means it, and --json printed it as Infinity
-            what = "hold finite numbers" if isinstance(value, (list, dict)) else "be a finite number"
-            errors.append(f"{path}: must {what}, got {value!r}")
+        if (where := _not_finite_at(value, path)) is not None:
+            # .inf / 1e400: no setting means it, and --json printed it as Infinity; named where it is, with its
+            # value only (a `plan:` record with one printed the whole record on one line)
+            errors.append(f"{where[0]}: must be a finite number, got {where[1]!r}")
             continue
         kwargs[name] = value
     try:
@@ -534,15 +537,34 @@ def _build(kind: type, data: Any, prefix: str, errors: list[str]):
         return None
 
 
-def _not_finite(value: Any) -> bool:
-    """Whether ``value`` is, or holds (a list's items, a mapping's values), a float that is infinite or NaN."""
+def _not_finite_at(value: Any, path: str) -> tuple[str, float] | None:
+    """(where, the number) of the first float that is infinite or NaN in ``value`` (itself, a list's items
+    as path[i], a mapping's values as path.key), or None where there is none."""
     if isinstance(value, float):
-        return not math.isfinite(value)
+        return None if math.isfinite(value) else (path, value)
+    items: Any = ()
     if isinstance(value, list):
-        return any(_not_finite(v) for v in value)
-    if isinstance(value, dict):
-        return any(_not_finite(v) for v in value.values())
-    return False
+        items = ((f"{path}[{i}]", v) for i, v in enumerate(value))
+    elif isinstance(value, dict):
+        items = ((f"{path}.{k}", v) for k, v in value.items())
+    for where, v in items:
+        if (found := _not_finite_at(v, where)) is not None:
+            return found
+    return None
+
+
+def _mapping_item_error(path: str, value: Any, tp: Any) -> str | None:
+    """What is wrong in the mapping ``value`` for the ``dict[K, V]`` setting ``tp`` (a key or a value of
+    another type: score_bonus {a: null} said "must be a mapping", which it is), or None where that is not it."""
+    if get_origin(tp) is not dict or not isinstance(value, dict):
+        return None
+    key_type, value_type = get_args(tp)
+    for k, v in value.items():
+        if not _type_ok(k, key_type):
+            return f"{path}: its key {k!r} must be {_type_name(key_type)} (write it in quotes)"
+        if not _type_ok(v, value_type):
+            return f"{path}.{k}: must be {_type_name(value_type)}, got {v!r}"
+    return None
 
 
 # A number as written in decimal or e-notation: what YAML 1.1 reads as text only for want of a dot (`3e-4`, `1E5`).

@@ -283,8 +283,11 @@ def test_a_learning_rate_must_be_positive_and_finite(value):
         ("training.max_grad_norm=.inf", "training.max_grad_norm: must be >= 0 and finite, got inf"),
         ("lora.alpha=.inf", "lora.alpha: must be a finite number, got inf"),
         ("dreambooth.prior_loss_weight=.inf", "dreambooth.prior_loss_weight: must be a finite number"),
-        ("data.metadata.score_buckets=[.inf,0.5]", "data.metadata.score_buckets: must hold finite numbers"),
-        ("data.metadata.score_bonus={a: .inf}", "data.metadata.score_bonus: must hold finite numbers"),
+        ("data.metadata.score_buckets=[.inf,0.5]", "data.metadata.score_buckets[0]: must be a finite number"),
+        (
+            "data.metadata.score_bonus={a: .inf}",
+            "data.metadata.score_bonus.a: must be a finite number, got inf",
+        ),
     ],
 )
 def test_a_number_setting_must_be_finite(setting, said):
@@ -294,6 +297,36 @@ def test_a_number_setting_must_be_finite(setting, said):
     with pytest.raises(config.ConfigError) as e:
         config.validate(data)
     assert said in str(e.value)
+
+
+def test_a_non_finite_number_under_plan_names_its_key_not_the_whole_record():
+    """`plan: {x: .inf, ...}` printed the whole plan record in its error: one line hundreds of characters long.
+    It names the key that holds it, with that value only."""
+    record = {
+        "plan": {"batch_size": 4, "steps": [1, 2, 3]},
+        "estimate": {"seconds": float("inf")},
+        "x": "y" * 300,
+    }
+    with pytest.raises(config.ConfigError) as e:
+        config.validate({"method": "lora", "plan": record})
+    (line,) = [s for s in str(e.value).splitlines() if "finite" in s]
+    assert "plan.estimate.seconds: must be a finite number, got inf" in line and len(line) < 120, line
+
+
+@pytest.mark.parametrize(
+    ("value", "said"),
+    [
+        ("{a: null}", "data.metadata.score_bonus.a: must be a number, got None"),
+        ("{a: true}", "data.metadata.score_bonus.a: must be a number, got True"),
+        ("{1: 0.5}", "data.metadata.score_bonus: its key 1 must be a string"),
+    ],
+)
+def test_score_bonus_says_which_key_or_value_is_wrong(value, said):
+    """score_bonus {a: null} / {a: true} / {1: 0.5} said "must be a mapping, got {...}", though it is one."""
+    data = config.apply_overrides({"method": "lora"}, [f"data.metadata.score_bonus={value}"])
+    with pytest.raises(config.ConfigError) as e:
+        config.validate(data)
+    assert said in str(e.value) and "must be a mapping" not in str(e.value), str(e.value)
 
 
 def test_e_notation_reaches_lists_and_mappings_of_numbers_and_underscores_are_no_number():
