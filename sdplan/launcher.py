@@ -1399,10 +1399,15 @@ def settings_as_flags(req: TrainRequest) -> TrainRequest:
     return req
 
 
+# What `sdplan train` writes into a run's sdplan.yaml from its flags and the machine (--out, --device, fp32 on
+# the CPU, the processes of --num-machines): a plan's sdplan.yaml that started the run differs there only
+TRAIN_OWNED = ("output.dir", "training.device", "training.precision", "distributed.num_processes")
+
+
 def config_differs(config_path: Path, out: Path) -> str | None:
     """None where the config file ``config_path`` is the run's own ``out/sdplan.yaml``, or holds the same
-    settings (validated, paths absolute as the current folder reads them; its ``plan:`` record aside); else
-    what differs, in a few words."""
+    settings (validated, paths absolute as the current folder reads them; its ``plan:`` record and what
+    `sdplan train` rewrites, :data:`TRAIN_OWNED`, aside); else what differs, in a few words."""
     own = out / CONFIG_FILE
     if _same_file(config_path, own):
         return None
@@ -1412,6 +1417,9 @@ def config_differs(config_path: Path, out: Path) -> str | None:
     def settings(path: Path) -> dict[str, Any]:
         data = C.absolute_paths(C.validate(read_yaml_config(path), source=str(path)).to_dict())
         data.pop("plan", None)
+        for key in TRAIN_OWNED:
+            section, _, name = key.partition(".")
+            data.get(section, {}).pop(name, None)
         return data
 
     try:
@@ -2297,6 +2305,11 @@ def check_start_settings(cfg: C.TrainConfig, path: Path, family: str | None = No
         where = f"{run_config}, the run it was saved in"
     what = f"checkpoints.resume {path}"
     made_for = recorded.get(FAMILY_SETTING) if recorded else None
+    skip: tuple[str, ...] = ("model.path",)
+    if not made_for:  # a checkpoint saved before it recorded its family: that of the base it names, if here
+        made_for = _family_at(get_key(old, "model.path"))
+        if made_for is None:  # neither can be read: the base's path is all there is to compare
+            skip = ()
     if made_for and family and made_for != family:
         raise UsageError(
             f"{what}: it was trained on a model of the {made_for} family ({where}); model.path "
@@ -2312,8 +2325,21 @@ def check_start_settings(cfg: C.TrainConfig, path: Path, family: str | None = No
         fix="set {key}={value}, the checkpoint's, to start from that checkpoint, or set checkpoints.resume=null "
         "to start from the base model{with_it}",
         subject=("it was", "it holds"),
-        skip=("model.path",),
+        skip=skip,
     )
+
+
+def _family_at(path: Any) -> str | None:
+    """The family of the model at the local path ``path`` (a checkpoint's recorded model.path), or None where
+    it is not here or its files do not say."""
+    from sdplan.trainer.source_check import check_source
+
+    if not isinstance(path, str) or not Path(path).expanduser().exists():
+        return None
+    try:
+        return check_source(path).family
+    except Exception:  # noqa: BLE001 - any unreadable model: the caller compares paths instead
+        return None
 
 
 def run(req: TrainRequest, ui: UI | None = None) -> dict[str, Any]:

@@ -501,3 +501,51 @@ def test_a_start_from_a_checkpoint_takes_its_base_model_at_another_path(tmp_path
     with pytest.raises(UsageError, match="trained on a model of the sd15 family") as e:
         check_start_settings(cfg(), ckpt, "sdxl")
     assert "set model.path to a model of the sd15 family" in e.value.fix
+
+
+def test_a_start_from_a_checkpoint_that_records_no_family_reads_its_base_or_compares_its_path(tmp_path):
+    """A checkpoint saved before checkpoints recorded their family (5e72b2e): with model.path no longer
+    compared, an SDXL checkpoint started an SD 1.x run and the trainer failed after loading ('lacks trainable
+    weight ... made by another method?'). Its recorded base, where it is here, says the family; where it is not,
+    the path is compared as before."""
+    from conftest import fake_diffusers_folder
+
+    from sdplan import config as C
+    from sdplan.errors import UsageError
+    from sdplan.launcher import check_start_settings
+
+    ckpt = fake_checkpoint(tmp_path / "old", "rolling-step-000002", step=2, images=2)
+    state = json.loads((ckpt / "train_state.json").read_text())
+    base = fake_diffusers_folder(tmp_path / "old" / "base_model", "sdxl")
+    recorded = {"method": "lora", "model.path": str(base), "lora.rank": 4}
+    (ckpt / "train_state.json").write_text(json.dumps({**state, "settings": recorded}))
+    cfg = C.validate({"method": "lora", "model": {"path": str(tmp_path / "sd15")}, "lora": {"rank": 4}})
+    with pytest.raises(UsageError, match="trained on a model of the sdxl family"):
+        check_start_settings(cfg, ckpt, "sd15")
+    check_start_settings(cfg, ckpt, "sdxl")  # the same family at another path
+    gone = {**recorded, "model.path": str(tmp_path / "moved-away")}
+    (ckpt / "train_state.json").write_text(json.dumps({**state, "settings": gone}))
+    with pytest.raises(UsageError, match="model.path"):
+        check_start_settings(cfg, ckpt, "sd15")
+
+
+def test_resume_with_the_plan_that_started_the_run_ignores_what_train_wrote_into_it(tmp_path):
+    """`recommend --out plan` then `train --config plan/sdplan.yaml --device cpu --out run`, then `train
+    --resume --config plan/sdplan.yaml` was refused: 'its training.device is auto, the run's cpu' (and output.dir,
+    fp32 on the CPU): what train writes into the run's sdplan.yaml from its flags is not a different config."""
+    import yaml
+
+    from sdplan.launcher import config_differs
+
+    plan = {"method": "lora", "model": {"path": "stable-diffusion-v1-5/stable-diffusion-v1-5"}}
+    plan |= {"training": {"precision": "fp16"}, "output": {"dir": str(tmp_path / "plan")}}
+    (tmp_path / "plan").mkdir()
+    (tmp_path / "plan" / "sdplan.yaml").write_text(yaml.safe_dump(plan))
+    run = tmp_path / "run"
+    run.mkdir()
+    written = {**plan, "training": {"precision": "fp32", "device": "cpu"}, "output": {"dir": str(run)}}
+    (run / "sdplan.yaml").write_text(yaml.safe_dump(written))
+    assert config_differs(tmp_path / "plan" / "sdplan.yaml", run) is None
+    other = {**written, "lora": {"rank": 8}}
+    (tmp_path / "other.yaml").write_text(yaml.safe_dump(other))
+    assert config_differs(tmp_path / "other.yaml", run) == "its lora.rank is 8, the run's 16"
