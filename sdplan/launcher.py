@@ -337,8 +337,37 @@ def _run_products(out: Path) -> list[Path]:
     return found
 
 
-def _listed_outputs(out: Path, name: str) -> list[str]:
-    return [p for p in (read_json(out / name) or {}).get("outputs") or [] if isinstance(p, str)]
+def summary_outputs(summary: dict[str, Any], out: Path) -> list[Path]:
+    """The output files a run summary lists, as paths in the run folder ``out`` now: a relative path (how the
+    trainer lists them, :func:`sdplan.trainer.outputs.in_folder`) is in ``out``; an absolute one under the
+    folder the summary was written in (its ``folder``) is mapped into ``out``, so a copied or moved run names
+    its own files, not the original's; any other absolute path (a summary from before ``folder``) stays."""
+    folder = summary.get("folder")
+    old = Path(folder) if isinstance(folder, str) and Path(folder).is_absolute() else None
+    listed = summary.get("outputs")
+    found = []
+    for entry in listed if isinstance(listed, list) else []:
+        if not isinstance(entry, str) or not entry:
+            continue
+        path = Path(entry)
+        if not path.is_absolute():
+            path = out / path
+        elif old is not None and path.is_relative_to(old) and path != old:
+            path = out / path.relative_to(old)
+        found.append(path)
+    return found
+
+
+def _listed_outputs(out: Path, name: str) -> list[Path]:
+    """The output files run summary ``name`` in ``out`` lists (:func:`summary_outputs`)."""
+    return summary_outputs(read_json(out / name) or {}, out)
+
+
+def _as_listed(out: Path, paths: list[Path]) -> dict[str, Any]:
+    """``folder`` and ``outputs`` for a summary sdplan writes in ``out`` (as the trainer writes them)."""
+    from sdplan.trainer.outputs import in_folder
+
+    return {"folder": str(out.resolve()), "outputs": sorted({in_folder(p, out) for p in paths})}
 
 
 def set_aside_summary(out: Path) -> None:
@@ -353,7 +382,7 @@ def set_aside_summary(out: Path) -> None:
             "about": "what an earlier finish of this run wrote; this run has not written its own outputs over "
             "them yet (`sdplan train --force` removes them)",
             **{k: summary[k] for k in ("steps", "images_seen") if k in summary},
-            "outputs": sorted(set(listed)),
+            **_as_listed(out, listed),
         }
         (out / PREVIOUS_SUMMARY_FILE).write_text(json.dumps(previous, indent=1) + "\n")
     (out / SUMMARY_FILE).unlink(missing_ok=True)
@@ -363,14 +392,16 @@ def drop_previous_summary(out: Path) -> None:
     """After a finish: run_summary.previous.json keeps only the files the new summary does not list (an output
     name that changed), and goes when there are none."""
     now = set(_listed_outputs(out, SUMMARY_FILE))
-    left = [p for p in _listed_outputs(out, PREVIOUS_SUMMARY_FILE) if p not in now and Path(p).exists()]
+    left = [p for p in _listed_outputs(out, PREVIOUS_SUMMARY_FILE) if p not in now and p.exists()]
     previous = read_json(out / PREVIOUS_SUMMARY_FILE)
     if previous is None:
         return
     if not left:
         (out / PREVIOUS_SUMMARY_FILE).unlink(missing_ok=True)
     else:
-        (out / PREVIOUS_SUMMARY_FILE).write_text(json.dumps({**previous, "outputs": left}, indent=1) + "\n")
+        (out / PREVIOUS_SUMMARY_FILE).write_text(
+            json.dumps({**previous, **_as_listed(out, left)}, indent=1) + "\n"
+        )
 
 
 def clear_run_outputs(out: Path) -> list[str]:
@@ -387,9 +418,7 @@ def clear_run_outputs(out: Path) -> list[str]:
 
     remove_export_checks(out)
     mine = runfolder.owned(out)
-    listed = [
-        Path(p) for p in _listed_outputs(out, SUMMARY_FILE) + _listed_outputs(out, PREVIOUS_SUMMARY_FILE)
-    ]
+    listed = _listed_outputs(out, SUMMARY_FILE) + _listed_outputs(out, PREVIOUS_SUMMARY_FILE)
     files = [p for p in listed if p.is_relative_to(out) and ".." not in p.parts and p.is_file()]
     removed = (
         [p.relative_to(out).as_posix() for _, _, p in list_checkpoints(out)] if CHECKPOINTS in mine else []
@@ -1291,11 +1320,13 @@ def refuse_a_finished_resume(out: Path, steps: dict[str, int]) -> None:
     if summary is None or last is None:
         return
     done = images_seen(last)
-    outputs = summary.get("outputs") if isinstance(summary.get("outputs"), list) else []
+    listed = summary.get("outputs") if isinstance(summary.get("outputs"), list) else []
+    outputs = summary_outputs(summary, out)
     if (
         done < steps["images_seen"]
         or summary.get("images_seen") != done
-        or not all(isinstance(o, str) and Path(o).exists() for o in outputs)
+        or len(outputs) != len(listed)  # an entry that is not a path: not provably all there
+        or not all(o.exists() for o in outputs)
     ):
         return
     raise UsageError(
@@ -2422,6 +2453,9 @@ def render_summary(summary: dict[str, Any]) -> list[str]:
             step = failed.get("step")
             which = "the final sample grid" if step is None else f"the sample grid of step {step}"
             lines.append(f"skipped {which}: {failed.get('error')} (traceback: {failed.get('traceback')})")
-    for path in summary.get("outputs", []):
-        lines.append(f"  {path}")
+    folder = summary.get("folder")
+    if isinstance(folder, str):  # listed relative to the run folder: shown where they are
+        lines += [f"  {path}" for path in summary_outputs(summary, Path(folder))]
+    else:
+        lines += [f"  {path}" for path in summary.get("outputs") or []]
     return lines

@@ -69,7 +69,7 @@ def test_demo_writes_every_output(demo):
     assert s["steps"] == 16 and s["images_seen"] == 32 and s["num_processes"] == 1
     assert isinstance(s["final_loss"], float) and s["final_loss"] == s["final_loss"]  # finite, not NaN
     for path in s["outputs"]:
-        assert Path(path).is_file(), path
+        assert (out / path).is_file(), path
     # The plan is shown, with the real step arithmetic, and the summary at the end.
     assert (
         "16 images (with repeats) / 2 per step = 8 steps per epoch x 2 epoch(s) = 16 optimizer steps"

@@ -140,10 +140,46 @@ def test_force_after_an_interrupted_extension_removes_the_earlier_finishs_output
     now = [str(out / f) for f in (*finals[:1], "new.kohya.safetensors", *finals[2:])]
     (out / "run_summary.json").write_text(json.dumps({"outputs": now}))
     drop_previous_summary(out)
-    assert json.loads((out / PREVIOUS_SUMMARY_FILE).read_text())["outputs"] == [str(out / finals[1])]
+    assert json.loads((out / PREVIOUS_SUMMARY_FILE).read_text())["outputs"] == [finals[1]]
     (out / finals[1]).unlink()
     drop_previous_summary(out)
     assert not (out / PREVIOUS_SUMMARY_FILE).exists()
+
+
+def test_force_in_a_copied_run_folder_removes_the_copys_outputs_not_the_originals(tmp_path):
+    """Summaries listed absolute paths: in a copy of a run folder (cp -a run copy) --force skipped them, as
+    outside the folder, and left the copy's old weights. The trainer lists them relative to the run folder now,
+    with the folder it wrote in; an absolute path under that folder (a summary written before) maps into the
+    copy. The summary shown at the end still names them where they are."""
+    import json
+    import shutil
+
+    from sdplan.trainer.outputs import write_run_summary
+
+    from sdplan.launcher import TRAINER_ENTRIES, clear_run_outputs, render_summary, set_aside_summary
+
+    out = tmp_path / "run"
+    out.mkdir()
+    finals = ["pytorch_lora_weights.safetensors", "run.kohya.safetensors", "loss.png", "loss_history.json"]
+    for f in (*finals, "new.kohya.safetensors"):
+        (out / f).write_bytes(b"x")
+    summary = write_run_summary(
+        out, method="lora", steps=16, epochs=2, images_seen=32, num_processes=1, final_loss=0.1,
+        wall_seconds=1.0, peak_memory_bytes=0, outputs=[out / f for f in finals],
+    )  # fmt: skip
+    assert summary["outputs"] == finals and summary["folder"] == str(out.resolve())
+    assert f"  {out.resolve() / finals[0]}" in render_summary(summary)
+    runfolder.record(out, [*runfolder.entries(out), *TRAINER_ENTRIES])
+    set_aside_summary(out)  # an extension that was interrupted: the list is in run_summary.previous.json
+    absolute = {"folder": str(out.resolve()), "outputs": [str(out.resolve() / "new.kohya.safetensors")]}
+    (out / "run_summary.json").write_text(json.dumps(absolute))  # as summaries listed them before
+    before = runfolder.entries(out)
+
+    copy = tmp_path / "copy"
+    shutil.copytree(out, copy, symlinks=True)
+    clear_run_outputs(copy)  # sdplan train --force --out copy
+    assert runfolder.entries(copy) == []
+    assert runfolder.entries(out) == before and all((out / f).read_bytes() == b"x" for f in finals)
 
 
 def test_force_removes_the_trial_export_a_killed_run_left(tmp_path):

@@ -237,6 +237,7 @@ def test_lora_trains_outputs_load_and_change_the_pipeline(tiny_sd15, dataset, tm
         "final_loss",
         "wall_seconds",
         "peak_memory_bytes",
+        "folder",
         "outputs",
         "intermediate_outputs",
     }
@@ -247,7 +248,8 @@ def test_lora_trains_outputs_load_and_change_the_pipeline(tiny_sd15, dataset, tm
         1,
     )
     assert summary["peak_memory_bytes"] > 0 and summary["final_loss"] > 0
-    assert all(Path(p).exists() for p in summary["outputs"])
+    assert summary["folder"] == str(out.resolve())
+    assert all(not Path(p).is_absolute() and (out / p).exists() for p in summary["outputs"])  # a copy's own
     assert Image.open(out / "loss.png").format == "PNG"
     width, height = Image.open(out / "samples" / "final.png").size
     assert width == 64 and 64 < height < 128  # the image, then its label strip under it
@@ -1018,7 +1020,7 @@ def test_final_sample_grid_out_of_memory_keeps_the_run(tiny_sd15, dataset, tmp_p
     assert summary["steps"] == 2
     assert not (out / "samples" / "final.png").exists()
     assert (out / f"{out.name}.kohya.safetensors").exists()
-    assert all(Path(p).exists() for p in summary["outputs"])
+    assert all((out / p).exists() for p in summary["outputs"])
     assert "skipped the final sample grid: it ran out of GPU memory" in capsys.readouterr().out
 
 
@@ -1041,7 +1043,7 @@ def test_a_sample_grid_that_fails_otherwise_is_skipped_and_the_run_keeps_its_rec
     out = tmp_path / "out"
     summary = run.train(tiny_train_config(tiny_sd15, dataset, out, "sampling.every_steps=1"))
     assert summary == json.loads((out / "run_summary.json").read_text())
-    assert summary["steps"] == 2 and all(Path(p).exists() for p in summary["outputs"])
+    assert summary["steps"] == 2 and all((out / p).exists() for p in summary["outputs"])
     assert {"loss.png", "loss_history.json", f"{out.name}.kohya.safetensors"} <= {
         p.name for p in out.iterdir()
     }

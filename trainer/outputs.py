@@ -508,6 +508,21 @@ def write_json_atomic(path: Path, data: Any) -> Path:
     return path
 
 
+def in_folder(path: Path | str, folder: Path | str) -> str:
+    """``path`` as a run summary lists it: relative to the run ``folder`` (posix) when it is in there, so the
+    list stays true of a copied or moved folder; absolute otherwise."""
+    path, folder = Path(path), Path(folder)
+    candidates = (
+        (path, folder),
+        (Path(os.path.abspath(path)), Path(os.path.abspath(folder))),
+        (Path(os.path.abspath(path)).parent.resolve() / path.name, folder.resolve()),
+    )
+    for p, f in candidates:
+        if p.is_relative_to(f) and ".." not in p.relative_to(f).parts and p != f:
+            return p.relative_to(f).as_posix()
+    return str(Path(os.path.abspath(path)))
+
+
 def write_run_summary(
     out_dir: Path,
     *,
@@ -523,9 +538,11 @@ def write_run_summary(
     intermediate_outputs: list[dict[str, Any]] | None = None,
     sample_grid_failures: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """``run_summary.json``. ``intermediate_outputs``: the outputs saved during training (output.save_every_n_*),
-    each ``{"epoch", "step", "files"}`` (``epoch``: the epoch it ends, or the fraction reached). ``wall_seconds``:
-    the run's, over its sessions (a resumed run adds its earlier sessions' time up to the checkpoint resumed).
+    """``run_summary.json``. ``outputs``: listed relative to ``out_dir`` (:func:`in_folder`), with ``folder``,
+    where it was written, so a copied or moved run folder's summary still names its own files (sdplan.launcher's
+    ``_listed_outputs`` reads them). ``intermediate_outputs``: the outputs saved during training
+    (output.save_every_n_*), each ``{"epoch", "step", "files"}`` (``epoch``: the epoch it ends, or the fraction
+    reached). ``wall_seconds``: the run's, over its sessions (a resumed run adds its earlier sessions' time up to the checkpoint resumed).
     ``sample_grid_failures``: the grids the run skipped for an error other than out of memory, over its sessions
     (each checkpoint carries those before it), each ``{"step", "error", "traceback"}`` (the key only where there
     are some)."""
@@ -538,7 +555,8 @@ def write_run_summary(
         "final_loss": None if final_loss is None or not math.isfinite(final_loss) else final_loss,
         "wall_seconds": round(wall_seconds, 3),
         "peak_memory_bytes": peak_memory_bytes,
-        "outputs": [str(p) for p in outputs],
+        "folder": str(Path(out_dir).resolve()),
+        "outputs": [in_folder(p, out_dir) for p in outputs],
         "intermediate_outputs": list(intermediate_outputs or []),
     }
     if sample_grid_failures:
