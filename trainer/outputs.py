@@ -542,10 +542,10 @@ def write_run_summary(
     where it was written, so a copied or moved run folder's summary still names its own files (sdplan.launcher's
     ``_listed_outputs`` reads them). ``intermediate_outputs``: the outputs saved during training
     (output.save_every_n_*), each ``{"epoch", "step", "files"}`` (``epoch``: the epoch it ends, or the fraction
-    reached). ``wall_seconds``: the run's, over its sessions (a resumed run adds its earlier sessions' time up to the checkpoint resumed).
-    ``sample_grid_failures``: the grids the run skipped for an error other than out of memory, over its sessions
-    (each checkpoint carries those before it), each ``{"step", "error", "traceback"}`` (the key only where there
-    are some)."""
+    reached). ``wall_seconds``: the run's, over its sessions (a resumed run adds its earlier sessions' time up to
+    the checkpoint resumed). ``sample_grid_failures``: the grids the run skipped for an error other than out of
+    memory, over its sessions (each checkpoint carries those before it), each ``{"step", "error", "traceback"}``
+    (the key only where there are some)."""
     summary = {
         "method": method,
         "steps": steps,
