@@ -16,7 +16,6 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import os
-import re
 import shlex
 import signal
 import sys
@@ -71,11 +70,6 @@ TRAINER_ENTRIES = (
     "checkpoints", "samples", "logs", "cache", "class_images", "ema", "intermediate", "loss.png", SUMMARY_FILE, OOM_FILE,
     REPORTED_FILE, PREVIOUS_SUMMARY_FILE,
 )  # fmt: skip
-# The trainer's trial export before training (sdplan.trainer.outputs.check_export, EXPORT_CHECK): a folder
-# ``.export-check-<pid>`` that the trainer deletes whatever ends the export, except a SIGKILL. Left by a kill of
-# sdplan and the trainer, it is in no manifest (sdplan did not live to record it), yet sdplan wrote it: the
-# folder check counts it as sdplan's, and --force or the next start removes it (:func:`remove_export_checks`).
-EXPORT_CHECK_ENTRY = re.compile(r"\.export-check-\d+")
 MAX_OOM_RETRIES = 4
 
 
@@ -251,7 +245,12 @@ def check_out_dir(
             f"--out {out} holds an sdplan run",
             fix="continue it with --resume, start it over with --force, or choose a new folder",
         )
-    foreign = [n for n in runfolder.foreign(out) if not _export_check(out / n)]
+    from sdplan.trainer.outputs import is_export_check
+
+    # The trainer's trial export before training (``.export-check-<pid>``) is deleted whatever ends the export,
+    # except a SIGKILL. Left by a kill of sdplan and the trainer, it is in no manifest (sdplan did not live to
+    # record it), yet sdplan wrote it: it counts as sdplan's, and --force or the next start removes it.
+    foreign = [n for n in runfolder.foreign(out) if not is_export_check(out / n)]
     if foreign:
         # --force replaces only what sdplan provably wrote (its manifest), never a folder picked by its name.
         shown = ", ".join(foreign[:4]) + (", ..." if len(foreign) > 4 else "")
@@ -260,22 +259,6 @@ def check_out_dir(
             fix="move those files out of the folder, or choose a new folder",
         )
     return "run"
-
-
-def _export_check(path: Path) -> bool:
-    """Whether ``path`` is a trial-export folder a killed trainer left (:data:`EXPORT_CHECK_ENTRY`)."""
-    return bool(EXPORT_CHECK_ENTRY.fullmatch(path.name)) and path.is_dir() and not path.is_symlink()
-
-
-def remove_export_checks(out: Path) -> None:
-    """Remove the trial-export folders a killed trainer left in ``out`` (with the run folder's lock held: no
-    trainer of another run is exporting there)."""
-    import shutil
-
-    if out.is_dir():
-        for path in out.iterdir():
-            if _export_check(path):
-                shutil.rmtree(path, ignore_errors=True)
 
 
 def config_output_dir(config_path: Path, base: dict[str, Any]) -> Path:
@@ -415,8 +398,9 @@ def clear_run_outputs(out: Path) -> list[str]:
 
     from sdplan import runfolder
     from sdplan.trainer.checkpoint import CHECKPOINTS, list_checkpoints, remove_checkpoints
+    from sdplan.trainer.outputs import remove_stale_export_checks
 
-    remove_export_checks(out)
+    remove_stale_export_checks(out)
     mine = runfolder.owned(out)
     listed = _listed_outputs(out, SUMMARY_FILE) + _listed_outputs(out, PREVIOUS_SUMMARY_FILE)
     files = [p for p in listed if p.is_relative_to(out) and ".." not in p.parts and p.is_file()]
@@ -2081,9 +2065,10 @@ def execute(p: Prepared, req: TrainRequest, ui: UI, launch: Launch, lock: Any = 
     """Launch, and on out-of-memory retry with the next smaller config (bounded). Returns run_summary.json.
     Every top-level entry the trainer creates goes into the run folder's manifest."""
     from sdplan import runfolder
+    from sdplan.trainer.outputs import remove_stale_export_checks
 
     out = p.out
-    remove_export_checks(out)
+    remove_stale_export_checks(out)
     before = set(runfolder.entries(out))
     runfolder.record(out, [n for n in TRAINER_ENTRIES if n not in before])
     cfg = p.cfg

@@ -199,10 +199,10 @@ def test_force_removes_the_trial_export_a_killed_run_left(tmp_path):
     assert check_out_dir(out, force=True) == "run"
     clear_run_outputs(out)
     assert runfolder.entries(out) == ["sdplan.yaml"]
-    from sdplan.launcher import remove_export_checks
+    from sdplan.trainer.outputs import remove_stale_export_checks
 
     (out / ".export-check-12").mkdir()  # a trainer killed alone: the next start (--resume too) removes it
-    remove_export_checks(out)
+    remove_stale_export_checks(out)
     assert runfolder.entries(out) == ["sdplan.yaml"]
     (out / ".export-check-mine").mkdir()
     with pytest.raises(OutputExistsError, match="did not write"):

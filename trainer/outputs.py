@@ -162,10 +162,17 @@ def check_export(export: Callable[[Path], Any], out_dir: str | Path, *, saves: i
     return size
 
 
+def is_export_check(path: Path) -> bool:
+    """Whether ``path`` is a trial-export folder of :func:`check_export` (``.export-check-<pid>``), not a link."""
+    pid = path.name.removeprefix(f"{EXPORT_CHECK}-")
+    return pid != path.name and pid.isdigit() and path.is_dir() and not path.is_symlink()
+
+
 def remove_stale_export_checks(out_dir: Path) -> None:
-    """Remove the trial-export folders (``.export-check-<pid>``) an earlier start left in ``out_dir``."""
+    """Remove the trial-export folders (``.export-check-<pid>``) an earlier start left in ``out_dir`` (with the
+    run folder's lock held: no trainer of another run is exporting there)."""
     for stale in Path(out_dir).glob(f"{EXPORT_CHECK}-*"):
-        if stale.name[len(EXPORT_CHECK) + 1 :].isdigit() and stale.is_dir() and not stale.is_symlink():
+        if is_export_check(stale):
             shutil.rmtree(stale, ignore_errors=True)
 
 
