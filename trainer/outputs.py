@@ -231,9 +231,10 @@ POINT_FILE = ".sdplan-point.json"
 GRID_TEXT = "sdplan_samples"
 
 
-def mark_session_start(*, same_steps: bool = False) -> None:
+def mark_session_start() -> None:
+    """A session of the run starts now, numbering its steps anew until :func:`same_steps_as_before` says not."""
     global _SESSION_START, _SAME_STEPS
-    _SESSION_START, _SAME_STEPS = time.time(), same_steps
+    _SESSION_START, _SAME_STEPS = time.time(), False
 
 
 def same_steps_as_before(same: bool) -> None:
