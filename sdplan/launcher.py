@@ -576,6 +576,12 @@ def read_yaml_config(path: Path) -> dict[str, Any]:
     return data
 
 
+def config_file_data(path: Path) -> dict[str, Any]:
+    """A config file's settings as validated data, paths absolute as this folder reads them (to compare with
+    another run's); SdplanError where it cannot be read or is not valid."""
+    return C.absolute_paths(C.validate(read_yaml_config(path), source=str(path)).to_dict())
+
+
 # -- inputs ---------------------------------------------------------------------------------------------------
 
 
@@ -1430,7 +1436,7 @@ def config_differs(config_path: Path, out: Path) -> str | None:
         return None  # check_out_dir says what the folder lacks
 
     def settings(path: Path) -> dict[str, Any]:
-        data = C.absolute_paths(C.validate(read_yaml_config(path), source=str(path)).to_dict())
+        data = config_file_data(path)
         data.pop("plan", None)
         for key in TRAIN_OWNED:
             section, _, name = key.partition(".")
@@ -2315,7 +2321,7 @@ def check_start_settings(cfg: C.TrainConfig, path: Path, family: str | None = No
         if path.parent.name != CHECKPOINTS or not run_config.is_file():
             return
         try:
-            old = C.absolute_paths(C.validate(read_yaml_config(run_config), source=str(run_config)).to_dict())
+            old = config_file_data(run_config)
         except SdplanError:
             return
         where = f"{run_config}, the run it was saved in"
