@@ -2339,8 +2339,7 @@ def _search(
 
 def _observed_multi_gpu(profiles: Profiles, s: Settings, gpus: tuple[HWGPU, ...], link: str):
     """A multi-GPU observation near these settings (same GPU, method, family, link and exchange, DDP or
-    DeepSpeed; the nearest GPU count):
-    its all-reduce rate wins over the model's, fitted on every observation. What it measured is the extra
+    DeepSpeed; the nearest GPU count): its all-reduce rate wins over the model's, fitted on every observation. What it measured is the extra
     seconds its exchange added to each step (:func:`calibrate`'s ``link_points``); the exchange's size (the
     gradients, not the batch) and its GPU count are the plan's, so a plan at another batch or rank, or on more
     GPUs, gets the same rate, never the observation's ratio of step times (a 1.23x measured at batch 1, rank 128,
