@@ -51,6 +51,19 @@ def _exit_code(failures: dict) -> int:
     return 128 - negative[0] if negative else 1
 
 
+def _signal_in_chain(error: BaseException, signal_exception: type) -> int | None:
+    """The signal behind ``error`` where a stop signal raised while other code ran: torch's metrics wrapper
+    (``elastic/metrics/api.py``) hit by the signal before its ``start = time.time()`` finished raises
+    ``UnboundLocalError`` from its ``finally``, with the ``SignalException`` only as the context (seen in CI)."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, signal_exception):
+            return int(error.sigval)
+        error = error.__cause__ or error.__context__
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] not in MODULES:
@@ -90,6 +103,11 @@ def main(argv: list[str] | None = None) -> int:
         if line and not os.environ.get("SDPLAN_LAUNCHED"):  # else `sdplan train` says it, in its one line
             print(line, file=sys.stderr, flush=True)
         return _exit_code(e.failures)
+    except Exception as e:
+        sigval = _signal_in_chain(e, SignalException)
+        if sigval is None:
+            raise
+        return 128 + sigval
     return 0
 
 

@@ -468,6 +468,33 @@ def test_distrun_reports_a_worker_killed_by_a_signal_in_one_line():
     assert distrun._exit_code({0: SimpleNamespace(exitcode=2)}) == 2
 
 
+def test_distrun_ends_as_interrupted_when_the_signal_lands_inside_torchs_metrics_wrapper(monkeypatch):
+    """CI: the Ctrl-C hit torch's metrics wrapper before its ``start = time.time()`` finished; its ``finally``
+    then raised UnboundLocalError with the SignalException only as context, and distrun printed the traceback
+    and exited 1. It now finds the signal in the chain and ends with 130; any other error still raises."""
+    import torch.distributed.run
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    from sdplan import distrun
+
+    def wrapper():
+        try:
+            raise SignalException("Process 1 got signal: 2", sigval=signal.SIGINT)
+        finally:
+            raise UnboundLocalError("cannot access local variable 'start'")
+
+    monkeypatch.setattr(torch.distributed.run, "main", wrapper)
+    monkeypatch.setenv("LOGLEVEL", "WARNING")
+    assert distrun.main(["torch.distributed.run", "x.py"]) == 130
+
+    def other():
+        raise UnboundLocalError("a real bug")
+
+    monkeypatch.setattr(torch.distributed.run, "main", other)
+    with pytest.raises(UnboundLocalError):
+        distrun.main(["torch.distributed.run", "x.py"])
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_CHILD_SUBREAPER is Linux's")
 def test_the_workers_of_a_launcher_killed_by_sigkill_are_stopped_before_run_launch_returns(tmp_path):
     """`kill -9` of torchrun: its workers (each in a session of its own, as torchrun starts them) trained on
