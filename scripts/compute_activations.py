@@ -1096,9 +1096,20 @@ def peak_live_bytes(fn) -> int:
     return live["peak"]
 
 
+def count_flops(fn) -> int:
+    """FLOPs of ``fn`` (torch.utils.flop_counter on meta), without gradients."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    fc = FlopCounterMode(display=False)
+    with fc, torch.no_grad():
+        fn()
+    return int(fc.get_total_flops())
+
+
 def measure_sampling(model: dict, resolutions: tuple[int, ...], log) -> dict:
     """Per-sample peaks of the denoiser's inference forward (bf16) and the VAE decode (bf16 and fp32: the SD VAE
-    decodes in fp32 under fp16), fitted against latent pixels. The UNet at batch 2 (classifier-free guidance);
+    decodes in fp32 under fp16), fitted against latent pixels, and the decode's FLOPs. The UNet at batch 2 (classifier-free guidance);
     a transformer at batch 2 where its pipeline guides with a negative prompt (SD3.5), else 1 (FLUX.1 is
     guidance-distilled). A transformer family's text encoders do not come back for a grid (trainer/flow.py
     cached_conditioning), so they are not part of it."""
@@ -1129,8 +1140,14 @@ def measure_sampling(model: dict, resolutions: tuple[int, ...], log) -> dict:
     vae.eval()
     net_pts: list[tuple[int, int, int]] = []
     vae_pts: dict[str, list[tuple[int, int, int]]] = {"bf16": [], "fp32": []}
+    decode_flops: list[tuple[int, int, int]] = []
     for res in resolutions:
         side = res // scale
+        z = torch.empty(
+            1, int(model.get("latent_channels", 4)), side, side, device="meta", dtype=torch.bfloat16
+        )
+        vae.to(torch.bfloat16)
+        decode_flops.append((1, side * side, count_flops(lambda x=z: vae.decode(x))))
         with attention_backend("efficient", "bf16"):
             net_pts.append((1, side * side, peak_live_bytes(forward(res))))
         for dtype_name in ("bf16", "fp32"):
@@ -1141,6 +1158,8 @@ def measure_sampling(model: dict, resolutions: tuple[int, ...], log) -> dict:
                 vae_pts[dtype_name].append((1, side * side, peak_live_bytes(lambda x=z: vae.decode(x))))
     out = {"unet_inference_peak": fit(net_pts, quadratic=False, with_fixed=False)[0]}
     out["vae_decode_peak"] = {k: fit(v, quadratic=False, with_fixed=False)[0] for k, v in vae_pts.items()}
+    # the decode's FLOPs per sample (the time a sampled image's decode takes: planner.image_seconds)
+    out["vae_decode_flops"] = fit(decode_flops, quadratic=True, with_fixed=False)[0]
     log(f"  {model['family']} sampling peaks: {out}")
     return out
 

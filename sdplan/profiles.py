@@ -385,6 +385,22 @@ METHOD_FILE_SCHEMA = {
     "points": F((list,), item=F((dict,), sub=POINT_SCHEMA)),
     "multi_gpu": F((list,), required=False, item=F((dict,), sub=MULTI_GPU_SCHEMA)),
 }
+# profiles/sampling.yaml: measured txt2img speeds (planner.calibrate fits the sampling time on them)
+SAMPLING_POINT_SCHEMA = {
+    "id": F(STR),
+    "gpu": F(STR),
+    "family": F(STR, check=_one_of(*FAMILIES)),
+    "resolution": F((int,), check=_positive),
+    "images": F((int,), check=_positive),  # images generated at once (num_images_per_prompt)
+    "guidance": F((bool,)),  # classifier-free guidance: the denoiser runs at twice the images
+    "precision": F(STR, check=_one_of(*PRECISIONS)),
+    "it_per_s": F(NUM, check=_positive),  # denoising steps per second
+    "source": F(STR),
+}
+SAMPLING_FILE_SCHEMA = {
+    "schema_version": F((int,), check=_one_of(SCHEMA_VERSION)),
+    "points": F((list,), item=F((dict,), sub=SAMPLING_POINT_SCHEMA)),
+}
 _COEF = F(
     (dict,),
     sub={"linear": F(NUM), "quadratic": F(NUM), "per_sample": F(NUM), "fixed": F(NUM)},
@@ -664,6 +680,11 @@ class Activations:
     def vae_encode_flops(self, family: str, latent_pixels: int) -> float:
         return self._eval(self.families[family]["flops"]["vae_encode"], 1, latent_pixels)
 
+    def vae_decode_flops(self, family: str, latent_pixels: int) -> float:
+        """FLOPs of one image's VAE decode (0 where not computed: an older activations file)."""
+        coef = (self.families[family].get("sampling") or {}).get("vae_decode_flops")
+        return self._eval(coef, 1, latent_pixels) if coef else 0.0
+
     def text_encoder_flops(self, family: str) -> float:
         return float(self.families[family]["flops"]["text_encoders_forward"])
 
@@ -697,6 +718,10 @@ class Uncertainty:
     # a peak scaled by the sdplan bench point on the GPU at the same settings and the nearest batch: likewise
     peak_scaled: tuple[float, float] | None = None
     n_peak_scaled: int = 0
+    # the time of the images a run samples (planner.sampling_seconds): the measured txt2img speeds of
+    # profiles/sampling.yaml, each GPU left out of the fit; None: the model's seconds band serves it
+    sampling_seconds: tuple[float, float] | None = None
+    n_sampling_seconds: int = 0
     # SD3.5 / FLUX.1 (registry.FLOW_FAMILIES); None: the ones above serve them too
     peak_vram_transformer: tuple[float, float] | None = None
     seconds_transformer: tuple[float, float] | None = None
@@ -730,6 +755,7 @@ UNCERTAINTY_SCHEMA = {
     "seconds": F((dict,), sub=_FACTORS),
     "seconds_scaled": F((dict,), sub=_FACTORS, required=False),
     "peak_scaled": F((dict,), sub=_FACTORS, required=False),
+    "sampling_seconds": F((dict,), sub=_FACTORS, required=False),
     # the transformer families' own bands (peak_vram / seconds above: the UNet families')
     "transformer": F(
         (dict,),
@@ -784,10 +810,46 @@ def write_host(store: Path, host: HostMeasurement) -> Path:
     return _replace_store_file(store, store / HOST_FILE, text, check=load_host)
 
 
+@dataclass(frozen=True)
+class SamplingPoint:
+    """One measured txt2img speed (profiles/sampling.yaml): ``images`` generated at once at ``resolution``,
+    ``it_per_s`` denoising steps a second; with ``guidance`` the denoiser runs each step at twice the images."""
+
+    id: str
+    gpu: str
+    family: str
+    resolution: int
+    images: int
+    guidance: bool
+    precision: str
+    it_per_s: float
+    source: str
+
+    @property
+    def denoiser_batch(self) -> int:
+        return self.images * (2 if self.guidance else 1)
+
+
+def load_sampling(path: Path, gpus: tuple[GPUSpec, ...]) -> tuple[SamplingPoint, ...]:
+    d = _validated(path, SAMPLING_FILE_SCHEMA)
+    points, errors, ids = [], [], set()
+    for i, p in enumerate(d["points"]):
+        if p["id"] in ids:
+            errors.append(f"points[{i}].id: duplicate {p['id']!r}")
+        ids.add(p["id"])
+        if not any(g.name == p["gpu"] for g in gpus):
+            errors.append(f"points[{i}].gpu: {p['gpu']!r} is not a catalog name (profiles/gpus.yaml)")
+        points.append(SamplingPoint(**{k: p[k] for k in SAMPLING_POINT_SCHEMA}))
+    if errors:
+        raise ConfigError(str(path), errors)
+    return tuple(points)
+
+
 def load_uncertainty(path: Path) -> Uncertainty:
     d = _validated(path, UNCERTAINTY_SCHEMA)
     flow = d.get("transformer") or {}
-    bands = [(k, d[k]) for k in ("peak_vram", "seconds", "seconds_scaled", "peak_scaled") if k in d]
+    keys = ("peak_vram", "seconds", "seconds_scaled", "peak_scaled", "sampling_seconds")
+    bands = [(k, d[k]) for k in keys if k in d]
     bands += [(f"transformer.{k}", v) for k, v in flow.items()]
     errors = [
         f"{key}: low {band['low']} must be <= 1 <= high {band['high']}"
@@ -807,6 +869,8 @@ def load_uncertainty(path: Path) -> Uncertainty:
         n_seconds_transformer=flow["seconds"]["n"] if flow else 0,
         seconds_scaled=band(d.get("seconds_scaled")),
         n_seconds_scaled=d["seconds_scaled"]["n"] if "seconds_scaled" in d else 0,
+        sampling_seconds=band(d.get("sampling_seconds")),
+        n_sampling_seconds=d["sampling_seconds"]["n"] if "sampling_seconds" in d else 0,
         peak_scaled=band(d.get("peak_scaled")),
         n_peak_scaled=d["peak_scaled"]["n"] if "peak_scaled" in d else 0,
         peak_vram=(float(d["peak_vram"]["low"]), float(d["peak_vram"]["high"])),
@@ -829,6 +893,8 @@ class Profiles:
     unplanned_models: dict[str, ModelSpec] = field(default_factory=dict)
     uncertainty: Uncertainty = field(default_factory=Uncertainty)
     host: HostMeasurement | None = None  # this host's own measurements (the local store's host.yaml)
+    # measured txt2img speeds (profiles/sampling.yaml): the time of the images a run samples
+    sampling: tuple[SamplingPoint, ...] = ()
     # gpu_or_none's answers for this catalog: a plan asks for its points' GPUs some 10^5 times (not an input:
     # dataclasses.replace starts an empty one)
     _gpu_lookups: dict = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -1501,6 +1567,7 @@ _SAMPLING_PEAKS = F(
     sub={
         "unet_inference_peak": _COEF,
         "vae_decode_peak": F((dict,), sub={"bf16": _COEF, "fp32": _COEF}),
+        "vae_decode_flops": F(_COEF.types, required=False, sub=_COEF.sub),
     },
 )
 
@@ -1573,6 +1640,7 @@ class _Shipped:
     activations: Activations
     uncertainty: Uncertainty
     sources: tuple[str, ...]
+    sampling: tuple[SamplingPoint, ...] = ()
 
 
 @functools.lru_cache(maxsize=4)
@@ -1604,6 +1672,10 @@ def _load_shipped(shipped: str) -> _Shipped:
         raise ConfigError(str(unc_path), ["missing: run scripts/uncertainty.py (it ships with sdplan)"])
     uncertainty = load_uncertainty(unc_path)
     sources.append(str(unc_path))
+    sampling_path = root / "sampling.yaml"
+    sampling = load_sampling(sampling_path, tuple(gpus)) if sampling_path.is_file() else ()
+    if sampling:
+        sources.append(str(sampling_path))
     missing = [f for f in PLANNED_FAMILIES if f not in models]  # a family not yet planned needs no profile
     if missing:
         raise ConfigError(str(root / "models"), [f"{f}.yaml: missing" for f in missing])
@@ -1622,6 +1694,7 @@ def _load_shipped(shipped: str) -> _Shipped:
         activations=activations,
         uncertainty=uncertainty,
         sources=tuple(sources),
+        sampling=sampling,
     )
 
 
@@ -1636,6 +1709,7 @@ def _profiles(ship: _Shipped, gpus, points, multi, sources, host) -> Profiles:
         sources=tuple(sources),
         uncertainty=ship.uncertainty,
         host=host,
+        sampling=ship.sampling,
     )
 
 
