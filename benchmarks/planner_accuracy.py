@@ -787,6 +787,134 @@ def bench_peak_leave_one_out(prof: Profiles) -> dict:
     return {"figures": rows, "summary": _stats_by_basis(rows)}
 
 
+def sampling_fit(prof: Profiles) -> dict:
+    """The txt2img speeds of profiles/sampling.yaml (what the planner charges for class images and sample
+    grids): in sample (the fit on all of them) and out of sample, each GPU's speeds predicted by the fit on the
+    other GPUs' (``planner.fit_sampling``). scripts/uncertainty.py writes the left-out rows' spread as the
+    sampling time's range."""
+    rows = P.sampling_rows(prof)
+    fit = P.fit_sampling(rows)
+    fitted, left_out = [], []
+    for r in rows:
+        fitted.append(_row(r.id, f"it/s on {r.gpu}", 1.0 / fit.predicted(r), 1.0 / r.seconds, "fit"))
+    for gpu in sorted({r.gpu for r in rows}):
+        without = P.fit_sampling([r for r in rows if r.gpu != gpu])
+        for r in rows:
+            if r.gpu == gpu:
+                left_out.append(
+                    _row(r.id, f"it/s on {r.gpu}", 1.0 / without.predicted(r), 1.0 / r.seconds, gpu)
+                )
+    return {
+        "efficiency": fit.efficiency,
+        "by_architecture": dict(fit.by_family),
+        "floor_s": fit.floor_s,
+        "in_sample": fitted,
+        "each_gpu_left_out": left_out,
+        "summary": {"in_sample": _stats(fitted), "each_gpu_left_out": _stats(left_out)},
+    }
+
+
+SAMPLING_VALIDATION_DIR = VALIDATION_DIR / "sampling"
+SAMPLING_KEYS = {
+    "id",
+    "gpu",
+    "gpu_as_reported",
+    "family",
+    "width",
+    "height",
+    "images",
+    "guidance",
+    "precision",
+    "attention",
+    "it_per_s",
+    "timing",
+    "url",
+    "quote",
+    "assumed",
+}  # required; also steps (end-to-end timings), software, derivation, model_note, excluded
+
+
+def load_sampling_validation(folder: Path = SAMPLING_VALIDATION_DIR) -> list[dict]:
+    """The txt2img speeds of ``folder``/*.yaml (the sampling time's out-of-sample check), checked: every key
+    there, a catalog GPU where not excluded, an end-to-end timing with its steps."""
+    optional = {"steps", "software", "derivation", "model_note", "excluded"}
+    points, errors, seen = [], [], set()
+    for path in sorted(folder.glob("*.yaml")):
+        for i, d in enumerate(read_yaml(path)["points"]):
+            where = f"{path.name}: points[{i}] ({d.get('id')})"
+            missing, unknown = SAMPLING_KEYS - set(d), set(d) - SAMPLING_KEYS - optional
+            errors += [f"{where}: missing {k}" for k in sorted(missing)]
+            errors += [f"{where}: unknown key {k}" for k in sorted(unknown)]
+            if d.get("id") in seen:
+                errors.append(f"{where}: duplicate id")
+            seen.add(d.get("id"))
+            if not d.get("excluded") and d.get("timing") == "end-to-end" and not d.get("steps"):
+                errors.append(f"{where}: an end-to-end timing needs its steps")
+            if d.get("timing") not in ("denoise", "end-to-end", "forward"):
+                errors.append(f"{where}: timing must be denoise, end-to-end or forward")
+            points.append(d)
+    if errors:
+        raise ValidationError("\n".join(errors))
+    return points
+
+
+def predict_sampling_it_s(prof: Profiles, cal: Any, d: dict) -> float | None:
+    """A txt2img speed as the planner's sampling time predicts it (``planner.denoise_step_seconds``): the
+    denoising step alone, one denoiser forward, or the whole pipeline call (steps, the prompts' encoding, each
+    image's VAE decode: fp32 for SDXL's fp16 VAE, which diffusers upcasts) over its steps."""
+    spec = prof.find_gpu(d["gpu"])
+    scale = prof.model(d["family"]).vae_scale_factor
+    latent = (d["width"] // scale) * (d["height"] // scale)
+    prompts = 2 if d["guidance"] else 1
+    batch = d["images"] * prompts
+    step = P.denoise_step_seconds(
+        prof,
+        d["family"],
+        latent,
+        d["precision"],
+        batch,
+        spec,
+        cal,
+        "math" if d["attention"] == "math" else "efficient",
+    )
+    if step is None:
+        return None
+    if d["timing"] != "end-to-end":
+        return 1.0 / step
+    vae = "fp32" if d["family"] == "sdxl" and d["precision"] == "fp16" else d["precision"]
+    other = P.encode_decode_seconds(
+        prof, d["family"], latent, d["precision"], spec, cal, prompts=prompts, vae_precision=vae
+    )
+    decode_only = other - P.encode_decode_seconds(
+        prof, d["family"], latent, d["precision"], spec, cal, prompts=0, vae_precision=vae
+    )
+    total = d["steps"] * step + (other - decode_only) + decode_only * d["images"]
+    return d["steps"] / total
+
+
+def sampling_out_of_sample(prof: Profiles, points: list[dict]) -> dict:
+    """The validation set's txt2img speeds against the sampling time's prediction (nothing fitted on them)."""
+    cal = P.calibrate(prof)
+    rows, excluded = [], []
+    for d in points:
+        if d.get("excluded"):
+            excluded.append({"id": d["id"], "reason": d["excluded"]})
+            continue
+        it_s = predict_sampling_it_s(prof, cal, d)
+        if it_s is None:
+            excluded.append({"id": d["id"], "reason": "no prediction (no byte count or GPU rate)"})
+            continue
+        row = _row(d["id"], f"it/s on {d['gpu']} ({d['timing']})", it_s, d["it_per_s"], d["url"])
+        rows.append(dict(row, family=d["family"]))
+    unet = [r for r in rows if not P.flow_family(r["family"])]
+    flow = [r for r in rows if P.flow_family(r["family"])]
+    return {
+        "figures": rows,
+        "excluded": excluded,
+        "summary": {"all": _stats(rows), "unet": _stats(unet), "transformer": _stats(flow)},
+    }
+
+
 def out_of_sample(prof: Profiles, points: list[Point]) -> dict:
     numeric, verdicts, per_point, planned = [], [], [], []
     not_expressible: list[dict] = []
@@ -911,6 +1039,8 @@ def report(timing: bool = True, folder: Path = VALIDATION_DIR) -> dict:
         "bench_leave_one_out": bench_leave_one_out(prof),
         "bench_peak_leave_one_out": bench_peak_leave_one_out(prof),
         "out_of_sample": out_of_sample(prof, load_validation(folder, prof)),
+        "sampling": sampling_fit(prof),
+        "sampling_out_of_sample": sampling_out_of_sample(prof, load_sampling_validation(folder / "sampling")),
     }
     if timing:
         result["recommend_wall_time"] = recommend_wall_time()
@@ -997,6 +1127,29 @@ def render(result: dict) -> str:
             f"  {r['basis']}"
         )
     lines.append("")
+    sampling = result["sampling"]
+    lines.append(
+        f"== SAMPLING SPEEDS (profiles/sampling.yaml), each GPU left out of the fit (all in: efficiency "
+        f"{sampling['efficiency']:.3f}, by architecture "
+        + ", ".join(f"{a} {e:.3f}" for a, e in sampling["by_architecture"].items())
+        + f"; floor {sampling['floor_s'] * 1000:.1f} ms a step)"
+    )
+    for r in sampling["each_gpu_left_out"]:
+        lines.append(
+            f"{r['id']:44s} {r['quantity']:32s} {r['predicted']:10.3f} {r['published']:10.3f} {r['error_pct']:+7.1f}%"
+        )
+    lines.append("")
+    soos = result["sampling_out_of_sample"]
+    lines.append(
+        "== SAMPLING SPEEDS, validation set (benchmarks/validation/sampling/), nothing fitted on them"
+    )
+    for r in soos["figures"]:
+        lines.append(
+            f"{r['id']:44s} {r['quantity']:32s} {r['predicted']:10.3f} {r['published']:10.3f} {r['error_pct']:+7.1f}%"
+        )
+    for x in soos["excluded"]:
+        lines.append(f"{x['id']:44s} excluded: {x['reason']}")
+    lines.append("")
     ne = result["out_of_sample"]["not_expressible"]
     lines.append(f"== NOT EXPRESSIBLE by the planner ({len(ne)} validation points)")
     for n in ne:
@@ -1021,6 +1174,9 @@ def render(result: dict) -> str:
         + "; ".join(f"{b} {_fmt(s)}" for b, s in result["bench_leave_one_out"]["summary"].items()),
         "sdplan bench peaks, each left out: "
         + "; ".join(f"{b} {_fmt(s)}" for b, s in result["bench_peak_leave_one_out"]["summary"].items()),
+        f"sampling speeds (class images, grids): in-sample {_fmt(sampling['summary']['in_sample'])}; each "
+        f"GPU left out {_fmt(sampling['summary']['each_gpu_left_out'])}; validation set: SD 1.x/SDXL "
+        f"{_fmt(soos['summary']['unet'])}, SD3.5 / FLUX.1 {_fmt(soos['summary']['transformer'])}",
         f"validation set: {oos['points']} points from {oos['sources']} sources; "
         f"{oos['not_expressible']['count']} not expressible (reasons: {oos['not_expressible']['reasons']}); "
         f"{oos['speed_without_catalog_gpu']} speeds on GPUs not named or not in the catalog",

@@ -12,7 +12,9 @@ high*x)" and decides fits on the upper end.
 The scaled basis (a plan's speed scaled by the nearest sdplan bench point on its GPU) gets its own time range,
 ``seconds_scaled``: the same percentiles over the bench speeds, each predicted so with the point itself left
 out of the calibration and the evidence (calibration data used out of sample, not the validation set); a peak
-scaled by the bench point at the same settings and another batch likewise gets ``peak_scaled``.
+scaled by the bench point at the same settings and another batch likewise gets ``peak_scaled``. The time of the
+images a run samples (class images, grids) gets ``sampling_seconds``: the txt2img speeds of
+benchmarks/validation/sampling/ against the sampling time's prediction.
 
 Run after the planner's model, the profiles or the validation set changes: ``python scripts/uncertainty.py`` (``--check``
 only prints). Reads benchmarks/; `sdplan recommend` reads only the YAML this writes.
@@ -117,6 +119,10 @@ def compute() -> dict:
     scaled = [r["predicted"] / r["published"] for r in bench["figures"] if r["basis"] == "scaled"]
     peaks = acc.bench_peak_leave_one_out(prof)
     peak_scaled = [r["published"] / r["predicted"] for r in peaks["figures"] if r["basis"] == "scaled"]
+    # seconds = 1 / it/s: measured / predicted seconds = predicted it/s / measured it/s
+    sampling_points = acc.load_sampling_validation()
+    sampling_oos = acc.sampling_out_of_sample(prof, sampling_points)
+    sampling = [r["predicted"] / r["published"] for r in sampling_oos["figures"]]
     date = datetime.date.today().isoformat()
     return {
         "schema_version": 1,
@@ -125,7 +131,9 @@ def compute() -> dict:
             f"(benchmarks/validation/, {oos['summary']['points']} points, {oos['summary']['sources']} sources); "
             f"seconds_scaled from the {len(scaled)} sdplan bench speeds in profiles/ that a plan scales when "
             f"each is left out; peak_scaled from the {len(peak_scaled)} sdplan bench peaks that a plan scales from "
-            f"another batch when each is left out; commit {_commit()}, {date}"
+            f"another batch when each is left out; sampling_seconds from the {len(sampling)} txt2img speeds of "
+            f"benchmarks/validation/sampling/ ({len({r['source'].split('#')[0] for r in sampling_oos['figures']})} "
+            f"pages); commit {_commit()}, {date}"
         ),
         "method": (
             f"measured / predicted; low and high are the {int(LOW_Q * 100)}th and {int(HIGH_Q * 100)}th "
@@ -140,6 +148,9 @@ def compute() -> dict:
         # a plan whose peak is the model scaled by the bench point on its GPU at the same settings and the
         # nearest other batch: each bench peak predicted so without itself (bench_peak_leave_one_out)
         "peak_scaled": factors(peak_scaled),
+        # the time of the images a run samples (planner.sampling_seconds): the validation set's txt2img speeds
+        # (planner_accuracy.sampling_out_of_sample)
+        "sampling_seconds": factors(sampling),
     }
 
 
@@ -166,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
         f"(n={tpv['n']}), time x{tsc['low']}-{tsc['high']} (n={tsc['n']}); scaled by a bench point "
         f"x{data['seconds_scaled']['low']}-{data['seconds_scaled']['high']} (n={data['seconds_scaled']['n']}); "
         f"peak scaled from another batch x{data['peak_scaled']['low']}-{data['peak_scaled']['high']} "
-        f"(n={data['peak_scaled']['n']})"
+        f"(n={data['peak_scaled']['n']}); sampling x{data['sampling_seconds']['low']}-"
+        f"{data['sampling_seconds']['high']} (n={data['sampling_seconds']['n']})"
     )
     return 0
 

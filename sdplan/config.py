@@ -366,6 +366,33 @@ def prior_preservation(cfg: TrainConfig) -> tuple[bool, int]:
     return on, cfg.dreambooth.num_class_images if on else 0
 
 
+def planned_sampling(cfg: TrainConfig) -> dict[str, Any]:
+    """What a run of ``cfg`` samples besides training, as the planner's Request takes it (planner.sampled_images,
+    sampling_seconds): the class images its class folder lacks (DreamBooth with prior preservation: the trainer
+    generates them before the first step, trainer/recipes/dreambooth.py; the folder is dreambooth.class_data,
+    else output.dir/class_images, counted as the trainer scans it), the grids' prompts (sampling.prompts, else
+    one caption), sampling.every_steps, the denoising steps and the guidance scale."""
+    on, wanted = prior_preservation(cfg)
+    missing = 0
+    if on and wanted:
+        from sdplan.errors import DatasetError
+        from sdplan.trainer.dataset_scan import scan
+
+        folder = Path(cfg.dreambooth.class_data or Path(cfg.output.dir) / "class_images").expanduser()
+        try:
+            found = len(scan(folder).items) if folder.is_dir() else 0
+        except (DatasetError, OSError):  # the trainer says what is wrong with it; planned as generated
+            found = 0
+        missing = max(0, wanted - found)
+    return {
+        "class_images_to_generate": missing,
+        "sample_prompts": len(cfg.sampling.prompts) or 1,
+        "sample_every_steps": cfg.sampling.every_steps,
+        "sampling_steps": cfg.sampling.num_inference_steps,
+        "guidance_scale": cfg.sampling.guidance_scale,
+    }
+
+
 def family_problems(cfg: TrainConfig, family: str | None) -> list[str]:
     """What ``cfg`` sets that ``family`` cannot train (the config's own model.family, or the family `sdplan
     train` found in the model's files before the launch): an SD3.5 / FLUX.1 resolution off their 16 px grid,

@@ -1923,6 +1923,7 @@ def plan_request(cfg: C.TrainConfig, inputs: InputSummary, snapshot: Any, req: T
         lora_rank=fields.get("lora_rank") or cfg.lora.rank,
         prior_preservation=prior,
         class_images=class_images,
+        **C.planned_sampling(cfg),
         pins=pins,
     )
     result = plan(snapshot, profiles, request)

@@ -64,6 +64,7 @@ from sdplan.settings import (
 )
 from sdplan.steps import Steps, bucketed_batches, plan_steps, repeated_batches
 from sdplan.trainer.blockswap import support_problem as swap_problem  # the trainer's rule (pure, no torch)
+from sdplan.trainer.dataset_scan import count_of as count_text
 
 # Settings.__post_init__ normalises these fields only (LoRA's, by the method, and gpu_ids to a tuple)
 _NORMALISED_FIELDS = frozenset(("method", "lora_rank", "lora_alpha", "lora_targets", "gpu_ids"))
@@ -168,6 +169,17 @@ FIXED_SAMPLES_GRID = tuple(i * 0.25 for i in range(0, 33))
 BANDWIDTH_EFFICIENCY = 0.7
 BACKWARD_TRAFFIC = 2.0
 STARTUP_S = 60.0  # loading the model, building the optimizer, first compilation
+# Sampling (the images a run generates besides training: DreamBooth's missing class images, sample grids): a
+# denoising step runs the denoiser at the images' batch, twice that with classifier-free guidance, and takes the
+# larger of a launch-bound floor and that batch's roofline (the UNet's bytes over the memory bandwidth at
+# sampling_efficiency, its FLOPs over the measured GEMM rate). calibrate() fits the efficiency and the floor on
+# the measured txt2img speeds of profiles/sampling.yaml (least squares on log time) over these grids; the
+# transformer families' step is their forward's FLOPs at their training efficiency (nothing measured to fit).
+SAMPLING_EFFICIENCY_GRID = tuple(0.01 * 1.03**i for i in range(160))  # 0.01 .. 1.1, 3% apart
+SAMPLING_FLOOR_GRID = tuple(0.0025 * i for i in range(0, 41))  # 0 .. 0.1 s a denoising step
+# an architecture's own sampling efficiency from this many steps that are not floor-bound (two batch sizes)
+SAMPLING_MIN_POINTS = 2
+SAMPLING_SHOWN = 0.1  # the reasons name the final grid's time alone from this share of the run
 # the all-reduce's share of the link's nominal rate where no multi-GPU observation measured one (calibrate)
 LINK_EFFICIENCY_FALLBACK = 0.05
 MIN_MULTI_GPU_GAIN = 0.05  # use more GPUs only when the whole run gets at least this much shorter
@@ -275,6 +287,14 @@ class Request:
     images_per_epoch: int | None = None
     # data.buckets: the samples in each aspect bucket (a batch holds one bucket's: each ends in a short batch)
     bucket_samples: tuple[int, ...] = ()
+    # what the run samples besides training (sampling_seconds): the class images its class folder lacks (None:
+    # all class_images), the sample grids' prompts (the final grid, and one grid every sample_every_steps
+    # optimizer steps), their denoising steps and guidance scale (None: the family's, as trainer/sampling.py)
+    class_images_to_generate: int | None = None
+    sample_prompts: int = 1
+    sample_every_steps: int = 0
+    sampling_steps: int = 20
+    guidance_scale: float | None = None
     # settings the user fixed (Settings field -> value, from `key=value` sdplan.yaml pins): planned around
     pins: tuple[tuple[str, Any], ...] = ()
 
@@ -880,6 +900,36 @@ def _for_family(table: tuple[tuple[str, float], ...], spec: GPUSpec | None, defa
     return dict(table).get(spec.family, default) if spec is not None else default
 
 
+class SamplingRow(NamedTuple):
+    """A measured denoising step (profiles/sampling.yaml) as the sampling fit reads it."""
+
+    id: str
+    gpu: str
+    arch: str  # the GPU's architecture family (GPUSpec.family)
+    matmul_s: float  # the denoiser batch's FLOPs over the measured GEMM rate
+    bandwidth_s: float  # its bytes over the memory bandwidth at efficiency 1
+    seconds: float  # measured: 1 / it/s
+
+    def predicted(self, efficiency: float, floor_s: float) -> float:
+        return max(floor_s, self.matmul_s, self.bandwidth_s / efficiency)
+
+
+class SamplingFit(NamedTuple):
+    """Sampling's bandwidth efficiency (one for every GPU, and per architecture where measured) and launch-bound
+    floor per denoising step, fitted by :func:`fit_sampling`."""
+
+    efficiency: float | None = None  # None: nothing measured, the time is not known
+    floor_s: float = 0.0
+    by_family: tuple[tuple[str, float], ...] = ()
+
+    def efficiency_for(self, spec: GPUSpec | None) -> float | None:
+        return _for_family(self.by_family, spec, self.efficiency) if self.efficiency else None
+
+    def predicted(self, row: SamplingRow) -> float:
+        eff = dict(self.by_family).get(row.arch, self.efficiency)
+        return row.predicted(eff, self.floor_s)
+
+
 @dataclass(frozen=True)
 class Calibration:
     efficiency: float  # achieved / catalog dense half-precision TFLOPS (geometric mean over all points)
@@ -943,6 +993,10 @@ class Calibration:
     # shipped figure, or this host's own (calibrate_for)
     cpu_adam_params_per_s: float = CPU_ADAM_PARAMS_PER_S
     cpu_adam_source: str = CPU_ADAM_SOURCE
+
+    # sampling's bandwidth efficiency and launch-bound floor per denoising step (fit_sampling on
+    # profiles/sampling.yaml; an empty fit: no sampling speed measured, the time is not known)
+    sampling: SamplingFit = SamplingFit()
 
     # GPU architecture family -> the UNets' bandwidth efficiency fitted on the sdplan bench speeds measured
     # there (at least BENCH_MIN_POINTS); the published one above elsewhere
@@ -1412,7 +1466,12 @@ def calibrate(profiles: Profiles) -> Calibration:
         moved = gradient_bytes(profiles, multi) * 2 * (m.num_gpus - 1) / m.num_gpus
         links.append((m.id, moved / (needed * nominal * 1e9)))
     link_eff = _geomean([v for _, v in links]) if links else LINK_EFFICIENCY_FALLBACK
-    return replace(cal, link_efficiency=link_eff, link_points=tuple(links))
+    return replace(
+        cal,
+        link_efficiency=link_eff,
+        link_points=tuple(links),
+        sampling=fit_sampling(sampling_rows(profiles)),
+    )
 
 
 @functools.lru_cache(maxsize=64)
@@ -1579,6 +1638,194 @@ def _fit_step_fixed_cost(
             if err < best[0] - 1e-12:
                 best = (err, overhead, fixed)
     return best[1], best[2]
+
+
+def sampling_rows(profiles: Profiles, points: Any = None) -> list[SamplingRow]:
+    """The measured denoising steps (profiles/sampling.yaml, or ``points``) whose GPU is in the catalog and whose
+    family has byte counts (the UNets'): the sampling fit's rows."""
+    rows = []
+    for p in profiles.sampling if points is None else points:
+        spec = profiles.gpu_or_none(p.gpu)
+        if spec is None or flow_family(p.family):
+            continue
+        latent = (p.resolution // profiles.model(p.family).vae_scale_factor) ** 2
+        parts = _denoiser_parts(profiles, p.family, latent, p.precision, spec)
+        if parts is not None:
+            n = p.denoiser_batch
+            rows.append(SamplingRow(p.id, p.gpu, spec.family, parts[0] * n, parts[1] * n, 1.0 / p.it_per_s))
+    return rows
+
+
+def fit_sampling(rows: list[SamplingRow]) -> SamplingFit:
+    """The efficiency and floor that fit the measured denoising steps best, least squares on log time
+    (:meth:`SamplingRow.predicted`); then each architecture's own efficiency where it has at least
+    SAMPLING_MIN_POINTS steps that are not floor-bound, and the floor again with those (the UNet's elementwise work runs from cache on
+    Ada's 72 MB L2 far more than on Ampere's 6 MB: the RTX 4090 samples 1.9x as fast as the RTX 3090 at the same
+    1 TB/s, where the one efficiency put it 1.8x too slow). An empty fit with no rows."""
+    if not rows:
+        return SamplingFit()
+
+    def error(subset: list[SamplingRow], eff: float, floor: float) -> float:
+        return sum(math.log(r.predicted(eff, floor) / r.seconds) ** 2 for r in subset)
+
+    def best_eff(floor: float) -> float:
+        return _grid_argmin(SAMPLING_EFFICIENCY_GRID, lambda e: error(rows, e, floor))
+
+    def own_efficiencies(eff: float, floor: float) -> tuple[tuple[str, float], ...]:
+        by_family = []
+        for arch in sorted({r.arch for r in rows}):
+            own = [r for r in rows if r.arch == arch and r.predicted(eff, 0.0) > floor]
+            if len(own) >= SAMPLING_MIN_POINTS:
+                by_family.append(
+                    (arch, _grid_argmin(SAMPLING_EFFICIENCY_GRID, lambda e, own=own: error(own, e, floor)))
+                )
+        return tuple(by_family)
+
+    def fit_error(fit: SamplingFit) -> float:
+        return sum(math.log(fit.predicted(r) / r.seconds) ** 2 for r in rows)
+
+    # coarse to fine over the floors too (the full scan's answer on the shipped profiles, in half the time)
+    floor = _grid_argmin(SAMPLING_FLOOR_GRID, lambda f: error(rows, best_eff(f), f), stride=4)
+    eff = best_eff(floor)
+    by_family = own_efficiencies(eff, floor)
+    # the floor again with each architecture at its own efficiency (one efficiency for all biases it), then the
+    # efficiencies at that floor
+    floor = _grid_argmin(SAMPLING_FLOOR_GRID, lambda f: fit_error(SamplingFit(eff, f, by_family)), stride=4)
+    eff = best_eff(floor)
+    return SamplingFit(eff, floor, own_efficiencies(eff, floor))
+
+
+def _denoiser_parts(
+    profiles: Profiles,
+    family: str,
+    latent_pixels: int,
+    precision: str,
+    spec: GPUSpec,
+    attention: str = "efficient",
+) -> tuple[float, float] | None:
+    """(matmul seconds, bandwidth seconds at efficiency 1) of one UNet sample's inference forward on ``spec``
+    (None: no byte count or no rates)."""
+    act = profiles.activations
+    traffic = act.unet_forward_traffic_bytes(family, latent_pixels, attention)
+    rate = spec.matmul_tflops(precision)
+    if traffic is None or not rate or not spec.memory_bandwidth_gbs:
+        return None
+    element = 2.0 if precision == "fp32" else 1.0
+    return (
+        act.unet_forward_flops(family, latent_pixels) / (rate * 1e12),
+        traffic * element / (spec.memory_bandwidth_gbs * 1e9),
+    )
+
+
+def guided(model: str, guidance_scale: float | None) -> bool:
+    """Whether sampling ``model`` runs the denoiser twice a step (classifier-free guidance): not FLUX.1, whose
+    guidance is an embedding (trainer/sampling.py guidance_for), nor a guidance scale of 1 or less."""
+    if registry.family(model).arch == "flux":
+        return False
+    return guidance_scale is None or guidance_scale > 1.0
+
+
+def denoise_step_seconds(
+    profiles: Profiles,
+    model: str,
+    latent_pixels: int,
+    precision: str,
+    batch: int,
+    spec: GPUSpec | None,
+    cal: Calibration,
+    attention: str = "efficient",
+) -> float | None:
+    """One denoising step, the denoiser at ``batch`` (twice the images with guidance), on ``spec``: the larger of
+    the fitted floor and the batch's roofline (see SAMPLING_EFFICIENCY_GRID); a transformer family's forward
+    FLOPs at its training efficiency. None where the GPU's speed or sampling's calibration is unknown."""
+    efficiency = cal.sampling.efficiency_for(spec)
+    if spec is None or efficiency is None or not spec.matmul_tflops(precision):
+        return None
+    if flow_family(model):
+        forward = profiles.activations.families[model]["flops"]["transformer_forward"]
+        flops = profiles.activations._eval(forward, batch, latent_pixels)
+        step = flops / (spec.matmul_tflops(precision) * 1e12 * cal.flow_efficiency_for(spec, model))
+    else:
+        parts = _denoiser_parts(profiles, model, latent_pixels, precision, spec, attention)
+        if parts is None:
+            return None
+        step = batch * max(parts[0], parts[1] / efficiency)
+    return max(cal.sampling.floor_s, step)
+
+
+def encode_decode_seconds(
+    profiles: Profiles,
+    model: str,
+    latent_pixels: int,
+    precision: str,
+    spec: GPUSpec,
+    cal: Calibration,
+    *,
+    prompts: int,
+    vae_precision: str | None = None,
+) -> float:
+    """An image's VAE decode and its ``prompts`` text-encoder passes (2 with guidance: the negative prompt), FLOPs
+    at the fitted FLOP efficiency, the decode at ``vae_precision``'s rate (fp32 where the VAE decodes so)."""
+    act = profiles.activations
+    eff = cal.efficiency_for(spec)
+    rate = spec.matmul_tflops(precision) * 1e12
+    vae_rate = spec.matmul_tflops(vae_precision or precision) * 1e12 or rate
+    return act.vae_decode_flops(model, latent_pixels) / (vae_rate * eff) + act.text_encoder_flops(
+        model
+    ) * prompts / (rate * eff)
+
+
+def image_seconds(
+    profiles: Profiles,
+    s: Settings,
+    spec: GPUSpec | None,
+    cal: Calibration,
+    steps: int,
+    guidance: float | None,
+) -> float | None:
+    """Seconds to sample one image at ``s``'s model, resolution and precision on ``spec`` as the trainer does
+    (trainer/sampling.py: one image a call): ``steps`` denoising steps, the VAE decode (fp32 where the trainer
+    decodes so) and the prompt's encoding. None where the time is unknown (:func:`denoise_step_seconds`)."""
+    batch = 2 if guided(s.model, guidance) else 1
+    latent = (s.resolution // profiles.model(s.model).vae_scale_factor) ** 2
+    step = denoise_step_seconds(profiles, s.model, latent, s.precision, batch, spec, cal)
+    if step is None or spec is None:
+        return None
+    vae = "fp32" if _vae_dtype(s) == "fp32" else s.precision
+    return steps * step + encode_decode_seconds(
+        profiles, s.model, latent, s.precision, spec, cal, prompts=batch, vae_precision=vae
+    )
+
+
+def sampling_band(profiles: Profiles, model: str) -> tuple[tuple[float, float], str]:
+    """(low, high) factors of the sampling time of ``model`` and where they come from: the validation set's
+    txt2img speeds against the sampling prediction (scripts/uncertainty.py); without them, the training time's
+    range."""
+    unc = profiles.uncertainty
+    if unc.sampling_seconds is not None:
+        return unc.sampling_seconds, f"the validation set's txt2img speeds, n={unc.n_sampling_seconds}"
+    band, n = unc.seconds_for(model)
+    return band, f"the training time's validation range, n={n}"
+
+
+def sampled_images(req: Request, steps: Steps) -> tuple[int, int]:
+    """(class images generated, grid images sampled) over a run: the class images its class folder lacks, and
+    each grid's prompts for the final grid and one every ``sample_every_steps`` optimizer steps (trainer/loop.py;
+    the main process samples them while the others wait)."""
+    classes = 0
+    if req.prior_preservation:
+        classes = req.class_images if req.class_images_to_generate is None else req.class_images_to_generate
+    grids = 1 + (steps.total_steps // req.sample_every_steps if req.sample_every_steps > 0 else 0)
+    return max(0, classes), grids * max(1, req.sample_prompts)
+
+
+def sampling_seconds(
+    req: Request, profiles: Profiles, s: Settings, steps: Steps, spec: GPUSpec | None, cal: Calibration
+) -> float:
+    """Seconds a run spends sampling images (:func:`sampled_images` x :func:`image_seconds`); 0 where that
+    time is unknown."""
+    one = image_seconds(profiles, s, spec, cal, req.sampling_steps, req.guidance_scale)
+    return sum(sampled_images(req, steps)) * one if one else 0.0
 
 
 def _geomean(values: list[float]) -> float:
@@ -1902,7 +2149,10 @@ class Candidate:
     observed_multi_gpu: str | None = (
         None  # the multi-GPU observation whose all-reduce rate its exchange takes
     )
-    fixed_seconds: float = 0.0  # start-up and latent caching, in ``seconds``
+    fixed_seconds: float = 0.0  # start-up, latent caching and sampling, in ``seconds``
+    sampling_seconds: float = (
+        0.0  # sampling class images and grids (:func:`sampling_seconds`), in fixed_seconds
+    )
     allreduce_seconds: float = 0.0  # the modelled gradient all-reduce over the whole run, in ``seconds``
     peak_measured: str | None = None  # the sdplan bench point on this GPU whose peak the plan states
     # "measured" (at that point's settings), "scaled" (the model times measured / model at its batch), "predicted"
@@ -1938,6 +2188,7 @@ class Result:
     alternatives: tuple[Candidate, ...] = field(default=())
     peak_range: tuple[float, float] | None = None
     seconds_range: tuple[float, float] | None = None
+    sampling_seconds: float = 0.0  # the plan's time sampling class images and grids, in ``seconds``
     within_upper_bound: bool | None = None  # the likely-peak upper bound fits the card (None: no plan)
     pin_conflicts: tuple[str, ...] = ()  # pins this hardware cannot run at all (bf16 without bf16, ...)
     peak_measured: str | None = None  # the sdplan bench point whose measured peak the plan states
@@ -2654,19 +2905,27 @@ def _evaluate(req: Request, profiles: Profiles, hw: Hardware, cal: Calibration, 
     gpu, step_s, basis = pace_gpu(profiles, s, used, link_cal, link_gbs)
     seconds = seconds_range = None
     fixed = allreduce = 0.0
+    sampling = 0.0
     if step_s is not None:
         stepping = steps.micro_batches * step_s
         fixed = STARTUP_S
         if s.cache_latents:
             fixed += latent_cache_seconds(profiles, s, req.images, gpu, cal)
-        seconds = fixed + stepping
+        # on the main process while the others wait; at the pace GPU's speed (the weakest: a plan is planned there)
+        sampling = sampling_seconds(req, profiles, _count_free(s, 1), steps, gpu.spec, cal)
+        seconds = fixed + sampling + stepping
         if s.num_gpus > 1 and link_gbs:
             allreduce = steps.micro_batches * comm_seconds(profiles, s, link_gbs, link_cal)
         # the steps' range by their basis (one GPU: the bench evidence behind it times one GPU; several add an
-        # all-reduce as modelled); start-up and caching are the model's (the validation set's range)
+        # all-reduce as modelled); start-up and caching are the model's (the validation set's range), sampling
+        # its own (the measured txt2img speeds, each GPU left out of the fit)
         band = seconds_band(profiles, basis, s.model, s.num_gpus)[0]
         model_band = profiles.uncertainty.seconds_for(s.model)[0]
-        seconds_range = tuple(fixed * model_band[i] + stepping * band[i] for i in (0, 1))
+        sampling_range = sampling_band(profiles, s.model)[0]
+        seconds_range = tuple(
+            fixed * model_band[i] + sampling * sampling_range[i] + stepping * band[i] for i in (0, 1)
+        )
+        fixed += sampling
     return Candidate(
         setup=s,
         memory=mem,
@@ -2681,6 +2940,7 @@ def _evaluate(req: Request, profiles: Profiles, hw: Hardware, cal: Calibration, 
         safe=fits and vram_required(mem.peak, peak_range) <= vram,
         observed_multi_gpu=observed.id if observed is not None else None,
         fixed_seconds=fixed,
+        sampling_seconds=sampling,
         allreduce_seconds=allreduce,
         peak_measured=evidence[0].id if evidence is not None else None,
         peak_basis=evidence[1] if evidence is not None else "predicted",
@@ -2710,8 +2970,10 @@ def _key(c: Candidate) -> tuple:
     if c.seconds is None:  # no checkpointing (it surely costs time), then the largest batch
         return (math.inf, s.offload, s.num_gpus, s.gradient_checkpointing, -s.batch * s.grad_accum, *savers)
     # per image seen: the run's time where its images are set (epochs), its pace where its steps are
-    # (training.max_steps: a larger batch sees more images in as many steps, not a slower run)
-    return (per_image(c) * penalty, s.offload, s.num_gpus, s.batch, *savers)
+    # (training.max_steps: a larger batch sees more images in as many steps, not a slower run); less its
+    # sampling, which no setting here changes (a fixed cost added to all would dilute the handicaps above)
+    training = (c.seconds - c.sampling_seconds) / c.steps.images_seen
+    return (training * penalty, s.offload, s.num_gpus, s.batch, *savers)
 
 
 def _batch_cap_text(req: Request, s: Settings) -> str:
@@ -3280,6 +3542,7 @@ def plan(hardware: Hardware | Any, profiles: Profiles, request: Request) -> Resu
         alternatives=alternatives,
         peak_range=best.peak_range,
         seconds_range=best.seconds_range,
+        sampling_seconds=best.sampling_seconds,
         within_upper_bound=best.safe,
         peak_measured=best.peak_measured,
         peak_basis=best.peak_basis,
@@ -3722,7 +3985,41 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
             r.append(f"time: from a {best.basis} speed for {pace.name} with these settings; {likely}")
     if req.prior_preservation and req.class_images:
         r.append(f"prior preservation: {req.class_images} class images are trained alongside (batch doubled)")
+    if (
+        best.sampling_seconds
+        and best.seconds
+        and (
+            sampled_images(req, best.steps)[0]
+            or req.sample_every_steps
+            or best.sampling_seconds >= SAMPLING_SHOWN * best.seconds
+        )
+    ):
+        r.append(_sampling_text(req, best, profiles))
     return r
+
+
+def _sampling_text(req: Request, best: Candidate, profiles: Profiles) -> str:
+    """What the run samples besides training and how long that takes, with its range and basis."""
+    classes, grid = sampled_images(req, best.steps)
+    what = []
+    if classes:
+        what.append(
+            f"{count_text(classes, 'class image')} the class folder lacks (generated before training)"
+        )
+    per_grid = count_text(max(1, req.sample_prompts), "image")
+    grids = grid // max(1, req.sample_prompts)
+    if grids > 1:
+        what.append(
+            f"{grids} sample grids of {per_grid} (every {req.sample_every_steps} steps and at the end)"
+        )
+    else:
+        what.append(f"the final sample grid ({per_grid})")
+    band, basis = sampling_band(profiles, best.setup.model)
+    return (
+        f"sampling: {' and '.join(what)}, {req.sampling_steps} denoising steps an image: "
+        f"{format_duration(best.sampling_seconds)} of the run's time (likely x{band[0]:g}-{band[1]:g}: {basis}; "
+        f"on the main process, while any others wait)"
+    )
 
 
 PREFERENCE_COST_SHOWN = 0.02  # a faster plan passed over for fp32 master weights is named from 2% faster
@@ -4142,6 +4439,8 @@ def result_dict(res: Result) -> dict[str, Any]:
             "ram_bytes": int(res.memory.ram),
             "seconds": None if res.seconds is None else round(res.seconds, 1),
             "seconds_range": _rng(res.seconds_range, 1),
+            # of ``seconds``: sampling DreamBooth's missing class images and the sample grids
+            "sampling_seconds": round(res.sampling_seconds, 1),
             "it_per_s": None if not res.step_seconds else round(1.0 / res.step_seconds, 4),
             "speedup_vs_one_gpu": None
             if res.speedup_vs_one_gpu is None

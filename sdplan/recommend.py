@@ -502,10 +502,13 @@ def build_request(inp: RecommendInputs, profiles: Profiles) -> tuple[planner.Req
     ):
         raise UsageError(problem)
     fields = dict(pins)
-    # the class images trained alongside, from the settings as `sdplan train` reads them (num_class_images)
-    prior, class_images = (
-        cfgmod.prior_preservation(_pinned_config(inp)) if fields.get("prior_preservation") else (False, 0)
-    )
+    # the class images trained alongside and what the run samples, from the settings as `sdplan train` reads
+    # them (num_class_images, the class folder, sampling.*); the defaults' where none is pinned
+    keys = cfgmod.override_keys(inp.settings)
+    sampling_pinned = any(k.startswith(("sampling.", "dreambooth.", "output.dir")) for k in keys)
+    read = fields.get("prior_preservation") or sampling_pinned
+    pinned_cfg = _pinned_config(inp) if read else cfgmod.TrainConfig(method=inp.method)
+    prior, class_images = cfgmod.prior_preservation(pinned_cfg)
     req = planner.Request(
         method=inp.method,
         model=inp.model,
@@ -518,6 +521,7 @@ def build_request(inp: RecommendInputs, profiles: Profiles) -> tuple[planner.Req
         lora_rank=fields.get("lora_rank") or planner.Request.lora_rank,
         prior_preservation=prior,
         class_images=class_images,
+        **cfgmod.planned_sampling(pinned_cfg),
         max_steps=inp.max_steps,
         bucket_samples=_bucket_samples(
             counted, data, resolution or profiles.model(inp.model).native_resolution

@@ -108,6 +108,7 @@ def test_json_shape_is_exactly_the_issue(tmp_path):
         "ram_bytes",
         "seconds",
         "seconds_range",
+        "sampling_seconds",  # of seconds: DreamBooth's missing class images and the sample grids
         "it_per_s",
         "speedup_vs_one_gpu",
         "basis",

@@ -92,7 +92,7 @@ def test_a_flux_plan_states_the_transformer_families_range(prof):
     )
     (tlo, thi), _ = prof.uncertainty.seconds_for("flux-dev")
     assert (tlo, thi) == prof.uncertainty.seconds_transformer != prof.uncertainty.seconds
-    assert d["seconds_range"] == [round(res.seconds * tlo, 1), round(res.seconds * thi, 1)]
+    assert d["seconds_range"] == pytest.approx(_range(prof, res, tlo, thi), abs=0.1)
 
 
 def test_quantiles_and_floor():
@@ -123,6 +123,14 @@ def test_a_bad_file_is_refused(tmp_path):
         load_uncertainty(p)
 
 
+def _range(prof, res, low: float, high: float) -> tuple[float, float]:
+    """A plan's time range where all but its sampling take (low, high): sampling (here the final grid) takes
+    the sampling fit's range."""
+    slo, shi = prof.uncertainty.sampling_seconds
+    rest = res.seconds - res.sampling_seconds
+    return (rest * low + res.sampling_seconds * slo, rest * high + res.sampling_seconds * shi)
+
+
 def test_every_estimate_carries_its_range(prof):
     hw = P.hardware_from_catalog(prof.find_gpu("RTX 4090"))
     res = P.plan(hw, prof, P.Request(method="lora", model="sdxl"))
@@ -130,7 +138,7 @@ def test_every_estimate_carries_its_range(prof):
     lo, hi = prof.uncertainty.peak_vram
     assert d["peak_vram_bytes_range"] == [int(res.memory.peak * lo), int(res.memory.peak * hi)]
     tlo, thi = prof.uncertainty.seconds
-    assert d["seconds_range"] == [round(res.seconds * tlo, 1), round(res.seconds * thi, 1)]
+    assert d["seconds_range"] == pytest.approx(_range(prof, res, tlo, thi), abs=0.1)
     assert d["it_per_s"] == pytest.approx(1 / res.step_seconds, rel=1e-3)
     assert any("(likely " in r for r in res.reasons)
 
@@ -152,9 +160,13 @@ def test_a_time_from_bench_evidence_carries_the_range_of_that_evidence(prof):
         res = P.plan(hw, prof, P.Request(method="lora", model="sdxl", images=600, epochs=20, pins=pins))
         assert res.basis == basis
         stepping = res.steps.total_steps * res.plan.grad_accum * res.step_seconds
-        fixed = res.seconds - stepping
-        assert 0 < fixed < 0.1 * res.seconds
-        assert res.seconds_range == pytest.approx((fixed * tlo + stepping * lo, fixed * thi + stepping * hi))
+        sampling = res.sampling_seconds  # the final grid: the sampling fit's range
+        fixed = res.seconds - stepping - sampling
+        assert 0 < fixed < 0.1 * res.seconds and 0 < sampling < fixed
+        plo, phi = prof.uncertainty.sampling_seconds
+        assert res.seconds_range == pytest.approx(
+            (fixed * tlo + sampling * plo + stepping * lo, fixed * thi + sampling * phi + stepping * hi)
+        )
         assert any(f"likely x{lo:g}-{hi:g} of that" in r for r in res.reasons)
     # on 8 GPUs the scaled one-GPU step carries an all-reduce as modelled: the validation set's range
     res = P.plan(
@@ -163,13 +175,13 @@ def test_a_time_from_bench_evidence_carries_the_range_of_that_evidence(prof):
         P.Request(method="lora", model="sdxl", images=5000, epochs=10, pins=(te,)),
     )
     assert res.plan.num_gpus == 8 and res.basis == "scaled"
-    assert res.seconds_range == pytest.approx((res.seconds * tlo, res.seconds * thi))
+    assert res.seconds_range == pytest.approx(_range(prof, res, tlo, thi))
     # the model alone (no bench point on the card) keeps the validation set's range
     res = P.plan(
         P.hardware_from_catalog(prof.find_gpu("RTX 4090")), prof, P.Request(method="lora", model="sdxl")
     )
     assert res.basis == "calibrated"
-    assert res.seconds_range == pytest.approx((res.seconds * tlo, res.seconds * thi))
+    assert res.seconds_range == pytest.approx(_range(prof, res, tlo, thi))
 
 
 def _plans(prof):

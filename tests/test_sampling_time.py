@@ -1,0 +1,202 @@
+"""The time a run spends sampling images besides training (DreamBooth's missing class images, sample grids):
+fitted on profiles/sampling.yaml, checked on benchmarks/validation/sampling/, planned into the run's time."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+from PIL import Image
+from typer.testing import CliRunner
+
+from sdplan import config as C
+from sdplan import planner as P
+from sdplan.cli import app
+from sdplan.errors import ConfigError
+from sdplan.profiles import clear_cache, load_profiles, load_sampling
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location(
+    "planner_accuracy_sampling", ROOT / "benchmarks" / "planner_accuracy.py"
+)
+accuracy = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(accuracy)
+
+
+@pytest.fixture(scope="module")
+def prof():
+    clear_cache()
+    return load_profiles()
+
+
+def test_the_sampling_profile_names_catalog_gpus_and_a_source_for_every_speed(prof):
+    assert len(prof.sampling) >= 10
+    names = {g.name for g in prof.gpus}
+    for p in prof.sampling:
+        assert p.gpu in names and "torch2.0" in p.source and p.it_per_s > 0, p.id
+    assert {p.denoiser_batch for p in prof.sampling} == {
+        2,
+        8,
+        32,
+    }  # classifier-free guidance: twice the images
+
+
+def test_a_sampling_file_with_an_unknown_gpu_or_a_duplicate_id_is_refused(tmp_path, prof):
+    point = (
+        "  - {id: a, gpu: %s, family: sd15, resolution: 512, images: 1, guidance: true, precision: fp16, "
+        "it_per_s: 10, source: s}\n"
+    )
+    path = tmp_path / "sampling.yaml"
+    path.write_text("schema_version: 1\npoints:\n" + point % "'RTX 4090'" + point % "'RTX 9999'")
+    with pytest.raises(ConfigError) as e:
+        load_sampling(path, prof.gpus)
+    assert "duplicate 'a'" in str(e.value) and "'RTX 9999' is not a catalog name" in str(e.value)
+
+
+def test_the_fit_recovers_the_efficiency_and_floor_it_was_made_with():
+    """Steps made from a known floor, a shared efficiency and one architecture's own: the fit finds them (to its
+    grid's 3%), and leaves an architecture with one bandwidth-bound step on the one fitted on all."""
+    floor, shared, own = 0.03, 0.1, 0.2
+    rows = []
+    for i, (arch, eff) in enumerate((("a", shared), ("b", shared), ("c", own))):
+        for n in (2, 8, 32):
+            bandwidth = 0.001 * n * (1 + i)  # n=2 of a and b floor-bound
+            seconds = max(floor, bandwidth / eff)
+            rows.append(P.SamplingRow(f"{arch}{n}", arch, arch, bandwidth * 0.2, bandwidth, seconds))
+    rows.append(P.SamplingRow("d2", "d", "d", 0.0, 0.05, 0.05 / shared))  # one step: no efficiency of its own
+    fit = P.fit_sampling(rows)
+    assert fit.floor_s == pytest.approx(floor)
+    by = dict(fit.by_family)
+    assert by["a"] == pytest.approx(shared, rel=0.03) and by["c"] == pytest.approx(own, rel=0.03)
+    assert "d" not in by and shared < fit.efficiency < own  # d takes the one fitted on every GPU's steps
+    assert all(fit.predicted(r) == pytest.approx(r.seconds, rel=0.03) for r in rows[:-1])
+    assert P.fit_sampling([]).efficiency is None
+
+
+def test_guidance_runs_the_unet_twice_a_step_but_not_flux(prof):
+    cal = P.calibrate(prof)
+    t4 = prof.find_gpu("T4")  # SDXL at 1024 on a T4: bandwidth-bound, the floor far under the step
+    one, two = (P.denoise_step_seconds(prof, "sdxl", 128 * 128, "fp16", n, t4, cal) for n in (1, 2))
+    assert two == pytest.approx(2 * one) and one > cal.sampling.floor_s
+    s = P.Settings(method="lora", model="sdxl", resolution=1024, precision="fp16")
+    assert P.image_seconds(prof, s, t4, cal, 20, 1.0) < P.image_seconds(prof, s, t4, cal, 20, None)
+    flux = P.Settings(method="lora", model="flux-dev", resolution=1024)
+    h100 = prof.find_gpu("H100 SXM")
+    assert P.image_seconds(prof, flux, h100, cal, 20, 7.5) == P.image_seconds(prof, flux, h100, cal, 20, None)
+    assert P.image_seconds(prof, s, None, cal, 20, None) is None  # no GPU: the time is not known
+
+
+def test_the_run_samples_its_missing_class_images_and_each_grid(prof):
+    steps = P.plan(
+        P.hardware_from_catalog(prof.find_gpu("RTX 4090")), prof, P.Request(method="lora", model="sd15")
+    ).steps
+    req = P.Request(
+        method="dreambooth",
+        prior_preservation=True,
+        class_images=100,
+        class_images_to_generate=40,
+        sample_prompts=4,
+        sample_every_steps=10,
+    )
+    assert P.sampled_images(req, steps) == (40, (1 + steps.total_steps // 10) * 4)
+    no_prior = P.Request(method="dreambooth", class_images=100, class_images_to_generate=40)
+    assert P.sampled_images(no_prior, steps) == (0, 1)  # the final grid of one caption
+
+
+def _png(path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.new("RGB", (8, 8)).save(path)
+
+
+def test_planned_sampling_counts_the_class_folder_as_the_trainer_does(tmp_path):
+    cfg = C.TrainConfig(method="dreambooth")
+    cfg.dreambooth.with_prior_preservation = True
+    cfg.dreambooth.num_class_images = 5
+    cfg.output.dir = str(tmp_path / "out")
+    assert C.planned_sampling(cfg)["class_images_to_generate"] == 5  # output/class_images: not there yet
+    for i in range(3):
+        _png(tmp_path / "out" / "class_images" / f"c{i}.png")
+    assert C.planned_sampling(cfg)["class_images_to_generate"] == 2
+    cfg.dreambooth.class_data = str(tmp_path / "mine")
+    for i in range(7):
+        _png(tmp_path / "mine" / f"c{i}.png")
+    cfg.sampling.prompts, cfg.sampling.every_steps, cfg.sampling.num_inference_steps = ["a", "b"], 25, 30
+    got = C.planned_sampling(cfg)
+    assert got == {
+        "class_images_to_generate": 0,
+        "sample_prompts": 2,
+        "sample_every_steps": 25,
+        "sampling_steps": 30,
+        "guidance_scale": None,
+    }
+    cfg.dreambooth.with_prior_preservation = False
+    assert C.planned_sampling(cfg)["class_images_to_generate"] == 0
+
+
+def test_a_dreambooth_plan_charges_its_class_images_to_the_run_and_says_so(prof):
+    hw = P.hardware_from_catalog(prof.find_gpu("RTX 3060 12GB"))
+    base = dict(method="dreambooth", model="sd15", prior_preservation=True, class_images=100)
+    none = P.plan(hw, prof, P.Request(**base, class_images_to_generate=0))
+    some = P.plan(hw, prof, P.Request(**base, class_images_to_generate=100))
+    assert none.plan == some.plan
+    one = P.image_seconds(prof, some.plan, prof.find_gpu("RTX 3060 12GB"), P.calibrate(prof), 20, None)
+    assert some.sampling_seconds - none.sampling_seconds == pytest.approx(100 * one)
+    assert some.seconds - none.seconds == pytest.approx(100 * one)
+    lo, hi = prof.uncertainty.sampling_seconds
+    grown = [b - a for a, b in zip(none.seconds_range, some.seconds_range, strict=True)]
+    assert grown == pytest.approx([100 * one * lo, 100 * one * hi])
+    assert any("sampling: 100 class images the class folder lacks" in r for r in some.reasons)
+    assert not any(r.startswith("sampling:") for r in none.reasons)  # the final grid alone: too small to name
+    assert P.result_dict(some)["estimate"]["sampling_seconds"] == round(some.sampling_seconds, 1)
+
+
+def test_recommend_counts_the_class_folder_it_is_given(tmp_path):
+    folder = tmp_path / "dogs"
+    for i in range(4):
+        _png(folder / f"d{i}.png")
+    runner = CliRunner()
+    common = [
+        "recommend",
+        "--method",
+        "dreambooth",
+        "--model",
+        "sd15",
+        "--hardware",
+        "RTX 3060 12GB",
+        "--json",
+    ]
+    pins = ["dreambooth.with_prior_preservation=true", "dreambooth.class_prompt=a dog"]
+    out = {}
+    for n in (4, 104):
+        r = runner.invoke(
+            app, [*common, *pins, f"dreambooth.class_data={folder}", f"dreambooth.num_class_images={n}"]
+        )
+        assert r.exit_code == 0, r.output
+        out[n] = json.loads(r.stdout)
+    assert out[4]["estimate"]["sampling_seconds"] < out[104]["estimate"]["sampling_seconds"]
+    assert any("100 class images the class folder lacks" in line for line in out[104]["reasons"])
+    assert not any("class folder lacks" in line for line in out[4]["reasons"])
+
+
+def test_the_sampling_validation_shares_no_document_with_the_calibration(prof):
+    points = accuracy.load_sampling_validation()
+    assert len(points) >= 20 and len({p["url"].split("#")[0] for p in points}) >= 6
+    assert not any("torch2.0" in p["url"] for p in points)
+    cited = {p.source.split(",")[0] for p in prof.sampling}
+    assert cited == {"diffusers torch2.0 doc"}
+
+
+def test_planner_accuracy_reports_the_sampling_figures(prof):
+    result = accuracy.sampling_out_of_sample(prof, accuracy.load_sampling_validation())
+    summary = result["summary"]
+    assert summary["all"]["n"] == len(result["figures"]) >= 20
+    assert all(math.isfinite(r["error_pct"]) for r in result["figures"])
+    assert {x["id"] for x in result["excluded"]} >= {
+        "lambda-a10-sd14-b1-naive",
+        "stablefast-h100-sd15-vanilla",
+    }
+    fit = accuracy.sampling_fit(prof)
+    assert fit["summary"]["in_sample"]["n"] == fit["summary"]["each_gpu_left_out"]["n"] == len(prof.sampling)
