@@ -806,7 +806,7 @@ def sampling_fit(prof: Profiles) -> dict:
                 )
     return {
         "efficiency": fit.efficiency,
-        "by_architecture": dict(fit.by_family),
+        "by_architecture": dict(fit.by_arch),
         "floor_s": fit.floor_s,
         "in_sample": fitted,
         "each_gpu_left_out": left_out,
@@ -859,37 +859,32 @@ def load_sampling_validation(folder: Path = SAMPLING_VALIDATION_DIR) -> list[dic
 
 
 def predict_sampling_it_s(prof: Profiles, cal: Any, d: dict) -> float | None:
-    """A txt2img speed as the planner's sampling time predicts it (``planner.denoise_step_seconds``): the
-    denoising step alone, one denoiser forward, or the whole pipeline call (steps, the prompts' encoding, each
-    image's VAE decode: fp32 for SDXL's fp16 VAE, which diffusers upcasts) over its steps."""
+    """A txt2img speed as the planner's sampling time predicts it: one denoising step
+    (``planner.denoise_step_seconds``) for the denoising loop alone or one denoiser forward, the whole pipeline
+    call (``planner.pipeline_seconds``, as a plan's images: the prompt's encoding, the steps, each image's VAE
+    decode, fp32 for SDXL's fp16 VAE, which diffusers upcasts) over its steps for an end-to-end time."""
     spec = prof.find_gpu(d["gpu"])
-    scale = prof.model(d["family"]).vae_scale_factor
-    latent = (d["width"] // scale) * (d["height"] // scale)
-    prompts = 2 if d["guidance"] else 1
-    batch = d["images"] * prompts
-    step = P.denoise_step_seconds(
+    latent = P.latent_pixels(prof, d["family"], d["width"], d["height"])
+    attention = "math" if d["attention"] == "math" else "efficient"
+    if d["timing"] != "end-to-end":
+        batch = d["images"] * (2 if d["guidance"] else 1)
+        step = P.denoise_step_seconds(prof, d["family"], latent, d["precision"], batch, spec, cal, attention)
+        return 1.0 / step if step else None
+    vae = "fp32" if d["family"] == "sdxl" and d["precision"] == "fp16" else d["precision"]
+    total = P.pipeline_seconds(
         prof,
         d["family"],
         latent,
         d["precision"],
-        batch,
         spec,
         cal,
-        "math" if d["attention"] == "math" else "efficient",
+        images=d["images"],
+        steps=d["steps"],
+        guided=d["guidance"],
+        vae_precision=vae,
+        attention=attention,
     )
-    if step is None:
-        return None
-    if d["timing"] != "end-to-end":
-        return 1.0 / step
-    vae = "fp32" if d["family"] == "sdxl" and d["precision"] == "fp16" else d["precision"]
-    other = P.encode_decode_seconds(
-        prof, d["family"], latent, d["precision"], spec, cal, prompts=prompts, vae_precision=vae
-    )
-    decode_only = other - P.encode_decode_seconds(
-        prof, d["family"], latent, d["precision"], spec, cal, prompts=0, vae_precision=vae
-    )
-    total = d["steps"] * step + (other - decode_only) + decode_only * d["images"]
-    return d["steps"] / total
+    return d["steps"] / total if total else None
 
 
 def sampling_out_of_sample(prof: Profiles, points: list[dict]) -> dict:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import errno
 import math
+import os
 import re
 import shlex
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
@@ -367,29 +368,32 @@ def prior_preservation(cfg: TrainConfig) -> tuple[bool, int]:
 
 
 def planned_sampling(cfg: TrainConfig) -> dict[str, Any]:
-    """What a run of ``cfg`` samples besides training, as the planner's Request takes it (planner.sampled_images,
-    sampling_seconds): the class images its class folder lacks (DreamBooth with prior preservation: the trainer
-    generates them before the first step, trainer/recipes/dreambooth.py; the folder is dreambooth.class_data,
-    else output.dir/class_images, counted as the trainer scans it), the grids' prompts (sampling.prompts, else
-    one caption), sampling.every_steps, the denoising steps and the guidance scale."""
+    """What a run of ``cfg`` samples besides training, as the planner's Request takes it (planner.sampled_images):
+    the class images its class folder lacks (DreamBooth with prior preservation: the trainer generates them
+    before the first step, trainer/recipes/dreambooth.py; the folder is dreambooth.class_data, else
+    output.dir/class_images; counted from each image's header, where the trainer also decodes them: a damaged
+    one counts here and is generated again there), the grids' prompts, sampling.every_steps, the intermediate
+    saves (a grid at each, with prompts), the denoising steps and the guidance scale."""
     on, wanted = prior_preservation(cfg)
     missing = 0
     if on and wanted:
         from sdplan.errors import DatasetError
         from sdplan.trainer.dataset_scan import scan
 
-        folder = Path(cfg.dreambooth.class_data or Path(cfg.output.dir) / "class_images").expanduser()
+        folder = Path(os.path.expanduser(cfg.dreambooth.class_data or Path(cfg.output.dir) / "class_images"))
         try:
-            found = len(scan(folder).items) if folder.is_dir() else 0
+            found = len(scan(folder, verify="header").items) if folder.is_dir() else 0
         except (DatasetError, OSError):  # the trainer says what is wrong with it; planned as generated
             found = 0
         missing = max(0, wanted - found)
     return {
         "class_images_to_generate": missing,
-        "sample_prompts": len(cfg.sampling.prompts) or 1,
+        "sample_prompts": len(cfg.sampling.prompts),
         "sample_every_steps": cfg.sampling.every_steps,
         "sampling_steps": cfg.sampling.num_inference_steps,
         "guidance_scale": cfg.sampling.guidance_scale,
+        "save_every_epochs": cfg.output.save_every_n_epochs,
+        "save_every_steps": cfg.output.save_every_n_steps,
     }
 
 
@@ -783,7 +787,9 @@ def link_loops(path: Path) -> bool:
 def absolute(path: str | Path, what: str) -> Path:
     """``path`` with ~ expanded, made absolute through its links, as a run's sdplan.yaml names it; a symbolic link
     that loops is one UsageError naming ``what`` (--out, data.path, ...)."""
-    p = Path(path).expanduser()
+    p = Path(
+        os.path.expanduser(path)
+    )  # an unknown ~user stays as given (Path.expanduser raised RuntimeError)
     if link_loops(p):
         where = "is" if p.is_symlink() else "is under"
         raise UsageError(
@@ -795,7 +801,7 @@ def absolute(path: str | Path, what: str) -> Path:
 
 def absolute_if_local(path: str) -> str:
     """``path`` absolute where it names a local file or folder; as it is otherwise (a hub id)."""
-    p = Path(path).expanduser()
+    p = Path(os.path.expanduser(path))
     return str(p.resolve()) if p.exists() else path
 
 

@@ -62,7 +62,7 @@ from sdplan.settings import (
     describe,
     zero_label,
 )
-from sdplan.steps import Steps, bucketed_batches, plan_steps, repeated_batches
+from sdplan.steps import Steps, bucketed_batches, intermediate_steps, plan_steps, repeated_batches
 from sdplan.trainer.blockswap import support_problem as swap_problem  # the trainer's rule (pure, no torch)
 from sdplan.trainer.dataset_scan import count_of as count_text
 
@@ -172,7 +172,7 @@ STARTUP_S = 60.0  # loading the model, building the optimizer, first compilation
 # Sampling (the images a run generates besides training: DreamBooth's missing class images, sample grids): a
 # denoising step runs the denoiser at the images' batch, twice that with classifier-free guidance, and takes the
 # larger of a launch-bound floor and that batch's roofline (the UNet's bytes over the memory bandwidth at
-# sampling_efficiency, its FLOPs over the measured GEMM rate). calibrate() fits the efficiency and the floor on
+# an efficiency, its FLOPs over the measured GEMM rate). calibrate() fits the efficiency and the floor on
 # the measured txt2img speeds of profiles/sampling.yaml (least squares on log time) over these grids; the
 # transformer families' step is their forward's FLOPs at their training efficiency (nothing measured to fit).
 SAMPLING_EFFICIENCY_GRID = tuple(0.01 * 1.03**i for i in range(160))  # 0.01 .. 1.1, 3% apart
@@ -287,14 +287,16 @@ class Request:
     images_per_epoch: int | None = None
     # data.buckets: the samples in each aspect bucket (a batch holds one bucket's: each ends in a short batch)
     bucket_samples: tuple[int, ...] = ()
-    # what the run samples besides training (sampling_seconds): the class images its class folder lacks (None:
-    # all class_images), the sample grids' prompts (the final grid, and one grid every sample_every_steps
-    # optimizer steps), their denoising steps and guidance scale (None: the family's, as trainer/sampling.py)
+    # what the run samples besides training (sampled_images): the class images its class folder lacks (None:
+    # all class_images), the grids' prompts (the final grid, one every sample_every_steps optimizer steps, one
+    # at each intermediate save), their denoising steps and guidance scale (None: the family's)
     class_images_to_generate: int | None = None
-    sample_prompts: int = 1
+    sample_prompts: int = 0  # sampling.prompts given (0: the final grid of one caption, no grids at saves)
     sample_every_steps: int = 0
     sampling_steps: int = 20
     guidance_scale: float | None = None
+    save_every_epochs: int = 0  # output.save_every_n_epochs / _steps: a grid at each save, with prompts
+    save_every_steps: int = 0
     # settings the user fixed (Settings field -> value, from `key=value` sdplan.yaml pins): planned around
     pins: tuple[tuple[str, Any], ...] = ()
 
@@ -920,13 +922,13 @@ class SamplingFit(NamedTuple):
 
     efficiency: float | None = None  # None: nothing measured, the time is not known
     floor_s: float = 0.0
-    by_family: tuple[tuple[str, float], ...] = ()
+    by_arch: tuple[tuple[str, float], ...] = ()
 
     def efficiency_for(self, spec: GPUSpec | None) -> float | None:
-        return _for_family(self.by_family, spec, self.efficiency) if self.efficiency else None
+        return _for_family(self.by_arch, spec, self.efficiency) if self.efficiency else None
 
     def predicted(self, row: SamplingRow) -> float:
-        eff = dict(self.by_family).get(row.arch, self.efficiency)
+        eff = dict(self.by_arch).get(row.arch, self.efficiency)
         return row.predicted(eff, self.floor_s)
 
 
@@ -1672,14 +1674,14 @@ def fit_sampling(rows: list[SamplingRow]) -> SamplingFit:
         return _grid_argmin(SAMPLING_EFFICIENCY_GRID, lambda e: error(rows, e, floor))
 
     def own_efficiencies(eff: float, floor: float) -> tuple[tuple[str, float], ...]:
-        by_family = []
+        by_arch = []
         for arch in sorted({r.arch for r in rows}):
             own = [r for r in rows if r.arch == arch and r.predicted(eff, 0.0) > floor]
             if len(own) >= SAMPLING_MIN_POINTS:
-                by_family.append(
+                by_arch.append(
                     (arch, _grid_argmin(SAMPLING_EFFICIENCY_GRID, lambda e, own=own: error(own, e, floor)))
                 )
-        return tuple(by_family)
+        return tuple(by_arch)
 
     def fit_error(fit: SamplingFit) -> float:
         return sum(math.log(fit.predicted(r) / r.seconds) ** 2 for r in rows)
@@ -1687,10 +1689,10 @@ def fit_sampling(rows: list[SamplingRow]) -> SamplingFit:
     # coarse to fine over the floors too (the full scan's answer on the shipped profiles, in half the time)
     floor = _grid_argmin(SAMPLING_FLOOR_GRID, lambda f: error(rows, best_eff(f), f), stride=4)
     eff = best_eff(floor)
-    by_family = own_efficiencies(eff, floor)
+    by_arch = own_efficiencies(eff, floor)
     # the floor again with each architecture at its own efficiency (one efficiency for all biases it), then the
     # efficiencies at that floor
-    floor = _grid_argmin(SAMPLING_FLOOR_GRID, lambda f: fit_error(SamplingFit(eff, f, by_family)), stride=4)
+    floor = _grid_argmin(SAMPLING_FLOOR_GRID, lambda f: fit_error(SamplingFit(eff, f, by_arch)), stride=4)
     eff = best_eff(floor)
     return SamplingFit(eff, floor, own_efficiencies(eff, floor))
 
@@ -1718,11 +1720,18 @@ def _denoiser_parts(
 
 
 def guided(model: str, guidance_scale: float | None) -> bool:
-    """Whether sampling ``model`` runs the denoiser twice a step (classifier-free guidance): not FLUX.1, whose
-    guidance is an embedding (trainer/sampling.py guidance_for), nor a guidance scale of 1 or less."""
-    if registry.family(model).arch == "flux":
-        return False
-    return guidance_scale is None or guidance_scale > 1.0
+    """Whether sampling ``model`` runs the denoiser twice a step (classifier-free guidance): at the guidance
+    scale the trainer samples with (trainer/sampling.py guidance_for: the family's where none is set) above 1,
+    and never for FLUX.1, whose guidance is an embedding."""
+    from sdplan.trainer.sampling import guidance_for  # torch-free (imports torch only where it samples)
+
+    return registry.family(model).arch != "flux" and guidance_for(guidance_scale, model) > 1.0
+
+
+def latent_pixels(profiles: Profiles, model: str, width: int, height: int | None = None) -> int:
+    """The latent pixels of a ``width`` x ``height`` (square: ``width``) image of ``model``."""
+    scale = profiles.model(model).vae_scale_factor
+    return (width // scale) * ((height or width) // scale)
 
 
 def denoise_step_seconds(
@@ -1753,26 +1762,47 @@ def denoise_step_seconds(
     return max(cal.sampling.floor_s, step)
 
 
-def encode_decode_seconds(
+def decode_tflops(spec: GPUSpec, precision: str) -> float:
+    """The VAE decode's convolution rate at ``precision``: fp32 convolutions run as TF32 on NVIDIA's Ampere and
+    later (torch.backends.cudnn.allow_tf32 is True by default, and the trainer leaves it), half the fp16 rate;
+    otherwise the precision's matmul rate."""
+    nvidia = spec.vendor == "nvidia" and spec.arch.replace(".", "").isdigit()
+    if precision == "fp32" and nvidia and float(spec.arch) >= 8.0:
+        return spec.matmul_tflops("fp16") / 2.0
+    return spec.matmul_tflops(precision)
+
+
+def pipeline_seconds(
     profiles: Profiles,
     model: str,
     latent_pixels: int,
     precision: str,
-    spec: GPUSpec,
+    spec: GPUSpec | None,
     cal: Calibration,
     *,
-    prompts: int,
-    vae_precision: str | None = None,
-) -> float:
-    """An image's VAE decode and its ``prompts`` text-encoder passes (2 with guidance: the negative prompt), FLOPs
-    at the fitted FLOP efficiency, the decode at ``vae_precision``'s rate (fp32 where the VAE decodes so)."""
+    images: int,
+    steps: int,
+    guided: bool,
+    vae_precision: str,
+    attention: str = "efficient",
+) -> float | None:
+    """One pipeline call that generates ``images`` at once: ``steps`` denoising steps at the denoiser batch
+    (the images, twice with guidance; :func:`denoise_step_seconds`), the prompt's text-encoder passes (two with
+    guidance: the negative prompt too) and each image's VAE decode, FLOPs at the fitted efficiency (the decode
+    at ``vae_precision``'s convolution rate, :func:`decode_tflops`). None where the time is unknown."""
+    batch = images * (2 if guided else 1)
+    step = denoise_step_seconds(profiles, model, latent_pixels, precision, batch, spec, cal, attention)
+    if step is None or spec is None:
+        return None
     act = profiles.activations
     eff = cal.efficiency_for(spec)
-    rate = spec.matmul_tflops(precision) * 1e12
-    vae_rate = spec.matmul_tflops(vae_precision or precision) * 1e12 or rate
-    return act.vae_decode_flops(model, latent_pixels) / (vae_rate * eff) + act.text_encoder_flops(
-        model
-    ) * prompts / (rate * eff)
+    decode = (
+        act.vae_decode_flops(model, latent_pixels)
+        * images
+        / (decode_tflops(spec, vae_precision) * 1e12 * eff)
+    )
+    text = act.text_encoder_flops(model) * (2 if guided else 1) / (spec.matmul_tflops(precision) * 1e12 * eff)
+    return steps * step + decode + text
 
 
 def image_seconds(
@@ -1784,17 +1814,27 @@ def image_seconds(
     guidance: float | None,
 ) -> float | None:
     """Seconds to sample one image at ``s``'s model, resolution and precision on ``spec`` as the trainer does
-    (trainer/sampling.py: one image a call): ``steps`` denoising steps, the VAE decode (fp32 where the trainer
-    decodes so) and the prompt's encoding. None where the time is unknown (:func:`denoise_step_seconds`)."""
-    batch = 2 if guided(s.model, guidance) else 1
-    latent = (s.resolution // profiles.model(s.model).vae_scale_factor) ** 2
-    step = denoise_step_seconds(profiles, s.model, latent, s.precision, batch, spec, cal)
-    if step is None or spec is None:
-        return None
-    vae = "fp32" if _vae_dtype(s) == "fp32" else s.precision
-    return steps * step + encode_decode_seconds(
-        profiles, s.model, latent, s.precision, spec, cal, prompts=batch, vae_precision=vae
-    )
+    (trainer/sampling.py: one image a call, the VAE in its training dtype: :func:`_vae_dtype`); kept in
+    ``cal.memo`` (a search asks it for every candidate). None where the time is unknown."""
+    key = ("image_seconds", id(profiles), id(spec), s.model, s.resolution, s.precision, steps, guidance)
+    table = cal.memo.setdefault("image_seconds", {})
+
+    def compute() -> tuple:
+        seconds = pipeline_seconds(
+            profiles,
+            s.model,
+            latent_pixels(profiles, s.model, s.resolution),
+            s.precision,
+            spec,
+            cal,
+            images=1,
+            steps=steps,
+            guided=guided(s.model, guidance),
+            vae_precision=_vae_dtype(s),
+        )
+        return profiles, spec, seconds  # the entry keeps both alive: an id is never another object's
+
+    return _memo(table, key, compute)[2]
 
 
 def sampling_band(profiles: Profiles, model: str) -> tuple[tuple[float, float], str]:
@@ -1808,24 +1848,48 @@ def sampling_band(profiles: Profiles, model: str) -> tuple[tuple[float, float], 
     return band, f"the training time's validation range, n={n}"
 
 
-def sampled_images(req: Request, steps: Steps) -> tuple[int, int]:
-    """(class images generated, grid images sampled) over a run: the class images its class folder lacks, and
-    each grid's prompts for the final grid and one every ``sample_every_steps`` optimizer steps (trainer/loop.py;
-    the main process samples them while the others wait)."""
+class SampledImages(NamedTuple):
+    """The images a run samples besides training (trainer/recipes/dreambooth.py, trainer/loop.py)."""
+
+    classes: int  # DreamBooth's class images the class folder lacks, generated before the first step
+    final: int  # the final grid's: each of sampling.prompts, else one caption
+    during: int  # the grids' during the run: every sampling.every_steps steps, and each intermediate save's
+
+    @property
+    def once(self) -> int:
+        """The images no setting changes the number of (the class images and the final grid)."""
+        return self.classes + self.final
+
+
+def sampled_images(req: Request, steps: Steps) -> SampledImages:
+    """What the trainer samples over a run of ``steps``: the class images its class folder lacks (prior
+    preservation), the final grid (each prompt, else a caption), a grid every ``sample_every_steps`` optimizer
+    steps (at each step that divides, the last too), and one at each intermediate save where prompts are given
+    (:func:`sdplan.steps.intermediate_steps`, as the loop saves them)."""
     classes = 0
     if req.prior_preservation:
         classes = req.class_images if req.class_images_to_generate is None else req.class_images_to_generate
-    grids = 1 + (steps.total_steps // req.sample_every_steps if req.sample_every_steps > 0 else 0)
-    return max(0, classes), grids * max(1, req.sample_prompts)
+    grid = max(1, req.sample_prompts)
+    every = steps.total_steps // req.sample_every_steps if req.sample_every_steps > 0 else 0
+    saves = intermediate_steps(
+        total_steps=steps.total_steps,
+        steps_per_epoch=steps.steps_per_epoch,
+        every_epochs=req.save_every_epochs,
+        every_steps=req.save_every_steps,
+    )
+    return SampledImages(max(0, classes), grid, every * grid + len(saves) * req.sample_prompts)
 
 
 def sampling_seconds(
     req: Request, profiles: Profiles, s: Settings, steps: Steps, spec: GPUSpec | None, cal: Calibration
-) -> float:
-    """Seconds a run spends sampling images (:func:`sampled_images` x :func:`image_seconds`); 0 where that
-    time is unknown."""
+) -> tuple[float, float] | None:
+    """(seconds of the images no setting changes the number of, of all) a run spends sampling
+    (:func:`sampled_images` x :func:`image_seconds`); None where that time is unknown."""
     one = image_seconds(profiles, s, spec, cal, req.sampling_steps, req.guidance_scale)
-    return sum(sampled_images(req, steps)) * one if one else 0.0
+    if one is None:
+        return None
+    images = sampled_images(req, steps)
+    return images.once * one, (images.once + images.during) * one
 
 
 def _geomean(values: list[float]) -> float:
@@ -2150,9 +2214,10 @@ class Candidate:
         None  # the multi-GPU observation whose all-reduce rate its exchange takes
     )
     fixed_seconds: float = 0.0  # start-up, latent caching and sampling, in ``seconds``
-    sampling_seconds: float = (
-        0.0  # sampling class images and grids (:func:`sampling_seconds`), in fixed_seconds
-    )
+    # sampling class images and grids (:func:`sampling_seconds`), in fixed_seconds; of those, the images no
+    # setting changes the number of (the class images, the final grid)
+    sampling_seconds: float = 0.0
+    sampling_once_seconds: float = 0.0
     allreduce_seconds: float = 0.0  # the modelled gradient all-reduce over the whole run, in ``seconds``
     peak_measured: str | None = None  # the sdplan bench point on this GPU whose peak the plan states
     # "measured" (at that point's settings), "scaled" (the model times measured / model at its batch), "predicted"
@@ -2905,20 +2970,21 @@ def _evaluate(req: Request, profiles: Profiles, hw: Hardware, cal: Calibration, 
     gpu, step_s, basis = pace_gpu(profiles, s, used, link_cal, link_gbs)
     seconds = seconds_range = None
     fixed = allreduce = 0.0
-    sampling = 0.0
+    sampling = sampling_once = 0.0
     if step_s is not None:
         stepping = steps.micro_batches * step_s
         fixed = STARTUP_S
         if s.cache_latents:
             fixed += latent_cache_seconds(profiles, s, req.images, gpu, cal)
         # on the main process while the others wait; at the pace GPU's speed (the weakest: a plan is planned there)
-        sampling = sampling_seconds(req, profiles, _count_free(s, 1), steps, gpu.spec, cal)
+        sampled = sampling_seconds(req, profiles, s, steps, gpu.spec, cal)
+        sampling_once, sampling = sampled or (0.0, 0.0)
         seconds = fixed + sampling + stepping
         if s.num_gpus > 1 and link_gbs:
             allreduce = steps.micro_batches * comm_seconds(profiles, s, link_gbs, link_cal)
         # the steps' range by their basis (one GPU: the bench evidence behind it times one GPU; several add an
         # all-reduce as modelled); start-up and caching are the model's (the validation set's range), sampling
-        # its own (the measured txt2img speeds, each GPU left out of the fit)
+        # its own (the validation set's txt2img speeds: sampling_band)
         band = seconds_band(profiles, basis, s.model, s.num_gpus)[0]
         model_band = profiles.uncertainty.seconds_for(s.model)[0]
         sampling_range = sampling_band(profiles, s.model)[0]
@@ -2941,6 +3007,7 @@ def _evaluate(req: Request, profiles: Profiles, hw: Hardware, cal: Calibration, 
         observed_multi_gpu=observed.id if observed is not None else None,
         fixed_seconds=fixed,
         sampling_seconds=sampling,
+        sampling_once_seconds=sampling_once,
         allreduce_seconds=allreduce,
         peak_measured=evidence[0].id if evidence is not None else None,
         peak_basis=evidence[1] if evidence is not None else "predicted",
@@ -2970,9 +3037,10 @@ def _key(c: Candidate) -> tuple:
     if c.seconds is None:  # no checkpointing (it surely costs time), then the largest batch
         return (math.inf, s.offload, s.num_gpus, s.gradient_checkpointing, -s.batch * s.grad_accum, *savers)
     # per image seen: the run's time where its images are set (epochs), its pace where its steps are
-    # (training.max_steps: a larger batch sees more images in as many steps, not a slower run); less its
-    # sampling, which no setting here changes (a fixed cost added to all would dilute the handicaps above)
-    training = (c.seconds - c.sampling_seconds) / c.steps.images_seen
+    # (training.max_steps: a larger batch sees more images in as many steps, not a slower run); less the class
+    # images and the final grid, whose number no setting here changes (a cost added to all would dilute the
+    # handicaps above); the grids during the run stay (their number follows the steps)
+    training = (c.seconds - c.sampling_once_seconds) / c.steps.images_seen
     return (training * penalty, s.offload, s.num_gpus, s.batch, *savers)
 
 
@@ -3985,14 +4053,11 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
             r.append(f"time: from a {best.basis} speed for {pace.name} with these settings; {likely}")
     if req.prior_preservation and req.class_images:
         r.append(f"prior preservation: {req.class_images} class images are trained alongside (batch doubled)")
+    images = sampled_images(req, best.steps)
     if (
         best.sampling_seconds
         and best.seconds
-        and (
-            sampled_images(req, best.steps)[0]
-            or req.sample_every_steps
-            or best.sampling_seconds >= SAMPLING_SHOWN * best.seconds
-        )
+        and (images.classes or images.during or best.sampling_seconds >= SAMPLING_SHOWN * best.seconds)
     ):
         r.append(_sampling_text(req, best, profiles))
     return r
@@ -4000,23 +4065,18 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
 
 def _sampling_text(req: Request, best: Candidate, profiles: Profiles) -> str:
     """What the run samples besides training and how long that takes, with its range and basis."""
-    classes, grid = sampled_images(req, best.steps)
+    images = sampled_images(req, best.steps)
     what = []
-    if classes:
+    if images.classes:
+        what.append(f"{count_text(images.classes, 'class image')} the class folder lacks (before training)")
+    if images.during:
         what.append(
-            f"{count_text(classes, 'class image')} the class folder lacks (generated before training)"
+            f"{count_text(images.during, 'grid image')} during the run (every_steps, intermediate saves)"
         )
-    per_grid = count_text(max(1, req.sample_prompts), "image")
-    grids = grid // max(1, req.sample_prompts)
-    if grids > 1:
-        what.append(
-            f"{grids} sample grids of {per_grid} (every {req.sample_every_steps} steps and at the end)"
-        )
-    else:
-        what.append(f"the final sample grid ({per_grid})")
+    what.append(f"the final sample grid ({count_text(images.final, 'image')})")
     band, basis = sampling_band(profiles, best.setup.model)
     return (
-        f"sampling: {' and '.join(what)}, {req.sampling_steps} denoising steps an image: "
+        f"sampling: {', '.join(what)}, {req.sampling_steps} denoising steps an image: "
         f"{format_duration(best.sampling_seconds)} of the run's time (likely x{band[0]:g}-{band[1]:g}: {basis}; "
         f"on the main process, while any others wait)"
     )
@@ -4440,7 +4500,7 @@ def result_dict(res: Result) -> dict[str, Any]:
             "seconds": None if res.seconds is None else round(res.seconds, 1),
             "seconds_range": _rng(res.seconds_range, 1),
             # of ``seconds``: sampling DreamBooth's missing class images and the sample grids
-            "sampling_seconds": round(res.sampling_seconds, 1),
+            "sampling_seconds": None if res.seconds is None else round(res.sampling_seconds, 1),
             "it_per_s": None if not res.step_seconds else round(1.0 / res.step_seconds, 4),
             "speedup_vs_one_gpu": None
             if res.speedup_vs_one_gpu is None

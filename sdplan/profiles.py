@@ -718,8 +718,8 @@ class Uncertainty:
     # a peak scaled by the sdplan bench point on the GPU at the same settings and the nearest batch: likewise
     peak_scaled: tuple[float, float] | None = None
     n_peak_scaled: int = 0
-    # the time of the images a run samples (planner.sampling_seconds): the measured txt2img speeds of
-    # profiles/sampling.yaml, each GPU left out of the fit; None: the model's seconds band serves it
+    # the time of the images a run samples (planner.sampling_seconds): the validation set's txt2img speeds
+    # (benchmarks/validation/sampling/) against it; None: the model's seconds band serves it
     sampling_seconds: tuple[float, float] | None = None
     n_sampling_seconds: int = 0
     # SD3.5 / FLUX.1 (registry.FLOW_FAMILIES); None: the ones above serve them too

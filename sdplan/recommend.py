@@ -153,6 +153,7 @@ class RecommendInputs:
     machine: str | None = None
     gpus: int | None = None
     settings: tuple[str, ...] = ()  # `key=value` sdplan.yaml settings, as `sdplan train` takes them: pinned
+    out: str | None = None  # --out: the folder the plan is written to, the run's output.dir
     notes: tuple[str, ...] = ()  # said first among the plan's reasons (what --model turned out to be)
     sourced: bool = False  # model_source has read the model's files (model is its family)
 
@@ -505,9 +506,11 @@ def build_request(inp: RecommendInputs, profiles: Profiles) -> tuple[planner.Req
     # the class images trained alongside and what the run samples, from the settings as `sdplan train` reads
     # them (num_class_images, the class folder, sampling.*); the defaults' where none is pinned
     keys = cfgmod.override_keys(inp.settings)
-    sampling_pinned = any(k.startswith(("sampling.", "dreambooth.", "output.dir")) for k in keys)
+    sampling_pinned = any(k.startswith(("sampling.", "dreambooth.", "output.")) for k in keys)
     read = fields.get("prior_preservation") or sampling_pinned
     pinned_cfg = _pinned_config(inp) if read else cfgmod.TrainConfig(method=inp.method)
+    if inp.out is not None and "output.dir" not in keys:  # --out: the run's folder (trainer_config writes it)
+        pinned_cfg.output.dir = str(inp.out)
     prior, class_images = cfgmod.prior_preservation(pinned_cfg)
     req = planner.Request(
         method=inp.method,

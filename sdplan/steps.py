@@ -163,3 +163,17 @@ def moved_position(
     mine = min(done // new.num_processes, new.batches_per_epoch)
     left = math.ceil((new.batches_per_epoch - mine) / new.grad_accum)  # the steps of this epoch still to take
     return Position(step=(epoch + 1) * new.steps_per_epoch - left, epoch=epoch, batches_in_epoch=mine)
+
+
+def intermediate_steps(
+    *, total_steps: int, steps_per_epoch: int, every_epochs: int, every_steps: int, after: int = 0
+) -> dict[int, int | None]:
+    """The optimizer steps after ``after`` (and before the last, which the final outputs cover) where
+    outputs are saved: step -> the epoch it ends (an every-N-epochs save) or None (every N steps)."""
+    due: dict[int, int | None] = {}
+    if every_steps:
+        due.update({s: None for s in range(every_steps, total_steps, every_steps)})
+    if every_epochs:
+        for epoch in range(every_epochs, total_steps // max(steps_per_epoch, 1) + 1, every_epochs):
+            due[epoch * steps_per_epoch] = epoch
+    return {s: e for s, e in sorted(due.items()) if after < s < total_steps}

@@ -40,6 +40,7 @@ from sdplan.errors import SdplanError, UsageError
 from sdplan.registry import FLOW_FAMILIES
 from sdplan.registry import method as method_of
 from sdplan.settings import FAMILY_SETTING, checkpoint_settings
+from sdplan.steps import intermediate_steps
 
 from . import (
     blockswap,
@@ -537,7 +538,7 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
             )
 
     # The export, once, before anything is trained: what fails there fails now, not after the training.
-    saves_at = outputs.intermediate_steps(
+    saves_at = intermediate_steps(
         total_steps=plan.total_steps,
         steps_per_epoch=plan.steps_per_epoch,
         every_epochs=cfg.output.save_every_n_epochs,

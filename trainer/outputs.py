@@ -301,20 +301,6 @@ def record_point(folder: Path, *, step: int, images: int) -> None:
     (folder / POINT_FILE).write_text(json.dumps({"step": step, "images_seen": images}) + "\n")
 
 
-def intermediate_steps(
-    *, total_steps: int, steps_per_epoch: int, every_epochs: int, every_steps: int, after: int = 0
-) -> dict[int, int | None]:
-    """The optimizer steps after ``after`` (and before the last, which the final outputs cover) where
-    outputs are saved: step -> the epoch it ends (an every-N-epochs save) or None (every N steps)."""
-    due: dict[int, int | None] = {}
-    if every_steps:
-        due.update({s: None for s in range(every_steps, total_steps, every_steps)})
-    if every_epochs:
-        for epoch in range(every_epochs, total_steps // max(steps_per_epoch, 1) + 1, every_epochs):
-            due[epoch * steps_per_epoch] = epoch
-    return {s: e for s, e in sorted(due.items()) if after < s < total_steps}
-
-
 @contextlib.contextmanager
 def sampling_precision(accelerator, vae):
     """Sampling runs under the training autocast (the pipeline mixes fp16/bf16 and fp32 components) but the

@@ -124,6 +124,7 @@ def recommend(
         machine=machine,
         gpus=gpus,
         settings=tuple(settings or ()),
+        out=out,
     )
     inp = model_source(inp, profiles)  # --model PATH_OR_ID: its family, and model.path for the written config
     if compare is not None:
