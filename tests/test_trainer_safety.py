@@ -405,3 +405,48 @@ def test_a_label_font_that_cannot_be_opened_gives_way_to_the_next(monkeypatch, t
     dejavu = sampling._font_paths(frozenset(map(ord, "a")))[0]
     monkeypatch.setattr(sampling, "_font_paths", lambda codepoints: (str(broken), dejavu))
     assert sampling._font(20, "a \U0001f431").getname()[0] == "DejaVu Sans"
+
+
+def test_a_survivor_of_a_lost_peer_prints_one_line_not_a_traceback(monkeypatch, capsys):
+    """A process killed mid-run (the kernel's out-of-memory killer) left the others' collective raising gloo's
+    RuntimeError ("Connection closed by peer"): each survivor printed a 30-line traceback. Now rank 0 says it in
+    one line and every survivor exits 1; any other RuntimeError, or one outside a multi-process run, still
+    raises."""
+    import torch
+    from sdplan.trainer import run
+
+    from sdplan import config
+
+    gloo = (
+        "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+        "[127.0.0.1]:59602. This is typically caused by a remote worker crashing."
+    )
+    raised: list[BaseException] = []
+
+    def train(cfg, resume=None):
+        raise raised[-1]
+
+    monkeypatch.setattr(config, "load", lambda *a, **k: config.TrainConfig())
+    monkeypatch.setattr(run, "train", train)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    raised.append(RuntimeError(gloo))
+    capsys.readouterr()
+    assert trainer_main(["--config", "x.yaml"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "error: another process of this run stopped (Connection closed by peer [127.0.0.1]:59602), so this one "
+        "stopped too"
+    ], err
+    monkeypatch.setenv("RANK", "1")
+    assert trainer_main(["--config", "x.yaml"]) == 1 and not capsys.readouterr().err  # rank 0 says it
+    if hasattr(torch.distributed, "DistBackendError"):  # NCCL's, with any message
+        raised.append(torch.distributed.DistBackendError("NCCL communicator was aborted on rank 1."))
+        assert trainer_main(["--config", "x.yaml"]) == 1
+    raised.append(RuntimeError("shape mismatch"))  # a real bug: its traceback
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        trainer_main(["--config", "x.yaml"])
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    raised.append(RuntimeError(gloo))  # one process: not a lost peer
+    with pytest.raises(RuntimeError, match="Connection closed"):
+        trainer_main(["--config", "x.yaml"])

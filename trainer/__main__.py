@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import re
 import sys
 
 
@@ -71,6 +72,25 @@ def _leave_out_unused_libraries(cfg, modules: dict = sys.modules) -> None:
 
     if cfg.distributed.deepspeed is None and not launched_with_deepspeed():
         modules.setdefault("deepspeed", None)
+
+
+# what a collective raises in the processes left when another one of the run died (a crash, the kernel's
+# out-of-memory killer): gloo's "Connection closed by peer" RuntimeError, NCCL's DistBackendError
+_LOST_PEER = ("Connection closed by peer", "Connection reset by peer", "remote worker crashing")
+
+
+def _lost_peer(e: BaseException, torch) -> str | None:
+    """One line for a collective that failed because another process of the run is gone (its own line, or the
+    launcher's "was killed by", says why): printed once instead of each survivor's 30-line traceback. None for
+    any other error, and outside a multi-process run."""
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) < 2:
+        return None
+    dist_error = getattr(getattr(torch, "distributed", None), "DistError", ())
+    if not (isinstance(e, dist_error) or any(m in str(e) for m in _LOST_PEER)):
+        return None
+    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    text = re.sub(r"^\[[^\]]*\]\s*", "", text).split(". ")[0]  # gloo's "[.../pair.cc:553] " source prefix
+    return f"another process of this run stopped ({text[:120]}), so this one stopped too"
 
 
 def _cpu_threads(cfg, torch) -> None:
@@ -156,6 +176,13 @@ def _main(argv: list[str] | None, own_process: bool) -> int:
         report = stops.write_oom_report(cfg.output.dir, step=0, cfg=cfg, message=str(e))
         _err(f"out of GPU memory before training started; details in {report}")
         return stops.EXIT_OOM
+    except RuntimeError as e:
+        lost = _lost_peer(e, torch)
+        if lost is None:
+            raise
+        if _rank() == 0:
+            _err(lost)
+        return 1
     finally:
         # DDP's reducer and gloo's finished work keep tensors in reference cycles; freed during interpreter
         # shutdown they take the GIL and the process aborts after a finished run ("terminate called without an
