@@ -1077,6 +1077,14 @@ def _fallback_text(summary: dict) -> str:
     )
 
 
+def _figure_line(r: dict, extra: str = "") -> str:
+    """One predicted-against-measured row of the report."""
+    return (
+        f"{r['id']:44s} {r['quantity']:32s} {r['predicted']:10.3f} {r['published']:10.3f} {r['error_pct']:+7.1f}%"
+        + extra
+    )
+
+
 def render(result: dict) -> str:
     lines = []
     for title, part in (
@@ -1088,9 +1096,7 @@ def render(result: dict) -> str:
             f"{'point':44s} {'quantity':32s} {'predicted':>10s} {'measured':>10s} {'error':>8s}",
         ]
         for r in result[part]["figures"]:
-            lines.append(
-                f"{r['id']:44s} {r['quantity']:32s} {r['predicted']:10.3f} {r['published']:10.3f} {r['error_pct']:+7.1f}%"
-            )
+            lines.append(_figure_line(r))
         for v in result[part]["fit_verdicts"]:
             mark = "ok " if v["agree"] else "NO "
             flag = "  (card within the likely range: flagged)" if v["within_range"] else ""
@@ -1101,26 +1107,18 @@ def render(result: dict) -> str:
     loso = result["leave_one_source_out"]
     lines.append("== LEAVE-ONE-SOURCE-OUT (calibration refitted without the source)")
     for r in loso["figures"]:
-        lines.append(
-            f"{r['id']:44s} {r['quantity']:32s} {r['predicted']:10.3f} {r['published']:10.3f} {r['error_pct']:+7.1f}%"
-        )
+        lines.append(_figure_line(r))
     lines += [f"({loso['note']})", ""]
     bench = result["bench_leave_one_out"]
     lines.append(
         "== SDPLAN BENCH POINTS, each left out (calibration and evidence), as a plan states the speed"
     )
     for r in bench["figures"]:
-        lines.append(
-            f"{r['id']:44s} {r['quantity']:32s} {r['predicted']:10.3f} {r['published']:10.3f} {r['error_pct']:+7.1f}%"
-            f"  {r['basis']}"
-        )
+        lines.append(_figure_line(r, f"  {r['basis']}"))
     lines.append("")
     lines.append("== SDPLAN BENCH PEAKS, each left out (evidence), as a plan states the peak")
     for r in result["bench_peak_leave_one_out"]["figures"]:
-        lines.append(
-            f"{r['id']:44s} {r['quantity']:32s} {r['predicted']:10.3f} {r['published']:10.3f} {r['error_pct']:+7.1f}%"
-            f"  {r['basis']}"
-        )
+        lines.append(_figure_line(r, f"  {r['basis']}"))
     lines.append("")
     sampling = result["sampling"]
     lines.append(
@@ -1130,18 +1128,14 @@ def render(result: dict) -> str:
         + f"; floor {sampling['floor_s'] * 1000:.1f} ms a step)"
     )
     for r in sampling["each_gpu_left_out"]:
-        lines.append(
-            f"{r['id']:44s} {r['quantity']:32s} {r['predicted']:10.3f} {r['published']:10.3f} {r['error_pct']:+7.1f}%"
-        )
+        lines.append(_figure_line(r))
     lines.append("")
     soos = result["sampling_out_of_sample"]
     lines.append(
         "== SAMPLING SPEEDS, validation set (benchmarks/validation/sampling/), nothing fitted on them"
     )
     for r in soos["figures"]:
-        lines.append(
-            f"{r['id']:44s} {r['quantity']:32s} {r['predicted']:10.3f} {r['published']:10.3f} {r['error_pct']:+7.1f}%"
-        )
+        lines.append(_figure_line(r))
     for x in soos["excluded"]:
         lines.append(f"{x['id']:44s} excluded: {x['reason']}")
     lines.append("")

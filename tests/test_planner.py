@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from load_script import load_script
 
 from sdplan import planner as P
 from sdplan import registry
@@ -19,11 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 MACHINES = ROOT / "tests" / "fixtures" / "machines"
 FIXTURES = ("2x_rtx4090_pcie", "8x_h100_sxm", "w6800", "rx6700xt", "rtx3060_12gb", "t4", "cpu_only")
 
-_spec = importlib.util.spec_from_file_location(
-    "planner_accuracy", ROOT / "benchmarks" / "planner_accuracy.py"
-)
-accuracy = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(accuracy)
+accuracy = load_script("benchmarks/planner_accuracy.py", "planner_accuracy")
 
 
 @pytest.fixture(scope="module")

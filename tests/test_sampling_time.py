@@ -3,12 +3,12 @@ fitted on profiles/sampling.yaml, checked on benchmarks/validation/sampling/, pl
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 from pathlib import Path
 
 import pytest
+from load_script import load_script
 from PIL import Image
 from typer.testing import CliRunner
 
@@ -19,12 +19,7 @@ from sdplan.errors import ConfigError
 from sdplan.profiles import clear_cache, load_profiles, load_sampling
 from sdplan.steps import intermediate_steps
 
-ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location(
-    "planner_accuracy_sampling", ROOT / "benchmarks" / "planner_accuracy.py"
-)
-accuracy = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(accuracy)
+accuracy = load_script("benchmarks/planner_accuracy.py", "planner_accuracy_sampling")
 
 
 @pytest.fixture(scope="module")
