@@ -790,8 +790,8 @@ def bench_peak_leave_one_out(prof: Profiles) -> dict:
 def sampling_fit(prof: Profiles) -> dict:
     """The txt2img speeds of profiles/sampling.yaml (what the planner charges for class images and sample
     grids): in sample (the fit on all of them) and out of sample, each GPU's speeds predicted by the fit on the
-    other GPUs' (``planner.fit_sampling``). scripts/uncertainty.py writes the left-out rows' spread as the
-    sampling time's range."""
+    other GPUs' (``planner.fit_sampling``). The sampling time's range comes from the validation set instead
+    (:func:`sampling_out_of_sample`, scripts/uncertainty.py)."""
     rows = P.sampling_rows(prof)
     fit = P.fit_sampling(rows)
     fitted, left_out = [], []
@@ -838,6 +838,7 @@ def load_sampling_validation(folder: Path = SAMPLING_VALIDATION_DIR) -> list[dic
     """The txt2img speeds of ``folder``/*.yaml (the sampling time's out-of-sample check), checked: every key
     there, a catalog GPU where not excluded, an end-to-end timing with its steps."""
     optional = {"steps", "software", "derivation", "model_note", "excluded"}
+    catalog = {g.name for g in shipped_profiles().gpus}
     points, errors, seen = [], [], set()
     for path in sorted(folder.glob("*.yaml")):
         for i, d in enumerate(read_yaml(path)["points"]):
@@ -852,6 +853,8 @@ def load_sampling_validation(folder: Path = SAMPLING_VALIDATION_DIR) -> list[dic
                 errors.append(f"{where}: an end-to-end timing needs its steps")
             if d.get("timing") not in ("denoise", "end-to-end", "forward"):
                 errors.append(f"{where}: timing must be denoise, end-to-end or forward")
+            if not d.get("excluded") and d.get("gpu") not in catalog:
+                errors.append(f"{where}: gpu {d.get('gpu')!r} is not a catalog name (profiles/gpus.yaml)")
             points.append(d)
     if errors:
         raise ValidationError("\n".join(errors))
@@ -864,10 +867,10 @@ def predict_sampling_it_s(prof: Profiles, cal: Any, d: dict) -> float | None:
     call (``planner.pipeline_seconds``, as a plan's images: the prompt's encoding, the steps, each image's VAE
     decode, fp32 for SDXL's fp16 VAE, which diffusers upcasts) over its steps for an end-to-end time."""
     spec = prof.find_gpu(d["gpu"])
-    latent = P.latent_pixels(prof, d["family"], d["width"], d["height"])
+    latent = P.latent_size(prof, d["family"], d["width"], d["height"])
     attention = "math" if d["attention"] == "math" else "efficient"
     if d["timing"] != "end-to-end":
-        batch = d["images"] * (2 if d["guidance"] else 1)
+        batch = P.denoiser_batch(d["images"], d["guidance"])
         step = P.denoise_step_seconds(prof, d["family"], latent, d["precision"], batch, spec, cal, attention)
         return 1.0 / step if step else None
     vae = "fp32" if d["family"] == "sdxl" and d["precision"] == "fp16" else d["precision"]

@@ -380,10 +380,14 @@ def planned_sampling(cfg: TrainConfig) -> dict[str, Any]:
         from sdplan.errors import DatasetError
         from sdplan.trainer.dataset_scan import scan
 
-        folder = Path(os.path.expanduser(cfg.dreambooth.class_data or Path(cfg.output.dir) / "class_images"))
         try:
+            folder = Path(expand_user(class_folder(cfg), "dreambooth.class_data"))
             found = len(scan(folder, verify="header").items) if folder.is_dir() else 0
-        except (DatasetError, OSError):  # the trainer says what is wrong with it; planned as generated
+        except (
+            DatasetError,
+            UsageError,
+            OSError,
+        ):  # the trainer says what is wrong with it; planned as generated
             found = 0
         missing = max(0, wanted - found)
     return {
@@ -784,12 +788,31 @@ def link_loops(path: Path) -> bool:
     return False
 
 
+def expand_user(path: str | Path, what: str) -> str:
+    """``path`` with a leading ``~`` or ``~user`` expanded; a user this machine does not have is one UsageError
+    naming ``what`` (Path.expanduser raised RuntimeError; left as it is, ``~typo/run`` became a folder named
+    ``~typo`` here, as a shell leaves it)."""
+    text = str(path)
+    expanded = os.path.expanduser(text)
+    if text.startswith("~") and expanded == text:
+        user = text[1:].split("/", 1)[0].split(os.sep, 1)[0]
+        raise UsageError(
+            f"{what} {text}: this machine has no user {user!r} for its ~{user}",
+            fix="give the path without ~, or ~/... for your own home folder",
+        )
+    return expanded
+
+
+def class_folder(cfg: TrainConfig) -> str:
+    """The folder of DreamBooth's class images: dreambooth.class_data, else output.dir/class_images (where the
+    trainer generates the ones it lacks)."""
+    return cfg.dreambooth.class_data or str(Path(cfg.output.dir) / "class_images")
+
+
 def absolute(path: str | Path, what: str) -> Path:
-    """``path`` with ~ expanded, made absolute through its links, as a run's sdplan.yaml names it; a symbolic link
-    that loops is one UsageError naming ``what`` (--out, data.path, ...)."""
-    p = Path(
-        os.path.expanduser(path)
-    )  # an unknown ~user stays as given (Path.expanduser raised RuntimeError)
+    """``path`` with ~ expanded (:func:`expand_user`), made absolute through its links, as a run's sdplan.yaml names
+    it; a symbolic link that loops is one UsageError naming ``what`` (--out, data.path, ...)."""
+    p = Path(expand_user(path, what))
     if link_loops(p):
         where = "is" if p.is_symlink() else "is under"
         raise UsageError(

@@ -47,6 +47,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, NamedTuple
 
 from sdplan import registry
+from sdplan.config import SamplingConfig
 from sdplan.errors import UsageError
 from sdplan.extras import install_hint
 from sdplan.machine import GTX16_FP16_NAN_SOURCES, fp16_gives_nan
@@ -293,7 +294,7 @@ class Request:
     class_images_to_generate: int | None = None
     sample_prompts: int = 0  # sampling.prompts given (0: the final grid of one caption, no grids at saves)
     sample_every_steps: int = 0
-    sampling_steps: int = 20
+    sampling_steps: int = SamplingConfig.num_inference_steps
     guidance_scale: float | None = None
     save_every_epochs: int = 0  # output.save_every_n_epochs / _steps: a grid at each save, with prompts
     save_every_steps: int = 0
@@ -925,11 +926,14 @@ class SamplingFit(NamedTuple):
     by_arch: tuple[tuple[str, float], ...] = ()
 
     def efficiency_for(self, spec: GPUSpec | None) -> float | None:
-        return _for_family(self.by_arch, spec, self.efficiency) if self.efficiency else None
+        """The efficiency on ``spec``: its architecture's where measured, else the all-GPU one."""
+        return self._of(spec.family if spec is not None else None)
+
+    def _of(self, arch: str | None) -> float | None:
+        return dict(self.by_arch).get(arch, self.efficiency) if self.efficiency else None
 
     def predicted(self, row: SamplingRow) -> float:
-        eff = dict(self.by_arch).get(row.arch, self.efficiency)
-        return row.predicted(eff, self.floor_s)
+        return row.predicted(self._of(row.arch), self.floor_s)
 
 
 @dataclass(frozen=True)
@@ -1642,18 +1646,19 @@ def _fit_step_fixed_cost(
     return best[1], best[2]
 
 
-def sampling_rows(profiles: Profiles, points: Any = None) -> list[SamplingRow]:
-    """The measured denoising steps (profiles/sampling.yaml, or ``points``) whose GPU is in the catalog and whose
-    family has byte counts (the UNets'): the sampling fit's rows."""
+def sampling_rows(profiles: Profiles) -> list[SamplingRow]:
+    """The measured denoising steps of profiles/sampling.yaml whose GPU is in the catalog and whose family has
+    byte counts (the UNets'): the sampling fit's rows."""
     rows = []
-    for p in profiles.sampling if points is None else points:
+    for p in profiles.sampling:
         spec = profiles.gpu_or_none(p.gpu)
         if spec is None or flow_family(p.family):
             continue
-        latent = (p.resolution // profiles.model(p.family).vae_scale_factor) ** 2
-        parts = _denoiser_parts(profiles, p.family, latent, p.precision, spec)
+        parts = _denoiser_parts(
+            profiles, p.family, latent_size(profiles, p.family, p.resolution), p.precision, spec
+        )
         if parts is not None:
-            n = p.denoiser_batch
+            n = denoiser_batch(p.images, p.guidance)
             rows.append(SamplingRow(p.id, p.gpu, spec.family, parts[0] * n, parts[1] * n, 1.0 / p.it_per_s))
     return rows
 
@@ -1719,7 +1724,13 @@ def _denoiser_parts(
     )
 
 
-def guided(model: str, guidance_scale: float | None) -> bool:
+def denoiser_batch(images: int, guided: bool) -> int:
+    """The denoiser's batch for ``images`` generated at once: twice them with classifier-free guidance (the
+    unconditional pass beside the conditional one)."""
+    return images * (2 if guided else 1)
+
+
+def uses_guidance(model: str, guidance_scale: float | None) -> bool:
     """Whether sampling ``model`` runs the denoiser twice a step (classifier-free guidance): at the guidance
     scale the trainer samples with (trainer/sampling.py guidance_for: the family's where none is set) above 1,
     and never for FLUX.1, whose guidance is an embedding."""
@@ -1728,7 +1739,7 @@ def guided(model: str, guidance_scale: float | None) -> bool:
     return registry.family(model).arch != "flux" and guidance_for(guidance_scale, model) > 1.0
 
 
-def latent_pixels(profiles: Profiles, model: str, width: int, height: int | None = None) -> int:
+def latent_size(profiles: Profiles, model: str, width: int, height: int | None = None) -> int:
     """The latent pixels of a ``width`` x ``height`` (square: ``width``) image of ``model``."""
     scale = profiles.model(model).vae_scale_factor
     return (width // scale) * ((height or width) // scale)
@@ -1751,8 +1762,7 @@ def denoise_step_seconds(
     if spec is None or efficiency is None or not spec.matmul_tflops(precision):
         return None
     if flow_family(model):
-        forward = profiles.activations.families[model]["flops"]["transformer_forward"]
-        flops = profiles.activations._eval(forward, batch, latent_pixels)
+        flops = profiles.activations.transformer_forward_flops(model, latent_pixels) * batch
         step = flops / (spec.matmul_tflops(precision) * 1e12 * cal.flow_efficiency_for(spec, model))
     else:
         parts = _denoiser_parts(profiles, model, latent_pixels, precision, spec, attention)
@@ -1790,7 +1800,7 @@ def pipeline_seconds(
     (the images, twice with guidance; :func:`denoise_step_seconds`), the prompt's text-encoder passes (two with
     guidance: the negative prompt too) and each image's VAE decode, FLOPs at the fitted efficiency (the decode
     at ``vae_precision``'s convolution rate, :func:`decode_tflops`). None where the time is unknown."""
-    batch = images * (2 if guided else 1)
+    batch = denoiser_batch(images, guided)
     step = denoise_step_seconds(profiles, model, latent_pixels, precision, batch, spec, cal, attention)
     if step is None or spec is None:
         return None
@@ -1823,13 +1833,13 @@ def image_seconds(
         seconds = pipeline_seconds(
             profiles,
             s.model,
-            latent_pixels(profiles, s.model, s.resolution),
+            latent_size(profiles, s.model, s.resolution),
             s.precision,
             spec,
             cal,
             images=1,
             steps=steps,
-            guided=guided(s.model, guidance),
+            guided=uses_guidance(s.model, guidance),
             vae_precision=_vae_dtype(s),
         )
         return profiles, spec, seconds  # the entry keeps both alive: an id is never another object's
@@ -2216,7 +2226,7 @@ class Candidate:
     fixed_seconds: float = 0.0  # start-up, latent caching and sampling, in ``seconds``
     # sampling class images and grids (:func:`sampling_seconds`), in fixed_seconds; of those, the images no
     # setting changes the number of (the class images, the final grid)
-    sampling_seconds: float = 0.0
+    sampling_seconds: float | None = 0.0  # None: not known (no sampling speed for this GPU)
     sampling_once_seconds: float = 0.0
     allreduce_seconds: float = 0.0  # the modelled gradient all-reduce over the whole run, in ``seconds``
     peak_measured: str | None = None  # the sdplan bench point on this GPU whose peak the plan states
@@ -2253,7 +2263,7 @@ class Result:
     alternatives: tuple[Candidate, ...] = field(default=())
     peak_range: tuple[float, float] | None = None
     seconds_range: tuple[float, float] | None = None
-    sampling_seconds: float = 0.0  # the plan's time sampling class images and grids, in ``seconds``
+    sampling_seconds: float | None = 0.0  # the plan's time sampling class images and grids, in ``seconds``
     within_upper_bound: bool | None = None  # the likely-peak upper bound fits the card (None: no plan)
     pin_conflicts: tuple[str, ...] = ()  # pins this hardware cannot run at all (bf16 without bf16, ...)
     peak_measured: str | None = None  # the sdplan bench point whose measured peak the plan states
@@ -2971,6 +2981,7 @@ def _evaluate(req: Request, profiles: Profiles, hw: Hardware, cal: Calibration, 
     seconds = seconds_range = None
     fixed = allreduce = 0.0
     sampling = sampling_once = 0.0
+    known_sampling = False
     if step_s is not None:
         stepping = steps.micro_batches * step_s
         fixed = STARTUP_S
@@ -2979,6 +2990,7 @@ def _evaluate(req: Request, profiles: Profiles, hw: Hardware, cal: Calibration, 
         # on the main process while the others wait; at the pace GPU's speed (the weakest: a plan is planned there)
         sampled = sampling_seconds(req, profiles, s, steps, gpu.spec, cal)
         sampling_once, sampling = sampled or (0.0, 0.0)
+        known_sampling = sampled is not None
         seconds = fixed + sampling + stepping
         if s.num_gpus > 1 and link_gbs:
             allreduce = steps.micro_batches * comm_seconds(profiles, s, link_gbs, link_cal)
@@ -3006,7 +3018,7 @@ def _evaluate(req: Request, profiles: Profiles, hw: Hardware, cal: Calibration, 
         safe=fits and vram_required(mem.peak, peak_range) <= vram,
         observed_multi_gpu=observed.id if observed is not None else None,
         fixed_seconds=fixed,
-        sampling_seconds=sampling,
+        sampling_seconds=sampling if known_sampling else None,
         sampling_once_seconds=sampling_once,
         allreduce_seconds=allreduce,
         peak_measured=evidence[0].id if evidence is not None else None,
@@ -3456,13 +3468,16 @@ def multi_gpu_gain(c: Candidate, ref: Candidate, profiles: Profiles) -> float:
     with the steps' compute at the low end of its time band in both runs (the same GPU, batch and model: their
     error is shared, and faster compute leaves the all-reduce a larger share) and the all-reduce at the high
     end in ``c``, the low end in ``ref`` (it is what more GPUs add: PCIe without NVLink made DreamBooth slower on
-    two GPUs than on one), or as predicted where its rate was measured on these GPUs (an observation)."""
+    two GPUs than on one), or as predicted where its rate was measured on these GPUs (an observation). The run
+    less its class images and final grid: no GPU count changes them (the main process samples them), and
+    counted in they made a GPU that halves the steps look not worth it while the class folder was empty."""
     low, high = profiles.uncertainty.seconds_for(c.setup.model)[0]
 
     def run(x: Candidate, allreduce_factor: float) -> float:  # per image seen (see per_image)
         compute = x.seconds - x.fixed_seconds - x.allreduce_seconds
         factor = 1.0 if x.observed_multi_gpu else allreduce_factor
-        return (x.fixed_seconds + compute * low + x.allreduce_seconds * factor) / x.steps.images_seen
+        fixed = x.fixed_seconds - (x.sampling_once_seconds or 0.0)  # no GPU count changes those (_key)
+        return (fixed + compute * low + x.allreduce_seconds * factor) / x.steps.images_seen
 
     return 1 - run(c, high) / run(ref, low)
 
@@ -4070,15 +4085,18 @@ def _sampling_text(req: Request, best: Candidate, profiles: Profiles) -> str:
     if images.classes:
         what.append(f"{count_text(images.classes, 'class image')} the class folder lacks (before training)")
     if images.during:
-        what.append(
-            f"{count_text(images.during, 'grid image')} during the run (every_steps, intermediate saves)"
-        )
+        why = [f"every {req.sample_every_steps} steps"] if req.sample_every_steps else []
+        if req.save_every_epochs or req.save_every_steps:
+            why.append("at each output.save_every_n_* save")
+        what.append(f"{count_text(images.during, 'grid image')} during the run ({' and '.join(why)})")
     what.append(f"the final sample grid ({count_text(images.final, 'image')})")
     band, basis = sampling_band(profiles, best.setup.model)
+    seconds = best.sampling_seconds or 0.0
+    likely = format_range(seconds, (seconds * band[0], seconds * band[1]), unit="s")
+    others = "; on the first process, while the others wait" if best.setup.num_gpus > 1 else ""
     return (
-        f"sampling: {', '.join(what)}, {req.sampling_steps} denoising steps an image: "
-        f"{format_duration(best.sampling_seconds)} of the run's time (likely x{band[0]:g}-{band[1]:g}: {basis}; "
-        f"on the main process, while any others wait)"
+        f"sampling: {', '.join(what)}, {req.sampling_steps} denoising steps an image: {likely} of the run's "
+        f"time (x{band[0]:g}-{band[1]:g}: {basis}){others}"
     )
 
 
@@ -4273,10 +4291,13 @@ def _multi_gpu_reasons(hw, best, one, best_by_n, profiles, cal, pinned_count: bo
             gain = multi_gpu_gain(c, best, profiles)
             rate = "as measured" if m is not None else f"at x{high:g}"
             # a negative share saved read "it saves -6% of the run" beside "1.46x faster": said as a slow-down
+            run = "the run" + (
+                " (the final grid and any class images aside)" if c.sampling_once_seconds else ""
+            )
             saves = (
-                f"the run could be {-gain * 100:.0f}% slower"
+                f"{run} could be {-gain * 100:.0f}% slower"
                 if gain * 100 <= -0.5
-                else f"it saves {max(gain, 0.0) * 100:.0f}% of the run"
+                else f"it saves {max(gain, 0.0) * 100:.0f}% of {run}"
             )
             why = (
                 f"predicted {ahead:.2f}x faster than {than}: within the time uncertainty (with the steps at "
@@ -4500,7 +4521,7 @@ def result_dict(res: Result) -> dict[str, Any]:
             "seconds": None if res.seconds is None else round(res.seconds, 1),
             "seconds_range": _rng(res.seconds_range, 1),
             # of ``seconds``: sampling DreamBooth's missing class images and the sample grids
-            "sampling_seconds": None if res.seconds is None else round(res.sampling_seconds, 1),
+            "sampling_seconds": None if res.sampling_seconds is None else round(res.sampling_seconds, 1),
             "it_per_s": None if not res.step_seconds else round(1.0 / res.step_seconds, 4),
             "speedup_vs_one_gpu": None
             if res.speedup_vs_one_gpu is None

@@ -680,6 +680,10 @@ class Activations:
     def vae_encode_flops(self, family: str, latent_pixels: int) -> float:
         return self._eval(self.families[family]["flops"]["vae_encode"], 1, latent_pixels)
 
+    def transformer_forward_flops(self, family: str, latent_pixels: int) -> float:
+        """FLOPs of one sample's forward through a transformer family's transformer (SD3.5 / FLUX.1)."""
+        return self._eval(self.families[family]["flops"]["transformer_forward"], 1, latent_pixels)
+
     def vae_decode_flops(self, family: str, latent_pixels: int) -> float:
         """FLOPs of one image's VAE decode (0 where not computed: an older activations file)."""
         coef = (self.families[family].get("sampling") or {}).get("vae_decode_flops")
@@ -824,10 +828,6 @@ class SamplingPoint:
     precision: str
     it_per_s: float
     source: str
-
-    @property
-    def denoiser_batch(self) -> int:
-        return self.images * (2 if self.guidance else 1)
 
 
 def load_sampling(path: Path, gpus: tuple[GPUSpec, ...]) -> tuple[SamplingPoint, ...]:
@@ -1673,9 +1673,10 @@ def _load_shipped(shipped: str) -> _Shipped:
     uncertainty = load_uncertainty(unc_path)
     sources.append(str(unc_path))
     sampling_path = root / "sampling.yaml"
-    sampling = load_sampling(sampling_path, tuple(gpus)) if sampling_path.is_file() else ()
-    if sampling:
-        sources.append(str(sampling_path))
+    if not sampling_path.is_file():
+        raise ConfigError(str(sampling_path), ["missing: the measured sampling speeds ship with sdplan"])
+    sampling = load_sampling(sampling_path, tuple(gpus))
+    sources.append(str(sampling_path))
     missing = [f for f in PLANNED_FAMILIES if f not in models]  # a family not yet planned needs no profile
     if missing:
         raise ConfigError(str(root / "models"), [f"{f}.yaml: missing" for f in missing])

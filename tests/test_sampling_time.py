@@ -19,6 +19,7 @@ from sdplan.errors import ConfigError
 from sdplan.profiles import clear_cache, load_profiles, load_sampling
 from sdplan.steps import intermediate_steps
 
+ROOT = Path(__file__).resolve().parents[1]
 accuracy = load_script("benchmarks/planner_accuracy.py", "planner_accuracy_sampling")
 
 
@@ -34,7 +35,8 @@ def test_the_sampling_profile_names_catalog_gpus_and_a_source_for_every_speed(pr
     for p in prof.sampling:
         assert p.gpu in names and "torch2.0" in p.source and p.it_per_s > 0, p.id
     # classifier-free guidance: the denoiser runs at twice the images
-    assert all(p.denoiser_batch == 2 * p.images for p in prof.sampling if p.guidance)
+    assert P.denoiser_batch(3, True) == 6 and P.denoiser_batch(3, False) == 3
+    assert all(p.guidance for p in prof.sampling)  # the docs' pipeline call guides at 7.5
 
 
 def test_a_sampling_file_with_an_unknown_gpu_or_a_duplicate_id_is_refused(tmp_path, prof):
@@ -72,8 +74,9 @@ def test_the_fit_recovers_the_efficiency_and_floor_it_was_made_with():
 def test_guidance_runs_the_unet_twice_a_step_but_not_flux(prof):
     """Classifier-free guidance (the UNet families at the trainer's 7.5, SD3.5 too) doubles the denoiser's batch;
     FLUX.1's guidance is an embedding, whatever the scale; a scale of 1 turns it off."""
-    assert P.guided("sdxl", None) and P.guided("sd35-medium", None) and not P.guided("sdxl", 1.0)
-    assert not P.guided("flux-dev", 7.5) and not P.guided("flux-dev", None)
+    assert P.uses_guidance("sdxl", None) and P.uses_guidance("sd35-medium", None)
+    assert not P.uses_guidance("sdxl", 1.0)
+    assert not P.uses_guidance("flux-dev", 7.5) and not P.uses_guidance("flux-dev", None)
     cal = P.calibrate(prof)
     t4 = prof.find_gpu("T4")  # SDXL at 1024 on a T4: bandwidth-bound, the floor far under the step
     s = P.Settings(method="lora", model="sdxl", resolution=1024, precision="fp16")
@@ -247,8 +250,10 @@ def test_the_sampling_validation_shares_no_document_with_the_calibration(prof):
     points = accuracy.load_sampling_validation()
     assert len(points) >= 20 and len({p["url"].split("#")[0] for p in points}) >= 6
     assert not any("torch2.0" in p["url"] for p in points)
-    calibration = {p.source.split(",")[0] for p in prof.sampling}  # "diffusers torch2.0 doc"
-    assert not any(doc in p["url"] or doc in p["quote"] for doc in calibration for p in points)
+    # the calibration's one document (profiles/sampling.yaml's header and every point's source)
+    calibration = (ROOT / "profiles" / "sampling.yaml").read_text()
+    assert "docs/source/en/optimization/torch2.0.mdx" in calibration
+    assert all("torch2.0" in p.source for p in prof.sampling)
 
 
 def test_planner_accuracy_reports_the_sampling_figures(prof):
@@ -262,3 +267,12 @@ def test_planner_accuracy_reports_the_sampling_figures(prof):
     }
     fit = accuracy.sampling_fit(prof)
     assert fit["summary"]["in_sample"]["n"] == fit["summary"]["each_gpu_left_out"]["n"] == len(prof.sampling)
+
+
+def test_compare_says_its_times_include_the_class_images():
+    args = ["recommend", "--method", "dreambooth", "--model", "sd15", "--compare", "RTX 3060 12GB,RTX 4090"]
+    r = CliRunner().invoke(
+        app, [*args, "dreambooth.with_prior_preservation=true", "dreambooth.class_prompt=a dog"]
+    )
+    assert r.exit_code == 0, r.output
+    assert "and 100 class images generated first" in " ".join(r.output.split())

@@ -440,9 +440,16 @@ def test_a_survivor_of_a_lost_peer_prints_one_line_not_a_traceback(monkeypatch, 
     ], err
     monkeypatch.setenv("RANK", "1")
     assert trainer_main(["--config", "x.yaml"]) == 1 and not capsys.readouterr().err  # rank 0 says it
-    if hasattr(torch.distributed, "DistBackendError"):  # NCCL's, with any message
-        raised.append(torch.distributed.DistBackendError("NCCL communicator was aborted on rank 1."))
+    if hasattr(torch.distributed, "DistBackendError"):  # NCCL's: its peer's exit, not a set-up error
+        raised.append(
+            torch.distributed.DistBackendError(
+                "NCCL error: remote process exited or there was a network error"
+            )
+        )
         assert trainer_main(["--config", "x.yaml"]) == 1
+        raised.append(torch.distributed.DistBackendError("NCCL error: unhandled cuda error"))
+        with pytest.raises(torch.distributed.DistBackendError, match="unhandled cuda error"):
+            trainer_main(["--config", "x.yaml"])
     raised.append(RuntimeError("shape mismatch"))  # a real bug: its traceback
     with pytest.raises(RuntimeError, match="shape mismatch"):
         trainer_main(["--config", "x.yaml"])

@@ -75,20 +75,24 @@ def _leave_out_unused_libraries(cfg, modules: dict = sys.modules) -> None:
 
 
 # what a collective raises in the processes left when another one of the run died (a crash, the kernel's
-# out-of-memory killer): gloo's "Connection closed by peer" RuntimeError, NCCL's DistBackendError
-_LOST_PEER = ("Connection closed by peer", "Connection reset by peer", "remote worker crashing")
+# out-of-memory killer): gloo's RuntimeError ("Connection closed by peer ... typically caused by a remote worker
+# crashing"), NCCL's DistBackendError where its peer's process exited. Matched by these words only: an NCCL
+# set-up error or a timeout raises the same classes and keeps its own full message (traceback).
+_LOST_PEER = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "remote worker crashing",
+    "remote process exited",
+)
 
 
-def _lost_peer(e: BaseException, torch) -> str | None:
+def _lost_peer(e: BaseException) -> str | None:
     """One line for a collective that failed because another process of the run is gone (its own line, or the
     launcher's "was killed by", says why): printed once instead of each survivor's 30-line traceback. None for
     any other error, and outside a multi-process run."""
-    if int(os.environ.get("WORLD_SIZE", "1") or 1) < 2:
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) < 2 or not any(m in str(e) for m in _LOST_PEER):
         return None
-    dist_error = getattr(getattr(torch, "distributed", None), "DistError", ())
-    if not (isinstance(e, dist_error) or any(m in str(e) for m in _LOST_PEER)):
-        return None
-    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    text = str(e).strip().splitlines()[0]
     text = re.sub(r"^\[[^\]]*\]\s*", "", text).split(". ")[0]  # gloo's "[.../pair.cc:553] " source prefix
     return f"another process of this run stopped ({text[:120]}), so this one stopped too"
 
@@ -177,7 +181,7 @@ def _main(argv: list[str] | None, own_process: bool) -> int:
         _err(f"out of GPU memory before training started; details in {report}")
         return stops.EXIT_OOM
     except RuntimeError as e:
-        lost = _lost_peer(e, torch)
+        lost = _lost_peer(e)
         if lost is None:
             raise
         if _rank() == 0:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from sdplan.config import class_folder
 from sdplan.errors import DatasetError
 
 from .. import data, latents, outputs, progress
@@ -30,7 +31,7 @@ class DreamBooth(Finetune):
     def resolve_config(cls, cfg):
         if cfg.dreambooth.with_prior_preservation and not cfg.dreambooth.class_data:
             cfg = copy.deepcopy(cfg)
-            cfg.dreambooth.class_data = str(Path(cfg.output.dir) / "class_images")
+            cfg.dreambooth.class_data = class_folder(cfg)
         return cfg
 
     def setup(self) -> None:
