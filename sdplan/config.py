@@ -795,7 +795,9 @@ def expand_user(path: str | Path, what: str) -> str:
     text = str(path)
     expanded = os.path.expanduser(text)
     if text.startswith("~") and expanded == text:
-        user = text[1:].split("/", 1)[0].split(os.sep, 1)[0]
+        user = re.split(r"[/\\]", text[1:], maxsplit=1)[0]
+        if not user:
+            raise UsageError(f"{what} {text}: no home folder to put for ~ (HOME is not set)", fix="set HOME")
         raise UsageError(
             f"{what} {text}: this machine has no user {user!r} for its ~{user}",
             fix="give the path without ~, or ~/... for your own home folder",

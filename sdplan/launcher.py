@@ -1495,7 +1495,7 @@ def prepare(req: TrainRequest, ui: UI) -> Prepared:
     """Everything before the launch: config, --out rule, inputs, device, plan. No model loads here."""
     req = settings_as_flags(req)
     # 1. Where the run lives and which config it starts from.
-    config_path = Path(req.config).expanduser() if req.config else None
+    config_path = Path(C.expand_user(req.config, "--config")) if req.config else None
     if req.resume:
         if req.out is None and config_path is None:
             raise UsageError(
@@ -1514,7 +1514,7 @@ def prepare(req: TrainRequest, ui: UI) -> Prepared:
         if req.config and req.out:
             run_dir = C.absolute(req.out, "--out")
             # else the --config file was dropped without a word: the run's own sdplan.yaml is what resumes
-            if (differs := config_differs(Path(req.config).expanduser(), run_dir)) is not None:
+            if (differs := config_differs(config_path, run_dir)) is not None:
                 raise UsageError(
                     f"--resume continues the run in --out {req.out} with its own {CONFIG_FILE}; --config "
                     f"{req.config} is not used with it: {differs}",

@@ -183,7 +183,9 @@ SAMPLING_MIN_POINTS = 2
 SAMPLING_SHOWN = 0.1  # the reasons name the final grid's time alone from this share of the run
 # the all-reduce's share of the link's nominal rate where no multi-GPU observation measured one (calibrate)
 LINK_EFFICIENCY_FALLBACK = 0.05
-MIN_MULTI_GPU_GAIN = 0.05  # use more GPUs only when the whole run gets at least this much shorter
+# use more GPUs only when the run gets at least this much shorter (less its class images and final grid, which
+# the first process samples whatever the count: multi_gpu_gain)
+MIN_MULTI_GPU_GAIN = 0.05
 PCIE_GBS = {1: 4.0, 2: 8.0, 3: 16.0, 4: 32.0, 5: 64.0, 6: 128.0}  # x16, one direction
 BATCHES = (1, 2, 4, 8, 16)
 # Optimizer state per trainable parameter, in copies of the parameter (its dtype) or fixed bytes, from each
@@ -1863,7 +1865,13 @@ class SampledImages(NamedTuple):
 
     classes: int  # DreamBooth's class images the class folder lacks, generated before the first step
     final: int  # the final grid's: each of sampling.prompts, else one caption
-    during: int  # the grids' during the run: every sampling.every_steps steps, and each intermediate save's
+    every: int  # the grids' every sampling.every_steps optimizer steps
+    at_saves: int  # the grids' at the intermediate saves (output.save_every_n_*), with sampling.prompts
+
+    @property
+    def during(self) -> int:
+        """The grids' images during the run."""
+        return self.every + self.at_saves
 
     @property
     def once(self) -> int:
@@ -1887,7 +1895,7 @@ def sampled_images(req: Request, steps: Steps) -> SampledImages:
         every_epochs=req.save_every_epochs,
         every_steps=req.save_every_steps,
     )
-    return SampledImages(max(0, classes), grid, every * grid + len(saves) * req.sample_prompts)
+    return SampledImages(max(0, classes), grid, every * grid, len(saves) * req.sample_prompts)
 
 
 def sampling_seconds(
@@ -4084,11 +4092,15 @@ def _sampling_text(req: Request, best: Candidate, profiles: Profiles) -> str:
     what = []
     if images.classes:
         what.append(f"{count_text(images.classes, 'class image')} the class folder lacks (before training)")
-    if images.during:
-        why = [f"every {req.sample_every_steps} steps"] if req.sample_every_steps else []
-        if req.save_every_epochs or req.save_every_steps:
-            why.append("at each output.save_every_n_* save")
-        what.append(f"{count_text(images.during, 'grid image')} during the run ({' and '.join(why)})")
+    if images.every:
+        what.append(f"{count_text(images.every, 'grid image')} every {req.sample_every_steps} steps")
+    if images.at_saves:
+        keys = [
+            f"output.save_every_n_{k}={v}"
+            for k, v in (("epochs", req.save_every_epochs), ("steps", req.save_every_steps))
+            if v
+        ]
+        what.append(f"{count_text(images.at_saves, 'grid image')} at the saves of {' and '.join(keys)}")
     what.append(f"the final sample grid ({count_text(images.final, 'image')})")
     band, basis = sampling_band(profiles, best.setup.model)
     seconds = best.sampling_seconds or 0.0
@@ -4291,9 +4303,11 @@ def _multi_gpu_reasons(hw, best, one, best_by_n, profiles, cal, pinned_count: bo
             gain = multi_gpu_gain(c, best, profiles)
             rate = "as measured" if m is not None else f"at x{high:g}"
             # a negative share saved read "it saves -6% of the run" beside "1.46x faster": said as a slow-down
-            run = "the run" + (
-                " (the final grid and any class images aside)" if c.sampling_once_seconds else ""
-            )
+            # the one-off sampling no GPU count changes is left out of the gain (multi_gpu_gain): named where
+            # it is a share of the run worth saying
+            run = "the run"
+            if c.seconds and c.sampling_once_seconds >= SAMPLING_SHOWN * c.seconds:
+                run = "the run less its class images and final grid"
             saves = (
                 f"{run} could be {-gain * 100:.0f}% slower"
                 if gain * 100 <= -0.5
@@ -4301,7 +4315,7 @@ def _multi_gpu_reasons(hw, best, one, best_by_n, profiles, cal, pinned_count: bo
             )
             why = (
                 f"predicted {ahead:.2f}x faster than {than}: within the time uncertainty (with the steps at "
-                f"x{low:g} of the prediction and the all-reduce {rate} {saves}, where more GPUs must save "
+                f"x{low:g} of the prediction and the all-reduce {rate}, {saves}, where more GPUs must save "
                 f"{MIN_MULTI_GPU_GAIN * 100:.0f}%)"
             )
         if len(_distinct(used)) > 1:
@@ -4333,10 +4347,19 @@ def _multi_gpu_reasons(hw, best, one, best_by_n, profiles, cal, pinned_count: bo
             if _with(one.setup, gpu_ids=s.gpu_ids, num_gpus=s.num_gpus) == s
             else " than the one-GPU plan"
         )
+        # the class images and final grid take as long on any count (the first process samples them): where they
+        # are a share of the run worth saying, the speed-up of the rest beside the whole run's
+        once = best.sampling_once_seconds
+        rest = ""
+        if once >= SAMPLING_SHOWN * best.seconds and one.seconds > one.sampling_once_seconds:
+            training = (one.seconds - one.sampling_once_seconds) / one.steps.images_seen
+            training /= (best.seconds - once) / best.steps.images_seen
+            rest = f" ({speed_ratio_text(training)} less the class images and final grid, which take as long on any count)"
         r.append(
             f"{s.num_gpus} GPUs: {step}; once steps are normalised the run is "
             + speed_ratio_text(per_image(one) / per_image(best))
             + than
+            + rest
         )
     return r
 

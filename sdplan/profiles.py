@@ -1640,7 +1640,7 @@ class _Shipped:
     activations: Activations
     uncertainty: Uncertainty
     sources: tuple[str, ...]
-    sampling: tuple[SamplingPoint, ...] = ()
+    sampling: tuple[SamplingPoint, ...]
 
 
 @functools.lru_cache(maxsize=4)
@@ -1674,7 +1674,9 @@ def _load_shipped(shipped: str) -> _Shipped:
     sources.append(str(unc_path))
     sampling_path = root / "sampling.yaml"
     if not sampling_path.is_file():
-        raise ConfigError(str(sampling_path), ["missing: the measured sampling speeds ship with sdplan"])
+        raise ConfigError(
+            str(sampling_path), ["missing: the measured sampling speeds ship with sdplan (reinstall it)"]
+        )
     sampling = load_sampling(sampling_path, tuple(gpus))
     sources.append(str(sampling_path))
     missing = [f for f in PLANNED_FAMILIES if f not in models]  # a family not yet planned needs no profile

@@ -963,11 +963,11 @@ def compare_caption(rows: list[tuple[str, dict, planner.Result]]) -> str:
             text += f": {seen[0][0]}-{seen[-1][0]} images seen, by each option's global batch"
     else:
         text = f"times: {what} per epoch x {req.epochs} epochs"
-    classes = req.class_images_to_generate if req.class_images_to_generate is not None else req.class_images
-    if req.prior_preservation and classes:  # the same in each option: the main process generates them first
-        text += f", and {planner.count_text(classes, 'class image')} generated first"
     if any(r.startswith(NO_DATASET_NOTE) for r in res.reasons):
         text += f" (planned for {DEFAULT_IMAGES} images: pass --images N or --dataset DIR for your run's)"
+    classes = req.class_images_to_generate if req.class_images_to_generate is not None else req.class_images
+    if req.prior_preservation and classes:  # the same in each option: the main process generates them first
+        text += f"; each includes {planner.count_text(classes, 'class image')} generated first"
     return text
 
 

@@ -225,3 +225,27 @@ def test_recommend_reads_a_missing_model_file_of_any_suffix_train_takes_as_a_pat
         cli("recommend", "--method", "lora", "--hardware", "RTX 4090", "--model", name), 2, "no such file"
     )
     assert name in line
+
+
+@pytest.mark.parametrize(
+    "args, what",
+    [
+        (
+            ["recommend", "--method", "lora", "--hardware", "T4", "--dataset", "~nosuchuser-sdplan/ds"],
+            "dataset folder",
+        ),
+        (
+            ["recommend", "--method", "lora", "--hardware", "T4", "--model", "~nosuchuser-sdplan/m"],
+            "model.path",
+        ),
+        (["train", "--config", "~nosuchuser-sdplan/c.yaml", "--dry-run"], "--config"),
+        (["train", "--demo", "--dry-run", "--out", "~nosuchuser-sdplan/run"], "--out"),
+    ],
+)
+def test_a_home_folder_of_an_unknown_user_is_one_line(args, what, tmp_path, monkeypatch):
+    """`~typo/run` raised RuntimeError("Could not determine home directory") from Path.expanduser; left as the
+    shell leaves it, it made a folder named `~typo` in the current one."""
+    monkeypatch.chdir(tmp_path)
+    r = CliRunner().invoke(app, args)
+    one_line_error(r, 2, what, "no user 'nosuchuser-sdplan'")
+    assert not any(tmp_path.iterdir())

@@ -134,15 +134,15 @@ def test_the_run_samples_its_missing_class_images_and_each_grid(prof):
         sample_prompts=4,
         sample_every_steps=10,
     )
-    assert P.sampled_images(req, steps) == (40, 4, steps.total_steps // 10 * 4)
+    assert P.sampled_images(req, steps) == (40, 4, steps.total_steps // 10 * 4, 0)
     no_prior = P.Request(method="dreambooth", class_images=100, class_images_to_generate=40)
-    assert P.sampled_images(no_prior, steps) == (0, 1, 0)  # the final grid of one caption
+    assert P.sampled_images(no_prior, steps) == (0, 1, 0, 0)  # the final grid of one caption
     # a grid at each intermediate save, with prompts (trainer/loop.py), at the saves the loop makes
     saves = P.Request(method="lora", sample_prompts=3, save_every_epochs=2, save_every_steps=7)
     at = intermediate_steps(
         total_steps=steps.total_steps, steps_per_epoch=steps.steps_per_epoch, every_epochs=2, every_steps=7
     )
-    assert at and P.sampled_images(saves, steps) == (0, 3, 3 * len(at))
+    assert at and P.sampled_images(saves, steps) == (0, 3, 0, 3 * len(at))
     assert P.sampled_images(P.Request(method="lora", save_every_epochs=2), steps).during == 0  # no prompts
 
 
@@ -275,4 +275,4 @@ def test_compare_says_its_times_include_the_class_images():
         app, [*args, "dreambooth.with_prior_preservation=true", "dreambooth.class_prompt=a dog"]
     )
     assert r.exit_code == 0, r.output
-    assert "and 100 class images generated first" in " ".join(r.output.split())
+    assert "; each includes 100 class images generated first" in " ".join(r.output.split())

@@ -93,8 +93,12 @@ def _lost_peer(e: BaseException) -> str | None:
     if int(os.environ.get("WORLD_SIZE", "1") or 1) < 2 or not any(m in str(e) for m in _LOST_PEER):
         return None
     text = str(e).strip().splitlines()[0]
-    text = re.sub(r"^\[[^\]]*\]\s*", "", text).split(". ")[0]  # gloo's "[.../pair.cc:553] " source prefix
-    return f"another process of this run stopped ({text[:120]}), so this one stopped too"
+    text = re.sub(r"^\[[^\]]*\]\s*", "", text)  # gloo's "[.../pair.cc:553] " source prefix
+    text = re.sub(
+        r"^NCCL error in: \S+:\d+, ", "NCCL: ", text
+    )  # NCCL's "NCCL error in: .../NCCLUtils.hpp:317, "
+    text = re.sub(r", NCCL version .*$", "", text).split(". ")[0]
+    return f"another process of this run stopped, or the network between them failed ({text[:120]}); this one stopped too"
 
 
 def _cpu_threads(cfg, torch) -> None:

@@ -158,10 +158,10 @@ def scan(
     JSON (file, line and column), or a caption file is not UTF-8 / UTF-16 text; an empty or unreadable
     dataset is a :class:`Scan` with no items (``require_images`` turns that into an error).
     """
-    root = Path(root).expanduser()
-    if not root.exists():
-        from sdplan.config import link_loops
+    from sdplan.config import expand_user, link_loops
 
+    root = Path(expand_user(root, "dataset folder"))
+    if not root.exists():
         why = "is a symbolic link that loops" if link_loops(root) else "does not exist"
         raise DatasetError(
             f"dataset folder {root} {why}",

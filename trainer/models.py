@@ -138,7 +138,9 @@ def _refuse_a_family_name(path: str) -> None:
 
 def resolve_source(path: str) -> ModelSource:
     """Say what ``path`` is, without loading anything. A missing local path is a UsageError."""
-    p = Path(path).expanduser()
+    from sdplan.config import expand_user
+
+    p = Path(expand_user(path, "model.path"))  # ~typo/x: one line (a hub id never starts with ~)
     if p.is_dir():
         if not (p / "model_index.json").is_file():
             parts = ", ".join(sorted(x.name for x in p.iterdir())[:6]) or "empty"
