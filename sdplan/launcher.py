@@ -2432,11 +2432,16 @@ def render_summary(summary: dict[str, Any]) -> list[str]:
     lines = []
     loss = summary.get("final_loss")
     wall = summary.get("wall_seconds")
+    sampled = summary.get("sampling_seconds")
+    if isinstance(wall, (int, float)) and isinstance(sampled, (int, float)) and sampled >= 1:
+        wall_text = f", {wall:.1f} s (sampling {sampled:.1f} s of it)"
+    else:
+        wall_text = f", {wall:.1f} s" if isinstance(wall, (int, float)) else ""
     lines.append(
         f"done: {summary.get('steps')} steps, {summary.get('images_seen')} images seen on "
         f"{summary.get('num_processes', 1)} process(es)"
         + (f", final loss {loss:.4f}" if isinstance(loss, (int, float)) else "")
-        + (f", {wall:.1f} s" if isinstance(wall, (int, float)) else "")
+        + wall_text
     )
     for fix in summary.get("oom_retries", []):
         lines.append(f"after out of memory: {fix}")

@@ -276,3 +276,25 @@ def test_compare_says_its_times_include_the_class_images():
     )
     assert r.exit_code == 0, r.output
     assert "; each includes 100 class images generated first" in " ".join(r.output.split())
+
+
+def test_the_run_summary_says_how_much_of_its_time_was_sampling():
+    """The trainer records the seconds it spent sampling (class images, grids) in run_summary.json: what the
+    plan's sampling time predicts, and what `sdplan train` says at the end."""
+    from sdplan.launcher import render_summary
+
+    summary = {
+        "steps": 10,
+        "images_seen": 40,
+        "num_processes": 1,
+        "wall_seconds": 300.0,
+        "sampling_seconds": 181.2,
+    }
+    assert (
+        render_summary(summary)[0]
+        == "done: 10 steps, 40 images seen on 1 process(es), 300.0 s (sampling 181.2 s of it)"
+    )
+    summary["sampling_seconds"] = 0.2  # a tiny model's grid: not worth a word
+    assert render_summary(summary)[0].endswith(", 300.0 s")
+    del summary["sampling_seconds"]  # a summary written before it was recorded
+    assert render_summary(summary)[0].endswith(", 300.0 s")

@@ -236,6 +236,7 @@ def test_lora_trains_outputs_load_and_change_the_pipeline(tiny_sd15, dataset, tm
         "num_processes",
         "final_loss",
         "wall_seconds",
+        "sampling_seconds",  # of wall_seconds: the final grid here (what the planner's sampling time predicts)
         "peak_memory_bytes",
         "folder",
         "outputs",
@@ -248,6 +249,7 @@ def test_lora_trains_outputs_load_and_change_the_pipeline(tiny_sd15, dataset, tm
         1,
     )
     assert summary["peak_memory_bytes"] > 0 and summary["final_loss"] > 0
+    assert 0 < summary["sampling_seconds"] < summary["wall_seconds"]
     assert summary["folder"] == str(out.resolve())
     assert all(not Path(p).is_absolute() and (out / p).exists() for p in summary["outputs"])  # a copy's own
     assert Image.open(out / "loss.png").format == "PNG"

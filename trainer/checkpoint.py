@@ -64,7 +64,7 @@ _SETTINGS = ("batch_size", "grad_accum", "num_processes", "method", "samples_per
 # The TrainState fields that are the history of the run that wrote the checkpoint (its outputs, its skipped grids
 # with their paths in its folder, its time): a resume of that run keeps them; a new run started from the checkpoint
 # (checkpoints.resume of a checkpoint outside its own checkpoints folder) starts them empty.
-_RUN_HISTORY = ("intermediate_outputs", "sample_grid_failures", "wall_seconds")
+_RUN_HISTORY = ("intermediate_outputs", "sample_grid_failures", "wall_seconds", "sampling_seconds")
 
 
 # What to do when no checkpoint can be resumed from: `sdplan train` starts a run over in its folder with --force
@@ -108,6 +108,9 @@ class TrainState:
     # The run's wall-clock seconds before this session: in a checkpoint, from the run's start to that checkpoint
     # (each earlier session counted up to the checkpoint it left); live, what the resumed checkpoint said.
     wall_seconds: float = 0.0
+    # Of those, the seconds spent sampling images besides training (DreamBooth's class images, sample grids):
+    # run_summary's sampling_seconds, what the planner's sampling time predicts (planner.sampling_seconds)
+    sampling_seconds: float = 0.0
     # The settings the checkpoint's weights and saved state were made with (sdplan.settings.checkpoint_settings):
     # a new run that starts from it (checkpoints.resume) is checked against them; {} in one saved before.
     settings: dict[str, Any] = field(default_factory=dict)

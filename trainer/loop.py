@@ -102,6 +102,9 @@ class Recipe:
         self.latent_dtype = self.wdtype  # latents and conditioning in the frozen UNet's dtype
         self.cond_dtype = self.wdtype
         self.plan = None  # the loop's sdplan.steps.Steps, once the data loader is prepared
+        self.sampling_seconds = (
+            0.0  # sampling in setup (DreamBooth's class images): the loop adds it to its state
+        )
         self.started_at = time.time()  # wall-clock start and a random run id (kohya's ss_training_started_at,
         self.session_id = random.randint(0, 2**32)  # ss_session_id)
 
@@ -604,7 +607,16 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
     tb = progress.tensorboard(accelerator, cfg)
     bar = progress.Progress(accelerator, plan.total_steps, initial=state.global_step, description=cfg.method)
 
+    state.sampling_seconds += recipe.sampling_seconds  # this session's class images (setup)
+
     def sample(step=None, fallback="", **kw):
+        started = time.perf_counter()
+        try:
+            return _sample(step, fallback, **kw)
+        finally:
+            state.sampling_seconds += time.perf_counter() - started
+
+    def _sample(step=None, fallback="", **kw):
         return outputs.samples(
             accelerator,
             comps,
@@ -771,6 +783,7 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
             outputs=written,
             intermediate_outputs=state.intermediate_outputs,
             sample_grid_failures=state.sample_grid_failures,
+            sampling_seconds=state.sampling_seconds,
         )
         if accelerator.is_main_process
         else {}

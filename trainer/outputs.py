@@ -531,6 +531,7 @@ def write_run_summary(
     outputs: list[Path | str],
     intermediate_outputs: list[dict[str, Any]] | None = None,
     sample_grid_failures: list[dict[str, Any]] | None = None,
+    sampling_seconds: float = 0.0,
 ) -> dict[str, Any]:
     """``run_summary.json``. ``outputs``: listed relative to ``out_dir`` (:func:`in_folder`), with ``folder``,
     where it was written, so a copied or moved run folder's summary still names its own files (sdplan.launcher's
@@ -548,6 +549,7 @@ def write_run_summary(
         "num_processes": num_processes,
         "final_loss": None if final_loss is None or not math.isfinite(final_loss) else final_loss,
         "wall_seconds": round(wall_seconds, 3),
+        "sampling_seconds": round(sampling_seconds, 3),
         "peak_memory_bytes": peak_memory_bytes,
         "folder": str(Path(out_dir).resolve()),
         "outputs": [in_folder(p, out_dir) for p in outputs],
