@@ -795,7 +795,8 @@ def expand_user(path: str | Path, what: str) -> str:
     text = str(path)
     expanded = os.path.expanduser(text)
     if text.startswith("~") and expanded == text:
-        user = re.split(r"[/\\]", text[1:], maxsplit=1)[0]
+        seps = os.sep + (os.altsep or "")
+        user = re.split(f"[{re.escape(seps)}]", text[1:], maxsplit=1)[0]
         if not user:
             raise UsageError(f"{what} {text}: no home folder to put for ~ (HOME is not set)", fix="set HOME")
         raise UsageError(

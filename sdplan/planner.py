@@ -4051,7 +4051,7 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
             f"batch{'es' if repeats > 1 else ''} again"
         )
     if hw.count > 1:
-        r += _multi_gpu_reasons(hw, best, one, best_by_n, profiles, cal, pinned("num_gpus"))
+        r += _multi_gpu_reasons(hw, best, one, best_by_n, profiles, cal, pinned("num_gpus"), req)
     if best.seconds is None:
         r.append(f"time: unknown: no catalog throughput or measured speed for {pace.name}")
     else:
@@ -4092,13 +4092,24 @@ def _sampling_text(req: Request, best: Candidate, profiles: Profiles) -> str:
     what = []
     if images.classes:
         what.append(f"{count_text(images.classes, 'class image')} the class folder lacks (before training)")
+    per_grid = count_text(images.final, "image")
     if images.every:
-        what.append(f"{count_text(images.every, 'grid image')} every {req.sample_every_steps} steps")
+        grids = images.every // images.final
+        what.append(
+            f"{count_text(images.every, 'grid image')} ({count_text(grids, 'grid')} of {per_grid}, one every "
+            f"{req.sample_every_steps} steps)"
+        )
     if images.at_saves:
-        keys = [
+        keys = [  # the settings that save during this run (one past its end saves nothing)
             f"output.save_every_n_{k}={v}"
-            for k, v in (("epochs", req.save_every_epochs), ("steps", req.save_every_steps))
+            for k, v, kw in (
+                ("epochs", req.save_every_epochs, {"every_epochs": req.save_every_epochs, "every_steps": 0}),
+                ("steps", req.save_every_steps, {"every_epochs": 0, "every_steps": req.save_every_steps}),
+            )
             if v
+            and intermediate_steps(
+                total_steps=best.steps.total_steps, steps_per_epoch=best.steps.steps_per_epoch, **kw
+            )
         ]
         what.append(f"{count_text(images.at_saves, 'grid image')} at the saves of {' and '.join(keys)}")
     what.append(f"the final sample grid ({count_text(images.final, 'image')})")
@@ -4263,7 +4274,16 @@ def _latent_cache_text(req: Request, best: Candidate, fitting: list[Candidate]) 
     return f"latents not cached: caching would be {format_duration(-diff)} faster, but it has {_tier_text(twin, best)}"
 
 
-def _multi_gpu_reasons(hw, best, one, best_by_n, profiles, cal, pinned_count: bool = False) -> list[str]:
+def _one_off_sampling_words(req: Request | None, c: Candidate) -> str:
+    """What of ``c``'s sampling no GPU count shortens, in words: "the class images and final grid", or "the
+    final grid" where it has no class images to generate."""
+    classes = req is not None and sampled_images(req, c.steps).classes
+    return "the class images and final grid" if classes else "the final grid"
+
+
+def _multi_gpu_reasons(
+    hw, best, one, best_by_n, profiles, cal, pinned_count: bool = False, req: Request | None = None
+) -> list[str]:
     s = best.setup
     mixed = mixed_gpus(hw)
     r = []
@@ -4307,7 +4327,7 @@ def _multi_gpu_reasons(hw, best, one, best_by_n, profiles, cal, pinned_count: bo
             # it is a share of the run worth saying
             run = "the run"
             if c.seconds and c.sampling_once_seconds >= SAMPLING_SHOWN * c.seconds:
-                run = "the run less its class images and final grid"
+                run = f"the run less {_one_off_sampling_words(req, c)}"
             saves = (
                 f"{run} could be {-gain * 100:.0f}% slower"
                 if gain * 100 <= -0.5
@@ -4347,14 +4367,17 @@ def _multi_gpu_reasons(hw, best, one, best_by_n, profiles, cal, pinned_count: bo
             if _with(one.setup, gpu_ids=s.gpu_ids, num_gpus=s.num_gpus) == s
             else " than the one-GPU plan"
         )
-        # the class images and final grid take as long on any count (the first process samples them): where they
-        # are a share of the run worth saying, the speed-up of the rest beside the whole run's
+        # the class images and final grid are sampled on the first process alone, whatever the count: where they
+        # are a share of the run worth saying, the speed-up of the rest beside the whole run's (per image seen: not
+        # where a pinned step count makes the runs see different images, which spreads them differently)
         once = best.sampling_once_seconds
         rest = ""
-        if once >= SAMPLING_SHOWN * best.seconds and one.seconds > one.sampling_once_seconds:
-            training = (one.seconds - one.sampling_once_seconds) / one.steps.images_seen
-            training /= (best.seconds - once) / best.steps.images_seen
-            rest = f" ({speed_ratio_text(training)} less the class images and final grid, which take as long on any count)"
+        same_images = one.steps.images_seen == best.steps.images_seen
+        if same_images and once >= SAMPLING_SHOWN * best.seconds and one.seconds > one.sampling_once_seconds:
+            training = (one.seconds - one.sampling_once_seconds) / (best.seconds - once)
+            what = _one_off_sampling_words(req, best)
+            verb = "are" if what.startswith("the class") else "is"
+            rest = f" ({speed_ratio_text(training)} for the rest: {what} {verb} sampled on the first process alone)"
         r.append(
             f"{s.num_gpus} GPUs: {step}; once steps are normalised the run is "
             + speed_ratio_text(per_image(one) / per_image(best))

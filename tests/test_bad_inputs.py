@@ -249,3 +249,17 @@ def test_a_home_folder_of_an_unknown_user_is_one_line(args, what, tmp_path, monk
     r = CliRunner().invoke(app, args)
     one_line_error(r, 2, what, "no user 'nosuchuser-sdplan'")
     assert not any(tmp_path.iterdir())
+
+
+def test_expand_user_says_which_home_folder_it_cannot_find(monkeypatch):
+    from sdplan.config import expand_user
+    from sdplan.errors import UsageError
+
+    monkeypatch.setenv("HOME", "/home/someone")
+    assert expand_user("~/runs", "--out") == "/home/someone/runs"
+    assert expand_user("a/~b", "--out") == "a/~b" and expand_user("/abs/x", "--out") == "/abs/x"
+    with pytest.raises(UsageError, match=r"no user 'nosuchuser-sdplan'"):
+        expand_user("~nosuchuser-sdplan/x", "--out")
+    if os.sep == "/":  # a backslash is part of a POSIX name: the user asked for is '\\ds'
+        with pytest.raises(UsageError, match=r"no user '\\\\ds'"):
+            expand_user("~\\ds", "--dataset")

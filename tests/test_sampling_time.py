@@ -298,3 +298,39 @@ def test_the_run_summary_says_how_much_of_its_time_was_sampling():
     assert render_summary(summary)[0].endswith(", 300.0 s")
     del summary["sampling_seconds"]  # a summary written before it was recorded
     assert render_summary(summary)[0].endswith(", 300.0 s")
+
+
+def test_the_sampling_line_names_each_cause_with_its_own_count(prof):
+    hw = P.hardware_from_catalog(prof.find_gpu("RTX 4090"))
+    every = P.plan(
+        hw, prof, P.Request(method="lora", model="sdxl", images=40, max_steps=50, sample_every_steps=7)
+    )
+    line = next(r for r in every.reasons if r.startswith("sampling:"))
+    grids = sum(1 for step in range(1, every.steps.total_steps + 1) if step % 7 == 0)  # as trainer/loop.py
+    assert f"{grids} grid images ({grids} grids of 1 image, one every 7 steps)" in line, line
+    # a grid at each save, with prompts, named by the setting that saves during the run (not one past its end)
+    saves = P.Request(
+        method="lora", model="sdxl", images=40, sample_prompts=2, save_every_epochs=999, save_every_steps=5
+    )
+    line = next(r for r in P.plan(hw, prof, saves).reasons if r.startswith("sampling:"))
+    assert "at the saves of output.save_every_n_steps=5," in line and "epochs" not in line, line
+
+
+def test_the_multi_gpu_lines_name_the_one_off_sampling_that_is_there(prof):
+    """The class images and final grid take as long on any GPU count (the first process samples them): the gain
+    leaves them out, and the lines say so in the words of what the run has."""
+    prompts = P.Request(method="lora", model="sd15", images=50, sample_prompts=8, sampling_steps=50)
+    res = P.plan(P.hardware_from_catalog(prof.find_gpu("RTX 4090"), 4), prof, prompts)
+    text = " ".join(res.reasons)
+    assert "for the rest: the final grid is sampled on the first process alone" in text
+    assert "class images" not in text
+    dogs = P.Request(
+        method="dreambooth",
+        model="sdxl",
+        prior_preservation=True,
+        class_images=1000,
+        class_images_to_generate=1000,
+    )
+    res = P.plan(P.hardware_from_catalog(prof.find_gpu("H100 SXM"), 2), prof, dogs)
+    assert res.plan.num_gpus == 2
+    assert any("for the rest: the class images and final grid are sampled" in r for r in res.reasons)

@@ -76,8 +76,9 @@ def _leave_out_unused_libraries(cfg, modules: dict = sys.modules) -> None:
 
 # what a collective raises in the processes left when another one of the run died (a crash, the kernel's
 # out-of-memory killer): gloo's RuntimeError ("Connection closed by peer ... typically caused by a remote worker
-# crashing"), NCCL's DistBackendError where its peer's process exited. Matched by these words only: an NCCL
-# set-up error or a timeout raises the same classes and keeps its own full message (traceback).
+# crashing"), NCCL's DistBackendError where its peer's process exited (or a socket it used was reset). Matched
+# by these words only, anywhere in the message: an NCCL set-up error or a timeout raises the same classes and
+# keeps its own full message (traceback).
 _LOST_PEER = (
     "Connection closed by peer",
     "Connection reset by peer",
