@@ -800,7 +800,7 @@ def expand_user(path: str | Path, what: str) -> str:
         if not user:
             raise UsageError(f"{what} {text}: no home folder to put for ~ (HOME is not set)", fix="set HOME")
         raise UsageError(
-            f"{what} {text}: this machine has no user {user!r} for its ~{user}",
+            f"{what} {text}: this machine has no user '{user}' for its ~{user}",
             fix="give the path without ~, or ~/... for your own home folder",
         )
     return expanded

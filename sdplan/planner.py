@@ -4111,7 +4111,11 @@ def _sampling_text(req: Request, best: Candidate, profiles: Profiles) -> str:
                 total_steps=best.steps.total_steps, steps_per_epoch=best.steps.steps_per_epoch, **kw
             )
         ]
-        what.append(f"{count_text(images.at_saves, 'grid image')} at the saves of {' and '.join(keys)}")
+        saves = images.at_saves // max(1, req.sample_prompts)
+        what.append(
+            f"{count_text(images.at_saves, 'grid image')} ({count_text(saves, 'grid')} of "
+            f"{count_text(req.sample_prompts, 'image')}, at the saves of {' and '.join(keys)})"
+        )
     what.append(f"the final sample grid ({count_text(images.final, 'image')})")
     band, basis = sampling_band(profiles, best.setup.model)
     seconds = best.sampling_seconds or 0.0
@@ -4274,15 +4278,14 @@ def _latent_cache_text(req: Request, best: Candidate, fitting: list[Candidate]) 
     return f"latents not cached: caching would be {format_duration(-diff)} faster, but it has {_tier_text(twin, best)}"
 
 
-def _one_off_sampling_words(req: Request | None, c: Candidate) -> str:
+def _one_off_sampling_words(req: Request, c: Candidate) -> str:
     """What of ``c``'s sampling no GPU count shortens, in words: "the class images and final grid", or "the
     final grid" where it has no class images to generate."""
-    classes = req is not None and sampled_images(req, c.steps).classes
-    return "the class images and final grid" if classes else "the final grid"
+    return "the class images and final grid" if sampled_images(req, c.steps).classes else "the final grid"
 
 
 def _multi_gpu_reasons(
-    hw, best, one, best_by_n, profiles, cal, pinned_count: bool = False, req: Request | None = None
+    hw, best, one, best_by_n, profiles, cal, pinned_count: bool, req: Request
 ) -> list[str]:
     s = best.setup
     mixed = mixed_gpus(hw)
@@ -4368,18 +4371,20 @@ def _multi_gpu_reasons(
             else " than the one-GPU plan"
         )
         # the class images and final grid are sampled on the first process alone, whatever the count: where they
-        # are a share of the run worth saying, the speed-up of the rest beside the whole run's (per image seen: not
-        # where a pinned step count makes the runs see different images, which spreads them differently)
+        # are a share of the run worth saying, the speed-up of the rest beside the whole run's, per image seen as
+        # the plan weighs it (_key, multi_gpu_gain)
         once = best.sampling_once_seconds
         rest = ""
-        same_images = one.steps.images_seen == best.steps.images_seen
-        if same_images and once >= SAMPLING_SHOWN * best.seconds and one.seconds > one.sampling_once_seconds:
-            training = (one.seconds - one.sampling_once_seconds) / (best.seconds - once)
+        if once >= SAMPLING_SHOWN * best.seconds and one.seconds > one.sampling_once_seconds:
+            training = (one.seconds - one.sampling_once_seconds) / one.steps.images_seen
+            training /= (best.seconds - once) / best.steps.images_seen
             what = _one_off_sampling_words(req, best)
             verb = "are" if what.startswith("the class") else "is"
-            rest = f" ({speed_ratio_text(training)} for the rest: {what} {verb} sampled on the first process alone)"
+            rest = f" ({speed_ratio_text(training)} less {what}, which {verb} sampled on the first process alone)"
         r.append(
-            f"{s.num_gpus} GPUs: {step}; once steps are normalised the run is "
+            f"{s.num_gpus} GPUs: {step}; "
+            # a pinned step count is not normalised: each run sees its own images (steps x global batch)
+            + ("per image seen, the run is " if req.max_steps else "once steps are normalised the run is ")
             + speed_ratio_text(per_image(one) / per_image(best))
             + than
             + rest

@@ -261,5 +261,5 @@ def test_expand_user_says_which_home_folder_it_cannot_find(monkeypatch):
     with pytest.raises(UsageError, match=r"no user 'nosuchuser-sdplan'"):
         expand_user("~nosuchuser-sdplan/x", "--out")
     if os.sep == "/":  # a backslash is part of a POSIX name: the user asked for is '\\ds'
-        with pytest.raises(UsageError, match=r"no user '\\\\ds'"):
+        with pytest.raises(UsageError, match=r"no user '\\ds'"):
             expand_user("~\\ds", "--dataset")

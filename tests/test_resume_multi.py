@@ -259,6 +259,7 @@ def test_a_new_run_started_from_another_runs_checkpoint_keeps_its_progress_not_t
             {"step": 8, "traceback": str(tmp_path / "samples" / "step-000008.error.txt")}
         ],
         "wall_seconds": 12.5,
+        "sampling_seconds": 3.0,
     }
     saved = checkpoint.TrainState(global_step=8, batches_in_epoch=8, images_seen=8, losses=[1.0], **history)
     saved.loss_steps, saved.loss_images = [8], [8]
@@ -271,6 +272,7 @@ def test_a_new_run_started_from_another_runs_checkpoint_keeps_its_progress_not_t
         history["sample_grid_failures"],
     )
     assert own.wall_seconds >= 12.5  # and the saving session's seconds
+    assert own.sampling_seconds == 3.0
 
     other = checkpoint.Checkpointer(
         Accelerator(cpu=True),
@@ -282,6 +284,7 @@ def test_a_new_run_started_from_another_runs_checkpoint_keeps_its_progress_not_t
     live = other.load(path, p, 8)
     assert (live.global_step, live.images_seen, live.losses) == (8, 8, [1.0])
     assert (live.intermediate_outputs, live.sample_grid_failures, live.wall_seconds) == ([], [], 0.0)
+    assert live.sampling_seconds == 0.0
 
 
 # -- the loss history across a moved resume ------------------------------------------------------------------

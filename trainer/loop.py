@@ -102,9 +102,9 @@ class Recipe:
         self.latent_dtype = self.wdtype  # latents and conditioning in the frozen UNet's dtype
         self.cond_dtype = self.wdtype
         self.plan = None  # the loop's sdplan.steps.Steps, once the data loader is prepared
-        self.sampling_seconds = (
-            0.0  # sampling in setup (DreamBooth's class images): the loop adds it to its state
-        )
+        # seconds sampling in setup (DreamBooth's class images, on the main process): the loop adds them to its
+        # state (run_summary's sampling_seconds; the main process's is the one written)
+        self.sampling_seconds = 0.0
         self.started_at = time.time()  # wall-clock start and a random run id (kohya's ss_training_started_at,
         self.session_id = random.randint(0, 2**32)  # ss_session_id)
 
