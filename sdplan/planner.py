@@ -3599,7 +3599,7 @@ def plan(hardware: Hardware | Any, profiles: Profiles, request: Request) -> Resu
     if 1 not in best_by_n and (pinned_one := _pinned_count_one_gpu(req, profiles, hardware, cal, resolution)):
         best_by_n = {1: pinned_one, **best_by_n}  # compared with, never the plan (the pin stands)
     one = best_by_n.get(1)
-    speedup = per_image(one) / per_image(best) if (one and one.seconds and best.seconds) else None
+    speedup = one_gpu_speedup(one, best) if (one and one.seconds and best.seconds) else None
     if mixed_gpus(hardware):
         reasons.append(_mixed_text(hardware, best, profiles, cal))
     elif links := _links_text(hardware, best):
@@ -4371,25 +4371,41 @@ def _multi_gpu_reasons(
             else " than the one-GPU plan"
         )
         # the class images and final grid are sampled on the first process alone, whatever the count: where they
-        # are a share of the run worth saying, the speed-up of the rest beside the whole run's, per image seen as
-        # the plan weighs it (_key, multi_gpu_gain)
+        # are a share of the run worth saying, the speed-up without them beside the whole run's (the one the
+        # plan is chosen on: _key, multi_gpu_gain)
         once = best.sampling_once_seconds
         rest = ""
         if once >= SAMPLING_SHOWN * best.seconds and one.seconds > one.sampling_once_seconds:
-            training = (one.seconds - one.sampling_once_seconds) / one.steps.images_seen
-            training /= (best.seconds - once) / best.steps.images_seen
             what = _one_off_sampling_words(req, best)
             verb = "are" if what.startswith("the class") else "is"
-            rest = f" ({speed_ratio_text(training)} less {what}, which {verb} sampled on the first process alone)"
+            rest = (
+                f" ({speed_ratio_text(one_gpu_speedup(one, best, with_once=False))} without {what}, which "
+                f"{verb} sampled on the first process alone)"
+            )
+        same = one.steps.images_seen == best.steps.images_seen
+        speed = speed_ratio_text(one_gpu_speedup(one, best))
+        if speed.startswith("about as fast"):  # "about as fast (1.00x) as the one-GPU plan"
+            than = than.replace(" than ", " as ", 1)
         r.append(
             f"{s.num_gpus} GPUs: {step}; "
-            # a pinned step count is not normalised: each run sees its own images (steps x global batch)
-            + ("per image seen, the run is " if req.max_steps else "once steps are normalised the run is ")
-            + speed_ratio_text(per_image(one) / per_image(best))
+            # a pinned step count: the runs see other images (steps x global batch); one GPU's scaled to the plan's
+            + ("once steps are normalised the run is " if same else "for the images it sees, the run is ")
+            + speed
             + than
             + rest
         )
     return r
+
+
+def one_gpu_speedup(one: Candidate, best: Candidate, *, with_once: bool = True) -> float:
+    """How much faster ``best`` trains what it trains than ``one`` (the one-GPU run) would: one's training time
+    scaled to ``best``'s images seen (the same where epochs set them; a pinned training.max_steps makes each run
+    see its own), with each run's one-off sampling (class images, final grid) as it is, or without it
+    (``with_once`` False: what the GPU count is chosen on). Per image seen, a class image's fixed seconds spread
+    over other image counts made the whole-run ratio say 1.83x slower for a run 4% slower by the clock."""
+    once_one, once = one.sampling_once_seconds, best.sampling_once_seconds
+    training = (one.seconds - once_one) * best.steps.images_seen / one.steps.images_seen
+    return (once_one + training) / best.seconds if with_once else training / (best.seconds - once)
 
 
 def speed_ratio_text(ratio: float) -> str:

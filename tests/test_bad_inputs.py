@@ -260,6 +260,6 @@ def test_expand_user_says_which_home_folder_it_cannot_find(monkeypatch):
     assert expand_user("a/~b", "--out") == "a/~b" and expand_user("/abs/x", "--out") == "/abs/x"
     with pytest.raises(UsageError, match=r"no user 'nosuchuser-sdplan'"):
         expand_user("~nosuchuser-sdplan/x", "--out")
-    if os.sep == "/":  # a backslash is part of a POSIX name: the user asked for is '\\ds'
+    if os.sep == "/":  # a backslash is part of a POSIX name: the user asked for is \ds, shown as typed
         with pytest.raises(UsageError, match=r"no user '\\ds'"):
             expand_user("~\\ds", "--dataset")
