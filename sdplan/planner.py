@@ -4436,7 +4436,7 @@ def _one_gpu_trade_text(best: Candidate, one: Candidate, profiles: Profiles) -> 
     kept = [words for lacks, words in _TIER_KEPT if lacks(one) and not lacks(best)]
     if one.setup.optimizer != s.optimizer:
         kept.append(_OPT_NAMES[s.optimizer])
-    ratio = per_image(one) / per_image(best)
+    ratio = one_gpu_speedup(one, best)  # as the summary's "vs one GPU"
     speed = (
         "not for speed"
         if multi_gpu_gain(best, one, profiles) <= MIN_MULTI_GPU_GAIN
