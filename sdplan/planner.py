@@ -4398,14 +4398,21 @@ def _multi_gpu_reasons(
 
 
 def one_gpu_speedup(one: Candidate, best: Candidate, *, with_once: bool = True) -> float:
-    """How much faster ``best`` trains what it trains than ``one`` (the one-GPU run) would: one's training time
-    scaled to ``best``'s images seen (the same where epochs set them; a pinned training.max_steps makes each run
-    see its own), with each run's one-off sampling (class images, final grid) as it is, or without it
-    (``with_once`` False: what the GPU count is chosen on). Per image seen, a class image's fixed seconds spread
-    over other image counts made the whole-run ratio say 1.83x slower for a run 4% slower by the clock."""
+    """How much faster ``best`` trains what it trains than ``one`` (the one-GPU run) would: one's steps (and the
+    grids sampled during them) scaled to ``best``'s images seen (the same where epochs set them; a pinned
+    training.max_steps makes each run see its own), its fixed costs as they are (start-up, latent caching, the
+    class images and final grid), over ``best``'s time; ``with_once`` False leaves the class images and final
+    grid out of both (what the GPU count is chosen on). Per image seen, fixed seconds spread over other image
+    counts made the ratio say 1.83x slower for a run about as fast by the clock."""
     once_one, once = one.sampling_once_seconds, best.sampling_once_seconds
-    training = (one.seconds - once_one) * best.steps.images_seen / one.steps.images_seen
-    return (once_one + training) / best.seconds if with_once else training / (best.seconds - once)
+    during_one = (
+        one.sampling_seconds or 0.0
+    ) - once_one  # grids every N steps and at saves: they follow the steps
+    fixed_one = one.fixed_seconds - during_one  # start-up, latent caching, class images, final grid
+    scaled = (one.seconds - fixed_one) * best.steps.images_seen / one.steps.images_seen
+    if with_once:
+        return (fixed_one + scaled) / best.seconds
+    return (fixed_one - once_one + scaled) / (best.seconds - once)
 
 
 def speed_ratio_text(ratio: float) -> str:
@@ -4442,9 +4449,11 @@ def _one_gpu_trade_text(best: Candidate, one: Candidate, profiles: Profiles) -> 
         if multi_gpu_gain(best, one, profiles) <= MIN_MULTI_GPU_GAIN
         else "and for their speed"
     )
+    said = speed_ratio_text(ratio)
+    than = "as" if said.startswith("about as fast") else "than"  # "about as fast (1.00x) as it"
     return (
         f" with {_gib(one.memory.ram)} of host RAM ({describe(one.setup)}), but only with {_tier_text(one, best)}; "
-        f"the {s.num_gpus} GPUs are {speed_ratio_text(ratio)} than it and hold {_gib(best.memory.ram)} of host "
+        f"the {s.num_gpus} GPUs are {said} {than} it and hold {_gib(best.memory.ram)} of host "
         f"RAM: they are taken to keep {' and '.join(kept)}, {speed} ({pin_text('num_gpus', 1)} plans the "
         "one-GPU run)"
     )
