@@ -496,19 +496,20 @@ def build_request(inp: RecommendInputs, profiles: Profiles) -> tuple[planner.Req
                 f"--resolution {resolution} and data.resolution={pinned_resolution} disagree", fix="give one"
             )
         resolution = pinned_resolution
-    bucketing = any(k.startswith("data.bucket") for k in cfgmod.override_keys(inp.settings))
-    data = _pinned_config(inp).data if bucketing else None  # aspect buckets: the steps and sides differ
+    fields = dict(pins)
+    # the config the settings make, read where they set what the plan depends on beyond its pins: aspect buckets
+    # (the steps and sides differ), the class images trained alongside and what the run samples (num_class_images,
+    # the class folder, sampling.*), as `sdplan train` reads them; the defaults' where none is set
+    keys = cfgmod.override_keys(inp.settings)
+    bucketing = any(k.startswith("data.bucket") for k in keys)
+    sampling_pinned = any(k.startswith(("sampling.", "dreambooth.", "output.")) for k in keys)
+    read = bucketing or fields.get("prior_preservation") or sampling_pinned
+    pinned_cfg = _pinned_config(inp) if read else cfgmod.TrainConfig(method=inp.method)
+    data = pinned_cfg.data if bucketing else None
     if resolution is not None and (
         problem := cfgmod.flow_resolution_problem(resolution, inp.model, buckets=bool(data and data.buckets))
     ):
         raise UsageError(problem)
-    fields = dict(pins)
-    # the class images trained alongside and what the run samples, from the settings as `sdplan train` reads
-    # them (num_class_images, the class folder, sampling.*); the defaults' where none is pinned
-    keys = cfgmod.override_keys(inp.settings)
-    sampling_pinned = any(k.startswith(("sampling.", "dreambooth.", "output.")) for k in keys)
-    read = fields.get("prior_preservation") or sampling_pinned
-    pinned_cfg = _pinned_config(inp) if read else cfgmod.TrainConfig(method=inp.method)
     if inp.out is not None and "output.dir" not in keys:  # --out: the run's folder (trainer_config writes it)
         pinned_cfg.output.dir = str(inp.out)
     prior, class_images = cfgmod.prior_preservation(pinned_cfg)
@@ -965,8 +966,8 @@ def compare_caption(rows: list[tuple[str, dict, planner.Result]]) -> str:
         text = f"times: {what} per epoch x {req.epochs} epochs"
     if any(r.startswith(NO_DATASET_NOTE) for r in res.reasons):
         text += f" (planned for {DEFAULT_IMAGES} images: pass --images N or --dataset DIR for your run's)"
-    classes = req.class_images_to_generate if req.class_images_to_generate is not None else req.class_images
-    if req.prior_preservation and classes:  # the same in each option: the main process generates them first
+    classes = planner.sampled_images(req, res.steps).classes  # the same in each option: generated first
+    if classes:
         text += f"; each includes {planner.count_text(classes, 'class image')} generated first"
     return text
 
