@@ -527,8 +527,9 @@ def run_launch(
             previous[s] = signal.signal(s, forward)
         except ValueError:  # not the main thread
             break
-    ours = _children(os.getpid())  # children this process had before the launch are not the launch's
     reaper = launch.kind != "single" and _subreaper(True)  # a launcher between sdplan and the trainers
+    # children this process had before the launch are not the launch's (read only where orphans are reaped)
+    ours = _children(os.getpid()) if reaper else set()
     try:
         proc = subprocess.Popen(
             launch.cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent(os.getpid())

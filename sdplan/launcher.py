@@ -454,16 +454,15 @@ def check_start_checkpoint(cfg: C.TrainConfig, out: Path, *, clears: bool) -> No
     (else --force deleted every checkpoint, then failed naming a --resume never typed)."""
     from sdplan.trainer.checkpoint import STATE_FILE, checkpoint_root
 
-    value = cfg.checkpoints.resume
-    if value is None or value == "":
-        return
-    if value == "latest":
+    if cfg.checkpoints.resume == "latest":
         raise UsageError(
             "checkpoints.resume=latest: `sdplan train` continues a run's newest checkpoint with --resume",
             fix=f"`sdplan train --resume --out {shlex.quote(str(out))}`, or drop checkpoints.resume "
             "(checkpoints.resume=null) to start a new run",
         )
-    path = C.absolute(str(value), "checkpoints.resume")
+    path = start_checkpoint(cfg)
+    if path is None:
+        return
     if clears and _inside(path, checkpoint_root(out)):
         raise UsageError(
             f"--force starts the run in {out} over and deletes its checkpoints, and checkpoints.resume names "
@@ -1210,8 +1209,6 @@ def checkpoint_step(
     """(the step checkpoint ``last`` stands at in this run's steps, its TrainState), or None where its state
     cannot be read: :func:`sdplan.steps.moved_position` where it was saved with another micro-batch,
     accumulation or process count, as the trainer places it."""
-    import math
-
     from sdplan.trainer.checkpoint import CheckpointError, TrainState, read_state, resume_position
 
     try:
@@ -1221,11 +1218,9 @@ def checkpoint_step(
     t = cfg.training
     buckets = inputs.bucket_samples
     new = config_plan_steps(cfg, inputs.images_x_repeats, world, buckets or ())
-    epoch_batches = (
-        sum(math.ceil(n / t.batch_size) for n in buckets)
-        if buckets
-        else math.ceil(inputs.images_x_repeats / t.batch_size)
-    )
+    epoch_batches = bucketed_batches(
+        buckets or (inputs.images_x_repeats,), t.batch_size
+    )  # one process's list
     live = TrainState(batch_size=t.batch_size, grad_accum=t.grad_accum, num_processes=world)
     moved = resume_position(saved, live, new, epoch_batches)  # None: saved with these settings, its own step
     return (saved.global_step if moved is None else moved.step), saved
@@ -1511,16 +1506,6 @@ def prepare(req: TrainRequest, ui: UI) -> Prepared:
                 "--resume continues the run as configured in its sdplan.yaml",
                 fix="drop --method/--model/--dataset; change settings with key=value overrides",
             )
-        if req.config and req.out:
-            run_dir = C.absolute(req.out, "--out")
-            # else the --config file was dropped without a word: the run's own sdplan.yaml is what resumes
-            if (differs := config_differs(config_path, run_dir)) is not None:
-                raise UsageError(
-                    f"--resume continues the run in --out {req.out} with its own {CONFIG_FILE}; --config "
-                    f"{req.config} is not used with it: {differs}",
-                    fix=f"resume with `{resume_command(req, run_dir)}` (change settings with key=value "
-                    "overrides), or train that config in another folder without --resume",
-                )
     out_given = C.absolute(req.out, "--out") if req.out else None
 
     if req.resume:
@@ -1533,10 +1518,12 @@ def prepare(req: TrainRequest, ui: UI) -> Prepared:
         check_free(out)  # a live run in it: say who, not what its half-written files look like
         check_out_dir(out, resume=True)  # an sdplan run, before its config is read
         # a --config whose settings are the run's own (the plan's sdplan.yaml that started it, a copy) resumes
-        # as --resume --out does; another one is refused, naming what differs
+        # as --resume --out does; another one is refused, naming what differs (dropped without a word, the run's
+        # own sdplan.yaml resumed and the --config file was never used)
         if config_path is not None and (differs := config_differs(config_path, out)) is not None:
+            where = f"--out {req.out}" if req.out else f"{out} (the output.dir of --config {req.config})"
             raise UsageError(
-                f"--resume continues the run in {out} (the output.dir of --config {req.config}) with its own "
+                f"--resume continues the run in {where} with its own "
                 f"{CONFIG_FILE}; --config {req.config} is not used with it: {differs}",
                 fix=f"resume with `{resume_command(req, out)}` (change settings with key=value overrides), or "
                 "train that config in another folder without --resume",
