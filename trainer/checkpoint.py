@@ -422,10 +422,13 @@ def resolve_resume(resume: str | Path | None, out_dir: str | Path, say=print) ->
         raise UsageError(f"--resume {resume}: not a checkpoint folder (no {STATE_FILE})")
     problem = verify_checkpoint(path)
     if problem is not None:
-        complete = [p for _, _, p in reversed(list_checkpoints(out_dir)) if verify_checkpoint(p) is None]
+        # the newest complete one, hashing no further than it
+        complete = next(
+            (p for _, _, p in reversed(list_checkpoints(out_dir)) if verify_checkpoint(p) is None), None
+        )
         raise CheckpointError(
             f"--resume {resume}: incomplete or damaged checkpoint: {problem}",
-            fix=f"resume from {complete[0]}, the newest complete one" if complete else START_OVER,
+            fix=f"resume from {complete}, the newest complete one" if complete else START_OVER,
         )
     return path
 

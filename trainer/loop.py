@@ -612,26 +612,23 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
     def sample(step=None, fallback="", **kw):
         started = time.perf_counter()
         try:
-            return _sample(step, fallback, **kw)
-        finally:
+            return outputs.samples(
+                accelerator,
+                comps,
+                recipe.unet,
+                recipe.text_encoders,
+                cfg,
+                step=step,
+                fallback=fallback,
+                tb=tb,
+                injected=injected,
+                text_cache=recipe.text_cache,
+                failures=state.sample_grid_failures,  # carried by the checkpoints: over the run's sessions
+                images=state.images_seen,  # the point of the run the grid shows (outputs.grid_path)
+                **kw,
+            )
+        finally:  # the run's sampling time (run_summary's sampling_seconds), a grid that failed too
             state.sampling_seconds += time.perf_counter() - started
-
-    def _sample(step=None, fallback="", **kw):
-        return outputs.samples(
-            accelerator,
-            comps,
-            recipe.unet,
-            recipe.text_encoders,
-            cfg,
-            step=step,
-            fallback=fallback,
-            tb=tb,
-            injected=injected,
-            text_cache=recipe.text_cache,
-            failures=state.sample_grid_failures,  # carried by the checkpoints: over the run's sessions
-            images=state.images_seen,  # the point of the run the grid shows (outputs.grid_path)
-            **kw,
-        )
 
     def save_intermediate(step: int, epoch: int | None) -> None:
         """The outputs at ``step`` (every process calls; the main one writes) into intermediate/<name>/."""

@@ -229,7 +229,9 @@ def load_components(
     from .source_check import check_source
 
     if config_dir is not None:
-        config_dir = str(Path(config_dir).expanduser())
+        from sdplan.config import expand_user
+
+        config_dir = expand_user(config_dir, "model.config_dir")
     info = info or check_source(
         path, family=family, variant=variant, config_dir=config_dir, revision=revision, deep=True
     )

@@ -860,7 +860,9 @@ def check_file(
             info = classify_state(shapes, {}, path, where, family=family)
     flow = info.prediction_type == "flow_matching"
     if config_dir is not None:
-        cdir = Path(config_dir).expanduser()
+        from sdplan.config import expand_user
+
+        cdir = Path(expand_user(config_dir, "model.config_dir"))
         cwhere = f"model.config_dir {config_dir}"
         if not (cdir / "model_index.json").is_file():
             raise UnsupportedModelError(
