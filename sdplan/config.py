@@ -220,7 +220,7 @@ class CheckpointConfig:
 @dataclass
 class SamplingConfig:
     prompts: list[str] = field(default_factory=list)
-    every_steps: int = 0  # 0: only a final grid
+    every_steps: int = 0  # 0: only a final grid (which is the last step's: no every-N grid there)
     num_inference_steps: int = 20
     # null: the family's (trainer.sampling.guidance_for): 3.5 for FLUX.1, whose pipeline takes it as the guidance
     # embedding's value (FluxPipeline's and kohya's sample default), 7.5 for the others (classifier-free)

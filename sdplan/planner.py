@@ -1882,20 +1882,23 @@ class SampledImages(NamedTuple):
 def sampled_images(req: Request, steps: Steps) -> SampledImages:
     """What the trainer samples over a run of ``steps``: the class images its class folder lacks (prior
     preservation), the final grid (each prompt, else a caption), a grid every ``sample_every_steps`` optimizer
-    steps (at each step that divides, the last too), and one at each intermediate save where prompts are given
-    (:func:`sdplan.steps.intermediate_steps`, as the loop saves them)."""
+    steps (at each step that divides but the last, whose weights the final grid shows), and one at each
+    intermediate save where prompts are given (:func:`sdplan.steps.intermediate_steps`, as the loop saves
+    them) and no every-N grid was made at its step (the save copies that one)."""
     classes = 0
     if req.prior_preservation:
         classes = req.class_images if req.class_images_to_generate is None else req.class_images_to_generate
     grid = max(1, req.sample_prompts)
-    every = steps.total_steps // req.sample_every_steps if req.sample_every_steps > 0 else 0
+    n = req.sample_every_steps if req.sample_every_steps > 0 else 0
+    every = (steps.total_steps - 1) // n if n else 0
     saves = intermediate_steps(
         total_steps=steps.total_steps,
         steps_per_epoch=steps.steps_per_epoch,
         every_epochs=req.save_every_epochs,
         every_steps=req.save_every_steps,
     )
-    return SampledImages(max(0, classes), grid, every * grid, len(saves) * req.sample_prompts)
+    own = [s for s in saves if not n or s % n]
+    return SampledImages(max(0, classes), grid, every * grid, len(own) * req.sample_prompts)
 
 
 def sampling_seconds(
@@ -4095,9 +4098,17 @@ def _sampling_text(req: Request, best: Candidate, profiles: Profiles) -> str:
     per_grid = count_text(images.final, "image")
     if images.every:
         grids = images.every // images.final
+        saves = intermediate_steps(
+            total_steps=best.steps.total_steps,
+            steps_per_epoch=best.steps.steps_per_epoch,
+            every_epochs=req.save_every_epochs,
+            every_steps=req.save_every_steps,
+        )
+        shared = sum(1 for s in saves if s % req.sample_every_steps == 0) if req.sample_prompts else 0
+        copied = f"; {count_text(shared, 'save')} at those steps copy them" if shared else ""
         what.append(
             f"{count_text(images.every, 'grid image')} ({count_text(grids, 'grid')} of {per_grid}, one every "
-            f"{req.sample_every_steps} steps)"
+            f"{req.sample_every_steps} steps{copied})"
         )
     if images.at_saves:
         keys = [  # the settings that save during this run (one past its end saves nothing)

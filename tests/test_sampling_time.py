@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -134,7 +135,8 @@ def test_the_run_samples_its_missing_class_images_and_each_grid(prof):
         sample_prompts=4,
         sample_every_steps=10,
     )
-    assert P.sampled_images(req, steps) == (40, 4, steps.total_steps // 10 * 4, 0)
+    # every 10 steps but the last (the final grid shows its weights: trainer/loop.py)
+    assert P.sampled_images(req, steps) == (40, 4, (steps.total_steps - 1) // 10 * 4, 0)
     no_prior = P.Request(method="dreambooth", class_images=100, class_images_to_generate=40)
     assert P.sampled_images(no_prior, steps) == (0, 1, 0, 0)  # the final grid of one caption
     # a grid at each intermediate save, with prompts (trainer/loop.py), at the saves the loop makes
@@ -306,7 +308,7 @@ def test_the_sampling_line_names_each_cause_with_its_own_count(prof):
         hw, prof, P.Request(method="lora", model="sdxl", images=40, max_steps=50, sample_every_steps=7)
     )
     line = next(r for r in every.reasons if r.startswith("sampling:"))
-    grids = sum(1 for step in range(1, every.steps.total_steps + 1) if step % 7 == 0)  # as trainer/loop.py
+    grids = sum(1 for step in range(1, every.steps.total_steps) if step % 7 == 0)  # as trainer/loop.py
     assert f"{grids} grid images ({grids} grids of 1 image, one every 7 steps)" in line, line
     # a grid at each save, with prompts, named by the setting that saves during the run (not one past its end)
     saves = P.Request(
@@ -319,6 +321,15 @@ def test_the_sampling_line_names_each_cause_with_its_own_count(prof):
         f"{2 * n} grid images ({n} grids of 2 images, at the saves of output.save_every_n_steps=5)," in line
     )
     assert "epochs" not in line, line
+    # a save on a step with an every-N grid copies that grid: counted once, and the line says so
+    both = replace(saves, sample_every_steps=5, save_every_epochs=0)
+    res = P.plan(hw, prof, both)
+    line = next(r for r in res.reasons if r.startswith("sampling:"))
+    assert (
+        f"{2 * n} grid images ({n} grids of 2 images, one every 5 steps; {n} saves at those steps copy them)"
+        in (line)
+    )
+    assert "at the saves" not in line and P.sampled_images(both, res.steps).at_saves == 0
 
 
 def test_the_multi_gpu_lines_name_the_one_off_sampling_that_is_there(prof):

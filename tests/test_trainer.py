@@ -600,7 +600,7 @@ def test_out_of_memory_in_a_sample_grid_during_training_skips_the_grid(
     summary = run.train(cfg)
     assert summary["steps"] == 3 and not (out / "oom.json").exists()
     grids = sorted(p.name for p in (out / "samples").glob("step-*.png"))
-    assert grids == ["step-000001.png", "step-000003.png"]
+    assert grids == ["step-000001.png"]  # step 3 is the last: the final grid shows it
     assert "skipped the sample grid of step 2: out of GPU memory" in capsys.readouterr().out
 
 
@@ -613,7 +613,7 @@ def test_grids_during_training_without_prompts_show_a_caption_as_the_final_grid_
     out = tmp_path / "out"
     run.train(tiny_train_config(tiny_sd15, dataset, out, "training.max_steps=2", "sampling.every_steps=1"))
     grids = sorted(p.name for p in (out / "samples").glob("*.png"))
-    assert grids == ["final.png", "step-000001.png", "step-000002.png"]
+    assert grids == ["final.png", "step-000001.png"]  # the last step's is the final grid
 
 
 @pytest.mark.train
@@ -1050,7 +1050,7 @@ def test_a_sample_grid_that_fails_otherwise_is_skipped_and_the_run_keeps_its_rec
         p.name for p in out.iterdir()
     }
     error = "RuntimeError: shape '[96, 0]' is invalid for input of size 24"
-    grids = [(1, "step-000001"), (2, "step-000002"), (None, "final")]
+    grids = [(1, "step-000001"), (None, "final")]  # step 2, the last, has the final grid only
     assert summary["sample_grid_failures"] == [
         {"step": step, "error": error, "traceback": str(out / "samples" / f"{name}.error.txt")}
         for step, name in grids

@@ -309,6 +309,44 @@ def test_an_exact_resume_writes_the_outputs_of_a_step_again_under_their_names(
     assert [o["step"] for o in summary["intermediate_outputs"]] == [2, 4]
 
 
+def test_a_grid_is_sampled_once_at_a_step_that_saves_and_never_twice_at_the_last(
+    tiny_sd15, images, tmp_path, monkeypatch
+):
+    """sampling.every_steps and output.save_every_n_steps on the same step sampled the same grid (prompts, seed,
+    weights) twice, once for samples/ and once for the save's folder, and the last step's every-N grid was the
+    final grid again: minutes a grid on SD3.5 / FLUX.1. The save now copies the step's grid, and the last step
+    has the final grid alone (planner.sampled_images counts them so)."""
+    from sdplan.trainer import sampling
+
+    from sdplan import planner
+    from sdplan.steps import plan_steps
+
+    made: list[str] = []
+    real = sampling.sample_grid
+
+    def counted(pipe, prompts, **kw):
+        made.append(kw["labels"][0].split("\n")[0])
+        return real(pipe, prompts, **kw)
+
+    monkeypatch.setattr(sampling, "sample_grid", counted)
+    out = tmp_path / "out"
+    opts = (
+        "training.max_steps=4",
+        "output.save_every_n_steps=1",
+        "sampling.every_steps=2",
+        "output.name=run",
+    )
+    run.train(tiny_train_config(tiny_sd15, images, out, *opts, "sampling.prompts=[a red square]"))
+    assert made == ["step 1", "step 2", "step 3", "step 4"]  # saves at 1-3 (2 copied), the final grid at 4
+    assert sorted(p.name for p in (out / "samples").iterdir()) == ["final.png", "step-000002.png"]
+    copied = out / "intermediate" / "run-step00000002" / "samples.png"
+    assert copied.read_bytes() == (out / "samples" / "step-000002.png").read_bytes()
+    assert (out / "intermediate" / "run-step00000003" / "samples.png").is_file()
+    req = planner.Request(method="lora", sample_prompts=1, sample_every_steps=2, save_every_steps=1)
+    counts = planner.sampled_images(req, plan_steps(images_per_epoch=4, batch_size=2, max_steps=4))
+    assert counts.during + counts.final == len(made)
+
+
 @pytest.mark.parametrize("method", ["textual-inversion", "finetune"])
 def test_other_methods_every_n_steps(method, tiny_sd15, images, tmp_path):
     out = tmp_path / "out"

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import shutil
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -630,8 +631,11 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
         finally:  # the run's sampling time (run_summary's sampling_seconds), a grid that failed too
             state.sampling_seconds += time.perf_counter() - started
 
-    def save_intermediate(step: int, epoch: int | None) -> None:
-        """The outputs at ``step`` (every process calls; the main one writes) into intermediate/<name>/."""
+    def save_intermediate(step: int, epoch: int | None, step_grid: Path | None, sampled: bool) -> None:
+        """The outputs at ``step`` (every process calls; the main one writes) into intermediate/<name>/.
+        ``sampled``: the loop made this step's grid (sampling.every_steps; ``step_grid`` its file on the main
+        process, None elsewhere or where it failed): the same prompts, seed and weights, so it is copied, not
+        sampled a second time."""
         label = outputs.intermediate_name(
             export.output_name(cfg.output.name, out_dir), epoch=epoch, step=step
         )
@@ -651,7 +655,12 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
             )
             with outputs.write_errors(folder, needed_bytes=export_bytes), recipe.output_name(label):
                 files += recipe.export(folder, meta, ema)
-        grid = sample(step, out_path=folder / "samples.png") if cfg.sampling.prompts else None
+        grid = None
+        if cfg.sampling.prompts and not sampled:
+            grid = sample(step, out_path=folder / "samples.png")
+        elif cfg.sampling.prompts and step_grid is not None:
+            with outputs.write_errors(folder, needed_bytes=step_grid.stat().st_size):
+                grid = Path(shutil.copyfile(step_grid, folder / "samples.png"))
         files += [grid] if grid else []
         accelerator.wait_for_everyone()
         state.intermediate_outputs.append({"epoch": reached, "step": step, "files": [str(f) for f in files]})
@@ -693,10 +702,13 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
                     stop_now, current = current.stop_now, None
                     bar.update(step, mean_loss)
                     progress.log_step(tb, bar, step, mean_loss, lr_scheduler)
-                    if cfg.sampling.every_steps and step % cfg.sampling.every_steps == 0:
-                        sample(step, fallback=recipe.sample_prompt())  # no prompts: a caption, as at the end
+                    # a grid every N steps (no prompts: a caption, as at the end); at the last step the final
+                    # grid shows the same weights, so none is made twice
+                    every = cfg.sampling.every_steps
+                    sampled = bool(every) and step % every == 0 and step < plan.total_steps
+                    step_grid = sample(step, fallback=recipe.sample_prompt()) if sampled else None
                     if step in saves_at:
-                        save_intermediate(step, saves_at[step])
+                        save_intermediate(step, saves_at[step], step_grid, sampled)
                     ckpt.maybe_save()
                     if stop_now:
                         path = ckpt.last_saved if ckpt.last_saved_step == step else ckpt.save("interrupt")
