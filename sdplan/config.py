@@ -220,7 +220,7 @@ class CheckpointConfig:
 @dataclass
 class SamplingConfig:
     prompts: list[str] = field(default_factory=list)
-    every_steps: int = 0  # 0: only a final grid (which is the last step's: no every-N grid there)
+    every_steps: int = 0  # 0: only a final grid (at the last step the final grid is the every-N one)
     num_inference_steps: int = 20
     # null: the family's (trainer.sampling.guidance_for): 3.5 for FLUX.1, whose pipeline takes it as the guidance
     # embedding's value (FluxPipeline's and kohya's sample default), 7.5 for the others (classifier-free)
@@ -373,7 +373,8 @@ def planned_sampling(cfg: TrainConfig) -> dict[str, Any]:
     before the first step, trainer/recipes/dreambooth.py; the folder is dreambooth.class_data, else
     output.dir/class_images; counted from each image's header, where the trainer also decodes them: a damaged
     one counts here and is generated again there), the grids' prompts, sampling.every_steps, the intermediate
-    saves (a grid at each, with prompts), the denoising steps and the guidance scale."""
+    saves (a grid at each, with prompts, copied where an every-N grid was made), the denoising steps and the
+    guidance scale."""
     on, wanted = prior_preservation(cfg)
     missing = 0
     if on and wanted:

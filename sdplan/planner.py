@@ -291,8 +291,9 @@ class Request:
     # data.buckets: the samples in each aspect bucket (a batch holds one bucket's: each ends in a short batch)
     bucket_samples: tuple[int, ...] = ()
     # what the run samples besides training (sampled_images): the class images its class folder lacks (None:
-    # all class_images), the grids' prompts (the final grid, one every sample_every_steps optimizer steps, one
-    # at each intermediate save), their denoising steps and guidance scale (None: the family's)
+    # all class_images), the grids' prompts (the final grid, one every sample_every_steps optimizer steps but
+    # the last, one at each intermediate save that is not such a step), their denoising steps and guidance
+    # scale (None: the family's)
     class_images_to_generate: int | None = None
     sample_prompts: int = 0  # sampling.prompts given (0: the final grid of one caption, no grids at saves)
     sample_every_steps: int = 0
@@ -4096,35 +4097,40 @@ def _sampling_text(req: Request, best: Candidate, profiles: Profiles) -> str:
     if images.classes:
         what.append(f"{count_text(images.classes, 'class image')} the class folder lacks (before training)")
     per_grid = count_text(images.final, "image")
+    n = req.sample_every_steps
+
+    def saves(every_epochs: int, every_steps: int) -> dict[int, int | None]:  # none past the run's end
+        st = best.steps
+        return intermediate_steps(
+            total_steps=st.total_steps,
+            steps_per_epoch=st.steps_per_epoch,
+            every_epochs=every_epochs,
+            every_steps=every_steps,
+        )
+
     if images.every:
         grids = images.every // images.final
-        saves = intermediate_steps(
-            total_steps=best.steps.total_steps,
-            steps_per_epoch=best.steps.steps_per_epoch,
-            every_epochs=req.save_every_epochs,
-            every_steps=req.save_every_steps,
+        shared = sum(1 for s in saves(req.save_every_epochs, req.save_every_steps) if s % n == 0)
+        shared = shared if req.sample_prompts else 0  # no prompts: the saves have no grid
+        copied = (
+            f"; {count_text(shared, 'save')} at those steps {'copies it' if shared == 1 else 'copy them'}"
         )
-        shared = sum(1 for s in saves if s % req.sample_every_steps == 0) if req.sample_prompts else 0
-        copied = f"; {count_text(shared, 'save')} at those steps copy them" if shared else ""
         what.append(
             f"{count_text(images.every, 'grid image')} ({count_text(grids, 'grid')} of {per_grid}, one every "
-            f"{req.sample_every_steps} steps{copied})"
+            f"{n} steps{copied if shared else ''})"
         )
     if images.at_saves:
-        keys = [  # the settings that save during this run (one past its end saves nothing)
+        keys = [  # the settings whose saves sample a grid of their own
             f"output.save_every_n_{k}={v}"
             for k, v, kw in (
                 ("epochs", req.save_every_epochs, {"every_epochs": req.save_every_epochs, "every_steps": 0}),
                 ("steps", req.save_every_steps, {"every_epochs": 0, "every_steps": req.save_every_steps}),
             )
-            if v
-            and intermediate_steps(
-                total_steps=best.steps.total_steps, steps_per_epoch=best.steps.steps_per_epoch, **kw
-            )
+            if v and any(not n or s % n for s in saves(**kw))
         ]
-        saves = images.at_saves // max(1, req.sample_prompts)
+        grids = images.at_saves // max(1, req.sample_prompts)
         what.append(
-            f"{count_text(images.at_saves, 'grid image')} ({count_text(saves, 'grid')} of "
+            f"{count_text(images.at_saves, 'grid image')} ({count_text(grids, 'grid')} of "
             f"{count_text(req.sample_prompts, 'image')}, at the saves of {' and '.join(keys)})"
         )
     what.append(f"the final sample grid ({count_text(images.final, 'image')})")

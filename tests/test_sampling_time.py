@@ -330,6 +330,21 @@ def test_the_sampling_line_names_each_cause_with_its_own_count(prof):
         in (line)
     )
     assert "at the saves" not in line and P.sampled_images(both, res.steps).at_saves == 0
+    # the saves named are those that sample: epoch saves on every-N steps only copy
+    first = P.plan(hw, prof, replace(saves, save_every_steps=0, save_every_epochs=0)).steps
+    epoch = first.steps_per_epoch
+    mixed = replace(saves, sample_every_steps=epoch, save_every_epochs=1, save_every_steps=epoch * 2 + 1)
+    res = P.plan(hw, prof, mixed)
+    assert res.steps.steps_per_epoch == epoch and res.steps.total_steps > 2 * epoch + 1
+    line = next(r for r in res.reasons if r.startswith("sampling:"))
+    assert "at the saves of output.save_every_n_steps=" in line and "save_every_n_epochs" not in line, line
+    # one save on an every-N step copies "it"
+    one = replace(
+        saves, sample_every_steps=res.steps.total_steps - 1, save_every_epochs=0, save_every_steps=0
+    )
+    one = replace(one, save_every_steps=res.steps.total_steps - 1)
+    line = next(r for r in P.plan(hw, prof, one).reasons if r.startswith("sampling:"))
+    assert "1 save at those steps copies it)" in line, line
 
 
 def test_the_multi_gpu_lines_name_the_one_off_sampling_that_is_there(prof):

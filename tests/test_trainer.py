@@ -600,7 +600,7 @@ def test_out_of_memory_in_a_sample_grid_during_training_skips_the_grid(
     summary = run.train(cfg)
     assert summary["steps"] == 3 and not (out / "oom.json").exists()
     grids = sorted(p.name for p in (out / "samples").glob("step-*.png"))
-    assert grids == ["step-000001.png"]  # step 3 is the last: the final grid shows it
+    assert grids == ["step-000001.png", "step-000003.png"]  # step 3's: the final grid's copy
     assert "skipped the sample grid of step 2: out of GPU memory" in capsys.readouterr().out
 
 
@@ -613,7 +613,7 @@ def test_grids_during_training_without_prompts_show_a_caption_as_the_final_grid_
     out = tmp_path / "out"
     run.train(tiny_train_config(tiny_sd15, dataset, out, "training.max_steps=2", "sampling.every_steps=1"))
     grids = sorted(p.name for p in (out / "samples").glob("*.png"))
-    assert grids == ["final.png", "step-000001.png"]  # the last step's is the final grid
+    assert grids == ["final.png", "step-000001.png", "step-000002.png"]  # step 2's: the final grid's copy
 
 
 @pytest.mark.train

@@ -314,9 +314,10 @@ def test_a_grid_is_sampled_once_at_a_step_that_saves_and_never_twice_at_the_last
 ):
     """sampling.every_steps and output.save_every_n_steps on the same step sampled the same grid (prompts, seed,
     weights) twice, once for samples/ and once for the save's folder, and the last step's every-N grid was the
-    final grid again: minutes a grid on SD3.5 / FLUX.1. The save now copies the step's grid, and the last step
-    has the final grid alone (planner.sampled_images counts them so)."""
-    from sdplan.trainer import sampling
+    final grid again: minutes a grid on SD3.5 / FLUX.1. The save now copies the step's grid, and the last step's
+    is the final grid's copy (planner.sampled_images counts them so); TensorBoard shows each grid once."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from sdplan import planner
     from sdplan.steps import plan_steps
@@ -336,15 +337,45 @@ def test_a_grid_is_sampled_once_at_a_step_that_saves_and_never_twice_at_the_last
         "sampling.every_steps=2",
         "output.name=run",
     )
-    run.train(tiny_train_config(tiny_sd15, images, out, *opts, "sampling.prompts=[a red square]"))
+    opts += ("sampling.prompts=[a red square]", "logging.tensorboard=true")
+    run.train(tiny_train_config(tiny_sd15, images, out, *opts))
     assert made == ["step 1", "step 2", "step 3", "step 4"]  # saves at 1-3 (2 copied), the final grid at 4
-    assert sorted(p.name for p in (out / "samples").iterdir()) == ["final.png", "step-000002.png"]
+    samples = out / "samples"
+    assert sorted(p.name for p in samples.iterdir()) == ["final.png", "step-000002.png", "step-000004.png"]
+    assert (samples / "step-000004.png").read_bytes() == (samples / "final.png").read_bytes()
     copied = out / "intermediate" / "run-step00000002" / "samples.png"
-    assert copied.read_bytes() == (out / "samples" / "step-000002.png").read_bytes()
+    assert copied.read_bytes() == (samples / "step-000002.png").read_bytes()
     assert (out / "intermediate" / "run-step00000003" / "samples.png").is_file()
+    events = EventAccumulator(str(out / "logs")).Reload()
+    # each grid sampled once, 4 by the final grid (the log closed before it did), no copy again
+    assert [e.step for e in events.Images("samples")] == [1, 2, 3, 4]
     req = planner.Request(method="lora", sample_prompts=1, sample_every_steps=2, save_every_steps=1)
     counts = planner.sampled_images(req, plan_steps(images_per_epoch=4, batch_size=2, max_steps=4))
     assert counts.during + counts.final == len(made)
+
+
+def test_a_failed_grid_copy_is_a_skipped_grid_and_a_full_disk_stops_the_run(tmp_path, capsys):
+    """Copying a grid where it is due again: a failure other than a full disk is one line, as a failed
+    sampling is (the run goes on); a full disk is the run's one-line DiskFull; nothing half-written stays."""
+    grid = tmp_path / "grid.png"
+    Image.new("RGB", (4, 4)).save(grid)
+    accelerator = type("A", (), {"is_main_process": True})()
+    target = tmp_path / "saved" / "samples.png"
+    assert outputs.copy_grid(accelerator, grid, target) == target and target.read_bytes() == grid.read_bytes()
+    blocked = tmp_path / "blocked"
+    blocked.write_text("a file where a folder is wanted")
+    assert outputs.copy_grid(accelerator, grid, blocked / "samples.png") is None
+    assert "skipped the copy of sample grid" in capsys.readouterr().out
+
+    def full(src, dst):
+        Path(dst).write_bytes(b"half")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(outputs.shutil, "copyfile", full)
+        with pytest.raises(outputs.DiskFull):
+            outputs.copy_grid(accelerator, grid, tmp_path / "full" / "samples.png")
+    assert not list((tmp_path / "full").iterdir())
 
 
 @pytest.mark.parametrize("method", ["textual-inversion", "finetune"])

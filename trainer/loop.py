@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 import random
-import shutil
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -659,13 +658,13 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
         if cfg.sampling.prompts and not sampled:
             grid = sample(step, out_path=folder / "samples.png")
         elif cfg.sampling.prompts and step_grid is not None:
-            with outputs.write_errors(folder, needed_bytes=step_grid.stat().st_size):
-                grid = Path(shutil.copyfile(step_grid, folder / "samples.png"))
+            grid = outputs.copy_grid(accelerator, step_grid, folder / "samples.png")
         files += [grid] if grid else []
         accelerator.wait_for_everyone()
         state.intermediate_outputs.append({"epoch": reached, "step": step, "files": [str(f) for f in files]})
         progress.say(accelerator, f"saved the outputs of step {step} in {folder}")
 
+    finished = False  # the loop ran to its end: the TensorBoard log stays open for the final grid
     try:
         with stops.StopSignals() as stop:
             while state.global_step < plan.total_steps:
@@ -717,6 +716,7 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
                         break
                 else:
                     state.epoch, state.batches_in_epoch, state.samples_in_epoch = state.epoch + 1, 0, 0
+        finished = True
     except torch.OutOfMemoryError as e:
         report = stops.write_oom_report(out_dir, step=state.global_step + 1, cfg=cfg, message=str(e))
         raise stops.OutOfMemoryStop(state.global_step + 1, report, str(e)) from None
@@ -727,7 +727,10 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
         raise
     finally:
         bar.close()
-        tb.close()
+        if finished:  # closed after the final grid, which it shows too
+            tb.flush()
+        else:
+            tb.close()
 
     # 6. Outputs, after a checkpoint of the final step (with checkpoints off: when the export fails).
     peak = runtime.gather_max(accelerator, runtime.peak_memory_bytes(accelerator))
@@ -770,6 +773,12 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
                     f"back beside the training state); the trained weights are in {out_dir}",
                 )
             written += [grid] if grid else []
+            every = cfg.sampling.every_steps
+            if grid and every and state.global_step % every == 0:  # the loop left the last step's grid to it
+                samples_dir = Path(cfg.output.dir) / "samples"
+                outputs.copy_grid(
+                    accelerator, grid, outputs.grid_path(samples_dir, state.global_step, state.images_seen)
+                )
             history = state.loss_history()  # x axis: images seen (steps change scale on a moved resume)
             written.append(
                 plots.loss_curve(
@@ -777,6 +786,7 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
                 )
             )
             written.append(outputs.write_loss_history(out_dir, history))
+    tb.close()
     accelerator.wait_for_everyone()
     summary = (
         _write_summary(

@@ -114,6 +114,27 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
 
 
+def copy_grid(accelerator, grid: Path, target: Path) -> Path | None:
+    """``grid`` copied to ``target`` (atomically) where the same grid is due again: a save at a step whose
+    grid was made (sampling.every_steps), the last step's every-N grid (the final grid). A full disk stops the
+    run as any write does; another failed copy is a skipped grid, as a failed sampling is (one line, the run
+    goes on)."""
+    tmp = target.with_name(f".{target.name}.tmp")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(grid, tmp)
+        os.replace(tmp, target)
+        return target
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        err = write_error(e, target, needed_bytes=0)
+        if isinstance(err, DiskFull):
+            raise err from None
+        say(accelerator, f"skipped the copy of sample grid {grid} to {target}: it failed ({_first_line(e)})")
+        return None
+
+
 # -- the export, checked before training -----------------------------------------------------------------
 
 
