@@ -60,7 +60,7 @@ def rows(store: Path) -> list[dict]:
         spec = with_store.point_gpu(p)
         s = P.setup_from_point(p)
         mem = P.memory(with_store, s)
-        allocated = mem.peak - mem.overhead
+        allocated = mem.step_peak - mem.overhead
         row = {
             "id": p.id,
             "gpu": spec.name,

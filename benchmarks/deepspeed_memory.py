@@ -71,7 +71,7 @@ def measure(
         "resolution": req.resolution,
         "batch": batch,
         "deepspeed": ds,
-        "predicted_gib": round((mem.peak - mem.overhead) / GiB, 3),
+        "predicted_gib": round((mem.step_peak - mem.overhead) / GiB, 3),
         "predicted_parts_gib": {k: round(v / GiB, 3) for k, v in mem.parts().items() if k != "overhead"},
     }
     cuda = torch.cuda.is_available() and not demo

@@ -82,7 +82,11 @@ KOHYA_DEFAULT_LORA_RANK = 4  # kohya-ss/sd-scripts networks/lora*.py create_netw
 
 @dataclass(frozen=True)
 class Prediction:
-    peak_vram_bytes: float | None = None
+    peak_vram_bytes: float | None = None  # the plan's: the larger of the step's and the caption pass's
+    # the training step's, what a tool's measured peak is compared with (the tools encode their cached captions
+    # apart from the steps, as sdplan's trainer does before the denoiser is placed); the caption pass's
+    step_peak_bytes: float | None = None
+    text_cache_peak_bytes: float = 0.0
     allocated_bytes: float | None = (
         None  # the step's peak torch allocation (no CUDA context, no fragmentation)
     )
@@ -187,7 +191,9 @@ def predict(profiles: Profiles, point: "Point", *, interconnect: str = "pcie") -
         why = f"GPU {point.gpu_reported!r} not in the catalog" if point.gpu_reported else "GPU not named"
         return Prediction(
             peak_vram_bytes=mem.peak,
-            allocated_bytes=mem.peak - mem.overhead,
+            step_peak_bytes=mem.step_peak,
+            text_cache_peak_bytes=mem.text_cache_peak,
+            allocated_bytes=mem.step_peak - mem.overhead,
             host_ram_bytes=mem.ram,
             no_speed=why,
         )
@@ -197,7 +203,9 @@ def predict(profiles: Profiles, point: "Point", *, interconnect: str = "pcie") -
     planned, basis = P.planned_step_seconds(profiles, setup, spec, cal, link_gbs=link)
     return Prediction(
         peak_vram_bytes=mem.peak,
-        allocated_bytes=mem.peak - mem.overhead,
+        step_peak_bytes=mem.step_peak,
+        text_cache_peak_bytes=mem.text_cache_peak,
+        allocated_bytes=mem.step_peak - mem.overhead,
         host_ram_bytes=mem.ram,
         it_per_s=1.0 / step if step else None,
         planned_it_per_s=1.0 / planned if planned else None,
@@ -566,14 +574,16 @@ def point_rows(prof: Profiles, pt: Point) -> tuple[list[dict], list[dict], Predi
     if pred.not_expressible:
         return numeric, verdicts, pred
     peak_gib = pred.peak_vram_bytes / GiB
-    if pt.peak_vram_gib:
-        compared = pred.allocated_bytes / GiB if pt.peak_is_allocated else peak_gib
+    if pt.peak_vram_gib:  # a measured peak is of the training steps
+        compared = (pred.allocated_bytes if pt.peak_is_allocated else pred.step_peak_bytes) / GiB
         numeric.append(_row(pt.id, "peak VRAM GiB", compared, pt.peak_vram_gib, pt.source))
     if pt.ram_gib:
         numeric.append(_row(pt.id, "host RAM GiB", pred.host_ram_bytes / GiB, pt.ram_gib, pt.source))
     if pt.it_s and pred.it_per_s:
         numeric.append(_row(pt.id, f"it/s on {pt.gpu}", pred.it_per_s, pt.it_s, pt.source))
     low, high = prof.uncertainty.peak_for(_family_and_rank(pt)[0])[0]
+    step_gib, cache_gib = pred.step_peak_bytes / GiB, pred.text_cache_peak_bytes / GiB
+    likely = (max(low * step_gib, cache_gib), max(high * step_gib, cache_gib))  # planner.card_peak's range
     for memory_gib, fits in pt.fit_claims:
         predicted_fits = peak_gib <= memory_gib
         verdicts.append(
@@ -586,7 +596,7 @@ def point_rows(prof: Profiles, pt: Point) -> tuple[list[dict], list[dict], Predi
                 "agree": predicted_fits == fits,
                 # the card's memory inside the likely peak range: `recommend` flags such a plan ("may run out
                 # of memory") instead of stating a verdict
-                "within_range": low * peak_gib <= memory_gib < high * peak_gib,
+                "within_range": likely[0] <= memory_gib < likely[1],
                 "source": pt.source,
             }
         )
@@ -780,7 +790,7 @@ def bench_peak_leave_one_out(prof: Profiles) -> dict:
         mem = P.memory(without, p.settings)
         evidence = P.peak_evidence(without, p.settings, gpu)
         if evidence is None:
-            allocated, basis = mem.peak - mem.overhead, "predicted"
+            allocated, basis = mem.step_peak - mem.overhead, "predicted"
         else:
             allocated, basis = P.evidenced_allocated_bytes(without, p.settings, mem, evidence[0]), evidence[1]
         rows.append(dict(_row(p.id, "peak VRAM GiB", allocated / GiB, float(peak), p.source), basis=basis))

@@ -70,7 +70,7 @@ def measure(model: str, resolution: int, batch: int, demo: bool) -> dict:
     cuda = torch.cuda.is_available() and not demo
     row: dict = {"model": model, "resolution": req.resolution, "batch": batch}
     mem = P.memory(load_profiles(), request_settings(req, batch))
-    row["predicted_step_gib"] = round(allocated(mem.peak) / GiB, 3)
+    row["predicted_step_gib"] = round(allocated(mem.step_peak) / GiB, 3)
     row["predicted_grid_gib"] = round(allocated(mem.sampling_peak) / GiB, 3)
     with tempfile.TemporaryDirectory() as tmp:
         h = Harness(req, device="cuda" if cuda else "cpu", demo=demo, workdir=Path(tmp), keep_vae=True)

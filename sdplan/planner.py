@@ -58,6 +58,7 @@ from sdplan.settings import (
     DEEPSPEED_BUCKET_ELEMENTS,
     OFFLOAD,
     SHARDED,
+    TEXT_CACHE_BATCH,
     Settings,
     deepspeed_reduce_buckets,
     describe,
@@ -335,9 +336,14 @@ class Memory:
     # sdplan's trainer samples a grid at the end (and every sampling.every_steps) with the training state
     # resident: that peak, beside the step's (0 when the family has no sampling coefficients)
     sampling_peak: float = 0.0
+    # memory.cache_text_encoder_outputs: the trainer's text-cache pass before the denoiser is placed (the text
+    # encoders and the VAE alone on the GPU: text_cache_peak_bytes); ``peak`` is the larger of it and the
+    # step's, ``step_peak`` the step's alone (what sdplan bench's torch.cuda.max_memory_allocated measures)
+    text_cache_peak: float = 0.0
+    step_peak: float = 0.0
 
     def parts(self) -> dict[str, int]:
-        skip = ("peak", "ram", "trainable_params", "sampling_peak")
+        skip = ("peak", "ram", "trainable_params", "sampling_peak", "text_cache_peak", "step_peak")
         return {k: int(v) for k, v in asdict(self).items() if k not in skip}
 
 
@@ -773,6 +779,7 @@ def _memory(profiles: Profiles, s: Settings) -> Memory:
         sampling=lambda resident, autocast: sampling_peak_bytes(
             profiles, s, resident=resident - frozen, trained=t, trained_bytes=tb
         ),
+        text_cache=text_cache_peak_bytes(profiles, s),
     )
 
 
@@ -788,6 +795,7 @@ def _assemble(
     ema_host: float,
     recompute_tail: float,
     sampling: Callable[[float, float], float],
+    text_cache: float,
 ) -> Memory:
     """What every family's memory shares once its own parts are known (one process, no DeepSpeed: ``state``, the
     Memory fields trainable_params, weights, frozen, gradients, optimizer and ema; ``ram`` of one process):
@@ -795,7 +803,8 @@ def _assemble(
     the training dtype: half, or fp32 where deepspeed.json enables neither fp16 nor bf16, as DeepSpeed's
     optimizer takes the parameters' dtype; no autocast copies; ``optimizer_fp32``: the optimizer state in fp32
     for it), the host's EMA copy, DDP's buckets, the step's peak phase and the allocator's overhead, and the
-    sampling grid's peak: ``sampling(resident, autocast_copies)`` with the state resident between steps."""
+    sampling grid's peak: ``sampling(resident, autocast_copies)`` with the state resident between steps;
+    ``text_cache``: the text-cache pass's peak (:func:`text_cache_peak_bytes`), the plan's where it is larger."""
     if s.deepspeed:
         # a LoRA or textual inversion under DeepSpeed as well (a pin: the search offers DeepSpeed to the full
         # methods only): its engine takes the trained weights to the training dtype, offloads or splits their
@@ -826,10 +835,44 @@ def _assemble(
         activations=activations,
         step_transient=step_transient,
         overhead=overhead,
-        peak=allocated + overhead,
+        peak=max(allocated + overhead, text_cache),
         ram=ram * s.num_gpus,
         sampling_peak=sampling(resident, autocast_copies),
+        text_cache_peak=text_cache,
+        step_peak=allocated + overhead,
     )
+
+
+# HF transformers' T5 attention is eager (its relative position bias): each head's L x L scores in the
+# encoders' dtype, their float32 softmax and the probabilities back in that dtype, beside the gated
+# feed-forward's three L x d_ff tensors; CLIP (SDPA, 77 tokens) is far below. UNCALIBRATED: arithmetic on the
+# configs, no measurement; ~165 MB a caption of T5-XXL at 512 tokens.
+_ATTENTION_BYTES_PER_SCORE = 2 + 4 + 2
+_FF_TENSORS = 3
+
+
+def text_cache_peak_bytes(profiles: Profiles, s: Settings) -> float:
+    """Peak bytes of the trainer's text-cache pass with memory.cache_text_encoder_outputs (trainer/loop.py
+    Recipe.place_models): before the denoiser is placed, the VAE and the frozen text encoders on the GPU as
+    stored (fp8 under an fp8 base), and the largest encoder's transient for TEXT_CACHE_BATCH captions; 0
+    where nothing is cached. Beside a FLUX.1 base T5-XXL's 9 GiB did not fit a 12 GB card; alone, it is what
+    the pass needs: an 8 GB card needs the fp8 base's fp8 T5."""
+    if not s.cache_text_encoder_outputs:
+        return 0.0
+    model = profiles.model(s.model)
+    if flow_family(s.model):
+        encoders = frozen_text_encoder_bytes(model, s.base_precision)
+    else:
+        encoders = model.text_encoder_params * (2 if _half(s.precision) else 4)
+    transient = 0.0
+    for te in model.text_encoders:
+        cfg, length = te["config"], int(te.get("max_length") or model.tokenizer_max_length)
+        heads = int(cfg.get("num_heads") or cfg.get("num_attention_heads"))
+        ff = int(cfg.get("d_ff") or cfg.get("intermediate_size"))
+        one = heads * length**2 * _ATTENTION_BYTES_PER_SCORE + _FF_TENSORS * length * ff * 2
+        transient = max(transient, TEXT_CACHE_BATCH * one)
+    allocated = _vae_bytes(model, s) + encoders + transient
+    return allocated + _overhead_bytes(allocated)
 
 
 def sampling_peak_bytes(
@@ -2899,7 +2942,7 @@ def evidenced_allocated_bytes(profiles: Profiles, s: Settings, mem: Memory, poin
     if point.batch == s.batch:
         return measured
     at_point = memory(profiles, point.settings)
-    return (mem.peak - mem.overhead) * measured / (at_point.peak - at_point.overhead)
+    return (mem.step_peak - mem.overhead) * measured / (at_point.step_peak - at_point.overhead)
 
 
 MEASURED_BAND = (0.95, 1.05)  # a peak or speed sdplan bench measured on this GPU: the run's own noise
@@ -2949,14 +2992,18 @@ def card_peak(
     if evidence is not None:  # measured evidence beats the model: its allocated peak, the same allowances
         allocated = evidenced_allocated_bytes(profiles, s, mem, evidence[0])
         overhead = _overhead_bytes(allocated)
-        mem = replace(mem, overhead=overhead, peak=allocated + overhead)  # the step's (final_grid_fits)
+        step = allocated + overhead  # the step's (final_grid_fits); the plan's is the cache pass where larger
+        mem = replace(mem, overhead=overhead, step_peak=step, peak=max(step, mem.text_cache_peak))
         scaled_band = profiles.uncertainty.peak_scaled or unc_peak
         unc_peak = MEASURED_BAND if evidence[1] == "measured" else scaled_band
     grid = measured_grid_point(profiles, s, gpu)
     if grid is not None:  # the final sample grid as sdplan bench measured it here, the same allowances
         grid_allocated = grid.outcome["sample_grid_peak_gib"] * GiB
         mem = replace(mem, sampling_peak=grid_allocated + _overhead_bytes(grid_allocated))
-    return mem, (mem.peak * unc_peak[0], mem.peak * unc_peak[1]), evidence
+    # the band is of the step's peak (its residuals); the caption pass's, where larger, is the encoders' known
+    # bytes and an uncalibrated transient: no residuals to widen it by
+    step, cache = mem.step_peak, mem.text_cache_peak
+    return mem, (max(step * unc_peak[0], cache), max(step * unc_peak[1], cache)), evidence
 
 
 FIT_RULE_TEXT = f"a plan keeps its estimate under {int(HEADROOM * 100)}% and its likely range within the card"
@@ -3249,9 +3296,10 @@ def breakdown_text(m: Memory, s: Settings | None = None) -> str:
     parts = {k: v for k, v in m.parts().items() if v > 0}
     text = ", ".join(f"{k.replace('_', ' ')} {_gib(v)}" for k, v in parts.items())
     total = sum(parts.values())
-    if _gib(total) != _gib(m.peak):  # as shown: "add up to 11.2 GiB, not the step's 11.2 GiB" says nothing
+    step = m.step_peak or m.peak
+    if _gib(total) != _gib(step):  # as shown: "add up to 11.2 GiB, not the step's 11.2 GiB" says nothing
         text += (
-            f" (these add up to {_gib(total)}, not the step's {_gib(m.peak)}: "
+            f" (these add up to {_gib(total)}, not the step's {_gib(step)}: "
             + (
                 "the activations, the gradients ("
                 + (
@@ -3260,10 +3308,15 @@ def breakdown_text(m: Memory, s: Settings | None = None) -> str:
                     else "freed after every step with set_to_none"
                 )
                 + ") and the step's temporaries are not all alive at once; the peak is the largest phase"
-                if total > m.peak
+                if total > step
                 else "the parts are each phase's own, and the peak is the largest phase"
             )
             + ")"
+        )
+    if m.text_cache_peak > step:
+        text += (
+            f"; the peak is {_gib(m.text_cache_peak)} before training, while the text encoders encode the captions "
+            "(memory.cache_text_encoder_outputs: they and the VAE on the GPU, the denoiser not yet)"
         )
     return text
 
@@ -4604,6 +4657,7 @@ def result_dict(res: Result) -> dict[str, Any]:
         estimate = {
             "peak_vram_bytes": int(res.memory.peak),
             "sampling_peak_vram_bytes": int(res.memory.sampling_peak) or None,
+            "text_cache_peak_vram_bytes": int(res.memory.text_cache_peak) or None,
             "final_sample_grid_fits": final_grid_fits(res.memory, res.vram_bytes) if res.vram_bytes else None,
             "peak_vram_bytes_range": _rng(res.peak_range),
             # "measured": an sdplan bench point at these settings on this GPU; "scaled": the model times measured /
@@ -4959,6 +5013,7 @@ def memory_flow(profiles: Profiles, s: Settings) -> Memory:
         sampling=lambda resident, autocast: flow_sampling_peak_bytes(
             profiles, s, resident=resident, autocast=autocast
         ),
+        text_cache=text_cache_peak_bytes(profiles, s),
     )
 
 

@@ -103,6 +103,7 @@ def test_json_shape_is_exactly_the_issue(tmp_path):
         "peak_vram_bytes_range",
         "peak_vram_basis",  # measured (bench, these settings, this GPU), scaled (another batch), predicted
         "sampling_peak_vram_bytes",
+        "text_cache_peak_vram_bytes",  # the caption pass before training (cached text-encoder outputs)
         "final_sample_grid_fits",
         "within_upper_bound",
         "ram_bytes",

@@ -215,12 +215,16 @@ def test_sampling_brings_back_only_the_models_that_left_the_training_device(tmp_
     assert outputs.models_away(torch.device("meta"), vae, te) == [vae, te]
 
 
-def test_a_grid_an_earlier_session_wrote_is_kept_beside_the_new_one(tmp_path):
+def test_a_grid_an_earlier_session_wrote_is_kept_beside_the_new_one(tmp_path, monkeypatch):
     """A resume on 2 processes numbers its steps anew: its step 40 (80 images) replaced the 1-process grid of
     step 40 (40 images). A grid file older than this session is kept; this session's own is replaced."""
     import os
 
+    from sdplan.trainer import outputs
     from sdplan.trainer.outputs import grid_path
+
+    # a renumbered session (an exact resume trained in this process before left it True: order-dependent)
+    monkeypatch.setattr(outputs, "_SAME_STEPS", False)
 
     old = tmp_path / "step-000040.png"
     old.write_bytes(b"first session")
@@ -292,10 +296,14 @@ def test_a_resume_on_a_dataset_of_another_size_numbers_its_steps_anew():
     assert same_numbering(TrainState(loss_steps=[1]), None, plan_steps(images_per_epoch=20, batch_size=1))
 
 
-def test_outputs_an_earlier_session_saved_at_a_step_are_kept_beside_the_new_ones(tmp_path):
+def test_outputs_an_earlier_session_saved_at_a_step_are_kept_beside_the_new_ones(tmp_path, monkeypatch):
     """The same for the outputs saved every N steps (intermediate/{name}-step00000040/): a resume on another
     process count wrote its step 40 over the first session's. `train --force` still knows both for the run's."""
     import os
+
+    from sdplan.trainer import outputs
+
+    monkeypatch.setattr(outputs, "_SAME_STEPS", False)  # as above: a renumbered session
 
     from sdplan.trainer.outputs import INTERMEDIATE_NAME, intermediate_folder
 

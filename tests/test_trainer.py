@@ -673,6 +673,45 @@ def test_cached_latents_and_text_give_the_uncached_losses(tiny_sd15, dataset, tm
 
 
 @pytest.mark.train
+def test_the_text_cache_is_encoded_before_the_denoiser_comes_to_the_gpu(
+    tiny_sd15, dataset, tmp_path, monkeypatch, capsys
+):
+    """memory.cache_text_encoder_outputs encoded the captions with the denoiser already on the GPU: T5-XXL's
+    9 GiB on top of a FLUX.1 base, more than a 12 GB card holds, before the first step. The encoders now run
+    before the denoiser is placed and leave the GPU; captions a later epoch adds beyond what setup counted
+    (Recipe.caption_epochs) are topped up by the loop, and nothing is encoded twice."""
+    from sdplan.trainer import conditioning, loop
+
+    order: list = []
+    place, precompute, captions = loop.Recipe.place_denoiser, conditioning.TextCache.precompute, None
+    captions = loop.Recipe.text_captions
+
+    def placed(self, dtype):
+        order.append("denoiser")
+        return place(self, dtype)
+
+    def encoded(self, comps, text_encoders, wanted, device, **kw):
+        order.append(("encode", len(self.missing(wanted))))
+        return precompute(self, comps, text_encoders, wanted, device, **kw)
+
+    monkeypatch.setattr(loop.Recipe, "place_denoiser", placed)
+    monkeypatch.setattr(conditioning.TextCache, "precompute", encoded)
+    # each epoch one more caption; setup knows of one epoch only
+    monkeypatch.setattr(
+        loop.Recipe,
+        "text_captions",
+        lambda self, epochs: captions(self, epochs) | {f"e{e}" for e in range(epochs)},
+    )
+    monkeypatch.setattr(loop.Recipe, "caption_epochs", lambda self: 1)
+    opts = ("training.max_steps=null", "training.epochs=3", "memory.cache_text_encoder_outputs=true")
+    summary = run.train(tiny_train_config(tiny_sd15, dataset, tmp_path / "out", *opts))
+    assert summary["steps"] > 0
+    assert order == [("encode", 2), "denoiser", ("encode", 2)], order  # the caption and e0; then e1, e2
+    printed = capsys.readouterr().out
+    assert "text cache: 2 captions encoded" in printed and "text cache: 2 more captions encoded" in printed
+
+
+@pytest.mark.train
 def test_aspect_ratio_buckets(tiny_sd15, tmp_path, capsys):
     data = tmp_path / "data"
     data.mkdir()

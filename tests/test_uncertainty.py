@@ -244,9 +244,12 @@ def test_a_peak_from_bench_evidence_at_another_batch_is_the_model_scaled_by_it(p
     assert basis == "scaled" and point.batch == 16 and res.peak_basis == "scaled"
     model, at_16 = P.memory(prof, s), P.memory(prof, point.settings)
     allocated = (
-        (model.peak - model.overhead) * point.outcome["peak_vram_gib"] * 2**30 / (at_16.peak - at_16.overhead)
+        (model.step_peak - model.overhead)
+        * point.outcome["peak_vram_gib"]
+        * 2**30
+        / (at_16.step_peak - at_16.overhead)
     )
-    assert allocated < model.peak - model.overhead  # the model's over-prediction carried over
+    assert allocated < model.step_peak - model.overhead  # the model's over-prediction carried over
     assert res.memory.peak == pytest.approx(allocated * (1 + P.ALLOCATOR_OVERHEAD) + P.CUDA_CONTEXT_BYTES)
     lo, hi = prof.uncertainty.peak_scaled
     assert prof.uncertainty.n_peak_scaled >= 50

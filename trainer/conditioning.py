@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from sdplan.settings import TEXT_CACHE_BATCH
+
 from .progress import say
 
 
@@ -98,10 +100,14 @@ class TextCache:
     def __init__(self):
         self.embeds: dict[str, Any] = {}
 
-    def precompute(self, comps, text_encoders, captions, device, batch_size: int = 16) -> int:
+    def missing(self, captions) -> set[str]:
+        """The captions of ``captions`` not in the cache yet."""
+        return set(captions) - set(self.embeds)
+
+    def precompute(self, comps, text_encoders, captions, device, batch_size: int = TEXT_CACHE_BATCH) -> int:
         import torch
 
-        todo = sorted(set(captions) - set(self.embeds))
+        todo = sorted(self.missing(captions))
         with torch.no_grad():
             for i in range(0, len(todo), batch_size):
                 chunk = todo[i : i + batch_size]
@@ -147,12 +153,19 @@ def epoch_captions(dataset, epochs: int) -> set[str]:
     return captions
 
 
-def make_text_cache(accelerator, cfg, comps, text_encoders, captions, device) -> TextCache | None:
+def make_text_cache(
+    accelerator, cfg, comps, text_encoders, captions, device, cache: TextCache | None = None
+) -> TextCache | None:
     """Cache text-encoder outputs when ``memory.cache_text_encoder_outputs`` is on (the config refuses it for
-    runs that train a text encoder; callers pass only frozen ones)."""
+    runs that train a text encoder; callers pass only frozen ones). ``cache``: one made earlier, topped up
+    with the captions it lacks (said only when there are some)."""
     if not cfg.memory.cache_text_encoder_outputs:
         return None
-    cache = TextCache()
+    if cache is None:
+        cache = TextCache()
+    elif not cache.missing(captions):
+        return cache
+    more = bool(cache.embeds)
     n = cache.precompute(comps, text_encoders, captions, device)
-    say(accelerator, f"text cache: {n} captions encoded")
+    say(accelerator, f"text cache: {n} {'more ' if more else ''}captions encoded")
     return cache

@@ -29,6 +29,7 @@ steps them with :func:`optimizer_step`, so a bench number is the trainer's numbe
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 import time
 from contextlib import contextmanager
@@ -154,6 +155,37 @@ class Recipe:
             return None
         return conditioning.epoch_captions(self.dataset, epochs)
 
+    def cached_captions(self, epochs: int | None = None) -> set[str] | None:
+        """Every caption the text cache holds over ``epochs`` (None: :meth:`caption_epochs`) with
+        memory.cache_text_encoder_outputs: the run's (:meth:`text_captions`) and, for SD3.5 / FLUX.1, whose grids
+        sample from the cache, the grids' prompts; None where nothing is cached (the option off, a text encoder
+        training, no dataset: sdplan bench)."""
+        if not self.cfg.memory.cache_text_encoder_outputs or self.dataset is None:
+            return None
+        captions = self.text_captions(self.caption_epochs() if epochs is None else epochs)
+        if captions is not None and self.comps.family in FLOW_FAMILIES:
+            prompts = list(self.cfg.sampling.prompts) + [self.sample_prompt()]
+            captions = captions | flow.sampling_captions(self.comps.family, prompts)
+        return captions
+
+    def caption_epochs(self) -> int:
+        """The epochs whose captions the text cache holds before the data loader exists (they differ only with
+        data.shuffle_tags): training.epochs, or the epochs training.max_steps takes at this dataset's length
+        (aspect buckets can make the loader longer: the loop encodes what a later epoch adds)."""
+        tcfg = self.cfg.training
+        return runtime.plan_steps(
+            images_per_epoch=len(self.dataset),
+            batches_per_epoch=math.ceil(
+                len(self.dataset) / (tcfg.batch_size * self.accelerator.num_processes)
+            ),
+            batch_size=tcfg.batch_size,
+            grad_accum=tcfg.grad_accum,
+            epochs=tcfg.epochs,
+            max_steps=tcfg.max_steps,
+            warmup_steps=0,
+            num_processes=self.accelerator.num_processes,
+        ).epochs
+
     def latent_datasets(self) -> list:
         return [self.dataset]
 
@@ -211,13 +243,23 @@ class Recipe:
         for m in (self.unet, self.vae, *self.text_encoders):
             if m is not None:
                 m.requires_grad_(False)
-        self.place_denoiser(dtypes["unet"])
         if self.vae is not None:
             runtime.place(self.vae, self.device, dtypes["vae"])
         for te in self.text_encoders:
             runtime.place(te, self.device, dtypes["text_encoder"])
         if self.cfg.model.base_precision == "fp8" and self.text_encoders:
             quantize.store_text_encoders_fp8(self.text_encoders, dtypes["text_encoder"])
+        # memory.cache_text_encoder_outputs: the captions are encoded before the denoiser comes to the GPU, and the
+        # encoders leave it, so their peak is not on top of the denoiser's (kohya moves its UNet to the CPU for
+        # it; SimpleTuner encodes before it loads the transformer): T5-XXL's 9 GiB beside a FLUX.1 base
+        # was more than a 12 GB card. The loop encodes what this pass could not know (:meth:`cached_captions`).
+        captions = self.cached_captions()
+        if captions is not None:
+            self.text_cache = conditioning.make_text_cache(
+                self.accelerator, self.cfg, self.comps, self.text_encoders, captions, self.device
+            )
+            latents.offload(*self.text_encoders)
+        self.place_denoiser(dtypes["unet"])
 
     def place_denoiser(self, dtype) -> None:
         """The UNet / transformer on the device in ``dtype``. SD3.5/FLUX LoRA: with ``model.base_precision`` fp8
@@ -566,13 +608,15 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
     latent_cache = latents.make_latent_cache(cfg, recipe.vae, out_dir)
     latents.precompute_latents(accelerator, latent_cache, recipe.vae, recipe.latent_datasets(), plan.epochs)
     recipe.latents = latents.Latents(recipe.vae, device, latent_cache)
-    captions = recipe.text_captions(plan.epochs)
-    if captions is not None and comps.family in FLOW_FAMILIES:  # their grids sample from the cache
-        prompts = list(cfg.sampling.prompts) + [recipe.sample_prompt()]
-        captions = captions | flow.sampling_captions(comps.family, prompts)
-    if captions is not None:
+    captions = recipe.cached_captions(
+        plan.epochs
+    )  # encoded in setup (Recipe.place_models) but for later epochs'
+    if captions is not None and (recipe.text_cache is None or recipe.text_cache.missing(captions)):
+        away = outputs.models_away(device, *recipe.text_encoders)
+        for m in away:
+            m.to(device)
         recipe.text_cache = conditioning.make_text_cache(
-            accelerator, cfg, comps, recipe.text_encoders, captions, device
+            accelerator, cfg, comps, recipe.text_encoders, captions, device, cache=recipe.text_cache
         )
     latents.offload(
         recipe.vae if latent_cache else None, *(recipe.text_encoders if recipe.text_cache else [])

@@ -60,8 +60,8 @@ class DreamBooth(Finetune):
 
     def text_captions(self, epochs: int) -> set[str] | None:
         captions = super().text_captions(epochs)
-        if captions is not None and self.class_ds is not None:
-            captions.add(self.cfg.dreambooth.class_prompt)
+        if captions is not None and self.cfg.dreambooth.with_prior_preservation:  # known before setup makes
+            captions.add(self.cfg.dreambooth.class_prompt)  # class_ds: the text cache is encoded first
         return captions
 
     def sample_prompt(self) -> str:
@@ -198,6 +198,9 @@ def _generate_class_images(
         bar = progress.Progress(accelerator, missing, description="class images")
         sizes = generation_shapes(shapes, missing, _class_shapes(cfg, found))
         n = 0
+        away = outputs.models_away(accelerator.device, *comps.text_encoders)  # after the text cache's pass
+        for m in away:
+            m.to(accelerator.device)
         try:
             for i, size in enumerate(sizes):
                 with outputs.sampling_precision(accelerator, comps.vae):
@@ -219,4 +222,5 @@ def _generate_class_images(
                 bar.update(i + 1)
         finally:
             bar.close()
+            latents.offload(*away)
     accelerator.wait_for_everyone()
