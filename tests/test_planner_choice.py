@@ -135,14 +135,22 @@ def test_optimizer_reason_says_where_adamw_fits_and_why_another_was_taken(prof):
 def test_optimizer_reason_under_max_steps_says_the_images_behind_each_time(prof):
     """training.max_steps=1000: AdamW at batch 16 sees 4x the images of Adafactor at batch 4 in its 1000
     steps; the reason read "AdamW fits too (...: 1.7 h), but Adafactor makes the run 10% faster (25 min ...)".
-    Its time now says the images it sees against the plan's, and the gain is per image seen, as the multi-GPU
-    lines say it (run_time_text / per_image_words)."""
+    Its time now says the images it sees against the plan's, and the gain is AdamW's run scaled to the plan's
+    images, as the multi-GPU lines say it (run_time_text / planner.speedup); the handicap beside it says the
+    basis it is weighed on (per image seen, _key)."""
     res = _plan(prof, "A100 SXM 80GB", method="finetune", model="sdxl", images=100, max_steps=1000)
     why = _optimizer_reason(res)
     aw = re.search(r"AdamW fits too \(batch \d+[^:]*: (.*?)\), but Adafactor (.*?) \(", why)
     assert aw is not None, why
     assert aw.group(1).endswith(f"images seen against the plan's {res.steps.images_seen}"), why
-    assert aw.group(2).endswith("% faster per image seen") and "makes the run" not in why, why
+    assert aw.group(2).endswith("% faster for the images it sees") and "makes the run" not in why, why
+    pinned = _plan(
+        prof, "A100 SXM 80GB", method="finetune", model="sdxl", images=100, max_steps=1000,
+        pins=(("optimizer", "adamw"),),
+    )  # fmt: skip
+    plan, adamw = (next(c for c in r.alternatives if c.setup == r.plan) for r in (res, pinned))
+    assert f"is {(P.speedup(plan, adamw) - 1) * 100:.0f}% faster" in aw.group(2), why
+    assert "taken only where it is more than 4% faster per image seen" in why, why
 
 
 def test_optimizer_reason_states_the_rules_ratio_with_the_digits_that_tell_it_from_the_handicap(prof):
