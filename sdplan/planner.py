@@ -3110,7 +3110,9 @@ def _key(c: Candidate) -> tuple:
     # per image seen: the run's time where its images are set (epochs), its pace where its steps are
     # (training.max_steps: a larger batch sees more images in as many steps, not a slower run); less the class
     # images and the final grid, whose number no setting here changes (a cost added to all would dilute the
-    # handicaps above); the grids during the run stay (their number follows the steps)
+    # handicaps above); the grids during the run stay (their number follows the steps). It orders the plans of one
+    # GPU count; counts are weighed against each other by :func:`speedup` (:func:`_choose`), which under
+    # training.max_steps does not spread the start-up over each run's images as this does
     training = (c.seconds - c.sampling_once_seconds) / c.steps.images_seen
     return (training * penalty, s.offload, s.num_gpus, s.batch, *savers)
 
@@ -3502,7 +3504,7 @@ def _choose(fitting: list[Candidate], profiles: Profiles) -> tuple[Candidate, di
     for n, c in sorted(eligible.items()):
         if n == best.setup.num_gpus or c.seconds is None or best.seconds is None:
             continue
-        if multi_gpu_gain(c, best, profiles) > MIN_MULTI_GPU_GAIN and per_image(c) < per_image(best):
+        if multi_gpu_gain(c, best, profiles) > MIN_MULTI_GPU_GAIN and speedup(c, best) > 1:
             best = c
     return best, best_by_n
 
@@ -3529,29 +3531,50 @@ def _gain_reference(one: Candidate | None, best: Candidate) -> Candidate:
 
 
 def multi_gpu_gain(c: Candidate, ref: Candidate, profiles: Profiles) -> float:
-    """The share of ``ref``'s run time (one GPU, or fewer GPUs) that ``c`` saves for sure enough to advise it:
-    with the steps' compute at the low end of its time band in both runs (the same GPU, batch and model: their
-    error is shared, and faster compute leaves the all-reduce a larger share) and the all-reduce at the high
-    end in ``c``, the low end in ``ref`` (it is what more GPUs add: PCIe without NVLink made DreamBooth slower on
-    two GPUs than on one), or as predicted where its rate was measured on these GPUs (an observation). The run
-    less its class images and final grid: no GPU count changes them (the main process samples them), and
-    counted in they made a GPU that halves the steps look not worth it while the class folder was empty."""
+    """The share of ``ref``'s run time (one GPU, or fewer GPUs) that ``c`` saves for sure enough to advise it,
+    on :func:`speedup`'s basis (``ref`` training ``c``'s images): with the steps' compute at the low end of its
+    time band in both runs (the same GPU, batch and model: their error is shared, and faster compute leaves the
+    all-reduce a larger share) and the all-reduce at the high end in ``c``, the low end in ``ref`` (it is what
+    more GPUs add: PCIe without NVLink made DreamBooth slower on two GPUs than on one), or as predicted where
+    its rate was measured on these GPUs (an observation). The run less its class images and final grid: no GPU
+    count changes them (the main process samples them), and counted in they made a GPU that halves the steps
+    look not worth it while the class folder was empty."""
     low, high = profiles.uncertainty.seconds_for(c.setup.model)[0]
 
-    def run(x: Candidate, allreduce_factor: float) -> float:  # per image seen (see per_image)
-        compute = x.seconds - x.fixed_seconds - x.allreduce_seconds
+    def run(x: Candidate, allreduce_factor: float) -> float:
         factor = 1.0 if x.observed_multi_gpu else allreduce_factor
-        fixed = x.fixed_seconds - (x.sampling_once_seconds or 0.0)  # no GPU count changes those (_key)
-        return (fixed + compute * low + x.allreduce_seconds * factor) / x.steps.images_seen
+        return _run_seconds(x, c.steps.images_seen, with_once=False, compute=low, allreduce=factor)
 
     return 1 - run(c, high) / run(ref, low)
 
 
-def per_image(c: Candidate) -> float:
-    """A run's seconds per image it sees: what runs of other GPU counts and batches are weighed by. Their
-    time where the images are set (epochs: the same in every run); where the steps are (training.max_steps),
-    a larger global batch sees more images in as many steps, and only the pace compares."""
-    return c.seconds / c.steps.images_seen
+def _run_seconds(
+    x: Candidate, images: int, *, with_once: bool = True, compute: float = 1.0, allreduce: float = 1.0
+) -> float:
+    """``x``'s run time had it seen ``images`` images at its own pace: its fixed costs as they are (start-up,
+    latent caching, the class images and final grid: none follows the images seen) and what follows its steps
+    (their compute, the all-reduce, the grids sampled every N steps and at saves) scaled from its images seen.
+    ``with_once`` False leaves the class images and final grid out; ``compute`` and ``allreduce`` scale those
+    parts of the steps (:func:`multi_gpu_gain`'s time band). The one basis of :func:`speedup`."""
+    once = x.sampling_once_seconds
+    during = (x.sampling_seconds or 0.0) - once
+    fixed = x.fixed_seconds - during - (0.0 if with_once else once)
+    compute_s = x.seconds - x.fixed_seconds - x.allreduce_seconds
+    follows = during + compute_s * compute + x.allreduce_seconds * allreduce
+    return fixed + follows * images / x.steps.images_seen
+
+
+def speedup(c: Candidate, ref: Candidate, *, with_once: bool = True) -> float:
+    """How much faster ``c`` trains what it trains than ``ref`` would (above 1: faster): ``ref``'s fixed costs
+    as they are, its steps and the grids during them scaled to ``c``'s images seen, over ``c``'s time
+    (:func:`_run_seconds`). The one measure GPU counts are chosen by (:func:`_choose`, :func:`multi_gpu_gain`)
+    and every speed ratio the reasons and "vs one GPU" say. Where epochs set the images every run sees the
+    same, and it is their times' ratio; a pinned training.max_steps makes each see its own, where seconds per
+    image seen (fixed seconds spread over other image counts) read a run about as fast by the clock 1.83x
+    slower, and the choice and its reasons were on two bases. ``with_once`` False leaves the class images and
+    final grid out of both (no GPU count changes them)."""
+    images = c.steps.images_seen
+    return _run_seconds(ref, images, with_once=with_once) / _run_seconds(c, images, with_once=with_once)
 
 
 def run_time_text(c: Candidate, best: Candidate) -> str:
@@ -3565,17 +3588,18 @@ def run_time_text(c: Candidate, best: Candidate) -> str:
     )
 
 
-def per_image_words(c: Candidate, best: Candidate) -> str:
-    """ "slower", or "slower per image seen" where ``c`` sees other images than the plan (:func:`run_time_text`)."""
-    return "slower" if c.steps.images_seen == best.steps.images_seen else "slower per image seen"
+def slower_words(c: Candidate, ref: Candidate) -> str:
+    """ "slower", or "slower for its images" where ``c`` sees other images than ``ref``
+    (:func:`run_time_text`): :func:`speedup` weighs ``ref`` training ``c``'s images, not the times said."""
+    return "slower" if c.steps.images_seen == ref.steps.images_seen else "slower for its images"
 
 
 def more_gpus_text(c: Candidate, best: Candidate) -> str:
     """Why ``c``, on more GPUs than the plan, is not the plan, in the words of the plan's reasons
-    (:func:`_multi_gpu_reasons`), weighed as :func:`_choose` weighs it: per image seen."""
-    ahead = per_image(best) / per_image(c)
+    (:func:`_multi_gpu_reasons`), weighed as :func:`_choose` weighs it (:func:`speedup`)."""
+    ahead = speedup(c, best)
     if ahead <= 1:
-        return per_image_words(c, best)
+        return slower_words(c, best)
     than = f"{best.setup.num_gpus} GPUs" if best.setup.num_gpus > 1 else "one GPU"
     if _tier(c) > _tier(best):
         return f"{ahead:.2f}x faster than {than}, but only with {_tier_text(c, best)}"
@@ -3656,7 +3680,7 @@ def plan(hardware: Hardware | Any, profiles: Profiles, request: Request) -> Resu
     if 1 not in best_by_n and (pinned_one := _pinned_count_one_gpu(req, profiles, hardware, cal, resolution)):
         best_by_n = {1: pinned_one, **best_by_n}  # compared with, never the plan (the pin stands)
     one = best_by_n.get(1)
-    speedup = one_gpu_speedup(one, best) if (one and one.seconds and best.seconds) else None
+    vs_one = speedup(best, one) if (one and one.seconds and best.seconds) else None
     if mixed_gpus(hardware):
         reasons.append(_mixed_text(hardware, best, profiles, cal))
     elif links := _links_text(hardware, best):
@@ -3682,7 +3706,7 @@ def plan(hardware: Hardware | Any, profiles: Profiles, request: Request) -> Resu
         memory=best.memory,
         seconds=best.seconds,
         step_seconds=best.step_seconds,
-        speedup_vs_one_gpu=speedup,
+        speedup_vs_one_gpu=vs_one,
         basis=best.basis,
         needs=None,
         reasons=tuple(reasons),
@@ -4075,7 +4099,9 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
         r.append(
             f"steps: training.max_steps {req.max_steps}, pinned, counts one process's steps: {st.total_steps} on "
             f"each of the {s.num_gpus} GPUs, {seen} images seen, as {req.max_steps} steps of batch "
-            f"{s.batch} x accumulation {s.grad_accum} on one GPU; with the steps set, runs are weighed per image"
+            f"{s.batch} x accumulation {s.grad_accum} on one GPU; with the steps set, each GPU count sees its own "
+            "images: two counts are weighed by their times for the images the one with more GPUs sees (the "
+            "other's steps scaled to them, its start-up as it is)"
         )
     elif s.num_gpus > 1:
         r.append(
@@ -4255,12 +4281,6 @@ def _adamw_text(best: Candidate, fitting: list[Candidate]) -> str:
             f"AdamW fits too ({_batch_words(aw.setup)}), but {name} fits a larger batch "
             f"({_batch_words(s)}), and with the step's speed unknown the larger batch is taken"
         )
-    # the rule's own measure (:func:`_key`): AdamW's time per image over this one's, against 1 + the handicap,
-    # with the digits that tell it from the handicap (4.04%, not "4% faster" beside "more than 4% faster")
-    gain = per_image(aw) / per_image(best) - 1
-    digits = 0
-    while digits < 3 and round(gain * 100, digits) <= round(limit * 100, digits):
-        digits += 1
     if (aw.setup.batch * aw.setup.grad_accum, aw.setup.gradient_checkpointing) == (
         s.batch * s.grad_accum,
         s.gradient_checkpointing,
@@ -4268,18 +4288,31 @@ def _adamw_text(best: Candidate, fitting: list[Candidate]) -> str:
         how = "its smaller state update makes the step faster"
     else:
         how = f"its smaller state lets the plan run {_batch_words(s)}"
-    # training.max_steps: AdamW's other global batch sees other images in as many steps, so its time is of
-    # another run (run_time_text says whose images) and the gain is per image seen, as the multi-GPU lines say
-    faster = (
-        f"makes the run {gain * 100:.{digits}f}% faster"
-        if aw.steps.images_seen == best.steps.images_seen
-        else f"is {gain * 100:.{digits}f}% faster per image seen"
-    )
+    # with training.max_steps the handicap is weighed per image seen (:func:`_key`: the fixed seconds spread over
+    # each batch's images), not on :func:`speedup`'s basis the gain is said on: said so, as the two can disagree
+    per = "" if aw.steps.images_seen == best.steps.images_seen else " per image seen"
     return (
-        f"AdamW fits too ({_batch_words(aw.setup)}: {run_time_text(aw, best)}), but {name} {faster} "
-        f"({format_duration(best.seconds)}: {how}); another optimizer than AdamW is taken only "
-        f"where it is {handicap}, and pinning memory.optimizer=adamw plans AdamW"
+        f"AdamW fits too ({_batch_words(aw.setup)}: {run_time_text(aw, best)}), but {name} "
+        f"{_adamw_gain_text(best, aw, limit)} ({format_duration(best.seconds)}: {how}); another optimizer than "
+        f"AdamW is taken only where it is {handicap}{per}, and pinning memory.optimizer=adamw plans AdamW"
     )
+
+
+def _adamw_gain_text(best: Candidate, aw: Candidate, limit: float) -> str:
+    """How much faster ``best`` trains its images than the AdamW plan ``aw`` would (:func:`speedup`, as the
+    multi-GPU lines say it). Where both see the same images (epochs) it is their run times' ratio (:func:`_key`
+    weighs them less the class images and final grid), said with the digits that tell it from the handicap
+    ``limit`` (4.04%, not "4% faster" beside "more than 4% faster"); with training.max_steps AdamW's other global
+    batch sees other images in as many steps (its time, :func:`run_time_text`, is of another run), and AdamW's
+    steps are scaled to the plan's images."""
+    gain = speedup(best, aw) - 1
+    same = aw.steps.images_seen == best.steps.images_seen
+    digits = 0
+    while digits < 3 and round(gain * 100, digits) <= round(limit * 100, digits) and (same or gain >= 0):
+        digits += 1
+    if same:
+        return f"makes the run {gain * 100:.{digits}f}% faster"
+    return f"is {abs(gain) * 100:.{digits}f}% {'faster' if gain >= 0 else 'slower'} for the images it sees"
 
 
 def _preferred_tier_text(best: Candidate, fitting: list[Candidate]) -> str:
@@ -4379,12 +4412,12 @@ def _multi_gpu_reasons(
             continue
         m = obs.get(c.observed_multi_gpu) if c.observed_multi_gpu else None
         ref_c = _gain_reference(one, best)
-        faster = per_image(ref_c) / per_image(c)  # the run's time where epochs set the images
+        faster = speedup(c, ref_c)
         # the run it was weighed against (_choose): the fewer GPUs chosen, the plan itself above its count
         than = f"{s.num_gpus} GPUs" if n > s.num_gpus and s.num_gpus > 1 else "one GPU"
-        ahead = per_image(best) / per_image(c) if n > s.num_gpus else faster
+        ahead = speedup(c, best) if n > s.num_gpus else faster
         if faster <= 1:
-            why = per_image_words(c, best)
+            why = slower_words(c, ref_c)
         elif _tier(c) > _tier(best):
             why = f"{faster:.2f}x faster, but only with " + _tier_text(c, best)
         elif n < s.num_gpus:
@@ -4449,11 +4482,11 @@ def _multi_gpu_reasons(
             what = _one_off_sampling_words(req, best)
             verb = "are" if what.startswith("the class") else "is"
             rest = (
-                f" ({speed_ratio_text(one_gpu_speedup(one, best, with_once=False))} without {what}, which "
+                f" ({speed_ratio_text(speedup(best, one, with_once=False))} without {what}, which "
                 f"{verb} sampled on the first process alone)"
             )
         same = one.steps.images_seen == best.steps.images_seen
-        speed = speed_ratio_text(one_gpu_speedup(one, best))
+        speed = speed_ratio_text(speedup(best, one))
         if speed.startswith("about as fast"):  # "about as fast (1.00x) as the one-GPU plan"
             than = than.replace(" than ", " as ", 1)
         r.append(
@@ -4467,27 +4500,9 @@ def _multi_gpu_reasons(
     return r
 
 
-def one_gpu_speedup(one: Candidate, best: Candidate, *, with_once: bool = True) -> float:
-    """How much faster ``best`` trains what it trains than ``one`` (the one-GPU run) would: one's steps (and the
-    grids sampled during them) scaled to ``best``'s images seen (the same where epochs set them; a pinned
-    training.max_steps makes each run see its own), its fixed costs as they are (start-up, latent caching, the
-    class images and final grid), over ``best``'s time; ``with_once`` False leaves the class images and final
-    grid out of both (what the GPU count is chosen on). Per image seen, fixed seconds spread over other image
-    counts made the ratio say 1.83x slower for a run about as fast by the clock."""
-    once_one, once = one.sampling_once_seconds, best.sampling_once_seconds
-    during_one = (
-        one.sampling_seconds or 0.0
-    ) - once_one  # grids every N steps and at saves: they follow the steps
-    fixed_one = one.fixed_seconds - during_one  # start-up, latent caching, class images, final grid
-    scaled = (one.seconds - fixed_one) * best.steps.images_seen / one.steps.images_seen
-    if with_once:
-        return (fixed_one + scaled) / best.seconds
-    return (fixed_one - once_one + scaled) / (best.seconds - once)
-
-
 def speed_ratio_text(ratio: float) -> str:
-    """A run's speed against another's (their time per image seen, the other's over this one's) in words: a
-    ratio under 1 is a slow-down, said as one ("1.01x slower", never "0.99x faster")."""
+    """A run's speed against another's (:func:`speedup`) in words: a ratio under 1 is a slow-down, said as one
+    ("1.01x slower", never "0.99x faster")."""
     if round(ratio, 2) == 1:
         return "about as fast (1.00x)"
     return f"{ratio:.2f}x faster" if ratio > 1 else f"{1 / ratio:.2f}x slower"
@@ -4513,7 +4528,7 @@ def _one_gpu_trade_text(best: Candidate, one: Candidate, profiles: Profiles) -> 
     kept = [words for lacks, words in _TIER_KEPT if lacks(one) and not lacks(best)]
     if one.setup.optimizer != s.optimizer:
         kept.append(_OPT_NAMES[s.optimizer])
-    ratio = one_gpu_speedup(one, best)  # as the summary's "vs one GPU"
+    ratio = speedup(best, one)  # as the summary's "vs one GPU"
     speed = (
         "not for speed"
         if multi_gpu_gain(best, one, profiles) <= MIN_MULTI_GPU_GAIN

@@ -1013,5 +1013,5 @@ def _fewer_gpus(res: planner.Result) -> str:
     best = next((c for c in res.alternatives if c.setup == res.plan), None)
     if alt.seconds is None or best is None or best.seconds is None:
         return text
-    # weighed per image seen, as the planner weighs it (with training.max_steps the runs see other images)
+    # weighed as the planner weighs it (planner.speedup: with training.max_steps the runs see other images)
     return text + f" ({n}: {planner.run_time_text(alt, best)}, {planner.more_gpus_text(alt, best)})"

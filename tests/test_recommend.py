@@ -342,10 +342,11 @@ def test_compare_caption_with_max_steps_says_multi_gpu_options_divide_the_steps(
     assert "1000 optimizer steps" not in flat
 
 
-def test_compare_with_max_steps_states_the_plans_steps_and_weighs_options_per_image():
+def test_compare_with_max_steps_states_the_plans_steps_and_weighs_options_for_their_images():
     """With training.max_steps the caption said "x 10 epochs" (the default, not the 20 the steps make) and the
     row "2: 59 min, too little faster to be sure of it" beside a 1.8 h plan: the 2-GPU run sees 4000 images, the
-    plan 8000, and --hardware called the same option slower (review h102, item 2)."""
+    plan 8000, and --hardware called the same option slower (review h102, item 2). Both weigh it as the planner
+    chooses (planner.speedup: the plan's run scaled to the 4000 images the 2 GPUs see)."""
     args = ("--method", "dreambooth", "--model", "sdxl", "--images", "400", "training.max_steps=1000")
     r = runner.invoke(app, ["recommend", *args, "--compare", "2x RTX 4090"], env={"COLUMNS": "250"})
     assert r.exit_code == 0, r.output
@@ -356,12 +357,12 @@ def test_compare_with_max_steps_states_the_plans_steps_and_weighs_options_per_im
     )
     assert "x 10 epochs" not in flat and "too little faster" not in flat
     assert (
-        "uses 1 of 2 GPUs (2: 59 min for 4000 images seen against the plan's 8000, slower per image seen)"
+        "uses 1 of 2 GPUs (2: 59 min for 4000 images seen against the plan's 8000, slower for its images)"
         in flat
     )
     r = runner.invoke(app, ["recommend", *args, "--hardware", "2x RTX 4090"], env={"COLUMNS": "250"})
     assert (
-        "2 GPUs would take 59 min for 4000 images seen against the plan's 8000 (slower per image seen;"
+        "2 GPUs would take 59 min for 4000 images seen against the plan's 8000 (slower for its images;"
         in " ".join(r.stdout.split())
     )
 

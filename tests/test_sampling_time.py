@@ -358,7 +358,7 @@ def test_the_multi_gpu_lines_name_the_one_off_sampling_that_is_there(prof):
         one-GPU runs in test_vs_one_gpu_under_pinned_steps_is_one_gpu_training_the_plans_images."""
         one = next(c for c in res.alternatives if c.setup.num_gpus == 1)
         best = next(c for c in res.alternatives if c.setup == res.plan)
-        return P.one_gpu_speedup(one, best), P.one_gpu_speedup(one, best, with_once=False)
+        return P.speedup(best, one), P.speedup(best, one, with_once=False)
 
     pin = (("num_gpus", 2),)
     prompts = P.Request(
