@@ -2507,8 +2507,9 @@ def _observed_oom(profiles: Profiles, s: Settings, gpu: HWGPU) -> MethodPoint | 
 # docs/train_SDXL-en.md, "The LoRA training can be done with 8GB GPU memory ... Use lower dim (4 to 8 for 8GB
 # GPU)". A lower rank changes the result (less capacity), so it is used only when the requested rank fits nowhere.
 LOWER_LORA_RANKS = (8, 4)
-# Cached text-encoder outputs fix each caption's embedding (no caption shuffle or dropout): a small handicap so
-# they are chosen where they make a plan fit or a run clearly faster, not by default.
+# Cached text-encoder outputs train the same (the trainer encodes each epoch's shuffled tags and caption dropout's
+# empty caption: trainer/conditioning.py epoch_captions), but the pass that encodes them before the first step
+# is not timed: a small handicap so they are chosen where they make a plan fit or a run clearly faster.
 TE_CACHE_HANDICAP = 0.03
 
 
@@ -3447,6 +3448,12 @@ def pin_conflicts(req: Request, hw: Hardware) -> list[str]:
     )
     if swap_why:
         out.append(swap_why)
+    swap, most = req.pin("blocks_to_swap", 0), MAX_BLOCKS_TO_SWAP.get(req.model)
+    if not swap_why and most is not None and swap > most:  # past it the planner's bytes went negative
+        out.append(
+            f"memory.blocks_to_swap={swap}: {req.model} swaps at most {most} blocks (kohya's limit: two blocks of "
+            f"each list stay on the GPU) (use memory.blocks_to_swap={most} or fewer)"
+        )
     if req.pin("optimizer") == "adamw8bit" and any(g.vendor != "nvidia" for g in hw.gpus):
         out.append(
             "memory.optimizer=adamw8bit: bitsandbytes runs on NVIDIA GPUs only (use adamw or adafactor)"
@@ -3906,8 +3913,9 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
         te = profiles.model(s.model).text_encoder_params * (2 if s.precision in ("fp16", "bf16") else 4)
         r.append(
             "text-encoder outputs cached (kohya --cache_text_encoder_outputs): the text encoders run once per "
-            f"caption and leave the GPU (~{_gib(te)}); the result is the same, but captions stay fixed (no "
-            "caption shuffle or dropout)" + (": pinned" if pinned("cache_text_encoder_outputs") else "")
+            f"caption before training and leave the GPU (~{_gib(te)}); the result is the same (each epoch's "
+            "shuffled tags and caption dropout's empty caption are encoded too)"
+            + (": pinned" if pinned("cache_text_encoder_outputs") else "")
         )
     if best.lowered_rank:
         r.append(

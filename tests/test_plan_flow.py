@@ -110,6 +110,31 @@ def test_without_block_swap_small_cards_need_a_quantized_base(prof):
     assert _plan(prof, "RTX 3060 12GB", "sd35-large", 1024, pins=no_swap).plan.base_precision == "fp8"
 
 
+def test_a_pinned_block_swap_past_the_familys_maximum_is_a_conflict_not_a_negative_size(prof):
+    """memory.blocks_to_swap=100 for FLUX.1 was planned: its transformer "takes -10.0 GiB on the GPU" and the peak
+    fell as the pin grew. Past the family's maximum (two blocks of each list stay) it is a pin conflict naming
+    the largest count; the maximum itself plans."""
+    for family, most in P.MAX_BLOCKS_TO_SWAP.items():
+        res = _plan(prof, "RTX 4090", family, pins=(("blocks_to_swap", most + 1),))
+        assert not res.feasible
+        assert any(
+            f"memory.blocks_to_swap={most + 1}: {family} swaps at most {most} blocks" in r
+            and f"(use memory.blocks_to_swap={most} or fewer)" in r
+            for r in res.reasons
+        ), res.reasons
+        ok = _plan(prof, "RTX 4090", family, pins=(("blocks_to_swap", most),))
+        assert ok.feasible and ok.plan.blocks_to_swap == most and ok.memory.peak > 0
+
+
+def test_the_cached_text_encoder_reason_says_shuffling_and_dropout_still_work(prof):
+    """It said captions stay fixed ("no caption shuffle or dropout"), and a user's data.caption_dropout pin
+    read as void; the trainer encodes each epoch's shuffled tags and the empty caption (epoch_captions)."""
+    res = _plan(prof, "RTX 4090", "flux-dev", pins=(("cache_text_encoder_outputs", True),))
+    (line,) = [r for r in res.reasons if r.startswith("text-encoder outputs cached")]
+    assert "the result is the same (each epoch's shuffled tags and caption dropout's empty caption" in line
+    assert "no caption shuffle" not in line
+
+
 def test_block_swap_moves_the_swapped_blocks_to_host_ram(prof):
     for family, most in P.MAX_BLOCKS_TO_SWAP.items():
         assert P.max_blocks_to_swap(prof.model(family)) == most
