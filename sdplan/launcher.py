@@ -147,6 +147,21 @@ class UI:
 # -- the --out rule ---------------------------------------------------------------------------------------
 
 
+def _holds_a_run(out: Path, entries: list[str]) -> bool:
+    """Whether ``out`` (holding ``entries``) holds an sdplan run or plan: its sdplan.yaml is sdplan's, by the
+    folder's manifest (runfolder.record); a folder from before the manifest by a run's other marks, or a plan's
+    files alone. A user's own sdplan.yaml among their files was called "an sdplan run that saved no checkpoint",
+    and the --force it suggested was refused."""
+    from sdplan import runfolder
+
+    if not (out / CONFIG_FILE).is_file():
+        return False
+    if (out / runfolder.MANIFEST_FILE).is_file():
+        return CONFIG_FILE in runfolder.owned(out)
+    marks = ("checkpoints", "run_summary.json", runfolder.LOCK_FILE)
+    return any((out / m).exists() for m in marks) or set(entries) <= set(PLAN_FILES)
+
+
 def check_out_dir(
     out: Path, *, resume: bool = False, force: bool = False, config_path: Path | None = None
 ) -> str:
@@ -190,7 +205,7 @@ def check_out_dir(
         return "run"
     if not entries:
         return "new"
-    is_run = (out / CONFIG_FILE).is_file()
+    is_run = _holds_a_run(out, entries)
     if (
         is_run
         and config_path is not None

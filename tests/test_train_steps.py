@@ -28,6 +28,24 @@ def test_folder_with_user_files_is_refused_even_with_force(tmp_path):
     assert (tmp_path / "holiday.jpg").read_bytes() == b"x"
 
 
+def test_a_users_own_sdplan_yaml_does_not_make_their_folder_a_run(tmp_path):
+    """A folder of the user's with their own sdplan.yaml was called "an sdplan run that saved no checkpoint
+    (start it over with --force ...)", and --force then refused it for files sdplan did not write."""
+    from sdplan import runfolder
+
+    (tmp_path / "sdplan.yaml").write_text("mine\n")
+    (tmp_path / "notes.txt").write_text("x")
+    for force in (False, True):
+        with pytest.raises(OutputExistsError, match="already holds files .* and is not an sdplan run"):
+            check_out_dir(tmp_path, force=force)
+    runfolder.record(
+        tmp_path, ["notes.txt"]
+    )  # a manifest that does not list the sdplan.yaml: still the user's
+    with pytest.raises(OutputExistsError, match="is not an sdplan run"):
+        check_out_dir(tmp_path)
+    assert (tmp_path / "sdplan.yaml").read_text() == "mine\n"
+
+
 def test_sdplan_run_needs_force_or_resume(tmp_path):
     (tmp_path / "sdplan.yaml").write_text("method: lora\n")
     (tmp_path / "checkpoints").mkdir()
