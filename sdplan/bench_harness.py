@@ -331,7 +331,8 @@ class Harness:
         as ``runtime.make_accelerator`` builds it; the process group from RANK / WORLD_SIZE / MASTER_* in the
         environment, set by the caller). DeepSpeed fixes the micro-batch when it is prepared (the trainer's
         data loader gives it): :meth:`step` then runs that batch only."""
-        from sdplan.trainer import conditioning, faults, latents, loop, run, runtime
+        from sdplan.registry import FLOW_FAMILIES
+        from sdplan.trainer import faults, flow, latents, loop, run, runtime
 
         self.req = req
         self.faults = injected or faults.NONE
@@ -360,11 +361,13 @@ class Harness:
         )
         self.comps = comps
         self.recipe = recipe = recipe_cls(cfg, accelerator, comps)
+        if req.cache_text_encoder_outputs:  # encoded in setup before the denoiser is placed, as a run's are
+            recipe.bench_captions = {self.CAPTION}
+            if (
+                comps.family in FLOW_FAMILIES
+            ):  # the grid samples from the cache (SD3.5: its empty negative too)
+                recipe.bench_captions |= flow.sampling_captions(comps.family, [self.CAPTION])
         groups, optimizer = loop.build(recipe)
-        if req.cache_text_encoder_outputs:  # as the loop does: encode once, then the encoders leave the GPU
-            recipe.text_cache = conditioning.TextCache()
-            recipe.text_cache.precompute(comps, recipe.text_encoders, [self.CAPTION], self.device)
-            latents.offload(*recipe.text_encoders)
         if req.cache_latents:  # cached latents: what the latent cache hands the recipe
             recipe.latents = lambda batch, generator: batch["latents"].to(self.device)
         (self.optimizer,) = loop.prepare(recipe, optimizer)

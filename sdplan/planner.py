@@ -58,7 +58,6 @@ from sdplan.settings import (
     DEEPSPEED_BUCKET_ELEMENTS,
     OFFLOAD,
     SHARDED,
-    TEXT_CACHE_BATCH,
     Settings,
     deepspeed_reduce_buckets,
     describe,
@@ -854,9 +853,10 @@ _FF_TENSORS = 3
 def text_cache_peak_bytes(profiles: Profiles, s: Settings) -> float:
     """Peak bytes of the trainer's text-cache pass with memory.cache_text_encoder_outputs (trainer/loop.py
     Recipe.place_models): before the denoiser is placed, the VAE and the frozen text encoders on the GPU as
-    stored (fp8 under an fp8 base), and the largest encoder's transient for TEXT_CACHE_BATCH captions; 0
-    where nothing is cached. Beside a FLUX.1 base T5-XXL's 9 GiB did not fit a 12 GB card; alone, it is what
-    the pass needs: an 8 GB card needs the fp8 base's fp8 T5."""
+    stored (fp8 under an fp8 base), and the largest encoder's transient for registry.text_cache_batch captions
+    (with an fp8 base, beside the bf16 copy of the unit the layerwise hook casts: a T5 feed-forward block's
+    Linears together); 0 where nothing is cached. Beside a FLUX.1 base T5-XXL's 9 GiB did not fit a 12 GB card;
+    alone, it is what the pass needs: an 8 GB card needs the fp8 base's fp8 T5."""
     if not s.cache_text_encoder_outputs:
         return 0.0
     model = profiles.model(s.model)
@@ -864,13 +864,17 @@ def text_cache_peak_bytes(profiles: Profiles, s: Settings) -> float:
         encoders = frozen_text_encoder_bytes(model, s.base_precision)
     else:
         encoders = model.text_encoder_params * (2 if _half(s.precision) else 4)
+    upcast = flow_family(s.model) and s.base_precision == "fp8"
     transient = 0.0
     for te in model.text_encoders:
         cfg, length = te["config"], int(te.get("max_length") or model.tokenizer_max_length)
         heads = int(cfg.get("num_heads") or cfg.get("num_attention_heads"))
         ff = int(cfg.get("d_ff") or cfg.get("intermediate_size"))
+        width = int(cfg.get("d_model") or cfg.get("hidden_size"))
         one = heads * length**2 * _ATTENTION_BYTES_PER_SCORE + _FF_TENSORS * length * ff * 2
-        transient = max(transient, TEXT_CACHE_BATCH * one)
+        # T5's feed-forward block is cast as one (gated: wi_0, wi_1, wo); CLIP's Linears one by one
+        unit = ((3 if cfg.get("is_gated_act") else 2) if "d_ff" in cfg else 1) * width * ff * 2
+        transient = max(transient, registry.text_cache_batch(s.model) * one + (unit if upcast else 0))
     allocated = _vae_bytes(model, s) + encoders + transient
     return allocated + _overhead_bytes(allocated)
 
@@ -3001,10 +3005,23 @@ def card_peak(
     if grid is not None:  # the final sample grid as sdplan bench measured it here, the same allowances
         grid_allocated = grid.outcome["sample_grid_peak_gib"] * GiB
         mem = replace(mem, sampling_peak=grid_allocated + _overhead_bytes(grid_allocated))
-    # the band is of the step's peak (its residuals); the caption pass's, where larger, is the encoders' known
-    # bytes and an uncalibrated transient: no residuals to widen it by
     step, cache = mem.step_peak, mem.text_cache_peak
-    return mem, (max(step * unc_peak[0], cache), max(step * unc_peak[1], cache)), evidence
+    if (
+        cache > step
+    ):  # the plan's peak is the caption pass's, the model's bytes: not what a bench point measured
+        evidence = None
+    return mem, peak_band(step, cache, unc_peak), evidence
+
+
+# The caption pass's band (text_cache_peak_bytes): the encoders' bytes are known, its transient is not calibrated,
+# and no residuals exist to fit one: the narrowest band the validation ranges are widened to (scripts/uncertainty.py)
+TEXT_CACHE_BAND = (0.95, 1.05)
+
+
+def peak_band(step: float, cache: float, band: tuple[float, float]) -> tuple[float, float]:
+    """The likely range of a plan's peak: ``band`` (the validation set's, or a measurement's) on the step's peak,
+    :data:`TEXT_CACHE_BAND` on the caption pass's (``cache``), whichever is larger at each end."""
+    return max(step * band[0], cache * TEXT_CACHE_BAND[0]), max(step * band[1], cache * TEXT_CACHE_BAND[1])
 
 
 FIT_RULE_TEXT = f"a plan keeps its estimate under {int(HEADROOM * 100)}% and its likely range within the card"

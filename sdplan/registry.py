@@ -184,6 +184,14 @@ RECIPES = {m.name: m.recipe for m in METHOD_LIST}
 DEFAULT_FAMILY = "sd15"  # a hub id whose name names no family
 
 
+def text_cache_batch(family: str) -> int:
+    """Captions the trainer's text cache encodes at a time (trainer/conditioning.py TextCache), which the
+    planner's caption-pass peak counts (planner.text_cache_peak_bytes): one for SD3.5 / FLUX.1, whose T5-XXL
+    holds ~165 MB of eager attention a caption at 256-512 tokens, where one caption already fills the GPU's
+    matrix units; 16 for the CLIP encoders' 77 tokens (milliseconds a caption, a few MB each)."""
+    return 1 if family in FLOW_FAMILIES else 16
+
+
 def one_of(names: tuple[str, ...]) -> str:
     """'a, b or c': a list of names for help texts."""
     return f"{', '.join(names[:-1])} or {names[-1]}" if len(names) > 1 else "".join(names)

@@ -19,11 +19,6 @@ DEFAULT_LORA_RANK = C.LoraConfig().rank
 # with the optimizer state and gradients split over the GPUs (two or more)
 OFFLOAD = {"zero_stage": 2, "offload_optimizer": True}
 SHARDED = {"zero_stage": 2, "offload_optimizer": False}
-# captions the trainer's text cache encodes at a time (trainer/conditioning.py TextCache), which the planner's
-# caption-pass peak counts (planner.text_cache_peak_bytes): T5-XXL's eager attention holds ~165 MB a caption at
-# 512 tokens, where one caption already fills the GPU's matrix units (512 x 4096 by 4096 x 10240 GEMMs); CLIP's
-# 77 tokens encode in milliseconds each. One at a time keeps the pass's peak at the encoders' weights.
-TEXT_CACHE_BATCH = 1
 DEEPSPEED_BUCKET_ELEMENTS = 500_000_000  # reduce / allgather buckets (5e8 elements), written and counted
 
 

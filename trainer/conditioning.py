@@ -6,8 +6,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from sdplan.settings import TEXT_CACHE_BATCH
-
 from .progress import say
 
 
@@ -104,9 +102,14 @@ class TextCache:
         """The captions of ``captions`` not in the cache yet."""
         return set(captions) - set(self.embeds)
 
-    def precompute(self, comps, text_encoders, captions, device, batch_size: int = TEXT_CACHE_BATCH) -> int:
+    def precompute(self, comps, text_encoders, captions, device, batch_size: int | None = None) -> int:
+        """Encode the captions of ``captions`` the cache lacks, ``batch_size`` at a time (None: the family's,
+        sdplan.registry.text_cache_batch); returns how many."""
         import torch
 
+        from sdplan.registry import text_cache_batch
+
+        batch_size = batch_size or text_cache_batch(comps.family)
         todo = sorted(self.missing(captions))
         with torch.no_grad():
             for i in range(0, len(todo), batch_size):

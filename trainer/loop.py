@@ -100,6 +100,7 @@ class Recipe:
         self.block_swap = None  # their hooks (blockswap.BlockSwap), set by the LoRA recipe
         self.latents = latents.Latents(self.vae, self.device)  # the loop adds the cache
         self.text_cache = None
+        self.bench_captions: set[str] | None = None  # sdplan bench's, cached as a run's are (no dataset)
         self.latent_dtype = self.wdtype  # latents and conditioning in the frozen UNet's dtype
         self.cond_dtype = self.wdtype
         self.plan = None  # the loop's sdplan.steps.Steps, once the data loader is prepared
@@ -159,9 +160,11 @@ class Recipe:
         """Every caption the text cache holds over ``epochs`` (None: :meth:`caption_epochs`) with
         memory.cache_text_encoder_outputs: the run's (:meth:`text_captions`) and, for SD3.5 / FLUX.1, whose grids
         sample from the cache, the grids' prompts; None where nothing is cached (the option off, a text encoder
-        training, no dataset: sdplan bench)."""
-        if not self.cfg.memory.cache_text_encoder_outputs or self.dataset is None:
+        training); without a dataset (sdplan bench) :attr:`bench_captions`."""
+        if not self.cfg.memory.cache_text_encoder_outputs:
             return None
+        if self.dataset is None:  # sdplan bench: the captions it steps and samples with (bench_harness)
+            return self.bench_captions
         captions = self.text_captions(self.caption_epochs() if epochs is None else epochs)
         if captions is not None and self.comps.family in FLOW_FAMILIES:
             prompts = list(self.cfg.sampling.prompts) + [self.sample_prompt()]
@@ -245,10 +248,15 @@ class Recipe:
                 m.requires_grad_(False)
         if self.vae is not None:
             runtime.place(self.vae, self.device, dtypes["vae"])
+        # an fp8 base stores the encoders' Linear weights in fp8 on the CPU, then moves them as stored (no dtype):
+        # cast on the GPU, T5-XXL was first there whole in bf16 (9 GiB, where the planner counts 4.5)
+        fp8 = self.cfg.model.base_precision == "fp8" and bool(self.text_encoders)
         for te in self.text_encoders:
-            runtime.place(te, self.device, dtypes["text_encoder"])
-        if self.cfg.model.base_precision == "fp8" and self.text_encoders:
+            runtime.place(te, "cpu" if fp8 else self.device, dtypes["text_encoder"])
+        if fp8:
             quantize.store_text_encoders_fp8(self.text_encoders, dtypes["text_encoder"])
+            for te in self.text_encoders:
+                te.to(self.device)
         # memory.cache_text_encoder_outputs: the captions are encoded before the denoiser comes to the GPU, and the
         # encoders leave it, so their peak is not on top of the denoiser's (kohya moves its UNet to the CPU for
         # it; SimpleTuner encodes before it loads the transformer): T5-XXL's 9 GiB beside a FLUX.1 base
@@ -647,7 +655,8 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
         runtime.describe_plan(cfg.method, comps.family, len(dataset), cfg, plan, max(0, repeated)),
     )
 
-    # 5. The loop.
+    # 5. The loop (the peak recorded from here: the training's, not the setup's caption pass or loading).
+    runtime.reset_peak_memory()
     tb = progress.tensorboard(accelerator, cfg)
     bar = progress.Progress(accelerator, plan.total_steps, initial=state.global_step, description=cfg.method)
 

@@ -616,6 +616,15 @@ def peak_memory_bytes(accelerator=None) -> int:
     return int(rss if sys.platform == "darwin" else rss * 1024)
 
 
+def reset_peak_memory() -> None:
+    """Start :func:`peak_memory_bytes` over on CUDA (the run's recorded peak is its training's, which a
+    local calibration point takes as a step's: the setup's caption pass and loading are not in it)."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+
+
 def gather_max(accelerator, value: int) -> int:
     import torch
 
