@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import errno
+import functools
 import math
 import os
 import re
@@ -523,8 +524,14 @@ def _build(kind: type, data: Any, prefix: str, errors: list[str]):
     for key in data:
         if key not in names:
             close = [n for n in names if n.startswith(str(key)[:3])]
-            if close:
-                errors.append(f"{prefix}{key}: unknown key (did you mean {close[0]}?)")
+            # the same name in another section: `optimizer=prodigy` is memory.optimizer
+            elsewhere = [
+                k for k in _leaf_keys() if k.rsplit(".", 1)[-1] == str(key) and k != f"{prefix}{key}"
+            ]
+            if close or elsewhere:
+                errors.append(
+                    f"{prefix}{key}: unknown key (did you mean {(elsewhere or [prefix + close[0]])[0]}?)"
+                )
             else:
                 unknown.append(f"{prefix}{key}")
     if unknown:
@@ -628,6 +635,24 @@ def _coerce_float(value: Any, tp: Any) -> Any:
     if origin not in (list, dict) and (tp is float or float in args):
         return _number_text(value)
     return value
+
+
+@functools.cache
+def _leaf_keys() -> tuple[str, ...]:
+    """Every dotted key of sdplan.yaml that holds a value (``memory.optimizer``, ``data.metadata.keep_tags``)."""
+    out: list[str] = []
+
+    def walk(kind: type, prefix: str) -> None:
+        hints = get_type_hints(kind)
+        for f in fields(kind):
+            sub = _dataclass_in(hints[f.name])
+            if sub is not None:
+                walk(sub, f"{prefix}{f.name}.")
+            else:
+                out.append(f"{prefix}{f.name}")
+
+    walk(TrainConfig, "")
+    return tuple(out)
 
 
 def _dataclass_in(tp: Any) -> type | None:

@@ -4182,6 +4182,7 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
             )
         elif best.basis != "uncalibrated":  # uncalibrated (transformer families): _flow_reasons says how
             r.append(f"time: from a {best.basis} speed for {pace.name} with these settings; {likely}")
+        r.append(run_time_parts_text(best))
     if req.prior_preservation and req.class_images:
         r.append(f"prior preservation: {req.class_images} class images are trained alongside (batch doubled)")
     images = sampled_images(req, best.steps)
@@ -4192,6 +4193,30 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
     ):
         r.append(_sampling_text(req, best, profiles))
     return r
+
+
+def run_time_parts_text(c: Candidate) -> str:
+    """What ``c``'s run time is made of: its steps (the all-reduce in them), the start-up allowance, the latent
+    cache's pass and the sampling. The start-up's fixed minute was in every time and said nowhere: most of the
+    time of a short run."""
+    sampling = c.sampling_seconds or 0.0
+    caching = c.fixed_seconds - STARTUP_S - sampling
+    exchange = (
+        f", the gradient all-reduce {format_duration(c.allreduce_seconds)} of it"
+        if c.allreduce_seconds >= 0.5
+        else ""
+    )
+    parts = [
+        f"{c.steps.micro_batches} micro-batches of {c.step_seconds:.2f} s "
+        f"({format_duration(c.seconds - c.fixed_seconds)}{exchange})",
+        f"a start-up allowance of {format_duration(STARTUP_S)} (loading the models, building the optimizer: not "
+        "measured)",
+    ]
+    if caching >= 0.5:
+        parts.append(f"caching the latents {format_duration(caching)}")
+    if sampling >= 0.5:
+        parts.append(f"sampling {format_duration(sampling)}")
+    return f"run time {format_duration(c.seconds)}: " + ", ".join(parts)
 
 
 def _sampling_text(req: Request, best: Candidate, profiles: Profiles) -> str:

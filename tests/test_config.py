@@ -224,8 +224,18 @@ def test_unknown_keys_without_a_near_name_are_said_together_with_the_known_names
     with pytest.raises(ConfigError) as e:
         config.validate({"method": "lora", "foo": 1, "bar": 2, "training": {"batch_sise": 2}})
     assert e.value.errors[0].startswith("foo, bar: unknown keys (known: method, model,")
-    assert "training.batch_sise: unknown key (did you mean batch_size?)" in e.value.errors
+    assert "training.batch_sise: unknown key (did you mean training.batch_size?)" in e.value.errors
     assert str(e.value).count("known:") == 1
+
+
+def test_a_key_of_another_section_names_its_full_path():
+    """`optimizer=prodigy` listed the sections ("known: method, model, data, ...") and left the user to find
+    memory.optimizer; a key that names a setting of another section now names its full key."""
+    with pytest.raises(ConfigError) as e:
+        config.validate({"method": "lora", "optimizer": "prodigy", "rank": 8, "memory": {"optimzer": "x"}})
+    assert "optimizer: unknown key (did you mean memory.optimizer?)" in e.value.errors
+    assert "rank: unknown key (did you mean lora.rank?)" in e.value.errors
+    assert "memory.optimzer: unknown key (did you mean memory.optimizer?)" in e.value.errors
 
 
 def test_a_machine_snapshot_given_as_the_config_says_what_it_is(tmp_path):

@@ -55,7 +55,7 @@ def test_config_with_unknown_key_fails_first(tmp_path):
     line = one_line_error(
         invoke("--config", str(cfg), "--out", str(tmp_path / "o")), 2, "training.batch_sise"
     )
-    assert "unknown key" in line and "did you mean batch_size" in line
+    assert "unknown key" in line and "did you mean training.batch_size" in line
     assert not (tmp_path / "o").exists()
 
 
