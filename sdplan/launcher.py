@@ -53,7 +53,7 @@ from sdplan.settings import (
     get_key,
     settings_data,
 )
-from sdplan.steps import bucketed_batches, plan_steps, repeated_batches
+from sdplan.steps import bucketed_batches, plan_steps, repeated_batches, repeated_batches_text
 
 CONFIG_FILE = "sdplan.yaml"
 OOM_FILE = "oom.json"
@@ -968,13 +968,8 @@ def describe(
         repeats := repeated_batches(steps["images_per_epoch"], t.batch_size, world, inputs.bucket_samples)
     ):
         lines.append(
-            f"note: the epoch's batches do not divide by {world} processes: its last round trains "
-            f"{repeats} of its first batch{'es' if repeats > 1 else ''} again (accelerate gives every process a batch)"
-            + (
-                ""
-                if t.max_steps
-                else f", about {repeats * t.batch_size * steps['epochs']} images more in all"
-            )
+            f"note: the epoch's batches do not divide by {world} processes: "
+            + repeated_batches_text(repeats, t.batch_size, None if t.max_steps else steps["epochs"])
         )
     return lines
 

@@ -63,7 +63,14 @@ from sdplan.settings import (
     describe,
     zero_label,
 )
-from sdplan.steps import Steps, bucketed_batches, intermediate_steps, plan_steps, repeated_batches
+from sdplan.steps import (
+    Steps,
+    bucketed_batches,
+    intermediate_steps,
+    plan_steps,
+    repeated_batches,
+    repeated_batches_text,
+)
 from sdplan.trainer.blockswap import support_problem as swap_problem  # the trainer's rule (pure, no torch)
 from sdplan.trainer.dataset_scan import count_of as count_text
 
@@ -4133,7 +4140,8 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
             f"{s.num_gpus} GPUs: steps normalised so the run trains what was asked: {st.images_per_epoch} images per "
             f"epoch / (batch {s.batch} x accumulation {s.grad_accum} x {s.num_gpus} GPUs) = {st.steps_per_epoch} "
             f"steps per epoch, {st.total_steps} in all (one GPU: {st.one_gpu_total_steps}); images seen "
-            f"{st.images_seen} either way; warmup and LR schedule count these steps"
+            f"{st.images_seen} either way (the batches dealt again below aside); warmup and LR schedule count "
+            "these steps"
         )
     elif req.max_steps:
         r.append(
@@ -4154,9 +4162,8 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
         repeats := repeated_batches(st.images_per_epoch, s.batch, s.num_gpus, req.bucket_samples)
     ):
         r.append(
-            f"{s.num_gpus} GPUs: an epoch's {st.images_per_epoch} images do not make batches for every GPU in "
-            f"its last round: accelerate gives each one by training {repeats} of the epoch's first "
-            f"batch{'es' if repeats > 1 else ''} again"
+            f"{s.num_gpus} GPUs: an epoch's {st.images_per_epoch} images do not make a batch for every GPU in its "
+            f"last round: " + repeated_batches_text(repeats, s.batch, None if req.max_steps else st.epochs)
         )
     if hw.count > 1:
         r += _multi_gpu_reasons(hw, best, one, best_by_n, profiles, cal, pinned("num_gpus"), req)

@@ -79,6 +79,17 @@ def repeated_batches(
     return math.ceil(total / num_processes) * num_processes - total
 
 
+def repeated_batches_text(repeats: int, batch_size: int, epochs: int | None = None) -> str:
+    """What :func:`repeated_batches` means for a run, in the words `recommend` and `train` both print:
+    ``epochs`` given (a run by epochs), the images that adds over the run."""
+    first = "its first batch" if repeats == 1 else f"its first {repeats} batches"
+    more = f", about {repeats * batch_size * epochs} images more in all" if epochs else ""
+    return (
+        f"accelerate gives every process a batch by training {first} again (up to {repeats * batch_size} "
+        f"images twice an epoch{more})"
+    )
+
+
 def plan_steps(
     *,
     images_per_epoch: int,
