@@ -858,10 +858,16 @@ def render(d: dict, res: planner.Result, console) -> None:
             )
         if res.speedup_vs_one_gpu and d["plan"]["num_gpus"] > 1:  # unrounded: the reasons' own figure
             t.add_row("vs one GPU", planner.speed_ratio_text(res.speedup_vs_one_gpu))
+        whole = st["images_per_epoch"] * st["epochs"]
+        seen = (
+            f"{st['images_per_epoch']} images/epoch x {st['epochs']} epochs = {st['images_seen']} images seen"
+            if whole == st["images_seen"]  # training.max_steps can stop inside the last epoch
+            else f"{st['images_per_epoch']} images/epoch, {st['images_seen']} images seen ({st['epochs']} epochs, "
+            "the last cut short by training.max_steps)"
+        )
         t.add_row(
             "steps",
-            f"{st['images_per_epoch']} images/epoch x {st['epochs']} epochs = {st['images_seen']} images seen; "
-            f"{st['steps_per_epoch']} steps/epoch, {st['total_steps']} optimizer steps per process",
+            f"{seen}; {st['steps_per_epoch']} steps/epoch, {st['total_steps']} optimizer steps per process",
         )
         console.print(t)
     else:
