@@ -1046,8 +1046,9 @@ def _add_gpu() -> str:
         where = f"the local profile store's {local_dir() / 'gpus.yaml'}"
     except UsageError:  # no home folder
         where = "gpus.yaml in the local profile store ($SDPLAN_PROFILE_DIR)"
-    return (
-        f"add it to {where} or to profiles/gpus.yaml, or use --machine with a `sdplan doctor --json` snapshot"
+    return (  # the shipped catalog by its full path: "profiles/gpus.yaml" meant nothing from the user's folder
+        f"add it to {where} (or to sdplan's own {shipped_dir() / 'gpus.yaml'}), or use --machine with a "
+        "`sdplan doctor --json` snapshot"
     )
 
 

@@ -762,7 +762,10 @@ def write_outputs(
 
     files[plan_chart.FILE_NAME] = plan_chart.render_png(plan_chart.chart_data(res, profiles))
     if outdir.exists() and not outdir.is_dir():
-        raise OutputExistsError(f"{outdir} exists and is not a folder")
+        raise OutputExistsError(
+            f"--out {outdir} exists and is not a folder",
+            fix="give --out a new or empty folder for the plan's files",
+        )
     from sdplan.launcher import check_out_not_in_dataset
 
     check_out_not_in_dataset(outdir, cfg["data"]["path"])  # `sdplan train` would refuse the file written

@@ -347,3 +347,13 @@ def test_a_t4_named_is_planned_as_the_probed_t4(prof):
     request = planner.Request(method="dreambooth", model="sd15")
     a, b = planner.plan(named, prof, request), planner.plan(probed, prof, request)
     assert (a.plan, a.memory.peak, a.vram_bytes) == (b.plan, b.memory.peak, b.vram_bytes)
+
+
+def test_an_unknown_gpu_names_the_shipped_catalog_by_its_full_path(prof):
+    """The fix said "or to profiles/gpus.yaml": relative to a clone of sdplan, nothing from the user's folder."""
+    from sdplan.profiles import shipped_dir
+
+    with pytest.raises(UsageError) as e:
+        prof.find_gpu("RTX 9999")
+    assert f"(or to sdplan's own {shipped_dir() / 'gpus.yaml'})" in str(e.value)
+    assert (shipped_dir() / "gpus.yaml").is_file()
