@@ -141,6 +141,7 @@ def build_components(
     dtypes: dict[str, Any] | None = None,
     with_vae: bool = True,
     denoiser_device: str | None = None,
+    encoder_device: str | None = None,
 ):
     """``sdplan.trainer.models.Components`` with random weights: the full-size networks built from the
     configs in profiles/models, or the tiny demo model. The tokenizer is the tiny generated CLIP BPE one (its
@@ -149,7 +150,9 @@ def build_components(
     Full-size networks are created directly on ``device`` in their training dtype (``dtypes``: "unet",
     "text_encoder", "vae"; default fp32), so that building never needs more memory than training holds
     (an SDXL UNet is 10 GB in fp32, 5 GB in half precision). ``with_vae=False`` (cached latents) builds no VAE.
-    ``denoiser_device``: where the SD3.5 / FLUX.1 transformer is built instead (a base the recipe quantizes).
+    ``denoiser_device`` / ``encoder_device``: where the UNet or transformer / the text encoders are built
+    instead (the CPU: a base the recipe quantizes; cached text-encoder outputs, which the recipe encodes before
+    it places the denoiser, as a run loads them there: trainer/loop.py Recipe.place_models).
     """
     import torch
 
@@ -166,6 +169,7 @@ def build_components(
             dtypes=dtypes,
             with_vae=with_vae,
             denoiser_device=denoiser_device or device,
+            encoder_device=encoder_device or device,
         )
     if demo:
         if family not in ("sd15", "sdxl"):
@@ -193,11 +197,11 @@ def build_components(
     spec = profiles.load_model(profiles.shipped_dir() / "models" / f"{family}.yaml")
     classes = {"CLIPTextModel": CLIPTextModel, "CLIPTextModelWithProjection": CLIPTextModelWithProjection}
     torch.manual_seed(0)
+    with torch.device(denoiser_device or device), _default_dtype(dtypes.get("unet", torch.float32)):
+        unet = UNet2DConditionModel.from_config(dict(spec.unet))
+    with torch.device(encoder_device or device), _default_dtype(dtypes.get("text_encoder", torch.float32)):
+        encoders = [classes[te["class"]](CLIPTextConfig(**te["config"])) for te in spec.text_encoders]
     with torch.device(device):
-        with _default_dtype(dtypes.get("unet", torch.float32)):
-            unet = UNet2DConditionModel.from_config(dict(spec.unet))
-        with _default_dtype(dtypes.get("text_encoder", torch.float32)):
-            encoders = [classes[te["class"]](CLIPTextConfig(**te["config"])) for te in spec.text_encoders]
         vae = None
         if with_vae:
             with _default_dtype(dtypes.get("vae", torch.float32)):
@@ -222,7 +226,15 @@ DEMO_MODELS_FIX = "use --model sd15, sdxl, sd35-medium, sd35-large, flux-dev or 
 
 
 def _flow_components(
-    family: str, *, demo: bool, workdir: Path, device: str, dtypes, with_vae: bool, denoiser_device: str
+    family: str,
+    *,
+    demo: bool,
+    workdir: Path,
+    device: str,
+    dtypes,
+    with_vae: bool,
+    denoiser_device: str,
+    encoder_device: str,
 ):
     """SD3.5 / FLUX.1 components (``flow_models.FlowComponents``, the transformer in the denoiser slot):
     the tiny models of ``sdplan.trainer.tiny`` for the demo, else the transformer, CLIP/T5 encoders and
@@ -276,12 +288,12 @@ def _flow_components(
     torch.manual_seed(0)
     with torch.device(denoiser_device), _default_dtype(dtypes.get("unet", torch.float32)):
         transformer = getattr(diffusers, spec.transformer_class).from_config(dict(spec.transformer))
-    with torch.device(device):
+    with torch.device(encoder_device), _default_dtype(dtypes.get("text_encoder", torch.float32)):
         encoders = []
-        with _default_dtype(dtypes.get("text_encoder", torch.float32)):
-            for te in spec.text_encoders:
-                model_cls, config_cls = classes[te["class"]]
-                encoders.append(model_cls(config_cls(**te["config"])))
+        for te in spec.text_encoders:
+            model_cls, config_cls = classes[te["class"]]
+            encoders.append(model_cls(config_cls(**te["config"])))
+    with torch.device(device):
         vae = None
         if with_vae:
             with _default_dtype(dtypes.get("vae", torch.float32)):
@@ -357,7 +369,11 @@ class Harness:
             with_vae=keep_vae or not req.cache_latents,
             # a quantized base: built in host RAM, then stored quantized on the GPU layer by layer by the
             # recipe (quantize.quantize_base), as the trainer loads it: never the whole bf16 base on the GPU
-            denoiser_device="cpu" if req.base_precision != "bf16" else None,
+            denoiser_device="cpu" if req.base_precision != "bf16" or req.cache_text_encoder_outputs else None,
+            # cached outputs: the encoders and the denoiser in host RAM, as a run loads them, so setup encodes the
+            # captions with the encoders alone on the GPU (a bf16 T5 beside a bf16 FLUX.1 was an OOM point a run
+            # would not hit) and an fp8 base stores the encoders in fp8 before they reach it
+            encoder_device="cpu" if req.cache_text_encoder_outputs else None,
         )
         self.comps = comps
         self.recipe = recipe = recipe_cls(cfg, accelerator, comps)

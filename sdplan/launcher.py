@@ -156,10 +156,12 @@ def _holds_a_run(out: Path, entries: list[str]) -> bool:
 
     if not (out / CONFIG_FILE).is_file():
         return False
-    if (out / runfolder.MANIFEST_FILE).is_file():
-        return CONFIG_FILE in runfolder.owned(out)
+    if mine := runfolder.owned(out):  # a readable manifest
+        return CONFIG_FILE in mine
     marks = ("checkpoints", "run_summary.json", runfolder.LOCK_FILE)
-    return any((out / m).exists() for m in marks) or set(entries) <= set(PLAN_FILES)
+    # a plan's files alone, with its accelerate.yaml: a lone sdplan.yaml is as likely the user's own
+    plan = set(entries) <= set(PLAN_FILES) and "accelerate.yaml" in entries
+    return any((out / m).exists() for m in marks) or plan
 
 
 def check_out_dir(
@@ -205,7 +207,9 @@ def check_out_dir(
         return "run"
     if not entries:
         return "new"
-    is_run = _holds_a_run(out, entries)
+    given = config_path is not None and _same_file(config_path, out / CONFIG_FILE)
+    # `train --config DIR/sdplan.yaml --out DIR` on a plan's files: its own check says whose the config is
+    is_run = _holds_a_run(out, entries) or (given and set(entries) <= set(PLAN_FILES))
     if (
         is_run
         and config_path is not None

@@ -3004,20 +3004,18 @@ def card_peak(
     if evidence is not None:  # measured evidence beats the model: its allocated peak, the same allowances
         allocated = evidenced_allocated_bytes(profiles, s, mem, evidence[0])
         overhead = _overhead_bytes(allocated)
-        step = allocated + overhead  # the step's (final_grid_fits); the plan's is the cache pass where larger
-        mem = replace(mem, overhead=overhead, step_peak=step, peak=max(step, mem.text_cache_peak))
-        scaled_band = profiles.uncertainty.peak_scaled or unc_peak
-        unc_peak = MEASURED_BAND if evidence[1] == "measured" else scaled_band
+        step = allocated + overhead  # the step's (final_grid_fits)
+        if step >= mem.text_cache_peak:
+            mem = replace(mem, overhead=overhead, step_peak=step, peak=step)
+            scaled_band = profiles.uncertainty.peak_scaled or unc_peak
+            unc_peak = MEASURED_BAND if evidence[1] == "measured" else scaled_band
+        else:  # the plan's peak is the caption pass's, the model's bytes, not what a bench point measured: the
+            evidence = None  # model's step beside it, whose parts the reasons add up (breakdown_text)
     grid = measured_grid_point(profiles, s, gpu)
     if grid is not None:  # the final sample grid as sdplan bench measured it here, the same allowances
         grid_allocated = grid.outcome["sample_grid_peak_gib"] * GiB
         mem = replace(mem, sampling_peak=grid_allocated + _overhead_bytes(grid_allocated))
-    step, cache = mem.step_peak, mem.text_cache_peak
-    if (
-        cache > step
-    ):  # the plan's peak is the caption pass's, the model's bytes: not what a bench point measured
-        evidence = None
-    return mem, peak_band(step, cache, unc_peak), evidence
+    return mem, peak_range_of(mem.step_peak, mem.text_cache_peak, unc_peak), evidence
 
 
 # The caption pass's band (text_cache_peak_bytes): the encoders' bytes are known, its transient is not calibrated,
@@ -3025,7 +3023,7 @@ def card_peak(
 TEXT_CACHE_BAND = (0.95, 1.05)
 
 
-def peak_band(step: float, cache: float, band: tuple[float, float]) -> tuple[float, float]:
+def peak_range_of(step: float, cache: float, band: tuple[float, float]) -> tuple[float, float]:
     """The likely range of a plan's peak: ``band`` (the validation set's, or a measurement's) on the step's peak,
     :data:`TEXT_CACHE_BAND` on the caption pass's (``cache``), whichever is larger at each end."""
     return max(step * band[0], cache * TEXT_CACHE_BAND[0]), max(step * band[1], cache * TEXT_CACHE_BAND[1])
@@ -3938,7 +3936,12 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
     r.append(f"optimizer {s.optimizer}: " + ("pinned" if pinned("optimizer") else opt_reason))
     r.append(_latent_cache_text(req, best, fitting))
     if s.cache_text_encoder_outputs:
-        te = profiles.model(s.model).text_encoder_params * (2 if s.precision in ("fp16", "bf16") else 4)
+        model = profiles.model(s.model)
+        te = (  # as stored (fp8 under an fp8 base)
+            frozen_text_encoder_bytes(model, s.base_precision)
+            if flow_family(s.model)
+            else model.text_encoder_params * (2 if s.precision in ("fp16", "bf16") else 4)
+        )
         r.append(
             "text-encoder outputs cached (kohya --cache_text_encoder_outputs): the text encoders run once per "
             f"caption before training and leave the GPU (~{_gib(te)}); the result is the same (each epoch's "
@@ -4083,8 +4086,13 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
             f"predicted peak {format_range(m.peak, best.peak_range)} per GPU of {card} "
             f"({fit_share_text(m.peak, vram)}): "
             + breakdown_text(m, s)
-            + f"; the range is measured / predicted x{peak_band[0]:g}-{peak_band[1]:g} on the "
-            f"validation set's {_band_scope(profiles, s.model)} (n={peak_n})"
+            + (
+                f"; the range is the caption pass's x{TEXT_CACHE_BAND[0]:g}-{TEXT_CACHE_BAND[1]:g} (the "
+                "encoders' bytes, an uncalibrated transient: no residuals to widen it by)"
+                if m.text_cache_peak > m.step_peak
+                else f"; the range is measured / predicted x{peak_band[0]:g}-{peak_band[1]:g} on the "
+                f"validation set's {_band_scope(profiles, s.model)} (n={peak_n})"
+            )
         )
     if loading_ram_short(m, hw.ram_total_bytes):
         r.append(

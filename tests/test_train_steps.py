@@ -44,6 +44,11 @@ def test_a_users_own_sdplan_yaml_does_not_make_their_folder_a_run(tmp_path):
     with pytest.raises(OutputExistsError, match="is not an sdplan run"):
         check_out_dir(tmp_path)
     assert (tmp_path / "sdplan.yaml").read_text() == "mine\n"
+    alone = tmp_path / "alone"  # their sdplan.yaml and nothing else: not a plan folder either
+    alone.mkdir()
+    (alone / "sdplan.yaml").write_text("mine\n")
+    with pytest.raises(OutputExistsError, match="is not an sdplan run"):
+        check_out_dir(alone)
 
 
 def test_sdplan_run_needs_force_or_resume(tmp_path):

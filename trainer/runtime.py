@@ -617,8 +617,9 @@ def peak_memory_bytes(accelerator=None) -> int:
 
 
 def reset_peak_memory() -> None:
-    """Start :func:`peak_memory_bytes` over on CUDA (the run's recorded peak is its training's, which a
-    local calibration point takes as a step's: the setup's caption pass and loading are not in it)."""
+    """Start :func:`peak_memory_bytes` over on CUDA before the loop: run_summary's ``peak_memory_bytes`` is the
+    loop's (its steps, and the sample grids made during it), which a local calibration point takes as a step's;
+    the setup's caption pass and loading are not in it."""
     import torch
 
     if torch.cuda.is_available():
