@@ -152,3 +152,41 @@ def test_a_quantized_base_is_refused_for_the_unet_families():
     result = CliRunner().invoke(cli(), ["bench", "--demo", "--model", "sd15", "model.base_precision=fp8"])
     assert result.exit_code == 2 and "Traceback" not in result.output
     assert "model.base_precision" in result.output and len(result.output.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(("model", "negative"), [("flux-schnell", False), ("sd35-medium", True)])
+def test_the_harness_caches_what_its_steps_and_grid_read_before_the_denoiser_is_placed(
+    tmp_path, model, negative
+):
+    """sdplan bench encoded its caption after setup had placed the denoiser beside the encoders (a run encodes
+    first: Recipe.place_models), and cached no empty caption, which SD3.5's grid reads as its negative prompt (a
+    KeyError on CUDA). The harness now hands setup its captions, as a run's are cached."""
+    from sdplan.trainer import loop
+
+    from sdplan.bench_harness import Harness
+
+    order: list[str] = []
+    place = loop.Recipe.place_denoiser
+
+    def placed(self, dtype):
+        order.append("denoiser" if self.text_cache is not None else "denoiser before the cache")
+        return place(self, dtype)
+
+    req = bench.BenchRequest(
+        method="lora",
+        model=model,
+        resolution=64,
+        precision="fp32",
+        gradient_checkpointing=True,
+        cache_latents=True,
+        cache_text_encoder_outputs=True,
+        settings_from="test",
+    )
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(loop.Recipe, "place_denoiser", placed)
+        h = Harness(req, device="cpu", demo=True, workdir=tmp_path)
+    try:
+        assert order == ["denoiser"]
+        assert set(h.recipe.text_cache.embeds) == {Harness.CAPTION, *([""] if negative else [])}
+    finally:
+        h.close()
