@@ -996,7 +996,13 @@ def _smaller_batch(b: int) -> int:
 
 
 def after_oom(
-    data: dict[str, Any], *, cuda: bool, have_bnb: bool, have_deepspeed: bool, resumes: bool = False
+    data: dict[str, Any],
+    *,
+    cuda: bool,
+    have_bnb: bool,
+    have_deepspeed: bool,
+    resumes: bool = False,
+    before_training: bool = False,
 ) -> Change | None:
     """The next config after an out-of-memory error, with the same effective batch; None when nothing is left.
 
@@ -1010,6 +1016,11 @@ def after_oom(
 
     ``resumes``: the retry resumes a checkpoint; the savers it could not be loaded with (8-bit AdamW's other
     optimizer state, DeepSpeed turned on: :func:`unloadable_change`) are passed over.
+
+    ``before_training``: it ran out before the first step (loading and placing the models, the caption pass,
+    DeepSpeed's engine): only the savers that change what setup holds are tried (the EMA copy, the text
+    encoders leaving the GPU, bf16 weights, DeepSpeed offload); a smaller batch, checkpointing, 8-bit AdamW's
+    state (made at the first step) and the latent cache change nothing there, and each retry reloads the models.
     """
     new = json.loads(json.dumps(data))  # deep copy of plain data
     t = new.setdefault("training", {})
@@ -1017,7 +1028,7 @@ def after_oom(
     dist = new.setdefault("distributed", {})
     b = int(t.get("batch_size", 1))
     ga = int(t.get("grad_accum", 1))
-    if b > 1:
+    if b > 1 and not before_training:
         nb = _smaller_batch(b)
         t["batch_size"] = nb
         t["grad_accum"] = ga * (b // nb)
@@ -1030,14 +1041,15 @@ def after_oom(
     if ema.get("enabled") and ema.get("device", "cpu") == "gpu":
         ema["device"] = "cpu"
         return Change(new, "moved the EMA weights to system RAM (ema.device=cpu)")
-    if not m.get("gradient_checkpointing", False):
+    if not m.get("gradient_checkpointing", False) and not before_training:
         m["gradient_checkpointing"] = True
         return Change(new, "turned on gradient checkpointing (less activation memory, ~20-30% slower)")
     deepspeed_on = dist.get("deepspeed") is not None
-    if cuda and have_bnb and not deepspeed_on and m.get("optimizer", "adamw") == "adamw" and not resumes:
+    eight_bit = cuda and have_bnb and not deepspeed_on and not resumes and not before_training
+    if eight_bit and m.get("optimizer", "adamw") == "adamw":
         m["optimizer"] = "adamw8bit"
         return Change(new, "switched to 8-bit AdamW (optimizer state ~75% smaller)")
-    if not m.get("cache_latents", False):
+    if not m.get("cache_latents", False) and not before_training:
         m["cache_latents"] = True
         return Change(new, "turned on latent caching (the VAE encodes once and leaves the GPU)")
     frozen_te = not t.get("train_text_encoder", False) and new.get("method") != "textual-inversion"
@@ -2119,10 +2131,20 @@ def execute(p: Prepared, req: TrainRequest, ui: UI, launch: Launch, lock: Any = 
             have_bnb=importable("bitsandbytes"),
             have_deepspeed=importable("deepspeed"),
         )
-        change = after_oom(cfg.to_dict(), **kw, resumes=resumes)
+        setup_oom = oom.get("step") == 0  # trainer/__main__.py: out of memory before the first step
+        change = after_oom(cfg.to_dict(), **kw, resumes=resumes, before_training=setup_oom)
         if change is None or retries > req.max_oom_retries:
             # a saver passed over because the checkpoint cannot be loaded with it: a new start can have it
-            fresh = after_oom(cfg.to_dict(), **kw) if change is None and resumes else None
+            fresh = (
+                after_oom(cfg.to_dict(), **kw, before_training=setup_oom) if change is None and resumes else None
+            )
+            if setup_oom and change is None and fresh is None:
+                raise OutOfMemoryError(
+                    "out of GPU memory before training started (loading the models, or encoding the captions), "
+                    "with every saver that changes it on: a smaller batch would not",
+                    fix="use a quantized base (model.base_precision=fp8 or nf4 for SD3.5 / FLUX.1) and "
+                    "memory.blocks_to_swap, or a GPU with more memory (`sdplan recommend --compare` lists what fits)",
+                )
             raise OutOfMemoryError(
                 f"out of GPU memory at step {oom.get('step')} with every memory saver on"
                 + (f" (after {retries - 1} retries)" if retries > 1 else "")

@@ -549,3 +549,34 @@ def test_resume_with_the_plan_that_started_the_run_ignores_what_train_wrote_into
     other = {**written, "lora": {"rank": 8}}
     (tmp_path / "other.yaml").write_text(yaml.safe_dump(other))
     assert config_differs(tmp_path / "other.yaml", run) == "its lora.rank is 8, the run's 16"
+
+
+def test_out_of_memory_before_the_first_step_is_not_retried_at_a_smaller_batch(tmp_path, monkeypatch):
+    """The trainer's out-of-memory before training (step 0: loading, the caption pass) was retried at a halved
+    batch, with checkpointing, 8-bit AdamW and the latent cache, each retry reloading the models. Only the savers
+    that change what setup holds are tried; then one line says a smaller batch would not help."""
+    import sdplan.launcher as L
+
+    model = fake_diffusers_folder(tmp_path / "model")
+    ds = make_images(tmp_path / "ds", n=8)
+    out = tmp_path / "run"
+    launches: list = []
+
+    def oom(launch, **kw):
+        launches.append(launch)
+        (out / "oom.json").write_text(json.dumps({"step": 0, "message": "CUDA out of memory"}))
+        return L.EXIT_OOM
+
+    monkeypatch.setattr(L, "run_launch", oom)
+    monkeypatch.setattr(L, "_record", lambda *a, **k: None)
+    r = invoke(
+        "--model", str(model), "--dataset", str(ds), "--out", str(out), "--device", "cpu", "--yes",
+        "training.batch_size=4", "memory.cache_text_encoder_outputs=false",
+    )  # fmt: skip
+    assert r.exit_code == L.EXIT_OOM, r.output
+    said = r.stdout + r.stderr
+    assert "micro-batch" not in said and "gradient checkpointing" not in said, said
+    # the savers here that change the setup: the encoders off the GPU, then DeepSpeed's offloaded state
+    assert "turned on text-encoder output caching" in said and "DeepSpeed ZeRO-2" in said
+    assert "out of GPU memory before training started" in said and "a smaller batch would not" in said
+    assert len(launches) == 3

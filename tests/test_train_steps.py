@@ -144,6 +144,27 @@ def test_at_batch_one_the_memory_savers_come_in_order():
     assert d["distributed"]["deepspeed"] == {"zero_stage": 2, "offload_optimizer": True}
 
 
+def test_out_of_memory_before_the_first_step_tries_only_what_changes_the_setup():
+    """An out-of-memory error while the models load or the captions encode (trainer/__main__.py: step 0) was
+    retried at a halved batch, with checkpointing, 8-bit AdamW and the latent cache, each retry reloading the
+    models for nothing: none of them changes what setup holds. Only the savers that do are tried."""
+    d = data(training={"batch_size": 8, "grad_accum": 1}, ema={"enabled": True, "device": "gpu"})
+    d["method"] = "finetune"
+    seen = []
+    while (
+        change := after_oom(d, cuda=True, have_bnb=True, have_deepspeed=True, before_training=True)
+    ) is not None:
+        validate(change.data)
+        seen.append(change.message.split(" (")[0])
+        d = change.data
+    assert seen == [
+        "moved the EMA weights to system RAM",
+        "turned on text-encoder output caching",
+        "turned on DeepSpeed ZeRO-2 with the optimizer state offloaded to CPU",
+    ]
+    assert d["training"]["batch_size"] == 8 and not d["memory"].get("gradient_checkpointing")
+
+
 def test_a_full_unet_method_in_bf16_tries_full_bf16_weights_before_offload():
     """The planner's order: full bf16 weights (no fp32 master copy) before DeepSpeed offload (the optimizer on the CPU)."""
     d = data(training={"batch_size": 1, "precision": "bf16"}, memory={"gradient_checkpointing": True})
