@@ -42,6 +42,20 @@ def test_demo_bench_measures_the_tiny_flow_model_through_the_recipe(tmp_path, mo
     assert all(f"NOT a full-size {family}" in p.source for p in mine)
 
 
+def _cached_demo_request(model: str):
+    """A LoRA bench request on the tiny demo model, latents and text-encoder outputs cached."""
+    return bench.BenchRequest(
+        method="lora",
+        model=model,
+        resolution=64,
+        precision="fp32",
+        gradient_checkpointing=True,
+        cache_latents=True,
+        cache_text_encoder_outputs=True,
+        settings_from="test",
+    )
+
+
 def test_demo_harness_steps_the_flow_objective_and_trains_only_the_adapter(tmp_path):
     """The harness is the trainer's LoRA recipe on the tiny FLUX model: the flow adapter's objective, only
     LoRA weights trainable, the transformer's weights unchanged by a step, the LoRA's changed."""
@@ -50,16 +64,7 @@ def test_demo_harness_steps_the_flow_objective_and_trains_only_the_adapter(tmp_p
 
     from sdplan.bench_harness import Harness
 
-    req = bench.BenchRequest(
-        method="lora",
-        model="flux-schnell",
-        resolution=64,
-        precision="fp32",
-        gradient_checkpointing=True,
-        cache_latents=True,
-        cache_text_encoder_outputs=True,
-        settings_from="test",
-    )
+    req = _cached_demo_request("flux-schnell")
     h = Harness(req, device="cpu", demo=True, workdir=tmp_path)
     try:
         assert isinstance(h.recipe.objective, FlowMatchingObjective)
@@ -172,16 +177,7 @@ def test_the_harness_caches_what_its_steps_and_grid_read_before_the_denoiser_is_
         order.append("denoiser" if self.text_cache is not None else "denoiser before the cache")
         return place(self, dtype)
 
-    req = bench.BenchRequest(
-        method="lora",
-        model=model,
-        resolution=64,
-        precision="fp32",
-        gradient_checkpointing=True,
-        cache_latents=True,
-        cache_text_encoder_outputs=True,
-        settings_from="test",
-    )
+    req = _cached_demo_request(model)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(loop.Recipe, "place_denoiser", placed)
         h = Harness(req, device="cpu", demo=True, workdir=tmp_path)
