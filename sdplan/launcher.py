@@ -2136,7 +2136,9 @@ def execute(p: Prepared, req: TrainRequest, ui: UI, launch: Launch, lock: Any = 
         if change is None or retries > req.max_oom_retries:
             # a saver passed over because the checkpoint cannot be loaded with it: a new start can have it
             fresh = (
-                after_oom(cfg.to_dict(), **kw, before_training=setup_oom) if change is None and resumes else None
+                after_oom(cfg.to_dict(), **kw, before_training=setup_oom)
+                if change is None and resumes
+                else None
             )
             if setup_oom and change is None and fresh is None:
                 raise OutOfMemoryError(
