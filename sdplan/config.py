@@ -530,7 +530,7 @@ def _build(kind: type, data: Any, prefix: str, errors: list[str]):
             ]
             if close or elsewhere:
                 errors.append(
-                    f"{prefix}{key}: unknown key (did you mean {(elsewhere or [prefix + close[0]])[0]}?)"
+                    f"{prefix}{key}: unknown key (did you mean {' or '.join(elsewhere or [prefix + close[0]])}?)"
                 )
             else:
                 unknown.append(f"{prefix}{key}")

@@ -43,7 +43,7 @@ from sdplan.launch import (
 from sdplan.plan_chart import FILE_NAME as PLAN_CHART_FILE
 from sdplan.planner import format_duration
 from sdplan.probe.software import importable
-from sdplan.registry import FAMILIES, FULL_METHODS, family_from_name
+from sdplan.registry import FAMILIES, FLOW_FAMILIES, FULL_METHODS, family_from_name
 from sdplan.settings import (
     FAMILY_SETTING,
     OFFLOAD,
@@ -160,7 +160,7 @@ def _holds_a_run(out: Path, entries: list[str]) -> bool:
         return CONFIG_FILE in mine
     marks = ("checkpoints", "run_summary.json", runfolder.LOCK_FILE)
     # a plan's files alone, with its accelerate.yaml: a lone sdplan.yaml is as likely the user's own
-    plan = set(entries) <= set(PLAN_FILES) and "accelerate.yaml" in entries
+    plan = set(entries) <= set(PLAN_FILES) and ACCELERATE_FILE in entries
     return any((out / m).exists() for m in marks) or plan
 
 
@@ -1064,7 +1064,10 @@ def after_oom(
         )
     # a DeepSpeed config without the key offloads (config.DeepSpeedConfig's default)
     offloaded = deepspeed_on and dist["deepspeed"].get("offload_optimizer", True)
-    if have_deepspeed and not offloaded and not (resumes and not deepspeed_on):
+    # not with block swap (the trainer swaps in one process without DeepSpeed: blockswap.support_problem), and
+    # before training only for a full-weight method, whose optimizer state DeepSpeed builds in setup
+    can_offload = not m.get("blocks_to_swap") and (new.get("method") in FULL_METHODS or not before_training)
+    if have_deepspeed and can_offload and not offloaded and not (resumes and not deepspeed_on):
         was_split = deepspeed_on  # ZeRO-1/2 splitting the optimizer state over the GPUs: offload it too
         stage = int(dist["deepspeed"].get("zero_stage", 2)) if was_split else None
         dist["deepspeed"] = dict(OFFLOAD)
@@ -2115,8 +2118,10 @@ def execute(p: Prepared, req: TrainRequest, ui: UI, launch: Launch, lock: Any = 
             raise TrainFailed(
                 f"the trainer failed (exit code {code}); its error is above", code, reported=reported
             )
-        # Out of memory: record what did not fit, then retry smaller.
-        _record(cfg, oom, p, ui, fits=False)
+        # Out of memory: record what did not fit, then retry smaller. Before the first step (trainer/__main__.py:
+        # step 0) no batch had run: recorded at batch 1, so the planner does not take a smaller batch for a fix
+        setup_oom = oom.get("step") == 0
+        _record(cfg, {**oom, "batch_size": 1, "grad_accum": 1} if setup_oom else oom, p, ui, fits=False)
         if req.num_machines > 1:
             raise OutOfMemoryError(
                 f"out of GPU memory at step {oom.get('step')} on this node",
@@ -2131,7 +2136,6 @@ def execute(p: Prepared, req: TrainRequest, ui: UI, launch: Launch, lock: Any = 
             have_bnb=importable("bitsandbytes"),
             have_deepspeed=importable("deepspeed"),
         )
-        setup_oom = oom.get("step") == 0  # trainer/__main__.py: out of memory before the first step
         change = after_oom(cfg.to_dict(), **kw, resumes=resumes, before_training=setup_oom)
         if change is None or retries > req.max_oom_retries:
             # a saver passed over because the checkpoint cannot be loaded with it: a new start can have it
@@ -2143,12 +2147,17 @@ def execute(p: Prepared, req: TrainRequest, ui: UI, launch: Launch, lock: Any = 
             if setup_oom and change is None and fresh is None:
                 raise OutOfMemoryError(
                     "out of GPU memory before training started (loading the models, or encoding the captions), "
-                    "with every saver that changes it on: a smaller batch would not",
-                    fix="use a quantized base (model.base_precision=fp8 or nf4 for SD3.5 / FLUX.1) and "
-                    "memory.blocks_to_swap, or a GPU with more memory (`sdplan recommend --compare` lists what fits)",
+                    "with every saver that changes that on: a smaller batch would not help",
+                    fix=(
+                        "use a quantized base (model.base_precision=fp8) and memory.blocks_to_swap, or a GPU "
+                        if (cfg.model.family or p.inputs.family) in FLOW_FAMILIES
+                        else "use a GPU "
+                    )
+                    + "with more memory (`sdplan recommend --compare` lists what fits)",
                 )
+            at = "before training started" if setup_oom else f"at step {oom.get('step')}"
             raise OutOfMemoryError(
-                f"out of GPU memory at step {oom.get('step')} with every memory saver on"
+                f"out of GPU memory {at} with every memory saver on"
                 + (f" (after {retries - 1} retries)" if retries > 1 else "")
                 + (
                     f"; not tried: {fresh.message}, which this run's checkpoints cannot be resumed with"
@@ -2174,7 +2183,8 @@ def execute(p: Prepared, req: TrainRequest, ui: UI, launch: Launch, lock: Any = 
             if started_from is not None
             else "from the start (no checkpoint yet)"
         )
-        ui.echo(f"out of memory at step {oom.get('step')}: {change.message}; restarting {where}")
+        at = "before training started" if setup_oom else f"at step {oom.get('step')}"
+        ui.echo(f"out of memory {at}: {change.message}; restarting {where}")
         launch = build_launch(
             cfg,
             out / CONFIG_FILE,

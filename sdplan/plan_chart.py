@@ -71,6 +71,8 @@ def chart_data(res: planner.Result, profiles: Any) -> dict[str, Any]:
         + describe(s, gpus=False, short=True),
         "parts": parts,
         "peak": m.peak / GiB,
+        # the caption pass before training, where it is the plan's peak (the bars are the step's parts)
+        "caption_pass": m.text_cache_peak / GiB if m.text_cache_peak > m.step_peak else None,
         "peak_range": (res.peak_range[0] / GiB, res.peak_range[1] / GiB) if res.peak_range else None,
         "peak_basis": res.peak_basis,
         "card": card,
@@ -116,7 +118,12 @@ def render_png(data: dict[str, Any]) -> bytes:
     left.set_xlabel("GiB per GPU")
     rng = f" (likely {data['peak_range'][0]:.1f}-{data['peak_range'][1]:.1f})" if data["peak_range"] else ""
     title = f"{data['peak_basis']} peak {peak:.1f} GiB{rng}"
-    if data["peak_basis"] != "predicted":  # the bars are the model's parts; the peak is sdplan bench's
+    if data.get("caption_pass"):  # the bars are the step's; the peak is the pass before training
+        title += (
+            f"\nthe step's parts add up to {start:.1f}; the peak is the caption pass before training "
+            "(text encoders and VAE on the GPU)"
+        )
+    elif data["peak_basis"] != "predicted":  # the bars are the model's parts; the peak is sdplan bench's
         title += f"\nthe model's parts add up to {start:.1f}; the peak is from sdplan bench"
     elif start > 1.05 * peak:  # the parts are not all alive at once: the peak is the largest phase
         title += f"\nthe parts add up to {start:.1f}: not all are alive at once"

@@ -344,7 +344,8 @@ class Memory:
     sampling_peak: float = 0.0
     # memory.cache_text_encoder_outputs: the trainer's text-cache pass before the denoiser is placed (the text
     # encoders and the VAE alone on the GPU: text_cache_peak_bytes); ``peak`` is the larger of it and the
-    # step's, ``step_peak`` the step's alone (what sdplan bench's torch.cuda.max_memory_allocated measures)
+    # step's, ``step_peak`` the step's alone (with the overhead; sdplan bench's torch.cuda.max_memory_allocated
+    # measures it less the overhead)
     text_cache_peak: float = 0.0
     step_peak: float = 0.0
 
@@ -857,6 +858,14 @@ _ATTENTION_BYTES_PER_SCORE = 2 + 4 + 2
 _FF_TENSORS = 3
 
 
+def stored_text_encoder_bytes(model: ModelSpec, s: Settings) -> float:
+    """The frozen text encoders' bytes as the trainer stores them: fp8 under an fp8 base (SD3.5 / FLUX.1:
+    :func:`frozen_text_encoder_bytes`), else in the training precision's weight dtype."""
+    if flow_family(s.model):
+        return frozen_text_encoder_bytes(model, s.base_precision)
+    return model.text_encoder_params * (2 if _half(s.precision) else 4)
+
+
 def text_cache_peak_bytes(profiles: Profiles, s: Settings) -> float:
     """Peak bytes of the trainer's text-cache pass with memory.cache_text_encoder_outputs (trainer/loop.py
     Recipe.place_models): before the denoiser is placed, the VAE and the frozen text encoders on the GPU as
@@ -867,10 +876,7 @@ def text_cache_peak_bytes(profiles: Profiles, s: Settings) -> float:
     if not s.cache_text_encoder_outputs:
         return 0.0
     model = profiles.model(s.model)
-    if flow_family(s.model):
-        encoders = frozen_text_encoder_bytes(model, s.base_precision)
-    else:
-        encoders = model.text_encoder_params * (2 if _half(s.precision) else 4)
+    encoders = stored_text_encoder_bytes(model, s)
     upcast = flow_family(s.model) and s.base_precision == "fp8"
     transient = 0.0
     for te in model.text_encoders:
@@ -3936,12 +3942,7 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
     r.append(f"optimizer {s.optimizer}: " + ("pinned" if pinned("optimizer") else opt_reason))
     r.append(_latent_cache_text(req, best, fitting))
     if s.cache_text_encoder_outputs:
-        model = profiles.model(s.model)
-        te = (  # as stored (fp8 under an fp8 base)
-            frozen_text_encoder_bytes(model, s.base_precision)
-            if flow_family(s.model)
-            else model.text_encoder_params * (2 if s.precision in ("fp16", "bf16") else 4)
-        )
+        te = stored_text_encoder_bytes(profiles.model(s.model), s)
         r.append(
             "text-encoder outputs cached (kohya --cache_text_encoder_outputs): the text encoders run once per "
             f"caption before training and leave the GPU (~{_gib(te)}); the result is the same (each epoch's "
@@ -4086,12 +4087,14 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
             f"predicted peak {format_range(m.peak, best.peak_range)} per GPU of {card} "
             f"({fit_share_text(m.peak, vram)}): "
             + breakdown_text(m, s)
+            + f"; the range is measured / predicted x{peak_band[0]:g}-{peak_band[1]:g} on the "
+            f"validation set's {_band_scope(profiles, s.model)} (n={peak_n})"
             + (
-                f"; the range is the caption pass's x{TEXT_CACHE_BAND[0]:g}-{TEXT_CACHE_BAND[1]:g} (the "
-                "encoders' bytes, an uncalibrated transient: no residuals to widen it by)"
+                f" on the step's {_gib(m.step_peak)}, x{TEXT_CACHE_BAND[0]:g}-{TEXT_CACHE_BAND[1]:g} on the caption "
+                "pass's (the encoders' bytes and an uncalibrated transient: no residuals to widen it by), the "
+                "larger at each end"
                 if m.text_cache_peak > m.step_peak
-                else f"; the range is measured / predicted x{peak_band[0]:g}-{peak_band[1]:g} on the "
-                f"validation set's {_band_scope(profiles, s.model)} (n={peak_n})"
+                else ""
             )
         )
     if loading_ram_short(m, hw.ram_total_bytes):
@@ -4152,8 +4155,14 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
             f"{s.num_gpus} GPUs: steps normalised so the run trains what was asked: {st.images_per_epoch} images per "
             f"epoch / (batch {s.batch} x accumulation {s.grad_accum} x {s.num_gpus} GPUs) = {st.steps_per_epoch} "
             f"steps per epoch, {st.total_steps} in all (one GPU: {st.one_gpu_total_steps}); images seen "
-            f"{st.images_seen} either way (the batches dealt again below aside); warmup and LR schedule count "
-            "these steps"
+            f"{st.images_seen} either way"
+            + (
+                " (the batches dealt again below aside)"
+                if repeated_batches(st.images_per_epoch, s.batch, s.num_gpus, req.bucket_samples)
+                and st.total_steps >= st.steps_per_epoch
+                else ""
+            )
+            + "; warmup and LR schedule count these steps"
         )
     elif req.max_steps:
         r.append(
@@ -4379,16 +4388,17 @@ def _adamw_gain_text(best: Candidate, aw: Candidate, limit: float) -> str:
     batch sees other images in as many steps (its time, :func:`run_time_text`, is of another run), and AdamW's
     steps are scaled to the plan's images."""
     same = aw.steps.images_seen == best.steps.images_seen
-    if same:
-        gain = speedup(best, aw) - 1
-    else:  # the figure the rule compared (_key: per image seen, less the class images and final grid)
-        gain = _key_seconds(aw) / _key_seconds(best) - 1
+    gain = _key_seconds(aw) / _key_seconds(best) - 1  # the figure the rule compared (_key)
     digits = 0
     while digits < 3 and 0 < round(gain * 100, digits) <= round(limit * 100, digits):
         digits += 1
+    # said where they weigh: DreamBooth's class images (the final grid alone is seconds)
+    once = (
+        " (less the class images and final grid)" if best.sampling_once_seconds >= 0.05 * best.seconds else ""
+    )
     if same:
-        return f"makes the run {gain * 100:.{digits}f}% faster"
-    return f"is {abs(gain) * 100:.{digits}f}% {'faster' if gain >= 0 else 'slower'} per image seen"
+        return f"makes the run {gain * 100:.{digits}f}% faster{once}"
+    return f"is {abs(gain) * 100:.{digits}f}% {'faster' if gain >= 0 else 'slower'} per image seen{once}"
 
 
 def _preferred_tier_text(best: Candidate, fitting: list[Candidate]) -> str:

@@ -1013,3 +1013,17 @@ def test_a_max_steps_run_cut_inside_an_epoch_does_not_multiply_out_wrong():
     )
     r = run("--method", "lora", "--hardware", "RTX 4090")  # by epochs: the product holds
     assert "20 images/epoch x 10 epochs = 200 images seen" in " ".join(r.stdout.split())
+
+
+def test_plan_chart_says_when_the_peak_is_the_caption_pass():
+    """SD3.5 Medium LoRA on an RTX 3060 12GB: the plan's peak is the pass that encodes the captions before
+    training (the encoders and the VAE alone on the GPU), above the step whose parts the bars stack; the chart
+    gave the peak and the bars with nothing to say why they differ."""
+    from sdplan import plan_chart
+
+    prof, res = _planned("RTX 3060 12GB", "lora", "sd35-medium")
+    assert res.memory.text_cache_peak > res.memory.step_peak
+    d = plan_chart.chart_data(res, prof)
+    assert d["caption_pass"] == pytest.approx(res.memory.text_cache_peak / 2**30)
+    assert d["peak"] == pytest.approx(d["caption_pass"])
+    assert plan_chart.render_png(d).startswith(b"\x89PNG")

@@ -576,7 +576,8 @@ def test_out_of_memory_before_the_first_step_is_not_retried_at_a_smaller_batch(t
     assert r.exit_code == L.EXIT_OOM, r.output
     said = r.stdout + r.stderr
     assert "micro-batch" not in said and "gradient checkpointing" not in said, said
-    # the savers here that change the setup: the encoders off the GPU, then DeepSpeed's offloaded state
-    assert "turned on text-encoder output caching" in said and "DeepSpeed ZeRO-2" in said
-    assert "out of GPU memory before training started" in said and "a smaller batch would not" in said
-    assert len(launches) == 3
+    # the one saver here that changes a LoRA's setup: the encoders off the GPU (DeepSpeed builds no state a LoRA
+    # holds there, and is no fix for it)
+    assert "turned on text-encoder output caching" in said and "DeepSpeed" not in said
+    assert "out of GPU memory before training started" in said and "a smaller batch would not help" in said
+    assert len(launches) == 2

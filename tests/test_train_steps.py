@@ -163,6 +163,11 @@ def test_out_of_memory_before_the_first_step_tries_only_what_changes_the_setup()
         "turned on DeepSpeed ZeRO-2 with the optimizer state offloaded to CPU",
     ]
     assert d["training"]["batch_size"] == 8 and not d["memory"].get("gradient_checkpointing")
+    # block swap runs in one process without DeepSpeed (blockswap.support_problem): never offered with it
+    swap = data(training={"batch_size": 1}, memory={"gradient_checkpointing": True, "blocks_to_swap": 8})
+    while (change := after_oom(swap, cuda=True, have_bnb=False, have_deepspeed=True)) is not None:
+        swap = change.data
+    assert swap["distributed"].get("deepspeed") is None
 
 
 def test_a_full_unet_method_in_bf16_tries_full_bf16_weights_before_offload():

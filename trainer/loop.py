@@ -11,7 +11,8 @@ temporary folder (then deleted), so a broken export, an unwritable folder or a d
 fails in the first seconds; at the end the final step is checkpointed before the export (with checkpoints
 off: when the export fails), and a failed export says which checkpoint holds the trained state (``--resume``
 it: the run goes straight to the export). ``output.save_every_n_epochs`` / ``save_every_n_steps`` write the
-method's outputs during training, named kohya's way, each with a sample grid, listed in ``run_summary.json``.
+method's outputs during training, named kohya's way, each with a sample grid (the step's every-N grid copied
+where it has one), listed in ``run_summary.json``.
 
 A recipe says what its method is: the models it builds and how they are placed, the trainable parameter
 groups, the loss of a batch, what a checkpoint holds, and what it exports. The denoiser call and the objective
@@ -163,18 +164,20 @@ class Recipe:
         training); without a dataset (sdplan bench) :attr:`bench_captions`."""
         if not self.cfg.memory.cache_text_encoder_outputs:
             return None
-        if self.dataset is None:  # sdplan bench: the captions it steps and samples with (bench_harness)
-            return self.bench_captions
-        captions = self.text_captions(self.caption_epochs() if epochs is None else epochs)
-        if captions is not None and self.comps.family in FLOW_FAMILIES:
+        if self.dataset is None:  # sdplan bench: the caption it steps and samples with (bench_harness)
+            captions, prompts = self.bench_captions, sorted(self.bench_captions or ())
+        else:
+            captions = self.text_captions(self.caption_epochs() if epochs is None else epochs)
             prompts = list(self.cfg.sampling.prompts) + [self.sample_prompt()]
+        if captions is not None and self.comps.family in FLOW_FAMILIES:
             captions = captions | flow.sampling_captions(self.comps.family, prompts)
         return captions
 
     def caption_epochs(self) -> int:
         """The epochs whose captions the text cache holds before the data loader exists (they differ only with
         data.shuffle_tags): training.epochs, or the epochs training.max_steps takes at this dataset's length
-        (aspect buckets can make the loader longer: the loop encodes what a later epoch adds)."""
+        (aspect buckets make the loader longer, so fewer epochs: these cover the run; the loop encodes any
+        caption they lack all the same)."""
         tcfg = self.cfg.training
         return runtime.plan_steps(
             images_per_epoch=len(self.dataset),
@@ -612,7 +615,8 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
         )
     accelerator.wait_for_everyone()
 
-    # 3. Cached VAE (and frozen text-encoder) outputs: computed once, then those models leave the GPU.
+    # 3. Cached VAE outputs: computed once, then the VAE leaves the GPU (the frozen text encoders' outputs were
+    # cached in setup, Recipe.place_models: only captions that pass could not know are encoded here).
     latent_cache = latents.make_latent_cache(cfg, recipe.vae, out_dir)
     latents.precompute_latents(accelerator, latent_cache, recipe.vae, recipe.latent_datasets(), plan.epochs)
     recipe.latents = latents.Latents(recipe.vae, device, latent_cache)

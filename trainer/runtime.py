@@ -522,11 +522,7 @@ def describe_plan(method: str, family: str, samples: int, cfg, plan: Steps, repe
         f"{method} {family}: {samples} samples/epoch, batch {t.batch_size} x accum {t.grad_accum} x "
         f"{plan.num_processes} process(es) -> {plan.steps_per_epoch} steps/epoch, {plan.total_steps} steps "
         f"({plan.epochs} epoch{'s' if plan.epochs != 1 else ''}), {warmup}"
-        + (
-            f"; each epoch repeats {repeated} of its first batches to give every process one"
-            if repeated
-            else ""
-        )
+        + (f"; {steps.repeated_batches_text(repeated, t.batch_size)}" if repeated else "")
     )
 
 
