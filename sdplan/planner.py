@@ -3642,7 +3642,7 @@ def more_gpus_text(c: Candidate, best: Candidate) -> str:
     than = f"{best.setup.num_gpus} GPUs" if best.setup.num_gpus > 1 else "one GPU"
     if _tier(c) > _tier(best):
         return f"{ahead:.2f}x faster than {than}, but only with {_tier_text(c, best)}"
-    return f"predicted {ahead:.2f}x faster than {than}: within the time uncertainty"
+    return f"predicted {ratio_than_text(ahead, than)}: within the time uncertainty"
 
 
 def plan(hardware: Hardware | Any, profiles: Profiles, request: Request) -> Result:
@@ -4511,9 +4511,9 @@ def _multi_gpu_reasons(
             # but 8 GPUs are faster still" stood beside the plan's 1.67x
             still = speedup(best, c)
             why = (
-                f"{faster:.2f}x faster than one GPU, but {s.num_gpus} GPU(s) are faster still"
+                f"{faster:.2f}x faster than one GPU, but {s.num_gpus} GPUs are faster still"
                 if c.steps.images_seen == best.steps.images_seen
-                else f"{s.num_gpus} GPU(s) train the plan's images {still:.2f}x as fast"
+                else f"{s.num_gpus} GPUs train the plan's images {still:.2f}x as fast"
             )
         elif ahead <= 1:
             why = f"{faster:.2f}x faster than one GPU, but no faster than {s.num_gpus} GPUs"
@@ -4533,7 +4533,7 @@ def _multi_gpu_reasons(
                 else f"it saves {max(gain, 0.0) * 100:.0f}% of {run}"
             )
             why = (
-                f"predicted {ahead:.2f}x faster than {than}: within the time uncertainty (with the steps at "
+                f"predicted {ratio_than_text(ahead, than)}: within the time uncertainty (with the steps at "
                 f"x{low:g} of the prediction and the all-reduce {rate}, {saves}, where more GPUs must save "
                 f"{MIN_MULTI_GPU_GAIN * 100:.0f}%)"
             )
@@ -4599,6 +4599,14 @@ def speed_ratio_text(ratio: float) -> str:
     if round(ratio, 2) == 1:
         return "about as fast (1.00x)"
     return f"{ratio:.2f}x faster" if ratio > 1 else f"{1 / ratio:.2f}x slower"
+
+
+def ratio_than_text(ratio: float, than: str) -> str:
+    """:func:`speed_ratio_text` against ``than``: "1.23x faster than one GPU", "about as fast as 3 GPUs
+    (1.00x)" where it rounds to 1 ("1.00x faster than 3 GPUs" said a gain it does not show)."""
+    if round(ratio, 2) == 1:
+        return f"about as fast as {than} (1.00x)"
+    return f"{speed_ratio_text(ratio)} than {than}"
 
 
 _TIER_KEPT = (
