@@ -1027,3 +1027,13 @@ def test_plan_chart_says_when_the_peak_is_the_caption_pass():
     assert d["caption_pass"] == pytest.approx(res.memory.text_cache_peak / 2**30)
     assert d["peak"] == pytest.approx(d["caption_pass"])
     assert plan_chart.render_png(d).startswith(b"\x89PNG")
+
+
+def test_the_transformer_families_time_is_said_weakly_calibrated_as_its_reason_says():
+    """The headline said "(uncalibrated)" while the time reason said "fitted on 4 published SD3.5 / FLUX.1
+    speeds ... weakly calibrated": one word for one basis."""
+    r = run("--method", "lora", "--model", "flux-dev", "--hardware", "RTX 3090")
+    assert r.exit_code == 0, r.output
+    (row,) = [line for line in r.stdout.splitlines() if line.startswith("time ")]
+    assert row.rstrip().endswith("(weakly calibrated)") and "uncalibrated" not in r.stdout, row
+    assert "weakly calibrated" in " ".join(r.stdout.split())
