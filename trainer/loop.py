@@ -30,7 +30,6 @@ steps them with :func:`optimizer_step`, so a bench number is the trainer's numbe
 from __future__ import annotations
 
 import dataclasses
-import math
 import random
 import time
 from contextlib import contextmanager
@@ -42,7 +41,7 @@ from sdplan.errors import SdplanError, UsageError
 from sdplan.registry import FLOW_FAMILIES
 from sdplan.registry import method as method_of
 from sdplan.settings import FAMILY_SETTING, checkpoint_settings
-from sdplan.steps import intermediate_steps
+from sdplan.steps import intermediate_steps, plan_steps
 
 from . import (
     blockswap,
@@ -179,18 +178,16 @@ class Recipe:
         (aspect buckets make the loader longer, so fewer epochs: these cover the run; the loop encodes any
         caption they lack all the same)."""
         tcfg = self.cfg.training
-        return runtime.plan_steps(
-            images_per_epoch=len(self.dataset),
-            batches_per_epoch=math.ceil(
-                len(self.dataset) / (tcfg.batch_size * self.accelerator.num_processes)
-            ),
-            batch_size=tcfg.batch_size,
-            grad_accum=tcfg.grad_accum,
-            epochs=tcfg.epochs,
-            max_steps=tcfg.max_steps,
-            warmup_steps=0,
-            num_processes=self.accelerator.num_processes,
-        ).epochs
+        return (
+            plan_steps(  # the loader's length by the steps' own default: ceil(images / (batch x processes))
+                images_per_epoch=len(self.dataset),
+                batch_size=tcfg.batch_size,
+                grad_accum=tcfg.grad_accum,
+                epochs=tcfg.epochs,
+                max_steps=tcfg.max_steps,
+                num_processes=self.accelerator.num_processes,
+            ).epochs
+        )
 
     def latent_datasets(self) -> list:
         return [self.dataset]
@@ -620,9 +617,8 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
     latent_cache = latents.make_latent_cache(cfg, recipe.vae, out_dir)
     latents.precompute_latents(accelerator, latent_cache, recipe.vae, recipe.latent_datasets(), plan.epochs)
     recipe.latents = latents.Latents(recipe.vae, device, latent_cache)
-    captions = recipe.cached_captions(
-        plan.epochs
-    )  # encoded in setup (Recipe.place_models) but for later epochs'
+    # encoded in setup (Recipe.place_models), but for a later epoch's that pass could not know
+    captions = recipe.cached_captions(plan.epochs)
     if captions is not None and (recipe.text_cache is None or recipe.text_cache.missing(captions)):
         away = outputs.models_away(device, *recipe.text_encoders)
         for m in away:
