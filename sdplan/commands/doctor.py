@@ -34,7 +34,11 @@ def doctor(
         ),
     ] = None,
 ) -> None:
-    """Check this machine for Stable Diffusion training: GPUs, links, software stack, findings, verdict."""
+    """Check this machine for Stable Diffusion training: GPUs, links, software stack, findings, verdict.
+
+    Exits 1 when a finding is an error (so `sdplan doctor && sdplan train ...` stops on a machine that cannot
+    train); --json exits 0 (its findings carry their severity).
+    """
     from sdplan.doctor import planner_verdicts, render
     from sdplan.errors import OutputExistsError, UsageError
     from sdplan.machine import Snapshot
@@ -66,3 +70,11 @@ def doctor(
         typer.echo(snapshot.to_json())
         return
     render(snapshot, console(), verdicts)
+    errors = [f.code for f in snapshot.findings if f.severity == "error"]
+    if errors:
+        err_console().print(
+            f"doctor found {len(errors)} error{'s' if len(errors) > 1 else ''} ({', '.join(errors)}): see Findings",
+            markup=False,
+            soft_wrap=True,
+        )
+        raise typer.Exit(1)
