@@ -1161,8 +1161,16 @@ def test_only_a_full_disk_in_the_final_grid_stops_the_run(tiny_sd15, dataset, tm
     monkeypatch.setattr(sampling, "sample_grid", broken)
     out = tmp_path / "out"
     if error.errno == 28:
+        from sdplan.trainer import plots
+
+        closed = []
+        real_close = plots.TensorBoardLogger.close
+        monkeypatch.setattr(
+            plots.TensorBoardLogger, "close", lambda tb: closed.append(tb.enabled) or real_close(tb)
+        )
         with pytest.raises(DiskFull):
-            run.train(tiny_train_config(tiny_sd15, dataset, out))
+            run.train(tiny_train_config(tiny_sd15, dataset, out, "logging.tensorboard=true"))
+        assert closed == [True]  # the TensorBoard log is closed though the outputs stopped (it was left open)
         return
     summary = run.train(tiny_train_config(tiny_sd15, dataset, out))
     assert summary["steps"] == 2 and (out / "loss.png").exists() and (out / "run_summary.json").exists()

@@ -786,60 +786,70 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
             tb.close()
 
     # 6. Outputs, after a checkpoint of the final step (with checkpoints off: when the export fails).
-    peak = runtime.gather_max(accelerator, runtime.peak_memory_bytes(accelerator))
-    accelerator.wait_for_everyone()
-    checkpoints_on = bool(cfg.checkpoints.every_steps or cfg.checkpoints.keep_every_steps)
-    final_ckpt = _checkpoint_final(ckpt, state, accelerator) if checkpoints_on else None
-    written: list[Path] = []
-    epochs_done = round(state.global_step / plan.steps_per_epoch, 3)
-    if accelerator.is_main_process:
-        from . import plots
+    try:  # the TensorBoard log is closed however the outputs end (a failed export too)
+        peak = runtime.gather_max(accelerator, runtime.peak_memory_bytes(accelerator))
+        accelerator.wait_for_everyone()
+        checkpoints_on = bool(cfg.checkpoints.every_steps or cfg.checkpoints.keep_every_steps)
+        final_ckpt = _checkpoint_final(ckpt, state, accelerator) if checkpoints_on else None
+        written: list[Path] = []
+        epochs_done = round(state.global_step / plan.steps_per_epoch, 3)
+        if accelerator.is_main_process:
+            from . import plots
 
-        meta = outputs.run_metadata(
-            cfg,
-            steps=state.global_step,
-            epochs=epochs_done,
-            prediction_type=comps.prediction_type,
-            mixed_precision=accelerator.mixed_precision,
-        )
-        try:
-            written += recipe.export(out_dir, meta, ema)
-        except Exception as e:
-            if final_ckpt is None and accelerator.num_processes == 1:
-                final_ckpt = _checkpoint_final(ckpt, state, accelerator)
-            raise outputs.export_error(e, out_dir, needed_bytes=export_bytes, checkpoint=final_ckpt) from None
-        with outputs.write_errors(out_dir):  # the weights are out; a full disk now is still one line
-            n_prompts = len(cfg.sampling.prompts) or 1
-            progress.say(  # seconds to minutes on a real model: outputs.samples shows a bar
-                accelerator,
-                f"sampling the final grid: {n_prompts} prompt(s) x {cfg.sampling.num_inference_steps} steps",
+            meta = outputs.run_metadata(
+                cfg,
+                steps=state.global_step,
+                epochs=epochs_done,
+                prediction_type=comps.prediction_type,
+                mixed_precision=accelerator.mixed_precision,
             )
             try:
-                grid = sample(fallback=recipe.sample_prompt(), at_step=state.global_step)
-            except torch.OutOfMemoryError:  # a preview: the weights are written, the run is not lost for it
-                grid = None
-                if torch.cuda.is_available():
-                    torch.cuda.empty_cache()
-                progress.say(
+                written += recipe.export(out_dir, meta, ema)
+            except Exception as e:
+                if final_ckpt is None and accelerator.num_processes == 1:
+                    final_ckpt = _checkpoint_final(ckpt, state, accelerator)
+                raise outputs.export_error(
+                    e, out_dir, needed_bytes=export_bytes, checkpoint=final_ckpt
+                ) from None
+            with outputs.write_errors(out_dir):  # the weights are out; a full disk now is still one line
+                n_prompts = len(cfg.sampling.prompts) or 1
+                progress.say(  # seconds to minutes on a real model: outputs.samples shows a bar
                     accelerator,
-                    "skipped the final sample grid: it ran out of GPU memory (the VAE and text encoders come "
-                    f"back beside the training state); the trained weights are in {out_dir}",
+                    f"sampling the final grid: {n_prompts} prompt(s) x {cfg.sampling.num_inference_steps} steps",
                 )
-            written += [grid] if grid else []
-            every = cfg.sampling.every_steps
-            if grid and every and state.global_step % every == 0:  # the loop left the last step's grid to it
-                samples_dir = Path(cfg.output.dir) / "samples"
-                outputs.copy_grid(
-                    accelerator, grid, outputs.grid_path(samples_dir, state.global_step, state.images_seen)
+                try:
+                    grid = sample(fallback=recipe.sample_prompt(), at_step=state.global_step)
+                except (
+                    torch.OutOfMemoryError
+                ):  # a preview: the weights are written, the run is not lost for it
+                    grid = None
+                    if torch.cuda.is_available():
+                        torch.cuda.empty_cache()
+                    progress.say(
+                        accelerator,
+                        "skipped the final sample grid: it ran out of GPU memory (the VAE and text encoders come "
+                        f"back beside the training state); the trained weights are in {out_dir}",
+                    )
+                written += [grid] if grid else []
+                every = cfg.sampling.every_steps
+                if (
+                    grid and every and state.global_step % every == 0
+                ):  # the loop left the last step's grid to it
+                    samples_dir = Path(cfg.output.dir) / "samples"
+                    outputs.copy_grid(
+                        accelerator,
+                        grid,
+                        outputs.grid_path(samples_dir, state.global_step, state.images_seen),
+                    )
+                history = state.loss_history()  # x axis: images seen (steps change scale on a moved resume)
+                written.append(
+                    plots.loss_curve(
+                        history["images_seen"], history["losses"], out_dir / "loss.png", xlabel="images seen"
+                    )
                 )
-            history = state.loss_history()  # x axis: images seen (steps change scale on a moved resume)
-            written.append(
-                plots.loss_curve(
-                    history["images_seen"], history["losses"], out_dir / "loss.png", xlabel="images seen"
-                )
-            )
-            written.append(outputs.write_loss_history(out_dir, history))
-    tb.close()
+                written.append(outputs.write_loss_history(out_dir, history))
+    finally:
+        tb.close()
     accelerator.wait_for_everyone()
     summary = (
         _write_summary(
