@@ -2800,13 +2800,20 @@ def planned_step_seconds(
     speeds, unless the measured launch-bound floor sets the step)."""
     if gpu is None:
         return None, "unknown speed"
-    point = _matching_point(profiles, s, gpu) if s.num_gpus == 1 else None
-    if point is not None:
+    single = s if s.num_gpus == 1 else _count_free(s, 1)
+    point = _matching_point(profiles, single, gpu)
+    if point is not None and s.num_gpus == 1:
         return 1.0 / point.outcome["it_s"], ("measured" if point.from_bench else "published")
     times = _step_times(profiles, s, gpu, cal, link_gbs=link_gbs)
     if times is None:
         return None, "unknown speed"
     step_s = times[0]
+    if point is not None:  # several GPUs: the speed measured on one with these settings, plus the exchange as
+        # modelled (the model's own one-GPU step at the launch-bound floor made a 2-GPU step shorter than one)
+        one = step_seconds(profiles, single, gpu, cal)
+        return 1.0 / point.outcome["it_s"] + max(0.0, step_s - one), (
+            "measured" if point.from_bench else "published"
+        )
     near = _near_point(profiles, s, gpu)
     # measured evidence on this GPU near these settings: the model only carries the change
     if near is not None:
@@ -3006,15 +3013,23 @@ def card_peak(
     likely range of its peak and the `sdplan bench` evidence behind it (:func:`peak_evidence`)."""
     mem = memory(profiles, s)
     unc_peak = profiles.uncertainty.peak_for(s.model)[0]
-    evidence = peak_evidence(profiles, s, gpu)
+    # several processes: a bench point measured one; each of them holds what it did, and what the model has one
+    # of several hold more or less (DDP's buckets, ZeRO's split optimizer state) on top, with the model's band
+    single = s if s.num_gpus == 1 else _count_free(s, 1)
+    evidence = peak_evidence(profiles, single, gpu)
     if evidence is not None:  # measured evidence beats the model: its allocated peak, the same allowances
-        allocated = evidenced_allocated_bytes(profiles, s, mem, evidence[0])
+        one = mem if single is s else memory(profiles, single)
+        measured = evidenced_allocated_bytes(profiles, single, one, evidence[0])
+        more = (mem.step_peak - mem.overhead) - (one.step_peak - one.overhead)
+        allocated = measured + more
         overhead = _overhead_bytes(allocated)
         step = allocated + overhead  # the step's (final_grid_fits)
         if step >= mem.text_cache_peak:
             mem = replace(mem, overhead=overhead, step_peak=step, peak=step)
             scaled_band = profiles.uncertainty.peak_scaled or unc_peak
-            unc_peak = MEASURED_BAND if evidence[1] == "measured" else scaled_band
+            band = MEASURED_BAND if evidence[1] == "measured" else scaled_band
+            low, high = sorted((more * unc_peak[0], more * unc_peak[1]))
+            unc_peak = ((measured * band[0] + low) / allocated, (measured * band[1] + high) / allocated)
         else:  # the plan's peak is the caption pass's, the model's bytes, not what a bench point measured: the
             evidence = None  # model's step beside it, whose parts the reasons add up (breakdown_text)
     grid = measured_grid_point(profiles, s, gpu)
@@ -3273,24 +3288,47 @@ def suggest_hardware(
     (``distributed.num_processes``) is suggested as that many of each card (``2x RTX 4090``): ``need_bytes`` is
     then per GPU, and one card alone conflicts with the pin. Pinned GPUs (``distributed.gpu_ids``) are as many,
     on a machine that has the GPUs named (``[2, 3]``: ``4x RTX 4090``)."""
+    return [
+        label
+        for label, _ in _suggestions(
+            profiles, need_bytes, limit, request=request, ram_total_bytes=ram_total_bytes
+        )
+    ]
+
+
+def _suggestions(
+    profiles: Profiles,
+    need_bytes: int,
+    limit: int = 6,
+    *,
+    request: Request | None = None,
+    ram_total_bytes: int | None = None,
+) -> list[tuple[str, GPUSpec]]:
+    """:func:`suggest_hardware`'s labels, each with its catalog GPU."""
+    if request is None:
+        fit = sorted(
+            (g for g in profiles.gpus if g.memory_bytes >= need_bytes),
+            key=lambda g: (g.memory_gib, -g.fp16_tflops),
+        )
+        return [(g.name, g) for g in fit[:limit]]
+    # a GPU with points of its own may need less than ``need_bytes`` (its measured peak): it is judged, not dropped
     fit = sorted(
-        (g for g in profiles.gpus if g.memory_bytes >= need_bytes),
+        (g for g in profiles.gpus if g.memory_bytes >= need_bytes or profiles.points_on(g.name)),
         key=lambda g: (g.memory_gib, -g.fp16_tflops),
     )
-    if request is None:
-        return [g.name for g in fit[:limit]]
     needs: dict[tuple, int | None] = {}
     ids = request.pin("gpu_ids")
     count = max(ids) + 1 if ids else pinned_gpu_count(request) or 1
 
-    def runs(spec: GPUSpec) -> bool:
+    def need_on(spec: GPUSpec, own: bool) -> int | None:
         hw = hardware_from_catalog(spec, count)
-        if pin_conflicts(request, hw):
-            return False
         gpu = hw.gpus[0]
-        # a GPU with points of its own (bench peaks, out-of-memory) is judged alone; the rest by what they run
-        own = spec.name if profiles.points_on(spec.name) else None
-        key = (precision_for(hw.gpus), attention_backend(gpu), spec.vendor == "nvidia", own)
+        key = (
+            precision_for(hw.gpus),
+            attention_backend(gpu),
+            spec.vendor == "nvidia",
+            spec.name if own else None,
+        )
         if key not in needs:
             needs[key] = min_vram_needed(
                 request,
@@ -3301,14 +3339,29 @@ def suggest_hardware(
                 ram_total_bytes=ram_total_bytes,
                 gpu=gpu if own else None,
             )
-        return needs[key] is not None and spec.memory_bytes >= needs[key]
+        return needs[key]
 
-    out: list[str] = []
+    def runs(spec: GPUSpec) -> bool:
+        if pin_conflicts(request, hardware_from_catalog(spec, count)):
+            return False
+        # a GPU with points of its own (bench peaks, out-of-memory) is judged alone; the rest by what they run
+        own = bool(profiles.points_on(spec.name))
+        need = need_on(spec, own)
+        if need is None or spec.memory_bytes < need:
+            return False
+        # one with less memory than ``need_bytes``: only where its own points are what make it fit (where what it
+        # runs does, as NVIDIA's 8-bit AdamW for an AMD machine's plan, "needs at least" rules it out as before)
+        if spec.memory_bytes < need_bytes:
+            generic = need_on(spec, False)
+            return generic is None or spec.memory_bytes < generic
+        return True
+
+    out: list[tuple[str, GPUSpec]] = []
     for g in fit:  # in order, until ``limit`` run it
         if len(out) == limit:
             break
         if runs(g):
-            out.append(hardware_from_catalog(g, count).label)
+            out.append((hardware_from_catalog(g, count).label, g))
     return out
 
 
@@ -3502,11 +3555,13 @@ def _infeasible(req, hw, reasons, steps, *, memory=None, need=None, profiles=Non
         if _fp16_nan_gpu(hw.gpus) and not req.pinned("precision"):
             mixed = min_vram_needed(req, profiles, precision="fp16", ram_total_bytes=hw.ram_total_bytes)
             mixed = mixed if mixed is not None and mixed < need else None
-        suggested = suggest_hardware(profiles, mixed or need, request=req, ram_total_bytes=hw.ram_total_bytes)
+        suggested = _suggestions(profiles, mixed or need, request=req, ram_total_bytes=hw.ram_total_bytes)
         needs = {
             "min_vram_bytes": need,
             "min_vram_bytes_mixed_precision": mixed,
-            "suggested_hardware": suggested,
+            "suggested_hardware": [label for label, _ in suggested],
+            # those with less memory than that: their own sdplan bench peaks say the run fits them
+            "suggested_by_own_peaks": [label for label, g in suggested if g.memory_bytes < (mixed or need)],
         }
     return Result(
         feasible=False,
@@ -4067,12 +4122,28 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
             f"peak {format_range(m.peak, best.peak_range)} per GPU of {card} "
             f"({fit_share_text(m.peak, vram)}): the model's prediction scaled by how "
             f"the peak sdplan bench measured on {gpu.name} at these settings and batch {near.batch} ({near.id}) "
-            f"compares with it, plus the CUDA context and allocator allowances; the range is x{lo:.3g}-{hi:.3g}"
+            "compares with it"
+            + (
+                f" (one process; what each of {s.num_gpus} holds besides as modelled)"
+                if s.num_gpus > 1
+                else ""
+            )
+            + f", plus the CUDA context and allocator allowances; the range is x{lo:.3g}-{hi:.3g}"
             + (
                 f" (sdplan bench peaks each scaled so from another batch, n={unc.n_peak_scaled})"
                 if unc.peak_scaled is not None
                 else " (the validation set's: no bench peaks to judge scaling by)"
             )
+        )
+    elif best.peak_basis == "measured" and s.num_gpus > 1:
+        lo, hi = (x / m.peak for x in best.peak_range)
+        r.append(
+            f"peak {format_range(m.peak, best.peak_range)} per GPU of {card} "
+            f"({fit_share_text(m.peak, vram)}): measured by sdplan bench on one {gpu.name} at these settings "
+            f"({best.peak_measured}), with what each of {s.num_gpus} processes holds besides (DDP's gradient "
+            "buckets; ZeRO's share of the optimizer state) as modelled, plus the CUDA context and allocator "
+            f"allowances; the range is x{lo:.3g}-{hi:.3g}: a measurement's own spread on the measured part, the "
+            "validation set's on the modelled one"
         )
     elif best.peak_basis == "measured":
         r.append(
@@ -4214,7 +4285,10 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
                 f"{', checkpointing' if near.options.gradient_checkpointing else ''}); {likely}"
             )
         elif best.basis != "uncalibrated":  # uncalibrated (transformer families): _flow_reasons says how
-            r.append(f"time: from a {best.basis} speed for {pace.name} with these settings; {likely}")
+            one_gpu = " on one GPU, the gradient exchange as modelled" if s.num_gpus > 1 else ""
+            r.append(
+                f"time: from a {best.basis} speed for {pace.name} with these settings{one_gpu}; {likely}"
+            )
         r.append(run_time_parts_text(best))
     if req.prior_preservation and req.class_images:
         r.append(f"prior preservation: {req.class_images} class images are trained alongside (batch doubled)")

@@ -889,7 +889,15 @@ def render(d: dict, res: planner.Result, console) -> None:
                 + (f" in fp32 ({_gib(mixed)} on a GPU that trains in fp16 mixed precision)" if mixed else "")
             )
         if needs.get("suggested_hardware"):
-            console.print("would fit: " + ", ".join(needs["suggested_hardware"]), markup=False)
+            own = set(needs.get("suggested_by_own_peaks") or ())
+            console.print(
+                "would fit: "
+                + ", ".join(
+                    h + (" (by its own sdplan bench peaks)" if h in own else "")
+                    for h in needs["suggested_hardware"]
+                ),
+                markup=False,
+            )
         if hint := no_gpu_hint(d, res):
             console.print(hint, markup=False, soft_wrap=True)
     console.print("[bold]why[/]")
