@@ -3850,19 +3850,23 @@ def _best_fitting(
 
 
 def _fp16_would_fit(
-    req: Request, profiles: Profiles, hw: Hardware, cal: Calibration, resolution: int
+    req: Request, profiles: Profiles, hw: Hardware, cal: Calibration, resolution: int, *, safe: bool = False
 ) -> list[str]:
     """Where nothing fits in the fp32 planned for a GPU whose fp16 mixed precision gives NaN losses (GTX 16), what
-    fits with training.precision=fp16 pinned, and the risk (one reason; none where fp16 does not fit either)."""
+    fits with training.precision=fp16 pinned, and the risk (one reason; none where fp16 does not fit either).
+    ``safe``: where the fp32 plan fits only with its likely peak's upper end over the card ("may not fit"), what
+    fits in fp16 within the upper end (none where fp16 does not either)."""
     nan = _fp16_nan_gpu(hw.gpus)
     if nan is None or req.pinned("precision"):
         return []
     best = _best_fitting(replace(req, pins=(*req.pins, ("precision", "fp16"))), profiles, hw, cal, resolution)
-    if best is None:
+    if best is None or (safe and not best.safe):
         return []
     return [
-        f"in fp16 it fits ({describe(best.setup)}: {format_range(best.memory.peak, best.peak_range)} per GPU); "
-        f"pin training.precision=fp16 to plan it, but {_fp16_nan_note(nan)}"
+        f"in fp16 it fits{' within the upper end' if safe else ''} ({describe(best.setup)}: "
+        f"{format_range(best.memory.peak, best.peak_range)} per GPU"
+        + (f", {format_duration(best.seconds)} run" if safe and best.seconds else "")
+        + f"); pin training.precision=fp16 to plan it, but {_fp16_nan_note(nan)}"
     ]
 
 
@@ -4114,11 +4118,14 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
             "intermediate outputs) are skipped the same way and training goes on"
         )
     if not best.safe:
+        # on a GPU planned in fp32 for fp16's NaN losses (GTX 16): whether fp16, pinned, fits within the upper end
+        in_fp16 = _fp16_would_fit(req, profiles, hw, cal, req.resolution, safe=True)
         r.append(
             f"warning: the likely peak's upper end ({_gib(best.peak_range[1])}) is over the card's {_gib(vram)}: "
-            "this plan may run out of memory; no configuration fits within the upper end (`sdplan train` retries "
-            "smaller on out-of-memory)"
+            f"this plan may run out of memory; no {'fp32 ' if in_fp16 else ''}configuration fits within the upper "
+            "end (`sdplan train` retries smaller on out-of-memory)"
         )
+        r += in_fp16
     else:
         risky = [
             c
