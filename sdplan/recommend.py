@@ -929,7 +929,9 @@ def render_compare(rows: list[tuple[str, dict, planner.Result]], console) -> Non
     t = Table(title="hardware options", caption=caption, caption_justify="left")
     t.add_column(COMPARE_COLUMNS[0], no_wrap=True)
     for col in COMPARE_COLUMNS[1:]:
-        t.add_column(col)
+        # rich narrows the widest columns below their longest word where the table is wider than the terminal:
+        # such a word breaks onto the next line, never cut to '…' (a pin's fix read "training.prec…")
+        t.add_column(col, overflow="fold")
     for row in cells:
         t.add_row(*(Text(c) for c in row))
     # the narrowest it can be laid out (measured unclamped: rich clamps a measurement to the console's width)
