@@ -3371,10 +3371,22 @@ def format_duration(seconds: float) -> str:
     return f"{seconds / 3600:.1f} h"
 
 
-def pin_text(name: str, value: Any) -> str:
-    """A Settings field and value as the sdplan.yaml `key=value` a user types."""
+def pin_items(name: str, value: Any) -> list[tuple[str, Any]]:
+    """A Settings field and value as the sdplan.yaml keys and values a user sets: the EMA field (None or its
+    device) is ema.enabled, and ema.device where it is on (the device is planned as given, its default cpu)."""
     if name == "ema":
-        return "ema.enabled=false" if value is None else f"ema.device={value}"
+        return [("ema.enabled", False)] if value is None else [("ema.enabled", True), ("ema.device", value)]
+    return [(CONFIG_KEYS.get(name, name), value)]
+
+
+def pin_text(name: str, value: Any) -> str:
+    """A Settings field and value as the sdplan.yaml `key=value` a user types (ema.enabled=true, ema.device=cpu:
+    two, :func:`pin_items`)."""
+    return ", ".join(f"{key}={_value_text(v)}" for key, v in pin_items(name, value))
+
+
+def _value_text(value: Any) -> str:
+    """A setting's value as typed after `key=`."""
     if isinstance(value, bool):
         v = str(value).lower()
     elif value is None:
@@ -3389,7 +3401,7 @@ def pin_text(name: str, value: Any) -> str:
         v = "[" + ", ".join(str(x) for x in value) + "]"
     else:
         v = str(value)
-    return f"{CONFIG_KEYS.get(name, name)}={v}"
+    return v
 
 
 def pin_conflicts(req: Request, hw: Hardware) -> list[str]:
@@ -4810,7 +4822,7 @@ def result_dict(res: Result) -> dict[str, Any]:
             "images_per_epoch": req.per_epoch,
             "epochs": req.epochs,
             "max_steps": req.max_steps,
-            "pins": {pin_text(k, v).partition("=")[0]: _jsonable(v) for k, v in req.pins},
+            "pins": {key: _jsonable(v) for name, value in req.pins for key, v in pin_items(name, value)},
         },
         "hardware": {
             "source": res.hardware.source,

@@ -672,6 +672,23 @@ def test_an_ema_in_host_ram_costs_time_after_each_optimizer_step():
     assert not any(r.startswith("EMA in host RAM") for r in on_gpu["reasons"])
 
 
+@pytest.mark.parametrize(
+    ("pins", "shown"),
+    [
+        (("ema.enabled=true",), {"ema.enabled": True, "ema.device": "cpu"}),
+        (("ema.enabled=true", "ema.device=gpu"), {"ema.enabled": True, "ema.device": "gpu"}),
+        (("ema.enabled=false",), {"ema.enabled": False}),
+    ],
+)
+def test_a_pinned_ema_is_echoed_as_the_keys_the_user_set(pins, shown):
+    """`ema.enabled=true` read "pinned: ema.device=cpu" (and --json's pins {"ema.device": "cpu"}; false was
+    {"ema.enabled": null}): the key the user set was missing. Now ema.enabled, with the device it is planned on."""
+    d = json.loads(_plan_for("finetune", "sd15", "A100 SXM 80GB", *pins, "--json").stdout)
+    assert d["request"]["pins"] == shown
+    said = ", ".join(f"{k}={str(v).lower()}" for k, v in shown.items())
+    assert f"pinned: {said} (planned around them)" in d["reasons"]
+
+
 def test_a_pinned_zero_stage_on_one_gpu_may_go_without_offload():
     """On one H100, `zero_stage=2` alone still took the offload (124 s) where ZeRO-2 without it fits (96 s): the
     search dropped ZeRO without offload on one GPU unless the whole section was pinned. Its reason said one GPU
