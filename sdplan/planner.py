@@ -3165,12 +3165,14 @@ def _batch_cap_text(req: Request, s: Settings) -> str:
 def _unlike(s: Settings, plan: Settings) -> str:
     """``s`` in words, with the settings it differs from the plan in as sdplan.yaml keys: the words leave a
     default out (a bf16 base), so an avoided configuration could read as the plan itself."""
+    differ = _differ_text(s, plan)
+    return f"{describe(s)}; unlike the plan: {differ}" if differ else describe(s)
+
+
+def _differ_text(s: Settings, plan: Settings) -> str:
+    """The settings ``s`` differs from the plan in, as sdplan.yaml `key=value`s ("" where none)."""
     differ = [f.name for f in fields(s) if getattr(s, f.name) != getattr(plan, f.name)]
-    if not differ:
-        return describe(s)
-    return f"{describe(s)}; unlike the plan: " + ", ".join(
-        pin_text(name, getattr(s, name)) for name in differ
-    )
+    return ", ".join(pin_text(name, getattr(s, name)) for name in differ)
 
 
 def _which(c: Candidate, best: Candidate) -> str:
@@ -4057,9 +4059,19 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
             "no DeepSpeed offload: a configuration without it fits (offload runs the optimizer on the CPU)"
         )
     if not best.safe:
+        # _most_likely_to_fit: the plans within OVERRUN_TIE of the lowest upper end, ordered as plans that fit are
+        lowest = min(fitting, key=_required)
+        rank = "the requested LoRA rank, then " if req.method == "lora" else ""
         r.append(
             f"batch size {s.batch}, gradient accumulation {s.grad_accum}: the configuration most likely to fit "
-            "(the lowest upper end of the likely peak)"
+            + (
+                "(the lowest upper end of the likely peak)"
+                if _required(best) <= _required(lowest)
+                else f"(its likely peak's upper end, {_gib(best.peak_range[1])}, is within {OVERRUN_TIE:.0%} of the "
+                f"lowest, {_gib(lowest.peak_range[1])} with {_differ_text(lowest.setup, s)}: a difference well "
+                f"inside the range's spread, so the usual order decides among those: {rank}the fastest, the "
+                "optimizer nearest AdamW favoured)"
+            )
         )
     elif best.seconds is None:
         r.append(
@@ -4374,6 +4386,15 @@ def _adamw_text(best: Candidate, fitting: list[Candidate]) -> str:
         return (
             f"AdamW fits only in a less preferred plan, with {_tier_text(other, best)} "
             f"({_batch_words(other.setup)}{took})"
+        )
+    if not best.safe and not any(c.setup.optimizer == "adamw" for c in _most_likely_to_fit(fitting)):
+        # nothing fits within its likely range: the plans least likely to run out of memory, AdamW's not among them
+        aw = min(same, key=_required)
+        return (
+            f"AdamW fits too by its estimate ({_batch_words(aw.setup)}: {format_range(aw.memory.peak, aw.peak_range)}"
+            f"), but its likely peak's upper end is over this plan's {_gib(best.peak_range[1])}; where nothing "
+            "fits within the upper end, the plan least likely to run out of memory is taken, and pinning "
+            "memory.optimizer=adamw plans AdamW"
         )
     aw = min(same, key=_key)
     limit = 0.02 * _OPT_RANK[s.optimizer]

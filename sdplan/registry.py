@@ -36,8 +36,11 @@ class Method:
 
     @property
     def optimizers(self) -> tuple[str, ...]:
-        """The optimizers the planner considers (textual inversion's few vectors: plain AdamW)."""
-        return ("adamw",) if self.trains == "embeddings" else OPTIMIZERS
+        """The optimizers the planner considers: every one the trainer runs, for every method. Textual
+        inversion trains a few vectors, but its optimizer takes the text encoders' whole embedding matrices
+        (trainer/recipes/textual_inversion.py param_groups: 0.8 GiB of AdamW state on SDXL), so 8-bit AdamW and
+        Adafactor save memory there too."""
+        return OPTIMIZERS
 
 
 @dataclass(frozen=True)
