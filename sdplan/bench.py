@@ -735,7 +735,8 @@ def pin_request(req: BenchRequest, items: tuple[str, ...] | list[str]) -> BenchR
         )
     from sdplan.recommend import parse_pins
 
-    pins, _ = parse_pins(tuple(items), req.method, req.model)  # each a BenchRequest field (BENCH_KEYS)
+    # each a BenchRequest field (BENCH_KEYS); lora.rank pins the LoRA requests of a selection of several methods
+    pins, _ = parse_pins(tuple(items), req.method, req.model, shared=True)
     return replace(req, **dict(pins), settings_from=f"{req.settings_from}; pinned {' '.join(items)}")
 
 

@@ -477,6 +477,26 @@ def _cross_checks(cfg: TrainConfig, errors: list[str]) -> None:
         errors.append("textual_inversion.token: must differ from init_token")
 
 
+def method_setting_problems(method: str, keys) -> list[str]:
+    """The key=value settings (their sdplan.yaml ``keys``) that only another method's recipe reads
+    (:attr:`sdplan.registry.Method.sections`: lora.* is the LoRA recipe's): ``method`` would train without them,
+    so each section given is a problem, with the fix (as ema.enabled is for a method that keeps no EMA). A config
+    file's own sections are not: every written sdplan.yaml holds them all."""
+    problems = []
+    for m in METHOD_LIST:
+        if m.name == method:
+            continue
+        for section in m.sections:
+            given = [k for k in dict.fromkeys(keys) if k == section or k.startswith(section + ".")]
+            if given:
+                them = "it" if len(given) == 1 else "them"
+                problems.append(
+                    f"{', '.join(given)}: {m.label} settings ({section}.*) apply to --method {m.name} only, "
+                    f"not {method}; drop {them} or use --method {m.name}"
+                )
+    return problems
+
+
 def _type_ok(value: Any, tp: Any) -> bool:
     if tp is Any:
         return True

@@ -574,12 +574,15 @@ def _validate_given(base: dict[str, Any], req: TrainRequest, out: Path, source: 
     """The config as given, validated. An error that only the user's key=value settings bring is theirs: named
     'key=value settings', not the config file that holds no such value."""
     try:
-        return C.validate(config_data(base, req, out), source=source)
+        cfg = C.validate(config_data(base, req, out), source=source)
     except C.ConfigError as e:
         if not req.overrides:
             raise
         C.validate(config_data(base, replace(req, overrides=[]), out), source=source)  # the file's own errors
         raise C.ConfigError("key=value settings", e.errors, fix=e.fix) from None
+    if problems := C.method_setting_problems(cfg.method, C.override_keys(req.overrides)):
+        raise C.ConfigError("key=value settings", problems)
+    return cfg
 
 
 def read_yaml_config(path: Path) -> dict[str, Any]:

@@ -3180,12 +3180,14 @@ def _batch_cap_text(req: Request, s: Settings) -> str:
 def _unlike(s: Settings, plan: Settings) -> str:
     """``s`` in words, with the settings it differs from the plan in as sdplan.yaml keys: the words leave a
     default out (a bf16 base), so an avoided configuration could read as the plan itself."""
+    differ = _differ_text(s, plan)
+    return f"{describe(s)}; unlike the plan: {differ}" if differ else describe(s)
+
+
+def _differ_text(s: Settings, plan: Settings) -> str:
+    """The settings ``s`` differs from the plan in, as sdplan.yaml `key=value`s ("" where none)."""
     differ = [f.name for f in fields(s) if getattr(s, f.name) != getattr(plan, f.name)]
-    if not differ:
-        return describe(s)
-    return f"{describe(s)}; unlike the plan: " + ", ".join(
-        pin_text(name, getattr(s, name)) for name in differ
-    )
+    return ", ".join(pin_text(name, getattr(s, name)) for name in differ)
 
 
 def _which(c: Candidate, best: Candidate) -> str:
@@ -3424,10 +3426,22 @@ def format_duration(seconds: float) -> str:
     return f"{seconds / 3600:.1f} h"
 
 
-def pin_text(name: str, value: Any) -> str:
-    """A Settings field and value as the sdplan.yaml `key=value` a user types."""
+def pin_items(name: str, value: Any) -> list[tuple[str, Any]]:
+    """A Settings field and value as the sdplan.yaml keys and values a user sets: the EMA field (None or its
+    device) is ema.enabled, and ema.device where it is on (the device is planned as given, its default cpu)."""
     if name == "ema":
-        return "ema.enabled=false" if value is None else f"ema.device={value}"
+        return [("ema.enabled", False)] if value is None else [("ema.enabled", True), ("ema.device", value)]
+    return [(CONFIG_KEYS.get(name, name), value)]
+
+
+def pin_text(name: str, value: Any) -> str:
+    """A Settings field and value as the sdplan.yaml `key=value` a user types (ema.enabled=true, ema.device=cpu:
+    two, :func:`pin_items`)."""
+    return ", ".join(f"{key}={_value_text(v)}" for key, v in pin_items(name, value))
+
+
+def _value_text(value: Any) -> str:
+    """A setting's value as typed after `key=`."""
     if isinstance(value, bool):
         v = str(value).lower()
     elif value is None:
@@ -3442,7 +3456,7 @@ def pin_text(name: str, value: Any) -> str:
         v = "[" + ", ".join(str(x) for x in value) + "]"
     else:
         v = str(value)
-    return f"{CONFIG_KEYS.get(name, name)}={v}"
+    return v
 
 
 def pin_conflicts(req: Request, hw: Hardware) -> list[str]:
@@ -3905,19 +3919,23 @@ def _best_fitting(
 
 
 def _fp16_would_fit(
-    req: Request, profiles: Profiles, hw: Hardware, cal: Calibration, resolution: int
+    req: Request, profiles: Profiles, hw: Hardware, cal: Calibration, resolution: int, *, safe: bool = False
 ) -> list[str]:
     """Where nothing fits in the fp32 planned for a GPU whose fp16 mixed precision gives NaN losses (GTX 16), what
-    fits with training.precision=fp16 pinned, and the risk (one reason; none where fp16 does not fit either)."""
+    fits with training.precision=fp16 pinned, and the risk (one reason; none where fp16 does not fit either).
+    ``safe``: where the fp32 plan fits only with its likely peak's upper end over the card ("may not fit"), what
+    fits in fp16 within the upper end (none where fp16 does not either)."""
     nan = _fp16_nan_gpu(hw.gpus)
     if nan is None or req.pinned("precision"):
         return []
     best = _best_fitting(replace(req, pins=(*req.pins, ("precision", "fp16"))), profiles, hw, cal, resolution)
-    if best is None:
+    if best is None or (safe and not best.safe):
         return []
     return [
-        f"in fp16 it fits ({describe(best.setup)}: {format_range(best.memory.peak, best.peak_range)} per GPU); "
-        f"pin training.precision=fp16 to plan it, but {_fp16_nan_note(nan)}"
+        f"in fp16 it fits{' within the upper end' if safe else ''} ({describe(best.setup)}: "
+        f"{format_range(best.memory.peak, best.peak_range)} per GPU"
+        + (f", {format_duration(best.seconds)} run" if safe and best.seconds else "")
+        + f"); pin training.precision=fp16 to plan it, but {_fp16_nan_note(nan)}"
     ]
 
 
@@ -4096,9 +4114,19 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
             "no DeepSpeed offload: a configuration without it fits (offload runs the optimizer on the CPU)"
         )
     if not best.safe:
+        # _most_likely_to_fit: the plans within OVERRUN_TIE of the lowest upper end, ordered as plans that fit are
+        lowest = min(fitting, key=_required)
+        rank = "the requested LoRA rank, then " if req.method == "lora" else ""
         r.append(
             f"batch size {s.batch}, gradient accumulation {s.grad_accum}: the configuration most likely to fit "
-            "(the lowest upper end of the likely peak)"
+            + (
+                "(the lowest upper end of the likely peak)"
+                if _required(best) <= _required(lowest)
+                else f"(its likely peak's upper end, {_gib(best.peak_range[1])}, is within {OVERRUN_TIE:.0%} of the "
+                f"lowest, {_gib(lowest.peak_range[1])} with {_differ_text(lowest.setup, s)}: a difference well "
+                f"inside the range's spread, so the usual order decides among those: {rank}the fastest, the "
+                "optimizer nearest AdamW favoured)"
+            )
         )
     elif best.seconds is None:
         r.append(
@@ -4185,11 +4213,14 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
             "intermediate outputs) are skipped the same way and training goes on"
         )
     if not best.safe:
+        # on a GPU planned in fp32 for fp16's NaN losses (GTX 16): whether fp16, pinned, fits within the upper end
+        in_fp16 = _fp16_would_fit(req, profiles, hw, cal, req.resolution, safe=True)
         r.append(
             f"warning: the likely peak's upper end ({_gib(best.peak_range[1])}) is over the card's {_gib(vram)}: "
-            "this plan may run out of memory; no configuration fits within the upper end (`sdplan train` retries "
-            "smaller on out-of-memory)"
+            f"this plan may run out of memory; no {'fp32 ' if in_fp16 else ''}configuration fits within the upper "
+            "end (`sdplan train` retries smaller on out-of-memory)"
         )
+        r += in_fp16
     else:
         risky = [
             c
@@ -4429,6 +4460,15 @@ def _adamw_text(best: Candidate, fitting: list[Candidate]) -> str:
         return (
             f"AdamW fits only in a less preferred plan, with {_tier_text(other, best)} "
             f"({_batch_words(other.setup)}{took})"
+        )
+    if not best.safe and not any(c.setup.optimizer == "adamw" for c in _most_likely_to_fit(fitting)):
+        # nothing fits within its likely range: the plans least likely to run out of memory, AdamW's not among them
+        aw = min(same, key=_required)
+        return (
+            f"AdamW fits too by its estimate ({_batch_words(aw.setup)}: {format_range(aw.memory.peak, aw.peak_range)}"
+            f"), but its likely peak's upper end is over this plan's {_gib(best.peak_range[1])}; where nothing "
+            "fits within the upper end, the plan least likely to run out of memory is taken, and pinning "
+            "memory.optimizer=adamw plans AdamW"
         )
     aw = min(same, key=_key)
     limit = 0.02 * _OPT_RANK[s.optimizer]
@@ -4877,7 +4917,7 @@ def result_dict(res: Result) -> dict[str, Any]:
             "images_per_epoch": req.per_epoch,
             "epochs": req.epochs,
             "max_steps": req.max_steps,
-            "pins": {pin_text(k, v).partition("=")[0]: _jsonable(v) for k, v in req.pins},
+            "pins": {key: _jsonable(v) for name, value in req.pins for key, v in pin_items(name, value)},
         },
         "hardware": {
             "source": res.hardware.source,

@@ -162,11 +162,15 @@ class RecommendInputs:
 _FLAG_KEYS = {"method": "--method", "model.family": "--model"}
 
 
-def parse_pins(items: tuple[str, ...] | list[str], method: str, model: str) -> tuple[tuple, int | None]:
+def parse_pins(
+    items: tuple[str, ...] | list[str], method: str, model: str, *, shared: bool = False
+) -> tuple[tuple, int | None]:
     """`key=value` sdplan.yaml settings -> (planner pins as (Settings field, value) pairs, a pinned
     data.resolution). Parsed and validated as `sdplan train` does (:func:`sdplan.config.apply_overrides`,
-    :func:`sdplan.config.validate`: unknown keys, types, ranges, combinations); keys that do not change the
-    plan (training.learning_rate, ...) are only carried to the written config."""
+    :func:`sdplan.config.validate`: unknown keys, types, ranges, combinations; a setting only another method
+    reads, :func:`sdplan.config.method_setting_problems`); keys that do not change the plan
+    (training.learning_rate, ...) are only carried to the written config. ``shared``: the settings are pinned on
+    every method's requests (`sdplan bench`): another method's (lora.rank) is left out of this one's pins."""
     from sdplan import config as C
     from sdplan.settings import FIELD_FOR_KEY, Settings
 
@@ -181,6 +185,8 @@ def parse_pins(items: tuple[str, ...] | list[str], method: str, model: str) -> t
         base["training"]["precision"] = "bf16"
     data = C.apply_overrides(base, list(items))
     cfg = C.validate(data, source="key=value settings")
+    if not shared and (problems := C.method_setting_problems(method, given)):
+        raise C.ConfigError("key=value settings", problems)
     for key, flag in _FLAG_KEYS.items():
         if key in given and (cfg.method if key == "method" else cfg.model.family) != (
             method if key == "method" else model
@@ -197,11 +203,11 @@ def parse_pins(items: tuple[str, ...] | list[str], method: str, model: str) -> t
             field = "ema"
         if field is None or field in ("method", "model", "resolution"):
             continue
+        if field.startswith("lora_") and method != "lora":
+            continue  # shared with a LoRA request (refused above otherwise)
         value = getattr(settings, field)
         if field == "gpu_ids" and value is None:
             continue  # distributed.gpu_ids=null: sdplan chooses the GPUs, as without the key
-        if field.startswith("lora_") and method != "lora":
-            continue  # no LoRA in this method: carried to the config only
         if field == "deepspeed" and value and not {"distributed.deepspeed", OFFLOAD_KEY} & set(given):
             # only the stage given: whether the optimizer state goes to the CPU stays the planner's to choose
             # (the section's default, true, pinned an offload nobody asked for: ~1.6 s a step on SDXL)
@@ -937,7 +943,9 @@ def render_compare(rows: list[tuple[str, dict, planner.Result]], console) -> Non
     t = Table(title="hardware options", caption=caption, caption_justify="left")
     t.add_column(COMPARE_COLUMNS[0], no_wrap=True)
     for col in COMPARE_COLUMNS[1:]:
-        t.add_column(col)
+        # rich narrows the widest columns below their longest word where the table is wider than the terminal:
+        # such a word breaks onto the next line, never cut to '…' (a pin's fix read "training.prec…")
+        t.add_column(col, overflow="fold")
     for row in cells:
         t.add_row(*(Text(c) for c in row))
     # the narrowest it can be laid out (measured unclamped: rich clamps a measurement to the console's width)

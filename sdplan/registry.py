@@ -25,6 +25,9 @@ class Method:
     aliases: tuple[str, ...] = ()
     # keeps an EMA of the trained weights when ema.enabled (as diffusers' text-to-image script)
     ema: bool = False
+    # the sdplan.yaml sections only this method's recipe reads: a key=value setting in one, given to another
+    # method, is refused (sdplan.config.method_setting_problems), not ignored
+    sections: tuple[str, ...] = ()
 
     @property
     def full_weights(self) -> bool:
@@ -33,8 +36,11 @@ class Method:
 
     @property
     def optimizers(self) -> tuple[str, ...]:
-        """The optimizers the planner considers (textual inversion's few vectors: plain AdamW)."""
-        return ("adamw",) if self.trains == "embeddings" else OPTIMIZERS
+        """The optimizers the planner considers: every one the trainer runs, for every method. Textual
+        inversion trains a few vectors, but its optimizer takes the text encoders' whole embedding matrices
+        (trainer/recipes/textual_inversion.py param_groups: 0.8 GiB of AdamW state on SDXL), so 8-bit AdamW and
+        Adafactor save memory there too."""
+        return OPTIMIZERS
 
 
 @dataclass(frozen=True)
@@ -86,7 +92,7 @@ BASE_PRECISIONS = ("bf16", "fp8", "nf4")
 # commands; the script's own default, 1e-4, is LoRA's), textual inversion 1e-4 (textual_inversion.py's default).
 # A whole network trained at a LoRA's rate overfits or breaks within a few hundred steps.
 METHOD_LIST = (
-    Method("lora", "LoRA", trains="adapter", recipe="lora", learning_rate=1e-4),
+    Method("lora", "LoRA", trains="adapter", recipe="lora", learning_rate=1e-4, sections=("lora",)),
     Method("dreambooth", "DreamBooth", trains="unet", recipe="dreambooth", learning_rate=5e-6),
     Method(
         "finetune",
@@ -104,6 +110,7 @@ METHOD_LIST = (
         recipe="textual_inversion",
         learning_rate=1e-4,
         aliases=("ti",),
+        sections=("textual_inversion",),
     ),
 )
 FAMILY_LIST = (

@@ -192,6 +192,41 @@ def test_bad_pins_are_one_clear_line(pin, needle):
     assert len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], r.stderr
 
 
+@pytest.mark.parametrize("method", ["dreambooth", "finetune", "textual-inversion"])
+def test_a_lora_pin_on_another_method_is_refused_as_train_refuses_it(tmp_path, method):
+    """`--method dreambooth lora.rank=64` planned without the rank (no "pinned:" line, no warning) and --out
+    wrote it to sdplan.yaml, where the trainer ignores it; ema.enabled=true on a method that keeps no EMA was
+    already refused. Both are one line, exit 2, nothing written; `sdplan train` says the same (one rule)."""
+    from conftest import fake_diffusers_folder, make_images, one_line_error
+
+    out = tmp_path / "plan"
+    said = []
+    for pins in (("lora.rank=64",), ("lora.alpha=8", "lora.target_modules=[to_q]")):
+        r = _plan_for(method, "sd15", "RTX 4090", *pins, "--out", str(out))
+        said.append(one_line_error(r, 2, pins[0].split("=")[0], "lora.*", f"not {method}", "--method lora"))
+        assert not out.exists()
+    compared = run("--method", method, "--compare", "T4,RTX 4090", "lora.rank=64")
+    one_line_error(compared, 2, "lora.rank", "--method lora")
+    ema = _plan_for("lora" if method == "finetune" else method, "sd15", "RTX 4090", "ema.enabled=true")
+    assert ema.exit_code == 2 and "Traceback" not in ema.output
+    ds = make_images(tmp_path / "ds", n=2)
+    model = fake_diffusers_folder(tmp_path / "model")
+    trained = runner.invoke(
+        app,
+        ["train", "--method", method, "--model", str(model), "--dataset", str(ds), "--out", str(tmp_path / "run"),
+         "--device", "cpu", "--dry-run", "lora.rank=64"],
+    )  # fmt: skip
+    assert one_line_error(trained, 2, "lora.rank") == said[0]
+    # the LoRA method keeps its pin; a textual-inversion setting on a LoRA is the same error
+    assert "pinned: lora.rank=64" in _plan_for("lora", "sd15", "RTX 4090", "lora.rank=64").stdout
+    one_line_error(
+        _plan_for("lora", "sd15", "RTX 4090", "textual_inversion.num_vectors=4"),
+        2,
+        "textual_inversion.num_vectors",
+        "--method textual-inversion",
+    )
+
+
 def test_compare_works_with_pins():
     r = run(
         "--method",
@@ -635,6 +670,23 @@ def test_an_ema_in_host_ram_costs_time_after_each_optimizer_step():
     gpu = ("training.batch_size=4", "ema.enabled=true", "ema.device=gpu")
     on_gpu = json.loads(_plan_for("finetune", "sdxl", "A100 SXM 80GB", *base, *gpu).stdout)
     assert not any(r.startswith("EMA in host RAM") for r in on_gpu["reasons"])
+
+
+@pytest.mark.parametrize(
+    ("pins", "shown"),
+    [
+        (("ema.enabled=true",), {"ema.enabled": True, "ema.device": "cpu"}),
+        (("ema.enabled=true", "ema.device=gpu"), {"ema.enabled": True, "ema.device": "gpu"}),
+        (("ema.enabled=false",), {"ema.enabled": False}),
+    ],
+)
+def test_a_pinned_ema_is_echoed_as_the_keys_the_user_set(pins, shown):
+    """`ema.enabled=true` read "pinned: ema.device=cpu" (and --json's pins {"ema.device": "cpu"}; false was
+    {"ema.enabled": null}): the key the user set was missing. Now ema.enabled, with the device it is planned on."""
+    d = json.loads(_plan_for("finetune", "sd15", "A100 SXM 80GB", *pins, "--json").stdout)
+    assert d["request"]["pins"] == shown
+    said = ", ".join(f"{k}={str(v).lower()}" for k, v in shown.items())
+    assert f"pinned: {said} (planned around them)" in d["reasons"]
 
 
 def test_a_pinned_zero_stage_on_one_gpu_may_go_without_offload():

@@ -259,6 +259,25 @@ def test_a_gtx_16_card_trains_in_fp32_and_a_pinned_fp16_carries_the_nan_note(pro
     )
 
 
+def test_a_gtx_16_plan_that_may_not_fit_in_fp32_names_the_fp16_plan_that_fits(prof):
+    """SD 1.5 LoRA on a GTX 1660 Ti: fp32 (fp16 gives NaN losses there) fits only with its likely upper end over
+    the card ("may not fit"), and the warning said no configuration fits within it, while training.precision=fp16
+    fits comfortably. The precision stays fp32; the reasons name the fp16 plan, the pin, and the risk."""
+    hw = P.hardware_from_catalog(prof.find_gpu("GTX 1660 Ti"))
+    req = P.Request(method="lora", model="sd15")
+    res = P.plan(hw, prof, req)
+    assert res.feasible and res.plan.precision == "fp32" and not res.within_upper_bound
+    fp16 = P.plan(hw, prof, replace(req, pins=(("precision", "fp16"),)))
+    assert fp16.feasible and fp16.within_upper_bound
+    said = next(r for r in res.reasons if r.startswith("in fp16 it fits"))
+    assert f"{fp16.memory.peak / 2**30:.1f} GiB" in said and "training.precision=fp16" in said
+    assert "NaN losses" in said
+    assert not any("no configuration fits within the upper end" in r for r in res.reasons)
+    # where fp32 fits within its range, nothing is said
+    ok = P.plan(hw, prof, replace(req, pins=(("precision", "fp32"),)))
+    assert not any(r.startswith("in fp16 it fits") for r in ok.reasons)
+
+
 def test_the_cards_said_to_fit_a_gtx_16_request_are_those_that_fit_it_in_their_own_precision(prof):
     """SDXL LoRA on a GTX 1660 Super needs 16 GiB in the fp32 it trains in there, 8.5 in fp16 mixed precision:
     "would fit" names the cards on which it fits as each trains (a 10 GB RTX 3080), not only cards of 16 GiB and

@@ -391,6 +391,34 @@ def test_compare_on_a_narrow_terminal_is_a_list_with_nothing_cut(columns):
     assert "┃ hardware " in wide.stdout and "…" not in wide.stdout  # wide enough: the table
 
 
+@pytest.mark.parametrize("columns", [80, 200])
+def test_compare_table_breaks_a_long_word_onto_the_next_line_never_cuts_it(columns):
+    """At 80 columns a T4 row's pin conflict read "training.prec… T4 has no bf16 in hardware (use training.prec…":
+    rich narrows the settings column below its longest word and cut it, and the fix was lost. Each cell's
+    text is now whole, read down its column."""
+    r = runner.invoke(
+        app,
+        [
+            "recommend",
+            "--method",
+            "lora",
+            "--model",
+            "sdxl",
+            "--compare",
+            "T4,RTX 4090",
+            "training.precision=bf16",
+        ],
+        env={"COLUMNS": str(columns)},
+    )
+    assert r.exit_code == 0, r.output
+    assert "┃ hardware " in r.stdout and "…" not in r.stdout, r.stdout
+    rows = [line.split("│")[1:-1] for line in r.stdout.splitlines() if line.startswith("│")]
+    settings = "".join(cells[2].strip() for cells in rows if len(cells) == 6)  # folded: its pieces, joined
+    assert "training.precision=bf16:" in settings and "(usetraining.precision=fp16)" in settings.replace(
+        " ", ""
+    )
+
+
 def test_a_gtx_16_card_that_does_not_fit_says_its_need_is_in_fp32():
     """It trains in fp32 there (fp16 mixed precision gives NaN losses): the figures say so, in the compare table
     (its row only) and beside 'needs at least', with what a GPU that trains in fp16 needs."""

@@ -402,7 +402,9 @@ def test_finetune_with_full_bf16_weights(tiny_sd15, dataset, tmp_path):
 
 
 @pytest.mark.train
-def test_textual_inversion_learns_only_the_new_token(tiny_sd15, dataset, tmp_path):
+# the planner searches Adafactor for textual inversion too (registry.Method.optimizers): the trainer runs it
+@pytest.mark.parametrize("optimizer", ["adamw", "adafactor"])
+def test_textual_inversion_learns_only_the_new_token(tiny_sd15, dataset, tmp_path, optimizer):
     out = tmp_path / "out"
     cfg = tiny_train_config(
         tiny_sd15,
@@ -412,6 +414,7 @@ def test_textual_inversion_learns_only_the_new_token(tiny_sd15, dataset, tmp_pat
         "textual_inversion.token=<obj>",
         "textual_inversion.init_token=square",
         "training.learning_rate=5e-2",
+        f"memory.optimizer={optimizer}",
     )
     run.train(cfg)
     from sdplan.trainer import export
