@@ -3021,18 +3021,23 @@ def card_peak(
         one = mem if single is s else memory(profiles, single)
         measured = evidenced_allocated_bytes(profiles, single, one, evidence[0])
         more = (mem.step_peak - mem.overhead) - (one.step_peak - one.overhead)
-        allocated = measured + more
+        scaled_band = profiles.uncertainty.peak_scaled or unc_peak
+        band = MEASURED_BAND if evidence[1] == "measured" else scaled_band
+        if more >= 0:  # DDP's buckets on top, with the model's band on them
+            allocated = measured + more
+            low, high = sorted((more * unc_peak[0], more * unc_peak[1]))
+            band = ((measured * band[0] + low) / allocated, (measured * band[1] + high) / allocated)
+        else:  # ZeRO's split optimizer state: each holds less; the model's ratio, as from another batch
+            allocated = measured * (mem.step_peak - mem.overhead) / (one.step_peak - one.overhead)
+            band = scaled_band
         overhead = _overhead_bytes(allocated)
         step = allocated + overhead  # the step's (final_grid_fits)
         if step >= mem.text_cache_peak:
             mem = replace(mem, overhead=overhead, step_peak=step, peak=step)
-            scaled_band = profiles.uncertainty.peak_scaled or unc_peak
-            band = MEASURED_BAND if evidence[1] == "measured" else scaled_band
-            low, high = sorted((more * unc_peak[0], more * unc_peak[1]))
-            unc_peak = ((measured * band[0] + low) / allocated, (measured * band[1] + high) / allocated)
+            unc_peak = band
         else:  # the plan's peak is the caption pass's, the model's bytes, not what a bench point measured: the
             evidence = None  # model's step beside it, whose parts the reasons add up (breakdown_text)
-    grid = measured_grid_point(profiles, s, gpu)
+    grid = measured_grid_point(profiles, single, gpu)
     if grid is not None:  # the final sample grid as sdplan bench measured it here, the same allowances
         grid_allocated = grid.outcome["sample_grid_peak_gib"] * GiB
         mem = replace(mem, sampling_peak=grid_allocated + _overhead_bytes(grid_allocated))
@@ -3069,8 +3074,11 @@ def _evaluate(req: Request, profiles: Profiles, hw: Hardware, cal: Calibration, 
     """``s`` on the GPUs it runs on (:func:`plan_gpus`), at the weakest of them: the smallest memory, the
     slowest step (:func:`pace_gpu`), an out-of-memory observed on any."""
     used = plan_gpus(hw, s)
-    gpu = used[0]  # one GPU: the measured evidence below is one process's on one GPU
-    mem, peak_range, evidence = card_peak(profiles, s, gpu.spec)
+    # each GPU's own evidence (a bench point measured on one), the largest peak of them: a mixed rig's plan
+    # depended on which GPU was numbered 0
+    mem, peak_range, evidence = max(
+        (card_peak(profiles, s, g.spec) for g in _distinct(used)), key=lambda c: (c[1][1], c[0].peak)
+    )
     vram = smallest_gpu(used).memory_bytes
     host_ok = host_ram_ok(profiles, s, hw.ram_total_bytes, mem)
     fits = mem.peak <= HEADROOM * vram and host_ok
@@ -3313,9 +3321,20 @@ def _suggestions(
             key=lambda g: (g.memory_gib, -g.fp16_tflops),
         )
         return [(g.name, g) for g in fit[:limit]]
-    # a GPU with points of its own may need less than ``need_bytes`` (its measured peak): it is judged, not dropped
+
+    # a GPU with sdplan bench peaks of its own for this model and method may need less than ``need_bytes``: it is
+    # judged, not dropped
+    def measured_here(g: GPUSpec) -> bool:
+        return any(
+            p.from_bench
+            and p.model == request.model
+            and p.method == request.method
+            and p.outcome.get("peak_vram_gib")
+            for p in profiles.points_on(g.name)
+        )
+
     fit = sorted(
-        (g for g in profiles.gpus if g.memory_bytes >= need_bytes or profiles.points_on(g.name)),
+        (g for g in profiles.gpus if g.memory_bytes >= need_bytes or measured_here(g)),
         key=lambda g: (g.memory_gib, -g.fp16_tflops),
     )
     needs: dict[tuple, int | None] = {}
@@ -4143,41 +4162,49 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
         )
     unc = profiles.uncertainty
     peak_band, peak_n = unc.peak_for(s.model)
-    if best.peak_basis == "scaled":
-        near = next(p for p in profiles.points if p.id == best.peak_measured)
+    if best.peak_basis in ("scaled", "measured"):
+        point = next(p for p in profiles.points if p.id == best.peak_measured)
         lo, hi = (x / m.peak for x in best.peak_range)
+        measured_on = next(
+            (g.name for g in _distinct(used) if point in profiles.points_on(g.spec.name)), gpu.name
+        )
+    if best.peak_basis in ("scaled", "measured") and s.num_gpus > 1:
+        each, alone = memory(profiles, s), memory(profiles, _count_free(s, 1))  # the model's, as card_peak
+        split = each.step_peak - each.overhead < alone.step_peak - alone.overhead  # ZeRO: each holds less
+        r.append(
+            f"peak {format_range(m.peak, best.peak_range)} per GPU of {card} "
+            f"({fit_share_text(m.peak, vram)}): the peak sdplan bench measured in one process on {measured_on} at "
+            f"these settings{'' if point.batch == s.batch else f' and batch {point.batch}'} ({point.id})"
+            + (
+                f", times the model's ratio of one of {s.num_gpus} processes to one alone (ZeRO splits the "
+                "optimizer state)"
+                if split
+                else f", with what each of {s.num_gpus} processes holds besides (DDP's gradient buckets) as modelled"
+            )
+            + f", plus the CUDA context and allocator allowances; the range is x{lo:.3g}-{hi:.3g}"
+            + (
+                " (sdplan bench peaks each scaled so from another batch)"
+                if split or best.peak_basis == "scaled"
+                else ": a measurement's own spread on the measured part, the validation set's on the modelled one"
+            )
+        )
+    elif best.peak_basis == "scaled":
         r.append(
             f"peak {format_range(m.peak, best.peak_range)} per GPU of {card} "
             f"({fit_share_text(m.peak, vram)}): the model's prediction scaled by how "
-            f"the peak sdplan bench measured on {gpu.name} at these settings and batch {near.batch} ({near.id}) "
-            "compares with it"
-            + (
-                f" (one process; what each of {s.num_gpus} holds besides as modelled)"
-                if s.num_gpus > 1
-                else ""
-            )
-            + f", plus the CUDA context and allocator allowances; the range is x{lo:.3g}-{hi:.3g}"
+            f"the peak sdplan bench measured on {measured_on} at these settings and batch {point.batch} ({point.id}) "
+            f"compares with it, plus the CUDA context and allocator allowances; the range is x{lo:.3g}-{hi:.3g}"
             + (
                 f" (sdplan bench peaks each scaled so from another batch, n={unc.n_peak_scaled})"
                 if unc.peak_scaled is not None
                 else " (the validation set's: no bench peaks to judge scaling by)"
             )
         )
-    elif best.peak_basis == "measured" and s.num_gpus > 1:
-        lo, hi = (x / m.peak for x in best.peak_range)
-        r.append(
-            f"peak {format_range(m.peak, best.peak_range)} per GPU of {card} "
-            f"({fit_share_text(m.peak, vram)}): measured by sdplan bench on one {gpu.name} at these settings "
-            f"({best.peak_measured}), with what each of {s.num_gpus} processes holds besides (DDP's gradient "
-            "buckets; ZeRO's share of the optimizer state) as modelled, plus the CUDA context and allocator "
-            f"allowances; the range is x{lo:.3g}-{hi:.3g}: a measurement's own spread on the measured part, the "
-            "validation set's on the modelled one"
-        )
     elif best.peak_basis == "measured":
         r.append(
             f"peak {format_range(m.peak, best.peak_range)} per GPU of {card} "
             f"({fit_share_text(m.peak, vram)}): measured by sdplan bench on "
-            f"{gpu.name} at these settings ({best.peak_measured}) plus the CUDA context and allocator "
+            f"{measured_on} at these settings ({best.peak_measured}) plus the CUDA context and allocator "
             f"allowances; the range is a measurement's own spread (x{MEASURED_BAND[0]:g}-"
             f"{MEASURED_BAND[1]:g}), not the model's"
         )
@@ -4203,7 +4230,7 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
         )
     if not final_grid_fits(m, vram):
         back = "the VAE" if flow_family(s.model) else "the VAE and text encoders"
-        grid = measured_grid_point(profiles, s, gpu.spec)
+        grid = measured_grid_point(profiles, _count_free(s, 1) if s.num_gpus > 1 else s, gpu.spec)
         r.append(
             f"the final sample grid needs {_gib(m.sampling_peak)}"
             + (f" (measured by sdplan bench on {gpu.name}: {grid.id})" if grid is not None else "")

@@ -170,9 +170,9 @@ def test_machine_fixture_report(name, run):
     assert {(f["severity"], f["code"]) for f in data["findings"]} == EXPECTED[name]
 
     human = run("--machine", str(MACHINES / f"{name}.json"))
-    errors = any(severity == "error" for severity, _ in EXPECTED[name])
-    assert human.exit_code == (1 if errors else 0), human.output
-    assert ("doctor found" in human.stderr) == errors
+    assert human.exit_code == 0, (
+        human.output
+    )  # another machine's snapshot: its findings say what is wrong there
     for _, code in EXPECTED[name]:
         assert code in human.stdout
     snap = Snapshot.load(MACHINES / f"{name}.json")
@@ -236,6 +236,8 @@ def test_saved_live_snapshot_loads_back(run, tmp_path):
     target = tmp_path / "here.json"
     assert run("--save", str(target), "--json").exit_code == 0
     assert Snapshot.load(target).host.ram_total_bytes
+    # the report with --save: the snapshot to plan elsewhere is the job, exit 0 whatever this machine lacks
+    assert run("--save", str(tmp_path / "report.json")).exit_code == 0
 
 
 # -- verdicts and report data ------------------------------------------------------------------------------

@@ -1168,9 +1168,13 @@ def test_only_a_full_disk_in_the_final_grid_stops_the_run(tiny_sd15, dataset, tm
 
         closed = []
         real_close = plots.TensorBoardLogger.close
-        monkeypatch.setattr(
-            plots.TensorBoardLogger, "close", lambda tb: closed.append(tb.enabled) or real_close(tb)
-        )
+
+        def close(tb):  # the same full disk flushing the log: it must not hide the one-line DiskFull
+            closed.append(tb.enabled)
+            real_close(tb)
+            raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr(plots.TensorBoardLogger, "close", close)
         with pytest.raises(DiskFull):
             run.train(tiny_train_config(tiny_sd15, dataset, out, "logging.tensorboard=true"))
         assert closed == [True]  # the TensorBoard log is closed though the outputs stopped (it was left open)

@@ -168,13 +168,14 @@ def test_a_time_from_bench_evidence_carries_the_range_of_that_evidence(prof):
             (fixed * tlo + sampling * plo + stepping * lo, fixed * thi + sampling * phi + stepping * hi)
         )
         assert any(f"likely x{lo:g}-{hi:g} of that" in r for r in res.reasons)
-    # on 8 GPUs the scaled one-GPU step carries an all-reduce as modelled: the validation set's range
+    # on 8 GPUs the one-GPU step measured (at these settings) or scaled carries an all-reduce as modelled: the
+    # validation set's range
     res = P.plan(
         P.hardware_from_catalog(prof.find_gpu("H100 SXM"), 8),
         prof,
         P.Request(method="lora", model="sdxl", images=5000, epochs=10, pins=(te,)),
     )
-    assert res.plan.num_gpus == 8 and res.basis == "scaled"
+    assert res.plan.num_gpus == 8 and res.basis in ("measured", "scaled")
     assert res.seconds_range == pytest.approx(_range(prof, res, tlo, thi))
     # the model alone (no bench point on the card) keeps the validation set's range
     res = P.plan(
@@ -285,7 +286,9 @@ def test_several_gpus_build_on_the_one_gpu_measurement_of_the_same_settings(prof
     assert (
         two.peak_range[1] < 1.06 * two.memory.peak
     )  # the measurement's band, not the validation set's x1.35
-    assert any("measured by sdplan bench on one H100 SXM" in r for r in two.reasons)
+    assert any(
+        "measured in one process on H100 SXM" in r and "DDP's gradient buckets" in r for r in two.reasons
+    )
     # speed: the measured one-GPU step, the all-reduce on top, never shorter
     assert one.basis == two.basis == "measured"
     assert two.step_seconds >= one.step_seconds

@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import random
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -848,8 +848,11 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
                     )
                 )
                 written.append(outputs.write_loss_history(out_dir, history))
-    finally:
-        tb.close()
+    except BaseException:  # closed quietly: a full disk flushing the log must not hide the error that stopped
+        with suppress(Exception):  # the outputs (DiskFull is one line; an OSError is a traceback)
+            tb.close()
+        raise
+    tb.close()
     accelerator.wait_for_everyone()
     summary = (
         _write_summary(

@@ -36,8 +36,9 @@ def doctor(
 ) -> None:
     """Check this machine for Stable Diffusion training: GPUs, links, software stack, findings, verdict.
 
-    Exits 1 when a finding is an error (so `sdplan doctor && sdplan train ...` stops on a machine that cannot
-    train); --json exits 0 (its findings carry their severity).
+    Exits 1 when a finding about this machine is an error (so `sdplan doctor && sdplan train ...` stops on a
+    machine that cannot train); --json, --save and --machine exit 0: they make or read a snapshot, whose
+    findings carry their severity.
     """
     from sdplan.doctor import planner_verdicts, render
     from sdplan.errors import OutputExistsError, UsageError
@@ -71,7 +72,7 @@ def doctor(
         return
     render(snapshot, console(), verdicts)
     errors = [f.code for f in snapshot.findings if f.severity == "error"]
-    if errors:
+    if errors and save is None and machine is None:
         err_console().print(
             f"doctor found {len(errors)} error{'s' if len(errors) > 1 else ''} ({', '.join(errors)}): see Findings",
             markup=False,
