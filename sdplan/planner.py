@@ -4135,20 +4135,29 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
                 f"{format_range(c.memory.peak, c.peak_range)}, its upper end over the card's {_gib(vram)}"
             )
     st = best.steps
-    # where a max_steps run stops inside an epoch of aspect buckets (each ends in a short batch), full batches
-    # are the most its steps see
-    seen = (
-        f"up to {st.images_seen}"
-        if req.max_steps and len(req.bucket_samples) > 1 and st.total_steps % max(1, st.steps_per_epoch)
-        else f"{st.images_seen}"
-    )
+
+    def seen_text(x: Steps) -> str:
+        # where a max_steps run stops inside an epoch of aspect buckets (each ends in a short batch), full
+        # batches are the most its steps see
+        if req.max_steps and len(req.bucket_samples) > 1 and x.total_steps % max(1, x.steps_per_epoch):
+            return f"up to {x.images_seen}"
+        return f"{x.images_seen}"
+
+    seen = seen_text(st)
     if s.num_gpus > 1 and req.max_steps:
+        alone = _steps(req, s.batch, s.grad_accum, 1)
+        on_one = f"{req.max_steps} steps of batch {s.batch} x accumulation {s.grad_accum} on one GPU"
         r.append(
             f"steps: training.max_steps {req.max_steps}, pinned, counts one process's steps: {st.total_steps} on "
-            f"each of the {s.num_gpus} GPUs, {seen} images seen, as {req.max_steps} steps of batch "
-            f"{s.batch} x accumulation {s.grad_accum} on one GPU; with the steps set, each GPU count sees its own "
-            "images: two counts are weighed by their times for the images the one with more GPUs sees (the "
-            "other's steps scaled to them, its start-up as it is)"
+            f"each of the {s.num_gpus} GPUs, {seen} images seen"
+            + (
+                f", as {on_one}"
+                if alone.images_seen == st.images_seen
+                else f"; {on_one} would see {seen_text(alone)} (an epoch's {st.images_per_epoch} images are "
+                f"{st.steps_per_epoch} steps on each of the {s.num_gpus} GPUs, {alone.steps_per_epoch} on one)"
+            )
+            + "; with the steps set, each GPU count sees its own images: two counts are weighed by their times "
+            "for the images the one with more GPUs sees (the other's steps scaled to them, its start-up as it is)"
         )
     elif s.num_gpus > 1:
         r.append(

@@ -666,3 +666,18 @@ def test_a_pinned_max_steps_weighs_gpu_counts_per_image():
     )  # fmt: skip
     (line,) = [r for r in d2["reasons"] if r.startswith("steps: training.max_steps 100")]
     assert "counts one process's steps: 50 on each of the 2 GPUs" in line
+
+
+def test_a_pinned_max_steps_on_several_gpus_says_what_one_gpu_would_see():
+    """`training.max_steps=100 training.batch_size=4` on 2x RTX 4090 over 20 images: 50 steps on each GPU see
+    336 images (an epoch is 3 steps a GPU, its last round short), 100 steps on one GPU 400; the line said the
+    two runs were the same ('336 images seen, as 100 steps of batch 4 x accumulation 1 on one GPU')."""
+    d = json.loads(
+        _plan_for(
+            "lora", "sd15", "2x RTX 4090", "--images", "20", "training.max_steps=100", "training.batch_size=4",
+            "distributed.num_processes=2", "--json",
+        ).stdout
+    )  # fmt: skip
+    (line,) = [r for r in d["reasons"] if r.startswith("steps: training.max_steps 100")]
+    assert "336 images seen" in line and "as 100 steps" not in line
+    assert "100 steps of batch 4 x accumulation 1 on one GPU would see 400" in line
