@@ -4174,10 +4174,16 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
             + "; warmup and LR schedule count these steps"
         )
     elif req.max_steps:
+        full, part = divmod(st.images_seen, st.images_per_epoch)
+        if not part:
+            epochs = f"{count_text(full, 'epoch')} of {st.images_per_epoch}"
+        elif not full:
+            epochs = f"{part} of an epoch's {st.images_per_epoch}"
+        else:
+            epochs = f"{count_text(full, 'epoch')} of {st.images_per_epoch} and {part} of the next"
         r.append(
             f"steps: training.max_steps {req.max_steps}, pinned: {st.total_steps} steps of batch {s.batch} x "
-            f"accumulation {s.grad_accum}; images seen {seen} ({st.epochs} epoch(s) of "
-            f"{st.images_per_epoch}); with the steps set, the plan is the one that trains fastest per image seen"
+            f"accumulation {s.grad_accum}; images seen {seen} ({epochs}); with the steps set, the plan is the one that trains fastest per image seen"
             + (
                 " (another GPU count is weighed by the time for the images the one with more GPUs sees)"
                 if hw.count > 1

@@ -681,3 +681,16 @@ def test_a_pinned_max_steps_on_several_gpus_says_what_one_gpu_would_see():
     (line,) = [r for r in d["reasons"] if r.startswith("steps: training.max_steps 100")]
     assert "336 images seen" in line and "as 100 steps" not in line
     assert "100 steps of batch 4 x accumulation 1 on one GPU would see 400" in line
+
+
+def test_a_pinned_max_steps_says_the_epochs_its_images_make():
+    """7 steps of batch 4 x accumulation 2 over 20 images see 48: two epochs and 8 images of a third, which
+    the line called '3 epoch(s) of 20'."""
+    d = json.loads(
+        _plan_for(
+            "lora", "sd15", "RTX 4090", "training.max_steps=7", "training.batch_size=4", "training.grad_accum=2",
+            "--json",
+        ).stdout
+    )  # fmt: skip
+    (line,) = [r for r in d["reasons"] if r.startswith("steps: training.max_steps 7")]
+    assert "images seen 48 (2 epochs of 20 and 8 of the next)" in line and "epoch(s)" not in line
