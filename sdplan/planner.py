@@ -4462,10 +4462,15 @@ def _latent_cache_text(req: Request, best: Candidate, fitting: list[Candidate]) 
         elif twin.seconds - best.seconds >= 0.5:
             saved = twin.seconds - best.seconds
             how = f"{format_duration(saved)} faster ({saved / twin.seconds:.0%})"
-        else:
+        elif seen == req.images:
             return (
                 f"latents cached: each of the {req.images} images is seen once, so no faster than encoding them "
                 "every step, but the VAE leaves the GPU (less VRAM; random flips and crops are cached per epoch)"
+            )
+        else:
+            return (
+                f"latents cached: {once}: {'saves' if twin.seconds >= best.seconds else 'costs'} under 0.5 s, "
+                "but the VAE leaves the GPU (less VRAM; random flips and crops are cached per epoch)"
             )
         return f"latents cached: {once}: {how} (less VRAM; random flips and crops are cached per epoch)"
     if twin is None:
@@ -4474,9 +4479,9 @@ def _latent_cache_text(req: Request, best: Candidate, fitting: list[Candidate]) 
         return "latents not cached"
     diff = twin.seconds - best.seconds
     if abs(diff) < 0.5:
-        return (
-            f"latents not cached: each of the {req.images} images is seen once, so caching would save no time"
-        )
+        if seen == req.images:
+            return f"latents not cached: each of the {req.images} images is seen once, so caching would save no time"
+        return f"latents not cached: caching would {'cost' if diff >= 0 else 'save'} under 0.5 s ({once})"
     if diff > 0:
         return f"latents not cached: caching would take {format_duration(diff)} longer ({once})"
     return f"latents not cached: caching would be {format_duration(-diff)} faster, but it has {_tier_text(twin, best)}"

@@ -64,6 +64,15 @@ def test_latent_cache_reason_when_each_image_is_seen_once(prof):
     assert "seen once" in _latent_reason(res)
 
 
+def test_latent_cache_saving_little_is_not_said_to_be_for_images_seen_once(prof):
+    """7 images over 3 epochs on an H100 are 21 images seen, and caching saves under 0.5 s; the reason said
+    'each of the 7 images is seen once'."""
+    res = _plan(prof, "H100 SXM", method="lora", model="sd15", images=7, repeats=1, epochs=3)
+    why = _latent_reason(res)
+    assert res.plan.cache_latents and res.steps.images_seen == 21
+    assert "seen once" not in why and "instead of all 21 images" in why and "under 0.5 s" in why
+
+
 def test_fp32_master_weights_preference_is_said_with_its_cost(prof):
     """A 16 GB RTX 4060 Ti DreamBooth plan keeps fp32 master weights; full bf16 would be faster and fit: the
     reasons say so with the planner's own figure, and do not call the plan the fastest that fits. (On a 12 GB
