@@ -4362,6 +4362,18 @@ def _adamw_text(best: Candidate, fitting: list[Candidate]) -> str:
     name = _OPT_NAMES[s.optimizer]
     adamw = [c for c in fitting if c.setup.optimizer == "adamw" and c.setup.num_gpus == s.num_gpus]
     same = [c for c in adamw if _tier(c) == _tier(best)]
+    if same and not best.safe:  # nothing within its upper end: the plans most likely to fit are weighed
+        likely = {id(c) for c in _most_likely_to_fit(fitting)}
+        if not any(id(c) in likely for c in same):
+            low = min(same, key=_required)
+            least = min(_required(c) for c in fitting)
+            return (
+                f"no AdamW plan is as likely to fit: the leanest ({_batch_words(low.setup)}) needs "
+                f"{_gib(_required(low))} of GPU memory, {name}'s plan {_gib(_required(best))} ({FIT_RULE_TEXT}); "
+                "where no configuration fits the card by that rule, the plan is taken from those within "
+                f"{OVERRUN_TIE:.0%} of the least need ({_gib(least)}), and pinning memory.optimizer=adamw plans AdamW"
+            )
+        same = [c for c in same if id(c) in likely]
     if not same:
         if not adamw:
             return "AdamW does not fit"
