@@ -3734,6 +3734,7 @@ def plan(hardware: Hardware | Any, profiles: Profiles, request: Request) -> Resu
             cal,
             profiles,
             pace_gpu(profiles, best.setup, used, cal, set_link(hardware, used)[1])[0].spec,
+            smallest_gpu(used).memory_bytes,
         )
     alternatives = tuple(sorted(best_by_n.values(), key=lambda c: c.setup.num_gpus))
     return Result(
@@ -5431,13 +5432,14 @@ def _flow_reasons(
     cal: Calibration,
     profiles: Profiles,
     spec: GPUSpec | None,
+    vram: int,
 ) -> list[str]:
     s = best.setup
     model = profiles.model(s.model)
     r = (
         _flow_full_reasons(best)
         if s.method in FULL_METHODS
-        else _flow_base_reasons(req, best, fitting, profiles)
+        else _flow_base_reasons(req, best, fitting, profiles, vram)
     )
     te = _gib(model.text_encoder_params * 2.0)
     if not s.cache_text_encoder_outputs:
@@ -5518,9 +5520,10 @@ def _flow_full_reasons(best: Candidate) -> list[str]:
 
 
 def _flow_base_reasons(
-    req: Request, best: Candidate, fitting: list[Candidate], profiles: Profiles
+    req: Request, best: Candidate, fitting: list[Candidate], profiles: Profiles, vram: int
 ) -> list[str]:
-    """The LoRA's frozen base: its storage precision and block swap, in words."""
+    """The LoRA's frozen base: its storage precision and block swap, in words (``vram``: the smallest card's
+    bytes, which a bf16 base's caption pass is weighed against)."""
     s = best.setup
     model = profiles.model(s.model)
     dequant = dequant_seconds(profiles, s)
@@ -5541,7 +5544,17 @@ def _flow_base_reasons(
             c for c in fitting if c.setup.base_precision == "bf16" and c.setup.num_gpus == s.num_gpus
         ]
         instead = min(bf16_plans, key=_preference, default=None)
-        if instead is None:
+        as_bf16 = memory(profiles, _with(s, base_precision="bf16"))
+        if instead is None and as_bf16.text_cache_peak > HEADROOM * vram:
+            # the bf16 base keeps the text encoders in bf16 for the caption pass too (an fp8 base stores them in
+            # fp8: stored_text_encoder_bytes), and that pass, before the transformer is placed, is what overflows
+            why = (
+                f"with the bf16 base the caption pass does not fit: before training the text encoders in bf16 "
+                f"({_gib(stored_text_encoder_bytes(model, _with(s, base_precision='bf16')))}) and the VAE take "
+                f"{_gib(as_bf16.text_cache_peak)}, over {int(HEADROOM * 100)}% of {_gib(vram)} (the fp8 base stores "
+                f"the text encoders in fp8 for that pass: {_gib(stored_text_encoder_bytes(model, s))})"
+            )
+        elif instead is None:
             why = f"the bf16 base ({bf16_gib}) does not fit beside the rest"
         elif instead.seconds and best.seconds:
             why = (
