@@ -5506,11 +5506,14 @@ def _flow_reasons(
 def _flow_full_reasons(best: Candidate) -> list[str]:
     """What a full fine-tune / DreamBooth of a transformer family holds, in words."""
     s, m = best.setup, best.memory
-    where = "bf16 (training.full_half_weights)" if s.full_half_weights else "fp32 master copies"
+    half = s.precision if _half(s.precision) else "fp32"  # DeepSpeed's weights: the training dtype
+    where = f"{half} (training.full_half_weights)" if s.full_half_weights else "fp32 master copies"
     if s.offload:
-        where = "bf16 on the GPU, fp32 masters and optimizer state in host RAM (DeepSpeed)"
+        where = f"{half} on the GPU, fp32 masters and optimizer state in host RAM (DeepSpeed)"
     elif s.sharded:
-        where = f"bf16 on every GPU, fp32 masters and optimizer state split over the {s.num_gpus} (DeepSpeed)"
+        where = (
+            f"{half} on every GPU, fp32 masters and optimizer state split over the {s.num_gpus} (DeepSpeed)"
+        )
     return [
         f"the whole {s.model} transformer trains ({m.trainable_params / 1e9:.2f}B parameters): weights "
         f"{_gib(m.weights)} in {where}, gradients {_gib(m.gradients)}, {s.optimizer} state {_gib(m.optimizer)}; "
