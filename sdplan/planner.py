@@ -5552,7 +5552,7 @@ def _flow_base_reasons(
             # the bf16 base keeps the text encoders in bf16 for the caption pass too (an fp8 base stores them in
             # fp8: stored_text_encoder_bytes), and that pass, before the transformer is placed, is what overflows
             why = (
-                f"with the bf16 base the caption pass does not fit: before training the text encoders in bf16 "
+                f"the caption pass does not fit with the bf16 base: before training the text encoders in bf16 "
                 f"({_gib(stored_text_encoder_bytes(model, _with(s, base_precision='bf16')))}) and the VAE take "
                 f"{_gib(as_bf16.text_cache_peak)}, over {int(HEADROOM * 100)}% of {_gib(vram)} (the fp8 base stores "
                 f"the text encoders in fp8 for that pass: {_gib(stored_text_encoder_bytes(model, s))})"
