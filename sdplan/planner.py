@@ -3364,8 +3364,19 @@ def format_range(value: float, rng: tuple[float, float], unit: str = "GiB") -> s
 
 
 def format_duration(seconds: float) -> str:
+    """A duration in words: tenths under a second, seconds under 90, minutes and seconds under 10 minutes (a
+    ratio said beside two times must read true of them: 108 s was "2 min"), then minutes, then hours. Taken
+    to the tenth first, as the JSON's seconds are, so a time and that figure read back say the same."""
+    seconds = round(seconds, 1)
+    if seconds < 0.1:
+        return "under 0.1 s"
+    if seconds < 1:
+        return f"{seconds:.1f} s"
     if seconds < 90:
         return f"{seconds:.0f} s"
+    if seconds < 600:
+        minutes, rest = divmod(round(seconds), 60)
+        return f"{minutes} min {rest} s" if rest else f"{minutes} min"
     if seconds < 5400:
         return f"{seconds / 60:.0f} min"
     return f"{seconds / 3600:.1f} h"

@@ -456,6 +456,26 @@ def test_the_run_time_line_names_the_start_up_allowance_and_adds_up(prof):
         assert "caching the latents" in line
 
 
+def test_durations_under_ten_minutes_keep_the_resolution_their_ratios_need():
+    """108 s read "2 min" ("time 2 min (likely 73 s to 2 min)"; "1 GPU would take 2 min" beside a 75 s plan
+    said to be 1.26x faster), three steps of 0.16 s "(0 s)", and the headline formats the JSON's seconds (to the
+    tenth) where the reasons format the time itself: "78 s" above "run time 79 s"."""
+    assert P.format_duration(108) == "1 min 48 s" and P.format_duration(95) == "1 min 35 s"
+    assert P.format_duration(120.2) == "2 min" and P.format_duration(89.4) == "89 s"
+    assert P.format_duration(3 * 0.16) == "0.5 s" and P.format_duration(0.04) == "under 0.1 s"
+    assert P.format_duration(1800) == "30 min" and P.format_duration(7200) == "2.0 h"
+    for seconds in (78.54, 78.45, 0.55, 119.96):
+        assert P.format_duration(seconds) == P.format_duration(round(seconds, 1))
+
+
+def test_a_sub_second_part_of_the_run_time_is_not_said_as_0_s(prof):
+    """SD1.5 LoRA on 8 H100s over 7 images: 3 micro-batches of 0.16 s read "(0 s)"."""
+    hw = P.hardware_from_catalog(prof.find_gpu("H100 SXM"), 8)
+    req = P.Request(method="lora", model="sd15", images=7, epochs=3, pins=(("num_gpus", 8),))
+    (line,) = [r for r in P.plan(hw, prof, req).reasons if r.startswith("run time ")]
+    assert "(0 s)" not in line and re.search(r"micro-batches of 0\.\d\d s \(0\.\d s\)", line), line
+
+
 def test_fewer_gpus_under_max_steps_are_weighed_on_the_plans_images_in_their_lines(prof):
     """8x H100, FLUX.1 LoRA, training.max_steps=30: the plan said "vs one GPU 1.67x" and its 4-GPU line "1.89x
     faster than one GPU, but 8 GPU(s) are faster still": each count's ratio was on its own images. A count below

@@ -1037,3 +1037,17 @@ def test_the_transformer_families_time_is_said_weakly_calibrated_as_its_reason_s
     (row,) = [line for line in r.stdout.splitlines() if line.startswith("time ")]
     assert row.rstrip().endswith("(weakly calibrated)") and "uncalibrated" not in r.stdout, row
     assert "weakly calibrated" in " ".join(r.stdout.split())
+
+
+def test_the_headline_time_and_the_run_time_reason_say_the_same():
+    """SDXL LoRA on 8x H100, 13 images x 3 repeats x 7 epochs: the headline formatted the JSON's seconds (78.5,
+    rounded to the tenth) as "78 s", the run-time reason the unrounded time as "run time 79 s"."""
+    r = run(
+        "--method", "lora", "--model", "sdxl", "--hardware", "8x H100 SXM", "--images", "13", "--repeats", "3",
+        "--epochs", "7",
+    )  # fmt: skip
+    assert r.exit_code == 0, r.output
+    (row,) = [line for line in r.stdout.splitlines() if line.startswith("time ")]
+    said = row.split()[1:3]  # "78 s" / "1 min 48 s" start alike
+    (reason,) = [line for line in r.stdout.splitlines() if line.strip().startswith("- run time ")]
+    assert reason.strip().startswith(f"- run time {' '.join(said)}"), (row, reason)
