@@ -4419,6 +4419,19 @@ def _adamw_text(best: Candidate, fitting: list[Candidate]) -> str:
     )
 
 
+def percent_digits(share: float, limit: float) -> int:
+    """The decimals (up to 3) that say ``share`` as a percentage on the side of ``limit`` it lies on: a share a
+    rule took as over its limit must not read as equal to it, nor one it rejected (4.04% beside "more than 4%",
+    not "4%"; 4.6% beside "must save 5%", not "5%")."""
+    digits = 0
+    while digits < 3:
+        said, bar = round(share * 100, digits), round(limit * 100, digits)
+        if share == limit or (said > bar if share > limit else said < bar):
+            break
+        digits += 1
+    return digits
+
+
 def _adamw_gain_text(best: Candidate, aw: Candidate, limit: float) -> str:
     """How much faster ``best`` trains its images than the AdamW plan ``aw`` would (:func:`speedup`, as the
     multi-GPU lines say it). Where both see the same images (epochs) it is their run times' ratio (:func:`_key`
@@ -4428,9 +4441,7 @@ def _adamw_gain_text(best: Candidate, aw: Candidate, limit: float) -> str:
     steps are scaled to the plan's images."""
     same = aw.steps.images_seen == best.steps.images_seen
     gain = _key_seconds(aw) / _key_seconds(best) - 1  # the figure the rule compared (_key)
-    digits = 0
-    while digits < 3 and 0 < round(gain * 100, digits) <= round(limit * 100, digits):
-        digits += 1
+    digits = percent_digits(gain, limit)
     # said where they weigh: DreamBooth's class images (the final grid alone is seconds)
     once = (
         " (less the class images and final grid)" if best.sampling_once_seconds >= 0.05 * best.seconds else ""
@@ -4571,10 +4582,11 @@ def _multi_gpu_reasons(
             run = "the run"
             if c.seconds and c.sampling_once_seconds >= SAMPLING_SHOWN * c.seconds:
                 run = f"the run less {_one_off_sampling_words(req, c)}"
+            saved = max(gain, 0.0)
             saves = (
                 f"{run} could be {-gain * 100:.0f}% slower"
                 if gain * 100 <= -0.5
-                else f"it saves {max(gain, 0.0) * 100:.0f}% of {run}"
+                else f"it saves {saved * 100:.{percent_digits(saved, MIN_MULTI_GPU_GAIN)}f}% of {run}"
             )
             why = (
                 f"predicted {ratio_than_text(ahead, than)}: within the time uncertainty (with the steps at "
