@@ -3156,6 +3156,14 @@ def _batch_cap_text(req: Request, s: Settings) -> str:
     if req.pinned("batch") or s.batch * 2 * s.num_gpus <= req.images:
         return ""
     gpus = f" x {s.num_gpus} GPUs" if s.num_gpus > 1 else ""
+    if (
+        s.batch * s.num_gpus > req.images
+    ):  # batch 1 on more GPUs than images (a pinned count): over it already
+        return (
+            f"; no larger batch was tried: batch {s.batch}{gpus} already exceeds the {req.images} distinct "
+            "images, so a step holds an image twice, and a larger batch would hold more twice (pin "
+            "training.batch_size to go past it)"
+        )
     return (
         f"; no larger batch was tried: batch {s.batch * 2}{gpus} would exceed the {req.images} distinct images, "
         "so a step would hold an image twice (pin training.batch_size to go past it)"

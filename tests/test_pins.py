@@ -515,6 +515,16 @@ def test_the_batch_cap_of_the_distinct_images_is_said_where_it_binds():
     assert d["plan"]["batch_size"] == 8 and not any("distinct images" in r for r in d["reasons"])
 
 
+def test_the_batch_cap_on_a_pinned_gpu_count_over_the_images_says_batch_1_exceeds_them():
+    """7 images on 8 pinned GPUs: batch 1 x 8 already exceeds the 7 distinct images; the reason said "batch 2 x 8
+    GPUs would exceed the 7 distinct images"."""
+    args = ("--images", "7", "--epochs", "3", "distributed.num_processes=8", "--json")
+    d = json.loads(_plan_for("lora", "sd15", "8x H100 SXM", *args).stdout)
+    (line,) = [r for r in d["reasons"] if r.startswith("batch size ")]
+    assert d["plan"]["batch_size"] == 1 and "batch 2 x 8 GPUs" not in line, line
+    assert "batch 1 x 8 GPUs already exceeds the 7 distinct images" in line, line
+
+
 def test_deepspeed_sharding_chosen_for_speed_does_not_claim_one_gpu_cannot_hold_the_run():
     """An SD 1.5 fine-tune on 8 H100s takes ZeRO-2 for speed; its reason said one GPU 'cannot hold' what fits
     on one with room (22.9 GiB of 80). It says what else fits; FLUX.1, which needs the split, keeps the claim."""
