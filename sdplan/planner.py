@@ -3439,7 +3439,8 @@ def pin_conflicts(req: Request, hw: Hardware) -> list[str]:
     limit = min(hw.count, req.max_gpus or hw.count)
     if n is not None and n > limit:
         out.append(
-            f"distributed.num_processes={n}: this hardware has {limit} usable GPU(s) (use at most {limit})"
+            f"distributed.num_processes={n}: this hardware has {count_text(limit, 'usable GPU')} (use at most "
+            f"{limit})"
         )
     elif n is not None and n > (
         most := max(sum(g.vendor == v for g in hw.gpus) for v in {g.vendor for g in hw.gpus})
@@ -3466,7 +3467,8 @@ def pin_conflicts(req: Request, hw: Hardware) -> list[str]:
             out.append(f"distributed.gpu_ids={list(ids)}: more GPUs than the {limit} allowed (--gpus)")
         if n is not None and n != len(ids):
             out.append(
-                f"distributed.gpu_ids={list(ids)} lists {len(ids)} GPU(s) but distributed.num_processes={n}: "
+                f"distributed.gpu_ids={list(ids)} lists {count_text(len(ids), 'GPU')} but "
+                f"distributed.num_processes={n}: "
                 "give as many of each"
             )
     base = req.pin("base_precision")
@@ -3679,7 +3681,10 @@ def plan(hardware: Hardware | Any, profiles: Profiles, request: Request) -> Resu
     cal = calibrate_for(profiles, hardware)
     reasons: list[str] = list(hardware.notes)
     if req.pins:
-        reasons.append("pinned: " + ", ".join(pin_text(k, v) for k, v in req.pins) + " (planned around them)")
+        them = "it" if len(req.pins) == 1 else "them"
+        reasons.append(
+            "pinned: " + ", ".join(pin_text(k, v) for k, v in req.pins) + f" (planned around {them})"
+        )
     one_steps = _steps(req, 1, 1, 1)
 
     if not hardware.gpus:
@@ -4156,35 +4161,40 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
             )
     st = best.steps
 
-    def seen_text(x: Steps) -> str:
+    def seen_text(x: Steps, noun: str = "") -> str:
         # where a max_steps run stops inside an epoch of aspect buckets (each ends in a short batch), full
         # batches are the most its steps see
+        n = count_text(x.images_seen, noun) if noun else f"{x.images_seen}"
         if req.max_steps and len(req.bucket_samples) > 1 and x.total_steps % max(1, x.steps_per_epoch):
-            return f"up to {x.images_seen}"
-        return f"{x.images_seen}"
+            return f"up to {n}"
+        return n
 
     seen = seen_text(st)
     if s.num_gpus > 1 and req.max_steps:
         alone = _steps(req, s.batch, s.grad_accum, 1)
-        on_one = f"{req.max_steps} steps of batch {s.batch} x accumulation {s.grad_accum} on one GPU"
+        on_one = (
+            f"{count_text(req.max_steps, 'step')} of batch {s.batch} x accumulation {s.grad_accum} on one GPU"
+        )
         r.append(
             f"steps: training.max_steps {req.max_steps}, pinned, counts one process's steps: {st.total_steps} on "
-            f"each of the {s.num_gpus} GPUs, {seen} images seen"
+            f"each of the {s.num_gpus} GPUs, {seen_text(st, 'image')} seen"
             + (
                 f", as {on_one}"
                 if alone.images_seen == st.images_seen
-                else f"; {on_one} would see {seen_text(alone)} (an epoch's {st.images_per_epoch} images are "
-                f"{st.steps_per_epoch} steps on each of the {s.num_gpus} GPUs, {alone.steps_per_epoch} on one)"
+                else f"; {on_one} would see {seen_text(alone)} (an epoch's "
+                f"{count_text(st.images_per_epoch, 'image')} {'is' if st.images_per_epoch == 1 else 'are'} "
+                f"{count_text(st.steps_per_epoch, 'step')} on each of "
+                f"the {s.num_gpus} GPUs, {alone.steps_per_epoch} on one)"
             )
             + "; with the steps set, each GPU count sees its own images: two counts are weighed by their times "
             "for the images the one with more GPUs sees (the other's steps scaled to them, its start-up as it is)"
         )
     elif s.num_gpus > 1:
         r.append(
-            f"{s.num_gpus} GPUs: steps normalised so the run trains what was asked: {st.images_per_epoch} images per "
-            f"epoch / (batch {s.batch} x accumulation {s.grad_accum} x {s.num_gpus} GPUs) = {st.steps_per_epoch} "
-            f"steps per epoch, {st.total_steps} in all (one GPU: {st.one_gpu_total_steps}); images seen "
-            f"{st.images_seen} either way"
+            f"{s.num_gpus} GPUs: steps normalised so the run trains what was asked: "
+            f"{count_text(st.images_per_epoch, 'image')} per epoch / (batch {s.batch} x accumulation "
+            f"{s.grad_accum} x {s.num_gpus} GPUs) = {count_text(st.steps_per_epoch, 'step')} per epoch, "
+            f"{st.total_steps} in all (one GPU: {st.one_gpu_total_steps}); images seen {st.images_seen} either way"
             + (
                 " (the batches dealt again below aside)"
                 if repeated_batches(st.images_per_epoch, s.batch, s.num_gpus, req.bucket_samples)
@@ -4202,8 +4212,9 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
         else:
             epochs = f"{count_text(full, 'epoch')} of {st.images_per_epoch} and {part} of the next"
         r.append(
-            f"steps: training.max_steps {req.max_steps}, pinned: {st.total_steps} steps of batch {s.batch} x "
-            f"accumulation {s.grad_accum}; images seen {seen} ({epochs}); with the steps set, the plan is the one that trains fastest per image seen"
+            f"steps: training.max_steps {req.max_steps}, pinned: {count_text(st.total_steps, 'step')} of batch "
+            f"{s.batch} x accumulation {s.grad_accum}; images seen {seen} ({epochs}); with the steps set, the plan "
+            "is the one that trains fastest per image seen"
             + (
                 " (another GPU count is weighed by the time for the images the one with more GPUs sees)"
                 if hw.count > 1
@@ -4214,16 +4225,17 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
         n = len(req.bucket_samples)
         buckets = f" in {n} aspect buckets (each ends in a short batch)" if n > 1 else ""
         r.append(
-            f"steps: {st.images_per_epoch} images per epoch{buckets} / (batch {s.batch} x accumulation "
-            f"{s.grad_accum}) = {st.steps_per_epoch} per epoch x {st.epochs} epochs = {st.total_steps}; images "
-            f"seen {st.images_seen}"
+            f"steps: {count_text(st.images_per_epoch, 'image')} per epoch{buckets} / (batch {s.batch} x "
+            f"accumulation {s.grad_accum}) = {st.steps_per_epoch} per epoch x {count_text(st.epochs, 'epoch')} = "
+            f"{st.total_steps}; images seen {st.images_seen}"
         )
     reaches_last_round = s.num_gpus > 1 and st.total_steps >= st.steps_per_epoch  # max_steps may stop before
     if reaches_last_round and (
         repeats := repeated_batches(st.images_per_epoch, s.batch, s.num_gpus, req.bucket_samples)
     ):
         r.append(
-            f"{s.num_gpus} GPUs: an epoch's {st.images_per_epoch} images do not make a batch for every GPU in its "
+            f"{s.num_gpus} GPUs: an epoch's {count_text(st.images_per_epoch, 'image')} "
+            f"{'does' if st.images_per_epoch == 1 else 'do'} not make a batch for every GPU in its "
             f"last round: " + repeated_batches_text(repeats, s.batch, None if req.max_steps else st.epochs)
         )
     if hw.count > 1:
@@ -4275,7 +4287,8 @@ def run_time_parts_text(c: Candidate) -> str:
         else ""
     )
     parts = [
-        f"{c.steps.micro_batches} micro-batches of {c.step_seconds:.2f} s "
+        f"{c.steps.micro_batches} micro-batch{'' if c.steps.micro_batches == 1 else 'es'} of "
+        f"{c.step_seconds:.2f} s "
         f"({format_duration(c.seconds - c.fixed_seconds)}{exchange})",
         f"a start-up allowance of {format_duration(STARTUP_S)} (loading the models, building the optimizer: not "
         "measured)",
@@ -4493,8 +4506,9 @@ def _latent_cache_text(req: Request, best: Candidate, fitting: list[Candidate]) 
     flipped = _with(s, cache_latents=not s.cache_latents)
     twin = next((c for c in fitting if c.setup == flipped), None)
     seen = best.steps.images_seen
+    each, them = (f"each of the {req.images} images", "them") if req.images != 1 else ("the 1 image", "it")
     once = (
-        f"the VAE encodes each of the {req.images} images once (repeats and epochs reuse the cached latents) "
+        f"the VAE encodes {each} once (repeats and epochs reuse the cached latents) "
         f"instead of all {seen} images the steps see"
     )
     if s.cache_latents:
@@ -4507,8 +4521,8 @@ def _latent_cache_text(req: Request, best: Candidate, fitting: list[Candidate]) 
             how = f"{format_duration(saved)} faster ({saved / twin.seconds:.0%})"
         elif seen == req.images:
             return (
-                f"latents cached: each of the {req.images} images is seen once, so no faster than encoding them "
-                "every step, but the VAE leaves the GPU (less VRAM; random flips and crops are cached per epoch)"
+                f"latents cached: {each} is seen once, so no faster than encoding {them} every step, but the VAE "
+                "leaves the GPU (less VRAM; random flips and crops are cached per epoch)"
             )
         else:
             return (
@@ -4523,7 +4537,7 @@ def _latent_cache_text(req: Request, best: Candidate, fitting: list[Candidate]) 
     diff = twin.seconds - best.seconds
     if abs(diff) < 0.5:
         if seen == req.images:
-            return f"latents not cached: each of the {req.images} images is seen once, so caching would save no time"
+            return f"latents not cached: {each} is seen once, so caching would save no time"
         return f"latents not cached: caching would {'cost' if diff >= 0 else 'save'} under 0.5 s ({once})"
     if diff > 0:
         return f"latents not cached: caching would take {format_duration(diff)} longer ({once})"

@@ -569,7 +569,7 @@ def recommend(
                 f"--gpus {inp.gpus}: this machine has no GPU",
                 fix=f'plan for GPUs it does not have with --hardware "{inp.gpus}x RTX 4090" (any GPU name)',
             )
-        raise UsageError(f"--gpus {inp.gpus}: this hardware has {hw.count} GPU(s)")
+        raise UsageError(f"--gpus {inp.gpus}: this hardware has {planner.count_text(hw.count, 'GPU')}")
     res = planner.plan(hw, profiles, req)
     if strict and res.pin_conflicts:
         raise UsageError(res.pin_conflicts[0])
@@ -865,15 +865,18 @@ def render(d: dict, res: planner.Result, console) -> None:
         if res.speedup_vs_one_gpu and d["plan"]["num_gpus"] > 1:  # unrounded: the reasons' own figure
             t.add_row("vs one GPU", planner.speed_ratio_text(res.speedup_vs_one_gpu))
         whole = st["images_per_epoch"] * st["epochs"]
+        count = planner.count_text
+        per_epoch, images_seen = count(st["images_per_epoch"], "image"), count(st["images_seen"], "image")
         seen = (
-            f"{st['images_per_epoch']} images/epoch x {st['epochs']} epochs = {st['images_seen']} images seen"
+            f"{per_epoch}/epoch x {count(st['epochs'], 'epoch')} = {images_seen} seen"
             if whole == st["images_seen"]  # training.max_steps can stop inside the last epoch
-            else f"{st['images_per_epoch']} images/epoch, {st['images_seen']} images seen ({st['epochs']} epochs, "
-            "the last cut short by training.max_steps)"
+            else f"{per_epoch}/epoch, {images_seen} seen ({count(st['epochs'], 'epoch')}, the last cut short by "
+            "training.max_steps)"
         )
         t.add_row(
             "steps",
-            f"{seen}; {st['steps_per_epoch']} steps/epoch, {st['total_steps']} optimizer steps per process",
+            f"{seen}; {count(st['steps_per_epoch'], 'step')}/epoch, {count(st['total_steps'], 'optimizer step')} per "
+            "process",
         )
         console.print(t)
     else:

@@ -1051,3 +1051,24 @@ def test_the_headline_time_and_the_run_time_reason_say_the_same():
     said = row.split()[1:3]  # "78 s" / "1 min 48 s" start alike
     (reason,) = [line for line in r.stdout.splitlines() if line.strip().startswith("- run time ")]
     assert reason.strip().startswith(f"- run time {' '.join(said)}"), (row, reason)
+
+
+def test_counts_of_one_are_singular():
+    """One image, one epoch, one step: the plan said "1 images/epoch x 1 epochs = 1 images seen; 1 steps/epoch",
+    "1 steps per epoch", "up to 1 images twice an epoch", "1 micro-batches" and, after a single pin, "(planned
+    around them)"."""
+    args = ("--method", "lora", "--hardware", "8x H100 SXM", "--images", "1", "--epochs", "1")
+    r = run(*args, "distributed.num_processes=2")
+    assert r.exit_code == 0, r.output
+    flat = " ".join(r.stdout.split())
+    assert "1 image/epoch x 1 epoch = 1 image seen; 1 step/epoch, 1 optimizer step per process" in flat, flat
+    assert "pinned: distributed.num_processes=2 (planned around it)" in flat
+    assert "up to 1 image twice an epoch" in flat and "= 1 step per epoch" in flat, flat
+    assert not re.search(r"\b1 (images|epochs|steps|micro-batches)\b", flat), flat
+    r = run(
+        *args[:3], "RTX 4090", "--images", "1", "training.max_steps=1", "training.batch_size=1",
+        "training.grad_accum=1", "--json",
+    )  # fmt: skip
+    reasons = " ".join(json.loads(r.stdout)["reasons"])
+    assert "(planned around them)" in reasons and "pinned: 1 step of batch 1" in reasons, reasons
+    assert not re.search(r"\b1 (images|epochs|steps|micro-batches)\b", reasons), reasons
