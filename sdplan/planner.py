@@ -3324,6 +3324,14 @@ def _gib(x: float) -> str:
     return f"{x / GiB:.1f} GiB"
 
 
+def _size(x: float) -> str:
+    """Bytes in GiB (:func:`_gib`) from 1 GiB, in MiB below it: a LoRA's weights and their all-reduce read
+    "0.0 GiB"."""
+    if x >= GiB:
+        return _gib(x)
+    return f"{x / 2**20:.0f} MiB" if x >= 2**20 else "under 1 MiB"
+
+
 def final_grid_fits(m: Memory, vram_bytes: int) -> bool:
     """Whether the trainer's sample grid (after the weights are written; mid-run with sampling.every_steps)
     fits beside the training state. Fit decisions use the step's peak: the final grid is made after the export
@@ -3337,7 +3345,7 @@ def breakdown_text(m: Memory, s: Settings | None = None) -> str:
     the sum; each peak is the largest of the phases, not the sum of everything. ``s``: the settings, for what
     frees the gradients (DeepSpeed without offload lets go of them before its step: step_allocated_bytes)."""
     parts = {k: v for k, v in m.parts().items() if v > 0}
-    text = ", ".join(f"{k.replace('_', ' ')} {_gib(v)}" for k, v in parts.items())
+    text = ", ".join(f"{k.replace('_', ' ')} {_size(v)}" for k, v in parts.items())
     total = sum(parts.values())
     step = m.step_peak or m.peak
     if _gib(total) != _gib(step):  # as shown: "add up to 11.2 GiB, not the step's 11.2 GiB" says nothing
@@ -4799,7 +4807,7 @@ def _measured_rate_text(m: Any) -> str:
 
 def _comm_text(profiles: Profiles, s: Settings, link: str) -> str:
     """What the GPUs exchange each step (:func:`comm_seconds`), in words."""
-    moved = _gib(gradient_bytes(profiles, s))
+    moved = _size(gradient_bytes(profiles, s))
     if s.deepspeed:
         return (
             f"the {moved} of gradients reduce-scattered every micro-step and of weights all-gathered every "
@@ -5561,8 +5569,9 @@ def _flow_full_reasons(best: Candidate) -> list[str]:
         )
     return [
         f"the whole {s.model} transformer trains ({m.trainable_params / 1e9:.2f}B parameters): weights "
-        f"{_gib(m.weights)} in {where}, gradients {_gib(m.gradients)}, {s.optimizer} state {_gib(m.optimizer)}; "
-        "the bundled trainer has no quantized base or block swap for the full methods (LoRA only), and the "
+        f"{_size(m.weights)} in {where}, gradients {_size(m.gradients)}"
+        + (f", {s.optimizer} state {_size(m.optimizer)}" if m.optimizer else "")  # offloaded: in host RAM
+        + "; the bundled trainer has no quantized base or block swap for the full methods (LoRA only), and the "
         "text encoders stay frozen"
     ]
 
