@@ -4515,9 +4515,10 @@ def _latent_cache_text(req: Request, best: Candidate, fitting: list[Candidate]) 
     twin = next((c for c in fitting if c.setup == flipped), None)
     seen = best.steps.images_seen
     each, them = (f"each of the {req.images} images", "them") if req.images != 1 else ("the 1 image", "it")
-    once = (
-        f"the VAE encodes {each} once (repeats and epochs reuse the cached latents) "
-        f"instead of all {seen} images the steps see"
+    once = f"the VAE encodes {each} once" + (
+        f" (repeats and epochs reuse the cached latents) instead of all {seen} images the steps see"
+        if seen != req.images
+        else ""  # each seen once: as many as the steps see
     )
     if s.cache_latents:
         if twin is None:

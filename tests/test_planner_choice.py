@@ -73,6 +73,16 @@ def test_latent_cache_saving_little_is_not_said_to_be_for_images_seen_once(prof)
     assert "seen once" not in why and "instead of all 21 images" in why and "under 0.5 s" in why
 
 
+def test_latent_cache_reason_names_no_images_seen_beside_the_same_images(prof):
+    """FLUX.1 LoRA over one image for one epoch on an RTX 4090, where the plan needs the cache: "the VAE
+    encodes each of the 1 images once (repeats and epochs reuse the cached latents) instead of all 1 images the
+    steps see"."""
+    res = _plan(prof, "RTX 4090", method="lora", model="flux-dev", images=1, epochs=1)
+    why = _latent_reason(res)
+    assert why.startswith("latents cached: the VAE encodes the 1 image once: without caching"), why
+    assert "instead of" not in why and "1 images" not in why, why
+
+
 def test_fp32_master_weights_preference_is_said_with_its_cost(prof):
     """A 16 GB RTX 4060 Ti DreamBooth plan keeps fp32 master weights; full bf16 would be faster and fit: the
     reasons say so with the planner's own figure, and do not call the plan the fastest that fits. (On a 12 GB
