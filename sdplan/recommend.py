@@ -958,7 +958,8 @@ def compare_caption(rows: list[tuple[str, dict, planner.Result]]) -> str:
     res = rows[0][2]
     req = res.request
     per_epoch = req.images_per_epoch or req.images * req.repeats
-    what = f"{per_epoch} images" + (f" ({req.images} x {req.repeats} repeats)" if req.repeats > 1 else "")
+    count = planner.count_text
+    what = count(per_epoch, "image") + (f" ({req.images} x {req.repeats} repeats)" if req.repeats > 1 else "")
     if req.max_steps:
         # the steps are set: the epochs and images seen are each plan's, by its global batch
         seen = sorted({(r.steps.images_seen, r.steps.epochs) for _, _, r in rows if r.plan is not None})
@@ -972,13 +973,15 @@ def compare_caption(rows: list[tuple[str, dict, planner.Result]]) -> str:
                 f"{each}; over {what} per epoch"
             )
         else:
-            text = f"times: {req.max_steps} optimizer steps (training.max_steps) over {what} per epoch"
+            text = (
+                f"times: {count(req.max_steps, 'optimizer step')} (training.max_steps) over {what} per epoch"
+            )
         if len(seen) == 1:
-            text += f": {seen[0][0]} images seen ({seen[0][1]} epochs)"
+            text += f": {count(seen[0][0], 'image')} seen ({count(seen[0][1], 'epoch')})"
         elif seen:
             text += f": {seen[0][0]}-{seen[-1][0]} images seen, by each option's global batch"
     else:
-        text = f"times: {what} per epoch x {req.epochs} epochs"
+        text = f"times: {what} per epoch x {count(req.epochs, 'epoch')}"
     if any(r.startswith(NO_DATASET_NOTE) for r in res.reasons):
         text += f" (planned for {DEFAULT_IMAGES} images: pass --images N or --dataset DIR for your run's)"
     classes = planner.sampled_images(req, res.steps).classes  # the same in each option: generated first

@@ -1072,3 +1072,16 @@ def test_counts_of_one_are_singular():
     reasons = " ".join(json.loads(r.stdout)["reasons"])
     assert "(planned around them)" in reasons and "pinned: 1 step of batch 1" in reasons, reasons
     assert not re.search(r"\b1 (images|epochs|steps|micro-batches)\b", reasons), reasons
+
+
+def test_the_compare_caption_says_counts_of_one_in_the_singular():
+    """`--compare` over one image said "times: 1 images per epoch x 1 epochs" and "1 optimizer steps ... 1 images
+    seen (1 epochs)"."""
+    r = run("--method", "lora", "--images", "1", "--epochs", "1", "--compare", "RTX 4090,H100 SXM")
+    assert r.exit_code == 0, r.output
+    assert "times: 1 image per epoch x 1 epoch" in " ".join(r.stdout.split()), r.stdout
+    r = run("--method", "lora", "--images", "1", "training.max_steps=1", "--compare", "RTX 4090,H100 SXM")
+    flat = " ".join(r.stdout.split())
+    assert (
+        "times: 1 optimizer step (training.max_steps) over 1 image per epoch: 1 image seen (1 epoch)" in flat
+    )
