@@ -3179,6 +3179,14 @@ def _batch_cap_text(req: Request, s: Settings) -> str:
     if req.pinned("batch") or s.batch * 2 * s.num_gpus <= req.images:
         return ""
     gpus = f" x {s.num_gpus} GPUs" if s.num_gpus > 1 else ""
+    if (
+        s.batch * s.num_gpus > req.images
+    ):  # batch 1 on more GPUs than images (a pinned count): over it already
+        return (
+            f"; no larger batch was tried: batch {s.batch}{gpus} already exceeds the {req.images} distinct "
+            "images, so a step holds an image twice, and a larger batch would hold more twice (pin "
+            "training.batch_size to go past it)"
+        )
     return (
         f"; no larger batch was tried: batch {s.batch * 2}{gpus} would exceed the {req.images} distinct images, "
         "so a step would hold an image twice (pin training.batch_size to go past it)"
@@ -3390,6 +3398,14 @@ def _gib(x: float) -> str:
     return f"{x / GiB:.1f} GiB"
 
 
+def _size(x: float) -> str:
+    """Bytes in GiB (:func:`_gib`) from 1 GiB, in MiB below it: a LoRA's weights and their all-reduce read
+    "0.0 GiB"."""
+    if x >= GiB:
+        return _gib(x)
+    return f"{x / 2**20:.0f} MiB" if x >= 2**20 else "under 1 MiB"
+
+
 def final_grid_fits(m: Memory, vram_bytes: int) -> bool:
     """Whether the trainer's sample grid (after the weights are written; mid-run with sampling.every_steps)
     fits beside the training state. Fit decisions use the step's peak: the final grid is made after the export
@@ -3403,7 +3419,7 @@ def breakdown_text(m: Memory, s: Settings | None = None) -> str:
     the sum; each peak is the largest of the phases, not the sum of everything. ``s``: the settings, for what
     frees the gradients (DeepSpeed without offload lets go of them before its step: step_allocated_bytes)."""
     parts = {k: v for k, v in m.parts().items() if v > 0}
-    text = ", ".join(f"{k.replace('_', ' ')} {_gib(v)}" for k, v in parts.items())
+    text = ", ".join(f"{k.replace('_', ' ')} {_size(v)}" for k, v in parts.items())
     total = sum(parts.values())
     step = m.step_peak or m.peak
     if _gib(total) != _gib(step):  # as shown: "add up to 11.2 GiB, not the step's 11.2 GiB" says nothing
@@ -3438,8 +3454,19 @@ def format_range(value: float, rng: tuple[float, float], unit: str = "GiB") -> s
 
 
 def format_duration(seconds: float) -> str:
+    """A duration in words: tenths under a second, seconds under 90, minutes and seconds under 10 minutes (a
+    ratio said beside two times must read true of them: 108 s was "2 min"), then minutes, then hours. Taken
+    to the tenth first, as the JSON's seconds are, so a time and that figure read back say the same."""
+    seconds = round(seconds, 1)
+    if seconds < 0.1:
+        return "under 0.1 s"
+    if seconds < 1:
+        return f"{seconds:.1f} s"
     if seconds < 90:
         return f"{seconds:.0f} s"
+    if seconds < 600:
+        minutes, rest = divmod(round(seconds), 60)
+        return f"{minutes} min {rest} s" if rest else f"{minutes} min"
     if seconds < 5400:
         return f"{seconds / 60:.0f} min"
     return f"{seconds / 3600:.1f} h"
@@ -3506,7 +3533,8 @@ def pin_conflicts(req: Request, hw: Hardware) -> list[str]:
     limit = min(hw.count, req.max_gpus or hw.count)
     if n is not None and n > limit:
         out.append(
-            f"distributed.num_processes={n}: this hardware has {limit} usable GPU(s) (use at most {limit})"
+            f"distributed.num_processes={n}: this hardware has {count_text(limit, 'usable GPU')} (use at most "
+            f"{limit})"
         )
     elif n is not None and n > (
         most := max(sum(g.vendor == v for g in hw.gpus) for v in {g.vendor for g in hw.gpus})
@@ -3533,7 +3561,8 @@ def pin_conflicts(req: Request, hw: Hardware) -> list[str]:
             out.append(f"distributed.gpu_ids={list(ids)}: more GPUs than the {limit} allowed (--gpus)")
         if n is not None and n != len(ids):
             out.append(
-                f"distributed.gpu_ids={list(ids)} lists {len(ids)} GPU(s) but distributed.num_processes={n}: "
+                f"distributed.gpu_ids={list(ids)} lists {count_text(len(ids), 'GPU')} but "
+                f"distributed.num_processes={n}: "
                 "give as many of each"
             )
     base = req.pin("base_precision")
@@ -3748,7 +3777,10 @@ def plan(hardware: Hardware | Any, profiles: Profiles, request: Request) -> Resu
     cal = calibrate_for(profiles, hardware)
     reasons: list[str] = list(hardware.notes)
     if req.pins:
-        reasons.append("pinned: " + ", ".join(pin_text(k, v) for k, v in req.pins) + " (planned around them)")
+        them = "it" if len(req.pins) == 1 else "them"
+        reasons.append(
+            "pinned: " + ", ".join(pin_text(k, v) for k, v in req.pins) + f" (planned around {them})"
+        )
     one_steps = _steps(req, 1, 1, 1)
 
     if not hardware.gpus:
@@ -3822,6 +3854,7 @@ def plan(hardware: Hardware | Any, profiles: Profiles, request: Request) -> Resu
             cal,
             profiles,
             pace_gpu(profiles, best.setup, used, cal, set_link(hardware, used)[1])[0].spec,
+            smallest_gpu(used).memory_bytes,
         )
     alternatives = tuple(sorted(best_by_n.values(), key=lambda c: c.setup.num_gpus))
     return Result(
@@ -4264,27 +4297,41 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
                 f"{format_range(c.memory.peak, c.peak_range)}, its upper end over the card's {_gib(vram)}"
             )
     st = best.steps
-    # where a max_steps run stops inside an epoch of aspect buckets (each ends in a short batch), full batches
-    # are the most its steps see
-    seen = (
-        f"up to {st.images_seen}"
-        if req.max_steps and len(req.bucket_samples) > 1 and st.total_steps % max(1, st.steps_per_epoch)
-        else f"{st.images_seen}"
-    )
+
+    def seen_text(x: Steps, noun: str = "") -> str:
+        # where a max_steps run stops inside an epoch of aspect buckets (each ends in a short batch), full
+        # batches are the most its steps see
+        n = count_text(x.images_seen, noun) if noun else f"{x.images_seen}"
+        if req.max_steps and len(req.bucket_samples) > 1 and x.total_steps % max(1, x.steps_per_epoch):
+            return f"up to {n}"
+        return n
+
+    seen = seen_text(st)
     if s.num_gpus > 1 and req.max_steps:
+        alone = _steps(req, s.batch, s.grad_accum, 1)
+        on_one = (
+            f"{count_text(req.max_steps, 'step')} of batch {s.batch} x accumulation {s.grad_accum} on one GPU"
+        )
         r.append(
             f"steps: training.max_steps {req.max_steps}, pinned, counts one process's steps: {st.total_steps} on "
-            f"each of the {s.num_gpus} GPUs, {seen} images seen, as {req.max_steps} steps of batch "
-            f"{s.batch} x accumulation {s.grad_accum} on one GPU; with the steps set, each GPU count sees its own "
-            "images: two counts are weighed by their times for the images the one with more GPUs sees (the "
-            "other's steps scaled to them, its start-up as it is)"
+            f"each of the {s.num_gpus} GPUs, {seen_text(st, 'image')} seen"
+            + (
+                f", as {on_one}"
+                if alone.images_seen == st.images_seen
+                else f"; {on_one} would see {seen_text(alone)} (an epoch's "
+                f"{count_text(st.images_per_epoch, 'image')} {'is' if st.images_per_epoch == 1 else 'are'} "
+                f"{count_text(st.steps_per_epoch, 'step')} on each of "
+                f"the {s.num_gpus} GPUs, {alone.steps_per_epoch} on one)"
+            )
+            + "; with the steps set, each GPU count sees its own images: two counts are weighed by their times "
+            "for the images the one with more GPUs sees (the other's steps scaled to them, its start-up as it is)"
         )
     elif s.num_gpus > 1:
         r.append(
-            f"{s.num_gpus} GPUs: steps normalised so the run trains what was asked: {st.images_per_epoch} images per "
-            f"epoch / (batch {s.batch} x accumulation {s.grad_accum} x {s.num_gpus} GPUs) = {st.steps_per_epoch} "
-            f"steps per epoch, {st.total_steps} in all (one GPU: {st.one_gpu_total_steps}); images seen "
-            f"{st.images_seen} either way"
+            f"{s.num_gpus} GPUs: steps normalised so the run trains what was asked: "
+            f"{count_text(st.images_per_epoch, 'image')} per epoch / (batch {s.batch} x accumulation "
+            f"{s.grad_accum} x {s.num_gpus} GPUs) = {count_text(st.steps_per_epoch, 'step')} per epoch, "
+            f"{st.total_steps} in all (one GPU: {st.one_gpu_total_steps}); images seen {st.images_seen} either way"
             + (
                 " (the batches dealt again below aside)"
                 if repeated_batches(st.images_per_epoch, s.batch, s.num_gpus, req.bucket_samples)
@@ -4294,10 +4341,17 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
             + "; warmup and LR schedule count these steps"
         )
     elif req.max_steps:
+        full, part = divmod(st.images_seen, st.images_per_epoch)
+        if not part:
+            epochs = f"{count_text(full, 'epoch')} of {st.images_per_epoch}"
+        elif not full:
+            epochs = f"{part} of an epoch's {st.images_per_epoch}"
+        else:
+            epochs = f"{count_text(full, 'epoch')} of {st.images_per_epoch} and {part} of the next"
         r.append(
-            f"steps: training.max_steps {req.max_steps}, pinned: {st.total_steps} steps of batch {s.batch} x "
-            f"accumulation {s.grad_accum}; images seen {seen} ({st.epochs} epoch(s) of "
-            f"{st.images_per_epoch}); with the steps set, the plan is the one that trains fastest per image seen"
+            f"steps: training.max_steps {req.max_steps}, pinned: {count_text(st.total_steps, 'step')} of batch "
+            f"{s.batch} x accumulation {s.grad_accum}; images seen {seen} ({epochs}); with the steps set, the plan "
+            "is the one that trains fastest per image seen"
             + (
                 " (another GPU count is weighed by the time for the images the one with more GPUs sees)"
                 if hw.count > 1
@@ -4308,16 +4362,17 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
         n = len(req.bucket_samples)
         buckets = f" in {n} aspect buckets (each ends in a short batch)" if n > 1 else ""
         r.append(
-            f"steps: {st.images_per_epoch} images per epoch{buckets} / (batch {s.batch} x accumulation "
-            f"{s.grad_accum}) = {st.steps_per_epoch} per epoch x {st.epochs} epochs = {st.total_steps}; images "
-            f"seen {st.images_seen}"
+            f"steps: {count_text(st.images_per_epoch, 'image')} per epoch{buckets} / (batch {s.batch} x "
+            f"accumulation {s.grad_accum}) = {st.steps_per_epoch} per epoch x {count_text(st.epochs, 'epoch')} = "
+            f"{st.total_steps}; images seen {st.images_seen}"
         )
     reaches_last_round = s.num_gpus > 1 and st.total_steps >= st.steps_per_epoch  # max_steps may stop before
     if reaches_last_round and (
         repeats := repeated_batches(st.images_per_epoch, s.batch, s.num_gpus, req.bucket_samples)
     ):
         r.append(
-            f"{s.num_gpus} GPUs: an epoch's {st.images_per_epoch} images do not make a batch for every GPU in its "
+            f"{s.num_gpus} GPUs: an epoch's {count_text(st.images_per_epoch, 'image')} "
+            f"{'does' if st.images_per_epoch == 1 else 'do'} not make a batch for every GPU in its "
             f"last round: " + repeated_batches_text(repeats, s.batch, None if req.max_steps else st.epochs)
         )
     if hw.count > 1:
@@ -4372,7 +4427,8 @@ def run_time_parts_text(c: Candidate) -> str:
         else ""
     )
     parts = [
-        f"{c.steps.micro_batches} micro-batches of {c.step_seconds:.2f} s "
+        f"{c.steps.micro_batches} micro-batch{'' if c.steps.micro_batches == 1 else 'es'} of "
+        f"{c.step_seconds:.2f} s "
         f"({format_duration(c.seconds - c.fixed_seconds)}{exchange})",
         f"a start-up allowance of {format_duration(STARTUP_S)} (loading the models, building the optimizer: not "
         "measured)",
@@ -4479,6 +4535,18 @@ def _adamw_text(best: Candidate, fitting: list[Candidate]) -> str:
     name = _OPT_NAMES[s.optimizer]
     adamw = [c for c in fitting if c.setup.optimizer == "adamw" and c.setup.num_gpus == s.num_gpus]
     same = [c for c in adamw if _tier(c) == _tier(best)]
+    if same and not best.safe:  # nothing within its upper end: the plans most likely to fit are weighed
+        likely = {id(c) for c in _most_likely_to_fit(fitting)}
+        if not any(id(c) in likely for c in same):
+            low = min(same, key=_required)
+            least = min(_required(c) for c in fitting)
+            return (
+                f"no AdamW plan is as likely to fit: the leanest ({_batch_words(low.setup)}) needs "
+                f"{_gib(_required(low))} of GPU memory, {name}'s plan {_gib(_required(best))} ({FIT_RULE_TEXT}); "
+                "where no configuration fits the card by that rule, the plan is taken from those within "
+                f"{OVERRUN_TIE:.0%} of the least need ({_gib(least)}), and pinning memory.optimizer=adamw plans AdamW"
+            )
+        same = [c for c in same if id(c) in likely]
     if not same:
         if not adamw:
             return "AdamW does not fit"
@@ -4521,6 +4589,19 @@ def _adamw_text(best: Candidate, fitting: list[Candidate]) -> str:
     )
 
 
+def percent_digits(share: float, limit: float) -> int:
+    """The decimals (up to 3) that say ``share`` as a percentage on the side of ``limit`` it lies on: a share a
+    rule took as over its limit must not read as equal to it, nor one it rejected (4.04% beside "more than 4%",
+    not "4%"; 4.6% beside "must save 5%", not "5%")."""
+    digits = 0
+    while digits < 3:
+        said, bar = round(share * 100, digits), round(limit * 100, digits)
+        if share == limit or (said > bar if share > limit else said < bar):
+            break
+        digits += 1
+    return digits
+
+
 def _adamw_gain_text(best: Candidate, aw: Candidate, limit: float) -> str:
     """How much faster ``best`` trains its images than the AdamW plan ``aw`` would (:func:`speedup`, as the
     multi-GPU lines say it). Where both see the same images (epochs) it is their run times' ratio (:func:`_key`
@@ -4530,9 +4611,7 @@ def _adamw_gain_text(best: Candidate, aw: Candidate, limit: float) -> str:
     steps are scaled to the plan's images."""
     same = aw.steps.images_seen == best.steps.images_seen
     gain = _key_seconds(aw) / _key_seconds(best) - 1  # the figure the rule compared (_key)
-    digits = 0
-    while digits < 3 and 0 < round(gain * 100, digits) <= round(limit * 100, digits):
-        digits += 1
+    digits = percent_digits(gain, limit)
     # said where they weigh: DreamBooth's class images (the final grid alone is seconds)
     once = (
         " (less the class images and final grid)" if best.sampling_once_seconds >= 0.05 * best.seconds else ""
@@ -4576,9 +4655,11 @@ def _latent_cache_text(req: Request, best: Candidate, fitting: list[Candidate]) 
     flipped = _with(s, cache_latents=not s.cache_latents)
     twin = next((c for c in fitting if c.setup == flipped), None)
     seen = best.steps.images_seen
-    once = (
-        f"the VAE encodes each of the {req.images} images once (repeats and epochs reuse the cached latents) "
-        f"instead of all {seen} images the steps see"
+    each, them = (f"each of the {req.images} images", "them") if req.images != 1 else ("the 1 image", "it")
+    once = f"the VAE encodes {each} once" + (
+        f" (repeats and epochs reuse the cached latents) instead of all {seen} images the steps see"
+        if seen != req.images
+        else ""  # each seen once: as many as the steps see
     )
     if s.cache_latents:
         if twin is None:
@@ -4588,10 +4669,15 @@ def _latent_cache_text(req: Request, best: Candidate, fitting: list[Candidate]) 
         elif twin.seconds - best.seconds >= 0.5:
             saved = twin.seconds - best.seconds
             how = f"{format_duration(saved)} faster ({saved / twin.seconds:.0%})"
+        elif seen == req.images:
+            return (
+                f"latents cached: {each} is seen once, so no faster than encoding {them} every step, but the VAE "
+                "leaves the GPU (less VRAM; random flips and crops are cached per epoch)"
+            )
         else:
             return (
-                f"latents cached: each of the {req.images} images is seen once, so no faster than encoding them "
-                "every step, but the VAE leaves the GPU (less VRAM; random flips and crops are cached per epoch)"
+                f"latents cached: {once}: {'saves' if twin.seconds >= best.seconds else 'costs'} under 0.5 s, "
+                "but the VAE leaves the GPU (less VRAM; random flips and crops are cached per epoch)"
             )
         return f"latents cached: {once}: {how} (less VRAM; random flips and crops are cached per epoch)"
     if twin is None:
@@ -4600,9 +4686,9 @@ def _latent_cache_text(req: Request, best: Candidate, fitting: list[Candidate]) 
         return "latents not cached"
     diff = twin.seconds - best.seconds
     if abs(diff) < 0.5:
-        return (
-            f"latents not cached: each of the {req.images} images is seen once, so caching would save no time"
-        )
+        if seen == req.images:
+            return f"latents not cached: {each} is seen once, so caching would save no time"
+        return f"latents not cached: caching would {'cost' if diff >= 0 else 'save'} under 0.5 s ({once})"
     if diff > 0:
         return f"latents not cached: caching would take {format_duration(diff)} longer ({once})"
     return f"latents not cached: caching would be {format_duration(-diff)} faster, but it has {_tier_text(twin, best)}"
@@ -4668,10 +4754,11 @@ def _multi_gpu_reasons(
             run = "the run"
             if c.seconds and c.sampling_once_seconds >= SAMPLING_SHOWN * c.seconds:
                 run = f"the run less {_one_off_sampling_words(req, c)}"
+            saved = max(gain, 0.0)
             saves = (
                 f"{run} could be {-gain * 100:.0f}% slower"
                 if gain * 100 <= -0.5
-                else f"it saves {max(gain, 0.0) * 100:.0f}% of {run}"
+                else f"it saves {saved * 100:.{percent_digits(saved, MIN_MULTI_GPU_GAIN)}f}% of {run}"
             )
             why = (
                 f"predicted {ratio_than_text(ahead, than)}: within the time uncertainty (with the steps at "
@@ -4862,7 +4949,7 @@ def _measured_rate_text(m: Any) -> str:
 
 def _comm_text(profiles: Profiles, s: Settings, link: str) -> str:
     """What the GPUs exchange each step (:func:`comm_seconds`), in words."""
-    moved = _gib(gradient_bytes(profiles, s))
+    moved = _size(gradient_bytes(profiles, s))
     if s.deepspeed:
         return (
             f"the {moved} of gradients reduce-scattered every micro-step and of weights all-gathered every "
@@ -5540,13 +5627,14 @@ def _flow_reasons(
     cal: Calibration,
     profiles: Profiles,
     spec: GPUSpec | None,
+    vram: int,
 ) -> list[str]:
     s = best.setup
     model = profiles.model(s.model)
     r = (
         _flow_full_reasons(best)
         if s.method in FULL_METHODS
-        else _flow_base_reasons(req, best, fitting, profiles)
+        else _flow_base_reasons(req, best, fitting, profiles, vram)
     )
     te = _gib(model.text_encoder_params * 2.0)
     if not s.cache_text_encoder_outputs:
@@ -5613,23 +5701,28 @@ def _flow_reasons(
 def _flow_full_reasons(best: Candidate) -> list[str]:
     """What a full fine-tune / DreamBooth of a transformer family holds, in words."""
     s, m = best.setup, best.memory
-    where = "bf16 (training.full_half_weights)" if s.full_half_weights else "fp32 master copies"
+    half = s.precision if _half(s.precision) else "fp32"  # DeepSpeed's weights: the training dtype
+    where = f"{half} (training.full_half_weights)" if s.full_half_weights else "fp32 master copies"
     if s.offload:
-        where = "bf16 on the GPU, fp32 masters and optimizer state in host RAM (DeepSpeed)"
+        where = f"{half} on the GPU, fp32 masters and optimizer state in host RAM (DeepSpeed)"
     elif s.sharded:
-        where = f"bf16 on every GPU, fp32 masters and optimizer state split over the {s.num_gpus} (DeepSpeed)"
+        where = (
+            f"{half} on every GPU, fp32 masters and optimizer state split over the {s.num_gpus} (DeepSpeed)"
+        )
     return [
         f"the whole {s.model} transformer trains ({m.trainable_params / 1e9:.2f}B parameters): weights "
-        f"{_gib(m.weights)} in {where}, gradients {_gib(m.gradients)}, {s.optimizer} state {_gib(m.optimizer)}; "
-        "the bundled trainer has no quantized base or block swap for the full methods (LoRA only), and the "
+        f"{_size(m.weights)} in {where}, gradients {_size(m.gradients)}"
+        + (f", {s.optimizer} state {_size(m.optimizer)}" if m.optimizer else "")  # offloaded: in host RAM
+        + "; the bundled trainer has no quantized base or block swap for the full methods (LoRA only), and the "
         "text encoders stay frozen"
     ]
 
 
 def _flow_base_reasons(
-    req: Request, best: Candidate, fitting: list[Candidate], profiles: Profiles
+    req: Request, best: Candidate, fitting: list[Candidate], profiles: Profiles, vram: int
 ) -> list[str]:
-    """The LoRA's frozen base: its storage precision and block swap, in words."""
+    """The LoRA's frozen base: its storage precision and block swap, in words (``vram``: the smallest card's
+    bytes, which a bf16 base's caption pass is weighed against)."""
     s = best.setup
     model = profiles.model(s.model)
     dequant = dequant_seconds(profiles, s)
@@ -5650,7 +5743,17 @@ def _flow_base_reasons(
             c for c in fitting if c.setup.base_precision == "bf16" and c.setup.num_gpus == s.num_gpus
         ]
         instead = min(bf16_plans, key=_preference, default=None)
-        if instead is None:
+        as_bf16 = memory(profiles, _with(s, base_precision="bf16"))
+        if instead is None and as_bf16.text_cache_peak > HEADROOM * vram:
+            # the bf16 base keeps the text encoders in bf16 for the caption pass too (an fp8 base stores them in
+            # fp8: stored_text_encoder_bytes), and that pass, before the transformer is placed, is what overflows
+            why = (
+                f"the caption pass does not fit with the bf16 base: before training the text encoders in bf16 "
+                f"({_gib(stored_text_encoder_bytes(model, _with(s, base_precision='bf16')))}) and the VAE take "
+                f"{_gib(as_bf16.text_cache_peak)}, over {int(HEADROOM * 100)}% of {_gib(vram)} (the fp8 base stores "
+                f"the text encoders in fp8 for that pass: {_gib(stored_text_encoder_bytes(model, s))})"
+            )
+        elif instead is None:
             why = f"the bf16 base ({bf16_gib}) does not fit beside the rest"
         elif instead.seconds and best.seconds:
             why = (

@@ -575,7 +575,7 @@ def recommend(
                 f"--gpus {inp.gpus}: this machine has no GPU",
                 fix=f'plan for GPUs it does not have with --hardware "{inp.gpus}x RTX 4090" (any GPU name)',
             )
-        raise UsageError(f"--gpus {inp.gpus}: this hardware has {hw.count} GPU(s)")
+        raise UsageError(f"--gpus {inp.gpus}: this hardware has {planner.count_text(hw.count, 'GPU')}")
     res = planner.plan(hw, profiles, req)
     if strict and res.pin_conflicts:
         raise UsageError(res.pin_conflicts[0])
@@ -871,15 +871,18 @@ def render(d: dict, res: planner.Result, console) -> None:
         if res.speedup_vs_one_gpu and d["plan"]["num_gpus"] > 1:  # unrounded: the reasons' own figure
             t.add_row("vs one GPU", planner.speed_ratio_text(res.speedup_vs_one_gpu))
         whole = st["images_per_epoch"] * st["epochs"]
+        count = planner.count_text
+        per_epoch, images_seen = count(st["images_per_epoch"], "image"), count(st["images_seen"], "image")
         seen = (
-            f"{st['images_per_epoch']} images/epoch x {st['epochs']} epochs = {st['images_seen']} images seen"
+            f"{per_epoch}/epoch x {count(st['epochs'], 'epoch')} = {images_seen} seen"
             if whole == st["images_seen"]  # training.max_steps can stop inside the last epoch
-            else f"{st['images_per_epoch']} images/epoch, {st['images_seen']} images seen ({st['epochs']} epochs, "
-            "the last cut short by training.max_steps)"
+            else f"{per_epoch}/epoch, {images_seen} seen ({count(st['epochs'], 'epoch')}, the last cut short by "
+            "training.max_steps)"
         )
         t.add_row(
             "steps",
-            f"{seen}; {st['steps_per_epoch']} steps/epoch, {st['total_steps']} optimizer steps per process",
+            f"{seen}; {count(st['steps_per_epoch'], 'step')}/epoch, {count(st['total_steps'], 'optimizer step')} per "
+            "process",
         )
         console.print(t)
     else:
@@ -971,7 +974,8 @@ def compare_caption(rows: list[tuple[str, dict, planner.Result]]) -> str:
     res = rows[0][2]
     req = res.request
     per_epoch = req.images_per_epoch or req.images * req.repeats
-    what = f"{per_epoch} images" + (f" ({req.images} x {req.repeats} repeats)" if req.repeats > 1 else "")
+    count = planner.count_text
+    what = count(per_epoch, "image") + (f" ({req.images} x {req.repeats} repeats)" if req.repeats > 1 else "")
     if req.max_steps:
         # the steps are set: the epochs and images seen are each plan's, by its global batch
         seen = sorted({(r.steps.images_seen, r.steps.epochs) for _, _, r in rows if r.plan is not None})
@@ -985,13 +989,15 @@ def compare_caption(rows: list[tuple[str, dict, planner.Result]]) -> str:
                 f"{each}; over {what} per epoch"
             )
         else:
-            text = f"times: {req.max_steps} optimizer steps (training.max_steps) over {what} per epoch"
+            text = (
+                f"times: {count(req.max_steps, 'optimizer step')} (training.max_steps) over {what} per epoch"
+            )
         if len(seen) == 1:
-            text += f": {seen[0][0]} images seen ({seen[0][1]} epochs)"
+            text += f": {count(seen[0][0], 'image')} seen ({count(seen[0][1], 'epoch')})"
         elif seen:
             text += f": {seen[0][0]}-{seen[-1][0]} images seen, by each option's global batch"
     else:
-        text = f"times: {what} per epoch x {req.epochs} epochs"
+        text = f"times: {what} per epoch x {count(req.epochs, 'epoch')}"
     if any(r.startswith(NO_DATASET_NOTE) for r in res.reasons):
         text += f" (planned for {DEFAULT_IMAGES} images: pass --images N or --dataset DIR for your run's)"
     classes = planner.sampled_images(req, res.steps).classes  # the same in each option: generated first

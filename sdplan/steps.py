@@ -14,6 +14,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from sdplan.trainer.dataset_scan import count_of
+
 
 @dataclass(frozen=True)
 class Steps:
@@ -83,10 +85,10 @@ def repeated_batches_text(repeats: int, batch_size: int, epochs: int | None = No
     """What :func:`repeated_batches` means for a run, in the words `recommend` and `train` both print:
     ``epochs`` given (a run by epochs), the images that adds over the run."""
     first = "its first batch" if repeats == 1 else f"its first {repeats} batches"
-    more = f", about {repeats * batch_size * epochs} images more in all" if epochs else ""
+    more = f", about {count_of(repeats * batch_size * epochs, 'image')} more in all" if epochs else ""
     return (
-        f"accelerate gives every process a batch by training {first} again (up to {repeats * batch_size} "
-        f"images twice an epoch{more})"
+        f"accelerate gives every process a batch by training {first} again (up to "
+        f"{count_of(repeats * batch_size, 'image')} twice an epoch{more})"
     )
 
 

@@ -558,6 +558,22 @@ def test_a_quantized_base_says_what_the_bf16_base_would_cost(prof):
     assert "pin model.base_precision=bf16" in base
 
 
+def test_a_quantized_base_taken_for_the_caption_pass_says_so(prof):
+    """SD3.5 Medium LoRA on an RTX 3060 12GB takes the fp8 base, and the reason said "the bf16 base (4.6 GiB)
+    does not fit beside the rest"; pinned to bf16, what does not fit is the pass that encodes the captions
+    before training: the text encoders in bf16 (T5-XXL's ~9 GiB) and the VAE, which the fp8 base stores in fp8."""
+    r = _plan(prof, "RTX 3060 12GB", "sd35-medium", 1024, images=15, repeats=5)
+    assert r.plan.base_precision == "fp8" and r.plan.cache_text_encoder_outputs
+    (base,) = [x for x in r.reasons if x.startswith("base precision")]
+    assert "does not fit beside the rest" not in base and "the caption pass does not fit" in base, base
+    bf16 = P.memory(prof, replace(r.plan, base_precision="bf16"))
+    assert f"take {bf16.text_cache_peak / GiB:.1f} GiB, over 92% of 12.0 GiB" in base, base
+    q = _plan(
+        prof, "RTX 3060 12GB", "sd35-medium", 1024, images=15, repeats=5, pins=(("base_precision", "bf16"),)
+    )
+    assert not q.feasible
+
+
 @pytest.mark.parametrize("model", ["flux-dev", "sd35-large"])
 def test_the_grid_of_a_transformer_family_brings_back_the_vae_not_the_text_encoders(prof, model):
     """The trainer samples SD3.5 / FLUX.1 grids from the cached text-encoder outputs (trainer/flow.py), so the

@@ -259,6 +259,15 @@ def test_full_methods_never_plan_a_quantized_base_or_block_swap(prof):
     assert not r.feasible and "swaps blocks for LoRA only" in r.pin_conflicts[0]
 
 
+def test_the_whole_transformer_line_names_the_plans_precision(prof):
+    """SD3.5 Medium fine-tune on a T4 trains in fp16 (no bf16 in hardware) with DeepSpeed offload; the line said
+    'weights 4.2 GiB in bf16 on the GPU'."""
+    res = _plan(prof, "finetune", "sd35-medium", "T4", images=15, repeats=5)
+    assert res.plan.precision == "fp16" and res.plan.offload
+    (line,) = [r for r in res.reasons if r.startswith("the whole sd35-medium transformer trains")]
+    assert f"weights {res.memory.weights / GiB:.1f} GiB in fp16 on the GPU" in line and "bf16" not in line
+
+
 def test_text_encoder_training_and_textual_inversion_stay_refused(prof):
     r = _plan(prof, "finetune", "sd35-medium", "H100 SXM", pins=(("train_text_encoder", True),))
     assert not r.feasible and "encoders stay frozen" in r.pin_conflicts[0] and "\n" not in r.pin_conflicts[0]

@@ -64,6 +64,25 @@ def test_latent_cache_reason_when_each_image_is_seen_once(prof):
     assert "seen once" in _latent_reason(res)
 
 
+def test_latent_cache_saving_little_is_not_said_to_be_for_images_seen_once(prof):
+    """7 images over 3 epochs on an H100 are 21 images seen, and caching saves under 0.5 s; the reason said
+    'each of the 7 images is seen once'."""
+    res = _plan(prof, "H100 SXM", method="lora", model="sd15", images=7, repeats=1, epochs=3)
+    why = _latent_reason(res)
+    assert res.plan.cache_latents and res.steps.images_seen == 21
+    assert "seen once" not in why and "instead of all 21 images" in why and "under 0.5 s" in why
+
+
+def test_latent_cache_reason_names_no_images_seen_beside_the_same_images(prof):
+    """FLUX.1 LoRA over one image for one epoch on an RTX 4090, where the plan needs the cache: "the VAE
+    encodes each of the 1 images once (repeats and epochs reuse the cached latents) instead of all 1 images the
+    steps see"."""
+    res = _plan(prof, "RTX 4090", method="lora", model="flux-dev", images=1, epochs=1)
+    why = _latent_reason(res)
+    assert why.startswith("latents cached: the VAE encodes the 1 image once: without caching"), why
+    assert "instead of" not in why and "1 images" not in why, why
+
+
 def test_fp32_master_weights_preference_is_said_with_its_cost(prof):
     """A 16 GB RTX 4060 Ti DreamBooth plan keeps fp32 master weights; full bf16 would be faster and fit: the
     reasons say so with the planner's own figure, and do not call the plan the fastest that fits. (On a 12 GB
@@ -210,6 +229,19 @@ def test_optimizer_reason_where_adamw_fits_only_in_a_less_preferred_tier(prof):
         prof, "RTX 4060 Ti 16GB", method="dreambooth", model="sd15", pins=(("optimizer", "adamw"),)
     )
     assert pinned.plan.full_half_weights
+
+
+def test_optimizer_reason_where_the_plan_is_the_most_likely_to_fit_says_it_is_memory(prof):
+    """SDXL LoRA on an RTX 4060 (8 GB): nothing fits within its likely range, and Adafactor is taken because
+    its plan needs less memory than any AdamW plan. The reason said "AdamW fits too ..., but Adafactor makes the
+    run 0% faster; another optimizer than AdamW is taken only where it is more than 4% faster"."""
+    res = _plan(prof, "RTX 4060", method="lora", model="sdxl")
+    assert res.plan.optimizer == "adafactor" and not res.within_upper_bound
+    why = _optimizer_reason(res)
+    assert "AdamW fits too" not in why and "% faster" not in why, why
+    assert "no AdamW plan is as likely to fit" in why, why
+    need = float(re.search(r"needs ([\d.]+) GiB of GPU memory, Adafactor's plan ([\d.]+) GiB", why).group(1))
+    assert need > P.vram_required(res.memory.peak, res.peak_range) / 2**30, why
 
 
 def test_a_multi_gpu_plan_taken_for_its_tier_says_the_trade_with_one_gpu(prof):
@@ -456,6 +488,26 @@ def test_the_run_time_line_names_the_start_up_allowance_and_adds_up(prof):
     assert -0.01 < rest < 0.2 * res.seconds  # what is left is the latent cache's pass
     if rest >= 0.5:
         assert "caching the latents" in line
+
+
+def test_durations_under_ten_minutes_keep_the_resolution_their_ratios_need():
+    """108 s read "2 min" ("time 2 min (likely 73 s to 2 min)"; "1 GPU would take 2 min" beside a 75 s plan
+    said to be 1.26x faster), three steps of 0.16 s "(0 s)", and the headline formats the JSON's seconds (to the
+    tenth) where the reasons format the time itself: "78 s" above "run time 79 s"."""
+    assert P.format_duration(108) == "1 min 48 s" and P.format_duration(95) == "1 min 35 s"
+    assert P.format_duration(120.2) == "2 min" and P.format_duration(89.4) == "89 s"
+    assert P.format_duration(3 * 0.16) == "0.5 s" and P.format_duration(0.04) == "under 0.1 s"
+    assert P.format_duration(1800) == "30 min" and P.format_duration(7200) == "2.0 h"
+    for seconds in (78.54, 78.45, 0.55, 119.96):
+        assert P.format_duration(seconds) == P.format_duration(round(seconds, 1))
+
+
+def test_a_sub_second_part_of_the_run_time_is_not_said_as_0_s(prof):
+    """SD1.5 LoRA on 8 H100s over 7 images: 3 micro-batches of 0.16 s read "(0 s)"."""
+    hw = P.hardware_from_catalog(prof.find_gpu("H100 SXM"), 8)
+    req = P.Request(method="lora", model="sd15", images=7, epochs=3, pins=(("num_gpus", 8),))
+    (line,) = [r for r in P.plan(hw, prof, req).reasons if r.startswith("run time ")]
+    assert "(0 s)" not in line and re.search(r"micro-batches of 0\.\d\d s \(0\.\d s\)", line), line
 
 
 def test_fewer_gpus_under_max_steps_are_weighed_on_the_plans_images_in_their_lines(prof):

@@ -303,7 +303,7 @@ def test_pins_no_gpu_set_can_run_are_refused_naming_the_gpu(prof):
     res = plan(prof, machine(RTX4090, RTX3060), pins=(("gpu_ids", (5,)),))
     assert res.pin_conflicts and "has no GPU 5 (it has GPUs 0, 1" in res.pin_conflicts[0]
     res = plan(prof, machine(RTX4090, RTX3060), pins=(("gpu_ids", (0,)), ("num_gpus", 2)))
-    assert res.pin_conflicts and "lists 1 GPU(s) but distributed.num_processes=2" in res.pin_conflicts[-1]
+    assert res.pin_conflicts and "lists 1 GPU but distributed.num_processes=2" in res.pin_conflicts[-1]
 
 
 def test_nvidia_and_amd_gpus_never_train_together(prof):

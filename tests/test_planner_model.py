@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 from dataclasses import replace
 from functools import partial
@@ -284,6 +285,20 @@ def test_breakdown_says_when_the_parts_do_not_add_up(prof):
     kept = P.memory(prof, _lora(set_grads_to_none=False, optimizer="adamw8bit"))
     assert abs(sum(kept.parts().values()) - kept.peak) < 0.05 * GiB
     assert "not the step's" not in P.breakdown_text(kept)
+
+
+def test_bytes_below_a_gib_are_said_in_mib(prof):
+    """An SD1.5 LoRA on 8 H100s said "weights 0.0 GiB, gradients 0.0 GiB, ..." and "the 0.0 GiB gradient
+    all-reduce per step": parts below 1 GiB are said in MiB, the sums and peaks in GiB as before."""
+    hw = P.hardware_from_catalog(prof.find_gpu("H100 SXM"), 8)
+    req = P.Request(method="lora", model="sd15", images=9, epochs=1, pins=(("num_gpus", 8),))
+    res = P.plan(hw, prof, req)
+    text = " ".join(res.reasons)
+    assert not re.search(r"(?<![\d.])0\.0 GiB", text), text
+    moved = P.gradient_bytes(prof, res.plan)
+    assert moved < GiB and f"the {moved / 2**20:.0f} MiB gradient all-reduce per step" in text, text
+    assert f"weights {res.memory.weights / 2**20:.0f} MiB, frozen {res.memory.frozen / GiB:.1f} GiB" in text
+    assert P._size(0.5 * 2**20) == "under 1 MiB" and P._size(1.5 * GiB) == "1.5 GiB"
 
 
 def test_breakdown_does_not_contrast_a_sum_that_rounds_to_the_peak():

@@ -1065,3 +1065,51 @@ def test_the_transformer_families_time_is_said_weakly_calibrated_as_its_reason_s
     (row,) = [line for line in r.stdout.splitlines() if line.startswith("time ")]
     assert row.rstrip().endswith("(weakly calibrated)") and "uncalibrated" not in r.stdout, row
     assert "weakly calibrated" in " ".join(r.stdout.split())
+
+
+def test_the_headline_time_and_the_run_time_reason_say_the_same():
+    """SDXL LoRA on 8x H100, 13 images x 3 repeats x 7 epochs: the headline formatted the JSON's seconds (78.5,
+    rounded to the tenth) as "78 s", the run-time reason the unrounded time as "run time 79 s"."""
+    r = run(
+        "--method", "lora", "--model", "sdxl", "--hardware", "8x H100 SXM", "--images", "13", "--repeats", "3",
+        "--epochs", "7",
+    )  # fmt: skip
+    assert r.exit_code == 0, r.output
+    (row,) = [line for line in r.stdout.splitlines() if line.startswith("time ")]
+    said = row.split()[1:3]  # "78 s" / "1 min 48 s" start alike
+    (reason,) = [line for line in r.stdout.splitlines() if line.strip().startswith("- run time ")]
+    assert reason.strip().startswith(f"- run time {' '.join(said)}"), (row, reason)
+
+
+def test_counts_of_one_are_singular():
+    """One image, one epoch, one step: the plan said "1 images/epoch x 1 epochs = 1 images seen; 1 steps/epoch",
+    "1 steps per epoch", "up to 1 images twice an epoch", "1 micro-batches" and, after a single pin, "(planned
+    around them)"."""
+    args = ("--method", "lora", "--hardware", "8x H100 SXM", "--images", "1", "--epochs", "1")
+    r = run(*args, "distributed.num_processes=2")
+    assert r.exit_code == 0, r.output
+    flat = " ".join(r.stdout.split())
+    assert "1 image/epoch x 1 epoch = 1 image seen; 1 step/epoch, 1 optimizer step per process" in flat, flat
+    assert "pinned: distributed.num_processes=2 (planned around it)" in flat
+    assert "up to 1 image twice an epoch" in flat and "= 1 step per epoch" in flat, flat
+    assert not re.search(r"\b1 (images|epochs|steps|micro-batches)\b", flat), flat
+    r = run(
+        *args[:3], "RTX 4090", "--images", "1", "training.max_steps=1", "training.batch_size=1",
+        "training.grad_accum=1", "--json",
+    )  # fmt: skip
+    reasons = " ".join(json.loads(r.stdout)["reasons"])
+    assert "(planned around them)" in reasons and "pinned: 1 step of batch 1" in reasons, reasons
+    assert not re.search(r"\b1 (images|epochs|steps|micro-batches)\b", reasons), reasons
+
+
+def test_the_compare_caption_says_counts_of_one_in_the_singular():
+    """`--compare` over one image said "times: 1 images per epoch x 1 epochs" and "1 optimizer steps ... 1 images
+    seen (1 epochs)"."""
+    r = run("--method", "lora", "--images", "1", "--epochs", "1", "--compare", "RTX 4090,H100 SXM")
+    assert r.exit_code == 0, r.output
+    assert "times: 1 image per epoch x 1 epoch" in " ".join(r.stdout.split()), r.stdout
+    r = run("--method", "lora", "--images", "1", "training.max_steps=1", "--compare", "RTX 4090,H100 SXM")
+    flat = " ".join(r.stdout.split())
+    assert (
+        "times: 1 optimizer step (training.max_steps) over 1 image per epoch: 1 image seen (1 epoch)" in flat
+    )
