@@ -3777,7 +3777,8 @@ def plan(hardware: Hardware | Any, profiles: Profiles, request: Request) -> Resu
     cal = calibrate_for(profiles, hardware)
     reasons: list[str] = list(hardware.notes)
     if req.pins:
-        them = "it" if len(req.pins) == 1 else "them"
+        keys = [key for name, value in req.pins for key, _ in pin_items(name, value)]  # ema: one or two keys
+        them = "it" if len(keys) == 1 else "them"
         reasons.append(
             "pinned: " + ", ".join(pin_text(k, v) for k, v in req.pins) + f" (planned around {them})"
         )

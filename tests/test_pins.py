@@ -712,7 +712,7 @@ def test_a_pinned_ema_is_echoed_as_the_keys_the_user_set(pins, shown):
     d = json.loads(_plan_for("finetune", "sd15", "A100 SXM 80GB", *pins, "--json").stdout)
     assert d["request"]["pins"] == shown
     said = ", ".join(f"{k}={str(v).lower()}" for k, v in shown.items())
-    assert f"pinned: {said} (planned around them)" in d["reasons"]
+    assert f"pinned: {said} (planned around {'it' if len(shown) == 1 else 'them'})" in d["reasons"]
 
 
 def test_a_pinned_zero_stage_on_one_gpu_may_go_without_offload():
