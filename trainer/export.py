@@ -18,10 +18,10 @@ original ldm/sgm layout for UNet and VAE, HF CLIP <-> OpenCLIP, kohya's ``ss_*``
 and the functions that write each format; they are checked together against the clients' source
 (tests/test_export.py, tests/test_export_compat.py) and change together when a client changes.
 
-The heavy lifting is diffusers/peft: ``get_peft_model_state_dict``, ``convert_state_dict_to_diffusers``,
-``convert_state_dict_to_kohya``, ``save_lora_weights``, ``from_single_file``. Two things diffusers has no
-function for are ours and table-driven below: diffusers -> original module paths for the UNet/VAE (the single
-file, and SDXL kohya names) and HF CLIP -> OpenCLIP for SD 2.x / SDXL's second text encoder.
+The heavy lifting is diffusers/peft: ``get_peft_model_state_dict``, ``convert_state_dict_to_kohya``,
+``save_lora_weights``, ``from_single_file``. Two things diffusers has no function for are ours and table-driven
+below: diffusers -> original module paths for the UNet/VAE (the single file, and SDXL kohya names) and HF CLIP
+-> OpenCLIP for SD 2.x / SDXL's second text encoder.
 
 Kohya UNet names (why SD 1.x/2.x and SDXL differ): kohya sd-scripts names a LoRA after the module path of the
 UNet it trains. Its SD 1.x/2.x UNet has the diffusers layout (``lora_unet_down_blocks_0_attentions_0_...``); its
@@ -605,7 +605,6 @@ def save_lora(
     """
     import torch
     from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
-    from diffusers.utils import convert_state_dict_to_diffusers
     from diffusers.utils.state_dict_utils import convert_state_dict_to_kohya
 
     _check_family(family)
@@ -636,12 +635,18 @@ def save_lora(
         if config.rank_pattern or config.alpha_pattern or config.use_dora:
             raise ExportError(f"the {part} adapter uses rank/alpha patterns or DoRA; kohya LoRA has neither")
 
-    # 1. diffusers format, written by diffusers (with the LoraConfig as lora_adapter_metadata), alpha folded
+    # 1. diffusers format, written by diffusers (with the LoraConfig as lora_adapter_metadata), alpha folded.
+    # peft's names unchanged, as flow_export writes SD3.5/FLUX (not convert_state_dict_to_diffusers, which
+    # renames only to_q/k/v/out.0 and q/k/v/out_proj to diffusers' old names: with any other target the file
+    # mixed both, and diffusers' UNet loader, which picks the format from the first key (loaders/peft.py
+    # load_lora_adapter, 0.34 to now: `if "lora_A" not in first_key: convert_unet_state_dict_to_peft`), dropped
+    # the old-named attention LoRA when a peft name came first). The text encoders' loader converts to
+    # diffusers' names and back to peft's itself (lora_base._load_lora_into_text_encoder), so either loads there.
     pipeline_cls = StableDiffusionXLPipeline if family == "sdxl" else StableDiffusionPipeline
     kwargs = {}
     for part, (state_dict, config) in parts.items():
         folded, adapter_metadata = fold_alpha(state_dict, config, rank, alpha)
-        kwargs[f"{part}_lora_layers"] = convert_state_dict_to_diffusers(folded)
+        kwargs[f"{part}_lora_layers"] = folded
         kwargs[f"{part}_lora_adapter_metadata"] = adapter_metadata
     md = output_metadata(metadata, family)
     md.update({"sdplan_lora_rank": str(rank), "sdplan_lora_alpha": str(float(alpha))})
