@@ -370,11 +370,13 @@ def _modelspec(
     *,
     lora: bool,
     textual_inversion: bool = False,
+    transformer_config: dict[str, Any] | None = None,
 ) -> dict[str, str]:
     """Stability's model spec keys as kohya sd-scripts library/sai_model_spec.py writes them (spec 1.0.1:
     architecture with ``/lora`` or ``/textual-inversion``, implementation, title, resolution ``WxH``, ISO date,
     prediction type), plus ``hash_sha256`` (the spec's hash of all tensor bytes, ``0x``-prefixed; kohya leaves
-    it out), filled in by ``_save_safetensors``."""
+    it out), filled in by ``_save_safetensors``. ``transformer_config``: SD3.5 / FLUX.1's, which tells SD3
+    Medium from SD3.5 Medium (``flow_export.modelspec_architecture``)."""
     import datetime
 
     from sdplan import __version__
@@ -382,9 +384,9 @@ def _modelspec(
     md = metadata or {}
     v_pred = md.get("prediction_type") == "v_prediction"
     if family in FLOW_FAMILIES:
-        from .flow_export import _MODELSPEC
+        from .flow_export import modelspec_architecture
 
-        arch = _MODELSPEC[family]
+        arch = modelspec_architecture(family, transformer_config)
     elif family == "sd21":
         arch = "stable-diffusion-v2-768-v" if v_pred else "stable-diffusion-v2-512"
     else:
@@ -1115,7 +1117,12 @@ def save_full(
     if tensors is not None:
         if dtype is not None:
             tensors = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in tensors.items()}
-        md = {**md, **_modelspec(family, metadata, name, lora=False), "format": "pt"}
+        config = dict(unwrap(pipeline.transformer).config) if family in FLOW_FAMILIES else None
+        md = {
+            **md,
+            **_modelspec(family, metadata, name, lora=False, transformer_config=config),
+            "format": "pt",
+        }
         written.append(_save_safetensors(tensors, out_dir / f"{name}.safetensors", md))
     return written
 
