@@ -288,6 +288,39 @@ def test_lora_beyond_attention_loads_every_module_in_diffusers(family, tiny_sd15
             torch.testing.assert_close(got[key], delta, atol=1e-5, rtol=1e-4, msg=f"{path.name}: {key}")
 
 
+@pytest.mark.parametrize("family", ["sd15", "sdxl"])
+def test_text_encoder_lora_on_the_mlp_only_loads_in_diffusers(family, tiny_sd15, tiny_sdxl, tmp_path):
+    """Text-encoder LoRA on fc1/fc2 alone: diffusers' text-encoder loader converts the keys to its own names and
+    back to peft's (lora_base._load_lora_into_text_encoder), and its convert_state_dict_to_peft infers the
+    format from q/k/v/out_proj keys or lora_linear_layer names: with peft names and no attention projection
+    load_lora_weights raised "Could not automatically infer state dict type"."""
+    from peft import LoraConfig
+
+    folder = tiny_sdxl if family == "sdxl" else tiny_sd15
+    pipe = _pipe(folder)
+    encoders = [pipe.text_encoder, pipe.text_encoder_2] if family == "sdxl" else [pipe.text_encoder]
+    torch.manual_seed(4)
+    pipe.unet.add_adapter(LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=["to_q", "proj_in"]))
+    for te in encoders:
+        te.add_adapter(LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=["fc1", "fc2"]))
+    with torch.no_grad():
+        for model in [pipe.unet, *encoders]:
+            for name, param in model.named_parameters():
+                if "lora_B" in name:
+                    param.normal_(0, 0.5)
+    models = {"unet": pipe.unet, "text_encoder": encoders[0]}
+    if family == "sdxl":
+        models["text_encoder_2"] = encoders[1]
+    expected = _lora_deltas(models)
+    paths = export.save_lora(
+        tmp_path, unet=pipe.unet, text_encoders=encoders, family=family, rank=RANK, alpha=ALPHA, metadata=None
+    )
+    got = _fused_deltas(folder, paths[0])
+    assert sorted(got) == sorted(expected)
+    for key, delta in expected.items():
+        torch.testing.assert_close(got[key], delta, atol=1e-5, rtol=1e-4, msg=key)
+
+
 def test_save_lora_refuses_wrong_alpha_and_missing_adapters(tiny_sd15, tmp_path):
     from peft import LoraConfig
 

@@ -574,6 +574,19 @@ def _peft_lora(model, adapter: str = "default") -> tuple[dict, Any] | None:
     return state, configs[adapter]
 
 
+def _diffusers_text_encoder_names(state_dict: dict) -> dict:
+    """peft's ``...q_proj.lora_A.weight`` / ``lora_B`` -> diffusers' ``...q_proj.lora_linear_layer.down.weight``
+    / ``up`` (diffusers' StateDictType.DIFFUSERS; its DIFFUSERS_TO_PEFT maps every module back), for any module:
+    ComfyUI reads these too (comfy/lora.py ``transformers_lora``)."""
+    renames = ((".lora_A.", ".lora_linear_layer.down."), (".lora_B.", ".lora_linear_layer.up."))
+    out = {}
+    for key, value in state_dict.items():
+        for peft_name, diffusers_name in renames:
+            key = key.replace(peft_name, diffusers_name)
+        out[key] = value
+    return out
+
+
 def _text_model_keys(state_dict: dict) -> dict:
     """transformers >= 5.6 flattened CLIPTextModel (no ``text_model.``): put the prefix back so the files carry
     the canonical HF CLIP paths every loader knows (diffusers strips it again for a flattened encoder)."""
@@ -638,17 +651,19 @@ def save_lora(
             raise ExportError(f"the {part} adapter uses rank/alpha patterns or DoRA; kohya LoRA has neither")
 
     # 1. diffusers format, written by diffusers (with the LoraConfig as lora_adapter_metadata), alpha folded.
-    # peft's names unchanged, as flow_export writes SD3.5/FLUX (not convert_state_dict_to_diffusers, which
-    # renames only to_q/k/v/out.0 and q/k/v/out_proj to diffusers' old names: with any other target the file
+    # The UNet in peft's names, as flow_export writes SD3.5/FLUX (not convert_state_dict_to_diffusers, which
+    # renames only to_q/k/v/out.0 and q/k/v/out_proj to diffusers' older names: with any other target the file
     # mixed both, and diffusers' UNet loader, which picks the format from the first key (loaders/peft.py
     # load_lora_adapter, 0.34 to now: `if "lora_A" not in first_key: convert_unet_state_dict_to_peft`), dropped
-    # the old-named attention LoRA when a peft name came first). The text encoders' loader converts to
-    # diffusers' names and back to peft's itself (lora_base._load_lora_into_text_encoder), so either loads there.
+    # the old-named attention LoRA when a peft name came first). The text encoders in diffusers' names
+    # (``lora_linear_layer.down/up``) for every module: their loader (lora_base._load_lora_into_text_encoder)
+    # converts to those and back to peft's, and convert_state_dict_to_peft infers the format from them (with
+    # peft names and only fc1/fc2 targeted it raised "Could not automatically infer state dict type").
     pipeline_cls = StableDiffusionXLPipeline if family == "sdxl" else StableDiffusionPipeline
     kwargs = {}
     for part, (state_dict, config) in parts.items():
         folded, adapter_metadata = fold_alpha(state_dict, config, rank, alpha)
-        kwargs[f"{part}_lora_layers"] = folded
+        kwargs[f"{part}_lora_layers"] = folded if part == "unet" else _diffusers_text_encoder_names(folded)
         kwargs[f"{part}_lora_adapter_metadata"] = adapter_metadata
     md = output_metadata(metadata, family)
     md.update({"sdplan_lora_rank": str(rank), "sdplan_lora_alpha": str(float(alpha))})
