@@ -210,6 +210,117 @@ def test_lora_unet_only_skips_text_encoders_without_adapters(tiny_sd15, tmp_path
     assert json.loads(md["sdplan_config"]) is None
 
 
+UNET_BEYOND_ATTENTION = [
+    "to_q",
+    "to_k",
+    "to_v",
+    "to_out.0",
+    "proj_in",
+    "proj_out",
+    "ff.net.0.proj",
+    "ff.net.2",
+]
+TE_WITH_MLP = ["q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"]
+
+
+def _lora_deltas(models: dict) -> dict[str, torch.Tensor]:
+    """``component.module.weight`` -> B @ A * alpha/r of every peft LoRA layer in ``models`` (name -> model)."""
+    deltas = {}
+    for component, model in models.items():
+        for name, module in model.named_modules():
+            if hasattr(module, "lora_A") and "default" in module.lora_A:
+                a = module.lora_A["default"].weight.detach().flatten(1)
+                b = module.lora_B["default"].weight.detach().flatten(1)
+                weight = module.base_layer.weight
+                deltas[f"{component}.{name}.weight"] = (b @ a * module.scaling["default"]).reshape(
+                    weight.shape
+                )
+    return deltas
+
+
+def _fused_deltas(folder: Path, lora_file: Path) -> dict[str, torch.Tensor]:
+    """What ``load_lora_weights`` + ``fuse_lora`` of ``lora_file`` changes in the base model at ``folder``."""
+    pipe = _pipe(folder)
+    names = [n for n in ("unet", "text_encoder", "text_encoder_2") if getattr(pipe, n, None) is not None]
+    before = {f"{n}.{k}": v.clone() for n in names for k, v in getattr(pipe, n).state_dict().items()}
+    pipe.load_lora_weights(str(lora_file))
+    pipe.fuse_lora(lora_scale=1.0)
+    pipe.unload_lora_weights()
+    after = {f"{n}.{k}": v for n in names for k, v in getattr(pipe, n).state_dict().items()}
+    return {k: after[k] - before[k] for k in before if not torch.equal(after[k], before[k])}
+
+
+@pytest.mark.parametrize("family", ["sd15", "sdxl"])
+def test_lora_beyond_attention_loads_every_module_in_diffusers(family, tiny_sd15, tiny_sdxl, tmp_path):
+    """UNet targets beyond the attention projections (proj_in/out, the feed-forward) and text-encoder MLPs: the
+    diffusers file once mixed diffusers' old names (``to_q.lora.down``, what ``convert_state_dict_to_diffusers``
+    renames) with peft's (``proj_in.lora_A``), and diffusers' loader, which picks the format from the first
+    key (loaders/peft.py ``if "lora_A" not in first_key``), dropped the attention LoRA. Both files, loaded and
+    fused by diffusers, must change each targeted weight by the trained B @ A * alpha/r, and nothing else."""
+    from peft import LoraConfig
+
+    folder = tiny_sdxl if family == "sdxl" else tiny_sd15
+    pipe = _pipe(folder)
+    encoders = [pipe.text_encoder, pipe.text_encoder_2] if family == "sdxl" else [pipe.text_encoder]
+    torch.manual_seed(3)
+    pipe.unet.add_adapter(LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=UNET_BEYOND_ATTENTION))
+    for te in encoders:
+        te.add_adapter(LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=TE_WITH_MLP))
+    with torch.no_grad():
+        for model in [pipe.unet, *encoders]:
+            for name, param in model.named_parameters():
+                if "lora_B" in name:
+                    param.normal_(0, 0.5)
+    models = {"unet": pipe.unet, "text_encoder": encoders[0]}
+    if family == "sdxl":
+        models["text_encoder_2"] = encoders[1]
+    expected = _lora_deltas(models)
+    assert any(".attn1.to_q." in k for k in expected) and any(".proj_in." in k for k in expected)
+    assert any(".mlp.fc1." in k for k in expected) and any(".self_attn.q_proj." in k for k in expected)
+
+    paths = export.save_lora(
+        tmp_path, unet=pipe.unet, text_encoders=encoders, family=family, rank=RANK, alpha=ALPHA, metadata=None
+    )
+    for path in paths:
+        got = _fused_deltas(folder, path)
+        assert sorted(got) == sorted(expected), (path.name, sorted(set(expected) - set(got))[:4])
+        for key, delta in expected.items():
+            torch.testing.assert_close(got[key], delta, atol=1e-5, rtol=1e-4, msg=f"{path.name}: {key}")
+
+
+@pytest.mark.parametrize("family", ["sd15", "sdxl"])
+def test_text_encoder_lora_on_the_mlp_only_loads_in_diffusers(family, tiny_sd15, tiny_sdxl, tmp_path):
+    """Text-encoder LoRA on fc1/fc2 alone: diffusers' text-encoder loader converts the keys to its own names and
+    back to peft's (lora_base._load_lora_into_text_encoder), and its convert_state_dict_to_peft infers the
+    format from q/k/v/out_proj keys or lora_linear_layer names: with peft names and no attention projection
+    load_lora_weights raised "Could not automatically infer state dict type"."""
+    from peft import LoraConfig
+
+    folder = tiny_sdxl if family == "sdxl" else tiny_sd15
+    pipe = _pipe(folder)
+    encoders = [pipe.text_encoder, pipe.text_encoder_2] if family == "sdxl" else [pipe.text_encoder]
+    torch.manual_seed(4)
+    pipe.unet.add_adapter(LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=["to_q", "proj_in"]))
+    for te in encoders:
+        te.add_adapter(LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=["fc1", "fc2"]))
+    with torch.no_grad():
+        for model in [pipe.unet, *encoders]:
+            for name, param in model.named_parameters():
+                if "lora_B" in name:
+                    param.normal_(0, 0.5)
+    models = {"unet": pipe.unet, "text_encoder": encoders[0]}
+    if family == "sdxl":
+        models["text_encoder_2"] = encoders[1]
+    expected = _lora_deltas(models)
+    paths = export.save_lora(
+        tmp_path, unet=pipe.unet, text_encoders=encoders, family=family, rank=RANK, alpha=ALPHA, metadata=None
+    )
+    got = _fused_deltas(folder, paths[0])
+    assert sorted(got) == sorted(expected)
+    for key, delta in expected.items():
+        torch.testing.assert_close(got[key], delta, atol=1e-5, rtol=1e-4, msg=key)
+
+
 def test_save_lora_refuses_wrong_alpha_and_missing_adapters(tiny_sd15, tmp_path):
     from peft import LoraConfig
 

@@ -421,6 +421,102 @@ def test_sd35_kohya_names_map_to_the_mmdit_and_keep_every_delta(tiny_flow, demo_
     )
 
 
+@pytest.mark.parametrize("family", ["sd35-medium", "sd35-large"])
+def test_sd35_kohya_deltas_land_on_the_mmdit_as_diffusers_maps_it(tiny_flow, tmp_path, family):
+    """The kohya file's deltas, added to the MMDiT checkpoint and converted by diffusers' own
+    convert_sd3_transformer_checkpoint_to_diffusers, give the trained diffusers weights. The last joint block's
+    context_block.adaLN_modulation.1 is (shift, scale) in the MMDiT and (scale, shift) in diffusers (the
+    converter swaps it, single_file_utils.swap_scale_shift; ComfyUI's mmdit_to_diffusers too): its lora_up
+    rows must be in the MMDiT's order (it had diffusers')."""
+    from diffusers import SD3Transformer2DModel
+    from diffusers.loaders.single_file_utils import convert_sd3_transformer_checkpoint_to_diffusers
+    from peft import LoraConfig
+    from safetensors.torch import load_file
+    from sdplan.trainer.flow_export import save_flow_lora
+    from sdplan.trainer.flow_single_file import sd3_to_original
+
+    transformer = SD3Transformer2DModel.from_pretrained(tiny_flow[family] / "transformer")
+    base = {k: v.detach().clone() for k, v in transformer.state_dict().items()}
+    last = transformer.config.num_layers - 1
+    torch.manual_seed(5)
+    targets = ["attn.to_q", "attn.add_k_proj", "norm1.linear", "norm1_context.linear", "ff_context.net.2"]
+    transformer.add_adapter(LoraConfig(r=4, lora_alpha=8, target_modules=targets))
+    expected = dict(base)
+    with torch.no_grad():
+        for name, module in transformer.named_modules():
+            if hasattr(module, "lora_A"):
+                module.lora_B["default"].weight.normal_(0, 0.5)
+                a, b = module.lora_A["default"].weight, module.lora_B["default"].weight
+                expected[f"{name}.weight"] = base[f"{name}.weight"] + b @ a * module.scaling["default"]
+    paths = save_flow_lora(
+        tmp_path, transformer=transformer, family=family, rank=4, alpha=8, metadata=None, name="t"
+    )
+    kohya = load_file(str(paths[1]))
+    assert f"lora_unet_joint_blocks_{last}_context_block_adaLN_modulation_1.lora_up.weight" in kohya
+
+    original = sd3_to_original(base, transformer.config)
+    back = convert_sd3_transformer_checkpoint_to_diffusers(dict(original))
+    assert sorted(back) == sorted(base) and all(torch.equal(back[k], base[k]) for k in base)
+    by_name = {k[: -len(".weight")].replace(".", "_"): k for k in original if k.endswith(".weight")}
+    for module in {k.split(".")[0] for k in kohya}:
+        down, up = kohya[f"{module}.lora_down.weight"], kohya[f"{module}.lora_up.weight"]
+        key = by_name[module[len("lora_unet_") :]]
+        original[key] = original[key] + up @ down * kohya[f"{module}.alpha"].item() / down.shape[0]
+    got = convert_sd3_transformer_checkpoint_to_diffusers(original)
+    for key, want in expected.items():
+        torch.testing.assert_close(got[key], want, atol=1e-5, rtol=1e-5, msg=key)
+
+
+# kohya sd-scripts library/sai_model_spec.py determine_architecture: "stable-diffusion-3-" + the MMDiT's
+# model_type (library/sd3_utils.py: "5-large", "5-medium", "medium"), "flux-1-dev" / "flux-1-schnell"; + "/lora"
+KOHYA_ARCHITECTURE = {
+    "sd35-medium": "stable-diffusion-3-5-medium",
+    "sd35-large": "stable-diffusion-3-5-large",
+    "flux-dev": "flux-1-dev",
+    "flux-schnell": "flux-1-schnell",
+}
+
+
+@pytest.mark.parametrize("family", FLOW)
+def test_flow_kohya_lora_carries_kohyas_model_spec(tiny_flow, tmp_path, family):
+    """The kohya file's ModelSpec keys as kohya sd-scripts writes them for these models (spec 1.0.1, its
+    architecture ids, the spec's required implementation and resolution) and the hash of its tensors."""
+    import hashlib
+
+    from peft import LoraConfig
+    from safetensors import safe_open
+    from sdplan.trainer.flow_export import pipeline_class, save_flow_lora
+
+    transformer = pipeline_class(family).from_pretrained(tiny_flow[family]).transformer
+    transformer.add_adapter(LoraConfig(r=4, lora_alpha=4, target_modules=["attn.to_q", "attn.to_k"]))
+    paths = save_flow_lora(tmp_path, transformer=transformer, family=family, rank=4, alpha=4, metadata=None)
+    with safe_open(str(paths[1]), framework="pt") as f:
+        md = f.metadata()
+    assert md["modelspec.sai_model_spec"] == "1.0.1"
+    assert md["modelspec.architecture"] == f"{KOHYA_ARCHITECTURE[family]}/lora"
+    flux = registry.family(family).arch == "flux"
+    assert md["modelspec.implementation"] == (
+        "https://github.com/black-forest-labs/flux" if flux else "diffusers"
+    )
+    assert md["modelspec.resolution"] == "1024x1024" and md["modelspec.title"] == tmp_path.name
+    data = paths[1].read_bytes()
+    body = data[8 + int.from_bytes(data[:8], "little") :]
+    assert md["modelspec.hash_sha256"] == "0x" + hashlib.sha256(body).hexdigest()
+
+
+def test_sd3_medium_kohya_keys_name_sd3_medium():
+    """SD3 Medium (3.0: no qk-norm, no MMDiT-X attn2) is planned as sd35-medium but is another network: kohya's
+    model_type for it is "medium" (library/sd3_utils.py), its architecture stable-diffusion-3-medium."""
+    from sdplan.trainer.flow_export import _kohya_metadata
+
+    sd3 = {"qk_norm": None, "dual_attention_layers": []}
+    md = _kohya_metadata("mmdit", sd3, 4, 4.0, "x", "sd35-medium")
+    assert md["ss_base_model_version"] == "medium"
+    assert md["modelspec.architecture"] == "stable-diffusion-3-medium/lora"
+    sd35 = {"qk_norm": "rms_norm", "dual_attention_layers": [0]}
+    assert _kohya_metadata("mmdit", sd35, 4, 4.0, "x", "sd35-medium")["ss_base_model_version"] == "5-medium"
+
+
 def test_flow_families_refuse_textual_inversion_and_noise_offset(tiny_flow, demo_dataset, tmp_path):
     from sdplan.trainer import run
 

@@ -152,6 +152,16 @@ def _check_full_outputs(out: Path, family: str, base: Path) -> None:
         keys = list(f.keys())
         md = f.metadata()
     assert md["sdplan_family"] == family
+    # kohya sd-scripts library/sai_model_spec.py determine_architecture (stable-diffusion-3-<model_type>)
+    assert (
+        md["modelspec.architecture"]
+        == {
+            "sd35-medium": "stable-diffusion-3-5-medium",
+            "sd35-large": "stable-diffusion-3-5-large",
+            "flux-dev": "flux-1-dev",
+            "flux-schnell": "flux-1-schnell",
+        }[family]
+    )
     if registry.family(family).arch == "flux":  # the transformer only, as BFL's flux1-dev.safetensors
         assert all(k.startswith("model.diffusion_model.") for k in keys)
         assert "model.diffusion_model.double_blocks.0.img_attn.qkv.weight" in keys

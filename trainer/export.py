@@ -18,10 +18,10 @@ original ldm/sgm layout for UNet and VAE, HF CLIP <-> OpenCLIP, kohya's ``ss_*``
 and the functions that write each format; they are checked together against the clients' source
 (tests/test_export.py, tests/test_export_compat.py) and change together when a client changes.
 
-The heavy lifting is diffusers/peft: ``get_peft_model_state_dict``, ``convert_state_dict_to_diffusers``,
-``convert_state_dict_to_kohya``, ``save_lora_weights``, ``from_single_file``. Two things diffusers has no
-function for are ours and table-driven below: diffusers -> original module paths for the UNet/VAE (the single
-file, and SDXL kohya names) and HF CLIP -> OpenCLIP for SD 2.x / SDXL's second text encoder.
+The heavy lifting is diffusers/peft: ``get_peft_model_state_dict``, ``convert_state_dict_to_kohya``,
+``save_lora_weights``, ``from_single_file``. Two things diffusers has no function for are ours and table-driven
+below: diffusers -> original module paths for the UNet/VAE (the single file, and SDXL kohya names) and HF CLIP
+-> OpenCLIP for SD 2.x / SDXL's second text encoder.
 
 Kohya UNet names (why SD 1.x/2.x and SDXL differ): kohya sd-scripts names a LoRA after the module path of the
 UNet it trains. Its SD 1.x/2.x UNet has the diffusers layout (``lora_unet_down_blocks_0_attentions_0_...``); its
@@ -370,11 +370,13 @@ def _modelspec(
     *,
     lora: bool,
     textual_inversion: bool = False,
+    transformer_config: dict[str, Any] | None = None,
 ) -> dict[str, str]:
     """Stability's model spec keys as kohya sd-scripts library/sai_model_spec.py writes them (spec 1.0.1:
     architecture with ``/lora`` or ``/textual-inversion``, implementation, title, resolution ``WxH``, ISO date,
     prediction type), plus ``hash_sha256`` (the spec's hash of all tensor bytes, ``0x``-prefixed; kohya leaves
-    it out), filled in by ``_save_safetensors``."""
+    it out), filled in by ``_save_safetensors``. ``transformer_config``: SD3.5 / FLUX.1's, which tells SD3
+    Medium from SD3.5 Medium (``flow_export.modelspec_architecture``)."""
     import datetime
 
     from sdplan import __version__
@@ -382,9 +384,9 @@ def _modelspec(
     md = metadata or {}
     v_pred = md.get("prediction_type") == "v_prediction"
     if family in FLOW_FAMILIES:
-        from .flow_export import _MODELSPEC
+        from .flow_export import modelspec_architecture
 
-        arch = _MODELSPEC[family]
+        arch = modelspec_architecture(family, transformer_config)
     elif family == "sd21":
         arch = "stable-diffusion-v2-768-v" if v_pred else "stable-diffusion-v2-512"
     else:
@@ -572,6 +574,19 @@ def _peft_lora(model, adapter: str = "default") -> tuple[dict, Any] | None:
     return state, configs[adapter]
 
 
+def _diffusers_text_encoder_names(state_dict: dict) -> dict:
+    """peft's ``...q_proj.lora_A.weight`` / ``lora_B`` -> diffusers' ``...q_proj.lora_linear_layer.down.weight``
+    / ``up`` (diffusers' StateDictType.DIFFUSERS; its DIFFUSERS_TO_PEFT maps every module back), for any module:
+    ComfyUI reads these too (comfy/lora.py ``transformers_lora``)."""
+    renames = ((".lora_A.", ".lora_linear_layer.down."), (".lora_B.", ".lora_linear_layer.up."))
+    out = {}
+    for key, value in state_dict.items():
+        for peft_name, diffusers_name in renames:
+            key = key.replace(peft_name, diffusers_name)
+        out[key] = value
+    return out
+
+
 def _text_model_keys(state_dict: dict) -> dict:
     """transformers >= 5.6 flattened CLIPTextModel (no ``text_model.``): put the prefix back so the files carry
     the canonical HF CLIP paths every loader knows (diffusers strips it again for a flattened encoder)."""
@@ -605,7 +620,6 @@ def save_lora(
     """
     import torch
     from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
-    from diffusers.utils import convert_state_dict_to_diffusers
     from diffusers.utils.state_dict_utils import convert_state_dict_to_kohya
 
     _check_family(family)
@@ -636,12 +650,20 @@ def save_lora(
         if config.rank_pattern or config.alpha_pattern or config.use_dora:
             raise ExportError(f"the {part} adapter uses rank/alpha patterns or DoRA; kohya LoRA has neither")
 
-    # 1. diffusers format, written by diffusers (with the LoraConfig as lora_adapter_metadata), alpha folded
+    # 1. diffusers format, written by diffusers (with the LoraConfig as lora_adapter_metadata), alpha folded.
+    # The UNet in peft's names, as flow_export writes SD3.5/FLUX (not convert_state_dict_to_diffusers, which
+    # renames only to_q/k/v/out.0 and q/k/v/out_proj to diffusers' older names: with any other target the file
+    # mixed both, and diffusers' UNet loader, which picks the format from the first key (loaders/peft.py
+    # load_lora_adapter, 0.34 to now: `if "lora_A" not in first_key: convert_unet_state_dict_to_peft`), dropped
+    # the old-named attention LoRA when a peft name came first). The text encoders in diffusers' names
+    # (``lora_linear_layer.down/up``) for every module: their loader (lora_base._load_lora_into_text_encoder)
+    # converts to those and back to peft's, and convert_state_dict_to_peft infers the format from them (with
+    # peft names and only fc1/fc2 targeted it raised "Could not automatically infer state dict type").
     pipeline_cls = StableDiffusionXLPipeline if family == "sdxl" else StableDiffusionPipeline
     kwargs = {}
     for part, (state_dict, config) in parts.items():
         folded, adapter_metadata = fold_alpha(state_dict, config, rank, alpha)
-        kwargs[f"{part}_lora_layers"] = convert_state_dict_to_diffusers(folded)
+        kwargs[f"{part}_lora_layers"] = folded if part == "unet" else _diffusers_text_encoder_names(folded)
         kwargs[f"{part}_lora_adapter_metadata"] = adapter_metadata
     md = output_metadata(metadata, family)
     md.update({"sdplan_lora_rank": str(rank), "sdplan_lora_alpha": str(float(alpha))})
@@ -1110,7 +1132,12 @@ def save_full(
     if tensors is not None:
         if dtype is not None:
             tensors = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in tensors.items()}
-        md = {**md, **_modelspec(family, metadata, name, lora=False), "format": "pt"}
+        config = dict(unwrap(pipeline.transformer).config) if family in FLOW_FAMILIES else None
+        md = {
+            **md,
+            **_modelspec(family, metadata, name, lora=False, transformer_config=config),
+            "format": "pt",
+        }
         written.append(_save_safetensors(tensors, out_dir / f"{name}.safetensors", md))
     return written
 

@@ -104,31 +104,46 @@ def _kohya_metadata(
 ) -> dict[str, str]:
     """kohya sd-scripts' keys for the LoRA. FLUX (flux_train_network.py): networks.lora_flux, base model
     ``flux1`` (library/flux_utils.MODEL_VERSION_FLUX_V1). SD3 (sd3_train_network.py): networks.lora_sd3, base
-    model the MMDiT's model_type (library/sd3_utils: ``5-medium`` with MMDiT-X attn2, ``5-large`` with
-    qk-norm and none, ``3-medium`` without either)."""
+    model the MMDiT's model_type (``sd3_model_type``). ModelSpec as the UNet families' file has it
+    (``export._modelspec``), with kohya's architecture id (``modelspec_architecture``)."""
     if arch == "flux":
         module, version = "networks.lora_flux", "flux1"
     else:
-        module = "networks.lora_sd3"
-        if config.get("dual_attention_layers"):
-            version = "5-medium"
-        else:
-            version = "5-large" if config.get("qk_norm") else "3-medium"
+        module, version = "networks.lora_sd3", sd3_model_type(config)
     from .export import _kohya_metadata as training_keys
+    from .export import _modelspec
 
     return {
         # the training's keys (learning rate, steps, dataset, tag frequency, ...), as the UNet families' file
         **training_keys(metadata, family, rank, alpha, name, run=run, module=module, version=version),
-        "modelspec.sai_model_spec": "1.0.0",
-        "modelspec.architecture": f"{_MODELSPEC[family]}/lora",
-        "modelspec.title": name,
+        **_modelspec(family, metadata, name, lora=True, transformer_config=config),
     }
 
 
-# Stability's model spec architecture ids (kohya sd-scripts library/sai_model_spec.py).
-_MODELSPEC = {
-    "flux-dev": "flux-1-dev",
-    "flux-schnell": "flux-1-schnell",
-    "sd35-medium": "stable-diffusion-v3-medium",
-    "sd35-large": "stable-diffusion-v3.5-large",
-}
+def sd3_model_type(config: dict[str, Any]) -> str:
+    """kohya sd-scripts' model_type of an SD3 MMDiT: ``"5-large"`` with qk-norm and no MMDiT-X attn2,
+    ``"5-medium"`` with both, ``"medium"`` (SD3 Medium) with neither. It is ``ss_base_model_version`` and,
+    after ``stable-diffusion-3-``, the ModelSpec architecture (``modelspec_architecture``)."""
+    # kohya-ss/sd-scripts library/sd3_utils.py analyze_state_dict_state (main 48d368f = sd3 3265f2e), l. 40
+    # `qk_norm = "rms" if ...ln_k.weight in state_dict`, l. 53-60 `if qk_norm is not None: model_type =
+    # "5-large" if not x_block_self_attn_layers else "5-medium"; else: model_type = "medium"`
+    if config.get("qk_norm"):
+        return "5-medium" if config.get("dual_attention_layers") else "5-large"
+    return "medium"
+
+
+def modelspec_architecture(family: str, config: dict[str, Any] | None = None) -> str:
+    """ModelSpec architecture id (without ``/lora``) as kohya sd-scripts writes it. ``config``: the
+    transformer's (SD3 Medium and SD3.5 Medium share the family); without it, the family's own model."""
+    # kohya-ss/sd-scripts library/sai_model_spec.py (main 48d368f = sd3 3265f2e): l. 74 `ARCH_SD3_M =
+    # "stable-diffusion-3"`, l. 76-77 `ARCH_FLUX_1_DEV = "flux-1-dev"`, `ARCH_FLUX_1_SCHNELL = "flux-1-schnell"`,
+    # determine_architecture l. 203 `arch = ARCH_SD3_M + "-" + model_config["sd3"]` (sd3_train_network.py
+    # l. 399 passes sd3=mmdit.model_type; flux_train_network.py l. 441 flux="schnell"/"dev"), l. 239 `/lora`;
+    # spec version l. 40 / l. 115 "1.0.1" (export._modelspec writes it)
+    if registry.family(family).arch == "flux":
+        return _MODELSPEC[family]
+    return "stable-diffusion-3-" + (sd3_model_type(config) if config is not None else _SD3_MODEL_TYPE[family])
+
+
+_MODELSPEC = {"flux-dev": "flux-1-dev", "flux-schnell": "flux-1-schnell"}
+_SD3_MODEL_TYPE = {"sd35-medium": "5-medium", "sd35-large": "5-large"}

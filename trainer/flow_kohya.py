@@ -20,6 +20,11 @@ block's q, k, v and MLP input in ``linear1``. A fused LoRA is exact:
 ``lora_down`` stacks the parts' down matrices (rank parts x r) and ``lora_up`` is block-diagonal (each part's
 up matrix in its own rows and rank columns; rows of parts without an adapter stay zero), and alpha is
 multiplied by the number of stacked parts so alpha / rank is unchanged.
+
+One SD3 module differs in row order too: the last joint block's ``context_block.adaLN_modulation.1`` is (shift,
+scale) in the MMDiT and (scale, shift) in diffusers, so its ``lora_up`` has the two halves of its rows swapped
+(``_LAST_CONTEXT_MODULATION``). FLUX has no such module among the targets it names: its per-block modulations
+keep one order in both layouts and ``norm_out`` (the swapped one) is refused.
 """
 
 from __future__ import annotations
@@ -59,6 +64,12 @@ _JOINT_SINGLE = {
     "norm1_context.linear": "context_block.adaLN_modulation.1",
     "attn2.to_out.0": "x_block.attn2.proj",
 }
+# SD3's last joint block (context "pre only") modulates the context with (shift, scale) in the MMDiT and
+# (scale, shift) in diffusers: diffusers' convert_sd3_transformer_checkpoint_to_diffusers swaps the two halves of
+# joint_blocks.{last}.context_block.adaLN_modulation.1 (loaders/single_file_utils.py swap_scale_shift), ComfyUI's
+# mmdit_to_diffusers maps that one module with swap_scale_shift (comfy/utils.py), flow_single_file swaps it back.
+# Its LoRA delta B @ A swaps with B's rows.
+_LAST_CONTEXT_MODULATION = "norm1_context.linear"
 _JOINT_FUSED = {
     "x_block.attn.qkv": ("attn.to_q", "attn.to_k", "attn.to_v"),
     "context_block.attn.qkv": ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"),
@@ -131,11 +142,15 @@ def kohya_state_dict(
     out: dict[str, Any] = {}
     used: set[str] = set()
 
-    def single(diffusers_path: str, bfl: str) -> None:
+    def single(diffusers_path: str, bfl: str, swap_halves: bool = False) -> None:
         if diffusers_path in lora:
             ab = lora[diffusers_path]
+            up = ab["B"]
+            if swap_halves:  # output rows (scale, shift) -> (shift, scale); lora_down is the same
+                scale, shift = up.chunk(2, dim=0)
+                up = torch.cat([shift, scale], dim=0)
             out[kohya_name(bfl) + ".lora_down.weight"] = ab["A"]
-            out[kohya_name(bfl) + ".lora_up.weight"] = ab["B"]
+            out[kohya_name(bfl) + ".lora_up.weight"] = up
             out[kohya_name(bfl) + ".alpha"] = torch.tensor(float(alpha))
             used.add(diffusers_path)
 
@@ -165,7 +180,8 @@ def kohya_state_dict(
         for i in range(count):
             prefix = f"{block}.{i}"
             for d, b in one.items():
-                single(f"{prefix}.{d}", f"{original}.{i}.{b}")
+                swap = arch == "mmdit" and i == count - 1 and d == _LAST_CONTEXT_MODULATION
+                single(f"{prefix}.{d}", f"{original}.{i}.{b}", swap_halves=swap)
             for b, parts in fused_table.items():
                 fused(prefix, parts, f"{original}.{i}.{b}")
     unmapped = sorted(set(lora) - used)
