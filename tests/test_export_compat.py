@@ -503,6 +503,12 @@ def test_diffusers_lora_loads_alike_without_its_adapter_metadata(tiny_sd15, tmp_
     with safe_open(str(paths[0]), framework="pt") as f:
         md = f.metadata()
         tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    # the adapter metadata holds no field a LoraConfig default says: peft 0.15 (under diffusers 0.34) refused
+    # peft 0.21's alora_invocation_tokens=None ("LoraConfig class could not be instantiated")
+    adapter = json.loads(md["lora_adapter_metadata"])
+    adapter = {k.removeprefix("unet."): v for k, v in adapter.items()}  # diffusers prefixes the model's name
+    assert {"r", "lora_alpha", "target_modules"} <= set(adapter) and "alora_invocation_tokens" not in adapter
+    assert adapter["r"] == adapter["lora_alpha"] == 4
     old = {k: v for k, v in md.items() if k != "lora_adapter_metadata"}  # what diffusers 0.32 sees
     save_file(tensors, str(tmp_path / "old.safetensors"), metadata=old)
     for file in (paths[0], tmp_path / "old.safetensors"):

@@ -554,7 +554,17 @@ def fold_alpha(state_dict: dict, config: Any, rank: int, alpha: float) -> tuple[
     ``.alpha`` key, scales by 1)."""
     scale = float(alpha) / rank
     folded = {k: (v * scale if ".lora_B." in k else v) for k, v in state_dict.items()}
-    return folded, {**config.to_dict(), "lora_alpha": config.r}
+    return folded, {**adapter_metadata(config), "lora_alpha": config.r}
+
+
+def adapter_metadata(config: Any) -> dict:
+    """A LoraConfig as lora_adapter_metadata: its rank, alpha and targets, and the fields that differ from
+    LoraConfig's defaults. Not every field: diffusers builds ``LoraConfig(**metadata)``, and an older peft refuses
+    a field it lacks (peft 0.15 under diffusers 0.34: "unexpected keyword argument 'alora_invocation_tokens'",
+    a field of peft 0.21 whose default says nothing); a field left out takes the reader's default."""
+    full, default = config.to_dict(), type(config)().to_dict()
+    keep = ("r", "lora_alpha", "target_modules")
+    return {k: v for k, v in full.items() if k in keep or k not in default or default[k] != v}
 
 
 def _peft_lora(model, adapter: str = "default") -> tuple[dict, Any] | None:
