@@ -507,7 +507,9 @@ def test_diffusers_lora_loads_alike_without_its_adapter_metadata(tiny_sd15, tmp_
     # peft 0.21's alora_invocation_tokens=None ("LoraConfig class could not be instantiated")
     adapter = json.loads(md["lora_adapter_metadata"])
     adapter = {k.removeprefix("unet."): v for k, v in adapter.items()}  # diffusers prefixes the model's name
-    assert {"r", "lora_alpha", "target_modules"} <= set(adapter) and "alora_invocation_tokens" not in adapter
+    # rank_pattern / alpha_pattern: diffusers 0.34-0.39 reads them by key (a KeyError without them)
+    assert {"r", "lora_alpha", "target_modules", "rank_pattern", "alpha_pattern"} <= set(adapter)
+    assert "alora_invocation_tokens" not in adapter
     assert adapter["r"] == adapter["lora_alpha"] == 4
     old = {k: v for k, v in md.items() if k != "lora_adapter_metadata"}  # what diffusers 0.32 sees
     save_file(tensors, str(tmp_path / "old.safetensors"), metadata=old)

@@ -1186,6 +1186,23 @@ def test_only_a_full_disk_in_the_final_grid_stops_the_run(tiny_sd15, dataset, tm
     assert (out / "samples" / "final.error.txt").is_file()
 
 
+def test_a_tensorboard_log_that_cannot_be_closed_after_the_outputs_is_said_not_the_runs_end(
+    tiny_sd15, dataset, tmp_path, monkeypatch, capsys
+):
+    """Closing the TensorBoard log (its last flush) after every output was written raised a bare OSError on a full
+    disk: a traceback, and no run_summary.json. Now a line says so and the run ends as it would."""
+    from sdplan.trainer import plots
+
+    def close(tb):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(plots.TensorBoardLogger, "close", close)
+    out = tmp_path / "out"
+    summary = run.train(tiny_train_config(tiny_sd15, dataset, out, "logging.tensorboard=true"))
+    assert summary["steps"] == 2 and (out / "run_summary.json").exists()
+    assert "the TensorBoard log in" in capsys.readouterr().out
+
+
 @pytest.mark.train
 def test_inf_gradients_with_a_finite_loss_stop_before_the_update(tiny_sd15, dataset, tmp_path, monkeypatch):
     """On an H100 a faulty attention backward made inf gradients while the loss stayed finite: the update

@@ -168,13 +168,28 @@ def test_disk_full_while_checkpointing_is_one_line_and_keeps_the_previous(
     tiny_sd15, images, tmp_path, monkeypatch, capsys
 ):
     import safetensors.torch
+    from sdplan.trainer import plots
 
     out = tmp_path / "out"
     path = write_cfg(
-        tiny_train_config(tiny_sd15, images, out, "training.max_steps=6", "checkpoints.every_steps=2"),
+        tiny_train_config(
+            tiny_sd15,
+            images,
+            out,
+            "training.max_steps=6",
+            "checkpoints.every_steps=2",
+            "logging.tensorboard=true",
+        ),
         tmp_path / "c.yaml",
     )
     real, calls = safetensors.torch.save_file, []
+    real_close = plots.TensorBoardLogger.close
+
+    def close(tb):  # the same full disk flushing the TensorBoard log: it must not replace the one line
+        real_close(tb)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(plots.TensorBoardLogger, "close", close)
 
     def full_disk(tensors, filename, *args, **kwargs):
         if checkpoint.CHECKPOINTS in Path(filename).parts:

@@ -561,9 +561,11 @@ def adapter_metadata(config: Any) -> dict:
     """A LoraConfig as lora_adapter_metadata: its rank, alpha and targets, and the fields that differ from
     LoraConfig's defaults. Not every field: diffusers builds ``LoraConfig(**metadata)``, and an older peft refuses
     a field it lacks (peft 0.15 under diffusers 0.34: "unexpected keyword argument 'alora_invocation_tokens'",
-    a field of peft 0.21 whose default says nothing); a field left out takes the reader's default."""
+    a field of peft 0.21 whose default says nothing); a field left out takes the reader's default. rank_pattern
+    and alpha_pattern stay: diffusers 0.34-0.39 reads them by key (peft_utils._maybe_raise_error_for_ambiguous_keys
+    ``config["rank_pattern"]``; a KeyError there, before 0.40's #14463)."""
     full, default = config.to_dict(), type(config)().to_dict()
-    keep = ("r", "lora_alpha", "target_modules")
+    keep = ("r", "lora_alpha", "target_modules", "rank_pattern", "alpha_pattern")
     return {k: v for k, v in full.items() if k in keep or k not in default or default[k] != v}
 
 

@@ -187,7 +187,8 @@ def kohya_state_dict(
     unmapped = sorted(set(lora) - used)
     if unmapped:
         raise ExportError(
-            f"LoRA on {unmapped[0]} (and {len(unmapped) - 1} more) has no kohya FLUX name",
+            f"LoRA on {unmapped[0]} (and {len(unmapped) - 1} more) has no kohya "
+            f"{'FLUX.1' if arch == 'flux' else 'SD3'} name",
             fix="train the family's default targets, or set output.save_kohya: false",
         )
     return out

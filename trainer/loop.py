@@ -780,10 +780,12 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
         raise
     finally:
         bar.close()
-        if finished:  # closed after the final grid, which it shows too
-            tb.flush()
-        else:
-            tb.close()
+        if finished:  # closed after the final grid, which it shows too (a flush that fails: the close says)
+            with suppress(OSError):
+                tb.flush()
+        else:  # an error is on its way: closing the log quietly (a full disk flushing it must not replace it)
+            with suppress(Exception):
+                tb.close()
 
     # 6. Outputs, after a checkpoint of the final step (with checkpoints off: when the export fails).
     try:  # the TensorBoard log is closed however the outputs end (a failed export too)
@@ -852,7 +854,10 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
         with suppress(Exception):  # the outputs (DiskFull is one line; an OSError is a traceback)
             tb.close()
         raise
-    tb.close()
+    try:  # the outputs are written: a log that cannot be flushed (a full disk) is said, not the run's end
+        tb.close()
+    except OSError as e:
+        progress.say(accelerator, f"the TensorBoard log in {out_dir / 'logs'} could not be closed: {e}")
     accelerator.wait_for_everyone()
     summary = (
         _write_summary(
