@@ -4557,15 +4557,6 @@ def _adamw_text(best: Candidate, fitting: list[Candidate]) -> str:
             f"AdamW fits only in a less preferred plan, with {_tier_text(other, best)} "
             f"({_batch_words(other.setup)}{took})"
         )
-    if not best.safe and not any(c.setup.optimizer == "adamw" for c in _most_likely_to_fit(fitting)):
-        # nothing fits within its likely range: the plans least likely to run out of memory, AdamW's not among them
-        aw = min(same, key=_required)
-        return (
-            f"AdamW fits too by its estimate ({_batch_words(aw.setup)}: {format_range(aw.memory.peak, aw.peak_range)}"
-            f"), but its likely peak's upper end is over this plan's {_gib(best.peak_range[1])}; where nothing "
-            "fits within the upper end, the plan least likely to run out of memory is taken, and pinning "
-            "memory.optimizer=adamw plans AdamW"
-        )
     aw = min(same, key=_key)
     limit = 0.02 * _OPT_RANK[s.optimizer]
     handicap = f"more than {limit * 100:g}% faster"
@@ -4783,7 +4774,9 @@ def _multi_gpu_reasons(
         m = obs.get(best.observed_multi_gpu) if best.observed_multi_gpu else None
         src = _comm_text(profiles, s, set_link(hw, used)[0]) + _measured_rate_text(m)
         gpu = slow.name if len(_distinct(used)) > 1 else "GPU"
-        if memory(profiles, alone).peak <= HEADROOM * slow.memory_bytes:
+        if (
+            card_peak(profiles, alone, slow.spec)[0].peak <= HEADROOM * slow.memory_bytes
+        ):  # bench evidence first
             step = f"each step takes {ratio:.2f}x as long as on one {gpu} with the same settings ({src})"
         else:  # ZeRO-2 splitting what one GPU cannot hold: no one-GPU step of these settings to compare with
             step = f"each step exchanges {src}; these settings do not fit on one {gpu}, so no step of theirs is compared"
