@@ -324,6 +324,35 @@ def test_an_exact_resume_writes_the_outputs_of_a_step_again_under_their_names(
     assert [o["step"] for o in summary["intermediate_outputs"]] == [2, 4]
 
 
+def test_a_run_extended_on_resume_saves_the_step_it_resumes_at(tiny_sd15, images, tmp_path, monkeypatch):
+    """`--resume --epochs 3` of a finished 2-epoch run with output.save_every_n_epochs=1 kept no epoch 2: the loop
+    saves the steps after the one it starts at, and the final outputs of epoch 2 were written over by epoch 3's.
+    Now the step it resumes at, due a save, is saved first from the weights just loaded."""
+    from safetensors.torch import load_file
+
+    monkeypatch.setattr(outputs, "_SAME_STEPS", False)  # the resume sets it: back to the default after
+    out = tmp_path / "out"
+    opts = (
+        "training.max_steps=null",
+        "output.save_every_n_epochs=1",  # 4 images, batch 2: 2 steps per epoch
+        "output.name=shapes",
+        "checkpoints.every_steps=2",
+        "training.learning_rate=5e-2",
+    )
+    run.train(tiny_train_config(tiny_sd15, images, out, *opts, "training.epochs=2"))
+    epoch2 = load_file(str(out / "pytorch_lora_weights.safetensors"))
+    summary = run.train(
+        tiny_train_config(tiny_sd15, images, out, *opts, "training.epochs=3"),
+        resume=str(checkpoint.latest_checkpoint(out)),
+    )
+    assert sorted(p.name for p in (out / "intermediate").iterdir()) == ["shapes-000001", "shapes-000002"]
+    assert [(o["epoch"], o["step"]) for o in summary["intermediate_outputs"]] == [(1, 2), (2, 4)]
+    saved = load_file(str(out / "intermediate" / "shapes-000002" / "pytorch_lora_weights.safetensors"))
+    assert saved.keys() == epoch2.keys() and all(torch.equal(saved[k], epoch2[k]) for k in saved)
+    final = load_file(str(out / "pytorch_lora_weights.safetensors"))
+    assert any(not torch.equal(final[k], epoch2[k]) for k in final)  # epoch 3 trained on
+
+
 def test_a_grid_is_sampled_once_at_a_step_that_saves_and_never_twice_at_the_last(
     tiny_sd15, images, tmp_path, monkeypatch
 ):

@@ -717,6 +717,25 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
         state.intermediate_outputs.append({"epoch": reached, "step": step, "files": [str(f) for f in files]})
         progress.say(accelerator, f"saved the outputs of step {step} in {folder}")
 
+    # A resume at a step due a save (the earlier session ended there: its final outputs, or a training.max_steps
+    # stop, of a run now extended) saves that step's outputs first, from the weights just loaded: the loop saves
+    # the steps after the one it starts at, and the earlier final outputs are written over at the end.
+    if start_step and start_step < plan.total_steps:
+        due = intermediate_steps(
+            total_steps=plan.total_steps,
+            steps_per_epoch=plan.steps_per_epoch,
+            every_epochs=cfg.output.save_every_n_epochs,
+            every_steps=cfg.output.save_every_n_steps,
+            after=start_step - 1,
+        )
+        if start_step in due:
+            label = outputs.intermediate_name(
+                export.output_name(cfg.output.name, out_dir), epoch=due[start_step], step=start_step
+            )
+            done = out_dir / outputs.INTERMEDIATE / label
+            if not (done.is_dir() and outputs.point_of(done) == state.images_seen):  # saved by that session
+                save_intermediate(start_step, due[start_step], None, False)
+
     finished = False  # the loop ran to its end: the TensorBoard log stays open for the final grid
     try:
         with stops.StopSignals() as stop:
