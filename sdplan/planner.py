@@ -3183,13 +3183,14 @@ def _batch_cap_text(req: Request, s: Settings) -> str:
         s.batch * s.num_gpus > req.images
     ):  # batch 1 on more GPUs than images (a pinned count): over it already
         return (
-            f"; no larger batch was tried: batch {s.batch}{gpus} already exceeds the {req.images} distinct "
-            "images, so a step holds an image twice, and a larger batch would hold more twice (pin "
-            "training.batch_size to go past it)"
+            f"; no larger batch was tried: batch {s.batch}{gpus} already exceeds the "
+            f"{count_text(req.images, 'distinct image')}, so a step holds an image twice, and a larger batch would "
+            "hold more twice (pin training.batch_size to go past it)"
         )
     return (
-        f"; no larger batch was tried: batch {s.batch * 2}{gpus} would exceed the {req.images} distinct images, "
-        "so a step would hold an image twice (pin training.batch_size to go past it)"
+        f"; no larger batch was tried: batch {s.batch * 2}{gpus} would exceed the "
+        f"{count_text(req.images, 'distinct image')}, so a step would hold an image twice (pin "
+        "training.batch_size to go past it)"
     )
 
 
@@ -3456,20 +3457,24 @@ def format_range(value: float, rng: tuple[float, float], unit: str = "GiB") -> s
 def format_duration(seconds: float) -> str:
     """A duration in words: tenths under a second, seconds under 90, minutes and seconds under 10 minutes (a
     ratio said beside two times must read true of them: 108 s was "2 min"), then minutes, then hours. Taken
-    to the tenth first, as the JSON's seconds are, so a time and that figure read back say the same."""
-    seconds = round(seconds, 1)
-    if seconds < 0.1:
+    to the tenth first, as the JSON's seconds are, so a time and that figure read back say the same; each
+    coarser step rounds that tenth half up (2.5 s is "3 s", as 89.95 and 89.94 are both "1 min 30 s")."""
+    if seconds < -0.05:
+        raise ValueError(f"a negative duration: {seconds} s")
+    tenths = round(max(seconds, 0.0), 1)
+    whole = math.floor(tenths + 0.5)
+    if tenths < 0.1:
         return "under 0.1 s"
-    if seconds < 1:
-        return f"{seconds:.1f} s"
-    if seconds < 90:
-        return f"{seconds:.0f} s"
-    if seconds < 600:
-        minutes, rest = divmod(round(seconds), 60)
+    if tenths < 1:
+        return f"{tenths:.1f} s"
+    if whole < 90:
+        return f"{whole} s"
+    if whole < 600:
+        minutes, rest = divmod(whole, 60)
         return f"{minutes} min {rest} s" if rest else f"{minutes} min"
-    if seconds < 5400:
-        return f"{seconds / 60:.0f} min"
-    return f"{seconds / 3600:.1f} h"
+    if whole < 5400:
+        return f"{math.floor(whole / 60 + 0.5)} min"
+    return f"{tenths / 3600:.1f} h"
 
 
 def pin_items(name: str, value: Any) -> list[tuple[str, Any]]:
@@ -4207,8 +4212,13 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
         split = each.step_peak - each.overhead < alone.step_peak - alone.overhead  # ZeRO: each holds less
         r.append(
             f"peak {format_range(m.peak, best.peak_range)} per GPU of {card} "
-            f"({fit_share_text(m.peak, vram)}): the peak sdplan bench measured in one process on {measured_on} at "
-            f"these settings{'' if point.batch == s.batch else f' and batch {point.batch}'} ({point.id})"
+            f"({fit_share_text(m.peak, vram)}): "
+            + (
+                f"the peak sdplan bench measured in one process on {measured_on} at these settings ({point.id})"
+                if best.peak_basis == "measured"
+                else f"the model's one-process prediction scaled by how the peak sdplan bench measured on "
+                f"{measured_on} at these settings and batch {point.batch} ({point.id}) compares with it"
+            )
             + (
                 f", times the model's ratio of one of {s.num_gpus} processes to one alone (ZeRO splits the "
                 "optimizer state)"
@@ -4574,10 +4584,19 @@ def _adamw_text(best: Candidate, fitting: list[Candidate]) -> str:
         how = f"its smaller state lets the plan run {_batch_words(s)}"
     # with training.max_steps the handicap is weighed per image seen (:func:`_key`), and the gain said so
     per = "" if aw.steps.images_seen == best.steps.images_seen else " per image seen"
+    # a saver the AdamW plan needs and this one does not: its handicap counts beside the optimizer's (_key)
+    cached = aw.setup.cache_text_encoder_outputs and not s.cache_text_encoder_outputs
+    also = (
+        f"; AdamW's plan also needs cached text-encoder outputs, weighed {TE_CACHE_HANDICAP:.0%} slower "
+        "(their encoding pass is not timed)"
+        if cached
+        else ""
+    )
     return (
-        f"AdamW fits too ({_batch_words(aw.setup)}: {run_time_text(aw, best)}), but {name} "
+        f"AdamW fits too ({_batch_words(aw.setup)}{' and cached text-encoder outputs' if cached else ''}: "
+        f"{run_time_text(aw, best)}), but {name} "
         f"{_adamw_gain_text(best, aw, limit)} ({format_duration(best.seconds)}: {how}); another optimizer than "
-        f"AdamW is taken only where it is {handicap}{per}, and pinning memory.optimizer=adamw plans AdamW"
+        f"AdamW is taken only where it is {handicap}{per}{also}, and pinning memory.optimizer=adamw plans AdamW"
     )
 
 

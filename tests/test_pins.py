@@ -772,3 +772,23 @@ def test_a_pinned_max_steps_says_the_epochs_its_images_make():
     )  # fmt: skip
     (line,) = [r for r in d["reasons"] if r.startswith("steps: training.max_steps 7")]
     assert "images seen 48 (2 epochs of 20 and 8 of the next)" in line and "epoch(s)" not in line
+
+
+def test_a_batch_cap_over_a_single_image_says_image():
+    """ "batch 1 x 2 GPUs already exceeds the 1 distinct images" (and "batch 2 would exceed the 1 distinct
+    images"): one image is an image."""
+    d = json.loads(
+        _plan_for(
+            "lora",
+            "sd15",
+            "2x RTX 4090",
+            "--images",
+            "1",
+            "--epochs",
+            "1",
+            "distributed.num_processes=2",
+            "--json",
+        ).stdout
+    )
+    text = " ".join(d["reasons"])
+    assert "the 1 distinct image," in text and "1 distinct images" not in text, text

@@ -296,6 +296,24 @@ def test_several_gpus_build_on_the_one_gpu_measurement_of_the_same_settings(prof
     assert any("on one GPU, the gradient exchange as modelled" in r for r in two.reasons)
 
 
+def test_a_multi_gpu_peak_scaled_from_another_batch_is_said_to_be_scaled(prof):
+    """2x H100 SDXL LoRA at batch 3 without checkpointing said "the peak sdplan bench measured in one process ...
+    at these settings and batch 4, with what each of 2 processes holds besides": 30.8 GiB, which is not the
+    batch-4 point's 35.8 plus buckets but the model's batch-3 peak scaled by it."""
+    hw = P.hardware_from_catalog(prof.find_gpu("H100 SXM"), 2)
+    pins = (
+        ("batch", 3),
+        ("num_gpus", 2),
+        ("gradient_checkpointing", False),
+        ("cache_text_encoder_outputs", False),
+    )
+    res = P.plan(hw, prof, P.Request(method="lora", model="sdxl", images=40, pins=pins))
+    assert res.peak_basis == "scaled"
+    (said,) = [r for r in res.reasons if r.startswith("peak ")]
+    assert "the model's one-process prediction scaled by how the peak sdplan bench measured" in said, said
+    assert "at these settings and batch 4" in said and "DDP's gradient buckets" in said
+
+
 def test_a_card_below_the_need_that_its_own_bench_peaks_fit_is_suggested(prof):
     """ "needs at least 97.0 GiB ... would fit: H200, B200, ..." for SDXL LoRA at batch 8 without checkpointing on
     an RTX 4090, while an H100 (80 GB) fits it at 69.2 GiB by its own sdplan bench peaks: the cards under the
