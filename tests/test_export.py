@@ -250,22 +250,17 @@ def _fused_deltas(folder: Path, lora_file: Path) -> dict[str, torch.Tensor]:
     return {k: after[k] - before[k] for k in before if not torch.equal(after[k], before[k])}
 
 
-@pytest.mark.parametrize("family", ["sd15", "sdxl"])
-def test_lora_beyond_attention_loads_every_module_in_diffusers(family, tiny_sd15, tiny_sdxl, tmp_path):
-    """UNet targets beyond the attention projections (proj_in/out, the feed-forward) and text-encoder MLPs: the
-    diffusers file once mixed diffusers' old names (``to_q.lora.down``, what ``convert_state_dict_to_diffusers``
-    renames) with peft's (``proj_in.lora_A``), and diffusers' loader, which picks the format from the first
-    key (loaders/peft.py ``if "lora_A" not in first_key``), dropped the attention LoRA. Both files, loaded and
-    fused by diffusers, must change each targeted weight by the trained B @ A * alpha/r, and nothing else."""
+def _adapted(folder: Path, family: str, unet_targets, te_targets, seed: int):
+    """A pipe of the tiny model at ``folder`` with random LoRA adapters on its UNet and text encoders (B not 0),
+    its encoders, and what each adapter adds to its weight (:func:`_lora_deltas`)."""
     from peft import LoraConfig
 
-    folder = tiny_sdxl if family == "sdxl" else tiny_sd15
     pipe = _pipe(folder)
     encoders = [pipe.text_encoder, pipe.text_encoder_2] if family == "sdxl" else [pipe.text_encoder]
-    torch.manual_seed(3)
-    pipe.unet.add_adapter(LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=UNET_BEYOND_ATTENTION))
+    torch.manual_seed(seed)
+    pipe.unet.add_adapter(LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=unet_targets))
     for te in encoders:
-        te.add_adapter(LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=TE_WITH_MLP))
+        te.add_adapter(LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=te_targets))
     with torch.no_grad():
         for model in [pipe.unet, *encoders]:
             for name, param in model.named_parameters():
@@ -274,7 +269,18 @@ def test_lora_beyond_attention_loads_every_module_in_diffusers(family, tiny_sd15
     models = {"unet": pipe.unet, "text_encoder": encoders[0]}
     if family == "sdxl":
         models["text_encoder_2"] = encoders[1]
-    expected = _lora_deltas(models)
+    return pipe, encoders, _lora_deltas(models)
+
+
+@pytest.mark.parametrize("family", ["sd15", "sdxl"])
+def test_lora_beyond_attention_loads_every_module_in_diffusers(family, tiny_sd15, tiny_sdxl, tmp_path):
+    """UNet targets beyond the attention projections (proj_in/out, the feed-forward) and text-encoder MLPs: the
+    diffusers file once mixed diffusers' old names (``to_q.lora.down``, what ``convert_state_dict_to_diffusers``
+    renames) with peft's (``proj_in.lora_A``), and diffusers' loader, which picks the format from the first
+    key (loaders/peft.py ``if "lora_A" not in first_key``), dropped the attention LoRA. Both files, loaded and
+    fused by diffusers, must change each targeted weight by the trained B @ A * alpha/r, and nothing else."""
+    folder = tiny_sdxl if family == "sdxl" else tiny_sd15
+    pipe, encoders, expected = _adapted(folder, family, UNET_BEYOND_ATTENTION, TE_WITH_MLP, seed=3)
     assert any(".attn1.to_q." in k for k in expected) and any(".proj_in." in k for k in expected)
     assert any(".mlp.fc1." in k for k in expected) and any(".self_attn.q_proj." in k for k in expected)
 
@@ -294,24 +300,8 @@ def test_text_encoder_lora_on_the_mlp_only_loads_in_diffusers(family, tiny_sd15,
     back to peft's (lora_base._load_lora_into_text_encoder), and its convert_state_dict_to_peft infers the
     format from q/k/v/out_proj keys or lora_linear_layer names: with peft names and no attention projection
     load_lora_weights raised "Could not automatically infer state dict type"."""
-    from peft import LoraConfig
-
     folder = tiny_sdxl if family == "sdxl" else tiny_sd15
-    pipe = _pipe(folder)
-    encoders = [pipe.text_encoder, pipe.text_encoder_2] if family == "sdxl" else [pipe.text_encoder]
-    torch.manual_seed(4)
-    pipe.unet.add_adapter(LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=["to_q", "proj_in"]))
-    for te in encoders:
-        te.add_adapter(LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=["fc1", "fc2"]))
-    with torch.no_grad():
-        for model in [pipe.unet, *encoders]:
-            for name, param in model.named_parameters():
-                if "lora_B" in name:
-                    param.normal_(0, 0.5)
-    models = {"unet": pipe.unet, "text_encoder": encoders[0]}
-    if family == "sdxl":
-        models["text_encoder_2"] = encoders[1]
-    expected = _lora_deltas(models)
+    pipe, encoders, expected = _adapted(folder, family, ["to_q", "proj_in"], ["fc1", "fc2"], seed=4)
     paths = export.save_lora(
         tmp_path, unet=pipe.unet, text_encoders=encoders, family=family, rank=RANK, alpha=ALPHA, metadata=None
     )
