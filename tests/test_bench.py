@@ -664,6 +664,37 @@ def test_profiles_import_adds_an_exported_file_to_another_store(tmp_path, monkey
     assert runner.invoke(cli(), ["profiles", "--store", str(tmp_path / "later")]).exit_code == 0
 
 
+def test_profiles_group_store_applies_to_export_and_import(tmp_path, monkeypatch):
+    """`sdplan profiles --store DIR export FILE` / `... import FILE`: the group's --store was dropped (the
+    callback returned before reading it) and import wrote into the default store, exit 0. It applies to the
+    subcommand as its own --store does; two different --store values are refused."""
+    default = fresh_profile_store(monkeypatch, tmp_path / "default")
+    mine = tmp_path / "mine"
+    snap = Snapshot.load(MACHINES / "rtx3060_12gb.json")
+    req = bench.select_requests(["lora"], ["sd15"], store_dir=mine, snapshot=snap).requests[0]
+    gpu = snap.gpus[0]
+    bench.write_points(mine, "lora", _gpu_bench_points(req, gpu.name, gpu.memory_total_bytes, batches=(1, 2)))
+    runner = CliRunner()
+    shared = tmp_path / "shared.yaml"
+    result = runner.invoke(cli(), ["profiles", "--store", str(mine), "export", str(shared)])
+    assert result.exit_code == 0 and "wrote 2 measured point(s)" in result.output, result.output
+
+    other = tmp_path / "other"
+    result = runner.invoke(cli(), ["profiles", "--store", str(other), "import", str(shared)])
+    assert result.exit_code == 0, result.output
+    assert f"into {other}" in " ".join(result.output.split())
+    assert (other / "methods" / "lora.yaml").is_file() and not default.exists()
+
+    both = runner.invoke(
+        cli(), ["profiles", "--store", str(mine), "import", str(shared), "--store", str(other)]
+    )
+    assert both.exit_code == 2 and "--store given twice" in both.output, both.output
+    same = runner.invoke(
+        cli(), ["profiles", "--store", str(other), "import", str(shared), "--store", str(other)]
+    )
+    assert same.exit_code == 0, same.output
+
+
 def test_profiles_export_where_it_cannot_write_is_one_line_and_makes_no_folder(tmp_path, monkeypatch):
     """A missing folder is refused as `doctor --save` refuses it (export made it, a mistyped path too), and a
     file it cannot write is one line, not a traceback (PermissionError, FileNotFoundError)."""
