@@ -695,6 +695,43 @@ def test_profiles_group_store_applies_to_export_and_import(tmp_path, monkeypatch
     assert same.exit_code == 0, same.output
 
 
+def test_profiles_import_leaves_out_demo_points_as_export_does(tmp_path, monkeypatch):
+    """`profiles export` leaves out CPU/tiny-model demo points and simulated OOMs; `profiles import` took them
+    from a file (an export edited by hand, an older sdplan's) into the store the planner reads. They are left
+    out with a line saying so; a file holding nothing else is refused and nothing is written."""
+    here = fresh_profile_store(monkeypatch, tmp_path / "here")
+    snap = Snapshot.load(MACHINES / "rtx3060_12gb.json")
+    req = bench.select_requests(["lora"], ["sd15"], store_dir=here, snapshot=snap).requests[0]
+    gpu = snap.gpus[0]
+    bench.write_points(here, "lora", _gpu_bench_points(req, gpu.name, gpu.memory_total_bytes, batches=(1, 2)))
+    bench.run_bench([bench.demo_request()], demo=True, store_dir=here, effort=bench.Effort(0, 1, 1))
+    shared = tmp_path / "shared.yaml"
+    runner = CliRunner()
+    assert runner.invoke(cli(), ["profiles", "export", str(shared)]).exit_code == 0
+    doc = yaml.safe_load(shared.read_text())
+    demo_doc = yaml.safe_load((here / "methods" / f"{bench.demo_request().method}.yaml").read_text())
+    demo = [p for p in demo_doc["points"] if not bench._is_shareable(p)]
+    assert demo
+    doc["methods"]["lora"]["points"] += demo
+    shared.write_text(yaml.safe_dump(doc, sort_keys=False))
+
+    other = tmp_path / "other"
+    result = runner.invoke(cli(), ["profiles", "import", str(shared), "--store", str(other)])
+    assert result.exit_code == 0, result.output
+    out = " ".join(result.output.split())
+    assert "imported 2 point(s) (2 lora)" in out and f"{len(demo)} demo/simulated point(s) left out" in out
+    points, _ = profiles.load_methods(other / "methods" / "lora.yaml", origin="local")
+    assert [p.batch for p in points] == [1, 2]
+
+    doc["methods"]["lora"]["points"] = demo
+    only_demo = tmp_path / "demo.yaml"
+    only_demo.write_text(yaml.safe_dump(doc, sort_keys=False))
+    empty = tmp_path / "empty"
+    refused = runner.invoke(cli(), ["profiles", "import", str(only_demo), "--store", str(empty)])
+    assert refused.exit_code == 2 and "demo or simulated" in refused.output, refused.output
+    assert not empty.exists()
+
+
 def test_profiles_export_where_it_cannot_write_is_one_line_and_makes_no_folder(tmp_path, monkeypatch):
     """A missing folder is refused as `doctor --save` refuses it (export made it, a mistyped path too), and a
     file it cannot write is one line, not a traceback (PermissionError, FileNotFoundError)."""

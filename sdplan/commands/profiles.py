@@ -103,12 +103,13 @@ def import_(
 ) -> None:
     """Add the measurements of an export file (from `sdplan profiles export` on another machine) to the local
     store, which the planner reads: a point already there (same id) is replaced, so importing twice adds
-    nothing."""
+    nothing. Demo points and simulated out-of-memory points are left out, as export leaves them out."""
     from sdplan.bench import import_measurements
 
-    root, added = import_measurements(file, store_dir=_store(ctx, store))
+    root, added, left_out = import_measurements(file, store_dir=_store(ctx, store))
     counts = ", ".join(f"{n} {method}" for method, n in added.items())
-    console().print(f"imported {sum(added.values())} point(s) ({counts}) into {root}", markup=False)
+    skipped = f" ({left_out} demo/simulated point(s) left out)" if left_out else ""
+    console().print(f"imported {sum(added.values())} point(s) ({counts}) into {root}{skipped}", markup=False)
 
 
 # -- tables ---------------------------------------------------------------------------------------------
