@@ -1518,9 +1518,24 @@ def resume_command(req: TrainRequest, out: Path) -> str:
     return " ".join(shlex.quote(w) for w in [*words, *req.overrides])
 
 
+def force_reads_run_config(req: TrainRequest) -> TrainRequest:
+    """`sdplan train --force --out DIR` with no --model/--dataset/--config starts the run in DIR over with its
+    own sdplan.yaml, as ``--config DIR/sdplan.yaml --out DIR --force`` does: what every "--force instead of
+    --resume" hint says (it was '--model and --dataset missing'), --resume reading the same file."""
+    if (
+        req.force
+        and not (req.resume or req.demo or req.config or req.model or req.dataset)
+        and req.config_data is None
+        and req.out
+        and (Path(C.absolute(req.out, "--out")) / CONFIG_FILE).is_file()
+    ):
+        return replace(req, config=str(Path(C.absolute(req.out, "--out")) / CONFIG_FILE))
+    return req
+
+
 def prepare(req: TrainRequest, ui: UI) -> Prepared:
     """Everything before the launch: config, --out rule, inputs, device, plan. No model loads here."""
-    req = settings_as_flags(req)
+    req = force_reads_run_config(settings_as_flags(req))
     # 1. Where the run lives and which config it starts from.
     config_path = Path(C.expand_user(req.config, "--config")) if req.config else None
     if req.resume:
@@ -2406,6 +2421,7 @@ def _family_at(path: Any) -> str | None:
 def run(req: TrainRequest, ui: UI | None = None) -> dict[str, Any]:
     """`sdplan train` from request to finished run. Returns run_summary.json (plus what was retried)."""
     ui = ui or UI()
+    req = force_reads_run_config(settings_as_flags(req))  # as prepare reads it: the launch and header too
     p = prepare(req, ui)
     launch = launch_for(p, req, p.resume)
     if p.plan is not None:

@@ -468,6 +468,34 @@ def test_every_checkpoint_incomplete_says_force_not_a_command_that_is_refused(tm
     assert "--force" in e.value.fix
 
 
+def test_force_instead_of_resume_is_a_command_that_runs(run_folder, tmp_path):
+    """Every 'start it over: --force instead of --resume' hint gave a command that failed: `sdplan train --force
+    --out DIR` said '--model and --dataset missing'. With no --model/--dataset/--config, --force reads the run's
+    own sdplan.yaml, as --resume does; the trainer's hint names the run's folder."""
+    from sdplan.trainer.checkpoint import CheckpointError, resolve_resume
+
+    out, launches = run_folder
+    line = one_line_error(
+        invoke("--resume", "--out", str(out), "--max-steps", "2", "--yes"), 2, "--force instead of --resume"
+    )
+    assert not launches and "already trained 3 steps" in line
+    r = invoke("--force", "--out", str(out), "--max-steps", "2", "--yes")
+    assert r.exit_code == 130 and len(launches) == 1, r.output
+    assert "--model" not in r.output and not (out / "checkpoints").exists()
+    saved = yaml.safe_load((out / "sdplan.yaml").read_text())
+    assert saved["training"]["max_steps"] == 2 and saved["output"]["dir"] == str(out)
+    # a folder without an sdplan.yaml: still the missing flags
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    one_line_error(invoke("--force", "--out", str(empty)), 2, "--model and --dataset missing")
+
+    (out / "checkpoints" / "step-000002").mkdir(parents=True)
+    (out / "checkpoints" / "step-000002" / "train_state.json").write_text("{broken")
+    with pytest.raises(CheckpointError) as e:
+        resolve_resume("latest", out)
+    assert f"`sdplan train --force --out {out}`" in e.value.fix
+
+
 def test_a_start_from_a_checkpoint_takes_its_base_model_at_another_path(tmp_path):
     """checkpoints.resume of a checkpoint whose base model sits at another path (moved, copied to another
     machine, a local snapshot of its hub id) was refused ('model.path is ... it was trained with the first'),

@@ -42,6 +42,7 @@ import io
 import json
 import os
 import re
+import shlex
 import shutil
 import time
 from collections.abc import Callable
@@ -67,11 +68,14 @@ _SETTINGS = ("batch_size", "grad_accum", "num_processes", "method", "samples_per
 _RUN_HISTORY = ("intermediate_outputs", "sample_grid_failures", "wall_seconds", "sampling_seconds")
 
 
-# What to do when no checkpoint can be resumed from: `sdplan train` starts a run over in its folder with --force
-# (without --resume it is refused: the folder holds a run); the trainer's own command line drops --resume.
-START_OVER = (
-    "start it over: `sdplan train --force` instead of --resume; with the trainer's own command, drop --resume"
-)
+def start_over(out_dir: str | Path) -> str:
+    """What to do when no checkpoint can be resumed from: `sdplan train` starts a run over in its folder with
+    --force (without --resume it is refused: the folder holds a run; with no --model/--dataset/--config it reads
+    the run's sdplan.yaml); the trainer's own command line drops --resume."""
+    return (
+        f"start it over: `sdplan train --force --out {shlex.quote(str(out_dir))}` instead of --resume; with the "
+        "trainer's own command, drop --resume"
+    )
 
 
 class CheckpointError(SdplanError):
@@ -415,7 +419,7 @@ def resolve_resume(resume: str | Path | None, out_dir: str | Path, say=print) ->
         raise CheckpointError(
             f"--resume latest: every checkpoint in {checkpoint_root(out_dir)} is incomplete or damaged: "
             f"{'; '.join(skipped)}",
-            fix=START_OVER,
+            fix=start_over(out_dir),
         )
     path = Path(resume)
     if not (path / STATE_FILE).is_file():
@@ -428,7 +432,7 @@ def resolve_resume(resume: str | Path | None, out_dir: str | Path, say=print) ->
         )
         raise CheckpointError(
             f"--resume {resume}: incomplete or damaged checkpoint: {problem}",
-            fix=f"resume from {complete}, the newest complete one" if complete else START_OVER,
+            fix=f"resume from {complete}, the newest complete one" if complete else start_over(out_dir),
         )
     return path
 
