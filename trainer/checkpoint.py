@@ -9,7 +9,8 @@ Layout under ``{output.dir}/checkpoints/``:
   another point of the run than an earlier session's: a kept (or before-NaN) checkpoint an earlier session
   wrote is never replaced, the new one is ``step-000500-1`` (``-2``, ...), as grids and intermediate outputs are.
 - ``interrupt-step-000123``: on SIGINT/SIGTERM or an exception; ``before-nan-step-000041`` when the loss
-  turned NaN/inf (the weights from before that step). A run that finishes removes the rolling and interrupt
+  turned NaN/inf (the weights from before that step; none at step 1 of a run from the base model: nothing
+  was trained). A run that finishes removes the rolling and interrupt
   checkpoints it has passed (:func:`remove_passed`; with checkpoints off nothing else would).
 
 Each is written by ``accelerator.save_state`` into ``checkpoints/.tmp-<name>`` and then renamed: a kill while
