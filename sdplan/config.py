@@ -374,7 +374,7 @@ def planned_sampling(cfg: TrainConfig) -> dict[str, Any]:
     before the first step, trainer/recipes/dreambooth.py; the folder is dreambooth.class_data, else
     output.dir/class_images; counted from each image's header, where the trainer also decodes them: a damaged
     one counts here and is generated again there), the grids' prompts, sampling.every_steps, the intermediate
-    saves (a grid at each, with prompts, copied where an every-N grid was made), the denoising steps and the
+    saves (a grid at each, copied where an every-N grid was made), the denoising steps and the
     guidance scale."""
     on, wanted = prior_preservation(cfg)
     missing = 0

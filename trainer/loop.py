@@ -741,9 +741,10 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
             with outputs.write_errors(folder, needed_bytes=export_bytes), recipe.output_name(label):
                 files += recipe.export(folder, meta, ema)
         grid = None
-        if cfg.sampling.prompts and not sampled:
-            grid = sample(step, out_path=folder / "samples.png")
-        elif cfg.sampling.prompts and step_grid is not None:
+        fallback = recipe.sample_prompt()  # no sampling.prompts: a caption, as the every-N and final grids
+        if (cfg.sampling.prompts or fallback) and not sampled:
+            grid = sample(step, fallback=fallback, out_path=folder / "samples.png")
+        elif step_grid is not None:
             grid = outputs.copy_grid(accelerator, step_grid, folder / "samples.png")
         files += [grid] if grid else []
         accelerator.wait_for_everyone()
