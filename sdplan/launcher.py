@@ -1615,7 +1615,7 @@ def prepare(req: TrainRequest, ui: UI) -> Prepared:
     # 4. --resume needs a checkpoint.
     resume = None
     if req.resume:
-        from sdplan.trainer.checkpoint import checkpoint_root, latest_checkpoint
+        from sdplan.trainer.checkpoint import checkpoint_root, latest_checkpoint, resolve_resume
 
         if latest_checkpoint(out) is None and is_plan(out):
             raise UsageError(
@@ -1628,6 +1628,9 @@ def prepare(req: TrainRequest, ui: UI) -> Prepared:
                 f"--resume: no checkpoint in {checkpoint_root(out)}",
                 fix="start the run again without --resume (add --force to reuse the folder)",
             )
+        # the trainer's own check, before anything is written: every checkpoint damaged was refused by the
+        # trainer after the run's sdplan.yaml had taken the new settings (sizes and sha256, sampled above 2 GiB)
+        resolve_resume("latest", out, say=lambda line: None)  # the trainer says which it skips
         resume = "latest"
         saved = C.validate(base, source=source)
         check_resume_choice(saved, cfg, out)

@@ -496,6 +496,25 @@ def test_force_instead_of_resume_is_a_command_that_runs(run_folder, tmp_path):
     assert f"`sdplan train --force --out {out}`" in e.value.fix
 
 
+def test_resume_with_new_settings_on_damaged_checkpoints_changes_nothing(run_folder):
+    """`--resume --epochs 3` where every checkpoint is damaged rewrote the run's sdplan.yaml with the new
+    settings, then the trainer refused the checkpoints: the run's settings were changed by a resume that never
+    ran. The launcher checks the checkpoints as the trainer does before it writes anything."""
+    from conftest import digest
+
+    out, launches = run_folder
+    for name in ("step-000002", "interrupt-step-000003"):
+        state_file = out / "checkpoints" / name / "train_state.json"
+        state = json.loads(state_file.read_text())
+        state_file.write_text(json.dumps({**state, "files": {"optimizer.bin": 7}}))  # listed, not there
+    before = digest(out)
+    line = one_line_error(
+        invoke("--resume", "--out", str(out), "--epochs", "3", "--yes"), 2, "incomplete or damaged"
+    )
+    assert "optimizer.bin is missing" in line and f"sdplan train --force --out {out}" in line
+    assert digest(out) == before and not launches
+
+
 def test_a_start_from_a_checkpoint_takes_its_base_model_at_another_path(tmp_path):
     """checkpoints.resume of a checkpoint whose base model sits at another path (moved, copied to another
     machine, a local snapshot of its hub id) was refused ('model.path is ... it was trained with the first'),
