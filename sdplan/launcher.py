@@ -580,7 +580,11 @@ def _validate_given(base: dict[str, Any], req: TrainRequest, out: Path, source: 
             raise
         C.validate(config_data(base, replace(req, overrides=[]), out), source=source)  # the file's own errors
         raise C.ConfigError("key=value settings", e.errors, fix=e.fix) from None
-    if problems := C.method_setting_problems(cfg.method, C.override_keys(req.overrides)):
+    if req.resume and cfg.method != base.get("method", C.TrainConfig.method):
+        # method=... changes the run's method: that is the error (check_resume_settings, which names it); the
+        # other method's settings beside it only followed it ('use --method lora', which --resume refuses)
+        return cfg
+    if problems := C.method_setting_problems(cfg.method, C.override_keys(req.overrides), resume=req.resume):
         raise C.ConfigError("key=value settings", problems)
     return cfg
 

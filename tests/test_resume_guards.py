@@ -515,6 +515,25 @@ def test_resume_with_new_settings_on_damaged_checkpoints_changes_nothing(run_fol
     assert digest(out) == before and not launches
 
 
+def test_resume_with_another_methods_settings_names_the_method_change_and_says_drop(run_folder):
+    """`--resume method=textual-inversion lora.rank=4` showed only the lora.* problem, whose fix 'use --method
+    lora' --resume refuses, and hid that the method changed. The method change is the error; another method's
+    setting alone, with --resume, is to be dropped."""
+    out, launches = run_folder
+    before = (out / "sdplan.yaml").read_text()
+    line = one_line_error(
+        invoke("--resume", "--out", str(out), "method=textual-inversion", "lora.rank=4"),
+        2,
+        "method is 'lora' in the run's sdplan.yaml, 'textual-inversion' here",
+    )
+    assert "--method lora" not in line
+    line = one_line_error(
+        invoke("--resume", "--out", str(out), "textual_inversion.token=<x>"), 2, "textual_inversion.token"
+    )
+    assert "--method" not in line.partition("only")[2] and "drop it" in line, line
+    assert (out / "sdplan.yaml").read_text() == before and not launches
+
+
 def test_a_start_from_a_checkpoint_takes_its_base_model_at_another_path(tmp_path):
     """checkpoints.resume of a checkpoint whose base model sits at another path (moved, copied to another
     machine, a local snapshot of its hub id) was refused ('model.path is ... it was trained with the first'),
