@@ -773,6 +773,13 @@ def check_selection(
             raise UsageError(DEMO_MODELS_ERROR, fix=DEMO_MODELS_FIX)
         if resolution is not None and resolution % 16:
             raise UsageError(f"--resolution {resolution}: the demo's tiny models need a multiple of 16")
+    if methods and pins:  # a setting only another method reads is refused, as recommend and train refuse it
+        from sdplan import config as C
+
+        # a key no method benched here reads (lora.rank with LoRA among them pins its requests)
+        unread = [k for k in C.override_keys(pins) if all(C.method_setting_problems(m, [k]) for m in methods)]
+        if unread:
+            raise C.ConfigError("key=value settings", C.method_setting_problems(methods[0], unread))
     for method in methods or ["lora"]:  # every pin, parsed for each method named (a typo is wrong anywhere)
         for family in models or ["sd15"]:
             pin_request(BenchRequest(method=method, model=family, resolution=resolution or 512), pins)

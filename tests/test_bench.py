@@ -926,6 +926,23 @@ def test_pinned_settings_override_the_planners_choice(tmp_path, monkeypatch):
     assert bench.select_requests(store_dir=root, snapshot=snap, pins=("lora.rank=8",)).requests
 
 
+def test_a_pin_no_benched_method_reads_is_refused(tmp_path, monkeypatch):
+    """`sdplan bench --demo --method textual-inversion lora.rank=8` measured textual inversion and dropped
+    lora.rank without a word (bench pins are shared by the methods benched); `recommend`/`train` refuse a
+    setting only another method reads. It is refused where no benched method reads it, before anything runs."""
+    store = fresh_profile_store(monkeypatch, tmp_path)
+    result = CliRunner().invoke(
+        cli(), ["bench", "--demo", "--method", "textual-inversion", "lora.rank=8"], env={"COLUMNS": "300"}
+    )
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert len(result.output.strip().splitlines()) == 1
+    assert "lora.rank" in result.output and "--method lora" in result.output, result.output
+    assert not store.exists()
+    # benched beside LoRA, it pins the LoRA request (the textual-inversion one takes none)
+    bench.check_selection(["textual-inversion", "lora"], ["sd15"], None, demo=True, pins=("lora.rank=8",))
+    bench.check_selection(None, ["sd15"], None, demo=True, pins=("lora.rank=8",))  # lora by default
+
+
 @pytest.mark.parametrize(
     ("item", "message"),
     [
