@@ -773,6 +773,13 @@ def check_selection(
             raise UsageError(DEMO_MODELS_ERROR, fix=DEMO_MODELS_FIX)
         if resolution is not None and resolution % 16:
             raise UsageError(f"--resolution {resolution}: the demo's tiny models need a multiple of 16")
+    if methods and pins:  # a setting only another method reads is refused, as recommend and train refuse it
+        from sdplan import config as C
+
+        # a key no method benched here reads (lora.rank with LoRA among them pins its requests)
+        unread = [k for k in C.override_keys(pins) if all(C.method_setting_problems(m, [k]) for m in methods)]
+        if unread:
+            raise C.ConfigError("key=value settings", C.method_setting_problems(methods[0], unread))
     for method in methods or ["lora"]:  # every pin, parsed for each method named (a typo is wrong anywhere)
         for family in models or ["sd15"]:
             pin_request(BenchRequest(method=method, model=family, resolution=resolution or 512), pins)
@@ -1165,11 +1172,13 @@ def export_measurements(
 
 def import_measurements(
     source: str | Path, *, store_dir: str | Path | None = None
-) -> tuple[Path, dict[str, int]]:
+) -> tuple[Path, dict[str, int], int]:
     """`sdplan profiles import FILE`: add an export file's points to the local store's method files (a point
     whose id is there already replaces it: importing twice adds nothing). The file is validated whole first,
     and each store file as it is written (a store file the planner rejects is never written over). Its
-    multi-GPU observations are not imported (the store's files hold points). Returns (store, {method: points})."""
+    multi-GPU observations are not imported (the store's files hold points). Demo points and simulated OOMs
+    are left out, as export leaves them out (a file holding nothing else is refused). Returns (store,
+    {method: points}, points left out)."""
     from sdplan import profiles
 
     source = Path(source).expanduser()
@@ -1180,13 +1189,25 @@ def import_measurements(
         )
     load_export(source)  # every section as the planner reads it, before anything is written
     root = store_root(store_dir)
-    added: dict[str, int] = {}
+    keep: dict[str, list[dict[str, Any]]] = {}
+    left_out = 0
     for method, section in profiles.read_yaml(source)["methods"].items():
         points = list(section.get("points") or [])
-        if points:
-            write_points(root, method, points)
-            added[method] = len(points)
-    return root, added
+        shareable = [p for p in points if _is_shareable(p)]
+        left_out += len(points) - len(shareable)
+        if shareable:
+            keep[method] = shareable
+    if not keep:
+        extra = f" ({left_out} demo or simulated point(s) are never imported)" if left_out else ""
+        raise UsageError(
+            f"{source} holds no measurements to import{extra}",
+            fix="import a file written by `sdplan profiles export` on a machine measured with `sdplan bench`",
+        )
+    added: dict[str, int] = {}
+    for method, points in keep.items():
+        write_points(root, method, points)
+        added[method] = len(points)
+    return root, added, left_out
 
 
 def load_export(path: str | Path) -> dict[str, list[Any]]:

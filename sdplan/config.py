@@ -374,7 +374,7 @@ def planned_sampling(cfg: TrainConfig) -> dict[str, Any]:
     before the first step, trainer/recipes/dreambooth.py; the folder is dreambooth.class_data, else
     output.dir/class_images; counted from each image's header, where the trainer also decodes them: a damaged
     one counts here and is generated again there), the grids' prompts, sampling.every_steps, the intermediate
-    saves (a grid at each, with prompts, copied where an every-N grid was made), the denoising steps and the
+    saves (a grid at each, copied where an every-N grid was made), the denoising steps and the
     guidance scale."""
     on, wanted = prior_preservation(cfg)
     missing = 0
@@ -477,11 +477,12 @@ def _cross_checks(cfg: TrainConfig, errors: list[str]) -> None:
         errors.append("textual_inversion.token: must differ from init_token")
 
 
-def method_setting_problems(method: str, keys) -> list[str]:
+def method_setting_problems(method: str, keys, *, resume: bool = False) -> list[str]:
     """The key=value settings (their sdplan.yaml ``keys``) that only another method's recipe reads
     (:attr:`sdplan.registry.Method.sections`: lora.* is the LoRA recipe's): ``method`` would train without them,
     so each section given is a problem, with the fix (as ema.enabled is for a method that keeps no EMA). A config
-    file's own sections are not: every written sdplan.yaml holds them all."""
+    file's own sections are not: every written sdplan.yaml holds them all. ``resume``: the run's method stays
+    (--resume refuses another), so the fix is to drop them, not --method."""
     problems = []
     for m in METHOD_LIST:
         if m.name == method:
@@ -490,9 +491,14 @@ def method_setting_problems(method: str, keys) -> list[str]:
             given = [k for k in dict.fromkeys(keys) if k == section or k.startswith(section + ".")]
             if given:
                 them = "it" if len(given) == 1 else "them"
+                fix = (
+                    f"--resume continues the run's {method}: drop {them}"
+                    if resume
+                    else f"drop {them} or use --method {m.name}"
+                )
                 problems.append(
                     f"{', '.join(given)}: {m.label} settings ({section}.*) apply to --method {m.name} only, "
-                    f"not {method}; drop {them} or use --method {m.name}"
+                    f"not {method}; {fix}"
                 )
     return problems
 

@@ -580,7 +580,11 @@ def _validate_given(base: dict[str, Any], req: TrainRequest, out: Path, source: 
             raise
         C.validate(config_data(base, replace(req, overrides=[]), out), source=source)  # the file's own errors
         raise C.ConfigError("key=value settings", e.errors, fix=e.fix) from None
-    if problems := C.method_setting_problems(cfg.method, C.override_keys(req.overrides)):
+    if req.resume and cfg.method != base.get("method", C.TrainConfig.method):
+        # method=... changes the run's method: that is the error (check_resume_settings, which names it); the
+        # other method's settings beside it only followed it ('use --method lora', which --resume refuses)
+        return cfg
+    if problems := C.method_setting_problems(cfg.method, C.override_keys(req.overrides), resume=req.resume):
         raise C.ConfigError("key=value settings", problems)
     return cfg
 
@@ -1518,9 +1522,24 @@ def resume_command(req: TrainRequest, out: Path) -> str:
     return " ".join(shlex.quote(w) for w in [*words, *req.overrides])
 
 
+def force_reads_run_config(req: TrainRequest) -> TrainRequest:
+    """`sdplan train --force --out DIR` with no --model/--dataset/--config starts the run in DIR over with its
+    own sdplan.yaml, as ``--config DIR/sdplan.yaml --out DIR --force`` does: what every "--force instead of
+    --resume" hint says (it was '--model and --dataset missing'), --resume reading the same file."""
+    if (
+        req.force
+        and not (req.resume or req.demo or req.config or req.model or req.dataset)
+        and req.config_data is None
+        and req.out
+        and (Path(C.absolute(req.out, "--out")) / CONFIG_FILE).is_file()
+    ):
+        return replace(req, config=str(Path(C.absolute(req.out, "--out")) / CONFIG_FILE))
+    return req
+
+
 def prepare(req: TrainRequest, ui: UI) -> Prepared:
     """Everything before the launch: config, --out rule, inputs, device, plan. No model loads here."""
-    req = settings_as_flags(req)
+    req = force_reads_run_config(settings_as_flags(req))
     # 1. Where the run lives and which config it starts from.
     config_path = Path(C.expand_user(req.config, "--config")) if req.config else None
     if req.resume:
@@ -1600,7 +1619,7 @@ def prepare(req: TrainRequest, ui: UI) -> Prepared:
     # 4. --resume needs a checkpoint.
     resume = None
     if req.resume:
-        from sdplan.trainer.checkpoint import checkpoint_root, latest_checkpoint
+        from sdplan.trainer.checkpoint import checkpoint_root, latest_checkpoint, resolve_resume
 
         if latest_checkpoint(out) is None and is_plan(out):
             raise UsageError(
@@ -1613,6 +1632,9 @@ def prepare(req: TrainRequest, ui: UI) -> Prepared:
                 f"--resume: no checkpoint in {checkpoint_root(out)}",
                 fix="start the run again without --resume (add --force to reuse the folder)",
             )
+        # the trainer's own check, before anything is written: every checkpoint damaged was refused by the
+        # trainer after the run's sdplan.yaml had taken the new settings (sizes and sha256, sampled above 2 GiB)
+        resolve_resume("latest", out, say=lambda line: None)  # the trainer says which it skips
         resume = "latest"
         saved = C.validate(base, source=source)
         check_resume_choice(saved, cfg, out)
@@ -2406,6 +2428,7 @@ def _family_at(path: Any) -> str | None:
 def run(req: TrainRequest, ui: UI | None = None) -> dict[str, Any]:
     """`sdplan train` from request to finished run. Returns run_summary.json (plus what was retried)."""
     ui = ui or UI()
+    req = force_reads_run_config(settings_as_flags(req))  # as prepare reads it: the launch and header too
     p = prepare(req, ui)
     launch = launch_for(p, req, p.resume)
     if p.plan is not None:

@@ -302,11 +302,11 @@ class Request:
     # the last, one at each intermediate save that is not such a step), their denoising steps and guidance
     # scale (None: the family's)
     class_images_to_generate: int | None = None
-    sample_prompts: int = 0  # sampling.prompts given (0: the final grid of one caption, no grids at saves)
+    sample_prompts: int = 0  # sampling.prompts given (0: each grid shows one caption)
     sample_every_steps: int = 0
     sampling_steps: int = SamplingConfig.num_inference_steps
     guidance_scale: float | None = None
-    save_every_epochs: int = 0  # output.save_every_n_epochs / _steps: a grid at each save, with prompts
+    save_every_epochs: int = 0  # output.save_every_n_epochs / _steps: a grid at each save
     save_every_steps: int = 0
     # settings the user fixed (Settings field -> value, from `key=value` sdplan.yaml pins): planned around
     pins: tuple[tuple[str, Any], ...] = ()
@@ -1927,7 +1927,7 @@ class SampledImages(NamedTuple):
     classes: int  # DreamBooth's class images the class folder lacks, generated before the first step
     final: int  # the final grid's: each of sampling.prompts, else one caption
     every: int  # the grids' every sampling.every_steps optimizer steps
-    at_saves: int  # the grids' at the intermediate saves (output.save_every_n_*), with sampling.prompts
+    at_saves: int  # the grids' at the intermediate saves (output.save_every_n_*)
 
     @property
     def during(self) -> int:
@@ -1944,8 +1944,8 @@ def sampled_images(req: Request, steps: Steps) -> SampledImages:
     """What the trainer samples over a run of ``steps``: the class images its class folder lacks (prior
     preservation), the final grid (each prompt, else a caption), a grid every ``sample_every_steps`` optimizer
     steps (at each step that divides but the last, whose weights the final grid shows), and one at each
-    intermediate save where prompts are given (:func:`sdplan.steps.intermediate_steps`, as the loop saves
-    them) and no every-N grid was made at its step (the save copies that one)."""
+    intermediate save (:func:`sdplan.steps.intermediate_steps`, as the loop saves them) where no every-N grid
+    was made at its step (the save copies that one). Each grid holds each prompt, else one caption."""
     classes = 0
     if req.prior_preservation:
         classes = req.class_images if req.class_images_to_generate is None else req.class_images_to_generate
@@ -1959,7 +1959,7 @@ def sampled_images(req: Request, steps: Steps) -> SampledImages:
         every_steps=req.save_every_steps,
     )
     own = [s for s in saves if not n or s % n]
-    return SampledImages(max(0, classes), grid, every * grid, len(own) * req.sample_prompts)
+    return SampledImages(max(0, classes), grid, every * grid, len(own) * grid)
 
 
 def sampling_seconds(
@@ -4472,7 +4472,6 @@ def _sampling_text(req: Request, best: Candidate, profiles: Profiles) -> str:
     if images.every:
         grids = images.every // images.final
         shared = sum(1 for s in saves(req.save_every_epochs, req.save_every_steps) if s % n == 0)
-        shared = shared if req.sample_prompts else 0  # no prompts: the saves have no grid
         copied = (
             f"; {count_text(shared, 'save')} at those steps {'copies it' if shared == 1 else 'copy them'}"
         )
@@ -4489,10 +4488,10 @@ def _sampling_text(req: Request, best: Candidate, profiles: Profiles) -> str:
             )
             if v and any(not n or s % n for s in saves(**kw))
         ]
-        grids = images.at_saves // max(1, req.sample_prompts)
+        grids = images.at_saves // images.final
         what.append(
-            f"{count_text(images.at_saves, 'grid image')} ({count_text(grids, 'grid')} of "
-            f"{count_text(req.sample_prompts, 'image')}, at the saves of {' and '.join(keys)})"
+            f"{count_text(images.at_saves, 'grid image')} ({count_text(grids, 'grid')} of {per_grid}, at the "
+            f"saves of {' and '.join(keys)})"
         )
     what.append(f"the final sample grid ({count_text(images.final, 'image')})")
     band, basis = sampling_band(profiles, best.setup.model)

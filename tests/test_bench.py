@@ -664,6 +664,74 @@ def test_profiles_import_adds_an_exported_file_to_another_store(tmp_path, monkey
     assert runner.invoke(cli(), ["profiles", "--store", str(tmp_path / "later")]).exit_code == 0
 
 
+def test_profiles_group_store_applies_to_export_and_import(tmp_path, monkeypatch):
+    """`sdplan profiles --store DIR export FILE` / `... import FILE`: the group's --store was dropped (the
+    callback returned before reading it) and import wrote into the default store, exit 0. It applies to the
+    subcommand as its own --store does; two different --store values are refused."""
+    default = fresh_profile_store(monkeypatch, tmp_path / "default")
+    mine = tmp_path / "mine"
+    snap = Snapshot.load(MACHINES / "rtx3060_12gb.json")
+    req = bench.select_requests(["lora"], ["sd15"], store_dir=mine, snapshot=snap).requests[0]
+    gpu = snap.gpus[0]
+    bench.write_points(mine, "lora", _gpu_bench_points(req, gpu.name, gpu.memory_total_bytes, batches=(1, 2)))
+    runner = CliRunner()
+    shared = tmp_path / "shared.yaml"
+    result = runner.invoke(cli(), ["profiles", "--store", str(mine), "export", str(shared)])
+    assert result.exit_code == 0 and "wrote 2 measured point(s)" in result.output, result.output
+
+    other = tmp_path / "other"
+    result = runner.invoke(cli(), ["profiles", "--store", str(other), "import", str(shared)])
+    assert result.exit_code == 0, result.output
+    assert f"into {other}" in " ".join(result.output.split())
+    assert (other / "methods" / "lora.yaml").is_file() and not default.exists()
+
+    both = runner.invoke(
+        cli(), ["profiles", "--store", str(mine), "import", str(shared), "--store", str(other)]
+    )
+    assert both.exit_code == 2 and "--store given twice" in both.output, both.output
+    same = runner.invoke(
+        cli(), ["profiles", "--store", str(other), "import", str(shared), "--store", str(other)]
+    )
+    assert same.exit_code == 0, same.output
+
+
+def test_profiles_import_leaves_out_demo_points_as_export_does(tmp_path, monkeypatch):
+    """`profiles export` leaves out CPU/tiny-model demo points and simulated OOMs; `profiles import` took them
+    from a file (an export edited by hand, an older sdplan's) into the store the planner reads. They are left
+    out with a line saying so; a file holding nothing else is refused and nothing is written."""
+    here = fresh_profile_store(monkeypatch, tmp_path / "here")
+    snap = Snapshot.load(MACHINES / "rtx3060_12gb.json")
+    req = bench.select_requests(["lora"], ["sd15"], store_dir=here, snapshot=snap).requests[0]
+    gpu = snap.gpus[0]
+    bench.write_points(here, "lora", _gpu_bench_points(req, gpu.name, gpu.memory_total_bytes, batches=(1, 2)))
+    bench.run_bench([bench.demo_request()], demo=True, store_dir=here, effort=bench.Effort(0, 1, 1))
+    shared = tmp_path / "shared.yaml"
+    runner = CliRunner()
+    assert runner.invoke(cli(), ["profiles", "export", str(shared)]).exit_code == 0
+    doc = yaml.safe_load(shared.read_text())
+    demo_doc = yaml.safe_load((here / "methods" / f"{bench.demo_request().method}.yaml").read_text())
+    demo = [p for p in demo_doc["points"] if not bench._is_shareable(p)]
+    assert demo
+    doc["methods"]["lora"]["points"] += demo
+    shared.write_text(yaml.safe_dump(doc, sort_keys=False))
+
+    other = tmp_path / "other"
+    result = runner.invoke(cli(), ["profiles", "import", str(shared), "--store", str(other)])
+    assert result.exit_code == 0, result.output
+    out = " ".join(result.output.split())
+    assert "imported 2 point(s) (2 lora)" in out and f"{len(demo)} demo/simulated point(s) left out" in out
+    points, _ = profiles.load_methods(other / "methods" / "lora.yaml", origin="local")
+    assert [p.batch for p in points] == [1, 2]
+
+    doc["methods"]["lora"]["points"] = demo
+    only_demo = tmp_path / "demo.yaml"
+    only_demo.write_text(yaml.safe_dump(doc, sort_keys=False))
+    empty = tmp_path / "empty"
+    refused = runner.invoke(cli(), ["profiles", "import", str(only_demo), "--store", str(empty)])
+    assert refused.exit_code == 2 and "demo or simulated" in refused.output, refused.output
+    assert not empty.exists()
+
+
 def test_profiles_export_where_it_cannot_write_is_one_line_and_makes_no_folder(tmp_path, monkeypatch):
     """A missing folder is refused as `doctor --save` refuses it (export made it, a mistyped path too), and a
     file it cannot write is one line, not a traceback (PermissionError, FileNotFoundError)."""
@@ -856,6 +924,23 @@ def test_pinned_settings_override_the_planners_choice(tmp_path, monkeypatch):
     assert "-nogc-" in point and point.endswith("-r32-b1")  # another point than the planner's settings
     # pinned, a measured case is measured again (the default selection skips it)
     assert bench.select_requests(store_dir=root, snapshot=snap, pins=("lora.rank=8",)).requests
+
+
+def test_a_pin_no_benched_method_reads_is_refused(tmp_path, monkeypatch):
+    """`sdplan bench --demo --method textual-inversion lora.rank=8` measured textual inversion and dropped
+    lora.rank without a word (bench pins are shared by the methods benched); `recommend`/`train` refuse a
+    setting only another method reads. It is refused where no benched method reads it, before anything runs."""
+    store = fresh_profile_store(monkeypatch, tmp_path)
+    result = CliRunner().invoke(
+        cli(), ["bench", "--demo", "--method", "textual-inversion", "lora.rank=8"], env={"COLUMNS": "300"}
+    )
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert len(result.output.strip().splitlines()) == 1
+    assert "lora.rank" in result.output and "--method lora" in result.output, result.output
+    assert not store.exists()
+    # benched beside LoRA, it pins the LoRA request (the textual-inversion one takes none)
+    bench.check_selection(["textual-inversion", "lora"], ["sd15"], None, demo=True, pins=("lora.rank=8",))
+    bench.check_selection(None, ["sd15"], None, demo=True, pins=("lora.rank=8",))  # lora by default
 
 
 @pytest.mark.parametrize(

@@ -468,6 +468,72 @@ def test_every_checkpoint_incomplete_says_force_not_a_command_that_is_refused(tm
     assert "--force" in e.value.fix
 
 
+def test_force_instead_of_resume_is_a_command_that_runs(run_folder, tmp_path):
+    """Every 'start it over: --force instead of --resume' hint gave a command that failed: `sdplan train --force
+    --out DIR` said '--model and --dataset missing'. With no --model/--dataset/--config, --force reads the run's
+    own sdplan.yaml, as --resume does; the trainer's hint names the run's folder."""
+    from sdplan.trainer.checkpoint import CheckpointError, resolve_resume
+
+    out, launches = run_folder
+    line = one_line_error(
+        invoke("--resume", "--out", str(out), "--max-steps", "2", "--yes"), 2, "--force instead of --resume"
+    )
+    assert not launches and "already trained 3 steps" in line
+    r = invoke("--force", "--out", str(out), "--max-steps", "2", "--yes")
+    assert r.exit_code == 130 and len(launches) == 1, r.output
+    assert "--model" not in r.output and not (out / "checkpoints").exists()
+    saved = yaml.safe_load((out / "sdplan.yaml").read_text())
+    assert saved["training"]["max_steps"] == 2 and saved["output"]["dir"] == str(out)
+    # a folder without an sdplan.yaml: still the missing flags
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    one_line_error(invoke("--force", "--out", str(empty)), 2, "--model and --dataset missing")
+
+    (out / "checkpoints" / "step-000002").mkdir(parents=True)
+    (out / "checkpoints" / "step-000002" / "train_state.json").write_text("{broken")
+    with pytest.raises(CheckpointError) as e:
+        resolve_resume("latest", out)
+    assert f"`sdplan train --force --out {out}`" in e.value.fix
+
+
+def test_resume_with_new_settings_on_damaged_checkpoints_changes_nothing(run_folder):
+    """`--resume --epochs 3` where every checkpoint is damaged rewrote the run's sdplan.yaml with the new
+    settings, then the trainer refused the checkpoints: the run's settings were changed by a resume that never
+    ran. The launcher checks the checkpoints as the trainer does before it writes anything."""
+    from conftest import digest
+
+    out, launches = run_folder
+    for name in ("step-000002", "interrupt-step-000003"):
+        state_file = out / "checkpoints" / name / "train_state.json"
+        state = json.loads(state_file.read_text())
+        state_file.write_text(json.dumps({**state, "files": {"optimizer.bin": 7}}))  # listed, not there
+    before = digest(out)
+    line = one_line_error(
+        invoke("--resume", "--out", str(out), "--epochs", "3", "--yes"), 2, "incomplete or damaged"
+    )
+    assert "optimizer.bin is missing" in line and f"sdplan train --force --out {out}" in line
+    assert digest(out) == before and not launches
+
+
+def test_resume_with_another_methods_settings_names_the_method_change_and_says_drop(run_folder):
+    """`--resume method=textual-inversion lora.rank=4` showed only the lora.* problem, whose fix 'use --method
+    lora' --resume refuses, and hid that the method changed. The method change is the error; another method's
+    setting alone, with --resume, is to be dropped."""
+    out, launches = run_folder
+    before = (out / "sdplan.yaml").read_text()
+    line = one_line_error(
+        invoke("--resume", "--out", str(out), "method=textual-inversion", "lora.rank=4"),
+        2,
+        "method is 'lora' in the run's sdplan.yaml, 'textual-inversion' here",
+    )
+    assert "--method lora" not in line
+    line = one_line_error(
+        invoke("--resume", "--out", str(out), "textual_inversion.token=<x>"), 2, "textual_inversion.token"
+    )
+    assert "--method" not in line.partition("only")[2] and "drop it" in line, line
+    assert (out / "sdplan.yaml").read_text() == before and not launches
+
+
 def test_a_start_from_a_checkpoint_takes_its_base_model_at_another_path(tmp_path):
     """checkpoints.resume of a checkpoint whose base model sits at another path (moved, copied to another
     machine, a local snapshot of its hub id) was refused ('model.path is ... it was trained with the first'),

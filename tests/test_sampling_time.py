@@ -145,7 +145,11 @@ def test_the_run_samples_its_missing_class_images_and_each_grid(prof):
         total_steps=steps.total_steps, steps_per_epoch=steps.steps_per_epoch, every_epochs=2, every_steps=7
     )
     assert at and P.sampled_images(saves, steps) == (0, 3, 0, 3 * len(at))
-    assert P.sampled_images(P.Request(method="lora", save_every_epochs=2), steps).during == 0  # no prompts
+    # no prompts: each save's grid shows a caption, as the final grid does (trainer/loop.py save_intermediate)
+    at2 = intermediate_steps(
+        total_steps=steps.total_steps, steps_per_epoch=steps.steps_per_epoch, every_epochs=2, every_steps=0
+    )
+    assert P.sampled_images(P.Request(method="lora", save_every_epochs=2), steps).at_saves == len(at2)
 
 
 def _png(path: Path) -> None:
@@ -321,6 +325,16 @@ def test_the_sampling_line_names_each_cause_with_its_own_count(prof):
         f"{2 * n} grid images ({n} grids of 2 images, at the saves of output.save_every_n_steps=5)," in line
     )
     assert "epochs" not in line, line
+    # no prompts: the saves' grids show a caption, as the trainer draws them (they were left out)
+    caption = P.plan(hw, prof, replace(saves, sample_prompts=0))
+    line = next(r for r in caption.reasons if r.startswith("sampling:"))
+    assert f"{n} grid images ({n} grids of 1 image, at the saves of output.save_every_n_steps=5)," in line
+    line = next(
+        r
+        for r in P.plan(hw, prof, replace(saves, sample_prompts=0, sample_every_steps=5)).reasons
+        if r.startswith("sampling:")
+    )
+    assert f"one every 5 steps; {n} saves at those steps copy them)" in line, line
     # a save on a step with an every-N grid copies that grid: counted once, and the line says so
     both = replace(saves, sample_every_steps=5, save_every_epochs=0)
     res = P.plan(hw, prof, both)

@@ -634,6 +634,36 @@ def test_nan_loss_stops_with_a_checkpoint_from_before(tiny_sd15, dataset, tmp_pa
 
 
 @pytest.mark.train
+def test_nan_loss_at_step_1_blames_the_model_or_data_and_saves_no_checkpoint(tiny_sd15, dataset, tmp_path):
+    """A NaN/inf loss at step 1, before any update, was blamed on the learning rate ('diverging weights') and
+    saved a step-0 before-nan checkpoint of the untrained weights that --resume then picked up. Nothing was
+    updated: the base model's weights (one NaN here) or an image are bad; no checkpoint is saved."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    model = tmp_path / "nan-model"
+    shutil.copytree(tiny_sd15, model)
+    weights = model / "unet" / "diffusion_pytorch_model.safetensors"
+    tensors = load_file(weights)
+    tensors["conv_in.weight"] = torch.full_like(tensors["conv_in.weight"], float("nan"))
+    save_file(tensors, weights)
+    out = tmp_path / "out"
+    with pytest.raises(stops.NonFiniteLoss, match="step 1") as err:
+        run.train(tiny_train_config(model, dataset, out, "training.max_steps=3"))
+    text = str(err.value)
+    assert "learning rate too high" not in text and "learning_rate" not in text, text
+    assert "before any update" in text and "unet conv_in.weight" in text and str(model) in text, text
+    assert checkpoint.list_checkpoints(out) == []
+
+    # the weights finite, the data or the first forward pass bad: both named
+    error = stops.nonfinite_error(1, tiny_train_config(tiny_sd15, dataset, out), None, untrained=True)
+    text = str(error)
+    assert "before any update, so not from the learning rate" in text and "learning_rate" not in text, text
+    assert str(tiny_sd15) in error.fix and str(dataset) in error.fix and error.fix.count("(") == 0
+
+
+@pytest.mark.train
 def test_gradient_checkpointing_gives_the_same_losses(tiny_sd15, dataset, tmp_path):
     opts = ("training.max_steps=3", "training.train_text_encoder=true", "training.learning_rate=1e-2")
     run.train(tiny_train_config(tiny_sd15, dataset, tmp_path / "plain", *opts))

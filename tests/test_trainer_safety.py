@@ -398,6 +398,42 @@ def test_a_grid_is_sampled_once_at_a_step_that_saves_and_never_twice_at_the_last
     assert counts.during + counts.final == len(made)
 
 
+def test_saves_get_the_caption_grid_without_prompts_as_every_n_and_final_grids_do(
+    tiny_sd15, images, tmp_path, monkeypatch
+):
+    """With sampling.prompts empty (the default: the grids show a caption) the every-N and final grids were
+    drawn but the intermediate saves got no samples.png: save_intermediate looked at sampling.prompts, not at
+    whether a grid is made. Each save has its grid (copied at an every-N step), and the planner counts them."""
+    from sdplan import planner
+    from sdplan.steps import plan_steps
+
+    made: list[str] = []
+    real = sampling.sample_grid
+
+    def counted(pipe, prompts, **kw):
+        made.append(kw["labels"][0].split("\n")[0])
+        return real(pipe, prompts, **kw)
+
+    monkeypatch.setattr(sampling, "sample_grid", counted)
+    out = tmp_path / "out"
+    opts = (
+        "training.max_steps=4",
+        "output.save_every_n_steps=1",
+        "sampling.every_steps=2",
+        "output.name=run",
+    )
+    run.train(tiny_train_config(tiny_sd15, images, out, *opts))
+    assert made == ["step 1", "step 2", "step 3", "step 4"]  # saves at 1-3 (2 copied), the final grid at 4
+    samples = out / "samples"
+    for step in (1, 2, 3):
+        assert (out / "intermediate" / f"run-step{step:08d}" / "samples.png").is_file(), step
+    copied = out / "intermediate" / "run-step00000002" / "samples.png"
+    assert copied.read_bytes() == (samples / "step-000002.png").read_bytes()
+    req = planner.Request(method="lora", sample_prompts=0, sample_every_steps=2, save_every_steps=1)
+    counts = planner.sampled_images(req, plan_steps(images_per_epoch=4, batch_size=2, max_steps=4))
+    assert counts.during + counts.final == len(made)
+
+
 def test_a_failed_grid_copy_is_a_skipped_grid_and_a_full_disk_stops_the_run(tmp_path, capsys):
     """Copying a grid where it is due again: a failure other than a full disk is one line, as a failed
     sampling is (the run goes on); a full disk is the run's one-line DiskFull; nothing half-written stays."""
@@ -440,17 +476,18 @@ def test_other_methods_every_n_steps(method, tiny_sd15, images, tmp_path):
     (only,) = summary["intermediate_outputs"]
     folder = out / "intermediate" / "obj-step00000002"
     assert only["step"] == 2 and only["epoch"] == 1.0
-    files = [Path(f) for f in only["files"]]  # no sampling prompts: no grid
+    files = [Path(f) for f in only["files"]]  # no sampling prompts: a grid of a caption, as the final one
     assert all(f.parent == folder and f.exists() for f in files)
+    assert folder / "samples.png" in files
     if method == "finetune":
         from diffusers import UNet2DConditionModel
 
-        assert sorted(f.name for f in files) == ["model", "obj-step00000002.safetensors"]
+        assert sorted(f.name for f in files) == ["model", "obj-step00000002.safetensors", "samples.png"]
         UNet2DConditionModel.from_pretrained(str(folder / "model"), subfolder="unet")
     else:
         from diffusers import StableDiffusionPipeline
 
-        (embedding,) = files
+        (embedding,) = [f for f in files if f.name != "samples.png"]
         pipe = StableDiffusionPipeline.from_pretrained(str(tiny_sd15), safety_checker=None)
         export.load_embedding(pipe, embedding, "<obj>")
 

@@ -9,7 +9,8 @@ Layout under ``{output.dir}/checkpoints/``:
   another point of the run than an earlier session's: a kept (or before-NaN) checkpoint an earlier session
   wrote is never replaced, the new one is ``step-000500-1`` (``-2``, ...), as grids and intermediate outputs are.
 - ``interrupt-step-000123``: on SIGINT/SIGTERM or an exception; ``before-nan-step-000041`` when the loss
-  turned NaN/inf (the weights from before that step). A run that finishes removes the rolling and interrupt
+  turned NaN/inf (the weights from before that step; none at step 1 of a run from the base model: nothing
+  was trained). A run that finishes removes the rolling and interrupt
   checkpoints it has passed (:func:`remove_passed`; with checkpoints off nothing else would).
 
 Each is written by ``accelerator.save_state`` into ``checkpoints/.tmp-<name>`` and then renamed: a kill while
@@ -42,6 +43,7 @@ import io
 import json
 import os
 import re
+import shlex
 import shutil
 import time
 from collections.abc import Callable
@@ -67,11 +69,14 @@ _SETTINGS = ("batch_size", "grad_accum", "num_processes", "method", "samples_per
 _RUN_HISTORY = ("intermediate_outputs", "sample_grid_failures", "wall_seconds", "sampling_seconds")
 
 
-# What to do when no checkpoint can be resumed from: `sdplan train` starts a run over in its folder with --force
-# (without --resume it is refused: the folder holds a run); the trainer's own command line drops --resume.
-START_OVER = (
-    "start it over: `sdplan train --force` instead of --resume; with the trainer's own command, drop --resume"
-)
+def start_over(out_dir: str | Path) -> str:
+    """What to do when no checkpoint can be resumed from: `sdplan train` starts a run over in its folder with
+    --force (without --resume it is refused: the folder holds a run; with no --model/--dataset/--config it reads
+    the run's sdplan.yaml); the trainer's own command line drops --resume."""
+    return (
+        f"start it over: `sdplan train --force --out {shlex.quote(str(out_dir))}` instead of --resume; with the "
+        "trainer's own command, drop --resume"
+    )
 
 
 class CheckpointError(SdplanError):
@@ -415,7 +420,7 @@ def resolve_resume(resume: str | Path | None, out_dir: str | Path, say=print) ->
         raise CheckpointError(
             f"--resume latest: every checkpoint in {checkpoint_root(out_dir)} is incomplete or damaged: "
             f"{'; '.join(skipped)}",
-            fix=START_OVER,
+            fix=start_over(out_dir),
         )
     path = Path(resume)
     if not (path / STATE_FILE).is_file():
@@ -428,7 +433,7 @@ def resolve_resume(resume: str | Path | None, out_dir: str | Path, say=print) ->
         )
         raise CheckpointError(
             f"--resume {resume}: incomplete or damaged checkpoint: {problem}",
-            fix=f"resume from {complete}, the newest complete one" if complete else START_OVER,
+            fix=f"resume from {complete}, the newest complete one" if complete else start_over(out_dir),
         )
     return path
 

@@ -444,15 +444,33 @@ def reduce_step_stats(accelerator, loss_sum, micro_batches: int, images: int, st
     return mean_loss, int(images_all), stop_all > 0, bad_all > 0
 
 
+def base_models(recipe: Recipe) -> list[tuple[str, Any]]:
+    """The models a run starts from, labelled as the folders of a diffusers model ("unet", "text_encoder_2")."""
+    denoiser = (
+        "unet"
+        if "unet" in type(getattr(recipe.unet, "module", recipe.unet)).__name__.lower()
+        else "transformer"
+    )
+    encoders = [
+        ("text_encoder" if i == 0 else f"text_encoder_{i + 1}", te)
+        for i, te in enumerate(recipe.text_encoders)
+    ]
+    return [(denoiser, recipe.unet), *encoders, ("vae", recipe.vae)]
+
+
 class _Step:
     """The optimizer step in progress on this process: its seed, micro-batches, images and summed loss; at
     the accumulation boundary, the statistics of all processes and the NaN/inf stop."""
 
-    def __init__(self, number: int, accelerator, cfg, injected, stop, ckpt, params):
+    def __init__(self, number: int, accelerator, cfg, injected, stop, ckpt, params, base=None):
         import torch
 
         self.number, self.accelerator, self.cfg = number, accelerator, cfg
         self.injected, self.stop, self.ckpt, self.params = injected, stop, ckpt, params
+        # a run from the base model (not resumed): its step 1 comes before any update; ``base``, its models as
+        # (label, module) pairs, where a NaN/inf weight is looked for
+        self.base = base
+        self.untrained = number == 1 and base is not None
         self.generator = runtime.seed_step(cfg.training.seed, accelerator.process_index, number)
         self.micro, self.images, self.loss_sum = 0, 0, torch.zeros((), device=accelerator.device)
         self.mean_loss, self.images_all, self.stop_now = float("nan"), 0, False
@@ -468,7 +486,14 @@ class _Step:
             self.accelerator, self.loss_sum, self.micro, self.images, self.stop.requested is not None
         )
         if bad:
-            raise stops.stop_on_nan(self.ckpt, self.params, self.number, self.cfg)
+            raise stops.stop_on_nan(
+                self.ckpt,
+                self.params,
+                self.number,
+                self.cfg,
+                untrained=self.untrained,
+                models=self.base or (),
+            )
         # A finite loss with non-finite gradients (a faulty backward kernel): the update would spread them into
         # every weight and the next step's loss would be NaN. Under fp16 the gradient scaler skips such steps
         # itself; the norm is the same on every process (the gradients are already all-reduced).
@@ -476,7 +501,15 @@ class _Step:
 
         scaler = getattr(self.accelerator, "scaler", None)
         if grad_norm is not None and scaler is None and not bool(torch.isfinite(torch.as_tensor(grad_norm))):
-            raise stops.stop_on_nan(self.ckpt, self.params, self.number, self.cfg, gradients=True)
+            raise stops.stop_on_nan(
+                self.ckpt,
+                self.params,
+                self.number,
+                self.cfg,
+                gradients=True,
+                untrained=self.untrained,
+                models=self.base or (),
+            )
 
 
 def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = None) -> dict:
@@ -708,9 +741,10 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
             with outputs.write_errors(folder, needed_bytes=export_bytes), recipe.output_name(label):
                 files += recipe.export(folder, meta, ema)
         grid = None
-        if cfg.sampling.prompts and not sampled:
-            grid = sample(step, out_path=folder / "samples.png")
-        elif cfg.sampling.prompts and step_grid is not None:
+        fallback = recipe.sample_prompt()  # no sampling.prompts: a caption, as the every-N and final grids
+        if (cfg.sampling.prompts or fallback) and not sampled:
+            grid = sample(step, fallback=fallback, out_path=folder / "samples.png")
+        elif step_grid is not None:
             grid = outputs.copy_grid(accelerator, step_grid, folder / "samples.png")
         files += [grid] if grid else []
         accelerator.wait_for_everyone()
@@ -737,6 +771,7 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
                 save_intermediate(start_step, due[start_step], None, False)
 
     finished = False  # the loop ran to its end: the TensorBoard log stays open for the final grid
+    base = None if resume_from is not None else base_models(recipe)  # where a step-1 NaN can come from
     try:
         with stops.StopSignals() as stop:
             while state.global_step < plan.total_steps:
@@ -749,7 +784,9 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
                 current = None
                 for batch in epoch_loader:
                     if current is None:
-                        current = _Step(state.global_step + 1, accelerator, cfg, injected, stop, ckpt, params)
+                        current = _Step(
+                            state.global_step + 1, accelerator, cfg, injected, stop, ckpt, params, base
+                        )
                     optimizer_step(
                         recipe,
                         optimizer,

@@ -67,14 +67,38 @@ def nonfinite_error(
     *,
     gradients: bool = False,
     device: tuple[str | None, str | None] = (None, None),
+    untrained: bool = False,
+    bad_weight: str | None = None,
 ) -> NonFiniteLoss:
     """The error for a NaN/inf at ``step``; ``device``: the CUDA device's (name, compute capability), which names
-    a GTX 16 card's fp16 NaN (sdplan.machine.fp16_gives_nan) as the likely cause."""
+    a GTX 16 card's fp16 NaN (sdplan.machine.fp16_gives_nan) as the likely cause. ``untrained``: no weight was
+    updated yet (step 1 of a run from the base model): the learning rate cannot be the cause, the base model's
+    weights (``bad_weight``: one that holds NaN/inf, "unet conv_in.weight") or the data can."""
     from sdplan.machine import GTX16_FP16_NAN_SOURCES, fp16_gives_nan
 
     p = cfg.training.precision
     where = f"; weights from before it in {checkpoint}" if checkpoint else ""
+    model, images = cfg.model.path, cfg.data.path
+    check = (
+        f"check the base model file {model}: a damaged download or conversion holds NaN/inf weights, get it "
+        f"again; and the images in {images}: one may be damaged, open them or train on half to find it"
+    )
+    if untrained and bad_weight:
+        return NonFiniteLoss(
+            f"{'gradients' if gradients else 'loss'} became NaN/inf at step {step}, before any update: the base "
+            f"model's weight {bad_weight} holds NaN/inf (model.path {model})",
+            fix="the model file is damaged or was converted wrongly: download or convert it again, or train "
+            "another model",
+        )
     if gradients:  # the loss was finite: the backward pass made them
+        if untrained:
+            return NonFiniteLoss(
+                f"gradients became NaN/inf at step {step}, before any update, while the loss was finite: likely "
+                "a GPU kernel in the backward pass (on Hopper GPUs PyTorch's cuDNN attention has given non-finite "
+                "gradients at some shapes; sdplan turns it off, see trainer/runtime.py) or bad data",
+                fix=f"train with training.precision=fp32; if it comes back, {check}, and report it with the "
+                "run's sdplan.yaml",
+            )
         return NonFiniteLoss(
             f"gradients became NaN/inf at step {step} while the loss was finite: likely a GPU kernel in the "
             f"backward pass (on Hopper GPUs PyTorch's cuDNN attention has given non-finite gradients at some "
@@ -83,25 +107,44 @@ def nonfinite_error(
             f"{cfg.training.learning_rate:g}); if it comes back at once, train with training.precision=fp32 "
             "and report it with the run's sdplan.yaml",
         )
+    at = f"step {step}, before any update" if untrained else f"step {step}"
     if p == "fp16" and fp16_gives_nan(*device):
         cause = f"fp16 mixed precision on {device[0]}: it gives NaN losses on GTX 16 cards ({GTX16_FP16_NAN_SOURCES})"
         fix = "train with training.precision=fp32 (what sdplan plans on GTX 16 cards)"
+    elif p == "fp16" and untrained:
+        cause = (
+            "fp16 overflow (activations or the loss exceed the fp16 range), or bad base model weights or data"
+        )
+        fix = f"train with training.precision=bf16 (Ampere or newer) or fp32; if it comes back, {check}"
     elif p == "fp16":
         cause = "fp16 overflow (activations or the loss exceed the fp16 range)"
         fix = "train with training.precision=bf16 (Ampere or newer) or fp32, or lower training.learning_rate"
+    elif untrained:
+        return NonFiniteLoss(
+            f"loss became NaN/inf at {at}, so not from the learning rate: the base model's weights or the "
+            "data are bad",
+            fix=check,
+        )
     else:
         cause = "diverging weights (learning rate too high) or a bad batch"
         fix = f"lower training.learning_rate (now {cfg.training.learning_rate:g}) or add warmup"
-    return NonFiniteLoss(f"loss became NaN/inf at step {step}: likely {cause}{where}", fix=fix)
+    return NonFiniteLoss(f"loss became NaN/inf at {at}: likely {cause}{where}", fix=fix)
 
 
-def stop_on_nan(ckpt, params, step: int, cfg, *, gradients: bool = False) -> NonFiniteLoss:
+def stop_on_nan(
+    ckpt, params, step: int, cfg, *, gradients: bool = False, untrained: bool = False, models=()
+) -> NonFiniteLoss:
     """At a NaN/inf loss, before the optimizer step: checkpoint the weights from before this step (when they
-    are still finite; else point at the last checkpoint) and return the error to raise."""
+    are still finite; else point at the last checkpoint) and return the error to raise. ``untrained``: no
+    update was made yet (step 1 from the base model): no checkpoint (it would hold the weights the run started
+    from, and --resume would pick it up); ``models`` ((label, module) pairs) are searched for a weight that
+    holds NaN/inf, to name it."""
     import torch
 
     path = None
-    if all(bool(torch.isfinite(p).all()) for p in params):
+    if untrained:
+        pass
+    elif all(bool(torch.isfinite(p).all()) for p in params):
         path = ckpt.save("nan")
     elif ckpt.last_saved is not None:
         path = ckpt.last_saved
@@ -109,7 +152,27 @@ def stop_on_nan(ckpt, params, step: int, cfg, *, gradients: bool = False) -> Non
     if torch.cuda.is_available():
         major, minor = torch.cuda.get_device_capability()
         device = (torch.cuda.get_device_name(), f"{major}.{minor}")
-    return nonfinite_error(step, cfg, path, gradients=gradients, device=device)
+    bad = nonfinite_weight(models) if untrained else None
+    return nonfinite_error(
+        step, cfg, path, gradients=gradients, device=device, untrained=untrained, bad_weight=bad
+    )
+
+
+def nonfinite_weight(models) -> str | None:
+    """The first weight holding NaN/inf among ``models`` ((label, module) pairs) as "label name", or None (a
+    check that fails, a weight it cannot read: None, the error on its way matters more)."""
+    import torch
+
+    try:
+        for label, module in models:
+            if module is None:
+                continue
+            for name, p in module.named_parameters():
+                if p.numel() and p.is_floating_point() and not bool(torch.isfinite(p).all()):
+                    return f"{label} {name.removeprefix('module.')}"
+    except Exception:
+        return None
+    return None
 
 
 def checkpoint_on_error(accelerator, ckpt, state) -> None:

@@ -35,6 +35,7 @@ def profiles(
 ) -> None:
     """List the profile files, every method point (published or measured here) and where each comes from."""
     if ctx.invoked_subcommand is not None:
+        ctx.obj = {"store": store}  # `profiles --store DIR export|import`: the subcommand's store (_store)
         return
     from sdplan import profiles as lib
     from sdplan.bench import store_root
@@ -63,9 +64,23 @@ def profiles(
         console().print("[dim]`sdplan profiles --gpus` lists the GPU catalog.[/]")
 
 
+def _store(ctx: typer.Context, store: Path | None) -> Path | None:
+    """The store a subcommand uses: its own --store, else the group's (``sdplan profiles --store DIR export``
+    was silently the default store). Two different ones are refused."""
+    group = (ctx.obj or {}).get("store") if isinstance(ctx.obj, dict) else None
+    if store is not None and group is not None and Path(store) != Path(group):
+        from sdplan.errors import UsageError
+
+        raise UsageError(
+            f"--store given twice ({group} before {ctx.info_name}, {store} after it)", fix="give it once"
+        )
+    return store if store is not None else group
+
+
 @profiles_app.command("export")
 @cli_errors
 def export(
+    ctx: typer.Context,
     file: Annotated[Path, typer.Argument(metavar="FILE", help="YAML file to write.")],
     force: Annotated[bool, typer.Option("--force", help="Overwrite FILE if it exists.")] = False,
     store: Annotated[Path | None, _STORE] = None,
@@ -74,7 +89,7 @@ def export(
     sdplan's shipped profiles. Demo points and simulated out-of-memory points are left out."""
     from sdplan.bench import export_measurements
 
-    path, count, left_out = export_measurements(file, store_dir=store, force=force)
+    path, count, left_out = export_measurements(file, store_dir=_store(ctx, store), force=force)
     skipped = f" ({left_out} demo/simulated point(s) left out)" if left_out else ""
     console().print(f"wrote {count} measured point(s) to {path}{skipped}", markup=False)
 
@@ -82,17 +97,19 @@ def export(
 @profiles_app.command("import")
 @cli_errors
 def import_(
+    ctx: typer.Context,
     file: Annotated[Path, typer.Argument(metavar="FILE", help="A file written by `sdplan profiles export`.")],
     store: Annotated[Path | None, _STORE] = None,
 ) -> None:
     """Add the measurements of an export file (from `sdplan profiles export` on another machine) to the local
     store, which the planner reads: a point already there (same id) is replaced, so importing twice adds
-    nothing."""
+    nothing. Demo points and simulated out-of-memory points are left out, as export leaves them out."""
     from sdplan.bench import import_measurements
 
-    root, added = import_measurements(file, store_dir=store)
+    root, added, left_out = import_measurements(file, store_dir=_store(ctx, store))
     counts = ", ".join(f"{n} {method}" for method, n in added.items())
-    console().print(f"imported {sum(added.values())} point(s) ({counts}) into {root}", markup=False)
+    skipped = f" ({left_out} demo/simulated point(s) left out)" if left_out else ""
+    console().print(f"imported {sum(added.values())} point(s) ({counts}) into {root}{skipped}", markup=False)
 
 
 # -- tables ---------------------------------------------------------------------------------------------

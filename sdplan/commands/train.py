@@ -74,7 +74,12 @@ def train(
     ] = None,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Start without asking for confirmation.")] = False,
     force: Annotated[
-        bool, typer.Option("--force", help="Start an existing sdplan run in --out over.")
+        bool,
+        typer.Option(
+            "--force",
+            help="Start an existing sdplan run in --out over (with its own sdplan.yaml when no "
+            "--model/--dataset/--config is given).",
+        ),
     ] = False,
     resume: Annotated[
         bool,
