@@ -3473,8 +3473,8 @@ def format_duration(seconds: float) -> str:
         minutes, rest = divmod(whole, 60)
         return f"{minutes} min {rest} s" if rest else f"{minutes} min"
     if whole < 5400:
-        return f"{math.floor(whole / 60 + 0.5)} min"
-    return f"{tenths / 3600:.1f} h"
+        return f"{math.floor(tenths / 60 + 0.5)} min"
+    return f"{math.floor(tenths / 360 + 0.5) / 10:.1f} h"
 
 
 def pin_items(name: str, value: Any) -> list[tuple[str, Any]]:
@@ -4574,13 +4574,16 @@ def _adamw_text(best: Candidate, fitting: list[Candidate]) -> str:
             f"AdamW fits too ({_batch_words(aw.setup)}), but {name} fits a larger batch "
             f"({_batch_words(s)}), and with the step's speed unknown the larger batch is taken"
         )
-    if (aw.setup.batch * aw.setup.grad_accum, aw.setup.gradient_checkpointing) == (
+    gain = _key_seconds(aw) / _key_seconds(best) - 1  # as _adamw_gain_text says it
+    if gain <= 0 or round(gain * 100, percent_digits(gain, limit)) == 0:  # no faster: the handicaps decided
+        how = ""
+    elif (aw.setup.batch * aw.setup.grad_accum, aw.setup.gradient_checkpointing) == (
         s.batch * s.grad_accum,
         s.gradient_checkpointing,
     ):
-        how = "its smaller state update makes the step faster"
+        how = ": its smaller state update makes the step faster"
     else:
-        how = f"its smaller state lets the plan run {_batch_words(s)}"
+        how = f": its smaller state lets the plan run {_batch_words(s)}"
     # with training.max_steps the handicap is weighed per image seen (:func:`_key`), and the gain said so
     per = "" if aw.steps.images_seen == best.steps.images_seen else " per image seen"
     # a saver the AdamW plan needs and this one does not: its handicap counts beside the optimizer's (_key)
@@ -4592,9 +4595,9 @@ def _adamw_text(best: Candidate, fitting: list[Candidate]) -> str:
         else ""
     )
     return (
-        f"AdamW fits too ({_batch_words(aw.setup)}{' and cached text-encoder outputs' if cached else ''}: "
+        f"AdamW fits too ({_batch_words(aw.setup)}{', with cached text-encoder outputs' if cached else ''}: "
         f"{run_time_text(aw, best)}), but {name} "
-        f"{_adamw_gain_text(best, aw, limit)} ({format_duration(best.seconds)}: {how}); another optimizer than "
+        f"{_adamw_gain_text(best, aw, limit)} ({format_duration(best.seconds)}{how}); another optimizer than "
         f"AdamW is taken only where it is {handicap}{per}{also}, and pinning memory.optimizer=adamw plans AdamW"
     )
 
@@ -4626,9 +4629,14 @@ def _adamw_gain_text(best: Candidate, aw: Candidate, limit: float) -> str:
     once = (
         " (less the class images and final grid)" if best.sampling_once_seconds >= 0.05 * best.seconds else ""
     )
-    if same:
+    if round(gain * 100, digits) == 0:
+        return f"is about as fast{'' if same else ' per image seen'}{once}"
+    if same and gain > 0:
         return f"makes the run {gain * 100:.{digits}f}% faster{once}"
-    return f"is {abs(gain) * 100:.{digits}f}% {'faster' if gain >= 0 else 'slower'} per image seen{once}"
+    return (
+        f"is {abs(gain) * 100:.{digits}f}% {'faster' if gain > 0 else 'slower'}"
+        f"{'' if same else ' per image seen'}{once}"
+    )
 
 
 def _preferred_tier_text(best: Candidate, fitting: list[Candidate]) -> str:

@@ -505,6 +505,10 @@ def test_durations_under_ten_minutes_keep_the_resolution_their_ratios_need():
     assert P.format_duration(2.52) == "3 s" and P.format_duration(151.46) == "2 min 32 s"
     assert P.format_duration(89.94) == P.format_duration(89.95) == "1 min 30 s"
     assert P.format_duration(599.96) == "10 min" and P.format_duration(-0.01) == "under 0.1 s"
+    assert (
+        P.format_duration(629.45) == "10 min" and P.format_duration(5369.5) == "89 min"
+    )  # not rounded twice
+    assert P.format_duration(5580) == "1.6 h" and P.format_duration(9180) == "2.6 h"  # half up
     with pytest.raises(ValueError):
         P.format_duration(-5)
 
@@ -550,3 +554,6 @@ def test_an_adamw_plan_that_needs_cached_text_encoder_outputs_says_so(prof):
     assert res.plan.optimizer == "adamw8bit"
     (why,) = [r for r in res.reasons if r.startswith("optimizer ")]
     assert "cached text-encoder outputs" in why and f"{P.TE_CACHE_HANDICAP:.0%} slower" in why, why
+    # no gain said as "0% faster" beside "makes the step faster"
+    assert " 0% faster" not in why and "-0%" not in why and "-1%" not in why, why
+    assert "is about as fast" in why and "makes the step faster" not in why, why

@@ -341,16 +341,40 @@ def test_a_run_extended_on_resume_saves_the_step_it_resumes_at(tiny_sd15, images
     )
     run.train(tiny_train_config(tiny_sd15, images, out, *opts, "training.epochs=2"))
     epoch2 = load_file(str(out / "pytorch_lora_weights.safetensors"))
-    summary = run.train(
-        tiny_train_config(tiny_sd15, images, out, *opts, "training.epochs=3"),
-        resume=str(checkpoint.latest_checkpoint(out)),
-    )
+    with Image.open(out / "samples" / "final.png") as im:
+        final_grid = im.tobytes()
+    ckpt = str(checkpoint.latest_checkpoint(out))
+    extended = tiny_train_config(tiny_sd15, images, out, *opts, "training.epochs=3")
+
+    # a save that fails (or is cut off) is not taken as done by the next resume: the checkpoint's record is
+    real_save, tried = export.save_lora, []
+
+    def failing(folder, *a, **k):  # the pre-loop save's export, not the check before training
+        if outputs.INTERMEDIATE in Path(folder).parts:
+            tried.append(folder)
+            raise OSError(5, "Input/output error")
+        return real_save(folder, *a, **k)
+
+    monkeypatch.setattr(export, "save_lora", failing)
+    with pytest.raises(SdplanError):
+        run.train(extended, resume=ckpt)
+    assert tried  # it failed where meant to
+    monkeypatch.setattr(export, "save_lora", real_save)
+
+    made = []
+    real_grid = sampling.sample_grid
+    monkeypatch.setattr(sampling, "sample_grid", lambda *a, **k: made.append(1) or real_grid(*a, **k))
+    summary = run.train(extended, resume=ckpt)
     assert sorted(p.name for p in (out / "intermediate").iterdir()) == ["shapes-000001", "shapes-000002"]
     assert [(o["epoch"], o["step"]) for o in summary["intermediate_outputs"]] == [(1, 2), (2, 4)]
     saved = load_file(str(out / "intermediate" / "shapes-000002" / "pytorch_lora_weights.safetensors"))
     assert saved.keys() == epoch2.keys() and all(torch.equal(saved[k], epoch2[k]) for k in saved)
     final = load_file(str(out / "pytorch_lora_weights.safetensors"))
     assert any(not torch.equal(final[k], epoch2[k]) for k in final)  # epoch 3 trained on
+    # the epoch-2 grid is the earlier session's final grid, copied: only this session's final grid is sampled
+    assert len(made) == 1
+    with Image.open(out / "intermediate" / "shapes-000002" / "samples.png") as im:
+        assert im.tobytes() == final_grid
 
 
 def test_a_grid_is_sampled_once_at_a_step_that_saves_and_never_twice_at_the_last(

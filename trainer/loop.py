@@ -631,6 +631,15 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
         every_steps=cfg.output.save_every_n_steps,
         after=start_step,
     )
+    # the step a resume starts at, where a save is due there (resume_save_at: the loop saves those after it)
+    due = intermediate_steps(
+        total_steps=plan.total_steps,
+        steps_per_epoch=plan.steps_per_epoch,
+        every_epochs=cfg.output.save_every_n_epochs,
+        every_steps=cfg.output.save_every_n_steps,
+        after=start_step - 1,
+    )
+    resume_save = (start_step, due[start_step]) if start_step and start_step in due else None
     export_bytes = 0
     if accelerator.is_main_process:
         meta0 = outputs.run_metadata(
@@ -641,7 +650,9 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
             mixed_precision=accelerator.mixed_precision,
         )
         export_bytes = outputs.check_export(
-            lambda folder: recipe.export(folder, meta0, ema), out_dir, saves=1 + len(saves_at)
+            lambda folder: recipe.export(folder, meta0, ema),
+            out_dir,
+            saves=1 + len(saves_at) + (resume_save is not None),
         )
     accelerator.wait_for_everyone()
 
@@ -748,32 +759,47 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
             grid = outputs.copy_grid(accelerator, step_grid, folder / "samples.png")
         files += [grid] if grid else []
         accelerator.wait_for_everyone()
-        state.intermediate_outputs.append({"epoch": reached, "step": step, "files": [str(f) for f in files]})
+        state.intermediate_outputs.append(
+            {
+                "epoch": reached,
+                "step": step,
+                "images_seen": state.images_seen,
+                "files": [str(f) for f in files],
+            }
+        )
         progress.say(accelerator, f"saved the outputs of step {step} in {folder}")
 
-    # A resume at a step due a save (the earlier session ended there: its final outputs, or a training.max_steps
-    # stop, of a run now extended) saves that step's outputs first, from the weights just loaded: the loop saves
-    # the steps after the one it starts at, and the earlier final outputs are written over at the end.
-    if start_step and start_step < plan.total_steps:
-        due = intermediate_steps(
-            total_steps=plan.total_steps,
-            steps_per_epoch=plan.steps_per_epoch,
-            every_epochs=cfg.output.save_every_n_epochs,
-            every_steps=cfg.output.save_every_n_steps,
-            after=start_step - 1,
-        )
-        if start_step in due:
-            label = outputs.intermediate_name(
-                export.output_name(cfg.output.name, out_dir), epoch=due[start_step], step=start_step
-            )
-            done = out_dir / outputs.INTERMEDIATE / label
-            if not (done.is_dir() and outputs.point_of(done) == state.images_seen):  # saved by that session
-                save_intermediate(start_step, due[start_step], None, False)
+    def resume_save_at(step: int, epoch: int | None) -> None:
+        """A resume at a step due a save (the earlier session ended there: its final outputs, or a
+        training.max_steps stop, of a run now extended): that step's outputs, from the weights just loaded, unless
+        the run's record (the checkpoint's, the same on every process; kept only for a save that finished) has
+        them. The grid the earlier session made at that point (its every-N or final grid) is copied: the main
+        process looks, and tells the others, which then sample nothing either."""
+        if any(
+            o.get("images_seen") == state.images_seen if "images_seen" in o else o["step"] == step
+            for o in state.intermediate_outputs
+        ):
+            return
+        found: list[str | None] = [None]
+        if accelerator.is_main_process:
+            samples_dir = Path(cfg.output.dir) / "samples"
+            for grid in (outputs.grid_path(samples_dir, step, state.images_seen), samples_dir / "final.png"):
+                if grid.is_file() and outputs.point_of(grid) == state.images_seen:
+                    found[0] = str(grid)
+                    break
+        if accelerator.num_processes > 1:
+            from accelerate.utils import broadcast_object_list
+
+            broadcast_object_list(found)
+        earlier = Path(found[0]) if found[0] is not None and accelerator.is_main_process else None
+        save_intermediate(step, epoch, earlier, found[0] is not None)
 
     finished = False  # the loop ran to its end: the TensorBoard log stays open for the final grid
     base = None if resume_from is not None else base_models(recipe)  # where a step-1 NaN can come from
     try:
         with stops.StopSignals() as stop:
+            if resume_save is not None:
+                resume_save_at(*resume_save)
             while state.global_step < plan.total_steps:
                 if state.batches_in_epoch >= len(loader):  # the checkpoint was taken at an epoch's end
                     state.epoch, state.batches_in_epoch, state.samples_in_epoch = state.epoch + 1, 0, 0
