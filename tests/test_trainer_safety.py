@@ -377,6 +377,28 @@ def test_a_run_extended_on_resume_saves_the_step_it_resumes_at(tiny_sd15, images
         assert im.tobytes() == final_grid
 
 
+# a save at every step and a grid every other one, over 4 steps (the grids tests count what is sampled)
+SAVES_EVERY_STEP_GRIDS_EVERY_OTHER = (
+    "training.max_steps=4",
+    "output.save_every_n_steps=1",
+    "sampling.every_steps=2",
+    "output.name=run",
+)
+
+
+def _counted_grids(monkeypatch) -> list[str]:
+    """The grids sampled from now on, by their first label line ("step 2"), as sampling.sample_grid makes them."""
+    made: list[str] = []
+    real = sampling.sample_grid
+
+    def counted(pipe, prompts, **kw):
+        made.append(kw["labels"][0].split("\n")[0])
+        return real(pipe, prompts, **kw)
+
+    monkeypatch.setattr(sampling, "sample_grid", counted)
+    return made
+
+
 def test_a_grid_is_sampled_once_at_a_step_that_saves_and_never_twice_at_the_last(
     tiny_sd15, images, tmp_path, monkeypatch
 ):
@@ -390,21 +412,9 @@ def test_a_grid_is_sampled_once_at_a_step_that_saves_and_never_twice_at_the_last
     from sdplan import planner
     from sdplan.steps import plan_steps
 
-    made: list[str] = []
-    real = sampling.sample_grid
-
-    def counted(pipe, prompts, **kw):
-        made.append(kw["labels"][0].split("\n")[0])
-        return real(pipe, prompts, **kw)
-
-    monkeypatch.setattr(sampling, "sample_grid", counted)
+    made = _counted_grids(monkeypatch)
     out = tmp_path / "out"
-    opts = (
-        "training.max_steps=4",
-        "output.save_every_n_steps=1",
-        "sampling.every_steps=2",
-        "output.name=run",
-    )
+    opts = SAVES_EVERY_STEP_GRIDS_EVERY_OTHER
     opts += ("sampling.prompts=[a red square]", "logging.tensorboard=true")
     run.train(tiny_train_config(tiny_sd15, images, out, *opts))
     assert made == ["step 1", "step 2", "step 3", "step 4"]  # saves at 1-3 (2 copied), the final grid at 4
@@ -431,21 +441,9 @@ def test_saves_get_the_caption_grid_without_prompts_as_every_n_and_final_grids_d
     from sdplan import planner
     from sdplan.steps import plan_steps
 
-    made: list[str] = []
-    real = sampling.sample_grid
-
-    def counted(pipe, prompts, **kw):
-        made.append(kw["labels"][0].split("\n")[0])
-        return real(pipe, prompts, **kw)
-
-    monkeypatch.setattr(sampling, "sample_grid", counted)
+    made = _counted_grids(monkeypatch)
     out = tmp_path / "out"
-    opts = (
-        "training.max_steps=4",
-        "output.save_every_n_steps=1",
-        "sampling.every_steps=2",
-        "output.name=run",
-    )
+    opts = SAVES_EVERY_STEP_GRIDS_EVERY_OTHER
     run.train(tiny_train_config(tiny_sd15, images, out, *opts))
     assert made == ["step 1", "step 2", "step 3", "step 4"]  # saves at 1-3 (2 copied), the final grid at 4
     samples = out / "samples"
