@@ -662,6 +662,17 @@ def test_nan_loss_at_step_1_blames_the_model_or_data_and_saves_no_checkpoint(tin
     assert "before any update, so not from the learning rate" in text and "learning_rate" not in text, text
     assert str(tiny_sd15) in error.fix and str(dataset) in error.fix and error.fix.count("(") == 0
 
+    # under DeepSpeed the engine steps inside accelerator.backward, before the check: not "before any update"
+    from types import SimpleNamespace
+
+    from sdplan.trainer.loop import _Step
+
+    accelerator = SimpleNamespace(process_index=0, device="cpu")
+    for extra, untrained in (((), True), (("distributed.deepspeed.zero_stage=2",), False)):
+        cfg = tiny_train_config(tiny_sd15, dataset, out, *extra)
+        assert _Step(1, accelerator, cfg, None, None, None, [], base=[]).untrained is untrained
+        assert not _Step(2, accelerator, cfg, None, None, None, [], base=[]).untrained
+
 
 @pytest.mark.train
 def test_gradient_checkpointing_gives_the_same_losses(tiny_sd15, dataset, tmp_path):

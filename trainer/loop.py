@@ -468,9 +468,10 @@ class _Step:
         self.number, self.accelerator, self.cfg = number, accelerator, cfg
         self.injected, self.stop, self.ckpt, self.params = injected, stop, ckpt, params
         # a run from the base model (not resumed): its step 1 comes before any update; ``base``, its models as
-        # (label, module) pairs, where a NaN/inf weight is looked for
+        # (label, module) pairs, where a NaN/inf weight is looked for. Not under DeepSpeed: its engine steps inside
+        # accelerator.backward, before this check, so a trained weight could already hold what the data made
         self.base = base
-        self.untrained = number == 1 and base is not None
+        self.untrained = number == 1 and base is not None and cfg.distributed.deepspeed is None
         self.generator = runtime.seed_step(cfg.training.seed, accelerator.process_index, number)
         self.micro, self.images, self.loss_sum = 0, 0, torch.zeros((), device=accelerator.device)
         self.mean_loss, self.images_all, self.stop_now = float("nan"), 0, False
