@@ -3298,32 +3298,15 @@ def suggest_hardware(
     *,
     request: Request | None = None,
     ram_total_bytes: int | None = None,
-) -> list[str]:
-    """Catalog GPUs with at least ``need_bytes`` of VRAM: the smallest that fit first, then by speed. With the
-    ``request``, only those on which it fits by the verdict's rule (no "may not fit" flag) in this host RAM: a
+) -> list[tuple[str, GPUSpec]]:
+    """(label, catalog GPU) of the catalog GPUs with at least ``need_bytes`` of VRAM: the smallest that fit
+    first, then by speed. With the ``request``, only those on which it fits by the verdict's rule (no "may not fit" flag) in this host RAM: a
     GPU's own leanest configuration (:func:`min_vram_needed`) depends on what it runs (no full bf16 weights
     without bf16, no 8-bit AdamW or nf4 off NVIDIA, the math attention path on RDNA1/2) and on its own
     `sdplan bench` peaks and out-of-memory points, and a pin it cannot run rules it out. A pinned GPU count
     (``distributed.num_processes``) is suggested as that many of each card (``2x RTX 4090``): ``need_bytes`` is
     then per GPU, and one card alone conflicts with the pin. Pinned GPUs (``distributed.gpu_ids``) are as many,
     on a machine that has the GPUs named (``[2, 3]``: ``4x RTX 4090``)."""
-    return [
-        label
-        for label, _ in _suggestions(
-            profiles, need_bytes, limit, request=request, ram_total_bytes=ram_total_bytes
-        )
-    ]
-
-
-def _suggestions(
-    profiles: Profiles,
-    need_bytes: int,
-    limit: int = 6,
-    *,
-    request: Request | None = None,
-    ram_total_bytes: int | None = None,
-) -> list[tuple[str, GPUSpec]]:
-    """:func:`suggest_hardware`'s labels, each with its catalog GPU."""
     if request is None:
         fit = sorted(
             (g for g in profiles.gpus if g.memory_bytes >= need_bytes),
@@ -3622,7 +3605,7 @@ def _infeasible(req, hw, reasons, steps, *, memory=None, need=None, profiles=Non
         if _fp16_nan_gpu(hw.gpus) and not req.pinned("precision"):
             mixed = min_vram_needed(req, profiles, precision="fp16", ram_total_bytes=hw.ram_total_bytes)
             mixed = mixed if mixed is not None and mixed < need else None
-        suggested = _suggestions(profiles, mixed or need, request=req, ram_total_bytes=hw.ram_total_bytes)
+        suggested = suggest_hardware(profiles, mixed or need, request=req, ram_total_bytes=hw.ram_total_bytes)
         needs = {
             "min_vram_bytes": need,
             "min_vram_bytes_mixed_precision": mixed,

@@ -625,22 +625,15 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
             )
 
     # The export, once, before anything is trained: what fails there fails now, not after the training.
+    # the saves from the step a resume starts at on: that step's own (resume_save_at), the loop's after it
     saves_at = intermediate_steps(
-        total_steps=plan.total_steps,
-        steps_per_epoch=plan.steps_per_epoch,
-        every_epochs=cfg.output.save_every_n_epochs,
-        every_steps=cfg.output.save_every_n_steps,
-        after=start_step,
-    )
-    # the step a resume starts at, where a save is due there (resume_save_at: the loop saves those after it)
-    due = intermediate_steps(
         total_steps=plan.total_steps,
         steps_per_epoch=plan.steps_per_epoch,
         every_epochs=cfg.output.save_every_n_epochs,
         every_steps=cfg.output.save_every_n_steps,
         after=start_step - 1,
     )
-    resume_save = (start_step, due[start_step]) if start_step and start_step in due else None
+    resume_save = (start_step, saves_at.pop(start_step)) if start_step in saves_at else None
     export_bytes = 0
     if accelerator.is_main_process:
         meta0 = outputs.run_metadata(
