@@ -90,24 +90,26 @@ def nonfinite_error(
             fix="the model file is damaged or was converted wrongly: download or convert it again, or train "
             "another model",
         )
+    at = f"step {step}, before any update" if untrained else f"step {step}"
     if gradients:  # the loss was finite: the backward pass made them
+        kernel = (
+            f"gradients became NaN/inf at {at}{',' if untrained else ''} while the loss was finite: likely a GPU "
+            "kernel in the backward pass "
+            "(on Hopper GPUs PyTorch's cuDNN attention has given non-finite gradients at some shapes; sdplan turns "
+            "it off, see trainer/runtime.py)"
+        )
         if untrained:
             return NonFiniteLoss(
-                f"gradients became NaN/inf at step {step}, before any update, while the loss was finite: likely "
-                "a GPU kernel in the backward pass (on Hopper GPUs PyTorch's cuDNN attention has given non-finite "
-                "gradients at some shapes; sdplan turns it off, see trainer/runtime.py) or bad data",
+                f"{kernel} or bad data",
                 fix=f"train with training.precision=fp32; if it comes back, {check}, and report it with the "
                 "run's sdplan.yaml",
             )
         return NonFiniteLoss(
-            f"gradients became NaN/inf at step {step} while the loss was finite: likely a GPU kernel in the "
-            f"backward pass (on Hopper GPUs PyTorch's cuDNN attention has given non-finite gradients at some "
-            f"shapes; sdplan turns it off, see trainer/runtime.py) or diverging weights{where}",
+            f"{kernel} or diverging weights{where}",
             fix=f"resume from that checkpoint with a lower training.learning_rate (now "
             f"{cfg.training.learning_rate:g}); if it comes back at once, train with training.precision=fp32 "
             "and report it with the run's sdplan.yaml",
         )
-    at = f"step {step}, before any update" if untrained else f"step {step}"
     if p == "fp16" and fp16_gives_nan(*device):
         cause = f"fp16 mixed precision on {device[0]}: it gives NaN losses on GTX 16 cards ({GTX16_FP16_NAN_SOURCES})"
         fix = "train with training.precision=fp32 (what sdplan plans on GTX 16 cards)"
