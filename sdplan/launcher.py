@@ -1526,15 +1526,10 @@ def force_reads_run_config(req: TrainRequest) -> TrainRequest:
     """`sdplan train --force --out DIR` with no --model/--dataset/--config starts the run in DIR over with its
     own sdplan.yaml, as ``--config DIR/sdplan.yaml --out DIR --force`` does: what every "--force instead of
     --resume" hint says (it was '--model and --dataset missing'), --resume reading the same file."""
-    if (
-        req.force
-        and not (req.resume or req.demo or req.config or req.model or req.dataset)
-        and req.config_data is None
-        and req.out
-        and (Path(C.absolute(req.out, "--out")) / CONFIG_FILE).is_file()
-    ):
-        return replace(req, config=str(Path(C.absolute(req.out, "--out")) / CONFIG_FILE))
-    return req
+    if not req.force or req.resume or req.demo or req.config or req.model or req.dataset or not req.out:
+        return req
+    config = Path(C.absolute(req.out, "--out")) / CONFIG_FILE
+    return replace(req, config=str(config)) if req.config_data is None and config.is_file() else req
 
 
 def prepare(req: TrainRequest, ui: UI) -> Prepared:
@@ -2146,6 +2141,7 @@ def execute(p: Prepared, req: TrainRequest, ui: UI, launch: Launch, lock: Any = 
         # Out of memory: record what did not fit, then retry smaller. Before the first step (trainer/__main__.py:
         # step 0) no batch had run: recorded at batch 1, so the planner does not take a smaller batch for a fix
         setup_oom = oom.get("step") == 0
+        at = "before training started" if setup_oom else f"at step {oom.get('step')}"
         _record(cfg, {**oom, "batch_size": 1, "grad_accum": 1} if setup_oom else oom, p, ui, fits=False)
         if req.num_machines > 1:
             raise OutOfMemoryError(
@@ -2180,7 +2176,6 @@ def execute(p: Prepared, req: TrainRequest, ui: UI, launch: Launch, lock: Any = 
                     )
                     + "with more memory (`sdplan recommend --compare` lists what fits)",
                 )
-            at = "before training started" if setup_oom else f"at step {oom.get('step')}"
             raise OutOfMemoryError(
                 f"out of GPU memory {at} with every memory saver on"
                 + (f" (after {retries - 1} retries)" if retries > 1 else "")
@@ -2208,7 +2203,6 @@ def execute(p: Prepared, req: TrainRequest, ui: UI, launch: Launch, lock: Any = 
             if started_from is not None
             else "from the start (no checkpoint yet)"
         )
-        at = "before training started" if setup_oom else f"at step {oom.get('step')}"
         ui.echo(f"out of memory {at}: {change.message}; restarting {where}")
         launch = build_launch(
             cfg,
