@@ -745,6 +745,35 @@ def test_v_prediction_file_trains_as_v(single_sd15, tiny_sd15, tmp_path):
     assert any("v_pred key and ztsnr key" in n for n in comps.notes), comps.notes
 
 
+def test_v_prediction_file_trains_as_v_where_the_config_leaves_the_keys_out(single_sd15, tiny_sd15, tmp_path):
+    """The real SD 1.5 scheduler_config.json has no prediction_type and no rescale_betas_zero_snr: a loaded
+    config lists such keys in _use_default_values, which from_config drops, so the file's v_pred and ztsnr keys
+    were printed as read and then lost: the run trained and sampled as epsilon."""
+    import json
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+    from sdplan.trainer import models
+
+    config_dir = tmp_path / "config"
+    shutil.copytree(tiny_sd15, config_dir)
+    sched = config_dir / "scheduler" / "scheduler_config.json"
+    cfg = json.loads(sched.read_text())
+    for key in ("prediction_type", "rescale_betas_zero_snr", "timestep_spacing"):
+        cfg.pop(key, None)
+    sched.write_text(json.dumps(cfg))
+    state = load_file(str(single_sd15))
+    state["v_pred"], state["ztsnr"] = torch.zeros(0), torch.zeros(0)
+    vfile = tmp_path / "vpred.safetensors"
+    save_file(state, str(vfile))
+    comps = models.load_components(str(vfile), config_dir=str(config_dir))
+    for scheduler in (comps.noise_scheduler, comps.inference_scheduler()):
+        assert scheduler.config.prediction_type == "v_prediction", type(scheduler).__name__
+        assert scheduler.config.rescale_betas_zero_snr, type(scheduler).__name__
+    assert float(comps.noise_scheduler.alphas_cumprod[-1]) < 1e-6  # zero terminal SNR: 2**-24, not 0.0047
+
+
 def test_a_v_prediction_model_saves_comfyuis_v_pred_and_ztsnr_keys(tiny_sd15, tmp_path):
     """A fine-tune of a v-prediction, zero-terminal-SNR base (NoobAI-XL V-Pred style): its single file had only
     modelspec.prediction_type, which ComfyUI's SDXL loader never reads (comfy/supported_models.py

@@ -465,7 +465,9 @@ def _load_single_file(
     found = _check_family(detect_family(unet_config, 2 if two else 1), family, location, unet_config)
     text_encoders = [parts["text_encoder"]] + ([parts["text_encoder_2"]] if two else [])
     tokenizers = [parts["tokenizer"]] + ([parts["tokenizer_2"]] if two else [])
-    scheduler_config = dict(parts["scheduler"].config)
+    # a loaded config lists the keys its JSON lacked in _use_default_values, and from_config drops those keys:
+    # without this, a prediction type or zero terminal SNR set below on such a key is silently lost
+    scheduler_config = {k: v for k, v in parts["scheduler"].config.items() if k != "_use_default_values"}
     notes = _single_file_prediction(scheduler_config, info, found, location)
     return Components(
         family=found,
