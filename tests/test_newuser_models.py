@@ -254,7 +254,33 @@ def test_folder_notes_say_family_and_prediction(tmp_path):
     [
         (checkpoint(9), "an inpainting model"),
         (checkpoint(8), "an instruct-pix2pix model"),
-        (checkpoint(text={"conditioner.embedders.0.model.token_embedding.weight": (2,)}), "an SDXL refiner"),
+        (
+            checkpoint(
+                text={"conditioner.embedders.0.model.token_embedding.weight": (2,)},
+                **{"model.diffusion_model.label_emb.0.0.weight": (2, 2560)},
+            ),
+            "an SDXL refiner",
+        ),
+        (  # FLUX.2 (diffusers CHECKPOINT_KEY_NAMES["flux2"]): was "a FLUX.1 Depth / Canny (control) model"
+            {
+                "double_blocks.0.img_attn.qkv.weight": (2,),
+                "single_stream_modulation.lin.weight": (2, 2),
+                "img_in.weight": (8, 128),
+            },
+            "single_stream_modulation.lin.weight: its blocks share one modulation",
+        ),
+        (  # Z-Image / Lumina 2 all in one: "cannot tell SD 1.x, 2.x or SDXL (set model.family)", which then passed
+            {
+                **VAE,
+                "model.diffusion_model.layers.0.adaLN_modulation.0.weight": (2, 2),
+                "text_encoders.qwen3_4b.transformer.model.embed_tokens.weight": (2, 2),
+            },
+            "another family's model: its denoiser",
+        ),
+        (  # Wan: was "only a UNet ... give the full checkpoint"
+            {"model.diffusion_model.head.modulation": (1, 2, 2)},
+            "model.diffusion_model.head.modulation",
+        ),
         (checkpoint(text=SDXL_TE, edm_mean=(1, 4, 1, 1), edm_std=(1, 4, 1, 1)), "Playground v2.5"),
         ({"double_blocks.0.img_attn.qkv.weight": (2,), "img_in.weight": (8, 384)}, "a FLUX.1 Fill"),
         ({"double_blocks.0.img_attn.qkv.weight": (2,), "img_in.weight": (8, 128)}, "FLUX.1 Depth / Canny"),
@@ -375,6 +401,16 @@ def test_truncated_safetensors_is_one_line_before_launch(tmp_path):
     one_line_error(dry_run(path, tmp_path), 2, "truncated", "download or copy the file again")
 
 
+def test_sd2_in_sgm_layout_is_sd2_not_an_sdxl_refiner(tmp_path):
+    """SD 2.1 Turbo's file: its OpenCLIP under conditioner.embedders.0.model. (A1111 sd_models.py
+    checkpoint_dict_replacements_sd2_turbo; ComfyUI SD20 "SD2 in sgm format"; diffusers loads it) was refused as
+    an SDXL refiner, even with model.family=sd21. The refiner's UNet has label_emb; SD 2.x's has not."""
+    shapes = checkpoint(text={"conditioner.embedders.0.model.ln_final.weight": (1024,)})
+    path = write_safetensors(tmp_path / "sd_turbo.safetensors", shapes)
+    assert check_source(str(path)).family == "sd21"
+    assert check_source(str(path), family="sd21").family == "sd21"
+
+
 def test_a_whole_checkpoint_passes_with_its_family(tmp_path):
     path = write_safetensors(tmp_path / "m.safetensors", checkpoint(text=SDXL_TE))
     assert check_source(str(path)).family == "sdxl"
@@ -450,7 +486,33 @@ def test_ckpt_v_prediction_from_the_yaml_beside_it(tmp_path):
     "shapes, needle",
     [
         (checkpoint(9), "an inpainting model"),
-        (checkpoint(text={"conditioner.embedders.0.model.token_embedding.weight": (2,)}), "an SDXL refiner"),
+        (
+            checkpoint(
+                text={"conditioner.embedders.0.model.token_embedding.weight": (2,)},
+                **{"model.diffusion_model.label_emb.0.0.weight": (2, 2560)},
+            ),
+            "an SDXL refiner",
+        ),
+        (  # FLUX.2 (diffusers CHECKPOINT_KEY_NAMES["flux2"]): was "a FLUX.1 Depth / Canny (control) model"
+            {
+                "double_blocks.0.img_attn.qkv.weight": (2,),
+                "single_stream_modulation.lin.weight": (2, 2),
+                "img_in.weight": (8, 128),
+            },
+            "single_stream_modulation.lin.weight: its blocks share one modulation",
+        ),
+        (  # Z-Image / Lumina 2 all in one: "cannot tell SD 1.x, 2.x or SDXL (set model.family)", which then passed
+            {
+                **VAE,
+                "model.diffusion_model.layers.0.adaLN_modulation.0.weight": (2, 2),
+                "text_encoders.qwen3_4b.transformer.model.embed_tokens.weight": (2, 2),
+            },
+            "another family's model: its denoiser",
+        ),
+        (  # Wan: was "only a UNet ... give the full checkpoint"
+            {"model.diffusion_model.head.modulation": (1, 2, 2)},
+            "model.diffusion_model.head.modulation",
+        ),
         ({"lora_unet_down_blocks_0.lora_down.weight": (2, 2), "lora_te_x.alpha": ()}, "a LoRA"),
     ],
 )

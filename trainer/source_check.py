@@ -97,6 +97,7 @@ REFUSED_PIPELINES = {
     "StableUnCLIPPipeline": f"a Stable unCLIP model ({UNCLIP})",
     "StableUnCLIPImg2ImgPipeline": f"a Stable unCLIP model ({UNCLIP})",
 }
+TRAINS = "sdplan trains SD 1.x / 2.x, SDXL, SD3.5 and FLUX.1"
 # other families, by the start of their pipeline class name
 OTHER_FAMILIES = (
     ("PixArt", "PixArt"),
@@ -268,7 +269,7 @@ def check_folder(
                     else f"{'an' if label[0] in 'AEIOU' else 'a'} {label} model"
                 )
                 what = f"{named} ({cls}), an unsupported family"
-            raise refuse(where, f"{what}; sdplan trains SD 1.x / 2.x, SDXL, SD3.5 and FLUX.1")
+            raise refuse(where, f"{what}; {TRAINS}")
         # another pipeline class over a Stable Diffusion UNet (a community pipeline's folder): its UNet decides
 
     def named(key: str) -> bool:
@@ -483,6 +484,11 @@ def family_from_keys(keys) -> str | None:
     return None
 
 
+# FLUX.2's shared modulation (diffusers CHECKPOINT_KEY_NAMES["flux2"], tested before FLUX.1's): its blocks are
+# named as FLUX.1's, and its transformer takes 128 channels as a text-to-image base
+_FLUX2_KEYS = ("single_stream_modulation.", "double_stream_modulation_img.", "double_stream_modulation_txt.")
+
+
 def flow_family_from_keys(plain) -> str | None:
     """sd35-medium / sd35-large / flux-dev / flux-schnell from an SD3.5 / FLUX.1 transformer's original-layout
     key names (without ``model.diffusion_model.``); None for any other network. The keys stand for the
@@ -493,6 +499,8 @@ def flow_family_from_keys(plain) -> str | None:
     too (``joint_blocks.37.*``: Large; the 1536-wide blocks: SD3 or 3.5 Medium by ``pos_embed``), and it holds
     at any width and depth, so a merged or tiny model is read the same way."""
     keys = list(plain)
+    if any(k.startswith(_FLUX2_KEYS) for k in keys):
+        return None  # FLUX.2: double blocks too, modulated once for all blocks (classify_state refuses it)
     if any(k.startswith("double_blocks.") for k in keys):
         config = {"guidance_embeds": any(k.startswith("guidance_in.") for k in keys)}
         return detect_flow_family({"_class_name": "FluxPipeline"}, config)
@@ -575,14 +583,19 @@ def classify_state(
         )
     plain = {k[len(UNET) :] if k.startswith(UNET) else k: v for k, v in shapes.items()}
     flow = flow_family_from_keys(plain)
+    if any(k.startswith(_FLUX2_KEYS) for k in plain):
+        raise refuse(
+            where,
+            f"a FLUX.2 model ({next(k for k in sorted(plain) if k.startswith(_FLUX2_KEYS))}: its blocks share "
+            f"one modulation), an unsupported family; {TRAINS}",
+        )
     if any(k.startswith("distilled_guidance_layer.") for k in plain):
         # diffusers CHECKPOINT_KEY_NAMES["chroma"], tested before "flux": FLUX.1 [schnell]'s blocks without their
         # per-block modulation, which this approximator computes (read as FLUX.1 it misses those weights)
         raise refuse(
             where,
             "a Chroma model (distilled_guidance_layer.*: FLUX.1 blocks modulated by a distilled guidance "
-            "network, not FLUX.1's own), an unsupported family; sdplan trains SD 1.x / 2.x, SDXL, SD3.5 and "
-            "FLUX.1",
+            f"network, not FLUX.1's own), an unsupported family; {TRAINS}",
         )
     scaled = _scaled_markers(keys, metadata, flow is not None)
     if scaled:
@@ -617,6 +630,16 @@ def classify_state(
         info.family = check_family(flow, family, where)
         return info
     has_unet = any(k.startswith(UNET) for k in keys)
+    blocks = tuple(UNET + b for b in ("input_blocks.", "middle_block.", "output_blocks."))
+    if has_unet and not any(k.startswith(blocks) for k in keys):
+        # Lumina 2 / Z-Image (layers.*), Wan (head.modulation), Hunyuan-DiT (blocks.*) ... under the same prefix:
+        # read as an SD checkpoint, "set model.family" let it pass and fail in the trainer
+        denoiser = min(k for k in keys if k.startswith(UNET))
+        raise refuse(
+            where,
+            f"another family's model: its denoiser ({denoiser}) is no Stable Diffusion UNet, SD3.5 or FLUX.1 "
+            f"transformer; {TRAINS}",
+        )
     if not has_unet:
         fix = FIX_TRAINABLE
         if all(k.startswith(_VAE_PREFIXES) for k in keys):
@@ -662,9 +685,14 @@ def classify_state(
     if channels != 4:
         what = _CHANNEL_VARIANTS.get(("unet", channels)) or f"a UNet with {channels} input channels"
         raise refuse(where, f"{what}, not a text-to-image base sdplan trains")
-    if any(k.startswith("conditioner.embedders.0.model.") for k in keys) and not any(
-        k.startswith("conditioner.embedders.1.") for k in keys
+    if (
+        any(k.startswith("conditioner.embedders.0.model.") for k in keys)
+        and not any(k.startswith("conditioner.embedders.1.") for k in keys)
+        and any(k.startswith(UNET + "label_emb.") for k in keys)
     ):
+        # the refiner's UNet takes its size and aesthetic-score embedding (label_emb: ComfyUI model_detection's
+        # adm_in_channels 2560); one OpenCLIP encoder without it is SD 2.x in SGM layout (SD 2.1 Turbo: A1111
+        # sd_models.py checkpoint_dict_replacements_sd2_turbo, ComfyUI SD20 "SD2 in sgm format")
         raise refuse(
             where,
             "an SDXL refiner (one OpenCLIP text encoder; it refines SDXL base images from late timesteps "
@@ -687,7 +715,7 @@ def classify_state(
         raise refuse(
             where,
             "an AltDiffusion model (its text encoder is XLM-RoBERTa, cond_stage_model.roberta.*, not CLIP), an "
-            "unsupported family; sdplan trains SD 1.x / 2.x, SDXL, SD3.5 and FLUX.1",
+            f"unsupported family; {TRAINS}",
         )
     found = family_from_keys(keys)
     width = _unet_cross_width(shapes)
