@@ -903,6 +903,80 @@ def test_config_dir_with_tilde_is_expanded(single_sd15, tiny_sd15, tmp_path, mon
     assert models.load_components(str(single_sd15), config_dir="~/configs").family == "sd15"
 
 
+# -- an SD 1.x file whose CLIP keys lack text_model. ------------------------------------------------------------
+
+
+def old_clip_file(single_sd15: Path, path: Path) -> Path:
+    """``single_sd15`` with its CLIP text encoder in the layout of some 2022 SD 1.x files:
+    ``cond_stage_model.transformer.embeddings.*`` (no ``text_model.``) and a saved float ``position_ids``."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    old = "cond_stage_model.transformer."
+    state = {k.replace(old + "text_model.", old): v for k, v in load_file(str(single_sd15)).items()}
+    state[old + "embeddings.position_ids"] = torch.arange(77, dtype=torch.float32)[None]
+    if path.suffix == ".safetensors":
+        save_file(state, str(path))
+    else:
+        torch.save({"state_dict": state, "global_step": 470000}, path)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("suffix", "configs"), [(".safetensors", "dir"), (".ckpt", "dir"), (".safetensors", "hub")]
+)
+def test_an_sd15_file_whose_clip_keys_lack_text_model_loads_its_text_encoder(
+    single_sd15, tiny_sd15, tmp_path, monkeypatch, suffix, configs
+):
+    """An SD 1.x file whose CLIP keys lack ``text_model.`` (A1111 and ComfyUI rename them and load it) passed
+    the check as sd15, then failed in the trainer with diffusers' "Failed to load CLIPTextModel. Weights for
+    this component appear to be missing in the checkpoint". Its text encoder is the file's own, with the
+    configs of model.config_dir or, without it, of the hub repo diffusers reads for SD 1.x (here a cache
+    holding the tiny model's configs, read offline)."""
+    import torch
+    from huggingface_hub import constants
+    from sdplan.trainer import models
+    from sdplan.trainer.source_check import SINGLE_FILE_CONFIGS
+    from transformers import CLIPTextModel
+
+    path = old_clip_file(single_sd15, tmp_path / f"old{suffix}")
+    assert check_source(str(path)).family == "sd15"
+    config_dir = str(tiny_sd15)
+    if configs == "hub":
+        config_dir, cache = None, tmp_path / "hub"
+        snapshot = cache / ("models--" + SINGLE_FILE_CONFIGS["sd15"].replace("/", "--")) / "snapshots" / "c"
+        shutil.copytree(tiny_sd15, snapshot, ignore=shutil.ignore_patterns("*.safetensors", "*.bin"))
+        (snapshot.parent.parent / "refs").mkdir()
+        (snapshot.parent.parent / "refs" / "main").write_text("c")
+        monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    comps = models.load_components(str(path), config_dir=config_dir)
+    want = CLIPTextModel.from_pretrained(str(tiny_sd15 / "text_encoder"))
+    got = comps.text_encoders[0]
+    assert comps.family == "sd15" and got.dtype == comps.unet.dtype == torch.float32
+    assert got.state_dict().keys() == want.state_dict().keys()
+    assert all(torch.equal(v, want.state_dict()[k]) for k, v in got.state_dict().items())
+    ids = comps.tokenizers[0]("a photo of a cat", padding="max_length", max_length=77, return_tensors="pt")
+    with torch.no_grad():
+        assert torch.equal(got(ids.input_ids)[0], want(ids.input_ids)[0])
+
+
+@pytest.mark.train
+@pytest.mark.usefixtures("one_torch_thread", "fresh_accelerator_state")
+def test_an_sd15_file_whose_clip_keys_lack_text_model_trains_its_text_encoder(
+    single_sd15, tiny_sd15, tmp_path
+):
+    from conftest import tiny_train_config
+    from sdplan.trainer import run
+
+    path = old_clip_file(single_sd15, tmp_path / "old.safetensors")
+    ds = make_images(tmp_path / "ds", n=2)
+    cfg = tiny_train_config(
+        path, ds, tmp_path / "o", "training.max_steps=1", "training.train_text_encoder=true"
+    )
+    cfg.model.config_dir = str(tiny_sd15)
+    assert run.train(cfg)["steps"] == 1
+
+
 # -- a hub id in the local cache -----------------------------------------------------------------------------------
 
 

@@ -94,15 +94,77 @@ def detect_single_file_family(path: str | Path) -> str | None:
     """sd15 / sd21 / sdxl from a single file's key names (a .safetensors header only; a .ckpt read safely)."""
     path = Path(path)
     if path.suffix.lower() == ".safetensors":
-        from safetensors import safe_open
+        return _family(_safetensors_keys(path))
+    return _family(read_checkpoint_safely(path))
 
-        with safe_open(str(path), framework="pt") as f:
-            keys = list(f.keys())
-    else:
-        keys = list(read_checkpoint_safely(path))
+
+def _safetensors_keys(path: str | Path) -> list[str]:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        return list(f.keys())
+
+
+def _family(keys) -> str | None:
     from .source_check import family_from_keys
 
     return family_from_keys(keys)
+
+
+# The CLIP text encoder of some 2022 SD 1.x files, without ``text_model.`` (A1111 ``modules/sd_models.py``
+# ``checkpoint_dict_replacements_sd1``: ``cond_stage_model.transformer.embeddings.`` ->
+# ``cond_stage_model.transformer.text_model.embeddings.``, the same for ``encoder.`` and ``final_layer_norm.``).
+OLD_CLIP_PREFIX = "cond_stage_model.transformer."
+OLD_CLIP_PARTS = tuple(OLD_CLIP_PREFIX + part for part in ("embeddings.", "encoder.", "final_layer_norm."))
+
+
+def has_old_clip_keys(keys) -> bool:
+    """Whether an SD 1.x file's CLIP keys lack ``text_model.``. A1111 (``checkpoint_dict_replacements_sd1``)
+    and ComfyUI (``comfy/supported_models.py`` ``SD15.process_clip_state_dict``) rename them and load the file;
+    diffusers' ``from_single_file`` finds no CLIP model in it (``single_file_utils.is_clip_model`` asks for
+    ``cond_stage_model.transformer.text_model.embeddings.position_embedding.weight``) and fails with "Weights
+    for this component appear to be missing in the checkpoint"."""
+    keys = list(keys)
+    new = OLD_CLIP_PREFIX + "text_model."
+    return any(k.startswith(OLD_CLIP_PARTS) for k in keys) and not any(k.startswith(new) for k in keys)
+
+
+def _old_clip_text_encoder(path: Path, state: dict | None, config_dir, torch_dtype):
+    """The CLIPTextModel of an SD 1.x file in the old CLIP layout, built from its ``cond_stage_model.transformer.*``
+    tensors alone (a .safetensors reads just those; ``state``: the .ckpt already read safely), to pass to
+    ``from_single_file``. Its config is the one diffusers would use: ``config_dir``'s ``text_encoder``, else the
+    SD 1.x default repo's (diffusers ``DIFFUSERS_DEFAULT_PIPELINE_PATHS["v1"]``, from the hub cache, with
+    HF_HUB_OFFLINE honoured). The load is strict, less the keys of buffers the model does not save
+    (``position_ids``: transformers drops them too, ``_adjust_missing_and_unexpected_keys``); the dtype is
+    ``torch_dtype``, else float32, as diffusers gives (``load_model_dict_into_meta``)."""
+    import torch
+    from accelerate import init_empty_weights
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    from .source_check import SINGLE_FILE_CONFIGS
+
+    where = str(config_dir) if config_dir is not None else SINGLE_FILE_CONFIGS["sd15"]
+    config = CLIPTextConfig.from_pretrained(
+        where, subfolder="text_encoder", local_files_only=config_dir is not None
+    )
+    copy = state is not None  # a .ckpt's tensors are copied: the model never holds its memory map
+    if state is None:
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as f:
+            state = {k: f.get_tensor(k) for k in set(f.keys()) if k.startswith(OLD_CLIP_PREFIX)}
+    with init_empty_weights():  # as diffusers create_diffusers_clip_model_from_ldm: no random init, no memory
+        model = CLIPTextModel(config)
+    text_model = getattr(model, "text_model", model)  # transformers >= 5.6 flattened CLIPTextModel
+    unsaved = {name for name, _ in text_model.named_buffers()} - set(text_model.state_dict())
+    dtype = torch_dtype or torch.float32
+    tensors = {
+        k.removeprefix(OLD_CLIP_PREFIX): v.to(dtype, copy=copy)
+        for k, v in state.items()
+        if k.startswith(OLD_CLIP_PREFIX) and k.removeprefix(OLD_CLIP_PREFIX) not in unsaved
+    }
+    text_model.load_state_dict(tensors, strict=True, assign=True)
+    return model.eval()
 
 
 def load_single_file_model(
@@ -119,6 +181,9 @@ def load_single_file_model(
     ``config_dir``: a local diffusers folder whose component configs (and tokenizers) describe the checkpoint;
     with it nothing is downloaded (``config=..., local_files_only=True``). Without it diffusers fetches the
     default configs for the detected model type from the Hub (configs only, no weights).
+
+    An SD 1.x file whose CLIP keys lack ``text_model.`` (:func:`has_old_clip_keys`) gets its text encoder
+    built here (:func:`_old_clip_text_encoder`): diffusers would find none in it.
     """
     from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
 
@@ -128,9 +193,10 @@ def load_single_file_model(
     suffix = path.suffix.lower()
     if suffix not in SINGLE_FILE_SUFFIXES:
         raise UsageError(f"{path}: a single-file model is .safetensors or .ckpt, not {suffix or 'no suffix'}")
-    if suffix in PICKLE_SUFFIXES:
-        read_checkpoint_safely(path)  # refuses code before diffusers reads the file
-    family = family or detect_single_file_family(path)
+    # a .ckpt is read first: code is refused before diffusers reads the file
+    state = read_checkpoint_safely(path) if suffix in PICKLE_SUFFIXES else None
+    keys = list(state) if state is not None else _safetensors_keys(path)
+    family = family or _family(keys)
     if family is None:
         raise UsageError(f"{path}: cannot tell SD 1.x, 2.x or SDXL from its keys", fix="set model.family")
     if family not in FAMILIES:
@@ -140,6 +206,9 @@ def load_single_file_model(
         kwargs.update(config=str(config_dir), local_files_only=True)
     if torch_dtype is not None:
         kwargs["torch_dtype"] = torch_dtype
+    if family == "sd15" and has_old_clip_keys(keys):  # diffusers would find no text encoder in the file
+        kwargs["text_encoder"] = _old_clip_text_encoder(path, state, config_dir, torch_dtype)
+    del state  # diffusers reads the file again
     with training_state_allowed():  # diffusers reads a .ckpt again, with weights_only
         if family == "sdxl":
             pipe = StableDiffusionXLPipeline.from_single_file(str(path), **kwargs)
