@@ -77,6 +77,20 @@ if hasattr(signal, "SIGHUP") and signal.getsignal(signal.SIGHUP) is signal.SIG_I
     signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
 
+# The modules whose tests each run for 10-50 s (several processes, DeepSpeed), collected first. pytest-xdist's
+# worksteal hands each worker a contiguous half of the collection and lets an idle worker take the other's pending
+# tests: with the long ones first, what is left at the end is short, and neither worker waits long for the other.
+# (In file order they came near the end: the last DeepSpeed run kept one worker busy after the other was done.)
+LONG_FIRST = ("test_resume_deepspeed.py", "test_resume_multi.py", "test_trainer.py", "test_demo.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    first = {name: i for i, name in enumerate(LONG_FIRST)}
+    items.sort(
+        key=lambda item: first.get(item.path.name, len(first))
+    )  # stable: whole modules, their own order
+
+
 @pytest.fixture(autouse=True)
 def _isolated_profile_store(tmp_path_factory, monkeypatch):
     """Local measurements go to a per-test folder, never the developer's real profile store."""
