@@ -477,6 +477,41 @@ def _cross_checks(cfg: TrainConfig, errors: list[str]) -> None:
         errors.append("textual_inversion.token: must differ from init_token")
 
 
+# settings that act only while a switch is on: given as key=value with it off, the run would silently do without
+# them (ema.device=gpu alone was echoed as "pinned: ema.enabled=false")
+SWITCHED_BY = {
+    "ema.decay": "ema.enabled",
+    "ema.update_every": "ema.enabled",
+    "ema.device": "ema.enabled",
+    "dreambooth.class_prompt": "dreambooth.with_prior_preservation",
+    "dreambooth.class_data": "dreambooth.with_prior_preservation",
+    "dreambooth.num_class_images": "dreambooth.with_prior_preservation",
+    "dreambooth.prior_loss_weight": "dreambooth.with_prior_preservation",
+    "training.text_encoder_learning_rate": "training.train_text_encoder",
+    "memory.cache_latents_to_disk": "memory.cache_latents",
+}
+
+
+def switched_setting_problems(cfg: TrainConfig, keys) -> list[str]:
+    """The key=value settings (their sdplan.yaml ``keys``) whose switch (:data:`SWITCHED_BY`) is off in
+    ``cfg``: one problem per switch, with the fix. A config file's own values are not: a switch turned off
+    there may keep its settings for later."""
+    keys = list(dict.fromkeys(keys))
+    off: dict[str, list[str]] = {}
+    for key in keys:
+        switch = SWITCHED_BY.get(key)
+        if switch is not None and not getattr(getattr(cfg, switch.split(".")[0]), switch.split(".")[1]):
+            off.setdefault(switch, []).append(key)
+    problems = []
+    for switch, given in off.items():
+        acts, them = ("acts", "it") if len(given) == 1 else ("act", "them")
+        state = "is set false" if switch in keys else "is off (its default)"
+        problems.append(
+            f"{', '.join(given)}: {acts} only with {switch}=true, which {state}; add {switch}=true or drop {them}"
+        )
+    return problems
+
+
 def method_setting_problems(method: str, keys, *, resume: bool = False) -> list[str]:
     """The key=value settings (their sdplan.yaml ``keys``) that only another method's recipe reads
     (:attr:`sdplan.registry.Method.sections`: lora.* is the LoRA recipe's): ``method`` would train without them,

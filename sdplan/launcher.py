@@ -584,7 +584,10 @@ def _validate_given(base: dict[str, Any], req: TrainRequest, out: Path, source: 
         # method=... changes the run's method: that is the error (check_resume_settings, which names it); the
         # other method's settings beside it only followed it ('use --method lora', which --resume refuses)
         return cfg
-    if problems := C.method_setting_problems(cfg.method, C.override_keys(req.overrides), resume=req.resume):
+    given = C.override_keys(req.overrides)
+    if problems := C.method_setting_problems(
+        cfg.method, given, resume=req.resume
+    ) + C.switched_setting_problems(cfg, given):
         raise C.ConfigError("key=value settings", problems)
     return cfg
 

@@ -185,7 +185,9 @@ def parse_pins(
         base["training"]["precision"] = "bf16"
     data = C.apply_overrides(base, list(items))
     cfg = C.validate(data, source="key=value settings")
-    if not shared and (problems := C.method_setting_problems(method, given)):
+    if not shared and (
+        problems := C.method_setting_problems(method, given) + C.switched_setting_problems(cfg, given)
+    ):
         raise C.ConfigError("key=value settings", problems)
     for key, flag in _FLAG_KEYS.items():
         if key in given and (cfg.method if key == "method" else cfg.model.family) != (

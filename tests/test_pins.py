@@ -228,6 +228,48 @@ def test_a_lora_pin_on_another_method_is_refused_as_train_refuses_it(tmp_path, m
     )
 
 
+@pytest.mark.parametrize(
+    "method, pins, needle",
+    [
+        (
+            "finetune",
+            ("ema.device=gpu",),
+            "ema.device: acts only with ema.enabled=true, which is off (its default)",
+        ),
+        (
+            "finetune",
+            ("ema.enabled=false", "ema.decay=0.99", "ema.update_every=4"),
+            "ema.decay, ema.update_every: act only with ema.enabled=true, which is set false",
+        ),
+        ("dreambooth", ("dreambooth.num_class_images=50",), "add dreambooth.with_prior_preservation=true"),
+        ("lora", ("training.text_encoder_learning_rate=1e-5",), "add training.train_text_encoder=true"),
+        ("lora", ("memory.cache_latents_to_disk=true",), "add memory.cache_latents=true or drop it"),
+    ],
+)
+def test_a_setting_whose_switch_is_off_is_refused_as_train_refuses_it(tmp_path, method, pins, needle):
+    """`ema.device=gpu` alone planned no EMA and said "pinned: ema.enabled=false"; the trainer then kept none.
+    A setting that acts only while its switch is on (config.SWITCHED_BY) is one line, exit 2, in recommend and
+    train alike; with the switch on it is a pin."""
+    from conftest import fake_diffusers_folder, make_images, one_line_error
+
+    said = one_line_error(_plan_for(method, "sd15", "RTX 4090", *pins), 2, needle)
+    ds = make_images(tmp_path / "ds", n=2)
+    model = fake_diffusers_folder(tmp_path / "model")
+    trained = runner.invoke(
+        app,
+        ["train", "--method", method, "--model", str(model), "--dataset", str(ds), "--out", str(tmp_path / "run"),
+         "--device", "cpu", "--dry-run", *pins],
+    )  # fmt: skip
+    assert one_line_error(trained, 2, needle) == said
+    assert not (tmp_path / "run").exists()
+    on = "ema.enabled=true" if pins[0].startswith("ema") else None
+    if on:
+        assert (
+            "pinned: ema.enabled=true, ema.device=gpu"
+            in _plan_for(method, "sd15", "RTX 4090", on, "ema.device=gpu").stdout
+        )
+
+
 def test_compare_works_with_pins():
     r = run(
         "--method",

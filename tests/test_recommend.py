@@ -946,7 +946,14 @@ def test_json_request_settings_name_places_as_the_config_does(tmp_path, monkeypa
     (tmp_path / "ds").mkdir()
     for i in range(3):
         Image.new("RGB", (512, 512), (i * 40, 60, 90)).save(tmp_path / "ds" / f"{i}.png")
-    given = ("data.path=./ds", "output.dir=./out", "dreambooth.class_data=cls", "training.learning_rate=3e-6")
+    given = (
+        "data.path=./ds",
+        "output.dir=./out",
+        "dreambooth.with_prior_preservation=true",
+        "dreambooth.class_prompt=a person",
+        "dreambooth.class_data=cls",
+        "training.learning_rate=3e-6",
+    )
     r = run("--method", "dreambooth", "--model", "sd15", "--hardware", "RTX 4090", *given, "--json")
     assert r.exit_code == 0, r.output
     d = json.loads(r.stdout)

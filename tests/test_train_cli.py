@@ -611,7 +611,12 @@ def test_relative_paths_of_a_config_file_and_of_key_value_settings_are_written_a
     fake_diffusers_folder(tmp_path / "model")
     make_images(tmp_path / "ds", n=4)
     write_config(
-        tmp_path / "mine.yaml", model={"path": "model"}, data={"path": "ds"}, training={"device": "cpu"}
+        tmp_path / "mine.yaml",
+        method="dreambooth",
+        model={"path": "model"},
+        data={"path": "ds"},
+        training={"device": "cpu"},
+        dreambooth={"with_prior_preservation": True, "class_prompt": "a photo of a person"},
     )
     r = invoke("--config", "mine.yaml", "--out", "o", "--yes", "dreambooth.class_data=class", cwd=tmp_path)
     assert r.exit_code == 130, r.output
