@@ -554,7 +554,9 @@ def _quote_override(item: str) -> str:
     """Make the value of a generated override a YAML string when it would parse as something else."""
     key, _, value = item.partition("=")
     if key in ("model.path", "data.path", "output.dir") and value:
-        return f"{key}={json.dumps(value)}"
+        # ensure_ascii=False: JSON writes a character beyond the BMP (an emoji) as a surrogate pair, which YAML
+        # reads as two lone surrogates, and the path no longer names the folder
+        return f"{key}={json.dumps(value, ensure_ascii=False)}"
     return item
 
 
@@ -2310,7 +2312,9 @@ def check_resume_settings(saved: C.TrainConfig, cfg: C.TrainConfig) -> None:
 
 def setting_text(value: Any) -> str:
     """``value`` as a key=value override writes it (YAML: text as it is, the rest as JSON, which YAML reads)."""
-    return value if isinstance(value, str) and value.strip() == value and value else json.dumps(value)
+    if isinstance(value, str) and value.strip() == value and value:
+        return value
+    return json.dumps(value, ensure_ascii=False)  # as _quote_override
 
 
 def check_settings(

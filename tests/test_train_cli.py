@@ -801,3 +801,23 @@ def test_small_images_are_measured_against_the_resolution_the_plan_trains_at(tmp
     assert (
         r.exit_code == 0 and "to the 512 px training resolution" in r.output and "resolution 512" in r.output
     )
+
+
+def test_paths_with_a_character_beyond_the_bmp_are_written_as_they_are(tmp_path, monkeypatch):
+    """An emoji in --model, --dataset or --out: the generated overrides quoted the paths with json.dumps, which
+    writes 🙂 as a surrogate pair that YAML reads as two lone surrogates: a UnicodeEncodeError traceback, or
+    "model.path /…/model\\ud83d\\ude42: no such file or folder" for a folder that exists."""
+    import sdplan.launcher as L
+
+    monkeypatch.setattr(L, "run_launch", lambda *a, **k: 130)  # written, then stopped before a checkpoint
+    model = fake_diffusers_folder(tmp_path / "model🙂")
+    data = make_images(tmp_path / "ds 🙂", n=2)
+    out = tmp_path / "out🙂"
+    r = invoke("--model", str(model), "--dataset", str(data), "--out", str(out), "--device", "cpu", "-y")
+    assert r.exit_code == 130, r.output
+    cfg = yaml.safe_load((out / "sdplan.yaml").read_text(encoding="utf-8"))
+    assert (cfg["model"]["path"], cfg["data"]["path"], cfg["output"]["dir"]) == (
+        str(model.resolve()),
+        str(data.resolve()),
+        str(out.resolve()),
+    )
