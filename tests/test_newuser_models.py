@@ -824,7 +824,12 @@ def test_v_prediction_file_trains_as_v_where_the_config_leaves_the_keys_out(sing
     cfg = json.loads(sched.read_text())
     for key in ("prediction_type", "rescale_betas_zero_snr", "timestep_spacing"):
         cfg.pop(key, None)
+    # SD 1.5's own sampler, which has no zero-terminal-SNR option: the grids sampled from SNR 0.0047
+    cfg.update(_class_name="PNDMScheduler", skip_prk_steps=True, set_alpha_to_one=False, steps_offset=1)
     sched.write_text(json.dumps(cfg))
+    index = json.loads((config_dir / "model_index.json").read_text())
+    index["scheduler"] = ["diffusers", "PNDMScheduler"]
+    (config_dir / "model_index.json").write_text(json.dumps(index))
     state = load_file(str(single_sd15))
     state["v_pred"], state["ztsnr"] = torch.zeros(0), torch.zeros(0)
     vfile = tmp_path / "vpred.safetensors"
@@ -832,8 +837,11 @@ def test_v_prediction_file_trains_as_v_where_the_config_leaves_the_keys_out(sing
     comps = models.load_components(str(vfile), config_dir=str(config_dir))
     for scheduler in (comps.noise_scheduler, comps.inference_scheduler()):
         assert scheduler.config.prediction_type == "v_prediction", type(scheduler).__name__
-        assert scheduler.config.rescale_betas_zero_snr, type(scheduler).__name__
-    assert float(comps.noise_scheduler.alphas_cumprod[-1]) < 1e-6  # zero terminal SNR: 2**-24, not 0.0047
+        # zero terminal SNR: 2**-24, not 0.0047
+        assert float(scheduler.alphas_cumprod[-1]) < 1e-6, type(scheduler).__name__
+    assert type(comps.inference_scheduler()).__name__ == "DDIMScheduler"
+    assert comps.inference_scheduler().config.timestep_spacing == "trailing"
+    assert "samples with DDIMScheduler: PNDMScheduler has no zero terminal SNR" in comps.notes
 
 
 def test_a_v_prediction_model_saves_comfyuis_v_pred_and_ztsnr_keys(tiny_sd15, tmp_path):

@@ -508,6 +508,18 @@ def _single_file_prediction(
     if getattr(info, "zero_snr", False):
         scheduler_config["rescale_betas_zero_snr"] = True
         scheduler_config["timestep_spacing"] = "trailing"
+        import inspect
+
+        import diffusers
+
+        name = scheduler_config.get("_class_name", "")
+        cls = getattr(diffusers, name, None)
+        if cls is None or "rescale_betas_zero_snr" not in inspect.signature(cls.__init__).parameters:
+            # SD 1.5's PNDMScheduler has no zero-terminal-SNR option: it would keep the value in its config and
+            # sample from SNR 0.0047, in the grids, class images and the exported folder. DDIM with trailing
+            # spacing is the sampler of the zero-SNR paper (Lin et al. 2023) and diffusers' docs for it
+            scheduler_config["_class_name"] = "DDIMScheduler"
+            return [f"samples with DDIMScheduler: {name or 'the scheduler'} has no zero terminal SNR"]
     return []
 
 
