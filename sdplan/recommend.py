@@ -780,6 +780,9 @@ def write_outputs(
     from sdplan import runfolder
     from sdplan.launcher import PLAN_FILES
 
+    # a run training there (before its first checkpoint its manifest names no trained file: --force replaced the
+    # sdplan.yaml it was started with)
+    runfolder.check_free(outdir)
     # never a user's own sdplan.yaml, --force or not (so --force is not offered for one)
     runfolder.check_not_ours(outdir, files, fix="choose another --out")
     existing = [n for n in files if (outdir / n).exists()]

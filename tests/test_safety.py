@@ -339,6 +339,13 @@ def test_second_run_into_a_locked_folder_says_who_holds_it(tmp_path):
             runfolder.RunLock(out).acquire()
         (out / "sdplan.yaml").write_text("method: lora\n")
         one_line_error(cli("train", "--resume", "--out", str(out)), 3, "in use", str(holder.pid))
+        # a plan written there with --force replaced the sdplan.yaml the run was started with (before its first
+        # checkpoint the manifest names no trained file, so the "holds an sdplan training run" check passed)
+        (out / "sdplan.yaml").unlink()
+        runfolder.write_files(out, {"sdplan.yaml": "method: lora\n"})
+        plan = cli("recommend", "--method", "lora", "--hardware", "RTX 4090", "--out", str(out), "--force")
+        one_line_error(plan, 3, "in use", str(holder.pid))
+        assert (out / "sdplan.yaml").read_text() == "method: lora\n"
     finally:
         holder.kill()
         holder.wait()
