@@ -259,6 +259,7 @@ class TrainConfig:
 SEED_RULE = "must be from 0 to 4294967295 (2**32 - 1)"
 
 # Constraints beyond the type: key path -> (check, message).
+FLOAT32_MAX = 3.4028234663852886e38
 _RULES: dict[str, tuple[Any, str]] = {
     "method": (lambda v: v in METHODS, f"must be one of {', '.join(METHODS)}"),
     "model.path": (lambda v: bool(v.strip()), "must not be empty"),
@@ -286,10 +287,11 @@ _RULES: dict[str, tuple[Any, str]] = {
     "training.batch_size": (lambda v: v >= 1, "must be >= 1"),
     "training.grad_accum": (lambda v: v >= 1, "must be >= 1"),
     "training.precision": (lambda v: v in PRECISIONS, f"must be one of {', '.join(PRECISIONS)}"),
-    "training.learning_rate": (lambda v: v is None or 0 < v < math.inf, "must be > 0 and finite"),
+    # the optimizers take the rate as a float32 (torch: "value cannot be converted to type float without overflow")
+    "training.learning_rate": (lambda v: v is None or 0 < v <= FLOAT32_MAX, "must be > 0 and at most 3.4e38"),
     "training.text_encoder_learning_rate": (
-        lambda v: v is None or 0 < v < math.inf,
-        "must be > 0 and finite",
+        lambda v: v is None or 0 < v <= FLOAT32_MAX,
+        "must be > 0 and at most 3.4e38",
     ),
     "training.lr_scheduler": (lambda v: v in SCHEDULERS, f"must be one of {', '.join(SCHEDULERS)}"),
     "training.lr_warmup_steps": (lambda v: v >= 0, "must be >= 0"),
