@@ -273,7 +273,14 @@ def _build(kind: type, data: Any, where: str, errors: list[str]):
             continue
         value = data[name]
         allowed = _TYPES.get(str(f.type))
-        if allowed and (not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed)):
+        if str(f.type) == "dict[str, str | None]" and not (
+            isinstance(value, dict) and all(isinstance(v, (str, type(None))) for v in value.values())
+        ):  # software.packages: name -> version, null where not installed
+            errors.append(f"{where}.{name}: expected an object of name: version (or null)")
+            ok = False
+        elif allowed and (
+            not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed)
+        ):
             errors.append(f"{where}.{name}: expected {f.type}, got {type(value).__name__}")
             ok = False
         elif isinstance(value, (int, float)) and not isinstance(value, bool) and not value >= 0:

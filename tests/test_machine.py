@@ -67,6 +67,16 @@ def test_malformed_snapshot_reports_every_error():
     assert "host.ram: unknown key" in errors
 
 
+@pytest.mark.parametrize("packages", [None, {"torch": 3}, ["torch"]])
+def test_a_snapshot_whose_packages_are_not_name_version_pairs_is_refused(packages):
+    """ "packages": null loaded, then `doctor --machine` printed half its report and an AttributeError traceback."""
+    data = _snapshot().to_dict()
+    data["software"]["packages"] = packages
+    with pytest.raises(ConfigError) as info:
+        Snapshot.from_dict(data, source="m.json")
+    assert info.value.errors == ["software.packages: expected an object of name: version (or null)"]
+
+
 def test_load_errors(tmp_path):
     with pytest.raises(UsageError, match="does not exist"):
         Snapshot.load(tmp_path / "missing.json")
