@@ -30,6 +30,37 @@ class Steps:
     lr_warmup_steps: int  # per process
     num_processes: int = 1
     grad_accum: int = 1
+    bucket_samples: tuple[int, ...] = ()  # the samples of each aspect bucket; () without buckets (one)
+
+    @property
+    def batch_size(self) -> int:
+        """The micro-batch."""
+        return self.images_per_step // (self.grad_accum * self.num_processes)
+
+    def short_images(self, batch_size: int | None = None) -> int:
+        """The images an epoch's short batches lack at ``batch_size`` (this run's by default): each aspect
+        bucket's last batch is short of full where its samples do not divide by it (without buckets, the
+        epoch's last)."""
+        batch = batch_size or self.batch_size
+        return sum(-n % batch for n in self.bucket_samples or (self.images_per_epoch,))
+
+    @property
+    def images_seen_min(self) -> int:
+        """The fewest images the run sees: ``images_seen`` but where ``training.max_steps`` ends it inside an
+        epoch that has short batches. The sampler shuffles an epoch's short batches in among its full ones
+        (trainer/buckets.py), so the batches a cut epoch's steps draw hold ``images_seen``'s full batches at
+        most, and fewer where short ones fall among them: the plan says "up to" (:meth:`images_seen_text`)."""
+        full, rest = divmod(self.total_steps, self.steps_per_epoch)
+        if not rest:
+            return self.images_seen
+        drawn = rest * self.grad_accum * self.num_processes  # fewer than the epoch's batches: none repeats
+        part = max(drawn, drawn * self.batch_size - self.short_images())
+        return full * self.images_per_epoch + min(part, self.images_per_epoch)
+
+    def images_seen_text(self, noun: str = "image") -> str:
+        """``images_seen`` as the plan states it: "up to N images" where the run can see fewer."""
+        n = count_of(self.images_seen, noun) if noun else str(self.images_seen)
+        return n if self.images_seen_min == self.images_seen else f"up to {n}"
 
     @property
     def micro_batches(self) -> int:
@@ -102,17 +133,21 @@ def plan_steps(
     max_steps: int | None = None,
     warmup_steps: int = 0,
     batches_per_epoch: int | None = None,
+    bucket_samples: tuple[int, ...] = (),
 ) -> Steps:
-    """The run's steps. ``batches_per_epoch``: each process's real dataloader length when known (aspect
-    buckets can make it differ from ``ceil(images / (batch x processes))``, the default)."""
+    """The run's steps. ``bucket_samples``: with aspect buckets, each bucket's samples (each bucket ends in a
+    short batch). ``batches_per_epoch``: each process's real dataloader length when known (by default
+    :func:`bucketed_batches`: ``ceil(images / (batch x processes))`` without buckets)."""
+    bucket_samples = tuple(bucket_samples) if len(bucket_samples) > 1 else ()  # one bucket: the plain count
     if batches_per_epoch is None:
-        batches_per_epoch = math.ceil(images_per_epoch / (batch_size * num_processes))
+        batches_per_epoch = bucketed_batches(bucket_samples or (images_per_epoch,), batch_size, num_processes)
     spe = max(1, math.ceil(batches_per_epoch / grad_accum))
     per_step = batch_size * grad_accum * num_processes
     if max_steps:
         total = max(1, math.ceil(max_steps / num_processes))
         epochs = math.ceil(total / spe)
         full_epochs, rest = divmod(total, spe)  # an epoch's last step takes what is left of it
+        # the most: full batches (Steps.images_seen_min, where a cut epoch's short batches can fall)
         images_seen = full_epochs * images_per_epoch + min(rest * per_step, images_per_epoch)
         one = max_steps
     else:
@@ -131,6 +166,7 @@ def plan_steps(
         lr_warmup_steps=min(total, math.ceil(warmup_steps / num_processes)),
         num_processes=num_processes,
         grad_accum=grad_accum,
+        bucket_samples=bucket_samples,
     )
 
 

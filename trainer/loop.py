@@ -577,6 +577,7 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
         max_steps=tcfg.max_steps,
         warmup_steps=tcfg.lr_warmup_steps,
         num_processes=accelerator.num_processes,
+        bucket_samples=batches.sampler.bucket_samples(),
     )
     recipe.plan = plan
     lr_scheduler = runtime.make_lr_scheduler(optimizer, cfg, plan)
