@@ -881,7 +881,7 @@ def config_plan_steps(
         num_processes=world,
         epochs=t.epochs,
         max_steps=t.max_steps,
-        batches_per_epoch=bucketed_batches(bucket_samples, t.batch_size, world) if bucket_samples else None,
+        bucket_samples=bucket_samples,
     )
 
 
@@ -952,14 +952,10 @@ def describe(
         lines.append(
             f"steps: training.max_steps {t.max_steps} / {world} process(es) = "
             f"{count_of(steps['total_steps'], 'optimizer step')} = "
-            # each aspect bucket ends in a short batch: where the steps stop inside an epoch, full batches are
-            # the most they can see
-            + (
-                "up to "
-                if len(inputs.bucket_samples) > 1 and steps["total_steps"] % max(1, steps["steps_per_epoch"])
-                else ""
-            )
-            + count_of(steps["images_seen"], "image")
+            # where the steps stop inside an epoch with short batches, full batches are the most they can see
+            + config_plan_steps(
+                cfg, steps["images_per_epoch"], world, inputs.bucket_samples
+            ).images_seen_text()
             # a planned count (recommend --out) for another dataset than this one trains another length
             + (
                 f" ({by_epochs['epochs']} epoch(s) of this dataset would be {by_epochs['total_steps']} steps: "

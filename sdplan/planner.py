@@ -65,7 +65,6 @@ from sdplan.settings import (
 )
 from sdplan.steps import (
     Steps,
-    bucketed_batches,
     intermediate_steps,
     plan_steps,
     repeated_batches,
@@ -2383,7 +2382,7 @@ def _plan_steps(
         num_processes=num_gpus,
         epochs=epochs,
         max_steps=max_steps,
-        batches_per_epoch=bucketed_batches(bucket_samples, batch, num_gpus) if bucket_samples else None,
+        bucket_samples=bucket_samples,
     )
 
 
@@ -4293,12 +4292,8 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
     st = best.steps
 
     def seen_text(x: Steps, noun: str = "") -> str:
-        # where a max_steps run stops inside an epoch of aspect buckets (each ends in a short batch), full
-        # batches are the most its steps see
-        n = count_text(x.images_seen, noun) if noun else f"{x.images_seen}"
-        if req.max_steps and len(req.bucket_samples) > 1 and x.total_steps % max(1, x.steps_per_epoch):
-            return f"up to {n}"
-        return n
+        # where a max_steps run stops inside an epoch with short batches, full batches are the most it sees
+        return x.images_seen_text(noun)
 
     seen = seen_text(st)
     if s.num_gpus > 1 and req.max_steps:

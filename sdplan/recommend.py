@@ -877,7 +877,8 @@ def render(d: dict, res: planner.Result, console) -> None:
             t.add_row("vs one GPU", planner.speed_ratio_text(res.speedup_vs_one_gpu))
         whole = st["images_per_epoch"] * st["epochs"]
         count = planner.count_text
-        per_epoch, images_seen = count(st["images_per_epoch"], "image"), count(st["images_seen"], "image")
+        # "up to" where training.max_steps stops inside an epoch whose short batches can fall among its steps
+        per_epoch, images_seen = count(st["images_per_epoch"], "image"), res.steps.images_seen_text()
         seen = (
             f"{per_epoch}/epoch x {count(st['epochs'], 'epoch')} = {images_seen} seen"
             if whole == st["images_seen"]  # training.max_steps can stop inside the last epoch
@@ -997,10 +998,16 @@ def compare_caption(rows: list[tuple[str, dict, planner.Result]]) -> str:
             text = (
                 f"times: {count(req.max_steps, 'optimizer step')} (training.max_steps) over {what} per epoch"
             )
+        # "up to" where an option's steps stop inside an epoch whose short batches can fall among them
+        up = (
+            "up to "
+            if any(r.steps.images_seen_min < r.steps.images_seen for _, _, r in rows if r.plan)
+            else ""
+        )
         if len(seen) == 1:
-            text += f": {count(seen[0][0], 'image')} seen ({count(seen[0][1], 'epoch')})"
+            text += f": {up}{count(seen[0][0], 'image')} seen ({count(seen[0][1], 'epoch')})"
         elif seen:
-            text += f": {seen[0][0]}-{seen[-1][0]} images seen, by each option's global batch"
+            text += f": {up}{seen[0][0]}-{seen[-1][0]} images seen, by each option's global batch"
     else:
         text = f"times: {what} per epoch x {count(req.epochs, 'epoch')}"
     if any(r.startswith(NO_DATASET_NOTE) for r in res.reasons):

@@ -30,6 +30,37 @@ class Steps:
     lr_warmup_steps: int  # per process
     num_processes: int = 1
     grad_accum: int = 1
+    bucket_samples: tuple[int, ...] = ()  # the samples of each aspect bucket; () without buckets (one)
+
+    @property
+    def batch_size(self) -> int:
+        """The micro-batch."""
+        return self.images_per_step // (self.grad_accum * self.num_processes)
+
+    def short_images(self, batch_size: int | None = None) -> int:
+        """The images an epoch's short batches lack at ``batch_size`` (this run's by default): each aspect
+        bucket's last batch is short of full where its samples do not divide by it (without buckets, the
+        epoch's last)."""
+        batch = batch_size or self.batch_size
+        return sum(-n % batch for n in self.bucket_samples or (self.images_per_epoch,))
+
+    @property
+    def images_seen_min(self) -> int:
+        """The fewest images the run sees: ``images_seen`` but where ``training.max_steps`` ends it inside an
+        epoch that has short batches. The sampler shuffles an epoch's short batches in among its full ones
+        (trainer/buckets.py), so the batches a cut epoch's steps draw hold ``images_seen``'s full batches at
+        most, and fewer where short ones fall among them: the plan says "up to" (:meth:`images_seen_text`)."""
+        full, rest = divmod(self.total_steps, self.steps_per_epoch)
+        if not rest:
+            return self.images_seen
+        drawn = rest * self.grad_accum * self.num_processes  # fewer than the epoch's batches: none repeats
+        part = max(drawn, drawn * self.batch_size - self.short_images())
+        return full * self.images_per_epoch + min(part, self.images_per_epoch)
+
+    def images_seen_text(self, noun: str = "image") -> str:
+        """``images_seen`` as the plan states it: "up to N images" where the run can see fewer."""
+        n = count_of(self.images_seen, noun) if noun else str(self.images_seen)
+        return n if self.images_seen_min == self.images_seen else f"up to {n}"
 
     @property
     def micro_batches(self) -> int:
@@ -102,17 +133,21 @@ def plan_steps(
     max_steps: int | None = None,
     warmup_steps: int = 0,
     batches_per_epoch: int | None = None,
+    bucket_samples: tuple[int, ...] = (),
 ) -> Steps:
-    """The run's steps. ``batches_per_epoch``: each process's real dataloader length when known (aspect
-    buckets can make it differ from ``ceil(images / (batch x processes))``, the default)."""
+    """The run's steps. ``bucket_samples``: with aspect buckets, each bucket's samples (each bucket ends in a
+    short batch). ``batches_per_epoch``: each process's real dataloader length when known (by default
+    :func:`bucketed_batches`: ``ceil(images / (batch x processes))`` without buckets)."""
+    bucket_samples = tuple(bucket_samples) if len(bucket_samples) > 1 else ()  # one bucket: the plain count
     if batches_per_epoch is None:
-        batches_per_epoch = math.ceil(images_per_epoch / (batch_size * num_processes))
+        batches_per_epoch = bucketed_batches(bucket_samples or (images_per_epoch,), batch_size, num_processes)
     spe = max(1, math.ceil(batches_per_epoch / grad_accum))
     per_step = batch_size * grad_accum * num_processes
     if max_steps:
         total = max(1, math.ceil(max_steps / num_processes))
         epochs = math.ceil(total / spe)
         full_epochs, rest = divmod(total, spe)  # an epoch's last step takes what is left of it
+        # the most: full batches (Steps.images_seen_min, where a cut epoch's short batches can fall)
         images_seen = full_epochs * images_per_epoch + min(rest * per_step, images_per_epoch)
         one = max_steps
     else:
@@ -131,24 +166,27 @@ def plan_steps(
         lr_warmup_steps=min(total, math.ceil(warmup_steps / num_processes)),
         num_processes=num_processes,
         grad_accum=grad_accum,
+        bucket_samples=bucket_samples,
     )
 
 
 @dataclass(frozen=True)
 class Position:
     """Where a run stands: optimizer steps taken (each process), the epoch, and the micro-batches each
-    process has drawn in that epoch."""
+    process has drawn in that epoch. ``first_step``: the micro-batches of the first step from there where it is
+    short of the accumulation (a resume that ends inside this epoch: :func:`moved_position`); 0: a whole one."""
 
     step: int
     epoch: int
     batches_in_epoch: int
+    first_step: int = 0
 
 
 def moved_position(
     *,
     epoch: int,
     batches_in_epoch: int,
-    samples_in_epoch: int,
+    images_in_epoch: int,
     batch_size: int,
     num_processes: int,
     epoch_batches: int,
@@ -157,25 +195,61 @@ def moved_position(
     """Where a checkpoint saved under other settings stands in a run planned as ``new``.
 
     The checkpoint was ``batches_in_epoch`` micro-batches of ``batch_size`` into ``epoch`` on each of its
-    ``num_processes`` processes (``samples_in_epoch`` images on one of them). The processes take an epoch's
-    batches in turn (process i: batches i, i+N, ...), so the first ``batches_in_epoch x num_processes``
+    ``num_processes`` processes (``images_in_epoch`` images on all of them together). The processes take an
+    epoch's batches in turn (process i: batches i, i+N, ...), so the first ``batches_in_epoch x num_processes``
     batches of the epoch's order are done; with another micro-batch the batches differ, and the images done
-    count instead (exact without aspect buckets). ``epoch_batches``: the new run's batches in one epoch,
-    before they are shared out. Each new process skips its share of what is done: a count the new processes
-    cannot share evenly is rounded down (up to ``new.num_processes - 1`` batches train again; none is left
-    out). The step is the steps ``new`` takes to that point, so the run ends after the images it was asked
-    for, and the learning-rate schedule stands where this run's own schedule would.
+    count instead (rounded down to whole batches of the new micro-batch). ``epoch_batches``: the new run's
+    batches in one epoch, before they are shared out. Each new process skips its share of what is done: a count
+    the new processes cannot share evenly is rounded down (up to ``new.num_processes - 1`` batches train again;
+    none is left out).
+
+    The step is the steps ``new`` still takes to the next place the run must reach, counted back from that
+    place's step: the epoch's end, or the run's own end where ``training.max_steps`` puts it inside this epoch
+    (``stop``). From the resume point the loop closes a step after ``grad_accum`` micro-batches, and at the
+    epoch's end with what is left, so ``ceil(micro-batches to the stop / accumulation)`` steps reach it: a run
+    by epochs ends at its last epoch's end, and the learning-rate schedule stands where this run's own schedule
+    would. Counted back from the epoch's end alone, a step only partly done counted as taken where the
+    micro-batches to it did not divide by the accumulation, and a ``training.max_steps`` end inside the epoch
+    came short of the images asked for (3 fewer, or none trained at all after the resume). There the loader's
+    end does not close the last step, so the first takes the odd micro-batches (``first_step``, the loop's
+    micro-batch counter) and the run ends where an uninterrupted one does. A checkpoint at or past the run's end
+    stands at the step the epoch's count gives (``new.total_steps`` or more).
     """
-    new_batch = new.images_per_step // (new.grad_accum * new.num_processes)
+    new_batch = new.batch_size
     if batch_size == new_batch:
         done = batches_in_epoch * num_processes
     else:
-        done = samples_in_epoch * num_processes // new_batch
-    if done >= epoch_batches:  # the epoch was finished
-        epoch, done = epoch + 1, 0
+        done = images_in_epoch // new_batch
+    if done >= epoch_batches or (batch_size != new_batch and images_in_epoch >= new.images_per_epoch):
+        epoch, done = epoch + 1, 0  # the epoch was finished (its images all trained: its short batches too)
     mine = min(done // new.num_processes, new.batches_per_epoch)
-    left = math.ceil((new.batches_per_epoch - mine) / new.grad_accum)  # the steps of this epoch still to take
-    return Position(step=(epoch + 1) * new.steps_per_epoch - left, epoch=epoch, batches_in_epoch=mine)
+    spe, accum = new.steps_per_epoch, new.grad_accum
+    # the micro-batch of this epoch the run must reach: the epoch's end, or the run's end inside it
+    stop = min(new.batches_per_epoch, (new.total_steps - epoch * spe) * accum)
+    if mine >= stop:  # at or past the run's end
+        step = (epoch + 1) * spe - math.ceil((new.batches_per_epoch - mine) / accum)
+        return Position(step=step, epoch=epoch, batches_in_epoch=mine)
+    step = min(new.total_steps, (epoch + 1) * spe) - math.ceil((stop - mine) / accum)
+    first = (stop - mine) % accum if stop < new.batches_per_epoch else 0
+    return Position(step=step, epoch=epoch, batches_in_epoch=mine, first_step=first)
+
+
+def legacy_epoch_images(
+    *, own_images: int, batches_in_epoch: int, batch_size: int, num_processes: int, short_images: int
+) -> tuple[int, int]:
+    """(the fewest, the most) images ``num_processes`` processes can have trained ``batches_in_epoch``
+    micro-batches of ``batch_size`` into an epoch where one of them (the first, which writes the checkpoint)
+    trained ``own_images``: a checkpoint saved before ``images_in_epoch`` kept all the processes' images
+    (``TrainState.samples_in_epoch``, the first process's own). Its own images times the processes overcounted
+    where the epoch's short batch was another process's (a resume with another micro-batch skipped an image
+    never trained) and undercounted where it was its own. The other processes' batches are full but for the
+    epoch's short batches (lacking ``short_images`` in all at ``batch_size``), which may all have been theirs:
+    the fewest is what a resume skips (exact on one process, and where the first process had the only short
+    batch); the most, what it can train again."""
+    others = (num_processes - 1) * batches_in_epoch
+    most = own_images + others * batch_size
+    least = max(own_images + others, min(most, batches_in_epoch * batch_size * num_processes - short_images))
+    return least, most
 
 
 def intermediate_steps(

@@ -27,7 +27,7 @@ def moved(epoch: int, batches: int, old: int, new, *, epoch_batches: int = 8, ba
     return moved_position(
         epoch=epoch,
         batches_in_epoch=batches,
-        samples_in_epoch=batches * batch,
+        images_in_epoch=batches * batch * old,
         batch_size=batch,
         num_processes=old,
         epoch_batches=epoch_batches,
@@ -37,8 +37,14 @@ def moved(epoch: int, batches: int, old: int, new, *, epoch_batches: int = 8, ba
 
 def finish(at: Position, p) -> tuple[int, int]:
     """Where the loop stops from ``at`` under plan ``p``: (epoch, micro-batches into it). A step closes after
-    ``grad_accum`` micro-batches or at the epoch's end (accelerate's sync rule), as in ``trainer/loop.py``."""
-    step, epoch, b, micro = at.step, at.epoch, at.batches_in_epoch, 0
+    ``grad_accum`` micro-batches or at the epoch's end (accelerate's sync rule), as in ``trainer/loop.py``; the
+    counter starts short of it by the position's ``first_step`` (Checkpointer.load)."""
+    step, epoch, b, micro = (
+        at.step,
+        at.epoch,
+        at.batches_in_epoch,
+        (p.grad_accum - at.first_step) % p.grad_accum,
+    )
     while step < p.total_steps:
         if b >= p.batches_per_epoch:
             epoch, b = epoch + 1, 0
@@ -75,6 +81,151 @@ def test_a_moved_run_ends_at_the_last_epochs_end(images, accum, old, new):
             assert finish(at, after) == (2, after.batches_per_epoch), (epoch, b, at)
             if old == new:  # the same settings: the step the run itself counted
                 assert at.step == epoch * before.steps_per_epoch + k
+
+
+def capped(n: int, *, images: int, accum: int, max_steps: int, batch: int = 1):
+    return plan_steps(
+        images_per_epoch=images, batch_size=batch, grad_accum=accum, num_processes=n, max_steps=max_steps
+    )
+
+
+def at_micro_batch(where: tuple[int, int], p) -> int:
+    """(epoch, micro-batches into it) as micro-batches of each process from the run's start."""
+    return where[0] * p.batches_per_epoch + where[1]
+
+
+@pytest.mark.parametrize("images,accum", [(5, 2), (7, 2), (11, 2), (13, 2), (7, 3), (13, 3), (21, 4), (8, 2)])
+@pytest.mark.parametrize("old,new", [(1, 2), (2, 3), (1, 4), (2, 1), (3, 2)])
+def test_a_moved_max_steps_run_ends_where_an_uninterrupted_one_does(images, accum, old, new):
+    """training.max_steps, resumed on another process count from every checkpoint the old run writes: the run
+    ends where an uninterrupted run of the new count does, neither short of it nor past it. The step counted
+    back from the epoch's end took a step only partly done as taken (micro-batches per epoch not a multiple of
+    the accumulation, more processes): the run ended up to accumulation - 1 micro-batches a process short (the
+    audit's 93 cases), or trained nothing after the resume. A checkpoint at or past the new run's end stands at
+    its last step or after it (nothing left: the launcher's refusals)."""
+    for max_steps in range(2, 16):
+        before = capped(old, images=images, accum=accum, max_steps=max_steps)
+        after = capped(new, images=images, accum=accum, max_steps=max_steps)
+        end = at_micro_batch(finish(Position(step=0, epoch=0, batches_in_epoch=0), after), after)
+        for s in range(1, before.total_steps):
+            epoch, k = divmod(s, before.steps_per_epoch)
+            if k == 0:
+                epoch, b = epoch - 1, before.batches_per_epoch
+            else:
+                b = min(k * accum, before.batches_per_epoch)
+            at = moved(epoch, b, old, after, epoch_batches=images)
+            here = at.epoch * after.batches_per_epoch + at.batches_in_epoch
+            case = (max_steps, s, at)
+            if here >= end:
+                assert at.step >= after.total_steps, case
+            else:
+                assert at.step < after.total_steps, case
+                assert at_micro_batch(finish(at, after), after) == end, case
+
+
+def test_the_audits_max_steps_resume_on_two_processes_trains_its_last_step():
+    """The audit's run: 11 images, batch 2 x accumulation 2, --max-steps 5 on 1 process, stopped after step 4
+    (15 images: 2 micro-batches into epoch 1), resumed on 2 processes (3 steps: 2 an epoch, then 2 micro-batches
+    each). It stood at step 3 of 3 and trained nothing more (15 images, the fresh run 18); now step 2 of 3, whose
+    last step takes 1 micro-batch on each process (to micro-batch 2 of epoch 1, as the fresh run)."""
+    after = capped(2, images=11, accum=2, max_steps=5, batch=2)
+    assert (after.total_steps, after.steps_per_epoch, after.batches_per_epoch) == (3, 2, 3)
+    at = moved(1, 2, 1, after, epoch_batches=6, batch=2)
+    assert at == Position(step=2, epoch=1, batches_in_epoch=1, first_step=1)
+    assert finish(at, after) == finish(Position(step=0, epoch=0, batches_in_epoch=0), after) == (1, 2)
+
+
+def epoch_order(images: int, batch: int, seed: int, buckets: int = 1) -> list[int]:
+    """The sizes of an epoch's batches in the sampler's order (its short batches shuffled in among the full)."""
+    from sdplan.trainer.buckets import BucketBatchSampler
+
+    ids = [i % buckets for i in range(images)]
+    return [len(b) for b in BucketBatchSampler(ids, batch, seed=seed).epoch_batches(0)]
+
+
+@pytest.mark.parametrize("images,batch,buckets", [(11, 2, 1), (13, 4, 1), (10, 3, 1), (12, 4, 3), (9, 2, 2)])
+@pytest.mark.parametrize("old,new,new_batch", [(2, 1, 1), (2, 2, 1), (2, 1, 4), (3, 2, 1), (2, 3, 2)])
+def test_a_resume_with_another_micro_batch_skips_only_images_its_processes_trained(
+    images, batch, buckets, old, new, new_batch
+):
+    """A resume with a new micro-batch (sdplan allows it on --resume; the out-of-memory retry halves it) after
+    ``k`` rounds of a multi-process epoch: the position skips at most the images all the processes trained, and
+    trains again fewer than a batch of each new process. The checkpoint kept the first process's images, which
+    times the processes overcounted where another had the epoch's short batch (the audit's 2-process epoch of 11
+    at batch 2: 7 images, counted 8, one image never trained; reported as none trained again). A checkpoint from
+    before (only that count) counts the fewest its processes can have trained, and says up to how many train
+    again."""
+    for seed in range(6):
+        order = epoch_order(images, batch, seed, buckets)
+        rounds = -(-len(order) // old)
+        samples = tuple(images // buckets + (i < images % buckets) for i in range(buckets))
+        after = plan_steps(
+            images_per_epoch=images, batch_size=new_batch, num_processes=new, bucket_samples=samples
+        )
+        epoch_batches = sum(-(-n // new_batch) for n in samples)
+        for k in range(1, rounds):
+            trained = sum(order[: k * old])  # every process's batches of the first k rounds
+            own = sum(order[: k * old : old])  # the first process's
+            state = checkpoint.TrainState(
+                epoch=0,
+                batches_in_epoch=k,
+                samples_in_epoch=own,
+                images_in_epoch=trained,
+                batch_size=batch,
+                num_processes=old,
+            )
+            legacy = checkpoint.TrainState.from_json(
+                {x: v for x, v in state.to_json().items() if x != "images_in_epoch"}
+            )
+            assert legacy.images_in_epoch is None
+            for saved in (state, legacy):
+                live = checkpoint.TrainState(batch_size=new_batch, num_processes=new)
+                at = checkpoint.resume_position(saved, live, after, epoch_batches)
+                mine = at.batches_in_epoch * new if at.epoch == 0 else len(order)
+                # the same micro-batch: the same order, its first batches; another: the images they count
+                skipped = sum(order[:mine]) if new_batch == batch else min(mine * new_batch, trained)
+                least, most = checkpoint.epoch_images(saved, after)
+                case = (seed, k, order, own, trained, at, least, most)
+                assert least <= trained <= most, case
+                assert skipped <= trained, case  # no image left out
+                assert least - skipped < new_batch * new or at.epoch == 1, case  # whole new batches of it
+                if (
+                    new_batch != batch
+                ):  # what it says trains again: exact, or at most (a checkpoint from before)
+                    again = checkpoint.images_again(saved, at, after)
+                    assert again == trained - skipped if saved is state else again >= trained - skipped, case
+
+
+def test_the_audits_two_process_epoch_resumed_at_another_micro_batch():
+    """The audit's checkpoint: 2 processes at batch 2 over 11 images, after 2 micro-batches each: 7 images
+    (images_seen 7), the first process's own 4 (the short batch was the second's). Resumed on 1 process at batch 1
+    x accumulation 4 it skipped 4 x 2 = 8 batches of 1 (an image never trained) and said none trained again. Now
+    it skips 7; the same checkpoint from before images_in_epoch was kept counts the fewest its processes can have
+    trained (7 of up to 8) and says up to 1 trains again."""
+    saved = {
+        "global_step": 1,
+        "epoch": 0,
+        "batches_in_epoch": 2,
+        "samples_in_epoch": 4,
+        "images_seen": 7,
+        "batch_size": 2,
+        "grad_accum": 2,
+        "num_processes": 2,
+    }
+    after = plan_steps(images_per_epoch=11, batch_size=1, grad_accum=4, epochs=2)
+    live = checkpoint.TrainState(batch_size=1, grad_accum=4)
+    now = checkpoint.TrainState.from_json({**saved, "images_in_epoch": 7})
+    at = checkpoint.resume_position(now, live, after, 11)
+    assert at == Position(step=2, epoch=0, batches_in_epoch=7)
+    assert checkpoint.images_again(now, at, after) == 0
+    before = checkpoint.TrainState.from_json(saved)
+    assert checkpoint.epoch_images(before, after) == (7, 8)
+    assert checkpoint.resume_position(before, live, after, 11) == at
+    assert checkpoint.images_again(before, at, after) == 1
+    # the first process had the short batch: its own 3 tell the count (7) exactly
+    assert checkpoint.epoch_images(
+        checkpoint.TrainState.from_json({**saved, "samples_in_epoch": 3}), after
+    ) == (7, 7)
 
 
 # -- the learning-rate schedule ------------------------------------------------------------------------------
@@ -136,11 +287,17 @@ def test_only_a_resume_that_keeps_the_numbering_writes_over_a_steps_outputs():
 def test_a_moved_resume_says_the_images_it_trains_again():
     """The audit's batch 2 -> 4 (and 1 -> 2 processes) resume at 14 images: step 3 = 12 images, 2 again; a
     position that the new batches meet exactly, or a finished epoch, trains none again."""
-    saved = checkpoint.TrainState(epoch=0, batches_in_epoch=7, samples_in_epoch=14, batch_size=2)
-    assert checkpoint.images_again(saved, Position(step=3, epoch=0, batches_in_epoch=3), 4, 1) == 2
-    assert checkpoint.images_again(saved, Position(step=3, epoch=0, batches_in_epoch=3), 2, 2) == 2
-    assert checkpoint.images_again(saved, Position(step=7, epoch=0, batches_in_epoch=14), 1, 1) == 0
-    assert checkpoint.images_again(saved, Position(step=4, epoch=1, batches_in_epoch=0), 4, 1) == 0
+    saved = checkpoint.TrainState(
+        epoch=0, batches_in_epoch=7, samples_in_epoch=14, images_in_epoch=14, batch_size=2
+    )
+
+    def p(batch: int, n: int):
+        return plan_steps(images_per_epoch=16, batch_size=batch, num_processes=n)
+
+    assert checkpoint.images_again(saved, Position(step=3, epoch=0, batches_in_epoch=3), p(4, 1)) == 2
+    assert checkpoint.images_again(saved, Position(step=3, epoch=0, batches_in_epoch=3), p(2, 2)) == 2
+    assert checkpoint.images_again(saved, Position(step=7, epoch=0, batches_in_epoch=14), p(1, 1)) == 0
+    assert checkpoint.images_again(saved, Position(step=4, epoch=1, batches_in_epoch=0), p(4, 1)) == 0
 
 
 def test_latest_is_the_checkpoint_with_the_most_images(tmp_path):
@@ -452,6 +609,7 @@ def test_two_processes_resumed_on_two_and_on_one(tiny_sd15, shapes, tmp_path):
     assert (summary(straight)["steps"], summary(straight)["images_seen"]) == (4, 16)
     kept = checkpoint.checkpoint_root(straight) / "step-000001"
     assert checkpoint.read_state(kept).images_seen == 6
+    assert checkpoint.read_state(kept).images_in_epoch == 6  # both processes' (the first's own: 3)
 
     again = tmp_path / "again"
     train_two_processes(config_file(tiny_sd15, shapes, again), tmp_path, "--resume", str(kept))

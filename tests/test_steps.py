@@ -5,6 +5,8 @@ from __future__ import annotations
 import itertools
 import math
 
+import pytest
+
 from sdplan.steps import plan_steps
 
 
@@ -107,3 +109,57 @@ def test_repeated_batches_are_what_accelerate_deals_again():
         want = dealt - len(batches) if n > 1 else 0
         assert repeated_batches(sum(samples), batch, n, samples if len(samples) > 1 else ()) == want, samples
     assert repeated_batches(8, 2, 5) == 1 and repeated_batches(16, 2, 2) == 0
+
+
+@pytest.mark.parametrize(
+    "images,batch,accum,procs,max_steps,buckets,seen,least,text",
+    [
+        (11, 2, 2, 1, 5, (), 19, 18, "up to 19 images"),  # the audit's: "= 19 images", then 18 seen
+        (11, 2, 2, 2, 5, (), 19, 18, "up to 19 images"),  # the same on 2 processes
+        (8, 2, 1, 1, 3, (), 6, 6, "6 images"),  # no short batch: certain
+        (11, 2, 2, 1, None, (), 22, 22, "22 images"),  # by epochs: every image, certain
+        (11, 2, 2, 1, 6, (), 22, 22, "22 images"),  # max_steps at an epoch's end
+        (8, 4, 1, 1, 2, (3, 3, 2), 8, 4, "up to 8 images"),  # 3 aspect buckets, each ends short
+        (4, 4, 1, 1, 2, (1, 1, 1, 1), 4, 2, "up to 4 images"),  # short batches of 1: a batch holds 1 at least
+    ],
+)
+def test_a_max_steps_plan_says_up_to_where_its_last_epochs_batches_can_be_short(
+    images, batch, accum, procs, max_steps, buckets, seen, least, text
+):
+    """The plan of a run that training.max_steps stops inside an epoch: the sampler shuffles the epoch's short
+    batches in among its full ones, so its steps see full batches at most (images_seen) and fewer where a short
+    one falls among them (images_seen_min). `sdplan train` said "= 19 images" for a run that saw 18."""
+    st = plan_steps(
+        images_per_epoch=images,
+        batch_size=batch,
+        grad_accum=accum,
+        num_processes=procs,
+        epochs=2,
+        max_steps=max_steps,
+        bucket_samples=buckets,
+    )
+    assert (st.images_seen, st.images_seen_min, st.images_seen_text()) == (seen, least, text)
+
+
+@pytest.mark.parametrize("images,batch,buckets", [(11, 2, 1), (13, 4, 1), (12, 4, 3), (9, 2, 2)])
+def test_the_images_a_cut_epoch_sees_are_within_the_plans_range(images, batch, buckets):
+    """The batches the sampler deals (its seeded order) in a cut epoch hold images_seen_min to images_seen."""
+    from sdplan.trainer.buckets import BucketBatchSampler
+
+    ids = [i % buckets for i in range(images)]
+    samples = tuple(sorted((ids.count(b) for b in range(buckets)), reverse=True))
+    for procs, accum, seed in itertools.product((1, 2, 3), (1, 2), range(5)):
+        order = [len(b) for b in BucketBatchSampler(ids, batch, seed=seed).epoch_batches(0)]
+        for max_steps in range(1, 12):
+            st = plan_steps(
+                images_per_epoch=images,
+                batch_size=batch,
+                grad_accum=accum,
+                num_processes=procs,
+                max_steps=max_steps,
+                bucket_samples=samples,
+            )
+            full, rest = divmod(st.total_steps, st.steps_per_epoch)
+            drawn = min(rest * accum, st.batches_per_epoch) * procs if rest else 0
+            sees = full * images + sum(order[:drawn])  # the epochs' whole images, then the cut one's batches
+            assert st.images_seen_min <= sees <= st.images_seen, (procs, accum, seed, max_steps, order)

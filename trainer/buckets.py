@@ -204,6 +204,11 @@ class BucketBatchSampler:
         self.epoch = int(epoch)
         self._skip = max(0, int(skip_batches))
 
+    def bucket_samples(self) -> tuple[int, ...]:
+        """The samples of each bucket, largest first (:func:`bucket_samples`, as the step arithmetic takes
+        them)."""
+        return tuple(sorted((len(ix) for ix in self._by_bucket.values()), reverse=True))
+
     def _total_batches(self) -> int:
         if self.drop_last:
             return sum(len(ix) // self.batch_size for ix in self._by_bucket.values())

@@ -52,7 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from sdplan.errors import SdplanError, UsageError
-from sdplan.steps import Position, Steps, moved_position
+from sdplan.steps import Position, Steps, legacy_epoch_images, moved_position
 
 CHECKPOINTS = "checkpoints"
 # accelerate's folder for the DeepSpeed engine's files in a checkpoint (accelerate.utils.MODEL_NAME)
@@ -86,12 +86,15 @@ class CheckpointError(SdplanError):
 @dataclass
 class TrainState:
     """Where the run is. ``batches_in_epoch``: micro-batches each process has consumed in ``epoch`` (at an
-    optimizer-step boundary); ``samples_in_epoch`` the images behind them on this process."""
+    optimizer-step boundary); ``images_in_epoch`` the images behind them on all the processes together (the
+    position of a resume with another micro-batch), ``samples_in_epoch`` on this process alone (the checkpoint
+    is the first process's: all a checkpoint saved before ``images_in_epoch`` has, None in it)."""
 
     global_step: int = 0
     epoch: int = 0
     batches_in_epoch: int = 0
     samples_in_epoch: int = 0
+    images_in_epoch: int | None = 0
     images_seen: int = 0
     # The loss history, one entry per optimizer step taken: its mean loss, its number in the run that took it
     # and the images seen once it was taken (see :meth:`record_loss`).
@@ -127,6 +130,8 @@ class TrainState:
     def from_json(cls, data: dict[str, Any]) -> TrainState:
         known = {k: data[k] for k in cls.__dataclass_fields__ if k in data}
         state = cls(**known)
+        if "images_in_epoch" not in data:  # saved before it was kept: the epoch's images on one process only
+            state.images_in_epoch = None
         n = len(state.losses)
         if len(state.loss_steps) != n or len(state.loss_images) != n:
             # A checkpoint written before the history kept its steps and images: its steps were numbered
@@ -135,6 +140,10 @@ class TrainState:
             state.loss_steps = list(range(1, n + 1))
             state.loss_images = [round(state.images_seen * (i + 1) / n) for i in range(n)]
         return state
+
+    def start_epoch(self, epoch: int) -> None:
+        """The run is at the start of ``epoch``."""
+        self.epoch, self.batches_in_epoch, self.samples_in_epoch, self.images_in_epoch = epoch, 0, 0, 0
 
     def record_loss(self, step: int, loss: float) -> None:
         """Step ``step`` (this run's number) was taken with mean loss ``loss``; call after ``images_seen``
@@ -169,7 +178,7 @@ def resume_position(saved: TrainState, live: TrainState, plan: Steps, epoch_batc
     return moved_position(
         epoch=saved.epoch,
         batches_in_epoch=saved.batches_in_epoch,
-        samples_in_epoch=saved.samples_in_epoch,
+        images_in_epoch=epoch_images(saved, plan)[0],
         batch_size=saved.batch_size,
         num_processes=saved.num_processes,
         epoch_batches=epoch_batches,
@@ -177,14 +186,31 @@ def resume_position(saved: TrainState, live: TrainState, plan: Steps, epoch_batc
     )
 
 
-def images_again(saved: TrainState, moved: Position, batch_size: int, num_processes: int) -> int:
-    """The images a run resumed at ``moved`` (micro-batch ``batch_size`` on ``num_processes``) trains again:
-    :func:`sdplan.steps.moved_position` rounds the checkpoint's images in its epoch down to whole batches of the
-    new run (14 images at batch 4: step 3, 12 images; 2 again, counted again in ``images_seen``)."""
+def epoch_images(saved: TrainState, plan: Steps) -> tuple[int, int]:
+    """(the fewest, the most) images all the processes of checkpoint state ``saved`` had trained in its epoch:
+    the same, its ``images_in_epoch``; a range for a multi-process checkpoint saved before that was kept
+    (:func:`sdplan.steps.legacy_epoch_images`, the short batches of ``plan``'s dataset at its micro-batch)."""
+    if saved.images_in_epoch is not None:
+        return saved.images_in_epoch, saved.images_in_epoch
+    return legacy_epoch_images(
+        own_images=saved.samples_in_epoch,
+        batches_in_epoch=saved.batches_in_epoch,
+        batch_size=saved.batch_size,
+        num_processes=saved.num_processes,
+        short_images=plan.short_images(saved.batch_size),
+    )
+
+
+def images_again(saved: TrainState, moved: Position, plan: Steps) -> int:
+    """The images a run resumed at ``moved`` (in ``plan``) trains again, at most: :func:`sdplan.steps.moved_position`
+    rounds the checkpoint's images in its epoch down to whole batches of the new run (14 images at batch 4: step
+    3, 12 images; 2 again, counted again in ``images_seen``); for a checkpoint that kept one process's images
+    (:func:`epoch_images`), also those its count cannot be sure of."""
     if moved.epoch != saved.epoch:  # the checkpoint had finished its epoch
         return 0
-    done = saved.samples_in_epoch * saved.num_processes
-    return max(0, done - moved.batches_in_epoch * batch_size * num_processes)
+    return max(
+        0, epoch_images(saved, plan)[1] - moved.batches_in_epoch * plan.batch_size * plan.num_processes
+    )
 
 
 def same_numbering(saved: TrainState, moved: Position | None, plan: Steps) -> bool:
@@ -700,6 +726,13 @@ class Checkpointer:
         if at is not None:
             live.global_step, live.epoch, live.batches_in_epoch = at.step, at.epoch, at.batches_in_epoch
             live.samples_in_epoch = at.batches_in_epoch * live.batch_size
+            # the images the position skips: its batches' full count, at most what the checkpoint had done
+            skipped = at.batches_in_epoch * live.batch_size * live.num_processes
+            live.images_in_epoch = (
+                min(skipped, epoch_images(saved, plan)[0]) if at.epoch == saved.epoch else 0
+            )
+        elif live.images_in_epoch is None:  # saved before it was kept, resumed as saved: the fewest it can be
+            live.images_in_epoch = epoch_images(saved, plan)[0]
         # accelerate's micro-batch counter (``Accelerator.step``: ``_do_sync`` closes an optimizer step when it
         # is a multiple of the accumulation, and zeroes it at the data loader's end) comes back from
         # ``load_state`` as it was saved. The position counts this epoch's steps still to take from the resume
@@ -708,8 +741,10 @@ class Checkpointer:
         # from the epoch's start, which differ whenever those are not a multiple of it (4 micro-batches done at
         # accumulation 1, resumed at 3: a step of 2, one more step in the epoch, and the run reached its steps
         # with an image never trained). A checkpoint is taken at a step boundary, so on a resume with its own
-        # settings the saved counter was a multiple of the accumulation: 0 closes the same steps.
-        self.accelerator.step = 0
+        # settings the saved counter was a multiple of the accumulation: 0 closes the same steps. Where the run
+        # ends inside the epoch (training.max_steps) its first step is short (``Position.first_step``): the
+        # counter starts that far before the accumulation.
+        self.accelerator.step = (plan.grad_accum - at.first_step) % plan.grad_accum if at is not None else 0
         self.last_saved = path
         self.last_saved_step = live.global_step
         return live

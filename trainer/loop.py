@@ -577,6 +577,7 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
         max_steps=tcfg.max_steps,
         warmup_steps=tcfg.lr_warmup_steps,
         num_processes=accelerator.num_processes,
+        bucket_samples=batches.sampler.bucket_samples(),
     )
     recipe.plan = plan
     lr_scheduler = runtime.make_lr_scheduler(optimizer, cfg, plan)
@@ -609,7 +610,8 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
                 "train twice in it and others not at all (the next epochs are whole)",
             )
         if moved is not None:
-            again = ckpt_lib.images_again(saved, moved, tcfg.batch_size, accelerator.num_processes)
+            again = ckpt_lib.images_again(saved, moved, plan)
+            least, most = ckpt_lib.epoch_images(saved, plan)
             progress.say(
                 accelerator,
                 f"{resume_from}: saved by {saved.num_processes} process(es) (batch {saved.batch_size} x accum "
@@ -619,6 +621,11 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
                 + (
                     f" ({again} image(s) of its epoch are trained again: the position rounds down to whole "
                     f"batches of this run; they count again in the images seen)"
+                    if again and least == most
+                    else f" (up to {again} image(s) of its epoch are trained again: the position rounds down to "
+                    f"whole batches of this run, and this checkpoint, from an earlier sdplan, kept only its first "
+                    f"process's images of the epoch: its processes trained {least} to {most}, and it counts "
+                    f"{least}, leaving none out; they count again in the images seen)"
                     if again
                     else ""
                 ),
@@ -796,7 +803,7 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
                 resume_save_at(*resume_save)
             while state.global_step < plan.total_steps:
                 if state.batches_in_epoch >= len(loader):  # the checkpoint was taken at an epoch's end
-                    state.epoch, state.batches_in_epoch, state.samples_in_epoch = state.epoch + 1, 0, 0
+                    state.start_epoch(state.epoch + 1)
                 dataset.set_epoch(state.epoch)
                 batches.set_epoch(state.epoch)
                 loader.set_epoch(state.epoch)
@@ -825,6 +832,7 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
                     state.global_step = step
                     state.batches_in_epoch += current.micro
                     state.samples_in_epoch += current.images
+                    state.images_in_epoch += current.images_all  # all processes' (the checkpoint is rank 0's)
                     state.images_seen += current.images_all
                     state.record_loss(step, mean_loss)
                     stop_now, current = current.stop_now, None
@@ -844,7 +852,7 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
                     if step >= plan.total_steps:
                         break
                 else:
-                    state.epoch, state.batches_in_epoch, state.samples_in_epoch = state.epoch + 1, 0, 0
+                    state.start_epoch(state.epoch + 1)
         finished = True
     except torch.OutOfMemoryError as e:
         report = stops.write_oom_report(out_dir, step=state.global_step + 1, cfg=cfg, message=str(e))

@@ -496,9 +496,11 @@ def plan_steps(
     max_steps: int | None,
     warmup_steps: int,
     num_processes: int,
+    bucket_samples: tuple[int, ...] = (),
 ) -> Steps:
     """Optimizer steps for this run: :func:`sdplan.steps.plan_steps` (the planner's and the launcher's
-    arithmetic) with each process's real dataloader length (``batches_per_epoch``, the sharded loader's)."""
+    arithmetic) with each process's real dataloader length (``batches_per_epoch``, the sharded loader's) and
+    the samples of each aspect bucket (``bucket_samples``: where the epoch's short batches are)."""
     return steps.plan_steps(
         images_per_epoch=images_per_epoch,
         batch_size=batch_size,
@@ -508,6 +510,7 @@ def plan_steps(
         max_steps=max_steps,
         warmup_steps=warmup_steps,
         batches_per_epoch=batches_per_epoch,
+        bucket_samples=bucket_samples,
     )
 
 
