@@ -35,7 +35,9 @@ def _root(
         False, "--version", callback=_version, is_eager=True, help="Print the version."
     ),
 ) -> None:
-    pass
+    from sdplan.terminal import print_undecodable_names
+
+    print_undecodable_names()
 
 
 app.command("doctor")(doctor.doctor)

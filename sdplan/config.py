@@ -259,7 +259,7 @@ class TrainConfig:
 SEED_RULE = "must be from 0 to 4294967295 (2**32 - 1)"
 
 # Constraints beyond the type: key path -> (check, message).
-FLOAT32_MAX = 3.4028234663852886e38
+MAX_LEARNING_RATE = 3e35  # float32's largest value is 3.4e38
 _RULES: dict[str, tuple[Any, str]] = {
     "method": (lambda v: v in METHODS, f"must be one of {', '.join(METHODS)}"),
     "model.path": (lambda v: bool(v.strip()), "must not be empty"),
@@ -287,11 +287,15 @@ _RULES: dict[str, tuple[Any, str]] = {
     "training.batch_size": (lambda v: v >= 1, "must be >= 1"),
     "training.grad_accum": (lambda v: v >= 1, "must be >= 1"),
     "training.precision": (lambda v: v in PRECISIONS, f"must be one of {', '.join(PRECISIONS)}"),
-    # the optimizers take the rate as a float32 (torch: "value cannot be converted to type float without overflow")
-    "training.learning_rate": (lambda v: v is None or 0 < v <= FLOAT32_MAX, "must be > 0 and at most 3.4e38"),
+    # the optimizers scale the rate in float32 (AdamW's first step by 1 / (1 - beta1) = 10; torch: "value cannot
+    # be converted to type float without overflow" from 3.4e37): a margin of 1000 under float32's largest value
+    "training.learning_rate": (
+        lambda v: v is None or 0 < v <= MAX_LEARNING_RATE,
+        "must be > 0 and at most 3e35",
+    ),
     "training.text_encoder_learning_rate": (
-        lambda v: v is None or 0 < v <= FLOAT32_MAX,
-        "must be > 0 and at most 3.4e38",
+        lambda v: v is None or 0 < v <= MAX_LEARNING_RATE,
+        "must be > 0 and at most 3e35",
     ),
     "training.lr_scheduler": (lambda v: v in SCHEDULERS, f"must be one of {', '.join(SCHEDULERS)}"),
     "training.lr_warmup_steps": (lambda v: v >= 0, "must be >= 0"),
@@ -471,6 +475,10 @@ def _cross_checks(cfg: TrainConfig, errors: list[str]) -> None:
         errors.append(
             "memory.cache_text_encoder_outputs: cannot cache outputs of a text encoder being trained"
         )
+    if cfg.training.train_text_encoder and cfg.method == "textual-inversion":
+        errors.append(
+            "training.train_text_encoder: textual inversion trains only the new token embeddings; set it false"
+        )
     if cfg.memory.cache_text_encoder_outputs and cfg.method == "textual-inversion":
         errors.append(
             "memory.cache_text_encoder_outputs: textual inversion trains the text embeddings; turn it off"
@@ -492,13 +500,50 @@ SWITCHED_BY = {
     "training.text_encoder_learning_rate": "training.train_text_encoder",
     "memory.cache_latents_to_disk": "memory.cache_latents",
 }
+# a setting given as key=value that turns its switch on as well, unless the switch is given too (kohya
+# train_util.verify_training_args: "cache_latents_to_disk is enabled, so cache_latents is also enabled"): the
+# planner would otherwise be free to plan without the switch
+TURNS_ON = {"memory.cache_latents_to_disk": "memory.cache_latents"}
 
 
-def switched_setting_problems(cfg: TrainConfig, keys) -> list[str]:
-    """The key=value settings (their sdplan.yaml ``keys``) whose switch (:data:`SWITCHED_BY`) is off in
-    ``cfg``: one problem per switch, with the fix. A config file's own values are not: a switch turned off
-    there may keep its settings for later."""
-    keys = list(dict.fromkeys(keys))
+def implied_settings(overrides) -> list[str]:
+    """The key=value settings with the switches they turn on (:data:`TURNS_ON`) added where not given."""
+    items = list(overrides)
+    keys = set(override_keys(items))
+    for item in list(items):
+        key, _, raw = item.partition("=")
+        switch = TURNS_ON.get(key.strip())
+        if switch and switch not in keys and _true(raw):
+            items.append(f"{switch}=true")
+    return items
+
+
+def _true(raw: str) -> bool:
+    try:
+        return yaml.safe_load(raw) is True
+    except yaml.YAMLError:
+        return False
+
+
+def _given_leaves(overrides) -> list[str]:
+    """The sdplan.yaml keys that key=value settings set, a whole section (``ema={device: gpu}``) as its keys."""
+    keys = []
+    for item in overrides:
+        key, _, raw = item.partition("=")
+        key = key.strip()
+        try:
+            value = yaml.safe_load(raw) if "." not in key else None
+        except yaml.YAMLError:
+            value = None
+        keys += [f"{key}.{sub}" for sub in value] if isinstance(value, dict) else [key]
+    return list(dict.fromkeys(keys))
+
+
+def switched_setting_problems(cfg: TrainConfig, overrides) -> list[str]:
+    """The key=value settings (``overrides``) whose switch (:data:`SWITCHED_BY`) is off in ``cfg``: one problem
+    per switch, with the fix, for ``cfg``'s method (where that method never reads them, the fix is to drop
+    them). A config file's own values are not: a switch turned off there may keep its settings for later."""
+    keys = _given_leaves(overrides)
     off: dict[str, list[str]] = {}
     for key in keys:
         switch = SWITCHED_BY.get(key)
@@ -507,11 +552,29 @@ def switched_setting_problems(cfg: TrainConfig, keys) -> list[str]:
     problems = []
     for switch, given in off.items():
         acts, them = ("acts", "it") if len(given) == 1 else ("act", "them")
-        state = "is set false" if switch in keys else "is off (its default)"
+        unread = _unread_by(cfg.method, switch)
+        if unread:
+            problems.append(f"{', '.join(given)}: {unread}; drop {them}")
+            continue
+        state = "is set false" if switch in keys else "is off"
         problems.append(
             f"{', '.join(given)}: {acts} only with {switch}=true, which {state}; add {switch}=true or drop {them}"
         )
     return problems
+
+
+def _unread_by(method: str, switch: str) -> str | None:
+    """Why ``method`` never reads the settings under ``switch``, whatever its value; None when it does."""
+    if method not in METHODS:
+        return None
+    if switch == "ema.enabled" and not registry_method(method).ema:
+        keeps = ", ".join(m.name for m in METHOD_LIST if m.ema)
+        return f"an EMA of the weights is kept by method {keeps}, not {method}"
+    if switch == "dreambooth.with_prior_preservation" and method != "dreambooth":
+        return f"only method dreambooth trains with class images, not {method}"
+    if switch == "training.train_text_encoder" and method == "textual-inversion":
+        return "textual inversion trains only the new token embeddings, at training.learning_rate"
+    return None
 
 
 def method_setting_problems(method: str, keys, *, resume: bool = False) -> list[str]:
@@ -1008,5 +1071,21 @@ def to_yaml(data: dict[str, Any] | TrainConfig, header: str | None = None) -> st
         data = data.to_dict()
     body = yaml.safe_dump(data, sort_keys=False, default_flow_style=False, allow_unicode=True)
     if header:
+        # a comment cannot escape: a character YAML does not allow in a file (a lone surrogate, as Python reads a
+        # Latin-1 file name; DEL; other controls) is written as its escape's text, not left to make the file
+        # unreadable (YAML's reader refuses the whole stream) or fail its UTF-8 encoding
+        header = _NOT_YAML_PRINTABLE.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), header)
         body = "".join(f"# {line}\n" if line else "#\n" for line in header.splitlines()) + body
     return body
+
+
+# the characters YAML 1.1 allows in a stream (PyYAML's reader.NON_PRINTABLE, and line breaks): anything else
+_NOT_YAML_PRINTABLE = re.compile("[^\x09\x0a\x0d\x20-\x7e\x85\xa0-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
+
+
+def yaml_quoted(text: str) -> str:
+    """``text`` as a YAML double-quoted scalar that reads back as the same string: what JSON escapes for YAML
+    does not (json.dumps writes a character beyond the BMP as a surrogate pair, which YAML reads as two lone
+    surrogates; with ensure_ascii off it leaves a lone surrogate, NEL or DEL raw, which YAML refuses or folds)."""
+    quoted = yaml.safe_dump(text, default_style='"', allow_unicode=True, width=math.inf)
+    return quoted.removesuffix("\n...\n").rstrip("\n")

@@ -554,9 +554,7 @@ def _quote_override(item: str) -> str:
     """Make the value of a generated override a YAML string when it would parse as something else."""
     key, _, value = item.partition("=")
     if key in ("model.path", "data.path", "output.dir") and value:
-        # ensure_ascii=False: JSON writes a character beyond the BMP (an emoji) as a surrogate pair, which YAML
-        # reads as two lone surrogates, and the path no longer names the folder
-        return f"{key}={json.dumps(value, ensure_ascii=False)}"
+        return f"{key}={C.yaml_quoted(value)}"
     return item
 
 
@@ -589,7 +587,7 @@ def _validate_given(base: dict[str, Any], req: TrainRequest, out: Path, source: 
     given = C.override_keys(req.overrides)
     if problems := C.method_setting_problems(
         cfg.method, given, resume=req.resume
-    ) + C.switched_setting_problems(cfg, given):
+    ) + C.switched_setting_problems(cfg, req.overrides):
         raise C.ConfigError("key=value settings", problems)
     return cfg
 
@@ -2310,7 +2308,7 @@ def setting_text(value: Any) -> str:
     """``value`` as a key=value override writes it (YAML: text as it is, the rest as JSON, which YAML reads)."""
     if isinstance(value, str) and value.strip() == value and value:
         return value
-    return json.dumps(value, ensure_ascii=False)  # as _quote_override
+    return C.yaml_quoted(value) if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
 
 
 def check_settings(

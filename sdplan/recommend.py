@@ -186,7 +186,7 @@ def parse_pins(
     data = C.apply_overrides(base, list(items))
     cfg = C.validate(data, source="key=value settings")
     if not shared and (
-        problems := C.method_setting_problems(method, given) + C.switched_setting_problems(cfg, given)
+        problems := C.method_setting_problems(method, given) + C.switched_setting_problems(cfg, items)
     ):
         raise C.ConfigError("key=value settings", problems)
     for key, flag in _FLAG_KEYS.items():

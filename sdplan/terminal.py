@@ -106,3 +106,12 @@ def guard_terminal_output() -> None:
         with contextlib.suppress(OSError, ValueError, AttributeError):
             if stream.fileno() in fds:
                 setattr(sys, name, HangupSafeStream(stream, fds))
+
+
+def print_undecodable_names() -> None:
+    """Let ``sys.stdout`` / ``sys.stderr`` print a path Python could not decode: a Latin-1 file name reads as a
+    lone surrogate ("caf\\udce9"), which a UTF-8 stream refuses (UnicodeEncodeError, a traceback in place of
+    the line). It prints as that escape's text instead."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(AttributeError, ValueError, OSError):
+            stream.reconfigure(errors="backslashreplace")

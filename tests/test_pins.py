@@ -234,7 +234,7 @@ def test_a_lora_pin_on_another_method_is_refused_as_train_refuses_it(tmp_path, m
         (
             "finetune",
             ("ema.device=gpu",),
-            "ema.device: acts only with ema.enabled=true, which is off (its default)",
+            "ema.device: acts only with ema.enabled=true, which is off; add",
         ),
         (
             "finetune",
@@ -243,7 +243,28 @@ def test_a_lora_pin_on_another_method_is_refused_as_train_refuses_it(tmp_path, m
         ),
         ("dreambooth", ("dreambooth.num_class_images=50",), "add dreambooth.with_prior_preservation=true"),
         ("lora", ("training.text_encoder_learning_rate=1e-5",), "add training.train_text_encoder=true"),
-        ("lora", ("memory.cache_latents_to_disk=true",), "add memory.cache_latents=true or drop it"),
+        (
+            "lora",
+            ("memory.cache_latents=false", "memory.cache_latents_to_disk=true"),
+            "memory.cache_latents_to_disk: acts only with memory.cache_latents=true, which is set false",
+        ),
+        (
+            "finetune",
+            ("ema={device: gpu}",),
+            "ema.device: acts only with ema.enabled=true",
+        ),  # a whole section
+        # a method that never reads them: the fix is to drop them, not to turn on what the method refuses
+        ("lora", ("ema.device=cpu",), "ema.device: an EMA of the weights is kept by method"),
+        (
+            "lora",
+            ("dreambooth.class_prompt=dog",),
+            "only method dreambooth trains with class images, not lora",
+        ),
+        (
+            "textual-inversion",
+            ("training.text_encoder_learning_rate=1e-5",),
+            "textual inversion trains only the new token embeddings, at training.learning_rate; drop it",
+        ),
     ],
 )
 def test_a_setting_whose_switch_is_off_is_refused_as_train_refuses_it(tmp_path, method, pins, needle):
@@ -262,12 +283,20 @@ def test_a_setting_whose_switch_is_off_is_refused_as_train_refuses_it(tmp_path, 
     )  # fmt: skip
     assert one_line_error(trained, 2, needle) == said
     assert not (tmp_path / "run").exists()
-    on = "ema.enabled=true" if pins[0].startswith("ema") else None
+    on = "ema.enabled=true" if pins[0].startswith("ema") and method == "finetune" else None
     if on:
         assert (
             "pinned: ema.enabled=true, ema.device=gpu"
             in _plan_for(method, "sd15", "RTX 4090", on, "ema.device=gpu").stdout
         )
+
+
+def test_latents_cached_to_disk_turn_latent_caching_on():
+    """memory.cache_latents_to_disk=true alone turns memory.cache_latents on, as kohya's --cache_latents_to_disk
+    does (train_util.verify_training_args), instead of being refused where the planner would cache anyway (or
+    dropped where it would not)."""
+    r = _plan_for("lora", "sd15", "RTX 4090", "memory.cache_latents_to_disk=true")
+    assert r.exit_code == 0 and "pinned: memory.cache_latents=true" in r.stdout, r.output
 
 
 def test_compare_works_with_pins():

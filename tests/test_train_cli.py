@@ -803,16 +803,19 @@ def test_small_images_are_measured_against_the_resolution_the_plan_trains_at(tmp
     )
 
 
-def test_paths_with_a_character_beyond_the_bmp_are_written_as_they_are(tmp_path, monkeypatch):
+@pytest.mark.parametrize("odd", ["🙂", os.fsdecode(b"caf\xe9"), "\x7f"], ids=["emoji", "latin-1", "del"])
+def test_paths_with_odd_characters_are_written_as_they_are(tmp_path, monkeypatch, odd):
     """An emoji in --model, --dataset or --out: the generated overrides quoted the paths with json.dumps, which
     writes 🙂 as a surrogate pair that YAML reads as two lone surrogates: a UnicodeEncodeError traceback, or
-    "model.path /…/model\\ud83d\\ude42: no such file or folder" for a folder that exists."""
+    "model.path /…/model\\ud83d\\ude42: no such file or folder" for a folder that exists. Without JSON's
+    escapes a Latin-1 file name (a lone surrogate as Python reads it) or a DEL was refused by YAML and the path
+    kept its quotes: "dataset folder /…/"/…/ds_caf\\udce9" does not exist"."""
     import sdplan.launcher as L
 
     monkeypatch.setattr(L, "run_launch", lambda *a, **k: 130)  # written, then stopped before a checkpoint
-    model = fake_diffusers_folder(tmp_path / "model🙂")
-    data = make_images(tmp_path / "ds 🙂", n=2)
-    out = tmp_path / "out🙂"
+    model = fake_diffusers_folder(tmp_path / f"model{odd}")
+    data = make_images(tmp_path / f"ds {odd}", n=2)
+    out = tmp_path / f"out{odd}"
     r = invoke("--model", str(model), "--dataset", str(data), "--out", str(out), "--device", "cpu", "-y")
     assert r.exit_code == 130, r.output
     cfg = yaml.safe_load((out / "sdplan.yaml").read_text(encoding="utf-8"))

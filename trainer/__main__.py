@@ -117,6 +117,9 @@ def main(argv: list[str] | None = None, *, own_process: bool = False) -> int:
     goes on after the run keeps them. Ctrl-C outside the steps (torch and the libraries importing, the model
     loading, the export) ends it with the interrupted exit code: under `sdplan train`, sdplan says so and
     whether a checkpoint is there to resume from; a traceback from inside an import says nothing."""
+    from sdplan.terminal import print_undecodable_names
+
+    print_undecodable_names()  # a Latin-1 file name in the lines it prints
     try:
         return _main(argv, own_process)
     except KeyboardInterrupt:

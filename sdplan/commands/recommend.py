@@ -94,6 +94,7 @@ def recommend(
     import json
     import shlex
 
+    from sdplan.config import implied_settings
     from sdplan.profiles import load_profiles
     from sdplan.recommend import (
         RecommendInputs,
@@ -123,7 +124,7 @@ def recommend(
         hardware=hardware,
         machine=machine,
         gpus=gpus,
-        settings=tuple(settings or ()),
+        settings=tuple(implied_settings(settings or ())),
         out=out,
     )
     inp = model_source(inp, profiles)  # --model PATH_OR_ID: its family, and model.path for the written config

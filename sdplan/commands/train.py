@@ -138,6 +138,7 @@ def train(
     Extra arguments are key=value settings of sdplan.yaml (training.batch_size=8 training.learning_rate=5e-5):
     they win, and the planner plans everything else around them (as `sdplan recommend` does with pins).
     """
+    from sdplan.config import implied_settings
     from sdplan.launcher import UI, TrainRequest, check_stack
 
     reject_empty(model=model, dataset=dataset, out=out, config=config)
@@ -159,7 +160,7 @@ def train(
         epochs=epochs,
         gpus=gpus,
         config=config,
-        overrides=list(ctx.args),
+        overrides=implied_settings(ctx.args),
         yes=yes,
         force=force,
         resume=resume,
