@@ -197,6 +197,11 @@ class Snapshot:
         if not isinstance(env, dict):
             errors.append("env: must be an object")
             env = {}
+        for key, value in env.items():
+            if not isinstance(
+                value, (str, type(None))
+            ):  # an environment variable's text, or null where unset
+                errors.append(f"env.{key}: expected text or null, got {type(value).__name__}")
         for g in gpus:
             if g.vendor not in ("nvidia", "amd"):
                 errors.append(f"gpus[{g.index}].vendor: must be 'nvidia' or 'amd', got {g.vendor!r}")

@@ -226,6 +226,16 @@ def test_save_round_trips_and_refuses_to_overwrite(run, tmp_path):
     assert Snapshot.load(target).gpus[0].name == "AMD Radeon PRO W6800"
 
 
+def test_save_never_writes_over_a_runs_files(run, tmp_path):
+    """`--save RUN/sdplan.yaml --force` replaced a run's settings with a JSON snapshot."""
+    from sdplan import runfolder
+
+    runfolder.write_files(tmp_path, {"sdplan.yaml": "method: lora\n"})
+    said = run("--machine", str(MACHINES / "t4.json"), "--save", str(tmp_path / "sdplan.yaml"), "--force")
+    assert said.exit_code == 3 and "is a file of the sdplan run in" in said.stderr, said.output
+    assert (tmp_path / "sdplan.yaml").read_text() == "method: lora\n"
+
+
 def test_save_into_missing_folder_is_one_line(run, tmp_path):
     result = run("--machine", str(MACHINES / "t4.json"), "--save", str(tmp_path / "no" / "dir" / "m.json"))
     assert result.exit_code == 2

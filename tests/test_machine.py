@@ -67,6 +67,16 @@ def test_malformed_snapshot_reports_every_error():
     assert "host.ram: unknown key" in errors
 
 
+def test_a_snapshot_whose_env_values_are_not_text_is_refused():
+    """ "env": {"CUDA_VISIBLE_DEVICES": 0} loaded, and `doctor --machine` printed its host table, then a
+    TypeError traceback."""
+    data = _snapshot().to_dict()
+    data["env"]["CUDA_VISIBLE_DEVICES"] = 0
+    with pytest.raises(ConfigError) as info:
+        Snapshot.from_dict(data, source="m.json")
+    assert info.value.errors == ["env.CUDA_VISIBLE_DEVICES: expected text or null, got int"]
+
+
 @pytest.mark.parametrize("packages", [None, {"torch": 3}, ["torch"]])
 def test_a_snapshot_whose_packages_are_not_name_version_pairs_is_refused(packages):
     """ "packages": null loaded, then `doctor --machine` printed half its report and an AttributeError traceback."""

@@ -57,6 +57,13 @@ def doctor(
             raise UsageError(
                 f"--save {save} is a folder", fix=f"give a file, e.g. --save {save / 'machine.json'}"
             )
+        from sdplan import runfolder
+
+        if save.name in runfolder.owned(save.parent):  # --force or not: a run's sdplan.yaml, its summary, ...
+            raise OutputExistsError(
+                f"{save} is a file of the sdplan run in {save.parent}",
+                fix="--save the snapshot to another file",
+            )
         if save.exists() and not force:
             raise OutputExistsError(f"{save} already exists", fix="pass --force to overwrite it")
         try:
