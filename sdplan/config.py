@@ -430,8 +430,51 @@ def family_problems(cfg: TrainConfig, family: str | None) -> list[str]:
     return problems
 
 
+def bucket_problems(data: DataConfig) -> list[str]:
+    """Why the aspect-bucket settings make no buckets at ``data.resolution`` (a step above the resolution, a
+    shortest side above the longest, given or by default), each with its fix, or []: the rules of
+    :func:`sdplan.trainer.buckets.make_buckets`, stated once for a config file, `sdplan train` and `sdplan
+    recommend` (the trainer's ValueError was a traceback in train and recommend --dataset)."""
+    from sdplan.trainer.buckets import side_range
+
+    res, step = data.resolution, data.bucket_step
+    given_min, given_max = data.bucket_min_size, data.bucket_max_size
+    if res < step:
+        return [
+            f"data.bucket_step: {step} is above data.resolution {res} (a bucket side is a whole number of steps); "
+            f"set data.bucket_step to 64, or data.resolution to {step} or more"
+        ]
+    lo, hi = side_range(res, step=step, min_size=given_min, max_size=given_max)
+    if hi >= lo:
+        return []
+    if given_max is not None and given_max < step:
+        return [
+            f"data.bucket_max_size: {given_max} is below data.bucket_step {step} (a bucket side is a whole number "
+            f"of steps); set it to {step} or more"
+        ]
+    if given_min is not None and given_max is not None:
+        return [
+            f"data.bucket_min_size: {given_min} is above data.bucket_max_size {given_max}; set data.bucket_min_size "
+            f"to {given_max} or less, or data.bucket_max_size to {given_min} or more"
+        ]
+    if given_min is not None:
+        return [
+            f"data.bucket_min_size: {given_min} is above the longest bucket side at data.resolution {res} ({hi}: "
+            f"twice the resolution, data.bucket_max_size's default); set data.bucket_max_size to {given_min} or "
+            f"more, or data.bucket_min_size to {hi} or less"
+        ]
+    return [
+        f"data.bucket_max_size: {given_max} is below the shortest bucket side at data.resolution {res} ({lo}: "
+        f"half the resolution, data.bucket_min_size's default); set data.bucket_min_size to {given_max} or less, "
+        f"or data.bucket_max_size to {lo} or more"
+    ]
+
+
 def _cross_checks(cfg: TrainConfig, errors: list[str]) -> None:
     ds = cfg.distributed.deepspeed
+    # the bucket settings make buckets: checked with the values given (one refused is its default here)
+    if cfg.data.buckets and not any(e.startswith(("data.resolution", "data.bucket")) for e in errors):
+        errors += bucket_problems(cfg.data)
     if cfg.training.full_half_weights and cfg.training.precision != "bf16":
         errors.append("training.full_half_weights: needs training.precision bf16 (fp16 weights underflow)")
     if ds is not None and cfg.training.train_text_encoder:

@@ -147,21 +147,21 @@ class UI:
 # -- the --out rule ---------------------------------------------------------------------------------------
 
 
-def _holds_a_run(out: Path, entries: list[str]) -> bool:
-    """Whether ``out`` (holding ``entries``) holds an sdplan run or plan: its sdplan.yaml is sdplan's, by the
-    folder's manifest (runfolder.record); a folder from before the manifest by a run's other marks, or a plan's
-    files alone. A user's own sdplan.yaml among their files was called "an sdplan run that saved no checkpoint",
-    and the --force it suggested was refused."""
+def _holds_a_run(out: Path) -> bool:
+    """Whether ``out`` holds an sdplan run or plan: its sdplan.yaml is sdplan's, by the folder's manifest
+    (runfolder.record: sdplan records its sdplan.yaml as it writes it, before anything trains). Without a
+    manifest (a run from before there was one) only a checkpoint of the trainer's own (its train state) makes it
+    a run: one that --resume continues, while --force, which replaces only files the manifest lists, would be
+    refused. A user's own sdplan.yaml among their files (and a checkpoints/ folder of theirs) was called "an
+    sdplan run that saved no checkpoint", and the --force it suggested was refused."""
     from sdplan import runfolder
+    from sdplan.trainer.checkpoint import latest_checkpoint
 
     if not (out / CONFIG_FILE).is_file():
         return False
     if mine := runfolder.owned(out):  # a readable manifest
         return CONFIG_FILE in mine
-    marks = ("checkpoints", "run_summary.json", runfolder.LOCK_FILE)
-    # a plan's files alone, with its accelerate.yaml: a lone sdplan.yaml is as likely the user's own
-    plan = set(entries) <= set(PLAN_FILES) and ACCELERATE_FILE in entries
-    return any((out / m).exists() for m in marks) or plan
+    return latest_checkpoint(out) is not None
 
 
 def check_out_dir(
@@ -209,7 +209,7 @@ def check_out_dir(
         return "new"
     given = config_path is not None and _same_file(config_path, out / CONFIG_FILE)
     # `train --config DIR/sdplan.yaml --out DIR` on a plan's files: its own check says whose the config is
-    is_run = _holds_a_run(out, entries) or (given and set(entries) <= set(PLAN_FILES))
+    is_run = _holds_a_run(out) or (given and set(entries) <= set(PLAN_FILES))
     if (
         is_run
         and config_path is not None
@@ -242,37 +242,44 @@ def check_out_dir(
             f"--out {out} holds a plan (sdplan recommend --out), not a run",
             fix=f"train the plan with `sdplan train --config {out / CONFIG_FILE}`, or choose a new folder",
         )
-    if not force:
-        from sdplan.trainer.checkpoint import latest_checkpoint
-
-        if (
-            latest_checkpoint(out) is None
-        ):  # --resume would be refused: it stopped before its first checkpoint
-            raise OutputExistsError(
-                f"--out {out} holds an sdplan run that saved no checkpoint",
-                fix="start it over with --force, or choose a new folder",
-            )
-        if config_path is not None and _same_file(config_path, out / CONFIG_FILE):
-            # `train --config RUN/sdplan.yaml key=value` on a run that has trained: --config starts a run, so
-            # the way to change a setting of this one is --resume with the setting (or --force to start over)
-            raise OutputExistsError(
-                f"--out {out} holds an sdplan run: --config trains a plan folder or starts a new run",
-                fix=f"to change its settings and continue it: sdplan train --resume --out {shlex.quote(str(out))} "
-                "key=value ...; to start it over with them: add --force; or choose a new folder",
-            )
-        raise OutputExistsError(
-            f"--out {out} holds an sdplan run",
-            fix="continue it with --resume, start it over with --force, or choose a new folder",
-        )
     from sdplan.trainer.outputs import is_export_check
 
     # The trainer's trial export before training (``.export-check-<pid>``) is deleted whatever ends the export,
     # except a SIGKILL. Left by a kill of sdplan and the trainer, it is in no manifest (sdplan did not live to
     # record it), yet sdplan wrote it: it counts as sdplan's, and --force or the next start removes it.
     foreign = [n for n in runfolder.foreign(out) if not is_export_check(out / n)]
+    shown = ", ".join(foreign[:4]) + (", ..." if len(foreign) > 4 else "")
+    if not force:
+        from sdplan.trainer.checkpoint import latest_checkpoint
+
+        # --force as it would be taken: refused while files sdplan did not write are there, so offered once they
+        # are moved out, and not at all for a run from before the manifest (none of its files is provably sdplan's;
+        # it is a run by its checkpoint, which --resume continues: _holds_a_run)
+        first = (
+            "" if not foreign else f"move {shown} (not sdplan's) out and " if runfolder.owned(out) else None
+        )
+        if (
+            latest_checkpoint(out) is None
+        ):  # --resume would be refused: it stopped before its first checkpoint
+            raise OutputExistsError(
+                f"--out {out} holds an sdplan run that saved no checkpoint",
+                fix=f"{first or ''}start it over with --force, or choose a new folder",
+            )
+        if config_path is not None and _same_file(config_path, out / CONFIG_FILE):
+            # `train --config RUN/sdplan.yaml key=value` on a run that has trained: --config starts a run, so
+            # the way to change a setting of this one is --resume with the setting (or --force to start over)
+            over = f"to start it over with them: {first}add --force; " if first is not None else ""
+            raise OutputExistsError(
+                f"--out {out} holds an sdplan run: --config trains a plan folder or starts a new run",
+                fix=f"to change its settings and continue it: sdplan train --resume --out {shlex.quote(str(out))} "
+                f"key=value ...; {over}or choose a new folder",
+            )
+        over = f"{first}start it over with --force, " if first is not None else ""
+        raise OutputExistsError(
+            f"--out {out} holds an sdplan run", fix=f"continue it with --resume, {over}or choose a new folder"
+        )
     if foreign:
         # --force replaces only what sdplan provably wrote (its manifest), never a folder picked by its name.
-        shown = ", ".join(foreign[:4]) + (", ..." if len(foreign) > 4 else "")
         raise OutputExistsError(
             f"--out {out} holds files sdplan did not write ({shown}); --force replaces only sdplan's own files",
             fix="move those files out of the folder, or choose a new folder",

@@ -163,14 +163,21 @@ _FLAG_KEYS = {"method": "--method", "model.family": "--model"}
 
 
 def parse_pins(
-    items: tuple[str, ...] | list[str], method: str, model: str, *, shared: bool = False
+    items: tuple[str, ...] | list[str],
+    method: str,
+    model: str,
+    *,
+    shared: bool = False,
+    resolution: int | None = None,
 ) -> tuple[tuple, int | None]:
     """`key=value` sdplan.yaml settings -> (planner pins as (Settings field, value) pairs, a pinned
     data.resolution). Parsed and validated as `sdplan train` does (:func:`sdplan.config.apply_overrides`,
     :func:`sdplan.config.validate`: unknown keys, types, ranges, combinations; a setting only another method
     reads, :func:`sdplan.config.method_setting_problems`); keys that do not change the plan
     (training.learning_rate, ...) are only carried to the written config. ``shared``: the settings are pinned on
-    every method's requests (`sdplan bench`): another method's (lora.rank) is left out of this one's pins."""
+    every method's requests (`sdplan bench`): another method's (lora.rank) is left out of this one's pins.
+    ``resolution``: the side the plan trains at unless data.resolution is pinned (what the settings are
+    validated at: the aspect buckets' sides follow it)."""
     from sdplan import config as C
     from sdplan.settings import FIELD_FOR_KEY, Settings
 
@@ -179,6 +186,8 @@ def parse_pins(
     base = C.default_config()
     base["method"] = method
     base["model"]["family"] = model
+    if resolution is not None:
+        base["data"]["resolution"] = resolution
     given = C.override_keys(items)
     if "training.full_half_weights" in given and "training.precision" not in given:
         # the planner picks the precision; full bf16 weights leave it one (not the default's, checked below)
@@ -230,7 +239,7 @@ _SIZING_KEYS = {
 }
 
 
-def _sizing_pins(inp: RecommendInputs) -> RecommendInputs:
+def _sizing_pins(inp: RecommendInputs, resolution: int) -> RecommendInputs:
     """``inp`` with its ``data.path`` / ``data.repeats`` / ``training.epochs`` / ``training.max_steps`` pins in
     the flags' places (the plan counted its steps without them, and `--out` wrote a config whose max_steps
     contradicted them; ``training.max_steps`` has no flag of its own)."""
@@ -238,7 +247,7 @@ def _sizing_pins(inp: RecommendInputs) -> RecommendInputs:
     keys = [key for key in _SIZING_KEYS if key in given]
     if not keys:
         return inp
-    cfg = _pinned_config(inp)
+    cfg = _pinned_config(inp, resolution)
     changes: dict[str, Any] = {}
     for key in keys:
         flag = _SIZING_KEYS[key]
@@ -264,12 +273,21 @@ def _setting_as_written(key: str, raw: str) -> Any:
     return value
 
 
-def _pinned_config(inp: RecommendInputs) -> cfgmod.TrainConfig:
-    """The sdplan.yaml the key=value settings make for this method and family, validated as `sdplan train`
-    validates it (what they set that the planner's pins do not carry: sizes, aspect buckets)."""
+def _pinned_config(inp: RecommendInputs, resolution: int) -> cfgmod.TrainConfig:
+    """The sdplan.yaml the key=value settings make for this method and family at ``resolution`` (the plan's,
+    :func:`_plan_resolution`, unless they pin data.resolution), validated as `sdplan train` validates it (what
+    they set that the planner's pins do not carry: sizes, aspect buckets)."""
     base = cfgmod.default_config()
     base["method"], base["model"]["family"] = inp.method, inp.model
+    base["data"]["resolution"] = resolution
     return cfgmod.validate(cfgmod.apply_overrides(base, list(inp.settings)), source="key=value settings")
+
+
+def _plan_resolution(inp: RecommendInputs, profiles: Profiles) -> int:
+    """The side the plan trains at unless data.resolution is pinned: --resolution, else the family's own (an
+    epsilon model's is in --resolution's place: model_source). The written sdplan.yaml holds it, so the settings
+    are validated at it (a bucket_min_size fine at SDXL's 1024 px was no fault of the default 512)."""
+    return inp.resolution or profiles.model(inp.model).native_resolution
 
 
 def _check_choice(kind: str, value: str, choices: tuple[str, ...]) -> None:
@@ -457,7 +475,13 @@ def build_request(inp: RecommendInputs, profiles: Profiles) -> tuple[planner.Req
             raise UsageError(f"{name} must be >= 1, got {v}")
     if inp.resolution is not None and not cfgmod.resolution_ok(inp.resolution):
         raise UsageError(f"--resolution {cfgmod.RESOLUTION_RULE}, got {inp.resolution}")
-    inp = _sizing_pins(inp)
+    if inp.resolution is not None:  # said of --resolution, before the settings are validated at it
+        raw = cfgmod.given_settings(inp.settings).get("data.buckets")
+        buckets = raw is not None and cfgmod.setting_value("data.buckets", raw) is True
+        if problem := cfgmod.flow_resolution_problem(inp.resolution, inp.model, buckets=buckets):
+            raise UsageError(problem)
+    planned_resolution = _plan_resolution(inp, profiles)
+    inp = _sizing_pins(inp, planned_resolution)
     if inp.dataset and inp.images is not None:
         raise UsageError("give --dataset or --images, not both")
     if inp.hardware is not None and inp.machine is not None:
@@ -468,7 +492,7 @@ def build_request(inp: RecommendInputs, profiles: Profiles) -> tuple[planner.Req
 
         # read as `sdplan train` reads it: the pinned data settings (caption extension, metadata filters), the
         # flat folder's repeats on each image (the aspect buckets' samples count them)
-        data = _pinned_config(inp).data
+        data = _pinned_config(inp, planned_resolution).data
         ds = count_dataset(inp.dataset, replace(data, repeats=inp.repeats or data.repeats))
         images, repeats, per_epoch = ds.images, ds.repeats, None  # None: images x repeats
         counted = ds
@@ -496,7 +520,7 @@ def build_request(inp: RecommendInputs, profiles: Profiles) -> tuple[planner.Req
                 f"{DEFAULT_IMAGES}; a run trains its epochs over the dataset it is given)"
             )
     epochs = inp.epochs or DEFAULT_EPOCHS
-    pins, pinned_resolution = parse_pins(inp.settings, inp.method, inp.model)
+    pins, pinned_resolution = parse_pins(inp.settings, inp.method, inp.model, resolution=planned_resolution)
     resolution = inp.resolution
     if pinned_resolution is not None:
         if resolution is not None and resolution != pinned_resolution:
@@ -512,7 +536,7 @@ def build_request(inp: RecommendInputs, profiles: Profiles) -> tuple[planner.Req
     bucketing = any(k.startswith("data.bucket") for k in keys)
     sampling_pinned = any(k.startswith(("sampling.", "dreambooth.", "output.")) for k in keys)
     read = bucketing or fields.get("prior_preservation") or sampling_pinned
-    pinned_cfg = _pinned_config(inp) if read else cfgmod.TrainConfig(method=inp.method)
+    pinned_cfg = _pinned_config(inp, planned_resolution) if read else cfgmod.TrainConfig(method=inp.method)
     data = pinned_cfg.data if bucketing else None
     if resolution is not None and (
         problem := cfgmod.flow_resolution_problem(resolution, inp.model, buckets=bool(data and data.buckets))

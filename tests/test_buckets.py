@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 from sdplan.trainer.buckets import (
@@ -161,3 +162,109 @@ def test_works_as_a_dataloader_batch_sampler():
     loader = torch.utils.data.DataLoader(data, batch_sampler=BucketBatchSampler(_ids(), 3, seed=0))
     got = sorted(int(x) for batch in loader for x in batch)
     assert got == data
+
+
+# -- the settings that make no buckets: refused with the fix, before anything runs --------------------------
+
+
+def _refused_by_make_buckets(resolution, step, min_size, max_size) -> bool:
+    try:
+        make_buckets(resolution, step=step, min_size=min_size, max_size=max_size)
+    except ValueError:
+        return True
+    return False
+
+
+def test_the_config_refuses_exactly_the_bucket_settings_make_buckets_refuses():
+    """data.bucket_min_size above the max (given, or the default twice the resolution), a max below the default
+    min or the step, a step above the resolution: make_buckets' ValueError was a traceback in `recommend
+    --dataset` and `train`. The config's rule (the one statement of them, with the fix) refuses those and no
+    other."""
+    from sdplan.config import DataConfig, bucket_problems
+
+    sizes = (None, 64, 100, 128, 256, 512, 1000, 1024, 2048)
+    for resolution in (64, 96, 120, 128, 512, 1024):
+        for step in (32, 64, 128):
+            for lo in sizes:
+                for hi in sizes:
+                    data = DataConfig(
+                        resolution=resolution,
+                        buckets=True,
+                        bucket_step=step,
+                        bucket_min_size=lo,
+                        bucket_max_size=hi,
+                    )
+                    problems = bucket_problems(data)
+                    assert len(problems) <= 1 and bool(problems) == _refused_by_make_buckets(
+                        resolution, step, lo, hi
+                    ), (resolution, step, lo, hi, problems)
+
+
+@pytest.mark.parametrize(
+    "settings, said",
+    [
+        (
+            ["data.bucket_min_size=1024", "data.bucket_max_size=512"],
+            "data.bucket_min_size: 1024 is above data.bucket_max_size 512; set data.bucket_min_size to 512 or "
+            "less, or data.bucket_max_size to 1024 or more",
+        ),
+        (
+            ["data.resolution=64", "data.bucket_min_size=1024"],
+            "data.bucket_min_size: 1024 is above the longest bucket side at data.resolution 64 (128: twice the "
+            "resolution, data.bucket_max_size's default); set data.bucket_max_size to 1024 or more",
+        ),
+        (
+            ["data.bucket_max_size=128"],
+            "data.bucket_max_size: 128 is below the shortest bucket side at data.resolution 512 (256: half the "
+            "resolution, data.bucket_min_size's default); set data.bucket_min_size to 128 or less",
+        ),
+        (
+            ["data.resolution=96", "data.bucket_step=128"],
+            "data.bucket_step: 128 is above data.resolution 96 (a bucket side is a whole number of steps); set "
+            "data.bucket_step to 64, or data.resolution to 128 or more",
+        ),
+        (
+            ["data.bucket_step=128", "data.bucket_max_size=100"],
+            "data.bucket_max_size: 100 is below data.bucket_step 128",
+        ),
+    ],
+)
+def test_bucket_settings_that_make_no_buckets_are_one_line_in_recommend_train_and_a_config(
+    tmp_path, image_folder, settings, said
+):
+    """recommend with or without --dataset, train (before the model is looked at) and a config file all say
+    the same line with its fix, exit 2, no traceback; without data.buckets the settings are not used."""
+    from conftest import one_line_error
+    from typer.testing import CliRunner
+
+    from sdplan.cli import app
+    from sdplan.config import ConfigError, apply_overrides, default_config, validate
+
+    runner = CliRunner()
+    on = ["data.buckets=true", *settings]
+    plan = ["recommend", "--method", "lora", "--model", "sd15", "--hardware", "RTX 4090"]
+    one_line_error(runner.invoke(app, [*plan, *on]), 2, "error: key=value settings: " + said)
+    one_line_error(runner.invoke(app, [*plan, "--dataset", str(image_folder), *on]), 2, said)
+    train = ["train", "--model", str(tmp_path / "model"), "--dataset", str(image_folder)]
+    one_line_error(runner.invoke(app, [*train, "--out", str(tmp_path / "out"), "--dry-run", *on]), 2, said)
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(ConfigError, match=re.escape(said)):
+        validate(apply_overrides(default_config(), on), source="sdplan.yaml")
+    validate(apply_overrides(default_config(), settings))  # buckets off: none is made
+
+
+def test_the_bucket_settings_are_checked_at_the_resolution_the_plan_trains_at():
+    """SDXL plans at 1024 px, --resolution at its own: a bucket_min_size of 1536 is below their default max
+    (2048), not the default data.resolution's (1024)."""
+    from typer.testing import CliRunner
+
+    from sdplan.cli import app
+
+    runner = CliRunner()
+    on = ["data.buckets=true", "data.bucket_min_size=1536"]
+    plan = ["recommend", "--method", "lora", "--hardware", "RTX 4090", "--json"]
+    for args in (["--model", "sdxl"], ["--model", "sd15", "--resolution", "1024"]):
+        r = runner.invoke(app, [*plan, *args, *on])
+        assert r.exit_code == 0, r.output
+    r = runner.invoke(app, [*plan, "--model", "sd15", *on])
+    assert r.exit_code == 2 and "data.bucket_min_size: 1536 is above the longest bucket side" in r.stderr

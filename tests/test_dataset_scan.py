@@ -454,6 +454,61 @@ def test_a_kohya_captions_file_matches_full_paths_through_links_and_tag_lists(tm
         assert {it.path.name: it.caption for it in result.items} == {"a.png": "by the link", "b.png": "x, y"}
 
 
+@pytest.mark.parametrize(
+    "meta, said",
+    [
+        (
+            {"a": {"caption": 5}, "b": {"caption": "fine"}},
+            'meta_cap.json: record "a" is not a kohya caption record {"caption": text, "tags": text}: its caption '
+            "is 5, not text (fix the record, or move the file out of the dataset)",
+        ),
+        (
+            {"a": {"caption": "red"}, "b": "blue", "c": {"tags": {"x": 1}}},
+            'meta_cap.json: 2 records are not kohya caption records {"caption": text, "tags": text}; the first, '
+            'record "b": it is "blue", not an object (fix the records, or move the file out of the dataset)',
+        ),
+    ],
+)
+def test_a_kohya_captions_file_with_a_malformed_record_is_an_error_naming_it(tmp_path, meta, said):
+    """{"a": {"caption": 5}, "b": "blue"}: one record in error turned the whole meta_cap.json off, said as 'not
+    a supported image type (.json)', and every image trained on the fallback caption. A bad line of a
+    metadata.jsonl is an error naming it; so is a bad record of a kohya captions file. A record without caption
+    or tags, or with null ones, is none (sd-scripts reads it as no caption): that image keeps its caption file."""
+    for name in ("a", "b", "c"):
+        img(tmp_path / f"{name}.png")
+    write(tmp_path / "meta_cap.json", json.dumps(meta))
+    with pytest.raises(DatasetError) as e:
+        scan(tmp_path)
+    assert str(e.value) == f"{tmp_path / said}"
+    write(tmp_path / "c.txt", "its own")
+    write(tmp_path / "meta_cap.json", json.dumps({"a": {"caption": "red"}, "b": {"caption": None}, "c": {}}))
+    assert names(scan(tmp_path)) == {"a.png": "red", "b.png": None, "c.png": "its own"}
+
+
+def test_a_json_file_that_is_no_captions_file_is_skipped_saying_so(tmp_path):
+    """A .json in a flat folder that holds no kohya records (a name -> text mapping, a list, a settings file) was
+    skipped as 'not a supported image type (.json)'; a kohya captions file in a subfolder is not read either."""
+    img(tmp_path / "a.png")
+    img(tmp_path / "sub" / "b.png")
+    write(tmp_path / "names.json", json.dumps({"a": "red"}))
+    write(tmp_path / "list.json", json.dumps([1, 2]))
+    write(tmp_path / "sub" / "meta_cap.json", json.dumps({"b": {"caption": "blue"}}))
+    result = scan(tmp_path)
+    assert names(result) == {"a.png": None, "b.png": None}
+    why = skipped(result)
+    assert (
+        why["names.json"]
+        == why["list.json"]
+        == (
+            "a .json file that is no captions file, not read (kohya's meta_cap.json maps each image name to "
+            '{"caption": text, "tags": text})'
+        )
+    )
+    assert why["meta_cap.json"] == (
+        "a kohya captions file in a subfolder, not read: it is read in the dataset folder itself"
+    )
+
+
 def test_a_link_that_loops_is_not_used_as_a_dangling_link_is(tmp_path):
     """`ln -s loop.png loop.png` in a dataset crashed recommend --dataset and train (Path.resolve: RuntimeError
     Symlink loop) in a flat folder, with a kohya captions file naming it, and in a metadata folder; it is listed

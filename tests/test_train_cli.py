@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import fake_diffusers_folder, make_images, one_line_error
+from conftest import digest, fake_diffusers_folder, make_images, one_line_error
 from limits import scaled
 from typer.testing import CliRunner
 
+from sdplan import runfolder
 from sdplan.cli import app
 
 runner = CliRunner()
@@ -182,15 +183,45 @@ def test_out_with_user_files_is_refused(tmp_path, fake_model):
 def test_out_with_a_run_needs_force_or_resume(tmp_path, fake_model):
     ds = make_images(tmp_path / "ds")
     out = tmp_path / "out"
-    out.mkdir()
-    (out / "sdplan.yaml").write_text("method: lora\n")
-    (out / "run_summary.json").write_text("{}")
+    runfolder.write_files(
+        out, {"sdplan.yaml": "method: lora\n", "run_summary.json": "{}"}
+    )  # as a run writes them
     one_line_error(
         invoke("--model", str(fake_model), "--dataset", str(ds), "--out", str(out), "--device", "cpu"),
         3,
         "holds an sdplan run that saved no checkpoint",  # so --resume, which would be refused, is not offered
         "--force",
     )
+
+
+def test_a_users_folder_with_sdplan_yaml_and_checkpoints_is_not_called_a_run(tmp_path, fake_model):
+    """--out holding the user's own sdplan.yaml and a checkpoints/ folder (no manifest) was "an sdplan run that
+    saved no checkpoint (start it over with --force ...)", and with --force "holds files sdplan did not write":
+    the fix the first line gave, the second refused. Both say it is not an sdplan run; nothing is changed."""
+    ds = make_images(tmp_path / "ds")
+    out = tmp_path / "out"
+    (out / "checkpoints").mkdir(parents=True)
+    (out / "checkpoints" / "x").write_text("mine")
+    (out / "sdplan.yaml").write_text("precious\n")
+    before = digest(out)
+    for extra in ([], ["--force"]):
+        one_line_error(
+            invoke(
+                "--model",
+                str(fake_model),
+                "--dataset",
+                str(ds),
+                "--out",
+                str(out),
+                "--device",
+                "cpu",
+                "-y",
+                *extra,
+            ),
+            3,
+            "already holds files (checkpoints, sdplan.yaml) and is not an sdplan run",
+        )
+    assert digest(out) == before
 
 
 def test_config_of_a_run_that_trained_says_how_to_change_its_settings(tmp_path, fake_model, monkeypatch):
@@ -239,8 +270,7 @@ def test_a_setting_a_flag_also_sets_must_agree_with_it_and_output_dir_is_out(tmp
     assert r.exit_code == 0, r.output
     run = tmp_path / "run"
     run.mkdir()
-    (run / "sdplan.yaml").write_text("method: lora\n")
-    (run / "run_summary.json").write_text("{}")
+    runfolder.write_files(run, {"sdplan.yaml": "method: lora\n", "run_summary.json": "{}"})
     one_line_error(invoke(*base, f"output.dir={run}"), 3, f"--out {run} holds an sdplan run")
     r = invoke(*base, f"output.dir={tmp_path / 'new'}")
     assert r.exit_code == 0 and f"output: {tmp_path / 'new'}" in r.output, r.output

@@ -52,23 +52,63 @@ def test_a_users_own_sdplan_yaml_does_not_make_their_folder_a_run(tmp_path):
 
 
 def test_sdplan_run_needs_force_or_resume(tmp_path):
-    (tmp_path / "sdplan.yaml").write_text("method: lora\n")
+    from sdplan import runfolder
+
+    runfolder.write_files(tmp_path, {"sdplan.yaml": "method: lora\n"})  # as a run writes it: in its manifest
     (tmp_path / "checkpoints").mkdir()
+    runfolder.record(tmp_path, ["checkpoints"])
     # a run that stopped before its first checkpoint: --resume would be refused, so it is not offered
     with pytest.raises(OutputExistsError, match=r"saved no checkpoint \(start it over with --force") as e:
         check_out_dir(tmp_path)
     assert "--resume" not in str(e.value)
+    assert check_out_dir(tmp_path, force=True) == "run"
     (tmp_path / "checkpoints" / "step-2").mkdir()
     (tmp_path / "checkpoints" / "step-2" / "train_state.json").write_text("{}")
-    with pytest.raises(OutputExistsError, match="--resume.*--force"):
+    with pytest.raises(OutputExistsError, match="--resume, start it over with --force"):
         check_out_dir(tmp_path)
-    with pytest.raises(OutputExistsError, match="did not write"):  # no manifest: nothing is provably sdplan's
-        check_out_dir(tmp_path, force=True)
-    from sdplan import runfolder
-
-    runfolder.record(tmp_path, ["sdplan.yaml", "checkpoints"])
     assert check_out_dir(tmp_path, force=True) == "run"
     assert check_out_dir(tmp_path, resume=True) == "run"
+    # a file of the user's in it: --force is refused until it is moved out, and offered so
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(
+        OutputExistsError, match=r"move notes.txt \(not sdplan's\) out and start it over with --force"
+    ):
+        check_out_dir(tmp_path)
+    with pytest.raises(OutputExistsError, match=r"did not write \(notes.txt\)"):
+        check_out_dir(tmp_path, force=True)
+
+
+def test_a_folder_without_a_manifest_is_a_run_only_by_a_checkpoint_that_resume_continues(tmp_path):
+    """A user's folder holding their own sdplan.yaml and a checkpoints/ folder (no manifest: nothing in it is
+    provably sdplan's) was "an sdplan run that saved no checkpoint (start it over with --force ...)", and --force
+    then refused it for files sdplan did not write. A run from before the manifest is a run by its checkpoint:
+    --resume continues it; --force, which would be refused, is not offered."""
+    from sdplan import runfolder
+
+    (tmp_path / "sdplan.yaml").write_text("precious\n")
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "x").write_text("mine")
+    (tmp_path / runfolder.LOCK_FILE).write_text("{}")  # a stale lock: no mark of a run either
+    for extra in ([], ["run_summary.json"]):
+        for name in extra:
+            (tmp_path / name).write_text("{}")
+        for force in (False, True):
+            with pytest.raises(
+                OutputExistsError, match=r"already holds files \(checkpoints, .*and is not an sdplan"
+            ):
+                check_out_dir(tmp_path, force=force)
+    state = tmp_path / "checkpoints" / "step-2" / "train_state.json"
+    state.parent.mkdir()
+    state.write_text("{}")
+    with pytest.raises(
+        OutputExistsError, match=r"holds an sdplan run \(continue it with --resume, or choose a new"
+    ):
+        check_out_dir(tmp_path)
+    with pytest.raises(OutputExistsError, match="did not write"):
+        check_out_dir(tmp_path, force=True)
+    assert check_out_dir(tmp_path, resume=True) == "run"
+    assert (tmp_path / "sdplan.yaml").read_text() == "precious\n"
+    assert (tmp_path / "checkpoints" / "x").read_text() == "mine"
 
 
 def test_resume_needs_an_sdplan_run(tmp_path):

@@ -40,13 +40,13 @@ def make_buckets(
     ``min_size``/``max_size`` bound each side (defaults: ``resolution // 2`` and ``resolution * 2``, rounded
     to the step). The square bucket (``resolution`` rounded down to the step) is always there.
     """
+    # the settings' checks, with the fix, are sdplan.config.bucket_problems': these only guard other callers
     if step < 32 or step % 32:
         raise ValueError(f"bucket step must be a multiple of 32 (64 for SD 1.x/2.x), got {step}")
     if resolution < step:
         raise ValueError(f"resolution {resolution} is smaller than the bucket step {step}")
     max_area = resolution * resolution
-    lo = max(step, _round_down(min_size if min_size is not None else resolution // 2, step))
-    hi = _round_down(max_size if max_size is not None else resolution * 2, step)
+    lo, hi = side_range(resolution, step=step, min_size=min_size, max_size=max_size)
     if hi < lo:
         raise ValueError(f"bucket max_size {max_size} is below min_size {min_size}")
     side = _round_down(resolution, step)
@@ -58,6 +58,17 @@ def make_buckets(
         shapes.add((w, h))
         shapes.add((h, w))
     return sorted(shapes, key=lambda s: (s[0] / s[1], s[0] * s[1]))
+
+
+def side_range(
+    resolution: int, *, step: int = 64, min_size: int | None = None, max_size: int | None = None
+) -> tuple[int, int]:
+    """(the shortest, the longest) bucket side :func:`make_buckets` allows: ``min_size`` and ``max_size``
+    (defaults: ``resolution // 2`` and ``resolution * 2``) rounded down to the step, the shortest at least one
+    step. The first above the second: the settings make no bucket besides the square."""
+    lo = max(step, _round_down(min_size if min_size is not None else resolution // 2, step))
+    hi = _round_down(max_size if max_size is not None else resolution * 2, step)
+    return lo, hi
 
 
 def _round_down(x: int, step: int) -> int:

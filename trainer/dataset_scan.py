@@ -185,7 +185,7 @@ def scan(
         result = _scan_kohya(root, files, cap_ext)
     else:
         result = Scan(root, "flat")
-        kohya_files, kohya = _kohya_captions(root, records)
+        kohya_files, kohya = _kohya_captions(root, records, result)
         jsonl_files, jsonl = _jsonl_captions(root, files, result)
         listed = (kohya_files + jsonl_files, {**jsonl, **kohya})
         _pair_captions(root, files, result, cap_ext, repeats, lambda _p: default_caption, listed)
@@ -461,25 +461,48 @@ def _pair_captions(root, files, result, cap_ext, repeats, fallback, listed=None)
         result.items.append(Item(img, caption, None, repeats))
 
 
+KOHYA_RECORD = '{"caption": text, "tags": text}'
+NO_CAPTIONS_FILE = f"a .json file that is no captions file, not read (kohya's meta_cap.json maps each image name to {KOHYA_RECORD})"
+
+
 def _kohya_captions(
-    root: Path, records: dict[Path, dict[str, Any] | str]
+    root: Path, records: dict[Path, dict[str, Any] | str], result: Scan
 ) -> tuple[tuple[Path, ...], dict[str, str]]:
     """kohya's captions file in the dataset folder (sd-scripts' finetune/merge_captions_to_metadata.py and
     merge_dd_tags_to_metadata.py write it, meta_cap.json): one object of image key (the file name without
     its extension, or the full path) -> ``{"caption": ..., "tags": ...}``. The caption is the caption, then the
-    tags, as sd-scripts joins them (train_util: caption + separator + tags). Returns (the files read, key ->
-    caption); an image it does not name keeps its caption file. ``records``: the dataset's .json files, read
-    (:func:`_metadata_records`)."""
+    tags, as sd-scripts joins them (train_util: caption + separator + tags). Returns (the .json files it has
+    dealt with, key -> caption); an image it does not name keeps its caption file. ``records``: the dataset's
+    .json files, read (:func:`_metadata_records`). One whose records hold a caption or tags is a captions file:
+    a record of it that is no such object is an error naming it (a record in error turned the whole file off,
+    said as 'not a supported image type (.json)'); another .json file is listed as skipped, saying what it is
+    not."""
     found: list[Path] = []
     captions: dict[str, str] = {}
     for f, data in records.items():
-        if f.parent != root:
-            continue
-        if not (isinstance(data, dict) and data and all(isinstance(v, dict) for v in data.values())):
-            continue
-        if not any("caption" in v or "tags" in v for v in data.values()):
-            continue
         found.append(f)
+        values = data.values() if isinstance(data, dict) else ()
+        if not any(isinstance(v, dict) and ("caption" in v or "tags" in v) for v in values):
+            result.skipped.append((f, NO_CAPTIONS_FILE))
+            continue
+        if f.parent != root:
+            result.skipped.append(
+                (f, "a kohya captions file in a subfolder, not read: it is read in the dataset folder itself")
+            )
+            continue
+        bad = [(key, why) for key, record in data.items() if (why := _kohya_record_problem(record))]
+        if bad:
+            key, why = bad[0]
+            record = f"record {json.dumps(str(key), ensure_ascii=False)}"
+            what = (
+                f"{record} is not a kohya caption record {KOHYA_RECORD}"
+                if len(bad) == 1
+                else f"{len(bad)} records are not kohya caption records {KOHYA_RECORD}; the first, {record}"
+            )
+            raise DatasetError(
+                f"{f}: {what}: {why}",
+                fix=f"fix the record{'s' if len(bad) > 1 else ''}, or move the file out of the dataset",
+            )
         for key, record in data.items():
             parts = [record.get("caption"), record.get("tags")]
             parts = [", ".join(map(str, p)) if isinstance(p, list) else p for p in parts]  # tags as a list
@@ -489,6 +512,23 @@ def _kohya_captions(
                 if Path(key).is_absolute():  # as the image's own resolved path (a link in either path)
                     captions.setdefault(str(_real(key)), text)
     return tuple(found), captions
+
+
+def _kohya_record_problem(record: Any) -> str | None:
+    """Why one record of a kohya captions file is not ``{"caption": ..., "tags": ...}`` (each text, a list of
+    tags, or absent or null: sd-scripts reads a record without them as no caption), or None."""
+    if not isinstance(record, dict):
+        return f"it is {_short_json(record)}, not an object"
+    for key in ("caption", "tags"):
+        value = record.get(key)
+        if value is not None and not isinstance(value, (str, list)):
+            return f"its {key} is {_short_json(value)}, not text"
+    return None
+
+
+def _short_json(value: Any) -> str:
+    text = json.dumps(value, ensure_ascii=False)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _jsonl_captions(
