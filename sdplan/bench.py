@@ -85,6 +85,7 @@ from sdplan.profiles import EXPORT_KIND
 from sdplan.registry import BASE_PRECISIONS, FAMILIES, FLOW_FAMILIES, FLOW_METHODS, METHODS, PLANNED_FAMILIES
 from sdplan.settings import DEFAULT_LORA_RANK, Settings, describe
 from sdplan.trainer import faults
+from sdplan.trainer.dataset_scan import count_of
 
 OOM_HOOK_ENV = faults.BENCH_OOM_ABOVE_BATCH_ENV  # the test hook (sdplan.trainer.faults)
 GiB = 2**30
@@ -530,7 +531,7 @@ def measure_host(store_dir: str | Path | None = None, *, params: int | None = No
         cpu_adam_params_per_s=round(rate, -6),
         source=f"sdplan bench --host {__version__}, DeepSpeedCPUAdam "
         f"(deepspeed {importlib.metadata.version('deepspeed')}), {params / 1e6:.0f}M fp32 parameters, median of "
-        f"{steps} steps on {threads} thread(s) of {cpu}, {now}",
+        f"{steps} steps on {count_of(threads, 'thread')} of {cpu}, {now}",
     )
     return host, profiles.write_host(store_root(store_dir), host)
 
@@ -843,7 +844,8 @@ def select_requests(
                 have = measured_here(profiles_, gpu_name, method, family, res, gpu_memory_bytes)
                 if have:
                     skipped.append(
-                        f"{method} {family} {res}px: {len(have)} point(s) measured on {gpu_name} already"
+                        f"{method} {family} {res}px: {count_of(len(have), 'point')} measured on {gpu_name} "
+                        "already"
                     )
                     continue
             if snapshot.usable_gpus:
@@ -1104,6 +1106,11 @@ def _is_shareable(point: dict[str, Any]) -> bool:
     return not source.startswith(f"{MEASURED_PREFIX} --demo") and OOM_HOOK_ENV not in source
 
 
+def _demo_points(n: int) -> str:
+    """'1 demo or simulated point is', '3 demo or simulated points are'."""
+    return f"{count_of(n, 'demo or simulated point')} {'is' if n == 1 else 'are'}"
+
+
 def export_measurements(
     dest: str | Path, *, store_dir: str | Path | None = None, force: bool = False
 ) -> tuple[Path, int, int]:
@@ -1139,7 +1146,7 @@ def export_measurements(
             methods[data["method"]] = section
     count = sum(len(s["points"]) for s in methods.values())
     if not methods:
-        extra = f" ({left_out} demo or simulated point(s) are never exported)" if left_out else ""
+        extra = f" ({_demo_points(left_out)} never exported)" if left_out else ""
         raise UsageError(
             f"no local measurements to export in {root}{extra}", fix="measure with `sdplan bench`"
         )
@@ -1198,7 +1205,7 @@ def import_measurements(
         if shareable:
             keep[method] = shareable
     if not keep:
-        extra = f" ({left_out} demo or simulated point(s) are never imported)" if left_out else ""
+        extra = f" ({_demo_points(left_out)} never imported)" if left_out else ""
         raise UsageError(
             f"{source} holds no measurements to import{extra}",
             fix="import a file written by `sdplan profiles export` on a machine measured with `sdplan bench`",

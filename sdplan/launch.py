@@ -36,6 +36,7 @@ from sdplan.config import TrainConfig
 from sdplan.errors import EXIT_INTERRUPTED, UsageError
 from sdplan.settings import DEEPSPEED_BUCKET_ELEMENTS, deepspeed_reduce_buckets
 from sdplan.terminal import HANGUP, detach_from_terminal, hangup_wanted, terminal_fds
+from sdplan.trainer.dataset_scan import count_of
 
 # torchrun / accelerate launch run through sdplan.distrun: a stop signal or a failed worker ends them without a
 # traceback of their own (the worker's one error line stays the only one)
@@ -541,20 +542,25 @@ def run_launch(
         code = proc.wait()
         if reaper and code != 0 and (left := _reap(_children(os.getpid()) - ours - {proc.pid})):
             orphans.update(left)
+            them, they, are = (
+                ("it", "it writes", "it is") if len(left) == 1 else ("them", "they write", "they are")
+            )
             print(
-                f"the launcher (pid {proc.pid}) ended with {len(left)} training process(es) still running: "
-                "stopping them (they write a checkpoint) before the run folder is released; waiting up to "
-                f"{ORPHAN_STOP_TIMEOUT_S:.0f} s, Ctrl-C stops waiting (they are killed, without a checkpoint)",
+                f"the launcher (pid {proc.pid}) ended with "
+                f"{count_of(len(left), 'training process', 'training processes')} still running: "
+                f"stopping {them} ({they} a checkpoint) before the run folder is released; waiting up to "
+                f"{ORPHAN_STOP_TIMEOUT_S:.0f} s, Ctrl-C stops waiting ({are} killed, without a checkpoint)",
                 file=sys.stderr,
                 flush=True,
             )
             before = signals_sent
             if stuck := stop_orphans(left, stop=lambda: signals_sent > before):
+                one = len(stuck) == 1
                 print(
-                    f"training process(es) {', '.join(map(str, sorted(stuck)))} did not end "
+                    f"training process{'' if one else 'es'} {', '.join(map(str, sorted(stuck)))} did not end "
                     f"{ORPHAN_KILL_TIMEOUT_S:.0f} s after SIGKILL (stuck in the kernel: a hung GPU driver or "
-                    "file system?); sdplan stops waiting for them: check they are gone (ps -p PID) before "
-                    "resuming the run",
+                    f"file system?); sdplan stops waiting for {'it' if one else 'them'}: check "
+                    f"{'it is' if one else 'they are'} gone (ps -p PID) before resuming the run",
                     file=sys.stderr,
                     flush=True,
                 )

@@ -54,6 +54,7 @@ from sdplan.settings import (
     settings_data,
 )
 from sdplan.steps import bucketed_batches, plan_steps, repeated_batches, repeated_batches_text
+from sdplan.trainer.dataset_scan import count_of
 
 CONFIG_FILE = "sdplan.yaml"
 OOM_FILE = "oom.json"
@@ -853,9 +854,8 @@ def require_gpu(snapshot: Any) -> None:
     build = snapshot.software.torch_build
     if build == "cpu":
         raise NoGPUError(
-            f"torch {snapshot.software.torch or ''} is a CPU build: it cannot use the GPU(s) here".replace(
-                "  ", " "
-            ),
+            f"torch {snapshot.software.torch or ''} is a CPU build: it cannot use the "
+            f"GPU{'s' if len(snapshot.usable_gpus) > 1 else ''} here".replace("  ", " "),
             fix="install the CUDA or ROCm build of torch (`sdplan doctor` prints the command), or add --device cpu",
         )
     if build == "cuda":  # a torch whose wheels hold no kernels for any GPU here fails at its first CUDA call
@@ -908,8 +908,6 @@ def describe(
     """The plan as lines for the user: what is trained, how, and the step arithmetic. ``max_steps_from_file``:
     training.max_steps came with the config (not --max-steps or a key=value), so what its epochs would train
     is worth a word where that differs."""
-    from sdplan.trainer.dataset_scan import count_of
-
     t, m, ds = cfg.training, cfg.memory, cfg.distributed.deepspeed
     savers = [
         name
@@ -955,7 +953,7 @@ def describe(
             inputs.bucket_samples,
         )
         lines.append(
-            f"steps: training.max_steps {t.max_steps} / {world} process(es) = "
+            f"steps: training.max_steps {t.max_steps} / {count_of(world, 'process', 'processes')} = "
             f"{count_of(steps['total_steps'], 'optimizer step')} = "
             # where the steps stop inside an epoch with short batches, full batches are the most they can see
             + config_plan_steps(
@@ -963,8 +961,8 @@ def describe(
             ).images_seen_text()
             # a planned count (recommend --out) for another dataset than this one trains another length
             + (
-                f" ({by_epochs['epochs']} epoch(s) of this dataset would be {by_epochs['total_steps']} steps: "
-                "training.max_steps=null trains by epochs)"
+                f" ({count_of(by_epochs['epochs'], 'epoch')} of this dataset would be "
+                f"{by_epochs['total_steps']} steps: training.max_steps=null trains by epochs)"
                 if max_steps_from_file and by_epochs["total_steps"] != steps["total_steps"]
                 else ""
             )
@@ -974,8 +972,9 @@ def describe(
         buckets = f" in {count_of(n, 'aspect bucket')} (each ends in a short batch)" if n > 1 else ""
         lines.append(
             f"steps: {steps['images_per_epoch']} images (with repeats){buckets} / {steps['images_per_step']} per "
-            f"step = {steps['steps_per_epoch']} steps per epoch x {steps['epochs']} epoch(s) = {steps['total_steps']} "
-            f"optimizer steps; images seen {steps['epochs'] * steps['images_per_epoch']}"
+            f"step = {steps['steps_per_epoch']} steps per epoch x {count_of(steps['epochs'], 'epoch')} = "
+            f"{steps['total_steps']} optimizer steps; images seen "
+            f"{steps['epochs'] * steps['images_per_epoch']}"
             + (f" (the same as on one process: each epoch is split {world} ways)" if world > 1 else "")
         )
     reaches_last_round = (
@@ -1270,7 +1269,7 @@ def checkpoint_step(
 
 def _asked(cfg: C.TrainConfig) -> str:
     t = cfg.training
-    return f"training.max_steps {t.max_steps}" if t.max_steps else f"{t.epochs} epoch(s)"
+    return f"training.max_steps {t.max_steps}" if t.max_steps else count_of(t.epochs, "epoch")
 
 
 def refuse_a_shortened_resume(
@@ -1681,7 +1680,7 @@ def prepare(req: TrainRequest, ui: UI) -> Prepared:
         require_gpu(snapshot)
         have = len(snapshot.usable_gpus)
         if req.gpus is not None and req.gpus > have:
-            raise UsageError(f"--gpus {req.gpus}: this machine has {have} usable GPU(s)")
+            raise UsageError(f"--gpus {req.gpus}: this machine has {count_of(have, 'usable GPU')}")
     elif cfg.training.precision == "fp16":
         # fp16 autocast is a GPU feature: the trainer would train in fp32, and the run's sdplan.yaml says so.
         cfg = replace(cfg, training=replace(cfg.training, precision="fp32"))
@@ -1823,7 +1822,8 @@ def run_gpus(
             )
         if len(ids) != per_node:
             raise UsageError(
-                f"distributed.gpu_ids {ids} lists {len(ids)} GPU(s) for {per_node} process(es) on this machine",
+                f"distributed.gpu_ids {ids} lists {count_of(len(ids), 'GPU')} for "
+                f"{count_of(per_node, 'process', 'processes')} on this machine",
                 fix="list one GPU per process (distributed.num_processes), or drop distributed.gpu_ids",
             )
         if len({usable[i].vendor for i in ids}) > 1:
@@ -1860,8 +1860,11 @@ def launch_devices(snapshot: Any, gpu_ids: tuple[int, ...], ui: UI) -> dict[str,
         names = ", ".join(
             f"GPU {i} ({g.name})" for i in gpu_ids for g in snapshot.usable_gpus if g.index == i
         )
+        # one id in each variable set (CUDA_VISIBLE_DEVICES=1): "the GPU it shows"
+        one = all(len([d for d in v.split(",") if d.strip()]) == 1 for v in own.values())
         ui.echo(
-            f"note: {', '.join(f'{k}={v}' for k, v in own.items())} is set: the run uses the GPU(s) it shows, "
+            f"note: {', '.join(f'{k}={v}' for k, v in own.items())} is set: the run uses the "
+            f"GPU{'' if one else 's'} it shows, "
             f"which may not be {names} (sdplan's numbers, as `sdplan doctor` shows them) that it is planned for; "
             "unset it to train there"
         )
@@ -2502,7 +2505,7 @@ def render_summary(summary: dict[str, Any]) -> list[str]:
         wall_text = f", {wall:.1f} s" if isinstance(wall, (int, float)) else ""
     lines.append(
         f"done: {summary.get('steps')} steps, {summary.get('images_seen')} images seen on "
-        f"{summary.get('num_processes', 1)} process(es)"
+        f"{count_of(summary.get('num_processes', 1), 'process', 'processes')}"
         + (f", final loss {loss:.4f}" if isinstance(loss, (int, float)) else "")
         + wall_text
     )

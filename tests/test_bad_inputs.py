@@ -214,7 +214,7 @@ def test_train_and_recommend_share_default_epochs(tmp_path, fake_model):
     r = train("--model", str(fake_model), "--dataset", str(ds), "--out", str(tmp_path / "o"), "--device", "cpu",
               "--dry-run")  # fmt: skip
     assert r.exit_code == 0, r.output
-    assert "x 10 epoch(s)" in r.stdout
+    assert "x 10 epochs" in r.stdout
 
 
 @pytest.mark.parametrize("name", ["mymodel.pth", "MyModel.SAFETENSORS", "weights.bin"])

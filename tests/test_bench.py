@@ -494,7 +494,7 @@ def test_bench_demo_command_prints_a_table_and_saves(tmp_path, monkeypatch):
     out = result.output
     assert "lora sd15 tiny 64px" in out and "OOM at 3 (simulated)" in out
     assert "batch 4: out of memory (simulated)" in out
-    assert "4 point(s) saved to" in out and "not VRAM" in out
+    assert "4 points saved to" in out and "not VRAM" in out
     assert (root / "methods" / "lora.yaml").is_file()
     # not a terminal (a log, a pipe): no live bar, so each phase is a line, before the minutes it can take
     assert "  ... building the model" in out and "  ... batch 1" in out
@@ -580,9 +580,7 @@ def test_profiles_export_writes_a_shareable_file_and_refuses_overwrite(tmp_path,
     runner = CliRunner()
     result = runner.invoke(cli(), ["profiles", "export", str(dest)])
     assert result.exit_code == 0, result.output
-    assert (
-        "wrote 2 measured point(s)" in result.output and "1 demo/simulated point(s) left out" in result.output
-    )
+    assert "wrote 2 measured points" in result.output and "1 demo/simulated point left out" in result.output
     doc = yaml.safe_load(dest.read_text())
     assert doc["kind"] == bench.EXPORT_KIND and set(doc["methods"]) == {"lora"}
     exported = bench.load_export(dest)
@@ -621,7 +619,7 @@ def test_profiles_import_adds_an_exported_file_to_another_store(tmp_path, monkey
     for _ in range(2):
         result = runner.invoke(cli(), ["profiles", "import", str(shared), "--store", str(other)])
         assert result.exit_code == 0, result.output
-        assert f"imported 2 point(s) (2 lora) into {other}" in " ".join(result.output.split())
+        assert f"imported 2 points (2 lora) into {other}" in " ".join(result.output.split())
     points, _ = profiles.load_methods(other / "methods" / "lora.yaml", origin="local")
     assert [p.batch for p in points] == [1, 2] and all(p.gpu == gpu.name for p in points)
 
@@ -677,7 +675,7 @@ def test_profiles_group_store_applies_to_export_and_import(tmp_path, monkeypatch
     runner = CliRunner()
     shared = tmp_path / "shared.yaml"
     result = runner.invoke(cli(), ["profiles", "--store", str(mine), "export", str(shared)])
-    assert result.exit_code == 0 and "wrote 2 measured point(s)" in result.output, result.output
+    assert result.exit_code == 0 and "wrote 2 measured points" in result.output, result.output
 
     other = tmp_path / "other"
     result = runner.invoke(cli(), ["profiles", "--store", str(other), "import", str(shared)])
@@ -719,7 +717,8 @@ def test_profiles_import_leaves_out_demo_points_as_export_does(tmp_path, monkeyp
     result = runner.invoke(cli(), ["profiles", "import", str(shared), "--store", str(other)])
     assert result.exit_code == 0, result.output
     out = " ".join(result.output.split())
-    assert "imported 2 point(s) (2 lora)" in out and f"{len(demo)} demo/simulated point(s) left out" in out
+    left_out = f"{len(demo)} demo/simulated point{'s' if len(demo) != 1 else ''} left out"
+    assert "imported 2 points (2 lora)" in out and left_out in out
     points, _ = profiles.load_methods(other / "methods" / "lora.yaml", origin="local")
     assert [p.batch for p in points] == [1, 2]
 

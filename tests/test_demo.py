@@ -72,7 +72,7 @@ def test_demo_writes_every_output(demo):
         assert (out / path).is_file(), path
     # The plan is shown, with the real step arithmetic, and the summary at the end.
     assert (
-        "16 images (with repeats) / 2 per step = 8 steps per epoch x 2 epoch(s) = 16 optimizer steps"
+        "16 images (with repeats) / 2 per step = 8 steps per epoch x 2 epochs = 16 optimizer steps"
         in proc.stdout
     )
     assert "done: 16 steps, 32 images seen" in proc.stdout
@@ -104,7 +104,7 @@ def test_demo_lora_files_and_sample_grid(demo):
     # 4 prompts at 64 px, 2 x 2, each labelled in a strip under it
     assert grid.format == "PNG" and grid.width == 128 and 128 < grid.height < 256
     # The final grid shows its progress (it had none: minutes on a real model): 4 prompts x 6 steps.
-    assert "sampling the final grid: 4 prompt(s) x 6 steps" in proc.stdout
+    assert "sampling the final grid: 4 prompts x 6 steps" in proc.stdout
     assert "final sample grid: denoising step 24/24" in proc.stdout
     assert Image.open(out / "loss.png").format == "PNG"
 
@@ -149,7 +149,7 @@ def test_the_demos_flags_count_when_it_resumes_and_when_it_starts(demo, tmp_path
     new = tmp_path / "new"
     proc = sdplan("train", "--demo", "--out", str(new), "--dry-run", "--epochs", "3", "--resolution", "128")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "8 steps per epoch x 3 epoch(s) = 24 optimizer steps" in proc.stdout
+    assert "8 steps per epoch x 3 epochs = 24 optimizer steps" in proc.stdout
     assert "resolution 128" in proc.stdout and not new.exists()
 
 

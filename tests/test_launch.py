@@ -548,7 +548,7 @@ def test_orphans_of_a_dead_launcher_are_stopped_with_a_bounded_wait_and_a_way_ou
     code = run_launch(Launch(cmd=[sys.executable, "-c", launcher], env={}, kind="cpu-multi", world_size=2))
     assert code == 1 and time.monotonic() - started < scaled(30)
     err = capsys.readouterr().err
-    assert "ended with 1 training process(es) still running" in err and "Ctrl-C stops waiting" in err, err
+    assert "ended with 1 training process still running" in err and "Ctrl-C stops waiting" in err, err
     # one that outlives SIGKILL: reported after the bounded wait, not waited for
     kills: list[tuple[int, int]] = []
     monkeypatch.setattr(L, "_reap", lambda pids: set(pids))

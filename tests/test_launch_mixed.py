@@ -107,7 +107,7 @@ def test_run_gpus_for_a_config_trained_as_given():
     assert run_gpus(_cfg(gpu_ids=[2]), snap, 1) == (2,)
     with pytest.raises(UsageError, match="no usable GPU 5"):
         run_gpus(_cfg(gpu_ids=[5]), snap, 1)
-    with pytest.raises(UsageError, match=r"lists 1 GPU\(s\) for 2 process"):
+    with pytest.raises(UsageError, match="lists 1 GPU for 2 processes"):
         run_gpus(_cfg(num_processes=2, gpu_ids=[1]), snap, 2)
     assert run_gpus(_cfg(), machine(RTX4090, RTX4090), 1) is None
 

@@ -281,11 +281,11 @@ def test_epochs_given_to_train_count_over_a_planned_max_steps(tmp_path):
     for extra in (["--epochs", "3"], ["training.epochs=3"]):
         result = cli(*train, *extra)
         assert result.exit_code == 0, result.stderr
-        assert "= 2 steps per epoch x 3 epoch(s) = 6 optimizer steps; images seen 12" in result.stdout, (
+        assert "= 2 steps per epoch x 3 epochs = 6 optimizer steps; images seen 12" in result.stdout, (
             result.stdout
         )
     result = cli(*train, "--epochs", "3", "training.max_steps=5")  # both given: the step count still caps
-    assert "training.max_steps 5 / 1 process(es) = 5 optimizer steps" in result.stdout, result.stdout
+    assert "training.max_steps 5 / 1 process = 5 optimizer steps" in result.stdout, result.stdout
 
 
 def test_a_planned_step_count_for_another_dataset_is_pointed_out(tmp_path):
@@ -303,7 +303,7 @@ def test_a_planned_step_count_for_another_dataset_is_pointed_out(tmp_path):
     assert result.exit_code == 0, result.stderr
     (steps,) = [line for line in result.stdout.splitlines() if line.startswith("steps: ")]
     assert "= 20 optimizer steps" in steps
-    assert "10 epoch(s) of this dataset would be 80 steps: training.max_steps=null trains by epochs" in steps
+    assert "10 epochs of this dataset would be 80 steps: training.max_steps=null trains by epochs" in steps
     result = cli(
         "train",
         "--config",

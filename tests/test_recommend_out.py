@@ -108,7 +108,7 @@ def test_a_plan_without_the_dataset_trains_its_epochs_over_the_dataset_given(tmp
     train = ["train", "--config", str(plan / "sdplan.yaml"), "--device", "cpu", "--dry-run"]
     for given in (["--dataset", str(photos)], [f"data.path={photos}"]):
         steps = _steps_line(cli(*train, *given))
-        assert "= 10 steps per epoch x 10 epoch(s) = 100 optimizer steps; images seen 400" in steps, steps
+        assert "= 10 steps per epoch x 10 epochs = 100 optimizer steps; images seen 400" in steps, steps
 
 
 def test_images_without_the_dataset_write_epochs_and_a_pinned_max_steps_stays(tmp_path):
@@ -164,7 +164,7 @@ def test_a_planned_step_count_is_one_process_count_on_several_gpus(tmp_path):
     assert (planned["steps_per_epoch"], planned["total_steps"]) == (5, 50)
     train = ["train", "--config", str(plan / "sdplan.yaml"), "--device", "cpu", "--dry-run"]
     steps = _steps_line(cli(*train))
-    assert "/ 2 process(es) = 50 optimizer steps" in steps and "would be" not in steps, steps
+    assert "/ 2 processes = 50 optimizer steps" in steps and "would be" not in steps, steps
 
 
 def test_a_written_plan_trains_at_its_methods_learning_rate(tmp_path):

@@ -298,7 +298,7 @@ def test_the_run_summary_says_how_much_of_its_time_was_sampling():
     }
     assert (
         render_summary(summary)[0]
-        == "done: 10 steps, 40 images seen on 1 process(es), 300.0 s (sampling 181.2 s of it)"
+        == "done: 10 steps, 40 images seen on 1 process, 300.0 s (sampling 181.2 s of it)"
     )
     summary["sampling_seconds"] = 0.2  # a tiny model's grid: not worth a word
     assert render_summary(summary)[0].endswith(", 300.0 s")

@@ -381,7 +381,7 @@ def test_dry_run_on_cpu_writes_nothing(tmp_path, fake_model):
     assert r.exit_code == 0, r.stderr
     assert "torch.distributed.run --standalone --nproc_per_node 2 -m sdplan.trainer" in r.stdout
     # 6 images / (2 per process x 2 processes) = 2 steps per epoch (rounded up), 2 epochs.
-    assert "2 steps per epoch x 2 epoch(s) = 4 optimizer steps; images seen 12" in r.stdout
+    assert "2 steps per epoch x 2 epochs = 4 optimizer steps; images seen 12" in r.stdout
     assert not out.exists()
 
 
@@ -542,7 +542,7 @@ def test_deepspeed_in_several_cpu_processes_launches_one_world(tmp_path, fake_mo
     assert r.exit_code == 0, r.stderr
     assert "DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 " in r.stdout
     assert "accelerate.commands.launch --config_file" in r.stdout
-    assert "2 steps per epoch x 2 epoch(s) = 4 optimizer steps; images seen 12" in r.stdout
+    assert "2 steps per epoch x 2 epochs = 4 optimizer steps; images seen 12" in r.stdout
     assert not out.exists()
 
 

@@ -439,7 +439,8 @@ def resolve_resume(resume: str | Path | None, out_dir: str | Path, say=print) ->
             if problem is None:
                 if skipped:
                     say(
-                        f"skipped incomplete or damaged checkpoint(s): {'; '.join(skipped)}; resuming from {path}"
+                        f"skipped incomplete or damaged checkpoint{'s' if len(skipped) > 1 else ''}: "
+                        f"{'; '.join(skipped)}; resuming from {path}"
                     )
                 return path
             skipped.append(problem)

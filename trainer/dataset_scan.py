@@ -891,6 +891,7 @@ def _verify(result: Scan, *, decode: bool = True) -> None:
     result.items = keep
 
 
-def count_of(n: int, noun: str) -> str:
-    """'1 image', '3 images': how the dataset's counts are worded (here and in `sdplan recommend`)."""
-    return f"{n} {noun}{'s' if n != 1 else ''}"
+def count_of(n: int, noun: str, plural: str | None = None) -> str:
+    """'1 image', '3 images': how the dataset's counts are worded (here and in `sdplan recommend`); ``plural``
+    where it is not noun + s ('process', 'processes')."""
+    return f"{n} {noun if n == 1 else plural or noun + 's'}"

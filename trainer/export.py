@@ -52,6 +52,7 @@ from sdplan.errors import SdplanError, UsageError
 from sdplan.registry import FAMILIES, FLOW_FAMILIES
 
 from .checkpoint import unwrap
+from .dataset_scan import count_of
 
 DIFFUSERS_LORA_NAME = "pytorch_lora_weights.safetensors"  # diffusers' LORA_WEIGHT_NAME_SAFE
 METADATA_JSON = "sdplan.json"  # beside a diffusers folder's model_index.json
@@ -639,7 +640,7 @@ def save_lora(
     name = output_name(name, out_dir)
     te_names = ["text_encoder", "text_encoder_2"] if family == "sdxl" else ["text_encoder"]
     if len(text_encoders) > len(te_names):
-        raise ExportError(f"{family} has {len(te_names)} text encoder(s), got {len(text_encoders)}")
+        raise ExportError(f"{family} has {count_of(len(te_names), 'text encoder')}, got {len(text_encoders)}")
 
     parts: dict[str, tuple[dict, Any]] = {}
     found = _peft_lora(unet)

@@ -60,6 +60,7 @@ from . import (
     stops,
 )
 from . import checkpoint as ckpt_lib
+from .dataset_scan import count_of
 from .source_check import check_source
 
 
@@ -612,20 +613,24 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
         if moved is not None:
             again = ckpt_lib.images_again(saved, moved, plan)
             least, most = ckpt_lib.epoch_images(saved, plan)
+            trained_again = (
+                f"{count_of(again, 'image')} of its epoch {'is' if again == 1 else 'are'} trained again"
+            )
+            counted = "it counts" if again == 1 else "they count"
             progress.say(
                 accelerator,
-                f"{resume_from}: saved by {saved.num_processes} process(es) (batch {saved.batch_size} x accum "
-                f"{saved.grad_accum}) after {saved.images_seen} images; on {accelerator.num_processes} "
-                f"process(es) (batch {tcfg.batch_size} x accum {tcfg.grad_accum}) that is step {moved.step} "
-                f"of {plan.total_steps}"
+                f"{resume_from}: saved by {count_of(saved.num_processes, 'process', 'processes')} (batch "
+                f"{saved.batch_size} x accum {saved.grad_accum}) after {saved.images_seen} images; on "
+                f"{count_of(accelerator.num_processes, 'process', 'processes')} (batch {tcfg.batch_size} x "
+                f"accum {tcfg.grad_accum}) that is step {moved.step} of {plan.total_steps}"
                 + (
-                    f" ({again} image(s) of its epoch are trained again: the position rounds down to whole "
-                    f"batches of this run; they count again in the images seen)"
+                    f" ({trained_again}: the position rounds down to whole "
+                    f"batches of this run; {counted} again in the images seen)"
                     if again and least == most
-                    else f" (up to {again} image(s) of its epoch are trained again: the position rounds down to "
+                    else f" (up to {trained_again}: the position rounds down to "
                     f"whole batches of this run, and this checkpoint, from an earlier sdplan, kept only its first "
                     f"process's images of the epoch: its processes trained {least} to {most}, and it counts "
-                    f"{least}, leaving none out; they count again in the images seen)"
+                    f"{least}, leaving none out; {counted} again in the images seen)"
                     if again
                     else ""
                 ),
@@ -901,7 +906,8 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
                 n_prompts = len(cfg.sampling.prompts) or 1
                 progress.say(  # seconds to minutes on a real model: outputs.samples shows a bar
                     accelerator,
-                    f"sampling the final grid: {n_prompts} prompt(s) x {cfg.sampling.num_inference_steps} steps",
+                    f"sampling the final grid: {count_of(n_prompts, 'prompt')} x "
+                    f"{cfg.sampling.num_inference_steps} steps",
                 )
                 try:
                     grid = sample(fallback=recipe.sample_prompt(), at_step=state.global_step)

@@ -20,6 +20,7 @@ from typing import Any
 from sdplan.errors import SdplanError
 from sdplan.registry import FLOW_FAMILIES
 
+from .dataset_scan import count_of
 from .latents import offload
 from .progress import say
 from .runtime import same_device
@@ -179,7 +180,12 @@ def check_export(export: Callable[[Path], Any], out_dir: str | Path, *, saves: i
         shutil.rmtree(tmp, ignore_errors=True)
     need, free = size * saves, free_bytes(out_dir)
     if free < need:
-        raise DiskFull(need, out_dir, free, f": {saves} export(s) of {size} bytes each")
+        raise DiskFull(
+            need,
+            out_dir,
+            free,
+            f": {count_of(saves, 'export')} of {size} bytes{' each' if saves != 1 else ''}",
+        )
     return size
 
 

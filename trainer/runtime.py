@@ -20,6 +20,8 @@ from sdplan.errors import SdplanError
 from sdplan.extras import install_hint
 from sdplan.steps import Steps
 
+from .dataset_scan import count_of
+
 
 def use_cpu(cfg) -> bool:
     """CPU when ``training.device`` is cpu, or auto without CUDA; cuda without CUDA is an error."""
@@ -523,7 +525,8 @@ def describe_plan(method: str, family: str, samples: int, cfg, plan: Steps, repe
         warmup += f" (training.lr_warmup_steps {t.lr_warmup_steps} one-process steps / {plan.num_processes})"
     return (
         f"{method} {family}: {samples} samples/epoch, batch {t.batch_size} x accum {t.grad_accum} x "
-        f"{plan.num_processes} process(es) -> {plan.steps_per_epoch} steps/epoch, {plan.total_steps} steps "
+        f"{count_of(plan.num_processes, 'process', 'processes')} -> {plan.steps_per_epoch} steps/epoch, "
+        f"{plan.total_steps} steps "
         f"({plan.epochs} epoch{'s' if plan.epochs != 1 else ''}), {warmup}"
         + (f"; {steps.repeated_batches_text(repeated, t.batch_size)}" if repeated else "")
     )

@@ -11,6 +11,7 @@ from rich.markup import escape
 from sdplan import registry
 from sdplan.commands._common import cli_errors, console, err_console, reject_repeated_settings
 from sdplan.extras import install_hint
+from sdplan.trainer.dataset_scan import count_of
 
 
 @cli_errors
@@ -113,7 +114,8 @@ def bench(
     profiles.ensure_store(root)  # an unwritable --store is one line now, not after the first measurement
     where = "the CPU, tiny demo model" if demo else (selection.gpu or "this GPU")
     console().print(
-        f"Measuring {len(selection.requests)} configuration(s) on {where}; results go to {root}/methods/",
+        f"Measuring {count_of(len(selection.requests), 'configuration')} on {where}; "
+        f"results go to {root}/methods/",
         markup=False,
     )
 
@@ -160,7 +162,7 @@ def bench(
     console().print(results_table(selection.requests, points, cap=effort.max_batch, interrupted=interrupted))
     files = sorted({str(p.store_file) for p in points if p.store_file})
     if points:
-        console().print(f"{len(points)} point(s) saved to {', '.join(files)}", markup=False)
+        console().print(f"{count_of(len(points), 'point')} saved to {', '.join(files)}", markup=False)
     if demo:
         console().print(
             "[dim]demo: a tiny model on the CPU; memory is the process's resident-set growth, not VRAM. "
@@ -172,7 +174,10 @@ def bench(
             "for settings near them on this GPU."
         )
     if interrupted:
-        err_console().print(f"[yellow]the {len(points)} point(s) measured before Ctrl-C are kept[/]")
+        kept = "is" if len(points) == 1 else "are"
+        err_console().print(
+            f"[yellow]the {count_of(len(points), 'point')} measured before Ctrl-C {kept} kept[/]"
+        )
         raise KeyboardInterrupt
 
 
@@ -196,8 +201,9 @@ def _bench_host(store: Path | None, *, clash: bool) -> None:
     )
     measured, path = lib.measure_host(store)
     console().print(
-        f"CPU Adam: {measured.cpu_adam_params_per_s / 1e9:.2f} G parameters/s on {measured.threads} thread(s) of "
-        f"{measured.cpu}; saved to {path}: `sdplan recommend` on this machine uses it for DeepSpeed offload's time",
+        f"CPU Adam: {measured.cpu_adam_params_per_s / 1e9:.2f} G parameters/s on "
+        f"{count_of(measured.threads, 'thread')} of {measured.cpu}; saved to {path}: `sdplan recommend` on this "
+        "machine uses it for DeepSpeed offload's time",
         markup=False,
     )
 

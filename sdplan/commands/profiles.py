@@ -10,6 +10,7 @@ import typer
 
 from sdplan.commands._common import cli_errors, console
 from sdplan.settings import describe
+from sdplan.trainer.dataset_scan import count_of
 
 profiles_app = typer.Typer(
     help="What the planner knows, with sources: shipped profiles and this machine's measurements.",
@@ -90,8 +91,8 @@ def export(
     from sdplan.bench import export_measurements
 
     path, count, left_out = export_measurements(file, store_dir=_store(ctx, store), force=force)
-    skipped = f" ({left_out} demo/simulated point(s) left out)" if left_out else ""
-    console().print(f"wrote {count} measured point(s) to {path}{skipped}", markup=False)
+    skipped = f" ({count_of(left_out, 'demo/simulated point')} left out)" if left_out else ""
+    console().print(f"wrote {count_of(count, 'measured point')} to {path}{skipped}", markup=False)
 
 
 @profiles_app.command("import")
@@ -108,8 +109,10 @@ def import_(
 
     root, added, left_out = import_measurements(file, store_dir=_store(ctx, store))
     counts = ", ".join(f"{n} {method}" for method, n in added.items())
-    skipped = f" ({left_out} demo/simulated point(s) left out)" if left_out else ""
-    console().print(f"imported {sum(added.values())} point(s) ({counts}) into {root}{skipped}", markup=False)
+    skipped = f" ({count_of(left_out, 'demo/simulated point')} left out)" if left_out else ""
+    console().print(
+        f"imported {count_of(sum(added.values()), 'point')} ({counts}) into {root}{skipped}", markup=False
+    )
 
 
 # -- tables ---------------------------------------------------------------------------------------------
@@ -176,9 +179,9 @@ def _holds(known: Any, path: Path, origin: str) -> str:
         pts = [p for p in known.points if p.method == path.stem and p.origin == origin]
         multi = [m for m in known.multi_gpu if m.method == path.stem] if origin == "shipped" else []
         gpus = sorted({p.gpu for p in pts if p.gpu})
-        text = f"{path.stem}: {len(pts)} point(s)"
+        text = f"{path.stem}: {count_of(len(pts), 'point')}"
         if multi:
-            text += f", {len(multi)} multi-GPU observation(s)"
+            text += f", {count_of(len(multi), 'multi-GPU observation')}"
         if origin == "local" and gpus:
             text += f" measured on {', '.join(gpus)}"
         return text

@@ -13,6 +13,7 @@ import re
 from dataclasses import replace
 
 from sdplan.machine import GPU, GTX16_FP16_NAN_SOURCES, Finding, Snapshot, fp16_gives_nan
+from sdplan.trainer.dataset_scan import count_of
 
 # -- thresholds ----------------------------------------------------------------------------------------
 # Field notes section 1 ("How many GPUs do you need"): 16 GB RAM minimum, 32 GB comfortable for training,
@@ -132,7 +133,8 @@ def _gpu_rules(s: Snapshot) -> list[Finding]:
     if s.usable_gpus:
         return []
     if s.gpus:
-        message = f"{len(s.gpus)} GPU(s) found but their memory could not be read: no usable GPU"
+        their = "its" if len(s.gpus) == 1 else "their"
+        message = f"{count_of(len(s.gpus), 'GPU')} found but {their} memory could not be read: no usable GPU"
     else:
         message = "no usable GPU found (NVIDIA through NVML, AMD through amdsmi)"
     return [
@@ -393,7 +395,7 @@ def _multi_gpu_rules(s: Snapshot) -> list[Finding]:
             Finding(
                 "info",
                 "links_unknown",
-                f"the interconnect of {len(missing)} GPU pair(s) could not be read",
+                f"the interconnect of {count_of(len(missing), 'GPU pair')} could not be read",
                 "run `nvidia-smi topo -m` (NVIDIA) or `amd-smi topology` (AMD) to see it",
             )
         )

@@ -48,11 +48,16 @@ class DreamBooth(Finetune):
             progress.say(self.accelerator, f"class data {class_scan.summary()}")
             lacking = [f"{w}x{h}" for h, w in shapes if not self._class_pool((h, w))[1]]
             if lacking:
+                bucket, their, aspects = (
+                    ("bucket", "its", "that aspect")
+                    if len(lacking) == 1
+                    else ("buckets", "their", "those aspects")
+                )
                 progress.say(
                     self.accelerator,
-                    f"note: no class image is in the aspect bucket(s) {', '.join(lacking)} of the instance images: "
-                    "their batches pair with class images scaled and cropped to that shape (encoded as they "
-                    "come); class images of those aspects avoid it",
+                    f"note: no class image is in the aspect {bucket} {', '.join(lacking)} of the instance "
+                    f"images: {their} batches pair with class images scaled and cropped to that shape (encoded "
+                    f"as they come); class images of {aspects} avoid it",
                 )
 
     def latent_datasets(self) -> list:
