@@ -692,10 +692,13 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
         started=t0,
     )
     if resume_from is not None:
+        # this run's rates, read before the load: DeepSpeed's load writes the checkpoint's (its schedule's decayed
+        # rates, and another process count's) into these same group dicts
+        configured = [g["lr"] for g in groups]
         ckpt.load(resume_from, plan, len(batches))
         if ema is not None:
             ema.model.to(ema.device, torch.float32)  # loaded on the CPU (fp32: see Ema)
-        ckpt_lib.apply_learning_rates(optimizer, lr_scheduler, [g["lr"] for g in groups], state.global_step)
+        ckpt_lib.apply_learning_rates(optimizer, lr_scheduler, configured, state.global_step)
         progress.say(accelerator, f"resumed from {resume_from} at step {state.global_step}")
     repeated = 0  # the batches an epoch's last round deals again, where the run reaches it
     if accelerator.num_processes > 1 and plan.total_steps >= plan.steps_per_epoch:
