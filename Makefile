@@ -48,4 +48,4 @@ test: lint bytecode
 	$(BIN)/python -m pytest -q $(XDIST) -m "slow or not slow"
 
 clean:
-	rm -rf $(VENV) sdplan-demo .pytest_cache .ruff_cache
+	rm -rf $(VENV) sdplan-demo sdplan-demo-* .pytest_cache .ruff_cache

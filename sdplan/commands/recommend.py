@@ -44,7 +44,8 @@ def recommend(
         typer.Option(
             "--dataset",
             metavar="DIR",
-            help="Count images and repeats from DIR (kohya `N_name` folders or flat image+caption files).",
+            help="Count images and repeats from DIR (kohya `N_name` folders, flat image+caption files, "
+            "metadata.jsonl or kohya meta_cap.json).",
         ),
     ] = None,
     images: Annotated[
