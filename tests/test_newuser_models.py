@@ -249,38 +249,44 @@ def test_folder_notes_say_family_and_prediction(tmp_path):
 # -- single files: what they are ---------------------------------------------------------------------------------
 
 
+# files that are no base sdplan trains, refused as .safetensors and as .ckpt alike
+OTHER_FILES = [
+    (
+        checkpoint(
+            text={"conditioner.embedders.0.model.token_embedding.weight": (2,)},
+            **{"model.diffusion_model.label_emb.0.0.weight": (2, 2560)},
+        ),
+        "an SDXL refiner",
+    ),
+    (  # FLUX.2 (diffusers CHECKPOINT_KEY_NAMES["flux2"]): was "a FLUX.1 Depth / Canny (control) model"
+        {
+            "double_blocks.0.img_attn.qkv.weight": (2,),
+            "single_stream_modulation.lin.weight": (2, 2),
+            "img_in.weight": (8, 128),
+        },
+        "single_stream_modulation.lin.weight: its blocks share one modulation",
+    ),
+    (  # Z-Image / Lumina 2 all in one: "cannot tell SD 1.x, 2.x or SDXL (set model.family)", which then passed
+        {
+            **VAE,
+            "model.diffusion_model.layers.0.adaLN_modulation.0.weight": (2, 2),
+            "text_encoders.qwen3_4b.transformer.model.embed_tokens.weight": (2, 2),
+        },
+        "another family's model: its denoiser",
+    ),
+    (  # Wan: was "only a UNet ... give the full checkpoint"
+        {"model.diffusion_model.head.modulation": (1, 2, 2)},
+        "model.diffusion_model.head.modulation",
+    ),
+]
+
+
 @pytest.mark.parametrize(
     "shapes, needle",
     [
         (checkpoint(9), "an inpainting model"),
         (checkpoint(8), "an instruct-pix2pix model"),
-        (
-            checkpoint(
-                text={"conditioner.embedders.0.model.token_embedding.weight": (2,)},
-                **{"model.diffusion_model.label_emb.0.0.weight": (2, 2560)},
-            ),
-            "an SDXL refiner",
-        ),
-        (  # FLUX.2 (diffusers CHECKPOINT_KEY_NAMES["flux2"]): was "a FLUX.1 Depth / Canny (control) model"
-            {
-                "double_blocks.0.img_attn.qkv.weight": (2,),
-                "single_stream_modulation.lin.weight": (2, 2),
-                "img_in.weight": (8, 128),
-            },
-            "single_stream_modulation.lin.weight: its blocks share one modulation",
-        ),
-        (  # Z-Image / Lumina 2 all in one: "cannot tell SD 1.x, 2.x or SDXL (set model.family)", which then passed
-            {
-                **VAE,
-                "model.diffusion_model.layers.0.adaLN_modulation.0.weight": (2, 2),
-                "text_encoders.qwen3_4b.transformer.model.embed_tokens.weight": (2, 2),
-            },
-            "another family's model: its denoiser",
-        ),
-        (  # Wan: was "only a UNet ... give the full checkpoint"
-            {"model.diffusion_model.head.modulation": (1, 2, 2)},
-            "model.diffusion_model.head.modulation",
-        ),
+        *OTHER_FILES,
         (checkpoint(text=SDXL_TE, edm_mean=(1, 4, 1, 1), edm_std=(1, 4, 1, 1)), "Playground v2.5"),
         ({"double_blocks.0.img_attn.qkv.weight": (2,), "img_in.weight": (8, 384)}, "a FLUX.1 Fill"),
         ({"double_blocks.0.img_attn.qkv.weight": (2,), "img_in.weight": (8, 128)}, "FLUX.1 Depth / Canny"),
@@ -486,33 +492,7 @@ def test_ckpt_v_prediction_from_the_yaml_beside_it(tmp_path):
     "shapes, needle",
     [
         (checkpoint(9), "an inpainting model"),
-        (
-            checkpoint(
-                text={"conditioner.embedders.0.model.token_embedding.weight": (2,)},
-                **{"model.diffusion_model.label_emb.0.0.weight": (2, 2560)},
-            ),
-            "an SDXL refiner",
-        ),
-        (  # FLUX.2 (diffusers CHECKPOINT_KEY_NAMES["flux2"]): was "a FLUX.1 Depth / Canny (control) model"
-            {
-                "double_blocks.0.img_attn.qkv.weight": (2,),
-                "single_stream_modulation.lin.weight": (2, 2),
-                "img_in.weight": (8, 128),
-            },
-            "single_stream_modulation.lin.weight: its blocks share one modulation",
-        ),
-        (  # Z-Image / Lumina 2 all in one: "cannot tell SD 1.x, 2.x or SDXL (set model.family)", which then passed
-            {
-                **VAE,
-                "model.diffusion_model.layers.0.adaLN_modulation.0.weight": (2, 2),
-                "text_encoders.qwen3_4b.transformer.model.embed_tokens.weight": (2, 2),
-            },
-            "another family's model: its denoiser",
-        ),
-        (  # Wan: was "only a UNet ... give the full checkpoint"
-            {"model.diffusion_model.head.modulation": (1, 2, 2)},
-            "model.diffusion_model.head.modulation",
-        ),
+        *OTHER_FILES,
         ({"lora_unet_down_blocks_0.lora_down.weight": (2, 2), "lora_te_x.alpha": ()}, "a LoRA"),
     ],
 )
