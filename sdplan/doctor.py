@@ -129,7 +129,11 @@ def host_rows(s: Snapshot) -> list[tuple[str, str]]:
         ("OS", _text(h.os)),
         ("kernel", _text(h.kernel)),
         ("CPU", cpu),
-        ("RAM", f"{_gib(h.ram_total_bytes)} total, {_gib(h.ram_available_bytes)} available"),
+        (
+            "RAM",
+            f"{_gib(h.ram_total_bytes)} total, {_gib(h.ram_available_bytes)} available"
+            + (f", {_gib(h.ram_limit_bytes)} cgroup limit" if h.ram_limit_bytes is not None else ""),
+        ),
         ("disk free", _gib(h.disk_free_bytes)),
         ("/dev/shm", _gib(h.shm_bytes)),
     ]
@@ -253,7 +257,7 @@ def render(snapshot: Snapshot, console: Console, verdicts: VerdictFn = planner_v
         # keeps the optimizer there (a FLUX.1 DreamBooth needs a 52.7 GiB GPU beside 23.5 GiB of RAM)
         title = (
             "Verdict: no usable GPU here; the smallest GPU each would need beside this machine's "
-            f"{_gib(snapshot.host.ram_total_bytes)} of RAM (planner, native resolution)"
+            f"{_gib(snapshot.host.ram_usable_bytes)} of RAM (planner, native resolution)"
         )
     # a row per family, a column per method: four columns of notes fit an 80-column terminal, where eight
     # family columns broke words ("support / ed") and cut the methods' names

@@ -39,6 +39,16 @@ class Host:
     ram_available_bytes: int | None = None
     disk_free_bytes: int | None = None
     shm_bytes: int | None = None
+    # the cgroup memory limit that binds this process (a container's --memory, a Slurm job's memory): the
+    # smallest on its cgroup's way up; None where none is set or it cannot be read (snapshots saved before it)
+    ram_limit_bytes: int | None = None
+
+    @property
+    def ram_usable_bytes(self) -> int | None:
+        """The RAM a run here may use: the host's MemTotal, or the cgroup limit where that is smaller (a process
+        above it is killed by the OOM killer however much the host has). None where neither is known."""
+        known = [n for n in (self.ram_total_bytes, self.ram_limit_bytes) if n is not None]
+        return min(known) if known else None
 
 
 @dataclass(frozen=True)

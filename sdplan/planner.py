@@ -2049,7 +2049,7 @@ def hardware_from_snapshot(snapshot: Any, profiles: Profiles, source: str = "pro
             f"this machine's torch is a {snapshot.software.torch_build} build: it drives the {drives.upper()} GPUs "
             f"only, so {', '.join(f'GPU {g.index} ({g.name})' for g in left)} are not planned"
         )
-    if snapshot.host.ram_total_bytes is None:
+    if snapshot.host.ram_usable_bytes is None:
         notes.append(
             "this machine's RAM is not known (the snapshot does not say it): the host RAM a plan needs is not "
             "checked against it"
@@ -2060,7 +2060,7 @@ def hardware_from_snapshot(snapshot: Any, profiles: Profiles, source: str = "pro
     return Hardware(
         source=source,
         gpus=tuple(gpus),
-        ram_total_bytes=snapshot.host.ram_total_bytes,
+        ram_total_bytes=snapshot.host.ram_usable_bytes,  # a cgroup limit below MemTotal is what a run may use
         link=link,
         link_gbs=gbs,
         label=gpus_label(gpus),

@@ -480,6 +480,13 @@ def test_pci_display_vendors_only_counts_display_controllers(tmp_path):
     assert host.pci_display_vendors(str(tmp_path / "none")) == set()
 
 
+def _cgroup_tree(root: Path, files: dict[str, str]) -> str:
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text + "\n")
+    return str(root)
+
+
 def test_cgroup_memory_limit(tmp_path):
     (tmp_path / "cgroup").write_text("0::/docker/abc\n")
     box = tmp_path / "fs" / "docker" / "abc"
@@ -490,12 +497,93 @@ def test_cgroup_memory_limit(tmp_path):
     assert host.cgroup_memory_limit_bytes(str(tmp_path / "fs"), str(tmp_path / "cgroup")) is None
 
 
-def test_cgroup_limit_note(monkeypatch):
-    h = load("2x_rtx4090_pcie").host
-    monkeypatch.setattr(host, "cgroup_memory_limit_bytes", lambda *a, **k: 16 * 2**30)
-    assert [n.code for n in host.probe_notes(h)] == ["ram_cgroup_limit"]
-    monkeypatch.setattr(host, "cgroup_memory_limit_bytes", lambda *a, **k: None)
-    assert host.probe_notes(h) == ()
+@pytest.mark.parametrize(
+    "self_cgroup, files",
+    [
+        # cgroup v1: the memory controller's own line names the job's cgroup (a Slurm job), with or without v2
+        (
+            "11:memory:/slurm/uid_1000/job_42\n1:name=systemd:/\n",
+            {
+                "memory/memory.limit_in_bytes": "9223372036854771712",
+                "memory/slurm/uid_1000/job_42/memory.limit_in_bytes": "8589934592",
+            },
+        ),
+        (
+            "11:memory:/slurm/uid_1000/job_42\n0::/\n",
+            {
+                "memory/memory.limit_in_bytes": "9223372036854771712",
+                "memory/slurm/uid_1000/job_42/memory.limit_in_bytes": "8589934592",
+            },
+        ),
+        # v1 with a combined controller mount line and the limit on the job, the step below it unlimited
+        (
+            "4:cpu,memory:/slurm/job_42/step_0\n",
+            {
+                "memory/slurm/job_42/memory.limit_in_bytes": "8589934592",
+                "memory/slurm/job_42/step_0/memory.limit_in_bytes": "9223372036854771712",
+            },
+        ),
+        # v1 docker without a cgroup namespace: the host's path is not mounted, the container's cgroup is the root
+        ("4:memory:/docker/abc\n", {"memory/memory.limit_in_bytes": "8589934592"}),
+        # v2: the limit on a parent binds its child whose own file says max
+        ("0::/parent/child\n", {"parent/memory.max": "8589934592", "parent/child/memory.max": "max"}),
+        # v2: the smallest on the way up binds
+        ("0::/a/b\n", {"a/memory.max": "17179869184", "a/b/memory.max": "8589934592"}),
+    ],
+)
+def test_cgroup_limit_of_v1_and_v2_and_of_ancestors(tmp_path, self_cgroup, files):
+    (tmp_path / "cgroup").write_text(self_cgroup)
+    root = _cgroup_tree(tmp_path / "fs", files)
+    assert host.cgroup_memory_limit_bytes(root, str(tmp_path / "cgroup")) == 8 * 2**30
+
+
+def test_cgroup_limit_unreadable_or_garbage_is_not_available(tmp_path):
+    assert host.cgroup_memory_limit_bytes(str(tmp_path / "none"), str(tmp_path / "none")) is None
+    (tmp_path / "cgroup").write_bytes(b"\xff\xfe garbage\n0::/x\n")
+    root = _cgroup_tree(tmp_path / "fs", {"x/memory.max": "lots", "memory.max": "0"})
+    assert host.cgroup_memory_limit_bytes(root, str(tmp_path / "cgroup")) is None
+    (tmp_path / "fs" / "x" / "memory.max").unlink()
+    (tmp_path / "fs" / "x" / "memory.max").mkdir()  # a folder where a file should be
+    assert host.cgroup_memory_limit_bytes(root, str(tmp_path / "cgroup")) is None
+
+
+def test_host_probe_records_the_cgroup_limit(tmp_path):
+    proc = tmp_path / "proc"
+    (proc / "self").mkdir(parents=True)
+    (proc / "meminfo").write_text("MemTotal:       24641536 kB\nMemAvailable:   20000000 kB\n")
+    (proc / "self" / "cgroup").write_text("0::/job\n")
+    root = _cgroup_tree(tmp_path / "fs", {"memory.max": "max", "job/memory.max": "8589934592"})
+    h = host.probe_host(tmp_path, proc=str(proc), shm=str(tmp_path), cgroup_root=root)
+    assert h.ram_total_bytes == 24641536 * 1024
+    assert h.ram_limit_bytes == 8 * 2**30
+    assert h.ram_usable_bytes == 8 * 2**30
+
+
+def test_rules_and_planner_use_the_cgroup_limit_not_memtotal():
+    from sdplan.planner import hardware_from_snapshot
+    from sdplan.profiles import load_profiles
+
+    s = load("2x_rtx4090_pcie")
+    assert s.host.ram_total_bytes > snapshot.RAM_COMFORT_BYTES
+    assert not {f.code for f in findings(s)} & {"ram_insufficient", "ram_low", "ram_cgroup_limit"}
+    capped = replace(s, host=replace(s.host, ram_limit_bytes=8 * 2**30))
+    fx = {f.code: f for f in findings(capped)}
+    assert fx["ram_insufficient"].severity == "error"
+    assert "8.0 GiB RAM (this process's cgroup memory limit" in fx["ram_insufficient"].message
+    assert "--memory" in fx["ram_insufficient"].fix
+    assert hardware_from_snapshot(capped, load_profiles()).ram_total_bytes == 8 * 2**30
+    roomy = replace(s, host=replace(s.host, ram_limit_bytes=48 * 2**30))
+    assert [f.code for f in findings(roomy) if f.code.startswith("ram")] == ["ram_cgroup_limit"]
+    above = replace(s, host=replace(s.host, ram_limit_bytes=s.host.ram_total_bytes * 2))
+    assert not [f for f in findings(above) if f.code.startswith("ram")]
+
+
+def test_snapshot_saved_before_the_cgroup_field_still_loads():
+    data = raw("2x_rtx4090_pcie")
+    del data["host"]["ram_limit_bytes"]
+    s = Snapshot.from_dict(data)
+    assert s.host.ram_limit_bytes is None
+    assert s.host.ram_usable_bytes == s.host.ram_total_bytes
 
 
 def test_torch_version_file_is_parsed_not_imported():

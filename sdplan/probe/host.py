@@ -10,14 +10,20 @@ import os
 import platform
 from pathlib import Path
 
-from sdplan.machine import Finding, Host
+from sdplan.machine import Host
 
 # PCI vendor ids as the kernel writes them in /sys/bus/pci/devices/*/vendor.
 PCI_VENDOR_NVIDIA = "0x10de"
 PCI_VENDOR_AMD = "0x1002"
 
 
-def probe_host(path: str | os.PathLike[str] = ".", *, proc: str = "/proc", shm: str = "/dev/shm") -> Host:
+def probe_host(
+    path: str | os.PathLike[str] = ".",
+    *,
+    proc: str = "/proc",
+    shm: str = "/dev/shm",
+    cgroup_root: str = "/sys/fs/cgroup",
+) -> Host:
     """Read the host once. ``path`` is where training output will go: its file system's free space counts."""
     meminfo = read_meminfo_bytes(Path(proc) / "meminfo")
     return Host(
@@ -27,24 +33,9 @@ def probe_host(path: str | os.PathLike[str] = ".", *, proc: str = "/proc", shm: 
         cpu_cores=usable_cpus(),
         ram_total_bytes=meminfo.get("MemTotal"),
         ram_available_bytes=meminfo.get("MemAvailable"),
+        ram_limit_bytes=cgroup_memory_limit_bytes(cgroup_root, str(Path(proc) / "self" / "cgroup")),
         disk_free_bytes=disk_free_bytes(path),
         shm_bytes=fs_size_bytes(shm),
-    )
-
-
-def probe_notes(host: Host, *, cgroup_root: str = "/sys/fs/cgroup") -> tuple[Finding, ...]:
-    """Facts found while probing that the snapshot has no field for (a container memory limit)."""
-    limit = cgroup_memory_limit_bytes(cgroup_root)
-    if limit is None or host.ram_total_bytes is None or limit >= host.ram_total_bytes:
-        return ()
-    return (
-        Finding(
-            severity="warning",
-            code="ram_cgroup_limit",
-            message=f"this container may use only {limit / 2**30:.1f} GiB of the host's "
-            f"{host.ram_total_bytes / 2**30:.1f} GiB RAM (cgroup memory.max)",
-            fix="raise the container's memory limit (docker run --memory ...) or plan with less RAM",
-        ),
     )
 
 
@@ -130,24 +121,55 @@ def fs_size_bytes(path: str | os.PathLike[str]) -> int | None:
 def cgroup_memory_limit_bytes(
     root: str = "/sys/fs/cgroup", self_cgroup: str = "/proc/self/cgroup"
 ) -> int | None:
-    """The cgroup v2 (memory.max) or v1 (memory.limit_in_bytes) limit of this process; None if unlimited."""
-    rel = ""
+    """The memory limit that binds this process: the smallest cgroup v2 ``memory.max`` or v1
+    ``memory.limit_in_bytes`` of its own cgroup and every ancestor; None where no limit is set or none can be read.
+
+    ``self_cgroup`` (/proc/self/cgroup) names the process's cgroup per hierarchy: ``0::/path`` (v2, mounted at
+    ``root``) and ``N:memory:/path`` (v1, the memory controller mounted at ``root/memory``; in a hybrid layout
+    both lines exist and v1 holds the memory controller). Without a cgroup namespace the path is the host's
+    (``/docker/<id>``) while the container sees its own cgroup at the mount's root, so the mount's root counts
+    too. A limit set on a parent (a Slurm job above its step, a systemd slice above its service) binds its
+    children, whose own file says ``max``: the smallest limit on the way up is the one that binds."""
+    v2: list[str] = []
+    v1: list[str] = []
     try:
-        for line in Path(self_cgroup).read_text().splitlines():
-            if line.startswith("0::"):
-                rel = line[3:].strip().lstrip("/")
-    except OSError:
-        pass
-    candidates = [Path(root) / rel / "memory.max"] if rel else []
-    candidates += [Path(root) / "memory.max", Path(root) / "memory" / "memory.limit_in_bytes"]
-    for file in candidates:
-        try:
-            text = file.read_text().strip()
-        except OSError:
+        lines = Path(self_cgroup).read_text().splitlines()
+    except (OSError, UnicodeDecodeError):
+        lines = []
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
             continue
-        if text.isdigit() and int(text) < 2**60:  # "max" (v2) or ~2**63 (v1) mean no limit
-            return int(text)
+        _, controllers, rel = parts
+        if controllers == "":
+            v2.append(rel)
+        elif "memory" in controllers.split(","):
+            v1.append(rel)
+    candidates: list[Path] = []
+    for rels, base, name in (
+        (v2, Path(root), "memory.max"),
+        (v1, Path(root) / "memory", "memory.limit_in_bytes"),
+    ):
+        for rel in rels or ["/"]:
+            candidates += [d / name for d in _cgroup_dirs(base, rel)]
+    limits = [n for n in (_limit_file(f) for f in dict.fromkeys(candidates)) if n is not None]
+    return min(limits) if limits else None
+
+
+def _cgroup_dirs(base: Path, rel: str) -> list[Path]:
+    """``base/rel`` and each of its parents up to ``base`` itself."""
+    parts = [p for p in rel.strip().split("/") if p and p not in (".", "..")]
+    return [base.joinpath(*parts[:n]) for n in range(len(parts), -1, -1)]
+
+
+def _limit_file(file: Path) -> int | None:
+    """A cgroup limit file's value in bytes; None for "max" (v2), ~2**63 (v1's "no limit"), or unreadable."""
+    try:
+        text = file.read_text().strip()
+    except (OSError, UnicodeDecodeError):
         return None
+    if text.isdigit() and 0 < int(text) < 2**60:
+        return int(text)
     return None
 
 

@@ -78,6 +78,7 @@ RULE_CODES = frozenset(
         "fp16_nan",
         "ram_insufficient",
         "ram_low",
+        "ram_cgroup_limit",
         "disk_low",
         "shm_small",
         "mixed_gpus",
@@ -104,7 +105,7 @@ def probe(path: str | os.PathLike[str] = ".") -> Snapshot:
         software=software.probe_software(cuda_driver=nv.cuda_driver, rocm=am.rocm),
         env=software.probe_env(),
     )
-    notes = nv.notes + am.notes + host.probe_notes(host_info) + software.requirement_notes()
+    notes = nv.notes + am.notes + software.requirement_notes()
     return replace(snap, findings=notes + findings(snap))
 
 
@@ -306,22 +307,48 @@ def _precision_rules(s: Snapshot) -> list[Finding]:
 def _host_rules(s: Snapshot) -> list[Finding]:
     h = s.host
     out: list[Finding] = []
-    if h.ram_total_bytes is not None and h.ram_total_bytes < RAM_MIN_BYTES:
+    ram = h.ram_usable_bytes  # the cgroup limit where it is below MemTotal: what a run may use
+    limited = h.ram_limit_bytes is not None and (
+        h.ram_total_bytes is None or h.ram_limit_bytes < h.ram_total_bytes
+    )
+    what = (
+        f"{_gib(ram)} RAM (this process's cgroup memory limit"
+        + (f"; the host has {_gib(h.ram_total_bytes)})" if h.ram_total_bytes is not None else ")")
+        if limited and ram is not None
+        else f"{_gib(ram)} RAM"
+        if ram is not None
+        else ""
+    )
+    raise_limit = "raise the container's or job's memory limit (docker run --memory ..., Slurm --mem ...) or "
+    if ram is not None and ram < RAM_MIN_BYTES:
         out.append(
             Finding(
                 "error",
                 "ram_insufficient",
-                f"{_gib(h.ram_total_bytes)} RAM: training needs a machine with at least 16 GB",
-                "train on a machine with >= 16 GB RAM (32 GB is comfortable)",
+                f"{what}: training needs a machine with at least 16 GB",
+                (raise_limit if limited else "")
+                + "train on a machine with >= 16 GB RAM (32 GB is comfortable)",
             )
         )
-    elif h.ram_total_bytes is not None and h.ram_total_bytes < RAM_COMFORT_BYTES:
+    elif ram is not None and ram < RAM_COMFORT_BYTES:
         out.append(
             Finding(
                 "warning",
                 "ram_low",
-                f"{_gib(h.ram_total_bytes)} RAM: enough to train, tight for model loading and optimizer offload",
-                "close other programs while training; 32 GB RAM is comfortable; avoid DeepSpeed CPU offload",
+                f"{what}: enough to train, tight for model loading and optimizer offload",
+                (raise_limit if limited else "")
+                + "close other programs while training; 32 GB RAM is comfortable; avoid DeepSpeed CPU offload",
+            )
+        )
+    elif limited and ram is not None:
+        out.append(
+            Finding(
+                "info",
+                "ram_cgroup_limit",
+                f"a cgroup memory limit lets this process use {_gib(ram)} of the host's "
+                f"{_gib(h.ram_total_bytes) if h.ram_total_bytes is not None else 'unknown'} RAM: "
+                "plans are checked against the limit",
+                raise_limit.removesuffix(" or ") + " if a plan needs more",
             )
         )
     if h.disk_free_bytes is not None and h.disk_free_bytes < DISK_MIN_BYTES:
