@@ -95,6 +95,7 @@ class Software:
 
 ENV_KEYS = (
     "CUDA_VISIBLE_DEVICES",
+    "CUDA_DEVICE_ORDER",  # PCI_BUS_ID: CUDA numbers GPUs as NVML (and doctor) do; unset: fastest first
     "HIP_VISIBLE_DEVICES",
     "HSA_OVERRIDE_GFX_VERSION",
     "PYTORCH_CUDA_ALLOC_CONF",

@@ -46,6 +46,7 @@ def test_round_trip(tmp_path):
     assert data["gpus"][0]["pcie_gen"] is None
     assert set(data["env"]) == {
         "CUDA_VISIBLE_DEVICES",
+        "CUDA_DEVICE_ORDER",
         "HIP_VISIBLE_DEVICES",
         "HSA_OVERRIDE_GFX_VERSION",
         "PYTORCH_CUDA_ALLOC_CONF",

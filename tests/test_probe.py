@@ -851,6 +851,80 @@ def test_multi_gpu_links_unknown_and_pcie_p2p():
     assert "P2P unknown" in slow.message
 
 
+def _mixed_3060_4090() -> Snapshot:
+    s, small = load("2x_rtx4090_pcie"), load("rtx3060_12gb").gpus[0]
+    return replace(s, gpus=(replace(small, index=0), replace(s.gpus[1], index=1)))
+
+
+def _visible(s: Snapshot, **env: str) -> list[Finding]:
+    s = replace(s, env={**s.env, **env})
+    return [f for f in findings(s) if f.code.startswith("visible_devices")]
+
+
+@pytest.mark.parametrize("value", ["", "-1", "7", "nonsense", " -1,0"])
+def test_visible_devices_that_hide_every_gpu_are_an_error(value):
+    (f,) = _visible(load("2x_rtx4090_pcie"), CUDA_VISIBLE_DEVICES=value)
+    assert (f.severity, f.code) == ("error", "visible_devices_none")
+    assert "hides all 2 NVIDIA GPUs" in f.message and "torch sees no GPU" in f.message
+    assert f.fix.startswith("unset CUDA_VISIBLE_DEVICES")
+
+
+def test_visible_devices_unset_or_showing_every_gpu_say_nothing():
+    s = load("2x_rtx4090_pcie")
+    assert _visible(s) == []
+    assert _visible(s, CUDA_VISIBLE_DEVICES="0,1") == []
+    assert _visible(s, CUDA_VISIBLE_DEVICES="1,0") == []
+    assert _visible(load("cpu_only"), CUDA_VISIBLE_DEVICES="") == []  # no GPU to hide
+
+
+def test_visible_devices_that_hide_some_gpus_name_what_the_run_sees():
+    (f,) = _visible(load("2x_rtx4090_pcie"), CUDA_VISIBLE_DEVICES="1")
+    assert (f.severity, f.code) == ("warning", "visible_devices_some")
+    assert "shows the run only GPU 1 (NVIDIA GeForce RTX 4090)" in f.message
+    assert "hides GPU 0 (NVIDIA GeForce RTX 4090)" in f.message
+    # CUDA stops at the first id that names no GPU: "0,5,1" shows GPU 0 only
+    (f,) = _visible(load("2x_rtx4090_pcie"), CUDA_VISIBLE_DEVICES="0,5,1")
+    assert "only GPU 0 " in f.message and "5 names no GPU" in f.message and "hides GPU 1" in f.message
+    mixed = _mixed_3060_4090()
+    uuid = mixed.gpus[1].uuid
+    for env in ({"CUDA_VISIBLE_DEVICES": uuid}, {"CUDA_VISIBLE_DEVICES": uuid[:12]}):
+        (f,) = _visible(mixed, **env)
+        assert (
+            "only GPU 1 (NVIDIA GeForce RTX 4090)" in f.message
+            and "hides GPU 0 (NVIDIA GeForce RTX 3060)" in f.message
+        )
+    (f,) = _visible(mixed, CUDA_VISIBLE_DEVICES="0", CUDA_DEVICE_ORDER="PCI_BUS_ID")
+    assert "only GPU 0 (NVIDIA GeForce RTX 3060)" in f.message
+
+
+def test_visible_devices_doctor_cannot_name_say_how_many():
+    # mixed GPUs in CUDA's default fastest-first order: index 0 is the RTX 4090 there, not doctor's GPU 0
+    (f,) = _visible(_mixed_3060_4090(), CUDA_VISIBLE_DEVICES="0")
+    assert f.code == "visible_devices_some" and "shows the run 1 GPU of the 2" in f.message
+    assert "fastest first" in f.message and "CUDA_DEVICE_ORDER=PCI_BUS_ID" in f.fix
+    assert _visible(_mixed_3060_4090(), CUDA_VISIBLE_DEVICES="1,0") == []  # every GPU, whatever the order
+    (f,) = _visible(load("h100_80gb_hbm3"), CUDA_VISIBLE_DEVICES="MIG-0d5f5e0b-1111-2222-3333-444444444444")
+    assert "1 MIG device" in f.message and "fastest first" not in f.message
+
+
+def test_hip_visible_devices_for_amd_gpus():
+    s = load("rx6700xt")
+    assert _visible(s, HIP_VISIBLE_DEVICES="") == []  # HIP takes an empty value as unset
+    (f,) = _visible(s, HIP_VISIBLE_DEVICES="-1")
+    assert f.code == "visible_devices_none" and f.message.startswith(
+        "HIP_VISIBLE_DEVICES=-1 hides all 1 AMD GPU"
+    )
+    (f,) = _visible(s, HIP_VISIBLE_DEVICES="0", CUDA_VISIBLE_DEVICES="1")  # ROCm applies CUDA's after HIP's
+    assert f.code == "visible_devices_none"
+    assert _visible(s, HIP_VISIBLE_DEVICES="0", CUDA_VISIBLE_DEVICES="0") == []
+
+
+def test_snapshot_saved_before_cuda_device_order_still_loads():
+    data = raw("2x_rtx4090_pcie")
+    del data["env"]["CUDA_DEVICE_ORDER"]
+    assert Snapshot.from_dict(data).env["CUDA_DEVICE_ORDER"] is None
+
+
 def test_gpu_with_unknown_memory_is_not_usable():
     s = load("t4")
     s = replace(s, gpus=(GPU(index=0, vendor="nvidia", name="Tesla T4"),))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from sdplan.machine import GPU, GTX16_FP16_NAN_SOURCES, Finding, Snapshot, fp16_gives_nan
 from sdplan.trainer.dataset_scan import count_of
@@ -85,6 +85,8 @@ RULE_CODES = frozenset(
         "multi_gpu_slow_link",
         "multi_gpu_pcie_p2p",
         "links_unknown",
+        "visible_devices_none",
+        "visible_devices_some",
     }
 )
 
@@ -118,7 +120,15 @@ def refresh(snapshot: Snapshot) -> Snapshot:
 def findings(snapshot: Snapshot) -> tuple[Finding, ...]:
     """All rule findings for a snapshot. Pure: no I/O, same answer for a live machine and a saved one."""
     out: list[Finding] = []
-    for rule in (_gpu_rules, _torch_rules, _amd_rules, _precision_rules, _host_rules, _multi_gpu_rules):
+    for rule in (
+        _gpu_rules,
+        _visible_rules,
+        _torch_rules,
+        _amd_rules,
+        _precision_rules,
+        _host_rules,
+        _multi_gpu_rules,
+    ):
         out.extend(rule(snapshot))
     return tuple(out)
 
@@ -148,6 +158,159 @@ def _gpu_rules(s: Snapshot) -> list[Finding]:
             'or for a GPU by name with `sdplan recommend --hardware "RTX 4090"`',
         )
     ]
+
+
+@dataclass(frozen=True)
+class Visible:
+    """What a run here sees of one vendor's GPUs under ``CUDA_VISIBLE_DEVICES`` / ``HIP_VISIBLE_DEVICES``."""
+
+    setting: str  # "CUDA_VISIBLE_DEVICES=0,1", as a person would type it
+    gpus: tuple[GPU, ...]  # the GPUs it shows that doctor can name
+    unnamed: int = 0  # devices it shows that doctor cannot name (a MIG device; an index in CUDA's own order)
+    stopped_at: str | None = None  # the first id that names no GPU: CUDA ignores it and every id after it
+    fastest_first: bool = False  # indexes count in CUDA's fastest-first order, not doctor's
+
+
+def visible_gpus(s: Snapshot, vendor: str) -> Visible | None:
+    """What a process started with this snapshot's environment sees of ``vendor``'s usable GPUs; None where no
+    variable restricts them. CUDA reads ``CUDA_VISIBLE_DEVICES`` as a comma list of indexes (in
+    ``CUDA_DEVICE_ORDER``: PCI bus order with ``PCI_BUS_ID``, else fastest first), ``GPU-`` UUIDs (a unique
+    prefix will do) or ``MIG-`` device UUIDs, and stops at the first id that names no device (``-1``, an index
+    past the last GPU), so ``""`` and ``-1`` show none. ROCm applies ``HIP_VISIBLE_DEVICES`` (HIP's numbers)
+    and then ``CUDA_VISIBLE_DEVICES`` to the GPUs that leaves; HIP takes an empty value as unset."""
+    gpus = [g for g in s.usable_gpus if g.vendor == vendor]
+    if not gpus:
+        return None
+    cuda = s.env.get("CUDA_VISIBLE_DEVICES")
+    if vendor == "nvidia":
+        if cuda is None:
+            return None
+        pci = (s.env.get("CUDA_DEVICE_ORDER") or "").strip().upper() == "PCI_BUS_ID"
+        alike = len({(g.name, g.memory_total_bytes) for g in gpus}) == 1
+        shown = cuda or '""'
+        return _apply_visible(f"CUDA_VISIBLE_DEVICES={shown}", cuda, gpus, fastest_first=not (pci or alike))
+    hip = (s.env.get("HIP_VISIBLE_DEVICES") or "").strip()
+    cuda = (cuda or "").strip()
+    if not hip and not cuda:
+        return None
+    if all(g.hip_index is not None for g in gpus):
+        gpus = sorted(gpus, key=lambda g: g.hip_index)
+    seen = Visible(setting="", gpus=tuple(gpus))
+    settings = []
+    for name, value in (("HIP_VISIBLE_DEVICES", hip), ("CUDA_VISIBLE_DEVICES", cuda)):
+        if value:
+            step = _apply_visible(f"{name}={value}", value, list(seen.gpus), fastest_first=False)
+            seen = replace(step, stopped_at=seen.stopped_at or step.stopped_at)
+            settings.append(step.setting)
+    return replace(seen, setting=" ".join(settings))
+
+
+def _apply_visible(setting: str, value: str, gpus: list[GPU], *, fastest_first: bool) -> Visible:
+    shown: list[GPU] = []
+    unnamed = 0
+    by_speed: set[int] = set()  # indexes in CUDA's fastest-first order
+    stopped = None
+    for raw in value.split(",") if value.strip() else [value]:
+        token = raw.strip()
+        match: GPU | None = None
+        if re.fullmatch(r"\d+", token) and int(token) < len(gpus):
+            if fastest_first:
+                by_speed.add(int(token))
+                continue
+            match = gpus[int(token)]
+        elif token.upper().startswith("MIG-"):
+            unnamed += 1
+            continue
+        elif token.upper().startswith("GPU-") and len(token) > 4:
+            found = [g for g in gpus if g.uuid and g.uuid.lower().startswith(token.lower())]
+            if len(found) == 1:
+                match = found[0]
+            elif not found and any(g.uuid is None for g in gpus):
+                unnamed += 1  # may be a GPU whose UUID NVML did not give
+                continue
+        if match is None:
+            stopped = token or '""'
+            break
+        if match not in shown:
+            shown.append(match)
+    if len(by_speed) == len(gpus):  # every GPU, in some order
+        shown, by_speed = list(gpus), set()
+    return Visible(setting, tuple(shown), unnamed + len(by_speed), stopped, bool(by_speed))
+
+
+def _visible_rules(s: Snapshot) -> list[Finding]:
+    out: list[Finding] = []
+    for vendor in ("nvidia", "amd"):
+        v = visible_gpus(s, vendor)
+        if v is None:
+            continue
+        usable = [g for g in s.usable_gpus if g.vendor == vendor]
+        what = f"{count_of(len(usable), vendor.upper() + ' GPU')} doctor found"
+        ignored = (
+            " (an empty list)"
+            if v.stopped_at == '""'
+            else f" ({v.stopped_at} names no GPU: CUDA ignores it and every id after it)"
+            if v.stopped_at
+            else ""
+        )
+        if not v.gpus and not v.unnamed:
+            out.append(
+                Finding(
+                    "error",
+                    "visible_devices_none",
+                    f"{v.setting} hides all {what}{ignored}: torch sees no GPU, so a run started here cannot "
+                    "train on one and the verdicts below do not apply to it",
+                    f"unset {v.setting.split('=')[0]} (or list the GPUs to train on: "
+                    + " ".join(
+                        f"{k}={x}" for k, x in s.visible_devices([usable[0].index], by_uuid=False).items()
+                    )
+                    + ")",
+                )
+            )
+            continue
+        hidden = [g for g in usable if g not in v.gpus]
+        if v.unnamed:
+            kind = "MIG device" if "MIG-" in v.setting.upper() else "GPU"
+            order = (
+                " (CUDA numbers GPUs fastest first unless CUDA_DEVICE_ORDER=PCI_BUS_ID, so doctor cannot tell "
+                "which)"
+                if v.fastest_first
+                else ""
+            )
+            named = f" ({_gpu_list(v.gpus)} and {count_of(v.unnamed, 'other device')})" if v.gpus else ""
+            out.append(
+                Finding(
+                    "warning",
+                    "visible_devices_some",
+                    f"{v.setting} shows the run {count_of(len(v.gpus) + v.unnamed, kind)}{named} of the "
+                    f"{what}{order}{ignored}: doctor's plans count the GPUs it found, not what the run sees",
+                    "set CUDA_DEVICE_ORDER=PCI_BUS_ID and name GPUs by doctor's numbers or UUIDs, or unset "
+                    f"{v.setting.split('=')[0]}",
+                )
+            )
+        elif hidden or v.stopped_at:
+            out.append(
+                Finding(
+                    "warning",
+                    "visible_devices_some",
+                    f"{v.setting} shows the run only {_gpu_list(v.gpus)} of the {what}{ignored}; "
+                    f"it hides {_gpu_list(hidden)}, which doctor's plans count",
+                    f"unset {v.setting.split('=')[0]} to train on every GPU "
+                    "(`sdplan train` keeps it and runs on the GPUs it shows)",
+                )
+                if hidden
+                else Finding(
+                    "info",
+                    "visible_devices_some",
+                    f"{v.setting} shows the run every GPU doctor found{ignored}",
+                    "drop the ids that name no GPU",
+                )
+            )
+    return out
+
+
+def _gpu_list(gpus: list[GPU] | tuple[GPU, ...]) -> str:
+    return ", ".join(f"GPU {g.index} ({g.name or 'unnamed'})" for g in gpus)
 
 
 def _torch_rules(s: Snapshot) -> list[Finding]:
