@@ -177,6 +177,41 @@ def test_nvidia_unreadable_gpu_keeps_its_place(monkeypatch, no_devices):
     assert reading.links == ()
 
 
+def test_nvidia_gpu_whose_memory_nvml_cannot_read_is_a_finding_naming_the_error(monkeypatch, no_devices):
+    module, state = fake_pynvml.make_module(MACHINES / "2x_rtx4090_pcie.json")
+    real = module.nvmlDeviceGetMemoryInfo
+
+    def memory(handle, *args):
+        if handle.index == 1:
+            raise module.NVMLError_GpuIsLost()
+        return real(handle, *args)
+
+    module.nvmlDeviceGetMemoryInfo = memory
+    monkeypatch.setitem(sys.modules, "pynvml", module)
+    reading = nvidia.probe(sys_root=no_devices["sys"], proc_root=no_devices["proc"])
+    assert reading.gpus[1].name == "NVIDIA GeForce RTX 4090" and reading.gpus[1].memory_total_bytes is None
+    (note,) = reading.notes
+    assert (note.severity, note.code) == ("warning", "gpu_unreadable")
+    assert note.message.startswith("NVIDIA GPU 1 (NVIDIA GeForce RTX 4090)")
+    assert "NVMLError_GpuIsLost" in note.message and "left out of the plans" in note.message
+    assert "nvidia-smi -q -i 1" in note.fix
+
+
+def test_nvidia_handle_failure_names_the_nvml_error(monkeypatch, no_devices):
+    module, state = fake_pynvml.make_module(MACHINES / "2x_rtx4090_pcie.json")
+    real = module.nvmlDeviceGetHandleByIndex
+
+    def handle(index):
+        if index == 1:
+            raise module.NVMLError_NoPermission()
+        return real(index)
+
+    module.nvmlDeviceGetHandleByIndex = handle
+    monkeypatch.setitem(sys.modules, "pynvml", module)
+    (note,) = nvidia.probe(sys_root=no_devices["sys"], proc_root=no_devices["proc"]).notes
+    assert "NVMLError_NoPermission" in note.message
+
+
 @pytest.mark.parametrize(
     ("value", "expected"), [(12040, "12.4"), (12020, "12.2"), (11080, "11.8"), (13000, "13.0"), (0, None)]
 )

@@ -62,21 +62,15 @@ def _read(nvml: Any, index_start: int) -> NvidiaReading:
     handles: list[Any] = []
     notes: list[Finding] = []
     for i in range(count):
-        handle = _query(nvml, nvml.nvmlDeviceGetHandleByIndex, i)
+        handle, error = _call(nvml, nvml.nvmlDeviceGetHandleByIndex, i)
         if handle is None:
             gpus.append(GPU(index=index_start + i, vendor="nvidia", driver_version=driver))
-            notes.append(
-                Finding(
-                    "warning",
-                    "gpu_unreadable",
-                    f"NVIDIA GPU {i} is present but NVML cannot open it",
-                    "run `nvidia-smi -q -i "
-                    + str(i)
-                    + "` to see why (GPU lost, permissions, reset required)",
-                )
-            )
+            notes.append(_note_unreadable(index_start + i, i, None, "NVML cannot open it", error))
         else:
-            gpus.append(_read_gpu(nvml, handle, index_start + i, driver))
+            gpu, error = _read_gpu(nvml, handle, index_start + i, driver)
+            gpus.append(gpu)
+            if gpu.memory_total_bytes is None:
+                notes.append(_note_unreadable(gpu.index, i, gpu.name, "NVML cannot read its memory", error))
         handles.append(handle)
     return NvidiaReading(
         gpus=tuple(gpus),
@@ -87,15 +81,16 @@ def _read(nvml: Any, index_start: int) -> NvidiaReading:
     )
 
 
-def _read_gpu(nvml: Any, h: Any, index: int, driver: str | None) -> GPU:
-    memory = _query(nvml, nvml.nvmlDeviceGetMemoryInfo, h)
+def _read_gpu(nvml: Any, h: Any, index: int, driver: str | None) -> tuple[GPU, BaseException | None]:
+    """The GPU, and the error NVML gave for its memory (None where it was read)."""
+    memory, memory_error = _call(nvml, nvml.nvmlDeviceGetMemoryInfo, h)
     cc = _query(nvml, nvml.nvmlDeviceGetCudaComputeCapability, h)
     cc_tuple = (int(cc[0]), int(cc[1])) if cc is not None else None
     # The link's capability, not its idle state: GPUs drop to PCIe gen 1 when idle.
     gen = _first(nvml, h, nvml.nvmlDeviceGetMaxPcieLinkGeneration, nvml.nvmlDeviceGetCurrPcieLinkGeneration)
     width = _first(nvml, h, nvml.nvmlDeviceGetMaxPcieLinkWidth, nvml.nvmlDeviceGetCurrPcieLinkWidth)
     power_mw = _first(nvml, h, nvml.nvmlDeviceGetPowerManagementLimit, nvml.nvmlDeviceGetEnforcedPowerLimit)
-    return GPU(
+    gpu = GPU(
         index=index,
         vendor="nvidia",
         name=_query(nvml, nvml.nvmlDeviceGetName, h),
@@ -111,6 +106,7 @@ def _read_gpu(nvml: Any, h: Any, index: int, driver: str | None) -> GPU:
         power_limit_watts=round(power_mw / 1000, 1) if power_mw else None,
         driver_version=driver,
     )
+    return gpu, memory_error
 
 
 def _read_links(nvml: Any, handles: list[Any], index_start: int) -> list[Link]:
@@ -154,14 +150,27 @@ def _nvlink_active(nvml: Any, h: Any) -> bool:
 # -- the one query wrapper and small pure helpers -------------------------------------------------------
 
 
+def _call(nvml: Any, fn: Any, *args: Any) -> tuple[Any, BaseException | None]:
+    """Run one NVML call: (its value, None), or (None, the error) where it failed; never raises."""
+    try:
+        return fn(*args), None
+    except nvml.NVMLError as e:
+        return None, e
+    except Exception as e:  # ctypes.ArgumentError, UnicodeDecodeError, a binding without the function
+        return None, e
+
+
 def _query(nvml: Any, fn: Any, *args: Any) -> Any:
     """Run one NVML call; any failure means "not available" (None)."""
-    try:
-        return fn(*args)
-    except nvml.NVMLError:
-        return None
-    except Exception:  # ctypes.ArgumentError, UnicodeDecodeError, a binding without the function
-        return None
+    return _call(nvml, fn, *args)[0]
+
+
+def nvml_error_text(e: BaseException | None) -> str:
+    """An NVML error as a person can look it up: "NVMLError_GpuIsLost: GPU is lost"."""
+    if e is None:
+        return "no error given"
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text}" if text and text != type(e).__name__ else type(e).__name__
 
 
 def _first(nvml: Any, h: Any, *fns: Any) -> Any:
@@ -216,6 +225,19 @@ def _note_no_driver() -> Finding:
         "nvidia_driver_missing",
         "an NVIDIA GPU is present but libnvidia-ml.so.1 was not found: the NVIDIA driver is not installed",
         "install the NVIDIA driver (then `nvidia-smi` must list the GPU)",
+    )
+
+
+def _note_unreadable(
+    index: int, nvml_index: int, name: str | None, what: str, e: BaseException | None
+) -> Finding:
+    return Finding(
+        "warning",
+        "gpu_unreadable",
+        f"NVIDIA GPU {index}{f' ({name})' if name else ''} is present but {what} ({nvml_error_text(e)}): "
+        "it is left out of the plans",
+        f"run `nvidia-smi -q -i {nvml_index}` to see why (GPU lost or reset required: `nvidia-smi -r` or a "
+        "reboot; NoPermission: this user's access to /dev/nvidia*)",
     )
 
 

@@ -148,12 +148,13 @@ def _gpu_rules(s: Snapshot) -> list[Finding]:
         message = f"{count_of(len(s.gpus), 'GPU')} found but {their} memory could not be read: no usable GPU"
     else:
         message = "no usable GPU found (NVIDIA through NVML, AMD through amdsmi)"
+    first = "install the GPU driver (NVIDIA: `nvidia-smi` must work; AMD: ROCm + `pip install amdsmi`)"
     return [
         Finding(
             "error",
             "no_gpu",
             message,
-            "install the GPU driver (NVIDIA: `nvidia-smi` must work; AMD: ROCm + `pip install amdsmi`), "
+            first + ", "
             "or plan for another machine: `sdplan recommend --machine FILE` with its `sdplan doctor --save FILE`, "
             'or for a GPU by name with `sdplan recommend --hardware "RTX 4090"`',
         )
