@@ -212,6 +212,27 @@ def test_nvidia_handle_failure_names_the_nvml_error(monkeypatch, no_devices):
     assert "NVMLError_NoPermission" in note.message
 
 
+@pytest.mark.parametrize("error", ["NoPermission", "Unknown", "GpuIsLost"])
+def test_nvidia_count_failure_is_its_own_error_not_a_missing_driver(error, monkeypatch, tmp_path):
+    module, state = fake_pynvml.make_module(MACHINES / "2x_rtx4090_pcie.json")
+
+    def count():
+        raise getattr(module, f"NVMLError_{error}")()
+
+    module.nvmlDeviceGetCount = count
+    monkeypatch.setitem(sys.modules, "pynvml", module)
+    monkeypatch.setitem(sys.modules, "amdsmi", None)
+    reading = nvidia.probe()
+    assert reading.gpus == () and reading.driver_version and reading.cuda_driver == "12.4"
+    (note,) = reading.notes
+    assert (note.severity, note.code) == ("error", "nvml_count_failed")
+    assert f"NVMLError_{error}" in note.message and reading.driver_version in note.message
+    assert state.init_count == 0
+    snap = snapshot.probe(tmp_path)
+    no_gpu = next(f for f in snap.findings if f.code == "no_gpu")
+    assert "install the GPU driver" not in no_gpu.fix and "nvidia-smi" in no_gpu.fix
+
+
 @pytest.mark.parametrize(
     ("value", "expected"), [(12040, "12.4"), (12020, "12.2"), (11080, "11.8"), (13000, "13.0"), (0, None)]
 )

@@ -55,9 +55,11 @@ def probe(index_start: int = 0, *, sys_root: str = "/sys", proc_root: str = "/pr
 def _read(nvml: Any, index_start: int) -> NvidiaReading:
     driver = _query(nvml, nvml.nvmlSystemGetDriverVersion)
     cuda_driver = cuda_version_string(_query(nvml, nvml.nvmlSystemGetCudaDriverVersion_v2))
-    count = _query(nvml, nvml.nvmlDeviceGetCount)
-    if not count:
-        return NvidiaReading(driver_version=driver, cuda_driver=cuda_driver)
+    count, error = _call(nvml, nvml.nvmlDeviceGetCount)
+    if error is not None or not isinstance(count, int):
+        return NvidiaReading(
+            driver_version=driver, cuda_driver=cuda_driver, notes=(_note_count_failed(driver, error),)
+        )
     gpus: list[GPU] = []
     handles: list[Any] = []
     notes: list[Finding] = []
@@ -225,6 +227,18 @@ def _note_no_driver() -> Finding:
         "nvidia_driver_missing",
         "an NVIDIA GPU is present but libnvidia-ml.so.1 was not found: the NVIDIA driver is not installed",
         "install the NVIDIA driver (then `nvidia-smi` must list the GPU)",
+    )
+
+
+def _note_count_failed(driver: str | None, e: BaseException | None) -> Finding:
+    return Finding(
+        "error",
+        "nvml_count_failed",
+        f"the NVIDIA driver{f' {driver}' if driver else ''} is installed and NVML started, but NVML could not "
+        f"count the GPUs ({nvml_error_text(e)}): no NVIDIA GPU can be planned",
+        "run `nvidia-smi` to see why: NoPermission means this user cannot open /dev/nvidia* (the video group, "
+        "or a container started without --gpus); GpuIsLost or Unknown needs a GPU reset (`nvidia-smi -r`) or a "
+        "reboot",
     )
 
 

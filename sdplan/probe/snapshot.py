@@ -148,7 +148,10 @@ def _gpu_rules(s: Snapshot) -> list[Finding]:
         message = f"{count_of(len(s.gpus), 'GPU')} found but {their} memory could not be read: no usable GPU"
     else:
         message = "no usable GPU found (NVIDIA through NVML, AMD through amdsmi)"
-    first = "install the GPU driver (NVIDIA: `nvidia-smi` must work; AMD: ROCm + `pip install amdsmi`)"
+    if s.gpus or s.software.cuda_driver:  # a driver answered: installing one is not the fix
+        first = "see the other findings for what NVML or amdsmi said, and `nvidia-smi` / `amd-smi list`"
+    else:
+        first = "install the GPU driver (NVIDIA: `nvidia-smi` must work; AMD: ROCm + `pip install amdsmi`)"
     return [
         Finding(
             "error",
