@@ -136,6 +136,18 @@ def test_no_nvidia_driver_with_an_nvidia_gpu_on_the_bus_says_so(monkeypatch, no_
     assert [n.code for n in reading.notes] == ["nvidia_driver_missing"]
 
 
+def test_nvidia_driver_loaded_but_library_not_visible_is_a_container_hint(monkeypatch, no_devices):
+    # a container started without --gpus: the host's module shows in /proc, its libnvidia-ml.so.1 does not
+    fake_pynvml.install(monkeypatch, MACHINES / "cpu_only.json")
+    fake_pci(Path(no_devices["sys"]), "0x10de")
+    (Path(no_devices["proc"]) / "driver" / "nvidia" / "gpus" / "0000:01:00.0").mkdir(parents=True)
+    reading = nvidia.probe(sys_root=no_devices["sys"], proc_root=no_devices["proc"])
+    (note,) = reading.notes
+    assert (note.severity, note.code) == ("error", "nvidia_library_not_visible")
+    assert "driver is loaded" in note.message and "install the NVIDIA driver" not in note.fix
+    assert "docker run --gpus all" in note.fix and "NVIDIA Container Toolkit" in note.fix
+
+
 def test_nvml_bindings_not_installed(monkeypatch, no_devices):
     monkeypatch.setitem(sys.modules, "pynvml", None)  # import pynvml -> ImportError
     assert nvidia.probe(sys_root=no_devices["sys"], proc_root=no_devices["proc"]).gpus == ()

@@ -41,6 +41,8 @@ def probe(index_start: int = 0, *, sys_root: str = "/sys", proc_root: str = "/pr
     try:
         pynvml.nvmlInit()
     except pynvml.NVMLError_LibraryNotFound:
+        if driver_loaded(proc_root):  # the kernel module runs; this process cannot see its library
+            return NvidiaReading(notes=(_note_library_not_visible(),))
         return NvidiaReading(notes=_evidence_note(sys_root, proc_root, _note_no_driver))
     except pynvml.NVMLError as e:
         return NvidiaReading(notes=(_note_init_failed(e),))
@@ -204,11 +206,18 @@ def fp16_supported(cc: tuple[int, int] | None) -> bool | None:
 # -- notes (facts the snapshot has no field for) ---------------------------------------------------------
 
 
+def driver_loaded(proc_root: str = "/proc") -> bool:
+    """Whether the NVIDIA kernel module is loaded: it creates /proc/driver/nvidia, which a container sees too
+    (procfs shows the host's drivers) even where it was started without access to the GPUs."""
+    try:
+        return (Path(proc_root) / "driver" / "nvidia").exists()
+    except OSError:
+        return False
+
+
 def _evidence_note(sys_root: str, proc_root: str, make: Any) -> tuple[Finding, ...]:
     """Say something only when the kernel shows an NVIDIA GPU (PCI display controller or a loaded module)."""
-    seen = (
-        PCI_VENDOR_NVIDIA in pci_display_vendors(sys_root) or (Path(proc_root) / "driver" / "nvidia").exists()
-    )
+    seen = PCI_VENDOR_NVIDIA in pci_display_vendors(sys_root) or driver_loaded(proc_root)
     return (make(),) if seen else ()
 
 
@@ -252,6 +261,19 @@ def _note_unreadable(
         "it is left out of the plans",
         f"run `nvidia-smi -q -i {nvml_index}` to see why (GPU lost or reset required: `nvidia-smi -r` or a "
         "reboot; NoPermission: this user's access to /dev/nvidia*)",
+    )
+
+
+def _note_library_not_visible() -> Finding:
+    return Finding(
+        "error",
+        "nvidia_library_not_visible",
+        "the NVIDIA driver is loaded (/proc/driver/nvidia exists) but its library libnvidia-ml.so.1 is not "
+        "visible to this process: a container started without GPU access, or the driver's user-space part is "
+        "missing from the library path",
+        "start the container with the GPUs: `docker run --gpus all ...` (needs the NVIDIA Container Toolkit; "
+        "Podman: --device nvidia.com/gpu=all; Kubernetes: an nvidia.com/gpu resource); on the host itself, "
+        "reinstall the driver's user-space libraries (`ldconfig -p | grep libnvidia-ml` must list them)",
     )
 
 
