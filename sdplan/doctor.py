@@ -148,10 +148,12 @@ def gpu_rows(s: Snapshot) -> list[tuple[str, ...]]:
 
 def _gpu_row(g: GPU) -> tuple[str, ...]:
     if g.memory_total_bytes is None:
-        memory = NA
+        memory = NA + (" (MIG mode, no slice readable)" if g.mig else "")
     else:
         free = f" ({_gib(g.memory_free_bytes)} free)" if g.memory_free_bytes is not None else ""
         memory = _gib(g.memory_total_bytes) + free
+        if g.mig:  # the largest MIG slice's, the most a process can use
+            memory += f" (MIG: largest of {g.mig_slices or '?'} slices)"
     arch = f"cc {g.compute_capability}" if g.compute_capability else (g.gfx_arch or NA)
     pcie = f"gen{g.pcie_gen or '?'} x{g.pcie_width or '?'}" if g.pcie_gen or g.pcie_width else NA
     power = f"{g.power_limit_watts:g} W" if g.power_limit_watts is not None else NA

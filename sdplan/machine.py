@@ -71,6 +71,11 @@ class GPU:
     # topology node, amdsmi in its own discovery order; the two agree on most hosts, not all (amd-smi itself
     # computes HIP's id from the KFD node: ROCm/rocm-systems PR 4406). None: not read (NVIDIA; older amdsmi).
     hip_index: int | None = None
+    # NVIDIA MIG: whether the card is in MIG mode (None: not read, or a GPU without MIG), and how many MIG slices
+    # (devices) it holds. CUDA sees only the slices, so in MIG mode memory_total_bytes/free are the largest
+    # slice's, the most one process can use; None where no slice could be read (CUDA sees nothing there).
+    mig: bool | None = None
+    mig_slices: int | None = None
 
 
 @dataclass(frozen=True)

@@ -2025,6 +2025,12 @@ def hardware_from_snapshot(snapshot: Any, profiles: Profiles, source: str = "pro
                 "catalog: planned with its probed memory; its speed is unknown (add it to the catalog, or measure "
                 "it with `sdplan bench`)"
             )
+        if getattr(g, "mig", None):  # sdplan.machine.GPU.mig: CUDA sees the slices, memory is the largest's
+            notes.append(
+                f"GPU {g.index} ({g.name or 'unnamed'}) is in MIG mode: planned with its largest MIG slice's "
+                f"{g.memory_total_bytes / GiB:.1f} GiB; a slice has a fraction of the card's compute, so times "
+                "are optimistic"
+            )
         bf16 = g.bf16 if g.bf16 is not None else (spec.bf16 if spec else False)
         fp16 = g.fp16 if g.fp16 is not None else True
         gpus.append(

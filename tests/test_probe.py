@@ -245,6 +245,87 @@ def test_nvidia_count_failure_is_its_own_error_not_a_missing_driver(error, monke
     assert "install the GPU driver" not in no_gpu.fix and "nvidia-smi" in no_gpu.fix
 
 
+# MIG slices of an H100 80GB as nvidia-smi reports them (3g.40gb, 2g.20gb, 1g.10gb)
+MIG_3G, MIG_2G, MIG_1G = 40_231_960_576, 20_937_965_568, 10_468_982_784
+
+
+def test_nvidia_mig_mode_records_the_largest_slice_not_the_whole_card(monkeypatch, no_devices):
+    slices = [(MIG_1G, MIG_1G - 2**28), (MIG_3G, MIG_3G - 2**29), (MIG_2G, MIG_2G)]
+    state = fake_pynvml.install(monkeypatch, MACHINES / "h100_80gb_hbm3.json", mig={0: slices})
+    reading = nvidia.probe(sys_root=no_devices["sys"], proc_root=no_devices["proc"])
+    (gpu,) = reading.gpus
+    assert {"nvmlDeviceGetMigMode", "nvmlDeviceGetMigDeviceHandleByIndex"} <= set(state.calls)
+    assert (gpu.mig, gpu.mig_slices) == (True, 3)
+    assert (gpu.memory_total_bytes, gpu.memory_free_bytes) == (MIG_3G, MIG_3G - 2**29)
+    assert gpu.compute_capability == "9.0" and gpu.bf16 is True
+    assert reading.notes == ()
+    assert state.init_count == 0
+
+
+def test_mig_mode_is_a_finding_and_plans_use_the_slice():
+    from sdplan.planner import hardware_from_snapshot
+    from sdplan.profiles import load_profiles
+
+    s = load("h100_80gb_hbm3")
+    card = s.gpus[0]
+    mig = replace(
+        s, gpus=(replace(card, mig=True, mig_slices=7, memory_total_bytes=MIG_1G, memory_free_bytes=MIG_1G),)
+    )
+    (f,) = [f for f in findings(mig) if f.code == "mig_enabled"]
+    assert f.severity == "warning" and "MIG mode" in f.message and "7 MIG slices" in f.message
+    assert "9.8 GiB" in f.message and "nvidia-smi -i 0 -mig 0" in f.fix and "MIG-<uuid>" in f.fix
+    hw = hardware_from_snapshot(mig, load_profiles())
+    assert [g.memory_bytes for g in hw.gpus] == [MIG_1G]
+    assert any("MIG" in n for n in hw.notes)
+    assert not [f for f in findings(replace(s, gpus=(replace(card, mig=False),))) if f.code == "mig_enabled"]
+
+
+def test_mig_mode_without_a_readable_slice_is_an_error(monkeypatch, no_devices):
+    fake_pynvml.install(monkeypatch, MACHINES / "h100_80gb_hbm3.json", mig={0: []})
+    reading = nvidia.probe(sys_root=no_devices["sys"], proc_root=no_devices["proc"])
+    (gpu,) = reading.gpus
+    assert (gpu.mig, gpu.mig_slices, gpu.memory_total_bytes) == (True, 0, None)
+    assert reading.notes == ()  # the rule says it, not a gpu_unreadable note
+    s = replace(load("h100_80gb_hbm3"), gpus=reading.gpus)
+    fx = {f.code: f for f in findings(s)}
+    assert fx["mig_enabled"].severity == "error" and "CUDA sees no device" in fx["mig_enabled"].message
+    assert "nvidia-smi mig -cgi" in fx["mig_enabled"].fix
+    assert "no_gpu" in fx
+
+
+def test_mig_mode_off_or_not_supported_reads_as_before(monkeypatch, no_devices):
+    data = raw("h100_80gb_hbm3")
+    data["gpus"][0]["mig"] = False
+    fake_pynvml.install(monkeypatch, data)
+    (gpu,) = nvidia.probe(sys_root=no_devices["sys"], proc_root=no_devices["proc"]).gpus
+    assert (
+        gpu.mig is False
+        and gpu.mig_slices is None
+        and gpu.memory_total_bytes == data["gpus"][0]["memory_total_bytes"]
+    )
+
+
+def test_bindings_without_the_mig_functions_read_as_before(monkeypatch, no_devices):
+    module, state = fake_pynvml.make_module(MACHINES / "h100_80gb_hbm3.json")
+    for name in (
+        "nvmlDeviceGetMigMode",
+        "nvmlDeviceGetMaxMigDeviceCount",
+        "nvmlDeviceGetMigDeviceHandleByIndex",
+    ):
+        delattr(module, name)  # nvidia-ml-py before 11.450
+    monkeypatch.setitem(sys.modules, "pynvml", module)
+    reading = nvidia.probe(sys_root=no_devices["sys"], proc_root=no_devices["proc"])
+    assert reading.gpus == load("h100_80gb_hbm3").gpus and reading.notes == ()
+
+
+def test_snapshot_saved_before_the_mig_fields_still_loads():
+    data = raw("h100_80gb_hbm3")
+    for g in data["gpus"]:
+        del g["mig"], g["mig_slices"]
+    s = Snapshot.from_dict(data)
+    assert s.gpus[0].mig is None and findings(s) == findings(load("h100_80gb_hbm3"))
+
+
 @pytest.mark.parametrize(
     ("value", "expected"), [(12040, "12.4"), (12020, "12.2"), (11080, "11.8"), (13000, "13.0"), (0, None)]
 )

@@ -21,6 +21,9 @@ P2P_INDEX_READ = 0
 P2P_INDEX_NVLINK = 2
 P2P_STATUS_OK = 0
 NVLINK_MAX_LINKS_FALLBACK = 18  # NVML_NVLINK_MAX_LINKS is 18 in old bindings, 36 in new ones
+MIG_ENABLED = 1  # NVML_DEVICE_MIG_ENABLE: nvmlDeviceGetMigMode's current mode
+# the most MIG devices a GPU has (A100/H100: 7), where nvmlDeviceGetMaxMigDeviceCount fails
+MIG_DEVICES_FALLBACK = 7
 
 
 @dataclass(frozen=True)
@@ -73,7 +76,7 @@ def _read(nvml: Any, index_start: int) -> NvidiaReading:
         else:
             gpu, error = _read_gpu(nvml, handle, index_start + i, driver)
             gpus.append(gpu)
-            if gpu.memory_total_bytes is None:
+            if gpu.memory_total_bytes is None and not gpu.mig:  # MIG without a slice: a rule says so
                 notes.append(_note_unreadable(gpu.index, i, gpu.name, "NVML cannot read its memory", error))
         handles.append(handle)
     return NvidiaReading(
@@ -86,8 +89,19 @@ def _read(nvml: Any, index_start: int) -> NvidiaReading:
 
 
 def _read_gpu(nvml: Any, h: Any, index: int, driver: str | None) -> tuple[GPU, BaseException | None]:
-    """The GPU, and the error NVML gave for its memory (None where it was read)."""
-    memory, memory_error = _call(nvml, nvml.nvmlDeviceGetMemoryInfo, h)
+    """The GPU, and the error NVML gave for its memory (None where it was read). In MIG mode the card's memory
+    is the sum of its slices (NVML: "In MIG mode ... the API returns aggregate information"), which no process
+    can use at once: the memory recorded is the largest slice's."""
+    mode = _query(nvml, _optional(nvml, "nvmlDeviceGetMigMode"), h)
+    mig = mode[0] == MIG_ENABLED if isinstance(mode, (list, tuple)) and mode else None
+    slices: list[Any] = []
+    if mig:
+        memory, memory_error = None, None
+        slices = _mig_memories(nvml, h)
+        if slices:
+            memory = max(slices, key=lambda m: int(m.total))
+    else:
+        memory, memory_error = _call(nvml, nvml.nvmlDeviceGetMemoryInfo, h)
     cc = _query(nvml, nvml.nvmlDeviceGetCudaComputeCapability, h)
     cc_tuple = (int(cc[0]), int(cc[1])) if cc is not None else None
     # The link's capability, not its idle state: GPUs drop to PCIe gen 1 when idle.
@@ -109,8 +123,23 @@ def _read_gpu(nvml: Any, h: Any, index: int, driver: str | None) -> tuple[GPU, B
         pcie_width=int(width) if width else None,
         power_limit_watts=round(power_mw / 1000, 1) if power_mw else None,
         driver_version=driver,
+        mig=mig,
+        mig_slices=len(slices) if mig else None,
     )
     return gpu, memory_error
+
+
+def _mig_memories(nvml: Any, h: Any) -> list[Any]:
+    """The memory of each MIG device (slice) of a GPU in MIG mode; empty where none exists or can be read."""
+    count = _query(nvml, _optional(nvml, "nvmlDeviceGetMaxMigDeviceCount"), h)
+    memories = []
+    for i in range(count if isinstance(count, int) and count > 0 else MIG_DEVICES_FALLBACK):
+        # NotFound: no MIG device at this index
+        mig = _query(nvml, _optional(nvml, "nvmlDeviceGetMigDeviceHandleByIndex"), h, i)
+        memory = _query(nvml, nvml.nvmlDeviceGetMemoryInfo, mig) if mig is not None else None
+        if memory is not None and int(memory.total) > 0:
+            memories.append(memory)
+    return memories
 
 
 def _read_links(nvml: Any, handles: list[Any], index_start: int) -> list[Link]:
@@ -156,12 +185,20 @@ def _nvlink_active(nvml: Any, h: Any) -> bool:
 
 def _call(nvml: Any, fn: Any, *args: Any) -> tuple[Any, BaseException | None]:
     """Run one NVML call: (its value, None), or (None, the error) where it failed; never raises."""
+    if fn is None:
+        return None, None
     try:
         return fn(*args), None
     except nvml.NVMLError as e:
         return None, e
     except Exception as e:  # ctypes.ArgumentError, UnicodeDecodeError, a binding without the function
         return None, e
+
+
+def _optional(nvml: Any, name: str) -> Any:
+    """A function older bindings lack (the MIG calls came in nvidia-ml-py 11.450): None there, which
+    :func:`_call` answers as not available."""
+    return getattr(nvml, name, None)
 
 
 def _query(nvml: Any, fn: Any, *args: Any) -> Any:

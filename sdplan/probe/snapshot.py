@@ -87,6 +87,7 @@ RULE_CODES = frozenset(
         "links_unknown",
         "visible_devices_none",
         "visible_devices_some",
+        "mig_enabled",
     }
 )
 
@@ -123,6 +124,7 @@ def findings(snapshot: Snapshot) -> tuple[Finding, ...]:
     for rule in (
         _gpu_rules,
         _visible_rules,
+        _mig_rules,
         _torch_rules,
         _amd_rules,
         _precision_rules,
@@ -315,6 +317,43 @@ def _visible_rules(s: Snapshot) -> list[Finding]:
 
 def _gpu_list(gpus: list[GPU] | tuple[GPU, ...]) -> str:
     return ", ".join(f"GPU {g.index} ({g.name or 'unnamed'})" for g in gpus)
+
+
+def _mig_rules(s: Snapshot) -> list[Finding]:
+    """A GPU in MIG mode: CUDA sees its MIG slices, never the whole card, and a process uses one slice."""
+    out: list[Finding] = []
+    for g in s.gpus:
+        if not g.mig:
+            continue
+        off = (
+            f"or train on the whole card: disable MIG with `sudo nvidia-smi -i {g.index} -mig 0` "
+            "(no process may use the GPU; some need a GPU reset)"
+        )
+        name = f"GPU {g.index} ({g.name or 'NVIDIA GPU'})"
+        if g.memory_total_bytes:
+            slices = count_of(g.mig_slices or 1, "MIG slice")
+            out.append(
+                Finding(
+                    "warning",
+                    "mig_enabled",
+                    f"{name} is in MIG mode: CUDA sees its {slices}, not the whole card, and a process "
+                    f"trains on one slice; plans use the largest slice's {_gib(g.memory_total_bytes)}",
+                    "pick the slice to train on with CUDA_VISIBLE_DEVICES=MIG-<uuid> (`nvidia-smi -L` lists "
+                    "them), " + off,
+                )
+            )
+        else:
+            out.append(
+                Finding(
+                    "error",
+                    "mig_enabled",
+                    f"{name} is in MIG mode but has no MIG slice this process can read: CUDA sees no device "
+                    "on it",
+                    "create a GPU instance with its compute instance (`sudo nvidia-smi mig -cgi <profile> -C`; "
+                    "`nvidia-smi mig -lgip` lists the profiles), " + off,
+                )
+            )
+    return out
 
 
 def _torch_rules(s: Snapshot) -> list[Finding]:

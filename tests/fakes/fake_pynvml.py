@@ -12,7 +12,12 @@ runs against it unchanged:
   module keeps nvidia-ml-py 13.615.71's ``NVML_P2P_CAPS_INDEX_READ = (0,)`` tuple, so code that passes that
   constant fails here as it does on a real machine;
 - the current PCIe generation reads 1 (an idle GPU downshifts), the maximum reads the fixture's value;
-- a GPU on an NVLink pair has ``NVLINK_LINKS`` active links (H100 SXM: 18); other GPUs answer NotSupported.
+- a GPU on an NVLink pair has ``NVLINK_LINKS`` active links (H100 SXM: 18); other GPUs answer NotSupported;
+- MIG: ``nvmlDeviceGetMigMode`` answers from the fixture's ``mig`` (null: NotSupported, as a GPU without MIG
+  does); a GPU given slices (``make_module(..., mig={position: [(total, free), ...]})``) is in MIG mode with
+  those MIG devices, ``MIG_DEVICES`` (7) at most: ``nvmlDeviceGetMigDeviceHandleByIndex`` raises NotFound past
+  the last slice and InvalidArgument past 7, and ``nvmlDeviceGetMemoryInfo`` of a MIG handle is its slice's
+  (of the card's handle: the fixture's, NVML's aggregate).
 
 Use :func:`install` (monkeypatch ``sys.modules["pynvml"]``) or :func:`make_module`.
 """
@@ -64,6 +69,9 @@ NVML_P2P_STATUS_CHIPSET_NOT_SUPPORTED = 1
 NVML_P2P_STATUS_GPU_NOT_SUPPORTED = 2
 NVML_P2P_STATUS_NOT_SUPPORTED = 5
 NVLINK_LINKS = 18
+NVML_DEVICE_MIG_DISABLE = 0
+NVML_DEVICE_MIG_ENABLE = 1
+MIG_DEVICES = 7
 
 
 class NVMLError(Exception):
@@ -122,6 +130,14 @@ class _Handle:
         return f"<fake c_nvmlDevice_t {self.index}>"
 
 
+class _MigHandle:
+    def __init__(self, parent: _Handle, slot: int):
+        self.parent, self.slot = parent, slot
+
+    def __repr__(self) -> str:
+        return f"<fake MIG c_nvmlDevice_t {self.parent.index}/{self.slot}>"
+
+
 @dataclass
 class FakeNVML:
     """The state behind one fake module: the fixture's NVIDIA GPUs and links, and every call made."""
@@ -132,6 +148,9 @@ class FakeNVML:
     calls: list[str] = field(default_factory=list)
     init_count: int = 0
     handles: list[_Handle] = field(default_factory=list)
+    mig: dict[int, list[tuple[int, int]]] = field(
+        default_factory=dict
+    )  # GPU position -> its slices' (total, free)
 
     # -- helpers ------------------------------------------------------------------------------------
     def _raise(self, name: str):
@@ -208,6 +227,9 @@ class FakeNVML:
 
     def nvmlDeviceGetMemoryInfo(self, handle: Any, version: Any = None) -> c_nvmlMemory_t:
         self._ready("nvmlDeviceGetMemoryInfo")
+        if isinstance(handle, _MigHandle):
+            self._gpu(handle.parent)
+            return c_nvmlMemory_t(*self.mig[handle.parent.index][handle.slot])
         total = self._field(handle, "memory_total_bytes")
         free = self._gpu(handle)["memory_free_bytes"]
         return c_nvmlMemory_t(total, total if free is None else free)
@@ -251,6 +273,36 @@ class FakeNVML:
             self._raise("INVALID_ARGUMENT")
         return NVML_FEATURE_ENABLED
 
+    def nvmlDeviceGetMigMode(self, device: Any) -> list[int]:
+        self._ready("nvmlDeviceGetMigMode")
+        gpu = self._gpu(device)
+        if device.index in self.mig:
+            return [NVML_DEVICE_MIG_ENABLE, NVML_DEVICE_MIG_ENABLE]
+        if gpu.get("mig") is None:
+            self._raise("NOT_SUPPORTED")
+        mode = NVML_DEVICE_MIG_ENABLE if gpu["mig"] else NVML_DEVICE_MIG_DISABLE
+        return [mode, mode]
+
+    def nvmlDeviceGetMaxMigDeviceCount(self, device: Any) -> int:
+        self._ready("nvmlDeviceGetMaxMigDeviceCount")
+        gpu = self._gpu(device)
+        if device.index not in self.mig and gpu.get("mig") is None:
+            self._raise("NOT_SUPPORTED")
+        return MIG_DEVICES
+
+    def nvmlDeviceGetMigDeviceHandleByIndex(self, device: Any, index: int) -> _MigHandle:
+        self._ready("nvmlDeviceGetMigDeviceHandleByIndex")
+        self._gpu(device)
+        if not isinstance(index, int) or not 0 <= index < MIG_DEVICES:
+            self._raise("INVALID_ARGUMENT")
+        if index >= len(self.mig.get(device.index, [])):
+            self._raise("NOT_FOUND")
+        return _MigHandle(device, index)
+
+    def nvmlDeviceIsMigDeviceHandle(self, device: Any) -> int:
+        self._ready("nvmlDeviceIsMigDeviceHandle")
+        return int(isinstance(device, _MigHandle))
+
     def nvmlDeviceGetP2PStatus(self, device1: Any, device2: Any, p2pIndex: int) -> int:
         self._ready("nvmlDeviceGetP2PStatus")
         if not isinstance(p2pIndex, int):
@@ -268,12 +320,18 @@ class FakeNVML:
 _API = [name for name in vars(FakeNVML) if name.startswith("nvml")]
 
 
-def make_module(machine: dict | str | Path) -> tuple[types.ModuleType, FakeNVML]:
-    """A module named ``pynvml`` answering from a machine fixture (its NVIDIA GPUs), and its state."""
+def make_module(
+    machine: dict | str | Path, *, mig: dict[int, list[tuple[int, int]]] | None = None
+) -> tuple[types.ModuleType, FakeNVML]:
+    """A module named ``pynvml`` answering from a machine fixture (its NVIDIA GPUs), and its state; ``mig``: the
+    GPUs (by position among the NVIDIA ones) in MIG mode, with their MIG slices' (total, free) bytes."""
     data = machine if isinstance(machine, dict) else json.loads(Path(machine).read_text())
     gpus = [g for g in data.get("gpus", []) if g["vendor"] == "nvidia"]
     state = FakeNVML(
-        gpus=gpus, links=list(data.get("links", [])), cuda_driver=data["software"].get("cuda_driver")
+        gpus=gpus,
+        links=list(data.get("links", [])),
+        cuda_driver=data["software"].get("cuda_driver"),
+        mig=dict(mig or {}),
     )
     module = types.ModuleType("pynvml")
     module.__file__ = __file__
@@ -289,7 +347,9 @@ def make_module(machine: dict | str | Path) -> tuple[types.ModuleType, FakeNVML]
     return module, state
 
 
-def install(monkeypatch: Any, machine: dict | str | Path) -> FakeNVML:
-    module, state = make_module(machine)
+def install(
+    monkeypatch: Any, machine: dict | str | Path, *, mig: dict[int, list[tuple[int, int]]] | None = None
+) -> FakeNVML:
+    module, state = make_module(machine, mig=mig)
     monkeypatch.setitem(__import__("sys").modules, "pynvml", module)
     return state
