@@ -1074,6 +1074,19 @@ def test_snapshot_saved_before_cuda_device_order_still_loads():
     assert Snapshot.from_dict(data).env["CUDA_DEVICE_ORDER"] is None
 
 
+def test_gpu_memory_other_processes_hold_is_a_finding():
+    s = load("2x_rtx4090_pcie")
+    busy = replace(s.gpus[1], memory_free_bytes=2 * 2**30)
+    (f,) = [f for f in findings(replace(s, gpus=(s.gpus[0], busy))) if f.code == "gpu_memory_in_use"]
+    assert f.severity == "warning" and f.message.startswith(
+        "GPU 1 (NVIDIA GeForce RTX 4090) had 2.0 GiB free"
+    )
+    assert "nvidia-smi" in f.fix
+    # a display or an idle CUDA context is not worth a word
+    idle = replace(s.gpus[1], memory_free_bytes=s.gpus[1].memory_total_bytes - 2**30)
+    assert not [f for f in findings(replace(s, gpus=(s.gpus[0], idle))) if f.code == "gpu_memory_in_use"]
+
+
 def test_gpu_with_unknown_memory_is_not_usable():
     s = load("t4")
     s = replace(s, gpus=(GPU(index=0, vendor="nvidia", name="Tesla T4"),))

@@ -21,6 +21,10 @@ from sdplan.trainer.dataset_scan import count_of
 RAM_MIN_BYTES = 16 * 10**9
 RAM_COMFORT_BYTES = 32 * 10**9
 DISK_MIN_BYTES = 10 * 10**9
+# GPU memory other processes hold when doctor ran, above which a plan on the whole card may not fit: a desktop's
+# display and an idle CUDA context hold well under 2 GiB (the lent H100's fixture: 0.5 GiB).
+GPU_IN_USE_MIN_BYTES = 2 * 2**30
+GPU_IN_USE_MIN_SHARE = 0.10
 # DeepSpeed's ds_report warns below 512 MB of /dev/shm (field notes section 4); DataLoader workers need it.
 SHM_MIN_BYTES = 512 * 2**20
 # amdgpu recovers from hangs by GPU reset (BACO) from kernel 5.19 (field notes section 1, lunar-diffusion).
@@ -88,6 +92,7 @@ RULE_CODES = frozenset(
         "visible_devices_none",
         "visible_devices_some",
         "mig_enabled",
+        "gpu_memory_in_use",
     }
 )
 
@@ -125,6 +130,7 @@ def findings(snapshot: Snapshot) -> tuple[Finding, ...]:
         _gpu_rules,
         _visible_rules,
         _mig_rules,
+        _busy_rules,
         _torch_rules,
         _amd_rules,
         _precision_rules,
@@ -351,6 +357,28 @@ def _mig_rules(s: Snapshot) -> list[Finding]:
                     "on it",
                     "create a GPU instance with its compute instance (`sudo nvidia-smi mig -cgi <profile> -C`; "
                     "`nvidia-smi mig -lgip` lists the profiles), " + off,
+                )
+            )
+    return out
+
+
+def _busy_rules(s: Snapshot) -> list[Finding]:
+    """GPUs whose memory other processes held when doctor ran: plans count the whole card."""
+    out: list[Finding] = []
+    for g in s.usable_gpus:
+        if g.memory_free_bytes is None or g.memory_total_bytes is None:
+            continue
+        used = g.memory_total_bytes - g.memory_free_bytes
+        if used > max(GPU_IN_USE_MIN_BYTES, GPU_IN_USE_MIN_SHARE * g.memory_total_bytes):
+            out.append(
+                Finding(
+                    "warning",
+                    "gpu_memory_in_use",
+                    f"GPU {g.index} ({g.name or 'unnamed'}) had {_gib(g.memory_free_bytes)} free of "
+                    f"{_gib(g.memory_total_bytes)}: other processes hold {_gib(used)}, and plans count the "
+                    "whole card, so a run started beside them may run out of memory",
+                    "stop the processes holding it (`nvidia-smi` / `amd-smi process` lists them) or train on "
+                    "another GPU",
                 )
             )
     return out
