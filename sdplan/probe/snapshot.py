@@ -453,7 +453,11 @@ def _torch_rules(s: Snapshot) -> list[Finding]:
                         if major
                         else " (runs under CUDA minor-version compatibility; kernels needing PTX JIT can fail)"
                     ),
-                    f"update the NVIDIA driver, or pip install --force-reinstall {_torch_install(s) or 'torch'}",
+                    f"update the NVIDIA driver, or pip install --force-reinstall {_torch_install(s) or 'torch'}"
+                    if major
+                    # this torch runs: another one is no fix, a driver for its CUDA is (for PTX JIT kernels)
+                    else f"nothing to do unless a kernel fails to load; then update the NVIDIA driver to one for "
+                    f"CUDA {sw.cuda_runtime} or newer (keep this torch)",
                 )
             )
     return out
