@@ -28,6 +28,7 @@ from sdplan.registry import (
     METHODS,
     OPTIMIZERS,
     PRECISIONS,
+    legacy_lora_targets,
 )
 from sdplan.registry import method as registry_method
 
@@ -117,7 +118,12 @@ class LoraConfig:
     rank: int = 16
     alpha: float = 16.0
     dropout: float = 0.0
-    target_modules: list[str] = field(default_factory=lambda: ["to_k", "to_q", "to_v", "to_out.0"])
+    # the modules the adapters go on (peft suffixes: a module whose name is one, or ends with "." + one), in any
+    # order (kept sorted); null: the family's default (sdplan.registry.LORA_TARGETS: the UNet's attention
+    # projections, SD3.5's / FLUX.1's diffusers example targets). A file sdplan wrote before null meant that, with
+    # the list [to_k, to_q, to_v, to_out.0] in that order (the default it wrote then), reads as null, as it
+    # trained (read_config_file)
+    target_modules: list[str] | None = None
     text_encoder_target_modules: list[str] = field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "out_proj"]
     )
@@ -280,6 +286,10 @@ _RULES: dict[str, tuple[Any, str]] = {
     "lora.rank": (lambda v: v >= 1, "must be >= 1"),
     "lora.alpha": (lambda v: v > 0, "must be > 0"),
     "lora.dropout": (lambda v: 0 <= v < 1, "must be in [0, 1)"),
+    "lora.target_modules": (
+        lambda v: v is None or (bool(v) and all(t.strip() for t in v)),
+        "must name at least one module, or be null (the family's default)",
+    ),
     "dreambooth.num_class_images": (lambda v: v >= 0, "must be >= 0"),
     "dreambooth.prior_loss_weight": (lambda v: v >= 0, "must be >= 0"),
     "textual_inversion.num_vectors": (lambda v: v >= 1, "must be >= 1"),
@@ -360,6 +370,10 @@ def validate(data: Any, source: str = "config") -> TrainConfig:
         _cross_checks(cfg, errors)
         if cfg.training.learning_rate is None and cfg.method in METHODS:
             cfg.training.learning_rate = registry_method(cfg.method).learning_rate
+        # a set of modules: sorted, each once (never the old default's order, which a file reads as null:
+        # read_config_file)
+        if cfg.lora.target_modules is not None:
+            cfg.lora.target_modules = sorted(set(cfg.lora.target_modules))
     if errors:
         raise ConfigError(source, errors)
     return cfg
@@ -890,12 +904,13 @@ def _override_value(key: str, raw: str) -> tuple[Any, str | None]:
         return raw, None
     if tp is not None:  # YAML 1.1 reads 3e-4 (no dot) as text: the number it is (in a list of them too)
         value = _coerce_float(value, tp)
-    if tp == list[str] and isinstance(value, str):  # a comma in it may separate items or be part of one
+    listed = tp == list[str] or list[str] in args  # lora.target_modules: a list or null
+    if listed and isinstance(value, str):  # a comma in it may separate items or be part of one
         return (
             value,
             f"{key}: takes a list: write it as {key}='[first, second]' (quote an item that holds ', ')",
         )
-    if tp == list[str] and isinstance(value, list) and not all(isinstance(v, str) for v in value):
+    if listed and isinstance(value, list) and not all(isinstance(v, str) for v in value):
         return value, (
             f"{key}: an item is not text as YAML reads it ({next(v for v in value if not isinstance(v, str))!r}); "
             f'quote the items, e.g. {key}=\'["a cat: 1.2", "a dog, b"]\''
@@ -1085,9 +1100,33 @@ def read_config_file(path: Path) -> Any:
     """A user's config file as data (keys given twice refused); ConfigError when missing or not YAML."""
     require_file(path)
     try:
-        return yaml.load(path.read_text(), Loader=_UniqueKeyLoader)  # a SafeLoader: no arbitrary objects
+        data = yaml.load(path.read_text(), Loader=_UniqueKeyLoader)  # a SafeLoader: no arbitrary objects
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
         raise ConfigError(str(path), [yaml_problem(e)]) from None
+    return old_default_read(data)
+
+
+def _pinned_targets_sorted(data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` with a pinned lora.target_modules sorted, each once, as :func:`validate` keeps it: a file sdplan
+    writes never holds the old default's order, which :func:`old_default_read` reads as null."""
+    lora = data.get("lora")
+    targets = lora.get("target_modules") if isinstance(lora, dict) else None
+    if isinstance(targets, list) and all(isinstance(t, str) for t in targets):
+        data = {**data, "lora": {**lora, "target_modules": sorted(set(targets))}}
+    return data
+
+
+def old_default_read(data: Any) -> Any:
+    """Config data as written: lora.target_modules [to_k, to_q, to_v, to_out.0], in that order, is null (the
+    family's default), the default every sdplan.yaml held before null meant it, and what it trained there on
+    every family (an SD3.5 / FLUX.1 LoRA their LORA_TARGETS); sdplan now writes a pinned list sorted
+    (:func:`validate`), never in that order. A key=value setting is read as it is (a pin of those four)."""
+    lora = data.get("lora") if isinstance(data, dict) else None
+    if isinstance(lora, dict) and "target_modules" in lora:
+        targets = legacy_lora_targets(lora["target_modules"])
+        if targets is not lora["target_modules"]:
+            data = {**data, "lora": {**lora, "target_modules": targets}}
+    return data
 
 
 def load(path: str | Path, overrides: list[str] | None = None) -> TrainConfig:
@@ -1112,6 +1151,7 @@ def yaml_problem(e: Exception) -> str:
 def to_yaml(data: dict[str, Any] | TrainConfig, header: str | None = None) -> str:
     if isinstance(data, TrainConfig):
         data = data.to_dict()
+    data = _pinned_targets_sorted(data)
     body = yaml.safe_dump(data, sort_keys=False, default_flow_style=False, allow_unicode=True)
     if header:
         # a comment cannot escape: a character YAML does not allow in a file (a lone surrogate, as Python reads a

@@ -43,7 +43,14 @@ from sdplan.launch import (
 from sdplan.plan_chart import FILE_NAME as PLAN_CHART_FILE
 from sdplan.planner import format_duration
 from sdplan.probe.software import importable
-from sdplan.registry import FAMILIES, FLOW_FAMILIES, FULL_METHODS, family_from_name
+from sdplan.registry import (
+    FAMILIES,
+    FLOW_FAMILIES,
+    FULL_METHODS,
+    family_from_name,
+    legacy_lora_targets,
+    lora_targets,
+)
 from sdplan.settings import (
     FAMILY_SETTING,
     OFFLOAD,
@@ -52,6 +59,7 @@ from sdplan.settings import (
     Settings,
     get_key,
     settings_data,
+    weight_setting,
 )
 from sdplan.steps import bucketed_batches, plan_steps, repeated_batches, repeated_batches_text
 from sdplan.trainer.dataset_scan import count_of
@@ -2321,6 +2329,13 @@ def setting_text(value: Any) -> str:
     return C.yaml_quoted(value) if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
 
 
+def _shown(key: str, value: Any, family: str | None) -> str:
+    """A setting's value in a resume check's message: lora.target_modules null with the modules it means."""
+    if key == "lora.target_modules" and value is None:
+        return f"null (the family's default: {', '.join(lora_targets(family, None))})"
+    return repr(value)
+
+
 def check_settings(
     old: dict[str, Any],
     new: dict[str, Any],
@@ -2336,12 +2351,19 @@ def check_settings(
     ``what`` starts the line, ``where`` names where the old value is, ``fix`` is formatted with ``key``,
     ``value`` (the old value, as a key=value sets it) and ``with_it``; ``subject`` says what was trained with /
     holds the old value."""
+    # lora.target_modules compared as the modules it adapts, on the family the checkpoint records (else the
+    # config's): [to_q, to_k] is [to_k, to_q], and null the family's default
+    family = get_key(old, FAMILY_SETTING) or get_key(new, FAMILY_SETTING)
     for key in WEIGHT_SETTINGS:
         if key in skip:
             continue
-        if (was := get_key(old, key)) != (now := get_key(new, key)):
+        if weight_setting(old, key, family) != weight_setting(new, key, family):
+            was, now = get_key(old, key), get_key(new, key)
+            if key == "lora.target_modules":  # the old default list: null, as it trained (and as set again)
+                was = legacy_lora_targets(was)
             raise UsageError(
-                f"{what}: {key} is {was!r} in {where}, {now!r} here; {subject[0]} trained with the first",
+                f"{what}: {key} is {_shown(key, was, family)} in {where}, {_shown(key, now, family)} here; "
+                f"{subject[0]} trained with the first",
                 fix=fix.format(key=key, value=setting_text(was), with_it=""),
             )
     if (change := unloadable_change(old, new)) is not None:

@@ -374,8 +374,9 @@ _CONV_TARGETS = frozenset(LORA_TARGETS_LOCON) - frozenset(LORA_TARGETS_KOHYA)
 
 def lora_target_set(s: Settings) -> str:
     """'attn' (attention projections), 'attn_ff' (+ feed-forward and proj_in/out) or 'attn_ff_conv' (+ the
-    ResNet and resampler convs) for a LoRA's target modules; None (the config default) is 'attn'."""
-    targets = set(s.lora_targets or ())
+    ResNet and resampler convs) for a LoRA's target modules; None (the family's default, the UNet's attention
+    projections: registry.lora_targets) is 'attn'."""
+    targets = set(registry.lora_targets(s.model, s.lora_targets))
     if targets & _CONV_TARGETS:
         return "attn_ff_conv"
     if targets & _FF_TARGETS:
@@ -4965,6 +4966,9 @@ def _comm_text(profiles: Profiles, s: Settings, link: str) -> str:
 def _settings_dict(s: Settings) -> dict[str, Any]:
     d = asdict(s)
     d["lora_targets"] = list(s.lora_targets) if s.lora_targets is not None else None
+    # the modules the LoRA adapts (lora.target_modules, or the family's default where it is null): what the
+    # trainer trains and the plan charges
+    d["lora_modules"] = list(registry.lora_targets(s.model, s.lora_targets)) if s.method == "lora" else None
     return d
 
 
@@ -5013,6 +5017,8 @@ def result_dict(res: Result) -> dict[str, Any]:
             "peak_vram_basis": res.peak_basis,
             "within_upper_bound": res.within_upper_bound,
             "ram_bytes": int(res.memory.ram),
+            # the parameters that train (a LoRA: its adapters on settings.lora_modules)
+            "trainable_params": int(res.memory.trainable_params),
             "seconds": None if res.seconds is None else round(res.seconds, 1),
             "seconds_range": _rng(res.seconds_range, 1),
             # of ``seconds``: sampling DreamBooth's missing class images and the sample grids
@@ -5205,7 +5211,9 @@ def _transformer_linears(model: ModelSpec) -> list[tuple[str, int, int, int]]:
 
 
 def _lora_linears(model: ModelSpec, s: Settings) -> tuple[tuple[str, int, int, int], ...]:
-    targets = tuple(s.lora_targets or model.lora_target_modules)
+    targets = registry.lora_targets(
+        s.model, s.lora_targets
+    )  # what the trainer adapts (trainer/recipes/lora.py)
     # peft matches a target by the module name's suffix; single-stream blocks' attn.to_q/k/v match attn.to_*
     return _per_model(
         model,
@@ -5220,7 +5228,7 @@ def _lora_linears(model: ModelSpec, s: Settings) -> tuple[tuple[str, int, int, i
 
 def flow_lora_params(model: ModelSpec, s: Settings) -> int:
     """LoRA parameters on a transformer: rank x (in + out) per adapted Linear, from the config's shapes."""
-    targets = tuple(s.lora_targets or model.lora_target_modules)
+    targets = registry.lora_targets(s.model, s.lora_targets)
     per_rank = _per_model(
         model, ("lora per rank", targets), lambda: sum(c * (i + o) for _, i, o, c in _lora_linears(model, s))
     )

@@ -41,6 +41,7 @@ from sdplan.registry import (
     OPTIMIZERS,
     PLANNED_FAMILIES,
     PRECISIONS,
+    lora_targets,
     not_planned,
 )
 from sdplan.settings import Settings
@@ -1287,6 +1288,13 @@ def load_model(path: Path) -> ModelSpec:
         for key in ("scheduler", "transformer_text_tokens", "lora_target_modules", "buffers", "sources"):
             if key not in d:
                 errors.append(f"{key}: missing")
+        # the targets the parameter counts were computed for (scripts/compute_activations.py): those the planner
+        # charges and the trainer trains where lora.target_modules is null (sdplan.registry.LORA_TARGETS)
+        want = lora_targets(d["family"], None)
+        if "lora_target_modules" in d and set(d["lora_target_modules"]) != set(want):
+            errors.append(
+                f"lora_target_modules: must be the family's default LoRA targets, {', '.join(want)}"
+            )
         for i, te in enumerate(d["text_encoders"]):
             if "max_length" not in te:
                 errors.append(f"text_encoders[{i}].max_length: missing")

@@ -696,6 +696,8 @@ def trainer_config(
     for key in ("learning_rate", "text_encoder_learning_rate"):
         if data["training"].get(key) is None:
             data["training"][key] = getattr(cfg.training, key)
+    # a pinned lora.target_modules as train reads it (sorted, each once: the modules it names, in any order)
+    data["lora"]["target_modules"] = cfg.lora.target_modules
     return data
 
 

@@ -75,6 +75,11 @@ class Family:
         """The planner plans ``method`` for this family."""
         return self.methods is None or method in self.methods
 
+    @property
+    def default_lora_targets(self) -> tuple[str, ...]:
+        """The modules a LoRA of this family adapts where lora.target_modules is null."""
+        return LORA_TARGETS[self.arch]
+
 
 OPTIMIZERS = ("adamw", "adamw8bit", "adafactor")  # what the trainer runs and the planner searches over
 # what the planner's memory and time model can predict (users' picks in kohya / OneTrainer / SimpleTuner);
@@ -82,6 +87,46 @@ OPTIMIZERS = ("adamw", "adamw8bit", "adafactor")  # what the trainer runs and th
 MODELLED_OPTIMIZERS = (*OPTIMIZERS, "prodigy", "dadaptation", "lion", "lion8bit")
 PRECISIONS = ("fp32", "fp16", "bf16")
 FLOW_METHODS = ("lora", "finetune", "dreambooth")  # what the SD3.5 / FLUX.1 families train (trainer/flow.py)
+
+# A LoRA's targets where lora.target_modules is null (peft suffixes: a module is adapted where its name is one or
+# ends with "." + one): the one table the planner (planner.flow_lora_params, lora_target_set) and the trainer
+# (trainer/recipes/lora.py) both read, through :func:`lora_targets`. SD 1.x/2.x/SDXL: the UNet's attention
+# projections (diffusers' train_text_to_image_lora.py). SD3.5 and FLUX.1: the diffusers dreambooth examples'
+# defaults for --lora_layers (profiles/models/<family>.yaml lora_target_modules cites them): SD3.5 the joint
+# attention's image and context projections (``attn.*``, not MMDiT-X's ``attn2``); FLUX the same plus the double
+# blocks' feed-forwards (the single blocks' ``attn.to_q/k/v`` match too, as in the example).
+UNET_LORA_TARGETS = ("to_k", "to_q", "to_v", "to_out.0")
+LORA_TARGETS = {
+    "unet": UNET_LORA_TARGETS,
+    "mmdit": (
+        "attn.add_k_proj",
+        "attn.add_q_proj",
+        "attn.add_v_proj",
+        "attn.to_add_out",
+        "attn.to_k",
+        "attn.to_out.0",
+        "attn.to_q",
+        "attn.to_v",
+    ),
+    "flux": (
+        "attn.to_k",
+        "attn.to_q",
+        "attn.to_v",
+        "attn.to_out.0",
+        "attn.add_k_proj",
+        "attn.add_q_proj",
+        "attn.add_v_proj",
+        "attn.to_add_out",
+        "ff.net.0.proj",
+        "ff.net.2",
+        "ff_context.net.0.proj",
+        "ff_context.net.2",
+    ),
+}
+# lora.target_modules as sdplan wrote it before null meant "the family's default" (its default then, written
+# into every sdplan.yaml and checkpoint): it meant the family's default on every family (an SD3.5 / FLUX.1 run
+# trained LORA_TARGETS under it), and reads so (:func:`legacy_lora_targets`)
+OLD_DEFAULT_LORA_TARGETS = list(UNET_LORA_TARGETS)
 # storage of a frozen transformer base's Linear weights (LoRA on SD3.5 / FLUX.1): bf16, float8 (e4m3, per-tensor
 # scale) or bitsandbytes 4-bit NormalFloat; bytes and hardware rules in sdplan.planner.BASE_PRECISION_BYTES
 BASE_PRECISIONS = ("bf16", "fp8", "nf4")
@@ -243,6 +288,32 @@ def _lookup(kind: str, name: str, entries):
     close = difflib.get_close_matches(str(name), names, n=1)
     hint = f"did you mean {close[0]}? " if close else ""
     raise UsageError(f"unknown {kind} {name!r}", fix=f"{hint}one of: {', '.join(names)}")
+
+
+def lora_targets(family_name: str | None, targets: list[str] | tuple[str, ...] | None) -> tuple[str, ...]:
+    """The modules a LoRA of ``family_name`` adapts under ``lora.target_modules`` = ``targets``: null (None) the
+    family's default (:data:`LORA_TARGETS`; an unknown or undetected family: the UNet's), a list exactly the
+    modules it names, in any order (sorted, each once: peft matches them as a set). What the planner charges
+    and the trainer trains."""
+    if targets is None:
+        fam = _find(family_name)
+        return fam.default_lora_targets if fam is not None else UNET_LORA_TARGETS
+    return tuple(sorted(set(targets)))
+
+
+def legacy_lora_targets(targets: object) -> object:
+    """lora.target_modules as read from an sdplan.yaml or a checkpoint's record: the list sdplan wrote as its
+    default before null meant the family's default (:data:`OLD_DEFAULT_LORA_TARGETS`, in that order) is null,
+    which it meant there on every family; anything else as it is. sdplan no longer writes that list in that
+    order (the config keeps a pinned list sorted: sdplan.config.validate)."""
+    return None if targets == OLD_DEFAULT_LORA_TARGETS else targets
+
+
+def _find(name: str | None) -> Family | None:
+    try:
+        return family(name) if name else None
+    except UsageError:
+        return None
 
 
 def family_from_name(model: str) -> str | None:

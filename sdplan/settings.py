@@ -12,7 +12,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from sdplan import config as C
-from sdplan.registry import FULL_METHODS
+from sdplan.registry import FULL_METHODS, legacy_lora_targets, lora_targets
 
 DEFAULT_LORA_RANK = C.LoraConfig().rank
 # the DeepSpeed settings the planner considers: ZeRO-2 with the optimizer on the CPU (any GPU count), and ZeRO-2
@@ -101,7 +101,9 @@ class Settings:
     ema_every: int = 1
     lora_rank: int | None = None  # LoRA only (None elsewhere; LoRA's default 16)
     lora_alpha: float | None = None  # LoRA only; None: the config's default
-    lora_targets: tuple[str, ...] | None = None  # LoRA only; None: the config's default
+    # LoRA only: lora.target_modules, sorted, each once; None: the family's default (sdplan.registry.lora_targets),
+    # which a list naming just those modules is too
+    lora_targets: tuple[str, ...] | None = None
     prior_preservation: bool = False
     fused_backward: bool = False
     full_half_weights: bool = False  # trained weights and gradients in bf16 too (kohya --full_bf16)
@@ -123,7 +125,9 @@ class Settings:
             for name in ("lora_rank", "lora_alpha", "lora_targets"):
                 object.__setattr__(self, name, None)
         if self.lora_targets is not None:
-            object.__setattr__(self, "lora_targets", tuple(self.lora_targets))
+            targets = lora_targets(self.model, self.lora_targets)
+            default = set(lora_targets(self.model, None))
+            object.__setattr__(self, "lora_targets", None if set(targets) == default else targets)
         if self.gpu_ids is not None:
             object.__setattr__(self, "gpu_ids", tuple(self.gpu_ids))
 
@@ -306,6 +310,17 @@ def checkpoint_settings(data: dict[str, Any]) -> dict[str, Any]:
     ``settings``): each of :data:`WEIGHT_SETTINGS` and :data:`STATE_SETTINGS` by its dotted key, so a run that
     starts from the checkpoint is checked against the settings it was made with, wherever it was copied."""
     return {key: get_key(data, key) for key in (*WEIGHT_SETTINGS, *STATE_SETTINGS)}
+
+
+def weight_setting(data: dict[str, Any], key: str, family: str | None) -> Any:
+    """The value of a :data:`WEIGHT_SETTINGS` key of config data as the trained weights depend on it:
+    lora.target_modules as the modules it adapts on ``family`` (sdplan.registry.lora_targets: in any order;
+    null, or the old default list a checkpoint or sdplan.yaml of an earlier sdplan holds, the family's default),
+    the others as they are."""
+    value = get_key(data, key)
+    if key == "lora.target_modules" and (value is None or isinstance(value, list)):
+        return sorted(lora_targets(family, legacy_lora_targets(value)))
+    return value
 
 
 def settings_data(settings: dict[str, Any]) -> dict[str, Any]:

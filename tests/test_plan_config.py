@@ -215,9 +215,11 @@ def test_settings_round_trip_through_sdplan_yaml_and_profile_points():
     assert Settings.from_config(data) == s
     assert Settings.from_profile("finetune", s.profile_fields()) == s
     lora = Settings(method="lora", model="sd15", resolution=512, lora_rank=32, lora_alpha=16.0)
-    assert Settings.from_config(C.merge(C.default_config(), lora.to_config())) == dataclasses.replace(
-        lora, lora_targets=tuple(C.LoraConfig().target_modules)
-    )
+    # lora.target_modules null: the family's default, as the Settings' None
+    assert Settings.from_config(C.merge(C.default_config(), lora.to_config())) == lora
+    pinned = dataclasses.replace(lora, lora_targets=("to_v", "to_q"))
+    assert pinned.lora_targets == ("to_q", "to_v")
+    assert Settings.from_config(C.merge(C.default_config(), pinned.to_config())) == pinned
 
 
 # -- key=value settings: `sdplan train` plans around them as `sdplan recommend` plans around pins ------------

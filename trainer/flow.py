@@ -63,38 +63,6 @@ FAMILY_SETTINGS = {
     "flux": FlowSettings(weighting="none", guidance_scale=1.0),
 }
 
-# LoRA targets (peft suffixes) when the config keeps the UNet default: the diffusers examples' defaults for
-# --lora_layers. SD3.5: the joint attention's image and context projections (``attn.*``, not MMDiT-X's
-# ``attn2``). FLUX: the same plus the double blocks' feed-forwards; the single blocks' attention
-# (``attn.to_q/k/v``) matches too, as in the example.
-LORA_TARGETS = {
-    "mmdit": [
-        "attn.add_k_proj",
-        "attn.add_q_proj",
-        "attn.add_v_proj",
-        "attn.to_add_out",
-        "attn.to_k",
-        "attn.to_out.0",
-        "attn.to_q",
-        "attn.to_v",
-    ],
-    "flux": [
-        "attn.to_k",
-        "attn.to_q",
-        "attn.to_v",
-        "attn.to_out.0",
-        "attn.add_k_proj",
-        "attn.add_q_proj",
-        "attn.add_v_proj",
-        "attn.to_add_out",
-        "ff.net.0.proj",
-        "ff.net.2",
-        "ff_context.net.0.proj",
-        "ff_context.net.2",
-    ],
-}
-UNET_LORA_DEFAULT = ["to_k", "to_q", "to_v", "to_out.0"]  # sdplan.config.LoraConfig's default
-
 
 # -- the objective ----------------------------------------------------------------------------------------
 
@@ -288,10 +256,6 @@ class FlowAdapter:
 
     def objective(self, noise_scheduler) -> FlowMatchingObjective:
         return FlowMatchingObjective(noise_scheduler, self.settings)
-
-    def lora_targets(self, targets: list[str]) -> list[str]:
-        """The config's LoRA targets, or this family's when the config keeps the UNet default."""
-        return list(LORA_TARGETS[self.family.arch]) if list(targets) == UNET_LORA_DEFAULT else list(targets)
 
     def conditioning(self, recipe, batch: dict):
         """(prompt_embeds, pooled) of a batch, from the text cache when there is one."""

@@ -11,6 +11,8 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+from sdplan import registry
+
 from .. import export, runtime
 from ..checkpoint import unwrap
 from ..loop import Ema, Recipe
@@ -24,9 +26,10 @@ class LoRA(Recipe):
 
         self.place_models()
         torch.manual_seed(self.cfg.training.seed)  # every process starts from the same adapters
-        lcfg = self.cfg.lora
-        if self.adapter is not None:  # SD3.5/FLUX: the family's targets unless the config names its own
-            lcfg = dataclasses.replace(lcfg, target_modules=self.adapter.lora_targets(lcfg.target_modules))
+        # exactly the modules lora.target_modules names, in any order; null: the family's default (the UNet's
+        # attention, SD3.5's / FLUX.1's diffusers example targets): what the planner charged
+        targets = registry.lora_targets(self.comps.family, self.cfg.lora.target_modules)
+        lcfg = dataclasses.replace(self.cfg.lora, target_modules=list(targets))
         self.trained = runtime.add_lora_adapters(
             self.unet, self.text_encoders, lcfg, self.cfg.training.train_text_encoder
         )
