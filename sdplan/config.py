@@ -566,34 +566,34 @@ TURNS_ON = {"memory.cache_latents_to_disk": "memory.cache_latents"}
 def implied_settings(overrides) -> list[str]:
     """The key=value settings with the switches they turn on (:data:`TURNS_ON`) added where not given."""
     items = list(overrides)
-    keys = set(override_keys(items))
-    for item in list(items):
-        key, _, raw = item.partition("=")
-        switch = TURNS_ON.get(key.strip())
-        if switch and switch not in keys and _true(raw):
+    given = _given_values(items)
+    for key, switch in TURNS_ON.items():
+        if given.get(key) is True and switch not in given:
             items.append(f"{switch}=true")
     return items
 
 
-def _true(raw: str) -> bool:
-    try:
-        return yaml.safe_load(raw) is True
-    except yaml.YAMLError:
-        return False
-
-
-def _given_leaves(overrides) -> list[str]:
-    """The sdplan.yaml keys that key=value settings set, a whole section (``ema={device: gpu}``) as its keys."""
-    keys = []
+def _given_values(overrides) -> dict[str, Any]:
+    """The sdplan.yaml keys that key=value settings set and their values as YAML reads them (None where it
+    cannot), a whole section (``ema={device: gpu}``) as its keys."""
+    given: dict[str, Any] = {}
     for item in overrides:
         key, _, raw = item.partition("=")
         key = key.strip()
         try:
-            value = yaml.safe_load(raw) if "." not in key else None
+            value = yaml.safe_load(raw)
         except yaml.YAMLError:
             value = None
-        keys += [f"{key}.{sub}" for sub in value] if isinstance(value, dict) else [key]
-    return list(dict.fromkeys(keys))
+        if "." not in key and isinstance(value, dict):
+            given.update({f"{key}.{sub}": v for sub, v in value.items()})
+        else:
+            given[key] = value
+    return given
+
+
+def _given_leaves(overrides) -> list[str]:
+    """The sdplan.yaml keys that key=value settings set, a whole section (``ema={device: gpu}``) as its keys."""
+    return list(_given_values(overrides))
 
 
 def switched_setting_problems(cfg: TrainConfig, overrides) -> list[str]:
@@ -1152,7 +1152,7 @@ def to_yaml(data: dict[str, Any] | TrainConfig, header: str | None = None) -> st
     if isinstance(data, TrainConfig):
         data = data.to_dict()
     data = _pinned_targets_sorted(data)
-    body = yaml.safe_dump(data, sort_keys=False, default_flow_style=False, allow_unicode=True)
+    body = yaml.dump(data, Dumper=_Dumper, sort_keys=False, default_flow_style=False, allow_unicode=True)
     if header:
         # a comment cannot escape: a character YAML does not allow in a file (a lone surrogate, as Python reads a
         # Latin-1 file name; DEL; other controls) is written as its escape's text, not left to make the file
@@ -1164,6 +1164,19 @@ def to_yaml(data: dict[str, Any] | TrainConfig, header: str | None = None) -> st
 
 # the characters YAML 1.1 allows in a stream (PyYAML's reader.NON_PRINTABLE, and line breaks): anything else
 _NOT_YAML_PRINTABLE = re.compile("[^\x09\x0a\x0d\x20-\x7e\x85\xa0-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
+
+
+class _Dumper(yaml.SafeDumper):
+    """PyYAML's safe dumper, but a text holding a character it mishandles is double-quoted: it writes NEL (U+0085)
+    raw in a single-quoted scalar, which reads back as a space (a path with one then named another folder)."""
+
+
+def _represent_text(dumper: yaml.SafeDumper, text: str):
+    style = '"' if _NOT_YAML_PRINTABLE.search(text) or "\x85" in text else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", text, style=style)
+
+
+_Dumper.add_representer(str, _represent_text)
 
 
 def yaml_quoted(text: str) -> str:

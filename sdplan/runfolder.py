@@ -80,6 +80,19 @@ def _names(value: Any) -> set[str]:
     return {e for e in value if isinstance(e, str) and "/" not in e} if isinstance(value, list) else set()
 
 
+def enclosing_run(path: Path) -> Path | None:
+    """The sdplan run or plan folder ``path`` lies in at any depth, by its name or where a link leads: a folder
+    with a manifest or a lock, or (a run from before the manifest) a trainer checkpoint's state in its
+    checkpoints/; None outside any."""
+    for where in dict.fromkeys((Path(os.path.abspath(path)), Path(path).resolve())):
+        for folder in where.parents:
+            if (folder / MANIFEST_FILE).exists() or (folder / LOCK_FILE).exists():
+                return folder
+            if any((folder / "checkpoints").glob("*/train_state.json")):
+                return folder
+    return None
+
+
 def owned(out: Path) -> set[str]:
     """Top-level names in ``out`` that sdplan recorded as its own (empty without a readable manifest)."""
     return _names(_manifest(out).get("entries"))

@@ -114,4 +114,7 @@ def print_undecodable_names() -> None:
     the line). It prints as that escape's text instead."""
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(AttributeError, ValueError, OSError):
-            stream.reconfigure(errors="backslashreplace")
+            if (
+                getattr(stream, "errors", None) == "strict"
+            ):  # the C locale's surrogateescape prints the real bytes
+                stream.reconfigure(errors="backslashreplace")

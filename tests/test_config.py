@@ -423,3 +423,22 @@ def test_sampling_steps_past_the_schedule_are_refused_before_the_run():
     with pytest.raises(config.ConfigError, match="sampling.num_inference_steps: must be between 1 and 999"):
         config.validate({"method": "lora", "sampling": {"num_inference_steps": 1000}})
     assert config.validate({"method": "lora", "sampling": {"num_inference_steps": 999}})
+
+
+def test_a_written_config_reads_back_every_text_as_written():
+    """PyYAML wrote NEL (U+0085) raw in a single-quoted scalar, which reads back as a space: a dataset folder with
+    one in its name was "does not exist" to the trainer. A lone surrogate (a Latin-1 file name) and DEL too."""
+    data = {"data": {"path": "/tmp/nel\x85dir", "other": ["caf\udce9", "del\x7f", "plain", "x\u2028y"]}}
+    assert yaml.safe_load(config.to_yaml(data, header="run: /tmp/nel\x85dir caf\udce9")) == data
+
+
+@pytest.mark.parametrize(
+    "given",
+    [["memory.cache_latents_to_disk=true"], ["memory={cache_latents_to_disk: true}"]],
+)
+def test_latents_cached_to_disk_imply_latent_caching_in_either_form(given):
+    assert config.implied_settings(given) == [*given, "memory.cache_latents=true"]
+    assert config.implied_settings([*given, "memory.cache_latents=false"]) == [
+        *given,
+        "memory.cache_latents=false",
+    ]

@@ -227,13 +227,23 @@ def test_save_round_trips_and_refuses_to_overwrite(run, tmp_path):
 
 
 def test_save_never_writes_over_a_runs_files(run, tmp_path):
-    """`--save RUN/sdplan.yaml --force` replaced a run's settings with a JSON snapshot."""
+    """`--save RUN/sdplan.yaml --force` replaced a run's settings with a JSON snapshot; so did --save onto its
+    manifest, a checkpoint's state, or a link to one of them."""
     from sdplan import runfolder
 
-    runfolder.write_files(tmp_path, {"sdplan.yaml": "method: lora\n"})
-    said = run("--machine", str(MACHINES / "t4.json"), "--save", str(tmp_path / "sdplan.yaml"), "--force")
-    assert said.exit_code == 3 and "is a file of the sdplan run in" in said.stderr, said.output
-    assert (tmp_path / "sdplan.yaml").read_text() == "method: lora\n"
+    folder = tmp_path / "run"
+    runfolder.write_files(folder, {"sdplan.yaml": "method: lora\n"})
+    state = folder / "checkpoints" / "step-000002" / "train_state.json"
+    state.parent.mkdir(parents=True)
+    state.write_text("{}")
+    (tmp_path / "link.json").symlink_to(folder / "sdplan.yaml")
+    for path in (folder / "sdplan.yaml", folder / runfolder.MANIFEST_FILE, state, tmp_path / "link.json"):
+        before = path.read_bytes()
+        said = run("--machine", str(MACHINES / "t4.json"), "--save", str(path), "--force")
+        assert said.exit_code == 3 and "is a file of the sdplan run in" in said.stderr, said.output
+        assert path.read_bytes() == before
+    # a new file beside them is the user's to write
+    assert run("--machine", str(MACHINES / "t4.json"), "--save", str(folder / "machine.json")).exit_code == 0
 
 
 def test_save_into_missing_folder_is_one_line(run, tmp_path):

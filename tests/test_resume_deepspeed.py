@@ -29,7 +29,13 @@ pytestmark = [pytest.mark.slow, pytest.mark.train, trains_in_process]
 
 # 8 images x 2 epochs = 16, batch 2: 4 steps/epoch on one process, 2 on two. A decaying rate: DeepSpeed's load
 # wrote the checkpoint's decayed rate into the groups the resume read its configured rates from (5x too low).
-OPTS = ("training.max_steps=null", "training.epochs=2", "training.lr_scheduler=linear")
+# With warmup: a group's rate is the schedule's step-0 value (0), which the resume took as the configured rate.
+OPTS = (
+    "training.max_steps=null",
+    "training.epochs=2",
+    "training.lr_scheduler=linear",
+    "training.lr_warmup_steps=2",
+)
 DEEPSPEED = ("distributed.deepspeed.zero_stage=2", "distributed.deepspeed.offload_optimizer=true")
 
 

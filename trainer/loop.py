@@ -620,10 +620,10 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
             # the sampler cuts an epoch into batches, then shuffles the batches (trainer/buckets.py): at another
             # micro-batch the epoch's order differs, so the batches skipped are not the images the checkpoint
             # trained (a known limit: up to 8 of 40 images left out of that epoch at batch 4 -> 2)
-            redrawn = (
+            redrawn = (  # (a position rounded down to the epoch's start trains the epoch's images again, all)
                 saved.batch_size != tcfg.batch_size
                 and moved.epoch == saved.epoch
-                and saved.batches_in_epoch > 0
+                and moved.batches_in_epoch > 0
             )
             if redrawn:
                 trained_again = (
@@ -708,9 +708,10 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
         started=t0,
     )
     if resume_from is not None:
-        # this run's rates, read before the load: DeepSpeed's load writes the checkpoint's (its schedule's decayed
-        # rates, and another process count's) into these same group dicts
-        configured = [g["lr"] for g in groups]
+        # this run's rates, as its schedule took them at its start (a group's "lr" is the schedule's value at step
+        # 0 there, 0 under warmup), read before the load: DeepSpeed's load writes the checkpoint's (its schedule's
+        # decayed rates, and another process count's) into the optimizer's group dicts
+        configured = list(lr_scheduler.base_lrs)
         ckpt.load(resume_from, plan, len(batches))
         if ema is not None:
             ema.model.to(ema.device, torch.float32)  # loaded on the CPU (fp32: see Ema)

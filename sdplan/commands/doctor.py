@@ -59,10 +59,12 @@ def doctor(
             )
         from sdplan import runfolder
 
-        if save.name in runfolder.owned(save.parent):  # --force or not: a run's sdplan.yaml, its summary, ...
+        run = runfolder.enclosing_run(save)
+        if run is not None and (
+            save.exists() or save.is_symlink()
+        ):  # --force or not: its settings, checkpoints
             raise OutputExistsError(
-                f"{save} is a file of the sdplan run in {save.parent}",
-                fix="--save the snapshot to another file",
+                f"{save} is a file of the sdplan run in {run}", fix="--save the snapshot to another file"
             )
         if save.exists() and not force:
             raise OutputExistsError(f"{save} already exists", fix="pass --force to overwrite it")

@@ -60,7 +60,8 @@ def train(
     ] = None,
     resolution: Annotated[int | None, typer.Option(min=64, help="Training resolution in pixels.")] = None,
     epochs: Annotated[
-        int | None, typer.Option(min=1, help="Passes over the dataset (with its repeats; default 10).")
+        int | None,
+        typer.Option(min=1, help="Passes over the dataset (with its repeats; default 10, the demo's 2)."),
     ] = None,
     gpus: Annotated[
         int | None,
