@@ -1642,11 +1642,11 @@ def prepare(req: TrainRequest, ui: UI) -> Prepared:
             )
         # the trainer's own check, before anything is written: every checkpoint damaged was refused by the
         # trainer after the run's sdplan.yaml had taken the new settings (sizes and sha256, sampled above 2 GiB)
-        resolve_resume("latest", out, say=lambda line: None)  # the trainer says which it skips
+        found = resolve_resume("latest", out, say=lambda line: None)  # the trainer says which it skips
         resume = "latest"
         saved = C.validate(base, source=source)
         check_resume_choice(saved, cfg, out)
-        check_resume_settings(saved, cfg)
+        check_resume_settings(saved, cfg, family=_recorded_family(found))
     else:
         check_start_checkpoint(cfg, out, clears=state == "run")
 
@@ -2307,14 +2307,26 @@ def unloadable_change(old: dict[str, Any], new: dict[str, Any]) -> tuple[str, An
     return None
 
 
-def check_resume_settings(saved: C.TrainConfig, cfg: C.TrainConfig) -> None:
+def _recorded_family(checkpoint: Path | None) -> str | None:
+    """The model family a checkpoint's state records (None where it records none or cannot be read)."""
+    from sdplan.trainer.checkpoint import read_state
+
+    try:
+        return read_state(checkpoint).settings.get(FAMILY_SETTING) if checkpoint is not None else None
+    except (SdplanError, OSError, ValueError, AttributeError):
+        return None
+
+
+def check_resume_settings(saved: C.TrainConfig, cfg: C.TrainConfig, family: str | None = None) -> None:
     """--resume with a key=value that changes a setting its checkpoints' weights were made with, or one their
     saved state cannot be loaded with: one line before anything is written (else the run's sdplan.yaml keeps
-    the change and every later --resume fails too)."""
+    the change and every later --resume fails too). ``family``: the one its checkpoint records, where the
+    run's sdplan.yaml leaves model.family to detection (null: the family's LoRA targets, known only then)."""
     # paths as this run reads them: a run written before they were made absolute names them relative
     check_settings(
         C.absolute_paths(saved.to_dict()),
         cfg.to_dict(),
+        family=family,
         what="--resume",
         where="the run's sdplan.yaml",
         fix="set {key}={value}, the run's (or drop the key=value that changes it), to continue the run, or start "
@@ -2345,6 +2357,7 @@ def check_settings(
     fix: str,
     subject: tuple[str, str] = ("its checkpoints were", "its checkpoints hold"),
     skip: tuple[str, ...] = (),
+    family: str | None = None,
 ) -> None:
     """UsageError for the first setting of :data:`WEIGHT_SETTINGS` or :data:`STATE_SETTINGS` (less ``skip``)
     that differs from ``old`` (the settings a checkpoint was made with, as config data) to ``new`` (this run's).
@@ -2353,7 +2366,7 @@ def check_settings(
     holds the old value."""
     # lora.target_modules compared as the modules it adapts, on the family the checkpoint records (else the
     # config's): [to_q, to_k] is [to_k, to_q], and null the family's default
-    family = get_key(old, FAMILY_SETTING) or get_key(new, FAMILY_SETTING)
+    family = family or get_key(old, FAMILY_SETTING) or get_key(new, FAMILY_SETTING)
     for key in WEIGHT_SETTINGS:
         if key in skip:
             continue

@@ -225,3 +225,21 @@ def test_the_trainer_trains_what_the_planner_charges(tiny_flow, demo_dataset, tm
         trained[label] = (modules, params, len(kohya))
     assert trained["attn"] == trained["attn-other-order"]
     assert trained["attn"][1] < trained["default"][1] and trained["attn"][2] < trained["default"][2]
+
+
+def test_a_resume_of_a_detected_flow_family_compares_targets_on_the_checkpoints_family():
+    """A run whose sdplan.yaml leaves model.family to detection (null) took null and the 4 attention modules as
+    the same targets (the UNet's default) on FLUX: `--resume lora.target_modules=[...]` passed, the trainer
+    refused the checkpoint, and the pin, written into the run's sdplan.yaml, kept every later resume failing."""
+    from sdplan.launcher import check_resume_settings
+
+    def cfg(targets):
+        data = C.default_config()
+        data.update(method="lora")
+        data["lora"]["target_modules"] = targets
+        return C.validate(data)
+
+    check_resume_settings(cfg(None), cfg(ATTN_OTHER_ORDER))  # no family known: the UNet's reading
+    with pytest.raises(UsageError, match="lora.target_modules is null .the family's default: attn.to_k"):
+        check_resume_settings(cfg(None), cfg(ATTN_OTHER_ORDER), family="flux-dev")
+    check_resume_settings(cfg(None), cfg(None), family="flux-dev")

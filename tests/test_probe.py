@@ -1048,6 +1048,25 @@ def test_visible_devices_that_hide_some_gpus_name_what_the_run_sees():
     assert "only GPU 0 (NVIDIA GeForce RTX 3060)" in f.message
 
 
+@pytest.mark.parametrize("value", ["0,0", "0,1,0", "1,0,1"])
+def test_visible_devices_that_repeat_a_gpu_show_none(value):
+    """CUDA shows no GPU where a device is listed twice (torch's model of it: _parse_visible_devices, "Repeated
+    ordinal results in empty set"); doctor read "0,1,0" as both GPUs and said nothing."""
+    (f,) = _visible(load("2x_rtx4090_pcie"), CUDA_VISIBLE_DEVICES=value)
+    assert (f.severity, f.code) == ("error", "visible_devices_none")
+    assert "names a GPU listed before it: CUDA then shows none" in f.message
+
+
+def test_visible_devices_count_the_gpus_doctor_could_not_read():
+    """CUDA numbers every GPU: with GPU 0 unreadable, CUDA_VISIBLE_DEVICES=1 is the healthy GPU 1, which doctor
+    took for a second GPU that is not there ("hides all ... torch sees no GPU")."""
+    s = load("2x_rtx4090_pcie")
+    s = replace(s, gpus=(replace(s.gpus[0], memory_total_bytes=None), s.gpus[1]))
+    assert not any(f.code == "visible_devices_none" for f in _visible(s, CUDA_VISIBLE_DEVICES="1"))
+    (f,) = _visible(s, CUDA_VISIBLE_DEVICES="0")
+    assert "GPU 0" in f.message and "hides GPU 1" in f.message
+
+
 def test_visible_devices_doctor_cannot_name_say_how_many():
     # mixed GPUs in CUDA's default fastest-first order: index 0 is the RTX 4090 there, not doctor's GPU 0
     (f,) = _visible(_mixed_3060_4090(), CUDA_VISIBLE_DEVICES="0")

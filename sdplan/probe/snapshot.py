@@ -181,6 +181,7 @@ class Visible:
     unnamed: int = 0  # devices it shows that doctor cannot name (a MIG device; an index in CUDA's own order)
     stopped_at: str | None = None  # the first id that names no GPU: CUDA ignores it and every id after it
     fastest_first: bool = False  # indexes count in CUDA's fastest-first order, not doctor's
+    repeated: str | None = None  # an id naming a device listed before it: CUDA then shows none
 
 
 def visible_gpus(s: Snapshot, vendor: str) -> Visible | None:
@@ -190,15 +191,16 @@ def visible_gpus(s: Snapshot, vendor: str) -> Visible | None:
     prefix will do) or ``MIG-`` device UUIDs, and stops at the first id that names no device (``-1``, an index
     past the last GPU), so ``""`` and ``-1`` show none. ROCm applies ``HIP_VISIBLE_DEVICES`` (HIP's numbers)
     and then ``CUDA_VISIBLE_DEVICES`` to the GPUs that leaves; HIP takes an empty value as unset."""
-    gpus = [g for g in s.usable_gpus if g.vendor == vendor]
-    if not gpus:
+    if not any(g.vendor == vendor for g in s.usable_gpus):
         return None
+    # CUDA numbers every GPU, the ones doctor could not read too
+    gpus = sorted((g for g in s.gpus if g.vendor == vendor), key=lambda g: g.index)
     cuda = s.env.get("CUDA_VISIBLE_DEVICES")
     if vendor == "nvidia":
         if cuda is None:
             return None
         pci = (s.env.get("CUDA_DEVICE_ORDER") or "").strip().upper() == "PCI_BUS_ID"
-        alike = len({(g.name, g.memory_total_bytes) for g in gpus}) == 1
+        alike = len({g.name for g in gpus}) == 1
         shown = cuda or '""'
         return _apply_visible(f"CUDA_VISIBLE_DEVICES={shown}", cuda, gpus, fastest_first=not (pci or alike))
     hip = (s.env.get("HIP_VISIBLE_DEVICES") or "").strip()
@@ -227,6 +229,8 @@ def _apply_visible(setting: str, value: str, gpus: list[GPU], *, fastest_first: 
         match: GPU | None = None
         if re.fullmatch(r"\d+", token) and int(token) < len(gpus):
             if fastest_first:
+                if int(token) in by_speed:  # CUDA (as torch _parse_visible_devices): a repeat shows none
+                    return Visible(setting, (), repeated=token)
                 by_speed.add(int(token))
                 continue
             match = gpus[int(token)]
@@ -243,8 +247,9 @@ def _apply_visible(setting: str, value: str, gpus: list[GPU], *, fastest_first: 
         if match is None:
             stopped = token or '""'
             break
-        if match not in shown:
-            shown.append(match)
+        if match in shown:  # CUDA (as torch _transform_uuid_to_ordinals): a device listed twice shows none
+            return Visible(setting, (), repeated=token)
+        shown.append(match)
     if len(by_speed) == len(gpus):  # every GPU, in some order
         shown, by_speed = list(gpus), set()
     return Visible(setting, tuple(shown), unnamed + len(by_speed), stopped, bool(by_speed))
@@ -259,7 +264,9 @@ def _visible_rules(s: Snapshot) -> list[Finding]:
         usable = [g for g in s.usable_gpus if g.vendor == vendor]
         what = f"{count_of(len(usable), vendor.upper() + ' GPU')} doctor found"
         ignored = (
-            " (an empty list)"
+            f" ({v.repeated} names a GPU listed before it: CUDA then shows none)"
+            if v.repeated
+            else " (an empty list)"
             if v.stopped_at == '""'
             else f" ({v.stopped_at} names no GPU: CUDA ignores it and every id after it)"
             if v.stopped_at
