@@ -113,6 +113,7 @@ def test_json_shape_is_exactly_the_issue(tmp_path):
         "it_per_s",
         "speedup_vs_one_gpu",
         "basis",
+        "trainable_params",  # the parameters the run trains (a LoRA's on the modules it adapts)
     }
     assert d["estimate"]["basis"] in ("measured", "calibrated", "published")
     # SD1.5 LoRA, 1,040 images on 2x RTX 4090: one or two GPUs by the rule that two must save more than the
