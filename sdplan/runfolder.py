@@ -80,16 +80,21 @@ def _names(value: Any) -> set[str]:
     return {e for e in value if isinstance(e, str) and "/" not in e} if isinstance(value, list) else set()
 
 
-def enclosing_run(path: Path) -> Path | None:
-    """The sdplan run or plan folder ``path`` lies in at any depth, by its name or where a link leads: a folder
-    with a manifest or a lock, or (a run from before the manifest) a trainer checkpoint's state in its
-    checkpoints/; None outside any."""
+def run_file(path: Path) -> Path | None:
+    """The sdplan run ``path`` is a file of (by its name or where a link leads): the nearest folder above it
+    with a manifest that lists its top-level entry, or whose bookkeeping or checkpoints/ it is in, or (a run from
+    before the manifest) one with a trainer checkpoint's state, for its sdplan.yaml and checkpoints; None for
+    any other path (the user's own files beside a run are theirs)."""
     for where in dict.fromkeys((Path(os.path.abspath(path)), Path(path).resolve())):
         for folder in where.parents:
-            if (folder / MANIFEST_FILE).exists() or (folder / LOCK_FILE).exists():
+            legacy = any((folder / "checkpoints").glob("*/train_state.json"))
+            if not ((folder / MANIFEST_FILE).exists() or legacy):
+                continue
+            top = where.relative_to(folder).parts[0]
+            ours = owned(folder) | {MANIFEST_FILE, LOCK_FILE, "checkpoints"}
+            if top in ours or (legacy and top == "sdplan.yaml"):
                 return folder
-            if any((folder / "checkpoints").glob("*/train_state.json")):
-                return folder
+            break  # the nearest run decides
     return None
 
 

@@ -114,7 +114,8 @@ def print_undecodable_names() -> None:
     the line). It prints as that escape's text instead."""
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(AttributeError, ValueError, OSError):
-            if (
-                getattr(stream, "errors", None) == "strict"
-            ):  # the C locale's surrogateescape prints the real bytes
+            utf8 = str(getattr(stream, "encoding", "")).lower().replace("-", "") == "utf8"
+            # surrogateescape over UTF-8 (Python's C locale) prints the real bytes; over ASCII it fails on any
+            # other character, which backslashreplace writes as its escape
+            if not (utf8 and getattr(stream, "errors", None) == "surrogateescape"):
                 stream.reconfigure(errors="backslashreplace")

@@ -242,8 +242,10 @@ def test_save_never_writes_over_a_runs_files(run, tmp_path):
         said = run("--machine", str(MACHINES / "t4.json"), "--save", str(path), "--force")
         assert said.exit_code == 3 and "is a file of the sdplan run in" in said.stderr, said.output
         assert path.read_bytes() == before
-    # a new file beside them is the user's to write
-    assert run("--machine", str(MACHINES / "t4.json"), "--save", str(folder / "machine.json")).exit_code == 0
+    # a file of the user's beside them is theirs to write, and to write again
+    for force in ((), ("--force",)):
+        saved = run("--machine", str(MACHINES / "t4.json"), "--save", str(folder / "machine.json"), *force)
+        assert saved.exit_code == 0, saved.output
 
 
 def test_save_into_missing_folder_is_one_line(run, tmp_path):

@@ -1048,7 +1048,7 @@ def test_visible_devices_that_hide_some_gpus_name_what_the_run_sees():
     assert "only GPU 0 (NVIDIA GeForce RTX 3060)" in f.message
 
 
-@pytest.mark.parametrize("value", ["0,0", "0,1,0", "1,0,1"])
+@pytest.mark.parametrize("value", ["0,0", "0,1,0", "1,0,1", "MIG-aaaa,MIG-aaaa,MIG-bbbb"])
 def test_visible_devices_that_repeat_a_gpu_show_none(value):
     """CUDA shows no GPU where a device is listed twice (torch's model of it: _parse_visible_devices, "Repeated
     ordinal results in empty set"); doctor read "0,1,0" as both GPUs and said nothing."""

@@ -59,7 +59,7 @@ def doctor(
             )
         from sdplan import runfolder
 
-        run = runfolder.enclosing_run(save)
+        run = runfolder.run_file(save)
         if run is not None and (
             save.exists() or save.is_symlink()
         ):  # --force or not: its settings, checkpoints

@@ -223,6 +223,7 @@ def _apply_visible(setting: str, value: str, gpus: list[GPU], *, fastest_first: 
     shown: list[GPU] = []
     unnamed = 0
     by_speed: set[int] = set()  # indexes in CUDA's fastest-first order
+    migs: set[str] = set()
     stopped = None
     for raw in value.split(",") if value.strip() else [value]:
         token = raw.strip()
@@ -235,6 +236,9 @@ def _apply_visible(setting: str, value: str, gpus: list[GPU], *, fastest_first: 
                 continue
             match = gpus[int(token)]
         elif token.upper().startswith("MIG-"):
+            if token.upper() in migs:  # as a GPU listed twice: none
+                return Visible(setting, (), repeated=token)
+            migs.add(token.upper())
             unnamed += 1
             continue
         elif token.upper().startswith("GPU-") and len(token) > 4:
