@@ -518,23 +518,14 @@ def _cross_checks(cfg: TrainConfig, errors: list[str]) -> None:
             "caption trains nothing; set it to 0"
         )
     # settings of one method given to another: its trainer would ignore them, and the plan charged their memory
-    if cfg.method != "dreambooth" and cfg.dreambooth.with_prior_preservation:
-        errors.append(
-            f"dreambooth.with_prior_preservation: only method dreambooth trains with class images, not "
-            f"{cfg.method}; set it to false"
-        )
-    if cfg.ema.enabled and cfg.method in METHODS and not registry_method(cfg.method).ema:
-        keeps = ", ".join(m.name for m in METHOD_LIST if m.ema)
-        errors.append(
-            f"ema.enabled: an EMA of the weights is kept by method {keeps}, not {cfg.method}; set it false"
-        )
+    # a switch on that the method never reads (the key=value settings under such a switch: _unread_by too)
+    for switch in ("dreambooth.with_prior_preservation", "ema.enabled", "training.train_text_encoder"):
+        section, name = switch.split(".")
+        if getattr(getattr(cfg, section), name) and (why := _unread_by(cfg.method, switch)):
+            errors.append(f"{switch}: {why}; set it to false")
     if cfg.memory.cache_text_encoder_outputs and cfg.training.train_text_encoder:
         errors.append(
             "memory.cache_text_encoder_outputs: cannot cache outputs of a text encoder being trained"
-        )
-    if cfg.training.train_text_encoder and cfg.method == "textual-inversion":
-        errors.append(
-            "training.train_text_encoder: textual inversion trains only the new token embeddings; set it false"
         )
     if cfg.memory.cache_text_encoder_outputs and cfg.method == "textual-inversion":
         errors.append(
@@ -591,16 +582,11 @@ def _given_values(overrides) -> dict[str, Any]:
     return given
 
 
-def _given_leaves(overrides) -> list[str]:
-    """The sdplan.yaml keys that key=value settings set, a whole section (``ema={device: gpu}``) as its keys."""
-    return list(_given_values(overrides))
-
-
 def switched_setting_problems(cfg: TrainConfig, overrides) -> list[str]:
     """The key=value settings (``overrides``) whose switch (:data:`SWITCHED_BY`) is off in ``cfg``: one problem
     per switch, with the fix, for ``cfg``'s method (where that method never reads them, the fix is to drop
     them). A config file's own values are not: a switch turned off there may keep its settings for later."""
-    keys = _given_leaves(overrides)
+    keys = list(_given_values(overrides))  # a whole section (ema={device: gpu}) as its keys
     off: dict[str, list[str]] = {}
     for key in keys:
         switch = SWITCHED_BY.get(key)

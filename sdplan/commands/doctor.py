@@ -59,10 +59,9 @@ def doctor(
             )
         from sdplan import runfolder
 
+        # a run's own file (its settings, bookkeeping, checkpoints), --force or not
         run = runfolder.run_file(save)
-        if run is not None and (
-            save.exists() or save.is_symlink()
-        ):  # --force or not: its settings, checkpoints
+        if run is not None and (save.exists() or save.is_symlink()):
             raise OutputExistsError(
                 f"{save} is a file of the sdplan run in {run}", fix="--save the snapshot to another file"
             )
