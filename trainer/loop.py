@@ -617,39 +617,37 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
                 f"{count_of(again, 'image')} of its epoch {'is' if again == 1 else 'are'} trained again"
             )
             counted = "it counts" if again == 1 else "they count"
+            rounded = "the position rounds down to whole batches of this run"
             # the sampler cuts an epoch into batches, then shuffles the batches (trainer/buckets.py): at another
             # micro-batch the epoch's order differs, so the batches skipped are not the images the checkpoint
-            # trained (a known limit: up to 8 of 40 images left out of that epoch at batch 4 -> 2)
-            redrawn = (  # (a position rounded down to the epoch's start trains the epoch's images again, all)
+            # trained (a known limit: up to 8 of 40 images left out of that epoch at batch 4 -> 2); a position
+            # rounded down to the epoch's start trains the epoch's images again, all
+            if (
                 saved.batch_size != tcfg.batch_size
                 and moved.epoch == saved.epoch
                 and moved.batches_in_epoch > 0
-            )
-            if redrawn:
-                trained_again = (
-                    f"the micro-batch changed inside epoch {saved.epoch + 1}: the rest of that epoch is drawn in "
-                    f"batch {tcfg.batch_size}'s order, so some of its images train twice in it and about as many "
-                    "not at all; the epochs after it are whole"
+            ):
+                detail = (
+                    f" (the micro-batch changed inside epoch {saved.epoch + 1}: the rest of that epoch is drawn "
+                    f"in batch {tcfg.batch_size}'s order, so some of its images train twice in it and about as "
+                    "many not at all; the epochs after it are whole)"
                 )
+            elif again and least == most:
+                detail = f" ({trained_again}: {rounded}; {counted} again in the images seen)"
+            elif again:
+                detail = (
+                    f" (up to {trained_again}: {rounded}, and this checkpoint, from an earlier sdplan, kept only "
+                    f"its first process's images of the epoch: its processes trained {least} to {most}, and it "
+                    f"counts {least}, leaving none out; {counted} again in the images seen)"
+                )
+            else:
+                detail = ""
             progress.say(
                 accelerator,
                 f"{resume_from}: saved by {count_of(saved.num_processes, 'process', 'processes')} (batch "
                 f"{saved.batch_size} x accum {saved.grad_accum}) after {saved.images_seen} images; on "
                 f"{count_of(accelerator.num_processes, 'process', 'processes')} (batch {tcfg.batch_size} x "
-                f"accum {tcfg.grad_accum}) that is step {moved.step} of {plan.total_steps}"
-                + (
-                    f" ({trained_again})"
-                    if redrawn
-                    else f" ({trained_again}: the position rounds down to whole "
-                    f"batches of this run; {counted} again in the images seen)"
-                    if again and least == most
-                    else f" (up to {trained_again}: the position rounds down to "
-                    f"whole batches of this run, and this checkpoint, from an earlier sdplan, kept only its first "
-                    f"process's images of the epoch: its processes trained {least} to {most}, and it counts "
-                    f"{least}, leaving none out; {counted} again in the images seen)"
-                    if again
-                    else ""
-                ),
+                f"accum {tcfg.grad_accum}) that is step {moved.step} of {plan.total_steps}{detail}",
             )
 
     # The export, once, before anything is trained: what fails there fails now, not after the training.
