@@ -404,7 +404,8 @@ def test_trainer_gets_sigterm_when_sdplan_is_killed(tmp_path):
         child_pid = int(marker.read_text())
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
-        wait_until(got.exists, 60)
+        # write_text creates the file before it writes: wait for the text, not the name.
+        wait_until(lambda: got.exists() and got.read_text(), 60)
         assert got.read_text() == "yes"
     finally:
         proc.kill()
