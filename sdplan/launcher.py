@@ -1739,6 +1739,8 @@ def prepare(req: TrainRequest, ui: UI) -> Prepared:
     gpu_ids = (
         run_gpus(cfg, snapshot, per_node, num_machines=req.num_machines) if snapshot is not None else None
     )
+    if snapshot is not None and snapshot.usable_gpus:
+        refuse_hidden_gpus(snapshot, gpu_ids)
     devices = launch_devices(snapshot, gpu_ids, ui) if gpu_ids is not None else None
 
     family = cfg.model.family or inputs.family
@@ -1858,6 +1860,25 @@ def run_gpus(
     if cfg.training.precision == "bf16":  # alike GPUs: one set, all with bf16 or none
         sets = [s for s in sets if all(g.bf16 for g in s)] or sets
     return named_gpu_ids(hw, sets[0]) if sets else None
+
+
+def refuse_hidden_gpus(snapshot: Any, gpu_ids: tuple[int, ...] | None) -> None:
+    """A GPU run where the user's ``CUDA_VISIBLE_DEVICES`` (or ``HIP_VISIBLE_DEVICES``) shows no GPU at all
+    (``""`` or ``-1``, the usual ways to hide every GPU) is refused: the trainer would find none for a run planned
+    on one (:func:`sdplan.probe.snapshot.visible_gpus` reads the variables as CUDA and ROCm do)."""
+    from sdplan.machine import ENV_KEYS
+    from sdplan.probe.snapshot import visible_gpus
+
+    first = next((g for g in snapshot.usable_gpus if gpu_ids is None or g.index in gpu_ids), None)
+    if first is None:
+        return
+    here = replace(snapshot, env={k: os.environ.get(k) for k in ENV_KEYS})
+    seen = visible_gpus(here, first.vendor)
+    if seen is not None and not seen.gpus and not seen.unnamed:
+        raise UsageError(
+            f"{seen.setting} is set, which shows the trainer no GPU",
+            fix=f"unset it to train on GPU {first.index} ({first.name}), or train on the CPU with --device cpu",
+        )
 
 
 def launch_devices(snapshot: Any, gpu_ids: tuple[int, ...], ui: UI) -> dict[str, str] | None:

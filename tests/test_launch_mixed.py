@@ -183,3 +183,15 @@ def test_a_pinned_gpu_on_alike_catalog_gpus_is_written_into_accelerate_yaml(tmp_
     r = CliRunner().invoke(app, [*args, "distributed.gpu_ids=[1]", "--out", str(out)])
     assert r.exit_code == 0, r.output
     assert yaml.safe_load((out / "accelerate.yaml").read_text())["gpu_ids"] == "1"
+
+
+@pytest.mark.parametrize("value", ["", "-1"])
+@pytest.mark.parametrize("gpus", [(RTX4090, RTX4090), (RTX3060, RTX4090)], ids=["alike", "mixed"])
+def test_visible_devices_that_hide_every_gpu_are_refused(tmp_path, model, dataset, monkeypatch, value, gpus):
+    """CUDA_VISIBLE_DEVICES="" (or -1) hides every GPU: a run planned on one was launched on the GPUs sdplan chose
+    (mixed GPUs: the empty value read as unset) or with none (alike GPUs)."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", value)
+    with pytest.raises(UsageError, match=r"shows the trainer no GPU") as e:
+        prepared(tmp_path, model, dataset, machine(*gpus))
+    shown = '""' if value == "" else value
+    assert f"CUDA_VISIBLE_DEVICES={shown} is set" in str(e.value) and "--device cpu" in e.value.fix
