@@ -87,11 +87,11 @@ def planner_verdicts(snapshot: Snapshot) -> list[Verdict]:
             if s.blocks_to_swap:
                 savers.append(f"swap {s.blocks_to_swap} blocks")
             note = f"{', '.join(savers)}; {result.memory.peak / 2**30:.1f} GiB"
-            short_ram = loading_ram_short(result.memory, hardware.ram_total_bytes)
+            short_ram = loading_ram_short(result.memory, hardware.ram_usable_bytes)
             if short_ram:
                 note += (
                     f"; loading takes {_gib(int(result.memory.ram))} of host RAM, "
-                    f"{_gib(hardware.ram_total_bytes)} here: may swap"
+                    f"{_gib(hardware.ram_usable_bytes)} here: may swap"
                 )
             risky = result.within_upper_bound is False  # recommend's "may not fit"
             if risky and result.peak_range is not None and result.vram_bytes:

@@ -261,7 +261,7 @@ class HWGPU:
 class Hardware:
     source: str  # "probe" | "catalog" | "file"
     gpus: tuple[HWGPU, ...]
-    ram_total_bytes: int | None = None
+    ram_usable_bytes: int | None = None
     link: str = "pcie"  # "nvlink" | "xgmi" | "pcie"
     link_gbs: float = PCIE_GBS[4]
     label: str = ""
@@ -2067,7 +2067,7 @@ def hardware_from_snapshot(snapshot: Any, profiles: Profiles, source: str = "pro
     return Hardware(
         source=source,
         gpus=tuple(gpus),
-        ram_total_bytes=snapshot.host.ram_usable_bytes,  # a cgroup limit below MemTotal is what a run may use
+        ram_usable_bytes=snapshot.host.ram_usable_bytes,  # a cgroup limit below MemTotal is what a run may use
         link=link,
         link_gbs=gbs,
         label=gpus_label(gpus),
@@ -2857,17 +2857,19 @@ def host_ram_needed_bytes(profiles: Profiles, s: Settings, mem: Memory | None = 
 
 
 def host_ram_ok(
-    profiles: Profiles, s: Settings, ram_total_bytes: int | None, mem: Memory | None = None
+    profiles: Profiles, s: Settings, ram_usable_bytes: int | None, mem: Memory | None = None
 ) -> bool:
-    """Whether a host with ``ram_total_bytes`` (None: not known, as for catalog hardware) can run ``s``."""
-    return not ram_total_bytes or host_ram_needed_bytes(profiles, s, mem) <= HOST_RAM_SHARE * ram_total_bytes
+    """Whether a host with ``ram_usable_bytes`` (None: not known, as for catalog hardware) can run ``s``."""
+    return (
+        not ram_usable_bytes or host_ram_needed_bytes(profiles, s, mem) <= HOST_RAM_SHARE * ram_usable_bytes
+    )
 
 
-def loading_ram_short(mem: Memory, ram_total_bytes: int | None) -> bool:
+def loading_ram_short(mem: Memory, ram_usable_bytes: int | None) -> bool:
     """Whether loading the models for a plan takes more host RAM (``mem.ram``) than the machine has: a warning,
     not a refusal, unlike what :func:`host_ram_ok` checks (held for the whole run): loading beyond the RAM
     swaps, and may be killed by the OS (recommend warns, doctor calls the cell tight)."""
-    return bool(ram_total_bytes) and mem.ram > ram_total_bytes
+    return bool(ram_usable_bytes) and mem.ram > ram_usable_bytes
 
 
 def _speed_settings(s: Settings) -> tuple:
@@ -3086,7 +3088,7 @@ def _evaluate(req: Request, profiles: Profiles, hw: Hardware, cal: Calibration, 
         (card_peak(profiles, s, g.spec) for g in _distinct(used)), key=lambda c: (c[1][1], c[0].peak)
     )
     vram = smallest_gpu(used).memory_bytes
-    host_ok = host_ram_ok(profiles, s, hw.ram_total_bytes, mem)
+    host_ok = host_ram_ok(profiles, s, hw.ram_usable_bytes, mem)
     fits = mem.peak <= HEADROOM * vram and host_ok
     if fits and any(_observed_oom(profiles, s, g) is not None for g in _distinct(used)):
         fits = False
@@ -3265,12 +3267,12 @@ def min_vram_needed(
     precision: str = "fp16",
     attention: str = "efficient",
     nvidia: bool = True,
-    ram_total_bytes: int | None = None,
+    ram_usable_bytes: int | None = None,
     gpu: HWGPU | None = None,
 ) -> int | None:
     """The smallest VRAM (bytes) on which some configuration of this request (:func:`settings_space`, one GPU
     unless pinned) fits by the verdict's rule (:func:`vram_required`: its estimate within HEADROOM, its likely
-    peak's upper end within the card), among those a host with ``ram_total_bytes`` of RAM can run (None: any);
+    peak's upper end within the card), among those a host with ``ram_usable_bytes`` of RAM can run (None: any);
     None when that host can run none of them. With ``gpu``, as a plan on it has them: its `sdplan bench`
     peaks (:func:`card_peak`), and no configuration that ran out of memory on it."""
     if req.resolution is None:
@@ -3282,7 +3284,7 @@ def min_vram_needed(
     needs = []
     for s in space:
         mem, peak_range, _ = card_peak(profiles, s, gpu.spec if gpu is not None else None)
-        if not host_ram_ok(profiles, s, ram_total_bytes, mem):
+        if not host_ram_ok(profiles, s, ram_usable_bytes, mem):
             continue
         if gpu is not None and _observed_oom(profiles, s, gpu) is not None:
             continue
@@ -3303,7 +3305,7 @@ def suggest_hardware(
     limit: int = 6,
     *,
     request: Request | None = None,
-    ram_total_bytes: int | None = None,
+    ram_usable_bytes: int | None = None,
 ) -> list[tuple[str, GPUSpec]]:
     """(label, catalog GPU) of the catalog GPUs with at least ``need_bytes`` of VRAM: the smallest that fit
     first, then by speed. With the ``request``, only those on which it fits by the verdict's rule (no "may not fit" flag) in this host RAM: a
@@ -3355,7 +3357,7 @@ def suggest_hardware(
                 precision=key[0],
                 attention=key[1],
                 nvidia=key[2],
-                ram_total_bytes=ram_total_bytes,
+                ram_usable_bytes=ram_usable_bytes,
                 gpu=gpu if own else None,
             )
         return needs[key]
@@ -3609,9 +3611,11 @@ def _infeasible(req, hw, reasons, steps, *, memory=None, need=None, profiles=Non
         # mixed precision needs, from which the cards that would fit are drawn (each by its own precision)
         mixed = None
         if _fp16_nan_gpu(hw.gpus) and not req.pinned("precision"):
-            mixed = min_vram_needed(req, profiles, precision="fp16", ram_total_bytes=hw.ram_total_bytes)
+            mixed = min_vram_needed(req, profiles, precision="fp16", ram_usable_bytes=hw.ram_usable_bytes)
             mixed = mixed if mixed is not None and mixed < need else None
-        suggested = suggest_hardware(profiles, mixed or need, request=req, ram_total_bytes=hw.ram_total_bytes)
+        suggested = suggest_hardware(
+            profiles, mixed or need, request=req, ram_usable_bytes=hw.ram_usable_bytes
+        )
         needs = {
             "min_vram_bytes": need,
             "min_vram_bytes_mixed_precision": mixed,
@@ -3781,21 +3785,21 @@ def plan(hardware: Hardware | Any, profiles: Profiles, request: Request) -> Resu
     if not hardware.gpus:
         # the smallest GPU any card could run it on: one with bf16 has every configuration (full bf16 weights
         # too); the figure without bf16 is said beside it where it differs (suggest_hardware checks each card)
-        ram = hardware.ram_total_bytes
-        need = min_vram_needed(req, profiles, precision="bf16", ram_total_bytes=ram)
+        ram = hardware.ram_usable_bytes
+        need = min_vram_needed(req, profiles, precision="bf16", ram_usable_bytes=ram)
         no_gpu = f"no usable GPU on this machine ({hardware.label or 'none found'}): training {req.method} on {req.model}"
         if need is None:
             reasons.append(
                 f"{no_gpu} needs a GPU, and every configuration of it holds more in host RAM than "
-                f"{int(HOST_RAM_SHARE * 100)}% of this machine's {_gib(hardware.ram_total_bytes)}"
+                f"{int(HOST_RAM_SHARE * 100)}% of this machine's {_gib(hardware.ram_usable_bytes)}"
             )
         else:
-            without = min_vram_needed(req, profiles, precision="fp16", ram_total_bytes=ram)
+            without = min_vram_needed(req, profiles, precision="fp16", ram_usable_bytes=ram)
             said = f"{no_gpu} needs at least {_gib(need)} of GPU memory"
             if without != need:
                 said += f" on a GPU with bf16 ({_gib(without) if without is not None else 'none'} without)"
             reasons.append(said)
-        anyhost = min_vram_needed(req, profiles, precision="bf16", ram_total_bytes=None)
+        anyhost = min_vram_needed(req, profiles, precision="bf16", ram_usable_bytes=None)
         if anyhost is not None and (need is None or anyhost < need):
             # a leaner configuration (DeepSpeed offload, block swap) that only more host RAM allows
             reasons.append(
@@ -3889,7 +3893,7 @@ def _not_fit_reasons(
     "needs at least" comes only from configurations the host RAM can hold (:attr:`Candidate.host_ok`); a leaner
     one that only more host RAM would allow (DeepSpeed offload, block swap) is named with the RAM it needs.
     When the host can run none, the host RAM is the blocker: no GPU-memory figure (None)."""
-    ram = hw.ram_total_bytes
+    ram = hw.ram_usable_bytes
     runnable = [c for c in cands if c.host_ok]
     leanest_any = min(cands, key=_required)
 
@@ -4256,10 +4260,10 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
                 else ""
             )
         )
-    if loading_ram_short(m, hw.ram_total_bytes):
+    if loading_ram_short(m, hw.ram_usable_bytes):
         r.append(
             f"warning: host RAM: loading the models for this plan takes ~{_gib(m.ram)} and this machine has "
-            f"{_gib(hw.ram_total_bytes)}: loading may swap heavily or be killed by the OS; add RAM or swap space"
+            f"{_gib(hw.ram_usable_bytes)}: loading may swap heavily or be killed by the OS; add RAM or swap space"
         )
     if not final_grid_fits(m, vram):
         back = "the VAE" if flow_family(s.model) else "the VAE and text encoders"
@@ -5049,7 +5053,7 @@ def result_dict(res: Result) -> dict[str, Any]:
                 {"index": g.index, "name": g.name, "memory_total_bytes": g.memory_bytes}
                 for g in res.hardware.gpus
             ],
-            "ram_total_bytes": res.hardware.ram_total_bytes,
+            "ram_usable_bytes": res.hardware.ram_usable_bytes,
         },
         "plan": plan_d,
         "settings": _settings_dict(s) if s is not None else None,

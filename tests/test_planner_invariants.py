@@ -355,7 +355,7 @@ def _hardware(prof, gpu: str, *, vram_gib: float | None = None, ram_gib: float |
     hw = P.hardware_from_catalog(prof.find_gpu(gpu))
     if vram_gib is not None:
         hw = replace(hw, gpus=tuple(replace(g, memory_bytes=int(vram_gib * GiB)) for g in hw.gpus))
-    return replace(hw, ram_total_bytes=None if ram_gib is None else int(ram_gib * GiB))
+    return replace(hw, ram_usable_bytes=None if ram_gib is None else int(ram_gib * GiB))
 
 
 def _host_holds(prof, s: Settings, m: P.Memory) -> float:
@@ -380,7 +380,7 @@ def _leanest_runnable(prof, hw: P.Hardware, req: P.Request) -> tuple[list[Settin
     best = None
     for s in space:
         m = P.memory(prof, s)
-        if hw.ram_total_bytes and _host_holds(prof, s, m) > 0.9 * hw.ram_total_bytes:
+        if hw.ram_usable_bytes and _host_holds(prof, s, m) > 0.9 * hw.ram_usable_bytes:
             continue
         need = _required(prof, req.model, m)
         if best is None or need < best[2] - SLACK:
@@ -494,7 +494,7 @@ def test_without_a_gpu_needs_at_least_comes_from_what_the_host_ram_can_hold(prof
         limit = 0.9 * ram_gib * GiB
         runnable = [(s, m) for s, m in space if _host_holds(prof, s, m) <= limit]
         assert any(s.offload for s, _ in runnable) is offload_runs
-        res = P.plan(P.Hardware(source="probe", gpus=(), ram_total_bytes=int(ram_gib * GiB)), prof, req)
+        res = P.plan(P.Hardware(source="probe", gpus=(), ram_usable_bytes=int(ram_gib * GiB)), prof, req)
         need = res.needs["min_vram_bytes"]
         assert need == min(_required(prof, req.model, m) for _, m in runnable)
         (said,) = [r for r in res.reasons if r.startswith("no usable GPU on this machine")]
@@ -593,10 +593,10 @@ def test_without_a_gpu_needs_at_least_is_the_smallest_card_any_gpu_could_run_it_
     while an 80 GB H100 plans it with full bf16 weights. The figure is now the bf16 card's, with the one
     without bf16 beside it, and the smallest suggested card runs it."""
     req = P.Request(method="finetune", model="flux-dev")
-    res = P.plan(P.Hardware(source="probe", gpus=(), ram_total_bytes=int(24 * GiB)), prof, req)
+    res = P.plan(P.Hardware(source="probe", gpus=(), ram_usable_bytes=int(24 * GiB)), prof, req)
     need = res.needs["min_vram_bytes"]
-    without = P.min_vram_needed(req, prof, precision="fp16", ram_total_bytes=int(24 * GiB))
-    assert need == P.min_vram_needed(req, prof, precision="bf16", ram_total_bytes=int(24 * GiB)) < without
+    without = P.min_vram_needed(req, prof, precision="fp16", ram_usable_bytes=int(24 * GiB))
+    assert need == P.min_vram_needed(req, prof, precision="bf16", ram_usable_bytes=int(24 * GiB)) < without
     assert (
         f"needs at least {need / GiB:.1f} GiB of GPU memory on a GPU with bf16 ({without / GiB:.1f} GiB without)"
         in next(r for r in res.reasons if r.startswith("no usable GPU on this machine"))

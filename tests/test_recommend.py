@@ -77,7 +77,7 @@ def test_json_shape_is_exactly_the_issue(tmp_path):
         "settings",
     }
     assert (
-        set(d["hardware"]) == {"source", "gpus", "ram_total_bytes"} and d["hardware"]["source"] == "catalog"
+        set(d["hardware"]) == {"source", "gpus", "ram_usable_bytes"} and d["hardware"]["source"] == "catalog"
     )
     assert set(d["plan"]) == {
         "num_gpus",
