@@ -1138,12 +1138,16 @@ def export_measurements(
         data = profiles.read_yaml(path)
         keep = [p for p in data.get("points") or [] if _is_shareable(p)]
         left_out += len(data.get("points") or []) - len(keep)
-        section: dict[str, Any] = {"schema_version": data["schema_version"], "method": data["method"]}
-        section["points"] = keep
+        if not keep and not data.get("multi_gpu"):
+            continue
+        # one section per method: a method's bench points (lora.yaml) and what `sdplan train` observed
+        # (observed-lora.yaml) both go in it (the second file read replaced the first's points)
+        section = methods.setdefault(
+            data["method"], {"schema_version": data["schema_version"], "method": data["method"], "points": []}
+        )
+        section["points"] += keep
         if data.get("multi_gpu"):
-            section["multi_gpu"] = data["multi_gpu"]
-        if keep or section.get("multi_gpu"):
-            methods[data["method"]] = section
+            section["multi_gpu"] = section.get("multi_gpu", []) + list(data["multi_gpu"])
     count = sum(len(s["points"]) for s in methods.values())
     if not methods:
         extra = f" ({_demo_points(left_out)} never exported)" if left_out else ""

@@ -601,6 +601,42 @@ def test_profiles_export_writes_a_shareable_file_and_refuses_overwrite(tmp_path,
     assert forced.exit_code == 0, forced.output
 
 
+def test_profiles_export_keeps_bench_points_beside_what_train_observed(tmp_path, monkeypatch):
+    """A store holds a method's bench points (lora.yaml) and what `sdplan train` observed (observed-lora.yaml,
+    an out of memory): the export had one section per file read, so the second replaced the first's points."""
+    import datetime
+
+    from sdplan import config as C
+    from sdplan.launcher import oom_point, record_point
+
+    root = fresh_profile_store(monkeypatch, tmp_path)
+    snap = Snapshot.load(MACHINES / "rtx3060_12gb.json")
+    req = bench.select_requests(["lora"], ["sd15"], store_dir=root, snapshot=snap).requests[0]
+    gpu = snap.gpus[0]
+    bench.write_points(root, "lora", _gpu_bench_points(req, gpu.name, gpu.memory_total_bytes, batches=(1, 2)))
+    oom = oom_point(
+        C.validate(C.default_config()),
+        {"batch_size": 8, "grad_accum": 1, "step": 3},
+        family="sd15",
+        gpu_name=gpu.name,
+        gpu_memory_bytes=gpu.memory_total_bytes,
+        when=datetime.datetime(2026, 12, 7, 12, 0, 0),
+    )
+    record_point(oom, "lora", root)
+    dest = tmp_path / "all.yaml"
+    _, count, _ = bench.export_measurements(dest)
+    exported = bench.load_export(dest)["lora"]
+    assert count == 3 and sorted(p.batch for p in exported) == [1, 2, 8]
+    assert [p.outcome["fits"] for p in exported if p.batch == 8] == [False]
+    # and they import as they were: three points in the other store
+    other = fresh_profile_store(monkeypatch, tmp_path / "other")
+    _, added, _ = bench.import_measurements(dest)
+    assert (
+        added == {"lora": 3}
+        and len(profiles.load_methods(other / "methods" / "lora.yaml", origin="local")[0]) == 3
+    )
+
+
 def test_profiles_import_adds_an_exported_file_to_another_store(tmp_path, monkeypatch):
     """The export file's header said to save it as a store's methods/<method>.yaml; saved so, every recommend
     failed on its unknown keys. `sdplan profiles import FILE` adds its points (twice: nothing more), a copy
@@ -1136,3 +1172,41 @@ def test_host_bench_measures_deepspeeds_cpu_adam_and_saves_it(tmp_path, monkeypa
     assert host is not None and host.cpu_adam_params_per_s > 1e7 and host.threads >= 1
     assert "DeepSpeedCPUAdam" in host.source and "5M fp32 parameters" in host.source
     assert f"{host.cpu_adam_params_per_s / 1e9:.2f} G parameters/s" in result.output
+
+
+@pytest.mark.parametrize("where", ["planners", "elsewhere"])
+def test_bench_says_the_planner_uses_its_points_only_in_the_planners_store(tmp_path, monkeypatch, where):
+    """`sdplan bench --store DIR` said "The planner uses these now" of a folder the planner never reads. The GPU
+    parts are the demo's here (no GPU): the measuring, the saving and the words after it are the command's own."""
+    planner_store = fresh_profile_store(monkeypatch, tmp_path / "planner")
+    real_run = bench.run_bench
+    real_resolve = bench.resolve_device
+    # the command's check finds "a GPU"; the demo's run inside takes the CPU
+    monkeypatch.setattr(
+        bench,
+        "resolve_device",
+        lambda device="auto", *, demo=False: real_resolve(device, demo=True) if demo else "cuda",
+    )
+    monkeypatch.setattr(
+        bench,
+        "select_requests",
+        lambda *a, **k: bench.Selection(requests=[bench.demo_request()], skipped=[], gpu="Test GPU"),
+    )
+    monkeypatch.setattr(
+        bench,
+        "run_bench",
+        lambda reqs, **kw: real_run(reqs, **{**kw, "demo": True, "effort": bench.Effort(0, 1, 1)}),
+    )
+    store = planner_store if where == "planners" else tmp_path / "elsewhere"
+    result = CliRunner().invoke(cli(), ["bench", "--store", str(store)], env={"COLUMNS": "1000"})
+    assert result.exit_code == 0, result.output
+    said = " ".join(result.output.split())
+    assert f"saved to {store}" in said
+    if where == "planners":
+        assert "The planner uses these now" in said
+    else:
+        assert "The planner uses these now" not in said
+        assert (
+            f"The planner reads {planner_store}, not {store}" in said
+            and f"SDPLAN_PROFILE_DIR={store}" in said
+        )

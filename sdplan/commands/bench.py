@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -168,10 +169,17 @@ def bench(
             "[dim]demo: a tiny model on the CPU; memory is the process's resident-set growth, not VRAM. "
             "On a GPU, `sdplan bench` measures the full-size models.[/]"
         )
-    elif points and not interrupted:
+    elif points and not interrupted and root.resolve() == profiles.local_dir().resolve():
         console().print(
             "The planner uses these now: `sdplan recommend` reports estimate.basis measured for them, and scaled "
             "for settings near them on this GPU."
+        )
+    elif points and not interrupted:  # --store elsewhere: the planner reads only its own store
+        console().print(
+            f"The planner reads {profiles.local_dir()}, not {root}: to use these points, "
+            f"`sdplan profiles export FILE --store {shlex.quote(str(root))}` then `sdplan profiles import FILE`, "
+            f"or set SDPLAN_PROFILE_DIR={shlex.quote(str(root))}.",
+            markup=False,
         )
     if interrupted:
         kept = "is" if len(points) == 1 else "are"
