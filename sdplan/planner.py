@@ -2312,6 +2312,9 @@ class Candidate:
     peak_basis: str = "predicted"
     lowered_rank: bool = False  # a LoRA rank below the requested one (changes the result)
     host_ok: bool = True  # this machine's host RAM holds what the run keeps there (host_ram_needed_bytes)
+    # an out-of-memory measured on its GPU at these settings (`sdplan bench`, `sdplan train`) (:func:`_observed_oom`), which refused
+    # a configuration the model said fits (None: none, or the model says it does not fit anyway)
+    observed_oom: MethodPoint | None = None
 
     @property
     def verdict(self) -> str:
@@ -3090,8 +3093,10 @@ def _evaluate(req: Request, profiles: Profiles, hw: Hardware, cal: Calibration, 
     vram = smallest_gpu(used).memory_bytes
     host_ok = host_ram_ok(profiles, s, hw.ram_usable_bytes, mem)
     fits = mem.peak <= HEADROOM * vram and host_ok
-    if fits and any(_observed_oom(profiles, s, g) is not None for g in _distinct(used)):
-        fits = False
+    oom = next((p for g in _distinct(used) if (p := _observed_oom(profiles, s, g)) is not None), None)
+    if not fits:
+        oom = None
+    fits = fits and oom is None
     steps = _steps(req, s.batch, s.grad_accum, s.num_gpus)
     link, link_gbs = set_link(hw, used)
     observed = _observed_multi_gpu(profiles, s, used, link)
@@ -3143,6 +3148,7 @@ def _evaluate(req: Request, profiles: Profiles, hw: Hardware, cal: Calibration, 
         peak_measured=evidence[0].id if evidence is not None else None,
         peak_basis=evidence[1] if evidence is not None else "predicted",
         lowered_rank=_lowered_rank(req, s),
+        observed_oom=oom,
     )
 
 
@@ -3604,8 +3610,10 @@ def pin_conflicts(req: Request, hw: Hardware) -> list[str]:
     return out
 
 
-def _infeasible(req, hw, reasons, steps, *, memory=None, need=None, profiles=None, conflicts=()):
-    needs = None
+def _infeasible(
+    req, hw, reasons, steps, *, memory=None, need=None, profiles=None, conflicts=(), observed_oom=None
+):
+    needs = {"min_vram_bytes": None, "observed_oom": observed_oom} if observed_oom is not None else None
     if need is not None:
         # a GPU that trains in fp32 because its fp16 gives NaN losses (GTX 16): what a GPU that trains in fp16
         # mixed precision needs, from which the cards that would fit are drawn (each by its own precision)
@@ -3830,7 +3838,14 @@ def plan(hardware: Hardware | Any, profiles: Profiles, request: Request) -> Resu
         if flow_family(req.model) and req.method in FULL_METHODS:
             reasons.append(FLOW_FULL_NOT_IN_TRAINER)
         return _infeasible(
-            req, hardware, reasons, one_steps, memory=leanest.memory, need=need, profiles=profiles
+            req,
+            hardware,
+            reasons,
+            one_steps,
+            memory=leanest.memory,
+            need=need,
+            profiles=profiles,
+            observed_oom=leanest.observed_oom.id if leanest.observed_oom is not None else None,
         )
 
     best, best_by_n = _choose(fitting, profiles)
@@ -3919,6 +3934,17 @@ def _not_fit_reasons(
     need = _required(leanest)
     gpu = smallest_gpu(plan_gpus(hw, leanest.setup))
     vram = gpu.memory_bytes
+    if (oom := leanest.observed_oom) is not None:  # the model says it fits: a measured out-of-memory says not
+        return (
+            leanest,
+            None,
+            [
+                f"nothing fits: {what} ({describe(leanest.setup)}) ran out of GPU memory on {gpu.name} when "
+                f"it ran here (at batch {oom.batch}: local point {oom.id}), though the model predicts "
+                f"{format_range(leanest.memory.peak, leanest.peak_range)}: what ran out of memory once will again; "
+                "every other configuration needs more memory than the card's, or ran out too"
+            ],
+        )
     if _required(leanest_any) < need:
         what += " this machine's host RAM allows"
     out = [

@@ -919,7 +919,13 @@ def render(d: dict, res: planner.Result, console) -> None:
         console.print(t)
     else:
         needs = d["needs"] or {}
-        if needs.get("min_vram_bytes") is None:  # the host RAM blocks every configuration (see the reasons)
+        if needs.get(
+            "observed_oom"
+        ):  # the model says it fits; a run here ran out of memory (see the reasons)
+            console.print(
+                "[bold red]does not fit[/]: it ran out of GPU memory when it ran on this GPU (measured)"
+            )
+        elif needs.get("min_vram_bytes") is None:  # the host RAM blocks every configuration (see the reasons)
             console.print("[bold red]does not fit[/]: this machine's host RAM is too small for it")
         else:
             mixed = needs.get("min_vram_bytes_mixed_precision")

@@ -852,6 +852,58 @@ def test_a_bench_oom_point_rules_that_configuration_out(tmp_path, monkeypatch):
     assert not same  # out of memory at batch 1 with those settings: the planner picks other settings
 
 
+def test_a_pin_ruled_out_by_a_measured_oom_says_so_not_that_the_card_is_too_small(tmp_path, monkeypatch):
+    """A pinned batch that ran out of memory here, where the model says it fits: it said "needs 6.0 GiB ... more
+    than its 92% limit (11.0 GiB): at least 6.5 GiB" on a 12 GiB card and suggested cards to buy."""
+    from sdplan import planner
+    from sdplan.recommend import render
+
+    root = fresh_profile_store(monkeypatch, tmp_path)
+    snap = Snapshot.load(MACHINES / "rtx3060_12gb.json")
+    free = planner.plan(
+        snap, profiles.load_profiles(local=root), planner.Request(method="lora", model="sd15")
+    )
+    s = replace(free.plan, batch=4, gradient_checkpointing=False)
+    # every memory setting pinned: an out of memory at them rules out the one configuration left
+    names = ("batch", "gradient_checkpointing", "precision", "optimizer", "cache_latents", "lora_rank")
+    names += ("cache_text_encoder_outputs",)
+    request = planner.Request(method="lora", model="sd15", pins=tuple((n, getattr(s, n)) for n in names))
+    assert planner.plan(snap, profiles.load_profiles(local=root), request).feasible  # the model: it fits
+    req = bench.BenchRequest(
+        method="lora",
+        model="sd15",
+        resolution=s.resolution,
+        precision=s.precision,
+        gradient_checkpointing=False,
+        optimizer=s.optimizer,
+        cache_latents=s.cache_latents,
+        lora_rank=s.lora_rank,
+        settings_from="the planner",
+    )
+    gpu = snap.gpus[0]
+    machine = bench.Machine(
+        kind="cuda", name=gpu.name, memory_total_bytes=gpu.memory_total_bytes, torch="2.13.0"
+    )
+    oom = bench.BenchPoint(request=req, batch=4, fits=False, error="CUDA out of memory", date="2026-01-01")
+    oom = replace(oom, point_id=bench.point_id(machine, req, 4, demo=False))
+    bench.write_points(root, "lora", [bench.point_record(oom, machine)])
+    after = planner.plan(snap, profiles.load_profiles(local=root), request)
+    assert not after.feasible and after.needs == {"min_vram_bytes": None, "observed_oom": oom.point_id}
+    (why,) = [r for r in after.reasons if r.startswith("nothing fits")]
+    assert (
+        f"ran out of GPU memory on {gpu.name} when it ran here (at batch 4: local point {oom.point_id})"
+        in why
+    )
+    assert "limit" not in why and "at least" not in why
+    from rich.console import Console
+
+    console = Console(width=400, record=True)
+    render(planner.result_dict(after), after, console)
+    text = console.export_text()
+    assert "does not fit: it ran out of GPU memory when it ran on this GPU (measured)" in text
+    assert "would fit" not in text and "needs at least" not in text
+
+
 def test_a_point_of_the_other_board_of_a_shared_name_does_not_count_for_this_one(tmp_path, monkeypatch):
     """The RTX 3060 8GB and 12GB report one NVML name: the recorded memory keeps their measurements apart, in
     what the bench skips and in the planner's measured basis."""
