@@ -74,6 +74,43 @@ def test_every_alias_resolves_to_its_own_entry(prof):
                 assert prof.find_gpu(alias) is g  # a name only one entry has needs no memory
 
 
+# what a name may carry before the model number (normalised: no spaces, lower case)
+_BRAND = {
+    "",
+    "rtx",
+    "gtx",
+    "geforcertx",
+    "geforcegtx",
+    "nvidiageforcertx",
+    "nvidiageforcegtx",
+    "tesla",
+    "nvidiatesla",
+}
+
+
+def test_a_typed_name_without_a_size_never_picks_one_memory_variant(prof):
+    """Memory variants share their NVML name (RTX 3080 10/12 GB, RTX 4060 Ti 8/16 GB): typed without a size, a
+    name either of them has is refused with both listed ("4060 Ti" and "3080" sat on one variant's aliases
+    only, and planned the 8 GB / 10 GB card without a word)."""
+    import re
+
+    for g in prof.gpus:
+        for alias in (g.name, *g.aliases):
+            key = normalise_gpu_name(alias)
+            # another memory's entry has this name, or a longer name ending in it (the NVML name of both)
+            shared = [
+                o
+                for o in prof.gpus
+                if o.memory_gib != g.memory_gib
+                and any(k.endswith(key) and k[: len(k) - len(key)] in _BRAND for k in _keys(o))
+            ]
+            if not shared or re.search(r"\d+\s*GB", alias, re.IGNORECASE):
+                continue
+            with pytest.raises(UsageError, match="matches several catalog GPUs") as e:
+                prof.match_gpu(alias)
+            assert g.name in str(e.value), alias
+
+
 # (NVML nvmlDeviceGetName / amdsmi market_name, probed memory in GiB, catalog entry)
 REAL_NAMES = [
     ("NVIDIA GeForce RTX 4090", 23.99, "RTX 4090"),
