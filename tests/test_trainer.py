@@ -1274,11 +1274,28 @@ def test_a_misspelt_lora_target_beside_a_right_one_is_refused(tiny_sd15):
     ):
         add_lora_adapters(unet, [], lcfg, train_text_encoder=False)
     lcfg.target_modules = ["to_q", "attn1"]  # a block, not a layer: peft's ValueError was a traceback
-    with pytest.raises(UsageError, match=r"'attn1' in UNet2DConditionModel is a Attention, not a layer LoRA"):
+    with pytest.raises(
+        UsageError, match=r"'attn1' in UNet2DConditionModel is a Attention, not a layer the LoRA"
+    ):
         add_lora_adapters(unet, [], lcfg, train_text_encoder=False)
     lcfg.target_modules = ["to_q", "norm1"]  # a norm: refused before peft touches the model
     with pytest.raises(UsageError, match=r"'norm1' in UNet2DConditionModel is a GroupNorm/LayerNorm, not a"):
         add_lora_adapters(unet, [], lcfg, train_text_encoder=False)
+    # an embedding: peft adapts it, but no kohya / A1111 / ComfyUI LoRA file holds one (its kohya keys were left
+    # as peft's lora_embedding_A/B, which diffusers' loader refused, and its diffusers file was at rank/alpha x)
+    from transformers import CLIPTextModel
+
+    te = CLIPTextModel.from_pretrained(str(tiny_sd15), subfolder="text_encoder")
+    lcfg.target_modules, lcfg.text_encoder_target_modules = ["to_q"], ["q_proj", "token_embedding"]
+    with pytest.raises(
+        UsageError, match=r"'token_embedding' in CLIPTextModel is a Embedding, not a layer the LoRA"
+    ):
+        add_lora_adapters(
+            UNet2DConditionModel.from_pretrained(str(tiny_sd15), subfolder="unet"),
+            [te],
+            lcfg,
+            train_text_encoder=True,
+        )
     lcfg.target_modules = ["to_q", "attn1.to_k", "to_out.0"]  # suffixes of module names, as peft matches
     add_lora_adapters(unet, [], lcfg, train_text_encoder=False)
     assert any("attn1.to_k.lora_A" in n for n, _ in unet.named_parameters())

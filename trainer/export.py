@@ -550,9 +550,10 @@ ALPHA_FOLDED = (
 
 def fold_alpha(state_dict: dict, config: Any, rank: int, alpha: float) -> tuple[dict, dict]:
     """A peft LoRA state dict with alpha/rank folded into ``lora_B``, and its LoraConfig as adapter metadata
-    saying ``lora_alpha = r``: the diffusers-format file every loader applies alike (diffusers before 0.34
-    reads no lora_adapter_metadata and takes lora_alpha = r, peft_utils.get_peft_kwargs; ComfyUI, finding no
-    ``.alpha`` key, scales by 1)."""
+    saying ``lora_alpha = r``: the diffusers-format file every diffusers version applies alike (before 0.34 it
+    reads no lora_adapter_metadata and takes lora_alpha = r, peft_utils.get_peft_kwargs). ComfyUI reads the kohya
+    file: its key map (comfy/lora.py model_lora_keys_unet) takes none of peft's SD 1.x / SDXL UNet names in this
+    one (only its text-encoder names, and the FLUX.1 / SD3.5 files' diffusers names)."""
     scale = float(alpha) / rank
     folded = {k: (v * scale if ".lora_B." in k else v) for k, v in state_dict.items()}
     return folded, {**adapter_metadata(config), "lora_alpha": config.r}

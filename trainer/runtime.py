@@ -428,14 +428,17 @@ def add_lora_adapters(unet, text_encoders, lcfg, train_text_encoder: bool) -> di
                 f"{key}: no module of {type(model).__name__} is named {', '.join(map(repr, unmatched))}",
                 fix=fix,
             )
-        # a block (attn1) or a norm matches modules LoRA does not adapt: peft's 'not supported' was a traceback
-        layers = (torch.nn.Linear, torch.nn.Conv2d, torch.nn.Conv1d, torch.nn.Embedding)
+        # a block (attn1) or a norm matches modules LoRA does not adapt: peft's 'not supported' was a traceback.
+        # An Embedding peft adapts, but no LoRA file kohya, A1111 or ComfyUI read holds it (kohya's names know
+        # lora_down / lora_up only: diffusers' convert_state_dict_to_kohya left peft's lora_embedding_A/B as
+        # they were, a file diffusers' own loader then refused), and the alpha folding missed its lora_embedding_B
+        layers = (torch.nn.Linear, torch.nn.Conv2d, torch.nn.Conv1d)
         other = [t for t, found in matched.items() if found and not any(isinstance(m, layers) for m in found)]
         if other:
             kinds = sorted({type(m).__name__ for t in other for m in matched[t]})
             raise UsageError(
                 f"{key}: {', '.join(map(repr, other))} in {type(model).__name__} is a {'/'.join(kinds)}, not a "
-                "layer LoRA adapts (Linear or Conv)",
+                "layer the LoRA files other tools read hold (Linear or Conv)",
                 fix=fix,
             )
         try:
