@@ -2805,7 +2805,7 @@ def planned_step_seconds(
 ) -> tuple[float | None, str]:
     """(seconds per micro-step, basis) as a plan states them: a measured or published speed for this GPU and
     these settings; else the model scaled by the nearest speed measured on this GPU ("scaled"); else the
-    model alone ("calibrated"; "uncalibrated" for the transformer families, whose efficiency rests on few
+    model alone ("calibrated"; "weakly_calibrated" for the transformer families, whose efficiency rests on few
     speeds, unless the measured launch-bound floor sets the step)."""
     if gpu is None:
         return None, "unknown speed"
@@ -2843,7 +2843,7 @@ def planned_step_seconds(
     # the transformer families alone: an efficiency fitted on few speeds; quantized-base and swap costs
     # unfitted; at the launch-bound floor, the floor's measurement sets the step
     floored = times[1] < times[0]
-    return step_s, ("uncalibrated" if flow_family(s.model) and not floored else "calibrated")
+    return step_s, ("weakly_calibrated" if flow_family(s.model) and not floored else "calibrated")
 
 
 def host_ram_needed_bytes(profiles: Profiles, s: Settings, mem: Memory | None = None) -> float:
@@ -4423,7 +4423,7 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
                 f"({near.id}: {near.method} at batch {near.batch}, {near.resolution}px"
                 f"{', checkpointing' if near.options.gradient_checkpointing else ''}); {likely}"
             )
-        elif best.basis != "uncalibrated":  # uncalibrated (transformer families): _flow_reasons says how
+        elif best.basis != "weakly_calibrated":  # the transformer families: _flow_reasons says how
             one_gpu = " on one GPU, the gradient exchange as modelled" if s.num_gpus > 1 else ""
             r.append(
                 f"time: from a {best.basis} speed for {pace.name} with these settings{one_gpu}; {likely}"
@@ -5686,7 +5686,7 @@ def _flow_reasons(
             f"LoRA rank {s.lora_rank} on {len(_lora_linears(model, s))} Linear kinds of the transformer "
             f"({best.memory.trainable_params / 1e6:.1f}M parameters, counted from the config's shapes)"
         )
-    if best.basis != "uncalibrated":  # a measured speed, or the model scaled by one: said with the time
+    if best.basis != "weakly_calibrated":  # a measured speed, or the model scaled by one: said with the time
         return r
     # at the launch-bound floor the basis is "calibrated" (planned_step_seconds): time_basis_text says so
     arch, borrowed = cal.flow_source(spec)

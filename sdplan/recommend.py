@@ -890,9 +890,8 @@ def render(d: dict, res: planner.Result, console) -> None:
             peak += " [yellow]may not fit: the upper end is over the card[/]"
         t.add_row("peak VRAM", peak)
         t.add_row("host RAM", _gib(est["ram_bytes"]))
-        # the transformer families' "uncalibrated" basis: an efficiency fitted on few published speeds, as
-        # their time reason says ("weakly calibrated"); "(uncalibrated)" beside it read as none at all
-        basis = "weakly calibrated" if est["basis"] == "uncalibrated" else est["basis"]
+        # the transformer families' "weakly_calibrated" basis: an efficiency fitted on few published speeds
+        basis = est["basis"].replace("_", " ")
         t.add_row("time", f"{_range(est['seconds'], est['seconds_range'], seconds=True)} ({basis})")
         if est["it_per_s"]:
             t.add_row(

@@ -391,7 +391,7 @@ def test_a_model_measured_on_an_architecture_gets_its_own_efficiency_there(prof)
         assert abs(math.log(ratio)) < math.log(1.2 if batch > 1 else 1.6), (p.id, ratio)
     # a plan says whose efficiency it used
     res = P.plan(P.hardware_from_catalog(h200), prof, P.Request(method="lora", model="sd35-medium"))
-    assert res.basis == "uncalibrated"
+    assert res.basis == "weakly_calibrated"
     assert f"at {medium * 100:.0f}% efficiency" in "\n".join(res.reasons)
     assert "Hopper GPUs (Stable Diffusion 3.5 Medium LoRA)" in "\n".join(res.reasons)
 
@@ -446,7 +446,7 @@ def test_an_architecture_without_its_own_flow_speed_borrows_the_one_measured_nea
     ratio = P.step_seconds(prof, dev.settings, h100, cal) / P.step_seconds(prof, dev.settings, b200, cal)
     assert ratio < 1.05 * b200.matmul_tflops("bf16") / h100.matmul_tflops("bf16")
     res = _plan(prof, "B200", "flux-dev", 1024)
-    assert res.basis == "uncalibrated"
+    assert res.basis == "weakly_calibrated"
     assert any("borrowed: EXTRAPOLATED" in r for r in res.reasons)
 
 

@@ -1074,6 +1074,9 @@ def test_the_transformer_families_time_is_said_weakly_calibrated_as_its_reason_s
     (row,) = [line for line in r.stdout.splitlines() if line.startswith("time ")]
     assert row.rstrip().endswith("(weakly calibrated)") and "uncalibrated" not in r.stdout, row
     assert "weakly calibrated" in " ".join(r.stdout.split())
+    # and the JSON has that word (it said "uncalibrated")
+    j = run("--method", "lora", "--model", "flux-dev", "--hardware", "RTX 3090", "--json")
+    assert json.loads(j.stdout)["estimate"]["basis"] == "weakly_calibrated"
 
 
 def test_the_headline_time_and_the_run_time_reason_say_the_same():
