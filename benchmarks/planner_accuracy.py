@@ -582,7 +582,9 @@ def point_rows(prof: Profiles, pt: Point) -> tuple[list[dict], list[dict], Predi
     if pt.it_s and pred.it_per_s:
         numeric.append(_row(pt.id, f"it/s on {pt.gpu}", pred.it_per_s, pt.it_s, pt.source))
     low, high = prof.uncertainty.peak_for(_family_and_rank(pt)[0])[0]
-    likely = P.peak_range_of(pred.step_peak_bytes / GiB, pred.text_cache_peak_bytes / GiB, (low, high))
+    likely = P.peak_range_of(
+        pred.step_peak_bytes / GiB, pred.text_cache_peak_bytes / GiB, (low, high), (low, high)
+    )
     for memory_gib, fits in pt.fit_claims:
         predicted_fits = peak_gib <= memory_gib
         verdicts.append(

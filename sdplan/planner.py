@@ -3052,18 +3052,18 @@ def card_peak(
     if grid is not None:  # the final sample grid as sdplan bench measured it here, the same allowances
         grid_allocated = grid.outcome["sample_grid_peak_gib"] * GiB
         mem = replace(mem, sampling_peak=grid_allocated + _overhead_bytes(grid_allocated))
-    return mem, peak_range_of(mem.step_peak, mem.text_cache_peak, unc_peak), evidence
+    model_band = profiles.uncertainty.peak_for(s.model)[0]
+    return mem, peak_range_of(mem.step_peak, mem.text_cache_peak, unc_peak, model_band), evidence
 
 
-# The caption pass's band (text_cache_peak_bytes): the encoders' bytes are known, its transient is not calibrated,
-# and no residuals exist to fit one: the narrowest band the validation ranges are widened to (scripts/uncertainty.py)
-TEXT_CACHE_BAND = (0.95, 1.05)
-
-
-def peak_range_of(step: float, cache: float, band: tuple[float, float]) -> tuple[float, float]:
+def peak_range_of(
+    step: float, cache: float, band: tuple[float, float], cache_band: tuple[float, float]
+) -> tuple[float, float]:
     """The likely range of a plan's peak: ``band`` (the validation set's, or a measurement's) on the step's peak,
-    :data:`TEXT_CACHE_BAND` on the caption pass's (``cache``), whichever is larger at each end."""
-    return max(step * band[0], cache * TEXT_CACHE_BAND[0]), max(step * band[1], cache * TEXT_CACHE_BAND[1])
+    ``cache_band`` on the caption pass's (``cache``: the model's own band, the validation set's; its transient is
+    not calibrated, and a narrower band than the model's made a plan "fit" on the caption pass alone), whichever is
+    larger at each end."""
+    return max(step * band[0], cache * cache_band[0]), max(step * band[1], cache * cache_band[1])
 
 
 FIT_RULE_TEXT = f"a plan keeps its estimate under {int(HEADROOM * 100)}% and its likely range within the card"
@@ -4279,9 +4279,8 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
             + f"; the range is measured / predicted x{peak_band[0]:g}-{peak_band[1]:g} on the "
             f"validation set's {_band_scope(profiles, s.model)} (n={peak_n})"
             + (
-                f" on the step's {_gib(m.step_peak)}, x{TEXT_CACHE_BAND[0]:g}-{TEXT_CACHE_BAND[1]:g} on the caption "
-                "pass's (the encoders' bytes and an uncalibrated transient: no residuals to widen it by), the "
-                "larger at each end"
+                f" on the step's {_gib(m.step_peak)}, and on the caption pass's (the encoders' bytes and an "
+                "uncalibrated transient), the larger at each end"
                 if m.text_cache_peak > m.step_peak
                 else ""
             )

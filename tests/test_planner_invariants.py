@@ -392,9 +392,10 @@ def _leanest_runnable(prof, hw: P.Hardware, req: P.Request) -> tuple[list[Settin
 
 def _required(prof, model: str, m: P.Memory) -> int:
     """The card a predicted peak fits without the "may not fit" flag: the estimate within 92% of it and the
-    likely peak's upper end within it (planner.peak_range_of: the validation set's band on the step's peak, the
-    caption pass's own where larger)."""
-    upper = P.peak_range_of(m.step_peak, m.text_cache_peak, prof.uncertainty.peak_for(model)[0])[1]
+    likely peak's upper end within it (planner.peak_range_of: the validation set's band on the step's peak and on
+    the caption pass's, the larger at each end)."""
+    band = prof.uncertainty.peak_for(model)[0]
+    upper = P.peak_range_of(m.step_peak, m.text_cache_peak, band, band)[1]
     return math.ceil(max(m.peak / P.HEADROOM, upper))
 
 
