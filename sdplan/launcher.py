@@ -1257,7 +1257,11 @@ def checkpoint_step(
 ) -> tuple[int, Any] | None:
     """(the step checkpoint ``last`` stands at in this run's steps, its TrainState), or None where its state
     cannot be read: :func:`sdplan.steps.moved_position` where it was saved with another micro-batch,
-    accumulation or process count, as the trainer places it."""
+    accumulation or process count, as the trainer places it. At a micro-batch in the checkpoint's order of
+    images (trainer/buckets.py) the trainer counts the batches its images make whole, short ones too, from the
+    epoch's order, which needs the dataset: here the images done count in full batches, which can place it
+    earlier than the trainer does, by up to a batch per short batch the checkpoint had trained in its epoch (one
+    per aspect bucket at most)."""
     from sdplan.trainer.checkpoint import CheckpointError, TrainState, read_state, resume_position
 
     try:

@@ -191,17 +191,21 @@ def moved_position(
     num_processes: int,
     epoch_batches: int,
     new: Steps,
+    done_batches: int | None = None,
 ) -> Position:
     """Where a checkpoint saved under other settings stands in a run planned as ``new``.
 
     The checkpoint was ``batches_in_epoch`` micro-batches of ``batch_size`` into ``epoch`` on each of its
     ``num_processes`` processes (``images_in_epoch`` images on all of them together). The processes take an
     epoch's batches in turn (process i: batches i, i+N, ...), so the first ``batches_in_epoch x num_processes``
-    batches of the epoch's order are done; with another micro-batch the batches differ, and the images done
-    count instead (rounded down to whole batches of the new micro-batch). ``epoch_batches``: the new run's
-    batches in one epoch, before they are shared out. Each new process skips its share of what is done: a count
-    the new processes cannot share evenly is rounded down (up to ``new.num_processes - 1`` batches train again;
-    none is left out).
+    batches of the epoch's order are done. With another micro-batch the batches differ: where the new run keeps
+    the checkpoint's order of images (a micro-batch that divides its order batch, trainer/buckets.py) those
+    images are the first of its order, and ``done_batches`` counts the new batches wholly among them (exact:
+    none left out, a batch that straddles them trains again); otherwise (None) the images done count, rounded
+    down to whole batches of the new micro-batch (the order is another: the caller says so). ``epoch_batches``:
+    the new run's batches in one epoch, before they are shared out. Each new process skips its share of what is
+    done: a count the new processes cannot share evenly is rounded down (up to ``new.num_processes - 1``
+    batches train again; none is left out).
 
     The step is the steps ``new`` still takes to the next place the run must reach, counted back from that
     place's step: the epoch's end, or the run's own end where ``training.max_steps`` puts it inside this epoch
@@ -218,6 +222,8 @@ def moved_position(
     new_batch = new.batch_size
     if batch_size == new_batch:
         done = batches_in_epoch * num_processes
+    elif done_batches is not None:
+        done = done_batches
     else:
         done = images_in_epoch // new_batch
     if done >= epoch_batches or (batch_size != new_batch and images_in_epoch >= new.images_per_epoch):

@@ -164,6 +164,79 @@ def test_works_as_a_dataloader_batch_sampler():
     assert got == data
 
 
+# -- the order batch: one order of images for every micro-batch that divides it --------------------------------
+
+# bucket layouts: (the samples of each bucket); the dataset's indices interleave them
+LAYOUTS = [(14,), (7, 5, 2), (9, 1), (8, 8, 3), (1,), (13, 6, 4, 4)]
+
+
+def _layout_ids(samples: tuple[int, ...]) -> list[int]:
+    left = list(samples)
+    ids: list[int] = []
+    while any(left):
+        for b, n in enumerate(left):
+            if n:
+                ids.append(b)
+                left[b] -= 1
+    return ids
+
+
+@pytest.mark.parametrize("samples", LAYOUTS)
+@pytest.mark.parametrize("order", [4, 6, 8])
+def test_every_micro_batch_that_divides_the_order_batch_draws_the_same_order(samples, order):
+    """Cut at the order batch P and split at a micro-batch b that divides it, an epoch's images come in one
+    order for every b; each bucket makes ceil(n / b) batches (the step arithmetic's count), its one short batch
+    short by n % b; and the pieces of one P-batch are consecutive. At b == P it is the plain sampler's order."""
+    ids = _layout_ids(samples)
+    for epoch in (0, 3):
+        plain = BucketBatchSampler(ids, order, seed=11).epoch_batches(epoch)
+        flat = [i for b in plain for i in b]
+        for b in [d for d in range(1, order + 1) if order % d == 0]:
+            s = BucketBatchSampler(ids, b, seed=11, order_batch_size=order)
+            batches = s.epoch_batches(epoch)
+            assert [i for x in batches for i in x] == flat, b
+            assert len(batches) == len(s) == sum(math.ceil(n / b) for n in samples), b
+            assert all(len({ids[i] for i in x}) == 1 for x in batches)
+            for bucket, n in enumerate(samples):
+                sizes = sorted(len(x) for x in batches if ids[x[0]] == bucket)
+                assert sizes == sorted([b] * (n // b) + ([n % b] if n % b else [])), (b, bucket)
+            # the pieces of each P-batch, in order, one after another
+            pieces = iter(batches)
+            for big in plain:
+                got: list[int] = []
+                while len(got) < len(big):
+                    got += next(pieces)
+                assert got == big, b
+            if b == order:
+                assert batches == plain
+
+
+def test_batches_within_counts_whole_batches_of_the_first_images():
+    ids = _layout_ids((7, 5, 2))
+    s = BucketBatchSampler(ids, 2, seed=3, order_batch_size=4)
+    sizes = [len(b) for b in s.epoch_batches(1)]
+    ends = [sum(sizes[: k + 1]) for k in range(len(sizes))]
+    for images in range(0, len(ids) + 3):
+        within = s.batches_within(images, epoch=1)
+        assert within == sum(1 for e in ends if e <= images)
+        assert s.images_in(within, epoch=1) <= images
+    assert s.images_in(len(sizes), epoch=1) == len(ids)
+
+
+def test_keep_order_keeps_an_order_batch_the_micro_batch_divides():
+    ids = _layout_ids((7, 5, 2))
+    s = BucketBatchSampler(ids, 2, seed=3)
+    assert s.keep_order(4) and s.order_batch_size == 4
+    assert s.keep_order(2) and s.order_batch_size == 2
+    assert not s.keep_order(3) and s.order_batch_size == 2  # 2 does not divide 3: its own order
+    with pytest.raises(ValueError, match="not a multiple"):
+        BucketBatchSampler(ids, 3, order_batch_size=4)
+    with pytest.raises(ValueError, match="drop_last"):
+        BucketBatchSampler(ids, 2, order_batch_size=4, drop_last=True)
+    dropping = BucketBatchSampler(ids, 2, drop_last=True)
+    assert not dropping.keep_order(4) and dropping.order_batch_size == 2
+
+
 # -- the settings that make no buckets: refused with the fix, before anything runs --------------------------
 
 

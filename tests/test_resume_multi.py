@@ -11,6 +11,7 @@ import pytest
 import yaml
 from conftest import assert_same_run, tiny_train_config, train_two_processes, trains_in_process
 from sdplan.trainer import checkpoint, run
+from sdplan.trainer.buckets import BucketBatchSampler
 
 from sdplan.steps import Position, moved_position, plan_steps
 
@@ -194,6 +195,126 @@ def test_a_resume_with_another_micro_batch_skips_only_images_its_processes_train
                 ):  # what it says trains again: exact, or at most (a checkpoint from before)
                     again = checkpoint.images_again(saved, at, after)
                     assert again == trained - skipped if saved is state else again >= trained - skipped, case
+
+
+def _interleaved(samples: tuple[int, ...]) -> list[int]:
+    """Bucket ids of a dataset whose buckets hold ``samples``, their indices interleaved."""
+    return [b for r in range(max(samples)) for b, n in enumerate(samples) if r < n]
+
+
+def _dealt(batches: list, processes: int, rounds: int) -> list:
+    """The batches ``processes`` processes drew in an epoch's first ``rounds`` rounds: accelerate deals batch j to
+    process j % processes, and where the epoch's batches do not divide by them its last round deals the first
+    again (even_batches)."""
+    per = -(-len(batches) // processes)
+    padded = [batches[j % len(batches)] for j in range(per * processes)]
+    return padded[: rounds * processes]
+
+
+@pytest.mark.parametrize("samples", [(11,), (7, 5, 2), (9, 4), (6, 6, 1)])
+@pytest.mark.parametrize("order", [4, 6, 8])
+def test_a_resume_at_a_micro_batch_that_divides_the_order_batch_covers_the_epoch(samples, order):
+    """The out-of-memory retry resumes the last checkpoint at a smaller micro-batch (a divisor). A checkpoint of
+    1-3 processes at the order batch P or a divisor of it, after any round of an epoch, resumed on 1-3 processes
+    at any divisor of P: the images it trained in that epoch and those the new processes draw after their skip
+    are every image of the epoch, the images trained twice are those of the at most ``new - 1`` batches the
+    processes' share rounds down, and a batch that straddles the checkpoint's images (P=6 at 2 -> 3), and
+    images_again counts them exactly. Each bucket's sampler order is cut at P (BucketBatchSampler.keep_order).
+    At a micro-batch that does not divide P the order is another (said): the position is the images done,
+    rounded down to whole batches, as moved_position documents, and skips no more images than were trained."""
+    ids = _interleaved(samples)
+    images = len(ids)
+    divisors = [d for d in range(1, order + 1) if order % d == 0]
+    others = [b for b in (3, 4, 5) if order % b]
+    for old_batch in divisors:
+        old_sampler = BucketBatchSampler(ids, old_batch, seed=2, order_batch_size=order)
+        for old in (1, 2, 3):
+            for epoch in (0, 1):
+                done_order = old_sampler.epoch_batches(epoch)
+                rounds = -(-len(done_order) // old)
+                for k in range(1, rounds + 1):
+                    trained = [i for b in _dealt(done_order, old, k) for i in b]
+                    saved = checkpoint.TrainState(
+                        epoch=epoch,
+                        batches_in_epoch=k,
+                        images_in_epoch=len(trained),
+                        batch_size=old_batch,
+                        order_batch_size=order,
+                        num_processes=old,
+                    )
+                    for new_batch in divisors + others:
+                        for new in (1, 2, 3):
+                            case = (old_batch, old, epoch, k, new_batch, new)
+                            sampler = BucketBatchSampler(ids, new_batch, seed=2)
+                            kept = sampler.keep_order(saved.order_batch_size)
+                            assert kept == (new_batch in divisors), case
+                            after = plan_steps(
+                                images_per_epoch=images,
+                                batch_size=new_batch,
+                                num_processes=new,
+                                grad_accum=2,
+                                epochs=3,
+                                bucket_samples=samples,
+                            )
+                            live = checkpoint.TrainState(
+                                batch_size=new_batch, grad_accum=2, num_processes=new, order_batch_size=order
+                            )
+                            at = checkpoint.resume_position(saved, live, after, len(sampler), sampler)
+                            if k == rounds:  # the epoch was done
+                                assert (at.epoch, at.batches_in_epoch) == (epoch + 1, 0), case
+                                continue
+                            assert at.epoch == epoch, case
+                            skip = at.batches_in_epoch * new  # all the new processes' skipped batches
+                            drawn = [i for b in sampler.epoch_batches(epoch)[skip:] for i in b]
+                            if not kept:
+                                plain = checkpoint.resume_position(saved, live, after, len(sampler))
+                                assert at == plain, case
+                                assert checkpoint.skipped_images(at, after, sampler) <= len(trained), case
+                                continue
+                            assert sorted(set(trained) | set(drawn)) == list(range(images)), case
+                            twice = len(set(trained) & set(drawn))
+                            assert len(drawn) + len(trained) - twice == images, case  # nothing drawn 3 times
+                            assert twice == checkpoint.images_again(saved, at, after, sampler), case
+                            whole = sampler.batches_within(len(trained), epoch)
+                            assert whole - skip < new, case  # the share rounded down
+                            if old_batch % new_batch == 0:  # a smaller micro-batch: no batch straddles
+                                assert twice == sampler.images_in(whole, epoch) - sampler.images_in(
+                                    skip, epoch
+                                )
+
+
+def test_a_checkpoint_from_before_the_order_batch_resumed_at_half_its_micro_batch_covers_its_epoch():
+    """A checkpoint from before images_in_epoch and order_batch_size were kept was cut at its micro-batch:
+    resumed at half of it, the batches within the fewest images its processes can have trained are skipped,
+    none left out, and images_again says at most how many train again."""
+    ids = _interleaved((7, 5, 2))
+    done_order = BucketBatchSampler(ids, 4, seed=9).epoch_batches(0)
+    for old in (1, 2, 3):
+        for k in range(1, -(-len(done_order) // old)):
+            dealt = _dealt(done_order, old, k)
+            trained = [i for b in dealt for i in b]
+            saved = checkpoint.TrainState.from_json(
+                {
+                    "epoch": 0,
+                    "batches_in_epoch": k,
+                    "samples_in_epoch": sum(len(b) for b in dealt[::old]),
+                    "batch_size": 4,
+                    "num_processes": old,
+                }
+            )
+            assert saved.images_in_epoch is None and saved.order_batch_size == 4
+            for new in (1, 2):
+                sampler = BucketBatchSampler(ids, 2, seed=9)
+                assert sampler.keep_order(saved.order_batch_size)
+                after = plan_steps(
+                    images_per_epoch=len(ids), batch_size=2, num_processes=new, bucket_samples=(7, 5, 2)
+                )
+                live = checkpoint.TrainState(batch_size=2, num_processes=new, order_batch_size=4)
+                at = checkpoint.resume_position(saved, live, after, len(sampler), sampler)
+                drawn = [i for b in sampler.epoch_batches(0)[at.batches_in_epoch * new :] for i in b]
+                assert sorted(set(trained) | set(drawn)) == list(range(len(ids))), (old, k, new)
+                again = checkpoint.images_again(saved, at, after, sampler)
+                assert again >= len(set(trained) & set(drawn)), (old, k, new)
 
 
 def test_the_audits_two_process_epoch_resumed_at_another_micro_batch():
@@ -476,7 +597,8 @@ def test_the_loss_history_of_a_resume_with_another_micro_batch_counts_images(tin
     # the batches of size 2 are another order than the checkpoint's of size 1: said, not counted as exact
     said = capsys.readouterr().out
     assert (
-        "that is step 1 of 4 (the micro-batch changed inside epoch 1: the rest of that epoch is drawn" in said
+        "that is step 1 of 4 (the micro-batch changed inside epoch 1 to one that does not divide the batch 1 "
+        "its order was cut at: the rest of that epoch is drawn" in said
     )
     h, s = history(resumed), summary(resumed)
     assert (s["steps"], s["images_seen"]) == (4, 9)
@@ -484,6 +606,57 @@ def test_the_loss_history_of_a_resume_with_another_micro_batch_counts_images(tin
     assert h["steps"] == [1, 2, 3, 2, 3, 4]
     assert h["losses"][:3] == history(first)["losses"][:3] and len(h["losses"]) == 6
     assert history(first)["images_seen"] == history(first)["steps"] == list(range(1, 9))
+
+
+@pytest.mark.train
+@trains_in_process
+def test_a_resume_at_half_the_micro_batch_trains_the_images_of_the_uninterrupted_run(
+    tiny_sd15, tmp_path, capsys, monkeypatch
+):
+    """What the out-of-memory retry does: a batch-4 run over 10 images (batches of 4, 4 and 2 an epoch) resumed
+    from its step 2 at batch 2 x accumulation 2. Its epoch's rest was drawn in batch 2's order, so some of the
+    epoch's images trained twice and as many not at all. Now the resumed run keeps the checkpoint's order
+    (batch 4's, cut in halves): the images it trains, in order, are the uninterrupted run's after the
+    checkpoint's, and none twice; its checkpoints say the order batch, 4, so a second resume of it inside an
+    epoch at batch 1 trains the rest of the uninterrupted run's images too."""
+    from conftest import make_images
+    from sdplan.trainer import loop
+
+    drawn: list[list[int]] = []
+    step = loop.optimizer_step
+
+    def recorded(recipe, optimizer, batch, *args, **kwargs):
+        drawn.append(batch["index"].tolist())  # the dataset indices this micro-batch trains
+        return step(recipe, optimizer, batch, *args, **kwargs)
+
+    monkeypatch.setattr(loop, "optimizer_step", recorded)
+
+    def train(out: Path, *settings: str, resume: Path | None = None) -> list[int]:
+        drawn.clear()
+        opts = ("training.max_steps=null", "training.epochs=2", "checkpoints.keep_every_steps=1")
+        config = tiny_train_config(tiny_sd15, data, out, *settings, *opts)
+        run.train(config, resume=None if resume is None else str(resume))
+        assert all(len(b) <= config.training.batch_size for b in drawn)
+        return [i for b in drawn for i in b]
+
+    data = make_images(tmp_path / "data", n=10)
+    straight = train(tmp_path / "straight", "training.batch_size=4")
+    assert sorted(straight[:10]) == sorted(straight[10:]) == list(range(10))
+    kept = checkpoint.checkpoint_root(tmp_path / "straight") / "step-000002"
+    done = checkpoint.read_state(kept).images_seen  # 8 or 6: the short batch may be among the first two
+    capsys.readouterr()
+    half = train(tmp_path / "half", "training.batch_size=2", "training.grad_accum=2", resume=kept)
+    assert "micro-batch changed" not in capsys.readouterr().out
+    assert straight[:done] + half == straight
+    assert summary(tmp_path / "half")["images_seen"] == 20
+
+    again = checkpoint.checkpoint_root(tmp_path / "half") / "step-000004"  # inside epoch 2
+    state = checkpoint.read_state(again)
+    assert (state.epoch, state.batch_size, state.order_batch_size) == (1, 2, 4)
+    assert 10 < state.images_seen < 20
+    one = train(tmp_path / "one", "training.batch_size=1", "training.grad_accum=4", resume=again)
+    assert straight[: state.images_seen] + one == straight
+    assert summary(tmp_path / "one")["images_seen"] == 20
 
 
 @pytest.mark.train

@@ -163,9 +163,16 @@ class BucketBatchSampler:
     """Batches of dataset indices, each batch from one bucket; seeded and reshuffled per epoch.
 
     ``bucket_ids[i]`` is the bucket of dataset index ``i`` (all zeros: plain seeded batching). Per epoch the
-    indices of each bucket are shuffled, cut into batches of ``batch_size`` (the last one shorter unless
-    ``drop_last``), and the batches of all buckets shuffled together; the order depends only on
-    ``(seed, epoch)``.
+    indices of each bucket are shuffled, cut into batches of ``order_batch_size`` (the last one shorter unless
+    ``drop_last``), and the batches of all buckets shuffled together; then each of those is split, in order,
+    into consecutive batches of ``batch_size`` (the micro-batch, which must divide the order batch; the last
+    piece of a short one is shorter). The order depends only on ``(seed, epoch, order_batch_size)``: with the
+    order batch the micro-batch (its default, every fresh run) each batch is cut once; at any micro-batch that
+    divides it the images come in the same order, so a run resumed inside an epoch at a smaller micro-batch
+    (the out-of-memory retry halves it to a divisor) keeps the order batch of the checkpoint and finds the
+    images it had trained at the start of the epoch's order (:meth:`batches_within`). Each bucket still makes
+    ``ceil(samples / batch_size)`` batches, its last short by ``samples % batch_size``, as the step arithmetic
+    counts (:func:`sdplan.steps.bucketed_batches`).
 
     Distributed (``num_replicas`` > 1): every rank computes the same batch list and takes every
     ``num_replicas``-th batch from ``rank``; all ranks get the same number of batches (with ``drop_last``
@@ -187,6 +194,7 @@ class BucketBatchSampler:
         drop_last: bool = False,
         num_replicas: int = 1,
         rank: int = 0,
+        order_batch_size: int | None = None,
     ):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -201,6 +209,15 @@ class BucketBatchSampler:
         self.rank = rank
         self.epoch = 0
         self._skip = 0
+        self.order_batch_size = batch_size if order_batch_size is None else order_batch_size
+        if self.order_batch_size < 1 or self.order_batch_size % batch_size:
+            raise ValueError(
+                f"order_batch_size {order_batch_size} is not a multiple of the micro-batch {batch_size}"
+            )
+        if drop_last and self.order_batch_size != batch_size:
+            raise ValueError(
+                "drop_last cuts the epoch at the micro-batch: it takes no other order_batch_size"
+            )
         self._by_bucket: dict[int, list[int]] = {}
         for i, b in enumerate(self.bucket_ids):
             self._by_bucket.setdefault(int(b), []).append(i)
@@ -210,6 +227,16 @@ class BucketBatchSampler:
         """From a dataset with ``bucket_ids()`` (CaptionedImages); others get one bucket."""
         ids = dataset.bucket_ids() if hasattr(dataset, "bucket_ids") else [0] * len(dataset)
         return cls(ids, batch_size, **kwargs)
+
+    def keep_order(self, order_batch_size: int) -> bool:
+        """A resume of a run whose epochs were cut at ``order_batch_size``: keep cutting them there where the
+        micro-batch divides it (the same order of images: the images a checkpoint trained in its epoch are that
+        epoch's first here too) and return True; otherwise cut them at the micro-batch (another order)."""
+        kept = order_batch_size % self.batch_size == 0 and not (
+            self.drop_last and order_batch_size != self.batch_size
+        )
+        self.order_batch_size = order_batch_size if kept else self.batch_size
+        return kept
 
     def set_epoch(self, epoch: int, skip_batches: int = 0) -> None:
         self.epoch = int(epoch)
@@ -234,18 +261,36 @@ class BucketBatchSampler:
     def epoch_batches(self, epoch: int | None = None) -> list[list[int]]:
         """All ranks' batches of one epoch, in order (before sharding)."""
         epoch = self.epoch if epoch is None else epoch
+        cut, size = self.order_batch_size, self.batch_size
         batches: list[list[int]] = []
         for b in sorted(self._by_bucket):
             ix = list(self._by_bucket[b])
             if self.shuffle:
                 _rng(self.seed, epoch, "bucket", b).shuffle(ix)
-            for s in range(0, len(ix), self.batch_size):
-                chunk = ix[s : s + self.batch_size]
-                if len(chunk) == self.batch_size or not self.drop_last:
+            for s in range(0, len(ix), cut):
+                chunk = ix[s : s + cut]
+                if len(chunk) == cut or not self.drop_last:
                     batches.append(chunk)
         if self.shuffle:
             _rng(self.seed, epoch, "batches").shuffle(batches)
-        return batches
+        if cut == size:
+            return batches
+        return [chunk[s : s + size] for chunk in batches for s in range(0, len(chunk), size)]
+
+    def batches_within(self, images: int, epoch: int | None = None) -> int:
+        """How many of an epoch's first batches (:meth:`epoch_batches`, before sharding) lie wholly within the
+        first ``images`` images of its order."""
+        n = 0
+        for batch in self.epoch_batches(epoch):
+            images -= len(batch)
+            if images < 0:
+                break
+            n += 1
+        return n
+
+    def images_in(self, batches: int, epoch: int | None = None) -> int:
+        """The images of an epoch's first ``batches`` batches (:meth:`epoch_batches`, before sharding)."""
+        return sum(len(b) for b in self.epoch_batches(epoch)[: max(0, batches)])
 
     def __iter__(self) -> Iterator[list[int]]:
         batches = self.epoch_batches()

@@ -62,7 +62,15 @@ WEIGHTS_FILE = "trainable.safetensors"
 _NAME = re.compile(r"^(rolling-step|step|interrupt-step|before-nan-step)-(\d+)(?:-\d+)?$")
 _REPLACEABLE = ("rolling-step", "interrupt-step")  # a newer rolling or kept checkpoint removes these
 # The TrainState fields that are this run's settings, not its progress: a resume keeps the live ones.
-_SETTINGS = ("batch_size", "grad_accum", "num_processes", "method", "samples_per_epoch", "settings")
+_SETTINGS = (
+    "batch_size",
+    "order_batch_size",
+    "grad_accum",
+    "num_processes",
+    "method",
+    "samples_per_epoch",
+    "settings",
+)
 # The TrainState fields that are the history of the run that wrote the checkpoint (its outputs, its skipped grids
 # with their paths in its folder, its time): a resume of that run keeps them; a new run started from the checkpoint
 # (checkpoints.resume of a checkpoint outside its own checkpoints folder) starts them empty.
@@ -106,6 +114,9 @@ class TrainState:
     grad_accum: int = 1
     num_processes: int = 1
     method: str = ""
+    # The batch the sampler cut the epochs at (trainer/buckets.py): the micro-batch, or a multiple of it that
+    # a resume at a smaller one kept. Not given (0; a checkpoint saved before it was kept): the micro-batch.
+    order_batch_size: int = 0
     # The dataset's samples per epoch (with repeats) the run had; 0 in a checkpoint saved before it was kept.
     samples_per_epoch: int = 0
     # Outputs saved during training so far (output.save_every_n_*): [{"epoch", "step", "files"}].
@@ -122,6 +133,9 @@ class TrainState:
     # The settings the checkpoint's weights and saved state were made with (sdplan.settings.checkpoint_settings):
     # a new run that starts from it (checkpoints.resume) is checked against them; {} in one saved before.
     settings: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.order_batch_size = self.order_batch_size or self.batch_size
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -164,26 +178,47 @@ class TrainState:
         }
 
 
-def resume_position(saved: TrainState, live: TrainState, plan: Steps, epoch_batches: int) -> Position | None:
+def resume_position(
+    saved: TrainState, live: TrainState, plan: Steps, epoch_batches: int, order: Any = None
+) -> Position | None:
     """Where a run resumed from checkpoint state ``saved`` stands in this run (its settings in ``live``, its
     steps ``plan``, ``epoch_batches`` batches per epoch before they are shared out), when it was saved with
     another process count, micro-batch or accumulation (:func:`sdplan.steps.moved_position`: the images
-    done carry over, the steps are this run's); None when the settings are the same (the saved position)."""
+    done carry over, the steps are this run's); None when the settings are the same (the saved position).
+    ``order``: this run's BucketBatchSampler, where known; at another micro-batch in the checkpoint's order of
+    images (:func:`kept_order`) it counts the batches the checkpoint's images make whole."""
     if (saved.batch_size, saved.grad_accum, saved.num_processes) == (
         live.batch_size,
         live.grad_accum,
         live.num_processes,
     ):
         return None
+    done = epoch_images(saved, plan)[0]
     return moved_position(
         epoch=saved.epoch,
         batches_in_epoch=saved.batches_in_epoch,
-        images_in_epoch=epoch_images(saved, plan)[0],
+        images_in_epoch=done,
         batch_size=saved.batch_size,
         num_processes=saved.num_processes,
         epoch_batches=epoch_batches,
         new=plan,
+        done_batches=order.batches_within(done, saved.epoch) if kept_order(saved, order) else None,
     )
+
+
+def kept_order(saved: TrainState, order: Any) -> bool:
+    """Whether sampler ``order`` (a BucketBatchSampler; None: unknown) draws the epochs in the order of images
+    checkpoint state ``saved`` was trained in (its order batch, which this run's micro-batch divides:
+    trainer/buckets.py), so the images it had trained in its epoch are that epoch's first here too."""
+    return order is not None and order.order_batch_size == saved.order_batch_size
+
+
+def skipped_images(moved: Position, plan: Steps, order: Any = None) -> int:
+    """The images of the batches a run resumed at ``moved`` (in ``plan``) skips in its epoch: the epoch's first
+    ``batches_in_epoch x processes`` batches, counted by sampler ``order`` (exact where short batches are among
+    them), without it as full batches."""
+    batches = moved.batches_in_epoch * plan.num_processes
+    return order.images_in(batches, moved.epoch) if order is not None else batches * plan.batch_size
 
 
 def epoch_images(saved: TrainState, plan: Steps) -> tuple[int, int]:
@@ -201,16 +236,15 @@ def epoch_images(saved: TrainState, plan: Steps) -> tuple[int, int]:
     )
 
 
-def images_again(saved: TrainState, moved: Position, plan: Steps) -> int:
+def images_again(saved: TrainState, moved: Position, plan: Steps, order: Any = None) -> int:
     """The images a run resumed at ``moved`` (in ``plan``) trains again, at most: :func:`sdplan.steps.moved_position`
     rounds the checkpoint's images in its epoch down to whole batches of the new run (14 images at batch 4: step
     3, 12 images; 2 again, counted again in ``images_seen``); for a checkpoint that kept one process's images
-    (:func:`epoch_images`), also those its count cannot be sure of."""
+    (:func:`epoch_images`), also those its count cannot be sure of. ``order``: this run's sampler, which counts
+    the skipped batches' images exactly (:func:`skipped_images`)."""
     if moved.epoch != saved.epoch:  # the checkpoint had finished its epoch
         return 0
-    return max(
-        0, epoch_images(saved, plan)[1] - moved.batches_in_epoch * plan.batch_size * plan.num_processes
-    )
+    return max(0, epoch_images(saved, plan)[1] - skipped_images(moved, plan, order))
 
 
 def same_numbering(saved: TrainState, moved: Position | None, plan: Steps) -> bool:
@@ -680,9 +714,10 @@ class Checkpointer:
 
     # -- loading ---------------------------------------------------------------------------------------
 
-    def load(self, path: str | Path, plan: Steps, epoch_batches: int) -> TrainState:
+    def load(self, path: str | Path, plan: Steps, epoch_batches: int, order: Any = None) -> TrainState:
         """Restore weights, optimizer, scheduler, registered objects and RNG from ``path``; update and return
-        the live TrainState, at :func:`resume_position` in this run's ``plan``."""
+        the live TrainState, at :func:`resume_position` in this run's ``plan`` (``order``: this run's sampler,
+        its order batch already chosen, ``BucketBatchSampler.keep_order``)."""
         path = Path(path)
         saved = read_state(path)
         if saved.method and self.state.method and saved.method != self.state.method:
@@ -723,12 +758,13 @@ class Checkpointer:
             if key in _SETTINGS:
                 continue
             setattr(live, key, value if own or key not in _RUN_HISTORY else getattr(fresh, key))
-        at = resume_position(saved, live, plan, epoch_batches)
+        at = resume_position(saved, live, plan, epoch_batches, order)
         if at is not None:
             live.global_step, live.epoch, live.batches_in_epoch = at.step, at.epoch, at.batches_in_epoch
             live.samples_in_epoch = at.batches_in_epoch * live.batch_size
-            # the images the position skips: its batches' full count, at most what the checkpoint had done
-            skipped = at.batches_in_epoch * live.batch_size * live.num_processes
+            # the images the position skips (in the checkpoint's order: the first of them, exactly), at most
+            # what the checkpoint had done
+            skipped = skipped_images(at, plan, order)
             live.images_in_epoch = (
                 min(skipped, epoch_images(saved, plan)[0]) if at.epoch == saved.epoch else 0
             )

@@ -600,7 +600,11 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
     start_step = 0
     if resume_from is not None:
         saved = ckpt_lib.read_state(resume_from)
-        moved = ckpt_lib.resume_position(saved, state, plan, len(batches))
+        # the checkpoint's order of images where this micro-batch divides its order batch (trainer/buckets.py):
+        # then the images it had trained in its epoch are the first of that epoch here too
+        batches.sampler.keep_order(saved.order_batch_size)
+        state.order_batch_size = batches.sampler.order_batch_size
+        moved = ckpt_lib.resume_position(saved, state, plan, len(batches), batches.sampler)
         start_step = moved.step if moved is not None else saved.global_step
         outputs.same_steps_as_before(ckpt_lib.same_numbering(saved, moved, plan))
         if saved.samples_per_epoch and saved.samples_per_epoch != len(dataset):
@@ -611,26 +615,28 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
                 "train twice in it and others not at all (the next epochs are whole)",
             )
         if moved is not None:
-            again = ckpt_lib.images_again(saved, moved, plan)
+            again = ckpt_lib.images_again(saved, moved, plan, batches.sampler)
             least, most = ckpt_lib.epoch_images(saved, plan)
             trained_again = (
                 f"{count_of(again, 'image')} of its epoch {'is' if again == 1 else 'are'} trained again"
             )
             counted = "it counts" if again == 1 else "they count"
             rounded = "the position rounds down to whole batches of this run"
-            # the sampler cuts an epoch into batches, then shuffles the batches (trainer/buckets.py): at another
-            # micro-batch the epoch's order differs, so the batches skipped are not the images the checkpoint
-            # trained (a known limit: up to 8 of 40 images left out of that epoch at batch 4 -> 2); a position
-            # rounded down to the epoch's start trains the epoch's images again, all
+            # the sampler cuts an epoch into batches of its order batch, then shuffles them (trainer/buckets.py):
+            # at a micro-batch that does not divide the checkpoint's order batch (a larger one, or 4 -> 3) the
+            # epoch's order differs, so the batches skipped are not the images the checkpoint trained (up to 8
+            # of 40 images left out of that epoch); a position rounded down to the epoch's start trains the
+            # epoch's images again, all. One that divides it keeps the order: what it skips was trained.
             if (
-                saved.batch_size != tcfg.batch_size
+                not ckpt_lib.kept_order(saved, batches.sampler)
                 and moved.epoch == saved.epoch
                 and moved.batches_in_epoch > 0
             ):
                 detail = (
-                    f" (the micro-batch changed inside epoch {saved.epoch + 1}: the rest of that epoch is drawn "
-                    f"in batch {tcfg.batch_size}'s order, so some of its images train twice in it and about as "
-                    "many not at all; the epochs after it are whole)"
+                    f" (the micro-batch changed inside epoch {saved.epoch + 1} to one that does not divide the "
+                    f"batch {saved.order_batch_size} its order was cut at: the rest of that epoch is drawn in "
+                    f"batch {tcfg.batch_size}'s order, so some of its images train twice in it and about as many "
+                    "not at all; the epochs after it are whole)"
                 )
             elif again and least == most:
                 detail = f" ({trained_again}: {rounded}; {counted} again in the images seen)"
@@ -710,7 +716,7 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
         # 0 there, 0 under warmup), read before the load: DeepSpeed's load writes the checkpoint's (its schedule's
         # decayed rates, and another process count's) into the optimizer's group dicts
         configured = list(lr_scheduler.base_lrs)
-        ckpt.load(resume_from, plan, len(batches))
+        ckpt.load(resume_from, plan, len(batches), batches.sampler)
         if ema is not None:
             ema.model.to(ema.device, torch.float32)  # loaded on the CPU (fp32: see Ema)
         ckpt_lib.apply_learning_rates(optimizer, lr_scheduler, configured, state.global_step)
