@@ -183,6 +183,58 @@ def test_kohya_folders_repeats_and_folder_name_captions(tmp_path):
     assert "2 files ignored" in why["misc"]
 
 
+def test_a_kohya_project_folder_is_refused_naming_its_image_folder(tmp_path):
+    """kohya_ss's project folder (img/10_sks dog, reg/1_dog) given as the dataset was scanned flat: the class
+    images trained as instance images, the repeats and the folders' captions dropped, nothing said (kohya
+    itself finds no image folder there)."""
+    img(tmp_path / "img" / "10_sks dog" / "a.png")
+    img(tmp_path / "img" / "5_other" / "c.png")
+    img(tmp_path / "reg" / "1_dog" / "r.png")
+    (tmp_path / "model").mkdir()
+    with pytest.raises(DatasetError) as e:
+        scan(tmp_path)
+    msg = str(e.value)
+    assert "\n" not in msg
+    assert e.value.message == (
+        f"dataset folder {tmp_path} holds no kohya N_name folder, but img/ holds 2 such folders (10_sks dog): "
+        "a kohya project folder, not its image folder"
+    )
+    assert e.value.fix.startswith(
+        f"pass --dataset {tmp_path / 'img'} instead; reg/ holds class (regularization) "
+    )
+    assert e.value.fix.endswith(
+        f"dreambooth.with_prior_preservation=true dreambooth.class_data={tmp_path / 'reg'} dreambooth.class_prompt=dog"
+    )
+    # what it names scans as kohya: the images with their repeats, the class folder too
+    assert scan(tmp_path / "img").images_x_repeats == 15
+    assert scan(tmp_path / "reg").format == "kohya"
+    # without a reg folder: only the folder to pass
+    import shutil
+
+    shutil.rmtree(tmp_path / "reg")
+    with pytest.raises(DatasetError) as e:
+        scan(tmp_path)
+    assert e.value.fix == f"pass --dataset {tmp_path / 'img'} instead"
+
+
+def test_a_kohya_folder_with_no_name_trains_as_kohya_reads_it(tmp_path):
+    """kohya reads 2_ as 2 repeats with an empty class token (it splits the name at the first '_'); it was
+    'folder not named N_name (1 file ignored; e.g. 10_2_)'. Its images train; those without a caption file are
+    said."""
+    img(tmp_path / "2_" / "y.png")
+    img(tmp_path / "2_" / "z.png")
+    write(tmp_path / "2_" / "z.txt", "z captioned")
+    img(tmp_path / "3_cat_black" / "x.png")
+    result = scan(tmp_path)
+    assert not result.skipped
+    assert names(result) == {"y.png": None, "z.png": "z captioned", "x.png": "cat_black"}
+    assert result.images_x_repeats == 7
+    assert result.notes == [
+        "folder 2_: no name after the repeats (kohya's class token, the caption of an image without a caption "
+        "file); 1 image there has none"
+    ]
+
+
 # -- metadata ---------------------------------------------------------------------------------------------
 
 

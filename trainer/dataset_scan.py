@@ -31,7 +31,10 @@ Three layouts, detected in this order:
     Subfolders named ``N_name`` (``10_sks dog``: 10 repeats). Images anywhere inside such a folder, caption
     in the same-name caption file beside them. An image without a caption file gets the folder's name part
     (``sks dog``) as its caption, as kohya's sd-scripts use it as the class/instance token; ``default_caption``
-    does not apply there. Images directly in the root and folders not named ``N_name`` are listed as skipped.
+    does not apply there. ``2_`` is 2 repeats with no name, as kohya splits it (its uncaptioned images take the
+    fallback caption; a note says so). Images directly in the root and folders not named ``N_name`` are listed as
+    skipped. A root with no ``N_name`` folder whose subfolders hold some (kohya_ss's project: ``img/10_sks dog``,
+    ``reg/1_dog``) is an error naming the folder to pass (and the class images' one as dreambooth.class_data).
 
 ``flat``
     Images anywhere under the root (subfolders included) with a same-name caption file beside them
@@ -58,6 +61,7 @@ import contextlib
 import json
 import os
 import re
+import shlex
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -71,7 +75,7 @@ if TYPE_CHECKING:
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 FORMATS = ("flat", "kohya", "metadata")
-KOHYA_DIR = re.compile(r"^(\d+)_(.+)$")
+KOHYA_DIR = re.compile(r"^(\d+)_(.*)$")  # kohya splits at the first "_": 2_ is 2 repeats, no name
 PATH_FIELDS = ("image", "path", "file_name")
 _EXT_LIST = "png, jpg, jpeg, webp or bmp"
 
@@ -181,8 +185,10 @@ def scan(
     records, is_metadata = _metadata_records(files)
     if is_metadata:
         result = _scan_metadata(root, files, records, repeats, metadata, cap_ext)
-    elif any(KOHYA_DIR.match(d.name) for d in root.iterdir() if d.is_dir() and not d.name.startswith(".")):
+    elif _kohya_folders(root):
         result = _scan_kohya(root, files, cap_ext)
+    elif project := _kohya_project(root):
+        raise project
     else:
         result = Scan(root, "flat")
         kohya_files, kohya = _kohya_captions(root, records, result)
@@ -600,6 +606,48 @@ def _image_keys(root: Path, img: Path) -> tuple[str, ...]:
 SUSPICIOUS_REPEATS = 1000  # a kohya folder's repeats from here on look like a year or an id (2023_summer)
 
 
+def _kohya_folders(folder: Path) -> list[Path]:
+    """The kohya ``N_name`` folders directly in ``folder``, sorted."""
+    with contextlib.suppress(OSError):
+        dirs = sorted(d for d in folder.iterdir() if not d.name.startswith(".") and d.is_dir())
+        return [d for d in dirs if KOHYA_DIR.match(d.name)]
+    return []
+
+
+def _kohya_project(root: Path) -> DatasetError | None:
+    """A kohya project folder given as the dataset (kohya_ss makes ``img/10_sks dog``, ``reg/1_dog``): no
+    ``N_name`` folder of its own, some one level down. Scanned flat, its class images trained as instance
+    images, without their folders' repeats and captions, and kohya itself finds no image folder there: the
+    error names the folder to pass instead, and a regularization folder as dreambooth.class_data."""
+    inner = {}
+    with contextlib.suppress(OSError):
+        for d in sorted(root.iterdir()):
+            if not d.name.startswith(".") and d.is_dir() and (kohya := _kohya_folders(d)):
+                inner[d] = kohya
+    if not inner:
+        return None
+    reg = [d for d in inner if "reg" in d.name.lower()]  # kohya_ss's reg/, reg_data, regularization ...
+    train = [d for d in inner if d not in reg] or reg[:1]
+    reg = [d for d in reg if d not in train]
+    first = train[0]
+    also = f" (or {', '.join(shlex.quote(str(d)) for d in train[1:])})" if len(train) > 1 else ""
+    fix = f"pass --dataset {shlex.quote(str(first))}{also} instead"
+    if reg:
+        token = KOHYA_DIR.match(inner[reg[0]][0].name).group(2).strip()  # type: ignore[union-attr]
+        settings = ("dreambooth.with_prior_preservation=true", f"dreambooth.class_data={reg[0]}")
+        settings += (f"dreambooth.class_prompt={token or '...'}",)
+        fix += (
+            f"; {reg[0].name}/ holds class (regularization) images, which sdplan reads with --method dreambooth "
+            + " ".join(map(shlex.quote, settings))
+        )
+    return DatasetError(
+        f"dataset folder {root} holds no kohya N_name folder, but {first.name}/ holds "
+        f"{count_of(len(inner[first]), 'such folder')} ({inner[first][0].name}): a kohya project folder, "
+        "not its image folder",
+        fix=fix,
+    )
+
+
 def _scan_kohya(root: Path, files: list[Path], cap_ext: str) -> Scan:
     result = Scan(root, "kohya")
     groups: dict[Path, list[Path]] = {}
@@ -630,7 +678,14 @@ def _scan_kohya(root: Path, files: list[Path], cap_ext: str) -> Scan:
                 (folder, f"repeats {n} in the folder name ({count_of(len(members), 'file')} ignored)")
             )
             continue
+        before = len(result.items)
         _pair_captions(root, members, result, cap_ext, n, lambda _p, name=name: name or None)
+        bare = sum(1 for it in result.items[before:] if it.caption is None)
+        if not name and bare:  # kohya trains them with an empty caption; here they take the fallback caption
+            result.notes.append(
+                f"folder {folder.name}: no name after the repeats (kohya's class token, the caption of an image "
+                f"without a caption file); {count_of(bare, 'image')} there {'has' if bare == 1 else 'have'} none"
+            )
     return result
 
 
