@@ -126,14 +126,29 @@ def test_hugging_face_metadata_jsonl_captions_the_images_it_names(tmp_path):
 def test_a_downloaders_json_among_captioned_images_keeps_their_captions(tmp_path):
     """gallery-dl writes a.png.json beside a.png: one such file turned the whole folder into the metadata
     layout, every other image skipped ('no .json record describes this image') and its caption dropped; the
-    record's own image was not found either (a.png.png)."""
+    record's own image was not found either (a.png.png). The image's own caption file is what trains, not the
+    record's tags (they replaced the caption the user wrote without a word): the note says so."""
     for n in "abc":
         img(tmp_path / f"{n}.png")
         write(tmp_path / f"{n}.txt", f"{n} captioned")
     write(tmp_path / "c.png.json", json.dumps({"category": "pixiv", "tags": ["red", "circle"]}))
     result = scan(tmp_path)
-    assert names(result) == {"a.png": "a captioned", "b.png": "b captioned", "c.png": "red, circle"}
+    assert names(result) == {"a.png": "a captioned", "b.png": "b captioned", "c.png": "c captioned"}
     assert not result.skipped
+    assert result.notes == [
+        "1 image (c.png) has both a .txt caption and a .json record: the .txt caption trains, the record only "
+        "selects (skip_tags, min_score); remove the .txt to train on its tags"
+    ]
+    write(tmp_path / "d.png.json", json.dumps({"tags": ["blue"]}))  # its record alone: the tags train
+    img(tmp_path / "d.png")
+    write(tmp_path / "old.txt", "no image of this name")
+    result = scan(tmp_path)
+    assert names(result)["d.png"] == "blue"
+    assert skipped(result) == {
+        "old.txt": "caption file without an image of the same name"
+    }  # as in a flat folder
+    # the record still selects: its skip tag leaves the image out, caption file or not
+    assert "c.png" not in names(scan(tmp_path, metadata=MetadataConfig(skip_tags=["red"])))
 
 
 def test_a_kohya_folder_named_by_a_year_says_its_repeats(tmp_path):

@@ -24,8 +24,10 @@ Three layouts, detected in this order:
     A tag matches a ``skip_tags`` / ``remove_tags`` / ``score_bonus`` entry when they are equal as written or
     after ``replace`` (``rating:safe`` and ``rating=safe`` both match either way). The caption is the tags joined with ``", "``; ``Item.tags`` keeps the list so
     the dataset can shuffle it at load time (``shuffle_tags``: that happens per sample, not here). A record
-    without tags uses its ``caption`` field if it has one. Images under the root that no json describes are
-    listed as skipped. Every image repeats ``repeats`` times.
+    without tags uses its ``caption`` field if it has one. An image with its own caption file (``a.png`` +
+    ``a.txt``) trains on that, its record only selecting it (``skip_tags``, ``min_score``; a note says so): a
+    downloader's ``a.png.json`` does not replace a caption the user wrote. Images under the root that no json
+    describes and that have no caption file are listed as skipped. Every image repeats ``repeats`` times.
 
 ``kohya``
     Subfolders named ``N_name`` (``10_sks dog``: 10 repeats). Images anywhere inside such a folder, caption
@@ -784,6 +786,9 @@ def _scan_metadata(root, files, records, repeats, meta: MetadataConfig | None, c
     root_resolved = root.resolve()
 
     described: dict[Path, Path] = {}  # resolved image -> json that described it
+    over_records: list[
+        Path
+    ] = []  # images whose caption file is read instead of their image's record's tags or caption
     cap_files = _caption_files(files, cap_ext, result)
     for json_path, data in records.items():
         if isinstance(data, str):
@@ -835,17 +840,21 @@ def _scan_metadata(root, files, records, repeats, meta: MetadataConfig | None, c
             reached = [th for th in thresholds if score >= th]
             if reached:
                 tags.append(f"score_{_fmt_num(reached[-1])}")
-        caption: str | None
-        if tags:
+        # the image's own caption file first: a downloader's record (gallery-dl's a.png.json) beside captions the
+        # user wrote replaced one of them without a word; the record still selects (skip_tags, min_score)
+        cap_file = cap_files.get((shown.parent, shown.stem))
+        caption = _read_caption(cap_file) if cap_file is not None else None
+        if caption is not None:
+            if tags or _record_caption(data):
+                over_records.append(shown)
+            tags = []
+        elif tags:
             caption = ", ".join(tags)
-        elif text := _record_caption(data):
-            caption = text
-        elif (cap_file := cap_files.get((shown.parent, shown.stem))) is not None:
-            caption = _read_caption(cap_file)  # a record without tags or caption: the image's caption file
         else:
-            caption = None
+            caption = _record_caption(data)
         result.items.append(Item(shown, caption, tags or None, repeats, score if has_score else None))
 
+    stems = {(f.parent, f.stem) for f in files if is_image(f)}
     for f in files:
         if f.suffix.lower() == ".json" or _real(f) in described:
             continue
@@ -856,9 +865,18 @@ def _scan_metadata(root, files, records, repeats, meta: MetadataConfig | None, c
         elif is_image(f):
             result.skipped.append((f, "no .json record describes this image, and it has no caption file"))
         elif f.suffix.lower() == cap_ext.lower():
-            continue  # caption files: of the images above, or not used; not an error either
+            if cap_files.get((f.parent, f.stem)) == f and (f.parent, f.stem) not in stems:
+                result.skipped.append((f, "caption file without an image of the same name"))
         else:
             result.skipped.append((f, _not_image_reason(f)))
+    if over_records:
+        first = _rel(over_records[0], root)
+        result.notes.append(
+            f"{count_of(len(over_records), 'image')} ({first}{', ...' if len(over_records) > 1 else ''}) "
+            f"{'has' if len(over_records) == 1 else 'have'} both a {cap_ext} caption and a .json record: the "
+            f"{cap_ext} caption trains, the record only selects (skip_tags, min_score); remove the {cap_ext} to "
+            "train on its tags"
+        )
     return result
 
 
