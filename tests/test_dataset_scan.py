@@ -408,6 +408,49 @@ def test_image_with_wrong_extension_content(tmp_path):
     assert [it.path.name for it in result.items] == ["really_a_jpeg.png"]  # PIL reads by content: fine
 
 
+def test_broken_images_come_first_and_are_all_named(tmp_path):
+    """A truncated photo hid in 'and 1 more' behind Thumbs.db, desktop.ini and notes.md, which came first by
+    name; every broken image is named, the others counted."""
+    for n in range(3):
+        img(tmp_path / f"p{n}.png")
+    truncated_png(tmp_path / "vacation.png")
+    truncated_png(tmp_path / "z.png")
+    (tmp_path / "zz.png").write_bytes(b"")
+    for junk in ("Thumbs.db", "desktop.ini", "notes.md"):
+        write(tmp_path / junk, "x")
+    result = scan(tmp_path, verify=True)
+    assert [p.name for p, _ in result.skipped[:3]] == ["vacation.png", "z.png", "zz.png"]
+    assert result.broken == {tmp_path / "vacation.png", tmp_path / "z.png", tmp_path / "zz.png"}
+    text = result.skipped_text(limit=1)
+    assert text.startswith("vacation.png: truncated")
+    assert text.endswith("; and 5 more (2 broken images: z.png, zz.png)")
+
+
+def test_photos_of_an_unread_format_are_said_once_and_to_convert(tmp_path):
+    """A folder of iPhone photos: each .HEIC was listed with the same reason, and the fix said 'replace or
+    remove the broken files'; they are not broken."""
+    for n in range(4):
+        write(tmp_path / f"IMG_000{n}.HEIC", "heic")
+    with pytest.raises(DatasetError) as e:
+        require_images(scan(tmp_path, verify=True))
+    assert e.value.message == (
+        f"no readable images in {tmp_path} (4 skipped: 4 files (IMG_0000.HEIC, IMG_0001.HEIC, ...): not a "
+        "supported image type (.heic); convert to jpg or png)"
+    )
+    assert e.value.fix == "convert the .heic files to jpg or png"
+    (tmp_path / "bad.png").write_bytes(b"garbage")
+    with pytest.raises(DatasetError) as e:
+        require_images(scan(tmp_path, verify=True))
+    assert "(5 skipped: bad.png: not an image PIL can read" in e.value.message
+    assert e.value.fix == "replace or remove the broken files; convert the .heic files to jpg or png"
+    for f in tmp_path.iterdir():
+        f.unlink()
+    write(tmp_path / "notes.md", "x")  # nothing broken, nothing to convert: what a dataset holds
+    with pytest.raises(DatasetError) as e:
+        require_images(scan(tmp_path))
+    assert "broken" not in str(e.value) and e.value.fix.startswith("put png, jpg")
+
+
 # -- errors -----------------------------------------------------------------------------------------------
 
 

@@ -49,7 +49,7 @@ Caption files: UTF-8 (a byte-order mark dropped) or UTF-16 with its mark; the fi
 (as kohya reads them); an empty file counts as missing, and one in another encoding is an error naming it.
 Images: png, jpg, jpeg, webp, bmp in any letter case. Files and folders whose names start with ``.`` are
 ignored without a word; every other file that is neither a usable image nor a caption for one is listed in
-``Scan.skipped`` with its reason, once. Zero-byte images are always skipped (a cheap ``stat``); with
+``Scan.skipped`` with its reason, once, the broken images (``Scan.broken``) first. Zero-byte images are always skipped (a cheap ``stat``); with
 ``verify=True`` each image is also opened and decoded with PIL, so corrupt, truncated or mislabelled files are
 skipped too, and ``Item.size`` records each image's ``(width, height)`` (aspect-ratio buckets use it). With
 ``verify="header"`` (``sdplan recommend``: about 1,000 files in 0.1 s) only each image's header is read: files
@@ -80,6 +80,20 @@ FORMATS = ("flat", "kohya", "metadata")
 KOHYA_DIR = re.compile(r"^(\d+)_(.*)$")  # kohya splits at the first "_": 2_ is 2 repeats, no name
 PATH_FIELDS = ("image", "path", "file_name")
 _EXT_LIST = "png, jpg, jpeg, webp or bmp"
+# images of formats sdplan does not read (phones' and cameras' own among them): skipped, said to convert
+OTHER_IMAGE_EXTENSIONS = (
+    ".heic",
+    ".heif",
+    ".avif",
+    ".jxl",
+    ".tif",
+    ".tiff",
+    ".gif",
+    ".dng",
+    ".cr2",
+    ".nef",
+    ".arw",
+)
 
 
 @dataclass
@@ -101,6 +115,9 @@ class Scan:
     items: list[Item] = field(default_factory=list)
     skipped: list[tuple[Path, str]] = field(default_factory=list)  # (path, reason), each path once
     notes: list[str] = field(default_factory=list)  # what the layout made of something that looks unintended
+    broken: set[Path] = field(
+        default_factory=set
+    )  # skipped images that are empty, unreadable or fail to decode
 
     @property
     def num_images(self) -> int:
@@ -116,10 +133,25 @@ class Scan:
         return sum(1 for it in self.items if it.caption is not None)
 
     def skipped_text(self, limit: int = 3) -> str:
-        """``a.png: truncated; b.png: empty file; and 4 more`` (names relative to the root)."""
-        parts = [f"{_rel(p, self.root)}: {why}" for p, why in self.skipped[:limit]]
-        more = len(self.skipped) - limit
-        return "; ".join(parts) + (f"; and {more} more" if more > 0 else "")
+        """``a.png: truncated; b.png: empty file; 4 files (x.HEIC, y.HEIC, ...): not a supported image type
+        (.heic); and 2 more (1 broken image: c.png)``: names relative to the root, the broken images first
+        (:func:`scan` sorts them so), files skipped for the same reason said once, and every broken image named
+        (a corrupt photo hid in "and N more", behind the Thumbs.db and notes.md that came first by name)."""
+        groups: dict[tuple[str, Path | None], list[Path]] = {}  # a broken image each its own (all named)
+        for p, why in self.skipped:
+            groups.setdefault((why, p if p in self.broken else None), []).append(p)
+        parts = []
+        for (why, _), paths in list(groups.items())[:limit]:
+            names = [_rel(p, self.root) for p in paths[:2]] + (["..."] if len(paths) > 2 else [])
+            parts.append(
+                f"{names[0]}: {why}" if len(paths) == 1 else f"{len(paths)} files ({', '.join(names)}): {why}"
+            )
+        rest = [p for paths in list(groups.values())[limit:] for p in paths]
+        if rest:
+            broken = [_rel(p, self.root) for p in rest if p in self.broken]
+            named = f" ({count_of(len(broken), 'broken image')}: {', '.join(broken)})" if broken else ""
+            parts.append(f"and {len(rest)} more{named}")
+        return "; ".join(parts)
 
     def summary(self) -> str:
         """One line for the CLI: ``flat: 8 images x 2 repeats = 16 samples per epoch, 8 captioned``; kohya
@@ -198,13 +230,15 @@ def scan(
         listed = (kohya_files + jsonl_files, {**jsonl, **kohya})
         _pair_captions(root, files, result, cap_ext, repeats, lambda _p: default_caption, listed)
 
+    listed = len(result.skipped)
     _drop_empty_files(result)
     if verify:
         _verify(result, decode=verify != "header")
+    result.broken = {p for p, _ in result.skipped[listed:]}
     result.items.sort(key=lambda it: str(it.path))
     seen: set[Path] = set()
     result.skipped = [s for s in result.skipped if not (s[0] in seen or seen.add(s[0]))]
-    result.skipped.sort(key=lambda s: str(s[0]))
+    result.skipped.sort(key=lambda s: (s[0] not in result.broken, str(s[0])))  # broken images first
     return result
 
 
@@ -277,21 +311,29 @@ def require_images(result: Scan) -> Scan:
     """Raise :class:`DatasetError` when the scan found no usable image; return the scan otherwise."""
     if result.items:
         return result
+    put = (
+        f"put {_EXT_LIST} images there, each with an optional same-name .txt caption, "
+        "or kohya-style N_name subfolders (10_name/a.png)"
+    )
     if result.skipped:
         detail = f" ({len(result.skipped)} skipped: {result.skipped_text()})"
-        fix = "replace or remove the broken files"
+        # photos in a format sdplan does not read (an iPhone's .HEIC) are no broken files: they convert
+        other = sorted(
+            {p.suffix.lower() for p, _ in result.skipped if p.suffix.lower() in OTHER_IMAGE_EXTENSIONS}
+        )
+        fixes = ["replace or remove the broken files"] if result.broken else []
+        fixes += [f"convert the {', '.join(other)} files to jpg or png"] if other else []
+        fix = "; ".join(fixes)
         if result.format == "metadata":
-            fix += ", or loosen data.metadata (skip_tags, min_score)"
+            fix = ", or ".join(filter(None, (fix, "loosen data.metadata (skip_tags, min_score)")))
         elif result.format == "kohya" and all((Path(result.root) / p).is_dir() for p, _ in result.skipped):
             fix = "name each image folder N_name, N >= 1 its repeats (10_name/a.png)"  # no file is broken
         elif result.format == "kohya":
-            fix += "; images belong in N_name folders (10_name/a.png)"
+            fix = "; ".join(filter(None, (fix, "images belong in N_name folders (10_name/a.png)")))
+        fix = fix or put
     else:
         detail = " (the folder has no image files)"
-        fix = (
-            f"put {_EXT_LIST} images there, each with an optional same-name .txt caption, "
-            "or kohya-style N_name subfolders (10_name/a.png)"
-        )
+        fix = put
     raise DatasetError(f"no readable images in {result.root}{detail}", fix=fix)
 
 
@@ -370,6 +412,8 @@ def _not_image_reason(path: Path, cap_ext: str | None = None) -> str:
         return f"a {ext} caption, not read: data.caption_extension is {cap_ext}"
     if path.name.lower() == "metadata.jsonl":  # read in a flat folder (_jsonl_captions); not here
         return "Hugging Face's metadata.jsonl: read in a flat dataset folder, not in kohya N_name folders or beside .json records"
+    if ext in OTHER_IMAGE_EXTENSIONS:
+        return f"not a supported image type ({ext}); convert to jpg or png"
     return f"not a supported image type ({ext}); use {_EXT_LIST}"
 
 
