@@ -123,6 +123,31 @@ def test_hugging_face_metadata_jsonl_captions_the_images_it_names(tmp_path):
         scan(tmp_path)
 
 
+def test_hugging_faces_metadata_csv_is_read_as_its_metadata_jsonl(tmp_path):
+    """Hugging Face's imagefolder takes metadata.csv as it takes metadata.jsonl; it was listed as 'not a
+    supported image type (.csv)' and the images trained on the fallback caption."""
+    img(tmp_path / "a.png")
+    img(tmp_path / "b.png")
+    img(tmp_path / "c.png")
+    write(tmp_path / "c.txt", "c from its file")
+    write(tmp_path / "metadata.csv", 'file_name,text\na.png,csv a\nb.png,"csv, b"\ngone.png,x\n')
+    result = scan(tmp_path)
+    assert names(result) == {"a.png": "csv a", "b.png": "csv, b", "c.png": "c from its file"}
+    assert skipped(result) == {"metadata.csv": "names images that are not in the dataset: gone.png"}
+    write(tmp_path / "metadata.jsonl", json.dumps({"file_name": "a.png", "text": "jsonl a"}))
+    assert names(scan(tmp_path))["a.png"] == "jsonl a"  # beside it, the .jsonl wins
+    (tmp_path / "metadata.jsonl").unlink()
+    write(tmp_path / "metadata.csv", "image,caption\na.png,x\n")
+    with pytest.raises(DatasetError) as e:
+        scan(tmp_path)
+    assert e.value.message.endswith("metadata.csv: its header row names no file_name column (image, caption)")
+    img(tmp_path / "10_dog" / "d.png")
+    write(tmp_path / "10_dog" / "metadata.csv", "file_name,text\nd.png,x\n")
+    (tmp_path / "metadata.csv").unlink()
+    reason = skipped(scan(tmp_path))["metadata.csv"]
+    assert reason.startswith("Hugging Face's metadata.csv: read in a flat dataset folder")
+
+
 def test_a_downloaders_json_among_captioned_images_keeps_their_captions(tmp_path):
     """gallery-dl writes a.png.json beside a.png: one such file turned the whole folder into the metadata
     layout, every other image skipped ('no .json record describes this image') and its caption dropped; the

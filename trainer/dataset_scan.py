@@ -42,7 +42,7 @@ Three layouts, detected in this order:
     Images anywhere under the root (subfolders included) with a same-name caption file beside them
     (``a.png`` + ``a.txt``, the extension in any case), or named in a kohya captions file at the root
     (``meta_cap.json``: image name -> ``{"caption": ..., "tags": ...}``) or in Hugging Face's ``metadata.jsonl``
-    (``{"file_name": ..., "text": ...}`` per line), which come first. Without either: ``default_caption``, else
+    (``{"file_name": ..., "text": ...}`` per line) or ``metadata.csv`` (columns file_name, text), which come first. Without either: ``default_caption``, else
     ``None`` (the recipe then uses the instance prompt). Every image repeats ``repeats`` times.
 
 Caption files: UTF-8 (a byte-order mark dropped) or UTF-16 with its mark; the first non-empty line, stripped
@@ -60,6 +60,8 @@ from __future__ import annotations
 
 import codecs
 import contextlib
+import csv
+import io
 import json
 import os
 import re
@@ -410,8 +412,8 @@ def _not_image_reason(path: Path, cap_ext: str | None = None) -> str:
     ext = path.suffix.lower() or "no extension"
     if cap_ext is not None and ext in CAPTION_EXTENSIONS and ext != cap_ext.lower():
         return f"a {ext} caption, not read: data.caption_extension is {cap_ext}"
-    if path.name.lower() == "metadata.jsonl":  # read in a flat folder (_jsonl_captions); not here
-        return "Hugging Face's metadata.jsonl: read in a flat dataset folder, not in kohya N_name folders or beside .json records"
+    if path.name.lower() in HF_METADATA:  # read in a flat folder (_jsonl_captions); not here
+        return f"Hugging Face's {path.name}: read in a flat dataset folder, not in kohya N_name folders or beside .json records"
     if ext in OTHER_IMAGE_EXTENSIONS:
         return f"not a supported image type ({ext}); convert to jpg or png"
     return f"not a supported image type ({ext}); use {_EXT_LIST}"
@@ -583,44 +585,70 @@ def _short_json(value: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
+HF_METADATA = ("metadata.jsonl", "metadata.csv")  # Hugging Face imagefolder's captions files
+
+
+def _hf_records(f: Path) -> list[tuple[int, dict[str, Any]]]:
+    """(line number, record) of a metadata.jsonl or metadata.csv (:func:`_jsonl_captions`)."""
+    try:
+        text = f.read_text(encoding="utf-8-sig")
+    except (OSError, UnicodeDecodeError) as e:
+        raise DatasetError(
+            f"{f}: cannot read it ({type(e).__name__})", fix="save it as UTF-8, or move it out of the dataset"
+        ) from None
+    out: list[tuple[int, dict[str, Any]]] = []
+    if f.suffix.lower() == ".csv":
+        reader = csv.DictReader(io.StringIO(text, newline=""))
+        try:
+            if "file_name" not in (reader.fieldnames or []):
+                raise DatasetError(
+                    f"{f}: its header row names no file_name column ({', '.join(reader.fieldnames or []) or 'empty'})",
+                    fix="name the images' column file_name and the captions' column text, as Hugging Face reads them",
+                )
+            line = reader.line_num + 1
+            for row in reader:
+                out.append((line, {k: v for k, v in row.items() if isinstance(k, str)}))
+                line = reader.line_num + 1
+        except csv.Error as e:
+            raise DatasetError(
+                f"{f}: line {reader.line_num} is not valid CSV ({e})",
+                fix="fix the line, or move the file out of the dataset",
+            ) from None
+        return out
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            record = e.msg
+        if not isinstance(record, dict):
+            why = record if isinstance(record, str) and not line.lstrip().startswith('"') else "not an object"
+            raise DatasetError(
+                f"{f}: line {n} is not a JSON object with file_name and text ({why})",
+                fix="fix the line, or move the file out of the dataset",
+            )
+        out.append((n, record))
+    return out
+
+
 def _jsonl_captions(
     root: Path, files: Iterable[Path], result: Scan
 ) -> tuple[tuple[Path, ...], dict[str, str]]:
     """Captions of Hugging Face's imagefolder layout (what diffusers' training scripts load with
     ``load_dataset("imagefolder")``): a ``metadata.jsonl`` whose lines are ``{"file_name": "a.png", "text":
-    "..."}`` (:func:`_record_caption`), names relative to its folder; one deeper in the tree wins for the images
-    under it. Returns (the files read, each named image's resolved path -> caption: its own, never another
-    folder's image of the same name); an image none names keeps its caption file. A line that is not a JSON
-    object is an error naming the file and line; names of images that are not in the dataset are listed as
-    skipped."""
+    "..."}`` (:func:`_record_caption`), or a ``metadata.csv`` with a header row naming those columns, names
+    relative to its folder; one deeper in the tree wins for the images under it (in one folder the .jsonl over the
+    .csv). Returns (the files read, each named image's resolved path -> caption: its own, never another folder's
+    image of the same name); an image none names keeps its caption file. A line that is not a JSON object, or a
+    .csv without a file_name column, is an error naming the file and line; names of images that are not in the
+    dataset are listed as skipped."""
     found: list[Path] = []
     captions: dict[str, str] = {}
-    for f in sorted((f for f in files if f.name.lower() == "metadata.jsonl"), key=lambda f: len(f.parts)):
-        try:
-            lines = f.read_text(encoding="utf-8-sig").splitlines()
-        except (OSError, UnicodeDecodeError) as e:
-            raise DatasetError(
-                f"{f}: cannot read it ({type(e).__name__})",
-                fix="save it as UTF-8, or move it out of the dataset",
-            ) from None
+    listed = (f for f in files if f.name.lower() in HF_METADATA)
+    for f in sorted(listed, key=lambda f: (len(f.parts), f.name.lower())):
         missing: list[str] = []
-        for n, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                record = e.msg
-            if not isinstance(record, dict):
-                why = (
-                    record
-                    if isinstance(record, str) and not line.lstrip().startswith('"')
-                    else "not an object"
-                )
-                raise DatasetError(
-                    f"{f}: line {n} is not a JSON object with file_name and text ({why})",
-                    fix="fix the line, or move the file out of the dataset",
-                )
+        for n, record in _hf_records(f):
             name, text = record.get("file_name"), _record_caption(record)
             if not isinstance(name, str) or not name.strip():
                 missing.append(f"line {n} has no file_name")
