@@ -734,12 +734,13 @@ def check_inputs(
         if family in models:
             resolution = models[family].resolution_for(info.prediction_type)
     buckets = ()
-    # as the trainer's dataset assigns them: the epoch's batches (each bucket ends short)
+    # as the trainer's dataset assigns them: the epoch's batches (each bucket ends short), at the resolution it
+    # trains at (the plan's: SDXL's 1024 px buckets group the images otherwise than the config's default 512)
     if cfg.data.buckets:
         from sdplan.trainer.buckets import bucket_samples, config_buckets
 
         sizes, reps = [it.size for it in result.items], [it.repeats for it in result.items]
-        buckets = bucket_samples(sizes, reps, config_buckets(cfg.data))
+        buckets = bucket_samples(sizes, reps, config_buckets(cfg.data, resolution))
     return InputSummary(
         bucket_samples=buckets,
         prediction_type=info.prediction_type,

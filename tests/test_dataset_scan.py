@@ -123,17 +123,57 @@ def test_hugging_face_metadata_jsonl_captions_the_images_it_names(tmp_path):
         scan(tmp_path)
 
 
+def test_hugging_faces_metadata_csv_is_read_as_its_metadata_jsonl(tmp_path):
+    """Hugging Face's imagefolder takes metadata.csv as it takes metadata.jsonl; it was listed as 'not a
+    supported image type (.csv)' and the images trained on the fallback caption."""
+    img(tmp_path / "a.png")
+    img(tmp_path / "b.png")
+    img(tmp_path / "c.png")
+    write(tmp_path / "c.txt", "c from its file")
+    write(tmp_path / "metadata.csv", 'file_name,text\na.png,csv a\nb.png,"csv, b"\ngone.png,x\n')
+    result = scan(tmp_path)
+    assert names(result) == {"a.png": "csv a", "b.png": "csv, b", "c.png": "c from its file"}
+    assert skipped(result) == {"metadata.csv": "names images that are not in the dataset: gone.png"}
+    write(tmp_path / "metadata.jsonl", json.dumps({"file_name": "a.png", "text": "jsonl a"}))
+    assert names(scan(tmp_path))["a.png"] == "jsonl a"  # beside it, the .jsonl wins
+    (tmp_path / "metadata.jsonl").unlink()
+    write(tmp_path / "metadata.csv", "image,caption\na.png,x\n")
+    with pytest.raises(DatasetError) as e:
+        scan(tmp_path)
+    assert e.value.message.endswith("metadata.csv: its header row names no file_name column (image, caption)")
+    img(tmp_path / "10_dog" / "d.png")
+    write(tmp_path / "10_dog" / "metadata.csv", "file_name,text\nd.png,x\n")
+    (tmp_path / "metadata.csv").unlink()
+    reason = skipped(scan(tmp_path))["metadata.csv"]
+    assert reason.startswith("Hugging Face's metadata.csv: read in a flat dataset folder")
+
+
 def test_a_downloaders_json_among_captioned_images_keeps_their_captions(tmp_path):
     """gallery-dl writes a.png.json beside a.png: one such file turned the whole folder into the metadata
     layout, every other image skipped ('no .json record describes this image') and its caption dropped; the
-    record's own image was not found either (a.png.png)."""
+    record's own image was not found either (a.png.png). The image's own caption file is what trains, not the
+    record's tags (they replaced the caption the user wrote without a word): the note says so."""
     for n in "abc":
         img(tmp_path / f"{n}.png")
         write(tmp_path / f"{n}.txt", f"{n} captioned")
     write(tmp_path / "c.png.json", json.dumps({"category": "pixiv", "tags": ["red", "circle"]}))
     result = scan(tmp_path)
-    assert names(result) == {"a.png": "a captioned", "b.png": "b captioned", "c.png": "red, circle"}
+    assert names(result) == {"a.png": "a captioned", "b.png": "b captioned", "c.png": "c captioned"}
     assert not result.skipped
+    assert result.notes == [
+        "1 image (c.png) has both a .txt caption and a .json record: the .txt caption trains, the record only "
+        "selects (skip_tags, min_score); remove the .txt to train on its tags"
+    ]
+    write(tmp_path / "d.png.json", json.dumps({"tags": ["blue"]}))  # its record alone: the tags train
+    img(tmp_path / "d.png")
+    write(tmp_path / "old.txt", "no image of this name")
+    result = scan(tmp_path)
+    assert names(result)["d.png"] == "blue"
+    assert skipped(result) == {
+        "old.txt": "caption file without an image of the same name"
+    }  # as in a flat folder
+    # the record still selects: its skip tag leaves the image out, caption file or not
+    assert "c.png" not in names(scan(tmp_path, metadata=MetadataConfig(skip_tags=["red"])))
 
 
 def test_a_kohya_folder_named_by_a_year_says_its_repeats(tmp_path):
@@ -181,6 +221,58 @@ def test_kohya_folders_repeats_and_folder_name_captions(tmp_path):
     assert set(why) == {"loose.png", "misc"}
     assert "N_name" in why["loose.png"]
     assert "2 files ignored" in why["misc"]
+
+
+def test_a_kohya_project_folder_is_refused_naming_its_image_folder(tmp_path):
+    """kohya_ss's project folder (img/10_sks dog, reg/1_dog) given as the dataset was scanned flat: the class
+    images trained as instance images, the repeats and the folders' captions dropped, nothing said (kohya
+    itself finds no image folder there)."""
+    img(tmp_path / "img" / "10_sks dog" / "a.png")
+    img(tmp_path / "img" / "5_other" / "c.png")
+    img(tmp_path / "reg" / "1_dog" / "r.png")
+    (tmp_path / "model").mkdir()
+    with pytest.raises(DatasetError) as e:
+        scan(tmp_path)
+    msg = str(e.value)
+    assert "\n" not in msg
+    assert e.value.message == (
+        f"dataset folder {tmp_path} holds no kohya N_name folder, but img/ holds 2 such folders (10_sks dog): "
+        "a kohya project folder, not its image folder"
+    )
+    assert e.value.fix.startswith(
+        f"pass --dataset {tmp_path / 'img'} instead; reg/ holds class (regularization) "
+    )
+    assert e.value.fix.endswith(
+        f"dreambooth.with_prior_preservation=true dreambooth.class_data={tmp_path / 'reg'} dreambooth.class_prompt=dog"
+    )
+    # what it names scans as kohya: the images with their repeats, the class folder too
+    assert scan(tmp_path / "img").images_x_repeats == 15
+    assert scan(tmp_path / "reg").format == "kohya"
+    # without a reg folder: only the folder to pass
+    import shutil
+
+    shutil.rmtree(tmp_path / "reg")
+    with pytest.raises(DatasetError) as e:
+        scan(tmp_path)
+    assert e.value.fix == f"pass --dataset {tmp_path / 'img'} instead"
+
+
+def test_a_kohya_folder_with_no_name_trains_as_kohya_reads_it(tmp_path):
+    """kohya reads 2_ as 2 repeats with an empty class token (it splits the name at the first '_'); it was
+    'folder not named N_name (1 file ignored; e.g. 10_2_)'. Its images train; those without a caption file are
+    said."""
+    img(tmp_path / "2_" / "y.png")
+    img(tmp_path / "2_" / "z.png")
+    write(tmp_path / "2_" / "z.txt", "z captioned")
+    img(tmp_path / "3_cat_black" / "x.png")
+    result = scan(tmp_path)
+    assert not result.skipped
+    assert names(result) == {"y.png": None, "z.png": "z captioned", "x.png": "cat_black"}
+    assert result.images_x_repeats == 7
+    assert result.notes == [
+        "folder 2_: no name after the repeats (kohya's class token, the caption of an image without a caption "
+        "file); 1 image there has none"
+    ]
 
 
 # -- metadata ---------------------------------------------------------------------------------------------
@@ -339,6 +431,49 @@ def test_image_with_wrong_extension_content(tmp_path):
     (tmp_path / "x.jpg").unlink()
     result = scan(tmp_path, verify=True)
     assert [it.path.name for it in result.items] == ["really_a_jpeg.png"]  # PIL reads by content: fine
+
+
+def test_broken_images_come_first_and_are_all_named(tmp_path):
+    """A truncated photo hid in 'and 1 more' behind Thumbs.db, desktop.ini and notes.md, which came first by
+    name; every broken image is named, the others counted."""
+    for n in range(3):
+        img(tmp_path / f"p{n}.png")
+    truncated_png(tmp_path / "vacation.png")
+    truncated_png(tmp_path / "z.png")
+    (tmp_path / "zz.png").write_bytes(b"")
+    for junk in ("Thumbs.db", "desktop.ini", "notes.md"):
+        write(tmp_path / junk, "x")
+    result = scan(tmp_path, verify=True)
+    assert [p.name for p, _ in result.skipped[:3]] == ["vacation.png", "z.png", "zz.png"]
+    assert result.broken == {tmp_path / "vacation.png", tmp_path / "z.png", tmp_path / "zz.png"}
+    text = result.skipped_text(limit=1)
+    assert text.startswith("vacation.png: truncated")
+    assert text.endswith("; and 5 more (2 broken images: z.png, zz.png)")
+
+
+def test_photos_of_an_unread_format_are_said_once_and_to_convert(tmp_path):
+    """A folder of iPhone photos: each .HEIC was listed with the same reason, and the fix said 'replace or
+    remove the broken files'; they are not broken."""
+    for n in range(4):
+        write(tmp_path / f"IMG_000{n}.HEIC", "heic")
+    with pytest.raises(DatasetError) as e:
+        require_images(scan(tmp_path, verify=True))
+    assert e.value.message == (
+        f"no readable images in {tmp_path} (4 skipped: 4 files (IMG_0000.HEIC, IMG_0001.HEIC, ...): not a "
+        "supported image type (.heic); convert to jpg or png)"
+    )
+    assert e.value.fix == "convert the .heic files to jpg or png"
+    (tmp_path / "bad.png").write_bytes(b"garbage")
+    with pytest.raises(DatasetError) as e:
+        require_images(scan(tmp_path, verify=True))
+    assert "(5 skipped: bad.png: not an image PIL can read" in e.value.message
+    assert e.value.fix == "replace or remove the broken files; convert the .heic files to jpg or png"
+    for f in tmp_path.iterdir():
+        f.unlink()
+    write(tmp_path / "notes.md", "x")  # nothing broken, nothing to convert: what a dataset holds
+    with pytest.raises(DatasetError) as e:
+        require_images(scan(tmp_path))
+    assert "broken" not in str(e.value) and e.value.fix.startswith("put png, jpg")
 
 
 # -- errors -----------------------------------------------------------------------------------------------

@@ -833,6 +833,44 @@ def test_small_images_are_measured_against_the_resolution_the_plan_trains_at(tmp
     )
 
 
+def test_bucketed_steps_are_counted_at_the_resolution_the_plan_trains_at(tmp_path):
+    """data.buckets=true on an SDXL plan (1024 px): the step count came from buckets at the config's default
+    512 px, which group these 17 images otherwise: 6 steps per epoch said, 5 trained. The count said is the
+    trainer's own: its dataset's buckets through its batch sampler."""
+    from conftest import MACHINES
+    from PIL import Image
+    from sdplan.trainer.buckets import BucketBatchSampler
+    from sdplan.trainer.data import build_dataset
+
+    from sdplan.launcher import UI, TrainRequest, describe, prepare
+    from sdplan.probe.snapshot import Snapshot
+
+    ds = tmp_path / "ds"
+    ds.mkdir()
+    shapes = (
+        [(1200, 800)] * 5 + [(800, 1200)] * 3 + [(1600, 900)] * 4 + [(1000, 1000)] * 2 + [(1400, 1000)] * 3
+    )
+    for i, (w, h) in enumerate(shapes):  # the audit's aspect ratios, a tenth the size
+        Image.new("RGB", (w // 10, h // 10), (10 * i, 90, 40)).save(ds / f"img{i:02d}.png")
+    sdxl = fake_diffusers_folder(tmp_path / "sdxl", "sdxl")
+    snap = Snapshot.load(MACHINES / "h100_80gb_hbm3.json")
+    req = TrainRequest(
+        model=str(sdxl),
+        dataset=str(ds),
+        out=str(tmp_path / "o"),
+        dry_run=True,
+        snapshot=snap,
+        overrides=["data.buckets=true", "training.batch_size=4", "training.grad_accum=1"],
+    )
+    p = prepare(req, UI(echo=lambda s: None))
+    assert (p.cfg.data.resolution, p.cfg.training.batch_size, p.world) == (1024, 4, 1)
+    dataset, _ = build_dataset(p.cfg, verify=False)
+    trained = len(BucketBatchSampler.for_dataset(dataset, p.cfg.training.batch_size))
+    assert trained == 5 and p.steps["steps_per_epoch"] == trained
+    (line,) = [s for s in describe(p.cfg, p.steps, p.world, p.inputs) if s.startswith("steps: ")]
+    assert f"/ 4 per step = {trained} steps per epoch" in line, line
+
+
 @pytest.mark.parametrize("odd", ["🙂", os.fsdecode(b"caf\xe9"), "\x7f"], ids=["emoji", "latin-1", "del"])
 def test_paths_with_odd_characters_are_written_as_they_are(tmp_path, monkeypatch, odd):
     """An emoji in --model, --dataset or --out: the generated overrides quoted the paths with json.dumps, which

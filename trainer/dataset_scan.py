@@ -24,27 +24,32 @@ Three layouts, detected in this order:
     A tag matches a ``skip_tags`` / ``remove_tags`` / ``score_bonus`` entry when they are equal as written or
     after ``replace`` (``rating:safe`` and ``rating=safe`` both match either way). The caption is the tags joined with ``", "``; ``Item.tags`` keeps the list so
     the dataset can shuffle it at load time (``shuffle_tags``: that happens per sample, not here). A record
-    without tags uses its ``caption`` field if it has one. Images under the root that no json describes are
-    listed as skipped. Every image repeats ``repeats`` times.
+    without tags uses its ``caption`` field if it has one. An image with its own caption file (``a.png`` +
+    ``a.txt``) trains on that, its record only selecting it (``skip_tags``, ``min_score``; a note says so): a
+    downloader's ``a.png.json`` does not replace a caption the user wrote. Images under the root that no json
+    describes and that have no caption file are listed as skipped. Every image repeats ``repeats`` times.
 
 ``kohya``
     Subfolders named ``N_name`` (``10_sks dog``: 10 repeats). Images anywhere inside such a folder, caption
     in the same-name caption file beside them. An image without a caption file gets the folder's name part
     (``sks dog``) as its caption, as kohya's sd-scripts use it as the class/instance token; ``default_caption``
-    does not apply there. Images directly in the root and folders not named ``N_name`` are listed as skipped.
+    does not apply there. ``2_`` is 2 repeats with no name, as kohya splits it (its uncaptioned images take the
+    fallback caption; a note says so). Images directly in the root and folders not named ``N_name`` are listed as
+    skipped. A root with no ``N_name`` folder whose subfolders hold some (kohya_ss's project: ``img/10_sks dog``,
+    ``reg/1_dog``) is an error naming the folder to pass (and the class images' one as dreambooth.class_data).
 
 ``flat``
     Images anywhere under the root (subfolders included) with a same-name caption file beside them
     (``a.png`` + ``a.txt``, the extension in any case), or named in a kohya captions file at the root
     (``meta_cap.json``: image name -> ``{"caption": ..., "tags": ...}``) or in Hugging Face's ``metadata.jsonl``
-    (``{"file_name": ..., "text": ...}`` per line), which come first. Without either: ``default_caption``, else
+    (``{"file_name": ..., "text": ...}`` per line) or ``metadata.csv`` (columns file_name, text), which come first. Without either: ``default_caption``, else
     ``None`` (the recipe then uses the instance prompt). Every image repeats ``repeats`` times.
 
 Caption files: UTF-8 (a byte-order mark dropped) or UTF-16 with its mark; the first non-empty line, stripped
 (as kohya reads them); an empty file counts as missing, and one in another encoding is an error naming it.
 Images: png, jpg, jpeg, webp, bmp in any letter case. Files and folders whose names start with ``.`` are
 ignored without a word; every other file that is neither a usable image nor a caption for one is listed in
-``Scan.skipped`` with its reason, once. Zero-byte images are always skipped (a cheap ``stat``); with
+``Scan.skipped`` with its reason, once, the broken images (``Scan.broken``) first. Zero-byte images are always skipped (a cheap ``stat``); with
 ``verify=True`` each image is also opened and decoded with PIL, so corrupt, truncated or mislabelled files are
 skipped too, and ``Item.size`` records each image's ``(width, height)`` (aspect-ratio buckets use it). With
 ``verify="header"`` (``sdplan recommend``: about 1,000 files in 0.1 s) only each image's header is read: files
@@ -55,9 +60,12 @@ from __future__ import annotations
 
 import codecs
 import contextlib
+import csv
+import io
 import json
 import os
 import re
+import shlex
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -71,9 +79,23 @@ if TYPE_CHECKING:
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 FORMATS = ("flat", "kohya", "metadata")
-KOHYA_DIR = re.compile(r"^(\d+)_(.+)$")
+KOHYA_DIR = re.compile(r"^(\d+)_(.*)$")  # kohya splits at the first "_": 2_ is 2 repeats, no name
 PATH_FIELDS = ("image", "path", "file_name")
 _EXT_LIST = "png, jpg, jpeg, webp or bmp"
+# images of formats sdplan does not read (phones' and cameras' own among them): skipped, said to convert
+OTHER_IMAGE_EXTENSIONS = (
+    ".heic",
+    ".heif",
+    ".avif",
+    ".jxl",
+    ".tif",
+    ".tiff",
+    ".gif",
+    ".dng",
+    ".cr2",
+    ".nef",
+    ".arw",
+)
 
 
 @dataclass
@@ -95,6 +117,9 @@ class Scan:
     items: list[Item] = field(default_factory=list)
     skipped: list[tuple[Path, str]] = field(default_factory=list)  # (path, reason), each path once
     notes: list[str] = field(default_factory=list)  # what the layout made of something that looks unintended
+    broken: set[Path] = field(
+        default_factory=set
+    )  # skipped images that are empty, unreadable or fail to decode
 
     @property
     def num_images(self) -> int:
@@ -110,10 +135,25 @@ class Scan:
         return sum(1 for it in self.items if it.caption is not None)
 
     def skipped_text(self, limit: int = 3) -> str:
-        """``a.png: truncated; b.png: empty file; and 4 more`` (names relative to the root)."""
-        parts = [f"{_rel(p, self.root)}: {why}" for p, why in self.skipped[:limit]]
-        more = len(self.skipped) - limit
-        return "; ".join(parts) + (f"; and {more} more" if more > 0 else "")
+        """``a.png: truncated; b.png: empty file; 4 files (x.HEIC, y.HEIC, ...): not a supported image type
+        (.heic); and 2 more (1 broken image: c.png)``: names relative to the root, the broken images first
+        (:func:`scan` sorts them so), files skipped for the same reason said once, and every broken image named
+        (a corrupt photo hid in "and N more", behind the Thumbs.db and notes.md that came first by name)."""
+        groups: dict[tuple[str, Path | None], list[Path]] = {}  # a broken image each its own (all named)
+        for p, why in self.skipped:
+            groups.setdefault((why, p if p in self.broken else None), []).append(p)
+        parts = []
+        for (why, _), paths in list(groups.items())[:limit]:
+            names = [_rel(p, self.root) for p in paths[:2]] + (["..."] if len(paths) > 2 else [])
+            parts.append(
+                f"{names[0]}: {why}" if len(paths) == 1 else f"{len(paths)} files ({', '.join(names)}): {why}"
+            )
+        rest = [p for paths in list(groups.values())[limit:] for p in paths]
+        if rest:
+            broken = [_rel(p, self.root) for p in rest if p in self.broken]
+            named = f" ({count_of(len(broken), 'broken image')}: {', '.join(broken)})" if broken else ""
+            parts.append(f"and {len(rest)} more{named}")
+        return "; ".join(parts)
 
     def summary(self) -> str:
         """One line for the CLI: ``flat: 8 images x 2 repeats = 16 samples per epoch, 8 captioned``; kohya
@@ -181,8 +221,10 @@ def scan(
     records, is_metadata = _metadata_records(files)
     if is_metadata:
         result = _scan_metadata(root, files, records, repeats, metadata, cap_ext)
-    elif any(KOHYA_DIR.match(d.name) for d in root.iterdir() if d.is_dir() and not d.name.startswith(".")):
+    elif _kohya_folders(root):
         result = _scan_kohya(root, files, cap_ext)
+    elif project := _kohya_project(root):
+        raise project
     else:
         result = Scan(root, "flat")
         kohya_files, kohya = _kohya_captions(root, records, result)
@@ -190,13 +232,15 @@ def scan(
         listed = (kohya_files + jsonl_files, {**jsonl, **kohya})
         _pair_captions(root, files, result, cap_ext, repeats, lambda _p: default_caption, listed)
 
+    listed = len(result.skipped)
     _drop_empty_files(result)
     if verify:
         _verify(result, decode=verify != "header")
+    result.broken = {p for p, _ in result.skipped[listed:]}
     result.items.sort(key=lambda it: str(it.path))
     seen: set[Path] = set()
     result.skipped = [s for s in result.skipped if not (s[0] in seen or seen.add(s[0]))]
-    result.skipped.sort(key=lambda s: str(s[0]))
+    result.skipped.sort(key=lambda s: (s[0] not in result.broken, str(s[0])))  # broken images first
     return result
 
 
@@ -269,21 +313,29 @@ def require_images(result: Scan) -> Scan:
     """Raise :class:`DatasetError` when the scan found no usable image; return the scan otherwise."""
     if result.items:
         return result
+    put = (
+        f"put {_EXT_LIST} images there, each with an optional same-name .txt caption, "
+        "or kohya-style N_name subfolders (10_name/a.png)"
+    )
     if result.skipped:
         detail = f" ({len(result.skipped)} skipped: {result.skipped_text()})"
-        fix = "replace or remove the broken files"
+        # photos in a format sdplan does not read (an iPhone's .HEIC) are no broken files: they convert
+        other = sorted(
+            {p.suffix.lower() for p, _ in result.skipped if p.suffix.lower() in OTHER_IMAGE_EXTENSIONS}
+        )
+        fixes = ["replace or remove the broken files"] if result.broken else []
+        fixes += [f"convert the {', '.join(other)} files to jpg or png"] if other else []
+        fix = "; ".join(fixes)
         if result.format == "metadata":
-            fix += ", or loosen data.metadata (skip_tags, min_score)"
+            fix = ", or ".join(filter(None, (fix, "loosen data.metadata (skip_tags, min_score)")))
         elif result.format == "kohya" and all((Path(result.root) / p).is_dir() for p, _ in result.skipped):
             fix = "name each image folder N_name, N >= 1 its repeats (10_name/a.png)"  # no file is broken
         elif result.format == "kohya":
-            fix += "; images belong in N_name folders (10_name/a.png)"
+            fix = "; ".join(filter(None, (fix, "images belong in N_name folders (10_name/a.png)")))
+        fix = fix or put
     else:
         detail = " (the folder has no image files)"
-        fix = (
-            f"put {_EXT_LIST} images there, each with an optional same-name .txt caption, "
-            "or kohya-style N_name subfolders (10_name/a.png)"
-        )
+        fix = put
     raise DatasetError(f"no readable images in {result.root}{detail}", fix=fix)
 
 
@@ -360,8 +412,10 @@ def _not_image_reason(path: Path, cap_ext: str | None = None) -> str:
     ext = path.suffix.lower() or "no extension"
     if cap_ext is not None and ext in CAPTION_EXTENSIONS and ext != cap_ext.lower():
         return f"a {ext} caption, not read: data.caption_extension is {cap_ext}"
-    if path.name.lower() == "metadata.jsonl":  # read in a flat folder (_jsonl_captions); not here
-        return "Hugging Face's metadata.jsonl: read in a flat dataset folder, not in kohya N_name folders or beside .json records"
+    if path.name.lower() in HF_METADATA:  # read in a flat folder (_jsonl_captions); not here
+        return f"Hugging Face's {path.name}: read in a flat dataset folder, not in kohya N_name folders or beside .json records"
+    if ext in OTHER_IMAGE_EXTENSIONS:
+        return f"not a supported image type ({ext}); convert to jpg or png"
     return f"not a supported image type ({ext}); use {_EXT_LIST}"
 
 
@@ -531,44 +585,70 @@ def _short_json(value: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
+HF_METADATA = ("metadata.jsonl", "metadata.csv")  # Hugging Face imagefolder's captions files
+
+
+def _hf_records(f: Path) -> list[tuple[int, dict[str, Any]]]:
+    """(line number, record) of a metadata.jsonl or metadata.csv (:func:`_jsonl_captions`)."""
+    try:
+        text = f.read_text(encoding="utf-8-sig")
+    except (OSError, UnicodeDecodeError) as e:
+        raise DatasetError(
+            f"{f}: cannot read it ({type(e).__name__})", fix="save it as UTF-8, or move it out of the dataset"
+        ) from None
+    out: list[tuple[int, dict[str, Any]]] = []
+    if f.suffix.lower() == ".csv":
+        reader = csv.DictReader(io.StringIO(text, newline=""))
+        try:
+            if "file_name" not in (reader.fieldnames or []):
+                raise DatasetError(
+                    f"{f}: its header row names no file_name column ({', '.join(reader.fieldnames or []) or 'empty'})",
+                    fix="name the images' column file_name and the captions' column text, as Hugging Face reads them",
+                )
+            line = reader.line_num + 1
+            for row in reader:
+                out.append((line, {k: v for k, v in row.items() if isinstance(k, str)}))
+                line = reader.line_num + 1
+        except csv.Error as e:
+            raise DatasetError(
+                f"{f}: line {reader.line_num} is not valid CSV ({e})",
+                fix="fix the line, or move the file out of the dataset",
+            ) from None
+        return out
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            record = e.msg
+        if not isinstance(record, dict):
+            why = record if isinstance(record, str) and not line.lstrip().startswith('"') else "not an object"
+            raise DatasetError(
+                f"{f}: line {n} is not a JSON object with file_name and text ({why})",
+                fix="fix the line, or move the file out of the dataset",
+            )
+        out.append((n, record))
+    return out
+
+
 def _jsonl_captions(
     root: Path, files: Iterable[Path], result: Scan
 ) -> tuple[tuple[Path, ...], dict[str, str]]:
     """Captions of Hugging Face's imagefolder layout (what diffusers' training scripts load with
     ``load_dataset("imagefolder")``): a ``metadata.jsonl`` whose lines are ``{"file_name": "a.png", "text":
-    "..."}`` (:func:`_record_caption`), names relative to its folder; one deeper in the tree wins for the images
-    under it. Returns (the files read, each named image's resolved path -> caption: its own, never another
-    folder's image of the same name); an image none names keeps its caption file. A line that is not a JSON
-    object is an error naming the file and line; names of images that are not in the dataset are listed as
-    skipped."""
+    "..."}`` (:func:`_record_caption`), or a ``metadata.csv`` with a header row naming those columns, names
+    relative to its folder; one deeper in the tree wins for the images under it (in one folder the .jsonl over the
+    .csv). Returns (the files read, each named image's resolved path -> caption: its own, never another folder's
+    image of the same name); an image none names keeps its caption file. A line that is not a JSON object, or a
+    .csv without a file_name column, is an error naming the file and line; names of images that are not in the
+    dataset are listed as skipped."""
     found: list[Path] = []
     captions: dict[str, str] = {}
-    for f in sorted((f for f in files if f.name.lower() == "metadata.jsonl"), key=lambda f: len(f.parts)):
-        try:
-            lines = f.read_text(encoding="utf-8-sig").splitlines()
-        except (OSError, UnicodeDecodeError) as e:
-            raise DatasetError(
-                f"{f}: cannot read it ({type(e).__name__})",
-                fix="save it as UTF-8, or move it out of the dataset",
-            ) from None
+    listed = (f for f in files if f.name.lower() in HF_METADATA)
+    for f in sorted(listed, key=lambda f: (len(f.parts), f.name.lower())):
         missing: list[str] = []
-        for n, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                record = e.msg
-            if not isinstance(record, dict):
-                why = (
-                    record
-                    if isinstance(record, str) and not line.lstrip().startswith('"')
-                    else "not an object"
-                )
-                raise DatasetError(
-                    f"{f}: line {n} is not a JSON object with file_name and text ({why})",
-                    fix="fix the line, or move the file out of the dataset",
-                )
+        for n, record in _hf_records(f):
             name, text = record.get("file_name"), _record_caption(record)
             if not isinstance(name, str) or not name.strip():
                 missing.append(f"line {n} has no file_name")
@@ -598,6 +678,48 @@ def _image_keys(root: Path, img: Path) -> tuple[str, ...]:
 
 
 SUSPICIOUS_REPEATS = 1000  # a kohya folder's repeats from here on look like a year or an id (2023_summer)
+
+
+def _kohya_folders(folder: Path) -> list[Path]:
+    """The kohya ``N_name`` folders directly in ``folder``, sorted."""
+    with contextlib.suppress(OSError):
+        dirs = sorted(d for d in folder.iterdir() if not d.name.startswith(".") and d.is_dir())
+        return [d for d in dirs if KOHYA_DIR.match(d.name)]
+    return []
+
+
+def _kohya_project(root: Path) -> DatasetError | None:
+    """A kohya project folder given as the dataset (kohya_ss makes ``img/10_sks dog``, ``reg/1_dog``): no
+    ``N_name`` folder of its own, some one level down. Scanned flat, its class images trained as instance
+    images, without their folders' repeats and captions, and kohya itself finds no image folder there: the
+    error names the folder to pass instead, and a regularization folder as dreambooth.class_data."""
+    inner = {}
+    with contextlib.suppress(OSError):
+        for d in sorted(root.iterdir()):
+            if not d.name.startswith(".") and d.is_dir() and (kohya := _kohya_folders(d)):
+                inner[d] = kohya
+    if not inner:
+        return None
+    reg = [d for d in inner if "reg" in d.name.lower()]  # kohya_ss's reg/, reg_data, regularization ...
+    train = [d for d in inner if d not in reg] or reg[:1]
+    reg = [d for d in reg if d not in train]
+    first = train[0]
+    also = f" (or {', '.join(shlex.quote(str(d)) for d in train[1:])})" if len(train) > 1 else ""
+    fix = f"pass --dataset {shlex.quote(str(first))}{also} instead"
+    if reg:
+        token = KOHYA_DIR.match(inner[reg[0]][0].name).group(2).strip()  # type: ignore[union-attr]
+        settings = ("dreambooth.with_prior_preservation=true", f"dreambooth.class_data={reg[0]}")
+        settings += (f"dreambooth.class_prompt={token or '...'}",)
+        fix += (
+            f"; {reg[0].name}/ holds class (regularization) images, which sdplan reads with --method dreambooth "
+            + " ".join(map(shlex.quote, settings))
+        )
+    return DatasetError(
+        f"dataset folder {root} holds no kohya N_name folder, but {first.name}/ holds "
+        f"{count_of(len(inner[first]), 'such folder')} ({inner[first][0].name}): a kohya project folder, "
+        "not its image folder",
+        fix=fix,
+    )
 
 
 def _scan_kohya(root: Path, files: list[Path], cap_ext: str) -> Scan:
@@ -630,7 +752,14 @@ def _scan_kohya(root: Path, files: list[Path], cap_ext: str) -> Scan:
                 (folder, f"repeats {n} in the folder name ({count_of(len(members), 'file')} ignored)")
             )
             continue
+        before = len(result.items)
         _pair_captions(root, members, result, cap_ext, n, lambda _p, name=name: name or None)
+        bare = sum(1 for it in result.items[before:] if it.caption is None)
+        if not name and bare:  # kohya trains them with an empty caption; here they take the fallback caption
+            result.notes.append(
+                f"folder {folder.name}: no name after the repeats (kohya's class token, the caption of an image "
+                f"without a caption file); {count_of(bare, 'image')} there {'has' if bare == 1 else 'have'} none"
+            )
     return result
 
 
@@ -729,6 +858,9 @@ def _scan_metadata(root, files, records, repeats, meta: MetadataConfig | None, c
     root_resolved = root.resolve()
 
     described: dict[Path, Path] = {}  # resolved image -> json that described it
+    over_records: list[
+        Path
+    ] = []  # images whose caption file is read instead of their image's record's tags or caption
     cap_files = _caption_files(files, cap_ext, result)
     for json_path, data in records.items():
         if isinstance(data, str):
@@ -780,17 +912,21 @@ def _scan_metadata(root, files, records, repeats, meta: MetadataConfig | None, c
             reached = [th for th in thresholds if score >= th]
             if reached:
                 tags.append(f"score_{_fmt_num(reached[-1])}")
-        caption: str | None
-        if tags:
+        # the image's own caption file first: a downloader's record (gallery-dl's a.png.json) beside captions the
+        # user wrote replaced one of them without a word; the record still selects (skip_tags, min_score)
+        cap_file = cap_files.get((shown.parent, shown.stem))
+        caption = _read_caption(cap_file) if cap_file is not None else None
+        if caption is not None:
+            if tags or _record_caption(data):
+                over_records.append(shown)
+            tags = []
+        elif tags:
             caption = ", ".join(tags)
-        elif text := _record_caption(data):
-            caption = text
-        elif (cap_file := cap_files.get((shown.parent, shown.stem))) is not None:
-            caption = _read_caption(cap_file)  # a record without tags or caption: the image's caption file
         else:
-            caption = None
+            caption = _record_caption(data)
         result.items.append(Item(shown, caption, tags or None, repeats, score if has_score else None))
 
+    stems = {(f.parent, f.stem) for f in files if is_image(f)}
     for f in files:
         if f.suffix.lower() == ".json" or _real(f) in described:
             continue
@@ -801,9 +937,18 @@ def _scan_metadata(root, files, records, repeats, meta: MetadataConfig | None, c
         elif is_image(f):
             result.skipped.append((f, "no .json record describes this image, and it has no caption file"))
         elif f.suffix.lower() == cap_ext.lower():
-            continue  # caption files: of the images above, or not used; not an error either
+            if cap_files.get((f.parent, f.stem)) == f and (f.parent, f.stem) not in stems:
+                result.skipped.append((f, "caption file without an image of the same name"))
         else:
             result.skipped.append((f, _not_image_reason(f)))
+    if over_records:
+        first = _rel(over_records[0], root)
+        result.notes.append(
+            f"{count_of(len(over_records), 'image')} ({first}{', ...' if len(over_records) > 1 else ''}) "
+            f"{'has' if len(over_records) == 1 else 'have'} both a {cap_ext} caption and a .json record: the "
+            f"{cap_ext} caption trains, the record only selects (skip_tags, min_score); remove the {cap_ext} to "
+            "train on its tags"
+        )
     return result
 
 
