@@ -1521,9 +1521,11 @@ def write_points(
 ) -> Path:
     """Add points to ``{store}/methods/{file_name or method}.yaml``, atomically; returns the file.
 
-    ``replace``: a point whose id is already there replaces it (a re-measurement); otherwise the new one
-    gets a fresh id (another observation). A file the loader rejects is refused, never written over, and
-    what is written is validated before it replaces the file. Clears the load cache so the planner sees it.
+    ``replace``: a point whose id is already there replaces it (a re-measurement) where it is of the same board
+    (``gpu_memory_gib``: the RTX 3060 8GB and 12GB share the name a bench point's id is made of, and importing
+    one's points replaced the other's own); otherwise the new one gets a fresh id (another observation). A file
+    the loader rejects is refused, never written over, and what is written is validated before it replaces the
+    file. Clears the load cache so the planner sees it.
     """
     path = store / "methods" / f"{file_name or method}.yaml"
     data: dict[str, Any] = {"schema_version": SCHEMA_VERSION, "method": method, "points": []}
@@ -1535,7 +1537,10 @@ def write_points(
     points = list(data.get("points") or [])
     index = {p.get("id"): i for i, p in enumerate(points)}
     for rec in records:
-        if rec["id"] in index and replace:
+        same = rec["id"] in index and points[index[rec["id"]]].get("gpu_memory_gib") == rec.get(
+            "gpu_memory_gib"
+        )
+        if same and replace:
             points[index[rec["id"]]] = rec
             continue
         while rec["id"] in index:

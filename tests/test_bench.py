@@ -923,6 +923,28 @@ def test_a_point_of_the_other_board_of_a_shared_name_does_not_count_for_this_one
     assert result.feasible and result.basis != "measured"
 
 
+def test_importing_the_other_boards_points_keeps_this_boards_own(tmp_path, monkeypatch):
+    """A point's id is made of the GPU's name, which the RTX 3060 8GB and 12GB share: importing the 8 GB board's
+    export into the 12 GB machine's store replaced its own measurement (same id), and its plans then stood on
+    the other board's speed. Both stay; a re-measurement of the same board still replaces."""
+    snap = Snapshot.load(MACHINES / "rtx3060_12gb.json")
+    gpu = snap.gpus[0]
+    other = fresh_profile_store(monkeypatch, tmp_path / "other")
+    (req,) = bench.select_requests(["lora"], ["sd15"], store_dir=other, snapshot=snap).requests
+    bench.write_points(other, "lora", _gpu_bench_points(req, gpu.name, 8 * 2**30, batches=(1,)))
+    shared = tmp_path / "8gb.yaml"
+    bench.export_measurements(shared, store_dir=other)
+    mine = fresh_profile_store(monkeypatch, tmp_path / "mine")
+    bench.write_points(mine, "lora", _gpu_bench_points(req, gpu.name, gpu.memory_total_bytes, batches=(1,)))
+    bench.import_measurements(shared)
+    points, _ = profiles.load_methods(mine / "methods" / "lora.yaml", origin="local")
+    assert sorted(p.gpu_memory_gib for p in points) == [8.0, pytest.approx(gpu.memory_total_bytes / 2**30)]
+    assert len({p.id for p in points}) == 2
+    # measured again on this board: replaced, not added
+    bench.write_points(mine, "lora", _gpu_bench_points(req, gpu.name, gpu.memory_total_bytes, batches=(1,)))
+    assert len(profiles.load_methods(mine / "methods" / "lora.yaml", origin="local")[0]) == 2
+
+
 class _SleepyHarness:
     """Stands in for the bench harness's step: a step takes ``seconds`` (as a short GPU step does)."""
 
