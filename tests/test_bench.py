@@ -945,6 +945,25 @@ def test_importing_the_other_boards_points_keeps_this_boards_own(tmp_path, monke
     assert len(profiles.load_methods(mine / "methods" / "lora.yaml", origin="local")[0]) == 2
 
 
+def test_a_speed_measured_at_another_resolution_is_not_scaled_to_this_one(tmp_path, monkeypatch):
+    """A bench speed at 512 px scaled a 768 px plan's time with the narrow band of a near point (x0.93-1.04): left
+    out, the H100's speeds scaled so across resolutions missed by up to 2.3x. The plan takes the model then."""
+    from sdplan import planner
+
+    root = fresh_profile_store(monkeypatch, tmp_path)
+    snap = Snapshot.load(MACHINES / "rtx3060_12gb.json")
+    (req,) = bench.select_requests(["lora"], ["sd15"], store_dir=root, snapshot=snap).requests
+    gpu = snap.gpus[0]
+    bench.write_points(root, "lora", _gpu_bench_points(req, gpu.name, gpu.memory_total_bytes, batches=(1, 2)))
+    learned = profiles.load_profiles(local=root)
+    same = planner.plan(
+        snap, learned, planner.Request(method="lora", model="sd15", resolution=req.resolution)
+    )
+    assert same.basis in ("measured", "scaled")
+    other = planner.plan(snap, learned, planner.Request(method="lora", model="sd15", resolution=768))
+    assert other.feasible and other.basis == "calibrated"
+
+
 class _SleepyHarness:
     """Stands in for the bench harness's step: a step takes ``seconds`` (as a short GPU step does)."""
 
