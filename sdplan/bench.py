@@ -700,6 +700,7 @@ class Selection:
     requests: list[BenchRequest]
     skipped: list[str]  # "lora sd15 512px: measured on this GPU already (3 points)"
     gpu: str | None
+    uncatalogued: str | None = None  # why the planner cannot use this GPU's points yet (not in the catalog)
 
 
 # sdplan.yaml keys a bench request can pin (`sdplan bench ... memory.gradient_checkpointing=false`): what a
@@ -854,7 +855,20 @@ def select_requests(
                 requests.append(
                     BenchRequest(method=method, model=family, resolution=res, settings_from="default")
                 )
-    return Selection(requests=[pin_request(r, pins) for r in requests], skipped=skipped, gpu=gpu_name)
+    uncatalogued = None
+    if gpu_name and snapshot.usable_gpus and profiles_.gpu_or_none(gpu_name, gpu_memory_bytes) is None:
+        # the planner finds a GPU's points by its catalog entry (Profiles.points_on): none, none are read
+        uncatalogued = (
+            f"{gpu_name} is not in sdplan's GPU catalog: the planner plans it by its memory alone and reads no "
+            f"point measured on it until it is there (add it to {profiles.local_dir() / 'gpus.yaml'}, as the "
+            f"entries of {profiles.shipped_dir() / 'gpus.yaml'} are written)"
+        )
+    return Selection(
+        requests=[pin_request(r, pins) for r in requests],
+        skipped=skipped,
+        gpu=gpu_name,
+        uncatalogued=uncatalogued,
+    )
 
 
 # -- the bench ------------------------------------------------------------------------------------------

@@ -2023,8 +2023,8 @@ def hardware_from_snapshot(snapshot: Any, profiles: Profiles, source: str = "pro
         if spec is None:  # never another GPU's entry: its own memory, and no speed to scale from
             notes.append(
                 f"GPU {g.index} ({g.name or 'unnamed'}, {g.memory_total_bytes / GiB:.1f} GiB) is not in the GPU "
-                "catalog: planned with its probed memory; its speed is unknown (add it to the catalog, or measure "
-                "it with `sdplan bench`)"
+                "catalog: planned with its probed memory; its speed is unknown (add it to the catalog; `sdplan "
+                "bench` measurements count for it once it is there)"
             )
         if getattr(g, "mig", None):  # sdplan.machine.GPU.mig: CUDA sees the slices, memory is the largest's
             notes.append(

@@ -964,6 +964,24 @@ def test_a_speed_measured_at_another_resolution_is_not_scaled_to_this_one(tmp_pa
     assert other.feasible and other.basis == "calibrated"
 
 
+def test_bench_on_a_gpu_outside_the_catalog_says_the_planner_cannot_use_its_points(tmp_path, monkeypatch):
+    """The planner finds a GPU's points by its catalog entry: on a GPU outside the catalog the bench saved them,
+    said "The planner uses these now", skipped the case next time as measured, and recommend's time stayed
+    unknown. Now both the bench and the plan say what makes them count."""
+    from sdplan import planner
+
+    root = fresh_profile_store(monkeypatch, tmp_path)
+    snap = Snapshot.load(MACHINES / "rtx3060_12gb.json")
+    odd = replace(snap, gpus=(replace(snap.gpus[0], name="NVIDIA Unlisted GPU 12GB"),))
+    sel = bench.select_requests(["lora"], ["sd15"], store_dir=root, snapshot=odd)
+    assert "NVIDIA Unlisted GPU 12GB is not in sdplan's GPU catalog" in sel.uncatalogued
+    assert str(root / "gpus.yaml") in sel.uncatalogued
+    assert bench.select_requests(["lora"], ["sd15"], store_dir=root, snapshot=snap).uncatalogued is None
+    res = planner.plan(odd, profiles.load_profiles(local=root), planner.Request(method="lora", model="sd15"))
+    (note,) = [r for r in res.reasons if "is not in the GPU catalog" in r]
+    assert "measurements count for it once it is there" in note
+
+
 class _SleepyHarness:
     """Stands in for the bench harness's step: a step takes ``seconds`` (as a short GPU step does)."""
 

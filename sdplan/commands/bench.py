@@ -105,6 +105,8 @@ def bench(
     root = lib.store_root(store, demo=demo)
     for line in selection.skipped:
         console().print(f"skip {line}", style="dim", markup=False)
+    if selection.uncatalogued:
+        console().print(f"note: {selection.uncatalogued}", markup=False)
     if not selection.requests:
         console().print(
             f"Nothing to measure: every default case has a measured point for {selection.gpu} already. "
@@ -169,6 +171,8 @@ def bench(
             "[dim]demo: a tiny model on the CPU; memory is the process's resident-set growth, not VRAM. "
             "On a GPU, `sdplan bench` measures the full-size models.[/]"
         )
+    elif points and not interrupted and selection.uncatalogued:
+        console().print(f"The planner does not use these yet: {selection.uncatalogued}", markup=False)
     elif points and not interrupted and root.resolve() == profiles.local_dir().resolve():
         console().print(
             "The planner uses these now: `sdplan recommend` reports estimate.basis measured for them, and scaled "
