@@ -609,6 +609,22 @@ def measured_here(
     ]
 
 
+def _at_settings(point: Any, req: BenchRequest) -> bool:
+    """A measured point is of ``req``'s settings (the batch aside: the bench searches it)."""
+    s, o = point.settings, point.options
+    return (
+        point.precision == req.precision
+        and bool(o.gradient_checkpointing) == req.gradient_checkpointing
+        and s.optimizer == req.optimizer
+        and bool(s.cache_latents) == req.cache_latents
+        and bool(s.cache_text_encoder_outputs) == req.cache_text_encoder_outputs
+        and bool(s.train_text_encoder) == req.train_text_encoder
+        and (req.lora_rank is None or s.lora_rank == req.lora_rank)
+        and o.base_precision == req.base_precision
+        and bool(o.deepspeed) == bool(req.deepspeed)
+    )
+
+
 def planner_settings(snapshot: Any, profiles_: Any, method: str, model: str, resolution: int) -> BenchRequest:
     """The settings `sdplan recommend` would choose for one GPU of this machine; the bench searches the batch.
 
@@ -841,20 +857,25 @@ def select_requests(
             ]  # swap the planner may pick
             continue
         for method in methods or list(METHODS):
+            if snapshot.usable_gpus:
+                req = planner_settings(snapshot, profiles_, method, family, res)
+            else:
+                req = BenchRequest(method=method, model=family, resolution=res, settings_from="default")
             if not explicit and gpu_name:
-                have = measured_here(profiles_, gpu_name, method, family, res, gpu_memory_bytes)
+                # measured at the settings the planner would choose (another pinned bench's points, or an out of
+                # memory `sdplan train` recorded, left the planner's own settings unmeasured)
+                have = [
+                    p
+                    for p in measured_here(profiles_, gpu_name, method, family, res, gpu_memory_bytes)
+                    if not p.id.startswith("observed-") and _at_settings(p, req)
+                ]
                 if have:
                     skipped.append(
                         f"{method} {family} {res}px: {count_of(len(have), 'point')} measured on {gpu_name} "
-                        "already"
+                        "already at the planner's settings"
                     )
                     continue
-            if snapshot.usable_gpus:
-                requests.append(planner_settings(snapshot, profiles_, method, family, res))
-            else:
-                requests.append(
-                    BenchRequest(method=method, model=family, resolution=res, settings_from="default")
-                )
+            requests.append(req)
     uncatalogued = None
     if gpu_name and snapshot.usable_gpus and profiles_.gpu_or_none(gpu_name, gpu_memory_bytes) is None:
         # the planner finds a GPU's points by its catalog entry (Profiles.points_on): none, none are read

@@ -472,6 +472,14 @@ def test_default_selection_skips_what_is_measured_on_this_gpu(tmp_path, monkeypa
     assert ("lora", "sd15") in {
         (r.method, r.model) for r in bench.select_requests(store_dir=root, snapshot=other).requests
     }
+    # nor do points at other settings than the planner's (a pinned bench's): its settings stay unmeasured
+    pinned_root = fresh_profile_store(monkeypatch, tmp_path / "pinned")
+    elsewhere = replace(lora, precision="fp16", gradient_checkpointing=not lora.gradient_checkpointing)
+    bench.write_points(
+        pinned_root, "lora", _gpu_bench_points(elsewhere, gpu.name, gpu.memory_total_bytes, batches=(1,))
+    )
+    third = bench.select_requests(store_dir=pinned_root, snapshot=snap)
+    assert ("lora", "sd15") in {(r.method, r.model) for r in third.requests} and not third.skipped
 
 
 def test_selection_rejects_bad_names():
