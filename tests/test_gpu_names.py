@@ -120,7 +120,12 @@ REAL_NAMES = [
     ("NVIDIA GeForce RTX 3080", 10.0, "RTX 3080 10GB"),
     ("NVIDIA GeForce RTX 3080", 12.0, "RTX 3080 12GB"),
     ("NVIDIA GeForce RTX 3060", 12.0, "RTX 3060 12GB"),
-    ("NVIDIA GeForce RTX 3050", 8.0, "RTX 3050"),
+    ("NVIDIA GeForce RTX 3050", 8.0, "RTX 3050 8GB"),
+    ("NVIDIA GeForce RTX 3050", 5.99, "RTX 3050 6GB"),
+    ("NVIDIA GeForce RTX 2060", 5.79, "RTX 2060 6GB"),
+    ("NVIDIA GeForce RTX 2060", 11.77, "RTX 2060 12GB"),
+    ("NVIDIA GeForce RTX 5060 Ti", 7.96, "RTX 5060 Ti 8GB"),
+    ("NVIDIA GeForce RTX 5060 Ti", 15.93, "RTX 5060 Ti 16GB"),
     ("NVIDIA GeForce RTX 3070 Ti", 8.0, "RTX 3070 Ti"),
     ("NVIDIA GeForce RTX 3060 Laptop GPU", 6.0, "RTX 3060 Laptop"),
     ("NVIDIA GeForce RTX 3080 Laptop GPU", 16.0, "RTX 3080 Laptop 16GB"),
@@ -274,10 +279,11 @@ def test_several_gpus_need_the_link_named(prof):
 
 
 def test_a_probed_memory_the_catalog_does_not_know_is_no_match(prof):
-    """The 2024 RTX 3050 6GB reports the 8 GB card's NVML name: it must not be planned as the 8 GB card."""
-    assert prof.gpu_or_none("NVIDIA GeForce RTX 3050", 6 * GiB) is None
-    with pytest.raises(UsageError, match="6.0 GiB is not in the catalog"):
-        match_gpu(prof.gpus, "NVIDIA GeForce RTX 3050", 6 * GiB)
+    """A board of a known NVML name with a memory the catalog lacks (a 4 GB RTX 3050, as the 2024 6 GB one was
+    before it had an entry) must not be planned as a board it has."""
+    assert prof.gpu_or_none("NVIDIA GeForce RTX 3050", 4 * GiB) is None
+    with pytest.raises(UsageError, match="4.0 GiB is not in the catalog"):
+        match_gpu(prof.gpus, "NVIDIA GeForce RTX 3050", 4 * GiB)
 
 
 def test_both_rtx_3060_boards_are_matched_by_their_probed_memory(prof):
@@ -333,7 +339,7 @@ def test_cli_unknown_gpu_is_one_line():
         ("GTX 1660", 6),
         ("GTX 1660 Super", 6),
         ("GTX 1660 Ti", 6),
-        ("RTX 3050", 8),
+        ("RTX 3050 8GB", 8),
         ("RTX 3070 Ti", 8),
         ("RTX 4070 Super", 12),
         ("RTX 4070 Ti Super", 16),

@@ -45,7 +45,7 @@ def _catalog(prof, name: str, count: int = 1) -> P.Hardware:
 
 
 def test_needs_at_least_is_the_leanest_configuration_of_the_search(prof):
-    hw = _catalog(prof, "RTX 2060")
+    hw = _catalog(prof, "RTX 2060 6GB")
     req = P.Request(method="finetune", model="sdxl")
     res = P.plan(hw, prof, req)
     assert not res.feasible

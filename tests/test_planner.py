@@ -320,7 +320,7 @@ def test_fp16_stays_where_it_trains_and_the_probed_gtx_16_name_is_the_catalogs(p
     catalog entry says, also beside another GPU, and one the catalog lacks by AUTOMATIC1111's rule (compute
     capability 7.5, a name starting "NVIDIA GeForce GTX 16"); an A100's fp32 is still a quarter of its fp16
     rate."""
-    for name in ("RTX 2060", "T4", "GTX 1080 Ti"):
+    for name in ("RTX 2060 6GB", "T4", "GTX 1080 Ti"):
         res = P.plan(
             P.hardware_from_catalog(prof.find_gpu(name)), prof, P.Request(method="lora", model="sd15")
         )
@@ -350,7 +350,7 @@ def test_fp16_stays_where_it_trains_and_the_probed_gtx_16_name_is_the_catalogs(p
 
 
 def test_infeasible_catalog_gpu_says_what_would_fit(prof):
-    hw = P.hardware_from_catalog(prof.find_gpu("RTX 2060"))
+    hw = P.hardware_from_catalog(prof.find_gpu("RTX 2060 6GB"))
     res = P.plan(hw, prof, P.Request(method="finetune", model="sdxl"))
     assert not res.feasible
     need = res.needs["min_vram_bytes"]

@@ -529,7 +529,7 @@ def test_every_gpu_the_plan_says_would_fit_does(prof, gpu, family, method, ram_g
 WOULD_FIT_TABLE = [
     ("RTX 4090", "flux-dev", "finetune"),
     ("GTX 1650", "sdxl", "lora"),
-    ("RTX 2060", "sdxl", "finetune"),
+    ("RTX 2060 6GB", "sdxl", "finetune"),
     ("T4", "flux-dev", "finetune"),  # fp16 only, with bench points of its own
     ("RX 6700 XT", "sd35-large", "dreambooth"),  # no 8-bit AdamW or nf4 off NVIDIA
 ]

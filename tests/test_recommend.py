@@ -425,7 +425,7 @@ def test_a_gtx_16_card_that_does_not_fit_says_its_need_is_in_fp32():
     (its row only) and beside 'needs at least', with what a GPU that trains in fp16 needs."""
     import re
 
-    r = run("--method", "lora", "--model", "sdxl", "--compare", "GTX 1660 Super,RTX 2060")
+    r = run("--method", "lora", "--model", "sdxl", "--compare", "GTX 1660 Super,RTX 2060 6GB")
     assert r.exit_code == 0, r.output
     table = re.sub(
         r"[│┃\s]+", " ", r.stdout
