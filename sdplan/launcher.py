@@ -641,6 +641,8 @@ class InputSummary:
     scan_summary: str
     model_note: str | None = None  # what could not be checked before the launch (a dry run without the hub)
     bucket_samples: tuple[int, ...] = ()  # data.buckets: the samples in each aspect bucket (steps.py)
+    # data.buckets: each sample's bucket, in the dataset's order (the trainer's BucketBatchSampler's bucket ids)
+    sample_buckets: tuple[int, ...] = ()
     prediction_type: str | None = None  # what the model's files say (an SD 2.x epsilon base plans at 512)
     revision: str | None = None  # a hub model's
     hub_cached: bool = False  # a hub model the local cache holds whole (else its weights come from the hub)
@@ -733,16 +735,21 @@ def check_inputs(
         models = load_profiles().models
         if family in models:
             resolution = models[family].resolution_for(info.prediction_type)
-    buckets = ()
+    buckets, sample_buckets = (), ()
     # as the trainer's dataset assigns them: the epoch's batches (each bucket ends short), at the resolution it
     # trains at (the plan's: SDXL's 1024 px buckets group the images otherwise than the config's default 512)
     if cfg.data.buckets:
-        from sdplan.trainer.buckets import bucket_samples, config_buckets
+        from sdplan.trainer.buckets import assign_buckets, bucket_samples, config_buckets
 
         sizes, reps = [it.size for it in result.items], [it.repeats for it in result.items]
-        buckets = bucket_samples(sizes, reps, config_buckets(cfg.data, resolution))
+        shapes = config_buckets(cfg.data, resolution)
+        buckets = bucket_samples(sizes, reps, shapes)
+        # as trainer/data.py CaptionedImages.bucket_ids: each item's bucket, once per repeat
+        assigned = assign_buckets([s or (1, 1) for s in sizes], shapes)
+        sample_buckets = tuple(b for b, r in zip(assigned, reps) for _ in range(max(1, r)))
     return InputSummary(
         bucket_samples=buckets,
+        sample_buckets=sample_buckets,
         prediction_type=info.prediction_type,
         revision=cfg.model.revision,
         hub_cached=info.cached,
@@ -1258,11 +1265,12 @@ def checkpoint_step(
 ) -> tuple[int, Any] | None:
     """(the step checkpoint ``last`` stands at in this run's steps, its TrainState), or None where its state
     cannot be read: :func:`sdplan.steps.moved_position` where it was saved with another micro-batch,
-    accumulation or process count, as the trainer places it. At a micro-batch in the checkpoint's order of
-    images (trainer/buckets.py) the trainer counts the batches its images make whole, short ones too, from the
-    epoch's order, which needs the dataset: here the images done count in full batches, which can place it
-    earlier than the trainer does, by up to a batch per short batch the checkpoint had trained in its epoch (one
-    per aspect bucket at most)."""
+    accumulation or process count, as the trainer places it: at a micro-batch in the checkpoint's order of
+    images (trainer/buckets.py) by the batches its images make whole, short ones too, from the epoch's order,
+    which the trainer's sampler gives from each sample's bucket and the seed (counted in full batches, it stood
+    up to a batch per aspect bucket earlier than the trainer, and the guards let a resume past the run's end
+    through)."""
+    from sdplan.trainer.buckets import BucketBatchSampler
     from sdplan.trainer.checkpoint import CheckpointError, TrainState, read_state, resume_position
 
     try:
@@ -1276,7 +1284,13 @@ def checkpoint_step(
         buckets or (inputs.images_x_repeats,), t.batch_size
     )  # one process's list
     live = TrainState(batch_size=t.batch_size, grad_accum=t.grad_accum, num_processes=world)
-    moved = resume_position(saved, live, new, epoch_batches)  # None: saved with these settings, its own step
+    # the trainer's order of the epoch (trainer/runtime.py make_loader), in the checkpoint's order batch where
+    # this micro-batch divides it
+    order = BucketBatchSampler(
+        inputs.sample_buckets or (0,) * inputs.images_x_repeats, t.batch_size, seed=t.seed
+    )
+    order.keep_order(saved.order_batch_size)
+    moved = resume_position(saved, live, new, epoch_batches, order)  # None: saved with these settings
     return (saved.global_step if moved is None else moved.step), saved
 
 

@@ -647,3 +647,68 @@ def test_out_of_memory_before_the_first_step_is_not_retried_at_a_smaller_batch(t
     assert "turned on text-encoder output caching" in said and "DeepSpeed" not in said
     assert "out of GPU memory before training started" in said and "a smaller batch would not help" in said
     assert len(launches) == 2
+
+
+def test_the_launchers_checkpoint_step_is_where_the_trainer_places_a_resume_in_the_kept_order(tmp_path):
+    """A checkpoint at batch 4 resumed at batch 2 (the out-of-memory retry) keeps its order of images
+    (trainer/buckets.py): the trainer counts the batches its images make whole, short ones too. The launcher's
+    guards counted images // 2, up to a batch per bucket earlier, and let a resume past the run's end through
+    (the trainer then said "step 7 of 6" and trained nothing). Every checkpoint of a bucketed epoch: the same."""
+    from PIL import Image
+    from sdplan.trainer import checkpoint as ckpt
+    from sdplan.trainer.buckets import BucketBatchSampler
+    from sdplan.trainer.data import build_dataset
+    from sdplan.trainer.runtime import plan_steps
+
+    from sdplan import config as C
+    from sdplan.launcher import check_inputs, checkpoint_step
+
+    ds = tmp_path / "ds"
+    ds.mkdir()
+    for i, size in enumerate([(128, 128)] * 5 + [(128, 384)] * 5 + [(384, 128)] * 5):
+        Image.new("RGB", size, (i * 9, 80, 160)).save(ds / f"{i:02d}.png")
+    model = fake_diffusers_folder(tmp_path / "model")
+    data = C.default_config()
+    data["model"]["path"] = str(model)
+    data["data"].update({"path": str(ds), "resolution": 128, "buckets": True})
+    data["training"].update(
+        {"device": "cpu", "batch_size": 2, "grad_accum": 1, "epochs": 2, "max_steps": None}
+    )
+    cfg = C.validate(data)
+    inputs = check_inputs(cfg, dry_run=True)
+    dataset, _ = build_dataset(cfg)
+    assert inputs.sample_buckets == tuple(dataset.bucket_ids())
+    old = BucketBatchSampler(dataset.bucket_ids(), 4, seed=cfg.training.seed)
+    new = BucketBatchSampler.for_dataset(dataset, 2, seed=cfg.training.seed)
+    plan = plan_steps(
+        images_per_epoch=len(dataset),
+        batches_per_epoch=len(new),
+        batch_size=2,
+        grad_accum=1,
+        epochs=2,
+        max_steps=None,
+        warmup_steps=0,
+        num_processes=1,
+        bucket_samples=new.bucket_samples(),
+    )
+    live = ckpt.TrainState(batch_size=2, grad_accum=1, num_processes=1)
+    new.keep_order(4)
+    sizes = [len(b) for b in old.epoch_batches(0)]
+    assert any(n < 4 for n in sizes[:-1])  # short batches inside the epoch: where the two counts differed
+    for k in range(1, len(sizes)):
+        saved = ckpt.TrainState(
+            global_step=k,
+            epoch=0,
+            batches_in_epoch=k,
+            images_in_epoch=sum(sizes[:k]),
+            images_seen=sum(sizes[:k]),
+            batch_size=4,
+            grad_accum=1,
+            num_processes=1,
+            order_batch_size=4,
+        )
+        folder = tmp_path / f"step-{k:06d}"
+        folder.mkdir()
+        (folder / ckpt.STATE_FILE).write_text(json.dumps(saved.to_json()))
+        trainer = ckpt.resume_position(saved, live, plan, len(new), new)
+        assert checkpoint_step(folder, cfg, inputs, 1)[0] == trainer.step, k
