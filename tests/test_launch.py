@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -338,7 +339,9 @@ def test_a_stop_signal_while_the_trainer_starts_is_forwarded_not_lost(sig):
     signal is forwarded once the child runs, and the interrupt exit code comes back."""
     if not hasattr(signal, sig):
         pytest.skip(f"no {sig} here")
-    child = "import time; print('started', flush=True); time.sleep(600)"
+    # the child: a program that dies of the signal without a word whenever it lands (a Python child started
+    # under load got it inside its interpreter's start-up, and printed its own "Fatal Python error" traceback)
+    child = [shutil.which("sleep") or "sleep", "600"]
     parent = textwrap.dedent(
         f"""
         import os, signal, subprocess, sys
@@ -348,7 +351,7 @@ def test_a_stop_signal_while_the_trainer_starts_is_forwarded_not_lost(sig):
             return real(*a, **k)
         subprocess.Popen = popen
         from sdplan.launch import Launch, run_launch
-        sys.exit(run_launch(Launch(cmd=[sys.executable, "-c", {child!r}], env={{}})))
+        sys.exit(run_launch(Launch(cmd={child!r}, env={{}})))
         """
     )
     proc = subprocess.run([sys.executable, "-c", parent], capture_output=True, text=True, timeout=scaled(120))

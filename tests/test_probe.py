@@ -720,7 +720,7 @@ def test_rules_and_planner_use_the_cgroup_limit_not_memtotal():
     assert fx["ram_insufficient"].severity == "error"
     assert "8.0 GiB RAM (this process's cgroup memory limit" in fx["ram_insufficient"].message
     assert "--memory" in fx["ram_insufficient"].fix
-    assert hardware_from_snapshot(capped, load_profiles()).ram_total_bytes == 8 * 2**30
+    assert hardware_from_snapshot(capped, load_profiles()).ram_usable_bytes == 8 * 2**30
     roomy = replace(s, host=replace(s.host, ram_limit_bytes=48 * 2**30))
     assert [f.code for f in findings(roomy) if f.code.startswith("ram")] == ["ram_cgroup_limit"]
     above = replace(s, host=replace(s.host, ram_limit_bytes=s.host.ram_total_bytes * 2))
