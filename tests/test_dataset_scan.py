@@ -257,6 +257,21 @@ def test_a_kohya_project_folder_is_refused_naming_its_image_folder(tmp_path):
     assert e.value.fix == f"pass --dataset {tmp_path / 'img'} instead"
 
 
+def test_a_folder_of_photos_with_dated_subfolders_stays_flat(tmp_path):
+    """photos/2023_summer looks like a kohya N_name folder one level down: a flat dataset with its own images, or
+    without kohya_ss's project folders (img/, reg/, log/, model/), was refused as a kohya project."""
+    img(tmp_path / "own" / "a.png")
+    img(tmp_path / "own" / "photos" / "2023_summer" / "c.png")
+    img(tmp_path / "own" / "photos" / "2024_winter" / "d.png")
+    assert (scan(tmp_path / "own").format, scan(tmp_path / "own").num_images) == ("flat", 3)
+    img(tmp_path / "only" / "trips" / "2023_summer" / "c.png")
+    assert scan(tmp_path / "only").format == "flat"
+    # beside kohya_ss's log/ and model/ it is a project
+    (tmp_path / "only" / "log").mkdir()
+    with pytest.raises(DatasetError, match="a kohya project folder"):
+        scan(tmp_path / "only")
+
+
 def test_a_kohya_folder_with_no_name_trains_as_kohya_reads_it(tmp_path):
     """kohya reads 2_ as 2 repeats with an empty class token (it splits the name at the first '_'); it was
     'folder not named N_name (1 file ignored; e.g. 10_2_)'. Its images train; those without a caption file are

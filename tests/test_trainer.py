@@ -351,6 +351,34 @@ def test_dreambooth_with_prior_preservation(tiny_sd15, dataset, tmp_path):
         )
     )
     assert {p: p.stat().st_mtime for p in (out / "class_images").glob("*.png")} == mtimes
+    # A kohya class folder (reg/1_square) reads its N_name folders only: the images it lacks are generated into
+    # 1_square, not beside it (there they were skipped, and generated again every run).
+    import shutil
+
+    reg = tmp_path / "reg"
+    (reg / "1_square").mkdir(parents=True)
+    shutil.copy(next((out / "class_images").glob("*.png")), reg / "1_square" / "mine.png")
+
+    def kohya_run(name: str) -> None:
+        run.train(
+            tiny_train_config(
+                tiny_sd15,
+                dataset,
+                tmp_path / name,
+                "method=dreambooth",
+                "dreambooth.with_prior_preservation=true",
+                "dreambooth.class_prompt=a photo of a square",
+                "dreambooth.num_class_images=3",
+                f"dreambooth.class_data={reg}",
+                "training.max_steps=1",
+            )
+        )
+
+    kohya_run("kohya")
+    assert sorted(p.name for p in reg.rglob("*.png")) == ["class-00001.png", "class-00002.png", "mine.png"]
+    assert {p.parent.name for p in reg.rglob("*.png")} == {"1_square"}
+    kohya_run("kohya-again")
+    assert len(list(reg.rglob("*.png"))) == 3
 
 
 @pytest.mark.train

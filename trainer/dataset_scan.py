@@ -223,7 +223,7 @@ def scan(
         result = _scan_metadata(root, files, records, repeats, metadata, cap_ext)
     elif _kohya_folders(root):
         result = _scan_kohya(root, files, cap_ext)
-    elif project := _kohya_project(root):
+    elif project := _kohya_project(root, files):
         raise project
     else:
         result = Scan(root, "flat")
@@ -688,17 +688,29 @@ def _kohya_folders(folder: Path) -> list[Path]:
     return []
 
 
-def _kohya_project(root: Path) -> DatasetError | None:
-    """A kohya project folder given as the dataset (kohya_ss makes ``img/10_sks dog``, ``reg/1_dog``): no
-    ``N_name`` folder of its own, some one level down. Scanned flat, its class images trained as instance
-    images, without their folders' repeats and captions, and kohya itself finds no image folder there: the
-    error names the folder to pass instead, and a regularization folder as dreambooth.class_data."""
+# the folders kohya_ss makes in a project (its "Dataset preparation": img/, reg/, log/, model/)
+_PROJECT_IMAGE_DIRS = ("img", "image", "images", "train", "training")
+_PROJECT_OTHER_DIRS = ("log", "logs", "model", "models", "output")
+
+
+def _kohya_project(root: Path, files: list[Path]) -> DatasetError | None:
+    """A kohya project folder given as the dataset (kohya_ss makes ``img/10_sks dog``, ``reg/1_dog``, ``log/``,
+    ``model/``): no image and no ``N_name`` folder of its own, some one level down in a folder named as kohya_ss
+    names them (or beside its log/ and model/). Scanned flat, its class images trained as instance images,
+    without their folders' repeats and captions, and kohya itself finds no image folder there: the error names
+    the folder to pass instead, and a regularization folder as dreambooth.class_data. A folder of the user's own
+    photos with a subfolder of dated ones (photos/2023_summer) stays flat, as it was read before."""
+    if any(f.parent == root and f.suffix.lower() in IMAGE_EXTENSIONS for f in files):
+        return None  # images of its own: a dataset, not a project
     inner = {}
     with contextlib.suppress(OSError):
         for d in sorted(root.iterdir()):
             if not d.name.startswith(".") and d.is_dir() and (kohya := _kohya_folders(d)):
                 inner[d] = kohya
     if not inner:
+        return None
+    named = any(d.name.lower() in _PROJECT_IMAGE_DIRS or "reg" in d.name.lower() for d in inner)
+    if not named and not any((root / n).is_dir() for n in _PROJECT_OTHER_DIRS):
         return None
     reg = [d for d in inner if "reg" in d.name.lower()]  # kohya_ss's reg/, reg_data, regularization ...
     train = [d for d in inner if d not in reg] or reg[:1]

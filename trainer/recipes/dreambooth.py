@@ -180,7 +180,7 @@ def _generate_class_images(
     """Fill ``class_dir`` up to ``num_class_images`` with images of ``class_prompt`` from the base model (main
     process; one seed per image so they differ; a progress bar), in the instance images' ``shapes`` (their
     aspect buckets) in proportion. The others wait."""
-    from ..dataset_scan import scan
+    from ..dataset_scan import _kohya_folders, scan
 
     db = cfg.dreambooth
     if class_dir.exists() and not class_dir.is_dir():  # every process: none waits for the others
@@ -188,16 +188,20 @@ def _generate_class_images(
             f"dreambooth.class_data {class_dir} is a file, not a folder",
             fix="set it to a folder for the class images (generated there when short)",
         )
-    found = scan(class_dir, verify=True).items if class_dir.is_dir() else []
+    scanned = scan(class_dir, verify=True) if class_dir.is_dir() else None
+    found = scanned.items if scanned is not None else []
     have = len(found)
+    # a kohya class folder (reg/ holding 1_dog/) reads its N_name folders only: images written beside them were
+    # skipped, and generated again every run; they go in its first N_name folder (its repeats apply to them)
+    target = class_dir
+    if scanned is not None and scanned.format == "kohya" and (folders := _kohya_folders(class_dir)):
+        target = folders[0]
     missing = db.num_class_images - have
     if missing > 0 and accelerator.is_main_process:
         from .. import sampling
 
         class_dir.mkdir(parents=True, exist_ok=True)
-        progress.say(
-            accelerator, f"generating {missing} class images of {db.class_prompt!r} into {class_dir}"
-        )
+        progress.say(accelerator, f"generating {missing} class images of {db.class_prompt!r} into {target}")
         pipe = comps.pipeline()
         pipe.set_progress_bar_config(disable=True)
         bar = progress.Progress(accelerator, missing, description="class images")
@@ -217,9 +221,9 @@ def _generate_class_images(
                         guidance_scale=sampling.guidance_for(cfg.sampling.guidance_scale, comps.family),
                         resolution=size,
                     )[0]
-                while (class_dir / f"class-{have + n:05d}.png").exists():
+                while (target / f"class-{have + n:05d}.png").exists():
                     n += 1
-                path = class_dir / f"class-{have + n:05d}.png"
+                path = target / f"class-{have + n:05d}.png"
                 tmp = path.with_name(f".{path.name}.tmp")
                 image.save(tmp, format="PNG")
                 os.replace(tmp, path)
