@@ -141,6 +141,17 @@ def test_hugging_faces_metadata_csv_is_read_as_its_metadata_jsonl(tmp_path):
     with pytest.raises(DatasetError) as e:
         scan(tmp_path)
     assert e.value.message.endswith("metadata.csv: its header row names no file_name column (image, caption)")
+    # a space after the comma is not part of the column's name
+    write(tmp_path / "metadata.csv", "file_name, text\na.png, spaced a\n")
+    assert names(scan(tmp_path))["a.png"] == "spaced a"
+    # no caption column: every image trained on the fallback caption without a word
+    write(tmp_path / "metadata.csv", "file_name,tags\na.png,x\n")
+    with pytest.raises(DatasetError, match="its header row names no caption column"):
+        scan(tmp_path)
+    # an unclosed quote: the rest of the file was read as one caption, the other images had none
+    write(tmp_path / "metadata.csv", 'file_name,text\na.png,"a dog\nb.png,b cat\n')
+    with pytest.raises(DatasetError, match="is not valid CSV"):
+        scan(tmp_path)
     img(tmp_path / "10_dog" / "d.png")
     write(tmp_path / "10_dog" / "metadata.csv", "file_name,text\nd.png,x\n")
     (tmp_path / "metadata.csv").unlink()
@@ -448,9 +459,9 @@ def test_image_with_wrong_extension_content(tmp_path):
     assert [it.path.name for it in result.items] == ["really_a_jpeg.png"]  # PIL reads by content: fine
 
 
-def test_broken_images_come_first_and_are_all_named(tmp_path):
+def test_broken_images_come_first_and_are_named(tmp_path):
     """A truncated photo hid in 'and 1 more' behind Thumbs.db, desktop.ini and notes.md, which came first by
-    name; every broken image is named, the others counted."""
+    name; the broken images are named (up to BROKEN_NAMED past the first reasons), the others counted."""
     for n in range(3):
         img(tmp_path / f"p{n}.png")
     truncated_png(tmp_path / "vacation.png")
@@ -464,6 +475,11 @@ def test_broken_images_come_first_and_are_all_named(tmp_path):
     text = result.skipped_text(limit=1)
     assert text.startswith("vacation.png: truncated")
     assert text.endswith("; and 5 more (2 broken images: z.png, zz.png)")
+    # a thousand of them: the first named, the rest counted (naming them all made a 13 KB line)
+    for n in range(1000):
+        (tmp_path / f"bad{n:04d}.png").write_bytes(b"")
+    many = scan(tmp_path, verify=True).skipped_text()
+    assert len(many) < 500 and many.endswith(f"{1003 - 3 - 8} more)"), many
 
 
 def test_photos_of_an_unread_format_are_said_once_and_to_convert(tmp_path):

@@ -77,6 +77,8 @@ from sdplan.errors import DatasetError
 if TYPE_CHECKING:
     from sdplan.config import MetadataConfig, TrainConfig
 
+# the broken images a skipped list names past its first reasons (Scan.skipped_text); the rest are counted
+BROKEN_NAMED = 8
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 FORMATS = ("flat", "kohya", "metadata")
 KOHYA_DIR = re.compile(r"^(\d+)_(.*)$")  # kohya splits at the first "_": 2_ is 2 repeats, no name
@@ -137,8 +139,9 @@ class Scan:
     def skipped_text(self, limit: int = 3) -> str:
         """``a.png: truncated; b.png: empty file; 4 files (x.HEIC, y.HEIC, ...): not a supported image type
         (.heic); and 2 more (1 broken image: c.png)``: names relative to the root, the broken images first
-        (:func:`scan` sorts them so), files skipped for the same reason said once, and every broken image named
-        (a corrupt photo hid in "and N more", behind the Thumbs.db and notes.md that came first by name)."""
+        (:func:`scan` sorts them so), files skipped for the same reason said once, and the broken images named up
+        to :data:`BROKEN_NAMED` (a corrupt photo hid in "and N more", behind the Thumbs.db and notes.md that came
+        first by name; naming all of a thousand made the line 13 KB)."""
         groups: dict[tuple[str, Path | None], list[Path]] = {}  # a broken image each its own (all named)
         for p, why in self.skipped:
             groups.setdefault((why, p if p in self.broken else None), []).append(p)
@@ -151,7 +154,10 @@ class Scan:
         rest = [p for paths in list(groups.values())[limit:] for p in paths]
         if rest:
             broken = [_rel(p, self.root) for p in rest if p in self.broken]
-            named = f" ({count_of(len(broken), 'broken image')}: {', '.join(broken)})" if broken else ""
+            shown = broken[:BROKEN_NAMED] + (
+                [f"{len(broken) - BROKEN_NAMED} more"] if len(broken) > BROKEN_NAMED else []
+            )
+            named = f" ({count_of(len(broken), 'broken image')}: {', '.join(shown)})" if broken else ""
             parts.append(f"and {len(rest)} more{named}")
         return "; ".join(parts)
 
@@ -275,14 +281,22 @@ def uncaptioned_note(result: Scan, cfg: TrainConfig) -> str:
     if not n:
         return ""
     caption = fallback_caption(cfg)
-    key = "textual_inversion.token" if cfg.method == "textual-inversion" else "dreambooth.instance_prompt"
+    key = (
+        "data.default_caption"  # a kohya 2_ folder's images (no name to caption them by) have none to use
+        if cfg.data.default_caption is not None
+        else "textual_inversion.token"
+        if cfg.method == "textual-inversion"
+        else "dreambooth.instance_prompt"
+    )
     said = f"the caption {caption!r} (from {key})" if caption else "an empty caption"
     ext = cfg.data.caption_extension
     ext = ext if ext.startswith(".") else "." + ext
-    return (
-        f"{count_of(n, 'image')} without a {ext} caption train with {said}; set "
-        "data.default_caption=... or add captions to change that"
+    change = (
+        "add captions"
+        if cfg.data.default_caption is not None
+        else "set data.default_caption=... or add captions"
     )
+    return f"{count_of(n, 'image')} without a {ext} caption train with {said}; {change} to change that"
 
 
 UPSCALE_NOTE = 2.0  # an image scaled up more than this many times to the training resolution is said
@@ -598,12 +612,23 @@ def _hf_records(f: Path) -> list[tuple[int, dict[str, Any]]]:
         ) from None
     out: list[tuple[int, dict[str, Any]]] = []
     if f.suffix.lower() == ".csv":
-        reader = csv.DictReader(io.StringIO(text, newline=""))
+        # strict: an unclosed quote is an error, not the rest of the file read as one caption; a space after a
+        # comma ("file_name, text") is not part of the next column's name
+        reader = csv.DictReader(io.StringIO(text, newline=""), strict=True, skipinitialspace=True)
         try:
-            if "file_name" not in (reader.fieldnames or []):
+            names = [n.strip() for n in reader.fieldnames or []]
+            reader.fieldnames = names
+            if "file_name" not in names:
                 raise DatasetError(
-                    f"{f}: its header row names no file_name column ({', '.join(reader.fieldnames or []) or 'empty'})",
+                    f"{f}: its header row names no file_name column ({', '.join(names) or 'empty'})",
                     fix="name the images' column file_name and the captions' column text, as Hugging Face reads them",
+                )
+            if not {"caption", "text", "prompt"} & set(
+                names
+            ):  # every image would train on the fallback caption
+                raise DatasetError(
+                    f"{f}: its header row names no caption column ({', '.join(names)})",
+                    fix="name the captions' column text, as Hugging Face reads it (or caption, or prompt)",
                 )
             line = reader.line_num + 1
             for row in reader:

@@ -45,7 +45,7 @@ def recommend(
             "--dataset",
             metavar="DIR",
             help="Count images and repeats from DIR (kohya `N_name` folders, flat image+caption files, "
-            "metadata.jsonl or kohya meta_cap.json).",
+            "metadata.jsonl / metadata.csv or kohya meta_cap.json).",
         ),
     ] = None,
     images: Annotated[
