@@ -1180,7 +1180,10 @@ def export_measurements(
         section = methods.setdefault(
             data["method"], {"schema_version": data["schema_version"], "method": data["method"], "points": []}
         )
-        section["points"] += keep
+        # a point in both files once (an export of this store imported back: its observed points went to
+        # lora.yaml) is one point, not a duplicate id the export's own check refuses
+        ids = {p.get("id") for p in section["points"]}
+        section["points"] += [p for p in keep if p.get("id") not in ids]
         if data.get("multi_gpu"):
             section["multi_gpu"] = section.get("multi_gpu", []) + list(data["multi_gpu"])
     count = sum(len(s["points"]) for s in methods.values())
@@ -1207,12 +1210,13 @@ def export_measurements(
     tmp = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
     try:
         tmp.write_text(header + yaml.safe_dump(doc, sort_keys=False, width=120), encoding="utf-8")
+        load_export(tmp)  # what is written validates as it will be read, before it takes the name
         os.replace(tmp, dest)
     except OSError as e:
+        raise runfolder.cannot_write(dest, e, fix="name a file in a folder you can write to") from None
+    finally:
         with contextlib.suppress(OSError):
             tmp.unlink()
-        raise runfolder.cannot_write(dest, e, fix="name a file in a folder you can write to") from None
-    load_export(dest)  # what was written validates as it will be read
     return dest, count, left_out
 
 

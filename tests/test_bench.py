@@ -643,6 +643,13 @@ def test_profiles_export_keeps_bench_points_beside_what_train_observed(tmp_path,
         added == {"lora": 3}
         and len(profiles.load_methods(other / "methods" / "lora.yaml", origin="local")[0]) == 3
     )
+    # imported back where it came from (its observed point now in lora.yaml too), the store exports again
+    fresh_profile_store(monkeypatch, tmp_path)
+    bench.import_measurements(dest)
+    again = tmp_path / "again.yaml"
+    _, count, _ = bench.export_measurements(again)
+    assert count == 3 and len(bench.load_export(again)["lora"]) == 3
+    assert not list(tmp_path.glob(".again.yaml.*"))
 
 
 def test_profiles_import_adds_an_exported_file_to_another_store(tmp_path, monkeypatch):
