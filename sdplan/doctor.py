@@ -65,7 +65,13 @@ def planner_verdicts(snapshot: Snapshot) -> list[Verdict]:
             if not result.feasible or s is None or result.memory is None:
                 need = (result.needs or {}).get("min_vram_bytes")
                 # one decimal, as recommend says it: rounded to whole GiB, 12.4 read "needs a 12 GiB GPU" on a 12 GiB card
-                what = f"needs a {need / 2**30:.1f} GiB GPU" if need else "does not fit"
+                what = (
+                    f"needs a {need / 2**30:.1f} GiB GPU"
+                    if need
+                    else "ran out of memory here (measured)"
+                    if (result.needs or {}).get("observed_oom")
+                    else "does not fit"
+                )
                 if mixed_need := (result.needs or {}).get("min_vram_bytes_mixed_precision"):  # GTX 16: fp32
                     what += f" in fp32 ({mixed_need / 2**30:.1f} GiB in fp16)"
                 # no "no usable GPU" here: the table's title says it once

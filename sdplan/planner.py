@@ -2512,8 +2512,10 @@ def _nearest_bench_point(profiles: Profiles, s: Settings, gpu: GPUSpec) -> Metho
 
 
 def _observed_oom(profiles: Profiles, s: Settings, gpu: HWGPU) -> MethodPoint | None:
-    """An out-of-memory observed on this GPU (local store) at this batch or smaller, same settings otherwise:
-    what ran out of memory once will again, whatever the model predicts."""
+    """An out-of-memory observed on this GPU (local store) at this batch or smaller, same settings otherwise, or
+    at settings the model says need no more memory than ``s`` (its own predictions of both): what ran out of
+    memory once will again, whatever the model predicts, and so will what needs more (a refusal's "fits when
+    changed" offered memory.cache_latents=false, predicted 8.06 GiB, beside an out of memory at 7.88)."""
     if gpu.spec is None:
         return None
     index = _points_index(
@@ -2523,8 +2525,17 @@ def _observed_oom(profiles: Profiles, s: Settings, gpu: HWGPU) -> MethodPoint | 
         keep=lambda p: p.origin == "local" and p.outcome.get("fits") is False,
         key=lambda p: (p.method, p.model),
     )
+    peak = None
     for p in index.get((s.method, s.model), ()):
         if p.batch <= s.batch and _memory_settings(replace(p.settings, batch=s.batch)) == _memory_settings(s):
+            return p
+        if p.resolution != s.resolution:
+            continue
+        key = ("oom peak", p.id)
+        if key not in profiles.memo:
+            profiles.memo[key] = memory(profiles, p.settings).peak
+        peak = memory(profiles, s).peak if peak is None else peak
+        if peak >= profiles.memo[key]:
             return p
     return None
 
@@ -3941,8 +3952,8 @@ def _not_fit_reasons(
             leanest,
             None,
             [
-                f"nothing fits: {what} ({describe(leanest.setup)}) ran out of GPU memory on {gpu.name} when "
-                f"it ran here (at batch {oom.batch}: local point {oom.id}), though the model predicts "
+                f"nothing fits: {what} ({describe(leanest.setup)}) ran out of GPU memory when measured on "
+                f"{gpu.name} (at batch {oom.batch}: local point {oom.id}), though the model predicts "
                 f"{format_range(leanest.memory.peak, leanest.peak_range)}: what ran out of memory once will again; "
                 "every other configuration needs more memory than the card's, or ran out too"
             ],

@@ -921,9 +921,7 @@ def render(d: dict, res: planner.Result, console) -> None:
         if needs.get(
             "observed_oom"
         ):  # the model says it fits; a run here ran out of memory (see the reasons)
-            console.print(
-                "[bold red]does not fit[/]: it ran out of GPU memory when it ran on this GPU (measured)"
-            )
+            console.print("[bold red]does not fit[/]: it ran out of GPU memory when measured on this GPU")
         elif needs.get("min_vram_bytes") is None:  # the host RAM blocks every configuration (see the reasons)
             console.print("[bold red]does not fit[/]: this machine's host RAM is too small for it")
         else:
@@ -1063,6 +1061,8 @@ def _compare_cells(d: dict, res: planner.Result, text: str) -> tuple[str, ...]:
             f"needs {_gib(need)}"
             + (" in fp32" if (d["needs"] or {}).get("min_vram_bytes_mixed_precision") else "")
             if (need := (d["needs"] or {}).get("min_vram_bytes")) is not None
+            else "ran out of memory (measured)"
+            if (d["needs"] or {}).get("observed_oom")
             else "needs more host RAM"
         ),
         _compact(est.get("peak_vram_bytes"), est.get("peak_vram_bytes_range"))
