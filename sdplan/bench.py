@@ -663,7 +663,7 @@ def planner_settings(snapshot: Any, profiles_: Any, method: str, model: str, res
     )
     if s is None or no_deepspeed or s.full_half_weights:
         return lean
-    origin = f"the planner ({res.basis} basis)"
+    origin = f"the planner ({str(res.basis).replace('_', ' ')} basis)"
     if s.optimizer == "adamw8bit" and not importable("bitsandbytes"):
         s, origin = (
             replace(s, optimizer="adafactor"),

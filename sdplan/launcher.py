@@ -2074,7 +2074,7 @@ def describe_plan(result: dict[str, Any]) -> list[str]:
             f"predicted: peak {est['peak_vram_bytes'] / 2**30:.1f} GiB per GPU, host RAM "
             f"{est['ram_bytes'] / 2**30:.1f} GiB"
             + (f", about {format_duration(secs)}" if secs else "")
-            + f" ({est.get('basis')})"
+            + f" ({str(est.get('basis')).replace('_', ' ')})"
         )
     return lines
 

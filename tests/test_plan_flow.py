@@ -670,3 +670,11 @@ def test_the_sample_grid_peak_matches_the_grids_measured_on_an_h100(prof):
         m = P.memory(prof, p.settings)
         allocated = (m.sampling_peak - P.CUDA_CONTEXT_BYTES) / (1 + P.ALLOCATOR_OVERHEAD)
         assert allocated / 2**30 == pytest.approx(p.outcome["sample_grid_peak_gib"], rel=0.04), p.id
+
+
+def test_train_says_the_time_basis_in_words_as_recommend_does(prof):
+    """sdplan train's plan line said '(weakly_calibrated)', the JSON's word; recommend says 'weakly calibrated'."""
+    from sdplan.launcher import describe_plan
+
+    line = "\n".join(describe_plan(P.result_dict(_plan(prof, "RTX 4090", "flux-dev"))))
+    assert "(weakly calibrated)" in line and "weakly_calibrated" not in line
