@@ -113,6 +113,20 @@ class DataConfig:
     bucket_max_size: int | None = None
 
 
+# the text encoders' embedding layers (CLIP's token / position embeddings, T5's shared table and its relative
+# attention bias): peft adapts an Embedding, but no LoRA file other tools read holds one
+EMBEDDING_MODULES = frozenset(
+    {
+        "token_embedding",
+        "position_embedding",
+        "embeddings",
+        "shared",
+        "embed_tokens",
+        "relative_attention_bias",
+    }
+)
+
+
 @dataclass
 class LoraConfig:
     rank: int = 16
@@ -289,6 +303,12 @@ _RULES: dict[str, tuple[Any, str]] = {
     "lora.target_modules": (
         lambda v: v is None or (bool(v) and all(t.strip() for t in v)),
         "must name at least one module, or be null (the family's default)",
+    ),
+    # checked again on the model's modules in the trainer (runtime.add_lora_adapters); here before the launch
+    "lora.text_encoder_target_modules": (
+        lambda v: not any(t.strip().rsplit(".", 1)[-1] in EMBEDDING_MODULES for t in v),
+        "names an embedding layer, which no kohya, A1111 or ComfyUI LoRA file holds (LoRA adapts Linear and "
+        "Conv layers: q_proj, k_proj, v_proj, out_proj, fc1, fc2)",
     ),
     "dreambooth.num_class_images": (lambda v: v >= 0, "must be >= 0"),
     "dreambooth.prior_loss_weight": (lambda v: v >= 0, "must be >= 0"),
