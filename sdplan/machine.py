@@ -102,6 +102,7 @@ ENV_KEYS = (
     "CUDA_VISIBLE_DEVICES",
     "CUDA_DEVICE_ORDER",  # PCI_BUS_ID: CUDA numbers GPUs as NVML (and doctor) do; unset: fastest first
     "HIP_VISIBLE_DEVICES",
+    "ROCR_VISIBLE_DEVICES",  # ROCm's runtime filter, before HIP's: set at all (even empty) it filters
     "HSA_OVERRIDE_GFX_VERSION",
     "PYTORCH_CUDA_ALLOC_CONF",
 )

@@ -195,3 +195,24 @@ def test_visible_devices_that_hide_every_gpu_are_refused(tmp_path, model, datase
         prepared(tmp_path, model, dataset, machine(*gpus))
     shown = '""' if value == "" else value
     assert f"CUDA_VISIBLE_DEVICES={shown} is set" in str(e.value) and "--device cpu" in e.value.fix
+
+
+def test_rocr_visible_devices_set_empty_hides_amd_gpus_from_the_trainer(
+    tmp_path, model, dataset, monkeypatch
+):
+    """ROCm's runtime filters by ROCR_VISIBLE_DEVICES when it is set at all, empty too; HIP then reads
+    HIP_VISIBLE_DEVICES where it is not empty, else CUDA_VISIBLE_DEVICES (not one after the other)."""
+    from conftest import MACHINES
+
+    from sdplan.machine import Snapshot
+
+    amd = Snapshot.load(MACHINES / "rx6700xt.json")
+    for k in ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("ROCR_VISIBLE_DEVICES", "")
+    with pytest.raises(UsageError, match=r'ROCR_VISIBLE_DEVICES="" is set, which shows the trainer no GPU'):
+        prepared(tmp_path / "a", model, dataset, amd)
+    monkeypatch.delenv("ROCR_VISIBLE_DEVICES")
+    monkeypatch.setenv("HIP_VISIBLE_DEVICES", "0")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "-1")  # HIP's value wins: GPU 0 is shown
+    prepared(tmp_path / "b", model, dataset, amd)

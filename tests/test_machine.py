@@ -48,6 +48,7 @@ def test_round_trip(tmp_path):
         "CUDA_VISIBLE_DEVICES",
         "CUDA_DEVICE_ORDER",
         "HIP_VISIBLE_DEVICES",
+        "ROCR_VISIBLE_DEVICES",
         "HSA_OVERRIDE_GFX_VERSION",
         "PYTORCH_CUDA_ALLOC_CONF",
     }

@@ -1084,9 +1084,16 @@ def test_hip_visible_devices_for_amd_gpus():
     assert f.code == "visible_devices_none" and f.message.startswith(
         "HIP_VISIBLE_DEVICES=-1 hides all 1 AMD GPU"
     )
-    (f,) = _visible(s, HIP_VISIBLE_DEVICES="0", CUDA_VISIBLE_DEVICES="1")  # ROCm applies CUDA's after HIP's
-    assert f.code == "visible_devices_none"
-    assert _visible(s, HIP_VISIBLE_DEVICES="0", CUDA_VISIBLE_DEVICES="0") == []
+    # HIP reads HIP_VISIBLE_DEVICES where it is not empty, else CUDA_VISIBLE_DEVICES (ROCclr rocdevice.cpp): a
+    # CUDA value beside a HIP one is not applied after it (that refused HIP_VISIBLE_DEVICES=0 CUDA_...=-1)
+    assert _visible(s, HIP_VISIBLE_DEVICES="0", CUDA_VISIBLE_DEVICES="1") == []
+    assert _visible(s, HIP_VISIBLE_DEVICES="0", CUDA_VISIBLE_DEVICES="-1") == []
+    (f,) = _visible(s, CUDA_VISIBLE_DEVICES="-1")
+    assert f.code == "visible_devices_none" and f.message.startswith("CUDA_VISIBLE_DEVICES=-1 hides")
+    # ROCR_VISIBLE_DEVICES filters first, and set empty it hides every GPU (ROCR-Runtime: set at all filters)
+    (f,) = _visible(s, ROCR_VISIBLE_DEVICES="")
+    assert f.code == "visible_devices_none" and f.message.startswith('ROCR_VISIBLE_DEVICES="" hides')
+    assert _visible(s, ROCR_VISIBLE_DEVICES="0") == []
 
 
 def test_snapshot_saved_before_cuda_device_order_still_loads():

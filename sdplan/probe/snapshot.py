@@ -189,8 +189,10 @@ def visible_gpus(s: Snapshot, vendor: str) -> Visible | None:
     variable restricts them. CUDA reads ``CUDA_VISIBLE_DEVICES`` as a comma list of indexes (in
     ``CUDA_DEVICE_ORDER``: PCI bus order with ``PCI_BUS_ID``, else fastest first), ``GPU-`` UUIDs (a unique
     prefix will do) or ``MIG-`` device UUIDs, and stops at the first id that names no device (``-1``, an index
-    past the last GPU), so ``""`` and ``-1`` show none. ROCm applies ``HIP_VISIBLE_DEVICES`` (HIP's numbers)
-    and then ``CUDA_VISIBLE_DEVICES`` to the GPUs that leaves; HIP takes an empty value as unset."""
+    past the last GPU), so ``""`` and ``-1`` show none. ROCm: ``ROCR_VISIBLE_DEVICES`` filters first, set at
+    all (empty too: ROCR-Runtime core/inc/flag.h, filter_visible_gpus_ = IsEnvVarSet), then HIP reads
+    ``HIP_VISIBLE_DEVICES`` where it is not empty, else ``CUDA_VISIBLE_DEVICES`` (ROCclr rocdevice.cpp), on the
+    GPUs left; HIP takes an empty value as unset."""
     if not any(g.vendor == vendor for g in s.usable_gpus):
         return None
     # CUDA numbers every GPU, the ones doctor could not read too
@@ -201,21 +203,26 @@ def visible_gpus(s: Snapshot, vendor: str) -> Visible | None:
             return None
         pci = (s.env.get("CUDA_DEVICE_ORDER") or "").strip().upper() == "PCI_BUS_ID"
         alike = len({g.name for g in gpus}) == 1
-        shown = cuda or '""'
+        shown = cuda if cuda.strip() else '""'  # " " showed as "CUDA_VISIBLE_DEVICES=  is set"
         return _apply_visible(f"CUDA_VISIBLE_DEVICES={shown}", cuda, gpus, fastest_first=not (pci or alike))
+    rocr = s.env.get("ROCR_VISIBLE_DEVICES")
     hip = (s.env.get("HIP_VISIBLE_DEVICES") or "").strip()
     cuda = (cuda or "").strip()
-    if not hip and not cuda:
+    steps = [("ROCR_VISIBLE_DEVICES", rocr.strip())] if rocr is not None else []
+    if hip:
+        steps.append(("HIP_VISIBLE_DEVICES", hip))
+    elif cuda:
+        steps.append(("CUDA_VISIBLE_DEVICES", cuda))
+    if not steps:
         return None
     if all(g.hip_index is not None for g in gpus):
         gpus = sorted(gpus, key=lambda g: g.hip_index)
     seen = Visible(setting="", gpus=tuple(gpus))
     settings = []
-    for name, value in (("HIP_VISIBLE_DEVICES", hip), ("CUDA_VISIBLE_DEVICES", cuda)):
-        if value:
-            step = _apply_visible(f"{name}={value}", value, list(seen.gpus), fastest_first=False)
-            seen = replace(step, stopped_at=seen.stopped_at or step.stopped_at)
-            settings.append(step.setting)
+    for name, value in steps:
+        step = _apply_visible(f"{name}={value or chr(34) * 2}", value, list(seen.gpus), fastest_first=False)
+        seen = replace(step, stopped_at=seen.stopped_at or step.stopped_at)
+        settings.append(step.setting)
     return replace(seen, setting=" ".join(settings))
 
 
