@@ -832,6 +832,32 @@ def test_profiles_reports_a_broken_local_file_in_one_line(tmp_path, monkeypatch)
     assert "Traceback" not in result.output
 
 
+def _write_oom_point(root: Path, snap: Snapshot, s, *, batch: int) -> bench.BenchPoint:
+    """A bench out of memory on the snapshot's first GPU at the LoRA settings ``s`` (a planner Settings) and
+    ``batch``, written to the store ``root``."""
+    req = bench.BenchRequest(
+        method="lora",
+        model="sd15",
+        resolution=s.resolution,
+        precision=s.precision,
+        gradient_checkpointing=s.gradient_checkpointing,
+        optimizer=s.optimizer,
+        cache_latents=s.cache_latents,
+        lora_rank=s.lora_rank,
+        settings_from="the planner",
+    )
+    gpu = snap.gpus[0]
+    machine = bench.Machine(
+        kind="cuda", name=gpu.name, memory_total_bytes=gpu.memory_total_bytes, torch="2.13.0"
+    )
+    oom = bench.BenchPoint(
+        request=req, batch=batch, fits=False, error="CUDA out of memory", date="2026-01-01"
+    )
+    oom = replace(oom, point_id=bench.point_id(machine, req, batch, demo=False))
+    bench.write_points(root, "lora", [bench.point_record(oom, machine)])
+    return oom
+
+
 def test_a_bench_oom_point_rules_that_configuration_out(tmp_path, monkeypatch):
     from sdplan import planner
 
@@ -839,24 +865,7 @@ def test_a_bench_oom_point_rules_that_configuration_out(tmp_path, monkeypatch):
     snap = Snapshot.load(MACHINES / "rtx3060_12gb.json")
     request = planner.Request(method="lora", model="sd15")
     chosen = planner.plan(snap, profiles.load_profiles(local=root), request).plan
-    req = bench.BenchRequest(
-        method="lora",
-        model="sd15",
-        resolution=chosen.resolution,
-        precision=chosen.precision,
-        gradient_checkpointing=chosen.gradient_checkpointing,
-        optimizer=chosen.optimizer,
-        cache_latents=chosen.cache_latents,
-        lora_rank=chosen.lora_rank,
-        settings_from="the planner",
-    )
-    gpu = snap.gpus[0]
-    machine = bench.Machine(
-        kind="cuda", name=gpu.name, memory_total_bytes=gpu.memory_total_bytes, torch="2.13.0"
-    )
-    oom = bench.BenchPoint(request=req, batch=1, fits=False, error="CUDA out of memory", date="2026-01-01")
-    oom = replace(oom, point_id=bench.point_id(machine, req, 1, demo=False))
-    bench.write_points(root, "lora", [bench.point_record(oom, machine)])
+    _write_oom_point(root, snap, chosen, batch=1)
     after = planner.plan(snap, profiles.load_profiles(local=root), request).plan
     same = (after.precision, after.gradient_checkpointing, after.optimizer, after.cache_latents) == (
         chosen.precision,
@@ -884,24 +893,8 @@ def test_a_pin_ruled_out_by_a_measured_oom_says_so_not_that_the_card_is_too_smal
     names += ("cache_text_encoder_outputs",)
     request = planner.Request(method="lora", model="sd15", pins=tuple((n, getattr(s, n)) for n in names))
     assert planner.plan(snap, profiles.load_profiles(local=root), request).feasible  # the model: it fits
-    req = bench.BenchRequest(
-        method="lora",
-        model="sd15",
-        resolution=s.resolution,
-        precision=s.precision,
-        gradient_checkpointing=False,
-        optimizer=s.optimizer,
-        cache_latents=s.cache_latents,
-        lora_rank=s.lora_rank,
-        settings_from="the planner",
-    )
+    oom = _write_oom_point(root, snap, s, batch=4)
     gpu = snap.gpus[0]
-    machine = bench.Machine(
-        kind="cuda", name=gpu.name, memory_total_bytes=gpu.memory_total_bytes, torch="2.13.0"
-    )
-    oom = bench.BenchPoint(request=req, batch=4, fits=False, error="CUDA out of memory", date="2026-01-01")
-    oom = replace(oom, point_id=bench.point_id(machine, req, 4, demo=False))
-    bench.write_points(root, "lora", [bench.point_record(oom, machine)])
     after = planner.plan(snap, profiles.load_profiles(local=root), request)
     assert not after.feasible and after.needs == {"min_vram_bytes": None, "observed_oom": oom.point_id}
     (why,) = [r for r in after.reasons if r.startswith("nothing fits")]
