@@ -2487,17 +2487,15 @@ def _nearest_bench_point(profiles: Profiles, s: Settings, gpu: GPUSpec) -> Metho
         if not p.from_bench:
             continue
         o = p.options
-        # another resolution is not near: scaled from one, the step's time missed by up to 2.3x where the
-        # band the plan states (seconds_scaled, from points with a neighbour at their own resolution) is x0.93-1.04
         if (
             _step_floor_kind(p.method) != _step_floor_kind(s.method)
-            or p.resolution != s.resolution
             or p.precision != s.precision
             or bool(o.deepspeed) != bool(s.deepspeed)
             or p.settings.offload != s.offload  # CPU Adam's step, which the roofline does not carry over
         ):
             continue
         key = (
+            p.resolution != s.resolution,
             abs(math.log2(p.batch / s.batch)),
             o.gradient_checkpointing != s.gradient_checkpointing,
             o.base_precision != s.base_precision,
@@ -2998,23 +2996,36 @@ MEASURED_BAND = (0.95, 1.05)  # a peak or speed sdplan bench measured on this GP
 
 
 def seconds_band(
-    profiles: Profiles, basis: str, model: str, num_gpus: int = 1
+    profiles: Profiles, basis: str, model: str, num_gpus: int = 1, *, far: bool = False
 ) -> tuple[tuple[float, float], str]:
     """(low, high) factors of a plan's step time and where they come from, by the basis of its speed: a speed
     sdplan bench measured at these settings on this GPU, the run's own spread; the model scaled by a bench
-    point, the spread of the bench points each predicted so without themselves; else, and on several GPUs
-    (an all-reduce as modelled on top of the one-GPU step), the validation set's for ``model``'s kind of
-    network (Uncertainty.seconds_for)."""
+    point, the spread of the bench points each predicted so without themselves (``far``: a point at another
+    resolution, which that spread does not cover: the H100's speeds scaled so across resolutions, each left
+    out, missed by up to 2.3x; widened to the validation set's at each end); else, and on several GPUs (an
+    all-reduce as modelled on top of the one-GPU step), the validation set's for ``model``'s kind of network
+    (Uncertainty.seconds_for)."""
     unc = profiles.uncertainty
     if basis == "measured" and num_gpus == 1:
         return MEASURED_BAND, "a measurement's own spread"
-    if basis == "scaled" and num_gpus == 1 and unc.seconds_scaled is not None:
-        return (
-            unc.seconds_scaled,
-            f"sdplan bench speeds each predicted so without itself, n={unc.n_seconds_scaled}",
-        )
     band, n = unc.seconds_for(model)
+    if basis == "scaled" and num_gpus == 1 and unc.seconds_scaled is not None:
+        scaled = unc.seconds_scaled
+        said = f"sdplan bench speeds each predicted so without itself, n={unc.n_seconds_scaled}"
+        if far:
+            widened = (min(scaled[0], band[0]), max(scaled[1], band[1]))
+            return (
+                widened,
+                f"{said}, widened to the validation set's (n={n}): the point is at another resolution",
+            )
+        return scaled, said
     return band, f"validation set, n={n}"
+
+
+def scaled_from_afar(profiles: Profiles, s: Settings, gpu: GPUSpec | None, basis: str) -> bool:
+    """A speed scaled by a bench point at another resolution than the plan's (:func:`seconds_band`'s ``far``)."""
+    point = _near_point(profiles, s, gpu) if basis == "scaled" else None
+    return point is not None and point.resolution != s.resolution
 
 
 def latent_cache_seconds(profiles: Profiles, s: Settings, images: int, gpu: HWGPU, cal: Calibration) -> float:
@@ -3134,7 +3145,8 @@ def _evaluate(req: Request, profiles: Profiles, hw: Hardware, cal: Calibration, 
         # the steps' range by their basis (one GPU: the bench evidence behind it times one GPU; several add an
         # all-reduce as modelled); start-up and caching are the model's (the validation set's range), sampling
         # its own (the validation set's txt2img speeds: sampling_band)
-        band = seconds_band(profiles, basis, s.model, s.num_gpus)[0]
+        far = scaled_from_afar(profiles, s, gpu.spec, basis)
+        band = seconds_band(profiles, basis, s.model, s.num_gpus, far=far)[0]
         model_band = profiles.uncertainty.seconds_for(s.model)[0]
         sampling_range = sampling_band(profiles, s.model)[0]
         seconds_range = tuple(
@@ -4419,7 +4431,8 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
     if best.seconds is None:
         r.append(f"time: unknown: no catalog throughput or measured speed for {pace.name}")
     else:
-        (low, high), band = seconds_band(profiles, best.basis, s.model, s.num_gpus)
+        far = scaled_from_afar(profiles, s, pace.spec, best.basis)
+        (low, high), band = seconds_band(profiles, best.basis, s.model, s.num_gpus, far=far)
         likely = f"likely x{low:g}-{high:g} of that ({band})"
         model_band = unc.seconds_for(s.model)[0]
         if (low, high) != model_band:
