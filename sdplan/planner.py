@@ -2509,13 +2509,17 @@ def _nearest_bench_point(profiles: Profiles, s: Settings, gpu: GPUSpec) -> Metho
     return best
 
 
-def _observed_oom(profiles: Profiles, s: Settings, gpu: HWGPU) -> MethodPoint | None:
-    """An out-of-memory observed on this GPU (local store) at this batch or smaller, same settings otherwise, or
-    at settings the model says need no more memory than ``s`` (its own predictions of both): what ran out of
-    memory once will again, whatever the model predicts, and so will what needs more (a refusal's "fits when
-    changed" offered memory.cache_latents=false, predicted 8.06 GiB, beside an out of memory at 7.88)."""
+# An out of memory measured on a GPU rules out what the model says needs this share of its memory or more: the
+# model's own error (the measured band, x0.95-1.05) is wider than what another optimizer or a lower rank saves
+# (an 8-bit AdamW plan 19 MiB below an out of memory at 7.34 GiB was recommended, and would run out again)
+OOM_MARGIN = 0.95
+
+
+def _local_ooms(profiles: Profiles, s: Settings, gpu: HWGPU) -> tuple[MethodPoint, ...]:
+    """The out-of-memory points measured on this GPU (local store: `sdplan bench`, `sdplan train`) for ``s``'s
+    method and family."""
     if gpu.spec is None:
-        return None
+        return ()
     index = _points_index(
         profiles,
         "local_ooms_by_method_and_model",
@@ -2523,9 +2527,29 @@ def _observed_oom(profiles: Profiles, s: Settings, gpu: HWGPU) -> MethodPoint | 
         keep=lambda p: p.origin == "local" and p.outcome.get("fits") is False,
         key=lambda p: (p.method, p.model),
     )
+    return tuple(index.get((s.method, s.model), ()))
+
+
+def _is_the_oom(p: MethodPoint, s: Settings) -> bool:
+    """``s`` is the configuration out-of-memory point ``p`` ran, at its batch or a larger one."""
+    return p.batch <= s.batch and _memory_settings(replace(p.settings, batch=s.batch)) == _memory_settings(s)
+
+
+def _observed_oom(profiles: Profiles, s: Settings, gpu: HWGPU) -> MethodPoint | None:
+    """An out-of-memory measured on this GPU (:func:`_local_ooms`) that rules ``s`` out: at its batch or a smaller
+    one, same settings otherwise, or at settings the model says need no more than ``s`` over :data:`OOM_MARGIN`
+    (its own predictions of both, at one resolution): what ran out of memory once will again, whatever the model
+    predicts, and so will what needs as much (a refusal's "fits when changed" offered memory.cache_latents=false,
+    predicted 8.06 GiB, beside an out of memory at 7.88). Only points of the same DeepSpeed use and optimizer
+    offload (the model errs otherwise there), and under DeepSpeed of the same GPU count (ZeRO splits the state:
+    an out of memory on 2 GPUs refused the plan on 4, at 18.3 GiB a GPU where 2 needed 31.0)."""
     peak = None
-    for p in index.get((s.method, s.model), ()):
-        if p.batch <= s.batch and _memory_settings(replace(p.settings, batch=s.batch)) == _memory_settings(s):
+    for p in _local_ooms(profiles, s, gpu):
+        if bool(p.options.deepspeed) != bool(s.deepspeed) or p.settings.offload != s.offload:
+            continue
+        if s.deepspeed and p.num_gpus != s.num_gpus:
+            continue
+        if _is_the_oom(p, s):
             return p
         if p.resolution != s.resolution:
             continue
@@ -2533,7 +2557,7 @@ def _observed_oom(profiles: Profiles, s: Settings, gpu: HWGPU) -> MethodPoint | 
         if key not in profiles.memo:
             profiles.memo[key] = memory(profiles, p.settings).peak
         peak = memory(profiles, s).peak if peak is None else peak
-        if peak >= profiles.memo[key]:
+        if peak >= OOM_MARGIN * profiles.memo[key]:
             return p
     return None
 
@@ -3884,6 +3908,16 @@ def plan(hardware: Hardware | Any, profiles: Profiles, request: Request) -> Resu
     elif links := _links_text(hardware, best):
         reasons.append(links)
     reasons += _reasons(req, hardware, best, one, best_by_n, fitting, cal, profiles)
+    used = plan_gpus(hardware, best.setup)
+    if ooms := {p.id: p for g in _distinct(used) for p in _local_ooms(profiles, best.setup, g)}:
+        first, one_point = next(iter(ooms.values())), len(ooms) == 1
+        its = "its" if one_point else "their"
+        reasons.append(
+            f"measured out of memory on {smallest_gpu(used).name}: {count_text(len(ooms), 'local point')} "
+            f"({'' if one_point else 'e.g. '}{first.id}: {describe(first.settings)}) "
+            f"{'rules' if one_point else 'rule'} out {its} configuration{'' if one_point else 's'} and what the "
+            f"model says needs at least {OOM_MARGIN:.0%} of {its} memory (at {its} resolution)"
+        )
     if flow_family(req.model):
         used = plan_gpus(hardware, best.setup)
         reasons += _flow_reasons(
@@ -3960,14 +3994,20 @@ def _not_fit_reasons(
     gpu = smallest_gpu(plan_gpus(hw, leanest.setup))
     vram = gpu.memory_bytes
     if (oom := leanest.observed_oom) is not None:  # the model says it fits: a measured out-of-memory says not
+        ran = (
+            "ran out of GPU memory when measured on"
+            if _is_the_oom(oom, leanest.setup)
+            else f"needs, by the model, at least {OOM_MARGIN:.0%} of what a configuration that ran out of GPU "
+            f"memory needs ({describe(oom.settings)}), measured on"
+        )
         return (
             leanest,
             None,
             [
-                f"nothing fits: {what} ({describe(leanest.setup)}) ran out of GPU memory when measured on "
-                f"{gpu.name} (at batch {oom.batch}: local point {oom.id}), though the model predicts "
-                f"{format_range(leanest.memory.peak, leanest.peak_range)}: what ran out of memory once will again; "
-                "every other configuration needs more memory than the card's, or ran out too"
+                f"nothing fits: {what} ({describe(leanest.setup)}) {ran} {gpu.name} (at batch {oom.batch}: local "
+                f"point {oom.id}), though the model predicts {format_range(leanest.memory.peak, leanest.peak_range)}:"
+                " what ran out of memory once will again; every other configuration needs more memory than the "
+                "card's, or as much as what ran out"
             ],
         )
     if _required(leanest_any) < need:
@@ -4710,8 +4750,9 @@ HANDICAP_SAID = 0.015  # a plan passed over for the handicaps is named where its
 def _handicap_text(best: Candidate, fitting: list[Candidate]) -> str:
     """Where a faster plan of the same preference (:func:`_tier`) was passed over for :func:`_key`'s small
     handicaps (a quantized base, an optimizer further from AdamW, cached text-encoder outputs: each changes the
-    result a little or adds a pass), which and by how much: "the fastest whole run" did not say it counted them
-    (FLUX.1 on 16 GB: fp8 with 35 blocks swapped, 1910 s, over nf4 without swapping, 1874 s); "" where none was."""
+    result a little or adds a pass), which and by how much, by :func:`_key`'s own measure (per image seen):
+    "the fastest whole run" did not say it counted them (FLUX.1 on 16 GB: fp8 with 35 blocks swapped, 1910 s,
+    over nf4 without swapping, 1874 s); "" where none was."""
     if best.seconds is None:
         return ""
     faster = [
@@ -4720,26 +4761,29 @@ def _handicap_text(best: Candidate, fitting: list[Candidate]) -> str:
         if c.setup.num_gpus == best.setup.num_gpus
         and _tier(c) == _tier(best)
         and c.seconds is not None
-        and c.seconds < best.seconds
+        and _key_seconds(c) < (1 - HANDICAP_SAID) * _key_seconds(best)
     ]
     if not faster:
         return ""
-    c = min(faster, key=lambda c: c.seconds)
-    if c.seconds > (1 - HANDICAP_SAID) * best.seconds:  # within the estimate's own noise: not worth a word
+    c = min(faster, key=_key_seconds)
+    cs, bs = c.setup, best.setup
+    handicapped = (
+        BASE_QUANT_HANDICAP[cs.base_precision] > BASE_QUANT_HANDICAP[bs.base_precision]
+        or _OPT_RANK[cs.optimizer] > _OPT_RANK[bs.optimizer]
+        or (cs.cache_text_encoder_outputs and not bs.cache_text_encoder_outputs)
+    )
+    if not handicapped:
         return ""
-    what = []
-    if BASE_QUANT_HANDICAP[c.setup.base_precision] > BASE_QUANT_HANDICAP[best.setup.base_precision]:
-        what.append(f"an {c.setup.base_precision} base" if c.setup.base_precision == "nf4" else "an fp8 base")
-    if _OPT_RANK[c.setup.optimizer] > _OPT_RANK[best.setup.optimizer]:
-        what.append(c.setup.optimizer)
-    if c.setup.cache_text_encoder_outputs and not best.setup.cache_text_encoder_outputs:
-        what.append("cached text-encoder outputs")
-    if not what:
-        return ""
+    untimed = (
+        " (its caption pass, not timed, not counted)"
+        if cs.cache_text_encoder_outputs and not bs.cache_text_encoder_outputs
+        else ""
+    )
     return (
         f", counting a small handicap for what changes the result or adds a pass (a quantized base 2-5%, 8-bit "
-        f"AdamW or Adafactor 2-4%, cached text-encoder outputs {TE_CACHE_HANDICAP:.0%}): with {' and '.join(what)} "
-        f"({describe(c.setup)}) the run is {100 * (1 - c.seconds / best.seconds):.0f}% shorter"
+        f"AdamW or Adafactor 2-4%, cached text-encoder outputs {TE_CACHE_HANDICAP:.0%}): with "
+        f"{_differ_text(cs, bs)}{untimed} each image takes {100 * (1 - _key_seconds(c) / _key_seconds(best)):.0f}% "
+        "less time"
     )
 
 

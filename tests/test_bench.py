@@ -916,6 +916,25 @@ def test_a_pin_ruled_out_by_a_measured_oom_says_so_not_that_the_card_is_too_smal
     assert "would fit" not in text and "needs at least" not in text
 
 
+def test_a_measured_oom_rules_out_its_near_twins_and_the_plan_says_so(tmp_path, monkeypatch):
+    """After an out of memory at the planner's own settings it recommended the same with 8-bit AdamW, 19 MiB less
+    by the model (which errs by more than that), and said nothing. Within OOM_MARGIN of what ran out is out too;
+    the plan names the point."""
+    from sdplan import planner
+
+    root = fresh_profile_store(monkeypatch, tmp_path)
+    snap = Snapshot.load(MACHINES / "rtx3060_12gb.json")
+    request = planner.Request(method="lora", model="sd15")
+    chosen = planner.plan(snap, profiles.load_profiles(local=root), request).plan
+    oom = _write_oom_point(root, snap, chosen, batch=chosen.batch)
+    learned = profiles.load_profiles(local=root)
+    after = planner.plan(snap, learned, request)
+    failed = planner.memory(learned, chosen).peak
+    assert planner.memory(learned, after.plan).peak < planner.OOM_MARGIN * failed
+    (said,) = [r for r in after.reasons if r.startswith("measured out of memory on")]
+    assert oom.point_id in said and "rules out its configuration" in said
+
+
 def test_a_point_of_the_other_board_of_a_shared_name_does_not_count_for_this_one(tmp_path, monkeypatch):
     """The RTX 3060 8GB and 12GB report one NVML name: the recorded memory keeps their measurements apart, in
     what the bench skips and in the planner's measured basis."""

@@ -107,11 +107,14 @@ def test_a_faster_plan_passed_over_for_the_handicaps_is_named(prof):
     count (_key), which the reason did not say. Where nothing faster was passed over it says nothing more."""
     res = _plan(prof, "RTX 4060 Ti 16GB", "flux-dev")
     (why,) = [r for r in res.reasons if "the fastest whole run that fits" in r]
-    said = re.search(r"counting a small handicap .*: with (.*) \((.*)\) the run is (\d+)% shorter", why)
+    said = re.search(r"counting a small handicap .*: with (.*) each image takes (\d+)% less time", why)
     assert said, why
-    named = said.group(2)
-    assert res.plan.base_precision not in named or "nf4 base" in named
-    assert int(said.group(3)) > 0
+    named = said.group(1)  # every setting it differs from the plan in, as keys
+    assert "model.base_precision=nf4" in named and res.plan.base_precision != "nf4"
+    assert int(said.group(2)) > 0
+    # under training.max_steps a plan that trains fewer images is not "faster" (it compares per image seen)
+    capped = _plan(prof, "RTX 4060 Ti 16GB", "flux-dev", images=20, pins=(("max_steps", 500),))
+    assert not re.search(r"each image takes (\d\d)% less", " ".join(capped.reasons))
     plain = _plan(prof, "A100 SXM4 80GB", "sd15")
     assert not any("counting a small handicap" in r for r in plain.reasons)
 
