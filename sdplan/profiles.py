@@ -1537,10 +1537,11 @@ def write_points(
     points = list(data.get("points") or [])
     index = {p.get("id"): i for i, p in enumerate(points)}
     for rec in records:
-        same = rec["id"] in index and points[index[rec["id"]]].get("gpu_memory_gib") == rec.get(
-            "gpu_memory_gib"
-        )
-        if same and replace:
+        if rec["id"] in index and not _same_board(points[index[rec["id"]]], rec):
+            # another board's point holds the id: this one's own id names its memory (so importing it again
+            # replaces it, not a third copy)
+            rec = {**rec, "id": f"{rec['id']}-{rec['gpu_memory_gib']:g}gb"}
+        if rec["id"] in index and replace and _same_board(points[index[rec["id"]]], rec):
             points[index[rec["id"]]] = rec
             continue
         while rec["id"] in index:
@@ -1551,6 +1552,13 @@ def write_points(
     text = header + yaml.safe_dump(data, sort_keys=False, default_flow_style=False, width=120)
     ensure_store(store)
     return _replace_store_file(store, path, text, check=lambda tmp: load_methods(tmp, origin="local"))
+
+
+def _same_board(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Two point records of one board: the same memory, or one that does not say (a point from before it was
+    kept: a re-measurement replaces it)."""
+    ma, mb = a.get("gpu_memory_gib"), b.get("gpu_memory_gib")
+    return ma is None or mb is None or ma == mb
 
 
 def _replace_store_file(store: Path, path: Path, text: str, *, check: Callable[[Path], Any]) -> Path:
