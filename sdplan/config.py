@@ -304,12 +304,6 @@ _RULES: dict[str, tuple[Any, str]] = {
         lambda v: v is None or (bool(v) and all(t.strip() for t in v)),
         "must name at least one module, or be null (the family's default)",
     ),
-    # checked again on the model's modules in the trainer (runtime.add_lora_adapters); here before the launch
-    "lora.text_encoder_target_modules": (
-        lambda v: not any(t.strip().rsplit(".", 1)[-1] in EMBEDDING_MODULES for t in v),
-        "names an embedding layer, which no kohya, A1111 or ComfyUI LoRA file holds (LoRA adapts Linear and "
-        "Conv layers: q_proj, k_proj, v_proj, out_proj, fc1, fc2)",
-    ),
     "dreambooth.num_class_images": (lambda v: v >= 0, "must be >= 0"),
     "dreambooth.prior_loss_weight": (lambda v: v >= 0, "must be >= 0"),
     "textual_inversion.num_vectors": (lambda v: v >= 1, "must be >= 1"),
@@ -506,6 +500,17 @@ def bucket_problems(data: DataConfig) -> list[str]:
 
 def _cross_checks(cfg: TrainConfig, errors: list[str]) -> None:
     ds = cfg.distributed.deepspeed
+    # where the trainer reads it (a LoRA training its text encoders): checked again on the model's modules
+    # (runtime.add_lora_adapters), here before the models load
+    embedding = [
+        t for t in cfg.lora.text_encoder_target_modules if t.strip().rsplit(".", 1)[-1] in EMBEDDING_MODULES
+    ]
+    if cfg.method == "lora" and cfg.training.train_text_encoder and embedding:
+        errors.append(
+            f"lora.text_encoder_target_modules: {', '.join(embedding)} is an embedding layer, which no kohya, "
+            "A1111 or ComfyUI LoRA file holds (LoRA adapts Linear layers: CLIP's q_proj, k_proj, v_proj, "
+            "out_proj, fc1, fc2; T5's q, k, v, o, wi_0, wi_1, wo)"
+        )
     # the bucket settings make buckets: checked with the values given (one refused is its default here)
     if cfg.data.buckets and not any(e.startswith(("data.resolution", "data.bucket")) for e in errors):
         errors += bucket_problems(cfg.data)

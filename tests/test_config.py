@@ -446,13 +446,20 @@ def test_latents_cached_to_disk_imply_latent_caching_in_either_form(given):
 
 def test_an_embedding_layer_as_a_text_encoder_target_is_refused_before_anything_runs():
     """lora.text_encoder_target_modules=[q_proj, token_embedding] was refused only inside the trainer, after the
-    models loaded (on a GPU, after SDXL or FLUX.1 was read): no LoRA file other tools read holds an embedding."""
+    models loaded (on a GPU, after SDXL or FLUX.1 was read): no LoRA file other tools read holds an embedding.
+    Only where the trainer reads the key: a LoRA that trains its text encoders."""
     data = config.default_config()
+    data["method"] = "lora"
+    data["training"]["train_text_encoder"] = True
     data["lora"]["text_encoder_target_modules"] = ["q_proj", "token_embedding"]
-    with pytest.raises(ConfigError, match="names an embedding layer"):
+    with pytest.raises(ConfigError, match="token_embedding is an embedding layer"):
         config.validate(data)
     data["lora"]["text_encoder_target_modules"] = ["q_proj", "text_model.embeddings.position_embedding"]
-    with pytest.raises(ConfigError, match="names an embedding layer"):
+    with pytest.raises(ConfigError, match="is an embedding layer"):
         config.validate(data)
     data["lora"]["text_encoder_target_modules"] = ["q_proj", "fc1"]
     assert config.validate(data).lora.text_encoder_target_modules == ["q_proj", "fc1"]
+    # not read (the text encoders frozen): an old sdplan.yaml holding it still loads
+    data["lora"]["text_encoder_target_modules"] = ["q_proj", "token_embedding"]
+    data["training"]["train_text_encoder"] = False
+    assert config.validate(data)

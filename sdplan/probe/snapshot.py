@@ -220,13 +220,24 @@ def visible_gpus(s: Snapshot, vendor: str) -> Visible | None:
     seen = Visible(setting="", gpus=tuple(gpus))
     settings = []
     for name, value in steps:
-        step = _apply_visible(f"{name}={value or chr(34) * 2}", value, list(seen.gpus), fastest_first=False)
+        step = _apply_visible(
+            f"{name}={value or chr(34) * 2}",
+            value,
+            list(seen.gpus),
+            fastest_first=False,
+            repeat_ends=name == "ROCR_VISIBLE_DEVICES",
+        )
         seen = replace(step, stopped_at=seen.stopped_at or step.stopped_at)
         settings.append(step.setting)
     return replace(seen, setting=" ".join(settings))
 
 
-def _apply_visible(setting: str, value: str, gpus: list[GPU], *, fastest_first: bool) -> Visible:
+def _apply_visible(
+    setting: str, value: str, gpus: list[GPU], *, fastest_first: bool, repeat_ends: bool = False
+) -> Visible:
+    """``repeat_ends``: an id listed twice ends the list, the ones before it shown (ROCR_VISIBLE_DEVICES:
+    ROCR-Runtime amd_filter_device.cpp, "such indices are interpreted as terminators"); otherwise, as CUDA, it
+    shows none."""
     shown: list[GPU] = []
     unnamed = 0
     by_speed: set[int] = set()  # indexes in CUDA's fastest-first order
@@ -257,6 +268,9 @@ def _apply_visible(setting: str, value: str, gpus: list[GPU], *, fastest_first: 
                 continue
         if match is None:
             stopped = token or '""'
+            break
+        if match in shown and repeat_ends:
+            stopped = token
             break
         if match in shown:  # CUDA (as torch _transform_uuid_to_ordinals): a device listed twice shows none
             return Visible(setting, (), repeated=token)
