@@ -1361,22 +1361,29 @@ def refuse_a_start_past_its_length(
     )
 
 
-def refuse_a_finished_resume(out: Path, steps: dict[str, int]) -> None:
-    """UsageError for --resume of a run that is done: its newest checkpoint trained the images this config
-    asks for (``steps``: :func:`config_steps`), and its summary and every output it lists are there. The
-    trainer would load the model, cache the latents, train nothing and write the same outputs again (minutes
-    for a large model). A run stopped between its last checkpoint and its outputs still resumes."""
+def refuse_a_finished_resume(
+    out: Path, cfg: C.TrainConfig, inputs: InputSummary, world: int, steps: dict[str, int]
+) -> None:
+    """UsageError for --resume of a run that is done: its newest checkpoint stands at the last of this config's
+    steps (``steps``: :func:`config_steps`; placed as the trainer places it, :func:`checkpoint_step`), and its
+    summary and every output it lists are there. The trainer would load the model, cache the latents, train
+    nothing and write the same outputs again (minutes for a large model). A run stopped between its last
+    checkpoint and its outputs still resumes. (Compared by images, a bucketed run cut by training.max_steps,
+    whose short batches see fewer images than full ones would, was started again.)"""
     from sdplan.trainer.checkpoint import images_seen, latest_checkpoint
 
     summary = read_json(out / SUMMARY_FILE)
     last = latest_checkpoint(out)
     if summary is None or last is None:
         return
+    placed = checkpoint_step(last, cfg, inputs, world)
+    if placed is None:
+        return
     done = images_seen(last)
     listed = summary.get("outputs") if isinstance(summary.get("outputs"), list) else []
     outputs = summary_outputs(summary, out)
     if (
-        done < steps["images_seen"]
+        placed[0] < steps["total_steps"]
         or summary.get("images_seen") != done
         or len(outputs) != len(listed)  # an entry that is not a path: not provably all there
         or not all(o.exists() for o in outputs)
@@ -1790,7 +1797,7 @@ def prepare(req: TrainRequest, ui: UI) -> Prepared:
     steps = config_steps(cfg, inputs.images_x_repeats, world, inputs.bucket_samples)
     if resume is not None:
         refuse_a_shortened_resume(out, cfg, inputs, world, steps, saved_config=saved)
-        refuse_a_finished_resume(out, steps)
+        refuse_a_finished_resume(out, cfg, inputs, world, steps)
     elif (start := start_checkpoint(cfg)) is not None:  # the settings as planned: what the trainer builds
         check_start_settings(cfg, start, family)
         refuse_a_start_past_its_length(start, cfg, inputs, world, steps)

@@ -415,20 +415,32 @@ def test_resume_of_a_finished_run_is_refused_but_an_unfinished_one_is_not(tmp_pa
     (a run stopped between its last checkpoint and its outputs)."""
     import json
 
-    from sdplan.launcher import refuse_a_finished_resume
+    from sdplan import config as C
+    from sdplan.launcher import InputSummary, config_steps, refuse_a_finished_resume
 
     ckpt = tmp_path / "checkpoints" / "rolling-step-000016"
     ckpt.mkdir(parents=True)
-    (ckpt / "train_state.json").write_text(json.dumps({"images_seen": 32, "global_step": 16}))
+    state = {"images_seen": 32, "global_step": 16, "epoch": 2, "batch_size": 2}
+    (ckpt / "train_state.json").write_text(json.dumps(state))
     lora = tmp_path / "pytorch_lora_weights.safetensors"
     lora.write_bytes(b"x")
     summary = {"steps": 16, "images_seen": 32, "outputs": [str(lora)]}
     (tmp_path / "run_summary.json").write_text(json.dumps(summary))
+    inputs = InputSummary(
+        images=16, images_x_repeats=16, skipped=0, model_kind="folder", family="sd15", scan_summary=""
+    )
+
+    def refuse(epochs: int) -> None:
+        data = C.default_config()
+        data["training"].update(batch_size=2, grad_accum=1, epochs=epochs, max_steps=None)
+        cfg = C.validate(data)
+        refuse_a_finished_resume(tmp_path, cfg, inputs, 1, config_steps(cfg, 16, 1))
+
     with pytest.raises(UsageError, match=r"is finished: it trained the 32 images.*--epochs N"):
-        refuse_a_finished_resume(tmp_path, {"images_seen": 32})
-    refuse_a_finished_resume(tmp_path, {"images_seen": 48})  # --epochs 3: more to train
+        refuse(2)
+    refuse(3)  # --epochs 3: more to train
     lora.unlink()
-    refuse_a_finished_resume(tmp_path, {"images_seen": 32})  # its outputs are not all there: the export again
+    refuse(2)  # its outputs are not all there: the export again
 
 
 def test_extending_a_run_that_finished_with_checkpoints_off_says_why_it_cannot(tmp_path):
