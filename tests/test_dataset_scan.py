@@ -144,13 +144,16 @@ def test_hugging_faces_metadata_csv_is_read_as_its_metadata_jsonl(tmp_path):
     # a space after the comma is not part of the column's name
     write(tmp_path / "metadata.csv", "file_name, text\na.png, spaced a\n")
     assert names(scan(tmp_path))["a.png"] == "spaced a"
-    # no caption column: every image trained on the fallback caption without a word
-    write(tmp_path / "metadata.csv", "file_name,tags\na.png,x\n")
-    with pytest.raises(DatasetError, match="its header row names no caption column"):
-        scan(tmp_path)
+    # a caption starting with a quoted word reads as pandas (Hugging Face's reader) reads it
+    write(tmp_path / "metadata.csv", 'file_name,text\na.png,"Starry Night" style painting of a dog\n')
+    assert names(scan(tmp_path))["a.png"] == "Starry Night style painting of a dog"
     # an unclosed quote: the rest of the file was read as one caption, the other images had none
     write(tmp_path / "metadata.csv", 'file_name,text\na.png,"a dog\nb.png,b cat\n')
-    with pytest.raises(DatasetError, match="is not valid CSV"):
+    with pytest.raises(DatasetError, match="a quote is not closed"):
+        scan(tmp_path)
+    # an unquoted comma cut the caption to its first part
+    write(tmp_path / "metadata.csv", "file_name,text\nb.png,b\na.png,red, blue and green dog\n")
+    with pytest.raises(DatasetError, match="line 3 has more fields than its header row"):
         scan(tmp_path)
     img(tmp_path / "10_dog" / "d.png")
     write(tmp_path / "10_dog" / "metadata.csv", "file_name,text\nd.png,x\n")
@@ -275,12 +278,24 @@ def test_a_folder_of_photos_with_dated_subfolders_stays_flat(tmp_path):
     img(tmp_path / "own" / "photos" / "2023_summer" / "c.png")
     img(tmp_path / "own" / "photos" / "2024_winter" / "d.png")
     assert (scan(tmp_path / "own").format, scan(tmp_path / "own").num_images) == ("flat", 3)
-    img(tmp_path / "only" / "trips" / "2023_summer" / "c.png")
+    img(tmp_path / "only" / "trips" / "10_summer" / "c.png")
     assert scan(tmp_path / "only").format == "flat"
     # beside kohya_ss's log/ and model/ it is a project
     (tmp_path / "only" / "log").mkdir()
     with pytest.raises(DatasetError, match="a kohya project folder"):
         scan(tmp_path / "only")
+    # a year is no count of repeats, and "reg" is a word, not any name holding it (Greg, Oregon)
+    img(tmp_path / "years" / "images" / "2023_summer" / "c.png")
+    img(tmp_path / "years" / "Greg" / "2019_christmas" / "d.png")
+    img(tmp_path / "years" / "Oregon" / "21_coast" / "e.png")
+    assert scan(tmp_path / "years").format == "flat"
+    # a kohya_ss project with a cover image at its root is still one
+    img(tmp_path / "proj" / "cover.png")
+    img(tmp_path / "proj" / "img" / "10_sks dog" / "a.png")
+    img(tmp_path / "proj" / "reg" / "1_dog" / "r.png")
+    (tmp_path / "proj" / "log").mkdir()
+    with pytest.raises(DatasetError, match="a kohya project folder"):
+        scan(tmp_path / "proj")
 
 
 def test_a_kohya_folder_with_no_name_trains_as_kohya_reads_it(tmp_path):

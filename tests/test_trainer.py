@@ -374,9 +374,11 @@ def test_dreambooth_with_prior_preservation(tiny_sd15, dataset, tmp_path):
             )
         )
 
+    (reg / "0_old").mkdir()  # a folder of 0 repeats, which the scan skips, sorts first: not the target
     kohya_run("kohya")
     assert sorted(p.name for p in reg.rglob("*.png")) == ["class-00001.png", "class-00002.png", "mine.png"]
     assert {p.parent.name for p in reg.rglob("*.png")} == {"1_square"}
+    assert (reg / "1_square" / "class-00001.txt").read_text() == "a photo of a square\n"
     kohya_run("kohya-again")
     assert len(list(reg.rglob("*.png"))) == 3
 

@@ -612,9 +612,14 @@ def _hf_records(f: Path) -> list[tuple[int, dict[str, Any]]]:
         ) from None
     out: list[tuple[int, dict[str, Any]]] = []
     if f.suffix.lower() == ".csv":
-        # strict: an unclosed quote is an error, not the rest of the file read as one caption; a space after a
-        # comma ("file_name, text") is not part of the next column's name
-        reader = csv.DictReader(io.StringIO(text, newline=""), strict=True, skipinitialspace=True)
+        # as pandas reads it for Hugging Face (datasets' folder_based_builder: pd.read_csv): a quoted word that
+        # starts a caption ("Starry Night" style ...) is read; an unclosed quote (the rest of the file read as one
+        # caption) and a row with more fields than the header (a caption's unquoted comma cut it short) are
+        # refused; a space after a comma ("file_name, text") is not part of the next column's name
+        fix = 'quote a caption that holds commas or quotes ("a, b"), or move the file out of the dataset'
+        if text.count('"') % 2:
+            raise DatasetError(f"{f}: a quote is not closed", fix=fix)
+        reader = csv.DictReader(io.StringIO(text, newline=""), skipinitialspace=True)
         try:
             names = [n.strip() for n in reader.fieldnames or []]
             reader.fieldnames = names
@@ -623,22 +628,14 @@ def _hf_records(f: Path) -> list[tuple[int, dict[str, Any]]]:
                     f"{f}: its header row names no file_name column ({', '.join(names) or 'empty'})",
                     fix="name the images' column file_name and the captions' column text, as Hugging Face reads them",
                 )
-            if not {"caption", "text", "prompt"} & set(
-                names
-            ):  # every image would train on the fallback caption
-                raise DatasetError(
-                    f"{f}: its header row names no caption column ({', '.join(names)})",
-                    fix="name the captions' column text, as Hugging Face reads it (or caption, or prompt)",
-                )
             line = reader.line_num + 1
             for row in reader:
+                if row.get(None):  # DictReader's restkey: the fields past the header's
+                    raise DatasetError(f"{f}: line {line} has more fields than its header row", fix=fix)
                 out.append((line, {k: v for k, v in row.items() if isinstance(k, str)}))
                 line = reader.line_num + 1
         except csv.Error as e:
-            raise DatasetError(
-                f"{f}: line {reader.line_num} is not valid CSV ({e})",
-                fix="fix the line, or move the file out of the dataset",
-            ) from None
+            raise DatasetError(f"{f}: line {reader.line_num + 1} is not valid CSV ({e})", fix=fix) from None
         return out
     for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
@@ -716,6 +713,8 @@ def _kohya_folders(folder: Path) -> list[Path]:
 # the folders kohya_ss makes in a project (its "Dataset preparation": img/, reg/, log/, model/)
 _PROJECT_IMAGE_DIRS = ("img", "image", "images", "train", "training")
 _PROJECT_OTHER_DIRS = ("log", "logs", "model", "models", "output")
+# a regularization folder's name: reg, reg_data, regs, regularization, class_reg ... ("reg" as a word)
+_REG_DIR = re.compile(r"(?i)(^|[_\- ])(reg|regs|regularization|regularisation)([_\- ]|$)")
 
 
 def _kohya_project(root: Path, files: list[Path]) -> DatasetError | None:
@@ -724,20 +723,28 @@ def _kohya_project(root: Path, files: list[Path]) -> DatasetError | None:
     names them (or beside its log/ and model/). Scanned flat, its class images trained as instance images,
     without their folders' repeats and captions, and kohya itself finds no image folder there: the error names
     the folder to pass instead, and a regularization folder as dreambooth.class_data. A folder of the user's own
-    photos with a subfolder of dated ones (photos/2023_summer) stays flat, as it was read before."""
-    if any(f.parent == root and f.suffix.lower() in IMAGE_EXTENSIONS for f in files):
-        return None  # images of its own: a dataset, not a project
+    photos with a subfolder of dated ones (photos/2023_summer, images/2023_summer: a year is no count of repeats)
+    or of people (family_greg/Greg/2019_christmas: "reg" only as a word) stays flat, as it was read before; a
+    project with a cover image at its root (img/, reg/ and log/ beside it) is still one."""
     inner = {}
     with contextlib.suppress(OSError):
         for d in sorted(root.iterdir()):
-            if not d.name.startswith(".") and d.is_dir() and (kohya := _kohya_folders(d)):
+            if d.name.startswith(".") or not d.is_dir():
+                continue
+            # repeats a person gives (10_sks dog, 1_dog), not a year (2023_summer)
+            if kohya := [k for k in _kohya_folders(d) if int(KOHYA_DIR.match(k.name).group(1)) < 1000]:  # type: ignore[union-attr]
                 inner[d] = kohya
     if not inner:
         return None
-    named = any(d.name.lower() in _PROJECT_IMAGE_DIRS or "reg" in d.name.lower() for d in inner)
-    if not named and not any((root / n).is_dir() for n in _PROJECT_OTHER_DIRS):
+    images_dir = any(d.name.lower() in _PROJECT_IMAGE_DIRS for d in inner)
+    reg_dir = any(_REG_DIR.search(d.name) for d in inner)
+    others = any((root / n).is_dir() for n in _PROJECT_OTHER_DIRS)
+    if not (images_dir or reg_dir or others):
         return None
-    reg = [d for d in inner if "reg" in d.name.lower()]  # kohya_ss's reg/, reg_data, regularization ...
+    own_images = any(f.parent == root and f.suffix.lower() in IMAGE_EXTENSIONS for f in files)
+    if own_images and not ((images_dir or reg_dir) and (others or (images_dir and reg_dir))):
+        return None  # images of its own, and not a project's folders beside them: a dataset
+    reg = [d for d in inner if _REG_DIR.search(d.name)]  # kohya_ss's reg/, reg_data, regularization ...
     train = [d for d in inner if d not in reg] or reg[:1]
     reg = [d for d in reg if d not in train]
     first = train[0]

@@ -180,7 +180,7 @@ def _generate_class_images(
     """Fill ``class_dir`` up to ``num_class_images`` with images of ``class_prompt`` from the base model (main
     process; one seed per image so they differ; a progress bar), in the instance images' ``shapes`` (their
     aspect buckets) in proportion. The others wait."""
-    from ..dataset_scan import _kohya_folders, scan
+    from ..dataset_scan import KOHYA_DIR, _kohya_folders, scan
 
     db = cfg.dreambooth
     if class_dir.exists() and not class_dir.is_dir():  # every process: none waits for the others
@@ -192,10 +192,14 @@ def _generate_class_images(
     found = scanned.items if scanned is not None else []
     have = len(found)
     # a kohya class folder (reg/ holding 1_dog/) reads its N_name folders only: images written beside them were
-    # skipped, and generated again every run; they go in its first N_name folder (its repeats apply to them)
+    # skipped, and generated again every run; they go in its first N_name folder that the scan reads (not 0_),
+    # and each gets a caption file of the class prompt (a folder of per-image .json records reads an image
+    # only with a record or a caption file). The class dataset takes each image once, captioned with the class
+    # prompt (data.build_class_dataset), whatever its folder's repeats.
     target = class_dir
-    if scanned is not None and scanned.format == "kohya" and (folders := _kohya_folders(class_dir)):
-        target = folders[0]
+    if scanned is not None and scanned.format == "kohya":
+        read = [f for f in _kohya_folders(class_dir) if int(KOHYA_DIR.match(f.name).group(1)) > 0]  # type: ignore[union-attr]
+        target = read[0] if read else class_dir
     missing = db.num_class_images - have
     if missing > 0 and accelerator.is_main_process:
         from .. import sampling
@@ -226,6 +230,8 @@ def _generate_class_images(
                 path = target / f"class-{have + n:05d}.png"
                 tmp = path.with_name(f".{path.name}.tmp")
                 image.save(tmp, format="PNG")
+                # .txt: the class folder is scanned with the default caption extension (data.build_class_dataset)
+                path.with_suffix(".txt").write_text(db.class_prompt + "\n", encoding="utf-8")
                 os.replace(tmp, path)
                 n += 1
                 bar.update(i + 1)
