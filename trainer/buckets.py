@@ -277,6 +277,12 @@ class BucketBatchSampler:
             return batches
         return [chunk[s : s + size] for chunk in batches for s in range(0, len(chunk), size)]
 
+    def order_digest(self, epoch: int | None = None) -> str:
+        """A fingerprint of an epoch's order of images (its batches flattened: the same at every micro-batch in one
+        order batch): a resume drawn in another order (another seed, buckets on or off) is told by it."""
+        flat = ",".join(str(i) for batch in self.epoch_batches(epoch) for i in batch)
+        return hashlib.sha256(flat.encode()).hexdigest()[:16]
+
     def batches_within(self, images: int, epoch: int | None = None) -> int:
         """How many of an epoch's first batches (:meth:`epoch_batches`, before sharding) lie wholly within the
         first ``images`` images of its order."""

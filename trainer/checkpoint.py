@@ -117,6 +117,8 @@ class TrainState:
     # The batch the sampler cut the epochs at (trainer/buckets.py): the micro-batch, or a multiple of it that
     # a resume at a smaller one kept. Not given (0; a checkpoint saved before it was kept): the micro-batch.
     order_batch_size: int = 0
+    # The fingerprint of its epoch's order of images (BucketBatchSampler.order_digest); "" in one saved before.
+    epoch_order: str = ""
     # The dataset's samples per epoch (with repeats) the run had; 0 in a checkpoint saved before it was kept.
     samples_per_epoch: int = 0
     # Outputs saved during training so far (output.save_every_n_*): [{"epoch", "step", "files"}].

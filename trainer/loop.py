@@ -607,6 +607,22 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
         moved = ckpt_lib.resume_position(saved, state, plan, len(batches), batches.sampler)
         start_step = moved.step if moved is not None else saved.global_step
         outputs.same_steps_as_before(ckpt_lib.same_numbering(saved, moved, plan))
+        inside = (moved.epoch == saved.epoch) if moved is not None else saved.batches_in_epoch < len(loader)
+        reordered = (
+            saved.epoch_order
+            and saved.batches_in_epoch
+            and inside
+            and ckpt_lib.kept_order(saved, batches.sampler)
+            and saved.samples_per_epoch == len(dataset)
+            and batches.sampler.order_digest(saved.epoch) != saved.epoch_order
+        )
+        if reordered:  # another seed, or buckets turned on or off: the images skipped are not those trained
+            progress.say(
+                accelerator,
+                f"note: epoch {saved.epoch + 1} is drawn in another order than {resume_from} was trained in "
+                "(training.seed or data.buckets changed): the rest of it trains some of its images twice and "
+                "others not at all (the next epochs are whole)",
+            )
         if saved.samples_per_epoch and saved.samples_per_epoch != len(dataset):
             progress.say(
                 accelerator,
@@ -836,6 +852,7 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
                 dataset.set_epoch(state.epoch)
                 batches.set_epoch(state.epoch)
                 loader.set_epoch(state.epoch)
+                state.epoch_order = batches.sampler.order_digest(state.epoch)  # checkpoints record it
                 epoch_loader = accelerator.skip_first_batches(loader, state.batches_in_epoch)
                 current = None
                 for batch in epoch_loader:
