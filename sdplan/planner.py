@@ -2312,8 +2312,8 @@ class Candidate:
     peak_basis: str = "predicted"
     lowered_rank: bool = False  # a LoRA rank below the requested one (changes the result)
     host_ok: bool = True  # this machine's host RAM holds what the run keeps there (host_ram_needed_bytes)
-    # an out-of-memory measured on its GPU at these settings (`sdplan bench`, `sdplan train`) (:func:`_observed_oom`), which refused
-    # a configuration the model said fits (None: none, or the model says it does not fit anyway)
+    # an out of memory measured on its GPU (`sdplan bench`, `sdplan train`) that rules out a configuration the model
+    # says fits (:func:`_observed_oom`; None: none, or the model says it does not fit anyway)
     observed_oom: MethodPoint | None = None
 
     @property
