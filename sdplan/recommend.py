@@ -918,9 +918,8 @@ def render(d: dict, res: planner.Result, console) -> None:
         console.print(t)
     else:
         needs = d["needs"] or {}
-        if needs.get(
-            "observed_oom"
-        ):  # the model says it fits; a run here ran out of memory (see the reasons)
+        # the model says it fits; a measured out of memory says not (see the reasons)
+        if needs.get("observed_oom"):
             console.print("[bold red]does not fit[/]: it ran out of GPU memory when measured on this GPU")
         elif needs.get("min_vram_bytes") is None:  # the host RAM blocks every configuration (see the reasons)
             console.print("[bold red]does not fit[/]: this machine's host RAM is too small for it")
