@@ -304,6 +304,10 @@ _RULES: dict[str, tuple[Any, str]] = {
         lambda v: v is None or (bool(v) and all(t.strip() for t in v)),
         "must name at least one module, or be null (the family's default)",
     ),
+    "lora.text_encoder_target_modules": (
+        lambda v: bool(v) and all(t.strip() for t in v),
+        "must name at least one module (the default: q_proj, k_proj, v_proj, out_proj)",
+    ),
     "dreambooth.num_class_images": (lambda v: v >= 0, "must be >= 0"),
     "dreambooth.prior_loss_weight": (lambda v: v >= 0, "must be >= 0"),
     "textual_inversion.num_vectors": (lambda v: v >= 1, "must be >= 1"),

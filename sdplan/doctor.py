@@ -68,7 +68,7 @@ def planner_verdicts(snapshot: Snapshot) -> list[Verdict]:
                 what = (
                     f"needs a {need / 2**30:.1f} GiB GPU"
                     if need
-                    else "ran out of memory on this GPU (measured)"
+                    else "measured out of memory on this GPU"
                     if (result.needs or {}).get("observed_oom")
                     else "does not fit"
                 )

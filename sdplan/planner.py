@@ -2530,6 +2530,11 @@ def _local_ooms(profiles: Profiles, s: Settings, gpu: HWGPU) -> tuple[MethodPoin
     return tuple(index.get((s.method, s.model), ()))
 
 
+def _oom_applies(p: MethodPoint, s: Settings) -> bool:
+    """Out-of-memory point ``p`` can rule out ``s``: the same DeepSpeed use and optimizer offload."""
+    return bool(p.options.deepspeed) == bool(s.deepspeed) and p.settings.offload == s.offload
+
+
 def _is_the_oom(p: MethodPoint, s: Settings) -> bool:
     """``s`` is the configuration out-of-memory point ``p`` ran, at its batch or a larger one."""
     return p.batch <= s.batch and _memory_settings(replace(p.settings, batch=s.batch)) == _memory_settings(s)
@@ -2541,15 +2546,14 @@ def _observed_oom(profiles: Profiles, s: Settings, gpu: HWGPU) -> MethodPoint | 
     (its own predictions of both, at one resolution): what ran out of memory once will again, whatever the model
     predicts, and so will what needs as much (a refusal's "fits when changed" offered memory.cache_latents=false,
     predicted 8.06 GiB, beside an out of memory at 7.88). Only points of the same DeepSpeed use and optimizer
-    offload (the model errs otherwise there), and under DeepSpeed of the same GPU count (ZeRO splits the state:
-    an out of memory on 2 GPUs refused the plan on 4, at 18.3 GiB a GPU where 2 needed 31.0)."""
+    offload (the model errs otherwise there); the configuration itself under DeepSpeed only at its GPU count (ZeRO
+    splits the state: an out of memory on 2 GPUs refused the plan on 4, at 18.3 GiB a GPU where 2 needed 31.0),
+    the model's per-GPU figures at any."""
     peak = None
     for p in _local_ooms(profiles, s, gpu):
-        if bool(p.options.deepspeed) != bool(s.deepspeed) or p.settings.offload != s.offload:
+        if not _oom_applies(p, s):
             continue
-        if s.deepspeed and p.num_gpus != s.num_gpus:
-            continue
-        if _is_the_oom(p, s):
+        if _is_the_oom(p, s) and (not s.deepspeed or p.num_gpus == s.num_gpus):
             return p
         if p.resolution != s.resolution:
             continue
@@ -3909,7 +3913,10 @@ def plan(hardware: Hardware | Any, profiles: Profiles, request: Request) -> Resu
         reasons.append(links)
     reasons += _reasons(req, hardware, best, one, best_by_n, fitting, cal, profiles)
     used = plan_gpus(hardware, best.setup)
-    if ooms := {p.id: p for g in _distinct(used) for p in _local_ooms(profiles, best.setup, g)}:
+    shaped = (p for g in _distinct(used) for p in _local_ooms(profiles, best.setup, g))
+    if ooms := {
+        p.id: p for p in shaped if _oom_applies(p, best.setup) and p.resolution == best.setup.resolution
+    }:
         first, one_point = next(iter(ooms.values())), len(ooms) == 1
         its = "its" if one_point else "their"
         reasons.append(

@@ -1537,7 +1537,11 @@ def write_points(
     points = list(data.get("points") or [])
     index = {p.get("id"): i for i, p in enumerate(points)}
     for rec in records:
-        if rec["id"] in index and not _same_board(points[index[rec["id"]]], rec):
+        if (
+            rec["id"] in index
+            and not _same_board(points[index[rec["id"]]], rec)
+            and rec.get("gpu_memory_gib")
+        ):
             # another board's point holds the id: this one's own id names its memory (so importing it again
             # replaces it, not a third copy)
             rec = {**rec, "id": f"{rec['id']}-{rec['gpu_memory_gib']:g}gb"}
@@ -1554,11 +1558,12 @@ def write_points(
     return _replace_store_file(store, path, text, check=lambda tmp: load_methods(tmp, origin="local"))
 
 
-def _same_board(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    """Two point records of one board: the same memory, or one that does not say (a point from before it was
-    kept: a re-measurement replaces it)."""
-    ma, mb = a.get("gpu_memory_gib"), b.get("gpu_memory_gib")
-    return ma is None or mb is None or ma == mb
+def _same_board(stored: dict[str, Any], new: dict[str, Any]) -> bool:
+    """A new point record is of the stored one's board: the same memory, or the stored one does not say (a point
+    from before it was kept: a re-measurement replaces it). A new one that does not say is not (it replaced a
+    user's own measurement of a known board)."""
+    ms, mn = stored.get("gpu_memory_gib"), new.get("gpu_memory_gib")
+    return ms is None or ms == mn
 
 
 def _replace_store_file(store: Path, path: Path, text: str, *, check: Callable[[Path], Any]) -> Path:

@@ -920,7 +920,10 @@ def render(d: dict, res: planner.Result, console) -> None:
         needs = d["needs"] or {}
         # the model says it fits; a measured out of memory says not (see the reasons)
         if needs.get("observed_oom"):
-            console.print("[bold red]does not fit[/]: it ran out of GPU memory when measured on this GPU")
+            console.print(
+                "[bold red]does not fit[/]: it, or a configuration the model says needs no more memory, ran out "
+                "of GPU memory when measured on this GPU"
+            )
         elif needs.get("min_vram_bytes") is None:  # the host RAM blocks every configuration (see the reasons)
             console.print("[bold red]does not fit[/]: this machine's host RAM is too small for it")
         else:
@@ -1060,7 +1063,7 @@ def _compare_cells(d: dict, res: planner.Result, text: str) -> tuple[str, ...]:
             f"needs {_gib(need)}"
             + (" in fp32" if (d["needs"] or {}).get("min_vram_bytes_mixed_precision") else "")
             if (need := (d["needs"] or {}).get("min_vram_bytes")) is not None
-            else "ran out of memory (measured)"
+            else "measured out of memory"
             if (d["needs"] or {}).get("observed_oom")
             else "needs more host RAM"
         ),

@@ -459,6 +459,10 @@ def test_an_embedding_layer_as_a_text_encoder_target_is_refused_before_anything_
         config.validate(data)
     data["lora"]["text_encoder_target_modules"] = ["q_proj", "fc1"]
     assert config.validate(data).lora.text_encoder_target_modules == ["q_proj", "fc1"]
+    for empty in ([], [""]):  # it failed in the trainer, after the models loaded
+        data["lora"]["text_encoder_target_modules"] = empty
+        with pytest.raises(ConfigError, match="must name at least one module"):
+            config.validate(data)
     # not read (the text encoders frozen): an old sdplan.yaml holding it still loads
     data["lora"]["text_encoder_target_modules"] = ["q_proj", "token_embedding"]
     data["training"]["train_text_encoder"] = False

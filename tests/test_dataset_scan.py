@@ -151,9 +151,12 @@ def test_hugging_faces_metadata_csv_is_read_as_its_metadata_jsonl(tmp_path):
     write(tmp_path / "metadata.csv", 'file_name,text\na.png,"a dog\nb.png,b cat\n')
     with pytest.raises(DatasetError, match="a quote is not closed"):
         scan(tmp_path)
-    # an unquoted comma cut the caption to its first part
-    write(tmp_path / "metadata.csv", "file_name,text\nb.png,b\na.png,red, blue and green dog\n")
-    with pytest.raises(DatasetError, match="line 3 has more fields than its header row"):
+    # an inch mark is no quote (as pandas reads it)
+    write(tmp_path / "metadata.csv", 'file_name,text\na.png,a 6" tall figurine\n')
+    assert names(scan(tmp_path))["a.png"] == 'a 6" tall figurine'
+    # an unquoted comma cut the caption to its first part; the line named past a blank line is its own
+    write(tmp_path / "metadata.csv", "file_name,text\n\nb.png,b\n\na.png,red, blue and green dog\n")
+    with pytest.raises(DatasetError, match="line 5 has more fields than its header row"):
         scan(tmp_path)
     img(tmp_path / "10_dog" / "d.png")
     write(tmp_path / "10_dog" / "metadata.csv", "file_name,text\nd.png,x\n")

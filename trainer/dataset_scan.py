@@ -617,8 +617,12 @@ def _hf_records(f: Path) -> list[tuple[int, dict[str, Any]]]:
         # caption) and a row with more fields than the header (a caption's unquoted comma cut it short) are
         # refused; a space after a comma ("file_name, text") is not part of the next column's name
         fix = 'quote a caption that holds commas or quotes ("a, b"), or move the file out of the dataset'
-        if text.count('"') % 2:
-            raise DatasetError(f"{f}: a quote is not closed", fix=fix)
+        try:  # strict reading only to find a quote left open to the file's end (an inch mark reads as pandas does)
+            for _ in csv.reader(io.StringIO(text, newline=""), strict=True):
+                pass
+        except csv.Error as e:
+            if "unexpected end of data" in str(e):
+                raise DatasetError(f"{f}: a quote is not closed", fix=fix) from None
         reader = csv.DictReader(io.StringIO(text, newline=""), skipinitialspace=True)
         try:
             names = [n.strip() for n in reader.fieldnames or []]
@@ -628,12 +632,14 @@ def _hf_records(f: Path) -> list[tuple[int, dict[str, Any]]]:
                     f"{f}: its header row names no file_name column ({', '.join(names) or 'empty'})",
                     fix="name the images' column file_name and the captions' column text, as Hugging Face reads them",
                 )
-            line = reader.line_num + 1
             for row in reader:
+                # the row's first line: the last it read, less the line breaks inside its quoted fields (blank
+                # lines between rows are skipped, so the line after the previous row's is not always it)
+                fields = [v for v in row.values() if isinstance(v, str)] + list(row.get(None) or [])
+                line = reader.line_num - sum(v.count("\n") for v in fields)
                 if row.get(None):  # DictReader's restkey: the fields past the header's
                     raise DatasetError(f"{f}: line {line} has more fields than its header row", fix=fix)
                 out.append((line, {k: v for k, v in row.items() if isinstance(k, str)}))
-                line = reader.line_num + 1
         except csv.Error as e:
             raise DatasetError(f"{f}: line {reader.line_num + 1} is not valid CSV ({e})", fix=fix) from None
         return out

@@ -182,6 +182,9 @@ class Visible:
     stopped_at: str | None = None  # the first id that names no GPU: CUDA ignores it and every id after it
     fastest_first: bool = False  # indexes count in CUDA's fastest-first order, not doctor's
     repeated: str | None = None  # an id naming a device listed before it: CUDA then shows none
+    ended_by_repeat: bool = (
+        False  # stopped_at names a GPU listed before it (ROCR_VISIBLE_DEVICES: it ends the list)
+    )
 
 
 def visible_gpus(s: Snapshot, vendor: str) -> Visible | None:
@@ -227,7 +230,8 @@ def visible_gpus(s: Snapshot, vendor: str) -> Visible | None:
             fastest_first=False,
             repeat_ends=name == "ROCR_VISIBLE_DEVICES",
         )
-        seen = replace(step, stopped_at=seen.stopped_at or step.stopped_at)
+        first = seen if seen.stopped_at else step  # the first list that stopped is the one said
+        seen = replace(step, stopped_at=first.stopped_at, ended_by_repeat=first.ended_by_repeat)
         settings.append(step.setting)
     return replace(seen, setting=" ".join(settings))
 
@@ -270,8 +274,7 @@ def _apply_visible(
             stopped = token or '""'
             break
         if match in shown and repeat_ends:
-            stopped = token
-            break
+            return Visible(setting, tuple(shown), unnamed, token, ended_by_repeat=True)
         if match in shown:  # CUDA (as torch _transform_uuid_to_ordinals): a device listed twice shows none
             return Visible(setting, (), repeated=token)
         shown.append(match)
@@ -291,6 +294,8 @@ def _visible_rules(s: Snapshot) -> list[Finding]:
         ignored = (
             f" ({v.repeated} names a GPU listed before it: CUDA then shows none)"
             if v.repeated
+            else f" ({v.stopped_at} is listed again: ROCm ends the list there)"
+            if v.ended_by_repeat
             else " (an empty list)"
             if v.stopped_at == '""'
             else f" ({v.stopped_at} names no GPU: CUDA ignores it and every id after it)"
