@@ -304,10 +304,6 @@ _RULES: dict[str, tuple[Any, str]] = {
         lambda v: v is None or (bool(v) and all(t.strip() for t in v)),
         "must name at least one module, or be null (the family's default)",
     ),
-    "lora.text_encoder_target_modules": (
-        lambda v: bool(v) and all(t.strip() for t in v),
-        "must name at least one module (the default: q_proj, k_proj, v_proj, out_proj)",
-    ),
     "dreambooth.num_class_images": (lambda v: v >= 0, "must be >= 0"),
     "dreambooth.prior_loss_weight": (lambda v: v >= 0, "must be >= 0"),
     "textual_inversion.num_vectors": (lambda v: v >= 1, "must be >= 1"),
@@ -509,7 +505,13 @@ def _cross_checks(cfg: TrainConfig, errors: list[str]) -> None:
     embedding = [
         t for t in cfg.lora.text_encoder_target_modules if t.strip().rsplit(".", 1)[-1] in EMBEDDING_MODULES
     ]
-    if cfg.method == "lora" and cfg.training.train_text_encoder and embedding:
+    reads = cfg.method == "lora" and cfg.training.train_text_encoder
+    if reads and not all(t.strip() for t in cfg.lora.text_encoder_target_modules or [""]):
+        errors.append(
+            "lora.text_encoder_target_modules: must name at least one module where the text encoders train "
+            "(the default: q_proj, k_proj, v_proj, out_proj)"
+        )
+    if reads and embedding:
         errors.append(
             f"lora.text_encoder_target_modules: {', '.join(embedding)} is an embedding layer, which no kohya, "
             "A1111 or ComfyUI LoRA file holds (LoRA adapts Linear layers: CLIP's q_proj, k_proj, v_proj, "

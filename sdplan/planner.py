@@ -2536,8 +2536,14 @@ def _oom_applies(p: MethodPoint, s: Settings) -> bool:
 
 
 def _is_the_oom(p: MethodPoint, s: Settings) -> bool:
-    """``s`` is the configuration out-of-memory point ``p`` ran, at its batch or a larger one."""
-    return p.batch <= s.batch and _memory_settings(replace(p.settings, batch=s.batch)) == _memory_settings(s)
+    """``s`` is the configuration out-of-memory point ``p`` ran, at its batch or a larger one (and its ZeRO stage,
+    which splits the state as the GPU count does: ZeRO-2 needs less than a ZeRO-1 that ran out)."""
+    stage = (p.settings.deepspeed or {}).get("zero_stage") == (s.deepspeed or {}).get("zero_stage")
+    return (
+        stage
+        and p.batch <= s.batch
+        and _memory_settings(replace(p.settings, batch=s.batch)) == _memory_settings(s)
+    )
 
 
 def _observed_oom(profiles: Profiles, s: Settings, gpu: HWGPU) -> MethodPoint | None:

@@ -1537,14 +1537,11 @@ def write_points(
     points = list(data.get("points") or [])
     index = {p.get("id"): i for i, p in enumerate(points)}
     for rec in records:
-        if (
-            rec["id"] in index
-            and not _same_board(points[index[rec["id"]]], rec)
-            and rec.get("gpu_memory_gib")
-        ):
-            # another board's point holds the id: this one's own id names its memory (so importing it again
-            # replaces it, not a third copy)
-            rec = {**rec, "id": f"{rec['id']}-{rec['gpu_memory_gib']:g}gb"}
+        if rec["id"] in index and not _same_board(points[index[rec["id"]]], rec):
+            # another board's point holds the id: this one's own id names its memory, or that it records none
+            # (so importing it again replaces it, not another copy)
+            memory_gib = rec.get("gpu_memory_gib")
+            rec = {**rec, "id": f"{rec['id']}-{memory_gib:g}gb" if memory_gib else f"{rec['id']}-nomem"}
         if rec["id"] in index and replace and _same_board(points[index[rec["id"]]], rec):
             points[index[rec["id"]]] = rec
             continue

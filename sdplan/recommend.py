@@ -921,7 +921,7 @@ def render(d: dict, res: planner.Result, console) -> None:
         # the model says it fits; a measured out of memory says not (see the reasons)
         if needs.get("observed_oom"):
             console.print(
-                "[bold red]does not fit[/]: it, or a configuration the model says needs no more memory, ran out "
+                "[bold red]does not fit[/]: it, or a configuration the model puts within 5% of its memory, ran out "
                 "of GPU memory when measured on this GPU"
             )
         elif needs.get("min_vram_bytes") is None:  # the host RAM blocks every configuration (see the reasons)

@@ -908,7 +908,7 @@ def test_a_pin_ruled_out_by_a_measured_oom_says_so_not_that_the_card_is_too_smal
     render(planner.result_dict(after), after, console)
     text = console.export_text()
     assert (
-        "does not fit: it, or a configuration the model says needs no more memory, ran out of GPU memory"
+        "does not fit: it, or a configuration the model puts within 5% of its memory, ran out of GPU memory"
         in text
     )
     # what needs more memory than what ran out (the model's own figures) is not offered as a fix

@@ -151,6 +151,10 @@ def test_hugging_faces_metadata_csv_is_read_as_its_metadata_jsonl(tmp_path):
     write(tmp_path / "metadata.csv", 'file_name,text\na.png,"a dog\nb.png,b cat\n')
     with pytest.raises(DatasetError, match="a quote is not closed"):
         scan(tmp_path)
+    # an open quote after a line strict CSV refuses, which the quote check read past
+    write(tmp_path / "metadata.csv", 'file_name,text\na.png,"a cat" on a mat\nb.png,"a dog\nc.png,a bird\n')
+    with pytest.raises(DatasetError, match="a quote is not closed"):
+        scan(tmp_path)
     # an inch mark is no quote (as pandas reads it)
     write(tmp_path / "metadata.csv", 'file_name,text\na.png,a 6" tall figurine\n')
     assert names(scan(tmp_path))["a.png"] == 'a 6" tall figurine'

@@ -617,12 +617,19 @@ def _hf_records(f: Path) -> list[tuple[int, dict[str, Any]]]:
         # caption) and a row with more fields than the header (a caption's unquoted comma cut it short) are
         # refused; a space after a comma ("file_name, text") is not part of the next column's name
         fix = 'quote a caption that holds commas or quotes ("a, b"), or move the file out of the dataset'
-        try:  # strict reading only to find a quote left open to the file's end (an inch mark reads as pandas does)
-            for _ in csv.reader(io.StringIO(text, newline=""), strict=True):
-                pass
-        except csv.Error as e:
-            if "unexpected end of data" in str(e):
-                raise DatasetError(f"{f}: a quote is not closed", fix=fix) from None
+        # strict reading only to find a quote left open to the file's end (an inch mark reads as pandas does); past
+        # any other strict error (a caption starting with a quoted word) it reads on from the next line
+        lines, start = text.splitlines(keepends=True), 0
+        while start < len(lines):
+            probe = csv.reader(io.StringIO("".join(lines[start:]), newline=""), strict=True)
+            try:
+                for _ in probe:
+                    pass
+                break
+            except csv.Error as e:
+                if "unexpected end of data" in str(e):
+                    raise DatasetError(f"{f}: a quote is not closed", fix=fix) from None
+                start += max(1, probe.line_num)
         reader = csv.DictReader(io.StringIO(text, newline=""), skipinitialspace=True)
         try:
             names = [n.strip() for n in reader.fieldnames or []]
