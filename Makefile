@@ -1,6 +1,6 @@
 # Two commands do all set-up on a fresh machine:
 #   make demo   builds .venv, installs sdplan, trains a tiny Stable Diffusion LoRA on the CPU
-#   make test   builds .venv, installs sdplan with test tools, runs lint and the whole test suite
+#   make test   builds .venv, installs sdplan with test tools, runs lint and the test suite (make test-all: every test)
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 #   make demo TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
 TORCH ?= torch==2.13.0
 
-.PHONY: demo test lint install bytecode clean
+.PHONY: demo test test-all lint install bytecode clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -45,6 +45,11 @@ lint: $(VENV)/.test-installed
 XDIST ?= -n 2 --dist worksteal
 
 test: lint bytecode
+	$(BIN)/python -m pytest -q $(XDIST) -m "not extended"
+
+# the same, with the longest runs whose ground another test covers (`extended`: DeepSpeed resumed 1 -> 2 processes,
+# beside tests/test_trainer.py's 2 -> 1): about a minute more
+test-all: lint bytecode
 	$(BIN)/python -m pytest -q $(XDIST) -m "slow or not slow"
 
 clean:

@@ -25,7 +25,9 @@ from conftest import (
 from limits import scaled
 from sdplan.trainer import checkpoint, run
 
-pytestmark = [pytest.mark.slow, pytest.mark.train, trains_in_process]
+# extended: `make test-all` runs it, `make test` (CI) does not: test_trainer.py's DeepSpeed run resumes 2 -> 1 through
+# the same universal checkpoint; this one adds the other direction and a decaying schedule with warmup
+pytestmark = [pytest.mark.slow, pytest.mark.extended, pytest.mark.train, trains_in_process]
 
 # 8 images x 2 epochs = 16, batch 2: 4 steps/epoch on one process, 2 on two. A decaying rate: DeepSpeed's load
 # wrote the checkpoint's decayed rate into the groups the resume read its configured rates from (5x too low).
