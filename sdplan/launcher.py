@@ -739,14 +739,11 @@ def check_inputs(
     # as the trainer's dataset assigns them: the epoch's batches (each bucket ends short), at the resolution it
     # trains at (the plan's: SDXL's 1024 px buckets group the images otherwise than the config's default 512)
     if cfg.data.buckets:
-        from sdplan.trainer.buckets import assign_buckets, bucket_samples, config_buckets
+        from sdplan.trainer.buckets import bucket_counts, config_buckets, sample_bucket_ids
 
         sizes, reps = [it.size for it in result.items], [it.repeats for it in result.items]
-        shapes = config_buckets(cfg.data, resolution)
-        buckets = bucket_samples(sizes, reps, shapes)
-        # as trainer/data.py CaptionedImages.bucket_ids: each item's bucket, once per repeat
-        assigned = assign_buckets([s or (1, 1) for s in sizes], shapes)
-        sample_buckets = tuple(b for b, r in zip(assigned, reps) for _ in range(max(1, r)))
+        sample_buckets = sample_bucket_ids(sizes, reps, config_buckets(cfg.data, resolution))
+        buckets = bucket_counts(sample_buckets)  # bucket_samples' counts, the images assigned once
     return InputSummary(
         bucket_samples=buckets,
         sample_buckets=sample_buckets,

@@ -119,9 +119,23 @@ def bucket_samples(
     assigns the images (an image whose size is unknown goes where an unreadable one does: as 1x1). The step
     arithmetic needs them: a batch holds one bucket's samples, so each bucket ends in a short batch
     (:func:`sdplan.steps.bucketed_batches`)."""
+    return bucket_counts(sample_bucket_ids(sizes, repeats, shapes))
+
+
+def sample_bucket_ids(
+    sizes: Sequence[tuple[int, int] | None], repeats: Sequence[int], shapes: Sequence[tuple[int, int]]
+) -> tuple[int, ...]:
+    """Each sample's bucket (each image's, once per repeat), in the dataset's order: what
+    trainer/data.py CaptionedImages.bucket_ids gives the BucketBatchSampler."""
+    assigned = assign_buckets([s or (1, 1) for s in sizes], shapes)
+    return tuple(b for b, r in zip(assigned, repeats) for _ in range(max(1, r)))
+
+
+def bucket_counts(ids: Sequence[int]) -> tuple[int, ...]:
+    """The samples of each bucket in ``ids`` (:func:`sample_bucket_ids`), largest first."""
     counts: dict[int, int] = {}
-    for b, r in zip(assign_buckets([s or (1, 1) for s in sizes], shapes), repeats):
-        counts[b] = counts.get(b, 0) + max(1, r)
+    for b in ids:
+        counts[b] = counts.get(b, 0) + 1
     return tuple(sorted(counts.values(), reverse=True))
 
 
