@@ -715,6 +715,12 @@ def _image_keys(root: Path, img: Path) -> tuple[str, ...]:
 SUSPICIOUS_REPEATS = 1000  # a kohya folder's repeats from here on look like a year or an id (2023_summer)
 
 
+def kohya_repeats(folder: Path) -> int | None:
+    """The repeats an ``N_name`` folder's name gives (kohya splits it at the first "_"); None for another name."""
+    m = KOHYA_DIR.match(folder.name)
+    return int(m.group(1)) if m else None
+
+
 def _kohya_folders(folder: Path) -> list[Path]:
     """The kohya ``N_name`` folders directly in ``folder``, sorted."""
     with contextlib.suppress(OSError):
@@ -745,7 +751,7 @@ def _kohya_project(root: Path, files: list[Path]) -> DatasetError | None:
             if d.name.startswith(".") or not d.is_dir():
                 continue
             # repeats a person gives (10_sks dog, 1_dog), not a year (2023_summer)
-            if kohya := [k for k in _kohya_folders(d) if int(KOHYA_DIR.match(k.name).group(1)) < 1000]:  # type: ignore[union-attr]
+            if kohya := [k for k in _kohya_folders(d) if kohya_repeats(k) < SUSPICIOUS_REPEATS]:  # type: ignore[operator]
                 inner[d] = kohya
     if not inner:
         return None

@@ -180,7 +180,7 @@ def _generate_class_images(
     """Fill ``class_dir`` up to ``num_class_images`` with images of ``class_prompt`` from the base model (main
     process; one seed per image so they differ; a progress bar), in the instance images' ``shapes`` (their
     aspect buckets) in proportion. The others wait."""
-    from ..dataset_scan import KOHYA_DIR, _kohya_folders, scan
+    from ..dataset_scan import _kohya_folders, kohya_repeats, scan
 
     db = cfg.dreambooth
     if class_dir.exists() and not class_dir.is_dir():  # every process: none waits for the others
@@ -198,7 +198,7 @@ def _generate_class_images(
     # prompt (data.build_class_dataset), whatever its folder's repeats.
     target = class_dir
     if scanned is not None and scanned.format == "kohya":
-        read = [f for f in _kohya_folders(class_dir) if int(KOHYA_DIR.match(f.name).group(1)) > 0]  # type: ignore[union-attr]
+        read = [f for f in _kohya_folders(class_dir) if kohya_repeats(f) > 0]  # type: ignore[operator]
         target = read[0] if read else class_dir
     missing = db.num_class_images - have
     if missing > 0 and accelerator.is_main_process:
