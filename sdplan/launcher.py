@@ -1709,9 +1709,9 @@ def prepare(req: TrainRequest, ui: UI) -> Prepared:
 
         snapshot = req.snapshot or probe(str(out.parent if not out.exists() else out))
         require_gpu(snapshot)
-        have = len(snapshot.usable_gpus)
+        have = len(runnable_gpus(snapshot))
         if req.gpus is not None and req.gpus > have:
-            raise UsageError(f"--gpus {req.gpus}: this machine has {count_of(have, 'usable GPU')}")
+            raise UsageError(f"--gpus {req.gpus}: this machine {gpus_here(snapshot)}")
     elif cfg.training.precision == "fp16":
         # fp16 autocast is a GPU feature: the trainer would train in fp32, and the run's sdplan.yaml says so.
         cfg = replace(cfg, training=replace(cfg.training, precision="fp32"))
@@ -1753,10 +1753,9 @@ def prepare(req: TrainRequest, ui: UI) -> Prepared:
 
     world = cfg.distributed.num_processes
     per_node = world // max(1, req.num_machines)
-    if snapshot is not None and per_node > len(snapshot.usable_gpus):
+    if snapshot is not None and per_node > len(runnable_gpus(snapshot)):
         raise UsageError(
-            f"distributed.num_processes {world} needs {per_node} GPUs per machine; "
-            f"this machine has {len(snapshot.usable_gpus)}",
+            f"distributed.num_processes {world} needs {per_node} GPUs per machine; this machine {gpus_here(snapshot)}",
             fix="lower distributed.num_processes (or --gpus)",
         )
     gpu_ids = (
@@ -1842,6 +1841,7 @@ def run_gpus(
     better joined (NVLink between two of four, :func:`sdplan.planner.gpu_sets`). On several machines
     the config's ids are the machine it was planned on: another node that lacks them chooses its own."""
     usable = {g.index: g for g in snapshot.usable_gpus}
+    shown = {g.index for g in runnable_gpus(snapshot)}
     ids = cfg.distributed.gpu_ids
     if ids is not None and num_machines > 1 and (len(ids) != per_node or any(i not in usable for i in ids)):
         ids = None
@@ -1852,6 +1852,11 @@ def run_gpus(
                 f"distributed.gpu_ids {ids}: this machine has no usable GPU {missing[0]} "
                 f"(it has {', '.join(map(str, usable))})",
                 fix=fix,
+            )
+        if hidden := [i for i in ids if i not in shown]:
+            raise UsageError(
+                f"distributed.gpu_ids {ids}: GPU {hidden[0]} is hidden from the run ({gpus_here(snapshot)})",
+                fix=f"unset {visible_setting(snapshot)}, or drop distributed.gpu_ids and sdplan chooses",
             )
         if len(ids) != per_node:
             raise UsageError(
@@ -1885,6 +1890,33 @@ def run_gpus(
     return named_gpu_ids(hw, sets[0]) if sets else None
 
 
+def runnable_gpus(snapshot: Any) -> tuple[Any, ...]:
+    """The usable GPUs a run here sees: where the user's CUDA_VISIBLE_DEVICES (HIP_ / ROCR_) shows some, those,
+    as `sdplan recommend` and doctor plan them (:func:`sdplan.probe.snapshot.shown_gpus`)."""
+    from sdplan.probe.snapshot import shown_gpus
+
+    shown = shown_gpus(snapshot)
+    return shown[0] if shown else snapshot.usable_gpus
+
+
+def visible_setting(snapshot: Any) -> str:
+    """The variables that choose the GPUs a run here sees ('CUDA_VISIBLE_DEVICES'), '' where none does."""
+    from sdplan.probe.snapshot import shown_gpus
+
+    shown = shown_gpus(snapshot)
+    return " and ".join(dict.fromkeys(s.split("=")[0] for s in shown[1].split() if "=" in s)) if shown else ""
+
+
+def gpus_here(snapshot: Any) -> str:
+    """'has 2 usable GPUs', or 'shows the run 1 usable GPU (CUDA_VISIBLE_DEVICES=1)'."""
+    from sdplan.probe.snapshot import shown_gpus
+
+    shown = shown_gpus(snapshot)
+    if shown is None:
+        return f"has {count_of(len(snapshot.usable_gpus), 'usable GPU')}"
+    return f"shows the run {count_of(len(shown[0]), 'usable GPU')} ({shown[1]})"
+
+
 def refuse_hidden_gpus(snapshot: Any, gpu_ids: tuple[int, ...] | None) -> None:
     """A GPU run where the user's ``CUDA_VISIBLE_DEVICES`` (or ``HIP_VISIBLE_DEVICES``) shows no GPU at all
     (``""`` or ``-1``, the usual ways to hide every GPU) is refused: the trainer would find none for a run planned
@@ -1907,7 +1939,24 @@ def refuse_hidden_gpus(snapshot: Any, gpu_ids: tuple[int, ...] | None) -> None:
 def launch_devices(snapshot: Any, gpu_ids: tuple[int, ...], ui: UI) -> dict[str, str] | None:
     """The environment that shows the trainer only ``gpu_ids`` (:meth:`sdplan.machine.Snapshot.visible_devices`);
     None where the user's own CUDA_VISIBLE_DEVICES (or HIP_ / ROCR_) already chooses, which is kept, with a note."""
+    from sdplan.machine import ENV_KEYS
+    from sdplan.probe.snapshot import shown_gpus
+
     own = {k: v for k in VISIBLE_DEVICES_ENV if (v := os.environ.get(k, "").strip())}
+    shown = shown_gpus(replace(snapshot, env={k: os.environ.get(k) for k in ENV_KEYS})) if own else None
+    if shown is not None and {g.index for g in shown[0]} == set(gpu_ids):
+        return None  # the plan's GPUs are the ones the user's setting shows: it is kept, and says which
+    if shown is not None and set(gpu_ids) < {g.index for g in shown[0]} and "ROCR_VISIBLE_DEVICES" not in own:
+        # fewer than it shows: the plan's, named by UUID or doctor's numbers (ROCr's own filter would renumber
+        # HIP's ids, so a ROCR_VISIBLE_DEVICES list is only kept)
+        env = snapshot.visible_devices(gpu_ids)
+        ui.echo(
+            f"note: {shown[1]} shows {count_of(len(shown[0]), 'GPU')}; the plan runs on "
+            + ", ".join(f"GPU {g.index} ({g.name})" for g in shown[0] if g.index in gpu_ids)
+            + ": "
+            + " ".join(f"{k}={v}" for k, v in env.items())
+        )
+        return env
     if own:
         names = ", ".join(
             f"GPU {i} ({g.name})" for i in gpu_ids for g in snapshot.usable_gpus if g.index == i

@@ -273,6 +273,10 @@ class Hardware:
     # some of them runs its all-reduce over the links among those (:func:`set_link`); link / link_gbs above are
     # the whole machine's. Catalog hardware has none: all its GPUs are joined alike.
     pair_links: tuple[tuple[int, int, str], ...] = ()
+    # a probed machine's GPUs the user's CUDA_VISIBLE_DEVICES (HIP_ / ROCR_) hides from a run here, and that
+    # setting: not planned (:func:`hardware_from_snapshot`)
+    hidden: tuple[int, ...] = ()
+    hidden_by: str = ""
 
     @property
     def count(self) -> int:
@@ -2016,9 +2020,26 @@ def hardware_from_catalog(spec: GPUSpec, count: int = 1) -> Hardware:
 
 def hardware_from_snapshot(snapshot: Any, profiles: Profiles, source: str = "probe") -> Hardware:
     """Build from a machine Snapshot (sdplan.machine): usable GPUs, their bf16 truth, links, RAM."""
+    from sdplan.probe.snapshot import shown_gpus
+
     gpus = []
     notes: list[str] = []
-    for g in snapshot.usable_gpus:
+    usable = snapshot.usable_gpus
+    hidden: list[Any] = []
+    hidden_by = ""
+    if getattr(snapshot, "env", None) and (shown := shown_gpus(snapshot)) is not None:
+        # what a run started here sees: the user's CUDA_VISIBLE_DEVICES (HIP_ / ROCR_) chose the GPUs
+        hidden, hidden_by = [g for g in usable if g not in shown[0]], shown[1]
+        if hidden:
+            names = [
+                ", ".join(f"GPU {g.index} ({g.name or 'unnamed'})" for g in gs) for gs in (shown[0], hidden)
+            ]
+            notes.append(
+                f"{shown[1]} shows only {names[0]}: {names[1]} {'is' if len(hidden) == 1 else 'are'} not "
+                "planned (unset it to plan for every GPU)"
+            )
+        usable = tuple(g for g in usable if g in shown[0])
+    for g in usable:
         spec = profiles.gpu_or_none(g.name, g.memory_total_bytes)
         if spec is None:  # never another GPU's entry: its own memory, and no speed to scale from
             notes.append(
@@ -2074,6 +2095,8 @@ def hardware_from_snapshot(snapshot: Any, profiles: Profiles, source: str = "pro
         notes=tuple(notes),
         host=profiles.host if source == "probe" else None,
         pair_links=pair_links,
+        hidden=tuple(g.index for g in hidden),
+        hidden_by=hidden_by if hidden else "",
     )
 
 
@@ -3608,7 +3631,13 @@ def pin_conflicts(req: Request, hw: Hardware) -> list[str]:
     if ids is not None:
         by_index = {g.index: g for g in hw.gpus}
         have = ", ".join(str(g.index) for g in hw.gpus)
-        if missing := [i for i in ids if i not in by_index]:
+        if (missing := [i for i in ids if i not in by_index]) and missing[0] in hw.hidden:
+            out.append(
+                f"distributed.gpu_ids={list(ids)}: GPU {missing[0]} is hidden from the run ({hw.hidden_by} "
+                f"is set; it shows GPU{'s' if len(hw.gpus) > 1 else ''} {have}): unset "
+                f"{hw.hidden_by.split('=')[0]} to train on it"
+            )
+        elif missing:
             out.append(
                 f"distributed.gpu_ids={list(ids)}: this hardware has no GPU {missing[0]} (it has "
                 f"GPU{'s' if len(hw.gpus) > 1 else ''} {have}; `sdplan doctor` numbers them)"

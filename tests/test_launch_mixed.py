@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import fake_diffusers_folder, make_images
-from test_planner_mixed import RTX2080TI, RTX3060, RTX4090, machine
+from test_planner_mixed import RTX2080TI, RTX3060, RTX3090, RTX4090, machine
 
 from sdplan import config as C
 from sdplan.errors import UsageError
@@ -216,3 +216,75 @@ def test_rocr_visible_devices_set_empty_hides_amd_gpus_from_the_trainer(
     monkeypatch.setenv("HIP_VISIBLE_DEVICES", "0")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "-1")  # HIP's value wins: GPU 0 is shown
     prepared(tmp_path / "b", model, dataset, amd)
+
+
+def _shown(monkeypatch, snap, **env: str):
+    """The machine as probed with these visibility variables set: in its snapshot, as `probe` reads them, and in
+    the environment the trainer is launched from."""
+    from dataclasses import replace
+
+    for k in ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    return replace(snap, env={**snap.env, **env})
+
+
+def test_train_plans_for_the_gpus_the_users_visible_devices_show(tmp_path, model, dataset, monkeypatch):
+    """CUDA_VISIBLE_DEVICES=1 on a machine with an RTX 4090 (GPU 0) and an RTX 3060 (GPU 1): the run trains on
+    the 3060. It was planned for the 4090 (its 24 GiB and speed), then launched on the 3060 with a note."""
+    lines: list[str] = []
+    snap = _shown(monkeypatch, machine(RTX4090, RTX3060), CUDA_VISIBLE_DEVICES="1", **PCI)
+    p, launch = prepared(tmp_path, model, dataset, snap, lines=lines)
+    assert p.plan["plan"]["gpu_ids"] in ([1], None) and p.devices is None  # the user's own setting is kept
+    assert p.plan["hardware"]["gpus"][0]["name"] == RTX3060["name"] and len(p.plan["hardware"]["gpus"]) == 1
+    assert "CUDA_VISIBLE_DEVICES" not in launch.env
+    assert not any("may not be" in line for line in lines)
+
+
+def test_train_narrows_the_users_visible_devices_to_the_planned_gpus(tmp_path, model, dataset, monkeypatch):
+    """Fewer GPUs planned than the user's setting shows: the plan's, by UUID (within what the user chose)."""
+    snap = _shown(monkeypatch, machine(RTX4090, RTX3060, RTX3090), CUDA_VISIBLE_DEVICES="1,2", **PCI)
+    lines: list[str] = []
+    p, launch = prepared(tmp_path, model, dataset, snap, lines=lines, gpus=1)
+    assert p.cfg.distributed.gpu_ids == [2]  # the RTX 3090 of the two it shows, never the hidden RTX 4090
+    assert launch.env["CUDA_VISIBLE_DEVICES"] == RTX3090["uuid"]
+    assert any(
+        line.startswith(
+            "note: CUDA_VISIBLE_DEVICES=1,2 shows 2 GPUs; the plan runs on GPU 2 (NVIDIA GeForce RTX 3090)"
+        )
+        for line in lines
+    )
+
+
+def test_gpu_counts_and_ids_count_only_the_gpus_shown(tmp_path, model, dataset, monkeypatch):
+    snap = _shown(monkeypatch, machine(RTX4090, RTX4090), CUDA_VISIBLE_DEVICES="1")
+    with pytest.raises(
+        UsageError, match=r"--gpus 2: this machine shows the run 1 usable GPU \(CUDA_VISIBLE_DEV"
+    ):
+        prepared(tmp_path / "a", model, dataset, snap, gpus=2)
+    with pytest.raises(UsageError, match=r"GPU 0 is hidden from the run") as e:
+        prepared(tmp_path / "b", model, dataset, snap, overrides=["distributed.gpu_ids=[0]"])
+    assert "unset CUDA_VISIBLE_DEVICES" in str(e.value) + (e.value.fix or "")
+
+
+def test_doctor_and_recommend_plan_the_gpus_shown():
+    from dataclasses import replace
+
+    from sdplan.doctor import planner_verdicts
+    from sdplan.planner import hardware_from_snapshot
+    from sdplan.profiles import load_profiles
+
+    snap = machine(RTX4090, RTX3060)
+    shown = replace(snap, env={**snap.env, "CUDA_VISIBLE_DEVICES": "1", **PCI})
+    hw = hardware_from_snapshot(shown, load_profiles())
+    assert [g.index for g in hw.gpus] == [1]
+    assert any("CUDA_VISIBLE_DEVICES=1 shows only GPU 1" in n and "GPU 0" in n for n in hw.notes)
+    both, one = planner_verdicts(snap), planner_verdicts(shown)
+    # SD3.5 Medium's DreamBooth fits the 4090 (GPU 0), not the 12 GiB RTX 3060 the run is shown
+    assert {(v.method, v.family): v.status for v in both}[("dreambooth", "sd35-medium")] == "ok"
+    assert {(v.method, v.family): v.status for v in one}[("dreambooth", "sd35-medium")] == "no"
+    assert not any(v.note.endswith("on GPU 0") for v in one)
+    # CUDA's default order on GPUs that differ counts fastest first: doctor cannot tell which, so every GPU counts
+    unsure = replace(snap, env={**snap.env, "CUDA_VISIBLE_DEVICES": "1"})
+    assert len(hardware_from_snapshot(unsure, load_profiles()).gpus) == 2

@@ -1030,8 +1030,9 @@ def test_visible_devices_unset_or_showing_every_gpu_say_nothing():
 
 def test_visible_devices_that_hide_some_gpus_name_what_the_run_sees():
     (f,) = _visible(load("2x_rtx4090_pcie"), CUDA_VISIBLE_DEVICES="1")
-    assert (f.severity, f.code) == ("warning", "visible_devices_some")
+    assert (f.severity, f.code) == ("info", "visible_devices_some")  # the plans follow it
     assert "shows the run only GPU 1 (NVIDIA GeForce RTX 4090)" in f.message
+    assert "plan only the GPUs it shows" in f.message
     assert "hides GPU 0 (NVIDIA GeForce RTX 4090)" in f.message
     # CUDA stops at the first id that names no GPU: "0,5,1" shows GPU 0 only
     (f,) = _visible(load("2x_rtx4090_pcie"), CUDA_VISIBLE_DEVICES="0,5,1")

@@ -236,6 +236,25 @@ def visible_gpus(s: Snapshot, vendor: str) -> Visible | None:
     return replace(seen, setting=" ".join(settings))
 
 
+def shown_gpus(s: Snapshot) -> tuple[tuple[GPU, ...], str] | None:
+    """The usable GPUs a run started here sees, and the setting that shows them (``CUDA_VISIBLE_DEVICES=1``),
+    where a visibility variable restricts them and doctor can name every GPU it shows; None where none does.
+    A vendor's GPUs all count where its variable shows none of them (a GPU run here is refused: `sdplan train`)
+    or shows a device doctor cannot name (a MIG device, an index in CUDA's fastest-first order); doctor says
+    which (:func:`_visible_rules`)."""
+    usable = s.usable_gpus
+    out: list[GPU] = []
+    said: list[str] = []
+    for vendor in dict.fromkeys(g.vendor for g in usable):
+        v = visible_gpus(s, vendor)
+        if v is None or v.unnamed or not v.gpus:
+            out += [g for g in usable if g.vendor == vendor]
+            continue
+        out += [g for g in v.gpus if g in usable]
+        said.append(v.setting)
+    return (tuple(out), " ".join(said)) if said else None
+
+
 def _apply_visible(
     setting: str, value: str, gpus: list[GPU], *, fastest_first: bool, repeat_ends: bool = False
 ) -> Visible:
@@ -340,12 +359,12 @@ def _visible_rules(s: Snapshot) -> list[Finding]:
         elif hidden or v.stopped_at:
             out.append(
                 Finding(
-                    "warning",
+                    "info",
                     "visible_devices_some",
                     f"{v.setting} shows the run only {_gpu_list(v.gpus)} of the {what}{ignored}; "
-                    f"it hides {_gpu_list(hidden)}, which doctor's plans count",
-                    f"unset {v.setting.split('=')[0]} to train on every GPU "
-                    "(`sdplan train` keeps it and runs on the GPUs it shows)",
+                    f"it hides {_gpu_list(hidden)}: the verdicts below, `sdplan recommend` and `sdplan train` "
+                    "plan only the GPUs it shows",
+                    f"unset {v.setting.split('=')[0]} to plan and train on every GPU",
                 )
                 if hidden
                 else Finding(
