@@ -127,6 +127,18 @@ EMBEDDING_MODULES = frozenset(
 )
 
 
+# UNet modules outside kohya sd-scripts' LoRA module classes (networks/lora.py LoRANetwork: Transformer2DModel,
+# and with conv layers ResnetBlock2D, Downsample2D, Upsample2D): its loader makes no LoRA module for them and
+# drops their keys without a word (load_state_dict with strict=False). ComfyUI and A1111 read them.
+KOHYA_UNREAD_UNET = frozenset(
+    {"conv_in", "conv_out", "time_embedding", "add_embedding", "linear_1", "linear_2"}
+)
+# OpenCLIP's attention (SD 2.x's text encoder, SDXL's second) is one nn.MultiheadAttention in A1111, which adds a
+# LoRA to it only where q_proj, k_proj, v_proj and out_proj all have one (extensions-builtin/Lora/networks.py
+# network_apply_weights); fewer are skipped there
+A1111_MHA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "out_proj")
+
+
 @dataclass
 class LoraConfig:
     rank: int = 16
@@ -496,6 +508,34 @@ def bucket_problems(data: DataConfig) -> list[str]:
         f"half the resolution, data.bucket_min_size's default); set data.bucket_min_size to {given_max} or less, "
         f"or data.bucket_max_size to {lo} or more"
     ]
+
+
+def loader_notes(cfg: TrainConfig, family: str | None) -> list[str]:
+    """What the tools that read a LoRA file leave out of this config's (SD 1.x, 2.x, SDXL): UNet targets kohya's
+    loader drops (:data:`KOHYA_UNREAD_UNET`), and text-encoder attention A1111 skips unless all four projections
+    are targets (:data:`A1111_MHA_PROJECTIONS`). Notes, not errors: the diffusers file and ComfyUI keep them."""
+    if cfg.method != "lora" or family not in ("sd15", "sd21", "sdxl"):
+        return []
+    out = []
+    unread = [t for t in cfg.lora.target_modules or () if KOHYA_UNREAD_UNET & set(t.strip().split("."))]
+    if unread and cfg.output.save_kohya:
+        out.append(
+            f"lora.target_modules {', '.join(unread)}: kohya sd-scripts' LoRA loader has no module for "
+            f"{'this layer' if len(unread) == 1 else 'these layers'} and drops {'its' if len(unread) == 1 else 'their'} "
+            "weights without a warning (ComfyUI, A1111 and diffusers read them)"
+        )
+    if cfg.training.train_text_encoder and family in ("sd21", "sdxl") and cfg.output.save_kohya:
+        named = {t.strip().rsplit(".", 1)[-1] for t in cfg.lora.text_encoder_target_modules}
+        some = [p for p in A1111_MHA_PROJECTIONS if p in named]
+        if some and len(some) < len(A1111_MHA_PROJECTIONS):
+            which = "SDXL's second text encoder" if family == "sdxl" else "the text encoder"
+            out.append(
+                f"lora.text_encoder_target_modules has {', '.join(some)} without "
+                f"{', '.join(p for p in A1111_MHA_PROJECTIONS if p not in some)}: A1111 applies LoRA to "
+                f"{which}'s attention only with all four, so it skips {'this' if len(some) == 1 else 'these'} "
+                "there (ComfyUI, kohya and diffusers read them)"
+            )
+    return out
 
 
 def _cross_checks(cfg: TrainConfig, errors: list[str]) -> None:

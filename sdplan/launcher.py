@@ -1770,6 +1770,8 @@ def prepare(req: TrainRequest, ui: UI) -> Prepared:
         raise registry.not_supported(cfg.method, family)  # as recommend says it: before anything is written
     if not cfg.model.family and (problems := C.family_problems(cfg, family)):  # found in the model's files
         raise C.ConfigError(source, problems)
+    for note in C.loader_notes(cfg, family):
+        ui.echo(f"note: {note}")
     if refusal := quantized_base_refusal(cfg, family, snapshot, gpu_ids):
         raise UsageError(refusal)
     if refusal := block_swap_refusal(cfg, family):

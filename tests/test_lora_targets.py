@@ -243,3 +243,51 @@ def test_a_resume_of_a_detected_flow_family_compares_targets_on_the_checkpoints_
     with pytest.raises(UsageError, match="lora.target_modules is null .the family's default: attn.to_k"):
         check_resume_settings(cfg(None), cfg(ATTN_OTHER_ORDER), family="flux-dev")
     check_resume_settings(cfg(None), cfg(None), family="flux-dev")
+
+
+def _lora_cfg(**sections) -> C.TrainConfig:
+    data = C.default_config()
+    data["method"] = "lora"
+    for name, values in sections.items():
+        data[name].update(values)
+    return C.validate(data)
+
+
+def test_unet_targets_kohyas_loader_drops_are_noted():
+    """kohya sd-scripts' loader builds LoRA modules only inside Transformer2DModel / ResnetBlock2D / Down- and
+    Upsample2D (networks/lora.py) and loads with strict=False: conv_in's weights vanish from the kohya file there
+    without a word, where ComfyUI and A1111 apply them."""
+    cfg = _lora_cfg(
+        lora={"target_modules": ["to_q", "to_k", "to_v", "to_out.0", "conv_in", "time_embedding.linear_1"]}
+    )
+    (note,) = C.loader_notes(cfg, "sdxl")
+    assert note.startswith(
+        "lora.target_modules conv_in, time_embedding.linear_1: kohya sd-scripts' LoRA loader"
+    )
+    assert (
+        C.loader_notes(_lora_cfg(lora={"target_modules": ["to_q", "conv1", "time_emb_proj"]}), "sd15") == []
+    )
+    # not written as a kohya file, or a family whose kohya loader is another (FLUX.1): nothing to say
+    off = _lora_cfg(lora={"target_modules": ["conv_in"]}, output={"save_kohya": False})
+    assert C.loader_notes(off, "sdxl") == [] and C.loader_notes(cfg, "flux-dev") == []
+
+
+def test_text_encoder_attention_a1111_skips_is_noted():
+    """A1111 adds LoRA to OpenCLIP's nn.MultiheadAttention (SD 2.x, SDXL's second encoder) only with q, k, v and
+    out all present (extensions-builtin/Lora/networks.py): q_proj and v_proj alone are skipped there."""
+    some = {"train_text_encoder": True}
+    cfg = _lora_cfg(training=some, lora={"text_encoder_target_modules": ["q_proj", "v_proj", "fc1"]})
+    (note,) = C.loader_notes(cfg, "sdxl")
+    assert "q_proj, v_proj without k_proj, out_proj" in note and "SDXL's second text encoder" in note
+    assert "the text encoder's attention" in C.loader_notes(cfg, "sd21")[0]
+    assert (
+        C.loader_notes(cfg, "sd15") == []
+    )  # CLIP-L's projections are Linear layers A1111 patches one by one
+    full = _lora_cfg(
+        training=some, lora={"text_encoder_target_modules": ["q_proj", "k_proj", "v_proj", "out_proj"]}
+    )
+    mlp = _lora_cfg(training=some, lora={"text_encoder_target_modules": ["fc1", "fc2"]})
+    assert C.loader_notes(full, "sdxl") == [] == C.loader_notes(mlp, "sdxl")
+    assert (
+        C.loader_notes(_lora_cfg(lora={"text_encoder_target_modules": ["q_proj"]}), "sdxl") == []
+    )  # TE frozen
