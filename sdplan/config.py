@@ -426,11 +426,17 @@ def planned_sampling(cfg: TrainConfig) -> dict[str, Any]:
     missing = 0
     if on and wanted:
         from sdplan.errors import DatasetError
-        from sdplan.trainer.dataset_scan import scan
+        from sdplan.trainer.dataset_scan import KohyaProjectError, scan
 
         try:
             folder = Path(expand_user(class_folder(cfg), "dreambooth.class_data"))
-            found = len(scan(folder, verify="header").items) if folder.is_dir() else 0
+            found = (
+                len(scan(folder, verify="header", setting="dreambooth.class_data").items)
+                if folder.is_dir()
+                else 0
+            )
+        except KohyaProjectError:
+            raise  # the folder to name instead: said before any model loads
         except (
             DatasetError,
             UsageError,

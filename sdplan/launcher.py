@@ -664,7 +664,14 @@ def check_inputs(
     hold is checked on the hub; ``dry_run``: where the hub cannot be asked, it is planned from its name, and
     said (a run would fail there: it is refused). ``planned_resolution``: the plan picks the resolution (none
     given): the model's own, which the images are measured against."""
-    from sdplan.trainer.dataset_scan import require_images, scan_data, small_images_note, uncaptioned_note
+    from sdplan.trainer.dataset_scan import (
+        KohyaProjectError,
+        require_images,
+        scan,
+        scan_data,
+        small_images_note,
+        uncaptioned_note,
+    )
     from sdplan.trainer.models import PICKLE_SUFFIXES, HubUnreachable, resolve_source
     from sdplan.trainer.source_check import check_source, single_file_configs
 
@@ -673,6 +680,17 @@ def check_inputs(
         result = require_images(scan_data(cfg.data, verify=True))
     except SdplanError as e:
         dataset_error = e
+    if dataset_error is None and C.prior_preservation(cfg)[0] and cfg.dreambooth.class_data:
+        # a kohya project as the class folder: the folder to name instead, before any model loads (the trainer
+        # says what else is wrong with it; short, it is generated into)
+        try:
+            folder = Path(C.expand_user(cfg.dreambooth.class_data, "dreambooth.class_data"))
+            if folder.is_dir():
+                scan(folder, setting="dreambooth.class_data")
+        except KohyaProjectError as e:
+            dataset_error = e
+        except (SdplanError, OSError):
+            pass
     try:
         source = resolve_source(cfg.model.path)
         if source.kind == "file" and source.location.lower().endswith(PICKLE_SUFFIXES):

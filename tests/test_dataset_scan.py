@@ -278,6 +278,19 @@ def test_a_kohya_project_folder_is_refused_naming_its_image_folder(tmp_path):
     assert e.value.fix == f"pass --dataset {tmp_path / 'img'} instead"
 
 
+def test_a_kohya_project_folder_as_class_data_names_its_reg_folder(tmp_path):
+    """The same project given as dreambooth.class_data said "pass --dataset .../img", the instance folder."""
+    img(tmp_path / "img" / "10_sks dog" / "a.png")
+    img(tmp_path / "reg" / "1_dog" / "r.png")
+    (tmp_path / "model").mkdir()
+    with pytest.raises(DatasetError) as e:
+        scan(tmp_path, setting="dreambooth.class_data")
+    assert e.value.message.startswith(
+        f"dreambooth.class_data {tmp_path} holds no kohya N_name folder, but reg/"
+    )
+    assert e.value.fix == f"set dreambooth.class_data={tmp_path / 'reg'} instead"
+
+
 def test_a_folder_of_photos_with_dated_subfolders_stays_flat(tmp_path):
     """photos/2023_summer looks like a kohya N_name folder one level down: a flat dataset with its own images, or
     without kohya_ss's project folders (img/, reg/, log/, model/), was refused as a kohya project."""

@@ -121,3 +121,24 @@ def test_class_data_that_is_a_file_is_one_error_not_a_traceback(tmp_path):
     with pytest.raises(DatasetError, match=r"class_data .*dog\.png is a file, not a folder"):
         # it reached class_dir.mkdir(): FileExistsError, a traceback after the model had loaded
         _generate_class_images(SimpleNamespace(is_main_process=True), None, cfg, photo, {(64, 64): 1})
+
+
+def test_a_kohya_project_as_class_data_is_refused_before_any_model_loads(tmp_path, tiny_sd15):
+    """kohya_ss's project folder given as dreambooth.class_data failed in the trainer, after the models loaded,
+    naming --dataset (the instance folder) as the fix."""
+    for f in ("ds/a.png", "proj/img/10_sks dog/b.png", "proj/reg/1_dog/c.png"):
+        (tmp_path / f).parent.mkdir(parents=True, exist_ok=True)
+        picture(tmp_path / f)
+    out = tmp_path / "run"
+    result = CliRunner().invoke(
+        app,
+        [
+            "train", "--method", "dreambooth", "--model", str(tiny_sd15), "--dataset", str(tmp_path / "ds"),
+            "--out", str(out), "--dry-run", "training.device=cpu", "dreambooth.with_prior_preservation=true",
+            f"dreambooth.class_data={tmp_path / 'proj'}", "dreambooth.class_prompt=dog",
+        ],
+    )  # fmt: skip
+    one_line_error(
+        result, 2, "a kohya project folder", f"set dreambooth.class_data={tmp_path / 'proj' / 'reg'}"
+    )
+    assert not out.exists()

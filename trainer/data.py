@@ -367,7 +367,7 @@ def build_class_dataset(
         )
     if not db.class_prompt:
         raise DatasetError("dreambooth.class_prompt is not set", fix="set it, e.g. 'a photo of a dog'")
-    result = require_images(scan(db.class_data, verify=verify))
+    result = require_images(scan(db.class_data, verify=verify, setting="dreambooth.class_data"))
     items = [Item(it.path, db.class_prompt, None, 1, None, it.size) for it in result.items]
     if db.num_class_images > 0:
         items = items[: db.num_class_images]

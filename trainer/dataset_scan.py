@@ -197,6 +197,7 @@ def scan(
     repeats: int = 1,
     metadata: MetadataConfig | None = None,
     verify: bool | str = False,
+    setting: str = "--dataset",
 ) -> Scan:
     """Find the images under ``root`` and their captions (see the module doc for the layouts).
 
@@ -229,7 +230,7 @@ def scan(
         result = _scan_metadata(root, files, records, repeats, metadata, cap_ext)
     elif _kohya_folders(root):
         result = _scan_kohya(root, files, cap_ext)
-    elif project := _kohya_project(root, files):
+    elif project := _kohya_project(root, files, setting):
         raise project
     else:
         result = Scan(root, "flat")
@@ -736,7 +737,11 @@ _PROJECT_OTHER_DIRS = ("log", "logs", "model", "models", "output")
 _REG_DIR = re.compile(r"(?i)(^|[_\- ])(reg|regs|regularization|regularisation)([_\- ]|$)")
 
 
-def _kohya_project(root: Path, files: list[Path]) -> DatasetError | None:
+class KohyaProjectError(DatasetError):
+    """A kohya project folder given where its image (or class image) folder belongs."""
+
+
+def _kohya_project(root: Path, files: list[Path], setting: str = "--dataset") -> DatasetError | None:
     """A kohya project folder given as the dataset (kohya_ss makes ``img/10_sks dog``, ``reg/1_dog``, ``log/``,
     ``model/``): no image and no ``N_name`` folder of its own, some one level down in a folder named as kohya_ss
     names them (or beside its log/ and model/). Scanned flat, its class images trained as instance images,
@@ -744,7 +749,9 @@ def _kohya_project(root: Path, files: list[Path]) -> DatasetError | None:
     the folder to pass instead, and a regularization folder as dreambooth.class_data. A folder of the user's own
     photos with a subfolder of dated ones (photos/2023_summer, images/2023_summer: a year is no count of repeats)
     or of people (family_greg/Greg/2019_christmas: "reg" only as a word) stays flat, as it was read before; a
-    project with a cover image at its root (img/, reg/ and log/ beside it) is still one."""
+    project with a cover image at its root (img/, reg/ and log/ beside it) is still one. ``setting``: what the
+    folder was given as (``--dataset``; ``dreambooth.class_data``, where the project's reg/ folder is the one to
+    name)."""
     inner = {}
     with contextlib.suppress(OSError):
         for d in sorted(root.iterdir()):
@@ -766,6 +773,14 @@ def _kohya_project(root: Path, files: list[Path]) -> DatasetError | None:
     reg = [d for d in inner if _REG_DIR.search(d.name)]  # kohya_ss's reg/, reg_data, regularization ...
     train = [d for d in inner if d not in reg] or reg[:1]
     reg = [d for d in reg if d not in train]
+    if setting != "--dataset":  # class images: the project's regularization folder
+        first = (reg or train)[0]
+        return KohyaProjectError(
+            f"{setting} {root} holds no kohya N_name folder, but {first.name}/ holds "
+            f"{count_of(len(inner[first]), 'such folder')} ({inner[first][0].name}): a kohya project folder, "
+            "not its class image folder",
+            fix=f"set {setting}={shlex.quote(str(first))} instead",
+        )
     first = train[0]
     also = f" (or {', '.join(shlex.quote(str(d)) for d in train[1:])})" if len(train) > 1 else ""
     fix = f"pass --dataset {shlex.quote(str(first))}{also} instead"
@@ -777,7 +792,7 @@ def _kohya_project(root: Path, files: list[Path]) -> DatasetError | None:
             f"; {reg[0].name}/ holds class (regularization) images, which sdplan reads with --method dreambooth "
             + " ".join(map(shlex.quote, settings))
         )
-    return DatasetError(
+    return KohyaProjectError(
         f"dataset folder {root} holds no kohya N_name folder, but {first.name}/ holds "
         f"{count_of(len(inner[first]), 'such folder')} ({inner[first][0].name}): a kohya project folder, "
         "not its image folder",

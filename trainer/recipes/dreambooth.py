@@ -188,7 +188,7 @@ def _generate_class_images(
             f"dreambooth.class_data {class_dir} is a file, not a folder",
             fix="set it to a folder for the class images (generated there when short)",
         )
-    scanned = scan(class_dir, verify=True) if class_dir.is_dir() else None
+    scanned = scan(class_dir, verify=True, setting="dreambooth.class_data") if class_dir.is_dir() else None
     found = scanned.items if scanned is not None else []
     have = len(found)
     # a kohya class folder (reg/ holding 1_dog/) reads its N_name folders only: images written beside them were
