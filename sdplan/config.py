@@ -546,6 +546,13 @@ def loader_notes(cfg: TrainConfig, family: str | None) -> list[str]:
 
 def _cross_checks(cfg: TrainConfig, errors: list[str]) -> None:
     ds = cfg.distributed.deepspeed
+    if cfg.training.lr_warmup_steps and cfg.training.lr_scheduler == "constant":
+        # diffusers' get_scheduler drops num_warmup_steps for "constant" (optimization.py); kohya refuses it
+        errors.append(
+            f"training.lr_warmup_steps: {cfg.training.lr_warmup_steps} with training.lr_scheduler constant, which "
+            "has no warmup (the full rate from the first step); set training.lr_scheduler=constant_with_warmup, "
+            "or training.lr_warmup_steps=0"
+        )
     # where the trainer reads it (a LoRA training its text encoders): checked again on the model's modules
     # (runtime.add_lora_adapters), here before the models load
     embedding = [

@@ -468,3 +468,18 @@ def test_an_embedding_layer_as_a_text_encoder_target_is_refused_before_anything_
     for unread in (["q_proj", "token_embedding"], []):
         data["lora"]["text_encoder_target_modules"] = unread
         assert config.validate(data)
+
+
+def test_warmup_with_the_constant_scheduler_is_refused():
+    """diffusers' get_scheduler drops num_warmup_steps for "constant" (optimization.py): the run trained at the
+    full rate from step 1 while its plan line said "warmup 2". kohya refuses the pair too."""
+    data = config.default_config()
+    data["training"]["lr_warmup_steps"] = 2
+    with pytest.raises(ConfigError) as info:
+        config.validate(data)
+    assert any(
+        e.startswith("training.lr_warmup_steps: 2 with training.lr_scheduler constant")
+        for e in info.value.errors
+    )
+    data["training"]["lr_scheduler"] = "constant_with_warmup"
+    assert config.validate(data).training.lr_warmup_steps == 2
