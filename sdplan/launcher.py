@@ -608,6 +608,55 @@ def _validate_given(base: dict[str, Any], req: TrainRequest, out: Path, source: 
     return cfg
 
 
+def drop_a_stale_plan(
+    cfg: C.TrainConfig, base: dict[str, Any], source: str, req: TrainRequest, ui: UI
+) -> C.TrainConfig:
+    """A config `sdplan recommend --out` wrote, trained with flags or key=value settings that change what it
+    planned (sdplan.settings.CONFIG_KEYS: the batch, the memory savers, the GPUs ...): its ``plan:`` record (the
+    peak, the time, the steps) is of other settings, and went into every output's metadata; its
+    ``training.max_steps``, the planned step count, changed the run's length with the batch. Both are dropped,
+    and the note says these settings are not checked for fit (`sdplan recommend` with the same key=value
+    settings plans around them)."""
+    from sdplan.settings import CONFIG_KEYS, get_key
+
+    try:
+        planned = C.validate(base, source=source).to_dict()
+    except SdplanError:
+        return cfg
+    now = cfg.to_dict()
+    keys = [*CONFIG_KEYS.values(), "ema.enabled", "ema.device", "data.buckets", "data.repeats"]
+    changed = [k for k in keys if get_key(planned, k) != get_key(now, k)]
+    if not changed:
+        return cfg
+    said = ", ".join(
+        f"{k} {_value_text(get_key(now, k))} (planned {_value_text(get_key(planned, k))})" for k in changed
+    )
+    typed = req.max_steps is not None or "training.max_steps" in C.override_keys(req.overrides)
+    steps = (cfg.plan or {}).get("steps") or {}
+    planned_steps = (steps.get("total_steps") or 0) * max(
+        1, get_key(planned, "distributed.num_processes") or 1
+    )
+    drop_steps = not typed and cfg.training.max_steps is not None and cfg.training.max_steps == planned_steps
+    ui.echo(
+        f"note: {said}: the plan in {source} was made for other settings, so its estimate is dropped"
+        + (
+            f" and its planned training.max_steps {cfg.training.max_steps} too (the run trains its epochs)"
+            if drop_steps
+            else ""
+        )
+        + "; whether these settings fit is not checked (`sdplan recommend` with the same key=value settings plans "
+        "around them)"
+    )
+    cfg.plan = None
+    if drop_steps:
+        cfg = replace(cfg, training=replace(cfg.training, max_steps=None))
+    return cfg
+
+
+def _value_text(value: Any) -> str:
+    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+
+
 def read_yaml_config(path: Path) -> dict[str, Any]:
     """A config file as data; ConfigError when missing or not YAML (validation comes after overrides)."""
     data = C.read_config_file(path)
@@ -976,6 +1025,14 @@ def describe(
         + f" = {count_of(steps['images_per_step'], 'image')} per optimizer step",
         f"memory savers: {', '.join(savers) if savers else 'none needed'}; optimizer {m.optimizer}",
     ]
+    prior, class_images = C.prior_preservation(cfg)
+    if prior and class_images:  # as recommend says it: the class images ride in each batch
+        short = C.planned_sampling(cfg)["class_images_to_generate"]
+        lines.append(
+            f"prior preservation: {count_of(class_images, 'class image')} trained alongside, "
+            f"{t.batch_size} in each batch beside the instance images (batch doubled)"
+            + (f"; {short} the class folder lacks are generated before the first step" if short else "")
+        )
     if t.max_steps:
         by_epochs = config_steps(
             replace(cfg, training=replace(t, max_steps=None)),
@@ -1655,6 +1712,8 @@ def prepare(req: TrainRequest, ui: UI) -> Prepared:
 
     # 2. The config validates (unknown keys, wrong types) before anything else is looked at.
     cfg = _validate_given(base, req, out, source)
+    if config_path is not None and not req.resume and cfg.plan:
+        cfg = drop_a_stale_plan(cfg, base, source, req, ui)
 
     # 3. The --out rule (the demo checked it before building its model and dataset there).
     from sdplan.runfolder import check_free

@@ -379,3 +379,73 @@ def train_request_plan(tmp: Path, machine: Path, pins: tuple[str, ...], **flags)
         **flags,
     )
     return prepare(req, UI(echo=lambda line: None))
+
+
+def test_a_plans_config_trained_with_other_settings_drops_its_stale_plan(tmp_path, machines, dataset):
+    """`train --config OUT/sdplan.yaml training.batch_size=2`: the run kept the plan's record (batch 4, its peak
+    and time) in its sdplan.yaml and every output's metadata, and its planned training.max_steps, so the smaller
+    batch trained fewer images than the epochs asked. Both are dropped, with a note; unchanged, both stay."""
+    from sdplan.launcher import UI, TrainRequest, prepare
+
+    model = fake_model(tmp_path / "model", "sd15")
+    out = tmp_path / "recommended"
+    args = ["recommend", "--method", "lora", "--model", str(model), "--machine", str(machines["rtx4090"])]
+    args += ["--dataset", str(dataset), "--epochs", str(EPOCHS), "--out", str(out), "training.batch_size=4"]
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 0, r.output
+    written = yaml.safe_load((out / "sdplan.yaml").read_text())
+    assert written["training"]["max_steps"] == 12  # 13 images at batch 4: 4 steps x 3 epochs
+    config = str(out / "sdplan.yaml")
+
+    def train(name, *overrides):
+        lines: list[str] = []
+        req = TrainRequest(
+            config=config,
+            out=str(tmp_path / name),
+            snapshot=Snapshot.load(machines["rtx4090"]),
+            yes=True,
+            overrides=list(overrides),
+        )
+        return prepare(req, UI(echo=lines.append)), lines
+
+    same, lines = train("same")
+    assert same.cfg.plan is not None and same.cfg.training.max_steps == 12
+    assert not any("was made for other settings" in line for line in lines)
+    smaller, lines = train("smaller", "training.batch_size=2")
+    (note,) = [line for line in lines if "was made for other settings" in line]
+    assert note.startswith("note: training.batch_size 2 (planned 4): the plan in ")
+    assert "planned training.max_steps 12 too" in note and "not checked" in note
+    assert smaller.cfg.plan is None and smaller.cfg.training.max_steps is None
+    assert smaller.steps["total_steps"] == 7 * EPOCHS  # the epochs asked for, at batch 2
+    # a max_steps the user gives stays
+    capped, _ = train("capped", "training.batch_size=2", "training.max_steps=5")
+    assert capped.cfg.training.max_steps == 5 and capped.cfg.plan is None
+
+
+def test_train_says_the_class_images_of_prior_preservation_as_recommend_does(tmp_path, machines, dataset):
+    """recommend said "20 class images are trained alongside (batch doubled)" and how many are generated first;
+    train's plan lines said "2 images per optimizer step" and neither."""
+    from sdplan.launcher import UI, TrainRequest, describe, prepare
+
+    classes = make_images(tmp_path / "cls", n=6)
+    req = TrainRequest(
+        method="dreambooth",
+        model=str(fake_model(tmp_path / "model", "sd15")),
+        dataset=str(dataset),
+        out=str(tmp_path / "run"),
+        snapshot=Snapshot.load(machines["rtx4090"]),
+        yes=True,
+        overrides=[
+            "dreambooth.with_prior_preservation=true",
+            f"dreambooth.class_data={classes}",
+            "dreambooth.class_prompt=a dog",
+            "dreambooth.num_class_images=20",
+            "training.batch_size=2",
+        ],
+    )
+    p = prepare(req, UI(echo=lambda line: None))
+    lines = describe(p.cfg, p.steps, p.world, p.inputs)
+    assert (
+        "prior preservation: 20 class images trained alongside, 2 in each batch beside the instance images "
+        "(batch doubled); 14 the class folder lacks are generated before the first step"
+    ) in lines
