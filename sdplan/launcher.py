@@ -609,48 +609,39 @@ def _validate_given(base: dict[str, Any], req: TrainRequest, out: Path, source: 
 
 
 def drop_a_stale_plan(
-    cfg: C.TrainConfig, base: dict[str, Any], source: str, req: TrainRequest, ui: UI
-) -> C.TrainConfig:
+    cfg: C.TrainConfig, base: dict[str, Any], source: str, req: TrainRequest
+) -> tuple[C.TrainConfig, str | None]:
     """A config `sdplan recommend --out` wrote, trained with flags or key=value settings that change what it
     planned (sdplan.settings.CONFIG_KEYS: the batch, the memory savers, the GPUs ...): its ``plan:`` record (the
     peak, the time, the steps) is of other settings, and went into every output's metadata; its
-    ``training.max_steps``, the planned step count, changed the run's length with the batch. Both are dropped,
-    and the note says these settings are not checked for fit (`sdplan recommend` with the same key=value
-    settings plans around them)."""
-    from sdplan.settings import CONFIG_KEYS, get_key
+    ``training.max_steps``, the planned step count, changed the run's length with the batch. Both are dropped
+    (a GPU run plans the record again, every setting pinned: :func:`prepare`); returned with what changed, in
+    words (None where nothing did)."""
+    from sdplan.settings import CONFIG_KEYS
 
     try:
         planned = C.validate(base, source=source).to_dict()
     except SdplanError:
-        return cfg
+        return cfg, None
     now = cfg.to_dict()
     keys = [*CONFIG_KEYS.values(), "ema.enabled", "ema.device", "data.buckets", "data.repeats"]
     changed = [k for k in keys if get_key(planned, k) != get_key(now, k)]
     if not changed:
-        return cfg
+        return cfg, None
     said = ", ".join(
         f"{k} {_value_text(get_key(now, k))} (planned {_value_text(get_key(planned, k))})" for k in changed
     )
+    said += f": the plan in {source} was made for other settings"
     typed = req.max_steps is not None or "training.max_steps" in C.override_keys(req.overrides)
     steps = (cfg.plan or {}).get("steps") or {}
     planned_steps = (steps.get("total_steps") or 0) * max(
         1, get_key(planned, "distributed.num_processes") or 1
     )
-    drop_steps = not typed and cfg.training.max_steps is not None and cfg.training.max_steps == planned_steps
-    ui.echo(
-        f"note: {said}: the plan in {source} was made for other settings, so its estimate is dropped"
-        + (
-            f" and its planned training.max_steps {cfg.training.max_steps} too (the run trains its epochs)"
-            if drop_steps
-            else ""
-        )
-        + "; whether these settings fit is not checked (`sdplan recommend` with the same key=value settings plans "
-        "around them)"
-    )
     cfg.plan = None
-    if drop_steps:
+    if not typed and cfg.training.max_steps is not None and cfg.training.max_steps == planned_steps:
+        said += f"; its planned training.max_steps {cfg.training.max_steps} is dropped (the run trains its epochs)"
         cfg = replace(cfg, training=replace(cfg.training, max_steps=None))
-    return cfg
+    return cfg, said
 
 
 def _value_text(value: Any) -> str:
@@ -1712,8 +1703,9 @@ def prepare(req: TrainRequest, ui: UI) -> Prepared:
 
     # 2. The config validates (unknown keys, wrong types) before anything else is looked at.
     cfg = _validate_given(base, req, out, source)
+    stale = None
     if config_path is not None and not req.resume and cfg.plan:
-        cfg = drop_a_stale_plan(cfg, base, source, req, ui)
+        cfg, stale = drop_a_stale_plan(cfg, base, source, req)
 
     # 3. The --out rule (the demo checked it before building its model and dataset there).
     from sdplan.runfolder import check_free
@@ -1820,6 +1812,15 @@ def prepare(req: TrainRequest, ui: UI) -> Prepared:
             )
         settings = plan_settings(chosen, plan_result, num_machines=req.num_machines)
         cfg = C.validate(config_data(base, req, out, plan=settings), source=source)
+    elif stale and snapshot is not None and req.num_machines == 1 and not req.no_plan:
+        # the config's own settings, changed from its plan: checked for fit as recommend checks pins, every
+        # setting pinned (one that cannot fit is one line here, saying by how much and what fits)
+        from sdplan.planner import result_dict
+
+        ui.echo(f"note: {stale}; planned again with every setting as given")
+        planned = plan_request(cfg, inputs, snapshot, req, every_setting=True)
+        plan_result = result_dict(planned)
+        cfg.plan = plan_result
     elif snapshot is not None and req.num_machines > 1 and req.gpus is None and not req.resume:
         # A config written for one machine: its num_processes are this machine's GPUs.
         per_node = cfg.distributed.num_processes
@@ -1827,6 +1828,8 @@ def prepare(req: TrainRequest, ui: UI) -> Prepared:
             C.apply_overrides(cfg.to_dict(), [f"distributed.num_processes={per_node * req.num_machines}"]),
             source=source,
         )
+    if stale and planned is None:
+        ui.echo(f"note: {stale}; whether these settings fit is not checked here")
 
     world = cfg.distributed.num_processes
     per_node = world // max(1, req.num_machines)
@@ -2112,17 +2115,23 @@ class NotFeasible(SdplanError):
 NO_PLAN_FIX = "or add --no-plan to train your settings as given, unchecked"
 
 
-def plan_request(cfg: C.TrainConfig, inputs: InputSummary, snapshot: Any, req: TrainRequest):
+def plan_request(
+    cfg: C.TrainConfig, inputs: InputSummary, snapshot: Any, req: TrainRequest, *, every_setting: bool = False
+):
     """The planner's (feasible) Result for this request on this machine, planned around the user's
     ``key=value`` settings as `sdplan recommend` plans around its pins (:func:`sdplan.recommend.parse_pins`):
     a pinned setting is never replaced by one the planner chose for other settings. A pin this machine cannot
-    run, or nothing fitting, is one clear error here, before anything is written or launched."""
+    run, or nothing fitting, is one clear error here, before anything is written or launched. ``every_setting``:
+    every planned setting of ``cfg`` is a pin (a config trained as given, checked for fit)."""
     from sdplan.planner import Request, plan
     from sdplan.profiles import load_profiles
     from sdplan.recommend import parse_pins
 
     family = cfg.model.family or inputs.family
-    pins, pinned_resolution = parse_pins(req.overrides, cfg.method, family)
+    if every_setting:
+        pins, pinned_resolution = config_pins(cfg, family), cfg.data.resolution
+    else:
+        pins, pinned_resolution = parse_pins(req.overrides, cfg.method, family)
     images, repeats = inputs.images, max(1, inputs.images_x_repeats // max(1, inputs.images))
     if req.resolution is not None and pinned_resolution is not None and req.resolution != pinned_resolution:
         raise UsageError(
@@ -2150,6 +2159,7 @@ def plan_request(cfg: C.TrainConfig, inputs: InputSummary, snapshot: Any, req: T
         class_images=class_images,
         **C.planned_sampling(cfg),
         pins=pins,
+        pins_named=f"the settings of {cfg_source(req)}" if every_setting else None,
     )
     result = plan(snapshot, profiles, request)
     if result.pin_conflicts:
@@ -2188,6 +2198,23 @@ def chosen_needs_bnb(chosen: Settings, pins: tuple) -> bool:
         and dict(pins).get("optimizer") == "adamw8bit"
         and not importable("bitsandbytes")
     )
+
+
+def cfg_source(req: TrainRequest) -> str:
+    """The config file a request trains, as the user named it (with its key=value settings where any)."""
+    return (req.config or CONFIG_FILE) + (" with the key=value settings" if req.overrides else "")
+
+
+def config_pins(cfg: C.TrainConfig, family: str | None) -> tuple[tuple[str, Any], ...]:
+    """Every setting the planner chooses, as ``cfg`` has it: planner pins (Settings field, value), so that a
+    plan of them is a fit check of this config."""
+    from sdplan.settings import CONFIG_KEYS
+
+    s = Settings.from_config(cfg, model=family)
+    skip = {"method", "model", "resolution"} | ({"gpu_ids"} if s.gpu_ids is None else set())
+    if cfg.method != "lora":
+        skip |= {"lora_rank", "lora_alpha", "lora_targets"}
+    return tuple((f, getattr(s, f)) for f in CONFIG_KEYS if f not in skip) + (("ema", s.ema),)
 
 
 def plan_settings(chosen: Settings, result: dict[str, Any], *, num_machines: int = 1) -> dict[str, Any]:

@@ -313,6 +313,9 @@ class Request:
     save_every_steps: int = 0
     # settings the user fixed (Settings field -> value, from `key=value` sdplan.yaml pins): planned around
     pins: tuple[tuple[str, Any], ...] = ()
+    # how a refusal names the pins where they are a whole config's settings (`sdplan train --config` with
+    # changed settings pins every one): listing each of them said nothing; None: listed
+    pins_named: str | None = None
 
     def pinned(self, name: str) -> bool:
         return any(k == name for k, _ in self.pins)
@@ -3870,7 +3873,9 @@ def plan(hardware: Hardware | Any, profiles: Profiles, request: Request) -> Resu
     req = replace(req, resolution=resolution)
     cal = calibrate_for(profiles, hardware)
     reasons: list[str] = list(hardware.notes)
-    if req.pins:
+    if req.pins and req.pins_named:
+        reasons.append(f"pinned: {req.pins_named}, every one (checked for fit)")
+    elif req.pins:
         keys = [key for name, value in req.pins for key, _ in pin_items(name, value)]  # ema: one or two keys
         them = "it" if len(keys) == 1 else "them"
         reasons.append(
@@ -3916,7 +3921,9 @@ def plan(hardware: Hardware | Any, profiles: Profiles, request: Request) -> Resu
     cands, on_count = _search(req, profiles, hardware, cal, resolution)
     fitting = [c for c in cands if c.fits]
     if not fitting:  # the search skipped nothing (_search): every candidate is here to say why
-        what = ", ".join(pin_text(k, v) for k, v in req.pins) if req.pins else "the leanest configuration"
+        what = req.pins_named or (
+            ", ".join(pin_text(k, v) for k, v in req.pins) if req.pins else "the leanest configuration"
+        )
         leanest, need, not_fit = _not_fit_reasons(req, hardware, cands, what, profiles)
         reasons += not_fit
         relax = _relaxations(req, profiles, hardware, cal, resolution)

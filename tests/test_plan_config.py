@@ -414,12 +414,25 @@ def test_a_plans_config_trained_with_other_settings_drops_its_stale_plan(tmp_pat
     smaller, lines = train("smaller", "training.batch_size=2")
     (note,) = [line for line in lines if "was made for other settings" in line]
     assert note.startswith("note: training.batch_size 2 (planned 4): the plan in ")
-    assert "planned training.max_steps 12 too" in note and "not checked" in note
-    assert smaller.cfg.plan is None and smaller.cfg.training.max_steps is None
+    assert "planned training.max_steps 12 is dropped" in note and "planned again" in note
+    assert smaller.cfg.training.max_steps is None
     assert smaller.steps["total_steps"] == 7 * EPOCHS  # the epochs asked for, at batch 2
+    # the record is planned again with every setting pinned: the config's own settings, their estimate
+    record = smaller.cfg.plan
+    assert record["plan"]["batch_size"] == 2 and record["steps"]["total_steps"] == 7 * EPOCHS
+    assert {k: v for k, v in record["plan"].items() if k != "batch_size"} == {
+        k: v for k, v in same.cfg.plan["plan"].items() if k != "batch_size"
+    }
+    assert record["estimate"]["peak_vram_bytes"] < same.cfg.plan["estimate"]["peak_vram_bytes"]
     # a max_steps the user gives stays
     capped, _ = train("capped", "training.batch_size=2", "training.max_steps=5")
-    assert capped.cfg.training.max_steps == 5 and capped.cfg.plan is None
+    assert capped.cfg.training.max_steps == 5
+    # settings that cannot fit are refused as recommend refuses such pins: by how much, and what fits
+    from sdplan.launcher import NotFeasible
+
+    with pytest.raises(NotFeasible) as e:
+        train("huge", "training.batch_size=64", "memory.gradient_checkpointing=false", "data.resolution=1024")
+    assert "GiB" in str(e.value)
 
 
 def test_train_says_the_class_images_of_prior_preservation_as_recommend_does(tmp_path, machines, dataset):
