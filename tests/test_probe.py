@@ -315,7 +315,56 @@ def test_bindings_without_the_mig_functions_read_as_before(monkeypatch, no_devic
         delattr(module, name)  # nvidia-ml-py before 11.450
     monkeypatch.setitem(sys.modules, "pynvml", module)
     reading = nvidia.probe(sys_root=no_devices["sys"], proc_root=no_devices["proc"])
-    assert reading.gpus == load("h100_80gb_hbm3").gpus and reading.notes == ()
+    assert reading.gpus == load("h100_80gb_hbm3").gpus
+    (note,) = reading.notes
+    assert note.code == "nvml_bindings_old" and "nvmlDeviceGetMigMode" in note.message
+
+
+# the functions nvidia-ml-py3 7.352.0's pynvml.py does not define; it returns names and versions as bytes
+OLD_BINDING_LACKS = (
+    "nvmlSystemGetCudaDriverVersion_v2",
+    "nvmlDeviceGetCudaComputeCapability",
+    "nvmlDeviceGetP2PStatus",
+    "nvmlDeviceGetNvLinkState",
+    "nvmlDeviceGetMigMode",
+    "nvmlDeviceGetMaxMigDeviceCount",
+    "nvmlDeviceGetMigDeviceHandleByIndex",
+    "nvmlDeviceIsMigDeviceHandle",
+)
+
+
+def test_an_old_binding_without_functions_reads_them_as_not_available(monkeypatch, no_devices):
+    module, state = fake_pynvml.make_module(MACHINES / "8x_h100_sxm.json")
+    for name in OLD_BINDING_LACKS:
+        delattr(module, name)
+    for name in ("nvmlDeviceGetName", "nvmlSystemGetDriverVersion"):
+        text = getattr(module, name)
+        setattr(module, name, lambda *a, text=text: text(*a).encode())
+    monkeypatch.setitem(sys.modules, "pynvml", module)
+    reading = nvidia.probe(sys_root=no_devices["sys"], proc_root=no_devices["proc"])
+    want = load("8x_h100_sxm")
+    assert [g.name for g in reading.gpus] == [g.name for g in want.gpus]  # str, not b"..."
+    assert reading.driver_version == want.gpus[0].driver_version
+    assert [g.memory_total_bytes for g in reading.gpus] == [g.memory_total_bytes for g in want.gpus]
+    assert all((g.compute_capability, g.bf16, g.fp16, g.mig) == (None,) * 4 for g in reading.gpus)
+    assert reading.cuda_driver is None
+    assert reading.links and all(lk.type == "pcie" and lk.p2p is None for lk in reading.links)
+    (note,) = reading.notes
+    assert note.code == "nvml_bindings_old" and note.severity == "warning"
+    assert "nvmlDeviceGetP2PStatus" in note.message and "pip install -U nvidia-ml-py" in note.fix
+    assert state.init_count == 0
+    s = replace(want, gpus=reading.gpus, links=reading.links, findings=reading.notes)
+    assert [f.code for f in findings(s)]  # the rules judge what was read without a crash
+
+
+def test_an_old_binding_reads_the_cuda_driver_version_from_its_first_function(monkeypatch, no_devices):
+    module, state = fake_pynvml.make_module(MACHINES / "t4.json")
+    module.nvmlSystemGetCudaDriverVersion = module.nvmlSystemGetCudaDriverVersion_v2
+    delattr(module, "nvmlSystemGetCudaDriverVersion_v2")
+    monkeypatch.setitem(sys.modules, "pynvml", module)
+    assert nvidia.probe(sys_root=no_devices["sys"], proc_root=no_devices["proc"]).cuda_driver == (
+        load("t4").software.cuda_driver
+    )
 
 
 def test_snapshot_saved_before_the_mig_fields_still_loads():
