@@ -2082,6 +2082,18 @@ def hardware_from_snapshot(snapshot: Any, profiles: Profiles, source: str = "pro
             "this machine's RAM is not known (the snapshot does not say it): the host RAM a plan needs is not "
             "checked against it"
         )
+    unknown_gen = [g for g in gpus if not g.pcie_gen]
+    if len(gpus) > 1 and unknown_gen:  # the all-reduce over PCIe runs at the lowest generation (_links_among)
+        assumed = {g.spec.pcie_gen if g.spec and g.spec.pcie_gen else None for g in unknown_gen}
+        notes.append(
+            f"the PCIe generation of {', '.join(f'GPU {g.index}' for g in unknown_gen)} could not be read: "
+            "multi-GPU times over PCIe take "
+            + (
+                f"the catalog's gen {assumed.pop()} for {'it' if len(unknown_gen) == 1 else 'them'}"
+                if len(assumed) == 1 and None not in assumed
+                else f"the catalog's generation, or gen 4 ({PCIE_GBS[4]:.0f} GB/s) where it has none"
+            )
+        )
     planned = {g.index for g in gpus}
     pair_links = tuple((lk.a, lk.b, lk.type) for lk in snapshot.links if lk.a in planned and lk.b in planned)
     link, gbs = _links_among(tuple(gpus), pair_links) if len(gpus) > 1 else ("pcie", PCIE_GBS[4])
@@ -2138,13 +2150,15 @@ def _fast_ring(ids: tuple[int, ...], pair_links: tuple[tuple[int, int, str], ...
 
 def _links_among(gpus: tuple[HWGPU, ...], pair_links: tuple[tuple[int, int, str], ...]) -> tuple[str, float]:
     """(link type, GB/s one way) of the all-reduce among ``gpus`` of a probed machine: NVLink / xGMI where a ring
-    of it joins them all (at the slowest GPU's catalog rate), else PCIe at the lowest generation among them."""
+    of it joins them all (at the slowest GPU's catalog rate), else PCIe at the lowest generation among them (a
+    GPU's catalog generation where the probe could not read it; gen 4 where neither says)."""
     fast = _fast_ring(tuple(sorted(g.index or 0 for g in gpus)), pair_links)
     specs = [g.spec for g in gpus if g.spec is not None]
     if fast is not None:
         rates = [float(s.interconnect["bandwidth_gbs"]) for s in specs if s.interconnect]
         return fast, min(rates) if rates else BRIDGE_GBS
-    gens = [g.pcie_gen for g in gpus if g.pcie_gen] or [s.pcie_gen for s in specs if s.pcie_gen]
+    # each GPU's probed generation, else its catalog entry's (the probe records no current, idle value)
+    gens = [gen for g in gpus if (gen := g.pcie_gen or (g.spec.pcie_gen if g.spec else None))]
     return "pcie", PCIE_GBS.get(min(gens) if gens else 4, 32.0)
 
 

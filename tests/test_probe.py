@@ -109,6 +109,19 @@ def test_nvidia_pcie_generation_is_the_link_capability_not_the_idle_state(monkey
     assert gpu.pcie_gen == 3
 
 
+def test_nvidia_pcie_link_maximum_not_readable_is_not_available_not_the_idle_state(monkeypatch, no_devices):
+    module, state = fake_pynvml.make_module(MACHINES / "2x_rtx4090_pcie.json")  # current gen reads 1
+    for name in ("nvmlDeviceGetMaxPcieLinkGeneration", "nvmlDeviceGetMaxPcieLinkWidth"):
+
+        def not_supported(*a):
+            raise module.NVMLError_NotSupported()
+
+        setattr(module, name, not_supported)
+    monkeypatch.setitem(sys.modules, "pynvml", module)
+    gpus = nvidia.probe(sys_root=no_devices["sys"], proc_root=no_devices["proc"]).gpus
+    assert [(g.pcie_gen, g.pcie_width) for g in gpus] == [(None, None)] * 2  # not "gen1 x16"
+
+
 def test_nvidia_missing_fields_become_none_not_zero(monkeypatch, no_devices):
     data = raw("t4")
     data["gpus"][0].update(pcie_gen=None, pcie_width=None, power_limit_watts=None, uuid=None)

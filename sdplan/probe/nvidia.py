@@ -123,9 +123,10 @@ def _read_gpu(nvml: Any, h: Any, index: int, driver: str | None) -> tuple[GPU, B
         memory, memory_error = _call(nvml, "nvmlDeviceGetMemoryInfo", h)
     cc = _query(nvml, "nvmlDeviceGetCudaComputeCapability", h)
     cc_tuple = (int(cc[0]), int(cc[1])) if cc is not None else None
-    # The link's capability, not its idle state: GPUs drop to PCIe gen 1 when idle.
-    gen = _first(nvml, h, "nvmlDeviceGetMaxPcieLinkGeneration", "nvmlDeviceGetCurrPcieLinkGeneration")
-    width = _first(nvml, h, "nvmlDeviceGetMaxPcieLinkWidth", "nvmlDeviceGetCurrPcieLinkWidth")
+    # The link's capability, not its state: GPUs drop to PCIe gen 1 (and narrower) when idle, so where the
+    # maximum cannot be read the current value is no stand-in: not available (the planner says what it assumes).
+    gen = _query(nvml, "nvmlDeviceGetMaxPcieLinkGeneration", h)
+    width = _query(nvml, "nvmlDeviceGetMaxPcieLinkWidth", h)
     power_mw = _first(nvml, h, "nvmlDeviceGetPowerManagementLimit", "nvmlDeviceGetEnforcedPowerLimit")
     gpu = GPU(
         index=index,
