@@ -154,7 +154,13 @@ def gpu_rows(s: Snapshot) -> list[tuple[str, ...]]:
 
 def _gpu_row(g: GPU) -> tuple[str, ...]:
     if g.memory_total_bytes is None:
-        memory = NA + (" (MIG mode, no slice readable)" if g.mig else "")
+        memory = NA + (
+            f" (MIG mode: {g.mig_slices} slices, memory not readable)"
+            if g.mig and g.mig_slices
+            else " (MIG mode, no slice readable)"
+            if g.mig
+            else ""
+        )
     else:
         free = f" ({_gib(g.memory_free_bytes)} free)" if g.memory_free_bytes is not None else ""
         memory = _gib(g.memory_total_bytes) + free

@@ -306,6 +306,42 @@ def test_mig_mode_without_a_readable_slice_is_an_error(monkeypatch, no_devices):
     assert "no_gpu" in fx
 
 
+def test_mig_slices_whose_memory_nvml_cannot_read_exist_and_the_error_is_said(monkeypatch, no_devices):
+    """NVML answering NotSupported for a MIG device's memory: the slices exist, so doctor neither says CUDA sees
+    no device on the card nor tells the user to create GPU instances; it says NVML's error."""
+    module, state = fake_pynvml.make_module(
+        MACHINES / "h100_80gb_hbm3.json", mig={0: [(MIG_3G, MIG_3G), (MIG_2G, MIG_2G)]}
+    )
+    card_memory = module.nvmlDeviceGetMemoryInfo
+
+    def memory(handle, *a):
+        if module.nvmlDeviceIsMigDeviceHandle(handle):
+            raise module.NVMLError_NotSupported()
+        return card_memory(handle, *a)
+
+    module.nvmlDeviceGetMemoryInfo = memory
+    monkeypatch.setitem(sys.modules, "pynvml", module)
+    reading = nvidia.probe(sys_root=no_devices["sys"], proc_root=no_devices["proc"])
+    (gpu,) = reading.gpus
+    assert (gpu.mig, gpu.mig_slices, gpu.memory_total_bytes) == (True, 2, None)
+    (note,) = reading.notes
+    assert note.code == "gpu_unreadable" and "MIG slices' memory" in note.message
+    assert "NVMLError_NotSupported" in note.message
+    s = replace(load("h100_80gb_hbm3"), gpus=reading.gpus, findings=reading.notes)
+    fx = {f.code: f for f in refresh(s).findings}
+    mig = fx["mig_enabled"]
+    assert mig.severity == "warning" and "2 MIG slices" in mig.message and "could not be read" in mig.message
+    assert (
+        "no MIG slice" not in mig.message
+        and "-cgi" not in mig.fix
+        and "CUDA sees no device" not in mig.message
+    )
+    assert "gpu_unreadable" in fx and "no_gpu" in fx
+    from sdplan.doctor import gpu_rows
+
+    assert "2 slices, memory not readable" in gpu_rows(s)[0][2]
+
+
 def test_mig_mode_off_or_not_supported_reads_as_before(monkeypatch, no_devices):
     data = raw("h100_80gb_hbm3")
     data["gpus"][0]["mig"] = False

@@ -95,7 +95,10 @@ def _read(nvml: Any, index_start: int) -> NvidiaReading:
         else:
             gpu, error = _read_gpu(nvml, handle, index_start + i, driver)
             gpus.append(gpu)
-            if gpu.memory_total_bytes is None and not gpu.mig:  # MIG without a slice: a rule says so
+            if gpu.memory_total_bytes is None and gpu.mig and gpu.mig_slices:  # NVML's error: only here
+                what = f"NVML cannot read its {'MIG slice' if gpu.mig_slices == 1 else 'MIG slices'}' memory"
+                notes.append(_note_unreadable(gpu.index, i, gpu.name, what, error))
+            elif gpu.memory_total_bytes is None and not gpu.mig:  # MIG without a slice: a rule says so
                 notes.append(_note_unreadable(gpu.index, i, gpu.name, "NVML cannot read its memory", error))
         handles.append(handle)
     return NvidiaReading(
@@ -113,12 +116,12 @@ def _read_gpu(nvml: Any, h: Any, index: int, driver: str | None) -> tuple[GPU, B
     can use at once: the memory recorded is the largest slice's."""
     mode = _query(nvml, "nvmlDeviceGetMigMode", h)
     mig = mode[0] == MIG_ENABLED if isinstance(mode, (list, tuple)) and mode else None
-    slices: list[Any] = []
+    slices = 0
     if mig:
-        memory, memory_error = None, None
-        slices = _mig_memories(nvml, h)
-        if slices:
-            memory = max(slices, key=lambda m: int(m.total))
+        memory = None
+        slices, memories, memory_error = _mig_memories(nvml, h)
+        if memories:
+            memory = max(memories, key=lambda m: int(m.total))
     else:
         memory, memory_error = _call(nvml, "nvmlDeviceGetMemoryInfo", h)
     cc = _query(nvml, "nvmlDeviceGetCudaComputeCapability", h)
@@ -144,22 +147,28 @@ def _read_gpu(nvml: Any, h: Any, index: int, driver: str | None) -> tuple[GPU, B
         power_limit_watts=round(power_mw / 1000, 1) if power_mw else None,
         driver_version=driver,
         mig=mig,
-        mig_slices=len(slices) if mig else None,
+        mig_slices=slices if mig else None,
     )
     return gpu, memory_error
 
 
-def _mig_memories(nvml: Any, h: Any) -> list[Any]:
-    """The memory of each MIG device (slice) of a GPU in MIG mode; empty where none exists or can be read."""
+def _mig_memories(nvml: Any, h: Any) -> tuple[int, list[Any], BaseException | None]:
+    """(how many MIG devices (slices) a GPU in MIG mode has, the memory of each NVML could read, the error of the
+    first it could not read)."""
     count = _query(nvml, "nvmlDeviceGetMaxMigDeviceCount", h)
-    memories = []
+    slices, memories, error = 0, [], None
     for i in range(count if isinstance(count, int) and count > 0 else MIG_DEVICES_FALLBACK):
         # NotFound: no MIG device at this index
         mig = _query(nvml, "nvmlDeviceGetMigDeviceHandleByIndex", h, i)
-        memory = _query(nvml, "nvmlDeviceGetMemoryInfo", mig) if mig is not None else None
+        if mig is None:
+            continue
+        slices += 1
+        memory, e = _call(nvml, "nvmlDeviceGetMemoryInfo", mig)
         if memory is not None and int(memory.total) > 0:
             memories.append(memory)
-    return memories
+        elif error is None:
+            error = e
+    return slices, memories, error
 
 
 def _read_links(nvml: Any, handles: list[Any], index_start: int) -> list[Link]:

@@ -404,6 +404,18 @@ def _mig_rules(s: Snapshot) -> list[Finding]:
                     "them), " + off,
                 )
             )
+        elif g.mig_slices:  # the slices exist; NVML's error reading them is the probe's gpu_unreadable note
+            out.append(
+                Finding(
+                    "warning",
+                    "mig_enabled",
+                    f"{name} is in MIG mode with {count_of(g.mig_slices, 'MIG slice')}, but their memory could "
+                    "not be read (gpu_unreadable gives NVML's error): it is left out of the plans",
+                    "`nvidia-smi mig -lgi` lists the slices' profiles, whose names give their memory (3g.40gb: "
+                    "40 GB); pick the slice to train on with CUDA_VISIBLE_DEVICES=MIG-<uuid> (`nvidia-smi -L`), "
+                    + off,
+                )
+            )
         else:
             out.append(
                 Finding(
