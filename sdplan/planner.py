@@ -51,6 +51,7 @@ from sdplan.config import SamplingConfig
 from sdplan.errors import UsageError
 from sdplan.extras import install_hint
 from sdplan.machine import GTX16_FP16_NAN_SOURCES, fp16_gives_nan
+from sdplan.probe.snapshot import build_vendor  # doctor's rules judge the GPUs it drives, as plans use them
 from sdplan.profiles import GiB, GPUSpec, HostMeasurement, MethodPoint, ModelSpec, Profiles
 from sdplan.registry import FULL_METHODS, METHODS
 from sdplan.settings import (
@@ -2189,12 +2190,6 @@ def _best_linked(hw: Hardware, chosen: tuple[HWGPU, ...], pool: list[HWGPU] | tu
         if r > rank or (r == rank and [g.index for g in gs] < [g.index for g in best]):
             best, rank = gs, r
     return best
-
-
-def build_vendor(snapshot: Any) -> str | None:
-    """The GPU vendor the machine's torch build drives (``cuda``: nvidia, ``rocm``: amd); None when unknown."""
-    build = getattr(getattr(snapshot, "software", None), "torch_build", None)
-    return {"cuda": "nvidia", "rocm": "amd"}.get(build or "")
 
 
 def gpus_label(gpus: tuple[HWGPU, ...] | list[HWGPU]) -> str:

@@ -236,6 +236,21 @@ def visible_gpus(s: Snapshot, vendor: str) -> Visible | None:
     return replace(seen, setting=" ".join(settings))
 
 
+def build_vendor(snapshot: Snapshot) -> str | None:
+    """The GPU vendor the machine's torch build drives (``cuda``: nvidia, ``rocm``: amd); None when unknown."""
+    build = getattr(getattr(snapshot, "software", None), "torch_build", None)
+    return {"cuda": "nvidia", "rocm": "amd"}.get(build or "")
+
+
+def trained_gpus(s: Snapshot) -> tuple[GPU, ...]:
+    """The usable GPUs a run here can train on: on a machine with NVIDIA and AMD GPUs, those of the vendor its
+    torch build drives (a CUDA build never uses a laptop's AMD iGPU), as the planner plans them
+    (planner.hardware_from_snapshot); every usable GPU where the build drives none of them or is unknown."""
+    drives = build_vendor(s)
+    driven = tuple(g for g in s.usable_gpus if g.vendor == drives)
+    return driven if driven else s.usable_gpus
+
+
 def shown_gpus(s: Snapshot) -> tuple[tuple[GPU, ...], str] | None:
     """The usable GPUs a run started here sees, and the setting that shows them (``CUDA_VISIBLE_DEVICES=1``),
     where a visibility variable restricts them and doctor can name every GPU it shows; None where none does.
@@ -433,7 +448,7 @@ def _mig_rules(s: Snapshot) -> list[Finding]:
 def _busy_rules(s: Snapshot) -> list[Finding]:
     """GPUs whose memory other processes held when doctor ran: plans count the whole card."""
     out: list[Finding] = []
-    for g in s.usable_gpus:
+    for g in trained_gpus(s):
         if g.memory_free_bytes is None or g.memory_total_bytes is None:
             continue
         used = g.memory_total_bytes - g.memory_free_bytes
@@ -533,8 +548,8 @@ def _torch_rules(s: Snapshot) -> list[Finding]:
 
 def _amd_rules(s: Snapshot) -> list[Finding]:
     amd_gpus = [g for g in s.gpus if g.vendor == "amd"]
-    if not amd_gpus:
-        return []
+    if not amd_gpus or (s.usable_gpus and not any(g.vendor == "amd" for g in trained_gpus(s))):
+        return []  # a CUDA build beside NVIDIA GPUs never runs ROCm kernels on them
     out: list[Finding] = []
     official = rocm_wheel_arches(s.software.torch)
     override = s.env.get("HSA_OVERRIDE_GFX_VERSION")
@@ -583,7 +598,7 @@ def _amd_rules(s: Snapshot) -> list[Finding]:
 
 
 def _precision_rules(s: Snapshot) -> list[Finding]:
-    no_bf16 = [g for g in s.usable_gpus if g.bf16 is False]
+    no_bf16 = [g for g in trained_gpus(s) if g.bf16 is False]
     nan = [g for g in no_bf16 if g.vendor == "nvidia" and fp16_gives_nan(g.name, g.compute_capability)]
     fp16 = [g for g in no_bf16 if g not in nan]
     out = []
@@ -679,7 +694,16 @@ def _host_rules(s: Snapshot) -> list[Finding]:
 
 
 def _multi_gpu_rules(s: Snapshot) -> list[Finding]:
-    gpus = s.usable_gpus
+    """Each vendor's GPUs apart: one torch build drives a run, so an NVIDIA and an AMD GPU never train together
+    (neither a mix of GPUs nor a pair whose link matters); only the vendor the build drives where it is known."""
+    out: list[Finding] = []
+    trained = trained_gpus(s)
+    for vendor in dict.fromkeys(g.vendor for g in trained):
+        out += _vendor_multi_gpu_rules(s, tuple(g for g in trained if g.vendor == vendor))
+    return out
+
+
+def _vendor_multi_gpu_rules(s: Snapshot, gpus: tuple[GPU, ...]) -> list[Finding]:
     if len(gpus) < 2:
         return []
     out: list[Finding] = []
