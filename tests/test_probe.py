@@ -911,10 +911,10 @@ def test_fixture_findings(name):
 def test_findings_name_the_fix_per_machine():
     fx = {f.code: f for f in findings(load("rx6700xt"))}
     assert "HSA_OVERRIDE_GFX_VERSION=10.3.0" in fx["rocm_arch_unsupported"].fix
-    # a 12.4 driver runs neither of the builds torch publishes now (cu126, cu130): torch 2.7 from cu118 it runs
+    # a 12.4 driver runs cu126 under CUDA minor-version compatibility (any 12.x driver from 525.60.13)
     fx = {f.code: f for f in findings(load("rtx3060_12gb"))}
-    assert fx["torch_cpu_build"].fix.endswith(
-        '"torch==2.7.*" --index-url https://download.pytorch.org/whl/cu118'
+    assert fx["torch_cpu_build"].fix == (
+        "pip install --force-reinstall torch --index-url https://download.pytorch.org/whl/cu126"
     )
     # torch cu124 under a CUDA 12.2 driver runs (minor-version compatibility): no other torch, a newer driver
     fx = {f.code: f for f in findings(load("t4"))}
@@ -1066,6 +1066,63 @@ def test_cuda_major_mismatch_is_an_error():
     (f,) = [f for f in findings(s) if f.code == "cuda_driver_too_old"]
     assert f.severity == "error"
     assert "pip install --force-reinstall" in f.fix  # CUDA will not start: another torch is a fix
+
+
+@pytest.mark.parametrize(
+    ("driver", "torch", "runtime", "severity", "fix"),
+    [
+        # a CUDA 13 build under a 12.2 driver: cu126 runs there (minor-version compatibility), not 2.7's cu118
+        ("12.2", "2.9.0+cu130", "13.0", "error", "or pip install --force-reinstall torch --index-url "),
+        # a CUDA 12 build under an 11.4 driver: no CUDA 12 or 13 build starts; 2.7's cu118 does
+        (
+            "11.4",
+            "2.4.1+cu121",
+            "12.1",
+            "error",
+            '"torch==2.7.*" --index-url https://download.pytorch.org/whl/cu118',
+        ),
+        # and under a CUDA 10 driver none does: the driver first, with the version to get
+        (
+            "10.2",
+            "2.4.1+cu121",
+            "12.1",
+            "error",
+            "update the NVIDIA driver to one for CUDA 12 (525.60.13 or newer)",
+        ),
+        ("12.2", "2.13.0+cu126", "12.6", "warning", "keep this torch"),  # runs: same major
+    ],
+)
+def test_torch_fixes_follow_cuda_minor_version_compatibility(driver, torch, runtime, severity, fix):
+    s = load("rtx3060_12gb")
+    s = replace(
+        s,
+        software=replace(
+            s.software, cuda_driver=driver, torch=torch, torch_build="cuda", cuda_runtime=runtime
+        ),
+    )
+    (f,) = [f for f in findings(s) if f.code == "cuda_driver_too_old"]
+    assert f.severity == severity and fix in f.fix, f.fix
+    if driver == "12.2" and severity == "error":
+        assert f.fix.endswith("whl/cu126") and "580.65.06" in f.fix
+    if driver == "10.2":
+        assert "torch (" not in f.fix and "ROCm" not in f.fix
+
+
+def test_a_12x_build_under_minor_version_compatibility_needs_its_least_driver():
+    """CUDA 12.x builds need a 525.60.13 driver or newer: a GPU recording an older one gets cu118 named."""
+    s = load("rtx3060_12gb")
+    gpu = replace(s.gpus[0], driver_version="525.00.00")
+    s = replace(s, gpus=(gpu,), software=replace(s.software, cuda_driver="12.0"))
+    assert snapshot.cuda_build_runs(s, "12.6") is False and snapshot.cuda_build_runs(s, "11.8") is True
+    (f,) = [f for f in findings(s) if f.code == "torch_cpu_build"]
+    assert f.fix.endswith("whl/cu118")
+
+
+def test_an_nvidia_only_machine_is_never_told_of_a_rocm_build():
+    s = load("rtx3060_12gb")
+    for driver in (None, "10.2"):
+        fx = {f.code: f for f in findings(replace(s, software=replace(s.software, cuda_driver=driver)))}
+        assert "ROCm" not in fx["torch_cpu_build"].fix and "CUDA" in fx["torch_cpu_build"].fix
 
 
 def test_cuda_runtime_within_driver_is_fine():
