@@ -407,6 +407,25 @@ def test_each_verdict_is_the_plan_recommend_makes_for_the_same_snapshot(machine)
     assert checked >= 8
 
 
+def test_an_8_gib_machine_is_warned_not_failed_where_the_verdicts_plan_it(run, tmp_path):
+    """8 GiB of RAM: the planner checks each plan's host RAM and SD 1.5 LoRA loads within it, so doctor does not
+    exit 1 on a fixed 16 GB threshold; the warning points at the verdicts, which say which plans load."""
+    from sdplan.probe.snapshot import refresh
+
+    data = json.loads((MACHINES / "t4.json").read_text())
+    data["host"].update(ram_total_bytes=8 * 2**30, ram_available_bytes=7 * 2**30)
+    path = tmp_path / "t4_8g.json"
+    path.write_text(json.dumps(data))
+    snapshot = refresh(Snapshot.load(path))
+    (ram,) = [f for f in snapshot.findings if f.code.startswith("ram")]
+    assert (ram.code, ram.severity) == ("ram_insufficient", "warning") and "verdicts" in ram.message
+    grid = {(m, f): (s, note) for m, f, s, note in planner_verdicts(snapshot)}
+    assert grid[("lora", "sd15")][0] == "ok"
+    assert grid[("lora", "sdxl")][0] == "tight" and "8.0 GiB here" in grid[("lora", "sdxl")][1]
+    result = run("--machine", str(path))
+    assert result.exit_code == 0, result.output
+
+
 def test_planner_verdict_is_tight_where_loading_needs_more_host_ram(tmp_path):
     """One RTX 4090 with 16 GiB of RAM: FLUX.1 [dev] LoRA fits the GPU, but loading it takes ~34 GiB of host
     RAM (it may swap or be killed): not "ok". A warning, not "no": the planner refuses only RAM held for the

@@ -652,13 +652,18 @@ def _host_rules(s: Snapshot) -> list[Finding]:
     )
     raise_limit = "raise the container's or job's memory limit (docker run --memory ..., Slurm --mem ...) or "
     if ram is not None and ram < RAM_MIN_BYTES:
+        # a warning, not an error: the planner checks each plan's host RAM (SD 1.5 LoRA loads in ~5 GiB), and the
+        # verdicts show it per method and model; this rule cannot plan (it is pure, the profiles are files)
         out.append(
             Finding(
-                "error",
+                "warning",
                 "ram_insufficient",
-                f"{what}: training needs a machine with at least 16 GB",
+                f"{what}: under the 16 GB the larger models need to load without swapping; the verdicts below "
+                "check each plan's host RAM against it (tight: loading may swap; no: what the run holds in RAM "
+                "does not fit)",
                 (raise_limit if limited else "")
-                + "train on a machine with >= 16 GB RAM (32 GB is comfortable)",
+                + "train what the verdicts call ok here; for the rest a machine with >= 16 GB RAM (32 GB is "
+                "comfortable)",
             )
         )
     elif ram is not None and ram < RAM_COMFORT_BYTES:
