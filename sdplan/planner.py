@@ -2041,18 +2041,21 @@ def hardware_from_snapshot(snapshot: Any, profiles: Profiles, source: str = "pro
             )
         usable = tuple(g for g in usable if g in shown[0])
     for g in usable:
-        spec = profiles.gpu_or_none(g.name, g.memory_total_bytes)
+        mig = getattr(g, "mig", None)  # sdplan.machine.GPU.mig: CUDA sees the slices, memory is the largest's
+        # a MIG slice's memory is not the card's: the card is looked up by its name alone (NVML's A100 and H100
+        # names carry the memory: "NVIDIA A100-SXM4-80GB"), which refuses a name several entries share
+        spec = profiles.gpu_or_none(g.name, None if mig else g.memory_total_bytes)
         if spec is None:  # never another GPU's entry: its own memory, and no speed to scale from
             notes.append(
                 f"GPU {g.index} ({g.name or 'unnamed'}, {g.memory_total_bytes / GiB:.1f} GiB) is not in the GPU "
                 "catalog: planned with its probed memory; its speed is unknown (add it to the catalog; `sdplan "
                 "bench` measurements count for it once it is there)"
             )
-        if getattr(g, "mig", None):  # sdplan.machine.GPU.mig: CUDA sees the slices, memory is the largest's
+        if mig:
             notes.append(
                 f"GPU {g.index} ({g.name or 'unnamed'}) is in MIG mode: planned with its largest MIG slice's "
-                f"{g.memory_total_bytes / GiB:.1f} GiB; a slice has a fraction of the card's compute, so times "
-                "are optimistic"
+                f"{g.memory_total_bytes / GiB:.1f} GiB; a slice has a fraction of the card's compute (3g.40gb: 3 of "
+                "7 parts), and the times are the whole card's, so they are optimistic"
             )
         bf16 = g.bf16 if g.bf16 is not None else (spec.bf16 if spec else False)
         fp16 = g.fp16 if g.fp16 is not None else True

@@ -289,7 +289,10 @@ def test_mig_mode_is_a_finding_and_plans_use_the_slice():
     assert "9.8 GiB" in f.message and "nvidia-smi -i 0 -mig 0" in f.fix and "MIG-<uuid>" in f.fix
     hw = hardware_from_snapshot(mig, load_profiles())
     assert [g.memory_bytes for g in hw.gpus] == [MIG_1G]
-    assert any("MIG" in n for n in hw.notes)
+    assert any("MIG" in n and "times are the whole card's" in n for n in hw.notes)
+    # the card is in the catalog by its name: a slice's memory is no other entry's and no unknown GPU
+    assert hw.gpus[0].spec is not None and hw.gpus[0].spec.name == "H100 SXM"
+    assert not any("not in the GPU catalog" in n for n in hw.notes)
     assert not [f for f in findings(replace(s, gpus=(replace(card, mig=False),))) if f.code == "mig_enabled"]
 
 
