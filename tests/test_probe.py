@@ -542,6 +542,24 @@ def test_amd_missing_power_and_pcie_become_none(monkeypatch, no_devices):
     assert gpu.gfx_arch == "gfx1031" and gpu.memory_total_bytes == 12_868_124_672
 
 
+def test_amd_pcie_width_is_the_links_maximum_not_its_current_width(monkeypatch, no_devices):
+    module, state = fake_amdsmi.make_module(raw("rx6700xt"))
+    info = module.amdsmi_get_pcie_info
+
+    def narrow_idle_link(h):
+        out = info(h)
+        out["pcie_static"]["max_pcie_width"] = "N/A"
+        out["pcie_metric"]["pcie_width"] = 4
+        return out
+
+    module.amdsmi_get_pcie_info = narrow_idle_link
+    monkeypatch.setitem(sys.modules, "amdsmi", module)
+    (gpu,) = amd.probe(
+        sys_root=no_devices["sys"], dev_root=no_devices["dev"], rocm_root=no_devices["proc"]
+    ).gpus
+    assert gpu.pcie_width is None and gpu.pcie_gen == 4
+
+
 def test_amdsmi_not_installed_is_quiet_without_an_amd_gpu(monkeypatch, no_devices):
     monkeypatch.setitem(sys.modules, "amdsmi", None)
     reading = amd.probe(sys_root=no_devices["sys"], dev_root=no_devices["dev"], rocm_root=no_devices["proc"])

@@ -109,7 +109,6 @@ def _read_gpu(amdsmi: Any, h: Any, index: int) -> GPU:
         used = used_mb * 2**20 if used_mb is not None else None
     pcie = _query(amdsmi.amdsmi_get_pcie_info, h) or {}
     static = pcie.get("pcie_static", {}) if isinstance(pcie, dict) else {}
-    metric = pcie.get("pcie_metric", {}) if isinstance(pcie, dict) else {}
     power = _query(amdsmi.amdsmi_get_power_cap_info, h) or {}
     power_uw = _int(power.get("power_cap"))
     driver = _query(amdsmi.amdsmi_get_gpu_driver_info, h) or {}
@@ -125,7 +124,8 @@ def _read_gpu(amdsmi: Any, h: Any, index: int) -> GPU:
         bf16=amd_bf16(arch),
         fp16=amd_fp16(arch),
         pcie_gen=_int(static.get("pcie_interface_version")) or None,
-        pcie_width=_int(static.get("max_pcie_width")) or _int(metric.get("pcie_width")) or None,
+        # the link's maximum only: the current width (pcie_metric) is the link's state, not its capability
+        pcie_width=_int(static.get("max_pcie_width")) or None,
         power_limit_watts=round(power_uw / 1_000_000, 1) if power_uw else None,
         driver_version=_text(driver.get("driver_version")),
     )
