@@ -560,6 +560,29 @@ def test_amd_pcie_width_is_the_links_maximum_not_its_current_width(monkeypatch, 
     assert gpu.pcie_width is None and gpu.pcie_gen == 4
 
 
+def test_an_amdsmi_binding_without_functions_reads_them_as_not_available(monkeypatch, no_devices):
+    """An older amdsmi without the byte-figure memory calls (and their enum), the PCIe, power and link calls:
+    those fields are not available, never an AttributeError; memory comes from the MB figures."""
+    module, state = fake_amdsmi.make_module(raw("rx6700xt"))
+    for name in (
+        "AmdSmiMemoryType",
+        "amdsmi_get_gpu_memory_total",
+        "amdsmi_get_gpu_memory_usage",
+        "amdsmi_get_pcie_info",
+        "amdsmi_get_power_cap_info",
+        "amdsmi_topo_get_link_type",
+        "amdsmi_is_P2P_accessible",
+        "amdsmi_get_gpu_kfd_info",
+        "amdsmi_get_rocm_version",
+    ):
+        delattr(module, name)
+    monkeypatch.setitem(sys.modules, "amdsmi", module)
+    reading = amd.probe(sys_root=no_devices["sys"], dev_root=no_devices["dev"], rocm_root=no_devices["proc"])
+    (gpu,) = reading.gpus
+    assert (gpu.pcie_gen, gpu.pcie_width, gpu.power_limit_watts) == (None, None, None)
+    assert gpu.gfx_arch == "gfx1031" and gpu.memory_total_bytes is not None
+
+
 def test_amdsmi_not_installed_is_quiet_without_an_amd_gpu(monkeypatch, no_devices):
     monkeypatch.setitem(sys.modules, "amdsmi", None)
     reading = amd.probe(sys_root=no_devices["sys"], dev_root=no_devices["dev"], rocm_root=no_devices["proc"])
