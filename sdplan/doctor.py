@@ -34,16 +34,19 @@ VerdictFn = Callable[[Snapshot], Sequence[tuple[str, str, str, str]]]
 
 
 def planner_verdicts(snapshot: Snapshot) -> list[Verdict]:
-    """Verdict from the planner: the fastest one-GPU plan at the family's native resolution (on a machine whose
-    GPUs differ, on the GPU that suits it best, named in the note).
+    """Verdict from the planner: the plan `sdplan recommend --method M --model F --gpus 1` makes for this snapshot
+    (its request, from recommend's own defaults: 20 images, 10 epochs, the default config's sampling and class
+    images), the fastest one-GPU plan at the family's native resolution (on a machine whose GPUs differ, on the
+    GPU that suits it best, named in the note).
 
     ok: fits without DeepSpeed offload; tight: only with offload (the optimizer on the CPU), or loading the models
     takes more host RAM than the machine has (it may swap heavily or be killed by the OS: recommend's warning;
     the planner refuses only RAM held for the whole run, offload's and block swap's), or the likely peak's upper
     end is over the card (recommend's "may not fit"); no: does not fit.
     """
-    from sdplan.planner import Request, hardware_from_snapshot, loading_ram_short, mixed_gpus, plan, plan_gpus
+    from sdplan.planner import hardware_from_snapshot, loading_ram_short, mixed_gpus, plan, plan_gpus
     from sdplan.profiles import load_profiles
+    from sdplan.recommend import RecommendInputs, build_request
 
     profiles = load_profiles()
     hardware = hardware_from_snapshot(snapshot, profiles)
@@ -55,7 +58,8 @@ def planner_verdicts(snapshot: Snapshot) -> list[Verdict]:
                 out.append(Verdict(method, family, NA, "not for this family"))
                 continue
             try:
-                result = plan(hardware, profiles, Request(method=method, model=family, max_gpus=1, epochs=1))
+                request, _ = build_request(RecommendInputs(method=method, model=family, gpus=1), profiles)
+                result = plan(hardware, profiles, request)
             except SdplanError as e:  # a request the planner refuses: a cell, not a traceback
                 out.append(
                     Verdict(method, family, NA, str(e).splitlines()[0] if str(e) else type(e).__name__)
@@ -154,7 +158,13 @@ def gpu_rows(s: Snapshot) -> list[tuple[str, ...]]:
 
 def _gpu_row(g: GPU) -> tuple[str, ...]:
     if g.memory_total_bytes is None:
-        memory = NA + (" (MIG mode, no slice readable)" if g.mig else "")
+        memory = NA + (
+            f" (MIG mode: {g.mig_slices} slices, memory not readable)"
+            if g.mig and g.mig_slices
+            else " (MIG mode, no slice readable)"
+            if g.mig
+            else ""
+        )
     else:
         free = f" ({_gib(g.memory_free_bytes)} free)" if g.memory_free_bytes is not None else ""
         memory = _gib(g.memory_total_bytes) + free

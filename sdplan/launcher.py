@@ -1952,7 +1952,7 @@ def run_gpus(
                 "a run)",
                 fix=fix,
             )
-        from sdplan.planner import build_vendor
+        from sdplan.probe.snapshot import build_vendor
 
         drives = build_vendor(snapshot)
         if drives is not None and usable[ids[0]].vendor != drives:

@@ -51,6 +51,7 @@ from sdplan.config import SamplingConfig
 from sdplan.errors import UsageError
 from sdplan.extras import install_hint
 from sdplan.machine import GTX16_FP16_NAN_SOURCES, fp16_gives_nan
+from sdplan.probe.snapshot import build_vendor  # doctor's rules judge the GPUs it drives, as plans use them
 from sdplan.profiles import GiB, GPUSpec, HostMeasurement, MethodPoint, ModelSpec, Profiles
 from sdplan.registry import FULL_METHODS, METHODS
 from sdplan.settings import (
@@ -2043,18 +2044,21 @@ def hardware_from_snapshot(snapshot: Any, profiles: Profiles, source: str = "pro
             )
         usable = tuple(g for g in usable if g in shown[0])
     for g in usable:
-        spec = profiles.gpu_or_none(g.name, g.memory_total_bytes)
+        mig = getattr(g, "mig", None)  # sdplan.machine.GPU.mig: CUDA sees the slices, memory is the largest's
+        # a MIG slice's memory is not the card's: the card is looked up by its name alone (NVML's A100 and H100
+        # names carry the memory: "NVIDIA A100-SXM4-80GB"), which refuses a name several entries share
+        spec = profiles.gpu_or_none(g.name, None if mig else g.memory_total_bytes)
         if spec is None:  # never another GPU's entry: its own memory, and no speed to scale from
             notes.append(
                 f"GPU {g.index} ({g.name or 'unnamed'}, {g.memory_total_bytes / GiB:.1f} GiB) is not in the GPU "
                 "catalog: planned with its probed memory; its speed is unknown (add it to the catalog; `sdplan "
                 "bench` measurements count for it once it is there)"
             )
-        if getattr(g, "mig", None):  # sdplan.machine.GPU.mig: CUDA sees the slices, memory is the largest's
+        if mig:
             notes.append(
                 f"GPU {g.index} ({g.name or 'unnamed'}) is in MIG mode: planned with its largest MIG slice's "
-                f"{g.memory_total_bytes / GiB:.1f} GiB; a slice has a fraction of the card's compute, so times "
-                "are optimistic"
+                f"{g.memory_total_bytes / GiB:.1f} GiB; a slice has a fraction of the card's compute (3g.40gb: 3 of "
+                "7 parts), and the times are the whole card's, so they are optimistic"
             )
         bf16 = g.bf16 if g.bf16 is not None else (spec.bf16 if spec else False)
         fp16 = g.fp16 if g.fp16 is not None else True
@@ -2084,6 +2088,18 @@ def hardware_from_snapshot(snapshot: Any, profiles: Profiles, source: str = "pro
         notes.append(
             "this machine's RAM is not known (the snapshot does not say it): the host RAM a plan needs is not "
             "checked against it"
+        )
+    unknown_gen = [g for g in gpus if not g.pcie_gen]
+    if len(gpus) > 1 and unknown_gen:  # the all-reduce over PCIe runs at the lowest generation (_links_among)
+        assumed = {g.spec.pcie_gen if g.spec and g.spec.pcie_gen else None for g in unknown_gen}
+        notes.append(
+            f"the PCIe generation of {', '.join(f'GPU {g.index}' for g in unknown_gen)} could not be read: "
+            "multi-GPU times over PCIe take "
+            + (
+                f"the catalog's gen {assumed.pop()} for {'it' if len(unknown_gen) == 1 else 'them'}"
+                if len(assumed) == 1 and None not in assumed
+                else f"the catalog's generation, or gen 4 ({PCIE_GBS[4]:.0f} GB/s) where it has none"
+            )
         )
     planned = {g.index for g in gpus}
     pair_links = tuple((lk.a, lk.b, lk.type) for lk in snapshot.links if lk.a in planned and lk.b in planned)
@@ -2141,13 +2157,15 @@ def _fast_ring(ids: tuple[int, ...], pair_links: tuple[tuple[int, int, str], ...
 
 def _links_among(gpus: tuple[HWGPU, ...], pair_links: tuple[tuple[int, int, str], ...]) -> tuple[str, float]:
     """(link type, GB/s one way) of the all-reduce among ``gpus`` of a probed machine: NVLink / xGMI where a ring
-    of it joins them all (at the slowest GPU's catalog rate), else PCIe at the lowest generation among them."""
+    of it joins them all (at the slowest GPU's catalog rate), else PCIe at the lowest generation among them (a
+    GPU's catalog generation where the probe could not read it; gen 4 where neither says)."""
     fast = _fast_ring(tuple(sorted(g.index or 0 for g in gpus)), pair_links)
     specs = [g.spec for g in gpus if g.spec is not None]
     if fast is not None:
         rates = [float(s.interconnect["bandwidth_gbs"]) for s in specs if s.interconnect]
         return fast, min(rates) if rates else BRIDGE_GBS
-    gens = [g.pcie_gen for g in gpus if g.pcie_gen] or [s.pcie_gen for s in specs if s.pcie_gen]
+    # each GPU's probed generation, else its catalog entry's (the probe records no current, idle value)
+    gens = [gen for g in gpus if (gen := g.pcie_gen or (g.spec.pcie_gen if g.spec else None))]
     return "pcie", PCIE_GBS.get(min(gens) if gens else 4, 32.0)
 
 
@@ -2178,12 +2196,6 @@ def _best_linked(hw: Hardware, chosen: tuple[HWGPU, ...], pool: list[HWGPU] | tu
         if r > rank or (r == rank and [g.index for g in gs] < [g.index for g in best]):
             best, rank = gs, r
     return best
-
-
-def build_vendor(snapshot: Any) -> str | None:
-    """The GPU vendor the machine's torch build drives (``cuda``: nvidia, ``rocm``: amd); None when unknown."""
-    build = getattr(getattr(snapshot, "software", None), "torch_build", None)
-    return {"cuda": "nvidia", "rocm": "amd"}.get(build or "")
 
 
 def gpus_label(gpus: tuple[HWGPU, ...] | list[HWGPU]) -> str:

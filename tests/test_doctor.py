@@ -370,6 +370,62 @@ def test_planner_verdicts_on_fixture_machines(machine, method, family, status):
         assert "GiB" in note
 
 
+def _rx7900xtx() -> Snapshot:
+    """The W6800 fixture's machine with an RX 7900 XTX (24 GiB, gfx1100, bf16) and 23.5 GiB of RAM."""
+    data = json.loads((MACHINES / "w6800.json").read_text())
+    data["gpus"][0].update(
+        name="AMD Radeon RX 7900 XTX", memory_total_bytes=25_753_026_560, memory_free_bytes=25_438_453_760
+    )
+    data["gpus"][0].update(gfx_arch="gfx1100", bf16=True, power_limit_watts=355.0)
+    data["host"].update(ram_total_bytes=25_276_182_528, ram_available_bytes=24_000_000_000)
+    return Snapshot.from_dict(data)
+
+
+@pytest.mark.parametrize("machine", ["rx7900xtx", "2x_rtx4090_pcie"])
+def test_each_verdict_is_the_plan_recommend_makes_for_the_same_snapshot(machine):
+    """doctor's cells plan recommend's own request (20 images, 10 epochs, the default config's sampling and class
+    images), not one of its own: with epochs=1 nine cells of a 7900 XTX named other plans than recommend's."""
+    from sdplan import planner
+    from sdplan.profiles import load_profiles
+    from sdplan.recommend import RecommendInputs, build_request
+
+    snapshot = _rx7900xtx() if machine == "rx7900xtx" else Snapshot.load(MACHINES / f"{machine}.json")
+    profiles = load_profiles()
+    hardware = planner.hardware_from_snapshot(snapshot, profiles)
+    checked = 0
+    for method, family, status, note in planner_verdicts(snapshot):
+        if status not in ("ok", "tight"):
+            continue
+        request, _ = build_request(RecommendInputs(method=method, model=family, gpus=1), profiles)
+        assert request.epochs == 10 and request.images == 20
+        best = planner.plan(hardware, profiles, request).plan
+        assert f"batch {best.batch}" in note and best.precision in note, (method, family, note)
+        assert f"{planner.plan(hardware, profiles, request).memory.peak / 2**30:.1f} GiB" in note, note
+        assert ("GC" in note) == bool(best.gradient_checkpointing), (method, family, note)
+        assert (best.optimizer in note) == (best.optimizer != "adamw"), (method, family, note)
+        checked += 1
+    assert checked >= 8
+
+
+def test_an_8_gib_machine_is_warned_not_failed_where_the_verdicts_plan_it(run, tmp_path):
+    """8 GiB of RAM: the planner checks each plan's host RAM and SD 1.5 LoRA loads within it, so doctor does not
+    exit 1 on a fixed 16 GB threshold; the warning points at the verdicts, which say which plans load."""
+    from sdplan.probe.snapshot import refresh
+
+    data = json.loads((MACHINES / "t4.json").read_text())
+    data["host"].update(ram_total_bytes=8 * 2**30, ram_available_bytes=7 * 2**30)
+    path = tmp_path / "t4_8g.json"
+    path.write_text(json.dumps(data))
+    snapshot = refresh(Snapshot.load(path))
+    (ram,) = [f for f in snapshot.findings if f.code.startswith("ram")]
+    assert (ram.code, ram.severity) == ("ram_insufficient", "warning") and "verdicts" in ram.message
+    grid = {(m, f): (s, note) for m, f, s, note in planner_verdicts(snapshot)}
+    assert grid[("lora", "sd15")][0] == "ok"
+    assert grid[("lora", "sdxl")][0] == "tight" and "8.0 GiB here" in grid[("lora", "sdxl")][1]
+    result = run("--machine", str(path))
+    assert result.exit_code == 0, result.output
+
+
 def test_planner_verdict_is_tight_where_loading_needs_more_host_ram(tmp_path):
     """One RTX 4090 with 16 GiB of RAM: FLUX.1 [dev] LoRA fits the GPU, but loading it takes ~34 GiB of host
     RAM (it may swap or be killed): not "ok". A warning, not "no": the planner refuses only RAM held for the

@@ -127,6 +127,19 @@ def test_a_gpu_on_a_slower_pcie_link_is_left_out_of_a_pair(prof):
     assert P.set_link(h, h.gpus) == ("pcie", P.PCIE_GBS[3])
 
 
+def test_an_unread_pcie_generation_takes_the_catalogs_and_the_plan_says_so(prof):
+    """A GPU whose maximum PCIe generation NVML did not give is planned at its catalog entry's (RTX 3090: 4), not
+    at a GPU's known lower one alone nor an idle gen 1, and the notes say what was assumed."""
+    h = hw(prof, joined([RTX3090] * 2, set(), gens=[None, None]))
+    assert P.set_link(h, h.gpus) == ("pcie", P.PCIE_GBS[4])
+    (note,) = [n for n in h.notes if "PCIe generation" in n]
+    assert "GPU 0, GPU 1 could not be read" in note and "the catalog's gen 4" in note
+    mixed = hw(prof, joined([RTX3090] * 2, set(), gens=[3, None]))
+    assert P.set_link(mixed, mixed.gpus) == ("pcie", P.PCIE_GBS[3])  # the lowest: GPU 0's probed gen 3
+    assert any("PCIe generation of GPU 1 could not" in n for n in mixed.notes)
+    assert not [n for n in hw(prof, joined([RTX3090] * 2, set(), gens=[4, 4])).notes if "PCIe gen" in n]
+
+
 def test_gpus_that_differ_take_the_bridged_pair_of_the_better_kind(prof):
     """Four RTX 3090s (bridges 0-2, 1-3) beside an RTX 3060: two 3090s, the bridged ones."""
     h = hw(prof, joined([RTX3090, RTX3090, RTX3090, RTX3090, RTX3060], {(0, 2), (1, 3)}))

@@ -51,10 +51,9 @@ def probe(
         return AmdReading(rocm=rocm_version_file(rocm_root), notes=notes)
     try:
         reading = _read(amdsmi, index_start)
-        get_rocm = getattr(amdsmi, "amdsmi_get_rocm_version", None)  # ROCm 6.4+ bindings
-        rocm = rocm_version_string(_query(get_rocm)) if get_rocm else None
+        rocm = rocm_version_string(_query(amdsmi, "amdsmi_get_rocm_version"))  # ROCm 6.4+ bindings
     finally:
-        _query(amdsmi.amdsmi_shut_down)
+        _query(amdsmi, "amdsmi_shut_down")
     return AmdReading(
         gpus=reading.gpus,
         links=reading.links,
@@ -75,16 +74,16 @@ def _import_amdsmi() -> tuple[Any, BaseException | None]:
 
 
 def _read(amdsmi: Any, index_start: int) -> AmdReading:
-    handles = _query(amdsmi.amdsmi_get_processor_handles) or []
+    handles = _query(amdsmi, "amdsmi_get_processor_handles") or []
     gpus = tuple(_read_gpu(amdsmi, h, index_start + i) for i, h in enumerate(handles))
     hip = hip_indexes([_kfd_node(amdsmi, h) for h in handles])
     gpus = tuple(replace(g, hip_index=i) for g, i in zip(gpus, hip, strict=True))
     links: list[Link] = []
     for a in range(len(handles)):
         for b in range(a + 1, len(handles)):
-            info = _query(amdsmi.amdsmi_topo_get_link_type, handles[a], handles[b])
+            info = _query(amdsmi, "amdsmi_topo_get_link_type", handles[a], handles[b])
             kind = info.get("type") if isinstance(info, dict) else None
-            p2p = _query(amdsmi.amdsmi_is_P2P_accessible, handles[a], handles[b])
+            p2p = _query(amdsmi, "amdsmi_is_P2P_accessible", handles[a], handles[b])
             links.append(
                 Link(
                     a=index_start + a,
@@ -97,27 +96,26 @@ def _read(amdsmi: Any, index_start: int) -> AmdReading:
 
 
 def _read_gpu(amdsmi: Any, h: Any, index: int) -> GPU:
-    asic = _query(amdsmi.amdsmi_get_gpu_asic_info, h) or {}
+    asic = _query(amdsmi, "amdsmi_get_gpu_asic_info", h) or {}
     arch = parse_gfx_arch(asic.get("target_graphics_version"))
-    vram = amdsmi.AmdSmiMemoryType.VRAM
-    total = _int(_query(amdsmi.amdsmi_get_gpu_memory_total, h, vram))
-    used = _int(_query(amdsmi.amdsmi_get_gpu_memory_usage, h, vram))
+    vram = getattr(getattr(amdsmi, "AmdSmiMemoryType", None), "VRAM", None)
+    total = _int(_query(amdsmi, "amdsmi_get_gpu_memory_total", h, vram))
+    used = _int(_query(amdsmi, "amdsmi_get_gpu_memory_usage", h, vram))
     if total is None:  # older libraries: MB figures
-        usage = _query(amdsmi.amdsmi_get_gpu_vram_usage, h) or {}
+        usage = _query(amdsmi, "amdsmi_get_gpu_vram_usage", h) or {}
         total_mb, used_mb = _int(usage.get("vram_total")), _int(usage.get("vram_used"))
         total = total_mb * 2**20 if total_mb else None
         used = used_mb * 2**20 if used_mb is not None else None
-    pcie = _query(amdsmi.amdsmi_get_pcie_info, h) or {}
+    pcie = _query(amdsmi, "amdsmi_get_pcie_info", h) or {}
     static = pcie.get("pcie_static", {}) if isinstance(pcie, dict) else {}
-    metric = pcie.get("pcie_metric", {}) if isinstance(pcie, dict) else {}
-    power = _query(amdsmi.amdsmi_get_power_cap_info, h) or {}
+    power = _query(amdsmi, "amdsmi_get_power_cap_info", h) or {}
     power_uw = _int(power.get("power_cap"))
-    driver = _query(amdsmi.amdsmi_get_gpu_driver_info, h) or {}
+    driver = _query(amdsmi, "amdsmi_get_gpu_driver_info", h) or {}
     return GPU(
         index=index,
         vendor="amd",
         name=_text(asic.get("market_name")),
-        uuid=_text(_query(amdsmi.amdsmi_get_gpu_device_uuid, h)),
+        uuid=_text(_query(amdsmi, "amdsmi_get_gpu_device_uuid", h)),
         memory_total_bytes=total or None,
         memory_free_bytes=total - used if total and used is not None and used <= total else None,
         compute_capability=None,
@@ -125,7 +123,8 @@ def _read_gpu(amdsmi: Any, h: Any, index: int) -> GPU:
         bf16=amd_bf16(arch),
         fp16=amd_fp16(arch),
         pcie_gen=_int(static.get("pcie_interface_version")) or None,
-        pcie_width=_int(static.get("max_pcie_width")) or _int(metric.get("pcie_width")) or None,
+        # the link's maximum only: the current width (pcie_metric) is the link's state, not its capability
+        pcie_width=_int(static.get("max_pcie_width")) or None,
         power_limit_watts=round(power_uw / 1_000_000, 1) if power_uw else None,
         driver_version=_text(driver.get("driver_version")),
     )
@@ -133,8 +132,7 @@ def _read_gpu(amdsmi: Any, h: Any, index: int) -> GPU:
 
 def _kfd_node(amdsmi: Any, h: Any) -> int | None:
     """The GPU's KFD topology node id (``amdsmi_get_gpu_kfd_info``; older bindings lack it); None where not read."""
-    get = getattr(amdsmi, "amdsmi_get_gpu_kfd_info", None)
-    info = _query(get, h) if get is not None else None
+    info = _query(amdsmi, "amdsmi_get_gpu_kfd_info", h)
     return _int(info.get("node_id")) if isinstance(info, dict) else None
 
 
@@ -152,8 +150,12 @@ def hip_indexes(nodes: list[int | None]) -> list[int | None]:
     return [order.index(n) for n in nodes]
 
 
-def _query(fn: Any, *args: Any) -> Any:
-    """Run one amdsmi call; any failure (AmdSmiLibraryException NOT_SUPPORTED, ...) means None."""
+def _query(amdsmi: Any, name: str, *args: Any) -> Any:
+    """Run the amdsmi function ``name``; any failure (AmdSmiLibraryException NOT_SUPPORTED, ...), or a binding
+    without the function (older ROCm releases lack some), means None."""
+    fn = getattr(amdsmi, name, None)
+    if fn is None:
+        return None
     try:
         return fn(*args)
     except Exception:

@@ -24,6 +24,19 @@ NVLINK_MAX_LINKS_FALLBACK = 18  # NVML_NVLINK_MAX_LINKS is 18 in old bindings, 3
 MIG_ENABLED = 1  # NVML_DEVICE_MIG_ENABLE: nvmlDeviceGetMigMode's current mode
 # the most MIG devices a GPU has (A100/H100: 7), where nvmlDeviceGetMaxMigDeviceCount fails
 MIG_DEVICES_FALLBACK = 7
+# the NVML functions whose fields the snapshot records, for the note that names those an old binding lacks
+NVML_FIELD_FUNCTIONS = (
+    "nvmlSystemGetCudaDriverVersion_v2",
+    "nvmlDeviceGetMemoryInfo",
+    "nvmlDeviceGetCudaComputeCapability",
+    "nvmlDeviceGetMaxPcieLinkGeneration",
+    "nvmlDeviceGetMaxPcieLinkWidth",
+    "nvmlDeviceGetPowerManagementLimit",
+    "nvmlDeviceGetMigMode",
+    "nvmlDeviceGetMigDeviceHandleByIndex",
+    "nvmlDeviceGetNvLinkState",
+    "nvmlDeviceGetP2PStatus",
+)
 
 
 @dataclass(frozen=True)
@@ -54,13 +67,16 @@ def probe(index_start: int = 0, *, sys_root: str = "/sys", proc_root: str = "/pr
     try:
         return _read(pynvml, index_start)
     finally:
-        _query(pynvml, pynvml.nvmlShutdown)
+        _query(pynvml, "nvmlShutdown")
 
 
 def _read(nvml: Any, index_start: int) -> NvidiaReading:
-    driver = _query(nvml, nvml.nvmlSystemGetDriverVersion)
-    cuda_driver = cuda_version_string(_query(nvml, nvml.nvmlSystemGetCudaDriverVersion_v2))
-    count, error = _call(nvml, nvml.nvmlDeviceGetCount)
+    driver = _query(nvml, "nvmlSystemGetDriverVersion")
+    # _v2 reads libnvidia-ml itself; bindings before nvidia-ml-py 11 have only the first (from libcuda)
+    cuda_driver = cuda_version_string(
+        _query(nvml, "nvmlSystemGetCudaDriverVersion_v2") or _query(nvml, "nvmlSystemGetCudaDriverVersion")
+    )
+    count, error = _call(nvml, "nvmlDeviceGetCount")
     if error is not None or not isinstance(count, int):
         return NvidiaReading(
             driver_version=driver, cuda_driver=cuda_driver, notes=(_note_count_failed(driver, error),)
@@ -68,15 +84,21 @@ def _read(nvml: Any, index_start: int) -> NvidiaReading:
     gpus: list[GPU] = []
     handles: list[Any] = []
     notes: list[Finding] = []
+    missing = [name for name in NVML_FIELD_FUNCTIONS if getattr(nvml, name, None) is None]
+    if missing:
+        notes.append(_note_old_bindings(nvml, missing))
     for i in range(count):
-        handle, error = _call(nvml, nvml.nvmlDeviceGetHandleByIndex, i)
+        handle, error = _call(nvml, "nvmlDeviceGetHandleByIndex", i)
         if handle is None:
             gpus.append(GPU(index=index_start + i, vendor="nvidia", driver_version=driver))
             notes.append(_note_unreadable(index_start + i, i, None, "NVML cannot open it", error))
         else:
             gpu, error = _read_gpu(nvml, handle, index_start + i, driver)
             gpus.append(gpu)
-            if gpu.memory_total_bytes is None and not gpu.mig:  # MIG without a slice: a rule says so
+            if gpu.memory_total_bytes is None and gpu.mig and gpu.mig_slices:  # NVML's error: only here
+                what = f"NVML cannot read its {'MIG slice' if gpu.mig_slices == 1 else 'MIG slices'}' memory"
+                notes.append(_note_unreadable(gpu.index, i, gpu.name, what, error))
+            elif gpu.memory_total_bytes is None and not gpu.mig:  # MIG without a slice: a rule says so
                 notes.append(_note_unreadable(gpu.index, i, gpu.name, "NVML cannot read its memory", error))
         handles.append(handle)
     return NvidiaReading(
@@ -92,27 +114,28 @@ def _read_gpu(nvml: Any, h: Any, index: int, driver: str | None) -> tuple[GPU, B
     """The GPU, and the error NVML gave for its memory (None where it was read). In MIG mode the card's memory
     is the sum of its slices (NVML: "In MIG mode ... the API returns aggregate information"), which no process
     can use at once: the memory recorded is the largest slice's."""
-    mode = _query(nvml, _optional(nvml, "nvmlDeviceGetMigMode"), h)
+    mode = _query(nvml, "nvmlDeviceGetMigMode", h)
     mig = mode[0] == MIG_ENABLED if isinstance(mode, (list, tuple)) and mode else None
-    slices: list[Any] = []
+    slices = 0
     if mig:
-        memory, memory_error = None, None
-        slices = _mig_memories(nvml, h)
-        if slices:
-            memory = max(slices, key=lambda m: int(m.total))
+        memory = None
+        slices, memories, memory_error = _mig_memories(nvml, h)
+        if memories:
+            memory = max(memories, key=lambda m: int(m.total))
     else:
-        memory, memory_error = _call(nvml, nvml.nvmlDeviceGetMemoryInfo, h)
-    cc = _query(nvml, nvml.nvmlDeviceGetCudaComputeCapability, h)
+        memory, memory_error = _call(nvml, "nvmlDeviceGetMemoryInfo", h)
+    cc = _query(nvml, "nvmlDeviceGetCudaComputeCapability", h)
     cc_tuple = (int(cc[0]), int(cc[1])) if cc is not None else None
-    # The link's capability, not its idle state: GPUs drop to PCIe gen 1 when idle.
-    gen = _first(nvml, h, nvml.nvmlDeviceGetMaxPcieLinkGeneration, nvml.nvmlDeviceGetCurrPcieLinkGeneration)
-    width = _first(nvml, h, nvml.nvmlDeviceGetMaxPcieLinkWidth, nvml.nvmlDeviceGetCurrPcieLinkWidth)
-    power_mw = _first(nvml, h, nvml.nvmlDeviceGetPowerManagementLimit, nvml.nvmlDeviceGetEnforcedPowerLimit)
+    # The link's capability, not its state: GPUs drop to PCIe gen 1 (and narrower) when idle, so where the
+    # maximum cannot be read the current value is no stand-in: not available (the planner says what it assumes).
+    gen = _query(nvml, "nvmlDeviceGetMaxPcieLinkGeneration", h)
+    width = _query(nvml, "nvmlDeviceGetMaxPcieLinkWidth", h)
+    power_mw = _first(nvml, h, "nvmlDeviceGetPowerManagementLimit", "nvmlDeviceGetEnforcedPowerLimit")
     gpu = GPU(
         index=index,
         vendor="nvidia",
-        name=_query(nvml, nvml.nvmlDeviceGetName, h),
-        uuid=_query(nvml, nvml.nvmlDeviceGetUUID, h),
+        name=_query(nvml, "nvmlDeviceGetName", h),
+        uuid=_query(nvml, "nvmlDeviceGetUUID", h),
         memory_total_bytes=int(memory.total) if memory is not None else None,
         memory_free_bytes=int(memory.free) if memory is not None else None,
         compute_capability=f"{cc_tuple[0]}.{cc_tuple[1]}" if cc_tuple else None,
@@ -124,22 +147,28 @@ def _read_gpu(nvml: Any, h: Any, index: int, driver: str | None) -> tuple[GPU, B
         power_limit_watts=round(power_mw / 1000, 1) if power_mw else None,
         driver_version=driver,
         mig=mig,
-        mig_slices=len(slices) if mig else None,
+        mig_slices=slices if mig else None,
     )
     return gpu, memory_error
 
 
-def _mig_memories(nvml: Any, h: Any) -> list[Any]:
-    """The memory of each MIG device (slice) of a GPU in MIG mode; empty where none exists or can be read."""
-    count = _query(nvml, _optional(nvml, "nvmlDeviceGetMaxMigDeviceCount"), h)
-    memories = []
+def _mig_memories(nvml: Any, h: Any) -> tuple[int, list[Any], BaseException | None]:
+    """(how many MIG devices (slices) a GPU in MIG mode has, the memory of each NVML could read, the error of the
+    first it could not read)."""
+    count = _query(nvml, "nvmlDeviceGetMaxMigDeviceCount", h)
+    slices, memories, error = 0, [], None
     for i in range(count if isinstance(count, int) and count > 0 else MIG_DEVICES_FALLBACK):
         # NotFound: no MIG device at this index
-        mig = _query(nvml, _optional(nvml, "nvmlDeviceGetMigDeviceHandleByIndex"), h, i)
-        memory = _query(nvml, nvml.nvmlDeviceGetMemoryInfo, mig) if mig is not None else None
+        mig = _query(nvml, "nvmlDeviceGetMigDeviceHandleByIndex", h, i)
+        if mig is None:
+            continue
+        slices += 1
+        memory, e = _call(nvml, "nvmlDeviceGetMemoryInfo", mig)
         if memory is not None and int(memory.total) > 0:
             memories.append(memory)
-    return memories
+        elif error is None:
+            error = e
+    return slices, memories, error
 
 
 def _read_links(nvml: Any, handles: list[Any], index_start: int) -> list[Link]:
@@ -153,8 +182,8 @@ def _read_links(nvml: Any, handles: list[Any], index_start: int) -> list[Link]:
             nvlink = False
             if active[a] and active[b]:
                 # Both GPUs have NVLink up; P2P over NVLink tells whether it joins these two (bridge or NVSwitch).
-                nvlink = _query(nvml, nvml.nvmlDeviceGetP2PStatus, ha, hb, P2P_INDEX_NVLINK) == P2P_STATUS_OK
-            status = _query(nvml, nvml.nvmlDeviceGetP2PStatus, ha, hb, P2P_INDEX_READ)
+                nvlink = _query(nvml, "nvmlDeviceGetP2PStatus", ha, hb, P2P_INDEX_NVLINK) == P2P_STATUS_OK
+            status = _query(nvml, "nvmlDeviceGetP2PStatus", ha, hb, P2P_INDEX_READ)
             links.append(
                 Link(
                     a=index_start + a,
@@ -169,41 +198,46 @@ def _read_links(nvml: Any, handles: list[Any], index_start: int) -> list[Link]:
 def _nvlink_active(nvml: Any, h: Any) -> bool:
     enabled = getattr(nvml, "NVML_FEATURE_ENABLED", 1)
     max_links = getattr(nvml, "NVML_NVLINK_MAX_LINKS", NVLINK_MAX_LINKS_FALLBACK)
+    not_supported = getattr(nvml, "NVMLError_NotSupported", ())
     for link in range(max_links):
-        try:
-            if nvml.nvmlDeviceGetNvLinkState(h, link) == enabled:
-                return True
-        except nvml.NVMLError_NotSupported:
-            return False  # this GPU has no NVLink at all
-        except Exception:
-            continue  # this link index does not exist on this GPU (InvalidArgument) or cannot be read
+        state, error = _call(nvml, "nvmlDeviceGetNvLinkState", h, link)
+        if state == enabled:
+            return True
+        if isinstance(error, MissingFunction) or (not_supported and isinstance(error, not_supported)):
+            return False  # this GPU has no NVLink at all, or the binding cannot ask
+        # else: this link index does not exist on this GPU (InvalidArgument) or cannot be read
     return False
 
 
 # -- the one query wrapper and small pure helpers -------------------------------------------------------
 
 
-def _call(nvml: Any, fn: Any, *args: Any) -> tuple[Any, BaseException | None]:
-    """Run one NVML call: (its value, None), or (None, the error) where it failed; never raises."""
+class MissingFunction(AttributeError):
+    """An NVML function this ``pynvml`` binding does not define (nvidia-ml-py3 7.352 has no MIG, P2P, NVLink or
+    compute-capability calls): that field is not available."""
+
+    def __init__(self, name: str):
+        super().__init__(f"this pynvml binding has no {name}")
+        self.name = name
+
+
+def _call(nvml: Any, name: str, *args: Any) -> tuple[Any, BaseException | None]:
+    """Run the NVML function ``name``: (its value, None), or (None, the error) where it failed or the binding
+    lacks it (:class:`MissingFunction`); never raises."""
+    fn = getattr(nvml, name, None)
     if fn is None:
-        return None, None
+        return None, MissingFunction(name)
     try:
-        return fn(*args), None
-    except nvml.NVMLError as e:
+        value = fn(*args)
+    except Exception as e:  # NVMLError, ctypes.ArgumentError, UnicodeDecodeError
         return None, e
-    except Exception as e:  # ctypes.ArgumentError, UnicodeDecodeError, a binding without the function
-        return None, e
+    # old bindings (nvidia-ml-py3) return names, UUIDs and versions as bytes
+    return (value.decode(errors="replace") if isinstance(value, bytes) else value), None
 
 
-def _optional(nvml: Any, name: str) -> Any:
-    """A function older bindings lack (the MIG calls came in nvidia-ml-py 11.450): None there, which
-    :func:`_call` answers as not available."""
-    return getattr(nvml, name, None)
-
-
-def _query(nvml: Any, fn: Any, *args: Any) -> Any:
+def _query(nvml: Any, name: str, *args: Any) -> Any:
     """Run one NVML call; any failure means "not available" (None)."""
-    return _call(nvml, fn, *args)[0]
+    return _call(nvml, name, *args)[0]
 
 
 def nvml_error_text(e: BaseException | None) -> str:
@@ -214,9 +248,9 @@ def nvml_error_text(e: BaseException | None) -> str:
     return f"{type(e).__name__}: {text}" if text and text != type(e).__name__ else type(e).__name__
 
 
-def _first(nvml: Any, h: Any, *fns: Any) -> Any:
-    for fn in fns:
-        value = _query(nvml, fn, h)
+def _first(nvml: Any, h: Any, *names: str) -> Any:
+    for name in names:
+        value = _query(nvml, name, h)
         if value:
             return value
     return None
@@ -264,6 +298,18 @@ def _note_no_bindings() -> Finding:
         "nvml_bindings_missing",
         "an NVIDIA GPU is present but the NVML bindings (nvidia-ml-py) are not installed",
         "pip install nvidia-ml-py",
+    )
+
+
+def _note_old_bindings(nvml: Any, missing: list[str]) -> Finding:
+    where = getattr(nvml, "__file__", None)
+    return Finding(
+        "warning",
+        "nvml_bindings_old",
+        f"the NVML bindings (pynvml{f' at {where}' if where else ''}) are too old to have "
+        f"{', '.join(missing)}: what those read is not available (n/a below), and doctor cannot check it",
+        "pip install -U nvidia-ml-py (first `pip uninstall nvidia-ml-py3` where it is installed: it ships an "
+        "old pynvml.py)",
     )
 
 

@@ -61,9 +61,16 @@ TORCH_CUDA_WHEELS = ("12.6", "13.0")
 # Older builds, for a driver that runs none of those with the GPUs' kernels, each with the last torch release
 # that publishes it, newest release first: cu128 to 2.11, for Blackwell under a CUDA 12.8-12.9 driver (R570/R575;
 # pytorch/FBGEMM PR 5976 counted the wheels: "cu128's last version was 2.11"), and cu118 to 2.7, Maxwell to
-# Hopper under a driver older than CUDA 12.6 (2.7 built cu118, cu126 and cu128; 2.8 dropped cu118: RFC
+# Hopper under a CUDA 11 driver (2.7 built cu118, cu126 and cu128; 2.8 dropped cu118: RFC
 # pytorch/pytorch#147383).
 TORCH_CUDA_LEGACY_WHEELS = (("12.8", "2.11"), ("11.8", "2.7"))
+# CUDA minor-version compatibility (NVIDIA "CUDA Compatibility", "Minor Version Compatibility"): a build for CUDA
+# X.y runs on any driver of major X at least this version (Linux; Windows: 452.39, 527.41, 580.88), and on every
+# newer major; only kernels compiled at run time from PTX need a driver for the build's own X.y. The GPUs' driver
+# version is checked where the snapshot records it (the driver's CUDA version says only X.y).
+CUDA_MINOR_COMPAT_DRIVERS = {11: "450.80.02", 12: "525.60.13", 13: "580.65.06"}
+# Blackwell GPUs (compute capability 10.x, 12.x) run only under a driver for CUDA 12.8 or newer (R570)
+BLACKWELL_DRIVER_CUDA = (12, 8)
 
 # Every code :func:`findings` can produce. Other codes in a snapshot are probe-time notes (a backend that
 # could not load, a container memory limit): facts the rules cannot recompute from the snapshot.
@@ -236,6 +243,21 @@ def visible_gpus(s: Snapshot, vendor: str) -> Visible | None:
     return replace(seen, setting=" ".join(settings))
 
 
+def build_vendor(snapshot: Snapshot) -> str | None:
+    """The GPU vendor the machine's torch build drives (``cuda``: nvidia, ``rocm``: amd); None when unknown."""
+    build = getattr(getattr(snapshot, "software", None), "torch_build", None)
+    return {"cuda": "nvidia", "rocm": "amd"}.get(build or "")
+
+
+def trained_gpus(s: Snapshot) -> tuple[GPU, ...]:
+    """The usable GPUs a run here can train on: on a machine with NVIDIA and AMD GPUs, those of the vendor its
+    torch build drives (a CUDA build never uses a laptop's AMD iGPU), as the planner plans them
+    (planner.hardware_from_snapshot); every usable GPU where the build drives none of them or is unknown."""
+    drives = build_vendor(s)
+    driven = tuple(g for g in s.usable_gpus if g.vendor == drives)
+    return driven if driven else s.usable_gpus
+
+
 def shown_gpus(s: Snapshot) -> tuple[tuple[GPU, ...], str] | None:
     """The usable GPUs a run started here sees, and the setting that shows them (``CUDA_VISIBLE_DEVICES=1``),
     where a visibility variable restricts them and doctor can name every GPU it shows; None where none does.
@@ -404,6 +426,18 @@ def _mig_rules(s: Snapshot) -> list[Finding]:
                     "them), " + off,
                 )
             )
+        elif g.mig_slices:  # the slices exist; NVML's error reading them is the probe's gpu_unreadable note
+            out.append(
+                Finding(
+                    "warning",
+                    "mig_enabled",
+                    f"{name} is in MIG mode with {count_of(g.mig_slices, 'MIG slice')}, but their memory could "
+                    "not be read (gpu_unreadable gives NVML's error): it is left out of the plans",
+                    "`nvidia-smi mig -lgi` lists the slices' profiles, whose names give their memory (3g.40gb: "
+                    "40 GB); pick the slice to train on with CUDA_VISIBLE_DEVICES=MIG-<uuid> (`nvidia-smi -L`), "
+                    + off,
+                )
+            )
         else:
             out.append(
                 Finding(
@@ -421,7 +455,7 @@ def _mig_rules(s: Snapshot) -> list[Finding]:
 def _busy_rules(s: Snapshot) -> list[Finding]:
     """GPUs whose memory other processes held when doctor ran: plans count the whole card."""
     out: list[Finding] = []
-    for g in s.usable_gpus:
+    for g in trained_gpus(s):
         if g.memory_free_bytes is None or g.memory_total_bytes is None:
             continue
         used = g.memory_total_bytes - g.memory_free_bytes
@@ -450,7 +484,7 @@ def _torch_rules(s: Snapshot) -> list[Finding]:
                 "warning",
                 "torch_missing",
                 "torch is not installed: sdplan can plan here but not train",
-                f"pip install {_torch_install(s) or 'torch'}",
+                _torch_fix(s, reinstall=False),
             )
         )
         return out
@@ -461,7 +495,7 @@ def _torch_rules(s: Snapshot) -> list[Finding]:
                 "torch_cpu_build",
                 f"torch {sw.torch} is a CPU-only build on a machine with "
                 f"{' and '.join(v.upper() for v in sorted(vendors))} GPUs",
-                f"pip install --force-reinstall {_torch_install(s) or 'torch (a CUDA or ROCm build)'}",
+                _torch_fix(s),
             )
         )
     if (sw.torch_build, vendors) in (("cuda", {"amd"}), ("rocm", {"nvidia"})):
@@ -471,7 +505,7 @@ def _torch_rules(s: Snapshot) -> list[Finding]:
                 "error",
                 "torch_build_mismatch",
                 f"torch {sw.torch} is a {have} build but this machine's GPUs need {want}",
-                f"pip install --force-reinstall {_torch_install(s) or 'torch'}",
+                _torch_fix(s),
             )
         )
     if sw.torch_build == "cuda":
@@ -485,20 +519,20 @@ def _torch_rules(s: Snapshot) -> list[Finding]:
             if why:
                 lacking.setdefault(why, []).append(g)
         for why, gpus in lacking.items():
-            blackwell = (version_tuple(gpus[0].compute_capability) or (0,))[0] >= 10
             out.append(
                 Finding(
                     "error",
                     "torch_arch_unsupported",
                     f"torch {sw.torch} has no CUDA kernels for {_names(gpus)} (compute capability "
                     f"{gpus[0].compute_capability}): {why}; CUDA fails with 'no kernel image is available'",
-                    _arch_fix(s, blackwell),
+                    _torch_fix(s),
                 )
             )
     if sw.torch_build == "cuda" and "nvidia" in vendors:
         runtime, driver = version_tuple(sw.cuda_runtime), version_tuple(sw.cuda_driver)
         if runtime and driver and runtime > driver:
-            major = runtime[0] > driver[0]
+            major = cuda_build_runs(s, sw.cuda_runtime) is False  # CUDA will not start
+            install = _torch_install(s)
             out.append(
                 Finding(
                     "error" if major else "warning",
@@ -509,7 +543,10 @@ def _torch_rules(s: Snapshot) -> list[Finding]:
                         if major
                         else " (runs under CUDA minor-version compatibility; kernels needing PTX JIT can fail)"
                     ),
-                    f"update the NVIDIA driver, or pip install --force-reinstall {_torch_install(s) or 'torch'}"
+                    f"update the NVIDIA driver to one for CUDA {runtime[0]} ({_driver_for(runtime[0])}), or pip "
+                    f"install --force-reinstall {install}"
+                    if major and install
+                    else _torch_fix(s)
                     if major
                     # this torch runs: another one is no fix, a driver for its CUDA is (for PTX JIT kernels)
                     else f"nothing to do unless a kernel fails to load; then update the NVIDIA driver to one for "
@@ -521,8 +558,8 @@ def _torch_rules(s: Snapshot) -> list[Finding]:
 
 def _amd_rules(s: Snapshot) -> list[Finding]:
     amd_gpus = [g for g in s.gpus if g.vendor == "amd"]
-    if not amd_gpus:
-        return []
+    if not amd_gpus or (s.usable_gpus and not any(g.vendor == "amd" for g in trained_gpus(s))):
+        return []  # a CUDA build beside NVIDIA GPUs never runs ROCm kernels on them
     out: list[Finding] = []
     official = rocm_wheel_arches(s.software.torch)
     override = s.env.get("HSA_OVERRIDE_GFX_VERSION")
@@ -571,7 +608,7 @@ def _amd_rules(s: Snapshot) -> list[Finding]:
 
 
 def _precision_rules(s: Snapshot) -> list[Finding]:
-    no_bf16 = [g for g in s.usable_gpus if g.bf16 is False]
+    no_bf16 = [g for g in trained_gpus(s) if g.bf16 is False]
     nan = [g for g in no_bf16 if g.vendor == "nvidia" and fp16_gives_nan(g.name, g.compute_capability)]
     fp16 = [g for g in no_bf16 if g not in nan]
     out = []
@@ -615,13 +652,18 @@ def _host_rules(s: Snapshot) -> list[Finding]:
     )
     raise_limit = "raise the container's or job's memory limit (docker run --memory ..., Slurm --mem ...) or "
     if ram is not None and ram < RAM_MIN_BYTES:
+        # a warning, not an error: the planner checks each plan's host RAM (SD 1.5 LoRA loads in ~5 GiB), and the
+        # verdicts show it per method and model; this rule cannot plan (it is pure, the profiles are files)
         out.append(
             Finding(
-                "error",
+                "warning",
                 "ram_insufficient",
-                f"{what}: training needs a machine with at least 16 GB",
+                f"{what}: under the 16 GB the larger models need to load without swapping; the verdicts below "
+                "check each plan's host RAM against it (tight: loading may swap; no: what the run holds in RAM "
+                "does not fit)",
                 (raise_limit if limited else "")
-                + "train on a machine with >= 16 GB RAM (32 GB is comfortable)",
+                + "train what the verdicts call ok here; for the rest a machine with >= 16 GB RAM (32 GB is "
+                "comfortable)",
             )
         )
     elif ram is not None and ram < RAM_COMFORT_BYTES:
@@ -667,7 +709,16 @@ def _host_rules(s: Snapshot) -> list[Finding]:
 
 
 def _multi_gpu_rules(s: Snapshot) -> list[Finding]:
-    gpus = s.usable_gpus
+    """Each vendor's GPUs apart: one torch build drives a run, so an NVIDIA and an AMD GPU never train together
+    (neither a mix of GPUs nor a pair whose link matters); only the vendor the build drives where it is known."""
+    out: list[Finding] = []
+    trained = trained_gpus(s)
+    for vendor in dict.fromkeys(g.vendor for g in trained):
+        out += _vendor_multi_gpu_rules(s, tuple(g for g in trained if g.vendor == vendor))
+    return out
+
+
+def _vendor_multi_gpu_rules(s: Snapshot, gpus: tuple[GPU, ...]) -> list[Finding]:
     if len(gpus) < 2:
         return []
     out: list[Finding] = []
@@ -775,30 +826,74 @@ def torch_cuda_lacks(
     return None
 
 
-def _arch_fix(s: Snapshot, blackwell: bool) -> str:
-    """The torch build the GPUs of :func:`torch_cuda_lacks` need (:func:`_torch_install`), or the driver to get
-    first where this one runs no build with their kernels."""
+def _blackwell(g: GPU) -> bool:
+    return (version_tuple(g.compute_capability) or (0,))[0] >= 10
+
+
+def cuda_build_runs(s: Snapshot, cuda: str | None) -> bool | None:
+    """Whether a torch built for CUDA ``cuda`` ("12.6") starts under this machine's NVIDIA driver: on a driver for
+    that CUDA or newer, or of its major under minor-version compatibility (CUDA_MINOR_COMPAT_DRIVERS); Blackwell
+    GPUs only under a driver for CUDA 12.8 or newer. None where the driver's CUDA version is not known."""
+    build, driver = version_tuple(cuda), version_tuple(s.software.cuda_driver)
+    if build is None or driver is None:
+        return None
+    nvidia = [g for g in trained_gpus(s) if g.vendor == "nvidia"]
+    if driver[:2] < BLACKWELL_DRIVER_CUDA and any(_blackwell(g) for g in nvidia):
+        return False
+    if build[:2] <= driver[:2]:
+        return True
+    if build[0] > driver[0]:
+        return False
+    least = version_tuple(CUDA_MINOR_COMPAT_DRIVERS.get(build[0]))
+    versions = [version_tuple(g.driver_version) for g in nvidia]
+    return not (least and any(v is not None and v < least for v in versions))
+
+
+def _driver_for(major: int) -> str:
+    """The least driver that runs CUDA ``major``'s builds, in words."""
+    least = CUDA_MINOR_COMPAT_DRIVERS.get(major)
+    return f"{least} or newer" if least else "the newest"
+
+
+def _torch_fix(s: Snapshot, *, reinstall: bool = True) -> str:
+    """The fix that installs the torch this machine needs (:func:`_torch_install`), or where no build can be
+    named, what to do first: the driver to get, or which build to look for."""
+    pip = "pip install --force-reinstall" if reinstall else "pip install"
     install = _torch_install(s)
     if install:
-        return f"pip install --force-reinstall {install}"
-    need = "CUDA 12.8 or newer (570+)" if blackwell else "CUDA 12.6 or newer"
-    return f"update the NVIDIA driver to one for {need}, then install torch for that CUDA"
+        return f"{pip} {install}"
+    gpus = trained_gpus(s)
+    vendors = {g.vendor for g in gpus}
+    if vendors == {"nvidia"} and s.software.cuda_driver:  # this driver runs no build with the GPUs' kernels
+        major = int(TORCH_CUDA_WHEELS[0].split(".")[0])  # the oldest CUDA torch builds now
+        need = (
+            "CUDA 12.8 or newer (570 or newer)"
+            if any(_blackwell(g) for g in gpus)
+            else f"CUDA {major} ({_driver_for(major)})"
+        )
+        return f"update the NVIDIA driver to one for {need}, then {pip} torch for it"
+    if vendors == {"nvidia"}:
+        return (
+            f"{pip} torch (a CUDA build for this driver: pytorch.org/get-started/locally gives the command)"
+        )
+    if vendors == {"amd"}:
+        return f"{pip} torch (a ROCm build for this ROCm: pytorch.org/get-started/locally gives the command)"
+    return f"{pip} torch (a CUDA build for the NVIDIA GPUs, or a ROCm build for the AMD ones)"
 
 
 def _torch_install(s: Snapshot) -> str:
     """What `pip install` takes for the torch build this machine needs ('torch --index-url ...'; a quoted older
     release where only that has the GPUs' kernels under this driver), or '' when it cannot be told."""
-    vendors = {g.vendor for g in s.usable_gpus}
+    gpus = trained_gpus(s)
+    vendors = {g.vendor for g in gpus}
     if vendors == {"nvidia"}:
-        # the newest CUDA the driver runs whose wheels hold every GPU's kernels: a build of the torch pip
-        # installs now, else the last release of an older build
-        driver = version_tuple(s.software.cuda_driver)
-        if not driver:
-            return ""
+        # the newest CUDA the driver runs (:func:`cuda_build_runs`: under minor-version compatibility too) whose
+        # wheels hold every GPU's kernels: a build of the torch pip installs now, else the last release of an
+        # older build
         builds = [(c, None) for c in reversed(TORCH_CUDA_WHEELS)] + list(TORCH_CUDA_LEGACY_WHEELS)
         for cuda, last in builds:
-            if version_tuple(cuda) <= driver and not any(
-                torch_cuda_lacks(g.compute_capability, last, cuda) for g in s.usable_gpus
+            if cuda_build_runs(s, cuda) and not any(
+                torch_cuda_lacks(g.compute_capability, last, cuda) for g in gpus
             ):
                 url = f"--index-url https://download.pytorch.org/whl/cu{cuda.replace('.', '')}"
                 return f"torch {url}" if last is None else f'"torch=={last}.*" {url}'
