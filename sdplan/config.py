@@ -544,15 +544,23 @@ def loader_notes(cfg: TrainConfig, family: str | None) -> list[str]:
     return out
 
 
-def _cross_checks(cfg: TrainConfig, errors: list[str]) -> None:
-    ds = cfg.distributed.deepspeed
+def warmup_problems(cfg: TrainConfig) -> list[str]:
+    """training.lr_warmup_steps with the constant scheduler: diffusers' get_scheduler drops num_warmup_steps for
+    "constant" (optimization.py), so the run trains at the full rate from the first step; kohya refuses the pair.
+    Checked where settings are given (`sdplan train`, `sdplan recommend`), not in :func:`validate`: a run folder
+    an older sdplan wrote so still resumes (it trained without warmup, as it goes on)."""
     if cfg.training.lr_warmup_steps and cfg.training.lr_scheduler == "constant":
-        # diffusers' get_scheduler drops num_warmup_steps for "constant" (optimization.py); kohya refuses it
-        errors.append(
+        return [
             f"training.lr_warmup_steps: {cfg.training.lr_warmup_steps} with training.lr_scheduler constant, which "
             "has no warmup (the full rate from the first step); set training.lr_scheduler=constant_with_warmup, "
             "or training.lr_warmup_steps=0"
-        )
+        ]
+    return []
+
+
+def _cross_checks(cfg: TrainConfig, errors: list[str]) -> None:
+    ds = cfg.distributed.deepspeed
+
     # where the trainer reads it (a LoRA training its text encoders): checked again on the model's modules
     # (runtime.add_lora_adapters), here before the models load
     embedding = [

@@ -605,37 +605,60 @@ def _validate_given(base: dict[str, Any], req: TrainRequest, out: Path, source: 
         cfg.method, given, resume=req.resume
     ) + C.switched_setting_problems(cfg, req.overrides):
         raise C.ConfigError("key=value settings", problems)
+    # a resumed run keeps what its sdplan.yaml trained with unless the schedule is given again
+    if (not req.resume or {"training.lr_scheduler", "training.lr_warmup_steps"} & set(given)) and (
+        problems := C.warmup_problems(cfg)
+    ):
+        raise C.ConfigError("key=value settings" if given else source, problems)
     return cfg
 
 
 def drop_a_stale_plan(
-    cfg: C.TrainConfig, base: dict[str, Any], source: str, req: TrainRequest
+    cfg: C.TrainConfig, base: dict[str, Any], source: str, req: TrainRequest, inputs: InputSummary
 ) -> tuple[C.TrainConfig, str | None]:
-    """A config `sdplan recommend --out` wrote, trained with flags or key=value settings that change what it
-    planned (sdplan.settings.CONFIG_KEYS: the batch, the memory savers, the GPUs ...): its ``plan:`` record (the
-    peak, the time, the steps) is of other settings, and went into every output's metadata; its
-    ``training.max_steps``, the planned step count, changed the run's length with the batch. Both are dropped
-    (a GPU run plans the record again, every setting pinned: :func:`prepare`); returned with what changed, in
-    words (None where nothing did)."""
+    """A config `sdplan recommend --out` wrote, trained with settings other than those its ``plan:`` record is
+    of: flags or key=value settings that change what it planned (sdplan.settings.CONFIG_KEYS: the batch, the
+    memory savers, the GPUs ...), a hand edit of the file, other epochs or another dataset. The record (the peak,
+    the time, the steps) went into every output's metadata; the planned ``training.max_steps`` changed the run's
+    length with the batch or the dataset. Both are dropped (a GPU run plans the record again, every setting
+    pinned: :func:`prepare`); returned with what changed, in words (None where nothing did)."""
     from sdplan.settings import CONFIG_KEYS
 
-    try:
-        planned = C.validate(base, source=source).to_dict()
-    except SdplanError:
-        return cfg, None
+    record = cfg.plan or {}
     now = cfg.to_dict()
-    keys = [*CONFIG_KEYS.values(), "ema.enabled", "ema.device", "data.buckets", "data.repeats"]
-    changed = [k for k in keys if get_key(planned, k) != get_key(now, k)]
+    try:
+        written = C.validate(base, source=source).to_dict()
+    except SdplanError:
+        written = now
+    changed: dict[str, tuple[Any, Any]] = {}  # key -> (now, planned)
+    for key in (*CONFIG_KEYS.values(), "ema.enabled", "ema.device", "data.buckets", "data.repeats"):
+        if get_key(written, key) != get_key(now, key):
+            changed[key] = (get_key(now, key), get_key(written, key))
+    # the file's own settings against its record (edited by hand since it was written)
+    family = cfg.model.family or inputs.family
+    planned = record.get("plan") or {}
+    if family in registry.FAMILIES:
+        settings = Settings.from_config(cfg, model=family)
+        for name, value in planned.items():
+            field = {"batch_size": "batch"}.get(name, name)
+            if field not in CONFIG_KEYS or (field == "num_gpus" and req.num_machines > 1):
+                continue
+            have = getattr(settings, field, None)
+            have = list(have) if isinstance(have, tuple) else have
+            if have != value and CONFIG_KEYS[field] not in changed:
+                changed[CONFIG_KEYS[field]] = (get_key(now, CONFIG_KEYS[field]), value)
+    steps = record.get("steps") or {}
+    if steps.get("epochs") not in (None, cfg.training.epochs):
+        changed["training.epochs"] = (cfg.training.epochs, steps["epochs"])
+    if steps.get("images_per_epoch") not in (None, inputs.images_x_repeats):
+        changed["images per epoch"] = (inputs.images_x_repeats, steps["images_per_epoch"])
     if not changed:
         return cfg, None
-    said = ", ".join(
-        f"{k} {_value_text(get_key(now, k))} (planned {_value_text(get_key(planned, k))})" for k in changed
-    )
+    said = ", ".join(f"{k} {_value_text(a)} (planned {_value_text(b)})" for k, (a, b) in changed.items())
     said += f": the plan in {source} was made for other settings"
     typed = req.max_steps is not None or "training.max_steps" in C.override_keys(req.overrides)
-    steps = (cfg.plan or {}).get("steps") or {}
     planned_steps = (steps.get("total_steps") or 0) * max(
-        1, get_key(planned, "distributed.num_processes") or 1
+        1, get_key(written, "distributed.num_processes") or 1
     )
     cfg.plan = None
     if not typed and cfg.training.max_steps is not None and cfg.training.max_steps == planned_steps:
@@ -1703,9 +1726,6 @@ def prepare(req: TrainRequest, ui: UI) -> Prepared:
 
     # 2. The config validates (unknown keys, wrong types) before anything else is looked at.
     cfg = _validate_given(base, req, out, source)
-    stale = None
-    if config_path is not None and not req.resume and cfg.plan:
-        cfg, stale = drop_a_stale_plan(cfg, base, source, req)
 
     # 3. The --out rule (the demo checked it before building its model and dataset there).
     from sdplan.runfolder import check_free
@@ -1793,6 +1813,9 @@ def prepare(req: TrainRequest, ui: UI) -> Prepared:
             )
 
     # 7. The plan (as `sdplan recommend`), unless a config was given to train as it is.
+    stale = None
+    if config_path is not None and not req.resume and cfg.plan:
+        cfg, stale = drop_a_stale_plan(cfg, base, source, req, inputs)
     plan_result, planned = None, None
     planning = (
         not (req.resume or req.config or req.config_data is not None or req.no_plan) and snapshot is not None
@@ -1925,7 +1948,7 @@ def run_gpus(
     usable = {g.index: g for g in snapshot.usable_gpus}
     shown = {g.index for g in runnable_gpus(snapshot)}
     ids = cfg.distributed.gpu_ids
-    if ids is not None and num_machines > 1 and (len(ids) != per_node or any(i not in usable for i in ids)):
+    if ids is not None and num_machines > 1 and (len(ids) != per_node or any(i not in shown for i in ids)):
         ids = None
     if ids is not None:
         fix = "`sdplan doctor` numbers the GPUs; or drop distributed.gpu_ids and sdplan chooses"
@@ -2028,10 +2051,18 @@ def launch_devices(snapshot: Any, gpu_ids: tuple[int, ...], ui: UI) -> dict[str,
     shown = shown_gpus(replace(snapshot, env={k: os.environ.get(k) for k in ENV_KEYS})) if own else None
     if shown is not None and {g.index for g in shown[0]} == set(gpu_ids):
         return None  # the plan's GPUs are the ones the user's setting shows: it is kept, and says which
-    if shown is not None and set(gpu_ids) < {g.index for g in shown[0]} and "ROCR_VISIBLE_DEVICES" not in own:
-        # fewer than it shows: the plan's, named by UUID or doctor's numbers (ROCr's own filter would renumber
-        # HIP's ids, so a ROCR_VISIBLE_DEVICES list is only kept)
+    if shown is not None and set(gpu_ids) < {g.index for g in shown[0]}:
+        # fewer than it shows: the plan's, named by UUID or doctor's numbers; under ROCR_VISIBLE_DEVICES, HIP
+        # numbers the GPUs it leaves by their place in its list (HIP_VISIBLE_DEVICES applies after it)
         env = snapshot.visible_devices(gpu_ids)
+        if "ROCR_VISIBLE_DEVICES" in own:
+            from sdplan.probe.snapshot import visible_gpus
+
+            rocr = visible_gpus(
+                replace(snapshot, env={"ROCR_VISIBLE_DEVICES": own["ROCR_VISIBLE_DEVICES"]}), "amd"
+            )
+            left = [g.index for g in rocr.gpus] if rocr is not None else []
+            env = {"HIP_VISIBLE_DEVICES": ",".join(str(left.index(i)) for i in gpu_ids)}
         ui.echo(
             f"note: {shown[1]} shows {count_of(len(shown[0]), 'GPU')}; the plan runs on "
             + ", ".join(f"GPU {g.index} ({g.name})" for g in shown[0] if g.index in gpu_ids)
@@ -2211,7 +2242,10 @@ def config_pins(cfg: C.TrainConfig, family: str | None) -> tuple[tuple[str, Any]
     from sdplan.settings import CONFIG_KEYS
 
     s = Settings.from_config(cfg, model=family)
-    skip = {"method", "model", "resolution"} | ({"gpu_ids"} if s.gpu_ids is None else set())
+    # GPU ids for another count than the processes: refused where the run's GPUs are chosen (run_gpus: "lists 1
+    # GPU for 2 processes"), not as a pin this hardware cannot run
+    ids_apart = s.gpu_ids is None or len(s.gpu_ids) != s.num_gpus
+    skip = {"method", "model", "resolution"} | ({"gpu_ids"} if ids_apart else set())
     if cfg.method != "lora":
         skip |= {"lora_rank", "lora_alpha", "lora_targets"}
     return tuple((f, getattr(s, f)) for f in CONFIG_KEYS if f not in skip) + (("ema", s.ema),)

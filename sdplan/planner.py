@@ -3632,7 +3632,9 @@ def pin_conflicts(req: Request, hw: Hardware) -> list[str]:
     limit = min(hw.count, req.max_gpus or hw.count)
     if n is not None and n > limit:
         out.append(
-            f"distributed.num_processes={n}: this hardware has {count_text(limit, 'usable GPU')} (use at most "
+            f"distributed.num_processes={n}: this hardware has {count_text(limit, 'usable GPU')}"
+            + (f" ({hw.hidden_by} hides {count_text(len(hw.hidden), 'other')})" if hw.hidden else "")
+            + " (use at most "
             f"{limit})"
         )
     elif n is not None and n > (

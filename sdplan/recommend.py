@@ -195,7 +195,9 @@ def parse_pins(
     data = C.apply_overrides(base, list(items))
     cfg = C.validate(data, source="key=value settings")
     if not shared and (
-        problems := C.method_setting_problems(method, given) + C.switched_setting_problems(cfg, items)
+        problems := C.method_setting_problems(method, given)
+        + C.switched_setting_problems(cfg, items)
+        + C.warmup_problems(cfg)
     ):
         raise C.ConfigError("key=value settings", problems)
     for key, flag in _FLAG_KEYS.items():
@@ -601,7 +603,10 @@ def recommend(
                 f"--gpus {inp.gpus}: this machine has no GPU",
                 fix=f'plan for GPUs it does not have with --hardware "{inp.gpus}x RTX 4090" (any GPU name)',
             )
-        raise UsageError(f"--gpus {inp.gpus}: this hardware has {planner.count_text(hw.count, 'GPU')}")
+        hidden = f" ({hw.hidden_by} hides {planner.count_text(len(hw.hidden), 'other')})" if hw.hidden else ""
+        raise UsageError(
+            f"--gpus {inp.gpus}: this hardware has {planner.count_text(hw.count, 'GPU')}{hidden}"
+        )
     res = planner.plan(hw, profiles, req)
     if strict and res.pin_conflicts:
         raise UsageError(res.pin_conflicts[0])

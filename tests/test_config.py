@@ -475,11 +475,25 @@ def test_warmup_with_the_constant_scheduler_is_refused():
     full rate from step 1 while its plan line said "warmup 2". kohya refuses the pair too."""
     data = config.default_config()
     data["training"]["lr_warmup_steps"] = 2
-    with pytest.raises(ConfigError) as info:
-        config.validate(data)
-    assert any(
-        e.startswith("training.lr_warmup_steps: 2 with training.lr_scheduler constant")
-        for e in info.value.errors
-    )
+    (problem,) = config.warmup_problems(config.validate(data))  # an older run's sdplan.yaml still validates
+    assert problem.startswith("training.lr_warmup_steps: 2 with training.lr_scheduler constant")
     data["training"]["lr_scheduler"] = "constant_with_warmup"
-    assert config.validate(data).training.lr_warmup_steps == 2
+    assert config.warmup_problems(config.validate(data)) == []
+
+
+def test_warmup_with_the_constant_scheduler_is_refused_where_given_and_resumes_where_saved(tmp_path):
+    """`sdplan train` refuses the pair as given; a run folder an older sdplan wrote with it still resumes (it
+    trained without warmup, and goes on so), unless the schedule is given again."""
+    from sdplan.errors import ConfigError as CE
+    from sdplan.launcher import TrainRequest, _validate_given
+
+    base = config.default_config()
+    base["training"]["lr_warmup_steps"] = 2
+    new = TrainRequest(method="lora", model="m", dataset=str(tmp_path))
+    with pytest.raises(CE, match="no warmup"):
+        _validate_given(base, new, tmp_path / "run", "sdplan.yaml")
+    resume = TrainRequest(resume=True, out=str(tmp_path / "run"))
+    assert _validate_given(base, resume, tmp_path / "run", "sdplan.yaml").training.lr_warmup_steps == 2
+    again = TrainRequest(resume=True, out=str(tmp_path / "run"), overrides=["training.lr_warmup_steps=3"])
+    with pytest.raises(CE, match="no warmup"):
+        _validate_given(base, again, tmp_path / "run", "sdplan.yaml")

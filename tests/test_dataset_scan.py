@@ -289,6 +289,14 @@ def test_a_kohya_project_folder_as_class_data_names_its_reg_folder(tmp_path):
         f"dreambooth.class_data {tmp_path} holds no kohya N_name folder, but reg/"
     )
     assert e.value.fix == f"set dreambooth.class_data={tmp_path / 'reg'} instead"
+    # without a reg/ folder its N_name folders are the instance images: never named as the class images
+    import shutil
+
+    shutil.rmtree(tmp_path / "reg")
+    with pytest.raises(DatasetError) as e:
+        scan(tmp_path, setting="dreambooth.class_data")
+    assert "no regularization (reg/) folder: img/ holds its instance images" in e.value.message
+    assert "img" not in e.value.fix
 
 
 def test_a_folder_of_photos_with_dated_subfolders_stays_flat(tmp_path):

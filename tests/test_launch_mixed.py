@@ -288,3 +288,52 @@ def test_doctor_and_recommend_plan_the_gpus_shown():
     # CUDA's default order on GPUs that differ counts fastest first: doctor cannot tell which, so every GPU counts
     unsure = replace(snap, env={**snap.env, "CUDA_VISIBLE_DEVICES": "1"})
     assert len(hardware_from_snapshot(unsure, load_profiles()).gpus) == 2
+
+
+def _amd_three():
+    """RX 6700 XT (GPU 0), W6800 (GPU 1), RX 6700 XT (GPU 2), HIP numbering them as doctor does."""
+    import copy
+    import json
+
+    from conftest import MACHINES
+
+    from sdplan.machine import Snapshot
+
+    w = json.loads((MACHINES / "w6800.json").read_text())
+    rx = json.loads((MACHINES / "rx6700xt.json").read_text())["gpus"][0]
+    d = copy.deepcopy(w)
+    d["gpus"] = [
+        dict(rx, index=0, hip_index=0, uuid="aaaa0000-0000-1000-8058-000000000001"),
+        dict(w["gpus"][0], index=1, hip_index=1),
+        dict(rx, index=2, hip_index=2, uuid="aaaa0000-0000-1000-8058-000000000002"),
+    ]
+    d["links"] = [{"a": i, "b": j, "type": "pcie", "p2p": False} for i in range(3) for j in range(i + 1, 3)]
+    return Snapshot.from_dict(d)
+
+
+def test_rocr_visible_devices_narrowed_by_hips_place_in_its_list(tmp_path, model, dataset, monkeypatch):
+    """ROCR_VISIBLE_DEVICES=0,1 and a one-GPU plan on the W6800 (GPU 1): the run was launched with the user's
+    setting kept, so the trainer took the first GPU it shows, the RX 6700 XT. HIP numbers the GPUs ROCr leaves
+    by their place in its list: HIP_VISIBLE_DEVICES=1 is the W6800."""
+    lines: list[str] = []
+    snap = _shown(monkeypatch, _amd_three(), ROCR_VISIBLE_DEVICES="0,1")
+    p, launch = prepared(tmp_path, model, dataset, snap, lines=lines, gpus=1)
+    assert p.cfg.distributed.gpu_ids == [1]
+    assert launch.env["HIP_VISIBLE_DEVICES"] == "1"
+    snap = _shown(monkeypatch, _amd_three(), ROCR_VISIBLE_DEVICES="2,1")
+    p, launch = prepared(tmp_path / "b", model, dataset, snap, gpus=1)
+    assert p.cfg.distributed.gpu_ids == [1] and launch.env["HIP_VISIBLE_DEVICES"] == "1"
+
+
+def test_doctor_judges_only_the_gpus_shown(monkeypatch):
+    """CUDA_VISIBLE_DEVICES=1 on an RTX 4090 + RTX 3060 machine: doctor planned the 3060 alone, yet warned of mixed
+    GPUs (its fix naming the hidden 4090) and of their slow link."""
+    from dataclasses import replace
+
+    from sdplan.probe.snapshot import findings
+
+    snap = machine(RTX4090, RTX3060)
+    both = {f.code for f in findings(snap)}
+    assert "mixed_gpus" in both
+    one = {f.code for f in findings(replace(snap, env={**snap.env, "CUDA_VISIBLE_DEVICES": "1", **PCI}))}
+    assert "mixed_gpus" not in one and "multi_gpu_slow_link" not in one and "visible_devices_some" in one

@@ -424,6 +424,23 @@ def test_a_plans_config_trained_with_other_settings_drops_its_stale_plan(tmp_pat
         k: v for k, v in same.cfg.plan["plan"].items() if k != "batch_size"
     }
     assert record["estimate"]["peak_vram_bytes"] < same.cfg.plan["estimate"]["peak_vram_bytes"]
+    # the file edited by hand, another dataset, other epochs: the record is of other settings all the same
+    edited = yaml.safe_load((out / "sdplan.yaml").read_text())
+    edited["training"]["batch_size"] = 1
+    (tmp_path / "edited.yaml").write_text(yaml.safe_dump(edited))
+    config = str(tmp_path / "edited.yaml")
+    by_hand, lines = train("by_hand")
+    assert any(line.startswith("note: training.batch_size 1 (planned 4)") for line in lines)
+    assert by_hand.cfg.training.max_steps is None and by_hand.steps["total_steps"] == 13 * EPOCHS
+    assert by_hand.cfg.plan["plan"]["batch_size"] == 1
+    config = str(out / "sdplan.yaml")
+    more = make_images(tmp_path / "more", n=20)
+    other, lines = train("other_data", f"data.path={more}")
+    assert any("images per epoch 20 (planned 13)" in line for line in lines)
+    assert other.cfg.training.max_steps is None and other.steps["total_steps"] == 5 * EPOCHS
+    longer, lines = train("longer", "training.epochs=6")
+    assert any("training.epochs 6 (planned 3)" in line for line in lines)
+    assert longer.cfg.plan["steps"]["total_steps"] == longer.steps["total_steps"] == 4 * 6
     # a max_steps the user gives stays
     capped, _ = train("capped", "training.batch_size=2", "training.max_steps=5")
     assert capped.cfg.training.max_steps == 5

@@ -773,8 +773,14 @@ def _kohya_project(root: Path, files: list[Path], setting: str = "--dataset") ->
     reg = [d for d in inner if _REG_DIR.search(d.name)]  # kohya_ss's reg/, reg_data, regularization ...
     train = [d for d in inner if d not in reg] or reg[:1]
     reg = [d for d in reg if d not in train]
+    if setting != "--dataset" and not reg:  # its N_name folders hold the instance images, not class ones
+        return KohyaProjectError(
+            f"{setting} {root} is a kohya project folder with no regularization (reg/) folder: "
+            f"{train[0].name}/ holds its instance images ({inner[train[0]][0].name}), not class images",
+            fix=f"set {setting} to a folder of class images, or to an empty folder (sdplan generates them there)",
+        )
     if setting != "--dataset":  # class images: the project's regularization folder
-        first = (reg or train)[0]
+        first = reg[0]
         return KohyaProjectError(
             f"{setting} {root} holds no kohya N_name folder, but {first.name}/ holds "
             f"{count_of(len(inner[first]), 'such folder')} ({inner[first][0].name}): a kohya project folder, "

@@ -524,7 +524,11 @@ def describe_plan(method: str, family: str, samples: int, cfg, plan: Steps, repe
     even batches over the processes)."""
     t = cfg.training
     warmup = f"warmup {plan.lr_warmup_steps}"
-    if plan.num_processes > 1 and t.lr_warmup_steps:
+    if (
+        t.lr_scheduler == "constant" and t.lr_warmup_steps
+    ):  # an older sdplan.yaml: diffusers' constant has none
+        warmup = f"no warmup (training.lr_warmup_steps {t.lr_warmup_steps} does nothing with the constant scheduler)"
+    elif plan.num_processes > 1 and t.lr_warmup_steps:
         warmup += f" (training.lr_warmup_steps {t.lr_warmup_steps} one-process steps / {plan.num_processes})"
     return (
         f"{method} {family}: {samples} samples/epoch, batch {t.batch_size} x accum {t.grad_accum} x "

@@ -252,10 +252,14 @@ def build_vendor(snapshot: Snapshot) -> str | None:
 def trained_gpus(s: Snapshot) -> tuple[GPU, ...]:
     """The usable GPUs a run here can train on: on a machine with NVIDIA and AMD GPUs, those of the vendor its
     torch build drives (a CUDA build never uses a laptop's AMD iGPU), as the planner plans them
-    (planner.hardware_from_snapshot); every usable GPU where the build drives none of them or is unknown."""
+    (planner.hardware_from_snapshot); every usable GPU where the build drives none of them or is unknown. Of
+    those, the ones the user's CUDA_VISIBLE_DEVICES (HIP_ / ROCR_) shows where it restricts them
+    (:func:`shown_gpus`): a hidden GPU is no part of a run here, its arch, bf16 or links no problem of it."""
+    shown = shown_gpus(s)
+    pool = shown[0] if shown is not None else s.usable_gpus
     drives = build_vendor(s)
-    driven = tuple(g for g in s.usable_gpus if g.vendor == drives)
-    return driven if driven else s.usable_gpus
+    driven = tuple(g for g in pool if g.vendor == drives)
+    return driven if driven else pool
 
 
 def shown_gpus(s: Snapshot) -> tuple[tuple[GPU, ...], str] | None:
