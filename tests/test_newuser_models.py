@@ -1316,9 +1316,6 @@ def test_a_single_file_whose_configs_are_not_cached_says_so_at_recommend_and_bef
 
     model = write_safetensors(tmp_path / "x.safetensors", checkpoint())
     repo = source_check.SINGLE_FILE_CONFIGS["sd15"]
-    assert (
-        source_check.single_file_configs("file", "sd15", None, ask=True) is None
-    )  # the suite's cache has them
     monkeypatch.setattr(source_check, "cached_snapshot", lambda repo_id, revision=None: None)
     line = source_check.single_file_configs("file", "sd15", None)
     assert repo in line and "model.config_dir" in line
@@ -1365,6 +1362,57 @@ def test_a_single_file_whose_configs_are_not_cached_says_so_at_recommend_and_bef
         and repo in message
         and "model.config_dir" in message
     )
+
+
+def test_a_partial_hub_config_cache_is_not_a_single_files_configs(tmp_path, monkeypatch):
+    """The cache `sdplan train`'s own hub check leaves (model_index.json, the UNet's and the scheduler's configs:
+    a --dry-run or a "no" at the prompt writes it, and the suite's cache is one) passed for a single file's configs:
+    the run launched and failed offline in the trainer on a CLIP shape mismatch (transformers built a default
+    512-wide CLIP config for the text encoder it lacks). All the files from_single_file reads are required, else
+    the empty cache's line: a warning at recommend and a dry run, one line before the launch offline."""
+    from hub_cache import configs, write_repo
+    from huggingface_hub import constants
+    from sdplan.trainer import source_check
+    from sdplan.trainer.models import ModelLoadError
+
+    model = write_safetensors(tmp_path / "x.safetensors", checkpoint())
+    repo = source_check.SINGLE_FILE_CONFIGS["sd15"]
+    cache = tmp_path / "hub"
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    snap = write_repo(cache, repo, configs("sd15"))  # what check_hub keeps
+    assert source_check.cached_snapshot(repo) == snap
+    line = source_check.single_file_configs("file", "sd15", None)
+    assert "the local cache does not hold them all (no vae/config.json and 2 more)" in line, line
+    with pytest.raises(ModelLoadError, match="the hub cannot be reached"):
+        source_check.single_file_configs("file", "sd15", None, ask=True)
+    ds = make_images(tmp_path / "ds", n=2)
+    args = [
+        "train",
+        "--model",
+        str(model),
+        "--dataset",
+        str(ds),
+        "--out",
+        str(tmp_path / "o"),
+        "--device",
+        "cpu",
+    ]
+    message = one_line_error(
+        runner.invoke(app, args), 2, "and the hub cannot be reached (HF_HUB_OFFLINE is set)"
+    )
+    assert message.startswith(f"error: model.path {model}: ") and "does not hold them all" in message
+    assert "does not hold them all" in dry_run(model, tmp_path).output
+
+    for sub in ("text_encoder", "vae"):  # the rest of what from_single_file fetches: then it is cached
+        (snap / sub).mkdir()
+        (snap / sub / "config.json").write_text("{}")
+    for name in ("vocab.json", "merges.txt"):
+        (snap / "tokenizer" / name).parent.mkdir(exist_ok=True)
+        (snap / "tokenizer" / name).write_text("{}")
+    assert source_check.single_file_configs("file", "sd15", None, ask=True) is None
+    sdxl = write_repo(cache, source_check.SINGLE_FILE_CONFIGS["sdxl"], configs("sdxl"))
+    assert "no vae/config.json and 4 more" in source_check.single_file_configs("file", "sdxl", None)
+    assert sdxl.is_dir()
 
 
 def test_the_single_file_config_repos_are_diffusers_own():

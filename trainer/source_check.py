@@ -1025,11 +1025,16 @@ def single_file_configs(
     its launch; the trainer failed there about 11 s after it), a hub that answers is None. ``where``: the
     model.path the error names."""
     repo = SINGLE_FILE_CONFIGS.get(family or "") if kind == "file" and config_dir is None else None
-    if repo is None or cached_snapshot(repo) is not None:
+    if repo is None:
+        return None
+    snap = cached_snapshot(repo)
+    lacks = _single_file_configs_lacking(snap, family == "sdxl") if snap is not None else None
+    if snap is not None and not lacks:
         return None
     line = (
         f"a single file's component configs and tokenizers come from the Hugging Face hub ({repo}) at its "
         "first load, and the local cache does not hold them"
+        + (f" all (no {lacks[0]}{f' and {len(lacks) - 1} more' if len(lacks) > 1 else ''})" if lacks else "")
     )
     fix = (
         "set model.config_dir to a local diffusers folder of the same family (then nothing is downloaded), "
@@ -1045,6 +1050,27 @@ def single_file_configs(
         at = f"model.path {where}: " if where else ""
         raise ModelLoadError(f"{at}{line}, and the hub cannot be reached ({e.why})", fix=fix) from None
     return None
+
+
+def _single_file_configs_lacking(snap: Path, sdxl: bool) -> list[str]:
+    """What of the files diffusers' ``from_single_file`` reads from a family's default repo (its
+    ``_download_diffusers_model_config_from_hub``: every ``*.json``, ``*.txt`` and ``*.model``; the text encoders',
+    VAE's and UNet's configs, the tokenizers, the scheduler's config) its cached snapshot ``snap`` lacks. A
+    cache holding only model_index.json, the UNet's and the scheduler's configs (what :func:`check_hub` keeps of a
+    hub model it checked) is not enough: offline, transformers then builds a default 512-wide CLIP config
+    and the load fails on a shape mismatch."""
+    lacking = []
+    for sub, kind in _components("unet", sdxl):
+        folder = snap / sub
+        if kind == "tokenizer":
+            if not _tokenizer_ok(folder):
+                lacking.append(f"{sub}/vocab.json + merges.txt")
+        elif kind == "scheduler":
+            if not (folder / "scheduler_config.json").is_file():
+                lacking.append(f"{sub}/scheduler_config.json")
+        elif not (folder / "config.json").is_file():
+            lacking.append(f"{sub}/config.json")
+    return lacking
 
 
 def check_hub(
