@@ -1415,6 +1415,19 @@ def test_a_partial_hub_config_cache_is_not_a_single_files_configs(tmp_path, monk
     assert sdxl.is_dir()
 
 
+@pytest.mark.parametrize("name", ["x.sft", "X.SAFETENSORS"])
+def test_a_safetensors_file_named_sft_or_in_upper_case_passes_the_check_before_the_launch(tmp_path, name):
+    """.sft (Black Forest Labs' FLUX.1 suffix, ComfyUI's load_torch_file reads it) was "not a model file"; both
+    are read as safetensors, by their header (a .sft that is none is one line)."""
+    model = write_safetensors(tmp_path / name, checkpoint())
+    out = dry_run(model, tmp_path)
+    assert out.exit_code == 0, out.output
+    assert out.output.startswith(f"lora on sd15 ({model})"), out.output
+    junk = tmp_path / "junk.sft"
+    junk.write_bytes(b"not safetensors at all")
+    one_line_error(dry_run(junk, tmp_path), 2, f"model.path {junk}: not a safetensors file (no valid header)")
+
+
 def test_the_single_file_config_repos_are_diffusers_own():
     """SINGLE_FILE_CONFIGS names the repos diffusers' from_single_file fetches for SD 1.x, 2.x and SDXL files."""
     from diffusers.loaders.single_file_utils import DIFFUSERS_DEFAULT_PIPELINE_PATHS as paths

@@ -191,7 +191,9 @@ FLUX_WIDTH = 3072  # diffusers 0.42 convert_flux_transformer_checkpoint_to_diffu
 def is_flow_transformer_file(path: str | Path) -> bool:
     """Whether a .safetensors holds an MMDiT or Flux transformer (its header's key names; diffusers' own
     markers: ``joint_blocks.`` / ``double_blocks.``, with or without ``model.diffusion_model.``)."""
-    if Path(path).suffix.lower() != ".safetensors":
+    from .models import is_safetensors_name
+
+    if not is_safetensors_name(path):
         return False
     from safetensors import safe_open
 
@@ -212,7 +214,7 @@ def load_flow_single_file(location: str, family: str | None, config_dir: str | N
     import json
 
     from .flow_models import PIPELINES, load_flow_components
-    from .models import ModelLoadError, load_dtype_kw
+    from .models import ModelLoadError, diffusers_readable, load_dtype_kw
 
     if not config_dir:
         raise UsageError(
@@ -246,7 +248,7 @@ def load_flow_single_file(location: str, family: str | None, config_dir: str | N
             )
     try:  # the folder's transformer config only: its weights (if any) are never read
         transformer = cls.from_single_file(
-            location,
+            diffusers_readable(location),  # x.sft, x.SAFETENSORS: under a name diffusers reads so
             config=str(root),
             subfolder="transformer",
             local_files_only=True,

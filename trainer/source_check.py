@@ -37,7 +37,7 @@ from sdplan.errors import UsageError
 from .ckpt_reader import Unreadable, read_ckpt_shapes, read_ckpt_tensor
 from .flow_models import PIPELINES as FLOW_PIPELINES
 from .flow_models import detect_flow_family, flow_family_of_folder
-from .models import CROSS_WIDTHS, ModelLoadError, cross_attention_width, detect_family
+from .models import CROSS_WIDTHS, ModelLoadError, cross_attention_width, detect_family, is_safetensors_name
 
 UNET = "model.diffusion_model."
 FIX_TRAINABLE = (
@@ -799,7 +799,7 @@ def tensor_std(path: Path, key: str) -> float | None:
     it, stores another dtype or cannot be read so."""
     import numpy as np
 
-    if path.suffix.lower() != ".safetensors":
+    if not is_safetensors_name(path):
         found = read_ckpt_tensor(path, key)
         if found is None:
             return None
@@ -866,7 +866,7 @@ def check_file(
     if config_dir is None and family is not None and registry.family(family).flow:
         raise _needs_config_dir(where, family)
     shapes: dict[str, tuple[int, ...]] = {}
-    if path.suffix.lower() == ".safetensors":
+    if is_safetensors_name(path):  # .sft too: its header says whether it is one
         shapes, metadata = read_safetensors_header(path, where)
         info = classify_state(shapes, metadata, path, where, family=family)
     else:
