@@ -36,7 +36,7 @@ from sdplan.errors import UsageError
 
 from .ckpt_reader import Unreadable, read_ckpt_shapes, read_ckpt_tensor
 from .flow_models import PIPELINES as FLOW_PIPELINES
-from .flow_models import detect_flow_family, flow_family_of_folder
+from .flow_models import detect_flow_family, file_parts, file_parts_note, flow_family_of_folder
 from .models import CROSS_WIDTHS, ModelLoadError, cross_attention_width, detect_family, is_safetensors_name
 
 UNET = "model.diffusion_model."
@@ -521,10 +521,10 @@ def _scaled_markers(keys: set[str], metadata: dict[str, str], flow: bool) -> lis
     """The ComfyUI scaled-fp8 markers (``scaled_fp8``, ``scale_weight``, ``comfy_quant`` keys; the layers
     ``_quantization_metadata`` lists) of the weights sdplan loads from the file. An SD 1.x / 2.x / SDXL file is
     read whole (``from_single_file`` builds its text encoders and VAE from it too): every marker counts. From an
-    SD3.5 / FLUX.1 file only the transformer is read (:func:`.flow_single_file.load_flow_single_file`; text
-    encoders and VAE come from model.config_dir), so a text encoder's own marker
+    SD3.5 / FLUX.1 file the text encoders and VAE are read only where they carry no such marker (a quantized
+    one comes from model.config_dir: :func:`.flow_models.file_parts`), so a text encoder's own marker
     (``text_encoders.t5xxl.transformer.scaled_fp8``, as in Comfy-Org's ``*_t5xxlfp8scaled`` files; ComfyUI
-    ``sd3_clip.t5_xxl_detect`` reads it per encoder) does not."""
+    ``sd3_clip.t5_xxl_detect`` reads it per encoder) does not count."""
     ends = ("scaled_fp8", "scale_weight", "comfy_quant")
     found = [k for k in sorted(keys) if k.rsplit(".", 1)[-1] in ends]
     quant = metadata.get("_quantization_metadata")
@@ -921,6 +921,11 @@ def check_file(
                     "stabilityai/stable-diffusion-3-medium-diffusers; SD3.5 Medium: "
                     "stabilityai/stable-diffusion-3.5-medium)",
                 )
+        if flow and info.family is not None:  # an all-in-one file: its own text encoders and VAE load
+            arch = registry.family(info.family).arch
+            parts = file_parts(shapes, arch)
+            _check_file_parts(shapes, parts, cdir, where, cwhere)
+            info.notes.append(file_parts_note(parts, arch))
         if not flow and cls not in UNET_PIPELINES:
             raise UnsupportedModelError(
                 f"{cwhere}: a {cls or 'unnamed'} folder, but {where} is an SD 1.x / 2.x / SDXL checkpoint",
@@ -941,6 +946,42 @@ def check_file(
         raise _needs_config_dir(where, info.family)
     info.notes.insert(0, describe(info))
     return info
+
+
+def _check_file_parts(
+    shapes: dict[str, tuple[int, ...]],
+    parts: dict[str, tuple[str, str, bool]],
+    cdir: Path,
+    where: str,
+    cwhere: str,
+) -> None:
+    """An all-in-one file's text encoders and VAE load with model.config_dir's configs: an encoder of another
+    width (CLIP's token embedding against ``hidden_size``, T5's against ``d_model``) or a VAE of other latent
+    channels (its encoder's ``conv_out``, mean and variance, against ``latent_channels``) is one line here, not
+    a shape error in the trainer after the transformer loaded."""
+    for sub, (label, prefix, quantized) in parts.items():
+        conf_file = cdir / sub / "config.json"
+        if quantized or not conf_file.is_file():
+            continue
+        conf = _read_json(cdir, f"{sub}/config.json", cwhere)
+        if sub == "vae":
+            have = (shapes.get(f"{prefix}encoder.conv_out.weight") or (0,))[0] // 2
+            want, what = conf.get("latent_channels"), "has {} latent channels"
+        else:
+            t5 = label == "T5"
+            have = (
+                shapes.get(
+                    prefix + ("shared.weight" if t5 else "text_model.embeddings.token_embedding.weight")
+                )
+                or (0, 0)
+            )[-1]
+            want, what = conf.get("d_model" if t5 else "hidden_size"), "is {} wide"
+        if have and want and have != want:
+            raise UnsupportedModelError(
+                f"{cwhere} does not describe {where}'s own {label}: the file's {what.format(have)}, "
+                f"{sub}/config.json says {want}",
+                fix="point model.config_dir at the diffusers folder of the file's own model",
+            )
 
 
 def _mmdit_mismatch(shapes: dict[str, tuple[int, ...]], config: dict[str, Any]) -> str | None:
