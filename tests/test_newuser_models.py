@@ -1428,6 +1428,25 @@ def test_a_safetensors_file_named_sft_or_in_upper_case_passes_the_check_before_t
     one_line_error(dry_run(junk, tmp_path), 2, f"model.path {junk}: not a safetensors file (no valid header)")
 
 
+def test_a_hub_id_as_model_config_dir_is_one_line_naming_it_as_typed(tmp_path, monkeypatch):
+    """model.config_dir me/tiny15 was made a folder under the current one and refused as "model.config_dir
+    /cwd/me/tiny15: not a diffusers folder", a path the user never typed. It takes a local folder: said so, with
+    the value as given (kept so where it reads as a hub id and no such folder exists); a missing folder says so."""
+    monkeypatch.chdir(tmp_path)
+    model = write_safetensors(tmp_path / "x.safetensors", checkpoint())
+    line = one_line_error(dry_run(model, tmp_path, "model.config_dir=me/tiny15"), 2)
+    assert line.startswith(
+        "error: model.config_dir me/tiny15: takes a local diffusers folder, not a hub id"
+    ), line
+    assert "hf download me/tiny15 --local-dir DIR" in line and str(tmp_path) not in line
+    line = one_line_error(dry_run(model, tmp_path, "model.config_dir=./nope"), 2)
+    assert line.startswith(f"error: model.config_dir {tmp_path / 'nope'}: no such folder"), (
+        line
+    )  # a path: absolute
+    with pytest.raises(Exception, match="not a hub id"):
+        check_source(str(model), config_dir="me/tiny15")
+
+
 def test_the_single_file_config_repos_are_diffusers_own():
     """SINGLE_FILE_CONFIGS names the repos diffusers' from_single_file fetches for SD 1.x, 2.x and SDXL files."""
     from diffusers.loaders.single_file_utils import DIFFUSERS_DEFAULT_PIPELINE_PATHS as paths

@@ -892,6 +892,19 @@ def check_file(
 
         cdir = Path(expand_user(config_dir, "model.config_dir"))
         cwhere = f"model.config_dir {config_dir}"
+        if not cdir.exists():
+            from .models import looks_like_hub_id
+
+            if looks_like_hub_id(
+                config_dir
+            ):  # diffusers' from_single_file(config=) would take one: sdplan not
+                raise UsageError(
+                    f"{cwhere}: takes a local diffusers folder, not a hub id (no such folder here)",
+                    fix=f"download it (`hf download {config_dir} --local-dir DIR`) and set model.config_dir=DIR",
+                )
+            raise UsageError(
+                f"{cwhere}: no such folder", fix="point it at the diffusers folder of the checkpoint's model"
+            )
         if not (cdir / "model_index.json").is_file():
             raise UnsupportedModelError(
                 f"{cwhere}: not a diffusers folder (no model_index.json)",
