@@ -1447,6 +1447,20 @@ def test_a_hub_id_as_model_config_dir_is_one_line_naming_it_as_typed(tmp_path, m
         check_source(str(model), config_dir="me/tiny15")
 
 
+def test_a_variant_a_folder_lacks_is_said_to_load_its_plain_weights(sd15_copy):
+    """model.variant=fp16 on a folder without fp16 files loaded its plain (float32) weights without a word."""
+    assert not any(n.startswith("weights:") for n in check_source(str(sd15_copy)).notes)
+    notes = check_source(str(sd15_copy), variant="fp16").notes
+    assert (
+        "weights: model.variant fp16, but unet, vae, text_encoder hold no fp16 files: their plain weights load "
+        "instead (as saved, often float32; training.precision sets the training dtype)"
+    ) in notes, notes
+    for f in (sd15_copy / "unet").glob("diffusion_pytorch_model.safetensors"):
+        f.rename(f.with_name("diffusion_pytorch_model.fp16.safetensors"))
+    notes = check_source(str(sd15_copy), variant="fp16").notes
+    assert any(n.startswith("weights: model.variant fp16, but vae, text_encoder hold") for n in notes), notes
+
+
 def test_the_single_file_config_repos_are_diffusers_own():
     """SINGLE_FILE_CONFIGS names the repos diffusers' from_single_file fetches for SD 1.x, 2.x and SDXL files."""
     from diffusers.loaders.single_file_utils import DIFFUSERS_DEFAULT_PIPELINE_PATHS as paths

@@ -365,6 +365,12 @@ def check_folder(
     picked = sorted({v for v in variants.values() if v and v != variant})
     if picked:
         info.notes.append(f"weights: the {', '.join(picked)} variant (the folder holds only those files)")
+    plain = [sub for sub, v in variants.items() if variant and v is None]
+    if plain:  # from_pretrained(variant=) would fail on them: their plain weights load, as saved
+        info.notes.append(
+            f"weights: model.variant {variant}, but {', '.join(plain)} hold no {variant} files: their plain "
+            "weights load instead (as saved, often float32; training.precision sets the training dtype)"
+        )
 
     tiny = False
     if arch == "unet":
