@@ -1402,6 +1402,10 @@ def test_a_partial_hub_config_cache_is_not_a_single_files_configs(tmp_path, monk
     )
     assert message.startswith(f"error: model.path {model}: ") and "does not hold them all" in message
     assert "does not hold them all" in dry_run(model, tmp_path).output
+    out = runner.invoke(
+        app, ["recommend", "--method", "lora", "--model", str(model), "--hardware", "RTX 4090"]
+    )
+    assert out.exit_code == 0 and "does not hold them all" in " ".join(out.output.split()), out.output
 
     for sub in ("text_encoder", "vae"):  # the rest of what from_single_file fetches: then it is cached
         (snap / sub).mkdir()
