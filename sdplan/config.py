@@ -945,10 +945,8 @@ def setting_place(key: str, raw: Any, what: str) -> str:
     value as :func:`apply_overrides` reads it, a local path made absolute (``what``: the flag or key named where
     it is a link that loops), a hub id as it is."""
     value = setting_value(key, str(raw))
-    if key == "model.path":
-        return absolute_if_local(str(value))
     if key in PATH_KEYS and not (key == "checkpoints.resume" and value in (None, "latest")):
-        return str(absolute(str(value), what))
+        return _placed(key, str(value), what)
     return str(value)
 
 
@@ -1130,6 +1128,20 @@ PATH_KEYS = (
 )
 
 
+def _placed(key: str, value: str, what: str | None = None) -> str:
+    """A path setting's value made absolute; model.path as it is where no such local path exists (a hub id), and
+    model.config_dir where it reads as a hub id and no such folder exists: the one line refusing it there names
+    it as the user gave it, not as a folder under the current one that they never typed."""
+    if key == "model.path":
+        return absolute_if_local(value)
+    if key == "model.config_dir" and not Path(os.path.expanduser(value)).exists():
+        from sdplan.trainer.models import looks_like_hub_id
+
+        if looks_like_hub_id(value):
+            return value
+    return str(absolute(value, what or key))
+
+
 def absolute_paths(data: dict[str, Any]) -> dict[str, Any]:
     """``data`` with the paths of :data:`PATH_KEYS` absolute, as the current folder reads them: a run's
     sdplan.yaml then names the same files from wherever it is resumed (a relative name there was looked up from
@@ -1142,7 +1154,7 @@ def absolute_paths(data: dict[str, Any]) -> dict[str, Any]:
             continue
         if key == "checkpoints.resume" and node[name].strip() == "latest":
             continue
-        node[name] = absolute_if_local(node[name]) if key == "model.path" else str(absolute(node[name], key))
+        node[name] = _placed(key, node[name])
     return out
 
 

@@ -529,6 +529,26 @@ def test_ckpt_loads_with_weights_only(tiny_sd15, tmp_path):
     _assert_same_weights(pipe, single_file.load_single_file_model(ckpt, "sd15", config_dir=model_dir))
 
 
+@pytest.mark.parametrize("name", ["MyModel.SAFETENSORS", "flux1-dev.sft"])
+def test_a_safetensors_file_of_another_suffix_loads(tiny_sd15, tmp_path, name):
+    """An upper-case suffix passed sdplan's checks (which lower-case it) but diffusers' load_state_dict compares
+    it case-sensitively with "safetensors" and read the file with torch.load: "Unable to load weights". .sft
+    (Black Forest Labs' FLUX.1 suffix) was refused as "not a model file". ComfyUI's load_torch_file reads both
+    as safetensors; so does sdplan now (through a link named .safetensors), a .sft that is none said so."""
+    from sdplan.trainer.source_check import UnsupportedModelError, check_source
+
+    pipe = _pipe(tiny_sd15)
+    model_dir, single = export.save_full(tmp_path, pipeline=pipe, family="sd15", metadata=None)
+    other = single.rename(tmp_path / name)
+    assert check_source(str(other)).family == "sd15"
+    assert single_file.detect_single_file_family(other) == "sd15"
+    _assert_same_weights(pipe, single_file.load_single_file_model(other, None, config_dir=model_dir))
+    assert other.is_file() and not single.exists()  # the user's file stays as it is
+    (tmp_path / "junk.sft").write_bytes(b"PK\x03\x04" + bytes(64))
+    with pytest.raises(UnsupportedModelError, match="junk.sft: not a safetensors file"):
+        check_source(str(tmp_path / "junk.sft"))
+
+
 def test_ckpt_with_code_is_refused_before_it_runs(tmp_path):
     marker = tmp_path / "pwned"
     ckpt = tmp_path / "evil.ckpt"

@@ -1316,9 +1316,6 @@ def test_a_single_file_whose_configs_are_not_cached_says_so_at_recommend_and_bef
 
     model = write_safetensors(tmp_path / "x.safetensors", checkpoint())
     repo = source_check.SINGLE_FILE_CONFIGS["sd15"]
-    assert (
-        source_check.single_file_configs("file", "sd15", None, ask=True) is None
-    )  # the suite's cache has them
     monkeypatch.setattr(source_check, "cached_snapshot", lambda repo_id, revision=None: None)
     line = source_check.single_file_configs("file", "sd15", None)
     assert repo in line and "model.config_dir" in line
@@ -1365,6 +1362,107 @@ def test_a_single_file_whose_configs_are_not_cached_says_so_at_recommend_and_bef
         and repo in message
         and "model.config_dir" in message
     )
+
+
+def test_a_partial_hub_config_cache_is_not_a_single_files_configs(tmp_path, monkeypatch):
+    """The cache `sdplan train`'s own hub check leaves (model_index.json, the UNet's and the scheduler's configs:
+    a --dry-run or a "no" at the prompt writes it, and the suite's cache is one) passed for a single file's configs:
+    the run launched and failed offline in the trainer on a CLIP shape mismatch (transformers built a default
+    512-wide CLIP config for the text encoder it lacks). All the files from_single_file reads are required, else
+    the empty cache's line: a warning at recommend and a dry run, one line before the launch offline."""
+    from hub_cache import configs, write_repo
+    from huggingface_hub import constants
+    from sdplan.trainer import source_check
+    from sdplan.trainer.models import ModelLoadError
+
+    model = write_safetensors(tmp_path / "x.safetensors", checkpoint())
+    repo = source_check.SINGLE_FILE_CONFIGS["sd15"]
+    cache = tmp_path / "hub"
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    snap = write_repo(cache, repo, configs("sd15"))  # what check_hub keeps
+    assert source_check.cached_snapshot(repo) == snap
+    line = source_check.single_file_configs("file", "sd15", None)
+    assert "the local cache does not hold them all (no vae/config.json and 2 more)" in line, line
+    with pytest.raises(ModelLoadError, match="the hub cannot be reached"):
+        source_check.single_file_configs("file", "sd15", None, ask=True)
+    ds = make_images(tmp_path / "ds", n=2)
+    args = [
+        "train",
+        "--model",
+        str(model),
+        "--dataset",
+        str(ds),
+        "--out",
+        str(tmp_path / "o"),
+        "--device",
+        "cpu",
+    ]
+    message = one_line_error(
+        runner.invoke(app, args), 2, "and the hub cannot be reached (HF_HUB_OFFLINE is set)"
+    )
+    assert message.startswith(f"error: model.path {model}: ") and "does not hold them all" in message
+    assert "does not hold them all" in dry_run(model, tmp_path).output
+    out = runner.invoke(
+        app, ["recommend", "--method", "lora", "--model", str(model), "--hardware", "RTX 4090"]
+    )
+    assert out.exit_code == 0 and "does not hold them all" in " ".join(out.output.split()), out.output
+
+    for sub in ("text_encoder", "vae"):  # the rest of what from_single_file fetches: then it is cached
+        (snap / sub).mkdir()
+        (snap / sub / "config.json").write_text("{}")
+    for name in ("vocab.json", "merges.txt"):
+        (snap / "tokenizer" / name).parent.mkdir(exist_ok=True)
+        (snap / "tokenizer" / name).write_text("{}")
+    assert source_check.single_file_configs("file", "sd15", None, ask=True) is None
+    sdxl = write_repo(cache, source_check.SINGLE_FILE_CONFIGS["sdxl"], configs("sdxl"))
+    assert "no vae/config.json and 4 more" in source_check.single_file_configs("file", "sdxl", None)
+    assert sdxl.is_dir()
+
+
+@pytest.mark.parametrize("name", ["x.sft", "X.SAFETENSORS"])
+def test_a_safetensors_file_named_sft_or_in_upper_case_passes_the_check_before_the_launch(tmp_path, name):
+    """.sft (Black Forest Labs' FLUX.1 suffix, ComfyUI's load_torch_file reads it) was "not a model file"; both
+    are read as safetensors, by their header (a .sft that is none is one line)."""
+    model = write_safetensors(tmp_path / name, checkpoint())
+    out = dry_run(model, tmp_path)
+    assert out.exit_code == 0, out.output
+    assert out.output.startswith(f"lora on sd15 ({model})"), out.output
+    junk = tmp_path / "junk.sft"
+    junk.write_bytes(b"not safetensors at all")
+    one_line_error(dry_run(junk, tmp_path), 2, f"model.path {junk}: not a safetensors file (no valid header)")
+
+
+def test_a_hub_id_as_model_config_dir_is_one_line_naming_it_as_typed(tmp_path, monkeypatch):
+    """model.config_dir me/tiny15 was made a folder under the current one and refused as "model.config_dir
+    /cwd/me/tiny15: not a diffusers folder", a path the user never typed. It takes a local folder: said so, with
+    the value as given (kept so where it reads as a hub id and no such folder exists); a missing folder says so."""
+    monkeypatch.chdir(tmp_path)
+    model = write_safetensors(tmp_path / "x.safetensors", checkpoint())
+    line = one_line_error(dry_run(model, tmp_path, "model.config_dir=me/tiny15"), 2)
+    assert line.startswith(
+        "error: model.config_dir me/tiny15: takes a local diffusers folder, not a hub id"
+    ), line
+    assert "hf download me/tiny15 --local-dir DIR" in line and str(tmp_path) not in line
+    line = one_line_error(dry_run(model, tmp_path, "model.config_dir=./nope"), 2)
+    assert line.startswith(f"error: model.config_dir {tmp_path / 'nope'}: no such folder"), (
+        line
+    )  # a path: absolute
+    with pytest.raises(Exception, match="not a hub id"):
+        check_source(str(model), config_dir="me/tiny15")
+
+
+def test_a_variant_a_folder_lacks_is_said_to_load_its_plain_weights(sd15_copy):
+    """model.variant=fp16 on a folder without fp16 files loaded its plain (float32) weights without a word."""
+    assert not any(n.startswith("weights:") for n in check_source(str(sd15_copy)).notes)
+    notes = check_source(str(sd15_copy), variant="fp16").notes
+    assert (
+        "weights: model.variant fp16, but unet, vae, text_encoder hold no fp16 files: their plain weights load "
+        "instead (as saved, often float32; training.precision sets the training dtype)"
+    ) in notes, notes
+    for f in (sd15_copy / "unet").glob("diffusion_pytorch_model.safetensors"):
+        f.rename(f.with_name("diffusion_pytorch_model.fp16.safetensors"))
+    notes = check_source(str(sd15_copy), variant="fp16").notes
+    assert any(n.startswith("weights: model.variant fp16, but vae, text_encoder hold") for n in notes), notes
 
 
 def test_the_single_file_config_repos_are_diffusers_own():

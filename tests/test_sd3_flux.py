@@ -841,3 +841,34 @@ def test_flux_resume_equals_uninterrupted_exactly(tiny_flow, demo_dataset, tmp_p
 
     assert len(losses(straight)) == 4
     assert_same_run(straight, resumed)
+
+
+def test_an_all_in_one_files_parts_are_found_by_diffusers_own_keys():
+    """The text encoders and VAE of an all-in-one SD3.5 / FLUX.1 file are found by the keys diffusers' pipeline
+    from_single_file reads them by; a quantized one (ComfyUI's scaled fp8 T5) is left to model.config_dir."""
+    from diffusers.loaders.single_file_utils import CHECKPOINT_KEY_NAMES, LDM_VAE_KEYS
+    from sdplan.trainer.flow_models import FILE_PARTS, file_parts, file_parts_note
+
+    def marker(name):
+        return FILE_PARTS[name][1] + FILE_PARTS[name][2]
+
+    assert (marker("clip_l"), marker("clip_g")) == (
+        CHECKPOINT_KEY_NAMES["clip_sd3"],
+        CHECKPOINT_KEY_NAMES["open_clip_sd3"],
+    )
+    assert marker("t5") == "text_encoders.t5xxl.transformer.shared.weight"  # is_t5_in_single_file
+    assert {FILE_PARTS["vae"][1], FILE_PARTS["vae_flux"][1]} == set(LDM_VAE_KEYS)
+    t5 = "text_encoders.t5xxl.transformer."
+    keys = ["double_blocks.0.img_attn.qkv.weight", marker("clip_l"), marker("t5"), t5 + "scaled_fp8"]
+    parts = file_parts([*keys, "vae.decoder.conv_out.weight"], "flux")
+    assert parts == {
+        "text_encoder": ("CLIP-L", FILE_PARTS["clip_l"][1], False),
+        "text_encoder_2": ("T5", t5, True),
+        "vae": ("VAE", "vae.", False),
+    }
+    assert file_parts_note(parts, "flux") == (
+        "model: the file's own CLIP-L, VAE (an all-in-one file: they load from it and the exported model carries "
+        "them); T5 from model.config_dir (the file's is quantized, which diffusers does not read); configs and "
+        "tokenizers from model.config_dir"
+    )
+    assert file_parts(keys[:1], "mmdit") == {}

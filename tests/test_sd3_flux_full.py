@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -305,6 +306,78 @@ def test_single_file_sd35_transformer_is_a_base_model(tiny_flow, demo_dataset, t
         )
     )
     assert summary["steps"] == 2 and (second / "pytorch_lora_weights.safetensors").is_file()
+
+
+def test_an_all_in_one_sd35_file_trains_with_its_own_text_encoders_and_vae(tiny_flow, demo_dataset, tmp_path):
+    """An SD3.5 file holding its own CLIP-L, CLIP-G, T5 and VAE beside the MMDiT (ComfyUI's checkpoint save,
+    Stability's *_incl_clips_t5xxl files) trained with model.config_dir's encoders and VAE, silently, and its
+    export carried those, not the user's. Its own load, as diffusers' StableDiffusion3Pipeline.from_single_file
+    reads them (CLIP-L's projection the identity), and the check before the launch says which parts come from
+    where; a file of the transformer alone (named .sft here) still takes them all from model.config_dir."""
+    from diffusers import StableDiffusion3Pipeline
+    from safetensors.torch import save_file
+    from sdplan.trainer import models
+    from sdplan.trainer.flow_single_file import sd3_pipeline_to_original, transformer_to_original
+    from sdplan.trainer.source_check import UnsupportedModelError, check_source
+
+    folder = tiny_flow["sd35-medium"]
+    pipe = StableDiffusion3Pipeline.from_pretrained(folder)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # the user's encoders and VAE: not the folder's
+        for part in (pipe.text_encoder, pipe.text_encoder_2, pipe.text_encoder_3, pipe.vae):
+            for p in part.parameters():
+                p.add_(0.01 * torch.randn(p.shape, generator=gen))
+    aio = tmp_path / "mine.safetensors"
+    save_file(sd3_pipeline_to_original(pipe), str(aio))
+
+    notes = check_source(str(aio), config_dir=str(folder)).notes
+    assert any(
+        n.startswith("model: the file's own CLIP-L, CLIP-G, T5, VAE (an all-in-one file") for n in notes
+    ), notes
+    comps = models.load_components(str(aio), config_dir=str(folder))
+    clip_l, clip_g, t5 = comps.text_encoders
+    mine = pipe.text_encoder.state_dict()
+    theirs = clip_l.state_dict()
+    assert all(torch.equal(theirs[k], mine[k]) for k in mine if k != "text_projection.weight")
+    assert torch.equal(theirs["text_projection.weight"], torch.eye(mine["text_projection.weight"].shape[0]))
+    assert _same_weights(clip_g, pipe.text_encoder_2) and _same_weights(t5, pipe.text_encoder_3)
+    assert _same_weights(comps.vae, pipe.vae) and _same_weights(comps.unet, pipe.transformer)
+    from safetensors import safe_open
+    from sdplan.trainer import run
+
+    run.train(_cfg(aio, "sd35-medium", demo_dataset, tmp_path / "out", f"model.config_dir={folder}"))
+    with (
+        safe_open(str(tmp_path / "out" / "t.safetensors"), framework="pt") as f,
+        safe_open(str(aio), "pt") as g,
+    ):
+        names = g.keys()
+        kept = [k for k in names if k.startswith(("text_encoders.", "first_stage_model."))]
+        assert kept and all(torch.equal(f.get_tensor(k), g.get_tensor(k)) for k in kept if "clip_l" not in k)
+        assert not torch.equal(  # the transformer trained
+            f.get_tensor("model.diffusion_model.final_layer.linear.weight"),
+            g.get_tensor("model.diffusion_model.final_layer.linear.weight"),
+        )
+
+    alone = tmp_path / "transformer.sft"  # BFL's suffix: read as safetensors
+    save_file(transformer_to_original(pipe.transformer, "sd35-medium"), str(alone))
+    notes = check_source(str(alone), config_dir=str(folder)).notes
+    assert any("the file holds the transformer only" in n for n in notes), notes
+    comps = models.load_components(str(alone), config_dir=str(folder))
+    assert _same_weights(comps.unet, pipe.transformer)
+    assert _same_weights(comps.vae, StableDiffusion3Pipeline.from_pretrained(folder).vae)
+
+    state = sd3_pipeline_to_original(pipe)  # no T5 in the file: the folder's, said so
+    save_file({k: v for k, v in state.items() if not k.startswith("text_encoders.t5xxl.")}, str(aio))
+    notes = check_source(str(aio), config_dir=str(folder)).notes
+    assert any("; T5 from model.config_dir (the file holds none)" in n for n in notes), notes
+    other = tmp_path / "other"  # a folder whose CLIP-G is of another width: one line before anything loads
+    shutil.copytree(folder, other)
+    conf = json.loads((other / "text_encoder_2" / "config.json").read_text())
+    (other / "text_encoder_2" / "config.json").write_text(json.dumps({**conf, "hidden_size": 64}))
+    with pytest.raises(
+        UnsupportedModelError, match="does not describe .*'s own CLIP-G: the file's is 48 wide"
+    ):
+        check_source(str(aio), config_dir=str(other))
 
 
 # -- doctor -----------------------------------------------------------------------------------------------

@@ -14,9 +14,10 @@ and ComfyUI's checkpoint loader read it).
 
 In: :func:`load_flow_single_file` builds the components of a flow family around a transformer read from one
 file (``model.path=*.safetensors``) with the other components and every config from ``model.config_dir`` (a
-diffusers folder of the same family; nothing is downloaded; its own transformer weights are not read). From
-an all-in-one SD3.5 file only the MMDiT is read; the text encoders and VAE are the folder's (diffusers would
-replace CLIP-L's projection by the identity on reading them from the file).
+diffusers folder of the same family; nothing is downloaded; its own transformer weights are not read). An
+all-in-one file (its own CLIP-L, CLIP-G, T5 and VAE beside the transformer) gives those too, read as diffusers'
+pipeline ``from_single_file`` reads them (CLIP-L's projection is then the identity); the folder gives the parts
+the file lacks or holds quantized, and every config and tokenizer.
 Note: diffusers 0.42's FLUX converter assumes the released width (3072, MLP ratio 4), so a FLUX single file
 loads only at that width (every FLUX.1 checkpoint); SD3/SD3.5 files of any width load.
 """
@@ -191,7 +192,9 @@ FLUX_WIDTH = 3072  # diffusers 0.42 convert_flux_transformer_checkpoint_to_diffu
 def is_flow_transformer_file(path: str | Path) -> bool:
     """Whether a .safetensors holds an MMDiT or Flux transformer (its header's key names; diffusers' own
     markers: ``joint_blocks.`` / ``double_blocks.``, with or without ``model.diffusion_model.``)."""
-    if Path(path).suffix.lower() != ".safetensors":
+    from .models import is_safetensors_name
+
+    if not is_safetensors_name(path):
         return False
     from safetensors import safe_open
 
@@ -207,12 +210,12 @@ def is_flow_transformer_file(path: str | Path) -> bool:
 
 def load_flow_single_file(location: str, family: str | None, config_dir: str | None, dtypes=None):
     """FlowComponents with the transformer read from ``location`` (diffusers ``from_single_file`` with the
-    transformer config of ``config_dir``) and the VAE, text encoders, tokenizers and scheduler of
-    ``config_dir``."""
+    transformer config of ``config_dir``), its own VAE and text encoders where it holds them
+    (:func:`_load_file_parts`), and the rest, the tokenizers and the scheduler of ``config_dir``."""
     import json
 
     from .flow_models import PIPELINES, load_flow_components
-    from .models import ModelLoadError, load_dtype_kw
+    from .models import ModelLoadError, diffusers_readable, load_dtype_kw
 
     if not config_dir:
         raise UsageError(
@@ -246,7 +249,7 @@ def load_flow_single_file(location: str, family: str | None, config_dir: str | N
             )
     try:  # the folder's transformer config only: its weights (if any) are never read
         transformer = cls.from_single_file(
-            location,
+            diffusers_readable(location),  # x.sft, x.SAFETENSORS: under a name diffusers reads so
             config=str(root),
             subfolder="transformer",
             local_files_only=True,
@@ -258,9 +261,93 @@ def load_flow_single_file(location: str, family: str | None, config_dir: str | N
             f"could not load {location} as the transformer of {config_dir}: {first}",
             fix="give a transformer checkpoint of the same model as model.config_dir",
         ) from e
-    comps = load_flow_components(str(root), index, family, {}, {}, transformer=transformer, dtypes=dtypes)
+    arch = PIPELINES[index["_class_name"]]
+    parts = _load_file_parts(location, arch, root, dtypes)
+    comps = load_flow_components(
+        str(root), index, family, {}, {}, transformer=transformer, dtypes=dtypes, parts=parts
+    )
     comps.source = location
     return comps
+
+
+def _load_file_parts(location: str, arch: str, root: Path, dtypes) -> dict[str, Any]:
+    """The text encoders and VAE an all-in-one file holds (:func:`.flow_models.file_parts`), read from it with
+    ``root``'s configs, as diffusers' ``StableDiffusion3Pipeline`` / ``FluxPipeline.from_single_file`` reads them
+    (``create_diffusers_clip_model_from_ldm``: CLIP-L's projection is the identity there, as ComfyUI uses its
+    pooled output unprojected; ``create_diffusers_t5_model_from_checkpoint``; the VAE by
+    ``AutoencoderKL.from_single_file``), by subfolder. The user gave this model: its own encoders and VAE train
+    with it and are exported, not model.config_dir's."""
+    from safetensors import safe_open
+
+    from .flow_models import file_parts
+    from .models import ModelLoadError, load_dtype_kw
+
+    with safe_open(location, framework="pt") as f:
+        keys = list(f.keys())
+        found = {
+            sub: (label, prefix)
+            for sub, (label, prefix, quantized) in file_parts(keys, arch).items()
+            if not quantized
+        }
+        tensors = {
+            sub: {k: f.get_tensor(k) for k in keys if k.startswith(prefix)}
+            for sub, (_, prefix) in found.items()
+        }
+    if not found:
+        return {}
+    import torch
+    from diffusers import AutoencoderKL
+    from diffusers.loaders.single_file_utils import (
+        create_diffusers_clip_model_from_ldm,
+        create_diffusers_t5_model_from_checkpoint,
+    )
+    from transformers import CLIPTextModel, CLIPTextModelWithProjection, T5EncoderModel
+
+    # as from_pretrained loads a folder's: the training dtype, else float32 (not the file's fp16 / fp8)
+    te_dtype = (dtypes or {}).get("text_encoder") or torch.float32
+    vae_kw = load_dtype_kw(dtypes, "vae") or {"torch_dtype": torch.float32}
+    loaded: dict[str, Any] = {}
+    for sub, (label, _) in found.items():
+        checkpoint = tensors.pop(sub)
+        try:
+            if sub == "vae":
+                model = AutoencoderKL.from_single_file(
+                    checkpoint,
+                    config=str(root),
+                    subfolder="vae",
+                    local_files_only=True,
+                    **vae_kw,
+                )
+            elif label == "T5":
+                model = create_diffusers_t5_model_from_checkpoint(
+                    T5EncoderModel, checkpoint, subfolder=sub, config=str(root), torch_dtype=te_dtype,
+                    local_files_only=True,
+                )  # fmt: skip
+            else:
+                cls = CLIPTextModel if arch == "flux" else CLIPTextModelWithProjection
+                model = create_diffusers_clip_model_from_ldm(
+                    cls,
+                    checkpoint,
+                    subfolder=sub,
+                    config=str(root),
+                    torch_dtype=te_dtype,
+                    local_files_only=True,
+                )
+        except Exception as e:  # another network's encoder, or a width model.config_dir does not describe
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise ModelLoadError(
+                f"model.path {location}: could not load its own {label} with model.config_dir's {sub} config: {first}",
+                fix="point model.config_dir at the diffusers folder of the file's own model",
+            ) from e
+        missing = [n for n, p in model.named_parameters() if p.is_meta]
+        if missing:  # diffusers loads what the file names and leaves the rest unset
+            raise ModelLoadError(
+                f"model.path {location}: its {label} lacks {len(missing)} of the weights model.config_dir's "
+                f"{sub} config has ({missing[0]})",
+                fix="point model.config_dir at the diffusers folder of the file's own model",
+            )
+        loaded[sub] = model
+    return loaded
 
 
 # -- the whole SD3.5 pipeline in one file -----------------------------------------------------------------

@@ -16,9 +16,42 @@ from typing import Any
 from sdplan.errors import SdplanError, UsageError
 
 PICKLE_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin")  # torch checkpoints (a pickle, in a zip or bare)
-SINGLE_FILE_SUFFIXES = (".safetensors", *PICKLE_SUFFIXES)
+# .sft: Black Forest Labs' own name for FLUX.1's safetensors files (ComfyUI comfy/utils.py load_torch_file reads
+# ".safetensors" or ".sft", in any case; A1111 lower-cases the suffix too)
+SAFETENSORS_SUFFIXES = (".safetensors", ".sft")
+SINGLE_FILE_SUFFIXES = (*SAFETENSORS_SUFFIXES, *PICKLE_SUFFIXES)
 # owner/name as the hub spells it (no leading dot or slash, exactly one slash).
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+def is_safetensors_name(path: str | Path) -> bool:
+    """Whether a single file is read as safetensors: by its suffix, in any case (``.safetensors``, ``.sft``)."""
+    return Path(path).suffix.lower() in SAFETENSORS_SUFFIXES
+
+
+def diffusers_readable(path: str | Path) -> str:
+    """``path``, or where it is not named ``*.safetensors`` in lower case but is a safetensors file (``.sft``,
+    ``X.SAFETENSORS``), a link to it that is: diffusers' ``load_state_dict`` (``models/model_loading_utils.py``)
+    compares the suffix case-sensitively with "safetensors" and reads any other name with ``torch.load``, which
+    fails on it ("Unable to load weights"). The link lies in a folder of its own, removed at exit."""
+    path = Path(path)
+    if path.name.endswith(".safetensors") or not is_safetensors_name(path):
+        return str(path)
+    import atexit
+    import shutil
+    import tempfile
+
+    folder = Path(tempfile.mkdtemp(prefix="sdplan-model-"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    link = folder / f"{path.stem}.safetensors"
+    try:
+        link.symlink_to(path.resolve())
+    except OSError as e:
+        raise UsageError(
+            f"model.path {path}: cannot read it under a name diffusers reads as safetensors ({e.strerror or e})",
+            fix=f"rename it to {path.stem}.safetensors",
+        ) from None
+    return str(link)
 
 
 class ModelLoadError(SdplanError):
@@ -525,7 +558,7 @@ def _single_file_prediction(
 
 def _read_tensor(location: str, key: str):
     """One tensor of a checkpoint file (None when it has no such key)."""
-    if location.lower().endswith(".safetensors"):
+    if is_safetensors_name(location):
         from safetensors import safe_open
 
         with safe_open(location, framework="pt") as f:

@@ -12,7 +12,7 @@ from sdplan.errors import UsageError
 
 from .ckpt_reader import TRAINING_STATE_GLOBALS, TrainingState, UnsafeCheckpointError, check_intact
 from .export import FAMILIES
-from .models import PICKLE_SUFFIXES, SINGLE_FILE_SUFFIXES
+from .models import PICKLE_SUFFIXES, SINGLE_FILE_SUFFIXES, diffusers_readable, is_safetensors_name
 
 
 @contextmanager
@@ -93,7 +93,7 @@ def _refused(message: str) -> str:
 def detect_single_file_family(path: str | Path) -> str | None:
     """sd15 / sd21 / sdxl from a single file's key names (a .safetensors header only; a .ckpt read safely)."""
     path = Path(path)
-    if path.suffix.lower() == ".safetensors":
+    if is_safetensors_name(path):
         return _family(_safetensors_keys(path))
     return _family(read_checkpoint_safely(path))
 
@@ -209,12 +209,13 @@ def load_single_file_model(
     if family == "sd15" and has_old_clip_keys(keys):  # diffusers would find no text encoder in the file
         kwargs["text_encoder"] = _old_clip_text_encoder(path, state, config_dir, torch_dtype)
     del state  # diffusers reads the file again
+    readable = diffusers_readable(path)  # x.SAFETENSORS, x.sft: under a name diffusers reads as safetensors
     with training_state_allowed():  # diffusers reads a .ckpt again, with weights_only
         if family == "sdxl":
-            pipe = StableDiffusionXLPipeline.from_single_file(str(path), **kwargs)
+            pipe = StableDiffusionXLPipeline.from_single_file(readable, **kwargs)
         else:
             pipe = StableDiffusionPipeline.from_single_file(
-                str(path),
+                readable,
                 safety_checker=None,
                 feature_extractor=None,
                 requires_safety_checker=False,

@@ -36,8 +36,8 @@ from sdplan.errors import UsageError
 
 from .ckpt_reader import Unreadable, read_ckpt_shapes, read_ckpt_tensor
 from .flow_models import PIPELINES as FLOW_PIPELINES
-from .flow_models import detect_flow_family, flow_family_of_folder
-from .models import CROSS_WIDTHS, ModelLoadError, cross_attention_width, detect_family
+from .flow_models import detect_flow_family, file_parts, file_parts_note, flow_family_of_folder
+from .models import CROSS_WIDTHS, ModelLoadError, cross_attention_width, detect_family, is_safetensors_name
 
 UNET = "model.diffusion_model."
 FIX_TRAINABLE = (
@@ -365,6 +365,12 @@ def check_folder(
     picked = sorted({v for v in variants.values() if v and v != variant})
     if picked:
         info.notes.append(f"weights: the {', '.join(picked)} variant (the folder holds only those files)")
+    plain = [sub for sub, v in variants.items() if variant and v is None]
+    if plain:  # from_pretrained(variant=) would fail on them: their plain weights load, as saved
+        info.notes.append(
+            f"weights: model.variant {variant}, but {', '.join(plain)} hold no {variant} files: their plain "
+            "weights load instead (as saved, often float32; training.precision sets the training dtype)"
+        )
 
     tiny = False
     if arch == "unet":
@@ -521,10 +527,10 @@ def _scaled_markers(keys: set[str], metadata: dict[str, str], flow: bool) -> lis
     """The ComfyUI scaled-fp8 markers (``scaled_fp8``, ``scale_weight``, ``comfy_quant`` keys; the layers
     ``_quantization_metadata`` lists) of the weights sdplan loads from the file. An SD 1.x / 2.x / SDXL file is
     read whole (``from_single_file`` builds its text encoders and VAE from it too): every marker counts. From an
-    SD3.5 / FLUX.1 file only the transformer is read (:func:`.flow_single_file.load_flow_single_file`; text
-    encoders and VAE come from model.config_dir), so a text encoder's own marker
+    SD3.5 / FLUX.1 file the text encoders and VAE are read only where they carry no such marker (a quantized
+    one comes from model.config_dir: :func:`.flow_models.file_parts`), so a text encoder's own marker
     (``text_encoders.t5xxl.transformer.scaled_fp8``, as in Comfy-Org's ``*_t5xxlfp8scaled`` files; ComfyUI
-    ``sd3_clip.t5_xxl_detect`` reads it per encoder) does not."""
+    ``sd3_clip.t5_xxl_detect`` reads it per encoder) does not count."""
     ends = ("scaled_fp8", "scale_weight", "comfy_quant")
     found = [k for k in sorted(keys) if k.rsplit(".", 1)[-1] in ends]
     quant = metadata.get("_quantization_metadata")
@@ -799,7 +805,7 @@ def tensor_std(path: Path, key: str) -> float | None:
     it, stores another dtype or cannot be read so."""
     import numpy as np
 
-    if path.suffix.lower() != ".safetensors":
+    if not is_safetensors_name(path):
         found = read_ckpt_tensor(path, key)
         if found is None:
             return None
@@ -866,7 +872,7 @@ def check_file(
     if config_dir is None and family is not None and registry.family(family).flow:
         raise _needs_config_dir(where, family)
     shapes: dict[str, tuple[int, ...]] = {}
-    if path.suffix.lower() == ".safetensors":
+    if is_safetensors_name(path):  # .sft too: its header says whether it is one
         shapes, metadata = read_safetensors_header(path, where)
         info = classify_state(shapes, metadata, path, where, family=family)
     else:
@@ -892,6 +898,19 @@ def check_file(
 
         cdir = Path(expand_user(config_dir, "model.config_dir"))
         cwhere = f"model.config_dir {config_dir}"
+        if not cdir.exists():
+            from .models import looks_like_hub_id
+
+            if looks_like_hub_id(
+                config_dir
+            ):  # diffusers' from_single_file(config=) would take one: sdplan not
+                raise UsageError(
+                    f"{cwhere}: takes a local diffusers folder, not a hub id (no such folder here)",
+                    fix=f"download it (`hf download {config_dir} --local-dir DIR`) and set model.config_dir=DIR",
+                )
+            raise UsageError(
+                f"{cwhere}: no such folder", fix="point it at the diffusers folder of the checkpoint's model"
+            )
         if not (cdir / "model_index.json").is_file():
             raise UnsupportedModelError(
                 f"{cwhere}: not a diffusers folder (no model_index.json)",
@@ -921,6 +940,11 @@ def check_file(
                     "stabilityai/stable-diffusion-3-medium-diffusers; SD3.5 Medium: "
                     "stabilityai/stable-diffusion-3.5-medium)",
                 )
+        if flow and info.family is not None:  # an all-in-one file: its own text encoders and VAE load
+            arch = registry.family(info.family).arch
+            parts = file_parts(shapes, arch)
+            _check_file_parts(shapes, parts, cdir, where, cwhere)
+            info.notes.append(file_parts_note(parts, arch))
         if not flow and cls not in UNET_PIPELINES:
             raise UnsupportedModelError(
                 f"{cwhere}: a {cls or 'unnamed'} folder, but {where} is an SD 1.x / 2.x / SDXL checkpoint",
@@ -941,6 +965,42 @@ def check_file(
         raise _needs_config_dir(where, info.family)
     info.notes.insert(0, describe(info))
     return info
+
+
+def _check_file_parts(
+    shapes: dict[str, tuple[int, ...]],
+    parts: dict[str, tuple[str, str, bool]],
+    cdir: Path,
+    where: str,
+    cwhere: str,
+) -> None:
+    """An all-in-one file's text encoders and VAE load with model.config_dir's configs: an encoder of another
+    width (CLIP's token embedding against ``hidden_size``, T5's against ``d_model``) or a VAE of other latent
+    channels (its encoder's ``conv_out``, mean and variance, against ``latent_channels``) is one line here, not
+    a shape error in the trainer after the transformer loaded."""
+    for sub, (label, prefix, quantized) in parts.items():
+        conf_file = cdir / sub / "config.json"
+        if quantized or not conf_file.is_file():
+            continue
+        conf = _read_json(cdir, f"{sub}/config.json", cwhere)
+        if sub == "vae":
+            have = (shapes.get(f"{prefix}encoder.conv_out.weight") or (0,))[0] // 2
+            want, what = conf.get("latent_channels"), "has {} latent channels"
+        else:
+            t5 = label == "T5"
+            have = (
+                shapes.get(
+                    prefix + ("shared.weight" if t5 else "text_model.embeddings.token_embedding.weight")
+                )
+                or (0, 0)
+            )[-1]
+            want, what = conf.get("d_model" if t5 else "hidden_size"), "is {} wide"
+        if have and want and have != want:
+            raise UnsupportedModelError(
+                f"{cwhere} does not describe {where}'s own {label}: the file's {what.format(have)}, "
+                f"{sub}/config.json says {want}",
+                fix="point model.config_dir at the diffusers folder of the file's own model",
+            )
 
 
 def _mmdit_mismatch(shapes: dict[str, tuple[int, ...]], config: dict[str, Any]) -> str | None:
@@ -1025,11 +1085,16 @@ def single_file_configs(
     its launch; the trainer failed there about 11 s after it), a hub that answers is None. ``where``: the
     model.path the error names."""
     repo = SINGLE_FILE_CONFIGS.get(family or "") if kind == "file" and config_dir is None else None
-    if repo is None or cached_snapshot(repo) is not None:
+    if repo is None:
+        return None
+    snap = cached_snapshot(repo)
+    lacks = _single_file_configs_lacking(snap, family == "sdxl") if snap is not None else None
+    if snap is not None and not lacks:
         return None
     line = (
         f"a single file's component configs and tokenizers come from the Hugging Face hub ({repo}) at its "
         "first load, and the local cache does not hold them"
+        + (f" all (no {lacks[0]}{f' and {len(lacks) - 1} more' if len(lacks) > 1 else ''})" if lacks else "")
     )
     fix = (
         "set model.config_dir to a local diffusers folder of the same family (then nothing is downloaded), "
@@ -1045,6 +1110,27 @@ def single_file_configs(
         at = f"model.path {where}: " if where else ""
         raise ModelLoadError(f"{at}{line}, and the hub cannot be reached ({e.why})", fix=fix) from None
     return None
+
+
+def _single_file_configs_lacking(snap: Path, sdxl: bool) -> list[str]:
+    """What of the files diffusers' ``from_single_file`` reads from a family's default repo (its
+    ``_download_diffusers_model_config_from_hub``: every ``*.json``, ``*.txt`` and ``*.model``; the text encoders',
+    VAE's and UNet's configs, the tokenizers, the scheduler's config) its cached snapshot ``snap`` lacks. A
+    cache holding only model_index.json, the UNet's and the scheduler's configs (what :func:`check_hub` keeps of a
+    hub model it checked) is not enough: offline, transformers then builds a default 512-wide CLIP config
+    and the load fails on a shape mismatch."""
+    lacking = []
+    for sub, kind in _components("unet", sdxl):
+        folder = snap / sub
+        if kind == "tokenizer":
+            if not _tokenizer_ok(folder):
+                lacking.append(f"{sub}/vocab.json + merges.txt")
+        elif kind == "scheduler":
+            if not (folder / "scheduler_config.json").is_file():
+                lacking.append(f"{sub}/scheduler_config.json")
+        elif not (folder / "config.json").is_file():
+            lacking.append(f"{sub}/config.json")
+    return lacking
 
 
 def check_hub(
