@@ -729,6 +729,7 @@ def check_inputs(
     given): the model's own, which the images are measured against."""
     from sdplan.trainer.dataset_scan import (
         KohyaProjectError,
+        metadata_note,
         require_images,
         scan,
         scan_data,
@@ -843,6 +844,7 @@ def check_inputs(
                     result.summary(),
                     *result.notes,
                     uncaptioned_note(result, cfg),
+                    metadata_note(result, cfg),
                     small_images_note(result, resolution, buckets=cfg.data.buckets),
                 ),
             )
@@ -1325,7 +1327,10 @@ def write_run_files(
 
     files = run_files(cfg, launch, header, chart)
     check_run_files(out, files)
-    return runfolder.write_files(out, files, retire=[DEEPSPEED_FILE])  # an earlier plan's, if this has none
+    # an earlier plan's, if this has none: its DeepSpeed config; its chart where the run's plan record was dropped
+    # (a plan folder trained with other settings on the CPU: the chart showed the GPU plan it no longer runs)
+    retire = [DEEPSPEED_FILE] + ([PLAN_CHART_FILE] if cfg.plan is None else [])
+    return runfolder.write_files(out, files, retire=retire)
 
 
 def check_out_not_in_dataset(out: Path, dataset: str) -> None:

@@ -864,3 +864,19 @@ def test_a_pngs_exif_rotation_is_read_from_its_header(tmp_path):
 
 def _rel(path, root):
     return Path(path).relative_to(root).as_posix()
+
+
+def test_metadata_settings_on_a_dataset_without_json_records_are_said_to_do_nothing(tmp_path):
+    """data.metadata.shuffle_tags / skip_tags on a kohya folder (or flat .txt captions) did nothing, silently."""
+    from sdplan.trainer.dataset_scan import metadata_note
+
+    from sdplan import config as C
+
+    img(tmp_path / "10_sks dog" / "a.png")
+    data = C.default_config()
+    cfg = C.validate(data)
+    assert metadata_note(scan(tmp_path), cfg) == ""
+    data["data"]["metadata"] = {"shuffle_tags": 1.0, "skip_tags": ["red"]}
+    note = metadata_note(scan(tmp_path), C.validate(data))
+    assert note.startswith("data.metadata.skip_tags, data.metadata.shuffle_tags act on the tags")
+    assert "this kohya dataset" in note

@@ -479,3 +479,24 @@ def test_train_says_the_class_images_of_prior_preservation_as_recommend_does(tmp
         "prior preservation: 20 class images trained alongside, 2 in each batch beside the instance images "
         "(batch doubled); 14 the class folder lacks are generated before the first step"
     ) in lines
+
+
+def test_a_plan_folder_trained_on_the_cpu_with_other_settings_drops_the_plans_chart(
+    tmp_path, machines, dataset
+):
+    """recommend's plan.png (the GPU plan, batch 4 at 512 px) stayed beside a run that trained other settings on
+    the CPU, whose sdplan.yaml has no plan any more."""
+    from sdplan.launcher import UI, TrainRequest, command_line, launch_for, prepare, write_run_files
+
+    model = fake_model(tmp_path / "model", "sd15")
+    out = tmp_path / "plan"
+    args = ["recommend", "--method", "lora", "--model", str(model), "--machine", str(machines["rtx4090"])]
+    r = CliRunner().invoke(app, [*args, "--dataset", str(dataset), "--out", str(out)])
+    assert r.exit_code == 0 and (out / "plan.png").is_file(), r.output
+    req = TrainRequest(
+        config=str(out / "sdplan.yaml"), yes=True, overrides=["training.device=cpu", "data.resolution=64"]
+    )
+    p = prepare(req, UI(echo=lambda line: None))
+    assert p.cfg.plan is None
+    write_run_files(p.out, p.cfg, launch_for(p, req, p.resume), command_line(req, p.out))
+    assert not (out / "plan.png").exists() and (out / "sdplan.yaml").is_file()

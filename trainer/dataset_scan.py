@@ -300,6 +300,27 @@ def uncaptioned_note(result: Scan, cfg: TrainConfig) -> str:
     return f"{count_of(n, 'image')} without a {ext} caption train with {said}; {change} to change that"
 
 
+def metadata_note(result: Scan, cfg: TrainConfig) -> str:
+    """data.metadata.* set for a dataset without per-image .json records, whose tags and scores they act on (a
+    kohya folder's or a flat folder's .txt captions, kohya's meta_cap.json): they did nothing, without a word
+    ("" where they apply, or none is set)."""
+    from dataclasses import asdict
+
+    from sdplan.config import MetadataConfig
+
+    if result.format == "metadata" or not isinstance(cfg.data.metadata, MetadataConfig):
+        return ""
+    default = asdict(MetadataConfig())
+    given = [k for k, v in asdict(cfg.data.metadata).items() if v != default[k]]
+    if not given:
+        return ""
+    keys = ", ".join(f"data.metadata.{k}" for k in given)
+    return (
+        f"{keys} act on the tags and scores of per-image .json records, which this {result.format} dataset does "
+        "not have: ignored here"
+    )
+
+
 UPSCALE_NOTE = 2.0  # an image scaled up more than this many times to the training resolution is said
 
 
