@@ -1071,25 +1071,35 @@ def describe(
                 else ""
             )
         )
-    else:
-        n = len(inputs.bucket_samples)
-        buckets = f" in {count_of(n, 'aspect bucket')} (each ends in a short batch)" if n > 1 else ""
-        lines.append(
-            f"steps: {steps['images_per_epoch']} images (with repeats){buckets} / {steps['images_per_step']} per "
-            f"step = {steps['steps_per_epoch']} steps per epoch x {count_of(steps['epochs'], 'epoch')} = "
-            f"{steps['total_steps']} optimizer steps; images seen "
-            f"{steps['epochs'] * steps['images_per_epoch']}"
-            + (f" (the same as on one process: each epoch is split {world} ways)" if world > 1 else "")
-        )
     reaches_last_round = (
         steps["total_steps"] >= steps["steps_per_epoch"]
     )  # a max_steps run may stop before it
-    if reaches_last_round and (
-        repeats := repeated_batches(steps["images_per_epoch"], t.batch_size, world, inputs.bucket_samples)
-    ):
+    repeats = reaches_last_round and repeated_batches(
+        steps["images_per_epoch"], t.batch_size, world, inputs.bucket_samples
+    )
+    if not t.max_steps:
+        n = len(inputs.bucket_samples)
+        buckets = f" in {count_of(n, 'aspect bucket')} (each ends in a short batch)" if n > 1 else ""
+        split = f"each epoch is split {world} ways"
+        lines.append(
+            f"steps: {count_of(steps['images_per_epoch'], 'image')} (with repeats){buckets} / "
+            f"{steps['images_per_step']} per step = {count_of(steps['steps_per_epoch'], 'step')} per epoch x "
+            f"{count_of(steps['epochs'], 'epoch')} = {count_of(steps['total_steps'], 'optimizer step')}; images seen "
+            f"{steps['epochs'] * steps['images_per_epoch']}"
+            + (
+                f" ({split}, and some batches are trained again: see the note)"
+                if repeats
+                else f" (the same as on one process: {split})"
+                if world > 1
+                else ""
+            )
+        )
+    if repeats:
         lines.append(
             f"note: the epoch's batches do not divide by {world} processes: "
-            + repeated_batches_text(repeats, t.batch_size, None if t.max_steps else steps["epochs"])
+            + repeated_batches_text(
+                repeats, t.batch_size, None if t.max_steps else steps["epochs"], steps["images_per_epoch"]
+            )
         )
     return lines
 
@@ -1481,8 +1491,9 @@ def refuse_a_finished_resume(
     ):
         return
     raise UsageError(
-        f"--resume: the run in {out} is finished: it trained the {done} images this config asks for "
-        f"({summary.get('steps')} steps) and wrote its outputs",
+        f"--resume: the run in {out} is finished: it trained {done} images in {summary.get('steps')} steps, which "
+        f"covers the {steps['total_steps']} steps this config asks for ({_asked(cfg)} on "
+        f"{count_of(world, 'process', 'processes')}), and wrote its outputs",
         fix="to train longer, resume with more: --epochs N or training.max_steps=N; to train again from the "
         "start, --force instead of --resume",
     )

@@ -315,3 +315,28 @@ def test_outputs_an_earlier_session_saved_at_a_step_are_kept_beside_the_new_ones
     assert intermediate_folder(tmp_path, "run-step00000040") == tmp_path / "run-step00000040-1"
     assert intermediate_folder(tmp_path, "run-000002") == tmp_path / "run-000002"
     assert INTERMEDIATE_NAME.fullmatch("run-step00000040-1") and INTERMEDIATE_NAME.fullmatch("run-000002")
+
+
+def test_tensorboard_steps_are_the_images_seen(monkeypatch):
+    """A resume on another process count or batch numbers its steps on another scale: logged by step, TensorBoard
+    drew steps 2 and 3 twice, for two points of the run. The x axis is the images seen, as loss.png's."""
+    from sdplan.trainer import progress
+
+    logged = []
+
+    class TB:
+        enabled = True
+
+        def log(self, step, **scalars):
+            logged.append((step, scalars["loss"]))
+
+    class Bar:
+        def rate(self, step):
+            return 1.0
+
+    class Sched:
+        def get_last_lr(self):
+            return [1e-4]
+
+    progress.log_step(TB(), Bar(), 3, 0.5, Sched(), images_seen=24)
+    assert logged == [(24, 0.5)]

@@ -883,7 +883,7 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
                     state.record_loss(step, mean_loss)
                     stop_now, current = current.stop_now, None
                     bar.update(step, mean_loss)
-                    progress.log_step(tb, bar, step, mean_loss, lr_scheduler)
+                    progress.log_step(tb, bar, step, mean_loss, lr_scheduler, state.images_seen)
                     # a grid every N steps (no prompts: a caption, as at the end); at the last step the final
                     # grid shows the same weights, so none is made twice
                     every = cfg.sampling.every_steps

@@ -467,7 +467,8 @@ def samples(
         if grid is not None:
             _drop_stale_error(target, step)
         if tb is not None and grid is not None:
-            tb.image("samples", grid, shown_step or 0)
+            # at the images seen, as the loss's points (progress.log_step): steps change scale on a moved resume
+            tb.image("samples", grid, images if images is not None else shown_step or 0)
     if step is not None:
         accelerator.wait_for_everyone()
     return grid

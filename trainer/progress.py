@@ -139,12 +139,14 @@ def tensorboard(accelerator, cfg):
     )
 
 
-def log_step(tb, progress, step: int, loss: float, lr_scheduler) -> None:
-    """One step's loss, learning rate, it/s and memory to TensorBoard."""
+def log_step(tb, progress, step: int, loss: float, lr_scheduler, images_seen: int) -> None:
+    """One step's loss, learning rate, it/s and memory to TensorBoard, at the images the run has seen (as
+    loss.png's x axis): a resume with another batch or process count numbers its steps on another scale, and
+    logged by step its points fell back over the earlier session's (steps 2 and 3 twice) or jumped ahead."""
     if tb is None or not tb.enabled:
         return
     tb.log(
-        step,
+        images_seen,
         loss=loss,
         lr=lr_scheduler.get_last_lr()[0],
         it_per_s=progress.rate(step),
