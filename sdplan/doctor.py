@@ -224,8 +224,11 @@ _SEVERITY_STYLE = {"error": "bold red", "warning": "yellow", "info": "cyan"}
 _STATUS_STYLE = {"ok": "green", "tight": "yellow", "no": "red", "unknown": "dim", "n/a": "dim"}
 
 
-def render(snapshot: Snapshot, console: Console, verdicts: VerdictFn = planner_verdicts) -> None:
-    """Print the report: host, GPUs, links, stack, findings, then the verdict grid."""
+def render(
+    snapshot: Snapshot, console: Console, verdicts: VerdictFn = planner_verdicts
+) -> list[tuple[str, str, str, str]] | None:
+    """Print the report: host, GPUs, links, stack, findings, then the verdict grid. Returns the verdicts shown
+    (None where they are not available), for the command's exit code (:func:`nothing_ok`)."""
     console.print(_kv_table("Host", host_rows(snapshot)))
 
     gpus = gpu_rows(snapshot)
@@ -265,10 +268,11 @@ def render(snapshot: Snapshot, console: Console, verdicts: VerdictFn = planner_v
         console.print("[bold]Findings[/]: none [green]ok[/]")
 
     try:
-        grid = verdict_grid(list(verdicts(snapshot)))
+        shown = list(verdicts(snapshot))
     except SdplanError as e:  # its profiles unreadable (a broken local store): said, not an exit
         console.print(f"[bold]Verdict[/]: not available: {escape(str(e))}")
-        return
+        return None
+    grid = verdict_grid(shown)
     title = "Verdict (planner: fastest one-GPU plan at native resolution)"
     if not snapshot.usable_gpus:
         # with this host's RAM: DeepSpeed's CPU offload, which lowers what a full fine-tune needs of the GPU,
@@ -291,6 +295,19 @@ def render(snapshot: Snapshot, console: Console, verdicts: VerdictFn = planner_v
             cells.append(f"[{style}]{escape(status)}[/]" + (f"\n[dim]{escape(note)}[/]" if note else ""))
         table.add_row(family, *cells)
     console.print(table)
+    return shown
+
+
+def nothing_ok(snapshot: Snapshot, verdicts: Sequence[tuple[str, str, str, str]] | None) -> str | None:
+    """The line `sdplan doctor` exits 1 with where the machine has usable GPUs but no verdict is ok: every method
+    and model only with offload, swapping while it loads, at risk of running out, or not at all (a machine
+    without a usable GPU is the no_gpu finding's error); None otherwise, and where the verdicts are not known."""
+    if not snapshot.usable_gpus or not verdicts or any(status == "ok" for _, _, status, _ in verdicts):
+        return None
+    return (
+        "no method and model is ok on this machine: every verdict is tight or no, and each says what it needs "
+        "(a larger GPU, or the host RAM loading takes): see Verdict"
+    )
 
 
 def _kv_table(title: str, rows: list[tuple[str, str]]) -> Table:

@@ -657,7 +657,8 @@ def _host_rules(s: Snapshot) -> list[Finding]:
     raise_limit = "raise the container's or job's memory limit (docker run --memory ..., Slurm --mem ...) or "
     if ram is not None and ram < RAM_MIN_BYTES:
         # a warning, not an error: the planner checks each plan's host RAM (SD 1.5 LoRA loads in ~5 GiB), and the
-        # verdicts show it per method and model; this rule cannot plan (it is pure, the profiles are files)
+        # verdicts show it per method and model; this rule cannot plan (it is pure, the profiles are files), so
+        # where no verdict is ok the doctor command exits 1 on them (sdplan.doctor.nothing_ok)
         out.append(
             Finding(
                 "warning",
@@ -666,8 +667,8 @@ def _host_rules(s: Snapshot) -> list[Finding]:
                 "check each plan's host RAM against it (tight: loading may swap; no: what the run holds in RAM "
                 "does not fit)",
                 (raise_limit if limited else "")
-                + "train what the verdicts call ok here; for the rest a machine with >= 16 GB RAM (32 GB is "
-                "comfortable)",
+                + "use a machine with >= 16 GB RAM (32 GB is comfortable); here, train only what the verdicts "
+                "below call ok (where none is, none trains here: doctor exits 1)",
             )
         )
     elif ram is not None and ram < RAM_COMFORT_BYTES:
