@@ -18,7 +18,7 @@ from rich.table import Table
 from sdplan import registry
 from sdplan.errors import SdplanError
 from sdplan.machine import GPU, Snapshot
-from sdplan.probe.snapshot import sorted_findings
+from sdplan.probe.snapshot import sorted_findings, trained_gpus
 from sdplan.registry import METHODS, PLANNED_FAMILIES
 from sdplan.settings import deepspeed_label
 
@@ -274,7 +274,7 @@ def render(
         return None
     grid = verdict_grid(shown)
     title = "Verdict (planner: fastest one-GPU plan at native resolution)"
-    if not snapshot.usable_gpus:
+    if not trained_gpus(snapshot):  # the GPUs the planner plans: none of another vendor's than torch drives
         # with this host's RAM: DeepSpeed's CPU offload, which lowers what a full fine-tune needs of the GPU,
         # keeps the optimizer there (a FLUX.1 DreamBooth needs a 52.7 GiB GPU beside 23.5 GiB of RAM)
         title = (
@@ -299,10 +299,11 @@ def render(
 
 
 def nothing_ok(snapshot: Snapshot, verdicts: Sequence[tuple[str, str, str, str]] | None) -> str | None:
-    """The line `sdplan doctor` exits 1 with where the machine has usable GPUs but no verdict is ok: every method
-    and model only with offload, swapping while it loads, at risk of running out, or not at all (a machine
-    without a usable GPU is the no_gpu finding's error); None otherwise, and where the verdicts are not known."""
-    if not snapshot.usable_gpus or not verdicts or any(status == "ok" for _, _, status, _ in verdicts):
+    """The line `sdplan doctor` exits 1 with where the machine has GPUs a run trains on but no verdict is ok:
+    every method and model only with offload, swapping while it loads, at risk of running out, or not at all (a
+    machine without such a GPU is the no_gpu finding's error); None otherwise, and where the verdicts are not
+    known."""
+    if not trained_gpus(snapshot) or not verdicts or any(status == "ok" for _, _, status, _ in verdicts):
         return None
     return (
         "no method and model is ok on this machine: every verdict is tight or no, and each says what it needs "

@@ -2024,7 +2024,7 @@ def hardware_from_catalog(spec: GPUSpec, count: int = 1) -> Hardware:
 
 def hardware_from_snapshot(snapshot: Any, profiles: Profiles, source: str = "probe") -> Hardware:
     """Build from a machine Snapshot (sdplan.machine): usable GPUs, their bf16 truth, links, RAM."""
-    from sdplan.probe.snapshot import shown_gpus
+    from sdplan.probe.snapshot import shown_gpus, trained_gpus
 
     gpus = []
     notes: list[str] = []
@@ -2043,6 +2043,33 @@ def hardware_from_snapshot(snapshot: Any, profiles: Profiles, source: str = "pro
                 "planned (unset it to plan for every GPU)"
             )
         usable = tuple(g for g in usable if g in shown[0])
+    # NVIDIA and AMD GPUs: one torch build drives a run, so the plans are for the GPUs doctor judges and `sdplan
+    # train` requires (trained_gpus: the build's vendor, else the one with the most memory)
+    trained = trained_gpus(snapshot)
+    if left := [g for g in usable if g not in trained]:
+        build = snapshot.software.torch_build
+        drives = build_vendor(snapshot)
+        if drives is not None:
+            why = f"this machine's torch is a {build} build: it drives the {drives.upper()} GPUs only" + (
+                "" if trained else ", whose memory could not be read"
+            )
+        else:
+            what = (
+                "torch is not installed"
+                if snapshot.software.torch is None
+                else "torch is a CPU-only build"
+                if build == "cpu"
+                else "torch build is not known"
+            )
+            why = (
+                f"this machine's {what}: planned for the {trained[0].vendor.upper()} GPUs, which have the "
+                "most memory (a GPU build of torch is for one vendor)"
+            )
+        notes.append(
+            f"{why}, so {', '.join(f'GPU {g.index} ({g.name})' for g in left)} "
+            f"{'is' if len(left) == 1 else 'are'} not planned"
+        )
+    usable = tuple(g for g in usable if g in trained)
     for g in usable:
         mig = getattr(g, "mig", None)  # sdplan.machine.GPU.mig: CUDA sees the slices, memory is the largest's
         # a MIG slice's memory is not the card's: the card is looked up by its name alone (NVML's A100 and H100
@@ -2075,14 +2102,6 @@ def hardware_from_snapshot(snapshot: Any, profiles: Profiles, source: str = "pro
                 uuid=g.uuid,
                 pcie_gen=g.pcie_gen,
             )
-        )
-    drives = build_vendor(snapshot)
-    if drives is not None and len({g.vendor for g in gpus}) > 1:  # NVIDIA and AMD: the torch build picks
-        left = [g for g in gpus if g.vendor != drives]
-        gpus = [g for g in gpus if g.vendor == drives]
-        notes.append(
-            f"this machine's torch is a {snapshot.software.torch_build} build: it drives the {drives.upper()} GPUs "
-            f"only, so {', '.join(f'GPU {g.index} ({g.name})' for g in left)} are not planned"
         )
     if snapshot.host.ram_usable_bytes is None:
         notes.append(

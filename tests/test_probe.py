@@ -708,9 +708,12 @@ def test_probe_mixed_vendor_machine_numbers_gpus_across_backends(monkeypatch, tm
     assert s.gpus[2].name == "AMD Radeon PRO W6800"
     assert s.software.cuda_driver == "12.4" and s.software.rocm == "6.2.4"
     codes = {f.code for f in s.findings}
-    assert {"multi_gpu_slow_link", "bf16_unavailable"} <= codes
-    # one torch build drives a run: the two RTX 4090s and the W6800 never train together, so they are no mix
-    assert "mixed_gpus" not in codes and "links_unknown" not in codes
+    assert "multi_gpu_slow_link" in codes
+    # one torch build drives a run: the two RTX 4090s and the W6800 never train together, so they are no mix;
+    # with this CPU torch the run a GPU build would make is on the vendor with the most memory (the 4090s'
+    # 48 GiB), so the W6800's missing bf16 is no problem of it
+    assert "mixed_gpus" not in codes and "links_unknown" not in codes and "bf16_unavailable" not in codes
+    assert "cu126" in next(f for f in s.findings if f.code == "torch_cpu_build").fix
 
 
 @pytest.mark.parametrize("name", FIXTURES)
@@ -991,6 +994,53 @@ def test_a_cuda_build_beside_an_amd_igpu_judges_only_the_nvidia_gpu():
     # a ROCm build drives the iGPU: its arch is judged; the two vendors still never count as one mix
     rocm = {f.code for f in findings(_laptop_with_an_amd_igpu("rocm"))}
     assert "rocm_arch_unsupported" in rocm and not rocm & {"mixed_gpus", "links_unknown"}
+
+
+@pytest.mark.parametrize("build", [None, "cpu"])
+def test_no_gpu_build_beside_an_amd_igpu_judges_the_gpu_a_gpu_build_would_train_on(build):
+    """No torch, or a CPU one: the run a GPU build would make is on the NVIDIA GPU (the most memory), so the fix
+    installs a CUDA build and the iGPU's gfx1103 is no error (it gave `rocm_arch_unsupported`, exit 1, and a fix
+    offering ROCm); the planner plans the same GPU and says the iGPU is not planned."""
+    from sdplan.planner import hardware_from_snapshot
+    from sdplan.profiles import load_profiles
+
+    s = _laptop_with_an_amd_igpu(build)
+    if build is None:
+        s = replace(s, software=replace(s.software, torch=None))
+    assert [g.vendor for g in snapshot.trained_gpus(s)] == ["nvidia"]
+    got = {f.code: f for f in findings(s)}
+    errors = {code for code, f in got.items() if f.severity == "error"}
+    assert errors == (set() if build is None else {"torch_cpu_build"}), errors  # no rocm_arch_unsupported
+    torch = got["torch_missing" if build is None else "torch_cpu_build"]
+    assert "download.pytorch.org/whl/cu" in torch.fix and "ROCm" not in torch.fix, torch.fix
+    hw = hardware_from_snapshot(s, load_profiles())
+    assert [g.vendor for g in hw.gpus] == ["nvidia"]
+    assert any("GPU 1 (AMD Radeon 780M) is not planned" in n and "most memory" in n for n in hw.notes), (
+        hw.notes
+    )
+
+
+def test_a_cuda_build_whose_nvidia_gpu_is_unreadable_is_not_told_to_use_rocm_on_the_igpu():
+    """A CUDA torch, NVML unable to read the NVIDIA GPU's memory, and the AMD iGPU readable: the run would still
+    be on the NVIDIA GPU, never the iGPU, so no `torch_build_mismatch` (it told the user to reinstall torch for
+    ROCm) and no ROCm arch error: no usable GPU for this torch (no_gpu), and the planner plans none."""
+    from sdplan.planner import hardware_from_snapshot
+    from sdplan.profiles import load_profiles
+
+    s = _laptop_with_an_amd_igpu("cuda")
+    s = replace(s, gpus=(replace(s.gpus[0], memory_total_bytes=None), s.gpus[1]))
+    assert snapshot.trained_gpus(s) == ()
+    got = {f.code: f for f in findings(s)}
+    assert not got.keys() & {"torch_build_mismatch", "rocm_arch_unsupported"}, got
+    assert got["no_gpu"].severity == "error"
+    assert "1 NVIDIA GPU found but its memory could not be read" in got["no_gpu"].message
+    assert "rocm" not in got["no_gpu"].fix.lower()
+    hw = hardware_from_snapshot(s, load_profiles())
+    assert hw.gpus == () and any("whose memory could not be read" in n for n in hw.notes), hw.notes
+    # a CUDA build on a machine with AMD GPUs only is still the mismatch, told to install ROCm's
+    amd_only = replace(s, gpus=(replace(s.gpus[1], index=0),))
+    mismatch = {f.code: f for f in findings(amd_only)}["torch_build_mismatch"]
+    assert "ROCm build" in mismatch.fix, mismatch.fix
 
 
 def test_a_cuda_build_beside_an_amd_igpu_gets_doctor_exit_zero(tmp_path):
