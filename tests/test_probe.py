@@ -583,6 +583,42 @@ def test_an_amdsmi_binding_without_functions_reads_them_as_not_available(monkeyp
     assert gpu.gfx_arch == "gfx1031" and gpu.memory_total_bytes is not None
 
 
+def test_an_amdsmi_binding_of_rocm_5_6_reads_the_gpu_by_its_older_names(monkeypatch, no_devices):
+    """ROCm 5.5-5.6's amdsmi lists GPUs with amdsmi_get_device_handles (5.7+: amdsmi_get_processor_handles) and
+    names the GPU's calls without "gpu_" (amdsmi_get_asic_info, amdsmi_dev_get_memory_total, ...): read by the
+    new names alone the GPU vanished and doctor said only no_gpu. Its asic info has no arch: not available."""
+    module, state = fake_amdsmi.make_module(raw("rx6700xt"))
+    older = {
+        "amdsmi_get_processor_handles": "amdsmi_get_device_handles",
+        "amdsmi_get_gpu_asic_info": "amdsmi_get_asic_info",
+        "amdsmi_get_gpu_device_uuid": "amdsmi_get_device_uuid",
+        "amdsmi_get_gpu_memory_total": "amdsmi_dev_get_memory_total",
+        "amdsmi_get_gpu_memory_usage": "amdsmi_dev_get_memory_usage",
+        "amdsmi_get_gpu_vram_usage": "amdsmi_get_vram_usage",
+    }
+    for new, old in older.items():
+        fn = getattr(module, new)
+        if new == "amdsmi_get_gpu_asic_info":  # no target_graphics_version before ROCm 6.x
+            fn = (lambda f: lambda h: {k: v for k, v in f(h).items() if k != "target_graphics_version"})(fn)
+        setattr(module, old, fn)
+        delattr(module, new)
+    driver_info = module.amdsmi_get_gpu_driver_info
+    module.amdsmi_get_driver_version = lambda h: driver_info(h)["driver_version"]  # a string, 5.x
+    for name in ("amdsmi_get_gpu_driver_info", "amdsmi_get_gpu_kfd_info", "amdsmi_get_pcie_info"):
+        delattr(module, name)
+    monkeypatch.setitem(sys.modules, "amdsmi", module)
+    reading = amd.probe(sys_root=no_devices["sys"], dev_root=no_devices["dev"], rocm_root=no_devices["proc"])
+    (gpu,) = reading.gpus
+    want = raw("rx6700xt")["gpus"][0]
+    assert (gpu.name, gpu.uuid, gpu.memory_total_bytes) == (
+        want["name"],
+        want["uuid"],
+        want["memory_total_bytes"],
+    )
+    assert gpu.driver_version == want["driver_version"] and gpu.gfx_arch is None and gpu.bf16 is None
+    assert not reading.notes
+
+
 def test_amdsmi_not_installed_is_quiet_without_an_amd_gpu(monkeypatch, no_devices):
     monkeypatch.setitem(sys.modules, "amdsmi", None)
     reading = amd.probe(sys_root=no_devices["sys"], dev_root=no_devices["dev"], rocm_root=no_devices["proc"])
