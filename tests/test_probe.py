@@ -370,6 +370,41 @@ def test_bindings_without_the_mig_functions_read_as_before(monkeypatch, no_devic
     assert reading.gpus == load("h100_80gb_hbm3").gpus
     (note,) = reading.notes
     assert note.code == "nvml_bindings_old" and "nvmlDeviceGetMigMode" in note.message
+    # what that means, as no table shows it: the memory read is the whole card's, a MIG slice has less
+    assert "whether a GPU is in MIG mode" in note.message and "read as the whole card's" in note.message
+    assert "a run gets one MIG slice" in note.message and "n/a" not in note.message
+
+
+def test_an_old_binding_on_a_card_in_mig_mode_says_its_memory_is_the_whole_cards(monkeypatch, no_devices):
+    """An A100 80GB in MIG mode (two slices, 40 and 20 GiB) under a pynvml without the MIG calls: NVML's memory
+    is the card's 80 GiB, which the plans use; the warning says MIG mode cannot be read and what that means, and
+    each field it calls n/a is n/a in doctor's GPU table."""
+    from sdplan.doctor import gpu_rows
+
+    data = raw("h100_80gb_hbm3")
+    data["gpus"][0].update(name="NVIDIA A100-SXM4-80GB", compute_capability="8.0", mig=True)
+    module, state = fake_pynvml.make_module(
+        data, mig={0: [(40 * 2**30, 39 * 2**30), (20 * 2**30, 19 * 2**30)]}
+    )
+    for name in OLD_BINDING_LACKS:
+        delattr(module, name)
+    monkeypatch.setitem(sys.modules, "pynvml", module)
+    reading = nvidia.probe(sys_root=no_devices["sys"], proc_root=no_devices["proc"])
+    (gpu,) = reading.gpus
+    assert gpu.mig is None and gpu.memory_total_bytes == data["gpus"][0]["memory_total_bytes"]
+    (note,) = reading.notes
+    assert "whether a GPU is in MIG mode" in note.message and "a fraction of the memory" in note.message
+    assert "NVLink" not in note.message  # one GPU: no pair to read
+    row = dict(
+        zip(
+            ("#", "name", "memory", "arch", "bf16", "fp16"),
+            gpu_rows(replace(load("h100_80gb_hbm3"), gpus=(gpu,)))[0],
+        )
+    )
+    assert "compute capability, and bf16 and fp16 by it (n/a under GPUs" in note.message
+    assert (row["arch"], row["bf16"], row["fp16"]) == ("n/a", "n/a", "n/a")
+    assert reading.cuda_driver is None  # this binding has neither CUDA version call: the note says so
+    assert "the CUDA version the driver supports (n/a under Stack)" in note.message
 
 
 # the functions nvidia-ml-py3 7.352.0's pynvml.py does not define; it returns names and versions as bytes
@@ -414,9 +449,9 @@ def test_an_old_binding_reads_the_cuda_driver_version_from_its_first_function(mo
     module.nvmlSystemGetCudaDriverVersion = module.nvmlSystemGetCudaDriverVersion_v2
     delattr(module, "nvmlSystemGetCudaDriverVersion_v2")
     monkeypatch.setitem(sys.modules, "pynvml", module)
-    assert nvidia.probe(sys_root=no_devices["sys"], proc_root=no_devices["proc"]).cuda_driver == (
-        load("t4").software.cuda_driver
-    )
+    reading = nvidia.probe(sys_root=no_devices["sys"], proc_root=no_devices["proc"])
+    assert reading.cuda_driver == load("t4").software.cuda_driver
+    assert not reading.notes  # nothing is left unread: no nvml_bindings_old warning
 
 
 def test_snapshot_saved_before_the_mig_fields_still_loads():
