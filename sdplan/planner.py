@@ -2108,8 +2108,15 @@ def hardware_from_snapshot(snapshot: Any, profiles: Profiles, source: str = "pro
             "this machine's RAM is not known (the snapshot does not say it): the host RAM a plan needs is not "
             "checked against it"
         )
+    planned = {g.index for g in gpus}
+    pair_links = tuple((lk.a, lk.b, lk.type) for lk in snapshot.links if lk.a in planned and lk.b in planned)
     unknown_gen = [g for g in gpus if not g.pcie_gen]
-    if len(gpus) > 1 and unknown_gen:  # the all-reduce over PCIe runs at the lowest generation (_links_among)
+    # the all-reduce runs over PCIe, at the lowest generation among its GPUs (_links_among), only where NVLink /
+    # xGMI does not join every pair (an NVSwitch or a full mesh never crosses PCIe): where some pair is not, a
+    # set with a GPU whose generation is unread crosses it (that pair and the GPU)
+    fast = {frozenset((a, b)) for a, b, kind in pair_links if kind in FAST_LINKS}
+    over_pcie = any(frozenset((a.index, b.index)) not in fast for a, b in itertools.combinations(gpus, 2))
+    if unknown_gen and over_pcie:
         assumed = {g.spec.pcie_gen if g.spec and g.spec.pcie_gen else None for g in unknown_gen}
         notes.append(
             f"the PCIe generation of {', '.join(f'GPU {g.index}' for g in unknown_gen)} could not be read: "
@@ -2120,8 +2127,6 @@ def hardware_from_snapshot(snapshot: Any, profiles: Profiles, source: str = "pro
                 else f"the catalog's generation, or gen 4 ({PCIE_GBS[4]:.0f} GB/s) where it has none"
             )
         )
-    planned = {g.index for g in gpus}
-    pair_links = tuple((lk.a, lk.b, lk.type) for lk in snapshot.links if lk.a in planned and lk.b in planned)
     link, gbs = _links_among(tuple(gpus), pair_links) if len(gpus) > 1 else ("pcie", PCIE_GBS[4])
     return Hardware(
         source=source,
