@@ -21,6 +21,7 @@ from sdplan.machine import GPU, Snapshot
 from sdplan.probe.snapshot import sorted_findings, trained_gpus
 from sdplan.registry import METHODS, PLANNED_FAMILIES
 from sdplan.settings import deepspeed_label
+from sdplan.trainer.dataset_scan import count_of
 
 
 class Verdict(NamedTuple):
@@ -159,7 +160,7 @@ def gpu_rows(s: Snapshot) -> list[tuple[str, ...]]:
 def _gpu_row(g: GPU) -> tuple[str, ...]:
     if g.memory_total_bytes is None:
         memory = NA + (
-            f" (MIG mode: {g.mig_slices} slices, memory not readable)"
+            f" (MIG mode: {count_of(g.mig_slices, 'slice')}, memory not readable)"
             if g.mig and g.mig_slices
             else " (MIG mode, no slice readable)"
             if g.mig
@@ -169,7 +170,7 @@ def _gpu_row(g: GPU) -> tuple[str, ...]:
         free = f" ({_gib(g.memory_free_bytes)} free)" if g.memory_free_bytes is not None else ""
         memory = _gib(g.memory_total_bytes) + free
         if g.mig:  # the largest MIG slice's, the most a process can use
-            memory += f" (MIG: largest of {g.mig_slices or '?'} slices)"
+            memory += f" (MIG: largest of {count_of(g.mig_slices, 'slice') if g.mig_slices else '? slices'})"
     arch = f"cc {g.compute_capability}" if g.compute_capability else (g.gfx_arch or NA)
     pcie = f"gen{g.pcie_gen or '?'} x{g.pcie_width or '?'}" if g.pcie_gen or g.pcie_width else NA
     power = f"{g.power_limit_watts:g} W" if g.power_limit_watts is not None else NA

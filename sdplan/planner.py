@@ -2084,8 +2084,9 @@ def hardware_from_snapshot(snapshot: Any, profiles: Profiles, source: str = "pro
         if mig:
             notes.append(
                 f"GPU {g.index} ({g.name or 'unnamed'}) is in MIG mode: planned with its largest MIG slice's "
-                f"{g.memory_total_bytes / GiB:.1f} GiB; a slice has a fraction of the card's compute (3g.40gb: 3 of "
-                "7 parts), and the times are the whole card's, so they are optimistic"
+                f"{g.memory_total_bytes / GiB:.1f} GiB; a slice has a fraction of the card's compute (its profile's "
+                "Ng: N of the card's parts, `nvidia-smi mig -lgi`), and the times are the whole card's, so they "
+                "are optimistic"
             )
         bf16 = g.bf16 if g.bf16 is not None else (spec.bf16 if spec else False)
         fp16 = g.fp16 if g.fp16 is not None else True

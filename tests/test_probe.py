@@ -340,9 +340,51 @@ def test_mig_slices_whose_memory_nvml_cannot_read_exist_and_the_error_is_said(mo
         and "CUDA sees no device" not in mig.message
     )
     assert "gpu_unreadable" in fx and "no_gpu" in fx
+    # the card answers, its slices do not: no GPU reset is the fix, the slices' profiles and MIG's access are
+    assert "nvidia-smi -r" not in fx["gpu_unreadable"].fix and "reset" not in fx["gpu_unreadable"].fix
+    assert (
+        "nvidia-smi mig -lgi -i 0" in fx["gpu_unreadable"].fix
+        and "/dev/nvidia-caps" in fx["gpu_unreadable"].fix
+    )
     from sdplan.doctor import gpu_rows
 
     assert "2 slices, memory not readable" in gpu_rows(s)[0][2]
+
+
+def test_one_mig_slice_is_said_in_the_singular_and_no_profile_of_another_card_is_named(
+    monkeypatch, no_devices
+):
+    """An A100 40GB in MIG mode with one slice: "1 slice", "its MIG slice's memory", never "1 slices" or "slice'
+    memory"; no note or fix names 3g.40gb, a profile an A100 40GB has not (its 3g slice is 3g.20gb)."""
+    from sdplan.doctor import gpu_rows
+    from sdplan.planner import hardware_from_snapshot
+    from sdplan.profiles import load_profiles
+
+    data = raw("h100_80gb_hbm3")
+    data["gpus"][0].update(
+        name="NVIDIA A100-SXM4-40GB", compute_capability="8.0", memory_total_bytes=40 * 2**30
+    )
+    module, state = fake_pynvml.make_module(data, mig={0: [(MIG_3G, MIG_3G)]})
+    card_memory = module.nvmlDeviceGetMemoryInfo
+
+    def memory(handle, *a):  # NotSupported on the MIG device, as some drivers answer
+        if module.nvmlDeviceIsMigDeviceHandle(handle):
+            raise module.NVMLError_NotSupported()
+        return card_memory(handle, *a)
+
+    module.nvmlDeviceGetMemoryInfo = memory
+    monkeypatch.setitem(sys.modules, "pynvml", module)
+    reading = nvidia.probe(sys_root=no_devices["sys"], proc_root=no_devices["proc"])
+    s = refresh(replace(load("h100_80gb_hbm3"), gpus=reading.gpus, findings=reading.notes))
+    assert "(MIG mode: 1 slice, memory not readable)" in gpu_rows(s)[0][2]
+    fx = {f.code: f for f in s.findings}
+    assert "its MIG slice's memory" in fx["gpu_unreadable"].message
+    assert "with 1 MIG slice, but its memory" in fx["mig_enabled"].message
+    read = replace(s, gpus=(replace(s.gpus[0], memory_total_bytes=20 * 2**30, memory_free_bytes=None),))
+    assert "(MIG: largest of 1 slice)" in gpu_rows(read)[0][2]
+    said = [f.message + f.fix for f in refresh(read).findings + s.findings]
+    said += list(hardware_from_snapshot(read, load_profiles()).notes)
+    assert not [t for t in said if "3g.40gb" in t or "1 slices" in t or "slice' " in t], said
 
 
 def test_mig_mode_off_or_not_supported_reads_as_before(monkeypatch, no_devices):

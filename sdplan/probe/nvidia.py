@@ -97,8 +97,9 @@ def _read(nvml: Any, index_start: int) -> NvidiaReading:
             gpu, error = _read_gpu(nvml, handle, index_start + i, driver)
             gpus.append(gpu)
             if gpu.memory_total_bytes is None and gpu.mig and gpu.mig_slices:  # NVML's error: only here
-                what = f"NVML cannot read its {'MIG slice' if gpu.mig_slices == 1 else 'MIG slices'}' memory"
-                notes.append(_note_unreadable(gpu.index, i, gpu.name, what, error))
+                slices = "MIG slice's" if gpu.mig_slices == 1 else "MIG slices'"
+                what = f"NVML cannot read its {slices} memory"
+                notes.append(_note_unreadable(gpu.index, i, gpu.name, what, error, mig=True))
             elif gpu.memory_total_bytes is None and not gpu.mig:  # MIG without a slice: a rule says so
                 notes.append(_note_unreadable(gpu.index, i, gpu.name, "NVML cannot read its memory", error))
         handles.append(handle)
@@ -372,15 +373,23 @@ def _note_count_failed(driver: str | None, e: BaseException | None) -> Finding:
 
 
 def _note_unreadable(
-    index: int, nvml_index: int, name: str | None, what: str, e: BaseException | None
+    index: int, nvml_index: int, name: str | None, what: str, e: BaseException | None, *, mig: bool = False
 ) -> Finding:
+    """``mig``: the card answers, its MIG slices' memory does not (no reset brings that back)."""
     return Finding(
         "warning",
         "gpu_unreadable",
         f"NVIDIA GPU {index}{f' ({name})' if name else ''} is present but {what} ({nvml_error_text(e)}): "
         "it is left out of the plans",
-        f"run `nvidia-smi -q -i {nvml_index}` to see why (GPU lost or reset required: `nvidia-smi -r` or a "
-        "reboot; NoPermission: this user's access to /dev/nvidia*)",
+        f"run `nvidia-smi -q -i {nvml_index}` to see why"
+        + (
+            f", and `nvidia-smi mig -lgi -i {nvml_index}` for its slices' profiles, whose names end in their "
+            "memory (NoPermission: this user's access to /dev/nvidia-caps, which MIG devices need, or in a "
+            "container the MIG devices passed to it)"
+            if mig
+            else " (GPU lost or reset required: `nvidia-smi -r` or a reboot; NoPermission: this user's access to "
+            "/dev/nvidia*)"
+        ),
     )
 
 

@@ -461,10 +461,11 @@ def _mig_rules(s: Snapshot) -> list[Finding]:
                 Finding(
                     "warning",
                     "mig_enabled",
-                    f"{name} is in MIG mode with {count_of(g.mig_slices, 'MIG slice')}, but their memory could "
-                    "not be read (gpu_unreadable gives NVML's error): it is left out of the plans",
-                    "`nvidia-smi mig -lgi` lists the slices' profiles, whose names give their memory (3g.40gb: "
-                    "40 GB); pick the slice to train on with CUDA_VISIBLE_DEVICES=MIG-<uuid> (`nvidia-smi -L`), "
+                    f"{name} is in MIG mode with {count_of(g.mig_slices, 'MIG slice')}, but "
+                    f"{'its' if g.mig_slices == 1 else 'their'} memory could not be read (gpu_unreadable gives "
+                    "NVML's error): it is left out of the plans",
+                    f"`nvidia-smi mig -lgi -i {g.index}` lists the slices' profiles, whose names end in their "
+                    "memory; pick the slice to train on with CUDA_VISIBLE_DEVICES=MIG-<uuid> (`nvidia-smi -L`), "
                     + off,
                 )
             )
