@@ -18,9 +18,10 @@ from rich.table import Table
 from sdplan import registry
 from sdplan.errors import SdplanError
 from sdplan.machine import GPU, Snapshot
-from sdplan.probe.snapshot import sorted_findings
+from sdplan.probe.snapshot import sorted_findings, trained_gpus
 from sdplan.registry import METHODS, PLANNED_FAMILIES
 from sdplan.settings import deepspeed_label
+from sdplan.trainer.dataset_scan import count_of
 
 
 class Verdict(NamedTuple):
@@ -159,7 +160,7 @@ def gpu_rows(s: Snapshot) -> list[tuple[str, ...]]:
 def _gpu_row(g: GPU) -> tuple[str, ...]:
     if g.memory_total_bytes is None:
         memory = NA + (
-            f" (MIG mode: {g.mig_slices} slices, memory not readable)"
+            f" (MIG mode: {count_of(g.mig_slices, 'slice')}, memory not readable)"
             if g.mig and g.mig_slices
             else " (MIG mode, no slice readable)"
             if g.mig
@@ -169,7 +170,7 @@ def _gpu_row(g: GPU) -> tuple[str, ...]:
         free = f" ({_gib(g.memory_free_bytes)} free)" if g.memory_free_bytes is not None else ""
         memory = _gib(g.memory_total_bytes) + free
         if g.mig:  # the largest MIG slice's, the most a process can use
-            memory += f" (MIG: largest of {g.mig_slices or '?'} slices)"
+            memory += f" (MIG: largest of {count_of(g.mig_slices, 'slice') if g.mig_slices else '? slices'})"
     arch = f"cc {g.compute_capability}" if g.compute_capability else (g.gfx_arch or NA)
     pcie = f"gen{g.pcie_gen or '?'} x{g.pcie_width or '?'}" if g.pcie_gen or g.pcie_width else NA
     power = f"{g.power_limit_watts:g} W" if g.power_limit_watts is not None else NA
@@ -224,8 +225,11 @@ _SEVERITY_STYLE = {"error": "bold red", "warning": "yellow", "info": "cyan"}
 _STATUS_STYLE = {"ok": "green", "tight": "yellow", "no": "red", "unknown": "dim", "n/a": "dim"}
 
 
-def render(snapshot: Snapshot, console: Console, verdicts: VerdictFn = planner_verdicts) -> None:
-    """Print the report: host, GPUs, links, stack, findings, then the verdict grid."""
+def render(
+    snapshot: Snapshot, console: Console, verdicts: VerdictFn = planner_verdicts
+) -> list[tuple[str, str, str, str]] | None:
+    """Print the report: host, GPUs, links, stack, findings, then the verdict grid. Returns the verdicts shown
+    (None where they are not available), for the command's exit code (:func:`nothing_ok`)."""
     console.print(_kv_table("Host", host_rows(snapshot)))
 
     gpus = gpu_rows(snapshot)
@@ -265,12 +269,13 @@ def render(snapshot: Snapshot, console: Console, verdicts: VerdictFn = planner_v
         console.print("[bold]Findings[/]: none [green]ok[/]")
 
     try:
-        grid = verdict_grid(list(verdicts(snapshot)))
+        shown = list(verdicts(snapshot))
     except SdplanError as e:  # its profiles unreadable (a broken local store): said, not an exit
         console.print(f"[bold]Verdict[/]: not available: {escape(str(e))}")
-        return
+        return None
+    grid = verdict_grid(shown)
     title = "Verdict (planner: fastest one-GPU plan at native resolution)"
-    if not snapshot.usable_gpus:
+    if not trained_gpus(snapshot):  # the GPUs the planner plans: none of another vendor's than torch drives
         # with this host's RAM: DeepSpeed's CPU offload, which lowers what a full fine-tune needs of the GPU,
         # keeps the optimizer there (a FLUX.1 DreamBooth needs a 52.7 GiB GPU beside 23.5 GiB of RAM)
         title = (
@@ -291,6 +296,20 @@ def render(snapshot: Snapshot, console: Console, verdicts: VerdictFn = planner_v
             cells.append(f"[{style}]{escape(status)}[/]" + (f"\n[dim]{escape(note)}[/]" if note else ""))
         table.add_row(family, *cells)
     console.print(table)
+    return shown
+
+
+def nothing_ok(snapshot: Snapshot, verdicts: Sequence[tuple[str, str, str, str]] | None) -> str | None:
+    """The line `sdplan doctor` exits 1 with where the machine has GPUs a run trains on but no verdict is ok:
+    every method and model only with offload, swapping while it loads, at risk of running out, or not at all (a
+    machine without such a GPU is the no_gpu finding's error); None otherwise, and where the verdicts are not
+    known."""
+    if not trained_gpus(snapshot) or not verdicts or any(status == "ok" for _, _, status, _ in verdicts):
+        return None
+    return (
+        "no method and model is ok on this machine: every verdict is tight or no, and each says what it needs "
+        "(a larger GPU, or the host RAM loading takes): see Verdict"
+    )
 
 
 def _kv_table(title: str, rows: list[tuple[str, str]]) -> Table:

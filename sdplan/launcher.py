@@ -941,8 +941,13 @@ def _family_of(kind: str, location: str) -> str | None:
 
 
 def require_gpu(snapshot: Any) -> None:
-    """No usable GPU (or a CPU build of torch): stop before loading anything, and say how to go on."""
-    if not snapshot.usable_gpus:
+    """No usable GPU a run here trains on (or a CPU build of torch): stop before loading anything, and say how to
+    go on. The GPUs are doctor's and the planner's (:func:`sdplan.probe.snapshot.trained_gpus`): a CUDA build's
+    NVIDIA GPUs, never the AMD iGPU beside them."""
+    from sdplan.probe.snapshot import build_vendor, findings, torch_cuda_lacks, trained_gpus
+
+    gpus = trained_gpus(snapshot)
+    if not gpus:
         raise NoGPUError(
             "no usable GPU on this machine (run `sdplan doctor` to see why)",
             fix="train on the CPU with --device cpu (slow), or try `sdplan train --demo`",
@@ -951,16 +956,19 @@ def require_gpu(snapshot: Any) -> None:
     if build == "cpu":
         raise NoGPUError(
             f"torch {snapshot.software.torch or ''} is a CPU build: it cannot use the "
-            f"GPU{'s' if len(snapshot.usable_gpus) > 1 else ''} here".replace("  ", " "),
+            f"GPU{'s' if len(gpus) > 1 else ''} here".replace("  ", " "),
             fix="install the CUDA or ROCm build of torch (`sdplan doctor` prints the command), or add --device cpu",
         )
-    if build == "cuda":  # a torch whose wheels hold no kernels for any GPU here fails at its first CUDA call
-        from sdplan.probe.snapshot import findings, torch_cuda_lacks
-
+    if build_vendor(snapshot) not in (None, gpus[0].vendor):  # a CUDA build on AMD GPUs, ROCm on NVIDIA ones
+        mismatch = next(f for f in findings(snapshot) if f.code == "torch_build_mismatch")
+        raise NoGPUError(mismatch.message, fix=mismatch.fix)
+    if (
+        build == "cuda"
+    ):  # a torch whose wheels hold no kernels for any GPU it trains on fails at its first call
         sw = snapshot.software
         if all(
             g.vendor == "nvidia" and torch_cuda_lacks(g.compute_capability, sw.torch, sw.cuda_runtime)
-            for g in snapshot.usable_gpus
+            for g in gpus
         ):
             lacking = next(f for f in findings(snapshot) if f.code == "torch_arch_unsupported")
             raise NoGPUError(lacking.message, fix=lacking.fix)

@@ -2024,7 +2024,7 @@ def hardware_from_catalog(spec: GPUSpec, count: int = 1) -> Hardware:
 
 def hardware_from_snapshot(snapshot: Any, profiles: Profiles, source: str = "probe") -> Hardware:
     """Build from a machine Snapshot (sdplan.machine): usable GPUs, their bf16 truth, links, RAM."""
-    from sdplan.probe.snapshot import shown_gpus
+    from sdplan.probe.snapshot import shown_gpus, trained_gpus
 
     gpus = []
     notes: list[str] = []
@@ -2043,6 +2043,33 @@ def hardware_from_snapshot(snapshot: Any, profiles: Profiles, source: str = "pro
                 "planned (unset it to plan for every GPU)"
             )
         usable = tuple(g for g in usable if g in shown[0])
+    # NVIDIA and AMD GPUs: one torch build drives a run, so the plans are for the GPUs doctor judges and `sdplan
+    # train` requires (trained_gpus: the build's vendor, else the one with the most memory)
+    trained = trained_gpus(snapshot)
+    if left := [g for g in usable if g not in trained]:
+        build = snapshot.software.torch_build
+        drives = build_vendor(snapshot)
+        if drives is not None:
+            why = f"this machine's torch is a {build} build: it drives the {drives.upper()} GPUs only" + (
+                "" if trained else ", whose memory could not be read"
+            )
+        else:
+            what = (
+                "torch is not installed"
+                if snapshot.software.torch is None
+                else "torch is a CPU-only build"
+                if build == "cpu"
+                else "torch build is not known"
+            )
+            why = (
+                f"this machine's {what}: planned for the {trained[0].vendor.upper()} GPUs, which have the "
+                "most memory (a GPU build of torch is for one vendor)"
+            )
+        notes.append(
+            f"{why}, so {', '.join(f'GPU {g.index} ({g.name})' for g in left)} "
+            f"{'is' if len(left) == 1 else 'are'} not planned"
+        )
+    usable = tuple(g for g in usable if g in trained)
     for g in usable:
         mig = getattr(g, "mig", None)  # sdplan.machine.GPU.mig: CUDA sees the slices, memory is the largest's
         # a MIG slice's memory is not the card's: the card is looked up by its name alone (NVML's A100 and H100
@@ -2057,8 +2084,9 @@ def hardware_from_snapshot(snapshot: Any, profiles: Profiles, source: str = "pro
         if mig:
             notes.append(
                 f"GPU {g.index} ({g.name or 'unnamed'}) is in MIG mode: planned with its largest MIG slice's "
-                f"{g.memory_total_bytes / GiB:.1f} GiB; a slice has a fraction of the card's compute (3g.40gb: 3 of "
-                "7 parts), and the times are the whole card's, so they are optimistic"
+                f"{g.memory_total_bytes / GiB:.1f} GiB; a slice has a fraction of the card's compute (its profile's "
+                "Ng: N of the card's parts, `nvidia-smi mig -lgi`), and the times are the whole card's, so they "
+                "are optimistic"
             )
         bf16 = g.bf16 if g.bf16 is not None else (spec.bf16 if spec else False)
         fp16 = g.fp16 if g.fp16 is not None else True
@@ -2076,21 +2104,20 @@ def hardware_from_snapshot(snapshot: Any, profiles: Profiles, source: str = "pro
                 pcie_gen=g.pcie_gen,
             )
         )
-    drives = build_vendor(snapshot)
-    if drives is not None and len({g.vendor for g in gpus}) > 1:  # NVIDIA and AMD: the torch build picks
-        left = [g for g in gpus if g.vendor != drives]
-        gpus = [g for g in gpus if g.vendor == drives]
-        notes.append(
-            f"this machine's torch is a {snapshot.software.torch_build} build: it drives the {drives.upper()} GPUs "
-            f"only, so {', '.join(f'GPU {g.index} ({g.name})' for g in left)} are not planned"
-        )
     if snapshot.host.ram_usable_bytes is None:
         notes.append(
             "this machine's RAM is not known (the snapshot does not say it): the host RAM a plan needs is not "
             "checked against it"
         )
+    planned = {g.index for g in gpus}
+    pair_links = tuple((lk.a, lk.b, lk.type) for lk in snapshot.links if lk.a in planned and lk.b in planned)
     unknown_gen = [g for g in gpus if not g.pcie_gen]
-    if len(gpus) > 1 and unknown_gen:  # the all-reduce over PCIe runs at the lowest generation (_links_among)
+    # the all-reduce runs over PCIe, at the lowest generation among its GPUs (_links_among), only where NVLink /
+    # xGMI does not join every pair (an NVSwitch or a full mesh never crosses PCIe): where some pair is not, a
+    # set with a GPU whose generation is unread crosses it (that pair and the GPU)
+    fast = {frozenset((a, b)) for a, b, kind in pair_links if kind in FAST_LINKS}
+    over_pcie = any(frozenset((a.index, b.index)) not in fast for a, b in itertools.combinations(gpus, 2))
+    if unknown_gen and over_pcie:
         assumed = {g.spec.pcie_gen if g.spec and g.spec.pcie_gen else None for g in unknown_gen}
         notes.append(
             f"the PCIe generation of {', '.join(f'GPU {g.index}' for g in unknown_gen)} could not be read: "
@@ -2101,8 +2128,6 @@ def hardware_from_snapshot(snapshot: Any, profiles: Profiles, source: str = "pro
                 else f"the catalog's generation, or gen 4 ({PCIE_GBS[4]:.0f} GB/s) where it has none"
             )
         )
-    planned = {g.index for g in gpus}
-    pair_links = tuple((lk.a, lk.b, lk.type) for lk in snapshot.links if lk.a in planned and lk.b in planned)
     link, gbs = _links_among(tuple(gpus), pair_links) if len(gpus) > 1 else ("pcie", PCIE_GBS[4])
     return Hardware(
         source=source,

@@ -426,6 +426,32 @@ def test_an_8_gib_machine_is_warned_not_failed_where_the_verdicts_plan_it(run, t
     assert result.exit_code == 0, result.output
 
 
+@pytest.mark.parametrize(("ram_gib", "exit_code"), [(8, 0), (4, 1), (2, 1)])
+def test_doctor_exits_1_where_no_verdict_is_ok(run, monkeypatch, tmp_path, ram_gib, exit_code):
+    """Doctor's help promises exit 1 on a machine that cannot train. Too little RAM is a warning (the rule cannot
+    plan), so the exit follows the verdicts: at 8 GiB SD 1.5 loads (ok: exit 0); at 2-4 GiB every plan's loading
+    swaps (tight) or does not fit (no), and doctor exits 1 saying so, where it exited 0 telling the user to
+    train what the verdicts call ok (none was)."""
+    from sdplan.probe import snapshot as probe_snapshot
+
+    data = json.loads((MACHINES / "t4.json").read_text())
+    data["host"].update(ram_total_bytes=ram_gib * 2**30, ram_available_bytes=ram_gib * 2**29)
+    path = tmp_path / "t4_low_ram.json"
+    path.write_text(json.dumps(data))
+    snapshot = probe_snapshot.refresh(Snapshot.load(path))
+    assert not [f for f in snapshot.findings if f.severity == "error"]  # only the verdicts can fail it
+    monkeypatch.setattr(probe_snapshot, "probe", lambda root=".": snapshot)  # this machine, as probed
+    statuses = {status for _, _, status, _ in planner_verdicts(snapshot)}
+    assert ("ok" in statuses) == (exit_code == 0), statuses
+    result = run()
+    assert result.exit_code == exit_code, result.output
+    said = "no method and model is ok on this machine: every verdict is tight or no"
+    assert (said in result.stderr) == bool(exit_code), result.stderr
+    (ram,) = [f for f in snapshot.findings if f.code == "ram_insufficient"]
+    assert "where none is, none trains here: doctor exits 1" in ram.fix  # the fix says what exit 1 means
+    assert run("--machine", str(path)).exit_code == 0  # another machine's snapshot: exit 0, as the help says
+
+
 def test_planner_verdict_is_tight_where_loading_needs_more_host_ram(tmp_path):
     """One RTX 4090 with 16 GiB of RAM: FLUX.1 [dev] LoRA fits the GPU, but loading it takes ~34 GiB of host
     RAM (it may swap or be killed): not "ok". A warning, not "no": the planner refuses only RAM held for the

@@ -140,6 +140,19 @@ def test_an_unread_pcie_generation_takes_the_catalogs_and_the_plan_says_so(prof)
     assert not [n for n in hw(prof, joined([RTX3090] * 2, set(), gens=[4, 4])).notes if "PCIe gen" in n]
 
 
+def test_an_unread_pcie_generation_is_said_only_where_an_all_reduce_crosses_pcie(prof):
+    """Where NVLink joins every pair (an NVSwitch: 8x H100 SXM), no multi-GPU time runs over PCIe, so a PCIe
+    generation NVML did not give changes no time and is not said; where a pair is on PCIe (bridges 0-2 and 1-3),
+    a set with the unread GPU crosses it and the note stays; one GPU has no all-reduce."""
+    every = {(a, b) for a in range(4) for b in range(a + 1, 4)}
+    h = hw(prof, joined([RTX3090] * 4, every, gens=[None, None, 4, 4]))
+    assert not [n for n in h.notes if "PCIe generation" in n], h.notes
+    assert P.set_link(h, h.gpus)[0] == "nvlink"
+    h = hw(prof, joined([RTX3090] * 4, {(0, 2), (1, 3)}, gens=[None, 4, 4, 4]))
+    assert any("PCIe generation of GPU 0 could not be read" in n for n in h.notes), h.notes
+    assert not [n for n in hw(prof, joined([RTX3090], set(), gens=[None])).notes if "PCIe generation" in n]
+
+
 def test_gpus_that_differ_take_the_bridged_pair_of_the_better_kind(prof):
     """Four RTX 3090s (bridges 0-2, 1-3) beside an RTX 3060: two 3090s, the bridged ones."""
     h = hw(prof, joined([RTX3090, RTX3090, RTX3090, RTX3090, RTX3060], {(0, 2), (1, 3)}))

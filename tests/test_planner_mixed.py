@@ -309,15 +309,24 @@ def test_pins_no_gpu_set_can_run_are_refused_naming_the_gpu(prof):
 def test_nvidia_and_amd_gpus_never_train_together(prof):
     import dataclasses
 
-    snap = machine(RTX4090, W6800)  # its torch build unknown (a known one plans its own vendor's GPUs only)
-    snap = dataclasses.replace(snap, software=dataclasses.replace(snap.software, torch_build=None))
-    hw = P.hardware_from_snapshot(snap, prof)
-    assert len(hw.gpus) == 2
-    assert P.gpu_sets(hw, 2) == []
-    res = plan(prof, snap, "lora", "sdxl", images=400)
-    assert res.feasible and res.plan.num_gpus == 1
-    res = plan(prof, snap, pins=(("num_gpus", 2),))
-    assert res.pin_conflicts and "NVIDIA and AMD GPUs cannot train together" in res.pin_conflicts[0]
+    """One torch build drives a run, so a machine's NVIDIA and AMD GPUs are never planned together: a known build
+    plans its own vendor's GPUs; an unknown one (or none, or a CPU build) the vendor whose GPUs have the most
+    memory, as doctor judges them (trained_gpus): here the W6800's 32 GiB, not the RTX 4090's 24."""
+    snap = machine(RTX4090, W6800)
+    for build, planned in (
+        (None, "AMD Radeon PRO W6800"),
+        ("cpu", "AMD Radeon PRO W6800"),
+        ("cuda", RTX4090["name"]),
+    ):
+        built = dataclasses.replace(snap, software=dataclasses.replace(snap.software, torch_build=build))
+        hw = P.hardware_from_snapshot(built, prof)
+        assert [g.name for g in hw.gpus] == [planned], build
+        assert any("is not planned" in n for n in hw.notes), hw.notes
+        assert P.gpu_sets(hw, 2) == []
+        res = plan(prof, built, "lora", "sdxl", images=400)
+        assert res.feasible and res.plan.num_gpus == 1
+        res = plan(prof, built, pins=(("num_gpus", 2),))
+        assert res.pin_conflicts and "this hardware has 1 usable GPU" in res.pin_conflicts[0]
 
 
 def test_gpu_sets_offer_each_gpu_that_is_best_at_something(prof):

@@ -340,9 +340,51 @@ def test_mig_slices_whose_memory_nvml_cannot_read_exist_and_the_error_is_said(mo
         and "CUDA sees no device" not in mig.message
     )
     assert "gpu_unreadable" in fx and "no_gpu" in fx
+    # the card answers, its slices do not: no GPU reset is the fix, the slices' profiles and MIG's access are
+    assert "nvidia-smi -r" not in fx["gpu_unreadable"].fix and "reset" not in fx["gpu_unreadable"].fix
+    assert (
+        "nvidia-smi mig -lgi -i 0" in fx["gpu_unreadable"].fix
+        and "/dev/nvidia-caps" in fx["gpu_unreadable"].fix
+    )
     from sdplan.doctor import gpu_rows
 
     assert "2 slices, memory not readable" in gpu_rows(s)[0][2]
+
+
+def test_one_mig_slice_is_said_in_the_singular_and_no_profile_of_another_card_is_named(
+    monkeypatch, no_devices
+):
+    """An A100 40GB in MIG mode with one slice: "1 slice", "its MIG slice's memory", never "1 slices" or "slice'
+    memory"; no note or fix names 3g.40gb, a profile an A100 40GB has not (its 3g slice is 3g.20gb)."""
+    from sdplan.doctor import gpu_rows
+    from sdplan.planner import hardware_from_snapshot
+    from sdplan.profiles import load_profiles
+
+    data = raw("h100_80gb_hbm3")
+    data["gpus"][0].update(
+        name="NVIDIA A100-SXM4-40GB", compute_capability="8.0", memory_total_bytes=40 * 2**30
+    )
+    module, state = fake_pynvml.make_module(data, mig={0: [(MIG_3G, MIG_3G)]})
+    card_memory = module.nvmlDeviceGetMemoryInfo
+
+    def memory(handle, *a):  # NotSupported on the MIG device, as some drivers answer
+        if module.nvmlDeviceIsMigDeviceHandle(handle):
+            raise module.NVMLError_NotSupported()
+        return card_memory(handle, *a)
+
+    module.nvmlDeviceGetMemoryInfo = memory
+    monkeypatch.setitem(sys.modules, "pynvml", module)
+    reading = nvidia.probe(sys_root=no_devices["sys"], proc_root=no_devices["proc"])
+    s = refresh(replace(load("h100_80gb_hbm3"), gpus=reading.gpus, findings=reading.notes))
+    assert "(MIG mode: 1 slice, memory not readable)" in gpu_rows(s)[0][2]
+    fx = {f.code: f for f in s.findings}
+    assert "its MIG slice's memory" in fx["gpu_unreadable"].message
+    assert "with 1 MIG slice, but its memory" in fx["mig_enabled"].message
+    read = replace(s, gpus=(replace(s.gpus[0], memory_total_bytes=20 * 2**30, memory_free_bytes=None),))
+    assert "(MIG: largest of 1 slice)" in gpu_rows(read)[0][2]
+    said = [f.message + f.fix for f in refresh(read).findings + s.findings]
+    said += list(hardware_from_snapshot(read, load_profiles()).notes)
+    assert not [t for t in said if "3g.40gb" in t or "1 slices" in t or "slice' " in t], said
 
 
 def test_mig_mode_off_or_not_supported_reads_as_before(monkeypatch, no_devices):
@@ -370,6 +412,41 @@ def test_bindings_without_the_mig_functions_read_as_before(monkeypatch, no_devic
     assert reading.gpus == load("h100_80gb_hbm3").gpus
     (note,) = reading.notes
     assert note.code == "nvml_bindings_old" and "nvmlDeviceGetMigMode" in note.message
+    # what that means, as no table shows it: the memory read is the whole card's, a MIG slice has less
+    assert "whether a GPU is in MIG mode" in note.message and "read as the whole card's" in note.message
+    assert "a run gets one MIG slice" in note.message and "n/a" not in note.message
+
+
+def test_an_old_binding_on_a_card_in_mig_mode_says_its_memory_is_the_whole_cards(monkeypatch, no_devices):
+    """An A100 80GB in MIG mode (two slices, 40 and 20 GiB) under a pynvml without the MIG calls: NVML's memory
+    is the card's 80 GiB, which the plans use; the warning says MIG mode cannot be read and what that means, and
+    each field it calls n/a is n/a in doctor's GPU table."""
+    from sdplan.doctor import gpu_rows
+
+    data = raw("h100_80gb_hbm3")
+    data["gpus"][0].update(name="NVIDIA A100-SXM4-80GB", compute_capability="8.0", mig=True)
+    module, state = fake_pynvml.make_module(
+        data, mig={0: [(40 * 2**30, 39 * 2**30), (20 * 2**30, 19 * 2**30)]}
+    )
+    for name in OLD_BINDING_LACKS:
+        delattr(module, name)
+    monkeypatch.setitem(sys.modules, "pynvml", module)
+    reading = nvidia.probe(sys_root=no_devices["sys"], proc_root=no_devices["proc"])
+    (gpu,) = reading.gpus
+    assert gpu.mig is None and gpu.memory_total_bytes == data["gpus"][0]["memory_total_bytes"]
+    (note,) = reading.notes
+    assert "whether a GPU is in MIG mode" in note.message and "a fraction of the memory" in note.message
+    assert "NVLink" not in note.message  # one GPU: no pair to read
+    row = dict(
+        zip(
+            ("#", "name", "memory", "arch", "bf16", "fp16"),
+            gpu_rows(replace(load("h100_80gb_hbm3"), gpus=(gpu,)))[0],
+        )
+    )
+    assert "compute capability, and bf16 and fp16 by it (n/a under GPUs" in note.message
+    assert (row["arch"], row["bf16"], row["fp16"]) == ("n/a", "n/a", "n/a")
+    assert reading.cuda_driver is None  # this binding has neither CUDA version call: the note says so
+    assert "the CUDA version the driver supports (n/a under Stack)" in note.message
 
 
 # the functions nvidia-ml-py3 7.352.0's pynvml.py does not define; it returns names and versions as bytes
@@ -414,9 +491,9 @@ def test_an_old_binding_reads_the_cuda_driver_version_from_its_first_function(mo
     module.nvmlSystemGetCudaDriverVersion = module.nvmlSystemGetCudaDriverVersion_v2
     delattr(module, "nvmlSystemGetCudaDriverVersion_v2")
     monkeypatch.setitem(sys.modules, "pynvml", module)
-    assert nvidia.probe(sys_root=no_devices["sys"], proc_root=no_devices["proc"]).cuda_driver == (
-        load("t4").software.cuda_driver
-    )
+    reading = nvidia.probe(sys_root=no_devices["sys"], proc_root=no_devices["proc"])
+    assert reading.cuda_driver == load("t4").software.cuda_driver
+    assert not reading.notes  # nothing is left unread: no nvml_bindings_old warning
 
 
 def test_snapshot_saved_before_the_mig_fields_still_loads():
@@ -583,6 +660,42 @@ def test_an_amdsmi_binding_without_functions_reads_them_as_not_available(monkeyp
     assert gpu.gfx_arch == "gfx1031" and gpu.memory_total_bytes is not None
 
 
+def test_an_amdsmi_binding_of_rocm_5_6_reads_the_gpu_by_its_older_names(monkeypatch, no_devices):
+    """ROCm 5.5-5.6's amdsmi lists GPUs with amdsmi_get_device_handles (5.7+: amdsmi_get_processor_handles) and
+    names the GPU's calls without "gpu_" (amdsmi_get_asic_info, amdsmi_dev_get_memory_total, ...): read by the
+    new names alone the GPU vanished and doctor said only no_gpu. Its asic info has no arch: not available."""
+    module, state = fake_amdsmi.make_module(raw("rx6700xt"))
+    older = {
+        "amdsmi_get_processor_handles": "amdsmi_get_device_handles",
+        "amdsmi_get_gpu_asic_info": "amdsmi_get_asic_info",
+        "amdsmi_get_gpu_device_uuid": "amdsmi_get_device_uuid",
+        "amdsmi_get_gpu_memory_total": "amdsmi_dev_get_memory_total",
+        "amdsmi_get_gpu_memory_usage": "amdsmi_dev_get_memory_usage",
+        "amdsmi_get_gpu_vram_usage": "amdsmi_get_vram_usage",
+    }
+    for new, old in older.items():
+        fn = getattr(module, new)
+        if new == "amdsmi_get_gpu_asic_info":  # no target_graphics_version before ROCm 6.x
+            fn = (lambda f: lambda h: {k: v for k, v in f(h).items() if k != "target_graphics_version"})(fn)
+        setattr(module, old, fn)
+        delattr(module, new)
+    driver_info = module.amdsmi_get_gpu_driver_info
+    module.amdsmi_get_driver_version = lambda h: driver_info(h)["driver_version"]  # a string, 5.x
+    for name in ("amdsmi_get_gpu_driver_info", "amdsmi_get_gpu_kfd_info", "amdsmi_get_pcie_info"):
+        delattr(module, name)
+    monkeypatch.setitem(sys.modules, "amdsmi", module)
+    reading = amd.probe(sys_root=no_devices["sys"], dev_root=no_devices["dev"], rocm_root=no_devices["proc"])
+    (gpu,) = reading.gpus
+    want = raw("rx6700xt")["gpus"][0]
+    assert (gpu.name, gpu.uuid, gpu.memory_total_bytes) == (
+        want["name"],
+        want["uuid"],
+        want["memory_total_bytes"],
+    )
+    assert gpu.driver_version == want["driver_version"] and gpu.gfx_arch is None and gpu.bf16 is None
+    assert not reading.notes
+
+
 def test_amdsmi_not_installed_is_quiet_without_an_amd_gpu(monkeypatch, no_devices):
     monkeypatch.setitem(sys.modules, "amdsmi", None)
     reading = amd.probe(sys_root=no_devices["sys"], dev_root=no_devices["dev"], rocm_root=no_devices["proc"])
@@ -708,9 +821,12 @@ def test_probe_mixed_vendor_machine_numbers_gpus_across_backends(monkeypatch, tm
     assert s.gpus[2].name == "AMD Radeon PRO W6800"
     assert s.software.cuda_driver == "12.4" and s.software.rocm == "6.2.4"
     codes = {f.code for f in s.findings}
-    assert {"multi_gpu_slow_link", "bf16_unavailable"} <= codes
-    # one torch build drives a run: the two RTX 4090s and the W6800 never train together, so they are no mix
-    assert "mixed_gpus" not in codes and "links_unknown" not in codes
+    assert "multi_gpu_slow_link" in codes
+    # one torch build drives a run: the two RTX 4090s and the W6800 never train together, so they are no mix;
+    # with this CPU torch the run a GPU build would make is on the vendor with the most memory (the 4090s'
+    # 48 GiB), so the W6800's missing bf16 is no problem of it
+    assert "mixed_gpus" not in codes and "links_unknown" not in codes and "bf16_unavailable" not in codes
+    assert "cu126" in next(f for f in s.findings if f.code == "torch_cpu_build").fix
 
 
 @pytest.mark.parametrize("name", FIXTURES)
@@ -991,6 +1107,53 @@ def test_a_cuda_build_beside_an_amd_igpu_judges_only_the_nvidia_gpu():
     # a ROCm build drives the iGPU: its arch is judged; the two vendors still never count as one mix
     rocm = {f.code for f in findings(_laptop_with_an_amd_igpu("rocm"))}
     assert "rocm_arch_unsupported" in rocm and not rocm & {"mixed_gpus", "links_unknown"}
+
+
+@pytest.mark.parametrize("build", [None, "cpu"])
+def test_no_gpu_build_beside_an_amd_igpu_judges_the_gpu_a_gpu_build_would_train_on(build):
+    """No torch, or a CPU one: the run a GPU build would make is on the NVIDIA GPU (the most memory), so the fix
+    installs a CUDA build and the iGPU's gfx1103 is no error (it gave `rocm_arch_unsupported`, exit 1, and a fix
+    offering ROCm); the planner plans the same GPU and says the iGPU is not planned."""
+    from sdplan.planner import hardware_from_snapshot
+    from sdplan.profiles import load_profiles
+
+    s = _laptop_with_an_amd_igpu(build)
+    if build is None:
+        s = replace(s, software=replace(s.software, torch=None))
+    assert [g.vendor for g in snapshot.trained_gpus(s)] == ["nvidia"]
+    got = {f.code: f for f in findings(s)}
+    errors = {code for code, f in got.items() if f.severity == "error"}
+    assert errors == (set() if build is None else {"torch_cpu_build"}), errors  # no rocm_arch_unsupported
+    torch = got["torch_missing" if build is None else "torch_cpu_build"]
+    assert "download.pytorch.org/whl/cu" in torch.fix and "ROCm" not in torch.fix, torch.fix
+    hw = hardware_from_snapshot(s, load_profiles())
+    assert [g.vendor for g in hw.gpus] == ["nvidia"]
+    assert any("GPU 1 (AMD Radeon 780M) is not planned" in n and "most memory" in n for n in hw.notes), (
+        hw.notes
+    )
+
+
+def test_a_cuda_build_whose_nvidia_gpu_is_unreadable_is_not_told_to_use_rocm_on_the_igpu():
+    """A CUDA torch, NVML unable to read the NVIDIA GPU's memory, and the AMD iGPU readable: the run would still
+    be on the NVIDIA GPU, never the iGPU, so no `torch_build_mismatch` (it told the user to reinstall torch for
+    ROCm) and no ROCm arch error: no usable GPU for this torch (no_gpu), and the planner plans none."""
+    from sdplan.planner import hardware_from_snapshot
+    from sdplan.profiles import load_profiles
+
+    s = _laptop_with_an_amd_igpu("cuda")
+    s = replace(s, gpus=(replace(s.gpus[0], memory_total_bytes=None), s.gpus[1]))
+    assert snapshot.trained_gpus(s) == ()
+    got = {f.code: f for f in findings(s)}
+    assert not got.keys() & {"torch_build_mismatch", "rocm_arch_unsupported"}, got
+    assert got["no_gpu"].severity == "error"
+    assert "1 NVIDIA GPU found but its memory could not be read" in got["no_gpu"].message
+    assert "rocm" not in got["no_gpu"].fix.lower()
+    hw = hardware_from_snapshot(s, load_profiles())
+    assert hw.gpus == () and any("whose memory could not be read" in n for n in hw.notes), hw.notes
+    # a CUDA build on a machine with AMD GPUs only is still the mismatch, told to install ROCm's
+    amd_only = replace(s, gpus=(replace(s.gpus[1], index=0),))
+    mismatch = {f.code: f for f in findings(amd_only)}["torch_build_mismatch"]
+    assert "ROCm build" in mismatch.fix, mismatch.fix
 
 
 def test_a_cuda_build_beside_an_amd_igpu_gets_doctor_exit_zero(tmp_path):

@@ -594,6 +594,38 @@ def test_train_stops_before_anything_where_torch_has_no_kernels_for_the_gpus():
     require_gpu(dataclasses.replace(t4, gpus=(pascal, dataclasses.replace(t4.gpus[0], index=1)), software=sw))
 
 
+def test_train_stops_where_torch_has_no_kernels_for_the_nvidia_gpu_beside_an_amd_igpu():
+    """An RTX 5090 Laptop (Blackwell) under torch 2.7 cu126 beside the laptop's AMD Radeon 890M: a CUDA build
+    never trains on the iGPU, so the run has no GPU it can use and stops, as doctor's torch_arch_unsupported
+    error says; the iGPU let it start. require_gpu judges the GPUs doctor and the planner do (trained_gpus)."""
+    import dataclasses
+    from pathlib import Path
+
+    from sdplan.errors import NoGPUError
+    from sdplan.launcher import require_gpu
+    from sdplan.machine import Snapshot
+
+    t4 = Snapshot.load(Path(__file__).parent / "fixtures" / "machines" / "t4.json")
+    blackwell = dataclasses.replace(
+        t4.gpus[0],
+        name="NVIDIA GeForce RTX 5090 Laptop GPU",
+        compute_capability="12.0",
+        driver_version="570.86.10",
+    )
+    igpu = dataclasses.replace(
+        t4.gpus[0], index=1, vendor="amd", name="AMD Radeon 890M", compute_capability=None, gfx_arch="gfx1150"
+    )
+    igpu = dataclasses.replace(igpu, memory_total_bytes=512 * 2**20, memory_free_bytes=400 * 2**20)
+    sw = dataclasses.replace(t4.software, torch="2.7.0+cu126", cuda_runtime="12.6", cuda_driver="12.8")
+    for gpus in ((blackwell,), (blackwell, igpu)):
+        with pytest.raises(NoGPUError, match=r"has no CUDA kernels for NVIDIA GeForce RTX 5090 Laptop GPU"):
+            require_gpu(dataclasses.replace(t4, gpus=gpus, software=sw))
+    # a CUDA build on a machine whose GPUs are all AMD trains on none of them: doctor's torch_build_mismatch
+    amd = dataclasses.replace(t4, gpus=(dataclasses.replace(igpu, index=0),), software=sw)
+    with pytest.raises(NoGPUError, match=r"is a CUDA build but this machine's GPUs need ROCm"):
+        require_gpu(amd)
+
+
 CU126 = ["sm_50", "sm_60", "sm_70", "sm_75", "sm_80", "sm_86", "sm_90"]  # PyTorch's cu126 wheels
 CU128 = ["sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120"]
 

@@ -36,11 +36,12 @@ def doctor(
 ) -> None:
     """Check this machine for Stable Diffusion training: GPUs, links, software stack, findings, verdict.
 
-    Exits 1 when a finding about this machine is an error (so `sdplan doctor && sdplan train ...` stops on a
-    machine that cannot train); --json, --save and --machine exit 0: they make or read a snapshot, whose
+    Exits 1 when a finding about this machine is an error, or when no verdict is ok (every method and model
+    only with offload, swapping, at risk or not at all), so `sdplan doctor && sdplan train ...` stops on a
+    machine that cannot train; --json, --save and --machine exit 0: they make or read a snapshot, whose
     findings carry their severity.
     """
-    from sdplan.doctor import planner_verdicts, render
+    from sdplan.doctor import nothing_ok, planner_verdicts, render
     from sdplan.errors import OutputExistsError, UsageError
     from sdplan.machine import Snapshot
     from sdplan.probe.snapshot import probe, refresh
@@ -78,12 +79,19 @@ def doctor(
     if json_:
         typer.echo(snapshot.to_json())
         return
-    render(snapshot, console(), verdicts)
+    shown = render(snapshot, console(), verdicts)
+    if save is not None or machine is not None:
+        return
     errors = [f.code for f in snapshot.findings if f.severity == "error"]
-    if errors and save is None and machine is None:
+    if errors:
         err_console().print(
             f"doctor found {len(errors)} error{'s' if len(errors) > 1 else ''} ({', '.join(errors)}): see Findings",
             markup=False,
             soft_wrap=True,
         )
+    # low RAM or a small GPU is no finding's error (the rules cannot plan): the verdicts say what loads here
+    untrainable = nothing_ok(snapshot, shown)
+    if untrainable:
+        err_console().print(untrainable, markup=False, soft_wrap=True)
+    if errors or untrainable:
         raise typer.Exit(1)

@@ -74,7 +74,7 @@ def _import_amdsmi() -> tuple[Any, BaseException | None]:
 
 
 def _read(amdsmi: Any, index_start: int) -> AmdReading:
-    handles = _query(amdsmi, "amdsmi_get_processor_handles") or []
+    handles = _query(amdsmi, _renamed(amdsmi, "handles")) or []
     gpus = tuple(_read_gpu(amdsmi, h, index_start + i) for i, h in enumerate(handles))
     hip = hip_indexes([_kfd_node(amdsmi, h) for h in handles])
     gpus = tuple(replace(g, hip_index=i) for g, i in zip(gpus, hip, strict=True))
@@ -96,13 +96,13 @@ def _read(amdsmi: Any, index_start: int) -> AmdReading:
 
 
 def _read_gpu(amdsmi: Any, h: Any, index: int) -> GPU:
-    asic = _query(amdsmi, "amdsmi_get_gpu_asic_info", h) or {}
-    arch = parse_gfx_arch(asic.get("target_graphics_version"))
+    asic = _query(amdsmi, _renamed(amdsmi, "asic"), h) or {}
+    arch = parse_gfx_arch(asic.get("target_graphics_version"))  # newer bindings only: older ones give no arch
     vram = getattr(getattr(amdsmi, "AmdSmiMemoryType", None), "VRAM", None)
-    total = _int(_query(amdsmi, "amdsmi_get_gpu_memory_total", h, vram))
-    used = _int(_query(amdsmi, "amdsmi_get_gpu_memory_usage", h, vram))
+    total = _int(_query(amdsmi, _renamed(amdsmi, "memory_total"), h, vram))
+    used = _int(_query(amdsmi, _renamed(amdsmi, "memory_usage"), h, vram))
     if total is None:  # older libraries: MB figures
-        usage = _query(amdsmi, "amdsmi_get_gpu_vram_usage", h) or {}
+        usage = _query(amdsmi, _renamed(amdsmi, "vram_usage"), h) or {}
         total_mb, used_mb = _int(usage.get("vram_total")), _int(usage.get("vram_used"))
         total = total_mb * 2**20 if total_mb else None
         used = used_mb * 2**20 if used_mb is not None else None
@@ -110,12 +110,13 @@ def _read_gpu(amdsmi: Any, h: Any, index: int) -> GPU:
     static = pcie.get("pcie_static", {}) if isinstance(pcie, dict) else {}
     power = _query(amdsmi, "amdsmi_get_power_cap_info", h) or {}
     power_uw = _int(power.get("power_cap"))
-    driver = _query(amdsmi, "amdsmi_get_gpu_driver_info", h) or {}
+    driver = _query(amdsmi, "amdsmi_get_gpu_driver_info", h) or {}  # ROCm 6.0+; older: the version string
+    driver_version = driver.get("driver_version") if isinstance(driver, dict) else None
     return GPU(
         index=index,
         vendor="amd",
         name=_text(asic.get("market_name")),
-        uuid=_text(_query(amdsmi, "amdsmi_get_gpu_device_uuid", h)),
+        uuid=_text(_query(amdsmi, _renamed(amdsmi, "uuid"), h)),
         memory_total_bytes=total or None,
         memory_free_bytes=total - used if total and used is not None and used <= total else None,
         compute_capability=None,
@@ -126,7 +127,7 @@ def _read_gpu(amdsmi: Any, h: Any, index: int) -> GPU:
         # the link's maximum only: the current width (pcie_metric) is the link's state, not its capability
         pcie_width=_int(static.get("max_pcie_width")) or None,
         power_limit_watts=round(power_uw / 1_000_000, 1) if power_uw else None,
-        driver_version=_text(driver.get("driver_version")),
+        driver_version=_text(driver_version or _query(amdsmi, _renamed(amdsmi, "driver_version"), h)),
     )
 
 
@@ -148,6 +149,28 @@ def hip_indexes(nodes: list[int | None]) -> list[int | None]:
         return [None] * len(nodes)
     order = sorted(nodes)
     return [order.index(n) for n in nodes]
+
+
+# amdsmi functions ROCm 5.7 renamed, each with its older name (ROCm/amdsmi py-interface/amdsmi_interface.py at
+# rocm-5.6.1 and rocm-5.7.0): a 5.5-5.6 binding lists its GPUs with amdsmi_get_device_handles, and read by the
+# new names alone they vanished (no_gpu). The driver's version is a string before 6.0's driver info (5.7:
+# amdsmi_get_gpu_driver_version). Older asic info has no target_graphics_version: the arch is not available.
+_RENAMED = {
+    "handles": ("amdsmi_get_processor_handles", "amdsmi_get_device_handles"),
+    "asic": ("amdsmi_get_gpu_asic_info", "amdsmi_get_asic_info"),
+    "uuid": ("amdsmi_get_gpu_device_uuid", "amdsmi_get_device_uuid"),
+    "memory_total": ("amdsmi_get_gpu_memory_total", "amdsmi_dev_get_memory_total"),
+    "memory_usage": ("amdsmi_get_gpu_memory_usage", "amdsmi_dev_get_memory_usage"),
+    "vram_usage": ("amdsmi_get_gpu_vram_usage", "amdsmi_get_vram_usage"),
+    "driver_version": ("amdsmi_get_gpu_driver_version", "amdsmi_get_driver_version"),
+}
+
+
+def _renamed(amdsmi: Any, key: str) -> str:
+    """The name this binding gives the function :data:`_RENAMED` calls ``key``: the newest it defines (the newest
+    of all where it defines none, which :func:`_query` answers as not available)."""
+    names = _RENAMED[key]
+    return next((name for name in names if getattr(amdsmi, name, None) is not None), names[0])
 
 
 def _query(amdsmi: Any, name: str, *args: Any) -> Any:

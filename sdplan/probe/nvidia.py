@@ -85,8 +85,9 @@ def _read(nvml: Any, index_start: int) -> NvidiaReading:
     handles: list[Any] = []
     notes: list[Finding] = []
     missing = [name for name in NVML_FIELD_FUNCTIONS if getattr(nvml, name, None) is None]
-    if missing:
-        notes.append(_note_old_bindings(nvml, missing))
+    lost = _old_bindings_lose(nvml, missing, cuda_driver_read=cuda_driver is not None, count=count)
+    if lost:
+        notes.append(_note_old_bindings(nvml, missing, lost))
     for i in range(count):
         handle, error = _call(nvml, "nvmlDeviceGetHandleByIndex", i)
         if handle is None:
@@ -96,8 +97,9 @@ def _read(nvml: Any, index_start: int) -> NvidiaReading:
             gpu, error = _read_gpu(nvml, handle, index_start + i, driver)
             gpus.append(gpu)
             if gpu.memory_total_bytes is None and gpu.mig and gpu.mig_slices:  # NVML's error: only here
-                what = f"NVML cannot read its {'MIG slice' if gpu.mig_slices == 1 else 'MIG slices'}' memory"
-                notes.append(_note_unreadable(gpu.index, i, gpu.name, what, error))
+                slices = "MIG slice's" if gpu.mig_slices == 1 else "MIG slices'"
+                what = f"NVML cannot read its {slices} memory"
+                notes.append(_note_unreadable(gpu.index, i, gpu.name, what, error, mig=True))
             elif gpu.memory_total_bytes is None and not gpu.mig:  # MIG without a slice: a rule says so
                 notes.append(_note_unreadable(gpu.index, i, gpu.name, "NVML cannot read its memory", error))
         handles.append(handle)
@@ -301,13 +303,49 @@ def _note_no_bindings() -> Finding:
     )
 
 
-def _note_old_bindings(nvml: Any, missing: list[str]) -> Finding:
+def _old_bindings_lose(nvml: Any, missing: list[str], *, cuda_driver_read: bool, count: int) -> list[str]:
+    """What the NVML functions an old binding lacks (``missing``) leave unread here, in words, and where the
+    report shows it: only what no older function read instead (the CUDA version from
+    nvmlSystemGetCudaDriverVersion, the power limit from the enforced one) and what matters here (links only
+    between GPUs)."""
+    gone = set(missing)
+    lost = []
+    if "nvmlSystemGetCudaDriverVersion_v2" in gone and not cuda_driver_read:
+        lost.append("the CUDA version the driver supports (n/a under Stack)")
+    if "nvmlDeviceGetMemoryInfo" in gone:
+        lost.append("the GPUs' memory (n/a: they are left out of the plans)")
+    if "nvmlDeviceGetCudaComputeCapability" in gone:
+        lost.append(
+            "compute capability, and bf16 and fp16 by it (n/a under GPUs; plans take the GPU catalog's)"
+        )
+    if gone & {"nvmlDeviceGetMaxPcieLinkGeneration", "nvmlDeviceGetMaxPcieLinkWidth"}:
+        lost.append("the PCIe link's generation or width (n/a or ? under GPUs)")
+    if (
+        "nvmlDeviceGetPowerManagementLimit" in gone
+        and getattr(nvml, "nvmlDeviceGetEnforcedPowerLimit", None) is None
+    ):
+        lost.append("the power limit (n/a under GPUs)")
+    if gone & {"nvmlDeviceGetMigMode", "nvmlDeviceGetMigDeviceHandleByIndex"}:
+        lost.append(
+            "whether a GPU is in MIG mode (A100, H100 and newer data-center cards): its memory is read as the whole "
+            "card's, but in MIG mode (`nvidia-smi -q`, 'MIG Mode') a run gets one MIG slice, with a fraction of "
+            "the memory and compute planned"
+        )
+    if count > 1 and gone & {"nvmlDeviceGetNvLinkState", "nvmlDeviceGetP2PStatus"}:
+        lost.append(
+            "NVLink and P2P between the GPUs (P2P n/a under Links, and every pair read as PCIe: `nvidia-smi topo "
+            "-m` shows NVLink)"
+        )
+    return lost
+
+
+def _note_old_bindings(nvml: Any, missing: list[str], lost: list[str]) -> Finding:
     where = getattr(nvml, "__file__", None)
     return Finding(
         "warning",
         "nvml_bindings_old",
         f"the NVML bindings (pynvml{f' at {where}' if where else ''}) are too old to have "
-        f"{', '.join(missing)}: what those read is not available (n/a below), and doctor cannot check it",
+        f"{', '.join(missing)}, so doctor cannot read or check {'; '.join(lost)}",
         "pip install -U nvidia-ml-py (first `pip uninstall nvidia-ml-py3` where it is installed: it ships an "
         "old pynvml.py)",
     )
@@ -335,15 +373,23 @@ def _note_count_failed(driver: str | None, e: BaseException | None) -> Finding:
 
 
 def _note_unreadable(
-    index: int, nvml_index: int, name: str | None, what: str, e: BaseException | None
+    index: int, nvml_index: int, name: str | None, what: str, e: BaseException | None, *, mig: bool = False
 ) -> Finding:
+    """``mig``: the card answers, its MIG slices' memory does not (no reset brings that back)."""
     return Finding(
         "warning",
         "gpu_unreadable",
         f"NVIDIA GPU {index}{f' ({name})' if name else ''} is present but {what} ({nvml_error_text(e)}): "
         "it is left out of the plans",
-        f"run `nvidia-smi -q -i {nvml_index}` to see why (GPU lost or reset required: `nvidia-smi -r` or a "
-        "reboot; NoPermission: this user's access to /dev/nvidia*)",
+        f"run `nvidia-smi -q -i {nvml_index}` to see why"
+        + (
+            f", and `nvidia-smi mig -lgi -i {nvml_index}` for its slices' profiles, whose names end in their "
+            "memory (NoPermission: this user's access to /dev/nvidia-caps, which MIG devices need, or in a "
+            "container the MIG devices passed to it)"
+            if mig
+            else " (GPU lost or reset required: `nvidia-smi -r` or a reboot; NoPermission: this user's access to "
+            "/dev/nvidia*)"
+        ),
     )
 
 

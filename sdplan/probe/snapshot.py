@@ -156,9 +156,20 @@ def sorted_findings(items: tuple[Finding, ...]) -> list[Finding]:
 
 
 def _gpu_rules(s: Snapshot) -> list[Finding]:
-    if s.usable_gpus:
+    if trained_gpus(s):
         return []
-    if s.gpus:
+    drives = build_vendor(s)
+    if (
+        s.usable_gpus and drives is not None
+    ):  # usable GPUs of the other vendor only: the build's own unreadable
+        theirs = [g for g in s.gpus if g.vendor == drives]
+        message = (
+            f"{count_of(len(theirs), drives.upper() + ' GPU')} found but "
+            f"{'its' if len(theirs) == 1 else 'their'} memory could not be read: torch {s.software.torch} (a "
+            f"{'CUDA' if drives == 'nvidia' else 'ROCm'} build) has no usable GPU here ({_names(s.usable_gpus)} is not "
+            f"{drives.upper()}: it does not drive {'it' if len(s.usable_gpus) == 1 else 'them'})"
+        )
+    elif s.gpus:
         their = "its" if len(s.gpus) == 1 else "their"
         message = f"{count_of(len(s.gpus), 'GPU')} found but {their} memory could not be read: no usable GPU"
     else:
@@ -249,17 +260,32 @@ def build_vendor(snapshot: Snapshot) -> str | None:
     return {"cuda": "nvidia", "rocm": "amd"}.get(build or "")
 
 
+def trained_vendor(s: Snapshot) -> str | None:
+    """The GPU vendor a run here trains on: the one the torch build drives (``cuda``: NVIDIA) where the machine
+    has GPUs of it, usable or not (a CUDA build never uses a laptop's AMD iGPU, even where NVML cannot read the
+    NVIDIA GPU); else, the build unknown, CPU-only, not installed or for a vendor the machine lacks, the vendor
+    whose usable GPUs (those a run sees, :func:`shown_gpus`) have the most memory, the one a GPU build would be
+    installed for (an NVIDIA dGPU, not the iGPU beside it). None without a usable GPU."""
+    drives = build_vendor(s)
+    if drives is not None and any(g.vendor == drives for g in s.gpus):
+        return drives
+    shown = shown_gpus(s)
+    memory: dict[str, int] = {}
+    for g in shown[0] if shown is not None else s.usable_gpus:
+        memory[g.vendor] = memory.get(g.vendor, 0) + (g.memory_total_bytes or 0)
+    return max(memory, key=lambda vendor: memory[vendor]) if memory else None
+
+
 def trained_gpus(s: Snapshot) -> tuple[GPU, ...]:
-    """The usable GPUs a run here can train on: on a machine with NVIDIA and AMD GPUs, those of the vendor its
-    torch build drives (a CUDA build never uses a laptop's AMD iGPU), as the planner plans them
-    (planner.hardware_from_snapshot); every usable GPU where the build drives none of them or is unknown. Of
-    those, the ones the user's CUDA_VISIBLE_DEVICES (HIP_ / ROCR_) shows where it restricts them
-    (:func:`shown_gpus`): a hidden GPU is no part of a run here, its arch, bf16 or links no problem of it."""
+    """The usable GPUs a run here trains on: those of :func:`trained_vendor` (none where the torch build drives
+    GPUs whose memory could not be read), as the planner plans them (planner.hardware_from_snapshot) and `sdplan
+    train` requires them (launcher.require_gpu). Of those, the ones the user's CUDA_VISIBLE_DEVICES (HIP_ /
+    ROCR_) shows where it restricts them (:func:`shown_gpus`): a hidden GPU is no part of a run here, its arch,
+    bf16 or links no problem of it."""
     shown = shown_gpus(s)
     pool = shown[0] if shown is not None else s.usable_gpus
-    drives = build_vendor(s)
-    driven = tuple(g for g in pool if g.vendor == drives)
-    return driven if driven else pool
+    vendor = trained_vendor(s)
+    return tuple(g for g in pool if g.vendor == vendor)
 
 
 def shown_gpus(s: Snapshot) -> tuple[tuple[GPU, ...], str] | None:
@@ -435,10 +461,11 @@ def _mig_rules(s: Snapshot) -> list[Finding]:
                 Finding(
                     "warning",
                     "mig_enabled",
-                    f"{name} is in MIG mode with {count_of(g.mig_slices, 'MIG slice')}, but their memory could "
-                    "not be read (gpu_unreadable gives NVML's error): it is left out of the plans",
-                    "`nvidia-smi mig -lgi` lists the slices' profiles, whose names give their memory (3g.40gb: "
-                    "40 GB); pick the slice to train on with CUDA_VISIBLE_DEVICES=MIG-<uuid> (`nvidia-smi -L`), "
+                    f"{name} is in MIG mode with {count_of(g.mig_slices, 'MIG slice')}, but "
+                    f"{'its' if g.mig_slices == 1 else 'their'} memory could not be read (gpu_unreadable gives "
+                    "NVML's error): it is left out of the plans",
+                    f"`nvidia-smi mig -lgi -i {g.index}` lists the slices' profiles, whose names end in their "
+                    "memory; pick the slice to train on with CUDA_VISIBLE_DEVICES=MIG-<uuid> (`nvidia-smi -L`), "
                     + off,
                 )
             )
@@ -502,7 +529,9 @@ def _torch_rules(s: Snapshot) -> list[Finding]:
                 _torch_fix(s),
             )
         )
-    if (sw.torch_build, vendors) in (("cuda", {"amd"}), ("rocm", {"nvidia"})):
+    drives = build_vendor(s)
+    # a build for a vendor the machine has no GPU of (one whose memory is unreadable is the no_gpu error's)
+    if drives is not None and vendors and not any(g.vendor == drives for g in s.gpus):
         have, want = ("CUDA", "ROCm") if sw.torch_build == "cuda" else ("ROCm", "CUDA")
         out.append(
             Finding(
@@ -514,7 +543,7 @@ def _torch_rules(s: Snapshot) -> list[Finding]:
         )
     if sw.torch_build == "cuda":
         lacking: dict[str, list[GPU]] = {}
-        for g in s.usable_gpus:
+        for g in trained_gpus(s):
             why = (
                 torch_cuda_lacks(g.compute_capability, sw.torch, sw.cuda_runtime)
                 if g.vendor == "nvidia"
@@ -657,7 +686,8 @@ def _host_rules(s: Snapshot) -> list[Finding]:
     raise_limit = "raise the container's or job's memory limit (docker run --memory ..., Slurm --mem ...) or "
     if ram is not None and ram < RAM_MIN_BYTES:
         # a warning, not an error: the planner checks each plan's host RAM (SD 1.5 LoRA loads in ~5 GiB), and the
-        # verdicts show it per method and model; this rule cannot plan (it is pure, the profiles are files)
+        # verdicts show it per method and model; this rule cannot plan (it is pure, the profiles are files), so
+        # where no verdict is ok the doctor command exits 1 on them (sdplan.doctor.nothing_ok)
         out.append(
             Finding(
                 "warning",
@@ -666,8 +696,8 @@ def _host_rules(s: Snapshot) -> list[Finding]:
                 "check each plan's host RAM against it (tight: loading may swap; no: what the run holds in RAM "
                 "does not fit)",
                 (raise_limit if limited else "")
-                + "train what the verdicts call ok here; for the rest a machine with >= 16 GB RAM (32 GB is "
-                "comfortable)",
+                + "use a machine with >= 16 GB RAM (32 GB is comfortable); here, train only what the verdicts "
+                "below call ok (where none is, none trains here: doctor exits 1)",
             )
         )
     elif ram is not None and ram < RAM_COMFORT_BYTES:
