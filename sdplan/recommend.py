@@ -96,11 +96,12 @@ def count_dataset(path: str | Path, data: Any = None) -> DatasetCount:
 # -- hardware --------------------------------------------------------------------------------------------
 
 _COUNT = re.compile(r"^\s*(\d+)\s*[x×*]\s*(.+?)\s*$", re.IGNORECASE)
-_COUNT_AFTER = re.compile(r"^\s*(.+?)\s+[x×*]\s*(\d+)\s*$", re.IGNORECASE)  # "H100 SXM x8", not "RTX 4090"
+# "H100 SXM x8", "4090x2" (an x after a space or a digit), not "RTX 4090"
+_COUNT_AFTER = re.compile(r"^\s*(.+?)(?:\s+|(?<=\d))[x×*]\s*(\d+)\s*$", re.IGNORECASE)
 
 
 def parse_hardware(text: str, profiles: Profiles) -> planner.Hardware:
-    """'2x RTX 4090', 'RTX 4090', 'H100 SXM x8' -> catalog hardware; unknown names raise UsageError."""
+    """'2x RTX 4090', 'RTX 4090', 'H100 SXM x8', '4090x2' -> catalog hardware; unknown names raise UsageError."""
     if not text or not text.strip():
         raise UsageError("empty --hardware", fix="e.g. --hardware '2x RTX 4090'")
     name = text.strip()
@@ -114,7 +115,9 @@ def parse_hardware(text: str, profiles: Profiles) -> planner.Hardware:
         readings.append((int(m.group(1)), m.group(2)))
     if m := _COUNT_AFTER.match(name):
         readings.append((int(m.group(2)), m.group(1)))
-    fallback = readings[1] if len(readings) > 1 else readings[0]  # neither names a GPU: the error says why
+    # none names a GPU: the error says why, of a count in range where one is ("9999x2": unknown GPU '9999')
+    counted = readings[1:] or readings
+    fallback = next((r for r in counted if 1 <= r[0] <= 64), counted[0])
     count, name = next((r for r in readings if profiles.gpu_or_none(r[1]) is not None), fallback)
     if count < 1 or count > 64:
         raise UsageError(f"GPU count in {text!r} must be between 1 and 64")
