@@ -65,6 +65,7 @@ from sdplan.settings import (
 )
 from sdplan.steps import (
     Steps,
+    bucketed_batches,
     intermediate_steps,
     plan_steps,
     repeated_batches,
@@ -4460,10 +4461,20 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
             "for the images the one with more GPUs sees (the other's steps scaled to them, its start-up as it is)"
         )
     elif s.num_gpus > 1:
+        if st.bucket_samples:  # each bucket's last batch is short: the batches, not the images, divide
+            epoch = (
+                f"{count_text(st.images_per_epoch, 'image')} per epoch in {len(st.bucket_samples)} aspect "
+                f"buckets = {bucketed_batches(st.bucket_samples, s.batch)} batches of up to {s.batch} (each "
+                f"bucket's last one short) / (accumulation {s.grad_accum} x {s.num_gpus} GPUs)"
+            )
+        else:
+            epoch = (
+                f"{count_text(st.images_per_epoch, 'image')} per epoch / (batch {s.batch} x accumulation "
+                f"{s.grad_accum} x {s.num_gpus} GPUs)"
+            )
         r.append(
             f"{s.num_gpus} GPUs: steps normalised so the run trains what was asked: "
-            f"{count_text(st.images_per_epoch, 'image')} per epoch / (batch {s.batch} x accumulation "
-            f"{s.grad_accum} x {s.num_gpus} GPUs) = {count_text(st.steps_per_epoch, 'step')} per epoch, "
+            f"{epoch} = {count_text(st.steps_per_epoch, 'step')} per epoch, "
             f"{st.total_steps} in all (one GPU: {st.one_gpu_total_steps}); images seen {st.images_seen} either way"
             + (
                 " (the batches dealt again below aside)"

@@ -153,7 +153,9 @@ def plan_steps(
     else:
         total = epochs * spe
         images_seen = epochs * images_per_epoch
-        one = max(1, math.ceil(images_per_epoch / (batch_size * grad_accum))) * epochs
+        # one process, the same arithmetic: its buckets' batches (each bucket's last one short), all its own
+        one_batches = bucketed_batches(bucket_samples or (images_per_epoch,), batch_size)
+        one = max(1, math.ceil(one_batches / grad_accum)) * epochs
     return Steps(
         images_per_epoch=images_per_epoch,
         epochs=epochs,

@@ -81,6 +81,40 @@ def test_aspect_buckets_end_each_in_a_short_batch():
     assert (run.steps_per_epoch, run.total_steps) == (3, 6)
 
 
+def test_the_one_gpu_count_is_the_one_process_plan_with_buckets_too():
+    """The one-GPU figure a multi-GPU plan states is the one-process run's own steps: with aspect buckets each
+    bucket ends in a short batch there too (24 images in three buckets of 8 at batch 3: 9 batches an epoch,
+    not ceil(24 / 3) = 8; it said 80 steps where one process plans 90)."""
+    for buckets, batch, accum in itertools.product(((7, 7, 5, 5), (1, 23), ()), (1, 3, 4), (1, 2)):
+        kw = dict(images_per_epoch=24, batch_size=batch, grad_accum=accum, epochs=10, bucket_samples=buckets)
+        one = plan_steps(**kw)
+        assert one.one_gpu_total_steps == one.total_steps
+        for procs in (2, 3):
+            assert plan_steps(**kw, num_processes=procs).one_gpu_total_steps == one.total_steps
+    assert (
+        plan_steps(
+            images_per_epoch=24, batch_size=3, epochs=10, num_processes=2, bucket_samples=(8, 8, 8)
+        ).one_gpu_total_steps
+        == 90
+    )
+
+
+def test_a_multi_gpu_plan_states_the_one_gpu_plans_steps_with_buckets():
+    """`recommend` on 2x RTX 4090 with aspect buckets said "(one GPU: 80)" where planning one GPU gave 90, and
+    its epoch arithmetic (24 images / (batch 3 x 2 GPUs) = 5) did not hold: it counts the buckets' batches."""
+    from sdplan import planner as P
+    from sdplan.profiles import load_profiles
+
+    prof = load_profiles()
+    req = P.Request(method="lora", model="sdxl", images=24, bucket_samples=(8, 8, 8), pins=(("batch", 3),))
+    two = P.plan(P.hardware_from_catalog(prof.find_gpu("RTX 4090"), 2), prof, req)
+    one = P.plan(P.hardware_from_catalog(prof.find_gpu("RTX 4090"), 1), prof, req)
+    assert two.plan.num_gpus == 2 and one.steps.total_steps == 90
+    said = next(r for r in two.reasons if "steps normalised" in r)
+    assert "(one GPU: 90)" in said, said
+    assert "in 3 aspect buckets = 9 batches of up to 3" in said and "= 5 steps per epoch" in said, said
+
+
 def test_repeated_batches_are_what_accelerate_deals_again():
     """8 images at batch 2 on 5 processes: the plan said 8 images, the run trained 10. accelerate's even batches
     deal the epoch's first batches again so every process has as many: repeated_batches counts them as the
