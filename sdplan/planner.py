@@ -67,6 +67,7 @@ from sdplan.steps import (
     Steps,
     bucketed_batches,
     intermediate_steps,
+    largest_batch,
     plan_steps,
     repeated_batches,
     repeated_batches_text,
@@ -2392,6 +2393,14 @@ def batch_sweep(res: Result, profiles: Profiles) -> tuple[Candidate, ...]:
     )
 
 
+def _sized(req: Request, s: Settings) -> Settings:
+    """``s`` at the largest micro-batch the trainer forms for this request (:func:`sdplan.steps.largest_batch`):
+    its memory and time are those of that batch. A batch past the epoch's samples (a pinned 64 for 20 images)
+    is one batch of the 20, not 64; the plan keeps the batch as set, as the config writes it."""
+    batch = largest_batch(s.batch, req.per_epoch, req.bucket_samples)
+    return s if batch == s.batch else _with(s, batch=batch)
+
+
 def _steps(req: Request, batch: int, grad_accum: int, num_gpus: int) -> Steps:
     return _plan_steps(
         req.per_epoch, batch, grad_accum, num_gpus, req.epochs, req.max_steps, req.bucket_samples
@@ -3167,23 +3176,24 @@ def _evaluate(req: Request, profiles: Profiles, hw: Hardware, cal: Calibration, 
     """``s`` on the GPUs it runs on (:func:`plan_gpus`), at the weakest of them: the smallest memory, the
     slowest step (:func:`pace_gpu`), an out-of-memory observed on any."""
     used = plan_gpus(hw, s)
+    sized = _sized(req, s)  # memory and time at the largest micro-batch the trainer forms
     # each GPU's own evidence (a bench point measured on one), the largest peak of them: a mixed rig's plan
     # depended on which GPU was numbered 0
     mem, peak_range, evidence = max(
-        (card_peak(profiles, s, g.spec) for g in _distinct(used)), key=lambda c: (c[1][1], c[0].peak)
+        (card_peak(profiles, sized, g.spec) for g in _distinct(used)), key=lambda c: (c[1][1], c[0].peak)
     )
     vram = smallest_gpu(used).memory_bytes
-    host_ok = host_ram_ok(profiles, s, hw.ram_usable_bytes, mem)
+    host_ok = host_ram_ok(profiles, sized, hw.ram_usable_bytes, mem)
     fits = mem.peak <= HEADROOM * vram and host_ok
-    oom = next((p for g in _distinct(used) if (p := _observed_oom(profiles, s, g)) is not None), None)
+    oom = next((p for g in _distinct(used) if (p := _observed_oom(profiles, sized, g)) is not None), None)
     if not fits:
         oom = None
     fits = fits and oom is None
     steps = _steps(req, s.batch, s.grad_accum, s.num_gpus)
     link, link_gbs = set_link(hw, used)
-    observed = _observed_multi_gpu(profiles, s, used, link)
+    observed = _observed_multi_gpu(profiles, sized, used, link)
     link_cal = _with_link_rate(cal, observed)
-    gpu, step_s, basis = pace_gpu(profiles, s, used, link_cal, link_gbs)
+    gpu, step_s, basis = pace_gpu(profiles, sized, used, link_cal, link_gbs)
     seconds = seconds_range = None
     fixed = allreduce = 0.0
     sampling = sampling_once = 0.0
@@ -3199,11 +3209,11 @@ def _evaluate(req: Request, profiles: Profiles, hw: Hardware, cal: Calibration, 
         known_sampling = sampled is not None
         seconds = fixed + sampling + stepping
         if s.num_gpus > 1 and link_gbs:
-            allreduce = steps.micro_batches * comm_seconds(profiles, s, link_gbs, link_cal)
+            allreduce = steps.micro_batches * comm_seconds(profiles, sized, link_gbs, link_cal)
         # the steps' range by their basis (one GPU: the bench evidence behind it times one GPU; several add an
         # all-reduce as modelled); start-up and caching are the model's (the validation set's range), sampling
         # its own (the validation set's txt2img speeds: sampling_band)
-        far = scaled_from_afar(profiles, s, gpu.spec, basis)
+        far = scaled_from_afar(profiles, sized, gpu.spec, basis)
         band = seconds_band(profiles, basis, s.model, s.num_gpus, far=far)[0]
         model_band = profiles.uncertainty.seconds_for(s.model)[0]
         sampling_range = sampling_band(profiles, s.model)[0]
@@ -3271,23 +3281,35 @@ def _key_seconds(c: Candidate) -> float:
 
 
 def _batch_cap_text(req: Request, s: Settings) -> str:
-    """Where the search's rule (a global batch holds no image twice) kept the batch from
-    doubling, that it did, and how to go past it."""
+    """Where the search's rule (a global batch holds no more than the distinct images) kept the batch from
+    doubling, that it did, what the doubled batch would do (as the trainer forms its batches:
+    :func:`sdplan.steps.largest_batch`, :func:`sdplan.steps.repeated_batches`), and how to go past it."""
     if req.pinned("batch") or s.batch * 2 * s.num_gpus <= req.images:
         return ""
     gpus = f" x {s.num_gpus} GPUs" if s.num_gpus > 1 else ""
+    images = count_text(req.images, "distinct image")
     if (
         s.batch * s.num_gpus > req.images
     ):  # batch 1 on more GPUs than images (a pinned count): over it already
         return (
-            f"; no larger batch was tried: batch {s.batch}{gpus} already exceeds the "
-            f"{count_text(req.images, 'distinct image')}, so a step holds an image twice, and a larger batch would "
-            "hold more twice (pin training.batch_size to go past it)"
+            f"; no larger batch was tried: batch {s.batch}{gpus} already exceeds the {images}, so a step holds "
+            "an image twice, and a larger batch would hold more twice (pin training.batch_size to go past it)"
         )
+    double = s.batch * 2
+    formed = largest_batch(double, req.per_epoch, req.bucket_samples)
+    again = repeated_batches(req.per_epoch, double, s.num_gpus, req.bucket_samples)
+    would = []
+    if formed < double:  # a batch holds no more than the epoch's samples (each aspect bucket's)
+        within = "its largest aspect bucket's" if len(req.bucket_samples) > 1 else "the epoch's"
+        would.append(f"the trainer forms no batch of more than {within} {formed}")
+    if again:
+        would.append(f"{count_text(again, 'batch')} an epoch would train twice to give every GPU one")
+    if req.per_epoch > req.images and formed * s.num_gpus > req.images:
+        would.append("a step could hold an image's repeats together")
     return (
-        f"; no larger batch was tried: batch {s.batch * 2}{gpus} would exceed the "
-        f"{count_text(req.images, 'distinct image')}, so a step would hold an image twice (pin "
-        "training.batch_size to go past it)"
+        f"; no larger batch was tried: batch {double}{gpus} would exceed the {images}"
+        + (f": {'; '.join(would)}" if would else "")
+        + " (pin training.batch_size to go past it)"
     )
 
 
@@ -3371,7 +3393,9 @@ def min_vram_needed(
         req, precision=precision, attention=attention, nvidia=nvidia, max_gpus=1, counts=(n,) if n else None
     )
     needs = []
-    for s in space:
+    for s in map(
+        functools.partial(_sized, req), space
+    ):  # at the largest micro-batch the trainer forms, as the search
         mem, peak_range, _ = card_peak(profiles, s, gpu.spec if gpu is not None else None)
         if not host_ram_ok(profiles, s, ram_usable_bytes, mem):
             continue
@@ -4133,6 +4157,9 @@ def _band_scope(profiles: Profiles, model: str) -> str:
 
 def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]:
     s, m = best.setup, best.memory
+    sized = _sized(
+        req, s
+    )  # what its memory and time were sized at (_evaluate): the largest micro-batch formed
     used = plan_gpus(hw, s)
     gpu = used[0]  # one GPU: the GPU (bench evidence, the sample grid)
     # several that differ: the one with the least memory, and the slowest (pace_gpu), each named where it limits
@@ -4327,6 +4354,16 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
             + _batch_cap_text(req, s)
             + _handicap_text(best, fitting)
         )
+    if sized.batch < s.batch:
+        within = (
+            f"its largest aspect bucket's {sized.batch} samples"
+            if len(req.bucket_samples) > 1
+            else f"the epoch's {count_text(sized.batch, 'sample' if req.per_epoch > req.images else 'image')}"
+        )
+        r.append(
+            f"batch {s.batch} holds at most {within}: the trainer forms no larger batch, so the memory and time "
+            f"here are those of batch {sized.batch} (the config keeps batch {s.batch}; the same run)"
+        )
     unc = profiles.uncertainty
     peak_band, peak_n = unc.peak_for(s.model)
     if best.peak_basis in ("scaled", "measured"):
@@ -4336,7 +4373,10 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
             (g.name for g in _distinct(used) if point in profiles.points_on(g.spec.name)), gpu.name
         )
     if best.peak_basis in ("scaled", "measured") and s.num_gpus > 1:
-        each, alone = memory(profiles, s), memory(profiles, _count_free(s, 1))  # the model's, as card_peak
+        each, alone = (
+            memory(profiles, sized),
+            memory(profiles, _count_free(sized, 1)),
+        )  # the model's, as card_peak
         split = each.step_peak - each.overhead < alone.step_peak - alone.overhead  # ZeRO: each holds less
         r.append(
             f"peak {format_range(m.peak, best.peak_range)} per GPU of {card} "
@@ -4517,14 +4557,15 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
         r.append(
             f"{s.num_gpus} GPUs: an epoch's {count_text(st.images_per_epoch, 'image')} "
             f"{'does' if st.images_per_epoch == 1 else 'do'} not make a batch for every GPU in its "
-            f"last round: " + repeated_batches_text(repeats, s.batch, None if req.max_steps else st.epochs)
+            f"last round: "
+            + repeated_batches_text(repeats, sized.batch, None if req.max_steps else st.epochs)
         )
     if hw.count > 1:
         r += _multi_gpu_reasons(hw, best, one, best_by_n, profiles, cal, pinned("num_gpus"), req)
     if best.seconds is None:
         r.append(f"time: unknown: no catalog throughput or measured speed for {pace.name}")
     else:
-        far = scaled_from_afar(profiles, s, pace.spec, best.basis)
+        far = scaled_from_afar(profiles, sized, pace.spec, best.basis)
         (low, high), band = seconds_band(profiles, best.basis, s.model, s.num_gpus, far=far)
         likely = f"likely x{low:g}-{high:g} of that ({band})"
         model_band = unc.seconds_for(s.model)[0]
@@ -4534,9 +4575,9 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
             likely += f"; {pace.name} is the slowest of the {len(used)} GPUs: every step waits for it"
         if best.basis == "calibrated":
             exchange = best.allreduce_seconds / best.steps.micro_batches if best.steps.micro_batches else 0.0
-            r.append(f"time: {time_basis_text(profiles, s, pace, cal, exchange)}; {likely}")
+            r.append(f"time: {time_basis_text(profiles, sized, pace, cal, exchange)}; {likely}")
         elif best.basis == "scaled":
-            near = _near_point(profiles, s, pace.spec)  # the point planned_step_seconds scaled by
+            near = _near_point(profiles, sized, pace.spec)  # the point planned_step_seconds scaled by
             r.append(
                 f"time: the model's prediction scaled by how a measured speed on {pace.name} compares with it "
                 f"({near.id}: {near.method} at batch {near.batch}, {near.resolution}px"
@@ -4971,7 +5012,7 @@ def _multi_gpu_reasons(
         used = plan_gpus(hw, s)
         slow = pace_gpu(profiles, s, used, cal, set_link(hw, used)[1])[0]
         # the one-GPU step on the same basis as the plan's (a measured or scaled speed, not the bare model)
-        alone = _with(s, num_gpus=1)
+        alone = _with(_sized(req, s), num_gpus=1)  # at the micro-batch the plan's step was sized at
         t1, _ = planned_step_seconds(profiles, alone, slow.spec, cal)
         ratio = best.step_seconds / t1 if t1 else float("nan")
         m = obs.get(best.observed_multi_gpu) if best.observed_multi_gpu else None

@@ -899,7 +899,8 @@ def render(d: dict, res: planner.Result, console) -> None:
         if est["it_per_s"]:
             t.add_row(
                 "speed",
-                f"{est['it_per_s']:.2f} it/s per process (one micro-batch of {d['plan']['batch_size']})",
+                # the largest batch the trainer forms, as the step was sized (20 images at batch 64: 20)
+                f"{est['it_per_s']:.2f} it/s per process (one micro-batch of {res.steps.largest_batch})",
             )
         if res.speedup_vs_one_gpu and d["plan"]["num_gpus"] > 1:  # unrounded: the reasons' own figure
             t.add_row("vs one GPU", planner.speed_ratio_text(res.speedup_vs_one_gpu))

@@ -863,3 +863,57 @@ def test_a_batch_cap_over_a_single_image_says_image():
     )
     text = " ".join(d["reasons"])
     assert "the 1 distinct image," in text and "1 distinct images" not in text, text
+
+
+# -- a pinned batch past the epoch ---------------------------------------------------------------------------
+
+
+def test_a_pinned_batch_past_the_epoch_is_sized_at_the_batch_the_trainer_forms(prof):
+    """training.batch_size=64 for 20 images: the trainer forms one batch of 20 (BucketBatchSampler), but the plan
+    sized 64 (22.0 GiB "may not fit", activations 18.3 GiB, 6.7 s a micro-step). It is the batch-20 run's
+    memory and time, and says so; the config keeps the 64 asked for."""
+    hw = _catalog(prof, "RTX 4090")
+    req = P.Request(method="lora", model="sd15", images=20)
+    big = P.plan(hw, prof, replace(req, pins=(("batch", 64),)))
+    same = P.plan(hw, prof, replace(req, pins=(("batch", 20),)))
+    assert big.plan.batch == 64 and same.plan.batch == 20
+    assert big.memory.peak == same.memory.peak and big.peak_range == same.peak_range
+    assert big.step_seconds == same.step_seconds and big.seconds == same.seconds
+    assert big.memory.peak < 0.5 * hw.gpus[0].memory_bytes and big.steps.largest_batch == 20
+    said = "\n".join(big.reasons)
+    assert "batch 64 holds at most the epoch's 20 images" in said and "those of batch 20" in said, said
+    result = _plan_for("lora", "sd15", "RTX 4090", "--images", "20", "training.batch_size=64")
+    assert result.exit_code == 0, result.stderr
+    assert "one micro-batch of 20" in result.stdout and "may not fit" not in result.stdout, result.stdout
+
+
+def test_a_pinned_batch_past_the_epoch_on_two_gpus_is_planned_not_refused(prof):
+    """13 images at batch 64 on 2 GPUs: each process trains a batch of 13 (the second deals the first again);
+    it was refused as needing 61.1 GiB per GPU. The "needs at least" figure is sized the same way."""
+    hw = _catalog(prof, "RTX 4090", 2)
+    req = P.Request(method="lora", model="sd15", images=13, pins=(("batch", 64), ("num_gpus", 2)))
+    res = P.plan(hw, prof, req)
+    assert res.feasible and res.plan.batch == 64 and res.plan.num_gpus == 2
+    at13 = P.plan(hw, prof, replace(req, pins=(("batch", 13), ("num_gpus", 2))))
+    assert res.memory.peak == at13.memory.peak
+    said = "\n".join(res.reasons)
+    assert "up to 13 images twice an epoch" in said, said  # the batch dealt again holds 13, not 64
+    need = P.min_vram_needed(replace(req, resolution=512), prof, precision="bf16")
+    assert need == P.min_vram_needed(
+        replace(req, resolution=512, pins=(("batch", 13), ("num_gpus", 2))), prof, precision="bf16"
+    )
+
+
+def test_the_batch_cap_reason_says_what_a_larger_batch_would_do(prof):
+    """The search keeps a step's batches within the distinct images; the reason said a larger batch "would hold
+    an image twice", which the trainer's sampler does not do without repeats (5 images at batch 4 on 2 GPUs:
+    batches of 4 and 1). Said only where it can: the images' repeats in one step."""
+    hw = _catalog(prof, "RTX 4090", 2)
+    plain = P.plan(hw, prof, P.Request(method="lora", model="sd15", images=5, pins=(("num_gpus", 2),)))
+    said = next(r for r in plain.reasons if "no larger batch was tried" in r)
+    assert "would exceed the 5 distinct images (pin training.batch_size" in said and "twice" not in said, said
+    repeated = P.plan(
+        hw, prof, P.Request(method="lora", model="sd15", images=6, repeats=4, pins=(("num_gpus", 2),))
+    )
+    said = next(r for r in repeated.reasons if "no larger batch was tried" in r)
+    assert "a step could hold an image's repeats together" in said, said

@@ -197,3 +197,23 @@ def test_the_images_a_cut_epoch_sees_are_within_the_plans_range(images, batch, b
             drawn = min(rest * accum, st.batches_per_epoch) * procs if rest else 0
             sees = full * images + sum(order[:drawn])  # the epochs' whole images, then the cut one's batches
             assert st.images_seen_min <= sees <= st.images_seen, (procs, accum, seed, max_steps, order)
+
+
+def test_the_largest_batch_is_the_samplers_largest():
+    """steps.largest_batch, which the planner sizes memory and time at, is the largest batch BucketBatchSampler
+    hands any process: 20 images at batch 64 are one batch of 20; 13 at batch 8 on 2 processes, 8 and 5."""
+    from sdplan.trainer.buckets import BucketBatchSampler, bucket_counts
+
+    from sdplan.steps import largest_batch
+
+    for ids, batch, procs in itertools.product(
+        ([0] * 20, [0] * 13, [0] * 7 + [1] * 3 + [2] * 12, [5, 5, 1]), (1, 3, 8, 64), (1, 2, 3)
+    ):
+        formed = [
+            len(b)
+            for rank in range(procs)
+            for b in BucketBatchSampler(ids, batch, num_replicas=procs, rank=rank, seed=1)
+        ]
+        assert max(formed) == largest_batch(batch, len(ids), bucket_counts(ids)), (ids, batch, procs)
+        run = plan_steps(images_per_epoch=len(ids), batch_size=batch, bucket_samples=bucket_counts(ids))
+        assert run.largest_batch == max(formed)
