@@ -2673,7 +2673,6 @@ def settings_space(
     )
     speeds = (None, dict(OFFLOAD), dict(SHARDED)) if full else (None,)
     pinned_ds = pins.get("deepspeed")
-    stage_pinned = bool(pinned_ds)  # DeepSpeed asked for: ZeRO without offload on one GPU is a candidate too
     if pinned_ds and "offload_optimizer" not in pinned_ds:  # the stage pinned, offload left to the search
         speeds = tuple({**pinned_ds, "offload_optimizer": offload} for offload in (True, False))
         pins = {k: v for k, v in pins.items() if k != "deepspeed"}
@@ -2713,8 +2712,10 @@ def settings_space(
                     # 8-bit / Adafactor are not combined with DeepSpeed unless pinned; full bf16 never (DeepSpeed
                     # keeps fp32 master weights of its own: sdplan.config refuses it)
                     continue
-                if ds and not ds.get("offload_optimizer") and n == 1 and not stage_pinned:
-                    continue  # nothing to split the optimizer state over: more bytes than no DeepSpeed
+                if ds and not ds.get("offload_optimizer") and n == 1:
+                    # nothing to split the optimizer state over: more bytes than no DeepSpeed (pinned on one GPU,
+                    # offload not on: pin_conflicts refuses it)
+                    continue
                 if ds and (train_te or opt == "adamw8bit"):
                     # DeepSpeed trains one model, and not with bitsandbytes' optimizer (sdplan.config refuses both)
                     continue
@@ -3680,6 +3681,16 @@ def pin_conflicts(req: Request, hw: Hardware) -> list[str]:
                 f"distributed.num_processes={n}: "
                 "give as many of each"
             )
+    ds = req.pin("deepspeed")
+    count = len(ids) if ids is not None else n if n is not None else limit  # the processes a plan can have
+    # the stage alone pinned, or offload off: on one GPU (a set of one, in a search over a machine's sets) refused
+    if ds and not ds.get("offload_optimizer") and count == 1:
+        out.append(
+            f"distributed.deepspeed.zero_stage={ds.get('zero_stage', 2)} on one GPU without offload: ZeRO splits "
+            "the optimizer state over the processes, and one process has nothing to split it over, so it holds "
+            "more than without DeepSpeed (set distributed.deepspeed.offload_optimizer=true, train on 2 or more "
+            "GPUs, or drop the distributed.deepspeed settings)"
+        )
     base = req.pin("base_precision")
     if base is not None and base != "bf16" and not flow_family(req.model):
         out.append(

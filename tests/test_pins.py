@@ -786,16 +786,45 @@ def test_a_pinned_ema_is_echoed_as_the_keys_the_user_set(pins, shown):
     assert f"pinned: {said} (planned around {'it' if len(shown) == 1 else 'them'})" in d["reasons"]
 
 
-def test_a_pinned_zero_stage_on_one_gpu_may_go_without_offload():
-    """On one H100, `zero_stage=2` alone still took the offload (124 s) where ZeRO-2 without it fits (96 s): the
-    search dropped ZeRO without offload on one GPU unless the whole section was pinned. Its reason said one GPU
-    'cannot hold' the run."""
-    d = json.loads(
-        _plan_for("finetune", "sdxl", "H100 SXM", "distributed.deepspeed.zero_stage=2", "--json").stdout
+@pytest.mark.parametrize(
+    "pins",
+    [
+        ("distributed.deepspeed.zero_stage=1",),
+        ("distributed.deepspeed.zero_stage=2", "distributed.deepspeed.offload_optimizer=false"),
+    ],
+    ids=["stage", "no-offload"],
+)
+def test_a_pinned_zero_stage_on_one_gpu_without_offload_is_refused(pins):
+    """`zero_stage=1` on one H100 was planned as ZeRO-1 without offload and explained as the state "split over
+    the 1": one process has nothing to split it over (the search's own rule, skipped where the stage was pinned),
+    so it holds more than without DeepSpeed. Refused in one line naming the three ways out, each of which plans."""
+    from conftest import one_line_error
+
+    args = ("--images", "30", *pins)
+    one_line_error(
+        _plan_for("finetune", "sd35-medium", "H100 SXM", *args),
+        2,
+        "on one GPU without offload",
+        "nothing to split it over",
+        "distributed.deepspeed.offload_optimizer=true",
+        "2 or more GPUs",
+        "drop the distributed.deepspeed settings",
     )
-    assert d["plan"]["deepspeed"] == {"zero_stage": 2, "offload_optimizer": False}
-    (line,) = [r for r in d["reasons"] if r.startswith("DeepSpeed ZeRO-2 over 1 GPU")]
-    assert "the stage pinned, no offload chosen by the plan" in line and "cannot hold" not in line
+    one_line_error(_plan_for("finetune", "sd35-medium", "2x H100 SXM", *args, "--gpus", "1"), 2, "one GPU")
+    stage = pins[0]
+    offload = _plan_for(
+        "finetune", "sd35-medium", "H100 SXM", "--images", "30", stage,
+        "distributed.deepspeed.offload_optimizer=true", "--json",
+    )  # fmt: skip
+    assert offload.exit_code == 0, offload.stderr
+    assert json.loads(offload.stdout)["plan"]["deepspeed"]["offload_optimizer"] is True
+    two = _plan_for("finetune", "sd35-medium", "2x H100 SXM", *args, "--json")
+    assert two.exit_code == 0, two.stderr
+    d = json.loads(two.stdout)
+    assert d["plan"]["num_gpus"] == 2 or d["plan"]["deepspeed"]["offload_optimizer"], d["plan"]
+    assert not any("over 1 GPU" in r for r in d["reasons"])
+    dropped = _plan_for("finetune", "sd35-medium", "H100 SXM", "--images", "30")
+    assert dropped.exit_code == 0, dropped.stderr
 
 
 def test_a_pinned_max_steps_weighs_gpu_counts_per_image():
