@@ -74,6 +74,8 @@ from sdplan.steps import (
 )
 from sdplan.trainer.blockswap import support_problem as swap_problem  # the trainer's rule (pure, no torch)
 from sdplan.trainer.dataset_scan import count_of as count_text
+from sdplan.trainer.quantize import QUANTIZED as QUANTIZED_BASES
+from sdplan.trainer.quantize import install_needed  # what a quantized base needs installed (pure, no torch)
 
 # Settings.__post_init__ normalises these fields only (LoRA's, by the method, and gpu_ids to a tuple)
 _NORMALISED_FIELDS = frozenset(("method", "lora_rank", "lora_alpha", "lora_targets", "gpu_ids"))
@@ -279,6 +281,10 @@ class Hardware:
     # setting: not planned (:func:`hardware_from_snapshot`)
     hidden: tuple[int, ...] = ()
     hidden_by: str = ""
+    # a probed or saved machine's installed packages, (name, version; None: not installed), as its snapshot's
+    # software.packages records them (:func:`with_packages`); None: not known (catalog hardware, a snapshot that
+    # records none): planned as if whatever a setting needs could be installed
+    packages: tuple[tuple[str, str | None], ...] | None = None
 
     @property
     def count(self) -> int:
@@ -2020,6 +2026,33 @@ def hardware_from_catalog(spec: GPUSpec, count: int = 1) -> Hardware:
     return Hardware(source="catalog", gpus=gpus, link=link, link_gbs=_link_gbs_for(spec, link), label=label)
 
 
+def with_packages(hw: Hardware, snapshot: Any) -> Hardware:
+    """``hw`` (from ``snapshot``: :func:`hardware_from_snapshot`) with the packages the snapshot records installed
+    (``software.packages``; none recorded: not known). Data the pure planner reads: a quantized base whose packages
+    the machine lacks is left out of its plans (:func:`missing_bases`)."""
+    software = getattr(snapshot, "software", None)
+    packages = dict(getattr(software, "packages", None) or {})
+    return replace(hw, packages=tuple(sorted(packages.items())) if packages else None)
+
+
+def base_install(hw: Hardware, base_precision: str) -> tuple[str, str] | None:
+    """(what is needed, the pip command) where ``hw``'s recorded packages cannot run a ``base_precision`` frozen
+    base (trainer/quantize.py's rule, :func:`sdplan.trainer.quantize.install_needed`); None where they can or are
+    not known."""
+    if hw.packages is None or base_precision not in QUANTIZED_BASES:
+        return None
+    have = dict(hw.packages)
+    return install_needed(
+        base_precision, bitsandbytes=have.get("bitsandbytes"), diffusers=have.get("diffusers")
+    )
+
+
+def missing_bases(hw: Hardware) -> tuple[str, ...]:
+    """The quantized frozen bases ``hw``'s recorded packages cannot run (:func:`base_install`): the search leaves
+    them out, and the reasons say which would fit after which install (:func:`_after_install`)."""
+    return tuple(b for b in QUANTIZED_BASES if base_install(hw, b) is not None)
+
+
 def hardware_from_snapshot(snapshot: Any, profiles: Profiles, source: str = "probe") -> Hardware:
     """Build from a machine Snapshot (sdplan.machine): usable GPUs, their bf16 truth, links, RAM."""
     from sdplan.probe.snapshot import shown_gpus
@@ -2626,6 +2659,7 @@ def settings_space(
     max_gpus: int = 1,
     counts: tuple[int, ...] | None = None,
     gpu_ids: tuple[int, ...] | None = None,
+    missing: tuple[str, ...] = (),
 ) -> Iterator[Settings]:
     """Every configuration the planner considers for ``req``: the search, the "needs at least" figure and the
     reasons all enumerate this one generator. A pinned field (``req.pins``) takes only its pinned value.
@@ -2633,7 +2667,8 @@ def settings_space(
     Knobs that keep the result (latent / text-encoder-output caching, gradient checkpointing, optimizer
     memory savers, DeepSpeed offload, full bf16 weights) and, for LoRA, lower ranks (which do not; the search
     prefers the requested rank). ``counts``: the GPU counts (default 1 to ``max_gpus``); ``gpu_ids``: the GPUs
-    they run on (:func:`plan_gpus`; None: the first ones)."""
+    they run on (:func:`plan_gpus`; None: the first ones); ``missing``: the quantized bases the machine's packages
+    cannot run (:func:`missing_bases`), left out unless pinned (:func:`pin_conflicts` refuses that)."""
     pins = dict(req.pins)
     gpu_ids = pins.get("gpu_ids", gpu_ids)
     full = req.method in FULL_METHODS
@@ -2659,7 +2694,10 @@ def settings_space(
     # transformer families' LoRA: the frozen base's storage (nf4: bitsandbytes, NVIDIA only) is a dimension; the
     # full methods train the base's own weights (pin_conflicts refuses a quantized base pinned for them)
     bases = (
-        axis("base_precision", ("bf16", "fp8", "nf4") if nvidia else ("bf16", "fp8"))
+        axis(
+            "base_precision",
+            tuple(b for b in ("bf16", "fp8", *(("nf4",) if nvidia else ())) if b not in missing),
+        )
         if (flow and lora)
         else ("bf16",)
     )
@@ -2776,6 +2814,7 @@ def _space(req: Request, hw: Hardware) -> list[Settings]:
             nvidia=all(g.vendor == "nvidia" for g in on.gpus),
             counts=(on.count,),
             gpu_ids=named_gpu_ids(hw, on.gpus),
+            missing=missing_bases(on),
         )
     return out
 
@@ -3705,7 +3744,14 @@ def pin_conflicts(req: Request, hw: Hardware) -> list[str]:
     elif base is not None and (
         why := next(filter(None, (base_precision_allowed(base, g) for g in hw.gpus)), None)
     ):
-        out.append(f"model.base_precision={base}: {why} (use model.base_precision=fp8 or bf16)")
+        instead = "fp8 or bf16" if base_install(hw, "fp8") is None else "bf16"
+        out.append(f"model.base_precision={base}: {why} (use model.base_precision={instead})")
+    elif base is not None and (need := base_install(hw, base)):
+        others = [b for b in ("fp8",) if b != base and base_install(hw, b) is None]
+        out.append(
+            f"model.base_precision={base}: needs {need[0]} on this machine: {need[1]} (or use "
+            f"model.base_precision={' or '.join((*others, 'bf16'))})"
+        )
     if req.pin("train_text_encoder") and flow_family(req.model):
         out.append(
             f"training.train_text_encoder=true: not supported for {req.model} (the transformer trains; the CLIP/T5 "
@@ -3895,7 +3941,7 @@ def more_gpus_text(c: Candidate, best: Candidate) -> str:
 def plan(hardware: Hardware | Any, profiles: Profiles, request: Request) -> Result:
     """Choose the fastest whole run that fits. ``hardware``: a Hardware, or a machine Snapshot (probe)."""
     if not isinstance(hardware, Hardware):
-        hardware = hardware_from_snapshot(hardware, profiles)
+        hardware = with_packages(hardware_from_snapshot(hardware, profiles), hardware)
     req = request
     if req.method not in METHODS:
         raise ValueError(f"unknown method {req.method!r}")
@@ -3955,13 +4001,15 @@ def plan(hardware: Hardware | Any, profiles: Profiles, request: Request) -> Resu
         what = ", ".join(pin_text(k, v) for k, v in req.pins) if req.pins else "the leanest configuration"
         leanest, need, not_fit = _not_fit_reasons(req, hardware, cands, what, profiles)
         reasons += not_fit
+        installs = _after_install(req, profiles, hardware, cal, resolution)
+        reasons += [said for _, said in installs]
         relax = _relaxations(req, profiles, hardware, cal, resolution)
         if relax:
             reasons.append("fits when changed: " + "; or ".join(relax))
         reasons += _fp16_would_fit(req, profiles, hardware, cal, resolution)
         if flow_family(req.model) and req.method in FULL_METHODS:
             reasons.append(FLOW_FULL_NOT_IN_TRAINER)
-        return _infeasible(
+        refused = _infeasible(
             req,
             hardware,
             reasons,
@@ -3971,6 +4019,11 @@ def plan(hardware: Hardware | Any, profiles: Profiles, request: Request) -> Resu
             profiles=profiles,
             observed_oom=leanest.observed_oom.id if leanest.observed_oom is not None else None,
         )
+        if installs:  # the fix on this machine: what to install (recommend's headline says it)
+            refused = replace(
+                refused, needs={**(refused.needs or {}), "fits_after_install": [fix for fix, _ in installs]}
+            )
+        return refused
 
     best, best_by_n = _choose(fitting, profiles)
     fitting = on_count(best.setup.num_gpus)  # what the reasons weigh the plan against: its GPU count, in full
@@ -3983,6 +4036,7 @@ def plan(hardware: Hardware | Any, profiles: Profiles, request: Request) -> Resu
     elif links := _links_text(hardware, best):
         reasons.append(links)
     reasons += _reasons(req, hardware, best, one, best_by_n, fitting, cal, profiles)
+    reasons += [said for _, said in _after_install(req, profiles, hardware, cal, resolution, best)]
     used = plan_gpus(hardware, best.setup)
     shaped = (p for g in _distinct(used) for p in _local_ooms(profiles, best.setup, g))
     if ooms := {
@@ -4136,6 +4190,43 @@ def _best_fitting(
     nothing fits: what a relaxed or added pin gives."""
     fitting = [c for c in _search(req, profiles, hw, cal, resolution)[0] if c.fits]
     return _choose(fitting, profiles)[0] if fitting else None
+
+
+def _after_install(
+    req: Request,
+    profiles: Profiles,
+    hw: Hardware,
+    cal: Calibration,
+    resolution: int,
+    best: Candidate | None = None,
+) -> list[tuple[str, str]]:
+    """The quantized bases the machine's recorded packages left out of the search (:func:`missing_bases`) that
+    would fit after their install: ({"install": the pip command, "base_precision": the base}, a reason naming
+    them) each; beside a plan (``best``) only one
+    that would be faster, or fit within its likely range where the plan may not. Where nothing fits, the fix."""
+    if not (flow_family(req.model) and req.method == "lora"):
+        return []
+    out = []
+    for base in missing_bases(hw):
+        pins = (*(p for p in req.pins if p[0] != "base_precision"), ("base_precision", base))
+        alt = _best_fitting(replace(req, pins=pins), profiles, replace(hw, packages=None), cal, resolution)
+        if alt is None:
+            continue
+        if best is not None and not (
+            (alt.seconds is not None and best.seconds is not None and alt.seconds < best.seconds)
+            or (alt.safe and not best.safe)
+        ):
+            continue
+        what, command = base_install(hw, base)
+        run = f", {format_duration(alt.seconds)} run" if alt.seconds is not None else ""
+        out.append(
+            (
+                {"install": command, "base_precision": base},
+                f"an {base} base would fit ({describe(alt.setup)}: {format_range(alt.memory.peak, alt.peak_range)} "
+                f"per GPU{run}) after `{command}`: it needs {what}, so this machine's plans leave it out",
+            )
+        )
+    return out
 
 
 def _fp16_would_fit(

@@ -130,13 +130,14 @@ def hardware_from_machine(path: str | Path, profiles: Profiles) -> planner.Hardw
     from sdplan.machine import Snapshot
 
     snap = Snapshot.load(path)
-    return planner.hardware_from_snapshot(snap, profiles, source="file")
+    return planner.with_packages(planner.hardware_from_snapshot(snap, profiles, source="file"), snap)
 
 
 def hardware_from_probe(profiles: Profiles) -> planner.Hardware:
     from sdplan.probe.snapshot import probe
 
-    return planner.hardware_from_snapshot(probe("."), profiles, source="probe")
+    snap = probe(".")
+    return planner.with_packages(planner.hardware_from_snapshot(snap, profiles, source="probe"), snap)
 
 
 # -- compute ---------------------------------------------------------------------------------------------
@@ -937,6 +938,15 @@ def render(d: dict, res: planner.Result, console) -> None:
                 f"[bold red]does not fit[/]: needs at least {_gib(needs.get('min_vram_bytes'))} of GPU memory"
                 + per_gpu
                 + (f" in fp32 ({_gib(mixed)} on a GPU that trains in fp16 mixed precision)" if mixed else "")
+            )
+        if needs.get("fits_after_install"):  # this GPU would do, after an install (see the reasons)
+            console.print(
+                "fits this GPU after: "
+                + " or ".join(
+                    f"`{fix['install']}` (an {fix['base_precision']} base)"
+                    for fix in needs["fits_after_install"]
+                ),
+                markup=False,
             )
         if needs.get("suggested_hardware"):
             own = set(needs.get("suggested_by_own_peaks") or ())
