@@ -3433,9 +3433,7 @@ def min_vram_needed(
         req, precision=precision, attention=attention, nvidia=nvidia, max_gpus=1, counts=(n,) if n else None
     )
     needs = []
-    for s in map(
-        functools.partial(_sized, req), space
-    ):  # at the largest micro-batch the trainer forms, as the search
+    for s in (_sized(req, s) for s in space):  # at the largest micro-batch the trainer forms, as the search
         mem, peak_range, _ = card_peak(profiles, s, gpu.spec if gpu is not None else None)
         if not host_ram_ok(profiles, s, ram_usable_bytes, mem):
             continue
