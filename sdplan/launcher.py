@@ -2237,7 +2237,12 @@ def infeasible_message(result: Any) -> tuple[str, str]:
     what = what or (reasons[-1] if reasons else "nothing fits on this machine")
     relax = next((r for r in reasons if r.startswith("fits when changed: ")), None)
     fits = ", ".join(((result.needs or {}).get("suggested_hardware") or [])[:4])
-    if relax:
+    if installs := (result.needs or {}).get("fits_after_install"):  # this GPU, after an install (planner)
+        fix = " or ".join(
+            f"`{f['install']}`, then model.base_precision={f['base_precision']}" for f in installs
+        )
+        fix = f"it fits this GPU after {fix}"
+    elif relax:
         fix = relax.replace("fits when changed: ", "change a pin: ", 1)
     elif fits:
         fix = f"GPUs that would fit: {fits}"

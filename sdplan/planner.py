@@ -66,13 +66,17 @@ from sdplan.settings import (
 )
 from sdplan.steps import (
     Steps,
+    bucketed_batches,
     intermediate_steps,
+    largest_batch,
     plan_steps,
     repeated_batches,
     repeated_batches_text,
 )
 from sdplan.trainer.blockswap import support_problem as swap_problem  # the trainer's rule (pure, no torch)
 from sdplan.trainer.dataset_scan import count_of as count_text
+from sdplan.trainer.quantize import QUANTIZED as QUANTIZED_BASES
+from sdplan.trainer.quantize import install_needed  # what a quantized base needs installed (pure, no torch)
 
 # Settings.__post_init__ normalises these fields only (LoRA's, by the method, and gpu_ids to a tuple)
 _NORMALISED_FIELDS = frozenset(("method", "lora_rank", "lora_alpha", "lora_targets", "gpu_ids"))
@@ -278,6 +282,10 @@ class Hardware:
     # setting: not planned (:func:`hardware_from_snapshot`)
     hidden: tuple[int, ...] = ()
     hidden_by: str = ""
+    # a probed or saved machine's installed packages, (name, version; None: not installed), as its snapshot's
+    # software.packages records them (:func:`with_packages`); None: not known (catalog hardware, a snapshot that
+    # records none): planned as if whatever a setting needs could be installed
+    packages: tuple[tuple[str, str | None], ...] | None = None
 
     @property
     def count(self) -> int:
@@ -2022,6 +2030,33 @@ def hardware_from_catalog(spec: GPUSpec, count: int = 1) -> Hardware:
     return Hardware(source="catalog", gpus=gpus, link=link, link_gbs=_link_gbs_for(spec, link), label=label)
 
 
+def with_packages(hw: Hardware, snapshot: Any) -> Hardware:
+    """``hw`` (from ``snapshot``: :func:`hardware_from_snapshot`) with the packages the snapshot records installed
+    (``software.packages``; none recorded: not known). Data the pure planner reads: a quantized base whose packages
+    the machine lacks is left out of its plans (:func:`missing_bases`)."""
+    software = getattr(snapshot, "software", None)
+    packages = dict(getattr(software, "packages", None) or {})
+    return replace(hw, packages=tuple(sorted(packages.items())) if packages else None)
+
+
+def base_install(hw: Hardware, base_precision: str) -> tuple[str, str] | None:
+    """(what is needed, the pip command) where ``hw``'s recorded packages cannot run a ``base_precision`` frozen
+    base (trainer/quantize.py's rule, :func:`sdplan.trainer.quantize.install_needed`); None where they can or are
+    not known."""
+    if hw.packages is None or base_precision not in QUANTIZED_BASES:
+        return None
+    have = dict(hw.packages)
+    return install_needed(
+        base_precision, bitsandbytes=have.get("bitsandbytes"), diffusers=have.get("diffusers")
+    )
+
+
+def missing_bases(hw: Hardware) -> tuple[str, ...]:
+    """The quantized frozen bases ``hw``'s recorded packages cannot run (:func:`base_install`): the search leaves
+    them out, and the reasons say which would fit after which install (:func:`_after_install`)."""
+    return tuple(b for b in QUANTIZED_BASES if base_install(hw, b) is not None)
+
+
 def hardware_from_snapshot(snapshot: Any, profiles: Profiles, source: str = "probe") -> Hardware:
     """Build from a machine Snapshot (sdplan.machine): usable GPUs, their bf16 truth, links, RAM."""
     from sdplan.probe.snapshot import shown_gpus, trained_gpus
@@ -2431,6 +2466,14 @@ def batch_sweep(res: Result, profiles: Profiles) -> tuple[Candidate, ...]:
     )
 
 
+def _sized(req: Request, s: Settings) -> Settings:
+    """``s`` at the largest micro-batch the trainer forms for this request (:func:`sdplan.steps.largest_batch`):
+    its memory and time are those of that batch. A batch past the epoch's samples (a pinned 64 for 20 images)
+    is one batch of the 20, not 64; the plan keeps the batch as set, as the config writes it."""
+    batch = largest_batch(s.batch, req.per_epoch, req.bucket_samples)
+    return s if batch == s.batch else _with(s, batch=batch)
+
+
 def _steps(req: Request, batch: int, grad_accum: int, num_gpus: int) -> Steps:
     return _plan_steps(
         req.per_epoch, batch, grad_accum, num_gpus, req.epochs, req.max_steps, req.bucket_samples
@@ -2656,6 +2699,7 @@ def settings_space(
     max_gpus: int = 1,
     counts: tuple[int, ...] | None = None,
     gpu_ids: tuple[int, ...] | None = None,
+    missing: tuple[str, ...] = (),
 ) -> Iterator[Settings]:
     """Every configuration the planner considers for ``req``: the search, the "needs at least" figure and the
     reasons all enumerate this one generator. A pinned field (``req.pins``) takes only its pinned value.
@@ -2663,7 +2707,8 @@ def settings_space(
     Knobs that keep the result (latent / text-encoder-output caching, gradient checkpointing, optimizer
     memory savers, DeepSpeed offload, full bf16 weights) and, for LoRA, lower ranks (which do not; the search
     prefers the requested rank). ``counts``: the GPU counts (default 1 to ``max_gpus``); ``gpu_ids``: the GPUs
-    they run on (:func:`plan_gpus`; None: the first ones)."""
+    they run on (:func:`plan_gpus`; None: the first ones); ``missing``: the quantized bases the machine's packages
+    cannot run (:func:`missing_bases`), left out unless pinned (:func:`pin_conflicts` refuses that)."""
     pins = dict(req.pins)
     gpu_ids = pins.get("gpu_ids", gpu_ids)
     full = req.method in FULL_METHODS
@@ -2689,7 +2734,10 @@ def settings_space(
     # transformer families' LoRA: the frozen base's storage (nf4: bitsandbytes, NVIDIA only) is a dimension; the
     # full methods train the base's own weights (pin_conflicts refuses a quantized base pinned for them)
     bases = (
-        axis("base_precision", ("bf16", "fp8", "nf4") if nvidia else ("bf16", "fp8"))
+        axis(
+            "base_precision",
+            tuple(b for b in ("bf16", "fp8", *(("nf4",) if nvidia else ())) if b not in missing),
+        )
         if (flow and lora)
         else ("bf16",)
     )
@@ -2703,7 +2751,6 @@ def settings_space(
     )
     speeds = (None, dict(OFFLOAD), dict(SHARDED)) if full else (None,)
     pinned_ds = pins.get("deepspeed")
-    stage_pinned = bool(pinned_ds)  # DeepSpeed asked for: ZeRO without offload on one GPU is a candidate too
     if pinned_ds and "offload_optimizer" not in pinned_ds:  # the stage pinned, offload left to the search
         speeds = tuple({**pinned_ds, "offload_optimizer": offload} for offload in (True, False))
         pins = {k: v for k, v in pins.items() if k != "deepspeed"}
@@ -2743,8 +2790,10 @@ def settings_space(
                     # 8-bit / Adafactor are not combined with DeepSpeed unless pinned; full bf16 never (DeepSpeed
                     # keeps fp32 master weights of its own: sdplan.config refuses it)
                     continue
-                if ds and not ds.get("offload_optimizer") and n == 1 and not stage_pinned:
-                    continue  # nothing to split the optimizer state over: more bytes than no DeepSpeed
+                if ds and not ds.get("offload_optimizer") and n == 1:
+                    # nothing to split the optimizer state over: more bytes than no DeepSpeed (pinned on one GPU,
+                    # offload not on: pin_conflicts refuses it)
+                    continue
                 if ds and (train_te or opt == "adamw8bit"):
                     # DeepSpeed trains one model, and not with bitsandbytes' optimizer (sdplan.config refuses both)
                     continue
@@ -2805,6 +2854,7 @@ def _space(req: Request, hw: Hardware) -> list[Settings]:
             nvidia=all(g.vendor == "nvidia" for g in on.gpus),
             counts=(on.count,),
             gpu_ids=named_gpu_ids(hw, on.gpus),
+            missing=missing_bases(on),
         )
     return out
 
@@ -3206,23 +3256,24 @@ def _evaluate(req: Request, profiles: Profiles, hw: Hardware, cal: Calibration, 
     """``s`` on the GPUs it runs on (:func:`plan_gpus`), at the weakest of them: the smallest memory, the
     slowest step (:func:`pace_gpu`), an out-of-memory observed on any."""
     used = plan_gpus(hw, s)
+    sized = _sized(req, s)  # memory and time at the largest micro-batch the trainer forms
     # each GPU's own evidence (a bench point measured on one), the largest peak of them: a mixed rig's plan
     # depended on which GPU was numbered 0
     mem, peak_range, evidence = max(
-        (card_peak(profiles, s, g.spec) for g in _distinct(used)), key=lambda c: (c[1][1], c[0].peak)
+        (card_peak(profiles, sized, g.spec) for g in _distinct(used)), key=lambda c: (c[1][1], c[0].peak)
     )
     vram = smallest_gpu(used).memory_bytes
-    host_ok = host_ram_ok(profiles, s, hw.ram_usable_bytes, mem)
+    host_ok = host_ram_ok(profiles, sized, hw.ram_usable_bytes, mem)
     fits = mem.peak <= HEADROOM * vram and host_ok
-    oom = next((p for g in _distinct(used) if (p := _observed_oom(profiles, s, g)) is not None), None)
+    oom = next((p for g in _distinct(used) if (p := _observed_oom(profiles, sized, g)) is not None), None)
     if not fits:
         oom = None
     fits = fits and oom is None
     steps = _steps(req, s.batch, s.grad_accum, s.num_gpus)
     link, link_gbs = set_link(hw, used)
-    observed = _observed_multi_gpu(profiles, s, used, link)
+    observed = _observed_multi_gpu(profiles, sized, used, link)
     link_cal = _with_link_rate(cal, observed)
-    gpu, step_s, basis = pace_gpu(profiles, s, used, link_cal, link_gbs)
+    gpu, step_s, basis = pace_gpu(profiles, sized, used, link_cal, link_gbs)
     seconds = seconds_range = None
     fixed = allreduce = 0.0
     sampling = sampling_once = 0.0
@@ -3238,11 +3289,11 @@ def _evaluate(req: Request, profiles: Profiles, hw: Hardware, cal: Calibration, 
         known_sampling = sampled is not None
         seconds = fixed + sampling + stepping
         if s.num_gpus > 1 and link_gbs:
-            allreduce = steps.micro_batches * comm_seconds(profiles, s, link_gbs, link_cal)
+            allreduce = steps.micro_batches * comm_seconds(profiles, sized, link_gbs, link_cal)
         # the steps' range by their basis (one GPU: the bench evidence behind it times one GPU; several add an
         # all-reduce as modelled); start-up and caching are the model's (the validation set's range), sampling
         # its own (the validation set's txt2img speeds: sampling_band)
-        far = scaled_from_afar(profiles, s, gpu.spec, basis)
+        far = scaled_from_afar(profiles, sized, gpu.spec, basis)
         band = seconds_band(profiles, basis, s.model, s.num_gpus, far=far)[0]
         model_band = profiles.uncertainty.seconds_for(s.model)[0]
         sampling_range = sampling_band(profiles, s.model)[0]
@@ -3310,23 +3361,35 @@ def _key_seconds(c: Candidate) -> float:
 
 
 def _batch_cap_text(req: Request, s: Settings) -> str:
-    """Where the search's rule (a global batch holds no image twice) kept the batch from
-    doubling, that it did, and how to go past it."""
+    """Where the search's rule (a global batch holds no more than the distinct images) kept the batch from
+    doubling, that it did, what the doubled batch would do (as the trainer forms its batches:
+    :func:`sdplan.steps.largest_batch`, :func:`sdplan.steps.repeated_batches`), and how to go past it."""
     if req.pinned("batch") or s.batch * 2 * s.num_gpus <= req.images:
         return ""
     gpus = f" x {s.num_gpus} GPUs" if s.num_gpus > 1 else ""
+    images = count_text(req.images, "distinct image")
     if (
         s.batch * s.num_gpus > req.images
     ):  # batch 1 on more GPUs than images (a pinned count): over it already
         return (
-            f"; no larger batch was tried: batch {s.batch}{gpus} already exceeds the "
-            f"{count_text(req.images, 'distinct image')}, so a step holds an image twice, and a larger batch would "
-            "hold more twice (pin training.batch_size to go past it)"
+            f"; no larger batch was tried: batch {s.batch}{gpus} already exceeds the {images}, so a step holds "
+            "an image twice, and a larger batch would hold more twice (pin training.batch_size to go past it)"
         )
+    double = s.batch * 2
+    formed = largest_batch(double, req.per_epoch, req.bucket_samples)
+    again = repeated_batches(req.per_epoch, double, s.num_gpus, req.bucket_samples)
+    would = []
+    if formed < double:  # a batch holds no more than the epoch's samples (each aspect bucket's)
+        within = "its largest aspect bucket's" if len(req.bucket_samples) > 1 else "the epoch's"
+        would.append(f"the trainer forms no batch of more than {within} {formed}")
+    if again:
+        would.append(f"{count_text(again, 'batch')} an epoch would train twice to give every GPU one")
+    if req.per_epoch > req.images and formed * s.num_gpus > req.images:
+        would.append("a step could hold an image's repeats together")
     return (
-        f"; no larger batch was tried: batch {s.batch * 2}{gpus} would exceed the "
-        f"{count_text(req.images, 'distinct image')}, so a step would hold an image twice (pin "
-        "training.batch_size to go past it)"
+        f"; no larger batch was tried: batch {double}{gpus} would exceed the {images}"
+        + (f": {'; '.join(would)}" if would else "")
+        + " (pin training.batch_size to go past it)"
     )
 
 
@@ -3410,7 +3473,7 @@ def min_vram_needed(
         req, precision=precision, attention=attention, nvidia=nvidia, max_gpus=1, counts=(n,) if n else None
     )
     needs = []
-    for s in space:
+    for s in (_sized(req, s) for s in space):  # at the largest micro-batch the trainer forms, as the search
         mem, peak_range, _ = card_peak(profiles, s, gpu.spec if gpu is not None else None)
         if not host_ram_ok(profiles, s, ram_usable_bytes, mem):
             continue
@@ -3697,6 +3760,16 @@ def pin_conflicts(req: Request, hw: Hardware) -> list[str]:
                 f"distributed.num_processes={n}: "
                 "give as many of each"
             )
+    ds = req.pin("deepspeed")
+    count = len(ids) if ids is not None else n if n is not None else limit  # the processes a plan can have
+    # the stage alone pinned, or offload off: on one GPU (a set of one, in a search over a machine's sets) refused
+    if ds and not ds.get("offload_optimizer") and count == 1:
+        out.append(
+            f"distributed.deepspeed.zero_stage={ds.get('zero_stage', 2)} on one GPU without offload: ZeRO splits "
+            "the optimizer state over the processes, and one process has nothing to split it over, so it holds "
+            "more than without DeepSpeed (set distributed.deepspeed.offload_optimizer=true, train on 2 or more "
+            "GPUs, or drop the distributed.deepspeed settings)"
+        )
     base = req.pin("base_precision")
     if base is not None and base != "bf16" and not flow_family(req.model):
         out.append(
@@ -3711,7 +3784,14 @@ def pin_conflicts(req: Request, hw: Hardware) -> list[str]:
     elif base is not None and (
         why := next(filter(None, (base_precision_allowed(base, g) for g in hw.gpus)), None)
     ):
-        out.append(f"model.base_precision={base}: {why} (use model.base_precision=fp8 or bf16)")
+        instead = "fp8 or bf16" if base_install(hw, "fp8") is None else "bf16"
+        out.append(f"model.base_precision={base}: {why} (use model.base_precision={instead})")
+    elif base is not None and (need := base_install(hw, base)):
+        others = [b for b in ("fp8",) if b != base and base_install(hw, b) is None]
+        out.append(
+            f"model.base_precision={base}: needs {need[0]} on this machine: {need[1]} (or use "
+            f"model.base_precision={' or '.join((*others, 'bf16'))})"
+        )
     if req.pin("train_text_encoder") and flow_family(req.model):
         out.append(
             f"training.train_text_encoder=true: not supported for {req.model} (the transformer trains; the CLIP/T5 "
@@ -3901,7 +3981,7 @@ def more_gpus_text(c: Candidate, best: Candidate) -> str:
 def plan(hardware: Hardware | Any, profiles: Profiles, request: Request) -> Result:
     """Choose the fastest whole run that fits. ``hardware``: a Hardware, or a machine Snapshot (probe)."""
     if not isinstance(hardware, Hardware):
-        hardware = hardware_from_snapshot(hardware, profiles)
+        hardware = with_packages(hardware_from_snapshot(hardware, profiles), hardware)
     req = request
     if req.method not in METHODS:
         raise ValueError(f"unknown method {req.method!r}")
@@ -3965,13 +4045,15 @@ def plan(hardware: Hardware | Any, profiles: Profiles, request: Request) -> Resu
         )
         leanest, need, not_fit = _not_fit_reasons(req, hardware, cands, what, profiles)
         reasons += not_fit
+        installs = _after_install(req, profiles, hardware, cal, resolution)
+        reasons += [said for _, said in installs]
         relax = _relaxations(req, profiles, hardware, cal, resolution)
         if relax:
             reasons.append("fits when changed: " + "; or ".join(relax))
         reasons += _fp16_would_fit(req, profiles, hardware, cal, resolution)
         if flow_family(req.model) and req.method in FULL_METHODS:
             reasons.append(FLOW_FULL_NOT_IN_TRAINER)
-        return _infeasible(
+        refused = _infeasible(
             req,
             hardware,
             reasons,
@@ -3981,6 +4063,11 @@ def plan(hardware: Hardware | Any, profiles: Profiles, request: Request) -> Resu
             profiles=profiles,
             observed_oom=leanest.observed_oom.id if leanest.observed_oom is not None else None,
         )
+        if installs:  # the fix on this machine: what to install (recommend's headline says it)
+            refused = replace(
+                refused, needs={**(refused.needs or {}), "fits_after_install": [fix for fix, _ in installs]}
+            )
+        return refused
 
     best, best_by_n = _choose(fitting, profiles)
     fitting = on_count(best.setup.num_gpus)  # what the reasons weigh the plan against: its GPU count, in full
@@ -3993,6 +4080,7 @@ def plan(hardware: Hardware | Any, profiles: Profiles, request: Request) -> Resu
     elif links := _links_text(hardware, best):
         reasons.append(links)
     reasons += _reasons(req, hardware, best, one, best_by_n, fitting, cal, profiles)
+    reasons += [said for _, said in _after_install(req, profiles, hardware, cal, resolution, best)]
     used = plan_gpus(hardware, best.setup)
     shaped = (p for g in _distinct(used) for p in _local_ooms(profiles, best.setup, g))
     if ooms := {
@@ -4148,6 +4236,43 @@ def _best_fitting(
     return _choose(fitting, profiles)[0] if fitting else None
 
 
+def _after_install(
+    req: Request,
+    profiles: Profiles,
+    hw: Hardware,
+    cal: Calibration,
+    resolution: int,
+    best: Candidate | None = None,
+) -> list[tuple[str, str]]:
+    """The quantized bases the machine's recorded packages left out of the search (:func:`missing_bases`) that
+    would fit after their install: ({"install": the pip command, "base_precision": the base}, a reason naming
+    them) each; beside a plan (``best``) only one
+    that would be faster, or fit within its likely range where the plan may not. Where nothing fits, the fix."""
+    if not (flow_family(req.model) and req.method == "lora"):
+        return []
+    out = []
+    for base in missing_bases(hw):
+        pins = (*(p for p in req.pins if p[0] != "base_precision"), ("base_precision", base))
+        alt = _best_fitting(replace(req, pins=pins), profiles, replace(hw, packages=None), cal, resolution)
+        if alt is None:
+            continue
+        if best is not None and not (
+            (alt.seconds is not None and best.seconds is not None and alt.seconds < best.seconds)
+            or (alt.safe and not best.safe)
+        ):
+            continue
+        what, command = base_install(hw, base)
+        run = f", {format_duration(alt.seconds)} run" if alt.seconds is not None else ""
+        out.append(
+            (
+                {"install": command, "base_precision": base},
+                f"an {base} base would fit ({describe(alt.setup)}: {format_range(alt.memory.peak, alt.peak_range)} "
+                f"per GPU{run}) after `{command}`: it needs {what}, so this machine's plans leave it out",
+            )
+        )
+    return out
+
+
 def _fp16_would_fit(
     req: Request, profiles: Profiles, hw: Hardware, cal: Calibration, resolution: int, *, safe: bool = False
 ) -> list[str]:
@@ -4178,6 +4303,9 @@ def _band_scope(profiles: Profiles, model: str) -> str:
 
 def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]:
     s, m = best.setup, best.memory
+    sized = _sized(
+        req, s
+    )  # what its memory and time were sized at (_evaluate): the largest micro-batch formed
     used = plan_gpus(hw, s)
     gpu = used[0]  # one GPU: the GPU (bench evidence, the sample grid)
     # several that differ: the one with the least memory, and the slowest (pace_gpu), each named where it limits
@@ -4372,6 +4500,16 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
             + _batch_cap_text(req, s)
             + _handicap_text(best, fitting)
         )
+    if sized.batch < s.batch:
+        within = (
+            f"its largest aspect bucket's {sized.batch} samples"
+            if len(req.bucket_samples) > 1
+            else f"the epoch's {count_text(sized.batch, 'sample' if req.per_epoch > req.images else 'image')}"
+        )
+        r.append(
+            f"batch {s.batch} holds at most {within}: the trainer forms no larger batch, so the memory and time "
+            f"here are those of batch {sized.batch} (the config keeps batch {s.batch}; the same run)"
+        )
     unc = profiles.uncertainty
     peak_band, peak_n = unc.peak_for(s.model)
     if best.peak_basis in ("scaled", "measured"):
@@ -4381,7 +4519,10 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
             (g.name for g in _distinct(used) if point in profiles.points_on(g.spec.name)), gpu.name
         )
     if best.peak_basis in ("scaled", "measured") and s.num_gpus > 1:
-        each, alone = memory(profiles, s), memory(profiles, _count_free(s, 1))  # the model's, as card_peak
+        each, alone = (
+            memory(profiles, sized),
+            memory(profiles, _count_free(sized, 1)),
+        )  # the model's, as card_peak
         split = each.step_peak - each.overhead < alone.step_peak - alone.overhead  # ZeRO: each holds less
         r.append(
             f"peak {format_range(m.peak, best.peak_range)} per GPU of {card} "
@@ -4506,10 +4647,20 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
             "for the images the one with more GPUs sees (the other's steps scaled to them, its start-up as it is)"
         )
     elif s.num_gpus > 1:
+        if st.bucket_samples:  # each bucket's last batch is short: the batches, not the images, divide
+            epoch = (
+                f"{count_text(st.images_per_epoch, 'image')} per epoch in {len(st.bucket_samples)} aspect "
+                f"buckets = {bucketed_batches(st.bucket_samples, s.batch)} batches of up to {s.batch} (each "
+                f"bucket's last one short) / (accumulation {s.grad_accum} x {s.num_gpus} GPUs)"
+            )
+        else:
+            epoch = (
+                f"{count_text(st.images_per_epoch, 'image')} per epoch / (batch {s.batch} x accumulation "
+                f"{s.grad_accum} x {s.num_gpus} GPUs)"
+            )
         r.append(
             f"{s.num_gpus} GPUs: steps normalised so the run trains what was asked: "
-            f"{count_text(st.images_per_epoch, 'image')} per epoch / (batch {s.batch} x accumulation "
-            f"{s.grad_accum} x {s.num_gpus} GPUs) = {count_text(st.steps_per_epoch, 'step')} per epoch, "
+            f"{epoch} = {count_text(st.steps_per_epoch, 'step')} per epoch, "
             f"{st.total_steps} in all (one GPU: {st.one_gpu_total_steps}); images seen {st.images_seen} either way"
             + (
                 " (the batches dealt again below aside)"
@@ -4552,14 +4703,15 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
         r.append(
             f"{s.num_gpus} GPUs: an epoch's {count_text(st.images_per_epoch, 'image')} "
             f"{'does' if st.images_per_epoch == 1 else 'do'} not make a batch for every GPU in its "
-            f"last round: " + repeated_batches_text(repeats, s.batch, None if req.max_steps else st.epochs)
+            f"last round: "
+            + repeated_batches_text(repeats, sized.batch, None if req.max_steps else st.epochs)
         )
     if hw.count > 1:
         r += _multi_gpu_reasons(hw, best, one, best_by_n, profiles, cal, pinned("num_gpus"), req)
     if best.seconds is None:
         r.append(f"time: unknown: no catalog throughput or measured speed for {pace.name}")
     else:
-        far = scaled_from_afar(profiles, s, pace.spec, best.basis)
+        far = scaled_from_afar(profiles, sized, pace.spec, best.basis)
         (low, high), band = seconds_band(profiles, best.basis, s.model, s.num_gpus, far=far)
         likely = f"likely x{low:g}-{high:g} of that ({band})"
         model_band = unc.seconds_for(s.model)[0]
@@ -4569,9 +4721,9 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
             likely += f"; {pace.name} is the slowest of the {len(used)} GPUs: every step waits for it"
         if best.basis == "calibrated":
             exchange = best.allreduce_seconds / best.steps.micro_batches if best.steps.micro_batches else 0.0
-            r.append(f"time: {time_basis_text(profiles, s, pace, cal, exchange)}; {likely}")
+            r.append(f"time: {time_basis_text(profiles, sized, pace, cal, exchange)}; {likely}")
         elif best.basis == "scaled":
-            near = _near_point(profiles, s, pace.spec)  # the point planned_step_seconds scaled by
+            near = _near_point(profiles, sized, pace.spec)  # the point planned_step_seconds scaled by
             r.append(
                 f"time: the model's prediction scaled by how a measured speed on {pace.name} compares with it "
                 f"({near.id}: {near.method} at batch {near.batch}, {near.resolution}px"
@@ -5006,7 +5158,7 @@ def _multi_gpu_reasons(
         used = plan_gpus(hw, s)
         slow = pace_gpu(profiles, s, used, cal, set_link(hw, used)[1])[0]
         # the one-GPU step on the same basis as the plan's (a measured or scaled speed, not the bare model)
-        alone = _with(s, num_gpus=1)
+        alone = _with(_sized(req, s), num_gpus=1)  # at the micro-batch the plan's step was sized at
         t1, _ = planned_step_seconds(profiles, alone, slow.spec, cal)
         ratio = best.step_seconds / t1 if t1 else float("nan")
         m = obs.get(best.observed_multi_gpu) if best.observed_multi_gpu else None

@@ -96,11 +96,12 @@ def count_dataset(path: str | Path, data: Any = None) -> DatasetCount:
 # -- hardware --------------------------------------------------------------------------------------------
 
 _COUNT = re.compile(r"^\s*(\d+)\s*[x×*]\s*(.+?)\s*$", re.IGNORECASE)
-_COUNT_AFTER = re.compile(r"^\s*(.+?)\s+[x×*]\s*(\d+)\s*$", re.IGNORECASE)  # "H100 SXM x8", not "RTX 4090"
+# "H100 SXM x8", "4090x2" (an x after a space or a digit), not "RTX 4090"
+_COUNT_AFTER = re.compile(r"^\s*(.+?)(?:\s+|(?<=\d))[x×*]\s*(\d+)\s*$", re.IGNORECASE)
 
 
 def parse_hardware(text: str, profiles: Profiles) -> planner.Hardware:
-    """'2x RTX 4090', 'RTX 4090', 'H100 SXM x8' -> catalog hardware; unknown names raise UsageError."""
+    """'2x RTX 4090', 'RTX 4090', 'H100 SXM x8', '4090x2' -> catalog hardware; unknown names raise UsageError."""
     if not text or not text.strip():
         raise UsageError("empty --hardware", fix="e.g. --hardware '2x RTX 4090'")
     name = text.strip()
@@ -114,7 +115,9 @@ def parse_hardware(text: str, profiles: Profiles) -> planner.Hardware:
         readings.append((int(m.group(1)), m.group(2)))
     if m := _COUNT_AFTER.match(name):
         readings.append((int(m.group(2)), m.group(1)))
-    fallback = readings[1] if len(readings) > 1 else readings[0]  # neither names a GPU: the error says why
+    # none names a GPU: the error says why, of a count in range where one is ("9999x2": unknown GPU '9999')
+    counted = readings[1:] or readings
+    fallback = next((r for r in counted if 1 <= r[0] <= 64), counted[0])
     count, name = next((r for r in readings if profiles.gpu_or_none(r[1]) is not None), fallback)
     if count < 1 or count > 64:
         raise UsageError(f"GPU count in {text!r} must be between 1 and 64")
@@ -127,13 +130,14 @@ def hardware_from_machine(path: str | Path, profiles: Profiles) -> planner.Hardw
     from sdplan.machine import Snapshot
 
     snap = Snapshot.load(path)
-    return planner.hardware_from_snapshot(snap, profiles, source="file")
+    return planner.with_packages(planner.hardware_from_snapshot(snap, profiles, source="file"), snap)
 
 
 def hardware_from_probe(profiles: Profiles) -> planner.Hardware:
     from sdplan.probe.snapshot import probe
 
-    return planner.hardware_from_snapshot(probe("."), profiles, source="probe")
+    snap = probe(".")
+    return planner.with_packages(planner.hardware_from_snapshot(snap, profiles, source="probe"), snap)
 
 
 # -- compute ---------------------------------------------------------------------------------------------
@@ -901,7 +905,8 @@ def render(d: dict, res: planner.Result, console) -> None:
         if est["it_per_s"]:
             t.add_row(
                 "speed",
-                f"{est['it_per_s']:.2f} it/s per process (one micro-batch of {d['plan']['batch_size']})",
+                # the largest batch the trainer forms, as the step was sized (20 images at batch 64: 20)
+                f"{est['it_per_s']:.2f} it/s per process (one micro-batch of {res.steps.largest_batch})",
             )
         if res.speedup_vs_one_gpu and d["plan"]["num_gpus"] > 1:  # unrounded: the reasons' own figure
             t.add_row("vs one GPU", planner.speed_ratio_text(res.speedup_vs_one_gpu))
@@ -938,6 +943,15 @@ def render(d: dict, res: planner.Result, console) -> None:
                 f"[bold red]does not fit[/]: needs at least {_gib(needs.get('min_vram_bytes'))} of GPU memory"
                 + per_gpu
                 + (f" in fp32 ({_gib(mixed)} on a GPU that trains in fp16 mixed precision)" if mixed else "")
+            )
+        if needs.get("fits_after_install"):  # this GPU would do, after an install (see the reasons)
+            console.print(
+                "fits this GPU after: "
+                + " or ".join(
+                    f"`{fix['install']}` (an {fix['base_precision']} base)"
+                    for fix in needs["fits_after_install"]
+                ),
+                markup=False,
             )
         if needs.get("suggested_hardware"):
             own = set(needs.get("suggested_by_own_peaks") or ())

@@ -45,6 +45,12 @@ class Steps:
         return sum(-n % batch for n in self.bucket_samples or (self.images_per_epoch,))
 
     @property
+    def largest_batch(self) -> int:
+        """The largest micro-batch the trainer forms (:func:`largest_batch`): the micro-batch, or fewer where an
+        epoch (each aspect bucket) holds fewer samples."""
+        return largest_batch(self.batch_size, self.images_per_epoch, self.bucket_samples)
+
+    @property
     def images_seen_min(self) -> int:
         """The fewest images the run sees: ``images_seen`` but where ``training.max_steps`` ends it inside an
         epoch that has short batches. The sampler shuffles an epoch's short batches in among its full ones
@@ -91,6 +97,17 @@ def bucketed_batches(
     short, and the batches are dealt out over the processes (BucketBatchSampler's length). One bucket gives
     ``ceil(images / (batch x processes))``, as without buckets."""
     return math.ceil(sum(math.ceil(n / batch_size) for n in bucket_samples) / num_processes)
+
+
+def largest_batch(
+    batch_size: int, images_per_epoch: int, bucket_samples: tuple[int, ...] | list[int] = ()
+) -> int:
+    """The largest micro-batch the trainer forms at ``batch_size``: a batch holds one aspect bucket's samples
+    (``bucket_samples``; without buckets, one bucket of the epoch's ``images_per_epoch``), so none holds more
+    than the largest bucket: 20 images at batch 64 are one batch of 20 (BucketBatchSampler). On several
+    processes the batches are dealt out whole, so each process's largest is this too. Memory and time are
+    sized at it."""
+    return max(1, min(batch_size, max(bucket_samples or (images_per_epoch,))))
 
 
 def repeated_batches(
@@ -157,7 +174,9 @@ def plan_steps(
     else:
         total = epochs * spe
         images_seen = epochs * images_per_epoch
-        one = max(1, math.ceil(images_per_epoch / (batch_size * grad_accum))) * epochs
+        # one process, the same arithmetic: its buckets' batches (each bucket's last one short), all its own
+        one_batches = bucketed_batches(bucket_samples or (images_per_epoch,), batch_size)
+        one = max(1, math.ceil(one_batches / grad_accum)) * epochs
     return Steps(
         images_per_epoch=images_per_epoch,
         epochs=epochs,

@@ -31,6 +31,10 @@ def cli(*args: str):
         ("7900 XTX x2", "RX 7900 XTX", 2),
         ("2x RTX 4090", "RTX 4090", 2),
         ("RTX 4090 x2", "RTX 4090", 2),
+        ("4090x2", "RTX 4090", 2),  # read as 4090 GPUs of a "2"
+        ("RTX 4090x2", "RTX 4090", 2),
+        ("4090 x 2", "RTX 4090", 2),
+        ("2x4090", "RTX 4090", 2),
     ],
 )
 def test_a_gpu_name_that_reads_as_a_count_is_the_gpu(typed, name, count):
@@ -41,6 +45,13 @@ def test_a_gpu_name_that_reads_as_a_count_is_the_gpu(typed, name, count):
 def test_a_count_out_of_range_is_still_refused():
     result = cli("recommend", "--method", "lora", "--hardware", "999x RTX 4090")
     one_line_error(result, 2, "between 1 and 64")
+    result = cli("recommend", "--method", "lora", "--hardware", "4090x999")
+    one_line_error(result, 2, "between 1 and 64")
+
+
+def test_an_unknown_name_with_a_count_after_it_is_an_unknown_gpu():
+    result = cli("recommend", "--method", "lora", "--hardware", "9999x2")
+    one_line_error(result, 2, "unknown GPU '9999'")
 
 
 def plan(*args: str) -> dict:

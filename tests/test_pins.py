@@ -786,16 +786,45 @@ def test_a_pinned_ema_is_echoed_as_the_keys_the_user_set(pins, shown):
     assert f"pinned: {said} (planned around {'it' if len(shown) == 1 else 'them'})" in d["reasons"]
 
 
-def test_a_pinned_zero_stage_on_one_gpu_may_go_without_offload():
-    """On one H100, `zero_stage=2` alone still took the offload (124 s) where ZeRO-2 without it fits (96 s): the
-    search dropped ZeRO without offload on one GPU unless the whole section was pinned. Its reason said one GPU
-    'cannot hold' the run."""
-    d = json.loads(
-        _plan_for("finetune", "sdxl", "H100 SXM", "distributed.deepspeed.zero_stage=2", "--json").stdout
+@pytest.mark.parametrize(
+    "pins",
+    [
+        ("distributed.deepspeed.zero_stage=1",),
+        ("distributed.deepspeed.zero_stage=2", "distributed.deepspeed.offload_optimizer=false"),
+    ],
+    ids=["stage", "no-offload"],
+)
+def test_a_pinned_zero_stage_on_one_gpu_without_offload_is_refused(pins):
+    """`zero_stage=1` on one H100 was planned as ZeRO-1 without offload and explained as the state "split over
+    the 1": one process has nothing to split it over (the search's own rule, skipped where the stage was pinned),
+    so it holds more than without DeepSpeed. Refused in one line naming the three ways out, each of which plans."""
+    from conftest import one_line_error
+
+    args = ("--images", "30", *pins)
+    one_line_error(
+        _plan_for("finetune", "sd35-medium", "H100 SXM", *args),
+        2,
+        "on one GPU without offload",
+        "nothing to split it over",
+        "distributed.deepspeed.offload_optimizer=true",
+        "2 or more GPUs",
+        "drop the distributed.deepspeed settings",
     )
-    assert d["plan"]["deepspeed"] == {"zero_stage": 2, "offload_optimizer": False}
-    (line,) = [r for r in d["reasons"] if r.startswith("DeepSpeed ZeRO-2 over 1 GPU")]
-    assert "the stage pinned, no offload chosen by the plan" in line and "cannot hold" not in line
+    one_line_error(_plan_for("finetune", "sd35-medium", "2x H100 SXM", *args, "--gpus", "1"), 2, "one GPU")
+    stage = pins[0]
+    offload = _plan_for(
+        "finetune", "sd35-medium", "H100 SXM", "--images", "30", stage,
+        "distributed.deepspeed.offload_optimizer=true", "--json",
+    )  # fmt: skip
+    assert offload.exit_code == 0, offload.stderr
+    assert json.loads(offload.stdout)["plan"]["deepspeed"]["offload_optimizer"] is True
+    two = _plan_for("finetune", "sd35-medium", "2x H100 SXM", *args, "--json")
+    assert two.exit_code == 0, two.stderr
+    d = json.loads(two.stdout)
+    assert d["plan"]["num_gpus"] == 2 or d["plan"]["deepspeed"]["offload_optimizer"], d["plan"]
+    assert not any("over 1 GPU" in r for r in d["reasons"])
+    dropped = _plan_for("finetune", "sd35-medium", "H100 SXM", "--images", "30")
+    assert dropped.exit_code == 0, dropped.stderr
 
 
 def test_a_pinned_max_steps_weighs_gpu_counts_per_image():
@@ -863,3 +892,57 @@ def test_a_batch_cap_over_a_single_image_says_image():
     )
     text = " ".join(d["reasons"])
     assert "the 1 distinct image," in text and "1 distinct images" not in text, text
+
+
+# -- a pinned batch past the epoch ---------------------------------------------------------------------------
+
+
+def test_a_pinned_batch_past_the_epoch_is_sized_at_the_batch_the_trainer_forms(prof):
+    """training.batch_size=64 for 20 images: the trainer forms one batch of 20 (BucketBatchSampler), but the plan
+    sized 64 (22.0 GiB "may not fit", activations 18.3 GiB, 6.7 s a micro-step). It is the batch-20 run's
+    memory and time, and says so; the config keeps the 64 asked for."""
+    hw = _catalog(prof, "RTX 4090")
+    req = P.Request(method="lora", model="sd15", images=20)
+    big = P.plan(hw, prof, replace(req, pins=(("batch", 64),)))
+    same = P.plan(hw, prof, replace(req, pins=(("batch", 20),)))
+    assert big.plan.batch == 64 and same.plan.batch == 20
+    assert big.memory.peak == same.memory.peak and big.peak_range == same.peak_range
+    assert big.step_seconds == same.step_seconds and big.seconds == same.seconds
+    assert big.memory.peak < 0.5 * hw.gpus[0].memory_bytes and big.steps.largest_batch == 20
+    said = "\n".join(big.reasons)
+    assert "batch 64 holds at most the epoch's 20 images" in said and "those of batch 20" in said, said
+    result = _plan_for("lora", "sd15", "RTX 4090", "--images", "20", "training.batch_size=64")
+    assert result.exit_code == 0, result.stderr
+    assert "one micro-batch of 20" in result.stdout and "may not fit" not in result.stdout, result.stdout
+
+
+def test_a_pinned_batch_past_the_epoch_on_two_gpus_is_planned_not_refused(prof):
+    """13 images at batch 64 on 2 GPUs: each process trains a batch of 13 (the second deals the first again);
+    it was refused as needing 61.1 GiB per GPU. The "needs at least" figure is sized the same way."""
+    hw = _catalog(prof, "RTX 4090", 2)
+    req = P.Request(method="lora", model="sd15", images=13, pins=(("batch", 64), ("num_gpus", 2)))
+    res = P.plan(hw, prof, req)
+    assert res.feasible and res.plan.batch == 64 and res.plan.num_gpus == 2
+    at13 = P.plan(hw, prof, replace(req, pins=(("batch", 13), ("num_gpus", 2))))
+    assert res.memory.peak == at13.memory.peak
+    said = "\n".join(res.reasons)
+    assert "up to 13 images twice an epoch" in said, said  # the batch dealt again holds 13, not 64
+    need = P.min_vram_needed(replace(req, resolution=512), prof, precision="bf16")
+    assert need == P.min_vram_needed(
+        replace(req, resolution=512, pins=(("batch", 13), ("num_gpus", 2))), prof, precision="bf16"
+    )
+
+
+def test_the_batch_cap_reason_says_what_a_larger_batch_would_do(prof):
+    """The search keeps a step's batches within the distinct images; the reason said a larger batch "would hold
+    an image twice", which the trainer's sampler does not do without repeats (5 images at batch 4 on 2 GPUs:
+    batches of 4 and 1). Said only where it can: the images' repeats in one step."""
+    hw = _catalog(prof, "RTX 4090", 2)
+    plain = P.plan(hw, prof, P.Request(method="lora", model="sd15", images=5, pins=(("num_gpus", 2),)))
+    said = next(r for r in plain.reasons if "no larger batch was tried" in r)
+    assert "would exceed the 5 distinct images (pin training.batch_size" in said and "twice" not in said, said
+    repeated = P.plan(
+        hw, prof, P.Request(method="lora", model="sd15", images=6, repeats=4, pins=(("num_gpus", 2),))
+    )
+    said = next(r for r in repeated.reasons if "no larger batch was tried" in r)
+    assert "a step could hold an image's repeats together" in said, said

@@ -711,7 +711,8 @@ def test_a_zero2_plan_without_offload_takes_no_speed_or_peak_from_an_offload_run
     """SDXL ZeRO-2 without offload on an H100 at the settings measured both ways (2026-11-27: 2.11 s a step
     with offload, CPU Adam; 1.02 s without): the plan took the offload run's 0.47 it/s "from a published speed
     with these settings", since matching knew DeepSpeed but not offload; peaks and recorded out-of-memory
-    errors, matched the same way, would have crossed over too (10 GiB offloaded against 54 sharded)."""
+    errors, matched the same way, would have crossed over too (10 GiB offloaded against 54 sharded). Planned on
+    two H100s (ZeRO without offload on one GPU is refused: pin_conflicts), each from its own one-GPU speed."""
     req = P.Request(
         method="finetune",
         model="sdxl",
@@ -722,15 +723,17 @@ def test_a_zero2_plan_without_offload_takes_no_speed_or_peak_from_an_offload_run
             ("optimizer", "adamw"),
             ("cache_latents", True),
             ("cache_text_encoder_outputs", False),
+            ("num_gpus", 2),
         ),
     )
-    h100 = P.hardware_from_catalog(prof.find_gpu("H100 SXM"))
+    h100 = P.hardware_from_catalog(prof.find_gpu("H100 SXM"), 2)
     its = {}
     for name, ds in (("sharded", SHARDED), ("offload", OFFLOAD)):
         res = P.plan(h100, prof, replace(req, pins=(*req.pins, ("deepspeed", dict(ds)))))
         assert res.plan.deepspeed == ds
         its[name] = P.result_dict(res)["estimate"]["it_per_s"]
-    assert its["sharded"] == pytest.approx(0.985, rel=0.01), its
+    # the measured 1.02 s a step, plus the gradient exchange the second GPU adds
+    assert 0.85 < its["sharded"] < 1 / 1.02, its
     assert its["offload"] == pytest.approx(1 / 2.111, rel=0.01), its
     s = Settings(method="finetune", model="sdxl", resolution=1024, precision="bf16", deepspeed=dict(SHARDED))
     assert P._memory_settings(s) != P._memory_settings(replace(s, deepspeed=dict(OFFLOAD)))

@@ -18,6 +18,7 @@ from conftest import (
     generate_64px,
     losses,
     make_images,
+    one_line_error,
     reset_accelerator,
     tiny_train_config,
     train_two_processes,
@@ -688,3 +689,95 @@ def test_resume_over_an_nf4_base_equals_uninterrupted(tiny_models, dataset, tmp_
 
     assert len(losses(straight)) == 4
     assert_same_run(straight, resumed)
+
+
+# -- sdplan recommend: only the bases the machine's packages run ---------------------------------------------
+
+
+def _recommend_on(tmp_path, snap, *args: str):
+    from typer.testing import CliRunner
+
+    from sdplan.cli import app
+
+    machine = tmp_path / f"machine{len(list(tmp_path.glob('machine*')))}.json"
+    snap.save(machine)
+    return CliRunner().invoke(
+        app, ["recommend", "--method", "lora", "--model", "sd35-medium", "--machine", str(machine), *args]
+    )
+
+
+@pytest.mark.parametrize(
+    ("machine", "base", "lacks", "install"),
+    [
+        ("rtx3060_12gb", "fp8", {"diffusers": "0.31.0"}, "pip install -U 'diffusers>=0.33'"),
+        ("t4", "nf4", {"bitsandbytes": None}, "pip install -U 'bitsandbytes>=0.46'"),
+    ],
+)
+def test_recommend_plans_only_a_base_the_machines_packages_run(tmp_path, machine, base, lacks, install):
+    """rtx3060_12gb.json records diffusers 0.31.0, yet its SD3.5 Medium LoRA was planned with an fp8 base (t4.json,
+    without bitsandbytes, an nf4 base): `sdplan train` then refused its own plan, and the bf16 base its refusal
+    offered did not fit either. The search leaves such a base out and says which install lets it fit; after that
+    install the plan takes it and train accepts it. Catalog hardware records no packages: planned as before."""
+    from sdplan.launcher import UI, TrainRequest, prepare
+
+    ds = make_images(tmp_path / "ds", n=13)
+    without = _snapshot(machine, **lacks)
+    r = _recommend_on(tmp_path, without, "--dataset", str(ds), "--json")
+    d = yaml.safe_load(r.stdout)
+    assert (d["plan"] or {}).get("base_precision", "bf16") != base, d["plan"]
+    said = [line for line in d["reasons"] if line.startswith(f"an {base} base would fit")]
+    assert len(said) == 1 and f"after `{install}`" in said[0], d["reasons"]
+    if d["plan"] is None:  # nothing fits without it: the refusal names the install as the fix
+        assert d["needs"]["fits_after_install"] == [{"install": install, "base_precision": base}], d["needs"]
+        headline = _recommend_on(tmp_path, without, "--dataset", str(ds)).stdout
+        assert f"fits this GPU after: `{install}` (an {base} base)" in headline, headline
+        # sdplan train's refusal says the same fix (with the base to set, the bf16 its gate offered included)
+        from conftest import fake_diffusers_folder
+
+        from sdplan.errors import SdplanError
+        from sdplan.profiles import load_profiles
+
+        transformer = load_profiles().model("sd35-medium").transformer
+        model = fake_diffusers_folder(tmp_path / "sd35m", "sd35-medium", denoiser=transformer)
+        for overrides in ([], ["model.base_precision=bf16"]):
+            train = TrainRequest(
+                method="lora", model=str(model), dataset=str(ds),
+                out=str(tmp_path / "run"), dry_run=True, snapshot=without, overrides=overrides,
+            )  # fmt: skip
+            with pytest.raises(SdplanError) as refused:
+                prepare(train, UI(echo=lambda line: None))
+            said = f"{refused.value} {getattr(refused.value, 'fix', '')}"
+            assert f"it fits this GPU after `{install}`, then model.base_precision={base}" in said, said
+    # the install made: the plan takes the base, and train runs the plan it wrote
+    have = {"diffusers": "0.33.0"} if base == "fp8" else {"bitsandbytes": "0.46.0", "diffusers": "0.31.0"}
+    with_it = _snapshot(machine, **have)
+    out = tmp_path / "plan"
+    r = _recommend_on(tmp_path, with_it, "--dataset", str(ds), "--out", str(out))
+    assert r.exit_code == 0, r.output
+    written = yaml.safe_load((out / "sdplan.yaml").read_text())
+    assert written["model"]["base_precision"] == base
+    req = TrainRequest(config=str(out / "sdplan.yaml"), dry_run=True, snapshot=with_it)
+    assert prepare(req, UI(echo=lambda line: None)).cfg.model.base_precision == base
+    # catalog hardware: no packages known, so the base stays a candidate
+    from typer.testing import CliRunner
+
+    from sdplan.cli import app
+
+    gpu = {"rtx3060_12gb": "RTX 3060 12GB", "t4": "T4"}[machine]
+    args = ["recommend", "--method", "lora", "--model", "sd35-medium", "--hardware", gpu, "--images", "13"]
+    catalog = yaml.safe_load(CliRunner().invoke(app, [*args, "--json"]).stdout)
+    assert not any("would fit (" in line and "after `pip" in line for line in catalog["reasons"])
+
+
+def test_a_pinned_base_the_machine_cannot_run_is_refused_naming_the_install(tmp_path):
+    """nf4 pinned on t4.json (no bitsandbytes, diffusers 0.31.0): one line naming the install, and bf16 as the other
+    way: fp8, which its refusal offered, needs a newer diffusers there too. train's own gate says the same."""
+    snap = _snapshot("t4", bitsandbytes=None, diffusers="0.31.0")
+    r = _recommend_on(tmp_path, snap, "--images", "13", "model.base_precision=nf4")
+    line = one_line_error(r, 2, "model.base_precision=nf4", "pip install -U 'bitsandbytes>=0.46'")
+    assert "model.base_precision=bf16" in line and "=fp8" not in line, line
+    r = _recommend_on(tmp_path, snap, "--images", "13", "model.base_precision=fp8")
+    one_line_error(r, 2, "model.base_precision=fp8", "pip install -U 'diffusers>=0.33'")
+    msg = _problem("nf4", bitsandbytes=None, diffusers="0.31.0")
+    assert msg.endswith("or pin model.base_precision=bf16"), msg
+    assert _problem("nf4", bitsandbytes=None).endswith("pin model.base_precision=fp8 or bf16")

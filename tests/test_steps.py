@@ -81,6 +81,40 @@ def test_aspect_buckets_end_each_in_a_short_batch():
     assert (run.steps_per_epoch, run.total_steps) == (3, 6)
 
 
+def test_the_one_gpu_count_is_the_one_process_plan_with_buckets_too():
+    """The one-GPU figure a multi-GPU plan states is the one-process run's own steps: with aspect buckets each
+    bucket ends in a short batch there too (24 images in three buckets of 8 at batch 3: 9 batches an epoch,
+    not ceil(24 / 3) = 8; it said 80 steps where one process plans 90)."""
+    for buckets, batch, accum in itertools.product(((7, 7, 5, 5), (1, 23), ()), (1, 3, 4), (1, 2)):
+        kw = dict(images_per_epoch=24, batch_size=batch, grad_accum=accum, epochs=10, bucket_samples=buckets)
+        one = plan_steps(**kw)
+        assert one.one_gpu_total_steps == one.total_steps
+        for procs in (2, 3):
+            assert plan_steps(**kw, num_processes=procs).one_gpu_total_steps == one.total_steps
+    assert (
+        plan_steps(
+            images_per_epoch=24, batch_size=3, epochs=10, num_processes=2, bucket_samples=(8, 8, 8)
+        ).one_gpu_total_steps
+        == 90
+    )
+
+
+def test_a_multi_gpu_plan_states_the_one_gpu_plans_steps_with_buckets():
+    """`recommend` on 2x RTX 4090 with aspect buckets said "(one GPU: 80)" where planning one GPU gave 90, and
+    its epoch arithmetic (24 images / (batch 3 x 2 GPUs) = 5) did not hold: it counts the buckets' batches."""
+    from sdplan import planner as P
+    from sdplan.profiles import load_profiles
+
+    prof = load_profiles()
+    req = P.Request(method="lora", model="sdxl", images=24, bucket_samples=(8, 8, 8), pins=(("batch", 3),))
+    two = P.plan(P.hardware_from_catalog(prof.find_gpu("RTX 4090"), 2), prof, req)
+    one = P.plan(P.hardware_from_catalog(prof.find_gpu("RTX 4090"), 1), prof, req)
+    assert two.plan.num_gpus == 2 and one.steps.total_steps == 90
+    said = next(r for r in two.reasons if "steps normalised" in r)
+    assert "(one GPU: 90)" in said, said
+    assert "in 3 aspect buckets = 9 batches of up to 3" in said and "= 5 steps per epoch" in said, said
+
+
 def test_repeated_batches_are_what_accelerate_deals_again():
     """8 images at batch 2 on 5 processes: the plan said 8 images, the run trained 10. accelerate's even batches
     deal the epoch's first batches again so every process has as many: repeated_batches counts them as the
@@ -163,3 +197,23 @@ def test_the_images_a_cut_epoch_sees_are_within_the_plans_range(images, batch, b
             drawn = min(rest * accum, st.batches_per_epoch) * procs if rest else 0
             sees = full * images + sum(order[:drawn])  # the epochs' whole images, then the cut one's batches
             assert st.images_seen_min <= sees <= st.images_seen, (procs, accum, seed, max_steps, order)
+
+
+def test_the_largest_batch_is_the_samplers_largest():
+    """steps.largest_batch, which the planner sizes memory and time at, is the largest batch BucketBatchSampler
+    hands any process: 20 images at batch 64 are one batch of 20; 13 at batch 8 on 2 processes, 8 and 5."""
+    from sdplan.trainer.buckets import BucketBatchSampler, bucket_counts
+
+    from sdplan.steps import largest_batch
+
+    for ids, batch, procs in itertools.product(
+        ([0] * 20, [0] * 13, [0] * 7 + [1] * 3 + [2] * 12, [5, 5, 1]), (1, 3, 8, 64), (1, 2, 3)
+    ):
+        formed = [
+            len(b)
+            for rank in range(procs)
+            for b in BucketBatchSampler(ids, batch, num_replicas=procs, rank=rank, seed=1)
+        ]
+        assert max(formed) == largest_batch(batch, len(ids), bucket_counts(ids)), (ids, batch, procs)
+        run = plan_steps(images_per_epoch=len(ids), batch_size=batch, bucket_samples=bucket_counts(ids))
+        assert run.largest_batch == max(formed)

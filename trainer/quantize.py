@@ -52,6 +52,27 @@ def _dotted(v: tuple[int, ...]) -> str:
     return ".".join(str(x) for x in v)
 
 
+def install_needed(
+    base_precision: str, *, bitsandbytes: str | None = None, diffusers: str | None = None
+) -> tuple[str, str] | None:
+    """What the installed packages (versions; None: not installed) lack for a ``base_precision`` base, as (what is
+    needed, the pip command that installs it); None where they have it. The part of :func:`support_problem` an
+    install fixes: the planner leaves out a base a machine's recorded packages cannot run and names this."""
+    if base_precision == "fp8":
+        have = version_tuple(diffusers)
+        if have is None or have < DIFFUSERS_MIN:
+            return (
+                f"diffusers >= {_dotted(DIFFUSERS_MIN)} (layerwise fp8 casting; found {diffusers or 'none'})",
+                f"pip install -U 'diffusers>={_dotted(DIFFUSERS_MIN)}'",
+            )
+    elif base_precision == "nf4":
+        have = version_tuple(bitsandbytes)
+        if have is None or have < BITSANDBYTES_MIN:
+            found = f"found {bitsandbytes}" if bitsandbytes else "not installed"
+            return f"bitsandbytes >= {_dotted(BITSANDBYTES_MIN)} ({found})", install_hint("bnb", upgrade=True)
+    return None
+
+
 def support_problem(
     base_precision: str,
     *,
@@ -84,32 +105,26 @@ def support_problem(
     if deepspeed:
         return f"{what} with DeepSpeed: not supported (DeepSpeed shards the base's weights); {KEEP} or drop deepspeed"
     if base_precision == "fp8":
-        have = version_tuple(diffusers)
-        if have is None or have < DIFFUSERS_MIN:
-            return (
-                f"{what} needs diffusers >= {_dotted(DIFFUSERS_MIN)} (layerwise fp8 casting; found "
-                f"{diffusers or 'none'}): pip install -U diffusers, or {KEEP}"
-            )
+        if need := install_needed("fp8", diffusers=diffusers):
+            return f"{what} needs {need[0]}: {need[1]}, or {KEEP}"
         return None
-    # nf4: bitsandbytes' 4-bit kernels on an NVIDIA GPU or the CPU
+    # nf4: bitsandbytes' 4-bit kernels on an NVIDIA GPU or the CPU; fp8 the way out only where diffusers runs it
+    instead = (
+        "pin model.base_precision=fp8 or bf16" if install_needed("fp8", diffusers=diffusers) is None else KEEP
+    )
     if device == "rocm" or any(vendor != "nvidia" for vendor, _ in gpus):
         return (
             f"{what} needs bitsandbytes' 4-bit kernels on an NVIDIA CUDA GPU (or the CPU); this run trains on "
-            f"AMD ROCm: pin model.base_precision=fp8 or bf16"
+            f"AMD ROCm: {instead}"
         )
     old = [cc for _, cc in gpus if (version_tuple(cc) or NF4_MIN_CC) < NF4_MIN_CC]
     if old:
         return (
             f"{what} needs an NVIDIA GPU of compute capability {_dotted(NF4_MIN_CC)}+ for bitsandbytes' 4-bit "
-            f"kernels (this one: {old[0]}): pin model.base_precision=fp8 or bf16"
+            f"kernels (this one: {old[0]}): {instead}"
         )
-    have = version_tuple(bitsandbytes)
-    if have is None or have < BITSANDBYTES_MIN:
-        found = f"found {bitsandbytes}" if bitsandbytes else "not installed"
-        return (
-            f"{what} needs bitsandbytes >= {_dotted(BITSANDBYTES_MIN)} ({found}): {install_hint('bnb', upgrade=True)}, "
-            "or pin model.base_precision=fp8 or bf16"
-        )
+    if need := install_needed("nf4", bitsandbytes=bitsandbytes):
+        return f"{what} needs {need[0]}: {need[1]}, or {instead}"
     return None
 
 
