@@ -283,7 +283,7 @@ class Hardware:
     hidden: tuple[int, ...] = ()
     hidden_by: str = ""
     # a probed or saved machine's installed packages, (name, version; None: not installed), as its snapshot's
-    # software.packages records them (:func:`with_packages`); None: not known (catalog hardware, a snapshot that
+    # software.packages records them (:func:`hardware_from_snapshot`); None: not known (catalog hardware, a snapshot that
     # records none): planned as if whatever a setting needs could be installed
     packages: tuple[tuple[str, str | None], ...] | None = None
 
@@ -2030,13 +2030,13 @@ def hardware_from_catalog(spec: GPUSpec, count: int = 1) -> Hardware:
     return Hardware(source="catalog", gpus=gpus, link=link, link_gbs=_link_gbs_for(spec, link), label=label)
 
 
-def with_packages(hw: Hardware, snapshot: Any) -> Hardware:
-    """``hw`` (from ``snapshot``: :func:`hardware_from_snapshot`) with the packages the snapshot records installed
-    (``software.packages``; none recorded: not known). Data the pure planner reads: a quantized base whose packages
-    the machine lacks is left out of its plans (:func:`missing_bases`)."""
+def snapshot_packages(snapshot: Any) -> tuple[tuple[str, str | None], ...] | None:
+    """The packages ``snapshot`` records installed (``software.packages``; none recorded: None, not known). Data the
+    pure planner reads (:attr:`Hardware.packages`, set by :func:`hardware_from_snapshot`): a quantized base whose
+    packages the machine lacks is left out of its plans (:func:`missing_bases`)."""
     software = getattr(snapshot, "software", None)
     packages = dict(getattr(software, "packages", None) or {})
-    return replace(hw, packages=tuple(sorted(packages.items())) if packages else None)
+    return tuple(sorted(packages.items())) if packages else None
 
 
 def base_install(hw: Hardware, base_precision: str) -> tuple[str, str] | None:
@@ -2176,6 +2176,7 @@ def hardware_from_snapshot(snapshot: Any, profiles: Profiles, source: str = "pro
         pair_links=pair_links,
         hidden=tuple(g.index for g in hidden),
         hidden_by=hidden_by if hidden else "",
+        packages=snapshot_packages(snapshot),
     )
 
 
@@ -3762,8 +3763,9 @@ def pin_conflicts(req: Request, hw: Hardware) -> list[str]:
             )
     ds = req.pin("deepspeed")
     count = len(ids) if ids is not None else n if n is not None else limit  # the processes a plan can have
-    # the stage alone pinned, or offload off: on one GPU (a set of one, in a search over a machine's sets) refused
-    if ds and not ds.get("offload_optimizer") and count == 1:
+    # offload pinned off: on one GPU (a set of one, in a search over a machine's sets) refused; the stage alone
+    # pinned leaves offload to the search, which on one GPU takes it
+    if ds and ds.get("offload_optimizer") is False and count == 1:
         out.append(
             f"distributed.deepspeed.zero_stage={ds.get('zero_stage', 2)} on one GPU without offload: ZeRO splits "
             "the optimizer state over the processes, and one process has nothing to split it over, so it holds "
@@ -3981,7 +3983,7 @@ def more_gpus_text(c: Candidate, best: Candidate) -> str:
 def plan(hardware: Hardware | Any, profiles: Profiles, request: Request) -> Result:
     """Choose the fastest whole run that fits. ``hardware``: a Hardware, or a machine Snapshot (probe)."""
     if not isinstance(hardware, Hardware):
-        hardware = with_packages(hardware_from_snapshot(hardware, profiles), hardware)
+        hardware = hardware_from_snapshot(hardware, profiles)
     req = request
     if req.method not in METHODS:
         raise ValueError(f"unknown method {req.method!r}")

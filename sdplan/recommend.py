@@ -130,14 +130,14 @@ def hardware_from_machine(path: str | Path, profiles: Profiles) -> planner.Hardw
     from sdplan.machine import Snapshot
 
     snap = Snapshot.load(path)
-    return planner.with_packages(planner.hardware_from_snapshot(snap, profiles, source="file"), snap)
+    return planner.hardware_from_snapshot(snap, profiles, source="file")
 
 
 def hardware_from_probe(profiles: Profiles) -> planner.Hardware:
     from sdplan.probe.snapshot import probe
 
     snap = probe(".")
-    return planner.with_packages(planner.hardware_from_snapshot(snap, profiles, source="probe"), snap)
+    return planner.hardware_from_snapshot(snap, profiles, source="probe")
 
 
 # -- compute ---------------------------------------------------------------------------------------------

@@ -786,20 +786,32 @@ def test_a_pinned_ema_is_echoed_as_the_keys_the_user_set(pins, shown):
     assert f"pinned: {said} (planned around {'it' if len(shown) == 1 else 'them'})" in d["reasons"]
 
 
-@pytest.mark.parametrize(
-    "pins",
-    [
-        ("distributed.deepspeed.zero_stage=1",),
-        ("distributed.deepspeed.zero_stage=2", "distributed.deepspeed.offload_optimizer=false"),
-    ],
-    ids=["stage", "no-offload"],
-)
-def test_a_pinned_zero_stage_on_one_gpu_without_offload_is_refused(pins):
+def test_a_pinned_zero_stage_alone_on_one_gpu_takes_the_offload():
     """`zero_stage=1` on one H100 was planned as ZeRO-1 without offload and explained as the state "split over
     the 1": one process has nothing to split it over (the search's own rule, skipped where the stage was pinned),
-    so it holds more than without DeepSpeed. Refused in one line naming the three ways out, each of which plans."""
+    so it holds more than without DeepSpeed. The stage alone leaves the offload to the plan, which takes it."""
+    d = json.loads(
+        _plan_for(
+            "finetune",
+            "sd35-medium",
+            "H100 SXM",
+            "--images",
+            "30",
+            "distributed.deepspeed.zero_stage=1",
+            "--json",
+        ).stdout
+    )
+    assert d["plan"]["deepspeed"] == {"zero_stage": 1, "offload_optimizer": True}
+    assert not any("split over the 1" in r or "over 1 GPU (" in r for r in d["reasons"])
+
+
+@pytest.mark.parametrize("stage", ["1", "2"])
+def test_a_pinned_zero_stage_on_one_gpu_without_offload_is_refused(stage):
+    """ZeRO without offload pinned on one GPU: refused in one line naming the three ways out, each of which
+    plans."""
     from conftest import one_line_error
 
+    pins = (f"distributed.deepspeed.zero_stage={stage}", "distributed.deepspeed.offload_optimizer=false")
     args = ("--images", "30", *pins)
     one_line_error(
         _plan_for("finetune", "sd35-medium", "H100 SXM", *args),

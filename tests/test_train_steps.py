@@ -436,7 +436,9 @@ def test_resume_of_a_finished_run_is_refused_but_an_unfinished_one_is_not(tmp_pa
         cfg = C.validate(data)
         refuse_a_finished_resume(tmp_path, cfg, inputs, 1, config_steps(cfg, 16, 1))
 
-    with pytest.raises(UsageError, match=r"is finished: it trained 32 images in .* steps, which covers the .*--epochs N"):
+    with pytest.raises(
+        UsageError, match=r"is finished: it trained 32 images in .* steps, which covers the .*--epochs N"
+    ):
         refuse(2)
     refuse(3)  # --epochs 3: more to train
     lora.unlink()
