@@ -1880,6 +1880,16 @@ def prepare(req: TrainRequest, ui: UI) -> Prepared:
 
     world = cfg.distributed.num_processes
     per_node = world // max(1, req.num_machines)
+    ds = cfg.distributed.deepspeed
+    if ds is not None and not ds.offload_optimizer and world == 1 and not req.resume:
+        # as the planner refuses the pin (planner.pin_conflicts): a config given as it is, the same rule
+        raise UsageError(
+            f"distributed.deepspeed.zero_stage={ds.zero_stage} on one process without offload: ZeRO splits the "
+            "optimizer state over the processes, and one has nothing to split it over, so it holds more than "
+            "without DeepSpeed",
+            fix="set distributed.deepspeed.offload_optimizer=true, train on 2 or more GPUs, or drop the "
+            "distributed.deepspeed settings",
+        )
     if snapshot is not None and per_node > len(runnable_gpus(snapshot)):
         raise UsageError(
             f"distributed.num_processes {world} needs {per_node} GPUs per machine; this machine {gpus_here(snapshot)}",

@@ -500,3 +500,23 @@ def test_a_plan_folder_trained_on_the_cpu_with_other_settings_drops_the_plans_ch
     assert p.cfg.plan is None
     write_run_files(p.out, p.cfg, launch_for(p, req, p.resume), command_line(req, p.out))
     assert not (out / "plan.png").exists() and (out / "sdplan.yaml").is_file()
+
+
+def test_a_config_with_zero_on_one_process_without_offload_is_refused(tmp_path, machines, dataset):
+    """The planner refuses the pin; a config trained as it is (--no-plan, --config) ran it: ZeRO on one process
+    splits nothing and holds more than without DeepSpeed."""
+    from sdplan.launcher import UI, TrainRequest, prepare
+
+    req = TrainRequest(
+        method="finetune",
+        model=str(fake_model(tmp_path / "model", "sd15")),
+        dataset=str(dataset),
+        out=str(tmp_path / "run"),
+        snapshot=Snapshot.load(machines["rtx4090"]),
+        yes=True,
+        no_plan=True,
+        overrides=["distributed.deepspeed.zero_stage=2", "distributed.deepspeed.offload_optimizer=false"],
+    )
+    with pytest.raises(UsageError, match="on one process without offload") as e:
+        prepare(req, UI(echo=lambda line: None))
+    assert "offload_optimizer=true" in e.value.fix
