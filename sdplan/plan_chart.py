@@ -61,6 +61,11 @@ def chart_data(res: planner.Result, profiles: Any) -> dict[str, Any]:
             "high": c.peak_range[1] / GiB,
             "minutes": c.seconds / 60 if c.seconds is not None else None,
             "verdict": c.verdict,
+            # the search's rule: a global batch holds no more than the distinct images (unless the batch is
+            # pinned): such a batch was not a candidate, whatever its peak and time
+            "tried": res.request.pinned("batch")
+            or c.setup.batch == 1
+            or c.setup.batch * c.setup.num_gpus <= res.request.images,
         }
         for c in planner.batch_sweep(res, profiles)
     ]
@@ -139,11 +144,22 @@ def render_png(data: dict[str, Any]) -> bytes:
     right.fill_between(xs, [r["low"] for r in sweep], [r["high"] for r in sweep], color="C0", alpha=0.2)
     right.plot(xs, [r["peak"] for r in sweep], "-", color="C0", label="peak VRAM (likely range shaded)")
     for verdict, (style, label) in VERDICT_MARKS.items():  # each batch as the planner judges it
-        rows = [r for r in sweep if r["verdict"] == verdict]
+        rows = [r for r in sweep if r["verdict"] == verdict and r.get("tried", True)]
         if rows:
             right.plot(
                 [r["batch"] for r in rows], [r["peak"] for r in rows], linestyle="", label=label, **style
             )
+    untried = [r for r in sweep if not r.get("tried", True)]
+    if untried:  # faster-looking, but over the distinct images: the search did not take it (its reasons say)
+        right.plot(
+            [r["batch"] for r in untried],
+            [r["peak"] for r in untried],
+            linestyle="",
+            marker="o",
+            markerfacecolor="white",
+            color="grey",
+            label="not tried: more images a step than the distinct images",
+        )
     if data["card"]:
         right.axhline(data["card"], color="red", linewidth=2)
         right.axhline(data["limit"], color="red", linestyle="--", linewidth=1)

@@ -554,6 +554,25 @@ def test_out_draws_the_plan(tmp_path):
     assert peaks == sorted(peaks)  # more images a step, more memory
     # each batch as the planner judges it (test_plan_chart_judges_each_batch_as_the_planner_does)
     assert [row["verdict"] for row in d["sweep"]] == [c.verdict for c in P.batch_sweep(res, prof)]
+    assert all(row["tried"] for row in d["sweep"])  # 20 images: every batch up to 8 was a candidate
+
+
+def test_plan_chart_marks_batches_the_search_did_not_try():
+    """FLUX.1 fine-tune on 8x H100, 20 images: batch 4 x 6 GPUs is over the distinct images, so the search did
+    not take it; the chart drew it as a faster batch that fits, as if the planner had missed it."""
+    from sdplan import plan_chart
+    from sdplan import planner as P
+    from sdplan.profiles import load_profiles
+
+    prof = load_profiles()
+    hw = P.hardware_from_catalog(prof.find_gpu("H100 SXM"), count=8)
+    res = P.plan(hw, prof, P.Request(method="finetune", model="flux-dev"))
+    d = plan_chart.chart_data(res, prof)
+    n = res.plan.num_gpus
+    for row in d["sweep"]:
+        assert row["tried"] == (row["batch"] == 1 or row["batch"] * n <= 20), (row, n)
+    assert any(not row["tried"] for row in d["sweep"])
+    assert plan_chart.render_png(d).startswith(b"\x89PNG")
 
 
 def _planned(gpu: str, method: str, model: str):
