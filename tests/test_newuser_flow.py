@@ -290,7 +290,8 @@ def test_epochs_given_to_train_count_over_a_planned_max_steps(tmp_path):
 
 def test_a_planned_step_count_for_another_dataset_is_pointed_out(tmp_path):
     """Planned on a dataset of 2 images (max_steps 20), then trained on 8 images: the run trained 20 steps, a
-    quarter of its 10 epochs, and the plan's lines gave no hint. (It was planned with --images 2, which now
+    quarter of its 10 epochs, and the plan's lines gave no hint. Then it said so; now the plan's step count, made
+    for another dataset, is dropped with a note, and the run trains its 10 epochs. (Planned with --images 2, it
     writes no max_steps: a plan that never saw the dataset trains its epochs, test_recommend_out.)"""
     model = fake_diffusers_folder(tmp_path / "model")
     photos = make_images(tmp_path / "photos", 8)
@@ -302,8 +303,9 @@ def test_a_planned_step_count_for_another_dataset_is_pointed_out(tmp_path):
     )
     assert result.exit_code == 0, result.stderr
     (steps,) = [line for line in result.stdout.splitlines() if line.startswith("steps: ")]
-    assert "= 20 optimizer steps" in steps
-    assert "10 epochs of this dataset would be 80 steps: training.max_steps=null trains by epochs" in steps
+    assert "10 epochs = 80 optimizer steps" in steps
+    assert "images per epoch 8 (planned 2)" in result.stdout
+    assert "its planned training.max_steps 20 is dropped (the run trains its epochs)" in result.stdout
     result = cli(
         "train",
         "--config",
