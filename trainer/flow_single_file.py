@@ -307,8 +307,14 @@ def _load_file_parts(location: str, arch: str, root: Path, dtypes) -> dict[str, 
     te_dtype = (dtypes or {}).get("text_encoder") or torch.float32
     vae_kw = load_dtype_kw(dtypes, "vae") or {"torch_dtype": torch.float32}
     loaded: dict[str, Any] = {}
-    for sub, (label, _) in found.items():
+    for sub, (label, prefix) in found.items():
         checkpoint = tensors.pop(sub)
+        tied = prefix + "encoder.embed_tokens.weight"
+        if label == "T5" and tied not in checkpoint and prefix + "shared.weight" in checkpoint:
+            # T5 ties its encoder's token embedding to shared.weight, and ComfyUI's T5 (comfy/text_encoders/
+            # t5.py) has shared alone, so its checkpoint saves hold no encoder.embed_tokens.weight; diffusers'
+            # reader then leaves that embedding unset. A copy of shared, as sdplan's export writes both
+            checkpoint[tied] = checkpoint[prefix + "shared.weight"].clone()
         try:
             if sub == "vae":
                 model = AutoencoderKL.from_single_file(
