@@ -576,7 +576,7 @@ def test_family_of_another_network_kind_is_refused(tiny_flow):
     assert models.load_components(str(tiny_flow["sd35-large"])).family == "sd35-large"
     single = tiny_flow["flux-dev"].parent / "flux.safetensors"
     single.write_bytes(b"")
-    with pytest.raises(UsageError, match="single-file flux-dev transformer needs model.config_dir"):
+    with pytest.raises(UsageError, match="a single flux-dev file needs model.config_dir"):
         models.load_components(str(single), family="flux-dev")
 
 
@@ -650,8 +650,13 @@ def test_a_single_transformer_files_family_is_read_from_its_keys(tmp_path):
         UnsupportedModelError, match="is a sd35-medium folder but .* is a sd35-large transformer"
     ):
         check_source(str(tmp_path / "sd35-large-0.safetensors"), config_dir=str(folders["sd35-medium"]))
-    with pytest.raises(UsageError, match="single-file flux-dev transformer needs model.config_dir"):
+    with pytest.raises(UsageError, match="a single flux-dev file needs model.config_dir") as e:
         check_source(str(dev))
+    # not "its text encoders, VAE and configs are used": an all-in-one file's own load; its configs alone do
+    assert (
+        "for an all-in-one file its configs alone do (`hf download black-forest-labs/FLUX.1-dev"
+        in e.value.fix
+    )
     # a folder: its transformer config says the variant (the trainer's own check on the loaded one too)
     with pytest.raises(UnsupportedModelError, match="model.family is flux-schnell but"):
         check_source(str(folders["flux-dev"]), family="flux-schnell")
@@ -940,9 +945,13 @@ def test_an_all_in_one_files_parts_are_found_by_diffusers_own_keys():
         "text_encoder_2": ("T5", t5, True),
         "vae": ("VAE", "vae.", False),
     }
-    assert file_parts_note(parts, "flux") == (
-        "model: the file's own CLIP-L, VAE (an all-in-one file: they load from it and the exported model carries "
-        "them); T5 from model.config_dir (the file's is quantized, which diffusers does not read); configs and "
-        "tokenizers from model.config_dir"
+    assert file_parts_note(parts, "flux") == (  # FLUX: export.save_full's single file is the transformer only
+        "model: the file's own CLIP-L, VAE (an all-in-one file: they load from it and the exported model/ folder "
+        "carries them; the exported single file is the transformer alone, as ComfyUI's Load Diffusion Model node "
+        "and BFL's release hold it); T5 from model.config_dir (the file's is quantized, which diffusers does not "
+        "read); configs and tokenizers from model.config_dir"
     )
+    assert "(an all-in-one file: they load from it and the exported model carries them)" in file_parts_note(
+        parts, "mmdit"
+    )  # SD3.5: the single file holds them all, in Stability's layout (sd3_pipeline_to_original)
     assert file_parts(keys[:1], "mmdit") == {}

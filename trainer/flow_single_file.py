@@ -218,12 +218,9 @@ def load_flow_single_file(location: str, family: str | None, config_dir: str | N
     from .models import ModelLoadError, diffusers_readable, load_dtype_kw
 
     if not config_dir:
-        raise UsageError(
-            f"model.path {location}: a single-file {family or 'SD3.5/FLUX'} transformer needs model.config_dir",
-            fix="set model.config_dir to a diffusers folder of the same family (its text encoders, VAE and "
-            "configs are used; e.g. a downloaded black-forest-labs/FLUX.1-dev or "
-            "stabilityai/stable-diffusion-3.5-medium)",
-        )
+        from .source_check import _needs_config_dir
+
+        raise _needs_config_dir(location, family)
     root = Path(config_dir)
     try:
         index = json.loads((root / "model_index.json").read_text())

@@ -1115,11 +1115,16 @@ def _mmdit_mismatch(shapes: dict[str, tuple[int, ...]], config: dict[str, Any]) 
 
 
 def _needs_config_dir(where: str, family: str | None) -> UsageError:
+    """The line for an SD3.5 / FLUX.1 single file without model.config_dir: the folder gives its configs and
+    tokenizers, and the weights of whatever the file does not hold (a transformer-only file: its text encoders
+    and VAE; an all-in-one file: none, its own load)."""
+    hub = _hub_id(family) or "stabilityai/stable-diffusion-3.5-medium"
     return UsageError(
-        f"model.path {where}: a single-file {family or 'SD3.5/FLUX'} transformer needs model.config_dir",
-        fix="set model.config_dir to a diffusers folder of the same family (its text encoders, VAE and "
-        "configs are used; e.g. a downloaded black-forest-labs/FLUX.1-dev or "
-        "stabilityai/stable-diffusion-3.5-medium)",
+        f"model.path {where}: a single {family or 'SD3.5/FLUX.1'} file needs model.config_dir",
+        fix="set model.config_dir to a local diffusers folder of the same model: its configs and tokenizers load "
+        "with the file, and so do its text encoders and VAE where the file holds none (a transformer-only "
+        "file); for an all-in-one file its configs alone do "
+        f"(`hf download {hub} --include '*.json' '*.txt' '*.model' --local-dir DIR`)",
     )
 
 
