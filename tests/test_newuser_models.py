@@ -1436,6 +1436,53 @@ def test_a_safetensors_file_named_sft_or_in_upper_case_passes_the_check_before_t
     one_line_error(dry_run(junk, tmp_path), 2, f"model.path {junk}: not a safetensors file (no valid header)")
 
 
+def test_a_sft_files_link_lies_in_the_run_folder_and_outlives_no_load(tmp_path):
+    """A .sft / X.SAFETENSORS file reaches diffusers through a link named .safetensors. Its folder was
+    /tmp/sdplan-model-*, removed at exit: a trainer stopped with SIGTERM while it loaded (no exit handler runs)
+    left it there. The link lies in the run's own folder (``.sdplan-load-<pid>``), is removed once the load is
+    done, and one a stopped load left is removed by the next load there."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import tempfile
+
+    from sdplan.trainer.models import LINK_FOLDER, diffusers_readable
+
+    model = write_safetensors(tmp_path / "m.sft", checkpoint())
+    run = tmp_path / "run"
+    before = set(Path(tempfile.gettempdir()).glob("sdplan-model-*"))
+    code = (
+        "import sys, time\n"
+        "from sdplan.trainer.models import diffusers_readable\n"
+        "with diffusers_readable(sys.argv[1], sys.argv[2]) as name:\n"
+        "    print(name, flush=True)\n"
+        "    time.sleep(60)\n"
+    )
+    loading = subprocess.Popen(
+        [sys.executable, "-c", code, str(model), str(run)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        link = Path(loading.stdout.readline().strip())
+        assert link == run / f"{LINK_FOLDER}{loading.pid}" / "m.safetensors" and link.resolve() == model
+    finally:
+        loading.send_signal(signal.SIGTERM)
+        loading.wait(timeout=30)
+    assert loading.returncode == -signal.SIGTERM
+    assert link.parent.is_dir()  # left in the run's folder, not in /tmp
+    assert set(Path(tempfile.gettempdir()).glob("sdplan-model-*")) == before
+    with diffusers_readable(model, run) as name:
+        assert Path(name) == run / f"{LINK_FOLDER}{os.getpid()}" / "m.safetensors"
+        assert not link.parent.exists()  # its process is gone
+    assert not list(run.glob(LINK_FOLDER + "*"))
+    with pytest.raises(RuntimeError), diffusers_readable(model) as name:  # no run folder: a temporary one
+        assert Path(name).is_symlink()
+        raise RuntimeError
+    assert not Path(name).parent.exists()
+    with diffusers_readable(tmp_path / "plain.safetensors", run) as name:
+        assert name == str(tmp_path / "plain.safetensors")
+
+
 def test_a_hub_id_as_model_config_dir_is_one_line_naming_it_as_typed(tmp_path, monkeypatch):
     """model.config_dir me/tiny15 was made a folder under the current one and refused as "model.config_dir
     /cwd/me/tiny15: not a diffusers folder", a path the user never typed. It takes a local folder: said so, with

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from sdplan import registry
-from sdplan.errors import UsageError
+from sdplan.errors import SdplanError, UsageError
 
 
 def _swap_halves(t):
@@ -208,7 +208,9 @@ def is_flow_transformer_file(path: str | Path) -> bool:
     return any(k.startswith(("joint_blocks.", "double_blocks.")) for k in keys)
 
 
-def load_flow_single_file(location: str, family: str | None, config_dir: str | None, dtypes=None):
+def load_flow_single_file(
+    location: str, family: str | None, config_dir: str | None, dtypes=None, scratch: str | Path | None = None
+):
     """FlowComponents with the transformer read from ``location`` (diffusers ``from_single_file`` with the
     transformer config of ``config_dir``), its own VAE and text encoders where it holds them
     (:func:`_load_file_parts`), and the rest, the tokenizers and the scheduler of ``config_dir``."""
@@ -244,14 +246,19 @@ def load_flow_single_file(location: str, family: str | None, config_dir: str | N
                 f"({FLUX_WIDTH}); {config_dir} describes a {width}-wide transformer",
                 fix="give the diffusers folder as model.path instead of a single file",
             )
-    try:  # the folder's transformer config only: its weights (if any) are never read
-        transformer = cls.from_single_file(
-            diffusers_readable(location),  # x.sft, x.SAFETENSORS: under a name diffusers reads so
-            config=str(root),
-            subfolder="transformer",
-            local_files_only=True,
-            **load_dtype_kw(dtypes, "unet"),
-        )
+    # the folder's transformer config only: its weights (if any) are never read; x.sft, x.SAFETENSORS: under a
+    # name diffusers reads as safetensors (a link in ``scratch``, the run's folder, while it loads)
+    try:
+        with diffusers_readable(location, scratch) as readable:
+            transformer = cls.from_single_file(
+                readable,
+                config=str(root),
+                subfolder="transformer",
+                local_files_only=True,
+                **load_dtype_kw(dtypes, "unet"),
+            )
+    except SdplanError:
+        raise
     except Exception as e:  # a file of another network or width
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise ModelLoadError(
