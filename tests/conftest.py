@@ -432,6 +432,7 @@ def fake_diffusers_folder(
         data[sub] = ["diffusers", "X"]
         if kind == "tokenizer":
             (folder / "tokenizer.json").write_text("{}")
+            (folder / "tokenizer_config.json").write_text("{}")
         elif kind == "scheduler":  # SD 2.x: stabilityai/stable-diffusion-2-1's, v-prediction (planned at 768)
             sched = {"_class_name": "DDPMScheduler"}
             if family == "sd21":

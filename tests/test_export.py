@@ -544,6 +544,11 @@ def test_a_safetensors_file_of_another_suffix_loads(tiny_sd15, tmp_path, name):
     assert single_file.detect_single_file_family(other) == "sd15"
     _assert_same_weights(pipe, single_file.load_single_file_model(other, None, config_dir=model_dir))
     assert other.is_file() and not single.exists()  # the user's file stays as it is
+    from sdplan.trainer import models
+
+    run = tmp_path / "run"  # the trainer's: the link lies in the run's folder while it loads, then goes
+    assert models.load_components(str(other), config_dir=str(model_dir), scratch=run).family == "sd15"
+    assert run.is_dir() and not any(run.iterdir())
     (tmp_path / "junk.sft").write_bytes(b"PK\x03\x04" + bytes(64))
     with pytest.raises(UnsupportedModelError, match="junk.sft: not a safetensors file"):
         check_source(str(tmp_path / "junk.sft"))

@@ -1413,6 +1413,10 @@ def test_a_partial_hub_config_cache_is_not_a_single_files_configs(tmp_path, monk
     for name in ("vocab.json", "merges.txt"):
         (snap / "tokenizer" / name).parent.mkdir(exist_ok=True)
         (snap / "tokenizer" / name).write_text("{}")
+    # without it CLIPTokenizer's model_max_length is 1e30: OverflowError in the trainer after the launch
+    line = source_check.single_file_configs("file", "sd15", None)
+    assert "(no tokenizer/tokenizer_config.json)" in line, line
+    (snap / "tokenizer" / "tokenizer_config.json").write_text("{}")
     assert source_check.single_file_configs("file", "sd15", None, ask=True) is None
     sdxl = write_repo(cache, source_check.SINGLE_FILE_CONFIGS["sdxl"], configs("sdxl"))
     assert "no vae/config.json and 4 more" in source_check.single_file_configs("file", "sdxl", None)
@@ -1432,6 +1436,53 @@ def test_a_safetensors_file_named_sft_or_in_upper_case_passes_the_check_before_t
     one_line_error(dry_run(junk, tmp_path), 2, f"model.path {junk}: not a safetensors file (no valid header)")
 
 
+def test_a_sft_files_link_lies_in_the_run_folder_and_outlives_no_load(tmp_path):
+    """A .sft / X.SAFETENSORS file reaches diffusers through a link named .safetensors. Its folder was
+    /tmp/sdplan-model-*, removed at exit: a trainer stopped with SIGTERM while it loaded (no exit handler runs)
+    left it there. The link lies in the run's own folder (``.sdplan-load-<pid>``), is removed once the load is
+    done, and one a stopped load left is removed by the next load there."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import tempfile
+
+    from sdplan.trainer.models import LINK_FOLDER, diffusers_readable
+
+    model = write_safetensors(tmp_path / "m.sft", checkpoint())
+    run = tmp_path / "run"
+    before = set(Path(tempfile.gettempdir()).glob("sdplan-model-*"))
+    code = (
+        "import sys, time\n"
+        "from sdplan.trainer.models import diffusers_readable\n"
+        "with diffusers_readable(sys.argv[1], sys.argv[2]) as name:\n"
+        "    print(name, flush=True)\n"
+        "    time.sleep(60)\n"
+    )
+    loading = subprocess.Popen(
+        [sys.executable, "-c", code, str(model), str(run)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        link = Path(loading.stdout.readline().strip())
+        assert link == run / f"{LINK_FOLDER}{loading.pid}" / "m.safetensors" and link.resolve() == model
+    finally:
+        loading.send_signal(signal.SIGTERM)
+        loading.wait(timeout=30)
+    assert loading.returncode == -signal.SIGTERM
+    assert link.parent.is_dir()  # left in the run's folder, not in /tmp
+    assert set(Path(tempfile.gettempdir()).glob("sdplan-model-*")) == before
+    with diffusers_readable(model, run) as name:
+        assert Path(name) == run / f"{LINK_FOLDER}{os.getpid()}" / "m.safetensors"
+        assert not link.parent.exists()  # its process is gone
+    assert not list(run.glob(LINK_FOLDER + "*"))
+    with pytest.raises(RuntimeError), diffusers_readable(model) as name:  # no run folder: a temporary one
+        assert Path(name).is_symlink()
+        raise RuntimeError
+    assert not Path(name).parent.exists()
+    with diffusers_readable(tmp_path / "plain.safetensors", run) as name:
+        assert name == str(tmp_path / "plain.safetensors")
+
+
 def test_a_hub_id_as_model_config_dir_is_one_line_naming_it_as_typed(tmp_path, monkeypatch):
     """model.config_dir me/tiny15 was made a folder under the current one and refused as "model.config_dir
     /cwd/me/tiny15: not a diffusers folder", a path the user never typed. It takes a local folder: said so, with
@@ -1439,16 +1490,42 @@ def test_a_hub_id_as_model_config_dir_is_one_line_naming_it_as_typed(tmp_path, m
     monkeypatch.chdir(tmp_path)
     model = write_safetensors(tmp_path / "x.safetensors", checkpoint())
     line = one_line_error(dry_run(model, tmp_path, "model.config_dir=me/tiny15"), 2)
-    assert line.startswith(
-        "error: model.config_dir me/tiny15: takes a local diffusers folder, not a hub id"
-    ), line
+    assert line.startswith("error: model.config_dir me/tiny15: no such folder ("), line
+    assert "if me/tiny15 is a hub id: model.config_dir takes a local folder" in line
     assert "hf download me/tiny15 --local-dir DIR" in line and str(tmp_path) not in line
     line = one_line_error(dry_run(model, tmp_path, "model.config_dir=./nope"), 2)
     assert line.startswith(f"error: model.config_dir {tmp_path / 'nope'}: no such folder"), (
         line
     )  # a path: absolute
-    with pytest.raises(Exception, match="not a hub id"):
+    assert "hub id" not in line
+    with pytest.raises(Exception, match="me/tiny15: no such folder"):
         check_source(str(model), config_dir="me/tiny15")
+    # a mistyped relative folder reads as a hub id too: what is wrong first, the hub id second
+    line = one_line_error(dry_run(model, tmp_path, "model.config_dir=configs/nope"), 2)
+    assert line.startswith("error: model.config_dir configs/nope: no such folder (point it at"), line
+    assert line.index("no such folder") < line.index("hub id")
+
+
+def test_a_config_dir_or_folder_without_tokenizer_config_json_is_one_line_before_the_launch(tmp_path):
+    """A model.config_dir whose tokenizer/ held vocab.json and merges.txt but no tokenizer_config.json passed the
+    check: CLIPTokenizer then has no model_max_length (1e30) and the trainer failed after the launch
+    (OverflowError padding the captions). Every config and tokenizer a single file loads with is looked for in
+    model.config_dir, as in a hub cache; a diffusers folder given as model.path lacking it is refused too."""
+    model = write_safetensors(tmp_path / "x.safetensors", checkpoint())
+    folder = fake_diffusers_folder(tmp_path / "cfg", "sd15")
+    assert dry_run(model, tmp_path, f"model.config_dir={folder}").exit_code == 0
+    (folder / "tokenizer" / "tokenizer_config.json").unlink()
+    (folder / "vae" / "config.json").unlink()
+    line = one_line_error(dry_run(model, tmp_path, f"model.config_dir={folder}"), 2)
+    assert line.startswith(
+        f"error: model.config_dir {folder}: lacks vae/config.json and 1 more, which {model} loads with ("
+    ), line
+    assert "hf download stable-diffusion-v1-5/stable-diffusion-v1-5 --include '*.json'" in line
+    (folder / "vae" / "config.json").write_text("{}")
+    line = one_line_error(dry_run(model, tmp_path, f"model.config_dir={folder}"), 2)
+    assert f"{folder}: lacks tokenizer/tokenizer_config.json, which" in line, line
+    with pytest.raises(UnsupportedModelError, match=r"tokenizer/ holds no tokenizer_config.json \(the tok"):
+        check_source(str(folder))
 
 
 def test_a_variant_a_folder_lacks_is_said_to_load_its_plain_weights(sd15_copy):

@@ -576,7 +576,7 @@ def test_family_of_another_network_kind_is_refused(tiny_flow):
     assert models.load_components(str(tiny_flow["sd35-large"])).family == "sd35-large"
     single = tiny_flow["flux-dev"].parent / "flux.safetensors"
     single.write_bytes(b"")
-    with pytest.raises(UsageError, match="single-file flux-dev transformer needs model.config_dir"):
+    with pytest.raises(UsageError, match="a single flux-dev file needs model.config_dir"):
         models.load_components(str(single), family="flux-dev")
 
 
@@ -650,8 +650,13 @@ def test_a_single_transformer_files_family_is_read_from_its_keys(tmp_path):
         UnsupportedModelError, match="is a sd35-medium folder but .* is a sd35-large transformer"
     ):
         check_source(str(tmp_path / "sd35-large-0.safetensors"), config_dir=str(folders["sd35-medium"]))
-    with pytest.raises(UsageError, match="single-file flux-dev transformer needs model.config_dir"):
+    with pytest.raises(UsageError, match="a single flux-dev file needs model.config_dir") as e:
         check_source(str(dev))
+    # not "its text encoders, VAE and configs are used": an all-in-one file's own load; its configs alone do
+    assert (
+        "for an all-in-one file its configs alone do (`hf download black-forest-labs/FLUX.1-dev"
+        in e.value.fix
+    )
     # a folder: its transformer config says the variant (the trainer's own check on the loaded one too)
     with pytest.raises(UnsupportedModelError, match="model.family is flux-schnell but"):
         check_source(str(folders["flux-dev"]), family="flux-schnell")
@@ -725,6 +730,80 @@ def test_a_scaled_fp8_text_encoder_in_an_all_in_one_file_is_not_the_transformers
     with pytest.raises(
         UnsupportedModelError, match="scaled-fp8 checkpoint .*_quantization_metadata of model"
     ):
+        check_source(str(path), config_dir=str(folder))
+
+
+def test_the_parts_a_single_file_takes_from_config_dir_must_have_weights_there(tmp_path):
+    """The parts an SD3.5 / FLUX.1 file does not give load from model.config_dir: a configs-only folder (the
+    review's: a file without a VAE, or whose T5 is scaled fp8) passed the check and the trainer failed after
+    the launch (OSError: no file named diffusion_pytorch_model.bin). One line naming each part and why it comes
+    from the folder; the parts the file gives need no weights there."""
+    from safetensors.numpy import save_file
+    from sdplan.trainer.source_check import UnsupportedModelError, check_source
+
+    folder = _flow_configs(tmp_path / "cfg", "sd35-medium")
+    for sub in ("transformer", "vae", "text_encoder_3"):  # the transformer's are never read
+        (folder / sub / "diffusion_pytorch_model.safetensors").unlink()
+    z = np.zeros((2, 2), np.float16)
+    mmdit = {"model.diffusion_model." + k: z for k in _FLOW_KEYS["sd35-medium"]}
+    t5 = "text_encoders.t5xxl.transformer."
+    clips = {
+        f"text_encoders.{n}.transformer.text_model.embeddings.position_embedding.weight": z
+        for n in ("clip_l", "clip_g")
+    }
+    fp8_t5 = {t5 + "shared.weight": z, t5 + "scaled_fp8": np.zeros(0, np.float16)}
+    path = tmp_path / "sd3.5_medium_incl_clips_t5xxlfp8scaled.safetensors"
+    save_file({**mmdit, **clips, **fp8_t5}, str(path))
+    with pytest.raises(UnsupportedModelError) as e:
+        check_source(str(path), config_dir=str(folder))
+    assert e.value.message == (
+        f"model.config_dir {folder}: holds no weights for the parts {path} does not give: VAE (vae/: none in the "
+        "file), T5 (text_encoder_3/: the file's is quantized, which diffusers does not read)"
+    )
+    assert "--include 'vae/*' 'text_encoder_3/*' --local-dir" in e.value.fix
+    (folder / "vae" / "diffusion_pytorch_model.fp16.safetensors").write_bytes(b"\x02" + bytes(7) + b"{}")
+    with pytest.raises(UnsupportedModelError, match="VAE .vae/: none in the file"):  # loaded without variant
+        check_source(str(path), config_dir=str(folder))
+    for sub in ("vae", "text_encoder_3"):
+        (folder / sub / "model.safetensors").write_bytes(b"\x02" + bytes(7) + b"{}")
+    assert check_source(str(path), config_dir=str(folder)).family == "sd35-medium"
+    alone = _flow_file(tmp_path / "t.safetensors", "sd35-medium")  # the transformer only: all four from it
+    (folder / "text_encoder" / "diffusion_pytorch_model.safetensors").unlink()
+    with pytest.raises(
+        UnsupportedModelError, match=r"the parts .*t.safetensors does not give: CLIP-L \(text"
+    ):
+        check_source(str(alone), config_dir=str(folder))
+
+
+def test_an_all_in_one_files_encoder_deeper_than_config_dirs_is_one_line(tmp_path):
+    """diffusers skips the keys of layers a config lacks: an all-in-one file's CLIP or T5 with more layers than
+    model.config_dir's config trained cut short, silently (the width was compared, not the depth)."""
+    import json
+
+    from safetensors.numpy import save_file
+    from sdplan.trainer.source_check import UnsupportedModelError, check_source
+
+    folder = _flow_configs(tmp_path / "cfg", "flux-dev")
+    (folder / "text_encoder" / "config.json").write_text(json.dumps({"num_hidden_layers": 1}))
+    (folder / "text_encoder_2" / "config.json").write_text(json.dumps({"num_layers": 2}))
+    z = np.zeros((2, 2), np.float16)
+    clip, t5 = "text_encoders.clip_l.transformer.text_model.", "text_encoders.t5xxl.transformer."
+    state = {"model.diffusion_model." + k: z for k in _FLOW_KEYS["flux-dev"]}
+    state |= {clip + "embeddings.position_embedding.weight": z, t5 + "shared.weight": z}
+    state |= {f"{t5}encoder.block.{i}.layer.0.SelfAttention.q.weight": z for i in (0, 1)}
+    state |= {f"{clip}encoder.layers.{i}.mlp.fc1.weight": z for i in (0, 1)}
+    path = tmp_path / "flux_aio.safetensors"
+    save_file(state, str(path))
+    with pytest.raises(UnsupportedModelError) as e:
+        check_source(str(path), config_dir=str(folder))
+    assert e.value.message == (
+        f"model.config_dir {folder} does not describe {path}'s own CLIP-L: the file's has 2 layers, "
+        "text_encoder/config.json says 1"
+    )
+    (folder / "text_encoder" / "config.json").write_text(json.dumps({"num_hidden_layers": 2}))
+    assert check_source(str(path), config_dir=str(folder)).family == "flux-dev"
+    (folder / "text_encoder_2" / "config.json").write_text(json.dumps({"num_layers": 3}))
+    with pytest.raises(UnsupportedModelError, match="own T5: the file's has 2 layers, text_encoder_2/config"):
         check_source(str(path), config_dir=str(folder))
 
 
@@ -866,9 +945,13 @@ def test_an_all_in_one_files_parts_are_found_by_diffusers_own_keys():
         "text_encoder_2": ("T5", t5, True),
         "vae": ("VAE", "vae.", False),
     }
-    assert file_parts_note(parts, "flux") == (
-        "model: the file's own CLIP-L, VAE (an all-in-one file: they load from it and the exported model carries "
-        "them); T5 from model.config_dir (the file's is quantized, which diffusers does not read); configs and "
-        "tokenizers from model.config_dir"
+    assert file_parts_note(parts, "flux") == (  # FLUX: export.save_full's single file is the transformer only
+        "model: the file's own CLIP-L, VAE (an all-in-one file: they load from it and the exported model/ folder "
+        "carries them; the exported single file is the transformer alone, as ComfyUI's Load Diffusion Model node "
+        "and BFL's release hold it); T5 from model.config_dir (the file's is quantized, which diffusers does not "
+        "read); configs and tokenizers from model.config_dir"
     )
+    assert "(an all-in-one file: they load from it and the exported model carries them)" in file_parts_note(
+        parts, "mmdit"
+    )  # SD3.5: the single file holds them all, in Stability's layout (sd3_pipeline_to_original)
     assert file_parts(keys[:1], "mmdit") == {}

@@ -380,6 +380,28 @@ def test_an_all_in_one_sd35_file_trains_with_its_own_text_encoders_and_vae(tiny_
         check_source(str(aio), config_dir=str(other))
 
 
+def test_an_all_in_one_files_t5_saved_with_its_shared_embedding_only_loads(tiny_flow, tmp_path):
+    """ComfyUI's T5 holds its token embedding as shared.weight alone (the encoder's embed_tokens is tied to it),
+    so its all-in-one SD3.5 saves have no text_encoders.t5xxl.transformer.encoder.embed_tokens.weight: the check
+    passed such a file and the trainer refused it ("its T5 lacks 1 of the weights ... embed_tokens"). The
+    embedding is shared's, as T5 ties them."""
+    from diffusers import StableDiffusion3Pipeline
+    from safetensors.torch import save_file
+    from sdplan.trainer import models
+    from sdplan.trainer.flow_single_file import sd3_pipeline_to_original
+
+    folder = tiny_flow["sd35-medium"]
+    pipe = StableDiffusion3Pipeline.from_pretrained(folder)
+    state = sd3_pipeline_to_original(pipe)
+    state.pop("text_encoders.t5xxl.transformer.encoder.embed_tokens.weight")
+    comfy = tmp_path / "comfy_sd35.safetensors"
+    save_file(state, str(comfy))
+    t5 = models.load_components(str(comfy), config_dir=str(folder)).text_encoders[2]
+    assert not any(p.is_meta for p in t5.parameters())
+    assert torch.equal(t5.encoder.embed_tokens.weight, t5.shared.weight)
+    assert _same_weights(t5, pipe.text_encoder_3)
+
+
 # -- doctor -----------------------------------------------------------------------------------------------
 
 

@@ -78,9 +78,14 @@ def file_parts_note(found: dict[str, tuple[str, str, bool]], arch: str) -> str:
     theirs = [labels[s] for s in order if s not in found]
     if not mine and not quantized:
         return "model: the file holds the transformer only: its text encoders and VAE are model.config_dir's"
+    carried = (
+        "the exported model/ folder carries them; the exported single file is the transformer alone, as "
+        "ComfyUI's Load Diffusion Model node and BFL's release hold it"
+        if arch == "flux"
+        else "the exported model carries them"
+    )
     said = (
-        f"model: the file's own {', '.join(mine)} (an all-in-one file: they load from it and the exported model "
-        "carries them)"
+        f"model: the file's own {', '.join(mine)} (an all-in-one file: they load from it and {carried})"
         if mine
         else "model: the file's transformer"
     )

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from sdplan import registry
-from sdplan.errors import UsageError
+from sdplan.errors import SdplanError, UsageError
 
 
 def _swap_halves(t):
@@ -208,7 +208,9 @@ def is_flow_transformer_file(path: str | Path) -> bool:
     return any(k.startswith(("joint_blocks.", "double_blocks.")) for k in keys)
 
 
-def load_flow_single_file(location: str, family: str | None, config_dir: str | None, dtypes=None):
+def load_flow_single_file(
+    location: str, family: str | None, config_dir: str | None, dtypes=None, scratch: str | Path | None = None
+):
     """FlowComponents with the transformer read from ``location`` (diffusers ``from_single_file`` with the
     transformer config of ``config_dir``), its own VAE and text encoders where it holds them
     (:func:`_load_file_parts`), and the rest, the tokenizers and the scheduler of ``config_dir``."""
@@ -218,12 +220,9 @@ def load_flow_single_file(location: str, family: str | None, config_dir: str | N
     from .models import ModelLoadError, diffusers_readable, load_dtype_kw
 
     if not config_dir:
-        raise UsageError(
-            f"model.path {location}: a single-file {family or 'SD3.5/FLUX'} transformer needs model.config_dir",
-            fix="set model.config_dir to a diffusers folder of the same family (its text encoders, VAE and "
-            "configs are used; e.g. a downloaded black-forest-labs/FLUX.1-dev or "
-            "stabilityai/stable-diffusion-3.5-medium)",
-        )
+        from .source_check import _needs_config_dir
+
+        raise _needs_config_dir(location, family)
     root = Path(config_dir)
     try:
         index = json.loads((root / "model_index.json").read_text())
@@ -247,14 +246,19 @@ def load_flow_single_file(location: str, family: str | None, config_dir: str | N
                 f"({FLUX_WIDTH}); {config_dir} describes a {width}-wide transformer",
                 fix="give the diffusers folder as model.path instead of a single file",
             )
-    try:  # the folder's transformer config only: its weights (if any) are never read
-        transformer = cls.from_single_file(
-            diffusers_readable(location),  # x.sft, x.SAFETENSORS: under a name diffusers reads so
-            config=str(root),
-            subfolder="transformer",
-            local_files_only=True,
-            **load_dtype_kw(dtypes, "unet"),
-        )
+    # the folder's transformer config only: its weights (if any) are never read; x.sft, x.SAFETENSORS: under a
+    # name diffusers reads as safetensors (a link in ``scratch``, the run's folder, while it loads)
+    try:
+        with diffusers_readable(location, scratch) as readable:
+            transformer = cls.from_single_file(
+                readable,
+                config=str(root),
+                subfolder="transformer",
+                local_files_only=True,
+                **load_dtype_kw(dtypes, "unet"),
+            )
+    except SdplanError:
+        raise
     except Exception as e:  # a file of another network or width
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise ModelLoadError(
@@ -307,8 +311,14 @@ def _load_file_parts(location: str, arch: str, root: Path, dtypes) -> dict[str, 
     te_dtype = (dtypes or {}).get("text_encoder") or torch.float32
     vae_kw = load_dtype_kw(dtypes, "vae") or {"torch_dtype": torch.float32}
     loaded: dict[str, Any] = {}
-    for sub, (label, _) in found.items():
+    for sub, (label, prefix) in found.items():
         checkpoint = tensors.pop(sub)
+        tied = prefix + "encoder.embed_tokens.weight"
+        if label == "T5" and tied not in checkpoint and prefix + "shared.weight" in checkpoint:
+            # T5 ties its encoder's token embedding to shared.weight, and ComfyUI's T5 (comfy/text_encoders/
+            # t5.py) has shared alone, so its checkpoint saves hold no encoder.embed_tokens.weight; diffusers'
+            # reader then leaves that embedding unset. A copy of shared, as sdplan's export writes both
+            checkpoint[tied] = checkpoint[prefix + "shared.weight"].clone()
         try:
             if sub == "vae":
                 model = AutoencoderKL.from_single_file(

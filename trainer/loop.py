@@ -559,6 +559,7 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
         config_dir=cfg.model.config_dir,
         dtypes=recipe_cls.dtypes(cfg, accelerator),  # loaded as they train: no fp32 copy of a bf16 model
         info=model_info,
+        scratch=out_dir,  # a .sft file's link while it loads: in the run's folder, not /tmp
     )
     for note in comps.notes:  # what was detected: family, prediction type, weights variant
         progress.say(accelerator, note)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,29 +31,62 @@ def is_safetensors_name(path: str | Path) -> bool:
     return Path(path).suffix.lower() in SAFETENSORS_SUFFIXES
 
 
-def diffusers_readable(path: str | Path) -> str:
+LINK_FOLDER = ".sdplan-load-"  # + the loading process's id: in the run's folder, while a single file loads
+
+
+@contextmanager
+def diffusers_readable(path: str | Path, scratch: str | Path | None = None) -> Iterator[str]:
     """``path``, or where it is not named ``*.safetensors`` in lower case but is a safetensors file (``.sft``,
     ``X.SAFETENSORS``), a link to it that is: diffusers' ``load_state_dict`` (``models/model_loading_utils.py``)
     compares the suffix case-sensitively with "safetensors" and reads any other name with ``torch.load``, which
-    fails on it ("Unable to load weights"). The link lies in a folder of its own, removed at exit."""
+    fails on it ("Unable to load weights"). The link lies in a folder of its own, removed when the load is done;
+    with ``scratch`` (the run's output.dir) a hidden one there, ``.sdplan-load-<pid>``, so a trainer stopped
+    while it loads (SIGTERM runs no exit handler) leaves it in its own run folder, not /tmp, and the next load
+    there removes it (its process is gone). The user's file is untouched."""
     path = Path(path)
     if path.name.endswith(".safetensors") or not is_safetensors_name(path):
-        return str(path)
-    import atexit
+        yield str(path)
+        return
+    import os
     import shutil
     import tempfile
 
-    folder = Path(tempfile.mkdtemp(prefix="sdplan-model-"))
-    atexit.register(shutil.rmtree, folder, ignore_errors=True)
-    link = folder / f"{path.stem}.safetensors"
+    if scratch is not None:
+        root = Path(scratch)
+        for old in root.glob(LINK_FOLDER + "*"):  # a load stopped before it removed its link
+            pid = old.name[len(LINK_FOLDER) :]
+            if pid.isdigit() and int(pid) != os.getpid() and not _running(int(pid)):
+                shutil.rmtree(old, ignore_errors=True)
+        folder = root / f"{LINK_FOLDER}{os.getpid()}"
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir(parents=True)
+    else:
+        folder = Path(tempfile.mkdtemp(prefix="sdplan-model-"))
     try:
-        link.symlink_to(path.resolve())
-    except OSError as e:
-        raise UsageError(
-            f"model.path {path}: cannot read it under a name diffusers reads as safetensors ({e.strerror or e})",
-            fix=f"rename it to {path.stem}.safetensors",
-        ) from None
-    return str(link)
+        link = folder / f"{path.stem}.safetensors"
+        try:
+            link.symlink_to(path.resolve())
+        except OSError as e:
+            raise UsageError(
+                f"model.path {path}: cannot read it under a name diffusers reads as safetensors "
+                f"({e.strerror or e})",
+                fix=f"rename it to {path.stem}.safetensors",
+            ) from None
+        yield str(link)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _running(pid: int) -> bool:
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's: running
+        return True
+    return True
 
 
 class ModelLoadError(SdplanError):
@@ -249,6 +284,7 @@ def load_components(
     config_dir: str | None = None,
     dtypes: dict[str, Any] | None = None,
     info: Any = None,
+    scratch: str | Path | None = None,
 ) -> Components:
     """Load UNet, VAE, text encoder(s), tokenizer(s) and the training noise scheduler from ``path``.
 
@@ -258,7 +294,8 @@ def load_components(
     ``config_dir``: for a single file, a local diffusers folder with the matching component configs (nothing
     is downloaded then); without it diffusers fetches the default configs of the detected family.
     ``dtypes``: the dtype each part trains in (a recipe's ``dtypes``, keys unet / vae / text_encoder): each
-    loads in it (:func:`load_dtype_kw`); None loads as the libraries default."""
+    loads in it (:func:`load_dtype_kw`); None loads as the libraries default. ``scratch``: the run's folder,
+    where a single file named .sft / X.SAFETENSORS is linked while it loads (:func:`diffusers_readable`)."""
     from .source_check import check_source
 
     if config_dir is not None:
@@ -269,7 +306,7 @@ def load_components(
         path, family=family, variant=variant, config_dir=config_dir, revision=revision, deep=True
     )
     if info.kind == "file":
-        comps = _load_single_file(info.location, family or info.family, config_dir, dtypes, info)
+        comps = _load_single_file(info.location, family or info.family, config_dir, dtypes, info, scratch)
     else:
         comps = _load_pretrained(
             info.location,
@@ -463,6 +500,7 @@ def _load_single_file(
     config_dir: str | None,
     dtypes: dict[str, Any] | None = None,
     info: Any = None,
+    scratch: str | Path | None = None,
 ) -> Components:
     from diffusers import DDPMScheduler
 
@@ -472,13 +510,13 @@ def _load_single_file(
     from .single_file import load_single_file_model
 
     if family in FLOW_FAMILIES or (family is None and is_flow_transformer_file(location)):
-        return load_flow_single_file(location, family, config_dir, dtypes)  # SD3.5 / FLUX.1 transformer
+        return load_flow_single_file(location, family, config_dir, dtypes, scratch)  # SD3.5 / FLUX.1
 
     # one dtype for the whole pipeline file: only where every part trains in the same one
     same = set((dtypes or {}).values())
     try:  # the family is read from the file's keys when not given
         pipe = load_single_file_model(
-            location, family, config_dir, torch_dtype=same.pop() if len(same) == 1 else None
+            location, family, config_dir, torch_dtype=same.pop() if len(same) == 1 else None, scratch=scratch
         )
     except SdplanError:
         raise

@@ -168,7 +168,12 @@ def _old_clip_text_encoder(path: Path, state: dict | None, config_dir, torch_dty
 
 
 def load_single_file_model(
-    path: str | Path, family: str | None = None, config_dir: str | Path | None = None, *, torch_dtype=None
+    path: str | Path,
+    family: str | None = None,
+    config_dir: str | Path | None = None,
+    *,
+    torch_dtype=None,
+    scratch: str | Path | None = None,
 ):
     """A single-file checkpoint as a diffusers pipeline (StableDiffusionPipeline or StableDiffusionXLPipeline)
     via diffusers ``from_single_file``.
@@ -209,8 +214,9 @@ def load_single_file_model(
     if family == "sd15" and has_old_clip_keys(keys):  # diffusers would find no text encoder in the file
         kwargs["text_encoder"] = _old_clip_text_encoder(path, state, config_dir, torch_dtype)
     del state  # diffusers reads the file again
-    readable = diffusers_readable(path)  # x.SAFETENSORS, x.sft: under a name diffusers reads as safetensors
-    with training_state_allowed():  # diffusers reads a .ckpt again, with weights_only
+    # x.SAFETENSORS, x.sft: under a name diffusers reads as safetensors (a link in ``scratch``, the run's folder)
+    # diffusers reads a .ckpt again, with weights_only
+    with diffusers_readable(path, scratch) as readable, training_state_allowed():
         if family == "sdxl":
             pipe = StableDiffusionXLPipeline.from_single_file(readable, **kwargs)
         else:

@@ -222,9 +222,17 @@ def _index_shards_absent(folder: Path, sub: str, index: Path) -> list[str]:
     return [f"{sub}/ lacks {len(missing)} of the {len(shards)} shards {index.name} lists ({missing[0]})"]
 
 
-def _tokenizer_ok(folder: Path) -> bool:
+def _tokenizer_lacks(folder: Path) -> tuple[str, str] | None:
+    """What a tokenizer folder lacks, as a file name and as said in full (None: nothing): its vocabulary (tokenizer.json, vocab.json + merges.txt, or
+    T5's spiece.model), else tokenizer_config.json: without it transformers' CLIPTokenizer has no
+    model_max_length (it is 1e30, not 77) and the trainer failed after the launch (OverflowError padding the
+    captions to it). diffusers' single-file config download fetches every ``*.json``, so a cache holds it."""
     has = {p.name for p in folder.iterdir()} if folder.is_dir() else set()
-    return "tokenizer.json" in has or {"vocab.json", "merges.txt"} <= has or "spiece.model" in has
+    if not ("tokenizer.json" in has or {"vocab.json", "merges.txt"} <= has or "spiece.model" in has):
+        return "vocab.json + merges.txt", "tokenizer files (tokenizer.json, or vocab.json + merges.txt)"
+    if "tokenizer_config.json" not in has:
+        return "tokenizer_config.json", "tokenizer_config.json (the tokenizer's max length: CLIP's 77)"
+    return None
 
 
 def _components(arch: str, sdxl: bool) -> list[tuple[str, str]]:
@@ -332,10 +340,9 @@ def check_folder(
         elif not folder.is_dir():
             problems.append(f"no {sub}/ folder")
         elif kind == "tokenizer":
-            if not _tokenizer_ok(folder):
-                problems.append(
-                    f"{sub}/ holds no tokenizer files (tokenizer.json, or vocab.json + merges.txt)"
-                )
+            lacks = _tokenizer_lacks(folder)
+            if lacks:
+                problems.append(f"{sub}/ holds no {lacks[1]}")
         elif kind == "scheduler":
             if not (folder / "scheduler_config.json").is_file():
                 problems.append(f"no {sub}/scheduler_config.json")
@@ -901,16 +908,15 @@ def check_file(
         if not cdir.exists():
             from .models import looks_like_hub_id
 
-            if looks_like_hub_id(
-                config_dir
-            ):  # diffusers' from_single_file(config=) would take one: sdplan not
+            fix = "point it at the diffusers folder of the checkpoint's model"
+            if looks_like_hub_id(config_dir):  # configs/nope (a mistyped folder) reads as one as well
+                # diffusers' from_single_file(config=) would take a hub id: sdplan takes a local folder only
                 raise UsageError(
-                    f"{cwhere}: takes a local diffusers folder, not a hub id (no such folder here)",
-                    fix=f"download it (`hf download {config_dir} --local-dir DIR`) and set model.config_dir=DIR",
+                    f"{cwhere}: no such folder",
+                    fix=f"{fix}; if {config_dir} is a hub id: model.config_dir takes a local folder "
+                    f"(`hf download {config_dir} --local-dir DIR`, then model.config_dir=DIR)",
                 )
-            raise UsageError(
-                f"{cwhere}: no such folder", fix="point it at the diffusers folder of the checkpoint's model"
-            )
+            raise UsageError(f"{cwhere}: no such folder", fix=fix)
         if not (cdir / "model_index.json").is_file():
             raise UnsupportedModelError(
                 f"{cwhere}: not a diffusers folder (no model_index.json)",
@@ -940,6 +946,7 @@ def check_file(
                     "stabilityai/stable-diffusion-3-medium-diffusers; SD3.5 Medium: "
                     "stabilityai/stable-diffusion-3.5-medium)",
                 )
+        parts: dict[str, tuple[str, str, bool]] = {}
         if flow and info.family is not None:  # an all-in-one file: its own text encoders and VAE load
             arch = registry.family(info.family).arch
             parts = file_parts(shapes, arch)
@@ -961,10 +968,74 @@ def check_file(
                         f"{cwhere} is an {theirs} folder but {where} is an {info.family} checkpoint",
                         fix="point model.config_dir at a diffusers folder of the same family, or leave it out",
                     )
+        _check_config_dir_files(cdir, index, parts if flow else None, info.family, where, cwhere)
     elif flow:
         raise _needs_config_dir(where, info.family)
     info.notes.insert(0, describe(info))
     return info
+
+
+def _check_config_dir_files(
+    cdir: Path,
+    index: dict[str, Any],
+    parts: dict[str, tuple[str, str, bool]] | None,
+    family: str | None,
+    where: str,
+    cwhere: str,
+) -> None:
+    """What a single file loads from model.config_dir is there: every component's config, the tokenizers (with
+    their tokenizer_config.json) and the scheduler's config, as diffusers' ``from_single_file(config=)`` reads
+    them; for an SD3.5 / FLUX.1 file (``parts``: the text encoders and VAE it holds,
+    :func:`.flow_models.file_parts`) also the weights of each one it lacks or holds quantized, which load from
+    the folder. A configs-only folder passed and the trainer failed after the launch (OSError: no file named
+    diffusion_pytorch_model.bin; OverflowError for a tokenizer without its max length)."""
+    cls = str(index.get("_class_name") or "")
+    arch = FLOW_PIPELINES.get(cls, "unet")
+    hub = _hub_id(family)
+    get = f"`hf download {hub or '<its hub id>'} --include '*.json' '*.txt' '*.model' --local-dir DIR`"
+    lacks = _single_file_configs_lacking(cdir, arch == "unet" and "text_encoder_2" in index, arch)
+    if lacks:
+        more = f" and {len(lacks) - 1} more" if len(lacks) > 1 else ""
+        raise UnsupportedModelError(
+            f"{cwhere}: lacks {lacks[0]}{more}, which {where} loads with",
+            fix=f"point it at the complete diffusers folder of the file's model (its configs alone: {get})",
+        )
+    if parts is None:
+        return
+    labels = {"text_encoder": "CLIP-L", "vae": "VAE"} | (
+        {"text_encoder_2": "T5"} if arch == "flux" else {"text_encoder_2": "CLIP-G", "text_encoder_3": "T5"}
+    )
+    absent: list[tuple[str, str]] = []
+    for sub, kind in _components(arch, False):
+        if kind != "model" or sub == "transformer" or (sub in parts and not parts[sub][2]):
+            continue
+        folder = cdir / sub
+        why = "the file's is quantized, which diffusers does not read" if sub in parts else "none in the file"
+        if None not in weight_variants(folder):  # loaded without a variant: plain names only
+            absent.append((sub, f"{labels[sub]} ({sub}/: {why})"))
+            continue
+        problems = _missing_shards(folder, sub, None) + _truncated(folder, sub, None)
+        if problems:
+            raise UnsupportedModelError(
+                f"{cwhere}: {problems[0]}, and {where}'s {labels[sub]} loads from it ({why})",
+                fix="download that part of the folder again",
+            )
+    if absent:
+        subs = " ".join(f"'{sub}/*'" for sub, _ in absent)
+        raise UnsupportedModelError(
+            f"{cwhere}: holds no weights for the parts {where} does not give: "
+            + ", ".join(said for _, said in absent),
+            fix=f"download them into it (`hf download {hub or '<its hub id>'} --include {subs} --local-dir "
+            f"{cdir}`), or give a single file that holds them",
+        )
+
+
+def _hub_id(family: str | None) -> str | None:
+    """The hub id of a family's base model (profiles/models), for a fix's `hf download`."""
+    from sdplan.profiles import load_profiles
+
+    model = load_profiles().models.get(family or "")
+    return model.hub_ids[0] if model is not None and model.hub_ids else None
 
 
 def _check_file_parts(
@@ -977,7 +1048,9 @@ def _check_file_parts(
     """An all-in-one file's text encoders and VAE load with model.config_dir's configs: an encoder of another
     width (CLIP's token embedding against ``hidden_size``, T5's against ``d_model``) or a VAE of other latent
     channels (its encoder's ``conv_out``, mean and variance, against ``latent_channels``) is one line here, not
-    a shape error in the trainer after the transformer loaded."""
+    a shape error in the trainer after the transformer loaded; so is an encoder of another depth (its layers
+    in the file against ``num_hidden_layers`` / ``num_layers``): diffusers skips the keys of the layers a
+    shallower config lacks, so a deeper encoder was cut short silently."""
     for sub, (label, prefix, quantized) in parts.items():
         conf_file = cdir / sub / "config.json"
         if quantized or not conf_file.is_file():
@@ -985,22 +1058,24 @@ def _check_file_parts(
         conf = _read_json(cdir, f"{sub}/config.json", cwhere)
         if sub == "vae":
             have = (shapes.get(f"{prefix}encoder.conv_out.weight") or (0,))[0] // 2
-            want, what = conf.get("latent_channels"), "has {} latent channels"
+            checks = [(have, conf.get("latent_channels"), f"has {have} latent channels,")]
         else:
             t5 = label == "T5"
-            have = (
-                shapes.get(
-                    prefix + ("shared.weight" if t5 else "text_model.embeddings.token_embedding.weight")
+            embed = prefix + ("shared.weight" if t5 else "text_model.embeddings.token_embedding.weight")
+            width = (shapes.get(embed) or (0, 0))[-1]
+            block = prefix + ("encoder.block." if t5 else "text_model.encoder.layers.")
+            depth = len({k[len(block) :].split(".")[0] for k in shapes if k.startswith(block)})
+            checks = [
+                (width, conf.get("d_model" if t5 else "hidden_size"), f"is {width} wide,"),
+                (depth, conf.get("num_layers" if t5 else "num_hidden_layers"), f"has {depth} layers,"),
+            ]
+        for have, want, said in checks:
+            if have and want and have != want:
+                raise UnsupportedModelError(
+                    f"{cwhere} does not describe {where}'s own {label}: the file's {said} "
+                    f"{sub}/config.json says {want}",
+                    fix="point model.config_dir at the diffusers folder of the file's own model",
                 )
-                or (0, 0)
-            )[-1]
-            want, what = conf.get("d_model" if t5 else "hidden_size"), "is {} wide"
-        if have and want and have != want:
-            raise UnsupportedModelError(
-                f"{cwhere} does not describe {where}'s own {label}: the file's {what.format(have)}, "
-                f"{sub}/config.json says {want}",
-                fix="point model.config_dir at the diffusers folder of the file's own model",
-            )
 
 
 def _mmdit_mismatch(shapes: dict[str, tuple[int, ...]], config: dict[str, Any]) -> str | None:
@@ -1040,11 +1115,16 @@ def _mmdit_mismatch(shapes: dict[str, tuple[int, ...]], config: dict[str, Any]) 
 
 
 def _needs_config_dir(where: str, family: str | None) -> UsageError:
+    """The line for an SD3.5 / FLUX.1 single file without model.config_dir: the folder gives its configs and
+    tokenizers, and the weights of whatever the file does not hold (a transformer-only file: its text encoders
+    and VAE; an all-in-one file: none, its own load)."""
+    hub = _hub_id(family) or "stabilityai/stable-diffusion-3.5-medium"
     return UsageError(
-        f"model.path {where}: a single-file {family or 'SD3.5/FLUX'} transformer needs model.config_dir",
-        fix="set model.config_dir to a diffusers folder of the same family (its text encoders, VAE and "
-        "configs are used; e.g. a downloaded black-forest-labs/FLUX.1-dev or "
-        "stabilityai/stable-diffusion-3.5-medium)",
+        f"model.path {where}: a single {family or 'SD3.5/FLUX.1'} file needs model.config_dir",
+        fix="set model.config_dir to a local diffusers folder of the same model: its configs and tokenizers load "
+        "with the file, and so do its text encoders and VAE where the file holds none (a transformer-only "
+        "file); for an all-in-one file its configs alone do "
+        f"(`hf download {hub} --include '*.json' '*.txt' '*.model' --local-dir DIR`)",
     )
 
 
@@ -1112,19 +1192,20 @@ def single_file_configs(
     return None
 
 
-def _single_file_configs_lacking(snap: Path, sdxl: bool) -> list[str]:
+def _single_file_configs_lacking(snap: Path, sdxl: bool, arch: str = "unet") -> list[str]:
     """What of the files diffusers' ``from_single_file`` reads from a family's default repo (its
     ``_download_diffusers_model_config_from_hub``: every ``*.json``, ``*.txt`` and ``*.model``; the text encoders',
-    VAE's and UNet's configs, the tokenizers, the scheduler's config) its cached snapshot ``snap`` lacks. A
-    cache holding only model_index.json, the UNet's and the scheduler's configs (what :func:`check_hub` keeps of a
-    hub model it checked) is not enough: offline, transformers then builds a default 512-wide CLIP config
-    and the load fails on a shape mismatch."""
+    VAE's and UNet's configs, the tokenizers and their tokenizer_config.json, the scheduler's config) its cached
+    snapshot ``snap``, or a model.config_dir, lacks. A cache holding only model_index.json, the UNet's and the
+    scheduler's configs (what :func:`check_hub` keeps of a hub model it checked) is not enough: offline,
+    transformers then builds a default 512-wide CLIP config and the load fails on a shape mismatch."""
     lacking = []
-    for sub, kind in _components("unet", sdxl):
+    for sub, kind in _components(arch, sdxl):
         folder = snap / sub
         if kind == "tokenizer":
-            if not _tokenizer_ok(folder):
-                lacking.append(f"{sub}/vocab.json + merges.txt")
+            lacks = _tokenizer_lacks(folder)
+            if lacks:
+                lacking.append(f"{sub}/{lacks[0]}")
         elif kind == "scheduler":
             if not (folder / "scheduler_config.json").is_file():
                 lacking.append(f"{sub}/scheduler_config.json")
