@@ -972,6 +972,14 @@ def require_gpu(snapshot: Any) -> None:
         ):
             lacking = next(f for f in findings(snapshot) if f.code == "torch_arch_unsupported")
             raise NoGPUError(lacking.message, fix=lacking.fix)
+    if build == "rocm" and not snapshot.env.get("HSA_OVERRIDE_GFX_VERSION"):
+        # no kernels for the arch of any GPU it trains on: 'invalid device function' at the first call
+        from sdplan.probe.snapshot import rocm_wheel_arches
+
+        official = rocm_wheel_arches(snapshot.software.torch)
+        if all(g.gfx_arch and g.gfx_arch not in official for g in gpus):
+            lacking = next(f for f in findings(snapshot) if f.code == "rocm_arch_unsupported")
+            raise NoGPUError(lacking.message, fix=lacking.fix)
 
 
 # -- step arithmetic -----------------------------------------------------------------------------------------
@@ -2030,12 +2038,12 @@ def run_gpus(
 
 
 def runnable_gpus(snapshot: Any) -> tuple[Any, ...]:
-    """The usable GPUs a run here sees: where the user's CUDA_VISIBLE_DEVICES (HIP_ / ROCR_) shows some, those,
-    as `sdplan recommend` and doctor plan them (:func:`sdplan.probe.snapshot.shown_gpus`)."""
-    from sdplan.probe.snapshot import shown_gpus
+    """The usable GPUs a run here trains on, as `sdplan recommend` and doctor plan them
+    (:func:`sdplan.probe.snapshot.trained_gpus`): the torch build's vendor's (never a laptop's AMD iGPU beside a
+    CUDA build's GPU), those the user's CUDA_VISIBLE_DEVICES (HIP_ / ROCR_) shows where it restricts them."""
+    from sdplan.probe.snapshot import trained_gpus
 
-    shown = shown_gpus(snapshot)
-    return shown[0] if shown else snapshot.usable_gpus
+    return trained_gpus(snapshot)
 
 
 def visible_setting(snapshot: Any) -> str:
@@ -2051,9 +2059,10 @@ def gpus_here(snapshot: Any) -> str:
     from sdplan.probe.snapshot import shown_gpus
 
     shown = shown_gpus(snapshot)
+    n = len(runnable_gpus(snapshot))
     if shown is None:
-        return f"has {count_of(len(snapshot.usable_gpus), 'usable GPU')}"
-    return f"shows the run {count_of(len(shown[0]), 'usable GPU')} ({shown[1]})"
+        return f"has {count_of(n, 'usable GPU')}"
+    return f"shows the run {count_of(n, 'usable GPU')} ({shown[1]})"
 
 
 def refuse_hidden_gpus(snapshot: Any, gpu_ids: tuple[int, ...] | None) -> None:

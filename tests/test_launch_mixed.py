@@ -337,3 +337,67 @@ def test_doctor_judges_only_the_gpus_shown(monkeypatch):
     assert "mixed_gpus" in both
     one = {f.code for f in findings(replace(snap, env={**snap.env, "CUDA_VISIBLE_DEVICES": "1", **PCI}))}
     assert "mixed_gpus" not in one and "multi_gpu_slow_link" not in one and "visible_devices_some" in one
+
+
+def _with_igpu(snap, memory_gib: float = 2, **software):
+    """``snap`` with a laptop's AMD iGPU (gfx1036: outside the ROCm wheels' arches) after its GPUs."""
+    from dataclasses import replace
+
+    from sdplan.machine import GPU
+
+    igpu = GPU(
+        index=len(snap.gpus),
+        vendor="amd",
+        name="AMD Radeon Graphics",
+        uuid="amd-igpu",
+        memory_total_bytes=int(memory_gib * 2**30),
+        gfx_arch="gfx1036",
+        bf16=False,
+        fp16=True,
+        hip_index=0,
+    )
+    return replace(snap, gpus=(*snap.gpus, igpu), software=replace(snap.software, **software))
+
+
+def test_gpu_counts_leave_out_an_igpu_the_torch_build_never_drives(tmp_path, model, dataset, monkeypatch):
+    """An RTX 4090 beside an AMD iGPU under a CUDA torch: --gpus 2 trained on one GPU without a word, and
+    num_processes=2 (--no-plan) started two processes for the one GPU CUDA sees."""
+    _shown(monkeypatch, machine(RTX4090))
+    snap = _with_igpu(machine(RTX4090), torch_build="cuda")
+    with pytest.raises(UsageError, match=r"--gpus 2: this machine has 1 usable GPU"):
+        prepared(tmp_path / "a", model, dataset, snap, gpus=2)
+    with pytest.raises(UsageError, match=r"needs 2 GPUs per machine; this machine has 1 usable GPU"):
+        prepared(
+            tmp_path / "b", model, dataset, snap, no_plan=True, overrides=["distributed.num_processes=2"]
+        )
+
+
+def test_an_igpus_carve_out_does_not_make_it_the_gpu_trained_on():
+    """No torch (or a CPU one) on a laptop with an 8 GiB RTX 4060 and a 780M whose BIOS gives it 16 GiB: doctor
+    planned the iGPU and said ROCm wheels have no kernels for it. The CUDA driver says which GPU a GPU build of
+    torch would be for."""
+    from dataclasses import replace
+
+    from sdplan.probe.snapshot import findings, trained_vendor
+
+    snap = _with_igpu(machine(RTX4090), memory_gib=32, torch_build="cpu", rocm=None)
+    assert snap.software.cuda_driver and trained_vendor(snap) == "nvidia"
+    assert "rocm_arch_unsupported" not in {f.code for f in findings(snap)}
+    # under a CUDA build, CUDA_VISIBLE_DEVICES says nothing of the iGPU (it hid "all 1 AMD GPU": an error)
+    cuda = replace(
+        _with_igpu(machine(RTX4090, RTX4090), torch_build="cuda"), env={"CUDA_VISIBLE_DEVICES": "1"}
+    )
+    assert "visible_devices_none" not in {f.code for f in findings(cuda)}
+
+
+def test_require_gpu_stops_where_rocm_has_no_kernels_for_any_gpu():
+    from dataclasses import replace
+
+    from sdplan.errors import NoGPUError
+    from sdplan.launcher import require_gpu
+
+    igpu_only = _with_igpu(machine(RTX4090), torch="2.7.0+rocm6.3", torch_build="rocm", rocm="6.3")
+    igpu_only = replace(igpu_only, gpus=igpu_only.gpus[1:])
+    with pytest.raises(NoGPUError, match="outside the arches ROCm torch wheels ship kernels for"):
+        require_gpu(igpu_only)
+    require_gpu(replace(igpu_only, env={**igpu_only.env, "HSA_OVERRIDE_GFX_VERSION": "10.3.0"}))

@@ -1575,3 +1575,15 @@ def test_this_environment_meets_the_requirements_it_was_installed_with():
 
     assert any(r.startswith("diffusers") for r in importlib.metadata.requires("sdplan"))
     assert software.requirement_notes() == ()
+
+
+def test_an_old_binding_says_nothing_of_mig_on_a_card_without_it(monkeypatch, no_devices):
+    """An RTX 3060 cannot run MIG: the warning listed 'whether a GPU is in MIG mode (A100, H100 ...)' there."""
+    module, _ = fake_pynvml.make_module(MACHINES / "rtx3060_12gb.json")
+    for name in OLD_BINDING_LACKS:
+        delattr(module, name)
+    monkeypatch.setitem(sys.modules, "pynvml", module)
+    reading = nvidia.probe(sys_root=no_devices["sys"], proc_root=no_devices["proc"])
+    (note,) = reading.notes
+    assert note.code == "nvml_bindings_old" and "MIG mode" not in note.message
+    assert "compute capability" in note.message

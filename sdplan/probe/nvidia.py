@@ -8,6 +8,7 @@ shows an NVIDIA display controller, so a machine without one stays quiet.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -85,9 +86,6 @@ def _read(nvml: Any, index_start: int) -> NvidiaReading:
     handles: list[Any] = []
     notes: list[Finding] = []
     missing = [name for name in NVML_FIELD_FUNCTIONS if getattr(nvml, name, None) is None]
-    lost = _old_bindings_lose(nvml, missing, cuda_driver_read=cuda_driver is not None, count=count)
-    if lost:
-        notes.append(_note_old_bindings(nvml, missing, lost))
     for i in range(count):
         handle, error = _call(nvml, "nvmlDeviceGetHandleByIndex", i)
         if handle is None:
@@ -103,6 +101,12 @@ def _read(nvml: Any, index_start: int) -> NvidiaReading:
             elif gpu.memory_total_bytes is None and not gpu.mig:  # MIG without a slice: a rule says so
                 notes.append(_note_unreadable(gpu.index, i, gpu.name, "NVML cannot read its memory", error))
         handles.append(handle)
+    names = [g.name or "" for g in gpus]
+    lost = _old_bindings_lose(
+        nvml, missing, cuda_driver_read=cuda_driver is not None, count=count, names=names
+    )
+    if lost:
+        notes.insert(0, _note_old_bindings(nvml, missing, lost))
     return NvidiaReading(
         gpus=tuple(gpus),
         links=tuple(_read_links(nvml, handles, index_start)),
@@ -303,7 +307,16 @@ def _note_no_bindings() -> Finding:
     )
 
 
-def _old_bindings_lose(nvml: Any, missing: list[str], *, cuda_driver_read: bool, count: int) -> list[str]:
+# NVIDIA's GPUs with MIG (the MIG user guide's supported GPUs: A30, A100, H100, H200, B200 and their
+# variants, RTX PRO 6000 Blackwell server cards): only there can an old binding miss that a GPU is in MIG mode
+MIG_CAPABLE = re.compile(
+    r"\b(A30|A100|A800|H100|H800|H200|H20|GH200|B100|B200|GB200|RTX PRO 6000)\b", re.IGNORECASE
+)
+
+
+def _old_bindings_lose(
+    nvml: Any, missing: list[str], *, cuda_driver_read: bool, count: int, names: list[str] | None = None
+) -> list[str]:
     """What the NVML functions an old binding lacks (``missing``) leave unread here, in words, and where the
     report shows it: only what no older function read instead (the CUDA version from
     nvmlSystemGetCudaDriverVersion, the power limit from the enforced one) and what matters here (links only
@@ -325,7 +338,8 @@ def _old_bindings_lose(nvml: Any, missing: list[str], *, cuda_driver_read: bool,
         and getattr(nvml, "nvmlDeviceGetEnforcedPowerLimit", None) is None
     ):
         lost.append("the power limit (n/a under GPUs)")
-    if gone & {"nvmlDeviceGetMigMode", "nvmlDeviceGetMigDeviceHandleByIndex"}:
+    mig_capable = names is None or any(MIG_CAPABLE.search(n) for n in names)
+    if mig_capable and gone & {"nvmlDeviceGetMigMode", "nvmlDeviceGetMigDeviceHandleByIndex"}:
         lost.append(
             "whether a GPU is in MIG mode (A100, H100 and newer data-center cards): its memory is read as the whole "
             "card's, but in MIG mode (`nvidia-smi -q`, 'MIG Mode') a run gets one MIG slice, with a fraction of "

@@ -273,6 +273,11 @@ def trained_vendor(s: Snapshot) -> str | None:
     memory: dict[str, int] = {}
     for g in shown[0] if shown is not None else s.usable_gpus:
         memory[g.vendor] = memory.get(g.vendor, 0) + (g.memory_total_bytes or 0)
+    # where one vendor's driver stack is here (a CUDA driver, ROCm), its GPUs: an iGPU's memory is a carve-out
+    # of the host's RAM, set in the BIOS (a 780M can report 16 GiB beside an 8 GiB RTX 4060 Laptop GPU)
+    stacks = {v for v, have in (("nvidia", s.software.cuda_driver), ("amd", s.software.rocm)) if have}
+    if len(stacks & set(memory)) == 1:
+        return next(iter(stacks & set(memory)))
     return max(memory, key=lambda vendor: memory[vendor]) if memory else None
 
 
@@ -356,7 +361,12 @@ def _apply_visible(
 
 def _visible_rules(s: Snapshot) -> list[Finding]:
     out: list[Finding] = []
+    trained = trained_vendor(
+        s
+    )  # a vendor no run here uses (an iGPU beside a CUDA build's GPUs): nothing to say
     for vendor in ("nvidia", "amd"):
+        if trained is not None and vendor != trained:
+            continue
         v = visible_gpus(s, vendor)
         if v is None:
             continue
@@ -697,7 +707,7 @@ def _host_rules(s: Snapshot) -> list[Finding]:
                 "does not fit)",
                 (raise_limit if limited else "")
                 + "use a machine with >= 16 GB RAM (32 GB is comfortable); here, train only what the verdicts "
-                "below call ok (where none is, none trains here: doctor exits 1)",
+                "below call ok (where none is, none trains here)",
             )
         )
     elif ram is not None and ram < RAM_COMFORT_BYTES:
