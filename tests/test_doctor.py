@@ -448,7 +448,7 @@ def test_doctor_exits_1_where_no_verdict_is_ok(run, monkeypatch, tmp_path, ram_g
     said = "no method and model is ok on this machine: every verdict is tight or no"
     assert (said in result.stderr) == bool(exit_code), result.stderr
     (ram,) = [f for f in snapshot.findings if f.code == "ram_insufficient"]
-    assert "where none is, none trains here: doctor exits 1" in ram.fix  # the fix says what exit 1 means
+    assert "where none is, none trains here" in ram.fix  # doctor's exit says it live (not under --machine)
     assert run("--machine", str(path)).exit_code == 0  # another machine's snapshot: exit 0, as the help says
 
 

@@ -5,6 +5,7 @@ GPU the machine lists first. Nothing is launched here."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -207,6 +208,8 @@ def test_rocr_visible_devices_set_empty_hides_amd_gpus_from_the_trainer(
     from sdplan.machine import Snapshot
 
     amd = Snapshot.load(MACHINES / "rx6700xt.json")
+    # gfx1031: ROCm's wheels run it as gfx1030 under the override (without it train stops: no kernels)
+    amd = replace(amd, env={**amd.env, "HSA_OVERRIDE_GFX_VERSION": "10.3.0"})
     for k in ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES"):
         monkeypatch.delenv(k, raising=False)
     monkeypatch.setenv("ROCR_VISIBLE_DEVICES", "")

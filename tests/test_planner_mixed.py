@@ -310,15 +310,19 @@ def test_nvidia_and_amd_gpus_never_train_together(prof):
     import dataclasses
 
     """One torch build drives a run, so a machine's NVIDIA and AMD GPUs are never planned together: a known build
-    plans its own vendor's GPUs; an unknown one (or none, or a CPU build) the vendor whose GPUs have the most
-    memory, as doctor judges them (trained_gpus): here the W6800's 32 GiB, not the RTX 4090's 24."""
+    plans its own vendor's GPUs; an unknown one (or none, or a CPU build) the vendor whose driver stack is here,
+    and with both stacks the one whose GPUs have the most memory, as doctor judges them (trained_gpus): here
+    the W6800's 32 GiB, not the RTX 4090's 24."""
     snap = machine(RTX4090, W6800)
-    for build, planned in (
-        (None, "AMD Radeon PRO W6800"),
-        ("cpu", "AMD Radeon PRO W6800"),
-        ("cuda", RTX4090["name"]),
+    assert snap.software.cuda_driver and not snap.software.rocm
+    for build, rocm, planned in (
+        (None, "6.3", "AMD Radeon PRO W6800"),
+        ("cpu", "6.3", "AMD Radeon PRO W6800"),
+        ("cpu", None, RTX4090["name"]),  # only NVIDIA's driver stack is here
+        ("cuda", "6.3", RTX4090["name"]),
     ):
-        built = dataclasses.replace(snap, software=dataclasses.replace(snap.software, torch_build=build))
+        software = dataclasses.replace(snap.software, torch_build=build, rocm=rocm)
+        built = dataclasses.replace(snap, software=software)
         hw = P.hardware_from_snapshot(built, prof)
         assert [g.name for g in hw.gpus] == [planned], build
         assert any("is not planned" in n for n in hw.notes), hw.notes

@@ -99,7 +99,9 @@ def _snapshot(name: str, **packages):
         torch_build="rocm" if snap.gpus[0].vendor == "amd" else "cuda",
         packages={**snap.software.packages, **packages},
     )
-    return dataclasses.replace(snap, software=software)
+    # the RX 6700 XT (gfx1031) trains under ROCm's override (without it train stops: no kernels for it)
+    env = {**snap.env, "HSA_OVERRIDE_GFX_VERSION": "10.3.0"} if snap.gpus[0].vendor == "amd" else snap.env
+    return dataclasses.replace(snap, software=software, env=env)
 
 
 def _prepare(tmp_path, snapshot, base: str, family: str = "flux-dev", method: str = "lora"):

@@ -425,8 +425,9 @@ def test_a_grid_is_sampled_once_at_a_step_that_saves_and_never_twice_at_the_last
     assert copied.read_bytes() == (samples / "step-000002.png").read_bytes()
     assert (out / "intermediate" / "run-step00000003" / "samples.png").is_file()
     events = EventAccumulator(str(out / "logs")).Reload()
-    # each grid sampled once, 4 by the final grid (the log closed before it did), no copy again
-    assert [e.step for e in events.Images("samples")] == [1, 2, 3, 4]
+    # each grid sampled once, 4 by the final grid (the log closed before it did), no copy again; at the images
+    # seen (batch 2: steps 1-4 are 2, 4, 6, 8), as the loss's points
+    assert [e.step for e in events.Images("samples")] == [2, 4, 6, 8]
     req = planner.Request(method="lora", sample_prompts=1, sample_every_steps=2, save_every_steps=1)
     counts = planner.sampled_images(req, plan_steps(images_per_epoch=4, batch_size=2, max_steps=4))
     assert counts.during + counts.final == len(made)
