@@ -79,6 +79,9 @@ def planner_verdicts(snapshot: Snapshot) -> list[Verdict]:
                 )
                 if mixed_need := (result.needs or {}).get("min_vram_bytes_mixed_precision"):  # GTX 16: fp32
                     what += f" in fp32 ({mixed_need / 2**30:.1f} GiB in fp16)"
+                if installs := (result.needs or {}).get("fits_after_install"):  # as recommend's headline
+                    fix = installs[0]
+                    what += f"; fits after `{fix['install']}` (an {fix['base_precision']} base)"
                 # no "no usable GPU" here: the table's title says it once
                 out.append(Verdict(method, family, "no", what))
                 continue

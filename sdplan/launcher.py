@@ -61,7 +61,7 @@ from sdplan.settings import (
     settings_data,
     weight_setting,
 )
-from sdplan.steps import bucketed_batches, plan_steps, repeated_batches, repeated_batches_text
+from sdplan.steps import bucketed_batches, largest_batch, plan_steps, repeated_batches, repeated_batches_text
 from sdplan.trainer.dataset_scan import count_of
 
 CONFIG_FILE = "sdplan.yaml"
@@ -1054,7 +1054,15 @@ def describe(
         f"device: {device}; precision {t.precision}; resolution {cfg.data.resolution}",
         f"batch: {t.batch_size} per process x {t.grad_accum} accumulation x {world} process"
         + ("es" if world > 1 else "")
-        + f" = {count_of(steps['images_per_step'], 'image')} per optimizer step",
+        + f" = {count_of(steps['images_per_step'], 'image')} per optimizer step"
+        + (
+            f" (a batch holds at most {formed} images: "
+            + ("its largest aspect bucket's" if len(inputs.bucket_samples) > 1 else "the epoch's")
+            + ")"
+            if (formed := largest_batch(t.batch_size, steps["images_per_epoch"], inputs.bucket_samples))
+            < t.batch_size
+            else ""
+        ),
         f"memory savers: {', '.join(savers) if savers else 'none needed'}; optimizer {m.optimizer}",
     ]
     prior, class_images = C.prior_preservation(cfg)
@@ -1114,7 +1122,9 @@ def describe(
         lines.append(
             f"note: the epoch's batches do not divide by {world} processes: "
             + repeated_batches_text(
-                repeats, t.batch_size, None if t.max_steps else steps["epochs"], steps["images_per_epoch"]
+                repeats,
+                largest_batch(t.batch_size, steps["images_per_epoch"], inputs.bucket_samples),
+                None if t.max_steps else steps["epochs"],
             )
         )
     return lines
@@ -1145,6 +1155,7 @@ def after_oom(
     have_deepspeed: bool,
     resumes: bool = False,
     before_training: bool = False,
+    largest: int | None = None,
 ) -> Change | None:
     """The next config after an out-of-memory error, with the same effective batch; None when nothing is left.
 
@@ -1163,6 +1174,9 @@ def after_oom(
     DeepSpeed's engine): only the savers that change what setup holds are tried (the EMA copy, the text
     encoders leaving the GPU, bf16 weights, DeepSpeed offload); a smaller batch, checkpointing, 8-bit AdamW's
     state (made at the first step) and the latent cache change nothing there, and each retry reloads the models.
+
+    ``largest``: the largest micro-batch the trainer forms (:func:`sdplan.steps.largest_batch`): 64 over 20
+    images is a batch of 20, and halving 64 to 32 changed nothing; it is halved from what ran.
     """
     new = json.loads(json.dumps(data))  # deep copy of plain data
     t = new.setdefault("training", {})
@@ -1170,14 +1184,20 @@ def after_oom(
     dist = new.setdefault("distributed", {})
     b = int(t.get("batch_size", 1))
     ga = int(t.get("grad_accum", 1))
-    if b > 1 and not before_training:
-        nb = _smaller_batch(b)
+    ran = min(b, largest) if largest else b  # the micro-batch the trainer formed
+    if ran > 1 and not before_training:
+        nb = _smaller_batch(ran)
         t["batch_size"] = nb
-        t["grad_accum"] = ga * (b // nb)
+        t["grad_accum"] = ga * -(-ran // nb)
         return Change(
             new,
             f"micro-batch {b} -> {nb}, gradient accumulation {ga} -> {t['grad_accum']} "
-            f"(still {b * ga} images per optimizer step per process)",
+            + (
+                f"(still {ran * ga} images per optimizer step per process)"
+                if ran == b
+                else f"(a batch held {ran} images, the epoch's; up to {nb * t['grad_accum']} per optimizer step "
+                "per process now)"
+            ),
         )
     ema = new.get("ema") or {}
     if ema.get("enabled") and ema.get("device", "cpu") == "gpu":
@@ -1507,9 +1527,9 @@ def refuse_a_finished_resume(
     ):
         return
     raise UsageError(
-        f"--resume: the run in {out} is finished: it trained {done} images in {summary.get('steps')} steps, which "
-        f"covers the {steps['total_steps']} steps this config asks for ({_asked(cfg)} on "
-        f"{count_of(world, 'process', 'processes')}), and wrote its outputs",
+        f"--resume: the run in {out} is finished: its newest checkpoint stands at step {placed[0]} of the "
+        f"{steps['total_steps']} this config asks for ({_asked(cfg)} on {count_of(world, 'process', 'processes')}; "
+        f"{done} images trained), and it wrote its outputs",
         fix="to train longer, resume with more: --epochs N or training.max_steps=N; to train again from the "
         "start, --force instead of --resume",
     )
@@ -2454,6 +2474,9 @@ def execute(p: Prepared, req: TrainRequest, ui: UI, launch: Launch, lock: Any = 
             cuda=cfg.training.device != "cpu",
             have_bnb=importable("bitsandbytes"),
             have_deepspeed=importable("deepspeed"),
+            largest=largest_batch(
+                cfg.training.batch_size, p.inputs.images_x_repeats, p.inputs.bucket_samples
+            ),
         )
         change = after_oom(cfg.to_dict(), **kw, resumes=resumes, before_training=setup_oom)
         if change is None or retries > req.max_oom_retries:

@@ -75,8 +75,11 @@ from sdplan.steps import (
 )
 from sdplan.trainer.blockswap import support_problem as swap_problem  # the trainer's rule (pure, no torch)
 from sdplan.trainer.dataset_scan import count_of as count_text
+from sdplan.trainer.quantize import (
+    NF4_MIN_CC,
+    install_needed,  # what a quantized base needs installed (pure, no torch)
+)
 from sdplan.trainer.quantize import QUANTIZED as QUANTIZED_BASES
-from sdplan.trainer.quantize import install_needed  # what a quantized base needs installed (pure, no torch)
 
 # Settings.__post_init__ normalises these fields only (LoRA's, by the method, and gpu_ids to a tuple)
 _NORMALISED_FIELDS = frozenset(("method", "lora_rank", "lora_alpha", "lora_targets", "gpu_ids"))
@@ -2852,7 +2855,7 @@ def _space(req: Request, hw: Hardware) -> list[Settings]:
             req,
             precision=precision_for(on.gpus),
             attention=_attention_for(on.gpus),
-            nvidia=all(g.vendor == "nvidia" for g in on.gpus),
+            nvidia=all(base_precision_allowed("nf4", g) is None for g in on.gpus),  # nf4's kernels there
             counts=(on.count,),
             gpu_ids=named_gpu_ids(hw, on.gpus),
             missing=missing_bases(on),
@@ -3539,7 +3542,7 @@ def suggest_hardware(
         key = (
             precision_for(hw.gpus),
             attention_backend(gpu),
-            spec.vendor == "nvidia",
+            base_precision_allowed("nf4", gpu) is None,  # nf4's kernels: NVIDIA, compute capability 6.0+
             spec.name if own else None,
         )
         if key not in needs:
@@ -6012,7 +6015,21 @@ def base_precision_allowed(base_precision: str, gpu: HWGPU) -> str | None:
     (bitsandbytes installation docs; its ROCm / other backends are previews), so NVIDIA only here."""
     if base_precision == "nf4" and gpu.vendor != "nvidia":
         return "nf4 (bitsandbytes 4-bit) runs on NVIDIA CUDA GPUs only"
+    cc = _cc(gpu.arch) if gpu.vendor == "nvidia" else None
+    if base_precision == "nf4" and cc is not None and cc < NF4_MIN_CC:  # trainer/quantize.py's rule
+        return (
+            f"nf4 (bitsandbytes 4-bit) needs compute capability {NF4_MIN_CC[0]}.{NF4_MIN_CC[1]}+; {gpu.name} "
+            f"has {gpu.arch}"
+        )
     return None
+
+
+def _cc(arch: str | None) -> tuple[int, ...] | None:
+    """An NVIDIA GPU's compute capability ("8.9") as numbers; None where it is not one."""
+    try:
+        return tuple(int(x) for x in str(arch).split(".")) if arch else None
+    except ValueError:
+        return None
 
 
 def _flow_reasons(

@@ -783,3 +783,20 @@ def test_a_pinned_base_the_machine_cannot_run_is_refused_naming_the_install(tmp_
     msg = _problem("nf4", bitsandbytes=None, diffusers="0.31.0")
     assert msg.endswith("or pin model.base_precision=bf16"), msg
     assert _problem("nf4", bitsandbytes=None).endswith("pin model.base_precision=fp8 or bf16")
+
+
+def test_nf4_is_not_planned_on_a_gpu_older_than_compute_capability_6():
+    """A GTX TITAN X (5.2) with bitsandbytes installed: recommend planned an nf4 base, which train then refused
+    (bitsandbytes' 4-bit kernels need 6.0+). The planner leaves it out, as it leaves out what an install lacks."""
+    from sdplan import planner as P
+    from sdplan.profiles import load_profiles
+
+    snap = _snapshot("t4", bitsandbytes="0.50.2", diffusers="0.42.1")
+    old = dataclasses.replace(snap.gpus[0], name="NVIDIA GeForce GTX TITAN X", compute_capability="5.2")
+    snap = dataclasses.replace(snap, gpus=(old,))
+    prof = load_profiles()
+    hw = P.hardware_from_snapshot(snap, prof)
+    assert "compute capability 6.0+" in P.base_precision_allowed("nf4", hw.gpus[0])
+    res = P.plan(hw, prof, P.Request(method="lora", model="flux-schnell", images=13))
+    assert res.plan is None or res.plan.base_precision != "nf4"
+    assert not any("nf4" in r for r in res.reasons if r.startswith("nothing fits"))

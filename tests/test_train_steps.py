@@ -437,7 +437,8 @@ def test_resume_of_a_finished_run_is_refused_but_an_unfinished_one_is_not(tmp_pa
         refuse_a_finished_resume(tmp_path, cfg, inputs, 1, config_steps(cfg, 16, 1))
 
     with pytest.raises(
-        UsageError, match=r"is finished: it trained 32 images in .* steps, which covers the .*--epochs N"
+        UsageError,
+        match=r"is finished: its newest checkpoint stands at step .* of the .*32 images trained.*--epochs N",
     ):
         refuse(2)
     refuse(3)  # --epochs 3: more to train
@@ -663,3 +664,26 @@ def test_the_trainer_says_which_build_a_gpu_without_kernels_needs(monkeypatch, a
     ) as e:
         check_cuda_kernels("cuda:0")
     assert f"torch built for {need}" in e.value.fix
+
+
+def test_the_oom_retry_halves_the_batch_the_trainer_formed():
+    """Batch 64 over 20 images is a batch of 20: halved to 32 (the same batch of 20), the retry reloaded the models
+    and ran out again, and said '64 images per optimizer step'."""
+    change = after_oom(
+        {"training": {"batch_size": 64, "grad_accum": 1}},
+        cuda=True,
+        have_bnb=True,
+        have_deepspeed=False,
+        largest=20,
+    )
+    assert (change.data["training"]["batch_size"], change.data["training"]["grad_accum"]) == (10, 2)
+    assert "a batch held 20 images" in change.message and "64 images per optimizer step" not in change.message
+    same = after_oom(
+        {"training": {"batch_size": 8, "grad_accum": 1}},
+        cuda=True,
+        have_bnb=True,
+        have_deepspeed=False,
+        largest=20,
+    )
+    assert (same.data["training"]["batch_size"], same.data["training"]["grad_accum"]) == (4, 2)
+    assert "still 8 images per optimizer step" in same.message

@@ -535,11 +535,7 @@ def describe_plan(method: str, family: str, samples: int, cfg, plan: Steps, repe
         f"{count_of(plan.num_processes, 'process', 'processes')} -> {plan.steps_per_epoch} steps/epoch, "
         f"{plan.total_steps} steps "
         f"({plan.epochs} epoch{'s' if plan.epochs != 1 else ''}), {warmup}"
-        + (
-            f"; {steps.repeated_batches_text(repeated, t.batch_size, images_per_epoch=samples)}"
-            if repeated
-            else ""
-        )
+        + (f"; {steps.repeated_batches_text(repeated, plan.largest_batch)}" if repeated else "")
     )
 
 
