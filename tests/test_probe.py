@@ -309,12 +309,8 @@ def test_mig_mode_without_a_readable_slice_is_an_error(monkeypatch, no_devices):
     assert "no_gpu" in fx
 
 
-def test_mig_slices_whose_memory_nvml_cannot_read_exist_and_the_error_is_said(monkeypatch, no_devices):
-    """NVML answering NotSupported for a MIG device's memory: the slices exist, so doctor neither says CUDA sees
-    no device on the card nor tells the user to create GPU instances; it says NVML's error."""
-    module, state = fake_pynvml.make_module(
-        MACHINES / "h100_80gb_hbm3.json", mig={0: [(MIG_3G, MIG_3G), (MIG_2G, MIG_2G)]}
-    )
+def _mig_memory_unreadable(module) -> None:
+    """The fake NVML answers NotSupported for a MIG device's memory, as some drivers do."""
     card_memory = module.nvmlDeviceGetMemoryInfo
 
     def memory(handle, *a):
@@ -323,6 +319,15 @@ def test_mig_slices_whose_memory_nvml_cannot_read_exist_and_the_error_is_said(mo
         return card_memory(handle, *a)
 
     module.nvmlDeviceGetMemoryInfo = memory
+
+
+def test_mig_slices_whose_memory_nvml_cannot_read_exist_and_the_error_is_said(monkeypatch, no_devices):
+    """NVML answering NotSupported for a MIG device's memory: the slices exist, so doctor neither says CUDA sees
+    no device on the card nor tells the user to create GPU instances; it says NVML's error."""
+    module, state = fake_pynvml.make_module(
+        MACHINES / "h100_80gb_hbm3.json", mig={0: [(MIG_3G, MIG_3G), (MIG_2G, MIG_2G)]}
+    )
+    _mig_memory_unreadable(module)
     monkeypatch.setitem(sys.modules, "pynvml", module)
     reading = nvidia.probe(sys_root=no_devices["sys"], proc_root=no_devices["proc"])
     (gpu,) = reading.gpus
@@ -365,14 +370,7 @@ def test_one_mig_slice_is_said_in_the_singular_and_no_profile_of_another_card_is
         name="NVIDIA A100-SXM4-40GB", compute_capability="8.0", memory_total_bytes=40 * 2**30
     )
     module, state = fake_pynvml.make_module(data, mig={0: [(MIG_3G, MIG_3G)]})
-    card_memory = module.nvmlDeviceGetMemoryInfo
-
-    def memory(handle, *a):  # NotSupported on the MIG device, as some drivers answer
-        if module.nvmlDeviceIsMigDeviceHandle(handle):
-            raise module.NVMLError_NotSupported()
-        return card_memory(handle, *a)
-
-    module.nvmlDeviceGetMemoryInfo = memory
+    _mig_memory_unreadable(module)
     monkeypatch.setitem(sys.modules, "pynvml", module)
     reading = nvidia.probe(sys_root=no_devices["sys"], proc_root=no_devices["proc"])
     s = refresh(replace(load("h100_80gb_hbm3"), gpus=reading.gpus, findings=reading.notes))
