@@ -940,13 +940,15 @@ def _family_of(kind: str, location: str) -> str | None:
 # -- device ----------------------------------------------------------------------------------------------------
 
 
-def require_gpu(snapshot: Any) -> None:
+def require_gpu(snapshot: Any, gpu_ids: tuple[int, ...] | None = None) -> None:
     """No usable GPU a run here trains on (or a CPU build of torch): stop before loading anything, and say how to
     go on. The GPUs are doctor's and the planner's (:func:`sdplan.probe.snapshot.trained_gpus`): a CUDA build's
     NVIDIA GPUs, never the AMD iGPU beside them."""
     from sdplan.probe.snapshot import build_vendor, findings, torch_cuda_lacks, trained_gpus
 
     gpus = trained_gpus(snapshot)
+    if gpu_ids is not None:  # the GPUs the run launches on (a pin, the plan's): judged alone
+        gpus = tuple(g for g in gpus if g.index in gpu_ids) or gpus
     if not gpus:
         raise NoGPUError(
             "no usable GPU on this machine (run `sdplan doctor` to see why)",
@@ -977,9 +979,15 @@ def require_gpu(snapshot: Any) -> None:
         from sdplan.probe.snapshot import rocm_wheel_arches
 
         official = rocm_wheel_arches(snapshot.software.torch)
-        if all(g.gfx_arch and g.gfx_arch not in official for g in gpus):
+        if (lack := [g for g in gpus if g.gfx_arch and g.gfx_arch not in official]) and (
+            len(lack) == len(gpus) or gpu_ids is not None
+        ):  # the run uses one the wheels have no kernels for
             lacking = next(f for f in findings(snapshot) if f.code == "rocm_arch_unsupported")
-            raise NoGPUError(lacking.message, fix=lacking.fix)
+            raise NoGPUError(
+                f"{', '.join(f'GPU {g.index} ({g.name}, {g.gfx_arch})' for g in lack)}: outside the arches "
+                "ROCm torch wheels ship kernels for: torch fails with 'invalid device function'",
+                fix=lacking.fix,
+            )
 
 
 # -- step arithmetic -----------------------------------------------------------------------------------------
@@ -1186,7 +1194,8 @@ def after_oom(
     ga = int(t.get("grad_accum", 1))
     ran = min(b, largest) if largest else b  # the micro-batch the trainer formed
     if ran > 1 and not before_training:
-        nb = _smaller_batch(ran)
+        # a divisor keeps the images per step; where the formed batch is a bucket's (a prime 13), half of it
+        nb = _smaller_batch(ran) if ran == b else (ran + 1) // 2
         t["batch_size"] = nb
         t["grad_accum"] = ga * -(-ran // nb)
         return Change(
@@ -1195,8 +1204,8 @@ def after_oom(
             + (
                 f"(still {ran * ga} images per optimizer step per process)"
                 if ran == b
-                else f"(a batch held {ran} images, the epoch's; up to {nb * t['grad_accum']} per optimizer step "
-                "per process now)"
+                else f"(a batch held at most {ran} images; up to {nb * t['grad_accum']} per optimizer step per "
+                "process now)"
             ),
         )
     ema = new.get("ema") or {}
@@ -1527,8 +1536,9 @@ def refuse_a_finished_resume(
     ):
         return
     raise UsageError(
-        f"--resume: the run in {out} is finished: its newest checkpoint stands at step {placed[0]} of the "
-        f"{steps['total_steps']} this config asks for ({_asked(cfg)} on {count_of(world, 'process', 'processes')}; "
+        f"--resume: the run in {out} is finished: its newest checkpoint stands at step {placed[0]}"
+        + (" of the " if placed[0] == steps["total_steps"] else ", past the ")
+        + f"{steps['total_steps']} this config asks for ({_asked(cfg)} on {count_of(world, 'process', 'processes')}; "
         f"{done} images trained), and it wrote its outputs",
         fix="to train longer, resume with more: --epochs N or training.max_steps=N; to train again from the "
         "start, --force instead of --resume",
@@ -1928,6 +1938,8 @@ def prepare(req: TrainRequest, ui: UI) -> Prepared:
     )
     if snapshot is not None and snapshot.usable_gpus:
         refuse_hidden_gpus(snapshot, gpu_ids)
+        if gpu_ids is not None:
+            require_gpu(snapshot, gpu_ids)  # the GPUs chosen (a pin, the plan's) judged alone
     devices = launch_devices(snapshot, gpu_ids, ui) if gpu_ids is not None else None
 
     family = cfg.model.family or inputs.family
@@ -2076,13 +2088,14 @@ def visible_setting(snapshot: Any) -> str:
 
 def gpus_here(snapshot: Any) -> str:
     """'has 2 usable GPUs', or 'shows the run 1 usable GPU (CUDA_VISIBLE_DEVICES=1)'."""
-    from sdplan.probe.snapshot import shown_gpus
+    from sdplan.probe.snapshot import trained_vendor, visible_gpus
 
-    shown = shown_gpus(snapshot)
     n = len(runnable_gpus(snapshot))
-    if shown is None:
+    vendor = trained_vendor(snapshot)
+    seen = visible_gpus(snapshot, vendor) if vendor else None  # the run's vendor's setting only
+    if seen is None or seen.unnamed or not seen.gpus:
         return f"has {count_of(n, 'usable GPU')}"
-    return f"shows the run {count_of(n, 'usable GPU')} ({shown[1]})"
+    return f"shows the run {count_of(n, 'usable GPU')} ({seen.setting})"
 
 
 def refuse_hidden_gpus(snapshot: Any, gpu_ids: tuple[int, ...] | None) -> None:

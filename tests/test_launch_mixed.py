@@ -404,3 +404,48 @@ def test_require_gpu_stops_where_rocm_has_no_kernels_for_any_gpu():
     with pytest.raises(NoGPUError, match="outside the arches ROCm torch wheels ship kernels for"):
         require_gpu(igpu_only)
     require_gpu(replace(igpu_only, env={**igpu_only.env, "HSA_OVERRIDE_GFX_VERSION": "10.3.0"}))
+
+
+def test_a_pinned_gpu_rocm_has_no_kernels_for_is_refused(tmp_path, model, dataset, monkeypatch):
+    """An RX 6700 XT (gfx1031) beside a W6800 (gfx1030) under a ROCm torch, no override: one supported GPU let
+    train pass its check, and distributed.gpu_ids=[0] launched on the 6700 XT alone ('invalid device function').
+    Unpinned, the plan takes the W6800; doctor's fix hides the 6700 XT, not an override that would make the
+    W6800 run as another arch."""
+    from sdplan.errors import NoGPUError
+    from sdplan.probe.snapshot import findings
+
+    snap = _shown(monkeypatch, _amd_three())
+    snap = replace(snap, gpus=snap.gpus[:2], links=snap.links[:1])
+    assert snap.software.torch_build == "rocm" and not snap.env.get("HSA_OVERRIDE_GFX_VERSION")
+    with pytest.raises(NoGPUError, match=r"GPU 0 \(AMD Radeon RX 6700 XT, gfx1031\): outside the arches"):
+        prepared(tmp_path / "a", model, dataset, snap, overrides=["distributed.gpu_ids=[0]"])
+    (f,) = [f for f in findings(snap) if f.code == "rocm_arch_unsupported"]
+    assert f.severity == "warning" and f.fix == "train on the others: HIP_VISIBLE_DEVICES=1"
+    # a plan on both GPUs is refused with that fix, which then trains
+    with pytest.raises(NoGPUError, match=r"train on the others: HIP_VISIBLE_DEVICES=1"):
+        prepared(tmp_path / "b", model, dataset, snap)
+    shown = _shown(monkeypatch, snap, HIP_VISIBLE_DEVICES="1")
+    p, _ = prepared(tmp_path / "c", model, dataset, shown)
+    assert (
+        p.plan["hardware"]["gpus"][0]["name"] == "AMD Radeon PRO W6800"
+        and p.cfg.distributed.num_processes == 1
+    )
+
+
+def test_gpu_counts_name_the_runs_own_setting_once(tmp_path, model, dataset, monkeypatch):
+    snap = _shown(
+        monkeypatch, _with_igpu(machine(RTX4090, RTX4090), torch_build="cuda"), CUDA_VISIBLE_DEVICES="0"
+    )
+    with pytest.raises(UsageError) as e:
+        prepared(tmp_path, model, dataset, snap, gpus=3)
+    assert str(e.value).startswith(
+        "--gpus 3: this machine shows the run 1 usable GPU (CUDA_VISIBLE_DEVICES=0)"
+    )
+
+
+def test_a_laptop_apu_with_both_driver_stacks_is_not_the_gpu_trained_on():
+    from sdplan.probe.snapshot import trained_vendor
+
+    snap = _with_igpu(machine(RTX4090), memory_gib=32, torch_build="cpu", rocm="6.3.0")
+    snap = replace(snap, gpus=(snap.gpus[0], replace(snap.gpus[1], gfx_arch="gfx1103")))
+    assert trained_vendor(snap) == "nvidia"

@@ -677,7 +677,10 @@ def test_the_oom_retry_halves_the_batch_the_trainer_formed():
         largest=20,
     )
     assert (change.data["training"]["batch_size"], change.data["training"]["grad_accum"]) == (10, 2)
-    assert "a batch held 20 images" in change.message and "64 images per optimizer step" not in change.message
+    assert (
+        "a batch held at most 20 images" in change.message
+        and "64 images per optimizer step" not in change.message
+    )
     same = after_oom(
         {"training": {"batch_size": 8, "grad_accum": 1}},
         cuda=True,
@@ -687,3 +690,16 @@ def test_the_oom_retry_halves_the_batch_the_trainer_formed():
     )
     assert (same.data["training"]["batch_size"], same.data["training"]["grad_accum"]) == (4, 2)
     assert "still 8 images per optimizer step" in same.message
+
+
+def test_the_oom_retry_halves_a_prime_buckets_batch_not_down_to_one():
+    """Batch 8 whose largest aspect bucket holds 5: halved by divisors, 5 went straight to 1 (accumulation 5)."""
+    change = after_oom(
+        {"training": {"batch_size": 8, "grad_accum": 1}},
+        cuda=True,
+        have_bnb=True,
+        have_deepspeed=False,
+        largest=5,
+    )
+    assert (change.data["training"]["batch_size"], change.data["training"]["grad_accum"]) == (3, 2)
+    assert "a batch held at most 5 images" in change.message

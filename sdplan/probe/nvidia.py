@@ -307,10 +307,11 @@ def _note_no_bindings() -> Finding:
     )
 
 
-# NVIDIA's GPUs with MIG (the MIG user guide's supported GPUs: A30, A100, H100, H200, B200 and their
-# variants, RTX PRO 6000 Blackwell server cards): only there can an old binding miss that a GPU is in MIG mode
+# NVIDIA's GPUs with MIG (the MIG user guide's supported GPUs: A30, A100, H100, H200, B200, B300 and their
+# variants, RTX PRO 4500 / 5000 / 6000 Blackwell): only there can an old binding miss that a GPU is in MIG mode
 MIG_CAPABLE = re.compile(
-    r"\b(A30|A100|A800|H100|H800|H200|H20|GH200|B100|B200|GB200|RTX PRO 6000)\b", re.IGNORECASE
+    r"\b(A30|A100|A800|H100|H800|H200|H20|GH200|B100|B200|GB200|B300|GB300|RTX PRO (?:4500|5000|6000))\b",
+    re.IGNORECASE,
 )
 
 

@@ -278,7 +278,16 @@ def trained_vendor(s: Snapshot) -> str | None:
     stacks = {v for v, have in (("nvidia", s.software.cuda_driver), ("amd", s.software.rocm)) if have}
     if len(stacks & set(memory)) == 1:
         return next(iter(stacks & set(memory)))
+    pool = shown[0] if shown is not None else s.usable_gpus
+    discrete = {g.vendor for g in pool if not (g.vendor == "amd" and g.gfx_arch in APU_ARCHES)}
+    if len(discrete) == 1:  # both stacks (or neither): not a laptop APU's carve-out over a discrete GPU
+        return next(iter(discrete))
     return max(memory, key=lambda vendor: memory[vendor]) if memory else None
+
+
+# AMD's integrated GPUs (APUs: Renoir/Cezanne gfx90c, Rembrandt gfx1035, Raphael gfx1036, Phoenix gfx1103, Strix
+# Point gfx1150 / gfx1152; LLVM AMDGPU processor table): their memory is a BIOS carve-out of the host's RAM
+APU_ARCHES = frozenset({"gfx90c", "gfx1035", "gfx1036", "gfx1103", "gfx1150", "gfx1152"})
 
 
 def trained_gpus(s: Snapshot) -> tuple[GPU, ...]:
@@ -603,9 +612,12 @@ def _amd_rules(s: Snapshot) -> list[Finding]:
     amd_gpus = [g for g in s.gpus if g.vendor == "amd"]
     if not amd_gpus or (s.usable_gpus and not any(g.vendor == "amd" for g in trained_gpus(s))):
         return []  # a CUDA build beside NVIDIA GPUs never runs ROCm kernels on them
+    if s.usable_gpus:  # the ones a run sees (a GPU HIP_VISIBLE_DEVICES hides is no part of it)
+        amd_gpus = [g for g in trained_gpus(s) if g.vendor == "amd"]
     out: list[Finding] = []
     official = rocm_wheel_arches(s.software.torch)
     override = s.env.get("HSA_OVERRIDE_GFX_VERSION")
+    runs = [g for g in amd_gpus if g.gfx_arch in official]  # GPUs the wheels have kernels for
     for arch in sorted({g.gfx_arch for g in amd_gpus if g.gfx_arch and g.gfx_arch not in official}):
         names = _names([g for g in amd_gpus if g.gfx_arch == arch])
         advice = HSA_OVERRIDES.get(arch)
@@ -623,13 +635,19 @@ def _amd_rules(s: Snapshot) -> list[Finding]:
             )
             continue
         fix = (
-            f"export HSA_OVERRIDE_GFX_VERSION={advice[0]} ({advice[1]})"
+            # the variable overrides every GPU (libhsakmt reads it for each node): the others would run as it
+            "train on the others: "
+            + " ".join(
+                f"{k}={v}" for k, v in s.visible_devices([g.index for g in runs], by_uuid=False).items()
+            )
+            if runs
+            else f"export HSA_OVERRIDE_GFX_VERSION={advice[0]} ({advice[1]})"
             if advice
             else f"no known override: build torch from source with PYTORCH_ROCM_ARCH={arch}"
         )
         out.append(
             Finding(
-                "error",
+                "warning" if runs else "error",  # a run on the others works (the planner takes those)
                 "rocm_arch_unsupported",
                 f"{names} ({arch}) is outside the arches ROCm torch wheels ship kernels for: "
                 "torch fails with 'invalid device function'",
