@@ -1446,7 +1446,8 @@ def _asked(cfg: C.TrainConfig) -> str:
 
 
 def refuse_a_shortened_resume(
-    out: Path,
+    last: Path,
+    placed: tuple[int, Any],
     cfg: C.TrainConfig,
     inputs: InputSummary,
     world: int,
@@ -1457,13 +1458,9 @@ def refuse_a_shortened_resume(
     newest checkpoint already trained: the trainer found nothing left to do and exported the longer-trained
     weights with metadata that said the shorter run, without a word. ``saved_config``: the run's sdplan.yaml
     (validated); where it already holds this length (a shorter resume that finished), the fix does not offer
-    a plain --resume, which is refused as finished."""
-    from sdplan.trainer.checkpoint import latest_checkpoint
-
-    last = latest_checkpoint(out)
-    if last is None or (found := checkpoint_step(last, cfg, inputs, world)) is None:
-        return
-    at, saved = found
+    a plain --resume, which is refused as finished. ``last``: the newest checkpoint, ``placed``: where it stands
+    in this config's steps, and its state (:func:`checkpoint_step`)."""
+    at, saved = placed
     total = steps["total_steps"]
     if at <= total:
         return
@@ -1508,24 +1505,19 @@ def refuse_a_start_past_its_length(
 
 
 def refuse_a_finished_resume(
-    out: Path, cfg: C.TrainConfig, inputs: InputSummary, world: int, steps: dict[str, int]
+    out: Path, placed: tuple[int, Any], cfg: C.TrainConfig, world: int, steps: dict[str, int]
 ) -> None:
     """UsageError for --resume of a run that is done: its newest checkpoint stands at the last of this config's
     steps (``steps``: :func:`config_steps`; placed as the trainer places it, :func:`checkpoint_step`), and its
     summary and every output it lists are there. The trainer would load the model, cache the latents, train
     nothing and write the same outputs again (minutes for a large model). A run stopped between its last
     checkpoint and its outputs still resumes. (Compared by images, a bucketed run cut by training.max_steps,
-    whose short batches see fewer images than full ones would, was started again.)"""
-    from sdplan.trainer.checkpoint import images_seen, latest_checkpoint
-
+    whose short batches see fewer images than full ones would, was started again.) ``placed``: where the newest
+    checkpoint stands in this config's steps, and its state (:func:`checkpoint_step`)."""
     summary = read_json(out / SUMMARY_FILE)
-    last = latest_checkpoint(out)
-    if summary is None or last is None:
+    if summary is None:
         return
-    placed = checkpoint_step(last, cfg, inputs, world)
-    if placed is None:
-        return
-    done = images_seen(last)
+    done = placed[1].images_seen
     listed = summary.get("outputs") if isinstance(summary.get("outputs"), list) else []
     outputs = summary_outputs(summary, out)
     if (
@@ -1971,8 +1963,13 @@ def prepare(req: TrainRequest, ui: UI) -> Prepared:
 
     steps = config_steps(cfg, inputs.images_x_repeats, world, inputs.bucket_samples)
     if resume is not None:
-        refuse_a_shortened_resume(out, cfg, inputs, world, steps, saved_config=saved)
-        refuse_a_finished_resume(out, cfg, inputs, world, steps)
+        from sdplan.trainer.checkpoint import latest_checkpoint
+
+        # the newest checkpoint placed once in this config's steps (its state read, the trainer's sampler built)
+        last = latest_checkpoint(out)
+        if last is not None and (placed := checkpoint_step(last, cfg, inputs, world)) is not None:
+            refuse_a_shortened_resume(last, placed, cfg, inputs, world, steps, saved_config=saved)
+            refuse_a_finished_resume(out, placed, cfg, world, steps)
     elif (start := start_checkpoint(cfg)) is not None:  # the settings as planned: what the trainer builds
         check_start_settings(cfg, start, family)
         refuse_a_start_past_its_length(start, cfg, inputs, world, steps)

@@ -415,8 +415,10 @@ def test_resume_of_a_finished_run_is_refused_but_an_unfinished_one_is_not(tmp_pa
     (a run stopped between its last checkpoint and its outputs)."""
     import json
 
+    from sdplan.trainer.checkpoint import latest_checkpoint
+
     from sdplan import config as C
-    from sdplan.launcher import InputSummary, config_steps, refuse_a_finished_resume
+    from sdplan.launcher import InputSummary, checkpoint_step, config_steps, refuse_a_finished_resume
 
     ckpt = tmp_path / "checkpoints" / "rolling-step-000016"
     ckpt.mkdir(parents=True)
@@ -434,7 +436,10 @@ def test_resume_of_a_finished_run_is_refused_but_an_unfinished_one_is_not(tmp_pa
         data = C.default_config()
         data["training"].update(batch_size=2, grad_accum=1, epochs=epochs, max_steps=None)
         cfg = C.validate(data)
-        refuse_a_finished_resume(tmp_path, cfg, inputs, 1, config_steps(cfg, 16, 1))
+        last = latest_checkpoint(tmp_path)
+        refuse_a_finished_resume(
+            tmp_path, checkpoint_step(last, cfg, inputs, 1), cfg, 1, config_steps(cfg, 16, 1)
+        )
 
     with pytest.raises(
         UsageError,
