@@ -42,6 +42,7 @@ from sdplan.launch import (
 )
 from sdplan.plan_chart import FILE_NAME as PLAN_CHART_FILE
 from sdplan.planner import format_duration
+from sdplan.probe.snapshot import trained_gpus
 from sdplan.probe.software import importable
 from sdplan.registry import (
     FAMILIES,
@@ -1852,7 +1853,7 @@ def prepare(req: TrainRequest, ui: UI) -> Prepared:
 
         snapshot = req.snapshot or probe(str(out.parent if not out.exists() else out))
         require_gpu(snapshot)
-        have = len(runnable_gpus(snapshot))
+        have = len(trained_gpus(snapshot))
         if req.gpus is not None and req.gpus > have:
             raise UsageError(f"--gpus {req.gpus}: this machine {gpus_here(snapshot)}")
     elif cfg.training.precision == "fp16":
@@ -1920,7 +1921,7 @@ def prepare(req: TrainRequest, ui: UI) -> Prepared:
             fix="set distributed.deepspeed.offload_optimizer=true, train on 2 or more GPUs, or drop the "
             "distributed.deepspeed settings",
         )
-    if snapshot is not None and per_node > len(runnable_gpus(snapshot)):
+    if snapshot is not None and per_node > len(trained_gpus(snapshot)):
         raise UsageError(
             f"distributed.num_processes {world} needs {per_node} GPUs per machine; this machine {gpus_here(snapshot)}",
             fix="lower distributed.num_processes (or --gpus)",
@@ -2017,7 +2018,7 @@ def run_gpus(
     better joined (NVLink between two of four, :func:`sdplan.planner.gpu_sets`). On several machines
     the config's ids are the machine it was planned on: another node that lacks them chooses its own."""
     usable = {g.index: g for g in snapshot.usable_gpus}
-    shown = {g.index for g in runnable_gpus(snapshot)}
+    shown = {g.index for g in trained_gpus(snapshot)}
     ids = cfg.distributed.gpu_ids
     if ids is not None and num_machines > 1 and (len(ids) != per_node or any(i not in shown for i in ids)):
         ids = None
@@ -2066,33 +2067,27 @@ def run_gpus(
     return named_gpu_ids(hw, sets[0]) if sets else None
 
 
-def runnable_gpus(snapshot: Any) -> tuple[Any, ...]:
-    """The usable GPUs a run here trains on, as `sdplan recommend` and doctor plan them
-    (:func:`sdplan.probe.snapshot.trained_gpus`): the torch build's vendor's (never a laptop's AMD iGPU beside a
-    CUDA build's GPU), those the user's CUDA_VISIBLE_DEVICES (HIP_ / ROCR_) shows where it restricts them."""
-    from sdplan.probe.snapshot import trained_gpus
+def _run_visibility(snapshot: Any) -> Any:
+    """What the user's CUDA_VISIBLE_DEVICES (HIP_ / ROCR_) shows of the vendor a run here trains on
+    (:func:`sdplan.probe.snapshot.visible_gpus`), where it restricts the GPUs doctor can name; None otherwise."""
+    from sdplan.probe.snapshot import trained_vendor, visible_gpus
 
-    return trained_gpus(snapshot)
+    vendor = trained_vendor(snapshot)
+    seen = visible_gpus(snapshot, vendor) if vendor else None  # the run's vendor's setting only
+    return None if seen is None or seen.unnamed or not seen.gpus else seen
 
 
 def visible_setting(snapshot: Any) -> str:
     """The variables that choose the GPUs a run here sees ('CUDA_VISIBLE_DEVICES'), '' where none does."""
-    from sdplan.probe.snapshot import shown_gpus
-
-    shown = shown_gpus(snapshot)
-    return " and ".join(dict.fromkeys(s.split("=")[0] for s in shown[1].split() if "=" in s)) if shown else ""
+    seen = _run_visibility(snapshot)
+    return " and ".join(s.split("=")[0] for s in seen.setting.split() if "=" in s) if seen else ""
 
 
 def gpus_here(snapshot: Any) -> str:
     """'has 2 usable GPUs', or 'shows the run 1 usable GPU (CUDA_VISIBLE_DEVICES=1)'."""
-    from sdplan.probe.snapshot import trained_vendor, visible_gpus
-
-    n = len(runnable_gpus(snapshot))
-    vendor = trained_vendor(snapshot)
-    seen = visible_gpus(snapshot, vendor) if vendor else None  # the run's vendor's setting only
-    if seen is None or seen.unnamed or not seen.gpus:
-        return f"has {count_of(n, 'usable GPU')}"
-    return f"shows the run {count_of(n, 'usable GPU')} ({seen.setting})"
+    n = count_of(len(trained_gpus(snapshot)), "usable GPU")
+    seen = _run_visibility(snapshot)
+    return f"shows the run {n} ({seen.setting})" if seen else f"has {n}"
 
 
 def refuse_hidden_gpus(snapshot: Any, gpu_ids: tuple[int, ...] | None) -> None:
