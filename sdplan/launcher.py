@@ -1914,13 +1914,10 @@ def prepare(req: TrainRequest, ui: UI) -> Prepared:
     ds = cfg.distributed.deepspeed
     if ds is not None and not ds.offload_optimizer and world == 1 and not req.resume:
         # as the planner refuses the pin (planner.pin_conflicts): a config given as it is, the same rule
-        raise UsageError(
-            f"distributed.deepspeed.zero_stage={ds.zero_stage} on one process without offload: ZeRO splits the "
-            "optimizer state over the processes, and one has nothing to split it over, so it holds more than "
-            "without DeepSpeed",
-            fix="set distributed.deepspeed.offload_optimizer=true, train on 2 or more GPUs, or drop the "
-            "distributed.deepspeed settings",
-        )
+        from sdplan.planner import zero_alone
+
+        what, fix = zero_alone(ds.zero_stage, "one process")
+        raise UsageError(what, fix=fix)
     if snapshot is not None and per_node > len(trained_gpus(snapshot)):
         raise UsageError(
             f"distributed.num_processes {world} needs {per_node} GPUs per machine; this machine {gpus_here(snapshot)}",

@@ -3696,6 +3696,17 @@ def _value_text(value: Any) -> str:
     return v
 
 
+def zero_alone(stage: int, where: str) -> tuple[str, str]:
+    """(what is wrong, the fix) of DeepSpeed ZeRO on one process without offload: a pin the planner refuses
+    (:func:`pin_conflicts`), and a config `sdplan train` is given as it is (launcher.prepare)."""
+    return (
+        f"distributed.deepspeed.zero_stage={stage} on {where} without offload: ZeRO splits the optimizer state over "
+        "the processes, and one process has nothing to split it over, so it holds more than without DeepSpeed",
+        "set distributed.deepspeed.offload_optimizer=true, train on 2 or more GPUs, or drop the "
+        "distributed.deepspeed settings",
+    )
+
+
 def pin_conflicts(req: Request, hw: Hardware) -> list[str]:
     """Pins these GPUs, all of them used, cannot run at all, whatever the memory: each a sentence with the fix
     (naming the GPU that lacks what a pin needs)."""
@@ -3769,12 +3780,8 @@ def pin_conflicts(req: Request, hw: Hardware) -> list[str]:
     # offload pinned off: on one GPU (a set of one, in a search over a machine's sets) refused; the stage alone
     # pinned leaves offload to the search, which on one GPU takes it
     if ds and ds.get("offload_optimizer") is False and count == 1:
-        out.append(
-            f"distributed.deepspeed.zero_stage={ds.get('zero_stage', 2)} on one GPU without offload: ZeRO splits "
-            "the optimizer state over the processes, and one process has nothing to split it over, so it holds "
-            "more than without DeepSpeed (set distributed.deepspeed.offload_optimizer=true, train on 2 or more "
-            "GPUs, or drop the distributed.deepspeed settings)"
-        )
+        what, fix = zero_alone(ds.get("zero_stage", 2), "one GPU")
+        out.append(f"{what} ({fix})")
     base = req.pin("base_precision")
     if base is not None and base != "bf16" and not flow_family(req.model):
         out.append(

@@ -270,15 +270,15 @@ def trained_vendor(s: Snapshot) -> str | None:
     if drives is not None and any(g.vendor == drives for g in s.gpus):
         return drives
     shown = shown_gpus(s)
+    pool = shown[0] if shown is not None else s.usable_gpus
     memory: dict[str, int] = {}
-    for g in shown[0] if shown is not None else s.usable_gpus:
+    for g in pool:
         memory[g.vendor] = memory.get(g.vendor, 0) + (g.memory_total_bytes or 0)
     # where one vendor's driver stack is here (a CUDA driver, ROCm), its GPUs: an iGPU's memory is a carve-out
     # of the host's RAM, set in the BIOS (a 780M can report 16 GiB beside an 8 GiB RTX 4060 Laptop GPU)
     stacks = {v for v, have in (("nvidia", s.software.cuda_driver), ("amd", s.software.rocm)) if have}
     if len(stacks & set(memory)) == 1:
         return next(iter(stacks & set(memory)))
-    pool = shown[0] if shown is not None else s.usable_gpus
     discrete = {g.vendor for g in pool if not (g.vendor == "amd" and g.gfx_arch in APU_ARCHES)}
     if len(discrete) == 1:  # both stacks (or neither): not a laptop APU's carve-out over a discrete GPU
         return next(iter(discrete))
@@ -370,9 +370,8 @@ def _apply_visible(
 
 def _visible_rules(s: Snapshot) -> list[Finding]:
     out: list[Finding] = []
-    trained = trained_vendor(
-        s
-    )  # a vendor no run here uses (an iGPU beside a CUDA build's GPUs): nothing to say
+    # a vendor no run here uses (an iGPU beside a CUDA build's GPUs): nothing to say
+    trained = trained_vendor(s)
     for vendor in ("nvidia", "amd"):
         if trained is not None and vendor != trained:
             continue
