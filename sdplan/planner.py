@@ -51,7 +51,7 @@ from sdplan.config import SamplingConfig
 from sdplan.errors import UsageError
 from sdplan.extras import install_hint
 from sdplan.machine import GTX16_FP16_NAN_SOURCES, fp16_gives_nan
-from sdplan.probe.snapshot import build_vendor  # doctor's rules judge the GPUs it drives, as plans use them
+from sdplan.probe.snapshot import build_vendor, version_tuple  # doctor's rules judge the GPUs it drives
 from sdplan.profiles import GiB, GPUSpec, HostMeasurement, MethodPoint, ModelSpec, Profiles
 from sdplan.registry import FULL_METHODS, METHODS
 from sdplan.settings import (
@@ -4315,9 +4315,8 @@ def _band_scope(profiles: Profiles, model: str) -> str:
 
 def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]:
     s, m = best.setup, best.memory
-    sized = _sized(
-        req, s
-    )  # what its memory and time were sized at (_evaluate): the largest micro-batch formed
+    # what its memory and time were sized at (_evaluate): the largest micro-batch formed
+    sized = _sized(req, s)
     used = plan_gpus(hw, s)
     gpu = used[0]  # one GPU: the GPU (bench evidence, the sample grid)
     # several that differ: the one with the least memory, and the slowest (pace_gpu), each named where it limits
@@ -6022,21 +6021,13 @@ def base_precision_allowed(base_precision: str, gpu: HWGPU) -> str | None:
     (bitsandbytes installation docs; its ROCm / other backends are previews), so NVIDIA only here."""
     if base_precision == "nf4" and gpu.vendor != "nvidia":
         return "nf4 (bitsandbytes 4-bit) runs on NVIDIA CUDA GPUs only"
-    cc = _cc(gpu.arch) if gpu.vendor == "nvidia" else None
+    cc = version_tuple(gpu.arch) if gpu.vendor == "nvidia" else None  # compute capability "8.9"
     if base_precision == "nf4" and cc is not None and cc < NF4_MIN_CC:  # trainer/quantize.py's rule
         return (
             f"nf4 (bitsandbytes 4-bit) needs compute capability {NF4_MIN_CC[0]}.{NF4_MIN_CC[1]}+; {gpu.name} "
             f"has {gpu.arch}"
         )
     return None
-
-
-def _cc(arch: str | None) -> tuple[int, ...] | None:
-    """An NVIDIA GPU's compute capability ("8.9") as numbers; None where it is not one."""
-    try:
-        return tuple(int(x) for x in str(arch).split(".")) if arch else None
-    except ValueError:
-        return None
 
 
 def _flow_reasons(
