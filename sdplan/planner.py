@@ -4715,9 +4715,7 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
             f"{s.num_gpus} GPUs: an epoch's {count_text(st.images_per_epoch, 'image')} "
             f"{'does' if st.images_per_epoch == 1 else 'do'} not make a batch for every GPU in its "
             f"last round: "
-            + repeated_batches_text(
-                repeats, sized.batch, None if req.max_steps else st.epochs, images_per_epoch=req.per_epoch
-            )
+            + repeated_batches_text(repeats, sized.batch, None if req.max_steps else st.epochs)
         )
     if hw.count > 1:
         r += _multi_gpu_reasons(hw, best, one, best_by_n, profiles, cal, pinned("num_gpus"), req)

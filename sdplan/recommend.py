@@ -136,8 +136,7 @@ def hardware_from_machine(path: str | Path, profiles: Profiles) -> planner.Hardw
 def hardware_from_probe(profiles: Profiles) -> planner.Hardware:
     from sdplan.probe.snapshot import probe
 
-    snap = probe(".")
-    return planner.hardware_from_snapshot(snap, profiles, source="probe")
+    return planner.hardware_from_snapshot(probe("."), profiles, source="probe")
 
 
 # -- compute ---------------------------------------------------------------------------------------------

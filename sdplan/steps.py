@@ -129,18 +129,15 @@ def repeated_batches(
     return math.ceil(total / num_processes) * num_processes - total
 
 
-def repeated_batches_text(
-    repeats: int, batch_size: int, epochs: int | None = None, images_per_epoch: int | None = None
-) -> str:
+def repeated_batches_text(repeats: int, batch_size: int, epochs: int | None = None) -> str:
     """What :func:`repeated_batches` means for a run, in the words `recommend` and `train` both print:
-    ``epochs`` given (a run by epochs), the images that adds over the run. A batch holds no more than the
-    epoch's images (``images_per_epoch``: one image at batch 2 is a batch of one, dealt again as one)."""
-    per = min(batch_size, images_per_epoch) if images_per_epoch else batch_size
+    ``epochs`` given (a run by epochs), the images that adds over the run. ``batch_size``: the batch the trainer
+    forms (:func:`largest_batch`: one image at batch 2 is a batch of one, dealt again as one)."""
     first = "its first batch" if repeats == 1 else f"its first {repeats} batches"
-    more = f", about {count_of(repeats * per * epochs, 'image')} more in all" if epochs else ""
+    more = f", about {count_of(repeats * batch_size * epochs, 'image')} more in all" if epochs else ""
     return (
         f"accelerate gives every process a batch by training {first} again (up to "
-        f"{count_of(repeats * per, 'image')} twice an epoch{more})"
+        f"{count_of(repeats * batch_size, 'image')} twice an epoch{more})"
     )
 
 
