@@ -235,6 +235,16 @@ def _tokenizer_lacks(folder: Path) -> tuple[str, str] | None:
     return None
 
 
+def _config_lacks(folder: Path, kind: str) -> tuple[str, str] | None:
+    """What a component folder of ``kind`` (:func:`_components`) lacks of the files that describe it, as a file
+    name and as said in full (None: nothing): a tokenizer's (:func:`_tokenizer_lacks`), a scheduler's
+    scheduler_config.json, a model's config.json. Its weights are another check (a model's only)."""
+    if kind == "tokenizer":
+        return _tokenizer_lacks(folder)
+    name = "scheduler_config.json" if kind == "scheduler" else "config.json"
+    return None if (folder / name).is_file() else (name, name)
+
+
 def _components(arch: str, sdxl: bool) -> list[tuple[str, str]]:
     """(subfolder, kind) of what a family's folder must hold; kind: model | tokenizer | scheduler."""
     if arch == "unet":
@@ -339,16 +349,9 @@ def check_folder(
             continue
         elif not folder.is_dir():
             problems.append(f"no {sub}/ folder")
-        elif kind == "tokenizer":
-            lacks = _tokenizer_lacks(folder)
-            if lacks:
-                problems.append(f"{sub}/ holds no {lacks[1]}")
-        elif kind == "scheduler":
-            if not (folder / "scheduler_config.json").is_file():
-                problems.append(f"no {sub}/scheduler_config.json")
-        elif not (folder / "config.json").is_file():
-            problems.append(f"no {sub}/config.json")
-        else:
+        elif lacks := _config_lacks(folder, kind):
+            problems.append(f"{sub}/ holds no {lacks[1]}" if kind == "tokenizer" else f"no {sub}/{lacks[0]}")
+        elif kind == "model":
             have = weight_variants(folder)
             if not have:
                 problems.append(f"no {sub} weights ({sub}/*.safetensors)")
@@ -1199,19 +1202,11 @@ def _single_file_configs_lacking(snap: Path, sdxl: bool, arch: str = "unet") -> 
     snapshot ``snap``, or a model.config_dir, lacks. A cache holding only model_index.json, the UNet's and the
     scheduler's configs (what :func:`check_hub` keeps of a hub model it checked) is not enough: offline,
     transformers then builds a default 512-wide CLIP config and the load fails on a shape mismatch."""
-    lacking = []
-    for sub, kind in _components(arch, sdxl):
-        folder = snap / sub
-        if kind == "tokenizer":
-            lacks = _tokenizer_lacks(folder)
-            if lacks:
-                lacking.append(f"{sub}/{lacks[0]}")
-        elif kind == "scheduler":
-            if not (folder / "scheduler_config.json").is_file():
-                lacking.append(f"{sub}/scheduler_config.json")
-        elif not (folder / "config.json").is_file():
-            lacking.append(f"{sub}/config.json")
-    return lacking
+    return [
+        f"{sub}/{lacks[0]}"
+        for sub, kind in _components(arch, sdxl)
+        if (lacks := _config_lacks(snap / sub, kind))
+    ]
 
 
 def check_hub(
