@@ -975,14 +975,13 @@ def require_gpu(snapshot: Any, gpu_ids: tuple[int, ...] | None = None) -> None:
         ):
             lacking = next(f for f in findings(snapshot) if f.code == "torch_arch_unsupported")
             raise NoGPUError(lacking.message, fix=lacking.fix)
-    if build == "rocm" and not snapshot.env.get("HSA_OVERRIDE_GFX_VERSION"):
-        # no kernels for the arch of any GPU it trains on: 'invalid device function' at the first call
-        from sdplan.probe.snapshot import rocm_wheel_arches
+    if build == "rocm":
+        # no kernels for the arch of a GPU it trains on: 'invalid device function' at the first call
+        from sdplan.probe.snapshot import rocm_lacking
 
-        official = rocm_wheel_arches(snapshot.software.torch)
-        if (lack := [g for g in gpus if g.gfx_arch and g.gfx_arch not in official]) and (
+        if (lack := rocm_lacking(snapshot, gpus)) and (
             len(lack) == len(gpus) or gpu_ids is not None
-        ):  # the run uses one the wheels have no kernels for
+        ):  # the run uses one the wheels have no kernels for (a plan leaves such a GPU out where others run)
             lacking = next(f for f in findings(snapshot) if f.code == "rocm_arch_unsupported")
             raise NoGPUError(
                 f"{', '.join(f'GPU {g.index} ({g.name}, {g.gfx_arch})' for g in lack)}: outside the arches "
@@ -2058,6 +2057,13 @@ def run_gpus(
     from sdplan.profiles import load_profiles
 
     hw = hardware_from_snapshot(snapshot, load_profiles())
+    if per_node > hw.count and hw.left_out:  # a GPU it shows that cannot train (no ROCm kernels for its arch)
+        index, why = hw.left_out[0]
+        raise UsageError(
+            f"distributed.num_processes {per_node}: this machine trains on {count_of(hw.count, 'GPU')}; GPU "
+            f"{index} cannot train here: {why}",
+            fix=f"lower distributed.num_processes (or --gpus) to {hw.count}, or see `sdplan doctor`",
+        )
     sets = gpu_sets(hw, per_node)
     if cfg.training.precision == "bf16":  # alike GPUs: one set, all with bf16 or none
         sets = [s for s in sets if all(g.bf16 for g in s)] or sets
@@ -2091,13 +2097,13 @@ def refuse_hidden_gpus(snapshot: Any, gpu_ids: tuple[int, ...] | None) -> None:
     """A GPU run where the user's ``CUDA_VISIBLE_DEVICES`` (or ``HIP_VISIBLE_DEVICES``) shows no GPU at all
     (``""`` or ``-1``, the usual ways to hide every GPU) is refused: the trainer would find none for a run planned
     on one (:func:`sdplan.probe.snapshot.visible_gpus` reads the variables as CUDA and ROCm do)."""
-    from sdplan.machine import ENV_KEYS
+    from sdplan.machine import env_of
     from sdplan.probe.snapshot import visible_gpus
 
     first = next((g for g in snapshot.usable_gpus if gpu_ids is None or g.index in gpu_ids), None)
     if first is None:
         return
-    here = replace(snapshot, env={k: os.environ.get(k) for k in ENV_KEYS})
+    here = replace(snapshot, env=env_of(os.environ))
     seen = visible_gpus(here, first.vendor)
     if seen is not None and not seen.gpus and not seen.unnamed:
         raise UsageError(
@@ -2109,11 +2115,11 @@ def refuse_hidden_gpus(snapshot: Any, gpu_ids: tuple[int, ...] | None) -> None:
 def launch_devices(snapshot: Any, gpu_ids: tuple[int, ...], ui: UI) -> dict[str, str] | None:
     """The environment that shows the trainer only ``gpu_ids`` (:meth:`sdplan.machine.Snapshot.visible_devices`);
     None where the user's own CUDA_VISIBLE_DEVICES (or HIP_ / ROCR_) already chooses, which is kept, with a note."""
-    from sdplan.machine import ENV_KEYS
+    from sdplan.machine import env_of
     from sdplan.probe.snapshot import shown_gpus
 
     own = {k: v for k in VISIBLE_DEVICES_ENV if (v := os.environ.get(k, "").strip())}
-    shown = shown_gpus(replace(snapshot, env={k: os.environ.get(k) for k in ENV_KEYS})) if own else None
+    shown = shown_gpus(replace(snapshot, env=env_of(os.environ))) if own else None
     if shown is not None and {g.index for g in shown[0]} == set(gpu_ids):
         return None  # the plan's GPUs are the ones the user's setting shows: it is kept, and says which
     if shown is not None and set(gpu_ids) < {g.index for g in shown[0]}:

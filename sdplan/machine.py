@@ -7,6 +7,7 @@ Units are in the field names. This module imports nothing heavy: the planner and
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -106,6 +107,17 @@ ENV_KEYS = (
     "HSA_OVERRIDE_GFX_VERSION",
     "PYTORCH_CUDA_ALLOC_CONF",
 )
+# ROCm's arch override for one GPU: libhsakmt's topology.c reads HSA_OVERRIDE_GFX_VERSION_<KFD node id> before
+# HSA_OVERRIDE_GFX_VERSION (node 0 is the CPU on a one-socket host, so the first GPU is usually _1)
+GFX_OVERRIDE_PER_NODE = re.compile(r"HSA_OVERRIDE_GFX_VERSION_\d+")
+
+
+def env_of(environ: Any) -> dict[str, str | None]:
+    """The environment a snapshot records: each of :data:`ENV_KEYS` (None where unset), and the per-GPU arch
+    overrides that are set (:data:`GFX_OVERRIDE_PER_NODE`)."""
+    out = {k: environ.get(k) for k in ENV_KEYS}
+    out.update({k: v for k, v in sorted(environ.items()) if GFX_OVERRIDE_PER_NODE.fullmatch(k) and v})
+    return out
 
 
 @dataclass(frozen=True)
@@ -172,7 +184,7 @@ class Snapshot:
             "gpus": [asdict(g) for g in self.gpus],
             "links": [asdict(link) for link in self.links],
             "software": asdict(self.software),
-            "env": {k: self.env.get(k) for k in ENV_KEYS},
+            "env": env_of(self.env),
             "findings": [asdict(f) for f in self.findings],
         }
 
@@ -229,7 +241,7 @@ class Snapshot:
             gpus=gpus,
             links=links,
             software=software,
-            env={k: env.get(k) for k in ENV_KEYS},
+            env=env_of(env),
             findings=findings,
         )
 

@@ -285,6 +285,9 @@ class Hardware:
     # setting: not planned (:func:`hardware_from_snapshot`)
     hidden: tuple[int, ...] = ()
     hidden_by: str = ""
+    # a probed machine's GPUs a run here shows but cannot train on, each (index, why, in words): the other vendor's
+    # (one torch build drives a run), those the ROCm wheels have no kernels for beside ones they have: not planned
+    left_out: tuple[tuple[int, str], ...] = ()
     # a probed or saved machine's installed packages, (name, version; None: not installed), as its snapshot's
     # software.packages records them (:func:`hardware_from_snapshot`); None: not known (catalog hardware, a snapshot that
     # records none): planned as if whatever a setting needs could be installed
@@ -2062,10 +2065,11 @@ def missing_bases(hw: Hardware) -> tuple[str, ...]:
 
 def hardware_from_snapshot(snapshot: Any, profiles: Profiles, source: str = "probe") -> Hardware:
     """Build from a machine Snapshot (sdplan.machine): usable GPUs, their bf16 truth, links, RAM."""
-    from sdplan.probe.snapshot import shown_gpus, trained_gpus
+    from sdplan.probe.snapshot import HSA_OVERRIDES, rocm_lacking, shown_gpus, trained_gpus
 
     gpus = []
     notes: list[str] = []
+    left_out: list[tuple[int, str]] = []
     usable = snapshot.usable_gpus
     hidden: list[Any] = []
     hidden_by = ""
@@ -2107,7 +2111,30 @@ def hardware_from_snapshot(snapshot: Any, profiles: Profiles, source: str = "pro
             f"{why}, so {', '.join(f'GPU {g.index} ({g.name})' for g in left)} "
             f"{'is' if len(left) == 1 else 'are'} not planned"
         )
+        left_out += [(g.index, f"{why}") for g in left]
     usable = tuple(g for g in usable if g in trained)
+    # a GPU the ROCm wheels have no kernels for beside ones they have: the run goes on those (doctor's fix hides
+    # it); where every GPU lacks them, they are planned, and doctor and `sdplan train` say what to set
+    if (lack := rocm_lacking(snapshot, usable)) and len(lack) < len(usable):
+        for g in lack:
+            override = HSA_OVERRIDES.get(g.gfx_arch)
+            left_out.append(
+                (
+                    g.index,
+                    f"its arch {g.gfx_arch} is outside those the ROCm torch wheels ship kernels for"
+                    + (
+                        f" (HSA_OVERRIDE_GFX_VERSION={override[0]} runs it, and every other GPU, as that arch)"
+                        if override
+                        else ""
+                    ),
+                )
+            )
+        notes.append(
+            f"{', '.join(f'GPU {g.index} ({g.name}, {g.gfx_arch})' for g in lack)} "
+            f"{'is' if len(lack) == 1 else 'are'} outside the arches the ROCm torch wheels ship kernels for, so not "
+            "planned (`sdplan doctor` says how to run it)"
+        )
+        usable = tuple(g for g in usable if g not in lack)
     for g in usable:
         mig = getattr(g, "mig", None)  # sdplan.machine.GPU.mig: CUDA sees the slices, memory is the largest's
         # a MIG slice's memory is not the card's: the card is looked up by its name alone (NVML's A100 and H100
@@ -2179,6 +2206,7 @@ def hardware_from_snapshot(snapshot: Any, profiles: Profiles, source: str = "pro
         pair_links=pair_links,
         hidden=tuple(g.index for g in hidden),
         hidden_by=hidden_by if hidden else "",
+        left_out=tuple(left_out),
         packages=snapshot_packages(snapshot),
     )
 
@@ -2342,8 +2370,10 @@ def gpu_sets(hw: Hardware, n: int) -> list[tuple[HWGPU, ...]]:
 
 def named_gpu_ids(hw: Hardware, gpus: tuple[HWGPU, ...]) -> tuple[int, ...] | None:
     """The ``distributed.gpu_ids`` a run on ``gpus`` names: their numbers where the machine's GPUs differ or they
-    are not its first ones (a bridged pair); None for the first ones of alike GPUs, which a launch takes anyway."""
-    if mixed_gpus(hw) or tuple(gpus) != hw.gpus[: len(gpus)]:
+    are not its first ones (a bridged pair), or the machine shows a run GPUs it cannot train on
+    (:attr:`Hardware.left_out`: a launch could take one of those first); None for the first ones of alike GPUs,
+    which a launch takes anyway."""
+    if mixed_gpus(hw) or tuple(gpus) != hw.gpus[: len(gpus)] or hw.left_out:
         return tuple(g.index for g in gpus)
     return None
 
@@ -3737,6 +3767,11 @@ def pin_conflicts(req: Request, hw: Hardware) -> list[str]:
         out.append(
             f"distributed.num_processes={n}: this hardware has {count_text(limit, 'usable GPU')}"
             + (f" ({hw.hidden_by} hides {count_text(len(hw.hidden), 'other')})" if hw.hidden else "")
+            + (
+                f" ({count_text(len(hw.left_out), 'other')} cannot train here: see `sdplan doctor`)"
+                if hw.left_out
+                else ""
+            )
             + " (use at most "
             f"{limit})"
         )
@@ -3756,6 +3791,11 @@ def pin_conflicts(req: Request, hw: Hardware) -> list[str]:
                 f"distributed.gpu_ids={list(ids)}: GPU {missing[0]} is hidden from the run ({hw.hidden_by} "
                 f"is set; it shows GPU{'s' if len(hw.gpus) > 1 else ''} {have}): unset "
                 f"{hw.hidden_by.split('=')[0]} to train on it"
+            )
+        elif missing and (why := dict(hw.left_out).get(missing[0])):
+            out.append(
+                f"distributed.gpu_ids={list(ids)}: GPU {missing[0]} cannot train here: {why}; list "
+                f"GPU{'s' if len(hw.gpus) > 1 else ''} {have} instead"
             )
         elif missing:
             out.append(

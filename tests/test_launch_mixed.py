@@ -417,13 +417,14 @@ def test_a_pinned_gpu_rocm_has_no_kernels_for_is_refused(tmp_path, model, datase
     snap = _shown(monkeypatch, _amd_three())
     snap = replace(snap, gpus=snap.gpus[:2], links=snap.links[:1])
     assert snap.software.torch_build == "rocm" and not snap.env.get("HSA_OVERRIDE_GFX_VERSION")
-    with pytest.raises(NoGPUError, match=r"GPU 0 \(AMD Radeon RX 6700 XT, gfx1031\): outside the arches"):
+    with pytest.raises(
+        UsageError, match=r"gpu_ids=\[0\]: GPU 0 cannot train here: its arch gfx1031 is outside"
+    ):
         prepared(tmp_path / "a", model, dataset, snap, overrides=["distributed.gpu_ids=[0]"])
+    with pytest.raises(NoGPUError, match=r"GPU 0 \(AMD Radeon RX 6700 XT, gfx1031\): outside the arches"):
+        prepared(tmp_path / "a2", model, dataset, snap, no_plan=True, overrides=["distributed.gpu_ids=[0]"])
     (f,) = [f for f in findings(snap) if f.code == "rocm_arch_unsupported"]
     assert f.severity == "warning" and f.fix == "train on the others: HIP_VISIBLE_DEVICES=1"
-    # a plan on both GPUs is refused with that fix, which then trains
-    with pytest.raises(NoGPUError, match=r"train on the others: HIP_VISIBLE_DEVICES=1"):
-        prepared(tmp_path / "b", model, dataset, snap)
     shown = _shown(monkeypatch, snap, HIP_VISIBLE_DEVICES="1")
     p, _ = prepared(tmp_path / "c", model, dataset, shown)
     assert (
@@ -449,3 +450,57 @@ def test_a_laptop_apu_with_both_driver_stacks_is_not_the_gpu_trained_on():
     snap = _with_igpu(machine(RTX4090), memory_gib=32, torch_build="cpu", rocm="6.3.0")
     snap = replace(snap, gpus=(snap.gpus[0], replace(snap.gpus[1], gfx_arch="gfx1103")))
     assert trained_vendor(snap) == "nvidia"
+
+
+def test_the_plan_leaves_out_a_gpu_rocm_has_no_kernels_for(tmp_path, model, dataset, monkeypatch):
+    """An RX 6700 XT (gfx1031, GPU 0) beside a W6800 (gfx1030) under a ROCm torch: the planner planned both, and
+    `train` refused its own plan, naming HIP_VISIBLE_DEVICES=1. The plan now takes the W6800 alone, says why,
+    and the launch shows the trainer only it; two processes given as they are say which GPU cannot train."""
+    from sdplan.planner import hardware_from_snapshot
+    from sdplan.profiles import load_profiles
+
+    snap = _shown(monkeypatch, _amd_three())
+    snap = replace(snap, gpus=snap.gpus[:2], links=snap.links[:1])
+    hw = hardware_from_snapshot(snap, load_profiles())
+    assert [g.index for g in hw.gpus] == [1] and [i for i, _ in hw.left_out] == [0]
+    assert any("GPU 0 (AMD Radeon RX 6700 XT, gfx1031) is outside the arches" in n for n in hw.notes)
+    p, launch = prepared(tmp_path / "a", model, dataset, snap)
+    assert p.cfg.distributed.gpu_ids == [1] and launch.env["HIP_VISIBLE_DEVICES"] == "1"
+    with pytest.raises(
+        UsageError, match=r"num_processes 2: this machine trains on 1 GPU; GPU 0 cannot train"
+    ):
+        prepared(
+            tmp_path / "b", model, dataset, snap, no_plan=True, overrides=["distributed.num_processes=2"]
+        )
+    # an arch override, global or ROCm's per-GPU one (libhsakmt: HSA_OVERRIDE_GFX_VERSION_<KFD node>), is the
+    # user's choice to run it: both GPUs are planned, nothing refused
+    for key in ("HSA_OVERRIDE_GFX_VERSION", "HSA_OVERRIDE_GFX_VERSION_1"):
+        over = replace(snap, env={**snap.env, key: "10.3.0"})
+        assert len(hardware_from_snapshot(over, load_profiles()).gpus) == 2
+        p, _ = prepared(tmp_path / key, model, dataset, over, overrides=["distributed.gpu_ids=[0]"])
+        assert p.cfg.distributed.gpu_ids == [0]
+
+
+def test_a_per_gpu_arch_override_is_recorded_and_read():
+    """ROCm's per-GPU HSA_OVERRIDE_GFX_VERSION_<n> was not read: with only it set, `train` refused an APU that it
+    runs. The snapshot records it (doctor --json round trip) and doctor names it."""
+    from sdplan.errors import NoGPUError
+    from sdplan.launcher import require_gpu
+    from sdplan.machine import Snapshot
+    from sdplan.probe import software
+    from sdplan.probe.snapshot import findings
+
+    env = software.probe_env(
+        {"HSA_OVERRIDE_GFX_VERSION_1": "10.3.0", "HSA_OVERRIDE_GFX_VERSION_X": "1", "HOME": "/"}
+    )
+    assert env["HSA_OVERRIDE_GFX_VERSION_1"] == "10.3.0" and "HSA_OVERRIDE_GFX_VERSION_X" not in env
+    igpu_only = _with_igpu(machine(RTX4090), torch="2.7.0+rocm6.3", torch_build="rocm", rocm="6.3")
+    igpu_only = replace(igpu_only, gpus=igpu_only.gpus[1:])
+    with pytest.raises(NoGPUError):
+        require_gpu(igpu_only)
+    over = replace(igpu_only, env={**igpu_only.env, **env})
+    over = Snapshot.from_dict(over.to_dict())
+    assert over.env["HSA_OVERRIDE_GFX_VERSION_1"] == "10.3.0"
+    require_gpu(over)
+    (f,) = [f for f in findings(over) if f.code == "rocm_arch_override"]
+    assert "HSA_OVERRIDE_GFX_VERSION_1=10.3.0 is set" in f.message

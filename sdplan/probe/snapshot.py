@@ -615,7 +615,7 @@ def _amd_rules(s: Snapshot) -> list[Finding]:
         amd_gpus = [g for g in trained_gpus(s) if g.vendor == "amd"]
     out: list[Finding] = []
     official = rocm_wheel_arches(s.software.torch)
-    override = s.env.get("HSA_OVERRIDE_GFX_VERSION")
+    override = gfx_override(s)
     runs = [g for g in amd_gpus if g.gfx_arch in official]  # GPUs the wheels have kernels for
     for arch in sorted({g.gfx_arch for g in amd_gpus if g.gfx_arch and g.gfx_arch not in official}):
         names = _names([g for g in amd_gpus if g.gfx_arch == arch])
@@ -625,8 +625,7 @@ def _amd_rules(s: Snapshot) -> list[Finding]:
                 Finding(
                     "info",
                     "rocm_arch_override",
-                    f"{names} ({arch}) is outside the ROCm torch wheels' arches; "
-                    f"HSA_OVERRIDE_GFX_VERSION={override} is set",
+                    f"{names} ({arch}) is outside the ROCm torch wheels' arches; {override} is set",
                     f"if kernels crash, check the override: {advice[0]} is the usual value for {arch}"
                     if advice
                     else "if kernels crash, build torch with PYTORCH_ROCM_ARCH=" + arch,
@@ -846,6 +845,24 @@ def rocm_wheel_arches(torch_version: str | None) -> frozenset[str]:
         if version is None or version[:2] >= since:
             arches |= added
     return frozenset(arches)
+
+
+def gfx_override(s: Snapshot) -> str:
+    """The ROCm arch overrides set (``HSA_OVERRIDE_GFX_VERSION=10.3.0``, and per GPU
+    ``HSA_OVERRIDE_GFX_VERSION_1=11.0.0``: :data:`sdplan.machine.GFX_OVERRIDE_PER_NODE`), '' where none is. Either
+    says the user runs a GPU outside the wheels' arches as another: a GPU's KFD node id is not probed, so a
+    per-GPU override is taken to cover whichever GPU it names."""
+    return " ".join(f"{k}={v}" for k, v in s.env.items() if k.startswith("HSA_OVERRIDE_GFX_VERSION") and v)
+
+
+def rocm_lacking(s: Snapshot, gpus: tuple[GPU, ...] | list[GPU]) -> tuple[GPU, ...]:
+    """Of ``gpus``, the AMD ones whose arch the ROCm torch wheels of this torch version ship no kernels for
+    (:func:`rocm_wheel_arches`; 'invalid device function' at the first call), where no arch override is set
+    (:func:`gfx_override`)."""
+    if gfx_override(s):
+        return ()
+    official = rocm_wheel_arches(s.software.torch)
+    return tuple(g for g in gpus if g.vendor == "amd" and g.gfx_arch and g.gfx_arch not in official)
 
 
 def version_tuple(text: str | None) -> tuple[int, ...] | None:

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from sdplan.machine import ENV_KEYS, Finding, Software
+from sdplan.machine import Finding, Software, env_of
 
 # Distribution names (as pip knows them) reported in Software.packages, in display order.
 PACKAGES = (
@@ -121,7 +121,7 @@ def unmet_requirements(requires: list[str], version_of) -> tuple[Finding, ...]:
 
 def probe_env(environ: Mapping[str, str] | None = None) -> dict[str, str | None]:
     env = os.environ if environ is None else environ
-    return {k: env.get(k) for k in ENV_KEYS}
+    return env_of(env)
 
 
 def package_versions(names: tuple[str, ...] = PACKAGES) -> dict[str, str | None]:
