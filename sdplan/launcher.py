@@ -703,7 +703,8 @@ class InputSummary:
     model_kind: str  # folder | file | hub
     family: str | None
     scan_summary: str
-    model_note: str | None = None  # what could not be checked before the launch (a dry run without the hub)
+    # what could not be checked before the launch (a dry run without the hub); which parts an all-in-one file gives
+    model_notes: tuple[str, ...] = ()
     bucket_samples: tuple[int, ...] = ()  # data.buckets: the samples in each aspect bucket (steps.py)
     # data.buckets: each sample's bucket, in the dataset's order (the trainer's BucketBatchSampler's bucket ids)
     sample_buckets: tuple[int, ...] = ()
@@ -850,7 +851,8 @@ def check_inputs(
                 ),
             )
         ),
-        model_note=model_note,
+        # an SD3.5 / FLUX.1 single file: which encoders and VAE are its own, before minutes of loading
+        model_notes=tuple(filter(None, (model_note, info.parts_note))),
     )
 
 
@@ -1057,7 +1059,7 @@ def describe(
         device = f"CPU, {world} processes (gloo)"
     lines = [
         f"{cfg.method} on {cfg.model.family or inputs.family or 'the model'} ({cfg.model.path})",
-        *([inputs.model_note] if inputs.model_note else []),
+        *inputs.model_notes,
         f"data: {inputs.scan_summary}",
         f"device: {device}; precision {t.precision}; resolution {cfg.data.resolution}",
         f"batch: {t.batch_size} per process x {t.grad_accum} accumulation x {world} process"

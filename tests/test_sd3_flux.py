@@ -955,3 +955,35 @@ def test_an_all_in_one_files_parts_are_found_by_diffusers_own_keys():
         parts, "mmdit"
     )  # SD3.5: the single file holds them all, in Stability's layout (sd3_pipeline_to_original)
     assert file_parts(keys[:1], "mmdit") == {}
+
+
+def test_train_says_before_the_launch_which_parts_a_single_file_gives(tmp_path, demo_dataset):
+    """Which text encoders and VAE an SD3.5 / FLUX.1 single file gives and which model.config_dir does was said
+    by the trainer only, after the launch; the plan says it first."""
+    from typer.testing import CliRunner
+
+    from sdplan.cli import app
+
+    dev = _flow_file(tmp_path / "flux.safetensors", "flux-dev", "model.diffusion_model.")
+    folder = _flow_configs(tmp_path / "dev", "flux-dev")
+    r = CliRunner().invoke(
+        app,
+        [
+            "train",
+            "--dry-run",
+            "--method",
+            "lora",
+            "--model",
+            str(dev),
+            "--dataset",
+            str(demo_dataset),
+            "--out",
+            str(tmp_path / "out"),
+            f"model.config_dir={folder}",
+            "training.device=cpu",
+        ],
+    )
+    assert r.exit_code == 0, r.output
+    assert "model: the file holds the transformer only: its text encoders and VAE are model.config_dir's" in (
+        " ".join(r.output.split())
+    )

@@ -68,6 +68,8 @@ class SourceInfo:
     cached: bool = False
     notes: list[str] = field(default_factory=list)
     unread: str | None = None  # a pickled checkpoint whose keys were not read: why (it is checked at load)
+    # an SD3.5 / FLUX.1 single file: which components it gives and which model.config_dir does (one of notes)
+    parts_note: str | None = None
 
 
 def refuse(where: str, what: str, fix: str = FIX_TRAINABLE) -> UnsupportedModelError:
@@ -954,7 +956,8 @@ def check_file(
             arch = registry.family(info.family).arch
             parts = file_parts(shapes, arch)
             _check_file_parts(shapes, parts, cdir, where, cwhere)
-            info.notes.append(file_parts_note(parts, arch))
+            info.parts_note = file_parts_note(parts, arch)
+            info.notes.append(info.parts_note)
         if not flow and cls not in UNET_PIPELINES:
             raise UnsupportedModelError(
                 f"{cwhere}: a {cls or 'unnamed'} folder, but {where} is an SD 1.x / 2.x / SDXL checkpoint",
