@@ -494,6 +494,32 @@ def test_latent_cache_precompute_covers_every_epoch(tmp_path):
     assert cache.precompute(ds, enc, epochs=[9]) == 0  # both flips of both images are there already
 
 
+@pytest.mark.parametrize(
+    "opts, loads",
+    [
+        ({}, 2),  # a centre crop, no flip: one sample of each image
+        ({"random_flip": 0.5}, 4),  # at most each image flipped and not
+        ({"center_crop": False}, 2 * 3 * 4),  # a random crop per epoch and sample: each its own
+    ],
+)
+def test_latent_cache_precompute_loads_each_variant_once(tmp_path, monkeypatch, opts, loads):
+    """The precompute read, decoded and resized every repeat of every image in every epoch to find its key: 8
+    PNGs at 10 repeats x 10 epochs took 40 s for 8 latents. It loads one sample of each variant (image, size,
+    crop, flip), and every sample trained is in the cache after it."""
+    noise(tmp_path / "a.png", size=(96, 64), seed=1)
+    noise(tmp_path / "b.png", size=(64, 64), seed=2)
+    ds = CaptionedImages([Item(p, repeats=3) for p in sorted(tmp_path.glob("*.png"))], resolution=64, **opts)
+    loaded = []
+    real = CaptionedImages._sample
+    monkeypatch.setattr(CaptionedImages, "_sample", lambda self, i, *a: loaded.append(i) or real(self, i, *a))
+    cache = LatentCache(None, identity="v")
+    cache.precompute(ds, CountingEncoder(), epochs=range(4))
+    assert len(loaded) <= loads and (len(loaded) == loads or opts.get("random_flip"))
+    for epoch in range(4):
+        ds.set_epoch(epoch)
+        assert all(ds[i] in cache for i in range(len(ds)))
+
+
 def test_vae_identity_tells_weights_apart():
     from diffusers import AutoencoderKL
 
