@@ -693,8 +693,10 @@ def _memory(profiles: Profiles, s: Settings) -> Memory:
     act = profiles.activations
     half = _half(s.precision)
     wb = 2 if half else 4  # frozen weights
-    tb = 2 if (half and s.full_half_weights) else 4  # trainable weights and their gradients
     full = s.method in FULL_METHODS
+    # trainable weights and their gradients: bf16 with training.full_half_weights, which the full-weight recipes
+    # and a LoRA apply (runtime.trained_dtype; an embedding trains in fp32 whatever it says)
+    tb = 2 if (half and s.method != "textual-inversion" and s.full_half_weights) else 4
     t = trainable_params(model, s, profiles)
     batch = s.batch * (2 if s.prior_preservation else 1)
     latent = (s.resolution // model.vae_scale_factor) ** 2
@@ -884,7 +886,7 @@ def stored_text_encoder_bytes(model: ModelSpec, s: Settings) -> float:
     """The frozen text encoders' bytes as the trainer stores them: fp8 under an fp8 base (SD3.5 / FLUX.1:
     :func:`frozen_text_encoder_bytes`), else in the training precision's weight dtype."""
     if flow_family(s.model):
-        return frozen_text_encoder_bytes(model, s.base_precision)
+        return frozen_text_encoder_bytes(model, s.base_precision, flow_weight_bytes(s))
     return model.text_encoder_params * (2 if _half(s.precision) else 4)
 
 
@@ -1455,7 +1457,8 @@ def time_basis_text(
 
 def gradient_bytes(profiles: Profiles, s: Settings) -> float:
     model = profiles.model(s.model)
-    tb = 2 if _half(s.precision) and (s.full_half_weights or s.deepspeed) else 4
+    half_weights = s.full_half_weights and s.method != "textual-inversion"  # runtime.trained_dtype's
+    tb = 2 if _half(s.precision) and (half_weights or s.deepspeed) else 4
     return trainable_params(model, s, profiles) * tb
 
 
@@ -5674,11 +5677,19 @@ def flow_quantizable_params(model: ModelSpec) -> int:
     )
 
 
-def base_weight_bytes(model: ModelSpec, base_precision: str) -> float:
-    """The frozen transformer on the GPU: block Linear weights at the base precision, the rest in bf16."""
+def flow_weight_bytes(s: Settings) -> float:
+    """Bytes of a transformer family's weight that is not quantized, as the trainer loads it (trainer/runtime.py
+    weight_dtype): 4 in fp32 (training.precision=fp32: no autocast, every component in fp32), else 2."""
+    return 4.0 if s.precision == "fp32" else 2.0
+
+
+def base_weight_bytes(model: ModelSpec, base_precision: str, weight_bytes: float = 2.0) -> float:
+    """The frozen transformer on the GPU: block Linear weights at the base precision (a bf16 base: the weight
+    dtype, :func:`flow_weight_bytes`), the rest in the weight dtype."""
     q = flow_quantizable_params(model)
     rest = model.denoiser_params - q + model.buffers_transformer
-    return q * BASE_PRECISION_BYTES[base_precision] + rest * 2.0
+    stored = weight_bytes if base_precision == "bf16" else BASE_PRECISION_BYTES[base_precision]
+    return q * stored + rest * weight_bytes
 
 
 def text_encoder_embedding_params(te: dict) -> int:
@@ -5688,7 +5699,7 @@ def text_encoder_embedding_params(te: dict) -> int:
     return (int(cfg["vocab_size"]) + int(cfg.get("max_position_embeddings", 0))) * width
 
 
-def frozen_text_encoder_bytes(model: ModelSpec, base_precision: str) -> float:
+def frozen_text_encoder_bytes(model: ModelSpec, base_precision: str, weight_bytes: float = 2.0) -> float:
     """The frozen text encoders resident on the GPU of a transformer family (outputs not cached).
 
     fp8 base: kohya-ss/sd-scripts train_network.py sets ``te_weight_dtype = torch.float8_e4m3fn`` under
@@ -5696,11 +5707,12 @@ def frozen_text_encoder_bytes(model: ModelSpec, base_precision: str) -> float:
     ``prepare_text_encoder_fp8`` (flux_train_network.py) puts CLIP-L's embeddings and T5's Embedding / T5LayerNorm
     modules back to the bf16 weight dtype (the norms' few weights are not counted). The planner's fp8 base is
     kohya's, and the bundled trainer's (trainer/quantize.py store_text_encoders_fp8), so 1 byte per weight + 1 more per
-    embedding weight. bf16 and nf4 (diffusers QLoRA quantizes the transformer only): 2 bytes."""
+    embedding weight. bf16 and nf4 (diffusers QLoRA quantizes the transformer only): the weight dtype's bytes
+    (:func:`flow_weight_bytes`: 2, 4 in fp32)."""
     if base_precision != "fp8":
-        return model.text_encoder_params * 2.0
+        return model.text_encoder_params * weight_bytes
     embeddings = sum(text_encoder_embedding_params(te) for te in model.text_encoders)
-    return model.text_encoder_params * 1.0 + embeddings * 1.0
+    return model.text_encoder_params * 1.0 + embeddings * (weight_bytes - 1.0)
 
 
 # Why a card that kohya fits can be too small here: kohya-ss/sd-scripts README (sd3 branch), "FLUX.1 fine-tuning":
@@ -5740,13 +5752,16 @@ def memory_flow(profiles: Profiles, s: Settings) -> Memory:
     tb = 2.0 if (full and s.full_half_weights and _half(s.precision)) else 4.0
 
     swapped = swapped_block_bytes(model, s)
-    frozen = 0.0 if full else base_weight_bytes(model, s.base_precision) - swapped  # swapped: in host RAM
+    # what is not trained or quantized: bf16 (fp16), or fp32 where training.precision=fp32 loads it so (an fp32
+    # FLUX.1 base is 44 GiB: planned at 2 bytes, a 40 GB card was said to fit it)
+    wb = flow_weight_bytes(s)
+    frozen = 0.0 if full else base_weight_bytes(model, s.base_precision, wb) - swapped  # swapped: in host RAM
     if full:  # the transformer's persistent buffers (SD3's positional table) stay beside its trained weights
         frozen += model.buffers_transformer * tb
     if not s.cache_text_encoder_outputs:
-        frozen += frozen_text_encoder_bytes(model, s.base_precision)  # resident, used every step
+        frozen += frozen_text_encoder_bytes(model, s.base_precision, wb)  # resident, used every step
     if not s.cache_latents:
-        frozen += model.params_vae * 2.0
+        frozen += _vae_bytes(model, s)
     weights = t * tb
     grads = 0.0 if s.fused_backward else t * tb
     if s.optimizer in OPTIMIZER_STATE:
@@ -5766,7 +5781,8 @@ def memory_flow(profiles: Profiles, s: Settings) -> Memory:
         latent_pixels=latent,
         trained="full" if full else "lora",
     )
-    factor = FLOW_ACTIVATION_FACTORS.get(speed_family(s.model), FLOW_ACTIVATION_FACTOR)
+    # the coefficients count bf16 tensors (scripts/compute_activations.py): fp32 saves them at twice the bytes
+    factor = FLOW_ACTIVATION_FACTORS.get(speed_family(s.model), FLOW_ACTIVATION_FACTOR) * wb / 2.0
     activations = factor * (held + recompute)
     # the backward's last block beside nearly all gradients: recomputed with checkpointing, its saved tensors
     # still held without (memory())
@@ -5781,8 +5797,8 @@ def memory_flow(profiles: Profiles, s: Settings) -> Memory:
     # host RAM: the components load in the dtype they train in (models.load_components): bf16, and the
     # transformer's trained weights in fp32 unless full_half_weights (quantizing on the GPU would first put the
     # bf16 base there: SimpleTuner#1149; the trainer / kohya quantize on the CPU)
-    ram = RAM_PER_PROCESS + (tb if full else 2.0) * model.denoiser_params
-    ram += 2.0 * (model.text_encoder_params + model.params_vae)
+    ram = RAM_PER_PROCESS + (tb if full else wb) * model.denoiser_params
+    ram += wb * (model.text_encoder_params + model.params_vae)
     # the swapped blocks' pinned host copies are made from the loaded weights, which are then freed: the
     # peak is the larger of the two phases, not their sum
     ram = max(ram, RAM_PER_PROCESS + swapped)

@@ -201,6 +201,30 @@ def test_quantized_base_bytes_follow_the_storage_formats(prof):
     assert fp8 - nf4 == pytest.approx(q * (1.0 - 0.5625))  # 4 bits + one fp32 absmax per 64 weights
 
 
+def test_fp32_loads_a_transformer_familys_weights_and_activations_in_fp32(prof):
+    """training.precision=fp32 on FLUX.1 / SD3.5: the trainer loads every component in fp32 (runtime.weight_dtype)
+    and the planner counted 2 bytes a weight: an fp32 FLUX.1-dev (44 GiB of transformer alone) was said to fit
+    a 40 GB A100."""
+    bf16 = replace(
+        _flux_fp8_lora(),
+        base_precision="bf16",
+        cache_text_encoder_outputs=False,
+        cache_latents=False,
+        blocks_to_swap=0,
+        precision="bf16",
+    )
+    fp32 = replace(bf16, precision="fp32")
+    m16, m32 = P.memory(prof, bf16), P.memory(prof, fp32)
+    model = prof.model("flux-dev")
+    assert m32.frozen == pytest.approx(2 * m16.frozen)
+    assert m32.frozen > 4 * (model.denoiser_params + model.text_encoder_params)
+    assert m32.activations == pytest.approx(2 * m16.activations)
+    fp8 = replace(fp32, base_precision="fp8")  # the quantized blocks stay 1 byte; the rest is fp32
+    q = P.flow_quantizable_params(model)
+    assert P.base_weight_bytes(model, "fp8", 4.0) == pytest.approx(q + 4 * (model.denoiser_params - q))
+    assert P.memory(prof, fp8).frozen < m32.frozen
+
+
 def test_memory_parts_move_with_each_knob(prof):
     base = _flux_fp8_lora()
     m = P.memory(prof, base)

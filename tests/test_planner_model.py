@@ -506,7 +506,9 @@ def test_fp8_base_stores_the_uncached_text_encoders_in_fp8(prof, base, te_bytes)
         # (request, bytes autocast caches: the bf16 copy of each fp32 trained weight)
         (dict(method="lora", lora_rank=32), 2),
         (dict(method="dreambooth"), 2),
-        (dict(method="lora", lora_rank=32, full_half_weights=True), 0),  # already half: no cast
+        (dict(method="dreambooth", full_half_weights=True), 0),  # already half: no cast
+        (dict(method="lora", lora_rank=32, full_half_weights=True), 0),  # kohya --full_bf16 on a network
+        (dict(method="textual-inversion", full_half_weights=True), 0),
         (dict(method="lora", lora_rank=32, precision="fp32"), 0),  # no autocast
         (dict(method="textual-inversion"), 0),  # an embedding lookup is not an autocast op
     ],

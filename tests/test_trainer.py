@@ -412,21 +412,29 @@ def test_finetune_with_ema_in_ram(tiny_sd15, dataset, tmp_path):
 
 
 @pytest.mark.train
-def test_finetune_with_full_bf16_weights(tiny_sd15, dataset, tmp_path):
-    """training.full_half_weights (the planner's fallback before offload): the UNet trains in bf16."""
+@pytest.mark.parametrize("method", ["finetune", "lora"])
+def test_full_bf16_weights(tiny_sd15, dataset, tmp_path, method):
+    """training.full_half_weights (the planner's fallback before offload): the UNet trains in bf16; a LoRA's
+    matrices too (kohya --full_bf16 casts the network: the planner charged it so, and the trainer had kept
+    them in fp32)."""
     out = tmp_path / "out"
     cfg = tiny_train_config(
         tiny_sd15,
         dataset,
         out,
-        "method=finetune",
+        f"method={method}",
         "training.precision=bf16",
         "training.full_half_weights=true",
+        "checkpoints.every_steps=1",
     )
     summary = run.train(cfg)
     assert summary["steps"] == 2 and all(math.isfinite(x) for x in losses(out))
     from safetensors import safe_open
 
+    if method == "lora":
+        with safe_open(str(checkpoint.latest_checkpoint(out) / "trainable.safetensors"), framework="pt") as f:
+            assert {f.get_tensor(k).dtype for k in f.keys() if "lora" in k}  # noqa: SIM118 == {torch.bfloat16}
+        return
     with safe_open(str(out / "model" / "unet" / "diffusion_pytorch_model.safetensors"), framework="pt") as f:
         assert f.get_tensor("conv_in.weight").dtype == torch.bfloat16
 

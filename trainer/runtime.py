@@ -303,8 +303,8 @@ def weight_dtype(accelerator):
 
 
 def trained_dtype(cfg, accelerator):
-    """dtype of the weights a full-weight recipe trains: fp32 master weights under mixed precision, or bf16
-    with ``training.full_half_weights`` (kohya --full_bf16: half the weight and gradient memory)."""
+    """dtype of the weights a full-weight recipe or a LoRA trains: fp32 master weights under mixed precision, or
+    bf16 with ``training.full_half_weights`` (kohya --full_bf16: half the weight and gradient memory)."""
     import torch
 
     if cfg.training.full_half_weights and accelerator.mixed_precision == "bf16":
@@ -398,9 +398,11 @@ def enable_gradient_checkpointing(*models) -> None:
             m.config.use_cache = False
 
 
-def add_lora_adapters(unet, text_encoders, lcfg, train_text_encoder: bool) -> dict:
-    """peft LoRA adapters on the UNet and, when asked, on each text encoder. The adapters train in fp32
-    whatever the base weights are. Returns ``{name: model}`` of what trains (``unet``, ``text_encoder_i``)."""
+def add_lora_adapters(unet, text_encoders, lcfg, train_text_encoder: bool, dtype=None) -> dict:
+    """peft LoRA adapters on the UNet and, when asked, on each text encoder. The adapters train in ``dtype``
+    (:func:`trained_dtype`: fp32 whatever the base weights are, bf16 with training.full_half_weights, as kohya's
+    train_network.py casts the network under --full_bf16). Returns ``{name: model}`` of what trains (``unet``,
+    ``text_encoder_i``)."""
     from peft import LoraConfig
 
     def adapter(targets):
@@ -458,10 +460,12 @@ def add_lora_adapters(unet, text_encoders, lcfg, train_text_encoder: bool) -> di
         for i, te in enumerate(text_encoders):
             attach(te, lcfg.text_encoder_target_modules, "lora.text_encoder_target_modules")
             trained[f"text_encoder_{i}"] = te
+    import torch
+
     for m in trained.values():
         for p in m.parameters():
             if p.requires_grad:
-                p.data = p.data.float()
+                p.data = p.data.to(dtype or torch.float32)
     return trained
 
 

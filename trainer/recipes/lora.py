@@ -1,6 +1,7 @@
 """LoRA: low-rank adapters on the UNet's attention projections (optionally the text encoder(s)), with peft.
 
-The base model stays frozen (in half precision under mixed precision); only the adapters train, in fp32.
+The base model stays frozen (in half precision under mixed precision); only the adapters train, in fp32 (bf16
+with training.full_half_weights).
 Outputs: the LoRA in diffusers/peft format (``pipe.load_lora_weights``) and in kohya format (A1111, ComfyUI),
 beside what every run writes (``trainer/loop.py``).
 """
@@ -31,7 +32,11 @@ class LoRA(Recipe):
         targets = registry.lora_targets(self.comps.family, self.cfg.lora.target_modules)
         lcfg = dataclasses.replace(self.cfg.lora, target_modules=list(targets))
         self.trained = runtime.add_lora_adapters(
-            self.unet, self.text_encoders, lcfg, self.cfg.training.train_text_encoder
+            self.unet,
+            self.text_encoders,
+            lcfg,
+            self.cfg.training.train_text_encoder,
+            dtype=runtime.trained_dtype(self.cfg, self.accelerator),
         )
         if self.base_summary is not None:  # a quantized frozen base (model.base_precision fp8 / nf4)
             from ..quantize import keep_out_of_ddp
