@@ -508,7 +508,10 @@ def build_request(inp: RecommendInputs, profiles: Profiles) -> tuple[planner.Req
                 f"dataset {inp.dataset}: kohya folders {desc} = {ds.images_per_epoch} images per epoch"
             )
             if inp.repeats is not None:
-                notes.append("--repeats ignored: kohya folder names carry the repeats")
+                which = (
+                    "data.repeats" if "data.repeats" in cfgmod.override_keys(inp.settings) else "--repeats"
+                )
+                notes.append(f"{which} {inp.repeats} ignored: kohya folder names carry the repeats")
         else:
             repeats = inp.repeats or 1
             captioned = "captioned"  # .txt files or a kohya captions file
