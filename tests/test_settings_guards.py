@@ -129,3 +129,24 @@ def test_data_repeats_on_a_kohya_dataset_is_said_to_be_unused(tmp_path, inputs):
     )
     assert r.exit_code == 0, r.output
     assert "data.repeats 3 ignored: kohya folder names carry the repeats" in " ".join(r.stdout.split())
+
+
+@pytest.mark.parametrize(
+    ("method", "key", "value"),
+    [("lora", "lora.alpha", 4.0), ("textual-inversion", "textual_inversion.token", "<new>")],
+)
+def test_resume_refuses_a_setting_the_trained_weights_depend_on(method, key, value):
+    """--resume with another lora.alpha was accepted: the adapters' scale (alpha / rank) changed under the trained
+    weights. textual_inversion.token: the word the embedding was trained under."""
+    from sdplan.errors import UsageError
+    from sdplan.launcher import check_resume_settings
+    from sdplan.settings import _put
+
+    saved = config.validate({"method": method})
+    data = saved.to_dict()
+    _put(data, key, value)
+    with pytest.raises(UsageError) as e:
+        check_resume_settings(saved, config.validate(data))
+    assert str(e.value).startswith(f"--resume: {key} is ")
+    check_resume_settings(saved, config.validate({**saved.to_dict(), "lora": {**saved.to_dict()["lora"],
+                                                                              "dropout": 0.1}}))  # fmt: skip
