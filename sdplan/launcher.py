@@ -2015,6 +2015,16 @@ def prepare(req: TrainRequest, ui: UI) -> Prepared:
     )
 
 
+def given_settings_line(overrides) -> str | None:
+    """The key=value settings given, each once as typed (the last of a key given twice), as one line: what the
+    plan lines do not show (the learning rate, the scheduler, the seed, EMA, sampling, checkpoint and bucket
+    settings) was taken without a word. None where none was given."""
+    given = C.given_settings(overrides)
+    if not given:
+        return None
+    return "settings: " + ", ".join(f"{key}={raw.strip()}" for key, raw in given.items())
+
+
 def ema_refusal(cfg: C.TrainConfig, total_steps: int) -> tuple[str, str] | None:
     """(what, fix) where the run's EMA would never update: the loop updates it at every ema.update_every-th
     optimizer step (trainer/loop.py), so a run of fewer steps exported the EMA as the base it started from,
@@ -2808,6 +2818,7 @@ def _family_at(path: Any) -> str | None:
 def run(req: TrainRequest, ui: UI | None = None) -> dict[str, Any]:
     """`sdplan train` from request to finished run. Returns run_summary.json (plus what was retried)."""
     ui = ui or UI()
+    given = given_settings_line(req.overrides)  # as typed, before any becomes a flag
     req = force_reads_run_config(settings_as_flags(req))  # as prepare reads it: the launch and header too
     p = prepare(req, ui)
     launch = launch_for(p, req, p.resume)
@@ -2828,6 +2839,8 @@ def run(req: TrainRequest, ui: UI | None = None) -> dict[str, Any]:
     typed = req.max_steps is not None or "training.max_steps" in C.override_keys(req.overrides)
     for line in describe(p.cfg, p.steps, p.world, p.inputs, max_steps_from_file=not typed):
         ui.echo(line)
+    if given:
+        ui.echo(given)
     ui.echo(f"output: {p.out}")
     if launch.per_node_commands:
         ui.echo(f"{req.num_machines} machines: the same files at the same paths on each node, then:")

@@ -150,3 +150,41 @@ def test_resume_refuses_a_setting_the_trained_weights_depend_on(method, key, val
     assert str(e.value).startswith(f"--resume: {key} is ")
     check_resume_settings(saved, config.validate({**saved.to_dict(), "lora": {**saved.to_dict()["lora"],
                                                                               "dropout": 0.1}}))  # fmt: skip
+
+
+GIVEN = ("lora.rank=8", "lora.alpha=4", "training.learning_rate=3e-4", "training.lr_scheduler=cosine",
+         "training.seed=5", "sampling.every_steps=50", "checkpoints.every_steps=100")  # fmt: skip
+
+
+def test_train_shows_every_setting_given(tmp_path, inputs):
+    """`sdplan train --dry-run ... lora.rank=8 lora.alpha=4 training.learning_rate=3e-4 ...` printed none of them:
+    what the plan lines do not show was taken without a word."""
+    r = dry_run(tmp_path, inputs, "lora", *GIVEN)
+    assert r.exit_code == 0, r.output
+    assert f"settings: {', '.join(GIVEN)}" in r.stdout.splitlines()
+
+
+def test_recommend_says_every_setting_given_in_its_pinned_reason():
+    """The "pinned:" reason listed only the planner's Settings fields: the learning rate, the scheduler, the seed,
+    data.buckets and sampling.* were in --json and the written sdplan.yaml, not in the text."""
+    r = runner.invoke(
+        app, ["recommend", "--method", "lora", "--hardware", "RTX 4090", *GIVEN, "data.buckets=true"]
+    )
+    assert r.exit_code == 0, r.output
+    text = " ".join(r.stdout.split())
+    pinned = text[text.index("pinned: ") :].split(" - ")[0]
+    assert "lora.rank=8" in pinned and "planned around them" in pinned
+    for item in (*GIVEN[2:], "data.buckets=true"):
+        assert item in pinned, pinned
+    assert pinned.count("lora.alpha=") == 1
+
+
+def test_recommend_says_settings_the_plan_does_not_depend_on():
+    from sdplan.recommend import given_reasons
+
+    assert given_reasons(("a",), ["training.seed=5"]) == (
+        "pinned: training.seed=5 (written to the run's sdplan.yaml as given)",
+        "a",
+    )
+    shown = "pinned: distributed.deepspeed={zero_stage: 2} (planned around it)"
+    assert given_reasons((shown,), ["distributed.deepspeed.zero_stage=2"]) == (shown,)
