@@ -24,6 +24,7 @@ from sdplan.registry import (
     BASE_PRECISIONS,
     FAMILIES,
     FLOW_FAMILIES,
+    FULL_METHODS,
     METHOD_LIST,
     METHODS,
     OPTIMIZERS,
@@ -424,6 +425,8 @@ def planned_sampling(cfg: TrainConfig) -> dict[str, Any]:
     guidance scale."""
     on, wanted = prior_preservation(cfg)
     missing = 0
+    if on and not wanted:  # every image of dreambooth.class_data (validate refuses 0 without one)
+        require_class_images(cfg)
     if on and wanted:
         from sdplan.errors import DatasetError
         from sdplan.trainer.dataset_scan import KohyaProjectError, scan
@@ -453,6 +456,31 @@ def planned_sampling(cfg: TrainConfig) -> dict[str, Any]:
         "save_every_epochs": cfg.output.save_every_n_epochs,
         "save_every_steps": cfg.output.save_every_n_steps,
     }
+
+
+def require_class_images(cfg: TrainConfig) -> None:
+    """dreambooth.num_class_images 0 trains every image of dreambooth.class_data and generates none: a folder
+    that holds none is refused here, before any model loads (the trainer said "dataset folder ... does not exist
+    (give --dataset (data.path ...))" after loading it)."""
+    from sdplan.errors import DatasetError
+    from sdplan.trainer.dataset_scan import scan
+
+    folder = Path(expand_user(class_folder(cfg), "dreambooth.class_data"))
+    try:
+        found = (
+            len(scan(folder, verify="header", setting="dreambooth.class_data").items)
+            if folder.is_dir()
+            else 0
+        )
+    except DatasetError:
+        found = 0
+    if not found:
+        where = "does not exist" if not folder.exists() else "holds no images"
+        raise DatasetError(
+            f"dreambooth.num_class_images 0 trains every image of dreambooth.class_data, but {folder} {where}",
+            fix="set dreambooth.num_class_images to 1 or more (the base model generates them), or put class "
+            "images there",
+        )
 
 
 def family_problems(cfg: TrainConfig, family: str | None) -> list[str]:
@@ -558,8 +586,32 @@ def warmup_problems(cfg: TrainConfig) -> list[str]:
     return []
 
 
+# the parts of a ``plan:`` record (what `sdplan recommend --out` writes: planner.result_dict's) that sdplan reads
+# back, and the step counts `sdplan train` compares with the run's (launcher.drop_a_stale_plan)
+PLAN_RECORD_PARTS = ("plan", "steps", "estimate", "hardware")
+PLAN_RECORD_COUNTS = ("epochs", "total_steps", "images_per_epoch")
+
+
+def plan_record_problems(record: dict[str, Any] | None) -> list[str]:
+    """What is malformed in a ``plan:`` record (a hand edit: ``plan: {steps: x}`` was a traceback in `sdplan
+    train`), each with the fix, or []."""
+    problems = []
+    fix = "remove the plan: section (it only records what `sdplan recommend --out` planned)"
+    for part in PLAN_RECORD_PARTS:
+        value = (record or {}).get(part)
+        if value is not None and not isinstance(value, dict):
+            problems.append(f"plan.{part}: must be a mapping or null, got {value!r}; {fix}")
+    steps = (record or {}).get("steps")
+    for count in PLAN_RECORD_COUNTS if isinstance(steps, dict) else ():
+        value = steps.get(count)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+            problems.append(f"plan.steps.{count}: must be a whole number >= 0 or null, got {value!r}; {fix}")
+    return problems
+
+
 def _cross_checks(cfg: TrainConfig, errors: list[str]) -> None:
     ds = cfg.distributed.deepspeed
+    errors += plan_record_problems(cfg.plan)
 
     # where the trainer reads it (a LoRA training its text encoders): checked again on the model's modules
     # (runtime.add_lora_adapters), here before the models load
@@ -581,7 +633,15 @@ def _cross_checks(cfg: TrainConfig, errors: list[str]) -> None:
     # the bucket settings make buckets: checked with the values given (one refused is its default here)
     if cfg.data.buckets and not any(e.startswith(("data.resolution", "data.bucket")) for e in errors):
         errors += bucket_problems(cfg.data)
-    if cfg.training.full_half_weights and cfg.training.precision != "bf16":
+    if cfg.training.full_half_weights and cfg.method in METHODS and cfg.method not in FULL_METHODS:
+        # the trainer keeps bf16 weights only for the full-weight recipes (runtime.trained_dtype): a LoRA's
+        # adapters and textual inversion's embeddings stay fp32 whatever it says
+        errors.append(
+            f"training.full_half_weights: {cfg.method} trains small fp32 weights (its "
+            f"{'adapters' if cfg.method == 'lora' else 'token embeddings'}) that have no full bf16 mode; "
+            f"it applies to method {' or '.join(FULL_METHODS)} only; set it to false"
+        )
+    elif cfg.training.full_half_weights and cfg.training.precision != "bf16":
         errors.append("training.full_half_weights: needs training.precision bf16 (fp16 weights underflow)")
     if ds is not None and cfg.training.train_text_encoder:
         errors.append(
@@ -603,6 +663,18 @@ def _cross_checks(cfg: TrainConfig, errors: list[str]) -> None:
         and not cfg.dreambooth.class_prompt
     ):
         errors.append("dreambooth.class_prompt: required when with_prior_preservation is true")
+    if (
+        cfg.method == "dreambooth"
+        and cfg.dreambooth.with_prior_preservation
+        and cfg.dreambooth.num_class_images == 0
+        and not cfg.dreambooth.class_data
+    ):
+        # 0 means every image of dreambooth.class_data (data.build_class_dataset); with no folder there are none
+        errors.append(
+            "dreambooth.num_class_images: 0 with with_prior_preservation true and no dreambooth.class_data "
+            "leaves no class images to train beside yours; set it to 1 or more (100 is usual), give "
+            "dreambooth.class_data a folder of class images, or set with_prior_preservation to false"
+        )
     errors += family_problems(cfg, cfg.model.family)
     if cfg.data.caption_dropout and cfg.method == "textual-inversion":
         errors.append(

@@ -711,6 +711,7 @@ class InputSummary:
     prediction_type: str | None = None  # what the model's files say (an SD 2.x epsilon base plans at 512)
     revision: str | None = None  # a hub model's
     hub_cached: bool = False  # a hub model the local cache holds whole (else its weights come from the hub)
+    layout: str = ""  # the dataset's (dataset_scan.Scan.format: flat | kohya | metadata)
 
 
 def listed_hub_family(hub_id: str) -> str | None:
@@ -836,6 +837,7 @@ def check_inputs(
         hub_cached=info.cached,
         images=result.num_images,
         images_x_repeats=result.images_x_repeats,
+        layout=result.format,
         skipped=len(result.skipped),
         model_kind=source.kind,
         family=family,
@@ -1846,6 +1848,14 @@ def prepare(req: TrainRequest, ui: UI) -> Prepared:
         if req.inputs is not None
         else check_inputs(cfg, dry_run=req.dry_run, planned_resolution=planned_resolution)
     )
+    if inputs.layout == "kohya" and "data.repeats" in (given := C.given_settings(req.overrides)):
+        # as recommend says it: the trainer counts each N_name folder's own repeats (dataset_scan)
+        ui.echo(
+            f"note: data.repeats={given['data.repeats'].strip()} is not used: kohya folder names carry the "
+            "repeats (rename a folder's N_ to change its own)"
+        )
+    if C.prior_preservation(cfg) == (True, 0):  # every image of dreambooth.class_data: it must hold some
+        C.require_class_images(cfg)
 
     # 6. The device.
     snapshot = None
@@ -1961,6 +1971,8 @@ def prepare(req: TrainRequest, ui: UI) -> Prepared:
             )
 
     steps = config_steps(cfg, inputs.images_x_repeats, world, inputs.bucket_samples)
+    if refusal := ema_refusal(cfg, steps["total_steps"]):
+        raise UsageError(refusal[0], fix=refusal[1])
     if resume is not None:
         from sdplan.trainer.checkpoint import latest_checkpoint
 
@@ -2000,6 +2012,30 @@ def prepare(req: TrainRequest, ui: UI) -> Prepared:
         planned=planned,
         gpu_ids=gpu_ids,
         devices=devices,
+    )
+
+
+def given_settings_line(overrides) -> str | None:
+    """The key=value settings given, each once as typed (the last of a key given twice), as one line: what the
+    plan lines do not show (the learning rate, the scheduler, the seed, EMA, sampling, checkpoint and bucket
+    settings) was taken without a word. None where none was given."""
+    given = C.given_settings(overrides)
+    if not given:
+        return None
+    return "settings: " + ", ".join(f"{key}={raw.strip()}" for key, raw in given.items())
+
+
+def ema_refusal(cfg: C.TrainConfig, total_steps: int) -> tuple[str, str] | None:
+    """(what, fix) where the run's EMA would never update: the loop updates it at every ema.update_every-th
+    optimizer step (trainer/loop.py), so a run of fewer steps exported the EMA as the base it started from,
+    the untrained model, without a word. None where it updates (or no EMA is kept)."""
+    every = cfg.ema.update_every
+    if not (cfg.ema.enabled and registry.method(cfg.method).ema) or every <= total_steps:
+        return None
+    return (
+        f"ema.update_every {every}: this run trains {count_of(total_steps, 'optimizer step')}, so its EMA never "
+        "updates and the exported EMA weights would be the untrained base model",
+        f"set ema.update_every to {total_steps} or less (1: every step), or train more steps",
     )
 
 
@@ -2782,6 +2818,7 @@ def _family_at(path: Any) -> str | None:
 def run(req: TrainRequest, ui: UI | None = None) -> dict[str, Any]:
     """`sdplan train` from request to finished run. Returns run_summary.json (plus what was retried)."""
     ui = ui or UI()
+    given = given_settings_line(req.overrides)  # as typed, before any becomes a flag
     req = force_reads_run_config(settings_as_flags(req))  # as prepare reads it: the launch and header too
     p = prepare(req, ui)
     launch = launch_for(p, req, p.resume)
@@ -2802,6 +2839,8 @@ def run(req: TrainRequest, ui: UI | None = None) -> dict[str, Any]:
     typed = req.max_steps is not None or "training.max_steps" in C.override_keys(req.overrides)
     for line in describe(p.cfg, p.steps, p.world, p.inputs, max_steps_from_file=not typed):
         ui.echo(line)
+    if given:
+        ui.echo(given)
     ui.echo(f"output: {p.out}")
     if launch.per_node_commands:
         ui.echo(f"{req.num_machines} machines: the same files at the same paths on each node, then:")

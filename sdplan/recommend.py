@@ -508,7 +508,10 @@ def build_request(inp: RecommendInputs, profiles: Profiles) -> tuple[planner.Req
                 f"dataset {inp.dataset}: kohya folders {desc} = {ds.images_per_epoch} images per epoch"
             )
             if inp.repeats is not None:
-                notes.append("--repeats ignored: kohya folder names carry the repeats")
+                which = (
+                    "data.repeats" if "data.repeats" in cfgmod.override_keys(inp.settings) else "--repeats"
+                )
+                notes.append(f"{which} {inp.repeats} ignored: kohya folder names carry the repeats")
         else:
             repeats = inp.repeats or 1
             captioned = "captioned"  # .txt files or a kohya captions file
@@ -572,6 +575,37 @@ def build_request(inp: RecommendInputs, profiles: Profiles) -> tuple[planner.Req
     return req, notes
 
 
+def given_reasons(reasons: tuple[str, ...], settings) -> tuple[str, ...]:
+    """The plan's reasons with every key=value setting given said in its "pinned:" reason: the planner's names
+    those it plans around (lora.rank, the batch, ...); the others (the learning rate, the scheduler, the seed,
+    data.buckets, sampling.*) went to --json and the written sdplan.yaml without a word here. Each as typed."""
+    pinned = next((i for i, r in enumerate(reasons) if r.startswith("pinned: ")), None)
+    shown = reasons[pinned] if pinned is not None else ""
+    rest = [
+        f"{key}={raw.strip()}"
+        for key, raw in cfgmod.given_settings(settings).items()
+        if not _said_in(key, shown)
+    ]
+    if not rest:
+        return reasons
+    if pinned is None:
+        return (f"pinned: {', '.join(rest)} (written to the run's sdplan.yaml as given)", *reasons)
+    return (
+        *reasons[:pinned],
+        f"{shown}; as given: {', '.join(rest)}",
+        *reasons[pinned + 1 :],
+    )
+
+
+def _said_in(key: str, text: str) -> bool:
+    """Whether ``text`` sets ``key`` or the section that holds it (distributed.deepspeed={zero_stage: 1})."""
+    parts = key.split(".")
+    return any(
+        re.search(r"(?<![\w.])" + re.escape(".".join(parts[:n])) + "=", text)
+        for n in range(1, len(parts) + 1)
+    )
+
+
 def _bucket_samples(ds: DatasetCount | None, data: Any, resolution: int) -> tuple[int, ...]:
     """With data.buckets pinned (``data``: the pinned data section) and the dataset counted: the samples in each
     aspect bucket, as the trainer's dataset assigns them (the steps of an epoch: each bucket ends in a short
@@ -613,7 +647,7 @@ def recommend(
     res = planner.plan(hw, profiles, req)
     if strict and res.pin_conflicts:
         raise UsageError(res.pin_conflicts[0])
-    res = replace(res, reasons=tuple(notes) + res.reasons)
+    res = replace(res, reasons=tuple(notes) + given_reasons(res.reasons, inp.settings))
     d = planner.result_dict(res)
     # every key=value setting as read (request.pins holds those the planner plans around; the learning rate,
     # max_steps and the like only go to the config), a path as the config names it: absolute (a relative one

@@ -286,12 +286,17 @@ def get_key(data: dict[str, Any], key: str) -> Any:
 
 
 # Settings the trained weights are shaped by: a checkpoint made with one value cannot be resumed with another.
+# lora.alpha scales every adapter's output by alpha / rank (peft): another one changes what the trained weights
+# do; textual_inversion.token is the word the captions trained the embedding under (init_token only seeds it,
+# lora.dropout only regularises: both may change).
 WEIGHT_SETTINGS = (
     "method",
     "model.path",
     "lora.rank",
+    "lora.alpha",
     "lora.target_modules",
     "lora.text_encoder_target_modules",
+    "textual_inversion.token",
     "textual_inversion.num_vectors",
     "training.train_text_encoder",
 )

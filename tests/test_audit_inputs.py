@@ -350,7 +350,9 @@ def test_an_empty_path_flag_is_an_error_not_the_current_folder(tmp_path, monkeyp
 # -- train --resume with a key=value that changes what the checkpoints were trained with ------------------------
 
 
-@pytest.mark.parametrize("override", ["lora.rank=32", "method=dreambooth", "lora.target_modules=[to_q]"])
+@pytest.mark.parametrize(
+    "override", ["lora.rank=32", "lora.alpha=4", "method=dreambooth", "lora.target_modules=[to_q]"]
+)
 def test_resume_refuses_a_setting_the_checkpoints_were_not_trained_with(tmp_path, tiny_sd15, override):
     import yaml
 
