@@ -24,7 +24,6 @@ from sdplan.registry import (
     BASE_PRECISIONS,
     FAMILIES,
     FLOW_FAMILIES,
-    FULL_METHODS,
     METHOD_LIST,
     METHODS,
     OPTIMIZERS,
@@ -633,13 +632,12 @@ def _cross_checks(cfg: TrainConfig, errors: list[str]) -> None:
     # the bucket settings make buckets: checked with the values given (one refused is its default here)
     if cfg.data.buckets and not any(e.startswith(("data.resolution", "data.bucket")) for e in errors):
         errors += bucket_problems(cfg.data)
-    if cfg.training.full_half_weights and cfg.method in METHODS and cfg.method not in FULL_METHODS:
-        # the trainer keeps bf16 weights only for the full-weight recipes (runtime.trained_dtype): a LoRA's
-        # adapters and textual inversion's embeddings stay fp32 whatever it says
+    if cfg.training.full_half_weights and cfg.method == "textual-inversion":
+        # the trainer keeps bf16 weights for the full-weight recipes and a LoRA's matrices (runtime.trained_dtype,
+        # kohya --full_bf16): textual inversion's embeddings stay fp32 whatever it says
         errors.append(
-            f"training.full_half_weights: {cfg.method} trains small fp32 weights (its "
-            f"{'adapters' if cfg.method == 'lora' else 'token embeddings'}) that have no full bf16 mode; "
-            f"it applies to method {' or '.join(FULL_METHODS)} only; set it to false"
+            "training.full_half_weights: textual-inversion trains its token embeddings in fp32 (no full bf16 "
+            "mode); it applies to methods lora, dreambooth and finetune; set it to false"
         )
     elif cfg.training.full_half_weights and cfg.training.precision != "bf16":
         errors.append("training.full_half_weights: needs training.precision bf16 (fp16 weights underflow)")

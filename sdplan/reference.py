@@ -75,8 +75,8 @@ MEANINGS: dict[str, str] = {
     "training.max_steps": "optimizer steps of the whole run, over all processes; set: overrides epochs",
     "training.seed": "the seed of the noise, the data order and the initial weights",
     "training.train_text_encoder": "train the text encoders too (LoRA: adapters on them)",
-    "training.full_half_weights": "full-weight methods: weights and gradients in bf16, no fp32 copy (kohya "
-    "--full_bf16)",
+    "training.full_half_weights": "full-weight methods and LoRA: trained weights and gradients in bf16, no fp32 "
+    "copy (kohya --full_bf16)",
     "training.max_grad_norm": "gradient clipping norm (0: off)",
     "training.noise_offset": "offset noise (SD 1.x/2.x/SDXL): darker darks and brighter brights",
     "training.min_snr_gamma": "Min-SNR loss weighting (5 is the paper's; SD 1.x/2.x/SDXL); null: off",
