@@ -1954,6 +1954,7 @@ def prepare(req: TrainRequest, ui: UI) -> Prepared:
         raise UsageError(refusal)
     if refusal := block_swap_refusal(cfg, family):
         raise UsageError(refusal)
+    check_lora_targets_early(cfg, family)
     if inputs.model_kind == "hub" and not inputs.hub_cached:
         # its configs may all be in the cache (what an earlier check kept), not its weights: they come from the
         # hub, and the trainer failed on them without naming why where it cannot be reached (offline, no network)
@@ -2040,6 +2041,39 @@ def ema_refusal(cfg: C.TrainConfig, total_steps: int) -> tuple[str, str] | None:
 
 
 VISIBLE_DEVICES_ENV = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES")
+
+
+def check_lora_targets_early(cfg: C.TrainConfig, family: str | None) -> None:
+    """LoRA target modules the user named (lora.target_modules; lora.text_encoder_target_modules with text-encoder
+    training) checked before the launch, on the family's architecture built on the meta device from its profile
+    (no weights, about a second): a name no module has was refused by the trainer only after the model loaded
+    (a FLUX.1 base: minutes and 24 GB read). The trainer checks the user's own model again (runtime.add_lora_adapters)."""
+    lora = cfg.lora
+    te = cfg.training.train_text_encoder and lora.text_encoder_target_modules
+    if cfg.method != "lora" or family not in FAMILIES or (lora.target_modules is None and not te):
+        return
+    import diffusers
+    import torch
+    import transformers
+
+    from sdplan.profiles import load_profiles
+    from sdplan.trainer.runtime import check_lora_targets
+
+    spec = load_profiles().model(family)
+    with torch.device("meta"):
+        if lora.target_modules is not None:
+            denoiser = (
+                getattr(diffusers, spec.transformer_class).from_config(dict(spec.transformer))
+                if spec.transformer_class
+                else diffusers.UNet2DConditionModel.from_config(dict(spec.unet))
+            )
+            check_lora_targets(denoiser, list(lora.target_modules), "lora.target_modules")
+        if te and family not in FLOW_FAMILIES:
+            for encoder in spec.text_encoders:
+                model = getattr(transformers, encoder["class"])(
+                    transformers.CLIPTextConfig(**encoder["config"])
+                )
+                check_lora_targets(model, list(te), "lora.text_encoder_target_modules")
 
 
 def run_gpus(

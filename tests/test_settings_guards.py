@@ -191,3 +191,18 @@ def test_recommend_says_settings_the_plan_does_not_depend_on():
     )
     shown = "pinned: distributed.deepspeed={zero_stage: 2} (planned around it)"
     assert given_reasons((shown,), ["distributed.deepspeed.zero_stage=2"]) == (shown,)
+
+
+def test_lora_targets_no_module_has_are_refused_before_the_launch(tmp_path, inputs):
+    """A typo in lora.target_modules passed recommend and the dry run, and the trainer refused it only after the
+    model had loaded (a FLUX.1 base: minutes). The family's architecture, built on the meta device, answers first."""
+    for targets, said in (
+        ("[foo_bar]", "lora.target_modules=['foo_bar']: no module of UNet2DConditionModel has such a name"),
+        ("[to_q,to_kk]", "no module of UNet2DConditionModel is named 'to_kk'"),
+        ("[attn1]", "'attn1' in UNet2DConditionModel is a Attention, not a layer"),
+    ):
+        one_line_error(dry_run(tmp_path, inputs, "lora", f"lora.target_modules={targets}"), 2, said)
+    r = dry_run(tmp_path, inputs, "lora", "lora.target_modules=[to_q, ff.net.2]")
+    assert r.exit_code == 0, r.output
+    te = ("training.train_text_encoder=true", "lora.text_encoder_target_modules=[q_proj, o_proj]")
+    one_line_error(dry_run(tmp_path, inputs, "lora", *te), 2, "CLIPTextModel is named 'o_proj'")

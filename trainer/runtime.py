@@ -415,34 +415,9 @@ def add_lora_adapters(unet, text_encoders, lcfg, train_text_encoder: bool, dtype
         )
 
     def attach(model, targets, key: str) -> None:
-        import torch
-
         from sdplan.errors import UsageError
 
-        modules = list(model.named_modules())
-        fix = f"name its layers (e.g. {', '.join(_module_names(model))}), or leave {key} out for the default"
-        # peft matches a listed target by a module name's dotted suffix, and drops one that matches nothing
-        # as long as another matches: a misspelt name trained without its layers, silently
-        matched = {t: [m for n, m in modules if n == t or n.endswith("." + t)] for t in targets}
-        unmatched = [t for t, found in matched.items() if not found]
-        if unmatched and len(unmatched) < len(targets):
-            raise UsageError(
-                f"{key}: no module of {type(model).__name__} is named {', '.join(map(repr, unmatched))}",
-                fix=fix,
-            )
-        # a block (attn1) or a norm matches modules LoRA does not adapt: peft's 'not supported' was a traceback.
-        # An Embedding peft adapts, but no LoRA file kohya, A1111 or ComfyUI read holds it (kohya's names know
-        # lora_down / lora_up only: diffusers' convert_state_dict_to_kohya left peft's lora_embedding_A/B as
-        # they were, a file diffusers' own loader then refused), and the alpha folding missed its lora_embedding_B
-        layers = (torch.nn.Linear, torch.nn.Conv2d, torch.nn.Conv1d)
-        other = [t for t, found in matched.items() if found and not any(isinstance(m, layers) for m in found)]
-        if other:
-            kinds = sorted({type(m).__name__ for t in other for m in matched[t]})
-            raise UsageError(
-                f"{key}: {', '.join(map(repr, other))} in {type(model).__name__} is a {'/'.join(kinds)}, not a "
-                "layer the LoRA files other tools read hold (Linear or Conv)",
-                fix=fix,
-            )
+        check_lora_targets(model, targets, key)
         try:
             model.add_adapter(adapter(targets))
         except ValueError as e:  # peft's NoMatchingPeftModuleError (a ValueError) or, before it, a ValueError
@@ -451,7 +426,8 @@ def add_lora_adapters(unet, text_encoders, lcfg, train_text_encoder: bool, dtype
             ):
                 raise
             raise UsageError(
-                f"{key}={list(targets)}: no module of {type(model).__name__} has such a name", fix=fix
+                f"{key}={list(targets)}: no module of {type(model).__name__} has such a name",
+                fix=_targets_fix(model, key),
             ) from None
 
     attach(unet, lcfg.target_modules, "lora.target_modules")
@@ -467,6 +443,48 @@ def add_lora_adapters(unet, text_encoders, lcfg, train_text_encoder: bool, dtype
             if p.requires_grad:
                 p.data = p.data.to(dtype or torch.float32)
     return trained
+
+
+def _targets_fix(model, key: str) -> str:
+    return f"name its layers (e.g. {', '.join(_module_names(model))}), or leave {key} out for the default"
+
+
+def check_lora_targets(model, targets, key: str) -> None:
+    """A UsageError where ``targets`` (lora.target_modules / lora.text_encoder_target_modules) name a module
+    ``model`` lacks, or one that is no Linear / Conv layer; also run before the launch on the family's
+    architecture built on the meta device (sdplan.launcher.check_lora_targets_early)."""
+    import torch
+
+    from sdplan.errors import UsageError
+
+    modules = list(model.named_modules())
+    fix = _targets_fix(model, key)
+    # peft matches a listed target by a module name's dotted suffix, and drops one that matches nothing
+    # as long as another matches: a misspelt name trained without its layers, silently
+    matched = {t: [m for n, m in modules if n == t or n.endswith("." + t)] for t in targets}
+    unmatched = [t for t, found in matched.items() if not found]
+    if unmatched and len(unmatched) < len(targets):
+        raise UsageError(
+            f"{key}: no module of {type(model).__name__} is named {', '.join(map(repr, unmatched))}",
+            fix=fix,
+        )
+    if unmatched:
+        raise UsageError(
+            f"{key}={list(targets)}: no module of {type(model).__name__} has such a name", fix=fix
+        )
+    # a block (attn1) or a norm matches modules LoRA does not adapt: peft's 'not supported' was a traceback.
+    # An Embedding peft adapts, but no LoRA file kohya, A1111 or ComfyUI read holds it (kohya's names know
+    # lora_down / lora_up only: diffusers' convert_state_dict_to_kohya left peft's lora_embedding_A/B as
+    # they were, a file diffusers' own loader then refused), and the alpha folding missed its lora_embedding_B
+    layers = (torch.nn.Linear, torch.nn.Conv2d, torch.nn.Conv1d)
+    other = [t for t, found in matched.items() if found and not any(isinstance(m, layers) for m in found)]
+    if other:
+        kinds = sorted({type(m).__name__ for t in other for m in matched[t]})
+        raise UsageError(
+            f"{key}: {', '.join(map(repr, other))} in {type(model).__name__} is a {'/'.join(kinds)}, not a "
+            "layer the LoRA files other tools read hold (Linear or Conv)",
+            fix=fix,
+        )
 
 
 def _module_names(model, limit: int = 6) -> list[str]:
