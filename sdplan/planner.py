@@ -4260,6 +4260,11 @@ def _not_fit_reasons(
     return leanest, need, out
 
 
+# a pinned value, and the value a refusal offers first where the pin does not fit (it keeps what the user asked
+# for): the EMA kept in host RAM before no EMA at all
+NEARER_PINS: dict[tuple[str, Any], Any] = {("ema", "gpu"): "cpu"}
+
+
 def _relaxations(
     req: Request, profiles: Profiles, hw: Hardware, cal: Calibration, resolution: int
 ) -> list[str]:
@@ -4268,12 +4273,19 @@ def _relaxations(
     from itertools import combinations
 
     names = [name for name, _ in req.pins]
+    pinned = dict(req.pins)
     # up to three freed together, then all of them: a planning call each, so not every subset of many pins
     for size in [*range(1, min(len(names), 3) + 1), *([len(names)] if len(names) > 3 else [])]:
         out = []
         for group in combinations(names, size):
             rest = replace(req, pins=tuple(p for p in req.pins if p[0] not in group))
-            best = _best_fitting(rest, profiles, hw, cal, resolution)
+            best = None
+            if size == 1 and (nearer := NEARER_PINS.get((group[0], pinned[group[0]]))) is not None:
+                # what keeps the pin's intent first: an EMA on the GPU that does not fit, on the CPU
+                best = _best_fitting(
+                    replace(rest, pins=(*rest.pins, (group[0], nearer))), profiles, hw, cal, resolution
+                )
+            best = best or _best_fitting(rest, profiles, hw, cal, resolution)
             if best is not None:
                 values = " and ".join(pin_text(name, getattr(best.setup, name)) for name in group)
                 out.append(f"{values} {'fits' if size == 1 else 'fit together'} ({describe(best.setup)})")

@@ -157,6 +157,15 @@ def test_a_pin_that_cannot_fit_says_by_how_much_and_what_to_change(prof):
     assert res.needs["min_vram_bytes"] > 24 * 2**30
 
 
+def test_an_ema_on_the_gpu_that_cannot_fit_is_offered_on_the_cpu_first(prof):
+    """An SDXL fine-tune with its EMA pinned on a 12 GB card's GPU: the refusal offered ema.enabled=false, though
+    the EMA kept in host RAM fits and keeps what the user asked for."""
+    req = P.Request(method="finetune", model="sdxl", pins=(("ema", "gpu"),))
+    res = P.plan(_catalog(prof, "RTX 3060 12GB"), prof, req)
+    relax = next(r for r in res.reasons if r.startswith("fits when changed: "))
+    assert not res.feasible and "ema.enabled=true, ema.device=cpu fits" in relax, relax
+
+
 def test_two_pins_that_only_fit_when_both_change_say_so(prof):
     """On a 12 GB card neither pin alone can be freed to fit (batch 16 does not fit with checkpointing, nor
     batch 1 without it at 1024 px... both must change): no "what to change" was said at all."""
