@@ -317,6 +317,25 @@ def test_loss_on_a_repeated_batch_goes_down(tiny_sd15, tmp_path):
 
 
 @pytest.mark.train
+def test_dreambooth_grids_sample_what_the_run_trains_on(tmp_path):
+    """With no sampling.prompts, DreamBooth's grids sampled dreambooth.instance_prompt ('a photo of sks person' by
+    default) even where the instance images are captioned and train on their captions: as the other methods, the
+    first image's caption (the instance prompt where it has none)."""
+    from sdplan.trainer.data import build_dataset
+    from sdplan.trainer.recipes.dreambooth import DreamBooth
+
+    def prompt(folder):
+        cfg = tiny_train_config(tmp_path / "model", folder, tmp_path / "out", method="dreambooth", lora=False)
+        recipe = DreamBooth.__new__(DreamBooth)  # the sampling prompt needs only the config and the data
+        recipe.cfg, recipe.dataset = cfg, build_dataset(cfg)[0]
+        return recipe.sample_prompt()
+
+    assert prompt(make_images(tmp_path / "captioned", n=2, caption="a red square on blue")) == (
+        "a red square on blue"
+    )
+    assert prompt(make_images(tmp_path / "bare", n=2, caption=None)) == "a photo of sks person"
+
+
 def test_dreambooth_with_prior_preservation(tiny_sd15, dataset, tmp_path):
     out = tmp_path / "out"
     cfg = tiny_train_config(

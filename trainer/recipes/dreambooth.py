@@ -69,9 +69,6 @@ class DreamBooth(Finetune):
             captions.add(self.cfg.dreambooth.class_prompt)  # class_ds: the text cache is encoded first
         return captions
 
-    def sample_prompt(self) -> str:
-        return self.cfg.dreambooth.instance_prompt
-
     def _class_pool(self, shape: tuple[int, int]) -> tuple[list[int], bool]:
         """The class samples an instance batch of ``shape`` (height, width) pairs with: those in its aspect
         bucket, else all of them (then scaled and cropped to it); and whether they were in its bucket."""
