@@ -340,3 +340,72 @@ def test_tensorboard_steps_are_the_images_seen(monkeypatch):
 
     progress.log_step(TB(), Bar(), 3, 0.5, Sched(), images_seen=24)
     assert logged == [(24, 0.5)]
+
+
+def test_grids_show_the_ema_weights_and_the_training_weights_come_back_exactly(tmp_path):
+    """With ema.enabled the grids showed the raw weights, never the averaged ones the ema/ export holds.
+    diffusers' train_text_to_image swaps the EMA weights in for its validation images (store / copy_to /
+    restore): so do the grids, during training and at the end, and the weights training goes on with are the
+    same bits after it, a grid that fails included; the PNG says which weights it shows."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from conftest import tiny_train_config
+    from sdplan.trainer import outputs
+    from sdplan.trainer.loop import Ema
+
+    class Tiny(torch.nn.Linear):
+        config: dict = {}  # what EMAModel keeps to rebuild the model class
+
+    unet = Tiny(4, 4).to(torch.bfloat16)
+    ema = Ema(unet, decay=0.9, device="cpu", every=1)  # ema.device cpu: the averages in host RAM
+    for average in ema.model.shadow_params:
+        average.fill_(0.25)
+    before = [p.detach().clone() for p in unet.parameters()]
+    seen, fail = [], []
+
+    class Pipe:
+        def set_progress_bar_config(self, **_):
+            pass
+
+        def __call__(self, **_):
+            seen.append(float(unet.weight.float().mean()))
+            if fail:
+                raise RuntimeError("a pipeline error")
+            return SimpleNamespace(images=[Image.new("RGB", (64, 64))])
+
+    class Vae:
+        device = torch.device("cpu")
+
+        def decode(self, z):
+            return z
+
+    comps = SimpleNamespace(pipeline=lambda unet, text_encoders: Pipe(), family="sd15", vae=Vae())
+    accelerator = SimpleNamespace(
+        is_main_process=True,
+        device=torch.device("cpu"),
+        autocast=contextlib.nullcontext,
+        wait_for_everyone=lambda: None,
+    )
+    cfg = tiny_train_config(tmp_path / "model", tmp_path / "data", tmp_path / "out")
+
+    grid = outputs.samples(accelerator, comps, unet, [], cfg, fallback="a red square", at_step=3, ema=ema)
+    assert seen == [0.25]  # the pipeline ran on the averaged weights
+    assert all(torch.equal(a, b) for a, b in zip(before, unet.parameters()))
+    with Image.open(grid) as im:
+        assert json.loads(im.text["sdplan_samples"])["weights"] == "ema"
+
+    fail.append(True)
+    failures: list = []
+    assert (
+        outputs.samples(accelerator, comps, unet, [], cfg, fallback="x", step=4, ema=ema, failures=failures)
+        is None
+    )
+    assert seen[-1] == 0.25 and failures  # skipped, training goes on: on its own weights
+    assert all(torch.equal(a, b) for a, b in zip(before, unet.parameters()))
+
+    fail.clear()
+    outputs.samples(accelerator, comps, unet, [], cfg, fallback="x", at_step=5, out_path=tmp_path / "raw.png")
+    assert seen[-1] != 0.25  # without an EMA: the weights as they train
+    with Image.open(tmp_path / "raw.png") as im:
+        assert "weights" not in json.loads(im.text["sdplan_samples"])

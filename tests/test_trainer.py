@@ -416,8 +416,12 @@ def test_finetune_with_ema_in_ram(tiny_sd15, dataset, tmp_path):
         "ema.decay=0.5",
         "ema.device=cpu",
         "ema.update_every=2",
+        "sampling.every_steps=2",
     )
     run.train(cfg)
+    for grid in (out / "samples" / "step-000002.png", out / "samples" / "final.png"):
+        with Image.open(grid) as im:  # the grids show the averaged weights (the raw ones trained on)
+            assert json.loads(im.text["sdplan_samples"])["weights"] == "ema"
     from diffusers import UNet2DConditionModel
 
     raw = UNet2DConditionModel.from_pretrained(str(out / "model"), subfolder="unet")

@@ -425,6 +425,27 @@ class Ema:
     def copy_to(self, model) -> None:
         self.model.copy_to(model.parameters())
 
+    @contextmanager
+    def weights_in(self, model):
+        """The averaged weights in ``model`` inside the block (the sample grids show them, as the ``ema/``
+        export), its own weights put back exactly after, whatever ends the block: diffusers' train_text_to_image
+        swaps them so around its validation images (``ema_unet.store`` / ``copy_to`` / ``restore``). The
+        training weights wait in host RAM, as EMAModel.store keeps them; the averages come to the model's device
+        one parameter at a time (an EMA kept on the CPU is not copied to the GPU whole)."""
+        import torch
+
+        params = list(model.parameters())
+        kept = [p.detach().to("cpu", copy=True) for p in params]  # their own dtype: restored bit for bit
+        try:
+            with torch.no_grad():
+                for average, p in zip(self.model.shadow_params, params):
+                    p.copy_(average)  # across devices and dtypes
+            yield
+        finally:
+            with torch.no_grad():
+                for saved, p in zip(kept, params):
+                    p.copy_(saved)
+
 
 def reduce_step_stats(accelerator, loss_sum, micro_batches: int, images: int, stop: bool):
     """One all-reduce per optimizer step: mean loss over processes, images trained by all, any stop request
@@ -746,6 +767,13 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
         runtime.describe_plan(cfg.method, comps.family, len(dataset), cfg, plan, max(0, repeated)),
     )
 
+    if ema is not None and accelerator.is_main_process:
+        progress.say(
+            accelerator,
+            f"note: the sample grids show the EMA weights (ema.enabled, decay {ema.decay}), as the ema/ export; "
+            "the training weights are put back after each grid",
+        )
+
     # 5. The loop (the peak recorded from here: the training's, not the setup's caption pass or loading).
     runtime.reset_peak_memory()
     tb = progress.tensorboard(accelerator, cfg)
@@ -769,6 +797,7 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
                 text_cache=recipe.text_cache,
                 failures=state.sample_grid_failures,  # carried by the checkpoints: over the run's sessions
                 images=state.images_seen,  # the point of the run the grid shows (outputs.grid_path)
+                ema=ema,  # ema.enabled: the grids show the averaged weights, as diffusers' validation images
                 **kw,
             )
         finally:  # the run's sampling time (run_summary's sampling_seconds), a grid that failed too
