@@ -342,6 +342,39 @@ def test_tensorboard_steps_are_the_images_seen(monkeypatch):
     assert logged == [(24, 0.5)]
 
 
+def test_tensorboard_drops_an_earlier_sessions_points_past_where_the_run_restarts(tmp_path):
+    """A resume from an older checkpoint, and the out-of-memory retry from the start, logged their points beside
+    those the earlier session logged past that point (two losses at one x, the abandoned attempt's kept): the
+    log is taken up with SummaryWriter's purge_step, in the images seen its points are at; the checkpoint's own
+    point stays."""
+    pytest.importorskip("tensorboard")
+    from types import SimpleNamespace
+
+    from conftest import tiny_train_config
+    from sdplan.trainer import progress
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cfg = tiny_train_config(
+        tmp_path / "model", tmp_path / "data", tmp_path / "out", "logging.tensorboard=true"
+    )
+    main = SimpleNamespace(is_main_process=True)
+
+    def session(images_seen, points):
+        with progress.tensorboard(main, cfg, images_seen) as tb:
+            for images, loss in points:
+                tb.log(images, loss=loss)
+
+    def logged():
+        events = EventAccumulator(str(tmp_path / "out" / "logs")).Reload()
+        return [(e.step, round(e.value, 3)) for e in events.Scalars("train/loss")]
+
+    session(0, [(2, 1.0), (4, 0.9), (6, 0.8), (8, 0.7)])  # checkpointed at 4 images, went on to 8
+    session(4, [(6, 0.5), (8, 0.4)])  # resumed from that checkpoint
+    assert logged() == [(2, 1.0), (4, 0.9), (6, 0.5), (8, 0.4)]
+    session(0, [(2, 0.3)])  # the out-of-memory retry, from the start (no checkpoint)
+    assert logged() == [(2, 0.3)]
+
+
 def test_grids_show_the_ema_weights_and_the_training_weights_come_back_exactly(tmp_path):
     """With ema.enabled the grids showed the raw weights, never the averaged ones the ema/ export holds.
     diffusers' train_text_to_image swaps the EMA weights in for its validation images (store / copy_to /

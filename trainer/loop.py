@@ -776,7 +776,7 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
 
     # 5. The loop (the peak recorded from here: the training's, not the setup's caption pass or loading).
     runtime.reset_peak_memory()
-    tb = progress.tensorboard(accelerator, cfg)
+    tb = progress.tensorboard(accelerator, cfg, state.images_seen)  # past it: an earlier session's points
     bar = progress.Progress(accelerator, plan.total_steps, initial=state.global_step, description=cfg.method)
 
     state.sampling_seconds += recipe.sampling_seconds  # this session's class images (setup)

@@ -100,9 +100,14 @@ def loss_curve(
 class TensorBoardLogger:
     """``torch.utils.tensorboard.SummaryWriter`` for the few things a run logs: loss, learning rate, it/s,
     memory and sample images. Without tensorboard installed (``pip install 'tensorboard>=2.15'``) every
-    method does nothing and one RuntimeWarning says why; ``enabled`` tells which."""
+    method does nothing and one RuntimeWarning says why; ``enabled`` tells which.
 
-    def __init__(self, log_dir: str | Path, enabled: bool = True):
+    ``purge_step``: where this session of the run takes up the log (in the steps it logs at: the trainer's
+    images seen). TensorBoard hides the points of the log's earlier files at it or past it (SummaryWriter's
+    purge_step): what a session trained past its resumed checkpoint, or an attempt the out-of-memory retry
+    abandoned, is not shown beside the points trained again (two losses at one x)."""
+
+    def __init__(self, log_dir: str | Path, enabled: bool = True, purge_step: int | None = None):
         self.log_dir = Path(log_dir)
         self._writer = None
         if not enabled:
@@ -117,7 +122,7 @@ class TensorBoardLogger:
                 stacklevel=2,
             )
             return
-        self._writer = SummaryWriter(log_dir=str(self.log_dir))
+        self._writer = SummaryWriter(log_dir=str(self.log_dir), purge_step=purge_step)
 
     @property
     def enabled(self) -> bool:

@@ -130,12 +130,17 @@ def describe_data(accelerator, dataset, scan, label: str = "data") -> None:
         say(accelerator, "aspect-ratio buckets:\n" + format_bucket_table(dataset.bucket_table()))
 
 
-def tensorboard(accelerator, cfg):
-    """TensorBoard logs under ``{out}/logs`` when ``logging.tensorboard`` (main process only)."""
+def tensorboard(accelerator, cfg, images_seen: int = 0):
+    """TensorBoard logs under ``{out}/logs`` when ``logging.tensorboard`` (main process only), taken up where the
+    run restarts: at ``images_seen``, the unit its points are logged in (:func:`log_step`). The points an earlier
+    session logged past it (trained past the checkpoint resumed, or by the attempt the out-of-memory retry
+    abandoned, from 0) are purged; its own point at ``images_seen`` (the checkpoint's step) stays."""
     from .plots import TensorBoardLogger
 
     return TensorBoardLogger(
-        Path(cfg.output.dir) / "logs", enabled=cfg.logging.tensorboard and accelerator.is_main_process
+        Path(cfg.output.dir) / "logs",
+        enabled=cfg.logging.tensorboard and accelerator.is_main_process,
+        purge_step=images_seen + 1,
     )
 
 
