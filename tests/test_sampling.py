@@ -442,3 +442,18 @@ def test_grids_show_the_ema_weights_and_the_training_weights_come_back_exactly(t
     assert seen[-1] != 0.25  # without an EMA: the weights as they train
     with Image.open(tmp_path / "raw.png") as im:
         assert "weights" not in json.loads(im.text["sdplan_samples"])
+
+
+def test_loss_png_of_a_one_step_run_shows_its_point_on_whole_number_ticks():
+    """A one-step run's loss.png drew a line through one point (nothing visible) on ticks 0.96 ... 1.04 images
+    seen: few points are drawn as markers too, and whole-number positions get whole-number ticks."""
+    fig = plots.loss_figure([2], [0.5], xlabel="images seen")
+    ax = fig.axes[0]
+    assert ax.lines[0].get_marker() == "o"
+    ticks = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
+    assert ticks and all(float(t).is_integer() for t in ticks) and 2 in ticks
+    few = plots.loss_figure([2, 4, 6], [0.5, 0.4, 0.3]).axes[0]
+    assert few.lines[0].get_marker() == "o"
+    assert all(float(t).is_integer() for t in few.get_xticks())
+    many = plots.loss_figure(list(range(1, 101)), [1.0] * 100).axes[0]
+    assert many.lines[0].get_marker() in (None, "None", "")  # a long run: the line alone
