@@ -457,3 +457,68 @@ def test_loss_png_of_a_one_step_run_shows_its_point_on_whole_number_ticks():
     assert all(float(t).is_integer() for t in few.get_xticks())
     many = plots.loss_figure(list(range(1, 101)), [1.0] * 100).axes[0]
     assert many.lines[0].get_marker() in (None, "None", "")  # a long run: the line alone
+
+
+def _fake_run(tmp_path, *overrides, pipe=None, **config):
+    """(accelerator, comps, cfg) of a run on the CPU whose pipeline makes blank images: the pieces that sample
+    without a model."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from conftest import tiny_train_config
+
+    class Pipe:
+        def set_progress_bar_config(self, **_):
+            pass
+
+        def __call__(self, width=64, height=64, **_):
+            return SimpleNamespace(images=[Image.new("RGB", (width, height))])
+
+    class Vae:
+        device = torch.device("cpu")
+
+        def decode(self, z):
+            return z
+
+    comps = SimpleNamespace(
+        pipeline=lambda **_: pipe or Pipe(), family="sd15", vae=Vae(), text_encoders=[], tokenizers=[]
+    )
+    accelerator = SimpleNamespace(
+        is_main_process=True,
+        device=torch.device("cpu"),
+        autocast=contextlib.nullcontext,
+        wait_for_everyone=lambda: None,
+    )
+    cfg = tiny_train_config(tmp_path / "model", tmp_path / "data", tmp_path / "out", *overrides, **config)
+    return accelerator, comps, cfg
+
+
+def test_the_class_images_bar_counts_images_and_a_short_plain_bar_prints_few_lines(
+    tmp_path, capsys, monkeypatch
+):
+    """DreamBooth's class images showed 'class images: step 1/3 loss - 7.05 it/s' (no unit given: a training
+    step's bar); and plain (non-TTY) progress printed a line per item when the total was under 40, not the ~20
+    lines its docstring says."""
+    from sdplan.trainer import progress
+    from sdplan.trainer.recipes.dreambooth import _generate_class_images
+
+    monkeypatch.setenv("SDPLAN_PLAIN_PROGRESS", "1")
+    accelerator, comps, cfg = _fake_run(
+        tmp_path,
+        "dreambooth.with_prior_preservation=true",
+        "dreambooth.class_prompt=a square",
+        "dreambooth.num_class_images=3",
+        method="dreambooth",
+        lora=False,
+    )
+    _generate_class_images(accelerator, comps, cfg, tmp_path / "class", {(64, 64): 1})
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("class images:")]
+    assert lines and lines[-1].startswith("class images: image 3/3 ")
+    assert not any("step" in line or "loss" in line for line in lines)
+    assert len(list((tmp_path / "class").glob("*.png"))) == 3
+
+    bar = progress.Progress(accelerator, 39, description="cache", unit="sample")
+    for i in range(1, 40):
+        bar.update(i)
+    printed = capsys.readouterr().out.splitlines()
+    assert 15 <= len(printed) <= 21 and printed[-1].startswith("cache: sample 39/39")

@@ -33,8 +33,9 @@ class Progress:
         unit: str = "step",
         lines: int = 20,
     ):
-        """``unit``: what is counted ("step"; "sample" for caching, which has no loss to show). ``lines``: about
-        how many plain lines a whole run prints."""
+        """``unit``: what is counted ("step"; "sample" for caching, "image" for DreamBooth's class images: no
+        loss to show). ``lines``: at most about how many plain lines a whole run prints (a short one prints one
+        per step)."""
         import torch
 
         self.enabled = accelerator.is_main_process
@@ -43,7 +44,7 @@ class Progress:
         self.unit = unit
         self.cuda = accelerator.device.type == "cuda" and torch.cuda.is_available()
         self.tty = sys.stdout.isatty() and os.environ.get("SDPLAN_PLAIN_PROGRESS") is None
-        self.every = max(1, total // lines)
+        self.every = max(1, math.ceil(total / lines))  # total // lines printed each of 39 steps
         self.description = description
         self.start = time.perf_counter()
         self._bar = None

@@ -205,7 +205,7 @@ def _generate_class_images(
         progress.say(accelerator, f"generating {missing} class images of {db.class_prompt!r} into {target}")
         pipe = comps.pipeline()
         pipe.set_progress_bar_config(disable=True)
-        bar = progress.Progress(accelerator, missing, description="class images")
+        bar = progress.Progress(accelerator, missing, description="class images", unit="image")
         sizes = generation_shapes(shapes, missing, _class_shapes(cfg, found))
         n = 0
         away = outputs.models_away(accelerator.device, *comps.text_encoders)  # after the text cache's pass
