@@ -72,6 +72,35 @@ def dataset(tmp_path_factory) -> Path:
 # -- pure pieces ------------------------------------------------------------------------------------------
 
 
+def test_a_one_step_run_is_worded_in_the_singular_and_its_fraction_of_an_epoch(tmp_path):
+    """A one-step run printed '-> 8 steps/epoch, 1 steps (1 epoch)' while run_summary.json said epochs 0.125,
+    and 'done: 1 steps, 1 images seen'."""
+    from sdplan.launcher import render_summary
+
+    cfg = tiny_train_config(tmp_path / "model", tmp_path / "data", tmp_path / "out", "training.batch_size=1")
+
+    def line(images, max_steps, epochs=1):
+        plan = runtime.plan_steps(
+            images_per_epoch=images,
+            batches_per_epoch=images,
+            batch_size=1,
+            grad_accum=1,
+            epochs=epochs,
+            max_steps=max_steps,
+            warmup_steps=0,
+            num_processes=1,
+        )
+        return runtime.describe_plan("lora", "sd15", images, cfg, plan)
+
+    assert "-> 8 steps/epoch, 1 step (0.125 of an epoch)," in line(8, 1)
+    assert "-> 8 steps/epoch, 12 steps (1.5 epochs)," in line(8, 12, epochs=2)
+    assert "-> 1 step/epoch, 1 step (1 epoch)," in line(1, None)
+    assert "-> 4 steps/epoch, 8 steps (2 epochs)," in line(4, None, epochs=2)
+    done = render_summary({"steps": 1, "images_seen": 1, "num_processes": 1, "final_loss": 0.5})[0]
+    assert done.startswith("done: 1 step, 1 image seen on 1 process, final loss 0.5000")
+    assert render_summary({"steps": 4, "images_seen": 8})[0].startswith("done: 4 steps, 8 images seen")
+
+
 def test_multi_process_step_arithmetic():
     # 8 samples, batch 2, accum 1: 4 steps on one process, 2 on two, 1 on four (each epoch split N ways).
     def plan(n, **kw):
@@ -962,7 +991,7 @@ def test_deepspeed_zero2_cpu_offload_in_two_processes_is_one_run(
         return proc
 
     proc = launch()
-    assert "x 2 processes -> 1 steps/epoch, 2 steps" in proc.stdout, proc.stdout
+    assert "x 2 processes -> 1 step/epoch, 2 steps" in proc.stdout, proc.stdout
     summary = json.loads((out / "run_summary.json").read_text())
     assert (summary["num_processes"], summary["steps"], summary["images_seen"]) == (2, 2, 8)
     straight = losses(out)
