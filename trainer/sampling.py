@@ -149,7 +149,7 @@ def generate_images(
 def make_grid(images: list, cols: int | None = None, labels: list[str] | None = None):
     """Images pasted into a ``cols`` x ``rows`` grid (cells the size of the first image; ``cols`` defaults to
     ceil(sqrt(n))). ``labels`` go in a strip under each image, never over it (at 64 px a label over the image
-    covered 40% of it): white on black, at least :data:`LABEL_MIN_PX` px high (a font that has their
+    covered 40% of it): white on black, at least :data:`LABEL_MIN_PX` px high (each in a font that has its
     characters, scaled to the cell); a newline starts a line, long lines wrap, at most :data:`LABEL_LINES` in
     all. The last line of a label (the prompt) keeps its end where it is too long ("...red square": where
     prompts differ), the lines above it their start ("step 16"). The strip is as tall as the longest label."""
@@ -162,14 +162,16 @@ def make_grid(images: list, cols: int | None = None, labels: list[str] | None = 
     w, h = images[0].size
     texts = list(labels[: len(images)]) if labels else []
     lines: list[list[str]] = []
-    strip = line_h = top = 0
-    font = None
+    strip = line_h = 0
+    fonts: list = []
     if texts:
-        font = _font(max(LABEL_MIN_PX, h // 24), "".join(texts) + ELLIPSIS)
-        _, top, _, bottom = font.getbbox("Ag")
-        line_h = bottom - top + 2
+        # a font per label, one that has its characters: one character no font has in one label (an emoji) drew
+        # every label, a Chinese one included, in DejaVu Sans's boxes
+        size = max(LABEL_MIN_PX, h // 24)
+        fonts = [_font(size, text + ELLIPSIS) for text in texts]
+        line_h = max(b - t for _, t, _, b in (f.getbbox("Ag") for f in fonts)) + 2
         measure = ImageDraw.Draw(Image.new("RGB", (1, 1)))
-        lines = [_wrap(measure, font, text, w - 4, LABEL_LINES) for text in texts]
+        lines = [_wrap(measure, font, text, w - 4, LABEL_LINES) for font, text in zip(fonts, texts)]
         strip = max(len(lab) for lab in lines) * line_h + 3
     cell_h = h + strip
     grid = Image.new("RGB", (cols * w, rows * cell_h), (0, 0, 0))
@@ -178,8 +180,9 @@ def make_grid(images: list, cols: int | None = None, labels: list[str] | None = 
             raise ValueError(f"image {i} is {image.size}, the grid's cells are {(w, h)}")
         grid.paste(image.convert("RGB"), ((i % cols) * w, (i // cols) * cell_h))
     draw = ImageDraw.Draw(grid)
-    for i, label in enumerate(lines):
+    for i, (label, font) in enumerate(zip(lines, fonts)):
         x, y = (i % cols) * w, (i // cols) * cell_h + h + 2
+        top = font.getbbox("Ag")[1]
         for j, line in enumerate(label):
             draw.text((x + 2, y + j * line_h - top), line, font=font, fill=(255, 255, 255))
     return grid
