@@ -522,3 +522,46 @@ def test_the_class_images_bar_counts_images_and_a_short_plain_bar_prints_few_lin
         bar.update(i)
     printed = capsys.readouterr().out.splitlines()
     assert 15 <= len(printed) <= 21 and printed[-1].startswith("cache: sample 39/39")
+
+
+def test_a_sample_prompt_past_the_text_encoders_tokens_is_said_and_labelled_as_read(tmp_path):
+    """A sample prompt past CLIP's 77 tokens was cut without a word, and its grid label kept the prompt's end:
+    the part CLIP had dropped. It is said once, as long captions are, and the label shows what was read: its
+    start, an ellipsis where it was cut."""
+    from sdplan.trainer import outputs
+    from sdplan.trainer.conditioning import long_captions_note, read_part
+    from sdplan.trainer.loop import _long_prompts
+    from sdplan.trainer.tiny import tiny_tokenizer
+
+    tok = tiny_tokenizer(tmp_path / "tok")
+    long = "a photo of a red dog " * 20 + "at the end a blue square"
+    read = read_part(tok, long)
+    assert read.endswith(sampling.ELLIPSIS) and read.startswith("a photo of a red dog")
+    words = read.removesuffix(sampling.ELLIPSIS).split(" ")
+    assert (
+        len(tok(" ".join(words))["input_ids"])
+        <= 77
+        < len(tok(" ".join(long.split(" ")[: len(words) + 1]))["input_ids"])
+    )
+    assert read_part(tok, "a photo of a dog") == "a photo of a dog"
+
+    note = long_captions_note(tok, [long, "a dog"], "CLIP", "sample prompt", prompts=True)
+    assert note.startswith("1 sample prompt runs past the 77 tokens CLIP reads") and "labels show" in note
+    accelerator, comps, cfg = _fake_run(tmp_path, f"sampling.prompts=[{long!r}, 'a dog']")
+    comps.tokenizers = [tok]
+    assert _long_prompts(cfg.sampling.prompts, comps) == long_captions_note(
+        tok, cfg.sampling.prompts, "CLIP", "sample prompt", prompts=True
+    )
+    grid = outputs.samples(accelerator, comps, None, [], cfg, at_step=3, out_path=tmp_path / "g.png")
+    with Image.open(grid) as im:
+        record = json.loads(im.text["sdplan_samples"])
+    assert record["prompts"] == [long, "a dog"]  # sampled as given (the pipeline cuts it where CLIP stops)
+    assert record["labels"] == [f"step 3\n{read}", "step 3\na dog"]
+
+    from PIL import ImageDraw
+
+    draw = ImageDraw.Draw(Image.new("RGB", (1, 1)))
+    font = sampling._font(11, read)
+    lines = sampling._wrap(draw, font, f"step 3\n{read}", 60, 3)
+    assert lines[0] == "step 3" and lines[1].startswith("a photo") and lines[-1].endswith(sampling.ELLIPSIS)
+    assert "square" not in " ".join(lines)

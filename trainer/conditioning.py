@@ -22,10 +22,50 @@ def tokenize(tokenizers: list, captions: list[str]) -> list:
     ]
 
 
-def long_captions_note(tokenizer: Any, captions: list[str], encoder: str) -> str:
+def reading_tokenizer(comps) -> tuple[Any, str] | None:
+    """(tokenizer, name) of the text encoder that reads the most of a caption or prompt: T5 for SD3.5 / FLUX.1
+    (their CLIPs stop at 77 tokens, T5 reads on), CLIP otherwise; None without tokenizers."""
+    from sdplan.registry import FLOW_FAMILIES
+
+    tokenizers = list(getattr(comps, "tokenizers", None) or [])
+    if not tokenizers:
+        return None
+    flow = comps.family in FLOW_FAMILIES
+    return (tokenizers[-1], "T5") if flow else (tokenizers[0], "CLIP")
+
+
+def read_part(tokenizer: Any, text: str) -> str:
+    """``text`` as far as the text encoder reads it (``tokenizer.model_max_length`` tokens, start and end
+    counted): all of it where it fits, else its longest start of whole words that fits and an ellipsis where
+    it was cut (what a sample grid's label shows: the words past it do not make the image)."""
+    from .sampling import ELLIPSIS
+
+    limit = int(tokenizer.model_max_length)
+
+    def fits(words: list[str]) -> bool:
+        return len(tokenizer(" ".join(words), truncation=False)["input_ids"]) <= limit
+
+    words = text.split(" ")
+    if len(text) <= limit - 2 or fits(words):  # a token is at least one character
+        return text
+    low, high = 0, len(words) - 1  # the most words that fit: low fits, high + 1 does not
+    while low < high:
+        mid = (low + high + 1) // 2
+        if fits(words[:mid]):
+            low = mid
+        else:
+            high = mid - 1
+    return " ".join(words[:low]).rstrip() + ELLIPSIS
+
+
+def long_captions_note(
+    tokenizer: Any, captions: list[str], encoder: str, what: str = "caption", prompts: bool = False
+) -> str:
     """How many of ``captions`` (one per image) run past what ``encoder`` reads (``tokenizer.model_max_length``
     tokens, its start and end tokens counted), whose end :func:`tokenize` cuts, in training as in sampling;
-    "" when none does. The SD pipelines warn of this at each prompt; a dataset's captions are said once."""
+    "" when none does. The SD pipelines warn of this at each prompt; a dataset's captions are said once.
+    ``what``: what the texts are ("sample prompt"); ``prompts``: they are the grids' prompts, which train
+    nothing (their labels show the part read: :func:`read_part`)."""
     limit = int(tokenizer.model_max_length)
     # a token is at least one character: a caption shorter than the limit (less the start and end) fits
     maybe = sorted({c for c in captions if len(c) > limit - 2})
@@ -38,10 +78,15 @@ def long_captions_note(tokenizer: Any, captions: list[str], encoder: str) -> str
     from .dataset_scan import count_of
 
     n = sum(1 for c in captions if c in long)
+    where = (
+        "in the sample grids (their labels show the part read, cut with an ellipsis)"
+        if prompts
+        else "in training as in use"
+    )
     return (
-        f"{count_of(n, 'caption')} run past the {limit} tokens {encoder} reads (the longest: "
-        f"{max(lengths[c] for c in long)}): the words after that are cut, in training as in use; shorten them, "
-        "or put what matters first"
+        f"{count_of(n, what)} run{'s' if n == 1 else ''} past the {limit} tokens {encoder} reads (the longest: "
+        f"{max(lengths[c] for c in long)}): the words after that are cut, {where}; shorten "
+        f"{'it' if n == 1 else 'them'}, or put what matters first"
     )
 
 

@@ -587,6 +587,8 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
     recipe = recipe_cls(cfg, accelerator, comps, dataset)
     if accelerator.is_main_process and (note := _long_captions(dataset, comps)):  # after TI's token is added
         progress.say(accelerator, f"note: {note}")
+    if accelerator.is_main_process and (note := _long_prompts(cfg.sampling.prompts, comps)):
+        progress.say(accelerator, f"note: {note}")
     groups, optimizer = build(recipe)
     ema = Ema.for_config(cfg, recipe.ema_model(), device)
     loader, batches = runtime.make_loader(dataset, cfg, device)
@@ -1049,16 +1051,20 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
 
 def _long_captions(dataset, comps) -> str:
     """The captions the text encoder that reads the most (T5 for SD3.5 / FLUX.1, CLIP otherwise) cuts."""
-    from sdplan.registry import FLOW_FAMILIES
-
-    from .conditioning import long_captions_note
-
-    if not comps.tokenizers:
+    reader = conditioning.reading_tokenizer(comps)
+    if reader is None:
         return ""
-    flow = comps.family in FLOW_FAMILIES
-    tokenizer = comps.tokenizers[-1] if flow else comps.tokenizers[0]
     captions = [dataset.caption_for(item, i) for i, item in enumerate(dataset.items)]
-    return long_captions_note(tokenizer, captions, "T5" if flow else "CLIP")
+    return conditioning.long_captions_note(reader[0], captions, reader[1])
+
+
+def _long_prompts(prompts: list[str], comps) -> str:
+    """The sample prompts (``sampling.prompts``) that text encoder cuts: said once, as the captions are (a
+    prompt was cut without a word, and its grid label showed the end it had dropped)."""
+    reader = conditioning.reading_tokenizer(comps)
+    if reader is None or not prompts:
+        return ""
+    return conditioning.long_captions_note(reader[0], list(prompts), reader[1], "sample prompt", prompts=True)
 
 
 def _checkpoint_final(ckpt, state, accelerator) -> Path | None:

@@ -20,6 +20,7 @@ from typing import Any
 from sdplan.errors import SdplanError
 from sdplan.registry import FLOW_FAMILIES
 
+from .conditioning import read_part, reading_tokenizer
 from .dataset_scan import count_of
 from .latents import offload
 from .progress import say
@@ -399,6 +400,10 @@ def samples(
 
     prompts = list(cfg.sampling.prompts) or ([fallback] if fallback else [])
     shown_step = step if step is not None else at_step
+    # what the text encoder reads of each prompt, for its label: a prompt past its tokens is cut there, and its
+    # label showed the end the encoder had dropped (loop._long_prompts says so once)
+    reader = reading_tokenizer(comps) if prompts and accelerator.is_main_process else None
+    shown = [read_part(reader[0], p) for p in prompts] if reader is not None else prompts
     grid = None
     skipped = None
     failure = None
@@ -432,7 +437,7 @@ def samples(
                     guidance_scale=sampling.guidance_for(cfg.sampling.guidance_scale, comps.family),
                     resolution=cfg.data.resolution,
                     out_path=target,
-                    labels=[f"step {shown_step}\n{p}" if shown_step is not None else p for p in prompts],
+                    labels=[f"step {shown_step}\n{p}" if shown_step is not None else p for p in shown],
                     conditioning=conditioning,
                     on_step=bar,
                     record={

@@ -251,11 +251,18 @@ def _charmap(path: str) -> frozenset[int]:
 def _wrap(draw, font, text: str, width: int, most: int = LABEL_LINES) -> list[str]:
     """``text`` in lines of at most ``width`` pixels: newlines break, then words; at most ``most`` lines. Where
     that is too many, the last paragraph (the prompt) loses its start ("...of sks red" / "square": its end is
-    what tells prompts apart), the ones above it their end."""
+    what tells prompts apart), the ones above it their end. A prompt that ends in an ellipsis (cut where the
+    text encoder stops reading, ``conditioning.read_part``) keeps its start instead: the end it lost made
+    nothing in the image."""
     paragraphs = [_words(draw, font, para, width) for para in text.split("\n")]
     head = [line for para in paragraphs[:-1] for line in para][: max(most - 1, 0)]
     tail = paragraphs[-1]
     room = max(most - len(head), 1)
+    if text.endswith(ELLIPSIS):
+        if len(tail) > room:
+            tail = tail[:room]
+            tail[-1] = tail[-1].removesuffix(ELLIPSIS) + ELLIPSIS
+        return [_fit(draw, font, line, width) for line in head + tail]
     if len(tail) > room:
         tail = tail[-room:]
         tail[0] = ELLIPSIS + tail[0]
@@ -281,6 +288,7 @@ def _fit(draw, font, text: str, width: int) -> str:
     """``text`` cut at the end (with an ellipsis) to ``width`` pixels."""
     if draw.textlength(text, font=font) <= width:
         return text
+    text = text.removesuffix(ELLIPSIS)
     while text and draw.textlength(text + ELLIPSIS, font=font) > width:
         text = text[:-1]
     return text + ELLIPSIS
