@@ -699,14 +699,34 @@ def test_out_of_memory_in_a_sample_grid_during_training_skips_the_grid(
 
 @pytest.mark.train
 def test_grids_during_training_without_prompts_show_a_caption_as_the_final_grid_does(
-    tiny_sd15, dataset, tmp_path
+    tiny_sd15, dataset, tmp_path, capsys
 ):
     """sampling.every_steps with no sampling.prompts (the default outside the demo) made no grid at all, and
-    said nothing; the final grid already fell back to a caption."""
+    said nothing; the final grid already fell back to a caption. The long phases say what they do: the text
+    cache has a bar (it was said only once done), the every-N grids a line (the bar stood still), and the final
+    checkpoint and the export a line each (nothing was printed between the last step and the final grid)."""
     out = tmp_path / "out"
-    run.train(tiny_train_config(tiny_sd15, dataset, out, "training.max_steps=2", "sampling.every_steps=1"))
+    run.train(
+        tiny_train_config(
+            tiny_sd15,
+            dataset,
+            out,
+            "training.max_steps=3",
+            "sampling.every_steps=1",
+            "checkpoints.every_steps=5",
+            "memory.cache_text_encoder_outputs=true",
+        )
+    )
     grids = sorted(p.name for p in (out / "samples").glob("*.png"))
-    assert grids == ["final.png", "step-000001.png", "step-000002.png"]  # step 2's: the final grid's copy
+    # step 3's: the final grid's copy
+    assert grids == ["final.png", "step-000001.png", "step-000002.png", "step-000003.png"]
+    printed = capsys.readouterr().out
+    assert "caching text encoder outputs: caption 1/1 " in printed
+    assert printed.count("sampling a grid every 1 step into ") == 1
+    last_step = printed.index("lora: step 3/3")
+    final = printed.index("sampling the final grid")
+    assert last_step < printed.index("writing the checkpoint of the final step 3") < final
+    assert last_step < printed.index(f"writing the trained weights into {out}") < final
 
 
 @pytest.mark.train

@@ -147,9 +147,12 @@ class TextCache:
         """The captions of ``captions`` not in the cache yet."""
         return set(captions) - set(self.embeds)
 
-    def precompute(self, comps, text_encoders, captions, device, batch_size: int | None = None) -> int:
+    def precompute(
+        self, comps, text_encoders, captions, device, batch_size: int | None = None, on_batch=None
+    ) -> int:
         """Encode the captions of ``captions`` the cache lacks, ``batch_size`` at a time (None: the family's,
-        sdplan.registry.text_cache_batch); returns how many."""
+        sdplan.registry.text_cache_batch); returns how many. ``on_batch(done)``: called after each batch with
+        the captions encoded so far."""
         import torch
 
         from sdplan.registry import text_cache_batch
@@ -167,6 +170,8 @@ class TextCache:
                         embeds[j].to("cpu"),
                         pooled[j].to("cpu") if pooled is not None else None,
                     )
+                if on_batch is not None:
+                    on_batch(i + len(chunk))
         return len(todo)
 
     def lookup(self, captions: list[str], device, dtype):
@@ -213,7 +218,20 @@ def make_text_cache(
         cache = TextCache()
     elif not cache.missing(captions):
         return cache
+    from .progress import Progress
+
     more = bool(cache.embeds)
-    n = cache.precompute(comps, text_encoders, captions, device)
+    # a text-encoder pass over every caption (T5-XXL over a large dataset's: minutes) said only once it was done:
+    # a bar, as the latent cache's (main process)
+    bar = Progress(
+        accelerator,
+        len(cache.missing(captions)),
+        description="caching text encoder outputs",
+        unit="caption",
+    )
+    try:
+        n = cache.precompute(comps, text_encoders, captions, device, on_batch=bar.update)
+    finally:
+        bar.close()
     say(accelerator, f"text cache: {n} {'more ' if more else ''}captions encoded")
     return cache

@@ -873,6 +873,7 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
         save_intermediate(step, epoch, earlier, found[0] is not None)
 
     finished = False  # the loop ran to its end: the TensorBoard log stays open for the final grid
+    said_grids = False  # the every-N grids' line, printed at the first
     base = None if resume_from is not None else base_models(recipe)  # where a step-1 NaN can come from
     try:
         with stops.StopSignals() as stop:
@@ -920,6 +921,13 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
                     # grid shows the same weights, so none is made twice
                     every = cfg.sampling.every_steps
                     sampled = bool(every) and step % every == 0 and step < plan.total_steps
+                    if sampled and not said_grids:  # the bar stands still while it samples: said once
+                        said_grids = True
+                        bar.print(
+                            f"sampling a grid every {count_of(every, 'step')} into {out_dir / 'samples'} "
+                            f"({count_of(len(cfg.sampling.prompts) or 1, 'prompt')} x "
+                            f"{cfg.sampling.num_inference_steps} denoising steps): training pauses meanwhile"
+                        )
                     step_grid = sample(step, fallback=recipe.sample_prompt()) if sampled else None
                     if step in saves_at:
                         save_intermediate(step, saves_at[step], step_grid, sampled)
@@ -954,6 +962,8 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
         peak = runtime.gather_max(accelerator, runtime.peak_memory_bytes(accelerator))
         accelerator.wait_for_everyone()
         checkpoints_on = bool(cfg.checkpoints.every_steps or cfg.checkpoints.keep_every_steps)
+        if checkpoints_on and ckpt.last_saved_step != state.global_step:  # seconds to minutes, said
+            progress.say(accelerator, f"writing the checkpoint of the final step {state.global_step}")
         final_ckpt = _checkpoint_final(ckpt, state, accelerator) if checkpoints_on else None
         written: list[Path] = []
         epochs_done = round(state.global_step / plan.steps_per_epoch, 3)
@@ -966,6 +976,11 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
                 epochs=epochs_done,
                 prediction_type=comps.prediction_type,
                 mixed_precision=accelerator.mixed_precision,
+            )
+            progress.say(  # a full model's export (and its EMA copy) takes minutes: said before it starts
+                accelerator,
+                f"writing the trained weights into {out_dir}"
+                + (" (and the EMA weights into ema/)" if ema else ""),
             )
             try:
                 written += recipe.export(out_dir, meta, ema)
