@@ -544,6 +544,8 @@ def test_a_sample_prompt_past_the_text_encoders_tokens_is_said_and_labelled_as_r
         < len(tok(" ".join(long.split(" ")[: len(words) + 1]))["input_ids"])
     )
     assert read_part(tok, "a photo of a dog") == "a photo of a dog"
+    tags = read_part(tok, "red," * 200)  # no space to cut at: the characters read
+    assert tags.startswith("red,red,") and tags.endswith(sampling.ELLIPSIS) and len(tags) < 400
 
     note = long_captions_note(tok, [long, "a dog"], "CLIP", "sample prompt", prompts=True)
     assert note.startswith("1 sample prompt runs past the 77 tokens CLIP reads") and "labels show" in note

@@ -42,20 +42,27 @@ def read_part(tokenizer: Any, text: str) -> str:
 
     limit = int(tokenizer.model_max_length)
 
-    def fits(words: list[str]) -> bool:
-        return len(tokenizer(" ".join(words), truncation=False)["input_ids"]) <= limit
+    def fits(part: str) -> bool:  # truncation at a length never reached: no "longer than the maximum" warning
+        return len(tokenizer(part, truncation=True, max_length=10**7)["input_ids"]) <= limit
 
-    words = text.split(" ")
-    if len(text) <= limit - 2 or fits(words):  # a token is at least one character
+    def most(pieces: list[str], sep: str) -> int:
+        """The most of ``pieces`` whose start fits (the whole does not)."""
+        low, high = 0, len(pieces) - 1
+        while low < high:
+            mid = (low + high + 1) // 2
+            if fits(sep.join(pieces[:mid])):
+                low = mid
+            else:
+                high = mid - 1
+        return low
+
+    if len(text) <= limit - 2 or fits(text):  # a token is at least one character
         return text
-    low, high = 0, len(words) - 1  # the most words that fit: low fits, high + 1 does not
-    while low < high:
-        mid = (low + high + 1) // 2
-        if fits(words[:mid]):
-            low = mid
-        else:
-            high = mid - 1
-    return " ".join(words[:low]).rstrip() + ELLIPSIS
+    words = text.split(" ")
+    n = most(words, " ")
+    # a first word past the limit alone (tags without spaces): the characters that fit
+    start = " ".join(words[:n]) if n else text[: most(list(text), "")]
+    return start.rstrip() + ELLIPSIS
 
 
 def long_captions_note(
