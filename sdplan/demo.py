@@ -81,6 +81,14 @@ def make_dataset(folder: str | Path, *, n: int = DEMO_IMAGES, size: int = 64, se
     return folder
 
 
+def _own_guidance(family: str) -> bool:
+    """Whether ``family`` samples at a guidance of its own (FLUX.1's distilled guidance embedding), not the
+    classifier-free scale of the UNet families and SD3.5."""
+    from sdplan.registry import family as lookup_family
+
+    return lookup_family(family).arch == "flux"
+
+
 def demo_config(
     out: str | Path,
     *,
@@ -120,7 +128,9 @@ def demo_config(
             "prompts": list(SAMPLE_PROMPTS),
             "every_steps": 0,
             "num_inference_steps": 6,
-            "guidance_scale": 5.0,
+            # null: the family's own where it has one (FLUX.1's guidance embedding: 3.5, trainer.sampling.guidance_for),
+            # which a classifier-free 5.0 overrode
+            "guidance_scale": None if _own_guidance(family) else 5.0,
             "seed": 0,
         },
     }

@@ -2915,6 +2915,11 @@ def run(req: TrainRequest, ui: UI | None = None) -> dict[str, Any]:
         lock.release()
 
 
+def _counted(n: Any, noun: str) -> str:
+    """'1 step', '4 steps' (count_of), for a run summary's number, which an older or edited file may lack."""
+    return count_of(n, noun) if isinstance(n, int) and not isinstance(n, bool) else f"{n} {noun}s"
+
+
 def render_summary(summary: dict[str, Any]) -> list[str]:
     """run_summary.json as a few lines for the user."""
     lines = []
@@ -2926,7 +2931,7 @@ def render_summary(summary: dict[str, Any]) -> list[str]:
     else:
         wall_text = f", {wall:.1f} s" if isinstance(wall, (int, float)) else ""
     lines.append(
-        f"done: {summary.get('steps')} steps, {summary.get('images_seen')} images seen on "
+        f"done: {_counted(summary.get('steps'), 'step')}, {_counted(summary.get('images_seen'), 'image')} seen on "
         f"{count_of(summary.get('num_processes', 1), 'process', 'processes')}"
         + (f", final loss {loss:.4f}" if isinstance(loss, (int, float)) else "")
         + wall_text

@@ -437,3 +437,15 @@ def test_a_second_demo_copies_the_tiny_model_the_first_built(tmp_path, monkeypat
     monkeypatch.setenv(profiles.CACHE_ENV, str(tmp_path / "not-a-folder"))
     assert demo._build_tiny_model(tmp_path / "third", "sd15") is None
     assert (tmp_path / "third" / "model_index.json").is_file()
+
+
+def test_the_demo_samples_flux_at_its_own_guidance(tmp_path):
+    """The demo's config pinned sampling.guidance_scale 5.0 for FLUX.1 too, whose guidance embedding samples at
+    3.5 (FluxPipeline's and kohya's default): null there, the family's own."""
+    from sdplan.trainer.sampling import guidance_for
+
+    from sdplan.demo import demo_config
+
+    flux = demo_config(tmp_path, family="flux-dev")["sampling"]["guidance_scale"]
+    assert flux is None and guidance_for(flux, "flux-dev") == 3.5
+    assert demo_config(tmp_path, family="sd15")["sampling"]["guidance_scale"] == 5.0

@@ -340,3 +340,230 @@ def test_tensorboard_steps_are_the_images_seen(monkeypatch):
 
     progress.log_step(TB(), Bar(), 3, 0.5, Sched(), images_seen=24)
     assert logged == [(24, 0.5)]
+
+
+def test_tensorboard_drops_an_earlier_sessions_points_past_where_the_run_restarts(tmp_path):
+    """A resume from an older checkpoint, and the out-of-memory retry from the start, logged their points beside
+    those the earlier session logged past that point (two losses at one x, the abandoned attempt's kept): the
+    log is taken up with SummaryWriter's purge_step, in the images seen its points are at; the checkpoint's own
+    point stays."""
+    pytest.importorskip("tensorboard")
+    from types import SimpleNamespace
+
+    from conftest import tiny_train_config
+    from sdplan.trainer import progress
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cfg = tiny_train_config(
+        tmp_path / "model", tmp_path / "data", tmp_path / "out", "logging.tensorboard=true"
+    )
+    main = SimpleNamespace(is_main_process=True)
+
+    def session(images_seen, points):
+        with progress.tensorboard(main, cfg, images_seen) as tb:
+            for images, loss in points:
+                tb.log(images, loss=loss)
+
+    def logged():
+        events = EventAccumulator(str(tmp_path / "out" / "logs")).Reload()
+        return [(e.step, round(e.value, 3)) for e in events.Scalars("train/loss")]
+
+    session(0, [(2, 1.0), (4, 0.9), (6, 0.8), (8, 0.7)])  # checkpointed at 4 images, went on to 8
+    session(4, [(6, 0.5), (8, 0.4)])  # resumed from that checkpoint
+    assert logged() == [(2, 1.0), (4, 0.9), (6, 0.5), (8, 0.4)]
+    session(0, [(2, 0.3)])  # the out-of-memory retry, from the start (no checkpoint)
+    assert logged() == [(2, 0.3)]
+
+
+def test_grids_show_the_ema_weights_and_the_training_weights_come_back_exactly(tmp_path):
+    """With ema.enabled the grids showed the raw weights, never the averaged ones the ema/ export holds.
+    diffusers' train_text_to_image swaps the EMA weights in for its validation images (store / copy_to /
+    restore): so do the grids, during training and at the end, and the weights training goes on with are the
+    same bits after it, a grid that fails included; the PNG says which weights it shows."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from conftest import tiny_train_config
+    from sdplan.trainer import outputs
+    from sdplan.trainer.loop import Ema
+
+    class Tiny(torch.nn.Linear):
+        config: dict = {}  # what EMAModel keeps to rebuild the model class
+
+    unet = Tiny(4, 4).to(torch.bfloat16)
+    ema = Ema(unet, decay=0.9, device="cpu", every=1)  # ema.device cpu: the averages in host RAM
+    for average in ema.model.shadow_params:
+        average.fill_(0.25)
+    before = [p.detach().clone() for p in unet.parameters()]
+    seen, fail = [], []
+
+    class Pipe:
+        def set_progress_bar_config(self, **_):
+            pass
+
+        def __call__(self, **_):
+            seen.append(float(unet.weight.float().mean()))
+            if fail:
+                raise RuntimeError("a pipeline error")
+            return SimpleNamespace(images=[Image.new("RGB", (64, 64))])
+
+    class Vae:
+        device = torch.device("cpu")
+
+        def decode(self, z):
+            return z
+
+    comps = SimpleNamespace(pipeline=lambda unet, text_encoders: Pipe(), family="sd15", vae=Vae())
+    accelerator = SimpleNamespace(
+        is_main_process=True,
+        device=torch.device("cpu"),
+        autocast=contextlib.nullcontext,
+        wait_for_everyone=lambda: None,
+    )
+    cfg = tiny_train_config(tmp_path / "model", tmp_path / "data", tmp_path / "out")
+
+    grid = outputs.samples(accelerator, comps, unet, [], cfg, fallback="a red square", at_step=3, ema=ema)
+    assert seen == [0.25]  # the pipeline ran on the averaged weights
+    assert all(torch.equal(a, b) for a, b in zip(before, unet.parameters()))
+    with Image.open(grid) as im:
+        assert json.loads(im.text["sdplan_samples"])["weights"] == "ema"
+
+    fail.append(True)
+    failures: list = []
+    assert (
+        outputs.samples(accelerator, comps, unet, [], cfg, fallback="x", step=4, ema=ema, failures=failures)
+        is None
+    )
+    assert seen[-1] == 0.25 and failures  # skipped, training goes on: on its own weights
+    assert all(torch.equal(a, b) for a, b in zip(before, unet.parameters()))
+
+    fail.clear()
+    outputs.samples(accelerator, comps, unet, [], cfg, fallback="x", at_step=5, out_path=tmp_path / "raw.png")
+    assert seen[-1] != 0.25  # without an EMA: the weights as they train
+    with Image.open(tmp_path / "raw.png") as im:
+        assert "weights" not in json.loads(im.text["sdplan_samples"])
+
+
+def test_loss_png_of_a_one_step_run_shows_its_point_on_whole_number_ticks():
+    """A one-step run's loss.png drew a line through one point (nothing visible) on ticks 0.96 ... 1.04 images
+    seen: few points are drawn as markers too, and whole-number positions get whole-number ticks."""
+    fig = plots.loss_figure([2], [0.5], xlabel="images seen")
+    ax = fig.axes[0]
+    assert ax.lines[0].get_marker() == "o"
+    ticks = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
+    assert ticks and all(float(t).is_integer() for t in ticks) and 2 in ticks
+    few = plots.loss_figure([2, 4, 6], [0.5, 0.4, 0.3]).axes[0]
+    assert few.lines[0].get_marker() == "o"
+    assert all(float(t).is_integer() for t in few.get_xticks())
+    many = plots.loss_figure(list(range(1, 101)), [1.0] * 100).axes[0]
+    assert many.lines[0].get_marker() in (None, "None", "")  # a long run: the line alone
+
+
+def _fake_run(tmp_path, *overrides, pipe=None, **config):
+    """(accelerator, comps, cfg) of a run on the CPU whose pipeline makes blank images: the pieces that sample
+    without a model."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from conftest import tiny_train_config
+
+    class Pipe:
+        def set_progress_bar_config(self, **_):
+            pass
+
+        def __call__(self, width=64, height=64, **_):
+            return SimpleNamespace(images=[Image.new("RGB", (width, height))])
+
+    class Vae:
+        device = torch.device("cpu")
+
+        def decode(self, z):
+            return z
+
+    comps = SimpleNamespace(
+        pipeline=lambda **_: pipe or Pipe(), family="sd15", vae=Vae(), text_encoders=[], tokenizers=[]
+    )
+    accelerator = SimpleNamespace(
+        is_main_process=True,
+        device=torch.device("cpu"),
+        autocast=contextlib.nullcontext,
+        wait_for_everyone=lambda: None,
+    )
+    cfg = tiny_train_config(tmp_path / "model", tmp_path / "data", tmp_path / "out", *overrides, **config)
+    return accelerator, comps, cfg
+
+
+def test_the_class_images_bar_counts_images_and_a_short_plain_bar_prints_few_lines(
+    tmp_path, capsys, monkeypatch
+):
+    """DreamBooth's class images showed 'class images: step 1/3 loss - 7.05 it/s' (no unit given: a training
+    step's bar); and plain (non-TTY) progress printed a line per item when the total was under 40, not the ~20
+    lines its docstring says."""
+    from sdplan.trainer import progress
+    from sdplan.trainer.recipes.dreambooth import _generate_class_images
+
+    monkeypatch.setenv("SDPLAN_PLAIN_PROGRESS", "1")
+    accelerator, comps, cfg = _fake_run(
+        tmp_path,
+        "dreambooth.with_prior_preservation=true",
+        "dreambooth.class_prompt=a square",
+        "dreambooth.num_class_images=3",
+        method="dreambooth",
+        lora=False,
+    )
+    _generate_class_images(accelerator, comps, cfg, tmp_path / "class", {(64, 64): 1})
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("class images:")]
+    assert lines and lines[-1].startswith("class images: image 3/3 ")
+    assert not any("step" in line or "loss" in line for line in lines)
+    assert len(list((tmp_path / "class").glob("*.png"))) == 3
+
+    bar = progress.Progress(accelerator, 39, description="cache", unit="sample")
+    for i in range(1, 40):
+        bar.update(i)
+    printed = capsys.readouterr().out.splitlines()
+    assert 15 <= len(printed) <= 21 and printed[-1].startswith("cache: sample 39/39")
+
+
+def test_a_sample_prompt_past_the_text_encoders_tokens_is_said_and_labelled_as_read(tmp_path):
+    """A sample prompt past CLIP's 77 tokens was cut without a word, and its grid label kept the prompt's end:
+    the part CLIP had dropped. It is said once, as long captions are, and the label shows what was read: its
+    start, an ellipsis where it was cut."""
+    from sdplan.trainer import outputs
+    from sdplan.trainer.conditioning import long_captions_note, read_part
+    from sdplan.trainer.loop import _long_prompts
+    from sdplan.trainer.tiny import tiny_tokenizer
+
+    tok = tiny_tokenizer(tmp_path / "tok")
+    long = "a photo of a red dog " * 20 + "at the end a blue square"
+    read = read_part(tok, long)
+    assert read.endswith(sampling.ELLIPSIS) and read.startswith("a photo of a red dog")
+    words = read.removesuffix(sampling.ELLIPSIS).split(" ")
+    assert (
+        len(tok(" ".join(words))["input_ids"])
+        <= 77
+        < len(tok(" ".join(long.split(" ")[: len(words) + 1]))["input_ids"])
+    )
+    assert read_part(tok, "a photo of a dog") == "a photo of a dog"
+    tags = read_part(tok, "red," * 200)  # no space to cut at: the characters read
+    assert tags.startswith("red,red,") and tags.endswith(sampling.ELLIPSIS) and len(tags) < 400
+
+    note = long_captions_note(tok, [long, "a dog"], "CLIP", "sample prompt", prompts=True)
+    assert note.startswith("1 sample prompt runs past the 77 tokens CLIP reads") and "labels show" in note
+    accelerator, comps, cfg = _fake_run(tmp_path, f"sampling.prompts=[{long!r}, 'a dog']")
+    comps.tokenizers = [tok]
+    assert _long_prompts(cfg.sampling.prompts, comps) == long_captions_note(
+        tok, cfg.sampling.prompts, "CLIP", "sample prompt", prompts=True
+    )
+    grid = outputs.samples(accelerator, comps, None, [], cfg, at_step=3, out_path=tmp_path / "g.png")
+    with Image.open(grid) as im:
+        record = json.loads(im.text["sdplan_samples"])
+    assert record["prompts"] == [long, "a dog"]  # sampled as given (the pipeline cuts it where CLIP stops)
+    assert record["labels"] == [f"step 3\n{read}", "step 3\na dog"]
+
+    from PIL import ImageDraw
+
+    draw = ImageDraw.Draw(Image.new("RGB", (1, 1)))
+    font = sampling._font(11, read)
+    lines = sampling._wrap(draw, font, f"step 3\n{read}", 60, 3)
+    assert lines[0] == "step 3" and lines[1].startswith("a photo") and lines[-1].endswith(sampling.ELLIPSIS)
+    assert "square" not in " ".join(lines)

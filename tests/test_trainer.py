@@ -72,6 +72,35 @@ def dataset(tmp_path_factory) -> Path:
 # -- pure pieces ------------------------------------------------------------------------------------------
 
 
+def test_a_one_step_run_is_worded_in_the_singular_and_its_fraction_of_an_epoch(tmp_path):
+    """A one-step run printed '-> 8 steps/epoch, 1 steps (1 epoch)' while run_summary.json said epochs 0.125,
+    and 'done: 1 steps, 1 images seen'."""
+    from sdplan.launcher import render_summary
+
+    cfg = tiny_train_config(tmp_path / "model", tmp_path / "data", tmp_path / "out", "training.batch_size=1")
+
+    def line(images, max_steps, epochs=1):
+        plan = runtime.plan_steps(
+            images_per_epoch=images,
+            batches_per_epoch=images,
+            batch_size=1,
+            grad_accum=1,
+            epochs=epochs,
+            max_steps=max_steps,
+            warmup_steps=0,
+            num_processes=1,
+        )
+        return runtime.describe_plan("lora", "sd15", images, cfg, plan)
+
+    assert "-> 8 steps/epoch, 1 step (0.125 of an epoch)," in line(8, 1)
+    assert "-> 8 steps/epoch, 12 steps (1.5 epochs)," in line(8, 12, epochs=2)
+    assert "-> 1 step/epoch, 1 step (1 epoch)," in line(1, None)
+    assert "-> 4 steps/epoch, 8 steps (2 epochs)," in line(4, None, epochs=2)
+    done = render_summary({"steps": 1, "images_seen": 1, "num_processes": 1, "final_loss": 0.5})[0]
+    assert done.startswith("done: 1 step, 1 image seen on 1 process, final loss 0.5000")
+    assert render_summary({"steps": 4, "images_seen": 8})[0].startswith("done: 4 steps, 8 images seen")
+
+
 def test_multi_process_step_arithmetic():
     # 8 samples, batch 2, accum 1: 4 steps on one process, 2 on two, 1 on four (each epoch split N ways).
     def plan(n, **kw):
@@ -317,6 +346,25 @@ def test_loss_on_a_repeated_batch_goes_down(tiny_sd15, tmp_path):
 
 
 @pytest.mark.train
+def test_dreambooth_grids_sample_what_the_run_trains_on(tmp_path):
+    """With no sampling.prompts, DreamBooth's grids sampled dreambooth.instance_prompt ('a photo of sks person' by
+    default) even where the instance images are captioned and train on their captions: as the other methods, the
+    first image's caption (the instance prompt where it has none)."""
+    from sdplan.trainer.data import build_dataset
+    from sdplan.trainer.recipes.dreambooth import DreamBooth
+
+    def prompt(folder):
+        cfg = tiny_train_config(tmp_path / "model", folder, tmp_path / "out", method="dreambooth", lora=False)
+        recipe = DreamBooth.__new__(DreamBooth)  # the sampling prompt needs only the config and the data
+        recipe.cfg, recipe.dataset = cfg, build_dataset(cfg)[0]
+        return recipe.sample_prompt()
+
+    assert prompt(make_images(tmp_path / "captioned", n=2, caption="a red square on blue")) == (
+        "a red square on blue"
+    )
+    assert prompt(make_images(tmp_path / "bare", n=2, caption=None)) == "a photo of sks person"
+
+
 def test_dreambooth_with_prior_preservation(tiny_sd15, dataset, tmp_path):
     out = tmp_path / "out"
     cfg = tiny_train_config(
@@ -397,8 +445,12 @@ def test_finetune_with_ema_in_ram(tiny_sd15, dataset, tmp_path):
         "ema.decay=0.5",
         "ema.device=cpu",
         "ema.update_every=2",
+        "sampling.every_steps=2",
     )
     run.train(cfg)
+    for grid in (out / "samples" / "step-000002.png", out / "samples" / "final.png"):
+        with Image.open(grid) as im:  # the grids show the averaged weights (the raw ones trained on)
+            assert json.loads(im.text["sdplan_samples"])["weights"] == "ema"
     from diffusers import UNet2DConditionModel
 
     raw = UNet2DConditionModel.from_pretrained(str(out / "model"), subfolder="unet")
@@ -655,14 +707,34 @@ def test_out_of_memory_in_a_sample_grid_during_training_skips_the_grid(
 
 @pytest.mark.train
 def test_grids_during_training_without_prompts_show_a_caption_as_the_final_grid_does(
-    tiny_sd15, dataset, tmp_path
+    tiny_sd15, dataset, tmp_path, capsys
 ):
     """sampling.every_steps with no sampling.prompts (the default outside the demo) made no grid at all, and
-    said nothing; the final grid already fell back to a caption."""
+    said nothing; the final grid already fell back to a caption. The long phases say what they do: the text
+    cache has a bar (it was said only once done), the every-N grids a line (the bar stood still), and the final
+    checkpoint and the export a line each (nothing was printed between the last step and the final grid)."""
     out = tmp_path / "out"
-    run.train(tiny_train_config(tiny_sd15, dataset, out, "training.max_steps=2", "sampling.every_steps=1"))
+    run.train(
+        tiny_train_config(
+            tiny_sd15,
+            dataset,
+            out,
+            "training.max_steps=3",
+            "sampling.every_steps=1",
+            "checkpoints.every_steps=5",
+            "memory.cache_text_encoder_outputs=true",
+        )
+    )
     grids = sorted(p.name for p in (out / "samples").glob("*.png"))
-    assert grids == ["final.png", "step-000001.png", "step-000002.png"]  # step 2's: the final grid's copy
+    # step 3's: the final grid's copy
+    assert grids == ["final.png", "step-000001.png", "step-000002.png", "step-000003.png"]
+    printed = capsys.readouterr().out
+    assert "caching text encoder outputs: caption 1/1 " in printed
+    assert printed.count("sampling a grid every 1 step into ") == 1
+    last_step = printed.index("lora: step 3/3")
+    final = printed.index("sampling the final grid")
+    assert last_step < printed.index("writing the checkpoint of the final step 3") < final
+    assert last_step < printed.index(f"writing the trained weights into {out}") < final
 
 
 @pytest.mark.train
@@ -947,7 +1019,7 @@ def test_deepspeed_zero2_cpu_offload_in_two_processes_is_one_run(
         return proc
 
     proc = launch()
-    assert "x 2 processes -> 1 steps/epoch, 2 steps" in proc.stdout, proc.stdout
+    assert "x 2 processes -> 1 step/epoch, 2 steps" in proc.stdout, proc.stdout
     summary = json.loads((out / "run_summary.json").read_text())
     assert (summary["num_processes"], summary["steps"], summary["images_seen"]) == (2, 2, 8)
     straight = losses(out)

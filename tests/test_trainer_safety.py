@@ -571,6 +571,26 @@ def test_grid_labels_take_a_font_that_has_their_characters():
     assert sampling.make_grid(cells, cols=2, labels=["猫 café", nowhere]).width == 128
 
 
+def test_each_grid_label_takes_a_font_that_has_its_own_characters(monkeypatch):
+    """One font was chosen for all the labels of a grid: a character no font has in one label (here a private-use
+    one; an emoji on a machine with a CJK font) sent every label to DejaVu Sans, and a label another installed
+    font draws (here STIX's U+1D81; Chinese with Noto Sans CJK) became boxes. Each label takes its own."""
+    used = []
+    font_of = sampling._font
+
+    def spy(size, text=""):
+        font = font_of(size, text)
+        used.append((text.removesuffix(sampling.ELLIPSIS), font.getname()[0]))
+        return font
+
+    monkeypatch.setattr(sampling, "_font", spy)
+    rare, nowhere = "step 2\na \u1d81", "step 2\n\U0010fffd"
+    cells = [Image.new("RGB", (64, 64), (90, 90, 90)) for _ in range(2)]
+    assert sampling.make_grid(cells, cols=2, labels=[rare, nowhere]).width == 128
+    fonts = dict(used)
+    assert fonts[nowhere] == "DejaVu Sans" and fonts[rare] != "DejaVu Sans", used
+
+
 def test_a_label_font_that_cannot_be_opened_gives_way_to_the_next(monkeypatch, tmp_path):
     """A listed font FreeType cannot open at the size (a colour-emoji font has one size only): the next one."""
     broken = tmp_path / "emoji.ttf"

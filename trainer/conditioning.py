@@ -22,10 +22,57 @@ def tokenize(tokenizers: list, captions: list[str]) -> list:
     ]
 
 
-def long_captions_note(tokenizer: Any, captions: list[str], encoder: str) -> str:
+def reading_tokenizer(comps) -> tuple[Any, str] | None:
+    """(tokenizer, name) of the text encoder that reads the most of a caption or prompt: T5 for SD3.5 / FLUX.1
+    (their CLIPs stop at 77 tokens, T5 reads on), CLIP otherwise; None without tokenizers."""
+    from sdplan.registry import FLOW_FAMILIES
+
+    tokenizers = list(getattr(comps, "tokenizers", None) or [])
+    if not tokenizers:
+        return None
+    flow = comps.family in FLOW_FAMILIES
+    return (tokenizers[-1], "T5") if flow else (tokenizers[0], "CLIP")
+
+
+def read_part(tokenizer: Any, text: str) -> str:
+    """``text`` as far as the text encoder reads it (``tokenizer.model_max_length`` tokens, start and end
+    counted): all of it where it fits, else its longest start of whole words that fits and an ellipsis where
+    it was cut (what a sample grid's label shows: the words past it do not make the image)."""
+    from .sampling import ELLIPSIS
+
+    limit = int(tokenizer.model_max_length)
+
+    def fits(part: str) -> bool:  # truncation at a length never reached: no "longer than the maximum" warning
+        return len(tokenizer(part, truncation=True, max_length=10**7)["input_ids"]) <= limit
+
+    def most(pieces: list[str], sep: str) -> int:
+        """The most of ``pieces`` whose start fits (the whole does not)."""
+        low, high = 0, len(pieces) - 1
+        while low < high:
+            mid = (low + high + 1) // 2
+            if fits(sep.join(pieces[:mid])):
+                low = mid
+            else:
+                high = mid - 1
+        return low
+
+    if len(text) <= limit - 2 or fits(text):  # a token is at least one character
+        return text
+    words = text.split(" ")
+    n = most(words, " ")
+    # a first word past the limit alone (tags without spaces): the characters that fit
+    start = " ".join(words[:n]) if n else text[: most(list(text), "")]
+    return start.rstrip() + ELLIPSIS
+
+
+def long_captions_note(
+    tokenizer: Any, captions: list[str], encoder: str, what: str = "caption", prompts: bool = False
+) -> str:
     """How many of ``captions`` (one per image) run past what ``encoder`` reads (``tokenizer.model_max_length``
     tokens, its start and end tokens counted), whose end :func:`tokenize` cuts, in training as in sampling;
-    "" when none does. The SD pipelines warn of this at each prompt; a dataset's captions are said once."""
+    "" when none does. The SD pipelines warn of this at each prompt; a dataset's captions are said once.
+    ``what``: what the texts are ("sample prompt"); ``prompts``: they are the grids' prompts, which train
+    nothing (their labels show the part read: :func:`read_part`)."""
     limit = int(tokenizer.model_max_length)
     # a token is at least one character: a caption shorter than the limit (less the start and end) fits
     maybe = sorted({c for c in captions if len(c) > limit - 2})
@@ -38,10 +85,15 @@ def long_captions_note(tokenizer: Any, captions: list[str], encoder: str) -> str
     from .dataset_scan import count_of
 
     n = sum(1 for c in captions if c in long)
+    where = (
+        "in the sample grids (their labels show the part read, cut with an ellipsis)"
+        if prompts
+        else "in training as in use"
+    )
     return (
-        f"{count_of(n, 'caption')} run past the {limit} tokens {encoder} reads (the longest: "
-        f"{max(lengths[c] for c in long)}): the words after that are cut, in training as in use; shorten them, "
-        "or put what matters first"
+        f"{count_of(n, what)} run{'s' if n == 1 else ''} past the {limit} tokens {encoder} reads (the longest: "
+        f"{max(lengths[c] for c in long)}): the words after that are cut, {where}; shorten "
+        f"{'it' if n == 1 else 'them'}, or put what matters first"
     )
 
 
@@ -102,9 +154,12 @@ class TextCache:
         """The captions of ``captions`` not in the cache yet."""
         return set(captions) - set(self.embeds)
 
-    def precompute(self, comps, text_encoders, captions, device, batch_size: int | None = None) -> int:
+    def precompute(
+        self, comps, text_encoders, captions, device, batch_size: int | None = None, on_batch=None
+    ) -> int:
         """Encode the captions of ``captions`` the cache lacks, ``batch_size`` at a time (None: the family's,
-        sdplan.registry.text_cache_batch); returns how many."""
+        sdplan.registry.text_cache_batch); returns how many. ``on_batch(done)``: called after each batch with
+        the captions encoded so far."""
         import torch
 
         from sdplan.registry import text_cache_batch
@@ -122,6 +177,8 @@ class TextCache:
                         embeds[j].to("cpu"),
                         pooled[j].to("cpu") if pooled is not None else None,
                     )
+                if on_batch is not None:
+                    on_batch(i + len(chunk))
         return len(todo)
 
     def lookup(self, captions: list[str], device, dtype):
@@ -168,7 +225,20 @@ def make_text_cache(
         cache = TextCache()
     elif not cache.missing(captions):
         return cache
+    from .progress import Progress
+
     more = bool(cache.embeds)
-    n = cache.precompute(comps, text_encoders, captions, device)
+    # a text-encoder pass over every caption (T5-XXL over a large dataset's: minutes) said only once it was done:
+    # a bar, as the latent cache's (main process)
+    bar = Progress(
+        accelerator,
+        len(cache.missing(captions)),
+        description="caching text encoder outputs",
+        unit="caption",
+    )
+    try:
+        n = cache.precompute(comps, text_encoders, captions, device, on_batch=bar.update)
+    finally:
+        bar.close()
     say(accelerator, f"text cache: {n} {'more ' if more else ''}captions encoded")
     return cache

@@ -425,6 +425,27 @@ class Ema:
     def copy_to(self, model) -> None:
         self.model.copy_to(model.parameters())
 
+    @contextmanager
+    def weights_in(self, model):
+        """The averaged weights in ``model`` inside the block (the sample grids show them, as the ``ema/``
+        export), its own weights put back exactly after, whatever ends the block: diffusers' train_text_to_image
+        swaps them so around its validation images (``ema_unet.store`` / ``copy_to`` / ``restore``). The
+        training weights wait in host RAM, as EMAModel.store keeps them; the averages come to the model's device
+        one parameter at a time (an EMA kept on the CPU is not copied to the GPU whole)."""
+        import torch
+
+        params = list(model.parameters())
+        kept = [p.detach().to("cpu", copy=True) for p in params]  # their own dtype: restored bit for bit
+        try:
+            with torch.no_grad():
+                for average, p in zip(self.model.shadow_params, params):
+                    p.copy_(average)  # across devices and dtypes
+            yield
+        finally:
+            with torch.no_grad():
+                for saved, p in zip(kept, params):
+                    p.copy_(saved)
+
 
 def reduce_step_stats(accelerator, loss_sum, micro_batches: int, images: int, stop: bool):
     """One all-reduce per optimizer step: mean loss over processes, images trained by all, any stop request
@@ -565,6 +586,8 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
         progress.say(accelerator, note)
     recipe = recipe_cls(cfg, accelerator, comps, dataset)
     if accelerator.is_main_process and (note := _long_captions(dataset, comps)):  # after TI's token is added
+        progress.say(accelerator, f"note: {note}")
+    if accelerator.is_main_process and (note := _long_prompts(cfg.sampling.prompts, comps)):
         progress.say(accelerator, f"note: {note}")
     groups, optimizer = build(recipe)
     ema = Ema.for_config(cfg, recipe.ema_model(), device)
@@ -746,9 +769,16 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
         runtime.describe_plan(cfg.method, comps.family, len(dataset), cfg, plan, max(0, repeated)),
     )
 
+    if ema is not None and accelerator.is_main_process:
+        progress.say(
+            accelerator,
+            f"note: the sample grids show the EMA weights (ema.enabled, decay {ema.decay}), as the ema/ export; "
+            "the training weights are put back after each grid",
+        )
+
     # 5. The loop (the peak recorded from here: the training's, not the setup's caption pass or loading).
     runtime.reset_peak_memory()
-    tb = progress.tensorboard(accelerator, cfg)
+    tb = progress.tensorboard(accelerator, cfg, state.images_seen)  # past it: an earlier session's points
     bar = progress.Progress(accelerator, plan.total_steps, initial=state.global_step, description=cfg.method)
 
     state.sampling_seconds += recipe.sampling_seconds  # this session's class images (setup)
@@ -769,6 +799,7 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
                 text_cache=recipe.text_cache,
                 failures=state.sample_grid_failures,  # carried by the checkpoints: over the run's sessions
                 images=state.images_seen,  # the point of the run the grid shows (outputs.grid_path)
+                ema=ema,  # ema.enabled: the grids show the averaged weights, as diffusers' validation images
                 **kw,
             )
         finally:  # the run's sampling time (run_summary's sampling_seconds), a grid that failed too
@@ -842,6 +873,7 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
         save_intermediate(step, epoch, earlier, found[0] is not None)
 
     finished = False  # the loop ran to its end: the TensorBoard log stays open for the final grid
+    said_grids = False  # the every-N grids' line, printed at the first
     base = None if resume_from is not None else base_models(recipe)  # where a step-1 NaN can come from
     try:
         with stops.StopSignals() as stop:
@@ -889,6 +921,13 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
                     # grid shows the same weights, so none is made twice
                     every = cfg.sampling.every_steps
                     sampled = bool(every) and step % every == 0 and step < plan.total_steps
+                    if sampled and not said_grids:  # the bar stands still while it samples: said once
+                        said_grids = True
+                        bar.print(
+                            f"sampling a grid every {count_of(every, 'step')} into {out_dir / 'samples'} "
+                            f"({count_of(len(cfg.sampling.prompts) or 1, 'prompt')} x "
+                            f"{cfg.sampling.num_inference_steps} denoising steps): training pauses meanwhile"
+                        )
                     step_grid = sample(step, fallback=recipe.sample_prompt()) if sampled else None
                     if step in saves_at:
                         save_intermediate(step, saves_at[step], step_grid, sampled)
@@ -923,6 +962,8 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
         peak = runtime.gather_max(accelerator, runtime.peak_memory_bytes(accelerator))
         accelerator.wait_for_everyone()
         checkpoints_on = bool(cfg.checkpoints.every_steps or cfg.checkpoints.keep_every_steps)
+        if checkpoints_on and ckpt.last_saved_step != state.global_step:  # seconds to minutes, said
+            progress.say(accelerator, f"writing the checkpoint of the final step {state.global_step}")
         final_ckpt = _checkpoint_final(ckpt, state, accelerator) if checkpoints_on else None
         written: list[Path] = []
         epochs_done = round(state.global_step / plan.steps_per_epoch, 3)
@@ -935,6 +976,11 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
                 epochs=epochs_done,
                 prediction_type=comps.prediction_type,
                 mixed_precision=accelerator.mixed_precision,
+            )
+            progress.say(  # a full model's export (and its EMA copy) takes minutes: said before it starts
+                accelerator,
+                f"writing the trained weights into {out_dir}"
+                + (" (and the EMA weights into ema/)" if ema else ""),
             )
             try:
                 written += recipe.export(out_dir, meta, ema)
@@ -1020,16 +1066,20 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
 
 def _long_captions(dataset, comps) -> str:
     """The captions the text encoder that reads the most (T5 for SD3.5 / FLUX.1, CLIP otherwise) cuts."""
-    from sdplan.registry import FLOW_FAMILIES
-
-    from .conditioning import long_captions_note
-
-    if not comps.tokenizers:
+    reader = conditioning.reading_tokenizer(comps)
+    if reader is None:
         return ""
-    flow = comps.family in FLOW_FAMILIES
-    tokenizer = comps.tokenizers[-1] if flow else comps.tokenizers[0]
     captions = [dataset.caption_for(item, i) for i, item in enumerate(dataset.items)]
-    return long_captions_note(tokenizer, captions, "T5" if flow else "CLIP")
+    return conditioning.long_captions_note(reader[0], captions, reader[1])
+
+
+def _long_prompts(prompts: list[str], comps) -> str:
+    """The sample prompts (``sampling.prompts``) that text encoder cuts: said once, as the captions are (a
+    prompt was cut without a word, and its grid label showed the end it had dropped)."""
+    reader = conditioning.reading_tokenizer(comps)
+    if reader is None or not prompts:
+        return ""
+    return conditioning.long_captions_note(reader[0], list(prompts), reader[1], "sample prompt", prompts=True)
 
 
 def _checkpoint_final(ckpt, state, accelerator) -> Path | None:

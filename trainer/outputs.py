@@ -20,6 +20,7 @@ from typing import Any
 from sdplan.errors import SdplanError
 from sdplan.registry import FLOW_FAMILIES
 
+from .conditioning import read_part, reading_tokenizer
 from .dataset_scan import count_of
 from .latents import offload
 from .progress import say
@@ -371,6 +372,7 @@ def samples(
     failures: list[dict[str, Any]] | None = None,
     measuring: bool = False,
     images: int | None = None,
+    ema=None,
 ) -> Path | None:
     """A PNG grid from ``sampling.prompts`` (else ``fallback``) with a fixed seed, made on the main process:
     ``samples/step-000100.png`` during training (the other processes wait), ``samples/final.png`` at the end
@@ -389,13 +391,19 @@ def samples(
     ``faults.Faults`` (a test hook). ``measuring``: the grid is made to be measured (``sdplan bench``, no run's
     weights around it): a failure is raised as it is, not skipped. ``text_cache``: the run's
     cache of text-encoder outputs; SD3.5 / FLUX.1 sample from it (their encoders stay off the GPU:
-    ``flow.cached_conditioning``)."""
+    ``flow.cached_conditioning``). ``ema``: the run's ``loop.Ema`` (ema.enabled): the grid shows its averaged
+    weights, swapped into the model for it and the training weights restored exactly after (``Ema.weights_in``;
+    the PNG records ``"weights": "ema"``)."""
     import torch
 
     from .checkpoint import unwrap
 
     prompts = list(cfg.sampling.prompts) or ([fallback] if fallback else [])
     shown_step = step if step is not None else at_step
+    # what the text encoder reads of each prompt, for its label: a prompt past its tokens is cut there, and its
+    # label showed the end the encoder had dropped (loop._long_prompts says so once)
+    reader = reading_tokenizer(comps) if prompts and accelerator.is_main_process else None
+    shown = [read_part(reader[0], p) for p in prompts] if reader is not None else prompts
     grid = None
     skipped = None
     failure = None
@@ -415,6 +423,7 @@ def samples(
         target = out_path or grid_path(Path(cfg.output.dir) / "samples", step, images)
         try:
             with (
+                ema.weights_in(unwrap(unet)) if ema is not None else contextlib.nullcontext(),
                 sampling_precision(accelerator, comps.vae),
                 _grid_bar(accelerator, step, len(prompts), cfg) as bar,
             ):
@@ -428,10 +437,13 @@ def samples(
                     guidance_scale=sampling.guidance_for(cfg.sampling.guidance_scale, comps.family),
                     resolution=cfg.data.resolution,
                     out_path=target,
-                    labels=[f"step {shown_step}\n{p}" if shown_step is not None else p for p in prompts],
+                    labels=[f"step {shown_step}\n{p}" if shown_step is not None else p for p in shown],
                     conditioning=conditioning,
                     on_step=bar,
-                    record={} if images is None else {"images_seen": images},
+                    record={
+                        **({} if images is None else {"images_seen": images}),
+                        **({} if ema is None else {"weights": "ema", "ema_decay": ema.decay}),
+                    },
                 )
         except torch.OutOfMemoryError as e:
             if step is None:

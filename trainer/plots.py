@@ -57,8 +57,36 @@ def loss_curve(
     """PNG of the raw loss (thin), its smoothed EMA (thick, :func:`ema` over the x positions) and, when
     given, the learning rate on a second axis. ``x``: the position of each loss (increasing), named
     ``xlabel`` (the trainer draws against the images seen). Written atomically."""
+    fig = loss_figure(x, losses, lr, smoothing=smoothing, title=title, xlabel=xlabel)
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_path.with_name(f".{out_path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        fig.savefig(tmp, format="png")
+        os.replace(tmp, out_path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return out_path
+
+
+FEW_POINTS = 30  # up to this many losses each gets a marker: a line through one point draws nothing
+
+
+def loss_figure(
+    x: list[float],
+    losses: list[float],
+    lr: list[float] | None = None,
+    *,
+    smoothing: float = 0.9,
+    title: str | None = None,
+    xlabel: str = "step",
+):
+    """The matplotlib Figure :func:`loss_curve` saves. Up to :data:`FEW_POINTS` losses are drawn as markers
+    too (a one-step run's loss.png showed no point at all); positions that are whole numbers (steps, images
+    seen) get whole-number ticks (one point had ticks 0.96 ... 1.04 images seen)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
     x, losses = list(x), [float(v) for v in losses]
     if len(x) != len(losses):
@@ -68,9 +96,22 @@ def loss_curve(
     fig = Figure(figsize=(8, 4.5), dpi=100)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
-    ax.plot(x, losses, color="tab:blue", alpha=0.35, linewidth=1, label="loss")
+    few = {"marker": "o", "markersize": 4} if len(x) <= FEW_POINTS else {}
+    ax.plot(
+        x,
+        losses,
+        color="tab:blue",
+        alpha=0.35 if len(x) > FEW_POINTS else 0.6,
+        linewidth=1,
+        label="loss",
+        **few,
+    )
     smooth = ema(losses, smoothing, x=x)
     ax.plot(x, smooth, color="tab:blue", linewidth=2, label=f"loss (EMA {smoothing})")
+    if x and all(float(v).is_integer() for v in x):
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        if len(set(x)) == 1:  # one position: a range of whole numbers around it, not +-4%
+            ax.set_xlim(float(x[0]) - 1, float(x[0]) + 1)
     ax.set_xlabel(xlabel)
     ax.set_ylabel("loss")
     ax.grid(True, alpha=0.3)
@@ -86,23 +127,20 @@ def loss_curve(
     if title:
         ax.set_title(title)
     fig.tight_layout()
-    out_path = Path(out_path)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_path.with_name(f".{out_path.name}.{uuid.uuid4().hex[:8]}.tmp")
-    try:
-        fig.savefig(tmp, format="png")
-        os.replace(tmp, out_path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return out_path
+    return fig
 
 
 class TensorBoardLogger:
     """``torch.utils.tensorboard.SummaryWriter`` for the few things a run logs: loss, learning rate, it/s,
     memory and sample images. Without tensorboard installed (``pip install 'tensorboard>=2.15'``) every
-    method does nothing and one RuntimeWarning says why; ``enabled`` tells which."""
+    method does nothing and one RuntimeWarning says why; ``enabled`` tells which.
 
-    def __init__(self, log_dir: str | Path, enabled: bool = True):
+    ``purge_step``: where this session of the run takes up the log (in the steps it logs at: the trainer's
+    images seen). TensorBoard hides the points of the log's earlier files at it or past it (SummaryWriter's
+    purge_step): what a session trained past its resumed checkpoint, or an attempt the out-of-memory retry
+    abandoned, is not shown beside the points trained again (two losses at one x)."""
+
+    def __init__(self, log_dir: str | Path, enabled: bool = True, purge_step: int | None = None):
         self.log_dir = Path(log_dir)
         self._writer = None
         if not enabled:
@@ -117,7 +155,7 @@ class TensorBoardLogger:
                 stacklevel=2,
             )
             return
-        self._writer = SummaryWriter(log_dir=str(self.log_dir))
+        self._writer = SummaryWriter(log_dir=str(self.log_dir), purge_step=purge_step)
 
     @property
     def enabled(self) -> bool:

@@ -33,8 +33,9 @@ class Progress:
         unit: str = "step",
         lines: int = 20,
     ):
-        """``unit``: what is counted ("step"; "sample" for caching, which has no loss to show). ``lines``: about
-        how many plain lines a whole run prints."""
+        """``unit``: what is counted ("step"; "sample" for caching, "image" for DreamBooth's class images: no
+        loss to show). ``lines``: at most about how many plain lines a whole run prints (a short one prints one
+        per step)."""
         import torch
 
         self.enabled = accelerator.is_main_process
@@ -43,7 +44,7 @@ class Progress:
         self.unit = unit
         self.cuda = accelerator.device.type == "cuda" and torch.cuda.is_available()
         self.tty = sys.stdout.isatty() and os.environ.get("SDPLAN_PLAIN_PROGRESS") is None
-        self.every = max(1, total // lines)
+        self.every = max(1, math.ceil(total / lines))  # total // lines printed each of 39 steps
         self.description = description
         self.start = time.perf_counter()
         self._bar = None
@@ -130,12 +131,17 @@ def describe_data(accelerator, dataset, scan, label: str = "data") -> None:
         say(accelerator, "aspect-ratio buckets:\n" + format_bucket_table(dataset.bucket_table()))
 
 
-def tensorboard(accelerator, cfg):
-    """TensorBoard logs under ``{out}/logs`` when ``logging.tensorboard`` (main process only)."""
+def tensorboard(accelerator, cfg, images_seen: int = 0):
+    """TensorBoard logs under ``{out}/logs`` when ``logging.tensorboard`` (main process only), taken up where the
+    run restarts: at ``images_seen``, the unit its points are logged in (:func:`log_step`). The points an earlier
+    session logged past it (trained past the checkpoint resumed, or by the attempt the out-of-memory retry
+    abandoned, from 0) are purged; its own point at ``images_seen`` (the checkpoint's step) stays."""
     from .plots import TensorBoardLogger
 
     return TensorBoardLogger(
-        Path(cfg.output.dir) / "logs", enabled=cfg.logging.tensorboard and accelerator.is_main_process
+        Path(cfg.output.dir) / "logs",
+        enabled=cfg.logging.tensorboard and accelerator.is_main_process,
+        purge_step=images_seen + 1,
     )
 
 

@@ -554,11 +554,20 @@ def describe_plan(method: str, family: str, samples: int, cfg, plan: Steps, repe
         warmup += f" (training.lr_warmup_steps {t.lr_warmup_steps} one-process steps / {plan.num_processes})"
     return (
         f"{method} {family}: {samples} samples/epoch, batch {t.batch_size} x accum {t.grad_accum} x "
-        f"{count_of(plan.num_processes, 'process', 'processes')} -> {plan.steps_per_epoch} steps/epoch, "
-        f"{plan.total_steps} steps "
-        f"({plan.epochs} epoch{'s' if plan.epochs != 1 else ''}), {warmup}"
+        f"{count_of(plan.num_processes, 'process', 'processes')} -> {count_of(plan.steps_per_epoch, 'step')}/epoch, "
+        f"{count_of(plan.total_steps, 'step')} ({epochs_text(plan.total_steps / plan.steps_per_epoch)}), {warmup}"
         + (f"; {steps.repeated_batches_text(repeated, plan.largest_batch)}" if repeated else "")
     )
+
+
+def epochs_text(epochs: float) -> str:
+    """'1 epoch', '3 epochs', '0.125 of an epoch', '1.5 epochs': the epochs a run trains, as run_summary.json's
+    ``epochs`` counts them (steps / steps per epoch, to 3 places); a training.max_steps stop inside an epoch was
+    said as the whole epoch it starts ('1 steps (1 epoch)' where the summary said 0.125)."""
+    epochs = round(epochs, 3)
+    if epochs.is_integer():
+        return count_of(int(epochs), "epoch")
+    return f"{epochs:g} of an epoch" if epochs < 1 else f"{epochs:g} epochs"
 
 
 class EpochBatches:

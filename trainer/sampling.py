@@ -149,7 +149,7 @@ def generate_images(
 def make_grid(images: list, cols: int | None = None, labels: list[str] | None = None):
     """Images pasted into a ``cols`` x ``rows`` grid (cells the size of the first image; ``cols`` defaults to
     ceil(sqrt(n))). ``labels`` go in a strip under each image, never over it (at 64 px a label over the image
-    covered 40% of it): white on black, at least :data:`LABEL_MIN_PX` px high (a font that has their
+    covered 40% of it): white on black, at least :data:`LABEL_MIN_PX` px high (each in a font that has its
     characters, scaled to the cell); a newline starts a line, long lines wrap, at most :data:`LABEL_LINES` in
     all. The last line of a label (the prompt) keeps its end where it is too long ("...red square": where
     prompts differ), the lines above it their start ("step 16"). The strip is as tall as the longest label."""
@@ -162,14 +162,16 @@ def make_grid(images: list, cols: int | None = None, labels: list[str] | None = 
     w, h = images[0].size
     texts = list(labels[: len(images)]) if labels else []
     lines: list[list[str]] = []
-    strip = line_h = top = 0
-    font = None
+    strip = line_h = 0
+    fonts: list = []
     if texts:
-        font = _font(max(LABEL_MIN_PX, h // 24), "".join(texts) + ELLIPSIS)
-        _, top, _, bottom = font.getbbox("Ag")
-        line_h = bottom - top + 2
+        # a font per label, one that has its characters: one character no font has in one label (an emoji) drew
+        # every label, a Chinese one included, in DejaVu Sans's boxes
+        size = max(LABEL_MIN_PX, h // 24)
+        fonts = [_font(size, text + ELLIPSIS) for text in texts]
+        line_h = max(b - t for _, t, _, b in (f.getbbox("Ag") for f in fonts)) + 2
         measure = ImageDraw.Draw(Image.new("RGB", (1, 1)))
-        lines = [_wrap(measure, font, text, w - 4, LABEL_LINES) for text in texts]
+        lines = [_wrap(measure, font, text, w - 4, LABEL_LINES) for font, text in zip(fonts, texts)]
         strip = max(len(lab) for lab in lines) * line_h + 3
     cell_h = h + strip
     grid = Image.new("RGB", (cols * w, rows * cell_h), (0, 0, 0))
@@ -178,8 +180,9 @@ def make_grid(images: list, cols: int | None = None, labels: list[str] | None = 
             raise ValueError(f"image {i} is {image.size}, the grid's cells are {(w, h)}")
         grid.paste(image.convert("RGB"), ((i % cols) * w, (i // cols) * cell_h))
     draw = ImageDraw.Draw(grid)
-    for i, label in enumerate(lines):
+    for i, (label, font) in enumerate(zip(lines, fonts)):
         x, y = (i % cols) * w, (i // cols) * cell_h + h + 2
+        top = font.getbbox("Ag")[1]
         for j, line in enumerate(label):
             draw.text((x + 2, y + j * line_h - top), line, font=font, fill=(255, 255, 255))
     return grid
@@ -248,11 +251,18 @@ def _charmap(path: str) -> frozenset[int]:
 def _wrap(draw, font, text: str, width: int, most: int = LABEL_LINES) -> list[str]:
     """``text`` in lines of at most ``width`` pixels: newlines break, then words; at most ``most`` lines. Where
     that is too many, the last paragraph (the prompt) loses its start ("...of sks red" / "square": its end is
-    what tells prompts apart), the ones above it their end."""
+    what tells prompts apart), the ones above it their end. A prompt that ends in an ellipsis (cut where the
+    text encoder stops reading, ``conditioning.read_part``) keeps its start instead: the end it lost made
+    nothing in the image."""
     paragraphs = [_words(draw, font, para, width) for para in text.split("\n")]
     head = [line for para in paragraphs[:-1] for line in para][: max(most - 1, 0)]
     tail = paragraphs[-1]
     room = max(most - len(head), 1)
+    if text.endswith(ELLIPSIS):
+        if len(tail) > room:
+            tail = tail[:room]
+            tail[-1] = tail[-1].removesuffix(ELLIPSIS) + ELLIPSIS
+        return [_fit(draw, font, line, width) for line in head + tail]
     if len(tail) > room:
         tail = tail[-room:]
         tail[0] = ELLIPSIS + tail[0]
@@ -278,6 +288,7 @@ def _fit(draw, font, text: str, width: int) -> str:
     """``text`` cut at the end (with an ellipsis) to ``width`` pixels."""
     if draw.textlength(text, font=font) <= width:
         return text
+    text = text.removesuffix(ELLIPSIS)
     while text and draw.textlength(text + ELLIPSIS, font=font) > width:
         text = text[:-1]
     return text + ELLIPSIS

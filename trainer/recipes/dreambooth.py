@@ -69,9 +69,6 @@ class DreamBooth(Finetune):
             captions.add(self.cfg.dreambooth.class_prompt)  # class_ds: the text cache is encoded first
         return captions
 
-    def sample_prompt(self) -> str:
-        return self.cfg.dreambooth.instance_prompt
-
     def _class_pool(self, shape: tuple[int, int]) -> tuple[list[int], bool]:
         """The class samples an instance batch of ``shape`` (height, width) pairs with: those in its aspect
         bucket, else all of them (then scaled and cropped to it); and whether they were in its bucket."""
@@ -208,7 +205,7 @@ def _generate_class_images(
         progress.say(accelerator, f"generating {missing} class images of {db.class_prompt!r} into {target}")
         pipe = comps.pipeline()
         pipe.set_progress_bar_config(disable=True)
-        bar = progress.Progress(accelerator, missing, description="class images")
+        bar = progress.Progress(accelerator, missing, description="class images", unit="image")
         sizes = generation_shapes(shapes, missing, _class_shapes(cfg, found))
         n = 0
         away = outputs.models_away(accelerator.device, *comps.text_encoders)  # after the text cache's pass
