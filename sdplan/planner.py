@@ -846,6 +846,10 @@ def _assemble(
         step_transient, autocast_copies = ds["step"], 0.0
         ram = max(ram, RAM_PER_PROCESS + ds["host"])
     ram += ema_host
+    if (
+        s.ema
+    ):  # a grid samples the EMA weights: the trained ones wait in host RAM meanwhile (loop.Ema.weights_in)
+        ram += state["weights"]
     weights, grads = state["weights"], state["gradients"]
     held = weights + state["frozen"] + state["optimizer"] + state["ema"]
     buckets = ddp_bucket_bytes(s, grads)
