@@ -571,18 +571,34 @@ def loader_notes(cfg: TrainConfig, family: str | None) -> list[str]:
     return out
 
 
-def warmup_problems(cfg: TrainConfig) -> list[str]:
-    """training.lr_warmup_steps with the constant scheduler: diffusers' get_scheduler drops num_warmup_steps for
-    "constant" (optimization.py), so the run trains at the full rate from the first step; kohya refuses the pair.
-    Checked where settings are given (`sdplan train`, `sdplan recommend`), not in :func:`validate`: a run folder
-    an older sdplan wrote so still resumes (it trained without warmup, as it goes on)."""
+# settings a run ignores, refused where they are given (given_problems), each with the keys whose giving again on
+# a resume checks them
+GIVEN_CHECKS = (
+    ("training.lr_scheduler", "training.lr_warmup_steps"),
+    ("training.full_half_weights",),
+)
+
+
+def given_problems(cfg: TrainConfig) -> list[str]:
+    """Settings a run would ignore, said where settings are given (`sdplan train`, `sdplan recommend`), not in
+    :func:`validate`: a run folder an older sdplan wrote so still resumes (it trained so, as it goes on).
+    - training.lr_warmup_steps with the constant scheduler: diffusers' get_scheduler drops num_warmup_steps for
+      "constant" (optimization.py), so the run trains at the full rate from the first step; kohya refuses it;
+    - training.full_half_weights on textual inversion: the trainer keeps bf16 weights for the full-weight recipes
+      and a LoRA's matrices (runtime.trained_dtype, kohya --full_bf16); the embeddings stay fp32."""
+    out = []
     if cfg.training.lr_warmup_steps and cfg.training.lr_scheduler == "constant":
-        return [
+        out.append(
             f"training.lr_warmup_steps: {cfg.training.lr_warmup_steps} with training.lr_scheduler constant, which "
             "has no warmup (the full rate from the first step); set training.lr_scheduler=constant_with_warmup, "
             "or training.lr_warmup_steps=0"
-        ]
-    return []
+        )
+    if cfg.training.full_half_weights and cfg.method == "textual-inversion":
+        out.append(
+            "training.full_half_weights: textual-inversion trains its token embeddings in fp32 (no full bf16 "
+            "mode); it applies to methods lora, dreambooth and finetune; set it to false"
+        )
+    return out
 
 
 # the parts of a ``plan:`` record (what `sdplan recommend --out` writes: planner.result_dict's) that sdplan reads
@@ -632,14 +648,11 @@ def _cross_checks(cfg: TrainConfig, errors: list[str]) -> None:
     # the bucket settings make buckets: checked with the values given (one refused is its default here)
     if cfg.data.buckets and not any(e.startswith(("data.resolution", "data.bucket")) for e in errors):
         errors += bucket_problems(cfg.data)
-    if cfg.training.full_half_weights and cfg.method == "textual-inversion":
-        # the trainer keeps bf16 weights for the full-weight recipes and a LoRA's matrices (runtime.trained_dtype,
-        # kohya --full_bf16): textual inversion's embeddings stay fp32 whatever it says
-        errors.append(
-            "training.full_half_weights: textual-inversion trains its token embeddings in fp32 (no full bf16 "
-            "mode); it applies to methods lora, dreambooth and finetune; set it to false"
-        )
-    elif cfg.training.full_half_weights and cfg.training.precision != "bf16":
+    if (
+        cfg.training.full_half_weights
+        and cfg.training.precision != "bf16"
+        and cfg.method != "textual-inversion"
+    ):
         errors.append("training.full_half_weights: needs training.precision bf16 (fp16 weights underflow)")
     if ds is not None and cfg.training.train_text_encoder:
         errors.append(

@@ -606,9 +606,9 @@ def _validate_given(base: dict[str, Any], req: TrainRequest, out: Path, source: 
         cfg.method, given, resume=req.resume
     ) + C.switched_setting_problems(cfg, req.overrides):
         raise C.ConfigError("key=value settings", problems)
-    # a resumed run keeps what its sdplan.yaml trained with unless the schedule is given again
-    if (not req.resume or {"training.lr_scheduler", "training.lr_warmup_steps"} & set(given)) and (
-        problems := C.warmup_problems(cfg)
+    # a resumed run keeps what its sdplan.yaml trained with unless the setting is given again
+    if (not req.resume or any(set(keys) & set(given) for keys in C.GIVEN_CHECKS)) and (
+        problems := C.given_problems(cfg)
     ):
         raise C.ConfigError("key=value settings" if given else source, problems)
     return cfg
@@ -1867,6 +1867,16 @@ def prepare(req: TrainRequest, ui: UI) -> Prepared:
         have = len(trained_gpus(snapshot))
         if req.gpus is not None and req.gpus > have:
             raise UsageError(f"--gpus {req.gpus}: this machine {gpus_here(snapshot)}")
+        from sdplan.probe.snapshot import rocm_lacking, runnable_gpus
+
+        if req.gpus is not None and req.gpus > (runs := len(runnable_gpus(snapshot))):
+            lack = rocm_lacking(snapshot, trained_gpus(snapshot))
+            raise UsageError(
+                f"--gpus {req.gpus}: this machine trains on {count_of(runs, 'GPU')}; "
+                + ", ".join(f"GPU {g.index} ({g.name}, {g.gfx_arch})" for g in lack)
+                + " is outside the arches the ROCm torch wheels ship kernels for",
+                fix=f"use --gpus {runs}, or see `sdplan doctor` for the override that runs it",
+            )
     elif cfg.training.precision == "fp16":
         # fp16 autocast is a GPU feature: the trainer would train in fp32, and the run's sdplan.yaml says so.
         cfg = replace(cfg, training=replace(cfg.training, precision="fp32"))
@@ -2679,6 +2689,9 @@ def _state_setting(data: dict[str, Any], key: str) -> Any:
         return "on" if get_key(data, key) is not None else "off"
     if key == "ema.enabled":
         return bool(get_key(data, key)) and registry.method(str(data.get("method"))).ema
+    if key == "training.full_half_weights":  # what runtime.trained_dtype applies
+        precision = get_key(data, "training.precision")
+        return bool(get_key(data, key)) and precision == "bf16" and data.get("method") != "textual-inversion"
     return get_key(data, key)
 
 

@@ -72,6 +72,8 @@ class GPU:
     # topology node, amdsmi in its own discovery order; the two agree on most hosts, not all (amd-smi itself
     # computes HIP's id from the KFD node: ROCm/rocm-systems PR 4406). None: not read (NVIDIA; older amdsmi).
     hip_index: int | None = None
+    # its KFD topology node id (amdsmi_get_gpu_kfd_info), what ROCm's per-GPU HSA_OVERRIDE_GFX_VERSION_<n> names
+    kfd_node: int | None = None
     # NVIDIA MIG: whether the card is in MIG mode (None: not read, or a GPU without MIG), and how many MIG slices
     # (devices) it holds. CUDA sees only the slices, so in MIG mode memory_total_bytes/free are the largest
     # slice's, the most one process can use; None where no slice could be read (CUDA sees nothing there).

@@ -285,8 +285,8 @@ class Hardware:
     # setting: not planned (:func:`hardware_from_snapshot`)
     hidden: tuple[int, ...] = ()
     hidden_by: str = ""
-    # a probed machine's GPUs a run here shows but cannot train on, each (index, why, in words): the other vendor's
-    # (one torch build drives a run), those the ROCm wheels have no kernels for beside ones they have: not planned
+    # a probed machine's GPUs of the trained vendor a run here cannot train on, each (index, why, in words): those
+    # the ROCm wheels have no kernels for beside ones they have (probe.snapshot.runnable_gpus): not planned
     left_out: tuple[tuple[int, str], ...] = ()
     # a probed or saved machine's installed packages, (name, version; None: not installed), as its snapshot's
     # software.packages records them (:func:`hardware_from_snapshot`); None: not known (catalog hardware, a snapshot that
@@ -2118,7 +2118,6 @@ def hardware_from_snapshot(snapshot: Any, profiles: Profiles, source: str = "pro
             f"{why}, so {', '.join(f'GPU {g.index} ({g.name})' for g in left)} "
             f"{'is' if len(left) == 1 else 'are'} not planned"
         )
-        left_out += [(g.index, f"{why}") for g in left]
     usable = tuple(g for g in usable if g in trained)
     # a GPU the ROCm wheels have no kernels for beside ones they have: the run goes on those (doctor's fix hides
     # it); where every GPU lacks them, they are planned, and doctor and `sdplan train` say what to set
@@ -5763,9 +5762,9 @@ def memory_flow(profiles: Profiles, s: Settings) -> Memory:
     t = flow_trainable_params(model, s)
     batch = flow_batch(s)
     latent = (s.resolution // model.vae_scale_factor) ** 2
-    # the trained weights, their gradients and the optimizer state: fp32 (LoRA; full fine-tune's master weights
-    # under autocast), or bf16 with training.full_half_weights (runtime.trained_dtype)
-    tb = 2.0 if (full and s.full_half_weights and _half(s.precision)) else 4.0
+    # the trained weights, their gradients and the optimizer state: fp32 (a LoRA's matrices; full fine-tune's
+    # master weights under autocast), or bf16 with training.full_half_weights (runtime.trained_dtype: both)
+    tb = 2.0 if (s.full_half_weights and _half(s.precision)) else 4.0
 
     swapped = swapped_block_bytes(model, s)
     # what is not trained or quantized: bf16 (fp16), or fp32 where training.precision=fp32 loads it so (an fp32

@@ -200,7 +200,7 @@ def parse_pins(
     if not shared and (
         problems := C.method_setting_problems(method, given)
         + C.switched_setting_problems(cfg, items)
-        + C.warmup_problems(cfg)
+        + C.given_problems(cfg)
     ):
         raise C.ConfigError("key=value settings", problems)
     for key, flag in _FLAG_KEYS.items():

@@ -303,8 +303,10 @@ WEIGHT_SETTINGS = (
 # Settings the checkpoint's saved state is shaped by (accelerate's load_state reads it into the objects this
 # run builds): another optimizer has other state (adafactor on an AdamW checkpoint: KeyError 'beta1'; 8-bit
 # AdamW's quantized state), an EMA the checkpoint lacks or has is a count of registered objects that differs
-# ("Number of custom checkpoints ... does not match"), and DeepSpeed keeps its own model and optimizer files.
-STATE_SETTINGS = ("memory.optimizer", "ema.enabled", "distributed.deepspeed")
+# ("Number of custom checkpoints ... does not match"), DeepSpeed keeps its own model and optimizer files, and
+# training.full_half_weights stores the trained weights and their optimizer state in bf16 (an fp32 run resumed
+# with it was cast to bf16 without a word).
+STATE_SETTINGS = ("memory.optimizer", "ema.enabled", "distributed.deepspeed", "training.full_half_weights")
 # The key a checkpoint records the family of the model it was trained on under (as the trainer detected it;
 # train_state.json's ``settings``): a new run from it on a model of another family is refused.
 FAMILY_SETTING = "model.family"

@@ -351,7 +351,14 @@ def test_an_empty_path_flag_is_an_error_not_the_current_folder(tmp_path, monkeyp
 
 
 @pytest.mark.parametrize(
-    "override", ["lora.rank=32", "lora.alpha=4", "method=dreambooth", "lora.target_modules=[to_q]"]
+    "override",
+    [
+        "lora.rank=32",
+        "lora.alpha=4",
+        "method=dreambooth",
+        "lora.target_modules=[to_q]",
+        "training.full_half_weights=true",  # the fp32 adapters and their state were cast to bf16 silently
+    ],
 )
 def test_resume_refuses_a_setting_the_checkpoints_were_not_trained_with(tmp_path, tiny_sd15, override):
     import yaml
@@ -363,7 +370,7 @@ def test_resume_refuses_a_setting_the_checkpoints_were_not_trained_with(tmp_path
     step = out / "checkpoints" / "rolling-step-000002"
     step.mkdir(parents=True)
     (step / "train_state.json").write_text('{"global_step": 2, "method": "lora", "files": {}}')
-    cfg = tiny_train_config(tiny_sd15, data, out, "lora.rank=16")
+    cfg = tiny_train_config(tiny_sd15, data, out, "lora.rank=16", "training.precision=bf16")
     (out / "sdplan.yaml").write_text(yaml.safe_dump(cfg.to_dict()))
     runfolder.record(out, ["sdplan.yaml", "checkpoints"])
     before = (out / "sdplan.yaml").read_text()

@@ -475,10 +475,10 @@ def test_warmup_with_the_constant_scheduler_is_refused():
     full rate from step 1 while its plan line said "warmup 2". kohya refuses the pair too."""
     data = config.default_config()
     data["training"]["lr_warmup_steps"] = 2
-    (problem,) = config.warmup_problems(config.validate(data))  # an older run's sdplan.yaml still validates
+    (problem,) = config.given_problems(config.validate(data))  # an older run's sdplan.yaml still validates
     assert problem.startswith("training.lr_warmup_steps: 2 with training.lr_scheduler constant")
     data["training"]["lr_scheduler"] = "constant_with_warmup"
-    assert config.warmup_problems(config.validate(data)) == []
+    assert config.given_problems(config.validate(data)) == []
 
 
 def test_warmup_with_the_constant_scheduler_is_refused_where_given_and_resumes_where_saved(tmp_path):

@@ -306,9 +306,9 @@ def _amd_three():
     rx = json.loads((MACHINES / "rx6700xt.json").read_text())["gpus"][0]
     d = copy.deepcopy(w)
     d["gpus"] = [
-        dict(rx, index=0, hip_index=0, uuid="aaaa0000-0000-1000-8058-000000000001"),
-        dict(w["gpus"][0], index=1, hip_index=1),
-        dict(rx, index=2, hip_index=2, uuid="aaaa0000-0000-1000-8058-000000000002"),
+        dict(rx, index=0, hip_index=0, kfd_node=1, uuid="aaaa0000-0000-1000-8058-000000000001"),
+        dict(w["gpus"][0], index=1, hip_index=1, kfd_node=2),
+        dict(rx, index=2, hip_index=2, kfd_node=3, uuid="aaaa0000-0000-1000-8058-000000000002"),
     ]
     d["links"] = [{"a": i, "b": j, "type": "pcie", "p2p": False} for i in range(3) for j in range(i + 1, 3)]
     return Snapshot.from_dict(d)
@@ -472,13 +472,42 @@ def test_the_plan_leaves_out_a_gpu_rocm_has_no_kernels_for(tmp_path, model, data
         prepared(
             tmp_path / "b", model, dataset, snap, no_plan=True, overrides=["distributed.num_processes=2"]
         )
-    # an arch override, global or ROCm's per-GPU one (libhsakmt: HSA_OVERRIDE_GFX_VERSION_<KFD node>), is the
-    # user's choice to run it: both GPUs are planned, nothing refused
+    with pytest.raises(
+        UsageError, match=r"--gpus 2: this machine trains on 1 GPU; GPU 0 \(AMD Radeon RX 6700"
+    ):
+        prepared(tmp_path / "c", model, dataset, snap, gpus=2)
+    # an arch override, global or ROCm's per-GPU one for its KFD node (libhsakmt: HSA_OVERRIDE_GFX_VERSION_<n>),
+    # is the user's choice to run it: both GPUs are planned, nothing refused
     for key in ("HSA_OVERRIDE_GFX_VERSION", "HSA_OVERRIDE_GFX_VERSION_1"):
         over = replace(snap, env={**snap.env, key: "10.3.0"})
         assert len(hardware_from_snapshot(over, load_profiles()).gpus) == 2
         p, _ = prepared(tmp_path / key, model, dataset, over, overrides=["distributed.gpu_ids=[0]"])
         assert p.cfg.distributed.gpu_ids == [0]
+    # a per-GPU override covers its own node only: the other RX 6700 XT (node 3) still has no kernels
+    three = replace(_amd_three(), env={**snap.env, "HSA_OVERRIDE_GFX_VERSION_1": "10.3.0"})
+    hw = hardware_from_snapshot(three, load_profiles())
+    assert [g.index for g in hw.gpus] == [0, 1] and [i for i, _ in hw.left_out] == [2]
+
+
+def test_doctor_names_no_gpu_without_rocm_kernels_to_train_on(monkeypatch):
+    """Beside the W6800, two RX 6700 XTs the ROCm wheels have no kernels for: doctor's mixed-GPU fix said 'train
+    on identical GPUs: HIP_VISIBLE_DEVICES=0,2', the two that cannot run, beside its own fix naming the W6800."""
+    from sdplan.probe.snapshot import findings
+
+    codes = {f.code: f for f in findings(_amd_three())}
+    assert "mixed_gpus" not in codes and codes["rocm_arch_unsupported"].fix.endswith("HIP_VISIBLE_DEVICES=1")
+
+
+def test_an_igpu_of_the_other_vendor_changes_nothing_of_an_nvidia_run(tmp_path, model, dataset, monkeypatch):
+    """Two RTX 4090s and an AMD iGPU under a CUDA torch: the plan named no GPUs (the first ones, as CUDA numbers
+    them) and said nothing of the iGPU in its counts."""
+    from sdplan.planner import hardware_from_snapshot
+    from sdplan.profiles import load_profiles
+
+    snap = _shown(monkeypatch, _with_igpu(machine(RTX4090, RTX4090), torch_build="cuda"))
+    assert hardware_from_snapshot(snap, load_profiles()).left_out == ()
+    p, launch = prepared(tmp_path, model, dataset, snap, gpus=2)
+    assert p.cfg.distributed.gpu_ids is None and "CUDA_VISIBLE_DEVICES" not in launch.env
 
 
 def test_a_per_gpu_arch_override_is_recorded_and_read():

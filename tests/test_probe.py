@@ -557,7 +557,10 @@ def test_amd_gpus_carry_hips_numbers_where_amdsmi_lists_them_in_another_order(mo
 
     data = raw("w6800")
     first = data["gpus"][0]
-    data["gpus"] = [dict(first, index=0, hip_index=1), dict(first, index=1, uuid="0bff740f-1", hip_index=0)]
+    data["gpus"] = [
+        dict(first, index=0, hip_index=1, kfd_node=2),
+        dict(first, index=1, uuid="0bff740f-1", hip_index=0, kfd_node=1),
+    ]
     data["links"] = [{"a": 0, "b": 1, "type": "pcie", "p2p": False}]
     state = fake_amdsmi.install(monkeypatch, data)
     reading = amd.probe(sys_root=no_devices["sys"], dev_root=no_devices["dev"], rocm_root=no_devices["proc"])

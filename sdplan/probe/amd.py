@@ -76,8 +76,9 @@ def _import_amdsmi() -> tuple[Any, BaseException | None]:
 def _read(amdsmi: Any, index_start: int) -> AmdReading:
     handles = _query(amdsmi, _renamed(amdsmi, "handles")) or []
     gpus = tuple(_read_gpu(amdsmi, h, index_start + i) for i, h in enumerate(handles))
-    hip = hip_indexes([_kfd_node(amdsmi, h) for h in handles])
-    gpus = tuple(replace(g, hip_index=i) for g, i in zip(gpus, hip, strict=True))
+    nodes = [_kfd_node(amdsmi, h) for h in handles]
+    hip = hip_indexes(nodes)
+    gpus = tuple(replace(g, hip_index=i, kfd_node=n) for g, i, n in zip(gpus, hip, nodes, strict=True))
     links: list[Link] = []
     for a in range(len(handles)):
         for b in range(a + 1, len(handles)):

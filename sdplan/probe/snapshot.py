@@ -615,23 +615,27 @@ def _amd_rules(s: Snapshot) -> list[Finding]:
         amd_gpus = [g for g in trained_gpus(s) if g.vendor == "amd"]
     out: list[Finding] = []
     official = rocm_wheel_arches(s.software.torch)
-    override = gfx_override(s)
-    runs = [g for g in amd_gpus if g.gfx_arch in official]  # GPUs the wheels have kernels for
+    lacking = rocm_lacking(s, amd_gpus)
+    runs = [
+        g for g in amd_gpus if g not in lacking
+    ]  # GPUs the wheels have kernels for, or an override covers
     for arch in sorted({g.gfx_arch for g in amd_gpus if g.gfx_arch and g.gfx_arch not in official}):
-        names = _names([g for g in amd_gpus if g.gfx_arch == arch])
         advice = HSA_OVERRIDES.get(arch)
-        if override:
+        if covered := [g for g in amd_gpus if g.gfx_arch == arch and g not in lacking]:
             out.append(
                 Finding(
                     "info",
                     "rocm_arch_override",
-                    f"{names} ({arch}) is outside the ROCm torch wheels' arches; {override} is set",
+                    f"{_names(covered)} ({arch}) is outside the ROCm torch wheels' arches; "
+                    f"{gfx_override(s, covered[0])} is set",
                     f"if kernels crash, check the override: {advice[0]} is the usual value for {arch}"
                     if advice
                     else "if kernels crash, build torch with PYTORCH_ROCM_ARCH=" + arch,
                 )
             )
+        if not (lack := [g for g in lacking if g.gfx_arch == arch]):
             continue
+        names = _names(lack)
         fix = (
             # the variable overrides every GPU (libhsakmt reads it for each node): the others would run as it
             "train on the others: "
@@ -772,7 +776,7 @@ def _multi_gpu_rules(s: Snapshot) -> list[Finding]:
     """Each vendor's GPUs apart: one torch build drives a run, so an NVIDIA and an AMD GPU never train together
     (neither a mix of GPUs nor a pair whose link matters); only the vendor the build drives where it is known."""
     out: list[Finding] = []
-    trained = trained_gpus(s)
+    trained = runnable_gpus(s)  # a GPU the ROCm wheels have no kernels for beside others: its own finding
     for vendor in dict.fromkeys(g.vendor for g in trained):
         out += _vendor_multi_gpu_rules(s, tuple(g for g in trained if g.vendor == vendor))
     return out
@@ -847,22 +851,40 @@ def rocm_wheel_arches(torch_version: str | None) -> frozenset[str]:
     return frozenset(arches)
 
 
-def gfx_override(s: Snapshot) -> str:
-    """The ROCm arch overrides set (``HSA_OVERRIDE_GFX_VERSION=10.3.0``, and per GPU
-    ``HSA_OVERRIDE_GFX_VERSION_1=11.0.0``: :data:`sdplan.machine.GFX_OVERRIDE_PER_NODE`), '' where none is. Either
-    says the user runs a GPU outside the wheels' arches as another: a GPU's KFD node id is not probed, so a
-    per-GPU override is taken to cover whichever GPU it names."""
-    return " ".join(f"{k}={v}" for k, v in s.env.items() if k.startswith("HSA_OVERRIDE_GFX_VERSION") and v)
+def gfx_override(s: Snapshot, g: GPU | None = None) -> str:
+    """The ROCm arch overrides that cover GPU ``g`` (``HSA_OVERRIDE_GFX_VERSION=10.3.0``, and ROCm's per-GPU
+    ``HSA_OVERRIDE_GFX_VERSION_<n>``, which libhsakmt's topology.c reads for KFD node n before the global one), as
+    settings, '' where none does; ``g`` None: every one set. A per-GPU override covers the GPU on its KFD node
+    (:attr:`GPU.kfd_node`), and any GPU whose node was not read (older amdsmi)."""
+    out = []
+    for key, value in s.env.items():
+        if not (key.startswith("HSA_OVERRIDE_GFX_VERSION") and value):
+            continue
+        node = key.rsplit("_", 1)[1]
+        if g is None or not node.isdigit() or g.kfd_node is None or g.kfd_node == int(node):
+            out.append(f"{key}={value}")
+    return " ".join(out)
 
 
 def rocm_lacking(s: Snapshot, gpus: tuple[GPU, ...] | list[GPU]) -> tuple[GPU, ...]:
     """Of ``gpus``, the AMD ones whose arch the ROCm torch wheels of this torch version ship no kernels for
-    (:func:`rocm_wheel_arches`; 'invalid device function' at the first call), where no arch override is set
+    (:func:`rocm_wheel_arches`; 'invalid device function' at the first call) and no arch override covers
     (:func:`gfx_override`)."""
-    if gfx_override(s):
-        return ()
     official = rocm_wheel_arches(s.software.torch)
-    return tuple(g for g in gpus if g.vendor == "amd" and g.gfx_arch and g.gfx_arch not in official)
+    return tuple(
+        g
+        for g in gpus
+        if g.vendor == "amd" and g.gfx_arch and g.gfx_arch not in official and not gfx_override(s, g)
+    )
+
+
+def runnable_gpus(s: Snapshot) -> tuple[GPU, ...]:
+    """The GPUs a run here trains on (:func:`trained_gpus`) less those the ROCm wheels have no kernels for, where
+    others remain (:func:`rocm_lacking`: doctor's fix hides them, the planner leaves them out); all of them
+    where every one lacks kernels (doctor and `sdplan train` say what to set)."""
+    trained = trained_gpus(s)
+    lack = rocm_lacking(s, trained)
+    return tuple(g for g in trained if g not in lack) if len(lack) < len(trained) else trained
 
 
 def version_tuple(text: str | None) -> tuple[int, ...] | None:
