@@ -319,19 +319,26 @@ def vae_dtype(accelerator):
     return torch.bfloat16 if accelerator.mixed_precision == "bf16" else torch.float32
 
 
-def host_copy(model):
+def host_copy(model, dtype=None):
     """A copy of ``model`` with every parameter and buffer in host RAM, made one tensor at a time: a plain
     ``copy.deepcopy`` of a model on the GPU allocates the whole copy on the GPU, which at an export beside the
-    training state (the EMA weights of a full fine-tune) can run out of memory after hours of training."""
+    training state (the EMA weights of a full fine-tune) can run out of memory after hours of training.
+    ``dtype``: its floating-point tensors in that dtype (the EMA's fp32 average copied into a bf16 model's copy
+    was rounded to bf16)."""
     import copy
 
     import torch
 
+    def host(t):
+        return t.detach().to(
+            "cpu", dtype=dtype if dtype is not None and t.is_floating_point() else None, copy=True
+        )
+
     memo: dict[int, Any] = {}
     for p in model.parameters():
-        memo[id(p)] = torch.nn.Parameter(p.detach().to("cpu", copy=True), requires_grad=p.requires_grad)
+        memo[id(p)] = torch.nn.Parameter(host(p), requires_grad=p.requires_grad)
     for b in model.buffers():
-        memo[id(b)] = b.detach().to("cpu", copy=True)
+        memo[id(b)] = host(b)
     return copy.deepcopy(model, memo)
 
 
