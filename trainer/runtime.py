@@ -120,6 +120,7 @@ def make_accelerator(cfg, out_dir: Path):
     ds = cfg.distributed.deepspeed
     launched_with_ds = launched_with_deepspeed()
     if ds is not None and not launched_with_ds:
+        rendezvous_for_one_process(cpu)
         try:
             import deepspeed  # noqa: F401
             from accelerate.utils import DeepSpeedPlugin
@@ -175,6 +176,23 @@ def make_accelerator(cfg, out_dir: Path):
     if accelerator.device.type == "cuda":
         check_cuda_kernels(accelerator.device)
     return accelerator
+
+
+def rendezvous_for_one_process(cpu: bool) -> None:
+    """A DeepSpeed config in a process no launcher started (``python -m sdplan.trainer --config``): the
+    environment of a one-process world, as `sdplan bench` gives its harness (sdplan/bench_harness.py). Without
+    RANK / LOCAL_RANK / MASTER_ADDR DeepSpeed looks for an MPI launcher (``deepspeed.comm.mpi_discovery``) and
+    stopped with a traceback (ModuleNotFoundError: mpi4py). Variables already set are left as they are."""
+    if any(os.environ.get(name) for name in ("RANK", "LOCAL_RANK", "MASTER_ADDR")):
+        return
+    from sdplan.launch import free_port
+
+    one = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}
+    # not a fixed port: another run on this machine may hold it
+    one |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    if cpu:
+        one["DS_ACCELERATOR"] = os.environ.get("DS_ACCELERATOR") or "cpu"  # as the launcher sets it
+    os.environ.update(one)
 
 
 def check_cuda_kernels(device) -> None:
