@@ -173,6 +173,7 @@ def make_accelerator(cfg, out_dir: Path):
             **kwargs,
         )
     check_world(accelerator)
+    check_deepspeed_batch(accelerator, cfg)
     if accelerator.device.type == "cuda":
         check_cuda_kernels(accelerator.device)
     return accelerator
@@ -193,6 +194,42 @@ def rendezvous_for_one_process(cpu: bool) -> None:
     if cpu:
         one["DS_ACCELERATOR"] = os.environ.get("DS_ACCELERATOR") or "cpu"  # as the launcher sets it
     os.environ.update(one)
+
+
+def _config_file() -> str:
+    """The sdplan config this process trains (the trainer's --config), for messages."""
+    argv = sys.argv
+    for i, arg in enumerate(argv):
+        if arg == "--config" and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith("--config="):
+            return arg.split("=", 1)[1]
+    return "sdplan.yaml"
+
+
+def check_deepspeed_batch(accelerator, cfg) -> None:
+    """The DeepSpeed config's micro-batch and accumulation are the sdplan config's. accelerate trains with the
+    DeepSpeed config's gradient_accumulation_steps where they differ (accelerate/accelerator.py
+    ``_prepare_deepspeed``: "Using DeepSpeed's value"), DeepSpeed with its micro-batch: a stale deepspeed.json
+    launched by hand (`sdplan train` writes both files together) trained another run than the one the trainer
+    planned and announced (2 epochs announced, 4 trained). "auto" takes the sdplan config's."""
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    if plugin is None:
+        return
+    ds, t = plugin.deepspeed_config, cfg.training
+    pairs = (
+        ("train_micro_batch_size_per_gpu", "training.batch_size", t.batch_size),
+        ("gradient_accumulation_steps", "training.grad_accum", t.grad_accum),
+    )
+    wrong = [(k, ds[k], key, v) for k, key, v in pairs if ds.get(k, "auto") != "auto" and int(ds[k]) != v]
+    if not wrong:
+        return
+    where = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE") or "the DeepSpeed config"
+    raise SdplanError(
+        f"{where} has {', '.join(f'{k} {d}' for k, d, _, _ in wrong)} but {_config_file()} has "
+        f"{', '.join(f'{key} {v}' for _, _, key, v in wrong)}: DeepSpeed would train with the first",
+        fix="launch it with `sdplan train`, which writes deepspeed.json from sdplan.yaml, or make the two agree",
+    )
 
 
 def check_cuda_kernels(device) -> None:
