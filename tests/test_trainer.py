@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import numpy as np
@@ -126,11 +127,15 @@ def test_deepspeed_without_the_launcher_is_configured_for_the_process_it_runs_in
 
         def __init__(self, **kwargs):
             seen.update(kwargs)
+            self.state = types.SimpleNamespace(deepspeed_plugin=kwargs.get("deepspeed_plugin"))
 
     monkeypatch.setattr(accelerate, "Accelerator", Recorded)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    for name in ("ACCELERATE_USE_DEEPSPEED", "WORLD_SIZE", "LOCAL_RANK"):
-        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED", raising=False)
+    # set empty (restored after the test), unset to the trainer: it sets a one-process rendezvous in os.environ
+    rendezvous = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    for name in (*rendezvous, "DS_ACCELERATOR"):
+        monkeypatch.setenv(name, "")
     cfg = config.validate(
         {
             "training": {"batch_size": 2, "grad_accum": 3, "precision": "fp16"},
@@ -153,6 +158,9 @@ def test_deepspeed_without_the_launcher_is_configured_for_the_process_it_runs_in
         not ds["fp16"]["enabled"] and seen["mixed_precision"] == "no"
     )  # the CPU: fp32, as without DeepSpeed
     assert cfg.distributed.num_processes == 4 and cfg.training.device == "auto"  # the config itself unchanged
+    # DeepSpeed's rendezvous of one process (without it DeepSpeed looked for MPI: ModuleNotFoundError mpi4py)
+    assert [os.environ[n] for n in rendezvous[:5]] == ["0", "0", "1", "1", "127.0.0.1"]
+    assert int(os.environ["MASTER_PORT"]) > 0 and os.environ["DS_ACCELERATOR"] == "cpu"
 
 
 def test_family_detection_and_sources(tmp_path, tiny_sd15):
