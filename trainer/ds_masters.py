@@ -20,7 +20,8 @@ config without DeepSpeed exports fp32.
 - :func:`parameters`: what the EMA averages, the masters too (the engine's bf16 copy kept it within that copy's
   rounding of the weights).
 
-Without DeepSpeed, or with DeepSpeed in fp32, each is a no-op.
+Without DeepSpeed each is a no-op; so are the exports' and the EMA's in fp32 under ZeRO 1/2 (the engine's
+step writes its masters into the model, which then holds the same values).
 """
 
 from __future__ import annotations
@@ -40,6 +41,15 @@ def _deepspeed(accelerator) -> bool:
 def _half(accelerator) -> bool:
     """Whether DeepSpeed casts the trained model (its bf16 / fp16 blocks: accelerate's mixed_precision)."""
     return _deepspeed(accelerator) and accelerator.mixed_precision in ("bf16", "fp16")
+
+
+def _kept_apart(accelerator) -> bool:
+    """Whether DeepSpeed's masters hold other values than the model's: a bf16 / fp16 model, or ZeRO-3's
+    partitioned one. In fp32 under ZeRO 1/2 the engine's step copies the masters into the model."""
+    if not _deepspeed(accelerator):
+        return False
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    return _half(accelerator) or getattr(plugin, "zero_stage", 0) == 3
 
 
 def _trained(model) -> list[tuple[str, Any]]:
@@ -85,7 +95,7 @@ def parameters(model, accelerator):
     """``model``'s parameters as the EMA averages them: under DeepSpeed each one's fp32 master, one at a time (every
     process calls it: a collective), not the bf16 / fp16 copy the engine computes with (an average of that copy
     stayed within its rounding of the weights, as coarse as what the fp32 masters fix); else the parameters."""
-    if not _deepspeed(accelerator):
+    if not _kept_apart(accelerator):
         yield from model.parameters()
         return
     for p in unwrap(model).parameters():
@@ -99,7 +109,7 @@ def gather(recipe) -> None:
     export (:func:`masters_in`). A no-op otherwise."""
     recipe.fp32_masters = None
     accelerator = recipe.accelerator
-    if not _deepspeed(accelerator):
+    if not _kept_apart(accelerator):
         return
     masters: dict[tuple[str, str], Any] = {}
     for key, model in recipe.trained.items():
@@ -138,6 +148,7 @@ def restore_rows(weight, keep, rows, accelerator) -> None:
     moved by AdamW's weight decay, and the fp32 rows did not go into a bf16 copy at all (RuntimeError: Index put
     requires the source and destination dtypes match)."""
     weight[keep] = rows[keep].to(weight.dtype)
+    # in fp32 too: ZeRO 1/2 step their own copy of the weights, then copy it into the model
     if not _deepspeed(accelerator):
         return
     master = _master(weight, accelerator)
