@@ -281,7 +281,7 @@ def test_closing_the_terminal_leaves_a_checkpoint_and_resume_finishes_the_same_r
 
 
 def _train_with_deepspeed(
-    tmp_path, deepspeed: dict, precision: str, max_steps: int, method: str | None = None
+    tmp_path, deepspeed: dict, precision: str, max_steps: int, method: str | None = None, **sections: dict
 ):
     """`sdplan train --device cpu` of the tiny SD 1.x demo under DeepSpeed; asserts it exited 0, returns
     (the process, the run folder)."""
@@ -298,6 +298,8 @@ def _train_with_deepspeed(
         data.pop("lora", None)
     data["distributed"]["deepspeed"] = deepspeed
     data["training"]["precision"] = precision
+    for name, values in sections.items():  # more settings, by section
+        data.setdefault(name, {}).update(values)
     data["sampling"]["prompts"] = data["sampling"]["prompts"][:1]
     (tmp_path / "ds.yaml").write_text(yaml.safe_dump(data))
     out = root / "run"
@@ -330,15 +332,39 @@ def test_deepspeed_full_finetune_in_bf16_on_cpu(tmp_path):
     """DeepSpeed runs its own bf16: its engine casts the trained UNet to bf16 and accelerate's autocast is off,
     so the recipe hands the UNet bf16 latents and conditioning (fp32 ones stopped the first step). ZeRO-2 with
     the optimizer offloaded (two processes: test_trainer's test_deepspeed_zero2_cpu_offload_in_two_processes_is_one_run);
-    without it, on one process, it is refused: nothing to split the state over (test_plan_config)."""
+    without it, on one process, it is refused: nothing to split the state over (test_plan_config).
+
+    Its outputs are the fp32 master weights, as the same run without DeepSpeed exports: they were the engine's
+    bf16 copy (the UNet, the single file, and the EMA, copied into a bf16 copy of the UNet), and the master
+    started from the base rounded to bf16 (5.4e-4 off it at most, more than a run's update at lr 1e-5). At a
+    learning rate too small to move a weight by 1e-9, every output is the base."""
     pytest.importorskip("deepspeed")
+    import torch
+    from safetensors.torch import load_file
+
     _, out = _train_with_deepspeed(
-        tmp_path, {"zero_stage": 2, "offload_optimizer": True}, "bf16", 2, method="finetune"
+        tmp_path,
+        {"zero_stage": 2, "offload_optimizer": True},
+        "bf16",
+        2,
+        method="finetune",
+        training={"learning_rate": 1e-12},
+        ema={"enabled": True, "decay": 0.5},
+        output={"save_single_file": True},
     )
     ds = json.loads((out / "deepspeed.json").read_text())
     assert ds["bf16"] == {"enabled": True}
     assert "offload_optimizer" in ds["zero_optimization"]
     assert summary(out)["steps"] == 2 and math.isfinite(summary(out)["final_loss"])
+
+    name = "diffusion_pytorch_model.safetensors"
+    base = load_file(out.parent / "base_model" / "unet" / name)
+    single = load_file(out / f"{out.name}.safetensors")
+    for unet in (load_file(out / "model" / "unet" / name), load_file(out / "ema" / "model" / "unet" / name)):
+        assert {t.dtype for t in unet.values()} == {torch.float32}
+        assert max((unet[k] - base[k]).abs().max().item() for k in base) < 1e-9
+    trained = [t for k, t in single.items() if k.startswith("model.diffusion_model.")]
+    assert len(trained) == len(base) and {t.dtype for t in trained} == {torch.float32}
 
 
 @pytest.mark.slow

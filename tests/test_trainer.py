@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import numpy as np
@@ -155,11 +156,15 @@ def test_deepspeed_without_the_launcher_is_configured_for_the_process_it_runs_in
 
         def __init__(self, **kwargs):
             seen.update(kwargs)
+            self.state = types.SimpleNamespace(deepspeed_plugin=kwargs.get("deepspeed_plugin"))
 
     monkeypatch.setattr(accelerate, "Accelerator", Recorded)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    for name in ("ACCELERATE_USE_DEEPSPEED", "WORLD_SIZE", "LOCAL_RANK"):
-        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED", raising=False)
+    # set empty (restored after the test), unset to the trainer: it sets a one-process rendezvous in os.environ
+    rendezvous = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    for name in (*rendezvous, "DS_ACCELERATOR"):
+        monkeypatch.setenv(name, "")
     cfg = config.validate(
         {
             "training": {"batch_size": 2, "grad_accum": 3, "precision": "fp16"},
@@ -182,6 +187,9 @@ def test_deepspeed_without_the_launcher_is_configured_for_the_process_it_runs_in
         not ds["fp16"]["enabled"] and seen["mixed_precision"] == "no"
     )  # the CPU: fp32, as without DeepSpeed
     assert cfg.distributed.num_processes == 4 and cfg.training.device == "auto"  # the config itself unchanged
+    # DeepSpeed's rendezvous of one process (without it DeepSpeed looked for MPI: ModuleNotFoundError mpi4py)
+    assert [os.environ[n] for n in rendezvous[:5]] == ["0", "0", "1", "1", "127.0.0.1"]
+    assert int(os.environ["MASTER_PORT"]) > 0 and os.environ["DS_ACCELERATOR"] == "cpu"
 
 
 def test_family_detection_and_sources(tmp_path, tiny_sd15):
@@ -978,6 +986,91 @@ def test_two_processes_see_the_same_images_as_one(tiny_sd15, dataset, tmp_path, 
     assert (two["num_processes"], one["num_processes"]) == (2, 1)
     assert two["images_seen"] == one["images_seen"] == 8
     assert (two["steps"], one["steps"]) == (2, 4)  # each epoch split two ways
+
+
+def _without_a_launcher() -> dict[str, str]:
+    """This environment without what a launcher gives its processes (a hand run of the trainer)."""
+    gone = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    return {k: v for k, v in os.environ.items() if k not in gone and not k.startswith("ACCELERATE_")}
+
+
+@pytest.mark.slow
+@pytest.mark.train
+def test_deepspeed_by_hand_in_bf16_exports_its_fp32_masters_and_refuses_what_it_cannot_load(
+    tiny_sd15, dataset, tmp_path
+):
+    """`python -m sdplan.trainer --config` of a DeepSpeed config, no launcher: one process (DeepSpeed looked for
+    MPI: ModuleNotFoundError mpi4py). In bf16 its LoRA file is the fp32 master weights, as without DeepSpeed (it
+    was the engine's bf16 copy, up to 0.3% off them). A checkpoint of DeepSpeed resumed without it, and one of a
+    run without it resumed with it, are refused in one line (they failed inside the load: "AssertionError: ",
+    blamed on damaged files; "no trainable.safetensors"). A deepspeed.json whose accumulation is not
+    sdplan.yaml's (a stale file launched by hand) is refused before training (accelerate trained with its value:
+    announced 2 epochs, trained 4)."""
+    pytest.importorskip("deepspeed")
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from safetensors.torch import load_file
+
+    from sdplan.launch import build_launch, free_port
+    from sdplan.launcher import write_run_files
+
+    ds = ("distributed.deepspeed.zero_stage=2", "distributed.deepspeed.offload_optimizer=true")
+    keep = "checkpoints.keep_every_steps=2"
+    out = tmp_path / "ds"
+    cfg = tiny_train_config(tiny_sd15, dataset, out, *ds, "training.precision=bf16", keep)
+    path = write_cfg(cfg, tmp_path / "ds.yaml")
+
+    def trainer(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [PY, "-m", "sdplan.trainer", *args],
+            env=_without_a_launcher(),
+            capture_output=True,
+            text=True,
+            timeout=scaled(300),
+        )
+
+    proc = trainer("--config", str(path))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    kept = checkpoint.checkpoint_root(out) / "step-000002"
+    master = get_fp32_state_dict_from_zero_checkpoint(str(kept / "pytorch_model"), tag=".")
+    lora = load_file(out / "pytorch_lora_weights.safetensors")
+    assert {t.dtype for t in lora.values()} == {torch.float32}
+    master = {k.replace(".default", ""): t for k, t in master.items() if "lora_" in k}
+    assert len(lora) == len(master) > 0
+    scale = cfg.lora.alpha / cfg.lora.rank  # folded into lora_B (export.save_lora): 2, exact in fp32
+    for key, t in lora.items():
+        assert torch.equal(t, master[key.removeprefix("unet.")] * (scale if "lora_B" in key else 1)), key
+
+    plain = tiny_train_config(tiny_sd15, dataset, tmp_path / "plain", keep)
+    with pytest.raises(checkpoint.CheckpointError, match="holds the state of DeepSpeed") as err:
+        run.train(plain, resume=str(kept))
+    assert "distributed.deepspeed=" in err.value.fix
+    run.train(plain)
+    again = write_cfg(tiny_train_config(tiny_sd15, dataset, tmp_path / "ds2", *ds), tmp_path / "ds2.yaml")
+    proc = trainer(
+        "--config",
+        str(again),
+        "--resume",
+        str(checkpoint.checkpoint_root(tmp_path / "plain") / "step-000002"),
+    )
+    assert proc.returncode != 0 and "was saved without DeepSpeed" in proc.stderr, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+
+    stale = tmp_path / "stale"
+    cfg = tiny_train_config(tiny_sd15, dataset, stale, *ds, "training.grad_accum=2")
+    ln = build_launch(cfg, write_cfg(cfg, tmp_path / "stale.yaml"), stale, main_process_port=free_port())
+    write_run_files(stale, cfg, ln, "test")
+    written = json.loads((stale / "deepspeed.json").read_text())
+    (stale / "deepspeed.json").write_text(
+        json.dumps({**written, "gradient_accumulation_steps": 1, "train_batch_size": 2})
+    )
+    proc = subprocess.run(
+        ln.cmd, env={**os.environ, **ln.env}, capture_output=True, text=True, timeout=scaled(300)
+    )
+    assert proc.returncode != 0, proc.stdout[-3000:]
+    said = proc.stdout + proc.stderr
+    assert f"{stale / 'deepspeed.json'} has gradient_accumulation_steps 1 but" in said, said[-3000:]
+    assert "training.grad_accum 2" in said and "Traceback" not in said, said[-3000:]
+    assert not (stale / "loss_history.json").exists()
 
 
 @pytest.mark.slow

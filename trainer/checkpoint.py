@@ -726,6 +726,9 @@ class Checkpointer:
             raise CheckpointError(
                 f"{path} is a {saved.method} checkpoint; this run trains {self.state.method}"
             )
+        problem = deepspeed_change(path, saved, self._deepspeed)
+        if problem is not None:
+            raise problem
         # DeepSpeed shards of another process count: loaded from a universal copy (deepspeed_universal_resume)
         universal = None
         if reshards_deepspeed(self.accelerator, path):
@@ -787,6 +790,41 @@ class Checkpointer:
         self.last_saved = path
         self.last_saved_step = live.global_step
         return live
+
+
+def deepspeed_change(path: Path, saved: TrainState, deepspeed: bool) -> CheckpointError | None:
+    """Why checkpoint ``path`` (its state ``saved``) cannot be loaded by a run with DeepSpeed on (``deepspeed``)
+    or off, where it was saved with the other: DeepSpeed's engine keeps its own model and optimizer files
+    (pytorch_model/), a run without it ``trainable.safetensors`` and a torch optimizer. `sdplan train --resume`
+    refuses the change before the launch (sdplan.launcher.check_settings); a hand launch (`accelerate launch`,
+    ``python -m sdplan.trainer``) came here and failed inside the load ("AssertionError: ", called damaged
+    files; "no trainable.safetensors"). From train_state.json's distributed.deepspeed; in a checkpoint saved
+    before it recorded it, from its files. None where the two agree."""
+    key = "distributed.deepspeed"
+    if key in saved.settings:
+        was = saved.settings[key]
+        saved_with = was is not None
+        recorded = f"{key} {json.dumps(was)} in its {STATE_FILE}"
+    else:
+        saved_with = (path / DEEPSPEED_DIR).is_dir()
+        recorded = f"its {DEEPSPEED_DIR}/ folder" if saved_with else f"its {WEIGHTS_FILE}"
+        was = None
+    if saved_with == deepspeed:
+        return None
+    if saved_with:
+        value = json.dumps(was) if was is not None else "{zero_stage: 2}"
+        return CheckpointError(
+            f"checkpoint {path} holds the state of DeepSpeed ({recorded}) and this run trains without DeepSpeed: "
+            "it cannot be loaded",
+            fix=f"resume with distributed.deepspeed={value}, as it was saved and as `sdplan train --resume` "
+            "launches it, or start a new run without --resume",
+        )
+    return CheckpointError(
+        f"checkpoint {path} was saved without DeepSpeed ({recorded}) and this run trains with DeepSpeed: it "
+        "cannot be loaded",
+        fix="resume with distributed.deepspeed=null, as it was saved and as `sdplan train --resume` launches "
+        "it, or start a new run without --resume",
+    )
 
 
 def apply_learning_rates(optimizer, lr_scheduler, lrs: list[float], step: int) -> None:

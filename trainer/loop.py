@@ -47,6 +47,7 @@ from . import (
     blockswap,
     conditioning,
     data,
+    ds_masters,
     export,
     faults,
     flow,
@@ -326,7 +327,7 @@ def prepare(recipe: Recipe, optimizer, *extra):
     kw = {}
     if recipe.block_swap is not None:  # placed already; moving it whole would bring the swapped blocks in
         kw["device_placement"] = [name != "unet" for name in names] + [True] * (1 + len(extra))
-    prepared = recipe.accelerator.prepare(*recipe.trained.values(), optimizer, *extra, **kw)
+    prepared = ds_masters.prepare(recipe.accelerator, recipe.trained, optimizer, *extra, **kw)
     recipe.trained = dict(zip(names, prepared[: len(names)]))
     recipe.unet = recipe.trained.get("unet", recipe.unet)
     recipe.text_encoders = [
@@ -707,6 +708,7 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
     )
     resume_save = (start_step, saves_at.pop(start_step)) if start_step in saves_at else None
     export_bytes = 0
+    ds_masters.gather(recipe)  # every process: DeepSpeed's fp32 masters for the export (a collective)
     if accelerator.is_main_process:
         meta0 = outputs.run_metadata(
             cfg,
@@ -817,6 +819,7 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
         label = folder.name
         files: list[Path] = []
         reached = epoch if epoch is not None else round(step / plan.steps_per_epoch, 3)
+        ds_masters.gather(recipe)  # every process: DeepSpeed's fp32 masters for the export (a collective)
         if accelerator.is_main_process:
             with outputs.write_errors(folder, needed_bytes=export_bytes):
                 outputs.record_point(folder, step=step, images=state.images_seen)
@@ -907,7 +910,7 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
                     step, mean_loss = current.number, current.mean_loss
                     lr_scheduler.step()
                     if ema is not None and step % ema.every == 0:
-                        ema.step(recipe.trained["unet"].parameters())
+                        ema.step(ds_masters.parameters(recipe.trained["unet"], accelerator))
                     state.global_step = step
                     state.batches_in_epoch += current.micro
                     state.samples_in_epoch += current.images
@@ -967,6 +970,7 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
         final_ckpt = _checkpoint_final(ckpt, state, accelerator) if checkpoints_on else None
         written: list[Path] = []
         epochs_done = round(state.global_step / plan.steps_per_epoch, 3)
+        ds_masters.gather(recipe)  # every process: DeepSpeed's fp32 masters for the export (a collective)
         if accelerator.is_main_process:
             from . import plots
 

@@ -120,6 +120,7 @@ def make_accelerator(cfg, out_dir: Path):
     ds = cfg.distributed.deepspeed
     launched_with_ds = launched_with_deepspeed()
     if ds is not None and not launched_with_ds:
+        rendezvous_for_one_process(cpu)
         try:
             import deepspeed  # noqa: F401
             from accelerate.utils import DeepSpeedPlugin
@@ -172,9 +173,63 @@ def make_accelerator(cfg, out_dir: Path):
             **kwargs,
         )
     check_world(accelerator)
+    check_deepspeed_batch(accelerator, cfg)
     if accelerator.device.type == "cuda":
         check_cuda_kernels(accelerator.device)
     return accelerator
+
+
+def rendezvous_for_one_process(cpu: bool) -> None:
+    """A DeepSpeed config in a process no launcher started (``python -m sdplan.trainer --config``): the
+    environment of a one-process world, as `sdplan bench` gives its harness (sdplan/bench_harness.py). Without
+    RANK / LOCAL_RANK / MASTER_ADDR DeepSpeed looks for an MPI launcher (``deepspeed.comm.mpi_discovery``) and
+    stopped with a traceback (ModuleNotFoundError: mpi4py). Variables already set are left as they are."""
+    if any(os.environ.get(name) for name in ("RANK", "LOCAL_RANK", "MASTER_ADDR")):
+        return
+    from sdplan.launch import free_port
+
+    one = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}
+    # not a fixed port: another run on this machine may hold it
+    one |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    if cpu:
+        one["DS_ACCELERATOR"] = os.environ.get("DS_ACCELERATOR") or "cpu"  # as the launcher sets it
+    os.environ.update(one)
+
+
+def _config_file() -> str:
+    """The sdplan config this process trains (the trainer's --config), for messages."""
+    argv = sys.argv
+    for i, arg in enumerate(argv):
+        if arg == "--config" and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith("--config="):
+            return arg.split("=", 1)[1]
+    return "sdplan.yaml"
+
+
+def check_deepspeed_batch(accelerator, cfg) -> None:
+    """The DeepSpeed config's micro-batch and accumulation are the sdplan config's. accelerate trains with the
+    DeepSpeed config's gradient_accumulation_steps where they differ (accelerate/accelerator.py
+    ``_prepare_deepspeed``: "Using DeepSpeed's value"), DeepSpeed with its micro-batch: a stale deepspeed.json
+    launched by hand (`sdplan train` writes both files together) trained another run than the one the trainer
+    planned and announced (2 epochs announced, 4 trained). "auto" takes the sdplan config's."""
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    if plugin is None:
+        return
+    ds, t = plugin.deepspeed_config, cfg.training
+    pairs = (
+        ("train_micro_batch_size_per_gpu", "training.batch_size", t.batch_size),
+        ("gradient_accumulation_steps", "training.grad_accum", t.grad_accum),
+    )
+    wrong = [(k, ds[k], key, v) for k, key, v in pairs if ds.get(k, "auto") != "auto" and int(ds[k]) != v]
+    if not wrong:
+        return
+    where = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE") or "the DeepSpeed config"
+    raise SdplanError(
+        f"{where} has {', '.join(f'{k} {d}' for k, d, _, _ in wrong)} but {_config_file()} has "
+        f"{', '.join(f'{key} {v}' for _, _, key, v in wrong)}: DeepSpeed would train with the first",
+        fix="launch it with `sdplan train`, which writes deepspeed.json from sdplan.yaml, or make the two agree",
+    )
 
 
 def check_cuda_kernels(device) -> None:
@@ -319,19 +374,26 @@ def vae_dtype(accelerator):
     return torch.bfloat16 if accelerator.mixed_precision == "bf16" else torch.float32
 
 
-def host_copy(model):
+def host_copy(model, dtype=None):
     """A copy of ``model`` with every parameter and buffer in host RAM, made one tensor at a time: a plain
     ``copy.deepcopy`` of a model on the GPU allocates the whole copy on the GPU, which at an export beside the
-    training state (the EMA weights of a full fine-tune) can run out of memory after hours of training."""
+    training state (the EMA weights of a full fine-tune) can run out of memory after hours of training.
+    ``dtype``: its floating-point tensors in that dtype (the EMA's fp32 average copied into a bf16 model's copy
+    was rounded to bf16)."""
     import copy
 
     import torch
 
+    def host(t):
+        return t.detach().to(
+            "cpu", dtype=dtype if dtype is not None and t.is_floating_point() else None, copy=True
+        )
+
     memo: dict[int, Any] = {}
     for p in model.parameters():
-        memo[id(p)] = torch.nn.Parameter(p.detach().to("cpu", copy=True), requires_grad=p.requires_grad)
+        memo[id(p)] = torch.nn.Parameter(host(p), requires_grad=p.requires_grad)
     for b in model.buffers():
-        memo[id(b)] = b.detach().to("cpu", copy=True)
+        memo[id(b)] = host(b)
     return copy.deepcopy(model, memo)
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .. import export, runtime
+from .. import ds_masters, export, runtime
 from ..checkpoint import unwrap
 from ..loop import Ema, Recipe
 
@@ -56,9 +56,14 @@ class Finetune(Recipe):
         )
 
     def export(self, out_dir: Path, metadata: dict[str, Any], ema: Ema | None) -> list[Path]:
-        written = self.save_pipeline(out_dir, unwrap(self.unet), metadata, self.cfg.output.name)
+        import torch
+
+        with ds_masters.masters_in(self):  # DeepSpeed: its fp32 masters, not its bf16 / fp16 copy
+            written = self.save_pipeline(out_dir, unwrap(self.unet), metadata, self.cfg.output.name)
         if ema is not None:
-            ema_unet = runtime.host_copy(unwrap(self.unet))  # not a second UNet on the GPU
+            # not a second UNet on the GPU; in fp32, as the average is kept (a bf16 copy, DeepSpeed's or
+            # training.full_half_weights', rounded it)
+            ema_unet = runtime.host_copy(unwrap(self.unet), dtype=torch.float32)
             ema.copy_to(ema_unet)
             meta = {**metadata, "ema_decay": ema.decay, "ema_update_every": ema.every}
             written += self.save_pipeline(

@@ -14,7 +14,7 @@ from typing import Any
 
 from sdplan import registry
 
-from .. import export, runtime
+from .. import ds_masters, export, runtime
 from ..checkpoint import unwrap
 from ..loop import Ema, Recipe
 
@@ -53,6 +53,10 @@ class LoRA(Recipe):
         return self.lr_groups(unet, tes if self.cfg.training.train_text_encoder else None)
 
     def export(self, out_dir: Path, metadata: dict[str, Any], ema: Ema | None) -> list[Path]:
+        with ds_masters.masters_in(self):  # DeepSpeed: the adapters' fp32 masters, not its bf16 / fp16 copy
+            return self._export(out_dir, metadata)
+
+    def _export(self, out_dir: Path, metadata: dict[str, Any]) -> list[Path]:
         if self.adapter is not None:
             from .. import flow_export
 

@@ -18,7 +18,7 @@ import torch
 from sdplan.errors import UsageError
 
 from .. import checkpoint as ckpt_lib
-from .. import export
+from .. import ds_masters, export
 from ..loop import Ema, Recipe
 
 
@@ -66,7 +66,7 @@ class TextualInversion(Recipe):
         with torch.no_grad():  # only the new token's rows may change
             for te, rows, keep in zip(self.text_encoders, self.original_rows, self.keep_rows):
                 weight = ckpt_lib.unwrap(te).get_input_embeddings().weight
-                weight[keep] = rows[keep]
+                ds_masters.restore_rows(weight, keep, rows, self.accelerator)
 
     def checkpoint_weights(self) -> dict[str, Any]:
         return _rows(self.text_encoders, self.token_ids)
@@ -78,7 +78,8 @@ class TextualInversion(Recipe):
         return f"a photo of {self.cfg.textual_inversion.token}"
 
     def export(self, out_dir: Path, metadata: dict[str, Any], ema: Ema | None) -> list[Path]:
-        rows = list(_rows(self.text_encoders, self.token_ids).values())
+        with ds_masters.masters_in(self):  # DeepSpeed: the embedding's fp32 master, not its bf16 / fp16 copy
+            rows = list(_rows(self.text_encoders, self.token_ids).values())
         embeds = {"clip_l": rows[0], "clip_g": rows[1]} if self.comps.family == "sdxl" else rows[0]
         path = export.save_embedding(
             out_dir,
