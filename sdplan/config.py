@@ -424,8 +424,8 @@ def planned_sampling(cfg: TrainConfig) -> dict[str, Any]:
     guidance scale."""
     on, wanted = prior_preservation(cfg)
     missing = 0
-    if on and not wanted:  # every image of dreambooth.class_data (validate refuses 0 without one)
-        require_class_images(cfg)
+    # num_class_images 0: every image of dreambooth.class_data, none generated (`sdplan train` requires them
+    # there: require_class_images; recommend plans for a folder that may be on another machine)
     if on and wanted:
         from sdplan.errors import DatasetError
         from sdplan.trainer.dataset_scan import KohyaProjectError, scan
@@ -480,6 +480,21 @@ def require_class_images(cfg: TrainConfig) -> None:
             fix="set dreambooth.num_class_images to 1 or more (the base model generates them), or put class "
             "images there",
         )
+
+
+def ema_refusal(cfg: TrainConfig, total_steps: int) -> tuple[str, str] | None:
+    """(what, fix) where the run's EMA would never update: the loop updates it at every ema.update_every-th
+    optimizer step (trainer/loop.py), so a run of fewer steps exported the EMA as the base it started from,
+    the untrained model, without a word. None where it updates (or no EMA is kept)."""
+    every = cfg.ema.update_every
+    if not (cfg.ema.enabled and registry_method(cfg.method).ema) or every <= total_steps:
+        return None
+    return (
+        f"ema.update_every {every}: this run trains {total_steps} optimizer step{'s' if total_steps != 1 else ''}, "
+        "so its EMA never "
+        "updates and the exported EMA weights would be the untrained base model",
+        f"set ema.update_every to {total_steps} or less (1: every step), or train more steps",
+    )
 
 
 def family_problems(cfg: TrainConfig, family: str | None) -> list[str]:

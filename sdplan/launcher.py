@@ -1982,7 +1982,7 @@ def prepare(req: TrainRequest, ui: UI) -> Prepared:
             )
 
     steps = config_steps(cfg, inputs.images_x_repeats, world, inputs.bucket_samples)
-    if refusal := ema_refusal(cfg, steps["total_steps"]):
+    if refusal := C.ema_refusal(cfg, steps["total_steps"]):
         raise UsageError(refusal[0], fix=refusal[1])
     if resume is not None:
         from sdplan.trainer.checkpoint import latest_checkpoint
@@ -2034,20 +2034,6 @@ def given_settings_line(overrides) -> str | None:
     if not given:
         return None
     return "settings: " + ", ".join(f"{key}={raw.strip()}" for key, raw in given.items())
-
-
-def ema_refusal(cfg: C.TrainConfig, total_steps: int) -> tuple[str, str] | None:
-    """(what, fix) where the run's EMA would never update: the loop updates it at every ema.update_every-th
-    optimizer step (trainer/loop.py), so a run of fewer steps exported the EMA as the base it started from,
-    the untrained model, without a word. None where it updates (or no EMA is kept)."""
-    every = cfg.ema.update_every
-    if not (cfg.ema.enabled and registry.method(cfg.method).ema) or every <= total_steps:
-        return None
-    return (
-        f"ema.update_every {every}: this run trains {count_of(total_steps, 'optimizer step')}, so its EMA never "
-        "updates and the exported EMA weights would be the untrained base model",
-        f"set ema.update_every to {total_steps} or less (1: every step), or train more steps",
-    )
 
 
 VISIBLE_DEVICES_ENV = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES")

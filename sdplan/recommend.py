@@ -584,15 +584,16 @@ def given_reasons(reasons: tuple[str, ...], settings) -> tuple[str, ...]:
     rest = [
         f"{key}={raw.strip()}"
         for key, raw in cfgmod.given_settings(settings).items()
-        if not _said_in(key, shown)
+        # model.path: --model's (model_source puts it among the settings), which the plan's first line names
+        if key != "model.path" and not _said_in(key, shown)
     ]
     if not rest:
         return reasons
     if pinned is None:
-        return (f"pinned: {', '.join(rest)} (written to the run's sdplan.yaml as given)", *reasons)
+        return (f"settings: {', '.join(rest)} (written to the run's sdplan.yaml)", *reasons)
     return (
         *reasons[:pinned],
-        f"{shown}; as given: {', '.join(rest)}",
+        f"{shown}; also set: {', '.join(rest)}",
         *reasons[pinned + 1 :],
     )
 
@@ -658,6 +659,11 @@ def recommend(
     d["config"] = (
         trainer_config(res, profiles, inp.dataset, overrides=inp.settings) if res.plan is not None else None
     )
+    # an EMA that never updates in the run's steps, refused as `sdplan train --config` of the written file would;
+    # where the steps are for an assumed image count (no dataset counted: no max_steps written), not said
+    steps = d["config"]["training"].get("max_steps") if d["config"] is not None else None
+    if steps is not None and (refusal := cfgmod.ema_refusal(cfgmod.validate(d["config"]), steps)):
+        raise UsageError(refusal[0], fix=refusal[1])
     return d, res
 
 

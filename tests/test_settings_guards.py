@@ -183,13 +183,35 @@ def test_recommend_says_every_setting_given_in_its_pinned_reason():
     assert pinned.count("lora.alpha=") == 1
 
 
+def test_recommend_refuses_an_ema_its_counted_steps_never_update(tmp_path, inputs):
+    """recommend wrote an sdplan.yaml whose EMA never updates in its steps, which its own `sdplan train --config`
+    line then refused; a plan for an assumed image count (no dataset) says nothing: the run's dataset counts."""
+    model, ds = inputs
+    args = [
+        "recommend",
+        "--method",
+        "finetune",
+        "--hardware",
+        "H100 SXM",
+        "ema.enabled=true",
+        "ema.update_every=500",
+    ]
+    one_line_error(
+        runner.invoke(app, [*args, "--model", str(model), "--dataset", str(ds)]), 2, "ema.update_every 500"
+    )
+    assert runner.invoke(app, args).exit_code == 0
+
+
 def test_recommend_says_settings_the_plan_does_not_depend_on():
     from sdplan.recommend import given_reasons
 
     assert given_reasons(("a",), ["training.seed=5"]) == (
-        "pinned: training.seed=5 (written to the run's sdplan.yaml as given)",
+        "settings: training.seed=5 (written to the run's sdplan.yaml)",
         "a",
     )
+    assert given_reasons(("a",), ["model.path=/m/sd15"]) == (
+        "a",
+    )  # --model's: the plan's first line names it
     shown = "pinned: distributed.deepspeed={zero_stage: 2} (planned around it)"
     assert given_reasons((shown,), ["distributed.deepspeed.zero_stage=2"]) == (shown,)
 
