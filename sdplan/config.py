@@ -30,6 +30,7 @@ from sdplan.registry import (
     PRECISIONS,
     legacy_lora_targets,
 )
+from sdplan.registry import family as registry_family
 from sdplan.registry import method as registry_method
 
 SCHEDULERS = (
@@ -259,6 +260,8 @@ class SamplingConfig:
     # embedding's value (FluxPipeline's and kohya's sample default), 7.5 for the others (classifier-free)
     guidance_scale: float | None = None
     seed: int = 0
+    # the grids' negative prompt (kohya's sample prompts take one with --n); null: the pipeline's (none)
+    negative_prompt: str | None = None
 
 
 @dataclass
@@ -514,6 +517,11 @@ def family_problems(cfg: TrainConfig, family: str | None) -> list[str]:
             problems.append(
                 f"training.noise_offset: an offset of the DDPM noise, not part of {family}'s rectified-flow "
                 "objective; set it to 0"
+            )
+        if cfg.sampling.negative_prompt and registry_family(family).arch == "flux":
+            problems.append(
+                f"sampling.negative_prompt: {family} samples with its distilled guidance, one pass without a "
+                "negative prompt (FluxPipeline reads one only with true_cfg_scale); leave it out (null)"
             )
     return problems
 

@@ -110,6 +110,7 @@ MEANINGS: dict[str, str] = {
     "sampling.num_inference_steps": "denoising steps of each sample",
     "sampling.guidance_scale": "guidance of the samples; null: the family's (FLUX.1 3.5, others 7.5)",
     "sampling.seed": "the samples' seed",
+    "sampling.negative_prompt": "the samples' negative prompt (not FLUX.1: its guidance is distilled); null: none",
     "logging.tensorboard": "write TensorBoard logs in the run folder",
     "plan": "written by `sdplan recommend --out`: what it planned (kept in the outputs' metadata)",
 }

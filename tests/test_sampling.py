@@ -567,3 +567,35 @@ def test_a_sample_prompt_past_the_text_encoders_tokens_is_said_and_labelled_as_r
     lines = sampling._wrap(draw, font, f"step 3\n{read}", 60, 3)
     assert lines[0] == "step 3" and lines[1].startswith("a photo") and lines[-1].endswith(sampling.ELLIPSIS)
     assert "square" not in " ".join(lines)
+
+
+def test_sampling_negative_prompt_reaches_the_pipeline_and_the_grid_record(tmp_path):
+    """sampling.negative_prompt: the grids had no negative prompt (kohya's sample prompts take one with --n; the
+    key was refused as unknown), though sampling.sample_grid takes one. FLUX.1 samples without one: refused."""
+    from types import SimpleNamespace
+
+    from sdplan.trainer import flow, outputs
+
+    from sdplan import config
+
+    seen = []
+
+    class Pipe:
+        def set_progress_bar_config(self, **_):
+            pass
+
+        def __call__(self, width=64, height=64, negative_prompt=None, **_):
+            seen.append(negative_prompt)
+            return SimpleNamespace(images=[Image.new("RGB", (width, height))])
+
+    accelerator, comps, cfg = _fake_run(
+        tmp_path, "sampling.prompts=[a dog]", "sampling.negative_prompt=blurry, lowres", pipe=Pipe()
+    )
+    grid = outputs.samples(accelerator, comps, None, [], cfg, out_path=tmp_path / "g.png")
+    with Image.open(grid) as im:
+        assert json.loads(im.text["sdplan_samples"])["negative_prompt"] == "blurry, lowres"
+    assert seen == ["blurry, lowres"]
+    assert flow.sampling_captions("sd35-medium", ["a dog"], "blurry") == {"a dog", "blurry"}
+    flux = config.validate({"sampling": {"negative_prompt": "blurry"}})
+    assert config.family_problems(flux, "flux-dev")[0].startswith("sampling.negative_prompt: flux-dev")
+    assert config.family_problems(flux, "sd35-medium") == []

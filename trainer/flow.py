@@ -202,10 +202,10 @@ def encode_prompts(text_encoders: list, input_ids: list, family: str, device):
 # encode_prompt gives the same tensors: tests/test_sd3_flux.py).
 
 
-def sampling_captions(family: str, prompts: list[str]) -> set[str]:
+def sampling_captions(family: str, prompts: list[str], negative: str | None = None) -> set[str]:
     """What the text cache must hold to sample ``prompts`` from it: the prompts, and for SD3.5 (classifier-free
-    guidance; the pipeline's negative prompt defaults to "") the empty prompt."""
-    return set(prompts) | (set() if registry.family(family).arch == "flux" else {""})
+    guidance) the negative prompt (sampling.negative_prompt; the pipeline's default: "")."""
+    return set(prompts) | (set() if registry.family(family).arch == "flux" else {negative or ""})
 
 
 def cached_conditioning(family: str, cache, device):

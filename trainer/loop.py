@@ -171,7 +171,8 @@ class Recipe:
             captions = self.text_captions(self.caption_epochs() if epochs is None else epochs)
             prompts = list(self.cfg.sampling.prompts) + [self.sample_prompt()]
         if captions is not None and self.comps.family in FLOW_FAMILIES:
-            captions = captions | flow.sampling_captions(self.comps.family, prompts)
+            negative = self.cfg.sampling.negative_prompt
+            captions = captions | flow.sampling_captions(self.comps.family, prompts, negative)
         return captions
 
     def caption_epochs(self) -> int:

@@ -437,6 +437,7 @@ def samples(
                     guidance_scale=sampling.guidance_for(cfg.sampling.guidance_scale, comps.family),
                     resolution=cfg.data.resolution,
                     out_path=target,
+                    negative_prompt=cfg.sampling.negative_prompt,
                     labels=[f"step {shown_step}\n{p}" if shown_step is not None else p for p in shown],
                     conditioning=conditioning,
                     on_step=bar,
