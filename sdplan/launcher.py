@@ -1232,7 +1232,8 @@ def after_oom(
         m["cache_text_encoder_outputs"] = True
         return Change(new, "turned on text-encoder output caching (the frozen text encoders leave the GPU)")
     full_bf16 = new.get("method") in FULL_METHODS and t.get("precision") == "bf16"
-    if cuda and full_bf16 and not deepspeed_on and not t.get("full_half_weights", False):
+    # not on a resume: an fp32 checkpoint's weights and state are not loaded as bf16 (settings.STATE_SETTINGS)
+    if cuda and full_bf16 and not deepspeed_on and not resumes and not t.get("full_half_weights", False):
         t["full_half_weights"] = True
         return Change(
             new, "switched to full bf16 weights and gradients (no fp32 master copy; kohya --full_bf16)"
@@ -1242,7 +1243,9 @@ def after_oom(
     # not with block swap (the trainer swaps in one process without DeepSpeed: blockswap.support_problem), and
     # before training only for a full-weight method, whose optimizer state DeepSpeed builds in setup
     can_offload = not m.get("blocks_to_swap") and (new.get("method") in FULL_METHODS or not before_training)
-    if have_deepspeed and can_offload and not offloaded and not (resumes and not deepspeed_on):
+    # not on a resume: a checkpoint without offload holds torch's AdamW state, which DeepSpeed's CPU Adam cannot
+    # load (KeyError 'bias_correction' at the first step), and one without DeepSpeed no DeepSpeed state at all
+    if have_deepspeed and can_offload and not offloaded and not resumes:
         was_split = deepspeed_on  # ZeRO-1/2 splitting the optimizer state over the GPUs: offload it too
         stage = int(dist["deepspeed"].get("zero_stage", 2)) if was_split else None
         dist["deepspeed"] = dict(OFFLOAD)
@@ -2041,9 +2044,11 @@ VISIBLE_DEVICES_ENV = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISI
 
 def check_lora_targets_early(cfg: C.TrainConfig, family: str | None) -> None:
     """LoRA target modules the user named (lora.target_modules; lora.text_encoder_target_modules with text-encoder
-    training) checked before the launch, on the family's architecture built on the meta device from its profile
-    (no weights, about a second): a name no module has was refused by the trainer only after the model loaded
-    (a FLUX.1 base: minutes and 24 GB read). The trainer checks the user's own model again (runtime.add_lora_adapters)."""
+    training) checked before the launch, on the model's architecture built on the meta device (no weights; a few
+    seconds, most of it importing diffusers): a name no module has was refused by the trainer only after the
+    model loaded (a FLUX.1 base: minutes and 24 GB read). The architecture is the model's own config where it
+    is here (a diffusers folder, a cached hub model, model.config_dir: an LCM UNet's time_embedding.cond_proj),
+    else the family's profile; the trainer checks the loaded model again (runtime.add_lora_adapters)."""
     lora = cfg.lora
     te = cfg.training.train_text_encoder and lora.text_encoder_target_modules
     if cfg.method != "lora" or family not in FAMILIES or (lora.target_modules is None and not te):
@@ -2056,20 +2061,62 @@ def check_lora_targets_early(cfg: C.TrainConfig, family: str | None) -> None:
     from sdplan.trainer.runtime import check_lora_targets
 
     spec = load_profiles().model(family)
+    flow = family in FLOW_FAMILIES
+    own = _model_configs(cfg)
     with torch.device("meta"):
         if lora.target_modules is not None:
-            denoiser = (
-                getattr(diffusers, spec.transformer_class).from_config(dict(spec.transformer))
-                if spec.transformer_class
-                else diffusers.UNet2DConditionModel.from_config(dict(spec.unet))
+            denoiser_cls = (
+                getattr(diffusers, spec.transformer_class) if flow else diffusers.UNet2DConditionModel
             )
+            config = own.get("transformer" if flow else "unet") or dict(
+                spec.transformer if flow else spec.unet
+            )
+            try:
+                denoiser = denoiser_cls.from_config(config)
+            except Exception:  # a config this diffusers cannot build: the trainer's check on the model stands
+                denoiser = denoiser_cls.from_config(dict(spec.transformer if flow else spec.unet))
             check_lora_targets(denoiser, list(lora.target_modules), "lora.target_modules")
-        if te and family not in FLOW_FAMILIES:
-            for encoder in spec.text_encoders:
-                model = getattr(transformers, encoder["class"])(
-                    transformers.CLIPTextConfig(**encoder["config"])
-                )
+        if te and not flow:
+            for i, encoder in enumerate(spec.text_encoders):
+                config = own.get("text_encoder" + (f"_{i + 1}" if i else "")) or encoder["config"]
+                model = getattr(transformers, encoder["class"])(transformers.CLIPTextConfig(**config))
                 check_lora_targets(model, list(te), "lora.text_encoder_target_modules")
+
+
+def _model_configs(cfg: C.TrainConfig) -> dict[str, dict]:
+    """The model's own component configs that are here (subfolder -> config.json as read): a diffusers folder's,
+    model.config_dir's beside a single file, a hub model's in the local cache; {} where none is."""
+    from sdplan.trainer.models import resolve_source
+
+    names = ("unet", "transformer", "text_encoder", "text_encoder_2")
+    try:
+        source = resolve_source(cfg.model.path)
+    except SdplanError:
+        return {}
+    folder = (
+        Path(source.location)
+        if source.kind == "folder"
+        else Path(C.expand_user(cfg.model.config_dir, "model.config_dir"))
+        if source.kind == "file" and cfg.model.config_dir
+        else None
+    )
+    files: dict[str, Path] = {}
+    if folder is not None:
+        files = {n: folder / n / "config.json" for n in names if (folder / n / "config.json").is_file()}
+    elif source.kind == "hub":
+        from huggingface_hub import try_to_load_from_cache
+
+        for n in names:
+            found = try_to_load_from_cache(source.location, f"{n}/config.json", revision=cfg.model.revision)
+            if isinstance(found, str):
+                files[n] = Path(found)
+    out = {}
+    for n, f in files.items():
+        try:
+            out[n] = json.loads(f.read_text())
+        except (OSError, ValueError):
+            continue
+    return out
 
 
 def run_gpus(
@@ -2669,10 +2716,15 @@ def _record(
 
 
 def _state_setting(data: dict[str, Any], key: str) -> Any:
-    """The value of a :data:`STATE_SETTINGS` key as the checkpoint's state depends on it: DeepSpeed on or off
-    (its stage and offload load either way); an EMA only where the method keeps one."""
+    """The value of a :data:`STATE_SETTINGS` key as the checkpoint's state depends on it: DeepSpeed off, on, or
+    on with its optimizer offloaded (the ZeRO stage loads either way; an offloaded optimizer is DeepSpeed's CPU
+    Adam, whose state torch's AdamW checkpoint lacks: KeyError 'bias_correction'); an EMA only where the method
+    keeps one."""
     if key == "distributed.deepspeed":
-        return "on" if get_key(data, key) is not None else "off"
+        ds = get_key(data, key)
+        if ds is None:
+            return "off"
+        return "on, optimizer offloaded" if (ds or {}).get("offload_optimizer", True) else "on"
     if key == "ema.enabled":
         return bool(get_key(data, key)) and registry.method(str(data.get("method"))).ema
     if key == "training.full_half_weights":  # what runtime.trained_dtype applies

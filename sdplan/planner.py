@@ -846,10 +846,9 @@ def _assemble(
         step_transient, autocast_copies = ds["step"], 0.0
         ram = max(ram, RAM_PER_PROCESS + ds["host"])
     ram += ema_host
-    if (
-        s.ema
-    ):  # a grid samples the EMA weights: the trained ones wait in host RAM meanwhile (loop.Ema.weights_in)
-        ram += state["weights"]
+    # a grid samples the EMA weights: the trained ones wait in host RAM meanwhile (loop.Ema.weights_in), on the
+    # main process alone (it draws the grids); counted beside the loading peak, which it may follow
+    grid_copy = state["weights"] if s.ema else 0.0
     weights, grads = state["weights"], state["gradients"]
     held = weights + state["frozen"] + state["optimizer"] + state["ema"]
     buckets = ddp_bucket_bytes(s, grads)
@@ -871,7 +870,7 @@ def _assemble(
         step_transient=step_transient,
         overhead=overhead,
         peak=max(allocated + overhead, text_cache),
-        ram=ram * s.num_gpus,
+        ram=ram * s.num_gpus + grid_copy,
         sampling_peak=sampling(resident, autocast_copies),
         text_cache_peak=text_cache,
         step_peak=allocated + overhead,

@@ -661,8 +661,9 @@ def recommend(
     )
     # an EMA that never updates in the run's steps, refused as `sdplan train --config` of the written file would;
     # where the steps are for an assumed image count (no dataset counted: no max_steps written), not said
-    steps = d["config"]["training"].get("max_steps") if d["config"] is not None else None
-    if steps is not None and (refusal := cfgmod.ema_refusal(cfgmod.validate(d["config"]), steps)):
+    counted = d["config"] is not None and d["config"]["training"].get("max_steps") is not None
+    steps = d["steps"]["total_steps"]  # one process's optimizer steps (max_steps is written for the world)
+    if counted and (refusal := cfgmod.ema_refusal(cfgmod.validate(d["config"]), steps)):
         raise UsageError(refusal[0], fix=refusal[1])
     return d, res
 

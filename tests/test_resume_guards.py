@@ -267,7 +267,14 @@ def test_check_resume_settings_covers_the_optimizer_the_ema_and_deepspeed():
         check_resume_settings(cfg(), cfg(memory={"optimizer": "adamw8bit"}))
     split = cfg(distributed={"num_processes": 2, "deepspeed": {"zero_stage": 2, "offload_optimizer": False}})
     offload = cfg(distributed={"num_processes": 2, "deepspeed": {"zero_stage": 2, "offload_optimizer": True}})
-    check_resume_settings(split, offload)  # DeepSpeed's files either way
+    # torch's AdamW state in a split ZeRO checkpoint, which the offloaded CPU Adam cannot load: its first step
+    # stopped with KeyError 'bias_correction' (a ZeRO stage changed alone loads)
+    with pytest.raises(UsageError, match="distributed.deepspeed is 'on'.*'on, optimizer offloaded'"):
+        check_resume_settings(split, offload)
+    check_resume_settings(
+        split,
+        cfg(distributed={"num_processes": 2, "deepspeed": {"zero_stage": 1, "offload_optimizer": False}}),
+    )
     with pytest.raises(UsageError, match="distributed.deepspeed is 'on'"):
         check_resume_settings(split, cfg(distributed={"num_processes": 2}))
 
@@ -290,10 +297,17 @@ def test_the_oom_retry_passes_over_savers_its_checkpoint_cannot_be_resumed_with(
     d["memory"]["optimizer"] = "adamw8bit"
     assert "DeepSpeed" in after_oom(d, **kw).message
     assert after_oom(d, **kw, resumes=True) is None
-    # a plan's ZeRO-2 that splits the optimizer state: offloading it loads the same DeepSpeed files
+    # a plan's ZeRO-2 that splits the optimizer state: offloaded on a fresh start only (its checkpoint holds
+    # torch's AdamW state, which DeepSpeed's CPU Adam cannot load: KeyError 'bias_correction')
     d["memory"]["optimizer"] = "adamw"
     d["distributed"] = {"num_processes": 2, "deepspeed": {"zero_stage": 2, "offload_optimizer": False}}
-    assert "offloaded the split optimizer state" in after_oom(d, **kw, resumes=True).message
+    assert "offloaded the split optimizer state" in after_oom(d, **kw).message
+    assert after_oom(d, **kw, resumes=True) is None
+    # full bf16 weights: not on a resume of an fp32 checkpoint (a state setting)
+    ft = {**d, "method": "finetune", "training": {**d["training"], "precision": "bf16"}, "distributed": {}}
+    ft["memory"] = {**d["memory"], "optimizer": "adamw8bit"}
+    assert "full bf16" in after_oom(ft, **kw).message
+    assert after_oom(ft, **kw, resumes=True) is None
 
 
 # -- #7: a resume shorter than what the checkpoint trained ------------------------------------------------------

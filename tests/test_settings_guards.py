@@ -229,3 +229,10 @@ def test_lora_targets_no_module_has_are_refused_before_the_launch(tmp_path, inpu
     assert r.exit_code == 0, r.output
     te = ("training.train_text_encoder=true", "lora.text_encoder_target_modules=[q_proj, o_proj]")
     one_line_error(dry_run(tmp_path, inputs, "lora", *te), 2, "CLIPTextModel is named 'o_proj'")
+    # the model's own config, not the family's profile: an LCM UNet's time_embedding.cond_proj, which peft adapts
+    import json
+
+    unet = inputs[0] / "unet" / "config.json"
+    unet.write_text(json.dumps({**json.loads(unet.read_text()), "time_cond_proj_dim": 8}))
+    r = dry_run(tmp_path, inputs, "lora", "lora.target_modules=[to_q, cond_proj]")
+    assert r.exit_code == 0, r.output

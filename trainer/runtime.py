@@ -182,10 +182,27 @@ def make_accelerator(cfg, out_dir: Path):
 def rendezvous_for_one_process(cpu: bool) -> None:
     """A DeepSpeed config in a process no launcher started (``python -m sdplan.trainer --config``): the
     environment of a one-process world, as `sdplan bench` gives its harness (sdplan/bench_harness.py). Without
-    RANK / LOCAL_RANK / MASTER_ADDR DeepSpeed looks for an MPI launcher (``deepspeed.comm.mpi_discovery``) and
-    stopped with a traceback (ModuleNotFoundError: mpi4py). Variables already set are left as they are."""
-    if any(os.environ.get(name) for name in ("RANK", "LOCAL_RANK", "MASTER_ADDR")):
+    all of RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT and LOCAL_RANK DeepSpeed looks for an MPI launcher
+    (``deepspeed.comm.init_distributed``: ``required_env``, then ``mpi_discovery``) and stopped with a traceback
+    (ModuleNotFoundError: mpi4py); some of them set (a cluster exporting MASTER_ADDR, a stray RANK=0) did the
+    same. The missing ones are set for one process; a world of more than one given without the rest is refused."""
+    from sdplan.errors import UsageError
+
+    required = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
+    if all(os.environ.get(name) for name in required):
         return
+    given = {name: os.environ[name] for name in required if os.environ.get(name)}
+    if (
+        given.get("WORLD_SIZE", "1") != "1"
+        or given.get("RANK", "0") != "0"
+        or given.get("LOCAL_RANK", "0") != "0"
+    ):
+        missing = [name for name in required if name not in given]
+        raise UsageError(
+            f"{', '.join(f'{k}={v}' for k, v in given.items())} is set but not {', '.join(missing)}: a process of "
+            "a larger DeepSpeed world needs its launcher",
+            fix="start it with `sdplan train` (or accelerate launch / torchrun), or unset those variables",
+        )
     from sdplan.launch import free_port
 
     one = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}
@@ -193,7 +210,7 @@ def rendezvous_for_one_process(cpu: bool) -> None:
     one |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     if cpu:
         one["DS_ACCELERATOR"] = os.environ.get("DS_ACCELERATOR") or "cpu"  # as the launcher sets it
-    os.environ.update(one)
+    os.environ.update({k: v for k, v in one.items() if not os.environ.get(k)})
 
 
 def _config_file() -> str:
@@ -222,6 +239,18 @@ def check_deepspeed_batch(accelerator, cfg) -> None:
         ("gradient_accumulation_steps", "training.grad_accum", t.grad_accum),
     )
     wrong = [(k, ds[k], key, v) for k, key, v in pairs if ds.get(k, "auto") != "auto" and int(ds[k]) != v]
+    # DeepSpeed's own check of the three (runtime/config.py: an AssertionError after the models loaded)
+    world = int(getattr(accelerator, "num_processes", 1) or 1)
+    total = ds.get("train_batch_size", "auto")
+    if not wrong and total != "auto" and int(total) != t.batch_size * t.grad_accum * world:
+        wrong = [
+            (
+                "train_batch_size",
+                total,
+                f"training.batch_size x training.grad_accum x {world} process{'es' if world > 1 else ''}",
+                t.batch_size * t.grad_accum * world,
+            )
+        ]
     if not wrong:
         return
     where = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE") or "the DeepSpeed config"
