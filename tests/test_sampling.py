@@ -599,3 +599,29 @@ def test_sampling_negative_prompt_reaches_the_pipeline_and_the_grid_record(tmp_p
     flux = config.validate({"sampling": {"negative_prompt": "blurry"}})
     assert config.family_problems(flux, "flux-dev")[0].startswith("sampling.negative_prompt: flux-dev")
     assert config.family_problems(flux, "sd35-medium") == []
+
+
+def test_review_fixes_of_the_grid_prompts_and_wording(tmp_path):
+    """A CJK or emoji prompt under 77 characters can run past CLIP's 77 tokens (byte-level BPE: up to 4 tokens a
+    character), so only ASCII skips the tokenizer; a tag caption's grid prompt keeps its tags' own order (shuffled
+    tags changed it from grid to grid); a part of an epoch is never said as a whole one."""
+    from conftest import make_images
+    from sdplan.trainer.conditioning import _shorter_than_tokens
+    from sdplan.trainer.data import CaptionedImages
+    from sdplan.trainer.dataset_scan import Item
+    from sdplan.trainer.runtime import epochs_text
+
+    assert _shorter_than_tokens("a photo of a dog", 77) and not _shorter_than_tokens("一只红色的正方形", 77)
+    (image, *_) = sorted(make_images(tmp_path / "d", n=1).glob("*.png"))
+    ds = CaptionedImages([Item(image, tags=("sks", "red", "square", "white"))], shuffle_tags=1.0, keep_tags=1)
+    plain = set()
+    for epoch in range(6):
+        ds.set_epoch(epoch)
+        plain.add(ds.caption_for(ds.items[0], 0, shuffle=False))
+    assert plain == {"sks, red, square, white"}
+    assert [epochs_text(x) for x in (1 / 2500, 2999 / 3000, 2.0004, 0.125)] == [
+        "0.0004 of an epoch",
+        "0.9997 of an epoch",
+        "2.0004 epochs",
+        "0.125 of an epoch",
+    ]

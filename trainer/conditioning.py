@@ -34,6 +34,13 @@ def reading_tokenizer(comps) -> tuple[Any, str] | None:
     return (tokenizers[-1], "T5") if flow else (tokenizers[0], "CLIP")
 
 
+def _shorter_than_tokens(text: str, limit: int) -> bool:
+    """Whether ``text`` surely fits ``limit`` tokens (start and end counted) without tokenizing it: ASCII text of
+    at most limit - 2 characters (an ASCII character is at least a token's worth; CLIP's byte-level BPE spends up
+    to 4 tokens on a CJK character or an emoji it has no merge for)."""
+    return text.isascii() and len(text) <= limit - 2
+
+
 def read_part(tokenizer: Any, text: str) -> str:
     """``text`` as far as the text encoder reads it (``tokenizer.model_max_length`` tokens, start and end
     counted): all of it where it fits, else its longest start of whole words that fits and an ellipsis where
@@ -56,7 +63,7 @@ def read_part(tokenizer: Any, text: str) -> str:
                 high = mid - 1
         return low
 
-    if len(text) <= limit - 2 or fits(text):  # a token is at least one character
+    if _shorter_than_tokens(text, limit) or fits(text):
         return text
     words = text.split(" ")
     n = most(words, " ")
@@ -75,7 +82,7 @@ def long_captions_note(
     nothing (their labels show the part read: :func:`read_part`)."""
     limit = int(tokenizer.model_max_length)
     # a token is at least one character: a caption shorter than the limit (less the start and end) fits
-    maybe = sorted({c for c in captions if len(c) > limit - 2})
+    maybe = sorted({c for c in captions if not _shorter_than_tokens(c, limit)})
     if not maybe:
         return ""
     lengths = dict(zip(maybe, map(len, tokenizer(maybe, truncation=True, max_length=10**7)["input_ids"])))

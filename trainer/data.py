@@ -188,11 +188,15 @@ class CaptionedImages(torch.utils.data.Dataset):
 
     # -- samples -------------------------------------------------------------------------------------
 
-    def caption_for(self, item: Item, index: int) -> str:
+    def caption_for(self, item: Item, index: int, *, shuffle: bool = True) -> str:
+        """``item``'s caption for the sample at ``index`` this epoch: its tags shuffled as data.metadata says
+        (``shuffle`` False: in their own order, the same every epoch)."""
         if item.tags:
             tags = list(item.tags)
-            if self.shuffle_tags > 0 and _rng(self.seed, self.epoch, index, self.name, "tags").random() < (
-                self.shuffle_tags
+            if (
+                shuffle
+                and self.shuffle_tags > 0
+                and _rng(self.seed, self.epoch, index, self.name, "tags").random() < (self.shuffle_tags)
             ):
                 head, tail = tags[: self.keep_tags], tags[self.keep_tags :]
                 _rng(self.seed, self.epoch, index, self.name, "tag-order").shuffle(tail)

@@ -172,7 +172,7 @@ class Scan:
         )
         text = (
             f"{self.format}: {count_of(self.num_images, 'image')}"
-            f" x {repeats} = {self.images_x_repeats} samples per epoch, {self.num_captioned} captioned"
+            f" x {repeats} = {count_of(self.images_x_repeats, 'sample')} per epoch, {self.num_captioned} captioned"
         )
         if self.skipped:
             text += f", {len(self.skipped)} skipped ({self.skipped_text()})"

@@ -202,8 +202,9 @@ class Recipe:
         ckpt_lib.load_trainable_state_dict(self.trained, state)
 
     def sample_prompt(self) -> str:
-        """The prompt of the final sample grid when ``sampling.prompts`` is empty."""
-        return self.dataset.caption_for(self.dataset.items[0], 0)
+        """The prompt of the sample grids when ``sampling.prompts`` is empty: the first image's caption, its tags in
+        their own order (shuffled ones changed the prompt from grid to grid, which then showed no progress)."""
+        return self.dataset.caption_for(self.dataset.items[0], 0, shuffle=False)
 
     def export(self, out_dir: Path, metadata: dict[str, Any], ema: Ema | None) -> list[Path]:
         """Write the method's outputs into ``out_dir``, named after ``cfg.output.name``."""
@@ -930,7 +931,8 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
                         bar.print(
                             f"sampling a grid every {count_of(every, 'step')} into {out_dir / 'samples'} "
                             f"({count_of(len(cfg.sampling.prompts) or 1, 'prompt')} x "
-                            f"{cfg.sampling.num_inference_steps} denoising steps): training pauses meanwhile"
+                            f"{count_of(cfg.sampling.num_inference_steps, 'denoising step')}): training pauses "
+                            "meanwhile"
                         )
                     step_grid = sample(step, fallback=recipe.sample_prompt()) if sampled else None
                     if step in saves_at:
@@ -970,7 +972,7 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
             progress.say(accelerator, f"writing the checkpoint of the final step {state.global_step}")
         final_ckpt = _checkpoint_final(ckpt, state, accelerator) if checkpoints_on else None
         written: list[Path] = []
-        epochs_done = round(state.global_step / plan.steps_per_epoch, 3)
+        epochs_done = round(state.global_step / plan.steps_per_epoch, 6)
         ds_masters.gather(recipe)  # every process: DeepSpeed's fp32 masters for the export (a collective)
         if accelerator.is_main_process:
             from . import plots
@@ -1000,7 +1002,7 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
                 progress.say(  # seconds to minutes on a real model: outputs.samples shows a bar
                     accelerator,
                     f"sampling the final grid: {count_of(n_prompts, 'prompt')} x "
-                    f"{cfg.sampling.num_inference_steps} steps",
+                    f"{count_of(cfg.sampling.num_inference_steps, 'step')}",
                 )
                 try:
                     grid = sample(fallback=recipe.sample_prompt(), at_step=state.global_step)

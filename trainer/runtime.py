@@ -644,7 +644,7 @@ def describe_plan(method: str, family: str, samples: int, cfg, plan: Steps, repe
     elif plan.num_processes > 1 and t.lr_warmup_steps:
         warmup += f" (training.lr_warmup_steps {t.lr_warmup_steps} one-process steps / {plan.num_processes})"
     return (
-        f"{method} {family}: {samples} samples/epoch, batch {t.batch_size} x accum {t.grad_accum} x "
+        f"{method} {family}: {count_of(samples, 'sample')}/epoch, batch {t.batch_size} x accum {t.grad_accum} x "
         f"{count_of(plan.num_processes, 'process', 'processes')} -> {count_of(plan.steps_per_epoch, 'step')}/epoch, "
         f"{count_of(plan.total_steps, 'step')} ({epochs_text(plan.total_steps / plan.steps_per_epoch)}), {warmup}"
         + (f"; {steps.repeated_batches_text(repeated, plan.largest_batch)}" if repeated else "")
@@ -654,11 +654,12 @@ def describe_plan(method: str, family: str, samples: int, cfg, plan: Steps, repe
 def epochs_text(epochs: float) -> str:
     """'1 epoch', '3 epochs', '0.125 of an epoch', '1.5 epochs': the epochs a run trains, as run_summary.json's
     ``epochs`` counts them (steps / steps per epoch, to 3 places); a training.max_steps stop inside an epoch was
-    said as the whole epoch it starts ('1 steps (1 epoch)' where the summary said 0.125)."""
-    epochs = round(epochs, 3)
-    if epochs.is_integer():
+    said as the whole epoch it starts ('1 steps (1 epoch)' where the summary said 0.125). A part of an epoch is
+    never rounded to a whole one: 1 step of 2500 is '0.0004 of an epoch', 2999 of 3000 '0.9997 of an epoch'."""
+    if float(epochs).is_integer():
         return count_of(int(epochs), "epoch")
-    return f"{epochs:g} of an epoch" if epochs < 1 else f"{epochs:g} epochs"
+    shown = next(round(epochs, p) for p in range(3, 16) if not round(epochs, p).is_integer())
+    return f"{shown:g} of an epoch" if epochs < 1 else f"{shown:g} epochs"
 
 
 class EpochBatches:

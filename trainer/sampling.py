@@ -231,9 +231,15 @@ def _font_paths(codepoints: frozenset[int]) -> tuple[str, ...]:
         # Last Resort (matplotlib ships it) has every character, each drawn as a box naming its Unicode block
         and not f.name.startswith("Last Resort")
     ]
-    for face in sorted(regular, key=lambda f: "Sans" not in f.name):
+    faces = sorted(regular, key=lambda f: "Sans" not in f.name)
+    for face in faces:
         if codepoints <= _charmap(face.fname):
             return (face.fname, dejavu)
+    # none has them all (an emoji beside Chinese): the one that has the most, so only the rest draw as boxes
+    covered = {face.fname: len(codepoints & _charmap(face.fname)) for face in faces}
+    best = max(covered, key=lambda f: covered[f], default=None)
+    if best is not None and covered[best] > len(codepoints & _charmap(dejavu)):
+        return (best, dejavu)
     return (dejavu,)
 
 
