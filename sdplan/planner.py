@@ -4282,7 +4282,11 @@ def _relaxations(
         for group in combinations(names, size):
             rest = replace(req, pins=tuple(p for p in req.pins if p[0] not in group))
             best = None
-            if size == 1 and (nearer := NEARER_PINS.get((group[0], pinned[group[0]]))) is not None:
+            value = pinned[group[0]]  # a DeepSpeed pin is a dict: no nearer value
+            nearer = (
+                NEARER_PINS.get((group[0], value)) if isinstance(value, (str, int, float, bool)) else None
+            )
+            if size == 1 and nearer is not None:
                 # what keeps the pin's intent first: an EMA on the GPU that does not fit, on the CPU
                 best = _best_fitting(
                     replace(rest, pins=(*rest.pins, (group[0], nearer))), profiles, hw, cal, resolution

@@ -84,8 +84,9 @@ def _master(p, accelerator):
     offloaded, in host RAM), not sent to the GPU and back."""
     from deepspeed.utils import safe_get_full_fp32_param
 
-    mapping = getattr(p, "_hp_mapping", None)
-    whole = mapping is not None and mapping.lp_fragment_address.numel == p.numel()
+    mapping = getattr(p, "_hp_mapping", None)  # DeepSpeed's own (tensor_fragment.py): read with care
+    numel = getattr(getattr(mapping, "lp_fragment_address", None), "numel", None)
+    whole = numel == p.numel() and hasattr(mapping, "get_hp_fragment")
     if accelerator.num_processes == 1 and whole and not hasattr(p, "ds_id"):
         return mapping.get_hp_fragment().view(p.shape)
     return safe_get_full_fp32_param(p)
