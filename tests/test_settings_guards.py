@@ -118,19 +118,7 @@ def test_data_repeats_on_a_kohya_dataset_is_said_to_be_unused(tmp_path, inputs):
     assert r.exit_code == 0, r.output
     assert "note: data.repeats=3 is not used: kohya folder names carry the repeats" in r.stdout
     assert "2 images x 2 repeats = 4 samples" in r.stdout
-    r = runner.invoke(
-        app,
-        [
-            "recommend",
-            "--method",
-            "lora",
-            "--hardware",
-            "RTX 4090",
-            "--dataset",
-            str(kohya),
-            "data.repeats=3",
-        ],
-    )
+    r = runner.invoke(app, ["recommend", "--method", "lora", "--hardware", "RTX 4090", "--dataset", str(kohya), "data.repeats=3"])  # fmt: skip
     assert r.exit_code == 0, r.output
     assert "data.repeats 3 ignored: kohya folder names carry the repeats" in " ".join(r.stdout.split())
 
