@@ -726,3 +726,17 @@ def test_the_launchers_checkpoint_step_is_where_the_trainer_places_a_resume_in_t
         (folder / ckpt.STATE_FILE).write_text(json.dumps(saved.to_json()))
         trainer = ckpt.resume_position(saved, live, plan, len(new), new)
         assert checkpoint_step(folder, cfg, inputs, 1)[0] == trainer.step, k
+
+
+def test_the_trainer_refuses_a_checkpoint_of_another_optimizer_offload(tmp_path):
+    """A hand launch (`accelerate launch`, `python -m sdplan.trainer`) resuming a ZeRO checkpoint with the optimizer
+    offload switched: torch's AdamW state went into DeepSpeed's CPU Adam, whose first step stopped with
+    KeyError 'bias_correction'. `sdplan train --resume` refuses it before the launch; the trainer now too."""
+    from sdplan.trainer.checkpoint import TrainState, deepspeed_change
+
+    split = {"zero_stage": 2, "offload_optimizer": False}
+    saved = TrainState(settings={"distributed.deepspeed": split})
+    problem = deepspeed_change(tmp_path, saved, True, now={"zero_stage": 2, "offload_optimizer": True})
+    assert problem is not None and "not offloaded" in str(problem)
+    assert deepspeed_change(tmp_path, saved, True, now={"zero_stage": 1, "offload_optimizer": False}) is None
+    assert deepspeed_change(tmp_path, saved, True) is None  # this run's setting not recorded: not judged

@@ -726,7 +726,9 @@ class Checkpointer:
             raise CheckpointError(
                 f"{path} is a {saved.method} checkpoint; this run trains {self.state.method}"
             )
-        problem = deepspeed_change(path, saved, self._deepspeed)
+        problem = deepspeed_change(
+            path, saved, self._deepspeed, now=self.state.settings.get("distributed.deepspeed")
+        )
         if problem is not None:
             raise problem
         # DeepSpeed shards of another process count: loaded from a universal copy (deepspeed_universal_resume)
@@ -792,14 +794,19 @@ class Checkpointer:
         return live
 
 
-def deepspeed_change(path: Path, saved: TrainState, deepspeed: bool) -> CheckpointError | None:
+def deepspeed_change(
+    path: Path, saved: TrainState, deepspeed: bool, now: Any = None
+) -> CheckpointError | None:
     """Why checkpoint ``path`` (its state ``saved``) cannot be loaded by a run with DeepSpeed on (``deepspeed``)
     or off, where it was saved with the other: DeepSpeed's engine keeps its own model and optimizer files
     (pytorch_model/), a run without it ``trainable.safetensors`` and a torch optimizer. `sdplan train --resume`
     refuses the change before the launch (sdplan.launcher.check_settings); a hand launch (`accelerate launch`,
     ``python -m sdplan.trainer``) came here and failed inside the load ("AssertionError: ", called damaged
     files; "no trainable.safetensors"). From train_state.json's distributed.deepspeed; in a checkpoint saved
-    before it recorded it, from its files. None where the two agree."""
+    before it recorded it, from its files. ``now``: this run's distributed.deepspeed as recorded; an optimizer
+    offload turned on or off is refused too where both are recorded (torch's AdamW state in a checkpoint without
+    offload: DeepSpeed's CPU Adam stopped at its first step with KeyError 'bias_correction'). None where the two
+    agree."""
     key = "distributed.deepspeed"
     if key in saved.settings:
         was = saved.settings[key]
@@ -810,6 +817,14 @@ def deepspeed_change(path: Path, saved: TrainState, deepspeed: bool) -> Checkpoi
         recorded = f"its {DEEPSPEED_DIR}/ folder" if saved_with else f"its {WEIGHTS_FILE}"
         was = None
     if saved_with == deepspeed:
+        offloads = [bool((d or {}).get("offload_optimizer", True)) for d in (was, now)]
+        if saved_with and was is not None and now is not None and offloads[0] != offloads[1]:
+            return CheckpointError(
+                f"checkpoint {path} was saved with DeepSpeed's optimizer {'' if offloads[0] else 'not '}offloaded "
+                f"({recorded}) and this run {'does not offload' if offloads[0] else 'offloads'} it: its optimizer "
+                "state cannot be loaded",
+                fix=f"resume with distributed.deepspeed={json.dumps(was)}, as it was saved, or start a new run",
+            )
         return None
     if saved_with:
         value = json.dumps(was) if was is not None else "{zero_stage: 2}"
