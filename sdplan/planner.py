@@ -670,13 +670,14 @@ def memory(profiles: Profiles, s: Settings) -> Memory:
 def _memory_on(profiles: Profiles, s: Settings) -> Memory:
     if s.num_gpus > 2 and not s.deepspeed:
         # DDP on N > 2 GPUs: each process holds what one of 2 holds (DDP's buckets are the one part that depends
-        # on the count, and only on whether there are several); the host RAM is N processes'. Exactly what
-        # _memory gives (x2 then /2 is exact in binary floating point): a search on 8 GPUs sized every
-        # configuration 7 times over
+        # on the count, and only on whether there are several); the host RAM is N processes', and the EMA grid's
+        # copy the main process alone holds (_assemble). Exactly what _memory gives (x2 then /2 is exact in
+        # binary floating point): a search on 8 GPUs sized every configuration 7 times over
         two = memory(profiles, _count_free(s, 2))
+        once = two.weights if s.ema else 0.0  # _assemble's grid_copy: the trained weights as held
         # replace(two, ram=...) without its walk over the fields (Memory has no __post_init__)
         out = object.__new__(Memory)
-        out.__dict__.update(two.__dict__, ram=two.ram / 2 * s.num_gpus)
+        out.__dict__.update(two.__dict__, ram=(two.ram - once) / 2 * s.num_gpus + once)
         return out
     return _memory(profiles, s)
 

@@ -730,3 +730,13 @@ def test_the_sample_grid_under_deepspeed_has_no_autocast_copies(prof, method):
         prof, replace(s, deepspeed=None), resident=10 * GiB, trained=t, trained_bytes=4
     )
     assert without - with_ds >= t * 2.0 * 0.99
+
+
+def test_ddp_on_many_gpus_counts_the_ema_grids_host_copy_once(prof):
+    """_memory_on sizes N > 2 DDP processes from 2: it scaled the EMA grid's host copy (the main process's alone)
+    N / 2 times, 28.7 GiB too much on 8 GPUs."""
+    from sdplan.settings import Settings
+
+    for ema in ("cpu", None):
+        s = Settings(method="finetune", model="sdxl", resolution=1024, precision="bf16", ema=ema, num_gpus=8)
+        assert P.memory(prof, s).ram == pytest.approx(P._memory(prof, s).ram)

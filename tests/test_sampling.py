@@ -621,7 +621,7 @@ def test_review_fixes_of_the_grid_prompts_and_wording(tmp_path):
     assert plain == {"sks, red, square, white"}
     assert [epochs_text(x) for x in (1 / 2500, 2999 / 3000, 2.0004, 0.125)] == [
         "0.0004 of an epoch",
-        "0.9997 of an epoch",
+        "0.999667 of an epoch",
         "2.0004 epochs",
         "0.125 of an epoch",
     ]

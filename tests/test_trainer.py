@@ -1584,3 +1584,23 @@ def test_class_images_top_up_the_buckets_that_are_short():
     assert generation_shapes({a: 5, b: 5, c: 5}, 2, {a: 10}) == [(2, 2), (3, 3)]
     # images in a bucket no instance is in count for nothing
     assert generation_shapes({square: 4}, 3, {(999, 1): 5}) == [(128, 128)] * 3
+
+
+def test_the_one_process_rendezvous_fills_in_a_partial_set(monkeypatch):
+    """DeepSpeed skips its MPI discovery only with all of RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT and
+    LOCAL_RANK: a stray RANK=0 or a cluster's MASTER_ADDR stopped a launcher-less run with the mpi4py traceback;
+    then a MASTER_ADDR naming another host beside a port free here waited 3 hours for it. A world of more than
+    one process given without its launcher is refused."""
+    from sdplan.errors import UsageError
+
+    names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    for name in (*names, "DS_ACCELERATOR"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("MASTER_ADDR", "10.255.255.1")
+    runtime.rendezvous_for_one_process(cpu=True)
+    assert [os.environ[n] for n in names[:5]] == ["0", "0", "1", "1", "127.0.0.1"]
+    for name in names:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(UsageError, match="WORLD_SIZE=2 is set but not RANK"):
+        runtime.rendezvous_for_one_process(cpu=True)

@@ -820,7 +820,7 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
         folder = outputs.intermediate_folder(out_dir / outputs.INTERMEDIATE, label, state.images_seen)
         label = folder.name
         files: list[Path] = []
-        reached = epoch if epoch is not None else round(step / plan.steps_per_epoch, 3)
+        reached = epoch if epoch is not None else runtime.epochs_value(step / plan.steps_per_epoch)
         ds_masters.gather(recipe)  # every process: DeepSpeed's fp32 masters for the export (a collective)
         if accelerator.is_main_process:
             with outputs.write_errors(folder, needed_bytes=export_bytes):
@@ -972,7 +972,7 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
             progress.say(accelerator, f"writing the checkpoint of the final step {state.global_step}")
         final_ckpt = _checkpoint_final(ckpt, state, accelerator) if checkpoints_on else None
         written: list[Path] = []
-        epochs_done = round(state.global_step / plan.steps_per_epoch, 6)
+        epochs_done = runtime.epochs_value(state.global_step / plan.steps_per_epoch)
         ds_masters.gather(recipe)  # every process: DeepSpeed's fp32 masters for the export (a collective)
         if accelerator.is_main_process:
             from . import plots

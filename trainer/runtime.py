@@ -207,10 +207,13 @@ def rendezvous_for_one_process(cpu: bool) -> None:
 
     one = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}
     # not a fixed port: another run on this machine may hold it
-    one |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    one |= {"MASTER_PORT": str(free_port())}
     if cpu:
         one["DS_ACCELERATOR"] = os.environ.get("DS_ACCELERATOR") or "cpu"  # as the launcher sets it
     os.environ.update({k: v for k, v in one.items() if not os.environ.get(k)})
+    # one process hosts its own rendezvous: a MASTER_ADDR naming another host (a cluster's) beside a port free
+    # here waited 3 hours for that host, silently
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
 
 
 def _config_file() -> str:
@@ -651,15 +654,27 @@ def describe_plan(method: str, family: str, samples: int, cfg, plan: Steps, repe
     )
 
 
+def epochs_value(epochs: float) -> float:
+    """The epochs a run trains as run_summary.json and an intermediate output's metadata record them (steps /
+    steps per epoch): to 6 places, or more where those would make a part of an epoch a whole number (1 step of
+    3200 was recorded as 0.0)."""
+    if float(epochs).is_integer():
+        return float(epochs)
+    return next(round(epochs, p) for p in range(6, 16) if not round(epochs, p).is_integer())
+
+
 def epochs_text(epochs: float) -> str:
     """'1 epoch', '3 epochs', '0.125 of an epoch', '1.5 epochs': the epochs a run trains, as run_summary.json's
-    ``epochs`` counts them (steps / steps per epoch, to 3 places); a training.max_steps stop inside an epoch was
-    said as the whole epoch it starts ('1 steps (1 epoch)' where the summary said 0.125). A part of an epoch is
-    never rounded to a whole one: 1 step of 2500 is '0.0004 of an epoch', 2999 of 3000 '0.9997 of an epoch'."""
-    if float(epochs).is_integer():
-        return count_of(int(epochs), "epoch")
-    shown = next(round(epochs, p) for p in range(3, 16) if not round(epochs, p).is_integer())
-    return f"{shown:g} of an epoch" if epochs < 1 else f"{shown:g} epochs"
+    ``epochs`` records them (:func:`epochs_value`), to 3 significant digits where that says no whole number; a
+    training.max_steps stop inside an epoch was said as the whole epoch it starts ('1 steps (1 epoch)' where the
+    summary said 0.125). 1 step of 2500 is '0.0004 of an epoch', 2999 of 3000 '0.9997 of an epoch'."""
+    value = epochs_value(epochs)
+    if value.is_integer():
+        return count_of(int(value), "epoch")
+    shown = f"{value:.3g}"
+    if float(shown).is_integer():
+        shown = f"{value:g}"
+    return f"{shown} of an epoch" if value < 1 else f"{shown} epochs"
 
 
 class EpochBatches:
