@@ -1594,13 +1594,15 @@ def test_the_one_process_rendezvous_fills_in_a_partial_set(monkeypatch):
     from sdplan.errors import UsageError
 
     names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    # set empty, which the function takes as unset: monkeypatch then removes what it sets after the test (a
+    # rendezvous left in os.environ made every later run in this process look distributed)
     for name in (*names, "DS_ACCELERATOR"):
-        monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv(name, "")
     monkeypatch.setenv("MASTER_ADDR", "10.255.255.1")
     runtime.rendezvous_for_one_process(cpu=True)
     assert [os.environ[n] for n in names[:5]] == ["0", "0", "1", "1", "127.0.0.1"]
     for name in names:
-        monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv(name, "")
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(UsageError, match="WORLD_SIZE=2 is set but not RANK"):
         runtime.rendezvous_for_one_process(cpu=True)
