@@ -60,6 +60,7 @@ from sdplan.settings import (
     Settings,
     get_key,
     settings_data,
+    trains_half_weights,
     weight_setting,
 )
 from sdplan.steps import bucketed_batches, largest_batch, plan_steps, repeated_batches, repeated_batches_text
@@ -1870,15 +1871,16 @@ def prepare(req: TrainRequest, ui: UI) -> Prepared:
         have = len(trained_gpus(snapshot))
         if req.gpus is not None and req.gpus > have:
             raise UsageError(f"--gpus {req.gpus}: this machine {gpus_here(snapshot)}")
-        from sdplan.probe.snapshot import rocm_lacking, runnable_gpus
+        from sdplan.probe.snapshot import runnable_gpus
 
-        if req.gpus is not None and req.gpus > (runs := len(runnable_gpus(snapshot))):
-            lack = rocm_lacking(snapshot, trained_gpus(snapshot))
+        runs = runnable_gpus(snapshot)
+        if req.gpus is not None and req.gpus > len(runs):
+            lack = [g for g in trained_gpus(snapshot) if g not in runs]
             raise UsageError(
-                f"--gpus {req.gpus}: this machine trains on {count_of(runs, 'GPU')}; "
+                f"--gpus {req.gpus}: this machine trains on {count_of(len(runs), 'GPU')}; "
                 + ", ".join(f"GPU {g.index} ({g.name}, {g.gfx_arch})" for g in lack)
                 + " is outside the arches the ROCm torch wheels ship kernels for",
-                fix=f"use --gpus {runs}, or see `sdplan doctor` for the override that runs it",
+                fix=f"use --gpus {len(runs)}, or see `sdplan doctor` for the override that runs it",
             )
     elif cfg.training.precision == "fp16":
         # fp16 autocast is a GPU feature: the trainer would train in fp32, and the run's sdplan.yaml says so.
@@ -2727,9 +2729,10 @@ def _state_setting(data: dict[str, Any], key: str) -> Any:
         return "on, optimizer offloaded" if (ds or {}).get("offload_optimizer", True) else "on"
     if key == "ema.enabled":
         return bool(get_key(data, key)) and registry.method(str(data.get("method"))).ema
-    if key == "training.full_half_weights":  # what runtime.trained_dtype applies
-        precision = get_key(data, "training.precision")
-        return bool(get_key(data, key)) and precision == "bf16" and data.get("method") != "textual-inversion"
+    if key == "training.full_half_weights":  # what the trainer applies
+        return trains_half_weights(
+            data.get("method"), get_key(data, "training.precision"), get_key(data, key)
+        )
     return get_key(data, key)
 
 

@@ -674,7 +674,7 @@ def _memory_on(profiles: Profiles, s: Settings) -> Memory:
         # copy the main process alone holds (_assemble). Exactly what _memory gives (x2 then /2 is exact in
         # binary floating point): a search on 8 GPUs sized every configuration 7 times over
         two = memory(profiles, _count_free(s, 2))
-        once = two.weights if s.ema else 0.0  # _assemble's grid_copy: the trained weights as held
+        once = ema_grid_host_bytes(s, two.weights)
         # replace(two, ram=...) without its walk over the fields (Memory has no __post_init__)
         out = object.__new__(Memory)
         out.__dict__.update(two.__dict__, ram=(two.ram - once) / 2 * s.num_gpus + once)
@@ -695,9 +695,7 @@ def _memory(profiles: Profiles, s: Settings) -> Memory:
     half = _half(s.precision)
     wb = 2 if half else 4  # frozen weights
     full = s.method in FULL_METHODS
-    # trainable weights and their gradients: bf16 with training.full_half_weights, which the full-weight recipes
-    # and a LoRA apply (runtime.trained_dtype; an embedding trains in fp32 whatever it says)
-    tb = 2 if (half and s.method != "textual-inversion" and s.full_half_weights) else 4
+    tb = 2 if s.half_weights else 4  # trainable weights and their gradients
     t = trainable_params(model, s, profiles)
     batch = s.batch * (2 if s.prior_preservation else 1)
     latent = (s.resolution // model.vae_scale_factor) ** 2
@@ -815,6 +813,13 @@ def _memory(profiles: Profiles, s: Settings) -> Memory:
     )
 
 
+def ema_grid_host_bytes(s: Settings, weights: float) -> float:
+    """Host RAM a grid takes with an EMA: it samples the EMA weights, and the trained ones (``weights``: their
+    bytes as the GPU holds them) wait in host RAM meanwhile (loop.Ema.weights_in), on the main process alone (it
+    draws the grids); counted beside the loading peak, which it may follow. 0 without an EMA."""
+    return weights if s.ema else 0.0
+
+
 def _assemble(
     s: Settings,
     state: dict[str, float],
@@ -847,9 +852,7 @@ def _assemble(
         step_transient, autocast_copies = ds["step"], 0.0
         ram = max(ram, RAM_PER_PROCESS + ds["host"])
     ram += ema_host
-    # a grid samples the EMA weights: the trained ones wait in host RAM meanwhile (loop.Ema.weights_in), on the
-    # main process alone (it draws the grids); counted beside the loading peak, which it may follow
-    grid_copy = state["weights"] if s.ema else 0.0
+    grid_copy = ema_grid_host_bytes(s, state["weights"])
     weights, grads = state["weights"], state["gradients"]
     held = weights + state["frozen"] + state["optimizer"] + state["ema"]
     buckets = ddp_bucket_bytes(s, grads)
@@ -1461,8 +1464,7 @@ def time_basis_text(
 
 def gradient_bytes(profiles: Profiles, s: Settings) -> float:
     model = profiles.model(s.model)
-    half_weights = s.full_half_weights and s.method != "textual-inversion"  # runtime.trained_dtype's
-    tb = 2 if _half(s.precision) and (half_weights or s.deepspeed) else 4
+    tb = 2 if s.half_weights or (_half(s.precision) and s.deepspeed) else 4
     return trainable_params(model, s, profiles) * tb
 
 
@@ -2072,7 +2074,7 @@ def missing_bases(hw: Hardware) -> tuple[str, ...]:
 
 def hardware_from_snapshot(snapshot: Any, profiles: Profiles, source: str = "probe") -> Hardware:
     """Build from a machine Snapshot (sdplan.machine): usable GPUs, their bf16 truth, links, RAM."""
-    from sdplan.probe.snapshot import HSA_OVERRIDES, rocm_lacking, shown_gpus, trained_gpus
+    from sdplan.probe.snapshot import HSA_OVERRIDES, runnable_gpus, shown_gpus, trained_gpus
 
     gpus = []
     notes: list[str] = []
@@ -2119,9 +2121,11 @@ def hardware_from_snapshot(snapshot: Any, profiles: Profiles, source: str = "pro
             f"{'is' if len(left) == 1 else 'are'} not planned"
         )
     usable = tuple(g for g in usable if g in trained)
-    # a GPU the ROCm wheels have no kernels for beside ones they have: the run goes on those (doctor's fix hides
-    # it); where every GPU lacks them, they are planned, and doctor and `sdplan train` say what to set
-    if (lack := rocm_lacking(snapshot, usable)) and len(lack) < len(usable):
+    # a GPU the ROCm wheels have no kernels for beside ones they have: the run goes on those (runnable_gpus;
+    # doctor's fix hides it); where every GPU lacks them, they are planned, and doctor and `sdplan train` say
+    # what to set
+    runs = runnable_gpus(snapshot)
+    if lack := [g for g in usable if g not in runs]:
         for g in lack:
             override = HSA_OVERRIDES.get(g.gfx_arch)
             left_out.append(
@@ -5767,8 +5771,8 @@ def memory_flow(profiles: Profiles, s: Settings) -> Memory:
     batch = flow_batch(s)
     latent = (s.resolution // model.vae_scale_factor) ** 2
     # the trained weights, their gradients and the optimizer state: fp32 (a LoRA's matrices; full fine-tune's
-    # master weights under autocast), or bf16 with training.full_half_weights (runtime.trained_dtype: both)
-    tb = 2.0 if (s.full_half_weights and _half(s.precision)) else 4.0
+    # master weights under autocast), or bf16 with training.full_half_weights (Settings.half_weights)
+    tb = 2.0 if s.half_weights else 4.0
 
     swapped = swapped_block_bytes(model, s)
     # what is not trained or quantized: bf16 (fp16), or fp32 where training.precision=fp32 loads it so (an fp32

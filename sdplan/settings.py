@@ -22,6 +22,14 @@ SHARDED = {"zero_stage": 2, "offload_optimizer": False}
 DEEPSPEED_BUCKET_ELEMENTS = 500_000_000  # reduce / allgather buckets (5e8 elements), written and counted
 
 
+def trains_half_weights(method: str | None, precision: str | None, full_half_weights: bool | None) -> bool:
+    """Whether a run keeps its trained weights and their gradients in half precision, no fp32 master copy: with
+    training.full_half_weights, as the trainer applies it (trainer/runtime.py trained_dtype, kohya --full_bf16)
+    to the full-weight recipes and a LoRA's matrices; textual inversion's embeddings stay fp32. sdplan's config
+    takes it under bf16 only; other tools' --full_fp16 runs (profile points) hold fp16 weights so."""
+    return bool(full_half_weights) and precision in ("bf16", "fp16") and method != "textual-inversion"
+
+
 def deepspeed_reduce_buckets(num_processes: int) -> int:
     """The reduce buckets DeepSpeed ZeRO-1/2 allocates on each GPU during the backward, as sdplan's DeepSpeed
     config (``launch.deepspeed_config``) sets overlap_comm: two with it (several processes: the reduction
@@ -134,6 +142,11 @@ class Settings:
     @property
     def offload(self) -> bool:
         return bool(self.deepspeed and self.deepspeed.get("offload_optimizer"))
+
+    @property
+    def half_weights(self) -> bool:
+        """Whether the trained weights and their gradients are half precision (:func:`trains_half_weights`)."""
+        return trains_half_weights(self.method, self.precision, self.full_half_weights)
 
     @property
     def sharded(self) -> bool:
