@@ -1342,25 +1342,20 @@ def test_a_single_file_whose_configs_are_not_cached_says_so_at_recommend_and_bef
         in (" ".join(out.output.split()))
     )
     assert "warning:" in dry_run(model, tmp_path).output
-    ds = make_images(tmp_path / "ds2", n=2)
-    args = [
-        "train",
-        "--model",
-        str(model),
-        "--dataset",
-        str(ds),
-        "--out",
-        str(tmp_path / "o2"),
-        "--device",
-        "cpu",
-    ]
-    message = one_line_error(
-        runner.invoke(app, args), 2, "and the hub cannot be reached (HF_HUB_OFFLINE is set)"
-    )
+    message = _offline_train_refusal(model, tmp_path, "2")
     assert (
         message.startswith(f"error: model.path {model}: ")
         and repo in message
         and "model.config_dir" in message
+    )
+
+
+def _offline_train_refusal(model, tmp_path, suffix: str = "") -> str:
+    """`sdplan train` of the single file ``model`` on the CPU, offline: its one-line refusal."""
+    ds = make_images(tmp_path / f"ds{suffix}", n=2)
+    args = ["train", "--model", str(model), "--dataset", str(ds), "--out", str(tmp_path / f"o{suffix}"), "--device", "cpu"]  # fmt: skip
+    return one_line_error(
+        runner.invoke(app, args), 2, "and the hub cannot be reached (HF_HUB_OFFLINE is set)"
     )
 
 
@@ -1385,21 +1380,7 @@ def test_a_partial_hub_config_cache_is_not_a_single_files_configs(tmp_path, monk
     assert "the local cache does not hold them all (no vae/config.json and 2 more)" in line, line
     with pytest.raises(ModelLoadError, match="the hub cannot be reached"):
         source_check.single_file_configs("file", "sd15", None, ask=True)
-    ds = make_images(tmp_path / "ds", n=2)
-    args = [
-        "train",
-        "--model",
-        str(model),
-        "--dataset",
-        str(ds),
-        "--out",
-        str(tmp_path / "o"),
-        "--device",
-        "cpu",
-    ]
-    message = one_line_error(
-        runner.invoke(app, args), 2, "and the hub cannot be reached (HF_HUB_OFFLINE is set)"
-    )
+    message = _offline_train_refusal(model, tmp_path)
     assert message.startswith(f"error: model.path {model}: ") and "does not hold them all" in message
     assert "does not hold them all" in dry_run(model, tmp_path).output
     out = runner.invoke(
