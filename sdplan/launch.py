@@ -188,6 +188,11 @@ def deepspeed_config(
         },
         "bf16": {"enabled": t.precision == "bf16"},
         "zero_allow_untested_optimizer": True,
+        # On the CPU the offloaded optimizer is the run's own torch AdamW: accelerate would swap in DeepSpeed's
+        # CPU Adam, whose C++ op DeepSpeed compiles on first use (1.5-3 minutes of both cores of a 2-core machine,
+        # again for every new environment) to speed up a step these CPU runs (the demo, the tests) barely have.
+        # GPU runs keep DeepSpeed's CPU Adam (the planner's offload time is its measured rate).
+        "zero_force_ds_cpu_optimizer": not (on_cpu and ds.offload_optimizer),
         "steps_per_print": 100,
     }
 

@@ -107,6 +107,7 @@ def test_deepspeed_offload_writes_json_with_batch_arithmetic():
     assert ds["train_batch_size"] == 2 * 3 * 4
     assert ds["zero_optimization"]["stage"] == 2
     assert ds["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    assert ds["zero_force_ds_cpu_optimizer"] is True  # on a GPU: accelerate swaps in DeepSpeed's CPU Adam
     assert "offload_param" not in ds["zero_optimization"]  # parameter offload exists only with ZeRO-3
     assert ds["bf16"] == {"enabled": True}
     assert ds["fp16"]["enabled"] is False
@@ -148,6 +149,8 @@ def test_deepspeed_in_two_cpu_processes_is_one_accelerate_launch_of_two():
     acc = launch.accelerate_config
     assert (acc["distributed_type"], acc["num_processes"], acc["use_cpu"]) == ("DEEPSPEED", 2, False)
     assert launch.deepspeed_config["train_batch_size"] == 2 * 3 * 2
+    # on the CPU the offloaded optimizer stays torch's AdamW: no CPU Adam op to compile
+    assert launch.deepspeed_config["zero_force_ds_cpu_optimizer"] is False
 
 
 def test_two_machines_per_node_config_and_commands():

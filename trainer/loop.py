@@ -322,8 +322,8 @@ def prepare(recipe: Recipe, optimizer, *extra):
     names = list(recipe.trained)
     runtime.check_deepspeed(recipe.accelerator, recipe.trained)
     ds = recipe.cfg.distributed.deepspeed
-    if ds is not None and ds.offload_optimizer:
-        note = runtime.deepspeed_cpu_adam_build_note()
+    if ds is not None and ds.offload_optimizer and recipe.accelerator.device.type != "cpu":
+        note = runtime.deepspeed_cpu_adam_build_note()  # CPU runs keep torch's AdamW (sdplan.launch)
         if note:
             progress.say(recipe.accelerator, note)
     kw = {}

@@ -314,8 +314,9 @@ def gloo_for_deepspeed_on_the_cpu() -> None:
     whenever its communication starts, one process included (``TorchBackend.__init__`` calls ``build_shm_op``,
     deepspeed/comm/torch.py): two C++ files, about a minute on two cores, again for every new environment.
     gloo, which DeepSpeed uses when that op is not marked compatible, does the same reductions, and these runs
-    are tiny: mark it so. GPU runs are untouched (DeepSpeed's CUDA accelerator has no such op). DeepSpeed's
-    optimizer op (cpu_adam), which GPU runs with offload use too, is still built and used."""
+    are tiny: mark it so. GPU runs are untouched (DeepSpeed's CUDA accelerator has no such op). Nor do CPU runs
+    build DeepSpeed's optimizer op (cpu_adam): their offloaded optimizer is torch's AdamW (sdplan.launch
+    deepspeed_config); GPU runs with offload build and use it."""
     try:
         import deepspeed.ops
         from deepspeed.accelerator import get_accelerator
