@@ -103,7 +103,8 @@ MEANINGS: dict[str, str] = {
     "output.save_every_n_epochs": "save the outputs every N epochs too (0: off)",
     "output.save_every_n_steps": "save the outputs every N optimizer steps too (0: off)",
     "checkpoints.every_steps": "a rolling checkpoint (to resume from) every N optimizer steps (0: off)",
-    "checkpoints.keep_every_steps": "also keep a checkpoint every N steps (0: none kept)",
+    "checkpoints.keep_every_steps": "also keep a checkpoint every N steps (0: none kept); at its first checkpoint "
+    "the run warns where the disk cannot hold the ones to come",
     "checkpoints.resume": "latest, or a checkpoint folder a new run starts from",
     "sampling.prompts": "prompts of the sample grids; empty: the method's own",
     "sampling.every_steps": "a sample grid every N optimizer steps (0: only the final one)",

@@ -656,3 +656,75 @@ def test_a_survivor_of_a_lost_peer_prints_one_line_not_a_traceback(monkeypatch, 
     raised.append(RuntimeError(gloo))  # one process: not a lost peer
     with pytest.raises(RuntimeError, match="Connection closed"):
         trainer_main(["--config", "x.yaml"])
+
+
+# -- the disk the saves to come need ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "case, expected",
+    [
+        # kept every 100 steps, rolling every 50, a rolling checkpoint of step 50 on the disk: each kept one
+        # supersedes the rolling one before it; the peak is the last kept one being written (3 kept before it,
+        # 10 bytes each), then the final export (1 byte)
+        (dict(keep=100, every=50, free=10**6), (40, None, 4, 1)),
+        (dict(keep=100, every=50, free=25), (40, 300, 4, 1)),  # 3 kept beside the 4th's write: 30 > 25
+        # rolling only: one beside the other while it is written; the final outputs after it
+        (dict(keep=0, every=50, free=10**6), (10, None, 0, 1)),
+        (dict(keep=0, every=50, free=9), (10, 100, 0, 1)),
+        # intermediate outputs every 100 steps (3 before the last, 4 bytes each), no checkpoint after the rolling
+        # one but the final step's: written beside the rolling one (12 + 10), then the final outputs (12 + 4)
+        (dict(keep=0, every=0, free=10**6, exports=[100, 200, 300], export=4), (22, None, 0, 4)),
+        (dict(keep=0, every=0, free=13, exports=[100, 200, 300], export=4), (22, 400, 0, 4)),
+    ],
+)
+def test_disk_ahead_walks_the_saves_to_come(case, expected):
+    """The saves after step 50 of 400, in the loop's order: a kept checkpoint stays, a rolling one replaces the
+    one before it once written, the final step gets a checkpoint and the final outputs."""
+    ahead = checkpoint.disk_ahead(
+        after=50,
+        total_steps=400,
+        every_steps=case["every"],
+        keep_every_steps=case["keep"],
+        checkpoint_bytes=10,
+        rolling_on_disk=True,
+        export_steps=case.get("exports", []),
+        export_bytes=case.get("export", 1),
+        free_bytes=case["free"],
+    )
+    assert (ahead.need_bytes, ahead.fill_step, ahead.kept, ahead.exports) == expected
+
+
+def test_a_run_whose_kept_checkpoints_will_fill_the_disk_says_so_at_its_first(
+    tiny_sd15, images, tmp_path, monkeypatch, capsys
+):
+    """checkpoints.keep_every_steps keeps every checkpoint: a full fine-tune's are tens of GB each, and the run
+    that fills the disk stops hours in. At its first checkpoint (its size measured) the run says at which step
+    the disk fills and what to change, and trains on."""
+    out = tmp_path / "out"
+    real_free = outputs.free_bytes
+    first: list[int] = []
+
+    def free(path):  # the checkpoints' disk: room for one more checkpoint, not two
+        if checkpoint.checkpoint_root(out) not in Path(path).parents:
+            return real_free(path)
+        if not first:
+            first.append(outputs.tree_bytes(path))
+        return int(first[0] * 1.5)
+
+    monkeypatch.setattr(outputs, "free_bytes", free)
+    opts = ("training.max_steps=4", "checkpoints.every_steps=0", "checkpoints.keep_every_steps=1")
+    summary = run.train(tiny_train_config(tiny_sd15, images, out, *opts))
+    assert summary["steps"] == 4
+    said = capsys.readouterr().out
+    assert said.count("warning:") == 1, said
+    line = next(x for x in said.splitlines() if x.startswith("warning:"))
+    assert "3 kept checkpoints of" in line and "(checkpoints.keep_every_steps=1)" in line
+    assert "the disk fills at step 3 of 4" in line and "keep fewer checkpoints" in line
+
+
+def test_a_run_with_room_for_its_saves_says_nothing_of_the_disk(tiny_sd15, images, tmp_path, capsys):
+    out = tmp_path / "out"
+    opts = ("training.max_steps=2", "checkpoints.every_steps=1")
+    run.train(tiny_train_config(tiny_sd15, images, out, *opts))
+    assert "warning:" not in capsys.readouterr().out

@@ -794,6 +794,127 @@ class Checkpointer:
         return live
 
 
+@dataclass(frozen=True)
+class DiskAhead:
+    """What the saves still to come need on the disk beyond what is there now (:func:`disk_ahead`)."""
+
+    need_bytes: (
+        int  # the most they hold at once, a checkpoint being written beside the one it replaces included
+    )
+    fill_step: int | None  # the first step whose save would not fit in the free bytes; None: all fit
+    kept: int  # kept checkpoints to come (checkpoints.keep_every_steps), which stay on the disk
+    exports: int  # exports to come: intermediate outputs, then the final one
+
+
+def disk_ahead(
+    *,
+    after: int,
+    total_steps: int,
+    every_steps: int,
+    keep_every_steps: int,
+    checkpoint_bytes: int,
+    rolling_on_disk: bool,
+    export_steps: list[int],
+    export_bytes: int,
+    free_bytes: int,
+) -> DiskAhead:
+    """The disk the saves after step ``after`` need, walked in the loop's order, from a checkpoint's measured
+    size and the trial export's. At each save step: the intermediate outputs (``export_steps``), then the
+    checkpoint: a kept one stays (and removes the rolling one it supersedes), a rolling one is written beside
+    the previous rolling one, which then goes; at the last step a checkpoint of the final step (where none is
+    due), then the final outputs. ``rolling_on_disk``: the run's newest checkpoint now is a rolling one."""
+    due = set(export_steps) | {total_steps}
+    if every_steps:
+        due.update(range((after // every_steps + 1) * every_steps, total_steps + 1, every_steps))
+    if keep_every_steps:
+        due.update(
+            range((after // keep_every_steps + 1) * keep_every_steps, total_steps + 1, keep_every_steps)
+        )
+    exports = set(export_steps)
+    used = peak = kept = written = 0
+    fill: int | None = None
+    rolling = rolling_on_disk
+    for step in sorted(s for s in due if after < s <= total_steps):
+        held = []  # what the disk holds at each moment of this step's saves
+        if step in exports:
+            used += export_bytes
+            written += 1
+            held.append(used)
+        if keep_every_steps and step % keep_every_steps == 0:
+            held.append(used + checkpoint_bytes)
+            used += 0 if rolling else checkpoint_bytes  # the superseded rolling one goes
+            rolling, kept = False, kept + 1
+        elif (every_steps and step % every_steps == 0) or step == total_steps:
+            held.append(used + checkpoint_bytes)
+            used += (
+                0 if rolling else checkpoint_bytes
+            )  # the previous rolling one goes once this one is written
+            rolling = True
+        if step == total_steps:
+            used += export_bytes
+            written += 1
+            held.append(used)
+        peak = max([peak, *held])
+        if fill is None and held and max(held) > free_bytes:
+            fill = step
+    return DiskAhead(need_bytes=peak, fill_step=fill, kept=kept, exports=written)
+
+
+def disk_warning(
+    checkpoint: Path,
+    *,
+    step: int,
+    total_steps: int,
+    every_steps: int,
+    keep_every_steps: int,
+    export_steps: list[int],
+    export_bytes: int,
+) -> str | None:
+    """The warning, where the disk holding ``checkpoint`` (the run's newest, at ``step``) cannot take the saves
+    still to come at its measured size (:func:`disk_ahead`); None where it can. The run goes on: a save that
+    finds the disk full stops it with the previous checkpoint kept, and the user may free space meanwhile."""
+    from .outputs import free_bytes, tree_bytes
+
+    kind = _NAME.match(checkpoint.name)
+    size, free = tree_bytes(checkpoint), free_bytes(checkpoint)
+    ahead = disk_ahead(
+        after=step,
+        total_steps=total_steps,
+        every_steps=every_steps,
+        keep_every_steps=keep_every_steps,
+        checkpoint_bytes=size,
+        rolling_on_disk=bool(kind) and kind.group(1) in _REPLACEABLE,
+        export_steps=export_steps,
+        export_bytes=export_bytes,
+        free_bytes=free,
+    )
+    if ahead.fill_step is None:
+        return None
+    parts = []
+    if ahead.kept:
+        parts.append(
+            f"{ahead.kept} kept checkpoint{'s' if ahead.kept != 1 else ''} of {_gb(size)} "
+            f"(checkpoints.keep_every_steps={keep_every_steps})"
+        )
+    if ahead.exports:
+        parts.append(f"{ahead.exports} export{'s' if ahead.exports != 1 else ''} of {_gb(export_bytes)}")
+    fix = (
+        "free space on that disk, or keep fewer checkpoints (a larger checkpoints.keep_every_steps, 0: none)"
+        if ahead.kept
+        else "free space on that disk, or save fewer outputs (output.save_every_n_steps / save_every_n_epochs)"
+    )
+    return (
+        f"warning: {_gb(free)} free on the disk of {checkpoint.parent}, and the saves still to come need up to "
+        f"{_gb(ahead.need_bytes)} more ({', '.join(parts)}, a checkpoint being written beside the last): the "
+        f"disk fills at step {ahead.fill_step} of {total_steps}, where the run stops with its last checkpoint. "
+        f"Fix: {fix}"
+    )
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.1f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
+
+
 def deepspeed_change(
     path: Path, saved: TrainState, deepspeed: bool, now: Any = None
 ) -> CheckpointError | None:

@@ -765,6 +765,25 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
             ema.model.to(ema.device, torch.float32)  # loaded on the CPU (fp32: see Ema)
         ckpt_lib.apply_learning_rates(optimizer, lr_scheduler, configured, state.global_step)
         progress.say(accelerator, f"resumed from {resume_from} at step {state.global_step}")
+
+    def check_disk(checkpoint: Path, say) -> None:
+        """The disk's room for the saves still to come, at the run's newest checkpoint's measured size: a warning
+        (main process) where they do not fit; the run goes on."""
+        if accelerator.is_main_process:
+            note = ckpt_lib.disk_warning(
+                Path(checkpoint),
+                step=state.global_step,
+                total_steps=plan.total_steps,
+                every_steps=cfg.checkpoints.every_steps,
+                keep_every_steps=cfg.checkpoints.keep_every_steps,
+                export_steps=[s for s in saves_at if s > state.global_step],
+                export_bytes=export_bytes,
+            )
+            if note:
+                say(note)
+
+    if resume_from is not None:
+        check_disk(resume_from, lambda line: progress.say(accelerator, line))
     repeated = 0  # the batches an epoch's last round deals again, where the run reaches it
     if accelerator.num_processes > 1 and plan.total_steps >= plan.steps_per_epoch:
         repeated = len(loader) * accelerator.num_processes - len(batches)
@@ -879,6 +898,7 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
 
     finished = False  # the loop ran to its end: the TensorBoard log stays open for the final grid
     said_grids = False  # the every-N grids' line, printed at the first
+    disk_checked = resume_from is not None  # checked at the resumed checkpoint, or at this session's first
     base = None if resume_from is not None else base_models(recipe)  # where a step-1 NaN can come from
     try:
         with stops.StopSignals() as stop:
@@ -937,7 +957,10 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
                     step_grid = sample(step, fallback=recipe.sample_prompt()) if sampled else None
                     if step in saves_at:
                         save_intermediate(step, saves_at[step], step_grid, sampled)
-                    ckpt.maybe_save()
+                    saved = ckpt.maybe_save()
+                    if saved is not None and not disk_checked:  # the first this session: its size is known
+                        disk_checked = True
+                        check_disk(saved, bar.print)
                     if stop_now:
                         path = ckpt.last_saved if ckpt.last_saved_step == step else ckpt.save("interrupt")
                         raise stops.TrainingInterrupted(step, path)
