@@ -426,7 +426,8 @@ def test_grids_show_the_ema_weights_and_the_training_weights_come_back_exactly(t
     assert seen == [0.25]  # the pipeline ran on the averaged weights
     assert all(torch.equal(a, b) for a, b in zip(before, unet.parameters()))
     with Image.open(grid) as im:
-        assert json.loads(im.text["sdplan_samples"])["weights"] == "ema"
+        record = json.loads(im.text["sdplan_samples"])
+    assert record["weights"] == "ema" and record["labels"] == ["step 3, EMA weights\na red square"]
 
     fail.append(True)
     failures: list = []

@@ -377,7 +377,7 @@ def samples(
     """A PNG grid from ``sampling.prompts`` (else ``fallback``) with a fixed seed, made on the main process:
     ``samples/step-000100.png`` during training (the other processes wait), ``samples/final.png`` at the end
     (call it on the main process only then), or ``out_path``. Each image is labelled, in a strip under it, with the step
-    (``step``, else ``at_step``) and its prompt. Components moved off the GPU (cached outputs) come back for it.
+    (``step``, else ``at_step``; "EMA weights" with ``ema``) and its prompt. Components moved off the GPU (cached outputs) come back for it.
     ``images``: the images seen, recorded in the PNG (the point of the run it shows: :func:`grid_path`).
 
     Out of GPU memory in a grid during training (``step`` given) skips that grid and training goes on (None):
@@ -404,6 +404,11 @@ def samples(
     # label showed the end the encoder had dropped (loop._long_prompts says so once)
     reader = reading_tokenizer(comps) if prompts and accelerator.is_main_process else None
     shown = [read_part(reader[0], p) for p in prompts] if reader is not None else prompts
+    # each label's first line: the step, and "EMA" where the grid shows the averaged weights (ema.enabled)
+    head = ", ".join(
+        ([f"step {shown_step}"] if shown_step is not None else [])
+        + (["EMA weights"] if ema is not None else [])
+    )
     grid = None
     skipped = None
     failure = None
@@ -438,7 +443,7 @@ def samples(
                     resolution=cfg.data.resolution,
                     out_path=target,
                     negative_prompt=cfg.sampling.negative_prompt,
-                    labels=[f"step {shown_step}\n{p}" if shown_step is not None else p for p in shown],
+                    labels=[f"{head}\n{p}" if head else p for p in shown],
                     conditioning=conditioning,
                     on_step=bar,
                     record={
