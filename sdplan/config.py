@@ -13,6 +13,7 @@ import math
 import os
 import re
 import shlex
+from collections.abc import Collection
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, get_args, get_origin, get_type_hints
@@ -594,34 +595,33 @@ def loader_notes(cfg: TrainConfig, family: str | None) -> list[str]:
     return out
 
 
-# settings a run ignores, refused where they are given (given_problems), each with the keys whose giving again on
-# a resume checks them
-GIVEN_CHECKS = (
-    ("training.lr_scheduler", "training.lr_warmup_steps"),
-    ("training.full_half_weights",),
-)
-
-
-def given_problems(cfg: TrainConfig) -> list[str]:
+def given_problems(cfg: TrainConfig, given: Collection[str] | None = None) -> list[str]:
     """Settings a run would ignore, said where settings are given (`sdplan train`, `sdplan recommend`), not in
     :func:`validate`: a run folder an older sdplan wrote so still resumes (it trained so, as it goes on).
+    ``given``: the keys given again on a resume; then only the problems those keys are part of (None: all).
     - training.lr_warmup_steps with the constant scheduler: diffusers' get_scheduler drops num_warmup_steps for
       "constant" (optimization.py), so the run trains at the full rate from the first step; kohya refuses it;
     - training.full_half_weights on textual inversion: the trainer keeps bf16 weights for the full-weight recipes
       and a LoRA's matrices (runtime.trained_dtype, kohya --full_bf16); the embeddings stay fp32."""
-    out = []
+    found: list[tuple[tuple[str, ...], str]] = []  # (the keys a problem is of, the problem)
     if cfg.training.lr_warmup_steps and cfg.training.lr_scheduler == "constant":
-        out.append(
-            f"training.lr_warmup_steps: {cfg.training.lr_warmup_steps} with training.lr_scheduler constant, which "
-            "has no warmup (the full rate from the first step); set training.lr_scheduler=constant_with_warmup, "
-            "or training.lr_warmup_steps=0"
+        found.append(
+            (
+                ("training.lr_scheduler", "training.lr_warmup_steps"),
+                f"training.lr_warmup_steps: {cfg.training.lr_warmup_steps} with training.lr_scheduler constant, "
+                "which has no warmup (the full rate from the first step); set "
+                "training.lr_scheduler=constant_with_warmup, or training.lr_warmup_steps=0",
+            )
         )
     if cfg.training.full_half_weights and cfg.method == "textual-inversion":
-        out.append(
-            "training.full_half_weights: textual-inversion trains its token embeddings in fp32 (no full bf16 "
-            "mode); it applies to methods lora, dreambooth and finetune; set it to false"
+        found.append(
+            (
+                ("training.full_half_weights",),
+                "training.full_half_weights: textual-inversion trains its token embeddings in fp32 (no full bf16 "
+                "mode); it applies to methods lora, dreambooth and finetune; set it to false",
+            )
         )
-    return out
+    return [text for keys, text in found if given is None or set(keys) & set(given)]
 
 
 # the parts of a ``plan:`` record (what `sdplan recommend --out` writes: planner.result_dict's) that sdplan reads

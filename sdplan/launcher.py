@@ -608,9 +608,7 @@ def _validate_given(base: dict[str, Any], req: TrainRequest, out: Path, source: 
     ) + C.switched_setting_problems(cfg, req.overrides):
         raise C.ConfigError("key=value settings", problems)
     # a resumed run keeps what its sdplan.yaml trained with unless the setting is given again
-    if (not req.resume or any(set(keys) & set(given) for keys in C.GIVEN_CHECKS)) and (
-        problems := C.given_problems(cfg)
-    ):
+    if problems := C.given_problems(cfg, given if req.resume else None):
         raise C.ConfigError("key=value settings" if given else source, problems)
     return cfg
 

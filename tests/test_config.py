@@ -497,3 +497,31 @@ def test_warmup_with_the_constant_scheduler_is_refused_where_given_and_resumes_w
     again = TrainRequest(resume=True, out=str(tmp_path / "run"), overrides=["training.lr_warmup_steps=3"])
     with pytest.raises(CE, match="no warmup"):
         _validate_given(base, again, tmp_path / "run", "sdplan.yaml")
+
+
+def test_a_resume_is_refused_only_for_the_ignored_setting_it_gives_again(tmp_path):
+    """An older textual-inversion run folder holding both ignored settings (warmup with the constant schedule,
+    full_half_weights) resumes; giving the schedule again asked to drop full_half_weights too, which the resume
+    had not touched: only the problems of the keys given are said."""
+    from sdplan.errors import ConfigError as CE
+    from sdplan.launcher import TrainRequest, _validate_given
+
+    base = config.default_config()
+    base["method"] = "textual-inversion"
+    base.pop("lora", None)
+    base["training"].update(lr_warmup_steps=2, precision="bf16", full_half_weights=True)
+    run = tmp_path / "run"
+    assert _validate_given(base, TrainRequest(resume=True, out=str(run)), run, "sdplan.yaml")
+    with pytest.raises(CE) as e:
+        _validate_given(
+            base, TrainRequest(resume=True, out=str(run), overrides=["training.lr_warmup_steps=3"]), run, "x"
+        )
+    assert "no warmup" in str(e.value) and "full_half_weights" not in str(e.value)
+    with pytest.raises(CE) as e:
+        _validate_given(
+            base,
+            TrainRequest(resume=True, out=str(run), overrides=["training.full_half_weights=true"]),
+            run,
+            "x",
+        )
+    assert "full_half_weights" in str(e.value) and "warmup" not in str(e.value)
