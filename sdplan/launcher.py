@@ -2438,7 +2438,7 @@ def config_pins(cfg: C.TrainConfig, family: str | None) -> tuple[tuple[str, Any]
     ids_apart = s.gpu_ids is None or len(s.gpu_ids) != s.num_gpus
     skip = {"method", "model", "resolution"} | ({"gpu_ids"} if ids_apart else set())
     if cfg.method != "lora":
-        skip |= {"lora_rank", "lora_alpha", "lora_targets"}
+        skip |= {"lora_rank", "lora_alpha", "lora_dropout", "lora_targets"}
     return tuple((f, getattr(s, f)) for f in CONFIG_KEYS if f not in skip) + (("ema", s.ema),)
 
 

@@ -82,7 +82,9 @@ from sdplan.trainer.quantize import (
 from sdplan.trainer.quantize import QUANTIZED as QUANTIZED_BASES
 
 # Settings.__post_init__ normalises these fields only (LoRA's, by the method, and gpu_ids to a tuple)
-_NORMALISED_FIELDS = frozenset(("method", "lora_rank", "lora_alpha", "lora_targets", "gpu_ids"))
+_NORMALISED_FIELDS = frozenset(
+    ("method", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "gpu_ids")
+)
 _SETTINGS_FIELDS = frozenset(f.name for f in fields(Settings))
 
 
@@ -482,6 +484,74 @@ def lora_rank_activation_bytes(profiles: Profiles, s: Settings) -> float:
     return batch * (per_pixel * latent + per_sample) * int(s.lora_rank) * element
 
 
+def lora_input_elements(model: ModelSpec, target_set: str) -> tuple[float, int]:
+    """(elements per latent pixel, elements per sample) of the adapted layers' inputs, summed over a UNet LoRA
+    target set: each layer's input features x its tokens, the layers and levels :func:`lora_rank_tokens` counts
+    (attn1 q/k/v/out and attn2 q/out at C features, attn2 k/v at the text's; kohya's set adds ff.net.0.proj at C,
+    ff.net.2 at 4C (GEGLU's inner width) per block and proj_in / proj_out at C per Transformer2DModel; LoCon
+    the convs' input channels at their positions, taken as the level's channels)."""
+    cfg = model.unet or {}
+    channels = [int(c) for c in cfg.get("block_out_channels", ())]
+    n = len(channels)
+    layers = cfg.get("transformer_layers_per_block", 1)
+    per_block = list(layers) if isinstance(layers, list) else [layers] * n
+    lpb = int(cfg.get("layers_per_block", 2))
+    text, text_dim = int(model.tokenizer_max_length), int(cfg.get("cross_attention_dim", 768))
+    ff = target_set in ("attn_ff", "attn_ff_conv")
+    conv = target_set == "attn_ff_conv"
+    per_pixel, per_sample = 0.0, 0
+
+    def attention(level: int, transformers: int, blocks: int) -> None:
+        nonlocal per_pixel, per_sample
+        c, tokens = channels[level], 1.0 / 4**level
+        per_pixel += transformers * blocks * (6 + (5 if ff else 0)) * c * tokens
+        per_pixel += transformers * (2 if ff else 0) * c * tokens
+        per_sample += transformers * blocks * 2 * text * text_dim
+
+    for i, kind in enumerate(cfg.get("down_block_types", ())):
+        if "CrossAttn" in kind:
+            attention(i, lpb, per_block[i])
+        if conv:
+            per_pixel += channels[i] * (lpb * 2 / 4**i + (1 / 4 ** (i + 1) if i < n - 1 else 0.0))
+    mid = cfg.get("mid_block_type", "UNetMidBlock2DCrossAttn")
+    if mid is None or "CrossAttn" in str(mid):
+        attention(n - 1, 1, per_block[-1])
+    if conv:
+        per_pixel += channels[-1] * 2 * 2 / 4 ** (n - 1)
+    for j, kind in enumerate(cfg.get("up_block_types", ())):
+        level = n - 1 - j
+        if "CrossAttn" in kind:
+            attention(level, lpb + 1, list(reversed(per_block))[j])
+        if conv:
+            per_pixel += channels[level] * (
+                (lpb + 1) * 2 / 4**level + (1 / 4 ** (level - 1) if level > 0 else 0)
+            )
+    return per_pixel, per_sample
+
+
+# lora.dropout > 0 (peft's lora_dropout, kohya's network_dropout): each adapted layer's down projection saves
+# the dropped copy of its input, and dropout saves its mask (a bool per element), where without dropout the
+# layers of one input share it. Measured on the meta device (peft LoRA rank 16, bf16, batch 1, no
+# checkpointing, the saved tensors summed as scripts/compute_activations.py sums them): SD 1.5 at 512 px +216
+# MiB with the attention set (this count: 204), +417 with kohya's (435); SDXL at 1024 px +2027 (1863).
+LORA_DROPOUT_MASK_BYTES = 1
+
+
+def lora_dropout_bytes(profiles: Profiles, s: Settings) -> float:
+    """Bytes lora.dropout adds to the saved activations: the adapted layers' input elements
+    (:func:`lora_input_elements`) each as a dropped copy and a mask byte; 0 without dropout, with gradient
+    checkpointing (saved inside a segment and recomputed, as :func:`lora_rank_activation_bytes`) and for the
+    transformer families (not counted)."""
+    if s.method != "lora" or not s.lora_dropout or s.gradient_checkpointing or flow_family(s.model):
+        return 0.0
+    model = profiles.model(s.model)
+    latent = (s.resolution // model.vae_scale_factor) ** 2
+    per_pixel, per_sample = lora_input_elements(model, lora_target_set(s))
+    batch = s.batch * (2 if s.prior_preservation else 1)
+    element = 2.0 if _half(s.precision) else 4.0
+    return batch * (per_pixel * latent + per_sample) * (element + LORA_DROPOUT_MASK_BYTES)
+
+
 # The plain (math) attention path saves the softmax output P = softmax(Q K^T * scale) for the backward, one
 # (batch x heads, tokens, tokens) matrix per layer. Backpropagating through it allocates two more matrices of the
 # same shape and dtype before P is released: dP = dO @ V^T (the matmul's backward) and dS = P * (dP - sum(dP * P))
@@ -762,7 +832,8 @@ def _memory(profiles: Profiles, s: Settings) -> Memory:
     matrix = recomputed_attention_matrix_bytes(profiles, s, trained_part, batch=batch, latent_pixels=latent)
     factor = DEEPSPEED_ACTIVATION_FACTOR if (s.deepspeed and full) else ACTIVATION_FACTOR
     exact = ATTENTION_MATRIX_COPIES_IN_BACKWARD * matrix - factor * matrix
-    activations = factor * (held + recompute + lora_rank_activation_bytes(profiles, s)) + exact
+    lora_extra = lora_rank_activation_bytes(profiles, s) + lora_dropout_bytes(profiles, s)
+    activations = factor * (held + recompute + lora_extra) + exact
     # the backward's last segment (the forward's first, high-resolution blocks) beside nearly all gradients:
     # recomputed with checkpointing, its saved tensors still held without, the same bytes either way
     gc_part = trained_part
@@ -2800,7 +2871,7 @@ def settings_space(
         pins = {k: v for k, v in pins.items() if k != "deepspeed"}
     fixed = {
         name: pins[name]
-        for name in ("lora_alpha", "lora_targets", "set_grads_to_none", "ema", "ema_every")
+        for name in ("lora_alpha", "lora_dropout", "lora_targets", "set_grads_to_none", "ema", "ema_every")
         if name in pins and (lora or not name.startswith("lora"))
     }
     for n in axis("num_gpus", counts or range(1, max_gpus + 1)):
@@ -4440,6 +4511,19 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
         r.append("gradient checkpointing on: " + why)
     else:
         r.append("gradient checkpointing off: the plan fits without it, and it would cost ~25% time")
+    if s.method == "lora" and s.lora_dropout:
+        dropped = lora_dropout_bytes(profiles, s)
+        r.append(
+            f"lora.dropout {s.lora_dropout:g}: "
+            + (
+                f"{_gib(dropped)} more saved activations (a dropped copy and a mask of each adapted layer's "
+                "input), counted"
+                if dropped
+                else "its dropped copies are recomputed with gradient checkpointing"
+                if s.gradient_checkpointing
+                else "its saved copies are not counted for this family"
+            )
+        )
     why = _adamw_text(best, fitting)
     opt_reason = {
         "adamw": "AdamW (8 bytes of fp32 state per trained parameter) fits",

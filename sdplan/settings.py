@@ -109,6 +109,7 @@ class Settings:
     ema_every: int = 1
     lora_rank: int | None = None  # LoRA only (None elsewhere; LoRA's default 16)
     lora_alpha: float | None = None  # LoRA only; None: the config's default
+    lora_dropout: float | None = None  # LoRA only (lora.dropout; None elsewhere, 0.0 LoRA's default)
     # LoRA only: lora.target_modules, sorted, each once; None: the family's default (sdplan.registry.lora_targets),
     # which a list naming just those modules is too
     lora_targets: tuple[str, ...] | None = None
@@ -129,8 +130,10 @@ class Settings:
         lora = self.method == "lora"
         if lora and self.lora_rank is None:
             object.__setattr__(self, "lora_rank", DEFAULT_LORA_RANK)
+        if lora and self.lora_dropout is None:
+            object.__setattr__(self, "lora_dropout", 0.0)
         if not lora:
-            for name in ("lora_rank", "lora_alpha", "lora_targets"):
+            for name in ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets"):
                 object.__setattr__(self, name, None)
         if self.lora_targets is not None:
             targets = lora_targets(self.model, self.lora_targets)
@@ -166,7 +169,7 @@ class Settings:
         out: dict[str, Any] = {}
         for name, key in CONFIG_KEYS.items():
             value = getattr(self, name)
-            if name in ("lora_rank", "lora_alpha", "lora_targets") and value is None:
+            if name in ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets") and value is None:
                 continue
             if name == "num_gpus":
                 value *= num_machines
@@ -252,6 +255,7 @@ CONFIG_KEYS = {
     "deepspeed": "distributed.deepspeed",
     "lora_rank": "lora.rank",
     "lora_alpha": "lora.alpha",
+    "lora_dropout": "lora.dropout",
     "lora_targets": "lora.target_modules",
     "prior_preservation": "dreambooth.with_prior_preservation",
     "ema_every": "ema.update_every",

@@ -563,6 +563,76 @@ def test_lora_rank_intermediates_are_saved_activations(prof, settings, expected_
     assert grown == pytest.approx(P.ACTIVATION_FACTOR * (expected_bytes - expected_bytes / s.lora_rank))
 
 
+# -- lora.dropout: each adapted layer's dropped input and its mask ----------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("family", "resolution", "target_set", "measured_mib"),
+    [
+        # peft LoRA rank 16, dropout 0.1 against 0, bf16, batch 1, no checkpointing: the saved tensors' bytes
+        # (scripts/compute_activations.py's SavedCounter) on the diffusers UNet built on the meta device
+        # (diffusers 0.42, peft 0.21, 2026-12-08); sd15 "attn" is measured again below
+        ("sd15", 512, "attn", 216.3),
+        ("sd15", 512, "attn_ff", 417.1),
+        ("sdxl", 1024, "attn", 2026.8),
+    ],
+)
+def test_lora_dropout_counts_a_copy_and_a_mask_of_each_adapted_input(
+    prof, family, resolution, target_set, measured_mib
+):
+    model = prof.model(family)
+    per_pixel, per_sample = P.lora_input_elements(model, target_set)
+    counted = (per_pixel * (resolution // 8) ** 2 + per_sample) * (2 + P.LORA_DROPOUT_MASK_BYTES) / 2**20
+    assert counted == pytest.approx(measured_mib, rel=0.10)
+
+
+def test_lora_dropout_is_saved_activations_without_checkpointing(prof):
+    s = _lora(model="sd15", resolution=512, precision="bf16", lora_dropout=0.1)
+    dropped = P.lora_dropout_bytes(prof, s)
+    assert dropped / 2**20 == pytest.approx(203.7, abs=0.1)
+    grown = P.memory(prof, s).activations - P.memory(prof, replace(s, lora_dropout=0.0)).activations
+    assert grown == pytest.approx(P.ACTIVATION_FACTOR * dropped)
+    assert P.lora_dropout_bytes(prof, replace(s, batch=2)) == pytest.approx(2 * dropped)
+    for none in (
+        replace(s, lora_dropout=0.0),
+        replace(s, gradient_checkpointing=True),  # saved inside a segment, recomputed
+        _lora(model="flux-dev", resolution=512, lora_dropout=0.1),  # not counted for the transformers
+    ):
+        assert P.lora_dropout_bytes(prof, none) == 0.0
+    assert Settings(method="dreambooth", model="sd15", resolution=512, lora_dropout=0.1).lora_dropout is None
+
+
+@pytest.mark.slow
+def test_lora_dropout_bytes_are_what_peft_saves_on_the_meta_device(prof):
+    """The count against a live measurement: SD 1.5's UNet on the meta device with peft's LoRA on the attention
+    projections, dropout 0.1 against 0."""
+    pytest.importorskip("peft")
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import compute_activations as ca
+    finally:
+        sys.path.pop(0)
+    from peft import LoraConfig
+
+    model = yaml.safe_load((ROOT / "profiles" / "models" / "sd15.yaml").read_text())
+    saved = {}
+    for p in (0.0, 0.1):
+        unet = ca.build_unet(model["unet"], "bf16")
+        targets = ["to_q", "to_k", "to_v", "to_out.0"]
+        unet.add_adapter(LoraConfig(r=16, lora_alpha=16, target_modules=targets, lora_dropout=p))
+        for name, w in unet.named_parameters():
+            w.requires_grad_("lora_" in name)
+        counter = ca.SavedCounter({w.untyped_storage()._cdata for w in unet.parameters()})
+        args, kw = ca.unet_meta_inputs(model, batch=1, side=64, dtype=ca._torch_dtype("bf16"))
+        with ca.attention_backend("efficient", "bf16"), counter.hooks():
+            unet(*args, return_dict=False, **kw)
+        saved[p] = counter.total
+    counted = P.lora_dropout_bytes(
+        prof, _lora(model="sd15", resolution=512, precision="bf16", lora_dropout=0.1)
+    )
+    assert counted == pytest.approx(saved[0.1] - saved[0.0], rel=0.10)
+
+
 # -- the math attention path's matrix gradients inside a recomputed segment ---------------------------------
 
 
