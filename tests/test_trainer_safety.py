@@ -706,10 +706,11 @@ def test_a_run_whose_kept_checkpoints_will_fill_the_disk_says_so_at_its_first(
     first: list[int] = []
 
     def free(path):  # the checkpoints' disk: room for one more checkpoint, not two
-        if checkpoint.checkpoint_root(out) not in Path(path).parents:
+        root = checkpoint.checkpoint_root(out)
+        if Path(path) != root:
             return real_free(path)
         if not first:
-            first.append(outputs.tree_bytes(path))
+            first.append(outputs.tree_bytes(checkpoint.latest_checkpoint(out)))
         return int(first[0] * 1.5)
 
     monkeypatch.setattr(outputs, "free_bytes", free)
@@ -728,3 +729,30 @@ def test_a_run_with_room_for_its_saves_says_nothing_of_the_disk(tiny_sd15, image
     opts = ("training.max_steps=2", "checkpoints.every_steps=1")
     run.train(tiny_train_config(tiny_sd15, images, out, *opts))
     assert "warning:" not in capsys.readouterr().out
+
+
+def test_a_resume_measures_the_disk_of_the_runs_checkpoints_not_of_the_one_it_starts_from(
+    tiny_sd15, images, tmp_path, monkeypatch, capsys
+):
+    """A resume from a checkpoint copied elsewhere (another disk) is checked at once, against the free space where
+    this run's checkpoints go."""
+    out = tmp_path / "out"
+    opts = ("checkpoints.every_steps=0", "checkpoints.keep_every_steps=1")
+    run.train(tiny_train_config(tiny_sd15, images, out, "training.max_steps=2", *opts))
+    elsewhere = tmp_path / "copied" / "step-000002"
+    shutil.copytree(checkpoint.latest_checkpoint(out), elsewhere)
+    size = outputs.tree_bytes(elsewhere)
+    real_free = outputs.free_bytes
+    asked = []
+
+    def free(path):
+        asked.append(Path(path))
+        return int(size * 1.5) if Path(path) == checkpoint.checkpoint_root(out) else real_free(path)
+
+    monkeypatch.setattr(outputs, "free_bytes", free)
+    capsys.readouterr()
+    run.train(tiny_train_config(tiny_sd15, images, out, "training.max_steps=4", *opts), resume=str(elsewhere))
+    lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("warning:")]
+    assert len(lines) == 1 and f"on the disk of {checkpoint.checkpoint_root(out)}" in lines[0], lines
+    assert "2 kept checkpoints of" in lines[0] and "the disk fills at step 4 of 4" in lines[0]
+    assert elsewhere.parent not in asked

@@ -862,6 +862,7 @@ def disk_ahead(
 
 def disk_warning(
     checkpoint: Path,
+    root: Path,
     *,
     step: int,
     total_steps: int,
@@ -870,13 +871,14 @@ def disk_warning(
     export_steps: list[int],
     export_bytes: int,
 ) -> str | None:
-    """The warning, where the disk holding ``checkpoint`` (the run's newest, at ``step``) cannot take the saves
-    still to come at its measured size (:func:`disk_ahead`); None where it can. The run goes on: a save that
-    finds the disk full stops it with the previous checkpoint kept, and the user may free space meanwhile."""
+    """The warning, where the disk of ``root`` (the run's checkpoint folder) cannot take the saves still to come
+    at the measured size of ``checkpoint`` (the run's newest, at ``step``; a resumed one may lie elsewhere)
+    (:func:`disk_ahead`); None where it can. The run goes on: a save that finds the disk full stops it with
+    the previous checkpoint kept, and the user may free space meanwhile."""
     from .outputs import free_bytes, tree_bytes
 
-    kind = _NAME.match(checkpoint.name)
-    size, free = tree_bytes(checkpoint), free_bytes(checkpoint)
+    kind = _NAME.match(checkpoint.name) if checkpoint.resolve().parent == root.resolve() else None
+    size, free = tree_bytes(checkpoint), free_bytes(root)
     ahead = disk_ahead(
         after=step,
         total_steps=total_steps,
@@ -904,7 +906,7 @@ def disk_warning(
         else "free space on that disk, or save fewer outputs (output.save_every_n_steps / save_every_n_epochs)"
     )
     return (
-        f"warning: {_gb(free)} free on the disk of {checkpoint.parent}, and the saves still to come need up to "
+        f"warning: {_gb(free)} free on the disk of {root}, and the saves still to come need up to "
         f"{_gb(ahead.need_bytes)} more ({', '.join(parts)}, a checkpoint being written beside the last): the "
         f"disk fills at step {ahead.fill_step} of {total_steps}, where the run stops with its last checkpoint. "
         f"Fix: {fix}"

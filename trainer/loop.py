@@ -772,6 +772,7 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
         if accelerator.is_main_process:
             note = ckpt_lib.disk_warning(
                 Path(checkpoint),
+                ckpt.root,
                 step=state.global_step,
                 total_steps=plan.total_steps,
                 every_steps=cfg.checkpoints.every_steps,
