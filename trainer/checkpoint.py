@@ -798,9 +798,8 @@ class Checkpointer:
 class DiskAhead:
     """What the saves still to come need on the disk beyond what is there now (:func:`disk_ahead`)."""
 
-    need_bytes: (
-        int  # the most they hold at once, a checkpoint being written beside the one it replaces included
-    )
+    # the most they hold at once, a checkpoint being written beside the one it replaces included
+    need_bytes: int
     fill_step: int | None  # the first step whose save would not fit in the free bytes; None: all fit
     kept: int  # kept checkpoints to come (checkpoints.keep_every_steps), which stay on the disk
     exports: int  # exports to come: intermediate outputs, then the final one
@@ -845,10 +844,8 @@ def disk_ahead(
             used += 0 if rolling else checkpoint_bytes  # the superseded rolling one goes
             rolling, kept = False, kept + 1
         elif (every_steps and step % every_steps == 0) or step == total_steps:
-            held.append(used + checkpoint_bytes)
-            used += (
-                0 if rolling else checkpoint_bytes
-            )  # the previous rolling one goes once this one is written
+            held.append(used + checkpoint_bytes)  # the previous rolling one goes once this one is written
+            used += 0 if rolling else checkpoint_bytes
             rolling = True
         if step == total_steps:
             used += export_bytes

@@ -376,8 +376,9 @@ def samples(
 ) -> Path | None:
     """A PNG grid from ``sampling.prompts`` (else ``fallback``) with a fixed seed, made on the main process:
     ``samples/step-000100.png`` during training (the other processes wait), ``samples/final.png`` at the end
-    (call it on the main process only then), or ``out_path``. Each image is labelled, in a strip under it, with the step
-    (``step``, else ``at_step``; "EMA weights" with ``ema``) and its prompt. Components moved off the GPU (cached outputs) come back for it.
+    (call it on the main process only then), or ``out_path``. Each image is labelled, in a strip under it, with
+    the step (``step``, else ``at_step``; "EMA weights" with ``ema``) and its prompt. Components moved off the
+    GPU (cached outputs) come back for it.
     ``images``: the images seen, recorded in the PNG (the point of the run it shows: :func:`grid_path`).
 
     Out of GPU memory in a grid during training (``step`` given) skips that grid and training goes on (None):
