@@ -691,6 +691,15 @@ def _cross_checks(cfg: TrainConfig, errors: list[str]) -> None:
         )
     if ds is not None and cfg.memory.optimizer == "adamw8bit":
         errors.append("memory.optimizer: adamw8bit (bitsandbytes) does not combine with DeepSpeed; use adamw")
+    if ds is not None and ds.offload_optimizer and cfg.memory.optimizer == "adafactor":
+        # accelerate's prepare hands DeepSpeed its CPU Adam in place of any other optimizer where the optimizer
+        # is offloaded (accelerator.py: map_pytorch_optim_to_deepspeed; Adafactor becomes Adam, adamw_mode off,
+        # at Adafactor's learning rate): the run would train with another optimizer than the one set
+        errors.append(
+            "memory.optimizer: adafactor with distributed.deepspeed.offload_optimizer: the offload runs "
+            "DeepSpeed's CPU Adam in Adafactor's place (accelerate swaps it in); use adamw, or set "
+            "distributed.deepspeed.offload_optimizer=false"
+        )
     if (
         cfg.method == "dreambooth"
         and cfg.dreambooth.with_prior_preservation

@@ -1248,8 +1248,11 @@ def after_oom(
         was_split = deepspeed_on  # ZeRO-1/2 splitting the optimizer state over the GPUs: offload it too
         stage = int(dist["deepspeed"].get("zero_stage", 2)) if was_split else None
         dist["deepspeed"] = dict(OFFLOAD)
-        if m.get("optimizer") == "adamw8bit":
-            m["optimizer"] = "adamw"  # bitsandbytes does not combine with DeepSpeed
+        # bitsandbytes does not combine with DeepSpeed, and the offload runs DeepSpeed's CPU Adam in Adafactor's
+        # place (sdplan.config): AdamW, said
+        replaced = {"adamw8bit": "8-bit AdamW", "adafactor": "Adafactor"}.get(m.get("optimizer", "adamw"))
+        if replaced:
+            m["optimizer"] = "adamw"
         t["full_half_weights"] = False  # DeepSpeed keeps fp32 master weights of its own (offloaded here)
         return Change(
             new,
@@ -1259,7 +1262,13 @@ def after_oom(
                 if was_split
                 else "turned on DeepSpeed ZeRO-2 with the optimizer state offloaded to CPU"
             )
-            + " (slower: the optimizer runs on the CPU)",
+            + " (slower: the optimizer runs on the CPU"
+            + (
+                f"; AdamW in place of {replaced}, as the offload runs DeepSpeed's CPU Adam"
+                if replaced
+                else ""
+            )
+            + ")",
         )
     return None
 

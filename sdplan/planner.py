@@ -2912,6 +2912,8 @@ def settings_space(
                 if ds and (train_te or opt == "adamw8bit"):
                     # DeepSpeed trains one model, and not with bitsandbytes' optimizer (sdplan.config refuses both)
                     continue
+                if ds and ds.get("offload_optimizer") and opt == "adafactor":
+                    continue  # the offload runs DeepSpeed's CPU Adam in its place (sdplan.config refuses it)
                 yield Settings(
                     method=req.method,
                     model=req.model,

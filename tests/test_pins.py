@@ -66,6 +66,17 @@ def test_needs_at_least_is_the_leanest_configuration_of_the_search(prof):
     assert bf16 == math.ceil(max(bf16_leanest / P.HEADROOM, bf16_leanest * hi))
 
 
+def test_a_pinned_adafactor_is_never_planned_with_the_optimizer_offloaded(prof):
+    """accelerate runs DeepSpeed's CPU Adam in place of any optimizer that is offloaded: an Adafactor plan with
+    the offload trained with Adam (sdplan.config refuses the pair). Sharded on the GPUs, it stays Adafactor."""
+    req = P.Request(method="finetune", model="sdxl", pins=(("optimizer", "adafactor"),))
+    space = list(
+        P.settings_space(replace(req, resolution=1024), precision="bf16", attention="efficient", max_gpus=2)
+    )
+    assert all(s.optimizer == "adafactor" for s in space)
+    assert not any(s.offload for s in space) and any(s.sharded for s in space)
+
+
 def test_sdxl_lora_fits_an_8gb_card_with_cached_text_encoder_outputs(prof):
     # kohya-ss/sd-scripts docs/train_SDXL-en.md: SDXL LoRA "can be done with 8GB GPU memory" with cached
     # text-encoder outputs and latents, gradient checkpointing and a low dim

@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from sdplan.config import default_config, validate
-from sdplan.errors import OutputExistsError, UsageError
+from sdplan.errors import ConfigError, OutputExistsError, UsageError
 from sdplan.launcher import after_oom, check_out_dir, config_steps, oom_point, record_point
 
 # -- the --out rule -------------------------------------------------------------------------------------------
@@ -182,6 +182,32 @@ def test_at_batch_one_the_memory_savers_come_in_order():
     # 8-bit Adam does not combine with DeepSpeed: the last step puts AdamW back.
     assert d["memory"]["optimizer"] == "adamw"
     assert d["distributed"]["deepspeed"] == {"zero_stage": 2, "offload_optimizer": True}
+
+
+def test_the_offload_step_of_an_adafactor_run_says_adamw_takes_its_place():
+    """accelerate hands the offload DeepSpeed's CPU Adam in place of any other optimizer (Adafactor became an
+    Adam at Adafactor's learning rate, silently): sdplan.config refuses the pair, and the out-of-memory retry that
+    turns the offload on switches to AdamW and says so."""
+    d = data(training={"batch_size": 1, "grad_accum": 4})
+    d["method"] = "finetune"
+    d["memory"].update(
+        optimizer="adafactor",
+        gradient_checkpointing=True,
+        cache_latents=True,
+        cache_text_encoder_outputs=True,
+    )
+    change = after_oom(d, cuda=True, have_bnb=True, have_deepspeed=True)
+    validate(change.data)
+    assert change.data["memory"]["optimizer"] == "adamw"
+    assert change.data["distributed"]["deepspeed"] == {"zero_stage": 2, "offload_optimizer": True}
+    assert "AdamW in place of Adafactor, as the offload runs DeepSpeed's CPU Adam" in change.message
+    d["distributed"]["deepspeed"] = {"zero_stage": 2, "offload_optimizer": True}
+    with pytest.raises(ConfigError, match="adafactor with distributed.deepspeed.offload_optimizer"):
+        validate(d)
+    d["distributed"]["deepspeed"]["offload_optimizer"] = (
+        False  # sharded on the GPUs: the optimizer is its own
+    )
+    validate(d)
 
 
 def test_out_of_memory_before_the_first_step_tries_only_what_changes_the_setup():
