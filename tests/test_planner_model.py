@@ -25,6 +25,16 @@ def prof():
     return load_profiles()
 
 
+def _compute_activations():
+    """scripts/compute_activations.py as a module (the meta-device builds the profiles come from)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import compute_activations
+    finally:
+        sys.path.pop(0)
+    return compute_activations
+
+
 def _lora(**kw) -> Settings:
     base = dict(method="lora", model="sd15", resolution=512, precision="bf16", lora_rank=32)
     return Settings(**{**base, **kw})
@@ -85,11 +95,7 @@ def test_lora_params_equal_peft_on_meta(prof, targets):
 def test_compute_activations_counts_match_the_profile(prof):
     """The script's per-rank counts are what profiles/activations.yaml holds (re-run it when this fails)."""
     pytest.importorskip("diffusers")
-    sys.path.insert(0, str(ROOT / "scripts"))
-    try:
-        import compute_activations as ca
-    finally:
-        sys.path.pop(0)
+    ca = _compute_activations()
     model = yaml.safe_load((ROOT / "profiles" / "models" / "sd15.yaml").read_text())
     assert ca.lora_params_per_rank(model) == prof.activations.lora_params_per_rank("sd15")
 
@@ -225,11 +231,7 @@ def test_peak_live_bytes_counts_what_is_alive_at_once():
     pytest.importorskip("torch")
     import torch
 
-    sys.path.insert(0, str(ROOT / "scripts"))
-    try:
-        import compute_activations as ca
-    finally:
-        sys.path.pop(0)
+    ca = _compute_activations()
     x = torch.empty(1024 * 1024, device="meta")  # 4 MiB, created outside: not counted
 
     def chain():
@@ -607,11 +609,7 @@ def test_lora_dropout_bytes_are_what_peft_saves_on_the_meta_device(prof):
     """The count against a live measurement: SD 1.5's UNet on the meta device with peft's LoRA on the attention
     projections, dropout 0.1 against 0."""
     pytest.importorskip("peft")
-    sys.path.insert(0, str(ROOT / "scripts"))
-    try:
-        import compute_activations as ca
-    finally:
-        sys.path.pop(0)
+    ca = _compute_activations()
     from peft import LoraConfig
 
     model = yaml.safe_load((ROOT / "profiles" / "models" / "sd15.yaml").read_text())
