@@ -533,21 +533,29 @@ def lora_input_elements(model: ModelSpec, target_set: str) -> tuple[float, int]:
 # the dropped copy of its input, and dropout saves its mask (a bool per element), where without dropout the
 # layers of one input share it. Measured on the meta device (peft LoRA rank 16, bf16, batch 1, no
 # checkpointing, the saved tensors summed as scripts/compute_activations.py sums them): SD 1.5 at 512 px +216
-# MiB with the attention set (this count: 204), +417 with kohya's (435); SDXL at 1024 px +2027 (1863).
+# MiB with the attention set (this count: 204), +417 with kohya's (435); SDXL at 1024 px +2027 (1863); with the
+# families' default targets SD3.5 Medium at 1024 px +1828 MiB (1867), FLUX.1 [dev] at 512 px +3735 (3847) and
+# at 1024 px +11205 (11543).
 LORA_DROPOUT_MASK_BYTES = 1
 
 
 def lora_dropout_bytes(profiles: Profiles, s: Settings) -> float:
-    """Bytes lora.dropout adds to the saved activations: the adapted layers' input elements
-    (:func:`lora_input_elements`) each as a dropped copy and a mask byte; 0 without dropout, with gradient
-    checkpointing (saved inside a segment and recomputed, as :func:`lora_rank_activation_bytes`) and for the
-    transformer families (not counted)."""
-    if s.method != "lora" or not s.lora_dropout or s.gradient_checkpointing or flow_family(s.model):
+    """Bytes lora.dropout adds to the saved activations: the adapted layers' input elements (the UNets'
+    :func:`lora_input_elements`, the transformers' :func:`flow_lora_input_elements`) each as a dropped copy and
+    a mask byte; 0 without dropout and with gradient checkpointing (saved inside a segment and recomputed, as
+    :func:`lora_rank_activation_bytes`)."""
+    if s.method != "lora" or not s.lora_dropout or s.gradient_checkpointing:
         return 0.0
     model = profiles.model(s.model)
     latent = (s.resolution // model.vae_scale_factor) ** 2
-    per_pixel, per_sample = lora_input_elements(model, lora_target_set(s))
     batch = s.batch * (2 if s.prior_preservation else 1)
+    if flow_family(s.model):
+        return (
+            batch
+            * flow_lora_input_elements(model, s, latent)
+            * (flow_weight_bytes(s) + LORA_DROPOUT_MASK_BYTES)
+        )
+    per_pixel, per_sample = lora_input_elements(model, lora_target_set(s))
     element = 2.0 if _half(s.precision) else 4.0
     return batch * (per_pixel * latent + per_sample) * (element + LORA_DROPOUT_MASK_BYTES)
 
@@ -4522,8 +4530,6 @@ def _reasons(req, hw, best, one, best_by_n, fitting, cal, profiles) -> list[str]
                 "input), counted"
                 if dropped
                 else "its dropped copies are recomputed with gradient checkpointing"
-                if s.gradient_checkpointing
-                else "its saved copies are not counted for this family"
             )
         )
     why = _adamw_text(best, fitting)
@@ -5768,6 +5774,26 @@ def _lora_linears(model: ModelSpec, s: Settings) -> tuple[tuple[str, int, int, i
     )
 
 
+def flow_lora_input_elements(model: ModelSpec, s: Settings, latent_pixels: int) -> float:
+    """Input elements of one sample summed over a transformer LoRA's adapted Linears (:func:`_lora_linears`):
+    each layer's input features x the tokens of its stream: the image's (2x2 latent pixels a token) in a
+    double-stream block's attn.to_* and ff.*, the text's (``transformer_text_tokens``) in its attn.add_*,
+    to_add_out and ff_context.*, both in a single-stream block's."""
+    # 2x2 latent pixels a token: SD3's transformer patches them (patch_size 2), FLUX.1's pipeline packs them
+    # before its transformer (patch_size 1, 64 input channels)
+    image, text = latent_pixels / 4, int(model.transformer_text_tokens or 0)
+    total = 0.0
+    for name, features, _, count in _lora_linears(model, s):
+        if name.startswith("single."):
+            tokens = image + text
+        elif "add_" in name or "to_add_out" in name or name.startswith("ff_context."):
+            tokens = text
+        else:
+            tokens = image
+        total += count * features * tokens
+    return total
+
+
 def flow_lora_params(model: ModelSpec, s: Settings) -> int:
     """LoRA parameters on a transformer: rank x (in + out) per adapted Linear, from the config's shapes."""
     targets = registry.lora_targets(s.model, s.lora_targets)
@@ -5891,8 +5917,10 @@ def memory_flow(profiles: Profiles, s: Settings) -> Memory:
         trained="full" if full else "lora",
     )
     # the coefficients count bf16 tensors (scripts/compute_activations.py): fp32 saves them at twice the bytes
-    factor = FLOW_ACTIVATION_FACTORS.get(speed_family(s.model), FLOW_ACTIVATION_FACTOR) * wb / 2.0
-    activations = factor * (held + recompute)
+    family_factor = FLOW_ACTIVATION_FACTORS.get(speed_family(s.model), FLOW_ACTIVATION_FACTOR)
+    factor = family_factor * wb / 2.0
+    # lora.dropout's copies and masks are counted at their own element sizes
+    activations = factor * (held + recompute) + family_factor * lora_dropout_bytes(profiles, s)
     # the backward's last block beside nearly all gradients: recomputed with checkpointing, its saved tensors
     # still held without (memory())
     _, segment = act.transformer(

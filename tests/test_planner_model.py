@@ -577,14 +577,23 @@ def test_lora_rank_intermediates_are_saved_activations(prof, settings, expected_
         ("sd15", 512, "attn", 216.3),
         ("sd15", 512, "attn_ff", 417.1),
         ("sdxl", 1024, "attn", 2026.8),
+        # the transformers with their default targets (sdplan.registry.LORA_TARGETS)
+        ("sd35-medium", 1024, None, 1827.6),
+        ("flux-dev", 512, None, 3735.0),
+        ("flux-dev", 1024, None, 11205.0),
     ],
 )
 def test_lora_dropout_counts_a_copy_and_a_mask_of_each_adapted_input(
     prof, family, resolution, target_set, measured_mib
 ):
     model = prof.model(family)
-    per_pixel, per_sample = P.lora_input_elements(model, target_set)
-    counted = (per_pixel * (resolution // 8) ** 2 + per_sample) * (2 + P.LORA_DROPOUT_MASK_BYTES) / 2**20
+    if target_set is None:
+        s = _lora(model=family, resolution=resolution, lora_dropout=0.1)
+        elements = P.flow_lora_input_elements(model, s, (resolution // 8) ** 2)
+    else:
+        per_pixel, per_sample = P.lora_input_elements(model, target_set)
+        elements = per_pixel * (resolution // 8) ** 2 + per_sample
+    counted = elements * (2 + P.LORA_DROPOUT_MASK_BYTES) / 2**20
     assert counted == pytest.approx(measured_mib, rel=0.10)
 
 
@@ -598,9 +607,12 @@ def test_lora_dropout_is_saved_activations_without_checkpointing(prof):
     for none in (
         replace(s, lora_dropout=0.0),
         replace(s, gradient_checkpointing=True),  # saved inside a segment, recomputed
-        _lora(model="flux-dev", resolution=512, lora_dropout=0.1),  # not counted for the transformers
+        _lora(model="flux-dev", resolution=512, lora_dropout=0.1, gradient_checkpointing=True),
     ):
         assert P.lora_dropout_bytes(prof, none) == 0.0
+    flux = _lora(model="flux-dev", resolution=512, lora_dropout=0.1)
+    grown = P.memory(prof, flux).activations - P.memory(prof, replace(flux, lora_dropout=0.0)).activations
+    assert grown == pytest.approx(P.FLOW_ACTIVATION_FACTORS["flux-dev"] * P.lora_dropout_bytes(prof, flux))
     assert Settings(method="dreambooth", model="sd15", resolution=512, lora_dropout=0.1).lora_dropout is None
 
 
