@@ -3508,7 +3508,9 @@ def _batch_cap_text(req: Request, s: Settings) -> str:
         within = "its largest aspect bucket's" if len(req.bucket_samples) > 1 else "the epoch's"
         would.append(f"the trainer forms no batch of more than {within} {formed}")
     if again:
-        would.append(f"{count_text(again, 'batch')} an epoch would train twice to give every GPU one")
+        would.append(
+            f"{count_text(again, 'batch', 'batches')} an epoch would train twice to give every GPU one"
+        )
     if req.per_epoch > req.images and formed * s.num_gpus > req.images:
         would.append("a step could hold an image's repeats together")
     return (
@@ -5281,7 +5283,11 @@ def _multi_gpu_reasons(
         than = f"{s.num_gpus} GPUs" if n > s.num_gpus and s.num_gpus > 1 else "one GPU"
         ahead = speedup(c, best) if n > s.num_gpus else faster
         if faster <= 1:
-            why = slower_words(c, ref_c)
+            # slower than the run it is weighed against (one GPU, or the plan's count's share): said so, and,
+            # where it would also beat the plan, why the plan is not it
+            why = f"{slower_words(c, ref_c)} than {'the 1-GPU run' if ref_c is one else 'the plan'}"
+            if speedup(c, best) > 1 and _tier(c) > _tier(best):
+                why += f", and only with {_tier_text(c, best)}"
         elif _tier(c) > _tier(best):
             why = f"{faster:.2f}x faster, but only with " + _tier_text(c, best)
         elif n < s.num_gpus:  # the plan weighed against it on the plan's images (_choose), not its own
