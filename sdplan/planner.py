@@ -6334,8 +6334,11 @@ def _flow_base_reasons(
     model = profiles.model(s.model)
     dequant = dequant_seconds(profiles, s)
     r = []
-    bf16_gib = _gib(base_weight_bytes(model, "bf16"))
-    whole = base_weight_bytes(model, s.base_precision)
+    # an unquantized base ("bf16") is stored in the run's weight dtype (trainer/runtime.py weight_dtype)
+    wb = flow_weight_bytes(s)
+    stored_as = "fp32" if wb == 4.0 else "fp16" if s.precision == "fp16" else "bf16"
+    bf16_gib = _gib(base_weight_bytes(model, "bf16", wb))
+    whole = base_weight_bytes(model, s.base_precision, wb)
     swapped = swapped_block_bytes(model, s) if s.blocks_to_swap else 0
     here = f"{_gib(whole - swapped)} on the GPU" + (
         f" ({_gib(whole)} in all; the swapped blocks wait in host RAM)" if swapped else ""
@@ -6344,7 +6347,7 @@ def _flow_base_reasons(
         why = "pinned"
     elif s.base_precision == "bf16":
         with_swap = f" with {s.blocks_to_swap} blocks swapped" if s.blocks_to_swap else ""
-        why = f"the {bf16_gib} bf16 base fits{with_swap}, so it is not quantized"
+        why = f"the {bf16_gib} {stored_as} base fits{with_swap}, so it is not quantized"
     else:
         bf16_plans = [
             c for c in fitting if c.setup.base_precision == "bf16" and c.setup.num_gpus == s.num_gpus
@@ -6371,7 +6374,13 @@ def _flow_base_reasons(
         else:
             why = "it allows a faster configuration than the bf16 base"
     r.append(
-        f"base precision {s.base_precision}: the frozen {model.name} transformer takes {here}; {why}"
+        f"base precision {s.base_precision}"
+        + (
+            f" (not quantized: stored in {stored_as}, the run's weight dtype)"
+            if s.base_precision == "bf16" and stored_as != "bf16"
+            else ""
+        )
+        + f": the frozen {model.name} transformer takes {here}; {why}"
         + (
             f"; dequantising it adds ~{dequant:.2f} s per step ({_block_linear_count(model)} block Linears x"
             f" {dequant_passes(s)} passes x {DEQUANT_SECONDS_PER_LINEAR_PASS * 1e6:.0f} us, fitted on 6 same-GPU H100 pairs"

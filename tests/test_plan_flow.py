@@ -709,3 +709,19 @@ def test_train_says_the_time_basis_in_words_as_recommend_does(prof):
 
     line = "\n".join(describe_plan(P.result_dict(_plan(prof, "RTX 4090", "flux-dev"))))
     assert "(weakly calibrated)" in line and "weakly_calibrated" not in line
+
+
+@pytest.mark.parametrize(
+    ("gpu", "pins", "stored", "gib"),
+    [
+        ("P40", (), "fp16", 4.6),  # no bf16 in hardware: the run's weights are fp16
+        ("B200", (("precision", "fp32"), ("base_precision", "bf16")), "fp32", 9.2),
+    ],
+)
+def test_an_unquantized_base_is_said_in_the_runs_weight_dtype(prof, gpu, pins, stored, gib):
+    """model.base_precision=bf16 means "not quantized": the trainer stores the base in the run's weight dtype
+    (trainer/runtime.py weight_dtype), and the breakdown counted it so, while the reason said a 4.6 GiB bf16 base."""
+    r = _plan(prof, gpu, "sd35-medium", 1024, pins=pins)
+    (base,) = [x for x in r.reasons if x.startswith("base precision")]
+    assert f"base precision bf16 (not quantized: stored in {stored}, the run's weight dtype)" in base, base
+    assert f"transformer takes {gib} GiB on the GPU" in base, base
