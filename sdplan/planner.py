@@ -3966,7 +3966,17 @@ def pin_conflicts(req: Request, hw: Hardware) -> list[str]:
 
 
 def _infeasible(
-    req, hw, reasons, steps, *, memory=None, need=None, profiles=None, conflicts=(), observed_oom=None
+    req,
+    hw,
+    reasons,
+    steps,
+    *,
+    memory=None,
+    need=None,
+    profiles=None,
+    conflicts=(),
+    observed_oom=None,
+    may_run_out=None,
 ):
     needs = {"min_vram_bytes": None, "observed_oom": observed_oom} if observed_oom is not None else None
     if need is not None:
@@ -3981,6 +3991,11 @@ def _infeasible(
         )
         needs = {
             "min_vram_bytes": need,
+            # from this much a plan is given, flagged "may not fit": its estimate within HEADROOM of the card, its
+            # likely range past it (None where that is the same as min_vram_bytes)
+            "min_vram_bytes_may_run_out": may_run_out
+            if may_run_out is not None and may_run_out < need
+            else None,
             "min_vram_bytes_mixed_precision": mixed,
             "suggested_hardware": [label for label, _ in suggested],
             # those with less memory than that: their own sdplan bench peaks say the run fits them
@@ -4189,6 +4204,8 @@ def plan(hardware: Hardware | Any, profiles: Profiles, request: Request) -> Resu
             ", ".join(pin_text(k, v) for k, v in req.pins) if req.pins else "the leanest configuration"
         )
         leanest, need, not_fit = _not_fit_reasons(req, hardware, cands, what, profiles)
+        runnable = [c for c in cands if c.host_ok and c.observed_oom is None]
+        may_run_out = min((math.ceil(c.memory.peak / HEADROOM) for c in runnable), default=None)
         reasons += not_fit
         installs = _after_install(req, profiles, hardware, cal, resolution)
         reasons += [said for _, said in installs]
@@ -4207,6 +4224,7 @@ def plan(hardware: Hardware | Any, profiles: Profiles, request: Request) -> Resu
             need=need,
             profiles=profiles,
             observed_oom=leanest.observed_oom.id if leanest.observed_oom is not None else None,
+            may_run_out=may_run_out,
         )
         if installs:  # the fix on this machine: what to install (recommend's headline says it)
             refused = replace(

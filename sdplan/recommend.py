@@ -979,10 +979,17 @@ def render(d: dict, res: planner.Result, console) -> None:
         else:
             mixed = needs.get("min_vram_bytes_mixed_precision")
             per_gpu = " per GPU" if (planner.pinned_gpu_count(res.request) or 1) > 1 else ""
+            risky = needs.get("min_vram_bytes_may_run_out")
             console.print(
                 f"[bold red]does not fit[/]: needs at least {_gib(needs.get('min_vram_bytes'))} of GPU memory"
                 + per_gpu
                 + (f" in fp32 ({_gib(mixed)} on a GPU that trains in fp16 mixed precision)" if mixed else "")
+                + (
+                    f" (from {_gib(risky)} a plan is given that may run out: its estimate fits, its likely range "
+                    "does not)"
+                    if risky and not mixed
+                    else ""
+                )
             )
         if needs.get("fits_after_install"):  # this GPU would do, after an install (see the reasons)
             console.print(
@@ -1121,6 +1128,12 @@ def _compare_cells(d: dict, res: planner.Result, text: str) -> tuple[str, ...]:
         else (
             f"needs {_gib(need)}"
             + (" in fp32" if (d["needs"] or {}).get("min_vram_bytes_mixed_precision") else "")
+            + (
+                f" (may run out from {_gib(risky)})"
+                if (risky := (d["needs"] or {}).get("min_vram_bytes_may_run_out"))
+                and not (d["needs"] or {}).get("min_vram_bytes_mixed_precision")
+                else ""
+            )
             if (need := (d["needs"] or {}).get("min_vram_bytes")) is not None
             else "measured out of memory"
             if (d["needs"] or {}).get("observed_oom")

@@ -66,6 +66,19 @@ def test_needs_at_least_is_the_leanest_configuration_of_the_search(prof):
     assert bf16 == math.ceil(max(bf16_leanest / P.HEADROOM, bf16_leanest * hi))
 
 
+def test_needs_at_least_also_says_from_where_a_plan_is_given_that_may_run_out(prof):
+    """ "needs at least 8.9 GiB" on a 6 GB card (the fit rule: the estimate within 92% and the likely upper end
+    within the card), while a 8 GB GTX 1070 got a plan, flagged "may not fit": the smaller figure, where the
+    estimate alone fits, is said beside it (and is not the suggestion list's rule)."""
+    res = P.plan(_catalog(prof, "GTX 1060 6GB"), prof, P.Request(method="lora", model="sdxl"))
+    need, risky = res.needs["min_vram_bytes"], res.needs["min_vram_bytes_may_run_out"]
+    assert not res.feasible and risky < need
+    space = P.settings_space(replace(res.request, resolution=1024), precision="fp16", attention="efficient")
+    assert risky == min(math.ceil(P.memory(prof, s).peak / P.HEADROOM) for s in space)
+    gtx1070 = P.plan(_catalog(prof, "GTX 1070"), prof, P.Request(method="lora", model="sdxl"))
+    assert gtx1070.feasible and risky <= gtx1070.hardware.gpus[0].memory_bytes < need
+
+
 def test_a_pinned_adafactor_is_never_planned_with_the_optimizer_offloaded(prof):
     """accelerate runs DeepSpeed's CPU Adam in place of any optimizer that is offloaded: an Adafactor plan with
     the offload trained with Adam (sdplan.config refuses the pair). Sharded on the GPUs, it stays Adafactor."""

@@ -1144,3 +1144,16 @@ def test_the_compare_caption_says_counts_of_one_in_the_singular():
     assert (
         "times: 1 optimizer step (training.max_steps) over 1 image per epoch: 1 image seen (1 epoch)" in flat
     )
+
+
+def test_does_not_fit_says_from_where_a_plan_may_run_out():
+    r = runner.invoke(
+        app,
+        ["recommend", "--method", "lora", "--model", "sdxl", "--hardware", "GTX 1060 6GB"],
+        env={"COLUMNS": "250"},
+    )
+    flat = " ".join(r.stdout.split())
+    assert (
+        "does not fit: needs at least 8.9 GiB of GPU memory (from 7.1 GiB a plan is given that may run out"
+        in flat
+    )
