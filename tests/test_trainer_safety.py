@@ -672,10 +672,15 @@ def test_a_survivor_of_a_lost_peer_prints_one_line_not_a_traceback(monkeypatch, 
         # rolling only: one beside the other while it is written; the final outputs after it
         (dict(keep=0, every=50, free=10**6), (10, None, 0, 1)),
         (dict(keep=0, every=50, free=9), (10, 100, 0, 1)),
-        # intermediate outputs every 100 steps (3 before the last, 4 bytes each), no checkpoint after the rolling
-        # one but the final step's: written beside the rolling one (12 + 10), then the final outputs (12 + 4)
-        (dict(keep=0, every=0, free=10**6, exports=[100, 200, 300], export=4), (22, None, 0, 4)),
-        (dict(keep=0, every=0, free=13, exports=[100, 200, 300], export=4), (22, 400, 0, 4)),
+        # checkpoints off (a resume from another run's checkpoint): intermediate outputs every 100 steps (3
+        # before the last, 4 bytes each), no checkpoint, then the final outputs (12 + 4)
+        (dict(keep=0, every=0, free=10**6, exports=[100, 200, 300], export=4), (16, None, 0, 4)),
+        (dict(keep=0, every=0, free=13, exports=[100, 200, 300], export=4), (16, 400, 0, 4)),
+        # a resume's save of the step it starts at comes first; a run extended on resume replaces its final
+        # outputs (net: nothing)
+        (dict(keep=0, every=50, free=10**6, now=1, export=4), (14, None, 0, 2)),
+        (dict(keep=0, every=50, free=3, now=1, export=4), (14, 50, 0, 2)),
+        (dict(keep=0, every=50, free=10**6, final=0), (10, None, 0, 1)),
     ],
 )
 def test_disk_ahead_walks_the_saves_to_come(case, expected):
@@ -691,8 +696,25 @@ def test_disk_ahead_walks_the_saves_to_come(case, expected):
         export_steps=case.get("exports", []),
         export_bytes=case.get("export", 1),
         free_bytes=case["free"],
+        exports_now=case.get("now", 0),
+        final_export_bytes=case.get("final"),
     )
     assert (ahead.need_bytes, ahead.fill_step, ahead.kept, ahead.exports) == expected
+
+
+def test_a_first_checkpoint_at_the_last_step_leaves_the_final_outputs_to_come():
+    ahead = checkpoint.disk_ahead(
+        after=400,
+        total_steps=400,
+        every_steps=400,
+        keep_every_steps=0,
+        checkpoint_bytes=10,
+        rolling_on_disk=True,
+        export_steps=[],
+        export_bytes=4,
+        free_bytes=3,
+    )
+    assert (ahead.need_bytes, ahead.fill_step, ahead.kept, ahead.exports) == (4, 400, 0, 1)
 
 
 def test_a_run_whose_kept_checkpoints_will_fill_the_disk_says_so_at_its_first(

@@ -816,12 +816,18 @@ def disk_ahead(
     export_steps: list[int],
     export_bytes: int,
     free_bytes: int,
+    exports_now: int = 0,
+    final_export_bytes: int | None = None,
 ) -> DiskAhead:
     """The disk the saves after step ``after`` need, walked in the loop's order, from a checkpoint's measured
-    size and the trial export's. At each save step: the intermediate outputs (``export_steps``), then the
+    size and the trial export's. First the exports due at ``after`` itself (``exports_now``: a resume's save of
+    the step it starts at); then at each save step: the intermediate outputs (``export_steps``), then the
     checkpoint: a kept one stays (and removes the rolling one it supersedes), a rolling one is written beside
     the previous rolling one, which then goes; at the last step a checkpoint of the final step (where none is
-    due), then the final outputs. ``rolling_on_disk``: the run's newest checkpoint now is a rolling one."""
+    due; none with checkpoints off: ``every_steps`` and ``keep_every_steps`` 0), then the final outputs, at
+    ``final_export_bytes`` (default ``export_bytes``; less where they replace outputs already there).
+    ``rolling_on_disk``: the run's newest checkpoint now is a rolling one."""
+    checkpoints = bool(every_steps or keep_every_steps)
     due = set(export_steps) | {total_steps}
     if every_steps:
         due.update(range((after // every_steps + 1) * every_steps, total_steps + 1, every_steps))
@@ -830,25 +836,30 @@ def disk_ahead(
             range((after // keep_every_steps + 1) * keep_every_steps, total_steps + 1, keep_every_steps)
         )
     exports = set(export_steps)
-    used = peak = kept = written = 0
-    fill: int | None = None
+    final = export_bytes if final_export_bytes is None else final_export_bytes
+    used = exports_now * export_bytes
+    peak, kept, written = used, 0, exports_now
+    fill: int | None = after if used > free_bytes else None
     rolling = rolling_on_disk
-    for step in sorted(s for s in due if after < s <= total_steps):
+    # the last step's saves are still to come where the session's first checkpoint is of the last step
+    for step in sorted(s for s in due if after < s <= total_steps or s == after == total_steps):
         held = []  # what the disk holds at each moment of this step's saves
-        if step in exports:
+        if step in exports and step > after:
             used += export_bytes
             written += 1
             held.append(used)
-        if keep_every_steps and step % keep_every_steps == 0:
+        if step == after:
+            pass  # its checkpoint is the one measured
+        elif keep_every_steps and step % keep_every_steps == 0:
             held.append(used + checkpoint_bytes)
             used += 0 if rolling else checkpoint_bytes  # the superseded rolling one goes
             rolling, kept = False, kept + 1
-        elif (every_steps and step % every_steps == 0) or step == total_steps:
+        elif (every_steps and step % every_steps == 0) or (step == total_steps and checkpoints):
             held.append(used + checkpoint_bytes)  # the previous rolling one goes once this one is written
             used += 0 if rolling else checkpoint_bytes
             rolling = True
         if step == total_steps:
-            used += export_bytes
+            used += final
             written += 1
             held.append(used)
         peak = max([peak, *held])
@@ -867,6 +878,8 @@ def disk_warning(
     keep_every_steps: int,
     export_steps: list[int],
     export_bytes: int,
+    exports_now: int = 0,
+    final_export_bytes: int | None = None,
 ) -> str | None:
     """The warning, where the disk of ``root`` (the run's checkpoint folder) cannot take the saves still to come
     at the measured size of ``checkpoint`` (the run's newest, at ``step``; a resumed one may lie elsewhere)
@@ -886,6 +899,8 @@ def disk_warning(
         export_steps=export_steps,
         export_bytes=export_bytes,
         free_bytes=free,
+        exports_now=exports_now,
+        final_export_bytes=final_export_bytes,
     )
     if ahead.fill_step is None:
         return None
@@ -902,11 +917,15 @@ def disk_warning(
         if ahead.kept
         else "free space on that disk, or save fewer outputs (output.save_every_n_steps / save_every_n_epochs)"
     )
+    checkpoints = bool(every_steps or keep_every_steps)
+    if checkpoints:
+        parts.append("a checkpoint being written beside the last")
     return (
         f"warning: {_gb(free)} free on the disk of {root}, and the saves still to come need up to "
-        f"{_gb(ahead.need_bytes)} more ({', '.join(parts)}, a checkpoint being written beside the last): the "
-        f"disk fills at step {ahead.fill_step} of {total_steps}, where the run stops with its last checkpoint. "
-        f"Fix: {fix}"
+        f"{_gb(ahead.need_bytes)} more ({', '.join(parts)}): the disk fills at step {ahead.fill_step} of "
+        f"{total_steps}, where the run stops"
+        + (" with its last checkpoint" if checkpoints else "")
+        + f". Fix: {fix}"
     )
 
 

@@ -766,9 +766,10 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
         ckpt_lib.apply_learning_rates(optimizer, lr_scheduler, configured, state.global_step)
         progress.say(accelerator, f"resumed from {resume_from} at step {state.global_step}")
 
-    def check_disk(checkpoint: Path, say) -> None:
+    def check_disk(checkpoint: Path, say, *, exports_now: int = 0) -> None:
         """The disk's room for the saves still to come, at the run's newest checkpoint's measured size: a warning
-        (main process) where they do not fit; the run goes on."""
+        (main process) where they do not fit; the run goes on. ``exports_now``: a resume's save of its own step,
+        still to come. The final outputs of a run extended on resume replace those there (net: nothing)."""
         if accelerator.is_main_process:
             note = ckpt_lib.disk_warning(
                 Path(checkpoint),
@@ -779,12 +780,18 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
                 keep_every_steps=cfg.checkpoints.keep_every_steps,
                 export_steps=[s for s in saves_at if s > state.global_step],
                 export_bytes=export_bytes,
+                exports_now=exports_now,
+                final_export_bytes=0 if (out_dir / "run_summary.json").is_file() else None,
             )
             if note:
                 say(note)
 
     if resume_from is not None:
-        check_disk(resume_from, lambda line: progress.say(accelerator, line))
+        check_disk(
+            resume_from,
+            lambda line: progress.say(accelerator, line),
+            exports_now=int(resume_save is not None),
+        )
     repeated = 0  # the batches an epoch's last round deals again, where the run reaches it
     if accelerator.num_processes > 1 and plan.total_steps >= plan.steps_per_epoch:
         repeated = len(loader) * accelerator.num_processes - len(batches)
