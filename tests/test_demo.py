@@ -335,6 +335,11 @@ def test_deepspeed_zero2_offload_on_cpu(tmp_path):
     # the offloaded optimizer is torch's AdamW on the CPU: DeepSpeed compiled no CPU Adam op (minutes of C++)
     assert ds["zero_force_ds_cpu_optimizer"] is False
     assert not (tmp_path / "torch-extensions").exists() and "CPU Adam op" not in proc.stdout
+    # and its checkpoint says so: a GPU run, whose offload runs DeepSpeed's CPU Adam, cannot load that state
+    from sdplan.trainer import checkpoint
+
+    saved = checkpoint.read_state(checkpoint.latest_checkpoint(out))
+    assert saved.settings[checkpoint.OFFLOADED_OPTIMIZER] == "torch AdamW"
     assert summary(out)["steps"] == 4
 
 

@@ -778,3 +778,20 @@ def test_a_resume_measures_the_disk_of_the_runs_checkpoints_not_of_the_one_it_st
     assert len(lines) == 1 and f"on the disk of {checkpoint.checkpoint_root(out)}" in lines[0], lines
     assert "2 kept checkpoints of" in lines[0] and "the disk fills at step 4 of 4" in lines[0]
     assert elsewhere.parent not in asked
+
+
+def test_a_cpu_runs_offloaded_optimizer_state_is_refused_by_a_gpu_run_in_one_line(tmp_path):
+    """A CPU run's DeepSpeed offload runs torch's AdamW (sdplan.launch); a GPU run's runs DeepSpeed's CPU Adam,
+    which stopped at its first step with KeyError 'bias_correction' on that state. The other way round loads, and
+    a checkpoint of an earlier version (nothing recorded: DeepSpeed's CPU Adam) is not refused."""
+    cpu = checkpoint.TrainState(settings={checkpoint.OFFLOADED_OPTIMIZER: "torch AdamW"})
+    gpu = checkpoint.TrainState(settings={checkpoint.OFFLOADED_OPTIMIZER: "DeepSpeed CPU Adam"})
+    err = checkpoint.offloaded_optimizer_change(tmp_path, cpu, "DeepSpeed CPU Adam")
+    assert err is not None and "cannot be loaded" in str(err) and "training.device=cpu" in str(err.fix)
+    assert checkpoint.offloaded_optimizer_change(tmp_path, gpu, "torch AdamW") is None
+    assert (
+        checkpoint.offloaded_optimizer_change(tmp_path, checkpoint.TrainState(), "DeepSpeed CPU Adam") is None
+    )
+    assert (
+        checkpoint.offloaded_optimizer_change(tmp_path, cpu, None) is None
+    )  # no offload now: DeepSpeed's check

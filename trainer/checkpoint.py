@@ -728,7 +728,7 @@ class Checkpointer:
             )
         problem = deepspeed_change(
             path, saved, self._deepspeed, now=self.state.settings.get("distributed.deepspeed")
-        )
+        ) or offloaded_optimizer_change(path, saved, self.state.settings.get(OFFLOADED_OPTIMIZER))
         if problem is not None:
             raise problem
         # DeepSpeed shards of another process count: loaded from a universal copy (deepspeed_universal_resume)
@@ -931,6 +931,39 @@ def disk_warning(
 
 def _gb(n: int) -> str:
     return f"{n / 1e9:.1f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
+
+
+# The optimizer a DeepSpeed optimizer offload ran (train_state.json's settings): torch's AdamW on the CPU, DeepSpeed's
+# CPU Adam on a GPU (sdplan.launch deepspeed_config); neither loads the other's state (DeepSpeed's CPU Adam stopped
+# at its first step with KeyError 'bias_correction' on torch's). Absent in checkpoints of earlier sdplan versions,
+# whose offload always ran DeepSpeed's CPU Adam.
+OFFLOADED_OPTIMIZER = "offloaded_optimizer"
+
+
+def offloaded_optimizer(cfg: Any, device_type: str) -> str | None:
+    """What the optimizer offload of ``cfg`` runs on this device: "torch AdamW" (the CPU), "DeepSpeed CPU Adam"
+    (a GPU), None without an offload."""
+    ds = cfg.distributed.deepspeed
+    if ds is None or not ds.offload_optimizer:
+        return None
+    return "torch AdamW" if device_type == "cpu" else "DeepSpeed CPU Adam"
+
+
+def offloaded_optimizer_change(path: Path, saved: TrainState, now: str | None) -> CheckpointError | None:
+    """Why checkpoint ``path`` cannot be loaded: its offloaded optimizer ran torch's AdamW (a CPU run) and this
+    run's runs DeepSpeed's CPU Adam (a GPU run), which cannot read that state. None otherwise: the other way
+    round loads (torch's AdamW takes DeepSpeed's CPU Adam state), and a checkpoint of an earlier version
+    records nothing (its offload ran DeepSpeed's CPU Adam)."""
+    was = saved.settings.get(OFFLOADED_OPTIMIZER)
+    if was != "torch AdamW" or now != "DeepSpeed CPU Adam":
+        return None
+    where = {"torch AdamW": "a CPU run", "DeepSpeed CPU Adam": "a GPU run"}
+    return CheckpointError(
+        f"checkpoint {path} holds the state of DeepSpeed's offloaded optimizer as {was} ran it ({where[was]}) and "
+        f"this run's offload runs {now} ({where[now]}): its optimizer state cannot be loaded",
+        fix=f"resume it as {where[was]} (training.device={'cpu' if was == 'torch AdamW' else 'cuda'}), or start a "
+        "new run",
+    )
 
 
 def deepspeed_change(

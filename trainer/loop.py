@@ -622,7 +622,11 @@ def train(cfg: TrainConfig, recipe_cls: type[Recipe], *, resume: str | None = No
         num_processes=accelerator.num_processes,
         method=cfg.method,
         samples_per_epoch=len(dataset),
-        settings={**checkpoint_settings(cfg.to_dict()), FAMILY_SETTING: comps.family},
+        settings={
+            **checkpoint_settings(cfg.to_dict()),
+            FAMILY_SETTING: comps.family,
+            ckpt_lib.OFFLOADED_OPTIMIZER: ckpt_lib.offloaded_optimizer(cfg, accelerator.device.type),
+        },
     )
     start_step = 0
     if resume_from is not None:
