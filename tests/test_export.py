@@ -651,6 +651,10 @@ def test_metadata_from_a_train_config():
     assert all(isinstance(v, str) for v in md.values())
     ss = export._kohya_metadata(meta, "sd21", 8, 4.0, "out")
     assert ss["ss_base_model_version"] == "sd_v2_v" and ss["ss_v2"] == "True"
+    # an SD 1.x base fine-tuned to v-prediction too (kohya model_util.get_model_version_str_for_sd1_sd2)
+    assert export._kohya_metadata(meta, "sd15", 8, 4.0, "out")["ss_base_model_version"] == "sd_v1_v"
+    eps = {**meta, "prediction_type": "epsilon"}
+    assert export._kohya_metadata(eps, "sd15", 8, 4.0, "out")["ss_base_model_version"] == "sd_v1"
     assert ss["ss_resolution"] == "(768, 768)" and ss["ss_network_alpha"] == "4.0"
     assert ss["ss_mixed_precision"] == "bf16"
     # what the run trained in wins over the config's: a GPU plan's fp16 config trains in fp32 on the CPU

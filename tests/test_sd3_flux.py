@@ -358,6 +358,13 @@ def test_flux_kohya_names_map_to_the_bfl_model_and_keep_every_delta(tiny_flow, d
     keys = ("ss_learning_rate", "ss_steps", "ss_max_train_steps", "ss_num_train_images", "ss_tag_frequency")
     assert all(k in meta for k in keys), [k for k in keys if k not in meta]
     assert meta["ss_mixed_precision"] == "no" and meta["ss_v2"] == "False"
+    # kohya's networks/lora_flux.py writes sd-webui-additional-networks' hashes too (A1111 reads them)
+    from sdplan.trainer import export
+
+    with safe_open(str(tmp_path / "out" / "t.kohya.safetensors"), "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open is no mapping
+    hashes = export._kohya_hashes(tensors, meta)
+    assert {k: meta[k] for k in hashes} == hashes and len(meta["sshs_legacy_hash"]) == 8
     # diffusers' kohya FLUX loader folds alpha/rank itself and then handed this peft config to peft, which
     # scaled by it again: the kohya file carries none of the diffusers file's metadata
     assert "lora_adapter_metadata" not in meta and "format" not in meta

@@ -81,7 +81,7 @@ def output_metadata(metadata: dict[str, Any] | None, family: str) -> dict[str, s
 
     ``metadata`` keys with a meaning: ``config`` (a TrainConfig or its dict), ``plan`` (defaults to the
     config's ``plan``), ``comment`` (kohya ``ss_training_comment``), ``prediction_type`` (the scheduler's;
-    SD 2.x v-prediction is ``sd_v2_v`` for kohya), ``steps``, ``epoch`` (kohya ``ss_steps``/``ss_epoch``),
+    SD 1.x / 2.x v-prediction is ``sd_v1_v`` / ``sd_v2_v`` for kohya), ``steps``, ``epoch`` (kohya ``ss_steps``/``ss_epoch``),
     ``mixed_precision`` (accelerate's, what the run trained in: kohya ``ss_mixed_precision``).
     """
     from sdplan import __version__
@@ -256,8 +256,9 @@ def _kohya_metadata(
         return (config.get(section) or {}).get(key, default)
 
     version = version or BASE_MODEL_VERSION[family]
-    if family == "sd21" and md.get("prediction_type") == "v_prediction":
-        version = "sd_v2_v"
+    # kohya library/model_util.py get_model_version_str_for_sd1_sd2: "_v" for any v-parameterised SD 1.x / 2.x
+    if family in ("sd15", "sd21") and md.get("prediction_type") == "v_prediction":
+        version += "_v"
     resolution = md.get("resolution") or get("data", "resolution")
     method = config.get("method", "lora")
     ss: dict[str, Any] = {
@@ -1124,10 +1125,9 @@ def save_full(
     elif single_file and family in FLOW_FAMILIES:  # FLUX: the transformer only, as BFL's release
         from .flow_single_file import transformer_to_original
 
-        tensors = {
-            f"model.diffusion_model.{k}": v
-            for k, v in transformer_to_original(unwrap(pipeline.transformer), family).items()
-        }
+        # BFL's bare names (double_blocks.0...): BFL's own load_flow_model reads only those; diffusers, ComfyUI's
+        # diffusion-model loader and kohya read them, and the ComfyUI prefix too
+        tensors = transformer_to_original(unwrap(pipeline.transformer), family)
     elif single_file:
         tensors = pipeline_to_original(pipeline, family)  # checks before writing
 

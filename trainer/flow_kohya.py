@@ -32,7 +32,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .export import ExportError, _save_safetensors
+from .export import ExportError, _kohya_hashes, _save_safetensors
 
 # diffusers module (in a transformer block) -> BFL module, one to one.
 _DOUBLE_SINGLE = {
@@ -204,4 +204,5 @@ def save_kohya(
     metadata: dict[str, str],
 ) -> Path:
     tensors = kohya_state_dict(arch, peft_state_dict, transformer_config, alpha)
-    return _save_safetensors(tensors, path, metadata)
+    # sshs_model_hash / sshs_legacy_hash, as kohya's networks/lora_flux.py and lora_sd3.py write them too
+    return _save_safetensors(tensors, path, {**metadata, **_kohya_hashes(tensors, metadata)})

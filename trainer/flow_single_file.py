@@ -6,11 +6,11 @@ diffusers transformer's weights under the names of Stability's MMDiT (``joint_bl
 and Black Forest Labs' Flux (``double_blocks.N.img_attn.qkv``, ``single_blocks.N.linear1``, ...): q/k/v fused
 again, FLUX's single-block q/k/v/mlp projections fused into ``linear1``, and the shift/scale halves of the
 final adaptive norms (and SD3's last context block) put back in the original order. ``export.save_full``
-writes it under ``model.diffusion_model.`` (the prefix of ComfyUI checkpoints and Stability's files): for
-FLUX.1 the transformer only, as ``flux1-dev.safetensors`` is released (``FluxTransformer2DModel.from_single_file``
-and ComfyUI's diffusion-model loader read it; the text encoders and VAE stay in the diffusers folder beside
-it); for SD3.5 the whole pipeline (:func:`sd3_pipeline_to_original`, ``StableDiffusion3Pipeline.from_single_file``
-and ComfyUI's checkpoint loader read it).
+writes it: for FLUX.1 the transformer only, under BFL's bare names, as ``flux1-dev.safetensors`` is released
+(BFL's ``load_flow_model``, ``FluxTransformer2DModel.from_single_file``, ComfyUI's diffusion-model loader and
+kohya read it; the text encoders and VAE stay in the diffusers folder beside it); for SD3.5 the whole pipeline
+under ``model.diffusion_model.`` and the other prefixes of Stability's files (:func:`sd3_pipeline_to_original`,
+``StableDiffusion3Pipeline.from_single_file`` and ComfyUI's checkpoint loader read it).
 
 In: :func:`load_flow_single_file` builds the components of a flow family around a transformer read from one
 file (``model.path=*.safetensors``) with the other components and every config from ``model.config_dir`` (a
