@@ -423,52 +423,62 @@ def lora_params(profiles: Profiles, s: Settings) -> int:
     return int(s.lora_rank) * per_rank
 
 
-def lora_rank_tokens(model: ModelSpec, target_set: str) -> tuple[float, int]:
-    """(tokens per latent pixel, tokens per sample) summed over the adapted layers of a UNet LoRA target set.
-
-    Each adapted layer's up projection saves its input, the down projection's rank-r output (r x tokens), for
-    its weight gradient (kohya networks/lora.py and peft both compute ``up(down(x)) * scale``; a scalar multiply
-    saves nothing). The meta-device activation entries adapt the layers' weights, not a rank-r pair, so they
-    leave this intermediate out (scripts/compute_activations.py). Counted from the UNet config: a transformer
-    block at level i (latent side halved i times) has attn1 q/k/v/out and attn2 q/out at its image tokens and
-    attn2 k/v at the text tokens; kohya's set adds ff.net.0.proj / ff.net.2 per block and proj_in / proj_out per
-    Transformer2DModel; LoCon adds each ResnetBlock2D's conv1 / conv2 and the resamplers' convs (output
-    positions). conv_shortcut and time_emb_proj (a few layers, one token) are left out."""
+def _unet_lora_layers(model: ModelSpec, target_set: str):
+    """The adapted layers of a UNet LoRA target set, as (tokens per latent pixel, tokens per sample, input
+    features) per group of layers, from the UNet config: a transformer block at level i (latent side halved i
+    times) has attn1 q/k/v/out and attn2 q/out at its image tokens and C features, and attn2 k/v at the text
+    tokens and the text's features; kohya's set adds ff.net.0.proj (C) / ff.net.2 (4C, GEGLU's inner width) per
+    block and proj_in / proj_out (C) per Transformer2DModel; LoCon adds each ResnetBlock2D's conv1 / conv2 and
+    the resamplers' convs (output positions; input channels taken as the level's). conv_shortcut and
+    time_emb_proj (a few layers, one token) are left out."""
     cfg = model.unet or {}
-    channels = list(cfg.get("block_out_channels", ()))
+    channels = [int(c) for c in cfg.get("block_out_channels", ())]
     n = len(channels)
     layers = cfg.get("transformer_layers_per_block", 1)
     per_block = list(layers) if isinstance(layers, list) else [layers] * n
     lpb = int(cfg.get("layers_per_block", 2))
     text = int(model.tokenizer_max_length)  # the encoders' states are concatenated along features (SDXL)
+    text_dim = int(cfg.get("cross_attention_dim", 768))
     ff = target_set in ("attn_ff", "attn_ff_conv")
     conv = target_set == "attn_ff_conv"
-    per_pixel, per_sample = 0.0, 0
 
-    def attention(level: int, transformers: int, blocks: int) -> None:
-        nonlocal per_pixel, per_sample
-        tokens = 1.0 / 4**level
-        per_pixel += transformers * blocks * (6 + (2 if ff else 0)) * tokens
-        per_pixel += transformers * (2 if ff else 0) * tokens
-        per_sample += transformers * blocks * 2 * text
+    def attention(level: int, transformers: int, blocks: int):
+        c, tokens = channels[level], 1.0 / 4**level
+        yield transformers * blocks * 6 * tokens, 0, c
+        if ff:
+            yield transformers * blocks * tokens, 0, c
+            yield transformers * blocks * tokens, 0, 4 * c
+            yield transformers * 2 * tokens, 0, c
+        yield 0.0, transformers * blocks * 2 * text, text_dim
 
     for i, kind in enumerate(cfg.get("down_block_types", ())):
         if "CrossAttn" in kind:
-            attention(i, lpb, per_block[i])
+            yield from attention(i, lpb, per_block[i])
         if conv:
-            per_pixel += lpb * 2 / 4**i + (1 / 4 ** (i + 1) if i < n - 1 else 0.0)
+            yield lpb * 2 / 4**i + (1 / 4 ** (i + 1) if i < n - 1 else 0.0), 0, channels[i]
     mid = cfg.get("mid_block_type", "UNetMidBlock2DCrossAttn")
     if mid is None or "CrossAttn" in str(mid):
-        attention(n - 1, 1, per_block[-1])
+        yield from attention(n - 1, 1, per_block[-1])
     if conv:
-        per_pixel += 2 * 2 / 4 ** (n - 1)
+        yield 2 * 2 / 4 ** (n - 1), 0, channels[-1]
     for j, kind in enumerate(cfg.get("up_block_types", ())):
         level = n - 1 - j
         if "CrossAttn" in kind:
-            attention(level, lpb + 1, list(reversed(per_block))[j])
+            yield from attention(level, lpb + 1, list(reversed(per_block))[j])
         if conv:
-            per_pixel += (lpb + 1) * 2 / 4**level + (1 / 4 ** (level - 1) if level > 0 else 0.0)
-    return per_pixel, per_sample
+            yield (lpb + 1) * 2 / 4**level + (1 / 4 ** (level - 1) if level > 0 else 0.0), 0, channels[level]
+
+
+def lora_rank_tokens(model: ModelSpec, target_set: str) -> tuple[float, int]:
+    """(tokens per latent pixel, tokens per sample) summed over the adapted layers of a UNet LoRA target set
+    (:func:`_unet_lora_layers`).
+
+    Each adapted layer's up projection saves its input, the down projection's rank-r output (r x tokens), for
+    its weight gradient (kohya networks/lora.py and peft both compute ``up(down(x)) * scale``; a scalar multiply
+    saves nothing). The meta-device activation entries adapt the layers' weights, not a rank-r pair, so they
+    leave this intermediate out (scripts/compute_activations.py)."""
+    groups = list(_unet_lora_layers(model, target_set))
+    return sum(g[0] for g in groups), sum(g[1] for g in groups)
 
 
 def lora_rank_activation_bytes(profiles: Profiles, s: Settings) -> float:
@@ -486,47 +496,9 @@ def lora_rank_activation_bytes(profiles: Profiles, s: Settings) -> float:
 
 def lora_input_elements(model: ModelSpec, target_set: str) -> tuple[float, int]:
     """(elements per latent pixel, elements per sample) of the adapted layers' inputs, summed over a UNet LoRA
-    target set: each layer's input features x its tokens, the layers and levels :func:`lora_rank_tokens` counts
-    (attn1 q/k/v/out and attn2 q/out at C features, attn2 k/v at the text's; kohya's set adds ff.net.0.proj at C,
-    ff.net.2 at 4C (GEGLU's inner width) per block and proj_in / proj_out at C per Transformer2DModel; LoCon
-    the convs' input channels at their positions, taken as the level's channels)."""
-    cfg = model.unet or {}
-    channels = [int(c) for c in cfg.get("block_out_channels", ())]
-    n = len(channels)
-    layers = cfg.get("transformer_layers_per_block", 1)
-    per_block = list(layers) if isinstance(layers, list) else [layers] * n
-    lpb = int(cfg.get("layers_per_block", 2))
-    text, text_dim = int(model.tokenizer_max_length), int(cfg.get("cross_attention_dim", 768))
-    ff = target_set in ("attn_ff", "attn_ff_conv")
-    conv = target_set == "attn_ff_conv"
-    per_pixel, per_sample = 0.0, 0
-
-    def attention(level: int, transformers: int, blocks: int) -> None:
-        nonlocal per_pixel, per_sample
-        c, tokens = channels[level], 1.0 / 4**level
-        per_pixel += transformers * blocks * (6 + (5 if ff else 0)) * c * tokens
-        per_pixel += transformers * (2 if ff else 0) * c * tokens
-        per_sample += transformers * blocks * 2 * text * text_dim
-
-    for i, kind in enumerate(cfg.get("down_block_types", ())):
-        if "CrossAttn" in kind:
-            attention(i, lpb, per_block[i])
-        if conv:
-            per_pixel += channels[i] * (lpb * 2 / 4**i + (1 / 4 ** (i + 1) if i < n - 1 else 0.0))
-    mid = cfg.get("mid_block_type", "UNetMidBlock2DCrossAttn")
-    if mid is None or "CrossAttn" in str(mid):
-        attention(n - 1, 1, per_block[-1])
-    if conv:
-        per_pixel += channels[-1] * 2 * 2 / 4 ** (n - 1)
-    for j, kind in enumerate(cfg.get("up_block_types", ())):
-        level = n - 1 - j
-        if "CrossAttn" in kind:
-            attention(level, lpb + 1, list(reversed(per_block))[j])
-        if conv:
-            per_pixel += channels[level] * (
-                (lpb + 1) * 2 / 4**level + (1 / 4 ** (level - 1) if level > 0 else 0)
-            )
-    return per_pixel, per_sample
+    target set: each layer's tokens x its input features (:func:`_unet_lora_layers`)."""
+    groups = list(_unet_lora_layers(model, target_set))
+    return sum(g[0] * g[2] for g in groups), sum(g[1] * g[2] for g in groups)
 
 
 # lora.dropout > 0 (peft's lora_dropout, kohya's network_dropout): each adapted layer's down projection saves
