@@ -655,19 +655,9 @@ def probe_in_process(
     import subprocess
     import sys
 
-    from sdplan.launch import free_port
+    from sdplan.launch import one_process_world
 
-    env = {
-        **os.environ,
-        "RANK": "0",
-        "LOCAL_RANK": "0",
-        "WORLD_SIZE": "1",
-        "LOCAL_WORLD_SIZE": "1",
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(free_port()),  # not a fixed port: another run on this machine may hold it
-    }
-    if device == "cpu":
-        env["DS_ACCELERATOR"] = "cpu"
+    env = {**os.environ, **one_process_world(device == "cpu")}
     job = {
         "request": dataclasses.asdict(req),
         "batch": batch,

@@ -359,6 +359,24 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def one_process_world(cpu: bool) -> dict[str, str]:
+    """The environment of a one-process world DeepSpeed starts in without a launcher: rank 0 of 1, its own
+    rendezvous on this machine (a free port: another run here may hold any fixed one), and DeepSpeed's CPU
+    accelerator for a CPU run. `sdplan bench`'s DeepSpeed probes run in it (bench_harness.probe_in_process), and
+    so does a trainer started by hand (trainer/runtime.py rendezvous_for_one_process)."""
+    env = {
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+    }
+    if cpu:
+        env["DS_ACCELERATOR"] = "cpu"
+    return env
+
+
 def _die_with_parent(parent_pid: int) -> Callable[[], None] | None:
     """Linux: a ``preexec_fn`` that asks the kernel to send the child SIGTERM when this process dies
     (``prctl(PR_SET_PDEATHSIG)``), so a ``kill -9`` of sdplan or a closed terminal cannot leave the trainer

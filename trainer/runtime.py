@@ -203,17 +203,13 @@ def rendezvous_for_one_process(cpu: bool) -> None:
             "a larger DeepSpeed world needs its launcher",
             fix="start it with `sdplan train` (or accelerate launch / torchrun), or unset those variables",
         )
-    from sdplan.launch import free_port
+    from sdplan.launch import one_process_world
 
-    one = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}
-    # not a fixed port: another run on this machine may hold it
-    one |= {"MASTER_PORT": str(free_port())}
-    if cpu:
-        one["DS_ACCELERATOR"] = os.environ.get("DS_ACCELERATOR") or "cpu"  # as the launcher sets it
+    one = one_process_world(cpu)  # DS_ACCELERATOR=cpu as the launcher sets it, where none is set
     os.environ.update({k: v for k, v in one.items() if not os.environ.get(k)})
     # one process hosts its own rendezvous: a MASTER_ADDR naming another host (a cluster's) beside a port free
     # here waited 3 hours for that host, silently
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_ADDR"] = one["MASTER_ADDR"]
 
 
 def _config_file() -> str:
