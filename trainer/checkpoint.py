@@ -885,6 +885,7 @@ def disk_warning(
     at the measured size of ``checkpoint`` (the run's newest, at ``step``; a resumed one may lie elsewhere)
     (:func:`disk_ahead`); None where it can. The run goes on: a save that finds the disk full stops it with
     the previous checkpoint kept, and the user may free space meanwhile."""
+    from .dataset_scan import count_of
     from .outputs import free_bytes, tree_bytes
 
     kind = _NAME.match(checkpoint.name) if checkpoint.resolve().parent == root.resolve() else None
@@ -907,11 +908,11 @@ def disk_warning(
     parts = []
     if ahead.kept:
         parts.append(
-            f"{ahead.kept} kept checkpoint{'s' if ahead.kept != 1 else ''} of {_gb(size)} "
+            f"{count_of(ahead.kept, 'kept checkpoint')} of {_gb(size)} "
             f"(checkpoints.keep_every_steps={keep_every_steps})"
         )
     if ahead.exports:
-        parts.append(f"{ahead.exports} export{'s' if ahead.exports != 1 else ''} of {_gb(export_bytes)}")
+        parts.append(f"{count_of(ahead.exports, 'export')} of {_gb(export_bytes)}")
     fix = (
         "free space on that disk, or keep fewer checkpoints (a larger checkpoints.keep_every_steps, 0: none)"
         if ahead.kept
@@ -954,15 +955,12 @@ def offloaded_optimizer_change(path: Path, saved: TrainState, now: str | None) -
     run's runs DeepSpeed's CPU Adam (a GPU run), which cannot read that state. None otherwise: the other way
     round loads (torch's AdamW takes DeepSpeed's CPU Adam state), and a checkpoint of an earlier version
     records nothing (its offload ran DeepSpeed's CPU Adam)."""
-    was = saved.settings.get(OFFLOADED_OPTIMIZER)
-    if was != "torch AdamW" or now != "DeepSpeed CPU Adam":
+    if saved.settings.get(OFFLOADED_OPTIMIZER) != "torch AdamW" or now != "DeepSpeed CPU Adam":
         return None
-    where = {"torch AdamW": "a CPU run", "DeepSpeed CPU Adam": "a GPU run"}
     return CheckpointError(
-        f"checkpoint {path} holds the state of DeepSpeed's offloaded optimizer as {was} ran it ({where[was]}) and "
-        f"this run's offload runs {now} ({where[now]}): its optimizer state cannot be loaded",
-        fix=f"resume it as {where[was]} (training.device={'cpu' if was == 'torch AdamW' else 'cuda'}), or start a "
-        "new run",
+        f"checkpoint {path} holds the state of DeepSpeed's offloaded optimizer as torch AdamW ran it (a CPU run) "
+        "and this run's offload runs DeepSpeed CPU Adam (a GPU run): its optimizer state cannot be loaded",
+        fix="resume it as a CPU run (training.device=cpu), or start a new run",
     )
 
 
