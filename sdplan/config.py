@@ -490,12 +490,13 @@ def ema_refusal(cfg: TrainConfig, total_steps: int) -> tuple[str, str] | None:
     """(what, fix) where the run's EMA would never update: the loop updates it at every ema.update_every-th
     optimizer step (trainer/loop.py), so a run of fewer steps exported the EMA as the base it started from,
     the untrained model, without a word. None where it updates (or no EMA is kept)."""
+    from sdplan.trainer.dataset_scan import count_of
+
     every = cfg.ema.update_every
     if not (cfg.ema.enabled and registry_method(cfg.method).ema) or every <= total_steps:
         return None
     return (
-        f"ema.update_every {every}: this run trains {total_steps} optimizer step{'s' if total_steps != 1 else ''}, "
-        "so its EMA never "
+        f"ema.update_every {every}: this run trains {count_of(total_steps, 'optimizer step')}, so its EMA never "
         "updates and the exported EMA weights would be the untrained base model",
         f"set ema.update_every to {total_steps} or less (1: every step), or train more steps",
     )
