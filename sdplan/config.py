@@ -520,7 +520,7 @@ def family_problems(cfg: TrainConfig, family: str | None) -> list[str]:
                 f"training.noise_offset: an offset of the DDPM noise, not part of {family}'s rectified-flow "
                 "objective; set it to 0"
             )
-        if cfg.sampling.negative_prompt and registry_family(family).arch == "flux":
+        if cfg.sampling.negative_prompt and registry_family(family).distilled_guidance:
             problems.append(
                 f"sampling.negative_prompt: {family} samples with its distilled guidance, one pass without a "
                 "negative prompt (FluxPipeline reads one only with true_cfg_scale); leave it out (null)"

@@ -13,6 +13,7 @@ import shlex
 from pathlib import Path
 from typing import Any
 
+from sdplan import registry
 from sdplan.errors import UsageError
 from sdplan.profiles import cache_dir
 
@@ -81,14 +82,6 @@ def make_dataset(folder: str | Path, *, n: int = DEMO_IMAGES, size: int = 64, se
     return folder
 
 
-def _own_guidance(family: str) -> bool:
-    """Whether ``family`` samples at a guidance of its own (FLUX.1's distilled guidance embedding), not the
-    classifier-free scale of the UNet families and SD3.5."""
-    from sdplan.registry import family as lookup_family
-
-    return lookup_family(family).arch == "flux"
-
-
 def demo_config(
     out: str | Path,
     *,
@@ -130,7 +123,7 @@ def demo_config(
             "num_inference_steps": 6,
             # null: the family's own where it has one (FLUX.1's guidance embedding: 3.5, trainer.sampling.guidance_for),
             # which a classifier-free 5.0 overrode
-            "guidance_scale": None if _own_guidance(family) else 5.0,
+            "guidance_scale": None if registry.family(family).distilled_guidance else 5.0,
             "seed": 0,
         },
     }

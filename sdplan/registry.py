@@ -71,6 +71,12 @@ class Family:
         """A rectified-flow transformer family (SD3.5, FLUX.1), trained by ``sdplan.trainer.flow``."""
         return self.arch != "unet"
 
+    @property
+    def distilled_guidance(self) -> bool:
+        """Samples at a guidance embedding of its own (FLUX.1: FluxPipeline's guidance_scale, one pass), not with
+        classifier-free guidance: no unconditional pass, so no negative prompt."""
+        return self.arch == "flux"
+
     def plans(self, method: str) -> bool:
         """The planner plans ``method`` for this family."""
         return self.methods is None or method in self.methods

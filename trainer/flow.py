@@ -205,7 +205,7 @@ def encode_prompts(text_encoders: list, input_ids: list, family: str, device):
 def sampling_captions(family: str, prompts: list[str], negative: str | None = None) -> set[str]:
     """What the text cache must hold to sample ``prompts`` from it: the prompts, and for SD3.5 (classifier-free
     guidance) the negative prompt (sampling.negative_prompt; the pipeline's default: "")."""
-    return set(prompts) | (set() if registry.family(family).arch == "flux" else {negative or ""})
+    return set(prompts) | (set() if registry.family(family).distilled_guidance else {negative or ""})
 
 
 def cached_conditioning(family: str, cache, device):

@@ -60,7 +60,7 @@ def guidance_for(guidance_scale: float | None, family: str) -> float:
         return float(guidance_scale)
     from sdplan import registry
 
-    return FLUX_GUIDANCE if registry.family(family).arch == "flux" else CFG_GUIDANCE
+    return FLUX_GUIDANCE if registry.family(family).distilled_guidance else CFG_GUIDANCE
 
 
 def _t5_length(pipeline) -> dict[str, int]:
